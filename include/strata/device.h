@@ -1,0 +1,281 @@
+// The Device interface: memory, streams, events, copies and kernels of one accelerator.
+//
+// Two backends implement it: CudaDevice (src/gpu) and HostDevice (src/cpu), a GPU emulated
+// on the CPU for tests and GPU-less machines. The scheduler talks to this interface only.
+//
+// Contract, the same on every backend:
+//  - Buffer is an owning, move-only handle to device memory that knows its device, size
+//    and memory space. Freeing is stream-ordered when the buffer was allocated on a stream
+//    (like cudaFreeAsync): work queued on that stream before the free still sees the bytes.
+//    Work on *other* streams that touches the buffer must be ordered before the free with
+//    an event, exactly as on CUDA. A buffer allocated without a stream is freed only after
+//    the whole device is idle.
+//  - Every Stream operation is asynchronous: it returns before the work is done. Work on
+//    one stream runs in order; across streams only events order it.
+//  - Kernels read and write device memory only. Copies move bytes between host memory
+//    (MemSpace::kHost) and device memory in any direction.
+//  - Argument errors (zero sizes, mismatched sizes, refs outside a buffer, a wait on an
+//    event whose stream was destroyed) throw strata::Error at the call, before anything
+//    is queued. Failures inside queued work surface at the next synchronize().
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "strata/dtype.h"
+
+namespace strata {
+
+enum class DeviceKind { kCpu, kCuda };
+enum class MemSpace : std::uint8_t { kHost, kDevice };
+
+const char* device_kind_name(DeviceKind kind);
+const char* mem_space_name(MemSpace space);
+
+class Device;
+class Stream;
+
+// Statistics of a device's memory; exact, taken under the allocator's lock.
+struct DeviceStats {
+  std::size_t capacity_bytes = 0;        // the budget allocations may not exceed
+  std::size_t bytes_in_use = 0;          // live allocations, rounded to the allocator's unit
+  std::size_t peak_bytes_in_use = 0;
+  std::size_t bytes_reserved = 0;        // held from the system (cached blocks included)
+  std::uint64_t num_allocs = 0;
+  std::uint64_t num_frees = 0;
+  std::uint64_t num_alloc_failures = 0;  // requests refused for lack of memory
+};
+
+// A non-owning view of bytes, in host memory or in one device's memory.
+struct MemRef {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  MemSpace space = MemSpace::kHost;
+  const Device* device = nullptr;  // set for kDevice refs
+};
+
+// Host memory as a copy endpoint (pinned memory from PinnedPool copies fastest).
+inline MemRef host_ref(void* ptr, std::size_t bytes) { return MemRef{ptr, bytes, MemSpace::kHost, nullptr}; }
+inline MemRef host_ref(const void* ptr, std::size_t bytes) {
+  return host_ref(const_cast<void*>(ptr), bytes);
+}
+
+// An owning handle to device memory. Move-only; frees on destruction (see contract above).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  void* data() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return bytes_; }
+  MemSpace space() const noexcept { return MemSpace::kDevice; }
+  Device* device() const noexcept { return device_; }
+  explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  // The whole buffer, or [offset, offset + bytes) of it; throws if outside the buffer.
+  MemRef ref() const;
+  MemRef ref(std::size_t offset, std::size_t bytes) const;
+
+  // Frees now (stream-ordered, as the destructor does) and leaves the handle empty.
+  void reset();
+
+ private:
+  friend class Device;
+  Buffer(Device* device, void* ptr, std::size_t bytes, void* block)
+      : device_(device), ptr_(ptr), bytes_(bytes), block_(block) {}
+  Device* device_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  void* block_ = nullptr;  // the backend's record of this allocation
+};
+
+// A typed, contiguous run of elements in device memory (or host memory for copies).
+struct TensorRef {
+  MemRef mem;
+  DType dtype = DType::kF32;
+  std::size_t numel = 0;
+};
+
+// `numel` elements of `dtype` starting `offset_elems` elements into `buf`.
+TensorRef tensor(const Buffer& buf, DType dtype, std::size_t numel, std::size_t offset_elems = 0);
+// The whole buffer as elements of `dtype` (its size must be a multiple of the element size).
+TensorRef tensor(const Buffer& buf, DType dtype);
+
+// C[m,n] = alpha * op(A)[m,k] * op(B)[k,n] + beta * C, all row-major and contiguous.
+// op(A) = A, or A^T when trans_a (then A is stored [k,m]); likewise B ([n,k] when trans_b).
+// A and B: both fp32 or both bf16 (fp16 also on CUDA); accumulation is fp32; C is fp32 or bf16.
+struct MatmulDesc {
+  std::int64_t m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  float alpha = 1.0f, beta = 0.0f;
+  TensorRef a, b, c;
+};
+
+namespace detail {
+// Shared by the backends: the life of a stream, which events outlive.
+struct StreamLife {
+  explicit StreamLife(std::string n) : name(std::move(n)) {}
+  std::string name;
+  std::atomic<bool> alive{true};  // cleared when the stream is destroyed
+};
+struct EventImpl {
+  virtual ~EventImpl() = default;
+  virtual bool query() = 0;
+  virtual void synchronize() = 0;
+  const Device* device = nullptr;
+  std::shared_ptr<StreamLife> stream;
+  std::uint64_t seq = 0;  // position in its stream; for messages and HostDevice ordering
+};
+}  // namespace detail
+
+// A marker recorded in a stream's order. Cheap to copy; outlives its stream.
+class Event {
+ public:
+  Event() = default;
+  explicit Event(std::shared_ptr<detail::EventImpl> impl) : impl_(std::move(impl)) {}
+  bool valid() const noexcept { return impl_ != nullptr; }
+  // True once all work queued before record() has finished.
+  bool query() const;
+  // Blocks the calling host thread until query() is true.
+  void synchronize() const;
+  const std::shared_ptr<detail::EventImpl>& impl() const noexcept { return impl_; }
+
+ private:
+  std::shared_ptr<detail::EventImpl> impl_;
+};
+
+// An in-order queue of device work. The public methods validate their arguments, then
+// hand the work to the backend (do_*). Destroying a stream waits for its work to finish.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  const std::string& name() const noexcept { return life_->name; }
+  Device& device() const noexcept { return *device_; }
+
+  // Asynchronous copy of src.bytes bytes (sizes must match) between any two spaces.
+  // Host endpoints must stay valid until the copy completes.
+  void copy(MemRef dst, MemRef src);
+  // Records the current end of this stream.
+  Event record();
+  // Later work on this stream waits for `event` (recorded on any live stream of this device).
+  void wait(const Event& event);
+  // Blocks the host until all queued work finished; rethrows the first failure inside it.
+  void synchronize();
+  // Runs `fn` on a host thread in stream order (after earlier work, before later work).
+  void host_fn(std::function<void()> fn);
+
+  // Kernels (device memory only). Element-wise kernels compute in fp32 whatever the dtype.
+  void fill(TensorRef x, float value);
+  void axpy(float alpha, TensorRef x, TensorRef y);         // y += alpha * x
+  void scale(float alpha, TensorRef x);                     // x *= alpha
+  void add(TensorRef a, TensorRef b, TensorRef out);        // out = a + b
+  void cast(TensorRef src, TensorRef dst);                  // dst = src converted (RNE)
+  void sum_squares(TensorRef x, TensorRef out);             // out[0] (fp32) = sum(x^2)
+  void matmul(const MatmulDesc& desc);
+
+ protected:
+  Stream(Device* device, std::string name)
+      : device_(device), life_(std::make_shared<detail::StreamLife>(std::move(name))) {}
+  // Backends call this first thing in their destructor, after draining their queue.
+  void mark_destroyed() noexcept { life_->alive = false; }
+  const std::shared_ptr<detail::StreamLife>& life() const noexcept { return life_; }
+
+  virtual void do_copy(MemRef dst, MemRef src) = 0;
+  virtual Event do_record() = 0;
+  virtual void do_wait(const Event& event) = 0;
+  virtual void do_synchronize() = 0;
+  virtual void do_host_fn(std::function<void()> fn) = 0;
+  virtual void do_fill(TensorRef x, float value) = 0;
+  virtual void do_axpy(float alpha, TensorRef x, TensorRef y) = 0;
+  virtual void do_scale(float alpha, TensorRef x) = 0;
+  virtual void do_add(TensorRef a, TensorRef b, TensorRef out) = 0;
+  virtual void do_cast(TensorRef src, TensorRef dst) = 0;
+  virtual void do_sum_squares(TensorRef x, TensorRef out) = 0;
+  virtual void do_matmul(const MatmulDesc& desc) = 0;
+
+ private:
+  void require_device_tensor(const TensorRef& t, const char* what) const;
+  Device* device_;
+  std::shared_ptr<detail::StreamLife> life_;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  virtual DeviceKind kind() const = 0;
+  // Human-readable, e.g. "cpu-emulated (cap 2.00 GiB)" or "NVIDIA H200 (cuda:0)".
+  virtual std::string name() const = 0;
+
+  // Allocates `bytes` (> 0) of device memory. With a stream, the buffer's free is ordered
+  // on that stream. Throws ErrorKind::kOutOfMemory naming requested, in-use and cap bytes.
+  Buffer alloc(std::size_t bytes, Stream* stream = nullptr);
+  virtual std::unique_ptr<Stream> create_stream(std::string name) = 0;
+  virtual DeviceStats stats() const = 0;
+  // Blocks until every stream of this device is idle.
+  virtual void synchronize() = 0;
+
+  // (optional) Page-locks host memory for fast, truly asynchronous copies; returns false
+  // where the backend has nothing to do (HostDevice) or cannot.
+  virtual bool register_host(void* ptr, std::size_t bytes);
+  virtual void unregister_host(void* ptr);
+
+ protected:
+  Device() = default;
+  friend class Buffer;
+  // Returns the pointer and sets `block` to the backend's record of the allocation.
+  virtual void* do_alloc(std::size_t bytes, Stream* stream, void** block) = 0;
+  virtual void do_free(void* block) noexcept = 0;
+};
+
+// ---- the CPU-emulated device (src/cpu) ----
+struct HostDeviceOptions {
+  std::size_t capacity_bytes = std::size_t(4) << 30;  // the emulated HBM budget
+  double h2d_gbps = 0;  // throttle host->device copies to this rate; 0 = as fast as memcpy
+  double d2h_gbps = 0;
+  double d2d_gbps = 0;
+  // Sleep a seeded-random 0..random_delay_us before each queued operation, to expose
+  // missing waits. 0 = off.
+  std::uint32_t random_delay_us = 0;
+  std::uint64_t seed = 1;
+  bool poison = true;  // fill fresh and freed memory with a NaN pattern (0x7fc0 per 16 bits)
+};
+std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options = {});
+
+// ---- CUDA (src/gpu) ----
+struct CudaProbe {
+  bool compiled = false;  // built with the CUDA backend
+  int device_count = 0;
+  std::string reason;     // why there is no usable device (e.g. "no CUDA driver (error 35)")
+};
+CudaProbe probe_cuda();
+
+struct CudaDeviceOptions {
+  int ordinal = 0;
+  std::size_t capacity_bytes = 0;  // 0 = what the device has free at creation
+};
+std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options = {});
+
+// "auto" picks CUDA when a GPU is usable, else the CPU-emulated device; "cpu" and "cuda"
+// force a backend (cuda throws with probe_cuda().reason when none is usable).
+std::unique_ptr<Device> make_device(std::string_view which, const HostDeviceOptions& host = {},
+                                    const CudaDeviceOptions& cuda = {});
+
+// The pattern poisoned memory holds: 0x7fc0 repeated, a quiet NaN as fp32, bf16 and fp16.
+inline constexpr std::uint16_t kPoison16 = 0x7fc0;
+
+}  // namespace strata

@@ -1,0 +1,39 @@
+// Logging: spdlog underneath, level from STRATA_LOG_LEVEL (trace, debug, info, warn,
+// error, off; default info). Messages go to stderr as "[strata] [level] text".
+#pragma once
+
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace strata::log {
+
+enum class Level { kTrace, kDebug, kInfo, kWarn, kError, kOff };
+
+void set_level(Level level);
+Level level();
+// Parses a level name; throws strata::Error naming the allowed values.
+Level parse_level(std::string_view name);
+void write(Level level, std::string_view message);
+
+template <class... Args>
+void info(fmt::format_string<Args...> f, Args&&... args) {
+  if (level() <= Level::kInfo) write(Level::kInfo, fmt::format(f, std::forward<Args>(args)...));
+}
+template <class... Args>
+void warn(fmt::format_string<Args...> f, Args&&... args) {
+  if (level() <= Level::kWarn) write(Level::kWarn, fmt::format(f, std::forward<Args>(args)...));
+}
+template <class... Args>
+void error(fmt::format_string<Args...> f, Args&&... args) {
+  if (level() <= Level::kError) write(Level::kError, fmt::format(f, std::forward<Args>(args)...));
+}
+template <class... Args>
+void debug(fmt::format_string<Args...> f, Args&&... args) {
+  if (level() <= Level::kDebug) write(Level::kDebug, fmt::format(f, std::forward<Args>(args)...));
+}
+
+// Emits a warning only the first time `key` is seen in this process (for fallbacks).
+void warn_once(std::string_view key, std::string_view message);
+
+}  // namespace strata::log

@@ -1,0 +1,34 @@
+// Facts about the host: library versions, CPU features, NUMA layout, huge pages.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "strata/build_info.h"
+
+namespace strata::cpu {
+
+// oneDNN, oneTBB and hwloc versions as the loaded libraries report them.
+std::vector<ComponentVersion> component_versions();
+
+std::string cpu_model();                      // "AMD EPYC ..." from /proc/cpuinfo
+std::vector<std::string> cpu_isa_features();  // of avx2, f16c, fma, avx512f, avx512bw, avx512_bf16, amx_bf16 (cpuid)
+
+struct NumaNode {
+  int os_index = 0;
+  std::size_t memory_bytes = 0;
+  int cores = 0;
+  std::string cpuset;  // hwloc list syntax, e.g. "0-15"
+};
+std::vector<NumaNode> numa_nodes();  // at least one node (a machine without NUMA has node 0)
+
+struct HugePageInfo {
+  std::size_t hugetlb_page_bytes = 0;  // Hugepagesize
+  std::size_t hugetlb_total = 0;       // HugePages_Total (pages)
+  std::size_t hugetlb_free = 0;        // HugePages_Free (pages)
+  std::string thp_mode;                // "always", "madvise", "never" or "unavailable"
+};
+HugePageInfo huge_page_info();
+
+}  // namespace strata::cpu

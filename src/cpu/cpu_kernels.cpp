@@ -1,0 +1,222 @@
+// Element-wise kernels work tile by tile: load a tile of each input as fp32, compute,
+// store with round-to-nearest-even. The compiler vectorises the fp32 loops; conversions
+// use the exact scalar routines of strata/dtype.h so every backend rounds identically.
+// Large arrays are split across oneTBB workers.
+#include "cpu/cpu_kernels.h"
+
+#include <algorithm>
+#include <vector>
+
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/parallel_reduce.h>
+
+#include "strata/error.h"
+
+namespace strata::cpu {
+namespace {
+
+constexpr std::size_t kTile = 2048;
+constexpr std::size_t kGrain = 64 * 1024;  // elements per parallel task
+
+void load(DType t, const void* p, std::size_t off, std::size_t n, float* out) {
+  switch (t) {
+    case DType::kF32: std::copy_n(static_cast<const float*>(p) + off, n, out); return;
+    case DType::kBF16: {
+      const auto* s = static_cast<const std::uint16_t*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(s[i]);
+      return;
+    }
+    case DType::kF16: {
+      const auto* s = static_cast<const std::uint16_t*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) out[i] = f16_to_f32(s[i]);
+      return;
+    }
+    case DType::kF64: {
+      const auto* s = static_cast<const double*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(s[i]);
+      return;
+    }
+  }
+}
+
+void store(DType t, void* p, std::size_t off, std::size_t n, const float* in) {
+  switch (t) {
+    case DType::kF32: std::copy_n(in, n, static_cast<float*>(p) + off); return;
+    case DType::kBF16: {
+      auto* d = static_cast<std::uint16_t*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(in[i]);
+      return;
+    }
+    case DType::kF16: {
+      auto* d = static_cast<std::uint16_t*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) d[i] = f32_to_f16(in[i]);
+      return;
+    }
+    case DType::kF64: {
+      auto* d = static_cast<double*>(p) + off;
+      for (std::size_t i = 0; i < n; ++i) d[i] = in[i];
+      return;
+    }
+  }
+}
+
+// Runs body(offset, count) over [0, n) in tiles, in parallel for large n.
+template <class Body>
+void for_tiles(std::size_t n, Body body) {
+  auto range = [&](std::size_t lo, std::size_t hi) {
+    for (std::size_t off = lo; off < hi; off += kTile) body(off, std::min(kTile, hi - off));
+  };
+  if (n <= kGrain) {
+    range(0, n);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, (n + kGrain - 1) / kGrain),
+                    [&](const tbb::blocked_range<std::size_t>& r) {
+                      range(r.begin() * kGrain, std::min(n, r.end() * kGrain));
+                    });
+}
+
+}  // namespace
+
+void fill(DType t, void* x, std::size_t n, float value) {
+  for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+    float tile[kTile];
+    std::fill_n(tile, cnt, value);
+    store(t, x, off, cnt, tile);
+  });
+}
+
+void axpy(float alpha, DType tx, const void* x, DType ty, void* y, std::size_t n) {
+  for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+    float a[kTile], b[kTile];
+    load(tx, x, off, cnt, a);
+    load(ty, y, off, cnt, b);
+    for (std::size_t i = 0; i < cnt; ++i) b[i] += alpha * a[i];
+    store(ty, y, off, cnt, b);
+  });
+}
+
+void scale(float alpha, DType t, void* x, std::size_t n) {
+  for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+    float a[kTile];
+    load(t, x, off, cnt, a);
+    for (std::size_t i = 0; i < cnt; ++i) a[i] *= alpha;
+    store(t, x, off, cnt, a);
+  });
+}
+
+void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, std::size_t n) {
+  for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+    float x[kTile], y[kTile];
+    load(ta, a, off, cnt, x);
+    load(tb, b, off, cnt, y);
+    for (std::size_t i = 0; i < cnt; ++i) x[i] += y[i];
+    store(to, out, off, cnt, x);
+  });
+}
+
+void cast(DType ts, const void* src, DType td, void* dst, std::size_t n) {
+  for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+    float x[kTile];
+    load(ts, src, off, cnt, x);
+    store(td, dst, off, cnt, x);
+  });
+}
+
+float sum_squares(DType t, const void* x, std::size_t n) {
+  auto tile_sum = [&](std::size_t lo, std::size_t hi) {
+    double s = 0;
+    float a[kTile];
+    for (std::size_t off = lo; off < hi; off += kTile) {
+      const std::size_t cnt = std::min(kTile, hi - off);
+      load(t, x, off, cnt, a);
+      for (std::size_t i = 0; i < cnt; ++i) s += double(a[i]) * a[i];
+    }
+    return s;
+  };
+  if (n <= kGrain) return static_cast<float>(tile_sum(0, n));
+  // Deterministic: fixed chunks summed in a fixed order.
+  const std::size_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<double> partial(chunks);
+  tbb::parallel_for(std::size_t(0), chunks, [&](std::size_t c) {
+    partial[c] = tile_sum(c * kGrain, std::min(n, (c + 1) * kGrain));
+  });
+  double s = 0;
+  for (double p : partial) s += p;
+  return static_cast<float>(s);
+}
+
+// ---- matmul ----
+struct Matmul::Impl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+};
+
+Matmul::Matmul() : impl_(std::make_unique<Impl>()) {}
+Matmul::~Matmul() = default;
+
+static dnnl::memory::data_type dnnl_type(DType t) {
+  switch (t) {
+    case DType::kF32: return dnnl::memory::data_type::f32;
+    case DType::kBF16: return dnnl::memory::data_type::bf16;
+    case DType::kF16: return dnnl::memory::data_type::f16;
+    case DType::kF64: break;
+  }
+  STRATA_THROW(kUnsupported, "matmul: {} has no oneDNN type", dtype_name(t));
+}
+
+void Matmul::run(const MatmulDesc& d) {
+  using dims = dnnl::memory::dims;
+  const std::int64_t m = d.m, n = d.n, k = d.k;
+  const void* a = d.a.mem.ptr;
+  const void* b = d.b.mem.ptr;
+  DType in_type = d.a.dtype;
+  // oneDNN on CPUs without AVX512-FP16 has no fp16 matmul: widen to fp32 (exact).
+  std::vector<float> a32, b32;
+  if (in_type == DType::kF16) {
+    a32.resize(d.a.numel);
+    b32.resize(d.b.numel);
+    cast(DType::kF16, a, DType::kF32, a32.data(), a32.size());
+    cast(DType::kF16, b, DType::kF32, b32.data(), b32.size());
+    a = a32.data();
+    b = b32.data();
+    in_type = DType::kF32;
+  }
+  // oneDNN has no fp32 x fp32 -> bf16 matmul: accumulate into fp32, then round once.
+  std::vector<float> c32;
+  void* c_ptr = d.c.mem.ptr;
+  DType c_type = d.c.dtype;
+  if (in_type == DType::kF32 && c_type == DType::kBF16) {
+    c32.resize(d.c.numel);
+    if (d.beta != 0.0f) cast(DType::kBF16, c_ptr, DType::kF32, c32.data(), c32.size());
+    c_ptr = c32.data();
+    c_type = DType::kF32;
+  }
+  const dnnl::memory::desc a_md({m, k}, dnnl_type(in_type), d.trans_a ? dims{1, m} : dims{k, 1});
+  const dnnl::memory::desc b_md({k, n}, dnnl_type(in_type), d.trans_b ? dims{1, k} : dims{n, 1});
+  const dnnl::memory::desc c_md({m, n}, dnnl_type(c_type), dims{n, 1});
+  dnnl::primitive_attr attr;
+  if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
+  if (d.beta != 0.0f) {
+    dnnl::post_ops po;
+    po.append_sum(d.beta);
+    attr.set_post_ops(po);
+  }
+  try {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, impl_->engine);
+    const dnnl::matmul prim(pd);
+    dnnl::memory am(a_md, impl_->engine, const_cast<void*>(a));
+    dnnl::memory bm(b_md, impl_->engine, const_cast<void*>(b));
+    dnnl::memory cm(c_md, impl_->engine, c_ptr);
+    prim.execute(impl_->stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    impl_->stream.wait();
+    if (!c32.empty()) cast(DType::kF32, c32.data(), DType::kBF16, d.c.mem.ptr, c32.size());
+  } catch (const dnnl::error& e) {
+    STRATA_THROW(kInternal, "oneDNN matmul {}x{}x{} ({} -> {}) failed: {} (status {})", m, n, k,
+                 dtype_name(in_type), dtype_name(d.c.dtype), e.what(), static_cast<int>(e.status));
+  }
+}
+
+}  // namespace strata::cpu

@@ -1,0 +1,33 @@
+// CPU kernels behind HostDevice: element-wise ops over fp32/bf16/fp16 (computed in fp32)
+// and matmul through oneDNN. They take raw pointers; HostDevice has validated sizes.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "strata/device.h"
+#include "strata/dtype.h"
+
+namespace strata::cpu {
+
+void fill(DType t, void* x, std::size_t n, float value);
+void axpy(float alpha, DType tx, const void* x, DType ty, void* y, std::size_t n);
+void scale(float alpha, DType t, void* x, std::size_t n);
+void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, std::size_t n);
+void cast(DType ts, const void* src, DType td, void* dst, std::size_t n);
+// Sum of squares accumulated in double, returned as fp32.
+float sum_squares(DType t, const void* x, std::size_t n);
+
+// oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe).
+class Matmul {
+ public:
+  Matmul();
+  ~Matmul();
+  void run(const MatmulDesc& d);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::cpu

@@ -1,0 +1,450 @@
+// HostDevice: a GPU emulated on the CPU, honest enough to test a scheduler against.
+//
+// Owns: one capped arena (the emulated HBM), a set of streams, their events.
+// Invariants:
+//  - Memory comes from one mmap'd region of `capacity_bytes`; the allocator never hands
+//    out more than the cap, and fresh and freed bytes are poisoned (0x7fc0, a NaN in
+//    fp32/bf16/fp16) so a read of uninitialised or freed memory shows up as NaN.
+//    Freed ranges stay mapped: a late access reads poison instead of crashing.
+//  - Each stream is a worker thread draining an in-order queue; the caller never runs
+//    queued work itself, so a missing wait is a real race here, as on a GPU. An optional
+//    seeded random delay before each operation makes such races show.
+//  - Events are (stream, sequence number) pairs; waiting on one blocks the waiting
+//    stream's worker, never the host.
+//  - A buffer allocated on a stream is released in that stream's order (cudaFreeAsync);
+//    one allocated without a stream is released once the whole device is idle.
+//  - Copies can be throttled to a set rate per direction: they then take at least
+//    bytes / rate, as a PCIe link would.
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstring>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "cpu/cpu_kernels.h"
+#include "strata/device.h"
+#include "strata/error.h"
+#include "strata/trace.h"
+
+namespace strata {
+namespace {
+
+constexpr std::size_t kAlign = 256;  // like cudaMalloc
+
+std::string gib(std::size_t b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
+
+void poison(void* p, std::size_t bytes) {
+  auto* h = static_cast<std::uint16_t*>(p);
+  std::fill_n(h, bytes / 2, kPoison16);
+  if (bytes % 2) static_cast<unsigned char*>(p)[bytes - 1] = 0x7f;
+}
+
+// Best-fit allocator over [0, cap) with coalescing of free neighbours.
+class Arena {
+ public:
+  explicit Arena(std::size_t cap) : cap_(cap) {
+    free_by_off_[0] = cap;
+    free_by_size_.insert({cap, 0});
+  }
+  // Returns the offset, or SIZE_MAX when no free range is large enough.
+  std::size_t alloc(std::size_t size) {
+    auto it = free_by_size_.lower_bound({size, 0});
+    if (it == free_by_size_.end()) return SIZE_MAX;
+    const auto [fsize, off] = *it;
+    free_by_size_.erase(it);
+    free_by_off_.erase(off);
+    if (fsize > size) {
+      free_by_off_[off + size] = fsize - size;
+      free_by_size_.insert({fsize - size, off + size});
+    }
+    high_water_ = std::max(high_water_, off + size);
+    return off;
+  }
+  void free(std::size_t off, std::size_t size) {
+    auto next = free_by_off_.lower_bound(off);
+    if (next != free_by_off_.end() && off + size == next->first) {
+      size += next->second;
+      free_by_size_.erase({next->second, next->first});
+      next = free_by_off_.erase(next);
+    }
+    if (next != free_by_off_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        off = prev->first;
+        size += prev->second;
+        free_by_size_.erase({prev->second, prev->first});
+        free_by_off_.erase(prev);
+      }
+    }
+    free_by_off_[off] = size;
+    free_by_size_.insert({size, off});
+  }
+  std::size_t largest_free() const {
+    return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
+  }
+  std::size_t high_water() const { return high_water_; }
+
+ private:
+  std::size_t cap_;
+  std::size_t high_water_ = 0;
+  std::map<std::size_t, std::size_t> free_by_off_;
+  std::set<std::pair<std::size_t, std::size_t>> free_by_size_;
+};
+
+class HostDevice;
+
+// The part of a stream that its events, its buffers' frees and waiting streams share.
+struct StreamCore {
+  struct Op {
+    std::function<void()> fn;
+    const char* kind;
+    std::uint64_t bytes;
+    std::uint64_t seq;
+  };
+
+  StreamCore(std::string n, std::uint32_t delay_us, std::uint64_t seed)
+      : name(std::move(n)), max_delay_us(delay_us), rng(seed) {
+    worker = std::thread([this] { run(); });
+  }
+
+  // Queues `fn`; false when the stream is shutting down (its worker has stopped taking work).
+  bool enqueue(std::function<void()> fn, const char* kind, std::uint64_t bytes = 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stopping) return false;
+      q.push_back(Op{std::move(fn), kind, bytes, ++submitted});
+    }
+    cv_work.notify_one();
+    return true;
+  }
+
+  std::uint64_t submitted_seq() {
+    std::lock_guard<std::mutex> lock(mu);
+    return submitted;
+  }
+
+  bool reached(std::uint64_t seq) {
+    std::lock_guard<std::mutex> lock(mu);
+    return completed >= seq;
+  }
+
+  void wait_for(std::uint64_t seq) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv_done.wait(lock, [&] { return completed >= seq; });
+  }
+
+  // Waits for everything queued so far and returns (and clears) the first failure.
+  std::exception_ptr drain() {
+    std::unique_lock<std::mutex> lock(mu);
+    const std::uint64_t target = submitted;
+    cv_done.wait(lock, [&] { return completed >= target; });
+    return std::exchange(error, nullptr);
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+    }
+    cv_work.notify_one();
+    if (worker.joinable()) worker.join();
+  }
+
+  void run() {
+    Tracer& tracer = Tracer::global();
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv_work.wait(lock, [&] { return stopping || !q.empty(); });
+        if (q.empty()) return;  // stopping and drained
+        op = std::move(q.front());
+        q.pop_front();
+      }
+      if (max_delay_us > 0) {
+        std::uniform_int_distribution<std::uint32_t> dist(0, max_delay_us);
+        std::this_thread::sleep_for(std::chrono::microseconds(dist(rng)));
+      }
+      const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
+      std::exception_ptr failure;
+      try {
+        op.fn();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      if (t0) tracer.record(op.kind, name, t0, tracer.now_ns(), op.bytes);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (failure && !error) error = failure;
+        completed = op.seq;
+      }
+      cv_done.notify_all();
+    }
+  }
+
+  std::string name;
+  std::uint32_t max_delay_us;
+  std::mt19937_64 rng;  // used by the worker only
+  std::mutex mu;
+  std::condition_variable cv_work, cv_done;
+  std::deque<Op> q;
+  std::uint64_t submitted = 0, completed = 0;
+  bool stopping = false;
+  std::exception_ptr error;
+  cpu::Matmul matmul;  // used by the worker only
+  std::thread worker;  // last: started after every other member exists
+};
+
+struct HostBlock {
+  std::size_t offset = 0;
+  std::size_t size = 0;  // rounded to kAlign
+  std::weak_ptr<StreamCore> stream;
+};
+
+class HostEvent final : public detail::EventImpl {
+ public:
+  explicit HostEvent(std::shared_ptr<StreamCore> c) : core(std::move(c)) {}
+  bool query() override { return core->reached(seq); }
+  void synchronize() override { core->wait_for(seq); }
+  std::shared_ptr<StreamCore> core;
+};
+
+class HostDevice final : public Device {
+ public:
+  explicit HostDevice(const HostDeviceOptions& o) : opt_(o), arena_(round_down(o.capacity_bytes)) {
+    STRATA_REQUIRE(o.capacity_bytes >= kAlign, "HostDevice capacity_bytes must be at least {} bytes, got {}",
+                   kAlign, o.capacity_bytes);
+    STRATA_REQUIRE(o.h2d_gbps >= 0 && o.d2h_gbps >= 0 && o.d2d_gbps >= 0,
+                   "HostDevice copy rates must be >= 0 GB/s (0 = unthrottled)");
+    void* p = ::mmap(nullptr, o.capacity_bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      detail::throw_errno(__FILE__, __LINE__, "mmap", errno,
+                          fmt::format("cannot reserve {} for the emulated device", gib(o.capacity_bytes)));
+    base_ = static_cast<char*>(p);
+  }
+
+  ~HostDevice() override {
+    synchronize_quietly();
+    ::munmap(base_, opt_.capacity_bytes);
+  }
+
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
+  std::string name() const override { return fmt::format("cpu-emulated (cap {})", gib(opt_.capacity_bytes)); }
+
+  std::unique_ptr<Stream> create_stream(std::string name) override;
+
+  DeviceStats stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceStats s = stats_;
+    s.capacity_bytes = opt_.capacity_bytes;
+    s.bytes_reserved = arena_.high_water();
+    return s;
+  }
+
+  void synchronize() override {
+    for (auto& core : live_streams()) {
+      if (auto err = core->drain()) std::rethrow_exception(err);
+    }
+  }
+
+  const HostDeviceOptions& options() const { return opt_; }
+  void register_stream(const std::shared_ptr<StreamCore>& core) {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.push_back(core);
+  }
+
+ protected:
+  void* do_alloc(std::size_t bytes, Stream* stream, void** block) override;
+  void do_free(void* block) noexcept override;
+
+ private:
+  static std::size_t round_up(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+  static std::size_t round_down(std::size_t b) { return b / kAlign * kAlign; }
+
+  std::vector<std::shared_ptr<StreamCore>> live_streams() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::shared_ptr<StreamCore>> out;
+    std::erase_if(streams_, [](const std::weak_ptr<StreamCore>& w) { return w.expired(); });
+    for (auto& w : streams_)
+      if (auto s = w.lock()) out.push_back(std::move(s));
+    return out;
+  }
+
+  void synchronize_quietly() noexcept {
+    for (auto& core : live_streams()) core->wait_for(core->submitted_seq());
+  }
+
+  void release(HostBlock* b) noexcept {
+    if (opt_.poison) poison(base_ + b->offset, b->size);
+    std::lock_guard<std::mutex> lock(mu_);
+    arena_.free(b->offset, b->size);
+    stats_.bytes_in_use -= b->size;
+    ++stats_.num_frees;
+    delete b;
+  }
+
+  HostDeviceOptions opt_;
+  char* base_ = nullptr;
+  mutable std::mutex mu_;
+  Arena arena_;
+  DeviceStats stats_;
+  std::vector<std::weak_ptr<StreamCore>> streams_;
+  friend class HostStream;
+};
+
+class HostStream final : public Stream {
+ public:
+  HostStream(HostDevice* dev, std::string name, std::shared_ptr<StreamCore> core)
+      : Stream(dev, std::move(name)), dev_(dev), core_(std::move(core)) {}
+
+  ~HostStream() override {
+    core_->stop();  // drains the queue first
+    mark_destroyed();
+  }
+
+  const std::shared_ptr<StreamCore>& core() const { return core_; }
+
+ protected:
+  void do_copy(MemRef dst, MemRef src) override {
+    double gbps = 0;
+    const char* kind = "copy_h2h";
+    if (src.space == MemSpace::kHost && dst.space == MemSpace::kDevice) {
+      gbps = dev_->options().h2d_gbps;
+      kind = "copy_h2d";
+    } else if (src.space == MemSpace::kDevice && dst.space == MemSpace::kHost) {
+      gbps = dev_->options().d2h_gbps;
+      kind = "copy_d2h";
+    } else if (src.space == MemSpace::kDevice) {
+      gbps = dev_->options().d2d_gbps;
+      kind = "copy_d2d";
+    }
+    submit(
+        [dst, src, gbps] {
+          const auto t0 = std::chrono::steady_clock::now();
+          std::memmove(dst.ptr, src.ptr, src.bytes);
+          if (gbps > 0) {
+            // bytes / (GB/s) = nanoseconds
+            const auto min_ns = static_cast<std::int64_t>(double(src.bytes) / gbps);
+            std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(min_ns));
+          }
+        },
+        kind, src.bytes);
+  }
+
+  Event do_record() override {
+    auto e = std::make_shared<HostEvent>(core_);
+    e->device = dev_;
+    e->stream = life();
+    e->seq = core_->submitted_seq();
+    return Event(std::move(e));
+  }
+
+  void do_wait(const Event& event) override {
+    auto* he = dynamic_cast<HostEvent*>(event.impl().get());
+    STRATA_CHECK(he != nullptr, "event of another backend passed to a HostDevice stream");
+    if (he->core == core_) return;  // already in this stream's order
+    submit([other = he->core, seq = he->seq] { other->wait_for(seq); }, "wait_event");
+  }
+
+  void do_synchronize() override {
+    if (auto err = core_->drain()) std::rethrow_exception(err);
+  }
+
+  void do_host_fn(std::function<void()> fn) override { submit(std::move(fn), "host_fn"); }
+
+  void do_fill(TensorRef x, float v) override {
+    submit([x, v] { cpu::fill(x.dtype, x.mem.ptr, x.numel, v); }, "fill", x.mem.bytes);
+  }
+  void do_axpy(float a, TensorRef x, TensorRef y) override {
+    submit([a, x, y] { cpu::axpy(a, x.dtype, x.mem.ptr, y.dtype, y.mem.ptr, x.numel); }, "axpy",
+           x.mem.bytes + y.mem.bytes);
+  }
+  void do_scale(float a, TensorRef x) override {
+    submit([a, x] { cpu::scale(a, x.dtype, x.mem.ptr, x.numel); }, "scale", x.mem.bytes);
+  }
+  void do_add(TensorRef a, TensorRef b, TensorRef out) override {
+    submit([a, b, out] { cpu::add(a.dtype, a.mem.ptr, b.dtype, b.mem.ptr, out.dtype, out.mem.ptr, a.numel); },
+           "add", a.mem.bytes + b.mem.bytes + out.mem.bytes);
+  }
+  void do_cast(TensorRef s, TensorRef d) override {
+    submit([s, d] { cpu::cast(s.dtype, s.mem.ptr, d.dtype, d.mem.ptr, s.numel); }, "cast", s.mem.bytes);
+  }
+  void do_sum_squares(TensorRef x, TensorRef out) override {
+    submit([x, out] { *static_cast<float*>(out.mem.ptr) = cpu::sum_squares(x.dtype, x.mem.ptr, x.numel); },
+           "sum_squares", x.mem.bytes);
+  }
+  void do_matmul(const MatmulDesc& d) override {
+    submit([d, core = core_.get()] { core->matmul.run(d); }, "matmul",
+           d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
+  }
+
+ private:
+  void submit(std::function<void()> fn, const char* kind, std::uint64_t bytes = 0) {
+    const bool ok = core_->enqueue(std::move(fn), kind, bytes);
+    STRATA_CHECK(ok, "stream '{}' is shutting down", name());
+  }
+
+  HostDevice* dev_;
+  std::shared_ptr<StreamCore> core_;
+};
+
+std::unique_ptr<Stream> HostDevice::create_stream(std::string name) {
+  std::uint64_t index;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    index = streams_.size() + stats_.num_allocs;  // varies the per-stream seed
+  }
+  auto core = std::make_shared<StreamCore>(name, opt_.random_delay_us,
+                                           opt_.seed * 0x9e3779b97f4a7c15ull + index);
+  register_stream(core);
+  return std::make_unique<HostStream>(this, std::move(name), std::move(core));
+}
+
+void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
+  const std::size_t size = round_up(bytes);
+  std::size_t off;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    off = size >= bytes && size <= opt_.capacity_bytes - stats_.bytes_in_use ? arena_.alloc(size) : SIZE_MAX;
+    if (off == SIZE_MAX) {
+      ++stats_.num_alloc_failures;
+      STRATA_THROW(kOutOfMemory,
+                   "emulated device cannot allocate {} bytes: {} bytes in use of a {}-byte cap "
+                   "(largest free range {} bytes); lower the request or raise the device memory cap",
+                   bytes, stats_.bytes_in_use, opt_.capacity_bytes, arena_.largest_free());
+    }
+    stats_.bytes_in_use += size;
+    stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+    ++stats_.num_allocs;
+  }
+  auto* b = new HostBlock{off, size, {}};
+  if (stream) b->stream = static_cast<HostStream*>(stream)->core();
+  if (opt_.poison) poison(base_ + off, size);
+  *block = b;
+  return base_ + off;
+}
+
+void HostDevice::do_free(void* block) noexcept {
+  auto* b = static_cast<HostBlock*>(block);
+  if (auto core = b->stream.lock()) {
+    if (core->enqueue([this, b] { release(b); }, "free")) return;
+  }
+  synchronize_quietly();
+  release(b);
+}
+
+}  // namespace
+
+std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
+  return std::make_unique<HostDevice>(options);
+}
+
+}  // namespace strata

@@ -1,0 +1,43 @@
+// The umbrella: device selection at run time and what this build contains.
+#include <mutex>
+
+#include "cpu/cpu_info.h"
+#include "gpu/gpu_info.h"
+#include "nvme/uring_probe.h"
+#include "strata/build_info.h"
+#include "strata/device.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata {
+
+std::string strata_version() { return STRATA_VERSION_STRING; }
+
+bool built_with_cuda() { return probe_cuda().compiled; }
+
+std::vector<ComponentVersion> component_versions() {
+  std::vector<ComponentVersion> out = gpu::component_versions();
+  for (auto& c : cpu::component_versions()) out.push_back(std::move(c));
+  out.push_back({"liburing", nvme::probe_io_uring().version});
+  return out;
+}
+
+std::unique_ptr<Device> make_device(std::string_view which, const HostDeviceOptions& host,
+                                    const CudaDeviceOptions& cuda) {
+  if (which == "cpu") return make_host_device(host);
+  if (which == "cuda") {
+    const CudaProbe p = probe_cuda();
+    if (p.device_count == 0)
+      STRATA_THROW(kUnsupported, "--device cuda: no usable GPU ({}); use --device cpu or auto", p.reason);
+    return make_cuda_device(cuda);
+  }
+  if (which == "auto") {
+    const CudaProbe p = probe_cuda();
+    if (p.device_count > 0) return make_cuda_device(cuda);
+    log::info("no usable GPU ({}); using the CPU-emulated device", p.reason);
+    return make_host_device(host);
+  }
+  STRATA_THROW(kInvalidArgument, "unknown device '{}': use auto, cpu or cuda", which);
+}
+
+}  // namespace strata

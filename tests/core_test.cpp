@@ -1,0 +1,171 @@
+// Core: errors, dtype conversions, logging levels, the tracer.
+#include <fcntl.h>
+
+#include <cmath>
+#include <set>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/dtype.h"
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/trace.h"
+
+namespace strata {
+namespace {
+
+TEST(Error, CarriesKindCallFileLineAndFix) {
+  try {
+    const int n = 0;
+    STRATA_REQUIRE(n > 0, "n must be positive, got {}; pass --n 1 or more", n);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_EQ(e.call(), "n > 0");
+    EXPECT_GT(e.line(), 0);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("n must be positive, got 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("core_test.cpp:"), std::string::npos) << what;
+  }
+}
+
+TEST(Error, ErrnoTextIncluded) {
+  try {
+    STRATA_CHECK_ERRNO(::open("/nonexistent/strata", 0), "opening {}", "/nonexistent/strata");
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIo);
+    EXPECT_NE(e.detail().find("errno 2"), std::string::npos) << e.detail();
+    EXPECT_NE(std::string(e.what()).find("No such file"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DType, SizesAndNames) {
+  EXPECT_EQ(dtype_size(DType::kF32), 4u);
+  EXPECT_EQ(dtype_size(DType::kBF16), 2u);
+  EXPECT_EQ(parse_dtype("bfloat16"), DType::kBF16);
+  EXPECT_EQ(dtype_name(parse_dtype("fp16")), "fp16");
+  try {
+    parse_dtype("int7");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32, bf16, fp16"), std::string::npos);
+  }
+}
+
+TEST(DType, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  // 1 + 2^-8 is exactly half way between 1 and 1 + 2^-7: ties to even (1.0).
+  EXPECT_EQ(f32_to_bf16(1.0f + 0.00390625f), 0x3f80);
+  // 1 + 3*2^-8 is half way between 1+2^-7 (odd) and 1+2^-6: ties to even (up).
+  EXPECT_EQ(f32_to_bf16(1.0f + 3 * 0.00390625f), 0x3f82);
+  EXPECT_EQ(f32_to_bf16(std::nextafter(1.0f + 0.00390625f, 2.0f)), 0x3f81);  // just above half: up
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
+  EXPECT_EQ(f32_to_bf16(INFINITY), 0x7f80);
+  EXPECT_EQ(f32_to_bf16(3.4e38f), 0x7f80);  // rounds up to Inf
+}
+
+TEST(DType, F16AllValuesRoundTrip) {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float f = f16_to_f32(static_cast<std::uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(f)))) << h;
+      continue;
+    }
+    EXPECT_EQ(f32_to_f16(f), h) << "half 0x" << std::hex << h;
+  }
+}
+
+TEST(DType, F16RoundingMatchesDoubleReference) {
+  // Midpoints between consecutive halves round to the even one; values beyond max -> Inf.
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);
+  EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);
+  EXPECT_EQ(f32_to_f16(5.9604645e-08f), 0x0001);   // smallest subnormal
+  EXPECT_EQ(f32_to_f16(2.9802322e-08f), 0x0000);   // half of it: ties to even (0)
+  EXPECT_EQ(f32_to_f16(8.940697e-08f), 0x0002);    // 1.5 ulp: ties to even (2)
+  EXPECT_EQ(f32_to_f16(-1.0f), 0xbc00);
+  EXPECT_EQ(f32_to_f16(1.0f + 0.00048828125f), 0x3c00);      // tie -> even
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * 0.00048828125f), 0x3c02);  // tie -> even (up)
+}
+
+TEST(Log, ParsesLevels) {
+  EXPECT_EQ(log::parse_level("debug"), log::Level::kDebug);
+  EXPECT_EQ(log::parse_level("off"), log::Level::kOff);
+  EXPECT_THROW(log::parse_level("loud"), Error);
+  const log::Level before = log::level();
+  log::set_level(log::Level::kError);
+  EXPECT_EQ(log::level(), log::Level::kError);
+  log::set_level(before);
+}
+
+TEST(Tracer, DisabledRecordsNothing) {
+  Tracer& t = Tracer::global();
+  t.set_enabled(false);
+  t.clear();
+  t.record("x", "lane", 1, 2, 3);
+  { TraceScope s("y", "lane"); }
+  EXPECT_TRUE(t.spans().empty());
+}
+
+TEST(Tracer, RecordsFromManyThreadsAndWritesChromeJson) {
+  Tracer& t = Tracer::global();
+  t.clear();
+  t.set_enabled(true);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([i] {
+      for (int j = 0; j < 100; ++j) {
+        TraceScope s("op \"quoted\"", i % 2 ? "copy" : "compute", 4096);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  t.set_enabled(false);
+  const auto spans = t.spans();
+  ASSERT_EQ(spans.size(), 400u);
+  for (std::size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].start_ns, spans[i].start_ns);
+  for (const auto& s : spans) {
+    EXPECT_LE(s.start_ns, s.end_ns);
+    EXPECT_EQ(s.bytes, 4096u);
+  }
+
+  const auto path = std::filesystem::temp_directory_path() / "strata_core_test_trace.json";
+  t.write_chrome_trace(path.string());
+  std::ifstream in(path);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  int x = 0, meta = 0;
+  std::set<std::string> lanes;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X") {
+      ++x;
+      EXPECT_EQ(e["name"], "op \"quoted\"");
+      EXPECT_EQ(e["args"]["bytes"], 4096);
+    } else if (e["ph"] == "M") {
+      ++meta;
+      lanes.insert(e["args"]["name"].get<std::string>());
+    }
+  }
+  EXPECT_EQ(x, 400);
+  EXPECT_EQ(meta, 2);
+  EXPECT_EQ(lanes, (std::set<std::string>{"compute", "copy"}));
+  std::filesystem::remove(path);
+  t.clear();
+}
+
+TEST(Tracer, UnwritablePathIsAClearError) {
+  try {
+    Tracer::global().write_chrome_trace("/nonexistent-dir/trace.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIo);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/trace.json"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace strata

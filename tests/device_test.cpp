@@ -1,0 +1,517 @@
+// The differential device suite: the same checks on every Device backend, each kernel
+// against a double-precision CPU reference on random (never zero) inputs at odd shapes.
+// Built twice: device_test (the CPU-emulated device, plain and with random delays) and
+// device_gpu_test (-DSTRATA_TEST_CUDA, label gpu: skipped where no GPU is usable).
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "strata/device.h"
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Backend {
+  std::string name;
+  bool cuda;
+  std::function<std::unique_ptr<Device>(std::size_t cap)> make;
+};
+
+std::vector<Backend> backends() {
+#ifdef STRATA_TEST_CUDA
+  return {{"cuda", true, [](std::size_t cap) {
+             CudaDeviceOptions o;
+             o.capacity_bytes = cap;
+             return make_cuda_device(o);
+           }}};
+#else
+  return {{"cpu", false,
+           [](std::size_t cap) {
+             HostDeviceOptions o;
+             o.capacity_bytes = cap;
+             return make_host_device(o);
+           }},
+          {"cpu_random_delay", false, [](std::size_t cap) {
+             HostDeviceOptions o;
+             o.capacity_bytes = cap;
+             o.random_delay_us = 300;
+             o.seed = 42;
+             return make_host_device(o);
+           }}};
+#endif
+}
+
+void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
+
+constexpr std::size_t kDefaultCap = std::size_t(256) << 20;
+
+class DeviceTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    if (GetParam().cuda) {
+      const CudaProbe p = probe_cuda();
+      if (p.device_count == 0) GTEST_SKIP() << "no usable GPU: " << p.reason;
+    }
+    dev = GetParam().make(kDefaultCap);
+    s = dev->create_stream("main");
+  }
+  void TearDown() override {
+    if (s) s->synchronize();
+  }
+
+  std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float lo = -2, float hi = 2) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) {
+      do x = d(rng); while (std::fabs(x) < 1e-3f);  // never zero
+    }
+    return v;
+  }
+
+  // Host floats -> device tensor of `t` (rounded with strata's scalar conversions).
+  Buffer upload(const std::vector<float>& v, DType t) {
+    std::vector<std::uint8_t> bytes(v.size() * dtype_size(t));
+    for (std::size_t i = 0; i < v.size(); ++i) store_host(t, bytes.data(), i, v[i]);
+    Buffer b = dev->alloc(bytes.size(), s.get());
+    s->copy(b.ref(), host_ref(bytes.data(), bytes.size()));
+    s->synchronize();
+    return b;
+  }
+
+  std::vector<double> download(const Buffer& b, DType t, std::size_t n) {
+    std::vector<std::uint8_t> bytes(n * dtype_size(t));
+    s->copy(host_ref(bytes.data(), bytes.size()), b.ref(0, bytes.size()));
+    s->synchronize();
+    std::vector<double> out(n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = load_host(t, bytes.data(), i);
+    return out;
+  }
+
+  static void store_host(DType t, void* p, std::size_t i, float v) {
+    switch (t) {
+      case DType::kF32: static_cast<float*>(p)[i] = v; break;
+      case DType::kBF16: static_cast<std::uint16_t*>(p)[i] = f32_to_bf16(v); break;
+      case DType::kF16: static_cast<std::uint16_t*>(p)[i] = f32_to_f16(v); break;
+      case DType::kF64: static_cast<double*>(p)[i] = v; break;
+    }
+  }
+  static double load_host(DType t, const void* p, std::size_t i) {
+    switch (t) {
+      case DType::kF32: return static_cast<const float*>(p)[i];
+      case DType::kBF16: return bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+      case DType::kF16: return f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+      case DType::kF64: return static_cast<const double*>(p)[i];
+    }
+    return 0;
+  }
+  // Value as the device sees it after upload (rounded to t).
+  static double as_stored(DType t, float v) {
+    std::uint8_t tmp[8];
+    store_host(t, tmp, 0, v);
+    return load_host(t, tmp, 0);
+  }
+  // Relative step of t: results stored as t may differ by one rounding.
+  static double eps(DType t) {
+    switch (t) {
+      case DType::kBF16: return 1.0 / 128;
+      case DType::kF16: return 1.0 / 1024;
+      default: return 1e-6;
+    }
+  }
+
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<Stream> s;
+};
+
+// ---- memory ----
+
+TEST_P(DeviceTest, AllocFreeAndStatsAreExact) {
+  const DeviceStats before = dev->stats();
+  {
+    std::vector<Buffer> bufs;
+    for (std::size_t sz : {1u, 255u, 257u, 4097u, 1000003u}) bufs.push_back(dev->alloc(sz, s.get()));
+    for (const auto& b : bufs) {
+      EXPECT_NE(b.data(), nullptr);
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % 256, 0u);
+    }
+    const DeviceStats mid = dev->stats();
+    EXPECT_GE(mid.bytes_in_use - before.bytes_in_use, 1u + 255 + 257 + 4097 + 1000003);
+    EXPECT_EQ(mid.num_allocs - before.num_allocs, 5u);
+    EXPECT_GE(mid.peak_bytes_in_use, mid.bytes_in_use);
+  }
+  s->synchronize();  // frees are ordered on the stream
+  const DeviceStats after = dev->stats();
+  EXPECT_EQ(after.bytes_in_use, before.bytes_in_use);
+  EXPECT_EQ(after.num_frees - before.num_frees, 5u);
+}
+
+TEST_P(DeviceTest, OverBudgetNamesRequestedInUseAndCap) {
+  auto small = GetParam().make(std::size_t(1) << 20);
+  Buffer keep = small->alloc(600 * 1024);
+  try {
+    small->alloc(512 * 1024);
+    FAIL() << "allocation beyond the cap succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
+    const std::string w = e.what();
+    EXPECT_NE(w.find("524288"), std::string::npos) << w;   // requested
+    EXPECT_NE(w.find("614400"), std::string::npos) << w;   // in use
+    EXPECT_NE(w.find("1048576"), std::string::npos) << w;  // cap
+  }
+  EXPECT_EQ(small->stats().num_alloc_failures, 1u);
+  EXPECT_LE(small->stats().peak_bytes_in_use, std::size_t(1) << 20);
+}
+
+TEST_P(DeviceTest, BadSizesAreClearErrors) {
+  EXPECT_THROW(
+      {
+        try {
+          dev->alloc(0);
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+          EXPECT_NE(std::string(e.what()).find("0 bytes"), std::string::npos);
+          throw;
+        }
+      },
+      Error);
+  // A negative size that reached a size_t is enormous: refused as over budget, no crash.
+  const long negative = -5;
+  EXPECT_THROW(dev->alloc(static_cast<std::size_t>(negative)), Error);
+  Buffer b = dev->alloc(64, s.get());
+  EXPECT_THROW(b.ref(32, 64), Error);
+  EXPECT_THROW(tensor(b, DType::kF32, 17), Error);
+  Buffer c = dev->alloc(64, s.get());
+  MatmulDesc d;
+  d.m = -1;
+  d.n = 2;
+  d.k = 2;
+  d.a = tensor(b, DType::kF32, 4);
+  d.b = tensor(b, DType::kF32, 4);
+  d.c = tensor(c, DType::kF32, 4);
+  EXPECT_THROW(s->matmul(d), Error);
+}
+
+TEST_P(DeviceTest, CopiesOfRandomDataAtOddSizesRoundTrip) {
+  std::mt19937_64 rng(7);
+  for (std::size_t n : {1u, 3u, 17u, 4093u, (1u << 20) + 13u}) {
+    std::vector<std::uint8_t> src(n), dst(n, 0);
+    for (auto& x : src) x = static_cast<std::uint8_t>(rng());
+    Buffer a = dev->alloc(n + 5, s.get());
+    Buffer b = dev->alloc(n + 11, s.get());
+    s->copy(a.ref(5, n), host_ref(src.data(), n));        // H2D at an odd offset
+    s->copy(b.ref(11, n), a.ref(5, n));                    // D2D between odd offsets
+    s->copy(host_ref(dst.data(), n), b.ref(11, n));        // D2H
+    s->synchronize();
+    EXPECT_EQ(std::memcmp(src.data(), dst.data(), n), 0) << "size " << n;
+  }
+}
+
+TEST_P(DeviceTest, CopyBetweenMismatchedSizesIsRejected) {
+  Buffer a = dev->alloc(100, s.get());
+  std::vector<std::uint8_t> h(99);
+  try {
+    s->copy(host_ref(h.data(), h.size()), a.ref());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mismatched sizes"), std::string::npos) << e.what();
+  }
+}
+
+TEST_P(DeviceTest, KernelOnHostMemoryIsRejected) {
+  std::vector<float> h(16, 1.0f);
+  TensorRef t{host_ref(h.data(), h.size() * 4), DType::kF32, h.size()};
+  try {
+    s->fill(t, 2.0f);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not in this device's memory"), std::string::npos);
+  }
+  EXPECT_EQ(h[0], 1.0f);
+}
+
+// ---- asynchrony and ordering ----
+
+TEST_P(DeviceTest, WorkIsAsynchronous) {
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  s->host_fn([opened] { opened.wait(); });
+  const Event e = s->record();
+  EXPECT_FALSE(e.query()) << "the stream ran ahead of a blocked host function: not asynchronous";
+  gate.set_value();
+  e.synchronize();
+  EXPECT_TRUE(e.query());
+}
+
+// Writes 3.0 on stream `a` once a gate opens, then reads on stream `b`, with or without
+// waiting on an event. Without the wait the read is made to happen first (deterministic:
+// the gate opens only after the consumer finished), which a correct device must expose.
+std::vector<double> race(Device& dev, bool with_wait) {
+  auto a = dev.create_stream("producer");
+  auto b = dev.create_stream("consumer");
+  const std::size_t n = 4097;
+  Buffer buf = dev.alloc(n * 4, a.get());
+  a->fill(tensor(buf, DType::kF32), 1.0f);
+  a->synchronize();
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  a->host_fn([opened] { opened.wait(); });
+  a->fill(tensor(buf, DType::kF32), 3.0f);
+  const Event done = a->record();
+  if (with_wait) b->wait(done);
+  std::vector<float> h(n, 0.0f);
+  b->copy(host_ref(h.data(), n * 4), buf.ref());
+  if (with_wait) {
+    std::this_thread::sleep_for(5ms);  // give a broken device the chance to run ahead
+    gate.set_value();
+    b->synchronize();
+  } else {
+    b->synchronize();
+    gate.set_value();
+  }
+  a->synchronize();
+  return std::vector<double>(h.begin(), h.end());
+}
+
+TEST_P(DeviceTest, CrossStreamOrderingWithEvents) {
+  const auto seen = race(*dev, true);
+  for (double v : seen) ASSERT_EQ(v, 3.0);
+}
+
+TEST_P(DeviceTest, MissingWaitIsObservable) {
+  // The negative control: without the event the consumer reads before the producer wrote.
+  // If this ever passes with all 3.0, the device is not really asynchronous.
+  const auto seen = race(*dev, false);
+  std::size_t threes = 0;
+  for (double v : seen) threes += v == 3.0;
+  EXPECT_EQ(threes, 0u) << "the consumer saw the producer's write without waiting for it";
+}
+
+TEST_P(DeviceTest, WaitOnEventOfDestroyedStreamIsAnError) {
+  Event e;
+  {
+    auto gone = dev->create_stream("short-lived");
+    Buffer b = dev->alloc(64, gone.get());
+    gone->fill(tensor(b, DType::kF32), 1.0f);
+    e = gone->record();
+  }
+  EXPECT_TRUE(e.query());  // the stream drained when destroyed
+  try {
+    s->wait(e);
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kInvalidArgument);
+    const std::string w = err.what();
+    EXPECT_NE(w.find("short-lived"), std::string::npos) << w;
+    EXPECT_NE(w.find("destroyed"), std::string::npos) << w;
+  }
+  EXPECT_THROW(s->wait(Event{}), Error);
+}
+
+TEST_P(DeviceTest, FreeIsOrderedOnItsStream) {
+  const std::size_t n = 1024;
+  Buffer buf = dev->alloc(n * 4, s.get());
+  s->fill(tensor(buf, DType::kF32), 5.0f);
+  s->host_fn([] { std::this_thread::sleep_for(20ms); });
+  std::vector<float> h(n, 0.0f);
+  s->copy(host_ref(h.data(), n * 4), buf.ref());
+  buf.reset();  // queued after the copy: the copy still sees the data
+  s->synchronize();
+  for (float v : h) ASSERT_EQ(v, 5.0f);
+}
+
+TEST_P(DeviceTest, FailureInQueuedWorkSurfacesAtSynchronize) {
+  s->host_fn([] { throw std::runtime_error("boom in host_fn"); });
+  try {
+    s->synchronize();
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("boom"), std::string::npos);
+  }
+  s->synchronize();  // reported once
+}
+
+TEST_P(DeviceTest, FreedAndFreshMemoryIsPoisoned) {
+  if (GetParam().cuda) GTEST_SKIP() << "poisoning is a property of the emulated device";
+  Buffer fresh = dev->alloc(64, s.get());
+  const auto v = download(fresh, DType::kF32, 16);
+  for (double x : v) EXPECT_TRUE(std::isnan(x));
+  s->fill(tensor(fresh, DType::kF32), 1.0f);
+  s->synchronize();
+  const auto* raw = static_cast<const std::uint16_t*>(fresh.data());
+  EXPECT_EQ(raw[1], 0x3f80);
+  fresh.reset();
+  s->synchronize();
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(raw[i], kPoison16);  // still mapped, now poison
+}
+
+TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  HostDeviceOptions o;
+  o.capacity_bytes = 64 << 20;
+  o.h2d_gbps = 2.0;
+  o.d2h_gbps = 1.0;
+  auto slow = make_host_device(o);
+  auto st = slow->create_stream("pcie");
+  const std::size_t bytes = 8 << 20;
+  std::vector<std::uint8_t> h(bytes, 1);
+  Buffer b = slow->alloc(bytes, st.get());
+  auto t0 = std::chrono::steady_clock::now();
+  st->copy(b.ref(), host_ref(h.data(), bytes));
+  st->synchronize();
+  const double h2d_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t0 = std::chrono::steady_clock::now();
+  st->copy(host_ref(h.data(), bytes), b.ref());
+  st->synchronize();
+  const double d2h_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(h2d_s, bytes / 2.0e9);  // lower bounds only
+  EXPECT_GE(d2h_s, bytes / 1.0e9);
+}
+
+// ---- kernels against a double-precision reference ----
+
+const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+
+TEST_P(DeviceTest, FillScaleAxpyAddAgainstReference) {
+  for (std::size_t n : {1u, 15u, 16u, 17u, 100003u}) {
+    for (DType t : kTypes) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " " << dtype_name(t));
+      const auto x = random_floats(n, n * 3 + 1);
+      const auto y = random_floats(n, n * 5 + 2);
+      Buffer bx = upload(x, t), by = upload(y, t), bo = dev->alloc(n * dtype_size(t), s.get());
+
+      s->fill(tensor(bo, t), 0.37f);
+      auto got = download(bo, t, n);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], as_stored(t, 0.37f));
+
+      s->add(tensor(bx, t), tensor(by, t), tensor(bo, t));
+      got = download(bo, t, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double ref = as_stored(t, x[i]) + as_stored(t, y[i]);
+        ASSERT_NEAR(got[i], ref, eps(t) * std::fabs(ref) + 1e-30) << i;
+      }
+
+      s->axpy(-1.5f, tensor(bx, t), tensor(by, t));
+      got = download(by, t, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double ref = as_stored(t, y[i]) - 1.5 * as_stored(t, x[i]);
+        ASSERT_NEAR(got[i], ref, eps(t) * (std::fabs(ref) + 1.5 * std::fabs(x[i]) + std::fabs(y[i]))) << i;
+      }
+
+      s->scale(0.75f, tensor(bx, t));
+      got = download(bx, t, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double ref = 0.75 * as_stored(t, x[i]);
+        ASSERT_NEAR(got[i], ref, eps(t) * std::fabs(ref)) << i;
+      }
+    }
+  }
+}
+
+TEST_P(DeviceTest, MixedPrecisionAxpyAccumulatesInFp32) {
+  const std::size_t n = 1031;
+  const auto x = random_floats(n, 11), y = random_floats(n, 12);
+  Buffer bx = upload(x, DType::kBF16), by = upload(y, DType::kF32);
+  s->axpy(0.5f, tensor(bx, DType::kBF16), tensor(by, DType::kF32));
+  const auto got = download(by, DType::kF32, n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const double ref = y[i] + 0.5 * as_stored(DType::kBF16, x[i]);
+    ASSERT_NEAR(got[i], ref, 1e-6 * (std::fabs(ref) + 1)) << i;
+  }
+}
+
+TEST_P(DeviceTest, CastMatchesScalarRoundingBitForBit) {
+  const std::size_t n = 4099;
+  auto x = random_floats(n, 99, -70000, 70000);  // includes fp16 overflow to Inf
+  x[0] = 1.0f + 0.00390625f;                     // bf16 tie
+  x[1] = 6.0e-8f;                                // fp16 subnormal
+  for (DType from : kTypes) {
+    for (DType to : kTypes) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(from) << "->" << dtype_name(to));
+      Buffer src = upload(x, from), dst = dev->alloc(n * dtype_size(to), s.get());
+      s->cast(tensor(src, from), tensor(dst, to));
+      const auto got = download(dst, to, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double ref = as_stored(to, static_cast<float>(as_stored(from, x[i])));
+        if (std::isinf(ref)) {
+          ASSERT_TRUE(std::isinf(got[i]) && (got[i] > 0) == (ref > 0)) << i;
+        } else {
+          ASSERT_EQ(got[i], ref) << i << " x=" << x[i];
+        }
+      }
+    }
+  }
+}
+
+TEST_P(DeviceTest, SumOfSquaresAgainstReference) {
+  for (std::size_t n : {1u, 17u, 65537u, 1000003u}) {
+    for (DType t : kTypes) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " " << dtype_name(t));
+      const auto x = random_floats(n, n + 5);
+      Buffer bx = upload(x, t), out = dev->alloc(4, s.get());
+      s->sum_squares(tensor(bx, t), tensor(out, DType::kF32));
+      const double got = download(out, DType::kF32, 1)[0];
+      double ref = 0;
+      for (float v : x) ref += as_stored(t, v) * as_stored(t, v);
+      EXPECT_NEAR(got, ref, 1e-5 * ref);
+    }
+  }
+}
+
+struct MatmulCase {
+  std::int64_t m, n, k;
+  bool ta, tb;
+  float alpha, beta;
+};
+
+TEST_P(DeviceTest, MatmulAgainstDoubleReference) {
+  const MatmulCase cases[] = {{1, 1, 1, false, false, 1, 0},     {7, 13, 5, false, false, 1, 0},
+                              {33, 17, 65, true, false, 1, 0},   {64, 48, 80, false, true, 1, 0},
+                              {31, 29, 37, true, true, 0.5f, 0}, {19, 23, 129, false, false, 1.5f, 0.25f}};
+  for (DType in : {DType::kF32, DType::kBF16}) {
+    for (DType out : {DType::kF32, DType::kBF16}) {
+      for (const auto& c : cases) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " m" << c.m
+                                          << " n" << c.n << " k" << c.k << " ta" << c.ta << " tb" << c.tb);
+        const auto a = random_floats(c.m * c.k, c.m * 7 + c.k);
+        const auto b = random_floats(c.k * c.n, c.n * 11 + c.k);
+        const auto c0 = random_floats(c.m * c.n, c.m + c.n);
+        Buffer ba = upload(a, in), bb = upload(b, in), bc = upload(c0, out);
+        MatmulDesc d{c.m, c.n, c.k, c.ta, c.tb, c.alpha, c.beta, tensor(ba, in), tensor(bb, in), tensor(bc, out)};
+        s->matmul(d);
+        const auto got = download(bc, out, c.m * c.n);
+        for (std::int64_t i = 0; i < c.m; ++i) {
+          for (std::int64_t j = 0; j < c.n; ++j) {
+            double ref = 0, mag = 0;
+            for (std::int64_t p = 0; p < c.k; ++p) {
+              const double av = as_stored(in, a[c.ta ? p * c.m + i : i * c.k + p]);
+              const double bv = as_stored(in, b[c.tb ? j * c.k + p : p * c.n + j]);
+              ref += av * bv;
+              mag += std::fabs(av * bv);
+            }
+            const double cv = as_stored(out, c0[i * c.n + j]);
+            ref = c.alpha * ref + c.beta * cv;
+            mag = std::fabs(c.alpha) * mag + std::fabs(c.beta * cv);
+            const double tol = 1e-5 * mag + (out == DType::kBF16 ? std::fabs(ref) / 128 : 0) + 1e-6;
+            ASSERT_NEAR(got[i * c.n + j], ref, tol) << "at " << i << "," << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceTest, ::testing::ValuesIn(backends()),
+                         [](const ::testing::TestParamInfo<Backend>& p) { return p.param.name; });
+
+}  // namespace
+}  // namespace strata
