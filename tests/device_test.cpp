@@ -14,6 +14,7 @@
 
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/trace.h"
 
 namespace strata {
 namespace {
@@ -375,6 +376,29 @@ TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
   const double d2h_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(h2d_s, bytes / 2.0e9);  // lower bounds only
   EXPECT_GE(d2h_s, bytes / 1.0e9);
+}
+
+TEST_P(DeviceTest, StreamOperationsAreTraced) {
+  if (GetParam().cuda) GTEST_SKIP() << "the CUDA backend does not record spans yet";
+  Tracer& t = Tracer::global();
+  t.clear();
+  t.set_enabled(true);
+  const std::size_t n = 1 << 16;
+  std::vector<std::uint8_t> h(n, 7);
+  Buffer b = dev->alloc(n, s.get());
+  s->copy(b.ref(), host_ref(h.data(), n));
+  s->copy(host_ref(h.data(), n), b.ref());
+  s->synchronize();
+  t.set_enabled(false);
+  int h2d = 0, d2h = 0;
+  for (const auto& span : t.spans()) {
+    if (span.lane != "main") continue;
+    h2d += span.name == "copy_h2d" && span.bytes == n;
+    d2h += span.name == "copy_d2h" && span.bytes == n;
+  }
+  EXPECT_EQ(h2d, 1);
+  EXPECT_EQ(d2h, 1);
+  t.clear();
 }
 
 // ---- kernels against a double-precision reference ----

@@ -174,6 +174,8 @@ class Stream {
   // Blocks the host until all queued work finished; rethrows the first failure inside it.
   void synchronize();
   // Runs `fn` on a host thread in stream order (after earlier work, before later work).
+  // `fn` may queue work and may block on other streams' events or host state, but must
+  // not synchronize its own stream or the whole device (that would wait on itself).
   void host_fn(std::function<void()> fn);
 
   // Kernels (device memory only). Element-wise kernels compute in fp32 whatever the dtype.
@@ -233,6 +235,9 @@ class Device {
   // where the backend has nothing to do (HostDevice) or cannot.
   virtual bool register_host(void* ptr, std::size_t bytes);
   virtual void unregister_host(void* ptr);
+  // (optional) The NUMA node nearest this device (host memory for it is best placed there),
+  // or -1 where unknown.
+  virtual int numa_node() const;
 
  protected:
   Device() = default;
@@ -260,7 +265,7 @@ std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options = {});
 struct CudaProbe {
   bool compiled = false;  // built with the CUDA backend
   int device_count = 0;
-  std::string reason;     // why there is no usable device (e.g. "no CUDA driver (error 35)")
+  std::string reason;     // why there is no usable device, e.g. "no CUDA driver (cudaErrorInsufficientDriver, error 35)"
 };
 CudaProbe probe_cuda();
 

@@ -206,5 +206,6 @@ Buffer Device::alloc(std::size_t bytes, Stream* stream) {
 
 bool Device::register_host(void*, std::size_t) { return false; }
 void Device::unregister_host(void*) {}
+int Device::numa_node() const { return -1; }
 
 }  // namespace strata

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs strata's tests.
+#   scripts/test.sh             build/ (CUDA compiled when nvcc is found), all tests
+#   scripts/test.sh --sanitize  build-asan/ with ASan + UBSan (CUDA off), all tests
+# Tests that need a GPU carry the ctest label `gpu` and report Skipped where none is usable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+
+dir=build
+args=()
+if [ "${1:-}" = "--sanitize" ]; then
+  dir=build-asan
+  args=(-DSTRATA_SANITIZE=ON -DSTRATA_CUDA=OFF -DSTRATA_BUILD_BENCH=OFF)
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
+  export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+fi
+jobs=$(nproc)
+
+cmake -S . -B "$dir" -G Ninja "${args[@]}" >/dev/null
+cmake --build "$dir" -j "$jobs"
+ctest --test-dir "$dir" -j "$jobs" --output-on-failure --timeout 600

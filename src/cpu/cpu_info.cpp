@@ -1,0 +1,126 @@
+// Host facts for strata-info and the memory planner. Everything here is read at run time
+// from the loaded libraries, cpuid, hwloc and /proc or /sys, never from build-time guesses,
+// and nothing here throws: a fact that cannot be read is reported as absent.
+#include "cpu/cpu_info.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <hwloc.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <oneapi/tbb/version.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include <fmt/format.h>
+
+namespace strata::cpu {
+
+std::vector<ComponentVersion> component_versions() {
+  std::vector<ComponentVersion> out;
+  const dnnl_version_t* d = dnnl_version();
+  out.push_back({"onednn", fmt::format("{}.{}.{}", d->major, d->minor, d->patch)});
+  out.push_back({"tbb", TBB_runtime_version()});
+  // hwloc reports its API version at run time (2.9.x releases carry API 2.8.0), so say which
+  // is which.
+  const unsigned v = hwloc_get_api_version();
+  out.push_back({"hwloc", fmt::format("{}.{}.{} API (headers {})", v >> 16, (v >> 8) & 0xff, v & 0xff,
+                                      HWLOC_VERSION)});
+  return out;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    // x86 says "model name", arm64 kernels may say "Model" or nothing useful.
+    if (line.rfind("model name", 0) == 0 || line.rfind("Model", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      std::string v = line.substr(colon + 1);
+      const auto b = v.find_first_not_of(" \t");
+      return b == std::string::npos ? std::string("unknown") : v.substr(b);
+    }
+  }
+  return "unknown";
+}
+
+std::vector<std::string> cpu_isa_features() {
+  std::vector<std::string> out;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  // __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 state.
+  const bool avx512f = __builtin_cpu_supports("avx512f");
+  if (__builtin_cpu_supports("avx2")) out.push_back("avx2");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29))) out.push_back("f16c");
+  if (__builtin_cpu_supports("fma")) out.push_back("fma");
+  if (avx512f) out.push_back("avx512f");
+  if (__builtin_cpu_supports("avx512bw")) out.push_back("avx512bw");
+  if (avx512f && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) out.push_back("avx512_bf16");
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22))) out.push_back("amx_bf16");
+#endif
+  return out;
+}
+
+namespace {
+
+std::size_t meminfo_value(const std::string& key, std::size_t unit_bytes) {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10) * unit_bytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::vector<NumaNode> numa_nodes() {
+  std::vector<NumaNode> out;
+  hwloc_topology_t topo = nullptr;
+  if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0) {
+    for (hwloc_obj_t n = hwloc_get_next_obj_by_type(topo, HWLOC_OBJ_NUMANODE, nullptr); n;
+         n = hwloc_get_next_obj_by_type(topo, HWLOC_OBJ_NUMANODE, n)) {
+      NumaNode node;
+      node.os_index = static_cast<int>(n->os_index);
+      node.memory_bytes = n->attr ? n->attr->numanode.local_memory : 0;
+      node.cores = hwloc_get_nbobjs_inside_cpuset_by_type(topo, n->cpuset, HWLOC_OBJ_CORE);
+      char* s = nullptr;
+      if (n->cpuset && hwloc_bitmap_list_asprintf(&s, n->cpuset) >= 0 && s) {
+        node.cpuset = s;
+        std::free(s);
+      }
+      out.push_back(std::move(node));
+    }
+  }
+  if (topo) hwloc_topology_destroy(topo);
+  if (out.empty()) {
+    NumaNode node;
+    node.memory_bytes = meminfo_value("MemTotal", 1024);
+    out.push_back(node);
+  }
+  return out;
+}
+
+HugePageInfo huge_page_info() {
+  HugePageInfo h;
+  h.hugetlb_page_bytes = meminfo_value("Hugepagesize", 1024);
+  h.hugetlb_total = meminfo_value("HugePages_Total", 1);
+  h.hugetlb_free = meminfo_value("HugePages_Free", 1);
+  h.thp_mode = "unavailable";
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  if (std::getline(f, line)) {
+    const auto open = line.find('['), close = line.find(']');
+    if (open != std::string::npos && close != std::string::npos && close > open)
+      h.thp_mode = line.substr(open + 1, close - open - 1);
+  }
+  return h;
+}
+
+}  // namespace strata::cpu

@@ -1,0 +1,966 @@
+// CudaDevice: the Device contract (strata/device.h) on one CUDA GPU, plus the CUDA probe and
+// the version / device reports of gpu_info.h.
+//
+// What it owns:
+//  - A caching allocator over cudaMalloc. Requests are rounded (512 B up to 1 MiB, 2 MiB
+//    above) and each block is one cudaMalloc of exactly its rounded size; freed blocks are
+//    cached and reused only for a request of the same rounded size, so bytes_in_use is the
+//    sum of live rounded sizes and nothing is ever split or merged.
+//  - Stream-ordered reuse, as cudaFreeAsync does it: a block freed by a buffer allocated on
+//    stream S gets an event recorded on S at free time. S may reuse it at once (its later
+//    work runs after the earlier work that used it); any other stream, or an allocation
+//    without a stream, only once that event has completed. A buffer allocated without a
+//    stream (or whose stream is gone) is freed after cudaDeviceSynchronize, and is then
+//    reusable by anyone.
+//  - The budget: bytes_reserved (everything held from cudaMalloc, cache included) never
+//    exceeds capacity_bytes. An allocation that would cross it first returns the cache to
+//    CUDA (after its events complete); if it still does not fit it throws kOutOfMemory.
+//  - CudaStream: a non-blocking cudaStream_t with its own cuBLAS handle, sum_squares
+//    scratch and host-function flag (StreamResources: made on first use, outside the
+//    budget, as they are the backend's and not the caller's). A destroyed stream hands them
+//    back to the device for the next stream, and only the device's destructor frees them:
+//    cudaFree / cudaFreeHost / cublasDestroy synchronize the whole device, which must not
+//    happen behind the caller's back while another stream waits for a host function.
+//  - Host functions run on the stream's own worker thread, never on CUDA's callback thread:
+//    a short cudaLaunchHostFunc hands the function to the worker and a one-thread kernel
+//    holds the stream until the worker advances a pinned flag. CUDA forbids host functions
+//    that block on anything not ordered before them (and may run all streams' callbacks on
+//    one thread); ours may block, may call strata (but not synchronize their own stream),
+//    and block only their own stream, as on HostDevice. An exception they throw is kept and
+//    rethrown by the next synchronize().
+//  - Copies never block the caller. CUDA copies to or from pageable host memory
+//    synchronously, so those go through pinned staging chunks in stream order (host
+//    memcpy in a host step, DMA from or to the chunk); host-to-host copies are a host step.
+//
+// Invariants: every CUDA / cuBLAS call and kernel launch is checked; the calling thread's
+// current device is set to this GPU for the duration of every call (DeviceGuard), so
+// several CudaDevices can live in one process; the allocator's state changes only under
+// mu_. Never link or call the driver API: binaries must start on machines without a driver.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <fstream>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#if defined(STRATA_HAVE_NCCL)
+#include <nccl.h>
+#endif
+
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_kernels.h"
+#include "gpu/gpu_info.h"
+#include "strata/device.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata {
+namespace {
+
+using gpu::detail::throw_cuda;
+
+constexpr std::size_t kSmallLimit = std::size_t(1) << 20;  // rounded to kSmallUnit up to here
+constexpr std::size_t kSmallUnit = 512;
+constexpr std::size_t kLargeUnit = std::size_t(2) << 20;
+
+std::size_t round_block(std::size_t bytes) {
+  const std::size_t unit = bytes <= kSmallLimit ? kSmallUnit : kLargeUnit;
+  return (bytes + unit - 1) / unit * unit;
+}
+
+std::string gib(std::size_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / double(1u << 30)); }
+
+// "13.0" from 13000; CUDA encodes versions as 1000 * major + 10 * minor.
+std::string cuda_version_string(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
+
+// Makes `ordinal` the calling thread's current device for the scope, then restores the
+// previous one: callers may be juggling several GPUs.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) : ordinal_(ordinal) {
+    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != ordinal_) STRATA_CUDA_CHECK(cudaSetDevice(ordinal_));
+  }
+  ~DeviceGuard() {
+    if (previous_ != ordinal_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int ordinal_;
+  int previous_ = 0;
+};
+
+// True when `ev` has completed; false while pending. Other results are failures of the
+// work before it and throw.
+bool event_done(cudaEvent_t ev) {
+  const cudaError_t err = cudaEventQuery(ev);
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not a failure; keep it out of the next check
+    return false;
+  }
+  throw_cuda(err, "cudaEventQuery(ev)", __FILE__, __LINE__);
+}
+
+// True for host memory CUDA cannot DMA from directly (not pinned, not registered).
+bool is_pageable(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return attr.type == cudaMemoryTypeUnregistered;
+}
+
+// Runs a short function (no CUDA calls, no blocking) on CUDA's callback thread in stream order.
+void launch_host_step(cudaStream_t stream, std::function<void()> fn) {
+  auto f = std::make_unique<std::function<void()>>(std::move(fn));
+  cudaHostFn_t run = [](void* p) {
+    std::unique_ptr<std::function<void()>> g(static_cast<std::function<void()>*>(p));
+    (*g)();
+  };
+  STRATA_CUDA_CHECK(cudaLaunchHostFunc(stream, run, f.get()));
+  f.release();  // owned by `run` now
+}
+
+// Pinned bounce buffers for copies from or to pageable host memory. put() makes no CUDA
+// call, so host steps can return chunks.
+class StagingPool {
+ public:
+  static constexpr std::size_t kChunk = std::size_t(8) << 20;
+  // Past this, copies fall back to CUDA's own (host-blocking) pageable path.
+  static constexpr std::size_t kMaxBytes = std::size_t(512) << 20;
+
+  // A free chunk, a new one, or nullptr when the pool is at kMaxBytes and all are in use.
+  void* get() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        void* p = free_.back();
+        free_.pop_back();
+        return p;
+      }
+      if (all_.size() * kChunk + kChunk > kMaxBytes) return nullptr;
+    }
+    void* p = nullptr;
+    STRATA_CUDA_CHECK(cudaHostAlloc(&p, kChunk, cudaHostAllocPortable));
+    std::lock_guard<std::mutex> lock(mu_);
+    all_.push_back(p);
+    return p;
+  }
+  void put(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(p);
+  }
+  // Only once no queued work can touch a chunk (the device is idle).
+  void release() noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (void* p : all_)
+      if (cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
+    all_.clear();
+    free_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<void*> free_;
+  std::vector<void*> all_;
+};
+
+// Runs one stream's host functions, in order, on a thread of ours.
+struct HostWorker {
+  HostWorker() : thread([this] { run(); }) {}
+  ~HostWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+    }
+    cv.notify_one();
+    thread.join();
+  }
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      queue.push_back(std::move(task));
+    }
+    cv.notify_one();
+  }
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;  // stopping and drained
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool stopping = false;
+  std::thread thread;  // last: starts after the members it uses exist
+};
+
+CudaProbe run_probe() {
+  CudaProbe p;
+  p.compiled = true;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  (void)cudaGetLastError();  // a failed probe must not poison the caller's next check
+  if (err == cudaSuccess) {
+    p.device_count = count;
+    if (count == 0) p.reason = "no CUDA device";
+    return p;
+  }
+  if (err == cudaErrorInsufficientDriver) {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) (void)cudaGetLastError();
+    int runtime = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
+    p.reason = driver == 0 ? "no CUDA driver (cudaErrorInsufficientDriver, error 35)"
+                           : fmt::format("the CUDA driver (CUDA {}) is older than the runtime "
+                                         "(CUDA {}); update the driver "
+                                         "(cudaErrorInsufficientDriver, error 35)",
+                                         cuda_version_string(driver), cuda_version_string(runtime));
+  } else if (err == cudaErrorNoDevice) {
+    p.reason = "no CUDA device";
+  } else {
+    p.reason = fmt::format("cudaGetDeviceCount failed: {}: {} (error {})", cudaGetErrorName(err),
+                           cudaGetErrorString(err), static_cast<int>(err));
+  }
+  return p;
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    case DType::kF64: break;
+  }
+  STRATA_THROW(kUnsupported, "no CUDA matmul type for {}", dtype_name(t));
+}
+
+class CudaDevice;
+
+// What a stream creates on first use and a later stream may inherit. Idle when pooled.
+struct StreamResources {
+  cublasHandle_t blas = nullptr;
+  void* scratch = nullptr;                  // gpu::kSumSquaresScratchBytes of device memory
+  unsigned long long* host_done = nullptr;  // pinned, mapped; 0 when pooled
+  unsigned long long* host_done_dev = nullptr;
+};
+
+// A cudaEvent recorded on a CudaStream; it outlives the stream (CUDA events are independent
+// of the stream they were recorded on).
+class CudaEvent final : public detail::EventImpl {
+ public:
+  CudaEvent() { STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+  ~CudaEvent() override {
+    if (cudaEventDestroy(event) != cudaSuccess) (void)cudaGetLastError();
+  }
+  bool query() override { return event_done(event); }
+  void synchronize() override { STRATA_CUDA_CHECK(cudaEventSynchronize(event)); }
+  cudaEvent_t event = nullptr;
+};
+
+// The allocator's record of one cudaMalloc.
+struct Block {
+  void* ptr = nullptr;
+  std::size_t size = 0;          // rounded; exactly what cudaMalloc gave
+  std::uint64_t stream_id = 0;   // in use: allocated on; cached: freed on; 0 = no stream
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;   // cached with a stream: recorded on it at free time
+};
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(CudaDevice* dev, std::string name, std::uint64_t id);
+  ~CudaStream() override;
+
+  cudaStream_t handle() const noexcept { return stream_; }
+  std::uint64_t id() const noexcept { return id_; }
+  // The first exception thrown by a host function since the last call, cleared.
+  std::exception_ptr take_host_error() {
+    std::lock_guard<std::mutex> lock(host_error_mu_);
+    return std::exchange(host_error_, nullptr);
+  }
+
+ protected:
+  void do_copy(MemRef dst, MemRef src) override;
+  Event do_record() override;
+  void do_wait(const Event& event) override;
+  void do_synchronize() override;
+  void do_host_fn(std::function<void()> fn) override;
+  void do_fill(TensorRef x, float value) override;
+  void do_axpy(float alpha, TensorRef x, TensorRef y) override;
+  void do_scale(float alpha, TensorRef x) override;
+  void do_add(TensorRef a, TensorRef b, TensorRef out) override;
+  void do_cast(TensorRef src, TensorRef dst) override;
+  void do_sum_squares(TensorRef x, TensorRef out) override;
+  void do_matmul(const MatmulDesc& desc) override;
+
+ private:
+  void start_host_worker();  // with host_mu_ held
+  void gemm(const MatmulDesc& d, void* c, DType c_type);
+  cublasHandle_t blas();     // with lazy_mu_ held
+  void* sum_scratch();       // with lazy_mu_ held
+  int ordinal() const noexcept;
+
+  CudaDevice* dev_;
+  std::uint64_t id_;
+  cudaStream_t stream_ = nullptr;
+  std::atomic<std::uint64_t> next_seq_{0};
+  // cuBLAS handles are not thread-safe, and the scratch serves one launch at a time.
+  std::mutex lazy_mu_;
+  std::unique_ptr<StreamResources> res_;
+  bool blas_bound_ = false;  // res_->blas set to this stream
+  std::mutex host_error_mu_;
+  std::exception_ptr host_error_;
+  // Host functions: submissions are serialized so that flag values follow stream order.
+  std::mutex host_mu_;
+  std::unique_ptr<HostWorker> worker_;
+  std::uint64_t host_submitted_ = 0;
+};
+
+// The NUMA node the kernel reports for the GPU's PCI device (-1 when it has none).
+int pci_numa_node(int ordinal) {
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, ordinal) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  std::string id(bus_id);
+  for (char& c : id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
+  int node = -1;
+  if (!(f >> node)) return -1;
+  return node;
+}
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, std::size_t capacity_bytes);
+  ~CudaDevice() override;
+
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  std::string name() const override { return fmt::format("{} (cuda:{})", gpu_name_, ordinal_); }
+  std::unique_ptr<Stream> create_stream(std::string name) override;
+  DeviceStats stats() const override;
+  void synchronize() override;
+  bool register_host(void* ptr, std::size_t bytes) override;
+  void unregister_host(void* ptr) override;
+  int numa_node() const override { return numa_node_; }
+
+  int ordinal() const noexcept { return ordinal_; }
+  StagingPool& staging() noexcept { return staging_; }
+  std::unique_ptr<StreamResources> take_resources();
+  void give_back_resources(std::unique_ptr<StreamResources> res) noexcept;
+  void add_stream(CudaStream* s);
+  // Called by a stream's destructor after it synchronized: its cached blocks become
+  // reusable by anyone, and later frees of buffers allocated on it synchronize the device.
+  void remove_stream(std::uint64_t id) noexcept;
+
+ protected:
+  void* do_alloc(std::size_t bytes, Stream* stream, void** block) override;
+  void do_free(void* block) noexcept override;
+
+ private:
+  Block* take_cached(std::size_t size, std::uint64_t stream_id);
+  Block* malloc_block(std::size_t size, std::size_t requested);
+  void release_cached();
+  cudaEvent_t acquire_event();
+  void release_event(cudaEvent_t ev) { event_pool_.push_back(ev); }
+  [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, std::string detail = {});
+
+  const int ordinal_;
+  std::string gpu_name_;
+  int numa_node_ = -1;
+  std::size_t capacity_ = 0;
+  std::atomic<std::uint64_t> next_stream_id_{1};
+  StagingPool staging_;
+
+  mutable std::mutex mu_;  // guards everything below
+  DeviceStats stats_;
+  std::multimap<std::size_t, Block*> cached_;  // by rounded size
+  std::vector<cudaEvent_t> event_pool_;
+  std::unordered_map<std::uint64_t, CudaStream*> streams_;
+  std::vector<std::unique_ptr<StreamResources>> spare_resources_;
+};
+
+// ---- CudaDevice ----
+
+CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordinal) {
+  DeviceGuard guard(ordinal_);
+  cudaDeviceProp prop{};
+  STRATA_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal_));
+  gpu_name_ = prop.name;
+  numa_node_ = pci_numa_node(ordinal_);
+  STRATA_CUDA_CHECK(gpu::preload_kernels());
+  std::size_t free_bytes = 0, total_bytes = 0;
+  STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  capacity_ = capacity_bytes == 0 ? free_bytes : capacity_bytes;
+  if (capacity_ > free_bytes) {
+    log::warn("{}: the device memory cap {} is more than the {} free now; allocations may fail "
+              "before reaching it",
+              name(), gib(capacity_), gib(free_bytes));
+  }
+}
+
+CudaDevice::~CudaDevice() {
+  try {
+    DeviceGuard guard(ordinal_);
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!streams_.empty())
+      log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
+    if (stats_.bytes_in_use != 0)
+      log::warn("{} destroyed while {} bytes of its buffers are alive; free buffers before their "
+                "device", name(), stats_.bytes_in_use);
+    release_cached();
+    for (cudaEvent_t ev : event_pool_) (void)cudaEventDestroy(ev);
+    event_pool_.clear();
+    staging_.release();
+    for (auto& r : spare_resources_) {
+      if (r->blas && cublasDestroy(r->blas) != CUBLAS_STATUS_SUCCESS) (void)cudaGetLastError();
+      if (r->scratch && cudaFree(r->scratch) != cudaSuccess) (void)cudaGetLastError();
+      if (r->host_done && cudaFreeHost(r->host_done) != cudaSuccess) (void)cudaGetLastError();
+    }
+    spare_resources_.clear();
+  } catch (const std::exception& e) {
+    log::error("{}: cleanup failed: {}", name(), e.what());
+  }
+}
+
+std::unique_ptr<Stream> CudaDevice::create_stream(std::string name) {
+  auto s = std::make_unique<CudaStream>(this, std::move(name), next_stream_id_++);
+  add_stream(s.get());
+  return s;
+}
+
+std::unique_ptr<StreamResources> CudaDevice::take_resources() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (spare_resources_.empty()) return std::make_unique<StreamResources>();
+  auto r = std::move(spare_resources_.back());
+  spare_resources_.pop_back();
+  return r;
+}
+
+void CudaDevice::give_back_resources(std::unique_ptr<StreamResources> res) noexcept {
+  if (res->host_done) *res->host_done = 0;  // the next stream counts its host functions from 1
+  std::lock_guard<std::mutex> lock(mu_);
+  spare_resources_.push_back(std::move(res));
+}
+
+void CudaDevice::add_stream(CudaStream* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.emplace(s->id(), s);
+}
+
+void CudaDevice::remove_stream(std::uint64_t id) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.erase(id);
+  for (auto& [size, b] : cached_) {
+    if (b->stream_id != id) continue;
+    release_event(b->event);  // complete: the stream was synchronized
+    b->event = nullptr;
+    b->stream_id = 0;
+    b->stream = nullptr;
+  }
+}
+
+DeviceStats CudaDevice::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceStats s = stats_;
+  s.capacity_bytes = capacity_;
+  return s;
+}
+
+void CudaDevice::synchronize() {
+  {
+    DeviceGuard guard(ordinal_);
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::vector<CudaStream*> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : streams_) live.push_back(s);
+  }
+  for (CudaStream* s : live) {
+    if (auto err = s->take_host_error()) std::rethrow_exception(err);
+  }
+}
+
+bool CudaDevice::register_host(void* ptr, std::size_t bytes) {
+  DeviceGuard guard(ordinal_);
+  const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  log::warn("cudaHostRegister of {} bytes at {} failed ({}: {}); copies from that memory will be "
+            "staged through pageable buffers (slower, and not truly asynchronous)",
+            bytes, ptr, cudaGetErrorName(err), cudaGetErrorString(err));
+  return false;
+}
+
+void CudaDevice::unregister_host(void* ptr) {
+  DeviceGuard guard(ordinal_);
+  const cudaError_t err = cudaHostUnregister(ptr);
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  log::warn("cudaHostUnregister of {} failed ({}: {})", ptr, cudaGetErrorName(err),
+            cudaGetErrorString(err));
+}
+
+void CudaDevice::throw_oom(std::size_t requested, std::size_t rounded, std::string detail) {
+  ++stats_.num_alloc_failures;
+  detail::throw_error(ErrorKind::kOutOfMemory, __FILE__, __LINE__, "CudaDevice::alloc",
+                      fmt::format("{} cannot allocate {} bytes ({} rounded): {} bytes in use, "
+                                  "{} reserved, of a {}-byte cap; free buffers, lower the request "
+                                  "or raise the device memory cap",
+                                  name(), requested, rounded, stats_.bytes_in_use,
+                                  stats_.bytes_reserved, capacity_),
+                      std::move(detail));
+}
+
+void* CudaDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
+  DeviceGuard guard(ordinal_);
+  auto* cs = static_cast<CudaStream*>(stream);
+  const std::uint64_t sid = cs ? cs->id() : 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > capacity_ || bytes > SIZE_MAX - kLargeUnit) throw_oom(bytes, bytes);
+  const std::size_t size = round_block(bytes);
+  Block* b = take_cached(size, sid);
+  if (b == nullptr) b = malloc_block(size, bytes);
+  b->stream_id = sid;
+  b->stream = cs ? cs->handle() : nullptr;
+  stats_.bytes_in_use += size;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  ++stats_.num_allocs;
+  *block = b;
+  return b->ptr;
+}
+
+Block* CudaDevice::take_cached(std::size_t size, std::uint64_t stream_id) {
+  const auto [lo, hi] = cached_.equal_range(size);
+  auto take = [&](std::multimap<std::size_t, Block*>::iterator it) {
+    Block* b = it->second;
+    cached_.erase(it);
+    if (b->event) release_event(b->event);
+    b->event = nullptr;
+    return b;
+  };
+  // Same stream first: reusable at once, stream order protects the earlier work.
+  if (stream_id != 0) {
+    for (auto it = lo; it != hi; ++it)
+      if (it->second->stream_id == stream_id) return take(it);
+  }
+  for (auto it = lo; it != hi; ++it) {
+    const Block* b = it->second;
+    if (b->event == nullptr || event_done(b->event)) return take(it);
+  }
+  return nullptr;
+}
+
+Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested) {
+  if (stats_.bytes_reserved + size > capacity_) release_cached();
+  if (stats_.bytes_reserved + size > capacity_) throw_oom(requested, size);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, size);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    release_cached();
+    err = cudaMalloc(&p, size);
+  }
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    throw_oom(requested, size,
+              fmt::format("cudaMalloc: out of memory; the GPU has {} bytes free of {}", free_bytes,
+                          total_bytes));
+  }
+  if (err != cudaSuccess) throw_cuda(err, "cudaMalloc(&p, size)", __FILE__, __LINE__);
+  stats_.bytes_reserved += size;
+  return new Block{p, size, 0, nullptr, nullptr};
+}
+
+// Returns every cached block to CUDA. A block still pending on its stream is waited for
+// first: cudaFree would wait anyway, and its event must not be reused while pending.
+void CudaDevice::release_cached() {
+  for (auto it = cached_.begin(); it != cached_.end(); it = cached_.erase(it)) {
+    Block* b = it->second;
+    if (b->event) {
+      STRATA_CUDA_CHECK(cudaEventSynchronize(b->event));
+      release_event(b->event);
+    }
+    STRATA_CUDA_CHECK(cudaFree(b->ptr));
+    stats_.bytes_reserved -= b->size;
+    delete b;
+  }
+}
+
+cudaEvent_t CudaDevice::acquire_event() {
+  if (!event_pool_.empty()) {
+    cudaEvent_t ev = event_pool_.back();
+    event_pool_.pop_back();
+    return ev;
+  }
+  cudaEvent_t ev = nullptr;
+  STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  return ev;
+}
+
+void CudaDevice::do_free(void* block) noexcept {
+  auto* b = static_cast<Block*>(block);
+  try {
+    DeviceGuard guard(ordinal_);
+    std::unique_lock<std::mutex> lock(mu_);
+    stats_.bytes_in_use -= b->size;
+    ++stats_.num_frees;
+    if (b->stream_id != 0 && streams_.count(b->stream_id) != 0) {
+      // The stream cannot be destroyed meanwhile: its destructor needs mu_ to unregister.
+      cudaEvent_t ev = acquire_event();
+      const cudaError_t err = cudaEventRecord(ev, b->stream);
+      if (err != cudaSuccess) {
+        release_event(ev);
+        throw_cuda(err, "cudaEventRecord(ev, b->stream)", __FILE__, __LINE__);
+      }
+      b->event = ev;
+      cached_.emplace(b->size, b);
+      return;
+    }
+    // No stream to order the free on: wait until no work can still use the block.
+    lock.unlock();
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    lock.lock();
+    b->stream_id = 0;
+    b->stream = nullptr;
+    cached_.emplace(b->size, b);
+  } catch (const std::exception& e) {
+    log::error("{}: freeing a {}-byte block failed; it stays reserved and unused: {}", name(),
+               b->size, e.what());
+  }
+}
+
+// ---- CudaStream ----
+
+CudaStream::CudaStream(CudaDevice* dev, std::string name, std::uint64_t id)
+    : Stream(dev, std::move(name)), dev_(dev), id_(id) {
+  DeviceGuard guard(dev->ordinal());
+  STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  res_ = dev->take_resources();
+}
+
+CudaStream::~CudaStream() {
+  std::optional<DeviceGuard> guard;  // held to the end: the stream is destroyed below
+  try {
+    guard.emplace(ordinal());
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } catch (const std::exception& e) {
+    log::error("stream '{}' failed while draining at destruction: {}", name(), e.what());
+  }
+  mark_destroyed();
+  dev_->remove_stream(id_);
+  worker_.reset();  // idle: the stream drained
+  if (auto err = take_host_error()) {
+    try {
+      std::rethrow_exception(err);
+    } catch (const std::exception& e) {
+      log::warn("stream '{}' destroyed with an unreported host function failure: {}", name(), e.what());
+    } catch (...) {
+      log::warn("stream '{}' destroyed with an unreported host function failure", name());
+    }
+  }
+  dev_->give_back_resources(std::move(res_));
+  if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
+}
+
+int CudaStream::ordinal() const noexcept { return dev_->ordinal(); }
+
+void CudaStream::do_copy(MemRef dst, MemRef src) {
+  DeviceGuard guard(ordinal());
+  if (dst.space == MemSpace::kHost && src.space == MemSpace::kHost) {
+    launch_host_step(stream_, [d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); });
+    return;
+  }
+  const bool src_pageable = src.space == MemSpace::kHost && is_pageable(src.ptr);
+  const bool dst_pageable = dst.space == MemSpace::kHost && is_pageable(dst.ptr);
+  if (!src_pageable && !dst_pageable) {
+    STRATA_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, src.bytes, cudaMemcpyDefault, stream_));
+    return;
+  }
+  StagingPool* pool = &dev_->staging();
+  auto* d = static_cast<char*>(dst.ptr);
+  const auto* s = static_cast<const char*>(src.ptr);
+  for (std::size_t off = 0; off < src.bytes; off += StagingPool::kChunk) {
+    const std::size_t len = std::min(StagingPool::kChunk, src.bytes - off);
+    void* chunk = pool->get();
+    if (chunk == nullptr) {
+      log::warn_once("cuda-staging-full",
+                     "pinned staging for pageable host memory is exhausted; copies block the "
+                     "caller until they finish. Copy from pinned memory (PinnedPool)");
+      STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, s + off, len, cudaMemcpyDefault, stream_));
+      continue;
+    }
+    if (src_pageable) {
+      launch_host_step(stream_, [chunk, from = s + off, len] { std::memcpy(chunk, from, len); });
+      STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, chunk, len, cudaMemcpyHostToDevice, stream_));
+      launch_host_step(stream_, [pool, chunk] { pool->put(chunk); });
+    } else {
+      STRATA_CUDA_CHECK(cudaMemcpyAsync(chunk, s + off, len, cudaMemcpyDeviceToHost, stream_));
+      launch_host_step(stream_, [pool, chunk, to = d + off, len] {
+        std::memcpy(to, chunk, len);
+        pool->put(chunk);
+      });
+    }
+  }
+}
+
+Event CudaStream::do_record() {
+  DeviceGuard guard(ordinal());
+  auto e = std::make_shared<CudaEvent>();
+  STRATA_CUDA_CHECK(cudaEventRecord(e->event, stream_));
+  e->device = dev_;
+  e->stream = life();
+  e->seq = ++next_seq_;
+  return Event(std::move(e));
+}
+
+void CudaStream::do_wait(const Event& event) {
+  auto* ce = dynamic_cast<CudaEvent*>(event.impl().get());
+  STRATA_CHECK(ce != nullptr, "event of another backend passed to CUDA stream '{}'", name());
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(cudaStreamWaitEvent(stream_, ce->event, 0));
+}
+
+void CudaStream::do_synchronize() {
+  const cudaError_t err = cudaStreamSynchronize(stream_);
+  if (err != cudaSuccess)
+    throw_cuda(err, "cudaStreamSynchronize(stream_)", __FILE__, __LINE__,
+               fmt::format("work queued on CUDA stream '{}' failed", name()));
+  if (auto host_err = take_host_error()) std::rethrow_exception(host_err);
+}
+
+void CudaStream::start_host_worker() {
+  if (res_->host_done == nullptr) {
+    void* flag = nullptr;
+    STRATA_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(unsigned long long),
+                                    cudaHostAllocMapped | cudaHostAllocPortable));
+    *static_cast<unsigned long long*>(flag) = 0;
+    void* dev_flag = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&dev_flag, flag, 0);
+    if (err != cudaSuccess) {
+      (void)cudaFreeHost(flag);
+      throw_cuda(err, "cudaHostGetDevicePointer(&dev_flag, flag, 0)", __FILE__, __LINE__);
+    }
+    res_->host_done = static_cast<unsigned long long*>(flag);
+    res_->host_done_dev = static_cast<unsigned long long*>(dev_flag);
+  }
+  worker_ = std::make_unique<HostWorker>();
+}
+
+// Stream order: earlier work -> a host step posts `fn` to the worker -> a kernel waits for
+// the worker to publish seq -> later work. The worker runs functions in the order posted,
+// which is stream order, so the flag only grows.
+void CudaStream::do_host_fn(std::function<void()> fn) {
+  DeviceGuard guard(ordinal());
+  std::lock_guard<std::mutex> lock(host_mu_);
+  if (!worker_) start_host_worker();
+  const std::uint64_t seq = host_submitted_ + 1;
+  auto task = [this, seq, fn = std::move(fn)] {
+    try {
+      fn();
+    } catch (...) {
+      std::lock_guard<std::mutex> error_lock(host_error_mu_);
+      if (!host_error_) host_error_ = std::current_exception();
+    }
+    std::atomic_ref<unsigned long long>(*res_->host_done).store(seq, std::memory_order_release);
+  };
+  launch_host_step(stream_, [w = worker_.get(), task = std::move(task)] { w->post(task); });
+  host_submitted_ = seq;
+  STRATA_CUDA_CHECK(gpu::launch_wait_host_flag(res_->host_done_dev, seq, stream_));
+}
+
+void CudaStream::do_fill(TensorRef x, float value) {
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(gpu::launch_fill(x.mem.ptr, x.dtype, x.numel, value, stream_));
+}
+
+void CudaStream::do_axpy(float alpha, TensorRef x, TensorRef y) {
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(gpu::launch_axpy(alpha, x.mem.ptr, x.dtype, y.mem.ptr, y.dtype, x.numel, stream_));
+}
+
+void CudaStream::do_scale(float alpha, TensorRef x) {
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(gpu::launch_scale(alpha, x.mem.ptr, x.dtype, x.numel, stream_));
+}
+
+void CudaStream::do_add(TensorRef a, TensorRef b, TensorRef out) {
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(gpu::launch_add(a.mem.ptr, a.dtype, b.mem.ptr, b.dtype, out.mem.ptr, out.dtype,
+                                    a.numel, stream_));
+}
+
+void CudaStream::do_cast(TensorRef src, TensorRef dst) {
+  DeviceGuard guard(ordinal());
+  STRATA_CUDA_CHECK(gpu::launch_cast(src.mem.ptr, src.dtype, dst.mem.ptr, dst.dtype, src.numel, stream_));
+}
+
+void* CudaStream::sum_scratch() {
+  if (res_->scratch == nullptr)
+    STRATA_CUDA_CHECK(cudaMalloc(&res_->scratch, gpu::kSumSquaresScratchBytes));
+  return res_->scratch;
+}
+
+void CudaStream::do_sum_squares(TensorRef x, TensorRef out) {
+  DeviceGuard guard(ordinal());
+  std::lock_guard<std::mutex> lock(lazy_mu_);
+  STRATA_CUDA_CHECK(gpu::launch_sum_squares(x.mem.ptr, x.dtype, x.numel,
+                                            static_cast<float*>(out.mem.ptr), sum_scratch(), stream_));
+}
+
+cublasHandle_t CudaStream::blas() {
+  if (res_->blas == nullptr) STRATA_CUBLAS_CHECK(cublasCreate(&res_->blas));
+  if (!blas_bound_) {
+    STRATA_CUBLAS_CHECK(cublasSetStream(res_->blas, stream_));
+    blas_bound_ = true;
+  }
+  return res_->blas;
+}
+
+// Row-major C[m,n] = op(A) op(B) is column-major C^T[n,m] = op(B)^T op(A)^T, and a row-major
+// matrix is its own transpose read column-major: so cuBLAS gets B first, then A, each with
+// its own transpose flag, and the leading dimension of each operand's row-major storage.
+void CudaStream::gemm(const MatmulDesc& d, void* c, DType c_type) {
+  const cublasOperation_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const std::int64_t ldb = d.trans_b ? d.k : d.n;  // B stored [n,k] or [k,n]
+  const std::int64_t lda = d.trans_a ? d.m : d.k;  // A stored [k,m] or [m,k]
+  const std::int64_t ldc = d.n;
+  const cudaDataType_t ab = cuda_type(d.a.dtype);
+  const cudaDataType_t ct = cuda_type(c_type);
+  cublasHandle_t h = blas();
+  if (std::max({d.m, d.n, d.k}) <= INT_MAX) {
+    STRATA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, int(d.n), int(d.m), int(d.k), &d.alpha,
+                                     d.b.mem.ptr, ab, int(ldb), d.a.mem.ptr, ab, int(lda), &d.beta,
+                                     c, ct, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  } else {
+    STRATA_CUBLAS_CHECK(cublasGemmEx_64(h, op_b, op_a, d.n, d.m, d.k, &d.alpha, d.b.mem.ptr, ab, ldb,
+                                        d.a.mem.ptr, ab, lda, &d.beta, c, ct, ldc,
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+void CudaStream::do_matmul(const MatmulDesc& d) {
+  DeviceGuard guard(ordinal());
+  std::lock_guard<std::mutex> lock(lazy_mu_);
+  // cuBLAS writes bf16 C only from bf16 A/B; fp32 or fp16 inputs with a bf16 C compute
+  // into an fp32 temporary that is rounded once at the end, as a bf16-out GEMM would.
+  if (d.c.dtype == DType::kF32 || d.a.dtype == DType::kBF16) {
+    gemm(d, d.c.mem.ptr, d.c.dtype);
+    return;
+  }
+  Buffer tmp = dev_->alloc(d.c.numel * sizeof(float), this);  // freed in this stream's order
+  if (d.beta != 0.0f) {
+    STRATA_CUDA_CHECK(gpu::launch_cast(d.c.mem.ptr, d.c.dtype, tmp.data(), DType::kF32, d.c.numel, stream_));
+  }
+  gemm(d, tmp.data(), DType::kF32);
+  STRATA_CUDA_CHECK(gpu::launch_cast(tmp.data(), DType::kF32, d.c.mem.ptr, d.c.dtype, d.c.numel, stream_));
+}
+
+}  // namespace
+
+// ---- public entry points ----
+
+CudaProbe probe_cuda() {
+  static const CudaProbe probe = run_probe();  // thread-safe once: the answer cannot change
+  return probe;
+}
+
+std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options) {
+  const CudaProbe p = probe_cuda();
+  if (p.device_count == 0)
+    STRATA_THROW(kUnsupported, "no usable CUDA GPU ({}); use the CPU-emulated device", p.reason);
+  STRATA_REQUIRE(options.ordinal >= 0 && options.ordinal < p.device_count,
+                 "CUDA device ordinal {} out of range: this machine has {} GPU(s), cuda:0..cuda:{}",
+                 options.ordinal, p.device_count, p.device_count - 1);
+  return std::make_unique<CudaDevice>(options.ordinal, options.capacity_bytes);
+}
+
+namespace gpu {
+
+std::vector<ComponentVersion> component_versions() {
+  std::vector<ComponentVersion> out;
+  int runtime = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
+  out.push_back({"cuda", runtime ? cuda_version_string(runtime) : "unknown"});
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) (void)cudaGetLastError();
+  out.push_back({"cuda driver", driver ? cuda_version_string(driver) : "no driver"});
+  int major = 0, minor = 0, patch = 0;
+  if (cublasGetProperty(MAJOR_VERSION, &major) == CUBLAS_STATUS_SUCCESS &&
+      cublasGetProperty(MINOR_VERSION, &minor) == CUBLAS_STATUS_SUCCESS &&
+      cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS) {
+    out.push_back({"cublas", fmt::format("{}.{}.{}", major, minor, patch)});
+  } else {
+    out.push_back({"cublas", "unknown"});
+  }
+#if defined(STRATA_HAVE_NCCL)
+  int nccl = 0;
+  if (ncclGetVersion(&nccl) == ncclSuccess) {
+    // Since NCCL 2.9 the code is major * 10000 + minor * 100 + patch.
+    out.push_back({"nccl", fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100)});
+  } else {
+    out.push_back({"nccl", "unknown"});
+  }
+#else
+  out.push_back({"nccl", "not found"});
+#endif
+  return out;
+}
+
+std::vector<std::string> device_descriptions() {
+  std::vector<std::string> out;
+  const int count = probe_cuda().device_count;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    cudaError_t err = cudaGetDeviceProperties(&prop, i);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      out.push_back(fmt::format("cuda:{} (cudaGetDeviceProperties failed: {})", i, cudaGetErrorName(err)));
+      continue;
+    }
+    char pci[32] = "?";
+    if (cudaDeviceGetPCIBusId(pci, sizeof pci, i) != cudaSuccess) (void)cudaGetLastError();
+    out.push_back(fmt::format("cuda:{} {}, {:.1f} GiB, sm_{}{}, PCI {}", i, prop.name,
+                              double(prop.totalGlobalMem) / double(1u << 30), prop.major,
+                              prop.minor, pci));
+  }
+  return out;
+}
+
+}  // namespace gpu
+}  // namespace strata

@@ -1,0 +1,137 @@
+// Tests of the umbrella: device selection, and the facts strata-info reports about the build
+// and the host.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "cpu/cpu_info.h"
+#include "nvme/uring_probe.h"
+#include "strata/build_info.h"
+#include "strata/device.h"
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+TEST(Runtime, MakeDeviceCpuGivesTheEmulatedDevice) {
+  auto dev = make_device("cpu");
+  ASSERT_NE(dev, nullptr);
+  EXPECT_EQ(dev->kind(), DeviceKind::kCpu);
+  EXPECT_FALSE(dev->name().empty());
+  Buffer b = dev->alloc(4096);
+  EXPECT_TRUE(b);
+  EXPECT_EQ(b.size(), 4096u);
+}
+
+TEST(Runtime, MakeDeviceRejectsUnknownNamesListingTheAllowedOnes) {
+  try {
+    (void)make_device("bogus");
+    FAIL() << "make_device(\"bogus\") did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    const std::string m = e.message();
+    EXPECT_NE(m.find("bogus"), std::string::npos) << m;
+    for (const char* allowed : {"auto", "cpu", "cuda"}) EXPECT_NE(m.find(allowed), std::string::npos) << m;
+  }
+}
+
+TEST(Runtime, MakeDeviceCudaWithoutAGpuIsUnsupportedWithTheProbeReason) {
+  const CudaProbe probe = probe_cuda();
+  if (probe.device_count > 0) GTEST_SKIP() << "a GPU is usable here";
+  EXPECT_FALSE(probe.reason.empty());
+  try {
+    (void)make_device("cuda");
+    FAIL() << "make_device(\"cuda\") did not throw without a GPU";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(e.message().find(probe.reason), std::string::npos) << e.message();
+  }
+  // "auto" falls back to the CPU-emulated device.
+  EXPECT_EQ(make_device("auto")->kind(), DeviceKind::kCpu);
+}
+
+TEST(Runtime, ComponentVersionsNameTheHostLibraries) {
+  const auto versions = component_versions();
+  std::set<std::string> names;
+  for (const auto& c : versions) {
+    EXPECT_FALSE(c.name.empty());
+    EXPECT_FALSE(c.version.empty()) << c.name;
+    EXPECT_TRUE(names.insert(c.name).second) << "duplicate " << c.name;
+  }
+  for (const char* lib : {"onednn", "tbb", "hwloc", "liburing"}) {
+    ASSERT_TRUE(names.count(lib)) << lib << " missing";
+    const auto it = std::find_if(versions.begin(), versions.end(), [&](const auto& c) { return c.name == lib; });
+    // Host libraries are always linked: a real version, starting with a digit.
+    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(it->version[0]))) << lib << ": " << it->version;
+  }
+  EXPECT_EQ(built_with_cuda(), probe_cuda().compiled);
+  EXPECT_FALSE(strata_version().empty());
+}
+
+TEST(Runtime, IoUringProbeIsConsistentAndCached) {
+  const nvme::UringProbe a = nvme::probe_io_uring();
+  const nvme::UringProbe b = nvme::probe_io_uring();
+  EXPECT_EQ(a.available, b.available);
+  EXPECT_EQ(a.reason, b.reason);
+  EXPECT_FALSE(a.version.empty());
+  EXPECT_NE(a.version, "unknown");
+  if (a.available) {
+    EXPECT_TRUE(a.reason.empty()) << a.reason;
+  } else {
+    EXPECT_NE(a.reason.find("io_uring"), std::string::npos) << a.reason;
+  }
+}
+
+TEST(Runtime, HostFactsAreSane) {
+  const auto nodes = cpu::numa_nodes();
+  ASSERT_GE(nodes.size(), 1u);
+  int cores = 0;
+  std::set<int> indices;
+  for (const auto& n : nodes) {
+    EXPECT_GT(n.memory_bytes, 0u) << "node " << n.os_index;
+    EXPECT_TRUE(indices.insert(n.os_index).second);
+    cores += n.cores;
+  }
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(static_cast<unsigned>(cores), std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_FALSE(nodes[0].cpuset.empty());
+
+  const cpu::HugePageInfo h = cpu::huge_page_info();
+  EXPECT_GT(h.hugetlb_page_bytes, 0u);
+  EXPECT_LE(h.hugetlb_free, h.hugetlb_total);
+  const std::set<std::string> modes{"always", "madvise", "never", "unavailable"};
+  EXPECT_TRUE(modes.count(h.thp_mode)) << h.thp_mode;
+
+  EXPECT_FALSE(cpu::cpu_model().empty());
+  const std::set<std::string> known{"avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"};
+  const auto isa = cpu::cpu_isa_features();
+  for (const auto& f : isa) EXPECT_TRUE(known.count(f)) << f;
+  // avx512_bf16 is only reported on top of avx512f.
+  const bool bf16 = std::count(isa.begin(), isa.end(), "avx512_bf16") > 0;
+  const bool f512 = std::count(isa.begin(), isa.end(), "avx512f") > 0;
+  if (bf16) {
+    EXPECT_TRUE(f512);
+  }
+#if defined(__x86_64__)
+  // Cross-check against what the kernel lists for the CPU.
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, flags;
+  while (std::getline(f, line))
+    if (line.rfind("flags", 0) == 0) {
+      flags = line + " ";
+      break;
+    }
+  if (!flags.empty()) {
+    EXPECT_EQ(flags.find(" avx2 ") != std::string::npos, std::count(isa.begin(), isa.end(), "avx2") > 0);
+    EXPECT_EQ(flags.find(" f16c ") != std::string::npos, std::count(isa.begin(), isa.end(), "f16c") > 0);
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace strata
