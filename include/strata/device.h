@@ -163,6 +163,9 @@ class Stream {
 
   const std::string& name() const noexcept { return life_->name; }
   Device& device() const noexcept { return *device_; }
+  // (optional) The backend's own queue (cudaStream_t on CUDA) for backend code outside
+  // this interface, such as NCCL or fused optimizer kernels; nullptr on HostDevice.
+  virtual void* native_handle() const noexcept { return nullptr; }
 
   // Asynchronous copy of src.bytes bytes (sizes must match) between any two spaces.
   // Host endpoints must stay valid until the copy completes.

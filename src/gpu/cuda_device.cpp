@@ -301,6 +301,7 @@ class CudaStream final : public Stream {
   ~CudaStream() override;
 
   cudaStream_t handle() const noexcept { return stream_; }
+  void* native_handle() const noexcept override { return stream_; }
   std::uint64_t id() const noexcept { return id_; }
   // The first exception thrown by a host function since the last call, cleared.
   std::exception_ptr take_host_error() {

@@ -1,0 +1,46 @@
+// Shared pieces of strata-bench: each subcommand registers itself on the CLI, prints a
+// table for people, and with --json prints, last, one JSON object of its figures
+// (snake_case keys with units) so runs can be compared.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+namespace strata::bench {
+
+// Subcommands (one file each).
+void add_nvme_command(CLI::App& app);
+void add_adam_command(CLI::App& app);
+void add_comm_command(CLI::App& app);
+
+// Prints `figures` as one line of JSON on stdout (call it last, when --json is given).
+void print_json(const nlohmann::json& figures);
+
+// A STREAM-like triad a[i] = b[i] + s * c[i] over three fp32 arrays of `bytes_per_array`
+// bytes each with `threads` threads; best of `reps` runs, in GB/s counting 3 arrays moved.
+double triad_gbps(std::size_t bytes_per_array, int threads, int reps = 5);
+// A STREAM-like copy a[i] = b[i] (2 arrays moved), best of `reps`, GB/s.
+double copy_gbps(std::size_t bytes_per_array, int threads, int reps = 5);
+
+class Stopwatch {
+ public:
+  Stopwatch() : t0_(std::chrono::steady_clock::now()) {}
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  void restart() { t0_ = std::chrono::steady_clock::now(); }
+
+ private:
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// "1.5 GiB", "512 KiB".
+std::string human_bytes(double bytes);
+// Parses "4G", "512M", "1048576", "64k" (binary units); throws strata::Error naming `what`.
+std::size_t parse_bytes(const std::string& text, const std::string& what);
+
+}  // namespace strata::bench

@@ -1,0 +1,24 @@
+// strata-bench: benchmark programs. Each subcommand measures one subsystem, prints a table
+// with a ratio to a bound measured in the same run (memory bandwidth, fio, link speed),
+// and with --json prints, last, one JSON object of its figures.
+#include <cstdio>
+
+#include "bench_common.h"
+#include "strata/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"strata-bench: measure strata's subsystems against the machine's own bounds"};
+  app.require_subcommand(1);
+  strata::bench::add_nvme_command(app);
+  strata::bench::add_adam_command(app);
+  strata::bench::add_comm_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const strata::Error& e) {
+    std::fprintf(stderr, "strata-bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
