@@ -1,3 +1,323 @@
-// Placeholder until the nvme benchmark lands in this change.
+// strata-bench nvme: sequential write then read through strata's I/O engine, from pinned
+// pool buffers, against fio with the equivalent job on the same file in the same run.
+// --sweep tries block size x queue depth x threads x buffer kind within a time bound and
+// writes the best "aio" block as JSON.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
 #include "bench_common.h"
-void strata::bench::add_nvme_command(CLI::App&) {}
+#include "cpu/cpu_info.h"
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/nvme.h"
+#include "strata/pinned_pool.h"
+
+namespace strata::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct NvmeArgs {
+  std::string path = ".";
+  std::string size = "4G";
+  std::string block_size = "1M";
+  int queue_depth = 32;
+  int threads = 1;
+  std::string buffers = "both";  // huge | normal | both
+  std::string engine = "auto";
+  bool vs_fio = false;
+  bool verify = false;
+  bool no_register = false;
+  bool sweep = false;
+  double sweep_seconds = 60;
+  std::string out;
+  bool json = false;
+  int reserve_hugepages = 0;
+};
+
+// Sets /proc/sys/vm/nr_hugepages for the benchmark's lifetime (root), restoring it after.
+class HugepageReservation {
+ public:
+  explicit HugepageReservation(int pages) {
+    if (pages <= 0) return;
+    std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
+    std::ofstream("/proc/sys/vm/nr_hugepages") << std::max(pages, before_);
+    int now = 0;
+    std::ifstream("/proc/sys/vm/nr_hugepages") >> now;
+    active_ = true;
+    if (now < pages)
+      log::warn("asked for {} hugetlbfs pages, the kernel gave {} (needs root and free memory)", pages, now);
+  }
+  ~HugepageReservation() {
+    if (active_) std::ofstream("/proc/sys/vm/nr_hugepages") << before_;
+  }
+
+ private:
+  int before_ = 0;
+  bool active_ = false;
+};
+
+struct RunResult {
+  double write_gbps = 0, read_gbps = 0;
+  std::string page_kind;
+  std::string engine;
+};
+
+// One sequential write then read of `size` bytes with `cfg`, buffers of `kind`.
+RunResult run_strata(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge, bool verify) {
+  const std::size_t buf_bytes = std::min<std::size_t>(size, std::size_t(256) << 20);
+  PinnedPoolOptions po;
+  po.budget_bytes = buf_bytes + (std::size_t(8) << 20);
+  po.huge_pages = huge;
+  po.chunk_bytes = buf_bytes + (std::size_t(4) << 20);
+  PinnedPool pool(po);
+  PinnedBlock buf = pool.allocate(buf_bytes);
+  std::memset(buf.data(), 0x5a, buf_bytes);
+
+  auto eng = make_io_engine(cfg);
+  const std::pair<void*, std::size_t> region{buf.data(), buf_bytes};
+  eng->register_buffers({&region, 1});
+
+  bool direct = false;
+  const int fd = open_for_io(file, O_RDWR | O_CREAT, cfg.direct, &direct);
+  if (::fallocate(fd, 0, 0, off_t(size)) != 0 && errno != EOPNOTSUPP) {
+    const int err = errno;
+    ::close(fd);
+    detail::throw_errno(__FILE__, __LINE__, "fallocate", err, fmt::format("cannot preallocate {} for the benchmark", file));
+  }
+  std::vector<std::uint64_t> sums(size / cfg.block_size + 1);
+  auto requests = [&](IoOp op) {
+    std::vector<IoRequest> reqs;
+    std::size_t i = 0;
+    for (std::size_t off = 0; off < size; off += cfg.block_size, ++i) {
+      IoRequest r;
+      r.op = op;
+      r.fd = fd;
+      r.offset = off;
+      r.bytes = std::min(cfg.block_size, size - off);
+      r.buf = static_cast<char*>(buf.data()) + (off % buf_bytes);
+      r.path = &file;
+      if (verify) {
+        r.checksum = &sums[i];
+        r.verify = op == IoOp::kRead;
+      }
+      reqs.push_back(r);
+    }
+    return reqs;
+  };
+  RunResult res;
+  res.page_kind = page_kind_name(buf.page_kind());
+  res.engine = eng->describe();
+  const auto w = requests(IoOp::kWrite);
+  Stopwatch sw;
+  eng->submit(w).wait();
+  ::fdatasync(fd);
+  res.write_gbps = double(size) / sw.seconds() / 1e9;
+  const auto r = requests(IoOp::kRead);
+  sw.restart();
+  eng->submit(r).wait();
+  res.read_gbps = double(size) / sw.seconds() / 1e9;
+  ::close(fd);
+  return res;
+}
+
+// Runs fio with the job equivalent to run_strata's; returns GB/s (0 when fio is missing).
+double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge, bool fixedbufs,
+               const char* rw) {
+  const int jobs = cfg.thread_count;
+  const std::size_t per_job = size / std::size_t(jobs) / cfg.block_size * cfg.block_size;
+  std::string cmd = fmt::format(
+      "fio --name=strata-vs-fio --filename='{}' --rw={} --bs={} --iodepth={} --numjobs={} --size={} "
+      "--offset_increment={} --group_reporting --direct={} --ioengine=io_uring --fallocate=native "
+      "--output-format=json{}{} 2>/dev/null",
+      file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job, cfg.direct == DirectIo::kOff ? 0 : 1,
+      fixedbufs ? " --fixedbufs" : "", huge ? " --mem=mmaphuge" : "");
+  std::FILE* p = ::popen(cmd.c_str(), "r");
+  STRATA_REQUIRE(p != nullptr, "cannot run fio");
+  std::string out;
+  char chunk[4096];
+  std::size_t n;
+  while ((n = std::fread(chunk, 1, sizeof chunk, p)) > 0) out.append(chunk, n);
+  const int rc = ::pclose(p);
+  STRATA_REQUIRE(rc == 0, "fio failed (exit {}) running: {}{}", WEXITSTATUS(rc), cmd,
+                 huge ? " (--mem=mmaphuge needs hugetlbfs pages: see --reserve-hugepages)" : "");
+  const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+  const auto& job = j["jobs"][0][rw == std::string("write") ? "write" : "read"];
+  return job["bw_bytes"].get<double>() / 1e9;
+}
+
+bool have_fio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
+
+void run_compare(const NvmeArgs& a) {
+  AioConfig cfg;
+  cfg.block_size = parse_bytes(a.block_size, "--block-size");
+  cfg.queue_depth = a.queue_depth;
+  cfg.thread_count = a.threads;
+  cfg.engine = a.engine == "threads" ? IoBackend::kThreads : a.engine == "io_uring" ? IoBackend::kIoUring : IoBackend::kAuto;
+  cfg.register_buffers = !a.no_register;
+  const std::size_t size = parse_bytes(a.size, "--size") / cfg.block_size * cfg.block_size;
+  STRATA_REQUIRE(size > 0, "--size must be at least one block");
+  STRATA_REQUIRE(fs::is_directory(a.path), "--path '{}' is not a directory", a.path);
+  const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
+  const bool fio = a.vs_fio && have_fio();
+  if (a.vs_fio && !fio) log::warn("fio is not installed (scripts/setup.sh installs it): no fio comparison");
+
+  std::vector<bool> kinds;
+  if (a.buffers == "huge" || a.buffers == "both") kinds.push_back(true);
+  if (a.buffers == "normal" || a.buffers == "both") kinds.push_back(false);
+  STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal or both", a.buffers);
+  const cpu::HugePageInfo hp = cpu::huge_page_info();
+
+  nlohmann::json js;
+  js["path"] = fs::absolute(a.path).string();
+  js["size_bytes"] = size;
+  js["block_size_bytes"] = cfg.block_size;
+  js["queue_depth"] = cfg.queue_depth;
+  js["threads"] = cfg.thread_count;
+  js["results"] = nlohmann::json::array();
+  std::printf("strata-bench nvme: %s, %s, block %s, QD %d, %d thread(s)\n", js["path"].get<std::string>().c_str(),
+              human_bytes(double(size)).c_str(), human_bytes(double(cfg.block_size)).c_str(), cfg.queue_depth,
+              cfg.thread_count);
+  std::printf("%-10s %-17s %-6s %12s %10s %7s\n", "buffers", "pages", "op", "strata GB/s", "fio GB/s", "ratio");
+  for (bool huge : kinds) {
+    const RunResult r = run_strata(file, size, cfg, huge, false);
+    js["engine"] = r.engine;
+    nlohmann::json row{{"buffers", huge ? "huge" : "normal"}, {"page_kind", r.page_kind},
+                       {"write_gbps", r.write_gbps}, {"read_gbps", r.read_gbps}};
+    double fw = 0, fr = 0;
+    // fio's huge-page buffers are hugetlbfs pages only; compare like with like.
+    const bool fio_huge = huge && r.page_kind == std::string("hugetlb");
+    const bool fio_ok = fio && (!huge || fio_huge);
+    if (fio_ok) {
+      const bool fixed = !a.no_register && cfg.engine != IoBackend::kThreads;
+      fw = run_fio(file, size, cfg, fio_huge, fixed, "write");
+      fr = run_fio(file, size, cfg, fio_huge, fixed, "read");
+      row["fio_write_gbps"] = fw;
+      row["fio_read_gbps"] = fr;
+      row["ratio_vs_fio_write"] = r.write_gbps / fw;
+      row["ratio_vs_fio_read"] = r.read_gbps / fr;
+    } else if (fio && huge) {
+      row["fio_note"] = "fio has no transparent-huge-page buffers: run with --reserve-hugepages for a hugetlb comparison";
+    }
+    for (int op = 0; op < 2; ++op) {
+      const double ours = op == 0 ? r.write_gbps : r.read_gbps;
+      const double theirs = op == 0 ? fw : fr;
+      std::printf("%-10s %-17s %-6s %12.2f %10s %7s\n", huge ? "huge" : "normal", r.page_kind.c_str(),
+                  op == 0 ? "write" : "read", ours, fio_ok ? fmt::format("{:.2f}", theirs).c_str() : "-",
+                  fio_ok ? fmt::format("{:.2f}", ours / theirs).c_str() : "-");
+    }
+    if (a.verify) {
+      const RunResult v = run_strata(file, size, cfg, huge, true);
+      row["verify_write_gbps"] = v.write_gbps;
+      row["verify_read_gbps"] = v.read_gbps;
+      row["verify_write_ratio"] = v.write_gbps / r.write_gbps;
+      row["verify_read_ratio"] = v.read_gbps / r.read_gbps;
+      std::printf("%-10s %-17s %-6s %12.2f %10s %7.2f  (xxh3 verify on, ratio to unchecked)\n", "", "", "write", v.write_gbps, "",
+                  v.write_gbps / r.write_gbps);
+      std::printf("%-10s %-17s %-6s %12.2f %10s %7.2f  (xxh3 verify on, ratio to unchecked)\n", "", "", "read", v.read_gbps, "",
+                  v.read_gbps / r.read_gbps);
+    }
+    js["results"].push_back(row);
+  }
+  std::printf("engine: %s; hugetlbfs pages free: %zu\n", js["engine"].get<std::string>().c_str(), hp.hugetlb_free);
+  std::error_code ec;
+  fs::remove(file, ec);
+  if (a.json) print_json(js);
+}
+
+void run_sweep(const NvmeArgs& a) {
+  STRATA_REQUIRE(fs::is_directory(a.path), "--path '{}' is not a directory", a.path);
+  const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
+  const std::size_t size = std::min<std::size_t>(parse_bytes(a.size, "--size"), std::size_t(512) << 20);
+  const std::size_t blocks[] = {std::size_t(256) << 10, std::size_t(1) << 20, std::size_t(4) << 20};
+  const int qds[] = {8, 32, 64};
+  const int threads[] = {1, 2};
+  const bool hugeness[] = {true, false};
+  Stopwatch total;
+  nlohmann::json runs = nlohmann::json::array();
+  double best = 0;
+  AioConfig best_cfg;
+  bool best_huge = true;
+  std::printf("strata-bench nvme --sweep: %s per run, at most %.0f s\n", human_bytes(double(size)).c_str(), a.sweep_seconds);
+  std::printf("%-8s %4s %7s %-7s %10s %10s\n", "block", "QD", "threads", "buffers", "write GB/s", "read GB/s");
+  bool stopped = false;
+  for (bool huge : hugeness) {
+    for (std::size_t bs : blocks) {
+      for (int qd : qds) {
+        for (int th : threads) {
+          if (total.seconds() > a.sweep_seconds) {
+            stopped = true;
+            break;
+          }
+          AioConfig cfg;
+          cfg.block_size = bs;
+          cfg.queue_depth = qd;
+          cfg.thread_count = th;
+          const RunResult r = run_strata(file, size / bs * bs, cfg, huge, false);
+          // Both directions matter to a training step: rank by the time to write and read back.
+          const double score = 2.0 / (1.0 / r.write_gbps + 1.0 / r.read_gbps);
+          std::printf("%-8s %4d %7d %-7s %10.2f %10.2f\n", human_bytes(double(bs)).c_str(), qd, th,
+                      huge ? "huge" : "normal", r.write_gbps, r.read_gbps);
+          runs.push_back({{"block_size_bytes", bs}, {"queue_depth", qd}, {"threads", th},
+                          {"buffers", huge ? "huge" : "normal"}, {"write_gbps", r.write_gbps},
+                          {"read_gbps", r.read_gbps}});
+          if (score > best) {
+            best = score;
+            best_cfg = cfg;
+            best_huge = huge;
+          }
+        }
+      }
+    }
+  }
+  std::error_code ec;
+  fs::remove(file, ec);
+  const nlohmann::json aio{{"block_size", best_cfg.block_size}, {"queue_depth", best_cfg.queue_depth},
+                           {"thread_count", best_cfg.thread_count}, {"single_submit", false},
+                           {"overlap_events", true}, {"use_hugepages", best_huge}};
+  const nlohmann::json block{{"aio", aio}};
+  std::printf("%s after %.1f s. best aio block:\n%s\n", stopped ? "time bound reached" : "done", total.seconds(),
+              block.dump(2).c_str());
+  if (!a.out.empty()) {
+    std::ofstream(a.out) << block.dump(2) << "\n";
+    STRATA_REQUIRE(fs::exists(a.out), "cannot write {}", a.out);
+    std::printf("written to %s\n", a.out.c_str());
+  }
+  if (a.json) print_json({{"runs", runs}, {"best", aio}, {"sweep_seconds", total.seconds()}});
+}
+
+}  // namespace
+
+void add_nvme_command(CLI::App& app) {
+  auto a = std::make_shared<NvmeArgs>();
+  CLI::App* c = app.add_subcommand("nvme", "sequential NVMe write+read through strata's I/O engine (vs fio)");
+  c->add_option("--path", a->path, "directory on the drive to test (a file is created and removed)");
+  c->add_option("--size", a->size, "bytes to write then read (4G, 512M, ...)");
+  c->add_option("--block-size", a->block_size, "bytes per request (aio.block_size)");
+  c->add_option("--queue-depth", a->queue_depth, "requests in flight per ring")->check(CLI::Range(1, 4096));
+  c->add_option("--threads", a->threads, "rings / worker threads")->check(CLI::Range(1, 64));
+  c->add_option("--buffers", a->buffers, "huge, normal or both")->check(CLI::IsMember({"huge", "normal", "both"}));
+  c->add_option("--engine", a->engine, "auto, io_uring or threads")->check(CLI::IsMember({"auto", "io_uring", "threads"}));
+  c->add_flag("--vs-fio", a->vs_fio, "run fio with the same job in the same run and print our/fio ratios");
+  c->add_flag("--verify", a->verify, "also run with xxh3 checksums and print their cost");
+  c->add_flag("--no-register", a->no_register, "do not register fixed buffers (nor use fio --fixedbufs)");
+  c->add_flag("--sweep", a->sweep, "sweep block size x QD x threads x buffers; print the best aio block");
+  c->add_option("--sweep-seconds", a->sweep_seconds, "time bound of the sweep");
+  c->add_option("--out", a->out, "with --sweep: write the best aio block to this JSON file");
+  c->add_option("--reserve-hugepages", a->reserve_hugepages,
+                 "set vm.nr_hugepages to at least this many 2 MiB pages for the run (root), so strata and fio "
+                 "both get hugetlbfs buffers; restored afterwards");
+  c->add_flag("--json", a->json, "print, last, one JSON object of the figures");
+  c->callback([a] {
+    HugepageReservation hp(a->reserve_hugepages);
+    a->sweep ? run_sweep(*a) : run_compare(*a);
+  });
+}
+
+}  // namespace strata::bench

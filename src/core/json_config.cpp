@@ -1,0 +1,123 @@
+#include "core/json_config.h"
+
+#include <cmath>
+
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata::config {
+
+Json parse(std::string_view text, std::string_view what) {
+  try {
+    return Json::parse(text.begin(), text.end());
+  } catch (const Json::parse_error& e) {
+    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
+  }
+}
+
+static const char* type_name(const Json& j) { return j.type_name(); }
+
+Section::Section(const Json* obj, std::string path) : obj_(obj), path_(std::move(path)) {
+  if (obj_ && obj_->is_null()) obj_ = nullptr;
+  STRATA_REQUIRE(obj_ == nullptr || obj_->is_object(), "config key '{}' must be an object, got {}",
+                 path_.empty() ? "(top level)" : path_, obj_ ? type_name(*obj_) : "null");
+}
+
+bool Section::has(std::string_view key) const { return raw(key) != nullptr; }
+
+std::string Section::key_path(std::string_view key) const {
+  return path_.empty() ? std::string(key) : path_ + "." + std::string(key);
+}
+
+const Json* Section::raw(std::string_view key) const {
+  if (!obj_) return nullptr;
+  auto it = obj_->find(key);
+  if (it == obj_->end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def) const {
+  const Json* v = raw(key);
+  if (!v) return def;
+  if (v->is_number_unsigned()) return v->get<std::uint64_t>();
+  if (v->is_number_integer()) {
+    const auto i = v->get<std::int64_t>();
+    STRATA_REQUIRE(i >= 0, "config key '{}' must be >= 0, got {}", key_path(key), i);
+    return static_cast<std::uint64_t>(i);
+  }
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    STRATA_REQUIRE(d >= 0 && d == std::floor(d) && d < 1.8e19,
+                   "config key '{}' must be a whole number >= 0 (5e8 and 500000000 both work), got {}",
+                   key_path(key), v->dump());
+    return static_cast<std::uint64_t>(d);
+  }
+  STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key),
+               type_name(*v), v->dump());
+}
+
+std::int64_t Section::get_int(std::string_view key, std::int64_t def) const {
+  const Json* v = raw(key);
+  if (!v) return def;
+  if (v->is_number_integer()) return v->get<std::int64_t>();
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    STRATA_REQUIRE(d == std::floor(d) && std::fabs(d) < 9e18,
+                   "config key '{}' must be a whole number, got {}", key_path(key), v->dump());
+    return static_cast<std::int64_t>(d);
+  }
+  STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key),
+               type_name(*v), v->dump());
+}
+
+double Section::get_double(std::string_view key, double def) const {
+  const Json* v = raw(key);
+  if (!v) return def;
+  STRATA_REQUIRE(v->is_number(), "config key '{}' must be a number, got {} {}", key_path(key),
+                 type_name(*v), v->dump());
+  return v->get<double>();
+}
+
+bool Section::get_bool(std::string_view key, bool def) const {
+  const Json* v = raw(key);
+  if (!v) return def;
+  STRATA_REQUIRE(v->is_boolean(), "config key '{}' must be true or false, got {} {}", key_path(key),
+                 type_name(*v), v->dump());
+  return v->get<bool>();
+}
+
+std::string Section::get_string(std::string_view key, std::string_view def) const {
+  const Json* v = raw(key);
+  if (!v) return std::string(def);
+  STRATA_REQUIRE(v->is_string(), "config key '{}' must be a string, got {} {}", key_path(key),
+                 type_name(*v), v->dump());
+  return v->get<std::string>();
+}
+
+std::string Section::get_choice(std::string_view key, std::string_view def,
+                                std::initializer_list<std::string_view> allowed) const {
+  std::string s = get_string(key, def);
+  std::string list;
+  for (auto a : allowed) {
+    if (s == a) return s;
+    list += fmt::format("{}\"{}\"", list.empty() ? "" : ", ", a);
+  }
+  STRATA_THROW(kInvalidArgument, "config key '{}' is \"{}\": use one of {}", key_path(key), s, list);
+}
+
+Section Section::child(std::string_view key) const { return Section(raw(key), key_path(key)); }
+
+void Section::warn_unknown(std::initializer_list<std::string_view> known) const {
+  if (!obj_) return;
+  for (auto it = obj_->begin(); it != obj_->end(); ++it) {
+    bool ok = false;
+    for (auto k : known) ok = ok || it.key() == k;
+    if (!ok) {
+      const std::string full = key_path(it.key());
+      log::warn_once("config.unknown." + full,
+                     fmt::format("config key '{}' is not used by strata; ignored", full));
+    }
+  }
+}
+
+}  // namespace strata::config

@@ -1,0 +1,701 @@
+// The I/O engines behind strata::IoEngine.
+//
+// Owns: worker threads (one io_uring ring each, or a pool of pread/pwrite threads), the
+// chunks in flight, and the completion state of each submit() batch.
+// Invariants:
+//  - A request is split into chunks of at most block_size bytes; chunk numbers follow the
+//    order of submit() (the fault plan names chunks by number).
+//  - A ring never has more than queue_depth chunks in flight; every CQE is marked seen;
+//    a worker drains its ring before it exits, so no buffer is written after shutdown.
+//  - -EAGAIN / -EINTR requeue the chunk (bounded retries); a short transfer requeues the
+//    remainder; anything else fails the batch with the operation, file, offset and errno,
+//    while the batch's other chunks still complete: a batch always ends, never hangs.
+//  - Checksums are computed (writes) and verified (reads) once a request's last chunk is
+//    done, on the worker that completed it, so hashing runs in parallel across rings.
+// It never reorders chunks of one request in a way a reader could see: a read's bytes are
+// only reported once all of its chunks completed.
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "nvme/uring_probe.h"
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/nvme.h"
+#include "strata/trace.h"
+
+namespace strata {
+namespace detail {
+
+struct IoBatch {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t remaining = 0;  // chunks not completed yet
+  bool done = false;
+  std::exception_ptr error;
+  std::vector<std::function<void(std::exception_ptr)>> callbacks;
+  std::vector<IoRequest> reqs;
+  std::vector<std::string> paths;  // copies of the requests' paths and tags (the pointers may dangle)
+  std::vector<std::string> tags;
+  std::unique_ptr<std::atomic<std::uint32_t>[]> req_chunks_left;
+};
+
+}  // namespace detail
+
+bool IoHandle::done() const {
+  if (!batch_) return true;
+  std::lock_guard<std::mutex> lock(batch_->mu);
+  return batch_->done;
+}
+
+void IoHandle::wait() const {
+  if (!batch_) return;
+  std::unique_lock<std::mutex> lock(batch_->mu);
+  batch_->cv.wait(lock, [&] { return batch_->done; });
+  if (batch_->error) std::rethrow_exception(batch_->error);
+}
+
+bool IoHandle::wait_for(std::chrono::milliseconds limit) const {
+  if (!batch_) return true;
+  std::unique_lock<std::mutex> lock(batch_->mu);
+  if (!batch_->cv.wait_for(lock, limit, [&] { return batch_->done; })) return false;
+  if (batch_->error) std::rethrow_exception(batch_->error);
+  return true;
+}
+
+void IoHandle::on_complete(std::function<void(std::exception_ptr)> fn) const {
+  STRATA_REQUIRE(static_cast<bool>(fn), "IoHandle::on_complete: empty function");
+  if (!batch_) {
+    fn(nullptr);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(batch_->mu);
+  if (!batch_->done) {
+    batch_->callbacks.push_back(std::move(fn));
+    return;
+  }
+  auto err = batch_->error;
+  lock.unlock();
+  fn(err);
+}
+
+namespace {
+
+using detail::IoBatch;
+
+constexpr int kMaxRetries = 1000;
+constexpr std::size_t kDirectAlign = 4096;
+
+struct Chunk {
+  std::shared_ptr<IoBatch> batch;
+  std::uint32_t req = 0;
+  IoOp op = IoOp::kRead;
+  int fd = -1;
+  std::uint64_t offset = 0;
+  char* buf = nullptr;
+  std::size_t bytes = 0;
+  std::uint64_t id = 0;
+  int retries = 0;
+  bool fault_checked = false;
+};
+
+std::string errno_text(int err) {
+  char b[128];
+  return strerror_r(err, b, sizeof b);
+}
+
+const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+
+std::string describe_file(const IoBatch& b, std::uint32_t req) {
+  const std::string& p = b.paths[req];
+  std::string s = p.empty() ? fmt::format("fd {}", b.reqs[req].fd) : fmt::format("'{}'", p);
+  if (!b.tags[req].empty()) s += fmt::format(" ({})", b.tags[req]);
+  return s;
+}
+
+// The shared part of both engines: splitting, fault injection, completion.
+class EngineBase : public IoEngine {
+ public:
+  EngineBase(const AioConfig& cfg, std::vector<Fault> faults)
+      : cfg_(cfg), faults_(std::move(faults)), fired_(faults_.size(), false) {}
+
+  IoHandle submit(std::span<const IoRequest> requests) override {
+    auto batch = std::make_shared<IoBatch>();
+    if (requests.empty()) {
+      batch->done = true;
+      return IoHandle(batch);
+    }
+    std::unordered_map<int, bool> direct;  // fd -> O_DIRECT, one fcntl per file
+    std::size_t nchunks = 0;
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      const IoRequest& r = requests[i];
+      STRATA_REQUIRE(r.fd >= 0, "I/O request {}: no file (fd {})", i, r.fd);
+      STRATA_REQUIRE(r.buf != nullptr, "I/O request {} ({} of {} bytes): null buffer", i, op_name(r.op), r.bytes);
+      STRATA_REQUIRE(r.bytes > 0, "I/O request {}: zero bytes; skip empty requests", i);
+      STRATA_REQUIRE(!r.verify || r.checksum, "I/O request {}: verify needs a checksum to compare with", i);
+      auto [it, fresh] = direct.try_emplace(r.fd, false);
+      if (fresh) {
+        const int fl = ::fcntl(r.fd, F_GETFL);
+        STRATA_CHECK_ERRNO(fl, "I/O request {}: fd {} is not an open file", i, r.fd);
+        it->second = (fl & O_DIRECT) != 0;
+      }
+      if (it->second) {
+        STRATA_REQUIRE(r.offset % kDirectAlign == 0 && r.bytes % kDirectAlign == 0 &&
+                           reinterpret_cast<std::uintptr_t>(r.buf) % kDirectAlign == 0,
+                       "unaligned O_DIRECT {} of {}: offset {}, {} bytes, buffer {}; offset, length and "
+                       "buffer address must be multiples of 4096 (use SwapStore::padded_bytes and "
+                       "pool memory)",
+                       op_name(r.op), r.path ? *r.path : fmt::format("fd {}", r.fd), r.offset, r.bytes,
+                       r.buf);
+      }
+      nchunks += (r.bytes + cfg_.block_size - 1) / cfg_.block_size;
+    }
+    batch->reqs.assign(requests.begin(), requests.end());
+    batch->paths.reserve(requests.size());
+    batch->tags.reserve(requests.size());
+    for (const auto& r : requests) {
+      batch->paths.push_back(r.path ? *r.path : std::string());
+      batch->tags.push_back(r.tag ? *r.tag : std::string());
+    }
+    batch->req_chunks_left = std::make_unique<std::atomic<std::uint32_t>[]>(requests.size());
+    batch->remaining = nchunks;
+
+    std::vector<Chunk*> chunks;
+    chunks.reserve(nchunks);
+    std::uint64_t id = next_chunk_.fetch_add(nchunks);
+    for (std::uint32_t i = 0; i < requests.size(); ++i) {
+      const IoRequest& r = requests[i];
+      std::uint32_t n = 0;
+      for (std::size_t off = 0; off < r.bytes; off += cfg_.block_size, ++n) {
+        auto* c = new Chunk;
+        c->batch = batch;
+        c->req = i;
+        c->op = r.op;
+        c->fd = r.fd;
+        c->offset = r.offset + off;
+        c->buf = static_cast<char*>(r.buf) + off;
+        c->bytes = std::min(cfg_.block_size, r.bytes - off);
+        c->id = id++;
+        chunks.push_back(c);
+      }
+      batch->req_chunks_left[i].store(n, std::memory_order_relaxed);
+    }
+    enqueue(std::move(chunks));
+    return IoHandle(batch);
+  }
+
+  IoStats stats() const override {
+    IoStats s;
+    s.bytes_read = bytes_read_.load();
+    s.bytes_written = bytes_written_.load();
+    s.chunks = chunks_done_.load();
+    s.requeued_short = requeued_short_.load();
+    s.requeued_eagain = requeued_eagain_.load();
+    s.errors = errors_.load();
+    s.checksum_ns = checksum_ns_.load();
+    return s;
+  }
+
+ protected:
+  virtual void enqueue(std::vector<Chunk*>&& chunks) = 0;
+
+  // Applies the fault plan to a chunk's first completion.
+  long inject(Chunk* c, long res) {
+    if (faults_.empty() || c->fault_checked) return res;
+    c->fault_checked = true;
+    std::uint32_t delay = 0;
+    {
+      std::lock_guard<std::mutex> lock(fault_mu_);
+      for (std::size_t i = 0; i < faults_.size(); ++i) {
+        if (fired_[i] || faults_[i].chunk != c->id) continue;
+        fired_[i] = true;
+        switch (faults_[i].kind) {
+          case FaultKind::kShort:
+            if (res > long(kDirectAlign)) res = (res / 2) / long(kDirectAlign) * long(kDirectAlign);
+            else if (res > 1) res /= 2;
+            break;
+          case FaultKind::kEagain: res = -EAGAIN; break;
+          case FaultKind::kEio: res = -EIO; break;
+          case FaultKind::kEnospc: res = -ENOSPC; break;
+          case FaultKind::kDelay: delay = faults_[i].delay_ms; break;
+        }
+      }
+    }
+    if (delay) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+    return res;
+  }
+
+  // Handles a chunk's result. Returns true when the chunk must be issued again (then the
+  // caller keeps it); false when it is finished (the chunk has been deleted).
+  bool finish_chunk(Chunk* c, long res) {
+    res = inject(c, res);
+    if (res == -EAGAIN || res == -EINTR) {
+      if (++c->retries <= kMaxRetries) {
+        ++requeued_eagain_;
+        return true;
+      }
+      fail(c, fmt::format("still -EAGAIN after {} retries", kMaxRetries), EAGAIN);
+    } else if (res < 0) {
+      fail(c, errno_text(int(-res)), int(-res));
+    } else if (res == 0) {
+      fail(c, c->op == IoOp::kRead ? "end of file (the file is shorter than the request)"
+                                   : "no progress (0 bytes written)",
+           0);
+    } else if (std::size_t(res) < c->bytes) {
+      c->offset += std::size_t(res);
+      c->buf += res;
+      c->bytes -= std::size_t(res);
+      (c->op == IoOp::kRead ? bytes_read_ : bytes_written_) += std::uint64_t(res);
+      ++requeued_short_;
+      return true;
+    } else {
+      (c->op == IoOp::kRead ? bytes_read_ : bytes_written_) += c->bytes;
+    }
+    ++chunks_done_;
+    complete(c);
+    return false;
+  }
+
+ private:
+  void fail(Chunk* c, const std::string& why, int err) {
+    ++errors_;
+    IoBatch& b = *c->batch;
+    const IoRequest& r = b.reqs[c->req];
+    const ErrorKind kind = ErrorKind::kIo;
+    auto e = std::make_exception_ptr(Error(
+        kind,
+        fmt::format("{} of {} bytes at offset {} of {} failed: {}{}", op_name(c->op), c->bytes, c->offset,
+                    describe_file(b, c->req), why,
+                    err == ENOSPC ? " — the disk is full: free space or point nvme_path at a larger drive" : ""),
+        op_name(r.op), __FILE__, __LINE__, err ? fmt::format("errno {}", err) : std::string()));
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (!b.error) b.error = e;
+  }
+
+  void complete(Chunk* c) {
+    std::shared_ptr<IoBatch> bp = std::move(c->batch);
+    IoBatch& b = *bp;
+    const std::uint32_t req = c->req;
+    delete c;
+    if (b.req_chunks_left[req].fetch_sub(1) == 1) finish_request(b, req);
+    std::vector<std::function<void(std::exception_ptr)>> callbacks;
+    std::exception_ptr err;
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (--b.remaining != 0) return;
+      b.done = true;
+      callbacks.swap(b.callbacks);
+      err = b.error;
+    }
+    b.cv.notify_all();
+    for (auto& fn : callbacks) fn(err);
+  }
+
+  // Checksums of a whole request, once all its chunks are done.
+  void finish_request(IoBatch& b, std::uint32_t req) {
+    const IoRequest& r = b.reqs[req];
+    if (!r.checksum) return;
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (b.error) return;  // the bytes are not trustworthy; the batch already failed
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t h = XXH3_64bits(r.buf, r.bytes);
+    checksum_ns_ += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::steady_clock::now() - t0)
+                                      .count());
+    if (r.op == IoOp::kWrite) {
+      *r.checksum = h;
+    } else if (r.verify && h != *r.checksum) {
+      ++errors_;
+      auto e = std::make_exception_ptr(Error(
+          ErrorKind::kIo,
+          fmt::format("checksum mismatch reading {} bytes at offset {} of {}: expected {:016x}, got {:016x}; "
+                      "the file was changed behind strata's back or the drive returned corrupt data",
+                      r.bytes, r.offset, describe_file(b, req), *r.checksum, h),
+          "verify", __FILE__, __LINE__));
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (!b.error) b.error = e;
+    }
+  }
+
+ protected:
+  AioConfig cfg_;
+
+ private:
+  std::vector<Fault> faults_;
+  std::vector<bool> fired_;
+  std::mutex fault_mu_;
+  std::atomic<std::uint64_t> next_chunk_{0};
+  std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0}, chunks_done_{0}, requeued_short_{0},
+      requeued_eagain_{0}, errors_{0}, checksum_ns_{0};
+};
+
+// ---- io_uring ----
+
+class UringEngine;
+
+class UringWorker {
+ public:
+  UringWorker(UringEngine* eng, int index, const AioConfig& cfg);
+  ~UringWorker();
+  void push(std::vector<Chunk*>& chunks, std::size_t begin, std::size_t step);
+  // Runs `cmd` on the worker thread once its ring is idle, and waits for it.
+  void run_idle(std::function<void(io_uring&)> cmd);
+  bool fixed_buffers() const { return !fixed_.empty(); }
+
+  struct Fixed {
+    char* base;
+    std::size_t len;
+  };
+  std::vector<Fixed> fixed_;                  // sorted by base; index = buffer index
+  std::unordered_map<int, int> fixed_files_;  // fd -> slot
+
+ private:
+  void run();
+  void prep(Chunk* c);
+
+  UringEngine* eng_;
+  const AioConfig cfg_;
+  int index_;
+  io_uring ring_{};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk*> queue_;
+  std::deque<std::packaged_task<void()>> commands_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class UringEngine final : public EngineBase {
+ public:
+  UringEngine(const AioConfig& cfg, std::vector<Fault> faults) : EngineBase(cfg, std::move(faults)) {
+    for (int i = 0; i < cfg.thread_count; ++i) workers_.push_back(std::make_unique<UringWorker>(this, i, cfg));
+  }
+  ~UringEngine() override { workers_.clear(); }
+
+  std::string describe() const override {
+    return fmt::format("io_uring ({} ring{}, QD {}, {} KiB blocks{}{})", workers_.size(),
+                       workers_.size() == 1 ? "" : "s", cfg_.queue_depth, cfg_.block_size / 1024,
+                       workers_[0]->fixed_buffers() ? ", fixed buffers" : "",
+                       workers_[0]->fixed_files_.empty() ? "" : ", fixed files");
+  }
+  IoBackend backend() const override { return IoBackend::kIoUring; }
+
+  bool register_buffers(std::span<const std::pair<void*, std::size_t>> regions) override {
+    if (!cfg_.register_buffers || regions.empty()) return false;
+    // The kernel takes at most 1 GiB per buffer: split larger regions.
+    std::vector<UringWorker::Fixed> fixed;
+    for (auto [p, n] : regions) {
+      STRATA_REQUIRE(p != nullptr && n > 0, "register_buffers: empty region");
+      for (std::size_t off = 0; off < n; off += std::size_t(1) << 30)
+        fixed.push_back({static_cast<char*>(p) + off, std::min(n - off, std::size_t(1) << 30)});
+    }
+    std::sort(fixed.begin(), fixed.end(), [](auto& a, auto& b) { return a.base < b.base; });
+    std::vector<iovec> iov;
+    for (auto& f : fixed) iov.push_back({f.base, f.len});
+    bool ok = true;
+    for (auto& w : workers_) {
+      w->run_idle([&](io_uring& ring) {
+        if (!w->fixed_.empty()) io_uring_unregister_buffers(&ring);
+        w->fixed_.clear();
+        const int rc = io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
+        if (rc < 0) {
+          ok = false;
+          log::warn_once("nvme.fixed_buffers",
+                         fmt::format("io_uring cannot register {} fixed buffers ({}); using plain reads and "
+                                     "writes (slower)",
+                                     iov.size(), errno_text(-rc)));
+          return;
+        }
+        w->fixed_ = fixed;
+      });
+    }
+    return ok;
+  }
+
+  bool register_files(std::span<const int> fds) override {
+    if (fds.empty()) return false;
+    bool ok = true;
+    for (auto& w : workers_) {
+      w->run_idle([&](io_uring& ring) {
+        if (!w->fixed_files_.empty()) io_uring_unregister_files(&ring);
+        w->fixed_files_.clear();
+        const int rc = io_uring_register_files(&ring, fds.data(), static_cast<unsigned>(fds.size()));
+        if (rc < 0) {
+          ok = false;
+          log::warn_once("nvme.fixed_files", fmt::format("io_uring cannot register files ({})", errno_text(-rc)));
+          return;
+        }
+        for (std::size_t i = 0; i < fds.size(); ++i) w->fixed_files_[fds[i]] = static_cast<int>(i);
+      });
+    }
+    return ok;
+  }
+
+  bool on_cqe(Chunk* c, long res) { return finish_chunk(c, res); }
+
+ protected:
+  void enqueue(std::vector<Chunk*>&& chunks) override {
+    // Consecutive chunks go to different rings so one large request uses all of them.
+    const std::size_t n = workers_.size();
+    const std::size_t first = next_worker_.fetch_add(1) % n;
+    for (std::size_t w = 0; w < n; ++w) workers_[(first + w) % n]->push(chunks, w, n);
+  }
+
+ private:
+  std::vector<std::unique_ptr<UringWorker>> workers_;
+  std::atomic<std::size_t> next_worker_{0};
+};
+
+UringWorker::UringWorker(UringEngine* eng, int index, const AioConfig& cfg)
+    : eng_(eng), cfg_(cfg), index_(index) {
+  const int rc = io_uring_queue_init(static_cast<unsigned>(cfg.queue_depth), &ring_, 0);
+  if (rc < 0)
+    detail::throw_errno(__FILE__, __LINE__, "io_uring_queue_init", -rc,
+                        "cannot create an io_uring ring; set aio.engine to \"threads\" to use the thread pool");
+  thread_ = std::thread([this] { run(); });
+}
+
+UringWorker::~UringWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+  io_uring_queue_exit(&ring_);
+}
+
+void UringWorker::push(std::vector<Chunk*>& chunks, std::size_t begin, std::size_t step) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (std::size_t i = begin; i < chunks.size(); i += step) queue_.push_back(chunks[i]);
+  }
+  cv_.notify_one();
+}
+
+void UringWorker::run_idle(std::function<void(io_uring&)> cmd) {
+  std::packaged_task<void()> task([this, &cmd] { cmd(ring_); });
+  auto fut = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commands_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+  fut.get();
+}
+
+void UringWorker::prep(Chunk* c) {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  int fd = c->fd;
+  unsigned flags = 0;
+  if (auto it = fixed_files_.find(fd); it != fixed_files_.end()) {
+    fd = it->second;
+    flags |= IOSQE_FIXED_FILE;
+  }
+  int buf_index = -1;
+  if (!fixed_.empty()) {
+    auto it = std::upper_bound(fixed_.begin(), fixed_.end(), c->buf,
+                               [](const char* p, const Fixed& f) { return p < f.base; });
+    if (it != fixed_.begin()) {
+      --it;
+      if (c->buf >= it->base && c->buf + c->bytes <= it->base + it->len) buf_index = int(it - fixed_.begin());
+    }
+  }
+  const auto n = static_cast<unsigned>(c->bytes);
+  if (c->op == IoOp::kRead) {
+    if (buf_index >= 0) io_uring_prep_read_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
+    else io_uring_prep_read(sqe, fd, c->buf, n, c->offset);
+  } else {
+    if (buf_index >= 0) io_uring_prep_write_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
+    else io_uring_prep_write(sqe, fd, c->buf, n, c->offset);
+  }
+  sqe->flags |= flags;
+  io_uring_sqe_set_data(sqe, c);
+}
+
+void UringWorker::run() {
+  std::deque<Chunk*> local;  // taken from the queue, or requeued, not yet in the ring
+  std::size_t inflight = 0;
+  const std::size_t qd = static_cast<std::size_t>(cfg_.queue_depth);
+  const std::string lane = fmt::format("nvme{}", index_);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (local.empty() && inflight == 0)
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty() || !commands_.empty(); });
+      while (inflight == 0 && !commands_.empty()) {
+        auto task = std::move(commands_.front());
+        commands_.pop_front();
+        lock.unlock();
+        task();
+        lock.lock();
+      }
+      while (!queue_.empty()) {
+        local.push_back(queue_.front());
+        queue_.pop_front();
+      }
+      if (stop_ && local.empty() && inflight == 0) return;
+    }
+    std::size_t room = qd - inflight;
+    if (!cfg_.overlap_events && inflight > 0) room = 0;
+    unsigned prepared = 0;
+    while (room > 0 && !local.empty() && io_uring_sq_space_left(&ring_) > 0) {
+      prep(local.front());
+      local.pop_front();
+      ++inflight;
+      --room;
+      ++prepared;
+      if (cfg_.single_submit) io_uring_submit(&ring_);
+    }
+    if (prepared && !cfg_.single_submit) {
+      int rc;
+      do rc = io_uring_submit(&ring_);
+      while (rc == -EINTR || rc == -EAGAIN);
+      STRATA_CHECK(rc >= 0, "io_uring_submit failed: {}", errno_text(-rc));
+    }
+    if (inflight == 0) continue;
+    io_uring_cqe* cqe = nullptr;
+    int rc = io_uring_wait_cqe(&ring_, &cqe);
+    if (rc == -EINTR) continue;
+    STRATA_CHECK(rc == 0, "io_uring_wait_cqe failed: {}", errno_text(-rc));
+    Tracer& tracer = Tracer::global();
+    do {
+      auto* c = static_cast<Chunk*>(io_uring_cqe_get_data(cqe));
+      const long res = cqe->res;
+      io_uring_cqe_seen(&ring_, cqe);
+      --inflight;
+      const IoOp op = c->op;
+      const std::size_t bytes = c->bytes;
+      const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
+      if (eng_->on_cqe(c, res)) local.push_front(c);
+      if (t0) tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(), bytes);
+    } while (io_uring_peek_cqe(&ring_, &cqe) == 0);
+  }
+}
+
+// ---- pread/pwrite thread pool ----
+
+class ThreadEngine final : public EngineBase {
+ public:
+  ThreadEngine(const AioConfig& cfg, std::vector<Fault> faults) : EngineBase(cfg, std::move(faults)) {
+    const int n = std::clamp(cfg.thread_count * cfg.queue_depth, 1, 256);
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+  }
+  ~ThreadEngine() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  std::string describe() const override {
+    return fmt::format("threads ({} pread/pwrite threads, {} KiB blocks)", threads_.size(), cfg_.block_size / 1024);
+  }
+  IoBackend backend() const override { return IoBackend::kThreads; }
+  bool register_buffers(std::span<const std::pair<void*, std::size_t>>) override { return false; }
+  bool register_files(std::span<const int>) override { return false; }
+
+ protected:
+  void enqueue(std::vector<Chunk*>&& chunks) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Chunk* c : chunks) queue_.push_back(c);
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Chunk* c;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        c = queue_.front();
+        queue_.pop_front();
+      }
+      for (;;) {
+        const ssize_t r = c->op == IoOp::kRead ? ::pread(c->fd, c->buf, c->bytes, off_t(c->offset))
+                                               : ::pwrite(c->fd, c->buf, c->bytes, off_t(c->offset));
+        if (!finish_chunk(c, r < 0 ? -long(errno) : long(r))) break;
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk*> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+std::unique_ptr<IoEngine> build(const AioConfig& cfg, std::vector<Fault> faults) {
+  STRATA_REQUIRE(cfg.block_size >= 4096 && (cfg.block_size & (cfg.block_size - 1)) == 0,
+                 "aio.block_size = {}: must be a power of two >= 4096", cfg.block_size);
+  STRATA_REQUIRE(cfg.queue_depth >= 1, "aio.queue_depth = {}: must be >= 1", cfg.queue_depth);
+  STRATA_REQUIRE(cfg.thread_count >= 1, "aio.thread_count = {}: must be >= 1", cfg.thread_count);
+  if (cfg.engine == IoBackend::kThreads) return std::make_unique<ThreadEngine>(cfg, std::move(faults));
+  const nvme::UringProbe probe = nvme::probe_io_uring();
+  if (!probe.available) {
+    STRATA_REQUIRE(cfg.engine != IoBackend::kIoUring,
+                   "aio.engine = \"io_uring\" but io_uring is unavailable here ({}); use \"auto\" or \"threads\"",
+                   probe.reason);
+    log::warn_once("nvme.no_uring", fmt::format("io_uring is unavailable ({}); NVMe I/O uses a pread/pwrite "
+                                                "thread pool instead (slower)",
+                                                probe.reason));
+    return std::make_unique<ThreadEngine>(cfg, std::move(faults));
+  }
+  return std::make_unique<UringEngine>(cfg, std::move(faults));
+}
+
+}  // namespace
+
+std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config) { return build(config, {}); }
+
+std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config, std::vector<Fault> faults) {
+  return build(config, std::move(faults));
+}
+
+int open_for_io(const std::string& path, int flags, DirectIo direct, bool* is_direct) {
+  flags |= O_CLOEXEC;
+  if (direct != DirectIo::kOff) {
+    const int fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
+    if (fd >= 0) {
+      if (is_direct) *is_direct = true;
+      return fd;
+    }
+    const int err = errno;
+    if (err != EINVAL || direct == DirectIo::kOn)
+      detail::throw_errno(__FILE__, __LINE__, "open", err,
+                          fmt::format("cannot open '{}' for O_DIRECT I/O{}", path,
+                                      err == EINVAL ? " (the file system refuses O_DIRECT; set aio.direct to "
+                                                      "\"auto\" or false)"
+                                                    : ""));
+    log::warn_once("nvme.no_direct", fmt::format("the file system of '{}' refuses O_DIRECT (tmpfs does); using "
+                                                 "buffered I/O through the page cache",
+                                                 path));
+  }
+  const int fd = ::open(path.c_str(), flags, 0644);
+  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open '{}'", path));
+  if (is_direct) *is_direct = false;
+  return fd;
+}
+
+}  // namespace strata

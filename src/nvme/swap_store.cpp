@@ -1,0 +1,304 @@
+// The swap store: tensors kept in preallocated files on one or more NVMe paths.
+//
+// Owns: under each path, <path>/strata-swap/rank<N>/stripe.bin (one file per path) and a
+// lock file <path>/strata-swap/rank<N>.lock held with flock for the store's lifetime.
+// Layout: one logical address space striped across the files in block_size stripes
+// (stripe s lives in file s % F at file offset (s / F) * block_size); each key owns a
+// 4 KiB-aligned extent of it, handed out by a bump allocator (training state is reserved
+// once and reused every step, so extents are never freed individually).
+// Invariants:
+//  - Files only grow after statvfs says the bytes are there; growth is fallocate, so a
+//    later write cannot hit ENOSPC for lack of blocks (it can still fail for other reasons,
+//    and then reports the file and offset).
+//  - Every request the store issues is 4 KiB-aligned and within one stripe.
+//  - With verify on, each stripe piece's xxh3 is recorded when its write completes and
+//    checked when a read completes.
+//  - A clean exit deletes the files; a new run deletes a previous run's leftovers.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <mutex>
+#include <unordered_map>
+
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/nvme.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+
+namespace {
+constexpr std::size_t kPage = 4096;
+
+std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
+}  // namespace
+
+struct SwapStore::Impl {
+  struct File {
+    std::string path;
+    int fd = -1;
+    std::size_t size = 0;
+  };
+  struct Extent {
+    std::uint64_t offset = 0;  // logical
+    std::size_t bytes = 0;     // padded
+    bool written = false;
+    std::vector<std::uint64_t> sums;  // one per stripe piece
+    std::string tag;                  // "swap key 'K'", for messages
+  };
+
+  SwapStoreOptions opt;
+  std::unique_ptr<IoEngine> own_engine;
+  IoEngine* engine = nullptr;
+  std::vector<File> files;
+  std::vector<std::string> dirs, locks;
+  std::vector<int> lock_fds;
+  bool direct = false;
+  std::size_t stripe = 0;
+
+  mutable std::mutex mu;
+  std::uint64_t logical_end = 0;
+  std::unordered_map<std::string, Extent> extents;
+  std::vector<IoHandle> pending;
+  std::uint64_t bytes_written = 0, bytes_read = 0;
+
+  // Logical [off, off + n) as per-stripe pieces.
+  template <class Fn>
+  void for_pieces(std::uint64_t off, std::size_t n, Fn fn) const {
+    const std::size_t F = files.size();
+    std::size_t done = 0;
+    while (done < n) {
+      const std::uint64_t l = off + done;
+      const std::uint64_t s = l / stripe;
+      const std::size_t in = std::size_t(l % stripe);
+      const std::size_t len = std::min(n - done, stripe - in);
+      fn(files[s % F], (s / F) * stripe + in, done, len);
+      done += len;
+    }
+  }
+
+  // Grows the files to hold logical [0, end), after checking free space.
+  void ensure_capacity(std::uint64_t end) {
+    const std::size_t F = files.size();
+    const std::uint64_t stripes = (end + stripe - 1) / stripe;
+    std::vector<std::size_t> want(F);
+    for (std::size_t f = 0; f < F; ++f) want[f] = std::size_t((stripes + F - 1 - f) / F) * stripe;
+    for (std::size_t f = 0; f < F; ++f) {
+      if (want[f] <= files[f].size) continue;
+      const std::size_t need = want[f] - files[f].size;
+      struct statvfs sv {};
+      STRATA_CHECK_ERRNO(::statvfs(files[f].path.c_str(), &sv), "statvfs of '{}'", files[f].path);
+      const double avail = double(sv.f_bavail) * double(sv.f_frsize);
+      if (double(need) > avail)
+        STRATA_THROW(kIo,
+                     "the swap store needs {} more bytes ({}) in '{}' but only {} bytes ({}) are free there; "
+                     "free space, offload less to NVMe, or list more directories in {}",
+                     need, gib(double(need)), files[f].path, std::uint64_t(avail), gib(avail), opt.config_key);
+      const int rc = ::fallocate(files[f].fd, 0, off_t(files[f].size), off_t(need));
+      if (rc != 0) {
+        const int err = errno;
+        if (err == EOPNOTSUPP) {
+          // Some file systems (tmpfs before 3.5, some FUSE) cannot fallocate: extend instead.
+          STRATA_CHECK_ERRNO(::ftruncate(files[f].fd, off_t(want[f])), "ftruncate '{}'", files[f].path);
+        } else {
+          detail::throw_errno(__FILE__, __LINE__, "fallocate", err,
+                              fmt::format("cannot preallocate {} bytes in '{}'{}", need, files[f].path,
+                                          err == ENOSPC ? ": the disk is full" : ""));
+        }
+      }
+      files[f].size = want[f];
+    }
+  }
+
+  void prune_pending() {
+    std::erase_if(pending, [](const IoHandle& h) { return h.done(); });
+  }
+};
+
+std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.opt = opts;
+  STRATA_REQUIRE(!opts.paths.empty(), "config key '{}' is missing: give the directory (on the NVMe drive) "
+                 "where strata may keep swap files", opts.config_key);
+  STRATA_REQUIRE(opts.rank >= 0, "SwapStore rank {} must be >= 0", opts.rank);
+  s.stripe = opts.aio.block_size;
+  STRATA_REQUIRE(s.stripe >= kPage && (s.stripe & (s.stripe - 1)) == 0,
+                 "aio.block_size = {}: must be a power of two >= 4096", s.stripe);
+  if (engine) {
+    s.engine = engine;
+  } else {
+    s.own_engine = make_io_engine(opts.aio);
+    s.engine = s.own_engine.get();
+  }
+  for (const std::string& p : opts.paths) {
+    std::error_code ec;
+    STRATA_REQUIRE(fs::exists(p, ec), "config key '{}' = '{}': the directory does not exist; create it, or "
+                   "point {} at an existing directory on the NVMe drive", opts.config_key, p, opts.config_key);
+    STRATA_REQUIRE(fs::is_directory(p, ec), "config key '{}' = '{}' is not a directory", opts.config_key, p);
+    struct statvfs sv {};
+    const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
+    STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
+                   "config key '{}' = '{}' is read-only; strata needs to write swap files there: choose a "
+                   "writable directory", opts.config_key, p);
+    const fs::path top = fs::path(p) / "strata-swap";
+    fs::create_directories(top, ec);
+    STRATA_REQUIRE(!ec, "config key '{}' = '{}': cannot create '{}': {}", opts.config_key, p, top.string(),
+                   ec.message());
+    const std::string lock = (top / fmt::format("rank{}.lock", opts.rank)).string();
+    const int lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    STRATA_CHECK_ERRNO(lfd, "cannot create the lock file '{}'", lock);
+    if (::flock(lfd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(lfd);
+      STRATA_THROW(kInvalidArgument, "'{}' is in use by another running strata process (rank {}); give each "
+                   "run its own {}", top.string(), opts.rank, opts.config_key);
+    }
+    s.lock_fds.push_back(lfd);
+    s.locks.push_back(lock);
+    const fs::path dir = top / fmt::format("rank{}", opts.rank);
+    if (fs::exists(dir, ec)) {
+      log::info("removing swap files of a previous run in '{}'", dir.string());
+      fs::remove_all(dir, ec);
+      STRATA_REQUIRE(!ec, "cannot remove the previous run's swap files in '{}': {}", dir.string(), ec.message());
+    }
+    fs::create_directories(dir, ec);
+    STRATA_REQUIRE(!ec, "cannot create '{}': {}", dir.string(), ec.message());
+    s.dirs.push_back(dir.string());
+    Impl::File f;
+    f.path = (dir / "stripe.bin").string();
+    bool direct = false;
+    f.fd = open_for_io(f.path, O_RDWR | O_CREAT | O_TRUNC, opts.aio.direct, &direct);
+    s.direct = s.files.empty() ? direct : (s.direct && direct);
+    s.files.push_back(f);
+  }
+  std::vector<int> fds;
+  for (auto& f : s.files) fds.push_back(f.fd);
+  s.engine->register_files(fds);
+}
+
+SwapStore::~SwapStore() {
+  Impl& s = *impl_;
+  for (auto& h : s.pending) {
+    try {
+      h.wait();
+    } catch (const std::exception&) {
+      // Already reported to whoever waited on it; the files go away regardless.
+    }
+  }
+  s.own_engine.reset();
+  std::error_code ec;
+  for (auto& f : s.files) {
+    ::close(f.fd);
+    fs::remove(f.path, ec);
+  }
+  for (auto& d : s.dirs) fs::remove_all(d, ec);
+  for (std::size_t i = 0; i < s.lock_fds.size(); ++i) {
+    fs::remove(s.locks[i], ec);
+    ::close(s.lock_fds[i]);
+    const fs::path top = fs::path(s.locks[i]).parent_path();
+    if (fs::is_empty(top, ec)) fs::remove(top, ec);
+  }
+}
+
+void SwapStore::reserve(const std::string& key, std::size_t bytes) {
+  STRATA_REQUIRE(bytes > 0, "swap key '{}': cannot reserve 0 bytes", key);
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  STRATA_REQUIRE(!s.extents.count(key), "swap key '{}' is already reserved", key);
+  const std::size_t padded = padded_bytes(bytes);
+  s.ensure_capacity(s.logical_end + padded);
+  Impl::Extent e;
+  e.offset = s.logical_end;
+  e.bytes = padded;
+  std::size_t pieces = 0;
+  s.for_pieces(e.offset, e.bytes, [&](auto&, auto, auto, auto) { ++pieces; });
+  e.sums.assign(pieces, 0);
+  s.extents.emplace(key, std::move(e));
+  s.logical_end += padded;
+}
+
+bool SwapStore::contains(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->extents.count(key) != 0;
+}
+
+static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, void* buf, std::size_t bytes) {
+  STRATA_REQUIRE(buf != nullptr, "swap key '{}': null buffer", key);
+  STRATA_REQUIRE(reinterpret_cast<std::uintptr_t>(buf) % kPage == 0,
+                 "swap key '{}': buffer {} is not 4096-aligned; use pinned pool memory", key, buf);
+  std::vector<IoRequest> reqs;
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.extents.find(key);
+  STRATA_REQUIRE(it != s.extents.end(), "swap key '{}' was never reserved or written", key);
+  auto& e = it->second;
+  const std::size_t padded = SwapStore::padded_bytes(bytes);
+  STRATA_REQUIRE(padded <= e.bytes, "swap key '{}': {} bytes do not fit its {}-byte extent", key, bytes, e.bytes);
+  STRATA_REQUIRE(op == IoOp::kWrite || e.written, "swap key '{}' was reserved but never written; write it first",
+                 key);
+  const bool verify = s.opt.aio.verify;
+  e.tag = fmt::format("swap key '{}'", key);
+  std::size_t piece = 0;
+  s.for_pieces(e.offset, padded, [&](const SwapStore::Impl::File& f, std::uint64_t foff, std::size_t done,
+                                     std::size_t len) {
+    IoRequest r;
+    r.op = op;
+    r.fd = f.fd;
+    r.offset = foff;
+    r.buf = static_cast<char*>(buf) + done;
+    r.bytes = len;
+    r.path = &f.path;
+    r.tag = &e.tag;
+    if (verify) {
+      r.checksum = &e.sums[piece];
+      r.verify = op == IoOp::kRead;
+    }
+    ++piece;
+    reqs.push_back(r);
+  });
+  if (op == IoOp::kWrite) {
+    e.written = true;
+    s.bytes_written += padded;
+  } else {
+    s.bytes_read += padded;
+  }
+  IoHandle h = s.engine->submit(reqs);
+  s.prune_pending();
+  s.pending.push_back(h);
+  return h;
+}
+
+IoHandle SwapStore::write(const std::string& key, const void* buf, std::size_t bytes) {
+  if (!contains(key)) reserve(key, bytes);
+  return transfer(*impl_, IoOp::kWrite, key, const_cast<void*>(buf), bytes);
+}
+
+IoHandle SwapStore::read(const std::string& key, void* buf, std::size_t bytes) {
+  return transfer(*impl_, IoOp::kRead, key, buf, bytes);
+}
+
+SwapStoreStats SwapStore::stats() const {
+  const Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  SwapStoreStats st;
+  st.reserved_bytes = s.logical_end;
+  for (auto& f : s.files) st.file_bytes += f.size;
+  st.bytes_written = s.bytes_written;
+  st.bytes_read = s.bytes_read;
+  st.direct = s.direct;
+  return st;
+}
+
+std::vector<std::string> SwapStore::files() const {
+  std::vector<std::string> out;
+  for (auto& f : impl_->files) out.push_back(f.path);
+  return out;
+}
+
+IoEngine& SwapStore::engine() { return *impl_->engine; }
+
+}  // namespace strata

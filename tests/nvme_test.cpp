@@ -1,0 +1,465 @@
+// The NVMe tier: aio config, both engines, fault injection, the swap store.
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "strata/error.h"
+#include "strata/nvme.h"
+#include "strata/pinned_pool.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+// A page-aligned heap buffer.
+struct AlignedBuf {
+  explicit AlignedBuf(std::size_t n) : size((n + 4095) / 4096 * 4096) {
+    ptr = static_cast<std::uint8_t*>(std::aligned_alloc(4096, size));
+  }
+  ~AlignedBuf() { std::free(ptr); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  std::uint8_t* ptr;
+  std::size_t size;
+};
+
+void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const std::uint64_t v = rng();
+    std::memcpy(p + i, &v, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(rng());
+}
+
+// A fresh directory under the build tree's temp area, removed afterwards.
+struct TempDir {
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "strata-nvme-test-XXXXXX").string();
+    path = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+struct FileFd {
+  FileFd(const std::string& p, DirectIo d) : path(p) { fd = open_for_io(p, O_RDWR | O_CREAT | O_TRUNC, d, &direct); }
+  ~FileFd() { ::close(fd); }
+  std::string path;
+  int fd;
+  bool direct = false;
+};
+
+AioConfig config(IoBackend be, std::size_t bs = 64 << 10, int qd = 16, int threads = 3) {
+  AioConfig c;
+  c.engine = be;
+  c.block_size = bs;
+  c.queue_depth = qd;
+  c.thread_count = threads;
+  return c;
+}
+
+// ---- config ----
+
+TEST(AioConfig, DefaultsMatchDeepSpeed) {
+  const AioConfig c = parse_aio_config("{}");
+  EXPECT_EQ(c.block_size, 1u << 20);
+  EXPECT_EQ(c.queue_depth, 8);
+  EXPECT_EQ(c.thread_count, 1);
+  EXPECT_FALSE(c.single_submit);
+  EXPECT_TRUE(c.overlap_events);
+  EXPECT_FALSE(c.verify);
+}
+
+TEST(AioConfig, ReadsKeysAliasesAndWholeDsConfig) {
+  AioConfig c = parse_aio_config(R"({"block_size": 2.62144e5, "queue_depth": 32, "intra_op_parallelism": 2,
+                                     "single_submit": true, "verify": true, "engine": "threads", "direct": false})");
+  EXPECT_EQ(c.block_size, 262144u);
+  EXPECT_EQ(c.queue_depth, 32);
+  EXPECT_EQ(c.thread_count, 2);
+  EXPECT_TRUE(c.single_submit);
+  EXPECT_TRUE(c.verify);
+  EXPECT_EQ(c.engine, IoBackend::kThreads);
+  EXPECT_EQ(c.direct, DirectIo::kOff);
+  c = parse_aio_config(R"({"train_batch_size": 8, "aio": {"queue_depth": 64}})");
+  EXPECT_EQ(c.queue_depth, 64);
+  c = parse_aio_config(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})");
+  EXPECT_EQ(c.queue_depth, 8);
+}
+
+void expect_config_error(const char* json, const char* needle) {
+  try {
+    parse_aio_config(json);
+    ADD_FAILURE() << "accepted " << json;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(AioConfig, BadValuesNameTheKeyAndAllowedValues) {
+  expect_config_error(R"({"block_size": 3000})", "aio.block_size");
+  expect_config_error(R"({"block_size": 3000})", "power of two");
+  expect_config_error(R"({"block_size": 2048})", "4096");
+  expect_config_error(R"({"queue_depth": 0})", "aio.queue_depth");
+  expect_config_error(R"({"block_size": "big"})", "must be a number");
+  expect_config_error(R"({"engine": "libaio"})", "\"io_uring\"");
+  expect_config_error(R"({"thread_count": 2, "intra_op_parallelism": 4})", "disagree");
+  expect_config_error(R"({"aio": [1]})", "must be an object");
+  expect_config_error(R"({"queue_depth": )", "not valid JSON");
+}
+
+// ---- engines ----
+
+class EngineTest : public ::testing::TestWithParam<IoBackend> {
+ protected:
+  TempDir dir;
+};
+
+TEST_P(EngineTest, ManyRequestsInFlightRoundTrip) {
+  FileFd f(dir.path + "/data.bin", DirectIo::kAuto);
+  auto eng = make_io_engine(config(GetParam()));
+  std::mt19937_64 rng(3);
+  const int n = 48;
+  std::vector<IoRequest> writes, reads;
+  std::vector<std::unique_ptr<AlignedBuf>> src, dst;
+  std::uint64_t off = 4096 * 3;
+  for (int i = 0; i < n; ++i) {
+    const std::size_t bytes = 4096 * (1 + rng() % 700);  // up to ~2.8 MiB: many 64 KiB chunks
+    src.push_back(std::make_unique<AlignedBuf>(bytes));
+    dst.push_back(std::make_unique<AlignedBuf>(bytes));
+    fill_random(src.back()->ptr, bytes, i);
+    std::memset(dst.back()->ptr, 0, bytes);
+    writes.push_back({IoOp::kWrite, f.fd, off, src.back()->ptr, bytes, &f.path});
+    reads.push_back({IoOp::kRead, f.fd, off, dst.back()->ptr, bytes, &f.path});
+    off += bytes + 4096 * (rng() % 5);
+  }
+  eng->submit(writes).wait();
+  eng->submit(reads).wait();
+  for (int i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(src[i]->ptr, dst[i]->ptr, writes[i].bytes), 0) << i;
+  const IoStats st = eng->stats();
+  EXPECT_EQ(st.bytes_written, st.bytes_read);
+  EXPECT_GT(st.chunks, std::uint64_t(n) * 2);
+  EXPECT_EQ(st.errors, 0u);
+}
+
+TEST_P(EngineTest, BufferedFilesTakeOddOffsetsAndSizes) {
+  FileFd f(dir.path + "/odd.bin", DirectIo::kOff);
+  ASSERT_FALSE(f.direct);
+  auto eng = make_io_engine(config(GetParam(), 4096, 4, 2));
+  std::vector<std::uint8_t> a(1000003), b(1000003, 0);
+  fill_random(a.data(), a.size(), 9);
+  IoRequest w{IoOp::kWrite, f.fd, 13, a.data(), a.size()};
+  eng->submit({&w, 1}).wait();
+  IoRequest r{IoOp::kRead, f.fd, 13, b.data(), b.size()};
+  eng->submit({&r, 1}).wait();
+  EXPECT_EQ(a, b);
+}
+
+TEST_P(EngineTest, UnalignedDirectRequestIsRejected) {
+  FileFd f(dir.path + "/direct.bin", DirectIo::kAuto);
+  if (!f.direct) GTEST_SKIP() << "this file system refuses O_DIRECT";
+  auto eng = make_io_engine(config(GetParam()));
+  AlignedBuf buf(8192);
+  IoRequest r{IoOp::kWrite, f.fd, 100, buf.ptr, 4096, &f.path};
+  try {
+    eng->submit({&r, 1});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiples of 4096"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("direct.bin"), std::string::npos) << e.what();
+  }
+}
+
+// Writes 1 MiB in 64 KiB chunks (16 chunks) through a fault plan; returns the handle.
+struct FaultRun {
+  TempDir dir;
+  std::unique_ptr<FileFd> f;
+  AlignedBuf src{1 << 20}, dst{1 << 20};
+  std::unique_ptr<IoEngine> eng;
+
+  FaultRun(IoBackend be, std::vector<Fault> faults, IoOp op) {
+    f = std::make_unique<FileFd>(dir.path + "/faults.bin", DirectIo::kAuto);
+    fill_random(src.ptr, src.size, 77);
+    std::memset(dst.ptr, 0, dst.size);
+    if (op == IoOp::kRead) {  // lay the data down with a clean engine first
+      auto clean = make_io_engine(config(be));
+      IoRequest w{IoOp::kWrite, f->fd, 0, src.ptr, src.size, &f->path};
+      clean->submit({&w, 1}).wait();
+    }
+    eng = make_fault_injecting_engine(config(be, 64 << 10, 4, 2), std::move(faults));
+  }
+  IoHandle run(IoOp op) {
+    IoRequest r{op, f->fd, 0, op == IoOp::kWrite ? src.ptr : dst.ptr, src.size, &f->path};
+    return eng->submit({&r, 1});
+  }
+  bool file_matches() {
+    auto clean = make_io_engine(config(IoBackend::kThreads));
+    std::memset(dst.ptr, 0, dst.size);
+    IoRequest r{IoOp::kRead, f->fd, 0, dst.ptr, dst.size, &f->path};
+    clean->submit({&r, 1}).wait();
+    return std::memcmp(src.ptr, dst.ptr, src.size) == 0;
+  }
+};
+
+TEST_P(EngineTest, ShortTransfersEagainAndDelaysAreRecovered) {
+  for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+    SCOPED_TRACE(op == IoOp::kWrite ? "write" : "read");
+    FaultRun fr(GetParam(),
+                {{FaultKind::kShort, 3}, {FaultKind::kEagain, 5}, {FaultKind::kDelay, 7, 50}, {FaultKind::kShort, 15}},
+                op);
+    IoHandle h = fr.run(op);
+    ASSERT_TRUE(h.wait_for(30s)) << "hung";
+    const IoStats st = fr.eng->stats();
+    EXPECT_EQ(st.requeued_short, 2u);
+    EXPECT_EQ(st.requeued_eagain, 1u);
+    if (op == IoOp::kRead) {
+      EXPECT_EQ(std::memcmp(fr.src.ptr, fr.dst.ptr, fr.src.size), 0) << "corrupt bytes delivered";
+    } else {
+      EXPECT_TRUE(fr.file_matches());
+    }
+  }
+}
+
+TEST_P(EngineTest, EioAndEnospcAreClearErrorsNamingFileAndOffset) {
+  for (FaultKind kind : {FaultKind::kEio, FaultKind::kEnospc}) {
+    FaultRun fr(GetParam(), {{kind, 6}}, IoOp::kWrite);
+    IoHandle h = fr.run(IoOp::kWrite);
+    bool threw = false;
+    try {
+      ASSERT_TRUE(h.wait_for(30s)) << "hung";
+    } catch (const Error& e) {
+      threw = true;
+      const std::string w = e.what();
+      EXPECT_EQ(e.kind(), ErrorKind::kIo);
+      EXPECT_NE(w.find("faults.bin"), std::string::npos) << w;
+      EXPECT_NE(w.find("offset 393216"), std::string::npos) << w;  // chunk 6 x 64 KiB
+      if (kind == FaultKind::kEnospc) EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
+      else EXPECT_NE(w.find("Input/output error"), std::string::npos) << w;
+    }
+    EXPECT_TRUE(threw);
+    EXPECT_TRUE(h.done());
+  }
+}
+
+TEST_P(EngineTest, CompletionCallbackRuns) {
+  FaultRun fr(GetParam(), {{FaultKind::kDelay, 0, 30}}, IoOp::kWrite);
+  std::promise<bool> called;
+  auto fut = called.get_future();
+  fr.run(IoOp::kWrite).on_complete([&](std::exception_ptr e) { called.set_value(e == nullptr); });
+  ASSERT_EQ(fut.wait_for(30s), std::future_status::ready);
+  EXPECT_TRUE(fut.get());
+}
+
+TEST_P(EngineTest, ReadPastEndOfFileIsAnError) {
+  FileFd f(dir.path + "/short.bin", DirectIo::kOff);
+  auto eng = make_io_engine(config(GetParam()));
+  std::vector<std::uint8_t> b(8192);
+  IoRequest r{IoOp::kRead, f.fd, 0, b.data(), b.size(), &f.path};
+  EXPECT_THROW(eng->submit({&r, 1}).wait(), Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::Values(IoBackend::kIoUring, IoBackend::kThreads),
+                         [](const auto& p) { return std::string(io_backend_name(p.param)); });
+
+TEST(Engine, FixedBuffersFromThePinnedPool) {
+  TempDir dir;
+  FileFd f(dir.path + "/fixed.bin", DirectIo::kAuto);
+  PinnedPoolOptions po;
+  po.budget_bytes = 64 << 20;
+  PinnedPool pool(po);
+  PinnedBlock a = pool.allocate(8 << 20), b = pool.allocate(8 << 20);
+  auto eng = make_io_engine(config(IoBackend::kIoUring, 1 << 20, 8, 2));
+  const std::pair<void*, std::size_t> regions[] = {{a.data(), a.size()}, {b.data(), b.size()}};
+  ASSERT_TRUE(eng->register_buffers(regions));
+  EXPECT_NE(eng->describe().find("fixed buffers"), std::string::npos) << eng->describe();
+  fill_random(static_cast<std::uint8_t*>(a.data()), a.size(), 5);
+  IoRequest w{IoOp::kWrite, f.fd, 0, a.data(), a.size(), &f.path};
+  eng->submit({&w, 1}).wait();
+  IoRequest r{IoOp::kRead, f.fd, 0, b.data(), b.size(), &f.path};
+  eng->submit({&r, 1}).wait();
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+}
+
+// ---- swap store ----
+
+SwapStoreOptions store_options(std::vector<std::string> paths, IoBackend be = IoBackend::kAuto,
+                               DirectIo direct = DirectIo::kAuto, bool verify = false) {
+  SwapStoreOptions o;
+  o.paths = std::move(paths);
+  o.aio = config(be, 64 << 10, 8, 2);
+  o.aio.direct = direct;
+  o.aio.verify = verify;
+  o.config_key = "offload_optimizer.nvme_path";
+  return o;
+}
+
+void store_round_trip(SwapStore& store) {
+  const std::size_t sizes[] = {1, 4095, 4096, 4097, 1000003, (3u << 20) + 5};
+  std::vector<std::unique_ptr<AlignedBuf>> src;
+  int k = 0;
+  for (std::size_t n : sizes) {
+    src.push_back(std::make_unique<AlignedBuf>(SwapStore::padded_bytes(n)));
+    fill_random(src.back()->ptr, src.back()->size, n);
+    store.write("t" + std::to_string(k++), src.back()->ptr, n).wait();
+  }
+  k = 0;
+  for (std::size_t n : sizes) {
+    AlignedBuf dst(SwapStore::padded_bytes(n));
+    std::memset(dst.ptr, 0, dst.size);
+    store.read("t" + std::to_string(k), dst.ptr, n).wait();
+    ASSERT_EQ(std::memcmp(src[k]->ptr, dst.ptr, n), 0) << "key t" << k << " (" << n << " bytes)";
+    ++k;
+  }
+}
+
+TEST(SwapStore, StripedRoundTripAtOddSizesAndCleanExit) {
+  TempDir a, b, c;
+  std::vector<std::string> files;
+  {
+    SwapStore store(store_options({a.path, b.path, c.path}, IoBackend::kAuto, DirectIo::kAuto, true));
+    store_round_trip(store);
+    files = store.files();
+    ASSERT_EQ(files.size(), 3u);
+    for (auto& f : files) EXPECT_GT(fs::file_size(f), 0u) << f;  // striped: every file used
+    EXPECT_GT(store.stats().bytes_read, 0u);
+  }
+  for (auto& f : files) EXPECT_FALSE(fs::exists(f)) << f << " left behind";
+  EXPECT_FALSE(fs::exists(a.path + "/strata-swap")) << "directory left behind";
+}
+
+TEST(SwapStore, ForcedFallbacksPassTheSameRoundTrip) {
+  TempDir a;
+  {
+    SwapStore store(store_options({a.path}, IoBackend::kThreads, DirectIo::kAuto, true));
+    EXPECT_EQ(store.engine().backend(), IoBackend::kThreads);
+    store_round_trip(store);
+  }
+  {
+    SwapStore store(store_options({a.path}, IoBackend::kIoUring, DirectIo::kOff, true));
+    EXPECT_FALSE(store.stats().direct);
+    store_round_trip(store);
+  }
+  if (fs::exists("/dev/shm")) {
+    // tmpfs: before Linux 6.6 it refuses O_DIRECT and "auto" falls back to buffered I/O;
+    // later kernels accept it. Either way the same round trip must pass.
+    TempDir shm;
+    std::string tmpl = "/dev/shm/strata-nvme-test-XXXXXX";
+    shm.path = ::mkdtemp(tmpl.data());
+    SwapStore store(store_options({shm.path}));
+    store_round_trip(store);
+  }
+}
+
+TEST(SwapStore, VerifyDetectsAByteFlippedBehindItsBack) {
+  TempDir a;
+  SwapStore store(store_options({a.path}, IoBackend::kAuto, DirectIo::kAuto, true));
+  AlignedBuf src(1 << 20), dst(1 << 20);
+  fill_random(src.ptr, src.size, 1);
+  store.write("layer3.m", src.ptr, src.size).wait();
+  store.write("layer3.v", src.ptr, src.size).wait();
+  {
+    // Flip one byte of layer3.v (the second extent: logical 1 MiB + 200000) with plain I/O.
+    const std::string file = store.files()[0];
+    const int fd = ::open(file.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const off_t where = (1 << 20) + 200000;
+    std::uint8_t byte;
+    ASSERT_EQ(::pread(fd, &byte, 1, where), 1);
+    byte ^= 0x10;
+    ASSERT_EQ(::pwrite(fd, &byte, 1, where), 1);
+    ::fsync(fd);
+    ::close(fd);
+  }
+  store.read("layer3.m", dst.ptr, dst.size).wait();  // untouched extent still verifies
+  try {
+    store.read("layer3.v", dst.ptr, dst.size).wait();
+    FAIL() << "corruption not detected";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("checksum mismatch"), std::string::npos) << w;
+    EXPECT_NE(w.find("layer3.v"), std::string::npos) << w;
+    EXPECT_NE(w.find("stripe.bin"), std::string::npos) << w;
+    EXPECT_NE(w.find("offset 1245184"), std::string::npos) << w;  // the 64 KiB stripe holding the byte
+  }
+}
+
+TEST(SwapStore, SpaceCheckRefusesBeforeWriting) {
+  TempDir a;
+  SwapStore store(store_options({a.path}));
+  AlignedBuf buf(4096);
+  store.write("small", buf.ptr, 4096).wait();
+  const std::size_t before = store.stats().file_bytes;
+  try {
+    store.reserve("huge", std::size_t(1) << 52);  // 4 PiB
+    FAIL();
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::kIo);
+    EXPECT_NE(w.find("needs 4503599627370496 more bytes"), std::string::npos) << w;
+    EXPECT_NE(w.find("are free"), std::string::npos) << w;
+    EXPECT_NE(w.find("offload_optimizer.nvme_path"), std::string::npos) << w;
+  }
+  EXPECT_EQ(store.stats().file_bytes, before);
+  EXPECT_EQ(fs::file_size(store.files()[0]), before);
+  EXPECT_FALSE(store.contains("huge"));
+}
+
+TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {
+  TempDir a;
+  fs::create_directories(a.path + "/strata-swap/rank0");
+  std::ofstream(a.path + "/strata-swap/rank0/stale.bin") << "left by a crashed run";
+  SwapStore store(store_options({a.path}));
+  EXPECT_FALSE(fs::exists(a.path + "/strata-swap/rank0/stale.bin"));
+  try {
+    SwapStore second(store_options({a.path}));
+    FAIL() << "two stores shared one directory";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by another running strata process"), std::string::npos);
+  }
+  SwapStoreOptions other = store_options({a.path});
+  other.rank = 1;
+  SwapStore rank1(other);  // other ranks have their own directory
+}
+
+TEST(SwapStore, BadPathsNameTheKey) {
+  TempDir a;
+  auto expect = [](SwapStoreOptions o, const char* needle) {
+    try {
+      SwapStore s(o);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos) << e.what();
+    }
+  };
+  expect(store_options({}), "is missing");
+  expect(store_options({a.path + "/nope"}), "does not exist");
+  std::ofstream(a.path + "/file") << "x";
+  expect(store_options({a.path + "/file"}), "not a directory");
+  struct statvfs sv {};
+  if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY)) expect(store_options({"/proc/sys"}), "read-only");
+  SwapStore store(store_options({a.path}));
+  AlignedBuf buf(8192);
+  EXPECT_THROW(store.read("never", buf.ptr, 10), Error);
+  store.reserve("reserved", 10);
+  EXPECT_THROW(store.read("reserved", buf.ptr, 10), Error);
+  EXPECT_THROW(store.write("reserved", buf.ptr, 8192), Error);  // larger than its extent
+  EXPECT_THROW(store.write("x", buf.ptr + 1, 10), Error);      // unaligned buffer
+}
+
+}  // namespace
+}  // namespace strata
