@@ -1,0 +1,142 @@
+// The Communicator interface: collectives across the ranks of a job, queued on a Stream.
+//
+// Three backends implement it (src/comm): NCCL for CUDA devices, MPI for the CPU-emulated
+// device (and host memory), and a one-rank local communicator. make_communicator() picks
+// one from the device and the launcher; the scheduler talks to this interface only.
+//
+// Contract, the same on every backend:
+//  - Every collective is asynchronous: it is queued on `stream` after the work already
+//    there, returns before it has run, and returns an Event recorded after it. Buffers
+//    must stay untouched until that event completes; order other streams with it.
+//  - Every rank issues the same collectives, with the same sizes and dtypes, in the same
+//    order (over all streams of the communicator together), as with NCCL and MPI.
+//  - Tensors are fp32, bf16, fp16 (or fp64), contiguous, in the memory of the
+//    communicator's device (host memory is also accepted by the MPI and local backends).
+//  - all_gather: output (numel = world_size * input numel) holds rank r's input at
+//    [r * n, (r + 1) * n). reduce_scatter: input (numel = world_size * output numel) is
+//    reduced element-wise and rank r keeps block r. Shards are equal: pad the flat buffer
+//    to a multiple of world_size. In-place as in NCCL: all_gather's input may be block
+//    `rank` of its output, reduce_scatter's output may be block `rank` of its input; other
+//    overlaps are refused.
+//  - bf16/fp16 reductions compute in fp32 and round to nearest even; see the backends for
+//    where rounding happens (MPI: once, at the end).
+//  - Argument errors throw strata::Error (kInvalidArgument) at the call, before anything
+//    is queued. A collective that does not complete within the timeout ends the process
+//    (and the job) with an error naming the collective, the rank and the elapsed time:
+//    a peer that died must never become a silent hang.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strata/device.h"
+
+namespace strata {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+enum class CommBackend { kLocal, kMpi, kNccl };
+
+const char* reduce_op_name(ReduceOp op);        // "sum", "avg", "max"
+const char* comm_backend_name(CommBackend b);   // "local", "mpi", "nccl"
+
+// Where this process sits in the job. Read from MPI once it is initialized, else from the
+// launcher's environment (mpirun: OMPI_COMM_WORLD_*; srun --mpi=pmix: PMIX_RANK and
+// SLURM_*; MPICH: PMI_*); a plain process is rank 0 of 1 with under_mpi false.
+struct LaunchInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;   // rank among the processes on this node: picks the GPU
+  int local_size = 1;
+  bool under_mpi = false;  // started by an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx)
+  std::string launcher = "none";  // "openmpi", "pmix", "pmi", "none"
+};
+
+// The launcher's view; never initializes MPI (a plain process stays a plain process).
+LaunchInfo launch_info();
+// Under an MPI launcher, initializes MPI once per process (MPI_THREAD_MULTIPLE, finalized at
+// exit if strata initialized it) and returns MPI's view, local rank from the shared-memory
+// split. Without a launcher it returns launch_info() and initializes nothing. Throws kMpi
+// when MPI cannot give thread-multiple support, kUnsupported in a build without MPI.
+LaunchInfo init_launch();
+// The GPU ordinal this rank should use: local_rank modulo the GPUs visible to it.
+int launch_gpu_ordinal(const LaunchInfo& info, int device_count);
+
+struct CommOptions {
+  std::optional<CommBackend> backend;  // unset: NCCL for CUDA, MPI under a launcher, else local
+  // Seconds a collective may take before the job is ended. 0: STRATA_COMM_TIMEOUT_S, else 300.
+  double timeout_s = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  CommBackend backend() const noexcept { return backend_; }
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return world_size_; }
+  Device& device() const noexcept { return *device_; }
+  double timeout_s() const noexcept { return timeout_s_; }
+
+  Event all_gather(TensorRef input, TensorRef output, Stream& stream);
+  Event reduce_scatter(TensorRef input, TensorRef output, ReduceOp op, Stream& stream);
+  // In place: every rank's `data` ends up holding the reduction of all ranks' `data`.
+  Event all_reduce(TensorRef data, ReduceOp op, Stream& stream);
+  // In place: every rank's `data` ends up holding rank `root`'s.
+  Event broadcast(TensorRef data, int root, Stream& stream);
+  Event barrier(Stream& stream);
+
+  // Several tensors in one call (one NCCL group, one MPI wait): the same results as the
+  // individual calls in order, with less latency. Tensors may differ in size and dtype.
+  Event all_gather_coalesced(std::span<const TensorRef> inputs, std::span<const TensorRef> outputs,
+                             Stream& stream);
+  Event reduce_scatter_coalesced(std::span<const TensorRef> inputs,
+                                 std::span<const TensorRef> outputs, ReduceOp op, Stream& stream);
+  Event all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op, Stream& stream);
+
+  // One queued call, as the wrapper hands it to a backend (validated).
+  enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+  struct Collective {
+    Kind kind = Kind::kBarrier;
+    ReduceOp op = ReduceOp::kSum;
+    int root = 0;
+    bool coalesced = false;
+    std::vector<TensorRef> inputs;   // all_reduce / broadcast: the data (in place)
+    std::vector<TensorRef> outputs;  // all_gather / reduce_scatter only
+    // "all_reduce(sum, fp32, 1000 elements)": for logs and error messages.
+    std::string describe() const;
+  };
+
+ protected:
+  Communicator(CommBackend backend, Device& device, int rank, int world_size, double timeout_s)
+      : backend_(backend), device_(&device), rank_(rank), world_size_(world_size),
+        timeout_s_(timeout_s) {}
+  // Queues `c` on `stream`; the wrapper records the returned event afterwards.
+  virtual void do_enqueue(const Collective& c, Stream& stream) = 0;
+  // Whether the backend can read and write host (MemSpace::kHost) memory.
+  virtual bool accepts_host_memory() const noexcept { return false; }
+
+ private:
+  Event submit(Collective c, Stream& stream);
+  void check_tensor(const TensorRef& t, const char* what) const;
+
+  CommBackend backend_;
+  Device* device_;
+  int rank_;
+  int world_size_;
+  double timeout_s_;
+};
+
+// The communicator for this process on `device`: NCCL for a CUDA device (MPI bootstraps it
+// when there are several ranks), MPI for the CPU-emulated device under a launcher, local
+// for a single process. Collective: every rank calls it, in the same order as its other
+// communicators. Throws kUnsupported when the build lacks the backend, kMpi / kNccl when
+// initialization fails.
+std::unique_ptr<Communicator> make_communicator(Device& device, const CommOptions& options = {});
+
+}  // namespace strata

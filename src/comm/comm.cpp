@@ -1,0 +1,450 @@
+// The Communicator wrapper layer, backend selection, the local (one-rank) backend, and the
+// watchdog and termination note every multi-rank backend uses.
+//
+// The wrapper validates every call (dtypes, sizes, devices, overlaps) before a backend sees
+// it, so backends can trust their input; it never touches memory itself. The local backend
+// copies only when a result must move (out-of-place all_gather / reduce_scatter); every
+// other one-rank collective is already complete and costs one event record.
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "comm/comm_internal.h"
+#include "strata/comm.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+const char* comm_backend_name(CommBackend b) {
+  switch (b) {
+    case CommBackend::kLocal: return "local";
+    case CommBackend::kMpi: return "mpi";
+    case CommBackend::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+namespace {
+
+const char* kind_name(Communicator::Kind k) {
+  switch (k) {
+    case Communicator::Kind::kAllGather: return "all_gather";
+    case Communicator::Kind::kReduceScatter: return "reduce_scatter";
+    case Communicator::Kind::kAllReduce: return "all_reduce";
+    case Communicator::Kind::kBroadcast: return "broadcast";
+    case Communicator::Kind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+bool overlaps(const MemRef& a, const MemRef& b) {
+  const auto* pa = static_cast<const char*>(a.ptr);
+  const auto* pb = static_cast<const char*>(b.ptr);
+  return pa < pb + b.bytes && pb < pa + a.bytes;
+}
+
+}  // namespace
+
+std::string Communicator::Collective::describe() const {
+  std::string s = kind_name(kind);
+  if (coalesced) s += "_coalesced";
+  s += "(";
+  if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) s += fmt::format("{}, ", reduce_op_name(op));
+  if (kind == Kind::kBroadcast) s += fmt::format("root {}, ", root);
+  if (kind == Kind::kBarrier) return s + ")";
+  if (inputs.size() == 1) {
+    s += fmt::format("{}, {} elements)", dtype_name(inputs[0].dtype), inputs[0].numel);
+  } else {
+    std::size_t total = 0;
+    for (const auto& t : inputs) total += t.numel;
+    s += fmt::format("{} tensors, {} input elements)", inputs.size(), total);
+  }
+  return s;
+}
+
+void Communicator::check_tensor(const TensorRef& t, const char* what) const {
+  STRATA_REQUIRE(t.dtype == DType::kF32 || t.dtype == DType::kBF16 || t.dtype == DType::kF16 ||
+                     t.dtype == DType::kF64,
+                 "{}: dtype {} is not supported by collectives: use fp32, bf16, fp16 or fp64", what,
+                 dtype_name(t.dtype));
+  STRATA_REQUIRE(t.numel > 0 && t.mem.ptr != nullptr, "{}: empty tensor ({} elements at {}); pass at least one element",
+                 what, t.numel, t.mem.ptr);
+  STRATA_REQUIRE(t.mem.bytes >= t.numel * dtype_size(t.dtype),
+                 "{}: {} elements of {} need {} bytes but the memory holds {}", what, t.numel,
+                 dtype_name(t.dtype), t.numel * dtype_size(t.dtype), t.mem.bytes);
+  if (t.mem.space == MemSpace::kHost) {
+    STRATA_REQUIRE(accepts_host_memory(),
+                   "{}: the {} communicator needs device memory; copy the host data to a buffer "
+                   "of {} first",
+                   what, comm_backend_name(backend_), device_->name());
+  } else {
+    STRATA_REQUIRE(t.mem.device == device_,
+                   "{}: the tensor is in the memory of another device; the communicator works on {}",
+                   what, device_->name());
+  }
+}
+
+Event Communicator::submit(Collective c, Stream& stream) {
+  STRATA_REQUIRE(&stream.device() == device_,
+                 "{}: stream '{}' belongs to another device; use a stream of {}", c.describe(),
+                 stream.name(), device_->name());
+  const std::string what = c.describe();
+  for (const auto& t : c.inputs) check_tensor(t, what.c_str());
+  for (const auto& t : c.outputs) check_tensor(t, what.c_str());
+  const std::size_t n = static_cast<std::size_t>(world_size_);
+  for (std::size_t i = 0; i < c.outputs.size(); ++i) {
+    const TensorRef& in = c.inputs[i];
+    const TensorRef& out = c.outputs[i];
+    STRATA_REQUIRE(in.dtype == out.dtype, "{}: tensor {} has input dtype {} but output dtype {}; they must match",
+                   what, i, dtype_name(in.dtype), dtype_name(out.dtype));
+    const std::size_t es = dtype_size(in.dtype);
+    // The NCCL in-place layouts: the small side is block `rank` of the large one.
+    if (c.kind == Kind::kAllGather) {
+      STRATA_REQUIRE(out.numel == in.numel * n,
+                     "{}: tensor {}: output has {} elements, needs world_size ({}) x input ({}) = {}", what,
+                     i, out.numel, n, in.numel, in.numel * n);
+      const bool in_place = in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank_ * in.numel * es;
+      STRATA_REQUIRE(in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
+                     "{}: tensor {}: input overlaps the output other than as block {} of it; use "
+                     "separate buffers or the in-place layout",
+                     what, i, rank_);
+    } else {
+      STRATA_REQUIRE(in.numel == out.numel * n,
+                     "{}: tensor {}: input has {} elements, needs world_size ({}) x output ({}) = {}; "
+                     "pad the flat buffer to a multiple of the world size",
+                     what, i, in.numel, n, out.numel, out.numel * n);
+      const bool in_place = out.mem.ptr == static_cast<char*>(in.mem.ptr) + rank_ * out.numel * es;
+      STRATA_REQUIRE(in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
+                     "{}: tensor {}: output overlaps the input other than as block {} of it; use "
+                     "separate buffers or the in-place layout",
+                     what, i, rank_);
+    }
+  }
+  do_enqueue(c, stream);
+  return stream.record();
+}
+
+Event Communicator::all_gather(TensorRef input, TensorRef output, Stream& stream) {
+  return submit(Collective{Kind::kAllGather, ReduceOp::kSum, 0, false, {input}, {output}}, stream);
+}
+
+Event Communicator::reduce_scatter(TensorRef input, TensorRef output, ReduceOp op, Stream& stream) {
+  STRATA_REQUIRE(op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kMax,
+                 "reduce_scatter: unknown reduce op");
+  return submit(Collective{Kind::kReduceScatter, op, 0, false, {input}, {output}}, stream);
+}
+
+Event Communicator::all_reduce(TensorRef data, ReduceOp op, Stream& stream) {
+  return submit(Collective{Kind::kAllReduce, op, 0, false, {data}, {}}, stream);
+}
+
+Event Communicator::broadcast(TensorRef data, int root, Stream& stream) {
+  STRATA_REQUIRE(root >= 0 && root < world_size_, "broadcast: root {} is not a rank of this {}-rank job",
+                 root, world_size_);
+  return submit(Collective{Kind::kBroadcast, ReduceOp::kSum, root, false, {data}, {}}, stream);
+}
+
+Event Communicator::barrier(Stream& stream) {
+  return submit(Collective{Kind::kBarrier, ReduceOp::kSum, 0, false, {}, {}}, stream);
+}
+
+Event Communicator::all_gather_coalesced(std::span<const TensorRef> inputs,
+                                         std::span<const TensorRef> outputs, Stream& stream) {
+  STRATA_REQUIRE(!inputs.empty() && inputs.size() == outputs.size(),
+                 "all_gather_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
+                 inputs.size(), outputs.size());
+  return submit(Collective{Kind::kAllGather, ReduceOp::kSum, 0, true, {inputs.begin(), inputs.end()},
+                           {outputs.begin(), outputs.end()}},
+                stream);
+}
+
+Event Communicator::reduce_scatter_coalesced(std::span<const TensorRef> inputs,
+                                             std::span<const TensorRef> outputs, ReduceOp op,
+                                             Stream& stream) {
+  STRATA_REQUIRE(!inputs.empty() && inputs.size() == outputs.size(),
+                 "reduce_scatter_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
+                 inputs.size(), outputs.size());
+  return submit(Collective{Kind::kReduceScatter, op, 0, true, {inputs.begin(), inputs.end()},
+                           {outputs.begin(), outputs.end()}},
+                stream);
+}
+
+Event Communicator::all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op, Stream& stream) {
+  STRATA_REQUIRE(!data.empty(), "all_reduce_coalesced: pass at least one tensor");
+  return submit(Collective{Kind::kAllReduce, op, 0, true, {data.begin(), data.end()}, {}}, stream);
+}
+
+int launch_gpu_ordinal(const LaunchInfo& info, int device_count) {
+  STRATA_REQUIRE(device_count > 0, "launch_gpu_ordinal: no GPU is visible to rank {}", info.rank);
+  if (info.local_size > device_count && info.local_rank == 0)
+    log::warn("{} ranks on this node share {} GPU(s): launch one rank per GPU", info.local_size, device_count);
+  return info.local_rank % device_count;
+}
+
+std::unique_ptr<Communicator> make_communicator(Device& device, const CommOptions& options) {
+  const double timeout_s = comm::resolve_timeout_s(options.timeout_s);
+  CommBackend backend;
+  if (options.backend) {
+    backend = *options.backend;
+  } else if (device.kind() == DeviceKind::kCuda) {
+    backend = CommBackend::kNccl;
+  } else {
+    backend = launch_info().under_mpi ? CommBackend::kMpi : CommBackend::kLocal;
+  }
+  switch (backend) {
+    case CommBackend::kLocal: {
+      const LaunchInfo li = launch_info();
+      STRATA_REQUIRE(li.world_size == 1,
+                     "the local communicator serves one rank, but the launcher started {}; use the mpi "
+                     "or nccl backend (the default)",
+                     li.world_size);
+      return comm::make_local_communicator(device, timeout_s);
+    }
+    case CommBackend::kMpi:
+      return comm::make_mpi_communicator(device, timeout_s);
+    case CommBackend::kNccl:
+      STRATA_REQUIRE(device.kind() == DeviceKind::kCuda,
+                     "the nccl communicator needs a CUDA device, not {}; use mpi or local", device.name());
+      return comm::make_nccl_communicator(device, timeout_s);
+  }
+  STRATA_THROW(kInvalidArgument, "unknown communicator backend");
+}
+
+namespace comm {
+
+// ---- local: one rank ----
+namespace {
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(Device& device, double timeout_s)
+      : Communicator(CommBackend::kLocal, device, 0, 1, timeout_s) {}
+
+ protected:
+  bool accepts_host_memory() const noexcept override { return true; }
+
+  void do_enqueue(const Collective& c, Stream& stream) override {
+    // With one rank, every result equals the input (a sum, average or max of one value,
+    // rounded from itself); only an out-of-place gather or scatter has bytes to move.
+    for (std::size_t i = 0; i < c.outputs.size(); ++i) {
+      const TensorRef& in = c.inputs[i];
+      const TensorRef& out = c.outputs[i];
+      if (in.mem.ptr == out.mem.ptr) continue;
+      const std::size_t bytes = in.numel * dtype_size(in.dtype);
+      MemRef dst = out.mem, src = in.mem;
+      dst.bytes = src.bytes = bytes;
+      stream.copy(dst, src);
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s) {
+  return std::make_unique<LocalCommunicator>(device, timeout_s);
+}
+
+#if !defined(STRATA_HAVE_NCCL)
+std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double) {
+  STRATA_THROW(kUnsupported,
+               "no NCCL communicator for {}: this build has no NCCL (configure with the CUDA toolkit and "
+               "NCCL installed, libnccl in the toolkit's lib64)",
+               device.name());
+}
+#endif
+
+// ---- timeout and watchdog ----
+
+double resolve_timeout_s(double option_s) {
+  if (option_s > 0) return option_s;
+  STRATA_REQUIRE(option_s == 0, "CommOptions::timeout_s must be > 0 seconds (0 = default), got {}", option_s);
+  if (const char* env = std::getenv("STRATA_COMM_TIMEOUT_S"); env && *env) {
+    char* end = nullptr;
+    const double v = std::strtod(env, &end);
+    STRATA_REQUIRE(end != env && *end == '\0' && v > 0,
+                   "STRATA_COMM_TIMEOUT_S='{}' is not a positive number of seconds; set e.g. 300", env);
+    return v;
+  }
+  return 300.0;
+}
+
+std::string Watchdog::timeout_message(const std::string& what, int rank, int world_size, double elapsed_s,
+                                      double timeout_s) {
+  return fmt::format(
+      "collective {} on rank {} of {} has not completed after {:.1f} s (timeout {:.1f} s): a peer rank "
+      "died or hangs, or the ranks issued collectives in different orders; ending the job. Raise "
+      "STRATA_COMM_TIMEOUT_S if collectives are legitimately this slow",
+      what, rank, world_size, elapsed_s, timeout_s);
+}
+
+Watchdog::Watchdog(int rank, int world_size, double timeout_s, OnTimeout on_timeout,
+                   std::function<std::string()> async_error)
+    : rank_(rank), world_size_(world_size), timeout_s_(timeout_s), on_timeout_(std::move(on_timeout)),
+      async_error_(std::move(async_error)) {
+  thread_ = std::thread([this] { run(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::uint64_t Watchdog::begin(std::string what, std::function<bool()> poll) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t id = next_id_++;
+  entries_.push_back(Entry{id, std::move(what), std::chrono::steady_clock::now(), std::move(poll)});
+  return id;
+}
+
+void Watchdog::end(std::uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.remove_if([id](const Entry& e) { return e.id == id; });
+}
+
+void Watchdog::run() {
+  // Polls often enough that a 1-s test timeout fires promptly, rarely enough to cost nothing.
+  constexpr auto kPeriod = std::chrono::milliseconds(50);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, kPeriod, [&] { return stop_; });
+    if (stop_) break;
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->poll && it->poll()) {
+        it = entries_.erase(it);
+        continue;
+      }
+      const double elapsed = std::chrono::duration<double>(now - it->start).count();
+      if (elapsed > timeout_s_ && !fired_) {
+        fired_ = true;
+        const std::string msg = timeout_message(it->what, rank_, world_size_, elapsed, timeout_s_);
+        lock.unlock();
+        on_timeout_(msg);  // ends the process
+        lock.lock();
+      }
+      ++it;
+    }
+    if (async_error_ && !entries_.empty()) {
+      lock.unlock();
+      std::string err = async_error_();
+      if (!err.empty() && !fired_) {
+        fired_ = true;
+        on_timeout_(fmt::format("rank {} of {}: {}", rank_, world_size_, err));
+      }
+      lock.lock();
+    }
+  }
+}
+
+// ---- the SIGTERM note ----
+namespace {
+
+constexpr std::size_t kNoteBytes = 200;
+// Written by whichever thread starts a collective; read by the signal handler. A torn read
+// (a description half-overwritten) can only garble the note, never crash: the buffer is
+// fixed and always NUL-terminated at its end.
+char g_note_what[kNoteBytes + 1];
+std::atomic<std::int64_t> g_note_start_ns{0};  // 0 = nothing in flight
+std::atomic<bool> g_note_installed{false};
+int g_note_rank = 0, g_note_world = 1;
+
+std::int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe, unlike steady_clock in theory
+  return std::int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// Async-signal-safe decimal formatting into buf; returns the length.
+std::size_t format_uint(char* buf, std::uint64_t v) {
+  char tmp[24];
+  std::size_t n = 0;
+  do {
+    tmp[n++] = char('0' + v % 10);
+    v /= 10;
+  } while (v);
+  for (std::size_t i = 0; i < n; ++i) buf[i] = tmp[n - 1 - i];
+  return n;
+}
+
+void append(char* buf, std::size_t& len, std::size_t cap, const char* s) {
+  while (*s && len < cap) buf[len++] = *s++;
+}
+
+void on_sigterm(int sig) {
+  char buf[512];
+  std::size_t len = 0;
+  char num[24];
+  const std::size_t cap = sizeof buf - 1;
+  append(buf, len, cap, "[strata] [error] rank ");
+  num[format_uint(num, std::uint64_t(g_note_rank))] = 0;
+  append(buf, len, cap, num);
+  append(buf, len, cap, " of ");
+  num[format_uint(num, std::uint64_t(g_note_world))] = 0;
+  append(buf, len, cap, num);
+  append(buf, len, cap, " terminated by the launcher (SIGTERM: another rank failed) ");
+  const std::int64_t start = g_note_start_ns.load(std::memory_order_acquire);
+  if (start) {
+    const std::int64_t ms = (monotonic_ns() - start) / 1000000;
+    append(buf, len, cap, "while collective ");
+    append(buf, len, cap, g_note_what);
+    append(buf, len, cap, " was in flight for ");
+    num[format_uint(num, std::uint64_t(ms / 1000))] = 0;
+    append(buf, len, cap, num);
+    append(buf, len, cap, ".");
+    char frac[4] = {char('0' + ms % 1000 / 100), char('0' + ms % 100 / 10), char('0' + ms % 10), 0};
+    append(buf, len, cap, frac);
+    append(buf, len, cap, " s\n");
+  } else {
+    append(buf, len, cap, "with no collective in flight\n");
+  }
+  ssize_t unused = ::write(2, buf, len);
+  (void)unused;
+  // Die of the signal, as the launcher expects.
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+}  // namespace
+
+void note_in_flight(const std::string& what) {
+  const std::size_t n = std::min(what.size(), kNoteBytes);
+  std::memcpy(g_note_what, what.data(), n);
+  g_note_what[n] = 0;
+  g_note_start_ns.store(monotonic_ns(), std::memory_order_release);
+}
+
+void note_done() { g_note_start_ns.store(0, std::memory_order_release); }
+
+void install_termination_note(int rank, int world_size) {
+  if (g_note_installed.exchange(true)) return;
+  g_note_rank = rank;
+  g_note_world = world_size;
+  struct sigaction old {};
+  if (::sigaction(SIGTERM, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) return;  // the program's own
+  struct sigaction sa {};
+  sa.sa_handler = on_sigterm;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESETHAND;
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+}  // namespace comm
+}  // namespace strata

@@ -1,0 +1,87 @@
+// Pieces shared by the communicator backends (src/comm only): the watchdog that turns a
+// hung collective into a job-ending error, the in-flight note a terminating rank prints,
+// and the backend constructors make_communicator() chooses between.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "strata/comm.h"
+
+namespace strata::comm {
+
+// Tracks in-flight collectives with their start times. When one has been in flight longer
+// than the timeout, it calls `on_timeout` once with the full error message (collective,
+// rank, elapsed time, what to do) from its own thread; on_timeout must end the process.
+// A `poll` given to begin() is asked (on the watchdog thread) whether the collective has
+// finished (NCCL: a cudaEvent); without one, end() says so (MPI's worker).
+class Watchdog {
+ public:
+  using OnTimeout = std::function<void(const std::string& message)>;
+  Watchdog(int rank, int world_size, double timeout_s, OnTimeout on_timeout,
+           std::function<std::string()> async_error = {});
+  ~Watchdog();
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  std::uint64_t begin(std::string what, std::function<bool()> poll = {});
+  void end(std::uint64_t id);
+  // The message on_timeout gets; public so tests and the MPI error path say the same thing.
+  static std::string timeout_message(const std::string& what, int rank, int world_size,
+                                     double elapsed_s, double timeout_s);
+
+ private:
+  struct Entry {
+    std::uint64_t id;
+    std::string what;
+    std::chrono::steady_clock::time_point start;
+    std::function<bool()> poll;
+  };
+  void run();
+
+  int rank_, world_size_;
+  double timeout_s_;
+  OnTimeout on_timeout_;
+  std::function<std::string()> async_error_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::list<Entry> entries_;
+  std::uint64_t next_id_ = 1;
+  bool stop_ = false;
+  bool fired_ = false;  // on_timeout is called once, even if it returns
+  std::thread thread_;  // last: started after every other member exists
+};
+
+// The timeout from options, else STRATA_COMM_TIMEOUT_S, else 300 s.
+double resolve_timeout_s(double option_s);
+
+// What is in flight right now, for the SIGTERM note: when a launcher ends the job because a
+// peer died (OpenMPI sends SIGTERM to the survivors), each survivor prints which collective
+// it was in, its rank and for how long, instead of dying silently. Process-wide, lock-free.
+void note_in_flight(const std::string& what);
+void note_done();
+// Installs the SIGTERM note once per process, only where SIGTERM still has its default action.
+void install_termination_note(int rank, int world_size);
+
+// Ends the job after a fatal communication error: logs `message` and aborts every rank
+// (MPI_Abort when MPI is up, else exits the process non-zero).
+[[noreturn]] void abort_job(const std::string& message);
+
+// Backends (each in its own file). Their constructors are collective.
+std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s);
+std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeout_s);
+std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s);
+
+// MPI helpers the NCCL bootstrap shares (mpi_comm.cpp): whether MPI is up, and a broadcast
+// of bytes from rank 0 over MPI_COMM_WORLD.
+bool mpi_active();
+void mpi_broadcast_bytes(void* data, std::size_t bytes);
+
+}  // namespace strata::comm

@@ -1,0 +1,189 @@
+// Launch: where this process sits in the job, and MPI's life in the process.
+//
+// Before MPI is initialized the launcher's environment says it all (mpirun, srun with PMIx,
+// MPICH's hydra); reading it never initializes MPI, so a plain process stays a plain
+// process and picks the local communicator without MPI ever starting (no singleton
+// MPI_Init, which would spawn an ORTE daemon). init_launch() initializes MPI with
+// MPI_THREAD_MULTIPLE at most once and finalizes it at exit, and only if strata was the one
+// to initialize it: a program that owns MPI keeps owning it.
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#if defined(STRATA_HAVE_MPI)
+#include <mpi.h>
+#endif
+
+#include "comm/comm_internal.h"
+#include "strata/comm.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata {
+namespace {
+
+// The first of `names` set to an integer, else -1.
+int env_int(std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    const char* v = std::getenv(n);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    const long x = std::strtol(v, &end, 10);
+    if (end != v && x >= 0) return static_cast<int>(x);
+  }
+  return -1;
+}
+
+#if defined(STRATA_HAVE_MPI)
+std::once_flag g_init_once;
+bool g_we_initialized = false;
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+LaunchInfo mpi_view(LaunchInfo li) {
+  MPI_Comm_rank(MPI_COMM_WORLD, &li.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &li.world_size);
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, li.rank, MPI_INFO_NULL, &node);
+  MPI_Comm_rank(node, &li.local_rank);
+  MPI_Comm_size(node, &li.local_size);
+  MPI_Comm_free(&node);
+  li.under_mpi = true;
+  return li;
+}
+#endif
+
+}  // namespace
+
+LaunchInfo launch_info() {
+  LaunchInfo li;
+  if (std::getenv("OMPI_COMM_WORLD_RANK")) {
+    li.launcher = "openmpi";
+    li.rank = env_int({"OMPI_COMM_WORLD_RANK"});
+    li.world_size = env_int({"OMPI_COMM_WORLD_SIZE"});
+    li.local_rank = env_int({"OMPI_COMM_WORLD_LOCAL_RANK"});
+    li.local_size = env_int({"OMPI_COMM_WORLD_LOCAL_SIZE"});
+  } else if (std::getenv("PMIX_RANK")) {
+    // srun --mpi=pmix: PMIx gives the rank, Slurm the step's sizes.
+    li.launcher = "pmix";
+    li.rank = env_int({"PMIX_RANK"});
+    li.world_size = env_int({"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "PMIX_SIZE"});
+    li.local_rank = env_int({"SLURM_LOCALID", "PMIX_LOCAL_RANK"});
+    li.local_size = env_int({"PMIX_LOCAL_SIZE"});
+  } else if (std::getenv("PMI_RANK")) {
+    li.launcher = "pmi";  // MPICH hydra, srun --mpi=pmi2
+    li.rank = env_int({"PMI_RANK"});
+    li.world_size = env_int({"PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+    li.local_rank = env_int({"MPI_LOCALRANKID", "SLURM_LOCALID"});
+    li.local_size = env_int({"MPI_LOCALNRANKS"});
+  }
+  if (li.launcher != "none") {
+    li.under_mpi = true;
+    if (li.rank < 0) li.rank = 0;
+    if (li.world_size < 1) li.world_size = 1;
+    if (li.local_rank < 0) li.local_rank = 0;
+    if (li.local_size < 1) li.local_size = 1;  // refined by MPI once it is up
+  }
+#if defined(STRATA_HAVE_MPI)
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) return mpi_view(li);
+#endif
+  return li;
+}
+
+LaunchInfo init_launch() {
+  const LaunchInfo env = launch_info();
+  if (!env.under_mpi) return env;
+#if defined(STRATA_HAVE_MPI)
+  std::call_once(g_init_once, [] {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = 0;
+    if (!initialized) {
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS)
+        detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Init_thread",
+                            "MPI failed to initialize under the launcher; check the mpirun / srun "
+                            "command (srun needs --mpi=pmix)",
+                            mpi_error_text(rc));
+      g_we_initialized = true;
+      std::atexit(finalize_at_exit);
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    // Collectives run on a communicator's worker while the watchdog may call MPI_Abort from
+    // its own thread: that needs MPI_THREAD_MULTIPLE (OpenMPI 4.1 provides it).
+    if (provided < MPI_THREAD_MULTIPLE)
+      STRATA_THROW(kMpi,
+                   "MPI provides thread level {} but strata needs MPI_THREAD_MULTIPLE ({}); use an MPI "
+                   "built with thread-multiple support{}",
+                   provided, int(MPI_THREAD_MULTIPLE),
+                   initialized ? ", or initialize MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)" : "");
+  });
+  return launch_info();
+#else
+  STRATA_THROW(kUnsupported,
+               "started by an MPI launcher ({}, rank {} of {}) but this build has no MPI; install "
+               "libopenmpi-dev and rebuild, or run a single process without mpirun",
+               env.launcher, env.rank, env.world_size);
+#endif
+}
+
+namespace comm {
+
+#if defined(STRATA_HAVE_MPI)
+bool mpi_active() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+void mpi_broadcast_bytes(void* data, std::size_t bytes) {
+  const int rc = MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, MPI_COMM_WORLD);
+  if (rc != MPI_SUCCESS)
+    detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Bcast", "bootstrap broadcast failed",
+                        mpi_error_text(rc));
+}
+
+void abort_job(const std::string& message) {
+  log::error("{}", message);
+  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, 3);
+  std::_Exit(3);
+}
+#else
+bool mpi_active() { return false; }
+
+void mpi_broadcast_bytes(void*, std::size_t) {
+  STRATA_THROW(kUnsupported, "a multi-rank bootstrap needs MPI, and this build has none; install "
+                             "libopenmpi-dev and rebuild");
+}
+
+void abort_job(const std::string& message) {
+  log::error("{}", message);
+  std::_Exit(3);
+}
+
+std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
+  STRATA_THROW(kUnsupported, "no MPI communicator for {}: this build has no MPI; install libopenmpi-dev "
+                             "and rebuild",
+               device.name());
+}
+#endif
+
+}  // namespace comm
+}  // namespace strata

@@ -1,0 +1,285 @@
+// MpiCommunicator: collectives over MPI for host memory and the CPU-emulated device.
+//
+// Owns: a duplicate of MPI_COMM_WORLD (our collectives never interleave with a program's
+// own), one comm worker thread, a watchdog, and fp32 scratch for 16-bit reductions.
+// Invariants:
+//  - Every MPI call of this communicator runs on its worker, in the order the collectives
+//    were issued (over all streams together), so every rank makes the same calls in the
+//    same order whatever its streams do. A collective is queued on its stream as a host
+//    step that hands it to the worker and holds the stream until the worker has finished
+//    it: stream order is kept, and the stream is busy while the collective runs, as a GPU
+//    stream is while NCCL runs.
+//  - bf16/fp16 reductions are not done on raw 16-bit words (an integer sum of bit
+//    patterns is garbage): the worker widens them to fp32 scratch (exact), reduces fp32
+//    with MPI's own MPI_SUM / MPI_MAX, and rounds the result once, to nearest even, with
+//    strata's conversions. The result is the fp32 sum (in MPI's reduction order) rounded
+//    once; max is exact. Avg is the fp32 sum times 1/world_size, then rounded.
+//  - A failed or timed-out collective ends the job (the ranks can no longer agree on what
+//    was done): the error names the collective, the rank and the elapsed time. MPI errors
+//    are returned to us (MPI_ERRORS_RETURN on our communicator) so the message is ours.
+// Never: calls MPI from the caller's thread after construction, or blocks the caller.
+#include <mpi.h>
+
+#include <climits>
+#include <cstring>
+#include <functional>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "comm/comm_internal.h"
+#include "cpu/cpu_kernels.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata::comm {
+namespace {
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+bool is_16bit(DType t) { return t == DType::kBF16 || t == DType::kF16; }
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::kF32: return MPI_FLOAT;
+    case DType::kF64: return MPI_DOUBLE;
+    case DType::kBF16:
+    case DType::kF16: return MPI_UINT16_T;  // moved as words, never reduced as such
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// One issued collective, shared by the stream's host step and the worker.
+struct PendingOp {
+  Communicator::Collective c;
+  std::string what;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool ready = false;  // the stream has reached it
+  bool done = false;
+
+  void set(bool PendingOp::*flag) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      this->*flag = true;
+    }
+    cv.notify_all();
+  }
+  void wait(bool PendingOp::*flag) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return this->*flag; });
+  }
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(Device& device, double timeout_s, MPI_Comm comm, int rank, int world_size)
+      : Communicator(CommBackend::kMpi, device, rank, world_size, timeout_s),
+        comm_(comm),
+        watchdog_(rank, world_size, timeout_s, [](const std::string& msg) { abort_job(msg); }) {
+    worker_ = std::thread([this] { run(); });
+  }
+
+  ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();  // after every issued collective has run: their streams still wait on them
+    if (mpi_active()) MPI_Comm_free(&comm_);
+  }
+
+ protected:
+  bool accepts_host_memory() const noexcept override { return true; }
+
+  void do_enqueue(const Collective& c, Stream& stream) override {
+    for (const auto* list : {&c.inputs, &c.outputs})
+      for (const TensorRef& t : *list)
+        STRATA_REQUIRE(t.numel <= std::size_t(INT_MAX),
+                       "{}: {} elements exceed MPI's int count ({}); split the tensor", c.describe(),
+                       t.numel, INT_MAX);
+    auto op = std::make_shared<PendingOp>();
+    op->c = c;
+    op->what = c.describe();
+    // One lock over both steps: the worker's order is the streams' issue order.
+    std::lock_guard<std::mutex> issue(issue_mu_);
+    stream.host_fn([op] {
+      op->set(&PendingOp::ready);
+      op->wait(&PendingOp::done);
+    });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(op));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::shared_ptr<PendingOp> op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      op->wait(&PendingOp::ready);
+      note_in_flight(op->what);
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::uint64_t id = watchdog_.begin(op->what);
+      try {
+        execute(op->c);
+      } catch (const std::exception& e) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        abort_job(fmt::format("collective {} failed on rank {} of {} after {:.3f} s: {}; ending the job",
+                              op->what, rank(), world_size(), s, e.what()));
+      }
+      watchdog_.end(id);
+      note_done();
+      op->set(&PendingOp::done);
+    }
+  }
+
+  void check(int rc, const char* call) {
+    if (rc != MPI_SUCCESS)
+      detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", mpi_error_text(rc));
+  }
+
+  // fp32 scratch slot `i`, grown as needed and kept for the next call.
+  float* scratch(std::size_t i, std::size_t n) {
+    if (scratch_.size() <= i) scratch_.resize(i + 1);
+    if (scratch_[i].size() < n) scratch_[i].resize(n);
+    return scratch_[i].data();
+  }
+
+  // Posts every tensor's nonblocking collective, waits for all, then finishes (rounds,
+  // averages, copies out) in order: a coalesced call is one wait.
+  void execute(const Collective& c) {
+    std::vector<MPI_Request> reqs;
+    std::vector<std::function<void()>> finish;
+    const MPI_Op mop = c.op == ReduceOp::kMax ? MPI_MAX : MPI_SUM;
+    const bool avg = c.op == ReduceOp::kAvg;
+    const float inv = 1.0f / float(world_size());
+    std::size_t slot = 0;
+    auto average = [inv, this](DType t, void* p, std::size_t n) {
+      if (t == DType::kF64) {
+        auto* d = static_cast<double*>(p);
+        for (std::size_t i = 0; i < n; ++i) d[i] /= world_size();
+      } else {
+        cpu::scale(inv, t, p, n);  // fp32 here: 16-bit data is scaled before rounding
+      }
+    };
+
+    if (c.kind == Kind::kBarrier) {
+      reqs.emplace_back();
+      check(MPI_Ibarrier(comm_, &reqs.back()), "MPI_Ibarrier");
+    }
+    for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+      const TensorRef& in = c.inputs[i];
+      const DType t = in.dtype;
+      const int n = static_cast<int>(in.numel);
+      reqs.emplace_back();
+      MPI_Request* req = &reqs.back();
+      switch (c.kind) {
+        case Kind::kBarrier: break;
+        case Kind::kBroadcast:
+          check(MPI_Ibcast(in.mem.ptr, n, mpi_type(t), c.root, comm_, req), "MPI_Ibcast");
+          break;
+        case Kind::kAllGather: {
+          const TensorRef& out = c.outputs[i];
+          const bool in_place = in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank() * in.numel * dtype_size(t);
+          check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.mem.ptr, n, mpi_type(t), out.mem.ptr, n,
+                               mpi_type(t), comm_, req),
+                "MPI_Iallgather");
+          break;
+        }
+        case Kind::kAllReduce:
+          if (is_16bit(t)) {
+            float* s = scratch(slot++, in.numel);
+            cpu::cast(t, in.mem.ptr, DType::kF32, s, in.numel);
+            check(MPI_Iallreduce(MPI_IN_PLACE, s, n, MPI_FLOAT, mop, comm_, req), "MPI_Iallreduce");
+            finish.push_back([=] {
+              if (avg) average(DType::kF32, s, in.numel);
+              cpu::cast(DType::kF32, s, t, in.mem.ptr, in.numel);
+            });
+          } else {
+            check(MPI_Iallreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_, req), "MPI_Iallreduce");
+            if (avg) finish.push_back([=] { average(t, in.mem.ptr, in.numel); });
+          }
+          break;
+        case Kind::kReduceScatter: {
+          const TensorRef& out = c.outputs[i];
+          const int n_out = static_cast<int>(out.numel);
+          if (is_16bit(t)) {
+            float* s_in = scratch(slot++, in.numel);
+            float* s_out = scratch(slot++, out.numel);
+            cpu::cast(t, in.mem.ptr, DType::kF32, s_in, in.numel);
+            check(MPI_Ireduce_scatter_block(s_in, s_out, n_out, MPI_FLOAT, mop, comm_, req),
+                  "MPI_Ireduce_scatter_block");
+            finish.push_back([=] {
+              if (avg) average(DType::kF32, s_out, out.numel);
+              cpu::cast(DType::kF32, s_out, t, out.mem.ptr, out.numel);
+            });
+          } else {
+            // MPI forbids the output aliasing the input, which the in-place layout does.
+            const std::size_t out_bytes = out.numel * dtype_size(t);
+            const bool in_place = out.mem.ptr == static_cast<char*>(in.mem.ptr) + rank() * out_bytes;
+            void* dst = in_place ? scratch(slot++, (out_bytes + 3) / 4) : out.mem.ptr;
+            check(MPI_Ireduce_scatter_block(in.mem.ptr, dst, n_out, mpi_type(t), mop, comm_, req),
+                  "MPI_Ireduce_scatter_block");
+            finish.push_back([=] {
+              if (dst != out.mem.ptr) std::memcpy(out.mem.ptr, dst, out_bytes);
+              if (avg) average(t, out.mem.ptr, out.numel);
+            });
+          }
+          break;
+        }
+      }
+    }
+    check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    for (auto& f : finish) f();
+  }
+
+  MPI_Comm comm_;
+  Watchdog watchdog_;
+  std::vector<std::vector<float>> scratch_;  // worker only
+  std::mutex issue_mu_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<PendingOp>> queue_;
+  bool stopping_ = false;
+  std::thread worker_;  // last: started after every other member exists
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeout_s) {
+  const LaunchInfo li = init_launch();
+  STRATA_REQUIRE(li.under_mpi,
+                 "the mpi communicator needs an MPI launcher: start the program with mpirun -np N (or "
+                 "srun --mpi=pmix), or use the local communicator for one process");
+  MPI_Comm comm;
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  if (rc != MPI_SUCCESS)
+    detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Comm_dup(MPI_COMM_WORLD)",
+                        "cannot create the communicator", mpi_error_text(rc));
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  install_termination_note(rank, size);
+  log::debug("mpi communicator: rank {} of {} (local {} of {}), timeout {} s", rank, size, li.local_rank,
+             li.local_size, timeout_s);
+  return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size);
+}
+
+}  // namespace strata::comm

@@ -1,0 +1,200 @@
+// NcclCommunicator: collectives over NCCL on CUDA device memory, one communicator per
+// process and GPU.
+//
+// Owns: the ncclComm_t, a 256-byte device scratch (barrier's one-element all-reduce; also
+// how we learn the GPU ordinal of the Device, through cudaPointerGetAttributes), and a
+// watchdog. Bootstrap: rank 0 makes the unique id and MPI broadcasts it (one rank needs no
+// MPI at all).
+// Invariants:
+//  - Collectives are ncclXxx calls on the stream's cudaStream_t (Stream::native_handle),
+//    made with this GPU current; coalesced calls are one ncclGroupStart/End.
+//  - After each call a cudaEvent is recorded on the stream and handed to the watchdog,
+//    which polls it and ncclCommGetAsyncError. A collective still running after the
+//    timeout (measured from when it was queued, as the GPU's start is not observable
+//    cheaply) or an async NCCL error aborts the communicator (ncclCommAbort, so no kernel
+//    spins forever) and then the job, with the collective, the rank and the elapsed time.
+// Never: synchronizes the caller's stream or the device outside the destructor.
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "comm/comm_internal.h"
+#include "gpu/cuda_check.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+#define STRATA_NCCL_CHECK(expr)                                                                   \
+  do {                                                                                            \
+    const ncclResult_t strata_nccl_rc_ = (expr);                                                  \
+    if (strata_nccl_rc_ != ncclSuccess) [[unlikely]]                                              \
+      ::strata::detail::throw_error(::strata::ErrorKind::kNccl, __FILE__, __LINE__, #expr,       \
+                                    "NCCL call failed",                                           \
+                                    ::fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more", \
+                                                  ncclGetErrorString(strata_nccl_rc_),            \
+                                                  static_cast<int>(strata_nccl_rc_)));            \
+  } while (0)
+
+namespace strata::comm {
+namespace {
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kF32: return ncclFloat32;
+    case DType::kBF16: return ncclBfloat16;
+    case DType::kF16: return ncclFloat16;
+    case DType::kF64: return ncclFloat64;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+  }
+  return ncclSum;
+}
+
+// Makes `ordinal` the calling thread's current GPU for a scope.
+class GpuGuard {
+ public:
+  explicit GpuGuard(int ordinal) {
+    STRATA_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != ordinal) STRATA_CUDA_CHECK(cudaSetDevice(ordinal));
+  }
+  ~GpuGuard() { (void)cudaSetDevice(prev_); }
+
+ private:
+  int prev_ = 0;
+};
+
+// A completion marker of one collective, polled by the watchdog thread.
+struct DoneEvent {
+  DoneEvent() { STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)); }
+  ~DoneEvent() { (void)cudaEventDestroy(ev); }
+  bool done() const { return cudaEventQuery(ev) == cudaSuccess; }
+  cudaEvent_t ev = nullptr;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Device& device, double timeout_s, int rank, int world_size, int ordinal, ncclComm_t comm,
+                   Buffer scratch)
+      : Communicator(CommBackend::kNccl, device, rank, world_size, timeout_s),
+        ordinal_(ordinal),
+        comm_(comm),
+        scratch_(std::move(scratch)),
+        watchdog_(
+            rank, world_size, timeout_s,
+            [this](const std::string& msg) {
+              (void)ncclCommAbort(comm_);  // frees the GPU from kernels waiting on dead peers
+              abort_job(msg);
+            },
+            [this]() -> std::string {
+              ncclResult_t r = ncclSuccess;
+              if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress)
+                return {};
+              return fmt::format("NCCL reported an asynchronous error: {} (result {}); ending the job",
+                                 ncclGetErrorString(r), static_cast<int>(r));
+            }) {}
+
+  ~NcclCommunicator() override {
+    std::vector<std::shared_ptr<DoneEvent>> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending.swap(recent_);
+    }
+    for (auto& e : pending) (void)cudaEventSynchronize(e->ev);
+    (void)ncclCommFinalize(comm_);
+    (void)ncclCommDestroy(comm_);
+  }
+
+ protected:
+  void do_enqueue(const Collective& c, Stream& stream) override {
+    auto s = static_cast<cudaStream_t>(stream.native_handle());
+    STRATA_REQUIRE(s != nullptr, "{}: stream '{}' has no CUDA stream; use a stream of the CUDA device",
+                   c.describe(), stream.name());
+    GpuGuard guard(ordinal_);
+    const bool group = c.inputs.size() > 1;
+    if (group) STRATA_NCCL_CHECK(ncclGroupStart());
+    if (c.kind == Kind::kBarrier) {
+      float* one = static_cast<float*>(scratch_.data());
+      STRATA_NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, s));
+    }
+    for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+      const TensorRef& in = c.inputs[i];
+      const ncclDataType_t t = nccl_type(in.dtype);
+      switch (c.kind) {
+        case Kind::kBarrier: break;
+        case Kind::kAllGather:
+          STRATA_NCCL_CHECK(ncclAllGather(in.mem.ptr, c.outputs[i].mem.ptr, in.numel, t, comm_, s));
+          break;
+        case Kind::kReduceScatter:
+          STRATA_NCCL_CHECK(ncclReduceScatter(in.mem.ptr, c.outputs[i].mem.ptr, c.outputs[i].numel, t,
+                                              nccl_op(c.op), comm_, s));
+          break;
+        case Kind::kAllReduce:
+          STRATA_NCCL_CHECK(ncclAllReduce(in.mem.ptr, in.mem.ptr, in.numel, t, nccl_op(c.op), comm_, s));
+          break;
+        case Kind::kBroadcast:
+          STRATA_NCCL_CHECK(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
+          break;
+      }
+    }
+    if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
+    auto done = std::make_shared<DoneEvent>();
+    STRATA_CUDA_CHECK(cudaEventRecord(done->ev, s));
+    watchdog_.begin(c.describe(), [done] { return done->done(); });
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(recent_, [](const std::shared_ptr<DoneEvent>& e) { return e->done(); });
+    recent_.push_back(std::move(done));
+  }
+
+ private:
+  int ordinal_;
+  ncclComm_t comm_;
+  Buffer scratch_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<DoneEvent>> recent_;  // not yet seen complete; the destructor waits
+  Watchdog watchdog_;  // last: its thread polls the members above
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s) {
+  const LaunchInfo li = init_launch();  // MPI only under a launcher
+  Buffer scratch = device.alloc(256);
+  cudaPointerAttributes attr{};
+  STRATA_CUDA_CHECK(cudaPointerGetAttributes(&attr, scratch.data()));
+  const int ordinal = attr.device;
+  int count = 0;
+  STRATA_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (li.under_mpi && count > 0 && ordinal != launch_gpu_ordinal(li, count))
+    log::warn("rank {} (local rank {}) uses GPU {} but the launch layout suggests GPU {}; create the device "
+              "with strata::launch_gpu_ordinal()",
+              li.rank, li.local_rank, ordinal, launch_gpu_ordinal(li, count));
+  {
+    GpuGuard guard(ordinal);
+    STRATA_CUDA_CHECK(cudaMemset(scratch.data(), 0, 256));
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ncclUniqueId id{};
+  if (li.rank == 0) STRATA_NCCL_CHECK(ncclGetUniqueId(&id));
+  if (li.world_size > 1) mpi_broadcast_bytes(&id, sizeof id);
+  ncclComm_t comm = nullptr;
+  {
+    GpuGuard guard(ordinal);
+    STRATA_NCCL_CHECK(ncclCommInitRank(&comm, li.world_size, id, li.rank));
+  }
+  if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
+  log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,
+             timeout_s);
+  return std::make_unique<NcclCommunicator>(device, timeout_s, li.rank, li.world_size, ordinal, comm,
+                                            std::move(scratch));
+}
+
+}  // namespace strata::comm

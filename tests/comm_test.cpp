@@ -1,0 +1,462 @@
+// The collectives suite: every collective, dtype and odd size against a result computed
+// locally, coalesced against individual calls, and a collective overlapping work on another
+// stream ordered only by events. Run by ctest as one process (local backend) and under
+// `mpirun -np 2` / `-np 4` (MPI backend on the CPU-emulated device); built again with
+// -DSTRATA_TEST_CUDA as comm_gpu_test (NCCL, one rank; skipped without a GPU).
+//
+// Exact expectations: inputs are random non-zero multiples of 2^-8 of magnitude <= 8,
+// rounded to the dtype. Every partial sum of up to 4 of them is a multiple of 2^-8 below
+// 2^6, which fp32 holds exactly, so the fp32 sum does not depend on the reduction order
+// and the expected result is that exact sum rounded once to the dtype (RNE): results are
+// compared bit for bit. Avg divides by a power of two (2 or 4 ranks): exact as well.
+//
+// Every rank runs every test; only rank 0 prints the full report, other ranks print their
+// failures. main() agrees on the outcome over the communicator, so a failure on any rank
+// fails every process and thus mpirun.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "strata/comm.h"
+#include "strata/device.h"
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Env {
+  LaunchInfo launch;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Communicator> comm;
+};
+Env* g_env = nullptr;
+
+std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+float to_dtype_and_back(DType t, float v) {
+  switch (t) {
+    case DType::kBF16: return bf16_to_f32(f32_to_bf16(v));
+    case DType::kF16: return f16_to_f32(f32_to_f16(v));
+    default: return v;
+  }
+}
+
+// Rank r's input element i for test `seed`: a non-zero multiple of 2^-8 in [-8, 8], exact in t.
+float value(DType t, std::uint64_t seed, int r, std::size_t i) {
+  const std::uint64_t h = splitmix(seed * 0x100000001b3ull ^ splitmix(std::uint64_t(r) << 40 ^ i));
+  int k = int(h % 4001) - 2000;
+  if (k == 0) k = 1;
+  return to_dtype_and_back(t, float(k) / 256.0f);
+}
+
+std::vector<float> values(DType t, std::uint64_t seed, int r, std::size_t n) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = value(t, seed, r, i);
+  return v;
+}
+
+// fp32 values -> the bytes of dtype t (RNE), and back.
+std::vector<std::uint8_t> encode(DType t, const std::vector<float>& v) {
+  std::vector<std::uint8_t> out(v.size() * dtype_size(t));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (t == DType::kF32) {
+      std::memcpy(&out[i * 4], &v[i], 4);
+    } else {
+      const std::uint16_t h = t == DType::kBF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
+      std::memcpy(&out[i * 2], &h, 2);
+    }
+  }
+  return out;
+}
+
+class Collectives : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!g_env || !g_env->comm) GTEST_SKIP() << "no device for this suite (no usable GPU)";
+    comm = g_env->comm.get();
+    dev = g_env->device.get();
+    s = dev->create_stream("comm");
+    W = comm->world_size();
+    R = comm->rank();
+  }
+
+  Buffer upload(DType t, const std::vector<float>& v) {
+    const auto bytes = encode(t, v);
+    Buffer b = dev->alloc(bytes.size());
+    s->copy(b.ref(), host_ref(bytes.data(), bytes.size()));
+    s->synchronize();
+    return b;
+  }
+  std::vector<std::uint8_t> download(const Buffer& b, std::size_t bytes, std::size_t offset = 0) {
+    std::vector<std::uint8_t> out(bytes);
+    s->copy(host_ref(out.data(), bytes), b.ref(offset, bytes));
+    s->synchronize();
+    return out;
+  }
+  // Index of the first differing element (of size es), or -1.
+  static long first_diff(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b, std::size_t es) {
+    if (a.size() != b.size()) return 0;
+    if (std::memcmp(a.data(), b.data(), a.size()) == 0) return -1;
+    for (std::size_t i = 0; i < a.size() / es; ++i)
+      if (std::memcmp(&a[i * es], &b[i * es], es) != 0) return long(i);
+    return 0;
+  }
+
+  // The element-wise reduction of every rank's values(t, seed, r, n), rounded to t.
+  std::vector<float> reduced(DType t, std::uint64_t seed, std::size_t n, ReduceOp op) {
+    std::vector<float> acc = values(t, seed, 0, n);
+    for (int r = 1; r < W; ++r) {
+      const auto v = values(t, seed, r, n);
+      for (std::size_t i = 0; i < n; ++i) acc[i] = op == ReduceOp::kMax ? std::max(acc[i], v[i]) : acc[i] + v[i];
+    }
+    if (op == ReduceOp::kAvg)
+      for (float& x : acc) x /= float(W);
+    return acc;  // exact in fp32 (see the file comment); encode() rounds to t
+  }
+
+  Communicator* comm = nullptr;
+  Device* dev = nullptr;
+  std::unique_ptr<Stream> s;
+  int W = 1, R = 0;
+};
+
+const DType kDtypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+const std::size_t kSizes[] = {1, 7, 1000003};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax};
+
+std::string label(DType t, std::size_t n) { return fmt::format("{} n={}", dtype_name(t), n); }
+
+TEST_F(Collectives, LaunchAndBackend) {
+  const LaunchInfo& li = g_env->launch;
+  EXPECT_EQ(comm->rank(), li.rank);
+  EXPECT_EQ(comm->world_size(), li.world_size);
+  EXPECT_GE(li.local_rank, 0);
+  EXPECT_LT(li.local_rank, li.local_size);
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    EXPECT_TRUE(li.under_mpi);
+    EXPECT_EQ(li.world_size, std::atoi(env));
+    EXPECT_EQ(li.rank, std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
+  }
+  if (dev->kind() == DeviceKind::kCuda) EXPECT_EQ(comm->backend(), CommBackend::kNccl);
+  else EXPECT_EQ(comm->backend(), li.under_mpi ? CommBackend::kMpi : CommBackend::kLocal);
+}
+
+TEST_F(Collectives, AllGather) {
+  for (DType t : kDtypes)
+    for (std::size_t n : kSizes) {
+      const std::uint64_t seed = 100 + n + std::size_t(t);
+      Buffer in = upload(t, values(t, seed, R, n));
+      Buffer out = dev->alloc(n * W * dtype_size(t));
+      Event e = comm->all_gather(tensor(in, t, n), tensor(out, t, n * W), *s);
+      e.synchronize();
+      std::vector<float> expect;
+      for (int r = 0; r < W; ++r) {
+        const auto v = values(t, seed, r, n);
+        expect.insert(expect.end(), v.begin(), v.end());
+      }
+      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
+    }
+}
+
+TEST_F(Collectives, AllReduce) {
+  for (DType t : kDtypes)
+    for (std::size_t n : kSizes)
+      for (ReduceOp op : kOps) {
+        const std::uint64_t seed = 200 + n * 3 + std::size_t(op) * 7 + std::size_t(t);
+        Buffer x = upload(t, values(t, seed, R, n));
+        comm->all_reduce(tensor(x, t, n), op, *s).synchronize();
+        EXPECT_EQ(first_diff(download(x, x.size()), encode(t, reduced(t, seed, n, op)), dtype_size(t)), -1)
+            << label(t, n) << " " << reduce_op_name(op);
+      }
+}
+
+TEST_F(Collectives, ReduceScatter) {
+  for (DType t : kDtypes)
+    for (std::size_t n : kSizes)
+      for (ReduceOp op : kOps) {
+        const std::uint64_t seed = 300 + n * 3 + std::size_t(op) * 7 + std::size_t(t);
+        Buffer in = upload(t, values(t, seed, R, n * W));
+        Buffer out = dev->alloc(n * dtype_size(t));
+        comm->reduce_scatter(tensor(in, t, n * W), tensor(out, t, n), op, *s).synchronize();
+        const auto full = reduced(t, seed, n * W, op);
+        const std::vector<float> mine(full.begin() + R * n, full.begin() + (R + 1) * n);
+        EXPECT_EQ(first_diff(download(out, out.size()), encode(t, mine), dtype_size(t)), -1)
+            << label(t, n) << " " << reduce_op_name(op);
+      }
+}
+
+TEST_F(Collectives, Broadcast) {
+  for (DType t : kDtypes)
+    for (std::size_t n : kSizes) {
+      const std::uint64_t seed = 400 + n + std::size_t(t);
+      const int root = W - 1;
+      Buffer x = upload(t, values(t, seed, R, n));
+      comm->broadcast(tensor(x, t, n), root, *s).synchronize();
+      EXPECT_EQ(first_diff(download(x, x.size()), encode(t, values(t, seed, root, n)), dtype_size(t)), -1)
+          << label(t, n);
+    }
+}
+
+TEST_F(Collectives, BarrierWaitsForTheLastRank) {
+  // Rank 0 arrives 300 ms late; nobody may leave the barrier before it arrived.
+  // (A lower bound only: a correctness property, not a speed claim.)
+  if (W == 1) GTEST_SKIP() << "one rank: nothing to wait for";
+  comm->barrier(*s).synchronize();  // align the start
+  const auto t0 = std::chrono::steady_clock::now();
+  if (R == 0) std::this_thread::sleep_for(300ms);
+  comm->barrier(*s).synchronize();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 250ms);
+}
+
+// ZeRO's flat buffers: numel not divisible by the world size, padded with zeros to
+// W * shard; each rank owns one shard. Gather restores the flat tensor, reduce-scatter
+// leaves each rank the sum of its shard (and zeros in the padding).
+TEST_F(Collectives, UnevenShardsByPadding) {
+  for (DType t : kDtypes)
+    for (std::size_t numel : kSizes) {
+      const std::size_t shard = (numel + W - 1) / W, padded = shard * W;
+      const std::uint64_t seed = 500 + numel + std::size_t(t);
+      // The flat tensor every rank holds (same on all ranks for gather: rank 0's values).
+      std::vector<float> flat = values(t, seed, 0, numel);
+      flat.resize(padded, 0.0f);
+      const std::vector<float> my_shard(flat.begin() + R * shard, flat.begin() + (R + 1) * shard);
+      Buffer sh = upload(t, my_shard);
+      Buffer gathered = dev->alloc(padded * dtype_size(t));
+      comm->all_gather(tensor(sh, t, shard), tensor(gathered, t, padded), *s).synchronize();
+      EXPECT_EQ(first_diff(download(gathered, padded * dtype_size(t)), encode(t, flat), dtype_size(t)), -1)
+          << "gather " << label(t, numel);
+
+      std::vector<float> grads = values(t, seed + 1, R, numel);
+      grads.resize(padded, 0.0f);
+      Buffer g = upload(t, grads);
+      Buffer out = dev->alloc(shard * dtype_size(t));
+      comm->reduce_scatter(tensor(g, t, padded), tensor(out, t, shard), ReduceOp::kSum, *s).synchronize();
+      std::vector<float> expect = reduced(t, seed + 1, numel, ReduceOp::kSum);
+      expect.resize(padded, 0.0f);
+      const std::vector<float> mine(expect.begin() + R * shard, expect.begin() + (R + 1) * shard);
+      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, mine), dtype_size(t)), -1)
+          << "reduce_scatter " << label(t, numel);
+    }
+}
+
+TEST_F(Collectives, InPlaceLayouts) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const std::size_t n = 1001;
+    const std::size_t es = dtype_size(t);
+    const std::uint64_t seed = 600 + std::size_t(t);
+    // all_gather: the input is block R of the output.
+    std::vector<float> init(n * W, 0.0f);
+    const auto mine = values(t, seed, R, n);
+    std::copy(mine.begin(), mine.end(), init.begin() + R * n);
+    Buffer buf = upload(t, init);
+    comm->all_gather(tensor(buf, t, n, R * n), tensor(buf, t, n * W), *s).synchronize();
+    std::vector<float> expect;
+    for (int r = 0; r < W; ++r) {
+      const auto v = values(t, seed, r, n);
+      expect.insert(expect.end(), v.begin(), v.end());
+    }
+    EXPECT_EQ(first_diff(download(buf, n * W * es), encode(t, expect), es), -1) << "all_gather " << dtype_name(t);
+    // reduce_scatter: the output is block R of the input.
+    Buffer rs = upload(t, values(t, seed + 1, R, n * W));
+    comm->reduce_scatter(tensor(rs, t, n * W), tensor(rs, t, n, R * n), ReduceOp::kSum, *s).synchronize();
+    const auto full = reduced(t, seed + 1, n * W, ReduceOp::kSum);
+    const std::vector<float> block(full.begin() + R * n, full.begin() + (R + 1) * n);
+    EXPECT_EQ(first_diff(download(rs, n * es, R * n * es), encode(t, block), es), -1)
+        << "reduce_scatter " << dtype_name(t);
+  }
+}
+
+TEST_F(Collectives, CoalescedEqualsIndividual) {
+  // Three tensors of different sizes and dtypes, in one call and one by one.
+  const std::vector<std::pair<DType, std::size_t>> shapes = {{DType::kF32, 7}, {DType::kBF16, 1000}, {DType::kF16, 33}};
+  auto make = [&](std::uint64_t seed, std::size_t mult) {
+    std::vector<Buffer> bufs;
+    for (std::size_t i = 0; i < shapes.size(); ++i)
+      bufs.push_back(upload(shapes[i].first, values(shapes[i].first, seed + i, R, shapes[i].second * mult)));
+    return bufs;
+  };
+  auto outs = [&](std::size_t mult) {
+    std::vector<Buffer> bufs;
+    for (auto& [t, n] : shapes) bufs.push_back(dev->alloc(n * mult * dtype_size(t)));
+    return bufs;
+  };
+  auto refs = [&](const std::vector<Buffer>& bufs, std::size_t mult) {
+    std::vector<TensorRef> r;
+    for (std::size_t i = 0; i < shapes.size(); ++i) r.push_back(tensor(bufs[i], shapes[i].first, shapes[i].second * mult));
+    return r;
+  };
+  auto same = [&](const std::vector<Buffer>& a, const std::vector<Buffer>& b, const char* what) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      EXPECT_EQ(first_diff(download(a[i], a[i].size()), download(b[i], b[i].size()), dtype_size(shapes[i].first)), -1)
+          << what << " tensor " << i;
+  };
+  const std::size_t w = std::size_t(W);
+
+  auto ar1 = make(700, 1), ar2 = make(700, 1);
+  comm->all_reduce_coalesced(refs(ar1, 1), ReduceOp::kSum, *s);
+  for (const TensorRef& t : refs(ar2, 1)) comm->all_reduce(t, ReduceOp::kSum, *s);
+  s->synchronize();
+  same(ar1, ar2, "all_reduce");
+  // And the result is right, not just equal.
+  EXPECT_EQ(first_diff(download(ar1[1], ar1[1].size()), encode(DType::kBF16, reduced(DType::kBF16, 701, 1000, ReduceOp::kSum)), 2), -1);
+
+  auto ag_in = make(710, 1);
+  auto ag1 = outs(w), ag2 = outs(w);
+  comm->all_gather_coalesced(refs(ag_in, 1), refs(ag1, w), *s);
+  for (std::size_t i = 0; i < shapes.size(); ++i) comm->all_gather(refs(ag_in, 1)[i], refs(ag2, w)[i], *s);
+  s->synchronize();
+  same(ag1, ag2, "all_gather");
+
+  auto rs_in = make(720, w);
+  auto rs1 = outs(1), rs2 = outs(1);
+  comm->reduce_scatter_coalesced(refs(rs_in, w), refs(rs1, 1), ReduceOp::kAvg, *s);
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    comm->reduce_scatter(refs(rs_in, w)[i], refs(rs2, 1)[i], ReduceOp::kAvg, *s);
+  s->synchronize();
+  same(rs1, rs2, "reduce_scatter");
+}
+
+// A collective on one stream runs while another stream is busy, and data moves between the
+// streams through events only: compute fills x, the comm stream waits for that event and
+// all-reduces x, compute waits for the collective's event and scales x. The compute stream
+// is blocked, meanwhile, until the collective has finished: were the collective serialized
+// behind compute work, this would never end (the test gives up after 30 s and fails).
+TEST_F(Collectives, OverlapsOtherStreamOrderedByEvents) {
+  auto compute = dev->create_stream("compute");
+  const std::size_t n = 100003;
+  Buffer x = dev->alloc(n * 4, compute.get());
+  compute->fill(tensor(x, DType::kF32, n), float(R + 1));
+  Event filled = compute->record();
+
+  auto collective_done = std::make_shared<std::promise<void>>();
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  std::shared_future<void> done_future = collective_done->get_future().share();
+  // The "kernel": occupies the compute stream until the collective on the other stream ends.
+  compute->host_fn([done_future, released] {
+    released->store(done_future.wait_for(30s) == std::future_status::ready);
+  });
+
+  s->wait(filled);
+  Event reduced_ev = comm->all_reduce(tensor(x, DType::kF32, n), ReduceOp::kSum, *s);
+  s->host_fn([collective_done] { collective_done->set_value(); });
+  compute->wait(reduced_ev);
+  compute->scale(2.0f, tensor(x, DType::kF32, n));
+  std::vector<float> host(n);
+  compute->copy(host_ref(host.data(), n * 4), x.ref());
+  compute->synchronize();
+  s->synchronize();
+  EXPECT_TRUE(released->load()) << "the collective did not run while the other stream was busy";
+  const float expect = 2.0f * float(W * (W + 1) / 2);
+  std::size_t bad = 0;
+  for (float v : host) bad += v != expect;
+  EXPECT_EQ(bad, 0u) << "first value " << host[0] << ", expected " << expect;
+}
+
+TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
+  Buffer a = dev->alloc(64 * 4);
+  Buffer b = dev->alloc(64 * 4 * W + 4);
+  auto kind_of = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.kind();
+    }
+    return ErrorKind::kInternal;
+  };
+  // Output one element too large for the gather.
+  EXPECT_EQ(kind_of([&] { comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kF32, 64 * W + 1), *s); }),
+            ErrorKind::kInvalidArgument);
+  // Mismatched dtypes.
+  EXPECT_EQ(kind_of([&] { comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kBF16, 64 * W), *s); }),
+            ErrorKind::kInvalidArgument);
+  // Root outside the job.
+  EXPECT_EQ(kind_of([&] { comm->broadcast(tensor(a, DType::kF32, 64), W, *s); }), ErrorKind::kInvalidArgument);
+  // A stream of another device.
+  auto other = make_host_device({});
+  auto os = other->create_stream("other");
+  EXPECT_EQ(kind_of([&] { comm->all_reduce(tensor(a, DType::kF32, 64), ReduceOp::kSum, *os); }),
+            ErrorKind::kInvalidArgument);
+  // Nothing was queued by the calls above: a collective still matches across ranks.
+  Buffer y = upload(DType::kF32, std::vector<float>(5, 1.0f));
+  comm->all_reduce(tensor(y, DType::kF32, 5), ReduceOp::kSum, *s).synchronize();
+  EXPECT_EQ(first_diff(download(y, 20), encode(DType::kF32, std::vector<float>(5, float(W))), 4), -1);
+}
+
+// Non-zero ranks: print failures only, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  using namespace strata;
+  ::testing::InitGoogleTest(&argc, argv);
+  Env env;
+  try {
+    env.launch = init_launch();
+#ifdef STRATA_TEST_CUDA
+    const CudaProbe probe = probe_cuda();
+    if (probe.device_count > 0) {
+      CudaDeviceOptions o;
+      o.ordinal = launch_gpu_ordinal(env.launch, probe.device_count);
+      env.device = make_cuda_device(o);
+    }
+#else
+    HostDeviceOptions o;
+    o.capacity_bytes = std::size_t(512) << 20;
+    o.random_delay_us = 50;  // exposes a missing wait between the streams and the comm worker
+    env.device = make_host_device(o);
+#endif
+    if (env.device) env.comm = make_communicator(*env.device);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "comm_test: %s\n", e.what());
+    return 1;
+  }
+  g_env = &env;
+  if (env.launch.rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(env.launch.rank));
+  }
+  int rc = RUN_ALL_TESTS();
+  if (env.comm) {
+    // Agree: any rank's failure fails every rank.
+    float worst = float(rc);
+    auto s = env.device->create_stream("agree");
+    Buffer b = env.device->alloc(4);
+    s->copy(b.ref(), host_ref(&worst, 4));
+    env.comm->all_reduce(tensor(b, DType::kF32, 1), ReduceOp::kMax, *s);
+    s->copy(host_ref(&worst, 4), b.ref());
+    s->synchronize();
+    if (env.launch.rank == 0 && worst != 0 && rc == 0) std::fprintf(stderr, "comm_test: another rank failed\n");
+    rc = worst != 0 ? 1 : 0;
+  }
+  env.comm.reset();
+  env.device.reset();
+  g_env = nullptr;
+  return rc;
+}
