@@ -2,6 +2,7 @@
 // against a double-precision CPU reference on random (never zero) inputs at odd shapes.
 // Built twice: device_test (the CPU-emulated device, plain and with random delays) and
 // device_gpu_test (-DSTRATA_TEST_CUDA, label gpu: skipped where no GPU is usable).
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -12,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trace.h"
@@ -532,6 +534,121 @@ TEST_P(DeviceTest, MatmulAgainstDoubleReference) {
       }
     }
   }
+}
+
+// AdamW on the device against the CPU AdamW's scalar path on host copies of the same data:
+// the element step is the same IEEE fp32 operations on every backend, so bit for bit.
+// Several shards of mixed dtypes in one call (one launch per batch on CUDA), three steps,
+// then the non-finite handling: kSkipStep writes nothing, kReportOnly updates and reports.
+TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
+  struct ShardSpec {
+    std::size_t n;
+    DType grad, state, copy;  // copy kF32 = none
+  };
+  const ShardSpec specs[] = {{1000003, DType::kF32, DType::kF32, DType::kBF16},
+                             {17, DType::kBF16, DType::kBF16, DType::kF16},
+                             {4099, DType::kF32, DType::kBF16, DType::kF32},
+                             {1, DType::kBF16, DType::kF32, DType::kBF16}};
+  struct HostShard {
+    std::vector<std::uint8_t> p, g, m, v, c;
+  };
+  auto bytes_of = [this](const std::vector<float>& v, DType t) {
+    std::vector<std::uint8_t> b(v.size() * dtype_size(t));
+    for (std::size_t i = 0; i < v.size(); ++i) store_host(t, b.data(), i, v[i]);
+    return b;
+  };
+  auto to_device = [this](const std::vector<std::uint8_t>& b) {
+    Buffer buf = dev->alloc(b.size(), s.get());
+    s->copy(buf.ref(), host_ref(b.data(), b.size()));
+    return buf;
+  };
+  auto to_host = [this](const Buffer& buf, std::size_t bytes) {
+    std::vector<std::uint8_t> b(bytes);
+    s->copy(host_ref(b.data(), bytes), buf.ref(0, bytes));
+    s->synchronize();
+    return b;
+  };
+  std::vector<HostShard> host;
+  std::vector<std::array<Buffer, 5>> bufs;
+  AdamWDesc desc;
+  std::vector<AdamWShard> host_shards;
+  for (std::size_t k = 0; k < std::size(specs); ++k) {
+    const ShardSpec& sp = specs[k];
+    HostShard h;
+    h.p = bytes_of(random_floats(sp.n, 100 + k), DType::kF32);
+    h.g = bytes_of(random_floats(sp.n, 200 + k, -1, 1), sp.grad);
+    h.m = bytes_of(random_floats(sp.n, 300 + k, -0.1f, 0.1f), sp.state);
+    h.v = bytes_of(random_floats(sp.n, 400 + k, 1e-4f, 1e-2f), sp.state);
+    if (sp.copy != DType::kF32) h.c.assign(sp.n * 2, 0);
+    host.push_back(std::move(h));
+  }
+  for (std::size_t k = 0; k < std::size(specs); ++k) {
+    const ShardSpec& sp = specs[k];
+    HostShard& h = host[k];
+    std::array<Buffer, 5> b{to_device(h.p), to_device(h.g), to_device(h.m), to_device(h.v),
+                            h.c.empty() ? Buffer{} : to_device(h.c)};
+    AdamWShard ds{tensor(b[0], DType::kF32, sp.n), tensor(b[1], sp.grad, sp.n), tensor(b[2], sp.state, sp.n),
+                  tensor(b[3], sp.state, sp.n), h.c.empty() ? TensorRef{} : tensor(b[4], sp.copy, sp.n)};
+    desc.shards.push_back(ds);
+    host_shards.push_back({host_tensor(h.p.data(), DType::kF32, sp.n), host_tensor(h.g.data(), sp.grad, sp.n),
+                           host_tensor(h.m.data(), sp.state, sp.n), host_tensor(h.v.data(), sp.state, sp.n),
+                           h.c.empty() ? TensorRef{} : host_tensor(h.c.data(), sp.copy, sp.n)});
+    bufs.push_back(std::move(b));
+  }
+  Buffer flag = dev->alloc(4, s.get());
+  desc.non_finite = tensor(flag, DType::kF32, 1);
+  desc.options.lr = 3e-3;
+  desc.options.weight_decay = 0.05;
+  desc.options.grad_scale = 0.5;
+  CpuAdamW reference(CpuAdamWConfig{1, Isa::kScalar});
+  auto expect_same = [&](const char* when) {
+    for (std::size_t k = 0; k < std::size(specs); ++k) {
+      const HostShard& h = host[k];
+      SCOPED_TRACE(::testing::Message() << when << ", shard " << k << " n=" << specs[k].n);
+      EXPECT_TRUE(to_host(bufs[k][0], h.p.size()) == h.p) << "params differ";
+      EXPECT_TRUE(to_host(bufs[k][2], h.m.size()) == h.m) << "m differs";
+      EXPECT_TRUE(to_host(bufs[k][3], h.v.size()) == h.v) << "v differs";
+      if (!h.c.empty()) {
+        EXPECT_TRUE(to_host(bufs[k][4], h.c.size()) == h.c) << "copy_out differs";
+      }
+    }
+  };
+  for (int t = 1; t <= 3; ++t) {
+    desc.options.step = t;
+    s->adamw(desc);
+    const AdamWResult r = reference.step(desc.options, host_shards);
+    ASSERT_TRUE(r.all_finite());
+    EXPECT_EQ(download(flag, DType::kF32, 1)[0], 0.0);
+    expect_same("finite steps");
+    if (HasFailure()) return;
+  }
+  // One NaN gradient in shard 1 (bf16) and an Inf in shard 0 (fp32).
+  host[1].g[2 * 5] = 0xc0, host[1].g[2 * 5 + 1] = 0x7f;
+  const float inf = INFINITY;
+  std::memcpy(host[0].g.data() + 4 * 999999, &inf, 4);
+  s->copy(bufs[1][1].ref(), host_ref(host[1].g.data(), host[1].g.size()));
+  s->copy(bufs[0][1].ref(), host_ref(host[0].g.data(), host[0].g.size()));
+  desc.options.step = 4;
+  desc.policy = NonFinitePolicy::kSkipStep;
+  s->adamw(desc);
+  EXPECT_EQ(download(flag, DType::kF32, 1)[0], 2.0);
+  expect_same("skipped step: nothing written");
+  desc.policy = NonFinitePolicy::kReportOnly;
+  s->adamw(desc);
+  EXPECT_EQ(download(flag, DType::kF32, 1)[0], 2.0);
+  const AdamWResult r = reference.step(desc.options, host_shards, NonFinitePolicy::kReportOnly);
+  EXPECT_EQ(r.non_finite, 2u);
+  expect_same("reported step");
+  // Bad input is rejected before anything is queued.
+  AdamWDesc bad = desc;
+  bad.shards[0].grads.numel = 5;
+  EXPECT_THROW(s->adamw(bad), Error);
+  bad = desc;
+  bad.shards[2].params = host_shards[2].params;
+  EXPECT_THROW(s->adamw(bad), Error);
+  bad = desc;
+  bad.options.beta2 = 1.0;
+  EXPECT_THROW(s->adamw(bad), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceTest, ::testing::ValuesIn(backends()),

@@ -1,3 +1,298 @@
-// Placeholder until the adam benchmark lands in this change.
+// strata-bench adam: the CPU AdamW step against the memory bandwidth of this machine.
+//
+// For each mode (fp32/bf16 grads, fp32/bf16 states, bf16 copy-out on/off) and thread count,
+// it times CpuAdamW steps (best of --reps) over --params parameters and reports G params/s,
+// GB/s counting the bytes the mode must move (reads of p, g, m, v; writes of p, m, v and the
+// copy), and two ratios:
+//  - to a bandwidth bound measured in the same run over the same footprint: the larger of a
+//    STREAM triad (a = b + s*c over three arrays holding the mode's bytes) and a "same
+//    pattern" loop that reads and writes exactly the mode's arrays with one add each, both
+//    with the same threads;
+//  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads.
+// The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
+// kSkipStep pre-check pass to show its cost.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "bench_common.h"
-void strata::bench::add_adam_command(CLI::App&) {}
+#include "strata/adamw.h"
+#include "strata/error.h"
+
+namespace strata::bench {
+namespace {
+
+struct Mode {
+  DType grad, state;
+  bool copy;
+  std::string name() const {
+    return fmt::format("g:{} s:{} copy:{}", dtype_name(grad), dtype_name(state),
+                       copy ? "bf16" : "none");
+  }
+  double bytes_per_param() const {
+    const double g = double(dtype_size(grad)), s = double(dtype_size(state));
+    return 4 + g + 2 * s /* reads */ + 4 + 2 * s + (copy ? 2 : 0) /* writes */;
+  }
+};
+
+// Runs body(lo, hi) on `threads` threads over [0, n); returns wall seconds.
+template <class Body>
+double timed_parallel(std::size_t n, int threads, Body body) {
+  std::vector<std::thread> pool;
+  const Stopwatch sw;
+  for (int t = 0; t < threads; ++t) {
+    const std::size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    pool.emplace_back([=] { body(lo, hi); });
+  }
+  for (auto& th : pool) th.join();
+  return sw.seconds();
+}
+
+// A 2 MiB-aligned array, as the engine's pinned buffers are (page-aligned, huge pages where
+// available): an offset of 16 bytes, as malloc gives, would make every AVX-512 access split
+// a cache line.
+template <class T>
+class Aligned {
+ public:
+  explicit Aligned(std::size_t n)
+      : n_(n),
+        p_(static_cast<T*>(
+            std::aligned_alloc(kAlign, (n * sizeof(T) + kAlign - 1) / kAlign * kAlign))) {
+    STRATA_CHECK(p_ != nullptr, "cannot allocate {} bytes for the benchmark", n * sizeof(T));
+  }
+  ~Aligned() { std::free(p_); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  T* data() { return p_; }
+  T& operator[](std::size_t i) { return p_[i]; }
+  std::size_t size() const { return n_; }
+
+ private:
+  static constexpr std::size_t kAlign = std::size_t(2) << 20;
+  std::size_t n_;
+  T* p_;
+};
+
+struct Arrays {
+  explicit Arrays(std::size_t n) : p(n), m(n), v(n), g(n), m16(n), v16(n), g16(n), c16(n) {}
+  Aligned<float> p, m, v, g;
+  Aligned<std::uint16_t> m16, v16, g16, c16;
+};
+
+void init(Arrays& a, int threads) {
+  timed_parallel(a.p.size(), threads, [&](std::size_t lo, std::size_t hi) {
+    for (std::size_t i = lo; i < hi; ++i) {
+      a.p[i] = 1.0f + float(i % 1024) / 1024;
+      a.m[i] = 1e-3f;
+      a.v[i] = 1e-6f;
+      a.g[i] = 1e-3f * (float(i % 97) / 97 - 0.5f) + 1e-5f;
+      a.m16[i] = f32_to_bf16(a.m[i]);
+      a.v16[i] = f32_to_bf16(a.v[i]);
+      a.g16[i] = f32_to_bf16(a.g[i]);
+      a.c16[i] = 0;
+    }
+  });
+}
+
+AdamWShard shard_of(Arrays& a, const Mode& mode) {
+  const std::size_t n = a.p.size();
+  const bool sb = mode.state == DType::kBF16;
+  AdamWShard s;
+  s.params = host_tensor(a.p.data(), DType::kF32, n);
+  s.grads = mode.grad == DType::kBF16 ? host_tensor(a.g16.data(), DType::kBF16, n)
+                                      : host_tensor(a.g.data(), DType::kF32, n);
+  s.m = sb ? host_tensor(a.m16.data(), DType::kBF16, n) : host_tensor(a.m.data(), DType::kF32, n);
+  s.v = sb ? host_tensor(a.v16.data(), DType::kBF16, n) : host_tensor(a.v.data(), DType::kF32, n);
+  if (mode.copy) s.copy_out = host_tensor(a.c16.data(), DType::kBF16, n);
+  return s;
+}
+
+// Best seconds per step of `reps` steps.
+double time_steps(CpuAdamW& eng, const AdamWShard& s, int reps, NonFinitePolicy policy) {
+  AdamWOptions o;
+  o.weight_decay = 0.01;
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    o.step = r + 1;
+    const Stopwatch sw;
+    const AdamWResult res = eng.step(o, std::span<const AdamWShard>(&s, 1), policy);
+    best = std::min(best, sw.seconds());
+    STRATA_CHECK(res.all_finite(), "benchmark data produced {} non-finite gradients",
+                 res.non_finite);
+  }
+  return best;
+}
+
+// The same-pattern loop: one pass that reads and writes every array of the mode as the step
+// does, with one cheap operation per array (the compiler vectorises it).
+template <bool kGradBf16, bool kStateBf16, bool kCopy>
+void same_pattern_pass(Arrays& a, std::size_t lo, std::size_t hi) {
+  float* __restrict p = a.p.data();
+  const float* __restrict g = a.g.data();
+  const std::uint16_t* __restrict g16 = a.g16.data();
+  float* __restrict m = a.m.data();
+  float* __restrict v = a.v.data();
+  std::uint16_t* __restrict m16 = a.m16.data();
+  std::uint16_t* __restrict v16 = a.v16.data();
+  std::uint16_t* __restrict c = a.c16.data();
+  for (std::size_t i = lo; i < hi; ++i) {
+    const float gi = kGradBf16 ? f32_from_bits(std::uint32_t(g16[i]) << 16) : g[i];
+    const float pi = p[i] + gi * 0.0f;
+    p[i] = pi;
+    if constexpr (kStateBf16) {
+      m16[i] = static_cast<std::uint16_t>(m16[i] ^ 1u);
+      v16[i] = static_cast<std::uint16_t>(v16[i] ^ 1u);
+    } else {
+      m[i] += 0.0f;
+      v[i] += 0.0f;
+    }
+    if constexpr (kCopy) c[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
+  }
+}
+
+double same_pattern_gbps(Arrays& a, const Mode& mode, int threads, int reps) {
+  using Pass = void (*)(Arrays&, std::size_t, std::size_t);
+  const Pass passes[2][2][2] = {
+      {{&same_pattern_pass<false, false, false>, &same_pattern_pass<false, false, true>},
+       {&same_pattern_pass<false, true, false>, &same_pattern_pass<false, true, true>}},
+      {{&same_pattern_pass<true, false, false>, &same_pattern_pass<true, false, true>},
+       {&same_pattern_pass<true, true, false>, &same_pattern_pass<true, true, true>}}};
+  const Pass pass = passes[mode.grad == DType::kBF16][mode.state == DType::kBF16][mode.copy];
+  const std::size_t n = a.p.size();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    best = std::min(
+        best, timed_parallel(n, threads, [&](std::size_t lo, std::size_t hi) { pass(a, lo, hi); }));
+  }
+  return mode.bytes_per_param() * double(n) / best / 1e9;
+}
+
+// STREAM triad over three fp32 arrays holding `bytes` together (counting 3 arrays moved).
+double triad_same_bytes(Aligned<float>& a, Aligned<float>& b, Aligned<float>& c, double bytes,
+                        int threads, int reps) {
+  const std::size_t n = std::min(a.size(), static_cast<std::size_t>(bytes / 12));
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const float s = 0.5f + float(r);
+    best = std::min(best, timed_parallel(n, threads, [&](std::size_t lo, std::size_t hi) {
+                      float* __restrict pa = a.data();
+                      const float* __restrict pb = b.data();
+                      const float* __restrict pc = c.data();
+                      for (std::size_t i = lo; i < hi; ++i) pa[i] = pb[i] + s * pc[i];
+                    }));
+  }
+  return 12.0 * double(n) / best / 1e9;
+}
+
+void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bool skip_check,
+         bool json) {
+  const NonFinitePolicy policy =
+      skip_check ? NonFinitePolicy::kSkipStep : NonFinitePolicy::kReportOnly;
+  const Isa isa = adamw_selected_isa();
+  const int max_threads = *std::max_element(thread_counts.begin(), thread_counts.end());
+  std::printf("strata-bench adam: %zu parameters, ISA %s%s, best of %d steps, non-finite %s\n",
+              params, isa_name(isa),
+              adamw_native_bf16() && isa == Isa::kAvx512 ? " (AVX512_BF16)" : "", reps,
+              skip_check ? "pre-check (kSkipStep)" : "fused (kReportOnly)");
+  std::printf(
+      "bound = max(STREAM triad over the mode's bytes, same-pattern read/write loop), same "
+      "threads\n");
+  Arrays a(params);
+  init(a, max_threads);
+  // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
+  const std::size_t triad_n = params * 30 / 12 + 1;
+  Aligned<float> ta(triad_n), tb(triad_n), tc(triad_n);
+  timed_parallel(triad_n, max_threads, [&](std::size_t lo, std::size_t hi) {
+    std::fill(ta.data() + lo, ta.data() + hi, 0.0f);
+    std::fill(tb.data() + lo, tb.data() + hi, 1.0f);
+    std::fill(tc.data() + lo, tc.data() + hi, 2.0f);
+  });
+
+  const Mode modes[] = {
+      {DType::kF32, DType::kF32, false},   {DType::kF32, DType::kF32, true},
+      {DType::kBF16, DType::kF32, false},  {DType::kBF16, DType::kF32, true},
+      {DType::kF32, DType::kBF16, false},  {DType::kF32, DType::kBF16, true},
+      {DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kBF16, true},
+  };
+  nlohmann::json rows = nlohmann::json::array();
+  std::printf("%-28s %3s %5s %9s %8s %9s %9s %8s %9s %9s\n", "mode", "thr", "B/par", "Gparam/s",
+              "GB/s", "triad", "pattern", "vs bound", "scalar", "vs scalar");
+  for (int threads : thread_counts) {
+    CpuAdamW eng(CpuAdamWConfig{threads, Isa::kAuto, policy});
+    CpuAdamW scalar(CpuAdamWConfig{threads, Isa::kScalar, policy});
+    for (const Mode& mode : modes) {
+      const AdamWShard s = shard_of(a, mode);
+      const double bpp = mode.bytes_per_param();
+      const double sec = time_steps(eng, s, reps, policy);
+      const double sec_scalar = time_steps(scalar, s, std::max(1, reps / 2), policy);
+      const double triad = triad_same_bytes(ta, tb, tc, bpp * double(params), threads, reps);
+      const double pattern = same_pattern_gbps(a, mode, threads, reps);
+      const double bound = std::max(triad, pattern);
+      const double gps = double(params) / sec / 1e9, gbps = bpp * double(params) / sec / 1e9;
+      const double scalar_gps = double(params) / sec_scalar / 1e9;
+      std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %8.2f %9.3f %9.2f\n",
+                  mode.name().c_str(), threads, bpp, gps, gbps, triad, pattern, gbps / bound,
+                  scalar_gps, gps / scalar_gps);
+      rows.push_back({{"grads", std::string(dtype_name(mode.grad))},
+                      {"states", std::string(dtype_name(mode.state))},
+                      {"copy_out", mode.copy ? "bf16" : "none"},
+                      {"threads", threads},
+                      {"bytes_per_param", bpp},
+                      {"seconds_per_step", sec},
+                      {"gparams_per_s", gps},
+                      {"gbps", gbps},
+                      {"triad_gbps", triad},
+                      {"same_pattern_gbps", pattern},
+                      {"bound_gbps", bound},
+                      {"ratio_vs_bound", gbps / bound},
+                      {"scalar_gparams_per_s", scalar_gps},
+                      {"ratio_vs_scalar", gps / scalar_gps}});
+    }
+  }
+  if (json) {
+    print_json({{"command", "adam"},
+                {"params", params},
+                {"isa", isa_name(isa)},
+                {"native_bf16", adamw_native_bf16()},
+                {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
+                {"reps", reps},
+                {"results", rows}});
+  }
+}
+
+}  // namespace
+
+void add_adam_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "adam", "CPU AdamW step vs the memory bandwidth bound, per mode and thread count");
+  struct Args {
+    std::size_t params = 100'000'000;
+    std::vector<int> threads{1, 2};
+    int reps = 5;
+    bool skip_check = false;
+    bool json = false;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("--params", args->params, "parameters per step (default 100M)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2)")->delimiter(',');
+  cmd->add_option("--reps", args->reps, "steps per measurement; the best is reported")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--skip-check", args->skip_check,
+                "run the kSkipStep pre-check pass too (its cost)");
+  cmd->add_flag("--json", args->json, "print, last, one JSON object of the figures");
+  cmd->callback([args] {
+    STRATA_REQUIRE(
+        !args->threads.empty() && *std::min_element(args->threads.begin(), args->threads.end()) > 0,
+        "--threads takes positive counts, e.g. --threads 1,2");
+    run(args->params, args->threads, args->reps, args->skip_check, args->json);
+  });
+}
+
+}  // namespace strata::bench

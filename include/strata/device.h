@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "strata/dtype.h"
 
@@ -110,6 +111,51 @@ TensorRef tensor(const Buffer& buf, DType dtype, std::size_t numel, std::size_t 
 // The whole buffer as elements of `dtype` (its size must be a multiple of the element size).
 TensorRef tensor(const Buffer& buf, DType dtype);
 
+// Host memory as a typed tensor (for CpuAdamW and other host-side kernels).
+inline TensorRef host_tensor(const void* ptr, DType dtype, std::size_t numel) {
+  return TensorRef{host_ref(ptr, numel * dtype_size(dtype)), dtype, numel};
+}
+
+// Hyper-parameters of one AdamW step (torch.optim.AdamW semantics; see README "CPU AdamW").
+struct AdamWOptions {
+  float lr = 1e-3f;            // >= 0, finite; the rate of this step (schedules set it per step)
+  float beta1 = 0.9f;          // in [0, 1)
+  float beta2 = 0.999f;        // in [0, 1)
+  float eps = 1e-8f;           // >= 0
+  float weight_decay = 0.0f;   // decoupled: p *= 1 - lr * weight_decay, before the Adam update
+  bool bias_correction = true;
+  // Every gradient is multiplied by this first: folds 1 / loss_scale and the clip coefficient.
+  float grad_scale = 1.0f;     // finite, >= 0
+  std::int64_t step = 1;       // t of this step, 1-based (the bias corrections use it)
+};
+
+// What to do about non-finite (NaN / Inf) gradients.
+enum class NonFinitePolicy {
+  // A read-only pre-check pass over every gradient first; if any is non-finite nothing at all
+  // is written (fp16 dynamic loss scaling skips the step). Costs one more read of the grads.
+  kSkipStep,
+  // Detection fused into the update pass, reported after it; non-finite values propagate
+  // into the updated state as in PyTorch (bf16/fp32, where the engine checked the norm).
+  kReportOnly,
+};
+
+// One shard of a fused AdamW step. params fp32 (master weights); grads fp32 or bf16;
+// m and v both fp32 or both bf16; copy_out (optional: numel 0 = none) bf16 or fp16 receives
+// the updated params rounded to nearest even. All have the same numel and do not overlap.
+struct AdamWShard {
+  TensorRef params, grads, m, v, copy_out;
+};
+
+// A multi-tensor AdamW step over `shards` (one launch on CUDA).
+struct AdamWDesc {
+  AdamWOptions options;
+  std::vector<AdamWShard> shards;
+  NonFinitePolicy policy = NonFinitePolicy::kSkipStep;
+  // (optional) fp32, >= 1 element: receives the count of non-finite gradients (after
+  // grad_scale) as a float, exact below 2^24. Lets the host decide later without a sync.
+  TensorRef non_finite;
+};
+
 // C[m,n] = alpha * op(A)[m,k] * op(B)[k,n] + beta * C, all row-major and contiguous.
 // op(A) = A, or A^T when trans_a (then A is stored [k,m]); likewise B ([n,k] when trans_b).
 // A and B: both fp32 or both bf16 (fp16 also on CUDA); accumulation is fp32; C is fp32 or bf16.
@@ -189,6 +235,8 @@ class Stream {
   void cast(TensorRef src, TensorRef dst);                  // dst = src converted (RNE)
   void sum_squares(TensorRef x, TensorRef out);             // out[0] (fp32) = sum(x^2)
   void matmul(const MatmulDesc& desc);
+  // Fused AdamW over every shard (all device tensors of this device); see AdamWDesc.
+  void adamw(const AdamWDesc& desc);
 
  protected:
   Stream(Device* device, std::string name)
@@ -209,6 +257,7 @@ class Stream {
   virtual void do_cast(TensorRef src, TensorRef dst) = 0;
   virtual void do_sum_squares(TensorRef x, TensorRef out) = 0;
   virtual void do_matmul(const MatmulDesc& desc) = 0;
+  virtual void do_adamw(const AdamWDesc& desc) = 0;
 
  private:
   void require_device_tensor(const TensorRef& t, const char* what) const;

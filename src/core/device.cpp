@@ -3,6 +3,7 @@
 // fallbacks for optional hooks.
 #include "strata/device.h"
 
+#include "strata/adamw.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -192,6 +193,27 @@ void Stream::matmul(const MatmulDesc& d) {
   STRATA_REQUIRE(d.c.numel == need(d.m, d.n), "matmul on stream '{}': c has {} elements, m*n = {}",
                  name(), d.c.numel, need(d.m, d.n));
   do_matmul(d);
+}
+
+void Stream::adamw(const AdamWDesc& d) {
+  detail::validate_adamw_options(d.options);
+  STRATA_REQUIRE(!d.shards.empty(), "adamw on stream '{}': no shards; pass at least one", name());
+  for (std::size_t i = 0; i < d.shards.size(); ++i) {
+    const AdamWShard& sh = d.shards[i];
+    detail::validate_adamw_shard(sh, fmt::format("adamw on stream '{}', shard {}", name(), i));
+    require_device_tensor(sh.params, "params");
+    require_device_tensor(sh.grads, "grads");
+    require_device_tensor(sh.m, "m");
+    require_device_tensor(sh.v, "v");
+    if (sh.copy_out.numel > 0) require_device_tensor(sh.copy_out, "copy_out");
+  }
+  if (d.non_finite.mem.ptr != nullptr) {
+    require_device_tensor(d.non_finite, "non_finite");
+    STRATA_REQUIRE(d.non_finite.dtype == DType::kF32,
+                   "adamw on stream '{}': non_finite must be fp32, got {}", name(),
+                   dtype_name(d.non_finite.dtype));
+  }
+  do_adamw(d);
 }
 
 // ---- Device ----

@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "cpu/cpu_kernels.h"
+#include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trace.h"
@@ -199,6 +200,7 @@ struct StreamCore {
   bool stopping = false;
   std::exception_ptr error;
   cpu::Matmul matmul;  // used by the worker only
+  std::unique_ptr<CpuAdamW> adamw;  // made by the worker on first use
   std::thread worker;  // last: started after every other member exists
 };
 
@@ -384,6 +386,30 @@ class HostStream final : public Stream {
   void do_matmul(const MatmulDesc& d) override {
     submit([d, core = core_.get()] { core->matmul.run(d); }, "matmul",
            d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
+  }
+  // Runs the CPU AdamW (every core, the best ISA) on the stream's worker: the emulated
+  // device's memory is host memory, so the shards are passed on as host tensors.
+  void do_adamw(const AdamWDesc& d) override {
+    std::uint64_t bytes = 0;
+    for (const AdamWShard& sh : d.shards)
+      bytes += sh.params.mem.bytes + sh.grads.mem.bytes + sh.m.mem.bytes + sh.v.mem.bytes;
+    submit(
+        [d, core = core_.get()] {
+          if (!core->adamw) core->adamw = std::make_unique<CpuAdamW>();
+          std::vector<AdamWShard> host;
+          host.reserve(d.shards.size());
+          auto as_host = [](const TensorRef& t) {
+            return host_tensor(t.mem.ptr, t.dtype, t.numel);
+          };
+          for (const AdamWShard& sh : d.shards) {
+            host.push_back({as_host(sh.params), as_host(sh.grads), as_host(sh.m), as_host(sh.v),
+                            sh.copy_out.numel > 0 ? as_host(sh.copy_out) : TensorRef{}});
+          }
+          const AdamWResult r = core->adamw->step(d.options, host, d.policy);
+          if (d.non_finite.mem.ptr)
+            *static_cast<float*>(d.non_finite.mem.ptr) = static_cast<float>(r.non_finite);
+        },
+        "adamw", bytes);
   }
 
  private:

@@ -63,6 +63,7 @@
 #include <nccl.h>
 #endif
 
+#include "gpu/adamw.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/gpu_info.h"
@@ -322,6 +323,7 @@ class CudaStream final : public Stream {
   void do_cast(TensorRef src, TensorRef dst) override;
   void do_sum_squares(TensorRef x, TensorRef out) override;
   void do_matmul(const MatmulDesc& desc) override;
+  void do_adamw(const AdamWDesc& desc) override;
 
  private:
   void start_host_worker();  // with host_mu_ held
@@ -420,6 +422,7 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   gpu_name_ = prop.name;
   numa_node_ = pci_numa_node(ordinal_);
   STRATA_CUDA_CHECK(gpu::preload_kernels());
+  STRATA_CUDA_CHECK(gpu::preload_adamw_kernels());
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   capacity_ = capacity_bytes == 0 ? free_bytes : capacity_bytes;
@@ -890,6 +893,39 @@ void CudaStream::do_matmul(const MatmulDesc& d) {
   }
   gemm(d, tmp.data(), DType::kF32);
   STRATA_CUDA_CHECK(gpu::launch_cast(tmp.data(), DType::kF32, d.c.mem.ptr, d.c.dtype, d.c.numel, stream_));
+}
+
+// Count launches (skip mode) for every batch of shards first, then the updates, then the
+// report: all on this stream, so the host never waits. The counter is a stream-ordered
+// temporary, zeroed in stream order.
+void CudaStream::do_adamw(const AdamWDesc& d) {
+  DeviceGuard guard(ordinal());
+  const detail::AdamWScalars k = detail::adamw_scalars(d.options);
+  std::vector<gpu::AdamWGpuShard> shards;
+  shards.reserve(d.shards.size());
+  for (const AdamWShard& s : d.shards) {
+    const bool copy = s.copy_out.numel > 0;
+    shards.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr, s.grads.mem.ptr,
+                      copy ? s.copy_out.mem.ptr : nullptr, s.params.numel, s.grads.dtype, s.m.dtype,
+                      copy ? s.copy_out.dtype : DType::kBF16});
+  }
+  Buffer counter_buf = dev_->alloc(sizeof(unsigned long long), this);
+  auto* counter = static_cast<unsigned long long*>(counter_buf.data());
+  STRATA_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned long long), stream_));
+  const bool skip = d.policy == NonFinitePolicy::kSkipStep;
+  const int per = gpu::kAdamWShardsPerLaunch;
+  const int count = static_cast<int>(shards.size());
+  if (skip) {
+    for (int i = 0; i < count; i += per)
+      STRATA_CUDA_CHECK(gpu::launch_adamw_count(shards.data() + i, std::min(per, count - i), k.grad_scale,
+                                                counter, stream_));
+  }
+  for (int i = 0; i < count; i += per)
+    STRATA_CUDA_CHECK(gpu::launch_adamw_update(shards.data() + i, std::min(per, count - i), k, skip,
+                                               counter, stream_));
+  if (d.non_finite.mem.ptr != nullptr)
+    STRATA_CUDA_CHECK(
+        gpu::launch_adamw_report(counter, static_cast<float*>(d.non_finite.mem.ptr), stream_));
 }
 
 }  // namespace

@@ -1,0 +1,110 @@
+// CPU AdamW: the fused, SIMD, multi-threaded optimizer step over host-resident shards, and
+// the scalars every AdamW backend (CPU and CUDA) shares so that they compute the same bits.
+//
+// One pass over each shard reads params (fp32 master), m, v and the gradient, writes
+// params, m, v and (optionally) the bf16/fp16 compute copy. The instruction set is chosen at
+// run time from cpuid (AVX-512, AVX2 + FMA + F16C, scalar), never from the build machine;
+// every path performs the same IEEE fp32 operations in the same order, so all paths (and
+// the CUDA kernel) produce identical bits. The exact order is in README "CPU AdamW".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "strata/device.h"
+
+namespace strata {
+
+enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
+
+const char* isa_name(Isa isa);
+// "auto", "avx512", "avx2", "scalar"; throws naming the allowed values otherwise.
+Isa parse_isa(std::string_view name);
+// Whether this CPU can run `isa` (kAuto and kScalar: always). kAvx512 needs avx512f/bw/vl,
+// kAvx2 needs avx2, fma and f16c.
+bool isa_supported(Isa isa);
+// The path a CpuAdamW with Isa::kAuto takes: STRATA_ADAMW_ISA when set (an error if this CPU
+// lacks it), else the best the CPU supports.
+Isa adamw_selected_isa();
+// Whether the AVX-512 path converts to bf16 with AVX512_BF16 (vcvtneps2bf16) on this CPU.
+bool adamw_native_bf16();
+
+struct AdamWResult {
+  // Gradients (after grad_scale) that were NaN or Inf. With kSkipStep the pre-check's count;
+  // with kReportOnly the update pass's count.
+  std::size_t non_finite = 0;
+  bool skipped = false;  // kSkipStep found some: nothing was written
+  bool all_finite() const noexcept { return non_finite == 0; }
+};
+
+// How worker threads are placed (through hwloc).
+enum class ThreadBinding {
+  kNone,      // the OS places them
+  kCores,     // worker i is bound to core i (of the NUMA node when numa_node >= 0)
+  kNumaNode,  // every worker may run on any core of numa_node
+};
+
+struct CpuAdamWConfig {
+  int threads = 0;  // oneTBB workers (the calling thread included); 0 = every core
+  Isa isa = Isa::kAuto;
+  NonFinitePolicy policy = NonFinitePolicy::kSkipStep;
+  ThreadBinding binding = ThreadBinding::kNone;
+  int numa_node = -1;  // for kCores / kNumaNode; -1 = the whole machine (kCores only)
+};
+
+// Runs AdamW steps over host memory. Construction resolves the ISA (throws kUnsupported if
+// the forced one is missing) and makes the thread arena; step() may be called from any
+// thread, but not concurrently on one object.
+class CpuAdamW {
+ public:
+  explicit CpuAdamW(const CpuAdamWConfig& config = {});
+  ~CpuAdamW();
+  CpuAdamW(const CpuAdamW&) = delete;
+  CpuAdamW& operator=(const CpuAdamW&) = delete;
+
+  // One step over every shard (host tensors: host_tensor(...)); validates everything
+  // (lengths, dtypes, null or misaligned pointers, hyper-parameters) before writing anything.
+  AdamWResult step(const AdamWOptions& options, std::span<const AdamWShard> shards);
+  AdamWResult step(const AdamWOptions& options, const AdamWShard& shard) {
+    return step(options, std::span<const AdamWShard>(&shard, 1));
+  }
+  // The same with the non-finite policy of this call instead of config().policy.
+  AdamWResult step(const AdamWOptions& options, std::span<const AdamWShard> shards,
+                   NonFinitePolicy policy);
+  AdamWResult step(const AdamWOptions& options, const AdamWShard& shard, NonFinitePolicy policy) {
+    return step(options, std::span<const AdamWShard>(&shard, 1), policy);
+  }
+
+  Isa isa() const noexcept;
+  int threads() const noexcept;
+  const CpuAdamWConfig& config() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+// The per-step fp32 scalars, computed once in double from the options and rounded once:
+// the CPU paths and the CUDA kernel use exactly these.
+struct AdamWScalars {
+  float decay;  // 1 - lr * weight_decay
+  float beta1, beta2;
+  float one_minus_beta1, one_minus_beta2;
+  float step_size;     // lr / (1 - beta1^t), or lr without bias correction
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^t), or 1
+  float eps;
+  float grad_scale;
+};
+// Throws kInvalidArgument naming the bad hyper-parameter and its allowed range.
+void validate_adamw_options(const AdamWOptions& o);
+AdamWScalars adamw_scalars(const AdamWOptions& o);
+// Validates one shard's dtypes, lengths, pointers (non-null, element-aligned) and overlap;
+// `where` prefixes the messages (e.g. "CpuAdamW::step shard 3").
+void validate_adamw_shard(const AdamWShard& s, std::string_view where);
+}  // namespace detail
+
+}  // namespace strata

@@ -1,0 +1,158 @@
+// The AVX-512 AdamW path, 16 lanes: compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512bf16 and called only when cpuid reports avx512f/bw/vl; the AVX512_BF16 conversion
+// (vcvtneps2bf16) is used only where cpuid also reports avx512_bf16, else bf16 rounding is
+// emulated with integer ops. Tails use masked loads and stores, so every element takes the
+// same vector operations.
+//
+// vcvtneps2bf16 rounds to nearest even and quiets NaNs exactly as strata::f32_to_bf16, but
+// it flushes fp32 subnormal inputs to zero where f32_to_bf16 rounds them; lanes holding a
+// subnormal are redone with the integer emulation (a branch that practically never runs).
+//
+// With `stream_copy`, the copy-out is written with non-temporal stores where its address is
+// 32-byte aligned: it is write-only, so ordinary stores would first read every line
+// (read-for-ownership), 2 bytes per parameter that the step does not need. The caller only
+// asks for it when the step is far larger than the caches.
+#include <immintrin.h>
+
+#include "cpu/adamw_kernels.h"
+
+namespace strata::cpu::adamw {
+namespace {
+
+inline __m512 load_bf16x16(const std::uint16_t* p, __mmask16 mk) {
+  const __m256i h = mk == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                 : _mm256_maskz_loadu_epi16(mk, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i emulate_bf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
+}
+
+template <bool kNative>
+inline __m256i to_bf16x16(__m512 x) {
+  if constexpr (kNative) {
+    __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 subnormal = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
+                                _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
+    if (subnormal) [[unlikely]]
+      r = _mm256_mask_blend_epi16(subnormal, r, emulate_bf16x16(x));
+    return r;
+  } else {
+    return emulate_bf16x16(x);
+  }
+}
+
+inline unsigned bad_lanes(__m512 g, __mmask16 mk) {
+  const __m512 d = _mm512_sub_ps(g, g);  // NaN exactly where g is NaN or Inf
+  return static_cast<unsigned>(__builtin_popcount(_mm512_mask_cmp_ps_mask(mk, d, d, _CMP_UNORD_Q)));
+}
+
+template <bool kNative>
+struct Isa512 {
+  template <bool G, bool S, CopyKind C>
+  struct Impl {
+    static std::size_t run(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
+                           std::size_t hi) {
+      const auto* c_at_lo = static_cast<const char*>(a.c) + 2 * lo;
+      const bool nt = C != CopyKind::kNone && a.stream_copy &&
+                      reinterpret_cast<std::uintptr_t>(c_at_lo) % 32 == 0;
+      const std::size_t bad = nt ? loop<true>(k, a, lo, hi) : loop<false>(k, a, lo, hi);
+      if (nt) _mm_sfence();  // order the streaming stores before whoever reads copy_out next
+      return bad;
+    }
+
+    template <bool kStream>
+    static std::size_t loop(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
+                            std::size_t hi) {
+      const __m512 gs = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
+      const __m512 b1 = _mm512_set1_ps(k.beta1), b2 = _mm512_set1_ps(k.beta2);
+      const __m512 omb1 = _mm512_set1_ps(k.one_minus_beta1),
+                   omb2 = _mm512_set1_ps(k.one_minus_beta2);
+      const __m512 isb2 = _mm512_set1_ps(k.inv_sqrt_bc2), eps = _mm512_set1_ps(k.eps);
+      const __m512 neg_step = _mm512_set1_ps(-k.step_size);
+      const auto* g16 = static_cast<const std::uint16_t*>(a.g);
+      const auto* g32 = static_cast<const float*>(a.g);
+      auto* m16 = static_cast<std::uint16_t*>(a.m);
+      auto* v16 = static_cast<std::uint16_t*>(a.v);
+      auto* m32 = static_cast<float*>(a.m);
+      auto* v32 = static_cast<float*>(a.v);
+      auto* c16 = static_cast<std::uint16_t*>(a.c);
+      std::size_t bad = 0;
+      auto body = [&](std::size_t i, __mmask16 mk, bool full) __attribute__((always_inline)) {
+        __m512 g = G ? load_bf16x16(g16 + i, mk) : _mm512_maskz_loadu_ps(mk, g32 + i);
+        g = _mm512_mul_ps(g, gs);
+        bad += bad_lanes(g, mk);
+        __m512 m = S ? load_bf16x16(m16 + i, mk) : _mm512_maskz_loadu_ps(mk, m32 + i);
+        __m512 v = S ? load_bf16x16(v16 + i, mk) : _mm512_maskz_loadu_ps(mk, v32 + i);
+        __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p + i), decay);
+        m = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(omb1, g));
+        v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
+        const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);
+        p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, d), p);
+        _mm512_mask_storeu_ps(a.p + i, mk, p);
+        if constexpr (S) {
+          if (full) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(v16 + i), to_bf16x16<kNative>(v));
+          } else {
+            _mm256_mask_storeu_epi16(m16 + i, mk, to_bf16x16<kNative>(m));
+            _mm256_mask_storeu_epi16(v16 + i, mk, to_bf16x16<kNative>(v));
+          }
+        } else {
+          _mm512_mask_storeu_ps(m32 + i, mk, m);
+          _mm512_mask_storeu_ps(v32 + i, mk, v);
+        }
+        if constexpr (C != CopyKind::kNone) {
+          const __m256i c = C == CopyKind::kBF16
+                                ? to_bf16x16<kNative>(p)
+                                : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          if (kStream && full) {
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(c16 + i), c);
+          } else {
+            _mm256_mask_storeu_epi16(c16 + i, mk, c);
+          }
+        }
+      };
+      std::size_t i = lo;
+      for (; i + 16 <= hi; i += 16) body(i, 0xffff, true);
+      if (i < hi) body(i, static_cast<__mmask16>((1u << (hi - i)) - 1), false);
+      return bad;
+    }
+  };
+};
+
+template <bool kNative>
+std::size_t update(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo, std::size_t hi) {
+  return pick<Isa512<kNative>::template Impl>(a)(k, a, lo, hi);
+}
+
+std::size_t count(float grad_scale, const void* g, DType t, std::size_t lo, std::size_t hi) {
+  const __m512 gs = _mm512_set1_ps(grad_scale);
+  std::size_t bad = 0;
+  for (std::size_t i = lo; i < hi; i += 16) {
+    const __mmask16 mk =
+        hi - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (hi - i)) - 1);
+    const __m512 x = t == DType::kBF16
+                         ? load_bf16x16(static_cast<const std::uint16_t*>(g) + i, mk)
+                         : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(g) + i);
+    bad += bad_lanes(_mm512_mul_ps(x, gs), mk);
+  }
+  return bad;
+}
+
+}  // namespace
+
+Kernels avx512_kernels(bool native_bf16) {
+  return native_bf16 ? Kernels{&update<true>, &count} : Kernels{&update<false>, &count};
+}
+
+}  // namespace strata::cpu::adamw
