@@ -5,6 +5,7 @@
 #include "gpu/gpu_info.h"
 #include "nvme/uring_probe.h"
 #include "strata/build_info.h"
+#include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -22,6 +23,12 @@ std::vector<ComponentVersion> component_versions() {
   return out;
 }
 
+// One process per GPU: the launcher's local rank picks the GPU unless the caller chose.
+static CudaDeviceOptions with_ordinal(CudaDeviceOptions o, int device_count) {
+  if (o.ordinal < 0) o.ordinal = launch_gpu_ordinal(launch_info(), device_count);
+  return o;
+}
+
 std::unique_ptr<Device> make_device(std::string_view which, const HostDeviceOptions& host,
                                     const CudaDeviceOptions& cuda) {
   if (which == "cpu") return make_host_device(host);
@@ -29,11 +36,11 @@ std::unique_ptr<Device> make_device(std::string_view which, const HostDeviceOpti
     const CudaProbe p = probe_cuda();
     if (p.device_count == 0)
       STRATA_THROW(kUnsupported, "--device cuda: no usable GPU ({}); use --device cpu or auto", p.reason);
-    return make_cuda_device(cuda);
+    return make_cuda_device(with_ordinal(cuda, p.device_count));
   }
   if (which == "auto") {
     const CudaProbe p = probe_cuda();
-    if (p.device_count > 0) return make_cuda_device(cuda);
+    if (p.device_count > 0) return make_cuda_device(with_ordinal(cuda, p.device_count));
     log::info("no usable GPU ({}); using the CPU-emulated device", p.reason);
     return make_host_device(host);
   }

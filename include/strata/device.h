@@ -225,7 +225,9 @@ class Stream {
   // Runs `fn` on a host thread in stream order (after earlier work, before later work).
   // `fn` may queue work and may block on other streams' events or host state, but must
   // not synchronize its own stream or the whole device (that would wait on itself).
-  void host_fn(std::function<void()> fn);
+  // `trace_name` (a string with static lifetime) names its span on the emulated device, where
+  // host functions are also how CPU kernels outside this interface run.
+  void host_fn(std::function<void()> fn, const char* trace_name = "host_fn");
 
   // Kernels (device memory only). Element-wise kernels compute in fp32 whatever the dtype.
   void fill(TensorRef x, float value);
@@ -249,7 +251,7 @@ class Stream {
   virtual Event do_record() = 0;
   virtual void do_wait(const Event& event) = 0;
   virtual void do_synchronize() = 0;
-  virtual void do_host_fn(std::function<void()> fn) = 0;
+  virtual void do_host_fn(std::function<void()> fn, const char* trace_name) = 0;
   virtual void do_fill(TensorRef x, float value) = 0;
   virtual void do_axpy(float alpha, TensorRef x, TensorRef y) = 0;
   virtual void do_scale(float alpha, TensorRef x) = 0;
@@ -322,7 +324,9 @@ struct CudaProbe {
 CudaProbe probe_cuda();
 
 struct CudaDeviceOptions {
-  int ordinal = 0;
+  // -1: make_device picks the launcher's local rank modulo the visible GPUs (0 without a
+  // launcher); make_cuda_device takes it as 0.
+  int ordinal = -1;
   std::size_t capacity_bytes = 0;  // 0 = what the device has free at creation
 };
 std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options = {});

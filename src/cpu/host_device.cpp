@@ -360,7 +360,7 @@ class HostStream final : public Stream {
     if (auto err = core_->drain()) std::rethrow_exception(err);
   }
 
-  void do_host_fn(std::function<void()> fn) override { submit(std::move(fn), "host_fn"); }
+  void do_host_fn(std::function<void()> fn, const char* trace_name) override { submit(std::move(fn), trace_name); }
 
   void do_fill(TensorRef x, float v) override {
     submit([x, v] { cpu::fill(x.dtype, x.mem.ptr, x.numel, v); }, "fill", x.mem.bytes);

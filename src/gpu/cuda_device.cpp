@@ -315,7 +315,7 @@ class CudaStream final : public Stream {
   Event do_record() override;
   void do_wait(const Event& event) override;
   void do_synchronize() override;
-  void do_host_fn(std::function<void()> fn) override;
+  void do_host_fn(std::function<void()> fn, const char* trace_name) override;
   void do_fill(TensorRef x, float value) override;
   void do_axpy(float alpha, TensorRef x, TensorRef y) override;
   void do_scale(float alpha, TensorRef x) override;
@@ -788,7 +788,7 @@ void CudaStream::start_host_worker() {
 // Stream order: earlier work -> a host step posts `fn` to the worker -> a kernel waits for
 // the worker to publish seq -> later work. The worker runs functions in the order posted,
 // which is stream order, so the flag only grows.
-void CudaStream::do_host_fn(std::function<void()> fn) {
+void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/) {
   DeviceGuard guard(ordinal());
   std::lock_guard<std::mutex> lock(host_mu_);
   if (!worker_) start_host_worker();
@@ -941,10 +941,11 @@ std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options) {
   const CudaProbe p = probe_cuda();
   if (p.device_count == 0)
     STRATA_THROW(kUnsupported, "no usable CUDA GPU ({}); use the CPU-emulated device", p.reason);
-  STRATA_REQUIRE(options.ordinal >= 0 && options.ordinal < p.device_count,
+  const int ordinal = options.ordinal < 0 ? 0 : options.ordinal;
+  STRATA_REQUIRE(ordinal < p.device_count,
                  "CUDA device ordinal {} out of range: this machine has {} GPU(s), cuda:0..cuda:{}",
-                 options.ordinal, p.device_count, p.device_count - 1);
-  return std::make_unique<CudaDevice>(options.ordinal, options.capacity_bytes);
+                 ordinal, p.device_count, p.device_count - 1);
+  return std::make_unique<CudaDevice>(ordinal, options.capacity_bytes);
 }
 
 namespace gpu {
