@@ -12,6 +12,7 @@ packages=(
   libxxhash-dev
   libopenmpi-dev openmpi-bin
   fio python3
+  python3-torch
 )
 
 missing=()

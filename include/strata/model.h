@@ -1,0 +1,202 @@
+// strata's native transformer: Llama-family (Llama, Mistral, Qwen2) and GPT-2 models,
+// forward and backward on any strata Device.
+//
+// The model never owns the canonical weights. Parameters are grouped into fetch units —
+// unit 0 the embeddings, units 1..L the decoder layers, unit L+1 the final norm and LM
+// head — each laid out in one flat buffer (units()[i] gives every parameter's Hugging Face
+// name, shape and element offset). Before a unit runs, the model asks a UnitProvider for the
+// device tensor holding that unit's full weights, and after the unit's backward it hands
+// back the unit's gradients. The ZeRO-3 engine is one provider (gather / prefetch / release,
+// reduce-scatter); ResidentWeights, which keeps every unit on the device, is another.
+//
+// All work is queued on the Stream given at construction, in order; acquire/release calls
+// happen on the calling host thread while that work is queued, and a release means "the
+// model's last use of the unit is queued before this point on the stream" (record an event
+// there before reusing the memory).
+//
+// Example (all weights resident, CPU-emulated device):
+//
+//   auto dev = strata::make_device("cpu");
+//   auto stream = dev->create_stream("model");
+//   strata::ModelConfig cfg = strata::load_model_config("ckpt/config.json");
+//   strata::Model model(cfg, *dev, *stream, {.micro_batch = 4, .seq_len = 256});
+//   strata::ResidentWeights w(model, *stream);
+//   strata::load_hf_weights("ckpt", w);                // model_io.h
+//   w.zero_grads();
+//   float loss = model.forward(batch, w);              // batch.tokens / batch.targets: B*T ids
+//   model.backward(w);                                 // gradients accumulate into w's grads
+//
+// Semantics:
+//  - forward() returns the mean cross-entropy over the B*T targets. With grad enabled it also
+//    runs the head unit's backward at once (the loss is fused with the LM head in chunks of
+//    rows, so the [B*T, vocab] logits never exist and the head weights are fetched once);
+//    backward() then walks the decoder layers down to the embeddings.
+//  - Gradients are fp32 and ADDED into the provider's gradient tensors (gradient
+//    accumulation over micro-batches is the provider zeroing them only between steps).
+//  - Weights are in the compute dtype: fp32, or bf16 (matmuls in bf16 with fp32 accumulate;
+//    norms, softmax, residual stream and gradients in fp32).
+//  - Activation checkpointing keeps only each layer's input (on the device, or in host
+//    memory) and recomputes the layer in backward; gradients are bit-identical either way.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/device.h"
+#include "strata/dtype.h"
+
+namespace strata {
+
+enum class ModelArch { kLlama, kGpt2 };
+
+// The parts of a Hugging Face config.json the model uses. Llama covers LlamaForCausalLM,
+// MistralForCausalLM (same shapes) and Qwen2ForCausalLM (q/k/v biases).
+struct ModelConfig {
+  ModelArch arch = ModelArch::kLlama;
+  std::string model_type = "llama";  // "llama", "mistral", "qwen2", "gpt2"
+  std::int64_t vocab_size = 0;
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;  // GPT-2: n_inner or 4 * hidden
+  std::int64_t num_layers = 0;
+  std::int64_t num_heads = 0;
+  std::int64_t num_kv_heads = 0;  // == num_heads without GQA
+  std::int64_t head_dim = 0;
+  std::int64_t max_positions = 0;  // GPT-2: n_positions (the wpe rows)
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  // rope_scaling {"rope_type": "llama3", ...}; factor 0 = none.
+  double rope_llama3_factor = 0;
+  double rope_llama3_low_freq_factor = 1;
+  double rope_llama3_high_freq_factor = 4;
+  double rope_llama3_original_max_positions = 8192;
+  bool tie_word_embeddings = false;  // always true for GPT-2
+  bool qkv_bias = false;             // Qwen2 (and Llama's attention_bias)
+  nlohmann::json raw;                // the config.json as read, written back on save
+
+  std::int64_t num_units() const { return num_layers + 2; }
+};
+
+// Parses config.json text; `what` names the file in errors. Throws strata::Error naming the
+// missing or malformed key.
+ModelConfig parse_model_config(const std::string& json_text, const std::string& what);
+ModelConfig load_model_config(const std::string& path);
+// The config.json text for `cfg` (its raw JSON when it came from a file, else built).
+std::string model_config_json(const ModelConfig& cfg);
+
+struct ParamSpec {
+  std::string name;                  // the Hugging Face tensor name
+  std::vector<std::int64_t> shape;   // as stored in safetensors
+  std::size_t offset = 0;            // elements into the unit's flat buffer
+  std::size_t numel = 0;
+};
+
+struct UnitSpec {
+  std::string name;  // "embed", "layers.3", "head"
+  std::vector<ParamSpec> params;
+  std::size_t numel = 0;  // of the flat buffer (parameters are 64-element aligned)
+};
+
+// Where a unit's weights and gradients come from; see the header comment.
+class UnitProvider {
+ public:
+  virtual ~UnitProvider() = default;
+  // The unit's full weights (numel of units()[unit], the model's compute dtype), valid until
+  // release_weights(unit). The model may acquire the same unit again later (forward, then
+  // recompute and backward; the embeddings twice when tied to the head).
+  virtual TensorRef acquire_weights(std::size_t unit) = 0;
+  virtual void release_weights(std::size_t unit) = 0;
+  // fp32, numel of the unit: the model adds this micro-batch's gradients into it, once per
+  // backward for each unit, between acquire_grads and release_grads.
+  virtual TensorRef acquire_grads(std::size_t unit) = 0;
+  virtual void release_grads(std::size_t unit) = 0;
+};
+
+struct ModelOptions {
+  std::int64_t micro_batch = 1;  // B
+  std::int64_t seq_len = 0;      // T; 0 = max_positions (GPT-2) or 1024
+  DType compute = DType::kF32;   // kF32 or kBF16
+  bool checkpoint = false;       // keep only layer inputs, recompute in backward
+  bool checkpoint_on_host = false;  // with checkpoint: keep those inputs in host memory
+  std::int64_t loss_chunk_rows = 0;  // rows of logits per LM-head chunk; 0 = about 16 MiB
+};
+
+// One micro-batch: B*T input ids and B*T target ids, row-major [B, T].
+struct Batch {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int32_t> targets;
+};
+
+class Model {
+ public:
+  Model(const ModelConfig& cfg, Device& device, Stream& stream, const ModelOptions& options);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const;
+  const ModelOptions& options() const;
+  const std::vector<UnitSpec>& units() const;
+  std::size_t num_params() const;  // tied weights counted once
+  // Matmul FLOPs of one forward+backward over B*T tokens (6 * matmul params * tokens plus
+  // attention), for throughput figures.
+  double flops_per_step() const;
+
+  // Queues the forward (and, with grad, the head's backward); waits for it and returns the
+  // mean loss. Token ids must be < vocab_size: an error names the offending position.
+  float forward(const Batch& batch, UnitProvider& weights, bool grad = true);
+  // Queues the backward of the decoder layers and the embeddings; does not wait.
+  void backward(UnitProvider& weights);
+  // The full logits [B*T, vocab] (fp32) of `tokens`, for tests and inference on small inputs.
+  std::vector<float> logits(const std::vector<std::int32_t>& tokens, UnitProvider& weights);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Every unit resident on the device, in the model's compute dtype, with fp32 gradients.
+class ResidentWeights final : public UnitProvider {
+ public:
+  ResidentWeights(const Model& model, Stream& stream);
+  // Standalone (no Model): the same layout from a config.
+  ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device, Stream& stream);
+
+  TensorRef acquire_weights(std::size_t unit) override;
+  void release_weights(std::size_t) override {}
+  TensorRef acquire_grads(std::size_t unit) override;
+  void release_grads(std::size_t) override {}
+
+  const std::vector<UnitSpec>& units() const { return units_; }
+  DType dtype() const { return dtype_; }
+  const ModelConfig& config() const { return cfg_; }
+  void zero_grads();
+  // Normal(0, std) weights, norm weights 1 and biases small, from a seed (tests, benches).
+  void init_random(std::uint64_t seed, float std = 0.02f);
+  // Host copies in fp32 (synchronizes): one parameter by name, or a whole unit.
+  std::vector<float> get(const std::string& name) const;
+  void set(const std::string& name, const std::vector<float>& values);
+  std::vector<float> grad(const std::string& name) const;
+  // The parameter's unit and spec; throws naming the parameter when it does not exist.
+  std::pair<std::size_t, const ParamSpec*> find(const std::string& name) const;
+  // Raw bytes of a parameter in `dtype()` (for saving bit-exact); synchronizes.
+  std::vector<std::uint8_t> get_bytes(const std::string& name) const;
+  void set_bytes(const std::string& name, const void* data, std::size_t bytes);
+
+ private:
+  ModelConfig cfg_;
+  DType dtype_;
+  Stream& stream_;
+  std::vector<UnitSpec> units_;
+  std::vector<Buffer> weights_, grads_;
+};
+
+// The unit layout of `cfg` (what Model::units() returns).
+std::vector<UnitSpec> model_units(const ModelConfig& cfg);
+
+}  // namespace strata

@@ -1,0 +1,63 @@
+// Token data for training: memory-mapped token files cut into micro-batches.
+//
+// Formats: raw little-endian uint16 or uint32 token ids (nanoGPT's train.bin is raw uint16),
+// llm.c's .bin (a 256 x int32 header: magic 20240520, version 1 = uint16 / 2 = uint32 ids,
+// token count; then the ids), and bytes (any file, each byte a token: vocabulary 256, for
+// experiments without a tokenizer). kAuto picks llm.c when the magic is there, bytes for
+// .txt, raw uint16 otherwise.
+//
+// Unshuffled, batches are taken exactly as llm.c's DataLoader takes them (one process):
+// a micro-batch of B sequences of T tokens reads B*T+1 contiguous tokens at the current
+// position; inputs are the first B*T, targets the B*T after the first; the position then
+// advances by B*T, and moves to the next file (then wraps, epoch + 1) when fewer than
+// B*T+1 tokens remain. Shuffled, the unit is a window of T+1 tokens at a stride of T, and
+// each epoch visits all windows of all files in a seeded random order, B per batch.
+// The validation split is the last val_fraction of each file's tokens; train is the rest.
+// A token id >= vocab_size is an error naming the file and byte offset.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/model.h"
+
+namespace strata {
+
+enum class TokenFormat { kAuto, kU16, kU32, kLlmc, kBytes };
+TokenFormat parse_token_format(const std::string& name);  // auto, u16, u32, llmc, bytes
+
+enum class DataSplit { kTrain, kVal };
+
+struct DataOptions {
+  std::vector<std::string> files;
+  TokenFormat format = TokenFormat::kAuto;
+  std::int64_t batch = 1;       // B
+  std::int64_t seq_len = 0;     // T
+  std::int64_t vocab_size = 0;  // ids must be below it; 0 = unchecked
+  bool shuffle = false;
+  std::uint64_t seed = 0;
+  double val_fraction = 0.0;    // in [0, 1)
+};
+
+class TokenLoader {
+ public:
+  explicit TokenLoader(const DataOptions& options, DataSplit split = DataSplit::kTrain);
+  ~TokenLoader();
+  TokenLoader(const TokenLoader&) = delete;
+  TokenLoader& operator=(const TokenLoader&) = delete;
+
+  Batch next();  // wraps to a new epoch at the end
+  void reset();  // back to the first batch of epoch 0
+  std::int64_t epoch() const;
+  std::int64_t batches_per_epoch() const;
+  std::int64_t num_tokens() const;  // in this split, all files
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

@@ -1,0 +1,75 @@
+// Weights in and out in the Hugging Face layout: config.json plus model.safetensors, or
+// shards model-0000k-of-0000n.safetensors with model.safetensors.index.json.
+//
+// Reading memory-maps each file and converts bf16 / fp16 / fp32 tensors to the weights'
+// dtype on load (a tensor already in that dtype is copied bit for bit). Every failure —
+// a missing or malformed file, a truncated header or data, a missing tensor, a wrong shape
+// or an unsupported dtype — throws strata::Error naming the file, the tensor and the offset.
+// Writing goes to temporary names that are renamed into place only once every file is
+// complete, so a failed save leaves nothing behind.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/dtype.h"
+#include "strata/model.h"
+
+namespace strata {
+
+struct SafetensorsInfo {
+  std::string name;
+  std::string dtype;  // as in the file: "F32", "BF16", "F16", ...
+  std::vector<std::int64_t> shape;
+  std::size_t data_begin = 0;  // absolute file offsets
+  std::size_t data_end = 0;
+};
+
+// One memory-mapped .safetensors file.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::vector<SafetensorsInfo>& tensors() const { return tensors_; }
+  const SafetensorsInfo* find(const std::string& name) const;  // nullptr when absent
+  const std::uint8_t* data(const SafetensorsInfo& t) const { return base_ + t.data_begin; }
+  // The tensor converted to fp32 (F32 / BF16 / F16 / F64); throws naming it when absent.
+  std::vector<float> read_f32(const std::string& name) const;
+
+ private:
+  std::string path_;
+  std::vector<SafetensorsInfo> tensors_;
+  const std::uint8_t* base_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// A tensor to write: `data` holds numel(shape) elements of `dtype`.
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<std::int64_t> shape;
+  const void* data = nullptr;
+};
+// Writes one .safetensors file (header padded to 8 bytes, tensors in the given order).
+void write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors);
+
+// Loads every parameter of `weights` from `dir` (model.safetensors.index.json when present,
+// else model.safetensors). Extra tensors in the files are ignored; GPT-2 names are accepted
+// with or without the "transformer." prefix.
+void load_hf_weights(const std::string& dir, ResidentWeights& weights);
+
+// Writes config.json and the weights (in the weights' dtype) to `dir` (created if needed),
+// in shards of at most max_shard_bytes (one tensor larger than that gets a shard of its own),
+// with model.safetensors.index.json when there is more than one shard. Tied weights are
+// written once, as Hugging Face does.
+void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
+                     std::size_t max_shard_bytes = std::size_t(5) << 30);
+
+}  // namespace strata

@@ -1,0 +1,100 @@
+// CPU kernels of the transformer (src/model runs them on a HostDevice stream's worker).
+//
+// Every kernel takes raw pointers into (emulated) device memory, already validated by the
+// caller (src/model/ops.cpp). Activations and gradients are T (float in the model, double in
+// the finite-difference tests: the same code, instantiated twice); weights are W (float,
+// bf16_t or double) and are read as T. Reductions over rows that feed a weight gradient run
+// in a fixed order, so results are deterministic for any thread count; that is what makes
+// activation checkpointing on and off give identical gradients.
+//
+// Layout conventions (row-major, N = B*T rows, position t = row % T):
+//  - qkv rows are [q (nh*hd) | k (nkv*hd) | v (nkv*hd)]: one fused projection.
+//  - gu rows (SwiGLU) are [gate (I) | up (I)].
+//  - Weight-gradient outputs (dw, db, dwte) are accumulated (+=); dx outputs are written,
+//    except the norms' dx, which is accumulated so a residual gradient can be updated in place.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "strata/dtype.h"
+
+namespace strata::cpu {
+
+// A bf16 value as stored; read with to_t().
+struct bf16_t {
+  std::uint16_t bits;
+};
+inline float to_float(bf16_t v) { return bf16_to_f32(v.bits); }
+inline float to_float(float v) { return v; }
+inline double to_float(double v) { return v; }
+
+using i64 = std::int64_t;
+
+// out[n,:] = wte[tokens[n],:] (+ wpe[n % T,:] when wpe is non-null).
+template <class T, class W>
+void embedding_forward(const std::int32_t* tokens, const W* wte, const W* wpe, T* out, i64 n, i64 t,
+                       i64 c);
+// dwte[tokens[n],:] += dout[n,:]; dwpe[n % T,:] += dout[n,:] (when dwpe is non-null).
+template <class T>
+void embedding_backward(const std::int32_t* tokens, const T* dout, T* dwte, T* dwpe, i64 n, i64 t,
+                        i64 c);
+
+// Hugging Face LlamaRMSNorm: out = x / sqrt(mean(x^2) + eps) * w; rstd[n] saved for backward.
+template <class T, class W>
+void rmsnorm_forward(const T* x, const W* w, T* out, T* rstd, i64 n, i64 c, double eps);
+// dx += ..., dw += ...
+template <class T, class W>
+void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c);
+
+// torch.nn.LayerNorm (biased variance): out = (x - mean) * rstd * w + b.
+template <class T, class W>
+void layernorm_forward(const T* x, const W* w, const W* b, T* out, T* mean, T* rstd, i64 n, i64 c,
+                       double eps);
+// dx += ..., dw += ..., db += ...
+template <class T, class W>
+void layernorm_backward(const T* dout, const T* x, const W* w, const T* mean, const T* rstd, T* dx,
+                        T* dw, T* db, i64 n, i64 c);
+
+// Rotary embedding as Hugging Face's Llama applies it (rotate_half: pairs i and i + hd/2), in
+// place on `heads` heads of head_dim hd starting at column `col` of rows of `stride` elements.
+// cos/sin are [T, hd/2]. inverse = true applies the transpose rotation (the backward).
+template <class T>
+void rope_apply(T* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const T* cos,
+                const T* sin, bool inverse);
+
+// Causal grouped-query attention with an online softmax (flash-style): o [N, nh*hd] and the
+// logsumexp of each query row's scores, lse [B, nh, T]; nothing of size T^2 is stored.
+template <class T>
+void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale);
+// Writes dqkv (every element) from do, recomputing the probabilities from lse.
+template <class T>
+void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b, i64 t,
+                        i64 nh, i64 nkv, i64 hd, double scale);
+
+// out[n,i] = silu(gate[n,i]) * up[n,i]; dgu written.
+template <class T>
+void swiglu_forward(const T* gu, T* out, i64 n, i64 inter);
+template <class T>
+void swiglu_backward(const T* dout, const T* gu, T* dgu, i64 n, i64 inter);
+
+// GPT-2's tanh-approximated GELU; dx written.
+template <class T>
+void gelu_forward(const T* x, T* out, i64 n);
+template <class T>
+void gelu_backward(const T* dout, const T* x, T* dx, i64 n);
+
+// y[n,:] += b; db += column sums of dy.
+template <class T, class W>
+void bias_add(T* y, const W* b, i64 n, i64 m);
+template <class T>
+void bias_backward(const T* dy, T* db, i64 n, i64 m);
+
+// One chunk of rows of the fused LM-head cross-entropy. logits [rows, V] in; losses[r] =
+// logsumexp(logits[r]) - logits[r, targets[r]]. With grad_scale != 0, logits is overwritten
+// by d(loss)/d(logits) * grad_scale = (softmax - onehot) * grad_scale.
+template <class T>
+void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
+                   double grad_scale);
+
+}  // namespace strata::cpu

@@ -1,0 +1,47 @@
+// Launchers for the transformer's CUDA kernels (model_kernels.cu); the CUDA twin of
+// src/cpu/model_kernels.h with the same semantics, layouts and accumulate rules, checked
+// against it by tests/model_gpu_test.cpp.
+//
+// This header carries no CUDA types so src/model can include it without the CUDA headers:
+// `stream` is the cudaStream_t (Stream::native_handle()), and each launcher returns the
+// cudaError_t of its launch as an int (0 = success; error_text() names it). Weights are fp32
+// (wbf16 = false) or bf16; everything else is fp32. Weight-gradient reductions over rows use
+// a fixed partition and order, so results are deterministic run to run.
+#pragma once
+
+#include <cstdint>
+
+namespace strata::gpu::model {
+
+using i64 = std::int64_t;
+
+const char* error_text(int err);
+
+int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16, float* out,
+                      i64 n, i64 t, i64 c, void* stream);
+int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe, i64 n, i64 t,
+                       i64 c, void* stream);
+int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n, i64 c,
+                    double eps, void* stream);
+int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* rstd,
+                     float* dx, float* dw, i64 n, i64 c, void* stream);
+int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out, float* mean,
+                      float* rstd, i64 n, i64 c, double eps, void* stream);
+int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* mean,
+                       const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c, void* stream);
+int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos, const float* sin,
+         bool inverse, void* stream);
+int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                      double scale, void* stream);
+int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
+                       i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, void* stream);
+int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream);
+int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter, void* stream);
+int gelu_forward(const float* x, float* out, i64 n, void* stream);
+int gelu_backward(const float* dout, const float* x, float* dx, i64 n, void* stream);
+int bias_add(float* y, const void* b, bool wbf16, i64 n, i64 m, void* stream);
+int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream);
+int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
+                  double grad_scale, void* stream);
+
+}  // namespace strata::gpu::model

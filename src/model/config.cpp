@@ -1,0 +1,231 @@
+// config.json -> ModelConfig, and the fetch-unit layout of each architecture.
+//
+// The layout is the contract between the model, the weight files and the engine: one flat
+// buffer per unit, each parameter under its Hugging Face name at a 64-element-aligned offset.
+// Within a Llama layer q/k/v (and their biases) are adjacent, as are gate/up, so each pair
+// or triple is one fused GEMM; GPT-2's Conv1D c_attn is already fused.
+#include <fstream>
+#include <sstream>
+
+#include "core/json_config.h"
+#include "strata/error.h"
+#include "strata/model.h"
+
+namespace strata {
+namespace {
+
+constexpr std::size_t kParamAlign = 64;
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                        fmt::format("cannot read the model config {}: check the path", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::int64_t positive(const config::Section& s, const char* key, const std::string& what,
+                      std::int64_t def = -1) {
+  STRATA_REQUIRE(def >= 0 || s.has(key), "{}: required key '{}' is missing", what, key);
+  const std::int64_t v = s.get_int(key, def);
+  STRATA_REQUIRE(v > 0, "{}: '{}' must be > 0, got {}", what, key, v);
+  return v;
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const std::string& json_text, const std::string& what) {
+  ModelConfig c;
+  c.raw = config::parse(json_text, what);
+  STRATA_REQUIRE(c.raw.is_object(), "{}: must be a JSON object, got {}", what, c.raw.type_name());
+  const config::Section s(&c.raw, "");
+  std::string arch;
+  if (const auto* a = s.raw("architectures")) {
+    STRATA_REQUIRE(a->is_array() && !a->empty() && (*a)[0].is_string(),
+                   "{}: 'architectures' must be a non-empty array of strings", what);
+    arch = (*a)[0].get<std::string>();
+  }
+  std::string type = s.get_string("model_type", "");
+  if (type.empty()) {
+    if (arch == "LlamaForCausalLM") type = "llama";
+    else if (arch == "MistralForCausalLM") type = "mistral";
+    else if (arch == "Qwen2ForCausalLM") type = "qwen2";
+    else if (arch == "GPT2LMHeadModel") type = "gpt2";
+  }
+  STRATA_REQUIRE(type == "llama" || type == "mistral" || type == "qwen2" || type == "gpt2",
+                 "{}: model_type '{}' (architectures '{}') is not supported; strata runs llama, "
+                 "mistral, qwen2 and gpt2",
+                 what, type, arch);
+  c.model_type = type;
+  if (type == "gpt2") {
+    c.arch = ModelArch::kGpt2;
+    c.vocab_size = positive(s, "vocab_size", what);
+    c.hidden_size = positive(s, "n_embd", what);
+    c.num_layers = positive(s, "n_layer", what);
+    c.num_heads = positive(s, "n_head", what);
+    c.num_kv_heads = c.num_heads;
+    c.max_positions = positive(s, "n_positions", what);
+    c.intermediate_size = positive(s, "n_inner", what, 4 * c.hidden_size);
+    c.norm_eps = s.get_double("layer_norm_epsilon", 1e-5);
+    const std::string act = s.get_string("activation_function", "gelu_new");
+    STRATA_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh",
+                   "{}: activation_function '{}' is not supported; GPT-2 uses gelu_new", what, act);
+    c.tie_word_embeddings = true;
+  } else {
+    c.arch = ModelArch::kLlama;
+    c.vocab_size = positive(s, "vocab_size", what);
+    c.hidden_size = positive(s, "hidden_size", what);
+    c.intermediate_size = positive(s, "intermediate_size", what);
+    c.num_layers = positive(s, "num_hidden_layers", what);
+    c.num_heads = positive(s, "num_attention_heads", what);
+    c.num_kv_heads = positive(s, "num_key_value_heads", what, c.num_heads);
+    c.max_positions = positive(s, "max_position_embeddings", what, 2048);
+    c.norm_eps = s.get_double("rms_norm_eps", 1e-6);
+    c.rope_theta = s.get_double("rope_theta", 10000.0);
+    c.tie_word_embeddings = s.get_bool("tie_word_embeddings", false);
+    c.qkv_bias = type == "qwen2" || s.get_bool("attention_bias", false);
+    STRATA_REQUIRE(!s.get_bool("mlp_bias", false), "{}: mlp_bias = true is not supported", what);
+    const std::string act = s.get_string("hidden_act", "silu");
+    STRATA_REQUIRE(act == "silu", "{}: hidden_act '{}' is not supported; the Llama family uses silu",
+                   what, act);
+    if (const auto* rs = s.raw("rope_scaling")) {
+      const config::Section r(rs, "rope_scaling");
+      const std::string rt = r.has("rope_type") ? r.get_string("rope_type", "") : r.get_string("type", "");
+      STRATA_REQUIRE(rt == "llama3" || rt == "default",
+                     "{}: rope_scaling type '{}' is not supported; strata implements 'llama3'", what, rt);
+      if (rt == "llama3") {
+        c.rope_llama3_factor = r.get_double("factor", 8.0);
+        c.rope_llama3_low_freq_factor = r.get_double("low_freq_factor", 1.0);
+        c.rope_llama3_high_freq_factor = r.get_double("high_freq_factor", 4.0);
+        c.rope_llama3_original_max_positions = r.get_double("original_max_position_embeddings", 8192);
+        STRATA_REQUIRE(c.rope_llama3_factor > 0 &&
+                           c.rope_llama3_high_freq_factor > c.rope_llama3_low_freq_factor,
+                       "{}: rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor", what);
+      }
+    }
+  }
+  STRATA_REQUIRE(c.hidden_size % c.num_heads == 0 || (c.arch == ModelArch::kLlama && s.has("head_dim")),
+                 "{}: hidden size {} is not a multiple of {} heads", what, c.hidden_size, c.num_heads);
+  c.head_dim = c.arch == ModelArch::kLlama ? positive(s, "head_dim", what, c.hidden_size / c.num_heads)
+                                           : c.hidden_size / c.num_heads;
+  STRATA_REQUIRE(c.num_heads % c.num_kv_heads == 0,
+                 "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", what,
+                 c.num_heads, c.num_kv_heads);
+  STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512, "{}: head_dim {} must be even and <= 512",
+                 what, c.head_dim);
+  return c;
+}
+
+ModelConfig load_model_config(const std::string& path) { return parse_model_config(read_text(path), path); }
+
+std::string model_config_json(const ModelConfig& c) {
+  if (!c.raw.is_null()) return c.raw.dump(2);
+  nlohmann::json j;
+  if (c.arch == ModelArch::kGpt2) {
+    j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", c.vocab_size},
+         {"n_embd", c.hidden_size}, {"n_layer", c.num_layers}, {"n_head", c.num_heads},
+         {"n_positions", c.max_positions}, {"n_inner", c.intermediate_size},
+         {"layer_norm_epsilon", c.norm_eps}, {"activation_function", "gelu_new"},
+         {"tie_word_embeddings", true}};
+  } else {
+    const char* arch = c.model_type == "qwen2" ? "Qwen2ForCausalLM"
+                       : c.model_type == "mistral" ? "MistralForCausalLM"
+                                                   : "LlamaForCausalLM";
+    j = {{"architectures", {arch}}, {"model_type", c.model_type}, {"vocab_size", c.vocab_size},
+         {"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size},
+         {"num_hidden_layers", c.num_layers}, {"num_attention_heads", c.num_heads},
+         {"num_key_value_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
+         {"max_position_embeddings", c.max_positions}, {"rms_norm_eps", c.norm_eps},
+         {"rope_theta", c.rope_theta}, {"tie_word_embeddings", c.tie_word_embeddings},
+         {"hidden_act", "silu"}};
+    if (c.model_type == "llama") j["attention_bias"] = c.qkv_bias;
+    if (c.rope_llama3_factor > 0)
+      j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", c.rope_llama3_factor},
+                           {"low_freq_factor", c.rope_llama3_low_freq_factor},
+                           {"high_freq_factor", c.rope_llama3_high_freq_factor},
+                           {"original_max_position_embeddings", c.rope_llama3_original_max_positions}};
+  }
+  j["torch_dtype"] = "float32";
+  return j.dump(2);
+}
+
+std::vector<UnitSpec> model_units(const ModelConfig& c) {
+  const std::int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+  const std::int64_t qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;
+  std::vector<UnitSpec> units;
+  auto add = [](UnitSpec& u, std::string name, std::vector<std::int64_t> shape) {
+    ParamSpec p;
+    p.name = std::move(name);
+    p.shape = std::move(shape);
+    p.numel = 1;
+    for (auto d : p.shape) p.numel *= static_cast<std::size_t>(d);
+    p.offset = (u.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+    u.numel = p.offset + p.numel;
+    u.params.push_back(std::move(p));
+  };
+  const bool gpt2 = c.arch == ModelArch::kGpt2;
+  UnitSpec embed{"embed", {}, 0};
+  if (gpt2) {
+    add(embed, "transformer.wte.weight", {V, C});
+    add(embed, "transformer.wpe.weight", {c.max_positions, C});
+  } else {
+    add(embed, "model.embed_tokens.weight", {V, C});
+  }
+  units.push_back(std::move(embed));
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    UnitSpec u{fmt::format("layers.{}", l), {}, 0};
+    if (gpt2) {
+      const std::string p = fmt::format("transformer.h.{}.", l);
+      add(u, p + "ln_1.weight", {C});
+      add(u, p + "ln_1.bias", {C});
+      add(u, p + "attn.c_attn.weight", {C, 3 * C});
+      add(u, p + "attn.c_attn.bias", {3 * C});
+      add(u, p + "attn.c_proj.weight", {C, C});
+      add(u, p + "attn.c_proj.bias", {C});
+      add(u, p + "ln_2.weight", {C});
+      add(u, p + "ln_2.bias", {C});
+      add(u, p + "mlp.c_fc.weight", {C, I});
+      add(u, p + "mlp.c_fc.bias", {I});
+      add(u, p + "mlp.c_proj.weight", {I, C});
+      add(u, p + "mlp.c_proj.bias", {C});
+    } else {
+      const std::string p = fmt::format("model.layers.{}.", l);
+      add(u, p + "input_layernorm.weight", {C});
+      // Unaligned on purpose: q, k, v must be one contiguous [(nh + 2 nkv) hd, C] matrix.
+      add(u, p + "self_attn.q_proj.weight", {qd, C});
+      u.params.push_back({p + "self_attn.k_proj.weight", {kvd, C}, u.numel, std::size_t(kvd * C)});
+      u.numel += kvd * C;
+      u.params.push_back({p + "self_attn.v_proj.weight", {kvd, C}, u.numel, std::size_t(kvd * C)});
+      u.numel += kvd * C;
+      if (c.qkv_bias) {
+        add(u, p + "self_attn.q_proj.bias", {qd});
+        u.params.push_back({p + "self_attn.k_proj.bias", {kvd}, u.numel, std::size_t(kvd)});
+        u.numel += kvd;
+        u.params.push_back({p + "self_attn.v_proj.bias", {kvd}, u.numel, std::size_t(kvd)});
+        u.numel += kvd;
+      }
+      add(u, p + "self_attn.o_proj.weight", {C, qd});
+      add(u, p + "post_attention_layernorm.weight", {C});
+      add(u, p + "mlp.gate_proj.weight", {I, C});
+      u.params.push_back({p + "mlp.up_proj.weight", {I, C}, u.numel, std::size_t(I * C)});
+      u.numel += I * C;
+      add(u, p + "mlp.down_proj.weight", {C, I});
+    }
+    units.push_back(std::move(u));
+  }
+  UnitSpec head{"head", {}, 0};
+  if (gpt2) {
+    add(head, "transformer.ln_f.weight", {C});
+    add(head, "transformer.ln_f.bias", {C});
+  } else {
+    add(head, "model.norm.weight", {C});
+    if (!c.tie_word_embeddings) add(head, "lm_head.weight", {V, C});
+  }
+  units.push_back(std::move(head));
+  for (auto& u : units) u.numel = (u.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+  return units;
+}
+
+}  // namespace strata

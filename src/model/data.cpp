@@ -1,0 +1,245 @@
+// Token files (mmap) and the llm.c-exact / shuffled micro-batch loader.
+//
+// Invariant: a file's split is a token range [begin, end) fixed at open; unshuffled batches
+// walk it exactly as llm.c's dataloader.h does, shuffled ones walk a permutation of its
+// T+1-token windows. The permutation uses our own Fisher-Yates over mt19937_64, so a seed
+// gives the same order with every standard library.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "strata/error.h"
+#include "strata/model_data.h"
+
+namespace strata {
+namespace {
+
+constexpr std::int32_t kLlmcMagic = 20240520;
+constexpr std::size_t kLlmcHeaderBytes = 256 * 4;
+
+struct TokenFile {
+  std::string path;
+  const std::uint8_t* base = nullptr;
+  std::size_t size = 0;
+  std::size_t data_offset = 0;  // bytes before the first id
+  std::size_t elem = 2;         // bytes per id
+  std::int64_t begin = 0, end = 0;  // this split's token range
+
+  ~TokenFile() {
+    if (base) ::munmap(const_cast<std::uint8_t*>(base), size);
+  }
+  std::int64_t id(std::int64_t i) const {
+    const std::uint8_t* p = base + data_offset + std::size_t(i) * elem;
+    if (elem == 1) return *p;
+    if (elem == 2) {
+      std::uint16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    std::uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+};
+
+std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt) {
+  auto f = std::make_unique<TokenFile>();
+  f->path = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open token file {}", path));
+  struct stat st{};
+  ::fstat(fd, &st);
+  f->size = static_cast<std::size_t>(st.st_size);
+  if (f->size > 0) {
+    void* p = ::mmap(nullptr, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
+    f->base = static_cast<const std::uint8_t*>(p);
+  } else {
+    ::close(fd);
+  }
+  std::int32_t head[3] = {0, 0, 0};
+  if (f->size >= 12) std::memcpy(head, f->base, 12);
+  if (fmt == TokenFormat::kAuto) {
+    if (head[0] == kLlmcMagic) fmt = TokenFormat::kLlmc;
+    else if (path.ends_with(".txt")) fmt = TokenFormat::kBytes;
+    else fmt = TokenFormat::kU16;
+  }
+  std::size_t ntok = 0;
+  switch (fmt) {
+    case TokenFormat::kBytes:
+      f->elem = 1;
+      ntok = f->size;
+      break;
+    case TokenFormat::kU16:
+    case TokenFormat::kU32:
+      f->elem = fmt == TokenFormat::kU16 ? 2 : 4;
+      STRATA_REQUIRE(f->size % f->elem == 0, "{}: {} bytes is not a whole number of {}-byte token ids (truncated?)",
+                     path, f->size, f->elem);
+      ntok = f->size / f->elem;
+      break;
+    case TokenFormat::kLlmc: {
+      STRATA_REQUIRE(f->size >= kLlmcHeaderBytes && head[0] == kLlmcMagic,
+                     "{}: not an llm.c token file (needs a {}-byte header starting with magic {}; found {} at offset 0)",
+                     path, kLlmcHeaderBytes, kLlmcMagic, head[0]);
+      STRATA_REQUIRE(head[1] == 1 || head[1] == 2,
+                     "{}: llm.c header version {} at offset 4 is not 1 (uint16 ids) or 2 (uint32 ids)", path, head[1]);
+      f->elem = head[1] == 1 ? 2 : 4;
+      f->data_offset = kLlmcHeaderBytes;
+      STRATA_REQUIRE(head[2] >= 0 && kLlmcHeaderBytes + std::size_t(head[2]) * f->elem <= f->size,
+                     "{}: truncated: the header (offset 8) promises {} tokens = {} bytes after offset {}, the file "
+                     "has {} bytes",
+                     path, head[2], std::size_t(head[2]) * f->elem, kLlmcHeaderBytes, f->size);
+      ntok = static_cast<std::size_t>(head[2]);
+      break;
+    }
+    case TokenFormat::kAuto: break;
+  }
+  f->end = static_cast<std::int64_t>(ntok);
+  return f;
+}
+
+}  // namespace
+
+TokenFormat parse_token_format(const std::string& name) {
+  if (name == "auto") return TokenFormat::kAuto;
+  if (name == "u16") return TokenFormat::kU16;
+  if (name == "u32") return TokenFormat::kU32;
+  if (name == "llmc") return TokenFormat::kLlmc;
+  if (name == "bytes") return TokenFormat::kBytes;
+  STRATA_THROW(kInvalidArgument, "token format '{}' is not one of auto, u16, u32, llmc, bytes", name);
+}
+
+struct TokenLoader::Impl {
+  DataOptions opt;
+  std::vector<std::unique_ptr<TokenFile>> files;
+  // Unshuffled: current file and position (token index).
+  std::size_t file = 0;
+  std::int64_t pos = 0;
+  // Shuffled: (file, window start) of every window, permuted per epoch.
+  std::vector<std::pair<std::uint32_t, std::int64_t>> windows;
+  std::size_t next_window = 0;
+  std::int64_t epoch = 0;
+
+  std::int64_t bt() const { return opt.batch * opt.seq_len; }
+
+  void start_epoch() {
+    if (!opt.shuffle) {
+      file = 0;
+      while (files[file]->end - files[file]->begin < bt() + 1) ++file;  // one exists (constructor)
+      pos = files[file]->begin;
+      return;
+    }
+    std::mt19937_64 rng(opt.seed + 0x9e3779b97f4a7c15ull * std::uint64_t(epoch));
+    for (std::size_t i = windows.size(); i > 1; --i) std::swap(windows[i - 1], windows[rng() % i]);
+    next_window = 0;
+  }
+
+  void fetch(const TokenFile& f, std::int64_t at, std::int64_t count, std::int32_t* out) const {
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::int64_t v = f.id(at + i);
+      STRATA_REQUIRE(opt.vocab_size == 0 || v < opt.vocab_size,
+                     "{}: token id {} at byte offset {} is >= the model's vocab_size {} (wrong tokenizer or format?)",
+                     f.path, v, f.data_offset + std::size_t(at + i) * f.elem, opt.vocab_size);
+      out[i] = static_cast<std::int32_t>(v);
+    }
+  }
+
+  Batch next() {
+    const std::int64_t B = opt.batch, T = opt.seq_len, n = bt();
+    Batch b;
+    b.tokens.resize(std::size_t(n));
+    b.targets.resize(std::size_t(n));
+    if (!opt.shuffle) {
+      std::vector<std::int32_t> buf(std::size_t(n + 1));
+      fetch(*files[file], pos, n + 1, buf.data());
+      std::copy_n(buf.begin(), n, b.tokens.begin());
+      std::copy_n(buf.begin() + 1, n, b.targets.begin());
+      pos += n;
+      if (pos + n + 1 > files[file]->end) {
+        // Next file with at least one batch (the constructor checked that one exists).
+        do {
+          if (++file == files.size()) {
+            file = 0;
+            ++epoch;
+          }
+        } while (files[file]->end - files[file]->begin < n + 1);
+        pos = files[file]->begin;
+      }
+      return b;
+    }
+    std::vector<std::int32_t> buf(std::size_t(T + 1));
+    for (std::int64_t r = 0; r < B; ++r) {
+      if (next_window == windows.size()) {
+        ++epoch;
+        start_epoch();
+      }
+      const auto [fi, at] = windows[next_window++];
+      fetch(*files[fi], at, T + 1, buf.data());
+      std::copy_n(buf.begin(), T, b.tokens.begin() + r * T);
+      std::copy_n(buf.begin() + 1, T, b.targets.begin() + r * T);
+    }
+    return b;
+  }
+};
+
+TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.opt = o;
+  STRATA_REQUIRE(!o.files.empty(), "TokenLoader: no token files given");
+  STRATA_REQUIRE(o.batch > 0 && o.seq_len > 0, "TokenLoader: batch ({}) and seq_len ({}) must be > 0", o.batch,
+                 o.seq_len);
+  STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1, "TokenLoader: val_fraction {} must be in [0, 1)",
+                 o.val_fraction);
+  bool any_batch = false;
+  for (const auto& path : o.files) {
+    auto f = open_tokens(path, o.format);
+    const std::int64_t ntok = f->end;
+    const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * o.val_fraction);
+    if (split == DataSplit::kTrain) f->end = cut;
+    else f->begin = cut;
+    const std::int64_t len = f->end - f->begin;
+    if (o.shuffle) {
+      for (std::int64_t at = f->begin; at + o.seq_len + 1 <= f->end; at += o.seq_len)
+        m.windows.emplace_back(static_cast<std::uint32_t>(m.files.size()), at);
+    } else if (len >= m.bt() + 1) {
+      any_batch = true;
+    }
+    m.files.push_back(std::move(f));
+  }
+  const char* which = split == DataSplit::kTrain ? "train" : "validation";
+  if (o.shuffle)
+    STRATA_REQUIRE(std::int64_t(m.windows.size()) >= 1,
+                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens", which, o.seq_len + 1);
+  else
+    STRATA_REQUIRE(any_batch, "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens", which,
+                   m.bt() + 1);
+  m.start_epoch();
+}
+
+TokenLoader::~TokenLoader() = default;
+Batch TokenLoader::next() { return impl_->next(); }
+void TokenLoader::reset() {
+  impl_->epoch = 0;
+  impl_->start_epoch();
+}
+std::int64_t TokenLoader::epoch() const { return impl_->epoch; }
+std::int64_t TokenLoader::batches_per_epoch() const {
+  const Impl& m = *impl_;
+  if (m.opt.shuffle) return std::int64_t(m.windows.size()) / m.opt.batch;
+  std::int64_t n = 0;
+  for (const auto& f : m.files) n += std::max<std::int64_t>(0, (f->end - f->begin - 1) / m.bt());
+  return n;
+}
+std::int64_t TokenLoader::num_tokens() const {
+  std::int64_t n = 0;
+  for (const auto& f : impl_->files) n += f->end - f->begin;
+  return n;
+}
+
+}  // namespace strata

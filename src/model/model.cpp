@@ -1,0 +1,571 @@
+// The transformer's forward and backward, unit by unit, over a UnitProvider.
+//
+// Owns: the rotary tables, the current micro-batch's ids, each layer's saved activations
+// (or only its input, with checkpointing), the gradient flowing down the residual stream,
+// and scratch. It never owns weights or weight gradients: those are the provider's, and
+// are touched only between acquire and release.
+//
+// Invariants:
+//  - Every device buffer is allocated on the model's stream, so it is freed in stream order:
+//    dropping a Buffer on the host while queued work still reads it is safe.
+//  - Activations are fp32; in bf16 compute the inputs of each GEMM are rounded to bf16 just
+//    before it (weights are already bf16), accumulation and outputs stay fp32.
+//  - A layer's recomputation (checkpointing) runs exactly the forward code on exactly the
+//    same inputs, and every kernel is deterministic, so gradients are bit-identical.
+#include <cmath>
+#include <numbers>
+
+#include "model/ops.h"
+#include "strata/error.h"
+#include "strata/model.h"
+
+namespace strata {
+
+using model_ops::Weight;
+using i64 = std::int64_t;
+
+namespace {
+
+TensorRef dev_tensor(const Device& dev, const void* p, DType t, std::size_t numel) {
+  return TensorRef{MemRef{const_cast<void*>(p), numel * dtype_size(t), MemSpace::kDevice, &dev}, t, numel};
+}
+
+float* fptr(const Buffer& b) { return static_cast<float*>(b.data()); }
+
+// One layer's activations kept for backward (all fp32, on the device).
+struct Acts {
+  Buffer x;                      // the layer's input [N, C] (empty while checkpointed to host)
+  Buffer h1, n1a, n1b;           // first norm: output, rstd (RMSNorm) or mean and rstd (LayerNorm)
+  Buffer qkv, o, lse;            // fused projections after rotary, attention output, logsumexp
+  Buffer xm;                     // residual after attention
+  Buffer h2, n2a, n2b;           // second norm
+  Buffer fc, act;                // MLP: gate|up (Llama) or pre-GELU (GPT-2), and its activation
+  void drop_all_but_input() {
+    for (Buffer* b : {&h1, &n1a, &n1b, &qkv, &o, &lse, &xm, &h2, &n2a, &n2b, &fc, &act}) b->reset();
+  }
+};
+
+}  // namespace
+
+struct Model::Impl {
+  ModelConfig cfg;
+  ModelOptions opt;
+  Device& dev;
+  Stream& s;
+  std::vector<UnitSpec> units;
+  DType wdt;
+  i64 B, T, N, C, I, V, L, nh, nkv, hd, qd, kvd, qkvd;
+  bool gpt2;
+  Buffer rope_cos, rope_sin;  // [T, hd/2]
+  Buffer tokens, targets;     // int32 [N]
+  std::vector<Acts> acts;
+  // Layer inputs checkpointed to host memory; kept across steps so that no copy from or
+  // into them can outlive them (the stream orders this step's copies after the last one's).
+  std::vector<std::vector<float>> host_ckpt;
+  Buffer dres;                // gradient of the residual stream, flowing down in backward
+  Buffer tied_grad;           // LM-head gradient of the tied embedding, until the embedding's backward
+  std::vector<float> host_losses;
+  bool have_grad = false;
+
+  Impl(const ModelConfig& c, Device& d, Stream& st, const ModelOptions& o)
+      : cfg(c), opt(o), dev(d), s(st), units(model_units(c)), wdt(o.compute) {
+    STRATA_REQUIRE(&st.device() == &d, "Model: the stream belongs to another device");
+    STRATA_REQUIRE(wdt == DType::kF32 || wdt == DType::kBF16,
+                   "Model: compute dtype must be fp32 or bf16, got {}", dtype_name(wdt));
+    gpt2 = c.arch == ModelArch::kGpt2;
+    B = o.micro_batch;
+    T = o.seq_len > 0 ? o.seq_len : (gpt2 ? c.max_positions : 1024);
+    opt.seq_len = T;
+    STRATA_REQUIRE(B > 0, "Model: micro_batch must be > 0, got {}", B);
+    STRATA_REQUIRE(!gpt2 || T <= c.max_positions,
+                   "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)", T,
+                   c.max_positions);
+    if (const auto sw = c.raw.is_object() ? c.raw.find("sliding_window") : c.raw.end();
+        c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
+      STRATA_REQUIRE(T <= sw->get<i64>(),
+                     "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
+                     "full causal, so use seq_len <= sliding_window",
+                     T, sw->get<i64>());
+    N = B * T;
+    C = c.hidden_size;
+    I = c.intermediate_size;
+    V = c.vocab_size;
+    L = c.num_layers;
+    nh = c.num_heads;
+    nkv = c.num_kv_heads;
+    hd = c.head_dim;
+    qd = nh * hd;
+    kvd = nkv * hd;
+    qkvd = qd + 2 * kvd;
+    acts.resize(static_cast<std::size_t>(L));
+    if (opt.checkpoint && opt.checkpoint_on_host) host_ckpt.resize(static_cast<std::size_t>(L));
+    if (!gpt2) build_rope();
+    tokens = dev.alloc(N * 4, &s);
+    targets = dev.alloc(N * 4, &s);
+  }
+
+  // Hugging Face's rotary tables, in double then rounded once: inv_freq[i] = theta^(-2i/hd),
+  // with the llama3 rescaling of long wavelengths when configured.
+  void build_rope() {
+    const i64 half = hd / 2;
+    std::vector<double> inv(half);
+    for (i64 i = 0; i < half; ++i) inv[i] = 1.0 / std::pow(cfg.rope_theta, double(2 * i) / double(hd));
+    if (cfg.rope_llama3_factor > 0) {
+      const double f = cfg.rope_llama3_factor, lo = cfg.rope_llama3_low_freq_factor,
+                   hi = cfg.rope_llama3_high_freq_factor, old = cfg.rope_llama3_original_max_positions;
+      const double lo_wl = old / lo, hi_wl = old / hi;
+      for (auto& fr : inv) {
+        const double wl = 2 * std::numbers::pi / fr;
+        if (wl > lo_wl) {
+          fr = fr / f;
+        } else if (wl >= hi_wl) {
+          const double smooth = (old / wl - lo) / (hi - lo);
+          fr = (1 - smooth) * fr / f + smooth * fr;
+        }
+      }
+    }
+    std::vector<float> cs(T * half), sn(T * half);
+    for (i64 t = 0; t < T; ++t)
+      for (i64 i = 0; i < half; ++i) {
+        cs[t * half + i] = static_cast<float>(std::cos(double(t) * inv[i]));
+        sn[t * half + i] = static_cast<float>(std::sin(double(t) * inv[i]));
+      }
+    rope_cos = dev.alloc(cs.size() * 4, &s);
+    rope_sin = dev.alloc(sn.size() * 4, &s);
+    s.copy(rope_cos.ref(), host_ref(cs.data(), cs.size() * 4));
+    s.copy(rope_sin.ref(), host_ref(sn.data(), sn.size() * 4));
+    s.synchronize();  // the host vectors die here
+  }
+
+  Buffer falloc(i64 numel) { return dev.alloc(static_cast<std::size_t>(numel) * 4, &s); }
+
+  // Parameter `idx` of unit `unit` inside the acquired weights `w`.
+  Weight param(const TensorRef& w, std::size_t unit, std::size_t idx) const {
+    const ParamSpec& p = units[unit].params[idx];
+    return Weight{static_cast<const char*>(w.mem.ptr) + p.offset * dtype_size(wdt), wdt};
+  }
+  float* gparam(const TensorRef& g, std::size_t unit, std::size_t idx) const {
+    return static_cast<float*>(g.mem.ptr) + units[unit].params[idx].offset;
+  }
+
+  void require_unit(const TensorRef& t, std::size_t unit, DType dt, const char* what) const {
+    STRATA_REQUIRE(t.mem.ptr && t.numel == units[unit].numel && t.dtype == dt &&
+                       t.mem.space == MemSpace::kDevice && t.mem.device == &dev,
+                   "Model: the provider's {} for unit {} ('{}') must be {} {} elements on {}; got {} {} "
+                   "elements",
+                   what, unit, units[unit].name, dtype_name(dt), units[unit].numel, dev.name(),
+                   dtype_name(t.dtype), t.numel);
+  }
+  TensorRef acquire_w(UnitProvider& p, std::size_t unit) {
+    TensorRef t = p.acquire_weights(unit);
+    require_unit(t, unit, wdt, "weights");
+    return t;
+  }
+  TensorRef acquire_g(UnitProvider& p, std::size_t unit) {
+    TensorRef t = p.acquire_grads(unit);
+    require_unit(t, unit, DType::kF32, "gradients");
+    return t;
+  }
+
+  // The GEMM operand for fp32 activations `x` (numel elements): x itself, or a bf16 copy.
+  TensorRef operand(const float* x, i64 numel, std::vector<Buffer>& keep) {
+    if (wdt == DType::kF32) return dev_tensor(dev, x, DType::kF32, numel);
+    keep.push_back(dev.alloc(static_cast<std::size_t>(numel) * 2, &s));
+    TensorRef t = tensor(keep.back(), DType::kBF16, numel);
+    s.cast(dev_tensor(dev, x, DType::kF32, numel), t);
+    return t;
+  }
+
+  // y[n, out] = beta * y + x[n, in] @ op(W); W stored [out, in] (out_in) or [in, out] (Conv1D).
+  void linear(const float* x, Weight w, bool out_in, float* y, i64 n, i64 in, i64 out, float beta) {
+    std::vector<Buffer> keep;
+    MatmulDesc d;
+    d.m = n;
+    d.n = out;
+    d.k = in;
+    d.trans_b = out_in;
+    d.beta = beta;
+    d.a = operand(x, n * in, keep);
+    d.b = dev_tensor(dev, w.ptr, wdt, out * in);
+    d.c = dev_tensor(dev, y, DType::kF32, n * out);
+    s.matmul(d);
+  }
+  // dx[n, in] = beta * dx + dy[n, out] @ op(W)^T.
+  void linear_dx(const float* dy, Weight w, bool out_in, float* dx, i64 n, i64 in, i64 out, float beta) {
+    std::vector<Buffer> keep;
+    MatmulDesc d;
+    d.m = n;
+    d.n = in;
+    d.k = out;
+    d.trans_b = !out_in;
+    d.beta = beta;
+    d.a = operand(dy, n * out, keep);
+    d.b = dev_tensor(dev, w.ptr, wdt, out * in);
+    d.c = dev_tensor(dev, dx, DType::kF32, n * in);
+    s.matmul(d);
+  }
+  // dW += op(x^T dy): [out, in] = dy^T x, or [in, out] = x^T dy.
+  void linear_dw(const float* x, const float* dy, float* dw, bool out_in, i64 n, i64 in, i64 out) {
+    std::vector<Buffer> keep;
+    const TensorRef tx = operand(x, n * in, keep), tdy = operand(dy, n * out, keep);
+    MatmulDesc d;
+    d.k = n;
+    d.trans_a = true;
+    d.beta = 1.0f;
+    if (out_in) {
+      d.m = out;
+      d.n = in;
+      d.a = tdy;
+      d.b = tx;
+    } else {
+      d.m = in;
+      d.n = out;
+      d.a = tx;
+      d.b = tdy;
+    }
+    d.c = dev_tensor(dev, dw, DType::kF32, out * in);
+    s.matmul(d);
+  }
+  void copy_f(float* dst, const float* src, i64 numel) {
+    s.copy(MemRef{dst, std::size_t(numel) * 4, MemSpace::kDevice, &dev},
+           MemRef{const_cast<float*>(src), std::size_t(numel) * 4, MemSpace::kDevice, &dev});
+  }
+
+  // ---- one decoder layer ----
+  // Fills a (whose x is set) from the layer's weights w; returns the output when need_out.
+  Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out) {
+    const float* x = fptr(a.x);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    a.h1 = falloc(N * C);
+    a.qkv = falloc(N * qkvd);
+    a.o = falloc(N * qd);
+    a.lse = falloc(B * nh * T);
+    a.xm = falloc(N * C);
+    a.h2 = falloc(N * C);
+    a.n1b = falloc(N);
+    a.n2b = falloc(N);
+    Buffer y;
+    if (gpt2) {
+      // ln_1.w ln_1.b c_attn.w c_attn.b attn.c_proj.w attn.c_proj.b ln_2.w ln_2.b c_fc.w c_fc.b c_proj.w c_proj.b
+      auto P = [&](std::size_t i) { return param(w, unit, i); };
+      a.n1a = falloc(N);
+      a.n2a = falloc(N);
+      a.fc = falloc(N * I);
+      a.act = falloc(N * I);
+      model_ops::layernorm_forward(s, x, P(0), P(1), fptr(a.h1), fptr(a.n1a), fptr(a.n1b), N, C, cfg.norm_eps);
+      linear(fptr(a.h1), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
+      model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), fptr(a.lse), B, T, nh, nkv, hd, scale);
+      copy_f(fptr(a.xm), x, N * C);
+      linear(fptr(a.o), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
+      model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
+      model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), fptr(a.h2), fptr(a.n2a), fptr(a.n2b), N, C,
+                                   cfg.norm_eps);
+      linear(fptr(a.h2), P(8), false, fptr(a.fc), N, C, I, 0.0f);
+      model_ops::bias_add(s, fptr(a.fc), P(9), N, I);
+      model_ops::gelu_forward(s, fptr(a.fc), fptr(a.act), N * I);
+      if (need_out) {
+        y = falloc(N * C);
+        copy_f(fptr(y), fptr(a.xm), N * C);
+        linear(fptr(a.act), P(10), false, fptr(y), N, I, C, 1.0f);
+        model_ops::bias_add(s, fptr(y), P(11), N, C);
+      }
+    } else {
+      const LlamaIdx ix = llama_idx();
+      auto P = [&](std::size_t i) { return param(w, unit, i); };
+      a.fc = falloc(N * 2 * I);
+      a.act = falloc(N * I);
+      model_ops::rmsnorm_forward(s, x, P(ix.in_norm), fptr(a.h1), fptr(a.n1b), N, C, cfg.norm_eps);
+      linear(fptr(a.h1), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
+      if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
+      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh, hd, fptr(rope_cos), fptr(rope_sin), false);
+      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, qd, nkv, hd, fptr(rope_cos), fptr(rope_sin), false);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), fptr(a.lse), B, T, nh, nkv, hd, scale);
+      copy_f(fptr(a.xm), x, N * C);
+      linear(fptr(a.o), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
+      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), fptr(a.h2), fptr(a.n2b), N, C, cfg.norm_eps);
+      linear(fptr(a.h2), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
+      model_ops::swiglu_forward(s, fptr(a.fc), fptr(a.act), N, I);
+      if (need_out) {
+        y = falloc(N * C);
+        copy_f(fptr(y), fptr(a.xm), N * C);
+        linear(fptr(a.act), P(ix.down), true, fptr(y), N, I, C, 1.0f);
+      }
+    }
+    return y;
+  }
+
+  // g (grad of the layer's output) becomes the grad of its input, in place.
+  void layer_backward(Acts& a, const TensorRef& w, const TensorRef& gw, std::size_t unit, float* g) {
+    const float* x = fptr(a.x);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    auto P = [&](std::size_t i) { return param(w, unit, i); };
+    auto G = [&](std::size_t i) { return gparam(gw, unit, i); };
+    Buffer dact = falloc(N * I);
+    Buffer dh = falloc(N * C);
+    Buffer dqkv = falloc(N * qkvd);
+    Buffer d_o = falloc(N * qd);
+    if (gpt2) {
+      Buffer dfc = falloc(N * I);
+      linear_dx(g, P(10), false, fptr(dact), N, I, C, 0.0f);
+      linear_dw(fptr(a.act), g, G(10), false, N, I, C);
+      model_ops::bias_backward(s, g, G(11), N, C);
+      model_ops::gelu_backward(s, fptr(dact), fptr(a.fc), fptr(dfc), N * I);
+      linear_dx(fptr(dfc), P(8), false, fptr(dh), N, C, I, 0.0f);
+      linear_dw(fptr(a.h2), fptr(dfc), G(8), false, N, C, I);
+      model_ops::bias_backward(s, fptr(dfc), G(9), N, I);
+      model_ops::layernorm_backward(s, fptr(dh), fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g, G(6), G(7), N, C);
+      linear_dx(g, P(4), false, fptr(d_o), N, qd, C, 0.0f);
+      linear_dw(fptr(a.o), g, G(4), false, N, qd, C);
+      model_ops::bias_backward(s, g, G(5), N, C);
+      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
+                                    hd, scale);
+      model_ops::bias_backward(s, fptr(dqkv), G(3), N, qkvd);
+      linear_dx(fptr(dqkv), P(2), false, fptr(dh), N, C, qkvd, 0.0f);
+      linear_dw(fptr(a.h1), fptr(dqkv), G(2), false, N, C, qkvd);
+      model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1), N, C);
+    } else {
+      const LlamaIdx ix = llama_idx();
+      Buffer dgu = falloc(N * 2 * I);
+      linear_dx(g, P(ix.down), true, fptr(dact), N, I, C, 0.0f);
+      linear_dw(fptr(a.act), g, G(ix.down), true, N, I, C);
+      model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), fptr(dgu), N, I);
+      linear_dx(fptr(dgu), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
+      linear_dw(fptr(a.h2), fptr(dgu), G(ix.gate), true, N, C, 2 * I);
+      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g, G(ix.post_norm), N, C);
+      linear_dx(g, P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
+      linear_dw(fptr(a.o), g, G(ix.o), true, N, qd, C);
+      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
+                                    hd, scale);
+      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh, hd, fptr(rope_cos), fptr(rope_sin), true);
+      model_ops::rope(s, fptr(dqkv), N, T, qkvd, qd, nkv, hd, fptr(rope_cos), fptr(rope_sin), true);
+      if (cfg.qkv_bias) model_ops::bias_backward(s, fptr(dqkv), G(ix.qb), N, qkvd);
+      linear_dx(fptr(dqkv), P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
+      linear_dw(fptr(a.h1), fptr(dqkv), G(ix.q), true, N, C, qkvd);
+      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N, C);
+    }
+  }
+
+  // Indices of a Llama layer's parameters in its UnitSpec (q/k/v biases shift the rest).
+  struct LlamaIdx {
+    std::size_t in_norm = 0, q = 1, qb = 0, o, post_norm, gate, down;
+  };
+  LlamaIdx llama_idx() const {
+    LlamaIdx ix;
+    std::size_t next = 4;  // after in_norm, q, k, v
+    if (cfg.qkv_bias) {
+      ix.qb = next;
+      next += 3;
+    }
+    ix.o = next;
+    ix.post_norm = next + 1;
+    ix.gate = next + 2;
+    ix.down = next + 4;  // after gate, up
+    return ix;
+  }
+
+  void upload_ids(const std::vector<std::int32_t>& ids, Buffer& dst, const char* what) {
+    STRATA_REQUIRE(static_cast<i64>(ids.size()) == N,
+                   "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}", what,
+                   ids.size(), B, T, N);
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V, "Model: batch.{}[{}] = {} is outside the vocabulary [0, {})",
+                     what, i, ids[i], V);
+    s.copy(dst.ref(), host_ref(ids.data(), ids.size() * 4));
+  }
+
+  // Embeddings and decoder layers; returns the last layer's output. Keeps activations when grad.
+  Buffer run_trunk(UnitProvider& p, bool grad) {
+    Buffer x = falloc(N * C);
+    {
+      const TensorRef w0 = acquire_w(p, 0);
+      const Weight wpe = gpt2 ? param(w0, 0, 1) : Weight{};
+      model_ops::embedding_forward(s, static_cast<const std::int32_t*>(tokens.data()), param(w0, 0, 0), wpe,
+                                   fptr(x), N, T, C);
+      p.release_weights(0);
+    }
+    for (i64 l = 0; l < L; ++l) {
+      const std::size_t unit = static_cast<std::size_t>(l + 1);
+      Acts& a = acts[l];
+      a = Acts{};
+      a.x = std::move(x);
+      const TensorRef w = acquire_w(p, unit);
+      x = layer_forward(a, w, unit, true);
+      p.release_weights(unit);
+      if (!grad) {
+        a = Acts{};
+      } else if (opt.checkpoint) {
+        a.drop_all_but_input();
+        if (opt.checkpoint_on_host) {
+          auto& h = host_ckpt[static_cast<std::size_t>(l)];
+          h.resize(static_cast<std::size_t>(N * C));
+          s.copy(host_ref(h.data(), h.size() * 4), a.x.ref());
+          a.x.reset();
+        }
+      }
+    }
+    return x;
+  }
+
+  // The final norm of the head unit: out, and its saved statistics.
+  void final_norm(const TensorRef& wh, const float* x, float* out, float* st_a, float* st_b) {
+    if (gpt2)
+      model_ops::layernorm_forward(s, x, param(wh, L + 1, 0), param(wh, L + 1, 1), out, st_a, st_b, N, C,
+                                   cfg.norm_eps);
+    else
+      model_ops::rmsnorm_forward(s, x, param(wh, L + 1, 0), out, st_b, N, C, cfg.norm_eps);
+  }
+
+  Weight head_weight(const TensorRef& wh, const TensorRef& w0) const {
+    return cfg.tie_word_embeddings ? param(w0, 0, 0) : param(wh, L + 1, 1);
+  }
+
+  float forward(const Batch& batch, UnitProvider& p, bool grad) {
+    upload_ids(batch.tokens, tokens, "tokens");
+    upload_ids(batch.targets, targets, "targets");
+    Buffer x = run_trunk(p, grad);
+    const std::size_t hu = static_cast<std::size_t>(L + 1);
+    const TensorRef wh = acquire_w(p, hu);
+    const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
+    Buffer hf = falloc(N * C), st_a = falloc(N), st_b = falloc(N);
+    final_norm(wh, fptr(x), fptr(hf), fptr(st_a), fptr(st_b));
+    const Weight whead = head_weight(wh, w0);
+    Buffer losses = falloc(N);
+    Buffer dhf;
+    TensorRef gh;
+    float* dwh = nullptr;
+    if (grad) {
+      dhf = falloc(N * C);
+      gh = acquire_g(p, hu);
+      if (cfg.tie_word_embeddings) {
+        tied_grad = falloc(V * C);
+        s.fill(tensor(tied_grad, DType::kF32), 0.0f);
+        dwh = fptr(tied_grad);
+      } else {
+        dwh = gparam(gh, hu, 1);
+      }
+    }
+    const i64 chunk = opt.loss_chunk_rows > 0 ? opt.loss_chunk_rows
+                                              : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / V));
+    Buffer logits = falloc(std::min(chunk, N) * V);
+    for (i64 r0 = 0; r0 < N; r0 += chunk) {
+      const i64 rows = std::min(chunk, N - r0);
+      linear(fptr(hf) + r0 * C, whead, true, fptr(logits), rows, C, V, 0.0f);
+      model_ops::cross_entropy(s, fptr(logits), static_cast<const std::int32_t*>(targets.data()) + r0,
+                               fptr(losses) + r0, rows, V, grad ? 1.0 / double(N) : 0.0);
+      if (grad) {
+        linear_dx(fptr(logits), whead, true, fptr(dhf) + r0 * C, rows, C, V, 0.0f);
+        linear_dw(fptr(hf) + r0 * C, fptr(logits), dwh, true, rows, C, V);
+      }
+    }
+    if (grad) {
+      dres = falloc(N * C);
+      s.fill(tensor(dres, DType::kF32), 0.0f);
+      if (gpt2)
+        model_ops::layernorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_a), fptr(st_b), fptr(dres),
+                                      gparam(gh, hu, 0), gparam(gh, hu, 1), N, C);
+      else
+        model_ops::rmsnorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_b), fptr(dres),
+                                    gparam(gh, hu, 0), N, C);
+      p.release_grads(hu);
+    }
+    if (cfg.tie_word_embeddings) p.release_weights(0);
+    p.release_weights(hu);
+    host_losses.resize(static_cast<std::size_t>(N));
+    s.copy(host_ref(host_losses.data(), host_losses.size() * 4), losses.ref());
+    s.synchronize();
+    have_grad = grad;
+    double sum = 0;
+    for (float l : host_losses) sum += l;
+    return static_cast<float>(sum / double(N));
+  }
+
+  void backward(UnitProvider& p) {
+    STRATA_REQUIRE(have_grad, "Model::backward: call forward(batch, weights, /*grad=*/true) first");
+    have_grad = false;
+    for (i64 l = L - 1; l >= 0; --l) {
+      const std::size_t unit = static_cast<std::size_t>(l + 1);
+      Acts& a = acts[l];
+      const TensorRef w = acquire_w(p, unit);
+      if (opt.checkpoint) {
+        if (opt.checkpoint_on_host) {
+          const auto& h = host_ckpt[static_cast<std::size_t>(l)];
+          a.x = falloc(N * C);
+          s.copy(a.x.ref(), host_ref(h.data(), h.size() * 4));
+        }
+        layer_forward(a, w, unit, false);
+      }
+      const TensorRef gw = acquire_g(p, unit);
+      layer_backward(a, w, gw, unit, fptr(dres));
+      p.release_grads(unit);
+      p.release_weights(unit);
+      a = Acts{};
+    }
+    const TensorRef g0 = acquire_g(p, 0);
+    model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tokens.data()), fptr(dres),
+                                  gparam(g0, 0, 0), gpt2 ? gparam(g0, 0, 1) : nullptr, N, T, C);
+    if (cfg.tie_word_embeddings)
+      s.axpy(1.0f, tensor(tied_grad, DType::kF32), dev_tensor(dev, gparam(g0, 0, 0), DType::kF32, V * C));
+    p.release_grads(0);
+    tied_grad.reset();
+    dres.reset();
+  }
+
+  std::vector<float> logits(const std::vector<std::int32_t>& ids, UnitProvider& p) {
+    upload_ids(ids, tokens, "tokens");
+    Buffer x = run_trunk(p, false);
+    const std::size_t hu = static_cast<std::size_t>(L + 1);
+    const TensorRef wh = acquire_w(p, hu);
+    const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
+    Buffer hf = falloc(N * C), st_a = falloc(N), st_b = falloc(N), out = falloc(N * V);
+    final_norm(wh, fptr(x), fptr(hf), fptr(st_a), fptr(st_b));
+    linear(fptr(hf), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
+    if (cfg.tie_word_embeddings) p.release_weights(0);
+    p.release_weights(hu);
+    std::vector<float> host(static_cast<std::size_t>(N * V));
+    s.copy(host_ref(host.data(), host.size() * 4), out.ref());
+    s.synchronize();
+    return host;
+  }
+};
+
+Model::Model(const ModelConfig& cfg, Device& device, Stream& stream, const ModelOptions& options)
+    : impl_(std::make_unique<Impl>(cfg, device, stream, options)) {}
+Model::~Model() {
+  // Queued work may still read buffers the host-side members own (host checkpoints). A
+  // failure inside that work was the caller's to see at their synchronize; not rethrown here.
+  try {
+    impl_->s.synchronize();
+  } catch (const Error&) {
+  }
+}
+
+const ModelConfig& Model::config() const { return impl_->cfg; }
+const ModelOptions& Model::options() const { return impl_->opt; }
+const std::vector<UnitSpec>& Model::units() const { return impl_->units; }
+
+std::size_t Model::num_params() const {
+  std::size_t n = 0;
+  for (const auto& u : impl_->units)
+    for (const auto& p : u.params) n += p.numel;
+  return n;
+}
+
+double Model::flops_per_step() const {
+  const Impl& m = *impl_;
+  // Matmul weights every token passes through (the head once, even when tied).
+  const double per_layer = double(m.C) * m.qkvd + double(m.qd) * m.C + double(m.C) * m.I * (m.gpt2 ? 2 : 3);
+  const double matmul_params = per_layer * m.L + double(m.C) * m.V;
+  const double attn = 2.0 * 2.0 * m.L * double(m.T) * m.T / 2 * m.qd * m.B;  // QK^T and PV, causal half
+  return 6.0 * matmul_params * double(m.N) + 3.0 * attn;
+}
+
+float Model::forward(const Batch& batch, UnitProvider& weights, bool grad) {
+  return impl_->forward(batch, weights, grad);
+}
+void Model::backward(UnitProvider& weights) { impl_->backward(weights); }
+std::vector<float> Model::logits(const std::vector<std::int32_t>& tokens, UnitProvider& weights) {
+  return impl_->logits(tokens, weights);
+}
+
+}  // namespace strata

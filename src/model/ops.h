@@ -1,0 +1,48 @@
+// The model's kernel dispatch: each op is queued on a Stream and runs the CPU kernel
+// (src/cpu/model_kernels.h, on the HostDevice stream's worker through host_fn) or the CUDA
+// kernel (src/gpu/model_kernels.h, on the stream's cudaStream_t), picked by the device kind.
+// Semantics are those of the CPU kernels; pointers are device memory of the stream's device.
+// Activations and gradients are fp32; weights (Weight) are fp32 or bf16.
+#pragma once
+
+#include <cstdint>
+
+#include "strata/device.h"
+
+namespace strata::model_ops {
+
+using i64 = std::int64_t;
+
+struct Weight {
+  const void* ptr = nullptr;
+  DType dtype = DType::kF32;
+  explicit operator bool() const { return ptr != nullptr; }
+};
+
+void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out, i64 n,
+                       i64 t, i64 c);
+void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
+                        i64 n, i64 t, i64 c);
+void rmsnorm_forward(Stream& s, const float* x, Weight w, float* out, float* rstd, i64 n, i64 c, double eps);
+void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd, float* dx,
+                      float* dw, i64 n, i64 c);
+void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, float* out, float* mean, float* rstd,
+                       i64 n, i64 c, double eps);
+void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* mean,
+                        const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c);
+void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
+          const float* sin, bool inverse);
+void attention_forward(Stream& s, const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv,
+                       i64 hd, double scale);
+void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout, const float* lse,
+                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale);
+void swiglu_forward(Stream& s, const float* gu, float* out, i64 n, i64 inter);
+void swiglu_backward(Stream& s, const float* dout, const float* gu, float* dgu, i64 n, i64 inter);
+void gelu_forward(Stream& s, const float* x, float* out, i64 n);
+void gelu_backward(Stream& s, const float* dout, const float* x, float* dx, i64 n);
+void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m);
+void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m);
+void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
+                   double grad_scale);
+
+}  // namespace strata::model_ops

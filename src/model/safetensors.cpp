@@ -1,0 +1,330 @@
+// safetensors reading (mmap) and writing, and the Hugging Face directory layout around it.
+//
+// The header is untrusted input: its length, every tensor's offsets and its shape are
+// checked against the file size and each other before a byte of data is touched, so a
+// truncated or corrupt file is an error naming the file and offset, never a crash.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/error.h"
+#include "strata/model_io.h"
+
+namespace strata {
+namespace fs = std::filesystem;
+namespace {
+
+std::size_t st_dtype_size(const std::string& d) {
+  if (d == "F32") return 4;
+  if (d == "BF16" || d == "F16") return 2;
+  if (d == "F64") return 8;
+  return 0;
+}
+
+const char* st_dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "F32";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+    case DType::kF64: return "F64";
+  }
+  return "?";
+}
+
+float load_elem(const std::string& d, const std::uint8_t* p, std::size_t i) {
+  if (d == "F32") {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  if (d == "F64") {
+    double f;
+    std::memcpy(&f, p + 8 * i, 8);
+    return static_cast<float>(f);
+  }
+  std::uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return d == "BF16" ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+std::string shape_str(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open {}", path));
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    detail::throw_errno(__FILE__, __LINE__, "fstat", err, fmt::format("cannot stat {}", path));
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ < 8) {
+    ::close(fd);
+    STRATA_THROW(kInvalidArgument, "{}: truncated safetensors file ({} bytes; the 8-byte header length is missing)",
+                 path, size_);
+  }
+  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
+  base_ = static_cast<const std::uint8_t*>(p);
+  try {
+    std::uint64_t hlen;
+    std::memcpy(&hlen, base_, 8);
+    STRATA_REQUIRE(hlen <= size_ - 8,
+                   "{}: truncated safetensors file: the header claims {} bytes at offset 8 but the file has {} bytes",
+                   path, hlen, size_);
+    nlohmann::json h;
+    try {
+      h = nlohmann::json::parse(base_ + 8, base_ + 8 + hlen);
+    } catch (const nlohmann::json::parse_error& e) {
+      STRATA_THROW(kInvalidArgument, "{}: the safetensors header (offset 8, {} bytes) is not valid JSON: {}", path,
+                   hlen, e.what());
+    }
+    STRATA_REQUIRE(h.is_object(), "{}: the safetensors header is not a JSON object", path);
+    const std::size_t data0 = 8 + hlen;
+    for (auto it = h.begin(); it != h.end(); ++it) {
+      if (it.key() == "__metadata__") continue;
+      const auto& v = it.value();
+      SafetensorsInfo t;
+      t.name = it.key();
+      STRATA_REQUIRE(v.is_object() && v.contains("dtype") && v["dtype"].is_string() && v.contains("shape") &&
+                         v["shape"].is_array() && v.contains("data_offsets") && v["data_offsets"].is_array() &&
+                         v["data_offsets"].size() == 2,
+                     "{}: header entry of tensor '{}' needs dtype, shape and data_offsets [begin, end]", path, t.name);
+      t.dtype = v["dtype"].get<std::string>();
+      std::size_t numel = 1;
+      for (const auto& d : v["shape"]) {
+        STRATA_REQUIRE(d.is_number_unsigned(), "{}: tensor '{}' has a bad shape {}", path, t.name, v["shape"].dump());
+        t.shape.push_back(d.get<std::int64_t>());
+        numel *= d.get<std::size_t>();
+      }
+      const auto& off = v["data_offsets"];
+      STRATA_REQUIRE(off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+                     "{}: tensor '{}' has bad data_offsets {}", path, t.name, off.dump());
+      t.data_begin = data0 + off[0].get<std::size_t>();
+      t.data_end = data0 + off[1].get<std::size_t>();
+      STRATA_REQUIRE(t.data_begin <= t.data_end && t.data_end <= size_,
+                     "{}: truncated or corrupt: tensor '{}' spans bytes [{}, {}) but the file has {} bytes", path,
+                     t.name, t.data_begin, t.data_end, size_);
+      const std::size_t es = st_dtype_size(t.dtype);
+      STRATA_REQUIRE(es == 0 || numel * es == t.data_end - t.data_begin,
+                     "{}: tensor '{}' ({} {}) needs {} bytes but its data_offsets (from offset {}) span {}", path,
+                     t.name, t.dtype, shape_str(t.shape), numel * es, t.data_begin, t.data_end - t.data_begin);
+      tensors_.push_back(std::move(t));
+    }
+  } catch (...) {
+    ::munmap(const_cast<std::uint8_t*>(base_), size_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { ::munmap(const_cast<std::uint8_t*>(base_), size_); }
+
+const SafetensorsInfo* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& t : tensors_)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+std::vector<float> SafetensorsFile::read_f32(const std::string& name) const {
+  const SafetensorsInfo* t = find(name);
+  STRATA_REQUIRE(t != nullptr, "{}: no tensor '{}'", path_, name);
+  const std::size_t es = st_dtype_size(t->dtype);
+  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64", path_, name, t->dtype);
+  std::vector<float> out((t->data_end - t->data_begin) / es);
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = load_elem(t->dtype, data(*t), i);
+  return out;
+}
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors) {
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  h["__metadata__"] = {{"format", "pt"}};
+  std::size_t off = 0;
+  std::vector<std::size_t> sizes;
+  for (const auto& t : tensors) {
+    std::size_t numel = 1;
+    for (auto d : t.shape) numel *= static_cast<std::size_t>(d);
+    const std::size_t bytes = numel * dtype_size(t.dtype);
+    h[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {off, off + bytes}}};
+    off += bytes;
+    sizes.push_back(bytes);
+  }
+  std::string hs = h.dump();
+  hs.append((8 - hs.size() % 8) % 8, ' ');
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot create {}", path));
+  const std::uint64_t hlen = hs.size();
+  bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+  for (std::size_t i = 0; ok && i < tensors.size(); ++i)
+    ok = sizes[i] == 0 || std::fwrite(tensors[i].data, 1, sizes[i], f) == sizes[i];
+  const int err = errno;
+  if (std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    std::remove(path.c_str());
+    detail::throw_errno(__FILE__, __LINE__, "fwrite", err, fmt::format("cannot write {}", path));
+  }
+}
+
+void load_hf_weights(const std::string& dir, ResidentWeights& w) {
+  const fs::path d(dir);
+  std::map<std::string, std::string> file_of;  // tensor -> file name
+  std::vector<std::string> files;
+  const fs::path index = d / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::ifstream in(index);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      STRATA_THROW(kInvalidArgument, "{}: not valid JSON: {}", index.string(), e.what());
+    }
+    STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+                   "{}: needs an object 'weight_map' (tensor name -> shard file)", index.string());
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      STRATA_REQUIRE(it.value().is_string(), "{}: weight_map['{}'] must be a file name", index.string(), it.key());
+      file_of[it.key()] = it.value().get<std::string>();
+      if (std::find(files.begin(), files.end(), file_of[it.key()]) == files.end()) files.push_back(file_of[it.key()]);
+    }
+  } else {
+    STRATA_REQUIRE(fs::exists(d / "model.safetensors"),
+                   "{}: neither model.safetensors nor model.safetensors.index.json exists", dir);
+    files.push_back("model.safetensors");
+  }
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
+  for (const auto& f : files) open[f] = std::make_unique<SafetensorsFile>((d / f).string());
+  auto locate = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const SafetensorsInfo*> {
+    for (const std::string& n : {name, name.starts_with("transformer.") ? name.substr(12) : std::string()}) {
+      if (n.empty()) continue;
+      if (!file_of.empty()) {
+        auto it = file_of.find(n);
+        if (it == file_of.end()) continue;
+        const SafetensorsFile* f = open.at(it->second).get();
+        const SafetensorsInfo* t = f->find(n);
+        STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is listed in the index but missing from the file", f->path(),
+                       n);
+        return {f, t};
+      }
+      const SafetensorsFile* f = open.begin()->second.get();
+      if (const SafetensorsInfo* t = f->find(n)) return {f, t};
+    }
+    return {nullptr, nullptr};
+  };
+  // Check everything before writing anything.
+  std::vector<std::pair<const SafetensorsFile*, const SafetensorsInfo*>> found;
+  std::vector<const ParamSpec*> params;
+  for (const UnitSpec& u : w.units())
+    for (const ParamSpec& p : u.params) {
+      auto [f, t] = locate(p.name);
+      STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is missing (expected {} for {} with {} layers)", dir, p.name,
+                     shape_str(p.shape), w.config().model_type, w.config().num_layers);
+      STRATA_REQUIRE(t->shape == p.shape, "{}: tensor '{}' has shape {}, the config needs {}", f->path(), t->name,
+                     shape_str(t->shape), shape_str(p.shape));
+      STRATA_REQUIRE(t->dtype == "F32" || t->dtype == "BF16" || t->dtype == "F16",
+                     "{}: tensor '{}' has dtype {}; strata loads F32, BF16 and F16", f->path(), t->name, t->dtype);
+      found.emplace_back(f, t);
+      params.push_back(&p);
+    }
+  const DType wd = w.dtype();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto [f, t] = found[i];
+    const std::size_t n = params[i]->numel;
+    if (t->dtype == st_dtype_name(wd)) {
+      w.set_bytes(params[i]->name, f->data(*t), n * dtype_size(wd));
+      continue;
+    }
+    std::vector<float> v(n);
+    for (std::size_t k = 0; k < n; ++k) v[k] = load_elem(t->dtype, f->data(*t), k);
+    w.set(params[i]->name, v);
+  }
+}
+
+void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size_t max_shard_bytes) {
+  STRATA_REQUIRE(max_shard_bytes > 0, "save_hf_weights: max_shard_bytes must be > 0");
+  const fs::path d(dir);
+  std::error_code ec;
+  fs::create_directories(d, ec);
+  STRATA_REQUIRE(!ec, "cannot create the directory {}: {}", dir, ec.message());
+  // Gather every parameter (host copies) and cut shards.
+  struct Item {
+    const ParamSpec* p;
+    std::vector<std::uint8_t> bytes;
+  };
+  std::vector<std::vector<Item>> shards(1);
+  std::size_t cur = 0, total = 0;
+  for (const UnitSpec& u : w.units())
+    for (const ParamSpec& p : u.params) {
+      Item it{&p, w.get_bytes(p.name)};
+      if (!shards.back().empty() && cur + it.bytes.size() > max_shard_bytes) {
+        shards.emplace_back();
+        cur = 0;
+      }
+      cur += it.bytes.size();
+      total += it.bytes.size();
+      shards.back().push_back(std::move(it));
+    }
+  const std::size_t n = shards.size();
+  std::vector<std::pair<fs::path, fs::path>> renames;  // tmp -> final
+  auto tmp_of = [&](const std::string& name) {
+    const fs::path fin = d / name, tmp = d / (".strata-tmp-" + name);
+    renames.emplace_back(tmp, fin);
+    return tmp.string();
+  };
+  try {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    for (std::size_t s = 0; s < n; ++s) {
+      const std::string name =
+          n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
+      std::vector<SafetensorsTensor> ts;
+      for (const Item& it : shards[s]) {
+        ts.push_back({it.p->name, w.dtype(), it.p->shape, it.bytes.data()});
+        weight_map[it.p->name] = name;
+      }
+      write_safetensors(tmp_of(name), ts);
+    }
+    if (n > 1) {
+      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+      std::ofstream out(tmp_of("model.safetensors.index.json"));
+      out << idx.dump(2) << "\n";
+      STRATA_REQUIRE(out.good(), "cannot write {}", (d / "model.safetensors.index.json").string());
+    }
+    ModelConfig cfg = w.config();
+    if (cfg.raw.is_object()) cfg.raw["torch_dtype"] = w.dtype() == DType::kBF16 ? "bfloat16" : "float32";
+    std::string text = model_config_json(cfg);
+    if (!cfg.raw.is_object() && w.dtype() == DType::kBF16) {
+      auto j = nlohmann::json::parse(text);
+      j["torch_dtype"] = "bfloat16";
+      text = j.dump(2);
+    }
+    std::ofstream out(tmp_of("config.json"));
+    out << text << "\n";
+    STRATA_REQUIRE(out.good(), "cannot write {}", (d / "config.json").string());
+  } catch (...) {
+    for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
+    throw;
+  }
+  // A single-file save must not leave an older index pointing at stale shards, and vice versa.
+  if (n == 1) fs::remove(d / "model.safetensors.index.json", ec);
+  for (const auto& [tmp, fin] : renames) {
+    fs::rename(tmp, fin, ec);
+    STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
+  }
+}
+
+}  // namespace strata

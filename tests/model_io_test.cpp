@@ -1,0 +1,322 @@
+// Weights I/O (config.json + safetensors, single and sharded) and token data loaders.
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "strata/error.h"
+#include "strata/model.h"
+#include "strata/model_data.h"
+#include "strata/model_io.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kLlama = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 67,
+  "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 32})";
+const char* kGpt2 = R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
+  "n_positions": 16})";
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / fmt::format("strata_model_io_{}_{}", name, ::getpid());
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
+}
+
+struct Env {
+  std::unique_ptr<Device> dev = make_host_device();
+  std::unique_ptr<Stream> s = dev->create_stream("io");
+};
+
+void expect_same_bytes(const ResidentWeights& a, const ResidentWeights& b) {
+  for (const auto& u : a.units())
+    for (const auto& p : u.params) EXPECT_EQ(a.get_bytes(p.name), b.get_bytes(p.name)) << p.name;
+}
+
+class RoundTrip : public ::testing::TestWithParam<std::tuple<const char*, DType, std::size_t>> {};
+
+TEST_P(RoundTrip, SaveThenLoadIsBitExact) {
+  const auto [json, dt, shard] = GetParam();
+  Env e;
+  const ModelConfig cfg = parse_model_config(json, "cfg");
+  ResidentWeights a(cfg, dt, *e.dev, *e.s);
+  a.init_random(7, 0.5f);
+  const fs::path dir = scratch("rt");
+  save_hf_weights(dir.string(), a, shard);
+  const bool sharded = shard < (std::size_t(1) << 30);
+  EXPECT_EQ(fs::exists(dir / "model.safetensors.index.json"), sharded);
+  EXPECT_EQ(fs::exists(dir / "model.safetensors"), !sharded);
+  int shards = 0;
+  for (const auto& f : fs::directory_iterator(dir)) shards += f.path().filename().string().starts_with("model-");
+  EXPECT_EQ(shards > 1, sharded) << shards << " shard files";
+  for (const auto& f : fs::directory_iterator(dir))
+    EXPECT_FALSE(f.path().filename().string().starts_with(".strata-tmp")) << f.path();
+  const ModelConfig back = load_model_config((dir / "config.json").string());
+  EXPECT_EQ(back.model_type, cfg.model_type);
+  EXPECT_EQ(back.num_kv_heads, cfg.num_kv_heads);
+  ResidentWeights b(back, dt, *e.dev, *e.s);
+  load_hf_weights(dir.string(), b);
+  expect_same_bytes(a, b);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, RoundTrip,
+    ::testing::Values(std::make_tuple(kLlama, DType::kF32, std::size_t(1) << 40),
+                      std::make_tuple(kLlama, DType::kBF16, std::size_t(1) << 40),
+                      std::make_tuple(kLlama, DType::kF32, std::size_t(20000)),
+                      std::make_tuple(kGpt2, DType::kBF16, std::size_t(9000))));
+
+TEST(ModelIo, Fp32FileLoadsIntoBf16RoundedToNearestEven) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kGpt2, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(8, 0.5f);
+  const fs::path dir = scratch("conv");
+  save_hf_weights(dir.string(), a);
+  ResidentWeights b(cfg, DType::kBF16, *e.dev, *e.s);
+  load_hf_weights(dir.string(), b);
+  const auto src = a.get("transformer.h.1.mlp.c_fc.weight");
+  const auto got = b.get_bytes("transformer.h.1.mlp.c_fc.weight");
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    std::uint16_t h;
+    std::memcpy(&h, got.data() + 2 * i, 2);
+    ASSERT_EQ(h, f32_to_bf16(src[i])) << i;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(ModelIo, HubGpt2NamesWithoutPrefixLoad) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kGpt2, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(9, 0.5f);
+  const fs::path dir = scratch("hub");
+  std::vector<std::vector<std::uint8_t>> keep;
+  std::vector<SafetensorsTensor> ts;
+  for (const auto& u : a.units())
+    for (const auto& p : u.params) {
+      keep.push_back(a.get_bytes(p.name));
+      ts.push_back({p.name.substr(12), DType::kF32, p.shape, keep.back().data()});  // "transformer." dropped
+    }
+  write_safetensors((dir / "model.safetensors").string(), ts);
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+  load_hf_weights(dir.string(), b);
+  expect_same_bytes(a, b);
+  fs::remove_all(dir);
+}
+
+TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kLlama, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(10, 0.5f);
+  const fs::path dir = scratch("bad");
+  save_hf_weights(dir.string(), a);
+  const std::string file = (dir / "model.safetensors").string();
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+
+  // A tensor missing, of the wrong shape, of the wrong dtype.
+  const std::vector<float> one(32 * 32, 1.0f);
+  auto rewrite = [&](const std::string& skip, SafetensorsTensor replacement) {
+    std::vector<std::vector<std::uint8_t>> keep;
+    std::vector<SafetensorsTensor> ts;
+    for (const auto& u : a.units())
+      for (const auto& p : u.params) {
+        if (p.name == skip) {
+          if (!replacement.name.empty()) ts.push_back(replacement);
+          continue;
+        }
+        keep.push_back(a.get_bytes(p.name));
+        ts.push_back({p.name, DType::kF32, p.shape, keep.back().data()});
+      }
+    write_safetensors(file, ts);
+  };
+  rewrite("model.layers.1.mlp.up_proj.weight", {});
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.layers.1.mlp.up_proj.weight", "missing"});
+  rewrite("model.norm.weight", {"model.norm.weight", DType::kF32, {31}, one.data()});
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "[31]", "[32]"});
+  rewrite("model.norm.weight", {"model.norm.weight", DType::kF64, {32}, one.data()});
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.norm.weight", "F64"});
+
+  // Truncated: data cut short, then a header length beyond the file.
+  rewrite("", {});
+  const auto full = fs::file_size(file);
+  fs::resize_file(file, full - 10);
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "truncated", std::to_string(full - 10)});
+  {
+    std::ofstream f(file, std::ios::binary | std::ios::trunc);
+    const std::uint64_t hlen = 1000;
+    f.write(reinterpret_cast<const char*>(&hlen), 8);
+    f << "{}";
+  }
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "truncated", "1000"});
+  {
+    std::ofstream f(file, std::ios::binary | std::ios::trunc);
+    const std::uint64_t hlen = 5;
+    f.write(reinterpret_cast<const char*>(&hlen), 8);
+    f << "{oops";
+  }
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "not valid JSON"});
+  fs::remove(file);
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
+
+  // A sharded index naming a shard that does not exist.
+  {
+    std::ofstream f(dir / "model.safetensors.index.json");
+    f << R"({"weight_map": {"model.norm.weight": "model-00009-of-00009.safetensors"}})";
+  }
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model-00009-of-00009.safetensors"});
+  fs::remove_all(dir);
+}
+
+TEST(ModelIo, FailedSaveWritesNothing) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kLlama, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  const fs::path dir = scratch("fail");
+  fs::create_directories(dir / ".strata-tmp-config.json");  // config.json cannot be written
+  EXPECT_THROW(save_hf_weights(dir.string(), a, 20000), Error);
+  for (const auto& f : fs::directory_iterator(dir))
+    EXPECT_EQ(f.path().filename().string(), ".strata-tmp-config.json") << "left behind by a failed save";
+  EXPECT_FALSE(fs::exists(dir / "model-00001-of-00004.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "config.json"));
+  fs::remove_all(dir);
+}
+
+// ---- token data ----
+
+template <class T>
+fs::path write_tokens(const fs::path& dir, const std::string& name, const std::vector<T>& ids,
+                      std::int32_t llmc_version = 0) {
+  const fs::path p = dir / name;
+  std::ofstream f(p, std::ios::binary);
+  if (llmc_version) {
+    std::int32_t h[256] = {20240520, llmc_version, static_cast<std::int32_t>(ids.size())};
+    f.write(reinterpret_cast<const char*>(h), sizeof h);
+  }
+  f.write(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(T));
+  return p;
+}
+
+TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
+  const fs::path dir = scratch("data");
+  std::vector<std::uint16_t> a(100), b(40);
+  for (int i = 0; i < 100; ++i) a[i] = static_cast<std::uint16_t>(i);
+  for (int i = 0; i < 40; ++i) b[i] = static_cast<std::uint16_t>(1000 + i);
+  DataOptions o;
+  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b).string()};
+  o.batch = 3;
+  o.seq_len = 7;  // B*T = 21
+  TokenLoader loader(o);
+  // a: positions 0, 21, 42, 63 (63 + 22 <= 100; 84 + 22 > 100); b (raw u16): position 0 only.
+  EXPECT_EQ(loader.batches_per_epoch(), 5);
+  for (int k = 0; k < 4; ++k) {
+    const Batch x = loader.next();
+    for (int i = 0; i < 21; ++i) {
+      ASSERT_EQ(x.tokens[i], 21 * k + i);
+      ASSERT_EQ(x.targets[i], 21 * k + i + 1);
+    }
+  }
+  const Batch y = loader.next();
+  EXPECT_EQ(y.tokens[0], 1000);
+  EXPECT_EQ(y.targets[20], 1021);
+  EXPECT_EQ(loader.epoch(), 1);  // wrapped
+  EXPECT_EQ(loader.next().tokens[0], 0);
+  fs::remove_all(dir);
+}
+
+TEST(TokenData, U32BytesShuffleAndSplit) {
+  const fs::path dir = scratch("data2");
+  std::vector<std::uint32_t> ids(200);
+  for (int i = 0; i < 200; ++i) ids[i] = 70000u + i;
+  DataOptions o;
+  o.files = {write_tokens(dir, "t.u32", ids).string()};
+  o.format = TokenFormat::kU32;
+  o.batch = 2;
+  o.seq_len = 9;
+  o.shuffle = true;
+  o.seed = 42;
+  o.val_fraction = 0.25;
+  TokenLoader train(o), train2(o), val(o, DataSplit::kVal);
+  EXPECT_EQ(train.num_tokens(), 150);
+  EXPECT_EQ(val.num_tokens(), 50);
+  std::set<std::int32_t> starts;
+  for (std::int64_t k = 0; k < train.batches_per_epoch(); ++k) {
+    const Batch x = train.next(), x2 = train2.next();
+    EXPECT_EQ(x.tokens, x2.tokens);  // seeded: the same order
+    for (int r = 0; r < 2; ++r) {
+      const std::int32_t s0 = x.tokens[r * 9];
+      EXPECT_EQ((s0 - 70000) % 9, 0);
+      EXPECT_LT(s0 - 70000 + 10, 151);
+      for (int i = 0; i < 9; ++i) EXPECT_EQ(x.targets[r * 9 + i], s0 + i + 1);
+      starts.insert(s0);
+    }
+  }
+  EXPECT_EQ(starts.size(), 16u);  // (150 - 1) / 9 windows, each once per epoch
+  const Batch v = val.next();
+  EXPECT_GE(v.tokens[0], 70150);
+  o.shuffle = false;
+  o.val_fraction = 0;
+  o.seed = 0;
+  std::vector<std::int32_t> first;
+  {
+    TokenLoader plain(o);
+    first = plain.next().tokens;
+  }
+  EXPECT_EQ(first[0], 70000);
+
+  std::ofstream(dir / "hello.txt") << "hello, strata! hello again.";
+  DataOptions t;
+  t.files = {(dir / "hello.txt").string()};
+  t.batch = 1;
+  t.seq_len = 5;
+  t.vocab_size = 256;
+  TokenLoader text(t);
+  const Batch h = text.next();
+  EXPECT_EQ(h.tokens, (std::vector<std::int32_t>{'h', 'e', 'l', 'l', 'o'}));
+  EXPECT_EQ(h.targets[4], ',');
+  fs::remove_all(dir);
+}
+
+TEST(TokenData, BadDataNamesFileAndOffset) {
+  const fs::path dir = scratch("data3");
+  std::vector<std::uint16_t> ids(64, 3);
+  ids[30] = 500;
+  DataOptions o;
+  o.files = {write_tokens(dir, "v.bin", ids, 1).string()};
+  o.batch = 2;
+  o.seq_len = 8;
+  o.vocab_size = 256;
+  TokenLoader loader(o);
+  loader.next();  // tokens 0..16
+  expect_error([&] { loader.next(); }, {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256"});
+  // A header promising more tokens than the file holds.
+  std::vector<std::uint16_t> few(10, 1);
+  const fs::path p = write_tokens(dir, "short.bin", few, 1);
+  fs::resize_file(p, fs::file_size(p) - 4);
+  o.files = {p.string()};
+  expect_error([&] { TokenLoader l(o); }, {"short.bin", "truncated", "10 tokens"});
+  o.files = {write_tokens(dir, "tiny.bin", few).string()};
+  expect_error([&] { TokenLoader l(o); }, {"batch x seq_len + 1 = 17"});
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,185 @@
+// Model behaviour that needs no oracle: activation checkpointing (device and host) gives
+// bit-identical gradients, the chunked fused LM-head loss equals the loss of the full logits,
+// gradients accumulate, the provider contract is checked, and bad input gives named errors.
+#include <cmath>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "strata/error.h"
+#include "strata/model.h"
+
+namespace strata {
+namespace {
+
+const char* kLlama = R"({"model_type": "llama", "vocab_size": 67, "hidden_size": 32, "intermediate_size": 40,
+  "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32})";
+const char* kGpt2 = R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
+  "n_positions": 16})";
+
+Batch random_batch(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Batch b;
+  for (std::int64_t i = 0; i < n; ++i) {
+    b.tokens.push_back(static_cast<std::int32_t>(rng() % vocab));
+    b.targets.push_back(static_cast<std::int32_t>(rng() % vocab));
+  }
+  return b;
+}
+
+std::vector<std::vector<float>> all_grads(const ResidentWeights& w) {
+  std::vector<std::vector<float>> out;
+  for (const auto& u : w.units())
+    for (const auto& p : u.params) out.push_back(w.grad(p.name));
+  return out;
+}
+
+struct StepResult {
+  float loss;
+  std::vector<std::vector<float>> grads;
+};
+
+StepResult train_step(const char* cfg_json, bool ckpt, bool host, DType dt = DType::kF32, int micro_batches = 1,
+                      std::int64_t seq = 7) {
+  const ModelConfig cfg = parse_model_config(cfg_json, "test config");
+  HostDeviceOptions ho;
+  ho.capacity_bytes = std::size_t(256) << 20;
+  ho.random_delay_us = 20;  // expose missing stream ordering (host checkpoint copies)
+  auto dev = make_host_device(ho);
+  auto s = dev->create_stream("model");
+  ModelOptions mo;
+  mo.micro_batch = 2;
+  mo.seq_len = seq;
+  mo.compute = dt;
+  mo.checkpoint = ckpt;
+  mo.checkpoint_on_host = host;
+  Model m(cfg, *dev, *s, mo);
+  ResidentWeights w(m, *s);
+  w.init_random(3, 0.3f);
+  w.zero_grads();
+  float loss = 0;
+  for (int i = 0; i < micro_batches; ++i) {
+    loss = m.forward(random_batch(2 * seq, cfg.vocab_size, 9 + i), w);
+    m.backward(w);
+  }
+  s->synchronize();
+  return {loss, all_grads(w)};
+}
+
+class Families : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Families, CheckpointingGivesBitIdenticalGradients) {
+  const StepResult plain = train_step(GetParam(), false, false);
+  const StepResult dev_ckpt = train_step(GetParam(), true, false);
+  const StepResult host_ckpt = train_step(GetParam(), true, true);
+  EXPECT_EQ(plain.loss, dev_ckpt.loss);
+  EXPECT_EQ(plain.loss, host_ckpt.loss);
+  ASSERT_EQ(plain.grads.size(), dev_ckpt.grads.size());
+  for (std::size_t i = 0; i < plain.grads.size(); ++i) {
+    EXPECT_EQ(plain.grads[i], dev_ckpt.grads[i]) << "parameter " << i;
+    EXPECT_EQ(plain.grads[i], host_ckpt.grads[i]) << "parameter " << i;
+  }
+}
+
+TEST_P(Families, GradientsAccumulateOverMicroBatches) {
+  const StepResult one = train_step(GetParam(), false, false, DType::kF32, 1);
+  const StepResult two = train_step(GetParam(), false, false, DType::kF32, 2);
+  // The second micro-batch adds to the first: the sums differ from one batch's gradients.
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < one.grads.size(); ++i) differing += one.grads[i] != two.grads[i];
+  EXPECT_EQ(differing, one.grads.size());
+}
+
+TEST_P(Families, Bf16IsCloseToFp32) {
+  const StepResult f = train_step(GetParam(), false, false, DType::kF32);
+  const StepResult b = train_step(GetParam(), false, false, DType::kBF16);
+  EXPECT_NEAR(f.loss, b.loss, 0.03 * f.loss);
+}
+
+INSTANTIATE_TEST_SUITE_P(Model, Families, ::testing::Values(kLlama, kGpt2),
+                         [](const auto& i) { return i.index == 0 ? "llama" : "gpt2"; });
+
+TEST(Model, ChunkedFusedLossEqualsLossOfFullLogits) {
+  const ModelConfig cfg = parse_model_config(kLlama, "test");
+  auto dev = make_host_device();
+  auto s = dev->create_stream("model");
+  for (std::int64_t chunk : {1, 5, 0}) {
+    ModelOptions mo;
+    mo.micro_batch = 3;
+    mo.seq_len = 5;
+    mo.loss_chunk_rows = chunk;
+    Model m(cfg, *dev, *s, mo);
+    ResidentWeights w(m, *s);
+    w.init_random(4, 0.3f);
+    const Batch b = random_batch(15, cfg.vocab_size, 2);
+    const std::vector<float> logits = m.logits(b.tokens, w);
+    double ref = 0;
+    for (std::size_t r = 0; r < 15; ++r) {
+      double mx = -1e30, sum = 0;
+      for (std::int64_t i = 0; i < cfg.vocab_size; ++i) mx = std::max<double>(mx, logits[r * cfg.vocab_size + i]);
+      for (std::int64_t i = 0; i < cfg.vocab_size; ++i) sum += std::exp(logits[r * cfg.vocab_size + i] - mx);
+      ref += mx + std::log(sum) - logits[r * cfg.vocab_size + b.targets[r]];
+    }
+    ref /= 15;
+    EXPECT_NEAR(m.forward(b, w, false), ref, 1e-5) << "chunk " << chunk;
+  }
+}
+
+TEST(Model, UnitsAreEmbeddingLayersHead) {
+  const ModelConfig cfg = parse_model_config(kLlama, "test");
+  const auto units = model_units(cfg);
+  ASSERT_EQ(units.size(), 5u);
+  EXPECT_EQ(units[0].name, "embed");
+  EXPECT_EQ(units[2].name, "layers.1");
+  EXPECT_EQ(units[4].name, "head");
+  EXPECT_EQ(units[4].params.back().name, "lm_head.weight");
+  // q, k, v adjacent (one fused GEMM), as are gate and up.
+  const auto& p = units[1].params;
+  EXPECT_EQ(p[2].offset, p[1].offset + p[1].numel);
+  EXPECT_EQ(p[3].offset, p[2].offset + p[2].numel);
+  EXPECT_EQ(p[1].shape, (std::vector<std::int64_t>{32, 32}));
+  EXPECT_EQ(p[2].shape, (std::vector<std::int64_t>{16, 32}));
+}
+
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Model, BadInputNamesTheProblem) {
+  auto dev = make_host_device();
+  auto s = dev->create_stream("model");
+  const ModelConfig cfg = parse_model_config(kGpt2, "test");
+  ModelOptions mo;
+  mo.micro_batch = 1;
+  mo.seq_len = 4;
+  Model m(cfg, *dev, *s, mo);
+  ResidentWeights w(m, *s);
+  Batch b = random_batch(4, cfg.vocab_size, 1);
+  b.tokens[2] = 71;
+  expect_error([&] { m.forward(b, w); }, "batch.tokens[2] = 71");
+  b.tokens[2] = 0;
+  b.targets.pop_back();
+  expect_error([&] { m.forward(b, w); }, "batch.targets has 3 ids");
+  expect_error([&] { m.backward(w); }, "call forward");
+  mo.seq_len = 17;
+  expect_error([&] { Model big(cfg, *dev, *s, mo); }, "n_positions 16");
+  expect_error([&] { parse_model_config("{\"model_type\": \"llama\"}", "cfg.json"); }, "'vocab_size' is missing");
+  expect_error([&] { parse_model_config("{\"model_type\": \"bert\"}", "cfg.json"); }, "bert");
+  expect_error([&] { parse_model_config("{not json", "my/config.json"); }, "my/config.json");
+  expect_error([&] { load_model_config("/nonexistent/config.json"); }, "/nonexistent/config.json");
+  expect_error(
+      [&] {
+        parse_model_config(R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 2})",
+                           "c.json");
+      },
+      "not a multiple");
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,185 @@
+#!/usr/bin/python3
+"""Independent reference for strata's transformer: a plain PyTorch (float64, autograd)
+implementation of Llama / Qwen2 / Mistral and GPT-2 as Hugging Face defines them.
+
+Usage: model_ref.py DIR
+  reads  DIR/config.json, DIR/model.safetensors (F32 or BF16 weights, HF names),
+         DIR/batch.safetensors ("tokens", "targets": [B, T] ids stored as F32)
+  writes DIR/ref.safetensors (F64): "logits" [B*T, V], "loss" [1], "grad.<name>" per parameter.
+It shares no code with strata: safetensors is parsed here by hand, the model written out.
+"""
+import json
+import math
+import struct
+import sys
+
+import numpy as np
+import torch
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + hlen])
+    base = 8 + hlen
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        buf = raw[base + b:base + e]
+        if t["dtype"] == "F32":
+            a = np.frombuffer(buf, dtype="<f4").astype(np.float64)
+        elif t["dtype"] == "F64":
+            a = np.frombuffer(buf, dtype="<f8").copy()
+        elif t["dtype"] == "BF16":
+            a = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        else:
+            raise SystemExit(f"{path}: unsupported dtype {t['dtype']} for {name}")
+        out[name] = torch.from_numpy(a.reshape(t["shape"]))
+    return out
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        a = t.detach().to(torch.float64).contiguous().numpy().astype("<f8")
+        b = a.tobytes()
+        header[name] = {"dtype": "F64", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def rope_tables(cfg, hd, T):
+    theta = cfg.get("rope_theta", 10000.0)
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = cfg.get("rope_scaling")
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        inv_l = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wl < hi_wl) * ~(wl > lo_wl)
+        inv = torch.where(medium, smoothed, inv_l)
+    freqs = torch.outer(torch.arange(T, dtype=torch.float64), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def attention(q, k, v, nh, nkv):
+    # q [B, nh, T, hd]; k, v [B, nkv, T, hd] (repeat_kv as Hugging Face does)
+    rep = nh // nkv
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    T = q.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    s = s.masked_fill(mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def llama(cfg, P, tok):
+    B, T = tok.shape
+    C = cfg["hidden_size"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)
+    hd = cfg.get("head_dim", C // nh)
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    cos, sin = rope_tables(cfg, hd, T)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def lin(x, name):
+        y = x @ P[name + ".weight"].T
+        if name + ".bias" in P:
+            y = y + P[name + ".bias"]
+        return y
+
+    x = P["model.embed_tokens.weight"][tok]
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        h = rms(x, P[p + "input_layernorm.weight"])
+        q = lin(h, p + "self_attn.q_proj").view(B, T, nh, hd).transpose(1, 2)
+        k = lin(h, p + "self_attn.k_proj").view(B, T, nkv, hd).transpose(1, 2)
+        v = lin(h, p + "self_attn.v_proj").view(B, T, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attention(q, k, v, nh, nkv).transpose(1, 2).reshape(B, T, nh * hd)
+        x = x + lin(o, p + "self_attn.o_proj")
+        h = rms(x, P[p + "post_attention_layernorm.weight"])
+        g = lin(h, p + "mlp.gate_proj")
+        u = lin(h, p + "mlp.up_proj")
+        x = x + lin(torch.nn.functional.silu(g) * u, p + "mlp.down_proj")
+    x = rms(x, P["model.norm.weight"])
+    head = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings", False) else P["lm_head.weight"]
+    return x @ head.T
+
+
+def gpt2(cfg, P, tok):
+    B, T = tok.shape
+    C = cfg["n_embd"]
+    nh = cfg["n_head"]
+    hd = C // nh
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+
+    def ln(x, p):
+        return torch.nn.functional.layer_norm(x, (C,), P[p + ".weight"], P[p + ".bias"], eps)
+
+    def conv1d(x, p):  # Conv1D: weight [in, out]
+        return x @ P[p + ".weight"] + P[p + ".bias"]
+
+    def gelu_new(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    x = P["transformer.wte.weight"][tok] + P["transformer.wpe.weight"][torch.arange(T)]
+    for l in range(cfg["n_layer"]):
+        p = f"transformer.h.{l}."
+        qkv = conv1d(ln(x, p + "ln_1"), p + "attn.c_attn")
+        q, k, v = qkv.split(C, dim=2)
+        q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))
+        o = attention(q, k, v, nh, nh).transpose(1, 2).reshape(B, T, C)
+        x = x + conv1d(o, p + "attn.c_proj")
+        x = x + conv1d(gelu_new(conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
+    x = ln(x, "transformer.ln_f")
+    return x @ P["transformer.wte.weight"].T
+
+
+def main():
+    d = sys.argv[1]
+    cfg = json.load(open(f"{d}/config.json"))
+    P = read_safetensors(f"{d}/model.safetensors")
+    for t in P.values():
+        t.requires_grad_(True)
+    batch = read_safetensors(f"{d}/batch.safetensors")
+    tok = batch["tokens"].long()
+    tgt = batch["targets"].long()
+    fwd = gpt2 if cfg["model_type"] == "gpt2" else llama
+    logits = fwd(cfg, P, tok)
+    V = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), tgt.view(-1))
+    loss.backward()
+    out = {"logits": logits.view(-1, V), "loss": loss.view(1)}
+    for name, t in P.items():
+        out["grad." + name] = t.grad if t.grad is not None else torch.zeros_like(t)
+    write_safetensors(f"{d}/ref.safetensors", out)
+
+
+if __name__ == "__main__":
+    main()

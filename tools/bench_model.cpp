@@ -1,0 +1,137 @@
+// strata-bench model: forward+backward throughput of the native transformer (a ~100M-parameter
+// Llama by default, all weights resident) on a device, against the bf16 GEMM rate of the same
+// device measured in the same run (oneDNN on the CPU device, cuBLAS on CUDA) over the model's
+// own MLP GEMM shape. ratio_vs_matmul = achieved model GFLOP/s / that GEMM rate: on a GPU it
+// is the model FLOPs utilisation against the measured bf16 GEMM rate.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+
+#include "bench_common.h"
+#include "strata/error.h"
+#include "strata/model.h"
+
+namespace strata::bench {
+namespace {
+
+struct Args {
+  std::string device = "cpu";
+  std::string dtype = "bf16";
+  std::int64_t hidden = 768, layers = 12, heads = 12, kv_heads = 12, inter = 2048, vocab = 16384;
+  std::int64_t batch = 2, seq = 256;
+  int steps = 3, warmup = 1;
+  bool checkpoint = false;
+  bool json = false;
+};
+
+double gemm_gflops(Device& dev, Stream& s, std::int64_t m, std::int64_t n, std::int64_t k, int reps) {
+  Buffer a = dev.alloc(m * k * 2, &s), b = dev.alloc(k * n * 2, &s), c = dev.alloc(m * n * 4, &s);
+  s.fill(tensor(a, DType::kBF16), 0.5f);
+  s.fill(tensor(b, DType::kBF16), 0.25f);
+  MatmulDesc d;
+  d.m = m;
+  d.n = n;
+  d.k = k;
+  d.trans_b = true;
+  d.a = tensor(a, DType::kBF16);
+  d.b = tensor(b, DType::kBF16);
+  d.c = tensor(c, DType::kF32);
+  s.matmul(d);
+  s.synchronize();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const Stopwatch sw;
+    for (int i = 0; i < 4; ++i) s.matmul(d);
+    s.synchronize();
+    best = std::min(best, sw.seconds() / 4);
+  }
+  return 2.0 * double(m) * n * k / best / 1e9;
+}
+
+void run(const Args& a) {
+  // No poisoning of fresh and freed memory: a debugging aid that costs a memset per buffer.
+  auto dev = make_device(a.device, HostDeviceOptions{.capacity_bytes = std::size_t(20) << 30, .poison = false});
+  auto s = dev->create_stream("bench-model");
+  const nlohmann::json cj = {{"model_type", "llama"},          {"vocab_size", a.vocab},
+                             {"hidden_size", a.hidden},        {"intermediate_size", a.inter},
+                             {"num_hidden_layers", a.layers},  {"num_attention_heads", a.heads},
+                             {"num_key_value_heads", a.kv_heads}, {"max_position_embeddings", a.seq}};
+  const ModelConfig cfg = parse_model_config(cj.dump(), "bench config");
+  ModelOptions mo;
+  mo.micro_batch = a.batch;
+  mo.seq_len = a.seq;
+  mo.compute = parse_dtype(a.dtype);
+  mo.checkpoint = a.checkpoint;
+  Model m(cfg, *dev, *s, mo);
+  ResidentWeights w(m, *s);
+  w.init_random(1);
+  std::mt19937_64 rng(1);
+  Batch b;
+  for (std::int64_t i = 0; i < a.batch * a.seq; ++i) {
+    b.tokens.push_back(static_cast<std::int32_t>(rng() % a.vocab));
+    b.targets.push_back(static_cast<std::int32_t>(rng() % a.vocab));
+  }
+  std::printf("strata-bench model: %s, Llama %.1fM params (hidden %ld, %ld layers, vocab %ld), B=%ld T=%ld, %s%s\n",
+              dev->name().c_str(), m.num_params() / 1e6, long(a.hidden), long(a.layers), long(a.vocab),
+              long(a.batch), long(a.seq), a.dtype.c_str(), a.checkpoint ? ", checkpointing" : "");
+  float loss = 0;
+  for (int i = 0; i < a.warmup; ++i) {
+    loss = m.forward(b, w);
+    m.backward(w);
+  }
+  s->synchronize();
+  double best = 1e30;
+  for (int i = 0; i < a.steps; ++i) {
+    const Stopwatch sw;
+    loss = m.forward(b, w);
+    m.backward(w);
+    s->synchronize();
+    best = std::min(best, sw.seconds());
+  }
+  const double tokens = double(a.batch * a.seq);
+  const double gflops = m.flops_per_step() / best / 1e9;
+  const double gemm = gemm_gflops(*dev, *s, a.batch * a.seq, a.inter, a.hidden, 3);
+  std::printf("  step %.3f s (best of %d), loss %.4f\n", best, a.steps, loss);
+  std::printf("  %-28s %12.0f\n", "tokens/s", tokens / best);
+  std::printf("  %-28s %12.1f\n", "model GFLOP/s", gflops);
+  std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device)\n", "bf16 GEMM GFLOP/s", gemm, long(a.batch * a.seq),
+              long(a.inter), long(a.hidden));
+  std::printf("  %-28s %12.3f\n", "ratio vs matmul", gflops / gemm);
+  if (a.json)
+    print_json({{"command", "model"},
+                {"device", dev->name()},
+                {"params", m.num_params()},
+                {"batch", a.batch},
+                {"seq_len", a.seq},
+                {"dtype", a.dtype},
+                {"checkpoint", a.checkpoint},
+                {"step_s", best},
+                {"tokens_per_s", tokens / best},
+                {"gflops", gflops},
+                {dev->kind() == DeviceKind::kCuda ? "cublas_bf16_gflops" : "onednn_bf16_gflops", gemm},
+                {"ratio_vs_matmul", gflops / gemm}});
+}
+
+}  // namespace
+
+void add_model_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("model", "transformer forward+backward tokens/s and GFLOP/s vs the bf16 GEMM rate");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--device", a->device, "auto, cpu or cuda (default cpu)");
+  cmd->add_option("--dtype", a->dtype, "compute dtype: bf16 or fp32 (default bf16)");
+  cmd->add_option("--hidden", a->hidden, "hidden size (default 768)");
+  cmd->add_option("--layers", a->layers, "decoder layers (default 12)");
+  cmd->add_option("--heads", a->heads, "attention heads (default 12)");
+  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (default 12)");
+  cmd->add_option("--intermediate", a->inter, "MLP size (default 2048)");
+  cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)");
+  cmd->add_option("--batch", a->batch, "micro-batch B (default 2)");
+  cmd->add_option("--seq", a->seq, "sequence length T (default 256)");
+  cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)");
+  cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)");
+  cmd->add_flag("--checkpoint", a->checkpoint, "activation checkpointing");
+  cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace strata::bench
