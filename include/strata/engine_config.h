@@ -1,0 +1,131 @@
+// What the ZeRO-3 engine is told: a DeepSpeed-style ds_config.json, parsed and validated,
+// and the memory plan it implies. Keys and defaults follow DeepSpeed (shared/DS_CONFIG.md);
+// strata's own keys are marked (strata).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/device.h"
+#include "strata/nvme.h"
+
+namespace strata {
+
+enum class Tier { kDevice, kHost, kNvme };
+const char* tier_name(Tier t);  // "device", "host", "nvme"
+
+// Where one piece of training state lives. Fractions of the piece's bytes, in unit order:
+// the first `device_fraction` of the units' bytes on the device, the next `host_fraction`
+// on pinned host memory, the rest on NVMe. They sum to 1.
+struct Placement {
+  double device_fraction = 1.0;
+  double host_fraction = 0.0;
+  double nvme_fraction() const { return 1.0 - device_fraction - host_fraction; }
+  // The tier of the piece at byte position `pos` of `total` (pos < total).
+  Tier tier_at(double pos, double total) const;
+};
+
+struct LossScaleConfig {
+  bool enabled = false;          // fp16.enabled
+  double loss_scale = 0;         // 0 = dynamic
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  double min_loss_scale = 1;
+};
+
+struct LrScheduleConfig {
+  std::string type;  // "" (constant), "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
+  double warmup_min_lr = 0, warmup_max_lr = 0.001;  // WarmupLR / WarmupDecayLR (DeepSpeed's defaults)
+  std::int64_t warmup_num_steps = 1000;
+  std::int64_t total_num_steps = 0;  // WarmupDecayLR / WarmupCosineLR
+  double cos_min_ratio = 0.0001;     // WarmupCosineLR
+  double warmup_min_ratio = 0;       // WarmupCosineLR
+  std::string warmup_type = "log";   // warmup curve: "log" | "linear" (all three types)
+};
+
+struct EngineConfig {
+  // batch
+  std::int64_t train_batch_size = 0;  // derived when 0 (parse_engine_config always fills it)
+  std::int64_t micro_batch_per_gpu = 1;
+  std::int64_t gradient_accumulation_steps = 1;
+  double gradient_clipping = 0;  // 0 = off
+  // precision
+  DType compute_dtype = DType::kF32;  // bf16.enabled -> kBF16, fp16.enabled -> kF16
+  LossScaleConfig fp16;
+  // optimizer ("Adam" and "AdamW" both run AdamW; see README for "Adam" + weight_decay)
+  std::string optimizer_type = "AdamW";
+  AdamWOptions adamw;  // lr, betas, eps, weight_decay
+  LrScheduleConfig scheduler;
+  // zero_optimization
+  int stage = 3;  // strata's default when no config is given; a ds_config without "stage" gives 0
+  bool overlap_comm = true;
+  bool contiguous_gradients = true;
+  std::uint64_t reduce_bucket_size = 500'000'000;         // elements
+  std::uint64_t allgather_bucket_size = 500'000'000;      // elements
+  std::uint64_t sub_group_size = 1'000'000'000;           // elements
+  std::uint64_t prefetch_bucket_size = 50'000'000;        // stage3_prefetch_bucket_size
+  std::uint64_t max_live_parameters = 1'000'000'000;      // stage3_max_live_parameters
+  std::uint64_t max_reuse_distance = 1'000'000'000;       // stage3_max_reuse_distance
+  std::uint64_t param_persistence_threshold = 100'000;    // stage3_param_persistence_threshold
+  bool gather_16bit_weights_on_model_save = false;        // stage3_gather_16bit_weights_on_model_save
+  // placement of each piece of this rank's shard
+  Placement params;     // compute-weight shard: offload_param.device (+ strata fractions)
+  Placement grads;      // fp32 gradient shard: strata key zero_optimization.offload_grads
+  Placement optimizer;  // master, m, v: offload_optimizer.device (+ ratio / strata fractions)
+  std::vector<std::string> param_nvme_paths, optimizer_nvme_paths;
+  int param_buffer_count = 5;
+  std::uint64_t param_buffer_size = 100'000'000;  // elements
+  std::uint64_t param_max_in_cpu = 1'000'000'000; // elements
+  int optimizer_buffer_count = 4;
+  bool pin_memory = true;  // false if offload_param.pin_memory or offload_optimizer.pin_memory is false
+  bool pipeline_read = false, pipeline_write = false;
+  AioConfig aio;
+  // strata additions
+  std::uint64_t host_budget_bytes = 0;  // pinned host memory the engine may hold; 0 = 80% of RAM
+};
+
+// Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x
+// grad accumulation x ranks. Unknown keys warn once; wrong types and impossible values throw
+// strata::Error naming the key and the allowed values.
+EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1);
+// The defaults strata uses with no config file: stage 3, no offload.
+EngineConfig default_engine_config();
+
+// ---- the memory planner ----
+struct UnitSize {
+  std::string name;
+  std::uint64_t numel = 0;  // parameters in the unit (unpadded)
+};
+
+struct PlanLine {
+  std::string what;  // "compute weights (shard)", "gathered units (live budget)", ...
+  Tier tier = Tier::kDevice;
+  std::uint64_t bytes = 0;
+};
+
+struct MemoryPlan {
+  std::vector<PlanLine> lines;
+  std::uint64_t device_bytes = 0, host_bytes = 0, nvme_bytes = 0;  // totals per tier
+  std::uint64_t device_capacity = 0, host_capacity = 0, nvme_capacity = 0;
+  bool fits = true;
+  std::vector<std::string> problems;  // one per tier that does not fit: what is missing, what to change
+  std::string table() const;          // the table `--plan` prints
+};
+
+struct PlanInputs {
+  std::vector<UnitSize> units;
+  int world_size = 1;
+  std::uint64_t device_capacity = 0;
+  std::uint64_t host_capacity = 0;
+  std::uint64_t nvme_capacity = 0;   // free bytes on the NVMe paths
+  std::uint64_t activation_bytes = 0;  // the model's estimate for one micro-batch
+};
+
+MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
+
+}  // namespace strata

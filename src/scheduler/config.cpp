@@ -1,0 +1,497 @@
+// ds_config.json -> EngineConfig: DeepSpeed's keys and defaults (shared/DS_CONFIG.md), checked
+// once, before anything is allocated, so a bad config stops with a message naming the key.
+//
+// What this file owns: the mapping from DeepSpeed's vocabulary (offload_param.device,
+// offload_optimizer.ratio, ...) to strata's Placement fractions, and every validity rule a
+// config alone can decide. What it must never do: guess silently. A key strata does not use
+// warns once (ds_configs carry many: steps_per_print, wall_clock_breakdown, ...); a value it
+// cannot honour throws strata::Error (kInvalidArgument) with the key and the allowed values.
+//
+// Where strata's reading differs from DeepSpeed's, on purpose:
+//   - zero_optimization.stage 0 (DeepSpeed's default when absent) is refused: strata has no
+//     plain data-parallel mode.
+//   - optimizer "Adam" and "AdamW" both run AdamW (decoupled weight decay). That is also what
+//     DeepSpeed does by default (adam_w_mode defaults to true for both). "Adam" with
+//     "adam_w_mode": false asks for L2-regularised Adam, which strata refuses; "AdamW" with
+//     "adam_w_mode": false is AdamW in DeepSpeed too, so it is accepted.
+//   - A string "auto" (Hugging Face Trainer's placeholder, normally filled in before DeepSpeed
+//     sees the file) counts as "not given": the default or derived value applies, with a
+//     warning. The "aio" block is exempt: "auto" is a real value there.
+//   - With neither train_batch_size nor train_micro_batch_size_per_gpu given, the DS_CONFIG.md
+//     defaults (micro batch 1, grad accumulation 1) apply where DeepSpeed would refuse.
+//
+// strata's own keys (DeepSpeed ignores them; strata documents them in README "Configuration"):
+//   zero_optimization.offload_grads       "none" | "cpu": where the fp32 gradient shard
+//                                          lives. Default "cpu" when offload_optimizer.device
+//                                          is cpu or nvme (the optimizer runs on the host and
+//                                          reads its gradients there), else "none".
+//   zero_optimization.offload_param.host_fraction      with device "nvme": the fraction of
+//   zero_optimization.offload_optimizer.host_fraction  the piece kept in pinned host memory
+//                                          (first units in order), the rest on NVMe. Default 0.
+//   strata.host_budget_bytes              pinned host memory the engine may hold (default 0 =
+//                                          80% of RAM, decided by the caller).
+// These sit beside the DeepSpeed key they refine (as aio's strata keys do), except engine-wide
+// settings, which go in the top-level "strata" object.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+
+#include "core/json_config.h"
+#include "strata/engine_config.h"
+#include "strata/error.h"
+#include "strata/log.h"
+
+namespace strata {
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+Tier Placement::tier_at(double pos, double total) const {
+  // An empty piece has no bytes to place; report the first tier it would use.
+  if (!(total > 0))
+    return device_fraction > 0 ? Tier::kDevice : host_fraction > 0 ? Tier::kHost : Tier::kNvme;
+  const double f = pos / total;
+  if (f < device_fraction) return Tier::kDevice;
+  if (f < device_fraction + host_fraction) return Tier::kHost;
+  return Tier::kNvme;
+}
+
+EngineConfig default_engine_config() {
+  EngineConfig c;
+  c.stage = 3;
+  c.overlap_comm = true;
+  return c;
+}
+
+namespace {
+
+using config::Json;
+using config::Section;
+
+// Removes every "auto" string value (outside "aio"), warning once per key, so the typed
+// getters below see "not given".
+void drop_auto_values(Json& obj, const std::string& path) {
+  if (!obj.is_object()) return;
+  for (auto it = obj.begin(); it != obj.end();) {
+    const std::string key = path.empty() ? it.key() : path + "." + it.key();
+    if (it->is_string() && it->get<std::string>() == "auto") {
+      log::warn_once(
+          "config.auto." + key,
+          fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
+                      "treated as not given, so strata's default or derived value applies",
+                      key));
+      it = obj.erase(it);
+      continue;
+    }
+    if (it->is_object() && !(path.empty() && it.key() == "aio")) drop_auto_values(*it, key);
+    ++it;
+  }
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  return s;
+}
+
+double get_fraction(const Section& s, std::string_view key, double def) {
+  const double v = s.get_double(key, def);
+  STRATA_REQUIRE(v >= 0 && v <= 1, "config key '{}' = {}: must be a fraction from 0 to 1",
+                 s.key_path(key), v);
+  return v;
+}
+
+std::uint64_t get_positive(const Section& s, std::string_view key, std::uint64_t def) {
+  const std::uint64_t v = s.get_uint(key, def);
+  STRATA_REQUIRE(v >= 1, "config key '{}' = 0: must be at least 1", s.key_path(key));
+  return v;
+}
+
+int get_int_in(const Section& s, std::string_view key, int def, int lo, int hi) {
+  const std::int64_t v = s.get_int(key, def);
+  STRATA_REQUIRE(v >= lo && v <= hi, "config key '{}' = {}: must be from {} to {}", s.key_path(key),
+                 v, lo, hi);
+  return static_cast<int>(v);
+}
+
+double get_nonnegative(const Section& s, std::string_view key, double def) {
+  const double v = s.get_double(key, def);
+  STRATA_REQUIRE(std::isfinite(v) && v >= 0, "config key '{}' = {}: must be a finite number >= 0",
+                 s.key_path(key), v);
+  return v;
+}
+
+// nvme_path: one directory, or a list that strata stripes across.
+std::vector<std::string> get_paths(const Section& s) {
+  std::vector<std::string> out;
+  const Json* v = s.raw("nvme_path");
+  if (!v) return out;
+  const std::string key = s.key_path("nvme_path");
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+  } else {
+    STRATA_REQUIRE(v->is_array() && !v->empty(),
+                   "config key '{}' must be a directory path or a non-empty list of them, got {}",
+                   key, v->dump());
+    for (const Json& p : *v) {
+      STRATA_REQUIRE(p.is_string(),
+                     "config key '{}' lists {}: every entry must be a directory path (a string)",
+                     key, p.dump());
+      out.push_back(p.get<std::string>());
+    }
+  }
+  for (const std::string& p : out) {
+    STRATA_REQUIRE(!p.empty(),
+                   "config key '{}' holds an empty path: give an existing, writable directory",
+                   key);
+  }
+  return out;
+}
+
+// Fills the three batch sizes from whichever were given (train = micro x accum x world).
+void resolve_batch(const Section& top, int world_size, EngineConfig& c) {
+  const bool has_train = top.has("train_batch_size");
+  const bool has_micro = top.has("train_micro_batch_size_per_gpu");
+  const bool has_accum = top.has("gradient_accumulation_steps");
+  const std::int64_t train =
+      has_train ? static_cast<std::int64_t>(get_positive(top, "train_batch_size", 1)) : 0;
+  std::int64_t micro =
+      has_micro ? static_cast<std::int64_t>(get_positive(top, "train_micro_batch_size_per_gpu", 1))
+                : 1;
+  std::int64_t accum =
+      has_accum ? static_cast<std::int64_t>(get_positive(top, "gradient_accumulation_steps", 1))
+                : 1;
+  const std::int64_t w = world_size;
+  const auto rule = [&] {
+    return fmt::format(
+        "train_batch_size ({}) must equal train_micro_batch_size_per_gpu ({}) x "
+        "gradient_accumulation_steps ({}) x data-parallel ranks ({})",
+        has_train ? std::to_string(train) : "not given",
+        has_micro ? std::to_string(micro) : "not given",
+        has_accum ? std::to_string(accum) : "not given", w);
+  };
+  if (has_train && !(has_micro && has_accum)) {
+    // Derive the missing one(s); with only train_batch_size, accumulation stays 1 (DeepSpeed).
+    const std::int64_t known = has_micro ? micro * w : has_accum ? accum * w : w;
+    STRATA_REQUIRE(
+        train % known == 0,
+        "config keys 'train_batch_size', 'train_micro_batch_size_per_gpu' and "
+        "'gradient_accumulation_steps' do not divide: {}; change one so it divides exactly",
+        rule());
+    if (has_micro) {
+      accum = train / known;
+    } else {
+      micro = train / known;
+    }
+  }
+  STRATA_REQUIRE(!has_train || train == micro * accum * w,
+                 "config keys 'train_batch_size', 'train_micro_batch_size_per_gpu' and "
+                 "'gradient_accumulation_steps' "
+                 "disagree: {} = {}; fix one, or give only two of them",
+                 rule(), micro * accum * w);
+  c.train_batch_size = micro * accum * w;
+  c.micro_batch_per_gpu = micro;
+  c.gradient_accumulation_steps = accum;
+}
+
+void parse_precision(const Section& top, EngineConfig& c) {
+  // DeepSpeed still reads the old spelling "bfloat16"; one of the two, not both.
+  STRATA_REQUIRE(!(top.has("bf16") && top.has("bfloat16")),
+                 "config keys 'bf16' and 'bfloat16' are the same setting: give one ('bf16')");
+  const Section bf = top.child(top.has("bfloat16") ? "bfloat16" : "bf16");
+  bf.warn_unknown({"enabled"});
+  const bool bf16 = bf.get_bool("enabled", false);
+
+  const Section fp = top.child("fp16");
+  fp.warn_unknown({"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+                   "hysteresis", "min_loss_scale"});
+  LossScaleConfig& ls = c.fp16;
+  ls.enabled = fp.get_bool("enabled", false);
+  ls.loss_scale = fp.get_double("loss_scale", ls.loss_scale);
+  STRATA_REQUIRE(std::isfinite(ls.loss_scale) && ls.loss_scale >= 0,
+                 "config key '{}' = {}: must be 0 (dynamic loss scaling) or a fixed scale > 0",
+                 fp.key_path("loss_scale"), ls.loss_scale);
+  ls.initial_scale_power = get_int_in(fp, "initial_scale_power", ls.initial_scale_power, 0, 64);
+  ls.loss_scale_window = get_int_in(fp, "loss_scale_window", ls.loss_scale_window, 1, 1 << 30);
+  ls.hysteresis = get_int_in(fp, "hysteresis", ls.hysteresis, 1, 1 << 30);
+  ls.min_loss_scale = fp.get_double("min_loss_scale", ls.min_loss_scale);
+  STRATA_REQUIRE(std::isfinite(ls.min_loss_scale) && ls.min_loss_scale > 0,
+                 "config key '{}' = {}: must be a number > 0", fp.key_path("min_loss_scale"),
+                 ls.min_loss_scale);
+
+  STRATA_REQUIRE(
+      !(bf16 && ls.enabled),
+      "config keys 'bf16.enabled' and 'fp16.enabled' are both true: choose one compute precision");
+  c.compute_dtype = bf16 ? DType::kBF16 : ls.enabled ? DType::kF16 : DType::kF32;
+}
+
+void parse_optimizer(const Section& top, EngineConfig& c) {
+  const Section opt = top.child("optimizer");
+  opt.warn_unknown({"type", "params"});
+  if (opt.has("type")) {
+    const std::string type = opt.get_string("type", "");
+    const std::string t = lower(type);
+    STRATA_REQUIRE(
+        t == "adam" || t == "adamw",
+        "config key '{}' is \"{}\": strata supports \"Adam\" and \"AdamW\" (both run AdamW)",
+        opt.key_path("type"), type);
+    c.optimizer_type = t == "adam" ? "Adam" : "AdamW";
+  }
+  const Section p = opt.child("params");
+  p.warn_unknown({"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
+                  "torch_adam", "amsgrad"});
+  AdamWOptions& a = c.adamw;
+  a.lr = static_cast<float>(get_nonnegative(p, "lr", a.lr));
+  if (const Json* b = p.raw("betas")) {
+    STRATA_REQUIRE(
+        b->is_array() && b->size() == 2 && (*b)[0].is_number() && (*b)[1].is_number(),
+        "config key '{}' must be a list of two numbers [beta1, beta2], each in [0, 1), got {}",
+        p.key_path("betas"), b->dump());
+    const double b1 = (*b)[0].get<double>(), b2 = (*b)[1].get<double>();
+    STRATA_REQUIRE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1,
+                   "config key '{}' = [{}, {}]: each beta must be in [0, 1)", p.key_path("betas"),
+                   b1, b2);
+    a.beta1 = static_cast<float>(b1);
+    a.beta2 = static_cast<float>(b2);
+  }
+  a.eps = static_cast<float>(get_nonnegative(p, "eps", a.eps));
+  a.weight_decay = static_cast<float>(get_nonnegative(p, "weight_decay", a.weight_decay));
+  a.bias_correction = p.get_bool("bias_correction", a.bias_correction);
+  // DeepSpeed: AdamW whenever the type is AdamW or adam_w_mode is true (its default).
+  STRATA_REQUIRE(
+      !(c.optimizer_type == "Adam" && !p.get_bool("adam_w_mode", true)),
+      "config key '{}' = false asks for Adam with L2 regularisation, which strata does not "
+      "implement: "
+      "remove it (strata runs AdamW, decoupled weight decay, as DeepSpeed does by default)",
+      p.key_path("adam_w_mode"));
+  p.get_bool("torch_adam", false);  // which implementation DeepSpeed picks; strata has one
+  STRATA_REQUIRE(!p.get_bool("amsgrad", false),
+                 "config key '{}' = true: AMSGrad is not supported; remove it",
+                 p.key_path("amsgrad"));
+}
+
+void parse_scheduler(const Section& top, EngineConfig& c) {
+  const Section s = top.child("scheduler");
+  if (!top.has("scheduler")) return;
+  s.warn_unknown({"type", "params"});
+  STRATA_REQUIRE(s.has("type"),
+                 "config key '{}' is required in a scheduler block: use one of \"WarmupLR\", "
+                 "\"WarmupDecayLR\", \"WarmupCosineLR\"",
+                 s.key_path("type"));
+  LrScheduleConfig& l = c.scheduler;
+  l.type = s.get_choice("type", "", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"});
+  const Section p = s.child("params");
+  const bool cosine = l.type == "WarmupCosineLR";
+  if (cosine) {
+    p.warn_unknown({"total_num_steps", "warmup_num_steps", "warmup_min_ratio", "cos_min_ratio",
+                    "warmup_type"});
+  } else if (l.type == "WarmupDecayLR") {
+    p.warn_unknown(
+        {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"});
+  } else {
+    p.warn_unknown({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"});
+  }
+  l.warmup_num_steps = p.get_int("warmup_num_steps", l.warmup_num_steps);
+  STRATA_REQUIRE(l.warmup_num_steps >= 0, "config key '{}' = {}: must be >= 0",
+                 p.key_path("warmup_num_steps"), l.warmup_num_steps);
+  l.warmup_type = p.get_choice("warmup_type", l.warmup_type, {"log", "linear"});
+  if (cosine) {
+    l.warmup_min_ratio = get_fraction(p, "warmup_min_ratio", l.warmup_min_ratio);
+    l.cos_min_ratio = get_fraction(p, "cos_min_ratio", l.cos_min_ratio);
+  } else {
+    l.warmup_min_lr = get_nonnegative(p, "warmup_min_lr", l.warmup_min_lr);
+    l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
+    STRATA_REQUIRE(l.warmup_max_lr >= l.warmup_min_lr,
+                   "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
+                   p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),
+                   l.warmup_min_lr);
+  }
+  if (l.type != "WarmupLR") {
+    STRATA_REQUIRE(p.has("total_num_steps"),
+                   "config key '{}' is required for scheduler type \"{}\"",
+                   p.key_path("total_num_steps"), l.type);
+    l.total_num_steps = p.get_int("total_num_steps", 0);
+    STRATA_REQUIRE(l.total_num_steps >= 1 && l.total_num_steps >= l.warmup_num_steps,
+                   "config key '{}' = {}: must be >= 1 and >= warmup_num_steps ({})",
+                   p.key_path("total_num_steps"), l.total_num_steps, l.warmup_num_steps);
+  }
+}
+
+void parse_zero(const Section& top, EngineConfig& c) {
+  const Section z = top.child("zero_optimization");
+  z.warn_unknown({"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+                  "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                  "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                  "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
+                  "offload_grads", "cpu_offload", "cpu_offload_params"});
+  const std::int64_t stage = z.get_int("stage", 0);
+  STRATA_REQUIRE(
+      stage != 0,
+      "config key '{}' is 0{}: stage 0 means plain data parallel, which strata does not implement; "
+      "use 1, 2 or 3",
+      z.key_path("stage"), z.has("stage") ? "" : " (DeepSpeed's default when it is not given)");
+  STRATA_REQUIRE(stage >= 1 && stage <= 3, "config key '{}' = {}: use 1, 2 or 3",
+                 z.key_path("stage"), stage);
+  c.stage = static_cast<int>(stage);
+  // DeepSpeed's legacy spellings move state somewhere: refuse rather than ignore them.
+  STRATA_REQUIRE(!z.get_bool("cpu_offload", false),
+                 "config key '{}' is DeepSpeed's deprecated spelling: use \"offload_optimizer\": "
+                 "{{\"device\": \"cpu\"}}",
+                 z.key_path("cpu_offload"));
+  STRATA_REQUIRE(!z.get_bool("cpu_offload_params", false),
+                 "config key '{}' is DeepSpeed's deprecated spelling: use \"offload_param\": "
+                 "{{\"device\": \"cpu\"}}",
+                 z.key_path("cpu_offload_params"));
+
+  c.overlap_comm = z.get_bool("overlap_comm", c.stage == 3);
+  c.contiguous_gradients = z.get_bool("contiguous_gradients", true);
+  c.reduce_bucket_size = get_positive(z, "reduce_bucket_size", 500'000'000);
+  c.allgather_bucket_size = get_positive(z, "allgather_bucket_size", 500'000'000);
+  c.sub_group_size = get_positive(z, "sub_group_size", 1'000'000'000);
+  c.prefetch_bucket_size = z.get_uint("stage3_prefetch_bucket_size", 50'000'000);
+  c.max_live_parameters = z.get_uint("stage3_max_live_parameters", 1'000'000'000);
+  c.max_reuse_distance = z.get_uint("stage3_max_reuse_distance", 1'000'000'000);
+  c.param_persistence_threshold = z.get_uint("stage3_param_persistence_threshold", 100'000);
+  STRATA_REQUIRE(!(z.has("stage3_gather_16bit_weights_on_model_save") &&
+                   z.has("stage3_gather_fp16_weights_on_model_save")),
+                 "config keys '{}' and '{}' are the same setting: give one",
+                 z.key_path("stage3_gather_16bit_weights_on_model_save"),
+                 z.key_path("stage3_gather_fp16_weights_on_model_save"));
+  c.gather_16bit_weights_on_model_save =
+      z.has("stage3_gather_fp16_weights_on_model_save")
+          ? z.get_bool("stage3_gather_fp16_weights_on_model_save", false)
+          : z.get_bool("stage3_gather_16bit_weights_on_model_save", false);
+
+  // ---- offload_param: the compute-weight shard ----
+  const Section op = z.child("offload_param");
+  op.warn_unknown({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
+                   "host_fraction"});
+  const std::string pdev = op.get_choice("device", "none", {"none", "cpu", "nvme"});
+  STRATA_REQUIRE(
+      pdev == "none" || c.stage == 3,
+      "config key '{}' is \"{}\" with zero_optimization.stage {}: parameter offload needs stage 3 "
+      "(set stage 3, or offload_param.device \"none\")",
+      op.key_path("device"), pdev, c.stage);
+  c.param_nvme_paths = get_paths(op);
+  STRATA_REQUIRE(pdev != "nvme" || !c.param_nvme_paths.empty(),
+                 "config key '{}' is required when {} is \"nvme\"", op.key_path("nvme_path"),
+                 op.key_path("device"));
+  if (pdev != "nvme" && !c.param_nvme_paths.empty()) {
+    log::warn_once("config.unused." + op.key_path("nvme_path"),
+                   fmt::format("config key '{}' is ignored: {} is \"{}\"", op.key_path("nvme_path"),
+                               op.key_path("device"), pdev));
+  }
+  c.param_buffer_count = get_int_in(op, "buffer_count", c.param_buffer_count, 1, 1024);
+  c.param_buffer_size = get_positive(op, "buffer_size", c.param_buffer_size);
+  c.param_max_in_cpu = op.get_uint("max_in_cpu", c.param_max_in_cpu);
+  const double p_host = get_fraction(op, "host_fraction", 0.0);
+  STRATA_REQUIRE(!op.has("host_fraction") || pdev == "nvme",
+                 "config key '{}' splits parameters between host and NVMe: it needs {} \"nvme\" "
+                 "(it is \"{}\")",
+                 op.key_path("host_fraction"), op.key_path("device"), pdev);
+  c.params = pdev == "none"  ? Placement{1.0, 0.0}
+             : pdev == "cpu" ? Placement{0.0, 1.0}
+                             : Placement{0.0, p_host};
+
+  // ---- offload_optimizer: fp32 master, m, v ----
+  const Section oo = z.child("offload_optimizer");
+  oo.warn_unknown({"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                   "pipeline_write", "ratio", "host_fraction"});
+  const std::string odev = oo.get_choice("device", "none", {"none", "cpu", "nvme"});
+  STRATA_REQUIRE(odev != "nvme" || c.stage == 3,
+                 "config key '{}' is \"nvme\" with zero_optimization.stage {}: NVMe optimizer "
+                 "offload needs stage 3 "
+                 "(set stage 3, or offload_optimizer.device \"cpu\")",
+                 oo.key_path("device"), c.stage);
+  c.optimizer_nvme_paths = get_paths(oo);
+  STRATA_REQUIRE(odev != "nvme" || !c.optimizer_nvme_paths.empty(),
+                 "config key '{}' is required when {} is \"nvme\"", oo.key_path("nvme_path"),
+                 oo.key_path("device"));
+  if (odev != "nvme" && !c.optimizer_nvme_paths.empty()) {
+    log::warn_once("config.unused." + oo.key_path("nvme_path"),
+                   fmt::format("config key '{}' is ignored: {} is \"{}\"", oo.key_path("nvme_path"),
+                               oo.key_path("device"), odev));
+  }
+  c.optimizer_buffer_count = get_int_in(oo, "buffer_count", c.optimizer_buffer_count, 1, 1024);
+  c.pipeline_read = oo.get_bool("pipeline_read", false);
+  c.pipeline_write = oo.get_bool("pipeline_write", false);
+  const double ratio = get_fraction(oo, "ratio", 1.0);
+  if (oo.has("ratio") && odev != "cpu") {
+    log::warn_once(
+        "config.unused." + oo.key_path("ratio"),
+        fmt::format(
+            "config key '{}' is ignored: it splits optimizer work between CPU and device, and "
+            "{} is \"{}\", not \"cpu\"",
+            oo.key_path("ratio"), oo.key_path("device"), odev));
+  }
+  const double o_host = get_fraction(oo, "host_fraction", 0.0);
+  STRATA_REQUIRE(!oo.has("host_fraction") || odev == "nvme",
+                 "config key '{}' splits optimizer state between host and NVMe: it needs {} "
+                 "\"nvme\" (it is \"{}\"; "
+                 "for cpu use offload_optimizer.ratio)",
+                 oo.key_path("host_fraction"), oo.key_path("device"), odev);
+  c.optimizer = odev == "none"  ? Placement{1.0, 0.0}
+                : odev == "cpu" ? Placement{1.0 - ratio, ratio}
+                                : Placement{0.0, o_host};
+
+  // One pin_memory for the engine: host state is pinned unless either block says otherwise.
+  c.pin_memory = op.get_bool("pin_memory", true) && oo.get_bool("pin_memory", true);
+
+  // ---- offload_grads (strata): the fp32 gradient shard ----
+  const std::string gdev =
+      z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu"});
+  c.grads = gdev == "none" ? Placement{1.0, 0.0} : Placement{0.0, 1.0};
+
+  for (const Placement* pl : {&c.params, &c.grads, &c.optimizer}) {
+    STRATA_CHECK(pl->device_fraction >= 0 && pl->host_fraction >= 0 &&
+                     pl->device_fraction + pl->host_fraction <= 1.0 + 1e-12,
+                 "placement fractions device {} host {} do not sum to at most 1",
+                 pl->device_fraction, pl->host_fraction);
+  }
+}
+
+}  // namespace
+
+EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
+  STRATA_REQUIRE(world_size >= 1, "world_size = {}: must be at least 1", world_size);
+  Json doc = config::parse(json_text, "ds_config");
+  STRATA_REQUIRE(doc.is_object(), "the ds_config must be a JSON object {{...}}, got {}",
+                 doc.type_name());
+  drop_auto_values(doc, "");
+  const Section top(&doc, "");
+  top.warn_unknown({"train_batch_size", "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
+                    "optimizer", "scheduler", "zero_optimization", "aio", "strata"});
+
+  EngineConfig c = default_engine_config();
+  resolve_batch(top, world_size, c);
+  c.gradient_clipping = top.get_double("gradient_clipping", 0.0);
+  STRATA_REQUIRE(
+      std::isfinite(c.gradient_clipping) && c.gradient_clipping >= 0,
+      "config key 'gradient_clipping' = {}: must be 0 (off) or a maximum global norm > 0",
+      c.gradient_clipping);
+  parse_precision(top, c);
+  parse_optimizer(top, c);
+  parse_scheduler(top, c);
+  parse_zero(top, c);
+
+  // The aio block on its own, so a ds_config whose top-level keys all happen to be aio names
+  // is never mistaken for one.
+  c.aio = parse_aio_config(doc.contains("aio") ? doc["aio"].dump() : std::string("{}"));
+
+  const Section st = top.child("strata");
+  st.warn_unknown({"host_budget_bytes"});
+  c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
+  return c;
+}
+
+}  // namespace strata

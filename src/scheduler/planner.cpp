@@ -1,0 +1,271 @@
+// The memory planner: the bytes one rank holds on each tier for a given config and model,
+// computed before the first step so that a configuration that cannot fit is refused with the
+// tier, the bytes missing and what to change — instead of an out-of-memory error mid-step.
+//
+// The plan is the engine's own bookkeeping, written down; the engine must allocate no byte
+// that is not in a line here. The rules (W = world size, c = compute dtype size: 4 fp32,
+// 2 bf16/fp16; a "unit" is one fetch unit, one per layer):
+//   - Each unit's parameters are one flat buffer of numel elements padded up to a multiple of
+//     W * 2048 (4 KiB of bf16 per shard, the smallest useful I/O), so shard = padded / W
+//     elements on every rank and every shard is a whole number of 4 KiB pages.
+//   - Sharded state, placed by its Placement in unit order (a unit is never split: its tier is
+//     Placement::tier_at of its first byte):
+//       stage 3 compute-weight shard   shard * c        by `params`
+//       fp32 gradient shard            shard * 4        by `grads`
+//       fp32 master, Adam m and v      shard * 12       by `optimizer`
+//   - Stage 3 on the device: a unit with numel <= stage3_param_persistence_threshold stays
+//     gathered (padded * c). The others are gathered on use: the live budget is
+//     max(largest non-persistent unit, min(stage3_max_live_parameters, their sum)) * c, plus
+//     one more unit in flight for prefetch (largest non-persistent unit * c).
+//   - Stages 1 and 2 keep every unit's full padded weights on the device (padded * c) and have
+//     no separate compute-weight shard. Stage 1 is planned like stage 2 (a gradient shard).
+//   - Gradient buckets on the device: full-unit fp32 gradients of the units being reduced,
+//     max(largest unit padded, min(reduce_bucket_size, total padded)) * 4, doubled with
+//     overlap_comm (one bucket reduces while the next fills).
+//   - Pinned host staging:
+//       gradient D2H: 2 * largest shard * 4 (double-buffered), whenever gradients or optimizer
+//         state leave the device (the host optimizer reads its gradients on the host);
+//       parameter swap: buffer_count * min(buffer_size, largest shard) * c, when any compute
+//         weights live on NVMe;
+//       optimizer swap: 3 sub-group buffers (read-ahead, compute, write-behind), each
+//         min(sub_group_size, total shard) * 12, when any optimizer state lives on NVMe.
+//   - Activations: the model's estimate for one micro-batch, on the device.
+// Capacities: the device's, strata.host_budget_bytes (else the caller's host capacity), and
+// the free bytes under the NVMe paths. The planner never allocates; it only adds.
+#include <algorithm>
+#include <array>
+
+#include "strata/dtype.h"
+#include "strata/engine_config.h"
+#include "strata/error.h"
+
+namespace strata {
+
+namespace {
+
+constexpr std::uint64_t kShardAlign = 2048;  // elements per rank: 4 KiB of bf16
+
+std::string human(std::uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (std::uint64_t(1) << 30))
+    return fmt::format("{:.2f} GiB", b / double(std::uint64_t(1) << 30));
+  if (bytes >= (std::uint64_t(1) << 20)) return fmt::format("{:.2f} MiB", b / double(1 << 20));
+  if (bytes >= (std::uint64_t(1) << 10)) return fmt::format("{:.2f} KiB", b / double(1 << 10));
+  return fmt::format("{} B", bytes);
+}
+
+std::string join_or(const std::vector<std::string>& items) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out += i + 1 == items.size() ? ", or " : ", ";
+    out += items[i];
+  }
+  return out;
+}
+
+struct Builder {
+  MemoryPlan plan;
+  void add(std::string what, Tier tier, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    plan.lines.push_back({std::move(what), tier, bytes});
+  }
+  // Places per-unit byte counts by `p` in unit order; returns the bytes per tier.
+  std::array<std::uint64_t, 3> place(const std::string& what, const Placement& p,
+                                     const std::vector<std::uint64_t>& unit_bytes) {
+    std::uint64_t total = 0;
+    for (auto b : unit_bytes) total += b;
+    std::array<std::uint64_t, 3> per_tier{};
+    std::uint64_t pos = 0;
+    for (auto b : unit_bytes) {
+      per_tier[static_cast<int>(p.tier_at(static_cast<double>(pos), static_cast<double>(total)))] +=
+          b;
+      pos += b;
+    }
+    for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme})
+      add(what, t, per_tier[static_cast<int>(t)]);
+    return per_tier;
+  }
+};
+
+}  // namespace
+
+MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
+  STRATA_REQUIRE(in.world_size >= 1, "plan_memory: world_size = {}: must be at least 1",
+                 in.world_size);
+  STRATA_REQUIRE(config.stage >= 1 && config.stage <= 3, "plan_memory: stage {}: must be 1, 2 or 3",
+                 config.stage);
+  const std::uint64_t w = static_cast<std::uint64_t>(in.world_size);
+  const std::uint64_t c = dtype_size(config.compute_dtype);
+  const std::uint64_t align = w * kShardAlign;
+
+  std::vector<std::uint64_t> padded, shard;
+  std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0;
+  std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
+  for (const UnitSize& u : in.units) {
+    const std::uint64_t p = (u.numel + align - 1) / align * align;
+    padded.push_back(p);
+    shard.push_back(p / w);
+    total_padded += p;
+    total_shard += p / w;
+    largest_padded = std::max(largest_padded, p);
+    largest_shard = std::max(largest_shard, p / w);
+    if (u.numel <= config.param_persistence_threshold) {
+      persistent_padded += p;
+    } else {
+      np_sum += p;
+      np_largest = std::max(np_largest, p);
+    }
+  }
+  const auto scaled = [&](std::uint64_t k) {
+    std::vector<std::uint64_t> v;
+    for (auto s : shard) v.push_back(s * k);
+    return v;
+  };
+
+  Builder b;
+  const std::string cname(dtype_name(config.compute_dtype));
+  std::array<std::uint64_t, 3> param_tiers{};
+  std::uint64_t live = 0;
+  if (config.stage == 3) {
+    param_tiers =
+        b.place(fmt::format("compute weights ({} shard)", cname), config.params, scaled(c));
+    b.add(fmt::format("persistent units (gathered, <= {} elements)",
+                      config.param_persistence_threshold),
+          Tier::kDevice, persistent_padded * c);
+    live = std::max(np_largest, std::min(config.max_live_parameters, np_sum)) * c;
+    b.add("gathered units (live budget)", Tier::kDevice, live);
+    b.add("prefetch (one unit in flight)", Tier::kDevice, np_largest * c);
+  } else {
+    b.add(fmt::format("full weights ({}, replicated at stage {})", cname, config.stage),
+          Tier::kDevice, total_padded * c);
+  }
+  const auto grad_tiers = b.place("gradient shard (fp32)", config.grads, scaled(4));
+  const auto opt_tiers =
+      b.place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
+  const std::uint64_t bucket =
+      std::max(largest_padded, std::min(config.reduce_bucket_size, total_padded)) * 4 *
+      (config.overlap_comm ? 2 : 1);
+  b.add(config.overlap_comm ? "gradient buckets (fp32, 2 for overlap_comm)"
+                            : "gradient bucket (fp32)",
+        Tier::kDevice, bucket);
+  b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
+
+  const bool host_optimizer = opt_tiers[0] < total_shard * 12;
+  if (grad_tiers[0] < total_shard * 4 || host_optimizer) {
+    b.add("gradient D2H staging (2 x largest shard, fp32)", Tier::kHost, 2 * largest_shard * 4);
+  }
+  if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
+    b.add(fmt::format("parameter swap buffers ({} x min(buffer_size, largest shard))",
+                      config.param_buffer_count),
+          Tier::kHost,
+          static_cast<std::uint64_t>(config.param_buffer_count) *
+              std::min(config.param_buffer_size, largest_shard) * c);
+  }
+  const std::uint64_t opt_swap_buffer = std::min(config.sub_group_size, total_shard) * 12;
+  if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
+    b.add("optimizer swap buffers (3 sub-groups: read, step, write)", Tier::kHost,
+          3 * opt_swap_buffer);
+  }
+
+  MemoryPlan& plan = b.plan;
+  for (const PlanLine& l : plan.lines) {
+    (l.tier == Tier::kDevice ? plan.device_bytes
+     : l.tier == Tier::kHost ? plan.host_bytes
+                             : plan.nvme_bytes) += l.bytes;
+  }
+  plan.device_capacity = in.device_capacity;
+  plan.host_capacity = config.host_budget_bytes > 0 ? config.host_budget_bytes : in.host_capacity;
+  plan.nvme_capacity = in.nvme_capacity;
+
+  const auto shortfall = [](const char* tier, std::uint64_t need, std::uint64_t have) {
+    return fmt::format("{}: needs {}, has {} ({} = {} bytes missing)", tier, human(need),
+                       human(have), human(need - have), need - have);
+  };
+  if (plan.device_bytes > plan.device_capacity) {
+    // Only what would actually shrink this plan's device bytes.
+    std::vector<std::string> fix;
+    if (opt_tiers[0] > 0)
+      fix.push_back("offload the optimizer state (offload_optimizer.device \"cpu\" or \"nvme\")");
+    if (grad_tiers[0] > 0)
+      fix.push_back("keep gradient shards on the host (zero_optimization.offload_grads \"cpu\")");
+    if (config.stage < 3)
+      fix.push_back("use zero_optimization.stage 3 (only the layers in use are gathered)");
+    if (param_tiers[0] > 0)
+      fix.push_back("offload the parameters (offload_param.device \"cpu\" or \"nvme\")");
+    if (config.stage == 3 && live > np_largest * c) {
+      fix.push_back(
+          fmt::format("lower stage3_max_live_parameters (now {}; the largest unit is {} elements)",
+                      config.max_live_parameters, np_largest));
+    }
+    if (config.stage == 3 && persistent_padded > 0)
+      fix.push_back("lower stage3_param_persistence_threshold");
+    if (config.reduce_bucket_size > largest_padded && total_padded > largest_padded) {
+      fix.push_back(
+          fmt::format("lower reduce_bucket_size (now {} elements)", config.reduce_bucket_size));
+    }
+    if (config.overlap_comm)
+      fix.push_back("set overlap_comm false (one gradient bucket instead of two)");
+    if (in.activation_bytes > 0) {
+      fix.push_back(fmt::format("a smaller train_micro_batch_size_per_gpu (activations take {})",
+                                human(in.activation_bytes)));
+    }
+    fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
+    plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " +
+                            join_or(fix));
+  }
+  if (plan.host_bytes > plan.host_capacity) {
+    std::vector<std::string> fix;
+    if (opt_tiers[1] > 0)
+      fix.push_back(
+          "move the optimizer state to NVMe (offload_optimizer.device \"nvme\", a lower "
+          "offload_optimizer.host_fraction)");
+    if (param_tiers[1] > 0)
+      fix.push_back(
+          "move the parameters to NVMe (offload_param.device \"nvme\", a lower "
+          "offload_param.host_fraction)");
+    if (opt_tiers[2] > 0 && config.sub_group_size < total_shard * 12) {
+      fix.push_back(
+          fmt::format("lower sub_group_size (now {} elements; each of 3 swap buffers is {})",
+                      config.sub_group_size, human(opt_swap_buffer)));
+    }
+    if (grad_tiers[1] > 0)
+      fix.push_back(
+          "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
+    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {})", plan.host_capacity));
+    plan.problems.push_back(shortfall("host", plan.host_bytes, plan.host_capacity) + ": " +
+                            join_or(fix));
+  }
+  if (plan.nvme_bytes > plan.nvme_capacity) {
+    plan.problems.push_back(
+        shortfall("nvme", plan.nvme_bytes, plan.nvme_capacity) +
+        ": free space under the nvme_path directories, add nvme_path directories on other "
+        "drives, or keep more in host memory (offload_*.host_fraction)");
+  }
+  plan.fits = plan.problems.empty();
+  return plan;
+}
+
+std::string MemoryPlan::table() const {
+  std::string out = fmt::format("{:<7} {:<56} {:>16} {:>12}\n", "tier", "what", "bytes", "size");
+  const std::array<std::pair<Tier, std::pair<std::uint64_t, std::uint64_t>>, 3> tiers = {{
+      {Tier::kDevice, {device_bytes, device_capacity}},
+      {Tier::kHost, {host_bytes, host_capacity}},
+      {Tier::kNvme, {nvme_bytes, nvme_capacity}},
+  }};
+  for (const auto& [tier, use] : tiers) {
+    for (const PlanLine& l : lines) {
+      if (l.tier == tier)
+        out += fmt::format("{:<7} {:<56} {:>16} {:>12}\n", tier_name(tier), l.what, l.bytes,
+                           human(l.bytes));
+    }
+    const auto [bytes, cap] = use;
+    out += fmt::format("{:<7} {:<56} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier),
+                       "total", bytes, human(bytes), human(cap), cap,
+                       bytes <= cap ? "ok" : fmt::format("OVER by {}", human(bytes - cap)));
+  }
+  out += fits ? "verdict: fits\n" : "verdict: does not fit\n";
+  for (const std::string& p : problems) out += "  " + p + "\n";
+  return out;
+}
+
+}  // namespace strata

@@ -1,0 +1,637 @@
+// ds_config parsing (DeepSpeed keys and defaults, errors naming the key) and the memory
+// planner (bytes per tier against hand-computed values for a small synthetic model).
+#include "strata/engine_config.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+std::string error_of(const std::string& json, int world_size = 1) {
+  try {
+    parse_engine_config(json, world_size);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+// ---- defaults ----
+
+TEST(EngineConfig, DefaultsMatchDeepSpeed) {
+  const EngineConfig c = parse_engine_config(R"({"zero_optimization": {"stage": 3}})", 2);
+  EXPECT_EQ(c.train_batch_size, 2);  // 1 x 1 x 2 ranks
+  EXPECT_EQ(c.micro_batch_per_gpu, 1);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.gradient_clipping, 0.0);
+  EXPECT_EQ(c.compute_dtype, DType::kF32);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.loss_scale, 0.0);
+  EXPECT_EQ(c.fp16.initial_scale_power, 16);
+  EXPECT_EQ(c.fp16.loss_scale_window, 1000);
+  EXPECT_EQ(c.fp16.hysteresis, 2);
+  EXPECT_EQ(c.fp16.min_loss_scale, 1.0);
+  EXPECT_EQ(c.optimizer_type, "AdamW");
+  EXPECT_FLOAT_EQ(c.adamw.lr, 1e-3f);
+  EXPECT_FLOAT_EQ(c.adamw.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(c.adamw.beta2, 0.999f);
+  EXPECT_FLOAT_EQ(c.adamw.eps, 1e-8f);
+  EXPECT_EQ(c.adamw.weight_decay, 0.0f);
+  EXPECT_TRUE(c.adamw.bias_correction);
+  EXPECT_EQ(c.scheduler.type, "");
+  EXPECT_EQ(c.stage, 3);
+  EXPECT_TRUE(c.overlap_comm);  // stage 3's default
+  EXPECT_TRUE(c.contiguous_gradients);
+  EXPECT_EQ(c.reduce_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.allgather_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.sub_group_size, 1'000'000'000u);
+  EXPECT_EQ(c.prefetch_bucket_size, 50'000'000u);
+  EXPECT_EQ(c.max_live_parameters, 1'000'000'000u);
+  EXPECT_EQ(c.max_reuse_distance, 1'000'000'000u);
+  EXPECT_EQ(c.param_persistence_threshold, 100'000u);
+  EXPECT_FALSE(c.gather_16bit_weights_on_model_save);
+  EXPECT_EQ(c.params.device_fraction, 1.0);
+  EXPECT_EQ(c.grads.device_fraction, 1.0);
+  EXPECT_EQ(c.optimizer.device_fraction, 1.0);
+  EXPECT_EQ(c.param_buffer_count, 5);
+  EXPECT_EQ(c.param_buffer_size, 100'000'000u);
+  EXPECT_EQ(c.param_max_in_cpu, 1'000'000'000u);
+  EXPECT_EQ(c.optimizer_buffer_count, 4);
+  EXPECT_TRUE(c.pin_memory);
+  EXPECT_FALSE(c.pipeline_read);
+  EXPECT_FALSE(c.pipeline_write);
+  EXPECT_EQ(c.aio.block_size, 1u << 20);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.host_budget_bytes, 0u);
+
+  // overlap_comm defaults to false below stage 3 (DeepSpeed).
+  EXPECT_FALSE(parse_engine_config(R"({"zero_optimization": {"stage": 2}})").overlap_comm);
+  const EngineConfig d = default_engine_config();
+  EXPECT_EQ(d.stage, 3);
+  EXPECT_TRUE(d.overlap_comm);
+  EXPECT_EQ(d.params.device_fraction, 1.0);
+  EXPECT_EQ(d.optimizer.device_fraction, 1.0);
+}
+
+// ---- a realistic ZeRO-Infinity config ----
+
+TEST(EngineConfig, ZeroInfinityConfigParses) {
+  const char* kJson = R"({
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": false,
+    "zero_allow_untested_optimizer": true,
+    "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 2000,
+                             "warmup_type": "linear"}},
+    "zero_optimization": {
+      "stage": 3,
+      "overlap_comm": true,
+      "contiguous_gradients": true,
+      "reduce_bucket_size": 2e8,
+      "allgather_bucket_size": 500000000,
+      "sub_group_size": 1e8,
+      "stage3_prefetch_bucket_size": 1.5e7,
+      "stage3_max_live_parameters": 3e8,
+      "stage3_max_reuse_distance": 2e8,
+      "stage3_param_persistence_threshold": 1e6,
+      "stage3_gather_16bit_weights_on_model_save": true,
+      "round_robin_gradients": true,
+      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                        "buffer_count": 6, "buffer_size": 2e8, "max_in_cpu": 1e9},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ["/nvme0", "/nvme1"], "pin_memory": true,
+                            "buffer_count": 8, "pipeline_read": true, "pipeline_write": false,
+                            "fast_init": false}
+    },
+    "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submit": false,
+            "overlap_events": true},
+    "activation_checkpointing": {"partition_activations": true}
+  })";
+  testing::internal::CaptureStderr();
+  const EngineConfig c = parse_engine_config(kJson, 8);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(c.train_batch_size, 64);
+  EXPECT_EQ(c.micro_batch_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 2);
+  EXPECT_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.compute_dtype, DType::kBF16);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(c.optimizer_type, "AdamW");
+  EXPECT_FLOAT_EQ(c.adamw.lr, 3e-4f);
+  EXPECT_FLOAT_EQ(c.adamw.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(c.adamw.beta2, 0.95f);
+  EXPECT_FLOAT_EQ(c.adamw.eps, 1e-8f);
+  EXPECT_FLOAT_EQ(c.adamw.weight_decay, 0.1f);
+  EXPECT_EQ(c.scheduler.type, "WarmupLR");
+  EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 2000);
+  EXPECT_EQ(c.scheduler.warmup_type, "linear");
+  EXPECT_EQ(c.stage, 3);
+  EXPECT_TRUE(c.overlap_comm);
+  EXPECT_EQ(c.reduce_bucket_size, 200'000'000u);
+  EXPECT_EQ(c.allgather_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.sub_group_size, 100'000'000u);
+  EXPECT_EQ(c.prefetch_bucket_size, 15'000'000u);
+  EXPECT_EQ(c.max_live_parameters, 300'000'000u);
+  EXPECT_EQ(c.max_reuse_distance, 200'000'000u);
+  EXPECT_EQ(c.param_persistence_threshold, 1'000'000u);
+  EXPECT_TRUE(c.gather_16bit_weights_on_model_save);
+  // Both pieces entirely on NVMe (host_fraction defaults to 0); gradients on the host.
+  EXPECT_EQ(c.params.device_fraction, 0.0);
+  EXPECT_EQ(c.params.host_fraction, 0.0);
+  EXPECT_EQ(c.params.nvme_fraction(), 1.0);
+  EXPECT_EQ(c.optimizer.nvme_fraction(), 1.0);
+  EXPECT_EQ(c.grads.host_fraction, 1.0);
+  EXPECT_EQ(c.param_nvme_paths, std::vector<std::string>{"/local_nvme"});
+  EXPECT_EQ(c.optimizer_nvme_paths, (std::vector<std::string>{"/nvme0", "/nvme1"}));
+  EXPECT_EQ(c.param_buffer_count, 6);
+  EXPECT_EQ(c.param_buffer_size, 200'000'000u);
+  EXPECT_EQ(c.param_max_in_cpu, 1'000'000'000u);
+  EXPECT_EQ(c.optimizer_buffer_count, 8);
+  EXPECT_TRUE(c.pin_memory);
+  EXPECT_TRUE(c.pipeline_read);
+  EXPECT_FALSE(c.pipeline_write);
+  EXPECT_EQ(c.aio.block_size, 262144u);
+  EXPECT_EQ(c.aio.queue_depth, 32);
+  EXPECT_EQ(c.aio.thread_count, 2);
+  // Keys strata does not use warn, naming the full key, and do not fail.
+  for (const char* key :
+       {"'steps_per_print'", "'wall_clock_breakdown'", "'zero_allow_untested_optimizer'",
+        "'zero_optimization.round_robin_gradients'",
+        "'zero_optimization.offload_optimizer.fast_init'", "'activation_checkpointing'"}) {
+    EXPECT_NE(warnings.find(key), std::string::npos) << key << " not warned in:\n" << warnings;
+  }
+  EXPECT_EQ(warnings.find("'gradient_clipping'"), std::string::npos) << warnings;
+}
+
+TEST(EngineConfig, OptimizerAndPrecisionVariants) {
+  EngineConfig c = parse_engine_config(
+      R"({"zero_optimization": {"stage": 1}, "optimizer": {"type": "adam", "params": {"weight_decay": 0.01,
+          "bias_correction": false, "torch_adam": true}},
+          "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                   "hysteresis": 4, "min_loss_scale": 0.5}})");
+  EXPECT_EQ(c.optimizer_type, "Adam");  // runs AdamW, as DeepSpeed's default adam_w_mode does
+  EXPECT_FLOAT_EQ(c.adamw.weight_decay, 0.01f);
+  EXPECT_FALSE(c.adamw.bias_correction);
+  EXPECT_EQ(c.compute_dtype, DType::kF16);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.initial_scale_power, 12);
+  EXPECT_EQ(c.fp16.loss_scale_window, 500);
+  EXPECT_EQ(c.fp16.hysteresis, 4);
+  EXPECT_EQ(c.fp16.min_loss_scale, 0.5);
+  EXPECT_EQ(c.stage, 1);
+  // "AdamW" with adam_w_mode false is still AdamW in DeepSpeed: accepted.
+  c = parse_engine_config(R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "ADAMW",
+                              "params": {"adam_w_mode": false}}})");
+  EXPECT_EQ(c.optimizer_type, "AdamW");
+  c = parse_engine_config(R"({"zero_optimization": {"stage": 3}, "bfloat16": {"enabled": true},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1e4, "warmup_num_steps": 100,
+                    "cos_min_ratio": 0.1, "warmup_min_ratio": 0.01}}})");
+  EXPECT_EQ(c.compute_dtype, DType::kBF16);
+  EXPECT_EQ(c.scheduler.type, "WarmupCosineLR");
+  EXPECT_EQ(c.scheduler.total_num_steps, 10000);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 100);
+  EXPECT_EQ(c.scheduler.cos_min_ratio, 0.1);
+  EXPECT_EQ(c.scheduler.warmup_min_ratio, 0.01);
+  EXPECT_EQ(c.scheduler.warmup_type, "log");
+  c = parse_engine_config(R"({"zero_optimization": {"stage": 3},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500, "warmup_num_steps": 50,
+                    "warmup_max_lr": 0.01}}})");
+  EXPECT_EQ(c.scheduler.type, "WarmupDecayLR");
+  EXPECT_EQ(c.scheduler.total_num_steps, 500);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 50);
+  EXPECT_EQ(c.scheduler.warmup_max_lr, 0.01);
+  EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
+}
+
+TEST(EngineConfig, HuggingFaceAutoValuesMeanNotGiven) {
+  testing::internal::CaptureStderr();
+  const EngineConfig c = parse_engine_config(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+          "aio": {"engine": "auto"}})",
+      4);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(c.micro_batch_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_FLOAT_EQ(c.adamw.lr, 1e-3f);
+  EXPECT_EQ(c.reduce_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.aio.engine, IoBackend::kAuto);  // a real value there, not a placeholder
+  EXPECT_NE(warnings.find("'optimizer.params.lr' is \"auto\""), std::string::npos) << warnings;
+  EXPECT_EQ(warnings.find("aio.engine"), std::string::npos) << warnings;
+}
+
+// ---- batch sizes ----
+
+TEST(EngineConfig, BatchSizesDeriveTheMissingOne) {
+  struct Case {
+    const char* json;
+    int world;
+    std::int64_t train, micro, accum;
+  };
+  const Case cases[] = {
+      {R"("train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3)", 4, 24, 2, 3},
+      {R"("train_batch_size": 32, "train_micro_batch_size_per_gpu": 2)", 4, 32, 2, 4},
+      {R"("train_batch_size": 32, "gradient_accumulation_steps": 2)", 4, 32, 4, 2},
+      {R"("train_batch_size": 32)", 4, 32, 8, 1},
+      {R"("train_micro_batch_size_per_gpu": 3)", 2, 6, 3, 1},
+      {R"("gradient_accumulation_steps": 5)", 2, 10, 1, 5},
+      {R"("train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3)",
+       4, 24, 2, 3},
+      {R"("train_batch_size": 2.4e1, "train_micro_batch_size_per_gpu": 6)", 4, 24, 6, 1},
+  };
+  for (const Case& t : cases) {
+    const std::string json = std::string("{") + t.json + R"(, "zero_optimization": {"stage": 3}})";
+    const EngineConfig c = parse_engine_config(json, t.world);
+    EXPECT_EQ(c.train_batch_size, t.train) << json;
+    EXPECT_EQ(c.micro_batch_per_gpu, t.micro) << json;
+    EXPECT_EQ(c.gradient_accumulation_steps, t.accum) << json;
+  }
+}
+
+TEST(EngineConfig, BatchSizeMismatchNamesTheValuesAndTheRule) {
+  const std::string e = error_of(
+      R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+          "zero_optimization": {"stage": 3}})",
+      2);
+  EXPECT_NE(e.find("disagree"), std::string::npos) << e;
+  EXPECT_NE(e.find("train_batch_size (10)"), std::string::npos) << e;
+  EXPECT_NE(e.find("train_micro_batch_size_per_gpu (2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("gradient_accumulation_steps (3)"), std::string::npos) << e;
+  EXPECT_NE(e.find("data-parallel ranks (2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("= 12"), std::string::npos) << e;
+  const std::string d = error_of(R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                                      "zero_optimization": {"stage": 3}})",
+                                 4);
+  EXPECT_NE(d.find("do not divide"), std::string::npos) << d;
+  EXPECT_NE(d.find("train_batch_size (30)"), std::string::npos) << d;
+  EXPECT_NE(d.find("gradient_accumulation_steps (not given)"), std::string::npos) << d;
+  EXPECT_NE(error_of(R"({"train_batch_size": 0, "zero_optimization": {"stage": 3}})")
+                .find("'train_batch_size'"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"zero_optimization": {"stage": 3}})", 0).find("world_size"),
+            std::string::npos);
+}
+
+// ---- every error names its key ----
+
+TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
+  struct Case {
+    const char* json;
+    std::vector<const char*> needles;
+  };
+  const Case cases[] = {
+      {R"([1, 2])", {"JSON object"}},
+      {R"({"train_batch_size": )", {"not valid JSON"}},
+      {R"({})", {"'zero_optimization.stage' is 0", "DeepSpeed's default", "1, 2 or 3"}},
+      {R"({"zero_optimization": {"stage": 0}})",
+       {"'zero_optimization.stage' is 0:", "plain data parallel", "1, 2 or 3"}},
+      {R"({"zero_optimization": {"stage": 4}})", {"'zero_optimization.stage' = 4", "1, 2 or 3"}},
+      {R"({"zero_optimization": {"stage": "3"}})",
+       {"'zero_optimization.stage'", "must be a number"}},
+      {R"({"zero_optimization": 3})", {"'zero_optimization' must be an object"}},
+      {R"({"gradient_clipping": -1, "zero_optimization": {"stage": 3}})", {"'gradient_clipping'"}},
+      {R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})",
+       {"'bf16.enabled'", "'fp16.enabled'", "choose one"}},
+      {R"({"bf16": {"enabled": "yes"}})", {"'bf16.enabled'", "true or false"}},
+      {R"({"bf16": {"enabled": true}, "bfloat16": {"enabled": true}})", {"'bfloat16'"}},
+      {R"({"fp16": {"enabled": true, "initial_scale_power": 100}})",
+       {"'fp16.initial_scale_power'", "0 to 64"}},
+      {R"({"fp16": {"enabled": true, "hysteresis": 0}})", {"'fp16.hysteresis'"}},
+      {R"({"fp16": {"enabled": true, "loss_scale": -2}})", {"'fp16.loss_scale'"}},
+      {R"({"fp16": {"enabled": true, "min_loss_scale": 0}})", {"'fp16.min_loss_scale'"}},
+      {R"({"optimizer": {"type": "Lamb"}})",
+       {"'optimizer.type'", "\"Lamb\"", "\"Adam\" and \"AdamW\""}},
+      {R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})",
+       {"'optimizer.params.adam_w_mode'", "L2"}},
+      {R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
+       {"'optimizer.params.betas'", "two numbers"}},
+      {R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}})",
+       {"'optimizer.params.betas'", "[0, 1)"}},
+      {R"({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}})",
+       {"'optimizer.params.lr'", "must be a number"}},
+      {R"({"optimizer": {"type": "AdamW", "params": {"eps": -1e-8}}})", {"'optimizer.params.eps'"}},
+      {R"({"optimizer": {"type": "AdamW", "params": {"amsgrad": true}}})",
+       {"'optimizer.params.amsgrad'"}},
+      {R"({"scheduler": {"type": "OneCycle"}})", {"'scheduler.type'", "\"WarmupCosineLR\""}},
+      {R"({"scheduler": {"params": {}}})", {"'scheduler.type' is required"}},
+      {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})",
+       {"'scheduler.params.total_num_steps' is required"}},
+      {R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}})",
+       {"'scheduler.params.total_num_steps' = 5"}},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}})",
+       {"'scheduler.params.warmup_type'", "\"linear\""}},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1, "warmup_max_lr": 0.01}}})",
+       {"'scheduler.params.warmup_max_lr'"}},
+      {R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": 2}}})",
+       {"'scheduler.params.cos_min_ratio'", "0 to 1"}},
+      {R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": "big"}})",
+       {"'zero_optimization.reduce_bucket_size'", "must be a number"}},
+      {R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}})",
+       {"'zero_optimization.reduce_bucket_size'", "at least 1"}},
+      {R"({"zero_optimization": {"stage": 3, "sub_group_size": 1.5}})",
+       {"'zero_optimization.sub_group_size'", "whole number"}},
+      {R"({"zero_optimization": {"stage": 3, "cpu_offload": true}})",
+       {"'zero_optimization.cpu_offload'", "offload_optimizer"}},
+      {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
+       {"'zero_optimization.offload_param.device'", "stage 3"}},
+      {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})",
+       {"'zero_optimization.offload_optimizer.device'", "stage 3"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})",
+       {"offload_optimizer.nvme_path' is required when zero_optimization.offload_optimizer.device "
+        "is \"nvme\""}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+       {"offload_param.nvme_path' is required when zero_optimization.offload_param.device is "
+        "\"nvme\""}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": []}}})",
+       {"'zero_optimization.offload_param.nvme_path'", "non-empty list"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ["/a", 7]}}})",
+       {"'zero_optimization.offload_param.nvme_path'", "a string"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ""}}})",
+       {"'zero_optimization.offload_param.nvme_path'", "empty path"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}})",
+       {"'zero_optimization.offload_optimizer.device'", "\"none\", \"cpu\", \"nvme\""}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})",
+       {"'zero_optimization.offload_optimizer.ratio'", "0 to 1"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "host_fraction": 0.5}}})",
+       {"'zero_optimization.offload_param.host_fraction'", "\"nvme\""}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x",
+           "host_fraction": -0.1}}})",
+       {"'zero_optimization.offload_optimizer.host_fraction'", "0 to 1"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}})",
+       {"'zero_optimization.offload_param.buffer_count'"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_grads": "nvme"}})",
+       {"'zero_optimization.offload_grads'", "\"none\", \"cpu\""}},
+      {R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 3000}})",
+       {"'aio.block_size'", "power of two"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"host_budget_bytes": -5}})",
+       {"'strata.host_budget_bytes'"}},
+  };
+  for (const Case& t : cases) {
+    const std::string e = error_of(t.json);
+    for (const char* needle : t.needles) {
+      EXPECT_NE(e.find(needle), std::string::npos)
+          << "config: " << t.json << "\nerror: " << e << "\nmissing: " << needle;
+    }
+  }
+}
+
+// ---- placements ----
+
+TEST(EngineConfig, PlacementsFromOffloadDevices) {
+  auto parse_zero = [](const std::string& zero) {
+    return parse_engine_config(R"({"zero_optimization": {"stage": 3, )" + zero + "}}");
+  };
+  EngineConfig c =
+      parse_zero(R"("offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"})");
+  EXPECT_EQ(c.params.device_fraction, 1.0);
+  EXPECT_EQ(c.optimizer.device_fraction, 1.0);
+  EXPECT_EQ(c.grads.device_fraction, 1.0);
+
+  c = parse_zero(R"("offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"})");
+  EXPECT_EQ(c.params.device_fraction, 0.0);
+  EXPECT_EQ(c.params.host_fraction, 1.0);
+  EXPECT_EQ(c.optimizer.host_fraction, 1.0);  // ratio defaults to 1: all on the CPU
+  EXPECT_EQ(c.optimizer.device_fraction, 0.0);
+  EXPECT_EQ(c.grads.host_fraction, 1.0);  // the host optimizer wants its gradients there
+
+  c = parse_zero(
+      R"("offload_optimizer": {"device": "cpu", "ratio": 0.3}, "offload_grads": "none")");
+  EXPECT_DOUBLE_EQ(c.optimizer.device_fraction, 0.7);
+  EXPECT_DOUBLE_EQ(c.optimizer.host_fraction, 0.3);
+  EXPECT_NEAR(c.optimizer.nvme_fraction(), 0.0, 1e-12);
+  EXPECT_EQ(c.grads.device_fraction, 1.0);
+
+  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p", "host_fraction": 0.25},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/o", "host_fraction": 0.5, "pin_memory": false})");
+  EXPECT_EQ(c.params.device_fraction, 0.0);
+  EXPECT_EQ(c.params.host_fraction, 0.25);
+  EXPECT_EQ(c.params.nvme_fraction(), 0.75);
+  EXPECT_EQ(c.optimizer.host_fraction, 0.5);
+  EXPECT_EQ(c.optimizer.nvme_fraction(), 0.5);
+  EXPECT_EQ(c.grads.host_fraction, 1.0);
+  EXPECT_FALSE(c.pin_memory);
+
+  // ratio only means something with device "cpu": warned and ignored for nvme.
+  c = parse_zero(R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o", "ratio": 0.5})");
+  EXPECT_EQ(c.optimizer.nvme_fraction(), 1.0);
+}
+
+TEST(EngineConfig, TierAtFollowsUnitOrder) {
+  const Placement p{0.25, 0.5};
+  EXPECT_EQ(p.tier_at(0, 100), Tier::kDevice);
+  EXPECT_EQ(p.tier_at(24.9, 100), Tier::kDevice);
+  EXPECT_EQ(p.tier_at(25, 100), Tier::kHost);
+  EXPECT_EQ(p.tier_at(74.9, 100), Tier::kHost);
+  EXPECT_EQ(p.tier_at(75, 100), Tier::kNvme);
+  EXPECT_EQ(p.tier_at(99.9, 100), Tier::kNvme);
+  EXPECT_EQ((Placement{0.0, 1.0}).tier_at(99.9, 100), Tier::kHost);
+  EXPECT_EQ((Placement{0.0, 0.0}).tier_at(0, 100), Tier::kNvme);
+  EXPECT_STREQ(tier_name(Tier::kDevice), "device");
+  EXPECT_STREQ(tier_name(Tier::kHost), "host");
+  EXPECT_STREQ(tier_name(Tier::kNvme), "nvme");
+}
+
+// ---- the memory planner ----
+//
+// The synthetic model, 2 ranks (padding to multiples of 2 x 2048 = 4096 elements):
+//   unit   numel     padded    shard
+//   u0     819200    819200    409600
+//   u1     819201    823296    411648   (one element over: a whole 4096 more)
+//   u2     100       4096      2048     (persistent: <= 100000)
+//   u3     409600    409600    204800
+//   total            2056192   1028096; largest padded 823296, largest shard 411648
+// bf16 (c = 2), stage3_max_live_parameters 1e6, reduce_bucket_size 1.5e6, activations 1e7.
+PlanInputs synthetic_inputs() {
+  PlanInputs in;
+  in.units = {{"u0", 819200}, {"u1", 819201}, {"u2", 100}, {"u3", 409600}};
+  in.world_size = 2;
+  in.device_capacity = 1ull << 30;
+  in.host_capacity = 1ull << 30;
+  in.nvme_capacity = 1ull << 30;
+  in.activation_bytes = 10'000'000;
+  return in;
+}
+
+EngineConfig synthetic_config(const std::string& zero_extra, int world_size = 2) {
+  return parse_engine_config(
+      R"({"bf16": {"enabled": true}, "zero_optimization": {"stage3_max_live_parameters": 1e6,
+                                 "reduce_bucket_size": 1.5e6)" +
+          zero_extra + "}}",
+      world_size);
+}
+
+std::uint64_t line(const MemoryPlan& plan, const std::string& prefix, Tier tier) {
+  std::uint64_t sum = 0;
+  for (const PlanLine& l : plan.lines) {
+    if (l.tier == tier && l.what.rfind(prefix, 0) == 0) sum += l.bytes;
+  }
+  return sum;
+}
+
+TEST(MemoryPlan, Stage3NoOffload) {
+  const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), synthetic_inputs());
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 1028096u * 2);
+  EXPECT_EQ(line(p, "persistent units", Tier::kDevice), 4096u * 2);
+  EXPECT_EQ(line(p, "gathered units", Tier::kDevice),
+            1'000'000u * 2);  // min(max_live, 2052096) > largest
+  EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 2);
+  EXPECT_EQ(line(p, "gradient shard", Tier::kDevice), 1028096u * 4);
+  EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 1028096u * 12);
+  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 1'500'000u * 4 * 2);  // overlap_comm
+  EXPECT_EQ(line(p, "activations", Tier::kDevice), 10'000'000u);
+  EXPECT_EQ(p.device_bytes, 44'160'512u);
+  EXPECT_EQ(p.host_bytes, 0u);  // nothing leaves the device: no staging either
+  EXPECT_EQ(p.nvme_bytes, 0u);
+  EXPECT_TRUE(p.fits);
+  EXPECT_TRUE(p.problems.empty());
+}
+
+TEST(MemoryPlan, OptimizerOnCpu) {
+  const MemoryPlan p =
+      plan_memory(synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})"),
+                  synthetic_inputs());
+  EXPECT_EQ(p.device_bytes,
+            2'056'192u + 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
+  EXPECT_EQ(line(p, "gradient shard", Tier::kHost), 1028096u * 4);
+  EXPECT_EQ(line(p, "optimizer state", Tier::kHost), 1028096u * 12);
+  EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u);
+  EXPECT_EQ(p.nvme_bytes, 0u);
+  EXPECT_TRUE(p.fits);
+}
+
+TEST(MemoryPlan, OptimizerRatioSplitsWholeUnitsInOrder) {
+  // ratio 0.5: per-unit optimizer bytes 4915200, 4939776, 24576, 2457600 (total 12337152).
+  // u1 starts at 0.398 of the total (device), u2 at 0.799 (host).
+  const MemoryPlan p = plan_memory(
+      synthetic_config(
+          R"(, "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_grads": "none")"),
+      synthetic_inputs());
+  EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 4'915'200u + 4'939'776u);
+  EXPECT_EQ(line(p, "optimizer state", Tier::kHost), 24'576u + 2'457'600u);
+  EXPECT_EQ(line(p, "gradient shard", Tier::kDevice), 1028096u * 4);
+  // The host optimizer still reads gradients on the host: staging is budgeted.
+  EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
+}
+
+TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
+  const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3, "sub_group_size": 1e5,
+          "offload_param": {"device": "nvme", "nvme_path": "/p"},
+          "offload_optimizer": {"device": "nvme", "nvme_path": ["/o1", "/o2"]})"),
+                                   synthetic_inputs());
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
+  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
+  EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost),
+            5u * 411648 * 2);  // min(1e8, largest shard)
+  EXPECT_EQ(line(p, "optimizer swap buffers", Tier::kHost), 3u * 100'000 * 12);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 3'600'000u);
+  EXPECT_EQ(line(p, "compute weights", Tier::kNvme), 1028096u * 2);
+  EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
+  EXPECT_EQ(p.nvme_bytes, 2'056'192u + 12'337'152u);
+  EXPECT_TRUE(p.fits);
+
+  // host_fraction 0.5 keeps the first half of the optimizer state (whole units) in host memory.
+  const MemoryPlan h = plan_memory(
+      synthetic_config(
+          R"(, "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/o", "host_fraction": 0.5})"),
+      synthetic_inputs());
+  EXPECT_EQ(line(h, "optimizer state", Tier::kHost), 4'915'200u + 4'939'776u);
+  EXPECT_EQ(line(h, "optimizer state", Tier::kNvme), 24'576u + 2'457'600u);
+  EXPECT_EQ(line(h, "optimizer swap buffers", Tier::kHost),
+            3u * 1028096 * 12);  // sub_group_size 1e9 > shard
+}
+
+TEST(MemoryPlan, Stage2KeepsFullWeights) {
+  const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 2)"), synthetic_inputs());
+  EXPECT_EQ(line(p, "full weights", Tier::kDevice), 2'056'192u * 2);
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
+  EXPECT_EQ(line(p, "gathered units", Tier::kDevice), 0u);
+  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice),
+            1'500'000u * 4);  // overlap_comm off at stage 2
+  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 6'000'000u + 10'000'000u);
+  EXPECT_EQ(p.host_bytes, 0u);
+}
+
+TEST(MemoryPlan, BucketIsAtLeastTheLargestUnitAndFp32PlansWith4Bytes) {
+  EngineConfig c = synthetic_config(R"(, "stage": 3, "overlap_comm": false)");
+  c.reduce_bucket_size = 1000;
+  EXPECT_EQ(line(plan_memory(c, synthetic_inputs()), "gradient bucket", Tier::kDevice),
+            823'296u * 4);
+  c.compute_dtype = DType::kF32;
+  const MemoryPlan p = plan_memory(c, synthetic_inputs());
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 1028096u * 4);
+  EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 4);
+}
+
+TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
+  PlanInputs in = synthetic_inputs();
+  in.device_capacity = 40'000'000;  // the no-offload plan needs 44160512
+  const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), in);
+  EXPECT_FALSE(p.fits);
+  ASSERT_EQ(p.problems.size(), 1u);
+  EXPECT_EQ(p.problems[0].rfind("device:", 0), 0u) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("4160512 bytes missing"), std::string::npos) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("offload_optimizer.device"), std::string::npos) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("stage3_max_live_parameters"), std::string::npos) << p.problems[0];
+
+  // Host over its strata budget and NVMe over its free space, at once.
+  in = synthetic_inputs();
+  in.nvme_capacity = 14'000'000;
+  const EngineConfig nv = parse_engine_config(
+      R"({"bf16": {"enabled": true}, "strata": {"host_budget_bytes": 15e6},
+          "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e6, "reduce_bucket_size": 1.5e6,
+          "sub_group_size": 1e5, "offload_param": {"device": "nvme", "nvme_path": "/p"},
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/o"}}})",
+      2);
+  const MemoryPlan q = plan_memory(nv, in);
+  EXPECT_FALSE(q.fits);
+  EXPECT_EQ(q.host_capacity, 15'000'000u);  // strata.host_budget_bytes wins over the machine
+  ASSERT_EQ(q.problems.size(), 2u);
+  EXPECT_EQ(q.problems[0].rfind("host:", 0), 0u) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("122048 bytes missing"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("strata.host_budget_bytes"), std::string::npos) << q.problems[0];
+  EXPECT_EQ(q.problems[1].rfind("nvme:", 0), 0u) << q.problems[1];
+  EXPECT_NE(q.problems[1].find("393344 bytes missing"), std::string::npos) << q.problems[1];
+  EXPECT_NE(q.problems[1].find("nvme_path"), std::string::npos) << q.problems[1];
+}
+
+TEST(MemoryPlan, TableShowsLinesTotalsAndVerdict) {
+  PlanInputs in = synthetic_inputs();
+  in.device_capacity = 40'000'000;
+  const MemoryPlan p =
+      plan_memory(synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})"), in);
+  const std::string t = p.table();
+  EXPECT_TRUE(p.fits);
+  for (const PlanLine& l : p.lines)
+    EXPECT_NE(t.find(l.what), std::string::npos) << l.what << "\n" << t;
+  EXPECT_NE(t.find(std::to_string(p.device_bytes)), std::string::npos) << t;
+  EXPECT_NE(t.find(std::to_string(p.host_bytes)), std::string::npos) << t;
+  EXPECT_NE(t.find("40000000 bytes"), std::string::npos) << t;
+  EXPECT_NE(t.find("verdict: fits"), std::string::npos) << t;
+  // Device lines come before host lines.
+  EXPECT_LT(t.find("activations"), t.find("optimizer state")) << t;
+
+  in.device_capacity = 1'000'000;
+  const MemoryPlan q = plan_memory(synthetic_config(R"(, "stage": 3)"), in);
+  const std::string u = q.table();
+  EXPECT_NE(u.find("verdict: does not fit"), std::string::npos) << u;
+  EXPECT_NE(u.find("OVER by"), std::string::npos) << u;
+  EXPECT_NE(u.find(q.problems.at(0)), std::string::npos) << u;
+}
+
+}  // namespace
+}  // namespace strata
