@@ -25,6 +25,22 @@
 
 namespace strata {
 
+// What the fault-injecting engine does to chosen chunks. Chunks are numbered 0, 1, 2, ... in
+// the order submit() splits requests into chunks; each fault fires once, on its chunk's
+// first completion (after the real I/O ran, so data stays consistent).
+enum class FaultKind {
+  kShort,   // report only part of the transfer: the engine must requeue the rest
+  kEagain,  // report -EAGAIN: the engine must requeue the chunk
+  kEio,     // report -EIO: the batch fails naming file and offset
+  kEnospc,  // report -ENOSPC: likewise
+  kDelay,   // hold the completion for delay_ms
+};
+struct Fault {
+  FaultKind kind = FaultKind::kShort;
+  std::uint64_t chunk = 0;
+  std::uint32_t delay_ms = 0;
+};
+
 // ---- configuration: the DeepSpeed-style "aio" block, plus strata's own keys ----
 enum class IoBackend { kAuto, kIoUring, kThreads };
 enum class DirectIo { kAuto, kOn, kOff };
@@ -41,6 +57,8 @@ struct AioConfig {
   IoBackend engine = IoBackend::kAuto;  // "auto" | "io_uring" | "threads"
   DirectIo direct = DirectIo::kAuto;    // O_DIRECT: "auto" (fall back to buffered where refused) | true | false
   bool register_buffers = true;         // io_uring fixed buffers for pool memory
+  // Tests only (not read from JSON): engines built from this config inject these faults.
+  std::vector<Fault> inject_faults;
 };
 
 // Parses an "aio" object, or a whole ds_config whose "aio" key holds one (absent = defaults).
@@ -97,22 +115,6 @@ struct IoStats {
   std::uint64_t requeued_short = 0, requeued_eagain = 0;
   std::uint64_t errors = 0;
   std::uint64_t checksum_ns = 0;  // time spent hashing (write) and verifying (read)
-};
-
-// What the fault-injecting engine does to chosen chunks. Chunks are numbered 0, 1, 2, ... in
-// the order submit() splits requests into chunks; each fault fires once, on its chunk's
-// first completion (after the real I/O ran, so data stays consistent).
-enum class FaultKind {
-  kShort,   // report only part of the transfer: the engine must requeue the rest
-  kEagain,  // report -EAGAIN: the engine must requeue the chunk
-  kEio,     // report -EIO: the batch fails naming file and offset
-  kEnospc,  // report -ENOSPC: likewise
-  kDelay,   // hold the completion for delay_ms
-};
-struct Fault {
-  FaultKind kind = FaultKind::kShort;
-  std::uint64_t chunk = 0;
-  std::uint32_t delay_ms = 0;
 };
 
 class IoEngine {

@@ -47,15 +47,36 @@ void poison(void* p, std::size_t bytes) {
   if (bytes % 2) static_cast<unsigned char*>(p)[bytes - 1] = 0x7f;
 }
 
-// Best-fit allocator over [0, cap) with coalescing of free neighbours.
+// Allocator over [0, cap) with coalescing of free neighbours. Large blocks are placed
+// best-fit from the bottom, small ones (below cap/64, at most 1 MiB) from the top, so
+// short-lived small buffers do not cut the space large ones need into pieces (the
+// caching allocators of GPU runtimes keep separate small and large pools for the same reason).
 class Arena {
  public:
-  explicit Arena(std::size_t cap) : cap_(cap) {
+  explicit Arena(std::size_t cap) : cap_(cap), small_(std::min<std::size_t>(cap / 64, 1 << 20)) {
     free_by_off_[0] = cap;
     free_by_size_.insert({cap, 0});
   }
   // Returns the offset, or SIZE_MAX when no free range is large enough.
   std::size_t alloc(std::size_t size) {
+    if (size < small_) {
+      // The highest free range that fits; carve from its top end.
+      for (auto it = free_by_off_.rbegin(); it != free_by_off_.rend(); ++it) {
+        if (it->second < size) continue;
+        const std::size_t off = it->first, fsize = it->second;
+        free_by_size_.erase({fsize, off});
+        if (fsize > size) {
+          it->second = fsize - size;
+          free_by_size_.insert({fsize - size, off});
+        } else {
+          free_by_off_.erase(off);
+        }
+        const std::size_t at = off + fsize - size;
+        high_water_ = std::max(high_water_, at + size);
+        return at;
+      }
+      return SIZE_MAX;
+    }
     auto it = free_by_size_.lower_bound({size, 0});
     if (it == free_by_size_.end()) return SIZE_MAX;
     const auto [fsize, off] = *it;
@@ -94,6 +115,7 @@ class Arena {
 
  private:
   std::size_t cap_;
+  std::size_t small_;
   std::size_t high_water_ = 0;
   std::map<std::size_t, std::size_t> free_by_off_;
   std::set<std::pair<std::size_t, std::size_t>> free_by_size_;

@@ -686,7 +686,7 @@ std::unique_ptr<IoEngine> build(const AioConfig& cfg, std::vector<Fault> faults)
 
 }  // namespace
 
-std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config) { return build(config, {}); }
+std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config) { return build(config, config.inject_faults); }
 
 std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config, std::vector<Fault> faults) {
   return build(config, std::move(faults));

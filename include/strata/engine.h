@@ -1,0 +1,131 @@
+// The ZeRO-3 offload engine: owns where every byte of training state lives and when it moves.
+//
+// A model registers its parameters grouped into fetch units (one per layer, typically),
+// each with its initial fp32 values. The engine flattens each unit into one buffer, pads it
+// to a multiple of world_size * 2048 elements and keeps only this rank's 1/world_size shard
+// of everything: compute weights (fp32 or bf16), an fp32 gradient accumulator, and the
+// fp32 master weights with AdamW's m and v — each piece on the tier the config places it
+// (device, pinned host memory, or NVMe through the swap store).
+//
+// Usage (one rank shown; every rank runs the same calls in the same order):
+//
+//   auto dev = strata::make_device("auto");
+//   auto comm = strata::make_communicator(*dev);
+//   strata::Engine engine(*dev, *comm, strata::parse_engine_config(ds_config_text));
+//   int fc1 = engine.add_unit({"fc1", {{"weight", 64 * 32, w1_init}, {"bias", 64, b1_init}}});
+//   ...
+//   engine.finalize();                       // partitions, places, checks the memory plan
+//   auto compute = dev->create_stream("compute");
+//   for (step...) {
+//     for (micro-batch...) {
+//       strata::TensorRef w = engine.fetch(fc1, *compute);   // full weights of fc1
+//       ... forward kernels on *compute reading w ...
+//       engine.release(fc1, *compute);
+//       ... backward, per unit in reverse order:
+//       w = engine.fetch(fc1, *compute);
+//       strata::TensorRef g = engine.grad_buffer(fc1, *compute);  // zeroed fp32 gradient
+//       ... kernels on *compute writing g ...
+//       engine.reduce_grad(fc1, *compute);   // reduce-scatter + accumulate, asynchronously
+//       engine.release(fc1, *compute);
+//     }
+//     strata::StepResult r = engine.step(lr);  // clip, AdamW over sub-groups, new weights
+//   }
+//
+// Invariants: no byte is resident on a tier unless the memory plan budgeted it; the
+// compute stream only ever waits on the event of the unit it needs now; results do not
+// depend on placement (offload on or off gives bit-identical weights on one rank).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/comm.h"
+#include "strata/device.h"
+#include "strata/engine_config.h"
+
+namespace strata {
+
+struct ParamDef {
+  std::string name;
+  std::size_t numel = 0;
+  const float* init = nullptr;  // numel fp32 values; copied by add_unit
+};
+
+struct UnitDef {
+  std::string name;
+  std::vector<ParamDef> params;
+};
+
+struct StepResult {
+  bool skipped = false;   // fp16 overflow on some rank: no update anywhere
+  double grad_norm = 0;   // global L2 norm of the true (unscaled, averaged) gradient
+  double clip_coef = 1;   // applied to the gradient (1 = not clipped)
+  double loss_scale = 1;  // the scale of the step that just ran
+  std::int64_t step = 0;  // optimizer steps taken so far (skipped ones not counted)
+};
+
+struct EngineStats {
+  std::uint64_t device_peak_bytes = 0, device_capacity = 0;
+  std::uint64_t host_pinned_peak_bytes = 0, host_budget_bytes = 0;
+  std::uint64_t nvme_bytes = 0;
+  std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
+  std::uint64_t fetches = 0, prefetches = 0, trace_rebuilds = 0;
+};
+
+class Engine {
+ public:
+  // `device` and `comm` must outlive the engine; `comm` spans the data-parallel ranks.
+  Engine(Device& device, Communicator& comm, const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a fetch unit (before finalize); returns its index. Parameters are laid out in
+  // the unit's flat buffer in the order given: param_offset() says where.
+  int add_unit(const UnitDef& unit);
+  std::size_t unit_numel(int unit) const;
+  std::size_t param_offset(int unit, int param) const;
+
+  // Partitions, places every piece on its tier, and checks the memory plan: throws
+  // strata::Error (kOutOfMemory) with the plan's table and what to change if it cannot fit.
+  void finalize();
+  const MemoryPlan& plan() const;
+  const EngineConfig& config() const;
+  DType compute_dtype() const;
+
+  // Makes unit `unit`'s full weights (compute dtype, unit_numel elements) available to work
+  // queued on `compute` after this call, and prefetches the units that follow it in the
+  // recorded order within the live-parameter budget. The tensor stays valid until release().
+  TensorRef fetch(int unit, Stream& compute);
+  // `compute` is done with the unit once the work queued so far completes.
+  void release(int unit, Stream& compute);
+  // A zeroed fp32 device tensor of unit_numel elements for the unit's gradient.
+  TensorRef grad_buffer(int unit, Stream& compute);
+  // Reduce-scatters the gradient written on `compute` (averaged over ranks) and adds this
+  // rank's shard into its fp32 accumulator, asynchronously.
+  void reduce_grad(int unit, Stream& compute);
+
+  // fp16: the factor to multiply the loss by before backward (1 otherwise).
+  float loss_scale() const;
+  // One optimizer step with learning rate `lr` over the gradients accumulated since the last
+  // step (gradient_accumulation_steps micro-batches): global-norm clipping, fp16 overflow
+  // skip agreed by all ranks, AdamW over sub-groups with NVMe reads and writes overlapped.
+  StepResult step(float lr);
+
+  // This rank's fp32 master shard of `unit` / every rank's gathered into the full unit
+  // (collective), unpadded. For checks and for saving.
+  std::vector<float> master_shard(int unit);
+  std::vector<float> gather_master(int unit);
+
+  EngineStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

@@ -1,0 +1,774 @@
+// The ZeRO-3 offload engine (include/strata/engine.h).
+//
+// Owns: this rank's shard of every unit's training state on its tier, the gathered full
+// weights of units in use or prefetched, gradient scratch, staging memory, and the three
+// streams it queues work on: `fetch` (NVMe wait -> H2D -> all-gather), `comm` (gradient
+// reduce-scatter -> D2H -> accumulate) and `opt` (device-side optimizer work).
+// Invariants:
+//  - The compute stream waits only on the ready event of the unit it asked for.
+//  - A gathered buffer is freed on the fetch stream after the compute stream's release
+//    event; gradient scratch written on the compute stream is freed there only after the
+//    comm stream's reduce-scatter event (deferred, so compute never stalls for it).
+//  - Gathered non-resident units never exceed stage3_max_live_parameters, except that the
+//    unit needed now is always fetched; prefetch follows the order recorded in the first
+//    step and re-records when the model's order changes.
+//  - The optimizer math is the same code whatever the placement (Stream::adamw on the
+//    emulated device and CpuAdamW are bit-identical), so offload does not change results.
+#include "strata/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <optional>
+
+#include "strata/adamw.h"
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/nvme.h"
+#include "strata/pinned_pool.h"
+#include "strata/trace.h"
+
+namespace strata {
+namespace {
+
+constexpr std::size_t kShardAlign = 2048;  // elements: 4 KiB of bf16 per shard at least
+
+
+struct Unit {
+  std::string name;
+  std::vector<std::size_t> offsets;
+  std::size_t numel = 0, padded = 0, shard = 0;
+  std::vector<float> init;
+  bool resident = false;  // full weights live on the device for good (stage < 3 or small)
+  Tier w_tier = Tier::kDevice, g_tier = Tier::kDevice, o_tier = Tier::kDevice;
+  Buffer w_dev;                         // compute-weight shard (non-resident, device tier)
+  std::shared_ptr<PinnedBlock> w_host;  // ... host tier
+  Buffer full;                          // gathered weights (padded), while gathered
+  Event ready, released;
+  bool gathered = false;
+  int in_use = 0;
+  Buffer g_dev;  // fp32 gradient accumulator (shard)
+  std::shared_ptr<PinnedBlock> g_host;
+  Buffer o_dev;  // master | m | v, fp32, 3 * shard
+  std::shared_ptr<PinnedBlock> o_host;
+  Buffer grad_full;  // fp32 gradient scratch between grad_buffer() and reduce_grad()
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  Device& dev;
+  Communicator& comm;
+  EngineConfig cfg;
+  int rank, world;
+  std::size_t c_size;
+  bool finalized = false;
+  MemoryPlan plan;
+  // Declared before the units: destroyed after them (units hold their blocks and buffers).
+  std::unique_ptr<PinnedPool> pool;
+  std::unique_ptr<SwapStore> w_store, o_store_own;
+  SwapStore* o_store = nullptr;
+  std::unique_ptr<CpuAdamW> cpu_adam;
+  std::unique_ptr<Stream> fetch_s, comm_s, opt_s;
+  std::vector<Unit> units;
+
+  // prefetch trace
+  std::vector<int> trace;
+  bool recording = true;
+  std::size_t pos = 0;
+  std::uint64_t live = 0;  // padded elements of gathered non-resident units
+
+  // deferred frees: buffer, the stream that owns its free, the event it must wait for
+  struct Deferred {
+    Buffer buf;
+    Stream* owner;
+    Event after;
+  };
+  std::vector<Deferred> deferred;
+
+  // fp16 loss scaling (DeepSpeed's DynamicLossScaler, consecutive_hysteresis off)
+  double scale = 1;
+  int hysteresis_left = 0;
+  std::int64_t scaler_iter = 0, last_overflow_iter = -1;
+  std::int64_t steps_taken = 0;
+  EngineStats st;
+
+  Impl(Device& d, Communicator& c, const EngineConfig& config)
+      : dev(d), comm(c), cfg(config), rank(c.rank()), world(c.world_size()) {
+    STRATA_REQUIRE(&c.device() == &d, "Engine: the communicator belongs to another device");
+    STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3", cfg.stage);
+    STRATA_REQUIRE(cfg.compute_dtype != DType::kF64, "Engine: fp64 compute is not supported");
+    c_size = dtype_size(cfg.compute_dtype);
+    if (cfg.fp16.enabled) {
+      scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale : std::ldexp(1.0, cfg.fp16.initial_scale_power);
+      hysteresis_left = cfg.fp16.hysteresis;
+    }
+  }
+
+  // ---- memory ----
+  Buffer alloc(std::size_t bytes, Stream* s) {
+    try {
+      return dev.alloc(bytes, s);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kOutOfMemory) throw;
+    }
+    // Frees queued on streams release memory only when the streams reach them: let them.
+    collect(true);
+    dev.synchronize();
+    return dev.alloc(bytes, s);
+  }
+
+  std::shared_ptr<PinnedBlock> pinned(std::size_t bytes) {
+    return std::make_shared<PinnedBlock>(pool->allocate(bytes));
+  }
+
+  void collect(bool force) {
+    for (auto it = deferred.begin(); it != deferred.end();) {
+      if (force || it->after.query()) {
+        it->owner->wait(it->after);
+        it->buf.reset();
+        it = deferred.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  static TensorRef view(const Buffer& b, DType t, std::size_t numel, std::size_t offset = 0) {
+    return tensor(b, t, numel, offset);
+  }
+
+  SwapStore& w_swap() { return *w_store; }
+  static std::string w_key(std::size_t u) { return fmt::format("w{}", u); }
+  static std::string o_key(std::size_t u) { return fmt::format("o{}", u); }
+
+  // ---- gathering ----
+  void issue_fetch(int ui, bool prefetch) {
+    Unit& u = units[std::size_t(ui)];
+    if (u.gathered) return;
+    TraceScope span(prefetch ? "prefetch" : "fetch", "engine", u.padded * c_size);
+    u.full = alloc(u.padded * c_size, fetch_s.get());
+    const TensorRef block = view(u.full, cfg.compute_dtype, u.shard, std::size_t(rank) * u.shard);
+    switch (u.w_tier) {
+      case Tier::kDevice: fetch_s->copy(block.mem, u.w_dev.ref()); break;
+      case Tier::kHost:
+        fetch_s->copy(block.mem, host_ref(u.w_host->data(), u.shard * c_size));
+        st.h2d_bytes += u.shard * c_size;
+        break;
+      case Tier::kNvme: {
+        auto staging = pinned(SwapStore::padded_bytes(u.shard * c_size));
+        IoHandle h = w_swap().read(w_key(std::size_t(ui)), staging->data(), u.shard * c_size);
+        fetch_s->host_fn([h] { h.wait(); }, "nvme_wait");
+        fetch_s->copy(block.mem, host_ref(staging->data(), u.shard * c_size));
+        fetch_s->host_fn([staging] {}, "staging_free");
+        st.nvme_read_bytes += u.shard * c_size;
+        st.h2d_bytes += u.shard * c_size;
+        break;
+      }
+    }
+    if (world > 1) comm.all_gather(block, view(u.full, cfg.compute_dtype, u.padded), *fetch_s);
+    u.ready = fetch_s->record();
+    u.gathered = true;
+    live += u.padded;
+    ++(prefetch ? st.prefetches : st.fetches);
+  }
+
+  void drop(Unit& u) {
+    if (!u.gathered || u.resident) return;
+    if (u.released.valid()) fetch_s->wait(u.released);
+    u.full.reset();
+    u.gathered = false;
+    live -= u.padded;
+  }
+
+  // Next position after `from` where the trace uses `ui`, or SIZE_MAX.
+  std::size_t next_use(int ui, std::size_t from) const {
+    for (std::size_t p = from; p < trace.size(); ++p)
+      if (trace[p] == ui) return p;
+    return SIZE_MAX;
+  }
+
+  // Makes room for `need` more live elements by dropping released units whose next use is
+  // furthest away.
+  void make_room(std::uint64_t need) {
+    while (live + need > cfg.max_live_parameters) {
+      int victim = -1;
+      std::size_t furthest = 0;
+      for (std::size_t i = 0; i < units.size(); ++i) {
+        const Unit& u = units[i];
+        if (!u.gathered || u.resident || u.in_use > 0) continue;
+        const std::size_t nu = recording ? SIZE_MAX : next_use(int(i), pos);
+        if (victim < 0 || nu > furthest) {
+          victim = int(i);
+          furthest = nu;
+        }
+      }
+      if (victim < 0) return;
+      drop(units[std::size_t(victim)]);
+    }
+  }
+
+  void prefetch_ahead() {
+    if (recording) return;
+    std::uint64_t ahead = 0;
+    for (std::size_t p = pos; p < trace.size(); ++p) {
+      Unit& u = units[std::size_t(trace[p])];
+      if (u.resident || u.gathered) continue;
+      if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
+      if (live + u.padded > cfg.max_live_parameters) break;
+      issue_fetch(trace[p], true);
+      ahead += u.padded;
+    }
+  }
+
+  void note_fetch(int ui) {
+    if (recording) {
+      trace.push_back(ui);
+      return;
+    }
+    if (pos < trace.size() && trace[pos] == ui) {
+      ++pos;
+      return;
+    }
+    log::info("engine: unit order changed at position {} (expected {}, got {}); recording it again", pos,
+              pos < trace.size() ? units[std::size_t(trace[pos])].name : std::string("the end"),
+              units[std::size_t(ui)].name);
+    ++st.trace_rebuilds;
+    trace.assign(trace.begin(), trace.begin() + std::ptrdiff_t(std::min(pos, trace.size())));
+    trace.push_back(ui);
+    recording = true;
+  }
+};
+
+Engine::Engine(Device& device, Communicator& comm, const EngineConfig& config)
+    : impl_(std::make_unique<Impl>(device, comm, config)) {}
+
+Engine::~Engine() {
+  if (!impl_) return;
+  try {
+    impl_->collect(true);
+    impl_->dev.synchronize();
+  } catch (const std::exception& e) {
+    log::error("engine shutdown: {}", e.what());
+  }
+}
+
+int Engine::add_unit(const UnitDef& def) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(!s.finalized, "Engine::add_unit('{}') after finalize(): register every unit first", def.name);
+  STRATA_REQUIRE(!def.params.empty(), "unit '{}' has no parameters", def.name);
+  Unit u;
+  u.name = def.name;
+  for (const ParamDef& p : def.params) {
+    STRATA_REQUIRE(p.numel > 0, "parameter '{}.{}' has 0 elements", def.name, p.name);
+    STRATA_REQUIRE(p.init != nullptr, "parameter '{}.{}' has no initial values", def.name, p.name);
+    u.offsets.push_back(u.numel);
+    u.init.insert(u.init.end(), p.init, p.init + p.numel);
+    u.numel += p.numel;
+  }
+  const std::size_t align = kShardAlign * std::size_t(s.world);
+  u.padded = (u.numel + align - 1) / align * align;
+  u.shard = u.padded / std::size_t(s.world);
+  u.init.resize(u.padded, 0.0f);
+  s.units.push_back(std::move(u));
+  return int(s.units.size() - 1);
+}
+
+std::size_t Engine::unit_numel(int unit) const { return impl_->units.at(std::size_t(unit)).numel; }
+std::size_t Engine::param_offset(int unit, int param) const {
+  return impl_->units.at(std::size_t(unit)).offsets.at(std::size_t(param));
+}
+const MemoryPlan& Engine::plan() const { return impl_->plan; }
+const EngineConfig& Engine::config() const { return impl_->cfg; }
+DType Engine::compute_dtype() const { return impl_->cfg.compute_dtype; }
+float Engine::loss_scale() const { return float(impl_->scale); }
+
+void Engine::finalize() {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(!s.finalized, "Engine::finalize() called twice");
+  STRATA_REQUIRE(!s.units.empty(), "Engine::finalize(): no units registered");
+  const EngineConfig& cfg = s.cfg;
+
+  // Tiers, in unit order, by each piece's byte position.
+  double w_total = 0, g_total = 0, o_total = 0;
+  for (auto& u : s.units) {
+    u.resident = cfg.stage < 3 || u.numel <= cfg.param_persistence_threshold;
+    if (!u.resident) w_total += double(u.shard);
+    g_total += double(u.shard);
+    o_total += double(u.shard);
+  }
+  double w_pos = 0, g_pos = 0, o_pos = 0;
+  bool w_nvme = false, o_nvme = false;
+  for (auto& u : s.units) {
+    if (!u.resident) {
+      u.w_tier = cfg.params.tier_at(w_pos, w_total);
+      w_pos += double(u.shard);
+      w_nvme = w_nvme || u.w_tier == Tier::kNvme;
+    }
+    u.g_tier = cfg.grads.tier_at(g_pos, g_total);
+    g_pos += double(u.shard);
+    STRATA_REQUIRE(u.g_tier != Tier::kNvme, "gradient shards cannot live on NVMe: set "
+                   "zero_optimization.offload_grads to \"none\" or \"cpu\"");
+    u.o_tier = cfg.optimizer.tier_at(o_pos, o_total);
+    o_pos += double(u.shard);
+    o_nvme = o_nvme || u.o_tier == Tier::kNvme;
+  }
+
+  // The plan, before anything is allocated.
+  PlanInputs in;
+  for (auto& u : s.units) in.units.push_back({u.name, u.numel});
+  in.world_size = s.world;
+  in.device_capacity = s.dev.stats().capacity_bytes;
+  in.host_capacity = cfg.host_budget_bytes;
+  in.nvme_capacity = UINT64_MAX;
+  s.plan = plan_memory(cfg, in);
+  if (!s.plan.fits) {
+    std::string problems;
+    for (auto& p : s.plan.problems) problems += "\n  " + p;
+    STRATA_THROW(kOutOfMemory, "the training state does not fit:{}\n{}", problems, s.plan.table());
+  }
+
+  s.fetch_s = s.dev.create_stream("fetch");
+  s.comm_s = s.dev.create_stream("comm");
+  s.opt_s = s.dev.create_stream("optimizer");
+  PinnedPoolOptions po;
+  po.budget_bytes = cfg.host_budget_bytes ? cfg.host_budget_bytes : (std::uint64_t(16) << 30);
+  po.huge_pages = cfg.aio.use_hugepages;
+  po.lock = cfg.pin_memory;
+  po.device = &s.dev;
+  s.pool = std::make_unique<PinnedPool>(po);
+  CpuAdamWConfig ac;
+  ac.policy = NonFinitePolicy::kReportOnly;
+  s.cpu_adam = std::make_unique<CpuAdamW>(ac);
+
+  auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
+    SwapStoreOptions so;
+    so.paths = paths;
+    so.rank = s.rank;
+    so.aio = cfg.aio;
+    so.config_key = key;
+    return so;
+  };
+  if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "offload_param.nvme_path"));
+  if (o_nvme) {
+    if (s.w_store && cfg.optimizer_nvme_paths == cfg.param_nvme_paths) {
+      s.o_store = s.w_store.get();
+    } else {
+      s.o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "offload_optimizer.nvme_path"));
+      s.o_store = s.o_store_own.get();
+    }
+  }
+
+  // Initial state: this rank's shard of every unit.
+  const DType ct = cfg.compute_dtype;
+  Stream& up = *s.fetch_s;
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+    Unit& u = s.units[ui];
+    const float* master = u.init.data() + std::size_t(s.rank) * u.shard;
+    // compute weights as the optimizer's copy-out would produce them
+    auto w = s.pinned(SwapStore::padded_bytes(u.shard * s.c_size));
+    for (std::size_t i = 0; i < u.shard; ++i) {
+      if (ct == DType::kF32) static_cast<float*>(w->data())[i] = master[i];
+      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w->data())[i] = f32_to_bf16(master[i]);
+      else static_cast<std::uint16_t*>(w->data())[i] = f32_to_f16(master[i]);
+    }
+    if (u.resident) {
+      u.full = s.dev.alloc(u.padded * s.c_size);
+      const TensorRef block = Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
+      up.copy(block.mem, host_ref(w->data(), u.shard * s.c_size));
+      if (s.world > 1) s.comm.all_gather(block, Impl::view(u.full, ct, u.padded), up);
+      u.gathered = true;
+      u.ready = up.record();
+    } else if (u.w_tier == Tier::kDevice) {
+      u.w_dev = s.dev.alloc(u.shard * s.c_size);
+      up.copy(u.w_dev.ref(), host_ref(w->data(), u.shard * s.c_size));
+    } else if (u.w_tier == Tier::kHost) {
+      u.w_host = w;
+    } else {
+      s.w_store->write(Impl::w_key(ui), w->data(), u.shard * s.c_size).wait();
+    }
+    // optimizer state: master | m | v
+    auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    auto* of = static_cast<float*>(o->data());
+    std::memcpy(of, master, u.shard * 4);
+    std::memset(of + u.shard, 0, 2 * u.shard * 4);
+    if (u.o_tier == Tier::kDevice) {
+      u.o_dev = s.dev.alloc(3 * u.shard * 4);
+      up.copy(u.o_dev.ref(), host_ref(of, 3 * u.shard * 4));
+    } else if (u.o_tier == Tier::kHost) {
+      u.o_host = o;
+    } else {
+      s.o_store->write(Impl::o_key(ui), of, 3 * u.shard * 4).wait();
+    }
+    // gradient accumulator
+    if (u.g_tier == Tier::kDevice) {
+      u.g_dev = s.dev.alloc(u.shard * 4);
+      up.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
+    } else {
+      u.g_host = s.pinned(u.shard * 4);
+      std::memset(u.g_host->data(), 0, u.shard * 4);
+    }
+    up.synchronize();  // the staging above is released when this scope ends
+    u.init.clear();
+    u.init.shrink_to_fit();
+  }
+  s.finalized = true;
+}
+
+TensorRef Engine::fetch(int unit, Stream& compute) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(s.finalized, "Engine::fetch before finalize()");
+  STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
+  Unit& u = s.units[std::size_t(unit)];
+  if (!u.resident) {
+    s.note_fetch(unit);
+    if (!u.gathered) {
+      s.make_room(u.padded);
+      s.issue_fetch(unit, false);
+    }
+    s.prefetch_ahead();
+  }
+  ++u.in_use;
+  compute.wait(u.ready);
+  return Impl::view(u.full, s.cfg.compute_dtype, u.numel);
+}
+
+void Engine::release(int unit, Stream& compute) {
+  Impl& s = *impl_;
+  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(u.in_use > 0, "Engine::release('{}') without a matching fetch", u.name);
+  --u.in_use;
+  if (u.resident) return;
+  u.released = compute.record();
+  if (u.in_use > 0) return;
+  // Keep it gathered if the trace uses it again soon and the budget allows.
+  if (!s.recording) {
+    const std::size_t nu = s.next_use(unit, s.pos);
+    if (nu != SIZE_MAX) {
+      std::uint64_t dist = 0;
+      for (std::size_t p = s.pos; p < nu; ++p) dist += s.units[std::size_t(s.trace[p])].padded;
+      if (dist <= s.cfg.max_reuse_distance) return;
+    }
+  }
+  s.drop(u);
+}
+
+TensorRef Engine::grad_buffer(int unit, Stream& compute) {
+  Impl& s = *impl_;
+  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(!u.grad_full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
+  s.collect(false);
+  u.grad_full = s.alloc(u.padded * 4, &compute);
+  compute.fill(Impl::view(u.grad_full, DType::kF32, u.padded), 0.0f);
+  return Impl::view(u.grad_full, DType::kF32, u.numel);
+}
+
+void Engine::reduce_grad(int unit, Stream& compute) {
+  Impl& s = *impl_;
+  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(static_cast<bool>(u.grad_full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
+  Stream& cs = *s.comm_s;
+  cs.wait(compute.record());
+  Buffer out = s.alloc(u.shard * 4, &cs);
+  const TensorRef shard = Impl::view(out, DType::kF32, u.shard);
+  s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), shard, ReduceOp::kAvg, cs);
+  s.deferred.push_back({std::move(u.grad_full), &compute, cs.record()});
+  if (u.g_tier == Tier::kDevice) {
+    cs.add(Impl::view(u.g_dev, DType::kF32, u.shard), shard, Impl::view(u.g_dev, DType::kF32, u.shard));
+  } else {
+    auto staging = s.pinned(u.shard * 4);
+    cs.copy(host_ref(staging->data(), u.shard * 4), out.ref());
+    s.st.d2h_bytes += u.shard * 4;
+    float* acc = static_cast<float*>(u.g_host->data());
+    const std::size_t n = u.shard;
+    cs.host_fn(
+        [staging, acc, n] {
+          const float* g = static_cast<const float*>(staging->data());
+          for (std::size_t i = 0; i < n; ++i) acc[i] += g[i];
+        },
+        "grad_accumulate");
+  }
+}
+
+StepResult Engine::step(float lr) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(s.finalized, "Engine::step before finalize()");
+  for (auto& u : s.units)
+    STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",
+                   u.name);
+  s.comm_s->synchronize();
+  s.collect(true);
+  s.fetch_s->synchronize();
+  Stream& os = *s.opt_s;
+
+  // Global gradient norm (and fp16 overflow) from the accumulators: one all-reduce.
+  double local = 0;
+  {
+    TraceScope span("grad_norm", "optimizer");
+    Buffer sq = s.alloc(4, &os);
+    for (auto& u : s.units) {
+      if (u.g_tier == Tier::kHost) {
+        const float* g = static_cast<const float*>(u.g_host->data());
+        double part = 0;
+        for (std::size_t i = 0; i < u.shard; ++i) part += double(g[i]) * g[i];
+        local += part;
+      } else {
+        float v = 0;
+        os.sum_squares(Impl::view(u.g_dev, DType::kF32, u.shard), Impl::view(sq, DType::kF32, 1));
+        os.copy(host_ref(&v, 4), sq.ref());
+        os.synchronize();
+        local += double(v);
+      }
+    }
+  }
+  double total = local;
+  if (s.world > 1) {
+    Buffer b = s.alloc(8, &os);
+    os.copy(b.ref(), host_ref(&local, 8));
+    s.comm.all_reduce(TensorRef{b.ref(), DType::kF64, 1}, ReduceOp::kSum, os);
+    os.copy(host_ref(&total, 8), b.ref());
+    os.synchronize();
+  }
+  const double den = double(s.cfg.gradient_accumulation_steps) * s.scale;
+  StepResult r;
+  r.loss_scale = s.scale;
+  r.grad_norm = std::sqrt(total) / den;
+  const bool overflow = !std::isfinite(r.grad_norm);
+
+  if (s.cfg.fp16.enabled) {  // DeepSpeed's DynamicLossScaler::update_scale
+    if (s.cfg.fp16.loss_scale <= 0) {
+      if (overflow) {
+        if (s.cfg.fp16.hysteresis == 1 || s.hysteresis_left == 1)
+          s.scale = std::max(s.scale / 2, s.cfg.fp16.min_loss_scale);
+        else
+          --s.hysteresis_left;
+        s.last_overflow_iter = s.scaler_iter;
+      } else if ((s.scaler_iter - s.last_overflow_iter) % s.cfg.fp16.loss_scale_window == 0) {
+        s.hysteresis_left = s.cfg.fp16.hysteresis;
+        s.scale *= 2;
+      }
+      ++s.scaler_iter;
+    }
+  }
+  auto zero_grads = [&] {
+    for (auto& u : s.units) {
+      if (u.g_tier == Tier::kHost) std::memset(u.g_host->data(), 0, u.shard * 4);
+      else os.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
+    }
+    os.synchronize();
+  };
+  if (overflow) {
+    if (!s.cfg.fp16.enabled)
+      log::warn("step {}: the gradient norm is not finite; the step is skipped", s.steps_taken + 1);
+    zero_grads();
+    r.skipped = true;
+    r.step = s.steps_taken;
+    return r;
+  }
+  if (s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping)
+    r.clip_coef = s.cfg.gradient_clipping / (r.grad_norm + 1e-6);
+
+  AdamWOptions opt = s.cfg.adamw;
+  opt.lr = lr;
+  opt.step = s.steps_taken + 1;
+  opt.grad_scale = float(r.clip_coef / den);
+  const DType ct = s.cfg.compute_dtype;
+  const bool copy_out = ct != DType::kF32;
+
+  // Where the new compute weights of unit `u` go, as a host staging block when the target
+  // is not host memory the optimizer can write directly.
+  auto w_target_dev = [&](Unit& u) -> std::optional<TensorRef> {
+    if (u.resident) return Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
+    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, u.shard);
+    return std::nullopt;
+  };
+
+  // Units with optimizer state on NVMe: the next unit's state streams in while this one
+  // computes; writes go out behind, at most optimizer_buffer_count in flight.
+  std::vector<std::size_t> nvme_units;
+  for (std::size_t i = 0; i < s.units.size(); ++i)
+    if (s.units[i].o_tier == Tier::kNvme) nvme_units.push_back(i);
+  std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
+  std::deque<IoHandle> writes;
+  auto issue_read = [&](std::size_t k) {
+    if (k >= nvme_units.size()) return;
+    Unit& u = s.units[nvme_units[k]];
+    auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    IoHandle h = s.o_store->read(Impl::o_key(nvme_units[k]), b->data(), 3 * u.shard * 4);
+    s.st.nvme_read_bytes += 3 * u.shard * 4;
+    reads[nvme_units[k]] = {b, h};
+  };
+  // Writes `bytes` from `block` to `store`; the block lives until the write completes.
+  auto write_behind = [&](SwapStore& store, const std::string& key, std::shared_ptr<PinnedBlock> block,
+                          std::size_t bytes) {
+    IoHandle h = store.write(key, block->data(), bytes);
+    h.on_complete([block](std::exception_ptr) {});
+    s.st.nvme_written_bytes += bytes;
+    writes.push_back(h);
+    while (writes.size() > std::size_t(std::max(1, s.cfg.optimizer_buffer_count))) {
+      writes.front().wait();
+      writes.pop_front();
+    }
+  };
+  std::size_t nvme_next = 0;
+  issue_read(nvme_next++);
+
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+    Unit& u = s.units[ui];
+    TraceScope span("adamw", "optimizer", u.shard * 4 * 4);
+    const std::size_t n = u.shard;
+    const std::size_t w_bytes = n * s.c_size;
+    const auto target = w_target_dev(u);  // device-resident compute weights, if any
+    std::shared_ptr<PinnedBlock> w_out;   // host-side new compute weights otherwise
+
+    if (u.o_tier == Tier::kDevice) {
+      Buffer g_tmp, scratch;
+      TensorRef g;
+      if (u.g_tier == Tier::kDevice) {
+        g = Impl::view(u.g_dev, DType::kF32, n);
+      } else {
+        g_tmp = s.alloc(n * 4, &os);
+        os.copy(g_tmp.ref(), host_ref(u.g_host->data(), n * 4));
+        g = Impl::view(g_tmp, DType::kF32, n);
+      }
+      AdamWShard sh{Impl::view(u.o_dev, DType::kF32, n, 0), g, Impl::view(u.o_dev, DType::kF32, n, n),
+                    Impl::view(u.o_dev, DType::kF32, n, 2 * n), {}};
+      if (copy_out) {
+        if (target) {
+          sh.copy_out = *target;
+        } else {
+          scratch = s.alloc(w_bytes, &os);
+          sh.copy_out = Impl::view(scratch, ct, n);
+        }
+      }
+      AdamWDesc d;
+      d.options = opt;
+      d.policy = NonFinitePolicy::kReportOnly;
+      d.shards.push_back(sh);
+      os.adamw(d);
+      const MemRef new_w = copy_out ? (target ? target->mem : scratch.ref()) : u.o_dev.ref(0, n * 4);
+      if (target) {
+        if (!copy_out) os.copy(target->mem, new_w);
+      } else {
+        w_out = u.w_tier == Tier::kHost ? u.w_host : s.pinned(SwapStore::padded_bytes(w_bytes));
+        os.copy(host_ref(w_out->data(), w_bytes), new_w);
+        s.st.d2h_bytes += w_bytes;
+      }
+      os.synchronize();
+    } else {
+      float* state = nullptr;
+      std::shared_ptr<PinnedBlock> state_block;
+      if (u.o_tier == Tier::kHost) {
+        state = static_cast<float*>(u.o_host->data());
+      } else {
+        issue_read(nvme_next++);
+        auto it = reads.find(ui);
+        it->second.second.wait();
+        state_block = it->second.first;
+        reads.erase(it);
+        state = static_cast<float*>(state_block->data());
+      }
+      std::shared_ptr<PinnedBlock> g_stage;
+      const float* g = nullptr;
+      if (u.g_tier == Tier::kHost) {
+        g = static_cast<const float*>(u.g_host->data());
+      } else {
+        g_stage = s.pinned(n * 4);
+        os.copy(host_ref(g_stage->data(), n * 4), u.g_dev.ref());
+        os.synchronize();
+        s.st.d2h_bytes += n * 4;
+        g = static_cast<const float*>(g_stage->data());
+      }
+      w_out = (!target && u.w_tier == Tier::kHost) ? u.w_host : s.pinned(SwapStore::padded_bytes(w_bytes));
+      AdamWShard sh{host_tensor(state, DType::kF32, n), host_tensor(g, DType::kF32, n),
+                    host_tensor(state + n, DType::kF32, n), host_tensor(state + 2 * n, DType::kF32, n), {}};
+      if (copy_out) sh.copy_out = host_tensor(w_out->data(), ct, n);
+      s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
+      if (!copy_out) std::memcpy(w_out->data(), state, n * 4);
+      if (target) {
+        os.copy(target->mem, host_ref(w_out->data(), w_bytes));
+        os.host_fn([w_out] {}, "staging_free");
+        s.st.h2d_bytes += w_bytes;
+      }
+      if (state_block) write_behind(*s.o_store, Impl::o_key(ui), state_block, 3 * n * 4);
+    }
+    if (!u.resident && u.w_tier == Tier::kNvme) write_behind(*s.w_store, Impl::w_key(ui), w_out, w_bytes);
+  }
+  for (auto& h : writes) h.wait();
+  os.synchronize();
+
+  // Resident units: gather the updated shards.
+  for (auto& u : s.units) {
+    if (!u.resident || s.world == 1) continue;
+    const TensorRef block = Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
+    s.comm.all_gather(block, Impl::view(u.full, ct, u.padded), os);
+  }
+  // Gathered non-resident units hold the old weights: drop them.
+  for (auto& u : s.units) s.drop(u);
+  zero_grads();
+  for (auto& u : s.units)
+    if (u.resident) u.ready = os.record();
+  os.synchronize();
+
+  if (s.recording) s.recording = false;
+  s.pos = 0;
+  r.step = ++s.steps_taken;
+  return r;
+}
+
+std::vector<float> Engine::master_shard(int unit) {
+  Impl& s = *impl_;
+  Unit& u = s.units.at(std::size_t(unit));
+  std::vector<float> out(3 * u.shard);
+  if (u.o_tier == Tier::kDevice) {
+    s.opt_s->copy(host_ref(out.data(), out.size() * 4), u.o_dev.ref());
+    s.opt_s->synchronize();
+  } else if (u.o_tier == Tier::kHost) {
+    std::memcpy(out.data(), u.o_host->data(), out.size() * 4);
+  } else {
+    auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    s.o_store->read(Impl::o_key(std::size_t(unit)), b->data(), 3 * u.shard * 4).wait();
+    std::memcpy(out.data(), b->data(), out.size() * 4);
+  }
+  out.resize(u.shard);
+  return out;
+}
+
+std::vector<float> Engine::gather_master(int unit) {
+  Impl& s = *impl_;
+  Unit& u = s.units.at(std::size_t(unit));
+  std::vector<float> shard = master_shard(unit);
+  std::vector<float> full(u.padded);
+  if (s.world == 1) {
+    full = shard;
+  } else {
+    Buffer b = s.alloc(u.padded * 4, s.opt_s.get());
+    const TensorRef block = Impl::view(b, DType::kF32, u.shard, std::size_t(s.rank) * u.shard);
+    s.opt_s->copy(block.mem, host_ref(shard.data(), u.shard * 4));
+    s.comm.all_gather(block, Impl::view(b, DType::kF32, u.padded), *s.opt_s);
+    s.opt_s->copy(host_ref(full.data(), u.padded * 4), b.ref());
+    s.opt_s->synchronize();
+  }
+  full.resize(u.numel);
+  return full;
+}
+
+EngineStats Engine::stats() const {
+  const Impl& s = *impl_;
+  EngineStats st = s.st;
+  const DeviceStats ds = s.dev.stats();
+  st.device_peak_bytes = ds.peak_bytes_in_use;
+  st.device_capacity = ds.capacity_bytes;
+  if (s.pool) {
+    const PinnedPoolStats ps = s.pool->stats();
+    st.host_pinned_peak_bytes = ps.peak_reserved_bytes;
+    st.host_budget_bytes = ps.budget_bytes;
+  }
+  if (s.w_store) st.nvme_bytes += s.w_store->stats().file_bytes;
+  if (s.o_store_own) st.nvme_bytes += s.o_store_own->stats().file_bytes;
+  return st;
+}
+
+}  // namespace strata

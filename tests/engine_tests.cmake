@@ -1,0 +1,1 @@
+strata_add_test(engine_test SOURCES engine_test.cpp LABELS unit)
