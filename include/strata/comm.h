@@ -69,6 +69,9 @@ struct CommOptions {
   std::optional<CommBackend> backend;  // unset: NCCL for CUDA, MPI under a launcher, else local
   // Seconds a collective may take before the job is ended. 0: STRATA_COMM_TIMEOUT_S, else 300.
   double timeout_s = 0;
+  // With backend kLocal inside a multi-rank job: a deliberate one-rank group of this process
+  // alone (a per-rank reference computation); otherwise that combination is refused.
+  bool process_local = false;
 };
 
 class Communicator {

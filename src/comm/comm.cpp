@@ -208,9 +208,9 @@ std::unique_ptr<Communicator> make_communicator(Device& device, const CommOption
   switch (backend) {
     case CommBackend::kLocal: {
       const LaunchInfo li = launch_info();
-      STRATA_REQUIRE(li.world_size == 1,
+      STRATA_REQUIRE(li.world_size == 1 || options.process_local,
                      "the local communicator serves one rank, but the launcher started {}; use the mpi "
-                     "or nccl backend (the default)",
+                     "or nccl backend (the default), or set CommOptions::process_local for a group of this process alone",
                      li.world_size);
       return comm::make_local_communicator(device, timeout_s);
     }

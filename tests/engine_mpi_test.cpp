@@ -1,0 +1,152 @@
+// The engine across ranks: N ranks under mpirun (MPI on the CPU-emulated device), each with
+// 1/N of the global batch, against one rank with the whole batch computed in the same
+// process. Same global batch, so the same losses and weights up to reduction order.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "engine/linear_model.h"
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::LinearModel;
+
+struct Env {
+  LaunchInfo launch;
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<Communicator> comm;
+};
+Env* g_env = nullptr;
+
+struct Run {
+  std::vector<double> losses;  // global mean loss per step
+  std::vector<std::vector<float>> master;
+};
+
+Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
+          int steps, int accum) {
+  cfg.gradient_accumulation_steps = accum;
+  Engine e(dev, comm, cfg);
+  model.register_units(e);
+  e.finalize();
+  auto s = dev.create_stream("compute");
+  Run out;
+  const int r = comm.rank(), n = comm.world_size();
+  for (int step = 0; step < steps; ++step) {
+    double loss = 0;
+    for (int a = 0; a < accum; ++a) {
+      const int mb = a;  // the same micro-batches every step: the loss must fall
+      auto x = LinearModel::data(model.dims.front(), rows_per_rank, r * rows_per_rank, mb, 1);
+      auto t = LinearModel::data(model.dims.back(), rows_per_rank, r * rows_per_rank, mb, 2);
+      loss += model.micro_batch(e, dev, *s, x, t) / accum;
+    }
+    e.step(2e-2f);
+    if (n > 1) {  // the global loss: the mean of the ranks' means (equal row counts)
+      Buffer b = dev.alloc(8, s.get());
+      s->copy(b.ref(), host_ref(&loss, 8));
+      comm.all_reduce(TensorRef{b.ref(), DType::kF64, 1}, ReduceOp::kSum, *s);
+      s->copy(host_ref(&loss, 8), b.ref());
+      s->synchronize();
+      loss /= n;
+    }
+    out.losses.push_back(loss);
+  }
+  for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
+  return out;
+}
+
+void compare_with_one_rank(EngineConfig cfg, const char* what) {
+  Env& env = *g_env;
+  const int n = env.comm->world_size();
+  const std::vector<int> dims = {24, 40, 33, 16};
+  const int rows = 2, steps = 6, accum = 2;
+  cfg.host_budget_bytes = 64 << 20;
+  const Run multi = train(*env.dev, *env.comm, cfg, LinearModel(dims, rows, 7), rows, steps, accum);
+
+  auto dev1 = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  co.process_local = true;
+  auto local = make_communicator(*dev1, co);
+  EngineConfig c1 = cfg;
+  for (auto* paths : {&c1.param_nvme_paths, &c1.optimizer_nvme_paths})
+    for (auto& p : *paths) p += "/reference-of-rank" + std::to_string(env.comm->rank());
+  for (auto& p : c1.param_nvme_paths) fs::create_directories(p);
+  for (auto& p : c1.optimizer_nvme_paths) fs::create_directories(p);
+  const Run one = train(*dev1, *local, c1, LinearModel(dims, rows * n, 7), rows * n, steps, accum);
+
+  for (int i = 0; i < steps; ++i)
+    EXPECT_NEAR(multi.losses[std::size_t(i)], one.losses[std::size_t(i)], 1e-5 * one.losses[std::size_t(i)])
+        << what << ": step " << i;
+  EXPECT_LT(multi.losses.back(), multi.losses.front()) << what << ": did not train";
+  for (std::size_t l = 0; l < one.master.size(); ++l)
+    for (std::size_t i = 0; i < one.master[l].size(); ++i)
+      ASSERT_NEAR(multi.master[l][i], one.master[l][i], 2e-5 + 2e-5 * std::fabs(one.master[l][i]))
+          << what << ": layer " << l << " element " << i;
+}
+
+Placement on(Tier t) {
+  Placement p;
+  p.device_fraction = t == Tier::kDevice ? 1 : 0;
+  p.host_fraction = t == Tier::kHost ? 1 : 0;
+  return p;
+}
+
+TEST(EngineRanks, Stage3MatchesOneRank) { compare_with_one_rank(default_engine_config(), "stage 3"); }
+
+TEST(EngineRanks, Stage2MatchesOneRank) {
+  EngineConfig c = default_engine_config();
+  c.stage = 2;
+  compare_with_one_rank(c, "stage 2");
+}
+
+TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
+  EngineConfig c = default_engine_config();
+  const std::string dir = (fs::temp_directory_path() / "strata-engine-mpi-test").string();
+  if (g_env->comm->rank() == 0) fs::create_directories(dir);
+  g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
+  c.params = on(Tier::kNvme);
+  c.optimizer = on(Tier::kHost);
+  c.optimizer.host_fraction = 0.5;
+  c.optimizer.device_fraction = 0;
+  c.grads = on(Tier::kHost);
+  c.param_nvme_paths = {dir};
+  c.optimizer_nvme_paths = {dir};
+  compare_with_one_rank(c, "params on NVMe, optimizer half host half NVMe");
+  g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
+  std::error_code ec;
+  if (g_env->comm->rank() == 0) fs::remove_all(dir, ec);
+}
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  using namespace strata;
+  ::testing::InitGoogleTest(&argc, argv);
+  Env env;
+  try {
+    env.launch = init_launch();
+    HostDeviceOptions o;
+    o.capacity_bytes = std::size_t(256) << 20;
+    o.random_delay_us = 30;
+    env.dev = make_host_device(o);
+    env.comm = make_communicator(*env.dev);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "engine_mpi_test: %s\n", e.what());
+    return 1;
+  }
+  g_env = &env;
+  if (env.launch.rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  if (rc != 0) std::fprintf(stderr, "engine_mpi_test: rank %d failed\n", env.launch.rank);
+  return rc;
+}
