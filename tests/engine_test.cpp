@@ -1,5 +1,7 @@
-// The ZeRO-3 engine on one rank with the CPU-emulated device: placements, stages, memory
-// caps, random delays, clipping and fp16 skipping against references, NVMe faults.
+// The ZeRO-3 engine on one rank: placements, stages, memory caps, random delays, clipping
+// and fp16 skipping against references, NVMe faults. Built twice: engine_test on the
+// CPU-emulated device, engine_gpu_test (-DSTRATA_TEST_CUDA, label gpu) on CudaDevice, where
+// it skips without a GPU.
 #include <unistd.h>
 
 #include <filesystem>
@@ -47,8 +49,29 @@ struct RunSetup {
   int inf_step = -1;
 };
 
+#ifdef STRATA_TEST_CUDA
+#define STRATA_NEEDS_DEVICE()                                                             \
+  do {                                                                                    \
+    if (probe_cuda().device_count == 0) GTEST_SKIP() << "no usable GPU: " << probe_cuda().reason; \
+  } while (0)
+#define STRATA_EMULATED_ONLY() GTEST_SKIP() << "a property of the emulated device"
+std::unique_ptr<Device> make_test_device(const HostDeviceOptions& o) {
+  CudaDeviceOptions c;
+  c.capacity_bytes = o.capacity_bytes;
+  return make_cuda_device(c);
+}
+#else
+#define STRATA_NEEDS_DEVICE() \
+  do {                        \
+  } while (0)
+#define STRATA_EMULATED_ONLY() \
+  do {                         \
+  } while (0)
+std::unique_ptr<Device> make_test_device(const HostDeviceOptions& o) { return make_host_device(o); }
+#endif
+
 RunOut train(const RunSetup& su, const LinearModel& model) {
-  auto dev = make_host_device(su.dev);
+  auto dev = make_test_device(su.dev);
   CommOptions co;
   co.backend = CommBackend::kLocal;
   auto comm = make_communicator(*dev, co);
@@ -95,6 +118,7 @@ Placement on(Tier t) {
 class PlacementTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 11);
   RunSetup base;
   base.cfg.compute_dtype = GetParam();
@@ -132,6 +156,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, PlacementTest, ::testing::Values(DType::kF32, D
                          [](const auto& p) { return std::string(dtype_name(p.param)); });
 
 TEST(Engine, Stages123AreBitIdentical) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 5);
   RunSetup s3;
   s3.steps = 8;
@@ -146,6 +171,8 @@ TEST(Engine, Stages123AreBitIdentical) {
 }
 
 TEST(Engine, RandomDelaysChangeNothing) {
+  STRATA_NEEDS_DEVICE();
+  STRATA_EMULATED_ONLY();
   const LinearModel model({24, 40, 33, 16}, 4, 12);
   TempDir nv;
   RunSetup s;
@@ -164,6 +191,7 @@ TEST(Engine, RandomDelaysChangeNothing) {
 }
 
 TEST(Engine, PeakDeviceBytesStayUnderACapFourTimesSmallerThanTheWeights) {
+  STRATA_NEEDS_DEVICE();
   std::vector<int> dims(65, 128);  // 64 layers of 128 x 128
   const LinearModel model(dims, 2, 21);
   TempDir nv;
@@ -239,6 +267,7 @@ struct Reference {
 };
 
 TEST(Engine, GradientClippingAgreesWithASerialReference) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 8);
   RunSetup s;
   s.steps = 1;
@@ -277,6 +306,7 @@ TEST(Engine, GradientClippingAgreesWithASerialReference) {
 }
 
 TEST(Engine, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 9);
   RunSetup s;
   s.steps = 4;
@@ -306,6 +336,7 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
 }
 
 TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 13);
   TempDir nv;
   RunSetup s;
@@ -330,6 +361,7 @@ TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
 }
 
 TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
+  STRATA_NEEDS_DEVICE();
   const LinearModel model({128, 128, 128}, 4, 3);
   RunSetup s;
   s.cfg.stage = 2;  // every unit's weights resident on the device

@@ -1,4 +1,6 @@
 strata_add_test(engine_test SOURCES engine_test.cpp LABELS unit)
+# The same suite on CudaDevice (1 rank, local communicator): skipped without a GPU.
+strata_add_test(engine_gpu_test SOURCES engine_test.cpp LABELS gpu DEFINES STRATA_TEST_CUDA=1)
 
 # Across ranks: mpirun with 2 and 4 ranks against one rank with the whole batch.
 find_package(MPI COMPONENTS C)
