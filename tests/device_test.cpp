@@ -380,6 +380,31 @@ TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
   EXPECT_GE(d2h_s, bytes / 1.0e9);
 }
 
+TEST_P(DeviceTest, ThrottledMatmulsTakeAtLeastFlopsOverRate) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  HostDeviceOptions o;
+  o.capacity_bytes = 64 << 20;
+  o.compute_gflops = 0.5;
+  auto slow = make_host_device(o);
+  auto st = slow->create_stream("compute");
+  const std::int64_t m = 64, n = 96, k = 80;  // 2*m*n*k = 983040 flops: >= 1.97 ms at 0.5 GFLOP/s
+  std::vector<float> ha(std::size_t(m * k), 0.25f), hb(std::size_t(k * n), 0.5f);
+  Buffer a = slow->alloc(ha.size() * 4, st.get()), b = slow->alloc(hb.size() * 4, st.get());
+  Buffer c = slow->alloc(std::size_t(m * n) * 4, st.get());
+  st->copy(a.ref(), host_ref(ha.data(), ha.size() * 4));
+  st->copy(b.ref(), host_ref(hb.data(), hb.size() * 4));
+  st->synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  st->matmul({m, n, k, false, false, 1.0f, 0.0f, tensor(a, DType::kF32), tensor(b, DType::kF32),
+              tensor(c, DType::kF32)});
+  std::vector<float> hc(std::size_t(m * n));
+  st->copy(host_ref(hc.data(), hc.size() * 4), c.ref());
+  st->synchronize();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(s, 2.0 * m * n * k / 0.5e9);  // a lower bound only
+  EXPECT_EQ(hc[0], 0.25f * 0.5f * float(k)) << "the throttle must not change the result";
+}
+
 TEST_P(DeviceTest, StreamOperationsAreTraced) {
   if (GetParam().cuda) GTEST_SKIP() << "the CUDA backend does not record spans yet";
   Tracer& t = Tracer::global();
@@ -401,6 +426,21 @@ TEST_P(DeviceTest, StreamOperationsAreTraced) {
   EXPECT_EQ(h2d, 1);
   EXPECT_EQ(d2h, 1);
   t.clear();
+}
+
+TEST_P(DeviceTest, AllocationWaitsForQueuedFreesBeforeFailing) {
+  if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
+  auto small = GetParam().make(std::size_t(1) << 20);
+  auto st = small->create_stream("busy");
+  for (int i = 0; i < 4; ++i) {
+    Buffer b = small->alloc(700 * 1024, st.get());
+    st->host_fn([] { std::this_thread::sleep_for(10ms); });
+    st->fill(tensor(b, DType::kF32), float(i));
+    // b's free is queued behind the sleep: the next allocation must wait for it, not fail.
+  }
+  st->synchronize();
+  EXPECT_EQ(small->stats().num_alloc_failures, 0u);
+  EXPECT_LE(small->stats().peak_bytes_in_use, std::size_t(1) << 20);
 }
 
 // ---- kernels against a double-precision reference ----

@@ -307,6 +307,10 @@ struct HostDeviceOptions {
   double h2d_gbps = 0;  // throttle host->device copies to this rate; 0 = as fast as memcpy
   double d2h_gbps = 0;
   double d2d_gbps = 0;
+  // Throttle matmuls to this rate: one then takes at least 2*m*n*k / (compute_gflops * 1e9)
+  // seconds, so a scheduler can be tested against a device slower (or, relative to the
+  // links, faster) than the host's cores. 0 = as fast as the CPU kernels run.
+  double compute_gflops = 0;
   // Sleep a seeded-random 0..random_delay_us before each queued operation, to expose
   // missing waits. 0 = off.
   std::uint32_t random_delay_us = 0;

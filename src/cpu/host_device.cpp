@@ -14,7 +14,9 @@
 //  - A buffer allocated on a stream is released in that stream's order (cudaFreeAsync);
 //    one allocated without a stream is released once the whole device is idle.
 //  - Copies can be throttled to a set rate per direction: they then take at least
-//    bytes / rate, as a PCIe link would.
+//    bytes / rate, as a PCIe link would. Matmuls can likewise be throttled to a set
+//    GFLOP/s, so which resource bounds a step (compute, link, NVMe, CPU optimizer) is a
+//    choice of the test, not an accident of the host's cores.
 #include <sys/mman.h>
 
 #include <chrono>
@@ -38,6 +40,9 @@ namespace strata {
 namespace {
 
 constexpr std::size_t kAlign = 256;  // like cudaMalloc
+
+// Set on stream worker threads: they must never wait for streams (their own among them).
+thread_local bool t_in_stream_worker = false;
 
 std::string gib(std::size_t b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
 
@@ -181,6 +186,7 @@ struct StreamCore {
   }
 
   void run() {
+    t_in_stream_worker = true;
     Tracer& tracer = Tracer::global();
     for (;;) {
       Op op;
@@ -247,6 +253,8 @@ class HostDevice final : public Device {
                    kAlign, o.capacity_bytes);
     STRATA_REQUIRE(o.h2d_gbps >= 0 && o.d2h_gbps >= 0 && o.d2d_gbps >= 0,
                    "HostDevice copy rates must be >= 0 GB/s (0 = unthrottled)");
+    STRATA_REQUIRE(o.compute_gflops >= 0, "HostDevice compute_gflops must be >= 0 (0 = unthrottled), got {}",
+                   o.compute_gflops);
     void* p = ::mmap(nullptr, o.capacity_bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
@@ -406,8 +414,18 @@ class HostStream final : public Stream {
            "sum_squares", x.mem.bytes);
   }
   void do_matmul(const MatmulDesc& d) override {
-    submit([d, core = core_.get()] { core->matmul.run(d); }, "matmul",
-           d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
+    const double gflops = dev_->options().compute_gflops;
+    submit(
+        [d, gflops, core = core_.get()] {
+          const auto t0 = std::chrono::steady_clock::now();
+          core->matmul.run(d);
+          if (gflops > 0) {
+            // Lower bound only, as for copies: flops / (GFLOP/s) = nanoseconds.
+            const double flops = 2.0 * double(d.m) * double(d.n) * double(d.k);
+            std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
+          }
+        },
+        "matmul", d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
   }
   // Runs the CPU AdamW (every core, the best ISA) on the stream's worker: the emulated
   // device's memory is host memory, so the shards are passed on as host tensors.
@@ -459,9 +477,17 @@ std::unique_ptr<Stream> HostDevice::create_stream(std::string name) {
 void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   const std::size_t size = round_up(bytes);
   std::size_t off;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  for (int attempt = 0;; ++attempt) {
+    std::unique_lock<std::mutex> lock(mu_);
     off = size >= bytes && size <= opt_.capacity_bytes - stats_.bytes_in_use ? arena_.alloc(size) : SIZE_MAX;
+    if (off == SIZE_MAX && attempt == 0 && !t_in_stream_worker) {
+      // Frees are stream-ordered: memory the caller already freed returns only when its
+      // stream reaches the free. Like a GPU caching allocator on a failed allocation, wait
+      // for the streams to drain once, then try again.
+      lock.unlock();
+      synchronize_quietly();
+      continue;
+    }
     if (off == SIZE_MAX) {
       ++stats_.num_alloc_failures;
       STRATA_THROW(kOutOfMemory,
@@ -472,6 +498,7 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
     stats_.bytes_in_use += size;
     stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
     ++stats_.num_allocs;
+    break;
   }
   auto* b = new HostBlock{off, size, {}};
   if (stream) b->stream = static_cast<HostStream*>(stream)->core();
