@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   strata::bench::add_adam_command(app);
   strata::bench::add_comm_command(app);
   strata::bench::add_model_command(app);
+  strata::bench::add_engine_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -110,6 +110,7 @@ struct Chunk {
   std::uint64_t id = 0;
   int retries = 0;
   bool fault_checked = false;
+  std::int64_t issued_ns = 0;  // when it entered the ring (tracer clock; 0 = not traced)
 };
 
 std::string errno_text(int err) {
@@ -538,6 +539,8 @@ void UringWorker::prep(Chunk* c) {
   }
   sqe->flags |= flags;
   io_uring_sqe_set_data(sqe, c);
+  Tracer& tracer = Tracer::global();
+  c->issued_ns = tracer.enabled() ? tracer.now_ns() : 0;
 }
 
 void UringWorker::run() {
@@ -593,9 +596,12 @@ void UringWorker::run() {
       --inflight;
       const IoOp op = c->op;
       const std::size_t bytes = c->bytes;
-      const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
+      // The span is the chunk's time in the drive (submission to completion), so the union
+      // of a lane's spans is the time the drive had work: its busy time in a step.
+      const std::int64_t t0 = c->issued_ns;
       if (eng_->on_cqe(c, res)) local.push_front(c);
-      if (t0) tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(), bytes);
+      if (t0 && tracer.enabled())
+        tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(), bytes);
     } while (io_uring_peek_cqe(&ring_, &cqe) == 0);
   }
 }
@@ -643,9 +649,14 @@ class ThreadEngine final : public EngineBase {
         c = queue_.front();
         queue_.pop_front();
       }
+      Tracer& tracer = Tracer::global();
       for (;;) {
-        const ssize_t r = c->op == IoOp::kRead ? ::pread(c->fd, c->buf, c->bytes, off_t(c->offset))
-                                               : ::pwrite(c->fd, c->buf, c->bytes, off_t(c->offset));
+        const IoOp op = c->op;
+        const std::size_t bytes = c->bytes;
+        const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
+        const ssize_t r = op == IoOp::kRead ? ::pread(c->fd, c->buf, bytes, off_t(c->offset))
+                                            : ::pwrite(c->fd, c->buf, bytes, off_t(c->offset));
+        if (t0) tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", "nvme-threads", t0, tracer.now_ns(), bytes);
         if (!finish_chunk(c, r < 0 ? -long(errno) : long(r))) break;
       }
     }

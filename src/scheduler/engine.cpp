@@ -617,7 +617,9 @@ StepResult Engine::step(float lr) {
 
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
-    TraceScope span("adamw", "optimizer", u.shard * 4 * 4);
+    // The whole unit (state in, update, weights out); the update itself is the device's
+    // adamw kernel or the cpu_adamw span below, so a trace tells waiting from computing.
+    TraceScope span("optimizer_unit", "optimizer", u.shard * 4 * 4);
     const std::size_t n = u.shard;
     const std::size_t w_bytes = n * s.c_size;
     const auto target = w_target_dev(u);  // device-resident compute weights, if any
@@ -639,7 +641,8 @@ StepResult Engine::step(float lr) {
         if (target) {
           sh.copy_out = *target;
         } else {
-          scratch = s.alloc(w_bytes, &os);
+          // Freed on the fetch stream, after the copy-out below has read it.
+          scratch = s.alloc(w_bytes, s.fetch_s.get());
           sh.copy_out = Impl::view(scratch, ct, n);
         }
       }
@@ -652,11 +655,16 @@ StepResult Engine::step(float lr) {
       if (target) {
         if (!copy_out) os.copy(target->mem, new_w);
       } else {
+        // The new weights go back over the link on the fetch stream (idle during the step),
+        // so the next unit's update overlaps this unit's device -> host copy.
         w_out = u.w_tier == Tier::kHost ? u.w_host : s.pinned(SwapStore::padded_bytes(w_bytes));
-        os.copy(host_ref(w_out->data(), w_bytes), new_w);
+        Stream& xs = *s.fetch_s;
+        xs.wait(os.record());
+        xs.copy(host_ref(w_out->data(), w_bytes), new_w);
         s.st.d2h_bytes += w_bytes;
+        // NVMe weights are written from w_out by the host below: the copy must be done.
+        if (u.w_tier == Tier::kNvme) xs.synchronize();
       }
-      os.synchronize();
     } else {
       float* state = nullptr;
       std::shared_ptr<PinnedBlock> state_block;
@@ -685,7 +693,10 @@ StepResult Engine::step(float lr) {
       AdamWShard sh{host_tensor(state, DType::kF32, n), host_tensor(g, DType::kF32, n),
                     host_tensor(state + n, DType::kF32, n), host_tensor(state + 2 * n, DType::kF32, n), {}};
       if (copy_out) sh.copy_out = host_tensor(w_out->data(), ct, n);
-      s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
+      {
+        TraceScope adam_span("cpu_adamw", "optimizer", n * 4 * 4);
+        s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
+      }
       if (!copy_out) std::memcpy(w_out->data(), state, n * 4);
       if (target) {
         os.copy(target->mem, host_ref(w_out->data(), w_bytes));
@@ -698,6 +709,7 @@ StepResult Engine::step(float lr) {
   }
   for (auto& h : writes) h.wait();
   os.synchronize();
+  s.fetch_s->synchronize();
 
   // Resident units: gather the updated shards.
   for (auto& u : s.units) {

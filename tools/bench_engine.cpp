@@ -1,0 +1,363 @@
+// strata-bench engine: how close the ZeRO-3 engine's step comes to its slowest resource.
+//
+// A deep linear model (one fetch unit per layer, bf16 compute) is trained through the Engine
+// on the CPU-emulated device in several regimes. Each regime throttles the emulated links
+// (H2D / D2H GB/s) and the device's matmul rate and places the parameters and the optimizer
+// state so that a different resource bounds the step: the device's compute, the host<->device
+// link, the NVMe drive, or the CPU AdamW. A step is then traced, and for each resource its
+// busy time is the union of its spans' intervals within the step:
+//   compute  the model's stream ("compute"), except time spent blocked on an event
+//   link     copy_h2d / copy_d2h on any stream
+//   nvme     the I/O engine's lanes (nvme*): a chunk is busy from submission to completion
+//   adamw    the optimizer's AdamW: the CPU AdamW (cpu_adamw) and the device's adamw kernel
+//   comm     the gradient stream ("comm"): reduce-scatter, accumulation into the fp32 shard
+// The figure of merit is step time / busy time of the busiest resource: 1.0 means the step
+// is exactly as long as the bottleneck's own work, everything else hidden behind it.
+// The goal (issue #6) is <= 1.1 in every regime.
+//
+// The emulated device runs its "kernels" on the host's cores, so a regime is only meaningful
+// when the throttles it sets are slower than what the host does unthrottled; the defaults are
+// sized for a small (2-core) machine, where each regime's step takes well under a second.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <random>
+
+#include "bench_common.h"
+#include "strata/engine.h"
+#include "strata/error.h"
+#include "strata/trace.h"
+
+namespace strata::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kResources[] = {"compute", "link", "nvme", "adamw", "comm"};
+constexpr int kNumResources = 5;
+
+struct Args {
+  int layers = 16;
+  int width = 1024;
+  int steps = 2;  // traced steps per regime, after one warm-up step
+  std::string regime = "all";
+  std::string path = ".";
+  std::string trace;
+  bool json = false;
+};
+
+// One configuration of the emulated machine and of the engine.
+struct Regime {
+  std::string name;
+  std::string expect;  // the resource it is meant to be bound by
+  int batch = 64;
+  double h2d_gbps = 0, d2h_gbps = 0, compute_gflops = 0;
+  Tier params = Tier::kDevice, optimizer = Tier::kDevice, grads = Tier::kDevice;
+  // Layers gathered ahead / live at once (0 = the engine's defaults: everything).
+  int prefetch_layers = 0, live_layers = 0;
+};
+
+std::vector<Regime> regimes() {
+  std::vector<Regime> r;
+  // Everything on the device, a slow device: only the matmuls matter.
+  r.push_back({.name = "compute", .expect = "compute", .batch = 128, .compute_gflops = 16});
+  // Parameters on pinned host memory behind a slow link, streamed through a small window of
+  // layers (a model larger than HBM): every layer crosses the link in forward and again in
+  // backward, and new weights go back after the step.
+  r.push_back({.name = "link", .expect = "link", .batch = 32, .h2d_gbps = 0.25, .d2h_gbps = 0.25,
+               .params = Tier::kHost, .prefetch_layers = 4, .live_layers = 6});
+  // Parameters and optimizer state on NVMe, fast link and compute: the drive moves ~30 bytes
+  // per parameter per step (weights in twice, m/v/master in and out, weights out).
+  r.push_back({.name = "nvme", .expect = "nvme", .batch = 8, .params = Tier::kNvme, .optimizer = Tier::kNvme,
+               .grads = Tier::kHost, .prefetch_layers = 3, .live_layers = 4});
+  // Optimizer state on the host, a small batch: the CPU AdamW's pass over master/m/v/grad.
+  r.push_back({.name = "adamw", .expect = "adamw", .batch = 8, .optimizer = Tier::kHost, .grads = Tier::kHost});
+  return r;
+}
+
+Placement on(Tier t) {
+  Placement p;
+  p.device_fraction = t == Tier::kDevice ? 1 : 0;
+  p.host_fraction = t == Tier::kHost ? 1 : 0;
+  return p;
+}
+
+// The deep linear model of the engine tests, written out here: y = x W0^T W1^T ...,
+// loss = 0.5 |y - t|^2 / B; every layer one fetch unit.
+struct LinearModel {
+  int layers, width, batch;
+  std::vector<std::vector<float>> init;
+  std::vector<float> x, neg_t;
+
+  LinearModel(int l, int w, int b) : layers(l), width(w), batch(b) {
+    std::mt19937_64 rng(1);
+    std::normal_distribution<float> nd(0.0f, 1.0f / std::sqrt(float(w)));
+    for (int i = 0; i < l; ++i) {
+      std::vector<float> v(std::size_t(w) * std::size_t(w));
+      for (auto& e : v) e = nd(rng);
+      init.push_back(std::move(v));
+    }
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    x.resize(std::size_t(b) * std::size_t(w));
+    neg_t.resize(x.size());
+    for (auto& e : x) e = u(rng);
+    for (auto& e : neg_t) e = -u(rng);
+  }
+
+  void register_units(Engine& e) const {
+    for (int l = 0; l < layers; ++l)
+      e.add_unit({"layer" + std::to_string(l), {{"weight", init[std::size_t(l)].size(), init[std::size_t(l)].data()}}});
+  }
+
+  // Forward and backward of one micro-batch, queued on `s`; returns once `s` is idle.
+  void micro_batch(Engine& e, Device& dev, Stream& s) const {
+    const DType ct = e.compute_dtype();
+    const std::size_t B = std::size_t(batch), W = std::size_t(width), n = B * W;
+    const auto Bi = std::int64_t(batch), Wi = std::int64_t(width);
+    auto to_ct = [&](const Buffer& f32) {
+      Buffer out = dev.alloc(n * dtype_size(ct), &s);
+      s.cast(tensor(f32, DType::kF32, n), tensor(out, ct, n));
+      return out;
+    };
+    std::vector<Buffer> h(static_cast<std::size_t>(layers));
+    {
+      Buffer x32 = dev.alloc(n * 4, &s);
+      s.copy(x32.ref(), host_ref(x.data(), n * 4));
+      h[0] = to_ct(x32);
+    }
+    Buffer dy;
+    for (int l = 0; l < layers; ++l) {
+      TensorRef w = e.fetch(l, s);
+      Buffer o = dev.alloc(n * 4, &s);
+      s.matmul({Bi, Wi, Wi, false, true, 1.0f, 0.0f, tensor(h[std::size_t(l)], ct, n), w, tensor(o, DType::kF32, n)});
+      e.release(l, s);
+      if (l + 1 < layers) h[std::size_t(l) + 1] = to_ct(o);
+      else dy = std::move(o);
+    }
+    {
+      Buffer t = dev.alloc(n * 4, &s);
+      s.copy(t.ref(), host_ref(neg_t.data(), n * 4));
+      s.add(tensor(dy, DType::kF32), tensor(t, DType::kF32), tensor(dy, DType::kF32));
+      s.scale(e.loss_scale() / float(B), tensor(dy, DType::kF32));
+    }
+    for (int l = layers - 1; l >= 0; --l) {
+      Buffer dy_c = to_ct(dy);
+      TensorRef w = e.fetch(l, s);
+      TensorRef g = e.grad_buffer(l, s);
+      s.matmul({Wi, Wi, Bi, true, false, 1.0f, 0.0f, tensor(dy_c, ct, n), tensor(h[std::size_t(l)], ct, n), g});
+      e.reduce_grad(l, s);
+      if (l > 0) {
+        Buffer dh = dev.alloc(n * 4, &s);
+        s.matmul({Bi, Wi, Wi, false, false, 1.0f, 0.0f, tensor(dy_c, ct, n), w, tensor(dh, DType::kF32, n)});
+        dy = std::move(dh);
+      }
+      e.release(l, s);
+    }
+    s.synchronize();
+  }
+};
+
+// Which resource a span keeps busy, or -1 when it is waiting or bookkeeping.
+int resource_of(const TraceSpan& sp) {
+  if (sp.name == "wait_event" || sp.name == "free") return -1;  // a stream blocked, or a no-op
+  if (sp.name == "copy_h2d" || sp.name == "copy_d2h") return 1;
+  if (sp.lane.starts_with("nvme")) return 2;
+  if (sp.lane == "optimizer" && (sp.name == "adamw" || sp.name == "cpu_adamw")) return 3;
+  if (sp.lane == "compute") return 0;
+  if (sp.lane == "comm") return 4;
+  return -1;
+}
+
+// Total length of the union of [start, end) intervals, each clipped to [lo, hi).
+double union_seconds(std::vector<std::pair<std::int64_t, std::int64_t>> iv, std::int64_t lo, std::int64_t hi) {
+  for (auto& [a, b] : iv) {
+    a = std::max(a, lo);
+    b = std::min(b, hi);
+  }
+  std::sort(iv.begin(), iv.end());
+  std::int64_t total = 0, cur_a = 0, cur_b = INT64_MIN;
+  for (auto [a, b] : iv) {
+    if (b <= a) continue;
+    if (a > cur_b) {
+      if (cur_b > cur_a) total += cur_b - cur_a;
+      cur_a = a;
+      cur_b = b;
+    } else {
+      cur_b = std::max(cur_b, b);
+    }
+  }
+  if (cur_b > cur_a) total += cur_b - cur_a;
+  return double(total) / 1e9;
+}
+
+struct RegimeResult {
+  double step_s = 0;
+  double busy_s[kNumResources] = {};
+  int bottleneck = 0;
+  double ratio = 0;
+  EngineStats stats;
+};
+
+std::string trace_path(const Args& a, const std::string& name, bool single) {
+  if (single) return a.trace;
+  const fs::path p(a.trace);
+  return (p.parent_path() / (p.stem().string() + "." + name + p.extension().string())).string();
+}
+
+RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace_file) {
+  HostDeviceOptions ho;
+  ho.capacity_bytes = std::size_t(3) << 30;
+  ho.h2d_gbps = r.h2d_gbps;
+  ho.d2h_gbps = r.d2h_gbps;
+  ho.compute_gflops = r.compute_gflops;
+  ho.poison = false;  // a debugging aid that costs a memset per buffer
+  auto dev = make_host_device(ho);
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  auto comm = make_communicator(*dev, co);
+
+  const LinearModel model(a.layers, a.width, r.batch);
+  const std::uint64_t layer_numel = std::uint64_t(a.width) * std::uint64_t(a.width);
+  EngineConfig cfg = default_engine_config();
+  cfg.compute_dtype = DType::kBF16;
+  cfg.params = on(r.params);
+  cfg.optimizer = on(r.optimizer);
+  cfg.grads = on(r.grads);
+  cfg.host_budget_bytes = std::uint64_t(8) << 30;
+  if (r.prefetch_layers > 0) cfg.prefetch_bucket_size = layer_numel * std::uint64_t(r.prefetch_layers);
+  if (r.live_layers > 0) {
+    cfg.max_live_parameters = layer_numel * std::uint64_t(r.live_layers);
+    cfg.max_reuse_distance = 0;
+  }
+  const fs::path nvme_dir = fs::path(a.path) / "strata-bench-engine";
+  if (r.params == Tier::kNvme || r.optimizer == Tier::kNvme) {
+    fs::create_directories(nvme_dir);
+    cfg.param_nvme_paths = {nvme_dir.string()};
+    cfg.optimizer_nvme_paths = {nvme_dir.string()};
+  }
+  RegimeResult out;
+  {
+    Engine e(*dev, *comm, cfg);
+    model.register_units(e);
+    e.finalize();
+    auto s = dev->create_stream("compute");
+    const float lr = 1e-4f;
+    // Warm-up: records the unit order the engine prefetches by from then on.
+    model.micro_batch(e, *dev, *s);
+    e.step(lr);
+
+    const EngineStats before = e.stats();
+    Tracer& tracer = Tracer::global();
+    for (int i = 0; i < a.steps; ++i) {
+      tracer.clear();
+      tracer.set_enabled(true);
+      const std::int64_t t0 = tracer.now_ns();
+      model.micro_batch(e, *dev, *s);
+      e.step(lr);
+      const std::int64_t t1 = tracer.now_ns();
+      tracer.set_enabled(false);
+      std::vector<std::pair<std::int64_t, std::int64_t>> iv[kNumResources];
+      for (const TraceSpan& sp : tracer.spans()) {
+        const int k = resource_of(sp);
+        if (k >= 0) iv[k].push_back({sp.start_ns, sp.end_ns});
+      }
+      out.step_s += double(t1 - t0) / 1e9 / a.steps;
+      for (int k = 0; k < kNumResources; ++k) out.busy_s[k] += union_seconds(iv[k], t0, t1) / a.steps;
+      if (i + 1 == a.steps && !trace_file.empty()) tracer.write_chrome_trace(trace_file);
+    }
+    tracer.clear();
+    // Bytes moved per traced step (the counters are cumulative).
+    const EngineStats after = e.stats();
+    const auto per_step = [&](std::uint64_t b, std::uint64_t a0) { return (b - a0) / std::uint64_t(a.steps); };
+    out.stats.h2d_bytes = per_step(after.h2d_bytes, before.h2d_bytes);
+    out.stats.d2h_bytes = per_step(after.d2h_bytes, before.d2h_bytes);
+    out.stats.nvme_read_bytes = per_step(after.nvme_read_bytes, before.nvme_read_bytes);
+    out.stats.nvme_written_bytes = per_step(after.nvme_written_bytes, before.nvme_written_bytes);
+  }
+  std::error_code ec;
+  fs::remove_all(nvme_dir, ec);
+  out.bottleneck = int(std::max_element(out.busy_s, out.busy_s + kNumResources) - out.busy_s);
+  out.ratio = out.step_s / std::max(out.busy_s[out.bottleneck], 1e-9);
+  return out;
+}
+
+std::string describe(const Regime& r) {
+  auto rate = [](double v, const char* unit) { return v > 0 ? fmt::format("{:g} {}", v, unit) : std::string("-"); };
+  std::string window = r.live_layers > 0 ? fmt::format(", prefetch {} / live {} layers", r.prefetch_layers, r.live_layers)
+                                         : std::string(", all layers live");
+  return fmt::format("B={}, h2d {}, d2h {}, compute {}; params {}, optimizer {}, grads {}{}", r.batch,
+                     rate(r.h2d_gbps, "GB/s"), rate(r.d2h_gbps, "GB/s"), rate(r.compute_gflops, "GFLOP/s"),
+                     tier_name(r.params), tier_name(r.optimizer), tier_name(r.grads), window);
+}
+
+void run(const Args& a) {
+  std::vector<Regime> chosen;
+  for (const Regime& r : regimes())
+    if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
+  STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
+  const double params_m = double(a.layers) * a.width * a.width / 1e6;
+  std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
+              "1 rank, CPU-emulated device; %d traced step(s) per regime after 1 warm-up\n",
+              a.layers, a.width, a.width, params_m, a.steps);
+  for (const Regime& r : chosen) std::printf("  %-8s %s\n", r.name.c_str(), describe(r).c_str());
+  std::printf("\n%-8s %8s %9s %9s %9s %9s %9s  %-10s %8s\n", "regime", "step s", "compute", "link", "nvme", "adamw",
+              "comm", "busiest", "step/bus");
+  nlohmann::json rows = nlohmann::json::array();
+  bool all_met = true;
+  for (const Regime& r : chosen) {
+    const std::string tf = a.trace.empty() ? std::string() : trace_path(a, r.name, chosen.size() == 1);
+    const RegimeResult res = run_regime(a, r, tf);
+    const bool met = res.ratio <= 1.1;
+    all_met = all_met && met;
+    std::printf("%-8s %8.3f", r.name.c_str(), res.step_s);
+    for (double b : res.busy_s) std::printf(" %9.3f", b);
+    std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio, met ? "" : "  (> 1.1)",
+                kResources[res.bottleneck] == r.expect ? "" : fmt::format("  (meant to be {})", r.expect).c_str());
+    if (!tf.empty()) std::printf("         trace of one step: %s\n", tf.c_str());
+    std::fflush(stdout);
+    nlohmann::json busy;
+    for (int k = 0; k < kNumResources; ++k) busy[kResources[k]] = res.busy_s[k];
+    rows.push_back({{"name", r.name},
+                    {"config", describe(r)},
+                    {"step_s", res.step_s},
+                    {"busy_s", busy},
+                    {"bottleneck", kResources[res.bottleneck]},
+                    {"expected_bottleneck", r.expect},
+                    {"ratio_step_vs_busiest", res.ratio},
+                    {"h2d_bytes_per_step", res.stats.h2d_bytes},
+                    {"d2h_bytes_per_step", res.stats.d2h_bytes},
+                    {"nvme_read_bytes_per_step", res.stats.nvme_read_bytes},
+                    {"nvme_written_bytes_per_step", res.stats.nvme_written_bytes}});
+  }
+  std::printf("\nbusy = union of the resource's spans in the step (seconds per step); goal: step/busiest <= 1.1 %s\n",
+              all_met ? "(met in every regime)" : "(NOT met everywhere)");
+  if (a.json)
+    print_json({{"command", "engine"},
+                {"layers", a.layers},
+                {"width", a.width},
+                {"params", std::int64_t(a.layers) * a.width * a.width},
+                {"steps", a.steps},
+                {"goal_ratio", 1.1},
+                {"regimes", rows}});
+}
+
+}  // namespace
+
+void add_engine_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "engine", "ZeRO-3 engine step time vs its busiest resource (compute, link, NVMe, CPU AdamW), from the trace");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--layers", a->layers, "layers of the linear model (default 16)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--width", a->width, "width of each layer (default 1024)")->check(CLI::Range(64, 16384));
+  cmd->add_option("--steps", a->steps, "traced steps per regime, averaged (default 2)")->check(CLI::Range(1, 100));
+  cmd->add_option("--regime", a->regime, "all, compute, link, nvme or adamw (default all)");
+  cmd->add_option("--path", a->path, "directory for the NVMe regime's swap files (default .)");
+  cmd->add_option("--trace", a->trace,
+                  "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
+                  "name inserted, e.g. trace.link.json)");
+  cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace strata::bench
