@@ -1,0 +1,114 @@
+// Fine-tuning a Model through the ZeRO-3 Engine: the bridge between the two (EngineWeights),
+// and the training loop strata-train runs (train()).
+//
+// The bridge maps model fetch unit i to engine unit i one to one. Each engine unit holds the
+// model unit's whole flat buffer (its 64-element alignment gaps included, as zeros), so the
+// engine's gathered tensor is exactly the layout Model::units() describes and no copy or
+// re-layout sits between them. The model's calls become engine calls:
+//   acquire_weights -> Engine::fetch      release_weights -> Engine::release
+//   acquire_grads   -> Engine::grad_buffer (zeroed fp32)  release_grads -> Engine::reduce_grad
+// The model acquires each unit's gradient exactly once per micro-batch (the LM head's during
+// forward(), the tied embedding's head part folded into unit 0's single gradient in
+// backward()), which is what the engine requires: one grad_buffer/reduce_grad pair per unit
+// per micro-batch, accumulated in the engine's fp32 shard until step().
+//
+// The loop: every rank reads the same token stream and takes every world_size-th micro-batch
+// (rank r the r-th of each group), so N ranks with micro-batch B see the same global batch as
+// one rank with N*B rows; the logged loss is the mean cross-entropy over all of a step's
+// targets on all ranks, measured in forward before the update.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "strata/engine.h"
+#include "strata/model.h"
+
+namespace strata {
+
+class EngineWeights final : public UnitProvider {
+ public:
+  // `engine` must already hold the model's units (add_model_units) and be finalized; all
+  // work goes on `compute`, the model's stream.
+  EngineWeights(Engine& engine, Stream& compute, const std::vector<UnitSpec>& units);
+
+  TensorRef acquire_weights(std::size_t unit) override;
+  void release_weights(std::size_t unit) override;
+  TensorRef acquire_grads(std::size_t unit) override;
+  void release_grads(std::size_t unit) override;
+
+ private:
+  Engine& engine_;
+  Stream& compute_;
+  std::size_t num_units_;
+};
+
+// Registers one engine unit per model unit, in order, with `flat_init[i]` (units[i].numel fp32
+// values) as its initial weights. Throws when sizes disagree.
+void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
+                     const std::vector<std::vector<float>>& flat_init);
+
+// The model's initial weights as one fp32 flat buffer per unit: loaded from a Hugging Face
+// folder when `hf_dir` is not empty, else ResidentWeights::init_random(seed). Staged in host
+// memory (a CPU-emulated device sized to the fp32 weights), never on the training device.
+std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
+                                                     std::uint64_t seed);
+
+// Gathers every unit's fp32 master weights (collective: every rank calls it) and, on rank 0,
+// writes them in Hugging Face layout to `dir` in `dtype` (fp32 or bf16).
+void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
+                         std::size_t max_shard_bytes = std::size_t(5) << 30);
+
+// The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps from 0,
+// then constant ("const") or cosine decay to 0 at `total` ("cosine"), as Hugging Face's
+// get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup.
+double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule);
+
+struct TrainOptions {
+  // model: a Hugging Face folder, or a config.json for a fresh random init, or (both empty)
+  // the embedded demo model
+  std::string model_dir, model_config;
+  // data: token files (format per data_format) or a byte-level text file; both empty: demo data
+  std::vector<std::string> data_files;
+  std::string data_format = "auto";  // auto | u16 | u32 | llmc | bytes
+  std::string text_file;
+  std::string ds_config;  // optional ds_config.json path
+  // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
+  std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;
+  double lr = -1, weight_decay = -1;
+  std::int64_t warmup = 0;
+  std::string lr_schedule = "const";
+  std::uint64_t seed = 1234;
+  bool shuffle = true;
+  std::string dtype;          // "" (config's), fp32 | bf16
+  std::string device = "auto";
+  double device_mem_gb = 0;   // cap of the emulated device; 0 = its default
+  bool checkpoint_activations = false;
+  std::int64_t eval_every = 0, eval_batches = 4;
+  std::string log_json, out_dir, trace_file;
+  std::int64_t trace_step = 2;
+  bool overwrite = false;
+  bool plan_only = false;
+  // The demo's NVMe folder (params and optimizer offloaded there); used only in demo mode.
+  std::string demo_nvme_dir;
+  std::FILE* console = stdout;  // progress and summary (rank 0 only)
+};
+
+struct StepRecord {
+  std::int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_s = 0;
+  bool skipped = false;
+};
+
+struct TrainResult {
+  std::vector<StepRecord> steps;
+  EngineStats stats;
+};
+
+// Runs the whole job: model, data, engine, loop, logs, final save. Every rank calls it.
+// Throws strata::Error for bad options, missing files and configurations that cannot fit.
+TrainResult train(const TrainOptions& options);
+
+}  // namespace strata

@@ -1,0 +1,61 @@
+// strata-train: fine-tune a model from the command line through the ZeRO-3 engine.
+// With no model and no data it runs the embedded demo (a small Llama on generated text,
+// weights and optimizer state on NVMe, an emulated device smaller than the weights).
+// Flags are parsed here; everything else is strata::train (include/strata/trainer.h).
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+
+#include "strata/error.h"
+#include "strata/trainer.h"
+
+int main(int argc, char** argv) {
+  strata::TrainOptions o;
+  bool no_shuffle = false;
+  CLI::App app{"strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"
+               "With no --model/--model-config and no --data/--text: the embedded demo."};
+  app.add_option("--model", o.model_dir, "Hugging Face model folder (config.json + *.safetensors)");
+  app.add_option("--model-config", o.model_config, "config.json of a model to initialise at random");
+  app.add_option("--data", o.data_files, "token file(s)");
+  app.add_option("--data-dtype", o.data_format, "token file format")
+      ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes"}));
+  app.add_option("--text", o.text_file, "a text file trained on byte by byte (vocabulary 256)");
+  app.add_option("--config", o.ds_config, "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
+  app.add_option("--seq-len", o.seq_len, "tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "optimizer steps (default 60)")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.warmup, "linear warmup steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--lr-schedule", o.lr_schedule, "after warmup")->check(CLI::IsMember({"const", "cosine"}));
+  app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "initialisation and shuffle seed");
+  app.add_flag("--no-shuffle", no_shuffle, "read the data in order (llm.c's batches)");
+  app.add_option("--dtype", o.dtype, "compute dtype (default: the config's, else fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--device", o.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--device-mem-gb", o.device_mem_gb, "device memory cap in GiB (the emulated device's HBM)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--checkpoint-activations", o.checkpoint_activations, "recompute each layer in backward");
+  app.add_option("--eval-every", o.eval_every, "validation loss every N steps (last 10% of the data)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
+  app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
+  app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
+  app.add_option("--trace", o.trace_file, "Chrome trace of one step to this file");
+  app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(CLI::PositiveNumber);
+  app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme)");
+  app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
+  try {
+    app.parse(argc, argv);
+    o.shuffle = !no_shuffle;
+    strata::train(o);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const strata::Error& e) {
+    std::fprintf(stderr, "strata-train: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
