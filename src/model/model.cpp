@@ -58,6 +58,7 @@ struct Model::Impl {
   bool gpt2;
   Buffer rope_cos, rope_sin;  // [T, hd/2]
   Buffer tokens, targets;     // int32 [N]
+  std::vector<std::int32_t> tokens_host, targets_host;  // what was copied into them
   std::vector<Acts> acts;
   // Layer inputs checkpointed to host memory; kept across steps so that no copy from or
   // into them can outlive them (the stream orders this step's copies after the last one's).
@@ -364,14 +365,23 @@ struct Model::Impl {
     return ix;
   }
 
-  void upload_ids(const std::vector<std::int32_t>& ids, Buffer& dst, const char* what) {
+  void check_ids(const std::vector<std::int32_t>& ids, const char* what) const {
     STRATA_REQUIRE(static_cast<i64>(ids.size()) == N,
                    "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}", what,
                    ids.size(), B, T, N);
     for (std::size_t i = 0; i < ids.size(); ++i)
       STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V, "Model: batch.{}[{}] = {} is outside the vocabulary [0, {})",
                      what, i, ids[i], V);
-    s.copy(dst.ref(), host_ref(ids.data(), ids.size() * 4));
+  }
+
+  // Copies from model-owned host memory: a copy still queued when the caller's batch goes
+  // away (an exception later in forward) must not read freed memory. Every forward ends
+  // synchronized, so the staging is free again by the next call.
+  void upload_ids(const std::vector<std::int32_t>& ids, Buffer& dst, const char* what) {
+    check_ids(ids, what);
+    std::vector<std::int32_t>& staging = &dst == &tokens ? tokens_host : targets_host;
+    staging = ids;
+    s.copy(dst.ref(), host_ref(staging.data(), staging.size() * 4));
   }
 
   // Embeddings and decoder layers; returns the last layer's output. Keeps activations when grad.
@@ -421,6 +431,8 @@ struct Model::Impl {
   }
 
   float forward(const Batch& batch, UnitProvider& p, bool grad) {
+    check_ids(batch.tokens, "tokens");
+    check_ids(batch.targets, "targets");
     upload_ids(batch.tokens, tokens, "tokens");
     upload_ids(batch.targets, targets, "targets");
     Buffer x = run_trunk(p, grad);
