@@ -43,6 +43,15 @@ int main(int argc, char** argv) {
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
+  app.add_option("--save-every", o.save_every,
+                 "write a checkpoint every N steps and after the last one (default 0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
+  app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep only the newest N checkpoints (default 0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--resume", o.resume,
+                 "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints folder or a run's --out)");
   app.add_option("--trace", o.trace_file, "Chrome trace of one step to this file");
   app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(CLI::PositiveNumber);
   app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme)");

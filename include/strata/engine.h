@@ -120,6 +120,20 @@ class Engine {
   std::vector<float> master_shard(int unit);
   std::vector<float> gather_master(int unit);
 
+  // Checkpoints (between steps; every rank calls them with the same folder):
+  // save_state writes this rank's master, m and v shard of every unit (fp32, streamed one
+  // unit at a time from whichever tier holds it) to `dir`/rank<R>.bin and the layout plus
+  // the scalar state (steps taken, fp16 loss-scale fields) to `dir`/rank<R>.json, each
+  // fsync'd. load_state (after finalize, on an engine built with the same units) validates
+  // world size, rank, unit names and sizes (throwing strata::Error naming what differs),
+  // puts the state on this run's tiers (which may differ from the saving run's), derives
+  // the compute weights from the master exactly as the optimizer does, zeroes the gradient
+  // accumulators and re-gathers resident units. Training then continues bit-identically.
+  void save_state(const std::string& dir);
+  void load_state(const std::string& dir);
+  // Optimizer steps taken so far (skipped ones not counted).
+  std::int64_t steps_taken() const;
+
   EngineStats stats() const;
 
   struct Impl;

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "strata/engine.h"
 #include "strata/model.h"
 
@@ -66,6 +68,40 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, co
 // get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup.
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule);
 
+// ---- checkpoints (src/trainer/checkpoint.cpp) ----
+// A checkpoint is a folder <root>/step-<N> holding every rank's engine state (rank<R>.bin +
+// rank<R>.json, Engine::save_state) and, written last by rank 0, manifest.json: the step, the
+// world size, the model's config hash, the trainer's state (data position, seeds, lr schedule)
+// and every file's size and xxh3-64 checksum. It is written as <root>/step-<N>.tmp-<pid>,
+// fsync'd (files and folder) and renamed into place only when complete, so a folder named
+// step-<N> with a manifest whose sizes and checksums verify is a complete checkpoint.
+
+// A stable hash of everything that shapes the model's parameters (architecture, sizes, ties,
+// biases, norm/rope constants): checkpoints of a different model are refused on resume.
+std::string model_config_hash(const ModelConfig& cfg);
+
+// Writes checkpoint `step` under `root` (collective: every rank calls it; `s` is a stream for
+// the barriers). `tmp_tag` names the temporary folder (step-<N>.tmp-<tag>) and must be the same
+// on every rank. `trainer_state` goes into the manifest as is, next to the files. Returns the
+// final folder. Test hook: STRATA_TEST_CRASH_IN_CHECKPOINT=<step> makes rank 0 abort() halfway
+// through that step's manifest (the rank files written, the folder not yet renamed).
+std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root, std::int64_t step,
+                             const std::string& tmp_tag, const nlohmann::json& trainer_state);
+
+// "" when `dir` is a complete checkpoint (manifest present and parsed, every listed file
+// present with its size and checksum), else why not. `manifest` receives the manifest.
+std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest = nullptr);
+
+struct FoundCheckpoint {
+  std::string dir;  // the step-<N> folder
+  std::int64_t step = 0;
+  nlohmann::json manifest;
+};
+// The newest complete checkpoint under `path`: a checkpoint folder itself, a folder of
+// step-<N> checkpoints, or a run folder holding checkpoints/. Temporary (.tmp-*) folders and
+// folders that fail verification are skipped with a warning; none complete: strata::Error.
+FoundCheckpoint find_checkpoint(const std::string& path);
+
 struct TrainOptions {
   // model: a Hugging Face folder, or a config.json for a fresh random init, or (both empty)
   // the embedded demo model
@@ -91,6 +127,13 @@ struct TrainOptions {
   std::int64_t trace_step = 2;
   bool overwrite = false;
   bool plan_only = false;
+  // Checkpoints: every save_every steps and after the last step (0: none) into
+  // checkpoint_dir (default <out_dir>/checkpoints; with --resume and neither given, the
+  // resumed checkpoint's folder); keep_checkpoints > 0 keeps only the newest that many.
+  std::int64_t save_every = 0, keep_checkpoints = 0;
+  std::string checkpoint_dir;
+  // Continue from the newest complete checkpoint under this folder (find_checkpoint).
+  std::string resume;
   // The demo's NVMe folder (params and optimizer offloaded there); used only in demo mode.
   std::string demo_nvme_dir;
   std::FILE* console = stdout;  // progress and summary (rank 0 only)
@@ -103,7 +146,9 @@ struct StepRecord {
 };
 
 struct TrainResult {
-  std::vector<StepRecord> steps;
+  std::vector<StepRecord> steps;  // the steps this call ran (after the resumed one, if any)
+  std::int64_t resumed_from = 0;  // the checkpoint's step, 0 when not resumed
+  std::vector<std::string> checkpoints;  // folders written, in order
   EngineStats stats;
 };
 

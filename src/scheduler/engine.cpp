@@ -16,12 +16,21 @@
 //    emulated device and CpuAdamW are bit-identical), so offload does not change results.
 #include "strata/engine.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "strata/adamw.h"
 #include "strata/error.h"
@@ -34,6 +43,43 @@ namespace strata {
 namespace {
 
 constexpr std::size_t kShardAlign = 2048;  // elements: 4 KiB of bf16 per shard at least
+constexpr int kStateVersion = 1;
+
+// A file written with write(2) and fsync'd before close, for save_state.
+class SyncedFile {
+ public:
+  explicit SyncedFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) STRATA_THROW(kIo, "checkpoint: cannot create {}: {}", path, std::strerror(errno));
+  }
+  ~SyncedFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void write(const void* data, std::size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = ::write(fd_, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", path_, std::strerror(errno));
+      p += n;
+      bytes -= std::size_t(n);
+    }
+  }
+  void close() {
+    if (::fsync(fd_) != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path_, std::strerror(errno));
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) STRATA_THROW(kIo, "checkpoint: closing {} failed: {}", path_, std::strerror(errno));
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+std::string state_file(const std::string& dir, int rank, const char* ext) {
+  return (std::filesystem::path(dir) / fmt::format("rank{}.{}", rank, ext)).string();
+}
 
 
 struct Unit {
@@ -143,6 +189,70 @@ struct Engine::Impl {
   SwapStore& w_swap() { return *w_store; }
   static std::string w_key(std::size_t u) { return fmt::format("w{}", u); }
   static std::string o_key(std::size_t u) { return fmt::format("o{}", u); }
+
+  // ---- placing a unit's shard (finalize, load_state) ----
+  // The compute-weight shard derived from `master` (u.shard fp32 values) exactly as the
+  // optimizer's copy-out produces it, onto the unit's tier. `first`: allocate (finalize);
+  // otherwise overwrite what is there (load_state).
+  void put_weights(std::size_t ui, const float* master, bool first) {
+    Unit& u = units[ui];
+    const DType ct = cfg.compute_dtype;
+    Stream& up = *fetch_s;
+    auto w = pinned(SwapStore::padded_bytes(u.shard * c_size));
+    for (std::size_t i = 0; i < u.shard; ++i) {
+      if (ct == DType::kF32) static_cast<float*>(w->data())[i] = master[i];
+      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w->data())[i] = f32_to_bf16(master[i]);
+      else static_cast<std::uint16_t*>(w->data())[i] = f32_to_f16(master[i]);
+    }
+    if (u.resident) {
+      if (first) u.full = dev.alloc(u.padded * c_size);
+      const TensorRef block = view(u.full, ct, u.shard, std::size_t(rank) * u.shard);
+      up.copy(block.mem, host_ref(w->data(), u.shard * c_size));
+      if (world > 1) comm.all_gather(block, view(u.full, ct, u.padded), up);
+      u.gathered = true;
+      u.ready = up.record();
+    } else if (u.w_tier == Tier::kDevice) {
+      if (first) u.w_dev = dev.alloc(u.shard * c_size);
+      up.copy(u.w_dev.ref(), host_ref(w->data(), u.shard * c_size));
+    } else if (u.w_tier == Tier::kHost) {
+      if (first) u.w_host = w;
+      else std::memcpy(u.w_host->data(), w->data(), u.shard * c_size);
+    } else {
+      w_store->write(w_key(ui), w->data(), u.shard * c_size).wait();
+    }
+    up.synchronize();  // `w` is released when this scope ends
+  }
+
+  // master | m | v (3 * u.shard fp32 values in `o`) onto the unit's optimizer tier.
+  void put_state(std::size_t ui, const std::shared_ptr<PinnedBlock>& o, bool first) {
+    Unit& u = units[ui];
+    Stream& up = *fetch_s;
+    if (u.o_tier == Tier::kDevice) {
+      if (first) u.o_dev = dev.alloc(3 * u.shard * 4);
+      up.copy(u.o_dev.ref(), host_ref(o->data(), 3 * u.shard * 4));
+      up.synchronize();
+    } else if (u.o_tier == Tier::kHost) {
+      if (first) u.o_host = o;
+      else std::memcpy(u.o_host->data(), o->data(), 3 * u.shard * 4);
+    } else {
+      o_store->write(o_key(ui), o->data(), 3 * u.shard * 4).wait();
+    }
+  }
+
+  // master | m | v of unit `ui` from its tier into `out` (3 * u.shard fp32 values).
+  void get_state(std::size_t ui, float* out) {
+    Unit& u = units[ui];
+    if (u.o_tier == Tier::kDevice) {
+      opt_s->copy(host_ref(out, 3 * u.shard * 4), u.o_dev.ref());
+      opt_s->synchronize();
+    } else if (u.o_tier == Tier::kHost) {
+      std::memcpy(out, u.o_host->data(), 3 * u.shard * 4);
+    } else {
+      auto b = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+      o_store->read(o_key(ui), b->data(), 3 * u.shard * 4).wait();
+      std::memcpy(out, b->data(), 3 * u.shard * 4);
+    }
+  }
 
   // ---- gathering ----
   void issue_fetch(int ui, bool prefetch) {
@@ -362,46 +472,18 @@ void Engine::finalize() {
   }
 
   // Initial state: this rank's shard of every unit.
-  const DType ct = cfg.compute_dtype;
   Stream& up = *s.fetch_s;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
     const float* master = u.init.data() + std::size_t(s.rank) * u.shard;
     // compute weights as the optimizer's copy-out would produce them
-    auto w = s.pinned(SwapStore::padded_bytes(u.shard * s.c_size));
-    for (std::size_t i = 0; i < u.shard; ++i) {
-      if (ct == DType::kF32) static_cast<float*>(w->data())[i] = master[i];
-      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w->data())[i] = f32_to_bf16(master[i]);
-      else static_cast<std::uint16_t*>(w->data())[i] = f32_to_f16(master[i]);
-    }
-    if (u.resident) {
-      u.full = s.dev.alloc(u.padded * s.c_size);
-      const TensorRef block = Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
-      up.copy(block.mem, host_ref(w->data(), u.shard * s.c_size));
-      if (s.world > 1) s.comm.all_gather(block, Impl::view(u.full, ct, u.padded), up);
-      u.gathered = true;
-      u.ready = up.record();
-    } else if (u.w_tier == Tier::kDevice) {
-      u.w_dev = s.dev.alloc(u.shard * s.c_size);
-      up.copy(u.w_dev.ref(), host_ref(w->data(), u.shard * s.c_size));
-    } else if (u.w_tier == Tier::kHost) {
-      u.w_host = w;
-    } else {
-      s.w_store->write(Impl::w_key(ui), w->data(), u.shard * s.c_size).wait();
-    }
+    s.put_weights(ui, master, /*first=*/true);
     // optimizer state: master | m | v
     auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
     auto* of = static_cast<float*>(o->data());
     std::memcpy(of, master, u.shard * 4);
     std::memset(of + u.shard, 0, 2 * u.shard * 4);
-    if (u.o_tier == Tier::kDevice) {
-      u.o_dev = s.dev.alloc(3 * u.shard * 4);
-      up.copy(u.o_dev.ref(), host_ref(of, 3 * u.shard * 4));
-    } else if (u.o_tier == Tier::kHost) {
-      u.o_host = o;
-    } else {
-      s.o_store->write(Impl::o_key(ui), of, 3 * u.shard * 4).wait();
-    }
+    s.put_state(ui, o, /*first=*/true);
     // gradient accumulator
     if (u.g_tier == Tier::kDevice) {
       u.g_dev = s.dev.alloc(u.shard * 4);
@@ -734,16 +816,7 @@ std::vector<float> Engine::master_shard(int unit) {
   Impl& s = *impl_;
   Unit& u = s.units.at(std::size_t(unit));
   std::vector<float> out(3 * u.shard);
-  if (u.o_tier == Tier::kDevice) {
-    s.opt_s->copy(host_ref(out.data(), out.size() * 4), u.o_dev.ref());
-    s.opt_s->synchronize();
-  } else if (u.o_tier == Tier::kHost) {
-    std::memcpy(out.data(), u.o_host->data(), out.size() * 4);
-  } else {
-    auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    s.o_store->read(Impl::o_key(std::size_t(unit)), b->data(), 3 * u.shard * 4).wait();
-    std::memcpy(out.data(), b->data(), out.size() * 4);
-  }
+  s.get_state(std::size_t(unit), out.data());
   out.resize(u.shard);
   return out;
 }
@@ -766,6 +839,135 @@ std::vector<float> Engine::gather_master(int unit) {
   full.resize(u.numel);
   return full;
 }
+
+// ---- checkpoints ----
+// dir/rank<R>.bin: for every unit in order, this rank's master | m | v shard (3 * shard fp32
+// values, padding included), streamed one unit at a time from whichever tier holds it.
+// dir/rank<R>.json: the layout (units, numel, shard, byte offsets), the rank and world size,
+// and the scalar state (steps taken, fp16 loss-scaler fields).
+void Engine::save_state(const std::string& dir) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(s.finalized, "Engine::save_state before finalize()");
+  for (auto& u : s.units)
+    STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::save_state: unit '{}' is still fetched or has an unreduced "
+                   "gradient; save between steps", u.name);
+  s.comm_s->synchronize();
+  s.fetch_s->synchronize();
+  s.opt_s->synchronize();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", dir, ec.message());
+
+  nlohmann::json j;
+  j["format"] = "strata-engine-state";
+  j["version"] = kStateVersion;
+  j["rank"] = s.rank;
+  j["world_size"] = s.world;
+  j["steps_taken"] = s.steps_taken;
+  j["loss_scale"] = s.scale;
+  j["hysteresis_left"] = s.hysteresis_left;
+  j["scaler_iter"] = s.scaler_iter;
+  j["last_overflow_iter"] = s.last_overflow_iter;
+  j["compute_dtype"] = std::string(dtype_name(s.cfg.compute_dtype));
+  nlohmann::json units = nlohmann::json::array();
+  SyncedFile bin(state_file(dir, s.rank, "bin"));
+  std::vector<float> buf;
+  std::uint64_t offset = 0;
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+    const Unit& u = s.units[ui];
+    buf.resize(3 * u.shard);
+    s.get_state(ui, buf.data());
+    bin.write(buf.data(), buf.size() * 4);
+    units.push_back({{"name", u.name}, {"numel", u.numel}, {"shard", u.shard}, {"offset", offset}});
+    offset += buf.size() * 4;
+  }
+  bin.close();
+  j["units"] = std::move(units);
+  j["bytes"] = offset;
+  const std::string text = j.dump(1);
+  SyncedFile meta(state_file(dir, s.rank, "json"));
+  meta.write(text.data(), text.size());
+  meta.close();
+}
+
+void Engine::load_state(const std::string& dir) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(s.finalized, "Engine::load_state before finalize(): build the engine as for training, then load");
+  for (auto& u : s.units)
+    STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::load_state: unit '{}' is still fetched", u.name);
+  auto read_json = [&](int r) {
+    const std::string path = state_file(dir, r, "json");
+    std::ifstream f(path);
+    if (!f) return nlohmann::json();
+    std::stringstream ss;
+    ss << f.rdbuf();
+    try {
+      return nlohmann::json::parse(ss.str());
+    } catch (const std::exception& e) {
+      STRATA_THROW(kInvalidArgument, "checkpoint {}: {} is not valid JSON: {}", dir, path, e.what());
+    }
+  };
+  // Rank 0's file says how many ranks wrote the checkpoint, whatever this run's world size.
+  const nlohmann::json j0 = read_json(0);
+  STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state (rank0.json is missing)", dir);
+  const int ck_world = j0.value("world_size", -1);
+  STRATA_REQUIRE(ck_world == s.world, "checkpoint {} has {} rank{}, this run has {}; resharding is not supported yet",
+                 dir, ck_world, ck_world == 1 ? "" : "s", s.world);
+  const nlohmann::json j = s.rank == 0 ? j0 : read_json(s.rank);
+  STRATA_REQUIRE(!j.is_null(), "checkpoint {}: rank{}.json is missing", dir, s.rank);
+  STRATA_REQUIRE(j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
+                 "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, s.rank, kStateVersion);
+  STRATA_REQUIRE(j.value("rank", -1) == s.rank, "checkpoint {}: rank{}.json was written by rank {}", dir, s.rank,
+                 j.value("rank", -1));
+  const nlohmann::json& units = j.at("units");
+  STRATA_REQUIRE(units.size() == s.units.size(), "checkpoint {} has {} units, this model has {}: a different model",
+                 dir, units.size(), s.units.size());
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+    const Unit& u = s.units[ui];
+    const nlohmann::json& cu = units[ui];
+    const std::string name = cu.value("name", "");
+    STRATA_REQUIRE(name == u.name, "checkpoint {}: unit {} is '{}', this model's is '{}': a different model", dir, ui,
+                   name, u.name);
+    const std::size_t numel = cu.value("numel", std::size_t(0)), shard = cu.value("shard", std::size_t(0));
+    STRATA_REQUIRE(numel == u.numel, "checkpoint {}: unit '{}' has {} elements, this model's {}: a different model",
+                   dir, u.name, numel, u.numel);
+    STRATA_REQUIRE(shard == u.shard, "checkpoint {}: unit '{}' has a shard of {} elements, this run {}", dir, u.name,
+                   shard, u.shard);
+  }
+  const std::string bin_path = state_file(dir, s.rank, "bin");
+  std::ifstream bin(bin_path, std::ios::binary);
+  STRATA_REQUIRE(bin.good(), "checkpoint {}: {} cannot be read: {}", dir, bin_path, std::strerror(errno));
+  bin.seekg(0, std::ios::end);
+  const std::uint64_t size = std::uint64_t(bin.tellg());
+  STRATA_REQUIRE(size == j.value("bytes", std::uint64_t(0)), "checkpoint {}: {} has {} bytes, rank{}.json says {}",
+                 dir, bin_path, size, s.rank, j.value("bytes", std::uint64_t(0)));
+  bin.seekg(0);
+
+  s.comm_s->synchronize();
+  s.fetch_s->synchronize();
+  s.opt_s->synchronize();
+  for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+    Unit& u = s.units[ui];
+    auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    bin.seekg(std::streamoff(units[ui].value("offset", std::uint64_t(0))));
+    bin.read(static_cast<char*>(o->data()), std::streamsize(3 * u.shard * 4));
+    STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
+    // The weights first: put_state may keep `o` itself as the host-tier state.
+    s.put_weights(ui, static_cast<const float*>(o->data()), /*first=*/false);
+    s.put_state(ui, o, /*first=*/false);
+    if (u.g_tier == Tier::kDevice) s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
+    else std::memset(u.g_host->data(), 0, u.shard * 4);
+  }
+  s.opt_s->synchronize();
+  s.steps_taken = j.at("steps_taken").get<std::int64_t>();
+  s.scale = j.at("loss_scale").get<double>();
+  s.hysteresis_left = j.at("hysteresis_left").get<int>();
+  s.scaler_iter = j.at("scaler_iter").get<std::int64_t>();
+  s.last_overflow_iter = j.at("last_overflow_iter").get<std::int64_t>();
+}
+
+std::int64_t Engine::steps_taken() const { return impl_->steps_taken; }
 
 EngineStats Engine::stats() const {
   const Impl& s = *impl_;

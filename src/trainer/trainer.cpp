@@ -154,6 +154,16 @@ struct Phases {
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// --out may already exist when all it holds is the run's checkpoints/ folder.
+bool out_dir_free(const std::string& out) {
+  std::error_code ec;
+  if (!fs::exists(out, ec)) return true;
+  if (!fs::is_directory(out, ec)) return false;
+  for (const auto& e : fs::directory_iterator(out, ec))
+    if (e.path().filename() != "checkpoints") return false;
+  return true;
+}
+
 }  // namespace
 
 TrainResult train(const TrainOptions& o) {
@@ -184,10 +194,17 @@ TrainResult train(const TrainOptions& o) {
   for (const auto& f : o.data_files) require_file(f, "--data");
   if (!o.text_file.empty()) require_file(o.text_file, "--text");
   if (!o.ds_config.empty()) require_file(o.ds_config, "--config");
-  if (!o.out_dir.empty() && !o.overwrite) {
-    std::error_code ec;
-    STRATA_REQUIRE(!fs::exists(o.out_dir, ec), "--out {} exists: pass --overwrite to replace it", o.out_dir);
-  }
+  if (!o.out_dir.empty() && !o.overwrite)
+    STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it", o.out_dir);
+  STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0");
+  STRATA_REQUIRE(o.save_every == 0 || !o.checkpoint_dir.empty() || !o.out_dir.empty() || !o.resume.empty(),
+                 "--save-every needs a folder for the checkpoints: give --checkpoint-dir DIR or --out DIR");
+  // Resume: the newest complete checkpoint, found (and verified) before anything is built.
+  FoundCheckpoint resume;
+  if (!o.resume.empty()) resume = find_checkpoint(o.resume);
+  std::string ckpt_root = o.checkpoint_dir;
+  if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
+  if (ckpt_root.empty() && !resume.dir.empty()) ckpt_root = fs::path(resume.dir).parent_path().string();
 
   // ---- launch, device, communicator ----
   const LaunchInfo launch = init_launch();
@@ -295,6 +312,7 @@ TrainResult train(const TrainOptions& o) {
   TokenLoader loader(dopt);
   std::unique_ptr<TokenLoader> val;
   if (o.eval_every > 0) val = std::make_unique<TokenLoader>(dopt, DataSplit::kVal);
+  std::int64_t train_batches = 0, val_batches = 0;  // next() calls so far: the data position
 
   // ---- model + engine ----
   auto compute = dev->create_stream("compute");
@@ -309,9 +327,109 @@ TrainResult train(const TrainOptions& o) {
   engine.finalize();
   EngineWeights weights(engine, *compute, model.units());
 
+  // ---- resume ----
+  std::int64_t result_resumed_from = 0;
+  std::vector<std::string> result_checkpoints;
+  const std::string model_hash = model_config_hash(mcfg);
+  std::int64_t start_step = 0;
+  if (!resume.dir.empty()) {
+    const nlohmann::json& m = resume.manifest;
+    const int ck_world = m.value("world_size", -1);
+    STRATA_REQUIRE(ck_world == world, "--resume {}: the checkpoint has {} rank{}, this run has {}; resharding is not "
+                   "supported yet", resume.dir, ck_world, ck_world == 1 ? "" : "s", world);
+    const nlohmann::json t = m.value("trainer", nlohmann::json::object());
+    const std::string ck_hash = t.value("model_config_hash", "");
+    STRATA_REQUIRE(ck_hash == model_hash, "--resume {}: the checkpoint was taken with a different model (config hash "
+                   "{}, this run's {}: {}); resume with the same --model/--model-config", resume.dir, ck_hash,
+                   model_hash, t.value("model", ""));
+    const nlohmann::json d = t.value("data", nlohmann::json::object());
+    auto differs = [&](const char* key, const nlohmann::json& now) {
+      if (d.contains(key) && d[key] != now)
+        log::warn("--resume: {} was {} in the checkpoint's run, {} now: the data will not continue where it stopped",
+                  key, d[key].dump(), now.dump());
+    };
+    differs("micro_batch", B);
+    differs("seq_len", seq_len);
+    differs("grad_accum", accum);
+    differs("seed", o.seed);
+    differs("shuffle", o.shuffle);
+    differs("files", dopt.files);
+    const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
+    if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", o.warmup) != o.warmup ||
+        ls.value("schedule", o.lr_schedule) != o.lr_schedule || ls.value("total_steps", steps) != steps)
+      log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
+                "run's", ls.dump());
+    engine.load_state(resume.dir);
+    // The data position: replay the loaders' batches (their order is a function of the seed).
+    const std::int64_t tb = d.value("train_batches", std::int64_t(0)), vb = d.value("val_batches", std::int64_t(0));
+    for (; train_batches < tb; ++train_batches) loader.next();
+    if (val)
+      for (; val_batches < vb; ++val_batches) val->next();
+    start_step = resume.step;
+    result_resumed_from = start_step;
+    if (con) {
+      std::fprintf(con, "resumed from %s (step %lld)\n", resume.dir.c_str(), (long long)start_step);
+      std::fflush(con);
+    }
+  }
+  // The name of the temporary checkpoint folders: rank 0's pid, the same on every rank.
+  std::string tmp_tag = std::to_string(::getpid());
+  if (o.save_every > 0 && world > 1) {
+    double pid = rank == 0 ? double(::getpid()) : 0.0;
+    pid = mean_over_ranks(pid, *comm, *dev, *compute) * world;
+    tmp_tag = std::to_string(std::int64_t(std::llround(pid)));
+  }
+  auto trainer_state = [&](std::int64_t step) {
+    return nlohmann::json{
+        {"step", step},
+        {"model_config_hash", model_hash},
+        {"model", fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
+                              mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size)},
+        {"world_size", world},
+        {"data",
+         {{"train_batches", train_batches}, {"val_batches", val_batches}, {"epoch", loader.epoch()},
+          {"micro_batch", B}, {"seq_len", seq_len}, {"grad_accum", accum}, {"seed", o.seed},
+          {"shuffle", o.shuffle}, {"files", dopt.files}}},
+        // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
+        // per epoch: the position above restores it.
+        {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
+        {"lr_schedule",
+         {{"lr", double(ecfg.adamw.lr)}, {"warmup", o.warmup}, {"total_steps", steps},
+          {"schedule", o.lr_schedule}, {"next_step", step + 1}}},
+        {"loss_scale", engine.loss_scale()}};
+  };
+  std::vector<std::int64_t> saved_steps;
+  auto save_checkpoint = [&](std::int64_t step) {
+    const std::string dir = write_checkpoint(engine, *comm, *compute, ckpt_root, step, tmp_tag, trainer_state(step));
+    result_checkpoints.push_back(dir);
+    saved_steps.push_back(step);
+    if (rank == 0 && o.keep_checkpoints > 0) {
+      // Older complete checkpoints of this run beyond the newest keep_checkpoints.
+      while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
+        std::error_code ec;
+        fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);
+        saved_steps.erase(saved_steps.begin());
+      }
+    }
+  };
+
   std::unique_ptr<std::ofstream> jlog;
   if (rank == 0 && !o.log_json.empty()) {
+    // Resumed: keep the log's lines up to the checkpoint's step and continue after them.
+    std::string kept;
+    if (start_step > 0) {
+      std::ifstream old(o.log_json);
+      std::string line;
+      while (std::getline(old, line)) {
+        try {
+          if (nlohmann::json::parse(line).value("step", std::int64_t(0)) <= start_step) kept += line + "\n";
+        } catch (const std::exception&) {
+          break;  // a torn last line of the killed run
+        }
+      }
+    }
     jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
+    *jlog << kept;
     if (!*jlog) STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
   }
   const bool tty = con && ::isatty(::fileno(con));
@@ -331,10 +449,11 @@ TrainResult train(const TrainOptions& o) {
   }
 
   TrainResult result;
+  result.resumed_from = result_resumed_from;
   Phases ph;
   EngineStats prev = engine.stats();
   const auto loop_start = Clock::now();
-  for (std::int64_t step = 1; step <= steps; ++step) {
+  for (std::int64_t step = start_step + 1; step <= steps; ++step) {
     const auto t_step = Clock::now();
     const bool tracing = !o.trace_file.empty() && step == o.trace_step;
     if (tracing) Tracer::global().set_enabled(true);
@@ -344,6 +463,7 @@ TrainResult train(const TrainOptions& o) {
       Batch batch;
       for (int r = 0; r < world; ++r) {
         Batch b = loader.next();
+        ++train_batches;
         if (r == rank) batch = std::move(b);
       }
       ph.data += since(t0);
@@ -382,12 +502,20 @@ TrainResult train(const TrainOptions& o) {
         Batch vb;
         for (int r = 0; r < world; ++r) {
           Batch b = val->next();
+          ++val_batches;
           if (r == rank) vb = std::move(b);
         }
         sum += double(model.forward(vb, weights, /*grad=*/false));
       }
       val_loss = mean_over_ranks(sum / double(o.eval_batches), *comm, *dev, *compute);
       ph.eval += since(t0);
+    }
+
+    // The checkpoint before the step's log line: a logged step's checkpoint is complete.
+    if (o.save_every > 0 && (step % o.save_every == 0 || step == steps)) {
+      t0 = Clock::now();
+      save_checkpoint(step);
+      ph.save += since(t0);
     }
 
     const EngineStats st = engine.stats();
@@ -411,7 +539,7 @@ TrainResult train(const TrainOptions& o) {
           rec.tokens_per_s, rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,
           double(st.d2h_bytes - prev.d2h_bytes) * gbps, double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,
           double(st.nvme_written_bytes - prev.nvme_written_bytes) * gbps,
-          hms(elapsed / double(step) * double(steps - step)));
+          hms(elapsed / double(step - start_step) * double(steps - step)));
       const bool keep = step == 1 || step == steps || step % print_every == 0 || !std::isnan(val_loss);
       if (tty) std::fprintf(con, "\r\x1b[K%s%s", line.c_str(), keep ? "\n" : "");
       else if (keep) std::fprintf(con, "%s\n", line.c_str());
@@ -422,20 +550,27 @@ TrainResult train(const TrainOptions& o) {
 
   if (!o.out_dir.empty()) {
     const auto t0 = Clock::now();
-    if (rank == 0 && o.overwrite) {
+    if (rank == 0 && o.overwrite) {  // everything but the run's checkpoints
       std::error_code ec;
-      fs::remove_all(o.out_dir, ec);
+      if (fs::is_directory(o.out_dir, ec)) {
+        for (const auto& e : fs::directory_iterator(o.out_dir, ec))
+          if (e.path().filename() != "checkpoints") fs::remove_all(e.path(), ec);
+      } else {
+        fs::remove_all(o.out_dir, ec);
+      }
     }
     save_engine_weights(engine, mcfg, ecfg.compute_dtype, o.out_dir, rank);
     ph.save += since(t0);
   }
   result.stats = engine.stats();
+  result.checkpoints = result_checkpoints;
 
   if (con) {
     const EngineStats& s = result.stats;
     const double total = since(t_start);
     std::fprintf(con, "\nsummary (%lld steps, %.1f s, %.0f tokens/s, final loss %.4f)\n", (long long)steps, total,
-                 tokens_per_step * double(steps) / since(loop_start), result.steps.back().loss);
+                 tokens_per_step * double(steps - start_step) / since(loop_start),
+                 result.steps.empty() ? NAN : result.steps.back().loss);
     std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
     const std::pair<const char*, double> rows[] = {{"data", ph.data},           {"forward", ph.forward},
                                                    {"backward", ph.backward},   {"optimizer", ph.optimizer},
@@ -453,6 +588,8 @@ TrainResult train(const TrainOptions& o) {
                              human_bytes(double(s.nvme_written_bytes))).c_str(),
                  fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
     if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
+    if (!result_checkpoints.empty())
+      std::fprintf(con, "checkpoints in %s (newest: %s)\n", ckpt_root.c_str(), result_checkpoints.back().c_str());
     std::fflush(con);
   }
   return result;

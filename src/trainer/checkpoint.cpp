@@ -1,0 +1,258 @@
+// Crash-safe training checkpoints (include/strata/trainer.h: write_checkpoint,
+// verify_checkpoint, find_checkpoint).
+//
+// Protocol (every rank runs write_checkpoint with the same arguments):
+//   1. rank 0 creates <root>/step-<N>.tmp-<tag> (an older leftover of that name is removed);
+//      barrier.
+//   2. every rank writes its engine state there (Engine::save_state: rank<R>.bin/.json, each
+//      fsync'd); barrier.
+//   3. rank 0 hashes every file (xxh3-64), writes manifest.json (fsync'd), fsyncs the folder,
+//      renames it to <root>/step-<N> (an existing step-<N> is moved aside first and removed
+//      after) and fsyncs <root>; barrier.
+// A crash at any point leaves either a .tmp-* folder (never chosen: find_checkpoint skips it)
+// or a complete step-<N>. find_checkpoint verifies sizes and checksums before choosing one,
+// so a folder damaged after the fact is skipped too.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/trainer.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr int kCheckpointVersion = 1;
+constexpr const char* kManifest = "manifest.json";
+
+void fsync_path(const std::string& path, bool dir) {
+  const int fd = ::open(path.c_str(), (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) STRATA_THROW(kIo, "checkpoint: cannot open {} to fsync it: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path, std::strerror(err));
+}
+
+// Size and xxh3-64 of a file, streamed; false when it cannot be read.
+bool hash_file(const std::string& path, std::uint64_t& bytes, std::string& hex) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  std::vector<char> buf(std::size_t(4) << 20);
+  bytes = 0;
+  while (f) {
+    f.read(buf.data(), std::streamsize(buf.size()));
+    const std::streamsize n = f.gcount();
+    if (n <= 0) break;
+    XXH3_64bits_update(st, buf.data(), std::size_t(n));
+    bytes += std::uint64_t(n);
+  }
+  const bool ok = f.eof();
+  hex = fmt::format("{:016x}", XXH3_64bits_digest(st));
+  XXH3_freeState(st);
+  return ok;
+}
+
+void barrier(Communicator& comm, Stream& s) {
+  if (comm.world_size() == 1) return;
+  comm.barrier(s);
+  s.synchronize();
+}
+
+std::int64_t step_of(const std::string& name) {
+  if (name.rfind("step-", 0) != 0) return -1;
+  const std::string digits = name.substr(5);
+  if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  return std::stoll(digits);
+}
+
+}  // namespace
+
+std::string model_config_hash(const ModelConfig& c) {
+  std::string key = fmt::format(
+      "arch={} vocab={} hidden={} inter={} layers={} heads={} kv={} head_dim={} pos={} eps={:a} theta={:a} "
+      "l3={:a},{:a},{:a},{:a} tie={} qkv_bias={}",
+      int(c.arch), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+      c.head_dim, c.max_positions, c.norm_eps, c.rope_theta, c.rope_llama3_factor, c.rope_llama3_low_freq_factor,
+      c.rope_llama3_high_freq_factor, c.rope_llama3_original_max_positions, c.tie_word_embeddings, c.qkv_bias);
+  for (const UnitSpec& u : model_units(c)) {
+    key += fmt::format("|{}:{}", u.name, u.numel);
+    for (const ParamSpec& p : u.params) key += fmt::format(",{}@{}+{}", p.name, p.offset, p.numel);
+  }
+  return fmt::format("{:016x}", XXH3_64bits(key.data(), key.size()));
+}
+
+std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root, std::int64_t step,
+                             const std::string& tmp_tag, const nlohmann::json& trainer_state) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const std::string name = fmt::format("step-{}", step);
+  const std::string final_dir = (fs::path(root) / name).string();
+  const std::string tmp = (fs::path(root) / fmt::format("{}.tmp-{}", name, tmp_tag)).string();
+  if (rank == 0) {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", root, ec.message());
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());
+  }
+  barrier(comm, s);
+  engine.save_state(tmp);
+  barrier(comm, s);
+  if (rank == 0) {
+    nlohmann::json m;
+    m["format"] = "strata-checkpoint";
+    m["version"] = kCheckpointVersion;
+    m["step"] = step;
+    m["world_size"] = world;
+    m["engine_steps_taken"] = engine.steps_taken();
+    m["trainer"] = trainer_state;
+    nlohmann::json files = nlohmann::json::array();
+    for (int r = 0; r < world; ++r)
+      for (const char* ext : {"bin", "json"}) {
+        const std::string f = fmt::format("rank{}.{}", r, ext);
+        std::uint64_t bytes = 0;
+        std::string hex;
+        STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex), "checkpoint: {}/{} cannot be read back",
+                       tmp, f);
+        files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
+      }
+    m["files"] = std::move(files);
+    const std::string text = m.dump(1) + "\n";
+    const std::string mpath = (fs::path(tmp) / kManifest).string();
+    {
+      const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
+      std::size_t done = 0;
+      const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
+      const bool crash_here = crash && std::atoll(crash) == step;
+      const std::size_t limit = crash_here ? text.size() / 2 : text.size();
+      while (done < limit) {
+        const ssize_t n = ::write(fd, text.data() + done, limit - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          const int err = errno;
+          ::close(fd);
+          STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
+        }
+        done += std::size_t(n);
+      }
+      if (crash_here) {
+        std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
+                     (long long)step);
+        std::fflush(stderr);
+        std::abort();
+      }
+      const int rc = ::fsync(fd);
+      const int err = errno;
+      ::close(fd);
+      STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
+    }
+    fsync_path(tmp, true);
+    std::error_code ec;
+    std::string aside;
+    if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
+      aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
+      fs::remove_all(aside, ec);
+      fs::rename(final_dir, aside, ec);
+      STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir, ec.message());
+    }
+    fs::rename(tmp, final_dir, ec);
+    STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+    fsync_path(root, true);
+    if (!aside.empty()) fs::remove_all(aside, ec);
+  }
+  barrier(comm, s);
+  return final_dir;
+}
+
+std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) {
+  const std::string mpath = (fs::path(dir) / kManifest).string();
+  std::ifstream f(mpath);
+  if (!f) return "no manifest.json (incomplete)";
+  std::stringstream ss;
+  ss << f.rdbuf();
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(ss.str());
+  } catch (const std::exception& e) {
+    return fmt::format("manifest.json does not parse ({})", e.what());
+  }
+  if (m.value("format", "") != "strata-checkpoint") return "manifest.json is not a strata checkpoint manifest";
+  if (m.value("version", 0) != kCheckpointVersion)
+    return fmt::format("format version {}, this build reads {}", m.value("version", 0), kCheckpointVersion);
+  if (!m.contains("files") || !m["files"].is_array() || m["files"].empty()) return "manifest.json lists no files";
+  for (const auto& e : m["files"]) {
+    const std::string name = e.value("name", "");
+    if (name.empty() || name.find('/') != std::string::npos) return "manifest.json has a bad file entry";
+    std::uint64_t bytes = 0;
+    std::string hex;
+    if (!hash_file((fs::path(dir) / name).string(), bytes, hex)) return fmt::format("{} is missing", name);
+    if (bytes != e.value("bytes", std::uint64_t(0)))
+      return fmt::format("{} has {} bytes, the manifest says {}", name, bytes, e.value("bytes", std::uint64_t(0)));
+    if (hex != e.value("xxh3", ""))
+      return fmt::format("{} has checksum {}, the manifest says {}", name, hex, e.value("xxh3", ""));
+  }
+  if (manifest) *manifest = std::move(m);
+  return "";
+}
+
+FoundCheckpoint find_checkpoint(const std::string& path) {
+  std::error_code ec;
+  STRATA_REQUIRE(fs::is_directory(path, ec), "--resume {}: no such directory", path);
+  // A checkpoint folder itself.
+  if (fs::exists(fs::path(path) / kManifest, ec) || step_of(fs::path(path).filename().string()) >= 0) {
+    FoundCheckpoint fc;
+    const std::string why = verify_checkpoint(path, &fc.manifest);
+    STRATA_REQUIRE(why.empty(), "--resume {}: not a complete checkpoint: {}", path, why);
+    fc.dir = path;
+    fc.step = fc.manifest.value("step", std::int64_t(0));
+    return fc;
+  }
+  std::string root = path;
+  if (fs::is_directory(fs::path(path) / "checkpoints", ec)) root = (fs::path(path) / "checkpoints").string();
+  std::vector<std::pair<std::int64_t, std::string>> found;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (!e.is_directory()) continue;
+    const std::string name = e.path().filename().string();
+    const std::int64_t st = step_of(name);
+    if (st >= 0) found.emplace_back(st, e.path().string());
+    else if (name.rfind("step-", 0) == 0)
+      log::warn("--resume: skipping {}: an unfinished (or set-aside) checkpoint", e.path().string());
+  }
+  STRATA_REQUIRE(!ec, "--resume {}: cannot list {}: {}", path, root, ec.message());
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [st, dir] : found) {
+    FoundCheckpoint fc;
+    const std::string why = verify_checkpoint(dir, &fc.manifest);
+    if (!why.empty()) {
+      log::warn("--resume: skipping {}: {}", dir, why);
+      continue;
+    }
+    if (fc.manifest.value("step", std::int64_t(-1)) != st) {
+      log::warn("--resume: skipping {}: its manifest says step {}", dir, fc.manifest.value("step", std::int64_t(-1)));
+      continue;
+    }
+    fc.dir = dir;
+    fc.step = st;
+    return fc;
+  }
+  STRATA_THROW(kInvalidArgument, "--resume {}: no complete checkpoint found (looked for step-<N> folders with a valid "
+               "manifest.json in {}; {} candidate(s) failed verification)", path, root, found.size());
+}
+
+}  // namespace strata

@@ -1,0 +1,446 @@
+// Checkpoints and resume (issue #8, item 3).
+//
+// In process: Engine::save_state / load_state between fresh Engine + Model objects continue
+// a run bit-identically, across placements (saved with NVMe offload, resumed without, and the
+// reverse), bf16 with gradient accumulation and resident units; incompatible states are
+// refused with errors naming what differs.
+// End to end (the strata-train binary, STRATA_TRAIN_BIN): a run SIGKILLed after step 6 is
+// logged resumes and logs steps 7-10 bitwise equal to a straight run; a run that dies inside
+// a checkpoint write (STRATA_TEST_CRASH_IN_CHECKPOINT) leaves a .tmp folder that is never
+// chosen, a checkpoint with a bad checksum is skipped too; a different model or world size is
+// a clear error.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/comm.h"
+#include "strata/engine.h"
+#include "strata/error.h"
+#include "strata/model.h"
+#include "strata/trainer.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+struct TempDir {
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "strata-ckpt-test-XXXXXX").string();
+    path = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+ModelConfig tiny_llama(bool tied, int hidden = 64) {
+  const std::string j = fmt::format(R"({{"model_type": "llama", "vocab_size": 96, "hidden_size": {},
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": {}}})",
+                                    hidden, tied ? "true" : "false");
+  return parse_model_config(j, "tiny llama");
+}
+
+constexpr int kB = 2, kT = 16;
+
+Batch batch_of(int i, std::int64_t vocab) {
+  std::mt19937_64 rng(1000 + std::uint64_t(i));
+  std::vector<std::int32_t> seq(kB * kT + 1);
+  for (std::size_t k = 0; k < seq.size(); ++k)
+    seq[k] = rng() % 5 == 0 ? std::int32_t(rng() % std::uint64_t(vocab)) : std::int32_t((k * 7 + std::size_t(i)) % 23);
+  Batch b;
+  b.tokens.assign(seq.begin(), seq.end() - 1);
+  b.targets.assign(seq.begin() + 1, seq.end());
+  return b;
+}
+
+Placement on(Tier t) {
+  Placement p;
+  p.device_fraction = t == Tier::kDevice ? 1 : 0;
+  p.host_fraction = t == Tier::kHost ? 1 : 0;
+  return p;
+}
+
+struct Run {
+  std::vector<float> losses;  // of the steps this run took
+  std::vector<std::vector<float>> master;
+};
+
+// Steps [first, last] (1-based) of a run on fresh objects; loads `load_from` first when given
+// and saves to `save_to` after the last step when given.
+Run run_steps(const ModelConfig& mc, EngineConfig cfg, int first, int last, int accum, const std::string& load_from,
+              const std::string& save_to) {
+  auto dev = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  auto comm = make_communicator(*dev, co);
+  auto s = dev->create_stream("compute");
+  cfg.gradient_accumulation_steps = accum;
+  cfg.host_budget_bytes = 64 << 20;
+  Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT, .compute = cfg.compute_dtype});
+  Engine e(*dev, *comm, cfg);
+  // A different initialisation than the saving run's: load_state must replace all of it.
+  add_model_units(e, model.units(), initial_unit_weights(mc, "", load_from.empty() ? 5 : 99));
+  e.finalize();
+  if (!load_from.empty()) {
+    e.load_state(load_from);
+    EXPECT_EQ(e.steps_taken(), first - 1);
+  }
+  EngineWeights w(e, *s, model.units());
+  Run out;
+  for (int step = first; step <= last; ++step) {
+    float loss = 0;
+    for (int a = 0; a < accum; ++a) {
+      loss += model.forward(batch_of((step - 1) * accum + a, mc.vocab_size), w) / float(accum);
+      model.backward(w);
+    }
+    out.losses.push_back(loss);
+    e.step(1e-2f * float(step) / 10.0f);  // a varying lr: the schedule position matters
+  }
+  if (!save_to.empty()) e.save_state(save_to);
+  for (std::size_t u = 0; u < model.units().size(); ++u) out.master.push_back(e.gather_master(int(u)));
+  return out;
+}
+
+EngineConfig base_config() {
+  EngineConfig c = default_engine_config();
+  c.adamw.weight_decay = 0.1;
+  c.param_persistence_threshold = 0;  // every unit gathered and released
+  return c;
+}
+
+EngineConfig nvme_config(const std::string& dir) {
+  EngineConfig c = base_config();
+  c.params = c.optimizer = on(Tier::kNvme);
+  c.grads = on(Tier::kHost);
+  c.param_nvme_paths = c.optimizer_nvme_paths = {dir};
+  return c;
+}
+
+void expect_resume_matches(const ModelConfig& mc, const EngineConfig& save_cfg, const EngineConfig& load_cfg,
+                           int accum, const char* what) {
+  SCOPED_TRACE(what);
+  TempDir ck;
+  // Steps 7-10 of the straight run are taken by the loading config's placement; placements
+  // are bit-identical, so either config gives the reference.
+  const Run straight = run_steps(mc, load_cfg, 1, 10, accum, "", "");
+  const Run first = run_steps(mc, save_cfg, 1, 6, accum, "", ck.path);
+  const Run second = run_steps(mc, load_cfg, 7, 10, accum, ck.path, "");
+  ASSERT_EQ(second.losses.size(), 4u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(first.losses[std::size_t(i)], straight.losses[std::size_t(i)]) << "step " << i + 1;
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(second.losses[std::size_t(i)], straight.losses[std::size_t(6 + i)]) << "step " << 7 + i;
+  ASSERT_EQ(second.master.size(), straight.master.size());
+  for (std::size_t u = 0; u < straight.master.size(); ++u)
+    EXPECT_TRUE(second.master[u] == straight.master[u]) << "master weights of unit " << u << " differ";
+}
+
+TEST(EngineCheckpoint, ResumeEqualsStraightRun) {
+  const ModelConfig mc = tiny_llama(true);
+  expect_resume_matches(mc, base_config(), base_config(), 1, "device state, fp32");
+}
+
+TEST(EngineCheckpoint, ResumeAcrossPlacements) {
+  const ModelConfig mc = tiny_llama(false);
+  TempDir nv1, nv2;
+  expect_resume_matches(mc, nvme_config(nv1.path), base_config(), 1, "saved from NVMe, resumed on the device");
+  EngineConfig host = base_config();
+  host.params = host.optimizer = host.grads = on(Tier::kHost);
+  expect_resume_matches(mc, base_config(), host, 1, "saved from the device, resumed on the host");
+  expect_resume_matches(mc, host, nvme_config(nv2.path), 1, "saved from the host, resumed on NVMe");
+}
+
+TEST(EngineCheckpoint, ResumeBf16WithAccumulationAndResidentUnits) {
+  const ModelConfig mc = tiny_llama(true);
+  EngineConfig c = default_engine_config();  // default persistence threshold: small units resident
+  c.compute_dtype = DType::kBF16;
+  TempDir nv;
+  EngineConfig n = nvme_config(nv.path);
+  n.compute_dtype = DType::kBF16;
+  n.param_persistence_threshold = c.param_persistence_threshold;  // the same units resident
+  // Same placement on both sides: with resident bf16 units, device-held and NVMe-held state
+  // do not give bit-identical runs even without a checkpoint (an engine matter, not one of
+  // checkpoints; see the report of issue #8 item 3).
+  expect_resume_matches(mc, c, c, 2, "bf16, 2 micro-batches, resident units, device state");
+  expect_resume_matches(mc, n, n, 2, "bf16, 2 micro-batches, resident units, NVMe state");
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(EngineCheckpoint, IncompatibleStateIsRefused) {
+  TempDir ck;
+  run_steps(tiny_llama(false), base_config(), 1, 1, 1, "", ck.path);
+  // A different model.
+  std::string err = error_of([&] { run_steps(tiny_llama(false, 32), base_config(), 2, 2, 1, ck.path, ""); });
+  EXPECT_NE(err.find("different model"), std::string::npos) << err;
+  // A different world size (rank0.json edited).
+  {
+    std::ifstream f(ck.path + "/rank0.json");
+    nlohmann::json j = nlohmann::json::parse(f);
+    j["world_size"] = 2;
+    std::ofstream(ck.path + "/rank0.json") << j.dump();
+  }
+  err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, ck.path, ""); });
+  EXPECT_NE(err.find("has 2 ranks, this run has 1; resharding is not supported yet"), std::string::npos) << err;
+  // No state at all.
+  TempDir empty;
+  err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, empty.path, ""); });
+  EXPECT_NE(err.find("rank0.json is missing"), std::string::npos) << err;
+}
+
+// ---- the strata-train binary ----
+
+struct Proc {
+  pid_t pid = -1;
+  std::string out, err;  // files with its stdout / stderr
+};
+
+Proc spawn(const std::vector<std::string>& args, const std::string& dir, const std::string& tag,
+           const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  Proc p;
+  p.out = dir + "/" + tag + ".stdout";
+  p.err = dir + "/" + tag + ".stderr";
+  p.pid = ::fork();
+  if (p.pid == 0) {
+    const rlimit no_core{0, 0};
+    ::setrlimit(RLIMIT_CORE, &no_core);  // the abort() hook must not leave core files
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    const int o = ::open(p.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(p.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    std::vector<char*> argv;
+    std::string bin = STRATA_TRAIN_BIN;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return p;
+}
+
+int wait_status(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return st;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// step -> the log line's JSON, for the complete lines of a --log-json file.
+std::map<std::int64_t, nlohmann::json> read_log(const std::string& path) {
+  std::map<std::int64_t, nlohmann::json> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    try {
+      const auto j = nlohmann::json::parse(line);
+      out[j.at("step").get<std::int64_t>()] = j;
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+
+class TrainBinary : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cfg = dir.path + "/model.json";
+    std::ofstream(cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+    text = dir.path + "/corpus.txt";
+    std::ofstream t(text);
+    std::mt19937_64 rng(3);
+    const char* words[] = {"alpha ", "beta ", "gamma ", "delta. ", "epsilon\n"};
+    for (int i = 0; i < 4000; ++i) t << words[rng() % 5];
+  }
+  std::vector<std::string> args(const std::string& log, std::vector<std::string> extra = {}) const {
+    std::vector<std::string> a = {"--model-config", cfg,    "--text", text,      "--seq-len", "16", "--micro-batch", "2",
+                                  "--grad-accum",   "2",    "--steps", "10",     "--lr",      "1e-2", "--warmup", "2",
+                                  "--lr-schedule",  schedule, "--device", "cpu", "--log-json", log};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  // The straight 10-step run's log (computed once per test).
+  std::map<std::int64_t, nlohmann::json> straight() {
+    const std::string log = dir.path + "/straight.jsonl";
+    const Proc p = spawn(args(log), dir.path, "straight");
+    const int st = wait_status(p.pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+    auto l = read_log(log);
+    EXPECT_EQ(l.size(), 10u);
+    return l;
+  }
+  static void expect_same_steps(const std::map<std::int64_t, nlohmann::json>& got,
+                                const std::map<std::int64_t, nlohmann::json>& ref, std::int64_t from) {
+    for (std::int64_t s = from; s <= 10; ++s) {
+      ASSERT_TRUE(got.count(s)) << "step " << s << " missing from the resumed log";
+      // Bitwise: the doubles as logged (nlohmann writes the shortest round-trip form).
+      EXPECT_EQ(got.at(s)["loss"].get<double>(), ref.at(s)["loss"].get<double>()) << "loss of step " << s;
+      EXPECT_EQ(got.at(s)["grad_norm"].get<double>(), ref.at(s)["grad_norm"].get<double>()) << "grad_norm of step " << s;
+      EXPECT_EQ(got.at(s)["lr"].get<double>(), ref.at(s)["lr"].get<double>()) << "lr of step " << s;
+    }
+  }
+  TempDir dir;
+  std::string cfg, text;
+  std::string schedule = "cosine";
+};
+
+TEST_F(TrainBinary, SigkillAfterStep6ThenResumeEqualsStraightRun) {
+  // A constant schedule (after warmup) does not depend on --steps, so the run to be killed
+  // can be given 1000 steps: the kill always lands, however slow the watcher is.
+  schedule = "const";
+  const auto ref = straight();
+  const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
+  auto long_run = args(log, {"--save-every", "1", "--checkpoint-dir", ck});
+  long_run[std::size_t(std::find(long_run.begin(), long_run.end(), "--steps") - long_run.begin()) + 1] = "1000";
+  Proc p = spawn(long_run, dir.path, "killed");
+  bool seen = false;
+  for (int i = 0; i < 60000 && !seen; ++i) {  // up to 60 s
+    seen = read_log(log).count(6) > 0;
+    if (!seen) std::this_thread::sleep_for(1ms);
+  }
+  ::kill(p.pid, SIGKILL);
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(seen) << "step 6 never logged: " << slurp(p.err);
+  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) << "the run ended before the kill: " << slurp(p.err);
+  ASSERT_TRUE(fs::exists(ck + "/step-6/manifest.json")) << "a logged step's checkpoint is complete";
+  const auto killed_log = read_log(log);
+  const std::int64_t last_logged = killed_log.rbegin()->first;  // 6, or later if the kill was slow
+  ASSERT_LE(last_logged, 9) << "the kill came too late to leave steps to resume";
+
+  // Resume into the same log: it keeps steps up to the checkpoint and continues.
+  Proc r = spawn(args(log, {"--save-every", "1", "--resume", ck}), dir.path, "resumed");
+  const int rs = wait_status(r.pid);
+  ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
+  const std::string out = slurp(r.out);
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  // The newest complete checkpoint: the last logged step's or (killed mid-write) the next.
+  const std::size_t at = out.find("(step ");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::int64_t resumed = std::stoll(out.substr(at + 6));
+  EXPECT_GE(resumed, last_logged);
+  EXPECT_LE(resumed, last_logged + 1);
+  if (resumed == 6) std::printf("resumed at step 6: steps 7-10 compared\n");
+  const auto got = read_log(log);
+  EXPECT_EQ(got.size(), 10u);
+  expect_same_steps(got, ref, 1);
+  EXPECT_TRUE(fs::exists(ck + "/step-10/manifest.json"));
+}
+
+TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
+  const auto ref = straight();
+  const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
+  Proc p = spawn(args(log, {"--save-every", "1", "--checkpoint-dir", ck}), dir.path, "crashed",
+                 {{"STRATA_TEST_CRASH_IN_CHECKPOINT", "6"}});
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(ck + "/step-5/manifest.json"));
+  EXPECT_FALSE(fs::exists(ck + "/step-6"));
+  bool partial = false;
+  for (const auto& e : fs::directory_iterator(ck))
+    partial = partial || e.path().filename().string().rfind("step-6.tmp-", 0) == 0;
+  EXPECT_TRUE(partial) << "the interrupted checkpoint's temporary folder is left behind";
+  EXPECT_EQ(read_log(log).count(6), 0u) << "step 6 is logged only after its checkpoint";
+
+  // Also damage step-5 after the fact: one flipped byte fails its checksum.
+  {
+    std::fstream f(ck + "/step-5/rank0.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    char c = 0;
+    f.seekg(100);
+    f.read(&c, 1);
+    c = char(c ^ 0x40);
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  const std::string log2 = dir.path + "/resumed.jsonl";
+  Proc r = spawn(args(log2, {"--save-every", "1", "--resume", ck}), dir.path, "resumed");
+  const int rs = wait_status(r.pid);
+  ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
+  const std::string err = slurp(r.err), out = slurp(r.out);
+  EXPECT_NE(err.find("step-6.tmp-"), std::string::npos) << "the skipped partial folder is warned about: " << err;
+  EXPECT_NE(err.find("checksum"), std::string::npos) << "the damaged step-5 is warned about: " << err;
+  EXPECT_NE(out.find("step-4 (step 4)"), std::string::npos) << out;
+  const auto got = read_log(log2);
+  EXPECT_EQ(got.size(), 6u) << "steps 5-10";
+  expect_same_steps(got, ref, 5);
+}
+
+TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
+  const std::string ck = dir.path + "/ck";
+  {
+    auto a = args(dir.path + "/a.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
+    a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+    Proc p = spawn(a, dir.path, "first");
+    const int st = wait_status(p.pid);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  }
+  ASSERT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
+  // A different model.
+  const std::string other = dir.path + "/other.json";
+  std::ofstream(other) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck});
+  a[1] = other;
+  Proc p = spawn(a, dir.path, "other-model");
+  int st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("different model"), std::string::npos) << slurp(p.err);
+  // A different world size: the manifest says 2 ranks (the files still verify).
+  {
+    std::ifstream f(ck + "/step-2/manifest.json");
+    nlohmann::json m = nlohmann::json::parse(f);
+    m["world_size"] = 2;
+    std::ofstream(ck + "/step-2/manifest.json") << m.dump(1);
+  }
+  p = spawn(args(dir.path + "/c.jsonl", {"--resume", ck}), dir.path, "world");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("has 2 ranks, this run has 1; resharding is not supported yet"), std::string::npos)
+      << slurp(p.err);
+  // Nothing to resume from.
+  fs::create_directories(dir.path + "/empty");
+  p = spawn(args(dir.path + "/d.jsonl", {"--resume", dir.path + "/empty"}), dir.path, "empty");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("no complete checkpoint found"), std::string::npos) << slurp(p.err);
+}
+
+}  // namespace
+}  // namespace strata
