@@ -155,6 +155,23 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, PlacementTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& p) { return std::string(dtype_name(p.param)); });
 
+TEST(Engine, ClippedGradientsOnHostOrDeviceAreBitIdentical) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 17);
+  RunSetup base;
+  base.steps = 6;
+  base.accum = 2;
+  base.cfg.compute_dtype = DType::kBF16;
+  base.cfg.gradient_clipping = 0.05;  // active every step: the norm decides the update
+  base.cfg.host_budget_bytes = 64 << 20;
+  const RunOut dev = train(base, model);
+  EXPECT_LT(dev.results[0].clip_coef, 1.0) << "the test must actually clip";
+  RunSetup host = base;
+  host.cfg.grads = on(Tier::kHost);
+  host.cfg.optimizer = on(Tier::kHost);
+  expect_identical(dev, train(host, model), "clipped, gradients and optimizer on host");
+}
+
 TEST(Engine, Stages123AreBitIdentical) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 5);

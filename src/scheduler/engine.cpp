@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -585,25 +586,32 @@ StepResult Engine::step(float lr) {
   s.fetch_s->synchronize();
   Stream& os = *s.opt_s;
 
-  // Global gradient norm (and fp16 overflow) from the accumulators: one all-reduce.
+  // Global gradient norm (and fp16 overflow) from the accumulators: one all-reduce. Each
+  // unit's sum of squares is the fp32 result of the same kernel wherever its gradient lives
+  // (the device's sum_squares; on the host the CPU kernel the emulated device runs), summed
+  // in unit order: offloading gradients does not change the norm, hence the clipping.
   double local = 0;
   {
     TraceScope span("grad_norm", "optimizer");
-    Buffer sq = s.alloc(4, &os);
-    for (auto& u : s.units) {
-      if (u.g_tier == Tier::kHost) {
-        const float* g = static_cast<const float*>(u.g_host->data());
-        double part = 0;
-        for (std::size_t i = 0; i < u.shard; ++i) part += double(g[i]) * g[i];
-        local += part;
-      } else {
-        float v = 0;
-        os.sum_squares(Impl::view(u.g_dev, DType::kF32, u.shard), Impl::view(sq, DType::kF32, 1));
-        os.copy(host_ref(&v, 4), sq.ref());
-        os.synchronize();
-        local += double(v);
+    std::vector<float> part(s.units.size(), 0.0f);
+    Buffer sq = s.alloc(4 * s.units.size(), &os);
+    bool any_device = false;
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+      Unit& u = s.units[ui];
+      if (u.g_tier == Tier::kDevice) {
+        os.sum_squares(Impl::view(u.g_dev, DType::kF32, u.shard), Impl::view(sq, DType::kF32, 1, ui));
+        any_device = true;
       }
     }
+    std::vector<float> dev_part(s.units.size(), 0.0f);
+    if (any_device) os.copy(host_ref(dev_part.data(), 4 * dev_part.size()), sq.ref());
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+      Unit& u = s.units[ui];
+      if (u.g_tier == Tier::kHost) part[ui] = cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+    }
+    os.synchronize();
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui)
+      local += double(s.units[ui].g_tier == Tier::kDevice ? dev_part[ui] : part[ui]);
   }
   double total = local;
   if (s.world > 1) {
