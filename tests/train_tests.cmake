@@ -7,3 +7,24 @@ strata_add_test(train_checkpoint_test SOURCES train_checkpoint_test.cpp LABELS u
                 DEFINES STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>")
 target_link_libraries(train_checkpoint_test PRIVATE strata_trainer)
 add_dependencies(train_checkpoint_test strata-train)
+# The command line end to end (offload on/off, bad flags, --out/--overwrite) and strata-export.
+# The 2-rank comparison (TrainCli.TwoRanks*) runs only in train_cli_mpi (STRATA_TEST_MPI=1; skipped in
+# the discovered entry), which spawns mpirun itself.
+find_package(MPI COMPONENTS C)
+set(strata_train_cli_defines STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>"
+    STRATA_EXPORT_BIN="$<TARGET_FILE:strata-export>")
+if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
+  list(APPEND strata_train_cli_defines STRATA_MPIEXEC="${MPIEXEC_EXECUTABLE}")
+endif()
+strata_add_test(train_cli_test SOURCES train_cli_test.cpp LABELS unit DEFINES ${strata_train_cli_defines})
+target_link_libraries(train_cli_test PRIVATE strata_trainer)
+add_dependencies(train_cli_test strata-train strata-export)
+if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
+  add_test(NAME train_cli_mpi COMMAND train_cli_test --gtest_filter=TrainCli.TwoRanks*)
+  set(strata_train_mpi_env STRATA_TEST_MPI=1)
+  if(STRATA_SANITIZE)
+    list(APPEND strata_train_mpi_env ASAN_OPTIONS=detect_leaks=0)  # OpenMPI's own leaks (see comm_tests.cmake)
+  endif()
+  set_tests_properties(train_cli_mpi PROPERTIES LABELS "unit;train;mpi" TIMEOUT 300 PROCESSORS 2)
+  set_tests_properties(train_cli_mpi PROPERTIES ENVIRONMENT "${strata_train_mpi_env}")
+endif()

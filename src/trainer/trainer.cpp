@@ -383,6 +383,8 @@ TrainResult train(const TrainOptions& o) {
     return nlohmann::json{
         {"step", step},
         {"model_config_hash", model_hash},
+        // The model's config.json, so that a checkpoint alone can be exported (strata-export).
+        {"model_config", nlohmann::json::parse(model_config_json(mcfg))},
         {"model", fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
                               mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size)},
         {"world_size", world},

@@ -1,0 +1,329 @@
+// The strata-train command line end to end (STRATA_TRAIN_BIN), and strata-export
+// (STRATA_EXPORT_BIN):
+//   - offload on vs off: a ds_config placing weights and optimizer state on NVMe gives the
+//     same --log-json losses, as strings, as the default (everything on the device);
+//   - bad flags and missing files exit non-zero with a one-line message naming the problem;
+//   - an existing --out is left untouched without --overwrite and replaced with it;
+//   - strata-export of a 1-rank checkpoint equals the weights --out wrote at that step, byte for
+//     byte (fp32), and in bf16 / in several shards tensor for tensor;
+//   - TrainMpi (run by the train_cli_mpi ctest entry only, STRATA_MPIEXEC): 2 ranks with
+//     micro-batch B match 1 rank with B and --grad-accum 2 (the trainer gives rank r the r-th
+//     micro-batch of each group of world_size, so that is the same global batch) within 1e-4
+//     relative per step, and the export of the 2-rank checkpoint matches the 1-rank weights.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/dtype.h"
+#include "strata/model_io.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "strata-cli-test-XXXXXX").string();
+    path = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct Result {
+  int status = -1;  // the exit code, or -1 when it did not exit normally
+  std::string out, err;
+};
+
+// Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
+Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
+           const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const std::string out = dir + "/" + tag + ".stdout", err = dir + "/" + tag + ".stderr";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    std::vector<std::string> copy = args;
+    std::string b = bin;
+    std::vector<char*> argv{b.data()};
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(b.c_str(), argv.data());
+    ::_exit(127);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(out), slurp(err)};
+}
+
+// step -> the loss as the log wrote it (nlohmann's shortest round-trip text).
+std::map<std::int64_t, std::string> losses(const std::string& path) {
+  std::map<std::int64_t, std::string> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out[j.at("step").get<std::int64_t>()] = j.at("loss").dump();
+  }
+  return out;
+}
+
+// name -> fp32 values of every tensor of a Hugging Face folder (single file or sharded).
+std::map<std::string, std::vector<float>> tensors_of(const std::string& dir) {
+  std::vector<std::string> files;
+  if (fs::exists(dir + "/model.safetensors.index.json")) {
+    const auto j = nlohmann::json::parse(slurp(dir + "/model.safetensors.index.json"));
+    for (const auto& [k, v] : j.at("weight_map").items()) {
+      const std::string f = dir + "/" + v.get<std::string>();
+      if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
+    }
+  } else {
+    files.push_back(dir + "/model.safetensors");
+  }
+  std::map<std::string, std::vector<float>> out;
+  for (const auto& f : files) {
+    SafetensorsFile st(f);
+    for (const auto& t : st.tensors()) out[t.name] = st.read_f32(t.name);
+  }
+  return out;
+}
+
+// The first line of `s` (the message), and whether there is only one non-empty line.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+class TrainCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cfg = dir.path + "/model.json";
+    std::ofstream(cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+    text = dir.path + "/corpus.txt";
+    std::ofstream t(text);
+    std::mt19937_64 rng(3);
+    const char* words[] = {"alpha ", "beta ", "gamma ", "delta. ", "epsilon\n"};
+    for (int i = 0; i < 4000; ++i) t << words[rng() % 5];
+  }
+  std::vector<std::string> args(const std::string& log, std::vector<std::string> extra = {},
+                                const std::string& steps = "4") const {
+    std::vector<std::string> a = {"--model-config", cfg,      "--text",  text, "--seq-len", "16", "--micro-batch", "2",
+                                  "--steps",        steps,    "--lr",    "1e-2", "--warmup", "1", "--weight-decay",
+                                  "0.01",           "--device", "cpu",   "--log-json", log};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  Result train(const std::vector<std::string>& a, const std::string& tag) const {
+    return run(STRATA_TRAIN_BIN, a, dir.path, tag);
+  }
+  TempDir dir;
+  std::string cfg, text;
+};
+
+TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
+  TempDir nvme;
+  const std::string ds = dir.path + "/ds_config.json";
+  std::ofstream(ds) << nlohmann::json{
+      {"zero_optimization",
+       {{"stage", 3},
+        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+                           .dump();
+  const std::string off = dir.path + "/off.jsonl", on = dir.path + "/on.jsonl";
+  const Result a = train(args(off), "off");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const Result b = train(args(on, {"--config", ds}), "on");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_NE(b.out.find("weights on nvme, optimizer on nvme"), std::string::npos) << b.out;
+  EXPECT_NE(a.out.find("weights on device, optimizer on device"), std::string::npos) << a.out;
+  const auto la = losses(off), lb = losses(on);
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(la, lb);
+  // The NVMe run did move bytes through NVMe.
+  std::ifstream f(on);
+  std::string line;
+  std::uint64_t nvme_read = 0;
+  while (std::getline(f, line)) nvme_read += nlohmann::json::parse(line).value("nvme_read_bytes", std::uint64_t(0));
+  EXPECT_GT(nvme_read, 0u);
+}
+
+TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
+  struct Case {
+    const char* what;
+    std::vector<std::string> args;
+    std::string expect;  // in the first line of stderr
+  };
+  const std::string log = dir.path + "/x.jsonl";
+  std::vector<Case> cases = {
+      {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
+      {"missing --model-config", {"--model-config", dir.path + "/nope.json", "--text", text},
+       "--model-config " + dir.path + "/nope.json: no such file"},
+      {"missing --data", {"--model-config", cfg, "--data", dir.path + "/nope.bin"},
+       "--data " + dir.path + "/nope.bin: no such file"},
+      {"missing --text", {"--model-config", cfg, "--text", dir.path + "/nope.txt"},
+       "--text " + dir.path + "/nope.txt: no such file"},
+      {"--dtype bogus", args(log, {"--dtype", "bogus"}), "--dtype"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Result r = train(c.args, "bad");
+    EXPECT_NE(r.status, 0) << r.err;
+    EXPECT_GT(r.status, 0) << "exited, not killed";
+    const std::string line = first_line(r.err);
+    EXPECT_NE(line.find(c.expect), std::string::npos) << "stderr: " << r.err;
+    EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(log)) << "nothing ran";
+  }
+  // --dtype bogus names the choices too.
+  const Result r = train(args(log, {"--dtype", "bogus"}), "dtype");
+  EXPECT_NE(first_line(r.err).find("bogus"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("fp32"), std::string::npos) << r.err;
+}
+
+TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
+  const std::string out = dir.path + "/out";
+  fs::create_directories(out);
+  std::ofstream(out + "/keep.txt") << "precious";
+  const Result r = train(args(dir.path + "/a.jsonl", {"--out", out}, "1"), "refused");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("--out " + out + " exists: pass --overwrite to replace it"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(slurp(out + "/keep.txt"), "precious");
+  EXPECT_EQ(std::distance(fs::directory_iterator(out), fs::directory_iterator()), 1) << "nothing written";
+
+  const Result w = train(args(dir.path + "/b.jsonl", {"--out", out, "--overwrite"}, "1"), "overwrite");
+  ASSERT_EQ(w.status, 0) << w.err;
+  EXPECT_FALSE(fs::exists(out + "/keep.txt"));
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(out + "/config.json"));
+}
+
+// ---- strata-export ----
+
+Result run_export(const std::vector<std::string>& a, const std::string& dir, const std::string& tag) {
+  return run(STRATA_EXPORT_BIN, a, dir, tag);
+}
+
+TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
+  const std::string out = dir.path + "/out", ck = dir.path + "/ck";
+  const Result r = train(args(dir.path + "/a.jsonl", {"--out", out, "--save-every", "2", "--checkpoint-dir", ck}), "run");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
+
+  // fp32: byte for byte what --out wrote (the same file layout), and tensor for tensor.
+  const std::string ex = dir.path + "/export";
+  Result e = run_export({ck + "/step-4", ex}, dir.path, "export");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_NE(e.out.find("step 4, 1 rank"), std::string::npos) << e.out;
+  const auto ref = tensors_of(out), got = tensors_of(ex);
+  ASSERT_FALSE(ref.empty());
+  ASSERT_EQ(got.size(), ref.size());
+  for (const auto& [name, v] : ref) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_TRUE(got.at(name) == v) << name << " differs";
+  }
+  EXPECT_EQ(slurp(ex + "/model.safetensors"), slurp(out + "/model.safetensors"));
+  EXPECT_EQ(nlohmann::json::parse(slurp(ex + "/config.json")), nlohmann::json::parse(slurp(out + "/config.json")));
+
+  // The folder of checkpoints picks the newest; an existing OUT_DIR needs --overwrite.
+  e = run_export({ck, ex}, dir.path, "exists");
+  EXPECT_EQ(e.status, 1);
+  EXPECT_NE(first_line(e.err).find("exists: pass --overwrite"), std::string::npos) << e.err;
+  // bf16 and small shards: each tensor is the fp32 one rounded to bf16.
+  e = run_export({ck, ex, "--overwrite", "--dtype", "bf16", "--max-shard-mb", "0.05"}, dir.path, "bf16");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_FALSE(fs::exists(ex + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(ex + "/model.safetensors.index.json"));
+  EXPECT_EQ(nlohmann::json::parse(slurp(ex + "/config.json")).value("torch_dtype", ""), "bfloat16");
+  const auto half = tensors_of(ex);
+  ASSERT_EQ(half.size(), ref.size());
+  for (const auto& [name, v] : ref) {
+    ASSERT_TRUE(half.count(name)) << name;
+    const auto& h = half.at(name);
+    ASSERT_EQ(h.size(), v.size()) << name;
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < v.size(); ++i) bad += h[i] != bf16_to_f32(f32_to_bf16(v[i]));
+    EXPECT_EQ(bad, 0u) << name;
+  }
+  // The earlier checkpoint differs from the final weights (the export reads the step asked for).
+  e = run_export({ck + "/step-2", dir.path + "/export2"}, dir.path, "step2");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_NE(tensors_of(dir.path + "/export2"), ref);
+  // Not a checkpoint.
+  e = run_export({dir.path, dir.path + "/export3"}, dir.path, "none");
+  EXPECT_EQ(e.status, 1);
+  EXPECT_NE(first_line(e.err).find("no complete checkpoint found"), std::string::npos) << e.err;
+}
+
+// ---- 2 ranks under mpirun vs 1 rank ----
+
+TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string one = dir.path + "/one.jsonl", two = dir.path + "/two.jsonl";
+  const std::string out1 = dir.path + "/out1", ck2 = dir.path + "/ck2";
+  // 1 rank, micro-batch 2, 2 micro-batches per step == 2 ranks, micro-batch 2 each.
+  const Result a = train(args(one, {"--grad-accum", "2", "--out", out1}), "one");
+  ASSERT_EQ(a.status, 0) << a.err;
+  std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
+  for (const auto& s : args(two, {"--save-every", "4", "--checkpoint-dir", ck2})) m.push_back(s);
+  const Result b = run(STRATA_MPIEXEC, m, dir.path, "two",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  ASSERT_EQ(b.status, 0) << b.out << b.err;
+  EXPECT_NE(b.out.find("2 rank(s)"), std::string::npos) << b.out;
+  std::map<std::int64_t, double> la, lb;
+  for (const auto& [s, v] : losses(one)) la[s] = std::stod(v);
+  for (const auto& [s, v] : losses(two)) lb[s] = std::stod(v);
+  ASSERT_EQ(la.size(), 4u);
+  ASSERT_EQ(lb.size(), 4u);
+  for (const auto& [s, v] : la) {
+    EXPECT_LE(std::fabs(lb[s] - v), 1e-4 * std::fabs(v)) << "step " << s << ": 1 rank " << v << ", 2 ranks " << lb[s];
+  }
+  // The 2-rank checkpoint, exported, is the 1-rank run's --out within 1e-5.
+  ASSERT_TRUE(fs::exists(ck2 + "/step-4/manifest.json"));
+  const Result e = run_export({ck2, dir.path + "/export"}, dir.path, "export");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_NE(e.out.find("2 ranks"), std::string::npos) << e.out;
+  const auto ref = tensors_of(out1), got = tensors_of(dir.path + "/export");
+  ASSERT_EQ(got.size(), ref.size());
+  for (const auto& [name, v] : ref) {
+    ASSERT_TRUE(got.count(name)) << name;
+    const auto& g = got.at(name);
+    ASSERT_EQ(g.size(), v.size()) << name;
+    double worst = 0;
+    for (std::size_t i = 0; i < v.size(); ++i)
+      worst = std::max(worst, std::fabs(double(g[i]) - double(v[i])) / std::max(1.0, std::fabs(double(v[i]))));
+    EXPECT_LE(worst, 1e-5) << name;
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace strata

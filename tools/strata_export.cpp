@@ -1,0 +1,321 @@
+// strata-export: a strata-train checkpoint (any number of ranks) -> a Hugging Face folder
+// (config.json + safetensors, sharded with model.safetensors.index.json when large).
+//
+//   strata-export CKPT_DIR OUT_DIR [--dtype fp32|bf16] [--overwrite] [--max-shard-mb N]
+//
+// CKPT_DIR is a checkpoint (step-<N>), a folder of checkpoints or a run's --out (the newest
+// complete checkpoint is taken, as --resume does). The model comes from the checkpoint's
+// manifest (trainer.model_config, checked against trainer.model_config_hash), or from
+// --model-config FILE for checkpoints written before the manifest carried it.
+//
+// Bounded memory: one engine unit at a time. For each unit, every rank's shard of its fp32
+// master weights is read from rank<R>.bin at the offset rank<R>.json gives (the shard is the
+// first third of the unit's master|m|v record), the shards are concatenated, the padding is
+// dropped and the unit is cut into its named tensors. The shards' headers are known up front
+// (the shapes come from the config), so each safetensors file is written header first and
+// then tensor by tensor as the units arrive; the files have the same layout as
+// save_hf_weights writes (same shard cut, header and order), so an fp32 export of a checkpoint
+// is byte for byte what strata-train --out writes at that step. Files go to temporary names
+// and are renamed into place only when every one is complete.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/dtype.h"
+#include "strata/error.h"
+#include "strata/model.h"
+#include "strata/trainer.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using strata::DType;
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  STRATA_REQUIRE(bool(f), "{} cannot be read: {}", path, std::strerror(errno));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  try {
+    return nlohmann::json::parse(ss.str());
+  } catch (const std::exception& e) {
+    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", path, e.what());
+  }
+}
+
+struct RankFile {
+  int fd = -1;
+  std::string path;
+  std::uint64_t size = 0;
+  nlohmann::json units;
+};
+
+struct Options {
+  std::string ckpt, out, dtype = "fp32", model_config;
+  bool overwrite = false;
+  double max_shard_mb = 5 * 1024;
+};
+
+int run(const Options& o) {
+  STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
+  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
+  const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
+
+  // ---- the checkpoint ----
+  std::error_code ec;
+  STRATA_REQUIRE(fs::is_directory(o.ckpt, ec), "{}: no such checkpoint directory", o.ckpt);
+  strata::FoundCheckpoint ck;
+  if (fs::exists(fs::path(o.ckpt) / "manifest.json", ec)) {
+    const std::string why = strata::verify_checkpoint(o.ckpt, &ck.manifest);
+    STRATA_REQUIRE(why.empty(), "{}: not a complete checkpoint: {}", o.ckpt, why);
+    ck.dir = o.ckpt;
+    ck.step = ck.manifest.value("step", std::int64_t(0));
+  } else {
+    ck = strata::find_checkpoint(o.ckpt);
+  }
+  const int world = ck.manifest.value("world_size", 0);
+  STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);
+  const nlohmann::json trainer = ck.manifest.value("trainer", nlohmann::json::object());
+
+  // ---- the model ----
+  strata::ModelConfig cfg;
+  if (!o.model_config.empty()) {
+    STRATA_REQUIRE(fs::is_regular_file(o.model_config, ec), "--model-config {}: no such file", o.model_config);
+    cfg = strata::load_model_config(o.model_config);
+  } else {
+    STRATA_REQUIRE(trainer.contains("model_config") && trainer["model_config"].is_object(),
+                   "{}: the manifest does not carry the model's config (a checkpoint of an older strata-train); "
+                   "give --model-config FILE", ck.dir);
+    cfg = strata::parse_model_config(trainer["model_config"].dump(), ck.dir + "/manifest.json (trainer.model_config)");
+  }
+  const std::string want_hash = trainer.value("model_config_hash", "");
+  STRATA_REQUIRE(want_hash.empty() || want_hash == strata::model_config_hash(cfg),
+                 "{}: the checkpoint was taken with a different model (config hash {}, this config's {})", ck.dir,
+                 want_hash, strata::model_config_hash(cfg));
+  const std::vector<strata::UnitSpec> units = strata::model_units(cfg);
+
+  // ---- every rank's layout ----
+  std::vector<RankFile> ranks(static_cast<std::size_t>(world));
+  struct Closer {
+    std::vector<RankFile>& r;
+    ~Closer() {
+      for (auto& f : r)
+        if (f.fd >= 0) ::close(f.fd);
+    }
+  } closer{ranks};
+  for (int r = 0; r < world; ++r) {
+    RankFile& rf = ranks[std::size_t(r)];
+    const nlohmann::json j = read_json((fs::path(ck.dir) / fmt::format("rank{}.json", r)).string());
+    STRATA_REQUIRE(j.value("format", "") == "strata-engine-state", "{}/rank{}.json is not a strata engine state",
+                   ck.dir, r);
+    STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == world,
+                   "{}/rank{}.json says rank {} of {}, the manifest {} of {}", ck.dir, r, j.value("rank", -1),
+                   j.value("world_size", -1), r, world);
+    rf.units = j.value("units", nlohmann::json::array());
+    STRATA_REQUIRE(rf.units.size() == units.size(), "{}/rank{}.json has {} units, the model {}", ck.dir, r,
+                   rf.units.size(), units.size());
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const auto& ju = rf.units[u];
+      STRATA_REQUIRE(ju.value("name", "") == units[u].name && ju.value("numel", std::uint64_t(0)) == units[u].numel,
+                     "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck.dir, r, u,
+                     ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name, units[u].numel);
+      STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) * std::uint64_t(world) >= units[u].numel,
+                     "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck.dir, r,
+                     units[u].name, ju.value("shard", std::uint64_t(0)), world);
+      STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
+                     "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck.dir, units[u].name, r);
+    }
+    rf.path = (fs::path(ck.dir) / fmt::format("rank{}.bin", r)).string();
+    rf.fd = ::open(rf.path.c_str(), O_RDONLY | O_CLOEXEC);
+    STRATA_REQUIRE(rf.fd >= 0, "{} cannot be opened: {}", rf.path, std::strerror(errno));
+    rf.size = fs::file_size(rf.path);
+  }
+
+  // One unit's fp32 master weights, unpadded: every rank's shard in rank order.
+  auto read_unit = [&](std::size_t u) {
+    const std::uint64_t shard = ranks[0].units[u].value("shard", std::uint64_t(0));
+    std::vector<float> flat(shard * std::uint64_t(world));
+    for (int r = 0; r < world; ++r) {
+      const RankFile& rf = ranks[std::size_t(r)];
+      const std::uint64_t off = rf.units[u].value("offset", std::uint64_t(0)), bytes = shard * 4;
+      STRATA_REQUIRE(off + 3 * bytes <= rf.size, "{}: unit '{}' at {} + {} bytes runs past the end ({} bytes)", rf.path,
+                     units[u].name, off, 3 * bytes, rf.size);
+      auto* dst = reinterpret_cast<char*>(flat.data() + std::uint64_t(r) * shard);
+      std::uint64_t done = 0;
+      while (done < bytes) {
+        const ssize_t n = ::pread(rf.fd, dst + done, bytes - done, off_t(off + done));
+        if (n < 0 && errno == EINTR) continue;
+        STRATA_REQUIRE(n > 0, "{}: reading unit '{}' failed: {}", rf.path, units[u].name,
+                       n == 0 ? "unexpected end of file" : std::strerror(errno));
+        done += std::uint64_t(n);
+      }
+    }
+    flat.resize(units[u].numel);  // the padding goes
+    return flat;
+  };
+
+  // ---- the output folder ----
+  const fs::path out(o.out);
+  if (fs::exists(out, ec)) {
+    STRATA_REQUIRE(fs::is_directory(out, ec), "{} exists and is not a directory", o.out);
+    const bool empty = fs::directory_iterator(out, ec) == fs::directory_iterator();
+    STRATA_REQUIRE(empty || o.overwrite, "{} exists: pass --overwrite to replace it", o.out);
+    // Never delete the checkpoint being exported (a run's --out holds its checkpoints/).
+    const fs::path ck_abs = fs::weakly_canonical(ck.dir), out_abs = fs::weakly_canonical(out);
+    for (const auto& e : fs::directory_iterator(out, ec)) {
+      const fs::path ea = fs::weakly_canonical(e.path());
+      const auto rel = ck_abs.lexically_relative(ea);
+      STRATA_REQUIRE(!(ck_abs == ea || (!rel.empty() && *rel.begin() != "..")) || e.path().filename() == "checkpoints",
+                     "{} holds the checkpoint being exported ({}): choose another OUT_DIR", o.out, ck.dir);
+    }
+    STRATA_REQUIRE(out_abs != ck_abs, "OUT_DIR {} is the checkpoint itself: choose another folder", o.out);
+  }
+
+  // ---- the shards: the same cut as save_hf_weights ----
+  struct Item {
+    const strata::ParamSpec* p;
+    std::size_t unit;
+    std::size_t bytes;
+  };
+  std::vector<std::vector<Item>> shards(1);
+  std::size_t cur = 0, total = 0;
+  for (std::size_t u = 0; u < units.size(); ++u)
+    for (const strata::ParamSpec& p : units[u].params) {
+      const std::size_t bytes = p.numel * strata::dtype_size(dtype);
+      if (!shards.back().empty() && cur + bytes > max_shard_bytes) {
+        shards.emplace_back();
+        cur = 0;
+      }
+      cur += bytes;
+      total += bytes;
+      shards.back().push_back({&p, u, bytes});
+    }
+  const std::size_t n = shards.size();
+
+  fs::create_directories(out, ec);
+  STRATA_REQUIRE(!ec, "cannot create {}: {}", o.out, ec.message());
+  std::vector<std::pair<fs::path, fs::path>> renames;  // tmp -> final
+  auto tmp_of = [&](const std::string& name) {
+    const fs::path fin = out / name, tmp = out / (".strata-tmp-" + name);
+    renames.emplace_back(tmp, fin);
+    return tmp.string();
+  };
+  try {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    std::size_t loaded_unit = SIZE_MAX;
+    std::vector<float> flat;
+    std::vector<std::uint16_t> half;
+    for (std::size_t s = 0; s < n; ++s) {
+      const std::string name =
+          n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
+      nlohmann::ordered_json h = nlohmann::ordered_json::object();
+      h["__metadata__"] = {{"format", "pt"}};
+      std::size_t off = 0;
+      for (const Item& it : shards[s]) {
+        h[it.p->name] = {{"dtype", dtype == DType::kBF16 ? "BF16" : "F32"},
+                         {"shape", it.p->shape},
+                         {"data_offsets", {off, off + it.bytes}}};
+        off += it.bytes;
+        weight_map[it.p->name] = name;
+      }
+      std::string hs = h.dump();
+      hs.append((8 - hs.size() % 8) % 8, ' ');
+      const std::string path = tmp_of(name);
+      std::FILE* f = std::fopen(path.c_str(), "wb");
+      STRATA_REQUIRE(f != nullptr, "cannot create {}: {}", path, std::strerror(errno));
+      const std::uint64_t hlen = hs.size();
+      bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+      for (const Item& it : shards[s]) {
+        if (!ok) break;
+        if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
+          flat = read_unit(it.unit);
+          loaded_unit = it.unit;
+        }
+        const float* src = flat.data() + it.p->offset;
+        if (dtype == DType::kF32) {
+          ok = it.bytes == 0 || std::fwrite(src, 1, it.bytes, f) == it.bytes;
+        } else {
+          half.resize(it.p->numel);
+          for (std::size_t i = 0; i < it.p->numel; ++i) half[i] = strata::f32_to_bf16(src[i]);
+          ok = it.bytes == 0 || std::fwrite(half.data(), 1, it.bytes, f) == it.bytes;
+        }
+      }
+      const int err = errno;
+      if (std::fclose(f) != 0) ok = false;
+      STRATA_REQUIRE(ok, "cannot write {}: {}", path, std::strerror(err));
+    }
+    if (n > 1) {
+      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+      std::ofstream f(tmp_of("model.safetensors.index.json"));
+      f << idx.dump(2) << "\n";
+      STRATA_REQUIRE(f.good(), "cannot write {}", (out / "model.safetensors.index.json").string());
+    }
+    // config.json as save_hf_weights writes it.
+    strata::ModelConfig c = cfg;
+    if (c.raw.is_object()) c.raw["torch_dtype"] = dtype == DType::kBF16 ? "bfloat16" : "float32";
+    std::string text = strata::model_config_json(c);
+    if (!c.raw.is_object() && dtype == DType::kBF16) {
+      auto j = nlohmann::json::parse(text);
+      j["torch_dtype"] = "bfloat16";
+      text = j.dump(2);
+    }
+    std::ofstream f(tmp_of("config.json"));
+    f << text << "\n";
+    STRATA_REQUIRE(f.good(), "cannot write {}", (out / "config.json").string());
+  } catch (...) {
+    for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
+    throw;
+  }
+  // --overwrite: everything else of the old folder goes (its checkpoints/ stays).
+  for (const auto& e : fs::directory_iterator(out, ec)) {
+    const std::string fn = e.path().filename().string();
+    if (fn == "checkpoints" || fn.rfind(".strata-tmp-", 0) == 0) continue;
+    fs::remove_all(e.path(), ec);
+  }
+  for (const auto& [tmp, fin] : renames) {
+    fs::rename(tmp, fin, ec);
+    STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
+  }
+  std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(), (long long)ck.step,
+              world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s", o.dtype.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"strata-export: a strata-train checkpoint (any number of ranks) -> Hugging Face safetensors + "
+               "config.json, one unit at a time."};
+  app.add_option("CKPT_DIR", o.ckpt, "a checkpoint (step-<N>), a folder of checkpoints or a run's --out")->required();
+  app.add_option("OUT_DIR", o.out, "the Hugging Face folder to write")->required();
+  app.add_option("--dtype", o.dtype, "dtype of the written tensors (default fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--overwrite", o.overwrite, "replace an existing, non-empty OUT_DIR");
+  app.add_option("--model-config", o.model_config, "the model's config.json (default: the checkpoint manifest's)");
+  app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
+      ->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+    return run(o);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const strata::Error& e) {
+    std::fprintf(stderr, "strata-export: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata-export: %s\n", e.what());
+    return 1;
+  }
+}
