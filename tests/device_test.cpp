@@ -635,6 +635,8 @@ TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
                            h.c.empty() ? TensorRef{} : host_tensor(h.c.data(), sp.copy, sp.n)});
     bufs.push_back(std::move(b));
   }
+  // The uploads read the host copies, which the reference step below rewrites: wait for them.
+  s->synchronize();
   Buffer flag = dev->alloc(4, s.get());
   desc.non_finite = tensor(flag, DType::kF32, 1);
   desc.options.lr = 3e-3;
