@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include "engine/linear_model.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
@@ -20,17 +22,7 @@ namespace fs = std::filesystem;
 using testing::LinearModel;
 using namespace std::chrono_literals;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-engine-test-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
-};
+using testing::TempDir;
 
 struct RunOut {
   std::vector<double> losses;

@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include "strata/error.h"
 #include "strata/nvme.h"
 #include "strata/pinned_pool.h"
@@ -44,17 +46,7 @@ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
 }
 
 // A fresh directory under the build tree's temp area, removed afterwards.
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-nvme-test-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
-};
+using testing::TempDir;
 
 struct FileFd {
   FileFd(const std::string& p, DirectIo d) : path(p) { fd = open_for_io(p, O_RDWR | O_CREAT | O_TRUNC, d, &direct); }
@@ -356,9 +348,7 @@ TEST(SwapStore, ForcedFallbacksPassTheSameRoundTrip) {
   if (fs::exists("/dev/shm")) {
     // tmpfs: before Linux 6.6 it refuses O_DIRECT and "auto" falls back to buffered I/O;
     // later kernels accept it. Either way the same round trip must pass.
-    TempDir shm;
-    std::string tmpl = "/dev/shm/strata-nvme-test-XXXXXX";
-    shm.path = ::mkdtemp(tmpl.data());
+    TempDir shm("strata-nvme-test", "/dev/shm");
     SwapStore store(store_options({shm.path}));
     store_round_trip(store);
   }

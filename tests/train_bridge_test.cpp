@@ -15,6 +15,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/error.h"
@@ -26,17 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-train-test-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
-};
+using testing::TempDir;
 
 ModelConfig tiny_llama(bool tied) {
   const std::string j = std::string(R"({"model_type": "llama", "vocab_size": 96, "hidden_size": 64,

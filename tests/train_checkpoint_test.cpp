@@ -26,6 +26,8 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+
+#include "test_util.h"
 #include <nlohmann/json.hpp>
 
 #include "strata/comm.h"
@@ -40,17 +42,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-ckpt-test-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
-};
+using testing::TempDir;
 
 ModelConfig tiny_llama(bool tied, int hidden = 64) {
   const std::string j = fmt::format(R"({{"model_type": "llama", "vocab_size": 96, "hidden_size": {},

@@ -23,6 +23,8 @@
 #include <sstream>
 
 #include <gtest/gtest.h>
+
+#include "test_util.h"
 #include <nlohmann/json.hpp>
 
 #include "strata/dtype.h"
@@ -33,17 +35,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-cli-test-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
-};
+using testing::TempDir;
 
 std::string slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
