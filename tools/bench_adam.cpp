@@ -41,19 +41,6 @@ struct Mode {
   }
 };
 
-// Runs body(lo, hi) on `threads` threads over [0, n); returns wall seconds.
-template <class Body>
-double timed_parallel(std::size_t n, int threads, Body body) {
-  std::vector<std::thread> pool;
-  const Stopwatch sw;
-  for (int t = 0; t < threads; ++t) {
-    const std::size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-    pool.emplace_back([=] { body(lo, hi); });
-  }
-  for (auto& th : pool) th.join();
-  return sw.seconds();
-}
-
 // A 2 MiB-aligned array, as the engine's pinned buffers are (page-aligned, huge pages where
 // available): an offset of 16 bytes, as malloc gives, would make every AVX-512 access split
 // a cache line.

@@ -16,23 +16,6 @@ void print_json(const nlohmann::json& figures) {
   std::fflush(stdout);
 }
 
-namespace {
-
-// Runs body(lo, hi) on `threads` threads over [0, n) and returns the wall seconds.
-template <class Body>
-double timed_parallel(std::size_t n, int threads, Body body) {
-  std::vector<std::thread> pool;
-  const Stopwatch sw;
-  for (int t = 0; t < threads; ++t) {
-    const std::size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-    pool.emplace_back([=] { body(lo, hi); });
-  }
-  for (auto& th : pool) th.join();
-  return sw.seconds();
-}
-
-}  // namespace
-
 double triad_gbps(std::size_t bytes_per_array, int threads, int reps) {
   const std::size_t n = bytes_per_array / sizeof(float);
   std::vector<float> a(n), b(n, 1.0f), c(n, 2.0f);

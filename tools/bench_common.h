@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstddef>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -39,6 +41,20 @@ class Stopwatch {
  private:
   std::chrono::steady_clock::time_point t0_;
 };
+
+// Runs body(lo, hi) on `threads` threads over [0, n), split evenly; returns wall seconds.
+template <class Body>
+double timed_parallel(std::size_t n, int threads, Body body) {
+  std::vector<std::thread> pool;
+  const Stopwatch sw;
+  for (int t = 0; t < threads; ++t) {
+    const std::size_t lo = n * std::size_t(t) / std::size_t(threads);
+    const std::size_t hi = n * std::size_t(t + 1) / std::size_t(threads);
+    pool.emplace_back([=] { body(lo, hi); });
+  }
+  for (auto& th : pool) th.join();
+  return sw.seconds();
+}
 
 // "1.5 GiB", "512 KiB".
 std::string human_bytes(double bytes);
