@@ -1,10 +1,17 @@
 // Small helpers shared by the test suites.
 #pragma once
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "strata/error.h"
 
@@ -27,5 +34,42 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   std::string path;
 };
+
+// The whole content of a file ("" when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct Result {
+  int status = -1;  // the exit code, or -1 when it did not exit normally
+  std::string out, err;
+};
+
+// Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
+inline Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
+                  const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const std::string out = dir + "/" + tag + ".stdout", err = dir + "/" + tag + ".stderr";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    std::vector<std::string> copy = args;
+    std::string b = bin;
+    std::vector<char*> argv{b.data()};
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(b.c_str(), argv.data());
+    ::_exit(127);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(out), slurp(err)};
+}
 
 }  // namespace strata::testing

@@ -245,12 +245,7 @@ int wait_status(pid_t pid) {
   return st;
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using testing::slurp;
 
 // step -> the log line's JSON, for the complete lines of a --log-json file.
 std::map<std::int64_t, nlohmann::json> read_log(const std::string& path) {

@@ -37,41 +37,9 @@ namespace fs = std::filesystem;
 
 using testing::TempDir;
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-struct Result {
-  int status = -1;  // the exit code, or -1 when it did not exit normally
-  std::string out, err;
-};
-
-// Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
-Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
-           const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  const std::string out = dir + "/" + tag + ".stdout", err = dir + "/" + tag + ".stderr";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(o, 1);
-    ::dup2(e, 2);
-    std::vector<std::string> copy = args;
-    std::string b = bin;
-    std::vector<char*> argv{b.data()};
-    for (auto& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(b.c_str(), argv.data());
-    ::_exit(127);
-  }
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(out), slurp(err)};
-}
+using testing::run;
+using testing::slurp;
+using testing::Result;
 
 // step -> the loss as the log wrote it (nlohmann's shortest round-trip text).
 std::map<std::int64_t, std::string> losses(const std::string& path) {

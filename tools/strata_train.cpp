@@ -37,6 +37,12 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--device-mem-gb", o.device_mem_gb, "device memory cap in GiB (the emulated device's HBM)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--emu-h2d-gbps", o.emu_h2d_gbps, "emulated device: host-to-device GB/s (default unthrottled)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--emu-d2h-gbps", o.emu_d2h_gbps, "emulated device: device-to-host GB/s (default unthrottled)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--emu-compute-gflops", o.emu_compute_gflops, "emulated device: matmul GFLOP/s (default unthrottled)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--checkpoint-activations", o.checkpoint_activations, "recompute each layer in backward");
   app.add_option("--eval-every", o.eval_every, "validation loss every N steps (last 10% of the data)")
       ->check(CLI::NonNegativeNumber);
@@ -54,7 +60,7 @@ int main(int argc, char** argv) {
                  "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints folder or a run's --out)");
   app.add_option("--trace", o.trace_file, "Chrome trace of one step to this file");
   app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(CLI::PositiveNumber);
-  app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme)");
+  app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme from the build tree, else ~/.cache/strata/demo-nvme)");
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   try {
     app.parse(argc, argv);

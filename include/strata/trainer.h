@@ -102,6 +102,11 @@ struct FoundCheckpoint {
 // folders that fail verification are skipped with a warning; none complete: strata::Error.
 FoundCheckpoint find_checkpoint(const std::string& path);
 
+// The embedded demo's model: a byte-level Llama (GQA, untied head), ~5.9M parameters.
+ModelConfig demo_model_config();
+// Pinned host memory the engine may hold when the config does not say: 80% of RAM.
+std::uint64_t default_host_budget();
+
 struct TrainOptions {
   // model: a Hugging Face folder, or a config.json for a fresh random init, or (both empty)
   // the embedded demo model
@@ -121,6 +126,9 @@ struct TrainOptions {
   std::string dtype;          // "" (config's), fp32 | bf16
   std::string device = "auto";
   double device_mem_gb = 0;   // cap of the emulated device; 0 = its default
+  // The emulated device's throttles (HostDeviceOptions; 0 = unthrottled): a slower link or
+  // matmul rate, to rehearse a GPU machine's balance on a CPU (strata-prof validates with them).
+  double emu_h2d_gbps = 0, emu_d2h_gbps = 0, emu_compute_gflops = 0;
   bool checkpoint_activations = false;
   std::int64_t eval_every = 0, eval_batches = 4;
   std::string log_json, out_dir, trace_file;

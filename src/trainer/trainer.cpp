@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <filesystem>
@@ -34,6 +35,24 @@
 namespace strata {
 
 namespace fs = std::filesystem;
+
+// The demo model: a byte-level Llama (GQA, untied head). ~5.9M parameters, 24 MB in fp32.
+ModelConfig demo_model_config() {
+  const nlohmann::json j = {{"model_type", "llama"},        {"architectures", {"LlamaForCausalLM"}},
+                            {"vocab_size", 256},            {"hidden_size", 256},
+                            {"intermediate_size", 688},     {"num_hidden_layers", 8},
+                            {"num_attention_heads", 8},     {"num_key_value_heads", 4},
+                            {"max_position_embeddings", 512}, {"rms_norm_eps", 1e-5},
+                            {"rope_theta", 10000.0},        {"tie_word_embeddings", false},
+                            {"hidden_act", "silu"}};
+  return parse_model_config(j.dump(), "the demo model");
+}
+
+std::uint64_t default_host_budget() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
+}
+
 using Clock = std::chrono::steady_clock;
 
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule) {
@@ -58,18 +77,6 @@ std::string read_text(const std::string& path, const char* what) {
 void require_file(const std::string& path, const char* flag) {
   std::error_code ec;
   STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} {}: no such file", flag, path);
-}
-
-// The demo model: a byte-level Llama (GQA, untied head). ~5.9M parameters, 24 MB in fp32.
-ModelConfig demo_model_config() {
-  const nlohmann::json j = {{"model_type", "llama"},        {"architectures", {"LlamaForCausalLM"}},
-                            {"vocab_size", 256},            {"hidden_size", 256},
-                            {"intermediate_size", 688},     {"num_hidden_layers", 8},
-                            {"num_attention_heads", 8},     {"num_key_value_heads", 4},
-                            {"max_position_embeddings", 512}, {"rms_norm_eps", 1e-5},
-                            {"rope_theta", 10000.0},        {"tie_word_embeddings", false},
-                            {"hidden_act", "silu"}};
-  return parse_model_config(j.dump(), "the demo model");
 }
 
 // Sentences from a small grammar: the structure (spelling, word order, agreement of "a"/"an")
@@ -98,6 +105,19 @@ std::string demo_text(std::size_t bytes, std::uint64_t seed) {
 
 // The demo's engine: ZeRO-3 with weights and optimizer state on NVMe, gradients in pinned
 // host memory, one layer gathered at a time (plus one in flight) and one gradient bucket.
+// The demo's NVMe folder when --demo-nvme is not given: <build>/demo-nvme for a program that
+// runs from the build tree it was built in; else (an installed package, unpacked anywhere) the
+// user's cache folder, which is on disk (O_DIRECT works there, unlike a tmpfs /tmp).
+std::string default_demo_nvme_dir() {
+  std::error_code ec;
+  const std::string exe = fs::read_symlink("/proc/self/exe", ec).string();
+  const std::string build = STRATA_BUILD_DIR;
+  if (!ec && exe.starts_with(build + "/")) return build + "/demo-nvme";
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/strata/demo-nvme";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/strata/demo-nvme";
+  return "/var/tmp/strata-demo-nvme";
+}
+
 EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel) {
   EngineConfig c = default_engine_config();
   c.stage = 3;
@@ -120,10 +140,6 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   return c;
 }
 
-std::uint64_t default_host_budget() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
-}
 
 std::string human_bytes(double b) {
   const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -214,6 +230,11 @@ TrainResult train(const TrainOptions& o) {
     hopt.capacity_bytes = std::size_t(o.device_mem_gb * double(1ull << 30));
     copt.capacity_bytes = hopt.capacity_bytes;
   }
+  STRATA_REQUIRE(o.emu_h2d_gbps >= 0 && o.emu_d2h_gbps >= 0 && o.emu_compute_gflops >= 0,
+                 "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops must be >= 0 (0: unthrottled)");
+  hopt.h2d_gbps = o.emu_h2d_gbps;
+  hopt.d2h_gbps = o.emu_d2h_gbps;
+  hopt.compute_gflops = o.emu_compute_gflops;
   const std::vector<UnitSpec> units = model_units(mcfg);
   std::uint64_t max_unit = 0, total_numel = 0;
   for (const auto& u : units) max_unit = std::max<std::uint64_t>(max_unit, u.numel), total_numel += u.numel;
@@ -230,7 +251,7 @@ TrainResult train(const TrainOptions& o) {
   if (!o.ds_config.empty()) {
     ecfg = parse_engine_config(read_text(o.ds_config, "--config"), launch.world_size);
   } else if (demo_model) {
-    demo_dir = o.demo_nvme_dir.empty() ? std::string(STRATA_BUILD_DIR) + "/demo-nvme" : o.demo_nvme_dir;
+    demo_dir = o.demo_nvme_dir.empty() ? default_demo_nvme_dir() : o.demo_nvme_dir;
     fs::create_directories(demo_dir);
     std::uint64_t layer = units.size() > 2 ? units[1].numel : max_unit;
     ecfg = demo_engine_config(demo_dir, layer);

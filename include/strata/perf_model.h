@@ -1,0 +1,119 @@
+// The step-time model strata-prof predicts with, and the search over placements it runs.
+//
+// predict_step() replays one optimizer step of the ZeRO-3 engine (src/scheduler/engine.cpp)
+// on paper: the same units in the same order, the same streams and their FIFO order, the same
+// waits. Each resource is a lane that does one thing at a time; an operation starts when its
+// lane is free and its inputs are ready, and lasts bytes / measured bandwidth (or the measured
+// compute time). What the engine does, the model does:
+//   forward, per micro-batch: units 0..N-1 are fetched in order (NVMe read -> H2D -> all-gather
+//     on the fetch stream) and computed on the compute stream; a fetch waits for the release of
+//     the unit it evicts when stage3_max_live_parameters is full (the victim is the gathered
+//     unit whose next use is furthest away, as the engine picks it). The last unit (the LM
+//     head) also runs its backward in forward and reduces its gradient there.
+//   backward: units N-2..0; a unit dropped since forward is fetched again; each unit's fp32
+//     gradient is zero-filled on the compute stream, and reduced on the comm stream
+//     (reduce-scatter, then either an add into the device shard or D2H + a host add).
+//   step: the gradient norm (a pass over every gradient shard), then unit by unit on the host
+//     thread: optimizer state read from NVMe one unit ahead, AdamW on the device (optimizer
+//     stream) or the CPU (host thread), new compute weights back to their tier (H2D, D2H or an
+//     NVMe write), state written behind with at most optimizer_buffer_count writes in flight;
+//     then every write waited for and the gradients zeroed.
+// The host thread runs ahead of the device streams everywhere except where the engine blocks
+// it: the end of forward (the loss), the end of backward, and the waits in step().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/engine_config.h"
+
+namespace strata {
+
+// What strata-prof measures on the machine (rates in bytes or parameters per second).
+struct MachineProfile {
+  double h2d_bps = 0, d2h_bps = 0;      // pinned host <-> device copies
+  double device_mem_bps = 0;            // device memory traffic of a fill / add pass
+  double host_mem_bps = 0;              // host memory traffic of a memcpy / add pass
+  double nvme_read_bps = 0, nvme_write_bps = 0;
+  double cpu_adamw_params_per_s = 0;    // CpuAdamW, all its threads
+  double device_adamw_params_per_s = 0; // Stream::adamw on the device
+  double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
+  int world_size = 1;
+  std::uint64_t device_capacity = 0, host_capacity = 0, nvme_free = 0;
+};
+
+// One fetch unit of the model: its size and its measured compute time per micro-batch
+// (forward; backward including any recomputation of a checkpointed forward).
+struct UnitCost {
+  std::string name;
+  std::uint64_t numel = 0;
+  double forward_s = 0, backward_s = 0;
+};
+
+// The model at one micro-batch size and one checkpointing mode.
+struct ModelProfile {
+  std::vector<UnitCost> units;    // in forward order; the last one is the LM head
+  std::int64_t micro_batch = 1, seq_len = 1;
+  bool checkpoint = false;        // activation checkpointing (recompute in backward)
+  std::uint64_t activation_bytes = 0;  // device bytes one micro-batch's activations take
+  double tokens_per_micro_batch() const { return double(micro_batch) * double(seq_len); }
+};
+
+enum class Resource { kCompute, kH2D, kD2H, kNvme, kCpu, kComm, kCount };
+const char* resource_name(Resource r);  // "compute", "h2d", "d2h", "nvme", "cpu", "comm"
+
+struct Interval {
+  Resource lane;
+  double start_s = 0, end_s = 0;
+  std::string what;  // "fwd layers.3", "h2d layers.3", "adamw embed", ...
+};
+
+struct Prediction {
+  double step_s = 0;
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;  // phase ends minus starts
+  double busy_s[int(Resource::kCount)] = {};
+  Resource bottleneck = Resource::kCompute;
+  double tokens_per_s = 0;
+  std::vector<Interval> schedule;  // every operation of the step, for the timeline picture
+};
+
+// The predicted time of one optimizer step (gradient_accumulation_steps micro-batches and the
+// update) of `model` under `config` on `machine`. Throws strata::Error for a profile that lacks
+// a rate the configuration needs (e.g. optimizer state on NVMe with no NVMe bandwidth).
+Prediction predict_step(const MachineProfile& machine, const ModelProfile& model, const EngineConfig& config);
+
+// ---- the search ----
+struct Candidate {
+  std::string label;       // "params nvme, optimizer host, grads host, live 4 units, B=8, ckpt"
+  EngineConfig config;     // micro_batch_per_gpu set; nvme paths set when used
+  bool checkpoint = false;
+  std::int64_t micro_batch = 1;
+  MemoryPlan plan;
+  Prediction prediction;
+};
+
+struct SearchSpace {
+  // Model profiles to choose from (one per micro-batch size and checkpointing mode).
+  std::vector<ModelProfile> models;
+  EngineConfig base;                   // everything the search does not set (dtype, clipping, ...)
+  std::vector<std::string> nvme_paths; // empty: NVMe placements are not considered
+  bool allow_device_optimizer = true;  // the optimizer state on the device
+};
+
+struct SearchResult {
+  std::vector<Candidate> ranked;       // feasible candidates, fastest (tokens/s) first
+  std::size_t considered = 0;          // all candidates, feasible or not
+  // When nothing fits: the plan of the least demanding candidate and its problems (what is
+  // missing on which tier).
+  std::vector<std::string> problems;
+  MemoryPlan smallest;
+};
+
+SearchResult search_placements(const MachineProfile& machine, const SearchSpace& space);
+
+// A ds_config.json text that parse_engine_config reads back as `config` (the placement,
+// prefetch, live-parameter and batch settings, precision, optimizer, aio).
+std::string engine_config_json(const EngineConfig& config);
+
+}  // namespace strata

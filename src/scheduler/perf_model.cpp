@@ -1,0 +1,598 @@
+// The step-time model and the placement search (include/strata/perf_model.h).
+//
+// The model is a replay, not a formula: every operation the engine issues for one step is
+// issued here in the same host order, onto the same streams (FIFO each), using one resource
+// (a lane that serves one operation at a time, in issue order) for bytes / bandwidth or a
+// measured time. Waits are the engine's waits. The step's length, each lane's busy time and
+// the schedule (for the timeline picture) fall out. Keep this file in step with
+// src/scheduler/engine.cpp: when the engine changes what it overlaps, this must change too,
+// and strata-prof --validate is how a mismatch shows.
+#include "strata/perf_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/dtype.h"
+#include "strata/error.h"
+
+namespace strata {
+
+const char* resource_name(Resource r) {
+  switch (r) {
+    case Resource::kCompute: return "compute";
+    case Resource::kH2D: return "h2d";
+    case Resource::kD2H: return "d2h";
+    case Resource::kNvme: return "nvme";
+    case Resource::kCpu: return "cpu";
+    case Resource::kComm: return "comm";
+    case Resource::kCount: break;
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr std::uint64_t kShardAlign = 2048;  // as the engine pads
+constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+
+enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kNumStreams };
+
+struct SimUnit {
+  std::uint64_t numel = 0, padded = 0, shard = 0;
+  bool resident = false;
+  Tier w = Tier::kDevice, g = Tier::kDevice, o = Tier::kDevice;
+  // state during the replay
+  bool gathered = false;
+  int in_use = 0;
+  double ready = 0, released = 0;
+};
+
+// Operations on streams and lanes.
+class Sim {
+ public:
+  double stream_free[kNumStreams] = {};
+  double lane_free[int(Resource::kCount)] = {};
+  double busy[int(Resource::kCount)] = {};
+  std::vector<Interval> schedule;
+
+  // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
+  // `ready`; returns its end.
+  double op(StreamId s, Resource r, double ready, double dur, const std::string& what) {
+    double start = std::max(stream_free[s], ready);
+    if (r != Resource::kCount) start = std::max(start, lane_free[int(r)]);
+    const double end = start + std::max(dur, 0.0);
+    stream_free[s] = end;
+    if (r != Resource::kCount) {
+      lane_free[int(r)] = end;
+      busy[int(r)] += end - start;
+      if (end > start) schedule.push_back({r, start, end, what});
+    }
+    return end;
+  }
+  // Work that is not on a stream (NVMe requests): the lane only.
+  double lane(Resource r, double ready, double dur, const std::string& what) {
+    const double start = std::max(lane_free[int(r)], ready);
+    const double end = start + std::max(dur, 0.0);
+    lane_free[int(r)] = end;
+    busy[int(r)] += end - start;
+    if (end > start) schedule.push_back({r, start, end, what});
+    return end;
+  }
+  // A stream waits for an event.
+  void wait(StreamId s, double t) { stream_free[s] = std::max(stream_free[s], t); }
+};
+
+double secs(double bytes, double rate) { return bytes <= 0 ? 0.0 : bytes / rate; }
+
+void need_rate(double rate, const char* what, const char* why) {
+  STRATA_REQUIRE(rate > 0 && std::isfinite(rate), "perf model: no {} rate was measured, and {} needs it", what, why);
+}
+
+}  // namespace
+
+Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c) {
+  STRATA_REQUIRE(!mp.units.empty(), "perf model: the model profile has no units");
+  STRATA_REQUIRE(m.world_size >= 1, "perf model: world_size {} must be at least 1", m.world_size);
+  STRATA_REQUIRE(c.gradient_accumulation_steps >= 1, "perf model: gradient_accumulation_steps must be at least 1");
+  const std::size_t N = mp.units.size();
+  const std::uint64_t W = std::uint64_t(m.world_size);
+  const double csz = double(dtype_size(c.compute_dtype));
+  const bool copy_out = c.compute_dtype != DType::kF32;
+  need_rate(m.device_mem_bps, "device memory", "every step");
+  need_rate(m.host_mem_bps, "host memory", "every step");
+
+  // ---- units, tiers: as Engine::finalize places them ----
+  std::vector<SimUnit> u(N);
+  double w_total = 0, g_total = 0, o_total = 0;
+  for (std::size_t i = 0; i < N; ++i) {
+    const std::uint64_t align = kShardAlign * W;
+    u[i].numel = mp.units[i].numel;
+    u[i].padded = (u[i].numel + align - 1) / align * align;
+    u[i].shard = u[i].padded / W;
+    u[i].resident = c.stage < 3 || u[i].numel <= c.param_persistence_threshold;
+    if (!u[i].resident) w_total += double(u[i].shard);
+    g_total += double(u[i].shard);
+    o_total += double(u[i].shard);
+  }
+  double w_pos = 0, g_pos = 0, o_pos = 0;
+  for (auto& x : u) {
+    if (!x.resident) {
+      x.w = c.params.tier_at(w_pos, w_total);
+      w_pos += double(x.shard);
+    }
+    x.g = c.grads.tier_at(g_pos, g_total);
+    g_pos += double(x.shard);
+    STRATA_REQUIRE(x.g != Tier::kNvme, "perf model: gradient shards cannot live on NVMe");
+    x.o = c.optimizer.tier_at(o_pos, o_total);
+    o_pos += double(x.shard);
+    if (!x.resident && x.w != Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "offloaded parameters");
+    if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "parameters on NVMe");
+    if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");
+    if (x.o == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "optimizer state on NVMe");
+    if (x.o == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "optimizer state on NVMe");
+    if (x.o != Tier::kDevice) need_rate(m.cpu_adamw_params_per_s, "CPU AdamW", "optimizer state off the device");
+    if (x.o == Tier::kDevice) need_rate(m.device_adamw_params_per_s, "device AdamW", "optimizer state on the device");
+    if (x.g == Tier::kHost || x.o != Tier::kDevice || (!x.resident && x.w != Tier::kDevice))
+      need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
+    if (x.g == Tier::kHost && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "host gradients");
+  }
+  if (W > 1) {
+    need_rate(m.all_gather_bps, "all-gather", "more than one rank");
+    need_rate(m.reduce_scatter_bps, "reduce-scatter", "more than one rank");
+  }
+
+  // ---- the fetch sequence of one step: the trace the engine records ----
+  // Forward: embed, layers, head (the head also takes unit 0 with tied embeddings, which the
+  // profile does not know; the units' costs already include it). Backward: layers in reverse;
+  // the embedding's backward takes only its gradient.
+  const std::size_t head = N - 1;
+  struct Use {
+    std::size_t unit;
+    bool backward;
+  };
+  std::vector<Use> one;
+  for (std::size_t i = 0; i < N; ++i) one.push_back({i, false});
+  for (std::size_t i = head; i-- > 1;) one.push_back({i, true});
+  std::vector<std::size_t> trace;  // non-resident units, in fetch order, all micro-batches
+  for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a)
+    for (const Use& x : one)
+      if (!u[x.unit].resident) trace.push_back(x.unit);
+
+  Sim sim;
+  std::uint64_t live = 0;
+  std::size_t pos = 0;  // position in `trace`
+  auto next_use = [&](std::size_t unit, std::size_t from) {
+    for (std::size_t p = from; p < trace.size(); ++p)
+      if (trace[p] == unit) return p;
+    return kNone;
+  };
+  auto name = [&](std::size_t i) { return mp.units[i].name; };
+
+  // Engine::Impl::drop: the fetch stream waits for the unit's release before its memory goes.
+  auto drop = [&](std::size_t i) {
+    if (!u[i].gathered || u[i].resident) return;
+    sim.wait(kFetchS, u[i].released);
+    u[i].gathered = false;
+    live -= u[i].padded;
+  };
+  auto make_room = [&](std::uint64_t need) {
+    while (live + need > c.max_live_parameters) {
+      std::size_t victim = kNone, furthest = 0;
+      for (std::size_t i = 0; i < N; ++i) {
+        if (!u[i].gathered || u[i].resident || u[i].in_use > 0) continue;
+        const std::size_t nu = next_use(i, pos);
+        if (victim == kNone || nu > furthest) {
+          victim = i;
+          furthest = nu;
+        }
+      }
+      if (victim == kNone) return;
+      drop(victim);
+    }
+  };
+  // Engine::Impl::issue_fetch at host time `h`.
+  auto issue_fetch = [&](std::size_t i, double h) {
+    SimUnit& x = u[i];
+    if (x.gathered) return;
+    const double bytes = double(x.shard) * csz;
+    double ready = h;
+    switch (x.w) {
+      case Tier::kDevice:
+        ready = sim.op(kFetchS, Resource::kCount, h, secs(2 * bytes, m.device_mem_bps), "");
+        break;
+      case Tier::kHost:
+        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
+        break;
+      case Tier::kNvme: {
+        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, m.nvme_read_bps), "read w " + name(i));
+        sim.wait(kFetchS, rd);
+        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
+        break;
+      }
+    }
+    if (W > 1)
+      ready = sim.op(kFetchS, Resource::kComm, ready,
+                     secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps), "all-gather " + name(i));
+    x.ready = ready;
+    x.gathered = true;
+    live += x.padded;
+  };
+  auto prefetch_ahead = [&](double h) {
+    std::uint64_t ahead = 0;
+    for (std::size_t p = pos; p < trace.size(); ++p) {
+      SimUnit& x = u[trace[p]];
+      if (x.resident || x.gathered) continue;
+      if (ahead + x.padded > std::max<std::uint64_t>(c.prefetch_bucket_size, 1)) break;
+      if (live + x.padded > c.max_live_parameters) break;
+      issue_fetch(trace[p], h);
+      ahead += x.padded;
+    }
+  };
+  // Engine::fetch: returns the time the compute stream may use the unit.
+  auto fetch = [&](std::size_t i, double h) {
+    SimUnit& x = u[i];
+    if (!x.resident) {
+      ++pos;
+      if (!x.gathered) {
+        make_room(x.padded);
+        issue_fetch(i, h);
+      }
+      prefetch_ahead(h);
+    }
+    ++x.in_use;
+    return x.resident ? 0.0 : x.ready;
+  };
+  auto release = [&](std::size_t i, double event) {
+    SimUnit& x = u[i];
+    --x.in_use;
+    if (x.resident) return;
+    x.released = event;
+    if (x.in_use > 0) return;
+    const std::size_t nu = next_use(i, pos);
+    if (nu != kNone) {
+      std::uint64_t dist = 0;
+      for (std::size_t p = pos; p < nu; ++p) dist += u[trace[p]].padded;
+      if (dist <= c.max_reuse_distance) return;
+    }
+    drop(i);
+  };
+  // Engine::grad_buffer + the model's backward + Engine::reduce_grad for unit i.
+  auto reduce = [&](std::size_t i, double after_compute) {
+    SimUnit& x = u[i];
+    sim.wait(kCommS, after_compute);
+    double t = after_compute;
+    if (W > 1)
+      t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
+                 "reduce-scatter " + name(i));
+    if (x.g == Tier::kDevice) {
+      sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
+    } else {
+      t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
+      sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i));
+    }
+  };
+  auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
+
+  Prediction pr;
+  double h = 0;  // the host thread
+  double fwd_total = 0, bwd_total = 0;
+  for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+    // forward
+    const double f0 = h;
+    for (std::size_t i = 0; i < N; ++i) {
+      const double ready = fetch(i, h);
+      double dur = mp.units[i].forward_s;
+      if (i == head) dur += grad_fill(i);
+      const double end = sim.op(kComputeS, Resource::kCompute, ready, dur, "fwd " + name(i));
+      if (i == head) reduce(i, end);
+      release(i, end);
+    }
+    h = std::max(h, sim.stream_free[kComputeS]);  // the loss
+    fwd_total += h - f0;
+    // backward
+    const double b0 = h;
+    for (std::size_t i = head; i-- > 1;) {
+      const double ready = fetch(i, h);
+      const double end =
+          sim.op(kComputeS, Resource::kCompute, ready, mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
+      reduce(i, end);
+      release(i, end);
+    }
+    {
+      const double end =
+          sim.op(kComputeS, Resource::kCompute, 0, mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
+      reduce(0, end);
+    }
+    h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
+    bwd_total += h - b0;
+  }
+  pr.forward_s = fwd_total;
+  pr.backward_s = bwd_total;
+
+  // ---- step ----
+  const double s0 = h;
+  h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS]});
+  // gradient norm: device shards on the optimizer stream, host shards on the host thread
+  for (std::size_t i = 0; i < N; ++i)
+    if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+  for (std::size_t i = 0; i < N; ++i)
+    if (u[i].g == Tier::kHost)
+      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), m.host_mem_bps), "norm " + name(i));
+  h = std::max(h, sim.stream_free[kOptS]);
+
+  std::vector<std::size_t> nvme_units;
+  for (std::size_t i = 0; i < N; ++i)
+    if (u[i].o == Tier::kNvme) nvme_units.push_back(i);
+  std::vector<double> read_done(N, 0);
+  std::size_t nvme_next = 0;
+  auto issue_read = [&](std::size_t k) {
+    if (k >= nvme_units.size()) return;
+    const std::size_t i = nvme_units[k];
+    read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), m.nvme_read_bps), "read state " + name(i));
+  };
+  std::deque<double> writes;
+  double all_writes = h;
+  auto write_behind = [&](double bytes, double ready, const std::string& what) {
+    const double end = sim.lane(Resource::kNvme, ready, secs(bytes, m.nvme_write_bps), what);
+    writes.push_back(end);
+    all_writes = std::max(all_writes, end);
+    while (writes.size() > std::size_t(std::max(1, c.optimizer_buffer_count))) {
+      h = std::max(h, writes.front());
+      writes.pop_front();
+    }
+  };
+  issue_read(nvme_next++);
+  for (std::size_t i = 0; i < N; ++i) {
+    SimUnit& x = u[i];
+    const double n = double(x.shard);
+    const double w_bytes = n * csz;
+    const bool target_dev = x.resident || x.w == Tier::kDevice;
+    if (x.o == Tier::kDevice) {
+      double t = h;
+      if (x.g == Tier::kHost) t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
+      t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s), "adamw " + name(i));
+      if (!target_dev) {
+        sim.wait(kFetchS, t);
+        const double d = sim.op(kFetchS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
+        if (x.w == Tier::kNvme) h = std::max(h, d);
+      } else if (!copy_out) {
+        sim.op(kOptS, Resource::kCount, t, secs(2 * w_bytes, m.device_mem_bps), "");
+      }
+    } else {
+      if (x.o == Tier::kNvme) {
+        issue_read(nvme_next++);
+        h = std::max(h, read_done[i]);
+      }
+      if (x.g == Tier::kDevice) {
+        h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
+      }
+      h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i));
+      if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
+      if (target_dev) sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i));
+      if (x.o == Tier::kNvme) write_behind(12 * n, h, "write state " + name(i));
+    }
+    if (!x.resident && x.w == Tier::kNvme) write_behind(w_bytes, h, "write w " + name(i));
+  }
+  h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
+  if (W > 1)
+    for (std::size_t i = 0; i < N; ++i)
+      if (u[i].resident)
+        sim.op(kOptS, Resource::kComm, h, secs(double(u[i].padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
+               "all-gather " + name(i));
+  for (std::size_t i = 0; i < N; ++i) {
+    if (u[i].g == Tier::kHost)
+      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), m.host_mem_bps), "zero grad " + name(i));
+    else
+      sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+  }
+  h = std::max(h, sim.stream_free[kOptS]);
+  pr.optimizer_s = h - s0;
+  pr.step_s = h;
+
+  for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r];
+  int best = 0;
+  for (int r = 1; r < int(Resource::kCount); ++r)
+    if (pr.busy_s[r] > pr.busy_s[best]) best = r;
+  pr.bottleneck = Resource(best);
+  pr.tokens_per_s = pr.step_s > 0 ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) * double(W) /
+                                        pr.step_s
+                                  : 0;
+  pr.schedule = std::move(sim.schedule);
+  return pr;
+}
+
+// ---- the search ----
+namespace {
+
+struct TierChoice {
+  const char* label;
+  Placement p;
+};
+
+}  // namespace
+
+SearchResult search_placements(const MachineProfile& m, const SearchSpace& space) {
+  STRATA_REQUIRE(!space.models.empty(), "search_placements: no model profiles");
+  const bool nvme = !space.nvme_paths.empty();
+  std::vector<TierChoice> params = {{"device", {1, 0}}, {"host", {0, 1}}};
+  std::vector<TierChoice> opt;
+  if (space.allow_device_optimizer) opt.push_back({"device", {1, 0}});
+  opt.push_back({"host", {0, 1}});
+  if (space.allow_device_optimizer) opt.push_back({"device 50% + host 50%", {0.5, 0.5}});
+  if (nvme) {
+    params.push_back({"nvme", {0, 0}});
+    params.push_back({"host 50% + nvme 50%", {0, 0.5}});
+    opt.push_back({"nvme", {0, 0}});
+    opt.push_back({"host 50% + nvme 50%", {0, 0.5}});
+  }
+  const std::vector<TierChoice> grads = {{"device", {1, 0}}, {"host", {0, 1}}};
+  const std::vector<int> windows = {0, 2, 4};  // units live at once (0: the default, all)
+
+  SearchResult out;
+  bool have_smallest = false;
+  std::uint64_t smallest_short = 0;
+  for (const ModelProfile& mp : space.models) {
+    std::uint64_t max_unit = 0;
+    for (const auto& x : mp.units) max_unit = std::max<std::uint64_t>(max_unit, x.numel);
+    PlanInputs in;
+    for (const auto& x : mp.units) in.units.push_back({x.name, x.numel});
+    in.world_size = m.world_size;
+    in.device_capacity = m.device_capacity;
+    in.host_capacity = m.host_capacity;
+    in.nvme_capacity = m.nvme_free;
+    in.activation_bytes = mp.activation_bytes;
+    for (const auto& pc : params)
+      for (const auto& oc : opt)
+        for (const auto& gc : grads)
+          for (int win : windows) {
+            if (win > 0 && int(mp.units.size()) <= win) continue;  // the same as "all"
+            Candidate cand;
+            EngineConfig& c = cand.config;
+            c = space.base;
+            c.stage = 3;
+            c.micro_batch_per_gpu = mp.micro_batch;
+            c.train_batch_size = mp.micro_batch * c.gradient_accumulation_steps * m.world_size;
+            c.params = pc.p;
+            c.optimizer = oc.p;
+            c.grads = gc.p;
+            const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
+            c.param_nvme_paths = p_nvme ? space.nvme_paths : std::vector<std::string>{};
+            c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
+            const EngineConfig d = default_engine_config();
+            if (win > 0) {
+              c.max_live_parameters = max_unit * std::uint64_t(win);
+              c.prefetch_bucket_size = max_unit * std::uint64_t(win - 1);
+            } else {
+              c.max_live_parameters = d.max_live_parameters;
+              c.prefetch_bucket_size = d.prefetch_bucket_size;
+            }
+            c.max_reuse_distance = d.max_reuse_distance;
+            // The engine reduces one unit's gradient at a time: plan the buckets as that.
+            c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
+            cand.checkpoint = mp.checkpoint;
+            cand.micro_batch = mp.micro_batch;
+            cand.label = fmt::format("params {}, optimizer {}, grads {}, {}, B={}{}", pc.label, oc.label, gc.label,
+                                     win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
+                                     mp.micro_batch, mp.checkpoint ? ", checkpointing" : "");
+            ++out.considered;
+            cand.plan = plan_memory(c, in);
+            if (!cand.plan.fits) {
+              // The least demanding candidate: the smallest sum of bytes missing.
+              std::uint64_t shortfall = 0;
+              auto miss = [](std::uint64_t need, std::uint64_t cap) { return need > cap ? need - cap : 0; };
+              shortfall += miss(cand.plan.device_bytes, cand.plan.device_capacity);
+              shortfall += miss(cand.plan.host_bytes, cand.plan.host_capacity);
+              shortfall += miss(cand.plan.nvme_bytes, cand.plan.nvme_capacity);
+              if (!have_smallest || shortfall < smallest_short) {
+                have_smallest = true;
+                smallest_short = shortfall;
+                out.smallest = cand.plan;
+                out.problems = cand.plan.problems;
+              }
+              continue;
+            }
+            cand.prediction = predict_step(m, mp, c);
+            out.ranked.push_back(std::move(cand));
+          }
+  }
+  std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.prediction.tokens_per_s != b.prediction.tokens_per_s)
+      return a.prediction.tokens_per_s > b.prediction.tokens_per_s;
+    return a.plan.device_bytes < b.plan.device_bytes;
+  });
+  if (!out.ranked.empty()) out.problems.clear();
+  return out;
+}
+
+// ---- ds_config.json out ----
+std::string engine_config_json(const EngineConfig& c) {
+  using nlohmann::json;
+  auto paths = [](const std::vector<std::string>& p) -> json {
+    if (p.size() == 1) return p[0];
+    return p;
+  };
+  auto is = [](const Placement& p, double dev, double host) {
+    return std::abs(p.device_fraction - dev) < 1e-9 && std::abs(p.host_fraction - host) < 1e-9;
+  };
+  json j;
+  j["train_micro_batch_size_per_gpu"] = c.micro_batch_per_gpu;
+  j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  if (c.gradient_clipping > 0) j["gradient_clipping"] = c.gradient_clipping;
+  if (c.compute_dtype == DType::kBF16) j["bf16"] = {{"enabled", true}};
+  if (c.fp16.enabled)
+    j["fp16"] = {{"enabled", true},
+                 {"loss_scale", c.fp16.loss_scale},
+                 {"initial_scale_power", c.fp16.initial_scale_power},
+                 {"loss_scale_window", c.fp16.loss_scale_window},
+                 {"hysteresis", c.fp16.hysteresis},
+                 {"min_loss_scale", c.fp16.min_loss_scale}};
+  j["optimizer"] = {{"type", c.optimizer_type},
+                    {"params",
+                     {{"lr", c.adamw.lr},
+                      {"betas", {c.adamw.beta1, c.adamw.beta2}},
+                      {"eps", c.adamw.eps},
+                      {"weight_decay", c.adamw.weight_decay}}}};
+  json z = {{"stage", c.stage},
+            {"overlap_comm", c.overlap_comm},
+            {"contiguous_gradients", c.contiguous_gradients},
+            {"reduce_bucket_size", c.reduce_bucket_size},
+            {"allgather_bucket_size", c.allgather_bucket_size},
+            {"sub_group_size", c.sub_group_size},
+            {"stage3_prefetch_bucket_size", c.prefetch_bucket_size},
+            {"stage3_max_live_parameters", c.max_live_parameters},
+            {"stage3_max_reuse_distance", c.max_reuse_distance},
+            {"stage3_param_persistence_threshold", c.param_persistence_threshold}};
+  json op = {{"buffer_count", c.param_buffer_count},
+             {"buffer_size", c.param_buffer_size},
+             {"max_in_cpu", c.param_max_in_cpu},
+             {"pin_memory", c.pin_memory}};
+  if (is(c.params, 1, 0)) {
+    op["device"] = "none";
+  } else if (is(c.params, 0, 1)) {
+    op["device"] = "cpu";
+  } else {
+    STRATA_REQUIRE(c.params.device_fraction < 1e-9,
+                   "engine_config_json: parameters split {} device / {} host cannot be written as a ds_config "
+                   "(offload_param has no device share)", c.params.device_fraction, c.params.host_fraction);
+    op["device"] = "nvme";
+    op["nvme_path"] = paths(c.param_nvme_paths);
+    if (c.params.host_fraction > 0) op["host_fraction"] = c.params.host_fraction;
+  }
+  z["offload_param"] = op;
+  json oo = {{"buffer_count", c.optimizer_buffer_count},
+             {"pin_memory", c.pin_memory},
+             {"pipeline_read", c.pipeline_read},
+             {"pipeline_write", c.pipeline_write}};
+  if (is(c.optimizer, 1, 0)) {
+    oo["device"] = "none";
+  } else if (std::abs(c.optimizer.nvme_fraction()) < 1e-9) {
+    oo["device"] = "cpu";
+    if (c.optimizer.host_fraction < 1) oo["ratio"] = c.optimizer.host_fraction;
+  } else {
+    STRATA_REQUIRE(c.optimizer.device_fraction < 1e-9,
+                   "engine_config_json: optimizer state split over device, host and NVMe cannot be written as a "
+                   "ds_config");
+    oo["device"] = "nvme";
+    oo["nvme_path"] = paths(c.optimizer_nvme_paths);
+    if (c.optimizer.host_fraction > 0) oo["host_fraction"] = c.optimizer.host_fraction;
+  }
+  z["offload_optimizer"] = oo;
+  STRATA_REQUIRE(is(c.grads, 1, 0) || is(c.grads, 0, 1),
+                 "engine_config_json: gradients split over tiers cannot be written as a ds_config");
+  z["offload_grads"] = is(c.grads, 1, 0) ? "none" : "cpu";
+  j["zero_optimization"] = z;
+  j["aio"] = {{"block_size", c.aio.block_size},      {"queue_depth", c.aio.queue_depth},
+              {"thread_count", c.aio.thread_count},  {"single_submit", c.aio.single_submit},
+              {"overlap_events", c.aio.overlap_events}, {"use_hugepages", c.aio.use_hugepages},
+              {"verify", c.aio.verify},              {"engine", io_backend_name(c.aio.engine)},
+              {"register_buffers", c.aio.register_buffers}};
+  if (c.aio.direct != DirectIo::kAuto) j["aio"]["direct"] = c.aio.direct == DirectIo::kOn;
+  if (c.host_budget_bytes > 0) j["strata"] = {{"host_budget_bytes", c.host_budget_bytes}};
+  return j.dump(2) + "\n";
+}
+
+}  // namespace strata

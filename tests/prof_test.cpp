@@ -1,0 +1,299 @@
+// strata-prof's step-time model and search (include/strata/perf_model.h), and the strata-prof
+// command line end to end (STRATA_PROF_BIN, STRATA_TRAIN_BIN):
+//   - the predictor on synthetic measurements whose answer is known in closed form: a
+//     compute-bound, a link-bound, an NVMe-bound and an AdamW-bound step, each with every
+//     other rate made so fast that only the intended resource and the pipeline's own
+//     dependencies remain;
+//   - the search honours the planner (every ranked candidate fits) and, when nothing fits,
+//     says what is missing on which tier;
+//   - engine_config_json round-trips through parse_engine_config;
+//   - the recommended ds_config is accepted by strata-train (--plan fits, a short run trains),
+//     and an impossible request exits 2 naming the tiers short of memory.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/engine_config.h"
+#include "strata/perf_model.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+constexpr double kFast = 1e18;  // a rate so high its work takes no measurable time
+
+MachineProfile fast_machine() {
+  MachineProfile m;
+  m.h2d_bps = m.d2h_bps = m.device_mem_bps = m.host_mem_bps = kFast;
+  m.nvme_read_bps = m.nvme_write_bps = kFast;
+  m.cpu_adamw_params_per_s = m.device_adamw_params_per_s = kFast;
+  m.device_capacity = m.host_capacity = m.nvme_free = std::uint64_t(1) << 40;
+  return m;
+}
+
+// embed, `layers` layers of `layer_numel` (a multiple of 2048: no padding), head; the
+// embedding and the head are small and cost nothing.
+ModelProfile synthetic(int layers, std::uint64_t layer_numel, double fwd_s, double bwd_s) {
+  ModelProfile mp;
+  mp.micro_batch = 2;
+  mp.seq_len = 64;
+  mp.units.push_back({"embed", 2048, 0, 0});
+  for (int l = 0; l < layers; ++l) mp.units.push_back({"layers." + std::to_string(l), layer_numel, fwd_s, bwd_s});
+  mp.units.push_back({"head", 2048, 0, 0});
+  return mp;
+}
+
+EngineConfig placed(Tier params, Tier opt, Tier grads) {
+  EngineConfig c = default_engine_config();
+  auto on = [](Tier t) { return Placement{t == Tier::kDevice ? 1.0 : 0.0, t == Tier::kHost ? 1.0 : 0.0}; };
+  c.params = on(params);
+  c.optimizer = on(opt);
+  c.grads = on(grads);
+  c.param_persistence_threshold = 0;  // every unit is gathered on use
+  return c;
+}
+
+constexpr std::uint64_t kLayer = 2048 * 1024;  // 2M parameters, 8 MiB in fp32
+constexpr double kRel = 1e-6;
+
+TEST(PerfModel, ComputeBoundStepIsTheComputeTime) {
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  const Prediction p = predict_step(fast_machine(), mp, placed(Tier::kDevice, Tier::kDevice, Tier::kDevice));
+  EXPECT_NEAR(p.step_s, 4 * (0.010 + 0.020), 0.120 * kRel);
+  EXPECT_EQ(p.bottleneck, Resource::kCompute);
+  EXPECT_NEAR(p.busy_s[int(Resource::kCompute)], 0.120, 0.120 * kRel);
+  EXPECT_NEAR(p.tokens_per_s, 128 / p.step_s, 1e-6);
+  // Two micro-batches of accumulation: twice the compute, one optimizer step.
+  EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
+  c.gradient_accumulation_steps = 2;
+  EXPECT_NEAR(predict_step(fast_machine(), mp, c).step_s, 0.240, 0.240 * kRel);
+}
+
+TEST(PerfModel, LinkBoundStepIsTheTransfersPlusTheLastComputes) {
+  // Weights on the host behind a 1 GB/s link; every layer stays gathered into backward (the
+  // default live budget), so the link carries each layer once: the forward is the fetch chain
+  // plus the last layer's forward, the backward only computes.
+  MachineProfile m = fast_machine();
+  m.h2d_bps = 1e9;
+  const ModelProfile mp = synthetic(4, kLayer, 0.001, 0.001);
+  const Prediction p = predict_step(m, mp, placed(Tier::kHost, Tier::kDevice, Tier::kDevice));
+  const double fetch = double(kLayer) * 4 / 1e9, small = 2048.0 * 4 / 1e9;
+  EXPECT_EQ(p.bottleneck, Resource::kH2D);
+  EXPECT_NEAR(p.busy_s[int(Resource::kH2D)], 4 * fetch + 2 * small, 1e-9);
+  const double expect = small + 4 * fetch + 0.001 /* layer 3 fwd */ + small /* head fetch after it */ + 4 * 0.001;
+  EXPECT_NEAR(p.step_s, expect, expect * 1e-3);
+  // A window of two layers: evicted in forward, every layer crosses the link again in backward.
+  EngineConfig c = placed(Tier::kHost, Tier::kDevice, Tier::kDevice);
+  c.max_live_parameters = 2 * kLayer;
+  c.prefetch_bucket_size = kLayer;
+  const Prediction w = predict_step(m, mp, c);
+  EXPECT_GT(w.busy_s[int(Resource::kH2D)], 1.4 * p.busy_s[int(Resource::kH2D)]);
+  EXPECT_GT(w.step_s, p.step_s);
+}
+
+TEST(PerfModel, NvmeBoundStepIsTheDrivesBytes) {
+  // Optimizer state on NVMe at 1 GB/s each way: read one unit ahead, written behind; the drive
+  // never idles in the step, so the step is its bytes (12 read + 12 written per parameter).
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = 1e9;
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  const Prediction p = predict_step(m, mp, placed(Tier::kDevice, Tier::kNvme, Tier::kHost));
+  const double params = 4.0 * double(kLayer) + 2 * 2048;
+  EXPECT_EQ(p.bottleneck, Resource::kNvme);
+  EXPECT_NEAR(p.busy_s[int(Resource::kNvme)], 24 * params / 1e9, 1e-9);
+  EXPECT_NEAR(p.step_s, 24 * params / 1e9, 24 * params / 1e9 * 1e-3);
+  EXPECT_NEAR(p.optimizer_s, p.step_s, 1e-6);
+}
+
+TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = 1e8;
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  const Prediction p = predict_step(m, mp, placed(Tier::kDevice, Tier::kHost, Tier::kHost));
+  const double params = 4.0 * double(kLayer) + 2 * 2048;
+  EXPECT_EQ(p.bottleneck, Resource::kCpu);
+  EXPECT_NEAR(p.step_s, params / 1e8, params / 1e8 * kRel);
+}
+
+TEST(PerfModel, MissingRateIsAnError) {
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = 0;
+  const ModelProfile mp = synthetic(2, kLayer, 0, 0);
+  try {
+    predict_step(m, mp, placed(Tier::kDevice, Tier::kNvme, Tier::kHost));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NVMe read"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
+  MachineProfile m = fast_machine();
+  m.h2d_bps = m.d2h_bps = 10e9;
+  m.nvme_read_bps = m.nvme_write_bps = 2e9;
+  m.cpu_adamw_params_per_s = 5e8;
+  m.device_capacity = 48 << 20;  // less than the fp32 weights + optimizer state (16 MiB x 4 layers)
+  SearchSpace space;
+  space.base = default_engine_config();
+  space.nvme_paths = {"/tmp"};
+  space.models.push_back(synthetic(4, kLayer, 0.002, 0.004));
+  const SearchResult r = search_placements(m, space);
+  ASSERT_FALSE(r.ranked.empty());
+  EXPECT_GT(r.considered, r.ranked.size());  // some did not fit
+  for (std::size_t i = 0; i < r.ranked.size(); ++i) {
+    EXPECT_TRUE(r.ranked[i].plan.fits) << r.ranked[i].label;
+    EXPECT_LE(r.ranked[i].plan.device_bytes, m.device_capacity) << r.ranked[i].label;
+    if (i > 0) {
+      EXPECT_GE(r.ranked[i - 1].prediction.tokens_per_s, r.ranked[i].prediction.tokens_per_s);
+    }
+  }
+}
+
+TEST(PerfModel, NothingFitsSaysWhatIsMissingWhere) {
+  MachineProfile m = fast_machine();
+  m.device_capacity = 1 << 20;
+  m.host_capacity = 1 << 20;
+  SearchSpace space;
+  space.base = default_engine_config();
+  space.models.push_back(synthetic(4, kLayer, 0.002, 0.004));
+  const SearchResult r = search_placements(m, space);
+  EXPECT_TRUE(r.ranked.empty());
+  ASSERT_FALSE(r.problems.empty());
+  std::string all;
+  for (const auto& p : r.problems) all += p + "\n";
+  EXPECT_NE(all.find("device"), std::string::npos) << all;
+  EXPECT_NE(all.find("host"), std::string::npos) << all;
+}
+
+TEST(PerfModel, ConfigJsonRoundTrips) {
+  for (Tier pt : {Tier::kDevice, Tier::kHost, Tier::kNvme})
+    for (Tier ot : {Tier::kDevice, Tier::kHost, Tier::kNvme})
+      for (Tier gt : {Tier::kDevice, Tier::kHost}) {
+        EngineConfig c = placed(pt, ot, gt);
+        if (pt == Tier::kNvme) c.param_nvme_paths = {"/tmp/a"};
+        if (ot == Tier::kNvme) {
+          c.optimizer_nvme_paths = {"/tmp/a", "/tmp/b"};
+          c.optimizer.host_fraction = 0.25;
+        }
+        c.compute_dtype = DType::kBF16;
+        c.micro_batch_per_gpu = 3;
+        c.gradient_accumulation_steps = 2;
+        c.max_live_parameters = 123456;
+        c.prefetch_bucket_size = 4096;
+        c.gradient_clipping = 1.5;
+        c.aio.block_size = 1 << 16;
+        c.aio.queue_depth = 32;
+        c.host_budget_bytes = 1 << 30;
+        const std::string text = engine_config_json(c);
+        const EngineConfig r = parse_engine_config(text, 1);
+        SCOPED_TRACE(text);
+        EXPECT_EQ(r.params.device_fraction, c.params.device_fraction);
+        EXPECT_EQ(r.params.host_fraction, c.params.host_fraction);
+        EXPECT_EQ(r.optimizer.device_fraction, c.optimizer.device_fraction);
+        EXPECT_EQ(r.optimizer.host_fraction, c.optimizer.host_fraction);
+        EXPECT_EQ(r.grads.device_fraction, c.grads.device_fraction);
+        EXPECT_EQ(r.param_nvme_paths, c.param_nvme_paths);
+        EXPECT_EQ(r.optimizer_nvme_paths, c.optimizer_nvme_paths);
+        EXPECT_EQ(r.compute_dtype, DType::kBF16);
+        EXPECT_EQ(r.micro_batch_per_gpu, 3);
+        EXPECT_EQ(r.gradient_accumulation_steps, 2);
+        EXPECT_EQ(r.max_live_parameters, 123456u);
+        EXPECT_EQ(r.prefetch_bucket_size, 4096u);
+        EXPECT_EQ(r.param_persistence_threshold, 0u);
+        EXPECT_EQ(r.gradient_clipping, 1.5);
+        EXPECT_EQ(r.aio.block_size, std::size_t(1) << 16);
+        EXPECT_EQ(r.aio.queue_depth, 32);
+        EXPECT_EQ(r.host_budget_bytes, std::uint64_t(1) << 30);
+        EXPECT_EQ(r.adamw.lr, c.adamw.lr);
+        EXPECT_EQ(r.adamw.beta2, c.adamw.beta2);
+      }
+}
+
+#if defined(STRATA_PROF_BIN) && defined(STRATA_TRAIN_BIN)
+// A small Llama: the whole strata-prof run takes seconds.
+std::string tiny_model(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  std::ofstream(path) << nlohmann::json{{"model_type", "llama"},
+                                        {"architectures", {"LlamaForCausalLM"}},
+                                        {"vocab_size", 256},
+                                        {"hidden_size", 64},
+                                        {"intermediate_size", 160},
+                                        {"num_hidden_layers", 3},
+                                        {"num_attention_heads", 4},
+                                        {"num_key_value_heads", 2},
+                                        {"max_position_embeddings", 128},
+                                        {"rms_norm_eps", 1e-5},
+                                        {"tie_word_embeddings", false}}
+                             .dump();
+  return path;
+}
+
+TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  fs::create_directories(d.path + "/nvme");
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
+                               "--micro-batches", "2", "--nvme-path", d.path + "/nvme", "--out", d.path + "/best.json",
+                               "--svg", d.path + "/prof.svg", "--validate", "1", "--validate-steps", "2",
+                               "--trace", d.path + "/trace.json", "--json"},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  // The last line is the JSON summary.
+  const std::string last = r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1);
+  const auto j = nlohmann::json::parse(last);
+  EXPECT_TRUE(j["fits"].get<bool>());
+  EXPECT_GT(j["candidates_feasible"].get<int>(), 0);
+  EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
+  EXPECT_GT(j["machine"]["nvme_read_gbps"].get<double>(), 0);
+  EXPECT_TRUE(fs::file_size(d.path + "/prof.svg") > 1000);
+  EXPECT_TRUE(fs::file_size(d.path + "/trace.json") > 100);
+  EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
+  // strata-train takes the file as it is, and its planner agrees that it fits.
+  const auto plan = testing::run(STRATA_TRAIN_BIN,
+                                 {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
+                                  "--device-mem-gb", "0.02", "--seq-len", "32", "--plan"},
+                                 d.path, "plan");
+  ASSERT_EQ(plan.status, 0) << plan.out << plan.err;
+  EXPECT_EQ(plan.out.find("does not fit"), std::string::npos) << plan.out;
+  // ... and trains with it.
+  std::ofstream(d.path + "/text.txt") << std::string(20000, 'a') + "the quick brown fox jumps over the lazy dog\n";
+  const auto train = testing::run(STRATA_TRAIN_BIN,
+                                  {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
+                                   "--device-mem-gb", "0.02", "--seq-len", "32", "--text", d.path + "/text.txt",
+                                   "--steps", "2", "--log-json", d.path + "/log.json"},
+                                  d.path, "train");
+  ASSERT_EQ(train.status, 0) << train.out << train.err;
+  EXPECT_NE(testing::slurp(d.path + "/log.json").find("\"step\":2"), std::string::npos);
+}
+
+TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.0001",
+                               "--host-mem-gb", "0.0001", "--no-nvme", "--seq-len", "32", "--micro-batches", "1",
+                               "--out", d.path + "/best.json", "--svg", ""},
+                              d.path, "prof");
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("missing: device"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(d.path + "/best.json"));
+}
+
+TEST(ProfCli, BadInputIsAClearError) {
+  TempDir d("strata-prof");
+  const auto r = testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json"}, d.path, "prof");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("missing.json"), std::string::npos) << r.err;
+}
+#endif
+
+}  // namespace
+}  // namespace strata

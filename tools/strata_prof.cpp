@@ -1,0 +1,880 @@
+// strata-prof: measure the machine and the model, predict the step time of every placement,
+// recommend the fastest that fits, and check the prediction by running the best few.
+//
+//   measure   pinned H2D / D2H, device and host memory passes, NVMe write and read through the
+//             engine's own swap store, CPU and device AdamW, collectives (more than one rank),
+//             and the model's per-unit forward / backward time and activation bytes from real
+//             micro-batches of a 1- and a 2-layer copy of it (every layer of a model costs
+//             the same; the embedding and the head are measured on their own).
+//   predict   src/scheduler/perf_model.cpp replays the engine's step on those rates.
+//   search    placements x live window x micro-batch x checkpointing, filtered by the memory
+//             planner; the best few printed, the best written as a ds_config.json.
+//   validate  (--validate K) the top K run through strata::train for a few steps; predicted vs
+//             measured step time, and the Chrome trace of the best.
+//   picture   an SVG with the best candidate's step per resource lane (predicted, and measured
+//             when validated) and the bytes per tier of the top candidates.
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <cstring>
+#include <sstream>
+#include <utility>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/adamw.h"
+#include "strata/comm.h"
+#include "strata/engine_config.h"
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/model.h"
+#include "strata/nvme.h"
+#include "strata/perf_model.h"
+#include "strata/pinned_pool.h"
+#include "strata/trace.h"
+#include "strata/trainer.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string human(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (b >= 1024 && i < 4) b /= 1024, ++i;
+  return fmt::format("{:.{}f} {}", b, i == 0 ? 0 : 2, u[i]);
+}
+
+struct Args {
+  std::string model_dir, model_config, ds_config, aio_file;
+  std::vector<std::string> data_files;
+  std::string text_file;
+  std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 1;
+  std::vector<std::int64_t> micro_batches;  // empty: B/2, B, 2B
+  std::string dtype = "fp32";
+  std::string device = "auto";
+  double device_mem_gb = 0, host_mem_gb = 0;
+  double emu_h2d = 0, emu_d2h = 0, emu_gflops = 0;
+  std::string nvme_path;
+  bool no_nvme = false;
+  int top = 5;
+  int validate = 0;
+  int validate_steps = 4;
+  std::string out = "strata-prof.ds_config.json";
+  std::string svg = "strata-prof.svg";
+  std::string trace;
+  bool json = false;
+};
+
+// ---- measuring the machine ----
+template <class F>
+double best_of(int reps, F f) {
+  double best = 1e300;
+  for (int i = 0; i < reps; ++i) best = std::min(best, f());
+  return best;
+}
+
+MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
+                               const std::string& nvme_dir, bool use_nvme) {
+  MachineProfile m;
+  m.world_size = comm.world_size();
+  auto s = dev.create_stream("prof");
+  const std::size_t bytes = std::size_t(64) << 20;
+  PinnedPoolOptions po;
+  po.budget_bytes = std::size_t(512) << 20;
+  po.device = &dev;
+  PinnedPool pool(po);
+  PinnedBlock host = pool.allocate(bytes);
+  std::memset(host.data(), 1, bytes);
+  Buffer d = dev.alloc(bytes);
+  s->copy(d.ref(), host_ref(host.data(), bytes));  // warm
+  s->synchronize();
+  const double h2d = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s->copy(d.ref(), host_ref(host.data(), bytes));
+    s->synchronize();
+    return since(t0);
+  });
+  const double d2h = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s->copy(host_ref(host.data(), bytes), d.ref());
+    s->synchronize();
+    return since(t0);
+  });
+  m.h2d_bps = double(bytes) / h2d;
+  m.d2h_bps = double(bytes) / d2h;
+  const double fill = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s->fill(tensor(d, DType::kF32, bytes / 4), 0.0f);
+    s->synchronize();
+    return since(t0);
+  });
+  m.device_mem_bps = double(bytes) / fill;
+  std::vector<char> h1(bytes), h2(bytes, 2);
+  const double cp = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    std::memcpy(h1.data(), h2.data(), bytes);
+    return since(t0);
+  });
+  m.host_mem_bps = 2.0 * double(bytes) / cp;
+
+  // AdamW: 8M parameters, the compute dtype's copy-out, on the CPU and on the device.
+  {
+    const std::size_t n = std::size_t(8) << 20;
+    const DType ct = base.compute_dtype;
+    std::vector<float> p(n, 0.5f), g(n, 1e-3f), mm(n, 0.0f), v(n, 0.0f);
+    std::vector<std::uint16_t> out16(n);
+    CpuAdamW adam;
+    AdamWOptions o;
+    AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),
+                  host_tensor(mm.data(), DType::kF32, n), host_tensor(v.data(), DType::kF32, n), {}};
+    if (ct != DType::kF32) sh.copy_out = host_tensor(out16.data(), ct, n);
+    adam.step(o, sh);
+    const double t = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      adam.step(o, sh);
+      return since(t0);
+    });
+    m.cpu_adamw_params_per_s = double(n) / t;
+    Buffer dp = dev.alloc(n * 4), dg = dev.alloc(n * 4), dm = dev.alloc(n * 4), dv = dev.alloc(n * 4);
+    Buffer dout = dev.alloc(n * 2);
+    for (Buffer* b : {&dp, &dg, &dm, &dv}) s->fill(tensor(*b, DType::kF32, n), 0.01f);
+    AdamWDesc desc;
+    desc.options = o;
+    desc.policy = NonFinitePolicy::kReportOnly;
+    desc.shards.push_back({tensor(dp, DType::kF32, n), tensor(dg, DType::kF32, n), tensor(dm, DType::kF32, n),
+                           tensor(dv, DType::kF32, n), ct != DType::kF32 ? tensor(dout, ct, n) : TensorRef{}});
+    s->adamw(desc);
+    s->synchronize();
+    const double td = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      s->adamw(desc);
+      s->synchronize();
+      return since(t0);
+    });
+    m.device_adamw_params_per_s = double(n) / td;
+  }
+
+  // NVMe: the engine's swap store, unit-sized extents, all written then all read.
+  if (use_nvme) {
+    SwapStoreOptions so;
+    so.paths = {nvme_dir};
+    so.rank = comm.rank();
+    so.aio = base.aio;
+    so.config_key = "--nvme-path";
+    SwapStore store(so);
+    const std::size_t extent = std::size_t(16) << 20, count = 16;  // 256 MiB
+    std::vector<PinnedBlock> bufs;
+    for (std::size_t i = 0; i < 4; ++i) {
+      bufs.push_back(pool.allocate(extent));
+      std::memset(bufs.back().data(), int(i + 1), extent);
+    }
+    for (std::size_t i = 0; i < count; ++i) store.reserve(fmt::format("x{}", i), extent);
+    auto run = [&](bool write) {
+      const auto t0 = Clock::now();
+      std::vector<IoHandle> hs;
+      for (std::size_t i = 0; i < count; ++i) {
+        void* b = bufs[i % bufs.size()].data();
+        hs.push_back(write ? store.write(fmt::format("x{}", i), b, extent) : store.read(fmt::format("x{}", i), b, extent));
+      }
+      for (auto& h : hs) h.wait();
+      return since(t0);
+    };
+    run(true);  // allocate the extents on disk
+    const double w = best_of(2, [&] { return run(true); });
+    const double r = best_of(2, [&] { return run(false); });
+    m.nvme_write_bps = double(extent * count) / w;
+    m.nvme_read_bps = double(extent * count) / r;
+    struct statvfs sv {};
+    if (::statvfs(nvme_dir.c_str(), &sv) == 0) m.nvme_free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
+  }
+
+  // Collectives over the full buffer.
+  if (m.world_size > 1) {
+    const std::size_t n = bytes / 4;
+    Buffer full = dev.alloc(bytes), part = dev.alloc(bytes / std::size_t(m.world_size));
+    const std::size_t shard = n / std::size_t(m.world_size);
+    comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n), *s);
+    s->synchronize();
+    const double ag = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n),
+                      *s);
+      s->synchronize();
+      return since(t0);
+    });
+    const double rs = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      comm.reduce_scatter(tensor(full, DType::kF32, n), tensor(part, DType::kF32, shard), ReduceOp::kAvg, *s);
+      s->synchronize();
+      return since(t0);
+    });
+    m.all_gather_bps = double(bytes) / ag;
+    m.reduce_scatter_bps = double(bytes) / rs;
+  }
+  m.device_capacity = dev.stats().capacity_bytes;
+  m.host_capacity = base.host_budget_bytes;
+  return m;
+}
+
+// ---- measuring the model ----
+// Wraps the resident weights and stamps the stream's clock each time the model takes a unit's
+// weights (and unit 0's gradient, where the embedding's backward begins).
+class StampingWeights final : public UnitProvider {
+ public:
+  StampingWeights(ResidentWeights& inner, Stream& s) : inner_(inner), s_(s) {}
+  struct Stamp {
+    bool grads;
+    std::size_t unit;
+    Clock::time_point t;
+  };
+  TensorRef acquire_weights(std::size_t unit) override {
+    stamp(false, unit);
+    return inner_.acquire_weights(unit);
+  }
+  void release_weights(std::size_t unit) override { inner_.release_weights(unit); }
+  TensorRef acquire_grads(std::size_t unit) override {
+    if (unit == 0) stamp(true, unit);
+    return inner_.acquire_grads(unit);
+  }
+  void release_grads(std::size_t unit) override { inner_.release_grads(unit); }
+  void mark_end() { stamp(true, SIZE_MAX); }
+  std::vector<Stamp> take() {
+    s_.synchronize();
+    std::lock_guard lock(mu_);
+    return std::exchange(stamps_, {});
+  }
+
+ private:
+  void stamp(bool grads, std::size_t unit) {
+    s_.host_fn(
+        [this, grads, unit] {
+          std::lock_guard lock(mu_);
+          stamps_.push_back({grads, unit, Clock::now()});
+        },
+        "prof_stamp");
+  }
+  ResidentWeights& inner_;
+  Stream& s_;
+  std::mutex mu_;
+  std::vector<Stamp> stamps_;
+};
+
+struct LayerTiming {
+  double embed_f = 0, embed_b = 0, layer_f = 0, layer_b = 0, head_f = 0;
+  std::uint64_t activation_bytes = 0;
+};
+
+// Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
+// over the repetitions) and the device bytes beyond the weights at the peak.
+LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T, bool ckpt, DType dt,
+                        const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+  ModelConfig cfg = base;
+  cfg.num_layers = layers;
+  auto dev = make_device(device, hopt, copt);
+  auto s = dev->create_stream("compute");
+  ModelOptions mo;
+  mo.micro_batch = B;
+  mo.seq_len = T;
+  mo.compute = dt;
+  mo.checkpoint = ckpt;
+  Model model(cfg, *dev, *s, mo);
+  ResidentWeights rw(model, *s);
+  rw.init_random(1);
+  s->synchronize();
+  StampingWeights sw(rw, *s);
+  std::mt19937_64 rng(7);
+  Batch b;
+  for (std::int64_t i = 0; i < B * T; ++i) {
+    b.tokens.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
+    b.targets.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
+  }
+  const std::size_t base_bytes = dev->stats().bytes_in_use;
+  std::vector<LayerTiming> reps;
+  const int kReps = 3;
+  for (int r = 0; r <= kReps; ++r) {
+    model.forward(b, sw);
+    sw.mark_end();
+    model.backward(sw);
+    sw.mark_end();
+    const auto st = sw.take();
+    if (r == 0) continue;  // warm-up
+    // forward: w0 w1 .. wL whead (w0 again when tied) end | backward: wL .. w1 g0 end
+    const std::size_t L = std::size_t(layers), head = L + 1;
+    std::map<std::size_t, Clock::time_point> fw, bw;
+    Clock::time_point f_end{}, g0{}, b_end{};
+    int phase = 0;
+    for (const auto& x : st) {
+      if (x.unit == SIZE_MAX) {
+        (phase++ == 0 ? f_end : b_end) = x.t;
+      } else if (!x.grads) {
+        (phase == 0 ? fw : bw).emplace(x.unit, x.t);
+      } else if (phase == 1 && x.unit == 0) {
+        g0 = x.t;
+      }
+    }
+    STRATA_CHECK(fw.size() == head + 1 && bw.size() == L && phase == 2, "strata-prof: unexpected unit order from the model");
+    auto d = [](Clock::time_point a0, Clock::time_point b2) { return std::chrono::duration<double>(b2 - a0).count(); };
+    LayerTiming t;
+    t.embed_f = d(fw[0], fw[1]);
+    double lf = 0, lb = 0;
+    for (std::size_t l = 1; l <= L; ++l) lf += d(fw[l], fw[l + 1]);
+    t.layer_f = lf / double(L);
+    t.head_f = d(fw[head], f_end);
+    for (std::size_t l = L; l >= 1; --l) lb += d(bw[l], l > 1 ? bw[l - 1] : g0);
+    t.layer_b = lb / double(L);
+    t.embed_b = d(g0, b_end);
+    reps.push_back(t);
+  }
+  auto median = [&](double LayerTiming::*f) {
+    std::vector<double> v;
+    for (auto& r : reps) v.push_back(r.*f);
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  LayerTiming out;
+  for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f, &LayerTiming::layer_b,
+                 &LayerTiming::head_f})
+    out.*f = median(f);
+  const std::size_t peak = dev->stats().peak_bytes_in_use;
+  out.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
+  return out;
+}
+
+ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt, DType dt,
+                           const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+  const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, dt, device, hopt, copt);
+  const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, dt, device, hopt, copt);
+  ModelProfile mp;
+  mp.micro_batch = B;
+  mp.seq_len = T;
+  mp.checkpoint = ckpt;
+  const auto units = model_units(mcfg);
+  const std::size_t head = units.size() - 1;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    UnitCost c;
+    c.name = units[i].name;
+    c.numel = units[i].numel;
+    if (i == 0) {
+      c.forward_s = two.embed_f;
+      c.backward_s = two.embed_b;
+    } else if (i == head) {
+      c.forward_s = two.head_f;
+    } else {
+      c.forward_s = two.layer_f;
+      c.backward_s = two.layer_b;
+    }
+    mp.units.push_back(c);
+  }
+  const double per_layer = double(two.activation_bytes) - double(one.activation_bytes);
+  mp.activation_bytes =
+      std::uint64_t(std::max(0.0, double(one.activation_bytes) + double(mcfg.num_layers - 1) * std::max(0.0, per_layer)));
+  return mp;
+}
+
+// ---- the trace of a measured step, per resource lane ----
+Resource lane_of(const TraceSpan& sp) {
+  if (sp.name == "wait_event" || sp.name == "free" || sp.name == "prof_stamp") return Resource::kCount;
+  if (sp.name == "copy_h2d") return Resource::kH2D;
+  if (sp.name == "copy_d2h") return Resource::kD2H;
+  if (sp.lane.starts_with("nvme")) return Resource::kNvme;
+  if (sp.name == "cpu_adamw" || sp.name == "grad_accumulate") return Resource::kCpu;
+  if (sp.lane == "compute" || (sp.lane == "optimizer" && sp.name == "adamw")) return Resource::kCompute;
+  if (sp.name.starts_with("all_gather") || sp.name.starts_with("reduce_scatter") || sp.name.starts_with("all_reduce"))
+    return Resource::kComm;
+  return Resource::kCount;
+}
+
+std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans) {
+  std::vector<Interval> out;
+  std::int64_t t0 = INT64_MAX;
+  for (const auto& sp : spans) t0 = std::min(t0, sp.start_ns);
+  for (const auto& sp : spans) {
+    const Resource r = lane_of(sp);
+    if (r == Resource::kCount || sp.end_ns <= sp.start_ns) continue;
+    out.push_back({r, double(sp.start_ns - t0) / 1e9, double(sp.end_ns - t0) / 1e9, sp.name});
+  }
+  return out;
+}
+
+// ---- the picture ----
+std::string svg_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '<') o += "&lt;";
+    else if (c == '>') o += "&gt;";
+    else if (c == '&') o += "&amp;";
+    else o += c;
+  }
+  return o;
+}
+
+void write_svg(const std::string& path, const Candidate& best, const std::vector<Interval>* measured,
+               double measured_step_s, const std::vector<Candidate>& top) {
+  const char* colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948"};
+  const int lanes = int(Resource::kCount);
+  const double width = 1000, left = 90, lane_h = 22;
+  std::string body;
+  double y = 30;
+  auto timeline = [&](const std::vector<Interval>& sched, double step_s, const std::string& title) {
+    body += fmt::format("<text x='10' y='{}' font-weight='bold'>{}</text>\n", y, svg_escape(title));
+    y += 10;
+    const double scale = (width - left - 20) / std::max(step_s, 1e-9);
+    for (int r = 0; r < lanes; ++r) {
+      const double ly = y + r * lane_h;
+      body += fmt::format("<text x='10' y='{}'>{}</text>\n", ly + 15, resource_name(Resource(r)));
+      body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='#f4f4f4'/>\n", left, ly + 2,
+                          width - left - 20, lane_h - 4);
+    }
+    for (const auto& iv : sched) {
+      const double ly = y + int(iv.lane) * lane_h;
+      const double x = left + iv.start_s * scale, w = std::max(0.5, (iv.end_s - iv.start_s) * scale);
+      body += fmt::format("<rect x='{:.1f}' y='{}' width='{:.1f}' height='{}' fill='{}'><title>{} {:.2f}-{:.2f} ms</title></rect>\n",
+                          x, ly + 2, w, lane_h - 4, colors[int(iv.lane)], svg_escape(iv.what), iv.start_s * 1e3,
+                          iv.end_s * 1e3);
+    }
+    y += lanes * lane_h;
+    body += fmt::format("<text x='{}' y='{}'>0</text><text x='{}' y='{}' text-anchor='end'>{:.1f} ms</text>\n", left,
+                        y + 14, width - 20, y + 14, step_s * 1e3);
+    y += 36;
+  };
+  timeline(best.prediction.schedule, best.prediction.step_s,
+           fmt::format("predicted step: {} ({:.1f} ms)", best.label, best.prediction.step_s * 1e3));
+  if (measured)
+    timeline(*measured, measured_step_s, fmt::format("measured step (trace of the same configuration, {:.1f} ms)",
+                                                     measured_step_s * 1e3));
+  // bytes per tier of the top candidates
+  body += fmt::format("<text x='10' y='{}' font-weight='bold'>bytes per tier (planner), top candidates</text>\n", y);
+  y += 12;
+  double maxb = 1;
+  for (const auto& c : top) maxb = std::max({maxb, double(c.plan.device_bytes), double(c.plan.host_bytes), double(c.plan.nvme_bytes)});
+  const char* tier_names[] = {"device", "host", "nvme"};
+  for (std::size_t i = 0; i < top.size(); ++i) {
+    const Candidate& c = top[i];
+    const double vals[] = {double(c.plan.device_bytes), double(c.plan.host_bytes), double(c.plan.nvme_bytes)};
+    body += fmt::format("<text x='10' y='{}'>#{} {}</text>\n", y + 12, i + 1, svg_escape(c.label));
+    y += 16;
+    for (int t = 0; t < 3; ++t) {
+      const double w = vals[t] / maxb * (width - left - 160);
+      body += fmt::format("<text x='20' y='{}'>{}</text><rect x='{}' y='{}' width='{:.1f}' height='12' fill='{}'/>"
+                          "<text x='{:.1f}' y='{}'>{}</text>\n",
+                          y + 11, tier_names[t], left, y + 1, w, colors[t], left + w + 6, y + 11, human(vals[t]));
+      y += 15;
+    }
+    y += 6;
+  }
+  std::ofstream f(path, std::ios::trunc);
+  f << fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' "
+                   "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n",
+                   width, y + 10)
+    << body << "</svg>\n";
+  STRATA_REQUIRE(f.good(), "--svg {}: cannot be written", path);
+}
+
+// ---- validation ----
+struct Measured {
+  double step_s = 0;
+  std::vector<double> steps;
+};
+
+Measured run_candidate(const Args& a, const Candidate& c, const std::string& work, const std::string& data_file,
+                       const std::string& trace_file, int index) {
+  const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
+  {
+    std::ofstream f(cfg_path, std::ios::trunc);
+    f << engine_config_json(c.config);
+  }
+  TrainOptions o;
+  o.model_dir = a.model_dir;
+  o.model_config = a.model_config;
+  if (a.model_dir.empty() && a.model_config.empty()) {
+    // The demo model, from its config: train() then needs no demo data.
+    const std::string mc = (fs::path(work) / "model_config.json").string();
+    std::ofstream f(mc, std::ios::trunc);
+    f << model_config_json(demo_model_config());
+    o.model_config = mc;
+  }
+  if (!a.data_files.empty()) o.data_files = a.data_files;
+  else if (!a.text_file.empty()) o.text_file = a.text_file;
+  else o.data_files = {data_file};
+  if (a.data_files.empty() && a.text_file.empty()) o.data_format = "u32";
+  o.ds_config = cfg_path;
+  o.seq_len = a.seq_len;
+  o.micro_batch = c.micro_batch;
+  o.grad_accum = a.grad_accum;
+  o.steps = a.validate_steps;
+  o.dtype = a.dtype;
+  o.device = a.device;
+  o.device_mem_gb = a.device_mem_gb;
+  o.emu_h2d_gbps = a.emu_h2d;
+  o.emu_d2h_gbps = a.emu_d2h;
+  o.emu_compute_gflops = a.emu_gflops;
+  o.checkpoint_activations = c.checkpoint;
+  o.trace_file = trace_file;
+  o.trace_step = a.validate_steps;
+  std::FILE* null = std::fopen("/dev/null", "w");
+  o.console = null;
+  TrainResult r;
+  try {
+    r = train(o);
+  } catch (...) {
+    std::fclose(null);
+    throw;
+  }
+  std::fclose(null);
+  Measured m;
+  for (std::size_t i = 1; i < r.steps.size(); ++i) m.steps.push_back(r.steps[i].step_s);  // step 1 records the order
+  std::vector<double> v = m.steps;
+  std::sort(v.begin(), v.end());
+  m.step_s = v.empty() ? 0 : v[v.size() / 2];
+  return m;
+}
+
+void print_machine(const MachineProfile& m, const std::string& dev_name) {
+  auto g = [](double bps) { return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-"); };
+  std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
+  std::printf("  h2d %s  d2h %s  device memory %s  host memory %s\n", g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(),
+              g(m.device_mem_bps).c_str(), g(m.host_mem_bps).c_str());
+  std::printf("  nvme write %s  read %s  (free %s)\n", g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(),
+              m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
+  std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s\n", m.cpu_adamw_params_per_s / 1e6,
+              m.device_adamw_params_per_s / 1e6);
+  if (m.world_size > 1)
+    std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(), g(m.reduce_scatter_bps).c_str());
+  std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
+              human(double(m.host_capacity)).c_str());
+}
+
+int run(Args a) {
+  const auto t_start = Clock::now();
+  const bool demo = a.model_dir.empty() && a.model_config.empty();
+  STRATA_REQUIRE(a.model_dir.empty() || a.model_config.empty(), "give --model or --model-config, not both");
+  ModelConfig mcfg = !a.model_dir.empty()      ? load_model_config(a.model_dir + "/config.json")
+                     : !a.model_config.empty() ? load_model_config(a.model_config)
+                                               : demo_model_config();
+  if (a.seq_len <= 0) a.seq_len = demo ? 128 : 1024;
+  if (a.micro_batch <= 0) a.micro_batch = demo ? 4 : 1;
+  STRATA_REQUIRE(a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
+  STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2, "--validate-steps must be at least 2 (the first step records "
+                 "the unit order and is not timed)");
+  if (a.micro_batches.empty()) {
+    if (a.micro_batch >= 2) a.micro_batches.push_back(a.micro_batch / 2);
+    a.micro_batches.push_back(a.micro_batch);
+    a.micro_batches.push_back(a.micro_batch * 2);
+  }
+  for (auto b : a.micro_batches) STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
+
+  const LaunchInfo launch = init_launch();
+  EngineConfig base = a.ds_config.empty() ? default_engine_config() : [&] {
+    std::ifstream f(a.ds_config);
+    STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return parse_engine_config(ss.str(), launch.world_size);
+  }();
+  if (!a.aio_file.empty()) {
+    std::ifstream f(a.aio_file);
+    STRATA_REQUIRE(f.good(), "--aio {}: cannot be read (write one with strata-bench nvme --sweep --out FILE)", a.aio_file);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    base.aio = parse_aio_config(ss.str());
+  }
+  base.compute_dtype = a.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  base.gradient_accumulation_steps = a.grad_accum;
+  base.host_budget_bytes =
+      a.host_mem_gb > 0 ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
+                        : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget());
+  if (a.ds_config.empty() && a.model_dir.empty()) base.adamw.weight_decay = 0;
+
+  HostDeviceOptions hopt;
+  CudaDeviceOptions copt;
+  if (a.device_mem_gb > 0) {
+    hopt.capacity_bytes = std::size_t(a.device_mem_gb * double(1ull << 30));
+    copt.capacity_bytes = hopt.capacity_bytes;
+  }
+  hopt.h2d_gbps = a.emu_h2d;
+  hopt.d2h_gbps = a.emu_d2h;
+  hopt.compute_gflops = a.emu_gflops;
+
+  std::string nvme_dir;
+  const bool use_nvme = !a.no_nvme;
+  if (use_nvme) {
+    nvme_dir = a.nvme_path.empty() ? std::string(STRATA_BUILD_DIR) + "/prof-nvme" : a.nvme_path;
+    std::error_code ec;
+    fs::create_directories(nvme_dir, ec);
+    STRATA_REQUIRE(fs::is_directory(nvme_dir), "--nvme-path {}: not a directory and cannot be created ({})", nvme_dir,
+                   ec.message());
+  }
+  const int rank = launch.rank;
+  const bool talk = rank == 0;
+
+  // ---- measure ----
+  // The device the measurements run on must hold their buffers and a 2-layer copy of the
+  // model: the emulated one is sized for it (its throttles stay), a GPU is what it is.
+  HostDeviceOptions mhopt = hopt;
+  mhopt.capacity_bytes = std::max<std::size_t>(hopt.capacity_bytes, std::size_t(8) << 30);
+  MachineProfile machine;
+  std::string dev_name;
+  {
+    auto dev = make_device(a.device, mhopt, copt);
+    dev_name = dev->name();
+    auto comm = make_communicator(*dev);
+    machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme);
+    if (dev_name.starts_with("cpu")) {
+      machine.device_capacity = hopt.capacity_bytes;
+      a.device = "cpu";  // what "auto" chose; said once above
+    }
+  }
+  const auto t_machine = since(t_start);
+  if (talk) {
+    std::printf("strata-prof: %s, %zu layers, %.2fM parameters, seq %lld, %s\n", mcfg.model_type.c_str(),
+                std::size_t(mcfg.num_layers), [&] {
+                  double n = 0;
+                  for (const auto& u : model_units(mcfg)) n += double(u.numel);
+                  return n / 1e6;
+                }(), (long long)a.seq_len, a.dtype.c_str());
+    print_machine(machine, dev_name);
+    std::fflush(stdout);
+  }
+  SearchSpace space;
+  space.base = base;
+  if (use_nvme) space.nvme_paths = {nvme_dir};
+  const DType dt = base.compute_dtype;
+  for (auto B : a.micro_batches)
+    for (bool ck : {false, true}) space.models.push_back(profile_model(mcfg, B, a.seq_len, ck, dt, a.device, mhopt, copt));
+  const auto t_measured = since(t_start);
+  if (talk) {
+    std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
+    std::printf("  %-6s %-5s %10s %10s %10s %10s %12s\n", "B", "ckpt", "layer fwd", "layer bwd", "head", "embed",
+                "activations");
+    for (const auto& mp : space.models)
+      std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s\n", (long long)mp.micro_batch,
+                  mp.checkpoint ? "on" : "off", mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
+                  mp.units.back().forward_s * 1e3, (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
+                  human(double(mp.activation_bytes)).c_str());
+    std::printf("measured in %.1f s (machine %.1f s)\n\n", t_measured, t_machine);
+    std::fflush(stdout);
+  }
+
+  // ---- search ----
+  const SearchResult sr = search_placements(machine, space);
+  nlohmann::json j;
+  j["command"] = "prof";
+  j["machine"] = {{"device", dev_name},
+                  {"world_size", machine.world_size},
+                  {"h2d_gbps", machine.h2d_bps / 1e9},
+                  {"d2h_gbps", machine.d2h_bps / 1e9},
+                  {"device_mem_gbps", machine.device_mem_bps / 1e9},
+                  {"host_mem_gbps", machine.host_mem_bps / 1e9},
+                  {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
+                  {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
+                  {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},
+                  {"device_adamw_mparams_per_s", machine.device_adamw_params_per_s / 1e6},
+                  {"all_gather_gbps", machine.all_gather_bps / 1e9},
+                  {"reduce_scatter_gbps", machine.reduce_scatter_bps / 1e9},
+                  {"device_capacity_bytes", machine.device_capacity},
+                  {"host_capacity_bytes", machine.host_capacity},
+                  {"nvme_free_bytes", machine.nvme_free}};
+  j["measure_seconds"] = t_measured;
+  j["candidates_considered"] = sr.considered;
+  j["candidates_feasible"] = sr.ranked.size();
+  if (sr.ranked.empty()) {
+    if (talk) {
+      std::printf("no placement fits: %zu candidates considered. The least demanding one (everything that can be "
+                  "offloaded, offloaded):\n%s", sr.considered, sr.smallest.table().c_str());
+      for (const auto& p : sr.problems) std::printf("missing: %s\n", p.c_str());
+      if (!use_nvme) std::printf("(NVMe placements were not considered: --no-nvme)\n");
+      if (a.json) {
+        j["fits"] = false;
+        j["problems"] = sr.problems;
+        std::printf("%s\n", j.dump().c_str());
+      }
+    }
+    return 2;
+  }
+  const std::size_t shown = std::min<std::size_t>(std::size_t(std::max(1, a.top)), sr.ranked.size());
+  if (talk) {
+    std::printf("%zu placements considered, %zu fit; the best %zu (predicted):\n", sr.considered, sr.ranked.size(), shown);
+    std::printf("  %-3s %10s %10s %-9s %10s %10s %10s  %s\n", "#", "step ms", "tokens/s", "bound by", "device", "host",
+                "nvme", "configuration");
+    for (std::size_t i = 0; i < shown; ++i) {
+      const Candidate& c = sr.ranked[i];
+      std::printf("  %-3zu %10.1f %10.0f %-9s %10s %10s %10s  %s\n", i + 1, c.prediction.step_s * 1e3,
+                  c.prediction.tokens_per_s, resource_name(c.prediction.bottleneck),
+                  human(double(c.plan.device_bytes)).c_str(), human(double(c.plan.host_bytes)).c_str(),
+                  human(double(c.plan.nvme_bytes)).c_str(), c.label.c_str());
+    }
+    std::fflush(stdout);
+  }
+  const Candidate& best = sr.ranked[0];
+  if (talk && !a.out.empty()) {
+    std::ofstream f(a.out, std::ios::trunc);
+    f << engine_config_json(best.config);
+    STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
+    std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
+                             : !a.model_config.empty() ? " --model-config " + a.model_config
+                                                       : "";
+    std::printf("\nbest configuration written to %s; run it with:\n  strata-train%s --config %s --seq-len %lld%s%s\n",
+                a.out.c_str(), model_flag.c_str(), a.out.c_str(), (long long)a.seq_len,
+                best.checkpoint ? " --checkpoint-activations" : "",
+                dev_name.starts_with("cpu") && a.device_mem_gb > 0 ? fmt::format(" --device-mem-gb {:g}", a.device_mem_gb).c_str() : "");
+  }
+  nlohmann::json cands = nlohmann::json::array();
+  for (std::size_t i = 0; i < shown; ++i) {
+    const Candidate& c = sr.ranked[i];
+    nlohmann::json busy;
+    for (int r = 0; r < int(Resource::kCount); ++r) busy[resource_name(Resource(r))] = c.prediction.busy_s[r];
+    cands.push_back({{"rank", i + 1},
+                     {"label", c.label},
+                     {"predicted_step_s", c.prediction.step_s},
+                     {"predicted_tokens_per_s", c.prediction.tokens_per_s},
+                     {"bottleneck", resource_name(c.prediction.bottleneck)},
+                     {"busy_s", busy},
+                     {"device_bytes", c.plan.device_bytes},
+                     {"host_bytes", c.plan.host_bytes},
+                     {"nvme_bytes", c.plan.nvme_bytes}});
+  }
+
+  // ---- validate ----
+  std::vector<Interval> measured_sched;
+  double measured_best_step = 0;
+  bool have_trace = false;
+  if (a.validate > 0) {
+    const std::size_t k = std::min<std::size_t>(std::size_t(a.validate), sr.ranked.size());
+    const std::string work = (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
+                              fmt::format("prof-work-{}", ::getpid()))
+                                 .string();
+    fs::create_directories(work);
+    std::string data_file;
+    if (a.data_files.empty() && a.text_file.empty()) {
+      // Random tokens: the step's time does not depend on what they are.
+      data_file = (fs::path(work) / "tokens.u32").string();
+      std::vector<std::uint32_t> tok(std::size_t(a.seq_len + 1) * std::size_t(a.micro_batches.back()) *
+                                     std::size_t(a.grad_accum * launch.world_size * (a.validate_steps + 2)));
+      std::mt19937_64 rng(3);
+      for (auto& t : tok) t = std::uint32_t(rng() % std::uint64_t(mcfg.vocab_size));
+      std::ofstream f(data_file, std::ios::binary | std::ios::trunc);  // every rank its own (its work folder)
+      f.write(reinterpret_cast<const char*>(tok.data()), std::streamsize(tok.size() * 4));
+    }
+    if (talk) std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k, a.validate_steps);
+    if (talk)
+      std::printf("  %-3s %12s %12s %8s  %s\n", "#", "predicted ms", "measured ms", "error", "configuration");
+    std::string trace = a.trace.empty() ? std::string("strata-prof.trace.json") : a.trace;
+    double worst = 0, best_measured = 1e300;
+    std::size_t best_measured_i = 0;
+    std::vector<double> measured(k);
+    for (std::size_t i = 0; i < k; ++i) {
+      const Candidate& c = sr.ranked[i];
+      Tracer::global().clear();
+      const Measured mres = run_candidate(a, c, work, data_file, i == 0 ? trace : std::string(), int(i));
+      if (i == 0) {
+        measured_sched = measured_schedule(Tracer::global().spans());
+        have_trace = !measured_sched.empty();
+        measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
+        Tracer::global().clear();
+      }
+      measured[i] = mres.step_s;
+      const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
+      worst = std::max(worst, std::abs(err));
+      if (mres.step_s < best_measured) best_measured = mres.step_s, best_measured_i = i;
+      if (talk) {
+        std::printf("  %-3zu %12.1f %12.1f %+7.1f%%  %s\n", i + 1, c.prediction.step_s * 1e3, mres.step_s * 1e3,
+                    err * 100, c.label.c_str());
+        std::fflush(stdout);
+      }
+      cands[i]["measured_step_s"] = mres.step_s;
+      cands[i]["measured_steps_s"] = mres.steps;
+      cands[i]["prediction_error"] = err;
+    }
+    std::error_code ec;
+    fs::remove_all(work, ec);
+    const double rec_vs_best = measured[0] / best_measured;
+    if (talk) {
+      std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms, %s\n",
+                  worst * 100, measured[0] * 1e3,
+                  best_measured_i == 0
+                      ? "the fastest of those validated"
+                      : fmt::format("{:.1f}% slower than #{} (target 5%)", (rec_vs_best - 1) * 100, best_measured_i + 1)
+                            .c_str());
+      std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
+    }
+    j["validated"] = k;
+    j["worst_prediction_error"] = worst;
+    j["recommended_vs_best_measured"] = rec_vs_best;
+    j["trace_file"] = trace;
+  }
+  if (talk && !a.svg.empty()) {
+    write_svg(a.svg, best, have_trace ? &measured_sched : nullptr, measured_best_step,
+              std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
+    std::printf("picture: %s\n", a.svg.c_str());
+  }
+  j["fits"] = true;
+  j["candidates"] = cands;
+  j["best_config_file"] = a.out;
+  j["total_seconds"] = since(t_start);
+  if (talk && a.json) std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  strata::Args a;
+  CLI::App app{"strata-prof: measure this machine and the model, predict the step time of every placement of\n"
+               "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"
+               "that fits (written as a ds_config.json), and --validate the prediction by running the best."};
+  app.add_option("--model", a.model_dir, "Hugging Face model folder (config.json); default: the demo model");
+  app.add_option("--model-config", a.model_config, "config.json of the model");
+  app.add_option("--config", a.ds_config, "ds_config.json whose other settings (precision, clipping, aio) are kept");
+  app.add_option("--aio", a.aio_file, "an aio block from strata-bench nvme --sweep --out FILE");
+  app.add_option("--data", a.data_files, "token file(s) for --validate (default: random tokens)");
+  app.add_option("--text", a.text_file, "a text file for --validate (byte-level models)");
+  app.add_option("--seq-len", a.seq_len, "tokens per sequence (default 128 demo, else 1024)")->check(CLI::PositiveNumber);
+  app.add_option("--micro-batch", a.micro_batch, "sequences per micro-batch (default 4 demo, else 1)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--micro-batches", a.micro_batches, "micro-batch sizes to search (default B/2, B, 2B)");
+  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", a.dtype, "compute dtype")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--device", a.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--device-mem-gb", a.device_mem_gb, "device memory to plan for, GiB (the emulated device's cap)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--host-mem-gb", a.host_mem_gb, "pinned host memory to plan for, GiB (default 80% of RAM)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")->check(CLI::NonNegativeNumber);
+  app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")->check(CLI::NonNegativeNumber);
+  app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")->check(CLI::NonNegativeNumber);
+  app.add_option("--nvme-path", a.nvme_path, "folder on the NVMe drive (default <build>/prof-nvme)");
+  app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
+  app.add_option("--top", a.top, "candidates to print (default 5)")->check(CLI::Range(1, 100));
+  app.add_option("--validate", a.validate, "run the best K for a few steps and compare (default 0)")
+      ->check(CLI::Range(0, 20));
+  app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")->check(CLI::Range(2, 100));
+  app.add_option("--out", a.out, "write the best configuration here (default strata-prof.ds_config.json)");
+  app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
+  app.add_option("--trace", a.trace, "Chrome trace of the recommended configuration (with --validate)");
+  app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
+  try {
+    app.parse(argc, argv);
+    return strata::run(a);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const strata::Error& e) {
+    std::fprintf(stderr, "strata-prof: %s\n", e.what());
+    return 1;
+  }
+}
