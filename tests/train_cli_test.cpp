@@ -131,6 +131,24 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   EXPECT_GT(nvme_read, 0u);
 }
 
+// Checkpointing recomputes exactly the forward: the same losses as without it, whether the
+// checkpoints stay on the device or go to host memory; and the emulated device's throttles
+// (--emu-*) slow a run down without changing a bit of it.
+TEST_F(TrainCli, CheckpointingAndThrottlesDoNotChangeTheLosses) {
+  const std::string plain = dir.path + "/plain.jsonl", ck = dir.path + "/ck.jsonl", host = dir.path + "/host.jsonl";
+  ASSERT_EQ(train(args(plain), "plain").status, 0);
+  const Result b = train(args(ck, {"--checkpoint-activations"}), "ck");
+  ASSERT_EQ(b.status, 0) << b.err;
+  const Result c = train(args(host, {"--checkpoint-on-host", "--emu-h2d-gbps", "2", "--emu-d2h-gbps", "2",
+                                     "--emu-compute-gflops", "50"}),
+                         "host");
+  ASSERT_EQ(c.status, 0) << c.err;
+  const auto la = losses(plain);
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(la, losses(ck));
+  EXPECT_EQ(la, losses(host));
+}
+
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   struct Case {
     const char* what;

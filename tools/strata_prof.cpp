@@ -281,7 +281,8 @@ struct LayerTiming {
 
 // Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
 // over the repetitions) and the device bytes beyond the weights at the peak.
-LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T, bool ckpt, DType dt,
+LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host,
+                        DType dt,
                         const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
   ModelConfig cfg = base;
   cfg.num_layers = layers;
@@ -292,6 +293,7 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
   mo.seq_len = T;
   mo.compute = dt;
   mo.checkpoint = ckpt;
+  mo.checkpoint_on_host = ckpt && ckpt_host;
   Model model(cfg, *dev, *s, mo);
   ResidentWeights rw(model, *s);
   rw.init_random(1);
@@ -355,14 +357,15 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
   return out;
 }
 
-ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt, DType dt,
+ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host, DType dt,
                            const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
-  const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, dt, device, hopt, copt);
-  const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, dt, device, hopt, copt);
+  const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
+  const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
   ModelProfile mp;
   mp.micro_batch = B;
   mp.seq_len = T;
   mp.checkpoint = ckpt;
+  mp.checkpoint_on_host = ckpt && ckpt_host;
   const auto units = model_units(mcfg);
   const std::size_t head = units.size() - 1;
   for (std::size_t i = 0; i < units.size(); ++i) {
@@ -524,6 +527,7 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   o.emu_d2h_gbps = a.emu_d2h;
   o.emu_compute_gflops = a.emu_gflops;
   o.checkpoint_activations = c.checkpoint;
+  o.checkpoint_on_host = c.checkpoint_on_host;
   o.trace_file = trace_file;
   o.trace_step = a.validate_steps;
   std::FILE* null = std::fopen("/dev/null", "w");
@@ -655,7 +659,8 @@ int run(Args a) {
   if (use_nvme) space.nvme_paths = {nvme_dir};
   const DType dt = base.compute_dtype;
   for (auto B : a.micro_batches)
-    for (bool ck : {false, true}) space.models.push_back(profile_model(mcfg, B, a.seq_len, ck, dt, a.device, mhopt, copt));
+    for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
+      space.models.push_back(profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device, mhopt, copt));
   const auto t_measured = since(t_start);
   if (talk) {
     std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
@@ -663,7 +668,7 @@ int run(Args a) {
                 "activations");
     for (const auto& mp : space.models)
       std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s\n", (long long)mp.micro_batch,
-                  mp.checkpoint ? "on" : "off", mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
+                  !mp.checkpoint ? "off" : mp.checkpoint_on_host ? "host" : "on", mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
                   mp.units.back().forward_s * 1e3, (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
                   human(double(mp.activation_bytes)).c_str());
     std::printf("measured in %.1f s (machine %.1f s)\n\n", t_measured, t_machine);
@@ -730,7 +735,7 @@ int run(Args a) {
                                                        : "";
     std::printf("\nbest configuration written to %s; run it with:\n  strata-train%s --config %s --seq-len %lld%s%s\n",
                 a.out.c_str(), model_flag.c_str(), a.out.c_str(), (long long)a.seq_len,
-                best.checkpoint ? " --checkpoint-activations" : "",
+                best.checkpoint_on_host ? " --checkpoint-on-host" : best.checkpoint ? " --checkpoint-activations" : "",
                 dev_name.starts_with("cpu") && a.device_mem_gb > 0 ? fmt::format(" --device-mem-gb {:g}", a.device_mem_gb).c_str() : "");
   }
   nlohmann::json cands = nlohmann::json::array();

@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
   app.add_option("--emu-compute-gflops", o.emu_compute_gflops, "emulated device: matmul GFLOP/s (default unthrottled)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--checkpoint-activations", o.checkpoint_activations, "recompute each layer in backward");
+  app.add_flag("--checkpoint-on-host", o.checkpoint_on_host,
+               "recompute each layer in backward, keeping its input in host memory (implies --checkpoint-activations)");
   app.add_option("--eval-every", o.eval_every, "validation loss every N steps (last 10% of the data)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");

@@ -56,6 +56,7 @@ struct ModelProfile {
   std::vector<UnitCost> units;    // in forward order; the last one is the LM head
   std::int64_t micro_batch = 1, seq_len = 1;
   bool checkpoint = false;        // activation checkpointing (recompute in backward)
+  bool checkpoint_on_host = false;  // ... with the checkpoints kept in host memory
   std::uint64_t activation_bytes = 0;  // device bytes one micro-batch's activations take
   double tokens_per_micro_batch() const { return double(micro_batch) * double(seq_len); }
 };
@@ -87,7 +88,7 @@ Prediction predict_step(const MachineProfile& machine, const ModelProfile& model
 struct Candidate {
   std::string label;       // "params nvme, optimizer host, grads host, live 4 units, B=8, ckpt"
   EngineConfig config;     // micro_batch_per_gpu set; nvme paths set when used
-  bool checkpoint = false;
+  bool checkpoint = false, checkpoint_on_host = false;
   std::int64_t micro_batch = 1;
   MemoryPlan plan;
   Prediction prediction;

@@ -130,6 +130,7 @@ struct TrainOptions {
   // matmul rate, to rehearse a GPU machine's balance on a CPU (strata-prof validates with them).
   double emu_h2d_gbps = 0, emu_d2h_gbps = 0, emu_compute_gflops = 0;
   bool checkpoint_activations = false;
+  bool checkpoint_on_host = false;  // with checkpoint_activations: the checkpoints in host memory
   std::int64_t eval_every = 0, eval_batches = 4;
   std::string log_json, out_dir, trace_file;
   std::int64_t trace_step = 2;

@@ -474,10 +474,12 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
             // The engine reduces one unit's gradient at a time: plan the buckets as that.
             c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
             cand.checkpoint = mp.checkpoint;
+            cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
             cand.micro_batch = mp.micro_batch;
             cand.label = fmt::format("params {}, optimizer {}, grads {}, {}, B={}{}", pc.label, oc.label, gc.label,
                                      win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
-                                     mp.micro_batch, mp.checkpoint ? ", checkpointing" : "");
+                                     mp.micro_batch,
+                                     !mp.checkpoint ? "" : mp.checkpoint_on_host ? ", checkpoints on host" : ", checkpointing");
             ++out.considered;
             cand.plan = plan_memory(c, in);
             if (!cand.plan.fits) {

@@ -341,7 +341,8 @@ TrainResult train(const TrainOptions& o) {
   mopt.micro_batch = B;
   mopt.seq_len = seq_len;
   mopt.compute = ecfg.compute_dtype;
-  mopt.checkpoint = o.checkpoint_activations || demo_model;
+  mopt.checkpoint = o.checkpoint_activations || o.checkpoint_on_host || demo_model;
+  mopt.checkpoint_on_host = o.checkpoint_on_host;
   Model model(mcfg, *dev, *compute, mopt);
   Engine engine(*dev, *comm, ecfg);
   add_model_units(engine, model.units(), initial_unit_weights(mcfg, o.model_dir, o.seed));
