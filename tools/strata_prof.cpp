@@ -726,6 +726,7 @@ int run(Args a) {
     std::fflush(stdout);
   }
   const Candidate& best = sr.ranked[0];
+  int exit_code = 0;
   if (talk && !a.out.empty()) {
     std::ofstream f(a.out, std::ios::trunc);
     f << engine_config_json(best.config);
@@ -780,12 +781,24 @@ int run(Args a) {
       std::printf("  %-3s %12s %12s %8s  %s\n", "#", "predicted ms", "measured ms", "error", "configuration");
     std::string trace = a.trace.empty() ? std::string("strata-prof.trace.json") : a.trace;
     double worst = 0, best_measured = 1e300;
+    int failed = 0;
     std::size_t best_measured_i = 0;
     std::vector<double> measured(k);
     for (std::size_t i = 0; i < k; ++i) {
       const Candidate& c = sr.ranked[i];
       Tracer::global().clear();
-      const Measured mres = run_candidate(a, c, work, data_file, i == 0 ? trace : std::string(), int(i));
+      Measured mres;
+      try {
+        mres = run_candidate(a, c, work, data_file, i == 0 ? trace : std::string(), int(i));
+      } catch (const Error& e) {
+        // A configuration the planner passed and the run refused is a finding, not the end.
+        ++failed;
+        if (talk) std::printf("  %-3zu %12.1f %12s %8s  %s\n      FAILED: %s\n", i + 1, c.prediction.step_s * 1e3,
+                              "-", "-", c.label.c_str(), e.what());
+        cands[i]["validation_error"] = e.what();
+        measured[i] = 0;
+        continue;
+      }
       if (i == 0) {
         measured_sched = measured_schedule(Tracer::global().spans());
         have_trace = !measured_sched.empty();
@@ -807,17 +820,24 @@ int run(Args a) {
     }
     std::error_code ec;
     fs::remove_all(work, ec);
-    const double rec_vs_best = measured[0] / best_measured;
+    const double rec_vs_best = measured[0] > 0 && best_measured < 1e300 ? measured[0] / best_measured : 0;
+    if (failed > 0) {
+      exit_code = 3;
+      if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
+    }
     if (talk) {
-      std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms, %s\n",
-                  worst * 100, measured[0] * 1e3,
-                  best_measured_i == 0
-                      ? "the fastest of those validated"
-                      : fmt::format("{:.1f}% slower than #{} (target 5%)", (rec_vs_best - 1) * 100, best_measured_i + 1)
-                            .c_str());
+      if (measured[0] > 0) {
+        std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms, %s\n",
+                    worst * 100, measured[0] * 1e3,
+                    best_measured_i == 0 ? "the fastest of those validated"
+                                         : fmt::format("{:.1f}% slower than #{} (target 5%)", (rec_vs_best - 1) * 100,
+                                                       best_measured_i + 1)
+                                               .c_str());
+      }
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
     }
     j["validated"] = k;
+    j["validation_failures"] = failed;
     j["worst_prediction_error"] = worst;
     j["recommended_vs_best_measured"] = rec_vs_best;
     j["trace_file"] = trace;
@@ -832,7 +852,7 @@ int run(Args a) {
   j["best_config_file"] = a.out;
   j["total_seconds"] = since(t_start);
   if (talk && a.json) std::printf("%s\n", j.dump().c_str());
-  return 0;
+  return exit_code;
 }
 
 }  // namespace

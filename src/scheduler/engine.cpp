@@ -26,6 +26,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -134,6 +135,15 @@ struct Engine::Impl {
     Event after;
   };
   std::vector<Deferred> deferred;
+  // Pinned staging in flight (the memory plan's "gradient D2H staging" and "parameter swap
+  // buffers"): the host waits for the oldest before it takes one more.
+  std::deque<Event> grad_staging, param_staging;
+  static void bound(std::deque<Event>& q, std::size_t most) {
+    while (q.size() >= std::max<std::size_t>(most, 1)) {
+      q.front().synchronize();
+      q.pop_front();
+    }
+  }
 
   // fp16 loss scaling (DeepSpeed's DynamicLossScaler, consecutive_hysteresis off)
   double scale = 1;
@@ -269,11 +279,13 @@ struct Engine::Impl {
         st.h2d_bytes += u.shard * c_size;
         break;
       case Tier::kNvme: {
+        bound(param_staging, std::size_t(cfg.param_buffer_count));
         auto staging = pinned(SwapStore::padded_bytes(u.shard * c_size));
         IoHandle h = w_swap().read(w_key(std::size_t(ui)), staging->data(), u.shard * c_size);
         fetch_s->host_fn([h] { h.wait(); }, "nvme_wait");
         fetch_s->copy(block.mem, host_ref(staging->data(), u.shard * c_size));
         fetch_s->host_fn([staging] {}, "staging_free");
+        param_staging.push_back(fetch_s->record());
         st.nvme_read_bytes += u.shard * c_size;
         st.h2d_bytes += u.shard * c_size;
         break;
@@ -561,6 +573,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   if (u.g_tier == Tier::kDevice) {
     cs.add(Impl::view(u.g_dev, DType::kF32, u.shard), shard, Impl::view(u.g_dev, DType::kF32, u.shard));
   } else {
+    Impl::bound(s.grad_staging, 2);
     auto staging = s.pinned(u.shard * 4);
     cs.copy(host_ref(staging->data(), u.shard * 4), out.ref());
     s.st.d2h_bytes += u.shard * 4;
@@ -572,6 +585,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
           for (std::size_t i = 0; i < n; ++i) acc[i] += g[i];
         },
         "grad_accumulate");
+    s.grad_staging.push_back(cs.record());
   }
 }
 
@@ -681,7 +695,20 @@ StepResult Engine::step(float lr) {
   for (std::size_t i = 0; i < s.units.size(); ++i)
     if (s.units[i].o_tier == Tier::kNvme) nvme_units.push_back(i);
   std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
-  std::deque<IoHandle> writes;
+  std::deque<IoHandle> writes;  // optimizer state written behind
+  // At most optimizer_buffer_count state buffers at once: one read ahead, one stepping, the
+  // rest written behind (the memory plan's "optimizer swap buffers").
+  const std::size_t max_writes = std::size_t(std::max(1, s.cfg.optimizer_buffer_count - 2));
+  // New compute weights staged in pinned memory on their way to the device or NVMe: at most
+  // two at once (the plan's "new compute-weight staging"); each entry waits for one to be free.
+  std::deque<std::function<void()>> w_staging;
+  auto stage_w = [&](std::size_t bytes) {
+    while (w_staging.size() >= 2) {
+      w_staging.front()();
+      w_staging.pop_front();
+    }
+    return s.pinned(SwapStore::padded_bytes(bytes));
+  };
   auto issue_read = [&](std::size_t k) {
     if (k >= nvme_units.size()) return;
     Unit& u = s.units[nvme_units[k]];
@@ -696,8 +723,11 @@ StepResult Engine::step(float lr) {
     IoHandle h = store.write(key, block->data(), bytes);
     h.on_complete([block](std::exception_ptr) {});
     s.st.nvme_written_bytes += bytes;
-    writes.push_back(h);
-    while (writes.size() > std::size_t(std::max(1, s.cfg.optimizer_buffer_count))) {
+    return h;
+  };
+  auto write_state = [&](const std::string& key, std::shared_ptr<PinnedBlock> block, std::size_t bytes) {
+    writes.push_back(write_behind(*s.o_store, key, std::move(block), bytes));
+    while (writes.size() > max_writes) {
       writes.front().wait();
       writes.pop_front();
     }
@@ -747,7 +777,7 @@ StepResult Engine::step(float lr) {
       } else {
         // The new weights go back over the link on the fetch stream (idle during the step),
         // so the next unit's update overlaps this unit's device -> host copy.
-        w_out = u.w_tier == Tier::kHost ? u.w_host : s.pinned(SwapStore::padded_bytes(w_bytes));
+        w_out = u.w_tier == Tier::kHost ? u.w_host : stage_w(w_bytes);
         Stream& xs = *s.fetch_s;
         xs.wait(os.record());
         xs.copy(host_ref(w_out->data(), w_bytes), new_w);
@@ -779,7 +809,7 @@ StepResult Engine::step(float lr) {
         s.st.d2h_bytes += n * 4;
         g = static_cast<const float*>(g_stage->data());
       }
-      w_out = (!target && u.w_tier == Tier::kHost) ? u.w_host : s.pinned(SwapStore::padded_bytes(w_bytes));
+      w_out = (!target && u.w_tier == Tier::kHost) ? u.w_host : stage_w(w_bytes);
       AdamWShard sh{host_tensor(state, DType::kF32, n), host_tensor(g, DType::kF32, n),
                     host_tensor(state + n, DType::kF32, n), host_tensor(state + 2 * n, DType::kF32, n), {}};
       if (copy_out) sh.copy_out = host_tensor(w_out->data(), ct, n);
@@ -791,13 +821,18 @@ StepResult Engine::step(float lr) {
       if (target) {
         os.copy(target->mem, host_ref(w_out->data(), w_bytes));
         os.host_fn([w_out] {}, "staging_free");
+        w_staging.push_back([e = os.record()] { e.synchronize(); });
         s.st.h2d_bytes += w_bytes;
       }
-      if (state_block) write_behind(*s.o_store, Impl::o_key(ui), state_block, 3 * n * 4);
+      if (state_block) write_state(Impl::o_key(ui), state_block, 3 * n * 4);
     }
-    if (!u.resident && u.w_tier == Tier::kNvme) write_behind(*s.w_store, Impl::w_key(ui), w_out, w_bytes);
+    if (!u.resident && u.w_tier == Tier::kNvme) {
+      IoHandle h = write_behind(*s.w_store, Impl::w_key(ui), w_out, w_bytes);
+      w_staging.push_back([h] { h.wait(); });
+    }
   }
   for (auto& h : writes) h.wait();
+  for (auto& w : w_staging) w();
   os.synchronize();
   s.fetch_s->synchronize();
 

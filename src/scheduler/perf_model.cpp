@@ -163,6 +163,15 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       if (!u[x.unit].resident) trace.push_back(x.unit);
 
   Sim sim;
+  double h = 0;  // the host thread
+  // Pinned staging in flight, as the engine bounds it: the host waits for the oldest.
+  std::deque<double> grad_staging, param_staging;
+  auto bound = [&](std::deque<double>& q, std::size_t most) {
+    while (q.size() >= std::max<std::size_t>(most, 1)) {
+      h = std::max(h, q.front());
+      q.pop_front();
+    }
+  };
   std::uint64_t live = 0;
   std::size_t pos = 0;  // position in `trace`
   auto next_use = [&](std::size_t unit, std::size_t from) {
@@ -195,7 +204,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     }
   };
   // Engine::Impl::issue_fetch at host time `h`.
-  auto issue_fetch = [&](std::size_t i, double h) {
+  auto issue_fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     if (x.gathered) return;
     const double bytes = double(x.shard) * csz;
@@ -208,9 +217,11 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
         ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
         break;
       case Tier::kNvme: {
+        bound(param_staging, std::size_t(c.param_buffer_count));
         const double rd = sim.lane(Resource::kNvme, h, secs(bytes, m.nvme_read_bps), "read w " + name(i));
         sim.wait(kFetchS, rd);
         ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
+        param_staging.push_back(ready);
         break;
       }
     }
@@ -221,27 +232,27 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     x.gathered = true;
     live += x.padded;
   };
-  auto prefetch_ahead = [&](double h) {
+  auto prefetch_ahead = [&]() {
     std::uint64_t ahead = 0;
     for (std::size_t p = pos; p < trace.size(); ++p) {
       SimUnit& x = u[trace[p]];
       if (x.resident || x.gathered) continue;
       if (ahead + x.padded > std::max<std::uint64_t>(c.prefetch_bucket_size, 1)) break;
       if (live + x.padded > c.max_live_parameters) break;
-      issue_fetch(trace[p], h);
+      issue_fetch(trace[p]);
       ahead += x.padded;
     }
   };
   // Engine::fetch: returns the time the compute stream may use the unit.
-  auto fetch = [&](std::size_t i, double h) {
+  auto fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     if (!x.resident) {
       ++pos;
       if (!x.gathered) {
         make_room(x.padded);
-        issue_fetch(i, h);
+        issue_fetch(i);
       }
-      prefetch_ahead(h);
+      prefetch_ahead();
     }
     ++x.in_use;
     return x.resident ? 0.0 : x.ready;
@@ -271,20 +282,21 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     if (x.g == Tier::kDevice) {
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
     } else {
+      bound(grad_staging, 2);
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
-      sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i));
+      grad_staging.push_back(
+          sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i)));
     }
   };
   auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
 
   Prediction pr;
-  double h = 0;  // the host thread
   double fwd_total = 0, bwd_total = 0;
   for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
     // forward
     const double f0 = h;
     for (std::size_t i = 0; i < N; ++i) {
-      const double ready = fetch(i, h);
+      const double ready = fetch(i);
       double dur = mp.units[i].forward_s;
       if (i == head) dur += grad_fill(i);
       const double end = sim.op(kComputeS, Resource::kCompute, ready, dur, "fwd " + name(i));
@@ -296,7 +308,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     // backward
     const double b0 = h;
     for (std::size_t i = head; i-- > 1;) {
-      const double ready = fetch(i, h);
+      const double ready = fetch(i);
       const double end =
           sim.op(kComputeS, Resource::kCompute, ready, mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
       reduce(i, end);
@@ -334,15 +346,26 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     const std::size_t i = nvme_units[k];
     read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), m.nvme_read_bps), "read state " + name(i));
   };
-  std::deque<double> writes;
+  std::deque<double> writes, w_staging;
   double all_writes = h;
+  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
   auto write_behind = [&](double bytes, double ready, const std::string& what) {
     const double end = sim.lane(Resource::kNvme, ready, secs(bytes, m.nvme_write_bps), what);
-    writes.push_back(end);
     all_writes = std::max(all_writes, end);
-    while (writes.size() > std::size_t(std::max(1, c.optimizer_buffer_count))) {
+    return end;
+  };
+  auto write_state = [&](double bytes, double ready, const std::string& what) {
+    writes.push_back(write_behind(bytes, ready, what));
+    while (writes.size() > max_writes) {
       h = std::max(h, writes.front());
       writes.pop_front();
+    }
+  };
+  // New compute weights staged in pinned memory: two at a time.
+  auto stage_w = [&] {
+    while (w_staging.size() >= 2) {
+      h = std::max(h, w_staging.front());
+      w_staging.pop_front();
     }
   };
   issue_read(nvme_next++);
@@ -356,6 +379,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       if (x.g == Tier::kHost) t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
       t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s), "adamw " + name(i));
       if (!target_dev) {
+        if (x.w == Tier::kNvme) stage_w();
         sim.wait(kFetchS, t);
         const double d = sim.op(kFetchS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
         if (x.w == Tier::kNvme) h = std::max(h, d);
@@ -370,12 +394,13 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       if (x.g == Tier::kDevice) {
         h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
       }
+      if (target_dev || x.w == Tier::kNvme) stage_w();
       h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i));
       if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
-      if (target_dev) sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i));
-      if (x.o == Tier::kNvme) write_behind(12 * n, h, "write state " + name(i));
+      if (target_dev) w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i)));
+      if (x.o == Tier::kNvme) write_state(12 * n, h, "write state " + name(i));
     }
-    if (!x.resident && x.w == Tier::kNvme) write_behind(w_bytes, h, "write w " + name(i));
+    if (!x.resident && x.w == Tier::kNvme) w_staging.push_back(write_behind(w_bytes, h, "write w " + name(i)));
   }
   h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
   if (W > 1)
@@ -471,8 +496,10 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               c.prefetch_bucket_size = d.prefetch_bucket_size;
             }
             c.max_reuse_distance = d.max_reuse_distance;
-            // The engine reduces one unit's gradient at a time: plan the buckets as that.
+            // The engine reduces one unit's gradient at a time and steps the optimizer one unit
+            // at a time: plan the gradient buckets and the optimizer's swap buffers as that.
             c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
+            c.sub_group_size = std::min<std::uint64_t>(space.base.sub_group_size, max_unit);
             cand.checkpoint = mp.checkpoint;
             cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
             cand.micro_batch = mp.micro_batch;

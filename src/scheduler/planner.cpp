@@ -27,8 +27,12 @@
 //         state leave the device (the host optimizer reads its gradients on the host);
 //       parameter swap: buffer_count * min(buffer_size, largest shard) * c, when any compute
 //         weights live on NVMe;
-//       optimizer swap: 3 sub-group buffers (read-ahead, compute, write-behind), each
-//         min(sub_group_size, total shard) * 12, when any optimizer state lives on NVMe.
+//       optimizer swap: max(3, offload_optimizer.buffer_count) sub-group buffers (one read
+//         ahead, one stepping, the rest written behind), each min(sub_group_size, total
+//         shard) * 12, when any optimizer state lives on NVMe;
+//       new compute weights on their way from the optimizer to the device or NVMe: 2 *
+//         largest shard * c, when the optimizer state or the weights leave the device.
+//   The engine waits for the oldest of each kind of staging before it takes one more.
 //   - Activations: the model's estimate for one micro-batch, on the device.
 // Capacities: the device's, strata.host_budget_bytes (else the caller's host capacity), and
 // the free bytes under the NVMe paths. The planner never allocates; it only adds.
@@ -163,8 +167,12 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   }
   const std::uint64_t opt_swap_buffer = std::min(config.sub_group_size, total_shard) * 12;
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add("optimizer swap buffers (3 sub-groups: read, step, write)", Tier::kHost,
-          3 * opt_swap_buffer);
+    const int n = std::max(3, config.optimizer_buffer_count);
+    b.add(fmt::format("optimizer swap buffers ({} sub-groups: read ahead, step, write behind)", n),
+          Tier::kHost, static_cast<std::uint64_t>(n) * opt_swap_buffer);
+  }
+  if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
+    b.add("new compute-weight staging (2 x largest shard)", Tier::kHost, 2 * largest_shard * c);
   }
 
   MemoryPlan& plan = b.plan;
@@ -225,8 +233,10 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
           "offload_param.host_fraction)");
     if (opt_tiers[2] > 0 && config.sub_group_size < total_shard * 12) {
       fix.push_back(
-          fmt::format("lower sub_group_size (now {} elements; each of 3 swap buffers is {})",
-                      config.sub_group_size, human(opt_swap_buffer)));
+          fmt::format("lower sub_group_size (now {} elements; each of {} swap buffers is {}) or "
+                      "offload_optimizer.buffer_count (now {}, at least 3 are used)",
+                      config.sub_group_size, std::max(3, config.optimizer_buffer_count), human(opt_swap_buffer),
+                      config.optimizer_buffer_count));
     }
     if (grad_tiers[1] > 0)
       fix.push_back(

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Checks strata-prof's predictions in several bottleneck regimes on the CPU-emulated device:
+# for each regime, strata-prof measures, searches, and --validate's the best 3 placements by
+# running them through strata-train; this prints predicted vs measured step time per
+# candidate, the worst error (target <= 15%) and how far the recommended configuration is
+# from the fastest one measured (target <= 5%).
+#
+#   scripts/prof-regimes.sh [BUILD_DIR] [WORK_DIR]      (defaults: build, build/prof-regimes)
+#
+# The regimes (the demo's byte-level Llama unless said otherwise, fp32):
+#   compute  everything fits on the device; matmuls throttled to 10 GFLOP/s
+#   link     a 100 MiB device: weights must stream over a 0.1 GB/s link each way
+#   nvme     a 48 MiB device and 40 MiB of pinned host memory: optimizer state on NVMe
+#   adamw    a wider model (hidden 512, 25M parameters) on a 64 MiB device, no NVMe, one
+#            16-token sequence per step: the CPU AdamW over host-resident state is the work
+# Needs a quiet machine: the emulated device computes on the host's cores.
+set -euo pipefail
+build=${1:-build}
+work=${2:-$build/prof-regimes}
+prof="$build/tools/strata-prof"
+[ -x "$prof" ] || { echo "prof-regimes: $prof not found: build first (cmake --build $build)" >&2; exit 1; }
+mkdir -p "$work/nvme"
+cat >"$work/wide.json" <<'EOF'
+{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 512,
+ "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+ "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": false}
+EOF
+
+run() {
+  local name=$1; shift
+  echo "== $name: strata-prof $*"
+  "$prof" --device cpu --nvme-path "$work/nvme" --validate 3 --validate-steps 6 --top 3 --json \
+    --out "$work/$name.ds_config.json" --svg "$work/$name.svg" --trace "$work/$name.trace.json" "$@" \
+    >"$work/$name.out" 2>"$work/$name.err" || { cat "$work/$name.err" >&2; exit 1; }
+  sed -n '/placements considered/,/^picture/p' "$work/$name.out"
+  tail -n 1 "$work/$name.out" >"$work/$name.json"
+}
+
+run compute --device-mem-gb 1 --emu-compute-gflops 10 --micro-batches 2
+run link --device-mem-gb 0.1 --emu-h2d-gbps 0.1 --emu-d2h-gbps 0.1 --micro-batches 2
+run nvme --device-mem-gb 0.047 --host-mem-gb 0.04 --micro-batches 1 --seq-len 64
+run adamw --model-config "$work/wide.json" --device-mem-gb 0.0625 --no-nvme --micro-batches 1 --seq-len 16
+
+echo
+printf '%-8s %-9s %12s %12s %9s %14s\n' regime "bound by" "predicted ms" "measured ms" "worst err" "rec. vs best"
+for name in compute link nvme adamw; do
+  python3 - "$work/$name.json" "$name" <<'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+c = j["candidates"][0]
+print("%-8s %-9s %12.1f %12.1f %8.1f%% %13.1f%%" % (sys.argv[2], c["bottleneck"], c["predicted_step_s"] * 1e3,
+      c["measured_step_s"] * 1e3, j["worst_prediction_error"] * 100, (j["recommended_vs_best_measured"] - 1) * 100))
+EOF
+done
+echo "(targets: worst error <= 15%, recommended within 5% of the fastest validated; details in $work/*.out, pictures *.svg)"
