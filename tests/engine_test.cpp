@@ -29,6 +29,7 @@ struct RunOut {
   std::vector<StepResult> results;
   std::vector<std::vector<float>> master;
   EngineStats stats;
+  MemoryPlan plan;
 };
 
 struct RunSetup {
@@ -89,6 +90,7 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
   }
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.stats = e.stats();
+  out.plan = e.plan();
   return out;
 }
 
@@ -224,12 +226,40 @@ TEST(Engine, PeakDeviceBytesStayUnderACapFourTimesSmallerThanTheWeights) {
   EXPECT_LE(capped.stats.device_peak_bytes, s.dev.capacity_bytes);
   EXPECT_GE(weights_bf16, 4 * capped.stats.device_capacity);
   EXPECT_LE(capped.stats.host_pinned_peak_bytes, s.cfg.host_budget_bytes);
+  // ... and within the memory plan's host lines: the engine takes no pinned byte the plan does
+  // not list (the pool commits in 2 MiB steps: one step of slack).
+  EXPECT_LE(capped.stats.host_pinned_peak_bytes, capped.plan.host_bytes + (std::uint64_t(2) << 20))
+      << capped.plan.table();
   EXPECT_GT(capped.stats.prefetches, 0u) << "nothing was prefetched";
   EXPECT_EQ(capped.stats.trace_rebuilds, 0u);
   RunSetup roomy = s;
   roomy.dev.capacity_bytes = std::size_t(256) << 20;
   roomy.cfg.max_live_parameters = 1'000'000'000;
   expect_identical(capped, train(roomy, model), "capped vs roomy device");
+}
+
+// Pinned staging is bounded as the plan says even when everything could be gathered at once
+// and the host runs far ahead of the streams: 16 layers of 512 x 512, weights on NVMe with two
+// swap buffers, gradients and optimizer state on the host, no live-parameter limit.
+TEST(Engine, PinnedStagingStaysWithinThePlan) {
+  STRATA_NEEDS_DEVICE();
+  std::vector<int> dims(17, 512);
+  const LinearModel model(dims, 4, 5);
+  TempDir nv;
+  RunSetup s;
+  s.steps = 2;
+  s.cfg.compute_dtype = DType::kBF16;
+  s.cfg.params = on(Tier::kNvme);
+  s.cfg.optimizer = on(Tier::kHost);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.param_buffer_count = 2;
+  s.cfg.param_persistence_threshold = 0;
+  s.cfg.host_budget_bytes = 256 << 20;
+  s.dev.h2d_gbps = 2;  // a link slower than the host: fetches queue up behind it
+  s.dev.d2h_gbps = 2;
+  const RunOut r = train(s, model);
+  EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << r.plan.table();
 }
 
 // The linear model's loss and gradients in double on the host.
