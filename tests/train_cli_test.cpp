@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -147,6 +148,34 @@ TEST_F(TrainCli, CheckpointingAndThrottlesDoNotChangeTheLosses) {
   ASSERT_EQ(la.size(), 4u);
   EXPECT_EQ(la, losses(ck));
   EXPECT_EQ(la, losses(host));
+}
+
+// The embedded demo (no model, no data): stage 3 with weights and optimizer state on NVMe, on
+// an emulated device whose cap is below the model's fp32 weights; the loss falls and the
+// device's peak stays under the cap.
+TEST_F(TrainCli, DemoTrainsUnderACapBelowItsWeights) {
+  TempDir nvme;
+  const std::string log = dir.path + "/demo.jsonl";
+  const Result r = run(STRATA_TRAIN_BIN, {"--steps", "12", "--demo-nvme", nvme.path, "--log-json", log}, dir.path,
+                       "demo");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("weights on nvme, optimizer on nvme"), std::string::npos) << r.out;
+  // "5.94M parameters ... (cap 20.0 MiB)": fp32 weights are 4 bytes a parameter.
+  const auto p = r.out.find("M parameters");
+  ASSERT_NE(p, std::string::npos) << r.out;
+  const double params = std::stod(r.out.substr(r.out.rfind(' ', p - 1) + 1));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(\(cap ([0-9.]+) MiB\))"))) << r.out;
+  const double cap_mib = std::stod(m[1].str());
+  EXPECT_LT(cap_mib * (1 << 20), params * 1e6 * 4) << r.out;
+  // The summary's device line: "<peak> MiB / <cap> MiB".
+  const auto d = r.out.find(" MiB / ", r.out.find("device   in"));
+  ASSERT_NE(d, std::string::npos) << r.out;
+  const double peak_mib = std::stod(r.out.substr(r.out.rfind(' ', d - 1) + 1));
+  EXPECT_LE(peak_mib, cap_mib) << r.out;
+  const auto l = losses(log);
+  ASSERT_EQ(l.size(), 12u);
+  EXPECT_LT(std::stod(l.rbegin()->second), std::stod(l.begin()->second) - 1.0) << "the loss did not fall";
 }
 
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {

@@ -40,6 +40,7 @@ namespace strata {
 namespace {
 
 constexpr std::size_t kAlign = 256;  // like cudaMalloc
+constexpr std::size_t kLargeStep = std::size_t(64) << 10;
 
 // Set on stream worker threads: they must never wait for streams (their own among them).
 thread_local bool t_in_stream_worker = false;
@@ -53,12 +54,15 @@ void poison(void* p, std::size_t bytes) {
 }
 
 // Allocator over [0, cap) with coalescing of free neighbours. Large blocks are placed
-// best-fit from the bottom, small ones (below cap/64, at most 1 MiB) from the top, so
-// short-lived small buffers do not cut the space large ones need into pieces (the
-// caching allocators of GPU runtimes keep separate small and large pools for the same reason).
+// best-fit from the bottom, the others (below cap/8, at most 4 MiB) from the top, so
+// activations and other short-lived buffers do not cut the space the large ones (a layer's
+// gathered weights, its gradient) need into pieces (the caching allocators of GPU runtimes
+// keep separate small and large pools for the same reason). With cap/64 (at most 1 MiB) as
+// the boundary, the demo (a ~17 MB working set) failed at an 18 MiB cap with 7 MB free in
+// pieces of at most 2.7 MB, none large enough for one layer.
 class Arena {
  public:
-  explicit Arena(std::size_t cap) : cap_(cap), small_(std::min<std::size_t>(cap / 64, 1 << 20)) {
+  explicit Arena(std::size_t cap) : cap_(cap), small_(std::min<std::size_t>(cap / 8, std::size_t(4) << 20)) {
     free_by_off_[0] = cap;
     free_by_size_.insert({cap, 0});
   }
@@ -117,6 +121,7 @@ class Arena {
     return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
   }
   std::size_t high_water() const { return high_water_; }
+  std::size_t small_limit() const { return small_; }
 
  private:
   std::size_t cap_;
@@ -475,7 +480,11 @@ std::unique_ptr<Stream> HostDevice::create_stream(std::string name) {
 }
 
 void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
-  const std::size_t size = round_up(bytes);
+  std::size_t size = round_up(bytes);
+  // Large blocks in 64 KiB steps (a GPU caching allocator rounds its large blocks too): a
+  // layer's gradient shard and its gathered weights, a few KiB apart, then fit each other's
+  // holes instead of leaving a free range a few KiB too small.
+  if (size >= arena_.small_limit()) size = (size + kLargeStep - 1) / kLargeStep * kLargeStep;
   std::size_t off;
   for (int attempt = 0;; ++attempt) {
     std::unique_lock<std::mutex> lock(mu_);
