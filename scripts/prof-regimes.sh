@@ -10,7 +10,7 @@
 # The regimes (the demo's byte-level Llama unless said otherwise, fp32):
 #   compute  everything fits on the device; matmuls throttled to 10 GFLOP/s
 #   link     a 100 MiB device: weights must stream over a 0.1 GB/s link each way
-#   nvme     a 48 MiB device and 40 MiB of pinned host memory: optimizer state on NVMe
+#   nvme     a 61 MiB device and 61 MiB of pinned host memory: optimizer state on NVMe
 #   adamw    a wider model (hidden 512, 25M parameters) on a 64 MiB device, no NVMe, one
 #            16-token sequence per step: the CPU AdamW over host-resident state is the work
 # Needs a quiet machine: the emulated device computes on the host's cores.
@@ -38,7 +38,7 @@ run() {
 
 run compute --device-mem-gb 1 --emu-compute-gflops 10 --micro-batches 2
 run link --device-mem-gb 0.1 --emu-h2d-gbps 0.1 --emu-d2h-gbps 0.1 --micro-batches 2
-run nvme --device-mem-gb 0.047 --host-mem-gb 0.04 --micro-batches 1 --seq-len 64
+run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
 run adamw --model-config "$work/wide.json" --device-mem-gb 0.0625 --no-nvme --micro-batches 1 --seq-len 16
 
 echo

@@ -124,6 +124,16 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     return since(t0);
   });
   m.device_mem_bps = double(bytes) / fill;
+  // What a free costs on its stream (the emulated device poisons freed memory).
+  const double fr = best_of(3, [&] {
+    Buffer t = dev.alloc(bytes, s.get());
+    s->synchronize();
+    const auto t0 = Clock::now();
+    t.reset();
+    s->synchronize();
+    return since(t0);
+  });
+  m.free_bps = fr > 0 ? double(bytes) / fr : 0;
   std::vector<char> h1(bytes), h2(bytes, 2);
   const double cp = best_of(3, [&] {
     const auto t0 = Clock::now();
@@ -551,8 +561,8 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
 void print_machine(const MachineProfile& m, const std::string& dev_name) {
   auto g = [](double bps) { return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-"); };
   std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
-  std::printf("  h2d %s  d2h %s  device memory %s  host memory %s\n", g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(),
-              g(m.device_mem_bps).c_str(), g(m.host_mem_bps).c_str());
+  std::printf("  h2d %s  d2h %s  device memory %s  free %s  host memory %s\n", g(m.h2d_bps).c_str(),
+              g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
   std::printf("  nvme write %s  read %s  (free %s)\n", g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(),
               m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s\n", m.cpu_adamw_params_per_s / 1e6,
@@ -617,7 +627,7 @@ int run(Args a) {
   std::string nvme_dir;
   const bool use_nvme = !a.no_nvme;
   if (use_nvme) {
-    nvme_dir = a.nvme_path.empty() ? std::string(STRATA_BUILD_DIR) + "/prof-nvme" : a.nvme_path;
+    nvme_dir = a.nvme_path.empty() ? default_scratch_dir("prof-nvme") : a.nvme_path;
     std::error_code ec;
     fs::create_directories(nvme_dir, ec);
     STRATA_REQUIRE(fs::is_directory(nvme_dir), "--nvme-path {}: not a directory and cannot be created ({})", nvme_dir,
@@ -684,6 +694,7 @@ int run(Args a) {
                   {"h2d_gbps", machine.h2d_bps / 1e9},
                   {"d2h_gbps", machine.d2h_bps / 1e9},
                   {"device_mem_gbps", machine.device_mem_bps / 1e9},
+                  {"free_gbps", machine.free_bps / 1e9},
                   {"host_mem_gbps", machine.host_mem_bps / 1e9},
                   {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
                   {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
@@ -883,7 +894,8 @@ int main(int argc, char** argv) {
   app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")->check(CLI::NonNegativeNumber);
   app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")->check(CLI::NonNegativeNumber);
   app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")->check(CLI::NonNegativeNumber);
-  app.add_option("--nvme-path", a.nvme_path, "folder on the NVMe drive (default <build>/prof-nvme)");
+  app.add_option("--nvme-path", a.nvme_path,
+                 "folder on the NVMe drive (default <build>/prof-nvme, or ~/.cache/strata/prof-nvme installed)");
   app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
   app.add_option("--top", a.top, "candidates to print (default 5)")->check(CLI::Range(1, 100));
   app.add_option("--validate", a.validate, "run the best K for a few steps and compare (default 0)")

@@ -34,6 +34,9 @@ namespace strata {
 struct MachineProfile {
   double h2d_bps = 0, d2h_bps = 0;      // pinned host <-> device copies
   double device_mem_bps = 0;            // device memory traffic of a fill / add pass
+  // Bytes a free costs per second on the stream that frees them (the CPU-emulated device
+  // poisons freed memory; a GPU's caching allocator frees for nothing: 0 = no cost).
+  double free_bps = 0;
   double host_mem_bps = 0;              // host memory traffic of a memcpy / add pass
   double nvme_read_bps = 0, nvme_write_bps = 0;
   double cpu_adamw_params_per_s = 0;    // CpuAdamW, all its threads
@@ -100,6 +103,10 @@ struct SearchSpace {
   EngineConfig base;                   // everything the search does not set (dtype, clipping, ...)
   std::vector<std::string> nvme_paths; // empty: NVMe placements are not considered
   bool allow_device_optimizer = true;  // the optimizer state on the device
+  // The share of device memory a candidate's plan may fill: the rest is the allocator's
+  // (fragmentation, frees still queued on streams). A plan over it would make the engine
+  // wait for every stream whenever an allocation fails, which the model does not predict.
+  double device_headroom = 0.9;
 };
 
 struct SearchResult {

@@ -182,9 +182,11 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   auto name = [&](std::size_t i) { return mp.units[i].name; };
 
   // Engine::Impl::drop: the fetch stream waits for the unit's release before its memory goes.
+  auto free_s = [&](double bytes) { return m.free_bps > 0 ? bytes / m.free_bps : 0.0; };
   auto drop = [&](std::size_t i) {
     if (!u[i].gathered || u[i].resident) return;
     sim.wait(kFetchS, u[i].released);
+    sim.op(kFetchS, Resource::kCount, 0, free_s(double(u[i].padded) * csz), "");
     u[i].gathered = false;
     live -= u[i].padded;
   };
@@ -279,6 +281,8 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     if (W > 1)
       t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
+    // the reduce-scatter's output shard, freed on the comm stream
+    sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
     if (x.g == Tier::kDevice) {
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
     } else {
@@ -288,7 +292,11 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
           sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i)));
     }
   };
-  auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
+  // The unit's fp32 gradient scratch: zero-filled on the compute stream, and freed there at
+  // the next unit's (the engine collects finished scratch when it hands out the next one).
+  auto grad_fill = [&](std::size_t i) {
+    return secs(4.0 * double(u[i].padded), m.device_mem_bps) + free_s(4.0 * double(u[i].padded));
+  };
 
   Prediction pr;
   double fwd_total = 0, bwd_total = 0;
@@ -415,6 +423,10 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
   }
   h = std::max(h, sim.stream_free[kOptS]);
+  // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
+  // next step's first fetch.
+  for (std::size_t i = 0; i < N; ++i) drop(i);
+  h = std::max(h, sim.stream_free[kFetchS]);
   pr.optimizer_s = h - s0;
   pr.step_s = h;
 
@@ -466,7 +478,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     PlanInputs in;
     for (const auto& x : mp.units) in.units.push_back({x.name, x.numel});
     in.world_size = m.world_size;
-    in.device_capacity = m.device_capacity;
+    in.device_capacity = std::uint64_t(double(m.device_capacity) * std::clamp(space.device_headroom, 0.0, 1.0));
     in.host_capacity = m.host_capacity;
     in.nvme_capacity = m.nvme_free;
     in.activation_bytes = mp.activation_bytes;
