@@ -104,6 +104,11 @@ FoundCheckpoint find_checkpoint(const std::string& path);
 
 // The embedded demo's model: a byte-level Llama (GQA, untied head), ~5.9M parameters.
 ModelConfig demo_model_config();
+// A scratch folder on disk for `name` ("demo-nvme", "prof-nvme"): <build>/<name> for a program
+// run from the build tree it was built in; else (a package unpacked anywhere) the user's cache
+// folder ($XDG_CACHE_HOME or ~/.cache, /strata/<name>), which is on disk (O_DIRECT works there,
+// unlike a tmpfs /tmp).
+std::string default_scratch_dir(const std::string& name);
 // Pinned host memory the engine may hold when the config does not say: 80% of RAM.
 std::uint64_t default_host_budget();
 

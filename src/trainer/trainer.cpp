@@ -48,6 +48,16 @@ ModelConfig demo_model_config() {
   return parse_model_config(j.dump(), "the demo model");
 }
 
+std::string default_scratch_dir(const std::string& name) {
+  std::error_code ec;
+  const std::string exe = fs::read_symlink("/proc/self/exe", ec).string();
+  const std::string build = STRATA_BUILD_DIR;
+  if (!ec && exe.starts_with(build + "/")) return build + "/" + name;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/strata/" + name;
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/strata/" + name;
+  return "/var/tmp/strata-" + name;
+}
+
 std::uint64_t default_host_budget() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
@@ -105,19 +115,6 @@ std::string demo_text(std::size_t bytes, std::uint64_t seed) {
 
 // The demo's engine: ZeRO-3 with weights and optimizer state on NVMe, gradients in pinned
 // host memory, one layer gathered at a time (plus one in flight) and one gradient bucket.
-// The demo's NVMe folder when --demo-nvme is not given: <build>/demo-nvme for a program that
-// runs from the build tree it was built in; else (an installed package, unpacked anywhere) the
-// user's cache folder, which is on disk (O_DIRECT works there, unlike a tmpfs /tmp).
-std::string default_demo_nvme_dir() {
-  std::error_code ec;
-  const std::string exe = fs::read_symlink("/proc/self/exe", ec).string();
-  const std::string build = STRATA_BUILD_DIR;
-  if (!ec && exe.starts_with(build + "/")) return build + "/demo-nvme";
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/strata/demo-nvme";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/strata/demo-nvme";
-  return "/var/tmp/strata-demo-nvme";
-}
-
 EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel) {
   EngineConfig c = default_engine_config();
   c.stage = 3;
@@ -251,7 +248,7 @@ TrainResult train(const TrainOptions& o) {
   if (!o.ds_config.empty()) {
     ecfg = parse_engine_config(read_text(o.ds_config, "--config"), launch.world_size);
   } else if (demo_model) {
-    demo_dir = o.demo_nvme_dir.empty() ? default_demo_nvme_dir() : o.demo_nvme_dir;
+    demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
     fs::create_directories(demo_dir);
     std::uint64_t layer = units.size() > 2 ? units[1].numel : max_unit;
     ecfg = demo_engine_config(demo_dir, layer);
