@@ -13,6 +13,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   fio python3
   python3-torch
+  patchelf debootstrap
 )
 
 missing=()

@@ -3,6 +3,8 @@
 #   scripts/test.sh             build/ (CUDA compiled when nvcc is found), all tests
 #   scripts/test.sh --sanitize  build-asan/ with ASan + UBSan (CUDA off), all tests
 # Tests that need a GPU carry the ctest label `gpu` and report Skipped where none is usable.
+# The package test (label `package`: the tarball in a minimal Debian root) runs in the first
+# form only; it needs root and the Debian mirror once, and reports Skipped without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cctype>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
 #include <thread>
 
 #include "cpu/cpu_info.h"
+#include "gpu/gpu_info.h"
 #include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/device.h"
@@ -71,6 +73,51 @@ TEST(Runtime, ComponentVersionsNameTheHostLibraries) {
   }
   EXPECT_EQ(built_with_cuda(), probe_cuda().compiled);
   EXPECT_FALSE(strata_version().empty());
+}
+
+// The CUDA backend is a module loaded at run time (src/gpu/cuda_module.h): either it loaded,
+// from beside libstrata_gpu.so, with every CUDA library it needs, or the reason says why,
+// naming where the libraries were looked for.
+TEST(Runtime, CudaModuleLoadsWithItsLibrariesOrTheReasonSaysWhereItLooked) {
+  const CudaProbe probe = probe_cuda();
+  const auto libs = gpu::cuda_libraries();
+  if (probe.device_count == 0) {
+    // Thrown inside the module when it is loaded: strata::Error must cross the boundary.
+    try {
+      (void)make_cuda_device();
+      FAIL() << "make_cuda_device() did not throw without a GPU";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      EXPECT_NE(e.message().find(probe.reason), std::string::npos) << e.message();
+    }
+  }
+  if (!probe.compiled) {
+    EXPECT_NE(probe.reason.find("built without CUDA"), std::string::npos) << probe.reason;
+    EXPECT_TRUE(libs.empty());
+    return;
+  }
+  if (libs.empty()) {
+    for (const char* place : {"looked in", "STRATA_CUDA_LIBS", "/usr/local/cuda", "wheels", "default path"})
+      EXPECT_NE(probe.reason.find(place), std::string::npos) << place << " missing from: " << probe.reason;
+    return;
+  }
+  std::set<std::string> names;
+  for (const auto& l : libs) {
+    names.insert(l.name);
+    EXPECT_TRUE(std::filesystem::exists(l.path)) << l.name << ": " << l.path;
+    EXPECT_NE(l.path.find(l.name), std::string::npos) << l.path;
+  }
+  EXPECT_EQ(libs.back().name, "libstrata_cuda.so");
+  for (const char* needed : {"libcudart.so", "libcublas.so", "libcublasLt.so"}) {
+    EXPECT_TRUE(std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.starts_with(needed); }))
+        << needed << " was not loaded";
+  }
+  // With the module loaded, the versions are the libraries' own.
+  for (const auto& c : component_versions()) {
+    if (c.name == "cuda" || c.name == "cublas") {
+      EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(c.version[0]))) << c.name << ": " << c.version;
+    }
+  }
 }
 
 TEST(Runtime, IoUringProbeIsConsistentAndCached) {

@@ -1,121 +1,218 @@
 #!/usr/bin/env bash
-# One command for a machine with a GPU: builds strata with CUDA, runs the `gpu` tests and
-# strata-info's self-check, and writes a summary (summary.txt, summary.json, one log per
-# step) into ${OUT:-build-gpu/gpu-check}.
+# gpu-check.sh: everything strata can check on a machine with a GPU, in one command that fits
+# in 10 minutes of GPU time, needs no network, no compiler and no Python: it runs every
+# `gpu`-labelled test, then `strata-bench gpu` (pinned H2D / D2H against the link's measured
+# peak, bf16 GEMM through Stream::matmul against cuBLASLt's best, CUDA AdamW against a device
+# copy, a ZeRO-3 model step with parameters and optimizer state on the host and on NVMe:
+# tokens/s, MFU, the GPU's idle share from the trace; and the GPU's losses against the
+# CPU-emulated device's), writes one JSON summary (gpu-check.json) and prints a short table.
 #
-# Exits non-zero when any step fails, when any gpu test fails, or when any is skipped: on a
-# machine with a GPU a skip means the GPU was not usable, which is the thing to find out.
-# Meant to finish well under 10 minutes; each step has its own time limit.
+#   tools/gpu-check.sh --build DIR            from a source tree: DIR is a build with tests
+#   <package>/bin/gpu-check.sh --tests DIR    from an unpacked package (README "Package"):
+#                                             DIR holds the test binaries (*_gpu_test, e.g.
+#                                             copied from build/tests) or is a build folder
 #
-# To add a check, add one `step NAME TIMEOUT_S COMMAND...` line in the steps section below.
-# A step that should not fail the run when absent checks for itself and exits 0.
+# Options: --out DIR (default <build>/gpu-check, or ./gpu-check from a package),
+#   --nvme-path DIR (the NVMe placement's swap folder: put it on the NVMe drive; default
+#   <out>/nvme), --no-ctest (run the test binaries directly even where ctest exists),
+#   --make (configure and build DIR with CUDA first; counts against the 10 minutes),
+#   --bench-args "..." (more strata-bench gpu flags, e.g. "--hidden 1024 --layers 16").
+#
+# Without a usable GPU every part reports SKIPPED with the reason, gpu-check.json says
+# "skipped": true, and it exits 0. With one it exits non-zero when any step fails, any gpu
+# test fails or is skipped (on a GPU machine a skip means the GPU was not usable), or any
+# benchmark part fails (the loss parity included). Each step has its own time limit; the
+# logs are in <out>/<step>.log, the bench's configs, logs and traces in <out>/bench.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 
-build=${BUILD_DIR:-build-gpu}
-out=${OUT:-$build/gpu-check}
+here=$(cd "$(dirname "$0")" && pwd)
+build="" tests="" out="" nvme="" use_ctest=1 make=0 bench_args=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=$2; shift 2 ;;
+    --tests) tests=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --nvme-path) nvme=$2; shift 2 ;;
+    --no-ctest) use_ctest=0; shift ;;
+    --make) make=1; shift ;;
+    --bench-args) bench_args=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+# Where the tools and the tests are: a package (this script beside strata-bench, lib/ next
+# to bin/), else a build folder (--build, default <source>/build).
+if [ -z "$build" ] && [ -x "$here/strata-bench" ] && [ -d "$here/../lib" ]; then
+  bin=$here
+  lib=$(cd "$here/../lib" && pwd)
+  export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # for the test binaries
+  out=${out:-$PWD/gpu-check}
+else
+  build=${build:-$here/../build}
+  mkdir -p "$build"
+  build=$(cd "$build" && pwd)
+  bin=$build/tools
+  tests=${tests:-$build}
+  out=${out:-$build/gpu-check}
+fi
 mkdir -p "$out"
-jobs=$(nproc)
+out=$(cd "$out" && pwd)
+nvme=${nvme:-$out/nvme}
 started=$(date +%s)
-
-names=()
-rcs=()
-secs=()
+names=() rcs=() secs=()
 failed=0
 
-# step NAME TIMEOUT_S COMMAND... : runs COMMAND with its output in $out/NAME.log.
+# step NAME TIMEOUT_S FUNCTION : runs FUNCTION in a child bash, its output in $out/NAME.log.
 step() {
-  local name=$1 limit=$2
-  shift 2
-  local t0 rc
+  local name=$1 limit=$2 fn=$3 t0 rc
   t0=$(date +%s)
-  echo "== $name: $*"
-  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" >"$out/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" bash -c "$fn" >"$out/$name.log" 2>&1
   rc=$?
-  names+=("$name")
-  rcs+=("$rc")
-  secs+=("$(($(date +%s) - t0))")
-  if [ "$rc" -eq 0 ]; then
-    echo "   ok ($(($(date +%s) - t0)) s)"
-  else
-    [ "$rc" -eq 124 ] && echo "   TIMED OUT after $limit s" || echo "   FAILED (exit $rc)"
-    tail -n 30 "$out/$name.log" | sed 's/^/   | /'
+  names+=("$name") rcs+=("$rc") secs+=("$(($(date +%s) - t0))")
+  if [ "$rc" -ne 0 ]; then
     failed=1
+    [ "$rc" -eq 124 ] && echo "== $name: TIMED OUT after $limit s" || echo "== $name: FAILED (exit $rc)"
+    tail -n 20 "$out/$name.log" | sed 's/^/   | /'
   fi
   return "$rc"
 }
 
+json_str() {
+  local s=$1
+  s=${s//\\/\\\\}
+  s=${s//\"/\\\"}
+  s=${s//$'\n'/\\n}
+  s=${s//$'\t'/ }
+  s=${s//$'\r'/}
+  printf '"%s"' "$s"
+}
+
 gpu_info() {
   if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "nvidia-smi not found"; fi
-  nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null || echo "nvcc not on PATH"
+  "$bin/strata-info"
 }
 
-configure() {
-  cmake -S . -B "$build" -G Ninja -DSTRATA_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-    -DSTRATA_BUILD_TESTS=ON -DSTRATA_BUILD_BENCH=OFF
+configure_and_build() {
+  cmake -S "$here/.." -B "$build" -G Ninja -DSTRATA_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+    -DSTRATA_BUILD_TESTS=ON -DSTRATA_BUILD_BENCH=OFF && cmake --build "$build" -j "$(nproc)"
 }
 
-build_all() { cmake --build "$build" -j "$jobs"; }
-
+# Every gpu-labelled test: through ctest where there is a build folder and ctest, else each
+# *_gpu_test binary directly (GoogleTest's own summary is counted).
 gpu_tests() {
-  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 -j "$jobs"
-}
-
-self_check() {
-  if [ -x "$build/tools/strata-info" ]; then
-    "$build/tools/strata-info" --self-check
-  else
-    echo "no $build/tools/strata-info: skipped"
+  if [ "$use_ctest" = 1 ] && [ -f "$tests/CTestTestfile.cmake" ] && command -v ctest >/dev/null; then
+    echo "runner: ctest"
+    ctest --test-dir "$tests" -L gpu --output-on-failure --timeout 200 -j "$(nproc)"
+    return
   fi
+  echo "runner: gtest"
+  local found=0 rc=0 t
+  for t in "$tests"/*_gpu_test "$tests"/tests/*_gpu_test; do
+    [ -x "$t" ] || continue
+    found=1
+    echo "== $t"
+    "$t" --gtest_color=no || rc=1
+  done
+  [ "$found" = 1 ] || { echo "no *_gpu_test binaries in $tests or $tests/tests"; return 3; }
+  return "$rc"
 }
 
-# ---- steps (add new checks here; step functions run in a child bash, so export them) ----
-export build out jobs
-export -f gpu_info configure build_all gpu_tests self_check
-step gpu-info 60 gpu_info
-if step configure 120 configure && step build 420 build_all; then
-  step gpu-tests 300 gpu_tests
-  step self-check 60 self_check
-fi
+bench() {
+  # shellcheck disable=SC2086  # --bench-args is split into flags on purpose
+  "$bin/strata-bench" gpu --json --out "$out/bench" --nvme-path "$nvme" $bench_args
+}
 
-# ---- test counts from the ctest log ----
-log="$out/gpu-tests.log"
-total=0 passed=0 skipped=0 failed_tests=0
+export bin tests out nvme use_ctest bench_args build here
+export -f gpu_info configure_and_build gpu_tests bench
+
+# ---- steps ----
+[ "$make" = 1 ] && step build 420 configure_and_build
+step gpu-info 60 gpu_info
+if [ -n "$tests" ]; then step gpu-tests 240 gpu_tests; fi
+step bench 300 bench
+
+# ---- test counts ----
+log=$out/gpu-tests.log
+runner=none total=0 passed=0 skipped=0 failed_tests=0
 if [ -f "$log" ]; then
-  total=$(grep -cE '^ *[0-9]+/[0-9]+ Test +#' "$log")
-  passed=$(grep -E '^ *[0-9]+/[0-9]+ Test +#' "$log" | grep -cE ' Passed +[0-9.]+ sec')
-  skipped=$(grep -E '^ *[0-9]+/[0-9]+ Test +#' "$log" | grep -cE 'Skipped|Not Run')
+  runner=$(sed -n 's/^runner: //p' "$log" | head -n 1)
+  if [ "$runner" = ctest ]; then
+    lines=$(grep -E '^ *[0-9]+/[0-9]+ Test +#' "$log")
+    total=$(printf '%s\n' "$lines" | grep -c 'Test')
+    passed=$(printf '%s\n' "$lines" | grep -cE ' Passed +[0-9.]+ sec')
+    skipped=$(printf '%s\n' "$lines" | grep -cE 'Skipped|Not Run')
+  else
+    sum() { sed -n "s/$1/\\1/p" "$log" | awk '{ s += $1 } END { print s + 0 }'; }
+    total=$(sum '^\[==========\] \([0-9]*\) tests\{0,1\} from .* ran.*')
+    passed=$(sum '^\[  PASSED  \] \([0-9]*\) tests\{0,1\}\..*')
+    skipped=$(sum '^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*')
+  fi
   failed_tests=$((total - passed - skipped))
 fi
-if [ -f "$log" ] && { [ "$total" -eq 0 ] || [ "$skipped" -gt 0 ] || [ "$failed_tests" -gt 0 ]; }; then
-  failed=1
-fi
 
-# ---- summary ----
-ok=true
-[ "$failed" -ne 0 ] && ok=false
-{
-  echo "strata gpu-check: $([ "$ok" = true ] && echo PASS || echo FAIL)"
-  echo "gpu tests: $total total, $passed passed, $failed_tests failed, $skipped skipped"
+# ---- the bench's JSON (its last line) ----
+blog=$out/bench.log
+bench_json=$(grep -E '^\{' "$blog" 2>/dev/null | tail -n 1)
+[ -n "$bench_json" ] || bench_json="{\"error\": $(json_str "$(tail -n 5 "$blog" 2>/dev/null)")}"
+reason=$(sed -n 's/^SKIPPED: //p' "$blog" 2>/dev/null | head -n 1)
+no_gpu=0
+case $bench_json in *'"skipped":true'*) no_gpu=1 ;; esac
+
+# ---- verdict ----
+if [ "$no_gpu" = 1 ]; then
+  # Nothing could run on a GPU: the check passes as skipped unless a test failed outright.
+  status=skipped
+  [ "$failed_tests" -gt 0 ] && status=failed
   for i in "${!names[@]}"; do
-    printf '  %-12s exit %-4s %5s s\n' "${names[$i]}" "${rcs[$i]}" "${secs[$i]}"
+    [ "${names[$i]}" != gpu-tests ] && [ "${rcs[$i]}" -ne 0 ] && status=failed
   done
-  if [ -f "$log" ]; then
-    grep -E '^ *[0-9]+/[0-9]+ Test +#' "$log" | grep -vE ' Passed ' | sed 's/^/  not passed: /'
-  fi
-  echo "total time: $(($(date +%s) - started)) s; logs in $out"
-} | tee "$out/summary.txt"
+  [ -n "$tests" ] && [ "$total" -eq 0 ] && status=failed
+else
+  status=passed
+  { [ "$failed" -ne 0 ] || [ "$total" -eq 0 ] || [ "$skipped" -gt 0 ] || [ "$failed_tests" -gt 0 ]; } && status=failed
+  case $bench_json in *'"ok":true'*) ;; *) status=failed ;; esac
+fi
+if [ -z "$tests" ]; then tests_status="not given (--tests DIR)"
+elif [ "$total" -eq 0 ]; then tests_status="none found"
+elif [ "$failed_tests" -gt 0 ]; then tests_status="FAILED"
+elif [ "$no_gpu" = 1 ]; then tests_status="SKIPPED"  # the ones that pass need no GPU
+elif [ "$skipped" -gt 0 ]; then tests_status="FAILED"
+else tests_status="ok"; fi
+[ -z "$tests" ] && [ "$no_gpu" = 0 ] && status=failed
+seconds=$(($(date +%s) - started))
 
+# ---- gpu-check.json ----
 {
-  printf '{\n  "ok": %s,\n' "$ok"
-  printf '  "tests": {"total": %d, "passed": %d, "failed": %d, "skipped": %d},\n' \
-    "$total" "$passed" "$failed_tests" "$skipped"
+  printf '{\n  "status": "%s",\n  "ok": %s,\n  "skipped": %s,\n  "reason": %s,\n' "$status" \
+    "$([ "$status" = failed ] && echo false || echo true)" "$([ "$no_gpu" = 1 ] && echo true || echo false)" \
+    "$([ -n "$reason" ] && json_str "$reason" || echo null)"
+  printf '  "date": "%s",\n  "host": %s,\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$(json_str "$(uname -n)")"
+  printf '  "tests": {"status": %s, "runner": "%s", "total": %d, "passed": %d, "failed": %d, "skipped": %d},\n' \
+    "$(json_str "$tests_status")" "$runner" "$total" "$passed" "$failed_tests" "$skipped"
   printf '  "steps": ['
   for i in "${!names[@]}"; do
     [ "$i" -gt 0 ] && printf ','
     printf '\n    {"name": "%s", "exit": %d, "seconds": %d}' "${names[$i]}" "${rcs[$i]}" "${secs[$i]}"
   done
-  printf '\n  ],\n  "seconds": %d\n}\n' "$(($(date +%s) - started))"
-} >"$out/summary.json"
+  printf '\n  ],\n  "bench": %s,\n  "seconds": %d\n}\n' "$bench_json" "$seconds"
+} >"$out/gpu-check.json"
 
-[ "$ok" = true ]
+# ---- the table ----
+{
+  case $status in
+    skipped) echo "strata gpu-check: SKIPPED: ${reason:-no usable GPU}" ;;
+    passed) echo "strata gpu-check: PASS" ;;
+    *) echo "strata gpu-check: FAIL" ;;
+  esac
+  printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped; %s)\n' "gpu tests" "$tests_status" \
+    "$total" "$passed" "$failed_tests" "$skipped" "$runner"
+  if [ "$no_gpu" = 1 ]; then
+    for p in link gemm adamw model parity; do printf '  %-12s SKIPPED\n' "$p"; done
+  else
+    sed -n '/^strata-bench gpu:/,$p' "$blog" | grep -vE '^\{' | sed 's/^/  /'
+  fi
+  echo "  $seconds s; summary $out/gpu-check.json, logs in $out"
+} | tee "$out/summary.txt"
+
+[ "$status" != failed ]

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   strata::bench::add_comm_command(app);
   strata::bench::add_model_command(app);
   strata::bench::add_engine_command(app);
+  strata::bench::add_gpu_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

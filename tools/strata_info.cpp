@@ -42,7 +42,18 @@ json report_build() {
     std::printf("  %-12s %s\n", c.name.c_str(), c.version.c_str());
     components[c.name] = c.version;
   }
-  return {{"version", strata_version()}, {"cuda_compiled", cuda.compiled}, {"components", components}};
+  // Where the CUDA libraries and the CUDA module came from (found on this machine at run time).
+  json libraries = json::object();
+  const auto loaded = gpu::cuda_libraries();
+  if (!loaded.empty()) std::printf("cuda libraries:\n");
+  for (const auto& l : loaded) {
+    std::printf("  %-18s %s\n", l.name.c_str(), l.path.c_str());
+    libraries[l.name] = l.path;
+  }
+  return {{"version", strata_version()},
+          {"cuda_compiled", cuda.compiled},
+          {"components", components},
+          {"cuda_libraries", libraries}};
 }
 
 json report_cpu() {

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "comm/comm_internal.h"
+#include "gpu/cuda_module.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -258,14 +259,17 @@ std::unique_ptr<Communicator> make_local_communicator(Device& device, double tim
   return std::make_unique<LocalCommunicator>(device, timeout_s);
 }
 
-#if !defined(STRATA_HAVE_NCCL)
-std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double) {
-  STRATA_THROW(kUnsupported,
-               "no NCCL communicator for {}: this build has no NCCL (configure with the CUDA toolkit and "
-               "NCCL installed, libnccl in the toolkit's lib64)",
-               device.name());
+// The NCCL backend is in the CUDA module (nccl_comm.cpp is built into libstrata_cuda.so).
+std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s) {
+  const gpu::CudaModule* m = gpu::cuda_module();
+  if (!m) STRATA_THROW(kUnsupported, "no NCCL communicator for {}: {}", device.name(), gpu::cuda_unavailable_reason());
+  if (!m->make_nccl_communicator)
+    STRATA_THROW(kUnsupported,
+                 "no NCCL communicator for {}: this build has no NCCL (configure with the CUDA toolkit and "
+                 "NCCL installed, libnccl in the toolkit's lib64)",
+                 device.name());
+  return m->make_nccl_communicator(device, timeout_s);
 }
-#endif
 
 // ---- timeout and watchdog ----
 

@@ -77,7 +77,10 @@ void install_termination_note(int rank, int world_size);
 // Backends (each in its own file). Their constructors are collective.
 std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s);
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeout_s);
+// NCCL: the CUDA module's (cuda_module.h), loaded on first use; create_nccl_communicator is
+// its implementation inside libstrata_cuda.so (nccl_comm.cpp).
 std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s);
+std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double timeout_s);
 
 // MPI helpers the NCCL bootstrap shares (mpi_comm.cpp): whether MPI is up, and a broadcast
 // of bytes from rank 0 over MPI_COMM_WORLD.

@@ -1,5 +1,6 @@
 // NcclCommunicator: collectives over NCCL on CUDA device memory, one communicator per
-// process and GPU.
+// process and GPU. Built into the CUDA module (libstrata_cuda.so, src/gpu/cuda_module.h);
+// make_communicator reaches it through the module's table.
 //
 // Owns: the ncclComm_t, a 256-byte device scratch (barrier's one-element all-reduce; also
 // how we learn the GPU ordinal of the Device, through cudaPointerGetAttributes), and a
@@ -165,7 +166,7 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s) {
+std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double timeout_s) {
   const LaunchInfo li = init_launch();  // MPI only under a launcher
   Buffer scratch = device.alloc(256);
   cudaPointerAttributes attr{};

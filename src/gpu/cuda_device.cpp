@@ -1,5 +1,6 @@
 // CudaDevice: the Device contract (strata/device.h) on one CUDA GPU, plus the CUDA probe and
-// the version / device reports of gpu_info.h.
+// the version / device reports: the CUDA module's side of cuda_module.h (built into
+// libstrata_cuda.so, which the loader, cuda_loader.cpp, loads once the CUDA libraries are found).
 //
 // What it owns:
 //  - A caching allocator over cudaMalloc. Requests are rounded (512 B up to 1 MiB, 2 MiB
@@ -31,6 +32,8 @@
 //  - Copies never block the caller. CUDA copies to or from pageable host memory
 //    synchronously, so those go through pinned staging chunks in stream order (host
 //    memcpy in a host step, DMA from or to the chunk); host-to-host copies are a host step.
+//  - While the tracer is on, every op is a GPU-timed span of its stream's lane (cuda_trace.h),
+//    recorded at the next synchronize.
 //
 // Invariants: every CUDA / cuBLAS call and kernel launch is checked; the calling thread's
 // current device is set to this GPU for the duration of every call (DeviceGuard), so
@@ -66,7 +69,8 @@
 #include "gpu/adamw.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
-#include "gpu/gpu_info.h"
+#include "gpu/cuda_module.h"
+#include "gpu/cuda_trace.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -507,6 +511,7 @@ void CudaDevice::synchronize() {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  gpu::flush_gpu_spans();
   std::vector<CudaStream*> live;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -674,6 +679,7 @@ CudaStream::CudaStream(CudaDevice* dev, std::string name, std::uint64_t id)
     : Stream(dev, std::move(name)), dev_(dev), id_(id) {
   DeviceGuard guard(dev->ordinal());
   STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  gpu::name_gpu_stream(stream_, this->name());
   res_ = dev->take_resources();
 }
 
@@ -698,6 +704,8 @@ CudaStream::~CudaStream() {
     }
   }
   dev_->give_back_resources(std::move(res_));
+  gpu::flush_gpu_spans();
+  gpu::forget_gpu_stream(stream_);
   if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
 }
 
@@ -705,6 +713,9 @@ int CudaStream::ordinal() const noexcept { return dev_->ordinal(); }
 
 void CudaStream::do_copy(MemRef dst, MemRef src) {
   DeviceGuard guard(ordinal());
+  const bool from_host = src.space == MemSpace::kHost, to_host = dst.space == MemSpace::kHost;
+  const gpu::GpuSpan span(from_host ? (to_host ? "copy_h2h" : "copy_h2d") : (to_host ? "copy_d2h" : "copy_d2d"),
+                          stream_, src.bytes);
   if (dst.space == MemSpace::kHost && src.space == MemSpace::kHost) {
     launch_host_step(stream_, [d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); });
     return;
@@ -765,6 +776,7 @@ void CudaStream::do_synchronize() {
     throw_cuda(err, "cudaStreamSynchronize(stream_)", __FILE__, __LINE__,
                fmt::format("work queued on CUDA stream '{}' failed", name()));
   if (auto host_err = take_host_error()) std::rethrow_exception(host_err);
+  gpu::flush_gpu_spans();
 }
 
 void CudaStream::start_host_worker() {
@@ -809,27 +821,32 @@ void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/
 
 void CudaStream::do_fill(TensorRef x, float value) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("fill", stream_);
   STRATA_CUDA_CHECK(gpu::launch_fill(x.mem.ptr, x.dtype, x.numel, value, stream_));
 }
 
 void CudaStream::do_axpy(float alpha, TensorRef x, TensorRef y) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("axpy", stream_);
   STRATA_CUDA_CHECK(gpu::launch_axpy(alpha, x.mem.ptr, x.dtype, y.mem.ptr, y.dtype, x.numel, stream_));
 }
 
 void CudaStream::do_scale(float alpha, TensorRef x) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("scale", stream_);
   STRATA_CUDA_CHECK(gpu::launch_scale(alpha, x.mem.ptr, x.dtype, x.numel, stream_));
 }
 
 void CudaStream::do_add(TensorRef a, TensorRef b, TensorRef out) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("add", stream_);
   STRATA_CUDA_CHECK(gpu::launch_add(a.mem.ptr, a.dtype, b.mem.ptr, b.dtype, out.mem.ptr, out.dtype,
                                     a.numel, stream_));
 }
 
 void CudaStream::do_cast(TensorRef src, TensorRef dst) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("cast", stream_);
   STRATA_CUDA_CHECK(gpu::launch_cast(src.mem.ptr, src.dtype, dst.mem.ptr, dst.dtype, src.numel, stream_));
 }
 
@@ -841,6 +858,7 @@ void* CudaStream::sum_scratch() {
 
 void CudaStream::do_sum_squares(TensorRef x, TensorRef out) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("sum_squares", stream_);
   std::lock_guard<std::mutex> lock(lazy_mu_);
   STRATA_CUDA_CHECK(gpu::launch_sum_squares(x.mem.ptr, x.dtype, x.numel,
                                             static_cast<float*>(out.mem.ptr), sum_scratch(), stream_));
@@ -880,6 +898,7 @@ void CudaStream::gemm(const MatmulDesc& d, void* c, DType c_type) {
 
 void CudaStream::do_matmul(const MatmulDesc& d) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("matmul", stream_);
   std::lock_guard<std::mutex> lock(lazy_mu_);
   // cuBLAS writes bf16 C only from bf16 A/B; fp32 or fp16 inputs with a bf16 C compute
   // into an fp32 temporary that is rounded once at the end, as a bf16-out GEMM would.
@@ -900,6 +919,7 @@ void CudaStream::do_matmul(const MatmulDesc& d) {
 // temporary, zeroed in stream order.
 void CudaStream::do_adamw(const AdamWDesc& d) {
   DeviceGuard guard(ordinal());
+  const gpu::GpuSpan span("adamw", stream_);
   const detail::AdamWScalars k = detail::adamw_scalars(d.options);
   std::vector<gpu::AdamWGpuShard> shards;
   shards.reserve(d.shards.size());
@@ -930,15 +950,17 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
 
 }  // namespace
 
-// ---- public entry points ----
+// ---- the module's entry points (cuda_module.h) ----
 
-CudaProbe probe_cuda() {
+namespace gpu::backend {
+
+CudaProbe probe() {
   static const CudaProbe probe = run_probe();  // thread-safe once: the answer cannot change
   return probe;
 }
 
-std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options) {
-  const CudaProbe p = probe_cuda();
+std::unique_ptr<Device> make_device(const CudaDeviceOptions& options) {
+  const CudaProbe p = probe();
   if (p.device_count == 0)
     STRATA_THROW(kUnsupported, "no usable CUDA GPU ({}); use the CPU-emulated device", p.reason);
   const int ordinal = options.ordinal < 0 ? 0 : options.ordinal;
@@ -947,8 +969,6 @@ std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options) {
                  ordinal, p.device_count, p.device_count - 1);
   return std::make_unique<CudaDevice>(ordinal, options.capacity_bytes);
 }
-
-namespace gpu {
 
 std::vector<ComponentVersion> component_versions() {
   std::vector<ComponentVersion> out;
@@ -982,7 +1002,7 @@ std::vector<ComponentVersion> component_versions() {
 
 std::vector<std::string> device_descriptions() {
   std::vector<std::string> out;
-  const int count = probe_cuda().device_count;
+  const int count = probe().device_count;
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
     cudaError_t err = cudaGetDeviceProperties(&prop, i);
@@ -1000,5 +1020,5 @@ std::vector<std::string> device_descriptions() {
   return out;
 }
 
-}  // namespace gpu
+}  // namespace gpu::backend
 }  // namespace strata

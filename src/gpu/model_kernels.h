@@ -2,6 +2,9 @@
 // src/cpu/model_kernels.h with the same semantics, layouts and accumulate rules, checked
 // against it by tests/model_gpu_test.cpp.
 //
+// The launchers live in the CUDA module (libstrata_cuda.so, see cuda_module.h); code outside it
+// calls them through the table kernels() returns.
+//
 // This header carries no CUDA types so src/model can include it without the CUDA headers:
 // `stream` is the cudaStream_t (Stream::native_handle()), and each launcher returns the
 // cudaError_t of its launch as an int (0 = success; error_text() names it). Weights are fp32
@@ -43,5 +46,33 @@ int bias_add(float* y, const void* b, bool wbf16, i64 n, i64 m, void* stream);
 int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream);
 int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
                   double grad_scale, void* stream);
+
+// The launchers above as the CUDA module exports them (one pointer each, same names).
+struct Kernels {
+#define STRATA_MODEL_KERNEL(name) decltype(&::strata::gpu::model::name) name
+  STRATA_MODEL_KERNEL(error_text);
+  STRATA_MODEL_KERNEL(embedding_forward);
+  STRATA_MODEL_KERNEL(embedding_backward);
+  STRATA_MODEL_KERNEL(rmsnorm_forward);
+  STRATA_MODEL_KERNEL(rmsnorm_backward);
+  STRATA_MODEL_KERNEL(layernorm_forward);
+  STRATA_MODEL_KERNEL(layernorm_backward);
+  STRATA_MODEL_KERNEL(rope);
+  STRATA_MODEL_KERNEL(attention_forward);
+  STRATA_MODEL_KERNEL(attention_backward);
+  STRATA_MODEL_KERNEL(swiglu_forward);
+  STRATA_MODEL_KERNEL(swiglu_backward);
+  STRATA_MODEL_KERNEL(gelu_forward);
+  STRATA_MODEL_KERNEL(gelu_backward);
+  STRATA_MODEL_KERNEL(bias_add);
+  STRATA_MODEL_KERNEL(bias_backward);
+  STRATA_MODEL_KERNEL(cross_entropy);
+#undef STRATA_MODEL_KERNEL
+};
+
+// The loaded CUDA module's table (loading it if needed); throws kUnsupported with the reason
+// when the CUDA backend is unavailable. Only a CUDA stream's ops call it, and a CUDA stream
+// exists only once the module is loaded.
+const Kernels& kernels();
 
 }  // namespace strata::gpu::model

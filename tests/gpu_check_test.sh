@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# gpu_check_skipped: tools/gpu-check.sh on a machine where no GPU is usable (CI, this VM). What
+# can run here does: the gpu test binaries (each must skip, none fail), strata-bench gpu (it
+# must say SKIPPED with the reason and exit 0), the summary; and gpu-check.json must be
+# well-formed and say "skipped" for every part. Then `strata-bench gpu --rehearse` runs every
+# bench part on the CPU-emulated device at small sizes, and its JSON must hold every figure. Where a GPU is usable this test is skipped
+# (exit 77): the check itself is then the test, and takes minutes.
+#
+# The tests run through the binaries directly (--no-ctest), the path a package without ctest
+# takes: a ctest inside this ctest would share the build folder's Testing/ logs with it.
+#
+# Usage: gpu_check_test.sh BUILD_DIR SOURCE_DIR
+set -euo pipefail
+build=$1 src=$2
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+probe=$("$build/tools/strata-bench" gpu --probe) || fail "strata-bench gpu --probe exited $?"
+case $probe in
+  SKIPPED:*) ;;
+  *) echo "a GPU is usable here ($probe): run tools/gpu-check.sh itself"; exit 77 ;;
+esac
+command -v python3 >/dev/null || { echo "no python3 to read the JSON"; exit 77; }
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$src/tools/gpu-check.sh" --build "$build" --out "$out" --no-ctest >"$out/stdout" 2>&1 ||
+  { cat "$out/stdout"; fail "gpu-check.sh exited non-zero without a GPU"; }
+cat "$out/stdout"
+grep -q "^strata gpu-check: SKIPPED: ${probe#SKIPPED: }" "$out/stdout" || fail "no SKIPPED verdict with the reason"
+for part in "gpu tests" link gemm adamw model parity; do
+  grep -qE "^  $part +SKIPPED" "$out/stdout" || fail "part '$part' not reported SKIPPED"
+done
+
+python3 - "$out/gpu-check.json" "${probe#SKIPPED: }" <<'PY'
+import json, sys
+path, reason = sys.argv[1], sys.argv[2]
+j = json.load(open(path))
+def need(cond, what):
+    if not cond:
+        sys.exit(f"gpu-check.json: {what}: {json.dumps(j, indent=1)}")
+need(j["status"] == "skipped" and j["ok"] is True and j["skipped"] is True, "status")
+need(j["reason"] == reason, "reason")
+t = j["tests"]
+need(t["runner"] == "gtest" and t["total"] > 0 and t["skipped"] == t["total"] and t["failed"] == 0, "tests")
+need(t["status"] == "SKIPPED", "tests status")
+b = j["bench"]
+need(b["skipped"] is True and b["reason"] == reason and b["command"] == "gpu", "bench")
+need(b["parts"] == {p: "skipped" for p in ["link", "gemm", "adamw", "model", "parity"]}, "bench parts")
+need([s["name"] for s in j["steps"]] == ["gpu-info", "gpu-tests", "bench"], "steps")
+need(all(s["exit"] == 0 for s in j["steps"]), "step exits")
+need(isinstance(j["seconds"], int) and j["date"].endswith("Z"), "seconds, date")
+print(f"gpu-check.json ok: {t['total']} gpu tests skipped, every bench part skipped: {reason}")
+PY
+
+# What of the bench can run without a GPU: every part on the CPU-emulated device at small sizes
+# (configs and data written, both placements trained and traced, the trace read, parity, JSON).
+nvme=$build/gpu-check-test-nvme.$$
+trap 'rm -rf "$out" "$nvme"' EXIT
+"$build/tools/strata-bench" gpu --rehearse --json --out "$out/rehearse" --nvme-path "$nvme" --adamw-mparams 1 \
+  --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 --vocab 512 --batch 2 --seq 64 --steps 3 \
+  >"$out/rehearse.log" 2>&1 || { cat "$out/rehearse.log"; fail "strata-bench gpu --rehearse failed"; }
+cat "$out/rehearse.log"
+python3 - "$out/rehearse.log" <<'PY'
+import json, sys
+j = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+def need(cond, what):
+    if not cond:
+        sys.exit(f"strata-bench gpu --rehearse: {what}: {json.dumps(j, indent=1)}")
+need(j["ok"] is True and j["rehearsal"] is True and j["skipped"] is False, "verdict")
+need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "model", "parity"]}, "parts")
+l = j["link"]
+need(all(l[k] > 0 for k in ["h2d_gbps", "d2h_gbps", "peak_h2d_gbps", "peak_d2h_gbps"]) and len(l["chunks"]) == 2, "link")
+need(j["gemm"]["peak_tflops"] > 0 and j["adamw"]["adamw_gbps"] > 0 and j["adamw"]["d2d_copy_gbps"] > 0, "gemm, adamw")
+m = j["model"]
+need(m["flops_per_step"] > 0 and sorted(m["placements"]) == ["host", "nvme"], "model")
+for name, p in m["placements"].items():
+    need(p["tokens_per_s"] > 0 and p["mfu"] > 0 and 0 <= p["gpu_idle_share"] <= 1 and 0 < p["gpu_busy_s"], name)
+    need(len(p["losses"]) == 3 and all(x == x for x in p["losses"]), name + " losses")
+# host and NVMe placements train the same model on the same data: the same losses, bit for bit
+need(m["placements"]["host"]["losses"] == m["placements"]["nvme"]["losses"], "host vs nvme losses")
+par = j["parity"]
+need(par["ok"] is True and len(par["cuda_losses"]) == 8 and par["max_rel_diff"] == 0, "parity")
+print("strata-bench gpu --rehearse ok: every part ran on the CPU-emulated device")
+PY

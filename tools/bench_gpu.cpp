@@ -1,0 +1,564 @@
+// strata-bench gpu: strata's CUDA paths against the GPU's own bounds, measured in the same run.
+//
+//   link    pinned H2D / D2H through Stream::copy from PinnedPool memory, in chunks of the sizes
+//           the engine moves (a layer's shard: 4-256 MiB), against the best single large copy
+//   gemm    bf16 GEMM TFLOP/s through Stream::matmul (cuBLAS's default algorithm) against the
+//           fastest of cuBLASLt's heuristic candidates (the CUDA module's best_cublaslt_gemm),
+//           at the GEMM shapes of an 8B Llama layer with 8192 tokens
+//   adamw   Stream::adamw GB/s (fp32 params/grads/m/v, bf16 copy-out: 30 bytes per parameter)
+//           against a device-to-device copy that moves as many bytes
+//   model   strata::train on the GPU, bf16, ZeRO-3 with parameters and optimizer state on the
+//           host and, separately, on NVMe: tokens/s, model FLOPs utilisation (against the best
+//           cuBLAS rate of the gemm part) and the GPU's idle share of a traced step (the union
+//           of the compute stream's GPU-timed spans against the trace's extent)
+//   parity  a small Llama, a few steps, host offload, on the GPU and on the CPU-emulated
+//           device: the logged losses must agree within the bf16 tolerance (3e-2 relative)
+//
+// Without a usable GPU it prints "SKIPPED: <reason>" and exits 0 (--json: {"skipped": true}).
+// --rehearse runs every part on the CPU-emulated device at small sizes instead: the bench's own
+// plumbing (configs, data, training runs, trace analysis, JSON) tested where there is no GPU.
+// A part that fails is reported with its error and the others still run; the command then
+// exits 1 after printing everything.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "bench_common.h"
+#include "gpu/cuda_module.h"
+#include "gpu/gpu_info.h"
+#include "strata/error.h"
+#include "strata/model.h"
+#include "strata/pinned_pool.h"
+#include "strata/trace.h"
+#include "strata/trainer.h"
+
+namespace strata::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+struct Args {
+  std::string parts = "link,gemm,adamw,model,parity";
+  std::string out;        // configs, logs and traces of the model runs
+  std::string nvme_path;  // the NVMe placement's swap folder
+  double link_gib = 1.0;
+  double adamw_mparams = 256;
+  // The model part's Llama (~134M parameters) and batch.
+  std::int64_t hidden = 768, layers = 12, heads = 12, kv_heads = 4, inter = 2048, vocab = 32000;
+  std::int64_t batch = 8, seq = 1024, steps = 4;
+  bool json = false;
+  bool probe = false;
+  // Every part on the CPU-emulated device instead (no cuBLASLt reference; parity compares the
+  // emulated device with itself): tests the bench's own plumbing where there is no GPU.
+  bool rehearse = false;
+  std::string train_device() const { return rehearse ? "cpu" : "cuda"; }
+};
+
+const char* const kParts[] = {"link", "gemm", "adamw", "model", "parity"};
+
+constexpr double kParityTolerance = 3e-2;  // README "The model": CUDA vs CPU, bf16
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Seconds of the fastest of `reps` runs of `queue` (work on `s`), each ended by a synchronize.
+template <class F>
+double best_seconds(Stream& s, int reps, F queue) {
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const Stopwatch sw;
+    queue();
+    s.synchronize();
+    best = std::min(best, sw.seconds());
+  }
+  return best;
+}
+
+json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>& table) {
+  const std::size_t mib = std::size_t(1) << 20;
+  std::vector<std::size_t> sizes = {4 * mib, 16 * mib, 64 * mib, 256 * mib};
+  if (a.rehearse) sizes = {mib, 4 * mib};
+  const std::size_t unit = sizes.back();
+  const auto total = a.rehearse ? 4 * unit : std::size_t(a.link_gib * double(1u << 30)) / unit * unit;
+  STRATA_REQUIRE(total > 0, "--link-gib must be at least 0.25");
+  PinnedPoolOptions po;
+  po.budget_bytes = total + 4 * unit + 64 * mib;
+  po.device = &dev;  // cudaHostRegister
+  PinnedPool pool(po);
+  Buffer d = dev.alloc(total, &s);
+  PinnedBlock big = pool.allocate(total);
+  std::memset(big.data(), 1, total);
+  auto peak = [&](bool h2d) {
+    return double(total) / 1e9 / best_seconds(s, 3, [&] {
+      h2d ? s.copy(d.ref(), host_ref(big.data(), total)) : s.copy(host_ref(big.data(), total), d.ref());
+    });
+  };
+  const double peak_h2d = peak(true), peak_d2h = peak(false);
+  big.reset();
+  json chunks = json::array();
+  double h2d_min = 1e30, d2h_min = 1e30;
+  table.push_back(fmt::format("  link (pinned, {} per run)  peak H2D {:.1f} GB/s, D2H {:.1f} GB/s", human_bytes(double(total)),
+                              peak_h2d, peak_d2h));
+  for (std::size_t chunk : sizes) {
+    std::vector<PinnedBlock> ring;
+    for (int i = 0; i < 4; ++i) {
+      ring.push_back(pool.allocate(chunk));
+      std::memset(ring.back().data(), 1, chunk);
+    }
+    auto rate = [&](bool h2d) {
+      return double(total) / 1e9 / best_seconds(s, 3, [&] {
+        for (std::size_t off = 0, i = 0; off < total; off += chunk, ++i) {
+          const MemRef host = host_ref(ring[i % ring.size()].data(), chunk);
+          h2d ? s.copy(d.ref(off, chunk), host) : s.copy(host, d.ref(off, chunk));
+        }
+      });
+    };
+    const double h2d = rate(true), d2h = rate(false);
+    h2d_min = std::min(h2d_min, h2d);
+    d2h_min = std::min(d2h_min, d2h);
+    chunks.push_back({{"chunk_bytes", chunk}, {"h2d_gbps", h2d}, {"d2h_gbps", d2h}});
+    table.push_back(fmt::format("    chunks of {:>8}: H2D {:6.1f} GB/s ({:.2f} of peak), D2H {:6.1f} GB/s ({:.2f})",
+                                human_bytes(double(chunk)), h2d, h2d / peak_h2d, d2h, d2h / peak_d2h));
+  }
+  return {{"bytes_per_run", total},
+          {"peak_h2d_gbps", peak_h2d},
+          {"peak_d2h_gbps", peak_d2h},
+          {"chunks", chunks},
+          {"h2d_gbps", h2d_min},  // the slowest chunk size
+          {"d2h_gbps", d2h_min},
+          {"h2d_ratio_vs_peak", h2d_min / peak_h2d},
+          {"d2h_ratio_vs_peak", d2h_min / peak_d2h}};
+}
+
+json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::string>& table, double* peak_tflops) {
+  struct Shape {
+    const char* name;
+    std::int64_t m, n, k;
+  };
+  // An 8B Llama layer (hidden 4096, 8 KV heads of 128, MLP 14336) over 8192 tokens: y = x W^T.
+  std::vector<Shape> shapes = {{"qkv", 8192, 6144, 4096},
+                               {"attn_out", 8192, 4096, 4096},
+                               {"gate_up", 8192, 28672, 4096},
+                               {"down", 8192, 4096, 14336}};
+  if (args.rehearse) shapes = {{"small", 256, 384, 256}};
+  json rows = json::array();
+  table.push_back("  bf16 GEMM (A [m,k] x W[n,k]^T, fp32 out)      ours TFLOP/s  cuBLASLt best  ratio");
+  *peak_tflops = 0;
+  for (const Shape& sh : shapes) {
+    Buffer a = dev.alloc(std::size_t(sh.m * sh.k) * 2, &s), b = dev.alloc(std::size_t(sh.n * sh.k) * 2, &s),
+           c = dev.alloc(std::size_t(sh.m * sh.n) * 4, &s);
+    s.fill(tensor(a, DType::kBF16), 0.5f);
+    s.fill(tensor(b, DType::kBF16), 0.25f);
+    MatmulDesc d;
+    d.m = sh.m;
+    d.n = sh.n;
+    d.k = sh.k;
+    d.trans_b = true;
+    d.a = tensor(a, DType::kBF16);
+    d.b = tensor(b, DType::kBF16);
+    d.c = tensor(c, DType::kF32);
+    s.matmul(d);  // warm-up (cuBLAS's handle, its heuristics)
+    const int calls = 10;
+    const double ours_s = best_seconds(s, 5, [&] {
+                            for (int i = 0; i < calls; ++i) s.matmul(d);
+                          }) / calls;
+    gpu::GemmBest lt{ours_s, 0, -1, 0};  // rehearsal: ours is its own reference
+    if (!args.rehearse) lt = gpu::best_cublaslt_gemm(s, d, 16, calls);
+    const double flop = 2.0 * double(sh.m) * double(sh.n) * double(sh.k);
+    const double ours = flop / ours_s / 1e12, best = flop / lt.seconds / 1e12;
+    *peak_tflops = std::max({*peak_tflops, best, ours});
+    rows.push_back({{"name", sh.name},
+                    {"m", sh.m},
+                    {"n", sh.n},
+                    {"k", sh.k},
+                    {"tflops", ours},
+                    {"cublaslt_best_tflops", best},
+                    {"cublaslt_candidates", lt.candidates},
+                    {"cublaslt_best_candidate", lt.candidate},
+                    {"ratio_vs_cublaslt", ours / best}});
+    table.push_back(fmt::format("    {:<9} {:>5}x{:>5}x{:>5}                 {:8.1f}  {:13.1f}  {:5.2f}", sh.name, sh.m,
+                                sh.n, sh.k, ours, best, ours / best));
+  }
+  double worst = 1e30;
+  for (const auto& r : rows) worst = std::min(worst, r["ratio_vs_cublaslt"].get<double>());
+  return {{"shapes", rows}, {"peak_tflops", *peak_tflops}, {"ratio_vs_cublaslt", worst}};
+}
+
+json bench_adamw(Device& dev, Stream& s, const Args& a, std::vector<std::string>& table) {
+  const auto n = std::size_t(a.adamw_mparams * 1e6) / 64 * 64;
+  STRATA_REQUIRE(n > 0, "--adamw-mparams must be > 0");
+  const int shards = 16;
+  const std::size_t per = n / shards;
+  double adamw_s = 0;
+  {
+    Buffer p = dev.alloc(n * 4, &s), g = dev.alloc(n * 4, &s), m = dev.alloc(n * 4, &s), v = dev.alloc(n * 4, &s),
+           w = dev.alloc(n * 2, &s), bad = dev.alloc(4, &s);
+    s.fill(tensor(p, DType::kF32), 1.0f);
+    s.fill(tensor(g, DType::kF32), 0.01f);
+    s.fill(tensor(m, DType::kF32), 0.0f);
+    s.fill(tensor(v, DType::kF32), 0.0f);
+    AdamWDesc desc;
+    desc.policy = NonFinitePolicy::kReportOnly;  // as the engine runs it: no pre-check pass
+    desc.non_finite = tensor(bad, DType::kF32, 1);
+    for (int i = 0; i < shards; ++i) {
+      const std::size_t off = std::size_t(i) * per;
+      desc.shards.push_back({tensor(p, DType::kF32, per, off), tensor(g, DType::kF32, per, off),
+                             tensor(m, DType::kF32, per, off), tensor(v, DType::kF32, per, off),
+                             tensor(w, DType::kBF16, per, off)});
+    }
+    std::int64_t step = 0;
+    auto run = [&] {
+      desc.options.step = ++step;
+      s.adamw(desc);
+    };
+    run();
+    adamw_s = best_seconds(s, 3, [&] {
+                for (int i = 0; i < 5; ++i) run();
+              }) / 5;
+  }
+  const std::size_t moved = std::size_t(per) * shards * 30;  // read p g m v, write p m v, bf16 out
+  Buffer src = dev.alloc(moved / 2, &s), dst = dev.alloc(moved / 2, &s);  // a copy reads and writes
+  s.fill(tensor(src, DType::kF32), 1.0f);
+  s.copy(dst.ref(), src.ref());
+  const double copy_s = best_seconds(s, 3, [&] {
+                          for (int i = 0; i < 5; ++i) s.copy(dst.ref(), src.ref());
+                        }) / 5;
+  const double adamw_gbps = double(moved) / adamw_s / 1e9, copy_gbps = double(moved) / copy_s / 1e9;
+  table.push_back(fmt::format("  AdamW ({:.0f}M params, fp32 state, bf16 copy-out)  {:.0f} GB/s, device copy {:.0f} GB/s: "
+                              "ratio {:.2f}",
+                              double(per * shards) / 1e6, adamw_gbps, copy_gbps, adamw_gbps / copy_gbps));
+  return {{"params", per * shards},
+          {"bytes_per_step", moved},
+          {"adamw_gbps", adamw_gbps},
+          {"params_per_s", double(per * shards) / adamw_s},
+          {"d2d_copy_gbps", copy_gbps},
+          {"ratio_vs_copy", adamw_gbps / copy_gbps}};
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  STRATA_CHECK(f.good(), "cannot write {}", path.string());
+}
+
+// `count` u16 tokens below `vocab`: a fixed recurrence with 10% noise, so a model has
+// something to learn and the losses move.
+void write_tokens(const fs::path& path, std::size_t count, std::int64_t vocab) {
+  std::mt19937_64 rng(7);
+  std::vector<std::uint16_t> t(count);
+  std::uint64_t x = 1;
+  for (auto& e : t) {
+    x = (x * 7 + 3) % std::uint64_t(vocab);
+    e = static_cast<std::uint16_t>(rng() % 10 == 0 ? rng() % std::uint64_t(vocab) : x);
+  }
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(t.data()), std::streamsize(t.size() * 2));
+  STRATA_CHECK(f.good(), "cannot write {}", path.string());
+}
+
+json llama_config(std::int64_t hidden, std::int64_t layers, std::int64_t heads, std::int64_t kv, std::int64_t inter,
+                  std::int64_t vocab, std::int64_t seq) {
+  return {{"model_type", "llama"},          {"architectures", {"LlamaForCausalLM"}},
+          {"vocab_size", vocab},            {"hidden_size", hidden},
+          {"intermediate_size", inter},     {"num_hidden_layers", layers},
+          {"num_attention_heads", heads},   {"num_key_value_heads", kv},
+          {"max_position_embeddings", seq}, {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},          {"tie_word_embeddings", false}};
+}
+
+// A ds_config: ZeRO-3, bf16, AdamW, parameters and optimizer state on `where` (cpu | nvme).
+json ds_config(const std::string& where, const std::string& nvme_path, std::int64_t micro_batch) {
+  json off = {{"device", where}, {"pin_memory", true}};
+  if (where == "nvme") off["nvme_path"] = nvme_path;
+  return {{"train_micro_batch_size_per_gpu", micro_batch},
+          {"gradient_accumulation_steps", 1},
+          {"bf16", {{"enabled", true}}},
+          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}, {"weight_decay", 0.0}}}}},
+          {"zero_optimization", {{"stage", 3}, {"offload_param", off}, {"offload_optimizer", off}}}};
+}
+
+struct TraceFigures {
+  double busy_s = 0;    // the union of the lane's spans
+  double extent_s = 0;  // first start to last end of every span in the trace: the traced step
+};
+
+// How long the lane `lane` of a Chrome trace of one step is busy, and how long the step is.
+TraceFigures lane_busy(const fs::path& trace, const std::string& lane) {
+  std::ifstream f(trace);
+  STRATA_CHECK(f.good(), "no trace at {}", trace.string());
+  const json t = json::parse(f);
+  int tid = -1;
+  std::vector<std::pair<double, double>> spans;  // microseconds
+  double first = 1e300, last = -1e300;
+  for (const auto& e : t.at("traceEvents"))
+    if (e.value("ph", "") == "M" && e.at("args").value("name", "") == lane) tid = e.at("tid").get<int>();
+  for (const auto& e : t.at("traceEvents")) {
+    if (e.value("ph", "") != "X") continue;
+    const double ts = e.at("ts").get<double>(), end = ts + e.at("dur").get<double>();
+    first = std::min(first, ts);
+    last = std::max(last, end);
+    // (the emulated device also records its streams' event waits: not work)
+    if (e.at("tid").get<int>() == tid && !e.value("name", "").starts_with("wait")) spans.emplace_back(ts, end);
+  }
+  STRATA_CHECK(tid >= 0 && !spans.empty(), "the trace {} has no span on lane '{}'", trace.string(), lane);
+  std::sort(spans.begin(), spans.end());
+  double busy = 0, lo = 0, hi = -1;
+  for (const auto& [a, b] : spans) {
+    if (a > hi) {
+      busy += std::max(0.0, hi - lo);
+      lo = a;
+      hi = b;
+    } else {
+      hi = std::max(hi, b);
+    }
+  }
+  busy += std::max(0.0, hi - lo);
+  return {busy * 1e-6, (last - first) * 1e-6};
+}
+
+// One strata::train run; its console output goes to `log`.
+TrainResult train_logged(TrainOptions o, const fs::path& log) {
+  std::FILE* con = std::fopen(log.c_str(), "w");
+  STRATA_CHECK(con != nullptr, "cannot write {}", log.string());
+  o.console = con;
+  Tracer::global().clear();  // a trace holds this run's step only, not an earlier run's in this process
+  try {
+    TrainResult r = train(o);
+    std::fclose(con);
+    return r;
+  } catch (...) {
+    std::fclose(con);
+    throw;
+  }
+}
+
+json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::vector<std::string>& table) {
+  const json cfg = llama_config(a.hidden, a.layers, a.heads, a.kv_heads, a.inter, a.vocab, a.seq);
+  write_file(out / "model-config.json", cfg.dump(2));
+  write_tokens(out / "model-tokens.u16", std::size_t((a.steps + 2) * a.batch * a.seq + 1), a.vocab);
+  // FLOPs of one step (one micro-batch) from the model itself, built on a small emulated device.
+  double flops = 0;
+  std::size_t params = 0;
+  {
+    auto hd = make_host_device(HostDeviceOptions{.capacity_bytes = std::size_t(256) << 20, .poison = false});
+    auto hs = hd->create_stream("flops");
+    ModelOptions mo;
+    mo.micro_batch = a.batch;
+    mo.seq_len = a.seq;
+    mo.compute = DType::kBF16;
+    const Model m(parse_model_config(cfg.dump(), "model-config.json"), *hd, *hs, mo);
+    flops = m.flops_per_step();
+    params = m.num_params();
+  }
+  table.push_back(fmt::format("  model step: Llama {:.1f}M params (hidden {}, {} layers), B={} T={}, bf16, ZeRO-3, 1 GPU",
+                              double(params) / 1e6, a.hidden, a.layers, a.batch, a.seq));
+  table.push_back("    placement   step s   tokens/s    MFU  GPU idle");
+  json runs = json::object();
+  for (const std::string where : {"cpu", "nvme"}) {
+    const std::string tag = where == "cpu" ? "host" : "nvme";
+    write_file(out / ("ds-" + tag + ".json"), ds_config(where, a.nvme_path, a.batch).dump(2));
+    TrainOptions o;
+    o.model_config = (out / "model-config.json").string();
+    o.data_files = {(out / "model-tokens.u16").string()};
+    o.data_format = "u16";
+    o.ds_config = (out / ("ds-" + tag + ".json")).string();
+    o.seq_len = a.seq;
+    o.steps = a.steps;
+    o.device = a.train_device();
+    o.log_json = (out / ("model-" + tag + ".jsonl")).string();
+    o.trace_file = (out / ("trace-" + tag + ".json")).string();
+    o.trace_step = a.steps;  // the last: the earlier ones warm up (prefetch order, allocator)
+    const TrainResult r = train_logged(o, out / ("model-" + tag + ".log"));
+    STRATA_CHECK(std::int64_t(r.steps.size()) == a.steps, "{} steps ran, {} expected", r.steps.size(), a.steps);
+    std::vector<double> untraced;
+    for (std::size_t i = 1; i + 1 < r.steps.size(); ++i) untraced.push_back(r.steps[i].step_s);
+    if (untraced.empty()) untraced.push_back(r.steps.back().step_s);
+    const double step_s = median(untraced);
+    // The traced step's length as its trace shows it: the trainer's own step time for it also
+    // counts writing the trace.
+    const TraceFigures tf = lane_busy(o.trace_file, "compute");
+    const double traced_s = tf.extent_s, busy = tf.busy_s;
+    const double idle = std::clamp(1.0 - busy / traced_s, 0.0, 1.0);
+    const double tokens_per_s = double(a.batch * a.seq) / step_s;
+    const double mfu = peak_tflops > 0 ? flops / step_s / (peak_tflops * 1e12) : 0;
+    runs[tag] = {{"step_s", step_s},
+                 {"tokens_per_s", tokens_per_s},
+                 {"model_tflops", flops / step_s / 1e12},
+                 {"mfu", peak_tflops > 0 ? json(mfu) : json(nullptr)},
+                 {"traced_step_s", traced_s},
+                 {"gpu_busy_s", busy},
+                 {"gpu_idle_share", idle},
+                 {"losses", [&] {
+                    json l = json::array();
+                    for (const auto& s : r.steps) l.push_back(s.loss);
+                    return l;
+                  }()},
+                 {"trace", o.trace_file},
+                 {"log_json", o.log_json}};
+    table.push_back(fmt::format("    {:<9} {:8.3f} {:10.0f} {:>6} {:8.2f}", tag, step_s, tokens_per_s,
+                                peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-", idle));
+  }
+  return {{"params", params},   {"flops_per_step", flops},  {"batch", a.batch},       {"seq_len", a.seq},
+          {"steps", a.steps},   {"peak_tflops", peak_tflops}, {"placements", runs}};
+}
+
+json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& table) {
+  const std::int64_t vocab = 512, seq = 128, batch = 4, steps = 8;
+  write_file(out / "parity-config.json", llama_config(256, 4, 4, 2, 688, vocab, seq).dump(2));
+  write_tokens(out / "parity-tokens.u16", std::size_t((steps + 2) * batch * seq + 1), vocab);
+  write_file(out / "ds-parity.json", ds_config("cpu", "", batch).dump(2));
+  std::map<std::string, std::vector<double>> losses;
+  for (const std::string dev : {"cuda", "cpu"}) {
+    TrainOptions o;
+    o.device = dev == "cuda" ? a.train_device() : dev;
+    o.model_config = (out / "parity-config.json").string();
+    o.data_files = {(out / "parity-tokens.u16").string()};
+    o.data_format = "u16";
+    o.ds_config = (out / "ds-parity.json").string();
+    o.seq_len = seq;
+    o.steps = steps;
+    o.lr = 3e-3;
+    o.log_json = (out / ("parity-" + dev + ".jsonl")).string();
+    for (const auto& s : train_logged(o, out / ("parity-" + dev + ".log")).steps) losses[dev].push_back(s.loss);
+  }
+  const auto& g = losses["cuda"];
+  const auto& c = losses["cpu"];
+  STRATA_CHECK(g.size() == c.size() && !g.empty(), "parity: {} GPU steps, {} CPU steps", g.size(), c.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - c[i]) / std::abs(c[i]));
+  const bool ok = std::isfinite(worst) && worst <= kParityTolerance;
+  table.push_back(fmt::format("  parity (Llama 4x256, {} steps, host offload, bf16): GPU vs CPU-emulated losses, max rel "
+                              "diff {:.2e} (tolerance {:.0e}): {}",
+                              steps, worst, kParityTolerance, ok ? "ok" : "FAILED"));
+  return {{"steps", steps},
+          {"cuda_losses", g},
+          {"cpu_losses", c},
+          {"max_rel_diff", worst},
+          {"tolerance", kParityTolerance},
+          {"ok", ok}};
+}
+
+void run(Args a) {
+  const CudaProbe probe = probe_cuda();
+  if (probe.device_count == 0 && !a.rehearse) {
+    std::printf("SKIPPED: %s\n", probe.reason.c_str());
+    json parts = json::object();
+    for (const char* p : kParts) parts[p] = "skipped";
+    if (a.json) print_json({{"command", "gpu"}, {"skipped", true}, {"reason", probe.reason}, {"parts", parts}});
+    return;
+  }
+  if (a.probe && !a.rehearse) {
+    for (const auto& d : gpu::device_descriptions()) std::printf("GPU: %s\n", d.c_str());
+    if (a.json) print_json({{"command", "gpu"}, {"skipped", false}, {"devices", gpu::device_descriptions()}});
+    return;
+  }
+  std::vector<std::string> parts;
+  {
+    std::stringstream ss(a.parts);
+    for (std::string p; std::getline(ss, p, ',');) {
+      STRATA_REQUIRE(std::find(std::begin(kParts), std::end(kParts), p) != std::end(kParts),
+                     "--parts: '{}' is not one of link, gemm, adamw, model, parity", p);
+      parts.push_back(p);
+    }
+  }
+  STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536, "--vocab must be in 1..65536 (the data is u16 tokens)");
+  const fs::path out = a.out.empty() ? fs::path(default_scratch_dir("gpu-bench")) : fs::path(a.out);
+  fs::create_directories(out);
+  if (a.nvme_path.empty()) a.nvme_path = default_scratch_dir("gpu-bench-nvme");
+  fs::create_directories(a.nvme_path);
+
+  json figures = {{"command", "gpu"}, {"skipped", false}, {"rehearsal", a.rehearse}};
+  std::vector<std::string> table;
+  double peak_tflops = 0;
+  int failures = 0;
+  {
+    auto dev = a.rehearse ? make_host_device(HostDeviceOptions{.poison = false}) : make_cuda_device({});
+    figures["device"] = dev->name();
+    std::printf("strata-bench gpu: %s\n", dev->name().c_str());
+    auto s = dev->create_stream("bench-gpu");
+    for (const std::string& p : parts) {
+      if (p == "model" || p == "parity") continue;  // below, once this device is gone
+      const Stopwatch sw;
+      try {
+        if (p == "link") figures["link"] = bench_link(*dev, *s, a, table);
+        if (p == "gemm") figures["gemm"] = bench_gemm(*dev, *s, a, table, &peak_tflops);
+        if (p == "adamw") figures["adamw"] = bench_adamw(*dev, *s, a, table);
+      } catch (const Error& e) {
+        ++failures;
+        figures[p] = {{"error", e.what()}};
+        table.push_back(fmt::format("  {}: FAILED: {}", p, e.what()));
+      }
+      figures[p]["seconds"] = sw.seconds();
+    }
+  }
+  // strata::train makes its own device; the one above is released first.
+  for (const std::string& p : parts) {
+    if (p != "model" && p != "parity") continue;
+    const Stopwatch sw;
+    try {
+      if (p == "model") figures["model"] = bench_model(a, out, peak_tflops, table);
+      if (p == "parity") {
+        figures["parity"] = bench_parity(a, out, table);
+        if (!figures["parity"]["ok"].get<bool>()) ++failures;
+      }
+    } catch (const Error& e) {
+      ++failures;
+      figures[p] = {{"error", e.what()}};
+      table.push_back(fmt::format("  {}: FAILED: {}", p, e.what()));
+    }
+    figures[p]["seconds"] = sw.seconds();
+  }
+  for (const auto& line : table) std::printf("%s\n", line.c_str());
+  std::printf("  files: %s\n", out.c_str());
+  json status = json::object();
+  for (const char* p : kParts)
+    status[p] = !figures.contains(p) ? "not run" : figures[p].contains("error") ? "failed"
+                : figures[p].value("ok", true)                               ? "ok"
+                                                                             : "failed";
+  figures["parts"] = status;
+  figures["ok"] = failures == 0;
+  figures["out"] = out.string();
+  if (a.json) print_json(figures);
+  std::fflush(stdout);
+  STRATA_CHECK(failures == 0, "{} part(s) failed (see above)", failures);
+}
+
+}  // namespace
+
+void add_gpu_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("gpu", "link, GEMM, AdamW and model step on a CUDA GPU vs its measured bounds");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--parts", a->parts, "comma-separated: link,gemm,adamw,model,parity (default all)");
+  cmd->add_option("--out", a->out, "folder for the model runs' configs, logs and traces (default: the scratch folder)");
+  cmd->add_option("--nvme-path", a->nvme_path, "swap folder of the NVMe placement (default: the scratch folder)");
+  cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)");
+  cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)");
+  cmd->add_option("--hidden", a->hidden, "model part: hidden size (default 768)");
+  cmd->add_option("--layers", a->layers, "model part: decoder layers (default 12)");
+  cmd->add_option("--heads", a->heads, "model part: attention heads (default 12)");
+  cmd->add_option("--kv-heads", a->kv_heads, "model part: key/value heads (default 4)");
+  cmd->add_option("--intermediate", a->inter, "model part: MLP size (default 2048)");
+  cmd->add_option("--vocab", a->vocab, "model part: vocabulary, <= 65536 (default 32000)");
+  cmd->add_option("--batch", a->batch, "model part: micro-batch (default 8)");
+  cmd->add_option("--seq", a->seq, "model part: sequence length (default 1024)");
+  cmd->add_option("--steps", a->steps, "model part: steps per placement, the last traced (default 4)")
+      ->check(CLI::Range(2, 1000));
+  cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
+  cmd->add_flag("--probe", a->probe, "only say whether a GPU is usable (GPU: ... or SKIPPED: ...)");
+  cmd->add_flag("--rehearse", a->rehearse,
+                "run every part on the CPU-emulated device (no cuBLASLt reference; parity against itself): "
+                "tests the bench where there is no GPU; use small sizes");
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace strata::bench
