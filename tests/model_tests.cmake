@@ -1,9 +1,13 @@
 # The transformer (issue #7): per-op finite differences, the whole model against a PyTorch
 # oracle (skipped where /usr/bin/python3 cannot import torch), weights I/O, data loaders, and
-# the CUDA kernels against the CPU reference (label gpu: skipped where no GPU is usable).
-strata_add_test(model_ops_test SOURCES model_ops_test.cpp LABELS unit)
-strata_add_test(model_oracle_test SOURCES model_oracle_test.cpp LABELS unit
+# the CUDA kernels against the CPU reference (label gpu: skipped where no GPU is usable), and
+# the fast fp32 CPU kernels (every SIMD path the CPU has, the tiled attention) against the
+# double reference. The CPU suites carry the label model (ctest -L model) instead of unit: a
+# discovered GoogleTest gets one label here.
+strata_add_test(model_ops_test SOURCES model_ops_test.cpp LABELS model)
+strata_add_test(model_kernels_test SOURCES model_kernels_test.cpp LABELS model)
+strata_add_test(model_oracle_test SOURCES model_oracle_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
-strata_add_test(model_test SOURCES model_test.cpp LABELS unit)
-strata_add_test(model_io_test SOURCES model_io_test.cpp LABELS unit)
+strata_add_test(model_test SOURCES model_test.cpp LABELS model)
+strata_add_test(model_io_test SOURCES model_io_test.cpp LABELS model)
 strata_add_test(model_gpu_test SOURCES model_gpu_test.cpp LABELS gpu)

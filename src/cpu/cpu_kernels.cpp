@@ -1,10 +1,14 @@
 // Element-wise kernels work tile by tile: load a tile of each input as fp32, compute,
-// store with round-to-nearest-even. The compiler vectorises the fp32 loops; conversions
-// use the exact scalar routines of strata/dtype.h so every backend rounds identically.
-// Large arrays are split across oneTBB workers.
+// store with round-to-nearest-even. The compiler vectorises the fp32 loops; bf16 conversions
+// run the AVX-512 / AVX2 casts of model_simd.h where the CPU has them, which round exactly as
+// the scalar routines of strata/dtype.h (used otherwise, and for fp16), so every backend
+// rounds identically. Large arrays are split across OpenMP threads (element-wise work) or
+// oneTBB workers (sum_squares).
 #include "cpu/cpu_kernels.h"
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -12,6 +16,7 @@
 #include <tbb/parallel_for.h>
 #include <tbb/parallel_reduce.h>
 
+#include "cpu/model_simd.h"
 #include "strata/error.h"
 
 namespace strata::cpu {
@@ -25,6 +30,7 @@ void load(DType t, const void* p, std::size_t off, std::size_t n, float* out) {
     case DType::kF32: std::copy_n(static_cast<const float*>(p) + off, n, out); return;
     case DType::kBF16: {
       const auto* s = static_cast<const std::uint16_t*>(p) + off;
+      if (const simd::Kernels* k = simd::kernels()) return k->bf16_to_f32(s, out, std::int64_t(n));
       for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(s[i]);
       return;
     }
@@ -46,6 +52,7 @@ void store(DType t, void* p, std::size_t off, std::size_t n, const float* in) {
     case DType::kF32: std::copy_n(in, n, static_cast<float*>(p) + off); return;
     case DType::kBF16: {
       auto* d = static_cast<std::uint16_t*>(p) + off;
+      if (const simd::Kernels* k = simd::kernels()) return k->f32_to_bf16(in, d, std::int64_t(n));
       for (std::size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(in[i]);
       return;
     }
@@ -62,7 +69,9 @@ void store(DType t, void* p, std::size_t off, std::size_t n, const float* in) {
   }
 }
 
-// Runs body(offset, count) over [0, n) in tiles, in parallel for large n.
+// Runs body(offset, count) over [0, n) in tiles, in parallel for large n. On OpenMP, oneDNN's
+// runtime: these kernels sit between matmuls, and a second runtime's workers would spin on
+// the cores the matmul's team wants (and the other way round).
 template <class Body>
 void for_tiles(std::size_t n, Body body) {
   auto range = [&](std::size_t lo, std::size_t hi) {
@@ -72,10 +81,10 @@ void for_tiles(std::size_t n, Body body) {
     range(0, n);
     return;
   }
-  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, (n + kGrain - 1) / kGrain),
-                    [&](const tbb::blocked_range<std::size_t>& r) {
-                      range(r.begin() * kGrain, std::min(n, r.end() * kGrain));
-                    });
+  const std::ptrdiff_t grains = static_cast<std::ptrdiff_t>((n + kGrain - 1) / kGrain);
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t g = 0; g < grains; ++g)
+    range(std::size_t(g) * kGrain, std::min(n, std::size_t(g + 1) * kGrain));
 }
 
 }  // namespace
@@ -118,6 +127,19 @@ void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, 
 }
 
 void cast(DType ts, const void* src, DType td, void* dst, std::size_t n) {
+  // fp32 <-> bf16 straight from source to destination, without the fp32 tile in between.
+  if (const simd::Kernels* k = simd::kernels(); k && ts == DType::kF32 && td == DType::kBF16) {
+    for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+      k->f32_to_bf16(static_cast<const float*>(src) + off, static_cast<std::uint16_t*>(dst) + off, std::int64_t(cnt));
+    });
+    return;
+  }
+  if (const simd::Kernels* k = simd::kernels(); k && ts == DType::kBF16 && td == DType::kF32) {
+    for_tiles(n, [&](std::size_t off, std::size_t cnt) {
+      k->bf16_to_f32(static_cast<const std::uint16_t*>(src) + off, static_cast<float*>(dst) + off, std::int64_t(cnt));
+    });
+    return;
+  }
   for_tiles(n, [&](std::size_t off, std::size_t cnt) {
     float x[kTile];
     load(ts, src, off, cnt, x);
@@ -149,9 +171,18 @@ float sum_squares(DType t, const void* x, std::size_t n) {
 }
 
 // ---- matmul ----
+// Primitives are kept by shape (a training step issues the same few shapes again and again),
+// so a call costs only binding the three pointers; the cache is per Matmul, i.e. per stream
+// worker, like the oneDNN stream.
 struct Matmul::Impl {
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool, int, int, float, float>;
+  struct Prim {
+    dnnl::matmul prim;
+    dnnl::memory a, b, c;
+  };
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
+  std::map<Key, Prim> prims;
 };
 
 Matmul::Matmul() : impl_(std::make_unique<Impl>()) {}
@@ -194,23 +225,33 @@ void Matmul::run(const MatmulDesc& d) {
     c_ptr = c32.data();
     c_type = DType::kF32;
   }
-  const dnnl::memory::desc a_md({m, k}, dnnl_type(in_type), d.trans_a ? dims{1, m} : dims{k, 1});
-  const dnnl::memory::desc b_md({k, n}, dnnl_type(in_type), d.trans_b ? dims{1, k} : dims{n, 1});
-  const dnnl::memory::desc c_md({m, n}, dnnl_type(c_type), dims{n, 1});
-  dnnl::primitive_attr attr;
-  if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
-  if (d.beta != 0.0f) {
-    dnnl::post_ops po;
-    po.append_sum(d.beta);
-    attr.set_post_ops(po);
-  }
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, impl_->engine);
-    const dnnl::matmul prim(pd);
-    dnnl::memory am(a_md, impl_->engine, const_cast<void*>(a));
-    dnnl::memory bm(b_md, impl_->engine, const_cast<void*>(b));
-    dnnl::memory cm(c_md, impl_->engine, c_ptr);
-    prim.execute(impl_->stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    const Impl::Key key{m, n, k, d.trans_a, d.trans_b, int(in_type), int(c_type), d.alpha, d.beta};
+    auto it = impl_->prims.find(key);
+    if (it == impl_->prims.end()) {
+      const dnnl::memory::desc a_md({m, k}, dnnl_type(in_type), d.trans_a ? dims{1, m} : dims{k, 1});
+      const dnnl::memory::desc b_md({k, n}, dnnl_type(in_type), d.trans_b ? dims{1, k} : dims{n, 1});
+      const dnnl::memory::desc c_md({m, n}, dnnl_type(c_type), dims{n, 1});
+      dnnl::primitive_attr attr;
+      if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
+      if (d.beta != 0.0f) {
+        dnnl::post_ops po;
+        po.append_sum(d.beta);
+        attr.set_post_ops(po);
+      }
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, impl_->engine);
+      if (impl_->prims.size() >= 512) impl_->prims.clear();  // a caller cycling through many shapes
+      it = impl_->prims
+               .emplace(key, Impl::Prim{dnnl::matmul(pd), dnnl::memory(a_md, impl_->engine, nullptr),
+                                        dnnl::memory(b_md, impl_->engine, nullptr),
+                                        dnnl::memory(c_md, impl_->engine, nullptr)})
+               .first;
+    }
+    Impl::Prim& p = it->second;
+    p.a.set_data_handle(const_cast<void*>(a));
+    p.b.set_data_handle(const_cast<void*>(b));
+    p.c.set_data_handle(c_ptr);
+    p.prim.execute(impl_->stream, {{DNNL_ARG_SRC, p.a}, {DNNL_ARG_WEIGHTS, p.b}, {DNNL_ARG_DST, p.c}});
     impl_->stream.wait();
     if (!c32.empty()) cast(DType::kF32, c32.data(), DType::kBF16, d.c.mem.ptr, c32.size());
   } catch (const dnnl::error& e) {

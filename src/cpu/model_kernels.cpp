@@ -1,4 +1,4 @@
-// CPU transformer kernels. Row-parallel work goes to oneTBB; anything that sums over rows into
+// CPU transformer kernels. Row-parallel work goes to OpenMP (oneDNN's runtime); anything that sums over rows into
 // a weight gradient is a serial loop over rows (vectorised along the row) so the order of
 // additions, and hence the bits, never depend on scheduling. Instantiated for float (the
 // model) and double (the finite-difference tests).
@@ -6,25 +6,71 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
+#include "cpu/model_simd.h"
+#include "cpu/parallel_rows.h"
+#include "strata/adamw.h"
+#include "strata/error.h"
 
 namespace strata::cpu {
+
+namespace simd {
 namespace {
 
-// Runs body(i) for i in [0, n), in parallel when there is enough work per index.
-template <class Body>
-void parallel_rows(i64 n, i64 work_per_row, Body body) {
-  if (n * work_per_row < 32768 || n < 2) {
-    for (i64 i = 0; i < n; ++i) body(i);
-    return;
+struct Choice {
+  const Kernels* k = nullptr;
+  Isa isa = Isa::kScalar;
+};
+
+Choice choose(Isa want) {
+  if (want == Isa::kAuto) {
+    if (const char* env = std::getenv("STRATA_MODEL_ISA"); env != nullptr && *env != '\0') {
+      want = parse_isa(env);
+      if (want != Isa::kAuto && !isa_supported(want))
+        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but this CPU cannot run it; unset it or pick a path it has",
+                     env);
+    }
   }
-  tbb::parallel_for(tbb::blocked_range<i64>(0, n), [&](const tbb::blocked_range<i64>& r) {
-    for (i64 i = r.begin(); i < r.end(); ++i) body(i);
-  });
+  if (want == Isa::kAuto) want = isa_supported(Isa::kAvx512) ? Isa::kAvx512
+                                 : isa_supported(Isa::kAvx2) ? Isa::kAvx2
+                                                             : Isa::kScalar;
+  STRATA_REQUIRE(isa_supported(want), "set_model_isa: this CPU cannot run the {} path", isa_name(want));
+  switch (want) {
+    case Isa::kAvx512: return {&avx512_kernels(), want};
+    case Isa::kAvx2: return {&avx2_kernels(), want};
+    default: return {nullptr, Isa::kScalar};
+  }
+}
+
+Choice& chosen() {
+  static Choice c = choose(Isa::kAuto);
+  return c;
+}
+
+}  // namespace
+
+const Kernels* kernels() { return chosen().k; }
+Isa model_isa() { return chosen().isa; }
+void set_model_isa(Isa isa) { chosen() = choose(isa); }
+
+}  // namespace simd
+
+namespace {
+
+template <class W>
+constexpr bool is_bf16 = std::is_same_v<W, bf16_t>;
+
+// Stores v as O: T itself, or rounded to bf16.
+template <class O, class T>
+inline void put(O* p, i64 i, T v) {
+  if constexpr (is_bf16<O>)
+    p[i].bits = f32_to_bf16(static_cast<float>(v));
+  else
+    p[i] = v;
 }
 
 // Eight independent partial sums: without -ffast-math a single running sum cannot be
@@ -71,21 +117,40 @@ void embedding_backward(const std::int32_t* tokens, const T* dout, T* dwte, T* d
   }
 }
 
-template <class T, class W>
-void rmsnorm_forward(const T* x, const W* w, T* out, T* rstd, i64 n, i64 c, double eps) {
+template <class T, class W, class O>
+void rmsnorm_forward(const T* x, const W* w, O* out, T* rstd, i64 n, i64 c, double eps) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, c, [&](i64 r) {
+        rstd[r] = k->rms_fwd(x + r * c, w, is_bf16<W>, out + r * c, is_bf16<O>, c, static_cast<float>(eps));
+      });
+      return;
+    }
+  }
   parallel_rows(n, c, [&](i64 r) {
     const T* xr = x + r * c;
     T ss = 0;
     for (i64 i = 0; i < c; ++i) ss += xr[i] * xr[i];
     const T rs = T(1) / std::sqrt(ss / T(c) + T(eps));
     rstd[r] = rs;
-    T* o = out + r * c;
-    for (i64 i = 0; i < c; ++i) o[i] = xr[i] * rs * T(to_float(w[i]));
+    O* o = out + r * c;
+    for (i64 i = 0; i < c; ++i) put(o, i, xr[i] * rs * T(to_float(w[i])));
   });
 }
 
 template <class T, class W>
-void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c) {
+void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c,
+                      bf16_t* dx_bf16) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, 3 * c, [&](i64 r) {
+        k->rms_bwd(dout + r * c, x + r * c, w, is_bf16<W>, rstd[r], dx + r * c,
+                   dx_bf16 ? &dx_bf16[r * c].bits : nullptr, c);
+      });
+      for (i64 r = 0; r < n; ++r) k->mul_acc(dout + r * c, x + r * c, rstd[r], dw, c);
+      return;
+    }
+  }
   parallel_rows(n, 3 * c, [&](i64 r) {
     const T* g = dout + r * c;
     const T* xr = x + r * c;
@@ -94,7 +159,10 @@ void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* d
     for (i64 i = 0; i < c; ++i) m += g[i] * T(to_float(w[i])) * xr[i] * rs;
     m /= T(c);
     T* d = dx + r * c;
-    for (i64 i = 0; i < c; ++i) d[i] += rs * (g[i] * T(to_float(w[i])) - xr[i] * rs * m);
+    for (i64 i = 0; i < c; ++i) {
+      d[i] += rs * (g[i] * T(to_float(w[i])) - xr[i] * rs * m);
+      if (dx_bf16) dx_bf16[r * c + i].bits = f32_to_bf16(static_cast<float>(d[i]));
+    }
   });
   for (i64 r = 0; r < n; ++r) {
     const T* g = dout + r * c;
@@ -104,9 +172,18 @@ void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* d
   }
 }
 
-template <class T, class W>
-void layernorm_forward(const T* x, const W* w, const W* b, T* out, T* mean, T* rstd, i64 n, i64 c,
+template <class T, class W, class O>
+void layernorm_forward(const T* x, const W* w, const W* b, O* out, T* mean, T* rstd, i64 n, i64 c,
                        double eps) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, 3 * c, [&](i64 r) {
+        rstd[r] = k->ln_fwd(x + r * c, w, b, is_bf16<W>, out + r * c, is_bf16<O>, c, static_cast<float>(eps),
+                            mean + r);
+      });
+      return;
+    }
+  }
   parallel_rows(n, 3 * c, [&](i64 r) {
     const T* xr = x + r * c;
     T mu = 0;
@@ -118,14 +195,23 @@ void layernorm_forward(const T* x, const W* w, const W* b, T* out, T* mean, T* r
     const T rs = T(1) / std::sqrt(var + T(eps));
     mean[r] = mu;
     rstd[r] = rs;
-    T* o = out + r * c;
-    for (i64 i = 0; i < c; ++i) o[i] = (xr[i] - mu) * rs * T(to_float(w[i])) + T(to_float(b[i]));
+    O* o = out + r * c;
+    for (i64 i = 0; i < c; ++i) put(o, i, (xr[i] - mu) * rs * T(to_float(w[i])) + T(to_float(b[i])));
   });
 }
 
 template <class T, class W>
 void layernorm_backward(const T* dout, const T* x, const W* w, const T* mean, const T* rstd, T* dx,
                         T* dw, T* db, i64 n, i64 c) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, 4 * c, [&](i64 r) {
+        k->ln_bwd(dout + r * c, x + r * c, w, is_bf16<W>, mean[r], rstd[r], dx + r * c, c);
+      });
+      for (i64 r = 0; r < n; ++r) k->ln_acc(dout + r * c, x + r * c, mean[r], rstd[r], dw, db, c);
+      return;
+    }
+  }
   parallel_rows(n, 4 * c, [&](i64 r) {
     const T* g = dout + r * c;
     const T* xr = x + r * c;
@@ -158,6 +244,15 @@ void rope_apply(T* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, cons
                 const T* sin, bool inverse) {
   const i64 half = hd / 2;
   const T sgn = inverse ? T(-1) : T(1);
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, heads * hd, [&](i64 r) {
+        for (i64 h = 0; h < heads; ++h)
+          k->rope_head(x + r * stride + col + h * hd, cos + (r % t) * half, sin + (r % t) * half, half, sgn);
+      });
+      return;
+    }
+  }
   parallel_rows(n, heads * hd, [&](i64 r) {
     const T* cr = cos + (r % t) * half;
     const T* sr = sin + (r % t) * half;
@@ -257,28 +352,46 @@ void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T
   });
 }
 
-template <class T>
-void swiglu_forward(const T* gu, T* out, i64 n, i64 inter) {
+template <class T, class O>
+void swiglu_forward(const T* gu, O* out, i64 n, i64 inter) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, inter, [&](i64 r) {
+        k->swiglu_fwd(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, is_bf16<O>, inter);
+      });
+      return;
+    }
+  }
   parallel_rows(n, inter, [&](i64 r) {
     const T* g = gu + r * 2 * inter;
     const T* u = g + inter;
-    T* o = out + r * inter;
-    for (i64 i = 0; i < inter; ++i) o[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
+    O* o = out + r * inter;
+    for (i64 i = 0; i < inter; ++i) put(o, i, g[i] / (T(1) + std::exp(-g[i])) * u[i]);
   });
 }
 
-template <class T>
-void swiglu_backward(const T* dout, const T* gu, T* dgu, i64 n, i64 inter) {
+template <class T, class O>
+void swiglu_backward(const T* dout, const T* gu, O* dgu, i64 n, i64 inter) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(n, inter, [&](i64 r) {
+        const T* g = gu + r * 2 * inter;
+        O* dg = dgu + r * 2 * inter;
+        k->swiglu_bwd(dout + r * inter, g, g + inter, dg, dg + inter, is_bf16<O>, inter);
+      });
+      return;
+    }
+  }
   parallel_rows(n, inter, [&](i64 r) {
     const T* g = gu + r * 2 * inter;
     const T* u = g + inter;
     const T* d = dout + r * inter;
-    T* dg = dgu + r * 2 * inter;
-    T* du = dg + inter;
+    O* dg = dgu + r * 2 * inter;
+    O* du = dg + inter;
     for (i64 i = 0; i < inter; ++i) {
       const T sig = T(1) / (T(1) + std::exp(-g[i]));
-      du[i] = d[i] * g[i] * sig;
-      dg[i] = d[i] * u[i] * sig * (T(1) + g[i] * (T(1) - sig));
+      put(du, i, d[i] * g[i] * sig);
+      put(dg, i, d[i] * u[i] * sig * (T(1) + g[i] * (T(1) - sig)));
     }
   });
 }
@@ -287,18 +400,34 @@ namespace {
 constexpr double kGeluK = 0.7978845608028654;  // sqrt(2 / pi)
 }
 
-template <class T>
-void gelu_forward(const T* x, T* out, i64 n) {
+template <class T, class O>
+void gelu_forward(const T* x, O* out, i64 n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
+        k->gelu_fwd(x + blk * 4096, out + blk * 4096, is_bf16<O>, std::min<i64>(4096, n - blk * 4096));
+      });
+      return;
+    }
+  }
   parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
     for (i64 i = blk * 4096; i < std::min(n, (blk + 1) * 4096); ++i) {
       const T v = x[i];
-      out[i] = T(0.5) * v * (T(1) + std::tanh(T(kGeluK) * (v + T(0.044715) * v * v * v)));
+      put(out, i, T(0.5) * v * (T(1) + std::tanh(T(kGeluK) * (v + T(0.044715) * v * v * v))));
     }
   });
 }
 
 template <class T>
 void gelu_backward(const T* dout, const T* x, T* dx, i64 n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
+        k->gelu_bwd(dout + blk * 4096, x + blk * 4096, dx + blk * 4096, std::min<i64>(4096, n - blk * 4096));
+      });
+      return;
+    }
+  }
   parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
     for (i64 i = blk * 4096; i < std::min(n, (blk + 1) * 4096); ++i) {
       const T v = x[i];
@@ -324,9 +453,19 @@ void bias_backward(const T* dy, T* db, i64 n, i64 m) {
     for (i64 i = 0; i < m; ++i) db[i] += dy[r * m + i];
 }
 
-template <class T>
+template <class T, class O>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
-                   double grad_scale) {
+                   double grad_scale, O* grad) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const simd::Kernels* k = simd::kernels()) {
+      parallel_rows(rows, vocab, [&](i64 r) {
+        void* g = grad_scale == 0 ? nullptr : grad ? static_cast<void*>(grad + r * vocab) : logits + r * vocab;
+        losses[r] = k->xent_row(logits + r * vocab, vocab, targets[r], g, grad && is_bf16<O>,
+                                static_cast<float>(grad_scale));
+      });
+      return;
+    }
+  }
   parallel_rows(rows, vocab, [&](i64 r) {
     T* l = logits + r * vocab;
     T mx = l[0];
@@ -338,8 +477,13 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
     losses[r] = lse - l[tgt];
     if (grad_scale != 0) {
       const T gs = T(grad_scale);
-      for (i64 i = 0; i < vocab; ++i) l[i] = std::exp(l[i] - lse) * gs;
-      l[tgt] -= gs;
+      if (grad) {
+        O* g = grad + r * vocab;
+        for (i64 i = 0; i < vocab; ++i) put(g, i, std::exp(l[i] - lse) * gs - (i == tgt ? gs : T(0)));
+      } else {
+        for (i64 i = 0; i < vocab; ++i) l[i] = std::exp(l[i] - lse) * gs;
+        l[tgt] -= gs;
+      }
     }
   });
 }
@@ -350,26 +494,40 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
   template void attention_forward<T>(const T*, T*, T*, i64, i64, i64, i64, i64, double);          \
   template void attention_backward<T>(const T*, const T*, const T*, const T*, T*, i64, i64, i64,  \
                                       i64, i64, double);                                          \
-  template void swiglu_forward<T>(const T*, T*, i64, i64);                                        \
-  template void swiglu_backward<T>(const T*, const T*, T*, i64, i64);                             \
-  template void gelu_forward<T>(const T*, T*, i64);                                               \
   template void gelu_backward<T>(const T*, const T*, T*, i64);                                    \
   template void bias_backward<T>(const T*, T*, i64, i64);                                         \
-  template void cross_entropy<T>(T*, const std::int32_t*, T*, i64, i64, double);
+
+
+// Kernels with an output of type O.
+#define STRATA_MK_TO(T, O)                                                                        \
+  template void swiglu_forward<T, O>(const T*, O*, i64, i64);                                     \
+  template void swiglu_backward<T, O>(const T*, const T*, O*, i64, i64);                          \
+  template void gelu_forward<T, O>(const T*, O*, i64);                                            \
+  template void cross_entropy<T, O>(T*, const std::int32_t*, T*, i64, i64, double, O*);
 
 #define STRATA_MK_TW(T, W)                                                                        \
   template void embedding_forward<T, W>(const std::int32_t*, const W*, const W*, T*, i64, i64, i64); \
-  template void rmsnorm_forward<T, W>(const T*, const W*, T*, T*, i64, i64, double);              \
-  template void rmsnorm_backward<T, W>(const T*, const T*, const W*, const T*, T*, T*, i64, i64); \
-  template void layernorm_forward<T, W>(const T*, const W*, const W*, T*, T*, T*, i64, i64, double); \
+  template void rmsnorm_backward<T, W>(const T*, const T*, const W*, const T*, T*, T*, i64, i64, bf16_t*); \
   template void layernorm_backward<T, W>(const T*, const T*, const W*, const T*, const T*, T*, T*, \
                                          T*, i64, i64);                                           \
   template void bias_add<T, W>(T*, const W*, i64, i64);
 
+#define STRATA_MK_TWO(T, W, O)                                                                    \
+  template void rmsnorm_forward<T, W, O>(const T*, const W*, O*, T*, i64, i64, double);           \
+  template void layernorm_forward<T, W, O>(const T*, const W*, const W*, O*, T*, T*, i64, i64, double);
+
 STRATA_MK_T(float)
 STRATA_MK_T(double)
+STRATA_MK_TO(float, float)
+STRATA_MK_TO(float, bf16_t)
+STRATA_MK_TO(double, double)
 STRATA_MK_TW(float, float)
 STRATA_MK_TW(float, bf16_t)
 STRATA_MK_TW(double, double)
+STRATA_MK_TWO(float, float, float)
+STRATA_MK_TWO(float, float, bf16_t)
+STRATA_MK_TWO(float, bf16_t, float)
+STRATA_MK_TWO(float, bf16_t, bf16_t)
+STRATA_MK_TWO(double, double, double)
 
 }  // namespace strata::cpu

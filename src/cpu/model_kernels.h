@@ -2,8 +2,10 @@
 //
 // Every kernel takes raw pointers into (emulated) device memory, already validated by the
 // caller (src/model/ops.cpp). Activations and gradients are T (float in the model, double in
-// the finite-difference tests: the same code, instantiated twice); weights are W (float,
-// bf16_t or double) and are read as T. Reductions over rows that feed a weight gradient run
+// the finite-difference tests); weights are W (float, bf16_t or double) and are read as T.
+// The float instantiations of the hot kernels run the vectorised row kernels of
+// src/cpu/model_simd.h when the CPU has AVX-512 or AVX2 (picked at run time); the portable
+// loops here are their fallback and, in double, the reference the tests check them against. Reductions over rows that feed a weight gradient run
 // in a fixed order, so results are deterministic for any thread count; that is what makes
 // activation checkpointing on and off give identical gradients.
 //
@@ -12,6 +14,8 @@
 //  - gu rows (SwiGLU) are [gate (I) | up (I)].
 //  - Weight-gradient outputs (dw, db, dwte) are accumulated (+=); dx outputs are written,
 //    except the norms' dx, which is accumulated so a residual gradient can be updated in place.
+//  - Outputs typed O (the norms', the activations' and SwiGLU's dgu) are T or bf16_t: a bf16
+//    output is a GEMM operand of bf16 compute, rounded (to nearest even) as it is stored.
 #pragma once
 
 #include <cstddef>
@@ -41,15 +45,16 @@ void embedding_backward(const std::int32_t* tokens, const T* dout, T* dwte, T* d
                         i64 c);
 
 // Hugging Face LlamaRMSNorm: out = x / sqrt(mean(x^2) + eps) * w; rstd[n] saved for backward.
+template <class T, class W, class O = T>
+void rmsnorm_forward(const T* x, const W* w, O* out, T* rstd, i64 n, i64 c, double eps);
+// dx += ..., dw += ...; with dx_bf16 (T = float), the updated dx also rounded to bf16 there.
 template <class T, class W>
-void rmsnorm_forward(const T* x, const W* w, T* out, T* rstd, i64 n, i64 c, double eps);
-// dx += ..., dw += ...
-template <class T, class W>
-void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c);
+void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c,
+                      bf16_t* dx_bf16 = nullptr);
 
 // torch.nn.LayerNorm (biased variance): out = (x - mean) * rstd * w + b.
-template <class T, class W>
-void layernorm_forward(const T* x, const W* w, const W* b, T* out, T* mean, T* rstd, i64 n, i64 c,
+template <class T, class W, class O = T>
+void layernorm_forward(const T* x, const W* w, const W* b, O* out, T* mean, T* rstd, i64 n, i64 c,
                        double eps);
 // dx += ..., dw += ..., db += ...
 template <class T, class W>
@@ -71,16 +76,26 @@ void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv
 template <class T>
 void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b, i64 t,
                         i64 nh, i64 nkv, i64 hd, double scale);
+// The same two in fp32 through oneDNN batched matmuls over query blocks (model_attention.cpp),
+// what the model runs; the templates above are the portable reference the tests hold them to.
+// With bf16_gemm the matmul inputs (q, k, v, do and the probabilities and their gradients) are
+// rounded to bf16, as every GEMM input is in the model's bf16 compute; accumulation, softmax,
+// lse and the outputs stay fp32.
+// o_bf16 (optional): o again, rounded to bf16 (the output projection's operand).
+void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* lse, i64 b, i64 t, i64 nh, i64 nkv,
+                            i64 hd, double scale, bool bf16_gemm);
+void attention_backward_fast(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
+                             i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm);
 
 // out[n,i] = silu(gate[n,i]) * up[n,i]; dgu written.
-template <class T>
-void swiglu_forward(const T* gu, T* out, i64 n, i64 inter);
-template <class T>
-void swiglu_backward(const T* dout, const T* gu, T* dgu, i64 n, i64 inter);
+template <class T, class O = T>
+void swiglu_forward(const T* gu, O* out, i64 n, i64 inter);
+template <class T, class O = T>
+void swiglu_backward(const T* dout, const T* gu, O* dgu, i64 n, i64 inter);
 
 // GPT-2's tanh-approximated GELU; dx written.
-template <class T>
-void gelu_forward(const T* x, T* out, i64 n);
+template <class T, class O = T>
+void gelu_forward(const T* x, O* out, i64 n);
 template <class T>
 void gelu_backward(const T* dout, const T* x, T* dx, i64 n);
 
@@ -91,10 +106,11 @@ template <class T>
 void bias_backward(const T* dy, T* db, i64 n, i64 m);
 
 // One chunk of rows of the fused LM-head cross-entropy. logits [rows, V] in; losses[r] =
-// logsumexp(logits[r]) - logits[r, targets[r]]. With grad_scale != 0, logits is overwritten
-// by d(loss)/d(logits) * grad_scale = (softmax - onehot) * grad_scale.
-template <class T>
+// logsumexp(logits[r]) - logits[r, targets[r]]. With grad_scale != 0, d(loss)/d(logits) *
+// grad_scale = (softmax - onehot) * grad_scale is written to grad (O = T or bf16_t), or over
+// logits when grad is null.
+template <class T, class O = T>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
-                   double grad_scale);
+                   double grad_scale, O* grad = nullptr);
 
 }  // namespace strata::cpu

@@ -8,8 +8,11 @@
 // Invariants:
 //  - Every device buffer is allocated on the model's stream, so it is freed in stream order:
 //    dropping a Buffer on the host while queued work still reads it is safe.
-//  - Activations are fp32; in bf16 compute the inputs of each GEMM are rounded to bf16 just
-//    before it (weights are already bf16), accumulation and outputs stay fp32.
+//  - Activations are fp32; in bf16 compute every GEMM input is bf16 (weights already are),
+//    accumulation and outputs stay fp32. An activation read only by GEMMs (the norms' outputs,
+//    SwiGLU/GELU's output, SwiGLU's dgu, the logits' gradient) is written in bf16 by its
+//    kernel; one read also elsewhere (o, the residual gradient) gets a bf16 copy from the
+//    kernel that writes it, or (dqkv, GPT-2's gradients) from one cast shared by its GEMMs.
 //  - A layer's recomputation (checkpointing) runs exactly the forward code on exactly the
 //    same inputs, and every kernel is deterministic, so gradients are bit-identical.
 #include <cmath>
@@ -32,7 +35,8 @@ TensorRef dev_tensor(const Device& dev, const void* p, DType t, std::size_t nume
 
 float* fptr(const Buffer& b) { return static_cast<float*>(b.data()); }
 
-// One layer's activations kept for backward (all fp32, on the device).
+// One layer's activations kept for backward, on the device: fp32, except those read only as
+// GEMM operands (h1, h2, act), which are in the compute dtype (bf16 in bf16 compute).
 struct Acts {
   Buffer x;                      // the layer's input [N, C] (empty while checkpointed to host)
   Buffer h1, n1a, n1b;           // first norm: output, rstd (RMSNorm) or mean and rstd (LayerNorm)
@@ -40,8 +44,9 @@ struct Acts {
   Buffer xm;                     // residual after attention
   Buffer h2, n2a, n2b;           // second norm
   Buffer fc, act;                // MLP: gate|up (Llama) or pre-GELU (GPT-2), and its activation
+  Buffer ob;                     // bf16 compute: o rounded to bf16 (the output projection's operand)
   void drop_all_but_input() {
-    for (Buffer* b : {&h1, &n1a, &n1b, &qkv, &o, &lse, &xm, &h2, &n2a, &n2b, &fc, &act}) b->reset();
+    for (Buffer* b : {&h1, &n1a, &n1b, &qkv, &o, &lse, &xm, &h2, &n2a, &n2b, &fc, &act, &ob}) b->reset();
   }
 };
 
@@ -63,7 +68,12 @@ struct Model::Impl {
   // Layer inputs checkpointed to host memory; kept across steps so that no copy from or
   // into them can outlive them (the stream orders this step's copies after the last one's).
   std::vector<std::vector<float>> host_ckpt;
+  // Device checkpoints: every layer's input in one block taken at the start of the forward,
+  // instead of L small blocks that outlive everything allocated around them and cut a tight
+  // device memory into pieces (DeepSpeed's contiguous_memory_optimization, for the same reason).
+  Buffer ckpt_store;
   Buffer dres;                // gradient of the residual stream, flowing down in backward
+  Buffer dres_b;              // bf16 compute, Llama: dres rounded to bf16 by the RMSNorm backward that last wrote it
   Buffer tied_grad;           // LM-head gradient of the tied embedding, until the embedding's backward
   std::vector<float> host_losses;
   bool have_grad = false;
@@ -168,47 +178,67 @@ struct Model::Impl {
     return t;
   }
 
-  // The GEMM operand for fp32 activations `x` (numel elements): x itself, or a bf16 copy.
-  TensorRef operand(const float* x, i64 numel, std::vector<Buffer>& keep) {
+  // fp32 activations `x` (numel elements) as a GEMM operand: x itself in fp32 compute; in bf16
+  // compute a bf16 copy, made once into `copy` and shared by every GEMM that reads x (the
+  // forward's, and the dx and dW GEMMs of the backward).
+  TensorRef operand(const float* x, i64 numel, Buffer& copy) {
     if (wdt == DType::kF32) return dev_tensor(dev, x, DType::kF32, numel);
-    keep.push_back(dev.alloc(static_cast<std::size_t>(numel) * 2, &s));
-    TensorRef t = tensor(keep.back(), DType::kBF16, numel);
+    copy = dev.alloc(static_cast<std::size_t>(numel) * 2, &s);
+    TensorRef t = tensor(copy, DType::kBF16, numel);
     s.cast(dev_tensor(dev, x, DType::kF32, numel), t);
+    return t;
+  }
+  // The residual gradient g (= dres) as a GEMM operand in the Llama backward: its bf16 copy,
+  // kept current by the RMSNorm backwards that write g, or g itself in fp32 compute.
+  TensorRef g_operand(float* g) const {
+    return dres_b ? tensor(dres_b, DType::kBF16, std::size_t(N * C)) : dev_tensor(dev, g, DType::kF32, N * C);
+  }
+  // The output projection's operand: o's bf16 copy (bf16 compute) or o itself.
+  TensorRef o_operand(const Acts& a) const {
+    return a.ob ? tensor(a.ob, DType::kBF16, std::size_t(N * qd)) : tensor(a.o, DType::kF32, std::size_t(N * qd));
+  }
+  // Activations read only as GEMM operands are kept in the compute dtype: kernels write them
+  // so (model_ops::Out) and no cast pass is needed.
+  Buffer oalloc(i64 numel) { return dev.alloc(static_cast<std::size_t>(numel) * dtype_size(wdt), &s); }
+  model_ops::Out oout(const Buffer& b) const { return model_ops::Out{b.data(), wdt}; }
+  TensorRef otensor(const Buffer& b, i64 numel) const { return tensor(b, wdt, static_cast<std::size_t>(numel)); }
+  // Rows [r0, r0 + rows) of a row-major operand of `cols` columns.
+  static TensorRef rows_of(TensorRef t, i64 r0, i64 rows, i64 cols) {
+    const std::size_t es = dtype_size(t.dtype);
+    t.mem.ptr = static_cast<char*>(t.mem.ptr) + std::size_t(r0 * cols) * es;
+    t.mem.bytes = std::size_t(rows * cols) * es;
+    t.numel = std::size_t(rows * cols);
     return t;
   }
 
   // y[n, out] = beta * y + x[n, in] @ op(W); W stored [out, in] (out_in) or [in, out] (Conv1D).
-  void linear(const float* x, Weight w, bool out_in, float* y, i64 n, i64 in, i64 out, float beta) {
-    std::vector<Buffer> keep;
+  void linear(const TensorRef& x, Weight w, bool out_in, float* y, i64 n, i64 in, i64 out, float beta) {
     MatmulDesc d;
     d.m = n;
     d.n = out;
     d.k = in;
     d.trans_b = out_in;
     d.beta = beta;
-    d.a = operand(x, n * in, keep);
+    d.a = x;
     d.b = dev_tensor(dev, w.ptr, wdt, out * in);
     d.c = dev_tensor(dev, y, DType::kF32, n * out);
     s.matmul(d);
   }
   // dx[n, in] = beta * dx + dy[n, out] @ op(W)^T.
-  void linear_dx(const float* dy, Weight w, bool out_in, float* dx, i64 n, i64 in, i64 out, float beta) {
-    std::vector<Buffer> keep;
+  void linear_dx(const TensorRef& dy, Weight w, bool out_in, float* dx, i64 n, i64 in, i64 out, float beta) {
     MatmulDesc d;
     d.m = n;
     d.n = in;
     d.k = out;
     d.trans_b = !out_in;
     d.beta = beta;
-    d.a = operand(dy, n * out, keep);
+    d.a = dy;
     d.b = dev_tensor(dev, w.ptr, wdt, out * in);
     d.c = dev_tensor(dev, dx, DType::kF32, n * in);
     s.matmul(d);
   }
   // dW += op(x^T dy): [out, in] = dy^T x, or [in, out] = x^T dy.
-  void linear_dw(const float* x, const float* dy, float* dw, bool out_in, i64 n, i64 in, i64 out) {
-    std::vector<Buffer> keep;
-    const TensorRef tx = operand(x, n * in, keep), tdy = operand(dy, n * out, keep);
+  void linear_dw(const TensorRef& tx, const TensorRef& tdy, float* dw, bool out_in, i64 n, i64 in, i64 out) {
     MatmulDesc d;
     d.k = n;
     d.trans_a = true;
@@ -237,12 +267,13 @@ struct Model::Impl {
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out) {
     const float* x = fptr(a.x);
     const double scale = 1.0 / std::sqrt(double(hd));
-    a.h1 = falloc(N * C);
+    a.h1 = oalloc(N * C);
     a.qkv = falloc(N * qkvd);
     a.o = falloc(N * qd);
     a.lse = falloc(B * nh * T);
     a.xm = falloc(N * C);
-    a.h2 = falloc(N * C);
+    a.h2 = oalloc(N * C);
+    if (wdt == DType::kBF16) a.ob = dev.alloc(static_cast<std::size_t>(N * qd) * 2, &s);
     a.n1b = falloc(N);
     a.n2b = falloc(N);
     Buffer y;
@@ -252,45 +283,49 @@ struct Model::Impl {
       a.n1a = falloc(N);
       a.n2a = falloc(N);
       a.fc = falloc(N * I);
-      a.act = falloc(N * I);
-      model_ops::layernorm_forward(s, x, P(0), P(1), fptr(a.h1), fptr(a.n1a), fptr(a.n1b), N, C, cfg.norm_eps);
-      linear(fptr(a.h1), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
+      a.act = oalloc(N * I);
+      model_ops::layernorm_forward(s, x, P(0), P(1), oout(a.h1), fptr(a.n1a), fptr(a.n1b), N, C, cfg.norm_eps);
+      linear(otensor(a.h1, N * C), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
       model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), fptr(a.lse), B, T, nh, nkv, hd, scale);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh, nkv, hd, scale,
+                                   wdt);
       copy_f(fptr(a.xm), x, N * C);
-      linear(fptr(a.o), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
+      linear(o_operand(a), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
       model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
-      model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), fptr(a.h2), fptr(a.n2a), fptr(a.n2b), N, C,
+      model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b), N, C,
                                    cfg.norm_eps);
-      linear(fptr(a.h2), P(8), false, fptr(a.fc), N, C, I, 0.0f);
+      linear(otensor(a.h2, N * C), P(8), false, fptr(a.fc), N, C, I, 0.0f);
       model_ops::bias_add(s, fptr(a.fc), P(9), N, I);
-      model_ops::gelu_forward(s, fptr(a.fc), fptr(a.act), N * I);
+      model_ops::gelu_forward(s, fptr(a.fc), oout(a.act), N * I);
+      const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
         y = falloc(N * C);
         copy_f(fptr(y), fptr(a.xm), N * C);
-        linear(fptr(a.act), P(10), false, fptr(y), N, I, C, 1.0f);
+        linear(act, P(10), false, fptr(y), N, I, C, 1.0f);
         model_ops::bias_add(s, fptr(y), P(11), N, C);
       }
     } else {
       const LlamaIdx ix = llama_idx();
       auto P = [&](std::size_t i) { return param(w, unit, i); };
       a.fc = falloc(N * 2 * I);
-      a.act = falloc(N * I);
-      model_ops::rmsnorm_forward(s, x, P(ix.in_norm), fptr(a.h1), fptr(a.n1b), N, C, cfg.norm_eps);
-      linear(fptr(a.h1), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
+      a.act = oalloc(N * I);
+      model_ops::rmsnorm_forward(s, x, P(ix.in_norm), oout(a.h1), fptr(a.n1b), N, C, cfg.norm_eps);
+      linear(otensor(a.h1, N * C), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
       if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
-      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh, hd, fptr(rope_cos), fptr(rope_sin), false);
-      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, qd, nkv, hd, fptr(rope_cos), fptr(rope_sin), false);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), fptr(a.lse), B, T, nh, nkv, hd, scale);
+      // q's heads and then k's are consecutive columns: one pass rotates both.
+      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin), false);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh, nkv, hd, scale,
+                                   wdt);
       copy_f(fptr(a.xm), x, N * C);
-      linear(fptr(a.o), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
-      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), fptr(a.h2), fptr(a.n2b), N, C, cfg.norm_eps);
-      linear(fptr(a.h2), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
-      model_ops::swiglu_forward(s, fptr(a.fc), fptr(a.act), N, I);
+      linear(o_operand(a), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
+      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C, cfg.norm_eps);
+      linear(otensor(a.h2, N * C), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
+      model_ops::swiglu_forward(s, fptr(a.fc), oout(a.act), N, I);
+      const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
         y = falloc(N * C);
         copy_f(fptr(y), fptr(a.xm), N * C);
-        linear(fptr(a.act), P(ix.down), true, fptr(y), N, I, C, 1.0f);
+        linear(act, P(ix.down), true, fptr(y), N, I, C, 1.0f);
       }
     }
     return y;
@@ -308,42 +343,64 @@ struct Model::Impl {
     Buffer d_o = falloc(N * qd);
     if (gpt2) {
       Buffer dfc = falloc(N * I);
-      linear_dx(g, P(10), false, fptr(dact), N, I, C, 0.0f);
-      linear_dw(fptr(a.act), g, G(10), false, N, I, C);
+      {
+        Buffer copy;
+        const TensorRef gop = operand(g, N * C, copy);
+        linear_dx(gop, P(10), false, fptr(dact), N, I, C, 0.0f);
+        linear_dw(otensor(a.act, N * I), gop, G(10), false, N, I, C);
+      }
       model_ops::bias_backward(s, g, G(11), N, C);
       model_ops::gelu_backward(s, fptr(dact), fptr(a.fc), fptr(dfc), N * I);
-      linear_dx(fptr(dfc), P(8), false, fptr(dh), N, C, I, 0.0f);
-      linear_dw(fptr(a.h2), fptr(dfc), G(8), false, N, C, I);
+      {
+        Buffer copy;
+        const TensorRef dfcop = operand(fptr(dfc), N * I, copy);
+        linear_dx(dfcop, P(8), false, fptr(dh), N, C, I, 0.0f);
+        linear_dw(otensor(a.h2, N * C), dfcop, G(8), false, N, C, I);
+      }
       model_ops::bias_backward(s, fptr(dfc), G(9), N, I);
       model_ops::layernorm_backward(s, fptr(dh), fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g, G(6), G(7), N, C);
-      linear_dx(g, P(4), false, fptr(d_o), N, qd, C, 0.0f);
-      linear_dw(fptr(a.o), g, G(4), false, N, qd, C);
+      {
+        Buffer copy;
+        const TensorRef gop = operand(g, N * C, copy);
+        linear_dx(gop, P(4), false, fptr(d_o), N, qd, C, 0.0f);
+        linear_dw(o_operand(a), gop, G(4), false, N, qd, C);
+      }
       model_ops::bias_backward(s, g, G(5), N, C);
       model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
-                                    hd, scale);
+                                    hd, scale, wdt);
       model_ops::bias_backward(s, fptr(dqkv), G(3), N, qkvd);
-      linear_dx(fptr(dqkv), P(2), false, fptr(dh), N, C, qkvd, 0.0f);
-      linear_dw(fptr(a.h1), fptr(dqkv), G(2), false, N, C, qkvd);
+      {
+        Buffer copy;
+        const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
+        linear_dx(dqkvop, P(2), false, fptr(dh), N, C, qkvd, 0.0f);
+        linear_dw(otensor(a.h1, N * C), dqkvop, G(2), false, N, C, qkvd);
+      }
       model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1), N, C);
     } else {
       const LlamaIdx ix = llama_idx();
-      Buffer dgu = falloc(N * 2 * I);
-      linear_dx(g, P(ix.down), true, fptr(dact), N, I, C, 0.0f);
-      linear_dw(fptr(a.act), g, G(ix.down), true, N, I, C);
-      model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), fptr(dgu), N, I);
-      linear_dx(fptr(dgu), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
-      linear_dw(fptr(a.h2), fptr(dgu), G(ix.gate), true, N, C, 2 * I);
-      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g, G(ix.post_norm), N, C);
-      linear_dx(g, P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
-      linear_dw(fptr(a.o), g, G(ix.o), true, N, qd, C);
+      Buffer dgu = oalloc(N * 2 * I);
+      linear_dx(g_operand(g), P(ix.down), true, fptr(dact), N, I, C, 0.0f);
+      linear_dw(otensor(a.act, N * I), g_operand(g), G(ix.down), true, N, I, C);
+      // dgu is read only by the two GEMMs: written in the compute dtype.
+      model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), oout(dgu), N, I);
+      linear_dx(otensor(dgu, N * 2 * I), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
+      linear_dw(otensor(a.h2, N * C), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C, 2 * I);
+      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g, G(ix.post_norm), N, C,
+                                  dres_b.data());
+      linear_dx(g_operand(g), P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
+      linear_dw(o_operand(a), g_operand(g), G(ix.o), true, N, qd, C);
       model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
-                                    hd, scale);
-      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh, hd, fptr(rope_cos), fptr(rope_sin), true);
-      model_ops::rope(s, fptr(dqkv), N, T, qkvd, qd, nkv, hd, fptr(rope_cos), fptr(rope_sin), true);
+                                    hd, scale, wdt);
+      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin), true);
       if (cfg.qkv_bias) model_ops::bias_backward(s, fptr(dqkv), G(ix.qb), N, qkvd);
-      linear_dx(fptr(dqkv), P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
-      linear_dw(fptr(a.h1), fptr(dqkv), G(ix.q), true, N, C, qkvd);
-      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N, C);
+      {
+        Buffer copy;
+        const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
+        linear_dx(dqkvop, P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
+        linear_dw(otensor(a.h1, N * C), dqkvop, G(ix.q), true, N, C, qkvd);
+      }
+      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N, C,
+                                  dres_b.data());
     }
   }
 
@@ -384,8 +441,16 @@ struct Model::Impl {
     s.copy(dst.ref(), host_ref(staging.data(), staging.size() * 4));
   }
 
+  MemRef ckpt_slice(i64 l) const {
+    const std::size_t bytes = static_cast<std::size_t>(N * C) * 4;
+    return ckpt_store.ref(static_cast<std::size_t>(l) * bytes, bytes);
+  }
+
   // Embeddings and decoder layers; returns the last layer's output. Keeps activations when grad.
   Buffer run_trunk(UnitProvider& p, bool grad) {
+    const bool device_ckpt = grad && opt.checkpoint && !opt.checkpoint_on_host;
+    ckpt_store.reset();
+    if (device_ckpt) ckpt_store = falloc(L * N * C);
     Buffer x = falloc(N * C);
     {
       const TensorRef w0 = acquire_w(p, 0);
@@ -406,7 +471,10 @@ struct Model::Impl {
         a = Acts{};
       } else if (opt.checkpoint) {
         a.drop_all_but_input();
-        if (opt.checkpoint_on_host) {
+        if (device_ckpt) {
+          s.copy(ckpt_slice(l), a.x.ref());
+          a.x.reset();
+        } else if (opt.checkpoint_on_host) {
           auto& h = host_ckpt[static_cast<std::size_t>(l)];
           h.resize(static_cast<std::size_t>(N * C));
           s.copy(host_ref(h.data(), h.size() * 4), a.x.ref());
@@ -418,7 +486,7 @@ struct Model::Impl {
   }
 
   // The final norm of the head unit: out, and its saved statistics.
-  void final_norm(const TensorRef& wh, const float* x, float* out, float* st_a, float* st_b) {
+  void final_norm(const TensorRef& wh, const float* x, model_ops::Out out, float* st_a, float* st_b) {
     if (gpt2)
       model_ops::layernorm_forward(s, x, param(wh, L + 1, 0), param(wh, L + 1, 1), out, st_a, st_b, N, C,
                                    cfg.norm_eps);
@@ -439,8 +507,8 @@ struct Model::Impl {
     const std::size_t hu = static_cast<std::size_t>(L + 1);
     const TensorRef wh = acquire_w(p, hu);
     const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
-    Buffer hf = falloc(N * C), st_a = falloc(N), st_b = falloc(N);
-    final_norm(wh, fptr(x), fptr(hf), fptr(st_a), fptr(st_b));
+    Buffer hf = oalloc(N * C), st_a = falloc(N), st_b = falloc(N);  // hf: the head's operand
+    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b));
     const Weight whead = head_weight(wh, w0);
     Buffer losses = falloc(N);
     Buffer dhf;
@@ -460,25 +528,33 @@ struct Model::Impl {
     const i64 chunk = opt.loss_chunk_rows > 0 ? opt.loss_chunk_rows
                                               : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / V));
     Buffer logits = falloc(std::min(chunk, N) * V);
+    // bf16 compute: the loss kernel writes the logits' gradient straight as the GEMMs' operand.
+    Buffer dlogits_b = grad && wdt == DType::kBF16 ? dev.alloc(std::size_t(std::min(chunk, N) * V) * 2, &s) : Buffer{};
+    const TensorRef hfop = otensor(hf, N * C);
     for (i64 r0 = 0; r0 < N; r0 += chunk) {
       const i64 rows = std::min(chunk, N - r0);
-      linear(fptr(hf) + r0 * C, whead, true, fptr(logits), rows, C, V, 0.0f);
+      const TensorRef hrows = rows_of(hfop, r0, rows, C);
+      linear(hrows, whead, true, fptr(logits), rows, C, V, 0.0f);
       model_ops::cross_entropy(s, fptr(logits), static_cast<const std::int32_t*>(targets.data()) + r0,
-                               fptr(losses) + r0, rows, V, grad ? 1.0 / double(N) : 0.0);
+                               fptr(losses) + r0, rows, V, grad ? 1.0 / double(N) : 0.0,
+                               dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16} : model_ops::Out{fptr(logits)});
       if (grad) {
-        linear_dx(fptr(logits), whead, true, fptr(dhf) + r0 * C, rows, C, V, 0.0f);
-        linear_dw(fptr(hf) + r0 * C, fptr(logits), dwh, true, rows, C, V);
+        const TensorRef dlogits = dlogits_b ? tensor(dlogits_b, DType::kBF16, std::size_t(rows * V))
+                                            : tensor(logits, DType::kF32, std::size_t(rows * V));
+        linear_dx(dlogits, whead, true, fptr(dhf) + r0 * C, rows, C, V, 0.0f);
+        linear_dw(hrows, dlogits, dwh, true, rows, C, V);
       }
     }
     if (grad) {
       dres = falloc(N * C);
+      if (wdt == DType::kBF16 && !gpt2) dres_b = dev.alloc(static_cast<std::size_t>(N * C) * 2, &s);
       s.fill(tensor(dres, DType::kF32), 0.0f);
       if (gpt2)
         model_ops::layernorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_a), fptr(st_b), fptr(dres),
                                       gparam(gh, hu, 0), gparam(gh, hu, 1), N, C);
       else
         model_ops::rmsnorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_b), fptr(dres),
-                                    gparam(gh, hu, 0), N, C);
+                                    gparam(gh, hu, 0), N, C, dres_b.data());
       p.release_grads(hu);
     }
     if (cfg.tie_word_embeddings) p.release_weights(0);
@@ -504,6 +580,9 @@ struct Model::Impl {
           const auto& h = host_ckpt[static_cast<std::size_t>(l)];
           a.x = falloc(N * C);
           s.copy(a.x.ref(), host_ref(h.data(), h.size() * 4));
+        } else {
+          a.x = falloc(N * C);
+          s.copy(a.x.ref(), ckpt_slice(l));
         }
         layer_forward(a, w, unit, false);
       }
@@ -521,6 +600,8 @@ struct Model::Impl {
     p.release_grads(0);
     tied_grad.reset();
     dres.reset();
+    dres_b.reset();
+    ckpt_store.reset();
   }
 
   std::vector<float> logits(const std::vector<std::int32_t>& ids, UnitProvider& p) {
@@ -529,9 +610,9 @@ struct Model::Impl {
     const std::size_t hu = static_cast<std::size_t>(L + 1);
     const TensorRef wh = acquire_w(p, hu);
     const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
-    Buffer hf = falloc(N * C), st_a = falloc(N), st_b = falloc(N), out = falloc(N * V);
-    final_norm(wh, fptr(x), fptr(hf), fptr(st_a), fptr(st_b));
-    linear(fptr(hf), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
+    Buffer hf = oalloc(N * C), st_a = falloc(N), st_b = falloc(N), out = falloc(N * V);
+    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b));
+    linear(otensor(hf, N * C), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
     if (cfg.tie_word_embeddings) p.release_weights(0);
     p.release_weights(hu);
     std::vector<float> host(static_cast<std::size_t>(N * V));

@@ -1,0 +1,310 @@
+// The model's fp32 CPU kernels as the model runs them -- the vectorised row kernels of every
+// ISA path this CPU can run (src/cpu/model_simd.h: scalar, AVX2, AVX-512) and the tiled oneDNN
+// attention (src/cpu/model_attention.cpp) -- against the double-precision reference kernels
+// (the code model_ops_test checks against finite differences), at odd sizes, on random
+// non-zero inputs. An ISA this CPU lacks is skipped, never passed.
+//
+// Error measure per tensor: max |got - ref| / max |ref|. fp32 outputs: 2e-6 (a few fp32
+// roundings and a 2-ulp exp; attention measured worst 6e-7), 1e-5 for the cross-entropy (sums
+// over 1001 logits). bf16 outputs: bf16 keeps 8 significant bits, one rounding is up to 2^-9
+// relative; bf16 attention products stack a few of those (1e-2).
+#include "cpu/model_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/model_simd.h"
+#include "strata/adamw.h"
+#include "strata/dtype.h"
+#include "strata/error.h"
+
+namespace strata {
+namespace {
+
+using cpu::bf16_t;
+using i64 = std::int64_t;
+
+std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    x = d(rng);
+    if (x == 0.0f) x = 0.5f;
+  }
+  return v;
+}
+std::vector<double> wide(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+std::vector<bf16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> o(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) o[i].bits = f32_to_bf16(v[i]);
+  return o;
+}
+std::vector<float> of_bf16(const std::vector<bf16_t>& v) {
+  std::vector<float> o(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_f32(v[i].bits);
+  return o;
+}
+
+template <class A>
+double rel_err(const std::vector<A>& got, const std::vector<double>& ref) {
+  EXPECT_EQ(got.size(), ref.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num = std::max(num, std::fabs(double(got[i]) - ref[i]));
+    den = std::max(den, std::fabs(ref[i]));
+  }
+  return num / std::max(den, 1e-300);
+}
+
+class ModelKernels : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported(GetParam()))
+      GTEST_SKIP() << "this CPU cannot run the " << isa_name(GetParam()) << " path";
+    cpu::simd::set_model_isa(GetParam());
+    ASSERT_EQ(cpu::simd::model_isa(), GetParam());
+  }
+  void TearDown() override { cpu::simd::set_model_isa(Isa::kAuto); }
+};
+
+TEST_P(ModelKernels, Bf16CastsAreExactIncludingSpecialValues) {
+  std::vector<float> x = randn(1000, 1, 3.0f);
+  const float specials[] = {0.0f,       -0.0f,   INFINITY, -INFINITY,
+                            NAN,        -NAN,    1e-40f,   -1e-40f,
+                            1e-45f,     3.4e38f, -3.4e38f, 1.00390625f /* a tie: 1 + 2^-8 */,
+                            1.01171875f /* tie, odd */};
+  for (std::size_t i = 0; i < std::size(specials); ++i) x[i * 7] = specials[i];
+  std::uint32_t u = 0x3f808000u;  // more ties, and bit patterns near the rounding boundary
+  for (std::size_t i = 500; i < 600; ++i, u += 0x7fffu) std::memcpy(&x[i], &u, 4);
+  std::vector<std::uint16_t> b(x.size());
+  cpu::cast(DType::kF32, x.data(), DType::kBF16, b.data(), x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    ASSERT_EQ(b[i], f32_to_bf16(x[i])) << i << ": " << x[i];
+  std::vector<float> back(x.size());
+  cpu::cast(DType::kBF16, b.data(), DType::kF32, back.data(), x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float want = bf16_to_f32(b[i]);
+    ASSERT_EQ(std::memcmp(&back[i], &want, 4), 0) << i;
+  }
+}
+
+TEST_P(ModelKernels, RmsNormForwardAndBackward) {
+  const i64 n = 7, c = 37;
+  const std::vector<float> x = randn(n * c, 2), w = randn(c, 3), dout = randn(n * c, 4);
+  const std::vector<bf16_t> wb = to_bf16(w);
+  for (bool w_bf16 : {false, true}) {
+    const std::vector<float> wv = w_bf16 ? of_bf16(wb) : w;
+    std::vector<double> ro(n * c), rr(n), rdx(n * c, 0.5), rdw(c, 0.25);
+    const std::vector<double> xd = wide(x), wd = wide(wv), dd = wide(dout);
+    cpu::rmsnorm_forward<double, double>(xd.data(), wd.data(), ro.data(), rr.data(), n, c, 1e-5);
+    cpu::rmsnorm_backward<double, double>(dd.data(), xd.data(), wd.data(), rr.data(), rdx.data(),
+                                          rdw.data(), n, c);
+
+    std::vector<float> o(n * c), r(n), dx(n * c, 0.5f), dw(c, 0.25f);
+    std::vector<bf16_t> ob(n * c);
+    if (w_bf16) {
+      cpu::rmsnorm_forward<float, bf16_t, float>(x.data(), wb.data(), o.data(), r.data(), n, c,
+                                                 1e-5);
+      cpu::rmsnorm_forward<float, bf16_t, bf16_t>(x.data(), wb.data(), ob.data(), r.data(), n, c,
+                                                  1e-5);
+      cpu::rmsnorm_backward<float, bf16_t>(dout.data(), x.data(), wb.data(), r.data(), dx.data(),
+                                           dw.data(), n, c);
+    } else {
+      cpu::rmsnorm_forward<float, float, float>(x.data(), w.data(), o.data(), r.data(), n, c, 1e-5);
+      cpu::rmsnorm_forward<float, float, bf16_t>(x.data(), w.data(), ob.data(), r.data(), n, c,
+                                                 1e-5);
+      cpu::rmsnorm_backward<float, float>(dout.data(), x.data(), w.data(), r.data(), dx.data(),
+                                          dw.data(), n, c);
+    }
+    // With a bf16 copy of dx: the same dx, and the copy is dx rounded.
+    std::vector<float> dx2(n * c, 0.5f), dw2(c, 0.25f);
+    std::vector<bf16_t> dxb(n * c);
+    if (w_bf16)
+      cpu::rmsnorm_backward<float, bf16_t>(dout.data(), x.data(), wb.data(), r.data(), dx2.data(),
+                                           dw2.data(), n, c, dxb.data());
+    else
+      cpu::rmsnorm_backward<float, float>(dout.data(), x.data(), w.data(), r.data(), dx2.data(),
+                                          dw2.data(), n, c, dxb.data());
+    EXPECT_EQ(std::memcmp(dx2.data(), dx.data(), dx.size() * 4), 0);
+    for (std::size_t i = 0; i < dx.size(); ++i) ASSERT_EQ(dxb[i].bits, f32_to_bf16(dx[i])) << i;
+    EXPECT_LT(rel_err(o, ro), 2e-6) << "w_bf16 " << w_bf16;
+    EXPECT_LT(rel_err(r, rr), 2e-6);
+    EXPECT_LT(rel_err(of_bf16(ob), ro), 1.0 / 256) << "one bf16 rounding";
+    EXPECT_LT(rel_err(dx, rdx), 2e-6);
+    EXPECT_LT(rel_err(dw, rdw), 2e-6);
+  }
+}
+
+TEST_P(ModelKernels, LayerNormForwardAndBackward) {
+  const i64 n = 6, c = 41;
+  const std::vector<float> x = randn(n * c, 12, 2.0f), w = randn(c, 13), b = randn(c, 14),
+                           dout = randn(n * c, 15);
+  std::vector<double> ro(n * c), rm(n), rr(n), rdx(n * c, 0.5), rdw(c, 0.25), rdb(c, -0.25);
+  const std::vector<double> xd = wide(x), wd = wide(w), bd = wide(b), dd = wide(dout);
+  cpu::layernorm_forward<double, double>(xd.data(), wd.data(), bd.data(), ro.data(), rm.data(),
+                                         rr.data(), n, c, 1e-5);
+  cpu::layernorm_backward<double, double>(dd.data(), xd.data(), wd.data(), rm.data(), rr.data(),
+                                          rdx.data(), rdw.data(), rdb.data(), n, c);
+  std::vector<float> o(n * c), m(n), r(n), dx(n * c, 0.5f), dw(c, 0.25f), db(c, -0.25f);
+  std::vector<bf16_t> ob(n * c);
+  cpu::layernorm_forward<float, float, float>(x.data(), w.data(), b.data(), o.data(), m.data(),
+                                              r.data(), n, c, 1e-5);
+  cpu::layernorm_forward<float, float, bf16_t>(x.data(), w.data(), b.data(), ob.data(), m.data(),
+                                               r.data(), n, c, 1e-5);
+  cpu::layernorm_backward<float, float>(dout.data(), x.data(), w.data(), m.data(), r.data(),
+                                        dx.data(), dw.data(), db.data(), n, c);
+  EXPECT_LT(rel_err(o, ro), 2e-6);
+  EXPECT_LT(rel_err(m, rm), 2e-6);
+  EXPECT_LT(rel_err(r, rr), 2e-6);
+  EXPECT_LT(rel_err(of_bf16(ob), ro), 1.0 / 256);
+  EXPECT_LT(rel_err(dx, rdx), 2e-6);
+  EXPECT_LT(rel_err(dw, rdw), 2e-6);
+  EXPECT_LT(rel_err(db, rdb), 2e-6);
+}
+
+TEST_P(ModelKernels, GeluForwardAndBackward) {
+  const i64 n = 9001;  // more than one 4096-element block, and a tail
+  std::vector<float> x = randn(n, 16, 3.0f);
+  x[0] = 30.0f;  // tanh saturates
+  x[1] = -30.0f;
+  const std::vector<float> dout = randn(n, 17);
+  std::vector<double> ro(n), rdx(n);
+  const std::vector<double> xd = wide(x), dd = wide(dout);
+  cpu::gelu_forward<double>(xd.data(), ro.data(), n);
+  cpu::gelu_backward<double>(dd.data(), xd.data(), rdx.data(), n);
+  std::vector<float> o(n), dx(n);
+  std::vector<bf16_t> ob(n);
+  cpu::gelu_forward<float, float>(x.data(), o.data(), n);
+  cpu::gelu_forward<float, bf16_t>(x.data(), ob.data(), n);
+  cpu::gelu_backward<float>(dout.data(), x.data(), dx.data(), n);
+  EXPECT_LT(rel_err(o, ro), 2e-6);
+  EXPECT_LT(rel_err(of_bf16(ob), ro), 1.0 / 256);
+  EXPECT_LT(rel_err(dx, rdx), 2e-6);
+}
+
+TEST_P(ModelKernels, SwiGluForwardAndBackward) {
+  const i64 n = 5, inter = 43;
+  const std::vector<float> gu = randn(n * 2 * inter, 5, 2.0f), dout = randn(n * inter, 6);
+  std::vector<double> ro(n * inter), rdgu(n * 2 * inter);
+  const std::vector<double> gud = wide(gu), dd = wide(dout);
+  cpu::swiglu_forward<double>(gud.data(), ro.data(), n, inter);
+  cpu::swiglu_backward<double>(dd.data(), gud.data(), rdgu.data(), n, inter);
+  std::vector<float> o(n * inter), dgu(n * 2 * inter);
+  std::vector<bf16_t> ob(n * inter), dgub(n * 2 * inter);
+  cpu::swiglu_forward<float, float>(gu.data(), o.data(), n, inter);
+  cpu::swiglu_forward<float, bf16_t>(gu.data(), ob.data(), n, inter);
+  cpu::swiglu_backward<float, float>(dout.data(), gu.data(), dgu.data(), n, inter);
+  cpu::swiglu_backward<float, bf16_t>(dout.data(), gu.data(), dgub.data(), n, inter);
+  EXPECT_LT(rel_err(o, ro), 2e-6);
+  EXPECT_LT(rel_err(dgu, rdgu), 2e-6);
+  EXPECT_LT(rel_err(of_bf16(ob), ro), 1.0 / 256);
+  EXPECT_LT(rel_err(of_bf16(dgub), rdgu), 1.0 / 256);
+}
+
+TEST_P(ModelKernels, RopeAndItsInverse) {
+  const i64 t = 3, n = 6, heads = 3, hd = 10, stride = 37, col = 2;
+  const std::vector<float> x = randn(n * stride, 7), ang = randn(t * hd / 2, 8, 3.0f);
+  std::vector<float> cs(ang.size()), sn(ang.size());
+  for (std::size_t i = 0; i < ang.size(); ++i) {
+    cs[i] = std::cos(ang[i]);
+    sn[i] = std::sin(ang[i]);
+  }
+  const std::vector<double> csd = wide(cs), snd = wide(sn);
+  for (bool inverse : {false, true}) {
+    std::vector<double> ref = wide(x);
+    std::vector<float> got = x;
+    cpu::rope_apply<double>(ref.data(), n, t, stride, col, heads, hd, csd.data(), snd.data(),
+                            inverse);
+    cpu::rope_apply<float>(got.data(), n, t, stride, col, heads, hd, cs.data(), sn.data(), inverse);
+    EXPECT_LT(rel_err(got, ref), 2e-6) << "inverse " << inverse;
+  }
+}
+
+TEST_P(ModelKernels, CrossEntropyLossAndGradient) {
+  const i64 rows = 3, vocab = 1001;
+  const std::vector<float> logits = randn(rows * vocab, 9, 4.0f);
+  const std::vector<std::int32_t> tgt = {0, 500, 1000};
+  for (double gs : {0.0, 1.0 / 3}) {
+    std::vector<double> rl = wide(logits), rloss(rows);
+    std::vector<float> l = logits, loss(rows), loss_b(rows);
+    std::vector<bf16_t> gb(rows * vocab);
+    cpu::cross_entropy<double>(rl.data(), tgt.data(), rloss.data(), rows, vocab, gs);
+    cpu::cross_entropy<float>(l.data(), tgt.data(), loss.data(), rows, vocab, gs);
+    std::vector<float> l2 = logits;
+    cpu::cross_entropy<float, bf16_t>(l2.data(), tgt.data(), loss_b.data(), rows, vocab, gs,
+                                      gb.data());
+    // A sum over 1001 exps in fp32 (the portable loop's running sum is the least accurate).
+    EXPECT_LT(rel_err(loss, rloss), 1e-5);
+    EXPECT_LT(rel_err(loss_b, rloss), 1e-5);
+    if (gs == 0) continue;
+    EXPECT_LT(rel_err(l, rl), 1e-5) << "grad_scale " << gs;
+    EXPECT_LT(rel_err(of_bf16(gb), rl), 1.0 / 256) << "bf16 gradient";
+    EXPECT_EQ(std::memcmp(l2.data(), logits.data(), l2.size() * 4), 0)
+        << "a bf16 gradient leaves the logits";
+  }
+}
+
+struct AttnShape {
+  i64 b, t, nh, nkv, hd;
+};
+
+// The attention the model runs (fp32 or bf16 products) against the double reference: o, lse and
+// every element of dqkv. Shapes cross the query-block size (128 / group positions) and use
+// grouped-query heads.
+TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
+  for (const AttnShape sh : {AttnShape{2, 37, 6, 2, 10}, AttnShape{1, 150, 4, 4, 16},
+                             AttnShape{1, 200, 6, 2, 24}, AttnShape{3, 1, 2, 1, 8}}) {
+    const i64 n = sh.b * sh.t, qkvd = (sh.nh + 2 * sh.nkv) * sh.hd, qd = sh.nh * sh.hd;
+    const double scale = 1.0 / std::sqrt(double(sh.hd));
+    const std::vector<float> qkv = randn(n * qkvd, 10), dout = randn(n * qd, 11);
+    const std::vector<double> qkvd_ = wide(qkv), doutd = wide(dout);
+    std::vector<double> ro(n * qd), rlse(sh.b * sh.nh * sh.t), rdqkv(n * qkvd);
+    cpu::attention_forward<double>(qkvd_.data(), ro.data(), rlse.data(), sh.b, sh.t, sh.nh, sh.nkv,
+                                   sh.hd, scale);
+    cpu::attention_backward<double>(qkvd_.data(), ro.data(), doutd.data(), rlse.data(),
+                                    rdqkv.data(), sh.b, sh.t, sh.nh, sh.nkv, sh.hd, scale);
+    for (bool bf16 : {false, true}) {
+      std::vector<float> o(n * qd), lse(rlse.size()), dqkv(n * qkvd, NAN);
+      std::vector<bf16_t> ob(n * qd);
+      cpu::attention_forward_fast(qkv.data(), o.data(), ob.data(), lse.data(), sh.b, sh.t, sh.nh,
+                                  sh.nkv, sh.hd, scale, bf16);
+      cpu::attention_backward_fast(qkv.data(), o.data(), dout.data(), lse.data(), dqkv.data(), sh.b,
+                                   sh.t, sh.nh, sh.nkv, sh.hd, scale, bf16);
+      const std::string what = "b" + std::to_string(sh.b) + " t" + std::to_string(sh.t) + " nh" +
+                               std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) +
+                               (bf16 ? " bf16" : " fp32");
+      // bf16: q, k, v, P, dO and dS are each rounded once (2^-9); the errors of S feed exp and
+      // those of P and dS feed sums over keys. Measured worst 4.4e-3 (o), 4.1e-3 (dqkv).
+      std::printf("[ attention] %s: o %.1e lse %.1e dqkv %.1e\n", what.c_str(), rel_err(o, ro),
+                  rel_err(lse, rlse), rel_err(dqkv, rdqkv));
+      EXPECT_LT(rel_err(o, ro), bf16 ? 1e-2 : 2e-6) << what;
+      EXPECT_LT(rel_err(lse, rlse), bf16 ? 1e-2 : 2e-6) << what;
+      EXPECT_LT(rel_err(dqkv, rdqkv), bf16 ? 1e-2 : 2e-6) << what;
+      EXPECT_LT(rel_err(of_bf16(ob), wide(o)), 1.0 / 256) << what << ": o's bf16 copy";
+      // Deterministic: the same call gives the same bits.
+      std::vector<float> dqkv2(n * qkvd);
+      cpu::attention_backward_fast(qkv.data(), o.data(), dout.data(), lse.data(), dqkv2.data(),
+                                   sh.b, sh.t, sh.nh, sh.nkv, sh.hd, scale, bf16);
+      EXPECT_EQ(std::memcmp(dqkv.data(), dqkv2.data(), dqkv.size() * 4), 0) << what;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, ModelKernels,
+                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
+                         [](const auto& info) { return std::string(isa_name(info.param)); });
+
+TEST(ModelKernelsIsa, ForcingAPathThisCpuLacksIsAnError) {
+  if (isa_supported(Isa::kAvx512)) GTEST_SKIP() << "this CPU runs every path";
+  EXPECT_THROW(cpu::simd::set_model_isa(Isa::kAvx512), Error);
+}
+
+}  // namespace
+}  // namespace strata
