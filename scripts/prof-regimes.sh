@@ -11,7 +11,7 @@
 #   compute  everything fits on the device; matmuls throttled to 10 GFLOP/s
 #   link     a 100 MiB device: weights must stream over a 0.1 GB/s link each way
 #   nvme     a 61 MiB device and 61 MiB of pinned host memory: optimizer state on NVMe
-#   adamw    a wider model (hidden 512, 25M parameters) on a 64 MiB device, no NVMe, one
+#   adamw    a wider model (hidden 512, 25M parameters) on a 77 MiB device, no NVMe, one
 #            16-token sequence per step: the CPU AdamW over host-resident state is the work
 # Needs a quiet machine: the emulated device computes on the host's cores.
 set -euo pipefail
@@ -39,7 +39,7 @@ run() {
 run compute --device-mem-gb 1 --emu-compute-gflops 10 --micro-batches 2
 run link --device-mem-gb 0.1 --emu-h2d-gbps 0.1 --emu-d2h-gbps 0.1 --micro-batches 2
 run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
-run adamw --model-config "$work/wide.json" --device-mem-gb 0.0625 --no-nvme --micro-batches 1 --seq-len 16
+run adamw --model-config "$work/wide.json" --device-mem-gb 0.075 --no-nvme --micro-batches 1 --seq-len 16
 
 echo
 printf '%-8s %-9s %12s %12s %9s %14s\n' regime "bound by" "predicted ms" "measured ms" "worst err" "rec. vs best"

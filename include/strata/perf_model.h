@@ -39,6 +39,9 @@ struct MachineProfile {
   double free_bps = 0;
   double host_mem_bps = 0;              // host memory traffic of a memcpy / add pass
   double nvme_read_bps = 0, nvme_write_bps = 0;
+  // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
+  // of both per second; 0 = take the one-direction rates.
+  double nvme_mixed_bps = 0;
   double cpu_adamw_params_per_s = 0;    // CpuAdamW, all its threads
   double device_adamw_params_per_s = 0; // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second

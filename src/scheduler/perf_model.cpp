@@ -281,6 +281,8 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     if (W > 1)
       t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
+    else  // one rank: the "reduce-scatter" is a device copy of the whole gradient
+      t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * double(x.padded), m.device_mem_bps), "");
     // the reduce-scatter's output shard, freed on the comm stream
     sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
     if (x.g == Tier::kDevice) {
@@ -348,17 +350,20 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   for (std::size_t i = 0; i < N; ++i)
     if (u[i].o == Tier::kNvme) nvme_units.push_back(i);
   std::vector<double> read_done(N, 0);
+  // In the optimizer phase reads and writes share the drive at once.
+  const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
+  const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   std::size_t nvme_next = 0;
   auto issue_read = [&](std::size_t k) {
     if (k >= nvme_units.size()) return;
     const std::size_t i = nvme_units[k];
-    read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), m.nvme_read_bps), "read state " + name(i));
+    read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), opt_read_bps), "read state " + name(i));
   };
   std::deque<double> writes, w_staging;
   double all_writes = h;
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
   auto write_behind = [&](double bytes, double ready, const std::string& what) {
-    const double end = sim.lane(Resource::kNvme, ready, secs(bytes, m.nvme_write_bps), what);
+    const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what);
     all_writes = std::max(all_writes, end);
     return end;
   };
