@@ -32,6 +32,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/engine_config.h"
@@ -141,6 +142,17 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     return since(t0);
   });
   m.host_mem_bps = 2.0 * double(bytes) / cp;
+  // The engine's gradient-norm pass over host gradients.
+  {
+    volatile float sink = 0;
+    const double t = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      sink = cpu::sum_squares(DType::kF32, h1.data(), bytes / 4);
+      return since(t0);
+    });
+    (void)sink;
+    m.host_norm_bps = double(bytes) / t;
+  }
 
   // AdamW: 8M parameters, the compute dtype's copy-out, on the CPU and on the device.
   {
@@ -579,8 +591,8 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
   std::printf("  nvme write %s  read %s  both at once %s  (free %s)\n", g(m.nvme_write_bps).c_str(),
               g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
               m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
-  std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s\n", m.cpu_adamw_params_per_s / 1e6,
-              m.device_adamw_params_per_s / 1e6);
+  std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
+              m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6, g(m.host_norm_bps).c_str());
   if (m.world_size > 1)
     std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(), g(m.reduce_scatter_bps).c_str());
   std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
@@ -710,6 +722,7 @@ int run(Args a) {
                   {"device_mem_gbps", machine.device_mem_bps / 1e9},
                   {"free_gbps", machine.free_bps / 1e9},
                   {"host_mem_gbps", machine.host_mem_bps / 1e9},
+                  {"host_norm_gbps", machine.host_norm_bps / 1e9},
                   {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
                   {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
                   {"nvme_mixed_gbps", machine.nvme_mixed_bps / 1e9},

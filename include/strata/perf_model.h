@@ -38,6 +38,7 @@ struct MachineProfile {
   // poisons freed memory; a GPU's caching allocator frees for nothing: 0 = no cost).
   double free_bps = 0;
   double host_mem_bps = 0;              // host memory traffic of a memcpy / add pass
+  double host_norm_bps = 0;             // gradient bytes per second of the host's norm pass (0: host_mem_bps)
   double nvme_read_bps = 0, nvme_write_bps = 0;
   // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
   // of both per second; 0 = take the one-direction rates.

@@ -566,16 +566,25 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   STRATA_REQUIRE(static_cast<bool>(u.grad_full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
-  Buffer out = s.alloc(u.shard * 4, &cs);
-  const TensorRef shard = Impl::view(out, DType::kF32, u.shard);
-  s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), shard, ReduceOp::kAvg, cs);
-  s.deferred.push_back({std::move(u.grad_full), &compute, cs.record()});
+  // One rank: the gradient is its own shard (an average over one rank is the value itself),
+  // so no second buffer and no copy; the scratch is freed after the accumulation below.
+  Buffer out, full;
+  TensorRef shard;
+  if (s.world > 1) {
+    out = s.alloc(u.shard * 4, &cs);
+    shard = Impl::view(out, DType::kF32, u.shard);
+    s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), shard, ReduceOp::kAvg, cs);
+    s.deferred.push_back({std::move(u.grad_full), &compute, cs.record()});
+  } else {
+    full = std::move(u.grad_full);
+    shard = Impl::view(full, DType::kF32, u.shard);
+  }
   if (u.g_tier == Tier::kDevice) {
     cs.add(Impl::view(u.g_dev, DType::kF32, u.shard), shard, Impl::view(u.g_dev, DType::kF32, u.shard));
   } else {
     Impl::bound(s.grad_staging, 2);
     auto staging = s.pinned(u.shard * 4);
-    cs.copy(host_ref(staging->data(), u.shard * 4), out.ref());
+    cs.copy(host_ref(staging->data(), u.shard * 4), shard.mem);
     s.st.d2h_bytes += u.shard * 4;
     float* acc = static_cast<float*>(u.g_host->data());
     const std::size_t n = u.shard;
@@ -587,6 +596,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
         "grad_accumulate");
     s.grad_staging.push_back(cs.record());
   }
+  if (full) s.deferred.push_back({std::move(full), &compute, cs.record()});
 }
 
 StepResult Engine::step(float lr) {

@@ -278,13 +278,12 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     SimUnit& x = u[i];
     sim.wait(kCommS, after_compute);
     double t = after_compute;
-    if (W > 1)
+    if (W > 1) {
       t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
-    else  // one rank: the "reduce-scatter" is a device copy of the whole gradient
-      t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * double(x.padded), m.device_mem_bps), "");
-    // the reduce-scatter's output shard, freed on the comm stream
-    sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
+      // its output shard, freed on the comm stream
+      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
+    }  // one rank: the gradient scratch is the shard, no copy
     if (x.g == Tier::kDevice) {
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
     } else {
@@ -341,9 +340,10 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   // gradient norm: device shards on the optimizer stream, host shards on the host thread
   for (std::size_t i = 0; i < N; ++i)
     if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+  const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   for (std::size_t i = 0; i < N; ++i)
     if (u[i].g == Tier::kHost)
-      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), m.host_mem_bps), "norm " + name(i));
+      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i));
   h = std::max(h, sim.stream_free[kOptS]);
 
   std::vector<std::size_t> nvme_units;
