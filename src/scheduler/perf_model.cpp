@@ -62,19 +62,13 @@ class Sim {
   // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
   // `ready`; returns its end.
   double op(StreamId s, Resource r, double ready, double dur, const std::string& what) {
-    double start = std::max(stream_free[s], ready);
-    if (r != Resource::kCount) start = std::max(start, lane_free[int(r)]);
-    const double end = start + std::max(dur, 0.0);
+    const double end = lane(r, std::max(stream_free[s], ready), dur, what);
     stream_free[s] = end;
-    if (r != Resource::kCount) {
-      lane_free[int(r)] = end;
-      busy[int(r)] += end - start;
-      if (end > start) schedule.push_back({r, start, end, what});
-    }
     return end;
   }
-  // Work that is not on a stream (NVMe requests): the lane only.
+  // Work that is not on a stream (NVMe requests): the lane only (kCount: no lane, no wait).
   double lane(Resource r, double ready, double dur, const std::string& what) {
+    if (r == Resource::kCount) return ready + std::max(dur, 0.0);
     const double start = std::max(lane_free[int(r)], ready);
     const double end = start + std::max(dur, 0.0);
     lane_free[int(r)] = end;
