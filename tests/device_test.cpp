@@ -693,6 +693,61 @@ TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
   EXPECT_THROW(s->adamw(bad), Error);
 }
 
+// The out-of-place step (params_src, m_src, v_src): from one copy of the state into another,
+// bit for bit the in-place step's result, the sources left byte for byte as they were.
+TEST_P(DeviceTest, AdamWOutOfPlaceMatchesInPlaceAndKeepsSources) {
+  const std::size_t n = 4099;
+  auto bytes = [this](const Buffer& b, std::size_t size) {
+    std::vector<std::uint8_t> out(size);
+    s->copy(host_ref(out.data(), size), b.ref(0, size));
+    s->synchronize();
+    return out;
+  };
+  for (DType state : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(state));
+    const std::size_t sb = n * dtype_size(state);
+    const std::vector<float> p0 = random_floats(n, 1), m0 = random_floats(n, 2, -0.1f, 0.1f),
+                             v0 = random_floats(n, 3, 1e-4f, 1e-2f);
+    Buffer g = upload(random_floats(n, 4, -1, 1), DType::kBF16);
+    Buffer in_p = upload(p0, DType::kF32), in_m = upload(m0, state), in_v = upload(v0, state);
+    Buffer src_p = upload(p0, DType::kF32), src_m = upload(m0, state), src_v = upload(v0, state);
+    const auto src_p0 = bytes(src_p, n * 4), src_m0 = bytes(src_m, sb), src_v0 = bytes(src_v, sb);
+    Buffer dst_p = dev->alloc(n * 4, s.get()), dst_m = dev->alloc(sb, s.get()),
+           dst_v = dev->alloc(sb, s.get());
+    Buffer in_c = dev->alloc(n * 2, s.get()), dst_c = dev->alloc(n * 2, s.get());
+    AdamWDesc d;
+    d.options.lr = 3e-3;
+    d.options.weight_decay = 0.05;
+    d.options.step = 2;
+    d.shards.push_back({tensor(in_p, DType::kF32, n), tensor(g, DType::kBF16, n),
+                        tensor(in_m, state, n), tensor(in_v, state, n),
+                        tensor(in_c, DType::kBF16, n)});
+    s->adamw(d);
+    d.shards[0] = {tensor(dst_p, DType::kF32, n),  tensor(g, DType::kBF16, n),
+                   tensor(dst_m, state, n),        tensor(dst_v, state, n),
+                   tensor(dst_c, DType::kBF16, n), tensor(src_p, DType::kF32, n),
+                   tensor(src_m, state, n),        tensor(src_v, state, n)};
+    s->adamw(d);
+    EXPECT_TRUE(bytes(dst_p, n * 4) == bytes(in_p, n * 4)) << "params differ";
+    EXPECT_TRUE(bytes(dst_m, sb) == bytes(in_m, sb)) << "m differs";
+    EXPECT_TRUE(bytes(dst_v, sb) == bytes(in_v, sb)) << "v differs";
+    EXPECT_TRUE(bytes(dst_c, n * 2) == bytes(in_c, n * 2)) << "copy_out differs";
+    EXPECT_TRUE(bytes(src_p, n * 4) == src_p0) << "params_src was written";
+    EXPECT_TRUE(bytes(src_m, sb) == src_m0) << "m_src was written";
+    EXPECT_TRUE(bytes(src_v, sb) == src_v0) << "v_src was written";
+    // Bad sources are rejected before anything is queued.
+    AdamWDesc bad = d;
+    bad.shards[0].v_src = {};
+    EXPECT_THROW(s->adamw(bad), Error);
+    bad = d;
+    bad.shards[0].m_src = tensor(dst_v, state, n);
+    EXPECT_THROW(s->adamw(bad), Error);
+    bad = d;
+    bad.shards[0].params_src = host_tensor(p0.data(), DType::kF32, n);
+    EXPECT_THROW(s->adamw(bad), Error);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceTest, ::testing::ValuesIn(backends()),
                          [](const ::testing::TestParamInfo<Backend>& p) { return p.param.name; });
 

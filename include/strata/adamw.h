@@ -102,8 +102,9 @@ struct AdamWScalars {
 // Throws kInvalidArgument naming the bad hyper-parameter and its allowed range.
 void validate_adamw_options(const AdamWOptions& o);
 AdamWScalars adamw_scalars(const AdamWOptions& o);
-// Validates one shard's dtypes, lengths, pointers (non-null, element-aligned) and overlap;
-// `where` prefixes the messages (e.g. "CpuAdamW::step shard 3").
+// Validates one shard's dtypes, lengths, pointers (non-null, element-aligned) and overlap,
+// of the optional sources too (strata/device.h AdamWShard); `where` prefixes the messages
+// (e.g. "CpuAdamW::step shard 3").
 void validate_adamw_shard(const AdamWShard& s, std::string_view where);
 }  // namespace detail
 

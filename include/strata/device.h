@@ -142,8 +142,16 @@ enum class NonFinitePolicy {
 // One shard of a fused AdamW step. params fp32 (master weights); grads fp32 or bf16;
 // m and v both fp32 or both bf16; copy_out (optional: numel 0 = none) bf16 or fp16 receives
 // the updated params rounded to nearest even. All have the same numel and do not overlap.
+//
+// (optional) Out-of-place step: with params_src, m_src and v_src set (all three or none), the
+// old master weights and moments are read from them and the new ones written to params, m and
+// v; the sources are left untouched, so a step can be tried on a second copy of the state
+// while the first stays valid. Each source has its destination's dtype and length, and may be
+// the very memory of its destination (an in-place step) but must not otherwise overlap
+// params, m, v or copy_out. The results are bit-identical to the in-place step's.
 struct AdamWShard {
   TensorRef params, grads, m, v, copy_out;
+  TensorRef params_src = {}, m_src = {}, v_src = {};
 };
 
 // A multi-tensor AdamW step over `shards` (one launch on CUDA).

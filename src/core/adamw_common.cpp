@@ -4,6 +4,7 @@
 // and the CUDA kernel receive these exact floats, which is half of why they agree bit for bit
 // (the other half: the same fp32 operations in the same order, README "CPU AdamW").
 #include <cmath>
+#include <string>
 
 #include "strata/adamw.h"
 #include "strata/error.h"
@@ -59,8 +60,7 @@ void validate_adamw_shard(const AdamWShard& s, std::string_view where) {
                         {&s.copy_out, "copy_out"}};
   const std::size_t n = s.params.numel;
   STRATA_REQUIRE(n > 0, "{}: params has zero elements; leave empty shards out", where);
-  for (const Part& p : parts) {
-    if (p.t == &s.copy_out && !has_copy) continue;
+  auto check_memory = [&](const Part& p) {
     STRATA_REQUIRE(p.t->mem.ptr != nullptr, "{}: {} is a null buffer; pass its memory", where,
                    p.name);
     STRATA_REQUIRE(p.t->numel == n,
@@ -74,6 +74,10 @@ void validate_adamw_shard(const AdamWShard& s, std::string_view where) {
     STRATA_REQUIRE(reinterpret_cast<std::uintptr_t>(p.t->mem.ptr) % es == 0,
                    "{}: {} at {} is not aligned to its {}-byte elements", where, p.name,
                    p.t->mem.ptr, es);
+  };
+  for (const Part& p : parts) {
+    if (p.t == &s.copy_out && !has_copy) continue;
+    check_memory(p);
   }
   STRATA_REQUIRE(s.params.dtype == DType::kF32, "{}: params (master weights) must be fp32, got {}",
                  where, dtype_name(s.params.dtype));
@@ -84,16 +88,53 @@ void validate_adamw_shard(const AdamWShard& s, std::string_view where) {
                  dtype_name(s.m.dtype), dtype_name(s.v.dtype));
   STRATA_REQUIRE(!has_copy || s.copy_out.dtype == DType::kBF16 || s.copy_out.dtype == DType::kF16,
                  "{}: copy_out must be bf16 or fp16, got {}", where, dtype_name(s.copy_out.dtype));
+  auto apart = [n](const TensorRef& x, const TensorRef& y) {
+    const auto* a = static_cast<const char*>(x.mem.ptr);
+    const auto* b = static_cast<const char*>(y.mem.ptr);
+    return a + n * dtype_size(x.dtype) <= b || b + n * dtype_size(y.dtype) <= a;
+  };
   // In-place aliasing would make the result depend on the order of loads and stores.
   for (std::size_t i = 0; i < std::size(parts); ++i) {
     for (std::size_t j = i + 1; j < std::size(parts); ++j) {
       if ((parts[i].t == &s.copy_out || parts[j].t == &s.copy_out) && !has_copy) continue;
-      const auto* a = static_cast<const char*>(parts[i].t->mem.ptr);
-      const auto* b = static_cast<const char*>(parts[j].t->mem.ptr);
-      const std::size_t la = n * dtype_size(parts[i].t->dtype),
-                        lb = n * dtype_size(parts[j].t->dtype);
-      STRATA_REQUIRE(a + la <= b || b + lb <= a, "{}: {} and {} overlap; give each its own memory",
-                     where, parts[i].name, parts[j].name);
+      STRATA_REQUIRE(apart(*parts[i].t, *parts[j].t),
+                     "{}: {} and {} overlap; give each its own memory", where, parts[i].name,
+                     parts[j].name);
+    }
+  }
+
+  // The out-of-place step's sources: every kernel loads element i of a source before it
+  // stores element i of the destinations, so a source may be its own destination exactly
+  // (the in-place step) but any other overlap would read values the step already wrote.
+  const Part sources[] = {{&s.params_src, "params_src"}, {&s.m_src, "m_src"}, {&s.v_src, "v_src"}};
+  const Part dests[] = {{&s.params, "params"}, {&s.m, "m"}, {&s.v, "v"}};
+  std::string unset;
+  std::size_t set = 0;
+  for (const Part& p : sources) {
+    if (p.t->numel > 0 || p.t->mem.ptr != nullptr)
+      ++set;
+    else
+      unset += fmt::format(" {}", p.name);
+  }
+  if (set == 0) return;
+  STRATA_REQUIRE(set == std::size(sources),
+                 "{}: an out-of-place step needs params_src, m_src and v_src all set (or none "
+                 "of them); not set:{}",
+                 where, unset);
+  for (std::size_t i = 0; i < std::size(sources); ++i) {
+    const Part& src = sources[i];
+    check_memory(src);
+    STRATA_REQUIRE(src.t->dtype == dests[i].t->dtype,
+                   "{}: {} is {} but {} is {}; a source has its destination's dtype", where,
+                   src.name, dtype_name(src.t->dtype), dests[i].name,
+                   dtype_name(dests[i].t->dtype));
+    for (const Part& d : parts) {
+      if (d.t == &s.grads || (d.t == &s.copy_out && !has_copy)) continue;
+      if (d.t == dests[i].t && src.t->mem.ptr == d.t->mem.ptr) continue;
+      STRATA_REQUIRE(apart(*src.t, *d.t),
+                     "{}: {} overlaps {}; a source must be exactly its destination's memory (an "
+                     "in-place step) or lie apart from params, m, v and copy_out",
+                     where, src.name, d.name);
     }
   }
 }

@@ -206,6 +206,11 @@ void Stream::adamw(const AdamWDesc& d) {
     require_device_tensor(sh.m, "m");
     require_device_tensor(sh.v, "v");
     if (sh.copy_out.numel > 0) require_device_tensor(sh.copy_out, "copy_out");
+    if (sh.params_src.mem.ptr != nullptr) {  // validated: then all three sources are set
+      require_device_tensor(sh.params_src, "params_src");
+      require_device_tensor(sh.m_src, "m_src");
+      require_device_tensor(sh.v_src, "v_src");
+    }
   }
   if (d.non_finite.mem.ptr != nullptr) {
     require_device_tensor(d.non_finite, "non_finite");

@@ -249,14 +249,17 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
   std::size_t total = 0;
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const std::string where = fmt::format("CpuAdamW::step shard {}", i);
-    detail::validate_adamw_shard(shards[i], where);
-    for (const TensorRef* t : {&shards[i].params, &shards[i].grads, &shards[i].m, &shards[i].v}) {
-      STRATA_REQUIRE(t->mem.space == MemSpace::kHost,
+    const AdamWShard& s = shards[i];
+    detail::validate_adamw_shard(s, where);
+    // Unset sources (null) are skipped; validation made sure the rest have memory.
+    for (const TensorRef* t :
+         {&s.params, &s.grads, &s.m, &s.v, &s.params_src, &s.m_src, &s.v_src}) {
+      STRATA_REQUIRE(t->mem.ptr == nullptr || t->mem.space == MemSpace::kHost,
                      "{}: a tensor is in device memory; CpuAdamW works on host memory "
                      "(host_tensor(...)); run Stream::adamw for device buffers",
                      where);
     }
-    total += shards[i].params.numel;
+    total += s.params.numel;
   }
 
   struct Tile {
@@ -269,7 +272,13 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const AdamWShard& s = shards[i];
     const bool copy = s.copy_out.numel > 0;
+    // Without sources (validated: all three or none) the step reads what it overwrites.
+    const bool has_src = s.params_src.mem.ptr != nullptr;
+    const TensorRef& p_src = has_src ? s.params_src : s.params;
+    const TensorRef& m_src = has_src ? s.m_src : s.m;
+    const TensorRef& v_src = has_src ? s.v_src : s.v;
     arrays.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr,
+                      static_cast<const float*>(p_src.mem.ptr), m_src.mem.ptr, v_src.mem.ptr,
                       s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr, s.grads.dtype,
                       s.m.dtype, s.copy_out.dtype, total >= kStreamCopyMinElems});
     for (std::size_t lo = 0; lo < s.params.numel; lo += kTile)

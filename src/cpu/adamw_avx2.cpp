@@ -46,6 +46,10 @@ struct Avx2Impl {
     const __m256 neg_step = _mm256_set1_ps(-k.step_size);
     const auto* g16 = static_cast<const std::uint16_t*>(a.g);
     const auto* g32 = static_cast<const float*>(a.g);
+    const auto* m16_src = static_cast<const std::uint16_t*>(a.m_src);
+    const auto* v16_src = static_cast<const std::uint16_t*>(a.v_src);
+    const auto* m32_src = static_cast<const float*>(a.m_src);
+    const auto* v32_src = static_cast<const float*>(a.v_src);
     auto* m16 = static_cast<std::uint16_t*>(a.m);
     auto* v16 = static_cast<std::uint16_t*>(a.v);
     auto* m32 = static_cast<float*>(a.m);
@@ -57,9 +61,9 @@ struct Avx2Impl {
       __m256 g = G ? load_bf16x8(g16 + i) : _mm256_loadu_ps(g32 + i);
       g = _mm256_mul_ps(g, gs);
       bad += static_cast<std::size_t>(bad_lanes(g));
-      __m256 m = S ? load_bf16x8(m16 + i) : _mm256_loadu_ps(m32 + i);
-      __m256 v = S ? load_bf16x8(v16 + i) : _mm256_loadu_ps(v32 + i);
-      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a.p + i), decay);
+      __m256 m = S ? load_bf16x8(m16_src + i) : _mm256_loadu_ps(m32_src + i);
+      __m256 v = S ? load_bf16x8(v16_src + i) : _mm256_loadu_ps(v32_src + i);
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a.p_src + i), decay);
       m = _mm256_fmadd_ps(b1, m, _mm256_mul_ps(omb1, g));
       v = _mm256_fmadd_ps(b2, v, _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
       const __m256 d = _mm256_fmadd_ps(_mm256_sqrt_ps(v), isb2, eps);

@@ -81,6 +81,10 @@ struct Isa512 {
       const __m512 neg_step = _mm512_set1_ps(-k.step_size);
       const auto* g16 = static_cast<const std::uint16_t*>(a.g);
       const auto* g32 = static_cast<const float*>(a.g);
+      const auto* m16_src = static_cast<const std::uint16_t*>(a.m_src);
+      const auto* v16_src = static_cast<const std::uint16_t*>(a.v_src);
+      const auto* m32_src = static_cast<const float*>(a.m_src);
+      const auto* v32_src = static_cast<const float*>(a.v_src);
       auto* m16 = static_cast<std::uint16_t*>(a.m);
       auto* v16 = static_cast<std::uint16_t*>(a.v);
       auto* m32 = static_cast<float*>(a.m);
@@ -91,9 +95,9 @@ struct Isa512 {
         __m512 g = G ? load_bf16x16(g16 + i, mk) : _mm512_maskz_loadu_ps(mk, g32 + i);
         g = _mm512_mul_ps(g, gs);
         bad += bad_lanes(g, mk);
-        __m512 m = S ? load_bf16x16(m16 + i, mk) : _mm512_maskz_loadu_ps(mk, m32 + i);
-        __m512 v = S ? load_bf16x16(v16 + i, mk) : _mm512_maskz_loadu_ps(mk, v32 + i);
-        __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p + i), decay);
+        __m512 m = S ? load_bf16x16(m16_src + i, mk) : _mm512_maskz_loadu_ps(mk, m32_src + i);
+        __m512 v = S ? load_bf16x16(v16_src + i, mk) : _mm512_maskz_loadu_ps(mk, v32_src + i);
+        __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p_src + i), decay);
         m = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(omb1, g));
         v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
         const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);

@@ -16,6 +16,9 @@
 //   d  = fma(sqrt(v), 1 / sqrt(bc2), eps)
 //   p  = fma(-step_size, m / d, p)                (step_size = lr / bc1)
 //   m, v stored (rounded to bf16 when the states are bf16), p stored, copy_out = round(p).
+// p, m and v are loaded from p_src, m_src, v_src and stored to p, m, v: the same arrays for an
+// in-place step, disjoint ones for an out-of-place step (element i is loaded before it is
+// stored, so either way the bits are the same).
 #pragma once
 
 #include <cstddef>
@@ -33,6 +36,9 @@ struct Arrays {
   float* p;
   void* m;
   void* v;
+  const float* p_src;  // p, m, v themselves when the shard has no sources
+  const void* m_src;
+  const void* v_src;
   const void* g;
   void* c;  // nullptr when there is no copy-out
   DType grad_dtype, state_dtype, copy_dtype;
@@ -85,6 +91,10 @@ std::size_t update_scalar(const detail::AdamWScalars& k, const Arrays& a, std::s
   std::size_t bad = 0;
   const auto* g16 = static_cast<const std::uint16_t*>(a.g);
   const auto* g32 = static_cast<const float*>(a.g);
+  const auto* m16_src = static_cast<const std::uint16_t*>(a.m_src);
+  const auto* v16_src = static_cast<const std::uint16_t*>(a.v_src);
+  const auto* m32_src = static_cast<const float*>(a.m_src);
+  const auto* v32_src = static_cast<const float*>(a.v_src);
   auto* m16 = static_cast<std::uint16_t*>(a.m);
   auto* v16 = static_cast<std::uint16_t*>(a.v);
   auto* m32 = static_cast<float*>(a.m);
@@ -94,9 +104,9 @@ std::size_t update_scalar(const detail::AdamWScalars& k, const Arrays& a, std::s
     float g = kGradBf16 ? load_bf16(g16[i]) : g32[i];
     g = g * k.grad_scale;
     bad += finite(g) ? 0 : 1;
-    float m = kStateBf16 ? load_bf16(m16[i]) : m32[i];
-    float v = kStateBf16 ? load_bf16(v16[i]) : v32[i];
-    float p = a.p[i] * k.decay;
+    float m = kStateBf16 ? load_bf16(m16_src[i]) : m32_src[i];
+    float v = kStateBf16 ? load_bf16(v16_src[i]) : v32_src[i];
+    float p = a.p_src[i] * k.decay;
     m = __builtin_fmaf(k.beta1, m, k.one_minus_beta1 * g);
     v = __builtin_fmaf(k.beta2, v, k.one_minus_beta2 * (g * g));
     const float d = __builtin_fmaf(__builtin_sqrtf(v), k.inv_sqrt_bc2, k.eps);

@@ -437,18 +437,21 @@ class HostStream final : public Stream {
   void do_adamw(const AdamWDesc& d) override {
     std::uint64_t bytes = 0;
     for (const AdamWShard& sh : d.shards)
-      bytes += sh.params.mem.bytes + sh.grads.mem.bytes + sh.m.mem.bytes + sh.v.mem.bytes;
+      bytes += sh.params.mem.bytes + sh.grads.mem.bytes + sh.m.mem.bytes + sh.v.mem.bytes +
+               sh.params_src.mem.bytes + sh.m_src.mem.bytes + sh.v_src.mem.bytes;
     submit(
         [d, core = core_.get()] {
           if (!core->adamw) core->adamw = std::make_unique<CpuAdamW>();
           std::vector<AdamWShard> host;
           host.reserve(d.shards.size());
+          // Optional tensors that are not set stay empty.
           auto as_host = [](const TensorRef& t) {
-            return host_tensor(t.mem.ptr, t.dtype, t.numel);
+            return t.mem.ptr != nullptr ? host_tensor(t.mem.ptr, t.dtype, t.numel) : TensorRef{};
           };
           for (const AdamWShard& sh : d.shards) {
             host.push_back({as_host(sh.params), as_host(sh.grads), as_host(sh.m), as_host(sh.v),
-                            sh.copy_out.numel > 0 ? as_host(sh.copy_out) : TensorRef{}});
+                            as_host(sh.copy_out), as_host(sh.params_src), as_host(sh.m_src),
+                            as_host(sh.v_src)});
           }
           const AdamWResult r = core->adamw->step(d.options, host, d.policy);
           if (d.non_finite.mem.ptr)

@@ -7,6 +7,8 @@
 //  - The element step is the CPU AdamW's, operation for operation, in IEEE fp32 with explicit
 //    rounding intrinsics (__fmul_rn, __fmaf_rn, __fsqrt_rn, __fdiv_rn: no contraction, no
 //    fast-math), and the fp32 scalars come from detail::adamw_scalars: the bits equal the CPU's.
+//  - Element i of params_src, m_src, v_src is loaded by the thread that then stores element i
+//    of params, m, v: a source may be its own destination (in-place) or apart from it.
 //  - bf16 / fp16 stores round to nearest even and keep NaN payloads as strata/dtype.h does.
 //  - Non-finite gradients are counted into a device counter (atomics, only where found); the
 //    skip-step mode runs the count kernels first and the update kernel returns at once when
@@ -78,9 +80,9 @@ __global__ void adamw_update_kernel(const Table t, const detail::AdamWScalars k,
   for (std::size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const float g = __fmul_rn(load_elem(s.grads, s.grad_dtype, i), k.grad_scale);
     bad += isfinite(g) ? 0 : 1;
-    float m = load_elem(s.m, s.state_dtype, i);
-    float v = load_elem(s.v, s.state_dtype, i);
-    float p = __fmul_rn(s.params[i], k.decay);
+    float m = load_elem(s.m_src, s.state_dtype, i);
+    float v = load_elem(s.v_src, s.state_dtype, i);
+    float p = __fmul_rn(s.params_src[i], k.decay);
     m = __fmaf_rn(k.beta1, m, __fmul_rn(k.one_minus_beta1, g));
     v = __fmaf_rn(k.beta2, v, __fmul_rn(k.one_minus_beta2, __fmul_rn(g, g)));
     const float d = __fmaf_rn(__fsqrt_rn(v), k.inv_sqrt_bc2, k.eps);

@@ -19,6 +19,9 @@ struct AdamWGpuShard {
   float* params;
   void* m;
   void* v;
+  const float* params_src;  // the old params, m, v: params, m, v themselves for an in-place step
+  const void* m_src;
+  const void* v_src;
   const void* grads;
   void* copy_out;  // nullptr = no copy-out
   std::size_t n;
