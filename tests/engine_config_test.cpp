@@ -511,9 +511,37 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
   // The CPU optimizer's new bf16 weights on their way to the device: two at a time.
   EXPECT_EQ(line(p, "new compute-weight staging", Tier::kHost), 2u * 411648 * 2);
-  EXPECT_EQ(p.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u);
+  // The early optimizer step (on by default): a second copy of the host state, and every
+  // unit's new bf16 weights held until step().
+  EXPECT_TRUE(p.early_optimizer_step);
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost), 1028096u * 12);
+  EXPECT_EQ(line(p, "early optimizer step: new device weights until step()", Tier::kHost), 1028096u * 2);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 12'337'152u + 2'056'192u);
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);
+  EXPECT_TRUE(p.notes.empty());
+
+  EngineConfig off = synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})");
+  off.overlap_optimizer = false;
+  const MemoryPlan q = plan_memory(off, synthetic_inputs());
+  EXPECT_FALSE(q.early_optimizer_step);
+  EXPECT_EQ(q.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u);
+
+  // Left unset and short of host memory for the second copy: off, with a note.
+  EngineConfig tight = synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})");
+  tight.host_budget_bytes = 25'000'000;
+  const MemoryPlan t = plan_memory(tight, synthetic_inputs());
+  EXPECT_TRUE(t.fits) << t.table();
+  EXPECT_FALSE(t.early_optimizer_step);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_NE(t.notes[0].find("strata.host_budget_bytes to 35782656"), std::string::npos) << t.notes[0];
+  EXPECT_NE(t.table().find("note: strata.overlap_optimizer is off"), std::string::npos) << t.table();
+  // Asked for: refused, naming the way out.
+  tight.overlap_optimizer = true;
+  const MemoryPlan f = plan_memory(tight, synthetic_inputs());
+  EXPECT_FALSE(f.fits);
+  ASSERT_EQ(f.problems.size(), 1u);
+  EXPECT_NE(f.problems[0].find("strata.overlap_optimizer false"), std::string::npos) << f.problems[0];
 }
 
 TEST(MemoryPlan, OptimizerRatioSplitsWholeUnitsInOrder) {
@@ -545,7 +573,10 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
   EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'800'000u + 1'646'592u);
   EXPECT_EQ(line(p, "compute weights", Tier::kNvme), 1028096u * 2);
   EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
-  EXPECT_EQ(p.nvme_bytes, 2'056'192u + 12'337'152u);
+  // The early optimizer step writes its second copies to NVMe too.
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme), 1028096u * 12);
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme), 1028096u * 2);
+  EXPECT_EQ(p.nvme_bytes, 2 * (2'056'192u + 12'337'152u));
   EXPECT_TRUE(p.fits);
 
   // host_fraction 0.5 keeps the first half of the optimizer state (whole units) in host memory.

@@ -4,7 +4,9 @@
 // it skips without a GPU.
 #include <unistd.h>
 
+#include <bit>
 #include <filesystem>
+#include <functional>
 #include <future>
 
 #include <gtest/gtest.h>
@@ -40,6 +42,11 @@ struct RunSetup {
   float lr = 1e-2f;
   // Poisons the input of this (step, micro-batch) with an Inf, when >= 0.
   int inf_step = -1;
+  // The lr of each step (null: `lr`), told to the engine before backward when announce_lr.
+  std::function<float(int)> lr_of;
+  bool announce_lr = true;
+  // One more micro-batch than `accum` in this step, when >= 0.
+  int extra_mb_step = -1;
 };
 
 #ifdef STRATA_TEST_CUDA
@@ -77,8 +84,11 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
   RunOut out;
   const int B = model.batch;
   for (int step = 0; step < su.steps; ++step) {
+    const float lr = su.lr_of ? su.lr_of(step) : su.lr;
+    if (su.announce_lr) e.set_next_lr(lr);
     double loss = 0;
-    for (int a = 0; a < su.accum; ++a) {
+    const int mbs = su.accum + (step == su.extra_mb_step ? 1 : 0);
+    for (int a = 0; a < mbs; ++a) {
       const int mb = step * su.accum + a;
       auto x = LinearModel::data(model.dims.front(), B, 0, mb, 1);
       auto t = LinearModel::data(model.dims.back(), B, 0, mb, 2);
@@ -86,7 +96,7 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
       loss += model.micro_batch(e, *dev, *s, x, t) / su.accum;
     }
     out.losses.push_back(loss);
-    out.results.push_back(e.step(su.lr));
+    out.results.push_back(e.step(lr));
   }
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.stats = e.stats();
@@ -96,7 +106,9 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
 
 void expect_identical(const RunOut& a, const RunOut& b, const char* what) {
   ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
-  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << " step " << i;
+  for (std::size_t i = 0; i < a.losses.size(); ++i)  // bit for bit (a NaN loss equals itself)
+    EXPECT_EQ(std::bit_cast<std::uint64_t>(a.losses[i]), std::bit_cast<std::uint64_t>(b.losses[i]))
+        << what << " step " << i << ": " << a.losses[i] << " vs " << b.losses[i];
   ASSERT_EQ(a.master.size(), b.master.size());
   for (std::size_t l = 0; l < a.master.size(); ++l)
     EXPECT_TRUE(a.master[l] == b.master[l]) << what << ": master weights of layer " << l << " differ";
@@ -396,6 +408,143 @@ TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
     const std::string w = e.what();
     EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
     EXPECT_NE(w.find("swap key 'o1'"), std::string::npos) << w;
+  }
+}
+
+// The early optimizer step (strata.overlap_optimizer): each unit's host AdamW runs as soon as
+// its last gradient of the step is in, into a second copy of the state; step() keeps it when
+// the step is the one it assumed. Kept or redone, the bits are the serial step's.
+RunSetup early_setup(const TempDir& nv, Tier optimizer) {
+  RunSetup s;
+  s.steps = 8;
+  s.cfg.compute_dtype = DType::kBF16;
+  s.cfg.host_budget_bytes = 64 << 20;
+  s.cfg.params = on(optimizer);  // weights beside the optimizer state
+  s.cfg.optimizer = on(optimizer);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.optimizer_nvme_paths = {nv.path};
+  return s;
+}
+
+RunSetup without_early(RunSetup s) {
+  s.cfg.overlap_optimizer = false;
+  return s;
+}
+
+TEST(Engine, EarlyOptimizerStepIsKeptAndBitIdentical) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 31);
+  TempDir nv;
+  for (Tier t : {Tier::kHost, Tier::kNvme}) {
+    for (Tier w : {Tier::kDevice, t}) {  // new weights to the device, or to the optimizer's tier
+      RunSetup s = early_setup(nv, t);
+      s.cfg.params = on(w);
+      const std::string what = fmt::format("optimizer on {}, weights on {}", tier_name(t), tier_name(w));
+      const RunOut on_ = train(s, model);
+      const RunOut off = train(without_early(s), model);
+      EXPECT_TRUE(on_.plan.early_optimizer_step) << what << "\n" << on_.plan.table();
+      EXPECT_FALSE(off.plan.early_optimizer_step) << what;
+      EXPECT_NE(on_.plan.table().find("early optimizer step"), std::string::npos) << on_.plan.table();
+      expect_identical(off, on_, what.c_str());
+      // Step 1 records the gradients per unit; every later step keeps every unit's early work.
+      EXPECT_EQ(on_.stats.early_units_kept, std::uint64_t(s.steps - 1) * 3) << what;
+      EXPECT_EQ(on_.stats.early_units_redone, 0u) << what;
+      EXPECT_EQ(off.stats.early_units_kept + off.stats.early_units_redone, 0u) << what;
+      EXPECT_LE(on_.stats.host_pinned_peak_bytes, on_.plan.host_bytes + (std::uint64_t(2) << 20))
+          << what << "\n" << on_.plan.table();
+    }
+  }
+}
+
+TEST(Engine, EarlyOptimizerStepIsRedoneWhenTheStepClipsOverflowsOrChangesLr) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 32);
+  TempDir nv;
+  for (Tier t : {Tier::kHost, Tier::kNvme}) {
+    RunSetup s = early_setup(nv, t);
+    s.steps = 10;
+    // Clip at the median gradient norm of an unclipped run: some steps clip, some do not.
+    std::vector<double> norms;
+    for (const StepResult& r : train(s, model).results) norms.push_back(r.grad_norm);
+    std::nth_element(norms.begin(), norms.begin() + 5, norms.end());
+    s.cfg.gradient_clipping = norms[5];
+    // A warm-up lr, announced before backward except in steps 6 and 7.
+    s.lr_of = [](int step) { return 1e-2f * float(step + 1) / 10; };
+    s.extra_mb_step = 8;  // one more micro-batch than recorded: the early results are partial
+    const RunOut on_ = train(s, model);
+    expect_identical(train(without_early(s), model), on_, tier_name(t));
+    EXPECT_GT(on_.stats.early_units_kept, 0u) << tier_name(t);
+    EXPECT_GT(on_.stats.early_units_redone, 0u) << tier_name(t);
+    int clipped = 0;
+    for (const StepResult& r : on_.results) clipped += r.clip_coef < 1 ? 1 : 0;
+    EXPECT_GT(clipped, 0);
+    EXPECT_LT(clipped, s.steps);
+
+    RunSetup unannounced = s;  // the lr changes every step and the engine is not told
+    unannounced.cfg.gradient_clipping = 0;
+    unannounced.announce_lr = false;
+    unannounced.extra_mb_step = -1;
+    const RunOut u = train(unannounced, model);
+    expect_identical(train(without_early(unannounced), model), u, "lr not announced");
+    EXPECT_EQ(u.stats.early_units_kept, 0u);
+    EXPECT_EQ(u.stats.early_units_redone, std::uint64_t(s.steps - 1) * 3);
+  }
+
+  RunSetup f = early_setup(nv, Tier::kHost);  // fp16: an overflow skips the step
+  f.cfg.compute_dtype = DType::kF16;
+  f.cfg.fp16.enabled = true;
+  f.cfg.fp16.initial_scale_power = 8;
+  f.cfg.fp16.hysteresis = 1;
+  f.inf_step = 3;
+  const RunOut fo = train(f, model);
+  EXPECT_TRUE(fo.results[3].skipped);
+  expect_identical(train(without_early(f), model), fo, "fp16 overflow");
+  EXPECT_GT(fo.stats.early_units_redone, 0u);
+  EXPECT_GT(fo.stats.early_units_kept, 0u);
+}
+
+TEST(Engine, EarlyOptimizerStepIsOffWhenItsSecondCopyDoesNotFit) {
+  STRATA_NEEDS_DEVICE();
+  std::vector<int> dims(9, 512);  // 8 layers of 512 x 512: 12 MiB of optimizer state
+  const LinearModel model(dims, 2, 33);
+  TempDir nv;
+  RunSetup s = early_setup(nv, Tier::kHost);
+  s.steps = 2;
+  s.cfg.params = on(Tier::kDevice);
+  s.cfg.host_budget_bytes = 48 << 20;  // 35 MiB planned without the second state copy, 63 with
+  const RunOut r = train(s, model);
+  EXPECT_FALSE(r.plan.early_optimizer_step) << r.plan.table();
+  ASSERT_EQ(r.plan.notes.size(), 1u) << r.plan.table();
+  EXPECT_NE(r.plan.notes[0].find("strata.overlap_optimizer is off"), std::string::npos) << r.plan.notes[0];
+  EXPECT_EQ(r.stats.early_units_kept + r.stats.early_units_redone, 0u);
+  s.cfg.overlap_optimizer = true;  // asked for explicitly: refused, with what to change
+  try {
+    train(s, model);
+    FAIL() << "an explicit overlap_optimizer that cannot fit was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
+    EXPECT_NE(std::string(e.what()).find("strata.overlap_optimizer false"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Engine, AnIoErrorInTheEarlyStepIsAClearErrorNotAHang) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 34);
+  TempDir nv;
+  RunSetup s = early_setup(nv, Tier::kNvme);
+  s.steps = 3;
+  s.cfg.params = on(Tier::kDevice);
+  // Start-up writes 3 chunks, step 1 reads 3 and writes 3 (chunks 0-8); step 2's I/O is the
+  // early step's: reads of the current state and writes of the second copy.
+  s.cfg.aio.inject_faults = {{FaultKind::kEio, 10}};
+  auto fut = std::async(std::launch::async, [&] { return train(s, model); });
+  ASSERT_EQ(fut.wait_for(60s), std::future_status::ready) << "the engine hung on an I/O error";
+  try {
+    fut.get();
+    FAIL() << "the I/O error was swallowed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("swap key 'o"), std::string::npos) << e.what();
   }
 }
 

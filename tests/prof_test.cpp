@@ -108,7 +108,35 @@ TEST(PerfModel, NvmeBoundStepIsTheDrivesBytes) {
   EXPECT_EQ(p.bottleneck, Resource::kNvme);
   EXPECT_NEAR(p.busy_s[int(Resource::kNvme)], 24 * params / 1e9, 1e-9);
   EXPECT_NEAR(p.step_s, 24 * params / 1e9, 24 * params / 1e9 * 1e-3);
-  EXPECT_NEAR(p.optimizer_s, p.step_s, 1e-6);
+  // The early optimizer step ran the state traffic as gradients arrived; without it, all of
+  // it is in step() and the step is the same drive bytes.
+  EngineConfig serial = placed(Tier::kDevice, Tier::kNvme, Tier::kHost);
+  serial.overlap_optimizer = false;
+  const Prediction q = predict_step(m, mp, serial);
+  EXPECT_NEAR(q.step_s, 24 * params / 1e9, 24 * params / 1e9 * 1e-3);
+  EXPECT_NEAR(q.optimizer_s, q.step_s, 1e-6);
+}
+
+TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
+  // 4 layers, 10 ms forward and 20 ms backward each; the CPU AdamW takes 15 ms a layer. The
+  // early step runs each layer's AdamW after its backward, in the shadow of the next layer's:
+  // the step is the compute plus the last layer's AdamW. Serial, it is the compute plus all.
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.015;
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  const Prediction p = predict_step(m, mp, placed(Tier::kDevice, Tier::kHost, Tier::kHost));
+  const double small = 2.0 * 2048 / double(kLayer) * 0.015;  // embed and head AdamW
+  EXPECT_NEAR(p.step_s, 0.120 + 0.015 + small / 2, 1e-6);
+  EngineConfig serial = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  serial.overlap_optimizer = false;
+  EXPECT_NEAR(predict_step(m, mp, serial).step_s, 0.120 + 4 * 0.015 + small, 1e-6);
+  // An AdamW slower than backward bounds the step: forward, the first layer's backward, then
+  // every layer's AdamW back to back, and the embedding's (the head's ran during forward).
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.050;
+  const Prediction a = predict_step(m, mp, placed(Tier::kDevice, Tier::kHost, Tier::kHost));
+  EXPECT_EQ(a.bottleneck, Resource::kCpu);
+  const double small_a = 2.0 * 2048 / double(kLayer) * 0.050;
+  EXPECT_NEAR(a.step_s, 0.040 + 0.020 + 4 * 0.050 + small_a / 2, 1e-6);
 }
 
 TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {

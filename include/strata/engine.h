@@ -29,6 +29,7 @@
 //       engine.release(fc1, *compute);
 //     }
 //     strata::StepResult r = engine.step(lr);  // clip, AdamW over sub-groups, new weights
+//     engine.set_next_lr(next_lr);             // (when the lr changes) before the next backward
 //   }
 //
 // Invariants: no byte is resident on a tier unless the memory plan budgeted it; the
@@ -73,6 +74,9 @@ struct EngineStats {
   std::uint64_t nvme_bytes = 0;
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
   std::uint64_t fetches = 0, prefetches = 0, trace_rebuilds = 0;
+  // Units whose early optimizer step (strata.overlap_optimizer) was kept / redone serially
+  // because the step clipped, overflowed or ran with another lr.
+  std::uint64_t early_units_kept = 0, early_units_redone = 0;
 };
 
 class Engine {
@@ -110,6 +114,12 @@ class Engine {
 
   // fp16: the factor to multiply the loss by before backward (1 otherwise).
   float loss_scale() const;
+  // The lr the coming step() will get. With strata.overlap_optimizer on (the plan says
+  // early_optimizer_step), a unit's host AdamW runs as soon as backward has produced its last
+  // gradient of the step, assuming no clipping and this lr (without a call: the last step's);
+  // step() keeps that work when the assumption holds and redoes the unit otherwise, so the
+  // result is always the serial step's. Call it before backward when the lr changes.
+  void set_next_lr(float lr);
   // One optimizer step with learning rate `lr` over the gradients accumulated since the last
   // step (gradient_accumulation_steps micro-batches): global-norm clipping, fp16 overflow
   // skip agreed by all ranks, AdamW over sub-groups with NVMe reads and writes overlapped.

@@ -87,6 +87,10 @@ struct EngineConfig {
   AioConfig aio;
   // strata additions
   std::uint64_t host_budget_bytes = 0;  // pinned host memory the engine may hold; 0 = 80% of RAM
+  // strata.overlap_optimizer: run each unit's host AdamW while backward still runs, into a
+  // second copy of its optimizer state, kept if the step needs no clipping and no skip (see
+  // Engine::set_next_lr). Unset: on when the memory plan fits with it, else off.
+  std::optional<bool> overlap_optimizer;
 };
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x
@@ -113,6 +117,9 @@ struct MemoryPlan {
   std::uint64_t device_bytes = 0, host_bytes = 0, nvme_bytes = 0;  // totals per tier
   std::uint64_t device_capacity = 0, host_capacity = 0, nvme_capacity = 0;
   bool fits = true;
+  // The plan counts the early (overlapped) optimizer step's second copies of the state.
+  bool early_optimizer_step = false;
+  std::vector<std::string> notes;     // choices the planner made for the user, said aloud
   std::vector<std::string> problems;  // one per tier that does not fit: what is missing, what to change
   std::string table() const;          // the table `--plan` prints
 };

@@ -18,6 +18,13 @@
 //     stream) or the CPU (host thread), new compute weights back to their tier (H2D, D2H or an
 //     NVMe write), state written behind with at most optimizer_buffer_count writes in flight;
 //     then every write waited for and the gradients zeroed.
+//   early optimizer step (strata.overlap_optimizer, on unless the config says false): a unit
+//     whose optimizer runs on the host from host gradients is stepped by the engine's early
+//     worker as soon as its last gradient of the step is accumulated (norm part, AdamW, its
+//     state read ahead and written behind on NVMe), overlapping the rest of backward; step()
+//     then waits for each in the worker's order, sends device-bound weights over the link,
+//     and steps only the other units. The model assumes the early work is kept (no clipping,
+//     the lr announced), the steady state of training.
 // The host thread runs ahead of the device streams everywhere except where the engine blocks
 // it: the end of forward (the loss), the end of backward, and the waits in step().
 #pragma once

@@ -30,6 +30,10 @@
 //                                          (first units in order), the rest on NVMe. Default 0.
 //   strata.host_budget_bytes              pinned host memory the engine may hold (default 0 =
 //                                          80% of RAM, decided by the caller).
+//   strata.overlap_optimizer              true | false: the host optimizer steps each unit
+//                                          while backward runs, into a second copy of its
+//                                          state (Engine::set_next_lr). Default: on when the
+//                                          memory plan fits with the second copies.
 // These sit beside the DeepSpeed key they refine (as aio's strata keys do), except engine-wide
 // settings, which go in the top-level "strata" object.
 #include <algorithm>
@@ -489,8 +493,9 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.aio = parse_aio_config(doc.contains("aio") ? doc["aio"].dump() : std::string("{}"));
 
   const Section st = top.child("strata");
-  st.warn_unknown({"host_budget_bytes"});
+  st.warn_unknown({"host_budget_bytes", "overlap_optimizer"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
+  if (st.has("overlap_optimizer")) c.overlap_optimizer = st.get_bool("overlap_optimizer", true);
   return c;
 }
 

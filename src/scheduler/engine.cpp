@@ -22,14 +22,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -102,6 +105,18 @@ struct Unit {
   Buffer o_dev;  // master | m | v, fp32, 3 * shard
   std::shared_ptr<PinnedBlock> o_host;
   Buffer grad_full;  // fp32 gradient scratch between grad_buffer() and reduce_grad()
+  // The early optimizer step (Impl::early_*): second copies of host-tier state and weights,
+  // and which of the two NVMe keys holds the current optimizer state / compute weights.
+  std::shared_ptr<PinnedBlock> o_alt, w_alt;
+  int o_gen = 0, w_gen = 0;
+  // This step's early work on the unit: queued when its last gradient of the step is
+  // reduced, done on the early worker, then kept or dropped by step().
+  enum class Early { kNone, kQueued, kDone, kVoid } early = Early::kNone;
+  Event grads_done;              // the accumulation of that last gradient
+  AdamWOptions early_opt;        // the options it ran with (lr, step, grad_scale)
+  float early_sumsq = 0;         // its gradient's sum of squares (the norm's part)
+  std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until step()
+  IoHandle early_o_write, early_w_write;  // to the other NVMe key
 };
 
 }  // namespace
@@ -152,6 +167,32 @@ struct Engine::Impl {
   std::int64_t steps_taken = 0;
   EngineStats st;
 
+  // ---- the early optimizer step ----
+  // When a unit's last gradient of the step has been accumulated on the host (the count of
+  // reduce_grad calls per unit is recorded in the first step), a worker thread runs its
+  // AdamW at once — while backward goes on for the units before it — with clip coefficient
+  // 1 and the expected lr, reading the current state and writing a second copy (host tier:
+  // o_alt / w_alt; NVMe tier: the other key). step() keeps that result only when the step
+  // it would have run is the same: no clipping, finite gradients, the same lr; otherwise it
+  // drops it and steps the unit from the untouched state. Either way the bits are those of
+  // the serial step. (The clip coefficient needs the global norm, which exists only after
+  // the last gradient: that is why this is a speculation and not a reordering.)
+  bool early = false;  // plan.early_optimizer_step
+  std::vector<int> grads_recorded, grads_now;
+  bool grads_recording = true, grads_changed = false;
+  float next_lr = NAN;  // set_next_lr(), else the last step's lr
+  std::thread early_thread;
+  std::mutex early_mu;
+  std::condition_variable early_cv;
+  std::deque<std::size_t> early_queue;
+  std::vector<std::size_t> early_order;  // units queued this step, in order (main thread)
+  std::size_t early_busy = 0;  // queued or running jobs
+  bool early_stop = false;
+  std::exception_ptr early_error;
+  // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
+  std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> early_reads;
+  std::deque<IoHandle> early_writes, early_w_writes;
+
   Impl(Device& d, Communicator& c, const EngineConfig& config)
       : dev(d), comm(c), cfg(config), rank(c.rank()), world(c.world_size()) {
     STRATA_REQUIRE(&c.device() == &d, "Engine: the communicator belongs to another device");
@@ -198,8 +239,10 @@ struct Engine::Impl {
   }
 
   SwapStore& w_swap() { return *w_store; }
-  static std::string w_key(std::size_t u) { return fmt::format("w{}", u); }
-  static std::string o_key(std::size_t u) { return fmt::format("o{}", u); }
+  // NVMe keys of the current (gen) or the other (1 - gen) copy.
+  static std::string key(char kind, std::size_t u, int gen) { return fmt::format("{}{}{}", kind, u, gen ? "'" : ""); }
+  std::string w_key(std::size_t u) const { return key('w', u, units[u].w_gen); }
+  std::string o_key(std::size_t u) const { return key('o', u, units[u].o_gen); }
 
   // ---- placing a unit's shard (finalize, load_state) ----
   // The compute-weight shard derived from `master` (u.shard fp32 values) exactly as the
@@ -363,6 +406,176 @@ struct Engine::Impl {
     trace.push_back(ui);
     recording = true;
   }
+
+  // ---- the early optimizer step (see the fields above) ----
+  bool early_eligible(const Unit& u) const { return early && u.o_tier != Tier::kDevice && u.g_tier == Tier::kHost; }
+
+  void stop_early_worker() {
+    if (!early_thread.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lk(early_mu);
+      early_stop = true;
+    }
+    early_cv.notify_all();
+    early_thread.join();
+  }
+
+  void wait_early_idle() {
+    std::unique_lock<std::mutex> lk(early_mu);
+    early_cv.wait(lk, [&] { return early_busy == 0; });
+  }
+  Unit::Early early_state(std::size_t ui) {
+    std::lock_guard<std::mutex> lk(early_mu);
+    return units[ui].early;
+  }
+  // Waits until the worker is done with unit `ui`; its final state.
+  Unit::Early wait_early(std::size_t ui) {
+    std::unique_lock<std::mutex> lk(early_mu);
+    early_cv.wait(lk, [&] { return units[ui].early != Unit::Early::kQueued; });
+    return units[ui].early;
+  }
+  bool early_failed() {
+    std::lock_guard<std::mutex> lk(early_mu);
+    return early_error != nullptr;
+  }
+  // Drops the jobs the worker has not started (their results could not be kept).
+  void cancel_queued_early() {
+    std::lock_guard<std::mutex> lk(early_mu);
+    for (const std::size_t ui : early_queue) units[ui].early = Unit::Early::kVoid;
+    early_busy -= early_queue.size();
+    early_queue.clear();
+  }
+
+  // Called for every reduce_grad, after its accumulation was queued on the comm stream.
+  void note_grad(std::size_t ui, Stream& cs) {
+    ++grads_now[ui];
+    if (!early || grads_recording) return;
+    Unit& u = units[ui];
+    if (grads_now[ui] > grads_recorded[ui]) {
+      // More gradients than the recorded step had: the early result (if any) used a partial
+      // sum. Drop it; step() steps the unit serially and the counts are recorded again.
+      grads_changed = true;
+      if (early_state(ui) != Unit::Early::kNone) {
+        wait_early(ui);
+        std::lock_guard<std::mutex> lk(early_mu);
+        u.early = Unit::Early::kVoid;
+      }
+      return;
+    }
+    if (grads_now[ui] < grads_recorded[ui] || !early_eligible(u)) return;
+    u.grads_done = cs.record();
+    u.early_opt = cfg.adamw;
+    u.early_opt.lr = next_lr;
+    u.early_opt.step = steps_taken + 1;
+    // Exactly the serial step's grad_scale with clip coefficient 1.
+    u.early_opt.grad_scale = float(1.0 / (double(cfg.gradient_accumulation_steps) * scale));
+    early_order.push_back(ui);
+    {
+      std::lock_guard<std::mutex> lk(early_mu);
+      u.early = Unit::Early::kQueued;
+      early_queue.push_back(ui);
+      ++early_busy;
+    }
+    early_cv.notify_all();
+  }
+
+  void early_loop() {
+    std::unique_lock<std::mutex> lk(early_mu);
+    for (;;) {
+      early_cv.wait(lk, [&] { return early_stop || !early_queue.empty(); });
+      if (early_stop) return;
+      const std::size_t ui = early_queue.front();
+      early_queue.pop_front();
+      const std::optional<std::size_t> next =
+          early_queue.empty() ? std::nullopt : std::optional<std::size_t>(early_queue.front());
+      lk.unlock();
+      std::exception_ptr error;
+      try {
+        if (next) early_read_ahead(*next);
+        early_unit(ui);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lk.lock();
+      units[ui].early = error ? Unit::Early::kVoid : Unit::Early::kDone;
+      if (error && !early_error) early_error = error;
+      --early_busy;
+      early_cv.notify_all();
+    }
+  }
+
+  // Waits for the oldest of `q` until fewer than `most` are in flight (worker thread).
+  static void bound_io(std::deque<IoHandle>& q, std::size_t most) {
+    while (q.size() >= std::max<std::size_t>(most, 1)) {
+      IoHandle h = q.front();
+      q.pop_front();
+      h.wait();
+    }
+  }
+
+  void early_read_ahead(std::size_t ui) {
+    Unit& u = units[ui];
+    if (u.o_tier != Tier::kNvme || early_reads.count(ui)) return;
+    auto b = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    early_reads[ui] = {b, o_store->read(o_key(ui), b->data(), 3 * u.shard * 4)};
+  }
+
+  // One unit's AdamW from its current state into the second copy (worker thread).
+  void early_unit(std::size_t ui) {
+    Unit& u = units[ui];
+    const std::size_t n = u.shard, w_bytes = n * c_size;
+    u.grads_done.synchronize();
+    TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
+    const auto* g = static_cast<const float*>(u.g_host->data());
+    u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
+    float *src = nullptr, *dst = nullptr;
+    std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other key
+    if (u.o_tier == Tier::kHost) {
+      src = static_cast<float*>(u.o_host->data());
+      dst = static_cast<float*>(u.o_alt->data());
+    } else {
+      early_read_ahead(ui);
+      auto it = early_reads.find(ui);
+      state = it->second.first;
+      const IoHandle h = it->second.second;
+      early_reads.erase(it);
+      h.wait();
+      src = dst = static_cast<float*>(state->data());
+    }
+    const bool w_host = !u.resident && u.w_tier == Tier::kHost;
+    const bool w_nvme = !u.resident && u.w_tier == Tier::kNvme;
+    std::shared_ptr<PinnedBlock> w_block;
+    if (w_nvme) bound_io(early_w_writes, 2);  // the plan's "new compute-weight staging"
+    if (!w_host) w_block = pinned(SwapStore::padded_bytes(w_bytes));
+    void* w_dst = w_host ? u.w_alt->data() : w_block->data();
+    AdamWShard sh{host_tensor(dst, DType::kF32, n), host_tensor(g, DType::kF32, n),
+                  host_tensor(dst + n, DType::kF32, n), host_tensor(dst + 2 * n, DType::kF32, n), {}};
+    if (src != dst) {
+      sh.params_src = host_tensor(src, DType::kF32, n);
+      sh.m_src = host_tensor(src + n, DType::kF32, n);
+      sh.v_src = host_tensor(src + 2 * n, DType::kF32, n);
+    }
+    const bool copy_out = cfg.compute_dtype != DType::kF32;
+    if (copy_out) sh.copy_out = host_tensor(w_dst, cfg.compute_dtype, n);
+    {
+      TraceScope adam_span("cpu_adamw", "optimizer", n * 4 * 4);
+      cpu_adam->step(u.early_opt, sh, NonFinitePolicy::kReportOnly);
+    }
+    if (!copy_out) std::memcpy(w_dst, dst, n * 4);
+    if (state) {
+      bound_io(early_writes, std::size_t(std::max(1, cfg.optimizer_buffer_count - 2)));
+      u.early_o_write = o_store->write(key('o', ui, 1 - u.o_gen), state->data(), 3 * n * 4);
+      u.early_o_write.on_complete([state](std::exception_ptr) {});
+      early_writes.push_back(u.early_o_write);
+    }
+    if (w_nvme) {
+      u.early_w_write = w_store->write(key('w', ui, 1 - u.w_gen), w_block->data(), w_bytes);
+      u.early_w_write.on_complete([w_block](std::exception_ptr) {});
+      early_w_writes.push_back(u.early_w_write);
+    } else if (!w_host) {
+      u.early_w = std::move(w_block);
+    }
+  }
 };
 
 Engine::Engine(Device& device, Communicator& comm, const EngineConfig& config)
@@ -370,6 +583,7 @@ Engine::Engine(Device& device, Communicator& comm, const EngineConfig& config)
 
 Engine::~Engine() {
   if (!impl_) return;
+  impl_->stop_early_worker();
   try {
     impl_->collect(true);
     impl_->dev.synchronize();
@@ -452,6 +666,10 @@ void Engine::finalize() {
     for (auto& p : s.plan.problems) problems += "\n  " + p;
     STRATA_THROW(kOutOfMemory, "the training state does not fit:{}\n{}", problems, s.plan.table());
   }
+  for (const std::string& n : s.plan.notes) log::info("engine: {}", n);
+  s.early = s.plan.early_optimizer_step;
+  s.grads_recorded.assign(s.units.size(), 0);
+  s.grads_now.assign(s.units.size(), 0);
 
   s.fetch_s = s.dev.create_stream("fetch");
   s.comm_s = s.dev.create_stream("comm");
@@ -497,6 +715,12 @@ void Engine::finalize() {
     std::memcpy(of, master, u.shard * 4);
     std::memset(of + u.shard, 0, 2 * u.shard * 4);
     s.put_state(ui, o, /*first=*/true);
+    if (s.early_eligible(u)) {  // the early step's second copies (the plan's lines)
+      if (u.o_tier == Tier::kHost) u.o_alt = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+      else s.o_store->reserve(Impl::key('o', ui, 1), 3 * u.shard * 4);
+      if (!u.resident && u.w_tier == Tier::kHost) u.w_alt = s.pinned(SwapStore::padded_bytes(u.shard * s.c_size));
+      if (!u.resident && u.w_tier == Tier::kNvme) s.w_store->reserve(Impl::key('w', ui, 1), u.shard * s.c_size);
+    }
     // gradient accumulator
     if (u.g_tier == Tier::kDevice) {
       u.g_dev = s.dev.alloc(u.shard * 4);
@@ -509,8 +733,11 @@ void Engine::finalize() {
     u.init.clear();
     u.init.shrink_to_fit();
   }
+  if (s.early) s.early_thread = std::thread([&s] { s.early_loop(); });
   s.finalized = true;
 }
+
+void Engine::set_next_lr(float lr) { impl_->next_lr = lr; }
 
 TensorRef Engine::fetch(int unit, Stream& compute) {
   Impl& s = *impl_;
@@ -597,6 +824,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     s.grad_staging.push_back(cs.record());
   }
   if (full) s.deferred.push_back({std::move(full), &compute, cs.record()});
+  s.note_grad(std::size_t(unit), cs);
 }
 
 StepResult Engine::step(float lr) {
@@ -631,7 +859,10 @@ StepResult Engine::step(float lr) {
     if (any_device) os.copy(host_ref(dev_part.data(), 4 * dev_part.size()), sq.ref());
     for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
       Unit& u = s.units[ui];
-      if (u.g_tier == Tier::kHost) part[ui] = cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+      if (u.g_tier != Tier::kHost) continue;
+      // The early step computed it with the same kernel from the same final gradient.
+      part[ui] = s.early_state(ui) == Unit::Early::kDone ? u.early_sumsq
+                                                         : cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
     }
     os.synchronize();
     for (std::size_t ui = 0; ui < s.units.size(); ++ui)
@@ -666,6 +897,87 @@ StepResult Engine::step(float lr) {
       ++s.scaler_iter;
     }
   }
+  const DType ct = s.cfg.compute_dtype;
+  // Where the new compute weights of unit `u` go, as a host staging block when the target
+  // is not host memory the optimizer can write directly.
+  auto w_target_dev = [&](Unit& u) -> std::optional<TensorRef> {
+    if (u.resident) return Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
+    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, u.shard);
+    return std::nullopt;
+  };
+
+  // The early step's results, in the order the worker takes them (so the new weights of one
+  // unit go back while it steps the next): kept when this step is the one they assumed
+  // (finite, no clipping, the same lr and step), else dropped — the state they read is
+  // untouched, and the serial loop below steps the unit.
+  const bool clipped = s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping;
+  if (overflow || clipped) s.cancel_queued_early();
+  std::vector<bool> kept(s.units.size(), false);
+  for (const std::size_t ui : std::exchange(s.early_order, {})) {
+    Unit& u = s.units[ui];
+    const Unit::Early state = s.wait_early(ui);
+    const bool failed = s.early_failed();
+    for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
+      if (h->valid() && !failed) h->wait();
+    const std::size_t n = u.shard, w_bytes = n * s.c_size;
+    if (state == Unit::Early::kDone) {  // what it moved, kept or not
+      if (u.o_tier == Tier::kNvme) {
+        s.st.nvme_read_bytes += 3 * n * 4;
+        s.st.nvme_written_bytes += 3 * n * 4;
+      }
+      if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += w_bytes;
+    }
+    kept[ui] = state == Unit::Early::kDone && !failed && !overflow && !clipped && u.early_opt.lr == lr &&
+               u.early_opt.step == s.steps_taken + 1;
+    if (kept[ui]) {
+      if (u.o_tier == Tier::kHost) std::swap(u.o_host, u.o_alt);
+      else u.o_gen = 1 - u.o_gen;
+      if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w_host, u.w_alt);
+      if (!u.resident && u.w_tier == Tier::kNvme) u.w_gen = 1 - u.w_gen;
+      if (const auto target = w_target_dev(u)) {
+        os.copy(target->mem, host_ref(u.early_w->data(), w_bytes));
+        os.host_fn([b = u.early_w] {}, "staging_free");
+        s.st.h2d_bytes += w_bytes;
+      }
+      ++s.st.early_units_kept;
+    } else {
+      ++s.st.early_units_redone;
+    }
+    {
+      std::lock_guard<std::mutex> lk(s.early_mu);
+      u.early = Unit::Early::kNone;
+    }
+    u.early_w.reset();
+  }
+  s.wait_early_idle();
+  // State read ahead for jobs that were cancelled: stale after this step.
+  for (auto& [ui, read] : std::exchange(s.early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
+  if (s.early_failed()) {
+    // The run stops with the worker's error (an I/O fault, say) once its I/O has settled.
+    for (auto& u : s.units)
+      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
+        if (h->valid()) h->wait_for(std::chrono::minutes(1));
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lk(s.early_mu);
+      error = std::exchange(s.early_error, nullptr);
+    }
+    std::rethrow_exception(error);
+  }
+  for (auto& u : s.units) {
+    u.early_o_write = IoHandle();
+    u.early_w_write = IoHandle();
+  }
+  // The gradient counts of this step become the record the next step's early work follows.
+  if (s.grads_recording || s.grads_changed || s.grads_now != s.grads_recorded) {
+    if (!s.grads_recording) log::info("engine: the gradients per unit changed this step; recording them again");
+    s.grads_recorded = s.grads_now;
+    s.grads_recording = false;
+    s.grads_changed = false;
+  }
+  std::fill(s.grads_now.begin(), s.grads_now.end(), 0);
+  s.next_lr = lr;
+
   auto zero_grads = [&] {
     for (auto& u : s.units) {
       if (u.g_tier == Tier::kHost) std::memset(u.g_host->data(), 0, u.shard * 4);
@@ -688,22 +1000,13 @@ StepResult Engine::step(float lr) {
   opt.lr = lr;
   opt.step = s.steps_taken + 1;
   opt.grad_scale = float(r.clip_coef / den);
-  const DType ct = s.cfg.compute_dtype;
   const bool copy_out = ct != DType::kF32;
-
-  // Where the new compute weights of unit `u` go, as a host staging block when the target
-  // is not host memory the optimizer can write directly.
-  auto w_target_dev = [&](Unit& u) -> std::optional<TensorRef> {
-    if (u.resident) return Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
-    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, u.shard);
-    return std::nullopt;
-  };
 
   // Units with optimizer state on NVMe: the next unit's state streams in while this one
   // computes; writes go out behind, at most optimizer_buffer_count in flight.
   std::vector<std::size_t> nvme_units;
   for (std::size_t i = 0; i < s.units.size(); ++i)
-    if (s.units[i].o_tier == Tier::kNvme) nvme_units.push_back(i);
+    if (s.units[i].o_tier == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
   std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
   std::deque<IoHandle> writes;  // optimizer state written behind
   // At most optimizer_buffer_count state buffers at once: one read ahead, one stepping, the
@@ -723,7 +1026,7 @@ StepResult Engine::step(float lr) {
     if (k >= nvme_units.size()) return;
     Unit& u = s.units[nvme_units[k]];
     auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    IoHandle h = s.o_store->read(Impl::o_key(nvme_units[k]), b->data(), 3 * u.shard * 4);
+    IoHandle h = s.o_store->read(s.o_key(nvme_units[k]), b->data(), 3 * u.shard * 4);
     s.st.nvme_read_bytes += 3 * u.shard * 4;
     reads[nvme_units[k]] = {b, h};
   };
@@ -747,6 +1050,7 @@ StepResult Engine::step(float lr) {
 
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
+    if (kept[ui]) continue;
     // The whole unit (state in, update, weights out); the update itself is the device's
     // adamw kernel or the cpu_adamw span below, so a trace tells waiting from computing.
     TraceScope span("optimizer_unit", "optimizer", u.shard * 4 * 4);
@@ -834,10 +1138,10 @@ StepResult Engine::step(float lr) {
         w_staging.push_back([e = os.record()] { e.synchronize(); });
         s.st.h2d_bytes += w_bytes;
       }
-      if (state_block) write_state(Impl::o_key(ui), state_block, 3 * n * 4);
+      if (state_block) write_state(s.o_key(ui), state_block, 3 * n * 4);
     }
     if (!u.resident && u.w_tier == Tier::kNvme) {
-      IoHandle h = write_behind(*s.w_store, Impl::w_key(ui), w_out, w_bytes);
+      IoHandle h = write_behind(*s.w_store, s.w_key(ui), w_out, w_bytes);
       w_staging.push_back([h] { h.wait(); });
     }
   }

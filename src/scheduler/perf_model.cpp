@@ -39,7 +39,7 @@ namespace {
 constexpr std::uint64_t kShardAlign = 2048;  // as the engine pads
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 
-enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kNumStreams };
+enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kNumStreams };
 
 struct SimUnit {
   std::uint64_t numel = 0, padded = 0, shard = 0;
@@ -134,6 +134,11 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
     if (x.g == Tier::kHost && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "host gradients");
   }
+  // The early optimizer step (strata.overlap_optimizer) of the units whose optimizer runs on
+  // the host from host gradients. The search sets the flag from the plan; unset, the engine's
+  // default (on) is assumed. Modelled as kept: no clipping, the lr announced.
+  const bool early = c.overlap_optimizer.value_or(true);
+  auto eligible = [&](const SimUnit& x) { return early && x.o != Tier::kDevice && x.g == Tier::kHost; };
   if (W > 1) {
     need_rate(m.all_gather_bps, "all-gather", "more than one rank");
     need_rate(m.reduce_scatter_bps, "reduce-scatter", "more than one rank");
@@ -267,6 +272,56 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     }
     drop(i);
   };
+  // NVMe rates when reads and writes share the drive (the optimizer's state traffic).
+  const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
+  const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
+  const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
+  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
+
+  // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
+  // gradient of the step has been accumulated (`avail`); the worker takes jobs in that order,
+  // reads the next job's NVMe state when it starts one, and writes the second copy behind.
+  std::vector<std::size_t> early_order;
+  std::vector<double> early_done(N, 0), early_io_done(N, 0);
+  double early_prev_start = -1;
+  std::deque<double> early_writes, early_w_writes;
+  auto early_job = [&](std::size_t i, double avail) {
+    SimUnit& x = u[i];
+    const double n = double(x.shard), w_bytes = n * csz;
+    double start = std::max(sim.stream_free[kEarlyS], avail);
+    double io = 0;
+    if (x.o == Tier::kNvme) {
+      const double issue = avail <= early_prev_start ? early_prev_start : start;
+      start = std::max(start, sim.lane(Resource::kNvme, issue, secs(12 * n, opt_read_bps), "read state " + name(i)));
+    }
+    early_prev_start = start;
+    const bool w_nvme = !x.resident && x.w == Tier::kNvme;
+    if (w_nvme && early_w_writes.size() >= 2) {
+      start = std::max(start, early_w_writes.front());
+      early_w_writes.pop_front();
+    }
+    double t = sim.op(kEarlyS, Resource::kCpu, start, secs(4 * n, norm_bps), "norm " + name(i));
+    t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i));
+    if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
+    if (x.o == Tier::kNvme) {
+      if (early_writes.size() >= max_writes) {
+        t = std::max(t, early_writes.front());
+        early_writes.pop_front();
+      }
+      early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * n, opt_write_bps), "write state " + name(i)));
+      io = std::max(io, early_writes.back());
+    }
+    if (w_nvme) {
+      early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i)));
+      io = std::max(io, early_w_writes.back());
+    }
+    sim.wait(kEarlyS, t);
+    early_done[i] = t;
+    early_io_done[i] = io;
+    early_order.push_back(i);
+  };
+  bool last_micro_batch = false;
+
   // Engine::grad_buffer + the model's backward + Engine::reduce_grad for unit i.
   auto reduce = [&](std::size_t i, double after_compute) {
     SimUnit& x = u[i];
@@ -285,6 +340,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
       grad_staging.push_back(
           sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i)));
+      if (last_micro_batch && eligible(x)) early_job(i, grad_staging.back());
     }
   };
   // The unit's fp32 gradient scratch: zero-filled on the compute stream, and freed there at
@@ -296,6 +352,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   Prediction pr;
   double fwd_total = 0, bwd_total = 0;
   for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+    last_micro_batch = a + 1 == c.gradient_accumulation_steps;
     // forward
     const double f0 = h;
     for (std::size_t i = 0; i < N; ++i) {
@@ -334,19 +391,26 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   // gradient norm: device shards on the optimizer stream, host shards on the host thread
   for (std::size_t i = 0; i < N; ++i)
     if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
-  const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
+  std::vector<bool> kept(N, false);
+  for (std::size_t i : early_order) kept[i] = true;
+  // The early worker computed the norm's part of the units it has finished by now.
+  const double norm_at = h;
   for (std::size_t i = 0; i < N; ++i)
-    if (u[i].g == Tier::kHost)
+    if (u[i].g == Tier::kHost && !(kept[i] && early_done[i] <= norm_at))
       h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i));
   h = std::max(h, sim.stream_free[kOptS]);
+  // The early results, in the worker's order: each waited for (its writes too) and kept; the
+  // new weights of a device-resident unit go over the link.
+  for (std::size_t i : early_order) {
+    h = std::max({h, early_done[i], early_io_done[i]});
+    if (u[i].resident || u[i].w == Tier::kDevice)
+      sim.op(kOptS, Resource::kH2D, h, secs(double(u[i].shard) * csz, m.h2d_bps), "h2d w " + name(i));
+  }
 
   std::vector<std::size_t> nvme_units;
   for (std::size_t i = 0; i < N; ++i)
-    if (u[i].o == Tier::kNvme) nvme_units.push_back(i);
+    if (u[i].o == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
   std::vector<double> read_done(N, 0);
-  // In the optimizer phase reads and writes share the drive at once.
-  const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
-  const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   std::size_t nvme_next = 0;
   auto issue_read = [&](std::size_t k) {
     if (k >= nvme_units.size()) return;
@@ -355,7 +419,6 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   };
   std::deque<double> writes, w_staging;
   double all_writes = h;
-  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
   auto write_behind = [&](double bytes, double ready, const std::string& what) {
     const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what);
     all_writes = std::max(all_writes, end);
@@ -378,6 +441,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   issue_read(nvme_next++);
   for (std::size_t i = 0; i < N; ++i) {
     SimUnit& x = u[i];
+    if (kept[i]) continue;
     const double n = double(x.shard);
     const double w_bytes = n * csz;
     const bool target_dev = x.resident || x.w == Tier::kDevice;
@@ -535,7 +599,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               }
               continue;
             }
-            cand.prediction = predict_step(m, mp, c);
+            // The engine decides the early optimizer step by the plan: say it in the config.
+            cand.config.overlap_optimizer = cand.plan.early_optimizer_step;
+            cand.prediction = predict_step(m, mp, cand.config);
             out.ranked.push_back(std::move(cand));
           }
   }
@@ -631,7 +697,8 @@ std::string engine_config_json(const EngineConfig& c) {
               {"verify", c.aio.verify},              {"engine", io_backend_name(c.aio.engine)},
               {"register_buffers", c.aio.register_buffers}};
   if (c.aio.direct != DirectIo::kAuto) j["aio"]["direct"] = c.aio.direct == DirectIo::kOn;
-  if (c.host_budget_bytes > 0) j["strata"] = {{"host_budget_bytes", c.host_budget_bytes}};
+  if (c.host_budget_bytes > 0) j["strata"]["host_budget_bytes"] = c.host_budget_bytes;
+  if (c.overlap_optimizer) j["strata"]["overlap_optimizer"] = *c.overlap_optimizer;
   return j.dump(2) + "\n";
 }
 

@@ -33,6 +33,14 @@
 //       new compute weights on their way from the optimizer to the device or NVMe: 2 *
 //         largest shard * c, when the optimizer state or the weights leave the device.
 //   The engine waits for the oldest of each kind of staging before it takes one more.
+//   - The early optimizer step (strata.overlap_optimizer; when the optimizer state leaves the
+//     device and the gradients are on the host): each unit's AdamW runs while backward still
+//     runs, into a second copy of its state, kept at step() only if the step needs no
+//     clipping and no skip. It adds a second copy of the host-tier optimizer state (host) and
+//     of the NVMe-tier state (NVMe), a second copy of host- and NVMe-tier compute weights, and
+//     the new weights of device-resident units held in pinned memory until step() (shard * c
+//     each). Left unset, it is turned off when the plan does not fit with it but does without
+//     (a note in the plan says so).
 //   - Activations: the model's estimate for one micro-batch, on the device.
 // Capacities: the device's, strata.host_budget_bytes (else the caller's host capacity), and
 // the free bytes under the NVMe paths. The planner never allocates; it only adds.
@@ -174,6 +182,19 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     b.add("new compute-weight staging (2 x largest shard)", Tier::kHost, 2 * largest_shard * c);
   }
+  b.plan.early_optimizer_step =
+      config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
+  if (b.plan.early_optimizer_step) {
+    const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
+    b.add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, opt_tiers[H]);
+    b.add("early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme, opt_tiers[N]);
+    const std::uint64_t host_w = config.stage == 3 ? param_tiers[H] : 0;
+    const std::uint64_t nvme_w = config.stage == 3 ? param_tiers[N] : 0;
+    b.add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, host_w);
+    b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, nvme_w);
+    b.add("early optimizer step: new device weights until step()", Tier::kHost,
+          total_shard * c - host_w - nvme_w);
+  }
 
   MemoryPlan& plan = b.plan;
   for (const PlanLine& l : plan.lines) {
@@ -252,6 +273,26 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
         "drives, or keep more in host memory (offload_*.host_fraction)");
   }
   plan.fits = plan.problems.empty();
+  if (!plan.fits && plan.early_optimizer_step) {
+    if (!config.overlap_optimizer.has_value()) {  // left to the planner: off, said aloud
+      EngineConfig off = config;
+      off.overlap_optimizer = false;
+      MemoryPlan without = plan_memory(off, in);
+      if (without.fits) {
+        const bool host = plan.host_bytes > plan.host_capacity;
+        without.notes.push_back(fmt::format(
+            "strata.overlap_optimizer is off (the host optimizer waits for the end of backward): "
+            "with its second copy of the state the {} would need {} of {}; {} to turn it on",
+            host ? "host" : "NVMe", human(host ? plan.host_bytes : plan.nvme_bytes),
+            human(host ? plan.host_capacity : plan.nvme_capacity),
+            host ? fmt::format("set strata.host_budget_bytes to {} or more", plan.host_bytes)
+                 : std::string("free NVMe space")));
+      }
+      return without;
+    }
+    for (std::string& p : plan.problems)
+      p += "; or set strata.overlap_optimizer false (no second copy of the optimizer state)";
+  }
   return plan;
 }
 
@@ -274,6 +315,7 @@ std::string MemoryPlan::table() const {
                        bytes <= cap ? "ok" : fmt::format("OVER by {}", human(bytes - cap)));
   }
   out += fits ? "verdict: fits\n" : "verdict: does not fit\n";
+  for (const std::string& n : notes) out += "  note: " + n + "\n";
   for (const std::string& p : problems) out += "  " + p + "\n";
   return out;
 }

@@ -478,6 +478,8 @@ TrainResult train(const TrainOptions& o) {
     const auto t_step = Clock::now();
     const bool tracing = !o.trace_file.empty() && step == o.trace_step;
     if (tracing) Tracer::global().set_enabled(true);
+    const double lr = lr_at(step, ecfg.adamw.lr, o.warmup, steps, o.lr_schedule);
+    engine.set_next_lr(float(lr));  // the early optimizer step (overlapping backward) uses it
     double loss_sum = 0;
     for (std::int64_t a = 0; a < accum; ++a) {
       auto t0 = Clock::now();
@@ -497,7 +499,6 @@ TrainResult train(const TrainOptions& o) {
       ph.backward += since(t0);
     }
     auto t0 = Clock::now();
-    const double lr = lr_at(step, ecfg.adamw.lr, o.warmup, steps, o.lr_schedule);
     const StepResult sr = engine.step(float(lr));
     ph.optimizer += since(t0);
     const double loss = mean_over_ranks(loss_sum / double(accum), *comm, *dev, *compute);
