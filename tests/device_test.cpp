@@ -405,6 +405,40 @@ TEST_P(DeviceTest, ThrottledMatmulsTakeAtLeastFlopsOverRate) {
   EXPECT_EQ(hc[0], 0.25f * 0.5f * float(k)) << "the throttle must not change the result";
 }
 
+TEST_P(DeviceTest, KernelsOnFewerThreadsGiveTheSameResult) {
+  if (GetParam().cuda) GTEST_SKIP() << "compute_threads is a property of the emulated device";
+  auto result = [](int threads) {
+    HostDeviceOptions o;
+    o.capacity_bytes = 64 << 20;
+    o.compute_threads = threads;
+    auto dev = make_host_device(o);
+    auto st = dev->create_stream("compute");
+    const std::int64_t m = 96, n = 128, k = 200;
+    std::vector<float> ha(std::size_t(m * k)), hb(std::size_t(k * n));
+    for (std::size_t i = 0; i < ha.size(); ++i) ha[i] = float(i % 13) * 0.125f - 0.5f;
+    for (std::size_t i = 0; i < hb.size(); ++i) hb[i] = float(i % 7) * 0.25f - 0.75f;
+    Buffer a = dev->alloc(ha.size() * 4, st.get()), b = dev->alloc(hb.size() * 4, st.get());
+    Buffer c = dev->alloc(std::size_t(m * n) * 4, st.get());
+    st->copy(a.ref(), host_ref(ha.data(), ha.size() * 4));
+    st->copy(b.ref(), host_ref(hb.data(), hb.size() * 4));
+    st->matmul({m, n, k, false, false, 1.0f, 0.0f, tensor(a, DType::kF32), tensor(b, DType::kF32),
+                tensor(c, DType::kF32)});
+    std::vector<float> hc(std::size_t(m * n));
+    st->copy(host_ref(hc.data(), hc.size() * 4), c.ref());
+    st->synchronize();
+    return hc;
+  };
+  EXPECT_TRUE(result(1) == result(0));
+  HostDeviceOptions bad;
+  bad.compute_threads = -1;
+  try {
+    make_host_device(bad);
+    FAIL() << "compute_threads -1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("compute_threads"), std::string::npos) << e.what();
+  }
+}
+
 TEST_P(DeviceTest, StreamOperationsAreTraced) {
   if (GetParam().cuda) GTEST_SKIP() << "the CUDA backend does not record spans yet";
   Tracer& t = Tracer::global();

@@ -68,6 +68,12 @@ TEST(EngineConfig, DefaultsMatchDeepSpeed) {
   EXPECT_EQ(c.aio.block_size, 1u << 20);
   EXPECT_EQ(c.aio.queue_depth, 8);
   EXPECT_EQ(c.host_budget_bytes, 0u);
+  EXPECT_FALSE(c.overlap_optimizer.has_value());  // the planner decides
+  EXPECT_EQ(c.optimizer_threads, 0);
+  const EngineConfig s = parse_engine_config(
+      R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": false, "optimizer_threads": 3}})");
+  EXPECT_EQ(s.overlap_optimizer, std::optional<bool>(false));
+  EXPECT_EQ(s.optimizer_threads, 3);
 
   // overlap_comm defaults to false below stage 3 (DeepSpeed).
   EXPECT_FALSE(parse_engine_config(R"({"zero_optimization": {"stage": 2}})").overlap_comm);
@@ -379,6 +385,10 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'aio.block_size'", "power of two"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"host_budget_bytes": -5}})",
        {"'strata.host_budget_bytes'"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": "yes"}})",
+       {"'strata.overlap_optimizer'"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",
+       {"'strata.optimizer_threads'"}},
   };
   for (const Case& t : cases) {
     const std::string e = error_of(t.json);

@@ -319,6 +319,9 @@ struct HostDeviceOptions {
   // seconds, so a scheduler can be tested against a device slower (or, relative to the
   // links, faster) than the host's cores. 0 = as fast as the CPU kernels run.
   double compute_gflops = 0;
+  // OpenMP threads each stream's kernels use (0 = every core). Fewer leave cores to the
+  // host's own work (the CPU AdamW), as a GPU's kernels do not compete with the CPU.
+  int compute_threads = 0;
   // Sleep a seeded-random 0..random_delay_us before each queued operation, to expose
   // missing waits. 0 = off.
   std::uint32_t random_delay_us = 0;

@@ -91,6 +91,9 @@ struct EngineConfig {
   // second copy of its optimizer state, kept if the step needs no clipping and no skip (see
   // Engine::set_next_lr). Unset: on when the memory plan fits with it, else off.
   std::optional<bool> overlap_optimizer;
+  // strata.optimizer_threads: threads of the host's CPU AdamW (0 = every core). Fewer leave
+  // cores to data loading, or to the kernels of the CPU-emulated device.
+  int optimizer_threads = 0;
 };
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x

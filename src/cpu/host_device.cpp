@@ -30,6 +30,8 @@
 #include <thread>
 #include <utility>
 
+#include <omp.h>
+
 #include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/device.h"
@@ -142,8 +144,8 @@ struct StreamCore {
     std::uint64_t seq;
   };
 
-  StreamCore(std::string n, std::uint32_t delay_us, std::uint64_t seed)
-      : name(std::move(n)), max_delay_us(delay_us), rng(seed) {
+  StreamCore(std::string n, std::uint32_t delay_us, std::uint64_t seed, int threads)
+      : name(std::move(n)), max_delay_us(delay_us), compute_threads(threads), rng(seed) {
     worker = std::thread([this] { run(); });
   }
 
@@ -192,6 +194,7 @@ struct StreamCore {
 
   void run() {
     t_in_stream_worker = true;
+    if (compute_threads > 0) omp_set_num_threads(compute_threads);  // this thread's teams
     Tracer& tracer = Tracer::global();
     for (;;) {
       Op op;
@@ -225,6 +228,7 @@ struct StreamCore {
 
   std::string name;
   std::uint32_t max_delay_us;
+  int compute_threads;  // OpenMP threads of this worker's kernels; 0 = the default (every core)
   std::mt19937_64 rng;  // used by the worker only
   std::mutex mu;
   std::condition_variable cv_work, cv_done;
@@ -260,6 +264,8 @@ class HostDevice final : public Device {
                    "HostDevice copy rates must be >= 0 GB/s (0 = unthrottled)");
     STRATA_REQUIRE(o.compute_gflops >= 0, "HostDevice compute_gflops must be >= 0 (0 = unthrottled), got {}",
                    o.compute_gflops);
+    STRATA_REQUIRE(o.compute_threads >= 0, "HostDevice compute_threads must be >= 0 (0 = every core), got {}",
+                   o.compute_threads);
     void* p = ::mmap(nullptr, o.capacity_bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
@@ -477,7 +483,7 @@ std::unique_ptr<Stream> HostDevice::create_stream(std::string name) {
     index = streams_.size() + stats_.num_allocs;  // varies the per-stream seed
   }
   auto core = std::make_shared<StreamCore>(name, opt_.random_delay_us,
-                                           opt_.seed * 0x9e3779b97f4a7c15ull + index);
+                                           opt_.seed * 0x9e3779b97f4a7c15ull + index, opt_.compute_threads);
   register_stream(core);
   return std::make_unique<HostStream>(this, std::move(name), std::move(core));
 }

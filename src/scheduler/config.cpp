@@ -34,6 +34,7 @@
 //                                          while backward runs, into a second copy of its
 //                                          state (Engine::set_next_lr). Default: on when the
 //                                          memory plan fits with the second copies.
+//   strata.optimizer_threads              threads of the host CPU AdamW (default 0 = every core).
 // These sit beside the DeepSpeed key they refine (as aio's strata keys do), except engine-wide
 // settings, which go in the top-level "strata" object.
 #include <algorithm>
@@ -493,9 +494,13 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.aio = parse_aio_config(doc.contains("aio") ? doc["aio"].dump() : std::string("{}"));
 
   const Section st = top.child("strata");
-  st.warn_unknown({"host_budget_bytes", "overlap_optimizer"});
+  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
   if (st.has("overlap_optimizer")) c.overlap_optimizer = st.get_bool("overlap_optimizer", true);
+  const std::uint64_t threads = st.get_uint("optimizer_threads", 0);
+  STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
+                 threads);
+  c.optimizer_threads = int(threads);
   return c;
 }
 

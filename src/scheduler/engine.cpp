@@ -682,6 +682,7 @@ void Engine::finalize() {
   s.pool = std::make_unique<PinnedPool>(po);
   CpuAdamWConfig ac;
   ac.policy = NonFinitePolicy::kReportOnly;
+  ac.threads = cfg.optimizer_threads;
   s.cpu_adam = std::make_unique<CpuAdamW>(ac);
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {

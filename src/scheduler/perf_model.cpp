@@ -699,6 +699,7 @@ std::string engine_config_json(const EngineConfig& c) {
   if (c.aio.direct != DirectIo::kAuto) j["aio"]["direct"] = c.aio.direct == DirectIo::kOn;
   if (c.host_budget_bytes > 0) j["strata"]["host_budget_bytes"] = c.host_budget_bytes;
   if (c.overlap_optimizer) j["strata"]["overlap_optimizer"] = *c.overlap_optimizer;
+  if (c.optimizer_threads > 0) j["strata"]["optimizer_threads"] = c.optimizer_threads;
   return j.dump(2) + "\n";
 }
 
