@@ -418,6 +418,16 @@ struct Engine::Impl {
     }
     early_cv.notify_all();
     early_thread.join();
+    // Reads issued ahead for jobs that will not run still target their blocks.
+    for (auto& [ui, read] : std::exchange(early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
+  }
+
+  // Marks every early result of the current step unusable (the state it read was replaced).
+  void void_early() {
+    wait_early_idle();
+    std::lock_guard<std::mutex> lk(early_mu);
+    for (auto& u : units)
+      if (u.early != Unit::Early::kNone) u.early = Unit::Early::kVoid;
   }
 
   void wait_early_idle() {
@@ -1304,6 +1314,7 @@ void Engine::load_state(const std::string& dir) {
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();
+  s.void_early();  // early optimizer work of a step in progress read the state replaced below
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
