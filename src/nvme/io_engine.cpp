@@ -368,9 +368,18 @@ class UringWorker {
  private:
   void run();
   void prep(Chunk* c);
+  void submit();  // everything prepared, retrying -EINTR / -EAGAIN
 
   UringEngine* eng_;
   const AioConfig cfg_;
+  // One io_uring_enter per chunk instead of one per batch. A batch of more than two SQEs is
+  // submitted under a block plug, and the plug merges the chunks of consecutive offsets into
+  // requests of up to max_sectors_kb: QD 32 x 1 MiB reached this virtio disk as 8 x 4 MiB,
+  // 0.82-0.89x the throughput of the same bytes as 32 requests (fio submits one at a time).
+  // Chunks of kSoloSubmitBytes are already large requests and few enough per second that a
+  // syscall each costs nothing; smaller chunks keep batching, where merging pays.
+  static constexpr std::size_t kSoloSubmitBytes = std::size_t(128) << 10;
+  const bool solo_submit_ = cfg_.single_submit || cfg_.block_size >= kSoloSubmitBytes;
   int index_;
   io_uring ring_{};
   std::mutex mu_;
@@ -543,6 +552,13 @@ void UringWorker::prep(Chunk* c) {
   c->issued_ns = tracer.enabled() ? tracer.now_ns() : 0;
 }
 
+void UringWorker::submit() {
+  int rc;
+  do rc = io_uring_submit(&ring_);
+  while (rc == -EINTR || rc == -EAGAIN);
+  STRATA_CHECK(rc >= 0, "io_uring_submit failed: {}", errno_text(-rc));
+}
+
 void UringWorker::run() {
   std::deque<Chunk*> local;  // taken from the queue, or requeued, not yet in the ring
   std::size_t inflight = 0;
@@ -575,14 +591,9 @@ void UringWorker::run() {
       ++inflight;
       --room;
       ++prepared;
-      if (cfg_.single_submit) io_uring_submit(&ring_);
+      if (solo_submit_) submit();
     }
-    if (prepared && !cfg_.single_submit) {
-      int rc;
-      do rc = io_uring_submit(&ring_);
-      while (rc == -EINTR || rc == -EAGAIN);
-      STRATA_CHECK(rc >= 0, "io_uring_submit failed: {}", errno_text(-rc));
-    }
+    if (prepared && !solo_submit_) submit();
     if (inflight == 0) continue;
     io_uring_cqe* cqe = nullptr;
     int rc = io_uring_wait_cqe(&ring_, &cqe);
