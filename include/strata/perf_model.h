@@ -12,12 +12,13 @@
 //     head) also runs its backward in forward and reduces its gradient there.
 //   backward: units N-2..0; a unit dropped since forward is fetched again; each unit's fp32
 //     gradient is zero-filled on the compute stream, and reduced on the comm stream
-//     (reduce-scatter, then either an add into the device shard or D2H + a host add).
+//     (reduce-scatter, then either an add into the device shard or a D2H: straight into the
+//     host accumulator for the step's first micro-batch, into staging + a host add after).
 //   step: the gradient norm (a pass over every gradient shard), then unit by unit on the host
 //     thread: optimizer state read from NVMe one unit ahead, AdamW on the device (optimizer
 //     stream) or the CPU (host thread), new compute weights back to their tier (H2D, D2H or an
 //     NVMe write), state written behind with at most optimizer_buffer_count writes in flight;
-//     then every write waited for and the gradients zeroed.
+//     then every write waited for and the device gradients zeroed (host ones are overwritten).
 //   early optimizer step (strata.overlap_optimizer, on unless the config says false): a unit
 //     whose optimizer runs on the host from host gradients is stepped by the engine's early
 //     worker as soon as its last gradient of the step is accumulated (norm part, AdamW, its

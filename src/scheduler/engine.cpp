@@ -819,6 +819,12 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   }
   if (u.g_tier == Tier::kDevice) {
     cs.add(Impl::view(u.g_dev, DType::kF32, u.shard), shard, Impl::view(u.g_dev, DType::kF32, u.shard));
+  } else if (s.grads_now[std::size_t(unit)] == 0) {
+    // The step's first gradient of the unit goes straight into its accumulator: no staging
+    // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
+    // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
+    cs.copy(host_ref(u.g_host->data(), u.shard * 4), shard.mem);
+    s.st.d2h_bytes += u.shard * 4;
   } else {
     Impl::bound(s.grad_staging, 2);
     auto staging = s.pinned(u.shard * 4);
@@ -848,6 +854,9 @@ StepResult Engine::step(float lr) {
   s.collect(true);
   s.fetch_s->synchronize();
   Stream& os = *s.opt_s;
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui)  // no gradient this step: still last step's
+    if (s.units[ui].g_tier == Tier::kHost && s.grads_now[ui] == 0)
+      std::memset(s.units[ui].g_host->data(), 0, s.units[ui].shard * 4);
 
   // Global gradient norm (and fp16 overflow) from the accumulators: one all-reduce. Each
   // unit's sum of squares is the fp32 result of the same kernel wherever its gradient lives
@@ -989,11 +998,11 @@ StepResult Engine::step(float lr) {
   std::fill(s.grads_now.begin(), s.grads_now.end(), 0);
   s.next_lr = lr;
 
+  // Host accumulators need no zeroing: the next step's first gradient overwrites them (and a
+  // unit without one is zeroed when that step begins).
   auto zero_grads = [&] {
-    for (auto& u : s.units) {
-      if (u.g_tier == Tier::kHost) std::memset(u.g_host->data(), 0, u.shard * 4);
-      else os.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
-    }
+    for (auto& u : s.units)
+      if (u.g_tier == Tier::kDevice) os.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
     os.synchronize();
   };
   if (overflow) {

@@ -320,7 +320,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     early_io_done[i] = io;
     early_order.push_back(i);
   };
-  bool last_micro_batch = false;
+  bool first_micro_batch = true, last_micro_batch = false;
 
   // Engine::grad_buffer + the model's backward + Engine::reduce_grad for unit i.
   auto reduce = [&](std::size_t i, double after_compute) {
@@ -335,6 +335,9 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     }  // one rank: the gradient scratch is the shard, no copy
     if (x.g == Tier::kDevice) {
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
+    } else if (first_micro_batch) {  // straight into the accumulator
+      t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
+      if (last_micro_batch && eligible(x)) early_job(i, t);
     } else {
       bound(grad_staging, 2);
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
@@ -352,6 +355,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   Prediction pr;
   double fwd_total = 0, bwd_total = 0;
   for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+    first_micro_batch = a == 0;
     last_micro_batch = a + 1 == c.gradient_accumulation_steps;
     // forward
     const double f0 = h;
@@ -479,12 +483,8 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       if (u[i].resident)
         sim.op(kOptS, Resource::kComm, h, secs(double(u[i].padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
                "all-gather " + name(i));
-  for (std::size_t i = 0; i < N; ++i) {
-    if (u[i].g == Tier::kHost)
-      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), m.host_mem_bps), "zero grad " + name(i));
-    else
-      sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
-  }
+  for (std::size_t i = 0; i < N; ++i)  // host accumulators are overwritten by the next step's first gradient
+    if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
   h = std::max(h, sim.stream_free[kOptS]);
   // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
   // next step's first fetch.
