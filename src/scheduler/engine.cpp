@@ -212,8 +212,22 @@ struct Engine::Impl {
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kOutOfMemory) throw;
     }
-    // Frees queued on streams release memory only when the streams reach them: let them.
+    // Frees queued on streams release memory only when the streams reach them: let them —
+    // the engine's own streams first (units dropped on `fetch`, reduce-scatter outputs on
+    // `comm`, optimizer scratch on `opt`), each a wait for that stream only; the whole device
+    // (the compute stream's queue, which the host runs far ahead of) last.
     collect(true);
+    ++st.alloc_waits;
+    for (Stream* own : {fetch_s.get(), comm_s.get(), opt_s.get()}) {
+      if (own == nullptr) continue;
+      own->synchronize();
+      try {
+        return dev.alloc(bytes, s);
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::kOutOfMemory) throw;
+      }
+    }
+    ++st.alloc_device_syncs;
     dev.synchronize();
     return dev.alloc(bytes, s);
   }
