@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -90,7 +91,8 @@ double best_of(int reps, F f) {
 }
 
 MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
-                               const std::string& nvme_dir, bool use_nvme) {
+                               const std::string& nvme_dir, bool use_nvme, std::size_t unit_state_bytes,
+                               std::size_t unit_weight_bytes) {
   MachineProfile m;
   m.world_size = comm.world_size();
   auto s = dev.create_stream("prof");
@@ -191,7 +193,10 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     m.device_adamw_params_per_s = double(n) / td;
   }
 
-  // NVMe: the engine's swap store, unit-sized extents, all written then all read.
+  // NVMe: the engine's swap store, as the engine drives it: extents of one unit's optimizer
+  // state, two in flight (the optimizer reads one ahead; a fetch reads the next unit while
+  // the current one is in use). A drive reaches its sequential rate only with many requests
+  // in flight; the engine rarely has them, and the model must see the rate it gets.
   if (use_nvme) {
     SwapStoreOptions so;
     so.paths = {nvme_dir};
@@ -199,7 +204,9 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     so.aio = base.aio;
     so.config_key = "--nvme-path";
     SwapStore store(so);
-    const std::size_t extent = std::size_t(16) << 20, count = 16;  // 256 MiB
+    const std::size_t extent =
+        SwapStore::padded_bytes(std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
+    const std::size_t count = std::max<std::size_t>(8, (std::size_t(128) << 20) / extent), depth = 2;
     std::vector<PinnedBlock> bufs;
     for (std::size_t i = 0; i < 4; ++i) {
       bufs.push_back(pool.allocate(extent));
@@ -208,8 +215,12 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     for (std::size_t i = 0; i < count; ++i) store.reserve(fmt::format("x{}", i), extent);
     auto run = [&](bool write) {
       const auto t0 = Clock::now();
-      std::vector<IoHandle> hs;
+      std::deque<IoHandle> hs;
       for (std::size_t i = 0; i < count; ++i) {
+        if (hs.size() >= depth) {
+          hs.front().wait();
+          hs.pop_front();
+        }
         void* b = bufs[i % bufs.size()].data();
         hs.push_back(write ? store.write(fmt::format("x{}", i), b, extent) : store.read(fmt::format("x{}", i), b, extent));
       }
@@ -224,8 +235,12 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     // Half the extents read while the other half are written, as the optimizer streams.
     const double mixed = best_of(2, [&] {
       const auto t0 = Clock::now();
-      std::vector<IoHandle> hs;
+      std::deque<IoHandle> hs;
       for (std::size_t i = 0; i < count; ++i) {
+        if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each `depth` deep
+          hs.front().wait();
+          hs.pop_front();
+        }
         void* b = bufs[i % bufs.size()].data();
         const std::string key = fmt::format("x{}", i);
         hs.push_back(i % 2 ? store.write(key, b, extent) : store.read(key, b, extent));
@@ -234,6 +249,16 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       return since(t0);
     });
     m.nvme_mixed_bps = double(extent * count) / mixed;
+    // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
+    // one read of that size at a time (the next is issued as the prefetch window moves).
+    const std::size_t w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
+    const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
+    const double fetch = best_of(2, [&] {
+      const auto t0 = Clock::now();
+      for (std::size_t i = 0; i < w_count; ++i) store.read(fmt::format("x{}", i % count), bufs[0].data(), w_extent).wait();
+      return since(t0);
+    });
+    m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
     struct statvfs sv {};
     if (::statvfs(nvme_dir.c_str(), &sv) == 0) m.nvme_free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
   }
@@ -588,8 +613,9 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
   std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
   std::printf("  h2d %s  d2h %s  device memory %s  free %s  host memory %s\n", g(m.h2d_bps).c_str(),
               g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
-  std::printf("  nvme write %s  read %s  both at once %s  (free %s)\n", g(m.nvme_write_bps).c_str(),
-              g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
+  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  (free %s)\n",
+              g(m.nvme_write_bps).c_str(),
+              g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(), g(m.nvme_fetch_read_bps).c_str(),
               m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
               m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6, g(m.host_norm_bps).c_str());
@@ -673,7 +699,10 @@ int run(Args a) {
     auto dev = make_device(a.device, mhopt, copt);
     dev_name = dev->name();
     auto comm = make_communicator(*dev);
-    machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme);
+    std::size_t largest = 0;
+    for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
+    const std::size_t shard = largest / std::size_t(std::max(1, launch.world_size));
+    machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme, shard * 12, shard * dtype_size(base.compute_dtype));
     if (dev_name.starts_with("cpu")) {
       machine.device_capacity = hopt.capacity_bytes;
       a.device = "cpu";  // what "auto" chose; said once above
@@ -726,6 +755,7 @@ int run(Args a) {
                   {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
                   {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
                   {"nvme_mixed_gbps", machine.nvme_mixed_bps / 1e9},
+                  {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},
                   {"device_adamw_mparams_per_s", machine.device_adamw_params_per_s / 1e6},
                   {"all_gather_gbps", machine.all_gather_bps / 1e9},

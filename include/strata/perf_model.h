@@ -51,6 +51,9 @@ struct MachineProfile {
   // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
   // of both per second; 0 = take the one-direction rates.
   double nvme_mixed_bps = 0;
+  // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
+  // waits for each: 0 = nvme_read_bps.
+  double nvme_fetch_read_bps = 0;
   double cpu_adamw_params_per_s = 0;    // CpuAdamW, all its threads
   double device_adamw_params_per_s = 0; // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second

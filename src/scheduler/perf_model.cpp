@@ -204,11 +204,15 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       drop(victim);
     }
   };
+  const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
   // Engine::Impl::issue_fetch at host time `h`.
   auto issue_fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     if (x.gathered) return;
     const double bytes = double(x.shard) * csz;
+    // The gathered buffer's allocation: on a device that poisons fresh memory (the emulated
+    // one, free_bps > 0) the host thread writes it before it goes on.
+    h += free_s(double(x.padded) * csz);
     double ready = h;
     switch (x.w) {
       case Tier::kDevice:
@@ -219,7 +223,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
         break;
       case Tier::kNvme: {
         bound(param_staging, std::size_t(c.param_buffer_count));
-        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, m.nvme_read_bps), "read w " + name(i));
+        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps), "read w " + name(i));
         sim.wait(kFetchS, rd);
         ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
         param_staging.push_back(ready);
@@ -362,8 +366,11 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     for (std::size_t i = 0; i < N; ++i) {
       const double ready = fetch(i);
       double dur = mp.units[i].forward_s;
-      if (i == head) dur += grad_fill(i);
-      const double end = sim.op(kComputeS, Resource::kCompute, ready, dur, "fwd " + name(i));
+      if (i == head) {
+        dur += grad_fill(i);
+        h += free_s(4.0 * double(u[i].padded));  // grad_buffer's allocation, as in issue_fetch
+      }
+      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
       if (i == head) reduce(i, end);
       release(i, end);
     }
@@ -373,14 +380,16 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     const double b0 = h;
     for (std::size_t i = head; i-- > 1;) {
       const double ready = fetch(i);
-      const double end =
-          sim.op(kComputeS, Resource::kCompute, ready, mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
+      h += free_s(4.0 * double(u[i].padded));  // grad_buffer's allocation
+      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
+                                mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
       reduce(i, end);
       release(i, end);
     }
     {
+      h += free_s(4.0 * double(u[0].padded));  // grad_buffer's allocation
       const double end =
-          sim.op(kComputeS, Resource::kCompute, 0, mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
+          sim.op(kComputeS, Resource::kCompute, h, mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
       reduce(0, end);
     }
     h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
