@@ -45,6 +45,7 @@ struct Args {
   std::string path = ".";
   std::string trace;
   bool json = false;
+  bool serial_optimizer = false;  // strata.overlap_optimizer false: the optimizer after backward
 };
 
 // One configuration of the emulated machine and of the engine.
@@ -232,6 +233,7 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
   cfg.grads = on(r.grads);
   cfg.host_budget_bytes = std::uint64_t(8) << 30;
   cfg.optimizer_threads = r.optimizer_threads;
+  cfg.overlap_optimizer = !a.serial_optimizer;  // the emulated device's default is off
   if (r.prefetch_layers > 0) cfg.prefetch_bucket_size = layer_numel * std::uint64_t(r.prefetch_layers);
   if (r.live_layers > 0) {
     cfg.max_live_parameters = layer_numel * std::uint64_t(r.live_layers);
@@ -346,6 +348,7 @@ void run(const Args& a) {
                 {"params", std::int64_t(a.layers) * a.width * a.width},
                 {"steps", a.steps},
                 {"goal_ratio", 1.1},
+                {"overlap_optimizer", !a.serial_optimizer},
                 {"regimes", rows}});
 }
 
@@ -363,6 +366,8 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--trace", a->trace,
                   "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
                   "name inserted, e.g. trace.link.json)");
+  cmd->add_flag("--serial-optimizer", a->serial_optimizer,
+                "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->callback([a] { run(*a); });
 }

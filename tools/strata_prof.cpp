@@ -703,9 +703,11 @@ int run(Args a) {
     for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
     const std::size_t shard = largest / std::size_t(std::max(1, launch.world_size));
     machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme, shard * 12, shard * dtype_size(base.compute_dtype));
-    if (dev_name.starts_with("cpu")) {
+    if (dev->kind() == DeviceKind::kCpu) {
       machine.device_capacity = hopt.capacity_bytes;
       a.device = "cpu";  // what "auto" chose; said once above
+      // As the engine decides it there: the emulated device's kernels share the host's cores.
+      if (!base.overlap_optimizer) base.overlap_optimizer = false;
     }
   }
   const auto t_machine = since(t_start);

@@ -677,6 +677,15 @@ void Engine::finalize() {
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
   }
 
+  // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
+  // optimizer would use, so the overlap turns into contention (measured: slower steps).
+  if (!s.cfg.overlap_optimizer.has_value() && s.dev.kind() == DeviceKind::kCpu) {
+    s.cfg.overlap_optimizer = false;
+    if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
+      log::info("engine: the early optimizer step is off on the CPU-emulated device (its kernels use the cores "
+                "the optimizer would); strata.overlap_optimizer true turns it on");
+  }
+
   // The plan, before anything is allocated.
   PlanInputs in;
   for (auto& u : s.units) in.units.push_back({u.name, u.numel});
