@@ -623,6 +623,9 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
     std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(), g(m.reduce_scatter_bps).c_str());
   std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
               human(double(m.host_capacity)).c_str());
+  if (dev_name.starts_with("cpu"))
+    std::printf("  (the emulated device computes on this machine's cores: the model takes each lane as its own\n"
+                "   hardware, so where its lanes are not throttled, measured steps run longer than predicted)\n");
 }
 
 int run(Args a) {
