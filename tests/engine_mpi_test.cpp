@@ -26,6 +26,7 @@ Env* g_env = nullptr;
 struct Run {
   std::vector<double> losses;  // global mean loss per step
   std::vector<std::vector<float>> master;
+  std::uint64_t early_kept = 0;  // unit updates the early optimizer step kept
 };
 
 Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
@@ -57,6 +58,7 @@ Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& 
     out.losses.push_back(loss);
   }
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
+  out.early_kept = e.stats().early_units_kept;
   return out;
 }
 
@@ -84,6 +86,8 @@ void compare_with_one_rank(EngineConfig cfg, const char* what) {
     EXPECT_NEAR(multi.losses[std::size_t(i)], one.losses[std::size_t(i)], 1e-5 * one.losses[std::size_t(i)])
         << what << ": step " << i;
   EXPECT_LT(multi.losses.back(), multi.losses.front()) << what << ": did not train";
+  if (cfg.overlap_optimizer.value_or(false))
+    EXPECT_EQ(multi.early_kept, std::uint64_t(steps - 1) * (dims.size() - 1)) << what;  // every layer after step 1
   for (std::size_t l = 0; l < one.master.size(); ++l)
     for (std::size_t i = 0; i < one.master[l].size(); ++i)
       ASSERT_NEAR(multi.master[l][i], one.master[l][i], 2e-5 + 2e-5 * std::fabs(one.master[l][i]))
@@ -118,6 +122,10 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   c.param_nvme_paths = {dir};
   c.optimizer_nvme_paths = {dir};
   compare_with_one_rank(c, "params on NVMe, optimizer half host half NVMe");
+  // The early optimizer step on every rank (the emulated device's default is off): each rank
+  // keeps or redoes by the same global norm and lr, so the ranks stay in step.
+  c.overlap_optimizer = true;
+  compare_with_one_rank(c, "the same with the early optimizer step");
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
   std::error_code ec;
   if (g_env->comm->rank() == 0) fs::remove_all(dir, ec);
