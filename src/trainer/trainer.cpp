@@ -301,7 +301,11 @@ TrainResult train(const TrainOptions& o) {
   // ---- data ----
   std::string text_file = o.text_file;
   if (demo_data) {
-    text_file = (fs::path(demo_dir.empty() ? "." : demo_dir) / "demo-text.txt").string();
+    // Beside the demo's NVMe folder, or (a config of the user's with the demo's data) in the
+    // scratch folder: never the working directory.
+    const std::string dir = demo_dir.empty() ? default_scratch_dir("demo-data") : demo_dir;
+    if (rank == 0) fs::create_directories(dir);
+    text_file = (fs::path(dir) / "demo-text.txt").string();
     if (rank == 0) {
       std::ofstream f(text_file, std::ios::binary | std::ios::trunc);
       const std::string t = demo_text(std::size_t(1) << 20, 7);
