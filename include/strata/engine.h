@@ -77,6 +77,8 @@ struct EngineStats {
   // Units whose early optimizer step (strata.overlap_optimizer) was kept / redone serially
   // because the step clipped, overflowed or ran with another lr.
   std::uint64_t early_units_kept = 0, early_units_redone = 0;
+  // Steps that did not speculate because the last attempts were all redone (backing off).
+  std::uint64_t early_steps_skipped = 0;
   // Device allocations that failed at first and waited for queued frees: on the engine's
   // streams only / on the whole device (the compute stream's queue too).
   std::uint64_t alloc_waits = 0, alloc_device_syncs = 0;

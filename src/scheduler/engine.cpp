@@ -180,6 +180,10 @@ struct Engine::Impl {
   bool early = false;  // plan.early_optimizer_step
   std::vector<int> grads_recorded, grads_now;
   bool grads_recording = true, grads_changed = false;
+  // After a step whose early work was all redone (it clipped, overflowed, or the lr was not
+  // announced), the next `early_skip` steps do not speculate — 1, 2, 4, then 8 steps, back to
+  // 0 once a result is kept — so a run that clips every step does not do its AdamW twice.
+  int early_skip = 0, early_backoff = 0;
   float next_lr = NAN;  // set_next_lr(), else the last step's lr
   std::thread early_thread;
   std::mutex early_mu;
@@ -486,7 +490,7 @@ struct Engine::Impl {
       }
       return;
     }
-    if (grads_now[ui] < grads_recorded[ui] || !early_eligible(u)) return;
+    if (grads_now[ui] < grads_recorded[ui] || !early_eligible(u) || early_skip > 0) return;
     u.grads_done = cs.record();
     u.early_opt = cfg.adamw;
     u.early_opt.lr = next_lr;
@@ -956,7 +960,9 @@ StepResult Engine::step(float lr) {
   const bool clipped = s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping;
   if (overflow || clipped) s.cancel_queued_early();
   std::vector<bool> kept(s.units.size(), false);
-  for (const std::size_t ui : std::exchange(s.early_order, {})) {
+  const std::vector<std::size_t> early_order = std::exchange(s.early_order, {});
+  bool any_kept = false;
+  for (const std::size_t ui : early_order) {
     Unit& u = s.units[ui];
     const Unit::Early state = s.wait_early(ui);
     const bool failed = s.early_failed();
@@ -983,6 +989,7 @@ StepResult Engine::step(float lr) {
         s.st.h2d_bytes += w_bytes;
       }
       ++s.st.early_units_kept;
+      any_kept = true;
     } else {
       ++s.st.early_units_redone;
     }
@@ -1010,6 +1017,13 @@ StepResult Engine::step(float lr) {
   for (auto& u : s.units) {
     u.early_o_write = IoHandle();
     u.early_w_write = IoHandle();
+  }
+  if (!early_order.empty()) {
+    s.early_backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * s.early_backoff));
+    s.early_skip = any_kept ? 0 : s.early_backoff;
+  } else if (s.early_skip > 0) {
+    --s.early_skip;
+    ++s.st.early_steps_skipped;
   }
   // The gradient counts of this step become the record the next step's early work follows.
   if (s.grads_recording || s.grads_changed || s.grads_now != s.grads_recorded) {

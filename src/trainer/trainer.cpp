@@ -614,8 +614,11 @@ TrainResult train(const TrainOptions& o) {
                              human_bytes(double(s.nvme_written_bytes))).c_str(),
                  fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
     if (s.early_units_kept + s.early_units_redone > 0)
-      std::fprintf(con, "  early optimizer step: %llu unit updates kept, %llu redone (clipping, overflow, lr)\n",
-                   (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_redone);
+      std::fprintf(con,
+                   "  early optimizer step: %llu unit updates kept, %llu redone (clipping, overflow, lr), "
+                   "%llu steps without it (backing off after redone ones)\n",
+                   (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_redone,
+                   (unsigned long long)s.early_steps_skipped);
     if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
     if (!result_checkpoints.empty())
       std::fprintf(con, "checkpoints in %s (newest: %s)\n", ckpt_root.c_str(), result_checkpoints.back().c_str());
