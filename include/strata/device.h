@@ -152,6 +152,12 @@ enum class NonFinitePolicy {
 struct AdamWShard {
   TensorRef params, grads, m, v, copy_out;
   TensorRef params_src = {}, m_src = {}, v_src = {};
+  // What the step reads: the sources when set (validated: all three or none), else what it
+  // overwrites.
+  bool out_of_place() const { return params_src.mem.ptr != nullptr; }
+  const TensorRef& params_in() const { return out_of_place() ? params_src : params; }
+  const TensorRef& m_in() const { return out_of_place() ? m_src : m; }
+  const TensorRef& v_in() const { return out_of_place() ? v_src : v; }
 };
 
 // A multi-tensor AdamW step over `shards` (one launch on CUDA).

@@ -206,7 +206,7 @@ void Stream::adamw(const AdamWDesc& d) {
     require_device_tensor(sh.m, "m");
     require_device_tensor(sh.v, "v");
     if (sh.copy_out.numel > 0) require_device_tensor(sh.copy_out, "copy_out");
-    if (sh.params_src.mem.ptr != nullptr) {  // validated: then all three sources are set
+    if (sh.out_of_place()) {
       require_device_tensor(sh.params_src, "params_src");
       require_device_tensor(sh.m_src, "m_src");
       require_device_tensor(sh.v_src, "v_src");

@@ -925,13 +925,8 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
   shards.reserve(d.shards.size());
   for (const AdamWShard& s : d.shards) {
     const bool copy = s.copy_out.numel > 0;
-    // Without sources (validated: all three or none) the step reads what it overwrites.
-    const bool has_src = s.params_src.mem.ptr != nullptr;
-    const TensorRef& p_src = has_src ? s.params_src : s.params;
-    const TensorRef& m_src = has_src ? s.m_src : s.m;
-    const TensorRef& v_src = has_src ? s.v_src : s.v;
     shards.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr,
-                      static_cast<const float*>(p_src.mem.ptr), m_src.mem.ptr, v_src.mem.ptr,
+                      static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr, s.v_in().mem.ptr,
                       s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr, s.params.numel,
                       s.grads.dtype, s.m.dtype, copy ? s.copy_out.dtype : DType::kBF16});
   }
