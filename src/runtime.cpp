@@ -1,4 +1,9 @@
 // The umbrella: device selection at run time and what this build contains.
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "cpu/cpu_info.h"
@@ -11,6 +16,15 @@
 #include "strata/log.h"
 
 namespace strata {
+
+void reexec_with_passive_openmp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || argv == nullptr || argv[0] == nullptr) return;
+  if (::setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  ::execv("/proc/self/exe", argv);
+  // Still here: no /proc, or exec refused. Run on with libgomp's policy as it loaded (the
+  // variable stays set, so a child we start gets it).
+  log::debug("OMP_WAIT_POLICY=PASSIVE not applied: re-executing {} failed: {}", argv[0], std::strerror(errno));
+}
 
 std::string strata_version() { return STRATA_VERSION_STRING; }
 

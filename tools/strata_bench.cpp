@@ -4,9 +4,11 @@
 #include <cstdio>
 
 #include "bench_common.h"
+#include "strata/device.h"
 #include "strata/error.h"
 
 int main(int argc, char** argv) {
+  strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   CLI::App app{"strata-bench: measure strata's subsystems against the machine's own bounds"};
   app.require_subcommand(1);
   strata::bench::add_nvme_command(app);

@@ -2,6 +2,7 @@
 // NUMA, huge pages, io_uring, devices, pinned memory — and, with --self-check, a short
 // correctness check of every usable device against a CPU reference.
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -71,7 +72,11 @@ json report_cpu() {
   const cpu::HugePageInfo h = cpu::huge_page_info();
   std::printf("huge pages: hugetlbfs %zu of %zu pages of %zu KiB free, transparent huge pages '%s'\n",
               h.hugetlb_free, h.hugetlb_total, h.hugetlb_page_bytes / 1024, h.thp_mode.c_str());
+  // What libgomp loaded with (the tools set PASSIVE when it is unset: see device.h).
+  const char* wait = std::getenv("OMP_WAIT_POLICY");
+  std::printf("openmp: OMP_WAIT_POLICY=%s\n", wait ? wait : "(unset: libgomp spins)");
   return {{"cpu_model", model},
+          {"omp_wait_policy", wait ? wait : ""},
           {"isa_features", isa},
           {"numa_nodes", nodes},
           {"huge_pages",
@@ -250,6 +255,7 @@ int run(int argc, char** argv) {
 }  // namespace strata
 
 int main(int argc, char** argv) {
+  strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   try {
     return strata::run(argc, argv);
   } catch (const strata::Error& e) {

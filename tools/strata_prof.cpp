@@ -37,6 +37,7 @@
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/engine_config.h"
+#include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model.h"
@@ -933,6 +934,7 @@ int run(Args a) {
 }  // namespace strata
 
 int main(int argc, char** argv) {
+  strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   strata::Args a;
   CLI::App app{"strata-prof: measure this machine and the model, predict the step time of every placement of\n"
                "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"

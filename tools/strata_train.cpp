@@ -6,10 +6,12 @@
 
 #include <CLI/CLI.hpp>
 
+#include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trainer.h"
 
 int main(int argc, char** argv) {
+  strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   strata::TrainOptions o;
   bool no_shuffle = false;
   CLI::App app{"strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"

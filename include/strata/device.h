@@ -336,6 +336,19 @@ struct HostDeviceOptions {
 };
 std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options = {});
 
+// The emulated device's kernels run on OpenMP teams (libgomp, which oneDNN uses too). By
+// default libgomp spins a team's threads after each parallel region; with the streams, the
+// host thread and the CPU optimizer sharing a few cores, those spins starve the thread that
+// issues the next kernel (measured on 2 cores: a 0.9 ms layer took 2.1 ms inside a step,
+// the strata-prof regimes ran 10-20% slower and predictions missed by up to 41%). libgomp
+// reads OMP_WAIT_POLICY once, when it loads, so it must be in the environment the program
+// starts with. Call first thing in main(): when OMP_WAIT_POLICY is unset it sets it to
+// PASSIVE and re-executes the program (same arguments and pid; /proc/self/exe) and does not
+// return; a value the user set is kept, and if the re-execution fails the program goes on
+// with libgomp's default. The strata tools call it; a program embedding strata may instead
+// be started with OMP_WAIT_POLICY=PASSIVE.
+void reexec_with_passive_openmp(char** argv);
+
 // ---- CUDA (src/gpu) ----
 struct CudaProbe {
   bool compiled = false;  // built with the CUDA backend
