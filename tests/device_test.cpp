@@ -3,6 +3,7 @@
 // Built twice: device_test (the CPU-emulated device, plain and with random delays) and
 // device_gpu_test (-DSTRATA_TEST_CUDA, label gpu: skipped where no GPU is usable).
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -466,15 +467,91 @@ TEST_P(DeviceTest, AllocationWaitsForQueuedFreesBeforeFailing) {
   if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
   auto small = GetParam().make(std::size_t(1) << 20);
   auto st = small->create_stream("busy");
+  auto other = small->create_stream("other");
   for (int i = 0; i < 4; ++i) {
-    Buffer b = small->alloc(700 * 1024, st.get());
-    st->host_fn([] { std::this_thread::sleep_for(10ms); });
-    st->fill(tensor(b, DType::kF32), float(i));
+    // Alternating streams: a block freed on one is not the other's to reuse at once.
+    Stream* s = i % 2 ? other.get() : st.get();
+    Buffer b = small->alloc(700 * 1024, s);
+    s->host_fn([] { std::this_thread::sleep_for(10ms); });
+    s->fill(tensor(b, DType::kF32), float(i));
     // b's free is queued behind the sleep: the next allocation must wait for it, not fail.
   }
-  st->synchronize();
+  small->synchronize();
   EXPECT_EQ(small->stats().num_alloc_failures, 0u);
+  EXPECT_EQ(small->stats().num_alloc_waits, 3u);
   EXPECT_LE(small->stats().peak_bytes_in_use, std::size_t(1) << 20);
+}
+
+TEST_P(DeviceTest, AnAllocationWaitsForTheFreeItNeedsNotForTheWholeDevice) {
+  if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
+  auto small = GetParam().make(std::size_t(1) << 20);
+  auto a = small->create_stream("a"), b = small->create_stream("b"), busy = small->create_stream("busy");
+  // `busy` holds until the test lets it go (or 20 s pass): an allocator that waited for every
+  // stream would not return before then.
+  std::promise<void> go;
+  std::shared_future<void> gone = go.get_future().share();
+  std::atomic<bool> busy_done{false};
+  busy->host_fn([gone, &busy_done] {
+    gone.wait_for(20s);
+    busy_done = true;
+  });
+  {
+    Buffer x = small->alloc(700 * 1024, a.get());
+    a->host_fn([] { std::this_thread::sleep_for(20ms); });
+    a->fill(tensor(x, DType::kF32), 1.0f);
+  }  // freed on `a`, behind its sleep
+  Buffer y = small->alloc(700 * 1024, b.get());  // waits for that free only
+  EXPECT_FALSE(busy_done.load());
+  EXPECT_EQ(small->stats().num_alloc_waits, 1u);
+  go.set_value();
+  y.reset();
+  small->synchronize();
+}
+
+TEST_P(DeviceTest, AFreedBlockIsReusedAtOnceOnItsStreamAndPoisonedFirst) {
+  if (GetParam().cuda) GTEST_SKIP() << "poisoning is a property of the emulated device";
+  auto small = GetParam().make(std::size_t(1) << 20);
+  auto s = small->create_stream("s");
+  std::promise<void> go;
+  std::shared_future<void> gone = go.get_future().share();
+  s->host_fn([gone] { gone.wait_for(20s); });  // nothing on `s` runs until the test says so
+  void* first = nullptr;
+  {
+    Buffer x = small->alloc(700 * 1024, s.get());
+    first = x.data();
+    s->fill(tensor(x, DType::kF32), 1.0f);
+  }  // its free is queued on `s`, behind the fill
+  // Only one such block fits: the same stream gets it back at once (no wait), as a caching
+  // allocator does; stream order makes the fill and the free's poisoning come first.
+  Buffer y = small->alloc(700 * 1024, s.get());
+  EXPECT_EQ(y.data(), first);
+  EXPECT_EQ(small->stats().num_alloc_waits, 0u);
+  EXPECT_EQ(small->stats().num_reused, 1u);
+  std::vector<std::uint16_t> back(8, 0);
+  s->copy(host_ref(back.data(), back.size() * 2), y.ref(0, back.size() * 2));
+  go.set_value();
+  s->synchronize();
+  for (std::uint16_t v : back) EXPECT_EQ(v, kPoison16);  // fresh memory reads as poison, not 1.0
+  y.reset();
+  small->synchronize();
+  EXPECT_EQ(small->stats().bytes_in_use, 0u);
+}
+
+TEST_P(DeviceTest, ResetOnFreesInTheOrderOfTheLastUser) {
+  auto dev = GetParam().make(kDefaultCap);
+  auto a = dev->create_stream("a"), b = dev->create_stream("b");
+  Buffer x = dev->alloc(1 << 20, a.get());
+  a->fill(tensor(x, DType::kF32), 2.0f);
+  b->wait(a->record());
+  std::vector<float> back(4, 0.0f);
+  b->host_fn([] { std::this_thread::sleep_for(20ms); });
+  b->copy(host_ref(back.data(), back.size() * 4), x.ref(0, back.size() * 4));
+  x.reset_on(*b);  // `b` reads it last: freed in b's order, after the copy
+  EXPECT_FALSE(static_cast<bool>(x));
+  b->synchronize();
+  for (float v : back) EXPECT_EQ(v, 2.0f);  // the copy read the data, not poison
+  dev->synchronize();
+  EXPECT_EQ(dev->stats().bytes_in_use, 0u);
 }
 
 // ---- kernels against a double-precision reference ----

@@ -50,6 +50,12 @@ struct DeviceStats {
   std::uint64_t num_allocs = 0;
   std::uint64_t num_frees = 0;
   std::uint64_t num_alloc_failures = 0;  // requests refused for lack of memory
+  // Requests that found the device full and first waited for memory freed but still queued
+  // on streams (a stall of the calling thread).
+  std::uint64_t num_alloc_waits = 0;
+  // Requests served at once by a block whose free was still queued on the same stream
+  // (counted by the emulated device; CUDA's caching allocator reuses so without counting).
+  std::uint64_t num_reused = 0;
 };
 
 // A non-owning view of bytes, in host memory or in one device's memory.
@@ -88,6 +94,10 @@ class Buffer {
 
   // Frees now (stream-ordered, as the destructor does) and leaves the handle empty.
   void reset();
+  // Frees in `stream`'s order instead of the allocating stream's (cudaFreeAsync on the
+  // stream that uses it last): for a buffer whose last user is `stream`, which must already
+  // be ordered after every other use (by events). Leaves the handle empty.
+  void reset_on(Stream& stream);
 
  private:
   friend class Device;
@@ -313,6 +323,8 @@ class Device {
   // Returns the pointer and sets `block` to the backend's record of the allocation.
   virtual void* do_alloc(std::size_t bytes, Stream* stream, void** block) = 0;
   virtual void do_free(void* block) noexcept = 0;
+  // do_free in `stream`'s order. The default waits for `stream` on the host, then frees.
+  virtual void do_free_on(void* block, Stream& stream) noexcept;
 };
 
 // ---- the CPU-emulated device (src/cpu) ----

@@ -82,6 +82,9 @@ struct EngineStats {
   // Device allocations that failed at first and waited for queued frees: on the engine's
   // streams only / on the whole device (the compute stream's queue too).
   std::uint64_t alloc_waits = 0, alloc_device_syncs = 0;
+  // Device allocations (the model's too) that found the device full and waited for its
+  // streams (DeviceStats::num_alloc_waits since the engine was made).
+  std::uint64_t device_alloc_waits = 0;
 };
 
 class Engine {

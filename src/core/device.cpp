@@ -5,6 +5,7 @@
 
 #include "strata/adamw.h"
 #include "strata/error.h"
+#include "strata/log.h"
 
 namespace strata {
 
@@ -39,6 +40,23 @@ void Buffer::reset() {
   ptr_ = nullptr;
   bytes_ = 0;
   block_ = nullptr;
+}
+
+void Buffer::reset_on(Stream& stream) {
+  if (device_ && block_) device_->do_free_on(block_, stream);
+  device_ = nullptr;
+  ptr_ = nullptr;
+  bytes_ = 0;
+  block_ = nullptr;
+}
+
+void Device::do_free_on(void* block, Stream& stream) noexcept {
+  try {
+    stream.synchronize();
+  } catch (const std::exception& e) {
+    log::error("freeing a block after stream '{}': the stream failed ({}); freeing it anyway", stream.name(), e.what());
+  }
+  do_free(block);
 }
 
 MemRef Buffer::ref() const {

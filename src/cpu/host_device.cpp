@@ -12,7 +12,11 @@
 //  - Events are (stream, sequence number) pairs; waiting on one blocks the waiting
 //    stream's worker, never the host.
 //  - A buffer allocated on a stream is released in that stream's order (cudaFreeAsync);
-//    one allocated without a stream is released once the whole device is idle.
+//    one allocated without a stream is released once the whole device is idle. Until the
+//    stream reaches the free, the block may be handed at once to the next allocation of the
+//    same size on the same stream, as a GPU caching allocator does: everything that stream
+//    runs for the new owner comes after the free (which poisons it), and other streams
+//    reach it only through that stream's events.
 //  - Copies can be throttled to a set rate per direction: they then take at least
 //    bytes / rate, as a PCIe link would. Matmuls can likewise be throttled to a set
 //    GFLOP/s, so which resource bounds a step (compute, link, NVMe, CPU optimizer) is a
@@ -247,6 +251,14 @@ struct HostBlock {
   std::weak_ptr<StreamCore> stream;
 };
 
+// A block freed on a stream that has not reached the free yet; `reused`: handed to a new
+// block on the same stream, so the free poisons it but does not return it to the arena.
+struct PendingFree {
+  std::size_t offset = 0, size = 0;
+  const StreamCore* stream = nullptr;
+  bool reused = false;
+};
+
 class HostEvent final : public detail::EventImpl {
  public:
   explicit HostEvent(std::shared_ptr<StreamCore> c) : core(std::move(c)) {}
@@ -307,6 +319,7 @@ class HostDevice final : public Device {
  protected:
   void* do_alloc(std::size_t bytes, Stream* stream, void** block) override;
   void do_free(void* block) noexcept override;
+  void do_free_on(void* block, Stream& stream) noexcept override;
 
  private:
   static std::size_t round_up(std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
@@ -325,13 +338,38 @@ class HostDevice final : public Device {
     for (auto& core : live_streams()) core->wait_for(core->submitted_seq());
   }
 
-  void release(HostBlock* b) noexcept {
+  void release(HostBlock* b, bool queued) noexcept {
     if (opt_.poison) poison(base_ + b->offset, b->size);
-    std::lock_guard<std::mutex> lock(mu_);
-    arena_.free(b->offset, b->size);
-    stats_.bytes_in_use -= b->size;
-    ++stats_.num_frees;
-    delete b;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      arena_.free(b->offset, b->size);
+      stats_.bytes_in_use -= b->size;
+      ++stats_.num_frees;
+      if (queued) --pending_frees_;
+      delete b;
+    }
+    if (queued) freed_cv_.notify_all();
+  }
+
+  // A free queued on a stream, now reached: poisoned (for its next owner too, if reused)
+  // and, unless reused, returned to the arena.
+  void release_pending(PendingFree& pf) noexcept {
+    if (opt_.poison) poison(base_ + pf.offset, pf.size);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.num_frees;
+      --pending_frees_;
+      if (!pf.reused) {
+        for (auto [lo, hi] = pending_.equal_range(pf.size); lo != hi; ++lo)
+          if (lo->second.get() == &pf) {
+            pending_.erase(lo);
+            break;
+          }
+        arena_.free(pf.offset, pf.size);
+        stats_.bytes_in_use -= pf.size;
+      }
+    }
+    freed_cv_.notify_all();
   }
 
   HostDeviceOptions opt_;
@@ -339,6 +377,11 @@ class HostDevice final : public Device {
   mutable std::mutex mu_;
   Arena arena_;
   DeviceStats stats_;
+  // Frees queued on streams and not yet run; freed_cv_ is notified as each runs. The blocks
+  // of those not yet reused, by size.
+  std::size_t pending_frees_ = 0;
+  std::condition_variable freed_cv_;
+  std::multimap<std::size_t, std::shared_ptr<PendingFree>> pending_;
   std::vector<std::weak_ptr<StreamCore>> streams_;
   friend class HostStream;
 };
@@ -494,30 +537,56 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   // layer's gradient shard and its gathered weights, a few KiB apart, then fit each other's
   // holes instead of leaving a free range a few KiB too small.
   if (size >= arena_.small_limit()) size = (size + kLargeStep - 1) / kLargeStep * kLargeStep;
-  std::size_t off;
-  for (int attempt = 0;; ++attempt) {
-    std::unique_lock<std::mutex> lock(mu_);
+  std::size_t off = SIZE_MAX;
+  std::unique_lock<std::mutex> lock(mu_);
+  // A block of this size whose free is still queued on the same stream: the stream's order
+  // protects it (see the file's head). Its bytes stay in use, now the new block's.
+  if (stream) {
+    const StreamCore* core = static_cast<HostStream*>(stream)->core().get();
+    const auto [lo, hi] = pending_.equal_range(size);
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second->stream != core) continue;
+      it->second->reused = true;
+      auto* b = new HostBlock{it->second->offset, size, static_cast<HostStream*>(stream)->core()};
+      pending_.erase(it);
+      ++stats_.num_allocs;
+      ++stats_.num_reused;
+      *block = b;
+      return base_ + b->offset;
+    }
+  }
+  const auto take = [&] {
     off = size >= bytes && size <= opt_.capacity_bytes - stats_.bytes_in_use ? arena_.alloc(size) : SIZE_MAX;
-    if (off == SIZE_MAX && attempt == 0 && !t_in_stream_worker) {
-      // Frees are stream-ordered: memory the caller already freed returns only when its
-      // stream reaches the free. Like a GPU caching allocator on a failed allocation, wait
-      // for the streams to drain once, then try again.
+    return off != SIZE_MAX;
+  };
+  if (!take() && !t_in_stream_worker) {
+    // Frees are stream-ordered: memory the caller already freed returns only when its
+    // stream reaches the free. Like a GPU caching allocator on a failed allocation (which
+    // waits for the cached blocks it releases, not for the device), wait until enough of the
+    // queued frees have run; only when none is left, for every stream, once.
+    ++stats_.num_alloc_waits;
+    lock.unlock();
+    TraceScope span("alloc_wait", "engine", size);  // the calling thread stalls: show it
+    lock.lock();
+    freed_cv_.wait(lock, [&] { return take() || pending_frees_ == 0; });
+    if (off == SIZE_MAX) {
       lock.unlock();
       synchronize_quietly();
-      continue;
+      lock.lock();
+      take();
     }
-    if (off == SIZE_MAX) {
-      ++stats_.num_alloc_failures;
-      STRATA_THROW(kOutOfMemory,
-                   "emulated device cannot allocate {} bytes: {} bytes in use of a {}-byte cap "
-                   "(largest free range {} bytes); lower the request or raise the device memory cap",
-                   bytes, stats_.bytes_in_use, opt_.capacity_bytes, arena_.largest_free());
-    }
-    stats_.bytes_in_use += size;
-    stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
-    ++stats_.num_allocs;
-    break;
   }
+  if (off == SIZE_MAX) {
+    ++stats_.num_alloc_failures;
+    STRATA_THROW(kOutOfMemory,
+                 "emulated device cannot allocate {} bytes: {} bytes in use of a {}-byte cap "
+                 "(largest free range {} bytes); lower the request or raise the device memory cap",
+                 bytes, stats_.bytes_in_use, opt_.capacity_bytes, arena_.largest_free());
+  }
+  stats_.bytes_in_use += size;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  ++stats_.num_allocs;
+  lock.unlock();
   auto* b = new HostBlock{off, size, {}};
   if (stream) b->stream = static_cast<HostStream*>(stream)->core();
   if (opt_.poison) poison(base_ + off, size);
@@ -525,13 +594,31 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   return base_ + off;
 }
 
+void HostDevice::do_free_on(void* block, Stream& stream) noexcept {
+  static_cast<HostBlock*>(block)->stream = static_cast<HostStream&>(stream).core();
+  do_free(block);
+}
+
 void HostDevice::do_free(void* block) noexcept {
   auto* b = static_cast<HostBlock*>(block);
   if (auto core = b->stream.lock()) {
-    if (core->enqueue([this, b] { release(b); }, "free")) return;
+    auto pf = std::make_shared<PendingFree>(PendingFree{b->offset, b->size, core.get(), false});
+    std::multimap<std::size_t, std::shared_ptr<PendingFree>>::iterator at;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++pending_frees_;
+      at = pending_.emplace(b->size, pf);
+    }
+    delete b;
+    if (core->enqueue([this, pf] { release_pending(*pf); }, "free")) return;
+    std::lock_guard<std::mutex> lock(mu_);  // the stream is stopping: free it here, in order
+    --pending_frees_;
+    if (pf->reused) return;  // cannot be: only this stream's allocations reuse it
+    pending_.erase(at);
+    b = new HostBlock{pf->offset, pf->size, {}};
   }
   synchronize_quietly();
-  release(b);
+  release(b, false);
 }
 
 }  // namespace

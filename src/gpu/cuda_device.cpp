@@ -393,6 +393,7 @@ class CudaDevice final : public Device {
  protected:
   void* do_alloc(std::size_t bytes, Stream* stream, void** block) override;
   void do_free(void* block) noexcept override;
+  void do_free_on(void* block, Stream& stream) noexcept override;
 
  private:
   Block* take_cached(std::size_t size, std::uint64_t stream_id);
@@ -593,7 +594,10 @@ Block* CudaDevice::take_cached(std::size_t size, std::uint64_t stream_id) {
 }
 
 Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested) {
-  if (stats_.bytes_reserved + size > capacity_) release_cached();
+  if (stats_.bytes_reserved + size > capacity_) {
+    ++stats_.num_alloc_waits;
+    release_cached();
+  }
   if (stats_.bytes_reserved + size > capacity_) throw_oom(requested, size);
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, size);
@@ -639,6 +643,17 @@ cudaEvent_t CudaDevice::acquire_event() {
   cudaEvent_t ev = nullptr;
   STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   return ev;
+}
+
+void CudaDevice::do_free_on(void* block, Stream& stream) noexcept {
+  auto* b = static_cast<Block*>(block);
+  auto& cs = static_cast<CudaStream&>(stream);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    b->stream_id = cs.id();
+    b->stream = cs.handle();
+  }
+  do_free(block);
 }
 
 void CudaDevice::do_free(void* block) noexcept {

@@ -7,8 +7,9 @@
 // Invariants:
 //  - The compute stream waits only on the ready event of the unit it asked for.
 //  - A gathered buffer is freed on the fetch stream after the compute stream's release
-//    event; gradient scratch written on the compute stream is freed there only after the
-//    comm stream's reduce-scatter event (deferred, so compute never stalls for it).
+//    event; gradient scratch written on the compute stream is freed in the comm stream's
+//    order, after its last use there (so compute never stalls for it, and the memory comes
+//    back without the host having to poll for it).
 //  - Gathered non-resident units never exceed stage3_max_live_parameters, except that the
 //    unit needed now is always fetched; prefetch follows the order recorded in the first
 //    step and re-records when the model's order changes.
@@ -127,6 +128,7 @@ struct Engine::Impl {
   EngineConfig cfg;
   int rank, world;
   std::size_t c_size;
+  std::uint64_t device_alloc_waits_at_start = 0;  // DeviceStats::num_alloc_waits when made
   bool finalized = false;
   MemoryPlan plan;
   // Declared before the units: destroyed after them (units hold their blocks and buffers).
@@ -143,13 +145,6 @@ struct Engine::Impl {
   std::size_t pos = 0;
   std::uint64_t live = 0;  // padded elements of gathered non-resident units
 
-  // deferred frees: buffer, the stream that owns its free, the event it must wait for
-  struct Deferred {
-    Buffer buf;
-    Stream* owner;
-    Event after;
-  };
-  std::vector<Deferred> deferred;
   // Pinned staging in flight (the memory plan's "gradient D2H staging" and "parameter swap
   // buffers"): the host waits for the oldest before it takes one more.
   std::deque<Event> grad_staging, param_staging;
@@ -203,6 +198,7 @@ struct Engine::Impl {
     STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3", cfg.stage);
     STRATA_REQUIRE(cfg.compute_dtype != DType::kF64, "Engine: fp64 compute is not supported");
     c_size = dtype_size(cfg.compute_dtype);
+    device_alloc_waits_at_start = dev.stats().num_alloc_waits;
     if (cfg.fp16.enabled) {
       scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale : std::ldexp(1.0, cfg.fp16.initial_scale_power);
       hysteresis_left = cfg.fp16.hysteresis;
@@ -220,7 +216,6 @@ struct Engine::Impl {
     // the engine's own streams first (units dropped on `fetch`, reduce-scatter outputs on
     // `comm`, optimizer scratch on `opt`), each a wait for that stream only; the whole device
     // (the compute stream's queue, which the host runs far ahead of) last.
-    collect(true);
     ++st.alloc_waits;
     for (Stream* own : {fetch_s.get(), comm_s.get(), opt_s.get()}) {
       if (own == nullptr) continue;
@@ -238,18 +233,6 @@ struct Engine::Impl {
 
   std::shared_ptr<PinnedBlock> pinned(std::size_t bytes) {
     return std::make_shared<PinnedBlock>(pool->allocate(bytes));
-  }
-
-  void collect(bool force) {
-    for (auto it = deferred.begin(); it != deferred.end();) {
-      if (force || it->after.query()) {
-        it->owner->wait(it->after);
-        it->buf.reset();
-        it = deferred.erase(it);
-      } else {
-        ++it;
-      }
-    }
   }
 
   static TensorRef view(const Buffer& b, DType t, std::size_t numel, std::size_t offset = 0) {
@@ -555,7 +538,10 @@ struct Engine::Impl {
     u.grads_done.synchronize();
     TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
     const auto* g = static_cast<const float*>(u.g_host->data());
-    u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
+    {
+      TraceScope norm_span("sum_squares", "optimizer", n * 4);
+      u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
+    }
     float *src = nullptr, *dst = nullptr;
     std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other key
     if (u.o_tier == Tier::kHost) {
@@ -574,7 +560,10 @@ struct Engine::Impl {
     const bool w_nvme = !u.resident && u.w_tier == Tier::kNvme;
     std::shared_ptr<PinnedBlock> w_block;
     if (w_nvme) bound_io(early_w_writes, 2);  // the plan's "new compute-weight staging"
-    if (!w_host) w_block = pinned(SwapStore::padded_bytes(w_bytes));
+    if (!w_host) {
+      TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
+      w_block = pinned(SwapStore::padded_bytes(w_bytes));
+    }
     void* w_dst = w_host ? u.w_alt->data() : w_block->data();
     AdamWShard sh{host_tensor(dst, DType::kF32, n), host_tensor(g, DType::kF32, n),
                   host_tensor(dst + n, DType::kF32, n), host_tensor(dst + 2 * n, DType::kF32, n), {}};
@@ -613,7 +602,6 @@ Engine::~Engine() {
   if (!impl_) return;
   impl_->stop_early_worker();
   try {
-    impl_->collect(true);
     impl_->dev.synchronize();
   } catch (const std::exception& e) {
     log::error("engine shutdown: {}", e.what());
@@ -819,7 +807,6 @@ TensorRef Engine::grad_buffer(int unit, Stream& compute) {
   Impl& s = *impl_;
   Unit& u = s.units.at(std::size_t(unit));
   STRATA_REQUIRE(!u.grad_full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
-  s.collect(false);
   u.grad_full = s.alloc(u.padded * 4, &compute);
   compute.fill(Impl::view(u.grad_full, DType::kF32, u.padded), 0.0f);
   return Impl::view(u.grad_full, DType::kF32, u.numel);
@@ -839,7 +826,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     out = s.alloc(u.shard * 4, &cs);
     shard = Impl::view(out, DType::kF32, u.shard);
     s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), shard, ReduceOp::kAvg, cs);
-    s.deferred.push_back({std::move(u.grad_full), &compute, cs.record()});
+    u.grad_full.reset_on(cs);  // its last use: the reduce-scatter
   } else {
     full = std::move(u.grad_full);
     shard = Impl::view(full, DType::kF32, u.shard);
@@ -867,7 +854,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
         "grad_accumulate");
     s.grad_staging.push_back(cs.record());
   }
-  if (full) s.deferred.push_back({std::move(full), &compute, cs.record()});
+  if (full) full.reset_on(cs);  // its last use: the accumulation above
   s.note_grad(std::size_t(unit), cs);
 }
 
@@ -878,7 +865,6 @@ StepResult Engine::step(float lr) {
     STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",
                    u.name);
   s.comm_s->synchronize();
-  s.collect(true);
   s.fetch_s->synchronize();
   Stream& os = *s.opt_s;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui)  // no gradient this step: still last step's
@@ -1389,6 +1375,7 @@ EngineStats Engine::stats() const {
   EngineStats st = s.st;
   const DeviceStats ds = s.dev.stats();
   st.device_peak_bytes = ds.peak_bytes_in_use;
+  st.device_alloc_waits = ds.num_alloc_waits - s.device_alloc_waits_at_start;
   st.device_capacity = ds.capacity_bytes;
   if (s.pool) {
     const PinnedPoolStats ps = s.pool->stats();

@@ -619,6 +619,12 @@ TrainResult train(const TrainOptions& o) {
                    "%llu steps without it (backing off after redone ones)\n",
                    (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_redone,
                    (unsigned long long)s.early_steps_skipped);
+    if (s.device_alloc_waits > 0)
+      std::fprintf(con,
+                   "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
+                   "step); a smaller stage3_max_live_parameters or micro-batch avoids the stalls\n",
+                   (unsigned long long)s.device_alloc_waits,
+                   (unsigned long long)(s.device_alloc_waits / std::uint64_t(std::max<std::int64_t>(1, steps - start_step))));
     if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
     if (!result_checkpoints.empty())
       std::fprintf(con, "checkpoints in %s (newest: %s)\n", ckpt_root.c_str(), result_checkpoints.back().c_str());
