@@ -139,6 +139,35 @@ TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   EXPECT_NEAR(a.step_s, 0.040 + 0.020 + 4 * 0.050 + small_a / 2, 1e-6);
 }
 
+TEST(PerfModel, LanesOnSharedCoresShareThem) {
+  // The early-step case above on a CPU-emulated device: its kernels and the CPU AdamW each
+  // want one core. With two they run side by side as on separate hardware; with one, nothing
+  // overlaps in effect and the core is never idle, so the step is all the work in a row:
+  // 40 ms forward, 80 ms backward, 4 x 15 ms AdamW (the fluid answer; the model's replay
+  // reaches it within a few percent).
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.015;
+  m.device_kernel_threads = 1;
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  c.optimizer_threads = 1;
+  const double alone = predict_step(m, mp, c).step_s;
+  m.device_shares_host_cores = 2;
+  EXPECT_NEAR(predict_step(m, mp, c).step_s, alone, alone * 1e-6);
+  m.device_shares_host_cores = 1;
+  const Prediction one = predict_step(m, mp, c);
+  EXPECT_NEAR(one.step_s, 0.180, 0.180 * 0.05);
+  // Without the overlap there is nothing to share: the serial step is the same on one core.
+  EngineConfig serial = c;
+  serial.overlap_optimizer = false;
+  const double serial_alone = [&] {
+    MachineProfile own = m;
+    own.device_shares_host_cores = 0;
+    return predict_step(own, mp, serial).step_s;
+  }();
+  EXPECT_NEAR(predict_step(m, mp, serial).step_s, serial_alone, serial_alone * 1e-6);
+}
+
 TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
   MachineProfile m = fast_machine();
   m.cpu_adamw_params_per_s = 1e8;

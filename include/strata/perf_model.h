@@ -59,6 +59,11 @@ struct MachineProfile {
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
   int world_size = 1;
   std::uint64_t device_capacity = 0, host_capacity = 0, nvme_free = 0;
+  // The CPU-emulated device: its streams are threads on these host cores, shared with the
+  // host thread and the CPU optimizer (0: a real device, nothing shared). Its kernels use
+  // device_kernel_threads of them (0: all).
+  double device_shares_host_cores = 0;
+  int device_kernel_threads = 0;
 };
 
 // One fetch unit of the model: its size and its measured compute time per micro-batch

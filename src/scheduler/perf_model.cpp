@@ -51,6 +51,19 @@ struct SimUnit {
   double ready = 0, released = 0;
 };
 
+// When the device's lanes run on the host's own cores (the CPU-emulated device), what each
+// operation takes of them: `weight` cores while it runs, of which the share `cpu` of its time
+// is CPU work (the rest sleeps: a throttled copy). cores == 0: nothing shared.
+struct CoreShare {
+  double cores = 0;
+  double lane_weight[int(Resource::kCount) + 1] = {};  // by lane; the last: no lane (device memory passes, frees)
+};
+
+// One operation's use of the cores, for the next replay's stretch.
+struct CoreUse {
+  double start = 0, end = 0, weight = 0;
+};
+
 // Operations on streams and lanes.
 class Sim {
  public:
@@ -58,27 +71,96 @@ class Sim {
   double lane_free[int(Resource::kCount)] = {};
   double busy[int(Resource::kCount)] = {};
   std::vector<Interval> schedule;
+  // Core sharing: `stretch` (from the previous replay, by operation index) lengthens each
+  // operation's CPU part; every operation's use is recorded in `uses`.
+  const CoreShare* share = nullptr;
+  const std::vector<double>* stretch = nullptr;
+  std::vector<CoreUse> uses;
 
   // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
-  // `ready`; returns its end.
-  double op(StreamId s, Resource r, double ready, double dur, const std::string& what) {
-    const double end = lane(r, std::max(stream_free[s], ready), dur, what);
+  // `ready`; returns its end. `weight`: cores it uses (< 0: the lane's).
+  double op(StreamId s, Resource r, double ready, double dur, const std::string& what, double weight = -1) {
+    const double end = lane(r, std::max(stream_free[s], ready), dur, what, weight);
     stream_free[s] = end;
     return end;
   }
   // Work that is not on a stream (NVMe requests): the lane only (kCount: no lane, no wait).
-  double lane(Resource r, double ready, double dur, const std::string& what) {
-    if (r == Resource::kCount) return ready + std::max(dur, 0.0);
+  double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1) {
+    dur = stretched(r, std::max(dur, 0.0), weight);
+    if (r == Resource::kCount) {
+      note(ready, ready + dur, weight < 0 ? lane_weight(r) : weight);
+      return ready + dur;
+    }
     const double start = std::max(lane_free[int(r)], ready);
-    const double end = start + std::max(dur, 0.0);
+    const double end = start + dur;
     lane_free[int(r)] = end;
     busy[int(r)] += end - start;
     if (end > start) schedule.push_back({r, start, end, what});
+    note(start, end, weight < 0 ? lane_weight(r) : weight);
     return end;
+  }
+  // The host thread's own CPU work (allocations it poisons) from host time `h`: returns the new h.
+  double host(double h, double dur) {
+    dur = stretched(Resource::kCount, std::max(dur, 0.0), 1.0);
+    note(h, h + dur, 1.0);
+    return h + dur;
   }
   // A stream waits for an event.
   void wait(StreamId s, double t) { stream_free[s] = std::max(stream_free[s], t); }
+
+ private:
+  double lane_weight(Resource r) const { return share ? share->lane_weight[int(r)] : 0.0; }
+  // The CPU part of an operation (its weight, up to one core's worth of time) runs slower by
+  // the stretch the previous replay found for it.
+  double stretched(Resource r, double dur, double weight) {
+    const std::size_t i = next_++;
+    if (!share || share->cores <= 0 || !stretch || i >= stretch->size()) return dur;
+    const double cpu_part = std::min(1.0, weight < 0 ? lane_weight(r) : weight);
+    return dur * (1.0 + cpu_part * ((*stretch)[i] - 1.0));
+  }
+  void note(double start, double end, double weight) {
+    if (share && share->cores > 0) uses.push_back({start, end, weight});
+  }
+  std::size_t next_ = 0;
 };
+
+// Each operation's stretch when the operations of `uses` share `cores` cores fairly: the mean,
+// over its time, of max(1, cores wanted / cores).
+std::vector<double> core_stretch(const std::vector<CoreUse>& uses, double cores) {
+  std::vector<std::pair<double, double>> ev;  // (time, change in cores wanted)
+  ev.reserve(2 * uses.size());
+  for (const CoreUse& x : uses)
+    if (x.end > x.start && x.weight > 0) {
+      ev.push_back({x.start, x.weight});
+      ev.push_back({x.end, -x.weight});
+    }
+  std::sort(ev.begin(), ev.end());
+  // Breakpoints and the integral of max(1, wanted / cores) up to each.
+  std::vector<double> t, integral;
+  double wanted = 0, acc = 0, last = ev.empty() ? 0 : ev.front().first;
+  for (std::size_t k = 0; k < ev.size();) {
+    const double now = ev[k].first;
+    acc += (now - last) * std::max(1.0, wanted / cores);
+    t.push_back(now);
+    integral.push_back(acc);
+    last = now;
+    for (; k < ev.size() && ev[k].first == now; ++k) wanted += ev[k].second;
+  }
+  auto at = [&](double x) {  // the integral up to x (x within the breakpoints' range)
+    const std::size_t j = std::size_t(std::upper_bound(t.begin(), t.end(), x) - t.begin());
+    if (j == 0) return 0.0;
+    // wanted between t[j-1] and t[j]: recover from the integral's slope
+    if (j >= t.size()) return integral.back();
+    const double slope = t[j] > t[j - 1] ? (integral[j] - integral[j - 1]) / (t[j] - t[j - 1]) : 1.0;
+    return integral[j - 1] + (x - t[j - 1]) * slope;
+  };
+  std::vector<double> out(uses.size(), 1.0);
+  for (std::size_t i = 0; i < uses.size(); ++i) {
+    const CoreUse& x = uses[i];
+    if (x.end > x.start && x.weight > 0) out[i] = std::max(1.0, (at(x.end) - at(x.start)) / (x.end - x.start));
+  }
+  return out;
+}
 
 double secs(double bytes, double rate) { return bytes <= 0 ? 0.0 : bytes / rate; }
 
@@ -88,7 +170,13 @@ void need_rate(double rate, const char* what, const char* why) {
 
 }  // namespace
 
-Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c) {
+namespace {
+
+// One replay of the step (see the file's head). `share`/`stretch`: core sharing (stretch by
+// operation index, from the previous replay; empty: none); each operation's use of the
+// cores goes to `uses`.
+Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c, const CoreShare& share,
+                  const std::vector<double>& stretch, std::vector<CoreUse>& uses) {
   STRATA_REQUIRE(!mp.units.empty(), "perf model: the model profile has no units");
   STRATA_REQUIRE(m.world_size >= 1, "perf model: world_size {} must be at least 1", m.world_size);
   STRATA_REQUIRE(c.gradient_accumulation_steps >= 1, "perf model: gradient_accumulation_steps must be at least 1");
@@ -162,6 +250,10 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       if (!u[x.unit].resident) trace.push_back(x.unit);
 
   Sim sim;
+  sim.share = &share;
+  sim.stretch = &stretch;
+  const double all_cores = share.cores;
+  const double adamw_cores = c.optimizer_threads > 0 ? std::min<double>(c.optimizer_threads, share.cores) : share.cores;
   double h = 0;  // the host thread
   // Pinned staging in flight, as the engine bounds it: the host waits for the oldest.
   std::deque<double> grad_staging, param_staging;
@@ -212,7 +304,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     const double bytes = double(x.shard) * csz;
     // The gathered buffer's allocation: on a device that poisons fresh memory (the emulated
     // one, free_bps > 0) the host thread writes it before it goes on.
-    h += free_s(double(x.padded) * csz);
+    h = sim.host(h, free_s(double(x.padded) * csz));
     double ready = h;
     switch (x.w) {
       case Tier::kDevice:
@@ -304,8 +396,8 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       start = std::max(start, early_w_writes.front());
       early_w_writes.pop_front();
     }
-    double t = sim.op(kEarlyS, Resource::kCpu, start, secs(4 * n, norm_bps), "norm " + name(i));
-    t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i));
+    double t = sim.op(kEarlyS, Resource::kCpu, start, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
+    t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
     if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
     if (x.o == Tier::kNvme) {
       if (early_writes.size() >= max_writes) {
@@ -334,6 +426,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     if (W > 1) {
       t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
+      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)), "");  // the scratch, after its last use
       // its output shard, freed on the comm stream
       sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
     }  // one rank: the gradient scratch is the shard, no copy
@@ -346,15 +439,15 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       bound(grad_staging, 2);
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
       grad_staging.push_back(
-          sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i)));
+          sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i), all_cores));
       if (last_micro_batch && eligible(x)) early_job(i, grad_staging.back());
     }
+    // One rank: the scratch is the shard, freed on the comm stream after its last use there.
+    if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
   };
-  // The unit's fp32 gradient scratch: zero-filled on the compute stream, and freed there at
-  // the next unit's (the engine collects finished scratch when it hands out the next one).
-  auto grad_fill = [&](std::size_t i) {
-    return secs(4.0 * double(u[i].padded), m.device_mem_bps) + free_s(4.0 * double(u[i].padded));
-  };
+  // The unit's fp32 gradient scratch: zero-filled on the compute stream (and freed on the
+  // comm stream, in `reduce`).
+  auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
 
   Prediction pr;
   double fwd_total = 0, bwd_total = 0;
@@ -368,7 +461,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
       double dur = mp.units[i].forward_s;
       if (i == head) {
         dur += grad_fill(i);
-        h += free_s(4.0 * double(u[i].padded));  // grad_buffer's allocation, as in issue_fetch
+        h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation, as in issue_fetch
       }
       const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
       if (i == head) reduce(i, end);
@@ -380,14 +473,14 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     const double b0 = h;
     for (std::size_t i = head; i-- > 1;) {
       const double ready = fetch(i);
-      h += free_s(4.0 * double(u[i].padded));  // grad_buffer's allocation
+      h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
       const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
                                 mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
       reduce(i, end);
       release(i, end);
     }
     {
-      h += free_s(4.0 * double(u[0].padded));  // grad_buffer's allocation
+      h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
       const double end =
           sim.op(kComputeS, Resource::kCompute, h, mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
       reduce(0, end);
@@ -410,7 +503,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
   const double norm_at = h;
   for (std::size_t i = 0; i < N; ++i)
     if (u[i].g == Tier::kHost && !(kept[i] && early_done[i] <= norm_at))
-      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i));
+      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
   h = std::max(h, sim.stream_free[kOptS]);
   // The early results, in the worker's order: each waited for (its writes too) and kept; the
   // new weights of a device-resident unit go over the link.
@@ -479,7 +572,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
         h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
       }
       if (target_dev || x.w == Tier::kNvme) stage_w();
-      h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i));
+      h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
       if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
       if (target_dev) w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i)));
       if (x.o == Tier::kNvme) write_state(12 * n, h, "write state " + name(i));
@@ -511,6 +604,41 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
                                         pr.step_s
                                   : 0;
   pr.schedule = std::move(sim.schedule);
+  uses = std::move(sim.uses);
+  return pr;
+}
+
+}  // namespace
+
+Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c) {
+  CoreShare share;
+  if (m.device_shares_host_cores > 0) {
+    // The CPU-emulated device: its kernels, copies and memory passes are threads on the same
+    // cores as the host thread and the CPU optimizer; NVMe requests and comm take none.
+    share.cores = m.device_shares_host_cores;
+    const double kernel = m.device_kernel_threads > 0 ? std::min<double>(m.device_kernel_threads, share.cores) : share.cores;
+    share.lane_weight[int(Resource::kCompute)] = kernel;
+    // A throttled link sleeps most of each copy: the memcpy's share of its time.
+    const double copy_bps = m.host_mem_bps / 2;
+    share.lane_weight[int(Resource::kH2D)] = m.h2d_bps > 0 ? std::min(1.0, m.h2d_bps / copy_bps) : 1.0;
+    share.lane_weight[int(Resource::kD2H)] = m.d2h_bps > 0 ? std::min(1.0, m.d2h_bps / copy_bps) : 1.0;
+    share.lane_weight[int(Resource::kCpu)] = 1;
+    share.lane_weight[int(Resource::kCount)] = 1;  // fills, adds, frees on the device's streams
+  }
+  std::vector<double> stretch;
+  std::vector<CoreUse> uses;
+  Prediction pr = replay(m, mp, c, share, stretch, uses);
+  if (share.cores <= 0) return pr;
+  // Fixed point: each replay stretches the operations by how crowded the cores were around
+  // them in the last one (halfway, so that it settles rather than oscillates).
+  for (int it = 0; it < 12; ++it) {
+    const std::vector<double> want = core_stretch(uses, share.cores);
+    if (stretch.size() != want.size()) stretch.assign(want.size(), 1.0);
+    for (std::size_t i = 0; i < want.size(); ++i) stretch[i] = 0.5 * (stretch[i] + want[i]);
+    const double before = pr.step_s;
+    pr = replay(m, mp, c, share, stretch, uses);
+    if (std::abs(pr.step_s - before) <= 1e-3 * before) break;
+  }
   return pr;
 }
 
