@@ -86,8 +86,9 @@ void compare_with_one_rank(EngineConfig cfg, const char* what) {
     EXPECT_NEAR(multi.losses[std::size_t(i)], one.losses[std::size_t(i)], 1e-5 * one.losses[std::size_t(i)])
         << what << ": step " << i;
   EXPECT_LT(multi.losses.back(), multi.losses.front()) << what << ": did not train";
-  if (cfg.overlap_optimizer.value_or(false))
+  if (cfg.overlap_optimizer.value_or(false)) {
     EXPECT_EQ(multi.early_kept, std::uint64_t(steps - 1) * (dims.size() - 1)) << what;  // every layer after step 1
+  }
   for (std::size_t l = 0; l < one.master.size(); ++l)
     for (std::size_t i = 0; i < one.master[l].size(); ++i)
       ASSERT_NEAR(multi.master[l][i], one.master[l][i], 2e-5 + 2e-5 * std::fabs(one.master[l][i]))

@@ -299,8 +299,9 @@ TEST(PinnedPool, LockStateIsReportedHonestly) {
     EXPECT_EQ(s.locked_bytes, s.reserved_bytes);
     // smaps counts no "Locked" bytes for hugetlbfs pages (they are never swapped anyway): the
     // check applies to the other kinds (a machine with vm.nr_hugepages > 0 gives hugetlb ones).
-    if (b.page_kind() != PageKind::kHugeTlb)
+    if (b.page_kind() != PageKind::kHugeTlb) {
       EXPECT_GE(smaps_field(b.data(), "Locked"), round_up(b.size(), 4096));
+    }
   } else {
     EXPECT_EQ(s.locked_bytes, 0u);
     EXPECT_EQ(smaps_field(b.data(), "Locked"), 0u);
