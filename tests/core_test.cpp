@@ -93,6 +93,16 @@ TEST(DType, F16RoundingMatchesDoubleReference) {
   EXPECT_EQ(f32_to_f16(1.0f + 3 * 0.00048828125f), 0x3c02);  // tie -> even (up)
 }
 
+TEST(Log, HumanBytes) {
+  EXPECT_EQ(log::human_bytes(512), "512 B");
+  EXPECT_EQ(log::human_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(log::human_bytes(double(std::uint64_t(4) << 30)), "4.00 GiB");
+  EXPECT_EQ(log::human_bytes(double(20 << 20), 1), "20.0 MiB");
+  EXPECT_EQ(log::human_bytes(double(std::uint64_t(4) << 30), -2), "4 GiB");
+  EXPECT_EQ(log::human_bytes(1.5 * (1 << 20), -2), "1.5 MiB");
+  EXPECT_EQ(log::human_bytes(61.44 * (1 << 20), -2), "61.44 MiB");
+}
+
 TEST(Log, ParsesLevels) {
   EXPECT_EQ(log::parse_level("debug"), log::Level::kDebug);
   EXPECT_EQ(log::parse_level("off"), log::Level::kOff);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "strata/error.h"
+#include "strata/log.h"
 
 namespace strata::bench {
 
@@ -52,15 +53,7 @@ double copy_gbps(std::size_t bytes_per_array, int threads, int reps) {
   return 2.0 * n * sizeof(float) / best / 1e9;
 }
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.3g} {}", b, units[u]);
-}
+std::string human_bytes(double b) { return log::human_bytes(b, -2); }
 
 std::size_t parse_bytes(const std::string& text, const std::string& what) {
   std::size_t pos = 0;

@@ -57,12 +57,7 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::string human(double b) {
-  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int i = 0;
-  while (b >= 1024 && i < 4) b /= 1024, ++i;
-  return fmt::format("{:.{}f} {}", b, i == 0 ? 0 : 2, u[i]);
-}
+std::string human(double b) { return log::human_bytes(b); }
 
 struct Args {
   std::string model_dir, model_config, ds_config, aio_file;

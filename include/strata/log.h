@@ -2,6 +2,7 @@
 // error, off; default info). Messages go to stderr as "[strata] [level] text".
 #pragma once
 
+#include <string>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -15,6 +16,10 @@ Level level();
 // Parses a level name; throws strata::Error naming the allowed values.
 Level parse_level(std::string_view name);
 void write(Level level, std::string_view message);
+
+// Bytes for people: "512 B", "1.50 MiB", "4.00 GiB" (binary units, `decimals` after the point;
+// a negative value: up to -decimals, trailing zeros dropped: "4 GiB", "1.5 GiB").
+std::string human_bytes(double bytes, int decimals = 2);
 
 template <class... Args>
 void info(fmt::format_string<Args...> f, Args&&... args) {

@@ -68,6 +68,22 @@ Level parse_level(std::string_view n) {
   STRATA_THROW(kInvalidArgument, "unknown log level '{}': use trace, debug, info, warn, error or off", n);
 }
 
+std::string human_bytes(double b, int decimals) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (b >= 1024 && u < 5) {
+    b /= 1024;
+    ++u;
+  }
+  if (u == 0) return fmt::format("{:.0f} B", b);
+  std::string num = fmt::format("{:.{}f}", b, decimals < 0 ? -decimals : decimals);
+  if (decimals < 0 && num.find('.') != std::string::npos) {
+    num.erase(num.find_last_not_of('0') + 1);
+    if (num.back() == '.') num.pop_back();
+  }
+  return num + " " + units[u];
+}
+
 void write(Level l, std::string_view message) { logger().log(to_spd(l), "{}", message); }
 
 void warn_once(std::string_view key, std::string_view message) {

@@ -50,6 +50,7 @@
 #include "strata/dtype.h"
 #include "strata/engine_config.h"
 #include "strata/error.h"
+#include "strata/log.h"
 
 namespace strata {
 
@@ -57,14 +58,7 @@ namespace {
 
 constexpr std::uint64_t kShardAlign = 2048;  // elements per rank: 4 KiB of bf16
 
-std::string human(std::uint64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (std::uint64_t(1) << 30))
-    return fmt::format("{:.2f} GiB", b / double(std::uint64_t(1) << 30));
-  if (bytes >= (std::uint64_t(1) << 20)) return fmt::format("{:.2f} MiB", b / double(1 << 20));
-  if (bytes >= (std::uint64_t(1) << 10)) return fmt::format("{:.2f} KiB", b / double(1 << 10));
-  return fmt::format("{} B", bytes);
-}
+std::string human(std::uint64_t bytes) { return log::human_bytes(double(bytes)); }
 
 std::string join_or(const std::vector<std::string>& items) {
   std::string out;

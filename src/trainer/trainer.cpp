@@ -137,13 +137,7 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   return c;
 }
 
-
-std::string human_bytes(double b) {
-  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int i = 0;
-  while (b >= 1024 && i < 4) b /= 1024, ++i;
-  return i == 0 ? fmt::format("{:.0f} {}", b, u[i]) : fmt::format("{:.1f} {}", b, u[i]);
-}
+std::string human_bytes(double b) { return log::human_bytes(b, 1); }
 
 std::string hms(double s) {
   const auto t = std::int64_t(std::max(0.0, s) + 0.5);
