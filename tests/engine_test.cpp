@@ -386,6 +386,23 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   EXPECT_EQ(r.losses[0], c.losses[0]);
 }
 
+// Trains `s` on another thread: the run must end within 60 s in a strata::Error, whose text
+// is returned ("" once a failure is reported: a hang, or no error at all).
+std::string error_of_train(const RunSetup& s, const LinearModel& model, const char* fault) {
+  auto fut = std::async(std::launch::async, [&] { return train(s, model); });
+  if (fut.wait_for(60s) != std::future_status::ready) {
+    ADD_FAILURE() << "the engine hung on " << fault;
+    return "";
+  }
+  try {
+    fut.get();
+    ADD_FAILURE() << fault << " was swallowed";
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 13);
@@ -399,16 +416,9 @@ TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
   // Chunks: 3 state writes at start-up (0-2), then step 1 reads ahead and writes behind:
   // read 3, read 4, write 5 (layer 0), read 6, write 7 (layer 1): fail the second write.
   s.cfg.aio.inject_faults = {{FaultKind::kEnospc, 7}};
-  auto fut = std::async(std::launch::async, [&] { return train(s, model); });
-  ASSERT_EQ(fut.wait_for(60s), std::future_status::ready) << "the engine hung on ENOSPC";
-  try {
-    fut.get();
-    FAIL() << "ENOSPC was swallowed";
-  } catch (const Error& e) {
-    const std::string w = e.what();
-    EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
-    EXPECT_NE(w.find("swap key 'o1'"), std::string::npos) << w;
-  }
+  const std::string w = error_of_train(s, model, "ENOSPC");
+  EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
+  EXPECT_NE(w.find("swap key 'o1'"), std::string::npos) << w;
 }
 
 // The early optimizer step (strata.overlap_optimizer): each unit's host AdamW runs as soon as
@@ -547,14 +557,8 @@ TEST(Engine, AnIoErrorInTheEarlyStepIsAClearErrorNotAHang) {
   // Start-up writes 3 chunks, step 1 reads 3 and writes 3 (chunks 0-8); step 2's I/O is the
   // early step's: reads of the current state and writes of the second copy.
   s.cfg.aio.inject_faults = {{FaultKind::kEio, 10}};
-  auto fut = std::async(std::launch::async, [&] { return train(s, model); });
-  ASSERT_EQ(fut.wait_for(60s), std::future_status::ready) << "the engine hung on an I/O error";
-  try {
-    fut.get();
-    FAIL() << "the I/O error was swallowed";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("swap key 'o"), std::string::npos) << e.what();
-  }
+  const std::string w = error_of_train(s, model, "an I/O error");
+  EXPECT_NE(w.find("swap key 'o"), std::string::npos) << w;
 }
 
 TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
