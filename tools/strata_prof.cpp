@@ -638,9 +638,9 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
   std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
               human(double(m.host_capacity)).c_str());
   if (m.device_shares_host_cores > 0)
-    std::printf("  (the emulated device computes on this machine's %g cores, with the host thread and the CPU\n"
+    std::printf("  (the emulated device computes on this process's %g core%s, with the host thread and the CPU\n"
                 "   optimizer: the model shares them out among whatever runs at once)\n",
-                m.device_shares_host_cores);
+                m.device_shares_host_cores, m.device_shares_host_cores == 1 ? "" : "s");
 }
 
 int run(Args a) {
