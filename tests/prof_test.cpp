@@ -203,6 +203,16 @@ TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
   const SearchResult r = search_placements(m, space);
   ASSERT_FALSE(r.ranked.empty());
   EXPECT_GT(r.considered, r.ranked.size());  // some did not fit
+  // NVMe placements are also tried with twice the swap buffers (and only those).
+  int doubled = 0;
+  for (const Candidate& c : r.ranked) {
+    if (c.label.find("twice the swap buffers") == std::string::npos) continue;
+    ++doubled;
+    EXPECT_TRUE(c.config.params.nvme_fraction() > 0 || c.config.optimizer.nvme_fraction() > 0) << c.label;
+    EXPECT_EQ(c.config.optimizer_buffer_count, 2 * space.base.optimizer_buffer_count) << c.label;
+    EXPECT_EQ(c.config.param_buffer_count, 2 * space.base.param_buffer_count) << c.label;
+  }
+  EXPECT_GT(doubled, 0);
   for (std::size_t i = 0; i < r.ranked.size(); ++i) {
     EXPECT_TRUE(r.ranked[i].plan.fits) << r.ranked[i].label;
     EXPECT_LE(r.ranked[i].plan.device_bytes, m.device_capacity) << r.ranked[i].label;

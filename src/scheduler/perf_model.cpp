@@ -685,62 +685,71 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     for (const auto& pc : params)
       for (const auto& oc : opt)
         for (const auto& gc : grads)
-          for (int win : windows) {
-            if (win > 0 && int(mp.units.size()) <= win) continue;  // the same as "all"
-            Candidate cand;
-            EngineConfig& c = cand.config;
-            c = space.base;
-            c.stage = 3;
-            c.micro_batch_per_gpu = mp.micro_batch;
-            c.train_batch_size = mp.micro_batch * c.gradient_accumulation_steps * m.world_size;
-            c.params = pc.p;
-            c.optimizer = oc.p;
-            c.grads = gc.p;
-            const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
-            c.param_nvme_paths = p_nvme ? space.nvme_paths : std::vector<std::string>{};
-            c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
-            const EngineConfig d = default_engine_config();
-            if (win > 0) {
-              c.max_live_parameters = max_unit * std::uint64_t(win);
-              c.prefetch_bucket_size = max_unit * std::uint64_t(win - 1);
-            } else {
-              c.max_live_parameters = d.max_live_parameters;
-              c.prefetch_bucket_size = d.prefetch_bucket_size;
-            }
-            c.max_reuse_distance = d.max_reuse_distance;
-            // The engine reduces one unit's gradient at a time and steps the optimizer one unit
-            // at a time: plan the gradient buckets and the optimizer's swap buffers as that.
-            c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
-            c.sub_group_size = std::min<std::uint64_t>(space.base.sub_group_size, max_unit);
-            cand.checkpoint = mp.checkpoint;
-            cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
-            cand.micro_batch = mp.micro_batch;
-            cand.label = fmt::format("params {}, optimizer {}, grads {}, {}, B={}{}", pc.label, oc.label, gc.label,
-                                     win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
-                                     mp.micro_batch,
-                                     !mp.checkpoint ? "" : mp.checkpoint_on_host ? ", checkpoints on host" : ", checkpointing");
-            ++out.considered;
-            cand.plan = plan_memory(c, in);
-            if (!cand.plan.fits) {
-              // The least demanding candidate: the smallest sum of bytes missing.
-              std::uint64_t shortfall = 0;
-              auto miss = [](std::uint64_t need, std::uint64_t cap) { return need > cap ? need - cap : 0; };
-              shortfall += miss(cand.plan.device_bytes, cand.plan.device_capacity);
-              shortfall += miss(cand.plan.host_bytes, cand.plan.host_capacity);
-              shortfall += miss(cand.plan.nvme_bytes, cand.plan.nvme_capacity);
-              if (!have_smallest || shortfall < smallest_short) {
-                have_smallest = true;
-                smallest_short = shortfall;
-                out.smallest = cand.plan;
-                out.problems = cand.plan.problems;
+          for (int win : windows)
+            for (int more_buffers = 0; more_buffers < 2; ++more_buffers) {
+              if (win > 0 && int(mp.units.size()) <= win) continue;  // the same as "all"
+              const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
+              // NVMe swap buffers (offload_param / offload_optimizer buffer_count): the config's,
+              // or twice as many (more reads ahead and writes behind, more pinned memory).
+              if (more_buffers && !p_nvme && !o_nvme) continue;
+              Candidate cand;
+              EngineConfig& c = cand.config;
+              c = space.base;
+              c.stage = 3;
+              c.micro_batch_per_gpu = mp.micro_batch;
+              c.train_batch_size = mp.micro_batch * c.gradient_accumulation_steps * m.world_size;
+              c.params = pc.p;
+              c.optimizer = oc.p;
+              c.grads = gc.p;
+              if (more_buffers) {
+                c.param_buffer_count = 2 * space.base.param_buffer_count;
+                c.optimizer_buffer_count = 2 * space.base.optimizer_buffer_count;
               }
-              continue;
+              c.param_nvme_paths = p_nvme ? space.nvme_paths : std::vector<std::string>{};
+              c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
+              const EngineConfig d = default_engine_config();
+              if (win > 0) {
+                c.max_live_parameters = max_unit * std::uint64_t(win);
+                c.prefetch_bucket_size = max_unit * std::uint64_t(win - 1);
+              } else {
+                c.max_live_parameters = d.max_live_parameters;
+                c.prefetch_bucket_size = d.prefetch_bucket_size;
+              }
+              c.max_reuse_distance = d.max_reuse_distance;
+              // The engine reduces one unit's gradient at a time and steps the optimizer one unit
+              // at a time: plan the gradient buckets and the optimizer's swap buffers as that.
+              c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
+              c.sub_group_size = std::min<std::uint64_t>(space.base.sub_group_size, max_unit);
+              cand.checkpoint = mp.checkpoint;
+              cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
+              cand.micro_batch = mp.micro_batch;
+              cand.label = fmt::format("params {}, optimizer {}, grads {}, {}, B={}{}{}", pc.label, oc.label, gc.label,
+                                       win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
+                                       mp.micro_batch,
+                                       !mp.checkpoint ? "" : mp.checkpoint_on_host ? ", checkpoints on host" : ", checkpointing",
+                                       more_buffers ? ", twice the swap buffers" : "");
+              ++out.considered;
+              cand.plan = plan_memory(c, in);
+              if (!cand.plan.fits) {
+                // The least demanding candidate: the smallest sum of bytes missing.
+                std::uint64_t shortfall = 0;
+                auto miss = [](std::uint64_t need, std::uint64_t cap) { return need > cap ? need - cap : 0; };
+                shortfall += miss(cand.plan.device_bytes, cand.plan.device_capacity);
+                shortfall += miss(cand.plan.host_bytes, cand.plan.host_capacity);
+                shortfall += miss(cand.plan.nvme_bytes, cand.plan.nvme_capacity);
+                if (!have_smallest || shortfall < smallest_short) {
+                  have_smallest = true;
+                  smallest_short = shortfall;
+                  out.smallest = cand.plan;
+                  out.problems = cand.plan.problems;
+                }
+                continue;
+              }
+              // The engine decides the early optimizer step by the plan: say it in the config.
+              cand.config.overlap_optimizer = cand.plan.early_optimizer_step;
+              cand.prediction = predict_step(m, mp, cand.config);
+              out.ranked.push_back(std::move(cand));
             }
-            // The engine decides the early optimizer step by the plan: say it in the config.
-            cand.config.overlap_optimizer = cand.plan.early_optimizer_step;
-            cand.prediction = predict_step(m, mp, cand.config);
-            out.ranked.push_back(std::move(cand));
-          }
   }
   std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const Candidate& a, const Candidate& b) {
     if (a.prediction.tokens_per_s != b.prediction.tokens_per_s)
