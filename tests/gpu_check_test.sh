@@ -27,7 +27,7 @@ trap 'rm -rf "$out"' EXIT
   { cat "$out/stdout"; fail "gpu-check.sh exited non-zero without a GPU"; }
 cat "$out/stdout"
 grep -q "^strata gpu-check: SKIPPED: ${probe#SKIPPED: }" "$out/stdout" || fail "no SKIPPED verdict with the reason"
-for part in "gpu tests" link gemm adamw model parity; do
+for part in "gpu tests" link gemm adamw model parity prof; do
   grep -qE "^  $part +SKIPPED" "$out/stdout" || fail "part '$part' not reported SKIPPED"
 done
 
@@ -46,7 +46,8 @@ need(t["status"] == "SKIPPED", "tests status")
 b = j["bench"]
 need(b["skipped"] is True and b["reason"] == reason and b["command"] == "gpu", "bench")
 need(b["parts"] == {p: "skipped" for p in ["link", "gemm", "adamw", "model", "parity"]}, "bench parts")
-need([s["name"] for s in j["steps"]] == ["gpu-info", "gpu-tests", "bench"], "steps")
+need([s["name"] for s in j["steps"]] == ["gpu-info", "gpu-tests", "bench"], "steps")  # no prof without a GPU
+need(j["prof"] is None, "prof")
 need(all(s["exit"] == 0 for s in j["steps"]), "step exits")
 need(isinstance(j["seconds"], int) and j["date"].endswith("Z"), "seconds, date")
 print(f"gpu-check.json ok: {t['total']} gpu tests skipped, every bench part skipped: {reason}")

@@ -5,7 +5,9 @@
 # peak, bf16 GEMM through Stream::matmul against cuBLASLt's best, CUDA AdamW against a device
 # copy, a ZeRO-3 model step with parameters and optimizer state on the host and on NVMe:
 # tokens/s, MFU, the GPU's idle share from the trace; and the GPU's losses against the
-# CPU-emulated device's), writes one JSON summary (gpu-check.json) and prints a short table.
+# CPU-emulated device's), then strata-prof's predictions against measured steps on the GPU
+# (a 16-layer, 1024-wide Llama in bf16 planned for 2 GiB of it: the best 3 placements
+# validated), writes one JSON summary (gpu-check.json) and prints a short table.
 #
 #   tools/gpu-check.sh --build DIR            from a source tree: DIR is a build with tests
 #   <package>/bin/gpu-check.sh --tests DIR    from an unpacked package (README "Package"):
@@ -123,14 +125,44 @@ bench() {
   "$bin/strata-bench" gpu --json --out "$out/bench" --nvme-path "$nvme" $bench_args
 }
 
+# strata-prof on the GPU: predicted vs measured step time of the best 3 placements (issue #9's
+# GPU target: within 15%), a model large enough that a step is not all kernel launches
+# (254M parameters), planned for 2 GiB of the GPU so that the placements offload.
+prof() {
+  mkdir -p "$out/prof"
+  cat >"$out/prof/model.json" <<'EOF'
+{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 1024,
+ "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+ "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": false}
+EOF
+  "$bin/strata-prof" --device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batch 4 --dtype bf16 \
+    --device-mem-gb 2 --nvme-path "$nvme" --validate 3 --validate-steps 4 --top 3 --json --out "$out/prof/best.json" \
+    --svg "$out/prof/prof.svg" --trace "$out/prof/trace.json"
+}
+
 export bin tests out nvme use_ctest bench_args build here
-export -f gpu_info configure_and_build gpu_tests bench
+export -f gpu_info configure_and_build gpu_tests bench prof
 
 # ---- steps ----
 [ "$make" = 1 ] && step build 420 configure_and_build
 step gpu-info 60 gpu_info
 if [ -n "$tests" ]; then step gpu-tests 240 gpu_tests; fi
 step bench 300 bench
+
+# ---- the bench's JSON (its last line) ----
+blog=$out/bench.log
+bench_json=$(grep -E '^\{' "$blog" 2>/dev/null | tail -n 1)
+[ -n "$bench_json" ] || bench_json="{\"error\": $(json_str "$(tail -n 5 "$blog" 2>/dev/null)")}"
+reason=$(sed -n 's/^SKIPPED: //p' "$blog" 2>/dev/null | head -n 1)
+no_gpu=0
+case $bench_json in *'"skipped":true'*) no_gpu=1 ;; esac
+# ---- strata-prof, on a GPU only (its JSON: its last line) ----
+prof_json=null
+if [ "$no_gpu" = 0 ]; then
+  step prof 150 prof
+  prof_json=$(grep -E '^\{' "$out/prof.log" 2>/dev/null | tail -n 1)
+  [ -n "$prof_json" ] || prof_json="{\"error\": $(json_str "$(tail -n 5 "$out/prof.log" 2>/dev/null)")}"
+fi
 
 # ---- test counts ----
 log=$out/gpu-tests.log
@@ -150,14 +182,6 @@ if [ -f "$log" ]; then
   fi
   failed_tests=$((total - passed - skipped))
 fi
-
-# ---- the bench's JSON (its last line) ----
-blog=$out/bench.log
-bench_json=$(grep -E '^\{' "$blog" 2>/dev/null | tail -n 1)
-[ -n "$bench_json" ] || bench_json="{\"error\": $(json_str "$(tail -n 5 "$blog" 2>/dev/null)")}"
-reason=$(sed -n 's/^SKIPPED: //p' "$blog" 2>/dev/null | head -n 1)
-no_gpu=0
-case $bench_json in *'"skipped":true'*) no_gpu=1 ;; esac
 
 # ---- verdict ----
 if [ "$no_gpu" = 1 ]; then
@@ -195,7 +219,7 @@ seconds=$(($(date +%s) - started))
     [ "$i" -gt 0 ] && printf ','
     printf '\n    {"name": "%s", "exit": %d, "seconds": %d}' "${names[$i]}" "${rcs[$i]}" "${secs[$i]}"
   done
-  printf '\n  ],\n  "bench": %s,\n  "seconds": %d\n}\n' "$bench_json" "$seconds"
+  printf '\n  ],\n  "bench": %s,\n  "prof": %s,\n  "seconds": %d\n}\n' "$bench_json" "$prof_json" "$seconds"
 } >"$out/gpu-check.json"
 
 # ---- the table ----
@@ -208,9 +232,10 @@ seconds=$(($(date +%s) - started))
   printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped; %s)\n' "gpu tests" "$tests_status" \
     "$total" "$passed" "$failed_tests" "$skipped" "$runner"
   if [ "$no_gpu" = 1 ]; then
-    for p in link gemm adamw model parity; do printf '  %-12s SKIPPED\n' "$p"; done
+    for p in link gemm adamw model parity prof; do printf '  %-12s SKIPPED\n' "$p"; done
   else
     sed -n '/^strata-bench gpu:/,$p' "$blog" | grep -vE '^\{' | sed 's/^/  /'
+    printf '  %-12s %s\n' prof "$(grep -E '^worst prediction error' "$out/prof.log" 2>/dev/null || echo "no result: see $out/prof.log")"
   fi
   echo "  $seconds s; summary $out/gpu-check.json, logs in $out"
 } | tee "$out/summary.txt"
