@@ -338,17 +338,17 @@ class HostDevice final : public Device {
     for (auto& core : live_streams()) core->wait_for(core->submitted_seq());
   }
 
-  void release(HostBlock* b, bool queued) noexcept {
+  // A block no stream orders the free of, once the device is idle.
+  void release(HostBlock* b) noexcept {
     if (opt_.poison) poison(base_ + b->offset, b->size);
     {
       std::lock_guard<std::mutex> lock(mu_);
       arena_.free(b->offset, b->size);
       stats_.bytes_in_use -= b->size;
       ++stats_.num_frees;
-      if (queued) --pending_frees_;
       delete b;
     }
-    if (queued) freed_cv_.notify_all();
+    freed_cv_.notify_all();  // an allocation waiting on another thread may fit now
   }
 
   // A free queued on a stream, now reached: poisoned (for its next owner too, if reused)
@@ -618,7 +618,7 @@ void HostDevice::do_free(void* block) noexcept {
     b = new HostBlock{pf->offset, pf->size, {}};
   }
   synchronize_quietly();
-  release(b, false);
+  release(b);
 }
 
 }  // namespace
