@@ -51,9 +51,9 @@ struct SimUnit {
   double ready = 0, released = 0;
 };
 
-// When the device's lanes run on the host's own cores (the CPU-emulated device), what each
-// operation takes of them: `weight` cores while it runs, of which the share `cpu` of its time
-// is CPU work (the rest sleeps: a throttled copy). cores == 0: nothing shared.
+// When the device's lanes run on the host's own cores (the CPU-emulated device): how many there
+// are, and the cores an operation on each lane wants while it runs (below 1: the share of its
+// time that is CPU work, the rest sleeps, as a throttled copy does). cores == 0: nothing shared.
 struct CoreShare {
   double cores = 0;
   double lane_weight[int(Resource::kCount) + 1] = {};  // by lane; the last: no lane (device memory passes, frees)
@@ -86,9 +86,10 @@ class Sim {
   }
   // Work that is not on a stream (NVMe requests): the lane only (kCount: no lane, no wait).
   double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1) {
-    dur = stretched(r, std::max(dur, 0.0), weight);
+    if (weight < 0) weight = share ? share->lane_weight[int(r)] : 0.0;
+    dur = stretched(std::max(dur, 0.0), weight);
     if (r == Resource::kCount) {
-      note(ready, ready + dur, weight < 0 ? lane_weight(r) : weight);
+      note(ready, ready + dur, weight);
       return ready + dur;
     }
     const double start = std::max(lane_free[int(r)], ready);
@@ -96,12 +97,12 @@ class Sim {
     lane_free[int(r)] = end;
     busy[int(r)] += end - start;
     if (end > start) schedule.push_back({r, start, end, what});
-    note(start, end, weight < 0 ? lane_weight(r) : weight);
+    note(start, end, weight);
     return end;
   }
   // The host thread's own CPU work (allocations it poisons) from host time `h`: returns the new h.
   double host(double h, double dur) {
-    dur = stretched(Resource::kCount, std::max(dur, 0.0), 1.0);
+    dur = stretched(std::max(dur, 0.0), 1.0);
     note(h, h + dur, 1.0);
     return h + dur;
   }
@@ -109,14 +110,12 @@ class Sim {
   void wait(StreamId s, double t) { stream_free[s] = std::max(stream_free[s], t); }
 
  private:
-  double lane_weight(Resource r) const { return share ? share->lane_weight[int(r)] : 0.0; }
   // The CPU part of an operation (its weight, up to one core's worth of time) runs slower by
   // the stretch the previous replay found for it.
-  double stretched(Resource r, double dur, double weight) {
+  double stretched(double dur, double weight) {
     const std::size_t i = next_++;
     if (!share || share->cores <= 0 || !stretch || i >= stretch->size()) return dur;
-    const double cpu_part = std::min(1.0, weight < 0 ? lane_weight(r) : weight);
-    return dur * (1.0 + cpu_part * ((*stretch)[i] - 1.0));
+    return dur * (1.0 + std::min(1.0, weight) * ((*stretch)[i] - 1.0));
   }
   void note(double start, double end, double weight) {
     if (share && share->cores > 0) uses.push_back({start, end, weight});
