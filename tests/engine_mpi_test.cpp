@@ -108,6 +108,13 @@ TEST(EngineRanks, Stage2MatchesOneRank) {
   EngineConfig c = default_engine_config();
   c.stage = 2;
   compare_with_one_rank(c, "stage 2");
+  // Every unit resident, its state on the host, the early optimizer step on: step() leaves
+  // kept work to finish behind, and each rank all-gathers a unit's new shard at its next
+  // fetch, in the same order everywhere however far its own worker got.
+  c.optimizer = on(Tier::kHost);
+  c.grads = on(Tier::kHost);
+  c.overlap_optimizer = true;
+  compare_with_one_rank(c, "stage 2, optimizer on the host, early optimizer step");
 }
 
 TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {

@@ -16,6 +16,7 @@
 #include "engine/linear_model.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
+#include "strata/trace.h"
 
 namespace strata {
 namespace {
@@ -544,6 +545,42 @@ TEST(Engine, EarlyOptimizerStepDefaultsAndRefusal) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
     EXPECT_NE(std::string(e.what()).find("strata.overlap_optimizer false"), std::string::npos) << e.what();
+  }
+}
+
+// step() does not wait for kept early work: what the worker has not done yet is finished
+// behind, each unit before its next fetch. Holding the early step's first NVMe read for
+// 300 ms keeps the worker busy past the end of backward, so step() must return with work
+// still queued; the bits are still the serial step's.
+TEST(Engine, KeptEarlyWorkFinishesBehindTheStepBitIdentically) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 35);
+  TempDir nv;
+  for (Tier w : {Tier::kDevice, Tier::kNvme}) {
+    RunSetup s = early_setup(nv, Tier::kNvme);
+    s.steps = 4;
+    s.cfg.params = on(w);
+    // Start-up writes 3 chunks of state, step 1 reads 3 and writes 3 (0-8), with the weights
+    // on NVMe 3 more each; step 2's first chunk is then the early step's first state read.
+    const std::uint64_t first_early = w == Tier::kDevice ? 9 : 15;
+    s.cfg.aio.inject_faults = {{FaultKind::kDelay, first_early, 300}};
+    const std::string what = fmt::format("weights on {}", tier_name(w));
+    Tracer& tracer = Tracer::global();
+    tracer.clear();
+    tracer.set_enabled(true);
+    const RunOut on_ = train(s, model);
+    tracer.set_enabled(false);
+    // The held read was waited for by the next forward's fetch, not by step().
+    std::int64_t longest_wait_ns = 0;
+    for (const TraceSpan& sp : tracer.spans())
+      if (sp.name == "optimizer_wait") longest_wait_ns = std::max(longest_wait_ns, sp.end_ns - sp.start_ns);
+    tracer.clear();
+    EXPECT_GT(longest_wait_ns, 100'000'000) << what << ": no fetch waited for the held early work";
+    RunSetup serial = without_early(s);
+    serial.cfg.aio.inject_faults.clear();
+    expect_identical(train(serial, model), on_, what.c_str());
+    EXPECT_EQ(on_.stats.early_units_kept, std::uint64_t(s.steps - 1) * 3) << what;
+    EXPECT_GE(on_.stats.early_units_finished_behind, 2u) << what;
   }
 }
 

@@ -77,6 +77,9 @@ struct EngineStats {
   // Units whose early optimizer step (strata.overlap_optimizer) was kept / redone serially
   // because the step clipped, overflowed or ran with another lr.
   std::uint64_t early_units_kept = 0, early_units_redone = 0;
+  // Kept units whose early work was still queued or running when step() returned: finished
+  // behind, while the next forward ran (each before its first use).
+  std::uint64_t early_units_finished_behind = 0;
   // Steps that did not speculate because the last attempts were all redone (backing off).
   std::uint64_t early_steps_skipped = 0;
   // Device allocations that failed at first and waited for queued frees: on the engine's
@@ -131,6 +134,9 @@ class Engine {
   // One optimizer step with learning rate `lr` over the gradients accumulated since the last
   // step (gradient_accumulation_steps micro-batches): global-norm clipping, fp16 overflow
   // skip agreed by all ranks, AdamW over sub-groups with NVMe reads and writes overlapped.
+  // Kept early work (set_next_lr) is not waited for: it finishes behind, in the next
+  // forward's order, and each unit is switched to its new weights before its next fetch (or
+  // master_shard, save_state, the next step), so the next forward overlaps it.
   StepResult step(float lr);
 
   // This rank's fp32 master shard of `unit` / every rank's gathered into the full unit

@@ -116,8 +116,14 @@ struct Unit {
   Event grads_done;              // the accumulation of that last gradient
   AdamWOptions early_opt;        // the options it ran with (lr, step, grad_scale)
   float early_sumsq = 0;         // its gradient's sum of squares (the norm's part)
-  std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until step()
+  std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until finished
   IoHandle early_o_write, early_w_write;  // to the other NVMe key
+  // step() kept the early work but did not wait for it: it is finished (state and weights
+  // switched to the new copy) before anything uses the unit again (Impl::finish_early).
+  bool finish_pending = false;
+  bool gather_pending = false;  // resident, more than one rank: finished, not yet all-gathered
+  std::size_t first_fetch = 0;  // position of the unit's first fetch in the last step
+  std::int64_t first_fetch_step = -1;
 };
 
 }  // namespace
@@ -172,6 +178,10 @@ struct Engine::Impl {
   // drops it and steps the unit from the untouched state. Either way the bits are those of
   // the serial step. (The clip coefficient needs the global norm, which exists only after
   // the last gradient: that is why this is a speculation and not a reordering.)
+  // step() decides what to keep without waiting for the worker: kept work still queued is
+  // reordered to the next forward's order and finished behind — each unit before its next
+  // fetch (or anything else that reads it) — so the AdamW of the last units to get their
+  // gradients overlaps the next step's forward instead of stalling the device.
   bool early = false;  // plan.early_optimizer_step
   std::vector<int> grads_recorded, grads_now;
   bool grads_recording = true, grads_changed = false;
@@ -191,6 +201,10 @@ struct Engine::Impl {
   // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
   std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> early_reads;
   std::deque<IoHandle> early_writes, early_w_writes;
+  // Kept early work that step() left running (Unit::finish_pending), and the fetch count of
+  // the step in progress (Unit::first_fetch: the order the worker finishes them in).
+  std::vector<std::size_t> pending_finish;
+  std::size_t fetch_seq = 0;
 
   Impl(Device& d, Communicator& c, const EngineConfig& config)
       : dev(d), comm(c), cfg(config), rank(c.rank()), world(c.world_size()) {
@@ -385,6 +399,9 @@ struct Engine::Impl {
       if (u.resident || u.gathered) continue;
       if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
       if (live + u.padded > cfg.max_live_parameters) break;
+      // Kept early work not finished yet: its new weights are not there. (With more than one
+      // rank, whether the worker is done must not decide which all-gathers go first.)
+      if (u.finish_pending && (world > 1 || !finish_early(std::size_t(trace[p]), false))) break;
       issue_fetch(trace[p], true);
       ahead += u.padded;
     }
@@ -455,6 +472,85 @@ struct Engine::Impl {
     for (const std::size_t ui : early_queue) units[ui].early = Unit::Early::kVoid;
     early_busy -= early_queue.size();
     early_queue.clear();
+  }
+  // The worker's error (an I/O fault, say), once every write it issued has settled.
+  [[noreturn]] void rethrow_early_error() {
+    wait_early_idle();
+    for (auto& u : units)
+      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
+        if (h->valid()) h->wait_for(std::chrono::minutes(1));
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lk(early_mu);
+      error = std::exchange(early_error, nullptr);
+    }
+    STRATA_CHECK(error != nullptr, "rethrow_early_error without an error");
+    std::rethrow_exception(error);
+  }
+  // Switches unit `ui` to the result of its kept early work (step() decided to keep it):
+  // the second copies become the current ones, and new weights for a device target go there
+  // on the fetch stream. `block`: wait for the worker; otherwise return false if it has not
+  // finished the unit yet. Local to this rank: a resident unit's all-gather, when there is
+  // more than one rank, is left to gather_finished() (collective calls only).
+  bool finish_early(std::size_t ui, bool block) {
+    Unit& u = units[ui];
+    if (!u.finish_pending) return true;
+    Unit::Early state = early_state(ui);
+    if (state == Unit::Early::kQueued) {
+      if (!block) return false;
+      TraceScope span("optimizer_wait", "engine");  // the host waits for the worker
+      state = wait_early(ui);
+    }
+    if (state != Unit::Early::kDone || early_failed()) rethrow_early_error();
+    for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
+      if (h->valid()) h->wait();
+    const std::size_t n = u.shard, w_bytes = n * c_size;
+    if (u.o_tier == Tier::kHost) {
+      std::swap(u.o_host, u.o_alt);
+    } else {
+      u.o_gen = 1 - u.o_gen;
+      st.nvme_read_bytes += 3 * n * 4;
+      st.nvme_written_bytes += 3 * n * 4;
+    }
+    if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w_host, u.w_alt);
+    if (!u.resident && u.w_tier == Tier::kNvme) {
+      u.w_gen = 1 - u.w_gen;
+      st.nvme_written_bytes += w_bytes;
+    }
+    if (u.resident || u.w_tier == Tier::kDevice) {
+      Stream& up = *fetch_s;
+      const DType ct = cfg.compute_dtype;
+      const TensorRef target = u.resident ? view(u.full, ct, n, std::size_t(rank) * n) : view(u.w_dev, ct, n);
+      up.copy(target.mem, host_ref(u.early_w->data(), w_bytes));
+      up.host_fn([b = u.early_w] {}, "staging_free");
+      st.h2d_bytes += w_bytes;
+      if (u.resident && world > 1) u.gather_pending = true;
+      else if (u.resident) u.ready = up.record();
+    }
+    {
+      std::lock_guard<std::mutex> lk(early_mu);
+      u.early = Unit::Early::kNone;
+    }
+    u.early_w.reset();
+    u.early_o_write = IoHandle();
+    u.early_w_write = IoHandle();
+    u.finish_pending = false;
+    std::erase(pending_finish, ui);
+    return true;
+  }
+  // A resident unit's new shard (finish_early) to every rank. Collective: every rank calls
+  // it for the same units in the same order (Engine::fetch, step, save_state, load_state).
+  void gather_finished(std::size_t ui) {
+    Unit& u = units[ui];
+    if (!u.gather_pending) return;
+    const DType ct = cfg.compute_dtype;
+    comm.all_gather(view(u.full, ct, u.shard, std::size_t(rank) * u.shard), view(u.full, ct, u.padded), *fetch_s);
+    u.ready = fetch_s->record();
+    u.gather_pending = false;
+  }
+  void finish_all_early() {  // collective
+    while (!pending_finish.empty()) finish_early(pending_finish.front(), true);
+    for (std::size_t ui = 0; ui < units.size(); ++ui) gather_finished(ui);
   }
 
   // Called for every reduce_grad, after its accumulation was queued on the comm stream.
@@ -770,6 +866,12 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   STRATA_REQUIRE(s.finalized, "Engine::fetch before finalize()");
   STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
   Unit& u = s.units[std::size_t(unit)];
+  if (u.first_fetch_step != s.steps_taken) {
+    u.first_fetch_step = s.steps_taken;
+    u.first_fetch = s.fetch_seq++;
+  }
+  s.finish_early(std::size_t(unit), true);
+  s.gather_finished(std::size_t(unit));
   if (!u.resident) {
     s.note_fetch(unit);
     if (!u.gathered) {
@@ -816,6 +918,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   Impl& s = *impl_;
   Unit& u = s.units.at(std::size_t(unit));
   STRATA_REQUIRE(static_cast<bool>(u.grad_full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
+  s.finish_early(std::size_t(unit), true);  // its last early job reads the accumulator
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
   // One rank: the gradient is its own shard (an average over one rank is the value itself),
@@ -861,6 +964,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
 StepResult Engine::step(float lr) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::step before finalize()");
+  s.finish_all_early();  // a unit the model did not fetch since the last step
   for (auto& u : s.units)
     STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",
                    u.name);
@@ -939,10 +1043,12 @@ StepResult Engine::step(float lr) {
     return std::nullopt;
   };
 
-  // The early step's results, in the order the worker takes them (so the new weights of one
-  // unit go back while it steps the next): kept when this step is the one they assumed
-  // (finite, no clipping, the same lr and step), else dropped — the state they read is
-  // untouched, and the serial loop below steps the unit.
+  // The early step's results: kept when this step is the one they assumed (finite, no
+  // clipping, the same lr and step) — without waiting for them: the worker finishes them
+  // behind, in the next forward's order, and each unit switches to its new copy before it is
+  // used again (finish_early). The decision depends on nothing timed, so every rank makes the
+  // same one (a resident unit's all-gather moves with it). Otherwise dropped: the state they
+  // read is untouched, and the serial loop below steps the unit.
   const bool clipped = s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping;
   if (overflow || clipped) s.cancel_queued_early();
   std::vector<bool> kept(s.units.size(), false);
@@ -950,34 +1056,31 @@ StepResult Engine::step(float lr) {
   bool any_kept = false;
   for (const std::size_t ui : early_order) {
     Unit& u = s.units[ui];
-    const Unit::Early state = s.wait_early(ui);
-    const bool failed = s.early_failed();
-    for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
-      if (h->valid() && !failed) h->wait();
-    const std::size_t n = u.shard, w_bytes = n * s.c_size;
-    if (state == Unit::Early::kDone) {  // what it moved, kept or not
-      if (u.o_tier == Tier::kNvme) {
-        s.st.nvme_read_bytes += 3 * n * 4;
-        s.st.nvme_written_bytes += 3 * n * 4;
-      }
-      if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += w_bytes;
-    }
-    kept[ui] = state == Unit::Early::kDone && !failed && !overflow && !clipped && u.early_opt.lr == lr &&
-               u.early_opt.step == s.steps_taken + 1;
-    if (kept[ui]) {
-      if (u.o_tier == Tier::kHost) std::swap(u.o_host, u.o_alt);
-      else u.o_gen = 1 - u.o_gen;
-      if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w_host, u.w_alt);
-      if (!u.resident && u.w_tier == Tier::kNvme) u.w_gen = 1 - u.w_gen;
-      if (const auto target = w_target_dev(u)) {
-        os.copy(target->mem, host_ref(u.early_w->data(), w_bytes));
-        os.host_fn([b = u.early_w] {}, "staging_free");
-        s.st.h2d_bytes += w_bytes;
-      }
+    const bool keep = !overflow && !clipped && u.early_opt.lr == lr && u.early_opt.step == s.steps_taken + 1;
+    const Unit::Early state = keep ? s.early_state(ui) : s.wait_early(ui);
+    if (keep && state != Unit::Early::kVoid) {
+      kept[ui] = true;
+      u.finish_pending = true;
+      s.pending_finish.push_back(ui);
       ++s.st.early_units_kept;
+      if (state == Unit::Early::kQueued) ++s.st.early_units_finished_behind;
       any_kept = true;
-    } else {
-      ++s.st.early_units_redone;
+      continue;
+    }
+    const bool failed = s.early_failed();
+    if (state == Unit::Early::kDone && !failed) {  // what it moved, for nothing
+      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
+        if (h->valid()) h->wait();
+      if (u.o_tier == Tier::kNvme) {
+        s.st.nvme_read_bytes += 3 * u.shard * 4;
+        s.st.nvme_written_bytes += 3 * u.shard * 4;
+      }
+      if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += u.shard * s.c_size;
+    }
+    ++s.st.early_units_redone;
+    if (!failed) {
+      u.early_o_write = IoHandle();
+      u.early_w_write = IoHandle();
     }
     {
       std::lock_guard<std::mutex> lk(s.early_mu);
@@ -985,24 +1088,16 @@ StepResult Engine::step(float lr) {
     }
     u.early_w.reset();
   }
-  s.wait_early_idle();
-  // State read ahead for jobs that were cancelled: stale after this step.
-  for (auto& [ui, read] : std::exchange(s.early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
-  if (s.early_failed()) {
-    // The run stops with the worker's error (an I/O fault, say) once its I/O has settled.
-    for (auto& u : s.units)
-      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
-        if (h->valid()) h->wait_for(std::chrono::minutes(1));
-    std::exception_ptr error;
-    {
-      std::lock_guard<std::mutex> lk(s.early_mu);
-      error = std::exchange(s.early_error, nullptr);
-    }
-    std::rethrow_exception(error);
-  }
-  for (auto& u : s.units) {
-    u.early_o_write = IoHandle();
-    u.early_w_write = IoHandle();
+  if (s.early_failed()) s.rethrow_early_error();  // the run stops with the worker's error
+  if (s.pending_finish.empty()) {
+    s.wait_early_idle();
+    // State read ahead for jobs that were cancelled: stale after this step.
+    for (auto& [ui, read] : std::exchange(s.early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
+  } else {
+    // The next forward takes the units in the order this one did: the worker follows it.
+    std::lock_guard<std::mutex> lk(s.early_mu);
+    std::stable_sort(s.early_queue.begin(), s.early_queue.end(),
+                     [&](std::size_t a, std::size_t b) { return s.units[a].first_fetch < s.units[b].first_fetch; });
   }
   if (!early_order.empty()) {
     s.early_backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * s.early_backoff));
@@ -1195,7 +1290,7 @@ StepResult Engine::step(float lr) {
 
   // Resident units: gather the updated shards.
   for (auto& u : s.units) {
-    if (!u.resident || s.world == 1) continue;
+    if (!u.resident || s.world == 1 || u.finish_pending) continue;  // (finish_early gathers those)
     const TensorRef block = Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
     s.comm.all_gather(block, Impl::view(u.full, ct, u.padded), os);
   }
@@ -1203,11 +1298,12 @@ StepResult Engine::step(float lr) {
   for (auto& u : s.units) s.drop(u);
   zero_grads();
   for (auto& u : s.units)
-    if (u.resident) u.ready = os.record();
+    if (u.resident && !u.finish_pending) u.ready = os.record();
   os.synchronize();
 
   if (s.recording) s.recording = false;
   s.pos = 0;
+  s.fetch_seq = 0;
   r.step = ++s.steps_taken;
   return r;
 }
@@ -1215,6 +1311,7 @@ StepResult Engine::step(float lr) {
 std::vector<float> Engine::master_shard(int unit) {
   Impl& s = *impl_;
   Unit& u = s.units.at(std::size_t(unit));
+  s.finish_early(std::size_t(unit), true);
   std::vector<float> out(3 * u.shard);
   s.get_state(std::size_t(unit), out.data());
   out.resize(u.shard);
@@ -1251,6 +1348,7 @@ void Engine::save_state(const std::string& dir) {
   for (auto& u : s.units)
     STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::save_state: unit '{}' is still fetched or has an unreduced "
                    "gradient; save between steps", u.name);
+  s.finish_all_early();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();
@@ -1343,6 +1441,7 @@ void Engine::load_state(const std::string& dir) {
                  dir, bin_path, size, s.rank, j.value("bytes", std::uint64_t(0)));
   bin.seekg(0);
 
+  s.finish_all_early();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();

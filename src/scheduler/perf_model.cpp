@@ -4,7 +4,9 @@
 // issued here in the same host order, onto the same streams (FIFO each), using one resource
 // (a lane that serves one operation at a time, in issue order) for bytes / bandwidth or a
 // measured time. Waits are the engine's waits. The step's length, each lane's busy time and
-// the schedule (for the timeline picture) fall out. Keep this file in step with
+// the schedule (for the timeline picture) fall out. When a step leaves work for the next one
+// (kept early optimizer work finished behind), two steps are replayed and the second, a
+// steady-state step, is the prediction. Keep this file in step with
 // src/scheduler/engine.cpp: when the engine changes what it overlaps, this must change too,
 // and strata-prof --validate is how a mismatch shows.
 #include "strata/perf_model.h"
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <limits>
 
 #include <nlohmann/json.hpp>
@@ -328,6 +331,25 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     x.gathered = true;
     live += x.padded;
   };
+  // Engine::Impl::finish_early: kept early work the last step did not wait for, before the
+  // unit's first use (the host waits for the worker; new weights for the device go over the
+  // link on the fetch stream, then a resident unit's all-gather).
+  // pending[i]: kept, not finished; worker_done(i) replays the worker's queue up to unit i's
+  // job and returns when it and its writes are done (defined with the worker, below).
+  std::vector<bool> pending(N, false);
+  std::function<double(std::size_t)> worker_done;
+  auto finish_early = [&](std::size_t i) {
+    if (!pending[i]) return;
+    SimUnit& x = u[i];
+    h = std::max(h, worker_done(i));
+    pending[i] = false;
+    if (!x.resident && x.w != Tier::kDevice) return;
+    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps), "h2d w " + name(i));
+    if (x.resident && W > 1)
+      t = sim.op(kFetchS, Resource::kComm, t, secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
+                 "all-gather " + name(i));
+    if (x.resident) x.ready = t;
+  };
   auto prefetch_ahead = [&]() {
     std::uint64_t ahead = 0;
     for (std::size_t p = pos; p < trace.size(); ++p) {
@@ -335,6 +357,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (x.resident || x.gathered) continue;
       if (ahead + x.padded > std::max<std::uint64_t>(c.prefetch_bucket_size, 1)) break;
       if (live + x.padded > c.max_live_parameters) break;
+      if (pending[trace[p]] && (W > 1 || worker_done(trace[p]) > h)) break;
+      finish_early(trace[p]);
       issue_fetch(trace[p]);
       ahead += x.padded;
     }
@@ -342,6 +366,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // Engine::fetch: returns the time the compute stream may use the unit.
   auto fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
+    finish_early(i);
     if (!x.resident) {
       ++pos;
       if (!x.gathered) {
@@ -351,7 +376,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       prefetch_ahead();
     }
     ++x.in_use;
-    return x.resident ? 0.0 : x.ready;
+    return x.ready;  // (a resident unit: its last update's, see finish_early)
   };
   auto release = [&](std::size_t i, double event) {
     SimUnit& x = u[i];
@@ -413,6 +438,29 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     sim.wait(kEarlyS, t);
     early_done[i] = t;
     early_io_done[i] = io;
+  };
+  // The worker's queue, replayed lazily: a job is replayed when a later event shows the
+  // worker must have started it (FIFO), or when something waits for it; at step() the jobs
+  // not started are reordered to the next forward's order, as the engine does.
+  std::deque<std::pair<std::size_t, double>> early_q;  // (unit, gradient ready)
+  std::vector<bool> queued(N, false);
+  auto run_next = [&] {
+    const auto [i, avail] = early_q.front();
+    early_q.pop_front();
+    queued[i] = false;
+    early_job(i, avail);
+  };
+  auto run_started_before = [&](double t) {
+    while (!early_q.empty() && std::max(sim.stream_free[kEarlyS], early_q.front().second) < t) run_next();
+  };
+  worker_done = [&](std::size_t i) {
+    while (queued[i]) run_next();
+    return std::max(early_done[i], early_io_done[i]);
+  };
+  auto enqueue = [&](std::size_t i, double avail) {
+    run_started_before(avail);
+    early_q.push_back({i, avail});
+    queued[i] = true;
     early_order.push_back(i);
   };
   bool first_micro_batch = true, last_micro_batch = false;
@@ -433,13 +481,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
     } else if (first_micro_batch) {  // straight into the accumulator
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
-      if (last_micro_batch && eligible(x)) early_job(i, t);
+      if (last_micro_batch && eligible(x)) enqueue(i, t);
     } else {
       bound(grad_staging, 2);
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
       grad_staging.push_back(
           sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i), all_cores));
-      if (last_micro_batch && eligible(x)) early_job(i, grad_staging.back());
+      if (last_micro_batch && eligible(x)) enqueue(i, grad_staging.back());
     }
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
@@ -449,152 +497,182 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
 
   Prediction pr;
-  double fwd_total = 0, bwd_total = 0;
-  for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
-    first_micro_batch = a == 0;
-    last_micro_batch = a + 1 == c.gradient_accumulation_steps;
-    // forward
-    const double f0 = h;
-    for (std::size_t i = 0; i < N; ++i) {
-      const double ready = fetch(i);
-      double dur = mp.units[i].forward_s;
-      if (i == head) {
-        dur += grad_fill(i);
-        h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation, as in issue_fetch
+  // Kept early work that a step leaves to finish behind (Engine::step) delays the next
+  // step's forward: then two steps are replayed, and the second is the prediction.
+  bool any_early = false;
+  for (const SimUnit& x : u) any_early = any_early || eligible(x);
+  const int passes = any_early ? 2 : 1;
+  double pass_start = 0, busy_before[int(Resource::kCount)] = {};
+  for (int pass = 0; pass < passes; ++pass) {
+    if (pass + 1 == passes) {
+      pass_start = h;
+      std::copy(std::begin(sim.busy), std::end(sim.busy), std::begin(busy_before));
+    }
+    pos = 0;
+    early_order.clear();
+    double fwd_total = 0, bwd_total = 0;
+    for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+      first_micro_batch = a == 0;
+      last_micro_batch = a + 1 == c.gradient_accumulation_steps;
+      // forward
+      const double f0 = h;
+      for (std::size_t i = 0; i < N; ++i) {
+        const double ready = fetch(i);
+        double dur = mp.units[i].forward_s;
+        if (i == head) {
+          dur += grad_fill(i);
+          h = sim.host(
+              h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation, as in issue_fetch
+        }
+        const double end =
+            sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
+        if (i == head) reduce(i, end);
+        release(i, end);
       }
-      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
-      if (i == head) reduce(i, end);
-      release(i, end);
+      h = std::max(h, sim.stream_free[kComputeS]);  // the loss
+      fwd_total += h - f0;
+      // backward
+      const double b0 = h;
+      for (std::size_t i = head; i-- > 1;) {
+        const double ready = fetch(i);
+        h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
+        const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
+                                  mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
+        reduce(i, end);
+        release(i, end);
+      }
+      {
+        h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
+        const double end = sim.op(kComputeS, Resource::kCompute, h,
+                                  mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
+        reduce(0, end);
+      }
+      h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
+      bwd_total += h - b0;
     }
-    h = std::max(h, sim.stream_free[kComputeS]);  // the loss
-    fwd_total += h - f0;
-    // backward
-    const double b0 = h;
-    for (std::size_t i = head; i-- > 1;) {
-      const double ready = fetch(i);
-      h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
-      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
-                                mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
-      reduce(i, end);
-      release(i, end);
-    }
-    {
-      h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
-      const double end =
-          sim.op(kComputeS, Resource::kCompute, h, mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
-      reduce(0, end);
-    }
-    h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
-    bwd_total += h - b0;
-  }
-  pr.forward_s = fwd_total;
-  pr.backward_s = bwd_total;
+    pr.forward_s = fwd_total;
+    pr.backward_s = bwd_total;
 
-  // ---- step ----
-  const double s0 = h;
-  h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS]});
-  // gradient norm: device shards on the optimizer stream, host shards on the host thread
-  for (std::size_t i = 0; i < N; ++i)
-    if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
-  std::vector<bool> kept(N, false);
-  for (std::size_t i : early_order) kept[i] = true;
-  // The early worker computed the norm's part of the units it has finished by now.
-  const double norm_at = h;
-  for (std::size_t i = 0; i < N; ++i)
-    if (u[i].g == Tier::kHost && !(kept[i] && early_done[i] <= norm_at))
-      h = sim.op(kHostS, Resource::kCpu, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
-  h = std::max(h, sim.stream_free[kOptS]);
-  // The early results, in the worker's order: each waited for (its writes too) and kept; the
-  // new weights of a device-resident unit go over the link.
-  for (std::size_t i : early_order) {
-    h = std::max({h, early_done[i], early_io_done[i]});
-    if (u[i].resident || u[i].w == Tier::kDevice)
-      sim.op(kOptS, Resource::kH2D, h, secs(double(u[i].shard) * csz, m.h2d_bps), "h2d w " + name(i));
-  }
-
-  std::vector<std::size_t> nvme_units;
-  for (std::size_t i = 0; i < N; ++i)
-    if (u[i].o == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
-  std::vector<double> read_done(N, 0);
-  std::size_t nvme_next = 0;
-  auto issue_read = [&](std::size_t k) {
-    if (k >= nvme_units.size()) return;
-    const std::size_t i = nvme_units[k];
-    read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), opt_read_bps), "read state " + name(i));
-  };
-  std::deque<double> writes, w_staging;
-  double all_writes = h;
-  auto write_behind = [&](double bytes, double ready, const std::string& what) {
-    const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what);
-    all_writes = std::max(all_writes, end);
-    return end;
-  };
-  auto write_state = [&](double bytes, double ready, const std::string& what) {
-    writes.push_back(write_behind(bytes, ready, what));
-    while (writes.size() > max_writes) {
-      h = std::max(h, writes.front());
-      writes.pop_front();
-    }
-  };
-  // New compute weights staged in pinned memory: two at a time.
-  auto stage_w = [&] {
-    while (w_staging.size() >= 2) {
-      h = std::max(h, w_staging.front());
-      w_staging.pop_front();
-    }
-  };
-  issue_read(nvme_next++);
-  for (std::size_t i = 0; i < N; ++i) {
-    SimUnit& x = u[i];
-    if (kept[i]) continue;
-    const double n = double(x.shard);
-    const double w_bytes = n * csz;
-    const bool target_dev = x.resident || x.w == Tier::kDevice;
-    if (x.o == Tier::kDevice) {
-      double t = h;
-      if (x.g == Tier::kHost) t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
-      t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s), "adamw " + name(i));
-      if (!target_dev) {
-        if (x.w == Tier::kNvme) stage_w();
-        sim.wait(kFetchS, t);
-        const double d = sim.op(kFetchS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
-        if (x.w == Tier::kNvme) h = std::max(h, d);
-      } else if (!copy_out) {
-        sim.op(kOptS, Resource::kCount, t, secs(2 * w_bytes, m.device_mem_bps), "");
-      }
-    } else {
-      if (x.o == Tier::kNvme) {
-        issue_read(nvme_next++);
-        h = std::max(h, read_done[i]);
-      }
-      if (x.g == Tier::kDevice) {
-        h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
-      }
-      if (target_dev || x.w == Tier::kNvme) stage_w();
-      h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
-      if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
-      if (target_dev) w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i)));
-      if (x.o == Tier::kNvme) write_state(12 * n, h, "write state " + name(i));
-    }
-    if (!x.resident && x.w == Tier::kNvme) w_staging.push_back(write_behind(w_bytes, h, "write w " + name(i)));
-  }
-  h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
-  if (W > 1)
+    // ---- step ----
+    for (std::size_t i = 0; i < N; ++i) finish_early(i);  // the last step's, if not fetched since
+    const double s0 = h;
+    h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS]});
+    // gradient norm: device shards on the optimizer stream, host shards on the host thread
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].resident)
-        sim.op(kOptS, Resource::kComm, h, secs(double(u[i].padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
-               "all-gather " + name(i));
-  for (std::size_t i = 0; i < N; ++i)  // host accumulators are overwritten by the next step's first gradient
-    if (u[i].g == Tier::kDevice) sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
-  h = std::max(h, sim.stream_free[kOptS]);
-  // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
-  // next step's first fetch.
-  for (std::size_t i = 0; i < N; ++i) drop(i);
-  h = std::max(h, sim.stream_free[kFetchS]);
-  pr.optimizer_s = h - s0;
-  pr.step_s = h;
+      if (u[i].g == Tier::kDevice)
+        sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+    std::vector<bool> kept(N, false);
+    for (std::size_t i : early_order) kept[i] = true;
+    // The early worker computed the norm's part of the units it has finished by now; the host
+    // thread takes the rest, beside the worker (not queued behind its jobs on the CPU lane).
+    const double norm_at = h;
+    run_started_before(norm_at);
+    const Resource norm_lane = early_order.empty() ? Resource::kCpu : Resource::kCount;
+    for (std::size_t i = 0; i < N; ++i)
+      if (u[i].g == Tier::kHost && !(kept[i] && !queued[i] && early_done[i] <= norm_at))
+        h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
+    h = std::max(h, sim.stream_free[kOptS]);
+    // The early results: kept without waiting; each unit is finished before its next use
+    // (finish_early), the jobs not started yet in the next forward's order (the units').
+    for (std::size_t i : early_order) pending[i] = true;
+    std::stable_sort(early_q.begin(), early_q.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
 
-  for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r];
+    std::vector<std::size_t> nvme_units;
+    for (std::size_t i = 0; i < N; ++i)
+      if (u[i].o == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
+    std::vector<double> read_done(N, 0);
+    std::size_t nvme_next = 0;
+    auto issue_read = [&](std::size_t k) {
+      if (k >= nvme_units.size()) return;
+      const std::size_t i = nvme_units[k];
+      read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), opt_read_bps),
+                              "read state " + name(i));
+    };
+    std::deque<double> writes, w_staging;
+    double all_writes = h;
+    auto write_behind = [&](double bytes, double ready, const std::string& what) {
+      const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what);
+      all_writes = std::max(all_writes, end);
+      return end;
+    };
+    auto write_state = [&](double bytes, double ready, const std::string& what) {
+      writes.push_back(write_behind(bytes, ready, what));
+      while (writes.size() > max_writes) {
+        h = std::max(h, writes.front());
+        writes.pop_front();
+      }
+    };
+    // New compute weights staged in pinned memory: two at a time.
+    auto stage_w = [&] {
+      while (w_staging.size() >= 2) {
+        h = std::max(h, w_staging.front());
+        w_staging.pop_front();
+      }
+    };
+    issue_read(nvme_next++);
+    for (std::size_t i = 0; i < N; ++i) {
+      SimUnit& x = u[i];
+      if (kept[i]) continue;
+      const double n = double(x.shard);
+      const double w_bytes = n * csz;
+      const bool target_dev = x.resident || x.w == Tier::kDevice;
+      if (x.o == Tier::kDevice) {
+        double t = h;
+        if (x.g == Tier::kHost)
+          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
+        t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
+                   "adamw " + name(i));
+        if (!target_dev) {
+          if (x.w == Tier::kNvme) stage_w();
+          sim.wait(kFetchS, t);
+          const double d =
+              sim.op(kFetchS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
+          if (x.w == Tier::kNvme) h = std::max(h, d);
+        } else if (!copy_out) {
+          sim.op(kOptS, Resource::kCount, t, secs(2 * w_bytes, m.device_mem_bps), "");
+        }
+      } else {
+        if (x.o == Tier::kNvme) {
+          issue_read(nvme_next++);
+          h = std::max(h, read_done[i]);
+        }
+        if (x.g == Tier::kDevice) {
+          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
+        }
+        if (target_dev || x.w == Tier::kNvme) stage_w();
+        h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i),
+                   adamw_cores);
+        if (!copy_out)
+          h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
+        if (target_dev)
+          w_staging.push_back(
+              sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i)));
+        if (x.o == Tier::kNvme) write_state(12 * n, h, "write state " + name(i));
+      }
+      if (!x.resident && x.w == Tier::kNvme)
+        w_staging.push_back(write_behind(w_bytes, h, "write w " + name(i)));
+    }
+    h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
+    if (W > 1)
+      for (std::size_t i = 0; i < N; ++i)
+        if (u[i].resident && !pending[i])
+          sim.op(kOptS, Resource::kComm, h,
+                 secs(double(u[i].padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
+                 "all-gather " + name(i));
+    for (std::size_t i = 0; i < N;
+         ++i)  // host accumulators are overwritten by the next step's first gradient
+      if (u[i].g == Tier::kDevice)
+        sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+    h = std::max(h, sim.stream_free[kOptS]);
+    // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
+    // next step's first fetch.
+    for (std::size_t i = 0; i < N; ++i) drop(i);
+    h = std::max(h, sim.stream_free[kFetchS]);
+    pr.optimizer_s = h - s0;
+  }  // passes
+  pr.step_s = h - pass_start;
+
+  for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r] - busy_before[r];
   int best = 0;
   for (int r = 1; r < int(Resource::kCount); ++r)
     if (pr.busy_s[r] > pr.busy_s[best]) best = r;
@@ -602,7 +680,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   pr.tokens_per_s = pr.step_s > 0 ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) * double(W) /
                                         pr.step_s
                                   : 0;
-  pr.schedule = std::move(sim.schedule);
+  // The last step's window: what ran in it (the step before's work finished behind, too).
+  for (Interval iv : sim.schedule)
+    if (iv.end_s > pass_start) {
+      iv.start_s = std::max(iv.start_s, pass_start) - pass_start;
+      iv.end_s -= pass_start;
+      pr.schedule.push_back(iv);
+    }
   uses = std::move(sim.uses);
   return pr;
 }

@@ -609,10 +609,10 @@ TrainResult train(const TrainOptions& o) {
                  fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
     if (s.early_units_kept + s.early_units_redone > 0)
       std::fprintf(con,
-                   "  early optimizer step: %llu unit updates kept, %llu redone (clipping, overflow, lr), "
-                   "%llu steps without it (backing off after redone ones)\n",
-                   (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_redone,
-                   (unsigned long long)s.early_steps_skipped);
+                   "  early optimizer step: %llu unit updates kept (%llu finished under the next forward), "
+                   "%llu redone (clipping, overflow, lr), %llu steps without it (backing off after redone ones)\n",
+                   (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_finished_behind,
+                   (unsigned long long)s.early_units_redone, (unsigned long long)s.early_steps_skipped);
     if (s.device_alloc_waits > 0)
       std::fprintf(con,
                    "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
