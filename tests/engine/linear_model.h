@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <exception>
 #include <random>
 #include <vector>
 
@@ -47,6 +48,21 @@ struct LinearModel {
   // One micro-batch through the engine; returns this rank's loss (unscaled mean).
   double micro_batch(Engine& e, Device& dev, Stream& s, const std::vector<float>& x,
                      const std::vector<float>& t) const {
+    // Host memory the stream's copies use (the caller's x, the negated target, the loss) must
+    // outlive them when the engine throws half-way (an I/O error of the early optimizer step
+    // surfaces at a fetch): the guard, destroyed before them, drains the stream first.
+    std::vector<float> nt(t.size());
+    float sumsq = 0;
+    struct Drain {
+      Stream& s;
+      ~Drain() {
+        if (std::uncaught_exceptions() == 0) return;
+        try {
+          s.synchronize();
+        } catch (...) {  // the error already in flight is the one to report
+        }
+      }
+    } drain{s};
     const DType ct = e.compute_dtype();
     const std::size_t cs = dtype_size(ct);
     const int L = layers();
@@ -78,14 +94,12 @@ struct LinearModel {
     // diff = y - t; loss = 0.5 * |diff|^2 / B
     const std::size_t out = std::size_t(dims.back());
     Buffer tneg = dev.alloc(B * out * 4, &s);
-    std::vector<float> nt(t.size());
     for (std::size_t i = 0; i < t.size(); ++i) nt[i] = -t[i];
     s.copy(tneg.ref(), host_ref(nt.data(), nt.size() * 4));
     Buffer diff = dev.alloc(B * out * 4, &s);
     s.add(tensor(y, DType::kF32), tensor(tneg, DType::kF32), tensor(diff, DType::kF32));
     Buffer sq = dev.alloc(4, &s);
     s.sum_squares(tensor(diff, DType::kF32), tensor(sq, DType::kF32, 1));
-    float sumsq = 0;
     s.copy(host_ref(&sumsq, 4), sq.ref());
     // backward: dy = diff * loss_scale / B
     s.scale(e.loss_scale() / float(B), tensor(diff, DType::kF32));
