@@ -122,6 +122,7 @@ struct Unit {
   // switched to the new copy) before anything uses the unit again (Impl::finish_early).
   bool finish_pending = false;
   bool gather_pending = false;  // resident, more than one rank: finished, not yet all-gathered
+  bool kept_behind = false;     // kept by the last step() and not fetched since (see prefetch_ahead)
   std::size_t first_fetch = 0;  // position of the unit's first fetch in the last step
   std::int64_t first_fetch_step = -1;
 };
@@ -399,9 +400,10 @@ struct Engine::Impl {
       if (u.resident || u.gathered) continue;
       if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
       if (live + u.padded > cfg.max_live_parameters) break;
-      // Kept early work not finished yet: its new weights are not there. (With more than one
-      // rank, whether the worker is done must not decide which all-gathers go first.)
-      if (u.finish_pending && (world > 1 || !finish_early(std::size_t(trace[p]), false))) break;
+      // Kept early work not finished yet: its new weights are not there. With more than one
+      // rank, whether the worker is done must not decide which all-gathers go first: there
+      // prefetch stops at any unit the last step left to finish, done or not.
+      if (world > 1 ? u.kept_behind : !finish_early(std::size_t(trace[p]), false)) break;
       issue_fetch(trace[p], true);
       ahead += u.padded;
     }
@@ -550,7 +552,10 @@ struct Engine::Impl {
   }
   void finish_all_early() {  // collective
     while (!pending_finish.empty()) finish_early(pending_finish.front(), true);
-    for (std::size_t ui = 0; ui < units.size(); ++ui) gather_finished(ui);
+    for (std::size_t ui = 0; ui < units.size(); ++ui) {
+      gather_finished(ui);
+      units[ui].kept_behind = false;
+    }
   }
 
   // Called for every reduce_grad, after its accumulation was queued on the comm stream.
@@ -872,6 +877,7 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   }
   s.finish_early(std::size_t(unit), true);
   s.gather_finished(std::size_t(unit));
+  u.kept_behind = false;
   if (!u.resident) {
     s.note_fetch(unit);
     if (!u.gathered) {
@@ -1094,10 +1100,13 @@ StepResult Engine::step(float lr) {
     // State read ahead for jobs that were cancelled: stale after this step.
     for (auto& [ui, read] : std::exchange(s.early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
   } else {
-    // The next forward takes the units in the order this one did: the worker follows it.
-    std::lock_guard<std::mutex> lk(s.early_mu);
-    std::stable_sort(s.early_queue.begin(), s.early_queue.end(),
-                     [&](std::size_t a, std::size_t b) { return s.units[a].first_fetch < s.units[b].first_fetch; });
+    {
+      // The next forward takes the units in the order this one did: the worker follows it.
+      std::lock_guard<std::mutex> lk(s.early_mu);
+      std::stable_sort(s.early_queue.begin(), s.early_queue.end(),
+                       [&](std::size_t a, std::size_t b) { return s.units[a].first_fetch < s.units[b].first_fetch; });
+    }
+    for (const std::size_t ui : s.pending_finish) s.units[ui].kept_behind = true;
   }
   if (!early_order.empty()) {
     s.early_backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * s.early_backoff));
@@ -1300,6 +1309,11 @@ StepResult Engine::step(float lr) {
   for (auto& u : s.units)
     if (u.resident && !u.finish_pending) u.ready = os.record();
   os.synchronize();
+
+  // Kept units the worker has already finished switch now (after the loops above, which
+  // leave them alone): their new weights go to the device on the fetch stream while it steps
+  // the rest. Local only: a resident unit's all-gather still waits for its fetch.
+  for (const std::size_t ui : std::vector<std::size_t>(s.pending_finish)) s.finish_early(ui, false);
 
   if (s.recording) s.recording = false;
   s.pos = 0;

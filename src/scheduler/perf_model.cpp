@@ -336,7 +336,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // link on the fetch stream, then a resident unit's all-gather).
   // pending[i]: kept, not finished; worker_done(i) replays the worker's queue up to unit i's
   // job and returns when it and its writes are done (defined with the worker, below).
-  std::vector<bool> pending(N, false);
+  std::vector<bool> pending(N, false), kept_behind(N, false);
   std::function<double(std::size_t)> worker_done;
   auto finish_early = [&](std::size_t i) {
     if (!pending[i]) return;
@@ -357,7 +357,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (x.resident || x.gathered) continue;
       if (ahead + x.padded > std::max<std::uint64_t>(c.prefetch_bucket_size, 1)) break;
       if (live + x.padded > c.max_live_parameters) break;
-      if (pending[trace[p]] && (W > 1 || worker_done(trace[p]) > h)) break;
+      if (W > 1 ? kept_behind[trace[p]] : pending[trace[p]] && worker_done(trace[p]) > h) break;
       finish_early(trace[p]);
       issue_fetch(trace[p]);
       ahead += x.padded;
@@ -367,6 +367,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   auto fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     finish_early(i);
+    kept_behind[i] = false;
     if (!x.resident) {
       ++pos;
       if (!x.gathered) {
@@ -554,7 +555,10 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     pr.backward_s = bwd_total;
 
     // ---- step ----
-    for (std::size_t i = 0; i < N; ++i) finish_early(i);  // the last step's, if not fetched since
+    for (std::size_t i = 0; i < N; ++i) {  // the last step's, if not fetched since
+      finish_early(i);
+      kept_behind[i] = false;
+    }
     const double s0 = h;
     h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS]});
     // gradient norm: device shards on the optimizer stream, host shards on the host thread
@@ -574,7 +578,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     h = std::max(h, sim.stream_free[kOptS]);
     // The early results: kept without waiting; each unit is finished before its next use
     // (finish_early), the jobs not started yet in the next forward's order (the units').
-    for (std::size_t i : early_order) pending[i] = true;
+    for (std::size_t i : early_order) pending[i] = kept_behind[i] = true;
     std::stable_sort(early_q.begin(), early_q.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
 
     std::vector<std::size_t> nvme_units;
@@ -668,6 +672,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     // next step's first fetch.
     for (std::size_t i = 0; i < N; ++i) drop(i);
     h = std::max(h, sim.stream_free[kFetchS]);
+    // Kept units the worker has finished by now switch at once (new weights over the link).
+    for (std::size_t i = 0; i < N; ++i)
+      if (pending[i] && !queued[i] && std::max(early_done[i], early_io_done[i]) <= h) finish_early(i);
     pr.optimizer_s = h - s0;
   }  // passes
   pr.step_s = h - pass_start;
