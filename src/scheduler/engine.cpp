@@ -115,6 +115,7 @@ struct Unit {
   enum class Early { kNone, kQueued, kDone, kVoid } early = Early::kNone;
   Event grads_done;              // the accumulation of that last gradient
   AdamWOptions early_opt;        // the options it ran with (lr, step, grad_scale)
+  std::int64_t early_call = 0;   // the step() call it was queued for (Impl::step_calls)
   float early_sumsq = 0;         // its gradient's sum of squares (the norm's part)
   std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until finished
   IoHandle early_o_write, early_w_write;  // to the other NVMe key
@@ -206,6 +207,10 @@ struct Engine::Impl {
   // the step in progress (Unit::first_fetch: the order the worker finishes them in).
   std::vector<std::size_t> pending_finish;
   std::size_t fetch_seq = 0;
+  // step() calls so far, counting skipped steps (main thread), and the last call that has
+  // taken its gradient norm (early_mu): jobs queued before it that the worker starts later
+  // skip their sum of squares, which nothing will read.
+  std::int64_t step_calls = 0, norm_taken_call = -1;
 
   Impl(Device& d, Communicator& c, const EngineConfig& config)
       : dev(d), comm(c), cfg(config), rank(c.rank()), world(c.world_size()) {
@@ -579,6 +584,7 @@ struct Engine::Impl {
     u.early_opt = cfg.adamw;
     u.early_opt.lr = next_lr;
     u.early_opt.step = steps_taken + 1;
+    u.early_call = step_calls;
     // Exactly the serial step's grad_scale with clip coefficient 1.
     u.early_opt.grad_scale = float(1.0 / (double(cfg.gradient_accumulation_steps) * scale));
     early_order.push_back(ui);
@@ -600,11 +606,12 @@ struct Engine::Impl {
       early_queue.pop_front();
       const std::optional<std::size_t> next =
           early_queue.empty() ? std::nullopt : std::optional<std::size_t>(early_queue.front());
+      const bool need_norm = units[ui].early_call > norm_taken_call;
       lk.unlock();
       std::exception_ptr error;
       try {
         if (next) early_read_ahead(*next);
-        early_unit(ui);
+        early_unit(ui, need_norm);
       } catch (...) {
         error = std::current_exception();
       }
@@ -633,13 +640,13 @@ struct Engine::Impl {
   }
 
   // One unit's AdamW from its current state into the second copy (worker thread).
-  void early_unit(std::size_t ui) {
+  void early_unit(std::size_t ui, bool need_norm) {
     Unit& u = units[ui];
     const std::size_t n = u.shard, w_bytes = n * c_size;
     u.grads_done.synchronize();
     TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
     const auto* g = static_cast<const float*>(u.g_host->data());
-    {
+    if (need_norm) {
       TraceScope norm_span("sum_squares", "optimizer", n * 4);
       u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
     }
@@ -1018,6 +1025,10 @@ StepResult Engine::step(float lr) {
     s.comm.all_reduce(TensorRef{b.ref(), DType::kF64, 1}, ReduceOp::kSum, os);
     os.copy(host_ref(&total, 8), b.ref());
     os.synchronize();
+  }
+  {
+    std::lock_guard<std::mutex> lk(s.early_mu);
+    s.norm_taken_call = s.step_calls++;
   }
   const double den = double(s.cfg.gradient_accumulation_steps) * s.scale;
   StepResult r;

@@ -406,7 +406,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   std::vector<double> early_done(N, 0), early_io_done(N, 0);
   double early_prev_start = -1;
   std::deque<double> early_writes, early_w_writes;
-  auto early_job = [&](std::size_t i, double avail) {
+  auto early_job = [&](std::size_t i, double avail, bool norm) {
     SimUnit& x = u[i];
     const double n = double(x.shard), w_bytes = n * csz;
     double start = std::max(sim.stream_free[kEarlyS], avail);
@@ -421,7 +421,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       start = std::max(start, early_w_writes.front());
       early_w_writes.pop_front();
     }
-    double t = sim.op(kEarlyS, Resource::kCpu, start, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
+    double t = start;
+    if (norm) t = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
     t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
     if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
     if (x.o == Tier::kNvme) {
@@ -443,16 +444,23 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // The worker's queue, replayed lazily: a job is replayed when a later event shows the
   // worker must have started it (FIFO), or when something waits for it; at step() the jobs
   // not started are reordered to the next forward's order, as the engine does.
-  std::deque<std::pair<std::size_t, double>> early_q;  // (unit, gradient ready)
+  // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
+  struct Job {
+    std::size_t unit;
+    double avail;
+    bool norm;
+  };
+  std::deque<Job> early_q;
   std::vector<bool> queued(N, false);
   auto run_next = [&] {
-    const auto [i, avail] = early_q.front();
+    const Job j = early_q.front();
+    const std::size_t i = j.unit;
     early_q.pop_front();
     queued[i] = false;
-    early_job(i, avail);
+    early_job(i, j.avail, j.norm);
   };
   auto run_started_before = [&](double t) {
-    while (!early_q.empty() && std::max(sim.stream_free[kEarlyS], early_q.front().second) < t) run_next();
+    while (!early_q.empty() && std::max(sim.stream_free[kEarlyS], early_q.front().avail) < t) run_next();
   };
   worker_done = [&](std::size_t i) {
     while (queued[i]) run_next();
@@ -460,7 +468,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   };
   auto enqueue = [&](std::size_t i, double avail) {
     run_started_before(avail);
-    early_q.push_back({i, avail});
+    early_q.push_back({i, avail, true});
     queued[i] = true;
     early_order.push_back(i);
   };
@@ -579,7 +587,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     // The early results: kept without waiting; each unit is finished before its next use
     // (finish_early), the jobs not started yet in the next forward's order (the units').
     for (std::size_t i : early_order) pending[i] = kept_behind[i] = true;
-    std::stable_sort(early_q.begin(), early_q.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::stable_sort(early_q.begin(), early_q.end(), [](const Job& x, const Job& y) { return x.unit < y.unit; });
+    for (Job& j : early_q) j.norm = false;  // step() has the norm
 
     std::vector<std::size_t> nvme_units;
     for (std::size_t i = 0; i < N; ++i)
