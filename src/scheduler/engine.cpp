@@ -158,7 +158,10 @@ struct Engine::Impl {
   std::deque<Event> grad_staging, param_staging;
   static void bound(std::deque<Event>& q, std::size_t most) {
     while (q.size() >= std::max<std::size_t>(most, 1)) {
-      q.front().synchronize();
+      if (!q.front().query()) {
+        TraceScope span("staging_wait", "engine");  // the host waits for a staging buffer
+        q.front().synchronize();
+      }
       q.pop_front();
     }
   }
