@@ -522,10 +522,11 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   // The CPU optimizer's new bf16 weights on their way to the device: two at a time.
   EXPECT_EQ(line(p, "new compute-weight staging", Tier::kHost), 2u * 411648 * 2);
   // The early optimizer step (on by default): a second copy of the host state, and every
-  // unit's new bf16 weights held until step().
+  // unit's new bf16 weights held until the unit switches to them (end of step() or its
+  // next fetch).
   EXPECT_TRUE(p.early_optimizer_step);
   EXPECT_EQ(line(p, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost), 1028096u * 12);
-  EXPECT_EQ(line(p, "early optimizer step: new device weights until step()", Tier::kHost), 1028096u * 2);
+  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 1028096u * 2);
   EXPECT_EQ(p.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 12'337'152u + 2'056'192u);
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);

@@ -38,9 +38,10 @@
 //     runs, into a second copy of its state, kept at step() only if the step needs no
 //     clipping and no skip. It adds a second copy of the host-tier optimizer state (host) and
 //     of the NVMe-tier state (NVMe), a second copy of host- and NVMe-tier compute weights, and
-//     the new weights of device-resident units held in pinned memory until step() (shard * c
-//     each). Left unset, it is turned off when the plan does not fit with it but does without
-//     (a note in the plan says so).
+//     the new weights of device-resident units held in pinned memory until the unit switches
+//     to them, at the end of step() or at its next fetch (shard * c each). Left unset, it is
+//     turned off when the plan does not fit with it but does without (a note in the plan says
+//     so).
 //   - Activations: the model's estimate for one micro-batch, on the device.
 // Capacities: the device's, strata.host_budget_bytes (else the caller's host capacity), and
 // the free bytes under the NVMe paths. The planner never allocates; it only adds.
@@ -186,7 +187,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     const std::uint64_t nvme_w = config.stage == 3 ? param_tiers[N] : 0;
     b.add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, host_w);
     b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, nvme_w);
-    b.add("early optimizer step: new device weights until step()", Tier::kHost,
+    b.add("early optimizer step: new device weights until switched", Tier::kHost,
           total_shard * c - host_w - nvme_w);
   }
 
