@@ -483,6 +483,14 @@ struct Engine::Impl {
     early_busy -= early_queue.size();
     early_queue.clear();
   }
+  // The NVMe traffic of a unit's finished early job (kept or not).
+  void count_early_io(const Unit& u) {
+    if (u.o_tier == Tier::kNvme) {
+      st.nvme_read_bytes += 3 * u.shard * 4;
+      st.nvme_written_bytes += 3 * u.shard * 4;
+    }
+    if (!u.resident && u.w_tier == Tier::kNvme) st.nvme_written_bytes += u.shard * c_size;
+  }
   // The worker's error (an I/O fault, say), once every write it issued has settled.
   [[noreturn]] void rethrow_early_error() {
     wait_early_idle();
@@ -515,18 +523,11 @@ struct Engine::Impl {
     for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
       if (h->valid()) h->wait();
     const std::size_t n = u.shard, w_bytes = n * c_size;
-    if (u.o_tier == Tier::kHost) {
-      std::swap(u.o_host, u.o_alt);
-    } else {
-      u.o_gen = 1 - u.o_gen;
-      st.nvme_read_bytes += 3 * n * 4;
-      st.nvme_written_bytes += 3 * n * 4;
-    }
+    count_early_io(u);
+    if (u.o_tier == Tier::kHost) std::swap(u.o_host, u.o_alt);
+    else u.o_gen = 1 - u.o_gen;
     if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w_host, u.w_alt);
-    if (!u.resident && u.w_tier == Tier::kNvme) {
-      u.w_gen = 1 - u.w_gen;
-      st.nvme_written_bytes += w_bytes;
-    }
+    if (!u.resident && u.w_tier == Tier::kNvme) u.w_gen = 1 - u.w_gen;
     if (u.resident || u.w_tier == Tier::kDevice) {
       Stream& up = *fetch_s;
       const DType ct = cfg.compute_dtype;
@@ -1091,11 +1092,7 @@ StepResult Engine::step(float lr) {
     if (state == Unit::Early::kDone && !failed) {  // what it moved, for nothing
       for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
         if (h->valid()) h->wait();
-      if (u.o_tier == Tier::kNvme) {
-        s.st.nvme_read_bytes += 3 * u.shard * 4;
-        s.st.nvme_written_bytes += 3 * u.shard * 4;
-      }
-      if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += u.shard * s.c_size;
+      s.count_early_io(u);
     }
     ++s.st.early_units_redone;
     if (!failed) {
