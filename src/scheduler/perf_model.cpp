@@ -300,6 +300,10 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   };
   const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
   // Engine::Impl::issue_fetch at host time `h`.
+  // A unit's all-gather of its compute weights across the ranks.
+  auto all_gather_s = [&](const SimUnit& x) {
+    return secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps);
+  };
   auto issue_fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     if (x.gathered) return;
@@ -325,8 +329,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       }
     }
     if (W > 1)
-      ready = sim.op(kFetchS, Resource::kComm, ready,
-                     secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps), "all-gather " + name(i));
+      ready = sim.op(kFetchS, Resource::kComm, ready, all_gather_s(x), "all-gather " + name(i));
     x.ready = ready;
     x.gathered = true;
     live += x.padded;
@@ -346,8 +349,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     if (!x.resident && x.w != Tier::kDevice) return;
     double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps), "h2d w " + name(i));
     if (x.resident && W > 1)
-      t = sim.op(kFetchS, Resource::kComm, t, secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
-                 "all-gather " + name(i));
+      t = sim.op(kFetchS, Resource::kComm, t, all_gather_s(x), "all-gather " + name(i));
     if (x.resident) x.ready = t;
   };
   auto prefetch_ahead = [&]() {
@@ -530,8 +532,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         double dur = mp.units[i].forward_s;
         if (i == head) {
           dur += grad_fill(i);
-          h = sim.host(
-              h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation, as in issue_fetch
+          // grad_buffer's allocation, as in issue_fetch
+          h = sim.host(h, free_s(4.0 * double(u[i].padded)));
         }
         const double end =
             sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
@@ -669,11 +671,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     if (W > 1)
       for (std::size_t i = 0; i < N; ++i)
         if (u[i].resident && !pending[i])
-          sim.op(kOptS, Resource::kComm, h,
-                 secs(double(u[i].padded) * csz * double(W - 1) / double(W), m.all_gather_bps),
-                 "all-gather " + name(i));
-    for (std::size_t i = 0; i < N;
-         ++i)  // host accumulators are overwritten by the next step's first gradient
+          sim.op(kOptS, Resource::kComm, h, all_gather_s(u[i]), "all-gather " + name(i));
+    // Device gradients zeroed (host accumulators are overwritten by the next step's first gradient).
+    for (std::size_t i = 0; i < N; ++i)
       if (u[i].g == Tier::kDevice)
         sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
     h = std::max(h, sim.stream_free[kOptS]);
