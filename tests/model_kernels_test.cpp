@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -293,6 +295,36 @@ TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
       cpu::attention_backward_fast(qkv.data(), o.data(), dout.data(), lse.data(), dqkv2.data(),
                                    sh.b, sh.t, sh.nh, sh.nkv, sh.hd, scale, bf16);
       EXPECT_EQ(std::memcmp(dqkv.data(), dqkv2.data(), dqkv.size() * 4), 0) << what;
+    }
+  }
+}
+
+// cpu::sum_squares (the gradient norm, hence clipping) has one order of additions on every
+// path: 16 fp64 lanes (element i to lane i % 16) per 65536-element chunk, lanes combined
+// pairwise, chunks in order. Written out here and compared bit for bit, every dtype the
+// norm reads, at sizes with tails.
+TEST_P(ModelKernels, SumOfSquaresHasOneOrderOnEveryPath) {
+  for (std::size_t n : {1u, 15u, 16u, 17u, 2049u, 65536u, 65537u, 300001u}) {
+    const auto x = randn(n, unsigned(n) + 3, 3.0f);
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      std::vector<float> v = x;  // as stored
+      std::vector<std::uint16_t> h(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        h[i] = f32_to_bf16(x[i]);
+        if (t == DType::kBF16) v[i] = bf16_to_f32(h[i]);
+      }
+      double total = 0;
+      for (std::size_t lo = 0; lo < n; lo += 65536) {
+        double lane[16] = {};
+        for (std::size_t i = lo; i < std::min(n, lo + 65536); ++i) lane[(i - lo) % 16] += double(v[i]) * double(v[i]);
+        for (std::size_t w = 8; w > 0; w /= 2)
+          for (std::size_t j = 0; j < w; ++j) lane[j] += lane[j + w];
+        total += lane[0];
+      }
+      const void* data = t == DType::kF32 ? static_cast<const void*>(x.data()) : h.data();
+      const float got = cpu::sum_squares(t, data, n);
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(float(total)))
+          << "n=" << n << " " << dtype_name(t) << ": " << got << " vs " << float(total);
     }
   }
 }

@@ -90,6 +90,9 @@ struct Kernels {
   // out[r * out_stride] = sum(a[r, :cols] * b[r, :cols]).
   void (*rowdot_2d)(const float* a, i64 a_stride, const float* b, i64 b_stride, float* out,
                     i64 out_stride, i64 rows, i64 cols);
+  // acc[i % 16] += double(a[i])^2 for i in [0, n), each lane in order of i (cpu::sum_squares).
+  // The squares are exact in fp64, so every ISA gives the portable loop's bits.
+  void (*sum_squares_16)(const float* a, i64 n, double* acc);
 };
 
 // The table of `isa` (kAvx512 or kAvx2); callers check isa_supported first.

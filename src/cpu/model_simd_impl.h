@@ -388,6 +388,15 @@ struct Impl {
       out[r * out_stride] = dot(a + r * a_stride, b + r * b_stride, cols);
   }
 
+  // Written as scalar code on purpose: the compiler vectorises the 16 independent chains with
+  // this ISA's registers, and the bits cannot depend on how (see model_simd.h).
+  static void sum_squares_16(const float* a, i64 n, double* acc) {
+    i64 i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (i64 j = 0; j < 16; ++j) acc[j] += double(a[i + j]) * double(a[i + j]);
+    for (i64 j = 0; i < n; ++i, ++j) acc[j] += double(a[i]) * double(a[i]);
+  }
+
   static Kernels table() {
     Kernels t{};
     t.f32_to_bf16 = &f32_to_bf16;
@@ -409,6 +418,7 @@ struct Impl {
     t.dot = &dot;
     t.pack_2d = &pack_2d;
     t.rowdot_2d = &rowdot_2d;
+    t.sum_squares_16 = &sum_squares_16;
     return t;
   }
 };
