@@ -601,6 +601,21 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
             4u * 1028096 * 12);  // sub_group_size 1e9 > shard
 }
 
+// One rank: a unit whose compute-weight shard is on the device is the whole unit, kept
+// resident (Engine::finalize): no gathered copy, no prefetch. Offloaded ones are gathered.
+TEST(MemoryPlan, OneRankGathersOnlyOffloadedUnits) {
+  PlanInputs in = synthetic_inputs();
+  in.world_size = 1;  // padding to 2048: u0 819200, u1 821248, u2 2048 (persistent), u3 409600
+  const MemoryPlan dev = plan_memory(synthetic_config(R"(, "stage": 3)", 1), in);
+  EXPECT_EQ(line(dev, "compute weights", Tier::kDevice), (819200u + 821248u + 2048u + 409600u) * 2);
+  EXPECT_EQ(line(dev, "gathered units", Tier::kDevice), 0u) << dev.table();
+  EXPECT_EQ(line(dev, "prefetch", Tier::kDevice), 0u) << dev.table();
+  const MemoryPlan host =
+      plan_memory(synthetic_config(R"(, "stage": 3, "offload_param": {"device": "cpu"})", 1), in);
+  EXPECT_EQ(line(host, "gathered units", Tier::kDevice), 1'000'000u * 2);  // min(max_live, 2050048)
+  EXPECT_EQ(line(host, "prefetch", Tier::kDevice), 821248u * 2);
+}
+
 TEST(MemoryPlan, Stage2KeepsFullWeights) {
   const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 2)"), synthetic_inputs());
   EXPECT_EQ(line(p, "full weights", Tier::kDevice), 2'056'192u * 2);

@@ -179,6 +179,33 @@ TEST(Engine, ClippedGradientsOnHostOrDeviceAreBitIdentical) {
   expect_identical(dev, train(host, model), "clipped, gradients and optimizer on host");
 }
 
+// A model whose kernels write every element of its gradients may take them unzeroed
+// (GradInit::kOverwrite): the same bits, with the units' padding (a unit of 960 elements pads
+// to 2048) still zero under the emulated device's NaN poison, or the clipped norm would show it.
+TEST(Engine, OverwrittenGradientBuffersGiveTheZeroedResultBitForBit) {
+  STRATA_NEEDS_DEVICE();
+  LinearModel model({24, 40, 33, 16}, 4, 17);
+  RunSetup base;
+  base.steps = 6;
+  base.cfg.compute_dtype = DType::kBF16;
+  base.cfg.gradient_clipping = 0.05;
+  base.cfg.host_budget_bytes = 64 << 20;
+  ASSERT_TRUE(base.dev.poison);
+  for (Tier t : {Tier::kDevice, Tier::kHost}) {
+    RunSetup s = base;
+    s.cfg.grads = on(t);
+    s.cfg.optimizer = on(t);
+    model.grad_init = GradInit::kZeroed;
+    const RunOut zeroed = train(s, model);
+    EXPECT_LT(zeroed.results[0].clip_coef, 1.0) << "the test must actually clip";
+    model.grad_init = GradInit::kOverwrite;
+    const RunOut over = train(s, model);
+    expect_identical(zeroed, over, t == Tier::kDevice ? "overwritten, on the device" : "overwritten, on the host");
+    for (std::size_t i = 0; i < over.results.size(); ++i)
+      EXPECT_EQ(zeroed.results[i].grad_norm, over.results[i].grad_norm) << "step " << i;
+  }
+}
+
 TEST(Engine, Stages123AreBitIdentical) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 5);

@@ -152,7 +152,7 @@ struct LinearModel {
     for (int l = layers - 1; l >= 0; --l) {
       Buffer dy_c = to_ct(dy);
       TensorRef w = e.fetch(l, s);
-      TensorRef g = e.grad_buffer(l, s);
+      TensorRef g = e.grad_buffer(l, s, GradInit::kOverwrite);  // the matmul below writes all of it
       s.matmul({Wi, Wi, Bi, true, false, 1.0f, 0.0f, tensor(dy_c, ct, n), tensor(h[std::size_t(l)], ct, n), g});
       e.reduce_grad(l, s);
       if (l > 0) {

@@ -24,6 +24,7 @@
 //       ... backward, per unit in reverse order:
 //       w = engine.fetch(fc1, *compute);
 //       strata::TensorRef g = engine.grad_buffer(fc1, *compute);  // zeroed fp32 gradient
+//       // (GradInit::kOverwrite as a third argument when the kernels write all of g)
 //       ... kernels on *compute writing g ...
 //       engine.reduce_grad(fc1, *compute);   // reduce-scatter + accumulate, asynchronously
 //       engine.release(fc1, *compute);
@@ -59,6 +60,9 @@ struct UnitDef {
   std::string name;
   std::vector<ParamDef> params;
 };
+
+// What Engine::grad_buffer hands out: a zeroed gradient, or one the caller overwrites whole.
+enum class GradInit { kZeroed, kOverwrite };
 
 struct StepResult {
   bool skipped = false;   // fp16 overflow on some rank: no update anywhere
@@ -117,8 +121,10 @@ class Engine {
   TensorRef fetch(int unit, Stream& compute);
   // `compute` is done with the unit once the work queued so far completes.
   void release(int unit, Stream& compute);
-  // A zeroed fp32 device tensor of unit_numel elements for the unit's gradient.
-  TensorRef grad_buffer(int unit, Stream& compute);
+  // An fp32 device tensor of unit_numel elements for the unit's gradient, zeroed (kernels may
+  // accumulate into it). GradInit::kOverwrite, for kernels that write every element (a matmul
+  // with beta 0): its contents are undefined until written, which saves a pass over it.
+  TensorRef grad_buffer(int unit, Stream& compute, GradInit init = GradInit::kZeroed);
   // Reduce-scatters the gradient written on `compute` (averaged over ranks) and adds this
   // rank's shard into its fp32 accumulator, asynchronously.
   void reduce_grad(int unit, Stream& compute);

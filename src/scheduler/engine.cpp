@@ -93,7 +93,9 @@ struct Unit {
   std::vector<std::size_t> offsets;
   std::size_t numel = 0, padded = 0, shard = 0;
   std::vector<float> init;
-  bool resident = false;  // full weights live on the device for good (stage < 3 or small)
+  // Full weights live on the device for good: stage < 3, a unit under the persistence
+  // threshold, or (one rank) a unit whose compute weights are on the device tier.
+  bool resident = false;
   Tier w_tier = Tier::kDevice, g_tier = Tier::kDevice, o_tier = Tier::kDevice;
   Buffer w_dev;                         // compute-weight shard (non-resident, device tier)
   std::shared_ptr<PinnedBlock> w_host;  // ... host tier
@@ -116,7 +118,8 @@ struct Unit {
   Event grads_done;              // the accumulation of that last gradient
   AdamWOptions early_opt;        // the options it ran with (lr, step, grad_scale)
   std::int64_t early_call = 0;   // the step() call it was queued for (Impl::step_calls)
-  float early_sumsq = 0;         // its gradient's sum of squares (the norm's part)
+  float early_sumsq = 0;         // its gradient's sum of squares (the norm's part) ...
+  std::int64_t norm_call = -1;   // ... for the job of this step() call (early_mu; -1: none)
   std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until finished
   IoHandle early_o_write, early_w_write;  // to the other NVMe key
   // step() kept the early work but did not wait for it: it is finished (state and weights
@@ -454,8 +457,10 @@ struct Engine::Impl {
   void void_early() {
     wait_early_idle();
     std::lock_guard<std::mutex> lk(early_mu);
-    for (auto& u : units)
+    for (auto& u : units) {
       if (u.early != Unit::Early::kNone) u.early = Unit::Early::kVoid;
+      u.norm_call = -1;
+    }
   }
 
   void wait_early_idle() {
@@ -559,6 +564,12 @@ struct Engine::Impl {
     u.ready = fetch_s->record();
     u.gather_pending = false;
   }
+  // Switches every kept unit the worker has finished, in the next forward's order: their new
+  // weights go to the device on the fetch stream ahead of their fetch (a resident unit has no
+  // prefetch to do it). Local, never waits.
+  void finish_done_ahead() {
+    for (const std::size_t ui : std::vector<std::size_t>(pending_finish)) finish_early(ui, false);
+  }
   void finish_all_early() {  // collective
     while (!pending_finish.empty()) finish_early(pending_finish.front(), true);
     for (std::size_t ui = 0; ui < units.size(); ++ui) {
@@ -580,6 +591,7 @@ struct Engine::Impl {
         wait_early(ui);
         std::lock_guard<std::mutex> lk(early_mu);
         u.early = Unit::Early::kVoid;
+        u.norm_call = -1;  // (its norm's part too)
       }
       return;
     }
@@ -601,16 +613,22 @@ struct Engine::Impl {
     early_cv.notify_all();
   }
 
+  // Whether the job of unit `ui` still owes step() its part of the gradient norm (early_mu held).
+  bool norm_owed(const Unit& u) const { return u.norm_call != u.early_call && u.early_call > norm_taken_call; }
+
   void early_loop() {
     std::unique_lock<std::mutex> lk(early_mu);
     for (;;) {
       early_cv.wait(lk, [&] { return early_stop || !early_queue.empty(); });
       if (early_stop) return;
+      early_norms(lk);
+      if (early_queue.empty()) continue;  // (cancelled meanwhile)
       const std::size_t ui = early_queue.front();
       early_queue.pop_front();
       const std::optional<std::size_t> next =
           early_queue.empty() ? std::nullopt : std::optional<std::size_t>(early_queue.front());
-      const bool need_norm = units[ui].early_call > norm_taken_call;
+      const bool need_norm = norm_owed(units[ui]);
+      const std::int64_t call = units[ui].early_call;
       lk.unlock();
       std::exception_ptr error;
       try {
@@ -621,9 +639,36 @@ struct Engine::Impl {
       }
       lk.lock();
       units[ui].early = error ? Unit::Early::kVoid : Unit::Early::kDone;
+      if (need_norm && !error) units[ui].norm_call = call;
       if (error && !early_error) early_error = error;
       --early_busy;
       early_cv.notify_all();
+    }
+  }
+
+  // The norm's part of every queued job whose gradient is complete, before the next AdamW:
+  // a few tenths of a millisecond each against the AdamW's few milliseconds, and step() needs
+  // all of them before it can decide anything, while the AdamW can finish behind it. So step()
+  // finds them done instead of computing them on its own thread (worker thread, `lk` held).
+  void early_norms(std::unique_lock<std::mutex>& lk) {
+    for (bool again = true; again && !early_stop;) {
+      again = false;
+      for (const std::size_t ui : early_queue) {
+        Unit& u = units[ui];
+        if (!norm_owed(u) || !u.grads_done.query()) continue;
+        const std::int64_t call = u.early_call;
+        lk.unlock();
+        float sq;
+        {
+          TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
+          sq = cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+        }
+        lk.lock();
+        u.early_sumsq = sq;
+        u.norm_call = call;
+        again = true;  // the queue may have changed meanwhile: look again
+        break;
+      }
     }
   }
 
@@ -780,6 +825,11 @@ void Engine::finalize() {
     o_pos += double(u.shard);
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
   }
+  // One rank: a device-tier shard is the whole unit, so it is kept as the unit's gathered
+  // weights (resident) instead of being copied into a gathered buffer at every fetch.
+  if (s.world == 1)
+    for (auto& u : s.units)
+      if (!u.resident && u.w_tier == Tier::kDevice) u.resident = true;
 
   // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
   // optimizer would use, so the overlap turns into contention (measured: slower steps).
@@ -887,6 +937,7 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
     u.first_fetch = s.fetch_seq++;
   }
   s.finish_early(std::size_t(unit), true);
+  s.finish_done_ahead();
   s.gather_finished(std::size_t(unit));
   u.kept_behind = false;
   if (!u.resident) {
@@ -922,12 +973,14 @@ void Engine::release(int unit, Stream& compute) {
   s.drop(u);
 }
 
-TensorRef Engine::grad_buffer(int unit, Stream& compute) {
+TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
   Impl& s = *impl_;
   Unit& u = s.units.at(std::size_t(unit));
   STRATA_REQUIRE(!u.grad_full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
   u.grad_full = s.alloc(u.padded * 4, &compute);
-  compute.fill(Impl::view(u.grad_full, DType::kF32, u.padded), 0.0f);
+  // The padding is always zero: it is reduced, and its squares go into the gradient norm.
+  const std::size_t from = init == GradInit::kOverwrite ? u.numel : 0;
+  if (from < u.padded) compute.fill(Impl::view(u.grad_full, DType::kF32, u.padded - from, from), 0.0f);
   return Impl::view(u.grad_full, DType::kF32, u.numel);
 }
 
@@ -1014,9 +1067,13 @@ StepResult Engine::step(float lr) {
     for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
       Unit& u = s.units[ui];
       if (u.g_tier != Tier::kHost) continue;
-      // The early step computed it with the same kernel from the same final gradient.
-      part[ui] = s.early_state(ui) == Unit::Early::kDone ? u.early_sumsq
-                                                         : cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+      // The early worker computed it with the same kernel from the same final gradient.
+      bool done;
+      {
+        std::lock_guard<std::mutex> lk(s.early_mu);
+        done = u.norm_call == s.step_calls;
+      }
+      part[ui] = done ? u.early_sumsq : cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
     }
     os.synchronize();
     for (std::size_t ui = 0; ui < s.units.size(); ++ui)
@@ -1118,6 +1175,9 @@ StepResult Engine::step(float lr) {
                        [&](std::size_t a, std::size_t b) { return s.units[a].first_fetch < s.units[b].first_fetch; });
     }
     for (const std::size_t ui : s.pending_finish) s.units[ui].kept_behind = true;
+    // ... and switches them in that order (finish_done_ahead): the first the forward needs first.
+    std::stable_sort(s.pending_finish.begin(), s.pending_finish.end(),
+                     [&](std::size_t a, std::size_t b) { return s.units[a].first_fetch < s.units[b].first_fetch; });
   }
   if (!early_order.empty()) {
     s.early_backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * s.early_backoff));
@@ -1324,7 +1384,7 @@ StepResult Engine::step(float lr) {
   // Kept units the worker has already finished switch now (after the loops above, which
   // leave them alone): their new weights go to the device on the fetch stream while it steps
   // the rest. Local only: a resident unit's all-gather still waits for its fetch.
-  for (const std::size_t ui : std::vector<std::size_t>(s.pending_finish)) s.finish_early(ui, false);
+  s.finish_done_ahead();
 
   if (s.recording) s.recording = false;
   s.pos = 0;

@@ -41,6 +41,7 @@ namespace {
 
 constexpr std::uint64_t kShardAlign = 2048;  // as the engine pads
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+constexpr double kNever = std::numeric_limits<double>::infinity();
 
 enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kNumStreams };
 
@@ -213,6 +214,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     STRATA_REQUIRE(x.g != Tier::kNvme, "perf model: gradient shards cannot live on NVMe");
     x.o = c.optimizer.tier_at(o_pos, o_total);
     o_pos += double(x.shard);
+    if (W == 1 && !x.resident && x.w == Tier::kDevice) x.resident = true;  // as Engine::finalize
     if (!x.resident && x.w != Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "offloaded parameters");
     if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "parameters on NVMe");
     if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");
@@ -365,10 +367,16 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       ahead += x.padded;
     }
   };
+  // Engine::Impl::finish_done_ahead: every kept unit the worker has finished by now.
+  auto finish_done_ahead = [&] {
+    for (std::size_t j = 0; j < N; ++j)
+      if (pending[j] && worker_done(j) <= h) finish_early(j);
+  };
   // Engine::fetch: returns the time the compute stream may use the unit.
   auto fetch = [&](std::size_t i) {
     SimUnit& x = u[i];
     finish_early(i);
+    finish_done_ahead();
     kept_behind[i] = false;
     if (!x.resident) {
       ++pos;
@@ -406,6 +414,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // reads the next job's NVMe state when it starts one, and writes the second copy behind.
   std::vector<std::size_t> early_order;
   std::vector<double> early_done(N, 0), early_io_done(N, 0);
+  std::vector<double> norm_done(N, kNever);  // when the worker had the unit's norm part
   double early_prev_start = -1;
   std::deque<double> early_writes, early_w_writes;
   auto early_job = [&](std::size_t i, double avail, bool norm) {
@@ -424,7 +433,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       early_w_writes.pop_front();
     }
     double t = start;
-    if (norm) t = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
+    if (norm) t = norm_done[i] = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
     t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
     if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
     if (x.o == Tier::kNvme) {
@@ -455,6 +464,20 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   std::deque<Job> early_q;
   std::vector<bool> queued(N, false);
   auto run_next = [&] {
+    // Engine::Impl::early_norms: first the norm's part of every queued job whose gradient
+    // is there when the worker is free, then the next AdamW.
+    for (bool again = true; again;) {
+      again = false;
+      for (Job& j : early_q) {
+        const double free = sim.stream_free[kEarlyS];
+        if (!j.norm || j.avail > free) continue;
+        const double n = double(u[j.unit].shard);
+        norm_done[j.unit] = sim.op(kEarlyS, Resource::kCpu, free, secs(4 * n, norm_bps), "norm " + name(j.unit), all_cores);
+        sim.wait(kEarlyS, norm_done[j.unit]);
+        j.norm = false;
+        again = true;
+      }
+    }
     const Job j = early_q.front();
     const std::size_t i = j.unit;
     early_q.pop_front();
@@ -470,6 +493,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   };
   auto enqueue = [&](std::size_t i, double avail) {
     run_started_before(avail);
+    norm_done[i] = kNever;
     early_q.push_back({i, avail, true});
     queued[i] = true;
     early_order.push_back(i);
@@ -577,13 +601,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
     std::vector<bool> kept(N, false);
     for (std::size_t i : early_order) kept[i] = true;
-    // The early worker computed the norm's part of the units it has finished by now; the host
-    // thread takes the rest, beside the worker (not queued behind its jobs on the CPU lane).
+    // The early worker computed the norm's part of the units it got to by now (it does those
+    // before its next AdamW); the host thread takes the rest, beside the worker (not queued
+    // behind its jobs on the CPU lane).
     const double norm_at = h;
     run_started_before(norm_at);
     const Resource norm_lane = early_order.empty() ? Resource::kCpu : Resource::kCount;
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].g == Tier::kHost && !(kept[i] && !queued[i] && early_done[i] <= norm_at))
+      if (u[i].g == Tier::kHost && !(kept[i] && norm_done[i] <= norm_at))
         h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
     h = std::max(h, sim.stream_free[kOptS]);
     // The early results: kept without waiting; each unit is finished before its next use
@@ -682,8 +707,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     for (std::size_t i = 0; i < N; ++i) drop(i);
     h = std::max(h, sim.stream_free[kFetchS]);
     // Kept units the worker has finished by now switch at once (new weights over the link).
-    for (std::size_t i = 0; i < N; ++i)
-      if (pending[i] && !queued[i] && std::max(early_done[i], early_io_done[i]) <= h) finish_early(i);
+    finish_done_ahead();
     pr.optimizer_s = h - s0;
   }  // passes
   pr.step_s = h - pass_start;
@@ -787,6 +811,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
           for (int win : windows)
             for (int more_buffers = 0; more_buffers < 2; ++more_buffers) {
               if (win > 0 && int(mp.units.size()) <= win) continue;  // the same as "all"
+              // One rank with every compute weight on the device: nothing is gathered
+              // (Engine::finalize keeps such units resident), so no window either.
+              if (win > 0 && m.world_size == 1 && pc.p.device_fraction >= 1) continue;
               const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
               // NVMe swap buffers (offload_param / offload_optimizer buffer_count): the config's,
               // or twice as many (more reads ahead and writes behind, more pinned memory).

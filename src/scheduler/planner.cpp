@@ -16,7 +16,9 @@
 //   - Stage 3 on the device: a unit with numel <= stage3_param_persistence_threshold stays
 //     gathered (padded * c). The others are gathered on use: the live budget is
 //     max(largest non-persistent unit, min(stage3_max_live_parameters, their sum)) * c, plus
-//     one more unit in flight for prefetch (largest non-persistent unit * c).
+//     one more unit in flight for prefetch (largest non-persistent unit * c). With one rank,
+//     a unit whose compute-weight shard is on the device is never gathered (the shard is the
+//     whole unit): only offloaded units count here.
 //   - Stages 1 and 2 keep every unit's full padded weights on the device (padded * c) and have
 //     no separate compute-weight shard. Stage 1 is planned like stage 2 (a gradient shard).
 //   - Gradient buckets on the device: full-unit fp32 gradients of the units being reduced,
@@ -108,6 +110,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   std::vector<std::uint64_t> padded, shard;
   std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0;
   std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
+  std::uint64_t np_shard_total = 0;
   for (const UnitSize& u : in.units) {
     const std::uint64_t p = (u.numel + align - 1) / align * align;
     padded.push_back(p);
@@ -116,12 +119,22 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     total_shard += p / w;
     largest_padded = std::max(largest_padded, p);
     largest_shard = std::max(largest_shard, p / w);
-    if (u.numel <= config.param_persistence_threshold) {
+    if (u.numel > config.param_persistence_threshold) np_shard_total += p / w;
+  }
+  std::uint64_t np_pos = 0;
+  for (std::size_t i = 0; i < in.units.size(); ++i) {
+    const std::uint64_t p = padded[i];
+    if (in.units[i].numel <= config.param_persistence_threshold) {
       persistent_padded += p;
-    } else {
-      np_sum += p;
-      np_largest = std::max(np_largest, p);
+      continue;
     }
+    // One rank: a unit whose compute-weight shard is on the device is that shard, never
+    // gathered (the engine keeps it resident).
+    const Tier t = config.params.tier_at(double(np_pos), double(np_shard_total));
+    np_pos += shard[i];
+    if (w == 1 && t == Tier::kDevice) continue;
+    np_sum += p;
+    np_largest = std::max(np_largest, p);
   }
   const auto scaled = [&](std::uint64_t k) {
     std::vector<std::uint64_t> v;

@@ -16,6 +16,8 @@ namespace strata::testing {
 struct LinearModel {
   std::vector<int> dims;  // dims[0] = input width, dims[l+1] = output width of layer l
   int batch = 4;          // rows per micro-batch on this rank
+  // How the backward asks for its gradient buffers: its matmul (beta 0) writes all of them.
+  GradInit grad_init = GradInit::kZeroed;
   std::vector<std::vector<float>> init;  // per layer, [out, in]
 
   LinearModel(std::vector<int> d, int b, std::uint64_t seed) : dims(std::move(d)), batch(b) {
@@ -108,7 +110,7 @@ struct LinearModel {
       const std::size_t in = std::size_t(dims[std::size_t(l)]), outl = std::size_t(dims[std::size_t(l) + 1]);
       Buffer dy_c = to_ct(dy, B * outl);
       TensorRef w = e.fetch(l, s);
-      TensorRef g = e.grad_buffer(l, s);
+      TensorRef g = e.grad_buffer(l, s, grad_init);
       // dW[out, in] = dy^T [out, B] x h [B, in]
       s.matmul({std::int64_t(outl), std::int64_t(in), std::int64_t(B), true, false, 1.0f, 0.0f,
                 tensor(dy_c, ct, B * outl), tensor(h[std::size_t(l)], ct, B * in), g});
