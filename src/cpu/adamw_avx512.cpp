@@ -11,7 +11,9 @@
 // With `stream_copy`, the copy-out is written with non-temporal stores where its address is
 // 32-byte aligned: it is write-only, so ordinary stores would first read every line
 // (read-for-ownership), 2 bytes per parameter that the step does not need. The caller only
-// asks for it when the step is far larger than the caches.
+// asks for it when the step is far larger than the caches. An out-of-place step (the early
+// optimizer step's second copy) streams p, m and v the same way where they are aligned: 12
+// bytes per parameter of fp32 state that ordinary stores would read first.
 #include <immintrin.h>
 
 #include "cpu/adamw_kernels.h"
@@ -62,15 +64,20 @@ struct Isa512 {
   struct Impl {
     static std::size_t run(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
                            std::size_t hi) {
-      const auto* c_at_lo = static_cast<const char*>(a.c) + 2 * lo;
-      const bool nt = C != CopyKind::kNone && a.stream_copy &&
-                      reinterpret_cast<std::uintptr_t>(c_at_lo) % 32 == 0;
-      const std::size_t bad = nt ? loop<true>(k, a, lo, hi) : loop<false>(k, a, lo, hi);
-      if (nt) _mm_sfence();  // order the streaming stores before whoever reads copy_out next
+      const auto aligned = [](const void* q, std::size_t to) { return reinterpret_cast<std::uintptr_t>(q) % to == 0; };
+      const std::size_t ssz = S ? 2 : 4;  // bytes per m / v element
+      const bool nt = C != CopyKind::kNone && a.stream_copy && aligned(static_cast<const char*>(a.c) + 2 * lo, 32);
+      // Out of place, p, m and v are write-only too (their sources are other arrays).
+      const bool nt_state = a.stream_copy && a.p != a.p_src && aligned(a.p + lo, 64) &&
+                            aligned(static_cast<const char*>(a.m) + ssz * lo, 16 * ssz) &&
+                            aligned(static_cast<const char*>(a.v) + ssz * lo, 16 * ssz);
+      const std::size_t bad = nt_state ? (nt ? loop<true, true>(k, a, lo, hi) : loop<false, true>(k, a, lo, hi))
+                                       : (nt ? loop<true, false>(k, a, lo, hi) : loop<false, false>(k, a, lo, hi));
+      if (nt || nt_state) _mm_sfence();  // order the streaming stores before whoever reads them next
       return bad;
     }
 
-    template <bool kStream>
+    template <bool kStream, bool kStreamState>
     static std::size_t loop(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
                             std::size_t hi) {
       const __m512 gs = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
@@ -102,15 +109,22 @@ struct Isa512 {
         v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
         const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);
         p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, d), p);
-        _mm512_mask_storeu_ps(a.p + i, mk, p);
+        if (kStreamState && full) _mm512_stream_ps(a.p + i, p);
+        else _mm512_mask_storeu_ps(a.p + i, mk, p);
         if constexpr (S) {
-          if (full) {
+          if (kStreamState && full) {
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(v16 + i), to_bf16x16<kNative>(v));
+          } else if (full) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(v16 + i), to_bf16x16<kNative>(v));
           } else {
             _mm256_mask_storeu_epi16(m16 + i, mk, to_bf16x16<kNative>(m));
             _mm256_mask_storeu_epi16(v16 + i, mk, to_bf16x16<kNative>(v));
           }
+        } else if (kStreamState && full) {
+          _mm512_stream_ps(m32 + i, m);
+          _mm512_stream_ps(v32 + i, v);
         } else {
           _mm512_mask_storeu_ps(m32 + i, mk, m);
           _mm512_mask_storeu_ps(v32 + i, mk, v);
