@@ -176,15 +176,26 @@ struct StreamCore {
 
   void wait_for(std::uint64_t seq) {
     std::unique_lock<std::mutex> lock(mu);
-    cv_done.wait(lock, [&] { return completed >= seq; });
+    wait_locked(lock, seq);
   }
 
   // Waits for everything queued so far and returns (and clears) the first failure.
   std::exception_ptr drain() {
     std::unique_lock<std::mutex> lock(mu);
-    const std::uint64_t target = submitted;
-    cv_done.wait(lock, [&] { return completed >= target; });
+    wait_locked(lock, submitted);
     return std::exchange(error, nullptr);
+  }
+
+  // Sleeps until op `seq` has completed. The worker wakes waiters only when it reaches the
+  // earliest op one of them waits for (`wake_at`), not after every op: a host thread or
+  // another stream waiting on a long queue would otherwise be woken, and take the lock, once
+  // per op (measured: a forward of ~200 small ops ran 1.8x its kernels' time, the stream
+  // idling between ops while the waiters it woke ran on the other core).
+  void wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t seq) {
+    while (completed < seq) {
+      wake_at = std::min(wake_at, seq);
+      cv_done.wait(lock);  // every waiter wakes at a notify and registers again if not done
+    }
   }
 
   void stop() {
@@ -221,12 +232,15 @@ struct StreamCore {
         failure = std::current_exception();
       }
       if (t0) tracer.record(op.kind, name, t0, tracer.now_ns(), op.bytes);
+      bool wake;
       {
         std::lock_guard<std::mutex> lock(mu);
         if (failure && !error) error = failure;
         completed = op.seq;
+        wake = completed >= wake_at;
+        if (wake) wake_at = UINT64_MAX;
       }
-      cv_done.notify_all();
+      if (wake) cv_done.notify_all();
     }
   }
 
@@ -238,6 +252,7 @@ struct StreamCore {
   std::condition_variable cv_work, cv_done;
   std::deque<Op> q;
   std::uint64_t submitted = 0, completed = 0;
+  std::uint64_t wake_at = UINT64_MAX;  // the earliest op a waiter waits for (see wait_locked)
   bool stopping = false;
   std::exception_ptr error;
   cpu::Matmul matmul;  // used by the worker only
