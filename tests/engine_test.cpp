@@ -206,6 +206,34 @@ TEST(Engine, OverwrittenGradientBuffersGiveTheZeroedResultBitForBit) {
   }
 }
 
+// The device optimizer's new weights go back to host (or NVMe) memory on their own stream,
+// behind the step: the next forward's fetch of each unit waits for its own write-back, and
+// the copy-out scratch is not handed on while that copy still reads it. Equal-sized layers (so
+// the allocator could hand one unit's scratch to the next) and random stream delays.
+TEST(Engine, WeightsWrittenBackByTheDeviceOptimizerAreBitIdentical) {
+  STRATA_NEEDS_DEVICE();
+  STRATA_EMULATED_ONLY();
+  const LinearModel model(std::vector<int>(9, 64), 4, 23);  // 8 layers of 64 x 64
+  RunSetup base;
+  base.steps = 6;
+  base.cfg.compute_dtype = DType::kBF16;
+  base.cfg.host_budget_bytes = 64 << 20;
+  base.cfg.param_persistence_threshold = 0;  // no unit stays gathered
+  const RunOut ref = train(base, model);
+  TempDir nv;
+  for (Tier t : {Tier::kHost, Tier::kNvme}) {
+    RunSetup s = base;
+    s.cfg.params = on(t);
+    s.cfg.param_nvme_paths = {nv.path};
+    s.dev.random_delay_us = 300;
+    s.dev.seed = 5;
+    const RunOut r = train(s, model);
+    expect_identical(ref, r, t == Tier::kHost ? "weights on host, optimizer on the device"
+                                              : "weights on NVMe, optimizer on the device");
+    EXPECT_GT(r.stats.d2h_bytes, 0u);
+  }
+}
+
 TEST(Engine, Stages123AreBitIdentical) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 16}, 4, 5);

@@ -100,6 +100,7 @@ struct Unit {
   Buffer w_dev;                         // compute-weight shard (non-resident, device tier)
   std::shared_ptr<PinnedBlock> w_host;  // ... host tier
   Buffer full;                          // gathered weights (padded), while gathered
+  Event w_written;                      // the device optimizer's last write of w_host (wb stream)
   Event ready, released;
   bool gathered = false;
   int in_use = 0;
@@ -147,7 +148,10 @@ struct Engine::Impl {
   std::unique_ptr<SwapStore> w_store, o_store_own;
   SwapStore* o_store = nullptr;
   std::unique_ptr<CpuAdamW> cpu_adam;
-  std::unique_ptr<Stream> fetch_s, comm_s, opt_s;
+  // wb: new compute weights from the device optimizer back to host or NVMe tiers; apart from
+  // `fetch` so they overlap the next forward's host-to-device reads (a link carries both
+  // directions at once), each unit's fetch waiting for its own (Unit::w_written).
+  std::unique_ptr<Stream> fetch_s, comm_s, opt_s, wb_s;
   std::vector<Unit> units;
 
   // prefetch trace
@@ -243,7 +247,7 @@ struct Engine::Impl {
     // `comm`, optimizer scratch on `opt`), each a wait for that stream only; the whole device
     // (the compute stream's queue, which the host runs far ahead of) last.
     ++st.alloc_waits;
-    for (Stream* own : {fetch_s.get(), comm_s.get(), opt_s.get()}) {
+    for (Stream* own : {fetch_s.get(), comm_s.get(), opt_s.get(), wb_s.get()}) {
       if (own == nullptr) continue;
       own->synchronize();
       try {
@@ -296,6 +300,7 @@ struct Engine::Impl {
       if (first) u.w_dev = dev.alloc(u.shard * c_size);
       up.copy(u.w_dev.ref(), host_ref(w->data(), u.shard * c_size));
     } else if (u.w_tier == Tier::kHost) {
+      if (u.w_written.valid()) u.w_written.synchronize();  // a write-back still on its way
       if (first) u.w_host = w;
       else std::memcpy(u.w_host->data(), w->data(), u.shard * c_size);
     } else {
@@ -345,6 +350,7 @@ struct Engine::Impl {
     switch (u.w_tier) {
       case Tier::kDevice: fetch_s->copy(block.mem, u.w_dev.ref()); break;
       case Tier::kHost:
+        if (u.w_written.valid()) fetch_s->wait(u.w_written);
         fetch_s->copy(block.mem, host_ref(u.w_host->data(), u.shard * c_size));
         st.h2d_bytes += u.shard * c_size;
         break;
@@ -861,6 +867,7 @@ void Engine::finalize() {
   s.fetch_s = s.dev.create_stream("fetch");
   s.comm_s = s.dev.create_stream("comm");
   s.opt_s = s.dev.create_stream("optimizer");
+  s.wb_s = s.dev.create_stream("writeback");
   PinnedPoolOptions po;
   po.budget_bytes = cfg.host_budget_bytes ? cfg.host_budget_bytes : (std::uint64_t(16) << 30);
   po.huge_pages = cfg.aio.use_hugepages;
@@ -1293,8 +1300,10 @@ StepResult Engine::step(float lr) {
         if (target) {
           sh.copy_out = *target;
         } else {
-          // Freed on the fetch stream, after the copy-out below has read it.
-          scratch = s.alloc(w_bytes, s.fetch_s.get());
+          // Allocated on the stream that writes it first (a block whose free is still queued
+          // on another stream must not be handed to it), freed on the write-back stream after
+          // the copy below has read it.
+          scratch = s.alloc(w_bytes, &os);
           sh.copy_out = Impl::view(scratch, ct, n);
         }
       }
@@ -1307,13 +1316,16 @@ StepResult Engine::step(float lr) {
       if (target) {
         if (!copy_out) os.copy(target->mem, new_w);
       } else {
-        // The new weights go back over the link on the fetch stream (idle during the step),
-        // so the next unit's update overlaps this unit's device -> host copy.
+        // The new weights go back over the link on the write-back stream, so the next unit's
+        // update overlaps this unit's device -> host copy, and host-tier ones (not waited for
+        // here) the next forward's reads: its fetch of the unit waits for w_written.
         w_out = u.w_tier == Tier::kHost ? u.w_host : stage_w(w_bytes);
-        Stream& xs = *s.fetch_s;
+        Stream& xs = *s.wb_s;
         xs.wait(os.record());
         xs.copy(host_ref(w_out->data(), w_bytes), new_w);
+        if (scratch) scratch.reset_on(xs);
         s.st.d2h_bytes += w_bytes;
+        if (u.w_tier == Tier::kHost) u.w_written = xs.record();
         // NVMe weights are written from w_out by the host below: the copy must be done.
         if (u.w_tier == Tier::kNvme) xs.synchronize();
       }

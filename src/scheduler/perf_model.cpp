@@ -43,7 +43,7 @@ constexpr std::uint64_t kShardAlign = 2048;  // as the engine pads
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 constexpr double kNever = std::numeric_limits<double>::infinity();
 
-enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kNumStreams };
+enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kWbS, kNumStreams };
 
 struct SimUnit {
   std::uint64_t numel = 0, padded = 0, shard = 0;
@@ -53,6 +53,7 @@ struct SimUnit {
   bool gathered = false;
   int in_use = 0;
   double ready = 0, released = 0;
+  double w_written = 0;  // the device optimizer's write-back of its host-tier weights
 };
 
 // When the device's lanes run on the host's own cores (the CPU-emulated device): how many there
@@ -319,6 +320,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         ready = sim.op(kFetchS, Resource::kCount, h, secs(2 * bytes, m.device_mem_bps), "");
         break;
       case Tier::kHost:
+        sim.wait(kFetchS, x.w_written);
         ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
         break;
       case Tier::kNvme: {
@@ -663,11 +665,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
                    "adamw " + name(i));
         if (!target_dev) {
+          // On the write-back stream: the step does not wait for host-tier ones (the next
+          // fetch of the unit does), NVMe-tier ones are written by the host from there.
           if (x.w == Tier::kNvme) stage_w();
-          sim.wait(kFetchS, t);
-          const double d =
-              sim.op(kFetchS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
+          sim.wait(kWbS, t);
+          const double d = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
           if (x.w == Tier::kNvme) h = std::max(h, d);
+          else x.w_written = d;
         } else if (!copy_out) {
           sim.op(kOptS, Resource::kCount, t, secs(2 * w_bytes, m.device_mem_bps), "");
         }
