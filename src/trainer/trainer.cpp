@@ -616,7 +616,8 @@ TrainResult train(const TrainOptions& o) {
     if (s.device_alloc_waits > 0)
       std::fprintf(con,
                    "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
-                   "step); a smaller stage3_max_live_parameters or micro-batch avoids the stalls\n",
+                   "step); a smaller micro-batch, activation checkpointing or, where weights are gathered on "
+                   "use, a smaller stage3_max_live_parameters avoids the stalls\n",
                    (unsigned long long)s.device_alloc_waits,
                    (unsigned long long)(s.device_alloc_waits / std::uint64_t(std::max<std::int64_t>(1, steps - start_step))));
     if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
