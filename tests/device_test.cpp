@@ -381,6 +381,27 @@ TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
   EXPECT_GE(d2h_s, bytes / 1.0e9);
 }
 
+// A throttled link is one link: copies in the same direction on different streams share its
+// rate (lower bound: together they take at least their bytes over it).
+TEST_P(DeviceTest, ThrottledCopiesOnTwoStreamsShareTheLink) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  HostDeviceOptions o;
+  o.capacity_bytes = 64 << 20;
+  o.h2d_gbps = 2.0;
+  auto slow = make_host_device(o);
+  auto a = slow->create_stream("a"), b = slow->create_stream("b");
+  const std::size_t bytes = 8 << 20;
+  std::vector<std::uint8_t> h(bytes, 1);
+  Buffer ba = slow->alloc(bytes, a.get()), bb = slow->alloc(bytes, b.get());
+  const auto t0 = std::chrono::steady_clock::now();
+  a->copy(ba.ref(), host_ref(h.data(), bytes));
+  b->copy(bb.ref(), host_ref(h.data(), bytes));
+  a->synchronize();
+  b->synchronize();
+  const double both_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(both_s, 2 * bytes / 2.0e9);
+}
+
 TEST_P(DeviceTest, ThrottledMatmulsTakeAtLeastFlopsOverRate) {
   if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
   HostDeviceOptions o;

@@ -18,7 +18,9 @@
 //    runs for the new owner comes after the free (which poisons it), and other streams
 //    reach it only through that stream's events.
 //  - Copies can be throttled to a set rate per direction: they then take at least
-//    bytes / rate, as a PCIe link would. Matmuls can likewise be throttled to a set
+//    bytes / rate, as a PCIe link would, and copies in the same direction share that rate
+//    (each reserves the link after those already on it, whatever stream it runs on); the two
+//    directions run at once. Matmuls can likewise be throttled to a set
 //    GFLOP/s, so which resource bounds a step (compute, link, NVMe, CPU optimizer) is a
 //    choice of the test, not an accident of the host's cores.
 #include <sys/mman.h>
@@ -326,6 +328,14 @@ class HostDevice final : public Device {
   }
 
   const HostDeviceOptions& options() const { return opt_; }
+  // Reserves the link in one direction (0: host to device, 1: device to host) for `bytes` at
+  // `gbps`: returns when the copy may end, after every copy that reserved it before.
+  std::chrono::steady_clock::time_point reserve_link(int dir, std::size_t bytes, double gbps) {
+    std::lock_guard<std::mutex> lock(link_mu_);
+    const auto start = std::max(std::chrono::steady_clock::now(), link_free_[dir]);
+    link_free_[dir] = start + std::chrono::nanoseconds(static_cast<std::int64_t>(double(bytes) / gbps));
+    return link_free_[dir];
+  }
   void register_stream(const std::shared_ptr<StreamCore>& core) {
     std::lock_guard<std::mutex> lock(mu_);
     streams_.push_back(core);
@@ -388,6 +398,8 @@ class HostDevice final : public Device {
   }
 
   HostDeviceOptions opt_;
+  std::mutex link_mu_;
+  std::chrono::steady_clock::time_point link_free_[2] = {};  // when each direction is free
   char* base_ = nullptr;
   mutable std::mutex mu_;
   Arena arena_;
@@ -416,26 +428,30 @@ class HostStream final : public Stream {
  protected:
   void do_copy(MemRef dst, MemRef src) override {
     double gbps = 0;
+    int link = -1;  // the direction of the host<->device link it uses
     const char* kind = "copy_h2h";
     if (src.space == MemSpace::kHost && dst.space == MemSpace::kDevice) {
       gbps = dev_->options().h2d_gbps;
+      link = 0;
       kind = "copy_h2d";
     } else if (src.space == MemSpace::kDevice && dst.space == MemSpace::kHost) {
       gbps = dev_->options().d2h_gbps;
+      link = 1;
       kind = "copy_d2h";
     } else if (src.space == MemSpace::kDevice) {
       gbps = dev_->options().d2d_gbps;
       kind = "copy_d2d";
     }
     submit(
-        [dst, src, gbps] {
-          const auto t0 = std::chrono::steady_clock::now();
+        [dst, src, gbps, link, dev = dev_] {
+          // bytes / (GB/s) = nanoseconds
+          const auto end = gbps <= 0 ? std::chrono::steady_clock::time_point{}
+                           : link >= 0
+                               ? dev->reserve_link(link, src.bytes, gbps)
+                               : std::chrono::steady_clock::now() +
+                                     std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
           std::memmove(dst.ptr, src.ptr, src.bytes);
-          if (gbps > 0) {
-            // bytes / (GB/s) = nanoseconds
-            const auto min_ns = static_cast<std::int64_t>(double(src.bytes) / gbps);
-            std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(min_ns));
-          }
+          if (gbps > 0) std::this_thread::sleep_until(end);
         },
         kind, src.bytes);
   }
