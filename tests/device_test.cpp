@@ -358,13 +358,19 @@ TEST_P(DeviceTest, FreedAndFreshMemoryIsPoisoned) {
   for (int i = 0; i < 32; ++i) EXPECT_EQ(raw[i], kPoison16);  // still mapped, now poison
 }
 
-TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
-  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+// A 64 MiB emulated device with these throttles (0: none).
+std::unique_ptr<Device> throttled_device(double h2d_gbps, double d2h_gbps, double compute_gflops) {
   HostDeviceOptions o;
   o.capacity_bytes = 64 << 20;
-  o.h2d_gbps = 2.0;
-  o.d2h_gbps = 1.0;
-  auto slow = make_host_device(o);
+  o.h2d_gbps = h2d_gbps;
+  o.d2h_gbps = d2h_gbps;
+  o.compute_gflops = compute_gflops;
+  return make_host_device(o);
+}
+
+TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  auto slow = throttled_device(2.0, 1.0, 0);
   auto st = slow->create_stream("pcie");
   const std::size_t bytes = 8 << 20;
   std::vector<std::uint8_t> h(bytes, 1);
@@ -385,10 +391,7 @@ TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
 // rate (lower bound: together they take at least their bytes over it).
 TEST_P(DeviceTest, ThrottledCopiesOnTwoStreamsShareTheLink) {
   if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
-  HostDeviceOptions o;
-  o.capacity_bytes = 64 << 20;
-  o.h2d_gbps = 2.0;
-  auto slow = make_host_device(o);
+  auto slow = throttled_device(2.0, 0, 0);
   auto a = slow->create_stream("a"), b = slow->create_stream("b");
   const std::size_t bytes = 8 << 20;
   std::vector<std::uint8_t> h(bytes, 1);
@@ -404,10 +407,7 @@ TEST_P(DeviceTest, ThrottledCopiesOnTwoStreamsShareTheLink) {
 
 TEST_P(DeviceTest, ThrottledMatmulsTakeAtLeastFlopsOverRate) {
   if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
-  HostDeviceOptions o;
-  o.capacity_bytes = 64 << 20;
-  o.compute_gflops = 0.5;
-  auto slow = make_host_device(o);
+  auto slow = throttled_device(0, 0, 0.5);
   auto st = slow->create_stream("compute");
   const std::int64_t m = 64, n = 96, k = 80;  // 2*m*n*k = 983040 flops: >= 1.97 ms at 0.5 GFLOP/s
   std::vector<float> ha(std::size_t(m * k), 0.25f), hb(std::size_t(k * n), 0.5f);
