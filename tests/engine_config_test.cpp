@@ -494,7 +494,8 @@ std::uint64_t line(const MemoryPlan& plan, const std::string& prefix, Tier tier)
 
 TEST(MemoryPlan, Stage3NoOffload) {
   const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), synthetic_inputs());
-  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 1028096u * 2);
+  // u2 is persistent: its gathered weights, no shard of its own.
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), (1028096u - 2048) * 2);
   EXPECT_EQ(line(p, "persistent units", Tier::kDevice), 4096u * 2);
   EXPECT_EQ(line(p, "gathered units", Tier::kDevice),
             1'000'000u * 2);  // min(max_live, 2052096) > largest
@@ -503,7 +504,7 @@ TEST(MemoryPlan, Stage3NoOffload) {
   EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 1028096u * 12);
   EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 1'500'000u * 4 * 2);  // overlap_comm
   EXPECT_EQ(line(p, "activations", Tier::kDevice), 10'000'000u);
-  EXPECT_EQ(p.device_bytes, 44'160'512u);
+  EXPECT_EQ(p.device_bytes, 44'156'416u);
   EXPECT_EQ(p.host_bytes, 0u);  // nothing leaves the device: no staging either
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);
@@ -515,7 +516,7 @@ TEST(MemoryPlan, OptimizerOnCpu) {
       plan_memory(synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})"),
                   synthetic_inputs());
   EXPECT_EQ(p.device_bytes,
-            2'056'192u + 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
+            2'052'096u + 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
   EXPECT_EQ(line(p, "gradient shard", Tier::kHost), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kHost), 1028096u * 12);
   EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
@@ -581,13 +582,18 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
   // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind.
   EXPECT_EQ(line(p, "optimizer swap buffers", Tier::kHost), 4u * 100'000 * 12);
   EXPECT_EQ(line(p, "new compute-weight staging", Tier::kHost), 2u * 411648 * 2);
-  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'800'000u + 1'646'592u);
-  EXPECT_EQ(line(p, "compute weights", Tier::kNvme), 1028096u * 2);
+  // u2's new weights (persistent: on the device) wait in host memory until it switches.
+  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 2048u * 2);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'800'000u + 1'646'592u + 4'096u);
+  EXPECT_EQ(line(p, "compute weights", Tier::kNvme), (1028096u - 2048) * 2);  // not u2's
   EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
   // The early optimizer step writes its second copies to NVMe too.
   EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme), 1028096u * 12);
-  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme), 1028096u * 2);
-  EXPECT_EQ(p.nvme_bytes, 2 * (2'056'192u + 12'337'152u));
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme), (1028096u - 2048) * 2);
+  // Two swap stores (the paths differ), each growing its files by whole 1 MiB stripes:
+  // 4104192 -> 4 MiB, 24674304 -> 24 MiB.
+  EXPECT_EQ(line(p, "swap files: rounded up", Tier::kNvme), (4u << 20) - 4'104'192u + (24u << 20) - 24'674'304u);
+  EXPECT_EQ(p.nvme_bytes, (28u << 20));
   EXPECT_TRUE(p.fits);
 
   // host_fraction 0.5 keeps the first half of the optimizer state (whole units) in host memory.
@@ -607,7 +613,7 @@ TEST(MemoryPlan, OneRankGathersOnlyOffloadedUnits) {
   PlanInputs in = synthetic_inputs();
   in.world_size = 1;  // padding to 2048: u0 819200, u1 821248, u2 2048 (persistent), u3 409600
   const MemoryPlan dev = plan_memory(synthetic_config(R"(, "stage": 3)", 1), in);
-  EXPECT_EQ(line(dev, "compute weights", Tier::kDevice), (819200u + 821248u + 2048u + 409600u) * 2);
+  EXPECT_EQ(line(dev, "compute weights", Tier::kDevice), (819200u + 821248u + 409600u) * 2);
   EXPECT_EQ(line(dev, "gathered units", Tier::kDevice), 0u) << dev.table();
   EXPECT_EQ(line(dev, "prefetch", Tier::kDevice), 0u) << dev.table();
   const MemoryPlan host =
@@ -634,18 +640,18 @@ TEST(MemoryPlan, BucketIsAtLeastTheLargestUnitAndFp32PlansWith4Bytes) {
             823'296u * 4);
   c.compute_dtype = DType::kF32;
   const MemoryPlan p = plan_memory(c, synthetic_inputs());
-  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 1028096u * 4);
+  EXPECT_EQ(line(p, "compute weights", Tier::kDevice), (1028096u - 2048) * 4);
   EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 4);
 }
 
 TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   PlanInputs in = synthetic_inputs();
-  in.device_capacity = 40'000'000;  // the no-offload plan needs 44160512
+  in.device_capacity = 40'000'000;  // the no-offload plan needs 44156416
   const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), in);
   EXPECT_FALSE(p.fits);
   ASSERT_EQ(p.problems.size(), 1u);
   EXPECT_EQ(p.problems[0].rfind("device:", 0), 0u) << p.problems[0];
-  EXPECT_NE(p.problems[0].find("4160512 bytes missing"), std::string::npos) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("4156416 bytes missing"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("offload_optimizer.device"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("stage3_max_live_parameters"), std::string::npos) << p.problems[0];
 
@@ -667,7 +673,8 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("strata.host_budget_bytes"), std::string::npos) << q.problems[0];
   EXPECT_EQ(q.problems[1].rfind("nvme:", 0), 0u) << q.problems[1];
-  EXPECT_NE(q.problems[1].find("393344 bytes missing"), std::string::npos) << q.problems[1];
+  // 14389248 bytes of state in two stores, whole 1 MiB stripes each: 2 + 12 MiB.
+  EXPECT_NE(q.problems[1].find("680064 bytes missing"), std::string::npos) << q.problems[1];
   EXPECT_NE(q.problems[1].find("nvme_path"), std::string::npos) << q.problems[1];
 }
 

@@ -330,6 +330,35 @@ TEST(Engine, PinnedStagingStaysWithinThePlan) {
   EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << r.plan.table();
 }
 
+// The engine's NVMe files hold what the plan's NVMe lines say, to the byte, with units small
+// enough to persist among the offloaded ones: a persistent unit has no compute-weight shard,
+// and the offloaded units are split between host and NVMe by their own bytes only (one rule,
+// scheduler/layout.h; the planner used to place the persistent units' shards as well, which
+// moved the host/NVMe boundary and counted bytes the engine never writes).
+TEST(Engine, NvmeFilesHoldWhatThePlanSaysWithPersistentUnits) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({8, 300, 300, 300, 8}, 4, 9);  // units of 2400, 90000, 90000, 2400
+  TempDir nv;
+  for (const bool early : {false, true}) {
+    RunSetup s;
+    s.steps = 2;
+    s.cfg.compute_dtype = DType::kBF16;
+    s.cfg.params.device_fraction = 0;
+    s.cfg.params.host_fraction = 0.5;  // the first offloaded unit on the host, the other on NVMe
+    s.cfg.optimizer = on(Tier::kNvme);
+    s.cfg.grads = on(Tier::kHost);
+    s.cfg.param_nvme_paths = {nv.path};
+    s.cfg.optimizer_nvme_paths = {nv.path};
+    s.cfg.param_persistence_threshold = 5000;  // the first and last units persist
+    s.cfg.overlap_optimizer = early;
+    s.cfg.host_budget_bytes = 256 << 20;
+    const RunOut r = train(s, model);
+    EXPECT_EQ(r.plan.early_optimizer_step, early) << r.plan.table();
+    EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << "early step " << early << "\n" << r.plan.table();
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << r.plan.table();
+  }
+}
+
 // The linear model's loss and gradients in double on the host.
 struct Reference {
   std::vector<std::vector<double>> w;  // per layer [out, in]

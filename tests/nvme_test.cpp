@@ -420,6 +420,43 @@ TEST(SwapStore, SpaceCheckRefusesBeforeWriting) {
   EXPECT_FALSE(store.contains("huge"));
 }
 
+// What the memory plan checks NVMe bytes against: statvfs's free bytes, a file system once
+// however many paths lie on it, plus the rank's leftovers that a new store would remove.
+TEST(SwapStore, FreeBytesCountsEachFileSystemOnceAndAPreviousRunsFilesAsFree) {
+  TempDir a;
+  fs::create_directories(a.path + "/x");
+  fs::create_directories(a.path + "/y");
+  const auto fs_free = [](const std::string& p) {
+    struct statvfs sv {};
+    EXPECT_EQ(::statvfs(p.c_str(), &sv), 0);
+    return std::uint64_t(sv.f_bavail) * sv.f_frsize;
+  };
+  const std::uint64_t one = SwapStore::free_bytes({a.path + "/x"}, 0, "k");
+  const std::uint64_t both = SwapStore::free_bytes({a.path + "/x", a.path + "/y"}, 0, "k");
+  // (another process may write meanwhile: within 64 MiB, but never twice the file system)
+  EXPECT_NEAR(double(one), double(fs_free(a.path)), double(64 << 20));
+  EXPECT_NEAR(double(both), double(one), double(64 << 20));
+  // 8 MiB a crashed run of rank 0 left: free for rank 0, not for rank 1.
+  fs::create_directories(a.path + "/x/strata-swap/rank0");
+  {
+    std::ofstream f(a.path + "/x/strata-swap/rank0/stripe.bin", std::ios::binary);
+    const std::string mib(1 << 20, 'x');
+    for (int i = 0; i < 8; ++i) f << mib;
+  }
+  const std::uint64_t free_now = fs_free(a.path);
+  const std::uint64_t r0 = SwapStore::free_bytes({a.path + "/x"}, 0, "k");
+  const std::uint64_t r1 = SwapStore::free_bytes({a.path + "/x"}, 1, "k");
+  EXPECT_NEAR(double(r0 - r1), double(8 << 20), double(1 << 20));
+  EXPECT_NEAR(double(r1), double(free_now), double(64 << 20));
+  try {
+    SwapStore::free_bytes({a.path + "/nope"}, 0, "offload_param.nvme_path");
+    FAIL() << "a missing directory was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_param.nvme_path"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not an existing directory"), std::string::npos) << e.what();
+  }
+}
+
 TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {
   TempDir a;
   fs::create_directories(a.path + "/strata-swap/rank0");

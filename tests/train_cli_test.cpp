@@ -11,6 +11,7 @@
 //     micro-batch of each group of world_size, so that is the same global batch) within 1e-4
 //     relative per step, and the export of the 2-rank checkpoint matches the 1-rank weights.
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -209,6 +210,38 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const Result r = train(args(log, {"--dtype", "bogus"}), "dtype");
   EXPECT_NE(first_line(r.err).find("bogus"), std::string::npos) << r.err;
   EXPECT_NE(first_line(r.err).find("fp32"), std::string::npos) << r.err;
+}
+
+// --plan checks the NVMe bytes against the free space under the configured nvme_path (no
+// disk here holds a 405B model's 5 TiB of weights and optimizer state) and says what to change.
+TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
+  const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nv";
+  fs::create_directories(nv);
+  std::ofstream(big) << R"({"model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
+    "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  std::ofstream(ds) << R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+    "offload_param": {"device": "nvme", "nvme_path": ")" + nv + R"("},
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+  const Result r = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan");
+  EXPECT_EQ(r.status, 0) << r.err;
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(nv.c_str(), &sv), 0);
+  const std::uint64_t free_bytes = std::uint64_t(sv.f_bavail) * sv.f_frsize;
+  ASSERT_LT(free_bytes, std::uint64_t(5) << 40) << "a disk with 5 TiB free: the test needs a bigger model";
+  // The NVMe total line names the file system's free bytes (give or take other writers).
+  const std::regex total(R"(nvme +total +\d+ +\S+ \S+ +of \S+ \S+ \((\d+) bytes\): OVER by)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, total)) << r.out;
+  EXPECT_NEAR(std::stod(m[1]), double(free_bytes), double(std::uint64_t(1) << 30)) << r.out;
+  EXPECT_NE(r.out.find("verdict: does not fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nvme: needs"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("free space under the nvme_path directories"), std::string::npos) << r.out;
+  // A missing nvme_path is named as the key it came from.
+  fs::remove_all(nv);
+  const Result m2 = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan2");
+  EXPECT_GT(m2.status, 0) << m2.out;
+  EXPECT_NE(first_line(m2.err).find("offload_param.nvme_path"), std::string::npos) << m2.err;
 }
 
 TEST_F(TrainCli, ExistingOutNeedsOverwrite) {

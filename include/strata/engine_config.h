@@ -138,4 +138,9 @@ struct PlanInputs {
 
 MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 
+// PlanInputs::nvme_capacity for `rank`: the free bytes under the NVMe paths the placement uses
+// (SwapStore::free_bytes: a file system counted once, a previous run's files counted as free);
+// UINT64_MAX when nothing is placed on NVMe. Throws naming the key of a missing directory.
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank);
+
 }  // namespace strata

@@ -16,9 +16,11 @@
 //  - A clean exit deletes the files; a new run deletes a previous run's leftovers.
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
@@ -120,6 +122,30 @@ struct SwapStore::Impl {
 };
 
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key) {
+  std::uint64_t total = 0;
+  std::vector<dev_t> seen;
+  for (const std::string& p : paths) {
+    struct stat st {};
+    STRATA_REQUIRE(::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+                   "config key '{}' = '{}': not an existing directory; create it, or point {} at an existing "
+                   "directory on the NVMe drive", config_key, p, config_key);
+    // A previous run's files of this rank: removed when the store starts, so they count as free.
+    std::error_code ec;
+    const fs::path dir = fs::path(p) / "strata-swap" / fmt::format("rank{}", rank);
+    for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      struct stat fst {};
+      if (::lstat(it->path().c_str(), &fst) == 0 && S_ISREG(fst.st_mode)) total += std::uint64_t(fst.st_blocks) * 512;
+    }
+    if (std::find(seen.begin(), seen.end(), st.st_dev) != seen.end()) continue;
+    seen.push_back(st.st_dev);
+    struct statvfs sv {};
+    STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, config_key);
+    total += std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize);
+  }
+  return total;
+}
 
 SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpu/cpu_kernels.h"
+#include "scheduler/layout.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -48,7 +49,6 @@
 namespace strata {
 namespace {
 
-constexpr std::size_t kShardAlign = 2048;  // elements: 4 KiB of bf16 per shard at least
 constexpr int kStateVersion = 1;
 
 // A file written with write(2) and fsync'd before close, for save_state.
@@ -784,8 +784,7 @@ int Engine::add_unit(const UnitDef& def) {
     u.init.insert(u.init.end(), p.init, p.init + p.numel);
     u.numel += p.numel;
   }
-  const std::size_t align = kShardAlign * std::size_t(s.world);
-  u.padded = (u.numel + align - 1) / align * align;
+  u.padded = detail::padded_numel(u.numel, s.world);
   u.shard = u.padded / std::size_t(s.world);
   u.init.resize(u.padded, 0.0f);
   s.units.push_back(std::move(u));
@@ -807,35 +806,20 @@ void Engine::finalize() {
   STRATA_REQUIRE(!s.units.empty(), "Engine::finalize(): no units registered");
   const EngineConfig& cfg = s.cfg;
 
-  // Tiers, in unit order, by each piece's byte position.
-  double w_total = 0, g_total = 0, o_total = 0;
-  for (auto& u : s.units) {
-    u.resident = cfg.stage < 3 || u.numel <= cfg.param_persistence_threshold;
-    if (!u.resident) w_total += double(u.shard);
-    g_total += double(u.shard);
-    o_total += double(u.shard);
-  }
-  double w_pos = 0, g_pos = 0, o_pos = 0;
+  // Tiers, in unit order, by each piece's byte position (scheduler/layout.h).
+  std::vector<std::uint64_t> numel;
+  for (const Unit& u : s.units) numel.push_back(u.numel);
+  const std::vector<detail::UnitLayout> layout = detail::layout_units(cfg, numel, s.world);
   bool w_nvme = false, o_nvme = false;
-  for (auto& u : s.units) {
-    if (!u.resident) {
-      u.w_tier = cfg.params.tier_at(w_pos, w_total);
-      w_pos += double(u.shard);
-      w_nvme = w_nvme || u.w_tier == Tier::kNvme;
-    }
-    u.g_tier = cfg.grads.tier_at(g_pos, g_total);
-    g_pos += double(u.shard);
-    STRATA_REQUIRE(u.g_tier != Tier::kNvme, "gradient shards cannot live on NVMe: set "
-                   "zero_optimization.offload_grads to \"none\" or \"cpu\"");
-    u.o_tier = cfg.optimizer.tier_at(o_pos, o_total);
-    o_pos += double(u.shard);
+  for (std::size_t i = 0; i < s.units.size(); ++i) {
+    Unit& u = s.units[i];
+    u.resident = layout[i].resident;
+    u.w_tier = layout[i].w;
+    u.g_tier = layout[i].g;
+    u.o_tier = layout[i].o;
+    w_nvme = w_nvme || (!u.resident && u.w_tier == Tier::kNvme);
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
   }
-  // One rank: a device-tier shard is the whole unit, so it is kept as the unit's gathered
-  // weights (resident) instead of being copied into a gathered buffer at every fetch.
-  if (s.world == 1)
-    for (auto& u : s.units)
-      if (!u.resident && u.w_tier == Tier::kDevice) u.resident = true;
 
   // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
   // optimizer would use, so the overlap turns into contention (measured: slower steps).
@@ -852,7 +836,7 @@ void Engine::finalize() {
   in.world_size = s.world;
   in.device_capacity = s.dev.stats().capacity_bytes;
   in.host_capacity = cfg.host_budget_bytes;
-  in.nvme_capacity = UINT64_MAX;
+  in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank) : UINT64_MAX;
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
     std::string problems;

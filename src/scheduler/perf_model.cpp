@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "scheduler/layout.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
 
@@ -39,7 +40,6 @@ const char* resource_name(Resource r) {
 
 namespace {
 
-constexpr std::uint64_t kShardAlign = 2048;  // as the engine pads
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 constexpr double kNever = std::numeric_limits<double>::infinity();
 
@@ -191,31 +191,20 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   need_rate(m.device_mem_bps, "device memory", "every step");
   need_rate(m.host_mem_bps, "host memory", "every step");
 
-  // ---- units, tiers: as Engine::finalize places them ----
+  // ---- units, tiers: as Engine::finalize places them (scheduler/layout.h) ----
+  std::vector<std::uint64_t> numel;
+  for (const auto& mu : mp.units) numel.push_back(mu.numel);
+  const std::vector<detail::UnitLayout> layout = detail::layout_units(c, numel, m.world_size);
   std::vector<SimUnit> u(N);
-  double w_total = 0, g_total = 0, o_total = 0;
   for (std::size_t i = 0; i < N; ++i) {
-    const std::uint64_t align = kShardAlign * W;
-    u[i].numel = mp.units[i].numel;
-    u[i].padded = (u[i].numel + align - 1) / align * align;
-    u[i].shard = u[i].padded / W;
-    u[i].resident = c.stage < 3 || u[i].numel <= c.param_persistence_threshold;
-    if (!u[i].resident) w_total += double(u[i].shard);
-    g_total += double(u[i].shard);
-    o_total += double(u[i].shard);
-  }
-  double w_pos = 0, g_pos = 0, o_pos = 0;
-  for (auto& x : u) {
-    if (!x.resident) {
-      x.w = c.params.tier_at(w_pos, w_total);
-      w_pos += double(x.shard);
-    }
-    x.g = c.grads.tier_at(g_pos, g_total);
-    g_pos += double(x.shard);
-    STRATA_REQUIRE(x.g != Tier::kNvme, "perf model: gradient shards cannot live on NVMe");
-    x.o = c.optimizer.tier_at(o_pos, o_total);
-    o_pos += double(x.shard);
-    if (W == 1 && !x.resident && x.w == Tier::kDevice) x.resident = true;  // as Engine::finalize
+    SimUnit& x = u[i];
+    x.numel = layout[i].numel;
+    x.padded = layout[i].padded;
+    x.shard = layout[i].shard;
+    x.resident = layout[i].resident;
+    x.w = layout[i].w;
+    x.g = layout[i].g;
+    x.o = layout[i].o;
     if (!x.resident && x.w != Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "offloaded parameters");
     if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "parameters on NVMe");
     if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");

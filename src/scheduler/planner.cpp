@@ -9,12 +9,12 @@
 //     W * 2048 (4 KiB of bf16 per shard, the smallest useful I/O), so shard = padded / W
 //     elements on every rank and every shard is a whole number of 4 KiB pages.
 //   - Sharded state, placed by its Placement in unit order (a unit is never split: its tier is
-//     Placement::tier_at of its first byte):
-//       stage 3 compute-weight shard   shard * c        by `params`
+//     Placement::tier_at of its first byte; scheduler/layout.h, which the engine lays out by):
+//       stage 3 compute-weight shard   shard * c        by `params`, over non-persistent units
 //       fp32 gradient shard            shard * 4        by `grads`
 //       fp32 master, Adam m and v      shard * 12       by `optimizer`
 //   - Stage 3 on the device: a unit with numel <= stage3_param_persistence_threshold stays
-//     gathered (padded * c). The others are gathered on use: the live budget is
+//     gathered (padded * c) and has no compute-weight shard of its own. The others are gathered on use: the live budget is
 //     max(largest non-persistent unit, min(stage3_max_live_parameters, their sum)) * c, plus
 //     one more unit in flight for prefetch (largest non-persistent unit * c). With one rank,
 //     a unit whose compute-weight shard is on the device is never gathered (the shard is the
@@ -50,16 +50,16 @@
 #include <algorithm>
 #include <array>
 
+#include "scheduler/layout.h"
 #include "strata/dtype.h"
 #include "strata/engine_config.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/nvme.h"
 
 namespace strata {
 
 namespace {
-
-constexpr std::uint64_t kShardAlign = 2048;  // elements per rank: 4 KiB of bf16
 
 std::string human(std::uint64_t bytes) { return log::human_bytes(double(bytes)); }
 
@@ -103,38 +103,24 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
                  in.world_size);
   STRATA_REQUIRE(config.stage >= 1 && config.stage <= 3, "plan_memory: stage {}: must be 1, 2 or 3",
                  config.stage);
-  const std::uint64_t w = static_cast<std::uint64_t>(in.world_size);
   const std::uint64_t c = dtype_size(config.compute_dtype);
-  const std::uint64_t align = w * kShardAlign;
+  std::vector<std::uint64_t> numel;
+  for (const UnitSize& u : in.units) numel.push_back(u.numel);
+  const std::vector<detail::UnitLayout> layout = detail::layout_units(config, numel, in.world_size);
 
-  std::vector<std::uint64_t> padded, shard;
+  std::vector<std::uint64_t> shard;
   std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0;
   std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
-  std::uint64_t np_shard_total = 0;
-  for (const UnitSize& u : in.units) {
-    const std::uint64_t p = (u.numel + align - 1) / align * align;
-    padded.push_back(p);
-    shard.push_back(p / w);
-    total_padded += p;
-    total_shard += p / w;
-    largest_padded = std::max(largest_padded, p);
-    largest_shard = std::max(largest_shard, p / w);
-    if (u.numel > config.param_persistence_threshold) np_shard_total += p / w;
-  }
-  std::uint64_t np_pos = 0;
-  for (std::size_t i = 0; i < in.units.size(); ++i) {
-    const std::uint64_t p = padded[i];
-    if (in.units[i].numel <= config.param_persistence_threshold) {
-      persistent_padded += p;
-      continue;
-    }
-    // One rank: a unit whose compute-weight shard is on the device is that shard, never
-    // gathered (the engine keeps it resident).
-    const Tier t = config.params.tier_at(double(np_pos), double(np_shard_total));
-    np_pos += shard[i];
-    if (w == 1 && t == Tier::kDevice) continue;
-    np_sum += p;
-    np_largest = std::max(np_largest, p);
+  for (const detail::UnitLayout& u : layout) {
+    shard.push_back(u.shard);
+    total_padded += u.padded;
+    total_shard += u.shard;
+    largest_padded = std::max(largest_padded, u.padded);
+    largest_shard = std::max(largest_shard, u.shard);
+    if (u.persistent) persistent_padded += u.padded;
+    if (u.resident) continue;
+    np_sum += u.padded;
+    np_largest = std::max(np_largest, u.padded);
   }
   const auto scaled = [&](std::uint64_t k) {
     std::vector<std::uint64_t> v;
@@ -147,8 +133,11 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   std::array<std::uint64_t, 3> param_tiers{};
   std::uint64_t live = 0;
   if (config.stage == 3) {
-    param_tiers =
-        b.place(fmt::format("compute weights ({} shard)", cname), config.params, scaled(c));
+    // Persistent units have no shard of their own (their gathered weights are the line below).
+    for (const detail::UnitLayout& u : layout)
+      if (!u.persistent) param_tiers[static_cast<int>(u.w)] += u.shard * c;
+    for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme})
+      b.add(fmt::format("compute weights ({} shard)", cname), t, param_tiers[static_cast<int>(t)]);
     b.add(fmt::format("persistent units (gathered, <= {} elements)",
                       config.param_persistence_threshold),
           Tier::kDevice, persistent_padded * c);
@@ -202,6 +191,19 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, nvme_w);
     b.add("early optimizer step: new device weights until switched", Tier::kHost,
           total_shard * c - host_w - nvme_w);
+  }
+
+  {
+    // The swap store grows its files a whole aio.block_size stripe at a time; the parameters
+    // and the optimizer state each have a store, or share one when they share the paths.
+    const int N = static_cast<int>(Tier::kNvme);
+    const std::uint64_t copies = b.plan.early_optimizer_step ? 2 : 1;
+    const std::uint64_t w_bytes = param_tiers[N] * copies, o_bytes = opt_tiers[N] * copies;
+    const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
+    const auto slack = [&](std::uint64_t bytes) { return (bytes + stripe - 1) / stripe * stripe - bytes; };
+    const bool shared = w_bytes > 0 && config.optimizer_nvme_paths == config.param_nvme_paths;
+    b.add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)), Tier::kNvme,
+          shared ? slack(w_bytes + o_bytes) : slack(w_bytes) + slack(o_bytes));
   }
 
   MemoryPlan& plan = b.plan;
@@ -304,8 +306,26 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   return plan;
 }
 
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank) {
+  const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;
+  const bool optimizer = config.optimizer.nvme_fraction() > 0;
+  if (!params && !optimizer) return UINT64_MAX;
+  std::vector<std::string> paths;
+  const auto use = [&](const std::vector<std::string>& list, const char* key) {
+    for (const std::string& p : list) {
+      SwapStore::free_bytes({p}, rank, key);  // names the key of a missing directory
+      if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
+    }
+  };
+  if (params) use(config.param_nvme_paths, "offload_param.nvme_path");
+  if (optimizer) use(config.optimizer_nvme_paths, "offload_optimizer.nvme_path");
+  return SwapStore::free_bytes(paths, rank, "nvme_path");
+}
+
 std::string MemoryPlan::table() const {
-  std::string out = fmt::format("{:<7} {:<56} {:>16} {:>12}\n", "tier", "what", "bytes", "size");
+  std::size_t width = 40;  // the "what" column: as wide as its longest line
+  for (const PlanLine& l : lines) width = std::max(width, l.what.size());
+  std::string out = fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "tier", "what", width, "bytes", "size");
   const std::array<std::pair<Tier, std::pair<std::uint64_t, std::uint64_t>>, 3> tiers = {{
       {Tier::kDevice, {device_bytes, device_capacity}},
       {Tier::kHost, {host_bytes, host_capacity}},
@@ -314,12 +334,15 @@ std::string MemoryPlan::table() const {
   for (const auto& [tier, use] : tiers) {
     for (const PlanLine& l : lines) {
       if (l.tier == tier)
-        out += fmt::format("{:<7} {:<56} {:>16} {:>12}\n", tier_name(tier), l.what, l.bytes,
-                           human(l.bytes));
+        out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), l.what, width, l.bytes, human(l.bytes));
     }
     const auto [bytes, cap] = use;
-    out += fmt::format("{:<7} {:<56} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier),
-                       "total", bytes, human(bytes), human(cap), cap,
+    if (cap == UINT64_MAX) {  // no NVMe path in use: nothing to check against
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), "total", width, bytes, human(bytes));
+      continue;
+    }
+    out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier), "total", width,
+                       bytes, human(bytes), human(cap), cap,
                        bytes <= cap ? "ok" : fmt::format("OVER by {}", human(bytes - cap)));
   }
   out += fits ? "verdict: fits\n" : "verdict: does not fit\n";

@@ -281,13 +281,12 @@ TrainResult train(const TrainOptions& o) {
     in.world_size = world;
     in.device_capacity = dev->stats().capacity_bytes;
     in.host_capacity = ecfg.host_budget_bytes;
-    in.nvme_capacity = UINT64_MAX;
+    in.nvme_capacity = nvme_capacity(ecfg, rank);
     const MemoryPlan plan = plan_memory(ecfg, in);
     if (con) {
       std::fprintf(con, "%s %s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
                    demo_model ? "(demo)" : "", std::size_t(total_numel), units.size(), world,
                    std::string(dtype_name(ecfg.compute_dtype)).c_str(), dev->name().c_str(), plan.table().c_str());
-      for (const auto& p : plan.problems) std::fprintf(con, "does not fit: %s\n", p.c_str());
     }
     return {};
   }

@@ -1,0 +1,42 @@
+#include "scheduler/layout.h"
+
+#include "strata/error.h"
+
+namespace strata::detail {
+
+std::uint64_t padded_numel(std::uint64_t numel, int world) {
+  const std::uint64_t align = kShardAlign * std::uint64_t(world);
+  return (numel + align - 1) / align * align;
+}
+
+std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world) {
+  STRATA_REQUIRE(world >= 1, "layout: world size {} must be at least 1", world);
+  std::vector<UnitLayout> u(numel.size());
+  double w_total = 0, g_total = 0, o_total = 0;
+  for (std::size_t i = 0; i < u.size(); ++i) {
+    u[i].numel = numel[i];
+    u[i].padded = padded_numel(numel[i], world);
+    u[i].shard = u[i].padded / std::uint64_t(world);
+    u[i].persistent = c.stage < 3 || numel[i] <= c.param_persistence_threshold;
+    if (!u[i].persistent) w_total += double(u[i].shard);
+    g_total += double(u[i].shard);
+    o_total += double(u[i].shard);
+  }
+  double w_pos = 0, g_pos = 0, o_pos = 0;
+  for (UnitLayout& x : u) {
+    if (!x.persistent) {
+      x.w = c.params.tier_at(w_pos, w_total);
+      w_pos += double(x.shard);
+    }
+    x.g = c.grads.tier_at(g_pos, g_total);
+    g_pos += double(x.shard);
+    STRATA_REQUIRE(x.g != Tier::kNvme, "gradient shards cannot live on NVMe: set "
+                   "zero_optimization.offload_grads to \"none\" or \"cpu\"");
+    x.o = c.optimizer.tier_at(o_pos, o_total);
+    o_pos += double(x.shard);
+    x.resident = x.persistent || (world == 1 && x.w == Tier::kDevice);
+  }
+  return u;
+}
+
+}  // namespace strata::detail

@@ -1,0 +1,37 @@
+// Where each fetch unit's pieces live: the one rule that Engine::finalize lays the units out
+// by, and that the memory planner and the perf model follow. Kept in one place so that the
+// plan's bytes, the model's replay and the engine's allocations cannot drift apart.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "strata/engine_config.h"
+
+namespace strata::detail {
+
+// Each unit's flat buffer is padded to a multiple of world * kShardAlign elements, so every
+// rank's shard is a whole number of 4 KiB pages of bf16 (the smallest useful I/O).
+constexpr std::uint64_t kShardAlign = 2048;
+
+std::uint64_t padded_numel(std::uint64_t numel, int world);
+
+struct UnitLayout {
+  std::uint64_t numel = 0, padded = 0, shard = 0;  // elements; shard = padded / world
+  // Full weights on the device for good, with no compute-weight shard of their own: stage < 3,
+  // or at most stage3_param_persistence_threshold elements.
+  bool persistent = false;
+  // Never gathered on use: persistent, or (one rank) a device-tier shard, which is the whole
+  // unit already.
+  bool resident = false;
+  // The compute-weight shard (placed by `params` over the non-persistent units only), the fp32
+  // gradient shard (by `grads`) and the optimizer state (by `optimizer`), each over the units
+  // in order by its first byte. `w` is kDevice for a persistent unit.
+  Tier w = Tier::kDevice, g = Tier::kDevice, o = Tier::kDevice;
+};
+
+// Refuses gradient shards on NVMe (the reducer accumulates them in memory).
+std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world);
+
+}  // namespace strata::detail
