@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -71,17 +72,36 @@ std::unique_ptr<Device> make_test_device(const HostDeviceOptions& o) {
 std::unique_ptr<Device> make_test_device(const HostDeviceOptions& o) { return make_host_device(o); }
 #endif
 
+// One rank: the device, a local communicator, an engine with `model` registered and finalized,
+// and the model's compute stream.
+struct Rig {
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<Stream> stream;
+  Rig(const HostDeviceOptions& d, const EngineConfig& cfg, const LinearModel& model) : dev(make_test_device(d)) {
+    CommOptions co;
+    co.backend = CommBackend::kLocal;
+    comm = make_communicator(*dev, co);
+    engine = std::make_unique<Engine>(*dev, *comm, cfg);
+    model.register_units(*engine);
+    engine->finalize();
+    stream = dev->create_stream("compute");
+  }
+  // Forward and backward of micro-batch `mb` of the model's data.
+  double micro_batch(const LinearModel& model, int mb) {
+    return model.micro_batch(*engine, *dev, *stream, LinearModel::data(model.dims.front(), model.batch, 0, mb, 1),
+                             LinearModel::data(model.dims.back(), model.batch, 0, mb, 2));
+  }
+};
+
 RunOut train(const RunSetup& su, const LinearModel& model) {
-  auto dev = make_test_device(su.dev);
-  CommOptions co;
-  co.backend = CommBackend::kLocal;
-  auto comm = make_communicator(*dev, co);
   EngineConfig cfg = su.cfg;
   cfg.gradient_accumulation_steps = su.accum;
-  Engine e(*dev, *comm, cfg);
-  model.register_units(e);
-  e.finalize();
-  auto s = dev->create_stream("compute");
+  Rig rig(su.dev, cfg, model);
+  Engine& e = *rig.engine;
+  Device* dev = rig.dev.get();
+  Stream* s = rig.stream.get();
   RunOut out;
   const int B = model.batch;
   for (int step = 0; step < su.steps; ++step) {
@@ -359,6 +379,86 @@ TEST(Engine, NvmeFilesHoldWhatThePlanSaysWithPersistentUnits) {
   }
 }
 
+// Work the compute stream queues on a unit after its last reduce_grad but before release()
+// (the header: the unit is in use until the work queued before release() completes). A
+// resident unit's weights are rewritten in place by step() — the optimizer's copy-out, or the
+// fetch stream's switch to a kept early result — and must not be before that read.
+TEST(Engine, StepWaitsForComputeReadsQueuedBeforeRelease) {
+  STRATA_NEEDS_DEVICE();
+  struct Case {
+    Tier params, optimizer;
+    bool resident, early;
+  };
+  for (const Case c : {Case{Tier::kHost, Tier::kHost, false, false},  // gathered: drop() waits already
+                       Case{Tier::kDevice, Tier::kDevice, true, false}, Case{Tier::kDevice, Tier::kHost, true, false},
+                       Case{Tier::kDevice, Tier::kHost, true, true}}) {
+    const std::string what = fmt::format("params {}, optimizer {}, resident {}, early step {}", tier_name(c.params),
+                                         tier_name(c.optimizer), c.resident, c.early);
+    const LinearModel model({24, 40, 33, 16}, 4, 7);
+    EngineConfig cfg = default_engine_config();
+    cfg.compute_dtype = DType::kF32;
+    cfg.params = on(c.params);
+    cfg.optimizer = on(c.optimizer);
+    cfg.grads = on(Tier::kHost);
+    cfg.overlap_optimizer = c.early;
+    cfg.host_budget_bytes = 64 << 20;
+    if (!c.resident) cfg.param_persistence_threshold = 0;
+    Rig rig(HostDeviceOptions{}, cfg, model);
+    Engine& e = *rig.engine;
+    Stream* s = rig.stream.get();
+    for (int step = 0; step < 2; ++step) {  // the first records the order the early step follows
+      rig.micro_batch(model, step);
+      e.step(1e-2f);
+    }
+    const std::size_t n0 = e.unit_numel(0);
+    std::vector<float> before(n0), seen(n0, -1.0f);
+    {
+      TensorRef w = e.fetch(0, *s);
+      s->copy(host_ref(before.data(), n0 * 4), w.mem);
+      e.release(0, *s);
+      s->synchronize();
+    }
+    for (int l = model.layers() - 1; l >= 0; --l) {
+      TensorRef w = e.fetch(l, *s);
+      TensorRef g = e.grad_buffer(l, *s);
+      s->fill(g, 0.01f);
+      e.reduce_grad(l, *s);
+      if (l == 0) {  // a read of unit 0's weights behind a slow op, after its reduce_grad
+        s->host_fn([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, "slow");
+        s->copy(host_ref(seen.data(), n0 * 4), w.mem);
+      }
+      e.release(l, *s);
+    }
+    e.step(1e-2f);
+    s->synchronize();
+    EXPECT_TRUE(seen == before) << what << ": the compute stream read unit 0's weights after step() rewrote them";
+    if (c.early) {
+      EXPECT_GT(e.stats().early_units_kept, 0u) << what;
+    }
+  }
+}
+
+// An fp16 overflow skips the step; the next forward still follows the recorded order.
+TEST(Engine, OverflowSkippedStepKeepsThePrefetchTrace) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 31);
+  RunSetup f;
+  f.steps = 6;
+  f.cfg.compute_dtype = DType::kF16;
+  f.cfg.fp16.enabled = true;
+  f.cfg.fp16.initial_scale_power = 8;
+  f.cfg.fp16.hysteresis = 1;
+  f.cfg.params = on(Tier::kHost);
+  f.cfg.optimizer = on(Tier::kHost);
+  f.cfg.grads = on(Tier::kHost);
+  f.cfg.param_persistence_threshold = 0;
+  f.cfg.host_budget_bytes = 64 << 20;
+  f.inf_step = 3;
+  const RunOut r = train(f, model);
+  ASSERT_TRUE(r.results[3].skipped);
+  EXPECT_EQ(r.stats.trace_rebuilds, 0u) << "the skipped step left the trace position at its end";
+}
+
 // The linear model's loss and gradients in double on the host.
 struct Reference {
   std::vector<std::vector<double>> w;  // per layer [out, in]
@@ -523,6 +623,14 @@ RunSetup early_setup(const TempDir& nv, Tier optimizer) {
   return s;
 }
 
+// The early step with its state on NVMe, new weights to the device, and one I/O fault.
+RunSetup early_nvme_with(const TempDir& nv, const Fault& fault) {
+  RunSetup s = early_setup(nv, Tier::kNvme);
+  s.cfg.params = on(Tier::kDevice);
+  s.cfg.aio.inject_faults = {fault};
+  return s;
+}
+
 RunSetup without_early(RunSetup s) {
   s.cfg.overlap_optimizer = false;
   return s;
@@ -675,40 +783,62 @@ TEST(Engine, DestroyedWithKeptWorkBehindTheStepEndsCleanly) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 36);
   TempDir nv;
-  RunSetup s = early_setup(nv, Tier::kNvme);
-  s.cfg.params = on(Tier::kDevice);
-  s.cfg.aio.inject_faults = {{FaultKind::kDelay, 9, 200}};  // step 2's first early read
-  auto dev = make_test_device(s.dev);
-  CommOptions co;
-  co.backend = CommBackend::kLocal;
-  auto comm = make_communicator(*dev, co);
-  auto stream = dev->create_stream("compute");
-  {
-    Engine e(*dev, *comm, s.cfg);
-    model.register_units(e);
-    e.finalize();
-    for (int step = 0; step < 2; ++step) {
-      model.micro_batch(e, *dev, *stream, LinearModel::data(model.dims.front(), model.batch, 0, step, 1),
-                        LinearModel::data(model.dims.back(), model.batch, 0, step, 2));
-      e.step(s.lr);
-    }
-    EXPECT_GE(e.stats().early_units_finished_behind, 2u);
+  const RunSetup s = early_nvme_with(nv, {FaultKind::kDelay, 9, 200});  // step 2's first early read
+  Rig rig(s.dev, s.cfg, model);
+  for (int step = 0; step < 2; ++step) {
+    rig.micro_batch(model, step);
+    rig.engine->step(s.lr);
   }
-  dev->synchronize();
+  EXPECT_GE(rig.engine->stats().early_units_finished_behind, 2u);
+  rig.engine.reset();
+  rig.dev->synchronize();
 }
 
 TEST(Engine, AnIoErrorInTheEarlyStepIsAClearErrorNotAHang) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 34);
   TempDir nv;
-  RunSetup s = early_setup(nv, Tier::kNvme);
-  s.steps = 3;
-  s.cfg.params = on(Tier::kDevice);
   // Start-up writes 3 chunks, step 1 reads 3 and writes 3 (chunks 0-8); step 2's I/O is the
   // early step's: reads of the current state and writes of the second copy.
-  s.cfg.aio.inject_faults = {{FaultKind::kEio, 10}};
+  RunSetup s = early_nvme_with(nv, {FaultKind::kEio, 10});
+  s.steps = 3;
   const std::string w = error_of_train(s, model, "an I/O error");
   EXPECT_NE(w.find("swap key 'o"), std::string::npos) << w;
+}
+
+// ... and once the worker has failed, whatever needs the state it left throws that error again
+// (the engine used to throw an internal check on the second call).
+TEST(Engine, AfterAnEarlyStepIoErrorTheStateThrowsThatErrorAgain) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 34);
+  TempDir nv;
+  const RunSetup su = early_nvme_with(nv, {FaultKind::kEio, 10});
+  Rig rig(su.dev, su.cfg, model);
+  Engine& e = *rig.engine;
+  std::string first;
+  for (int step = 0; step < 3 && first.empty(); ++step) {
+    try {
+      e.set_next_lr(su.lr);
+      rig.micro_batch(model, step);
+      e.step(su.lr);
+    } catch (const Error& x) {
+      first = x.what();
+    }
+  }
+  ASSERT_NE(first.find("swap key 'o"), std::string::npos) << first;
+  for (int l = 0; l < model.layers(); ++l) {
+    try {
+      e.master_shard(l);
+    } catch (const Error& x) {
+      EXPECT_EQ(std::string(x.what()), first) << "layer " << l;
+    }
+  }
+  try {
+    e.step(su.lr);
+    ADD_FAILURE() << "a step after the worker failed went through";
+  } catch (const Error& x) {
+    EXPECT_EQ(std::string(x.what()), first);
+  }
 }
 
 TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {

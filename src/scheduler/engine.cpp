@@ -291,6 +291,7 @@ struct Engine::Impl {
     }
     if (u.resident) {
       if (first) u.full = dev.alloc(u.padded * c_size);
+      if (u.released.valid()) up.wait(u.released);  // the compute stream's last read of the old
       const TensorRef block = view(u.full, ct, u.shard, std::size_t(rank) * u.shard);
       up.copy(block.mem, host_ref(w->data(), u.shard * c_size));
       if (world > 1) comm.all_gather(block, view(u.full, ct, u.padded), up);
@@ -502,7 +503,8 @@ struct Engine::Impl {
     }
     if (!u.resident && u.w_tier == Tier::kNvme) st.nvme_written_bytes += u.shard * c_size;
   }
-  // The worker's error (an I/O fault, say), once every write it issued has settled.
+  // The worker's error (an I/O fault, say), once every write it issued has settled. Kept: the
+  // state it left is not usable, so every later call that needs it throws the same error.
   [[noreturn]] void rethrow_early_error() {
     wait_early_idle();
     for (auto& u : units)
@@ -511,7 +513,7 @@ struct Engine::Impl {
     std::exception_ptr error;
     {
       std::lock_guard<std::mutex> lk(early_mu);
-      error = std::exchange(early_error, nullptr);
+      error = early_error;
     }
     STRATA_CHECK(error != nullptr, "rethrow_early_error without an error");
     std::rethrow_exception(error);
@@ -949,9 +951,10 @@ void Engine::release(int unit, Stream& compute) {
   Unit& u = s.units.at(std::size_t(unit));
   STRATA_REQUIRE(u.in_use > 0, "Engine::release('{}') without a matching fetch", u.name);
   --u.in_use;
-  if (u.resident) return;
+  // A resident unit stays, but its weights are overwritten in place by step() (the optimizer's
+  // copy-out, the early step's switch) and load_state: after this event.
   u.released = compute.record();
-  if (u.in_use > 0) return;
+  if (u.resident || u.in_use > 0) return;
   // Keep it gathered if the trace uses it again soon and the budget allows.
   if (!s.recording) {
     const std::size_t nu = s.next_use(unit, s.pos);
@@ -1032,6 +1035,14 @@ StepResult Engine::step(float lr) {
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   Stream& os = *s.opt_s;
+  // Resident units' weights are rewritten in place below and after (the optimizer stream's
+  // copy-out, the fetch stream's switch to kept early results): only once the compute stream
+  // has done what it queued before release(), which the last reduce_grad need not cover.
+  for (const Unit& u : s.units) {
+    if (!u.resident || !u.released.valid()) continue;
+    os.wait(u.released);
+    s.fetch_s->wait(u.released);
+  }
   for (std::size_t ui = 0; ui < s.units.size(); ++ui)  // no gradient this step: still last step's
     if (s.units[ui].g_tier == Tier::kHost && s.grads_now[ui] == 0)
       std::memset(s.units[ui].g_host->data(), 0, s.units[ui].shard * 4);
@@ -1194,10 +1205,17 @@ StepResult Engine::step(float lr) {
       if (u.g_tier == Tier::kDevice) os.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
     os.synchronize();
   };
+  // The next forward starts the recorded order again, whether this step updates or is skipped.
+  auto rewind_trace = [&] {
+    s.recording = false;
+    s.pos = 0;
+    s.fetch_seq = 0;
+  };
   if (overflow) {
     if (!s.cfg.fp16.enabled)
       log::warn("step {}: the gradient norm is not finite; the step is skipped", s.steps_taken + 1);
     zero_grads();
+    rewind_trace();
     r.skipped = true;
     r.step = s.steps_taken;
     return r;
@@ -1236,6 +1254,7 @@ StepResult Engine::step(float lr) {
     Unit& u = s.units[nvme_units[k]];
     auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
     IoHandle h = s.o_store->read(s.o_key(nvme_units[k]), b->data(), 3 * u.shard * 4);
+    h.on_complete([b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
     s.st.nvme_read_bytes += 3 * u.shard * 4;
     reads[nvme_units[k]] = {b, h};
   };
@@ -1382,9 +1401,7 @@ StepResult Engine::step(float lr) {
   // the rest. Local only: a resident unit's all-gather still waits for its fetch.
   s.finish_done_ahead();
 
-  if (s.recording) s.recording = false;
-  s.pos = 0;
-  s.fetch_seq = 0;
+  rewind_trace();
   r.step = ++s.steps_taken;
   return r;
 }
