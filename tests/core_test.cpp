@@ -30,6 +30,13 @@ TEST(Error, CarriesKindCallFileLineAndFix) {
     const std::string what = e.what();
     EXPECT_NE(what.find("n must be positive, got 0"), std::string::npos) << what;
     EXPECT_NE(what.find("core_test.cpp:"), std::string::npos) << what;
+    // What a tool prints: the message and the fix, no source location.
+    EXPECT_EQ(e.user_message(), "invalid argument: n must be positive, got 0; pass --n 1 or more");
+  }
+  try {
+    STRATA_CHECK(1 + 1 == 3, "arithmetic");
+  } catch (const Error& e) {
+    EXPECT_NE(e.user_message().find("core_test.cpp:"), std::string::npos) << "a bug report needs the place";
   }
 }
 

@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
+#include "core/json_config.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -307,7 +309,7 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'zero_optimization.stage' is 0:", "plain data parallel", "1, 2 or 3"}},
       {R"({"zero_optimization": {"stage": 4}})", {"'zero_optimization.stage' = 4", "1, 2 or 3"}},
       {R"({"zero_optimization": {"stage": "3"}})",
-       {"'zero_optimization.stage'", "must be a number"}},
+       {"'zero_optimization.stage'", "use 1, 2 or 3 (a number)"}},
       {R"({"zero_optimization": 3})", {"'zero_optimization' must be an object"}},
       {R"({"gradient_clipping": -1, "zero_optimization": {"stage": 3}})", {"'gradient_clipping'"}},
       {R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})",
@@ -389,6 +391,16 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'strata.overlap_optimizer'"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",
        {"'strata.optimizer_threads'"}},
+      // A key a typo away from one strata reads would leave that setting at its default.
+      {R"({"zero_optimisation": {"stage": 3}})", {"'zero_optimisation'", "did you mean 'zero_optimization'"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimzer": {"device": "cpu"}}})",
+       {"'zero_optimization.offload_optimzer'", "did you mean 'zero_optimization.offload_optimizer'"}},
+      {R"({"zero_optimization": {"stage": 3, "Overlap_Comm": false}})", {"did you mean 'zero_optimization.overlap_comm'"}},
+      {R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 1048576, "queue_dpeth": 8}})",
+       {"'aio.queue_dpeth'", "did you mean 'aio.queue_depth'"}},
+      {R"({"zero_optimization": {"stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}})",
+       {"'zero_optimization.stage3_max_live_parameters'", "'zero_optimization.max_live_parameters'", "same setting"}},
+      {R"({"zero_optimization": {"stage": "three"}})", {"'zero_optimization.stage'", "1, 2 or 3"}},
   };
   for (const Case& t : cases) {
     const std::string e = error_of(t.json);
@@ -397,6 +409,64 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
           << "config: " << t.json << "\nerror: " << e << "\nmissing: " << needle;
     }
   }
+}
+
+// DeepSpeed's other spellings are read; keys strata does not use, however close to each other
+// (DeepSpeed's "amp" is one edit from "aio"), only warn.
+TEST(EngineConfig, DeepSpeedAliasesAreReadAndUnusedKeysOnlyWarn) {
+  const EngineConfig c = parse_engine_config(R"({"amp": {"enabled": false}, "steps_per_print": 10,
+      "zero_optimization": {"stage": 3, "prefetch_bucket_size": 1e6, "max_live_parameters": 2e6,
+                            "max_reuse_distance": 3e6, "param_persistence_threshold": 4e3,
+                            "round_robin_gradients": true, "stage3_model_persistence_threshold": 1e9}})");
+  EXPECT_EQ(c.prefetch_bucket_size, 1'000'000u);
+  EXPECT_EQ(c.max_live_parameters, 2'000'000u);
+  EXPECT_EQ(c.max_reuse_distance, 3'000'000u);
+  EXPECT_EQ(c.param_persistence_threshold, 4'000u);
+  // Both names with one value: fine.
+  EXPECT_EQ(parse_engine_config(
+                R"({"zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_max_live_parameters": 7}})")
+                .max_live_parameters,
+            7u);
+}
+
+TEST(EngineConfig, NearMissFindsTyposOnly) {
+  EXPECT_EQ(config::near_miss("queue_dpeth", {"block_size", "queue_depth"}), "queue_depth");  // swapped letters
+  EXPECT_EQ(config::near_miss("nvme_paths", {"nvme_path", "device"}), "nvme_path");
+  EXPECT_EQ(config::near_miss("Pin-Memory", {"pin_memory"}), "pin_memory");
+  EXPECT_EQ(config::near_miss("amp", {"aio"}), "");       // too short to guess
+  EXPECT_EQ(config::near_miss("ratios", {"ratio"}), "ratio");
+  EXPECT_EQ(config::near_miss("radius", {"ratio"}), "");  // two edits on a short key
+  EXPECT_EQ(config::near_miss("reduce_scatter", {"reduce_bucket_size"}), "");
+  EXPECT_EQ(config::near_miss("stage3_model_persistence_threshold", {"stage3_param_persistence_threshold"}), "");
+}
+
+// DeepSpeed's schedules, by hand from lr_schedules.py: step t runs with iteration t - 2.
+TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
+  auto sched = [](const char* type, const char* params) {
+    return parse_engine_config(std::string(R"({"zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": ")") + type +
+                               R"(", "params": )" + params + "}}");
+  };
+  EngineConfig c = sched("WarmupLR", R"({"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10})");
+  EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 1), 0.0);  // iteration -1: the minimum
+  EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 2), 0.0);  // log(1) = 0
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 3), 1e-3 * std::log(2.0) / std::log(10.0), 1e-15);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 5000), 1e-3);
+  c = sched("WarmupLR", R"({"warmup_num_steps": 10, "warmup_type": "linear"})");  // no maximum: the optimizer's lr
+  const double lr = c.adamw.lr;  // 2e-3 as a float
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 7), lr * 0.5);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), lr);
+  c = sched("WarmupDecayLR", R"({"warmup_max_lr": 1e-2, "warmup_num_steps": 10, "total_num_steps": 110,
+                                 "warmup_type": "linear"})");
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-2);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 62), 5e-3);
+  EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 200), 0.0);
+  c = sched("WarmupCosineLR", R"({"warmup_num_steps": 10, "total_num_steps": 110})");
+  EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 1), 0.0);
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 61), lr * (1e-4 + (1 - 1e-4) * 0.5), 1e-15);  // halfway
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 111), lr * 1e-4, 1e-15);  // the end: cos_min_ratio
+  EXPECT_DOUBLE_EQ(scheduled_lr(LrScheduleConfig{}, 3e-4, 7), 3e-4);  // no scheduler: constant
 }
 
 // ---- placements ----

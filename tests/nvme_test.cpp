@@ -112,6 +112,9 @@ TEST(AioConfig, BadValuesNameTheKeyAndAllowedValues) {
   expect_config_error(R"({"thread_count": 2, "intra_op_parallelism": 4})", "disagree");
   expect_config_error(R"({"aio": [1]})", "must be an object");
   expect_config_error(R"({"queue_depth": )", "not valid JSON");
+  // A typo among good keys: named, not taken for a ds_config without aio (the defaults, silently).
+  expect_config_error(R"({"block_size": 1048576, "queue_dpeth": 8})", "did you mean 'aio.queue_depth'");
+  expect_config_error(R"({"queue_dpeth": 8})", "did you mean 'aio.queue_depth'");
 }
 
 // ---- engines ----

@@ -363,6 +363,21 @@ TEST(ProfCli, BadInputIsAClearError) {
   const auto r = testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json"}, d.path, "prof");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("missing.json"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(".cpp:"), std::string::npos) << "bad input needs no source location: " << r.err;
+  // With --json, the last line of stdout says why there are no figures.
+  const auto j = testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json", "--json"}, d.path, "json");
+  EXPECT_EQ(j.status, 1);
+  const std::string last = j.out.substr(j.out.rfind('{'));
+  const auto obj = nlohmann::json::parse(last);
+  EXPECT_NE(obj.at("error").get<std::string>().find("missing.json"), std::string::npos) << last;
+  EXPECT_EQ(obj.at("kind").get<std::string>(), "I/O error") << last;
+  // A bad command line exits 1 too (not CLI11's own codes), and a missing --nvme-path is refused
+  // (not created: a typo must not profile another drive).
+  EXPECT_EQ(testing::run(STRATA_PROF_BIN, {"--validate", "abc"}, d.path, "flag").status, 1);
+  const auto nv = testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/nope"}, d.path, "nvme");
+  EXPECT_EQ(nv.status, 1);
+  EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos) << nv.err;
+  EXPECT_FALSE(fs::exists(d.path + "/nope"));
 }
 #endif
 

@@ -195,12 +195,14 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"missing --text", {"--model-config", cfg, "--text", dir.path + "/nope.txt"},
        "--text " + dir.path + "/nope.txt: no such file"},
       {"--dtype bogus", args(log, {"--dtype", "bogus"}), "--dtype"},
+      {"--lr -1", args(log, {"--lr", "-1"}), "--lr: must be >= 0, got -1"},
+      {"--trace-step past the end", args(log, {"--trace", dir.path + "/t.json", "--trace-step", "9"}),
+       "--trace-step 9 is after the last step (--steps 4)"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     const Result r = train(c.args, "bad");
-    EXPECT_NE(r.status, 0) << r.err;
-    EXPECT_GT(r.status, 0) << "exited, not killed";
+    EXPECT_EQ(r.status, 1) << r.err;
     const std::string line = first_line(r.err);
     EXPECT_NE(line.find(c.expect), std::string::npos) << "stderr: " << r.err;
     EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
@@ -224,7 +226,7 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
     "offload_param": {"device": "nvme", "nvme_path": ")" + nv + R"("},
     "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
   const Result r = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan");
-  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.status, 2) << "--plan of a plan that does not fit\n" << r.err;
   struct statvfs sv {};
   ASSERT_EQ(::statvfs(nv.c_str(), &sv), 0);
   const std::uint64_t free_bytes = std::uint64_t(sv.f_bavail) * sv.f_frsize;
@@ -242,6 +244,37 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   const Result m2 = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan2");
   EXPECT_GT(m2.status, 0) << m2.out;
   EXPECT_NE(first_line(m2.err).find("offload_param.nvme_path"), std::string::npos) << m2.err;
+}
+
+// The --config's scheduler block sets each step's lr as DeepSpeed would (step t: iteration
+// t - 2); --warmup or --lr-schedule replaces it.
+TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {
+  const std::string ds = dir.path + "/ds.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 2,
+                  "total_num_steps": 6, "warmup_type": "linear"}}})";
+  const auto lrs = [](const std::string& path) {
+    std::vector<double> out;
+    std::ifstream f(path);
+    for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line).at("lr").get<double>());
+    return out;
+  };
+  const std::vector<std::string> base = {"--model-config", cfg, "--text", text, "--seq-len", "16", "--micro-batch", "2",
+                                         "--steps", "6", "--device", "cpu", "--config", ds};
+  std::vector<std::string> a = base;
+  a.insert(a.end(), {"--log-json", dir.path + "/ds.jsonl"});
+  const Result r = train(a, "ds-schedule");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<double> expect = {0, 0, 5e-3, 1e-2, 7.5e-3, 5e-3};
+  const std::vector<double> got = lrs(dir.path + "/ds.jsonl");
+  ASSERT_EQ(got.size(), expect.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-12) << "step " << i + 1;
+  a = base;
+  a.insert(a.end(), {"--log-json", dir.path + "/flags.jsonl", "--warmup", "0"});
+  const Result f = train(a, "flag-schedule");
+  ASSERT_EQ(f.status, 0) << f.err;
+  EXPECT_NE(f.err.find("scheduler 'WarmupDecayLR' is replaced by --warmup / --lr-schedule"), std::string::npos) << f.err;
+  for (double lr : lrs(dir.path + "/flags.jsonl")) EXPECT_NEAR(lr, 1e-3, 1e-9);  // the optimizer's lr, constant
 }
 
 TEST_F(TrainCli, ExistingOutNeedsOverwrite) {

@@ -24,6 +24,7 @@
 #include "bench_common.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
+#include "tool_main.h"
 
 namespace strata::bench {
 namespace {
@@ -267,10 +268,10 @@ void add_adam_command(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--params", args->params, "parameters per step (default 100M)")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2)")->delimiter(',');
   cmd->add_option("--reps", args->reps, "steps per measurement; the best is reported")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   cmd->add_flag("--skip-check", args->skip_check,
                 "run the kSkipStep pre-check pass too (its cost)");
   cmd->add_flag("--json", args->json, "print, last, one JSON object of the figures");

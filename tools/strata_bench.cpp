@@ -6,6 +6,7 @@
 #include "bench_common.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "tool_main.h"
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
@@ -17,13 +18,5 @@ int main(int argc, char** argv) {
   strata::bench::add_model_command(app);
   strata::bench::add_engine_command(app);
   strata::bench::add_gpu_command(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const strata::Error& e) {
-    std::fprintf(stderr, "strata-bench: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  return strata::tools::run_tool("strata-bench", app, argc, argv, [] { return 0; });
 }

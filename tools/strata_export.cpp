@@ -35,6 +35,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trainer.h"
+#include "tool_main.h"
 
 namespace {
 
@@ -305,15 +306,9 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite", o.overwrite, "replace an existing, non-empty OUT_DIR");
   app.add_option("--model-config", o.model_config, "the model's config.json (default: the checkpoint manifest's)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   try {
-    app.parse(argc, argv);
-    return run(o);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const strata::Error& e) {
-    std::fprintf(stderr, "strata-export: %s\n", e.what());
-    return 1;
+    return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "strata-export: %s\n", e.what());
     return 1;

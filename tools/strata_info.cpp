@@ -20,6 +20,7 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/pinned_pool.h"
+#include "tool_main.h"
 
 namespace strata {
 namespace {
@@ -212,17 +213,7 @@ json self_check(const std::string& which) {
           {"sum_squares_rel_err", sumsq_err}};
 }
 
-int run(int argc, char** argv) {
-  CLI::App app{"strata-info: what this build of strata contains and what this machine offers it"};
-  bool as_json = false, check = false;
-  app.add_flag("--json", as_json, "also print one JSON object with everything, last");
-  app.add_flag("--self-check", check, "run a short correctness check on every usable device");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-
+int report(bool as_json, bool check) {
   json out;
   out["build"] = report_build();
   out["host"] = report_cpu();
@@ -247,7 +238,7 @@ int run(int argc, char** argv) {
     }
     out["self_check"] = checks;
   }
-  if (as_json) std::printf("%s\n", out.dump(2).c_str());
+  if (as_json) std::printf("%s\n", out.dump().c_str());  // one line, like every --json
   return all_ok ? 0 : 1;
 }
 
@@ -256,10 +247,9 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
-  try {
-    return strata::run(argc, argv);
-  } catch (const strata::Error& e) {
-    std::fprintf(stderr, "strata-info: %s\n", e.what());
-    return 1;
-  }
+  CLI::App app{"strata-info: what this build of strata contains and what this machine offers it"};
+  bool as_json = false, check = false;
+  app.add_flag("--json", as_json, "also print one JSON object with everything, last");
+  app.add_flag("--self-check", check, "run a short correctness check on every usable device");
+  return strata::tools::run_tool("strata-info", app, argc, argv, [&] { return strata::report(as_json, check); });
 }

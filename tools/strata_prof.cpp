@@ -48,6 +48,7 @@
 #include "strata/pinned_pool.h"
 #include "strata/trace.h"
 #include "strata/trainer.h"
+#include "tool_main.h"
 
 namespace strata {
 namespace {
@@ -697,11 +698,17 @@ int run(Args a) {
   std::string nvme_dir;
   const bool use_nvme = !a.no_nvme;
   if (use_nvme) {
-    nvme_dir = a.nvme_path.empty() ? default_scratch_dir("prof-nvme") : a.nvme_path;
     std::error_code ec;
-    fs::create_directories(nvme_dir, ec);
-    STRATA_REQUIRE(fs::is_directory(nvme_dir), "--nvme-path {}: not a directory and cannot be created ({})", nvme_dir,
-                   ec.message());
+    if (a.nvme_path.empty()) {
+      nvme_dir = default_scratch_dir("prof-nvme");
+      fs::create_directories(nvme_dir, ec);
+      STRATA_REQUIRE(fs::is_directory(nvme_dir), "cannot create the default NVMe folder {} ({}): give --nvme-path DIR",
+                     nvme_dir, ec.message());
+    } else {  // the drive to measure: a typo must not measure another one
+      nvme_dir = a.nvme_path;
+      STRATA_REQUIRE(fs::is_directory(nvme_dir, ec), "--nvme-path {}: no such directory; create it on the drive to "
+                     "profile, or leave the flag out (a scratch folder, or --no-nvme)", nvme_dir);
+    }
   }
   const int rank = launch.rank;
   const bool talk = rank == 0;
@@ -969,20 +976,20 @@ int main(int argc, char** argv) {
   app.add_option("--aio", a.aio_file, "an aio block from strata-bench nvme --sweep --out FILE");
   app.add_option("--data", a.data_files, "token file(s) for --validate (default: random tokens)");
   app.add_option("--text", a.text_file, "a text file for --validate (byte-level models)");
-  app.add_option("--seq-len", a.seq_len, "tokens per sequence (default 128 demo, else 1024)")->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", a.seq_len, "tokens per sequence (default 128 demo, else 1024)")->check(strata::tools::kPositive);
   app.add_option("--micro-batch", a.micro_batch, "sequences per micro-batch (default 4 demo, else 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   app.add_option("--micro-batches", a.micro_batches, "micro-batch sizes to search (default B/2, B, 2B)");
-  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step")->check(strata::tools::kPositive);
   app.add_option("--dtype", a.dtype, "compute dtype")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--device", a.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--device-mem-gb", a.device_mem_gb, "device memory to plan for, GiB (the emulated device's cap)")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   app.add_option("--host-mem-gb", a.host_mem_gb, "pinned host memory to plan for, GiB (default 80% of RAM)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")->check(CLI::NonNegativeNumber);
-  app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")->check(CLI::NonNegativeNumber);
-  app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kPositive);
+  app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")->check(strata::tools::kNonNegative);
+  app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")->check(strata::tools::kNonNegative);
+  app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")->check(strata::tools::kNonNegative);
   app.add_option("--nvme-path", a.nvme_path,
                  "folder on the NVMe drive (default <build>/prof-nvme, or ~/.cache/strata/prof-nvme installed)");
   app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
@@ -994,13 +1001,5 @@ int main(int argc, char** argv) {
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
   app.add_option("--trace", a.trace, "Chrome trace of the recommended configuration (with --validate)");
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
-  try {
-    app.parse(argc, argv);
-    return strata::run(a);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const strata::Error& e) {
-    std::fprintf(stderr, "strata-prof: %s\n", e.what());
-    return 1;
-  }
+  return strata::tools::run_tool("strata-prof", app, argc, argv, [&] { return strata::run(a); });
 }

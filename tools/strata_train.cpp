@@ -9,6 +9,7 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trainer.h"
+#include "tool_main.h"
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
@@ -23,58 +24,53 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes"}));
   app.add_option("--text", o.text_file, "a text file trained on byte by byte (vocabulary 256)");
   app.add_option("--config", o.ds_config, "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
-  app.add_option("--seq-len", o.seq_len, "tokens per sequence")->check(CLI::PositiveNumber);
-  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(CLI::PositiveNumber);
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "optimizer steps (default 60)")->check(CLI::PositiveNumber);
-  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")->check(CLI::NonNegativeNumber);
-  app.add_option("--warmup", o.warmup, "linear warmup steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--lr-schedule", o.lr_schedule, "after warmup")->check(CLI::IsMember({"const", "cosine"}));
+  app.add_option("--seq-len", o.seq_len, "tokens per sequence")->check(strata::tools::kPositive);
+  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(strata::tools::kPositive);
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(strata::tools::kPositive);
+  app.add_option("--steps", o.steps, "optimizer steps (default 60)")->check(strata::tools::kPositive);
+  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")->check(strata::tools::kNonNegative);
+  app.add_option("--warmup", o.warmup, "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
+                 "--config's scheduler block applies)")->check(strata::tools::kNonNegative);
+  app.add_option("--lr-schedule", o.lr_schedule, "after warmup: const (default) or cosine")
+      ->check(CLI::IsMember({"const", "cosine"}));
   app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--seed", o.seed, "initialisation and shuffle seed");
   app.add_flag("--no-shuffle", no_shuffle, "read the data in order (llm.c's batches)");
   app.add_option("--dtype", o.dtype, "compute dtype (default: the config's, else fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--device", o.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--device-mem-gb", o.device_mem_gb, "device memory cap in GiB (the emulated device's HBM)")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::tools::kPositive);
   app.add_option("--emu-h2d-gbps", o.emu_h2d_gbps, "emulated device: host-to-device GB/s (default unthrottled)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--emu-d2h-gbps", o.emu_d2h_gbps, "emulated device: device-to-host GB/s (default unthrottled)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--emu-compute-gflops", o.emu_compute_gflops, "emulated device: matmul GFLOP/s (default unthrottled)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_flag("--checkpoint-activations", o.checkpoint_activations, "recompute each layer in backward");
   app.add_flag("--checkpoint-on-host", o.checkpoint_on_host,
                "recompute each layer in backward, keeping its input in host memory (implies --checkpoint-activations)");
   app.add_option("--eval-every", o.eval_every, "validation loss every N steps (last 10% of the data)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
   app.add_option("--save-every", o.save_every,
                  "write a checkpoint every N steps and after the last one (default 0: none)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep only the newest N checkpoints (default 0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::tools::kNonNegative);
   app.add_option("--resume", o.resume,
                  "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints folder or a run's --out)");
   app.add_option("--trace", o.trace_file, "Chrome trace of one step to this file");
-  app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(CLI::PositiveNumber);
+  app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(strata::tools::kPositive);
   app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme from the build tree, else ~/.cache/strata/demo-nvme)");
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
-  try {
-    app.parse(argc, argv);
+  return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
-    strata::train(o);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const strata::Error& e) {
-    std::fprintf(stderr, "strata-train: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    return strata::train(o).plan_fits ? 0 : 2;
+  });
 }

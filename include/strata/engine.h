@@ -111,6 +111,10 @@ class Engine {
   // Partitions, places every piece on its tier, and checks the memory plan: throws
   // strata::Error (kOutOfMemory) with the plan's table and what to change if it cannot fit.
   void finalize();
+  // `config` with its device-dependent defaults filled in, as finalize() plans and runs it:
+  // strata.overlap_optimizer left unset is off on the CPU-emulated device (its kernels use the
+  // cores the host optimizer would). For planning without an engine (strata-train --plan).
+  static EngineConfig with_device_defaults(EngineConfig config, const Device& device);
   const MemoryPlan& plan() const;
   const EngineConfig& config() const;
   DType compute_dtype() const;

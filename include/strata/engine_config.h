@@ -40,7 +40,9 @@ struct LossScaleConfig {
 
 struct LrScheduleConfig {
   std::string type;  // "" (constant), "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
-  double warmup_min_lr = 0, warmup_max_lr = 0.001;  // WarmupLR / WarmupDecayLR (DeepSpeed's defaults)
+  // WarmupLR / WarmupDecayLR. warmup_max_lr < 0: optimizer.params.lr (WarmupLR without the key,
+  // as DeepSpeed); WarmupDecayLR's default is 0.001.
+  double warmup_min_lr = 0, warmup_max_lr = 0.001;
   std::int64_t warmup_num_steps = 1000;
   std::int64_t total_num_steps = 0;  // WarmupDecayLR / WarmupCosineLR
   double cos_min_ratio = 0.0001;     // WarmupCosineLR
@@ -100,6 +102,13 @@ struct EngineConfig {
 // grad accumulation x ranks. Unknown keys warn once; wrong types and impossible values throw
 // strata::Error naming the key and the allowed values.
 EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1);
+
+// The lr of optimizer step `step` (1-based) under the config's scheduler, as DeepSpeed's
+// lr_schedules.py gives it: DeepSpeed sets the lr of iteration -1 when it makes the scheduler and
+// steps it after every optimizer step, so step t runs with iteration t - 2 (step 1: warmup_min_lr,
+// or 0 for WarmupCosineLR). `optimizer_lr` is optimizer.params.lr: WarmupCosineLR's base, and
+// WarmupLR's maximum when the config gives none; with no scheduler it is the lr of every step.
+double scheduled_lr(const LrScheduleConfig& s, double optimizer_lr, std::int64_t step);
 // The defaults strata uses with no config file: stage 3, no offload.
 EngineConfig default_engine_config();
 

@@ -36,6 +36,10 @@ class Error : public std::runtime_error {
         std::string detail = {});
 
   ErrorKind kind() const noexcept { return kind_; }
+  // The line a tool prints: what() without the source location where the message says it all
+  // (bad input, a budget, a missing capability, a file or I/O failure named with its path);
+  // with it for bugs and CUDA / NCCL / MPI failures, where a report needs it.
+  std::string user_message() const;
   const std::string& message() const noexcept { return message_; }
   const std::string& call() const noexcept { return call_; }
   const std::string& detail() const noexcept { return detail_; }

@@ -124,8 +124,10 @@ struct TrainOptions {
   // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;
   double lr = -1, weight_decay = -1;
-  std::int64_t warmup = 0;
-  std::string lr_schedule = "const";
+  // --warmup / --lr-schedule; when neither is given (-1, ""), the ds_config's scheduler block
+  // applies (scheduled_lr), else 0 and "const".
+  std::int64_t warmup = -1;
+  std::string lr_schedule;
   std::uint64_t seed = 1234;
   bool shuffle = true;
   std::string dtype;          // "" (config's), fp32 | bf16
@@ -164,6 +166,7 @@ struct TrainResult {
   std::int64_t resumed_from = 0;  // the checkpoint's step, 0 when not resumed
   std::vector<std::string> checkpoints;  // folders written, in order
   EngineStats stats;
+  bool plan_fits = true;  // --plan: whether the plan fits (strata-train exits 2 when not)
 };
 
 // Runs the whole job: model, data, engine, loop, logs, final save. Every rank calls it.

@@ -29,6 +29,15 @@ static std::string format_what(ErrorKind kind, const std::string& message, const
   return s;
 }
 
+std::string Error::user_message() const {
+  if (kind_ == ErrorKind::kInternal || kind_ == ErrorKind::kCuda || kind_ == ErrorKind::kNccl ||
+      kind_ == ErrorKind::kMpi)
+    return what();
+  std::string s = fmt::format("{}: {}", error_kind_name(kind_), message_);
+  if (!detail_.empty()) s += fmt::format(" ({})", detail_);
+  return s;
+}
+
 Error::Error(ErrorKind kind, std::string message, std::string call, const char* file, int line,
              std::string detail)
     : std::runtime_error(format_what(kind, message, call, file, line, detail)),

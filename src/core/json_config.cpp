@@ -1,6 +1,9 @@
 #include "core/json_config.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <vector>
 
 #include "strata/error.h"
 #include "strata/log.h"
@@ -107,16 +110,49 @@ std::string Section::get_choice(std::string_view key, std::string_view def,
 
 Section Section::child(std::string_view key) const { return Section(raw(key), key_path(key)); }
 
+// Edits (insert, delete, substitute, swap two neighbours) from a to b, case and '-' / '_' aside.
+static std::size_t edit_distance(std::string_view a, std::string_view b) {
+  const auto norm = [](char ch) { return ch == '-' ? '_' : char(std::tolower(static_cast<unsigned char>(ch))); };
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const bool same = norm(a[i - 1]) == norm(b[j - 1]);
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (same ? 0 : 1)});
+      if (i > 1 && j > 1 && norm(a[i - 1]) == norm(b[j - 2]) && norm(a[i - 2]) == norm(b[j - 1]))
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known) {
+  // Short keys are too close to each other to guess (DeepSpeed's "amp" is one edit from "aio").
+  if (key.size() < 5) return {};
+  const std::size_t allowed = key.size() < 8 ? 1 : 2;
+  std::string_view best;
+  std::size_t best_d = allowed + 1;
+  for (auto k : known) {
+    const std::size_t d = edit_distance(key, k);
+    if (d < best_d) best = k, best_d = d;
+  }
+  return best;
+}
+
 void Section::warn_unknown(std::initializer_list<std::string_view> known) const {
   if (!obj_) return;
   for (auto it = obj_->begin(); it != obj_->end(); ++it) {
     bool ok = false;
     for (auto k : known) ok = ok || it.key() == k;
-    if (!ok) {
-      const std::string full = key_path(it.key());
-      log::warn_once("config.unknown." + full,
-                     fmt::format("config key '{}' is not used by strata; ignored", full));
-    }
+    if (ok) continue;
+    const std::string full = key_path(it.key());
+    // A key a typo away from one strata reads is a typo: ignoring it would run with the default
+    // of the setting the user meant to change.
+    const std::string_view guess = near_miss(it.key(), known);
+    STRATA_REQUIRE(guess.empty(), "config key '{}' is not a key strata knows; did you mean '{}'? (left as it is, "
+                   "'{}' would silently keep its default)", full, key_path(guess), key_path(guess));
+    log::warn_once("config.unknown." + full, fmt::format("config key '{}' is not used by strata; ignored", full));
   }
 }
 

@@ -18,6 +18,10 @@ using Json = nlohmann::json;
 // Parses JSON text; `what` names its source ("ds_config.json") in the error.
 Json parse(std::string_view text, std::string_view what);
 
+// The key of `known` at most one edit (keys under 8 characters) or two (longer) away from
+// `key`, case and '-' / '_' aside; empty when none is, or `key` is under 5 characters.
+std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known);
+
 class Section {
  public:
   // `obj` may be null (every key takes its default) or an object; anything else throws.
@@ -38,7 +42,7 @@ class Section {
   Section child(std::string_view key) const;
   const Json* raw(std::string_view key) const;
 
-  // Warns once per unknown key.
+  // Warns once per unknown key; refuses one a typo away from a known key (did you mean ...).
   void warn_unknown(std::initializer_list<std::string_view> known) const;
 
  private:

@@ -42,6 +42,7 @@
 #include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/log.h"
 #include "strata/trace.h"
 
 namespace strata {
@@ -309,7 +310,9 @@ class HostDevice final : public Device {
   }
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
-  std::string name() const override { return fmt::format("cpu-emulated (cap {})", gib(opt_.capacity_bytes)); }
+  std::string name() const override {
+    return fmt::format("cpu-emulated (cap {})", log::human_bytes(double(opt_.capacity_bytes)));
+  }
 
   std::unique_ptr<Stream> create_stream(std::string name) override;
 

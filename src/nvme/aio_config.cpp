@@ -19,19 +19,19 @@ AioConfig parse_aio_config(std::string_view json_text) {
   const std::initializer_list<std::string_view> kKeys = {
       "block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
       "overlap_events", "use_hugepages", "verify", "engine", "direct", "register_buffers", "use_gds"};
-  // Either an "aio" object itself, or a whole ds_config (whose "aio" key may be absent).
+  // Either a whole ds_config (its "aio" key, the defaults without one) or an "aio" object
+  // itself: one with any aio key, or a key a typo away from one. (A block with a typo among
+  // good keys used to be taken for a ds_config without aio: the defaults, silently.)
   const config::Json* obj = &doc;
   if (doc.is_object() && doc.contains("aio")) {
     obj = &doc["aio"];
   } else if (doc.is_object()) {
-    for (auto it = doc.begin(); it != doc.end(); ++it) {
-      bool aio_key = false;
-      for (auto k : kKeys) aio_key = aio_key || it.key() == k;
-      if (!aio_key) {
-        obj = nullptr;  // a ds_config without an aio block: the defaults
-        break;
-      }
+    bool block = false;
+    for (auto it = doc.begin(); it != doc.end() && !block; ++it) {
+      for (auto k : kKeys) block = block || it.key() == k;
+      block = block || !config::near_miss(it.key(), kKeys).empty();
     }
+    if (!block) obj = nullptr;  // a ds_config without an aio block: the defaults
   }
   const config::Section s(obj, "aio");
   s.warn_unknown(kKeys);

@@ -150,8 +150,11 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
 SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.opt = opts;
-  STRATA_REQUIRE(!opts.paths.empty(), "config key '{}' is missing: give the directory (on the NVMe drive) "
-                 "where strata may keep swap files", opts.config_key);
+  // A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
+  const std::string key = opts.config_key.rfind("--", 0) == 0 ? opts.config_key
+                                                               : fmt::format("config key '{}'", opts.config_key);
+  STRATA_REQUIRE(!opts.paths.empty(), "{} is missing: give the directory (on the NVMe drive) "
+                 "where strata may keep swap files", key);
   STRATA_REQUIRE(opts.rank >= 0, "SwapStore rank {} must be >= 0", opts.rank);
   s.stripe = opts.aio.block_size;
   STRATA_REQUIRE(s.stripe >= kPage && (s.stripe & (s.stripe - 1)) == 0,
@@ -164,17 +167,17 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
   }
   for (const std::string& p : opts.paths) {
     std::error_code ec;
-    STRATA_REQUIRE(fs::exists(p, ec), "config key '{}' = '{}': the directory does not exist; create it, or "
-                   "point {} at an existing directory on the NVMe drive", opts.config_key, p, opts.config_key);
-    STRATA_REQUIRE(fs::is_directory(p, ec), "config key '{}' = '{}' is not a directory", opts.config_key, p);
+    STRATA_REQUIRE(fs::exists(p, ec), "{} = '{}': the directory does not exist; create it, or "
+                   "point {} at an existing directory on the NVMe drive", key, p, opts.config_key);
+    STRATA_REQUIRE(fs::is_directory(p, ec), "{} = '{}' is not a directory", key, p);
     struct statvfs sv {};
     const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
     STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
-                   "config key '{}' = '{}' is read-only; strata needs to write swap files there: choose a "
-                   "writable directory", opts.config_key, p);
+                   "{} = '{}' is read-only; strata needs to write swap files there: choose a "
+                   "writable directory", key, p);
     const fs::path top = fs::path(p) / "strata-swap";
     fs::create_directories(top, ec);
-    STRATA_REQUIRE(!ec, "config key '{}' = '{}': cannot create '{}': {}", opts.config_key, p, top.string(),
+    STRATA_REQUIRE(!ec, "{} = '{}': cannot create '{}': {}", key, p, top.string(),
                    ec.message());
     const std::string lock = (top / fmt::format("rank{}.lock", opts.rank)).string();
     const int lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);

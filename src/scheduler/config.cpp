@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <numbers>
 
 #include "core/json_config.h"
 #include "strata/engine_config.h"
@@ -68,6 +69,27 @@ Tier Placement::tier_at(double pos, double total) const {
   if (f < device_fraction) return Tier::kDevice;
   if (f < device_fraction + host_fraction) return Tier::kHost;
   return Tier::kNvme;
+}
+
+double scheduled_lr(const LrScheduleConfig& s, double optimizer_lr, std::int64_t step) {
+  if (s.type.empty()) return optimizer_lr;
+  const std::int64_t it = step - 2;  // DeepSpeed's last_batch_iteration during this step
+  const double warm = double(std::max<std::int64_t>(2, s.warmup_num_steps));
+  const auto warmup = [&] { return s.warmup_type == "log" ? std::log(double(it + 1)) / std::log(warm) : double(it) / warm; };
+  if (s.type == "WarmupCosineLR") {
+    if (it < 0) return 0.0;
+    if (double(it) < warm) return optimizer_lr * (s.warmup_min_ratio + warmup() * (1.0 - s.warmup_min_ratio));
+    const double span = double(s.total_num_steps) - warm;
+    const double cosine = span > 0 ? (1.0 + std::cos(std::numbers::pi * (double(it) - warm + 1.0) / span)) / 2.0 : 0.0;
+    return optimizer_lr * std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
+  }
+  const double max_lr = s.warmup_max_lr < 0 ? optimizer_lr : s.warmup_max_lr;
+  if (it < 0) return s.warmup_min_lr;
+  double gamma = 1.0;
+  if (double(it) < warm) gamma = warmup();
+  else if (s.type == "WarmupDecayLR")
+    gamma = std::max(0.0, (double(s.total_num_steps) - double(it)) / std::max(1.0, double(s.total_num_steps) - warm));
+  return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
 }
 
 EngineConfig default_engine_config() {
@@ -313,8 +335,9 @@ void parse_scheduler(const Section& top, EngineConfig& c) {
     l.cos_min_ratio = get_fraction(p, "cos_min_ratio", l.cos_min_ratio);
   } else {
     l.warmup_min_lr = get_nonnegative(p, "warmup_min_lr", l.warmup_min_lr);
-    l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
-    STRATA_REQUIRE(l.warmup_max_lr >= l.warmup_min_lr,
+    if (p.has("warmup_max_lr") || l.type != "WarmupLR") l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
+    else l.warmup_max_lr = -1;  // WarmupLR without a maximum: the optimizer's lr (DeepSpeed)
+    STRATA_REQUIRE(l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
                    "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
                    p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),
                    l.warmup_min_lr);
@@ -335,9 +358,12 @@ void parse_zero(const Section& top, EngineConfig& c) {
   z.warn_unknown({"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                   "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
                   "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                  "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
+                  "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
                   "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
                   "offload_grads", "cpu_offload", "cpu_offload_params"});
+  STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(), "config key '{}' = {}: use 1, 2 or 3 (a number)",
+                 z.key_path("stage"), z.raw("stage") ? z.raw("stage")->dump() : "");
   const std::int64_t stage = z.get_int("stage", 0);
   STRATA_REQUIRE(
       stage != 0,
@@ -362,10 +388,18 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.reduce_bucket_size = get_positive(z, "reduce_bucket_size", 500'000'000);
   c.allgather_bucket_size = get_positive(z, "allgather_bucket_size", 500'000'000);
   c.sub_group_size = get_positive(z, "sub_group_size", 1'000'000'000);
-  c.prefetch_bucket_size = z.get_uint("stage3_prefetch_bucket_size", 50'000'000);
-  c.max_live_parameters = z.get_uint("stage3_max_live_parameters", 1'000'000'000);
-  c.max_reuse_distance = z.get_uint("stage3_max_reuse_distance", 1'000'000'000);
-  c.param_persistence_threshold = z.get_uint("stage3_param_persistence_threshold", 100'000);
+  // DeepSpeed reads these under either name (the "stage3_" one is the alias).
+  const auto stage3 = [&](const char* name, std::uint64_t def) {
+    const std::string alias = std::string("stage3_") + name;
+    STRATA_REQUIRE(!(z.has(name) && z.has(alias)) || z.get_uint(name, 0) == z.get_uint(alias, 0),
+                   "config keys '{}' and '{}' are the same setting with different values: give one",
+                   z.key_path(alias), z.key_path(name));
+    return z.has(name) ? z.get_uint(name, def) : z.get_uint(alias, def);
+  };
+  c.prefetch_bucket_size = stage3("prefetch_bucket_size", 50'000'000);
+  c.max_live_parameters = stage3("max_live_parameters", 1'000'000'000);
+  c.max_reuse_distance = stage3("max_reuse_distance", 1'000'000'000);
+  c.param_persistence_threshold = stage3("param_persistence_threshold", 100'000);
   STRATA_REQUIRE(!(z.has("stage3_gather_16bit_weights_on_model_save") &&
                    z.has("stage3_gather_fp16_weights_on_model_save")),
                  "config keys '{}' and '{}' are the same setting: give one",
@@ -398,6 +432,11 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.param_buffer_count = get_int_in(op, "buffer_count", c.param_buffer_count, 1, 1024);
   c.param_buffer_size = get_positive(op, "buffer_size", c.param_buffer_size);
   c.param_max_in_cpu = op.get_uint("max_in_cpu", c.param_max_in_cpu);
+  if (op.has("max_in_cpu"))
+    log::warn_once("config.unused." + op.key_path("max_in_cpu"),
+                   fmt::format("config key '{}' has no effect in strata; to keep a share of the weights in host "
+                               "memory next to NVMe, set '{}' (a fraction of the offloaded weights)",
+                               op.key_path("max_in_cpu"), op.key_path("host_fraction")));
   const double p_host = get_fraction(op, "host_fraction", 0.0);
   STRATA_REQUIRE(!op.has("host_fraction") || pdev == "nvme",
                  "config key '{}' splits parameters between host and NVMe: it needs {} \"nvme\" "
@@ -489,9 +528,8 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   parse_scheduler(top, c);
   parse_zero(top, c);
 
-  // The aio block on its own, so a ds_config whose top-level keys all happen to be aio names
-  // is never mistaken for one.
-  c.aio = parse_aio_config(doc.contains("aio") ? doc["aio"].dump() : std::string("{}"));
+  // The aio block, inside an object of its own: never mistaken for anything else.
+  c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}" : std::string("{}"));
 
   const Section st = top.child("strata");
   st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads"});

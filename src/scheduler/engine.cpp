@@ -802,6 +802,13 @@ const EngineConfig& Engine::config() const { return impl_->cfg; }
 DType Engine::compute_dtype() const { return impl_->cfg.compute_dtype; }
 float Engine::loss_scale() const { return float(impl_->scale); }
 
+EngineConfig Engine::with_device_defaults(EngineConfig config, const Device& device) {
+  // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
+  // optimizer would use, so the overlap turns into contention (measured: slower steps).
+  if (!config.overlap_optimizer.has_value() && device.kind() == DeviceKind::kCpu) config.overlap_optimizer = false;
+  return config;
+}
+
 void Engine::finalize() {
   Impl& s = *impl_;
   STRATA_REQUIRE(!s.finalized, "Engine::finalize() called twice");
@@ -823,10 +830,8 @@ void Engine::finalize() {
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
   }
 
-  // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
-  // optimizer would use, so the overlap turns into contention (measured: slower steps).
   if (!s.cfg.overlap_optimizer.has_value() && s.dev.kind() == DeviceKind::kCpu) {
-    s.cfg.overlap_optimizer = false;
+    s.cfg = with_device_defaults(s.cfg, s.dev);
     if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
       log::info("engine: the early optimizer step is off on the CPU-emulated device (its kernels use the cores "
                 "the optimizer would); strata.overlap_optimizer true turns it on");

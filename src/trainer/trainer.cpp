@@ -182,8 +182,8 @@ TrainResult train(const TrainOptions& o) {
   STRATA_REQUIRE(demo_model == demo_data || !demo_model,
                  "--data/--text without a model: give --model DIR or --model-config FILE too");
   STRATA_REQUIRE(o.dtype.empty() || o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
-  STRATA_REQUIRE(o.lr_schedule == "const" || o.lr_schedule == "cosine", "--lr-schedule '{}': use const or cosine",
-                 o.lr_schedule);
+  STRATA_REQUIRE(o.lr_schedule.empty() || o.lr_schedule == "const" || o.lr_schedule == "cosine",
+                 "--lr-schedule '{}': use const or cosine", o.lr_schedule);
 
   // ---- model ----
   ModelConfig mcfg;
@@ -261,14 +261,26 @@ TrainResult train(const TrainOptions& o) {
   if (o.dtype == "bf16") ecfg.compute_dtype = DType::kBF16;
   STRATA_REQUIRE(ecfg.compute_dtype == DType::kF32 || ecfg.compute_dtype == DType::kBF16,
                  "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not supported yet");
-  if (!ecfg.scheduler.type.empty())
-    log::warn("--config: scheduler '{}' is not applied; strata-train's schedule comes from --lr, --warmup and "
-              "--lr-schedule", ecfg.scheduler.type);
+  // The schedule: --warmup / --lr-schedule when given, else the --config's scheduler block
+  // (DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR), else constant.
+  const bool cli_schedule = o.warmup >= 0 || !o.lr_schedule.empty();
+  const std::int64_t warmup = std::max<std::int64_t>(0, o.warmup);
+  const bool ds_schedule = !cli_schedule && !ecfg.scheduler.type.empty();
+  const std::string schedule = ds_schedule ? ecfg.scheduler.type : o.lr_schedule.empty() ? "const" : o.lr_schedule;
+  if (!ecfg.scheduler.type.empty() && cli_schedule)
+    log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule", ecfg.scheduler.type);
   if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget();
   const std::int64_t steps = o.steps > 0 ? o.steps : 60;
   const std::int64_t seq_len = o.seq_len > 0 ? o.seq_len : (demo_model ? 128 : 1024);
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
+  // RoPE takes any length, but the model was trained (and its config sized) for this many.
+  if (mcfg.arch != ModelArch::kGpt2 && mcfg.max_positions > 0 && seq_len > mcfg.max_positions)
+    log::warn("--seq-len {} is beyond the model's max_position_embeddings ({}): positions past it are ones the "
+              "model has not seen", seq_len, mcfg.max_positions);
+  STRATA_REQUIRE(o.trace_file.empty() || o.trace_step <= steps,
+                 "--trace-step {} is after the last step (--steps {}): nothing would be traced; pick a step from 1 "
+                 "to {}", o.trace_step, steps, steps);
   const std::int64_t B = ecfg.micro_batch_per_gpu, accum = ecfg.gradient_accumulation_steps;
   const int rank = launch.rank, world = launch.world_size;
   std::FILE* con = rank == 0 ? o.console : nullptr;
@@ -282,13 +294,15 @@ TrainResult train(const TrainOptions& o) {
     in.device_capacity = dev->stats().capacity_bytes;
     in.host_capacity = ecfg.host_budget_bytes;
     in.nvme_capacity = nvme_capacity(ecfg, rank);
-    const MemoryPlan plan = plan_memory(ecfg, in);
+    const MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
     if (con) {
-      std::fprintf(con, "%s %s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
-                   demo_model ? "(demo)" : "", std::size_t(total_numel), units.size(), world,
+      std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
+                   demo_model ? " (demo)" : "", std::size_t(total_numel), units.size(), world,
                    std::string(dtype_name(ecfg.compute_dtype)).c_str(), dev->name().c_str(), plan.table().c_str());
     }
-    return {};
+    TrainResult r;
+    r.plan_fits = plan.fits;
+    return r;
   }
 
   // ---- data ----
@@ -371,8 +385,8 @@ TrainResult train(const TrainOptions& o) {
     differs("shuffle", o.shuffle);
     differs("files", dopt.files);
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
-    if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", o.warmup) != o.warmup ||
-        ls.value("schedule", o.lr_schedule) != o.lr_schedule || ls.value("total_steps", steps) != steps)
+    if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", warmup) != warmup ||
+        ls.value("schedule", schedule) != schedule || ls.value("total_steps", steps) != steps)
       log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
                 "run's", ls.dump());
     engine.load_state(resume.dir);
@@ -412,8 +426,8 @@ TrainResult train(const TrainOptions& o) {
         // per epoch: the position above restores it.
         {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
         {"lr_schedule",
-         {{"lr", double(ecfg.adamw.lr)}, {"warmup", o.warmup}, {"total_steps", steps},
-          {"schedule", o.lr_schedule}, {"next_step", step + 1}}},
+         {{"lr", double(ecfg.adamw.lr)}, {"warmup", warmup}, {"total_steps", steps},
+          {"schedule", schedule}, {"next_step", step + 1}}},
         {"loss_scale", engine.loss_scale()}};
   };
   std::vector<std::int64_t> saved_steps;
@@ -454,10 +468,11 @@ TrainResult train(const TrainOptions& o) {
   const std::int64_t print_every = std::max<std::int64_t>(1, steps / 20);
   const double tokens_per_step = double(B * seq_len * accum * world);
   if (con) {
-    std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s (cap %s)\n", mcfg.model_type.c_str(),
+    std::string on = dev->name();  // the emulated device's name says its cap already
+    if (on.find("(cap ") == std::string::npos) on += " (cap " + human_bytes(double(dev->stats().capacity_bytes)) + ")";
+    std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s\n", mcfg.model_type.c_str(),
                  demo_model ? " (embedded demo)" : "", double(model.num_params()) / 1e6,
-                 std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, dev->name().c_str(),
-                 human_bytes(double(dev->stats().capacity_bytes)).c_str());
+                 std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, on.c_str());
     std::fprintf(con, "  stage %d; weights on %s, optimizer on %s; batch %lld x %lld tokens x %lld accum x %d ranks\n",
                  ecfg.stage, ecfg.params.device_fraction >= 1 ? "device" : ecfg.params.host_fraction >= 1 ? "host" : "nvme",
                  ecfg.optimizer.device_fraction >= 1 ? "device" : ecfg.optimizer.host_fraction >= 1 ? "host" : "nvme",
@@ -475,7 +490,8 @@ TrainResult train(const TrainOptions& o) {
     const auto t_step = Clock::now();
     const bool tracing = !o.trace_file.empty() && step == o.trace_step;
     if (tracing) Tracer::global().set_enabled(true);
-    const double lr = lr_at(step, ecfg.adamw.lr, o.warmup, steps, o.lr_schedule);
+    const double lr = ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, step)
+                                  : lr_at(step, ecfg.adamw.lr, warmup, steps, schedule);
     engine.set_next_lr(float(lr));  // the early optimizer step (overlapping backward) uses it
     double loss_sum = 0;
     for (std::int64_t a = 0; a < accum; ++a) {

@@ -1,0 +1,59 @@
+// How strata's command-line tools end, the same way in each: --help exits 0; a bad command
+// line prints CLI11's message and exits 1; a strata::Error prints one line (Error::user_message)
+// and exits 1, and with --json on the command line also prints, last, {"error": ..., "kind": ...}
+// on stdout, so a script reading the last JSON object finds out why there are no figures.
+#pragma once
+
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "strata/error.h"
+
+namespace strata::tools {
+
+// Number checks with a readable message (CLI11's own print their range up to DBL_MAX in full).
+inline CLI::Validator sign_check(bool zero_ok) {
+  return CLI::Validator(
+      [zero_ok](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          std::size_t used = 0;
+          v = std::stod(text, &used);
+          if (used != text.size()) return "'" + text + "' is not a number";
+        } catch (const std::exception&) {
+          return "'" + text + "' is not a number";
+        }
+        if (zero_ok ? v >= 0 : v > 0) return {};
+        return std::string(zero_ok ? "must be >= 0" : "must be > 0") + ", got " + text;
+      },
+      zero_ok ? "NUMBER >= 0" : "NUMBER > 0");
+}
+inline const CLI::Validator kNonNegative = sign_check(true);
+inline const CLI::Validator kPositive = sign_check(false);
+
+// Parses the command line into `app`, then returns body()'s exit code.
+template <class Body>
+int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
+  try {
+    app.parse(argc, argv);
+    return body();
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 1;  // --help is a ParseError with exit code 0
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.user_message().c_str());
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--json") != 0) continue;
+      std::fflush(stderr);
+      std::printf("%s\n", nlohmann::json{{"error", e.user_message()}, {"kind", error_kind_name(e.kind())}}.dump().c_str());
+      break;
+    }
+    return 1;
+  }
+}
+
+}  // namespace strata::tools
