@@ -282,7 +282,12 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         EXPECT_EQ(r.aio.queue_depth, 32);
         EXPECT_EQ(r.host_budget_bytes, std::uint64_t(1) << 30);
         EXPECT_EQ(r.adamw.lr, c.adamw.lr);
+        EXPECT_EQ(r.adamw.beta1, c.adamw.beta1);
         EXPECT_EQ(r.adamw.beta2, c.adamw.beta2);
+        EXPECT_EQ(r.adamw.eps, c.adamw.eps);
+        // Floats written as the decimals that read back as them, not their double expansion.
+        EXPECT_EQ(text.find("0.89999997"), std::string::npos) << text;
+        EXPECT_NE(text.find("0.999\n"), std::string::npos) << text;
       }
 }
 

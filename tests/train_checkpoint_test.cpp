@@ -409,6 +409,8 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   int st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
   EXPECT_NE(slurp(p.err).find("different model"), std::string::npos) << slurp(p.err);
+  // Each side described as itself: the checkpoint's model first, then this run's (hidden 32).
+  EXPECT_NE(slurp(p.err).find("this run's: llama 32x64 2 layers, vocab 256"), std::string::npos) << slurp(p.err);
   // A different world size: the manifest says 2 ranks (the files still verify).
   {
     std::ifstream f(ck + "/step-2/manifest.json");

@@ -837,10 +837,19 @@ int run(Args a) {
     std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                              : !a.model_config.empty() ? " --model-config " + a.model_config
                                                        : "";
+    // The device it was measured on, as strata-train takes it (the emulated one with its cap and throttles).
+    std::string device_flags;
+    if (dev_name.starts_with("cpu")) {
+      device_flags = " --device cpu";
+      if (a.device_mem_gb > 0) device_flags += fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
+      if (a.emu_h2d > 0) device_flags += fmt::format(" --emu-h2d-gbps {:g}", a.emu_h2d);
+      if (a.emu_d2h > 0) device_flags += fmt::format(" --emu-d2h-gbps {:g}", a.emu_d2h);
+      if (a.emu_gflops > 0) device_flags += fmt::format(" --emu-compute-gflops {:g}", a.emu_gflops);
+    }
     std::printf("\nbest configuration written to %s; run it with:\n  strata-train%s --config %s --seq-len %lld%s%s\n",
                 a.out.c_str(), model_flag.c_str(), a.out.c_str(), (long long)a.seq_len,
                 best.checkpoint_on_host ? " --checkpoint-on-host" : best.checkpoint ? " --checkpoint-activations" : "",
-                dev_name.starts_with("cpu") && a.device_mem_gb > 0 ? fmt::format(" --device-mem-gb {:g}", a.device_mem_gb).c_str() : "");
+                device_flags.c_str());
   }
   nlohmann::json cands = nlohmann::json::array();
   for (std::size_t i = 0; i < shown; ++i) {

@@ -901,12 +901,14 @@ std::string engine_config_json(const EngineConfig& c) {
                  {"loss_scale_window", c.fp16.loss_scale_window},
                  {"hysteresis", c.fp16.hysteresis},
                  {"min_loss_scale", c.fp16.min_loss_scale}};
+  // A float as the decimal that reads back as it (0.9, not 0.8999999761581421).
+  const auto dec = [](float f) { return std::stod(fmt::format("{}", f)); };
   j["optimizer"] = {{"type", c.optimizer_type},
                     {"params",
-                     {{"lr", c.adamw.lr},
-                      {"betas", {c.adamw.beta1, c.adamw.beta2}},
-                      {"eps", c.adamw.eps},
-                      {"weight_decay", c.adamw.weight_decay}}}};
+                     {{"lr", dec(c.adamw.lr)},
+                      {"betas", {dec(c.adamw.beta1), dec(c.adamw.beta2)}},
+                      {"eps", dec(c.adamw.eps)},
+                      {"weight_decay", dec(c.adamw.weight_decay)}}}};
   json z = {{"stage", c.stage},
             {"overlap_comm", c.overlap_comm},
             {"contiguous_gradients", c.contiguous_gradients},

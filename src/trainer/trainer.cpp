@@ -361,6 +361,8 @@ TrainResult train(const TrainOptions& o) {
   std::int64_t result_resumed_from = 0;
   std::vector<std::string> result_checkpoints;
   const std::string model_hash = model_config_hash(mcfg);
+  const std::string model_desc = fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
+                                             mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size);
   std::int64_t start_step = 0;
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
@@ -369,9 +371,9 @@ TrainResult train(const TrainOptions& o) {
                    "supported yet", resume.dir, ck_world, ck_world == 1 ? "" : "s", world);
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
     const std::string ck_hash = t.value("model_config_hash", "");
-    STRATA_REQUIRE(ck_hash == model_hash, "--resume {}: the checkpoint was taken with a different model (config hash "
-                   "{}, this run's {}: {}); resume with the same --model/--model-config", resume.dir, ck_hash,
-                   model_hash, t.value("model", ""));
+    STRATA_REQUIRE(ck_hash == model_hash, "--resume {}: the checkpoint was taken with a different model ({}, config "
+                   "hash {}; this run's: {}, hash {}); resume with the same --model/--model-config", resume.dir,
+                   t.value("model", "?"), ck_hash, model_desc, model_hash);
     const nlohmann::json d = t.value("data", nlohmann::json::object());
     auto differs = [&](const char* key, const nlohmann::json& now) {
       if (d.contains(key) && d[key] != now)
@@ -415,8 +417,7 @@ TrainResult train(const TrainOptions& o) {
         {"model_config_hash", model_hash},
         // The model's config.json, so that a checkpoint alone can be exported (strata-export).
         {"model_config", nlohmann::json::parse(model_config_json(mcfg))},
-        {"model", fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
-                              mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size)},
+        {"model", model_desc},
         {"world_size", world},
         {"data",
          {{"train_batches", train_batches}, {"val_batches", val_batches}, {"epoch", loader.epoch()},
