@@ -247,6 +247,7 @@ void run_compare(const NvmeArgs& a) {
       row["ratio_vs_fio_read"] = r.read_gbps / fr;
     } else if (fio && huge) {
       row["fio_note"] = "fio has no transparent-huge-page buffers: run with --reserve-hugepages for a hugetlb comparison";
+      std::printf("(huge, %s: no fio figures; %s)\n", r.page_kind.c_str(), row["fio_note"].get<std::string>().c_str());
     }
     for (int op = 0; op < 2; ++op) {
       const double ours = op == 0 ? r.write_gbps : r.read_gbps;

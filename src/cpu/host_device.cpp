@@ -447,14 +447,17 @@ class HostStream final : public Stream {
     }
     submit(
         [dst, src, gbps, link, dev = dev_] {
-          // bytes / (GB/s) = nanoseconds
-          const auto end = gbps <= 0 ? std::chrono::steady_clock::time_point{}
-                           : link >= 0
-                               ? dev->reserve_link(link, src.bytes, gbps)
-                               : std::chrono::steady_clock::now() +
-                                     std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
+          if (gbps <= 0) {  // unthrottled: as fast as memmove goes
+            std::memmove(dst.ptr, src.ptr, src.bytes);
+            return;
+          }
+          // Throttled: the host<->device link is one per direction, taken in turn by every
+          // stream's copies; a device-to-device copy has its own bandwidth. bytes / (GB/s) = ns.
+          const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
+                                     : std::chrono::steady_clock::now() +
+                                           std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
           std::memmove(dst.ptr, src.ptr, src.bytes);
-          if (gbps > 0) std::this_thread::sleep_until(end);
+          std::this_thread::sleep_until(end);
         },
         kind, src.bytes);
   }
