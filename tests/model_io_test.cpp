@@ -174,6 +174,18 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     f << "{oops";
   }
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "not valid JSON"});
+  // Hostile offsets: an end that wraps round past 2^64 into the header; a shape whose element
+  // count overflows.
+  const auto hostile = [&](const std::string& header) {
+    std::ofstream f(file, std::ios::binary | std::ios::trunc);
+    const std::uint64_t hlen = header.size();
+    f.write(reinterpret_cast<const char*>(&hlen), 8);
+    f << header << std::string(256, '\0');
+  };
+  hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [18446744073709551000, 18446744073709551256]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "truncated or corrupt"});
+  hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "bad shape"});
   fs::remove(file);
   expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
 
@@ -183,6 +195,9 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     f << R"({"weight_map": {"model.norm.weight": "model-00009-of-00009.safetensors"}})";
   }
   expect_error([&] { load_hf_weights(dir.string(), b); }, {"model-00009-of-00009.safetensors"});
+  // ... or nothing at all (it used to crash).
+  std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.safetensors.index.json", "non-empty", "weight_map"});
   fs::remove_all(dir);
 }
 

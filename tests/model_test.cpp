@@ -168,6 +168,14 @@ TEST(Model, BadInputNamesTheProblem) {
   expect_error([&] { m.backward(w); }, "call forward");
   mo.seq_len = 17;
   expect_error([&] { Model big(cfg, *dev, *s, mo); }, "n_positions 16");
+  // A sliding window binds only when used (Qwen2's configs say "use_sliding_window": false).
+  const auto windowed = [](const char* use) {
+    return parse_model_config(std::string(R"({"model_type": "qwen2", "vocab_size": 67, "hidden_size": 32,
+      "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "sliding_window": 8)") + use + "}", "qwen2.json");
+  };
+  expect_error([&] { Model windowed_model(windowed(""), *dev, *s, mo); }, "sliding_window 8");
+  Model unwindowed(windowed(R"(, "use_sliding_window": false)"), *dev, *s, mo);
   expect_error([&] { parse_model_config("{\"model_type\": \"llama\"}", "cfg.json"); }, "'vocab_size' is missing");
   expect_error([&] { parse_model_config("{\"model_type\": \"bert\"}", "cfg.json"); }, "bert");
   expect_error([&] { parse_model_config("{not json", "my/config.json"); }, "my/config.json");

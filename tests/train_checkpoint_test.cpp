@@ -302,6 +302,14 @@ class TrainBinary : public ::testing::Test {
       EXPECT_EQ(got.at(s)["lr"].get<double>(), ref.at(s)["lr"].get<double>()) << "lr of step " << s;
     }
   }
+  // Two steps, checkpointed at step 2 under `ck`.
+  void two_steps_saved_in(const std::string& ck) {
+    auto a = args(dir.path + "/a.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
+    a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+    Proc p = spawn(a, dir.path, "first");
+    const int st = wait_status(p.pid);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  }
   TempDir dir;
   std::string cfg, text;
   std::string schedule = "cosine";
@@ -388,15 +396,31 @@ TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
   expect_same_steps(got, ref, 5);
 }
 
+// Resuming "P/step-2/" (a trailing slash) saves beside it in P, not inside it; a save removes
+// the half-written folder of a run that died (its process gone); --eval-every changing on resume
+// (it takes 10% of the data for validation, so the train split moves) is said aloud.
+TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLeftovers) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  // A folder a dead run left (pid 1 is alive: init; take one that cannot be: beyond pid_max).
+  fs::create_directories(ck + "/step-3.tmp-2147483646");
+  fs::create_directories(ck + "/step-3.tmp-1");  // a live process's tag: left alone
+  auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--resume", ck + "/step-2/", "--eval-every", "100"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  Proc p = spawn(a, dir.path, "resumed");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(ck + "/step-4/manifest.json")) << "saved beside step-2";
+  EXPECT_FALSE(fs::exists(ck + "/step-2/step-4")) << "saved inside the resumed checkpoint";
+  EXPECT_FALSE(fs::exists(ck + "/step-3.tmp-2147483646"));
+  EXPECT_TRUE(fs::exists(ck + "/step-3.tmp-1"));
+  EXPECT_NE(slurp(p.err).find("val_fraction was 0.0 in the checkpoint's run, 0.1 now"), std::string::npos)
+      << slurp(p.err);
+}
+
 TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   const std::string ck = dir.path + "/ck";
-  {
-    auto a = args(dir.path + "/a.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
-    a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
-    Proc p = spawn(a, dir.path, "first");
-    const int st = wait_status(p.pid);
-    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
-  }
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
   ASSERT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
   // A different model.
   const std::string other = dir.path + "/other.json";

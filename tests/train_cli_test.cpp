@@ -196,6 +196,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--text " + dir.path + "/nope.txt: no such file"},
       {"--dtype bogus", args(log, {"--dtype", "bogus"}), "--dtype"},
       {"--lr -1", args(log, {"--lr", "-1"}), "--lr: must be >= 0, got -1"},
+      {"--out a file", args(log, {"--out", text, "--overwrite"}), "is a file, not a folder"},
+      {"--out under a file", args(log, {"--out", text + "/sub"}), "is not a writable folder"},
       {"--trace-step past the end", args(log, {"--trace", dir.path + "/t.json", "--trace-step", "9"}),
        "--trace-step 9 is after the last step (--steps 4)"},
   };

@@ -91,8 +91,12 @@ struct Model::Impl {
     STRATA_REQUIRE(!gpt2 || T <= c.max_positions,
                    "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)", T,
                    c.max_positions);
+    // The window binds only where it is used: Qwen2's configs carry one with
+    // "use_sliding_window": false (Hugging Face then attends over everything, as strata does).
+    const auto use = c.raw.is_object() ? c.raw.find("use_sliding_window") : c.raw.end();
+    const bool window_used = !c.raw.is_object() || use == c.raw.end() || !use->is_boolean() || use->get<bool>();
     if (const auto sw = c.raw.is_object() ? c.raw.find("sliding_window") : c.raw.end();
-        c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
+        window_used && c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
       STRATA_REQUIRE(T <= sw->get<i64>(),
                      "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
                      "full causal, so use seq_len <= sliding_window",

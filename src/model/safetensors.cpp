@@ -109,20 +109,27 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                          v["data_offsets"].size() == 2,
                      "{}: header entry of tensor '{}' needs dtype, shape and data_offsets [begin, end]", path, t.name);
       t.dtype = v["dtype"].get<std::string>();
+      // Every number checked before it is used: a hostile header must not wrap an offset round
+      // into the header or overflow an element count.
       std::size_t numel = 1;
       for (const auto& d : v["shape"]) {
-        STRATA_REQUIRE(d.is_number_unsigned(), "{}: tensor '{}' has a bad shape {}", path, t.name, v["shape"].dump());
-        t.shape.push_back(d.get<std::int64_t>());
-        numel *= d.get<std::size_t>();
+        STRATA_REQUIRE(d.is_number_unsigned() && d.get<std::uint64_t>() <= (std::uint64_t(1) << 48),
+                       "{}: tensor '{}' has a bad shape {}", path, t.name, v["shape"].dump());
+        const std::size_t n = d.get<std::size_t>();
+        STRATA_REQUIRE(n == 0 || numel <= size_ / n, "{}: tensor '{}' has a shape {} larger than the file", path,
+                       t.name, v["shape"].dump());
+        t.shape.push_back(std::int64_t(n));
+        numel *= n;
       }
       const auto& off = v["data_offsets"];
       STRATA_REQUIRE(off[0].is_number_unsigned() && off[1].is_number_unsigned(),
                      "{}: tensor '{}' has bad data_offsets {}", path, t.name, off.dump());
-      t.data_begin = data0 + off[0].get<std::size_t>();
-      t.data_end = data0 + off[1].get<std::size_t>();
-      STRATA_REQUIRE(t.data_begin <= t.data_end && t.data_end <= size_,
-                     "{}: truncated or corrupt: tensor '{}' spans bytes [{}, {}) but the file has {} bytes", path,
-                     t.name, t.data_begin, t.data_end, size_);
+      const std::uint64_t o0 = off[0].get<std::uint64_t>(), o1 = off[1].get<std::uint64_t>();
+      STRATA_REQUIRE(o0 <= o1 && o1 <= size_ - data0,
+                     "{}: truncated or corrupt: tensor '{}' spans data bytes [{}, {}) but the file has {} bytes ({} "
+                     "after its header)", path, t.name, o0, o1, size_, size_ - data0);
+      t.data_begin = data0 + o0;
+      t.data_end = data0 + o1;
       const std::size_t es = st_dtype_size(t.dtype);
       STRATA_REQUIRE(es == 0 || numel * es == t.data_end - t.data_begin,
                      "{}: tensor '{}' ({} {}) needs {} bytes but its data_offsets (from offset {}) span {}", path,
@@ -195,8 +202,8 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
     } catch (const nlohmann::json::exception& e) {
       STRATA_THROW(kInvalidArgument, "{}: not valid JSON: {}", index.string(), e.what());
     }
-    STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
-                   "{}: needs an object 'weight_map' (tensor name -> shard file)", index.string());
+    STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object() && !j["weight_map"].empty(),
+                   "{}: needs a non-empty object 'weight_map' (tensor name -> shard file)", index.string());
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       STRATA_REQUIRE(it.value().is_string(), "{}: weight_map['{}'] must be a file name", index.string(), it.key());
       file_of[it.key()] = it.value().get<std::string>();
@@ -212,7 +219,7 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
   auto locate = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const SafetensorsInfo*> {
     for (const std::string& n : {name, name.starts_with("transformer.") ? name.substr(12) : std::string()}) {
       if (n.empty()) continue;
-      if (!file_of.empty()) {
+      if (!file_of.empty()) {  // sharded: the index says where (never empty, checked above)
         auto it = file_of.find(n);
         if (it == file_of.end()) continue;
         const SafetensorsFile* f = open.at(it->second).get();

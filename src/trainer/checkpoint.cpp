@@ -13,6 +13,7 @@
 // or a complete step-<N>. find_checkpoint verifies sizes and checksums before choosing one,
 // so a folder damaged after the fact is skipped too.
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -106,6 +107,21 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     std::error_code ec;
     fs::create_directories(root, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", root, ec.message());
+    // Half-written checkpoints of runs that died (their process is gone): never chosen, only
+    // taking space. (A live run's, with another tag, are left alone.)
+    for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string n = it->path().filename().string();
+      const auto at = n.find(".tmp-");
+      if (!n.starts_with("step-") || at == std::string::npos || n.substr(at + 5) == tmp_tag) continue;
+      const std::string tag = n.substr(at + 5);
+      char* end_num = nullptr;
+      const long pid = std::strtol(tag.c_str(), &end_num, 10);
+      if (end_num == tag.c_str() || *end_num != '\0' || pid <= 0) continue;
+      if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+      std::error_code rm;
+      fs::remove_all(it->path(), rm);
+      if (!rm) log::info("checkpoint: removed {}, left by a run that stopped while writing it", it->path().string());
+    }
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());

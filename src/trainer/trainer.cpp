@@ -201,8 +201,20 @@ TrainResult train(const TrainOptions& o) {
   for (const auto& f : o.data_files) require_file(f, "--data");
   if (!o.text_file.empty()) require_file(o.text_file, "--text");
   if (!o.ds_config.empty()) require_file(o.ds_config, "--config");
-  if (!o.out_dir.empty() && !o.overwrite)
-    STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it", o.out_dir);
+  if (!o.out_dir.empty()) {
+    // Checked now, not after the training: a folder (never a file of the user's, even with
+    // --overwrite) under a writable folder.
+    std::error_code ec;
+    STRATA_REQUIRE(!fs::exists(o.out_dir, ec) || fs::is_directory(o.out_dir, ec),
+                   "--out {} is a file, not a folder: give a folder for the model", o.out_dir);
+    fs::path up = fs::absolute(o.out_dir, ec).lexically_normal();
+    while (!up.empty() && !fs::exists(up, ec) && up != up.root_path()) up = up.parent_path();
+    STRATA_REQUIRE(fs::is_directory(up, ec) && ::access(up.c_str(), W_OK) == 0,
+                   "--out {}: {} is not a writable folder, so the model could not be written there", o.out_dir,
+                   up.string());
+    if (!o.overwrite)
+      STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it", o.out_dir);
+  }
   STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0");
   STRATA_REQUIRE(o.save_every == 0 || !o.checkpoint_dir.empty() || !o.out_dir.empty() || !o.resume.empty(),
                  "--save-every needs a folder for the checkpoints: give --checkpoint-dir DIR or --out DIR");
@@ -211,7 +223,11 @@ TrainResult train(const TrainOptions& o) {
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
   std::string ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
-  if (ckpt_root.empty() && !resume.dir.empty()) ckpt_root = fs::path(resume.dir).parent_path().string();
+  if (ckpt_root.empty() && !resume.dir.empty()) {  // beside the resumed one ("P/step-4/" and "step-4" too)
+    fs::path dir = fs::absolute(resume.dir).lexically_normal();
+    if (dir.filename().empty()) dir = dir.parent_path();
+    ckpt_root = dir.parent_path().string();
+  }
 
   // ---- launch, device, communicator ----
   const LaunchInfo launch = init_launch();
@@ -328,7 +344,7 @@ TrainResult train(const TrainOptions& o) {
   dopt.vocab_size = mcfg.vocab_size;
   dopt.shuffle = o.shuffle;
   dopt.seed = o.seed;
-  dopt.val_fraction = o.eval_every > 0 ? 0.1 : 0.0;
+  dopt.val_fraction = o.eval_every > 0 ? 0.1 : 0.0;  // (it shapes the train split: recorded, compared on resume)
 
   auto dev = make_device(o.device, hopt, copt);
   auto comm = make_communicator(*dev);
@@ -386,6 +402,7 @@ TrainResult train(const TrainOptions& o) {
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
     differs("files", dopt.files);
+    differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
     if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", warmup) != warmup ||
         ls.value("schedule", schedule) != schedule || ls.value("total_steps", steps) != steps)
@@ -422,7 +439,7 @@ TrainResult train(const TrainOptions& o) {
         {"data",
          {{"train_batches", train_batches}, {"val_batches", val_batches}, {"epoch", loader.epoch()},
           {"micro_batch", B}, {"seq_len", seq_len}, {"grad_accum", accum}, {"seed", o.seed},
-          {"shuffle", o.shuffle}, {"files", dopt.files}}},
+          {"shuffle", o.shuffle}, {"files", dopt.files}, {"val_fraction", dopt.val_fraction}}},
         // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
         // per epoch: the position above restores it.
         {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
