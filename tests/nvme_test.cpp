@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <atomic>
 #include <future>
 #include <random>
 
@@ -269,6 +271,20 @@ TEST_P(EngineTest, CompletionCallbackRuns) {
   fr.run(IoOp::kWrite).on_complete([&](std::exception_ptr e) { called.set_value(e == nullptr); });
   ASSERT_EQ(fut.wait_for(30s), std::future_status::ready);
   EXPECT_TRUE(fut.get());
+  // Callbacks have run and are gone (what they held released) by the time wait() returns:
+  // the engine keeps staging blocks alive through them and allocates again after a wait.
+  for (int i = 0; i < 200; ++i) {
+    auto held = std::make_shared<int>(i);
+    std::atomic<bool> ran{false};
+    IoHandle h = fr.run(IoOp::kWrite);
+    h.on_complete([held, &ran](std::exception_ptr) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      ran = true;
+    });
+    h.wait();
+    ASSERT_TRUE(ran) << "wait() returned before the callback ran (round " << i << ")";
+    ASSERT_EQ(held.use_count(), 1) << "wait() returned before the callback was destroyed (round " << i << ")";
+  }
 }
 
 TEST_P(EngineTest, ReadPastEndOfFileIsAnError) {
@@ -400,6 +416,21 @@ TEST(SwapStore, VerifyDetectsAByteFlippedBehindItsBack) {
     EXPECT_NE(w.find("stripe.bin"), std::string::npos) << w;
     EXPECT_NE(w.find("offset 1245184"), std::string::npos) << w;  // the 64 KiB stripe holding the byte
   }
+  // Reads the checksums cannot vouch for are refused, not reported as corruption: part of a
+  // write (the last piece's sum is of the whole piece), or past a shorter write.
+  const auto refused = [&](const char* key, std::size_t bytes, const char* needle) {
+    try {
+      store.read(key, dst.ptr, bytes).wait();
+      ADD_FAILURE() << "read " << bytes << " bytes of " << key;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+    }
+  };
+  refused("layer3.m", (1 << 20) / 2 + 4096, "the whole write");
+  store.reserve("short", 1 << 20);
+  store.write("short", src.ptr, 4096).wait();
+  refused("short", 1 << 20, "its last write was 4096 bytes");
 }
 
 TEST(SwapStore, SpaceCheckRefusesBeforeWriting) {
@@ -421,6 +452,24 @@ TEST(SwapStore, SpaceCheckRefusesBeforeWriting) {
   EXPECT_EQ(store.stats().file_bytes, before);
   EXPECT_EQ(fs::file_size(store.files()[0]), before);
   EXPECT_FALSE(store.contains("huge"));
+
+  // Two paths on one file system: each file's share fits the free space, both together do not.
+  // Refused before either grows (the first used to be allocated, and kept, before the second
+  // was refused).
+  TempDir b;
+  fs::create_directories(b.path + "/x");
+  fs::create_directories(b.path + "/y");
+  SwapStore two(store_options({b.path + "/x", b.path + "/y"}));
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(b.path.c_str(), &sv), 0);
+  const std::size_t free_now = std::size_t(sv.f_bavail) * sv.f_frsize;
+  try {
+    two.reserve("both", free_now / 2 * 3);
+    FAIL() << "1.5x the free space was reserved";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("on the file system of"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(two.stats().file_bytes, 0u);
 }
 
 // What the memory plan checks NVMe bytes against: statvfs's free bytes, a file system once
@@ -475,6 +524,36 @@ TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {
   SwapStoreOptions other = store_options({a.path});
   other.rank = 1;
   SwapStore rank1(other);  // other ranks have their own directory
+}
+
+// A store that throws half-way through its paths lets go of what it took (the first path's lock
+// used to stay held: a retry was "in use by another running strata process").
+TEST(SwapStore, AFailedStartLeavesNothingHeld) {
+  TempDir a;
+  EXPECT_THROW(SwapStore(store_options({a.path, a.path + "/missing"})), Error);
+  SwapStore retry(store_options({a.path}));
+  EXPECT_EQ(retry.files().size(), 1u);
+}
+
+// A store on a shared engine drops its registered files when it goes: the next file to get the
+// same fd number is written itself, not the old store's deleted one through a stale slot.
+TEST(SwapStore, ASharedEngineForgetsAGoneStoresFiles) {
+  TempDir a;
+  auto eng = make_io_engine(config(IoBackend::kAuto));
+  AlignedBuf buf(64 << 10);
+  fill_random(buf.ptr, buf.size, 5);
+  {
+    SwapStore store(store_options({a.path}), eng.get());
+    store.write("k", buf.ptr, buf.size).wait();
+  }
+  // The store's fd numbers are free again: new files get them (the lowest free first).
+  std::vector<std::unique_ptr<FileFd>> files;
+  for (int i = 0; i < 4; ++i) files.push_back(std::make_unique<FileFd>(a.path + "/other" + std::to_string(i), DirectIo::kAuto));
+  for (const auto& f : files) {
+    IoRequest w{IoOp::kWrite, f->fd, 0, buf.ptr, buf.size, &f->path};
+    eng->submit({&w, 1}).wait();
+    EXPECT_EQ(fs::file_size(f->path), buf.size) << "the write to fd " << f->fd << " went to another file";
+  }
 }
 
 TEST(SwapStore, BadPathsNameTheKey) {

@@ -102,7 +102,8 @@ class IoHandle {
   // As wait(), with a limit: false if not done in time (nothing is cancelled).
   bool wait_for(std::chrono::milliseconds limit) const;
   // Runs `fn` once when the batch completes (at once if it already has), on the thread that
-  // completes it; `error` is null on success. Keep it short: it runs on an I/O worker.
+  // completes it; `error` is null on success. Keep it short: it runs on an I/O worker. It has
+  // run, and been destroyed, before done() is true and wait() returns.
   void on_complete(std::function<void(std::exception_ptr error)> fn) const;
 
  private:
@@ -132,6 +133,10 @@ class IoEngine {
   virtual bool register_buffers(std::span<const std::pair<void*, std::size_t>> regions) = 0;
   // (optional) Registers files so their chunks use fixed-file slots.
   virtual bool register_files(std::span<const int> fds) = 0;
+  // Drops those of `fds` that are registered (before they are closed: a slot keeps its file
+  // open, and a later file given the same fd number would be read and written through it).
+  // Call while none of their I/O is in flight.
+  virtual void unregister_files(std::span<const int> fds) = 0;
   virtual IoStats stats() const = 0;
 };
 

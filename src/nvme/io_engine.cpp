@@ -292,17 +292,23 @@ class EngineBase : public IoEngine {
     const std::uint32_t req = c->req;
     delete c;
     if (b.req_chunks_left[req].fetch_sub(1) == 1) finish_request(b, req);
-    std::vector<std::function<void(std::exception_ptr)>> callbacks;
-    std::exception_ptr err;
-    {
-      std::lock_guard<std::mutex> lock(b.mu);
-      if (--b.remaining != 0) return;
-      b.done = true;
+    std::unique_lock<std::mutex> lock(b.mu);
+    if (--b.remaining != 0) return;
+    // The callbacks run, and are destroyed (what they hold, a pinned block say, released),
+    // before the batch is done: whoever wait()s may count on that. One registered meanwhile
+    // (not done yet) is run by this loop too.
+    const std::exception_ptr err = b.error;
+    while (!b.callbacks.empty()) {
+      std::vector<std::function<void(std::exception_ptr)>> callbacks;
       callbacks.swap(b.callbacks);
-      err = b.error;
+      lock.unlock();
+      for (auto& fn : callbacks) fn(err);
+      callbacks.clear();
+      lock.lock();
     }
+    b.done = true;
+    lock.unlock();
     b.cv.notify_all();
-    for (auto& fn : callbacks) fn(err);
   }
 
   // Checksums of a whole request, once all its chunks are done.
@@ -454,6 +460,20 @@ class UringEngine final : public EngineBase {
       });
     }
     return ok;
+  }
+
+  void unregister_files(std::span<const int> fds) override {
+    for (auto& w : workers_) {
+      w->run_idle([&](io_uring& ring) {
+        for (const int fd : fds) {
+          const auto it = w->fixed_files_.find(fd);
+          if (it == w->fixed_files_.end()) continue;
+          int none = -1;  // an empty slot: the kernel lets go of the file
+          io_uring_register_files_update(&ring, unsigned(it->second), &none, 1);
+          w->fixed_files_.erase(it);
+        }
+      });
+    }
   }
 
   bool on_cqe(Chunk* c, long res) { return finish_chunk(c, res); }
@@ -639,6 +659,7 @@ class ThreadEngine final : public EngineBase {
   IoBackend backend() const override { return IoBackend::kThreads; }
   bool register_buffers(std::span<const std::pair<void*, std::size_t>>) override { return false; }
   bool register_files(std::span<const int>) override { return false; }
+  void unregister_files(std::span<const int>) override {}
 
  protected:
   void enqueue(std::vector<Chunk*>&& chunks) override {

@@ -36,7 +36,6 @@ namespace fs = std::filesystem;
 namespace {
 constexpr std::size_t kPage = 4096;
 
-std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
 }  // namespace
 
 struct SwapStore::Impl {
@@ -49,6 +48,7 @@ struct SwapStore::Impl {
     std::uint64_t offset = 0;  // logical
     std::size_t bytes = 0;     // padded
     bool written = false;
+    std::size_t written_bytes = 0;  // padded length of the last write
     std::vector<std::uint64_t> sums;  // one per stripe piece
     std::string tag;                  // "swap key 'K'", for messages
   };
@@ -89,30 +89,78 @@ struct SwapStore::Impl {
     const std::uint64_t stripes = (end + stripe - 1) / stripe;
     std::vector<std::size_t> want(F);
     for (std::size_t f = 0; f < F; ++f) want[f] = std::size_t((stripes + F - 1 - f) / F) * stripe;
+    // Every file system's free space against all its files' growth, before any grows.
+    std::vector<std::pair<dev_t, std::size_t>> need_on;  // file system -> bytes to add
     for (std::size_t f = 0; f < F; ++f) {
       if (want[f] <= files[f].size) continue;
-      const std::size_t need = want[f] - files[f].size;
+      struct stat st {};
+      STRATA_CHECK_ERRNO(::fstat(files[f].fd, &st), "fstat of '{}'", files[f].path);
+      auto it = std::find_if(need_on.begin(), need_on.end(), [&](const auto& p) { return p.first == st.st_dev; });
+      if (it == need_on.end()) it = need_on.insert(need_on.end(), {st.st_dev, 0});
+      it->second += want[f] - files[f].size;
       struct statvfs sv {};
       STRATA_CHECK_ERRNO(::statvfs(files[f].path.c_str(), &sv), "statvfs of '{}'", files[f].path);
       const double avail = double(sv.f_bavail) * double(sv.f_frsize);
-      if (double(need) > avail)
+      if (double(it->second) > avail)
         STRATA_THROW(kIo,
-                     "the swap store needs {} more bytes ({}) in '{}' but only {} bytes ({}) are free there; "
-                     "free space, offload less to NVMe, or list more directories in {}",
-                     need, gib(double(need)), files[f].path, std::uint64_t(avail), gib(avail), opt.config_key);
-      const int rc = ::fallocate(files[f].fd, 0, off_t(files[f].size), off_t(need));
-      if (rc != 0) {
-        const int err = errno;
-        if (err == EOPNOTSUPP) {
-          // Some file systems (tmpfs before 3.5, some FUSE) cannot fallocate: extend instead.
-          STRATA_CHECK_ERRNO(::ftruncate(files[f].fd, off_t(want[f])), "ftruncate '{}'", files[f].path);
-        } else {
-          detail::throw_errno(__FILE__, __LINE__, "fallocate", err,
-                              fmt::format("cannot preallocate {} bytes in '{}'{}", need, files[f].path,
-                                          err == ENOSPC ? ": the disk is full" : ""));
+                     "the swap store needs {} more bytes ({}) on the file system of '{}' but only {} bytes ({}) are "
+                     "free there; free space, offload less to NVMe, or list directories on other drives in {}",
+                     it->second, log::human_bytes(double(it->second)), files[f].path, std::uint64_t(avail), log::human_bytes(avail),
+                     opt.config_key);
+    }
+    // Grown in turn; a failure takes back what this call grew, so a refused reserve holds nothing.
+    std::vector<std::size_t> before(F);
+    for (std::size_t f = 0; f < F; ++f) before[f] = files[f].size;
+    try {
+      for (std::size_t f = 0; f < F; ++f) {
+        if (want[f] <= files[f].size) continue;
+        const std::size_t need = want[f] - files[f].size;
+        if (::fallocate(files[f].fd, 0, off_t(files[f].size), off_t(need)) != 0) {
+          const int err = errno;
+          if (err == EOPNOTSUPP) {
+            // Some file systems (tmpfs before 3.5, some FUSE) cannot fallocate: extend instead.
+            STRATA_CHECK_ERRNO(::ftruncate(files[f].fd, off_t(want[f])), "ftruncate '{}'", files[f].path);
+          } else {
+            detail::throw_errno(__FILE__, __LINE__, "fallocate", err,
+                                fmt::format("cannot preallocate {} bytes in '{}'{}", need, files[f].path,
+                                            err == ENOSPC ? ": the disk is full" : ""));
+          }
         }
+        files[f].size = want[f];
       }
-      files[f].size = want[f];
+    } catch (...) {
+      for (std::size_t f = 0; f < F; ++f)
+        if (files[f].size != before[f] && ::ftruncate(files[f].fd, off_t(before[f])) == 0) files[f].size = before[f];
+      throw;
+    }
+  }
+
+  // Also what a constructor that throws half-way leaves: every lock, fd and folder taken so far.
+  ~Impl() {
+    for (auto& h : pending) {
+      try {
+        h.wait();
+      } catch (const std::exception&) {
+        // Already reported to whoever waited on it; the files go away regardless.
+      }
+    }
+    if (engine && !own_engine && !files.empty()) {  // a shared engine must not keep our fds' files
+      std::vector<int> fds;
+      for (const auto& f : files) fds.push_back(f.fd);
+      engine->unregister_files(fds);
+    }
+    own_engine.reset();
+    std::error_code ec;
+    for (auto& f : files) {
+      ::close(f.fd);
+      fs::remove(f.path, ec);
+    }
+    for (auto& d : dirs) fs::remove_all(d, ec);
+    for (std::size_t i = 0; i < lock_fds.size(); ++i) {
+      fs::remove(locks[i], ec);
+      ::close(lock_fds[i]);
+      const fs::path top = fs::path(locks[i]).parent_path();
+      if (fs::is_empty(top, ec)) fs::remove(top, ec);
     }
   }
 
@@ -210,29 +258,7 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
   s.engine->register_files(fds);
 }
 
-SwapStore::~SwapStore() {
-  Impl& s = *impl_;
-  for (auto& h : s.pending) {
-    try {
-      h.wait();
-    } catch (const std::exception&) {
-      // Already reported to whoever waited on it; the files go away regardless.
-    }
-  }
-  s.own_engine.reset();
-  std::error_code ec;
-  for (auto& f : s.files) {
-    ::close(f.fd);
-    fs::remove(f.path, ec);
-  }
-  for (auto& d : s.dirs) fs::remove_all(d, ec);
-  for (std::size_t i = 0; i < s.lock_fds.size(); ++i) {
-    fs::remove(s.locks[i], ec);
-    ::close(s.lock_fds[i]);
-    const fs::path top = fs::path(s.locks[i]).parent_path();
-    if (fs::is_empty(top, ec)) fs::remove(top, ec);
-  }
-}
+SwapStore::~SwapStore() = default;  // Impl::~Impl
 
 void SwapStore::reserve(const std::string& key, std::size_t bytes) {
   STRATA_REQUIRE(bytes > 0, "swap key '{}': cannot reserve 0 bytes", key);
@@ -270,6 +296,13 @@ static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, vo
   STRATA_REQUIRE(op == IoOp::kWrite || e.written, "swap key '{}' was reserved but never written; write it first",
                  key);
   const bool verify = s.opt.aio.verify;
+  // A read covers what was written: beyond it the bytes are not this key's; and with verify on,
+  // exactly it (each stripe piece's checksum is of the piece as written).
+  STRATA_REQUIRE(op == IoOp::kWrite || padded <= e.written_bytes,
+                 "swap key '{}': reading {} bytes, but its last write was {} bytes", key, padded, e.written_bytes);
+  STRATA_REQUIRE(op == IoOp::kWrite || !verify || padded == e.written_bytes,
+                 "swap key '{}': reading {} of its {} written bytes; with aio.verify on a read must take the whole "
+                 "write (the checksums are of what was written)", key, padded, e.written_bytes);
   e.tag = fmt::format("swap key '{}'", key);
   std::size_t piece = 0;
   s.for_pieces(e.offset, padded, [&](const SwapStore::Impl::File& f, std::uint64_t foff, std::size_t done,
@@ -291,6 +324,7 @@ static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, vo
   });
   if (op == IoOp::kWrite) {
     e.written = true;
+    e.written_bytes = padded;
     s.bytes_written += padded;
   } else {
     s.bytes_read += padded;
