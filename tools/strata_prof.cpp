@@ -730,6 +730,8 @@ int run(Args a) {
     machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme, shard * 12, shard * dtype_size(base.compute_dtype));
     if (dev->kind() == DeviceKind::kCpu) {
       machine.device_capacity = hopt.capacity_bytes;
+      // Named with the cap the placements are planned for (the measuring one is sized up).
+      dev_name = fmt::format("cpu-emulated (cap {})", human(double(hopt.capacity_bytes)));
       a.device = "cpu";  // what "auto" chose; said once above
       // As the engine decides it there: the emulated device's kernels share the host's cores.
       if (!base.overlap_optimizer) base.overlap_optimizer = false;
