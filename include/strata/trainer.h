@@ -63,9 +63,10 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, con
 void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 
-// The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps from 0,
-// then constant ("const") or cosine decay to 0 at `total` ("cosine"), as Hugging Face's
-// get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup.
+// The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps (t/warmup),
+// then constant ("const") or cosine decay reaching 0 at step `total` ("cosine"): Hugging
+// Face's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup one step on —
+// step t runs at their lambda(t), where theirs runs at lambda(t - 1) (a first step at lr 0).
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule);
 
 // ---- checkpoints (src/trainer/checkpoint.cpp) ----
