@@ -329,7 +329,11 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.files = {p.string()};
   expect_error([&] { TokenLoader l(o); }, {"short.bin", "truncated", "10 tokens"});
   o.files = {write_tokens(dir, "tiny.bin", few).string()};
-  expect_error([&] { TokenLoader l(o); }, {"batch x seq_len + 1 = 17"});
+  expect_error([&] { TokenLoader l(o); }, {"batch x seq_len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
+  o.shuffle = true;
+  o.val_fraction = 0.1;
+  expect_error([&] { TokenLoader l(o, DataSplit::kVal); },
+               {"validation split", "10% of each file, with --eval-every", "tiny.bin: 10 tokens"});
   fs::remove_all(dir);
 }
 

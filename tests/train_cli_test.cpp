@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -355,6 +356,33 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
 }
 
 // ---- 2 ranks under mpirun vs 1 rank ----
+
+// One rank's bad input ends the whole job at once: rank 0 would otherwise wait in a collective
+// for rank 1 (which waited in MPI_Finalize for rank 0) until the watchdog, or for ever.
+TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string good = dir.path + "/good.json", bad = dir.path + "/bad.json", wrap = dir.path + "/wrap.sh";
+  std::ofstream(good) << R"({"zero_optimization": {"stage": 3}})";
+  std::ofstream(bad) << R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 3000}})";
+  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && c=" + bad + " || c=" + good + "\nexec " +
+                    STRATA_TRAIN_BIN;
+  for (const auto& s : args(dir.path + "/x.jsonl")) cmd += " '" + s + "'";
+  std::ofstream(wrap) << cmd << " --config \"$c\"\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "rank-error",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_LT(s, 60.0) << "the job waited for the failed rank";
+  EXPECT_NE(r.err.find("rank 1 of 2 stopped"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("aio.block_size"), std::string::npos) << r.err;
+#endif
+}
 
 TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #ifndef STRATA_MPIEXEC

@@ -1,7 +1,8 @@
 // How strata's command-line tools end, the same way in each: --help exits 0; a bad command
 // line prints CLI11's message and exits 1; a strata::Error prints one line (Error::user_message)
 // and exits 1, and with --json on the command line also prints, last, {"error": ..., "kind": ...}
-// on stdout, so a script reading the last JSON object finds out why there are no figures.
+// on stdout, so a script reading the last JSON object finds out why there are no figures. One
+// rank of several failing ends the whole MPI job (its peers would wait for it for ever).
 #pragma once
 
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "strata/comm.h"
 #include "strata/error.h"
 
 namespace strata::tools {
@@ -52,6 +54,9 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
       std::printf("%s\n", nlohmann::json{{"error", e.user_message()}, {"kind", error_kind_name(e.kind())}}.dump().c_str());
       break;
     }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    end_job_if_one_of_many(e.user_message());  // the other ranks would wait for this one for ever
     return 1;
   }
 }

@@ -55,7 +55,8 @@ struct LaunchInfo {
   std::string launcher = "none";  // "openmpi", "pmix", "pmi", "none"
 };
 
-// The launcher's view; never initializes MPI (a plain process stays a plain process).
+// The launcher's view; never initializes MPI (a plain process stays a plain process). Once
+// init_launch() has run, MPI's view as it found it (not a collective: any rank may ask alone).
 LaunchInfo launch_info();
 // Under an MPI launcher, initializes MPI once per process (MPI_THREAD_MULTIPLE, finalized at
 // exit if strata initialized it) and returns MPI's view, local rank from the shared-memory
@@ -64,6 +65,10 @@ LaunchInfo launch_info();
 LaunchInfo init_launch();
 // The GPU ordinal this rank should use: local_rank modulo the GPUs visible to it.
 int launch_gpu_ordinal(const LaunchInfo& info, int device_count);
+// A tool's error path: when this process is one of several MPI ranks, logs `message` with the
+// rank and ends the whole job (MPI_Abort, exit code 1) — the others may be waiting for this one
+// in a collective or in MPI_Finalize, and would wait for ever. Returns otherwise.
+void end_job_if_one_of_many(const std::string& message);
 
 struct CommOptions {
   std::optional<CommBackend> backend;  // unset: NCCL for CUDA, MPI under a launcher, else local

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #if defined(STRATA_HAVE_MPI)
@@ -67,7 +68,15 @@ LaunchInfo mpi_view(LaunchInfo li) {
 
 }  // namespace
 
+// MPI's view, taken once by init_launch (a collective) and handed out after.
+static std::mutex g_view_mu;
+static std::optional<LaunchInfo> g_mpi_view;
+
 LaunchInfo launch_info() {
+  {
+    std::lock_guard<std::mutex> lock(g_view_mu);
+    if (g_mpi_view) return *g_mpi_view;
+  }
   LaunchInfo li;
   if (std::getenv("OMPI_COMM_WORLD_RANK")) {
     li.launcher = "openmpi";
@@ -134,7 +143,10 @@ LaunchInfo init_launch() {
                    provided, int(MPI_THREAD_MULTIPLE),
                    initialized ? ", or initialize MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)" : "");
   });
-  return launch_info();
+  const LaunchInfo view = launch_info();  // every rank, here: the shared-memory split is a collective
+  std::lock_guard<std::mutex> lock(g_view_mu);
+  if (!g_mpi_view && view.under_mpi && comm::mpi_active()) g_mpi_view = view;
+  return view;
 #else
   STRATA_THROW(kUnsupported,
                "started by an MPI launcher ({}, rank {} of {}) but this build has no MPI; install "
@@ -165,6 +177,17 @@ void abort_job(const std::string& message) {
   if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, 3);
   std::_Exit(3);
 }
+
+void end_job_if_one_of_many_impl(const std::string& message) {
+  if (!mpi_active()) return;
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size <= 1) return;
+  log::error("rank {} of {} stopped: {}; ending the job", rank, size, message);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
 #else
 bool mpi_active() { return false; }
 
@@ -178,6 +201,8 @@ void abort_job(const std::string& message) {
   std::_Exit(3);
 }
 
+void end_job_if_one_of_many_impl(const std::string&) {}
+
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
   STRATA_THROW(kUnsupported, "no MPI communicator for {}: this build has no MPI; install libopenmpi-dev "
                              "and rebuild",
@@ -186,4 +211,6 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
 #endif
 
 }  // namespace comm
+void end_job_if_one_of_many(const std::string& message) { comm::end_job_if_one_of_many_impl(message); }
+
 }  // namespace strata

@@ -273,6 +273,9 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeo
     detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Comm_dup(MPI_COMM_WORLD)",
                         "cannot create the communicator", mpi_error_text(rc));
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  // OpenMPI reports a failed nonblocking collective on MPI_COMM_WORLD's handler: return there too,
+  // so the error reaches check() and the job ends with the collective named.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);

@@ -197,9 +197,11 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1, "TokenLoader: val_fraction {} must be in [0, 1)",
                  o.val_fraction);
   bool any_batch = false;
+  std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
   for (const auto& path : o.files) {
     auto f = open_tokens(path, o.format);
     const std::int64_t ntok = f->end;
+    if (sizes.size() < 400) sizes += fmt::format("{}{}: {} tokens", sizes.empty() ? "" : ", ", path, ntok);
     const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * o.val_fraction);
     if (split == DataSplit::kTrain) f->end = cut;
     else f->begin = cut;
@@ -213,12 +215,18 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
     m.files.push_back(std::move(f));
   }
   const char* which = split == DataSplit::kTrain ? "train" : "validation";
+  const std::string split_is = o.val_fraction > 0 ? fmt::format(" (the {} split is {}% of each file{})", which,
+                                                                  split == DataSplit::kTrain ? 100 - 100 * o.val_fraction
+                                                                                             : 100 * o.val_fraction,
+                                                                  split == DataSplit::kTrain ? "" : ", with --eval-every")
+                                                    : std::string();
   if (o.shuffle)
     STRATA_REQUIRE(std::int64_t(m.windows.size()) >= 1,
-                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens", which, o.seq_len + 1);
+                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens{}; the data: {}. Give more "
+                   "data or a shorter --seq-len", which, o.seq_len + 1, split_is, sizes);
   else
-    STRATA_REQUIRE(any_batch, "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens", which,
-                   m.bt() + 1);
+    STRATA_REQUIRE(any_batch, "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
+                   "Give more data or a smaller --micro-batch / --seq-len", which, m.bt() + 1, split_is, sizes);
   m.start_epoch();
 }
 
