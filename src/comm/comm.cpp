@@ -302,13 +302,15 @@ Watchdog::Watchdog(int rank, int world_size, double timeout_s, OnTimeout on_time
   thread_ = std::thread([this] { run(); });
 }
 
-Watchdog::~Watchdog() {
+Watchdog::~Watchdog() { stop(); }
+
+void Watchdog::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
 std::uint64_t Watchdog::begin(std::string what, std::function<bool()> poll) {

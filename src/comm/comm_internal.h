@@ -28,6 +28,8 @@ class Watchdog {
   Watchdog(int rank, int world_size, double timeout_s, OnTimeout on_timeout,
            std::function<std::string()> async_error = {});
   ~Watchdog();
+  // Ends its thread (idempotent): before what on_timeout / async_error use goes away.
+  void stop();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 

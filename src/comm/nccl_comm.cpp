@@ -104,6 +104,7 @@ class NcclCommunicator final : public Communicator {
             }) {}
 
   ~NcclCommunicator() override {
+    watchdog_.stop();  // it polls and may abort comm_, which is destroyed below
     std::vector<std::shared_ptr<DoneEvent>> pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -115,13 +116,8 @@ class NcclCommunicator final : public Communicator {
   }
 
  protected:
-  void do_enqueue(const Collective& c, Stream& stream) override {
-    auto s = static_cast<cudaStream_t>(stream.native_handle());
-    STRATA_REQUIRE(s != nullptr, "{}: stream '{}' has no CUDA stream; use a stream of the CUDA device",
-                   c.describe(), stream.name());
-    GpuGuard guard(ordinal_);
-    const bool group = c.inputs.size() > 1;
-    if (group) STRATA_NCCL_CHECK(ncclGroupStart());
+  // The NCCL calls of one collective (a group's members when there are several tensors).
+  void enqueue_calls(const Collective& c, cudaStream_t s) {
     if (c.kind == Kind::kBarrier) {
       float* one = static_cast<float*>(scratch_.data());
       STRATA_NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, s));
@@ -145,6 +141,21 @@ class NcclCommunicator final : public Communicator {
           STRATA_NCCL_CHECK(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
           break;
       }
+    }
+  }
+
+  void do_enqueue(const Collective& c, Stream& stream) override {
+    auto s = static_cast<cudaStream_t>(stream.native_handle());
+    STRATA_REQUIRE(s != nullptr, "{}: stream '{}' has no CUDA stream; use a stream of the CUDA device",
+                   c.describe(), stream.name());
+    GpuGuard guard(ordinal_);
+    const bool group = c.inputs.size() > 1;
+    if (group) STRATA_NCCL_CHECK(ncclGroupStart());
+    try {
+      enqueue_calls(c, s);
+    } catch (...) {
+      if (group) (void)ncclGroupEnd();  // never leave the group open behind an error
+      throw;
     }
     if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
     auto done = std::make_shared<DoneEvent>();
