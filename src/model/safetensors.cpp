@@ -326,12 +326,23 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size
     for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
     throw;
   }
-  // A single-file save must not leave an older index pointing at stale shards, and vice versa.
+  // A single-file save must not leave an older index pointing at stale shards, nor a sharded one
+  // an older model.safetensors (loaders take it before the index); and no older shard stays.
   if (n == 1) fs::remove(d / "model.safetensors.index.json", ec);
+  else fs::remove(d / "model.safetensors", ec);
   for (const auto& [tmp, fin] : renames) {
     fs::rename(tmp, fin, ec);
     STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
   }
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string f = it->path().filename().string();
+    if (!f.starts_with("model-") || !f.ends_with(".safetensors") || f.find("-of-") == std::string::npos) continue;
+    bool ours = false;
+    for (const auto& [tmp, fin] : renames) ours = ours || fin.filename() == f;
+    if (!ours) stale.push_back(it->path());
+  }
+  for (const fs::path& p : stale) fs::remove(p, ec);
 }
 
 }  // namespace strata
