@@ -52,8 +52,14 @@ UringProbe run_probe() {
     p.reason = explain(-rc);
     return p;
   }
+  // Kernels 5.1-5.5 set up a ring but lack IORING_OP_READ / WRITE, which every request uses:
+  // there the thread pool must take over, not every I/O fail with EINVAL.
+  io_uring_probe* ops = io_uring_get_probe_ring(&ring);
+  const bool rw = ops && io_uring_opcode_supported(ops, IORING_OP_READ) && io_uring_opcode_supported(ops, IORING_OP_WRITE);
+  if (ops) io_uring_free_probe(ops);
   io_uring_queue_exit(&ring);
-  p.available = true;
+  p.available = rw;
+  if (!rw) p.reason = "the kernel's io_uring lacks IORING_OP_READ / IORING_OP_WRITE (Linux 5.6 or newer has them)";
   return p;
 }
 
