@@ -402,9 +402,17 @@ TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
 TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLeftovers) {
   const std::string ck = dir.path + "/ck";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
-  // A folder a dead run left (pid 1 is alive: init; take one that cannot be: beyond pid_max).
-  fs::create_directories(ck + "/step-3.tmp-2147483646");
-  fs::create_directories(ck + "/step-3.tmp-1");  // a live process's tag: left alone
+  // Folders runs left, each with its owner "<host> <pid>": a dead process on this host (beyond
+  // pid_max) is removed; a live one (pid 1) and one from another host are left alone.
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
+  const auto left = [&](const std::string& name, const std::string& owner) {
+    fs::create_directories(ck + "/" + name);
+    std::ofstream(ck + "/" + name + "/.owner") << owner << "\n";
+  };
+  left("step-3.tmp-2147483646", std::string(host) + " 2147483646");
+  left("step-3.tmp-1", std::string(host) + " 1");
+  left("step-3.tmp-77", "another-host-" + std::string(host) + " 2147483646");
   auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--resume", ck + "/step-2/", "--eval-every", "100"});
   a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
   Proc p = spawn(a, dir.path, "resumed");
@@ -414,6 +422,8 @@ TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLefto
   EXPECT_FALSE(fs::exists(ck + "/step-2/step-4")) << "saved inside the resumed checkpoint";
   EXPECT_FALSE(fs::exists(ck + "/step-3.tmp-2147483646"));
   EXPECT_TRUE(fs::exists(ck + "/step-3.tmp-1"));
+  EXPECT_TRUE(fs::exists(ck + "/step-3.tmp-77"));
+  EXPECT_FALSE(fs::exists(ck + "/step-4/.owner")) << "the owner file went into the checkpoint";
   EXPECT_NE(slurp(p.err).find("val_fraction was 0.0 in the checkpoint's run, 0.1 now"), std::string::npos)
       << slurp(p.err);
 }

@@ -307,10 +307,5 @@ int main(int argc, char** argv) {
   app.add_option("--model-config", o.model_config, "the model's config.json (default: the checkpoint manifest's)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);
-  try {
-    return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "strata-export: %s\n", e.what());
-    return 1;
-  }
+  return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });
 }

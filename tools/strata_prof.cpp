@@ -39,6 +39,7 @@
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/device.h"
+#include "strata/engine.h"
 #include "strata/engine_config.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -734,7 +735,7 @@ int run(Args a) {
       dev_name = fmt::format("cpu-emulated (cap {})", human(double(hopt.capacity_bytes)));
       a.device = "cpu";  // what "auto" chose; said once above
       // As the engine decides it there: the emulated device's kernels share the host's cores.
-      if (!base.overlap_optimizer) base.overlap_optimizer = false;
+      base = Engine::with_device_defaults(base, *dev);
       // ... and the model shares them out (the cores this process may run on).
       cpu_set_t set;
       CPU_ZERO(&set);

@@ -38,6 +38,22 @@ inline CLI::Validator sign_check(bool zero_ok) {
 inline const CLI::Validator kNonNegative = sign_check(true);
 inline const CLI::Validator kPositive = sign_check(false);
 
+// The error path: one line on stderr, the JSON object with --json, the job ended if this is one
+// rank of several; returns the exit code.
+inline int fail(const char* name, int argc, char** argv, const std::string& message, const char* kind) {
+  std::fprintf(stderr, "%s: %s\n", name, message.c_str());
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") != 0) continue;
+    std::fflush(stderr);
+    std::printf("%s\n", nlohmann::json{{"error", message}, {"kind", kind}}.dump().c_str());
+    break;
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  end_job_if_one_of_many(message);  // the other ranks would wait for this one for ever
+  return 1;
+}
+
 // Parses the command line into `app`, then returns body()'s exit code.
 template <class Body>
 int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
@@ -47,17 +63,9 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 1;  // --help is a ParseError with exit code 0
   } catch (const Error& e) {
-    std::fprintf(stderr, "%s: %s\n", name, e.user_message().c_str());
-    for (int i = 1; i < argc; ++i) {
-      if (std::strcmp(argv[i], "--json") != 0) continue;
-      std::fflush(stderr);
-      std::printf("%s\n", nlohmann::json{{"error", e.user_message()}, {"kind", error_kind_name(e.kind())}}.dump().c_str());
-      break;
-    }
-    std::fflush(stdout);
-    std::fflush(stderr);
-    end_job_if_one_of_many(e.user_message());  // the other ranks would wait for this one for ever
-    return 1;
+    return fail(name, argc, argv, e.user_message(), error_kind_name(e.kind()));
+  } catch (const std::exception& e) {  // not strata's (a library's, bad_alloc): the same way out
+    return fail(name, argc, argv, e.what(), "error");
   }
 }
 

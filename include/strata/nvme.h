@@ -103,7 +103,8 @@ class IoHandle {
   bool wait_for(std::chrono::milliseconds limit) const;
   // Runs `fn` once when the batch completes (at once if it already has), on the thread that
   // completes it; `error` is null on success. Keep it short: it runs on an I/O worker. It has
-  // run, and been destroyed, before done() is true and wait() returns.
+  // run, and been destroyed, before done() is true and wait() returns — so it must not wait on
+  // its own handle. What it throws is logged, not passed on.
   void on_complete(std::function<void(std::exception_ptr error)> fn) const;
 
  private:

@@ -74,7 +74,7 @@ void install_termination_note(int rank, int world_size);
 
 // Ends the job after a fatal communication error: logs `message` and aborts every rank
 // (MPI_Abort when MPI is up, else exits the process non-zero).
-[[noreturn]] void abort_job(const std::string& message);
+[[noreturn]] void abort_job(const std::string& message, int exit_code = 3);
 
 // Backends (each in its own file). Their constructors are collective.
 std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s);

@@ -172,10 +172,10 @@ void mpi_broadcast_bytes(void* data, std::size_t bytes) {
                         mpi_error_text(rc));
 }
 
-void abort_job(const std::string& message) {
+void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
-  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, 3);
-  std::_Exit(3);
+  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
 }
 
 void end_job_if_one_of_many_impl(const std::string& message) {
@@ -183,10 +183,7 @@ void end_job_if_one_of_many_impl(const std::string& message) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (size <= 1) return;
-  log::error("rank {} of {} stopped: {}; ending the job", rank, size, message);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::_Exit(1);
+  if (size > 1) abort_job(fmt::format("rank {} of {} stopped: {}; ending the job", rank, size, message), 1);
 }
 #else
 bool mpi_active() { return false; }
@@ -196,9 +193,9 @@ void mpi_broadcast_bytes(void*, std::size_t) {
                              "libopenmpi-dev and rebuild");
 }
 
-void abort_job(const std::string& message) {
+void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
-  std::_Exit(3);
+  std::_Exit(exit_code);
 }
 
 void end_job_if_one_of_many_impl(const std::string&) {}

@@ -27,10 +27,8 @@ AioConfig parse_aio_config(std::string_view json_text) {
     obj = &doc["aio"];
   } else if (doc.is_object()) {
     bool block = false;
-    for (auto it = doc.begin(); it != doc.end() && !block; ++it) {
-      for (auto k : kKeys) block = block || it.key() == k;
-      block = block || !config::near_miss(it.key(), kKeys).empty();
-    }
+    // (near_miss finds an exact key too: every aio key is 5 characters or more)
+    for (auto it = doc.begin(); it != doc.end() && !block; ++it) block = !config::near_miss(it.key(), kKeys).empty();
     if (!block) obj = nullptr;  // a ds_config without an aio block: the defaults
   }
   const config::Section s(obj, "aio");

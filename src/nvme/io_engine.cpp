@@ -302,7 +302,13 @@ class EngineBase : public IoEngine {
       std::vector<std::function<void(std::exception_ptr)>> callbacks;
       callbacks.swap(b.callbacks);
       lock.unlock();
-      for (auto& fn : callbacks) fn(err);
+      for (auto& fn : callbacks) {
+        try {
+          fn(err);
+        } catch (const std::exception& e) {  // the batch must still finish: waiters depend on it
+          log::error("an I/O completion callback threw: {}", e.what());
+        }
+      }
       callbacks.clear();
       lock.lock();
     }

@@ -147,7 +147,11 @@ struct SwapStore::Impl {
     if (engine && !own_engine && !files.empty()) {  // a shared engine must not keep our fds' files
       std::vector<int> fds;
       for (const auto& f : files) fds.push_back(f.fd);
-      engine->unregister_files(fds);
+      try {
+        engine->unregister_files(fds);
+      } catch (const std::exception& e) {  // a destructor: say it, close the files regardless
+        log::warn("swap store: cannot unregister its files from the I/O engine: {}", e.what());
+      }
     }
     own_engine.reset();
     std::error_code ec;

@@ -830,8 +830,9 @@ void Engine::finalize() {
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
   }
 
-  if (!s.cfg.overlap_optimizer.has_value() && s.dev.kind() == DeviceKind::kCpu) {
-    s.cfg = with_device_defaults(s.cfg, s.dev);
+  const bool defaulted = !s.cfg.overlap_optimizer.has_value();
+  s.cfg = with_device_defaults(s.cfg, s.dev);
+  if (defaulted && s.cfg.overlap_optimizer == false) {
     if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
       log::info("engine: the early optimizer step is off on the CPU-emulated device (its kernels use the cores "
                 "the optimizer would); strata.overlap_optimizer true turns it on");

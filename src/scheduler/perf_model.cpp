@@ -12,6 +12,7 @@
 #include "strata/perf_model.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <deque>
 #include <functional>
@@ -902,7 +903,12 @@ std::string engine_config_json(const EngineConfig& c) {
                  {"hysteresis", c.fp16.hysteresis},
                  {"min_loss_scale", c.fp16.min_loss_scale}};
   // A float as the decimal that reads back as it (0.9, not 0.8999999761581421).
-  const auto dec = [](float f) { return std::stod(fmt::format("{}", f)); };
+  const auto dec = [](float f) {
+    const std::string text = fmt::format("{}", f);  // shortest round trip, in the C locale
+    double d = 0;
+    std::from_chars(text.data(), text.data() + text.size(), d);
+    return d;
+  };
   j["optimizer"] = {{"type", c.optimizer_type},
                     {"params",
                      {{"lr", dec(c.adamw.lr)},

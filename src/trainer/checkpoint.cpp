@@ -97,6 +97,41 @@ std::string model_config_hash(const ModelConfig& c) {
   return fmt::format("{:016x}", XXH3_64bits(key.data(), key.size()));
 }
 
+namespace {
+
+// Who is writing a .tmp folder: "<host> <pid>" of rank 0, removed before the rename.
+constexpr const char* kOwnerFile = ".owner";
+
+std::string this_host() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof name - 1) == 0 ? std::string(name) : std::string("?");
+}
+
+// Half-written checkpoints of runs that died: never chosen, only taking space. Only a folder
+// whose owner was on this host and whose process is gone (a live run's, or one from another
+// host sharing the folder, is left alone).
+void remove_dead_runs_folders(const std::string& root, const std::string& tmp_tag) {
+  std::error_code ec;
+  std::vector<fs::path> dead;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    const auto at = n.find(".tmp-");
+    if (!n.starts_with("step-") || at == std::string::npos || n.substr(at + 5) == tmp_tag) continue;
+    std::ifstream owner(it->path() / kOwnerFile);
+    std::string host;
+    long pid = 0;
+    if (!(owner >> host >> pid) || host != this_host() || pid <= 0) continue;
+    if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+    dead.push_back(it->path());
+  }
+  for (const fs::path& p : dead) {
+    fs::remove_all(p, ec);
+    if (!ec) log::info("checkpoint: removed {}, left by a run that stopped while writing it", p.string());
+  }
+}
+
+}  // namespace
+
 std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root, std::int64_t step,
                              const std::string& tmp_tag, const nlohmann::json& trainer_state) {
   const int rank = comm.rank(), world = comm.world_size();
@@ -107,24 +142,11 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     std::error_code ec;
     fs::create_directories(root, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", root, ec.message());
-    // Half-written checkpoints of runs that died (their process is gone): never chosen, only
-    // taking space. (A live run's, with another tag, are left alone.)
-    for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
-      const std::string n = it->path().filename().string();
-      const auto at = n.find(".tmp-");
-      if (!n.starts_with("step-") || at == std::string::npos || n.substr(at + 5) == tmp_tag) continue;
-      const std::string tag = n.substr(at + 5);
-      char* end_num = nullptr;
-      const long pid = std::strtol(tag.c_str(), &end_num, 10);
-      if (end_num == tag.c_str() || *end_num != '\0' || pid <= 0) continue;
-      if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
-      std::error_code rm;
-      fs::remove_all(it->path(), rm);
-      if (!rm) log::info("checkpoint: removed {}, left by a run that stopped while writing it", it->path().string());
-    }
+    remove_dead_runs_folders(root, tmp_tag);
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());
+    std::ofstream(fs::path(tmp) / kOwnerFile) << this_host() << " " << ::getpid() << "\n";
   }
   barrier(comm, s);
   engine.save_state(tmp);
@@ -187,6 +209,7 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
       fs::rename(final_dir, aside, ec);
       STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir, ec.message());
     }
+    fs::remove(fs::path(tmp) / kOwnerFile, ec);
     fs::rename(tmp, final_dir, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
     fsync_path(root, true);

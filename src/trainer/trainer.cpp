@@ -287,6 +287,10 @@ TrainResult train(const TrainOptions& o) {
     log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule", ecfg.scheduler.type);
   if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget();
   const std::int64_t steps = o.steps > 0 ? o.steps : 60;
+  // The lr of optimizer step t (1-based).
+  const auto lr_of = [&](std::int64_t t) {
+    return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t) : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
+  };
   const std::int64_t seq_len = o.seq_len > 0 ? o.seq_len : (demo_model ? 128 : 1024);
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
@@ -405,7 +409,8 @@ TrainResult train(const TrainOptions& o) {
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
     if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", warmup) != warmup ||
-        ls.value("schedule", schedule) != schedule || ls.value("total_steps", steps) != steps)
+        ls.value("schedule", schedule) != schedule || ls.value("total_steps", steps) != steps ||
+        ls.value("next_lr", lr_of(resume.step + 1)) != lr_of(resume.step + 1))
       log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
                 "run's", ls.dump());
     engine.load_state(resume.dir);
@@ -445,7 +450,7 @@ TrainResult train(const TrainOptions& o) {
         {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
         {"lr_schedule",
          {{"lr", double(ecfg.adamw.lr)}, {"warmup", warmup}, {"total_steps", steps},
-          {"schedule", schedule}, {"next_step", step + 1}}},
+          {"schedule", schedule}, {"next_step", step + 1}, {"next_lr", lr_of(step + 1)}}},
         {"loss_scale", engine.loss_scale()}};
   };
   std::vector<std::int64_t> saved_steps;
@@ -508,8 +513,7 @@ TrainResult train(const TrainOptions& o) {
     const auto t_step = Clock::now();
     const bool tracing = !o.trace_file.empty() && step == o.trace_step;
     if (tracing) Tracer::global().set_enabled(true);
-    const double lr = ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, step)
-                                  : lr_at(step, ecfg.adamw.lr, warmup, steps, schedule);
+    const double lr = lr_of(step);
     engine.set_next_lr(float(lr));  // the early optimizer step (overlapping backward) uses it
     double loss_sum = 0;
     for (std::int64_t a = 0; a < accum; ++a) {
