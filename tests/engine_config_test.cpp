@@ -2,6 +2,8 @@
 // planner (bytes per tier against hand-computed values for a small synthetic model).
 #include "strata/engine_config.h"
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -746,6 +748,23 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   // 14389248 bytes of state in two stores, whole 1 MiB stripes each: 2 + 12 MiB.
   EXPECT_NE(q.problems[1].find("680064 bytes missing"), std::string::npos) << q.problems[1];
   EXPECT_NE(q.problems[1].find("nvme_path"), std::string::npos) << q.problems[1];
+  EXPECT_EQ(q.problems[1].find("ranks on this node"), std::string::npos) << q.problems[1];
+  // Several ranks on one node: the message says the capacity is this rank's share.
+  in.ranks_on_node = 4;
+  const MemoryPlan shared = plan_memory(nv, in);
+  ASSERT_EQ(shared.problems.size(), 2u);
+  EXPECT_NE(shared.problems[1].find("the 4 ranks on this node split each drive's free space"), std::string::npos)
+      << shared.problems[1];
+}
+
+// strata.host_budget_bytes left at 0: 80% of RAM, split among the ranks of the node.
+TEST(MemoryPlan, DefaultHostBudgetIsSplitAmongTheNodesRanks) {
+  const std::uint64_t ram = std::uint64_t(::sysconf(_SC_PHYS_PAGES)) * std::uint64_t(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t one = default_host_budget(), two = default_host_budget(2), eight = default_host_budget(8);
+  EXPECT_NEAR(double(one), 0.8 * double(ram), double(1 << 20));
+  EXPECT_NEAR(double(two), double(one) / 2, 1.0);
+  EXPECT_NEAR(double(eight), double(one) / 8, 1.0);
+  EXPECT_EQ(default_host_budget(0), one) << "a nonsense count is one rank";
 }
 
 TEST(MemoryPlan, TableShowsLinesTotalsAndVerdict) {

@@ -182,6 +182,23 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, PlacementTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& p) { return std::string(dtype_name(p.param)); });
 
+// strata.host_budget_bytes left at 0 means 80% of RAM (one rank here), for the plan and the
+// pinned pool alike: an engine with host-tier state was refused ("host: needs ..., has 0 B").
+TEST(Engine, AHostBudgetOfZeroIsTheDefaultBudget) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 5);
+  RunSetup su;
+  su.steps = 2;
+  su.cfg.params = on(Tier::kHost);
+  su.cfg.optimizer = on(Tier::kHost);
+  su.cfg.grads = on(Tier::kHost);
+  ASSERT_EQ(su.cfg.host_budget_bytes, 0u);
+  const RunOut r = train(su, model);
+  EXPECT_EQ(r.plan.host_capacity, default_host_budget(1));
+  EXPECT_EQ(r.stats.host_budget_bytes, default_host_budget(1));
+  EXPECT_GT(r.plan.host_bytes, 0u);
+}
+
 TEST(Engine, ClippedGradientsOnHostOrDeviceAreBitIdentical) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 17);

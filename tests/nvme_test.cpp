@@ -500,6 +500,12 @@ TEST(SwapStore, FreeBytesCountsEachFileSystemOnceAndAPreviousRunsFilesAsFree) {
   const std::uint64_t r1 = SwapStore::free_bytes({a.path + "/x"}, 1, "k");
   EXPECT_NEAR(double(r0 - r1), double(8 << 20), double(1 << 20));
   EXPECT_NEAR(double(r1), double(free_now), double(64 << 20));
+  // Two ranks of one node under the same path: each gets half the free space, and its own
+  // previous files in full.
+  const std::uint64_t half0 = SwapStore::free_bytes({a.path + "/x"}, 0, "k", 2);
+  const std::uint64_t half1 = SwapStore::free_bytes({a.path + "/x"}, 1, "k", 2);
+  EXPECT_NEAR(double(half1), double(free_now) / 2, double(32 << 20));
+  EXPECT_NEAR(double(half0 - half1), double(8 << 20), double(1 << 20));
   try {
     SwapStore::free_bytes({a.path + "/nope"}, 0, "offload_param.nvme_path");
     FAIL() << "a missing directory was accepted";

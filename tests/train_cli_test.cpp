@@ -79,6 +79,18 @@ std::map<std::string, std::vector<float>> tensors_of(const std::string& dir) {
 // The first line of `s` (the message), and whether there is only one non-empty line.
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// A 405B Llama's config.json at `big` and a ds_config at `ds` with its weights and optimizer
+// state on NVMe under `nv` (created): ~5 TiB, more than any disk here has free.
+void write_405b_on_nvme(const std::string& big, const std::string& ds, const std::string& nv) {
+  fs::create_directories(nv);
+  std::ofstream(big) << R"({"model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
+    "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  std::ofstream(ds) << R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+    "offload_param": {"device": "nvme", "nvme_path": ")" + nv + R"("},
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+}
+
 class TrainCli : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -221,13 +233,7 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
 // disk here holds a 405B model's 5 TiB of weights and optimizer state) and says what to change.
 TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nv";
-  fs::create_directories(nv);
-  std::ofstream(big) << R"({"model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
-    "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  std::ofstream(ds) << R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
-    "offload_param": {"device": "nvme", "nvme_path": ")" + nv + R"("},
-    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+  write_405b_on_nvme(big, ds, nv);
   const Result r = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan");
   EXPECT_EQ(r.status, 2) << "--plan of a plan that does not fit\n" << r.err;
   struct statvfs sv {};
@@ -381,6 +387,32 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
   EXPECT_LT(s, 60.0) << "the job waited for the failed rank";
   EXPECT_NE(r.err.find("rank 1 of 2 stopped"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("aio.block_size"), std::string::npos) << r.err;
+#endif
+}
+
+// Two ranks of one node keep their swap files on the same drive: each plans with half its free
+// space (each used to count all of it, so together they could plan twice what the drive has).
+TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nvme";
+  write_405b_on_nvme(big, ds, nv);
+  const Result r = run(STRATA_MPIEXEC,
+                       {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN, "--model-config", big, "--config", ds,
+                        "--device", "cpu", "--plan"},
+                       dir.path, "plan2ranks",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(nv.c_str(), &sv), 0);
+  const std::uint64_t free_bytes = std::uint64_t(sv.f_bavail) * sv.f_frsize;
+  const std::regex total(R"(nvme +total +\d+ +\S+ \S+ +of \S+ \S+ \((\d+) bytes\): OVER by)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, total)) << r.out;
+  EXPECT_NEAR(std::stod(m[1]), double(free_bytes) / 2, double(std::uint64_t(1) << 30)) << r.out;
+  EXPECT_NE(r.out.find("the 2 ranks on this node split each drive's free space"), std::string::npos) << r.out;
 #endif
 }
 

@@ -14,7 +14,6 @@
 //   picture   an SVG with the best candidate's step per resource lane (predicted, and measured
 //             when validated) and the bytes per tier of the top candidates.
 #include <sched.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -265,8 +264,8 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       return since(t0);
     });
     m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
-    struct statvfs sv {};
-    if (::statvfs(nvme_dir.c_str(), &sv) == 0) m.nvme_free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
+    // The engine's own rule: this rank's share of the drive's free space (its files counted free).
+    m.nvme_free = SwapStore::free_bytes({nvme_dir}, comm.rank(), "--nvme-path", ranks_on_this_node(comm));
   }
 
   {
@@ -683,7 +682,7 @@ int run(Args a) {
   base.gradient_accumulation_steps = a.grad_accum;
   base.host_budget_bytes =
       a.host_mem_gb > 0 ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
-                        : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget());
+                        : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget(launch.local_size));
   if (a.ds_config.empty() && a.model_dir.empty()) base.adamw.weight_decay = 0;
 
   HostDeviceOptions hopt;

@@ -147,4 +147,8 @@ class Communicator {
 // initialization fails.
 std::unique_ptr<Communicator> make_communicator(Device& device, const CommOptions& options = {});
 
+// How many of `comm`'s ranks run on this node, sharing its RAM and drives: the launcher's local
+// size for a group of several ranks, 1 for a one-rank group.
+int ranks_on_this_node(const Communicator& comm);
+
 }  // namespace strata

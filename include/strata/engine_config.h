@@ -88,7 +88,9 @@ struct EngineConfig {
   bool pipeline_read = false, pipeline_write = false;
   AioConfig aio;
   // strata additions
-  std::uint64_t host_budget_bytes = 0;  // pinned host memory the engine may hold; 0 = 80% of RAM
+  // Pinned host memory the engine may hold; 0 = default_host_budget(): 80% of RAM, shared
+  // evenly by the ranks on this node.
+  std::uint64_t host_budget_bytes = 0;
   // strata.overlap_optimizer: run each unit's host AdamW while backward still runs, into a
   // second copy of its optimizer state, kept if the step needs no clipping and no skip (see
   // Engine::set_next_lr). Unset: on when the memory plan fits with it, else off.
@@ -141,15 +143,21 @@ struct PlanInputs {
   int world_size = 1;
   std::uint64_t device_capacity = 0;
   std::uint64_t host_capacity = 0;
-  std::uint64_t nvme_capacity = 0;   // free bytes on the NVMe paths
+  std::uint64_t nvme_capacity = 0;   // free bytes on the NVMe paths (this rank's share)
+  int ranks_on_node = 1;             // ranks sharing this node's RAM and drives (for the messages)
   std::uint64_t activation_bytes = 0;  // the model's estimate for one micro-batch
 };
 
 MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 
 // PlanInputs::nvme_capacity for `rank`: the free bytes under the NVMe paths the placement uses
-// (SwapStore::free_bytes: a file system counted once, a previous run's files counted as free);
-// UINT64_MAX when nothing is placed on NVMe. Throws naming the key of a missing directory.
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank);
+// (SwapStore::free_bytes: a file system counted once, a previous run's files counted as free),
+// each file system's free space split evenly among the `ranks_on_node` ranks of this node
+// (one config: they all keep their swap files under the same paths); UINT64_MAX when nothing
+// is placed on NVMe. Throws naming the key of a missing directory.
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1);
+// Pinned host memory an engine may hold when strata.host_budget_bytes is 0: 80% of the
+// machine's RAM divided among the `ranks_on_node` ranks of this node.
+std::uint64_t default_host_budget(int ranks_on_node = 1);
 
 }  // namespace strata

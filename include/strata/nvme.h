@@ -181,9 +181,12 @@ class SwapStore {
   static std::size_t padded_bytes(std::size_t bytes);
   // The bytes a store of `rank` could grow into under `paths`: each file system's free bytes
   // (statvfs f_bavail, a file system counted once however many paths are on it) plus what a
-  // previous run of the rank left there (a new store removes it). Throws naming `config_key`
-  // when a path is missing or unreadable. For the memory plan, before any store exists.
-  static std::uint64_t free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key);
+  // previous run of the rank left there (a new store removes it). With `ranks_sharing` > 1
+  // (ranks of one node under the same paths) each file system's free bytes are split evenly
+  // among them. Throws naming `config_key` when a path is missing or unreadable. For the memory
+  // plan, before any store exists.
+  static std::uint64_t free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
+                                  int ranks_sharing = 1);
 
   // Reserves an extent for `key`, growing the files after checking free space (statvfs):
   // refuses with the bytes needed and available, before anything is written.

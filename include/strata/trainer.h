@@ -110,8 +110,6 @@ ModelConfig demo_model_config();
 // folder ($XDG_CACHE_HOME or ~/.cache, /strata/<name>), which is on disk (O_DIRECT works there,
 // unlike a tmpfs /tmp).
 std::string default_scratch_dir(const std::string& name);
-// Pinned host memory the engine may hold when the config does not say: 80% of RAM.
-std::uint64_t default_host_budget();
 
 struct TrainOptions {
   // model: a Hugging Face folder, or a config.json for a fresh random init, or (both empty)

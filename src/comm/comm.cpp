@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -453,4 +454,9 @@ void install_termination_note(int rank, int world_size) {
 }
 
 }  // namespace comm
+int ranks_on_this_node(const Communicator& comm) {
+  if (comm.world_size() <= 1) return 1;
+  return std::clamp(launch_info().local_size, 1, comm.world_size());
+}
+
 }  // namespace strata

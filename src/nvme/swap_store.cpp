@@ -175,7 +175,9 @@ struct SwapStore::Impl {
 
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
-std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key) {
+std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
+                                    int ranks_sharing) {
+  STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1", ranks_sharing);
   std::uint64_t total = 0;
   std::vector<dev_t> seen;
   for (const std::string& p : paths) {
@@ -194,7 +196,7 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
     seen.push_back(st.st_dev);
     struct statvfs sv {};
     STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, config_key);
-    total += std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize);
+    total += std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) / std::uint64_t(ranks_sharing);
   }
   return total;
 }

@@ -29,7 +29,7 @@
 //   zero_optimization.offload_optimizer.host_fraction  the piece kept in pinned host memory
 //                                          (first units in order), the rest on NVMe. Default 0.
 //   strata.host_budget_bytes              pinned host memory the engine may hold (default 0 =
-//                                          80% of RAM, decided by the caller).
+//                                          default_host_budget(): 80% of RAM over the node's ranks).
 //   strata.overlap_optimizer              true | false: the host optimizer steps each unit
 //                                          while backward runs, into a second copy of its
 //                                          state (Engine::set_next_lr). Default: on when the

@@ -832,6 +832,8 @@ void Engine::finalize() {
 
   const bool defaulted = !s.cfg.overlap_optimizer.has_value();
   s.cfg = with_device_defaults(s.cfg, s.dev);
+  const int on_node = ranks_on_this_node(s.comm);
+  if (s.cfg.host_budget_bytes == 0) s.cfg.host_budget_bytes = default_host_budget(on_node);
   if (defaulted && s.cfg.overlap_optimizer == false) {
     if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
       log::info("engine: the early optimizer step is off on the CPU-emulated device (its kernels use the cores "
@@ -844,7 +846,8 @@ void Engine::finalize() {
   in.world_size = s.world;
   in.device_capacity = s.dev.stats().capacity_bytes;
   in.host_capacity = cfg.host_budget_bytes;
-  in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank) : UINT64_MAX;
+  in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
+  in.ranks_on_node = on_node;
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
     std::string problems;
@@ -861,7 +864,7 @@ void Engine::finalize() {
   s.opt_s = s.dev.create_stream("optimizer");
   s.wb_s = s.dev.create_stream("writeback");
   PinnedPoolOptions po;
-  po.budget_bytes = cfg.host_budget_bytes ? cfg.host_budget_bytes : (std::uint64_t(16) << 30);
+  po.budget_bytes = cfg.host_budget_bytes;
   po.huge_pages = cfg.aio.use_hugepages;
   po.lock = cfg.pin_memory;
   po.device = &s.dev;

@@ -47,6 +47,8 @@
 //   - Activations: the model's estimate for one micro-batch, on the device.
 // Capacities: the device's, strata.host_budget_bytes (else the caller's host capacity), and
 // the free bytes under the NVMe paths. The planner never allocates; it only adds.
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 
@@ -272,13 +274,20 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     if (grad_tiers[1] > 0)
       fix.push_back(
           "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
-    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {})", plan.host_capacity));
+    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", plan.host_capacity,
+                              in.ranks_on_node > 1 && config.host_budget_bytes == 0
+                                  ? fmt::format(": 80% of RAM split among the {} ranks on this node", in.ranks_on_node)
+                                  : std::string()));
     plan.problems.push_back(shortfall("host", plan.host_bytes, plan.host_capacity) + ": " +
                             join_or(fix));
   }
   if (plan.nvme_bytes > plan.nvme_capacity) {
     plan.problems.push_back(
         shortfall("nvme", plan.nvme_bytes, plan.nvme_capacity) +
+        (in.ranks_on_node > 1
+             ? fmt::format(" (this rank's share: the {} ranks on this node split each drive's free space)",
+                           in.ranks_on_node)
+             : std::string()) +
         ": free space under the nvme_path directories, add nvme_path directories on other "
         "drives, or keep more in host memory (offload_*.host_fraction)");
   }
@@ -306,7 +315,14 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   return plan;
 }
 
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank) {
+std::uint64_t default_host_budget(int ranks_on_node) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  const std::uint64_t all =
+      pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
+  return all / std::uint64_t(std::max(1, ranks_on_node));
+}
+
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node) {
   const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;
   const bool optimizer = config.optimizer.nvme_fraction() > 0;
   if (!params && !optimizer) return UINT64_MAX;
@@ -319,7 +335,7 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank) {
   };
   if (params) use(config.param_nvme_paths, "offload_param.nvme_path");
   if (optimizer) use(config.optimizer_nvme_paths, "offload_optimizer.nvme_path");
-  return SwapStore::free_bytes(paths, rank, "nvme_path");
+  return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node));
 }
 
 std::string MemoryPlan::table() const {

@@ -58,11 +58,6 @@ std::string default_scratch_dir(const std::string& name) {
   return "/var/tmp/strata-" + name;
 }
 
-std::uint64_t default_host_budget() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
-}
-
 using Clock = std::chrono::steady_clock;
 
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule) {
@@ -285,7 +280,7 @@ TrainResult train(const TrainOptions& o) {
   const std::string schedule = ds_schedule ? ecfg.scheduler.type : o.lr_schedule.empty() ? "const" : o.lr_schedule;
   if (!ecfg.scheduler.type.empty() && cli_schedule)
     log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule", ecfg.scheduler.type);
-  if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget();
+  if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget(launch.local_size);
   const std::int64_t steps = o.steps > 0 ? o.steps : 60;
   // The lr of optimizer step t (1-based).
   const auto lr_of = [&](std::int64_t t) {
@@ -313,7 +308,8 @@ TrainResult train(const TrainOptions& o) {
     in.world_size = world;
     in.device_capacity = dev->stats().capacity_bytes;
     in.host_capacity = ecfg.host_budget_bytes;
-    in.nvme_capacity = nvme_capacity(ecfg, rank);
+    in.nvme_capacity = nvme_capacity(ecfg, rank, launch.local_size);
+    in.ranks_on_node = launch.local_size;
     const MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
     if (con) {
       std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
