@@ -344,6 +344,60 @@ TEST_P(DeviceTest, FailureInQueuedWorkSurfacesAtSynchronize) {
   s->synchronize();  // reported once
 }
 
+// Device::synchronize waits for every stream, a failed one's neighbours too, before it rethrows:
+// a caller that catches and frees must not free what another stream still uses. (It returned
+// at the first failed stream.)
+TEST_P(DeviceTest, DeviceSynchronizeDrainsEveryStreamBeforeItRethrows) {
+  auto other = dev->create_stream("other");
+  std::atomic<bool> done{false};
+  other->host_fn([&] {
+    std::this_thread::sleep_for(300ms);
+    done = true;
+  });
+  s->host_fn([] { throw std::runtime_error("boom in host_fn"); });
+  EXPECT_THROW(dev->synchronize(), std::runtime_error);
+  EXPECT_TRUE(done.load()) << "synchronize() returned while another stream still ran";
+  dev->synchronize();  // reported once
+}
+
+// A host function that drops the last reference to a buffer allocated without a stream: the
+// free cannot wait for the device from there (it hung, waiting for its own op); the memory
+// returns at the next device-wide wait.
+TEST_P(DeviceTest, AStreamlessBufferFreedInAHostFnReturnsAtTheNextDeviceWait) {
+  if (GetParam().cuda) GTEST_SKIP() << "CUDA forbids cudaFree inside a host function";
+  auto buf = std::make_shared<Buffer>(dev->alloc(1 << 20));
+  const std::uint64_t before = dev->stats().bytes_in_use;
+  std::promise<void> gate;
+  s->host_fn([f = gate.get_future().share()] { f.wait(); });
+  s->host_fn([buf]() mutable { buf.reset(); });  // the last reference, once the gate opens
+  buf.reset();
+  gate.set_value();
+  auto waited = std::async(std::launch::async, [&] { s->synchronize(); });
+  ASSERT_EQ(waited.wait_for(20s), std::future_status::ready) << "the stream hung in the free";
+  waited.get();
+  EXPECT_EQ(dev->stats().bytes_in_use, before) << "returned before every stream was idle";
+  dev->synchronize();
+  EXPECT_EQ(dev->stats().bytes_in_use, before - (1u << 20));
+}
+
+// Large blocks are rounded to 64 KiB, but not past the arena: with a cap that is no multiple
+// of 64 KiB the whole cap was unallocatable on an empty device.
+TEST(HostDevice, TheWholeCapIsAllocatableWhateverItsSize) {
+  HostDeviceOptions o;
+  o.capacity_bytes = 10'000'000;
+  auto dev = make_host_device(o);
+  { Buffer all = dev->alloc(10'000'000 / 256 * 256); }
+  dev->synchronize();
+  { Buffer most = dev->alloc(9'961'473); }  // rounds past the cap's last 64 KiB step
+  dev->synchronize();
+  try {
+    Buffer too_much = dev->alloc(10'000'000);
+    FAIL() << "more than the arena was granted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory) << e.what();
+  }
+}
+
 TEST_P(DeviceTest, FreedAndFreshMemoryIsPoisoned) {
   if (GetParam().cuda) GTEST_SKIP() << "poisoning is a property of the emulated device";
   Buffer fresh = dev->alloc(64, s.get());

@@ -248,7 +248,11 @@ class Stream {
   void synchronize();
   // Runs `fn` on a host thread in stream order (after earlier work, before later work).
   // `fn` may queue work and may block on other streams' events or host state, but must
-  // not synchronize its own stream or the whole device (that would wait on itself).
+  // not synchronize its own stream or the whole device (that would wait on itself). It may
+  // drop the last reference to a Buffer: one freed on a stream is freed in that stream's order;
+  // one allocated without a stream returns to the device at its next device-wide wait (the
+  // emulated device; on CUDA such a free inside a host function is cudaFree, which must not be
+  // called there: free on a stream instead).
   // `trace_name` (a string with static lifetime) names its span on the emulated device, where
   // host functions are also how CPU kernels outside this interface run.
   void host_fn(std::function<void()> fn, const char* trace_name = "host_fn");

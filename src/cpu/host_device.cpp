@@ -131,6 +131,7 @@ class Arena {
   }
   std::size_t high_water() const { return high_water_; }
   std::size_t small_limit() const { return small_; }
+  std::size_t capacity() const { return cap_; }
 
  private:
   std::size_t cap_;
@@ -306,6 +307,7 @@ class HostDevice final : public Device {
 
   ~HostDevice() override {
     synchronize_quietly();
+    for (HostBlock* b : deferred_) delete b;
     ::munmap(base_, opt_.capacity_bytes);
   }
 
@@ -324,10 +326,16 @@ class HostDevice final : public Device {
     return s;
   }
 
+  // Every stream drained, a failed one too (what a caller frees after catching must be idle);
+  // the first failure is rethrown after.
   void synchronize() override {
+    std::vector<HostBlock*> deferred = take_deferred();
+    std::exception_ptr first;
     for (auto& core : live_streams()) {
-      if (auto err = core->drain()) std::rethrow_exception(err);
+      if (auto err = core->drain(); err && !first) first = err;
     }
+    for (HostBlock* b : deferred) release(b);
+    if (first) std::rethrow_exception(first);
   }
 
   const HostDeviceOptions& options() const { return opt_; }
@@ -363,7 +371,17 @@ class HostDevice final : public Device {
   }
 
   void synchronize_quietly() noexcept {
+    std::vector<HostBlock*> deferred = take_deferred();
     for (auto& core : live_streams()) core->wait_for(core->submitted_seq());
+    for (HostBlock* b : deferred) release(b);
+  }
+
+  // Blocks freed without a stream from inside a stream's work (a host_fn dropping the last
+  // reference): that thread cannot wait for the device, its own op included. They return at
+  // the next device-wide wait that starts after their free (synchronize, a failed allocation's).
+  std::vector<HostBlock*> take_deferred() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(deferred_, {});
   }
 
   // A block no stream orders the free of, once the device is idle.
@@ -413,6 +431,7 @@ class HostDevice final : public Device {
   std::condition_variable freed_cv_;
   std::multimap<std::size_t, std::shared_ptr<PendingFree>> pending_;
   std::vector<std::weak_ptr<StreamCore>> streams_;
+  std::vector<HostBlock*> deferred_;  // see take_deferred()
   friend class HostStream;
 };
 
@@ -573,7 +592,9 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   // Large blocks in 64 KiB steps (a GPU caching allocator rounds its large blocks too): a
   // layer's gradient shard and its gathered weights, a few KiB apart, then fit each other's
   // holes instead of leaving a free range a few KiB too small.
-  if (size >= arena_.small_limit()) size = (size + kLargeStep - 1) / kLargeStep * kLargeStep;
+  // (Not past the arena: the whole cap stays allocatable when it is not a multiple of 64 KiB.)
+  if (size >= arena_.small_limit())
+    size = std::max(size, std::min((size + kLargeStep - 1) / kLargeStep * kLargeStep, arena_.capacity()));
   std::size_t off = SIZE_MAX;
   std::unique_lock<std::mutex> lock(mu_);
   // A block of this size whose free is still queued on the same stream: the stream's order
@@ -616,9 +637,10 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   if (off == SIZE_MAX) {
     ++stats_.num_alloc_failures;
     STRATA_THROW(kOutOfMemory,
-                 "emulated device cannot allocate {} bytes: {} bytes in use of a {}-byte cap "
+                 "emulated device cannot allocate {} bytes{}: {} bytes in use of a {}-byte cap "
                  "(largest free range {} bytes); lower the request or raise the device memory cap",
-                 bytes, stats_.bytes_in_use, opt_.capacity_bytes, arena_.largest_free());
+                 bytes, size != bytes ? fmt::format(" ({} as allocated)", size) : std::string(),
+                 stats_.bytes_in_use, opt_.capacity_bytes, arena_.largest_free());
   }
   stats_.bytes_in_use += size;
   stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
@@ -640,19 +662,28 @@ void HostDevice::do_free(void* block) noexcept {
   auto* b = static_cast<HostBlock*>(block);
   if (auto core = b->stream.lock()) {
     auto pf = std::make_shared<PendingFree>(PendingFree{b->offset, b->size, core.get(), false});
-    std::multimap<std::size_t, std::shared_ptr<PendingFree>>::iterator at;
+    bool queued = false;
     {
+      // Queued and offered for reuse in one critical section (mu_, then the stream's lock): an
+      // allocation on this stream that takes the block queues its work behind this free, never
+      // ahead of it (the free's poison would land on the new owner's data).
       std::lock_guard<std::mutex> lock(mu_);
-      ++pending_frees_;
-      at = pending_.emplace(b->size, pf);
+      queued = core->enqueue([this, pf] { release_pending(*pf); }, "free");
+      if (queued) {
+        ++pending_frees_;
+        pending_.emplace(b->size, pf);
+      }
     }
-    delete b;
-    if (core->enqueue([this, pf] { release_pending(*pf); }, "free")) return;
-    std::lock_guard<std::mutex> lock(mu_);  // the stream is stopping: free it here, in order
-    --pending_frees_;
-    if (pf->reused) return;  // cannot be: only this stream's allocations reuse it
-    pending_.erase(at);
-    b = new HostBlock{pf->offset, pf->size, {}};
+    if (queued) {
+      delete b;
+      return;
+    }
+    b->stream.reset();  // the stream is stopping: free it here, once the device is idle
+  }
+  if (t_in_stream_worker) {
+    std::lock_guard<std::mutex> lock(mu_);
+    deferred_.push_back(b);
+    return;
   }
   synchronize_quietly();
   release(b);
