@@ -536,7 +536,8 @@ TEST(EngineConfig, TierAtFollowsUnitOrder) {
 //   u2     100       4096      2048     (persistent: <= 100000)
 //   u3     409600    409600    204800
 //   total            2056192   1028096; largest padded 823296, largest shard 411648
-// bf16 (c = 2), stage3_max_live_parameters 1e6, reduce_bucket_size 1.5e6, activations 1e7.
+// bf16 (c = 2), stage3_max_live_parameters 1e6, reduce_bucket_size 1.5e6 (stored: a bucket is
+// one unit), activations 1e7.
 PlanInputs synthetic_inputs() {
   PlanInputs in;
   in.units = {{"u0", 819200}, {"u1", 819201}, {"u2", 100}, {"u3", 409600}};
@@ -574,9 +575,9 @@ TEST(MemoryPlan, Stage3NoOffload) {
   EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 2);
   EXPECT_EQ(line(p, "gradient shard", Tier::kDevice), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 1028096u * 12);
-  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 1'500'000u * 4 * 2);  // overlap_comm
+  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 823'296u * 4 * 2);  // the largest unit, overlap_comm
   EXPECT_EQ(line(p, "activations", Tier::kDevice), 10'000'000u);
-  EXPECT_EQ(p.device_bytes, 44'156'416u);
+  EXPECT_EQ(p.device_bytes, 38'742'784u);
   EXPECT_EQ(p.host_bytes, 0u);  // nothing leaves the device: no staging either
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);
@@ -588,7 +589,7 @@ TEST(MemoryPlan, OptimizerOnCpu) {
       plan_memory(synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})"),
                   synthetic_inputs());
   EXPECT_EQ(p.device_bytes,
-            2'052'096u + 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
+            2'052'096u + 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 10'000'000u);
   EXPECT_EQ(line(p, "gradient shard", Tier::kHost), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kHost), 1028096u * 12);
   EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
@@ -648,15 +649,16 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
           "offload_optimizer": {"device": "nvme", "nvme_path": ["/o1", "/o2"]})"),
                                    synthetic_inputs());
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
-  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 12'000'000u + 10'000'000u);
-  EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost),
-            5u * 411648 * 2);  // min(1e8, largest shard)
-  // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind.
-  EXPECT_EQ(line(p, "optimizer swap buffers", Tier::kHost), 4u * 100'000 * 12);
+  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 10'000'000u);
+  // offload_param.buffer_count (5) whole shards read ahead (buffer_size is stored).
+  EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost), 5u * 411648 * 2);
+  // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind, each
+  // a unit's state (the engine steps unit by unit: sub_group_size 1e5 is stored).
+  EXPECT_EQ(line(p, "optimizer swap buffers", Tier::kHost), 4u * 411648 * 12);
   EXPECT_EQ(line(p, "new compute-weight staging", Tier::kHost), 2u * 411648 * 2);
   // u2's new weights (persistent: on the device) wait in host memory until it switches.
   EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 2048u * 2);
-  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'800'000u + 1'646'592u + 4'096u);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 19'759'104u + 1'646'592u + 4'096u);
   EXPECT_EQ(line(p, "compute weights", Tier::kNvme), (1028096u - 2048) * 2);  // not u2's
   EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
   // The early optimizer step writes its second copies to NVMe too.
@@ -675,8 +677,7 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
       synthetic_inputs());
   EXPECT_EQ(line(h, "optimizer state", Tier::kHost), 4'915'200u + 4'939'776u);
   EXPECT_EQ(line(h, "optimizer state", Tier::kNvme), 24'576u + 2'457'600u);
-  EXPECT_EQ(line(h, "optimizer swap buffers", Tier::kHost),
-            4u * 1028096 * 12);  // sub_group_size 1e9 > shard
+  EXPECT_EQ(line(h, "optimizer swap buffers", Tier::kHost), 4u * 411648 * 12);
 }
 
 // One rank: a unit whose compute-weight shard is on the device is the whole unit, kept
@@ -699,17 +700,19 @@ TEST(MemoryPlan, Stage2KeepsFullWeights) {
   EXPECT_EQ(line(p, "full weights", Tier::kDevice), 2'056'192u * 2);
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
   EXPECT_EQ(line(p, "gathered units", Tier::kDevice), 0u);
-  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice),
-            1'500'000u * 4);  // overlap_comm off at stage 2
-  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 6'000'000u + 10'000'000u);
+  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 823'296u * 4);  // overlap_comm off at stage 2
+  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 3'293'184u + 10'000'000u);
   EXPECT_EQ(p.host_bytes, 0u);
 }
 
-TEST(MemoryPlan, BucketIsAtLeastTheLargestUnitAndFp32PlansWith4Bytes) {
+// The engine reduces unit by unit: a bucket is the largest unit whatever reduce_bucket_size says
+// (DeepSpeed's default 5e8 elements planned 4 GB of device memory the engine never takes).
+TEST(MemoryPlan, BucketIsTheLargestUnitAndFp32PlansWith4Bytes) {
   EngineConfig c = synthetic_config(R"(, "stage": 3, "overlap_comm": false)");
-  c.reduce_bucket_size = 1000;
-  EXPECT_EQ(line(plan_memory(c, synthetic_inputs()), "gradient bucket", Tier::kDevice),
-            823'296u * 4);
+  for (std::uint64_t size : {std::uint64_t(1000), std::uint64_t(500'000'000)}) {
+    c.reduce_bucket_size = size;
+    EXPECT_EQ(line(plan_memory(c, synthetic_inputs()), "gradient bucket", Tier::kDevice), 823'296u * 4) << size;
+  }
   c.compute_dtype = DType::kF32;
   const MemoryPlan p = plan_memory(c, synthetic_inputs());
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), (1028096u - 2048) * 4);
@@ -718,12 +721,12 @@ TEST(MemoryPlan, BucketIsAtLeastTheLargestUnitAndFp32PlansWith4Bytes) {
 
 TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   PlanInputs in = synthetic_inputs();
-  in.device_capacity = 40'000'000;  // the no-offload plan needs 44156416
+  in.device_capacity = 36'000'000;  // the no-offload plan needs 38742784
   const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), in);
   EXPECT_FALSE(p.fits);
   ASSERT_EQ(p.problems.size(), 1u);
   EXPECT_EQ(p.problems[0].rfind("device:", 0), 0u) << p.problems[0];
-  EXPECT_NE(p.problems[0].find("4156416 bytes missing"), std::string::npos) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("2742784 bytes missing"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("offload_optimizer.device"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("stage3_max_live_parameters"), std::string::npos) << p.problems[0];
 
@@ -741,8 +744,10 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   EXPECT_EQ(q.host_capacity, 15'000'000u);  // strata.host_budget_bytes wins over the machine
   ASSERT_EQ(q.problems.size(), 2u);
   EXPECT_EQ(q.problems[0].rfind("host:", 0), 0u) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("2968640 bytes missing"), std::string::npos) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("17927744 bytes missing"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count (now 4"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("offload_param.buffer_count (now 5"), std::string::npos) << q.problems[0];
+  EXPECT_EQ(q.problems[0].find("sub_group_size"), std::string::npos) << "the engine does not use it";
   EXPECT_NE(q.problems[0].find("strata.host_budget_bytes"), std::string::npos) << q.problems[0];
   EXPECT_EQ(q.problems[1].rfind("nvme:", 0), 0u) << q.problems[1];
   // 14389248 bytes of state in two stores, whole 1 MiB stripes each: 2 + 12 MiB.

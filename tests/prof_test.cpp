@@ -10,8 +10,10 @@
 //   - the recommended ds_config is accepted by strata-train (--plan fits, a short run trains),
 //     and an impossible request exits 2 naming the tiers short of memory.
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -226,6 +228,37 @@ TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
   }
 }
 
+// A window of K units holds K padded units (the engine's measure): with 2 ranks a 1000001-element
+// layer pads to 1003520, and "2 units live" held one (never prefetching). Candidates that lay the
+// state out alike are one: with every unit persistent, no weight tier or window to choose.
+TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
+  MachineProfile m = fast_machine();
+  m.world_size = 2;
+  m.all_gather_bps = m.reduce_scatter_bps = kFast;
+  SearchSpace space;
+  space.base = default_engine_config();
+  space.models.push_back(synthetic(4, 1'000'001, 0.002, 0.004));
+  SearchResult r = search_placements(m, space);
+  int windows = 0;
+  for (const Candidate& c : r.ranked) {
+    if (c.label.find("2 units live") == std::string::npos) continue;
+    ++windows;
+    EXPECT_EQ(c.config.max_live_parameters, 2u * 1'003'520) << c.label;
+    EXPECT_EQ(c.config.prefetch_bucket_size, 1'003'520u) << c.label;
+  }
+  EXPECT_GT(windows, 0);
+
+  space.models = {synthetic(4, 4096, 0.002, 0.004)};  // every unit under the persistence threshold
+  r = search_placements(m, space);
+  ASSERT_FALSE(r.ranked.empty());
+  std::set<std::string> labels;
+  for (const Candidate& c : r.ranked) {
+    EXPECT_NE(c.label.find("all units live"), std::string::npos) << "a window over resident units: " << c.label;
+    EXPECT_EQ(c.label.find("params host"), std::string::npos) << "the same layout as params device: " << c.label;
+    EXPECT_TRUE(labels.insert(c.label).second) << c.label;
+  }
+}
+
 TEST(PerfModel, NothingFitsSaysWhatIsMissingWhere) {
   MachineProfile m = fast_machine();
   m.device_capacity = 1 << 20;
@@ -243,6 +276,8 @@ TEST(PerfModel, NothingFitsSaysWhatIsMissingWhere) {
 }
 
 TEST(PerfModel, ConfigJsonRoundTrips) {
+  const char* const schedulers[] = {"", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+  int variant = 0;
   for (Tier pt : {Tier::kDevice, Tier::kHost, Tier::kNvme})
     for (Tier ot : {Tier::kDevice, Tier::kHost, Tier::kNvme})
       for (Tier gt : {Tier::kDevice, Tier::kHost}) {
@@ -261,6 +296,17 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         c.aio.block_size = 1 << 16;
         c.aio.queue_depth = 32;
         c.host_budget_bytes = 1 << 30;
+        // What the search does not decide is written as the user gave it (it was dropped).
+        c.adamw.bias_correction = variant % 2 == 0;
+        c.gather_16bit_weights_on_model_save = variant % 2 == 1;
+        c.scheduler.type = schedulers[variant++ % 4];
+        c.scheduler.warmup_num_steps = 7;
+        c.scheduler.total_num_steps = 70;
+        c.scheduler.warmup_type = "linear";
+        c.scheduler.warmup_min_lr = 1e-5;
+        c.scheduler.warmup_max_lr = c.scheduler.type == "WarmupLR" ? -1 : 3e-3;
+        c.scheduler.cos_min_ratio = 0.01;
+        c.scheduler.warmup_min_ratio = 0.1;
         const std::string text = engine_config_json(c);
         const EngineConfig r = parse_engine_config(text, 1);
         SCOPED_TRACE(text);
@@ -285,6 +331,16 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         EXPECT_EQ(r.adamw.beta1, c.adamw.beta1);
         EXPECT_EQ(r.adamw.beta2, c.adamw.beta2);
         EXPECT_EQ(r.adamw.eps, c.adamw.eps);
+        EXPECT_EQ(r.adamw.bias_correction, c.adamw.bias_correction);
+        EXPECT_EQ(r.gather_16bit_weights_on_model_save, c.gather_16bit_weights_on_model_save);
+        EXPECT_EQ(r.scheduler.type, c.scheduler.type);
+        if (!c.scheduler.type.empty()) {
+          EXPECT_EQ(r.scheduler.warmup_num_steps, 7);
+          EXPECT_EQ(r.scheduler.warmup_type, "linear");
+          for (std::int64_t t : {1, 2, 8, 40, 70, 90})  // the same lr at every step
+            EXPECT_EQ(scheduled_lr(r.scheduler, r.adamw.lr, t), scheduled_lr(c.scheduler, c.adamw.lr, t)) << t;
+        }
+        EXPECT_EQ(text.find("max_in_cpu"), std::string::npos) << "a key strata-train warns about";
         // Floats written as the decimals that read back as them, not their double expansion.
         EXPECT_EQ(text.find("0.89999997"), std::string::npos) << text;
         EXPECT_NE(text.find("0.999\n"), std::string::npos) << text;
@@ -348,6 +404,103 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   ASSERT_EQ(train.status, 0) << train.out << train.err;
   EXPECT_NE(testing::slurp(d.path + "/log.json").find("\"step\":2"), std::string::npos);
 }
+
+// What the search does not decide stays as the --config says (its dtype and accumulation were
+// replaced by the flags' defaults, its scheduler and bias_correction dropped), and NVMe is
+// measured and planned on its nvme_path (a scratch folder was used instead).
+TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path), nv = d.path + "/my-nvme", ds = d.path + "/ds.json";
+  fs::create_directories(nv);
+  std::ofstream(ds) << R"({"bf16": {"enabled": true}, "gradient_accumulation_steps": 3,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": false}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+  const std::vector<std::string> common = {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02",
+                                           "--seq-len", "32", "--micro-batches", "2", "--validate", "0", "--svg", ""};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> v = common;
+    v.insert(v.end(), more.begin(), more.end());
+    return v;
+  };
+  const auto r = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--out", d.path + "/best.json", "--json"}),
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("seq 32, bf16"), std::string::npos) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_EQ(j["machine"]["nvme_path"], nv);
+  const auto best = nlohmann::json::parse(testing::slurp(d.path + "/best.json"));
+  EXPECT_EQ(best["bf16"]["enabled"], true) << best.dump();
+  EXPECT_EQ(best["gradient_accumulation_steps"], 3) << best.dump();
+  EXPECT_EQ(best["scheduler"]["type"], "WarmupLR") << best.dump();
+  EXPECT_EQ(best["optimizer"]["params"]["bias_correction"], false) << best.dump();
+  if (best["zero_optimization"]["offload_optimizer"]["device"] == "nvme")
+    EXPECT_EQ(best["zero_optimization"]["offload_optimizer"]["nvme_path"], nv) << best.dump();
+  // The flags still win when given.
+  const auto f = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--dtype", "fp32", "--grad-accum", "2", "--out",
+                                                     d.path + "/flags.json"}),
+                              d.path, "flags");
+  ASSERT_EQ(f.status, 0) << f.out << f.err;
+  const auto flags = nlohmann::json::parse(testing::slurp(d.path + "/flags.json"));
+  EXPECT_FALSE(flags.contains("bf16")) << flags.dump();
+  EXPECT_EQ(flags["gradient_accumulation_steps"], 2) << flags.dump();
+  // fp16, which strata-train refuses, is refused here before anything is measured.
+  std::ofstream(d.path + "/fp16.json") << R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})";
+  const auto h = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/fp16.json"}), d.path, "fp16");
+  EXPECT_EQ(h.status, 1) << h.out << h.err;
+  EXPECT_NE(h.err.find("fp16"), std::string::npos) << h.err;
+  // A config's nvme_path that does not exist is named.
+  std::ofstream(d.path + "/gone.json") << R"({"zero_optimization": {"stage": 3, "offload_optimizer":
+    {"device": "nvme", "nvme_path": ")" + d.path + R"(/gone"}}})";
+  const auto g = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/gone.json"}), d.path, "gone");
+  EXPECT_EQ(g.status, 1) << g.out << g.err;
+  EXPECT_NE(g.err.find(d.path + "/gone"), std::string::npos) << g.err;
+}
+
+// The demo model profiled: the command printed to run the recommendation names a model config
+// (strata-train without one trains the demo under its own 20 MiB cap, which the plan was not
+// made for), and that command's plan fits.
+TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
+  TempDir d("strata-prof");
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--validate", "0", "--out",
+                               d.path + "/best.json", "--svg", ""},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const std::string mc = d.path + "/best.model.json";
+  EXPECT_NE(r.out.find("strata-train --model-config " + mc + " --config " + d.path + "/best.json"), std::string::npos)
+      << r.out;
+  ASSERT_TRUE(fs::exists(mc));
+  const auto plan = testing::run(STRATA_TRAIN_BIN,
+                                 {"--model-config", mc, "--config", d.path + "/best.json", "--seq-len", "128",
+                                  "--device", "cpu", "--plan"},
+                                 d.path, "plan");
+  EXPECT_EQ(plan.status, 0) << plan.out << plan.err;
+  EXPECT_NE(plan.out.find("verdict: fits"), std::string::npos) << plan.out;
+}
+
+#ifdef STRATA_MPIEXEC
+// Three ranks (a world size that does not divide the collective benchmark's 2^24 elements, which
+// was refused) profile, search with the slowest rank's figures, and validate the same candidate.
+TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  const auto r = testing::run(STRATA_MPIEXEC,
+                              {"-np", "3", "--oversubscribe", STRATA_PROF_BIN, "--model-config", model, "--device",
+                               "cpu", "--device-mem-gb", "0.02", "--seq-len", "32", "--micro-batches", "2",
+                               "--no-nvme", "--validate", "1", "--validate-steps", "2", "--svg", "", "--json"},
+                              d.path, "prof3",
+                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                               {"STRATA_COMM_TIMEOUT_S", "120"}});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("3 ranks: the search takes the slowest rank's figures"), std::string::npos) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_EQ(j["machine"]["world_size"], 3);
+  EXPECT_GT(j["machine"]["all_gather_gbps"].get<double>(), 0);
+  EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
+}
+#endif
 
 TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
   TempDir d("strata-prof");

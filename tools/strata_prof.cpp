@@ -64,9 +64,9 @@ struct Args {
   std::string model_dir, model_config, ds_config, aio_file;
   std::vector<std::string> data_files;
   std::string text_file;
-  std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 1;
+  std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0;  // 0: --config's, else 1
   std::vector<std::int64_t> micro_batches;  // empty: B/2, B, 2B
-  std::string dtype = "fp32";
+  std::string dtype;  // "": --config's, else fp32
   std::string device = "auto";
   double device_mem_gb = 0, host_mem_gb = 0;
   double emu_h2d = 0, emu_d2h = 0, emu_gflops = 0;
@@ -87,6 +87,44 @@ double best_of(int reps, F f) {
   double best = 1e300;
   for (int i = 0; i < reps; ++i) best = std::min(best, f());
   return best;
+}
+
+// Several ranks: every rank searches with the same figures, the slowest rank's (the lowest rate,
+// the longest time, the smallest capacity: a data-parallel step waits for its slowest rank),
+// so all of them rank the candidates alike and validate the same ones. One all-reduce (max)
+// of the figures, rates and capacities negated.
+void agree_across_ranks(Device& dev, Communicator& comm, MachineProfile& m, std::vector<ModelProfile>& models) {
+  if (comm.world_size() <= 1) return;
+  std::vector<double*> lowest = {&m.h2d_bps, &m.d2h_bps, &m.device_mem_bps, &m.free_bps, &m.host_mem_bps,
+                                 &m.host_norm_bps, &m.nvme_read_bps, &m.nvme_write_bps, &m.nvme_mixed_bps,
+                                 &m.nvme_fetch_read_bps, &m.cpu_adamw_params_per_s, &m.device_adamw_params_per_s,
+                                 &m.all_gather_bps, &m.reduce_scatter_bps};
+  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free};
+  std::vector<double*> highest;
+  std::vector<std::uint64_t*> highest_bytes;
+  for (ModelProfile& mp : models) {
+    for (UnitCost& u : mp.units) {
+      highest.push_back(&u.forward_s);
+      highest.push_back(&u.backward_s);
+    }
+    highest_bytes.push_back(&mp.activation_bytes);
+  }
+  std::vector<double> v;
+  for (double* x : lowest) v.push_back(-*x);
+  for (std::uint64_t* x : lowest_bytes) v.push_back(-double(*x));
+  for (double* x : highest) v.push_back(*x);
+  for (std::uint64_t* x : highest_bytes) v.push_back(double(*x));
+  auto s = dev.create_stream("agree");
+  Buffer b = dev.alloc(v.size() * sizeof(double), s.get());
+  s->copy(b.ref(), host_ref(v.data(), v.size() * sizeof(double)));
+  comm.all_reduce(tensor(b, DType::kF64, v.size()), ReduceOp::kMax, *s);
+  s->copy(host_ref(v.data(), v.size() * sizeof(double)), b.ref());
+  s->synchronize();
+  std::size_t i = 0;
+  for (double* x : lowest) *x = -v[i++];
+  for (std::uint64_t* x : lowest_bytes) *x = std::uint64_t(-v[i++]);
+  for (double* x : highest) *x = v[i++];
+  for (std::uint64_t* x : highest_bytes) *x = std::uint64_t(v[i++]);
 }
 
 MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
@@ -280,9 +318,9 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
 
   // Collectives over the full buffer.
   if (m.world_size > 1) {
-    const std::size_t n = bytes / 4;
-    Buffer full = dev.alloc(bytes), part = dev.alloc(bytes / std::size_t(m.world_size));
-    const std::size_t shard = n / std::size_t(m.world_size);
+    // A whole shard per rank whatever the world size (3 ranks do not divide 2^24 elements).
+    const std::size_t shard = bytes / 4 / std::size_t(m.world_size), n = shard * std::size_t(m.world_size);
+    Buffer full = dev.alloc(n * 4), part = dev.alloc(shard * 4);
     comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n), *s);
     s->synchronize();
     const double ag = best_of(3, [&] {
@@ -653,7 +691,7 @@ int run(Args a) {
                                                : demo_model_config();
   if (a.seq_len <= 0) a.seq_len = demo ? 128 : 1024;
   if (a.micro_batch <= 0) a.micro_batch = demo ? 4 : 1;
-  STRATA_REQUIRE(a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
+  STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
   STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2, "--validate-steps must be at least 2 (the first step records "
                  "the unit order and is not timed)");
   if (a.micro_batches.empty()) {
@@ -678,8 +716,18 @@ int run(Args a) {
     ss << f.rdbuf();
     base.aio = parse_aio_config(ss.str());
   }
-  base.compute_dtype = a.dtype == "bf16" ? DType::kBF16 : DType::kF32;
-  base.gradient_accumulation_steps = a.grad_accum;
+  // --dtype and --grad-accum override the --config (as strata-train's flags do); left out, its
+  // values stand, and the run line and the written config carry them.
+  if (!a.dtype.empty()) {
+    base.compute_dtype = a.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+    base.fp16.enabled = false;
+  }
+  STRATA_REQUIRE(base.compute_dtype == DType::kF32 || base.compute_dtype == DType::kBF16,
+                 "--config {}: fp16.enabled: the model computes in fp32 or bf16 (fp16 is not supported yet); use "
+                 "\"bf16\": {{\"enabled\": true}} or --dtype bf16", a.ds_config);
+  a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
+  if (a.grad_accum > 0) base.gradient_accumulation_steps = a.grad_accum;
+  a.grad_accum = base.gradient_accumulation_steps;
   base.host_budget_bytes =
       a.host_mem_gb > 0 ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
                         : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget(launch.local_size));
@@ -696,10 +744,20 @@ int run(Args a) {
   hopt.compute_gflops = a.emu_gflops;
 
   std::string nvme_dir;
+  std::vector<std::string> nvme_paths;  // the search's: the --config's list, else nvme_dir
   const bool use_nvme = !a.no_nvme;
   if (use_nvme) {
     std::error_code ec;
-    if (a.nvme_path.empty()) {
+    // Left out: the --config's nvme_path (the drive the user means), else a scratch folder.
+    const std::vector<std::string>& cfg_paths =
+        !base.optimizer_nvme_paths.empty() ? base.optimizer_nvme_paths : base.param_nvme_paths;
+    if (a.nvme_path.empty() && !cfg_paths.empty()) {
+      for (const std::string& p : cfg_paths)
+        STRATA_REQUIRE(fs::is_directory(p, ec), "--config {}: nvme_path {}: no such directory; create it on the "
+                       "drive to profile, or give --nvme-path DIR", a.ds_config, p);
+      nvme_dir = cfg_paths.front();  // measured there
+      nvme_paths = cfg_paths;
+    } else if (a.nvme_path.empty()) {
       nvme_dir = default_scratch_dir("prof-nvme");
       fs::create_directories(nvme_dir, ec);
       STRATA_REQUIRE(fs::is_directory(nvme_dir), "cannot create the default NVMe folder {} ({}): give --nvme-path DIR",
@@ -756,11 +814,19 @@ int run(Args a) {
   }
   SearchSpace space;
   space.base = base;
-  if (use_nvme) space.nvme_paths = {nvme_dir};
+  if (use_nvme) space.nvme_paths = nvme_paths.empty() ? std::vector<std::string>{nvme_dir} : nvme_paths;
   const DType dt = base.compute_dtype;
   for (auto B : a.micro_batches)
     for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
       space.models.push_back(profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device, mhopt, copt));
+  if (launch.world_size > 1) {
+    auto dev = make_device(a.device, hopt, copt);
+    auto comm = make_communicator(*dev);
+    agree_across_ranks(*dev, *comm, machine, space.models);
+    if (talk)
+      std::printf("%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
+                  launch.world_size);
+  }
   const auto t_measured = since(t_start);
   if (talk) {
     std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
@@ -781,6 +847,7 @@ int run(Args a) {
   j["command"] = "prof";
   j["machine"] = {{"device", dev_name},
                   {"world_size", machine.world_size},
+                  {"nvme_path", use_nvme ? nlohmann::json(nvme_dir) : nlohmann::json(nullptr)},
                   {"h2d_gbps", machine.h2d_bps / 1e9},
                   {"d2h_gbps", machine.d2h_bps / 1e9},
                   {"device_mem_gbps", machine.device_mem_bps / 1e9},
@@ -804,8 +871,8 @@ int run(Args a) {
   j["candidates_feasible"] = sr.ranked.size();
   if (sr.ranked.empty()) {
     if (talk) {
-      std::printf("no placement fits: %zu candidates considered. The least demanding one (everything that can be "
-                  "offloaded, offloaded):\n%s", sr.considered, sr.smallest.table().c_str());
+      std::printf("no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
+                  "missing over all tiers):\n%s", sr.considered, sr.smallest.table().c_str());
       for (const auto& p : sr.problems) std::printf("missing: %s\n", p.c_str());
       if (!use_nvme) std::printf("(NVMe placements were not considered: --no-nvme)\n");
       if (a.json) {
@@ -839,6 +906,13 @@ int run(Args a) {
     std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                              : !a.model_config.empty() ? " --model-config " + a.model_config
                                                        : "";
+    if (model_flag.empty()) {
+      // The demo model as profiled: strata-train without a model runs the demo under its own
+      // 20 MiB cap, not the device this plan was made for.
+      const std::string mc = fs::path(a.out).replace_extension(".model.json").string();
+      std::ofstream(mc, std::ios::trunc) << model_config_json(demo_model_config());
+      model_flag = " --model-config " + mc;
+    }
     // The device it was measured on, as strata-train takes it (the emulated one with its cap and throttles).
     std::string device_flags;
     if (dev_name.starts_with("cpu")) {
@@ -991,8 +1065,10 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", a.micro_batch, "sequences per micro-batch (default 4 demo, else 1)")
       ->check(strata::tools::kPositive);
   app.add_option("--micro-batches", a.micro_batches, "micro-batch sizes to search (default B/2, B, 2B)");
-  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step")->check(strata::tools::kPositive);
-  app.add_option("--dtype", a.dtype, "compute dtype")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step (default: --config's, else 1)")
+      ->check(strata::tools::kPositive);
+  app.add_option("--dtype", a.dtype, "compute dtype (default: --config's, else fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--device", a.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--device-mem-gb", a.device_mem_gb, "device memory to plan for, GiB (the emulated device's cap)")
       ->check(strata::tools::kPositive);

@@ -17,6 +17,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -790,8 +791,17 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
   bool have_smallest = false;
   std::uint64_t smallest_short = 0;
   for (const ModelProfile& mp : space.models) {
+    // Windows in the engine's measure: padded units (a window of "2 units" of unpadded size held
+    // one padded unit, and never prefetched).
     std::uint64_t max_unit = 0;
-    for (const auto& x : mp.units) max_unit = std::max<std::uint64_t>(max_unit, x.numel);
+    std::vector<std::uint64_t> numel;
+    for (const auto& x : mp.units) {
+      max_unit = std::max<std::uint64_t>(max_unit, detail::padded_numel(x.numel, m.world_size));
+      numel.push_back(x.numel);
+    }
+    // Candidates that lay the state out alike (every unit resident: no window and no weight
+    // tier to choose) are one candidate.
+    std::set<std::string> seen;
     PlanInputs in;
     for (const auto& x : mp.units) in.units.push_back({x.name, x.numel});
     in.world_size = m.world_size;
@@ -836,10 +846,16 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                 c.prefetch_bucket_size = d.prefetch_bucket_size;
               }
               c.max_reuse_distance = d.max_reuse_distance;
-              // The engine reduces one unit's gradient at a time and steps the optimizer one unit
-              // at a time: plan the gradient buckets and the optimizer's swap buffers as that.
-              c.reduce_bucket_size = std::min<std::uint64_t>(space.base.reduce_bucket_size, max_unit);
-              c.sub_group_size = std::min<std::uint64_t>(space.base.sub_group_size, max_unit);
+              {
+                std::string sig;
+                bool gathered = false;
+                for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size)) {
+                  gathered = gathered || !u.resident;
+                  sig += fmt::format("{}{}{}{},", u.resident ? 'r' : 'g', u.resident ? 0 : int(u.w), int(u.g), int(u.o));
+                }
+                if (win > 0 && !gathered) continue;
+                if (!seen.insert(fmt::format("{}|{}|{}", sig, win, more_buffers)).second) continue;
+              }
               cand.checkpoint = mp.checkpoint;
               cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
               cand.micro_batch = mp.micro_batch;
@@ -914,7 +930,21 @@ std::string engine_config_json(const EngineConfig& c) {
                      {{"lr", dec(c.adamw.lr)},
                       {"betas", {dec(c.adamw.beta1), dec(c.adamw.beta2)}},
                       {"eps", dec(c.adamw.eps)},
-                      {"weight_decay", dec(c.adamw.weight_decay)}}}};
+                      {"weight_decay", dec(c.adamw.weight_decay)},
+                      {"bias_correction", c.adamw.bias_correction}}}};
+  if (!c.scheduler.type.empty()) {
+    const LrScheduleConfig& l = c.scheduler;
+    json sp = {{"warmup_num_steps", l.warmup_num_steps}, {"warmup_type", l.warmup_type}};
+    if (l.type == "WarmupCosineLR") {
+      sp["warmup_min_ratio"] = l.warmup_min_ratio;
+      sp["cos_min_ratio"] = l.cos_min_ratio;
+    } else {
+      sp["warmup_min_lr"] = l.warmup_min_lr;
+      if (l.warmup_max_lr >= 0) sp["warmup_max_lr"] = l.warmup_max_lr;  // < 0: the optimizer's lr
+    }
+    if (l.type != "WarmupLR") sp["total_num_steps"] = l.total_num_steps;
+    j["scheduler"] = {{"type", l.type}, {"params", sp}};
+  }
   json z = {{"stage", c.stage},
             {"overlap_comm", c.overlap_comm},
             {"contiguous_gradients", c.contiguous_gradients},
@@ -924,10 +954,10 @@ std::string engine_config_json(const EngineConfig& c) {
             {"stage3_prefetch_bucket_size", c.prefetch_bucket_size},
             {"stage3_max_live_parameters", c.max_live_parameters},
             {"stage3_max_reuse_distance", c.max_reuse_distance},
-            {"stage3_param_persistence_threshold", c.param_persistence_threshold}};
+            {"stage3_param_persistence_threshold", c.param_persistence_threshold},
+            {"stage3_gather_16bit_weights_on_model_save", c.gather_16bit_weights_on_model_save}};
   json op = {{"buffer_count", c.param_buffer_count},
              {"buffer_size", c.param_buffer_size},
-             {"max_in_cpu", c.param_max_in_cpu},
              {"pin_memory", c.pin_memory}};
   if (is(c.params, 1, 0)) {
     op["device"] = "none";

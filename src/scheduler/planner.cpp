@@ -21,17 +21,18 @@
 //     whole unit): only offloaded units count here.
 //   - Stages 1 and 2 keep every unit's full padded weights on the device (padded * c) and have
 //     no separate compute-weight shard. Stage 1 is planned like stage 2 (a gradient shard).
-//   - Gradient buckets on the device: full-unit fp32 gradients of the units being reduced,
-//     max(largest unit padded, min(reduce_bucket_size, total padded)) * 4, doubled with
-//     overlap_comm (one bucket reduces while the next fills).
+//   - Gradient buckets on the device: a bucket is one unit's full fp32 gradient (the engine
+//     reduces unit by unit; reduce_bucket_size is stored), largest unit padded * 4, doubled
+//     with overlap_comm (one reduces while the next fills).
 //   - Pinned host staging:
 //       gradient D2H: 2 * largest shard * 4 (double-buffered), whenever gradients or optimizer
 //         state leave the device (the host optimizer reads its gradients on the host);
-//       parameter swap: buffer_count * min(buffer_size, largest shard) * c, when any compute
-//         weights live on NVMe;
-//       optimizer swap: max(3, offload_optimizer.buffer_count) sub-group buffers (one read
-//         ahead, one stepping, the rest written behind), each min(sub_group_size, total
-//         shard) * 12, when any optimizer state lives on NVMe;
+//       parameter swap: offload_param.buffer_count whole shards read ahead, each the largest
+//         shard * c in whole 4 KiB pages, when any compute weights live on NVMe;
+//       optimizer swap: max(3, offload_optimizer.buffer_count) buffers (one read ahead, one
+//         stepping, the rest written behind), each one unit's state (the engine steps unit by
+//         unit; sub_group_size is stored): largest shard * 12 in whole pages, when any
+//         optimizer state lives on NVMe;
 //       new compute weights on their way from the optimizer to the device or NVMe: 2 *
 //         largest shard * c, when the optimizer state or the weights leave the device.
 //   The engine waits for the oldest of each kind of staging before it takes one more.
@@ -153,12 +154,9 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   const auto grad_tiers = b.place("gradient shard (fp32)", config.grads, scaled(4));
   const auto opt_tiers =
       b.place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
-  const std::uint64_t bucket =
-      std::max(largest_padded, std::min(config.reduce_bucket_size, total_padded)) * 4 *
-      (config.overlap_comm ? 2 : 1);
-  b.add(config.overlap_comm ? "gradient buckets (fp32, 2 for overlap_comm)"
-                            : "gradient bucket (fp32)",
-        Tier::kDevice, bucket);
+  b.add(config.overlap_comm ? "gradient buckets (2 x largest unit, fp32, for overlap_comm)"
+                            : "gradient bucket (largest unit, fp32)",
+        Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
   b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
 
   const bool host_optimizer = opt_tiers[0] < total_shard * 12;
@@ -166,17 +164,15 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     b.add("gradient D2H staging (2 x largest shard, fp32)", Tier::kHost, 2 * largest_shard * 4);
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add(fmt::format("parameter swap buffers ({} x min(buffer_size, largest shard))",
-                      config.param_buffer_count),
+    b.add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
           Tier::kHost,
-          static_cast<std::uint64_t>(config.param_buffer_count) *
-              std::min(config.param_buffer_size, largest_shard) * c);
+          static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
   }
-  const std::uint64_t opt_swap_buffer = std::min(config.sub_group_size, total_shard) * 12;
+  const std::uint64_t opt_swap_buffer = SwapStore::padded_bytes(largest_shard * 12);
+  const int opt_buffers = std::max(3, config.optimizer_buffer_count);
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    const int n = std::max(3, config.optimizer_buffer_count);
-    b.add(fmt::format("optimizer swap buffers ({} sub-groups: read ahead, step, write behind)", n),
-          Tier::kHost, static_cast<std::uint64_t>(n) * opt_swap_buffer);
+    b.add(fmt::format("optimizer swap buffers ({} units' state: read ahead, step, write behind)", opt_buffers),
+          Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
   }
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     b.add("new compute-weight staging (2 x largest shard)", Tier::kHost, 2 * largest_shard * c);
@@ -240,10 +236,6 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     }
     if (config.stage == 3 && persistent_padded > 0)
       fix.push_back("lower stage3_param_persistence_threshold");
-    if (config.reduce_bucket_size > largest_padded && total_padded > largest_padded) {
-      fix.push_back(
-          fmt::format("lower reduce_bucket_size (now {} elements)", config.reduce_bucket_size));
-    }
     if (config.overlap_comm)
       fix.push_back("set overlap_comm false (one gradient bucket instead of two)");
     if (in.activation_bytes > 0) {
@@ -264,12 +256,13 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       fix.push_back(
           "move the parameters to NVMe (offload_param.device \"nvme\", a lower "
           "offload_param.host_fraction)");
-    if (opt_tiers[2] > 0 && config.sub_group_size < total_shard * 12) {
-      fix.push_back(
-          fmt::format("lower sub_group_size (now {} elements; each of {} swap buffers is {}) or "
-                      "offload_optimizer.buffer_count (now {}, at least 3 are used)",
-                      config.sub_group_size, std::max(3, config.optimizer_buffer_count), human(opt_swap_buffer),
-                      config.optimizer_buffer_count));
+    if (opt_tiers[2] > 0 && config.optimizer_buffer_count > 3) {
+      fix.push_back(fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
+                                config.optimizer_buffer_count, human(opt_swap_buffer)));
+    }
+    if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
+      fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
+                                human(SwapStore::padded_bytes(largest_shard * c))));
     }
     if (grad_tiers[1] > 0)
       fix.push_back(
