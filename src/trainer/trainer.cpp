@@ -310,7 +310,13 @@ TrainResult train(const TrainOptions& o) {
     in.host_capacity = ecfg.host_budget_bytes;
     in.nvme_capacity = nvme_capacity(ecfg, rank, launch.local_size);
     in.ranks_on_node = launch.local_size;
-    const MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
+    MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
+    // The training state only: what a micro-batch's activations take depends on the kernels
+    // and is measured, not estimated (a "fits" here can still run out of device memory).
+    plan.notes.push_back(fmt::format(
+        "activations are not in this plan: a micro-batch of {} x {} tokens needs device memory beyond the "
+        "device total above; strata-prof measures them{}",
+        ecfg.micro_batch_per_gpu, seq_len, o.checkpoint_activations ? "" : " (--checkpoint-activations keeps them small)"));
     if (con) {
       std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
                    demo_model ? " (demo)" : "", std::size_t(total_numel), units.size(), world,
