@@ -389,6 +389,8 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'aio.block_size'", "power of two"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"host_budget_bytes": -5}})",
        {"'strata.host_budget_bytes'"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"host_budget_bytes": 1000000}})",
+       {"'strata.host_budget_bytes' = 1000000", "at least 2 MiB"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": "yes"}})",
        {"'strata.overlap_optimizer'"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",

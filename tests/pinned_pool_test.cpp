@@ -85,6 +85,7 @@ TEST(PinnedPool, InvalidOptionsAreRejectedNamingTheField) {
     EXPECT_NE(e.message().find(field), std::string::npos) << e.message();
   };
   reject(opts(0), "budget_bytes");
+  reject(opts(std::size_t(1) << 20), "at least 2 MiB");  // below one commit step: it held nothing
   auto o = opts(64 * kMiB);
   o.alignment = 3000;
   reject(o, "alignment");

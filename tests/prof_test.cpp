@@ -507,7 +507,7 @@ TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
   const std::string model = tiny_model(d.path);
   const auto r = testing::run(STRATA_PROF_BIN,
                               {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.0001",
-                               "--host-mem-gb", "0.0001", "--no-nvme", "--seq-len", "32", "--micro-batches", "1",
+                               "--host-mem-gb", "0.002", "--no-nvme", "--seq-len", "32", "--micro-batches", "1",
                                "--out", d.path + "/best.json", "--svg", ""},
                               d.path, "prof");
   EXPECT_EQ(r.status, 2) << r.out << r.err;

@@ -728,6 +728,8 @@ int run(Args a) {
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
   if (a.grad_accum > 0) base.gradient_accumulation_steps = a.grad_accum;
   a.grad_accum = base.gradient_accumulation_steps;
+  STRATA_REQUIRE(a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
+                 "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps", a.host_mem_gb);
   base.host_budget_bytes =
       a.host_mem_gb > 0 ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
                         : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget(launch.local_size));

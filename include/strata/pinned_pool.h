@@ -44,7 +44,9 @@ enum class PageKind {
 const char* page_kind_name(PageKind kind);
 
 struct PinnedPoolOptions {
-  std::size_t budget_bytes = 0;  // most memory the pool may hold (> 0)
+  // Most memory the pool may hold, >= 2 MiB: memory is committed in 2 MiB steps, so a budget's
+  // part above its last whole 2 MiB is never used.
+  std::size_t budget_bytes = 0;
   bool huge_pages = true;        // try huge pages first; false forces 4 KiB pages
   bool lock = true;              // page-lock (mlock or device registration)
   // NUMA node to bind the memory to; -1: the node nearest `device` where the device knows

@@ -450,8 +450,10 @@ void PinnedBlock::reset() noexcept {
 }
 
 PinnedPool::PinnedPool(const PinnedPoolOptions& o) : state_(std::make_shared<detail::PinnedPoolState>()) {
-  STRATA_REQUIRE(o.budget_bytes > 0, "PinnedPoolOptions.budget_bytes must be > 0 (the most host memory "
-                                     "the pool may pin, in bytes)");
+  STRATA_REQUIRE(o.budget_bytes >= kHugePage,
+                 "PinnedPoolOptions.budget_bytes = {}: must be at least 2 MiB (2097152; the most host memory the "
+                 "pool may pin, committed in 2 MiB steps: a smaller budget could hold nothing)",
+                 o.budget_bytes);
   STRATA_REQUIRE(is_pow2(o.alignment) && o.alignment >= kPage,
                  "PinnedPoolOptions.alignment = {}: must be a power of two >= 4096 (O_DIRECT and "
                  "page locking work on whole pages)", o.alignment);

@@ -534,6 +534,9 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   const Section st = top.child("strata");
   st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
+  STRATA_REQUIRE(c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
+                 "config key 'strata.host_budget_bytes' = {}: use 0 (80% of RAM) or at least 2 MiB (2097152): "
+                 "pinned memory is committed in 2 MiB steps", c.host_budget_bytes);
   if (st.has("overlap_optimizer")) c.overlap_optimizer = st.get_bool("overlap_optimizer", true);
   const std::uint64_t threads = st.get_uint("optimizer_threads", 0);
   STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
