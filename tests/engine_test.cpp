@@ -653,6 +653,51 @@ RunSetup without_early(RunSetup s) {
   return s;
 }
 
+// strata.device_grad_norm (the default on a GPU; off on the emulated device unless set): a
+// host-tier gradient that arrives whole in one reduce_grad has its part of the norm taken on
+// the device, beside its copy: no CPU pass over it after the first (recording) step, with the
+// early step and without, and the bits (clipping every step) are those of gradients kept on
+// the device. With two micro-batches the host accumulates, and the host takes the norm.
+TEST(Engine, AWholeHostGradientsNormIsTakenOnTheDevice) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 37);  // 3 units
+  TempDir nv;
+  for (const int accum : {1, 2}) {
+    RunSetup dev;
+    dev.steps = 4;
+    dev.accum = accum;
+    dev.cfg.compute_dtype = DType::kBF16;
+    dev.cfg.gradient_clipping = 0.05;  // active every step: the norm decides the update
+    dev.cfg.host_budget_bytes = 64 << 20;
+    const RunOut ref = train(dev, model);
+    for (const bool early : {false, true})
+    for (const bool device_norm : {false, true}) {
+      RunSetup host = early_setup(nv, Tier::kHost);
+      host.cfg.device_grad_norm = device_norm;
+      host.steps = dev.steps;
+      host.accum = accum;
+      host.cfg.gradient_clipping = dev.cfg.gradient_clipping;
+      host.cfg.params = on(Tier::kDevice);
+      host.cfg.optimizer = on(Tier::kDevice);
+      host.cfg.overlap_optimizer = early;
+      Tracer& tracer = Tracer::global();
+      tracer.clear();
+      tracer.set_enabled(true);
+      const RunOut r = train(host, model);
+      tracer.set_enabled(false);
+      int cpu_passes = 0;  // the host's sums (the device's run on the "comm" stream)
+      for (const TraceSpan& sp : tracer.spans()) cpu_passes += sp.name == "sum_squares" && sp.lane == "optimizer";
+      tracer.clear();
+      const std::string what = fmt::format("accum {}, early step {}, device_grad_norm {}", accum, early, device_norm);
+      expect_identical(ref, r, what.c_str());
+      if (accum == 1 && device_norm)
+        EXPECT_EQ(cpu_passes, 3) << what << ": the first step's only";
+      else
+        EXPECT_EQ(cpu_passes, 3 * host.steps) << what;
+    }
+  }
+}
+
 TEST(Engine, EarlyOptimizerStepIsKeptAndBitIdentical) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 31);

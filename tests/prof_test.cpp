@@ -184,6 +184,25 @@ TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
   EXPECT_NEAR(p.step_s, params / 1e8, params / 1e8 * kRel);
 }
 
+// strata.device_grad_norm: with one micro-batch a step the device sums the host-tier gradients'
+// squares, and the host's pass over them (4 bytes a parameter at host_norm_bps) leaves the step.
+TEST(PerfModel, TheDevicesNormTakesTheHostsPassOutOfTheStep) {
+  MachineProfile m = fast_machine();
+  m.host_norm_bps = 4e8;  // the host's norm pass: 4 * params / 4e8 s
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  const double params = 4.0 * double(kLayer) + 2 * 2048;
+  EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  c.device_grad_norm = false;
+  const Prediction host = predict_step(m, mp, c);
+  EXPECT_NEAR(host.step_s, 4 * params / 4e8, 4 * params / 4e8 * kRel);
+  c.device_grad_norm = true;
+  const Prediction device = predict_step(m, mp, c);
+  EXPECT_LT(device.step_s, host.step_s * 1e-3);
+  for (const Interval& iv : device.schedule) EXPECT_EQ(iv.what.rfind("norm ", 0), std::string::npos) << iv.what;
+  c.gradient_accumulation_steps = 2;  // the host accumulates: the host takes the norm again
+  EXPECT_NEAR(predict_step(m, mp, c).step_s, 4 * params / 4e8, 4 * params / 4e8 * kRel);
+}
+
 TEST(PerfModel, MissingRateIsAnError) {
   MachineProfile m = fast_machine();
   m.nvme_read_bps = 0;
@@ -299,6 +318,7 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         // What the search does not decide is written as the user gave it (it was dropped).
         c.adamw.bias_correction = variant % 2 == 0;
         c.gather_16bit_weights_on_model_save = variant % 2 == 1;
+        c.device_grad_norm = variant % 3 == 0;
         c.scheduler.type = schedulers[variant++ % 4];
         c.scheduler.warmup_num_steps = 7;
         c.scheduler.total_num_steps = 70;
@@ -333,6 +353,7 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         EXPECT_EQ(r.adamw.eps, c.adamw.eps);
         EXPECT_EQ(r.adamw.bias_correction, c.adamw.bias_correction);
         EXPECT_EQ(r.gather_16bit_weights_on_model_save, c.gather_16bit_weights_on_model_save);
+        EXPECT_EQ(r.device_grad_norm, c.device_grad_norm);
         EXPECT_EQ(r.scheduler.type, c.scheduler.type);
         if (!c.scheduler.type.empty()) {
           EXPECT_EQ(r.scheduler.warmup_num_steps, 7);

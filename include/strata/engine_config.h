@@ -98,6 +98,11 @@ struct EngineConfig {
   // strata.optimizer_threads: threads of the host's CPU AdamW (0 = every core). Fewer leave
   // cores to data loading, or to the kernels of the CPU-emulated device.
   int optimizer_threads = 0;
+  // strata.device_grad_norm: a host-tier gradient that arrives whole in one reduce (one
+  // micro-batch a step) has its part of the gradient norm taken by the device, beside its
+  // copy to the host, instead of by a pass of the host's CPU (which the optimizer needs).
+  // Unset: on, except on the CPU-emulated device, whose "device" is those same cores.
+  std::optional<bool> device_grad_norm;
 };
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x

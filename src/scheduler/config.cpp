@@ -35,6 +35,9 @@
 //                                          state (Engine::set_next_lr). Default: on when the
 //                                          memory plan fits with the second copies.
 //   strata.optimizer_threads              threads of the host CPU AdamW (default 0 = every core).
+//   strata.device_grad_norm               true | false: a host-tier gradient's norm part taken
+//                                          on the device (one micro-batch a step). Default: on,
+//                                          off on the CPU-emulated device.
 // These sit beside the DeepSpeed key they refine (as aio's strata keys do), except engine-wide
 // settings, which go in the top-level "strata" object.
 #include <algorithm>
@@ -532,12 +535,13 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}" : std::string("{}"));
 
   const Section st = top.child("strata");
-  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads"});
+  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "device_grad_norm"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
   STRATA_REQUIRE(c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
                  "config key 'strata.host_budget_bytes' = {}: use 0 (80% of RAM) or at least 2 MiB (2097152): "
                  "pinned memory is committed in 2 MiB steps", c.host_budget_bytes);
   if (st.has("overlap_optimizer")) c.overlap_optimizer = st.get_bool("overlap_optimizer", true);
+  if (st.has("device_grad_norm")) c.device_grad_norm = st.get_bool("device_grad_norm", true);
   const std::uint64_t threads = st.get_uint("optimizer_threads", 0);
   STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
                  threads);

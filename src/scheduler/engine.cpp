@@ -121,6 +121,10 @@ struct Unit {
   std::int64_t early_call = 0;   // the step() call it was queued for (Impl::step_calls)
   float early_sumsq = 0;         // its gradient's sum of squares (the norm's part) ...
   std::int64_t norm_call = -1;   // ... for the job of this step() call (early_mu; -1: none)
+  // A host-tier gradient that arrives whole in one reduce_grad: its sum of squares taken on
+  // the device from the shard it was copied from (Impl::norm_host[unit], valid once the copy's
+  // grads_done / the comm stream is reached) for this step() call, so no CPU pass over it.
+  std::int64_t dev_sumsq_call = -1;
   std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until finished
   IoHandle early_o_write, early_w_write;  // to the other NVMe key
   // step() kept the early work but did not wait for it: it is finished (state and weights
@@ -197,6 +201,8 @@ struct Engine::Impl {
   bool early = false;  // plan.early_optimizer_step
   std::vector<int> grads_recorded, grads_now;
   bool grads_recording = true, grads_changed = false;
+  std::shared_ptr<PinnedBlock> norm_host;  // one float a unit: Unit::dev_sumsq_call
+  float dev_sumsq(std::size_t ui) const { return static_cast<const float*>(norm_host->data())[ui]; }
   // After a step whose early work was all redone (it clipped, overflowed, or the lr was not
   // announced), the next `early_skip` steps do not speculate — 1, 2, 4, then 8 steps, back to
   // 0 once a result is kept — so a run that clips every step does not do its AdamW twice.
@@ -637,11 +643,12 @@ struct Engine::Impl {
           early_queue.empty() ? std::nullopt : std::optional<std::size_t>(early_queue.front());
       const bool need_norm = norm_owed(units[ui]);
       const std::int64_t call = units[ui].early_call;
+      const bool device_norm = units[ui].dev_sumsq_call == call;
       lk.unlock();
       std::exception_ptr error;
       try {
         if (next) early_read_ahead(*next);
-        early_unit(ui, need_norm);
+        early_unit(ui, need_norm, device_norm);
       } catch (...) {
         error = std::current_exception();
       }
@@ -665,13 +672,15 @@ struct Engine::Impl {
         Unit& u = units[ui];
         if (!norm_owed(u) || !u.grads_done.query()) continue;
         const std::int64_t call = u.early_call;
-        lk.unlock();
         float sq;
-        {
+        if (u.dev_sumsq_call == call) {
+          sq = dev_sumsq(ui);  // the device's, in host memory since grads_done
+        } else {
+          lk.unlock();
           TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
           sq = cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+          lk.lock();
         }
-        lk.lock();
         u.early_sumsq = sq;
         u.norm_call = call;
         again = true;  // the queue may have changed meanwhile: look again
@@ -696,14 +705,17 @@ struct Engine::Impl {
     early_reads[ui] = {b, o_store->read(o_key(ui), b->data(), 3 * u.shard * 4)};
   }
 
-  // One unit's AdamW from its current state into the second copy (worker thread).
-  void early_unit(std::size_t ui, bool need_norm) {
+  // One unit's AdamW from its current state into the second copy (worker thread), and its part
+  // of the norm when owed (the device's when it took it).
+  void early_unit(std::size_t ui, bool need_norm, bool device_norm) {
     Unit& u = units[ui];
     const std::size_t n = u.shard, w_bytes = n * c_size;
     u.grads_done.synchronize();
     TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
     const auto* g = static_cast<const float*>(u.g_host->data());
-    if (need_norm) {
+    if (need_norm && device_norm) {
+      u.early_sumsq = dev_sumsq(ui);
+    } else if (need_norm) {
       TraceScope norm_span("sum_squares", "optimizer", n * 4);
       u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
     }
@@ -806,6 +818,10 @@ EngineConfig Engine::with_device_defaults(EngineConfig config, const Device& dev
   // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
   // optimizer would use, so the overlap turns into contention (measured: slower steps).
   if (!config.overlap_optimizer.has_value() && device.kind() == DeviceKind::kCpu) config.overlap_optimizer = false;
+  // The norm's sums on the device: free on a GPU, but the emulated device's kernels are host
+  // threads, and its comm stream taking them delays the next gradient's copy (measured: the
+  // engine benchmark's AdamW regime 1.18-1.23 -> 1.27-1.30).
+  if (!config.device_grad_norm.has_value()) config.device_grad_norm = device.kind() != DeviceKind::kCpu;
   return config;
 }
 
@@ -869,6 +885,8 @@ void Engine::finalize() {
   po.lock = cfg.pin_memory;
   po.device = &s.dev;
   s.pool = std::make_unique<PinnedPool>(po);
+  if (std::any_of(s.units.begin(), s.units.end(), [](const Unit& u) { return u.g_tier == Tier::kHost; }))
+    s.norm_host = s.pinned(4 * s.units.size());
   CpuAdamWConfig ac;
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
@@ -1015,6 +1033,18 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
     cs.copy(host_ref(u.g_host->data(), u.shard * 4), shard.mem);
     s.st.d2h_bytes += u.shard * 4;
+    if (s.cfg.device_grad_norm.value_or(true) && !s.grads_recording && s.grads_recorded[std::size_t(unit)] == 1) {
+      // The step's only gradient of the unit (as recorded): its part of the norm from the same
+      // kernel on the device, beside the copy (a GPU does it in microseconds; on the host it
+      // was a pass over the shard on the CPU the optimizer needs). Bit for bit the host's:
+      // the same fp32 shard, the same kernel (step() falls back to the host if more come).
+      Buffer sq = s.alloc(4, &cs);
+      cs.sum_squares(shard, Impl::view(sq, DType::kF32, 1));
+      cs.copy(host_ref(static_cast<float*>(s.norm_host->data()) + unit, 4), sq.ref());
+      sq.reset_on(cs);
+      std::lock_guard<std::mutex> lk(s.early_mu);
+      u.dev_sumsq_call = s.step_calls;
+    }
   } else {
     Impl::bound(s.grad_staging, 2);
     auto staging = s.pinned(u.shard * 4);
@@ -1084,7 +1114,14 @@ StepResult Engine::step(float lr) {
         std::lock_guard<std::mutex> lk(s.early_mu);
         done = u.norm_call == s.step_calls;
       }
-      part[ui] = done ? u.early_sumsq : cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+      // Or the device took it from the step's only gradient (the comm stream is done).
+      const bool device = s.grads_now[ui] == 1 && u.dev_sumsq_call == s.step_calls;
+      if (done || device) {
+        part[ui] = done ? u.early_sumsq : s.dev_sumsq(ui);
+      } else {
+        TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
+        part[ui] = cpu::sum_squares(DType::kF32, u.g_host->data(), u.shard);
+      }
     }
     os.synchronize();
     for (std::size_t ui = 0; ui < s.units.size(); ++ui)

@@ -400,6 +400,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
+  // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
+  // a step) has its norm part summed on the device beside its copy; no host pass.
+  const bool device_norm = c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
 
   // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
@@ -486,8 +489,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   };
   auto enqueue = [&](std::size_t i, double avail) {
     run_started_before(avail);
-    norm_done[i] = kNever;
-    early_q.push_back({i, avail, true});
+    norm_done[i] = device_norm ? avail : kNever;
+    early_q.push_back({i, avail, !device_norm});
     queued[i] = true;
     early_order.push_back(i);
   };
@@ -509,6 +512,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
     } else if (first_micro_batch) {  // straight into the accumulator
       t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
+      if (device_norm) sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
       if (last_micro_batch && eligible(x)) enqueue(i, t);
     } else {
       bound(grad_staging, 2);
@@ -601,7 +605,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     run_started_before(norm_at);
     const Resource norm_lane = early_order.empty() ? Resource::kCpu : Resource::kCount;
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].g == Tier::kHost && !(kept[i] && norm_done[i] <= norm_at))
+      if (u[i].g == Tier::kHost && !device_norm && !(kept[i] && norm_done[i] <= norm_at))
         h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
     h = std::max(h, sim.stream_free[kOptS]);
     // The early results: kept without waiting; each unit is finished before its next use
@@ -1003,6 +1007,7 @@ std::string engine_config_json(const EngineConfig& c) {
   if (c.host_budget_bytes > 0) j["strata"]["host_budget_bytes"] = c.host_budget_bytes;
   if (c.overlap_optimizer) j["strata"]["overlap_optimizer"] = *c.overlap_optimizer;
   if (c.optimizer_threads > 0) j["strata"]["optimizer_threads"] = c.optimizer_threads;
+  if (c.device_grad_norm) j["strata"]["device_grad_norm"] = *c.device_grad_norm;
   return j.dump(2) + "\n";
 }
 
