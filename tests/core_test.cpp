@@ -174,6 +174,36 @@ TEST(Tracer, RecordsFromManyThreadsAndWritesChromeJson) {
   t.clear();
 }
 
+// Span and lane names are bytes from anywhere: invalid UTF-8 becomes U+FFFD so the trace stays
+// JSON; valid multi-byte sequences pass through unchanged.
+TEST(Tracer, InvalidUtf8InNamesStillWritesValidJson) {
+  Tracer& t = Tracer::global();
+  t.clear();
+  t.set_enabled(true);
+  const std::string valid = "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80";  // café € 😀
+  const std::string invalid[] = {"a\xff" "b", "\xc3", "x\xe2\x82", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+                                 "\x80z"};
+  t.record(valid, "lane \xfe", 1, 2, 0);
+  for (const auto& n : invalid) t.record(n, "lane", 3, 4, 0);
+  t.set_enabled(false);
+  const auto path = std::filesystem::temp_directory_path() / "strata_core_test_trace_utf8.json";
+  t.write_chrome_trace(path.string());
+  std::ifstream in(path);
+  nlohmann::json j;
+  ASSERT_NO_THROW(j = nlohmann::json::parse(in)) << "the trace is not valid JSON";
+  std::set<std::string> names, lanes;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X") names.insert(e["name"].get<std::string>());
+    else lanes.insert(e["args"]["name"].get<std::string>());
+  }
+  const std::string r = "\xef\xbf\xbd";  // U+FFFD
+  EXPECT_EQ(names, (std::set<std::string>{valid, "a" + r + "b", r, "x" + r, r + r, r + r + r, r + r + r + r,
+                                          r + "z"}));
+  EXPECT_EQ(lanes, (std::set<std::string>{"lane " + r, "lane"}));
+  std::filesystem::remove(path);
+  t.clear();
+}
+
 TEST(Tracer, UnwritablePathIsAClearError) {
   try {
     Tracer::global().write_chrome_trace("/nonexistent-dir/trace.json");
