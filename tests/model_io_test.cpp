@@ -312,6 +312,58 @@ TEST(TokenData, U32BytesShuffleAndSplit) {
   fs::remove_all(dir);
 }
 
+// Raw ids of a vocabulary beyond 65536 (Llama 3, Qwen2) cannot be uint16: auto refuses to
+// guess u16 for them instead of reading every id wrong.
+TEST(TokenData, AutoRefusesRawU16WhenTheVocabDoesNotFit) {
+  const fs::path dir = scratch("data4");
+  std::vector<std::uint32_t> ids(64);
+  for (int i = 0; i < 64; ++i) ids[i] = 100000u + i;
+  DataOptions o;
+  o.files = {write_tokens(dir, "l3.bin", ids).string()};
+  o.batch = 1;
+  o.seq_len = 8;
+  o.vocab_size = 128256;
+  expect_error([&] { TokenLoader l(o); }, {"l3.bin", "128256", "uint16", "u32"});
+  o.format = TokenFormat::kU32;
+  EXPECT_EQ(TokenLoader(o).next().tokens[0], 100000);
+  o.format = TokenFormat::kAuto;
+  o.files = {write_tokens(dir, "l3llmc.bin", ids, 2).string()};  // llm.c's header says uint32
+  EXPECT_EQ(TokenLoader(o).next().tokens[0], 100000);
+  fs::remove_all(dir);
+}
+
+// A shuffled epoch's order depends only on (seed, epoch): reset() replays epoch 0 exactly,
+// and every later epoch too.
+TEST(TokenData, ShuffledEpochOrderDependsOnlyOnSeedAndEpoch) {
+  const fs::path dir = scratch("data5");
+  std::vector<std::uint16_t> ids(200);
+  for (int i = 0; i < 200; ++i) ids[i] = static_cast<std::uint16_t>(i);
+  DataOptions o;
+  o.files = {write_tokens(dir, "s.bin", ids).string()};
+  o.batch = 2;
+  o.seq_len = 9;
+  o.shuffle = true;
+  o.seed = 3;
+  TokenLoader a(o);
+  const std::int64_t per_epoch = a.batches_per_epoch();
+  ASSERT_EQ(per_epoch, 11);  // (200 - 1) / 9 = 22 windows
+  auto three_epochs = [&](TokenLoader& l) {
+    std::vector<std::vector<std::int32_t>> out;
+    for (std::int64_t k = 0; k < 3 * per_epoch; ++k) out.push_back(l.next().tokens);
+    return out;
+  };
+  const auto first = three_epochs(a);
+  EXPECT_EQ(a.epoch(), 2);
+  EXPECT_NE(std::vector(first.begin(), first.begin() + per_epoch),
+            std::vector(first.begin() + per_epoch, first.begin() + 2 * per_epoch));  // epochs differ
+  a.reset();
+  EXPECT_EQ(a.epoch(), 0);
+  EXPECT_EQ(three_epochs(a), first);
+  TokenLoader b(o);
+  EXPECT_EQ(three_epochs(b), first);
+  fs::remove_all(dir);
+}
+
 TEST(TokenData, BadDataNamesFileAndOffset) {
   const fs::path dir = scratch("data3");
   std::vector<std::uint16_t> ids(64, 3);

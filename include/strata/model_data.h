@@ -4,14 +4,16 @@
 // llm.c's .bin (a 256 x int32 header: magic 20240520, version 1 = uint16 / 2 = uint32 ids,
 // token count; then the ids), and bytes (any file, each byte a token: vocabulary 256, for
 // experiments without a tokenizer). kAuto picks llm.c when the magic is there, bytes for
-// .txt, raw uint16 otherwise.
+// .txt, raw uint16 otherwise — and refuses a file it would read as uint16 when vocab_size is
+// above 65536 (Llama 3, Qwen2: such ids need kU32 or an llm.c header).
 //
 // Unshuffled, batches are taken exactly as llm.c's DataLoader takes them (one process):
 // a micro-batch of B sequences of T tokens reads B*T+1 contiguous tokens at the current
 // position; inputs are the first B*T, targets the B*T after the first; the position then
 // advances by B*T, and moves to the next file (then wraps, epoch + 1) when fewer than
 // B*T+1 tokens remain. Shuffled, the unit is a window of T+1 tokens at a stride of T, and
-// each epoch visits all windows of all files in a seeded random order, B per batch.
+// each epoch visits all windows of all files in a random order that depends only on (seed,
+// epoch), B per batch.
 // The validation split is the last val_fraction of each file's tokens; train is the rest.
 // A token id >= vocab_size is an error naming the file and byte offset.
 #pragma once

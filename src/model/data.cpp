@@ -2,8 +2,10 @@
 //
 // Invariant: a file's split is a token range [begin, end) fixed at open; unshuffled batches
 // walk it exactly as llm.c's dataloader.h does, shuffled ones walk a permutation of its
-// T+1-token windows. The permutation uses our own Fisher-Yates over mt19937_64, so a seed
-// gives the same order with every standard library.
+// T+1-token windows. Each epoch's permutation is drawn afresh from the canonical window order
+// with a generator seeded by (seed, epoch), so it depends on nothing else: reset() and a resume
+// that replays next() see the same batches. It is our own Fisher-Yates over mt19937_64, so a
+// seed gives the same order with every standard library.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -46,7 +48,8 @@ struct TokenFile {
   }
 };
 
-std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt) {
+// `vocab_size` (0 = unknown) keeps kAuto from reading ids it cannot hold as uint16.
+std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt, std::int64_t vocab_size) {
   auto f = std::make_unique<TokenFile>();
   f->path = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -69,6 +72,11 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt)
     if (head[0] == kLlmcMagic) fmt = TokenFormat::kLlmc;
     else if (path.ends_with(".txt")) fmt = TokenFormat::kBytes;
     else fmt = TokenFormat::kU16;
+    STRATA_REQUIRE(fmt != TokenFormat::kU16 || vocab_size <= 65536,
+                   "{}: no llm.c header and not .txt, so format auto would read raw uint16 ids, but the model's "
+                   "vocab_size {} does not fit in uint16; for raw uint32 ids give the format u32 (strata-train "
+                   "--data-dtype u32), or use an llm.c .bin, whose header gives the id width",
+                   path, vocab_size);
   }
   std::size_t ntok = 0;
   switch (fmt) {
@@ -121,8 +129,8 @@ struct TokenLoader::Impl {
   // Unshuffled: current file and position (token index).
   std::size_t file = 0;
   std::int64_t pos = 0;
-  // Shuffled: (file, window start) of every window, permuted per epoch.
-  std::vector<std::pair<std::uint32_t, std::int64_t>> windows;
+  // Shuffled: (file, window start) of every window in file order, and this epoch's permutation of them.
+  std::vector<std::pair<std::uint32_t, std::int64_t>> windows, order;
   std::size_t next_window = 0;
   std::int64_t epoch = 0;
 
@@ -136,7 +144,8 @@ struct TokenLoader::Impl {
       return;
     }
     std::mt19937_64 rng(opt.seed + 0x9e3779b97f4a7c15ull * std::uint64_t(epoch));
-    for (std::size_t i = windows.size(); i > 1; --i) std::swap(windows[i - 1], windows[rng() % i]);
+    order = windows;
+    for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);
     next_window = 0;
   }
 
@@ -175,11 +184,11 @@ struct TokenLoader::Impl {
     }
     std::vector<std::int32_t> buf(std::size_t(T + 1));
     for (std::int64_t r = 0; r < B; ++r) {
-      if (next_window == windows.size()) {
+      if (next_window == order.size()) {
         ++epoch;
         start_epoch();
       }
-      const auto [fi, at] = windows[next_window++];
+      const auto [fi, at] = order[next_window++];
       fetch(*files[fi], at, T + 1, buf.data());
       std::copy_n(buf.begin(), T, b.tokens.begin() + r * T);
       std::copy_n(buf.begin() + 1, T, b.targets.begin() + r * T);
@@ -199,7 +208,7 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   bool any_batch = false;
   std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
   for (const auto& path : o.files) {
-    auto f = open_tokens(path, o.format);
+    auto f = open_tokens(path, o.format, o.vocab_size);
     const std::int64_t ntok = f->end;
     if (sizes.size() < 400) sizes += fmt::format("{}{}: {} tokens", sizes.empty() ? "" : ", ", path, ntok);
     const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * o.val_fraction);
