@@ -1,5 +1,7 @@
 // Weights I/O (config.json + safetensors, single and sharded) and token data loaders.
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -104,23 +106,84 @@ TEST(ModelIo, Fp32FileLoadsIntoBf16RoundedToNearestEven) {
   fs::remove_all(dir);
 }
 
+// Every parameter of `w` (fp32) under `rename(its name)`, then `extra`, as dir/model.safetensors.
+void write_params(const ResidentWeights& w, const fs::path& dir, const std::vector<SafetensorsTensor>& extra,
+                  const std::function<std::string(const std::string&)>& rename) {
+  std::vector<std::vector<std::uint8_t>> keep;
+  std::vector<SafetensorsTensor> ts;
+  for (const auto& u : w.units())
+    for (const auto& p : u.params) {
+      keep.push_back(w.get_bytes(p.name));
+      ts.push_back({rename(p.name), DType::kF32, p.shape, keep.back().data()});
+    }
+  ts.insert(ts.end(), extra.begin(), extra.end());
+  write_safetensors((dir / "model.safetensors").string(), ts);
+}
+
+std::string same_name(const std::string& n) { return n; }
+
 TEST(ModelIo, HubGpt2NamesWithoutPrefixLoad) {
   Env e;
   const ModelConfig cfg = parse_model_config(kGpt2, "cfg");
   ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
   a.init_random(9, 0.5f);
   const fs::path dir = scratch("hub");
-  std::vector<std::vector<std::uint8_t>> keep;
-  std::vector<SafetensorsTensor> ts;
-  for (const auto& u : a.units())
-    for (const auto& p : u.params) {
-      keep.push_back(a.get_bytes(p.name));
-      ts.push_back({p.name.substr(12), DType::kF32, p.shape, keep.back().data()});  // "transformer." dropped
-    }
-  write_safetensors((dir / "model.safetensors").string(), ts);
+  write_params(a, dir, {}, [](const std::string& n) { return n.substr(12); });  // "transformer." dropped
   ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
   load_hf_weights(dir.string(), b);
   expect_same_bytes(a, b);
+  fs::remove_all(dir);
+}
+
+// Llama's attention_bias: true gives o_proj a bias (Hugging Face's LlamaAttention); it loads.
+TEST(ModelIo, LlamaAttentionBiasLoadsOutputProjectionBias) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(std::string(kLlama).insert(1, R"("attention_bias": true, )"), "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(12, 0.5f);
+  const fs::path dir = scratch("obias");
+  save_hf_weights(dir.string(), a);
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+  load_hf_weights(dir.string(), b);
+  const std::vector<float> ob = b.get("model.layers.1.self_attn.o_proj.bias");
+  EXPECT_EQ(ob, a.get("model.layers.1.self_attn.o_proj.bias"));
+  EXPECT_NE(ob, std::vector<float>(ob.size(), 0.0f));
+  fs::remove_all(dir);
+}
+
+// Tensors the model does not use are named in one warning (a config that does not match the
+// weights would otherwise drop them silently); known buffers are not.
+TEST(ModelIo, UnusedTensorsAreNamedInOneWarning) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kGpt2, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(13, 0.5f);
+  const fs::path dir = scratch("unused");
+  std::vector<float> v(24, 1.0f);
+  const std::vector<SafetensorsTensor> buffers = {
+      {"transformer.h.0.attn.bias", DType::kF32, {24}, v.data()},
+      {"h.1.attn.masked_bias", DType::kF32, {24}, v.data()},
+      {"transformer.h.0.attn.rotary_emb.inv_freq", DType::kF32, {24}, v.data()}};
+  std::vector<SafetensorsTensor> extra = buffers;
+  extra.push_back({"transformer.h.0.attn.c_attn.lora_A", DType::kF32, {24}, v.data()});
+  extra.push_back({"score.weight", DType::kF32, {24}, v.data()});
+  write_params(a, dir, extra, same_name);
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+  testing::internal::CaptureStderr();
+  load_hf_weights(dir.string(), b);
+  const std::string warned = testing::internal::GetCapturedStderr();
+  expect_same_bytes(a, b);
+  EXPECT_NE(warned.find("lora_A"), std::string::npos) << warned;
+  EXPECT_NE(warned.find("score.weight"), std::string::npos) << warned;
+  EXPECT_NE(warned.find("2 tensors"), std::string::npos) << warned;
+  EXPECT_EQ(warned.find("masked_bias"), std::string::npos) << warned;
+  EXPECT_EQ(warned.find("inv_freq"), std::string::npos) << warned;
+  EXPECT_EQ(std::count(warned.begin(), warned.end(), '\n'), 1) << warned;
+
+  write_params(a, dir, buffers, same_name);
+  testing::internal::CaptureStderr();
+  load_hf_weights(dir.string(), b);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
   fs::remove_all(dir);
 }
 

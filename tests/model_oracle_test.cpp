@@ -132,6 +132,13 @@ const char* kMistral = R"({"architectures": ["MistralForCausalLM"], "model_type"
 const char* kGpt2 = R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 113,
   "n_embd": 36, "n_layer": 2, "n_head": 3, "n_positions": 16, "layer_norm_epsilon": 1e-5,
   "activation_function": "gelu_new"})";
+// q/k/v and o_proj biases (Hugging Face's LlamaAttention with attention_bias).
+const char* kLlamaAttnBias = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 79,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64, "attention_bias": true})";
+const char* kGpt2Scaled = R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 83,
+  "n_embd": 24, "n_layer": 3, "n_head": 2, "n_positions": 16, "scale_attn_weights": false,
+  "scale_attn_by_inverse_layer_idx": true})";
 
 INSTANTIATE_TEST_SUITE_P(
     Families, ModelOracle,
@@ -140,6 +147,8 @@ INSTANTIATE_TEST_SUITE_P(
                       OracleCase{"llama3_rope_tied", kLlama3Tied, 1, 13, DType::kF32},
                       OracleCase{"mistral", kMistral, 3, 5, DType::kF32},
                       OracleCase{"gpt2", kGpt2, 2, 15, DType::kF32},
+                      OracleCase{"llama_attention_bias", kLlamaAttnBias, 2, 7, DType::kF32},
+                      OracleCase{"gpt2_attention_scales", kGpt2Scaled, 2, 9, DType::kF32},
                       OracleCase{"llama_gqa_bf16", kLlamaGqa, 2, 9, DType::kBF16},
                       OracleCase{"gpt2_bf16", kGpt2, 2, 15, DType::kBF16}),
     [](const ::testing::TestParamInfo<OracleCase>& i) { return i.param.name; });

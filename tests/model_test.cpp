@@ -3,6 +3,8 @@
 // gradients accumulate, the provider contract is checked, and bad input gives named errors.
 #include <cmath>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -141,6 +143,80 @@ TEST(Model, UnitsAreEmbeddingLayersHead) {
   EXPECT_EQ(p[2].shape, (std::vector<std::int64_t>{16, 32}));
 }
 
+// Llama's attention_bias gives o_proj a bias too (Hugging Face's LlamaAttention): it is in the
+// layout, and it moves the logits.
+TEST(Model, LlamaAttentionBiasIncludesOutputProjectionBias) {
+  const std::string json = std::string(kLlama).insert(1, R"("attention_bias": true, )");
+  const ModelConfig cfg = parse_model_config(json, "test");
+  auto dev = make_host_device();
+  auto s = dev->create_stream("model");
+  Model m(cfg, *dev, *s, {.micro_batch = 1, .seq_len = 5});
+  ResidentWeights w(m, *s);
+  w.init_random(4, 0.3f);
+  const std::string ob = "model.layers.1.self_attn.o_proj.bias";
+  ASSERT_NO_THROW(w.find(ob)) << "o_proj.bias is not in the layout";
+  EXPECT_NO_THROW(w.find("model.layers.1.self_attn.q_proj.bias"));
+  const std::vector<std::int32_t> ids = random_batch(5, cfg.vocab_size, 2).tokens;
+  w.set(ob, std::vector<float>(32, 0.0f));
+  const std::vector<float> base = m.logits(ids, w);
+  w.set(ob, std::vector<float>(32, 0.5f));
+  EXPECT_NE(m.logits(ids, w), base) << "o_proj.bias does not reach the output";
+}
+
+// GPT-2's scale_attn_weights / scale_attn_by_inverse_layer_idx change only the attention
+// scale, so a model with them equals the default model with each layer's q columns (weight
+// and bias) multiplied by the scale ratio.
+TEST(Model, Gpt2AttentionScaleOptionsEqualScaledQueries) {
+  const ModelConfig plain = parse_model_config(kGpt2, "test");
+  const std::int64_t C = 24, hd = 12;
+  auto dev = make_host_device();
+  auto s = dev->create_stream("model");
+  const std::vector<std::int32_t> ids = random_batch(6, plain.vocab_size, 3).tokens;
+  const std::tuple<const char*, bool, bool> cases[] = {
+      {R"("scale_attn_by_inverse_layer_idx": true, )", true, false},
+      {R"("scale_attn_weights": false, )", false, true},
+      {R"("scale_attn_weights": false, "scale_attn_by_inverse_layer_idx": true, )", true, true}};
+  for (const auto& [keys, by_layer, unscaled] : cases) {
+    const ModelConfig cfg = parse_model_config(std::string(kGpt2).insert(1, keys), keys);
+    Model a(cfg, *dev, *s, {.micro_batch = 1, .seq_len = 6});
+    Model b(plain, *dev, *s, {.micro_batch = 1, .seq_len = 6});
+    ResidentWeights wa(a, *s), wb(b, *s);
+    wa.init_random(6, 0.3f);
+    wb.init_random(6, 0.3f);
+    for (int l = 0; l < 2; ++l) {
+      const double f = (unscaled ? std::sqrt(double(hd)) : 1.0) / (by_layer ? l + 1 : 1);
+      const std::string p = fmt::format("transformer.h.{}.attn.c_attn.", l);
+      std::vector<float> wq = wb.get(p + "weight"), bq = wb.get(p + "bias");
+      for (std::int64_t i = 0; i < C; ++i)
+        for (std::int64_t j = 0; j < C; ++j) wq[i * 3 * C + j] = float(wq[i * 3 * C + j] * f);
+      for (std::int64_t j = 0; j < C; ++j) bq[j] = float(bq[j] * f);
+      wb.set(p + "weight", wq);
+      wb.set(p + "bias", bq);
+    }
+    const std::vector<float> la = a.logits(ids, wa), lb = b.logits(ids, wb);
+    ASSERT_EQ(la.size(), lb.size());
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < la.size(); ++i) {
+      worst = std::max(worst, std::fabs(double(la[i]) - lb[i]));
+      scale = std::max(scale, std::fabs(double(lb[i])));
+    }
+    EXPECT_LT(worst, 1e-5 * scale) << keys;
+  }
+}
+
+// Hugging Face's Qwen2Config defaults use_sliding_window to false; Mistral's window always binds
+// (use_sliding_window true and false: BadInputNamesTheProblem).
+TEST(Model, Qwen2SlidingWindowIsOffUnlessEnabled) {
+  const char* shape = R"("vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 32})";
+  auto dev = make_host_device();
+  auto s = dev->create_stream("model");
+  const ModelConfig q = parse_model_config(std::string(R"({"model_type": "qwen2", )") + shape, "qwen2");
+  EXPECT_NO_THROW(Model(q, *dev, *s, {.micro_batch = 1, .seq_len = 64}));
+  const ModelConfig mi = parse_model_config(std::string(R"({"model_type": "mistral", )") + shape, "mistral");
+  EXPECT_THROW(Model(mi, *dev, *s, {.micro_batch = 1, .seq_len = 64}), Error);
+}
+
 void expect_error(const std::function<void()>& fn, const std::string& needle) {
   try {
     fn();
@@ -174,7 +250,8 @@ TEST(Model, BadInputNamesTheProblem) {
       "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
       "max_position_embeddings": 64, "sliding_window": 8)") + use + "}", "qwen2.json");
   };
-  expect_error([&] { Model windowed_model(windowed(""), *dev, *s, mo); }, "sliding_window 8");
+  expect_error([&] { Model windowed_model(windowed(R"(, "use_sliding_window": true)"), *dev, *s, mo); },
+               "sliding_window 8");
   Model unwindowed(windowed(R"(, "use_sliding_window": false)"), *dev, *s, mo);
   expect_error([&] { parse_model_config("{\"model_type\": \"llama\"}", "cfg.json"); }, "'vocab_size' is missing");
   expect_error([&] { parse_model_config("{\"model_type\": \"bert\"}", "cfg.json"); }, "bert");

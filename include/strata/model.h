@@ -76,6 +76,11 @@ struct ModelConfig {
   double rope_llama3_original_max_positions = 8192;
   bool tie_word_embeddings = false;  // always true for GPT-2
   bool qkv_bias = false;             // Qwen2 (and Llama's attention_bias)
+  bool o_bias = false;               // Llama's attention_bias: o_proj has a bias too
+  // GPT-2's attention scale: 1/sqrt(head_dim) unless scale_attn_weights is false, then divided
+  // by (layer index + 1) with scale_attn_by_inverse_layer_idx (Hugging Face's GPT2Attention).
+  bool scale_attn_weights = true;
+  bool scale_attn_by_inverse_layer_idx = false;
   nlohmann::json raw;                // the config.json as read, written back on save
 
   std::int64_t num_units() const { return num_layers + 2; }

@@ -61,8 +61,9 @@ struct SafetensorsTensor {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors);
 
 // Loads every parameter of `weights` from `dir` (model.safetensors.index.json when present,
-// else model.safetensors). Extra tensors in the files are ignored; GPT-2 names are accepted
-// with or without the "transformer." prefix.
+// else model.safetensors). Tensors in the files that no parameter takes are skipped with one
+// warning naming them (known buffers — GPT-2's attn.bias / attn.masked_bias, rotary_emb.inv_freq —
+// silently); GPT-2 names are accepted with or without the "transformer." prefix.
 void load_hf_weights(const std::string& dir, ResidentWeights& weights);
 
 // Writes config.json and the weights (in the weights' dtype) to `dir` (created if needed),

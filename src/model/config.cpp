@@ -73,6 +73,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     STRATA_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh",
                    "{}: activation_function '{}' is not supported; GPT-2 uses gelu_new", what, act);
     c.tie_word_embeddings = true;
+    c.scale_attn_weights = s.get_bool("scale_attn_weights", true);
+    c.scale_attn_by_inverse_layer_idx = s.get_bool("scale_attn_by_inverse_layer_idx", false);
   } else {
     c.arch = ModelArch::kLlama;
     c.vocab_size = positive(s, "vocab_size", what);
@@ -85,7 +87,9 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.norm_eps = s.get_double("rms_norm_eps", 1e-6);
     c.rope_theta = s.get_double("rope_theta", 10000.0);
     c.tie_word_embeddings = s.get_bool("tie_word_embeddings", false);
-    c.qkv_bias = type == "qwen2" || s.get_bool("attention_bias", false);
+    // Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
+    c.o_bias = type != "qwen2" && s.get_bool("attention_bias", false);
+    c.qkv_bias = type == "qwen2" || c.o_bias;
     STRATA_REQUIRE(!s.get_bool("mlp_bias", false), "{}: mlp_bias = true is not supported", what);
     const std::string act = s.get_string("hidden_act", "silu");
     STRATA_REQUIRE(act == "silu", "{}: hidden_act '{}' is not supported; the Llama family uses silu",
@@ -128,7 +132,8 @@ std::string model_config_json(const ModelConfig& c) {
          {"n_embd", c.hidden_size}, {"n_layer", c.num_layers}, {"n_head", c.num_heads},
          {"n_positions", c.max_positions}, {"n_inner", c.intermediate_size},
          {"layer_norm_epsilon", c.norm_eps}, {"activation_function", "gelu_new"},
-         {"tie_word_embeddings", true}};
+         {"tie_word_embeddings", true}, {"scale_attn_weights", c.scale_attn_weights},
+         {"scale_attn_by_inverse_layer_idx", c.scale_attn_by_inverse_layer_idx}};
   } else {
     const char* arch = c.model_type == "qwen2" ? "Qwen2ForCausalLM"
                        : c.model_type == "mistral" ? "MistralForCausalLM"
@@ -207,6 +212,7 @@ std::vector<UnitSpec> model_units(const ModelConfig& c) {
         u.numel += kvd;
       }
       add(u, p + "self_attn.o_proj.weight", {C, qd});
+      if (c.o_bias) add(u, p + "self_attn.o_proj.bias", {C});
       add(u, p + "post_attention_layernorm.weight", {C});
       add(u, p + "mlp.gate_proj.weight", {I, C});
       u.params.push_back({p + "mlp.up_proj.weight", {I, C}, u.numel, std::size_t(I * C)});

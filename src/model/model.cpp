@@ -92,9 +92,10 @@ struct Model::Impl {
                    "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)", T,
                    c.max_positions);
     // The window binds only where it is used: Qwen2's configs carry one with
-    // "use_sliding_window": false (Hugging Face then attends over everything, as strata does).
+    // "use_sliding_window" false, or without the key, whose default in Hugging Face's Qwen2Config
+    // is false (it then attends over everything, as strata does); Mistral's always binds.
     const auto use = c.raw.is_object() ? c.raw.find("use_sliding_window") : c.raw.end();
-    const bool window_used = !c.raw.is_object() || use == c.raw.end() || !use->is_boolean() || use->get<bool>();
+    const bool window_used = use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
     if (const auto sw = c.raw.is_object() ? c.raw.find("sliding_window") : c.raw.end();
         window_used && c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
       STRATA_REQUIRE(T <= sw->get<i64>(),
@@ -270,7 +271,7 @@ struct Model::Impl {
   // Fills a (whose x is set) from the layer's weights w; returns the output when need_out.
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out) {
     const float* x = fptr(a.x);
-    const double scale = 1.0 / std::sqrt(double(hd));
+    const double scale = attn_scale(unit);
     a.h1 = oalloc(N * C);
     a.qkv = falloc(N * qkvd);
     a.o = falloc(N * qd);
@@ -322,6 +323,7 @@ struct Model::Impl {
                                    wdt);
       copy_f(fptr(a.xm), x, N * C);
       linear(o_operand(a), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
+      if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), N, C);
       model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C, cfg.norm_eps);
       linear(otensor(a.h2, N * C), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
       model_ops::swiglu_forward(s, fptr(a.fc), oout(a.act), N, I);
@@ -338,7 +340,7 @@ struct Model::Impl {
   // g (grad of the layer's output) becomes the grad of its input, in place.
   void layer_backward(Acts& a, const TensorRef& w, const TensorRef& gw, std::size_t unit, float* g) {
     const float* x = fptr(a.x);
-    const double scale = 1.0 / std::sqrt(double(hd));
+    const double scale = attn_scale(unit);
     auto P = [&](std::size_t i) { return param(w, unit, i); };
     auto G = [&](std::size_t i) { return gparam(gw, unit, i); };
     Buffer dact = falloc(N * I);
@@ -391,6 +393,7 @@ struct Model::Impl {
       linear_dw(otensor(a.h2, N * C), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C, 2 * I);
       model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g, G(ix.post_norm), N, C,
                                   dres_b.data());
+      if (cfg.o_bias) model_ops::bias_backward(s, g, G(ix.ob), N, C);
       linear_dx(g_operand(g), P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
       linear_dw(o_operand(a), g_operand(g), G(ix.o), true, N, qd, C);
       model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
@@ -408,9 +411,9 @@ struct Model::Impl {
     }
   }
 
-  // Indices of a Llama layer's parameters in its UnitSpec (q/k/v biases shift the rest).
+  // Indices of a Llama layer's parameters in its UnitSpec (q/k/v and o biases shift the rest).
   struct LlamaIdx {
-    std::size_t in_norm = 0, q = 1, qb = 0, o, post_norm, gate, down;
+    std::size_t in_norm = 0, q = 1, qb = 0, o, ob = 0, post_norm, gate, down;
   };
   LlamaIdx llama_idx() const {
     LlamaIdx ix;
@@ -419,11 +422,19 @@ struct Model::Impl {
       ix.qb = next;
       next += 3;
     }
-    ix.o = next;
-    ix.post_norm = next + 1;
-    ix.gate = next + 2;
-    ix.down = next + 4;  // after gate, up
+    ix.o = next++;
+    if (cfg.o_bias) ix.ob = next++;
+    ix.post_norm = next;
+    ix.gate = next + 1;
+    ix.down = next + 3;  // after gate, up
     return ix;
+  }
+
+  // The attention score scale of decoder layer `unit` (1..L), as Hugging Face computes it.
+  double attn_scale(std::size_t unit) const {
+    double sc = !gpt2 || cfg.scale_attn_weights ? 1.0 / std::sqrt(double(hd)) : 1.0;
+    if (gpt2 && cfg.scale_attn_by_inverse_layer_idx) sc /= double(unit);  // layer index unit - 1, plus 1
+    return sc;
   }
 
   void check_ids(const std::vector<std::int32_t>& ids, const char* what) const {

@@ -13,10 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "strata/error.h"
+#include "strata/log.h"
 #include "strata/model_io.h"
 
 namespace strata {
@@ -189,6 +191,36 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
   }
 }
 
+namespace {
+
+// Tensors Hugging Face checkpoints carry that are buffers, not parameters: GPT-2's causal mask
+// (attn.bias, attn.masked_bias) and the rotary inverse frequencies of older Llama saves.
+bool is_known_buffer(const std::string& name) {
+  return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name.ends_with("rotary_emb.inv_freq");
+}
+
+// One warning naming (up to five of) the tensors of `files` that no parameter took: a config
+// that does not describe the weights (a bias it does not enable) would otherwise drop them silently.
+void warn_unused(const std::string& dir, const ResidentWeights& w,
+                 const std::map<std::string, std::unique_ptr<SafetensorsFile>>& files,
+                 const std::set<std::string>& used) {
+  std::vector<std::string> unused;
+  for (const auto& [name, f] : files)
+    for (const SafetensorsInfo& t : f->tensors())
+      if (!used.contains(t.name) && !is_known_buffer(t.name)) unused.push_back(t.name);
+  if (unused.empty()) return;
+  constexpr std::size_t kNamed = 5;
+  std::string names;
+  for (std::size_t i = 0; i < std::min(unused.size(), kNamed); ++i) names += (i ? ", " : "") + unused[i];
+  if (unused.size() > kNamed) names += fmt::format(" and {} more", unused.size() - kNamed);
+  log::warn("{}: {} tensor{} in the weights {} not used by this {} config ({} layers) and {} skipped: {}; check "
+            "that config.json describes these weights (a bias or head it does not enable?)",
+            dir, unused.size(), unused.size() == 1 ? "" : "s", unused.size() == 1 ? "is" : "are",
+            w.config().model_type, w.config().num_layers, unused.size() == 1 ? "was" : "were", names);
+}
+
+}  // namespace
+
 void load_hf_weights(const std::string& dir, ResidentWeights& w) {
   const fs::path d(dir);
   std::map<std::string, std::string> file_of;  // tensor -> file name
@@ -248,6 +280,9 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
       found.emplace_back(f, t);
       params.push_back(&p);
     }
+  std::set<std::string> used;
+  for (const auto& [f, t] : found) used.insert(t->name);
+  warn_unused(dir, w, open, used);
   const DType wd = w.dtype();
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto [f, t] = found[i];

@@ -90,6 +90,9 @@ std::string model_config_hash(const ModelConfig& c) {
       int(c.arch), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
       c.head_dim, c.max_positions, c.norm_eps, c.rope_theta, c.rope_llama3_factor, c.rope_llama3_low_freq_factor,
       c.rope_llama3_high_freq_factor, c.rope_llama3_original_max_positions, c.tie_word_embeddings, c.qkv_bias);
+  // Only when not the default, so that the hashes of earlier checkpoints still match.
+  if (!c.scale_attn_weights || c.scale_attn_by_inverse_layer_idx)
+    key += fmt::format(" attn_scale={},{}", c.scale_attn_weights, c.scale_attn_by_inverse_layer_idx);
   for (const UnitSpec& u : model_units(c)) {
     key += fmt::format("|{}:{}", u.name, u.numel);
     for (const ParamSpec& p : u.params) key += fmt::format(",{}@{}+{}", p.name, p.offset, p.numel);

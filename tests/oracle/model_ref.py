@@ -82,13 +82,13 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def attention(q, k, v, nh, nkv):
+def attention(q, k, v, nh, nkv, scale=None):
     # q [B, nh, T, hd]; k, v [B, nkv, T, hd] (repeat_kv as Hugging Face does)
     rep = nh // nkv
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
     T = q.shape[2]
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     s = s.masked_fill(mask, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
@@ -154,7 +154,11 @@ def gpt2(cfg, P, tok):
         qkv = conv1d(ln(x, p + "ln_1"), p + "attn.c_attn")
         q, k, v = qkv.split(C, dim=2)
         q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))
-        o = attention(q, k, v, nh, nh).transpose(1, 2).reshape(B, T, C)
+        # GPT2Attention: / sqrt(hd) when scale_attn_weights, / (layer_idx + 1) when scale_attn_by_inverse_layer_idx
+        scale = 1 / math.sqrt(hd) if cfg.get("scale_attn_weights", True) else 1.0
+        if cfg.get("scale_attn_by_inverse_layer_idx", False):
+            scale /= l + 1
+        o = attention(q, k, v, nh, nh, scale).transpose(1, 2).reshape(B, T, C)
         x = x + conv1d(o, p + "attn.c_proj")
         x = x + conv1d(gelu_new(conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
     x = ln(x, "transformer.ln_f")
