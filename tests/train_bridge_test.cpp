@@ -92,7 +92,7 @@ std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, i
   auto s = dev->create_stream("compute");
   Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT});
   ResidentWeights w(model, *s);
-  w.init_random(5);
+  w.init_hf(5);  // what initial_unit_weights gives the engine
   std::map<std::string, std::pair<std::vector<float>, std::vector<float>>> mv;
   std::vector<float> losses;
   for (int step = 1; step <= steps; ++step) {
@@ -195,6 +195,50 @@ TEST(Bridge, GradientAccumulationIsIdenticalAcrossPlacements) {
   nvme.grads = on(Tier::kHost);
   nvme.param_nvme_paths = nvme.optimizer_nvme_paths = {nv.path};
   expect_identical(a, run_engine(mc, nvme, 3, 2, 1e-2f), "bf16, 2 micro-batches per step, NVMe");
+}
+
+// strata-train's from-scratch weights are initialised as Hugging Face's _init_weights does:
+// norm weights 1, biases (LayerNorm's too) 0, matrices and embeddings normal(0, initializer_range),
+// GPT-2's residual projections (c_proj) normal(0, initializer_range / sqrt(2 n_layer)).
+TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
+  const ModelConfig gpt2 = parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 64, "initializer_range": 0.05})", "tiny gpt2");
+  for (const ModelConfig& mc : {tiny_llama(false), gpt2}) {
+    const double range = mc.arch == ModelArch::kGpt2 ? 0.05 : 0.02;
+    const std::vector<UnitSpec> units = model_units(mc);
+    const auto init = initial_unit_weights(mc, "", 7);
+    ASSERT_EQ(init.size(), units.size());
+    std::size_t norms = 0, biases = 0, matrices = 0;
+    for (std::size_t u = 0; u < units.size(); ++u)
+      for (const ParamSpec& p : units[u].params) {
+        const float* v = init[u].data() + p.offset;
+        const bool bias = p.name.ends_with(".bias");
+        const bool norm = p.shape.size() == 1 && !bias;
+        if (norm || bias) {
+          for (std::size_t i = 0; i < p.numel; ++i) ASSERT_EQ(v[i], norm ? 1.0f : 0.0f) << p.name << "[" << i << "]";
+          (norm ? norms : biases) += 1;
+          continue;
+        }
+        double sum = 0, sq = 0;
+        for (std::size_t i = 0; i < p.numel; ++i) {
+          sum += v[i];
+          sq += double(v[i]) * v[i];
+        }
+        const double mean = sum / double(p.numel), sd = std::sqrt(sq / double(p.numel) - mean * mean);
+        const double want = p.name.ends_with("c_proj.weight") ? range / std::sqrt(2.0 * double(mc.num_layers)) : range;
+        EXPECT_NEAR(sd, want, 0.1 * want) << p.name;
+        EXPECT_NEAR(mean, 0.0, 0.1 * want) << p.name;
+        ++matrices;
+      }
+    EXPECT_GT(norms, 0u);
+    EXPECT_GT(matrices, 0u);
+    if (mc.arch == ModelArch::kGpt2) {
+      EXPECT_GT(biases, 0u);
+    }
+  }
+  // The seed decides the weights.
+  EXPECT_EQ(initial_unit_weights(gpt2, "", 7), initial_unit_weights(gpt2, "", 7));
+  EXPECT_NE(initial_unit_weights(gpt2, "", 7), initial_unit_weights(gpt2, "", 8));
 }
 
 TEST(Bridge, SizeMismatchIsAnError) {

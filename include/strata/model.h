@@ -81,6 +81,7 @@ struct ModelConfig {
   // by (layer index + 1) with scale_attn_by_inverse_layer_idx (Hugging Face's GPT2Attention).
   bool scale_attn_weights = true;
   bool scale_attn_by_inverse_layer_idx = false;
+  double initializer_range = 0.02;   // std of from-scratch matrices (ResidentWeights::init_hf)
   nlohmann::json raw;                // the config.json as read, written back on save
 
   std::int64_t num_units() const { return num_layers + 2; }
@@ -181,8 +182,13 @@ class ResidentWeights final : public UnitProvider {
   DType dtype() const { return dtype_; }
   const ModelConfig& config() const { return cfg_; }
   void zero_grads();
-  // Normal(0, std) weights, norm weights 1 and biases small, from a seed (tests, benches).
+  // Normal(0, std) weights, norm weights 1 and biases small, from a seed (tests, benches:
+  // norms and biases noisy on purpose, so their gradients are exercised).
   void init_random(std::uint64_t seed, float std = 0.02f);
+  // From-scratch training weights as Hugging Face's _init_weights gives them: matrices and
+  // embeddings normal(0, initializer_range) (GPT-2's attn/mlp c_proj: / sqrt(2 n_layer)),
+  // norm weights 1, biases 0. The seed decides the draws.
+  void init_hf(std::uint64_t seed);
   // Host copies in fp32 (synchronizes): one parameter by name, or a whole unit.
   std::vector<float> get(const std::string& name) const;
   void set(const std::string& name, const std::vector<float>& values);

@@ -53,7 +53,7 @@ void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
                      const std::vector<std::vector<float>>& flat_init);
 
 // The model's initial weights as one fp32 flat buffer per unit: loaded from a Hugging Face
-// folder when `hf_dir` is not empty, else ResidentWeights::init_random(seed). Staged in host
+// folder when `hf_dir` is not empty, else ResidentWeights::init_hf(seed). Staged in host
 // memory (a CPU-emulated device sized to the fp32 weights), never on the training device.
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
                                                      std::uint64_t seed);

@@ -110,6 +110,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
       }
     }
   }
+  c.initializer_range = s.get_double("initializer_range", 0.02);
+  STRATA_REQUIRE(c.initializer_range > 0, "{}: 'initializer_range' must be > 0, got {}", what, c.initializer_range);
   STRATA_REQUIRE(c.hidden_size % c.num_heads == 0 || (c.arch == ModelArch::kLlama && s.has("head_dim")),
                  "{}: hidden size {} is not a multiple of {} heads", what, c.hidden_size, c.num_heads);
   c.head_dim = c.arch == ModelArch::kLlama ? positive(s, "head_dim", what, c.hidden_size / c.num_heads)
@@ -152,6 +154,7 @@ std::string model_config_json(const ModelConfig& c) {
                            {"high_freq_factor", c.rope_llama3_high_freq_factor},
                            {"original_max_position_embeddings", c.rope_llama3_original_max_positions}};
   }
+  j["initializer_range"] = c.initializer_range;
   j["torch_dtype"] = "float32";
   return j.dump(2);
 }

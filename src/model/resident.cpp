@@ -1,6 +1,7 @@
 // ResidentWeights: the simplest UnitProvider — every unit's weights and fp32 gradients live
 // on the device for the whole run. Used by tests, benches and strata-train until the engine
 // drives the model. Host-side accessors synchronize the stream (they are for setup and checks).
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -98,21 +99,43 @@ std::vector<float> ResidentWeights::grad(const std::string& name) const {
   return out;
 }
 
-void ResidentWeights::init_random(std::uint64_t seed, float std) {
+namespace {
+
+// Sets every parameter of `w`, in layout order, element by element to value(p, norm, bias, r)
+// with r drawn from N(0, 1) by one generator seeded with `seed`. norm: a norm's weight or bias.
+template <class Value>
+void fill_params(ResidentWeights& w, std::uint64_t seed, Value value) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (const UnitSpec& u : units_) {
+  for (const UnitSpec& u : w.units()) {
     for (const ParamSpec& p : u.params) {
       const bool norm = p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
       const bool bias = p.name.ends_with(".bias");
       std::vector<float> v(p.numel);
-      for (auto& x : v) {
-        const float r = nd(rng);
-        x = norm && !bias ? 1.0f + 0.1f * r : (bias ? 0.1f * r : std * r);
-      }
-      set(p.name, v);
+      for (auto& x : v) x = value(p, norm, bias, nd(rng));
+      w.set(p.name, v);
     }
   }
+}
+
+}  // namespace
+
+void ResidentWeights::init_random(std::uint64_t seed, float std) {
+  fill_params(*this, seed, [std](const ParamSpec&, bool norm, bool bias, float r) {
+    return norm && !bias ? 1.0f + 0.1f * r : (bias ? 0.1f * r : std * r);
+  });
+}
+
+void ResidentWeights::init_hf(std::uint64_t seed) {
+  const float range = static_cast<float>(cfg_.initializer_range);
+  // GPT-2 scales its residual projections by 1/sqrt(2 n_layer) (GPT2PreTrainedModel._init_weights).
+  const float residual =
+      cfg_.arch == ModelArch::kGpt2 ? range / std::sqrt(2.0f * static_cast<float>(cfg_.num_layers)) : range;
+  fill_params(*this, seed, [&](const ParamSpec& p, bool norm, bool bias, float r) {
+    if (bias) return 0.0f;
+    if (norm) return 1.0f;
+    return (p.name.ends_with("c_proj.weight") ? residual : range) * r;
+  });
 }
 
 }  // namespace strata

@@ -67,7 +67,7 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, con
   auto dev = staging_device(units);
   auto s = dev->create_stream("staging");
   ResidentWeights w(cfg, DType::kF32, *dev, *s);
-  if (hf_dir.empty()) w.init_random(seed);
+  if (hf_dir.empty()) w.init_hf(seed);  // as Hugging Face initialises a model from its config
   else load_hf_weights(hf_dir, w);
   std::vector<std::vector<float>> out;
   for (const UnitSpec& u : units) {
