@@ -87,8 +87,9 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.norm_eps = s.get_double("rms_norm_eps", 1e-6);
     c.rope_theta = s.get_double("rope_theta", 10000.0);
     c.tie_word_embeddings = s.get_bool("tie_word_embeddings", false);
-    // Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
-    c.o_bias = type != "qwen2" && s.get_bool("attention_bias", false);
+    // Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only; Hugging
+    // Face's Mistral has none and ignores the key (so does strata).
+    c.o_bias = type == "llama" && s.get_bool("attention_bias", false);
     c.qkv_bias = type == "qwen2" || c.o_bias;
     STRATA_REQUIRE(!s.get_bool("mlp_bias", false), "{}: mlp_bias = true is not supported", what);
     const std::string act = s.get_string("hidden_act", "silu");
