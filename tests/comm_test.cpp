@@ -365,6 +365,32 @@ TEST_F(Collectives, OverlapsOtherStreamOrderedByEvents) {
   EXPECT_EQ(bad, 0u) << "first value " << host[0] << ", expected " << expect;
 }
 
+// STRATA_COMM_CHECK=1: ranks that issue different collectives (here one element short on the
+// last rank) get an error on every rank naming each rank's call, instead of wrong data; alike
+// calls go through with their results unchanged.
+TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
+  if (W == 1) GTEST_SKIP() << "one rank: nothing to compare";
+  ::setenv("STRATA_COMM_CHECK", "1", 1);
+  std::unique_ptr<Communicator> checked = make_communicator(*dev);
+  ::unsetenv("STRATA_COMM_CHECK");
+  Buffer b = upload(DType::kF32, values(DType::kF32, 3, R, 1000));
+  checked->all_reduce(tensor(b, DType::kF32, 1000), ReduceOp::kSum, *s);
+  const auto sum = download(b, 4000);
+  EXPECT_EQ(first_diff(sum, encode(DType::kF32, reduced(DType::kF32, 3, 1000, ReduceOp::kSum)), 4), -1);
+  const std::size_t n = R == W - 1 ? 999 : 1000;
+  try {
+    checked->all_reduce(tensor(b, DType::kF32, n), ReduceOp::kSum, *s);
+    s->synchronize();
+    FAIL() << "rank " << R << ": a mismatched all_reduce went through";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("the ranks issued different collectives"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 0: call #1 all_reduce(sum, 1 tensor(s), fp32, 1000 elements)"), std::string::npos) << m;
+    EXPECT_NE(m.find(fmt::format("rank {}: call #1 all_reduce(sum, 1 tensor(s), fp32, 999 elements)", W - 1)),
+              std::string::npos) << m;
+  }
+}
+
 TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
   Buffer a = dev->alloc(64 * 4);
   Buffer b = dev->alloc(64 * 4 * W + 4);

@@ -9,7 +9,10 @@
 //    there, returns before it has run, and returns an Event recorded after it. Buffers
 //    must stay untouched until that event completes; order other streams with it.
 //  - Every rank issues the same collectives, with the same sizes and dtypes, in the same
-//    order (over all streams of the communicator together), as with NCCL and MPI.
+//    order (over all streams of the communicator together), as with NCCL and MPI. Broken,
+//    the data is silently wrong (or the job hangs until the timeout); STRATA_COMM_CHECK=1
+//    makes every collective first compare its call across the ranks (a small all-gather and
+//    a wait on the host: for debugging) and throw, on every rank, naming each rank's call.
 //  - Tensors are fp32, bf16, fp16 (or fp64), contiguous, in the memory of the
 //    communicator's device (host memory is also accepted by the MPI and local backends).
 //  - all_gather: output (numel = world_size * input numel) holds rank r's input at
@@ -121,9 +124,7 @@ class Communicator {
   };
 
  protected:
-  Communicator(CommBackend backend, Device& device, int rank, int world_size, double timeout_s)
-      : backend_(backend), device_(&device), rank_(rank), world_size_(world_size),
-        timeout_s_(timeout_s) {}
+  Communicator(CommBackend backend, Device& device, int rank, int world_size, double timeout_s);
   // Queues `c` on `stream`; the wrapper records the returned event afterwards.
   virtual void do_enqueue(const Collective& c, Stream& stream) = 0;
   // Whether the backend can read and write host (MemSpace::kHost) memory.
@@ -132,12 +133,15 @@ class Communicator {
  private:
   Event submit(Collective c, Stream& stream);
   void check_tensor(const TensorRef& t, const char* what) const;
+  void check_same_call(const Collective& c, Stream& stream);
 
   CommBackend backend_;
   Device* device_;
   int rank_;
   int world_size_;
   double timeout_s_;
+  bool check_calls_ = false;     // STRATA_COMM_CHECK=1
+  std::uint64_t calls_ = 0;      // collectives submitted (with check_calls_)
 };
 
 // The communicator for this process on `device`: NCCL for a CUDA device (MPI bootstraps it

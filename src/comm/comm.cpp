@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "comm/comm_internal.h"
 #include "gpu/cuda_module.h"
@@ -100,6 +101,51 @@ void Communicator::check_tensor(const TensorRef& t, const char* what) const {
   }
 }
 
+Communicator::Communicator(CommBackend backend, Device& device, int rank, int world_size, double timeout_s)
+    : backend_(backend), device_(&device), rank_(rank), world_size_(world_size), timeout_s_(timeout_s) {
+  const char* check = std::getenv("STRATA_COMM_CHECK");
+  check_calls_ = check && std::string_view(check) == "1";
+}
+
+// STRATA_COMM_CHECK=1: this call's signature (its number, kind, op, root, tensor count, first
+// dtype, total elements) gathered from every rank and compared on the host before the call is
+// queued. A mismatch throws on every rank alike (they all see the same gathered table).
+void Communicator::check_same_call(const Collective& c, Stream& stream) {
+  constexpr std::size_t kFields = 7;
+  double total = 0;
+  for (const TensorRef& t : c.inputs) total += double(t.numel);
+  const double mine[kFields] = {double(calls_++), double(int(c.kind)), double(int(c.op)), double(c.root),
+                                double(c.inputs.size()), c.inputs.empty() ? -1.0 : double(int(c.inputs[0].dtype)),
+                                total};
+  const std::size_t W = std::size_t(world_size_);
+  Buffer buf = device_->alloc(kFields * 8 * W, &stream);
+  const TensorRef all = tensor(buf, DType::kF64, kFields * W);
+  const TensorRef slot = tensor(buf, DType::kF64, kFields, kFields * std::size_t(rank_));
+  std::vector<double> got(kFields * W);
+  stream.copy(slot.mem, host_ref(mine, sizeof mine));
+  do_enqueue(Collective{Kind::kAllGather, ReduceOp::kSum, 0, false, {slot}, {all}}, stream);
+  stream.copy(host_ref(got.data(), got.size() * 8), all.mem);
+  stream.synchronize();
+  bool same = true;
+  for (std::size_t r = 0; r < W; ++r)
+    same = same && std::equal(mine, mine + kFields, got.begin() + std::ptrdiff_t(r * kFields));
+  if (same) return;
+  std::string calls;
+  for (std::size_t r = 0; r < W; ++r) {
+    const double* f = got.data() + r * kFields;
+    const auto kind = Kind(int(f[1]));
+    std::string d = fmt::format("rank {}: call #{} {}(", r, std::uint64_t(f[0]), kind_name(kind));
+    if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) d += fmt::format("{}, ", reduce_op_name(ReduceOp(int(f[2]))));
+    if (kind == Kind::kBroadcast) d += fmt::format("root {}, ", int(f[3]));
+    if (f[4] > 0) d += fmt::format("{} tensor(s), {}, {} elements", int(f[4]), dtype_name(DType(int(f[5]))), std::uint64_t(f[6]));
+    calls += d + ")" + (r + 1 < W ? "; " : "");
+  }
+  STRATA_THROW(kInvalidArgument,
+               "STRATA_COMM_CHECK: the ranks issued different collectives ({}): every rank must issue the same "
+               "collectives, with the same sizes and dtypes, in the same order",
+               calls);
+}
+
 Event Communicator::submit(Collective c, Stream& stream) {
   STRATA_REQUIRE(&stream.device() == device_,
                  "{}: stream '{}' belongs to another device; use a stream of {}", c.describe(),
@@ -136,6 +182,7 @@ Event Communicator::submit(Collective c, Stream& stream) {
                      what, i, rank_);
     }
   }
+  if (check_calls_ && world_size_ > 1) check_same_call(c, stream);
   do_enqueue(c, stream);
   return stream.record();
 }
