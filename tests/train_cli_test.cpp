@@ -300,9 +300,18 @@ TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
   EXPECT_EQ(slurp(out + "/keep.txt"), "precious");
   EXPECT_EQ(std::distance(fs::directory_iterator(out), fs::directory_iterator()), 1) << "nothing written";
 
+  // --overwrite replaces an older save's weights (its shards and index would be loaded instead)
+  // and a failed save's leftovers; the user's other files stay (they were all deleted).
+  for (const char* f : {"/model-00001-of-00002.safetensors", "/model.safetensors.index.json",
+                        "/.strata-tmp-config.json", "/tokenizer.json"})
+    std::ofstream(out + f) << "old";
   const Result w = train(args(dir.path + "/b.jsonl", {"--out", out, "--overwrite"}, "1"), "overwrite");
   ASSERT_EQ(w.status, 0) << w.err;
-  EXPECT_FALSE(fs::exists(out + "/keep.txt"));
+  EXPECT_EQ(slurp(out + "/keep.txt"), "precious");
+  EXPECT_EQ(slurp(out + "/tokenizer.json"), "old");
+  EXPECT_FALSE(fs::exists(out + "/model-00001-of-00002.safetensors"));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(out + "/.strata-tmp-config.json"));
   EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
   EXPECT_TRUE(fs::exists(out + "/config.json"));
 }
@@ -338,9 +347,12 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   e = run_export({ck, ex}, dir.path, "exists");
   EXPECT_EQ(e.status, 1);
   EXPECT_NE(first_line(e.err).find("exists: pass --overwrite"), std::string::npos) << e.err;
-  // bf16 and small shards: each tensor is the fp32 one rounded to bf16.
+  // bf16 and small shards: each tensor is the fp32 one rounded to bf16. The folder's other files
+  // stay (an export into a Hugging Face folder keeps its tokenizer).
+  std::ofstream(ex + "/tokenizer.json") << "{}";
   e = run_export({ck, ex, "--overwrite", "--dtype", "bf16", "--max-shard-mb", "0.05"}, dir.path, "bf16");
   ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_EQ(slurp(ex + "/tokenizer.json"), "{}");
   EXPECT_FALSE(fs::exists(ex + "/model.safetensors"));
   EXPECT_TRUE(fs::exists(ex + "/model.safetensors.index.json"));
   EXPECT_EQ(nlohmann::json::parse(slurp(ex + "/config.json")).value("torch_dtype", ""), "bfloat16");

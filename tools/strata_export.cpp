@@ -34,6 +34,7 @@
 #include "strata/dtype.h"
 #include "strata/error.h"
 #include "strata/model.h"
+#include "strata/model_io.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
 
@@ -206,10 +207,10 @@ int run(const Options& o) {
 
   fs::create_directories(out, ec);
   STRATA_REQUIRE(!ec, "cannot create {}: {}", o.out, ec.message());
-  std::vector<std::pair<fs::path, fs::path>> renames;  // tmp -> final
+  std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final
   auto tmp_of = [&](const std::string& name) {
     const fs::path fin = out / name, tmp = out / (".strata-tmp-" + name);
-    renames.emplace_back(tmp, fin);
+    renames.emplace_back(tmp.string(), fin.string());
     return tmp.string();
   };
   try {
@@ -278,16 +279,9 @@ int run(const Options& o) {
     for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
     throw;
   }
-  // --overwrite: everything else of the old folder goes (its checkpoints/ stays).
-  for (const auto& e : fs::directory_iterator(out, ec)) {
-    const std::string fn = e.path().filename().string();
-    if (fn == "checkpoints" || fn.rfind(".strata-tmp-", 0) == 0) continue;
-    fs::remove_all(e.path(), ec);
-  }
-  for (const auto& [tmp, fin] : renames) {
-    fs::rename(tmp, fin, ec);
-    STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
-  }
+  // --overwrite replaces the weights and config.json; other files (tokenizer, README,
+  // checkpoints/) stay.
+  strata::commit_hf_files(out.string(), renames, n > 1);
   std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(), (long long)ck.step,
               world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s", o.dtype.c_str());
   return 0;

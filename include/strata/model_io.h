@@ -73,4 +73,12 @@ void load_hf_weights(const std::string& dir, ResidentWeights& weights);
 void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
                      std::size_t max_shard_bytes = std::size_t(5) << 30);
 
+// The end of a save into `dir` (save_hf_weights, strata-export): moves the written temporary
+// files into place (`renames`: temporary -> final paths) and removes what an older save left
+// that loaders would take instead — model.safetensors beside a sharded save's index (or the
+// index beside a single file), model-*-of-*.safetensors not written now — and .strata-tmp-*
+// leftovers of a failed save. Every other file (tokenizer files, a README, checkpoints/) stays.
+void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
+                     bool sharded);
+
 }  // namespace strata

@@ -322,10 +322,10 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size
       shards.back().push_back(std::move(it));
     }
   const std::size_t n = shards.size();
-  std::vector<std::pair<fs::path, fs::path>> renames;  // tmp -> final
+  std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final
   auto tmp_of = [&](const std::string& name) {
     const fs::path fin = d / name, tmp = d / (".strata-tmp-" + name);
-    renames.emplace_back(tmp, fin);
+    renames.emplace_back(tmp.string(), fin.string());
     return tmp.string();
   };
   try {
@@ -361,20 +361,27 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size
     for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
     throw;
   }
+  commit_hf_files(dir, renames, n > 1);
+}
+
+void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
+                     bool sharded) {
+  const fs::path d(dir);
+  std::error_code ec;
   // A single-file save must not leave an older index pointing at stale shards, nor a sharded one
   // an older model.safetensors (loaders take it before the index); and no older shard stays.
-  if (n == 1) fs::remove(d / "model.safetensors.index.json", ec);
-  else fs::remove(d / "model.safetensors", ec);
+  fs::remove(d / (sharded ? "model.safetensors" : "model.safetensors.index.json"), ec);
   for (const auto& [tmp, fin] : renames) {
     fs::rename(tmp, fin, ec);
-    STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
+    STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp, fin, ec.message());
   }
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string f = it->path().filename().string();
-    if (!f.starts_with("model-") || !f.ends_with(".safetensors") || f.find("-of-") == std::string::npos) continue;
+    const bool old_shard = f.starts_with("model-") && f.ends_with(".safetensors") && f.find("-of-") != std::string::npos;
+    if (!old_shard && !f.starts_with(".strata-tmp-")) continue;
     bool ours = false;
-    for (const auto& [tmp, fin] : renames) ours = ours || fin.filename() == f;
+    for (const auto& [tmp, fin] : renames) ours = ours || fs::path(fin).filename() == f;
     if (!ours) stale.push_back(it->path());
   }
   for (const fs::path& p : stale) fs::remove(p, ec);

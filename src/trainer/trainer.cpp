@@ -609,14 +609,9 @@ TrainResult train(const TrainOptions& o) {
 
   if (!o.out_dir.empty()) {
     const auto t0 = Clock::now();
-    if (rank == 0 && o.overwrite) {  // everything but the run's checkpoints
-      std::error_code ec;
-      if (fs::is_directory(o.out_dir, ec)) {
-        for (const auto& e : fs::directory_iterator(o.out_dir, ec))
-          if (e.path().filename() != "checkpoints") fs::remove_all(e.path(), ec);
-      } else {
-        fs::remove_all(o.out_dir, ec);
-      }
+    if (rank == 0 && o.overwrite) {  // a file where the folder goes; in a folder, the save
+      std::error_code ec;          // replaces the weights and config.json, and other files stay
+      if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
     }
     save_engine_weights(engine, mcfg, ecfg.compute_dtype, o.out_dir, rank);
     ph.save += since(t0);
