@@ -60,24 +60,32 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-// Makes `ordinal` the calling thread's current GPU for a scope.
+// Makes `ordinal` the calling thread's current GPU and leaves it so (restoring a fresh thread's
+// device 0 would create a context on GPU 0 for every rank: see cuda_device.cpp's DeviceGuard).
 class GpuGuard {
  public:
   explicit GpuGuard(int ordinal) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != ordinal) STRATA_CUDA_CHECK(cudaSetDevice(ordinal));
+    int current = -1;
+    STRATA_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != ordinal) STRATA_CUDA_CHECK(cudaSetDevice(ordinal));
   }
-  ~GpuGuard() { (void)cudaSetDevice(prev_); }
-
- private:
-  int prev_ = 0;
 };
 
-// A completion marker of one collective, polled by the watchdog thread.
+// A completion marker of one collective, polled (and possibly destroyed) by the watchdog
+// thread, which sets the event's GPU first: a fresh thread's current device is GPU 0.
 struct DoneEvent {
-  DoneEvent() { STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)); }
-  ~DoneEvent() { (void)cudaEventDestroy(ev); }
-  bool done() const { return cudaEventQuery(ev) == cudaSuccess; }
+  explicit DoneEvent(int ordinal) : ordinal(ordinal) {
+    STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
+  ~DoneEvent() {
+    (void)cudaSetDevice(ordinal);
+    (void)cudaEventDestroy(ev);
+  }
+  bool done() const {
+    (void)cudaSetDevice(ordinal);
+    return cudaEventQuery(ev) == cudaSuccess;
+  }
+  int ordinal;
   cudaEvent_t ev = nullptr;
 };
 
@@ -158,7 +166,7 @@ class NcclCommunicator final : public Communicator {
       throw;
     }
     if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
-    auto done = std::make_shared<DoneEvent>();
+    auto done = std::make_shared<DoneEvent>(ordinal_);
     STRATA_CUDA_CHECK(cudaEventRecord(done->ev, s));
     watchdog_.begin(c.describe(), [done] { return done->done(); });
     std::lock_guard<std::mutex> lock(mu_);

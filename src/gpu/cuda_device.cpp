@@ -94,23 +94,21 @@ std::string gib(std::size_t bytes) { return fmt::format("{:.2f} GiB", double(byt
 // "13.0" from 13000; CUDA encodes versions as 1000 * major + 10 * minor.
 std::string cuda_version_string(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
 
-// Makes `ordinal` the calling thread's current device for the scope, then restores the
-// previous one: callers may be juggling several GPUs.
+// Makes `ordinal` the calling thread's current device, and leaves it so. Restoring the previous
+// one would, on a thread that never chose (current device 0), make every rank of a multi-GPU
+// node create a context on GPU 0 (CUDA 12+: cudaSetDevice initializes the device's primary
+// context), ~0.5 GiB of rank 0's memory each; and calls that launch into the current device
+// (the model's kernels, cuBLASLt) want the rank's GPU current anyway. Every strata call that
+// touches a device sets its own, so a thread serving several GPUs is still right.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int ordinal) : ordinal_(ordinal) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != ordinal_) STRATA_CUDA_CHECK(cudaSetDevice(ordinal_));
-  }
-  ~DeviceGuard() {
-    if (previous_ != ordinal_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  explicit DeviceGuard(int ordinal) {
+    int current = -1;
+    STRATA_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != ordinal) STRATA_CUDA_CHECK(cudaSetDevice(ordinal));
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int ordinal_;
-  int previous_ = 0;
 };
 
 // True when `ev` has completed; false while pending. Other results are failures of the
@@ -190,9 +188,14 @@ class StagingPool {
   std::vector<void*> all_;
 };
 
-// Runs one stream's host functions, in order, on a thread of ours.
+// Runs one stream's host functions, in order, on a thread of ours, whose current device is the
+// stream's (a host function may queue work; a fresh thread's would be GPU 0).
 struct HostWorker {
-  HostWorker() : thread([this] { run(); }) {}
+  explicit HostWorker(int ordinal)
+      : thread([this, ordinal] {
+          if (cudaSetDevice(ordinal) != cudaSuccess) (void)cudaGetLastError();
+          run();
+        }) {}
   ~HostWorker() {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -809,7 +812,7 @@ void CudaStream::start_host_worker() {
     res_->host_done = static_cast<unsigned long long*>(flag);
     res_->host_done_dev = static_cast<unsigned long long*>(dev_flag);
   }
-  worker_ = std::make_unique<HostWorker>();
+  worker_ = std::make_unique<HostWorker>(ordinal());
 }
 
 // Stream order: earlier work -> a host step posts `fn` to the worker -> a kernel waits for
@@ -829,7 +832,10 @@ void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/
     }
     std::atomic_ref<unsigned long long>(*res_->host_done).store(seq, std::memory_order_release);
   };
-  launch_host_step(stream_, [w = worker_.get(), task = std::move(task)] { w->post(task); });
+  // Moved, not copied, to the worker: the copy would stay with CUDA's callback thread and, if
+  // the worker ran first, drop the last reference to what `fn` captured there (a Buffer's free
+  // makes CUDA calls, which that thread must not).
+  launch_host_step(stream_, [w = worker_.get(), task = std::move(task)]() mutable { w->post(std::move(task)); });
   host_submitted_ = seq;
   STRATA_CUDA_CHECK(gpu::launch_wait_host_flag(res_->host_done_dev, seq, stream_));
 }

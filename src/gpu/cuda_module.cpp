@@ -2,21 +2,45 @@
 // it has loaded the CUDA libraries. See cuda_module.h.
 #include "gpu/cuda_module.h"
 
+#include <cuda_runtime.h>
+
 #include <tuple>
 
 #include "comm/comm_internal.h"
 #include "gpu/cuda_trace.h"
+#include "strata/device.h"
 
 namespace strata::gpu {
 namespace {
 
-// Each launcher behind a wrapper that makes its launch a GPU-timed span of its stream's lane
-// while the tracer is on (cuda_trace.h); the stream is every launcher's last argument.
+// The stream's GPU made the calling thread's current device: a kernel launched into a stream
+// of another device than the current one fails ("not associated to the current device"), and
+// the launchers below take a raw stream of any rank's GPU.
+void use_device_of(void* stream) {
+  int device = 0, current = 0;
+  if (cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &device) != cudaSuccess ||
+      cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;  // the launch itself reports what is wrong
+  }
+  if (current != device) (void)cudaSetDevice(device);
+}
+
+// Each launcher behind a wrapper that sets its stream's device current and makes its launch a
+// GPU-timed span of the stream's lane while the tracer is on (cuda_trace.h); the stream is
+// every launcher's last argument.
 #define STRATA_TRACED(fn)                                                 \
   static_cast<decltype(&model::fn)>([](auto... args) {                    \
-    const GpuSpan span(#fn, std::get<sizeof...(args) - 1>(std::tie(args...))); \
+    void* stream = std::get<sizeof...(args) - 1>(std::tie(args...));      \
+    use_device_of(stream);                                                \
+    const GpuSpan span(#fn, stream);                                      \
     return model::fn(args...);                                            \
   })
+
+GemmBest best_gemm_on_its_device(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters) {
+  use_device_of(stream.native_handle());
+  return backend::best_cublaslt_gemm(stream, desc, max_candidates, iters);
+}
 
 const model::Kernels kModelKernels = {
     &model::error_text,
@@ -53,7 +77,7 @@ const CudaModule kModule = {
     nullptr,
 #endif
     &kModelKernels,
-    &backend::best_cublaslt_gemm,
+    &best_gemm_on_its_device,
 };
 
 }  // namespace
