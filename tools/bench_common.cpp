@@ -11,6 +11,11 @@
 
 namespace strata::bench {
 
+int& exit_code() {
+  static int code = 0;
+  return code;
+}
+
 void print_json(const nlohmann::json& figures) {
   std::fflush(stdout);
   std::printf("%s\n", figures.dump().c_str());

@@ -24,6 +24,9 @@ void add_gpu_command(CLI::App& app);
 
 // Prints `figures` as one line of JSON on stdout (call it last, when --json is given).
 void print_json(const nlohmann::json& figures);
+// The exit code a subcommand that ran to its end reports (1: a measured part failed; its
+// figures, printed, stay the last JSON object): strata-bench returns it.
+int& exit_code();
 
 // A STREAM-like triad a[i] = b[i] + s * c[i] over three fp32 arrays of `bytes_per_array`
 // bytes each with `threads` threads; best of `reps` runs, in GB/s counting 3 arrays moved.

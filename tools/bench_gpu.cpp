@@ -533,7 +533,10 @@ void run(Args a) {
   figures["out"] = out.string();
   if (a.json) print_json(figures);
   std::fflush(stdout);
-  STRATA_CHECK(failures == 0, "{} part(s) failed (see above)", failures);
+  if (failures > 0) {  // a measured result, not an error of the tool: the figures stay last
+    std::fprintf(stderr, "strata-bench gpu: %d part(s) failed (see above)\n", failures);
+    exit_code() = 1;
+  }
 }
 
 }  // namespace

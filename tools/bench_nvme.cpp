@@ -3,6 +3,7 @@
 // --sweep tries block size x queue depth x threads x buffer kind within a time bound and
 // writes the best "aio" block as JSON.
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -66,6 +67,28 @@ class HugepageReservation {
   bool active_ = false;
 };
 
+// The benchmark's file, removed however the run ends (a failed run left gigabytes behind).
+struct RemovedAtExit {
+  std::string path;
+  ~RemovedAtExit() {
+    std::error_code ec;
+    fs::remove(path, ec);
+  }
+};
+
+// Refuses a run whose file would not fit on the drive (before writing any of it).
+void require_space(const std::string& dir, const std::string& file, std::size_t size) {
+  struct statvfs sv {};
+  STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
+  std::error_code ec;
+  const std::uintmax_t old = fs::exists(file, ec) ? fs::file_size(file, ec) : 0;
+  const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize + (ec ? 0 : old);
+  STRATA_REQUIRE(free >= size + (std::uint64_t(64) << 20),
+                 "--path {}: {} free, and the benchmark writes a {} file there (and keeps 64 MiB spare); "
+                 "free space, lower --size, or point --path at another drive",
+                 dir, human_bytes(double(free)), human_bytes(double(size)));
+}
+
 struct RunResult {
   double write_gbps = 0, read_gbps = 0;
   std::string page_kind;
@@ -127,16 +150,17 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
 }
 
 // Runs fio with the job equivalent to run_strata's; returns GB/s (0 when fio is missing).
-double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge, bool fixedbufs,
-               const char* rw) {
+double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, bool direct, bool huge,
+               bool fixedbufs, const char* rw) {
   const int jobs = cfg.thread_count;
   const std::size_t per_job = size / std::size_t(jobs) / cfg.block_size * cfg.block_size;
   std::string cmd = fmt::format(
       "fio --name=strata-vs-fio --filename='{}' --rw={} --bs={} --iodepth={} --numjobs={} --size={} "
       "--offset_increment={} --group_reporting --direct={} --ioengine=io_uring --fallocate=none "
-      "--output-format=json{}{} 2>/dev/null",
-      file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job, cfg.direct == DirectIo::kOff ? 0 : 1,
-      fixedbufs ? " --fixedbufs" : "", huge ? " --mem=mmaphuge" : "");
+      "--output-format=json{}{} 2>'{}.fio-stderr'",
+      file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job, direct ? 1 : 0,
+      fixedbufs ? " --fixedbufs" : "", huge ? " --mem=mmaphuge" : "", file);
+  const RemovedAtExit err_file{file + ".fio-stderr"};
   std::FILE* p = ::popen(cmd.c_str(), "r");
   STRATA_REQUIRE(p != nullptr, "cannot run fio");
   std::string out;
@@ -144,8 +168,13 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
   std::size_t n;
   while ((n = std::fread(chunk, 1, sizeof chunk, p)) > 0) out.append(chunk, n);
   const int rc = ::pclose(p);
-  STRATA_REQUIRE(rc == 0, "fio failed (exit {}) running: {}{}", WEXITSTATUS(rc), cmd,
+  if (rc != 0) {
+    std::string why, line;
+    for (std::ifstream e(err_file.path); std::getline(e, line);)
+      if (!line.empty()) why = line;  // fio's last word
+    STRATA_THROW(kIo, "fio failed (exit {}{}{}) running: {}{}", WEXITSTATUS(rc), why.empty() ? "" : ": ", why, cmd,
                  huge ? " (--mem=mmaphuge needs hugetlbfs pages: see --reserve-hugepages)" : "");
+  }
   const auto j = nlohmann::json::parse(out.substr(out.find('{')));
   const auto& job = j["jobs"][0][rw == std::string("write") ? "write" : "read"];
   return job["bw_bytes"].get<double>() / 1e9;
@@ -154,7 +183,8 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
 // Writes the whole file once, untimed, so every timed run (ours and fio's) overwrites
 // allocated, written blocks: the swap store's steady state, and no run pays the file
 // system's unwritten-extent conversion that whichever ran first would otherwise pay.
-void lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
+// Returns whether the file system took O_DIRECT (fio is then run the same way).
+bool lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
   std::error_code ec;
   fs::remove(file, ec);
   const std::size_t unit = std::min<std::size_t>(size, std::size_t(64) << 20);
@@ -179,6 +209,7 @@ void lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
   ::fsync(fd);
   ::close(fd);
   std::free(buf);
+  return direct;
 }
 
 bool have_fio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
@@ -186,6 +217,8 @@ bool have_fio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
 void run_compare(const NvmeArgs& a) {
   AioConfig cfg;
   cfg.block_size = parse_bytes(a.block_size, "--block-size");
+  STRATA_REQUIRE(cfg.block_size >= 4096 && (cfg.block_size & (cfg.block_size - 1)) == 0,
+                 "--block-size {}: must be a power of two of at least 4K (4K, 64K, 1M, ...)", a.block_size);
   cfg.queue_depth = a.queue_depth;
   cfg.thread_count = a.threads;
   cfg.engine = a.engine == "threads" ? IoBackend::kThreads : a.engine == "io_uring" ? IoBackend::kIoUring : IoBackend::kAuto;
@@ -202,7 +235,9 @@ void run_compare(const NvmeArgs& a) {
   if (a.buffers == "normal" || a.buffers == "both") kinds.push_back(false);
   STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal or both", a.buffers);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
-  lay_down(file, size, cfg);
+  require_space(a.path, file, size);
+  const RemovedAtExit removed{file};
+  const bool direct = lay_down(file, size, cfg);
 
   nlohmann::json js;
   js["path"] = fs::absolute(a.path).string();
@@ -212,9 +247,11 @@ void run_compare(const NvmeArgs& a) {
   js["threads"] = cfg.thread_count;
   js["results"] = nlohmann::json::array();
   js["repeat"] = a.repeat;
-  std::printf("strata-bench nvme: %s, %s, block %s, QD %d, %d thread(s), best of %d\n",
+  js["direct"] = direct;
+  std::printf("strata-bench nvme: %s, %s, block %s, QD %d, %d thread(s), best of %d%s\n",
               js["path"].get<std::string>().c_str(), human_bytes(double(size)).c_str(),
-              human_bytes(double(cfg.block_size)).c_str(), cfg.queue_depth, cfg.thread_count, a.repeat);
+              human_bytes(double(cfg.block_size)).c_str(), cfg.queue_depth, cfg.thread_count, a.repeat,
+              direct ? "" : "; BUFFERED I/O (the file system refuses O_DIRECT, e.g. tmpfs): the page cache, not the drive");
   std::printf("%-10s %-17s %-6s %12s %10s %7s\n", "buffers", "pages", "op", "strata GB/s", "fio GB/s", "ratio");
   for (bool huge : kinds) {
     // Best of --repeat runs each, ours and fio's alternating, so both see the same drive
@@ -233,8 +270,8 @@ void run_compare(const NvmeArgs& a) {
       fio_ok = fio && (!huge || fio_huge);
       if (fio_ok) {
         const bool fixed = !a.no_register && cfg.engine != IoBackend::kThreads;
-        fw = std::max(fw, run_fio(file, size, cfg, fio_huge, fixed, "write"));
-        fr = std::max(fr, run_fio(file, size, cfg, fio_huge, fixed, "read"));
+        fw = std::max(fw, run_fio(file, size, cfg, direct, fio_huge, fixed, "write"));
+        fr = std::max(fr, run_fio(file, size, cfg, direct, fio_huge, fixed, "read"));
       }
     }
     js["engine"] = r.engine;
@@ -275,8 +312,6 @@ void run_compare(const NvmeArgs& a) {
     js["results"].push_back(row);
   }
   std::printf("engine: %s; hugetlbfs pages free: %zu\n", js["engine"].get<std::string>().c_str(), hp.hugetlb_free);
-  std::error_code ec;
-  fs::remove(file, ec);
   if (a.json) print_json(js);
 }
 
@@ -285,6 +320,10 @@ void run_sweep(const NvmeArgs& a) {
   const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
   const std::size_t size = std::min<std::size_t>(parse_bytes(a.size, "--size"), std::size_t(512) << 20);
   const std::size_t blocks[] = {std::size_t(256) << 10, std::size_t(1) << 20, std::size_t(4) << 20};
+  STRATA_REQUIRE(size >= blocks[2], "--size {} with --sweep: at least 4M (its largest block)", a.size);
+  STRATA_REQUIRE(a.sweep_seconds > 0, "--sweep-seconds {}: must be > 0 (the sweep's time bound)", a.sweep_seconds);
+  require_space(a.path, file, size);
+  const RemovedAtExit removed{file};
   const int qds[] = {8, 32, 64};
   const int threads[] = {1, 2};
   const bool hugeness[] = {true, false};
@@ -326,8 +365,6 @@ void run_sweep(const NvmeArgs& a) {
       }
     }
   }
-  std::error_code ec;
-  fs::remove(file, ec);
   const nlohmann::json aio{{"block_size", best_cfg.block_size}, {"queue_depth", best_cfg.queue_depth},
                            {"thread_count", best_cfg.thread_count}, {"single_submit", false},
                            {"overlap_events", true}, {"use_hugepages", best_huge}};
@@ -335,8 +372,10 @@ void run_sweep(const NvmeArgs& a) {
   std::printf("%s after %.1f s. best aio block:\n%s\n", stopped ? "time bound reached" : "done", total.seconds(),
               block.dump(2).c_str());
   if (!a.out.empty()) {
-    std::ofstream(a.out) << block.dump(2) << "\n";
-    STRATA_REQUIRE(fs::exists(a.out), "cannot write {}", a.out);
+    std::ofstream f(a.out, std::ios::trunc);
+    f << block.dump(2) << "\n";
+    f.close();
+    STRATA_REQUIRE(f.good() && fs::is_regular_file(a.out), "--out {}: cannot be written", a.out);
     std::printf("written to %s\n", a.out.c_str());
   }
   if (a.json) print_json({{"runs", runs}, {"best", aio}, {"sweep_seconds", total.seconds()}});
@@ -366,7 +405,17 @@ void add_nvme_command(CLI::App& app) {
   c->add_option("--repeat", a->repeat, "runs of each measurement (ours and fio's alternating); the best is kept")
       ->check(CLI::Range(1, 100));
   c->add_flag("--json", a->json, "print, last, one JSON object of the figures");
-  c->callback([a] {
+  c->callback([a, c] {
+    // What --sweep chooses itself, and what only --sweep writes: said, not silently ignored.
+    if (a->sweep) {
+      for (const char* flag : {"--block-size", "--queue-depth", "--threads", "--buffers", "--engine", "--no-register",
+                               "--vs-fio", "--verify", "--repeat"})
+        STRATA_REQUIRE(c->count(flag) == 0, "{} with --sweep: the sweep tries block sizes, queue depths, threads and "
+                       "buffers itself (one run each, no fio); leave {} out, or drop --sweep", flag, flag);
+    } else {
+      STRATA_REQUIRE(c->count("--out") == 0 && c->count("--sweep-seconds") == 0,
+                     "--out and --sweep-seconds belong to --sweep (the best aio block it finds); add --sweep");
+    }
     HugepageReservation hp(a->reserve_hugepages);
     a->sweep ? run_sweep(*a) : run_compare(*a);
   });

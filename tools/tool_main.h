@@ -61,7 +61,16 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     app.parse(argc, argv);
     return body();
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help is a ParseError with exit code 0
+    if (app.exit(e) == 0) return 0;  // --help is a ParseError with exit code 0
+    // CLI11 said what is wrong on stderr; --json still gets its error object, last.
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--json") != 0) continue;
+      std::printf("%s\n", nlohmann::json{{"error", e.what()}, {"kind", "invalid argument"}}.dump().c_str());
+      break;
+    }
+    std::fflush(stdout);
+    end_job_if_one_of_many(e.what());
+    return 1;
   } catch (const Error& e) {
     return fail(name, argc, argv, e.user_message(), error_kind_name(e.kind()));
   } catch (const std::exception& e) {  // not strata's (a library's, bad_alloc): the same way out

@@ -1,0 +1,93 @@
+// strata-bench's command line (the binary, end to end): bad input is refused before anything is
+// written or measured, with one line naming the flag, and --json's last line is one JSON object
+// (the figures, or the error); a measured part that fails exits 1 with its figures still last.
+#include <sys/statvfs.h>
+
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+nlohmann::json last_json(const std::string& out) {
+  const std::size_t end = out.find_last_not_of('\n');
+  const std::size_t start = out.rfind('\n', end);
+  return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1, end + 1));
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// A file larger than the drive's free space is refused before a byte is written, and nothing is
+// left behind (a failed run used to leave its file, the drive full).
+TEST(BenchCli, NvmeRefusesASizeTheDriveCannotHold) {
+  TempDir d("strata-bench");
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(d.path.c_str(), &sv), 0);
+  const std::uint64_t free_gib = std::uint64_t(sv.f_bavail) * sv.f_frsize >> 30;
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"nvme", "--path", d.path, "--size", std::to_string(free_gib + 64) + "G", "--json"},
+                              d.path, "big");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("free, and the benchmark writes a"), std::string::npos) << r.err;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("--path"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+}
+
+// Flags a mode would ignore are named, not ignored.
+TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
+  TempDir d("strata-bench");
+  auto run = [&](std::vector<std::string> args, const char* tag) {
+    args.insert(args.begin(), {"nvme", "--path", d.path, "--size", "8M"});
+    return testing::run(STRATA_BENCH_BIN, args, d.path, tag);
+  };
+  auto r = run({"--sweep", "--block-size", "64K"}, "sweep-bs");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("--block-size with --sweep"), std::string::npos) << r.err;
+  r = run({"--out", d.path + "/aio.json"}, "out");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("belong to --sweep"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(d.path + "/aio.json"));
+  r = run({"--sweep", "--sweep-seconds", "0"}, "zero");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("--sweep-seconds 0"), std::string::npos) << r.err;
+  r = run({"--block-size", "3K"}, "bs");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("--block-size 3K"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+}
+
+// A bad value CLI11 catches still gets --json's error object, last.
+TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--queue-depth", "0", "--json"}, d.path, "qd");
+  EXPECT_EQ(r.status, 1);
+  const auto j = last_json(r.out);
+  EXPECT_NE(j.at("error").get<std::string>().find("--queue-depth"), std::string::npos) << r.out;
+  EXPECT_EQ(j.at("kind"), "invalid argument");
+}
+
+// A part that fails is a measured result: exit 1, and the figures (with the part "failed") are
+// the last JSON object, not an error object after them.
+TEST(BenchCli, AFailedGpuPartKeepsTheFiguresLast) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"gpu", "--rehearse", "--parts", "adamw", "--adamw-mparams", "0.00001", "--out",
+                               d.path + "/gpu", "--json"},
+                              d.path, "gpu");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_EQ(j.at("command"), "gpu") << r.out;
+  EXPECT_EQ(j.at("parts").at("adamw"), "failed") << r.out;
+  EXPECT_FALSE(j.at("ok").get<bool>());
+}
+
+}  // namespace
+}  // namespace strata
