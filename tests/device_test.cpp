@@ -378,6 +378,17 @@ TEST_P(DeviceTest, AStreamlessBufferFreedInAHostFnReturnsAtTheNextDeviceWait) {
   EXPECT_EQ(dev->stats().bytes_in_use, before) << "returned before every stream was idle";
   dev->synchronize();
   EXPECT_EQ(dev->stats().bytes_in_use, before - (1u << 20));
+
+  // Captured and never touched: the callable is destroyed (the buffer freed) before its op
+  // counts as done, so the next device-wide wait returns it (it was left for a later one, and
+  // a full device then refused an allocation the cap held).
+  for (int i = 0; i < 200; ++i) {
+    auto held = std::make_shared<Buffer>(dev->alloc(1 << 20));
+    s->host_fn([held] {});
+    held.reset();
+    dev->synchronize();
+    ASSERT_EQ(dev->stats().bytes_in_use, before - (1u << 20)) << "iteration " << i;
+  }
 }
 
 #ifndef STRATA_TEST_CUDA

@@ -139,6 +139,37 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   if (g_env->comm->rank() == 0) fs::remove_all(dir, ec);
 }
 
+// One plan for the job: every rank plans with the least room any rank has (here a smaller
+// device on every rank but 0), so a plan that does not fit stops every rank at finalize() —
+// rank 0 used to go on alone and wait in its first collective — and one that fits is the same
+// plan everywhere.
+TEST(EngineRanks, EveryRankPlansWithTheLeastRoomAnyRankHas) {
+  if (g_env->comm->world_size() == 1) GTEST_SKIP() << "one rank: no other rank to agree with";
+  const int r = g_env->comm->rank();
+  for (const std::size_t small : {std::size_t(1) << 20, std::size_t(128) << 20}) {
+    HostDeviceOptions o;
+    o.capacity_bytes = r == 0 ? std::size_t(256) << 20 : small;
+    auto dev = make_host_device(o);
+    auto comm = make_communicator(*dev);
+    EngineConfig c = default_engine_config();
+    c.host_budget_bytes = 64 << 20;
+    Engine e(*dev, *comm, c);
+    LinearModel({512, 512, 512}, 2, 3).register_units(e);  // 0.5M parameters: ~10 MB on the device
+    if (small < (std::size_t(8) << 20)) {
+      try {
+        e.finalize();
+        ADD_FAILURE() << "rank " << r << ": a plan that does not fit on every rank was accepted";
+      } catch (const Error& err) {
+        EXPECT_EQ(err.kind(), ErrorKind::kOutOfMemory) << err.what();
+        EXPECT_NE(std::string(err.what()).find("device: needs"), std::string::npos) << err.what();
+      }
+    } else {
+      e.finalize();
+      EXPECT_EQ(e.plan().device_capacity, small) << "rank " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata
 

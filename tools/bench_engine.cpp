@@ -339,6 +339,8 @@ void run(const Args& a) {
   for (const Regime& r : regimes())
     if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
   STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
+  // The drive to use: a typo must not put the swap files somewhere else (nor create folders).
+  STRATA_REQUIRE(fs::is_directory(a.path), "--path {}: no such directory; create it on the drive to use", a.path);
   const double params_m = double(a.layers) * a.width * a.width / 1e6;
   std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
               "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",

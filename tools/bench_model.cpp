@@ -31,17 +31,19 @@ struct Args {
 
 // The best rate over `windows` timed bursts of at least 5 ms each: on a shared machine one
 // burst can land on a busy moment, and the ratio's denominator must not come out low.
-double gemm_gflops(Device& dev, Stream& s, std::int64_t m, std::int64_t n, std::int64_t k, int windows) {
-  Buffer a = dev.alloc(m * k * 2, &s), b = dev.alloc(k * n * 2, &s), c = dev.alloc(m * n * 4, &s);
-  s.fill(tensor(a, DType::kBF16), 0.5f);
-  s.fill(tensor(b, DType::kBF16), 0.25f);
+// In the model's compute dtype (fp32 against an fp32 GEMM: a bf16 bound made fp32 look 2.7x worse).
+double gemm_gflops(Device& dev, Stream& s, DType dt, std::int64_t m, std::int64_t n, std::int64_t k, int windows) {
+  const std::size_t es = dtype_size(dt);
+  Buffer a = dev.alloc(m * k * es, &s), b = dev.alloc(k * n * es, &s), c = dev.alloc(m * n * 4, &s);
+  s.fill(tensor(a, dt), 0.5f);
+  s.fill(tensor(b, dt), 0.25f);
   MatmulDesc d;
   d.m = m;
   d.n = n;
   d.k = k;
   d.trans_b = true;
-  d.a = tensor(a, DType::kBF16);
-  d.b = tensor(b, DType::kBF16);
+  d.a = tensor(a, dt);
+  d.b = tensor(b, dt);
   d.c = tensor(c, DType::kF32);
   s.matmul(d);
   s.synchronize();
@@ -93,7 +95,7 @@ void run(const Args& a) {
   }
   s->synchronize();
   // The GEMM rate is taken before and after the timed steps: the best burst of either.
-  double gemm = gemm_gflops(*dev, *s, a.batch * a.seq, a.inter, a.hidden, 20);
+  double gemm = gemm_gflops(*dev, *s, mo.compute, a.batch * a.seq, a.inter, a.hidden, 20);
   double best = 1e30;
   for (int i = 0; i < a.steps; ++i) {
     const Stopwatch sw;
@@ -150,12 +152,12 @@ void run(const Args& a) {
   }
   const double tokens = double(a.batch * a.seq);
   const double gflops = m.flops_per_step() / best / 1e9;
-  gemm = std::max(gemm, gemm_gflops(*dev, *s, a.batch * a.seq, a.inter, a.hidden, 20));
+  gemm = std::max(gemm, gemm_gflops(*dev, *s, mo.compute, a.batch * a.seq, a.inter, a.hidden, 20));
   std::printf("  step %.3f s (best of %d), loss %.4f\n", best, a.steps, loss);
   std::printf("  %-28s %12.0f\n", "tokens/s", tokens / best);
   std::printf("  %-28s %12.1f\n", "model GFLOP/s", gflops);
-  std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device, best burst)\n", "bf16 GEMM GFLOP/s", gemm, long(a.batch * a.seq),
-              long(a.inter), long(a.hidden));
+  std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device, best burst)\n", (a.dtype + " GEMM GFLOP/s").c_str(), gemm,
+              long(a.batch * a.seq), long(a.inter), long(a.hidden));
   std::printf("  %-28s %12.3f\n", "ratio vs matmul", gflops / gemm);
   if (a.json)
     print_json({{"command", "model"},
@@ -168,7 +170,7 @@ void run(const Args& a) {
                 {"step_s", best},
                 {"tokens_per_s", tokens / best},
                 {"gflops", gflops},
-                {dev->kind() == DeviceKind::kCuda ? "cublas_bf16_gflops" : "onednn_bf16_gflops", gemm},
+                {fmt::format("{}_{}_gflops", dev->kind() == DeviceKind::kCuda ? "cublas" : "onednn", a.dtype), gemm},
                 {"ratio_vs_matmul", gflops / gemm}});
 }
 
@@ -187,8 +189,8 @@ void add_model_command(CLI::App& app) {
   cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)");
   cmd->add_option("--batch", a->batch, "micro-batch B (default 2)");
   cmd->add_option("--seq", a->seq, "sequence length T (default 256)");
-  cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)");
-  cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)");
+  cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)")->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)")->check(CLI::Range(0, 100000));
   cmd->add_flag("--checkpoint", a->checkpoint, "activation checkpointing");
   cmd->add_option("--loss-chunk-rows", a->loss_chunk_rows, "rows per fused LM-head/loss chunk (default 0: the model's choice)");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");

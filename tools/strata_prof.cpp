@@ -122,16 +122,22 @@ void agree_across_ranks(Device& dev, Communicator& comm, MachineProfile& m, std:
   s->synchronize();
   std::size_t i = 0;
   for (double* x : lowest) *x = -v[i++];
-  for (std::uint64_t* x : lowest_bytes) *x = std::uint64_t(-v[i++]);
+  for (std::uint64_t* x : lowest_bytes) {  // 2^64 (UINT64_MAX as a double) stays UINT64_MAX
+    const double b = -v[i++];
+    *x = b >= 0x1p64 ? UINT64_MAX : std::uint64_t(b);
+  }
   for (double* x : highest) *x = v[i++];
   for (std::uint64_t* x : highest_bytes) *x = std::uint64_t(v[i++]);
 }
 
+// NVMe is measured under `nvme_dir`; the free space is that of every path the search may use
+// (`all_nvme_paths`: a file system counted once).
 MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
-                               const std::string& nvme_dir, bool use_nvme, std::size_t unit_state_bytes,
-                               std::size_t unit_weight_bytes) {
+                               const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
+                               bool use_nvme, std::size_t unit_state_bytes, std::size_t unit_weight_bytes) {
   MachineProfile m;
   m.world_size = comm.world_size();
+  m.ranks_on_node = ranks_on_this_node(comm);
   auto s = dev.create_stream("prof");
   const std::size_t bytes = std::size_t(64) << 20;
   PinnedPoolOptions po;
@@ -303,7 +309,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     });
     m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
     // The engine's own rule: this rank's share of the drive's free space (its files counted free).
-    m.nvme_free = SwapStore::free_bytes({nvme_dir}, comm.rank(), "--nvme-path", ranks_on_this_node(comm));
+    m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), "--nvme-path", ranks_on_this_node(comm));
   }
 
   {
@@ -746,7 +752,8 @@ int run(Args a) {
   hopt.compute_gflops = a.emu_gflops;
 
   std::string nvme_dir;
-  std::vector<std::string> nvme_paths;  // the search's: the --config's list, else nvme_dir
+  std::vector<std::string> nvme_paths;        // the search's: the --config's lists, else nvme_dir
+  std::vector<std::string> param_nvme_paths;  // the --config's offload_param list, when it has its own
   const bool use_nvme = !a.no_nvme;
   if (use_nvme) {
     std::error_code ec;
@@ -754,11 +761,13 @@ int run(Args a) {
     const std::vector<std::string>& cfg_paths =
         !base.optimizer_nvme_paths.empty() ? base.optimizer_nvme_paths : base.param_nvme_paths;
     if (a.nvme_path.empty() && !cfg_paths.empty()) {
-      for (const std::string& p : cfg_paths)
-        STRATA_REQUIRE(fs::is_directory(p, ec), "--config {}: nvme_path {}: no such directory; create it on the "
-                       "drive to profile, or give --nvme-path DIR", a.ds_config, p);
+      for (const auto* list : {&base.param_nvme_paths, &base.optimizer_nvme_paths})
+        for (const std::string& p : *list)
+          STRATA_REQUIRE(fs::is_directory(p, ec), "--config {}: nvme_path {}: no such directory; create it on the "
+                         "drive to profile, or give --nvme-path DIR", a.ds_config, p);
       nvme_dir = cfg_paths.front();  // measured there
       nvme_paths = cfg_paths;
+      if (!base.param_nvme_paths.empty()) param_nvme_paths = base.param_nvme_paths;
     } else if (a.nvme_path.empty()) {
       nvme_dir = default_scratch_dir("prof-nvme");
       fs::create_directories(nvme_dir, ec);
@@ -787,7 +796,11 @@ int run(Args a) {
     std::size_t largest = 0;
     for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
     const std::size_t shard = largest / std::size_t(std::max(1, launch.world_size));
-    machine = measure_machine(*dev, *comm, base, nvme_dir, use_nvme, shard * 12, shard * dtype_size(base.compute_dtype));
+    std::vector<std::string> all_paths = nvme_paths.empty() ? std::vector<std::string>{nvme_dir} : nvme_paths;
+    for (const std::string& p : param_nvme_paths)
+      if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
+    machine = measure_machine(*dev, *comm, base, nvme_dir, all_paths, use_nvme, shard * 12,
+                              shard * dtype_size(base.compute_dtype));
     if (dev->kind() == DeviceKind::kCpu) {
       machine.device_capacity = hopt.capacity_bytes;
       // Named with the cap the placements are planned for (the measuring one is sized up).
@@ -816,7 +829,10 @@ int run(Args a) {
   }
   SearchSpace space;
   space.base = base;
-  if (use_nvme) space.nvme_paths = nvme_paths.empty() ? std::vector<std::string>{nvme_dir} : nvme_paths;
+  if (use_nvme) {
+    space.nvme_paths = nvme_paths.empty() ? std::vector<std::string>{nvme_dir} : nvme_paths;
+    space.param_nvme_paths = param_nvme_paths;
+  }
   const DType dt = base.compute_dtype;
   for (auto B : a.micro_batches)
     for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory

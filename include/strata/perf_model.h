@@ -58,6 +58,7 @@ struct MachineProfile {
   double device_adamw_params_per_s = 0; // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
   int world_size = 1;
+  int ranks_on_node = 1;  // sharing its RAM and drives: the capacities below are a share
   std::uint64_t device_capacity = 0, host_capacity = 0, nvme_free = 0;
   // The CPU-emulated device: its streams are threads on these host cores, shared with the
   // host thread and the CPU optimizer (0: a real device, nothing shared). Its kernels use
@@ -122,6 +123,7 @@ struct SearchSpace {
   std::vector<ModelProfile> models;
   EngineConfig base;                   // everything the search does not set (dtype, clipping, ...)
   std::vector<std::string> nvme_paths; // empty: NVMe placements are not considered
+  std::vector<std::string> param_nvme_paths;  // the weights' own, when they differ (empty: nvme_paths)
   bool allow_device_optimizer = true;  // the optimizer state on the device
   // The share of device memory a candidate's plan may fill: the rest is the allocator's
   // (fragmentation, frees still queued on streams). A plan over it would make the engine

@@ -231,7 +231,10 @@ struct StreamCore {
       const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
       std::exception_ptr failure;
       try {
-        op.fn();
+        // The callable (and what it captured) is destroyed here, before the op counts as done:
+        // a buffer it held is freed before any wait for the op can return.
+        std::function<void()> fn = std::move(op.fn);
+        fn();
       } catch (...) {
         failure = std::current_exception();
       }
@@ -307,7 +310,7 @@ class HostDevice final : public Device {
 
   ~HostDevice() override {
     synchronize_quietly();
-    for (HostBlock* b : deferred_) delete b;
+    for (Deferred& d : deferred_) delete d.block;
     ::munmap(base_, opt_.capacity_bytes);
   }
 
@@ -329,12 +332,11 @@ class HostDevice final : public Device {
   // Every stream drained, a failed one too (what a caller frees after catching must be idle);
   // the first failure is rethrown after.
   void synchronize() override {
-    std::vector<HostBlock*> deferred = take_deferred();
     std::exception_ptr first;
     for (auto& core : live_streams()) {
       if (auto err = core->drain(); err && !first) first = err;
     }
-    for (HostBlock* b : deferred) release(b);
+    release_deferred();
     if (first) std::rethrow_exception(first);
   }
 
@@ -371,17 +373,36 @@ class HostDevice final : public Device {
   }
 
   void synchronize_quietly() noexcept {
-    std::vector<HostBlock*> deferred = take_deferred();
     for (auto& core : live_streams()) core->wait_for(core->submitted_seq());
-    for (HostBlock* b : deferred) release(b);
+    release_deferred();
   }
 
   // Blocks freed without a stream from inside a stream's work (a host_fn dropping the last
-  // reference): that thread cannot wait for the device, its own op included. They return at
-  // the next device-wide wait that starts after their free (synchronize, a failed allocation's).
-  std::vector<HostBlock*> take_deferred() {
+  // reference): that thread cannot wait for the device, its own op included. Each waits for
+  // what every stream had queued at its free (its own op included), and returns at the first
+  // device-wide wait (synchronize, a failed allocation's) that finds all of that done.
+  struct Deferred {
+    HostBlock* block;
+    std::vector<std::pair<std::weak_ptr<StreamCore>, std::uint64_t>> after;
+  };
+  void defer(HostBlock* b) {
+    Deferred d{b, {}};
+    for (auto& core : live_streams()) d.after.emplace_back(core, core->submitted_seq());
     std::lock_guard<std::mutex> lock(mu_);
-    return std::exchange(deferred_, {});
+    deferred_.push_back(std::move(d));
+  }
+  void release_deferred() noexcept {
+    std::vector<HostBlock*> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::erase_if(deferred_, [&](const Deferred& d) {
+        for (const auto& [w, seq] : d.after)
+          if (auto core = w.lock(); core && !core->reached(seq)) return false;
+        ready.push_back(d.block);
+        return true;
+      });
+    }
+    for (HostBlock* b : ready) release(b);
   }
 
   // A block no stream orders the free of, once the device is idle.
@@ -431,7 +452,7 @@ class HostDevice final : public Device {
   std::condition_variable freed_cv_;
   std::multimap<std::size_t, std::shared_ptr<PendingFree>> pending_;
   std::vector<std::weak_ptr<StreamCore>> streams_;
-  std::vector<HostBlock*> deferred_;  // see take_deferred()
+  std::vector<Deferred> deferred_;  // see defer()
   friend class HostStream;
 };
 
@@ -681,8 +702,7 @@ void HostDevice::do_free(void* block) noexcept {
     b->stream.reset();  // the stream is stopping: free it here, once the device is idle
   }
   if (t_in_stream_worker) {
-    std::lock_guard<std::mutex> lock(mu_);
-    deferred_.push_back(b);
+    defer(b);
     return;
   }
   synchronize_quietly();

@@ -864,6 +864,27 @@ void Engine::finalize() {
   in.host_capacity = cfg.host_budget_bytes;
   in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
   in.ranks_on_node = on_node;
+  if (s.world > 1) {
+    // One plan for the job: every rank plans with the least room any rank has (a rank that
+    // decided otherwise — the early step off, say — would issue other collectives), so all of
+    // them stop here together when it does not fit (the others would wait in their first
+    // collective). And every rank reads its free space before any writes its swap files
+    // below: this all-reduce is that barrier (a rank planning after a neighbour's files grew
+    // counted them against itself).
+    std::vector<double> v = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
+    auto st = s.dev.create_stream("plan");
+    Buffer b = s.alloc(v.size() * 8, st.get());
+    st->copy(b.ref(), host_ref(v.data(), v.size() * 8));
+    s.comm.all_reduce(Impl::view(b, DType::kF64, v.size()), ReduceOp::kMax, *st);
+    st->copy(host_ref(v.data(), v.size() * 8), b.ref());
+    st->synchronize();
+    const auto bytes = [](double negated) {  // 2^64 (UINT64_MAX as a double) stays UINT64_MAX
+      return -negated >= 0x1p64 ? UINT64_MAX : std::uint64_t(-negated);
+    };
+    in.device_capacity = bytes(v[0]);
+    s.cfg.host_budget_bytes = in.host_capacity = bytes(v[1]);  // the pool's budget too
+    in.nvme_capacity = bytes(v[2]);
+  }
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
     std::string problems;

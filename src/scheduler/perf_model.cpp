@@ -812,6 +812,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     in.device_capacity = std::uint64_t(double(m.device_capacity) * std::clamp(space.device_headroom, 0.0, 1.0));
     in.host_capacity = m.host_capacity;
     in.nvme_capacity = m.nvme_free;
+    in.ranks_on_node = m.ranks_on_node;
     in.activation_bytes = mp.activation_bytes;
     for (const auto& pc : params)
       for (const auto& oc : opt)
@@ -839,7 +840,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                 c.param_buffer_count = 2 * space.base.param_buffer_count;
                 c.optimizer_buffer_count = 2 * space.base.optimizer_buffer_count;
               }
-              c.param_nvme_paths = p_nvme ? space.nvme_paths : std::vector<std::string>{};
+              c.param_nvme_paths = !p_nvme                         ? std::vector<std::string>{}
+                                   : space.param_nvme_paths.empty() ? space.nvme_paths
+                                                                    : space.param_nvme_paths;
               c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
               const EngineConfig d = default_engine_config();
               if (win > 0) {

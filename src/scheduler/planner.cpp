@@ -268,8 +268,9 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       fix.push_back(
           "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
     fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", plan.host_capacity,
-                              in.ranks_on_node > 1 && config.host_budget_bytes == 0
-                                  ? fmt::format(": 80% of RAM split among the {} ranks on this node", in.ranks_on_node)
+                              in.ranks_on_node > 1
+                                  ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
+                                                in.ranks_on_node, in.ranks_on_node)
                                   : std::string()));
     plan.problems.push_back(shortfall("host", plan.host_bytes, plan.host_capacity) + ": " +
                             join_or(fix));
