@@ -69,6 +69,7 @@
 #include "gpu/adamw.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
+#include "gpu/model_kernels.h"
 #include "gpu/cuda_module.h"
 #include "gpu/cuda_trace.h"
 #include "strata/device.h"
@@ -431,6 +432,7 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   numa_node_ = pci_numa_node(ordinal_);
   STRATA_CUDA_CHECK(gpu::preload_kernels());
   STRATA_CUDA_CHECK(gpu::preload_adamw_kernels());
+  STRATA_CUDA_CHECK(static_cast<cudaError_t>(gpu::model::preload_kernels()));
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   capacity_ = capacity_bytes == 0 ? free_bytes : capacity_bytes;

@@ -391,6 +391,25 @@ __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, floa
 
 const char* error_text(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
+int preload_kernels() {
+  cudaError_t first = cudaSuccess;
+  auto load = [&](const void* kernel) {
+    cudaFuncAttributes attr;
+    const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+    if (first == cudaSuccess) first = err;
+  };
+  for (const void* k :
+       {(const void*)k_embedding_forward, (const void*)k_embedding_backward, (const void*)k_rmsnorm_forward,
+        (const void*)k_rmsnorm_backward_dx, (const void*)k_rmsnorm_backward_dw, (const void*)k_layernorm_forward,
+        (const void*)k_layernorm_backward_dx, (const void*)k_layernorm_backward_dwb, (const void*)k_rope,
+        (const void*)k_attention_forward, (const void*)k_attention_backward_dq, (const void*)k_attention_backward_dkv,
+        (const void*)k_swiglu_forward, (const void*)k_swiglu_backward, (const void*)k_gelu_forward,
+        (const void*)k_gelu_backward, (const void*)k_bias_add, (const void*)k_bias_backward,
+        (const void*)k_cross_entropy})
+    load(k);
+  return static_cast<int>(first);
+}
+
 int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16, float* out, i64 n,
                       i64 t, i64 c, void* stream) {
   k_embedding_forward<<<blocks_for(n * c), kThreads, 0, cs(stream)>>>(tokens, wte, wpe, wbf16, out, n, t, c);

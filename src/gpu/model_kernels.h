@@ -47,6 +47,11 @@ int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream);
 int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
                   double grad_scale, void* stream);
 
+// Loads the kernels above into the current device's context now (as gpu::preload_kernels does
+// the element-wise ones): with lazy module loading, a first launch from a host function while a
+// stream spins in wait_host_flag could deadlock. Returns the first error, as an int.
+int preload_kernels();
+
 // The launchers above as the CUDA module exports them (one pointer each, same names).
 struct Kernels {
 #define STRATA_MODEL_KERNEL(name) decltype(&::strata::gpu::model::name) name
