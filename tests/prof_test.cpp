@@ -455,6 +455,15 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   EXPECT_EQ(best["gradient_accumulation_steps"], 3) << best.dump();
   EXPECT_EQ(best["scheduler"]["type"], "WarmupLR") << best.dump();
   EXPECT_EQ(best["optimizer"]["params"]["bias_correction"], false) << best.dump();
+  // This machine's defaults stay out of it (strata-train works them out where it runs).
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("host_budget_bytes")) << best.dump();
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("device_grad_norm")) << best.dump();
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("overlap_optimizer")) << best.dump();
+  // The user's --config is never the file written.
+  const auto same = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--out", ds}), d.path, "same");
+  EXPECT_EQ(same.status, 1) << same.out << same.err;
+  EXPECT_NE(same.err.find("is the --config file"), std::string::npos) << same.err;
+  EXPECT_NE(testing::slurp(ds).find("WarmupLR"), std::string::npos) << "the --config was changed";
   if (best["zero_optimization"]["offload_optimizer"]["device"] == "nvme")
     EXPECT_EQ(best["zero_optimization"]["offload_optimizer"]["nvme_path"], nv) << best.dump();
   // The flags still win when given.
@@ -492,6 +501,15 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
   EXPECT_NE(r.out.find("strata-train --model-config " + mc + " --config " + d.path + "/best.json"), std::string::npos)
       << r.out;
   ASSERT_TRUE(fs::exists(mc));
+  // A file of the user's where the demo's model config would go is not replaced.
+  std::ofstream(d.path + "/mine.model.json") << "{\"mine\": true}";
+  const auto mine = testing::run(STRATA_PROF_BIN,
+                                 {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--validate", "0", "--out",
+                                  d.path + "/mine.json", "--svg", ""},
+                                 d.path, "mine");
+  EXPECT_EQ(mine.status, 1) << mine.out << mine.err;
+  EXPECT_NE(mine.err.find("is not the demo model's config"), std::string::npos) << mine.err;
+  EXPECT_EQ(testing::slurp(d.path + "/mine.model.json"), "{\"mine\": true}");
   const auto plan = testing::run(STRATA_TRAIN_BIN,
                                  {"--model-config", mc, "--config", d.path + "/best.json", "--seq-len", "128",
                                   "--device", "cpu", "--plan"},

@@ -79,6 +79,10 @@ struct Args {
   std::string svg = "strata-prof.svg";
   std::string trace;
   bool json = false;
+  // Set in main: the --config as the user wrote it (plus the flags), before this machine's
+  // defaults; and whether the host budget came from the user.
+  EngineConfig user_config;
+  bool host_budget_given = false;
 };
 
 // ---- measuring the machine ----
@@ -613,12 +617,28 @@ struct Measured {
   std::vector<double> steps;
 };
 
+// The demo's model config, written beside --out for the printed command: best.json ->
+// best.model.json.
+std::string demo_model_file(const std::string& out) { return fs::path(out).replace_extension(".model.json").string(); }
+
+// The configuration written for a candidate: what the search decided, and otherwise the user's
+// own keys — not this machine's defaults (the host budget of 80% of its RAM over its ranks, the
+// emulated device's early-step and norm settings), which strata-train works out again where it
+// runs (a config carried to a GPU or to more ranks must not take them along).
+EngineConfig written_config(const EngineConfig& chosen, const EngineConfig& user, bool host_budget_given) {
+  EngineConfig w = chosen;
+  if (!host_budget_given) w.host_budget_bytes = 0;
+  w.overlap_optimizer = user.overlap_optimizer;
+  w.device_grad_norm = user.device_grad_norm;
+  return w;
+}
+
 Measured run_candidate(const Args& a, const Candidate& c, const std::string& work, const std::string& data_file,
                        const std::string& trace_file, int index) {
   const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
   {
     std::ofstream f(cfg_path, std::ios::trunc);
-    f << engine_config_json(c.config);
+    f << engine_config_json(written_config(c.config, a.user_config, a.host_budget_given));
   }
   TrainOptions o;
   o.model_dir = a.model_dir;
@@ -696,6 +716,20 @@ int run(Args a) {
                      : !a.model_config.empty() ? load_model_config(a.model_config)
                                                : demo_model_config();
   if (a.seq_len <= 0) a.seq_len = demo ? 128 : 1024;
+  if (!a.out.empty()) {  // nothing of the user's is replaced by what strata-prof writes
+    std::error_code ec;
+    STRATA_REQUIRE(a.ds_config.empty() || !fs::equivalent(a.out, a.ds_config, ec),
+                   "--out {} is the --config file: the recommendation would replace it; write it elsewhere", a.out);
+    const std::string mc = demo_model_file(a.out);
+    if (demo && fs::exists(mc, ec)) {
+      std::ifstream f(mc);
+      std::stringstream have;
+      have << f.rdbuf();
+      STRATA_REQUIRE(have.str() == model_config_json(demo_model_config()),
+                     "{} exists and is not the demo model's config, which strata-prof writes beside --out {}; move it, "
+                     "or choose another --out", mc, a.out);
+    }
+  }
   if (a.micro_batch <= 0) a.micro_batch = demo ? 4 : 1;
   STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
   STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2, "--validate-steps must be at least 2 (the first step records "
@@ -734,6 +768,8 @@ int run(Args a) {
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
   if (a.grad_accum > 0) base.gradient_accumulation_steps = a.grad_accum;
   a.grad_accum = base.gradient_accumulation_steps;
+  a.user_config = base;
+  a.host_budget_given = a.host_mem_gb > 0 || base.host_budget_bytes > 0;
   STRATA_REQUIRE(a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
                  "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps", a.host_mem_gb);
   base.host_budget_bytes =
@@ -919,7 +955,7 @@ int run(Args a) {
   int exit_code = 0;
   if (talk && !a.out.empty()) {
     std::ofstream f(a.out, std::ios::trunc);
-    f << engine_config_json(best.config);
+    f << engine_config_json(written_config(best.config, a.user_config, a.host_budget_given));
     STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
     std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                              : !a.model_config.empty() ? " --model-config " + a.model_config
@@ -927,7 +963,7 @@ int run(Args a) {
     if (model_flag.empty()) {
       // The demo model as profiled: strata-train without a model runs the demo under its own
       // 20 MiB cap, not the device this plan was made for.
-      const std::string mc = fs::path(a.out).replace_extension(".model.json").string();
+      const std::string mc = demo_model_file(a.out);
       std::ofstream(mc, std::ios::trunc) << model_config_json(demo_model_config());
       model_flag = " --model-config " + mc;
     }
@@ -940,8 +976,12 @@ int run(Args a) {
       if (a.emu_d2h > 0) device_flags += fmt::format(" --emu-d2h-gbps {:g}", a.emu_d2h);
       if (a.emu_gflops > 0) device_flags += fmt::format(" --emu-compute-gflops {:g}", a.emu_gflops);
     }
-    std::printf("\nbest configuration written to %s; run it with:\n  strata-train%s --config %s --seq-len %lld%s%s\n",
-                a.out.c_str(), model_flag.c_str(), a.out.c_str(), (long long)a.seq_len,
+    // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
+    std::error_code ec;
+    const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
+    std::printf("\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
+                a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
+                a.out.c_str(), (long long)a.seq_len,
                 best.checkpoint_on_host ? " --checkpoint-on-host" : best.checkpoint ? " --checkpoint-activations" : "",
                 device_flags.c_str());
   }

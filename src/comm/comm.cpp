@@ -105,16 +105,19 @@ Communicator::Communicator(CommBackend backend, Device& device, int rank, int wo
     : backend_(backend), device_(&device), rank_(rank), world_size_(world_size), timeout_s_(timeout_s) {
   const char* check = std::getenv("STRATA_COMM_CHECK");
   check_calls_ = check && std::string_view(check) == "1";
+  if (check && *check && !check_calls_ && std::string_view(check) != "0")
+    log::warn_once("comm.check", fmt::format("STRATA_COMM_CHECK='{}': use 1 (compare every collective across the "
+                                             "ranks) or 0; it is off", check));
 }
 
-// STRATA_COMM_CHECK=1: this call's signature (its number, kind, op, root, tensor count, first
+// STRATA_COMM_CHECK=1: this call's signature (its number, from 1, kind, op, root, tensor count, first
 // dtype, total elements) gathered from every rank and compared on the host before the call is
 // queued. A mismatch throws on every rank alike (they all see the same gathered table).
 void Communicator::check_same_call(const Collective& c, Stream& stream) {
   constexpr std::size_t kFields = 7;
   double total = 0;
   for (const TensorRef& t : c.inputs) total += double(t.numel);
-  const double mine[kFields] = {double(calls_++), double(int(c.kind)), double(int(c.op)), double(c.root),
+  const double mine[kFields] = {double(++calls_), double(int(c.kind)), double(int(c.op)), double(c.root),
                                 double(c.inputs.size()), c.inputs.empty() ? -1.0 : double(int(c.inputs[0].dtype)),
                                 total};
   const std::size_t W = std::size_t(world_size_);
