@@ -24,7 +24,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes"}));
   app.add_option("--text", o.text_file, "a text file trained on byte by byte (vocabulary 256)");
   app.add_option("--config", o.ds_config, "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
-  app.add_option("--seq-len", o.seq_len, "tokens per sequence")->check(strata::tools::kPositive);
+  app.add_option("--seq-len", o.seq_len,
+                 "tokens per sequence (default: 128 for the demo, else 1024 or the model's max_position_embeddings "
+                 "when smaller)")
+      ->check(strata::tools::kPositive);
   app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(strata::tools::kPositive);
   app.add_option("--steps", o.steps, "optimizer steps (default 60)")->check(strata::tools::kPositive);

@@ -286,7 +286,11 @@ TrainResult train(const TrainOptions& o) {
   const auto lr_of = [&](std::int64_t t) {
     return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t) : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
   };
-  const std::int64_t seq_len = o.seq_len > 0 ? o.seq_len : (demo_model ? 128 : 1024);
+  // Default: the demo's 128, else 1024 or the model's positions when it has fewer.
+  const std::int64_t seq_len = o.seq_len > 0     ? o.seq_len
+                               : demo_model      ? 128
+                               : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions)
+                                                        : 1024;
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
   // RoPE takes any length, but the model was trained (and its config sized) for this many.
