@@ -392,6 +392,11 @@ TEST(TokenData, AutoRefusesRawU16WhenTheVocabDoesNotFit) {
   o.format = TokenFormat::kAuto;
   o.files = {write_tokens(dir, "l3llmc.bin", ids, 2).string()};  // llm.c's header says uint32
   EXPECT_EQ(TokenLoader(o).next().tokens[0], 100000);
+  // An llm.c file given as raw ids is refused (its header would be read as tokens).
+  for (TokenFormat raw : {TokenFormat::kU16, TokenFormat::kU32}) {
+    o.format = raw;
+    expect_error([&] { TokenLoader l(o); }, {"l3llmc.bin", "llm.c magic", "auto"});
+  }
   fs::remove_all(dir);
 }
 

@@ -199,7 +199,12 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
     std::string expect;  // in the first line of stderr
   };
   const std::string log = dir.path + "/x.jsonl";
+  const std::string stage3 = dir.path + "/stage3.json";
+  std::ofstream(stage3) << R"({"zero_optimization": {"stage": 3}})";
   std::vector<Case> cases = {
+      {"the demo with a config that does not fit its 20 MiB device",
+       {"--config", stage3, "--steps", "1", "--device", "cpu", "--demo-nvme", dir.path + "/demo-nvme"},
+       "the demo model runs on an emulated device capped at 20 MiB"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config", {"--model-config", dir.path + "/nope.json", "--text", text},
        "--model-config " + dir.path + "/nope.json: no such file"},

@@ -86,6 +86,12 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       break;
     case TokenFormat::kU16:
     case TokenFormat::kU32:
+      // An llm.c file read raw would take its header for tokens (and a v2 file's uint32 ids
+      // for pairs of uint16 ones): garbage, silently.
+      STRATA_REQUIRE(head[0] != kLlmcMagic,
+                     "{}: starts with the llm.c magic {}, so it is an llm.c token file, not raw {} ids; give the "
+                     "format auto or llmc (strata-train --data-dtype auto), which read its header",
+                     path, kLlmcMagic, fmt == TokenFormat::kU16 ? "uint16" : "uint32");
       f->elem = fmt == TokenFormat::kU16 ? 2 : 4;
       STRATA_REQUIRE(f->size % f->elem == 0, "{}: {} bytes is not a whole number of {}-byte token ids (truncated?)",
                      path, f->size, f->elem);

@@ -380,7 +380,18 @@ TrainResult train(const TrainOptions& o) {
   Model model(mcfg, *dev, *compute, mopt);
   Engine engine(*dev, *comm, ecfg);
   add_model_units(engine, model.units(), initial_unit_weights(mcfg, o.model_dir, o.seed));
-  engine.finalize();
+  try {
+    engine.finalize();
+  } catch (const Error& e) {
+    // The demo runs on a device capped below its weights, which its own config offloads
+    // around; a config of the user's may not: say where the cap comes from.
+    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.device_mem_gb > 0 || o.ds_config.empty()) throw;
+    STRATA_THROW(kOutOfMemory,
+                 "the demo model runs on an emulated device capped at 20 MiB (below its weights), and --config {} "
+                 "does not fit it: offload as the message below says, or give a larger device with "
+                 "--device-mem-gb\n{}",
+                 o.ds_config, e.user_message());
+  }
   EngineWeights weights(engine, *compute, model.units());
 
   // ---- resume ----
