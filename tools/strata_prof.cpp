@@ -715,7 +715,8 @@ int run(Args a) {
   ModelConfig mcfg = !a.model_dir.empty()      ? load_model_config(a.model_dir + "/config.json")
                      : !a.model_config.empty() ? load_model_config(a.model_config)
                                                : demo_model_config();
-  if (a.seq_len <= 0) a.seq_len = demo ? 128 : 1024;
+  if (a.seq_len <= 0)  // strata-train's default
+    a.seq_len = demo ? 128 : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions) : 1024;
   if (!a.out.empty()) {  // nothing of the user's is replaced by what strata-prof writes
     std::error_code ec;
     STRATA_REQUIRE(a.ds_config.empty() || !fs::equivalent(a.out, a.ds_config, ec),
@@ -1119,7 +1120,8 @@ int main(int argc, char** argv) {
   app.add_option("--aio", a.aio_file, "an aio block from strata-bench nvme --sweep --out FILE");
   app.add_option("--data", a.data_files, "token file(s) for --validate (default: random tokens)");
   app.add_option("--text", a.text_file, "a text file for --validate (byte-level models)");
-  app.add_option("--seq-len", a.seq_len, "tokens per sequence (default 128 demo, else 1024)")->check(strata::tools::kPositive);
+  app.add_option("--seq-len", a.seq_len,
+                 "tokens per sequence (default 128 demo, else 1024 or the model's max_position_embeddings when smaller)")->check(strata::tools::kPositive);
   app.add_option("--micro-batch", a.micro_batch, "sequences per micro-batch (default 4 demo, else 1)")
       ->check(strata::tools::kPositive);
   app.add_option("--micro-batches", a.micro_batches, "micro-batch sizes to search (default B/2, B, 2B)");
