@@ -693,7 +693,9 @@ TEST(Engine, AWholeHostGradientsNormIsTakenOnTheDevice) {
         EXPECT_EQ(std::bit_cast<std::uint64_t>(double(ref.results[i].grad_norm)),
                   std::bit_cast<std::uint64_t>(double(r.results[i].grad_norm)))
             << what << " step " << i;
-      if (early && accum == 1) EXPECT_GT(r.stats.early_units_kept, 0u) << what << ": the worker's path never ran";
+      if (early && accum == 1) {
+        EXPECT_GT(r.stats.early_units_kept, 0u) << what << ": the worker's path never ran";
+      }
       if (accum == 1 && device_norm)
         EXPECT_EQ(cpu_passes, 3) << what << ": the first step's only";
       else  // every unit every step (a redone early step may take some twice)

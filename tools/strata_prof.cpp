@@ -97,7 +97,7 @@ double best_of(int reps, F f) {
 // the longest time, the smallest capacity: a data-parallel step waits for its slowest rank),
 // so all of them rank the candidates alike and validate the same ones. One all-reduce (max)
 // of the figures, rates and capacities negated.
-void agree_across_ranks(Device& dev, Communicator& comm, MachineProfile& m, std::vector<ModelProfile>& models) {
+void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<ModelProfile>& models) {
   if (comm.world_size() <= 1) return;
   std::vector<double*> lowest = {&m.h2d_bps, &m.d2h_bps, &m.device_mem_bps, &m.free_bps, &m.host_mem_bps,
                                  &m.host_norm_bps, &m.nvme_read_bps, &m.nvme_write_bps, &m.nvme_mixed_bps,
@@ -118,20 +118,12 @@ void agree_across_ranks(Device& dev, Communicator& comm, MachineProfile& m, std:
   for (std::uint64_t* x : lowest_bytes) v.push_back(-double(*x));
   for (double* x : highest) v.push_back(*x);
   for (std::uint64_t* x : highest_bytes) v.push_back(double(*x));
-  auto s = dev.create_stream("agree");
-  Buffer b = dev.alloc(v.size() * sizeof(double), s.get());
-  s->copy(b.ref(), host_ref(v.data(), v.size() * sizeof(double)));
-  comm.all_reduce(tensor(b, DType::kF64, v.size()), ReduceOp::kMax, *s);
-  s->copy(host_ref(v.data(), v.size() * sizeof(double)), b.ref());
-  s->synchronize();
+  max_across_ranks(comm, v);
   std::size_t i = 0;
   for (double* x : lowest) *x = -v[i++];
-  for (std::uint64_t* x : lowest_bytes) {  // 2^64 (UINT64_MAX as a double) stays UINT64_MAX
-    const double b = -v[i++];
-    *x = b >= 0x1p64 ? UINT64_MAX : std::uint64_t(b);
-  }
+  for (std::uint64_t* x : lowest_bytes) *x = bytes_from_double(-v[i++]);
   for (double* x : highest) *x = v[i++];
-  for (std::uint64_t* x : highest_bytes) *x = std::uint64_t(v[i++]);
+  for (std::uint64_t* x : highest_bytes) *x = bytes_from_double(v[i++]);
 }
 
 // NVMe is measured under `nvme_dir`; the free space is that of every path the search may use
@@ -877,7 +869,7 @@ int run(Args a) {
   if (launch.world_size > 1) {
     auto dev = make_device(a.device, hopt, copt);
     auto comm = make_communicator(*dev);
-    agree_across_ranks(*dev, *comm, machine, space.models);
+    agree_across_ranks(*comm, machine, space.models);
     if (talk)
       std::printf("%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
                   launch.world_size);

@@ -155,4 +155,12 @@ std::unique_ptr<Communicator> make_communicator(Device& device, const CommOption
 // size for a group of several ranks, 1 for a one-rank group.
 int ranks_on_this_node(const Communicator& comm);
 
+// The element-wise maximum over the ranks of `values` (host memory), through a buffer of the
+// communicator's device on a stream of its own; returns when this rank has it. For the few
+// figures the ranks must agree on (negate a value to get its minimum). Collective.
+void max_across_ranks(Communicator& comm, std::span<double> values);
+// A byte count that travelled as a double back to an integer: 2^64, which UINT64_MAX rounds
+// to, stays UINT64_MAX (converting it is undefined).
+std::uint64_t bytes_from_double(double bytes);
+
 }  // namespace strata

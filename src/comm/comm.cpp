@@ -504,6 +504,22 @@ void install_termination_note(int rank, int world_size) {
 }
 
 }  // namespace comm
+void max_across_ranks(Communicator& comm, std::span<double> values) {
+  if (values.empty()) return;
+  Device& dev = comm.device();
+  auto stream = dev.create_stream("agree");
+  const std::size_t bytes = values.size() * sizeof(double);
+  Buffer b = dev.alloc(bytes, stream.get());
+  stream->copy(b.ref(), host_ref(values.data(), bytes));
+  comm.all_reduce(tensor(b, DType::kF64, values.size()), ReduceOp::kMax, *stream);
+  stream->copy(host_ref(values.data(), bytes), b.ref());
+  stream->synchronize();
+}
+
+std::uint64_t bytes_from_double(double bytes) {
+  return bytes >= 0x1p64 ? UINT64_MAX : bytes <= 0 ? 0 : std::uint64_t(bytes);
+}
+
 int ranks_on_this_node(const Communicator& comm) {
   if (comm.world_size() <= 1) return 1;
   return std::clamp(launch_info().local_size, 1, comm.world_size());

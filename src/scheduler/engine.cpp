@@ -871,19 +871,11 @@ void Engine::finalize() {
     // collective). And every rank reads its free space before any writes its swap files
     // below: this all-reduce is that barrier (a rank planning after a neighbour's files grew
     // counted them against itself).
-    std::vector<double> v = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
-    auto st = s.dev.create_stream("plan");
-    Buffer b = s.alloc(v.size() * 8, st.get());
-    st->copy(b.ref(), host_ref(v.data(), v.size() * 8));
-    s.comm.all_reduce(Impl::view(b, DType::kF64, v.size()), ReduceOp::kMax, *st);
-    st->copy(host_ref(v.data(), v.size() * 8), b.ref());
-    st->synchronize();
-    const auto bytes = [](double negated) {  // 2^64 (UINT64_MAX as a double) stays UINT64_MAX
-      return -negated >= 0x1p64 ? UINT64_MAX : std::uint64_t(-negated);
-    };
-    in.device_capacity = bytes(v[0]);
-    s.cfg.host_budget_bytes = in.host_capacity = bytes(v[1]);  // the pool's budget too
-    in.nvme_capacity = bytes(v[2]);
+    double least[] = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
+    max_across_ranks(s.comm, least);
+    in.device_capacity = bytes_from_double(-least[0]);
+    s.cfg.host_budget_bytes = in.host_capacity = bytes_from_double(-least[1]);  // the pool's budget too
+    in.nvme_capacity = bytes_from_double(-least[2]);
   }
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
