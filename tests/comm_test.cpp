@@ -23,6 +23,7 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/nccl_version.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -435,6 +436,17 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
 };
 
+// ncclGetVersion's code changed scheme at 2.9; the minimum must read as 2.10.0, and the old
+// scheme's codes (2.8.4 = 2804) must not pass for new ones.
+TEST(NcclVersion, DecodesBothSchemesAndTheMinimum) {
+  using strata::comm::decode_nccl_version;
+  EXPECT_EQ(decode_nccl_version(2804).str(), "2.8.4");
+  EXPECT_EQ(decode_nccl_version(20906).str(), "2.9.6");
+  EXPECT_EQ(decode_nccl_version(22703).str(), "2.27.3");
+  EXPECT_EQ(decode_nccl_version(strata::comm::kMinNcclCode).str(), std::string(strata::comm::kMinNcclVersion) + ".0");
+  EXPECT_LT(2804, strata::comm::kMinNcclCode);
+}
+
 }  // namespace
 }  // namespace strata
 
@@ -486,3 +498,4 @@ int main(int argc, char** argv) {
   g_env = nullptr;
   return rc;
 }
+

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/comm_internal.h"
+#include "comm/nccl_version.h"
 #include "gpu/cuda_check.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -186,6 +187,14 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double timeout_s) {
+  int code = 0;
+  STRATA_NCCL_CHECK(ncclGetVersion(&code));
+  if (code < kMinNcclCode)
+    STRATA_THROW(kUnsupported,
+                 "NCCL {} was loaded, and strata needs NCCL >= {} (bf16 and average reductions); install a "
+                 "newer one (pip install nvidia-nccl-cu12, or the libnccl2 package) and put it first on the "
+                 "library path",
+                 decode_nccl_version(code).str(), kMinNcclVersion);
   const LaunchInfo li = init_launch();  // MPI only under a launcher
   Buffer scratch = device.alloc(256);
   cudaPointerAttributes attr{};

@@ -64,6 +64,7 @@
 
 #if defined(STRATA_HAVE_NCCL)
 #include <nccl.h>
+#include "comm/nccl_version.h"
 #endif
 
 #include "gpu/adamw.h"
@@ -1013,8 +1014,7 @@ std::vector<ComponentVersion> component_versions() {
 #if defined(STRATA_HAVE_NCCL)
   int nccl = 0;
   if (ncclGetVersion(&nccl) == ncclSuccess) {
-    // Since NCCL 2.9 the code is major * 10000 + minor * 100 + patch.
-    out.push_back({"nccl", fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100)});
+    out.push_back({"nccl", comm::decode_nccl_version(nccl).str()});
   } else {
     out.push_back({"nccl", "unknown"});
   }
