@@ -29,7 +29,8 @@ namespace strata {
 // the order submit() splits requests into chunks; each fault fires once, on its chunk's
 // first completion (after the real I/O ran, so data stays consistent).
 enum class FaultKind {
-  kShort,   // report only part of the transfer: the engine must requeue the rest
+  kShort,   // report only part of the transfer: the engine must requeue the rest (O_DIRECT:
+            // whole 4 KiB blocks, so a chunk of one block is not shortened)
   kEagain,  // report -EAGAIN: the engine must requeue the chunk
   kEio,     // report -EIO: the batch fails naming file and offset
   kEnospc,  // report -ENOSPC: likewise
