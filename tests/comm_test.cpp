@@ -390,6 +390,20 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
     EXPECT_NE(m.find(fmt::format("rank {}: call #2 all_reduce(sum, 1 tensor(s), fp32, 999 elements)", W - 1)),
               std::string::npos) << m;
   }
+  // A coalesced call with the same count, first dtype and total, its tensors split differently
+  // on the last rank (600 + 400 against 400 + 600): caught by the layout.
+  const std::size_t first = R == W - 1 ? 400 : 600;
+  const TensorRef parts[2] = {tensor(b, DType::kF32, first), tensor(b, DType::kF32, 1000 - first, first)};
+  try {
+    checked->all_reduce_coalesced(parts, ReduceOp::kSum, *s);
+    s->synchronize();
+    FAIL() << "rank " << R << ": a mismatched coalesced all_reduce went through";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("the tensors' dtypes or lengths differ in order"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 0: call #3 all_reduce(sum, 2 tensor(s), fp32, 1000 elements, layout "), std::string::npos)
+        << m;
+  }
 }
 
 TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {

@@ -111,15 +111,24 @@ Communicator::Communicator(CommBackend backend, Device& device, int rank, int wo
 }
 
 // STRATA_COMM_CHECK=1: this call's signature (its number, from 1, kind, op, root, tensor count, first
-// dtype, total elements) gathered from every rank and compared on the host before the call is
-// queued. A mismatch throws on every rank alike (they all see the same gathered table).
+// dtype, total elements, and a hash of every tensor's dtype and length in order) gathered from
+// every rank and compared on the host before the call is queued. A mismatch throws on every rank
+// alike (they all see the same gathered table).
 void Communicator::check_same_call(const Collective& c, Stream& stream) {
-  constexpr std::size_t kFields = 7;
+  constexpr std::size_t kFields = 9;
   double total = 0;
-  for (const TensorRef& t : c.inputs) total += double(t.numel);
+  std::uint64_t layout = 0xcbf29ce484222325ull;  // FNV-1a over (dtype, numel) of each tensor
+  for (const TensorRef& t : c.inputs) {
+    total += double(t.numel);
+    for (const std::uint64_t v : {std::uint64_t(t.dtype), std::uint64_t(t.numel)}) {
+      layout ^= v;
+      layout *= 0x100000001b3ull;
+    }
+  }
+  // Doubles hold 32-bit halves exactly.
   const double mine[kFields] = {double(++calls_), double(int(c.kind)), double(int(c.op)), double(c.root),
                                 double(c.inputs.size()), c.inputs.empty() ? -1.0 : double(int(c.inputs[0].dtype)),
-                                total};
+                                total, double(layout >> 32), double(layout & 0xffffffffu)};
   const std::size_t W = std::size_t(world_size_);
   Buffer buf = device_->alloc(kFields * 8 * W, &stream);
   const TensorRef all = tensor(buf, DType::kF64, kFields * W);
@@ -129,9 +138,12 @@ void Communicator::check_same_call(const Collective& c, Stream& stream) {
   do_enqueue(Collective{Kind::kAllGather, ReduceOp::kSum, 0, false, {slot}, {all}}, stream);
   stream.copy(host_ref(got.data(), got.size() * 8), all.mem);
   stream.synchronize();
-  bool same = true;
-  for (std::size_t r = 0; r < W; ++r)
-    same = same && std::equal(mine, mine + kFields, got.begin() + std::ptrdiff_t(r * kFields));
+  bool same = true, same_but_layout = true;
+  for (std::size_t r = 0; r < W; ++r) {
+    const auto row = got.begin() + std::ptrdiff_t(r * kFields);
+    same = same && std::equal(mine, mine + kFields, row);
+    same_but_layout = same_but_layout && std::equal(mine, mine + kFields - 2, row);
+  }
   if (same) return;
   std::string calls;
   for (std::size_t r = 0; r < W; ++r) {
@@ -141,12 +153,15 @@ void Communicator::check_same_call(const Collective& c, Stream& stream) {
     if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) d += fmt::format("{}, ", reduce_op_name(ReduceOp(int(f[2]))));
     if (kind == Kind::kBroadcast) d += fmt::format("root {}, ", int(f[3]));
     if (f[4] > 0) d += fmt::format("{} tensor(s), {}, {} elements", int(f[4]), dtype_name(DType(int(f[5]))), std::uint64_t(f[6]));
+    if (same_but_layout)
+      d += fmt::format(", layout {:08x}{:08x}", std::uint64_t(f[7]), std::uint64_t(f[8]));
     calls += d + ")" + (r + 1 < W ? "; " : "");
   }
   STRATA_THROW(kInvalidArgument,
-               "STRATA_COMM_CHECK: the ranks issued different collectives ({}): every rank must issue the same "
+               "STRATA_COMM_CHECK: the ranks issued different collectives ({}){}: every rank must issue the same "
                "collectives, with the same sizes and dtypes, in the same order",
-               calls);
+               calls,
+               same_but_layout ? "; the same totals, but the tensors' dtypes or lengths differ in order" : "");
 }
 
 Event Communicator::submit(Collective c, Stream& stream) {
