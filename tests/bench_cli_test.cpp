@@ -41,6 +41,17 @@ TEST(BenchCli, NvmeRefusesASizeTheDriveCannotHold) {
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
+// A --max-bytes the node's memory cannot hold on the emulated device is refused before any
+// buffer is made (it used to meet the OOM killer).
+TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "4096G", "--json"}, d.path,
+                              "comm");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--max-bytes 4096G needs about"), std::string::npos) << r.err;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("lower --max-bytes"), std::string::npos) << r.out;
+}
+
 // Flags a mode would ignore are named, not ignored.
 TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
   TempDir d("strata-bench");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "cpu/cpu_info.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -53,6 +54,16 @@ void run_comm(const CommArgs& a) {
 
   HostDeviceOptions host;
   host.capacity_bytes = 2 * max_b + (std::size_t(64) << 20);
+  // On the emulated device every rank's buffers are this node's RAM (and MPI's own copies of the
+  // largest size come on top): refused up front rather than met by the OOM killer mid-run.
+  if (a.device == "cpu" || probe_cuda().device_count == 0) {
+    const double need = double(li.local_size) * double(host.capacity_bytes);
+    const std::size_t avail = cpu::mem_available_bytes();
+    STRATA_REQUIRE(avail == 0 || need <= double(avail),
+                   "comm: --max-bytes {} needs about {} of memory on this node ({} rank(s) x the largest size "
+                   "twice + 64 MiB, on the CPU-emulated device), and {} is available; lower --max-bytes",
+                   a.max_bytes, human_bytes(need), li.local_size, human_bytes(double(avail)));
+  }
   CudaDeviceOptions cuda;
   if (a.device != "cpu") {
     const CudaProbe p = probe_cuda();

@@ -107,6 +107,8 @@ std::vector<NumaNode> numa_nodes() {
   return out;
 }
 
+std::size_t mem_available_bytes() { return meminfo_value("MemAvailable", 1024); }
+
 HugePageInfo huge_page_info() {
   HugePageInfo h;
   h.hugetlb_page_bytes = meminfo_value("Hugepagesize", 1024);

@@ -31,4 +31,7 @@ struct HugePageInfo {
 };
 HugePageInfo huge_page_info();
 
+// MemAvailable from /proc/meminfo: what can be allocated without swapping (0 when unknown).
+std::size_t mem_available_bytes();
+
 }  // namespace strata::cpu
