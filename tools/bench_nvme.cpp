@@ -312,6 +312,9 @@ void run_compare(const NvmeArgs& a) {
     js["results"].push_back(row);
   }
   std::printf("engine: %s; hugetlbfs pages free: %zu\n", js["engine"].get<std::string>().c_str(), hp.hugetlb_free);
+  if (!fio)
+    std::printf("no bound measured: --vs-fio runs fio's equivalent job on the same file in the same run and prints "
+                "our/fio ratios\n");
   if (a.json) print_json(js);
 }
 
