@@ -464,8 +464,9 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   EXPECT_EQ(same.status, 1) << same.out << same.err;
   EXPECT_NE(same.err.find("is the --config file"), std::string::npos) << same.err;
   EXPECT_NE(testing::slurp(ds).find("WarmupLR"), std::string::npos) << "the --config was changed";
-  if (best["zero_optimization"]["offload_optimizer"]["device"] == "nvme")
+  if (best["zero_optimization"]["offload_optimizer"]["device"] == "nvme") {
     EXPECT_EQ(best["zero_optimization"]["offload_optimizer"]["nvme_path"], nv) << best.dump();
+  }
   // The flags still win when given.
   const auto f = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--dtype", "fp32", "--grad-accum", "2", "--out",
                                                      d.path + "/flags.json"}),
