@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -407,6 +408,43 @@ TEST(HostDevice, TheWholeCapIsAllocatableWhateverItsSize) {
     FAIL() << "more than the arena was granted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory) << e.what();
+  }
+}
+
+// The emulated device's DMA copy and poison fill stream large ranges: every byte as memmove /
+// fill_n would leave it, at every alignment of source and destination, around the size where
+// streaming starts, and between overlapping ranges (which memmove takes).
+TEST(HostDevice, DmaCopyAndStreamFillMatchMemmoveAndFill) {
+  std::mt19937_64 rng(11);
+  const std::size_t big = (std::size_t(1) << 20) + 64;
+  std::vector<std::uint8_t> src(big + 64), got(big + 64), want(big + 64);
+  for (auto& x : src) x = static_cast<std::uint8_t>(rng());
+  for (std::size_t n : {std::size_t(0), std::size_t(100), (std::size_t(256) << 10) - 1, std::size_t(256) << 10,
+                        (std::size_t(256) << 10) + 77, big}) {
+    for (std::size_t so : {0, 1, 8, 15}) {
+      for (std::size_t dof : {0, 3, 16, 33}) {
+        std::fill(got.begin(), got.end(), 0xab);
+        std::fill(want.begin(), want.end(), 0xab);
+        cpu::dma_copy(got.data() + dof, src.data() + so, n);
+        std::memmove(want.data() + dof, src.data() + so, n);
+        ASSERT_EQ(got, want) << n << " bytes, source +" << so << ", destination +" << dof;
+      }
+    }
+    // Overlapping, both directions.
+    for (std::ptrdiff_t shift : {-24, 24}) {
+      std::vector<std::uint8_t> a(src), b(src);
+      const std::size_t from = 32, to = std::size_t(32 + shift);
+      cpu::dma_copy(a.data() + to, a.data() + from, n);
+      std::memmove(b.data() + to, b.data() + from, n);
+      ASSERT_EQ(a, b) << n << " bytes overlapping, shift " << shift;
+    }
+    for (std::size_t off : {0, 2, 6}) {
+      std::vector<std::uint16_t> f(big / 2 + 16, 1), g(big / 2 + 16, 1);
+      const std::size_t count = std::min(n / 2, big / 2);
+      cpu::stream_fill16(f.data() + off, kPoison16, count);
+      std::fill_n(g.data() + off, count, kPoison16);
+      ASSERT_EQ(f, g) << count << " words at +" << off;
+    }
   }
 }
 #endif

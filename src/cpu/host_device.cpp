@@ -57,8 +57,7 @@ thread_local bool t_in_stream_worker = false;
 std::string gib(std::size_t b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
 
 void poison(void* p, std::size_t bytes) {
-  auto* h = static_cast<std::uint16_t*>(p);
-  std::fill_n(h, bytes / 2, kPoison16);
+  cpu::stream_fill16(p, kPoison16, bytes / 2);
   if (bytes % 2) static_cast<unsigned char*>(p)[bytes - 1] = 0x7f;
 }
 
@@ -487,8 +486,8 @@ class HostStream final : public Stream {
     }
     submit(
         [dst, src, gbps, link, dev = dev_] {
-          if (gbps <= 0) {  // unthrottled: as fast as memmove goes
-            std::memmove(dst.ptr, src.ptr, src.bytes);
+          if (gbps <= 0) {  // unthrottled: as fast as the memory goes
+            cpu::dma_copy(dst.ptr, src.ptr, src.bytes);
             return;
           }
           // Throttled: the host<->device link is one per direction, taken in turn by every
@@ -496,7 +495,7 @@ class HostStream final : public Stream {
           const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
                                      : std::chrono::steady_clock::now() +
                                            std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
-          std::memmove(dst.ptr, src.ptr, src.bytes);
+          cpu::dma_copy(dst.ptr, src.ptr, src.bytes);
           std::this_thread::sleep_until(end);
         },
         kind, src.bytes);
