@@ -11,6 +11,8 @@
 //     micro-batch of each group of world_size, so that is the same global batch) within 1e-4
 //     relative per step, and the export of the 2-rank checkpoint matches the 1-rank weights.
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -193,6 +195,9 @@ TEST_F(TrainCli, DemoTrainsUnderACapBelowItsWeights) {
 }
 
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
+  const std::string bad_cfg = dir.path + "/bad-model.json";
+  std::ofstream(bad_cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": "64",
+      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})";
   struct Case {
     const char* what;
     std::vector<std::string> args;
@@ -203,8 +208,18 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   std::ofstream(stage3) << R"({"zero_optimization": {"stage": 3}})";
   std::vector<Case> cases = {
       {"the demo with a config that does not fit its 20 MiB device",
-       {"--config", stage3, "--steps", "1", "--device", "cpu", "--demo-nvme", dir.path + "/demo-nvme"},
+       {"--config", stage3, "--steps", "1", "--device", "cpu"},
        "the demo model runs on an emulated device capped at 20 MiB"},
+      {"--demo-nvme beside a --config", {"--config", stage3, "--demo-nvme", dir.path + "/demo-nvme"},
+       "--demo-nvme is the embedded demo's NVMe folder"},
+      {"--trace-step without --trace", args(log, {"--trace-step", "2"}), "--trace-step chooses the step"},
+      {"--overwrite without --out", args(log, {"--overwrite"}), "--overwrite replaces an existing --out folder"},
+      {"--checkpoint-dir without --save-every", args(log, {"--checkpoint-dir", dir.path + "/ck"}),
+       "--checkpoint-dir is where --save-every N writes checkpoints"},
+      {"--keep-checkpoints without --save-every", args(log, {"--keep-checkpoints", "2"}),
+       "--keep-checkpoints prunes the checkpoints"},
+      {"--data-dtype with --text", {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
+       "--data-dtype is the format of --data token files"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config", {"--model-config", dir.path + "/nope.json", "--text", text},
        "--model-config " + dir.path + "/nope.json: no such file"},
@@ -218,6 +233,15 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"--out under a file", args(log, {"--out", text + "/sub"}), "is not a writable folder"},
       {"--trace-step past the end", args(log, {"--trace", dir.path + "/t.json", "--trace-step", "9"}),
        "--trace-step 9 is after the last step (--steps 4)"},
+      // Files written during the run are checked before step 1 (a run that could not save its
+      // checkpoint, or its trace, ended at that step).
+      {"--trace into a missing folder", args(log, {"--trace", dir.path + "/nope/t.json"}),
+       "--trace " + dir.path + "/nope/t.json: " + dir.path + "/nope is not a folder"},
+      {"--checkpoint-dir under a file", args(log, {"--save-every", "2", "--checkpoint-dir", text + "/ck"}),
+       "--checkpoint-dir " + text + "/ck: " + text + " is not a folder"},
+      // A model config's type error names the model config file.
+      {"a string for a number in the model config", {"--model-config", bad_cfg, "--text", text},
+       bad_cfg + ": config key 'hidden_size' must be a number"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -378,7 +402,80 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   // Not a checkpoint.
   e = run_export({dir.path, dir.path + "/export3"}, dir.path, "none");
   EXPECT_EQ(e.status, 1);
-  EXPECT_NE(first_line(e.err).find("no complete checkpoint found"), std::string::npos) << e.err;
+  EXPECT_NE(first_line(e.err).find("checkpoint " + dir.path + ": no complete checkpoint found"), std::string::npos)
+      << e.err;
+  EXPECT_EQ(e.err.find("--resume"), std::string::npos) << "strata-export has no --resume\n" << e.err;
+
+  // Resuming with --steps at or below the checkpoint's step has nothing to run: refused (it
+  // printed a summary of negative tokens/s and exited 0).
+  const Result again = train(args(dir.path + "/c.jsonl", {"--resume", ck}, "4"), "not-beyond");
+  EXPECT_EQ(again.status, 1) << again.out << again.err;
+  EXPECT_NE(first_line(again.err).find("the checkpoint is at step 4, and --steps 4 is not beyond it"),
+            std::string::npos) << again.err;
+  // Extending the run with the same data by another path and a constant lr: nothing differs,
+  // so no warning (both used to warn).
+  std::vector<std::string> more = args(dir.path + "/d.jsonl", {"--resume", ck}, "5");
+  for (std::size_t i = 0; i + 1 < more.size(); ++i)
+    if (more[i] == "--text") more[i + 1] = dir.path + "/./corpus.txt";
+  const Result ext = train(more, "extend");
+  ASSERT_EQ(ext.status, 0) << ext.err;
+  EXPECT_EQ(ext.err.find("--resume:"), std::string::npos) << ext.err;
+}
+
+// A second run that uses the demo's text used to truncate and rewrite the file a running one
+// reads through mmap, killing it (SIGBUS). The text is written only when the file does not hold
+// it, and then as a new file renamed over the old one, whose readers keep their bytes.
+TEST_F(TrainCli, TheDemoTextIsNotRewrittenUnderARunReadingIt) {
+  TempDir nvme;
+  auto demo = [&](const char* tag) { return run(STRATA_TRAIN_BIN, {"--steps", "1", "--demo-nvme", nvme.path}, dir.path, tag); };
+  ASSERT_EQ(demo("first").status, 0);
+  const std::string text_file = nvme.path + "/demo-text.txt";
+  struct stat before {}, after {};
+  ASSERT_EQ(::stat(text_file.c_str(), &before), 0);
+  const std::string good = slurp(text_file);
+  ASSERT_EQ(demo("again").status, 0);
+  ASSERT_EQ(::stat(text_file.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "rewritten although it held the text";
+  std::ofstream(text_file, std::ios::trunc) << std::string(8192, 'x');
+  const int fd = ::open(text_file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  void* map = ::mmap(nullptr, 8192, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  ASSERT_EQ(demo("repair").status, 0);
+  EXPECT_EQ(slurp(text_file), good);
+  EXPECT_EQ(static_cast<const char*>(map)[8191], 'x');  // after a truncation: SIGBUS here
+  ::munmap(map, 8192);
+  ::close(fd);
+}
+
+// A --config's train_batch_size is the user's global batch: with --micro-batch alone, the
+// accumulation follows (it used to stay, and the batch silently doubled); a micro-batch that does
+// not divide it is refused, and both flags replace it with a warning. A model without data
+// says it trains on the demo's text.
+TEST_F(TrainCli, TheConfigsGlobalBatchStaysAndTheDataIsNamed) {
+  const std::string ds = dir.path + "/batch.json";
+  std::ofstream(ds) << R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})";
+  auto with = [&](std::vector<std::string> extra, const char* tag) {
+    std::vector<std::string> a = {"--model-config", cfg, "--text", text, "--seq-len", "16", "--steps", "1", "--device",
+                                  "cpu", "--config", ds};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return train(a, tag);
+  };
+  const Result four = with({"--micro-batch", "4"}, "micro4");
+  ASSERT_EQ(four.status, 0) << four.err;
+  EXPECT_NE(four.out.find("batch 4 x 16 tokens x 2 accum x 1 ranks"), std::string::npos) << four.out;
+  const Result three = with({"--micro-batch", "3"}, "micro3");
+  EXPECT_EQ(three.status, 1);
+  EXPECT_NE(first_line(three.err).find("--micro-batch 3 x 1 rank(s) does not divide train_batch_size 8"),
+            std::string::npos) << three.err;
+  const Result both = with({"--micro-batch", "4", "--grad-accum", "4"}, "both");
+  ASSERT_EQ(both.status, 0) << both.err;
+  EXPECT_NE(both.err.find("= 16 sequences a step replaces train_batch_size 8"), std::string::npos) << both.err;
+  const Result nodata = train({"--model-config", cfg, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "nodata");
+  ASSERT_EQ(nodata.status, 0) << nodata.err;
+  EXPECT_NE(nodata.err.find("no --data or --text: training the model on the demo's generated text"), std::string::npos)
+      << nodata.err;
+  EXPECT_NE(nodata.out.find("data: "), std::string::npos) << nodata.out;
 }
 
 // ---- 2 ranks under mpirun vs 1 rank ----

@@ -84,7 +84,7 @@ int run(const Options& o) {
     ck.dir = o.ckpt;
     ck.step = ck.manifest.value("step", std::int64_t(0));
   } else {
-    ck = strata::find_checkpoint(o.ckpt);
+    ck = strata::find_checkpoint(o.ckpt, "checkpoint");
   }
   const int world = ck.manifest.value("world_size", 0);
   STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);

@@ -74,6 +74,19 @@ int main(int argc, char** argv) {
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
+    // A flag that would be ignored is named, not ignored (the user thinks it took effect).
+    auto needs = [&](const char* flag, bool ok, const char* why) {
+      STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);
+    };
+    const bool demo = o.model_dir.empty() && o.model_config.empty();
+    needs("--trace-step", !o.trace_file.empty(), "chooses the step --trace records: add --trace FILE");
+    needs("--overwrite", !o.out_dir.empty(), "replaces an existing --out folder: add --out DIR");
+    needs("--checkpoint-dir", o.save_every > 0, "is where --save-every N writes checkpoints: add --save-every N");
+    needs("--keep-checkpoints", o.save_every > 0, "prunes the checkpoints --save-every N writes: add --save-every N");
+    needs("--demo-nvme", demo && o.ds_config.empty(),
+          "is the embedded demo's NVMe folder; with a model of yours or a --config, set offload_param / "
+          "offload_optimizer nvme_path in the --config");
+    needs("--data-dtype", !o.data_files.empty(), "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

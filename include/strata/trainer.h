@@ -101,7 +101,7 @@ struct FoundCheckpoint {
 // The newest complete checkpoint under `path`: a checkpoint folder itself, a folder of
 // step-<N> checkpoints, or a run folder holding checkpoints/. Temporary (.tmp-*) folders and
 // folders that fail verification are skipped with a warning; none complete: strata::Error.
-FoundCheckpoint find_checkpoint(const std::string& path);
+FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what = "--resume");
 
 // The embedded demo's model: a byte-level Llama (GQA, untied head), ~5.9M parameters.
 ModelConfig demo_model_config();

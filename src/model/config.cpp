@@ -34,9 +34,7 @@ std::int64_t positive(const config::Section& s, const char* key, const std::stri
   return v;
 }
 
-}  // namespace
-
-ModelConfig parse_model_config(const std::string& json_text, const std::string& what) {
+ModelConfig parse_model_config_body(const std::string& json_text, const std::string& what) {
   ModelConfig c;
   c.raw = config::parse(json_text, what);
   STRATA_REQUIRE(c.raw.is_object(), "{}: must be a JSON object, got {}", what, c.raw.type_name());
@@ -123,6 +121,19 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512, "{}: head_dim {} must be even and <= 512",
                  what, c.head_dim);
   return c;
+}
+
+}  // namespace
+
+// Every error names the file: the key checks of config::Section say only "config key 'x'",
+// which reads as the --config (ds_config.json) file's.
+ModelConfig parse_model_config(const std::string& json_text, const std::string& what) {
+  try {
+    return parse_model_config_body(json_text, what);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kInvalidArgument || e.message().rfind(what, 0) == 0) throw;
+    STRATA_THROW(kInvalidArgument, "{}: {}", what, e.message());
+  }
 }
 
 ModelConfig load_model_config(const std::string& path) { return parse_model_config(read_text(path), path); }

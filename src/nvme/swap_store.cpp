@@ -175,6 +175,24 @@ struct SwapStore::Impl {
 
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
+namespace {
+
+// A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
+std::string key_name(const std::string& config_key) {
+  return config_key.rfind("--", 0) == 0 ? config_key : fmt::format("config key '{}'", config_key);
+}
+
+// The swap files' directory must take writes: refused when planning as when the run starts.
+void require_writable(const std::string& key, const std::string& p) {
+  struct statvfs sv {};
+  const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
+  STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
+                 "{} = '{}' is read-only; strata needs to write swap files there: choose a "
+                 "writable directory", key, p);
+}
+
+}  // namespace
+
 std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
                                     int ranks_sharing) {
   STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1", ranks_sharing);
@@ -185,6 +203,7 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
     STRATA_REQUIRE(::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
                    "config key '{}' = '{}': not an existing directory; create it, or point {} at an existing "
                    "directory on the NVMe drive", config_key, p, config_key);
+    require_writable(key_name(config_key), p);
     // A previous run's files of this rank: removed when the store starts, so they count as free.
     std::error_code ec;
     const fs::path dir = fs::path(p) / "strata-swap" / fmt::format("rank{}", rank);
@@ -204,9 +223,7 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
 SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.opt = opts;
-  // A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
-  const std::string key = opts.config_key.rfind("--", 0) == 0 ? opts.config_key
-                                                               : fmt::format("config key '{}'", opts.config_key);
+  const std::string key = key_name(opts.config_key);
   STRATA_REQUIRE(!opts.paths.empty(), "{} is missing: give the directory (on the NVMe drive) "
                  "where strata may keep swap files", key);
   STRATA_REQUIRE(opts.rank >= 0, "SwapStore rank {} must be >= 0", opts.rank);
@@ -224,11 +241,7 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     STRATA_REQUIRE(fs::exists(p, ec), "{} = '{}': the directory does not exist; create it, or "
                    "point {} at an existing directory on the NVMe drive", key, p, opts.config_key);
     STRATA_REQUIRE(fs::is_directory(p, ec), "{} = '{}' is not a directory", key, p);
-    struct statvfs sv {};
-    const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
-    STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
-                   "{} = '{}' is read-only; strata needs to write swap files there: choose a "
-                   "writable directory", key, p);
+    require_writable(key, p);
     const fs::path top = fs::path(p) / "strata-swap";
     fs::create_directories(top, ec);
     STRATA_REQUIRE(!ec, "{} = '{}': cannot create '{}': {}", key, p, top.string(),

@@ -151,75 +151,85 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());
     std::ofstream(fs::path(tmp) / kOwnerFile) << this_host() << " " << ::getpid() << "\n";
   }
-  barrier(comm, s);
-  engine.save_state(tmp);
-  barrier(comm, s);
-  if (rank == 0) {
-    nlohmann::json m;
-    m["format"] = "strata-checkpoint";
-    m["version"] = kCheckpointVersion;
-    m["step"] = step;
-    m["world_size"] = world;
-    m["engine_steps_taken"] = engine.steps_taken();
-    m["trainer"] = trainer_state;
-    nlohmann::json files = nlohmann::json::array();
-    for (int r = 0; r < world; ++r)
-      for (const char* ext : {"bin", "json"}) {
-        const std::string f = fmt::format("rank{}.{}", r, ext);
-        std::uint64_t bytes = 0;
-        std::string hex;
-        STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex), "checkpoint: {}/{} cannot be read back",
-                       tmp, f);
-        files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
-      }
-    m["files"] = std::move(files);
-    const std::string text = m.dump(1) + "\n";
-    const std::string mpath = (fs::path(tmp) / kManifest).string();
-    {
-      const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
-      std::size_t done = 0;
-      const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
-      const bool crash_here = crash && std::atoll(crash) == step;
-      const std::size_t limit = crash_here ? text.size() / 2 : text.size();
-      while (done < limit) {
-        const ssize_t n = ::write(fd, text.data() + done, limit - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const int err = errno;
-          ::close(fd);
-          STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
+  // A failed save (a full drive, an I/O error) leaves no half-written folder behind to fill the
+  // drive: rank 0 removes its .tmp folder before the error goes on.
+  try {
+    barrier(comm, s);
+    engine.save_state(tmp);
+    barrier(comm, s);
+    if (rank == 0) {
+      nlohmann::json m;
+      m["format"] = "strata-checkpoint";
+      m["version"] = kCheckpointVersion;
+      m["step"] = step;
+      m["world_size"] = world;
+      m["engine_steps_taken"] = engine.steps_taken();
+      m["trainer"] = trainer_state;
+      nlohmann::json files = nlohmann::json::array();
+      for (int r = 0; r < world; ++r)
+        for (const char* ext : {"bin", "json"}) {
+          const std::string f = fmt::format("rank{}.{}", r, ext);
+          std::uint64_t bytes = 0;
+          std::string hex;
+          STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex), "checkpoint: {}/{} cannot be read back",
+                         tmp, f);
+          files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
         }
-        done += std::size_t(n);
+      m["files"] = std::move(files);
+      const std::string text = m.dump(1) + "\n";
+      const std::string mpath = (fs::path(tmp) / kManifest).string();
+      {
+        const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
+        std::size_t done = 0;
+        const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
+        const bool crash_here = crash && std::atoll(crash) == step;
+        const std::size_t limit = crash_here ? text.size() / 2 : text.size();
+        while (done < limit) {
+          const ssize_t n = ::write(fd, text.data() + done, limit - done);
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) {
+            const int err = errno;
+            ::close(fd);
+            STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
+          }
+          done += std::size_t(n);
+        }
+        if (crash_here) {
+          std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
+                       (long long)step);
+          std::fflush(stderr);
+          std::abort();
+        }
+        const int rc = ::fsync(fd);
+        const int err = errno;
+        ::close(fd);
+        STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
       }
-      if (crash_here) {
-        std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
-                     (long long)step);
-        std::fflush(stderr);
-        std::abort();
+      fsync_path(tmp, true);
+      std::error_code ec;
+      std::string aside;
+      if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
+        aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
+        fs::remove_all(aside, ec);
+        fs::rename(final_dir, aside, ec);
+        STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir, ec.message());
       }
-      const int rc = ::fsync(fd);
-      const int err = errno;
-      ::close(fd);
-      STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
+      fs::remove(fs::path(tmp) / kOwnerFile, ec);
+      fs::rename(tmp, final_dir, ec);
+      STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+      fsync_path(root, true);
+      if (!aside.empty()) fs::remove_all(aside, ec);
     }
-    fsync_path(tmp, true);
-    std::error_code ec;
-    std::string aside;
-    if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
-      aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
-      fs::remove_all(aside, ec);
-      fs::rename(final_dir, aside, ec);
-      STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir, ec.message());
+    barrier(comm, s);
+    return final_dir;
+  } catch (...) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
     }
-    fs::remove(fs::path(tmp) / kOwnerFile, ec);
-    fs::rename(tmp, final_dir, ec);
-    STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
-    fsync_path(root, true);
-    if (!aside.empty()) fs::remove_all(aside, ec);
+    throw;
   }
-  barrier(comm, s);
-  return final_dir;
 }
 
 std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) {
@@ -253,14 +263,14 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
   return "";
 }
 
-FoundCheckpoint find_checkpoint(const std::string& path) {
+FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(path, ec), "--resume {}: no such directory", path);
+  STRATA_REQUIRE(fs::is_directory(path, ec), "{} {}: no such directory", what, path);
   // A checkpoint folder itself.
   if (fs::exists(fs::path(path) / kManifest, ec) || step_of(fs::path(path).filename().string()) >= 0) {
     FoundCheckpoint fc;
     const std::string why = verify_checkpoint(path, &fc.manifest);
-    STRATA_REQUIRE(why.empty(), "--resume {}: not a complete checkpoint: {}", path, why);
+    STRATA_REQUIRE(why.empty(), "{} {}: not a complete checkpoint: {}", what, path, why);
     fc.dir = path;
     fc.step = fc.manifest.value("step", std::int64_t(0));
     return fc;
@@ -274,27 +284,27 @@ FoundCheckpoint find_checkpoint(const std::string& path) {
     const std::int64_t st = step_of(name);
     if (st >= 0) found.emplace_back(st, e.path().string());
     else if (name.rfind("step-", 0) == 0)
-      log::warn("--resume: skipping {}: an unfinished (or set-aside) checkpoint", e.path().string());
+      log::warn("{}: skipping {}: an unfinished (or set-aside) checkpoint", what, e.path().string());
   }
-  STRATA_REQUIRE(!ec, "--resume {}: cannot list {}: {}", path, root, ec.message());
+  STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [st, dir] : found) {
     FoundCheckpoint fc;
     const std::string why = verify_checkpoint(dir, &fc.manifest);
     if (!why.empty()) {
-      log::warn("--resume: skipping {}: {}", dir, why);
+      log::warn("{}: skipping {}: {}", what, dir, why);
       continue;
     }
     if (fc.manifest.value("step", std::int64_t(-1)) != st) {
-      log::warn("--resume: skipping {}: its manifest says step {}", dir, fc.manifest.value("step", std::int64_t(-1)));
+      log::warn("{}: skipping {}: its manifest says step {}", what, dir, fc.manifest.value("step", std::int64_t(-1)));
       continue;
     }
     fc.dir = dir;
     fc.step = st;
     return fc;
   }
-  STRATA_THROW(kInvalidArgument, "--resume {}: no complete checkpoint found (looked for step-<N> folders with a valid "
-               "manifest.json in {}; {} candidate(s) failed verification)", path, root, found.size());
+  STRATA_THROW(kInvalidArgument, "{} {}: no complete checkpoint found (looked for step-<N> folders with a valid "
+               "manifest.json in {}; {} candidate(s) failed verification)", what, path, root, found.size());
 }
 
 }  // namespace strata

@@ -84,6 +84,60 @@ void require_file(const std::string& path, const char* flag) {
   STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} {}: no such file", flag, path);
 }
 
+// The nearest folder of `path` (itself or an ancestor) that exists: where a folder for it would
+// be created.
+fs::path nearest_existing(const std::string& path) {
+  std::error_code ec;
+  fs::path up = fs::absolute(path, ec).lexically_normal();
+  while (!up.empty() && !fs::exists(up, ec) && up != up.root_path()) up = up.parent_path();
+  return up;
+}
+
+// Checked before the first step, not when the file is written: `path`'s folder (or the nearest
+// one that exists, when `create` makes the rest) is a folder this process can write in.
+void require_writable_folder(const std::string& flag, const std::string& path, const fs::path& folder) {
+  std::error_code ec;
+  STRATA_REQUIRE(fs::is_directory(folder, ec), "{} {}: {} is not a folder (create it first)", flag, path,
+                 folder.string());
+  STRATA_REQUIRE(::access(folder.c_str(), W_OK) == 0, "{} {}: {} cannot be written in: {}", flag, path,
+                 folder.string(), std::strerror(errno));
+}
+
+std::string demo_text(std::size_t bytes, std::uint64_t seed);
+
+// The demo's text file, written only when it does not hold the text already, and then as a new
+// file renamed over the old: another demo run may be reading the old one through mmap, and
+// truncating a mapped file kills its reader (SIGBUS).
+void write_demo_text(const std::string& path) {
+  const std::string t = demo_text(std::size_t(1) << 20, 7);
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  STRATA_REQUIRE(!ec, "the demo text's folder {} cannot be created: {}", fs::path(path).parent_path().string(),
+                 ec.message());
+  if (fs::file_size(path, ec) == t.size() && !ec) {
+    std::ifstream in(path, std::ios::binary);
+    std::string have(t.size(), '\0');
+    if (in.read(have.data(), std::streamsize(have.size())) && have == t) return;
+  }
+  const std::string tmp = fmt::format("{}.tmp-{}", path, ::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(t.data(), std::streamsize(t.size()));
+    f.close();
+    if (!f) {
+      const int err = errno;
+      fs::remove(tmp, ec);
+      STRATA_THROW(kIo, "cannot write the demo text to {}: {}", tmp, std::strerror(err));
+    }
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    fs::remove(tmp, ec);
+    STRATA_THROW(kIo, "cannot write the demo text to {}: {}", path, why);
+  }
+}
+
 // Sentences from a small grammar: the structure (spelling, word order, agreement of "a"/"an")
 // is learnable within tens of steps, and the remaining entropy (which word comes next) keeps
 // the loss from collapsing to zero.
@@ -202,8 +256,7 @@ TrainResult train(const TrainOptions& o) {
     std::error_code ec;
     STRATA_REQUIRE(!fs::exists(o.out_dir, ec) || fs::is_directory(o.out_dir, ec),
                    "--out {} is a file, not a folder: give a folder for the model", o.out_dir);
-    fs::path up = fs::absolute(o.out_dir, ec).lexically_normal();
-    while (!up.empty() && !fs::exists(up, ec) && up != up.root_path()) up = up.parent_path();
+    const fs::path up = nearest_existing(o.out_dir);
     STRATA_REQUIRE(fs::is_directory(up, ec) && ::access(up.c_str(), W_OK) == 0,
                    "--out {}: {} is not a writable folder, so the model could not be written there", o.out_dir,
                    up.string());
@@ -222,6 +275,22 @@ TrainResult train(const TrainOptions& o) {
     fs::path dir = fs::absolute(resume.dir).lexically_normal();
     if (dir.filename().empty()) dir = dir.parent_path();
     ckpt_root = dir.parent_path().string();
+  }
+  // Files written during the run: their folders are checked now, not at the step that writes
+  // them (a run that cannot save its checkpoint was lost at that step).
+  if (o.save_every > 0)
+    require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root,
+                            nearest_existing(ckpt_root));
+  if (!o.trace_file.empty()) {
+    const fs::path parent = fs::absolute(o.trace_file).parent_path();
+    require_writable_folder("--trace", o.trace_file, parent);
+  }
+  if (resume.step > 0) {
+    const std::int64_t total = o.steps > 0 ? o.steps : 60;
+    STRATA_REQUIRE(total > resume.step,
+                   "--resume {}: the checkpoint is at step {}, and --steps {}{} is not beyond it: --steps counts from "
+                   "the run's start, so give more than {}",
+                   resume.dir, resume.step, total, o.steps > 0 ? "" : " (the default)", resume.step);
   }
 
   // ---- launch, device, communicator ----
@@ -250,20 +319,46 @@ TrainResult train(const TrainOptions& o) {
   // ---- engine config: the file (or defaults), then the flags ----
   EngineConfig ecfg;
   std::string demo_dir;
+  bool config_batch = false;  // the --config gives train_batch_size: the user's global batch
   if (!o.ds_config.empty()) {
-    ecfg = parse_engine_config(read_text(o.ds_config, "--config"), launch.world_size);
+    const std::string text = read_text(o.ds_config, "--config");
+    ecfg = parse_engine_config(text, launch.world_size);
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    config_batch = j.is_object() && j.contains("train_batch_size");
   } else if (demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
-    fs::create_directories(demo_dir);
+    std::error_code ec;
+    fs::create_directories(demo_dir, ec);
+    STRATA_REQUIRE(!ec, "{}{}: the demo's NVMe folder cannot be created: {}{}",
+                   o.demo_nvme_dir.empty() ? "" : "--demo-nvme ", demo_dir, ec.message(),
+                   o.demo_nvme_dir.empty() ? "; give another with --demo-nvme DIR" : "");
     std::uint64_t layer = units.size() > 2 ? units[1].numel : max_unit;
     ecfg = demo_engine_config(demo_dir, layer);
   } else {
     ecfg = default_engine_config();
   }
+  const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0) ecfg.micro_batch_per_gpu = o.micro_batch;
   else if (demo_model && o.ds_config.empty()) ecfg.micro_batch_per_gpu = 2;
   if (o.grad_accum > 0) ecfg.gradient_accumulation_steps = o.grad_accum;
+  if (config_batch && (o.micro_batch > 0) != (o.grad_accum > 0)) {
+    // One of the two flags: the --config's global batch stays, the other factor follows (as
+    // DeepSpeed derives it), instead of silently becoming another batch.
+    const bool by_micro = o.micro_batch > 0;
+    const std::int64_t given = by_micro ? o.micro_batch : o.grad_accum;
+    const std::int64_t per = given * launch.world_size;
+    STRATA_REQUIRE(config_train_batch % per == 0,
+                   "{} {} x {} rank(s) does not divide train_batch_size {} of --config {}: give {} too, or a value "
+                   "that divides it",
+                   by_micro ? "--micro-batch" : "--grad-accum", given, launch.world_size, config_train_batch,
+                   o.ds_config, by_micro ? "--grad-accum" : "--micro-batch");
+    (by_micro ? ecfg.gradient_accumulation_steps : ecfg.micro_batch_per_gpu) = config_train_batch / per;
+  }
   ecfg.train_batch_size = ecfg.micro_batch_per_gpu * ecfg.gradient_accumulation_steps * launch.world_size;
+  if (config_batch && ecfg.train_batch_size != config_train_batch)
+    log::warn("--micro-batch {} x --grad-accum {} x {} rank(s) = {} sequences a step replaces train_batch_size {} of "
+              "--config {}", ecfg.micro_batch_per_gpu, ecfg.gradient_accumulation_steps, launch.world_size,
+              ecfg.train_batch_size, config_train_batch, o.ds_config);
   if (o.lr >= 0) ecfg.adamw.lr = o.lr;
   else if (demo_model && o.ds_config.empty()) ecfg.adamw.lr = 3e-3;
   if (o.weight_decay >= 0) ecfg.adamw.weight_decay = o.weight_decay;
@@ -321,6 +416,8 @@ TrainResult train(const TrainOptions& o) {
         "activations are not in this plan: a micro-batch of {} x {} tokens needs device memory beyond the "
         "device total above; strata-prof measures them{}",
         ecfg.micro_batch_per_gpu, seq_len, o.checkpoint_activations ? "" : " (--checkpoint-activations keeps them small)"));
+    if (!plan.fits && o.device_mem_gb > 0)
+      plan.notes.push_back(fmt::format("--device-mem-gb {:g} caps the device: a larger one is another way", o.device_mem_gb));
     if (con) {
       std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
                    demo_model ? " (demo)" : "", std::size_t(total_numel), units.size(), world,
@@ -337,14 +434,11 @@ TrainResult train(const TrainOptions& o) {
     // Beside the demo's NVMe folder, or (a config of the user's with the demo's data) in the
     // scratch folder: never the working directory.
     const std::string dir = demo_dir.empty() ? default_scratch_dir("demo-data") : demo_dir;
-    if (rank == 0) fs::create_directories(dir);
     text_file = (fs::path(dir) / "demo-text.txt").string();
-    if (rank == 0) {
-      std::ofstream f(text_file, std::ios::binary | std::ios::trunc);
-      const std::string t = demo_text(std::size_t(1) << 20, 7);
-      f.write(t.data(), std::streamsize(t.size()));
-      STRATA_REQUIRE(f.good(), "cannot write the demo text to {}", text_file);
-    }
+    if (rank == 0) write_demo_text(text_file);
+    if (rank == 0 && !demo_model)
+      log::warn("no --data or --text: training {} on the demo's generated text (a smoke test, not a fine-tune); "
+                "give --data FILE or --text FILE for your own", o.model_dir.empty() ? "the model" : o.model_dir);
   }
   DataOptions dopt;
   dopt.files = text_file.empty() ? o.data_files : std::vector<std::string>{text_file};
@@ -383,9 +477,17 @@ TrainResult train(const TrainOptions& o) {
   try {
     engine.finalize();
   } catch (const Error& e) {
+    // Two demos at once: the demo's folder is the flag's, not a config key of the user's.
+    if (!demo_dir.empty() && e.user_message().find("in use by another running strata process") != std::string::npos)
+      STRATA_THROW(kInvalidArgument, "the demo's NVMe folder {} is in use by another running demo; give this one "
+                   "its own with --demo-nvme DIR", demo_dir);
     // The demo runs on a device capped below its weights, which its own config offloads
     // around; a config of the user's may not: say where the cap comes from.
-    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.device_mem_gb > 0 || o.ds_config.empty()) throw;
+    // A cap of the user's own is one of the things to change.
+    if (e.kind() == ErrorKind::kOutOfMemory && o.device_mem_gb > 0)
+      STRATA_THROW(kOutOfMemory, "{}\n(--device-mem-gb {:g} caps the device: a larger one is another way)",
+                   e.message(), o.device_mem_gb);
+    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.ds_config.empty()) throw;
     STRATA_THROW(kOutOfMemory,
                  "the demo model runs on an emulated device capped at 20 MiB (below its weights), and --config {} "
                  "does not fit it: offload as the message below says, or give a larger device with "
@@ -422,11 +524,28 @@ TrainResult train(const TrainOptions& o) {
     differs("grad_accum", accum);
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
-    differs("files", dopt.files);
+    {
+      // The same files by another path ("corpus.txt" then "/data/corpus.txt") are the same data.
+      auto canon = [](const nlohmann::json& list) {
+        std::vector<std::string> out;
+        if (!list.is_array()) return out;
+        for (const auto& f : list) {
+          std::error_code ec;
+          const fs::path p = fs::weakly_canonical(fs::path(f.get<std::string>()), ec);
+          out.push_back(ec ? f.get<std::string>() : p.string());
+        }
+        return out;
+      };
+      if (d.contains("files") && canon(d["files"]) != canon(nlohmann::json(dopt.files)))
+        log::warn("--resume: files was {} in the checkpoint's run, {} now: the data will not continue where it "
+                  "stopped", d["files"].dump(), nlohmann::json(dopt.files).dump());
+    }
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
+    // The total only shapes a cosine decay: extending a constant-lr run is no change of schedule.
+    const bool by_total = !ds_schedule && schedule == "cosine";
     if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", warmup) != warmup ||
-        ls.value("schedule", schedule) != schedule || ls.value("total_steps", steps) != steps ||
+        ls.value("schedule", schedule) != schedule || (by_total && ls.value("total_steps", steps) != steps) ||
         ls.value("next_lr", lr_of(resume.step + 1)) != lr_of(resume.step + 1))
       log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
                 "run's", ls.dump());
@@ -517,7 +636,10 @@ TrainResult train(const TrainOptions& o) {
                  ecfg.stage, ecfg.params.device_fraction >= 1 ? "device" : ecfg.params.host_fraction >= 1 ? "host" : "nvme",
                  ecfg.optimizer.device_fraction >= 1 ? "device" : ecfg.optimizer.host_fraction >= 1 ? "host" : "nvme",
                  (long long)B, (long long)seq_len, (long long)accum, world);
-    if (!demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s; data: %s\n", demo_dir.c_str(), text_file.c_str());
+    std::string data = text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : text_file;
+    if (demo_data) data += " (the demo's generated text: no --data or --text given)";
+    if (!demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s\n", demo_dir.c_str());
+    std::fprintf(con, "  data: %s\n", data.c_str());
     std::fflush(con);
   }
 
@@ -542,13 +664,26 @@ TrainResult train(const TrainOptions& o) {
         if (r == rank) batch = std::move(b);
       }
       ph.data += since(t0);
-      t0 = Clock::now();
-      loss_sum += double(model.forward(batch, weights));
-      ph.forward += since(t0);
-      t0 = Clock::now();
-      model.backward(weights);
-      compute->synchronize();
-      ph.backward += since(t0);
+      try {
+        t0 = Clock::now();
+        loss_sum += double(model.forward(batch, weights));
+        ph.forward += since(t0);
+        t0 = Clock::now();
+        model.backward(weights);
+        compute->synchronize();
+        ph.backward += since(t0);
+      } catch (const Error& e) {
+        // The plan covered the training state; what did not fit is a micro-batch's work.
+        if (e.kind() != ErrorKind::kOutOfMemory) throw;
+        STRATA_THROW(kOutOfMemory,
+                     "step {}: the device ran out of memory during a micro-batch (its activations are not in the "
+                     "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on the "
+                     "device (--config: offload_param, stage3_max_live_parameters)\n{}",
+                     step, B, seq_len,
+                     mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
+                     dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb" : "",
+                     e.user_message());
+      }
     }
     auto t0 = Clock::now();
     const StepResult sr = engine.step(float(lr));
@@ -556,7 +691,13 @@ TrainResult train(const TrainOptions& o) {
     const double loss = mean_over_ranks(loss_sum / double(accum), *comm, *dev, *compute);
     if (tracing) {
       Tracer::global().set_enabled(false);
-      if (rank == 0) Tracer::global().write_chrome_trace(o.trace_file);
+      if (rank == 0) {
+        try {
+          Tracer::global().write_chrome_trace(o.trace_file);
+        } catch (const Error& e) {  // a debugging aid: not worth the run
+          log::warn("--trace: {}; the training goes on", e.user_message());
+        }
+      }
     }
     StepRecord rec;
     rec.step = step;
