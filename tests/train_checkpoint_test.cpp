@@ -357,6 +357,29 @@ TEST_F(TrainBinary, SigkillAfterStep6ThenResumeEqualsStraightRun) {
   EXPECT_TRUE(fs::exists(ck + "/step-10/manifest.json"));
 }
 
+// Ctrl-C (SIGINT) or a scheduler's SIGTERM: the run ends by the signal as before, and its swap
+// files go with it (they stayed until the next run in that folder: for a big model, most of the
+// drive).
+TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
+  for (const int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(sig);
+    const std::string nv = dir.path + "/nv" + std::to_string(sig), log = dir.path + "/int.jsonl";
+    fs::remove(log);
+    Proc p = spawn({"--steps", "1000", "--demo-nvme", nv, "--log-json", log}, dir.path, "interrupted");
+    const std::string stripe = nv + "/strata-swap/rank0/stripe.bin";
+    bool running = false;
+    for (int i = 0; i < 60000 && !running; ++i) {  // up to 60 s: the first step logged
+      running = fs::exists(stripe) && read_log(log).count(1) > 0;
+      if (!running) std::this_thread::sleep_for(1ms);
+    }
+    ::kill(p.pid, sig);
+    const int st = wait_status(p.pid);
+    ASSERT_TRUE(running) << slurp(p.err);
+    EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == sig) << "status " << st << "\n" << slurp(p.err);
+    EXPECT_FALSE(fs::exists(stripe)) << "the swap file stayed";
+  }
+}
+
 TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
   const auto ref = straight();
   const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";

@@ -8,11 +8,13 @@
 
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/nvme.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
+  strata::remove_swap_files_on_interrupt();   // Ctrl-C does not leave the optimizer state on the drive
   strata::TrainOptions o;
   bool no_shuffle = false;
   CLI::App app{"strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"

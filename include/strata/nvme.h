@@ -167,6 +167,13 @@ struct SwapStoreStats {
   bool direct = false;
 };
 
+// Makes SIGINT and SIGTERM (Ctrl-C, mpirun passing one on, a scheduler's kill) delete the swap
+// files of every live SwapStore before the process ends by the signal as it would have: an
+// interrupted run's optimizer state can fill most of a drive, and otherwise stays until the next
+// run in the same folder. A handler the program installed itself is left in place. For tools;
+// a program embedding strata may call it too.
+void remove_swap_files_on_interrupt();
+
 class SwapStore {
  public:
   // Takes the rank's directory under each path (removing a previous run's files), or

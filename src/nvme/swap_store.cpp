@@ -21,6 +21,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
@@ -36,6 +39,45 @@ namespace fs = std::filesystem;
 namespace {
 constexpr std::size_t kPage = 4096;
 
+// The swap files of the live stores, for remove_swap_files_on_interrupt(): fixed slots the
+// signal handler can read without taking a lock or allocating (it only calls unlink, which is
+// async-signal-safe). A slot is claimed, filled, then published; unpublished before it is
+// reused.
+constexpr int kSwapSlots = 128;
+constexpr std::size_t kSwapPathMax = 4096;
+struct SwapSlot {
+  std::atomic<bool> claimed{false}, published{false};
+  char path[kSwapPathMax];
+};
+SwapSlot g_swap_slots[kSwapSlots];
+
+// The slot now holding `path`, or -1 when every slot is taken or the path is too long (the file
+// is then left to the next run's clean-up, as before).
+int publish_swap_file(const std::string& path) {
+  if (path.size() >= kSwapPathMax) return -1;
+  for (int i = 0; i < kSwapSlots; ++i) {
+    bool expected = false;
+    if (!g_swap_slots[i].claimed.compare_exchange_strong(expected, true)) continue;
+    std::memcpy(g_swap_slots[i].path, path.c_str(), path.size() + 1);
+    g_swap_slots[i].published.store(true);
+    return i;
+  }
+  return -1;
+}
+
+void unpublish_swap_file(int slot) {
+  if (slot < 0) return;
+  g_swap_slots[slot].published.store(false);
+  g_swap_slots[slot].claimed.store(false);
+}
+
+extern "C" void remove_swap_files_and_reraise(int sig) {
+  for (SwapSlot& slot : g_swap_slots)
+    if (slot.published.load()) ::unlink(slot.path);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 }  // namespace
 
 struct SwapStore::Impl {
@@ -43,6 +85,7 @@ struct SwapStore::Impl {
     std::string path;
     int fd = -1;
     std::size_t size = 0;
+    int slot = -1;  // its publish_swap_file slot
   };
   struct Extent {
     std::uint64_t offset = 0;  // logical
@@ -156,6 +199,7 @@ struct SwapStore::Impl {
     own_engine.reset();
     std::error_code ec;
     for (auto& f : files) {
+      unpublish_swap_file(f.slot);
       ::close(f.fd);
       fs::remove(f.path, ec);
     }
@@ -172,6 +216,17 @@ struct SwapStore::Impl {
     std::erase_if(pending, [](const IoHandle& h) { return h.done(); });
   }
 };
+
+void remove_swap_files_on_interrupt() {
+  for (const int sig : {SIGINT, SIGTERM}) {
+    struct sigaction old {};
+    if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO)) continue;
+    struct sigaction sa {};
+    sa.sa_handler = remove_swap_files_and_reraise;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, &sa, nullptr);
+  }
+}
 
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
@@ -269,6 +324,7 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     f.path = (dir / "stripe.bin").string();
     bool direct = false;
     f.fd = open_for_io(f.path, O_RDWR | O_CREAT | O_TRUNC, opts.aio.direct, &direct);
+    f.slot = publish_swap_file(f.path);
     s.direct = s.files.empty() ? direct : (s.direct && direct);
     s.files.push_back(f);
   }
