@@ -222,7 +222,8 @@ void streamed(void* dst, std::size_t n, Head head, Body body) {
 void dma_copy(void* dst, const void* src, std::size_t bytes) {
   const auto* s = static_cast<const unsigned char*>(src);
   auto* d = static_cast<unsigned char*>(dst);
-  if (bytes < kStreamMin || (d < s + bytes && s < d + bytes)) {
+  const auto di = reinterpret_cast<std::uintptr_t>(dst), si = reinterpret_cast<std::uintptr_t>(src);
+  if (bytes < kStreamMin || (di < si + bytes && si < di + bytes)) {  // small, or overlapping
     std::memmove(dst, src, bytes);
     return;
   }
