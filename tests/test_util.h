@@ -48,9 +48,10 @@ struct Result {
   std::string out, err;
 };
 
-// Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
-inline Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
-                  const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+// Starts `bin args...` (its stdout/stderr captured in `dir` under `tag`: <tag>.stdout,
+// <tag>.stderr) and returns its pid without waiting: for a test that signals it.
+inline pid_t start(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
+                   const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
   const std::string out = dir + "/" + tag + ".stdout", err = dir + "/" + tag + ".stderr";
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -67,9 +68,16 @@ inline Result run(const std::string& bin, const std::vector<std::string>& args, 
     ::execv(b.c_str(), argv.data());
     ::_exit(127);
   }
+  return pid;
+}
+
+// Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
+inline Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
+                  const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const pid_t pid = start(bin, args, dir, tag, env);
   int st = 0;
   ::waitpid(pid, &st, 0);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(out), slurp(err)};
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(dir + "/" + tag + ".stdout"), slurp(dir + "/" + tag + ".stderr")};
 }
 
 }  // namespace strata::testing

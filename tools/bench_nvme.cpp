@@ -3,10 +3,13 @@
 // --sweep tries block size x queue depth x threads x buffer kind within a time bound and
 // writes the best "aio" block as JSON.
 #include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -45,12 +48,90 @@ struct NvmeArgs {
   int repeat = 3;
 };
 
+// A SIGINT or SIGTERM (Ctrl-C, a job's time limit) must leave no more behind than any other end
+// of the run: the benchmark's file removed, vm.nr_hugepages put back. The handler does only
+// async-signal-safe work (unlink, open, write, close, sigaction, raise) on text formatted
+// before it can need it, then ends the process by the same signal, so the shell still sees
+// 130 / 143. What it undoes is registered before it is done and stays registered until the
+// handlers go: an unlink of a file already removed, or a write of the value already there,
+// costs nothing.
+constexpr int kCleanupSignals[] = {SIGINT, SIGTERM};
+constexpr int kMaxCleanupFiles = 4;
+// Written by the main thread, each entry before it is published through its count; read by
+// the handler on whichever thread the signal lands.
+struct SignalCleanupState {
+  char paths[kMaxCleanupFiles][PATH_MAX];
+  std::atomic<int> files{0};
+  char hugepages[24];
+  std::size_t hugepages_len = 0;
+  std::atomic<bool> hugepages_set{false};
+};
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free,
+              "read in a signal handler");
+SignalCleanupState g_cleanup;
+
+void cleanup_and_die(int sig) {
+  const int n = g_cleanup.files.load();
+  for (int i = 0; i < n; ++i) ::unlink(g_cleanup.paths[i]);
+  if (g_cleanup.hugepages_set.load()) {
+    const int fd = ::open("/proc/sys/vm/nr_hugepages", O_WRONLY);
+    if (fd >= 0) {
+      const ssize_t unused = ::write(fd, g_cleanup.hugepages, g_cleanup.hugepages_len);  // refused: nothing more to do
+      (void)unused;
+      ::close(fd);
+    }
+  }
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  ::sigaction(sig, &dfl, nullptr);
+  ::raise(sig);  // delivered, with the default action, when this handler returns
+}
+
+class SignalCleanup {
+ public:
+  SignalCleanup() {
+    struct sigaction sa {};
+    sa.sa_handler = cleanup_and_die;
+    sigemptyset(&sa.sa_mask);
+    for (int s : kCleanupSignals) sigaddset(&sa.sa_mask, s);  // one cleanup at a time per thread
+    for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &sa, &previous_[i]);
+  }
+  ~SignalCleanup() {
+    for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &previous_[i], nullptr);
+    g_cleanup.files.store(0);
+    g_cleanup.hugepages_set.store(false);
+  }
+  SignalCleanup(const SignalCleanup&) = delete;
+  SignalCleanup& operator=(const SignalCleanup&) = delete;
+
+  // Before the file is created.
+  static void remove_file(const std::string& path) {
+    const int n = g_cleanup.files.load();
+    STRATA_CHECK(n < kMaxCleanupFiles, "strata-bench nvme: more than {} files to remove on a signal", kMaxCleanupFiles);
+    STRATA_REQUIRE(path.size() < sizeof g_cleanup.paths[n], "--path: {} is longer than PATH_MAX", path);
+    std::memcpy(g_cleanup.paths[n], path.c_str(), path.size() + 1);
+    g_cleanup.files.store(n + 1);
+  }
+  // Before vm.nr_hugepages is changed.
+  static void restore_hugepages(int pages) {
+    const std::string text = std::to_string(pages) + "\n";
+    std::memcpy(g_cleanup.hugepages, text.c_str(), text.size());
+    g_cleanup.hugepages_len = text.size();
+    g_cleanup.hugepages_set.store(true);
+  }
+
+ private:
+  struct sigaction previous_[std::size(kCleanupSignals)] {};
+};
+
 // Sets /proc/sys/vm/nr_hugepages for the benchmark's lifetime (root), restoring it after.
 class HugepageReservation {
  public:
   explicit HugepageReservation(int pages) {
     if (pages <= 0) return;
     std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
+    SignalCleanup::restore_hugepages(before_);
     std::ofstream("/proc/sys/vm/nr_hugepages") << std::max(pages, before_);
     int now = 0;
     std::ifstream("/proc/sys/vm/nr_hugepages") >> now;
@@ -67,7 +148,8 @@ class HugepageReservation {
   bool active_ = false;
 };
 
-// The benchmark's file, removed however the run ends (a failed run left gigabytes behind).
+// The benchmark's file, removed however the run ends (a failed run left gigabytes behind; a
+// signal's end is SignalCleanup's).
 struct RemovedAtExit {
   std::string path;
   ~RemovedAtExit() {
@@ -236,6 +318,8 @@ void run_compare(const NvmeArgs& a) {
   STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal or both", a.buffers);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
   require_space(a.path, file, size);
+  SignalCleanup::remove_file(file);
+  SignalCleanup::remove_file(file + ".fio-stderr");  // run_fio's
   const RemovedAtExit removed{file};
   const bool direct = lay_down(file, size, cfg);
 
@@ -326,6 +410,7 @@ void run_sweep(const NvmeArgs& a) {
   STRATA_REQUIRE(size >= blocks[2], "--size {} with --sweep: at least 4M (its largest block)", a.size);
   STRATA_REQUIRE(a.sweep_seconds > 0, "--sweep-seconds {}: must be > 0 (the sweep's time bound)", a.sweep_seconds);
   require_space(a.path, file, size);
+  SignalCleanup::remove_file(file);
   const RemovedAtExit removed{file};
   const int qds[] = {8, 32, 64};
   const int threads[] = {1, 2};
@@ -419,6 +504,7 @@ void add_nvme_command(CLI::App& app) {
       STRATA_REQUIRE(c->count("--out") == 0 && c->count("--sweep-seconds") == 0,
                      "--out and --sweep-seconds belong to --sweep (the best aio block it finds); add --sweep");
     }
+    const SignalCleanup on_signal;  // before anything it undoes is done
     HugepageReservation hp(a->reserve_hugepages);
     a->sweep ? run_sweep(*a) : run_compare(*a);
   });
