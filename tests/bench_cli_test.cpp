@@ -70,6 +70,9 @@ TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(first_line(r.err).find("belong to --sweep"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(d.path + "/aio.json"));
+  r = run({"--overwrite"}, "overwrite");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("--overwrite belong to --sweep"), std::string::npos) << r.err;
   r = run({"--sweep", "--sweep-seconds", "0"}, "zero");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(first_line(r.err).find("--sweep-seconds 0"), std::string::npos) << r.err;
@@ -111,6 +114,37 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
       std::ofstream(hugepages) << before;  // whatever happened
     }
   }
+}
+
+// --sweep --out FILE: a file already there (a user's ds_config.json) is not replaced by the aio
+// block without --overwrite, and a folder that is not there is named with the reason, both
+// before anything is measured.
+TEST(BenchCli, NvmeSweepOutIsCheckedBeforeTheSweep) {
+  TempDir d("strata-bench");
+  const std::string mine = d.path + "/ds_config.json";
+  std::ofstream(mine) << "{\"train_batch_size\": 8}";
+  auto run = [&](std::vector<std::string> args, const char* tag) {
+    args.insert(args.begin(), {"nvme", "--path", d.path, "--size", "8M", "--sweep", "--sweep-seconds", "1"});
+    return testing::run(STRATA_BENCH_BIN, args, d.path, tag);
+  };
+  auto r = run({"--out", mine}, "exists");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--out " + mine + " exists: pass --overwrite to replace it"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos) << "measured first: " << r.out;
+  EXPECT_EQ(testing::slurp(mine), "{\"train_batch_size\": 8}");
+  const std::string nodir = d.path + "/nodir/aio.json";
+  r = run({"--out", nodir}, "nodir");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--out " + nodir + ": cannot be written in " + d.path +
+                                   "/nodir: No such file or directory"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos) << "measured first: " << r.out;
+  r = run({"--out", mine, "--overwrite"}, "overwrite");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(nlohmann::json::parse(testing::slurp(mine)).contains("aio")) << testing::slurp(mine);
+  EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
 // A bad value CLI11 catches still gets --json's error object, last.

@@ -529,7 +529,8 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
   const auto r = testing::run(STRATA_MPIEXEC,
                               {"-np", "3", "--oversubscribe", STRATA_PROF_BIN, "--model-config", model, "--device",
                                "cpu", "--device-mem-gb", "0.02", "--seq-len", "32", "--micro-batches", "2",
-                               "--no-nvme", "--validate", "1", "--validate-steps", "2", "--svg", "", "--json"},
+                               "--no-nvme", "--validate", "1", "--validate-steps", "2", "--out", d.path + "/best.json",
+                               "--svg", "", "--trace", d.path + "/trace.json", "--json"},
                               d.path, "prof3",
                               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
                                {"STRATA_COMM_TIMEOUT_S", "120"}});
@@ -541,6 +542,57 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
 }
 #endif
+
+// What is written at the end is checked before anything is measured: a folder that is not there
+// (or a file where it should be) is named with the flag and the reason (it failed after the
+// measuring and the search, --svg after --out was written), and a file already there is the
+// user's until --overwrite.
+TEST(ProfCli, OutputsAreCheckedBeforeAnythingIsMeasured) {
+  TempDir d("strata-prof");
+  std::ofstream(d.path + "/file") << "a file";
+  auto prof = [&](std::vector<std::string> more, const std::string& tag) {
+    std::vector<std::string> args = {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--top", "1"};
+    args.insert(args.end(), more.begin(), more.end());
+    return testing::run(STRATA_PROF_BIN, args, d.path, tag);
+  };
+  const struct {
+    std::vector<std::string> flags;
+    std::string error;
+  } bad[] = {
+      {{"--out", d.path + "/nodir/best.json", "--svg", ""},
+       "--out " + d.path + "/nodir/best.json: cannot be written in " + d.path + "/nodir: No such file or directory"},
+      {{"--out", d.path + "/a.json", "--svg", d.path + "/file/prof.svg"},
+       "--svg " + d.path + "/file/prof.svg: cannot be written in " + d.path + "/file: Not a directory"},
+      {{"--out", d.path + "/a.json", "--svg", "", "--validate", "1", "--trace", d.path + "/nodir/trace.json"},
+       "--trace " + d.path + "/nodir/trace.json: cannot be written in " + d.path + "/nodir: No such file or directory"},
+  };
+  int n = 0;
+  for (const auto& c : bad) {
+    const auto r = prof(c.flags, "bad" + std::to_string(n++));
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find(c.error), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("machine ("), std::string::npos) << "measured first: " << r.out;
+  }
+  EXPECT_FALSE(fs::exists(d.path + "/a.json"));
+  // A file already there is not replaced without --overwrite (nor is anything else written).
+  std::ofstream(d.path + "/best.json") << "mine";
+  std::ofstream(d.path + "/prof.svg") << "mine";
+  auto r = prof({"--out", d.path + "/best.json", "--svg", ""}, "out");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("--out " + d.path + "/best.json exists: pass --overwrite to replace it"), std::string::npos)
+      << r.err;
+  r = prof({"--out", d.path + "/new.json", "--svg", d.path + "/prof.svg"}, "svg");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("--svg " + d.path + "/prof.svg exists: pass --overwrite to replace it"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(d.path + "/new.json"));
+  EXPECT_EQ(testing::slurp(d.path + "/best.json"), "mine");
+  EXPECT_EQ(testing::slurp(d.path + "/prof.svg"), "mine");
+  r = prof({"--out", d.path + "/best.json", "--svg", d.path + "/prof.svg", "--overwrite"}, "overwrite");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(nlohmann::json::parse(testing::slurp(d.path + "/best.json")).contains("zero_optimization"));
+  EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
+}
 
 TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
   TempDir d("strata-prof");

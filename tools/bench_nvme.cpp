@@ -23,6 +23,7 @@
 #include "strata/log.h"
 #include "strata/nvme.h"
 #include "strata/pinned_pool.h"
+#include "tool_main.h"
 
 namespace strata::bench {
 namespace {
@@ -43,6 +44,7 @@ struct NvmeArgs {
   bool sweep = false;
   double sweep_seconds = 60;
   std::string out;
+  bool overwrite = false;
   bool json = false;
   int reserve_hugepages = 0;
   int repeat = 3;
@@ -459,7 +461,7 @@ void run_sweep(const NvmeArgs& a) {
   const nlohmann::json block{{"aio", aio}};
   std::printf("%s after %.1f s. best aio block:\n%s\n", stopped ? "time bound reached" : "done", total.seconds(),
               block.dump(2).c_str());
-  if (!a.out.empty()) {
+  if (!a.out.empty()) {  // checked before the sweep (require_output_file)
     std::ofstream f(a.out, std::ios::trunc);
     f << block.dump(2) << "\n";
     f.close();
@@ -487,6 +489,7 @@ void add_nvme_command(CLI::App& app) {
   c->add_flag("--sweep", a->sweep, "sweep block size x QD x threads x buffers; print the best aio block");
   c->add_option("--sweep-seconds", a->sweep_seconds, "time bound of the sweep");
   c->add_option("--out", a->out, "with --sweep: write the best aio block to this JSON file");
+  c->add_flag("--overwrite", a->overwrite, "with --sweep --out: replace an existing FILE");
   c->add_option("--reserve-hugepages", a->reserve_hugepages,
                  "set vm.nr_hugepages to at least this many 2 MiB pages for the run (root), so strata and fio "
                  "both get hugetlbfs buffers; restored afterwards");
@@ -500,9 +503,14 @@ void add_nvme_command(CLI::App& app) {
                                "--vs-fio", "--verify", "--repeat"})
         STRATA_REQUIRE(c->count(flag) == 0, "{} with --sweep: the sweep tries block sizes, queue depths, threads and "
                        "buffers itself (one run each, no fio); leave {} out, or drop --sweep", flag, flag);
+      STRATA_REQUIRE(!a->overwrite || !a->out.empty(), "--overwrite with --sweep but no --out: nothing is "
+                     "written; add --out FILE or drop --overwrite");
+      // A file already there (a ds_config.json, say) is not replaced by the aio block unasked.
+      tools::require_output_file("--out", a->out, a->overwrite);
     } else {
-      STRATA_REQUIRE(c->count("--out") == 0 && c->count("--sweep-seconds") == 0,
-                     "--out and --sweep-seconds belong to --sweep (the best aio block it finds); add --sweep");
+      STRATA_REQUIRE(c->count("--out") == 0 && c->count("--sweep-seconds") == 0 && c->count("--overwrite") == 0,
+                     "--out, --sweep-seconds and --overwrite belong to --sweep (the best aio block it finds); add "
+                     "--sweep");
     }
     const SignalCleanup on_signal;  // before anything it undoes is done
     HugepageReservation hp(a->reserve_hugepages);

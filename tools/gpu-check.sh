@@ -137,7 +137,7 @@ prof() {
 EOF
   "$bin/strata-prof" --device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batch 4 --dtype bf16 \
     --device-mem-gb 2 --nvme-path "$nvme" --validate 3 --validate-steps 4 --top 3 --json --out "$out/prof/best.json" \
-    --svg "$out/prof/prof.svg" --trace "$out/prof/trace.json"
+    --svg "$out/prof/prof.svg" --trace "$out/prof/trace.json" --overwrite  # a check run again into the same --out
 }
 
 export bin tests out nvme use_ctest bench_args build here

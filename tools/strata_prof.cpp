@@ -77,7 +77,8 @@ struct Args {
   int validate_steps = 4;
   std::string out = "strata-prof.ds_config.json";
   std::string svg = "strata-prof.svg";
-  std::string trace;
+  std::string trace;  // with --validate: default strata-prof.trace.json
+  bool overwrite = false;
   bool json = false;
   // Set in main: the --config as the user wrote it (plus the flags), before this machine's
   // defaults; and whether the host budget came from the user.
@@ -810,6 +811,15 @@ int run(Args a) {
   }
   const int rank = launch.rank;
   const bool talk = rank == 0;
+  // What rank 0 writes at the end, checked now: a folder that is not there, or a file of the
+  // user's in the way, must not cost the measuring and the search first (and --svg must not
+  // fail after --out was written).
+  if (a.validate > 0 && a.trace.empty()) a.trace = "strata-prof.trace.json";
+  if (talk) {
+    tools::require_output_file("--out", a.out, a.overwrite);
+    tools::require_output_file("--svg", a.svg, a.overwrite);
+    if (a.validate > 0) tools::require_output_file("--trace", a.trace, a.overwrite);
+  }
 
   // ---- measure ----
   // The device the measurements run on must hold their buffers and a 2-layer copy of the
@@ -1021,7 +1031,8 @@ int run(Args a) {
     if (talk) std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k, a.validate_steps);
     if (talk)
       std::printf("  %-3s %12s %12s %8s  %s\n", "#", "predicted ms", "measured ms", "error", "configuration");
-    std::string trace = a.trace.empty() ? std::string("strata-prof.trace.json") : a.trace;
+    const std::string& trace = a.trace;
+    bool trace_written = false;  // only by the recommended configuration's run, when it ran
     double worst = 0, best_measured = 1e300;
     int failed = 0;
     std::size_t best_measured_i = 0;
@@ -1042,6 +1053,7 @@ int run(Args a) {
         continue;
       }
       if (i == 0) {
+        trace_written = fs::exists(trace);
         measured_sched = measured_schedule(Tracer::global().spans());
         have_trace = !measured_sched.empty();
         measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
@@ -1076,13 +1088,14 @@ int run(Args a) {
                                                        best_measured_i + 1)
                                                .c_str());
       }
-      std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
+      if (trace_written)
+        std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
     }
     j["validated"] = k;
     j["validation_failures"] = failed;
     j["worst_prediction_error"] = worst;
     j["recommended_vs_best_measured"] = rec_vs_best;
-    j["trace_file"] = trace;
+    j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   }
   if (talk && !a.svg.empty()) {
     write_svg(a.svg, best, have_trace ? &measured_sched : nullptr, measured_best_step,
@@ -1138,7 +1151,9 @@ int main(int argc, char** argv) {
   app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")->check(CLI::Range(2, 100));
   app.add_option("--out", a.out, "write the best configuration here (default strata-prof.ds_config.json)");
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
-  app.add_option("--trace", a.trace, "Chrome trace of the recommended configuration (with --validate)");
+  app.add_option("--trace", a.trace,
+                 "Chrome trace of the recommended configuration (with --validate; default strata-prof.trace.json)");
+  app.add_flag("--overwrite", a.overwrite, "replace existing --out, --svg and --trace files");
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
   return strata::tools::run_tool("strata-prof", app, argc, argv, [&] { return strata::run(a); });
 }

@@ -5,8 +5,12 @@
 // rank of several failing ends the whole MPI job (its peers would wait for it for ever).
 #pragma once
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 
@@ -37,6 +41,28 @@ inline CLI::Validator sign_check(bool zero_ok) {
 }
 inline const CLI::Validator kNonNegative = sign_check(true);
 inline const CLI::Validator kPositive = sign_check(false);
+
+// A file a tool writes when it is done (a recommendation, a picture, a trace), checked before
+// anything is measured, so a run of minutes does not end in "cannot be written": its folder
+// exists and takes a new file, and a file already there (a user's ds_config.json, say) is
+// replaced only with --overwrite. An empty path is no file.
+inline void require_output_file(const char* flag, const std::string& path, bool overwrite) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
+  if (fs::exists(fs::symlink_status(path, ec))) {
+    STRATA_REQUIRE(overwrite, "{} {} exists: pass --overwrite to replace it", flag, path);
+    if (::access(path.c_str(), W_OK) != 0)
+      STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
+    return;
+  }
+  const fs::path dir = fs::path(path).parent_path();
+  const std::string where = dir.empty() ? std::string(".") : dir.string();
+  // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
+  if (::access((where + "/.").c_str(), W_OK) != 0)
+    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where, std::strerror(errno));
+}
 
 // The error path: one line on stderr, the JSON object with --json, the job ended if this is one
 // rank of several; returns the exit code.
