@@ -628,6 +628,23 @@ TEST(ProfCli, BadInputIsAClearError) {
   EXPECT_EQ(nv.status, 1);
   EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos) << nv.err;
   EXPECT_FALSE(fs::exists(d.path + "/nope"));
+  // Two flags that contradict each other: both named (the path was ignored).
+  const std::vector<std::string> out = {"--out", d.path + "/best.json", "--svg", "", "--device", "cpu"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), out.begin(), out.end());
+    return v;
+  };
+  const auto both = testing::run(STRATA_PROF_BIN, with({"--no-nvme", "--nvme-path", d.path}), d.path, "both");
+  EXPECT_EQ(both.status, 1) << both.out << both.err;
+  EXPECT_NE(both.err.find("--no-nvme and --nvme-path " + d.path), std::string::npos) << both.err;
+  // An --aio file with no "aio" block (a model's config.json by mistake) is refused, not read as
+  // the defaults.
+  const std::string model = tiny_model(d.path);
+  const auto aio = testing::run(STRATA_PROF_BIN, with({"--aio", model, "--no-nvme"}), d.path, "aio");
+  EXPECT_EQ(aio.status, 1) << aio.out << aio.err;
+  EXPECT_NE(aio.err.find("--aio " + model + ": no \"aio\" block in it"), std::string::npos) << aio.err;
+  EXPECT_NE(aio.err.find("strata-bench nvme --sweep --out"), std::string::npos) << aio.err;
+  EXPECT_FALSE(fs::exists(d.path + "/best.json"));
 }
 #endif
 

@@ -748,6 +748,13 @@ int run(Args a) {
     STRATA_REQUIRE(f.good(), "--aio {}: cannot be read (write one with strata-bench nvme --sweep --out FILE)", a.aio_file);
     std::stringstream ss;
     ss << f.rdbuf();
+    // A file without one (a model's config.json by mistake) would leave every aio key at its
+    // default, silently. (Not JSON at all: parse_aio_config says where.)
+    const auto doc = nlohmann::json::parse(ss.str(), nullptr, false);
+    STRATA_REQUIRE(doc.is_discarded() || (doc.is_object() && doc.contains("aio")),
+                   "--aio {}: no \"aio\" block in it; give the file strata-bench nvme --sweep --out FILE writes "
+                   "({{\"aio\": {{\"block_size\": ..., \"queue_depth\": ..., ...}}}})",
+                   a.aio_file);
     base.aio = parse_aio_config(ss.str());
   }
   // --dtype and --grad-accum override the --config (as strata-train's flags do); left out, its
@@ -785,6 +792,8 @@ int run(Args a) {
   std::vector<std::string> nvme_paths;        // the search's: the --config's lists, else nvme_dir
   std::vector<std::string> param_nvme_paths;  // the --config's offload_param list, when it has its own
   const bool use_nvme = !a.no_nvme;
+  STRATA_REQUIRE(!a.no_nvme || a.nvme_path.empty(), "--no-nvme and --nvme-path {}: --no-nvme leaves NVMe out (nothing "
+                 "is measured or placed there); give one of them", a.nvme_path);
   if (use_nvme) {
     std::error_code ec;
     // Left out: the --config's nvme_path (the drive the user means), else a scratch folder.
