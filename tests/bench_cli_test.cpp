@@ -1,6 +1,7 @@
 // strata-bench's command line (the binary, end to end): bad input is refused before anything is
 // written or measured, with one line naming the flag, and --json's last line is one JSON object
 // (the figures, or the error); a measured part that fails exits 1 with its figures still last.
+#include <sched.h>
 #include <signal.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -145,6 +146,23 @@ TEST(BenchCli, NvmeSweepOutIsCheckedBeforeTheSweep) {
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(nlohmann::json::parse(testing::slurp(mine)).contains("aio")) << testing::slurp(mine);
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+}
+
+// More AdamW threads than the process's cores would not be what the rows say (oneTBB keeps its
+// pool to the cores): refused, naming the count it may use.
+TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
+  TempDir d("strata-bench");
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+  const int cores = CPU_COUNT(&set);
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"adam", "--params", "4096", "--reps", "1", "--threads", "1," + std::to_string(cores + 1)},
+                              d.path, "adam");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find(fmt::format("--threads {}: this process may run on {} core", cores + 1, cores)),
+            std::string::npos)
+      << r.err;
 }
 
 // A bad value CLI11 catches still gets --json's error object, last.

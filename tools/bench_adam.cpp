@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "cpu/cpu_info.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
 #include "tool_main.h"
@@ -283,6 +284,12 @@ void add_adam_command(CLI::App& app) {
     STRATA_REQUIRE(
         !args->threads.empty() && *std::min_element(args->threads.begin(), args->threads.end()) > 0,
         "--threads takes positive counts, e.g. --threads 1,2");
+    // More threads than cores would not be what the row says: the optimizer's pool keeps to
+    // the cores (oneTBB ignores the extra workers) while the bound's loops time-share them.
+    const int cores = cpu::usable_cores();
+    const int most = *std::max_element(args->threads.begin(), args->threads.end());
+    STRATA_REQUIRE(most <= cores, "--threads {}: this process may run on {} core{} (sched_getaffinity: taskset, "
+                   "the cgroup's cpuset); give counts up to {}", most, cores, cores == 1 ? "" : "s", cores);
     run(args->params, args->threads, args->reps, args->skip_check, args->json);
   });
 }

@@ -27,12 +27,11 @@
 #include <filesystem>
 #include <map>
 #include <random>
-#include <thread>
 
-#include <sched.h>
 #include <time.h>
 
 #include "bench_common.h"
+#include "cpu/cpu_info.h"
 #include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/trace.h"
@@ -53,14 +52,6 @@ double process_cpu_s() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return double(ts.tv_sec) + double(ts.tv_nsec) / 1e9;
-}
-
-// Cores this process may run on.
-int usable_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return std::max(1u, std::thread::hardware_concurrency());
-  return std::max(1, CPU_COUNT(&set));
 }
 
 struct Args {
@@ -306,7 +297,7 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
       out.step_s += double(t1 - t0) / 1e9 / a.steps;
       for (int k = 0; k < kNumResources; ++k)
         if (k != kCores) out.busy_s[k] += union_seconds(iv[k], t0, t1) / a.steps;
-      out.busy_s[kCores] += (cpu1 - cpu0) / usable_cores() / a.steps;
+      out.busy_s[kCores] += (cpu1 - cpu0) / cpu::usable_cores() / a.steps;
       if (i + 1 == a.steps && !trace_file.empty()) tracer.write_chrome_trace(trace_file);
     }
     tracer.clear();
@@ -377,7 +368,7 @@ void run(const Args& a) {
   }
   std::printf("\nbusy = union of the resource's spans in the step (seconds per step); cores = the process's CPU time\n"
               "in the step / %d cores; goal: step/busiest <= 1.1 %s\n",
-              usable_cores(), all_met ? "(met in every regime)" : "(NOT met everywhere)");
+              cpu::usable_cores(), all_met ? "(met in every regime)" : "(NOT met everywhere)");
   if (a.json)
     print_json({{"command", "engine"},
                 {"layers", a.layers},
@@ -385,7 +376,7 @@ void run(const Args& a) {
                 {"params", std::int64_t(a.layers) * a.width * a.width},
                 {"steps", a.steps},
                 {"goal_ratio", 1.1},
-                {"cores", usable_cores()},
+                {"cores", cpu::usable_cores()},
                 {"overlap_optimizer", !a.serial_optimizer},
                 {"regimes", rows}});
 }

@@ -13,7 +13,6 @@
 //             measured step time, and the Chrome trace of the best.
 //   picture   an SVG with the best candidate's step per resource lane (predicted, and measured
 //             when validated) and the bytes per tier of the top candidates.
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,13 +26,13 @@
 #include <random>
 #include <cstring>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cpu/cpu_info.h"
 #include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/comm.h"
@@ -857,10 +856,7 @@ int run(Args a) {
       // As the engine decides it there: the emulated device's kernels share the host's cores.
       base = Engine::with_device_defaults(base, *dev);
       // ... and the model shares them out (the cores this process may run on).
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      machine.device_shares_host_cores =
-          sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : std::max(1u, std::thread::hardware_concurrency());
+      machine.device_shares_host_cores = cpu::usable_cores();
       machine.device_kernel_threads = hopt.compute_threads;
     }
   }

@@ -3,10 +3,14 @@
 // and nothing here throws: a fact that cannot be read is reported as absent.
 #include "cpu/cpu_info.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <hwloc.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -108,6 +112,13 @@ std::vector<NumaNode> numa_nodes() {
 }
 
 std::size_t mem_available_bytes() { return meminfo_value("MemAvailable", 1024); }
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return int(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, CPU_COUNT(&set));
+}
 
 HugePageInfo huge_page_info() {
   HugePageInfo h;

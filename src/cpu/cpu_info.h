@@ -34,4 +34,8 @@ HugePageInfo huge_page_info();
 // MemAvailable from /proc/meminfo: what can be allocated without swapping (0 when unknown).
 std::size_t mem_available_bytes();
 
+// The cores this process may run on (sched_getaffinity; hardware_concurrency where that fails):
+// what taskset, a cgroup's cpuset or a batch scheduler left it, at least 1.
+int usable_cores();
+
 }  // namespace strata::cpu
