@@ -165,6 +165,18 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
       << r.err;
 }
 
+// A typo in --parts is an error wherever it runs (without a GPU it was SKIPPED, exit 0).
+TEST(BenchCli, GpuPartsAreCheckedBeforeTheGpuIsLookedFor) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link,gemmm", "--json"}, d.path, "gpu");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--parts: 'gemmm' is not one of link, gemm, adamw, model, parity"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("gemmm"), std::string::npos) << r.out;
+}
+
 // A bad value CLI11 catches still gets --json's error object, last.
 TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
   TempDir d("strata-bench");

@@ -31,6 +31,15 @@ for part in "gpu tests" link gemm adamw model parity prof; do
   grep -qE "^  $part +SKIPPED" "$out/stdout" || fail "part '$part' not reported SKIPPED"
 done
 
+# A typo in --bench-args (a --parts name) is refused before anything runs, naming it.
+typo=0
+"$src/tools/gpu-check.sh" --build "$build" --out "$out/typo" --no-ctest --bench-args "--parts link,gemmm" \
+  >"$out/typo.stdout" 2>"$out/typo.stderr" || typo=$?
+[ "$typo" = 2 ] || { cat "$out/typo.stdout" "$out/typo.stderr"; fail "--bench-args with a typo: exit $typo, not 2"; }
+grep -q "'gemmm' is not one of link, gemm, adamw, model, parity" "$out/typo.stderr" ||
+  { cat "$out/typo.stderr"; fail "--bench-args with a typo: the bad part is not named"; }
+[ ! -e "$out/typo/gpu-tests.log" ] || fail "--bench-args with a typo: the tests ran first"
+
 python3 - "$out/gpu-check.json" "${probe#SKIPPED: }" <<'PY'
 import json, sys
 path, reason = sys.argv[1], sys.argv[2]

@@ -63,6 +63,19 @@ struct Args {
 
 const char* const kParts[] = {"link", "gemm", "adamw", "model", "parity"};
 
+// --parts as a list, each name checked: before the GPU is probed, so a typo is an error on a
+// machine without one too (not SKIPPED, exit 0).
+std::vector<std::string> parse_parts(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream ss(text);
+  for (std::string p; std::getline(ss, p, ',');) {
+    STRATA_REQUIRE(std::find(std::begin(kParts), std::end(kParts), p) != std::end(kParts),
+                   "--parts: '{}' is not one of link, gemm, adamw, model, parity", p);
+    parts.push_back(p);
+  }
+  return parts;
+}
+
 constexpr double kParityTolerance = 3e-2;  // README "The model": CUDA vs CPU, bf16
 
 double median(std::vector<double> v) {
@@ -472,15 +485,7 @@ void run(Args a) {
     if (a.json) print_json({{"command", "gpu"}, {"skipped", false}, {"devices", gpu::device_descriptions()}});
     return;
   }
-  std::vector<std::string> parts;
-  {
-    std::stringstream ss(a.parts);
-    for (std::string p; std::getline(ss, p, ',');) {
-      STRATA_REQUIRE(std::find(std::begin(kParts), std::end(kParts), p) != std::end(kParts),
-                     "--parts: '{}' is not one of link, gemm, adamw, model, parity", p);
-      parts.push_back(p);
-    }
-  }
+  const std::vector<std::string> parts = parse_parts(a.parts);
   STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536, "--vocab must be in 1..65536 (the data is u16 tokens)");
   const fs::path out = a.out.empty() ? fs::path(default_scratch_dir("gpu-bench")) : fs::path(a.out);
   fs::create_directories(out);
@@ -573,6 +578,7 @@ void add_gpu_command(CLI::App& app) {
                 "tests the bench where there is no GPU, at small sizes unless given (AdamW 1M parameters, a "
                 "2-layer hidden-64 model, B=2 x 64, 3 steps)");
   cmd->callback([a, cmd] {
+    parse_parts(a->parts);
     if (a->rehearse) {  // the GPU's sizes would take minutes (and more than the emulated cap) here
       auto small = [&](const char* flag, auto& value, auto v) {
         if (cmd->count(flag) == 0) value = v;

@@ -145,6 +145,16 @@ export -f gpu_info configure_and_build gpu_tests bench prof
 
 # ---- steps ----
 [ "$make" = 1 ] && step build 420 configure_and_build
+# --bench-args checked before anything runs (strata-bench gpu checks its flags and --parts names
+# before it looks for a GPU): a typo is said now, exit 2, not reported as a failed bench after
+# the tests, with the tests counted against it.
+if [ -n "$bench_args" ] && [ -x "$bin/strata-bench" ]; then
+  # shellcheck disable=SC2086  # split into flags on purpose, as in bench()
+  if ! why=$("$bin/strata-bench" gpu --probe $bench_args 2>&1 >/dev/null); then
+    echo "gpu-check.sh: --bench-args \"$bench_args\": ${why:-refused by strata-bench gpu}" >&2
+    exit 2
+  fi
+fi
 step gpu-info 60 gpu_info
 if [ -n "$tests" ]; then step gpu-tests 240 gpu_tests; fi
 step bench 300 bench
