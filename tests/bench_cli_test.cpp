@@ -177,6 +177,20 @@ TEST(BenchCli, GpuPartsAreCheckedBeforeTheGpuIsLookedFor) {
   EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("gemmm"), std::string::npos) << r.out;
 }
 
+// A --path the NVMe regime cannot make its folder in (/sys: no one may) is named with the reason
+// before any regime runs, not a raw "filesystem error".
+TEST(BenchCli, EnginePathThatCannotBeWrittenIsNamed) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", "/sys", "--regime", "nvme"}, d.path, "engine");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--path /sys: cannot create the NVMe regime's folder /sys/strata-bench-engine "
+                                   "there: "),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("filesystem error"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
+}
+
 // A bad value CLI11 catches still gets --json's error object, last.
 TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
   TempDir d("strata-bench");

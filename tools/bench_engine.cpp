@@ -76,6 +76,7 @@ struct Regime {
   int prefetch_layers = 0, live_layers = 0;
   // Cores for the emulated device's kernels and for the CPU AdamW (0 = every core each).
   int device_threads = 0, optimizer_threads = 0;
+  bool uses_nvme() const { return params == Tier::kNvme || optimizer == Tier::kNvme; }
 };
 
 std::vector<Regime> regimes() {
@@ -222,6 +223,9 @@ struct RegimeResult {
   EngineStats stats;
 };
 
+// The NVMe regime's swap files: a folder of their own under --path, removed after the regime.
+fs::path nvme_dir_of(const Args& a) { return fs::path(a.path) / "strata-bench-engine"; }
+
 std::string trace_path(const Args& a, const std::string& name, bool single) {
   if (single) return a.trace;
   const fs::path p(a.trace);
@@ -256,8 +260,8 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     cfg.max_live_parameters = layer_numel * std::uint64_t(r.live_layers);
     cfg.max_reuse_distance = 0;
   }
-  const fs::path nvme_dir = fs::path(a.path) / "strata-bench-engine";
-  if (r.params == Tier::kNvme || r.optimizer == Tier::kNvme) {
+  const fs::path nvme_dir = nvme_dir_of(a);
+  if (r.uses_nvme()) {
     fs::create_directories(nvme_dir);
     cfg.param_nvme_paths = {nvme_dir.string()};
     cfg.optimizer_nvme_paths = {nvme_dir.string()};
@@ -332,6 +336,18 @@ void run(const Args& a) {
   STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
   // The drive to use: a typo must not put the swap files somewhere else (nor create folders).
   STRATA_REQUIRE(fs::is_directory(a.path), "--path {}: no such directory; create it on the drive to use", a.path);
+  // The NVMe regime's swap folder goes under --path: one that cannot be made there (read-only,
+  // not ours) is said now, not as a raw filesystem error after the regimes before it.
+  if (std::any_of(chosen.begin(), chosen.end(), [](const Regime& r) { return r.uses_nvme(); })) {
+    const fs::path dir = nvme_dir_of(a);
+    std::error_code ec;
+    const bool existed = fs::is_directory(dir, ec);
+    fs::create_directories(dir, ec);
+    if (ec)
+      STRATA_THROW(kIo, "--path {}: cannot create the NVMe regime's folder {} there: {}; give a writable folder on "
+                   "the drive to use", a.path, dir.string(), ec.message());
+    if (!existed) fs::remove(dir, ec);  // made again, and removed, by the regime itself
+  }
   const double params_m = double(a.layers) * a.width * a.width / 1e6;
   std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
               "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",
