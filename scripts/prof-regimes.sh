@@ -29,8 +29,11 @@ EOF
 run() {
   local name=$1; shift
   echo "== $name: strata-prof $*"
-  # --overwrite: a second run replaces the first run's files in the work folder.
-  "$prof" --device cpu --nvme-path "$work/nvme" --validate 3 --validate-steps 8 --top 3 --json --overwrite \
+  # --overwrite: a second run replaces the first run's files in the work folder. The NVMe
+  # folder unless the regime leaves NVMe out (--no-nvme beside --nvme-path is refused).
+  local nvme=(--nvme-path "$work/nvme")
+  case " $* " in *" --no-nvme "*) nvme=() ;; esac
+  "$prof" --device cpu "${nvme[@]}" --validate 3 --validate-steps 8 --top 3 --json --overwrite \
     --out "$work/$name.ds_config.json" --svg "$work/$name.svg" --trace "$work/$name.trace.json" "$@" \
     >"$work/$name.out" 2>"$work/$name.err" || { cat "$work/$name.err" >&2; exit 1; }
   sed -n '/placements considered/,/^picture/p' "$work/$name.out"

@@ -411,36 +411,14 @@ TEST(HostDevice, TheWholeCapIsAllocatableWhateverItsSize) {
   }
 }
 
-// The emulated device's DMA copy and poison fill stream large ranges: every byte as memmove /
-// fill_n would leave it, at every alignment of source and destination, around the size where
-// streaming starts, and between overlapping ranges (which memmove takes).
-TEST(HostDevice, DmaCopyAndStreamFillMatchMemmoveAndFill) {
-  std::mt19937_64 rng(11);
-  const std::size_t big = (std::size_t(1) << 20) + 64;
-  std::vector<std::uint8_t> src(big + 64), got(big + 64), want(big + 64);
-  for (auto& x : src) x = static_cast<std::uint8_t>(rng());
-  for (std::size_t n : {std::size_t(0), std::size_t(100), (std::size_t(256) << 10) - 1, std::size_t(256) << 10,
-                        (std::size_t(256) << 10) + 77, big}) {
-    for (std::size_t so : {0, 1, 8, 15}) {
-      for (std::size_t dof : {0, 3, 16, 33}) {
-        std::fill(got.begin(), got.end(), 0xab);
-        std::fill(want.begin(), want.end(), 0xab);
-        cpu::dma_copy(got.data() + dof, src.data() + so, n);
-        std::memmove(want.data() + dof, src.data() + so, n);
-        ASSERT_EQ(got, want) << n << " bytes, source +" << so << ", destination +" << dof;
-      }
-    }
-    // Overlapping, both directions.
-    for (std::ptrdiff_t shift : {-24, 24}) {
-      std::vector<std::uint8_t> a(src), b(src);
-      const std::size_t from = 32, to = std::size_t(32 + shift);
-      cpu::dma_copy(a.data() + to, a.data() + from, n);
-      std::memmove(b.data() + to, b.data() + from, n);
-      ASSERT_EQ(a, b) << n << " bytes overlapping, shift " << shift;
-    }
-    for (std::size_t off : {0, 2, 6}) {
-      std::vector<std::uint16_t> f(big / 2 + 16, 1), g(big / 2 + 16, 1);
-      const std::size_t count = std::min(n / 2, big / 2);
+// The poison fill streams large ranges: every word as fill_n leaves it, at every 2-byte
+// alignment mod 16, around the size where streaming starts.
+TEST(HostDevice, StreamFillMatchesFill) {
+  const std::size_t big = (std::size_t(1) << 19) + 40;  // words
+  for (std::size_t count : {std::size_t(0), std::size_t(50), (std::size_t(128) << 10) - 1, std::size_t(128) << 10,
+                            (std::size_t(128) << 10) + 37, big}) {
+    for (std::size_t off : {0, 1, 3, 7}) {
+      std::vector<std::uint16_t> f(big + 16, 1), g(big + 16, 1);
       cpu::stream_fill16(f.data() + off, kPoison16, count);
       std::fill_n(g.data() + off, count, kPoison16);
       ASSERT_EQ(f, g) << count << " words at +" << off;

@@ -197,54 +197,28 @@ float sum_squares(DType t, const void* x, std::size_t n) {
   return static_cast<float>(s);
 }
 
-// ---- DMA-like copies and fills ----
-namespace {
-
-// Below this, ordinary stores: a small buffer is read again soon, from the cache.
-constexpr std::size_t kStreamMin = std::size_t(256) << 10;
-
-// [p, p + n) as head bytes up to a 16-byte boundary, 64-byte blocks of streaming stores, and
-// tail bytes; `body(dst16, i)` writes the i-th 16-byte lane of a block.
-template <class Head, class Body>
-void streamed(void* dst, std::size_t n, Head head, Body body) {
-  auto* d = static_cast<unsigned char*>(dst);
-  const std::size_t lead = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);
-  head(0, lead);
-  std::size_t i = lead;
-  for (; i + 64 <= n; i += 64)
-    for (std::size_t k = 0; k < 4; ++k) body(reinterpret_cast<__m128i*>(d + i) + k, i + 16 * k);
-  _mm_sfence();  // streamed stores are weakly ordered: visible before whoever is told "done"
-  head(i, n - i);
-}
-
-}  // namespace
-
-void dma_copy(void* dst, const void* src, std::size_t bytes) {
-  const auto* s = static_cast<const unsigned char*>(src);
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto di = reinterpret_cast<std::uintptr_t>(dst), si = reinterpret_cast<std::uintptr_t>(src);
-  if (bytes < kStreamMin || (di < si + bytes && si < di + bytes)) {  // small, or overlapping
-    std::memmove(dst, src, bytes);
-    return;
-  }
-  streamed(
-      dst, bytes, [&](std::size_t off, std::size_t n) { std::memcpy(d + off, s + off, n); },
-      [&](__m128i* out, std::size_t off) {
-        _mm_stream_si128(out, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off)));
-      });
-}
-
+// ---- streaming fill ----
 void stream_fill16(void* dst, std::uint16_t pattern, std::size_t count) {
   auto* d = static_cast<std::uint16_t*>(dst);
-  const std::size_t bytes = count * 2;
-  if (bytes < kStreamMin || reinterpret_cast<std::uintptr_t>(dst) % 2 != 0) {
+  constexpr std::size_t kStreamMin = std::size_t(128) << 10;  // words; below: ordinary stores
+  if (count < kStreamMin || reinterpret_cast<std::uintptr_t>(dst) % 2 != 0) {
     std::fill_n(d, count, pattern);
     return;
   }
+  // Words up to a 16-byte boundary, 64-byte blocks of streaming stores, the tail.
+  const std::size_t lead = (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16 / 2;
+  std::fill_n(d, lead, pattern);
   const __m128i v = _mm_set1_epi16(static_cast<short>(pattern));
-  streamed(
-      dst, bytes, [&](std::size_t off, std::size_t n) { std::fill_n(d + off / 2, n / 2, pattern); },
-      [&](__m128i* out, std::size_t) { _mm_stream_si128(out, v); });
+  std::size_t i = lead;
+  for (; i + 32 <= count; i += 32) {
+    auto* out = reinterpret_cast<__m128i*>(d + i);
+    _mm_stream_si128(out, v);
+    _mm_stream_si128(out + 1, v);
+    _mm_stream_si128(out + 2, v);
+    _mm_stream_si128(out + 3, v);
+  }
+  _mm_sfence();  // streamed stores are weakly ordered: visible before whoever is told "done"
+  std::fill_n(d + i, count - i, pattern);
 }
 
 // ---- matmul ----

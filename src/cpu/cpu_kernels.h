@@ -19,13 +19,9 @@ void cast(DType ts, const void* src, DType td, void* dst, std::size_t n);
 // Sum of squares accumulated in double, returned as fp32.
 float sum_squares(DType t, const void* x, std::size_t n);
 
-// The emulated device's DMA: copies as memmove does, but a large copy between non-overlapping
-// ranges is written with streaming (non-temporal) stores, as a copy engine writes device
-// memory: the destination is not read into the cache first, and the cores' cached working
-// sets (the optimizer's, the kernels') are not evicted by it.
-void dma_copy(void* dst, const void* src, std::size_t bytes);
-// Fills `count` 16-bit words with `pattern`, large fills with streaming stores (the poison of
-// freed and fresh device memory, which its next owner overwrites anyway).
+// Fills `count` 16-bit words with `pattern`; a large fill with streaming (non-temporal) stores,
+// which do not read the destination into the cache first nor evict what the cores have cached:
+// the poison of freed and fresh device memory, which its next owner overwrites anyway.
 void stream_fill16(void* dst, std::uint16_t pattern, std::size_t count);
 
 // oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe).

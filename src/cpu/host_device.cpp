@@ -486,8 +486,8 @@ class HostStream final : public Stream {
     }
     submit(
         [dst, src, gbps, link, dev = dev_] {
-          if (gbps <= 0) {  // unthrottled: as fast as the memory goes
-            cpu::dma_copy(dst.ptr, src.ptr, src.bytes);
+          if (gbps <= 0) {  // unthrottled: as fast as memmove goes
+            std::memmove(dst.ptr, src.ptr, src.bytes);
             return;
           }
           // Throttled: the host<->device link is one per direction, taken in turn by every
@@ -495,7 +495,7 @@ class HostStream final : public Stream {
           const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
                                      : std::chrono::steady_clock::now() +
                                            std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
-          cpu::dma_copy(dst.ptr, src.ptr, src.bytes);
+          std::memmove(dst.ptr, src.ptr, src.bytes);
           std::this_thread::sleep_until(end);
         },
         kind, src.bytes);
