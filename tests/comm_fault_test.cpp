@@ -15,6 +15,7 @@
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/nvme.h"
 
 int main(int argc, char** argv) {
   using namespace strata;
@@ -23,6 +24,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool kill_mode = std::strcmp(argv[1], "kill") == 0;
+  // As strata-train and strata-prof do: their swap-file clean-up is installed first, and the
+  // launcher's SIGTERM must still print the note (the two handlers chain).
+  remove_swap_files_on_interrupt();
   try {
     const LaunchInfo li = init_launch();
     auto dev = make_host_device({});

@@ -437,6 +437,9 @@ char g_note_what[kNoteBytes + 1];
 std::atomic<std::int64_t> g_note_start_ns{0};  // 0 = nothing in flight
 std::atomic<bool> g_note_installed{false};
 int g_note_rank = 0, g_note_world = 1;
+// A handler the program had installed before (the tools' swap-file clean-up): run after the
+// note, so that it still runs and ends the process by the signal itself.
+void (*g_prev_sigterm)(int) = nullptr;
 
 std::int64_t monotonic_ns() {
   timespec ts;
@@ -489,6 +492,10 @@ void on_sigterm(int sig) {
   }
   ssize_t unused = ::write(2, buf, len);
   (void)unused;
+  if (g_prev_sigterm) {
+    g_prev_sigterm(sig);
+    return;
+  }
   // Die of the signal, as the launcher expects.
   ::signal(sig, SIG_DFL);
   ::raise(sig);
@@ -510,7 +517,8 @@ void install_termination_note(int rank, int world_size) {
   g_note_rank = rank;
   g_note_world = world_size;
   struct sigaction old {};
-  if (::sigaction(SIGTERM, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) return;  // the program's own
+  if (::sigaction(SIGTERM, nullptr, &old) != 0 || old.sa_handler == SIG_IGN || (old.sa_flags & SA_SIGINFO)) return;
+  if (old.sa_handler != SIG_DFL) g_prev_sigterm = old.sa_handler;  // chained: see on_sigterm
   struct sigaction sa {};
   sa.sa_handler = on_sigterm;
   sigemptyset(&sa.sa_mask);

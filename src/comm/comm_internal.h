@@ -69,7 +69,8 @@ double resolve_timeout_s(double option_s);
 // it was in, its rank and for how long, instead of dying silently. Process-wide, lock-free.
 void note_in_flight(const std::string& what);
 void note_done();
-// Installs the SIGTERM note once per process, only where SIGTERM still has its default action.
+// Installs the SIGTERM note once per process where SIGTERM has its default action or a plain
+// handler of the program's (remove_swap_files_on_interrupt), which then runs after the note.
 void install_termination_note(int rank, int world_size);
 
 // Ends the job after a fatal communication error: logs `message` and aborts every rank
