@@ -93,6 +93,12 @@ TEST(AioConfig, ReadsKeysAliasesAndWholeDsConfig) {
   EXPECT_EQ(c.queue_depth, 64);
   c = parse_aio_config(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})");
   EXPECT_EQ(c.queue_depth, 8);
+  // has_aio_block says which of these held one (strata-prof --aio refuses a file without).
+  EXPECT_TRUE(has_aio_block(R"({"block_size": 262144, "queue_depth": 32})"));
+  EXPECT_TRUE(has_aio_block(R"({"train_batch_size": 8, "aio": {"queue_depth": 64}})"));
+  EXPECT_TRUE(has_aio_block(R"({"queue_dept": 64})"));  // a typo of a block, refused by the parse
+  EXPECT_FALSE(has_aio_block(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})"));
+  EXPECT_FALSE(has_aio_block(R"({"model_type": "llama", "hidden_size": 64})"));
 }
 
 void expect_config_error(const char* json, const char* needle) {

@@ -645,6 +645,13 @@ TEST(ProfCli, BadInputIsAClearError) {
   EXPECT_NE(aio.err.find("--aio " + model + ": no \"aio\" block in it"), std::string::npos) << aio.err;
   EXPECT_NE(aio.err.find("strata-bench nvme --sweep --out"), std::string::npos) << aio.err;
   EXPECT_FALSE(fs::exists(d.path + "/best.json"));
+  // A bare aio block (what parse_aio_config reads besides a ds_config) is one: the run goes on
+  // to its next check (a pinned budget under 2 MiB, refused at once).
+  std::ofstream(d.path + "/bare.json") << R"({"block_size": 1048576, "queue_depth": 32})";
+  const auto bare = testing::run(
+      STRATA_PROF_BIN, with({"--aio", d.path + "/bare.json", "--no-nvme", "--host-mem-gb", "0.0001"}), d.path, "bare");
+  EXPECT_EQ(bare.status, 1) << bare.out << bare.err;
+  EXPECT_NE(bare.err.find("--host-mem-gb"), std::string::npos) << bare.err;
 }
 #endif
 

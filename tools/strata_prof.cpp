@@ -749,8 +749,7 @@ int run(Args a) {
     ss << f.rdbuf();
     // A file without one (a model's config.json by mistake) would leave every aio key at its
     // default, silently. (Not JSON at all: parse_aio_config says where.)
-    const auto doc = nlohmann::json::parse(ss.str(), nullptr, false);
-    STRATA_REQUIRE(doc.is_discarded() || (doc.is_object() && doc.contains("aio")),
+    STRATA_REQUIRE(has_aio_block(ss.str()),
                    "--aio {}: no \"aio\" block in it; give the file strata-bench nvme --sweep --out FILE writes "
                    "({{\"aio\": {{\"block_size\": ..., \"queue_depth\": ..., ...}}}})",
                    a.aio_file);

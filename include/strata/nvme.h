@@ -66,6 +66,9 @@ struct AioConfig {
 // Unknown keys warn once; wrong types and impossible values throw strata::Error naming the
 // key and the allowed values.
 AioConfig parse_aio_config(std::string_view json_text);
+// Whether `json_text` holds an aio block as parse_aio_config finds one (a ds_config's "aio", or
+// the block itself); without one, parse_aio_config gives the defaults.
+bool has_aio_block(std::string_view json_text);
 const char* io_backend_name(IoBackend b);
 
 // ---- the engine ----

@@ -14,24 +14,33 @@ const char* io_backend_name(IoBackend b) {
   return "?";
 }
 
+namespace {
+
+const std::initializer_list<std::string_view> kKeys = {
+    "block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
+    "overlap_events", "use_hugepages", "verify", "engine", "direct", "register_buffers", "use_gds"};
+
+// Either a whole ds_config (its "aio" key; none: nullptr, the defaults) or an "aio" object
+// itself: one with any aio key, or a key a typo away from one. (A block with a typo among
+// good keys used to be taken for a ds_config without aio: the defaults, silently.)
+const config::Json* aio_block(const config::Json& doc) {
+  if (doc.is_object() && doc.contains("aio")) return &doc["aio"];
+  if (!doc.is_object()) return &doc;  // (refused as the aio block it is not)
+  // (near_miss finds an exact key too: every aio key is 5 characters or more)
+  for (auto it = doc.begin(); it != doc.end(); ++it)
+    if (!config::near_miss(it.key(), kKeys).empty()) return &doc;
+  return nullptr;
+}
+
+}  // namespace
+
+bool has_aio_block(std::string_view json_text) {
+  return aio_block(config::parse(json_text, "the aio config")) != nullptr;
+}
+
 AioConfig parse_aio_config(std::string_view json_text) {
   const config::Json doc = config::parse(json_text, "the aio config");
-  const std::initializer_list<std::string_view> kKeys = {
-      "block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
-      "overlap_events", "use_hugepages", "verify", "engine", "direct", "register_buffers", "use_gds"};
-  // Either a whole ds_config (its "aio" key, the defaults without one) or an "aio" object
-  // itself: one with any aio key, or a key a typo away from one. (A block with a typo among
-  // good keys used to be taken for a ds_config without aio: the defaults, silently.)
-  const config::Json* obj = &doc;
-  if (doc.is_object() && doc.contains("aio")) {
-    obj = &doc["aio"];
-  } else if (doc.is_object()) {
-    bool block = false;
-    // (near_miss finds an exact key too: every aio key is 5 characters or more)
-    for (auto it = doc.begin(); it != doc.end() && !block; ++it) block = !config::near_miss(it.key(), kKeys).empty();
-    if (!block) obj = nullptr;  // a ds_config without an aio block: the defaults
-  }
-  const config::Section s(obj, "aio");
+  const config::Section s(aio_block(doc), "aio");
   s.warn_unknown(kKeys);
 
   AioConfig c;
