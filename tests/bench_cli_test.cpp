@@ -117,6 +117,43 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
   }
 }
 
+// The child fio of --vs-fio dies with the run: a SIGTERM to strata-bench alone (a scheduler's
+// kill) left fio writing on, and laying the removed file out again.
+TEST(BenchCli, NvmeASignalEndsItsFioToo) {
+  if (std::system("fio --version >/dev/null 2>&1") != 0) GTEST_SKIP() << "no fio (scripts/setup.sh installs it)";
+  TempDir d("strata-bench");
+  const std::string file = d.path + "/strata-bench-nvme.bin";
+  const pid_t pid = testing::start(STRATA_BENCH_BIN,
+                                   {"nvme", "--path", d.path, "--size", "1G", "--repeat", "100", "--vs-fio",
+                                    "--buffers", "normal"},
+                                   d.path, "run");
+  auto fio_child = [&] {  // a process whose parent is the run and whose name is fio
+    for (const auto& e : fs::directory_iterator("/proc")) {
+      std::ifstream stat(e.path() / "stat");
+      std::string pid_s, comm, state;
+      pid_t ppid = 0;
+      if (stat >> pid_s >> comm >> state >> ppid && comm == "(fio)" && ppid == pid) return std::stoi(pid_s);
+    }
+    return 0;
+  };
+  int fio = 0;
+  for (int i = 0; i < 6000 && !fio; ++i, ::usleep(10'000)) fio = fio_child();
+  ASSERT_NE(fio, 0) << "fio never started: " << testing::slurp(d.path + "/run.stderr");
+  ::kill(pid, SIGTERM);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM) << "status " << st;
+  // Killed, not left to finish its job (minutes): gone, or a zombie for init to reap.
+  bool gone = false;
+  for (int i = 0; i < 500 && !gone; ++i, ::usleep(10'000)) {
+    std::ifstream stat("/proc/" + std::to_string(fio) + "/stat");
+    std::string pid_s, comm, state;
+    gone = !(stat >> pid_s >> comm >> state) || comm != "(fio)" || state == "Z";
+  }
+  EXPECT_TRUE(gone) << "fio " << fio << " runs on after the benchmark ended";
+  EXPECT_FALSE(fs::exists(file)) << "the file is there again";
+}
+
 // --sweep --out FILE: a file already there (a user's ds_config.json) is not replaced by the aio
 // block without --overwrite, and a folder that is not there is named with the reason, both
 // before anything is measured.
@@ -163,6 +200,19 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
   EXPECT_NE(first_line(r.err).find(fmt::format("--threads {}: this process may run on {} core", cores + 1, cores)),
             std::string::npos)
       << r.err;
+  // Without --threads, on one core: the default (1,2) keeps to what can run, not an error about
+  // a flag never given. (Children inherit the affinity.)
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) {
+      CPU_SET(c, &one);
+      break;
+    }
+  ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
+  const auto dflt = testing::run(STRATA_BENCH_BIN, {"adam", "--params", "4096", "--reps", "1", "--json"}, d.path, "one");
+  ::sched_setaffinity(0, sizeof set, &set);
+  EXPECT_EQ(dflt.status, 0) << dflt.out << dflt.err;
 }
 
 // A typo in --parts is an error wherever it runs (without a GPU it was SKIPPED, exit 0).

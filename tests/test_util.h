@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -56,6 +57,13 @@ inline pid_t start(const std::string& bin, const std::vector<std::string>& args,
   const pid_t pid = ::fork();
   if (pid == 0) {
     for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    // The signals a test sends arrive as in a shell's foreground job, whatever ctest inherited
+    // (a script's background job starts with SIGINT ignored).
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
     const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(o, 1);

@@ -223,6 +223,13 @@ Proc spawn(const std::vector<std::string>& args, const std::string& dir, const s
     const rlimit no_core{0, 0};
     ::setrlimit(RLIMIT_CORE, &no_core);  // the abort() hook must not leave core files
     for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    // The signals a test sends arrive as in a shell's foreground job, whatever ctest inherited
+    // (a script's background job starts with SIGINT ignored).
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
     const int o = ::open(p.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(p.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(o, 1);

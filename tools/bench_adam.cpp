@@ -274,19 +274,23 @@ void add_adam_command(CLI::App& app) {
   auto args = std::make_shared<Args>();
   cmd->add_option("--params", args->params, "parameters per step (default 100M)")
       ->check(strata::tools::kPositive);
-  cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2)")->delimiter(',');
+  auto* threads_opt =
+      cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2, up to the usable cores)")
+          ->delimiter(',');
   cmd->add_option("--reps", args->reps, "steps per measurement; the best is reported")
       ->check(strata::tools::kPositive);
   cmd->add_flag("--skip-check", args->skip_check,
                 "run the kSkipStep pre-check pass too (its cost)");
   cmd->add_flag("--json", args->json, "print, last, one JSON object of the figures");
-  cmd->callback([args] {
+  cmd->callback([args, threads_opt] {
     STRATA_REQUIRE(
         !args->threads.empty() && *std::min_element(args->threads.begin(), args->threads.end()) > 0,
         "--threads takes positive counts, e.g. --threads 1,2");
     // More threads than cores would not be what the row says: the optimizer's pool keeps to
     // the cores (oneTBB ignores the extra workers) while the bound's loops time-share them.
     const int cores = cpu::usable_cores();
+    if (threads_opt->count() == 0)  // the default on a one-core process: what it can run
+      std::erase_if(args->threads, [cores](int t) { return t > cores; });
     const int most = *std::max_element(args->threads.begin(), args->threads.end());
     STRATA_REQUIRE(most <= cores, "--threads {}: this process may run on {} core{} (sched_getaffinity: taskset, "
                    "the cgroup's cpuset); give counts up to {}", most, cores, cores == 1 ? "" : "s", cores);

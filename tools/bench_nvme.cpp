@@ -67,12 +67,15 @@ struct SignalCleanupState {
   char hugepages[24];
   std::size_t hugepages_len = 0;
   std::atomic<bool> hugepages_set{false};
+  std::atomic<pid_t> child{0};  // fio, while it runs: killed first (it would write on, or lay the file out again)
 };
-static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free,
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<bool>::is_always_lock_free &&
+                  std::atomic<pid_t>::is_always_lock_free,
               "read in a signal handler");
 SignalCleanupState g_cleanup;
 
 void cleanup_and_die(int sig) {
+  if (const pid_t c = g_cleanup.child.load(); c > 0) ::kill(c, SIGKILL);
   const int n = g_cleanup.files.load();
   for (int i = 0; i < n; ++i) ::unlink(g_cleanup.paths[i]);
   if (g_cleanup.hugepages_set.load()) {
@@ -97,7 +100,11 @@ class SignalCleanup {
     sa.sa_handler = cleanup_and_die;
     sigemptyset(&sa.sa_mask);
     for (int s : kCleanupSignals) sigaddset(&sa.sa_mask, s);  // one cleanup at a time per thread
-    for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &sa, &previous_[i]);
+    for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) {
+      ::sigaction(kCleanupSignals[i], nullptr, &previous_[i]);
+      // An ignored signal stays ignored (a background job of a script: Ctrl-C is not for it).
+      if (previous_[i].sa_handler != SIG_IGN) ::sigaction(kCleanupSignals[i], &sa, nullptr);
+    }
   }
   ~SignalCleanup() {
     for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) ::sigaction(kCleanupSignals[i], &previous_[i], nullptr);
@@ -238,20 +245,43 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
                bool fixedbufs, const char* rw) {
   const int jobs = cfg.thread_count;
   const std::size_t per_job = size / std::size_t(jobs) / cfg.block_size * cfg.block_size;
+  // fio ends with us: a signal's clean-up kills it first (its pid, through g_cleanup); and a
+  // SIGKILL of strata-bench, which runs no clean-up, reaches it through its parent-death signal
+  // (setpriv, util-linux). The shell execs it, so the child's pid is fio's.
+  static const bool pdeath = std::system("setpriv --help 2>/dev/null | grep -q pdeathsig") == 0;
   std::string cmd = fmt::format(
-      "fio --name=strata-vs-fio --filename='{}' --rw={} --bs={} --iodepth={} --numjobs={} --size={} "
-      "--offset_increment={} --group_reporting --direct={} --ioengine=io_uring --fallocate=none "
+      "exec {}fio --name=strata-vs-fio --filename='{}' --rw={} --bs={} --iodepth={} --numjobs={} --size={} "
+      "--offset_increment={} --group_reporting --thread --direct={} --ioengine=io_uring --fallocate=none "
       "--output-format=json{}{} 2>'{}.fio-stderr'",
-      file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job, direct ? 1 : 0,
+      pdeath ? "setpriv --pdeathsig KILL " : "", file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job,
+      direct ? 1 : 0,
       fixedbufs ? " --fixedbufs" : "", huge ? " --mem=mmaphuge" : "", file);
   const RemovedAtExit err_file{file + ".fio-stderr"};
-  std::FILE* p = ::popen(cmd.c_str(), "r");
-  STRATA_REQUIRE(p != nullptr, "cannot run fio");
+  int pipe_fd[2];
+  STRATA_CHECK_ERRNO(::pipe2(pipe_fd, O_CLOEXEC), "pipe for fio's output");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(pipe_fd[1], 1);
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(pipe_fd[1]);
+  if (pid < 0) {
+    ::close(pipe_fd[0]);
+    STRATA_THROW(kIo, "cannot run fio: fork failed: {}", std::strerror(errno));
+  }
+  g_cleanup.child.store(pid);
   std::string out;
   char chunk[4096];
-  std::size_t n;
-  while ((n = std::fread(chunk, 1, sizeof chunk, p)) > 0) out.append(chunk, n);
-  const int rc = ::pclose(p);
+  for (ssize_t n; (n = ::read(pipe_fd[0], chunk, sizeof chunk)) != 0;) {
+    if (n > 0) out.append(chunk, std::size_t(n));
+    else if (errno != EINTR) break;
+  }
+  ::close(pipe_fd[0]);
+  int rc = 0;
+  while (::waitpid(pid, &rc, 0) < 0 && errno == EINTR) {
+  }
+  g_cleanup.child.store(0);
   if (rc != 0) {
     std::string why, line;
     for (std::ifstream e(err_file.path); std::getline(e, line);)
@@ -398,9 +428,11 @@ void run_compare(const NvmeArgs& a) {
     js["results"].push_back(row);
   }
   std::printf("engine: %s; hugetlbfs pages free: %zu\n", js["engine"].get<std::string>().c_str(), hp.hugetlb_free);
-  if (!fio)
+  if (!fio && !a.vs_fio)
     std::printf("no bound measured: --vs-fio runs fio's equivalent job on the same file in the same run and prints "
                 "our/fio ratios\n");
+  else if (!fio)
+    std::printf("no bound measured: fio is not installed (scripts/setup.sh installs it)\n");
   if (a.json) print_json(js);
 }
 
