@@ -78,6 +78,9 @@ struct Args {
   std::string svg = "strata-prof.svg";
   std::string trace;  // with --validate: default strata-prof.trace.json
   bool overwrite = false;
+  // Which of --out, --svg, --trace the user named: the default files (strata-prof.*) are the
+  // tool's own and replaced without --overwrite, as a re-run in the same folder expects.
+  bool out_named = false, svg_named = false, trace_named = false;
   bool json = false;
   // Set in main: the --config as the user wrote it (plus the flags), before this machine's
   // defaults; and whether the host budget came from the user.
@@ -823,9 +826,9 @@ int run(Args a) {
   // fail after --out was written).
   if (a.validate > 0 && a.trace.empty()) a.trace = "strata-prof.trace.json";
   if (talk) {
-    tools::require_output_file("--out", a.out, a.overwrite);
-    tools::require_output_file("--svg", a.svg, a.overwrite);
-    if (a.validate > 0) tools::require_output_file("--trace", a.trace, a.overwrite);
+    tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);
+    tools::require_output_file("--svg", a.svg, a.overwrite || !a.svg_named);
+    if (a.validate > 0) tools::require_output_file("--trace", a.trace, a.overwrite || !a.trace_named);
   }
 
   // ---- measure ----
@@ -1037,6 +1040,11 @@ int run(Args a) {
       std::printf("  %-3s %12s %12s %8s  %s\n", "#", "predicted ms", "measured ms", "error", "configuration");
     const std::string& trace = a.trace;
     bool trace_written = false;  // only by the recommended configuration's run, when it ran
+    {
+      // An older file of that name is not this run's trace (checked replaceable up front).
+      std::error_code ec;
+      if (talk && !trace.empty()) fs::remove(trace, ec);
+    }
     double worst = 0, best_measured = 1e300;
     int failed = 0;
     std::size_t best_measured_i = 0;
@@ -1158,7 +1166,12 @@ int main(int argc, char** argv) {
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
   app.add_option("--trace", a.trace,
                  "Chrome trace of the recommended configuration (with --validate; default strata-prof.trace.json)");
-  app.add_flag("--overwrite", a.overwrite, "replace existing --out, --svg and --trace files");
+  app.add_flag("--overwrite", a.overwrite, "replace existing --out, --svg and --trace files you named");
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
-  return strata::tools::run_tool("strata-prof", app, argc, argv, [&] { return strata::run(a); });
+  return strata::tools::run_tool("strata-prof", app, argc, argv, [&] {
+    a.out_named = app.count("--out") > 0;
+    a.svg_named = app.count("--svg") > 0;
+    a.trace_named = app.count("--trace") > 0;
+    return strata::run(a);
+  });
 }

@@ -152,7 +152,9 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     std::ofstream(fs::path(tmp) / kOwnerFile) << this_host() << " " << ::getpid() << "\n";
   }
   // A failed save (a full drive, an I/O error) leaves no half-written folder behind to fill the
-  // drive: rank 0 removes its .tmp folder before the error goes on.
+  // drive: rank 0 removes its .tmp folder before the error goes on, and puts back a complete
+  // checkpoint of the same step it had set aside.
+  std::string aside;
   try {
     barrier(comm, s);
     engine.save_state(tmp);
@@ -208,7 +210,6 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
       }
       fsync_path(tmp, true);
       std::error_code ec;
-      std::string aside;
       if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
         aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
         fs::remove_all(aside, ec);
@@ -227,6 +228,7 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     if (rank == 0) {
       std::error_code ec;
       fs::remove_all(tmp, ec);
+      if (!aside.empty() && !fs::exists(final_dir, ec) && fs::exists(aside, ec)) fs::rename(aside, final_dir, ec);
     }
     throw;
   }
