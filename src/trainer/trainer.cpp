@@ -93,8 +93,8 @@ fs::path nearest_existing(const std::string& path) {
   return up;
 }
 
-// Checked before the first step, not when the file is written: `path`'s folder (or the nearest
-// one that exists, when `create` makes the rest) is a folder this process can write in.
+// Checked before the first step, not when the file is written: `folder` (the file's, or the
+// nearest existing ancestor of a folder the run will create) is one this process can write in.
 void require_writable_folder(const std::string& flag, const std::string& path, const fs::path& folder) {
   std::error_code ec;
   STRATA_REQUIRE(fs::is_directory(folder, ec), "{} {}: {} is not a folder (create it first)", flag, path,
