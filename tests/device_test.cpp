@@ -14,7 +14,6 @@
 
 #include <gtest/gtest.h>
 
-#include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -408,21 +407,6 @@ TEST(HostDevice, TheWholeCapIsAllocatableWhateverItsSize) {
     FAIL() << "more than the arena was granted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory) << e.what();
-  }
-}
-
-// The poison fill streams large ranges: every word as fill_n leaves it, at every 2-byte
-// alignment mod 16, around the size where streaming starts.
-TEST(HostDevice, StreamFillMatchesFill) {
-  const std::size_t big = (std::size_t(1) << 19) + 40;  // words
-  for (std::size_t count : {std::size_t(0), std::size_t(50), (std::size_t(128) << 10) - 1, std::size_t(128) << 10,
-                            (std::size_t(128) << 10) + 37, big}) {
-    for (std::size_t off : {0, 1, 3, 7}) {
-      std::vector<std::uint16_t> f(big + 16, 1), g(big + 16, 1);
-      cpu::stream_fill16(f.data() + off, kPoison16, count);
-      std::fill_n(g.data() + off, count, kPoison16);
-      ASSERT_EQ(f, g) << count << " words at +" << off;
-    }
   }
 }
 #endif

@@ -7,12 +7,10 @@
 #include "cpu/cpu_kernels.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <tuple>
 #include <vector>
 
-#include <emmintrin.h>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -195,30 +193,6 @@ float sum_squares(DType t, const void* x, std::size_t n) {
   double s = 0;
   for (double p : partial) s += p;
   return static_cast<float>(s);
-}
-
-// ---- streaming fill ----
-void stream_fill16(void* dst, std::uint16_t pattern, std::size_t count) {
-  auto* d = static_cast<std::uint16_t*>(dst);
-  constexpr std::size_t kStreamMin = std::size_t(128) << 10;  // words; below: ordinary stores
-  if (count < kStreamMin || reinterpret_cast<std::uintptr_t>(dst) % 2 != 0) {
-    std::fill_n(d, count, pattern);
-    return;
-  }
-  // Words up to a 16-byte boundary, 64-byte blocks of streaming stores, the tail.
-  const std::size_t lead = (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16 / 2;
-  std::fill_n(d, lead, pattern);
-  const __m128i v = _mm_set1_epi16(static_cast<short>(pattern));
-  std::size_t i = lead;
-  for (; i + 32 <= count; i += 32) {
-    auto* out = reinterpret_cast<__m128i*>(d + i);
-    _mm_stream_si128(out, v);
-    _mm_stream_si128(out + 1, v);
-    _mm_stream_si128(out + 2, v);
-    _mm_stream_si128(out + 3, v);
-  }
-  _mm_sfence();  // streamed stores are weakly ordered: visible before whoever is told "done"
-  std::fill_n(d + i, count - i, pattern);
 }
 
 // ---- matmul ----

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 #include <memory>
 
 #include "strata/device.h"
@@ -18,11 +17,6 @@ void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, 
 void cast(DType ts, const void* src, DType td, void* dst, std::size_t n);
 // Sum of squares accumulated in double, returned as fp32.
 float sum_squares(DType t, const void* x, std::size_t n);
-
-// Fills `count` 16-bit words with `pattern`; a large fill with streaming (non-temporal) stores,
-// which do not read the destination into the cache first nor evict what the cores have cached:
-// the poison of freed and fresh device memory, which its next owner overwrites anyway.
-void stream_fill16(void* dst, std::uint16_t pattern, std::size_t count);
 
 // oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe).
 class Matmul {

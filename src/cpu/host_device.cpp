@@ -57,7 +57,8 @@ thread_local bool t_in_stream_worker = false;
 std::string gib(std::size_t b) { return fmt::format("{:.2f} GiB", b / double(1ull << 30)); }
 
 void poison(void* p, std::size_t bytes) {
-  cpu::stream_fill16(p, kPoison16, bytes / 2);
+  auto* h = static_cast<std::uint16_t*>(p);
+  std::fill_n(h, bytes / 2, kPoison16);
   if (bytes % 2) static_cast<unsigned char*>(p)[bytes - 1] = 0x7f;
 }
 
