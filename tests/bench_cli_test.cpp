@@ -83,6 +83,34 @@ TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
+// Each of our runs says how its buffer's pages lie in physical memory (the segments a request
+// becomes), beside that run's read, where /proc/self/pagemap shows frame numbers (root); the
+// figures are kept per run, and the best is the one reported.
+TEST(BenchCli, NvmeReportsItsBuffersPhysicalRuns) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"nvme", "--path", d.path, "--size", "8M", "--buffers", "normal", "--repeat", "2", "--json"},
+                              d.path, "runs");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto row = last_json(r.out).at("results").at(0);
+  if (::geteuid() != 0) {
+    EXPECT_FALSE(row.contains("buffer_phys_runs")) << row.dump();
+    GTEST_SKIP() << "frame numbers are shown to root only";
+  }
+  const auto pages = row.at("buffer_pages").get<std::size_t>();
+  EXPECT_EQ(pages, std::size_t(8) << 20 >> 12);  // the buffer is the whole 8 MiB (less than QD x block)
+  ASSERT_EQ(row.at("buffer_phys_runs").size(), 2u) << row.dump();
+  double best = 0;
+  for (int i = 0; i < 2; ++i) {
+    const auto runs = row["buffer_phys_runs"][std::size_t(i)].get<std::size_t>();
+    EXPECT_GE(runs, 1u);
+    EXPECT_LE(runs, pages);
+    best = std::max(best, row["read_gbps_each"][std::size_t(i)].get<double>());
+  }
+  EXPECT_DOUBLE_EQ(best, row.at("read_gbps").get<double>());
+  EXPECT_NE(r.out.find("physically contiguous runs and read GB/s of each of our runs"), std::string::npos) << r.out;
+}
+
 // Ctrl-C or SIGTERM mid-run leaves nothing behind either: the file is removed and vm.nr_hugepages
 // put back (where this test may set it: root and a writable /proc/sys), and the process still
 // dies of the signal (the shell's 130 / 143). Both used to stay, the file 2 GiB by default.

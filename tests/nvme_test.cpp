@@ -540,6 +540,13 @@ TEST(SwapStore, FreeBytesCountsEachFileSystemOnceAndAPreviousRunsFilesAsFree) {
     EXPECT_NE(std::string(e.what()).find("offload_param.nvme_path"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("not an existing directory"), std::string::npos) << e.what();
   }
+  try {  // a flag (strata-prof's) is named as the flag, not as a config key
+    SwapStore::free_bytes({a.path + "/nope"}, 0, "--nvme-path");
+    FAIL() << "a missing directory was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--nvme-path = '"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("config key"), std::string::npos) << e.what();
+  }
 }
 
 TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <tuple>
+#include <vector>
 
 #include "bench_common.h"
 #include "cpu/cpu_info.h"
@@ -184,10 +187,41 @@ struct RunResult {
   double write_gbps = 0, read_gbps = 0;
   std::string page_kind;
   std::string engine;
+  std::size_t pages = 0;      // 4 KiB pages of the buffer
+  std::size_t phys_runs = 0;  // of them physically contiguous in address order; 0: not readable
+  double verify_write_gbps = 0, verify_read_gbps = 0;  // with xxh3 checksums, the same buffer
 };
 
-// One sequential write then read of `size` bytes with `cfg`, buffers of `kind`.
-RunResult run_strata(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge, bool verify) {
+// How many runs of physically consecutive, ascending 4 KiB pages make up [p, p + bytes): the
+// scatter list a request from this memory becomes (a virtio disk takes each run as one
+// segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
+// tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
+// 0 without it (or where a page is not present).
+std::size_t physical_runs(const void* p, std::size_t bytes) {
+  constexpr std::size_t kPage = 4096;
+  const auto first = reinterpret_cast<std::uintptr_t>(p) / kPage;
+  const std::size_t n = (reinterpret_cast<std::uintptr_t>(p) + bytes + kPage - 1) / kPage - first;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  std::vector<std::uint64_t> e(n);
+  const ssize_t got = ::pread(fd, e.data(), n * 8, off_t(first * 8));
+  ::close(fd);
+  if (got != ssize_t(n * 8)) return 0;
+  constexpr std::uint64_t kPresent = std::uint64_t(1) << 63, kFrame = (std::uint64_t(1) << 55) - 1;
+  std::size_t runs = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!(e[i] & kPresent) || (e[i] & kFrame) == 0) return 0;
+    if (i == 0 || (e[i] & kFrame) != (e[i - 1] & kFrame) + 1) ++runs;
+  }
+  return runs;
+}
+
+// One sequential write then read of `size` bytes with `cfg`, buffers of `kind`; with
+// `also_verified`, a second write and read with xxh3 checksums from the same buffer, so the
+// checksums' cost is measured on the same pages (with 4 KiB pages, how the buffer lies in
+// physical memory moves reads by more than the checksums do: see physical_runs).
+RunResult run_strata(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge,
+                     bool also_verified) {
   // As fio does: one block per request in flight (iodepth x bs per job).
   const std::size_t buf_bytes =
       std::min<std::size_t>(size, cfg.block_size * std::size_t(cfg.queue_depth) * std::size_t(cfg.thread_count));
@@ -206,7 +240,7 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
   bool direct = false;
   const int fd = open_for_io(file, O_RDWR | O_CREAT, cfg.direct, &direct);
   std::vector<std::uint64_t> sums(size / cfg.block_size + 1);
-  auto requests = [&](IoOp op) {
+  auto requests = [&](IoOp op, bool verify) {
     std::vector<IoRequest> reqs;
     std::size_t i = 0;
     for (std::size_t off = 0; off < size; off += cfg.block_size, ++i) {
@@ -225,17 +259,24 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
     }
     return reqs;
   };
+  // GB/s of a write then a read of the whole file.
+  auto timed = [&](bool verify) {
+    const auto w = requests(IoOp::kWrite, verify);
+    Stopwatch sw;
+    eng->submit(w).wait();
+    const double wr = double(size) / sw.seconds() / 1e9;
+    const auto r = requests(IoOp::kRead, verify);
+    sw.restart();
+    eng->submit(r).wait();
+    return std::pair{wr, double(size) / sw.seconds() / 1e9};
+  };
   RunResult res;
   res.page_kind = page_kind_name(buf.page_kind());
+  res.pages = (buf_bytes + 4095) / 4096;
+  res.phys_runs = physical_runs(buf.data(), buf_bytes);
   res.engine = eng->describe();
-  const auto w = requests(IoOp::kWrite);
-  Stopwatch sw;
-  eng->submit(w).wait();
-  res.write_gbps = double(size) / sw.seconds() / 1e9;
-  const auto r = requests(IoOp::kRead);
-  sw.restart();
-  eng->submit(r).wait();
-  res.read_gbps = double(size) / sw.seconds() / 1e9;
+  std::tie(res.write_gbps, res.read_gbps) = timed(false);
+  if (also_verified) std::tie(res.verify_write_gbps, res.verify_read_gbps) = timed(true);
   ::close(fd);
   return res;
 }
@@ -375,8 +416,10 @@ void run_compare(const NvmeArgs& a) {
     RunResult r;
     double fw = 0, fr = 0;
     bool fio_ok = false;
+    std::vector<RunResult> each;  // our runs, for the buffers' physical runs beside their reads
     for (int rep = 0; rep < a.repeat; ++rep) {
-      const RunResult once = run_strata(file, size, cfg, huge, false);
+      const RunResult once = run_strata(file, size, cfg, huge, a.verify);
+      each.push_back(once);
       r.page_kind = once.page_kind;
       r.engine = once.engine;
       r.write_gbps = std::max(r.write_gbps, once.write_gbps);
@@ -402,6 +445,20 @@ void run_compare(const NvmeArgs& a) {
       row["fio_note"] = "fio has no transparent-huge-page buffers: run with --reserve-hugepages for a hugetlb comparison";
       std::printf("(huge, %s: no fio figures; %s)\n", r.page_kind.c_str(), row["fio_note"].get<std::string>().c_str());
     }
+    if (each.front().phys_runs > 0) {
+      nlohmann::json runs = nlohmann::json::array(), reads = nlohmann::json::array();
+      std::string line;
+      for (const RunResult& o : each) {
+        runs.push_back(o.phys_runs);
+        reads.push_back(o.read_gbps);
+        line += fmt::format("{}{} {:.2f}", line.empty() ? "" : ", ", o.phys_runs, o.read_gbps);
+      }
+      row["buffer_pages"] = each.front().pages;
+      row["buffer_phys_runs"] = runs;
+      row["read_gbps_each"] = reads;
+      std::printf("(%s buffers, %zu pages; physically contiguous runs and read GB/s of each of our runs: %s)\n",
+                  huge ? "huge" : "normal", each.front().pages, line.c_str());
+    }
     for (int op = 0; op < 2; ++op) {
       const double ours = op == 0 ? r.write_gbps : r.read_gbps;
       const double theirs = op == 0 ? fw : fr;
@@ -410,20 +467,28 @@ void run_compare(const NvmeArgs& a) {
                   fio_ok ? fmt::format("{:.2f}", ours / theirs).c_str() : "-");
     }
     if (a.verify) {
-      RunResult v;
-      for (int rep = 0; rep < a.repeat; ++rep) {
-        const RunResult once = run_strata(file, size, cfg, huge, true);
-        v.write_gbps = std::max(v.write_gbps, once.write_gbps);
-        v.read_gbps = std::max(v.read_gbps, once.read_gbps);
+      // The checksums' cost: the median over our runs of checked / unchecked GB/s, each pair
+      // from one buffer (the best of each would pair different buffers' luck).
+      auto median_ratio = [&](double RunResult::*checked, double RunResult::*plain) {
+        std::vector<double> q;
+        for (const RunResult& o : each) q.push_back(o.*checked / o.*plain);
+        std::sort(q.begin(), q.end());
+        return q.size() % 2 ? q[q.size() / 2] : (q[q.size() / 2 - 1] + q[q.size() / 2]) / 2;
+      };
+      double vw = 0, vr = 0;
+      for (const RunResult& o : each) {
+        vw = std::max(vw, o.verify_write_gbps);
+        vr = std::max(vr, o.verify_read_gbps);
       }
-      row["verify_write_gbps"] = v.write_gbps;
-      row["verify_read_gbps"] = v.read_gbps;
-      row["verify_write_ratio"] = v.write_gbps / r.write_gbps;
-      row["verify_read_ratio"] = v.read_gbps / r.read_gbps;
-      std::printf("%-10s %-17s %-6s %12.2f %10s %7.2f  (xxh3 verify on, ratio to unchecked)\n", "", "", "write", v.write_gbps, "",
-                  v.write_gbps / r.write_gbps);
-      std::printf("%-10s %-17s %-6s %12.2f %10s %7.2f  (xxh3 verify on, ratio to unchecked)\n", "", "", "read", v.read_gbps, "",
-                  v.read_gbps / r.read_gbps);
+      const double qw = median_ratio(&RunResult::verify_write_gbps, &RunResult::write_gbps);
+      const double qr = median_ratio(&RunResult::verify_read_gbps, &RunResult::read_gbps);
+      row["verify_write_gbps"] = vw;
+      row["verify_read_gbps"] = vr;
+      row["verify_write_ratio"] = qw;
+      row["verify_read_ratio"] = qr;
+      for (int op = 0; op < 2; ++op)
+        std::printf("%-10s %-17s %-6s %12.2f %10s %7.2f  (xxh3 verify on; ratio: median of checked / unchecked on "
+                    "the same buffer)\n", "", "", op == 0 ? "write" : "read", op == 0 ? vw : vr, "", op == 0 ? qw : qr);
     }
     js["results"].push_back(row);
   }

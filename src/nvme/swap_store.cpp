@@ -39,6 +39,20 @@ namespace fs = std::filesystem;
 namespace {
 constexpr std::size_t kPage = 4096;
 
+// A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
+std::string key_name(const std::string& config_key) {
+  return config_key.rfind("--", 0) == 0 ? config_key : fmt::format("config key '{}'", config_key);
+}
+
+// The swap files' directory must take writes: refused when planning as when the run starts.
+void require_writable(const std::string& key, const std::string& p) {
+  struct statvfs sv {};
+  const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
+  STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
+                 "{} = '{}' is read-only; strata needs to write swap files there: choose a "
+                 "writable directory", key, p);
+}
+
 // The swap files of the live stores, for remove_swap_files_on_interrupt(): fixed slots the
 // signal handler can read without taking a lock or allocating (it only calls unlink, which is
 // async-signal-safe). A slot is claimed, filled, then published; unpublished before it is
@@ -230,24 +244,6 @@ void remove_swap_files_on_interrupt() {
 
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
-namespace {
-
-// A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
-std::string key_name(const std::string& config_key) {
-  return config_key.rfind("--", 0) == 0 ? config_key : fmt::format("config key '{}'", config_key);
-}
-
-// The swap files' directory must take writes: refused when planning as when the run starts.
-void require_writable(const std::string& key, const std::string& p) {
-  struct statvfs sv {};
-  const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
-  STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
-                 "{} = '{}' is read-only; strata needs to write swap files there: choose a "
-                 "writable directory", key, p);
-}
-
-}  // namespace
-
 std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
                                     int ranks_sharing) {
   STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1", ranks_sharing);
@@ -256,8 +252,8 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
   for (const std::string& p : paths) {
     struct stat st {};
     STRATA_REQUIRE(::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
-                   "config key '{}' = '{}': not an existing directory; create it, or point {} at an existing "
-                   "directory on the NVMe drive", config_key, p, config_key);
+                   "{} = '{}': not an existing directory; create it, or point {} at an existing "
+                   "directory on the NVMe drive", key_name(config_key), p, config_key);
     require_writable(key_name(config_key), p);
     // A previous run's files of this rank: removed when the store starts, so they count as free.
     std::error_code ec;
@@ -269,7 +265,7 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
     if (std::find(seen.begin(), seen.end(), st.st_dev) != seen.end()) continue;
     seen.push_back(st.st_dev);
     struct statvfs sv {};
-    STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, config_key);
+    STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, key_name(config_key));
     total += std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) / std::uint64_t(ranks_sharing);
   }
   return total;
