@@ -265,6 +265,23 @@ TEST(BenchCli, GpuPartsAreCheckedBeforeTheGpuIsLookedFor) {
   EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("gemmm"), std::string::npos) << r.out;
 }
 
+// So are the model part's values: a shape strata-train would refuse, or a vocabulary past u16
+// tokens, is exit 1 naming the flag (it passed until the GPU run, after the other parts).
+TEST(BenchCli, GpuModelFlagsAreCheckedBeforeTheGpuIsLookedFor) {
+  TempDir d("strata-bench");
+  auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--vocab", "70000", "--json"}, d.path, "vocab");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--vocab 70000 must be in 1..65536"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
+  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--hidden", "770"}, d.path, "hidden");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("hidden size 770 is not a multiple of 12 heads"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("hidden_size is --hidden"), std::string::npos) << r.err;
+  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--batch", "0"}, d.path, "batch");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("--batch: must be > 0, got 0"), std::string::npos) << r.err;
+}
+
 // A --path the NVMe regime cannot make its folder in (/sys: no one may) is named with the reason
 // before any regime runs, not a raw "filesystem error".
 TEST(BenchCli, EnginePathThatCannotBeWrittenIsNamed) {

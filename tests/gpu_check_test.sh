@@ -39,6 +39,14 @@ typo=0
 grep -q "'gemmm' is not one of link, gemm, adamw, model, parity" "$out/typo.stderr" ||
   { cat "$out/typo.stderr"; fail "--bench-args with a typo: the bad part is not named"; }
 [ ! -e "$out/typo/gpu-tests.log" ] || fail "--bench-args with a typo: the tests ran first"
+# ... and so is a value the model part would refuse (it passed until the GPU run).
+bad=0
+"$src/tools/gpu-check.sh" --build "$build" --out "$out/bad" --no-ctest --bench-args "--vocab 70000" \
+  >"$out/bad.stdout" 2>"$out/bad.stderr" || bad=$?
+[ "$bad" = 2 ] || { cat "$out/bad.stdout" "$out/bad.stderr"; fail "--bench-args --vocab 70000: exit $bad, not 2"; }
+grep -q -- "--vocab 70000 must be in 1..65536" "$out/bad.stderr" ||
+  { cat "$out/bad.stderr"; fail "--bench-args --vocab 70000: the bad value is not named"; }
+[ ! -e "$out/bad/gpu-tests.log" ] || fail "--bench-args --vocab 70000: the tests ran first"
 
 python3 - "$out/gpu-check.json" "${probe#SKIPPED: }" <<'PY'
 import json, sys

@@ -30,6 +30,7 @@
 #include <sstream>
 
 #include "bench_common.h"
+#include "tool_main.h"
 #include "gpu/cuda_module.h"
 #include "gpu/gpu_info.h"
 #include "strata/error.h"
@@ -471,6 +472,21 @@ json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& 
           {"ok", ok}};
 }
 
+// The model part's shape, checked as strata-train would check its config.json, before the GPU
+// is probed: a bad value is an error on a machine without one too (gpu-check runs this first),
+// not a failure after the other parts' minutes on one.
+void check_model_flags(const Args& a) {
+  STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536, "--vocab {} must be in 1..65536 (the data is u16 tokens)", a.vocab);
+  try {
+    parse_model_config(llama_config(a.hidden, a.layers, a.heads, a.kv_heads, a.inter, a.vocab, a.seq).dump(),
+                       "the model part's config");
+  } catch (const Error& e) {
+    STRATA_THROW(kInvalidArgument, "{} (from the flags: hidden_size is --hidden, num_attention_heads --heads, "
+                 "num_key_value_heads --kv-heads, intermediate_size --intermediate, num_hidden_layers --layers, "
+                 "max_position_embeddings --seq)", e.message());
+  }
+}
+
 void run(Args a) {
   const CudaProbe probe = probe_cuda();
   if (probe.device_count == 0 && !a.rehearse) {
@@ -486,7 +502,6 @@ void run(Args a) {
     return;
   }
   const std::vector<std::string> parts = parse_parts(a.parts);
-  STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536, "--vocab must be in 1..65536 (the data is u16 tokens)");
   const fs::path out = a.out.empty() ? fs::path(default_scratch_dir("gpu-bench")) : fs::path(a.out);
   fs::create_directories(out);
   if (a.nvme_path.empty()) a.nvme_path = default_scratch_dir("gpu-bench-nvme");
@@ -559,16 +574,16 @@ void add_gpu_command(CLI::App& app) {
   cmd->add_option("--parts", a->parts, "comma-separated: link,gemm,adamw,model,parity (default all)");
   cmd->add_option("--out", a->out, "folder for the model runs' configs, logs and traces (default: the scratch folder)");
   cmd->add_option("--nvme-path", a->nvme_path, "swap folder of the NVMe placement (default: the scratch folder)");
-  cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)");
-  cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)");
-  cmd->add_option("--hidden", a->hidden, "model part: hidden size (default 768)");
-  cmd->add_option("--layers", a->layers, "model part: decoder layers (default 12)");
-  cmd->add_option("--heads", a->heads, "model part: attention heads (default 12)");
-  cmd->add_option("--kv-heads", a->kv_heads, "model part: key/value heads (default 4)");
-  cmd->add_option("--intermediate", a->inter, "model part: MLP size (default 2048)");
+  cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)")->check(tools::kPositive);
+  cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)")->check(tools::kPositive);
+  cmd->add_option("--hidden", a->hidden, "model part: hidden size (default 768)")->check(tools::kPositive);
+  cmd->add_option("--layers", a->layers, "model part: decoder layers (default 12)")->check(tools::kPositive);
+  cmd->add_option("--heads", a->heads, "model part: attention heads (default 12)")->check(tools::kPositive);
+  cmd->add_option("--kv-heads", a->kv_heads, "model part: key/value heads (default 4)")->check(tools::kPositive);
+  cmd->add_option("--intermediate", a->inter, "model part: MLP size (default 2048)")->check(tools::kPositive);
   cmd->add_option("--vocab", a->vocab, "model part: vocabulary, <= 65536 (default 32000)");
-  cmd->add_option("--batch", a->batch, "model part: micro-batch (default 8)");
-  cmd->add_option("--seq", a->seq, "model part: sequence length (default 1024)");
+  cmd->add_option("--batch", a->batch, "model part: micro-batch (default 8)")->check(tools::kPositive);
+  cmd->add_option("--seq", a->seq, "model part: sequence length (default 1024)")->check(tools::kPositive);
   cmd->add_option("--steps", a->steps, "model part: steps per placement, the last traced (default 4)")
       ->check(CLI::Range(2, 1000));
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
@@ -594,6 +609,7 @@ void add_gpu_command(CLI::App& app) {
       small("--seq", a->seq, 64);
       small("--steps", a->steps, 3);
     }
+    check_model_flags(*a);
     run(*a);
   });
 }
