@@ -924,5 +924,93 @@ TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
   }
 }
 
+// Misuse is a clear error naming the call, never a crash or a std::out_of_range: a gradient
+// before finalize() (reduce_grad used to dereference the comm stream it had not made yet:
+// SIGSEGV), a master shard before finalize(), a unit the model never registered.
+TEST(Engine, MisuseBeforeFinalizeOrOfAMissingUnitIsAClearError) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 64, 64}, 2, 3);
+  auto dev = make_test_device({});
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  auto comm = make_communicator(*dev, co);
+  auto stream = dev->create_stream("compute");
+  Engine e(*dev, *comm, default_engine_config());
+  model.register_units(e);
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted; expected an error saying: " << words;
+    } catch (const Error& x) {
+      EXPECT_NE(std::string(x.what()).find(words), std::string::npos) << x.what();
+    }
+  };
+  expect_error([&] { e.grad_buffer(0, *stream); }, "Engine::grad_buffer before finalize()");
+  expect_error([&] { e.reduce_grad(0, *stream); }, "Engine::reduce_grad before finalize()");
+  expect_error([&] { e.master_shard(0); }, "Engine::master_shard before finalize()");
+  expect_error([&] { e.gather_master(0); }, "before finalize()");
+  e.finalize();
+  expect_error([&] { e.release(7, *stream); }, "Engine::release: no unit 7 (the model registered 2)");
+  expect_error([&] { e.grad_buffer(-1, *stream); }, "Engine::grad_buffer: no unit -1");
+  expect_error([&] { e.reduce_grad(2, *stream); }, "Engine::reduce_grad: no unit 2");
+  expect_error([&] { e.master_shard(9); }, "Engine::master_shard: no unit 9");
+  expect_error([&] { e.gather_master(9); }, "no unit 9");
+  EXPECT_EQ(e.master_shard(1).size(), e.unit_numel(1));  // the engine is still usable
+}
+
+// Optimizer state on the device needs no pinned staging, which the plan does not count: with
+// the host budget at the plan's host bytes, finalize() and load_state() fit (both staged every
+// unit's master | m | v through a pinned block, and ran out of pinned memory).
+TEST(Engine, DeviceOptimizerStateFitsAHostBudgetOfThePlansHostBytes) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({512, 512, 512, 512}, 4, 11);
+  for (const Tier grads : {Tier::kHost, Tier::kDevice}) {
+    SCOPED_TRACE(grads == Tier::kHost ? "grads on host" : "grads on device");
+    RunSetup s;
+    s.steps = 2;
+    s.cfg.params = on(Tier::kHost);
+    s.cfg.optimizer = on(Tier::kDevice);
+    s.cfg.grads = on(grads);
+    s.cfg.host_budget_bytes = std::uint64_t(1) << 30;
+    const std::uint64_t planned = train(s, model).plan.host_bytes;
+    s.cfg.host_budget_bytes = (planned + (std::uint64_t(2) << 20) - 1) / (std::uint64_t(2) << 20) * (std::uint64_t(2) << 20);
+    RunOut a;
+    ASSERT_NO_THROW(a = train(s, model)) << "planned " << planned << " bytes of host memory";
+    // And a checkpoint of it loads into an engine of the same budget, to the bit.
+    TempDir ck;
+    Rig r1(s.dev, s.cfg, model);
+    r1.micro_batch(model, 0);
+    r1.engine->step(s.lr);
+    r1.engine->save_state(ck.path);
+    Rig r2(s.dev, s.cfg, model);
+    ASSERT_NO_THROW(r2.engine->load_state(ck.path));
+    for (int l = 0; l < model.layers(); ++l) EXPECT_TRUE(r1.engine->master_shard(l) == r2.engine->master_shard(l)) << l;
+  }
+}
+
+// offload_param.nvme_path "/nvme" beside offload_optimizer.nvme_path "/nvme/" (or a link to it)
+// is one directory: one store serves both, as for identical spellings (two stores on it were
+// refused: "in use by another running strata process").
+TEST(Engine, OneDirectorySpelledTwoWaysIsOneSwapStore) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({256, 256, 256}, 4, 5);
+  TempDir nv;
+  fs::create_symlink(nv.path, nv.path + "-link");
+  for (const std::string& other : {nv.path + "/", nv.path + "-link"}) {
+    SCOPED_TRACE(other);
+    RunSetup s;
+    s.steps = 2;
+    s.cfg.params = on(Tier::kNvme);
+    s.cfg.optimizer = on(Tier::kNvme);
+    s.cfg.grads = on(Tier::kHost);
+    s.cfg.param_nvme_paths = {nv.path};
+    s.cfg.optimizer_nvme_paths = {other};
+    RunOut r;
+    ASSERT_NO_THROW(r = train(s, model));
+    EXPECT_GT(r.stats.nvme_written_bytes, 0u);
+  }
+  fs::remove(nv.path + "-link");
+}
+
 }  // namespace
 }  // namespace strata

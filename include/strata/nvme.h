@@ -47,7 +47,7 @@ enum class IoBackend { kAuto, kIoUring, kThreads };
 enum class DirectIo { kAuto, kOn, kOff };
 
 struct AioConfig {
-  std::size_t block_size = std::size_t(1) << 20;  // bytes per request chunk (power of two >= 4096)
+  std::size_t block_size = std::size_t(1) << 20;  // bytes per request chunk (power of two, 4 KiB - 1 GiB)
   int queue_depth = 8;                            // chunks in flight per ring
   int thread_count = 1;                           // rings (worker threads); alias intra_op_parallelism
   bool single_submit = false;  // one submit call per chunk instead of batches
@@ -108,7 +108,8 @@ class IoHandle {
   // Runs `fn` once when the batch completes (at once if it already has), on the thread that
   // completes it; `error` is null on success. Keep it short: it runs on an I/O worker. It has
   // run, and been destroyed, before done() is true and wait() returns — so it must not wait on
-  // its own handle. What it throws is logged, not passed on.
+  // its own handle, nor on any other I/O of this engine (that I/O may be queued to the very
+  // worker running the callback: it would never complete). What it throws is logged, not passed on.
   void on_complete(std::function<void(std::exception_ptr error)> fn) const;
 
  private:

@@ -311,6 +311,8 @@ class EngineBase : public IoEngine {
           fn(err);
         } catch (const std::exception& e) {  // the batch must still finish: waiters depend on it
           log::error("an I/O completion callback threw: {}", e.what());
+        } catch (...) {
+          log::error("an I/O completion callback threw something that is not a std::exception");
         }
       }
       callbacks.clear();
@@ -712,8 +714,10 @@ class ThreadEngine final : public EngineBase {
 };
 
 std::unique_ptr<IoEngine> build(const AioConfig& cfg, std::vector<Fault> faults) {
-  STRATA_REQUIRE(cfg.block_size >= 4096 && (cfg.block_size & (cfg.block_size - 1)) == 0,
-                 "aio.block_size = {}: must be a power of two >= 4096", cfg.block_size);
+  // <= 1 GiB as the aio parser says: an io_uring SQE carries a 32-bit length.
+  STRATA_REQUIRE(cfg.block_size >= 4096 && (cfg.block_size & (cfg.block_size - 1)) == 0 &&
+                     cfg.block_size <= (std::size_t(1) << 30),
+                 "aio.block_size = {}: must be a power of two from 4096 to 1073741824 (1 GiB)", cfg.block_size);
   STRATA_REQUIRE(cfg.queue_depth >= 1, "aio.queue_depth = {}: must be >= 1", cfg.queue_depth);
   STRATA_REQUIRE(cfg.thread_count >= 1, "aio.thread_count = {}: must be >= 1", cfg.thread_count);
   if (cfg.engine == IoBackend::kThreads) return std::make_unique<ThreadEngine>(cfg, std::move(faults));

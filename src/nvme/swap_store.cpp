@@ -65,6 +65,17 @@ struct SwapSlot {
 };
 SwapSlot g_swap_slots[kSwapSlots];
 
+// The strata-swap directories (and ranks) this process's stores hold.
+struct HeldDir {
+  dev_t dev;
+  ino_t ino;
+  int rank;
+  std::string key;
+  const void* owner;
+};
+std::mutex g_held_mu;
+std::vector<HeldDir> g_held;
+
 // The slot now holding `path`, or -1 when every slot is taken or the path is too long (the file
 // is then left to the next run's clean-up, as before).
 int publish_swap_file(const std::string& path) {
@@ -186,14 +197,20 @@ struct SwapStore::Impl {
         files[f].size = want[f];
       }
     } catch (...) {
+      // Every file this call tried to grow, not only those it finished: a failed fallocate can
+      // keep what it allocated (ext4 extends the file up to the ENOSPC) with files[f].size unset.
       for (std::size_t f = 0; f < F; ++f)
-        if (files[f].size != before[f] && ::ftruncate(files[f].fd, off_t(before[f])) == 0) files[f].size = before[f];
+        if (want[f] > before[f] && ::ftruncate(files[f].fd, off_t(before[f])) == 0) files[f].size = before[f];
       throw;
     }
   }
 
   // Also what a constructor that throws half-way leaves: every lock, fd and folder taken so far.
   ~Impl() {
+    {
+      std::lock_guard<std::mutex> g(g_held_mu);
+      std::erase_if(g_held, [this](const HeldDir& h) { return h.owner == this; });
+    }
     for (auto& h : pending) {
       try {
         h.wait();
@@ -298,12 +315,37 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     STRATA_REQUIRE(!ec, "{} = '{}': cannot create '{}': {}", key, p, top.string(),
                    ec.message());
     const std::string lock = (top / fmt::format("rank{}.lock", opts.rank)).string();
-    const int lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    STRATA_CHECK_ERRNO(lfd, "cannot create the lock file '{}'", lock);
-    if (::flock(lfd, LOCK_EX | LOCK_NB) != 0) {
-      ::close(lfd);
-      STRATA_THROW(kInvalidArgument, "'{}' is in use by another running strata process (rank {}); give each "
-                   "run its own {}", top.string(), opts.rank, opts.config_key);
+    // A store of this process (another key's list, or this list twice) on the same directory
+    // would share rank<N>/ and remove the other's files: refused, naming both.
+    {
+      std::lock_guard<std::mutex> g(g_held_mu);
+      struct stat tst {};
+      STRATA_CHECK_ERRNO(::stat(top.c_str(), &tst), "stat of '{}'", top.string());
+      for (const HeldDir& h : g_held)
+        STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino && h.rank == opts.rank),
+                       "{} = '{}': that directory is already used by this process's swap store of {} "
+                       "(rank {}); give both the same list of directories or lists with none in common",
+                       key, p, key_name(h.key), opts.rank);
+      g_held.push_back({tst.st_dev, tst.st_ino, opts.rank, opts.config_key, &s});
+    }
+    // The lock must be on the file now at `lock`: a run that is closing unlinks its lock file
+    // (and then removes strata-swap/ if it is empty), and a lock taken on the unlinked file
+    // would let this run and the next both own rank<N>/.
+    int lfd = -1;
+    for (;;) {
+      fs::create_directories(top, ec);
+      lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      STRATA_CHECK_ERRNO(lfd, "cannot create the lock file '{}'", lock);
+      if (::flock(lfd, LOCK_EX | LOCK_NB) != 0) {
+        ::close(lfd);
+        STRATA_THROW(kInvalidArgument, "'{}' is in use by another running strata process (rank {}); give each "
+                     "run its own {}", top.string(), opts.rank, opts.config_key);
+      }
+      struct stat locked {}, now {};
+      if (::fstat(lfd, &locked) == 0 && ::stat(lock.c_str(), &now) == 0 && locked.st_dev == now.st_dev &&
+          locked.st_ino == now.st_ino)
+        break;
+      ::close(lfd);  // the closing run's unlinked file: take the new one
     }
     s.lock_fds.push_back(lfd);
     s.locks.push_back(lock);

@@ -317,6 +317,13 @@ struct Engine::Impl {
   }
 
   // master | m | v (3 * u.shard fp32 values in `o`) onto the unit's optimizer tier.
+  // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).
+  Unit& unit_at(int unit, const char* call) {
+    STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < units.size(), "{}: no unit {} (the model registered {})", call,
+                   unit, units.size());
+    return units[std::size_t(unit)];
+  }
+
   void put_state(std::size_t ui, const std::shared_ptr<PinnedBlock>& o, bool first) {
     Unit& u = units[ui];
     Stream& up = *fetch_s;
@@ -915,7 +922,17 @@ void Engine::finalize() {
   };
   if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "offload_param.nvme_path"));
   if (o_nvme) {
-    if (s.w_store && cfg.optimizer_nvme_paths == cfg.param_nvme_paths) {
+    // One store when both keys name the same directories ("/nvme" and "/nvme/", or a link to
+    // it, too): two stores on one directory would share its rank<N>/ (the store refuses that).
+    const auto same_dirs = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+      if (a.size() != b.size()) return false;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        std::error_code ec;
+        if (a[i] != b[i] && !std::filesystem::equivalent(a[i], b[i], ec)) return false;
+      }
+      return true;
+    };
+    if (s.w_store && same_dirs(cfg.optimizer_nvme_paths, cfg.param_nvme_paths)) {
       s.o_store = s.w_store.get();
     } else {
       s.o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "offload_optimizer.nvme_path"));
@@ -930,12 +947,19 @@ void Engine::finalize() {
     const float* master = u.init.data() + std::size_t(s.rank) * u.shard;
     // compute weights as the optimizer's copy-out would produce them
     s.put_weights(ui, master, /*first=*/true);
-    // optimizer state: master | m | v
-    auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    auto* of = static_cast<float*>(o->data());
-    std::memcpy(of, master, u.shard * 4);
-    std::memset(of + u.shard, 0, 2 * u.shard * 4);
-    s.put_state(ui, o, /*first=*/true);
+    // optimizer state: master | m | v. On the device: straight from the init values, m and v
+    // filled there (no pinned staging, which the plan does not count for device-tier state).
+    if (u.o_tier == Tier::kDevice) {
+      u.o_dev = s.dev.alloc(3 * u.shard * 4);
+      up.copy(u.o_dev.ref(0, u.shard * 4), host_ref(master, u.shard * 4));
+      up.fill(Impl::view(u.o_dev, DType::kF32, 2 * u.shard, u.shard), 0.0f);
+    } else {
+      auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+      auto* of = static_cast<float*>(o->data());
+      std::memcpy(of, master, u.shard * 4);
+      std::memset(of + u.shard, 0, 2 * u.shard * 4);
+      s.put_state(ui, o, /*first=*/true);
+    }
     if (s.early_eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.o_alt = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
       else s.o_store->reserve(Impl::key('o', ui, 1), 3 * u.shard * 4);
@@ -988,7 +1012,7 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
 
 void Engine::release(int unit, Stream& compute) {
   Impl& s = *impl_;
-  Unit& u = s.units.at(std::size_t(unit));
+  Unit& u = s.unit_at(unit, "Engine::release");
   STRATA_REQUIRE(u.in_use > 0, "Engine::release('{}') without a matching fetch", u.name);
   --u.in_use;
   // A resident unit stays, but its weights are overwritten in place by step() (the optimizer's
@@ -1009,7 +1033,8 @@ void Engine::release(int unit, Stream& compute) {
 
 TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
   Impl& s = *impl_;
-  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(s.finalized, "Engine::grad_buffer before finalize()");
+  Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.grad_full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
   u.grad_full = s.alloc(u.padded * 4, &compute);
   // The padding is always zero: it is reduced, and its squares go into the gradient norm.
@@ -1020,7 +1045,8 @@ TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
 
 void Engine::reduce_grad(int unit, Stream& compute) {
   Impl& s = *impl_;
-  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(s.finalized, "Engine::reduce_grad before finalize()");
+  Unit& u = s.unit_at(unit, "Engine::reduce_grad");
   STRATA_REQUIRE(static_cast<bool>(u.grad_full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
   s.finish_early(std::size_t(unit), true);  // its last early job reads the accumulator
   Stream& cs = *s.comm_s;
@@ -1467,7 +1493,8 @@ StepResult Engine::step(float lr) {
 
 std::vector<float> Engine::master_shard(int unit) {
   Impl& s = *impl_;
-  Unit& u = s.units.at(std::size_t(unit));
+  STRATA_REQUIRE(s.finalized, "Engine::master_shard before finalize()");
+  Unit& u = s.unit_at(unit, "Engine::master_shard");
   s.finish_early(std::size_t(unit), true);
   std::vector<float> out(3 * u.shard);
   s.get_state(std::size_t(unit), out.data());
@@ -1477,7 +1504,7 @@ std::vector<float> Engine::master_shard(int unit) {
 
 std::vector<float> Engine::gather_master(int unit) {
   Impl& s = *impl_;
-  Unit& u = s.units.at(std::size_t(unit));
+  Unit& u = s.unit_at(unit, "Engine::gather_master");
   std::vector<float> shard = master_shard(unit);
   std::vector<float> full(u.padded);
   if (s.world == 1) {
@@ -1606,13 +1633,23 @@ void Engine::load_state(const std::string& dir) {
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
-    auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    // Device-tier state is read into pageable memory: the plan has no pinned staging for it.
+    std::shared_ptr<PinnedBlock> o;
+    std::vector<float> o_pageable;
+    if (u.o_tier == Tier::kDevice) o_pageable.resize(3 * u.shard);
+    else o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    float* of = o ? static_cast<float*>(o->data()) : o_pageable.data();
     bin.seekg(std::streamoff(units[ui].value("offset", std::uint64_t(0))));
-    bin.read(static_cast<char*>(o->data()), std::streamsize(3 * u.shard * 4));
+    bin.read(reinterpret_cast<char*>(of), std::streamsize(3 * u.shard * 4));
     STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
     // The weights first: put_state may keep `o` itself as the host-tier state.
-    s.put_weights(ui, static_cast<const float*>(o->data()), /*first=*/false);
-    s.put_state(ui, o, /*first=*/false);
+    s.put_weights(ui, of, /*first=*/false);
+    if (o) {
+      s.put_state(ui, o, /*first=*/false);
+    } else {
+      s.fetch_s->copy(u.o_dev.ref(), host_ref(of, 3 * u.shard * 4));
+      s.fetch_s->synchronize();
+    }
     if (u.g_tier == Tier::kDevice) s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
     else std::memset(u.g_host->data(), 0, u.shard * 4);
   }
