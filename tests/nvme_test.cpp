@@ -11,6 +11,7 @@
 #include <thread>
 #include <atomic>
 #include <future>
+#include <mutex>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -665,6 +666,40 @@ TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {
   }
   ::close(held);
   SwapStore after(store_options({b.path}));  // and taken once that run is gone
+}
+
+// write() reserves a new key under the store's lock: two threads writing the same new key at
+// once both saw it absent, and the second's reserve failed "already reserved".
+TEST(SwapStore, TwoThreadsWritingOneNewKeyBothSucceed) {
+  TempDir a;
+  SwapStore store(store_options({a.path}, IoBackend::kThreads));
+  AlignedBuf buf(4096);
+  fill_random(buf.ptr, buf.size, 9);
+  std::atomic<int> failures{0};
+  std::string first_error;
+  std::mutex mu;
+  for (int i = 0; i < 300; ++i) {
+    const std::string key = "k" + std::to_string(i);
+    std::atomic<int> ready{0};
+    auto writer = [&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      try {
+        store.write(key, buf.ptr, buf.size).wait();
+      } catch (const Error& e) {
+        if (failures.fetch_add(1) == 0) {
+          std::lock_guard<std::mutex> g(mu);
+          first_error = e.what();
+        }
+      }
+    };
+    std::thread t1(writer), t2(writer);
+    t1.join();
+    t2.join();
+  }
+  EXPECT_EQ(failures.load(), 0) << first_error;
+  EXPECT_EQ(store.stats().reserved_bytes, 300u * 4096);
 }
 
 // Two stores of one process on overlapping directory lists (offload_param.nvme_path ["/a", "/b"]

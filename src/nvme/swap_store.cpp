@@ -373,14 +373,13 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
 
 SwapStore::~SwapStore() = default;  // Impl::~Impl
 
-void SwapStore::reserve(const std::string& key, std::size_t bytes) {
+// SwapStore::reserve with `s.mu` held.
+static void reserve_locked(SwapStore::Impl& s, const std::string& key, std::size_t bytes) {
   STRATA_REQUIRE(bytes > 0, "swap key '{}': cannot reserve 0 bytes", key);
-  Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
   STRATA_REQUIRE(!s.extents.count(key), "swap key '{}' is already reserved", key);
-  const std::size_t padded = padded_bytes(bytes);
+  const std::size_t padded = SwapStore::padded_bytes(bytes);
   s.ensure_capacity(s.logical_end + padded);
-  Impl::Extent e;
+  SwapStore::Impl::Extent e;
   e.offset = s.logical_end;
   e.bytes = padded;
   std::size_t pieces = 0;
@@ -388,6 +387,11 @@ void SwapStore::reserve(const std::string& key, std::size_t bytes) {
   e.sums.assign(pieces, 0);
   s.extents.emplace(key, std::move(e));
   s.logical_end += padded;
+}
+
+void SwapStore::reserve(const std::string& key, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  reserve_locked(*impl_, key, bytes);
 }
 
 bool SwapStore::contains(const std::string& key) const {
@@ -449,7 +453,12 @@ static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, vo
 }
 
 IoHandle SwapStore::write(const std::string& key, const void* buf, std::size_t bytes) {
-  if (!contains(key)) reserve(key, bytes);
+  {
+    // Reserved here when new, under one lock: two threads writing a new key at once took it
+    // for absent both, and the second failed "already reserved".
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (!impl_->extents.count(key)) reserve_locked(*impl_, key, bytes);
+  }
   return transfer(*impl_, IoOp::kWrite, key, const_cast<void*>(buf), bytes);
 }
 

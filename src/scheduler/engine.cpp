@@ -1233,10 +1233,13 @@ StepResult Engine::step(float lr) {
       continue;
     }
     const bool failed = s.early_failed();
-    if (state == Unit::Early::kDone && !failed) {  // what it moved, for nothing
+    if (!failed) {
+      // Its writes (to the second NVMe keys) settle before anything else may write there: a
+      // job voided after it ran (a unit that got more gradients than recorded) issued them
+      // too, and the next step's early job writes the same keys.
       for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
         if (h->valid()) h->wait();
-      s.count_early_io(u);
+      if (state == Unit::Early::kDone) s.count_early_io(u);  // what it moved, for nothing
     }
     ++s.st.early_units_redone;
     if (!failed) {
