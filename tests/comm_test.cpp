@@ -406,6 +406,29 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
   }
 }
 
+// The tensors of one coalesced call run at once, not in order: one that the call writes may not
+// overlap another of the call ({x, x} summed to 3 or 2 on 2 ranks, where the calls in order
+// give 4). Refused at the call, on every rank alike, so nothing is queued.
+TEST_F(Collectives, CoalescedTensorsThatOverlapAreRefused) {
+  Buffer x = upload(DType::kF32, std::vector<float>(2000, 1.0f));
+  const TensorRef same[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000)};
+  const TensorRef overlapping[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000, 500)};
+  for (const auto& parts : {same, overlapping}) {
+    try {
+      comm->all_reduce_coalesced(std::span<const TensorRef>(parts, 2), ReduceOp::kSum, *s);
+      ADD_FAILURE() << "overlapping tensors of one coalesced call were accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("tensor 0 overlaps tensor 1 of the same call"), std::string::npos)
+          << e.what();
+    }
+  }
+  // Adjacent, not overlapping: fine, and a collective still matches across ranks.
+  const TensorRef adjacent[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000, 1000)};
+  comm->all_reduce_coalesced(std::span<const TensorRef>(adjacent, 2), ReduceOp::kSum, *s).synchronize();
+  EXPECT_EQ(first_diff(download(x, 8000), encode(DType::kF32, std::vector<float>(2000, float(W))), 4), -1);
+}
+
 TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
   Buffer a = dev->alloc(64 * 4);
   Buffer b = dev->alloc(64 * 4 * W + 4);

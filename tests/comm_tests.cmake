@@ -30,8 +30,9 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   endforeach()
 
   add_executable(comm_fault_test comm_fault_test.cpp)
-  target_link_libraries(comm_fault_test PRIVATE strata)
-  foreach(mode kill hang)
+  target_link_libraries(comm_fault_test PRIVATE strata MPI::MPI_C)
+  target_compile_definitions(comm_fault_test PRIVATE OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
+  foreach(mode kill hang truncate owned)
     add_test(NAME comm_fault_${mode}
              COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/comm_fault.sh ${MPIEXEC_EXECUTABLE}
                      $<TARGET_FILE:comm_fault_test> ${mode})

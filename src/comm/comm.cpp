@@ -200,6 +200,23 @@ Event Communicator::submit(Collective c, Stream& stream) {
                      what, i, rank_);
     }
   }
+  if (c.coalesced) {
+    // The tensors of one call run concurrently (one NCCL group, one MPI wait), not in order: a
+    // tensor the call writes may not overlap any other tensor of the call.
+    const bool writes_inputs = c.kind == Kind::kAllReduce || c.kind == Kind::kBroadcast;
+    const auto& written = writes_inputs ? c.inputs : c.outputs;
+    auto span = [](const TensorRef& t) { return MemRef{t.mem.ptr, t.numel * dtype_size(t.dtype)}; };
+    for (std::size_t i = 0; i < written.size(); ++i)
+      for (std::size_t j = 0; j < c.inputs.size(); ++j) {
+        if (j == i) continue;  // tensor i's own input: the in-place layouts checked above
+        const bool hit = overlaps(span(written[i]), span(c.inputs[j])) ||
+                         (!writes_inputs && overlaps(span(written[i]), span(c.outputs[j])));
+        STRATA_REQUIRE(!hit,
+                       "{}: tensor {} overlaps tensor {} of the same call; the tensors of a coalesced "
+                       "call run concurrently: use separate buffers or separate calls",
+                       what, i, j);
+      }
+  }
   if (check_calls_ && world_size_ > 1) check_same_call(c, stream);
   do_enqueue(c, stream);
   return stream.record();

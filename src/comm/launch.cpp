@@ -109,7 +109,14 @@ LaunchInfo launch_info() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (initialized && !finalized) return mpi_view(li);
+  if (initialized && !finalized) {
+    // MPI is up (the program's own MPI_Init) but init_launch() has not run: rank and size are
+    // local queries; the shared-memory split is a collective, taken only by init_launch(), so
+    // the launcher's local rank and size stand until then (any rank may ask alone).
+    MPI_Comm_rank(MPI_COMM_WORLD, &li.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &li.world_size);
+    li.under_mpi = true;
+  }
 #endif
   return li;
 }
@@ -143,10 +150,10 @@ LaunchInfo init_launch() {
                    provided, int(MPI_THREAD_MULTIPLE),
                    initialized ? ", or initialize MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)" : "");
   });
-  const LaunchInfo view = launch_info();  // every rank, here: the shared-memory split is a collective
+  // Every rank, here: the shared-memory split is a collective, taken once.
   std::lock_guard<std::mutex> lock(g_view_mu);
-  if (!g_mpi_view && view.under_mpi && comm::mpi_active()) g_mpi_view = view;
-  return view;
+  if (!g_mpi_view && comm::mpi_active()) g_mpi_view = mpi_view(env);
+  return g_mpi_view ? *g_mpi_view : env;
 #else
   STRATA_THROW(kUnsupported,
                "started by an MPI launcher ({}, rank {} of {}) but this build has no MPI; install "
@@ -179,7 +186,19 @@ void abort_job(const std::string& message, int exit_code) {
 }
 
 void end_job_if_one_of_many_impl(const std::string& message) {
-  if (!mpi_active()) return;
+  if (!mpi_active()) {
+    // Failed before MPI was up (a bad flag, a missing file) while the peers go on into MPI_Init:
+    // mpirun ends the job on this rank's non-zero exit, but srun (without --kill-on-bad-exit)
+    // and other launchers leave them waiting there for ever. Join them, then abort.
+    const LaunchInfo li = launch_info();
+    if (!li.under_mpi || li.world_size <= 1) return;
+    try {
+      init_launch();
+    } catch (const std::exception&) {
+      return;
+    }
+    if (!mpi_active()) return;
+  }
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);

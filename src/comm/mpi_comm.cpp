@@ -150,8 +150,14 @@ class MpiCommunicator final : public Communicator {
   }
 
   void check(int rc, const char* call) {
-    if (rc != MPI_SUCCESS)
-      detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", mpi_error_text(rc));
+    if (rc == MPI_SUCCESS) return;
+    int cls = rc;
+    MPI_Error_class(rc, &cls);
+    std::string text = mpi_error_text(rc);
+    if (cls == MPI_ERR_TRUNCATE)
+      text += ": the ranks passed this collective different sizes or dtypes (or issued different "
+              "collectives); rerun with STRATA_COMM_CHECK=1 to name each rank's call";
+    detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", text);
   }
 
   // fp32 scratch slot `i`, grown as needed and kept for the next call.
@@ -245,7 +251,16 @@ class MpiCommunicator final : public Communicator {
         }
       }
     }
-    check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    // MPI_ERR_IN_STATUS says only that a request failed: report that request's own error.
+    std::vector<MPI_Status> statuses(reqs.size());
+    int rc = MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), statuses.data());
+    if (rc == MPI_ERR_IN_STATUS)
+      for (const MPI_Status& st : statuses)
+        if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) {
+          rc = st.MPI_ERROR;
+          break;
+        }
+    check(rc, "MPI_Waitall");
     for (auto& f : finish) f();
   }
 

@@ -18,6 +18,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -169,7 +170,16 @@ class NcclCommunicator final : public Communicator {
     if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
     auto done = std::make_shared<DoneEvent>(ordinal_);
     STRATA_CUDA_CHECK(cudaEventRecord(done->ev, s));
-    watchdog_.begin(c.describe(), [done] { return done->done(); });
+    // The SIGTERM note names the collective (a survivor of a killed peer says what it was in),
+    // from when it was queued, as the watchdog measures it; cleared when none is in flight.
+    const std::string what = c.describe();
+    in_flight_.fetch_add(1);
+    note_in_flight(what);
+    watchdog_.begin(what, [this, done] {
+      if (!done->done()) return false;
+      if (in_flight_.fetch_sub(1) == 1) note_done();
+      return true;
+    });
     std::lock_guard<std::mutex> lock(mu_);
     std::erase_if(recent_, [](const std::shared_ptr<DoneEvent>& e) { return e->done(); });
     recent_.push_back(std::move(done));
@@ -181,6 +191,7 @@ class NcclCommunicator final : public Communicator {
   Buffer scratch_;
   std::mutex mu_;
   std::vector<std::shared_ptr<DoneEvent>> recent_;  // not yet seen complete; the destructor waits
+  std::atomic<int> in_flight_{0};  // collectives the watchdog has not yet seen complete
   Watchdog watchdog_;  // last: its thread polls the members above
 };
 
