@@ -507,6 +507,31 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
 #endif
 }
 
+// Ranks started with different settings (here --seed on rank 1 only) are refused before
+// step 1, naming the setting and both values, on every rank: they used to train to exit 0, each
+// rank on its own shapes, their gradients averaged together.
+TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string wrap = dir.path + "/wrap.sh";
+  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='--seed 7' || x=''\nexec " +
+                    std::string(STRATA_TRAIN_BIN);
+  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
+  std::ofstream(wrap) << cmd << " $x\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "settings",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("the ranks were started with different settings: --seed is 1234 on rank 0 and 7 on rank 1"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << "a step ran: " << r.out;
+#endif
+}
+
 // Two ranks of one node keep their swap files on the same drive: each plans with half its free
 // space (each used to count all of it, so together they could plan twice what the drive has).
 TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {

@@ -204,6 +204,34 @@ double mean_over_ranks(double v, Communicator& comm, Device& dev, Stream& s) {
   return v / comm.world_size();
 }
 
+// A setting every rank must share: a rank started with other flags or another config trains
+// something else, and its gradients average into the others' without any error.
+struct SharedSetting {
+  const char* name;
+  double value;
+};
+
+// Every rank calls it: refuses the job, on every rank alike, when the ranks' settings differ,
+// naming the first that does and its value on rank 0 and on the first rank that differs.
+void require_same_settings(const std::vector<SharedSetting>& mine, Communicator& comm, Device& dev) {
+  if (comm.world_size() == 1) return;
+  const std::size_t k = mine.size(), world = std::size_t(comm.world_size());
+  std::vector<double> v, all(k * world);
+  for (const auto& m : mine) v.push_back(m.value);
+  auto s = dev.create_stream("settings");
+  Buffer in = dev.alloc(8 * k, s.get()), out = dev.alloc(8 * k * world, s.get());
+  s->copy(in.ref(), host_ref(v.data(), 8 * k));
+  comm.all_gather(TensorRef{in.ref(), DType::kF64, k}, TensorRef{out.ref(), DType::kF64, k * world}, *s);
+  s->copy(host_ref(all.data(), 8 * k * world), out.ref());
+  s->synchronize();
+  for (std::size_t i = 0; i < k; ++i)
+    for (std::size_t r = 1; r < world; ++r)
+      STRATA_REQUIRE(all[r * k + i] == all[i],
+                     "the ranks were started with different settings: {} is {:g} on rank 0 and {:g} on rank {}; "
+                     "start every rank with the same flags and --config",
+                     mine[i].name, all[i], all[r * k + i], r);
+}
+
 struct Phases {
   double data = 0, forward = 0, backward = 0, optimizer = 0, eval = 0, save = 0;
 };
@@ -453,6 +481,27 @@ TrainResult train(const TrainOptions& o) {
   auto dev = make_device(o.device, hopt, copt);
   auto comm = make_communicator(*dev);
   STRATA_CHECK(comm->rank() == rank && comm->world_size() == world, "the communicator disagrees with the launcher");
+  require_same_settings(
+      {{"the model's parameter count", double(total_numel)},
+       {"the model's layers", double(mcfg.num_layers)},
+       {"the model's hidden size", double(mcfg.hidden_size)},
+       {"--seq-len", double(seq_len)},
+       {"the micro-batch (--micro-batch, train_micro_batch_size_per_gpu)", double(B)},
+       {"the accumulation (--grad-accum, gradient_accumulation_steps)", double(accum)},
+       {"--steps", double(steps)},
+       {"the learning rate (--lr, optimizer.params.lr)", double(ecfg.adamw.lr)},
+       {"the weight decay (--weight-decay, optimizer.params.weight_decay)", double(ecfg.adamw.weight_decay)},
+       {"--warmup", double(warmup)},
+       {"the schedule (0 const, 1 cosine, 2 the --config's)", ds_schedule ? 2.0 : schedule == "cosine" ? 1.0 : 0.0},
+       {"the compute dtype (0 fp32, 1 bf16)", ecfg.compute_dtype == DType::kBF16 ? 1.0 : 0.0},
+       {"zero_optimization.stage", double(ecfg.stage)},
+       {"gradient_clipping", double(ecfg.gradient_clipping)},
+       {"--seed", double(o.seed)},
+       {"shuffling (--no-shuffle: 0)", o.shuffle ? 1.0 : 0.0},
+       {"--checkpoint-activations", o.checkpoint_activations ? 1.0 : 0.0},
+       {"--save-every", double(o.save_every)},
+       {"--eval-every", double(o.eval_every)}},
+      *comm, *dev);
   if (demo_data && world > 1) {  // rank 0 wrote the text
     auto bs = dev->create_stream("barrier");
     comm->barrier(*bs);
