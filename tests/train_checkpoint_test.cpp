@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -493,6 +494,94 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
   EXPECT_NE(slurp(p.err).find("no complete checkpoint found"), std::string::npos) << slurp(p.err);
+}
+
+// A run killed while writing --out after its last checkpoint (a temporary file of the save left
+// in --out) is finished by the same command with --resume: no step is left, the model is
+// written from the checkpoint (it was refused twice: "--out exists", then "--steps is not
+// beyond" the checkpoint). Without --out the refusal names strata-export.
+TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
+  const std::string ck = dir.path + "/ck", out = dir.path + "/out";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  fs::create_directories(out);
+  std::ofstream(out + "/.strata-tmp-model.safetensors") << "half a file";
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--out", out});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  Proc p = spawn(a, dir.path, "finish");
+  int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(out + "/.strata-tmp-model.safetensors"));
+  EXPECT_TRUE(read_log(dir.path + "/b.jsonl").empty()) << "a step ran";
+  // Without --out: refused, naming the way to the model.
+  a = args(dir.path + "/c.jsonl", {"--resume", ck});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  p = spawn(a, dir.path, "no-out");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("or write its model with strata-export"), std::string::npos) << slurp(p.err);
+}
+
+// Settings that shape the steps after a checkpoint and that the run does not take from it
+// (weight decay, betas, eps, clipping, the compute dtype) are recorded, and a resume that
+// changes one says so (it continued silently).
+TEST_F(TrainBinary, AResumeWithAnotherWeightDecayWarns) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--weight-decay", "0.1"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  Proc p = spawn(a, dir.path, "wd");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("--resume: weight_decay was"), std::string::npos) << slurp(p.err);
+  EXPECT_EQ(slurp(p.err).find("--resume: beta1 was"), std::string::npos) << slurp(p.err);
+}
+
+// A checkpoint the drive cannot hold ends the run saying what is left and what to do: nothing of
+// the failed one, the newest complete one by name, free space and --resume it (it named only the
+// file that failed). Needs root (a small tmpfs); Skipped elsewhere.
+TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  const std::string small = dir.path + "/small";
+  fs::create_directories(small);
+  if (std::system(("mount -t tmpfs -o size=16M tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string at;
+    ~Unmount() { (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str()); }
+  } unmount{small};
+  const std::string ck = small + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  std::uintmax_t one = 0;
+  for (const auto& e : fs::recursive_directory_iterator(ck + "/step-2"))
+    if (e.is_regular_file()) one += e.file_size();
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(small.c_str(), &sv), 0);
+  const std::uintmax_t avail = std::uintmax_t(sv.f_bavail) * sv.f_frsize;
+  ASSERT_GT(avail, one);
+  {  // leave room for half a checkpoint
+    std::ofstream filler(small + "/filler", std::ios::binary);
+    const std::vector<char> mb(1 << 20, 0);
+    std::uintmax_t left = avail - one / 2;
+    while (left > 0 && filler) {
+      const std::size_t n = std::size_t(std::min<std::uintmax_t>(left, mb.size()));
+      filler.write(mb.data(), std::streamsize(n));
+      left -= n;
+    }
+  }
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "2"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  Proc p = spawn(a, dir.path, "full");
+  const int st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.err);
+  const std::string err = slurp(p.err);
+  EXPECT_NE(err.find("the checkpoint of step 4 was not written and nothing of it is left; the newest complete one is " +
+                     ck + "/step-2; free space in " + ck),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("run the same command with --resume " + ck + "/step-2"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
+  for (const auto& e : fs::directory_iterator(ck)) EXPECT_EQ(e.path().filename().string().find("step-4"), std::string::npos) << e.path();
 }
 
 }  // namespace

@@ -243,8 +243,11 @@ bool out_dir_free(const std::string& out) {
   std::error_code ec;
   if (!fs::exists(out, ec)) return true;
   if (!fs::is_directory(out, ec)) return false;
-  for (const auto& e : fs::directory_iterator(out, ec))
-    if (e.path().filename() != "checkpoints") return false;
+  for (const auto& e : fs::directory_iterator(out, ec)) {
+    const std::string n = e.path().filename().string();
+    // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes them)
+    if (n != "checkpoints" && !n.starts_with(".strata-tmp-")) return false;
+  }
   return true;
 }
 
@@ -315,10 +318,16 @@ TrainResult train(const TrainOptions& o) {
   }
   if (resume.step > 0) {
     const std::int64_t total = o.steps > 0 ? o.steps : 60;
-    STRATA_REQUIRE(total > resume.step,
+    // A run killed after its last checkpoint, while writing --out: the same command finishes it
+    // (no step left to run, the model is written from the checkpoint).
+    const bool only_out = total == resume.step && !o.out_dir.empty();
+    STRATA_REQUIRE(total > resume.step || only_out,
                    "--resume {}: the checkpoint is at step {}, and --steps {}{} is not beyond it: --steps counts from "
-                   "the run's start, so give more than {}",
-                   resume.dir, resume.step, total, o.steps > 0 ? "" : " (the default)", resume.step);
+                   "the run's start, so give more than {} to train on{}",
+                   resume.dir, resume.step, total, o.steps > 0 ? "" : " (the default)", resume.step,
+                   total == resume.step ? fmt::format(", or write its model with strata-export {} OUT_DIR (or --out "
+                                                      "DIR here)", resume.dir)
+                                        : std::string());
   }
 
   // ---- launch, device, communicator ----
@@ -500,7 +509,11 @@ TrainResult train(const TrainOptions& o) {
        {"shuffling (--no-shuffle: 0)", o.shuffle ? 1.0 : 0.0},
        {"--checkpoint-activations", o.checkpoint_activations ? 1.0 : 0.0},
        {"--save-every", double(o.save_every)},
-       {"--eval-every", double(o.eval_every)}},
+       {"--eval-every", double(o.eval_every)},
+       // Each rank found its checkpoint on its own (node-local folders, a file one rank could not
+       // verify): different steps would mix states and desynchronise the step loop.
+       {"the step of the checkpoint --resume found (0: none; give every rank the same --resume DIR/step-<N>)",
+        double(resume.step)}},
       *comm, *dev);
   if (demo_data && world > 1) {  // rank 0 wrote the text
     auto bs = dev->create_stream("barrier");
@@ -552,6 +565,12 @@ TrainResult train(const TrainOptions& o) {
   const std::string model_desc = fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
                                              mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size);
   std::int64_t start_step = 0;
+  // What else shapes the steps after a checkpoint: recorded, compared on resume.
+  const nlohmann::json optimizer_state = {
+      {"weight_decay", double(ecfg.adamw.weight_decay)}, {"beta1", double(ecfg.adamw.beta1)},
+      {"beta2", double(ecfg.adamw.beta2)},               {"eps", double(ecfg.adamw.eps)},
+      {"bias_correction", ecfg.adamw.bias_correction},   {"gradient_clipping", ecfg.gradient_clipping},
+      {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
     const int ck_world = m.value("world_size", -1);
@@ -598,6 +617,12 @@ TrainResult train(const TrainOptions& o) {
         ls.value("next_lr", lr_of(resume.step + 1)) != lr_of(resume.step + 1))
       log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
                 "run's", ls.dump());
+    const nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
+    for (const auto& [key, now] : optimizer_state.items())
+      if (ck_opt.contains(key) && ck_opt[key] != now)
+        log::warn("--resume: {} was {} in the checkpoint's run, {} now: the steps after the checkpoint will not be "
+                  "those of the run that wrote it (give the same --config / flags to continue it exactly)",
+                  key, ck_opt[key].dump(), now.dump());
     engine.load_state(resume.dir);
     // The data position: replay the loaders' batches (their order is a function of the seed).
     const std::int64_t tb = d.value("train_batches", std::int64_t(0)), vb = d.value("val_batches", std::int64_t(0));
@@ -636,11 +661,25 @@ TrainResult train(const TrainOptions& o) {
         {"lr_schedule",
          {{"lr", double(ecfg.adamw.lr)}, {"warmup", warmup}, {"total_steps", steps},
           {"schedule", schedule}, {"next_step", step + 1}, {"next_lr", lr_of(step + 1)}}},
+        {"optimizer", optimizer_state},
         {"loss_scale", engine.loss_scale()}};
   };
   std::vector<std::int64_t> saved_steps;
   auto save_checkpoint = [&](std::int64_t step) {
-    const std::string dir = write_checkpoint(engine, *comm, *compute, ckpt_root, step, tmp_tag, trainer_state(step));
+    std::string dir;
+    try {
+      dir = write_checkpoint(engine, *comm, *compute, ckpt_root, step, tmp_tag, trainer_state(step));
+    } catch (const Error& e) {
+      // A file that could not be written (a full drive): say what is left and what to do
+      // (write_checkpoint removed the half-written folder). Other errors pass as they are.
+      if (e.kind() != ErrorKind::kIo) throw;
+      const std::string newest = !result_checkpoints.empty() ? result_checkpoints.back() : resume.dir;
+      STRATA_THROW(kIo, "{}; the checkpoint of step {} was not written and nothing of it is left; {}; free space in "
+                   "{} (or give another --checkpoint-dir), then run the same command with --resume {}", e.message(),
+                   step, newest.empty() ? std::string("no checkpoint of this run is complete")
+                                        : fmt::format("the newest complete one is {}", newest),
+                   ckpt_root, newest.empty() ? ckpt_root : newest);
+    }
     result_checkpoints.push_back(dir);
     saved_steps.push_back(step);
     if (rank == 0 && o.keep_checkpoints > 0) {
