@@ -507,6 +507,16 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
 #endif
 }
 
+// A --log-json the drive cannot take (a full drive: /dev/full) is said once, and the run goes on
+// (its lines were lost without a word).
+TEST_F(TrainCli, ALogJsonTheDriveCannotTakeIsSaid) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const Result r = train(args("/dev/full", {}, "2"), "full-log");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--log-json /dev/full: the line of step 1 could not be written"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("the line of step 2"), std::string::npos) << "said more than once: " << r.err;
+}
+
 // Ranks started with different settings (here --seed on rank 1 only) are refused before
 // step 1, naming the setting and both values, on every rank: they used to train to exit 0, each
 // rank on its own shapes, their gradients averaged together.

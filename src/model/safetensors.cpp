@@ -370,11 +370,23 @@ void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::st
   std::error_code ec;
   // A single-file save must not leave an older index pointing at stale shards, nor a sharded one
   // an older model.safetensors (loaders take it before the index); and no older shard stays.
+  // On the drive before they take the final names, and the names on the drive after: a power
+  // loss must not leave a model.safetensors that is empty or partial (checkpoints do the same).
+  auto sync = [](const std::string& path, bool folder) {
+    const int fd = ::open(path.c_str(), (folder ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+    STRATA_CHECK_ERRNO(fd, "cannot open {} to flush it to the drive", path);
+    const int rc = ::fsync(fd);
+    const int err = errno;
+    ::close(fd);
+    if (rc != 0) detail::throw_errno(__FILE__, __LINE__, "fsync", err, fmt::format("cannot flush {} to the drive", path));
+  };
+  for (const auto& [tmp, fin] : renames) sync(tmp, false);
   fs::remove(d / (sharded ? "model.safetensors" : "model.safetensors.index.json"), ec);
   for (const auto& [tmp, fin] : renames) {
     fs::rename(tmp, fin, ec);
     STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp, fin, ec.message());
   }
+  sync(dir, true);
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string f = it->path().filename().string();

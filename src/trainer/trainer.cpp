@@ -832,6 +832,11 @@ TrainResult train(const TrainOptions& o) {
       if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
       *jlog << j.dump() << '\n';
       jlog->flush();
+      if (!*jlog) {  // a full drive: the run goes on, but the log is said to be incomplete
+        log::warn("--log-json {}: the line of step {} could not be written ({}); the log stops here, the run goes "
+                  "on", o.log_json, step, std::strerror(errno));
+        jlog.reset();
+      }
     }
     if (con) {
       const double gbps = 1e-9 / rec.step_s;
