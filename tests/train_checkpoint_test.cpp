@@ -582,6 +582,17 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
   EXPECT_NE(err.find("run the same command with --resume " + ck + "/step-2"), std::string::npos) << err;
   EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
   for (const auto& e : fs::directory_iterator(ck)) EXPECT_EQ(e.path().filename().string().find("step-4"), std::string::npos) << e.path();
+  // A run whose first checkpoint does not fit has nothing to resume: it is told to run again.
+  auto b = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", small + "/ck2"});
+  b[std::size_t(std::find(b.begin(), b.end(), "--steps") - b.begin()) + 1] = "2";
+  p = spawn(b, dir.path, "full-first");
+  const int st2 = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st2) && WEXITSTATUS(st2) == 1) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("no checkpoint of this run is complete; free space in " + small + "/ck2"),
+            std::string::npos)
+      << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("then run the same command again (there is nothing to --resume from)"), std::string::npos)
+      << slurp(p.err);
 }
 
 }  // namespace

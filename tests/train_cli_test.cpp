@@ -542,6 +542,30 @@ TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
 #endif
 }
 
+// A rank that fails before MPI is up (a bad flag on rank 1 only) joins its peers and ends the job
+// naming itself, as a launcher without mpirun's kill-on-exit needs (srun would leave rank 0
+// waiting in MPI_Init).
+TEST_F(TrainCli, TwoRanksOneRanksBadFlagEndsTheJobNamingTheRank) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string wrap = dir.path + "/wrap.sh";
+  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='--no-such-flag' || x=''\nexec " +
+                    std::string(STRATA_TRAIN_BIN);
+  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
+  std::ofstream(wrap) << cmd << " $x\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "early-flag",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("rank 1 of 2 stopped: The following argument was not expected: --no-such-flag"),
+            std::string::npos)
+      << r.err;
+#endif
+}
+
 // Two ranks of one node keep their swap files on the same drive: each plans with half its free
 // space (each used to count all of it, so together they could plan twice what the drive has).
 TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {

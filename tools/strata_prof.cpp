@@ -1128,6 +1128,7 @@ int run(Args a) {
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   strata::remove_swap_files_on_interrupt();   // its validation runs' swap files too
+  strata::tools::g_ranks_start_mpi = true;    // every rank starts MPI: one failing early ends the job
   strata::Args a;
   CLI::App app{"strata-prof: measure this machine and the model, predict the step time of every placement of\n"
                "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"

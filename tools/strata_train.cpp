@@ -15,6 +15,7 @@
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
   strata::remove_swap_files_on_interrupt();   // Ctrl-C does not leave the optimizer state on the drive
+  strata::tools::g_ranks_start_mpi = true;    // every rank starts MPI: one failing early ends the job
   strata::TrainOptions o;
   bool no_shuffle = false;
   CLI::App app{"strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"

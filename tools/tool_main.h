@@ -64,6 +64,10 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
     STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where, std::strerror(errno));
 }
 
+// Set by a tool whose every rank starts MPI (strata-train, strata-prof): a rank that fails before
+// MPI is up then joins its peers to end the job (end_job_if_one_of_many's join_if_not_up).
+inline bool g_ranks_start_mpi = false;
+
 // The error path: one line on stderr, the JSON object with --json, the job ended if this is one
 // rank of several; returns the exit code.
 inline int fail(const char* name, int argc, char** argv, const std::string& message, const char* kind) {
@@ -76,7 +80,7 @@ inline int fail(const char* name, int argc, char** argv, const std::string& mess
   }
   std::fflush(stdout);
   std::fflush(stderr);
-  end_job_if_one_of_many(message);  // the other ranks would wait for this one for ever
+  end_job_if_one_of_many(message, g_ranks_start_mpi);  // the other ranks would wait for this one for ever
   return 1;
 }
 
@@ -95,7 +99,7 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
       break;
     }
     std::fflush(stdout);
-    end_job_if_one_of_many(e.what());
+    end_job_if_one_of_many(e.what(), g_ranks_start_mpi);
     return 1;
   } catch (const Error& e) {
     return fail(name, argc, argv, e.user_message(), error_kind_name(e.kind()));

@@ -70,8 +70,12 @@ LaunchInfo init_launch();
 int launch_gpu_ordinal(const LaunchInfo& info, int device_count);
 // A tool's error path: when this process is one of several MPI ranks, logs `message` with the
 // rank and ends the whole job (MPI_Abort, exit code 1) — the others may be waiting for this one
-// in a collective or in MPI_Finalize, and would wait for ever. Returns otherwise.
-void end_job_if_one_of_many(const std::string& message);
+// in a collective or in MPI_Finalize, and would wait for ever. Returns otherwise. With
+// `join_if_not_up` (a tool whose ranks all start MPI: strata-train, strata-prof), a rank that
+// fails before MPI is up first joins its peers in init_launch() and then ends the job: a
+// launcher without mpirun's kill-on-exit (srun without --kill-on-bad-exit) would leave them
+// waiting in MPI_Init. Off for tools whose ranks may never start MPI (they would wait there).
+void end_job_if_one_of_many(const std::string& message, bool join_if_not_up = false);
 
 struct CommOptions {
   std::optional<CommBackend> backend;  // unset: NCCL for CUDA, MPI under a launcher, else local

@@ -185,8 +185,9 @@ void abort_job(const std::string& message, int exit_code) {
   std::_Exit(exit_code);
 }
 
-void end_job_if_one_of_many_impl(const std::string& message) {
+void end_job_if_one_of_many_impl(const std::string& message, bool join_if_not_up) {
   if (!mpi_active()) {
+    if (!join_if_not_up) return;
     // Failed before MPI was up (a bad flag, a missing file) while the peers go on into MPI_Init:
     // mpirun ends the job on this rank's non-zero exit, but srun (without --kill-on-bad-exit)
     // and other launchers leave them waiting there for ever. Join them, then abort.
@@ -217,7 +218,7 @@ void abort_job(const std::string& message, int exit_code) {
   std::_Exit(exit_code);
 }
 
-void end_job_if_one_of_many_impl(const std::string&) {}
+void end_job_if_one_of_many_impl(const std::string&, bool) {}
 
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
   STRATA_THROW(kUnsupported, "no MPI communicator for {}: this build has no MPI; install libopenmpi-dev "
@@ -227,6 +228,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
 #endif
 
 }  // namespace comm
-void end_job_if_one_of_many(const std::string& message) { comm::end_job_if_one_of_many_impl(message); }
+void end_job_if_one_of_many(const std::string& message, bool join_if_not_up) {
+  comm::end_job_if_one_of_many_impl(message, join_if_not_up);
+}
 
 }  // namespace strata

@@ -173,11 +173,17 @@ class NcclCommunicator final : public Communicator {
     // The SIGTERM note names the collective (a survivor of a killed peer says what it was in),
     // from when it was queued, as the watchdog measures it; cleared when none is in flight.
     const std::string what = c.describe();
-    in_flight_.fetch_add(1);
-    note_in_flight(what);
+    {
+      // One lock for the count and the note: else the watchdog's last decrement can clear the
+      // note of a collective queued between its fetch_sub and its note_done().
+      std::lock_guard<std::mutex> nl(note_mu_);
+      ++in_flight_;
+      note_in_flight(what);
+    }
     watchdog_.begin(what, [this, done] {
       if (!done->done()) return false;
-      if (in_flight_.fetch_sub(1) == 1) note_done();
+      std::lock_guard<std::mutex> nl(note_mu_);
+      if (--in_flight_ == 0) note_done();
       return true;
     });
     std::lock_guard<std::mutex> lock(mu_);
@@ -191,7 +197,8 @@ class NcclCommunicator final : public Communicator {
   Buffer scratch_;
   std::mutex mu_;
   std::vector<std::shared_ptr<DoneEvent>> recent_;  // not yet seen complete; the destructor waits
-  std::atomic<int> in_flight_{0};  // collectives the watchdog has not yet seen complete
+  std::mutex note_mu_;
+  int in_flight_ = 0;  // collectives the watchdog has not yet seen complete (under note_mu_)
   Watchdog watchdog_;  // last: its thread polls the members above
 };
 

@@ -320,21 +320,27 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     {
       std::lock_guard<std::mutex> g(g_held_mu);
       struct stat tst {};
-      STRATA_CHECK_ERRNO(::stat(top.c_str(), &tst), "stat of '{}'", top.string());
-      for (const HeldDir& h : g_held)
+      // `p`, not strata-swap/ under it: a closing run may remove (and another recreate) that.
+      STRATA_CHECK_ERRNO(::stat(p.c_str(), &tst), "stat of '{}'", p);
+      for (const HeldDir& h : g_held) {
+        if (h.owner == &s)  // this store's own list names it twice ("/x" and "/x/", or a link)
+          STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino), "{} names the directory '{}' twice (or "
+                         "two names of one directory): list each directory once", key, p);
         STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino && h.rank == opts.rank),
                        "{} = '{}': that directory is already used by this process's swap store of {} "
                        "(rank {}); give both the same list of directories or lists with none in common",
                        key, p, key_name(h.key), opts.rank);
+      }
       g_held.push_back({tst.st_dev, tst.st_ino, opts.rank, opts.config_key, &s});
     }
     // The lock must be on the file now at `lock`: a run that is closing unlinks its lock file
     // (and then removes strata-swap/ if it is empty), and a lock taken on the unlinked file
     // would let this run and the next both own rank<N>/.
     int lfd = -1;
-    for (;;) {
+    for (int tries = 0;; ++tries) {
       fs::create_directories(top, ec);
       lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      if (lfd < 0 && errno == ENOENT && tries < 100) continue;  // strata-swap/ removed by a closing run
       STRATA_CHECK_ERRNO(lfd, "cannot create the lock file '{}'", lock);
       if (::flock(lfd, LOCK_EX | LOCK_NB) != 0) {
         ::close(lfd);

@@ -675,10 +675,12 @@ TrainResult train(const TrainOptions& o) {
       if (e.kind() != ErrorKind::kIo) throw;
       const std::string newest = !result_checkpoints.empty() ? result_checkpoints.back() : resume.dir;
       STRATA_THROW(kIo, "{}; the checkpoint of step {} was not written and nothing of it is left; {}; free space in "
-                   "{} (or give another --checkpoint-dir), then run the same command with --resume {}", e.message(),
+                   "{} (or give another --checkpoint-dir), then run the same command{}", e.message(),
                    step, newest.empty() ? std::string("no checkpoint of this run is complete")
                                         : fmt::format("the newest complete one is {}", newest),
-                   ckpt_root, newest.empty() ? ckpt_root : newest);
+                   ckpt_root,
+                   newest.empty() ? std::string(" again (there is nothing to --resume from)")
+                                  : fmt::format(" with --resume {}", newest));
     }
     result_checkpoints.push_back(dir);
     saved_steps.push_back(step);
