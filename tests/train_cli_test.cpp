@@ -117,6 +117,19 @@ class TrainCli : public ::testing::Test {
   Result train(const std::vector<std::string>& a, const std::string& tag) const {
     return run(STRATA_TRAIN_BIN, a, dir.path, tag);
   }
+#ifdef STRATA_MPIEXEC
+  // mpirun -np 2 of the usual run, rank 1 given `extra` flags besides.
+  Result two_ranks_rank1_adds(const std::string& extra, const std::string& tag) const {
+    const std::string wrap = dir.path + "/" + tag + ".sh";
+    std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='" + extra + "' || x=''\nexec " +
+                      std::string(STRATA_TRAIN_BIN);
+    for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
+    std::ofstream(wrap) << cmd << " $x\n";
+    fs::permissions(wrap, fs::perms::owner_all);
+    return run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, tag,
+               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}, {"STRATA_COMM_TIMEOUT_S", "120"}});
+  }
+#endif
   TempDir dir;
   std::string cfg, text;
 };
@@ -525,15 +538,7 @@ TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
   GTEST_SKIP() << "no MPI launcher";
 #else
   if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
-  const std::string wrap = dir.path + "/wrap.sh";
-  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='--seed 7' || x=''\nexec " +
-                    std::string(STRATA_TRAIN_BIN);
-  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
-  std::ofstream(wrap) << cmd << " $x\n";
-  fs::permissions(wrap, fs::perms::owner_all);
-  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "settings",
-                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result r = two_ranks_rank1_adds("--seed 7", "settings");
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("the ranks were started with different settings: --seed is 1234 on rank 0 and 7 on rank 1"),
             std::string::npos)
@@ -550,15 +555,7 @@ TEST_F(TrainCli, TwoRanksOneRanksBadFlagEndsTheJobNamingTheRank) {
   GTEST_SKIP() << "no MPI launcher";
 #else
   if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
-  const std::string wrap = dir.path + "/wrap.sh";
-  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='--no-such-flag' || x=''\nexec " +
-                    std::string(STRATA_TRAIN_BIN);
-  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
-  std::ofstream(wrap) << cmd << " $x\n";
-  fs::permissions(wrap, fs::perms::owner_all);
-  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "early-flag",
-                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result r = two_ranks_rank1_adds("--no-such-flag", "early-flag");
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("rank 1 of 2 stopped: The following argument was not expected: --no-such-flag"),
             std::string::npos)
