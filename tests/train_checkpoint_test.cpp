@@ -595,5 +595,22 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
       << slurp(p.err);
 }
 
+// A run that dies in the moment between moving an existing step-N aside (to save step N again)
+// and renaming the new one leaves step-N.old-<pid>: a complete checkpoint, taken as step N while
+// there is no step-N (resume fell back one checkpoint, and the folder was never used).
+TEST_F(TrainBinary, AStepSetAsideByARunThatDiedIsTakenWhenItsStepIsMissing) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  fs::rename(ck + "/step-2", ck + "/step-2.old-99999");
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  Proc p = spawn(a, dir.path, "aside");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("step-2.old-99999 is step-2 set aside by a run that stopped"), std::string::npos)
+      << slurp(p.err);
+  EXPECT_EQ(read_log(dir.path + "/b.jsonl").begin()->first, 3) << "did not resume after step 2";
+}
+
 }  // namespace
 }  // namespace strata

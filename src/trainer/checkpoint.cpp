@@ -279,16 +279,31 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   }
   std::string root = path;
   if (fs::is_directory(fs::path(path) / "checkpoints", ec)) root = (fs::path(path) / "checkpoints").string();
-  std::vector<std::pair<std::int64_t, std::string>> found;
+  std::vector<std::pair<std::int64_t, std::string>> found, set_aside;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     if (!e.is_directory()) continue;
     const std::string name = e.path().filename().string();
     const std::int64_t st = step_of(name);
+    const auto old = name.find(".old-");
     if (st >= 0) found.emplace_back(st, e.path().string());
+    else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
+      set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
     else if (name.rfind("step-", 0) == 0)
-      log::warn("{}: skipping {}: an unfinished (or set-aside) checkpoint", what, e.path().string());
+      log::warn("{}: skipping {}: an unfinished checkpoint", what, e.path().string());
   }
   STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
+  // A complete step-<N> a run moved aside to save step N again, and died before the new one took
+  // its name (write_checkpoint): it stands for step N while there is no step-<N>.
+  for (const auto& [st, dir] : set_aside) {
+    const bool have = std::any_of(found.begin(), found.end(), [st = st](const auto& f) { return f.first == st; });
+    if (have) {
+      log::warn("{}: skipping {}: set aside for a newer step-{}", what, dir, st);
+      continue;
+    }
+    log::warn("{}: {} is step-{} set aside by a run that stopped while saving that step again: taking it as step-{}",
+              what, dir, st, st);
+    found.emplace_back(st, dir);
+  }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [st, dir] : found) {
     FoundCheckpoint fc;
