@@ -81,4 +81,9 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
 void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
                      bool sharded);
 
+// fsync of a file (or, with `folder`, of a folder's entries): what a save calls before a rename
+// makes a file visible, and after. Throws kIo naming `what` ("checkpoint", "model save") and
+// the path.
+void fsync_path(const std::string& path, bool folder, const char* what);
+
 }  // namespace strata

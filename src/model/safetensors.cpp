@@ -364,6 +364,15 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size
   commit_hf_files(dir, renames, n > 1);
 }
 
+void fsync_path(const std::string& path, bool folder, const char* what) {
+  const int fd = ::open(path.c_str(), (folder ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) STRATA_THROW(kIo, "{}: cannot open {} to fsync it: {}", what, path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) STRATA_THROW(kIo, "{}: fsync {} failed: {}", what, path, std::strerror(err));
+}
+
 void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
                      bool sharded) {
   const fs::path d(dir);
@@ -372,21 +381,13 @@ void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::st
   // an older model.safetensors (loaders take it before the index); and no older shard stays.
   // On the drive before they take the final names, and the names on the drive after: a power
   // loss must not leave a model.safetensors that is empty or partial (checkpoints do the same).
-  auto sync = [](const std::string& path, bool folder) {
-    const int fd = ::open(path.c_str(), (folder ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-    STRATA_CHECK_ERRNO(fd, "cannot open {} to flush it to the drive", path);
-    const int rc = ::fsync(fd);
-    const int err = errno;
-    ::close(fd);
-    if (rc != 0) detail::throw_errno(__FILE__, __LINE__, "fsync", err, fmt::format("cannot flush {} to the drive", path));
-  };
-  for (const auto& [tmp, fin] : renames) sync(tmp, false);
+  for (const auto& [tmp, fin] : renames) fsync_path(tmp, false, "model save");
   fs::remove(d / (sharded ? "model.safetensors" : "model.safetensors.index.json"), ec);
   for (const auto& [tmp, fin] : renames) {
     fs::rename(tmp, fin, ec);
     STRATA_REQUIRE(!ec, "cannot rename {} to {}: {}", tmp, fin, ec.message());
   }
-  sync(dir, true);
+  fsync_path(dir, true, "model save");
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string f = it->path().filename().string();

@@ -316,7 +316,6 @@ struct Engine::Impl {
     up.synchronize();  // `w` is released when this scope ends
   }
 
-  // master | m | v (3 * u.shard fp32 values in `o`) onto the unit's optimizer tier.
   // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).
   Unit& unit_at(int unit, const char* call) {
     STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < units.size(), "{}: no unit {} (the model registered {})", call,
@@ -324,16 +323,17 @@ struct Engine::Impl {
     return units[std::size_t(unit)];
   }
 
-  void put_state(std::size_t ui, const std::shared_ptr<PinnedBlock>& o, bool first) {
+  // master | m | v (3 * u.shard fp32 values at `data`) onto the unit's optimizer tier. `o`, the
+  // pinned block holding them, is needed for host state (`first`: kept as the state itself) and
+  // NVMe state; device state (allocated by finalize()) is copied from any memory, `o` null.
+  void put_state(std::size_t ui, const float* data, const std::shared_ptr<PinnedBlock>& o, bool first) {
     Unit& u = units[ui];
-    Stream& up = *fetch_s;
     if (u.o_tier == Tier::kDevice) {
-      if (first) u.o_dev = dev.alloc(3 * u.shard * 4);
-      up.copy(u.o_dev.ref(), host_ref(o->data(), 3 * u.shard * 4));
-      up.synchronize();
+      fetch_s->copy(u.o_dev.ref(), host_ref(data, 3 * u.shard * 4));
+      fetch_s->synchronize();
     } else if (u.o_tier == Tier::kHost) {
       if (first) u.o_host = o;
-      else std::memcpy(u.o_host->data(), o->data(), 3 * u.shard * 4);
+      else std::memcpy(u.o_host->data(), data, 3 * u.shard * 4);
     } else {
       o_store->write(o_key(ui), o->data(), 3 * u.shard * 4).wait();
     }
@@ -958,7 +958,7 @@ void Engine::finalize() {
       auto* of = static_cast<float*>(o->data());
       std::memcpy(of, master, u.shard * 4);
       std::memset(of + u.shard, 0, 2 * u.shard * 4);
-      s.put_state(ui, o, /*first=*/true);
+      s.put_state(ui, of, o, /*first=*/true);
     }
     if (s.early_eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.o_alt = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
@@ -1647,12 +1647,7 @@ void Engine::load_state(const std::string& dir) {
     STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
     // The weights first: put_state may keep `o` itself as the host-tier state.
     s.put_weights(ui, of, /*first=*/false);
-    if (o) {
-      s.put_state(ui, o, /*first=*/false);
-    } else {
-      s.fetch_s->copy(u.o_dev.ref(), host_ref(of, 3 * u.shard * 4));
-      s.fetch_s->synchronize();
-    }
+    s.put_state(ui, of, o, /*first=*/false);
     if (u.g_tier == Tier::kDevice) s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
     else std::memset(u.g_host->data(), 0, u.shard * 4);
   }

@@ -29,6 +29,7 @@
 
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/model_io.h"
 #include "strata/trainer.h"
 
 namespace strata {
@@ -37,15 +38,6 @@ namespace {
 namespace fs = std::filesystem;
 constexpr int kCheckpointVersion = 1;
 constexpr const char* kManifest = "manifest.json";
-
-void fsync_path(const std::string& path, bool dir) {
-  const int fd = ::open(path.c_str(), (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) STRATA_THROW(kIo, "checkpoint: cannot open {} to fsync it: {}", path, std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path, std::strerror(err));
-}
 
 // Size and xxh3-64 of a file, streamed; false when it cannot be read.
 bool hash_file(const std::string& path, std::uint64_t& bytes, std::string& hex) {
@@ -208,7 +200,7 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
         ::close(fd);
         STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
       }
-      fsync_path(tmp, true);
+      fsync_path(tmp, true, "checkpoint");
       std::error_code ec;
       if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
         aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
@@ -219,7 +211,7 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
       fs::remove(fs::path(tmp) / kOwnerFile, ec);
       fs::rename(tmp, final_dir, ec);
       STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
-      fsync_path(root, true);
+      fsync_path(root, true, "checkpoint");
       if (!aside.empty()) fs::remove_all(aside, ec);
     }
     barrier(comm, s);
