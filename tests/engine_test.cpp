@@ -7,6 +7,7 @@
 #include <bit>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <future>
 #include <thread>
 
@@ -842,6 +843,48 @@ TEST(Engine, KeptEarlyWorkFinishesBehindTheStepBitIdentically) {
     EXPECT_EQ(on_.stats.early_units_kept, std::uint64_t(s.steps - 1) * 3) << what;
     EXPECT_GE(on_.stats.early_units_finished_behind, 2u) << what;
   }
+}
+
+// The new weights of kept early work reach the device in the order the next forward uses
+// them. The forward's first unit is the last to get its gradient, so it is often the one the
+// worker has not finished when step() ends: the units after it, done already, used to be
+// copied first, and the forward's first fetch waited for all of their copies on the fetch
+// stream. Its unit here is by far the largest, so it is still being stepped then.
+TEST(Engine, KeptEarlyWeightsReachTheDeviceInTheForwardsOrder) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({1024, 2048, 24, 256, 32}, 4, 38);
+  TempDir nv;
+  RunSetup s = early_setup(nv, Tier::kHost);
+  s.steps = 4;
+  s.cfg.params = on(Tier::kDevice);  // resident: nothing but these copies on the fetch stream
+  s.cfg.host_budget_bytes = 256 << 20;
+  std::map<std::uint64_t, int> unit_of_bytes;  // each unit's bf16 weights: a size of its own
+  for (int l = 0; l < model.layers(); ++l)
+    unit_of_bytes[std::uint64_t(model.dims[std::size_t(l)]) * std::uint64_t(model.dims[std::size_t(l) + 1]) * 2] = l;
+  ASSERT_EQ(unit_of_bytes.size(), std::size_t(model.layers()));
+  Rig rig(s.dev, s.cfg, model);
+  Tracer& tracer = Tracer::global();
+  tracer.clear();
+  tracer.set_enabled(true);
+  for (int step = 0; step < s.steps; ++step) {
+    rig.engine->set_next_lr(s.lr);
+    rig.micro_batch(model, step);
+    rig.engine->step(s.lr);
+  }
+  rig.micro_batch(model, s.steps);  // the last step's new weights are switched by the next forward
+  rig.dev->synchronize();
+  tracer.set_enabled(false);
+  std::vector<TraceSpan> copies;
+  for (const TraceSpan& sp : tracer.spans())
+    if (sp.lane == "fetch" && sp.name == "copy_h2d" && unit_of_bytes.count(sp.bytes)) copies.push_back(sp);
+  tracer.clear();
+  std::stable_sort(copies.begin(), copies.end(),
+                   [](const TraceSpan& a, const TraceSpan& b) { return a.start_ns < b.start_ns; });
+  std::string order;
+  for (const TraceSpan& sp : copies) order += std::to_string(unit_of_bytes[sp.bytes]);
+  EXPECT_EQ(rig.engine->stats().early_units_kept, std::uint64_t(s.steps - 1) * 4);
+  // Steps 2-4 keep every unit's early work; each step's new weights go up in layer order.
+  EXPECT_EQ(order, "012301230123");
 }
 
 // An engine destroyed right after step(), its kept early work still queued behind a held

@@ -585,11 +585,15 @@ struct Engine::Impl {
     u.ready = fetch_s->record();
     u.gather_pending = false;
   }
-  // Switches every kept unit the worker has finished, in the next forward's order: their new
+  // Switches the kept units the worker has finished, in the next forward's order: their new
   // weights go to the device on the fetch stream ahead of their fetch (a resident unit has no
-  // prefetch to do it). Local, never waits.
+  // prefetch to do it). It stops at the first unit still being stepped: one queued behind
+  // units the forward needs later would wait for all their copies on the fetch stream (the
+  // forward's first unit is the last to get its gradient, so it is often the one not done).
+  // Local, never waits.
   void finish_done_ahead() {
-    for (const std::size_t ui : std::vector<std::size_t>(pending_finish)) finish_early(ui, false);
+    for (const std::size_t ui : std::vector<std::size_t>(pending_finish))
+      if (!finish_early(ui, false)) return;
   }
   void finish_all_early() {  // collective
     while (!pending_finish.empty()) finish_early(pending_finish.front(), true);
