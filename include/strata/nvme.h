@@ -35,6 +35,11 @@ enum class FaultKind {
   kEio,     // report -EIO: the batch fails naming file and offset
   kEnospc,  // report -ENOSPC: likewise
   kDelay,   // hold the completion for delay_ms
+  // io_uring only; these fire when the chunk is submitted, not when it completes:
+  kSubmitEagain,  // the io_uring_submit that carries the chunk takes nothing and says -EAGAIN
+                  // (the kernel short of memory): the worker must try again, not spin or stop
+  kSubmitEinval,  // ... says -EINVAL: the worker gives the ring up; what it had not submitted
+                  // fails naming file and offset, and so does every later chunk (no hang)
 };
 struct Fault {
   FaultKind kind = FaultKind::kShort;
@@ -120,6 +125,7 @@ struct IoStats {
   std::uint64_t bytes_read = 0, bytes_written = 0;
   std::uint64_t chunks = 0;
   std::uint64_t requeued_short = 0, requeued_eagain = 0;
+  std::uint64_t submits_refused = 0;  // io_uring_submit calls the kernel refused, tried again
   std::uint64_t errors = 0;
   std::uint64_t checksum_ns = 0;  // time spent hashing (write) and verifying (read)
 };

@@ -10,6 +10,11 @@
 //  - -EAGAIN / -EINTR requeue the chunk (bounded retries); a short transfer requeues the
 //    remainder; anything else fails the batch with the operation, file, offset and errno,
 //    while the batch's other chunks still complete: a batch always ends, never hangs.
+//  - A ring's prepared SQEs are all submitted: a submit the kernel refuses for a while
+//    (-EAGAIN, -EBUSY, -ENOMEM) or takes in part is tried again, after a completion or a
+//    back-off; one that fails otherwise, or is refused for kSubmitGiveUp, gives the ring up:
+//    the chunks it never took fail (their SQEs are never submitted), those in the kernel
+//    complete as usual, and every later chunk fails with the same error.
 //  - Checksums are computed (writes) and verified (reads) once a request's last chunk is
 //    done, on the worker that completed it, so hashing runs in parallel across rings.
 // It never reorders chunks of one request in a way a reader could see: a read's bytes are
@@ -29,6 +34,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <unordered_map>
 
 #include "nvme/uring_probe.h"
@@ -207,6 +213,7 @@ class EngineBase : public IoEngine {
     s.chunks = chunks_done_.load();
     s.requeued_short = requeued_short_.load();
     s.requeued_eagain = requeued_eagain_.load();
+    s.submits_refused = submits_refused_.load();
     s.errors = errors_.load();
     s.checksum_ns = checksum_ns_.load();
     return s;
@@ -215,6 +222,30 @@ class EngineBase : public IoEngine {
  protected:
   virtual void enqueue(std::vector<Chunk*>&& chunks) = 0;
 
+  static bool at_submit(FaultKind k) { return k == FaultKind::kSubmitEagain || k == FaultKind::kSubmitEinval; }
+
+ public:
+  // The fault plan's error for an io_uring_submit carrying `chunks` (fired once), or 0.
+  int submit_fault(const std::deque<Chunk*>& chunks) {
+    if (faults_.empty()) return 0;
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    for (const Chunk* c : chunks)
+      for (std::size_t i = 0; i < faults_.size(); ++i) {
+        if (fired_[i] || faults_[i].chunk != c->id || !at_submit(faults_[i].kind)) continue;
+        fired_[i] = true;
+        return faults_[i].kind == FaultKind::kSubmitEagain ? -EAGAIN : -EINVAL;
+      }
+    return 0;
+  }
+  void note_submit_refused() { ++submits_refused_; }
+  // Ends a chunk that never reached the drive with the error `why`.
+  void fail_unsent(Chunk* c, const std::string& why, int err) {
+    fail(c, why, err);
+    ++chunks_done_;
+    complete(c);
+  }
+
+ protected:
   // Applies the fault plan to a chunk's first completion.
   long inject(Chunk* c, long res) {
     if (faults_.empty() || c->fault_checked) return res;
@@ -223,7 +254,7 @@ class EngineBase : public IoEngine {
     {
       std::lock_guard<std::mutex> lock(fault_mu_);
       for (std::size_t i = 0; i < faults_.size(); ++i) {
-        if (fired_[i] || faults_[i].chunk != c->id) continue;
+        if (fired_[i] || faults_[i].chunk != c->id || at_submit(faults_[i].kind)) continue;
         fired_[i] = true;
         switch (faults_[i].kind) {
           case FaultKind::kShort:
@@ -236,6 +267,8 @@ class EngineBase : public IoEngine {
           case FaultKind::kEio: res = -EIO; break;
           case FaultKind::kEnospc: res = -ENOSPC; break;
           case FaultKind::kDelay: delay = faults_[i].delay_ms; break;
+          case FaultKind::kSubmitEagain:
+          case FaultKind::kSubmitEinval: break;  // (skipped above)
         }
       }
     }
@@ -360,7 +393,7 @@ class EngineBase : public IoEngine {
   std::mutex fault_mu_;
   std::atomic<std::uint64_t> next_chunk_{0};
   std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0}, chunks_done_{0}, requeued_short_{0},
-      requeued_eagain_{0}, errors_{0}, checksum_ns_{0};
+      requeued_eagain_{0}, submits_refused_{0}, errors_{0}, checksum_ns_{0};
 };
 
 // ---- io_uring ----
@@ -386,7 +419,11 @@ class UringWorker {
  private:
   void run();
   void prep(Chunk* c);
-  void submit();  // everything prepared, retrying -EINTR / -EAGAIN
+  // Submits what is prepared (unsent_); on a refusal leaves it for the next try, and gives
+  // the ring up (broken_) on an error or a refusal that lasted kSubmitGiveUp.
+  void submit(std::size_t& inflight);
+  std::chrono::milliseconds backoff() const;
+  void give_up(int err, const std::string& why, std::size_t& inflight);
 
   UringEngine* eng_;
   const AioConfig cfg_;
@@ -405,6 +442,13 @@ class UringWorker {
   std::deque<Chunk*> queue_;
   std::deque<std::packaged_task<void()>> commands_;
   bool stop_ = false;
+  // Worker thread only: chunks prepared in the SQ that the kernel has not taken yet, in
+  // order; the refusals of submit in a row, since when; and, once the ring is given up, why.
+  std::deque<Chunk*> unsent_;
+  int refusals_ = 0;
+  std::chrono::steady_clock::time_point refused_since_;
+  std::string broken_;
+  int broken_err_ = 0;
   std::thread thread_;
 };
 
@@ -584,11 +628,58 @@ void UringWorker::prep(Chunk* c) {
   c->issued_ns = tracer.enabled() ? tracer.now_ns() : 0;
 }
 
-void UringWorker::submit() {
-  int rc;
-  do rc = io_uring_submit(&ring_);
-  while (rc == -EINTR || rc == -EAGAIN);
-  STRATA_CHECK(rc >= 0, "io_uring_submit failed: {}", errno_text(-rc));
+// How long io_uring_submit may refuse (-EAGAIN, -EBUSY, -ENOMEM: the kernel short of
+// memory or of request slots) before the ring is given up.
+constexpr std::chrono::seconds kSubmitGiveUp{30};
+
+void UringWorker::submit(std::size_t& inflight) {
+  int rc = eng_->submit_fault(unsent_);
+  if (rc == 0) {
+    do rc = io_uring_submit(&ring_);
+    while (rc == -EINTR);
+  }
+  if (rc == 0 && !unsent_.empty()) rc = -EAGAIN;  // took nothing, said nothing: a refusal
+  if (rc > 0) {
+    for (int i = 0; i < rc && !unsent_.empty(); ++i) unsent_.pop_front();
+    refusals_ = 0;
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (refusals_++ == 0) refused_since_ = now;
+  const bool transient = rc == -EAGAIN || rc == -EBUSY || rc == -ENOMEM;
+  if (transient && now - refused_since_ < kSubmitGiveUp) {
+    eng_->note_submit_refused();
+    return;
+  }
+  if (transient) {
+    give_up(-rc,
+            fmt::format("io_uring_submit refused it for {} s ({}): the kernel is short of memory or of I/O "
+                        "slots; free host memory (a smaller pinned budget), lower aio.queue_depth or "
+                        "aio.thread_count, or set aio.engine to \"threads\"",
+                        kSubmitGiveUp.count(), errno_text(-rc)),
+            inflight);
+  } else {
+    give_up(-rc,
+            fmt::format("io_uring_submit failed ({}); this ring is given up: set aio.engine to \"threads\" to "
+                        "use the thread pool",
+                        errno_text(-rc)),
+            inflight);
+  }
+}
+
+std::chrono::milliseconds UringWorker::backoff() const {
+  return std::chrono::milliseconds(std::min(50, 1 << std::min(refusals_, 6)));
+}
+
+void UringWorker::give_up(int err, const std::string& why, std::size_t& inflight) {
+  log::error("nvme ring {}: {}", index_, why);
+  broken_ = why;
+  broken_err_ = err;
+  // Their SQEs stay in the ring untaken: nothing submits again, and the ring's exit drops them.
+  for (Chunk* c : std::exchange(unsent_, {})) {
+    eng_->fail_unsent(c, why, err);
+    --inflight;
+  }
 }
 
 void UringWorker::run() {
@@ -614,22 +705,31 @@ void UringWorker::run() {
       }
       if (stop_ && local.empty() && inflight == 0) return;
     }
+    if (!broken_.empty()) {  // the ring was given up: what comes now fails the same way
+      for (Chunk* c : local) eng_->fail_unsent(c, broken_, broken_err_);
+      local.clear();
+    }
     std::size_t room = qd - inflight;
     if (!cfg_.overlap_events && inflight > 0) room = 0;
-    unsigned prepared = 0;
     while (room > 0 && !local.empty() && io_uring_sq_space_left(&ring_) > 0) {
       prep(local.front());
+      unsent_.push_back(local.front());
       local.pop_front();
       ++inflight;
       --room;
-      ++prepared;
-      if (solo_submit_) submit();
+      if (solo_submit_) submit(inflight);
     }
-    if (prepared && !solo_submit_) submit();
+    if (!unsent_.empty()) submit(inflight);
     if (inflight == 0) continue;
+    if (inflight == unsent_.size()) {  // refused, and no completion to wait for: back off
+      std::this_thread::sleep_for(backoff());
+      continue;
+    }
     io_uring_cqe* cqe = nullptr;
     int rc = io_uring_wait_cqe(&ring_, &cqe);
     if (rc == -EINTR) continue;
+    // Its chunks are in the kernel, writing into their buffers: the only safe ends are their
+    // completions or the process's.
     STRATA_CHECK(rc == 0, "io_uring_wait_cqe failed: {}", errno_text(-rc));
     Tracer& tracer = Tracer::global();
     do {
