@@ -612,5 +612,29 @@ TEST_F(TrainBinary, AStepSetAsideByARunThatDiedIsTakenWhenItsStepIsMissing) {
   EXPECT_EQ(read_log(dir.path + "/b.jsonl").begin()->first, 3) << "did not resume after step 2";
 }
 
+// ... and one beside a complete step-N is removed by the next checkpoint a run writes there (it
+// was skipped on every resume and never removed: a whole checkpoint's bytes).
+TEST_F(TrainBinary, AStepSetAsideBesideItsCompleteStepIsRemovedByTheNextSave) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  fs::copy(ck + "/step-2", ck + "/step-2.old-99999", fs::copy_options::recursive);
+  // One with no step-<N> beside it is all there is of its step: kept (a copy; its manifest says
+  // step 2, so resume skips it).
+  fs::copy(ck + "/step-2", ck + "/step-1.old-99998", fs::copy_options::recursive);
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "3"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  Proc p = spawn(a, dir.path, "aside-beside");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_FALSE(fs::exists(ck + "/step-2.old-99999")) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("removed " + ck + "/step-2.old-99999, left by a run that stopped while writing that "
+                              "step again"),
+            std::string::npos)
+      << slurp(p.err);
+  EXPECT_TRUE(fs::exists(ck + "/step-1.old-99998/manifest.json")) << "a step's only copy was removed";
+  EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
+  EXPECT_TRUE(fs::exists(ck + "/step-3/manifest.json"));
+}
+
 }  // namespace
 }  // namespace strata

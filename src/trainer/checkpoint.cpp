@@ -104,12 +104,21 @@ std::string this_host() {
 
 // Half-written checkpoints of runs that died: never chosen, only taking space. Only a folder
 // whose owner was on this host and whose process is gone (a live run's, or one from another
-// host sharing the folder, is left alone).
+// host sharing the folder, is left alone). Also a step-<N>.old-<pid> beside a step-<N> with
+// its manifest: the older copy of a step saved again by a run that died before removing it
+// (find_checkpoint only skips it). A step-<N> exists only once complete (it is renamed into
+// place), and a run that is saving step N has no step-<N> until its rename.
 void remove_dead_runs_folders(const std::string& root, const std::string& tmp_tag) {
   std::error_code ec;
   std::vector<fs::path> dead;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
+    if (const auto old = n.find(".old-"); n.starts_with("step-") && old != std::string::npos) {
+      std::error_code e2;
+      if (n.substr(old + 5) != tmp_tag && fs::exists(fs::path(root) / n.substr(0, old) / kManifest, e2))
+        dead.push_back(it->path());
+      continue;
+    }
     const auto at = n.find(".tmp-");
     if (!n.starts_with("step-") || at == std::string::npos || n.substr(at + 5) == tmp_tag) continue;
     std::ifstream owner(it->path() / kOwnerFile);
@@ -121,7 +130,8 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
   }
   for (const fs::path& p : dead) {
     fs::remove_all(p, ec);
-    if (!ec) log::info("checkpoint: removed {}, left by a run that stopped while writing it", p.string());
+    if (!ec) log::info("checkpoint: removed {}, left by a run that stopped while writing {}", p.string(),
+                       p.filename().string().find(".old-") != std::string::npos ? "that step again" : "it");
   }
 }
 
