@@ -145,6 +145,27 @@ TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   EXPECT_NEAR(a.step_s, 4 * 0.050 + small_a / 2 + 0.030 + 0.020, 1e-6);
 }
 
+// As the engine (Engine.KeptEarlyWeightsReachTheDeviceInTheForwardsOrder): the new weights of
+// kept early work go to the device in the next forward's order. With an AdamW slower than
+// backward, layers 3 and 2 are done when step() ends and the embedding and layers 1 and 0 are
+// not: their copies used to go first, ahead of the embedding's the forward needs first.
+TEST(PerfModel, KeptEarlyWeightsGoToTheDeviceInTheForwardsOrder) {
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.050;
+  m.h2d_bps = double(kLayer) * 2 / 0.005;  // a layer's bf16 weights in 5 ms
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  c.compute_dtype = DType::kBF16;
+  const Prediction p = predict_step(m, mp, c);
+  std::vector<std::pair<double, std::string>> copies;
+  for (const Interval& iv : p.schedule)
+    if (iv.what.starts_with("h2d w ")) copies.emplace_back(iv.start_s, iv.what.substr(6));
+  std::sort(copies.begin(), copies.end());
+  std::string order;
+  for (const auto& [t, what] : copies) order += (order.empty() ? "" : " ") + what;
+  EXPECT_EQ(order, "embed layers.0 layers.1 layers.2 layers.3 head");
+}
+
 TEST(PerfModel, LanesOnSharedCoresShareThem) {
   // The early-step case above on a CPU-emulated device: its kernels and the CPU AdamW each
   // want one core. With two they run side by side as on separate hardware; with one, nothing

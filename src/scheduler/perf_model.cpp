@@ -360,10 +360,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       ahead += x.padded;
     }
   };
-  // Engine::Impl::finish_done_ahead: every kept unit the worker has finished by now.
+  // Engine::Impl::finish_done_ahead: the kept units the worker has finished by now, in the
+  // forward's order (the units' own), up to the first it has not.
   auto finish_done_ahead = [&] {
-    for (std::size_t j = 0; j < N; ++j)
-      if (pending[j] && worker_done(j) <= h) finish_early(j);
+    for (std::size_t j = 0; j < N; ++j) {
+      if (!pending[j]) continue;
+      if (worker_done(j) > h) return;
+      finish_early(j);
+    }
   };
   // Engine::fetch: returns the time the compute stream may use the unit.
   auto fetch = [&](std::size_t i) {
