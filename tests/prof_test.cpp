@@ -289,6 +289,7 @@ TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
   EXPECT_GT(windows, 0);
 
   space.models = {synthetic(4, 4096, 0.002, 0.004)};  // every unit under the persistence threshold
+  space.nvme_paths = {"/nvme"};  // NVMe offered: nothing of these units can be swapped there
   r = search_placements(m, space);
   ASSERT_FALSE(r.ranked.empty());
   std::set<std::string> labels;
@@ -296,6 +297,9 @@ TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
     EXPECT_NE(c.label.find("all units live"), std::string::npos) << "a window over resident units: " << c.label;
     EXPECT_EQ(c.label.find("params host"), std::string::npos) << "the same layout as params device: " << c.label;
     EXPECT_TRUE(labels.insert(c.label).second) << c.label;
+    // "twice the swap buffers" of a layout with nothing on NVMe is the same candidate again
+    // (it was listed, and validated, beside its twin).
+    if (c.plan.nvme_bytes == 0) EXPECT_EQ(c.label.find("twice the swap buffers"), std::string::npos) << c.label;
   }
 }
 
@@ -456,7 +460,7 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   const auto r = testing::run(STRATA_PROF_BIN,
                               {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--micro-batches", "6", "8",
                                "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--validate", "5",
-                               "--validate-steps", "2", "--json"},
+                               "--validate-steps", "2", "--top", "1", "--trace", d.path + "/trace.json", "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
@@ -464,6 +468,8 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   double best = 0;
   for (int i = 0; i < j["validated"].get<int>(); ++i) {
     const auto& c = j["candidates"][std::size_t(i)];
+    // Every validated one has its figures, also past --top (they were bare measurements).
+    ASSERT_TRUE(c.contains("label") && c.contains("predicted_step_s") && c.contains("micro_batch")) << c.dump();
     const double tokens_a_step = c["predicted_tokens_per_s"].get<double>() * c["predicted_step_s"].get<double>();
     const double tps = c["measured_tokens_per_s"].get<double>();
     EXPECT_NEAR(tps, tokens_a_step / c["measured_step_s"].get<double>(), tps * 1e-9) << c.dump();
@@ -475,6 +481,43 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NEAR(j["recommended_vs_best_measured"].get<double>(), best / first, 1e-9);
   EXPECT_NE(r.out.find(fmt::format("({:.0f} tokens/s)", first)), std::string::npos) << r.out;
   if (batches.size() < 2) std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
+}
+
+// The --config's micro-batch is what the search centres on (B/2, B, 2B), as its dtype and
+// accumulation are the defaults of --dtype and --grad-accum (it searched 1 and 2 and wrote
+// B=1 over a train_batch_size of 16); a recommendation that changes the global batch says so
+// and how to keep it. A repeated --micro-batches value is measured once.
+TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  std::ofstream(d.path + "/user.json")
+      << R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+          "zero_optimization": {"stage": 3}})";
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config", model, "--config", d.path + "/user.json", "--device", "cpu",
+                               "--seq-len", "32", "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--json"},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  std::set<std::int64_t> searched;
+  for (const auto& c : j["candidates"]) searched.insert(c["micro_batch"].get<std::int64_t>());
+  EXPECT_TRUE(searched.count(8) || searched.count(4) || searched.count(16)) << r.out;
+  for (const std::int64_t b : searched) EXPECT_TRUE(b == 4 || b == 8 || b == 16) << b << "\n" << r.out;
+  const std::int64_t best = j["candidates"][0]["micro_batch"].get<std::int64_t>();
+  const bool note = r.out.find("not the train_batch_size 16 of --config") != std::string::npos;
+  EXPECT_EQ(note, best != 8) << r.out;
+  if (note) EXPECT_NE(r.out.find("(pass --micro-batches 8 to keep it)"), std::string::npos) << r.out;
+
+  const auto twice = testing::run(STRATA_PROF_BIN,
+                                  {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--no-nvme",
+                                   "--micro-batches", "2", "2", "--out", d.path + "/b2.json", "--svg", ""},
+                                  d.path, "twice");
+  ASSERT_EQ(twice.status, 0) << twice.out << twice.err;
+  std::size_t rows = 0;
+  for (std::size_t at = twice.out.find("\n  2      off"); at != std::string::npos;
+       at = twice.out.find("\n  2      off", at + 1))
+    ++rows;
+  EXPECT_EQ(rows, 1u) << twice.out;
 }
 
 // What the search does not decide stays as the --config says (its dtype and accumulation were
@@ -655,7 +698,12 @@ TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
                               d.path, "prof");
   EXPECT_EQ(r.status, 2) << r.out << r.err;
   EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("missing: device"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  device: needs "), std::string::npos) << r.out;
+  // Which configuration that plan is, and the way out in strata-prof's own flags.
+  EXPECT_NE(r.out.find("closest to fitting (the fewest bytes missing over all tiers), params "), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("strata-prof's own ways out: a larger --device-mem-gb or --host-mem-gb"), std::string::npos)
+      << r.out;
   EXPECT_FALSE(fs::exists(d.path + "/best.json"));
 }
 
@@ -688,6 +736,24 @@ TEST(ProfCli, BadInputIsAClearError) {
   const auto both = testing::run(STRATA_PROF_BIN, with({"--no-nvme", "--nvme-path", d.path}), d.path, "both");
   EXPECT_EQ(both.status, 1) << both.out << both.err;
   EXPECT_NE(both.err.find("--no-nvme and --nvme-path " + d.path), std::string::npos) << both.err;
+  // Flags that would be ignored, or two outputs naming one file (the later replaced the
+  // recommendation: an SVG or a trace handed to strata-train as --config), refused before
+  // anything is measured, naming the fix.
+  std::ofstream(d.path + "/t.txt") << "text";
+  for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
+           {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
+           {{"--trace", d.path + "/t.json"}, "--trace, --data and --text are for the validation runs: add --validate K"},
+           {{"--micro-batch", "4", "--micro-batches", "2"}, "--micro-batch 4 and --micro-batches"},
+           {{"--validate", "1", "--data", d.path + "/nope.bin"}, "--data " + d.path + "/nope.bin: no such file"},
+           {{"--validate", "1", "--data", d.path + "/t.txt", "--text", d.path + "/t.txt"}, "--data and --text"}}) {
+    std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
+    v.insert(v.end(), flags.begin(), flags.end());
+    const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");
+    EXPECT_EQ(bad.status, 1) << says << "\n" << bad.out << bad.err;
+    EXPECT_NE(bad.err.find(says), std::string::npos) << bad.err;
+    EXPECT_EQ(bad.out.find("machine ("), std::string::npos) << "measured first: " << bad.out;
+  }
   // An --aio file with no "aio" block (a model's config.json by mistake) is refused, not read as
   // the defaults.
   const std::string model = tiny_model(d.path);

@@ -551,10 +551,12 @@ void write_svg(const std::string& path, const Candidate& best, const std::vector
   const double width = 1000, left = 90, lane_h = 22;
   std::string body;
   double y = 30;
+  // One time scale for both timelines, so the predicted and the measured step compare by eye.
+  const double span_s = std::max(best.prediction.step_s, measured ? measured_step_s : 0.0);
   auto timeline = [&](const std::vector<Interval>& sched, double step_s, const std::string& title) {
     body += fmt::format("<text x='10' y='{}' font-weight='bold'>{}</text>\n", y, svg_escape(title));
     y += 10;
-    const double scale = (width - left - 20) / std::max(step_s, 1e-9);
+    const double scale = (width - left - 20) / std::max(span_s, 1e-9);
     for (int r = 0; r < lanes; ++r) {
       const double ly = y + r * lane_h;
       body += fmt::format("<text x='10' y='{}'>{}</text>\n", ly + 15, resource_name(Resource(r)));
@@ -569,8 +571,8 @@ void write_svg(const std::string& path, const Candidate& best, const std::vector
                           iv.end_s * 1e3);
     }
     y += lanes * lane_h;
-    body += fmt::format("<text x='{}' y='{}'>0</text><text x='{}' y='{}' text-anchor='end'>{:.1f} ms</text>\n", left,
-                        y + 14, width - 20, y + 14, step_s * 1e3);
+    body += fmt::format("<text x='{}' y='{}'>0</text><text x='{:.1f}' y='{}' text-anchor='end'>{:.1f} ms</text>\n", left,
+                        y + 14, left + step_s * scale, y + 14, step_s * 1e3);
     y += 36;
   };
   timeline(best.prediction.schedule, best.prediction.step_s,
@@ -726,24 +728,35 @@ int run(Args a) {
                      "or choose another --out", mc, a.out);
     }
   }
-  if (a.micro_batch <= 0) a.micro_batch = demo ? 4 : 1;
+  STRATA_REQUIRE(a.micro_batch <= 0 || a.micro_batches.empty(),
+                 "--micro-batch {} and --micro-batches: --micro-batches is the list searched (--micro-batch only sets "
+                 "its default B/2, B, 2B); give one of them", a.micro_batch);
+  STRATA_REQUIRE(a.data_files.empty() || a.text_file.empty(), "--data and --text: the validation runs read one of "
+                 "them; give one");
+  STRATA_REQUIRE(a.validate > 0 || (!a.trace_named && a.data_files.empty() && a.text_file.empty()),
+                 "--trace, --data and --text are for the validation runs: add --validate K (or leave them out)");
+  for (const std::string& f : a.data_files)
+    STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
+  STRATA_REQUIRE(a.text_file.empty() || fs::is_regular_file(a.text_file), "--text {}: no such file", a.text_file);
   STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
   STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2, "--validate-steps must be at least 2 (the first step records "
                  "the unit order and is not timed)");
-  if (a.micro_batches.empty()) {
-    if (a.micro_batch >= 2) a.micro_batches.push_back(a.micro_batch / 2);
-    a.micro_batches.push_back(a.micro_batch);
-    a.micro_batches.push_back(a.micro_batch * 2);
-  }
   for (auto b : a.micro_batches) STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
 
   const LaunchInfo launch = init_launch();
+  // Whether the --config gives a batch size (the micro-batch, or train_batch_size: the user's
+  // global batch, as strata-train takes it), or leaves the defaults.
+  bool config_micro = false, config_train = false;
   EngineConfig base = a.ds_config.empty() ? default_engine_config() : [&] {
     std::ifstream f(a.ds_config);
     STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
     std::stringstream ss;
     ss << f.rdbuf();
-    return parse_engine_config(ss.str(), launch.world_size);
+    EngineConfig c = parse_engine_config(ss.str(), launch.world_size);
+    const nlohmann::json top = nlohmann::json::parse(ss.str(), nullptr, false);
+    config_train = top.is_object() && top.contains("train_batch_size");
+    config_micro = config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
+    return c;
   }();
   if (!a.aio_file.empty()) {
     std::ifstream f(a.aio_file);
@@ -770,6 +783,17 @@ int run(Args a) {
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
   if (a.grad_accum > 0) base.gradient_accumulation_steps = a.grad_accum;
   a.grad_accum = base.gradient_accumulation_steps;
+  // The micro-batch the search centres on: --micro-batch, else the --config's (as --dtype and
+  // --grad-accum default to it) when it gives one, else 4 for the demo and 1.
+  if (a.micro_batch <= 0) a.micro_batch = config_micro ? base.micro_batch_per_gpu : demo ? 4 : 1;
+  if (a.micro_batches.empty()) {
+    if (a.micro_batch >= 2) a.micro_batches.push_back(a.micro_batch / 2);
+    a.micro_batches.push_back(a.micro_batch);
+    a.micro_batches.push_back(a.micro_batch * 2);
+  }
+  std::sort(a.micro_batches.begin(), a.micro_batches.end());  // the token file is sized by the last
+  a.micro_batches.erase(std::unique(a.micro_batches.begin(), a.micro_batches.end()), a.micro_batches.end());
+  const std::int64_t config_train_batch = config_train ? base.train_batch_size : 0;
   a.user_config = base;
   a.host_budget_given = a.host_mem_gb > 0 || base.host_budget_bytes > 0;
   STRATA_REQUIRE(a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
@@ -825,6 +849,19 @@ int run(Args a) {
   // user's in the way, must not cost the measuring and the search first (and --svg must not
   // fail after --out was written).
   if (a.validate > 0 && a.trace.empty()) a.trace = "strata-prof.trace.json";
+  {
+    // Two of them naming one file: the later would silently replace the earlier (the
+    // recommendation by the picture or the trace).
+    std::vector<std::pair<std::string, std::string>> outs = {{"--out", a.out}, {"--svg", a.svg}};
+    if (a.validate > 0) outs.push_back({"--trace", a.trace});
+    if (demo && !a.out.empty()) outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
+    if (!a.ds_config.empty()) outs.push_back({"--config", a.ds_config});
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      for (std::size_t k = i + 1; k < outs.size(); ++k)
+        STRATA_REQUIRE(outs[i].second.empty() || outs[k].second.empty() ||
+                           fs::absolute(outs[i].second).lexically_normal() != fs::absolute(outs[k].second).lexically_normal(),
+                       "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first, outs[i].second);
+  }
   if (talk) {
     tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);
     tools::require_output_file("--svg", a.svg, a.overwrite || !a.svg_named);
@@ -936,12 +973,26 @@ int run(Args a) {
   if (sr.ranked.empty()) {
     if (talk) {
       std::printf("no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
-                  "missing over all tiers):\n%s", sr.considered, sr.smallest.table().c_str());
-      for (const auto& p : sr.problems) std::printf("missing: %s\n", p.c_str());
+                  "missing over all tiers), %s:\n%s", sr.considered, sr.smallest_label.c_str(),
+                  sr.smallest.table().c_str());
+      std::printf("strata-prof's own ways out: a larger --device-mem-gb or --host-mem-gb, smaller --micro-batches, "
+                  "or an NVMe folder (--nvme-path)\n");
+      std::error_code ec;
+      if (!a.out.empty() && fs::exists(a.out, ec))
+        std::printf("(%s is not this run's: nothing was written)\n", a.out.c_str());
       if (!use_nvme) std::printf("(NVMe placements were not considered: --no-nvme)\n");
       if (a.json) {
         j["fits"] = false;
         j["problems"] = sr.problems;
+        j["closest"] = {{"label", sr.smallest_label},
+                        {"device_bytes", sr.smallest.device_bytes},
+                        {"device_capacity_bytes", sr.smallest.device_capacity},
+                        {"host_bytes", sr.smallest.host_bytes},
+                        {"host_capacity_bytes", sr.smallest.host_capacity},
+                        {"nvme_bytes", sr.smallest.nvme_bytes},
+                        {"nvme_capacity_bytes", sr.smallest.nvme_capacity}};
+        j["best_config_file"] = nullptr;
+        j["total_seconds"] = since(t_start);
         std::printf("%s\n", j.dump().c_str());
       }
     }
@@ -989,6 +1040,15 @@ int run(Args a) {
     // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
     std::error_code ec;
     const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
+    const std::int64_t global = best.config.micro_batch_per_gpu * best.config.gradient_accumulation_steps *
+                                machine.world_size;
+    if (config_train_batch > 0 && global != config_train_batch)
+      std::printf("\nnote: B=%lld x gradient_accumulation_steps %lld x %d rank(s) = %lld sequences a step, not the "
+                  "train_batch_size %lld of --config %s (pass --micro-batches %lld to keep it)\n",
+                  (long long)best.config.micro_batch_per_gpu, (long long)best.config.gradient_accumulation_steps,
+                  machine.world_size, (long long)global, (long long)config_train_batch, a.ds_config.c_str(),
+                  (long long)(config_train_batch / std::max<std::int64_t>(1, best.config.gradient_accumulation_steps *
+                                                                               machine.world_size)));
     std::printf("\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
                 a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
                 a.out.c_str(), (long long)a.seq_len,
@@ -996,12 +1056,16 @@ int run(Args a) {
                 device_flags.c_str());
   }
   nlohmann::json cands = nlohmann::json::array();
-  for (std::size_t i = 0; i < shown; ++i) {
+  // The printed ones, and every validated one (--top 1 --validate 3): each with its figures.
+  const std::size_t in_json = std::min(sr.ranked.size(), std::max(shown, std::size_t(std::max(0, a.validate))));
+  for (std::size_t i = 0; i < in_json; ++i) {
     const Candidate& c = sr.ranked[i];
     nlohmann::json busy;
     for (int r = 0; r < int(Resource::kCount); ++r) busy[resource_name(Resource(r))] = c.prediction.busy_s[r];
     cands.push_back({{"rank", i + 1},
                      {"label", c.label},
+                     {"micro_batch", c.micro_batch},
+                     {"checkpoint", !c.checkpoint ? "off" : c.checkpoint_on_host ? "host" : "on"},
                      {"predicted_step_s", c.prediction.step_s},
                      {"predicted_tokens_per_s", c.prediction.tokens_per_s},
                      {"predicted_forward_s", c.prediction.forward_s},
@@ -1062,8 +1126,8 @@ int run(Args a) {
         // A configuration the planner passed and the run refused is a finding, not the end.
         ++failed;
         if (talk) std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
-                              c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(), e.what());
-        cands[i]["validation_error"] = e.what();
+                              c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(), e.user_message().c_str());
+        cands[i]["validation_error"] = e.user_message();
         measured[i] = 0;
         continue;
       }
@@ -1098,7 +1162,11 @@ int run(Args a) {
       exit_code = 3;
       if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
     }
+    const int validated_ok = int(k) - failed;
     if (talk) {
+      if (measured[0] <= 0 && validated_ok > 0)
+        std::printf("worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended configuration's "
+                    "run FAILED\n", worst * 100, validated_ok);
       if (measured[0] > 0) {
         std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms "
                     "(%.0f tokens/s), %s\n",
@@ -1114,8 +1182,8 @@ int run(Args a) {
     }
     j["validated"] = k;
     j["validation_failures"] = failed;
-    j["worst_prediction_error"] = worst;
-    j["recommended_vs_best_measured"] = rec_vs_best;
+    j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
+    j["recommended_vs_best_measured"] = measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
     j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   }
   if (talk && !a.svg.empty()) {

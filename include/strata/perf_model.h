@@ -138,6 +138,7 @@ struct SearchResult {
   // missing on which tier).
   std::vector<std::string> problems;
   MemoryPlan smallest;
+  std::string smallest_label;  // its configuration, as Candidate::label
 };
 
 SearchResult search_placements(const MachineProfile& machine, const SearchSpace& space);

@@ -859,12 +859,16 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               c.max_reuse_distance = d.max_reuse_distance;
               {
                 std::string sig;
-                bool gathered = false;
+                bool gathered = false, swapped = false;
                 for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size)) {
                   gathered = gathered || !u.resident;
+                  swapped = swapped || (!u.resident && u.w == Tier::kNvme) || u.o == Tier::kNvme;
                   sig += fmt::format("{}{}{}{},", u.resident ? 'r' : 'g', u.resident ? 0 : int(u.w), int(u.g), int(u.o));
                 }
                 if (win > 0 && !gathered) continue;
+                // Nothing of this layout on NVMe (every unit below the persistence threshold, say):
+                // no swap buffers to double, and "params nvme" is "params device" by another name.
+                if (more_buffers && !swapped) continue;
                 if (!seen.insert(fmt::format("{}|{}|{}", sig, win, more_buffers)).second) continue;
               }
               cand.checkpoint = mp.checkpoint;
@@ -888,6 +892,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                   have_smallest = true;
                   smallest_short = shortfall;
                   out.smallest = cand.plan;
+                  out.smallest_label = cand.label;
                   out.problems = cand.plan.problems;
                 }
                 continue;
