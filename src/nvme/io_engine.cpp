@@ -711,7 +711,9 @@ void UringWorker::run() {
     }
     std::size_t room = qd - inflight;
     if (!cfg_.overlap_events && inflight > 0) room = 0;
-    while (room > 0 && !local.empty() && io_uring_sq_space_left(&ring_) > 0) {
+    // Once the ring is given up nothing is prepared or submitted again: io_uring_submit would
+    // hand the kernel the SQEs of the chunks give_up() failed (it submits from head to tail).
+    while (broken_.empty() && room > 0 && !local.empty() && io_uring_sq_space_left(&ring_) > 0) {
       prep(local.front());
       unsent_.push_back(local.front());
       local.pop_front();
@@ -720,6 +722,10 @@ void UringWorker::run() {
       if (solo_submit_) submit(inflight);
     }
     if (!unsent_.empty()) submit(inflight);
+    if (!broken_.empty()) {  // given up just now: what was not prepared fails too
+      for (Chunk* c : local) eng_->fail_unsent(c, broken_, broken_err_);
+      local.clear();
+    }
     if (inflight == 0) continue;
     if (inflight == unsent_.size()) {  // refused, and no completion to wait for: back off
       std::this_thread::sleep_for(backoff());
