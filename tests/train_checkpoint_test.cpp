@@ -636,5 +636,32 @@ TEST_F(TrainBinary, AStepSetAsideBesideItsCompleteStepIsRemovedByTheNextSave) {
   EXPECT_TRUE(fs::exists(ck + "/step-3/manifest.json"));
 }
 
+// ... but not beside a step-N damaged since it was written: the set-aside copy is then the only
+// good one of step N, and resume takes it (it fell back to the step before, and the next save
+// removed the good copy).
+TEST_F(TrainBinary, AStepSetAsideBesideADamagedStepIsTakenAndKept) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  fs::copy(ck + "/step-2", ck + "/step-2.old-99999", fs::copy_options::recursive);
+  {
+    std::fstream f(ck + "/step-2/rank0.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x40);
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "3"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  Proc p = spawn(a, dir.path, "aside-damaged");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  const std::string all = slurp(p.out) + slurp(p.err);
+  EXPECT_NE(all.find("resumed from " + ck + "/step-2.old-99999 (step 2)"), std::string::npos) << all;
+  EXPECT_TRUE(fs::exists(ck + "/step-2.old-99999/manifest.json")) << "the only good copy of step 2 was removed";
+  EXPECT_EQ(read_log(dir.path + "/b.jsonl").begin()->first, 3) << "did not resume after step 2";
+}
+
 }  // namespace
 }  // namespace strata

@@ -114,8 +114,13 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
     if (const auto old = n.find(".old-"); n.starts_with("step-") && old != std::string::npos) {
+      // Only beside a step-<N> that verifies as step N: one damaged since leaves the older copy
+      // the only good one. (That hashes step-<N> once; a set-aside copy is left only by a crash.)
+      const std::string step_dir = (fs::path(root) / n.substr(0, old)).string();
       std::error_code e2;
-      if (n.substr(old + 5) != tmp_tag && fs::exists(fs::path(root) / n.substr(0, old) / kManifest, e2))
+      nlohmann::json m;
+      if (n.substr(old + 5) != tmp_tag && fs::exists(fs::path(step_dir) / kManifest, e2) &&
+          verify_checkpoint(step_dir, &m).empty() && m.value("step", std::int64_t(-1)) == step_of(n.substr(0, old)))
         dead.push_back(it->path());
       continue;
     }
@@ -296,17 +301,18 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
   // A complete step-<N> a run moved aside to save step N again, and died before the new one took
   // its name (write_checkpoint): it stands for step N while there is no step-<N>.
+  // Beside its step-<N> it is the older copy of that step: tried after it (the stable sort below
+  // keeps it behind), when step-<N> does not verify.
   for (const auto& [st, dir] : set_aside) {
     const bool have = std::any_of(found.begin(), found.end(), [st = st](const auto& f) { return f.first == st; });
-    if (have) {
-      log::warn("{}: skipping {}: set aside for a newer step-{}", what, dir, st);
-      continue;
-    }
-    log::warn("{}: {} is step-{} set aside by a run that stopped while saving that step again: taking it as step-{}",
-              what, dir, st, st);
+    if (have)
+      log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what, dir, st, st);
+    else
+      log::warn("{}: {} is step-{} set aside by a run that stopped while saving that step again: taking it as step-{}",
+                what, dir, st, st);
     found.emplace_back(st, dir);
   }
-  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [st, dir] : found) {
     FoundCheckpoint fc;
     const std::string why = verify_checkpoint(dir, &fc.manifest);
