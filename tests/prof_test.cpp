@@ -503,6 +503,15 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   for (const auto& c : j["candidates"]) searched.insert(c["micro_batch"].get<std::int64_t>());
   EXPECT_TRUE(searched.count(8) || searched.count(4) || searched.count(16)) << r.out;
   for (const std::int64_t b : searched) EXPECT_TRUE(b == 4 || b == 8 || b == 16) << b << "\n" << r.out;
+  // The model's measurements are in the JSON too: each size searched, each checkpointing mode.
+  ASSERT_EQ(j["model"]["measured"].size(), 9u) << j["model"].dump();
+  for (const auto& row : j["model"]["measured"]) {
+    const std::int64_t b = row["micro_batch"].get<std::int64_t>();
+    EXPECT_TRUE(b == 4 || b == 8 || b == 16) << row.dump();
+    EXPECT_GT(row["layer_forward_s"].get<double>(), 0) << row.dump();
+  }
+  EXPECT_EQ(j["model"]["seq_len"].get<std::int64_t>(), 32);
+  EXPECT_GT(j["machine"]["device_free_gbps"].get<double>(), 0);
   const std::int64_t best = j["candidates"][0]["micro_batch"].get<std::int64_t>();
   const bool note = r.out.find("not the train_batch_size 16 of --config") != std::string::npos;
   EXPECT_EQ(note, best != 8) << r.out;
@@ -754,6 +763,16 @@ TEST(ProfCli, BadInputIsAClearError) {
     EXPECT_NE(bad.err.find(says), std::string::npos) << bad.err;
     EXPECT_EQ(bad.out.find("machine ("), std::string::npos) << "measured first: " << bad.out;
   }
+  // A GPT-2 sequence longer than its positions, as strata-train says it, before measuring.
+  std::ofstream(d.path + "/gpt2.json") << R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2,
+      "n_head": 2, "n_positions": 32})";
+  const auto pos = testing::run(STRATA_PROF_BIN,
+                                {"--model-config", d.path + "/gpt2.json", "--seq-len", "64", "--device", "cpu",
+                                 "--no-nvme", "--out", d.path + "/best.json"},
+                                d.path, "positions");
+  EXPECT_EQ(pos.status, 1) << pos.out << pos.err;
+  EXPECT_NE(pos.err.find("--seq-len 64 exceeds the model's 32 positions"), std::string::npos) << pos.err;
+  EXPECT_EQ(pos.out.find("machine ("), std::string::npos) << "measured first: " << pos.out;
   // An --aio file with no "aio" block (a model's config.json by mistake) is refused, not read as
   // the defaults.
   const std::string model = tiny_model(d.path);

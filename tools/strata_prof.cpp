@@ -687,9 +687,9 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
 void print_machine(const MachineProfile& m, const std::string& dev_name) {
   auto g = [](double bps) { return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-"); };
   std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
-  std::printf("  h2d %s  d2h %s  device memory %s  free %s  host memory %s\n", g(m.h2d_bps).c_str(),
+  std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n", g(m.h2d_bps).c_str(),
               g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
-  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  (free %s)\n",
+  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  (%s free)\n",
               g(m.nvme_write_bps).c_str(),
               g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(), g(m.nvme_fetch_read_bps).c_str(),
               m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
@@ -714,6 +714,9 @@ int run(Args a) {
                                                : demo_model_config();
   if (a.seq_len <= 0)  // strata-train's default
     a.seq_len = demo ? 128 : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions) : 1024;
+  // As strata-train refuses it (the model itself said so only after the machine was measured).
+  STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || a.seq_len <= mcfg.max_positions,
+                 "--seq-len {} exceeds the model's {} positions", a.seq_len, mcfg.max_positions);
   if (!a.out.empty()) {  // nothing of the user's is replaced by what strata-prof writes
     std::error_code ec;
     STRATA_REQUIRE(a.ds_config.empty() || !fs::equivalent(a.out, a.ds_config, ec),
@@ -952,7 +955,7 @@ int run(Args a) {
                   {"h2d_gbps", machine.h2d_bps / 1e9},
                   {"d2h_gbps", machine.d2h_bps / 1e9},
                   {"device_mem_gbps", machine.device_mem_bps / 1e9},
-                  {"free_gbps", machine.free_bps / 1e9},
+                  {"device_free_gbps", machine.free_bps / 1e9},
                   {"host_mem_gbps", machine.host_mem_bps / 1e9},
                   {"host_norm_gbps", machine.host_norm_bps / 1e9},
                   {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
@@ -967,6 +970,29 @@ int run(Args a) {
                   {"device_capacity_bytes", machine.device_capacity},
                   {"host_capacity_bytes", machine.host_capacity},
                   {"nvme_free_bytes", machine.nvme_free}};
+  j["model"] = {{"type", mcfg.model_type},
+                {"layers", mcfg.num_layers},
+                {"params", [&] {
+                   std::uint64_t n = 0;
+                   for (const auto& u : model_units(mcfg)) n += u.numel;
+                   return n;
+                 }()},
+                {"seq_len", a.seq_len},
+                {"dtype", a.dtype},
+                {"gradient_accumulation_steps", a.grad_accum}};
+  {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& mp : space.models)
+      rows.push_back({{"micro_batch", mp.micro_batch},
+                      {"checkpoint", !mp.checkpoint ? "off" : mp.checkpoint_on_host ? "host" : "on"},
+                      {"layer_forward_s", mp.units[1].forward_s},
+                      {"layer_backward_s", mp.units[1].backward_s},
+                      {"head_forward_s", mp.units.back().forward_s},
+                      {"embed_s", mp.units[0].forward_s + mp.units[0].backward_s},
+                      {"activation_bytes", mp.activation_bytes}});
+    j["model"]["measured"] = std::move(rows);
+  }
+  j["machine_seconds"] = t_machine;
   j["measure_seconds"] = t_measured;
   j["candidates_considered"] = sr.considered;
   j["candidates_feasible"] = sr.ranked.size();
