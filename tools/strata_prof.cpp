@@ -881,6 +881,10 @@ int run(Args a) {
   {
     auto dev = make_device(a.device, mhopt, copt);
     dev_name = dev->name();
+    // The emulated device's throttles would be ignored on a GPU (with --device auto, say).
+    STRATA_REQUIRE(dev->kind() == DeviceKind::kCpu || (a.emu_h2d <= 0 && a.emu_d2h <= 0 && a.emu_gflops <= 0),
+                   "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops throttle the CPU-emulated device, and "
+                   "this run measures {}: leave them out, or pass --device cpu", dev_name);
     auto comm = make_communicator(*dev);
     std::size_t largest = 0;
     for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
@@ -1062,6 +1066,8 @@ int run(Args a) {
       if (a.emu_h2d > 0) device_flags += fmt::format(" --emu-h2d-gbps {:g}", a.emu_h2d);
       if (a.emu_d2h > 0) device_flags += fmt::format(" --emu-d2h-gbps {:g}", a.emu_d2h);
       if (a.emu_gflops > 0) device_flags += fmt::format(" --emu-compute-gflops {:g}", a.emu_gflops);
+    } else if (a.device_mem_gb > 0) {  // a GPU planned under a cap: the run keeps to it too
+      device_flags = fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
     }
     // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
     std::error_code ec;
