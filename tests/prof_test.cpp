@@ -166,6 +166,21 @@ TEST(PerfModel, KeptEarlyWeightsGoToTheDeviceInTheForwardsOrder) {
   EXPECT_EQ(order, "embed layers.0 layers.1 layers.2 layers.3 head");
 }
 
+// strata-prof --validate's choice of the fastest validated candidate: by tokens a second, as the
+// search ranks, not by step time (a B=8 step of 317 ms beat a B=4 one of 182 ms and was called
+// "73.9% slower").
+TEST(PerfModel, FastestValidatedIsByTokensASecond) {
+  std::vector<Candidate> c(3);
+  c[0].prediction.step_s = 0.3, c[0].prediction.tokens_per_s = 8 * 32 / 0.3;    // B=8
+  c[1].prediction.step_s = 0.15, c[1].prediction.tokens_per_s = 4 * 32 / 0.15;  // B=4
+  c[2].prediction.step_s = 0.3, c[2].prediction.tokens_per_s = 8 * 32 / 0.3;
+  EXPECT_EQ(fastest_validated(c, {0.317, 0.182}), 0u);  // 808 against 703 tokens/s
+  EXPECT_NEAR(measured_tokens_per_s(c[0], 0.317), 8 * 32 / 0.317, 1e-9);
+  EXPECT_EQ(fastest_validated(c, {0.317, 0.150}), 1u);  // 853: faster
+  EXPECT_EQ(fastest_validated(c, {0, 0.182, 0.4}), 1u);  // a failed run is not the fastest
+  EXPECT_EQ(fastest_validated(c, {0, 0}), 2u);           // none ran
+}
+
 TEST(PerfModel, LanesOnSharedCoresShareThem) {
   // The early-step case above on a CPU-emulated device: its kernels and the CPU AdamW each
   // want one core. With two they run side by side as on separate hardware; with one, nothing
@@ -460,7 +475,7 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   const auto r = testing::run(STRATA_PROF_BIN,
                               {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--micro-batches", "6", "8",
                                "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--validate", "5",
-                               "--validate-steps", "2", "--top", "1", "--trace", d.path + "/trace.json", "--json"},
+                               "--validate-steps", "2", "--top", "1", "--trace", "", "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
@@ -480,6 +495,7 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   const double first = j["candidates"][0]["measured_tokens_per_s"].get<double>();
   EXPECT_NEAR(j["recommended_vs_best_measured"].get<double>(), best / first, 1e-9);
   EXPECT_NE(r.out.find(fmt::format("({:.0f} tokens/s)", first)), std::string::npos) << r.out;
+  EXPECT_TRUE(j["trace_file"].is_null()) << "--trace \"\" is no trace: " << j["trace_file"];
   if (batches.size() < 2) std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
 }
 
@@ -516,6 +532,29 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   const bool note = r.out.find("not the train_batch_size 16 of --config") != std::string::npos;
   EXPECT_EQ(note, best != 8) << r.out;
   if (note) EXPECT_NE(r.out.find("(pass --micro-batches 8 to keep it)"), std::string::npos) << r.out;
+
+  // --grad-accum beside a train_batch_size keeps the global batch, as strata-train does: the
+  // micro-batch follows (16 / 4 = 4: 2, 4 and 8 searched), or a --grad-accum that does not
+  // divide it is refused, as strata-train refuses it.
+  std::ofstream(d.path + "/global.json") << R"({"train_batch_size": 16, "zero_optimization": {"stage": 3}})";
+  const auto ga = testing::run(STRATA_PROF_BIN,
+                               {"--model-config", model, "--config", d.path + "/global.json", "--grad-accum", "4",
+                                "--device", "cpu", "--seq-len", "32", "--no-nvme", "--out", d.path + "/ga.json",
+                                "--svg", "", "--top", "1", "--json"},
+                               d.path, "ga");
+  ASSERT_EQ(ga.status, 0) << ga.out << ga.err;
+  const auto gj = nlohmann::json::parse(ga.out.substr(ga.out.rfind('\n', ga.out.size() - 2) + 1));
+  std::set<std::int64_t> sizes;
+  for (const auto& row : gj["model"]["measured"]) sizes.insert(row["micro_batch"].get<std::int64_t>());
+  EXPECT_EQ(sizes, (std::set<std::int64_t>{2, 4, 8})) << ga.out;
+  const auto ga3 = testing::run(STRATA_PROF_BIN,
+                                {"--model-config", model, "--config", d.path + "/global.json", "--grad-accum", "3",
+                                 "--device", "cpu", "--seq-len", "32", "--no-nvme", "--out", d.path + "/ga3.json",
+                                 "--svg", ""},
+                                d.path, "ga3");
+  EXPECT_EQ(ga3.status, 1) << ga3.out << ga3.err;
+  EXPECT_NE(ga3.err.find("--grad-accum 3 x 1 rank(s) does not divide the train_batch_size 16"), std::string::npos)
+      << ga3.err;
 
   const auto twice = testing::run(STRATA_PROF_BIN,
                                   {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--no-nvme",
@@ -763,6 +802,17 @@ TEST(ProfCli, BadInputIsAClearError) {
     EXPECT_NE(bad.err.find(says), std::string::npos) << bad.err;
     EXPECT_EQ(bad.out.find("machine ("), std::string::npos) << "measured first: " << bad.out;
   }
+  // An output naming a file strata-prof reads is refused, --overwrite or not (the model's
+  // config was replaced by the recommendation, and the validation runs read it back).
+  const std::string m2 = d.path + "/m2.json";
+  fs::copy_file(tiny_model(d.path), m2, fs::copy_options::overwrite_existing);
+  const auto self = testing::run(STRATA_PROF_BIN,
+                                 {"--model-config", m2, "--out", d.path + "/./m2.json", "--overwrite", "--device", "cpu",
+                                  "--no-nvme"},
+                                 d.path, "self");
+  EXPECT_EQ(self.status, 1) << self.out << self.err;
+  EXPECT_NE(self.err.find("is the --model-config file: strata-prof would replace it"), std::string::npos) << self.err;
+  EXPECT_EQ(self.out.find("machine ("), std::string::npos) << "measured first: " << self.out;
   // A GPT-2 sequence longer than its positions, as strata-train says it, before measuring.
   std::ofstream(d.path + "/gpt2.json") << R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2,
       "n_head": 2, "n_positions": 32})";

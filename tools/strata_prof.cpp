@@ -736,7 +736,7 @@ int run(Args a) {
                  "its default B/2, B, 2B); give one of them", a.micro_batch);
   STRATA_REQUIRE(a.data_files.empty() || a.text_file.empty(), "--data and --text: the validation runs read one of "
                  "them; give one");
-  STRATA_REQUIRE(a.validate > 0 || (!a.trace_named && a.data_files.empty() && a.text_file.empty()),
+  STRATA_REQUIRE(a.validate > 0 || ((!a.trace_named || a.trace.empty()) && a.data_files.empty() && a.text_file.empty()),
                  "--trace, --data and --text are for the validation runs: add --validate K (or leave them out)");
   for (const std::string& f : a.data_files)
     STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
@@ -784,8 +784,19 @@ int run(Args a) {
                  "--config {}: fp16.enabled: the model computes in fp32 or bf16 (fp16 is not supported yet); use "
                  "\"bf16\": {{\"enabled\": true}} or --dtype bf16", a.ds_config);
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
-  if (a.grad_accum > 0) base.gradient_accumulation_steps = a.grad_accum;
+  const bool grad_accum_given = a.grad_accum > 0;
+  if (grad_accum_given) base.gradient_accumulation_steps = a.grad_accum;
   a.grad_accum = base.gradient_accumulation_steps;
+  // As strata-train takes --grad-accum beside a train_batch_size: the global batch stays and the
+  // micro-batch follows (the --config's micro-batch was derived under its own accumulation).
+  if (a.micro_batch <= 0 && a.micro_batches.empty() && config_train && grad_accum_given) {
+    const std::int64_t per = a.grad_accum * launch.world_size;
+    STRATA_REQUIRE(base.train_batch_size % per == 0,
+                   "--grad-accum {} x {} rank(s) does not divide the train_batch_size {} of --config {}: give a "
+                   "--grad-accum that divides it, or --micro-batch / --micro-batches",
+                   a.grad_accum, launch.world_size, base.train_batch_size, a.ds_config);
+    a.micro_batch = base.train_batch_size / per;
+  }
   // The micro-batch the search centres on: --micro-batch, else the --config's (as --dtype and
   // --grad-accum default to it) when it gives one, else 4 for the demo and 1.
   if (a.micro_batch <= 0) a.micro_batch = config_micro ? base.micro_batch_per_gpu : demo ? 4 : 1;
@@ -851,19 +862,37 @@ int run(Args a) {
   // What rank 0 writes at the end, checked now: a folder that is not there, or a file of the
   // user's in the way, must not cost the measuring and the search first (and --svg must not
   // fail after --out was written).
-  if (a.validate > 0 && a.trace.empty()) a.trace = "strata-prof.trace.json";
+  if (a.validate > 0 && a.trace.empty() && !a.trace_named) a.trace = "strata-prof.trace.json";  // --trace "": none
   {
-    // Two of them naming one file: the later would silently replace the earlier (the
-    // recommendation by the picture or the trace).
-    std::vector<std::pair<std::string, std::string>> outs = {{"--out", a.out}, {"--svg", a.svg}};
+    // What strata-prof writes must not name one file twice (the later replaced the earlier: the
+    // recommendation by the picture or the trace), nor a file it reads (the model's config is
+    // read again by the validation runs and named in the run line). Links resolved.
+    using Named = std::vector<std::pair<std::string, std::string>>;
+    Named outs = {{"--out", a.out}, {"--svg", a.svg}};
     if (a.validate > 0) outs.push_back({"--trace", a.trace});
     if (demo && !a.out.empty()) outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
-    if (!a.ds_config.empty()) outs.push_back({"--config", a.ds_config});
-    for (std::size_t i = 0; i < outs.size(); ++i)
+    Named ins;  // inputs may share a file with each other (--config and --aio, say), not with an output
+    if (!a.ds_config.empty()) ins.push_back({"--config", a.ds_config});
+    if (!a.model_config.empty()) ins.push_back({"--model-config", a.model_config});
+    if (!a.model_dir.empty()) ins.push_back({"--model folder's config.json", a.model_dir + "/config.json"});
+    if (!a.aio_file.empty()) ins.push_back({"--aio", a.aio_file});
+    for (const std::string& f : a.data_files) ins.push_back({"--data", f});
+    if (!a.text_file.empty()) ins.push_back({"--text", a.text_file});
+    auto key = [](const std::string& p) {
+      std::error_code ec;
+      const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
+      return ec ? fs::absolute(p).lexically_normal() : k;
+    };
+    auto same = [&](const std::string& x, const std::string& y) { return !x.empty() && !y.empty() && key(x) == key(y); };
+    for (std::size_t i = 0; i < outs.size(); ++i) {
       for (std::size_t k = i + 1; k < outs.size(); ++k)
-        STRATA_REQUIRE(outs[i].second.empty() || outs[k].second.empty() ||
-                           fs::absolute(outs[i].second).lexically_normal() != fs::absolute(outs[k].second).lexically_normal(),
-                       "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first, outs[i].second);
+        STRATA_REQUIRE(!same(outs[i].second, outs[k].second), "{} and {} both name {}: give each its own file",
+                       outs[i].first, outs[k].first, outs[i].second);
+      for (const auto& [flag, path] : ins)
+        STRATA_REQUIRE(!same(outs[i].second, path),
+                       "{} {} is the {} file: strata-prof would replace it; write it elsewhere", outs[i].first,
+                       outs[i].second, flag);
+    }
   }
   if (talk) {
     tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);
@@ -1005,14 +1034,24 @@ int run(Args a) {
       std::printf("no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
                   "missing over all tiers), %s:\n%s", sr.considered, sr.smallest_label.c_str(),
                   sr.smallest.table().c_str());
-      std::printf("strata-prof's own ways out: a larger --device-mem-gb or --host-mem-gb, smaller --micro-batches, "
-                  "or an NVMe folder (--nvme-path)\n");
+      // (A GPU's own memory is its limit: a larger cap than it has plans for memory not there.)
+      std::string ways = dev_name.starts_with("cpu") || a.device_mem_gb > 0 ? "a larger --device-mem-gb or --host-mem-gb"
+                                                                           : "a larger --host-mem-gb";
+      if (a.micro_batches.front() > 1) ways += fmt::format(", --micro-batches below {}", a.micro_batches.front());
+      ways += use_nvme ? ", or --nvme-path on a drive with more free space" : ", or NVMe (leave out --no-nvme)";
+      std::printf("strata-prof's own ways out: %s\n", ways.c_str());
       std::error_code ec;
-      if (!a.out.empty() && fs::exists(a.out, ec))
-        std::printf("(%s is not this run's: nothing was written)\n", a.out.c_str());
+      for (const std::string* f : {&a.out, &a.svg, &a.trace})
+        if (!f->empty() && fs::exists(*f, ec)) std::printf("(%s is not this run's: nothing was written)\n", f->c_str());
       if (!use_nvme) std::printf("(NVMe placements were not considered: --no-nvme)\n");
       if (a.json) {
         j["fits"] = false;
+        j["candidates"] = nlohmann::json::array();
+        if (a.validate > 0) {
+          j["validated"] = 0;
+          j["validation_failures"] = 0;
+          for (const char* k2 : {"worst_prediction_error", "recommended_vs_best_measured", "trace_file"}) j[k2] = nullptr;
+        }
         j["problems"] = sr.problems;
         j["closest"] = {{"label", sr.smallest_label},
                         {"device_bytes", sr.smallest.device_bytes},
@@ -1074,13 +1113,19 @@ int run(Args a) {
     const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
     const std::int64_t global = best.config.micro_batch_per_gpu * best.config.gradient_accumulation_steps *
                                 machine.world_size;
-    if (config_train_batch > 0 && global != config_train_batch)
+    if (config_train_batch > 0 && global != config_train_batch) {
+      const std::int64_t per_b = best.config.gradient_accumulation_steps * machine.world_size;
+      const std::string keep =
+          config_train_batch % per_b == 0
+              ? fmt::format("pass --micro-batches {} to keep it", config_train_batch / per_b)
+              : fmt::format("no micro-batch keeps it with {} x {} rank(s): choose a --grad-accum that divides it",
+                            best.config.gradient_accumulation_steps, machine.world_size);
       std::printf("\nnote: B=%lld x gradient_accumulation_steps %lld x %d rank(s) = %lld sequences a step, not the "
-                  "train_batch_size %lld of --config %s (pass --micro-batches %lld to keep it)\n",
+                  "train_batch_size %lld of --config %s (%s)\n",
                   (long long)best.config.micro_batch_per_gpu, (long long)best.config.gradient_accumulation_steps,
                   machine.world_size, (long long)global, (long long)config_train_batch, a.ds_config.c_str(),
-                  (long long)(config_train_batch / std::max<std::int64_t>(1, best.config.gradient_accumulation_steps *
-                                                                               machine.world_size)));
+                  keep.c_str());
+    }
     std::printf("\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
                 a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
                 a.out.c_str(), (long long)a.seq_len,
@@ -1143,10 +1188,9 @@ int run(Args a) {
       if (talk && !trace.empty()) fs::remove(trace, ec);
     }
     // The candidates may differ in micro-batch size: which is fastest is a matter of tokens a
-    // second (what the search ranks by), not of step time.
-    double worst = 0, best_measured = 0;
+    // second (what the search ranks by), not of step time (fastest_validated).
+    double worst = 0;
     int failed = 0;
-    std::size_t best_measured_i = 0;
     std::vector<double> measured(k), measured_tps(k, 0.0);
     for (std::size_t i = 0; i < k; ++i) {
       const Candidate& c = sr.ranked[i];
@@ -1160,6 +1204,8 @@ int run(Args a) {
         if (talk) std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
                               c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(), e.user_message().c_str());
         cands[i]["validation_error"] = e.user_message();
+        for (const char* k2 : {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "prediction_error"})
+          cands[i][k2] = nullptr;
         measured[i] = 0;
         continue;
       }
@@ -1171,11 +1217,9 @@ int run(Args a) {
         Tracer::global().clear();
       }
       measured[i] = mres.step_s;
-      // Tokens a step (the prediction's rate times its step) over the measured step.
-      measured_tps[i] = c.prediction.tokens_per_s * c.prediction.step_s / mres.step_s;
+      measured_tps[i] = measured_tokens_per_s(c, mres.step_s);
       const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
       worst = std::max(worst, std::abs(err));
-      if (measured_tps[i] > best_measured) best_measured = measured_tps[i], best_measured_i = i;
       if (talk) {
         std::printf("  %-3zu %12.1f %12.1f %+7.1f%% %10.0f  %s\n", i + 1, c.prediction.step_s * 1e3,
                     mres.step_s * 1e3, err * 100, measured_tps[i], c.label.c_str());
@@ -1189,7 +1233,9 @@ int run(Args a) {
     std::error_code ec;
     fs::remove_all(work, ec);
     // How much slower the recommended configuration trains than the fastest validated (>= 1).
-    const double rec_vs_best = measured_tps[0] > 0 ? best_measured / measured_tps[0] : 0;
+    const std::size_t best_measured_i = fastest_validated(sr.ranked, measured);
+    const double rec_vs_best =
+        measured_tps[0] > 0 && best_measured_i < k ? measured_tps[best_measured_i] / measured_tps[0] : 0;
     if (failed > 0) {
       exit_code = 3;
       if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
@@ -1225,7 +1271,7 @@ int run(Args a) {
   }
   j["fits"] = true;
   j["candidates"] = cands;
-  j["best_config_file"] = a.out;
+  j["best_config_file"] = a.out.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.out);
   j["total_seconds"] = since(t_start);
   if (talk && a.json) std::printf("%s\n", j.dump().c_str());
   return exit_code;
@@ -1275,7 +1321,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", a.out, "write the best configuration here (default strata-prof.ds_config.json)");
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
   app.add_option("--trace", a.trace,
-                 "Chrome trace of the recommended configuration (with --validate; default strata-prof.trace.json)");
+                 "Chrome trace of the recommended configuration (with --validate; default strata-prof.trace.json; \"\": none)");
   app.add_flag("--overwrite", a.overwrite, "replace existing --out, --svg and --trace files you named");
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
   return strata::tools::run_tool("strata-prof", app, argc, argv, [&] {

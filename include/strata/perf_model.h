@@ -143,6 +143,14 @@ struct SearchResult {
 
 SearchResult search_placements(const MachineProfile& machine, const SearchSpace& space);
 
+// Validation (strata-prof --validate): a candidate's measured tokens a second, from its measured
+// step (the tokens of a step as the prediction counts them); and, of the first
+// measured_step_s.size() ranked candidates (0: the run failed), the one that trains fastest
+// by it — what the search ranks by: candidates of other micro-batch sizes differ in step time
+// for that alone. measured_step_s.size() when none ran.
+double measured_tokens_per_s(const Candidate& c, double measured_step_s);
+std::size_t fastest_validated(const std::vector<Candidate>& ranked, const std::vector<double>& measured_step_s);
+
 // A ds_config.json text that parse_engine_config reads back as `config` (the placement,
 // prefetch, live-parameter and batch settings, precision, optimizer, aio).
 std::string engine_config_json(const EngineConfig& config);

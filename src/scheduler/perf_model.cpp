@@ -778,6 +778,22 @@ struct TierChoice {
 
 }  // namespace
 
+double measured_tokens_per_s(const Candidate& c, double measured_step_s) {
+  return measured_step_s > 0 ? c.prediction.tokens_per_s * c.prediction.step_s / measured_step_s : 0;
+}
+
+std::size_t fastest_validated(const std::vector<Candidate>& ranked, const std::vector<double>& measured_step_s) {
+  STRATA_REQUIRE(measured_step_s.size() <= ranked.size(), "fastest_validated: {} measurements of {} candidates",
+                 measured_step_s.size(), ranked.size());
+  std::size_t best = measured_step_s.size();
+  double best_tps = 0;
+  for (std::size_t i = 0; i < measured_step_s.size(); ++i) {
+    const double tps = measured_tokens_per_s(ranked[i], measured_step_s[i]);
+    if (tps > best_tps) best_tps = tps, best = i;
+  }
+  return best;
+}
+
 SearchResult search_placements(const MachineProfile& m, const SearchSpace& space) {
   STRATA_REQUIRE(!space.models.empty(), "search_placements: no model profiles");
   const bool nvme = !space.nvme_paths.empty();
