@@ -296,6 +296,97 @@ TEST(BenchCli, EnginePathThatCannotBeWrittenIsNamed) {
   EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
 }
 
+// Nothing of the user's is removed or replaced: a file or folder of the benchmarks' own names
+// already in --path (nvme and engine removed them, with what they held), an existing --trace
+// file (engine, model: replaced after the run), the gpu bench's files in --out. Each refused
+// before anything runs, naming the fix, and left as it was.
+TEST(BenchCli, WhatIsThereAlreadyIsNotRemovedNorReplaced) {
+  TempDir d("strata-bench");
+  const auto keep = [&](const std::string& path) {
+    std::ofstream(path) << "mine";
+    return path;
+  };
+  const auto intact = [](const std::string& path) {
+    std::ifstream f(path);
+    std::string s;
+    f >> s;
+    return s == "mine";
+  };
+  const std::string bin = keep(d.path + "/strata-bench-nvme.bin");
+  auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--json"}, d.path, "nvme");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("strata-bench-nvme.bin already exists and the benchmark would replace and then "
+                                   "remove it"),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(intact(bin));
+  fs::create_directories(d.path + "/e/strata-bench-engine");
+  const std::string notes = keep(d.path + "/e/strata-bench-engine/notes.txt");
+  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path + "/e", "--regime", "nvme"}, d.path, "engine");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("strata-bench-engine already exists and the NVMe regime removes its folder"),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(intact(notes));
+  const std::string trace = keep(d.path + "/trace.json");
+  for (const std::vector<std::string>& cmd : {std::vector<std::string>{"engine", "--regime", "link"},
+                                              std::vector<std::string>{"model", "--layers", "1"}}) {
+    std::vector<std::string> v = cmd;
+    v.insert(v.end(), {"--trace", trace});
+    r = testing::run(STRATA_BENCH_BIN, v, d.path, "trace");
+    EXPECT_EQ(r.status, 1) << cmd[0] << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("--trace " + trace + " exists: pass --overwrite"), std::string::npos) << r.err;
+    EXPECT_TRUE(intact(trace)) << cmd[0];
+  }
+  fs::create_directories(d.path + "/g");
+  const std::string model_cfg = keep(d.path + "/g/model-config.json");
+  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--out", d.path + "/g"}, d.path, "gpu");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("model-config.json is there and the bench writes its own"), std::string::npos)
+      << r.err;
+  EXPECT_TRUE(intact(model_cfg));
+}
+
+// Values that were accepted and then ignored or misread: sizes past any memory (1e30 read as
+// "less than one block"), a negative --reserve-hugepages, an empty --parts ("ok", nothing
+// run), --probe with --rehearse, a --link-gib under one chunk, --out naming a file, an
+// --params the memory cannot hold (the OOM killer's), all refused naming the flag.
+TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
+  TempDir d("strata-bench");
+  std::ofstream(d.path + "/afile") << "x";
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"nvme", "--path", d.path, "--size", "1e30"}, "--size '1e30' is more bytes than any drive or memory holds"},
+           {{"comm", "--max-bytes", "1e30"}, "--max-bytes '1e30' is more bytes than any drive or memory holds"},
+           {{"nvme", "--path", d.path, "--reserve-hugepages", "-5"}, "--reserve-hugepages"},
+           {{"gpu", "--parts", ""}, "--parts is empty"},
+           {{"gpu", "--probe", "--rehearse"}, "--probe with --rehearse"},
+           {{"gpu", "--link-gib", "0.1"}, "--link-gib 0.1: at least 0.25"},
+           {{"gpu", "--out", d.path + "/afile"}, "--out " + d.path + "/afile is a file: give a folder"},
+           {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"}}) {
+    const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "bad");
+    EXPECT_EQ(r.status, 1) << says << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
+  }
+  EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+}
+
+// One rank moves nothing between ranks: every collective's bus bandwidth is 0 (broadcast's was
+// the local copy's, 2661 GB/s).
+TEST(BenchCli, CommOnOneRankHasNoBusBandwidth) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "64K", "--iters", "2", "--json"},
+                              d.path, "comm");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = last_json(r.out);
+  int rows = 0;
+  for (const auto& row : j.at("results")) {
+    EXPECT_EQ(row.at("busbw_gbps").get<double>(), 0.0) << row.dump();
+    ++rows;
+  }
+  EXPECT_GT(rows, 0) << j.dump();
+}
+
 // A bad value CLI11 catches still gets --json's error object, last.
 TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
   TempDir d("strata-bench");

@@ -294,6 +294,13 @@ void add_adam_command(CLI::App& app) {
     const int most = *std::max_element(args->threads.begin(), args->threads.end());
     STRATA_REQUIRE(most <= cores, "--threads {}: this process may run on {} core{} (sched_getaffinity: taskset, "
                    "the cgroup's cpuset); give counts up to {}", most, cores, cores == 1 ? "" : "s", cores);
+    // The step's arrays (p, m, v, g: 4 x fp32; m16, v16, g16, copy: 4 x bf16) and the triad's three
+    // (30 B/param together): refused up front, not met by the OOM killer while they are filled.
+    const double need = double(args->params) * (4 * 4 + 4 * 2 + 30);
+    const std::size_t avail = cpu::mem_available_bytes();
+    STRATA_REQUIRE(avail == 0 || need <= 0.9 * double(avail),
+                   "--params {}: the benchmark needs about {} of memory and {} is available; lower --params",
+                   args->params, human_bytes(need), human_bytes(double(avail)));
     run(args->params, args->threads, args->reps, args->skip_check, args->json);
   });
 }

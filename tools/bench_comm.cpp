@@ -35,6 +35,7 @@ struct CommArgs {
 };
 
 double bus_factor(const std::string& op, int n) {
+  if (n <= 1) return 0;  // one rank moves nothing between ranks (broadcast too: it is a no-op)
   if (op == "all_reduce") return 2.0 * (n - 1) / n;
   if (op == "broadcast") return 1.0;
   return double(n - 1) / n;

@@ -80,6 +80,9 @@ std::size_t parse_bytes(const std::string& text, const std::string& what) {
   else if (suffix == "t") mult = 1024.0 * 1024 * 1024 * 1024;
   STRATA_REQUIRE(pos > 0 && mult > 0 && v > 0, "{} '{}' is not a size: write e.g. 4G, 512M, 64K or 1048576",
                  what, text);
+  // Past 2^62 bytes (a double past 2^64 converts to anything): no drive or memory has it.
+  STRATA_REQUIRE(v * mult < 0x1p62, "{} '{}' is more bytes than any drive or memory holds: write e.g. 4G or 512M",
+                 what, text);
   return static_cast<std::size_t>(v * mult);
 }
 

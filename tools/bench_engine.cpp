@@ -35,6 +35,7 @@
 #include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/trace.h"
+#include "tool_main.h"
 
 namespace strata::bench {
 namespace {
@@ -61,6 +62,7 @@ struct Args {
   std::string regime = "all";
   std::string path = ".";
   std::string trace;
+  bool overwrite = false;  // --trace: replace existing files
   bool json = false;
   bool serial_optimizer = false;  // strata.overlap_optimizer false: the optimizer after backward
 };
@@ -261,6 +263,14 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     cfg.max_reuse_distance = 0;
   }
   const fs::path nvme_dir = nvme_dir_of(a);
+  // Removed however the regime ends (an error in it left hundreds of MiB of swap files).
+  struct RemoveDir {
+    fs::path dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) fs::remove_all(dir, ec);
+    }
+  } const remove_dir{r.uses_nvme() ? nvme_dir : fs::path()};
   if (r.uses_nvme()) {
     fs::create_directories(nvme_dir);
     cfg.param_nvme_paths = {nvme_dir.string()};
@@ -313,8 +323,6 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     out.stats.nvme_read_bytes = per_step(after.nvme_read_bytes, before.nvme_read_bytes);
     out.stats.nvme_written_bytes = per_step(after.nvme_written_bytes, before.nvme_written_bytes);
   }
-  std::error_code ec;
-  fs::remove_all(nvme_dir, ec);
   out.bottleneck = int(std::max_element(out.busy_s, out.busy_s + kNumResources) - out.busy_s);
   out.ratio = out.step_s / std::max(out.busy_s[out.bottleneck], 1e-9);
   return out;
@@ -341,13 +349,21 @@ void run(const Args& a) {
   if (std::any_of(chosen.begin(), chosen.end(), [](const Regime& r) { return r.uses_nvme(); })) {
     const fs::path dir = nvme_dir_of(a);
     std::error_code ec;
-    const bool existed = fs::is_directory(dir, ec);
+    const bool existed = fs::exists(fs::symlink_status(dir, ec));
+    // The folder is removed, with all it holds, after the regime: one already there is not ours
+    // to remove (a user's folder of that name, or another run's swap files in use).
+    STRATA_REQUIRE(!existed, "--path {}: {} already exists and the NVMe regime removes its folder when done; "
+                   "remove it (a killed earlier run leaves it), or give another --path", a.path, dir.string());
     fs::create_directories(dir, ec);
     if (ec)
       STRATA_THROW(kIo, "--path {}: cannot create the NVMe regime's folder {} there: {}; give a writable folder on "
                    "the drive to use", a.path, dir.string(), ec.message());
-    if (!existed) fs::remove(dir, ec);  // made again, and removed, by the regime itself
+    fs::remove(dir, ec);  // made again, and removed, by the regime itself
   }
+  // Trace files are written after minutes of regimes: checked now, and a file already there is
+  // replaced only with --overwrite (as strata-prof --trace).
+  if (!a.trace.empty())
+    for (const Regime& r : chosen) tools::require_output_file("--trace", trace_path(a, r.name, chosen.size() == 1), a.overwrite);
   const double params_m = double(a.layers) * a.width * a.width / 1e6;
   std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
               "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",
@@ -411,6 +427,7 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--trace", a->trace,
                   "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
                   "name inserted, e.g. trace.link.json)");
+  cmd->add_flag("--overwrite", a->overwrite, "replace existing --trace files");
   cmd->add_flag("--serial-optimizer", a->serial_optimizer,
                 "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");

@@ -59,6 +59,7 @@ struct Args {
   // Every part on the CPU-emulated device instead (no cuBLASLt reference; parity compares the
   // emulated device with itself): tests the bench's own plumbing where there is no GPU.
   bool rehearse = false;
+  bool overwrite = false;  // --out: replace the bench's own files left there by an earlier run
   std::string train_device() const { return rehearse ? "cpu" : "cuda"; }
 };
 
@@ -74,6 +75,7 @@ std::vector<std::string> parse_parts(const std::string& text) {
                    "--parts: '{}' is not one of link, gemm, adamw, model, parity", p);
     parts.push_back(p);
   }
+  STRATA_REQUIRE(!parts.empty(), "--parts is empty: name one or more of link, gemm, adamw, model, parity");
   return parts;
 }
 
@@ -573,6 +575,7 @@ void add_gpu_command(CLI::App& app) {
   auto a = std::make_shared<Args>();
   cmd->add_option("--parts", a->parts, "comma-separated: link,gemm,adamw,model,parity (default all)");
   cmd->add_option("--out", a->out, "folder for the model runs' configs, logs and traces (default: the scratch folder)");
+  cmd->add_flag("--overwrite", a->overwrite, "replace the bench's files an earlier run left in --out");
   cmd->add_option("--nvme-path", a->nvme_path, "swap folder of the NVMe placement (default: the scratch folder)");
   cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)")->check(tools::kPositive);
   cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)")->check(tools::kPositive);
@@ -610,6 +613,24 @@ void add_gpu_command(CLI::App& app) {
       small("--steps", a->steps, 3);
     }
     check_model_flags(*a);
+    STRATA_REQUIRE(!(a->probe && a->rehearse), "--probe with --rehearse: --probe only asks for a GPU, --rehearse "
+                   "runs without one; give one of them");
+    STRATA_REQUIRE(a->link_gib >= 0.25, "--link-gib {}: at least 0.25 (one 256 MiB chunk)", a->link_gib);
+    for (const auto& [flag, dir] : {std::pair{"--out", a->out}, std::pair{"--nvme-path", a->nvme_path}}) {
+      std::error_code ec;
+      STRATA_REQUIRE(dir.empty() || !fs::exists(dir, ec) || fs::is_directory(dir, ec),
+                     "{} {} is a file: give a folder", flag, dir);
+    }
+    // The model and parity parts write these names into --out: a user's files there are not
+    // replaced unless --overwrite says they are the bench's own (gpu-check.sh runs again into its folder).
+    if (!a->out.empty() && !a->overwrite)
+      for (const char* name : {"model-config.json", "ds-host.json", "ds-nvme.json", "parity-config.json",
+                               "ds-parity.json", "model-tokens.u16", "parity-tokens.u16"}) {
+        std::error_code ec;
+        STRATA_REQUIRE(!fs::exists(fs::path(a->out) / name, ec),
+                       "--out {}: {} is there and the bench writes its own; give an empty or new folder, or "
+                       "--overwrite if it is an earlier run's", a->out, name);
+      }
     run(*a);
   });
 }

@@ -12,6 +12,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trace.h"
+#include "tool_main.h"
 
 namespace strata::bench {
 namespace {
@@ -27,6 +28,7 @@ struct Args {
   bool json = false;
   bool breakdown = false;
   std::string trace;
+  bool overwrite = false;
 };
 
 // The best rate over `windows` timed bursts of at least 5 ms each: on a shared machine one
@@ -196,7 +198,12 @@ void add_model_command(CLI::App& app) {
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->add_flag("--breakdown", a->breakdown, "then trace --steps more steps and print the stream's time by op");
   cmd->add_option("--trace", a->trace, "then trace --steps more steps and write them as a Chrome trace to this path");
-  cmd->callback([a] { run(*a); });
+  cmd->add_flag("--overwrite", a->overwrite, "replace an existing --trace file");
+  cmd->callback([a] {
+    // Written after the timed steps: checked first, and not replaced unasked.
+    tools::require_output_file("--trace", a->trace, a->overwrite);
+    run(*a);
+  });
 }
 
 }  // namespace strata::bench

@@ -174,9 +174,14 @@ struct RemovedAtExit {
 void require_space(const std::string& dir, const std::string& file, std::size_t size) {
   struct statvfs sv {};
   STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
+  if (sv.f_blocks == 0) return;  // a file system that keeps no count (ramfs): nothing to check against
   std::error_code ec;
-  const std::uintmax_t old = fs::exists(file, ec) ? fs::file_size(file, ec) : 0;
-  const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize + (ec ? 0 : old);
+  // The benchmark's file is removed and replaced: one already there is refused, not deleted (a
+  // user's file of that name, or another run's file in use by it).
+  STRATA_REQUIRE(!fs::exists(fs::symlink_status(file, ec)),
+                 "--path {}: {} already exists and the benchmark would replace and then remove it; remove it "
+                 "(a killed earlier run leaves it), or give another --path", dir, file);
+  const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
   STRATA_REQUIRE(free >= size + (std::uint64_t(64) << 20),
                  "--path {}: {} free, and the benchmark writes a {} file there (and keeps 64 MiB spare); "
                  "free space, lower --size, or point --path at another drive",
@@ -519,6 +524,7 @@ void run_sweep(const NvmeArgs& a) {
   double best = 0;
   AioConfig best_cfg;
   bool best_huge = true;
+  bool direct = true;
   std::printf("strata-bench nvme --sweep: %s per run, at most %.0f s\n", human_bytes(double(size)).c_str(), a.sweep_seconds);
   std::printf("%-8s %4s %7s %-7s %10s %10s\n", "block", "QD", "threads", "buffers", "write GB/s", "read GB/s");
   bool stopped = false;
@@ -532,7 +538,12 @@ void run_sweep(const NvmeArgs& a) {
           }
           AioConfig cfg;
           cfg.block_size = bs;
-          if (runs.empty()) lay_down(file, size / bs * bs, cfg);
+          if (runs.empty()) {
+            direct = lay_down(file, size / bs * bs, cfg);
+            if (!direct)
+              std::printf("BUFFERED I/O (the file system refuses O_DIRECT, e.g. tmpfs): the page cache, not the "
+                          "drive; the block below is not the drive's\n");
+          }
           cfg.queue_depth = qd;
           cfg.thread_count = th;
           const RunResult r = run_strata(file, size / bs * bs, cfg, huge, false);
@@ -565,7 +576,9 @@ void run_sweep(const NvmeArgs& a) {
     STRATA_REQUIRE(f.good() && fs::is_regular_file(a.out), "--out {}: cannot be written", a.out);
     std::printf("written to %s\n", a.out.c_str());
   }
-  if (a.json) print_json({{"runs", runs}, {"best", aio}, {"sweep_seconds", total.seconds()}});
+  if (a.json)
+    print_json({{"path", fs::absolute(a.path).string()}, {"size_bytes", size}, {"direct", direct},
+                {"time_bound_reached", stopped}, {"runs", runs}, {"best", aio}, {"sweep_seconds", total.seconds()}});
 }
 
 }  // namespace
@@ -589,7 +602,8 @@ void add_nvme_command(CLI::App& app) {
   c->add_flag("--overwrite", a->overwrite, "with --sweep --out: replace an existing FILE");
   c->add_option("--reserve-hugepages", a->reserve_hugepages,
                  "set vm.nr_hugepages to at least this many 2 MiB pages for the run (root), so strata and fio "
-                 "both get hugetlbfs buffers; restored afterwards");
+                 "both get hugetlbfs buffers; restored afterwards")
+      ->check(CLI::Range(0, 1 << 20));
   c->add_option("--repeat", a->repeat, "runs of each measurement (ours and fio's alternating); the best is kept")
       ->check(CLI::Range(1, 100));
   c->add_flag("--json", a->json, "print, last, one JSON object of the figures");
@@ -609,6 +623,13 @@ void add_nvme_command(CLI::App& app) {
                      "--out, --sweep-seconds and --overwrite belong to --sweep (the best aio block it finds); add "
                      "--sweep");
     }
+    // Every page reserved is taken from the rest of the machine for the run: more than memory
+    // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
+    const std::uint64_t avail = cpu::mem_available_bytes();
+    STRATA_REQUIRE(avail == 0 || std::uint64_t(a->reserve_hugepages) * (2u << 20) <= avail / 2,
+                   "--reserve-hugepages {}: {} of 2 MiB pages, and {} is available; a run needs about 2 x "
+                   "block x queue depth x threads (32 pages for the defaults): lower it", a->reserve_hugepages,
+                   human_bytes(double(a->reserve_hugepages) * (2 << 20)), human_bytes(double(avail)));
     const SignalCleanup on_signal;  // before anything it undoes is done
     HugepageReservation hp(a->reserve_hugepages);
     a->sweep ? run_sweep(*a) : run_compare(*a);

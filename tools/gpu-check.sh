@@ -122,7 +122,7 @@ gpu_tests() {
 
 bench() {
   # shellcheck disable=SC2086  # --bench-args is split into flags on purpose
-  "$bin/strata-bench" gpu --json --out "$out/bench" --nvme-path "$nvme" $bench_args
+  "$bin/strata-bench" gpu --json --out "$out/bench" --overwrite --nvme-path "$nvme" $bench_args  # its own folder
 }
 
 # strata-prof on the GPU: predicted vs measured step time of the best 3 placements (issue #9's
