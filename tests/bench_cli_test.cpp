@@ -155,6 +155,32 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
   }
 }
 
+// So does the engine bench's NVMe regime: its swap files (~450 MB at the defaults) went with a
+// Ctrl-C no more than with an error.
+TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
+  TempDir d("strata-bench");
+  const fs::path dir = fs::path(d.path) / "strata-bench-engine";
+  const pid_t pid = testing::start(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--steps", "100"},
+                                   d.path, "run");
+  auto swap_files = [&] {
+    std::vector<std::string> files;
+    std::error_code ec;
+    for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+      if (it->is_regular_file(ec) && it->path().filename().string().find("lock") == std::string::npos)
+        files.push_back(it->path().string());
+    return files;
+  };
+  for (int i = 0; i < 3000 && swap_files().empty(); ++i) ::usleep(10'000);
+  ASSERT_FALSE(swap_files().empty()) << testing::slurp(d.path + "/run.stderr");
+  ::usleep(300'000);  // into the steps
+  ::kill(pid, SIGINT);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGINT) << "status " << st << ": " << testing::slurp(d.path + "/run.stderr");
+  const auto left = swap_files();
+  EXPECT_TRUE(left.empty()) << left.size() << " left, e.g. " << (left.empty() ? "" : left.front());
+}
+
 // The child fio of --vs-fio dies with the run: a SIGTERM to strata-bench alone (a scheduler's
 // kill) left fio writing on, and laying the removed file out again.
 TEST(BenchCli, NvmeASignalEndsItsFioToo) {
