@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -162,6 +163,12 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
   const fs::path dir = fs::path(d.path) / "strata-bench-engine";
   const pid_t pid = testing::start(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--steps", "100"},
                                    d.path, "run");
+  struct Reap {  // an assertion below must not leave it writing into the removed folder
+    pid_t p;
+    ~Reap() {
+      if (p > 0 && ::kill(p, SIGKILL) == 0) ::waitpid(p, nullptr, 0);
+    }
+  } reap{pid};
   auto swap_files = [&] {
     std::vector<std::string> files;
     std::error_code ec;
@@ -176,9 +183,17 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
   ::kill(pid, SIGINT);
   int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  reap.p = 0;
   EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGINT) << "status " << st << ": " << testing::slurp(d.path + "/run.stderr");
   const auto left = swap_files();
   EXPECT_TRUE(left.empty()) << left.size() << " left, e.g. " << (left.empty() ? "" : left.front());
+  // The folders and lock file the signal left are a stopped run's: the next run removes them.
+  const auto again = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--layers", "2",
+                                                     "--width", "256", "--steps", "1"},
+                                  d.path, "again");
+  EXPECT_EQ(again.status, 0) << again.out << again.err;
+  EXPECT_NE(again.err.find("left by a run that was stopped"), std::string::npos) << again.err;
+  EXPECT_FALSE(fs::exists(dir));
 }
 
 // The child fio of --vs-fio dies with the run: a SIGTERM to strata-bench alone (a scheduler's
@@ -371,6 +386,10 @@ TEST(BenchCli, WhatIsThereAlreadyIsNotRemovedNorReplaced) {
   EXPECT_NE(first_line(r.err).find("model-config.json is there and the bench writes its own"), std::string::npos)
       << r.err;
   EXPECT_TRUE(intact(model_cfg));
+  // Parts that write nothing into --out do not mind what is there (here: no GPU, SKIPPED).
+  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link", "--out", d.path + "/g"}, d.path, "gpu-link");
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(intact(model_cfg));
 }
 
 // Values that were accepted and then ignored or misread: sizes past any memory (1e30 read as
@@ -385,7 +404,6 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            {{"comm", "--max-bytes", "1e30"}, "--max-bytes '1e30' is more bytes than any drive or memory holds"},
            {{"nvme", "--path", d.path, "--reserve-hugepages", "-5"}, "--reserve-hugepages"},
            {{"gpu", "--parts", ""}, "--parts is empty"},
-           {{"gpu", "--probe", "--rehearse"}, "--probe with --rehearse"},
            {{"gpu", "--link-gib", "0.1"}, "--link-gib 0.1: at least 0.25"},
            {{"gpu", "--out", d.path + "/afile"}, "--out " + d.path + "/afile is a file: give a folder"},
            {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"}}) {
@@ -395,6 +413,30 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
     EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
   }
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+  // --probe with --rehearse checks the flags and looks for no GPU (gpu-check.sh's pre-check of
+  // its --bench-args adds --probe).
+  const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--probe", "--rehearse", "--hidden", "64", "--heads", "4"},
+                              d.path, "probe");
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("REHEARSAL: flags accepted"), std::string::npos) << r.out;
+}
+
+// On a file system that keeps no block count (ramfs) the space check has nothing to go by, but
+// a user's strata-bench-nvme.bin there is still not replaced (it was: the check came after).
+TEST(BenchCli, NvmeOnRamfsKeepsAUsersFile) {
+  TempDir d("strata-bench");
+  const std::string mnt = d.path + "/ram";
+  fs::create_directories(mnt);
+  if (::geteuid() != 0 || std::system(("mount -t ramfs ramfs " + mnt + " 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a ramfs here (root and CAP_SYS_ADMIN needed)";
+  std::ofstream(mnt + "/strata-bench-nvme.bin") << "mine";
+  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", mnt, "--size", "8M"}, d.path, "ramfs");
+  std::string kept;
+  std::ifstream(mnt + "/strata-bench-nvme.bin") >> kept;
+  std::system(("umount " + mnt).c_str());
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("strata-bench-nvme.bin already exists"), std::string::npos) << r.err;
+  EXPECT_EQ(kept, "mine");
 }
 
 // One rank moves nothing between ranks: every collective's bus bandwidth is 0 (broadcast's was

@@ -28,7 +28,10 @@
 #include <map>
 #include <random>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "bench_common.h"
 #include "cpu/cpu_info.h"
@@ -225,6 +228,22 @@ struct RegimeResult {
   EngineStats stats;
 };
 
+// A stopped run's NVMe folder: nothing in it but strata-swap's folders and lock files that no
+// process holds (its swap files were removed by the signal).
+bool only_a_killed_runs_leftovers(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->is_directory(ec)) continue;
+    const std::string name = it->path().filename().string();
+    if (!it->is_regular_file(ec) || !name.starts_with("rank") || !name.ends_with(".lock")) return false;
+    const int fd = ::open(it->path().c_str(), O_RDONLY | O_CLOEXEC);
+    const bool free = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (fd >= 0) ::close(fd);
+    if (!free) return false;
+  }
+  return !ec;
+}
+
 // The NVMe regime's swap files: a folder of their own under --path, removed after the regime.
 fs::path nvme_dir_of(const Args& a) { return fs::path(a.path) / "strata-bench-engine"; }
 
@@ -263,16 +282,21 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     cfg.max_reuse_distance = 0;
   }
   const fs::path nvme_dir = nvme_dir_of(a);
-  // Removed however the regime ends (an error in it left hundreds of MiB of swap files).
+  // Removed however the regime ends (an error in it left hundreds of MiB of swap files), and only
+  // when this regime made it: one that appeared since run()'s check is another run's.
   struct RemoveDir {
     fs::path dir;
     ~RemoveDir() {
       std::error_code ec;
       if (!dir.empty()) fs::remove_all(dir, ec);
     }
-  } const remove_dir{r.uses_nvme() ? nvme_dir : fs::path()};
+  } remove_dir;
   if (r.uses_nvme()) {
-    fs::create_directories(nvme_dir);
+    std::error_code ec;
+    const bool made = fs::create_directory(nvme_dir, ec);  // --path exists (checked in run())
+    STRATA_REQUIRE(made && !ec, "--path {}: {} {} since the run started (another run's?); give each run its own --path",
+                   a.path, nvme_dir.string(), ec ? "cannot be made: " + ec.message() : std::string("appeared"));
+    remove_dir.dir = nvme_dir;
     cfg.param_nvme_paths = {nvme_dir.string()};
     cfg.optimizer_nvme_paths = {nvme_dir.string()};
   }
@@ -349,7 +373,13 @@ void run(const Args& a) {
   if (std::any_of(chosen.begin(), chosen.end(), [](const Regime& r) { return r.uses_nvme(); })) {
     const fs::path dir = nvme_dir_of(a);
     std::error_code ec;
-    const bool existed = fs::exists(fs::symlink_status(dir, ec));
+    bool existed = fs::exists(fs::symlink_status(dir, ec));
+    if (existed && fs::is_directory(fs::symlink_status(dir, ec)) && only_a_killed_runs_leftovers(dir)) {
+      // A signal removes the swap files, not the folders and lock files around them.
+      std::fprintf(stderr, "strata-bench engine: removing %s, left by a run that was stopped\n", dir.c_str());
+      fs::remove_all(dir, ec);
+      existed = fs::exists(fs::symlink_status(dir, ec));
+    }
     // The folder is removed, with all it holds, after the regime: one already there is not ours
     // to remove (a user's folder of that name, or another run's swap files in use).
     STRATA_REQUIRE(!existed, "--path {}: {} already exists and the NVMe regime removes its folder when done; "

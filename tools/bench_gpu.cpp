@@ -613,8 +613,10 @@ void add_gpu_command(CLI::App& app) {
       small("--steps", a->steps, 3);
     }
     check_model_flags(*a);
-    STRATA_REQUIRE(!(a->probe && a->rehearse), "--probe with --rehearse: --probe only asks for a GPU, --rehearse "
-                   "runs without one; give one of them");
+    if (a->probe && a->rehearse) {  // flags checked above; nothing to look for (gpu-check.sh's pre-check)
+      std::printf("REHEARSAL: flags accepted; --probe looks for no GPU with --rehearse\n");
+      return;
+    }
     STRATA_REQUIRE(a->link_gib >= 0.25, "--link-gib {}: at least 0.25 (one 256 MiB chunk)", a->link_gib);
     for (const auto& [flag, dir] : {std::pair{"--out", a->out}, std::pair{"--nvme-path", a->nvme_path}}) {
       std::error_code ec;
@@ -623,9 +625,18 @@ void add_gpu_command(CLI::App& app) {
     }
     // The model and parity parts write these names into --out: a user's files there are not
     // replaced unless --overwrite says they are the bench's own (gpu-check.sh runs again into its folder).
+    const auto parts = parse_parts(a->parts);
+    const auto has = [&](const char* p) { return std::find(parts.begin(), parts.end(), p) != parts.end(); };
+    std::vector<std::string> names;
+    if (has("model"))
+      names = {"model-config.json", "model-tokens.u16", "ds-host.json",     "ds-nvme.json",    "model-host.jsonl",
+               "model-nvme.jsonl",  "model-host.log",   "model-nvme.log",   "trace-host.json", "trace-nvme.json"};
+    if (has("parity"))
+      for (const char* n : {"parity-config.json", "parity-tokens.u16", "ds-parity.json", "parity-cuda.jsonl",
+                            "parity-cpu.jsonl", "parity-cuda.log", "parity-cpu.log"})
+        names.push_back(n);
     if (!a->out.empty() && !a->overwrite)
-      for (const char* name : {"model-config.json", "ds-host.json", "ds-nvme.json", "parity-config.json",
-                               "ds-parity.json", "model-tokens.u16", "parity-tokens.u16"}) {
+      for (const std::string& name : names) {
         std::error_code ec;
         STRATA_REQUIRE(!fs::exists(fs::path(a->out) / name, ec),
                        "--out {}: {} is there and the bench writes its own; give an empty or new folder, or "

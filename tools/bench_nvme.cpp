@@ -174,13 +174,13 @@ struct RemovedAtExit {
 void require_space(const std::string& dir, const std::string& file, std::size_t size) {
   struct statvfs sv {};
   STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
-  if (sv.f_blocks == 0) return;  // a file system that keeps no count (ramfs): nothing to check against
   std::error_code ec;
   // The benchmark's file is removed and replaced: one already there is refused, not deleted (a
   // user's file of that name, or another run's file in use by it).
   STRATA_REQUIRE(!fs::exists(fs::symlink_status(file, ec)),
                  "--path {}: {} already exists and the benchmark would replace and then remove it; remove it "
                  "(a killed earlier run leaves it), or give another --path", dir, file);
+  if (sv.f_blocks == 0) return;  // a file system that keeps no count (ramfs): no space to check against
   const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
   STRATA_REQUIRE(free >= size + (std::uint64_t(64) << 20),
                  "--path {}: {} free, and the benchmark writes a {} file there (and keeps 64 MiB spare); "
@@ -625,11 +625,16 @@ void add_nvme_command(CLI::App& app) {
     }
     // Every page reserved is taken from the rest of the machine for the run: more than memory
     // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
+    // Only the pages above those already reserved are taken now (those are out of MemAvailable).
+    int current = 0;
+    std::ifstream("/proc/sys/vm/nr_hugepages") >> current;
+    const std::uint64_t page = std::max<std::uint64_t>(cpu::huge_page_info().hugetlb_page_bytes, 2u << 20);
+    const std::uint64_t extra = std::uint64_t(std::max(0, a->reserve_hugepages - current)) * page;
     const std::uint64_t avail = cpu::mem_available_bytes();
-    STRATA_REQUIRE(avail == 0 || std::uint64_t(a->reserve_hugepages) * (2u << 20) <= avail / 2,
-                   "--reserve-hugepages {}: {} of 2 MiB pages, and {} is available; a run needs about 2 x "
-                   "block x queue depth x threads (32 pages for the defaults): lower it", a->reserve_hugepages,
-                   human_bytes(double(a->reserve_hugepages) * (2 << 20)), human_bytes(double(avail)));
+    STRATA_REQUIRE(avail == 0 || extra <= avail / 2,
+                   "--reserve-hugepages {}: {} more in huge pages, and {} is available; a run needs about 2 x "
+                   "block x queue depth x threads (32 pages of 2 MiB for the defaults): lower it",
+                   a->reserve_hugepages, human_bytes(double(extra)), human_bytes(double(avail)));
     const SignalCleanup on_signal;  // before anything it undoes is done
     HugepageReservation hp(a->reserve_hugepages);
     a->sweep ? run_sweep(*a) : run_compare(*a);
