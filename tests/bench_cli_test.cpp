@@ -403,6 +403,7 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            {{"nvme", "--path", d.path, "--size", "1e30"}, "--size '1e30' is more bytes than any drive or memory holds"},
            {{"comm", "--max-bytes", "1e30"}, "--max-bytes '1e30' is more bytes than any drive or memory holds"},
            {{"nvme", "--path", d.path, "--reserve-hugepages", "-5"}, "--reserve-hugepages"},
+           {{"nvme", "--path", d.path, "--reserve-hugepages", "1000000"}, "more in huge pages, and"},
            {{"gpu", "--parts", ""}, "--parts is empty"},
            {{"gpu", "--link-gib", "0.1"}, "--link-gib 0.1: at least 0.25"},
            {{"gpu", "--out", d.path + "/afile"}, "--out " + d.path + "/afile is a file: give a folder"},

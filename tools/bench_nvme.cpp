@@ -143,6 +143,16 @@ class HugepageReservation {
   explicit HugepageReservation(int pages) {
     if (pages <= 0) return;
     std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
+    // Every page reserved is taken from the rest of the machine for the run: more than memory
+    // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
+    // Only the pages above those already reserved are taken (those are out of MemAvailable).
+    const std::uint64_t page = std::max<std::uint64_t>(cpu::huge_page_info().hugetlb_page_bytes, 2u << 20);
+    const std::uint64_t extra = std::uint64_t(std::max(0, pages - before_)) * page;
+    const std::uint64_t avail = cpu::mem_available_bytes();
+    STRATA_REQUIRE(avail == 0 || extra <= avail / 2,
+                   "--reserve-hugepages {}: {} more in huge pages, and {} is available; a run needs about 2 x "
+                   "block x queue depth x threads (32 pages of 2 MiB for the defaults): lower it",
+                   pages, human_bytes(double(extra)), human_bytes(double(avail)));
     SignalCleanup::restore_hugepages(before_);
     std::ofstream("/proc/sys/vm/nr_hugepages") << std::max(pages, before_);
     int now = 0;
@@ -623,18 +633,6 @@ void add_nvme_command(CLI::App& app) {
                      "--out, --sweep-seconds and --overwrite belong to --sweep (the best aio block it finds); add "
                      "--sweep");
     }
-    // Every page reserved is taken from the rest of the machine for the run: more than memory
-    // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
-    // Only the pages above those already reserved are taken now (those are out of MemAvailable).
-    int current = 0;
-    std::ifstream("/proc/sys/vm/nr_hugepages") >> current;
-    const std::uint64_t page = std::max<std::uint64_t>(cpu::huge_page_info().hugetlb_page_bytes, 2u << 20);
-    const std::uint64_t extra = std::uint64_t(std::max(0, a->reserve_hugepages - current)) * page;
-    const std::uint64_t avail = cpu::mem_available_bytes();
-    STRATA_REQUIRE(avail == 0 || extra <= avail / 2,
-                   "--reserve-hugepages {}: {} more in huge pages, and {} is available; a run needs about 2 x "
-                   "block x queue depth x threads (32 pages of 2 MiB for the defaults): lower it",
-                   a->reserve_hugepages, human_bytes(double(extra)), human_bytes(double(avail)));
     const SignalCleanup on_signal;  // before anything it undoes is done
     HugepageReservation hp(a->reserve_hugepages);
     a->sweep ? run_sweep(*a) : run_compare(*a);

@@ -719,8 +719,6 @@ int run(Args a) {
                  "--seq-len {} exceeds the model's {} positions", a.seq_len, mcfg.max_positions);
   if (!a.out.empty()) {  // nothing of the user's is replaced by what strata-prof writes
     std::error_code ec;
-    STRATA_REQUIRE(a.ds_config.empty() || !fs::equivalent(a.out, a.ds_config, ec),
-                   "--out {} is the --config file: the recommendation would replace it; write it elsewhere", a.out);
     const std::string mc = demo_model_file(a.out);
     if (demo && fs::exists(mc, ec)) {
       std::ifstream f(mc);
@@ -883,7 +881,10 @@ int run(Args a) {
       const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
       return ec ? fs::absolute(p).lexically_normal() : k;
     };
-    auto same = [&](const std::string& x, const std::string& y) { return !x.empty() && !y.empty() && key(x) == key(y); };
+    auto same = [&](const std::string& x, const std::string& y) {
+      std::error_code ec;  // (equivalent: hard links too)
+      return !x.empty() && !y.empty() && (key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec));
+    };
     for (std::size_t i = 0; i < outs.size(); ++i) {
       for (std::size_t k = i + 1; k < outs.size(); ++k)
         STRATA_REQUIRE(!same(outs[i].second, outs[k].second), "{} and {} both name {}: give each its own file",
