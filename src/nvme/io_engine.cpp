@@ -705,10 +705,6 @@ void UringWorker::run() {
       }
       if (stop_ && local.empty() && inflight == 0) return;
     }
-    if (!broken_.empty()) {  // the ring was given up: what comes now fails the same way
-      for (Chunk* c : local) eng_->fail_unsent(c, broken_, broken_err_);
-      local.clear();
-    }
     std::size_t room = qd - inflight;
     if (!cfg_.overlap_events && inflight > 0) room = 0;
     // Once the ring is given up nothing is prepared or submitted again: io_uring_submit would
@@ -722,7 +718,7 @@ void UringWorker::run() {
       if (solo_submit_) submit(inflight);
     }
     if (!unsent_.empty()) submit(inflight);
-    if (!broken_.empty()) {  // given up just now: what was not prepared fails too
+    if (!broken_.empty()) {  // the ring was given up (now or before): what was not prepared fails the same way
       for (Chunk* c : local) eng_->fail_unsent(c, broken_, broken_err_);
       local.clear();
     }
