@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "strata/adamw.h"
 #include "test_util.h"
 
 namespace strata {
@@ -57,6 +59,57 @@ TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   EXPECT_NE(first_line(r.err).find("--max-bytes 4096G needs about"), std::string::npos) << r.err;
   EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("lower --max-bytes"), std::string::npos) << r.out;
+}
+
+// The engine bench counts, and its --trace shows, work that crosses a step's edge: in the adamw
+// regime the early optimizer's AdamW runs on through step()'s return into the next forward, so a
+// step starts with one running. Tracing turned on only inside each step lost that AdamW, from the
+// trace and from the AdamW's busy time. The regime's AdamW is its scalar path unless --adamw-isa.
+TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
+  TempDir d("strata-bench");
+  const std::string trace = d.path + "/t.json";
+  auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw", "--layers", "4", "--steps",
+                                           "2", "--trace", trace, "--json"}, d.path, "adamw");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const nlohmann::json row = last_json(r.out).at("regimes").at(0);
+  EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
+  EXPECT_NE(row.at("config").get<std::string>().find("AdamW scalar"), std::string::npos) << row;
+  // The step's edges (the trace's "step" lane), and the optimizer's spans cut at them: the worker
+  // is at work through both edges but for the few microseconds between two units, so one edge
+  // at least cuts one (traced only inside the step, none ever started or ended on an edge).
+  std::ifstream in(trace);
+  const nlohmann::json t = nlohmann::json::parse(in);
+  int lane_step = -1, lane_opt = -1;
+  for (const auto& e : t.at("traceEvents"))
+    if (e.at("ph") == "M") {
+      if (e.at("args").at("name") == "step") lane_step = e.at("tid");
+      if (e.at("args").at("name") == "optimizer") lane_opt = e.at("tid");
+    }
+  double start = -1, end = -1;
+  for (const auto& e : t.at("traceEvents"))
+    if (e.at("ph") == "X" && e.at("tid") == lane_step) {
+      start = e.at("ts").get<double>();
+      end = start + e.at("dur").get<double>();
+    }
+  ASSERT_GE(start, 0) << "no step span in the trace";
+  int cut = 0;
+  for (const auto& e : t.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    const double ts = e.at("ts").get<double>(), te = ts + e.at("dur").get<double>();
+    EXPECT_GE(ts, start) << e;
+    EXPECT_LE(te, end + 0.002) << e;
+    if (e.at("tid") == lane_opt && e.at("name") == "early_optimizer_unit") cut += (ts == start) + (std::abs(te - end) < 1e-4);
+  }
+  EXPECT_GE(cut, 1) << "no AdamW cut at the step's edges: " << r.out;
+
+  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw", "--layers", "2", "--steps", "1",
+                                      "--adamw-isa", "auto", "--json"}, d.path, "auto");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_EQ(last_json(r.out).at("regimes").at(0).at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
+  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--adamw-isa", "avx3"}, d.path, "bad");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--adamw-isa 'avx3': use auto, avx512, avx2 or scalar"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
 }
 
 // Flags a mode would ignore are named, not ignored.

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 #include <filesystem>
 #include <fstream>
@@ -200,6 +201,48 @@ TEST(Tracer, InvalidUtf8InNamesStillWritesValidJson) {
   EXPECT_EQ(names, (std::set<std::string>{valid, "a" + r + "b", r, "x" + r, r + r, r + r + r, r + r + r + r,
                                           r + "z"}));
   EXPECT_EQ(lanes, (std::set<std::string>{"lane " + r, "lane"}));
+  std::filesystem::remove(path);
+  t.clear();
+}
+
+// One step of a longer recording: the spans that overlap the window, cut to it (work begun
+// before the step or still running after it shows for its part inside); the rest left out.
+TEST(Tracer, WritesTheSpansOfAWindowCutToIt) {
+  Tracer& t = Tracer::global();
+  t.clear();
+  t.set_enabled(true);
+  t.record("before", "a", 100, 200);    // ends where the window starts: out
+  t.record("across_start", "a", 150, 1300);
+  t.record("inside", "b", 1100, 1200, 7);
+  t.record("instant", "b", 1500, 1500);
+  t.record("across_end", "a", 1900, 2600);
+  t.record("after", "b", 2000, 2100);   // starts where the window ends: out
+  t.record("around", "c", 500, 3000);
+  t.set_enabled(false);
+  const auto path = std::filesystem::temp_directory_path() / "strata_core_test_trace_window.json";
+  t.write_chrome_trace(path.string(), 1000, 2000);
+  std::ifstream in(path);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::map<std::string, std::pair<double, double>> got;  // name: ts, dur (us)
+  std::set<std::string> lanes;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X") got[e["name"].get<std::string>()] = {e["ts"].get<double>(), e["dur"].get<double>()};
+    else lanes.insert(e["args"]["name"].get<std::string>());
+  }
+  using P = std::pair<double, double>;
+  EXPECT_EQ(got, (std::map<std::string, P>{{"across_start", P{1.0, 0.3}},
+                                           {"inside", P{1.1, 0.1}},
+                                           {"instant", P{1.5, 0.0}},
+                                           {"across_end", P{1.9, 0.1}},
+                                           {"around", P{1.0, 1.0}}}));
+  EXPECT_EQ(lanes, (std::set<std::string>{"a", "b", "c"}));
+  // The whole recording is still there, uncut.
+  t.write_chrome_trace(path.string());
+  std::ifstream all(path);
+  const nlohmann::json whole = nlohmann::json::parse(all);
+  int x = 0;
+  for (const auto& e : whole["traceEvents"]) x += e["ph"] == "X";
+  EXPECT_EQ(x, 7);
   std::filesystem::remove(path);
   t.clear();
 }

@@ -74,10 +74,13 @@ TEST(EngineConfig, DefaultsMatchDeepSpeed) {
   EXPECT_EQ(c.host_budget_bytes, 0u);
   EXPECT_FALSE(c.overlap_optimizer.has_value());  // the planner decides
   EXPECT_EQ(c.optimizer_threads, 0);
+  EXPECT_EQ(c.optimizer_isa, Isa::kAuto);
   const EngineConfig s = parse_engine_config(
-      R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": false, "optimizer_threads": 3}})");
+      R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": false, "optimizer_threads": 3,
+          "optimizer_isa": "scalar"}})");
   EXPECT_EQ(s.overlap_optimizer, std::optional<bool>(false));
   EXPECT_EQ(s.optimizer_threads, 3);
+  EXPECT_EQ(s.optimizer_isa, Isa::kScalar);
 
   // overlap_comm defaults to false below stage 3 (DeepSpeed).
   EXPECT_FALSE(parse_engine_config(R"({"zero_optimization": {"stage": 2}})").overlap_comm);
@@ -395,6 +398,9 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'strata.overlap_optimizer'"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",
        {"'strata.optimizer_threads'"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": "avx3"}})",
+       {"'strata.optimizer_isa' = \"avx3\"", "\"auto\", \"avx512\", \"avx2\" or \"scalar\""}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})", {"'strata.optimizer_isa'"}},
       // A key a typo away from one strata reads would leave that setting at its default.
       {R"({"zero_optimisation": {"stage": 3}})", {"'zero_optimisation'", "did you mean 'zero_optimization'"}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimzer": {"device": "cpu"}}})",

@@ -35,6 +35,7 @@ struct RunOut {
   std::vector<std::vector<float>> master;
   EngineStats stats;
   MemoryPlan plan;
+  Isa isa = Isa::kAuto;  // Engine::host_optimizer_isa
 };
 
 struct RunSetup {
@@ -123,6 +124,7 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.stats = e.stats();
   out.plan = e.plan();
+  out.isa = e.host_optimizer_isa();
   return out;
 }
 
@@ -727,6 +729,37 @@ TEST(Engine, EarlyOptimizerStepIsKeptAndBitIdentical) {
       EXPECT_LE(on_.stats.host_pinned_peak_bytes, on_.plan.host_bytes + (std::uint64_t(2) << 20))
           << what << "\n" << on_.plan.table();
     }
+  }
+}
+
+// strata.optimizer_isa picks the host AdamW's code path; every path gives the serial step's
+// bits, early or not. A path this CPU lacks is refused when the engine is made, naming the key.
+TEST(Engine, EveryOptimizerIsaGivesTheSameBits) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 35);
+  TempDir nv;
+  RunSetup s = early_setup(nv, Tier::kHost);
+  s.steps = 4;
+  const RunOut reference = train(without_early(s), model);
+  EXPECT_EQ(reference.isa, adamw_selected_isa());
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    RunSetup t = s;
+    t.cfg.optimizer_isa = isa;
+    if (!isa_supported(isa)) {
+      try {
+        train(t, model);
+        ADD_FAILURE() << isa_name(isa) << " ran on a CPU that lacks it";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'strata.optimizer_isa'"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    const std::string what = fmt::format("optimizer_isa {}", isa_name(isa));
+    const RunOut early = train(t, model);
+    EXPECT_EQ(early.isa, isa) << what;
+    EXPECT_GT(early.stats.early_units_kept, 0u) << what;
+    expect_identical(reference, early, what.c_str());
+    expect_identical(reference, train(without_early(t), model), (what + ", serial").c_str());
   }
 }
 

@@ -68,6 +68,7 @@ struct Args {
   bool overwrite = false;  // --trace: replace existing files
   bool json = false;
   bool serial_optimizer = false;  // strata.overlap_optimizer false: the optimizer after backward
+  std::string adamw_isa;  // every regime's AdamW path; empty: each regime's own
 };
 
 // One configuration of the emulated machine and of the engine.
@@ -81,6 +82,8 @@ struct Regime {
   int prefetch_layers = 0, live_layers = 0;
   // Cores for the emulated device's kernels and for the CPU AdamW (0 = every core each).
   int device_threads = 0, optimizer_threads = 0;
+  // The CPU AdamW's code path (strata.optimizer_isa).
+  Isa adamw_isa = Isa::kAuto;
   bool uses_nvme() const { return params == Tier::kNvme || optimizer == Tier::kNvme; }
 };
 
@@ -99,9 +102,14 @@ std::vector<Regime> regimes() {
                .grads = Tier::kHost, .prefetch_layers = 3, .live_layers = 4});
   // Optimizer state on the host, one sample per step: the CPU AdamW's pass over
   // master/m/v/grad. The emulated device's kernels get one core and the AdamW the other, as a
-  // GPU's kernels and the host's optimizer do not share cores.
+  // GPU's kernels and the host's optimizer do not share cores. The AdamW runs its scalar path:
+  // at one sample the emulated device's own work (its matmuls and copies, on the same cores and
+  // memory) moves as many bytes per parameter as the AVX-512 AdamW, so with that path the step
+  // is bound by the cores, not the optimizer. On a GPU machine the device's step is milliseconds
+  // and the host's AdamW the slowest part; the scalar path (~7x slower here, the same bits)
+  // stands in for that host. --adamw-isa auto runs the fast path instead.
   r.push_back({.name = "adamw", .expect = "adamw", .batch = 1, .optimizer = Tier::kHost, .grads = Tier::kHost,
-               .device_threads = 1, .optimizer_threads = 1});
+               .device_threads = 1, .optimizer_threads = 1, .adamw_isa = Isa::kScalar});
   return r;
 }
 
@@ -275,6 +283,7 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
   cfg.grads = on(r.grads);
   cfg.host_budget_bytes = std::uint64_t(8) << 30;
   cfg.optimizer_threads = r.optimizer_threads;
+  cfg.optimizer_isa = r.adamw_isa;
   cfg.overlap_optimizer = !a.serial_optimizer;  // the emulated device's default is off
   if (r.prefetch_layers > 0) cfg.prefetch_bucket_size = layer_numel * std::uint64_t(r.prefetch_layers);
   if (r.live_layers > 0) {
@@ -310,37 +319,53 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     // Warm-up, two steps: the first records the unit order the engine prefetches by and each
     // unit's gradient count; the second is the first to step units early (and to take the
     // pinned memory of their second copies).
+    // Tracing is on from the last warm-up step to one step past the measured ones, and never
+    // cleared between them: work that crosses a step's edge (the early optimizer's AdamW runs on
+    // through step()'s return into the next forward) is recorded whole and counted, cut to the
+    // step, in each step it overlaps. Turned on and off around each step, a span begun before the
+    // step or ended after it was not recorded at all (up to one unit's AdamW per edge).
+    Tracer& tracer = Tracer::global();
+    tracer.clear();
     for (int w = 0; w < kWarmupSteps; ++w) {
+      if (w + 1 == kWarmupSteps) tracer.set_enabled(true);
       model.micro_batch(e, *dev, *s);
       e.step(lr);
     }
 
     const EngineStats before = e.stats();
-    Tracer& tracer = Tracer::global();
+    std::vector<std::pair<std::int64_t, std::int64_t>> windows;
+    std::vector<double> cpu_s;
     for (int i = 0; i < a.steps; ++i) {
-      tracer.clear();
-      tracer.set_enabled(true);
       const std::int64_t t0 = tracer.now_ns();
       const double cpu0 = process_cpu_s();
       model.micro_batch(e, *dev, *s);
       e.step(lr);
-      const double cpu1 = process_cpu_s();
-      const std::int64_t t1 = tracer.now_ns();
-      tracer.set_enabled(false);
-      std::vector<std::pair<std::int64_t, std::int64_t>> iv[kNumResources];
-      for (const TraceSpan& sp : tracer.spans()) {
-        const int k = resource_of(sp);
-        if (k >= 0) iv[k].push_back({sp.start_ns, sp.end_ns});
-      }
+      cpu_s.push_back(process_cpu_s() - cpu0);
+      windows.push_back({t0, tracer.now_ns()});
+      tracer.record("step", "step", t0, windows.back().second);  // the step's edges, in the trace
+    }
+    const EngineStats after = e.stats();  // (the bytes of the measured steps only)
+    // One more step, not measured, so that what was still running when the last measured step
+    // returned ends, and is recorded, inside the trace.
+    model.micro_batch(e, *dev, *s);
+    e.step(lr);
+    dev->synchronize();
+    tracer.set_enabled(false);
+    std::vector<std::pair<std::int64_t, std::int64_t>> iv[kNumResources];
+    for (const TraceSpan& sp : tracer.spans()) {
+      const int k = resource_of(sp);
+      if (k >= 0) iv[k].push_back({sp.start_ns, sp.end_ns});
+    }
+    for (int i = 0; i < a.steps; ++i) {
+      const auto [t0, t1] = windows[std::size_t(i)];
       out.step_s += double(t1 - t0) / 1e9 / a.steps;
       for (int k = 0; k < kNumResources; ++k)
         if (k != kCores) out.busy_s[k] += union_seconds(iv[k], t0, t1) / a.steps;
-      out.busy_s[kCores] += (cpu1 - cpu0) / cpu::usable_cores() / a.steps;
-      if (i + 1 == a.steps && !trace_file.empty()) tracer.write_chrome_trace(trace_file);
+      out.busy_s[kCores] += cpu_s[std::size_t(i)] / cpu::usable_cores() / a.steps;
     }
+    if (!trace_file.empty()) tracer.write_chrome_trace(trace_file, windows.back().first, windows.back().second);
     tracer.clear();
     // Bytes moved per traced step (the counters are cumulative).
-    const EngineStats after = e.stats();
     const auto per_step = [&](std::uint64_t b, std::uint64_t a0) { return (b - a0) / std::uint64_t(a.steps); };
     out.stats.h2d_bytes = per_step(after.h2d_bytes, before.h2d_bytes);
     out.stats.d2h_bytes = per_step(after.d2h_bytes, before.d2h_bytes);
@@ -352,13 +377,20 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
   return out;
 }
 
+// The path an Isa runs here: auto resolved ("auto (avx512)").
+std::string isa_label(Isa isa) {
+  return isa == Isa::kAuto ? fmt::format("auto ({})", isa_name(adamw_selected_isa())) : std::string(isa_name(isa));
+}
+
 std::string describe(const Regime& r) {
   auto rate = [](double v, const char* unit) { return v > 0 ? fmt::format("{:g} {}", v, unit) : std::string("-"); };
   std::string window = r.live_layers > 0 ? fmt::format(", prefetch {} / live {} layers", r.prefetch_layers, r.live_layers)
                                          : std::string(", all layers live");
-  return fmt::format("B={}, h2d {}, d2h {}, compute {}; params {}, optimizer {}, grads {}{}", r.batch,
+  // The CPU AdamW's path where it runs (the optimizer state off the device).
+  const std::string adamw = r.optimizer == Tier::kDevice ? std::string() : "; AdamW " + isa_label(r.adamw_isa);
+  return fmt::format("B={}, h2d {}, d2h {}, compute {}; params {}, optimizer {}, grads {}{}{}", r.batch,
                      rate(r.h2d_gbps, "GB/s"), rate(r.d2h_gbps, "GB/s"), rate(r.compute_gflops, "GFLOP/s"),
-                     tier_name(r.params), tier_name(r.optimizer), tier_name(r.grads), window);
+                     tier_name(r.params), tier_name(r.optimizer), tier_name(r.grads), window, adamw);
 }
 
 void run(const Args& a) {
@@ -366,6 +398,17 @@ void run(const Args& a) {
   for (const Regime& r : regimes())
     if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
   STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
+  if (!a.adamw_isa.empty()) {
+    Isa isa = Isa::kAuto;
+    try {
+      isa = parse_isa(a.adamw_isa);
+    } catch (const Error&) {
+      STRATA_THROW(kInvalidArgument, "--adamw-isa '{}': use auto, avx512, avx2 or scalar", a.adamw_isa);
+    }
+    STRATA_REQUIRE(isa_supported(isa), "--adamw-isa {} needs {}, which this CPU lacks; use auto", a.adamw_isa,
+                   isa_requirements(isa));
+    for (Regime& r : chosen) r.adamw_isa = isa;
+  }
   // The drive to use: a typo must not put the swap files somewhere else (nor create folders).
   STRATA_REQUIRE(fs::is_directory(a.path), "--path {}: no such directory; create it on the drive to use", a.path);
   // The NVMe regime's swap folder goes under --path: one that cannot be made there (read-only,
@@ -422,6 +465,8 @@ void run(const Args& a) {
                     {"busy_s", busy},
                     {"bottleneck", kResources[res.bottleneck]},
                     {"expected_bottleneck", r.expect},
+                    {"adamw_isa", r.optimizer == Tier::kDevice ? nlohmann::json(nullptr)  // no CPU AdamW
+                                  : nlohmann::json(isa_name(r.adamw_isa == Isa::kAuto ? adamw_selected_isa() : r.adamw_isa))},
                     {"ratio_step_vs_busiest", res.ratio},
                     {"h2d_bytes_per_step", res.stats.h2d_bytes},
                     {"d2h_bytes_per_step", res.stats.d2h_bytes},
@@ -460,6 +505,9 @@ void add_engine_command(CLI::App& app) {
   cmd->add_flag("--overwrite", a->overwrite, "replace existing --trace files");
   cmd->add_flag("--serial-optimizer", a->serial_optimizer,
                 "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
+  cmd->add_option("--adamw-isa", a->adamw_isa,
+                  "the CPU AdamW's path in every regime: auto, avx512, avx2 or scalar (default: each regime's own, "
+                  "scalar in adamw, auto elsewhere)");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->callback([a] {
     // Ctrl-C / SIGTERM in the NVMe regime: its swap files are removed before the process ends

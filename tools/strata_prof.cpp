@@ -208,7 +208,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       const DType ct = base.compute_dtype;
       std::vector<float> p(n, 0.5f), g(n, 1e-3f), mm(n, 0.0f), v(n, 0.0f);
       std::vector<std::uint16_t> out16(n);
-      CpuAdamW adam;
+      CpuAdamW adam({.isa = base.optimizer_isa});  // the path the engine will run (strata.optimizer_isa)
       AdamWOptions o;
       AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),
                     host_tensor(mm.data(), DType::kF32, n), host_tensor(v.data(), DType::kF32, n), {}};

@@ -26,6 +26,8 @@ Isa parse_isa(std::string_view name);
 // Whether this CPU can run `isa` (kAuto and kScalar: always). kAvx512 needs avx512f/bw/vl,
 // kAvx2 needs avx2, fma and f16c.
 bool isa_supported(Isa isa);
+// The CPU features `isa` needs, in words ("nothing" for kAuto and kScalar).
+const char* isa_requirements(Isa isa);
 // The path a CpuAdamW with Isa::kAuto takes: STRATA_ADAMW_ISA when set (an error if this CPU
 // lacks it), else the best the CPU supports.
 Isa adamw_selected_isa();

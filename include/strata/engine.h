@@ -118,6 +118,9 @@ class Engine {
   const MemoryPlan& plan() const;
   const EngineConfig& config() const;
   DType compute_dtype() const;
+  // The host CPU AdamW's code path as finalize() resolved it (strata.optimizer_isa, "auto"
+  // being the widest this CPU has); Isa::kAuto before finalize().
+  Isa host_optimizer_isa() const;
 
   // Makes unit `unit`'s full weights (compute dtype, unit_numel elements) available to work
   // queued on `compute` after this call, and prefetches the units that follow it in the

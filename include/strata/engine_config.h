@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/nvme.h"
 
@@ -98,6 +99,10 @@ struct EngineConfig {
   // strata.optimizer_threads: threads of the host's CPU AdamW (0 = every core). Fewer leave
   // cores to data loading, or to the kernels of the CPU-emulated device.
   int optimizer_threads = 0;
+  // strata.optimizer_isa: the host CPU AdamW's code path, "auto" (the widest this CPU has, or
+  // STRATA_ADAMW_ISA), "avx512", "avx2" or "scalar". Every path gives the same bits; a narrower
+  // one is slower (the scalar one ~7x here), e.g. to stand in for a slower host CPU.
+  Isa optimizer_isa = Isa::kAuto;
   // strata.device_grad_norm: a host-tier gradient that arrives whole in one reduce (one
   // micro-batch a step) has its part of the gradient norm taken by the device, beside its
   // copy to the host, instead of by a pass of the host's CPU (which the optimizer needs).

@@ -39,6 +39,10 @@ class Tracer {
   // Writes the Chrome trace-event JSON (one "X" event per span, lanes as named threads).
   // Throws strata::Error (kIo) naming the path when it cannot be written.
   void write_chrome_trace(const std::string& path) const;
+  // The same for the spans that overlap [from_ns, to_ns), cut to it: one step of a longer
+  // recording, with the work that crossed its edges (begun in the step before, still running
+  // after) shown for the part inside.
+  void write_chrome_trace(const std::string& path, std::int64_t from_ns, std::int64_t to_ns) const;
 
   struct Impl;
   Tracer();

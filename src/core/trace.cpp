@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -139,7 +140,18 @@ static void append_json_string(std::string& out, std::string_view s) {
 }
 
 void Tracer::write_chrome_trace(const std::string& path) const {
-  const std::vector<TraceSpan> all = spans();
+  write_chrome_trace(path, INT64_MIN, INT64_MAX);
+}
+
+void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns, std::int64_t to_ns) const {
+  std::vector<TraceSpan> all;
+  for (TraceSpan& s : spans()) {
+    const bool overlaps = s.start_ns < to_ns && (s.end_ns > from_ns || (s.end_ns == s.start_ns && s.start_ns >= from_ns));
+    if (!overlaps) continue;
+    s.start_ns = std::max(s.start_ns, from_ns);
+    s.end_ns = std::min(s.end_ns, to_ns);
+    all.push_back(std::move(s));
+  }
   std::map<std::string, int> lanes;
   for (const auto& s : all) lanes.emplace(s.lane, 0);
   int next = 1;

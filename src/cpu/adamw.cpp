@@ -48,16 +48,6 @@ bool cpu_has(const char* feature) {
   return false;
 }
 
-const char* isa_requirements(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return "avx512f, avx512bw and avx512vl";
-    case Isa::kAvx2:
-      return "avx2, fma and f16c";
-    default:
-      return "nothing";
-  }
-}
 
 // Binds threads entering the arena to hwloc cpusets, slot by slot.
 class Binder final : public tbb::task_scheduler_observer {
@@ -103,6 +93,17 @@ class Binder final : public tbb::task_scheduler_observer {
 };
 
 }  // namespace
+
+const char* isa_requirements(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512f, avx512bw and avx512vl";
+    case Isa::kAvx2:
+      return "avx2, fma and f16c";
+    default:
+      return "nothing";
+  }
+}
 
 const char* isa_name(Isa isa) {
   switch (isa) {

@@ -35,6 +35,9 @@
 //                                          state (Engine::set_next_lr). Default: on when the
 //                                          memory plan fits with the second copies.
 //   strata.optimizer_threads              threads of the host CPU AdamW (default 0 = every core).
+//   strata.optimizer_isa                  "auto" | "avx512" | "avx2" | "scalar": the host CPU
+//                                          AdamW's code path (default "auto": the widest the
+//                                          CPU has). Checked against the CPU when the engine is made.
 //   strata.device_grad_norm               true | false: a host-tier gradient's norm part taken
 //                                          on the device (one micro-batch a step). Default: on,
 //                                          off on the CPU-emulated device.
@@ -535,7 +538,7 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}" : std::string("{}"));
 
   const Section st = top.child("strata");
-  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "device_grad_norm"});
+  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "optimizer_isa", "device_grad_norm"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
   STRATA_REQUIRE(c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
                  "config key 'strata.host_budget_bytes' = {}: use 0 (80% of RAM) or at least 2 MiB (2097152): "
@@ -546,6 +549,15 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
                  threads);
   c.optimizer_threads = int(threads);
+  if (st.has("optimizer_isa")) {
+    const std::string isa = st.get_string("optimizer_isa", "auto");
+    try {
+      c.optimizer_isa = parse_isa(isa);
+    } catch (const Error&) {
+      STRATA_THROW(kInvalidArgument, "config key 'strata.optimizer_isa' = \"{}\": use \"auto\", \"avx512\", \"avx2\" or \"scalar\"",
+                   isa);
+    }
+  }
   return c;
 }
 

@@ -233,6 +233,9 @@ struct Engine::Impl {
     STRATA_REQUIRE(&c.device() == &d, "Engine: the communicator belongs to another device");
     STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3", cfg.stage);
     STRATA_REQUIRE(cfg.compute_dtype != DType::kF64, "Engine: fp64 compute is not supported");
+    if (!isa_supported(cfg.optimizer_isa))
+      STRATA_THROW(kUnsupported, "config key 'strata.optimizer_isa' = \"{}\" needs {}, which this CPU lacks; use \"auto\"",
+                   isa_name(cfg.optimizer_isa), isa_requirements(cfg.optimizer_isa));
     c_size = dtype_size(cfg.compute_dtype);
     device_alloc_waits_at_start = dev.stats().num_alloc_waits;
     if (cfg.fp16.enabled) {
@@ -823,6 +826,7 @@ std::size_t Engine::param_offset(int unit, int param) const {
 const MemoryPlan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 DType Engine::compute_dtype() const { return impl_->cfg.compute_dtype; }
+Isa Engine::host_optimizer_isa() const { return impl_->cpu_adam ? impl_->cpu_adam->isa() : Isa::kAuto; }
 float Engine::loss_scale() const { return float(impl_->scale); }
 
 EngineConfig Engine::with_device_defaults(EngineConfig config, const Device& device) {
@@ -914,6 +918,7 @@ void Engine::finalize() {
   CpuAdamWConfig ac;
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
+  ac.isa = cfg.optimizer_isa;
   s.cpu_adam = std::make_unique<CpuAdamW>(ac);
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {

@@ -1035,6 +1035,7 @@ std::string engine_config_json(const EngineConfig& c) {
   if (c.host_budget_bytes > 0) j["strata"]["host_budget_bytes"] = c.host_budget_bytes;
   if (c.overlap_optimizer) j["strata"]["overlap_optimizer"] = *c.overlap_optimizer;
   if (c.optimizer_threads > 0) j["strata"]["optimizer_threads"] = c.optimizer_threads;
+  if (c.optimizer_isa != Isa::kAuto) j["strata"]["optimizer_isa"] = isa_name(c.optimizer_isa);
   if (c.device_grad_norm) j["strata"]["device_grad_norm"] = *c.device_grad_norm;
   return j.dump(2) + "\n";
 }
