@@ -399,7 +399,7 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",
        {"'strata.optimizer_threads'"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": "avx3"}})",
-       {"'strata.optimizer_isa' = \"avx3\"", "\"auto\", \"avx512\", \"avx2\" or \"scalar\""}},
+       {"'strata.optimizer_isa' is \"avx3\"", "use one of \"auto\", \"avx512\", \"avx2\", \"scalar\""}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})", {"'strata.optimizer_isa'"}},
       // A key a typo away from one strata reads would leave that setting at its default.
       {R"({"zero_optimisation": {"stage": 3}})", {"'zero_optimisation'", "did you mean 'zero_optimization'"}},

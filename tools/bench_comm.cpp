@@ -47,8 +47,11 @@ void run_comm(const CommArgs& a) {
   const std::size_t es = dtype_size(t);
   const std::size_t min_b = parse_bytes(a.min_bytes, "--min-bytes");
   const std::size_t max_b = parse_bytes(a.max_bytes, "--max-bytes");
-  STRATA_REQUIRE(min_b <= max_b && a.factor >= 2 && a.iters >= 1 && a.warmup >= 0,
-                 "comm: need --min-bytes <= --max-bytes, --factor >= 2, --iters >= 1, --warmup >= 0");
+  STRATA_REQUIRE(min_b >= 1 && min_b <= max_b, "comm: --min-bytes {} / --max-bytes {}: need 1 <= --min-bytes <= --max-bytes",
+                 a.min_bytes, a.max_bytes);
+  STRATA_REQUIRE(a.factor >= 2, "comm: --factor {}: must be >= 2 (each size is the last one times it)", a.factor);
+  STRATA_REQUIRE(a.iters >= 1, "comm: --iters {}: must be >= 1", a.iters);
+  STRATA_REQUIRE(a.warmup >= 0, "comm: --warmup {}: must be >= 0", a.warmup);
   for (const auto& op : a.ops)
     STRATA_REQUIRE(op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "broadcast",
                    "comm: unknown op '{}': use all_reduce, all_gather, reduce_scatter, broadcast", op);
@@ -105,7 +108,13 @@ void run_comm(const CommArgs& a) {
       std::printf("\n# %s\n#%14s %12s %6s %6s %12s %12s %12s\n", op.c_str(), "size(B)", "count", "type", "redop",
                   "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     }
-    for (std::size_t size = min_b; size <= max_b; size *= std::size_t(a.factor)) {
+    // min, min x factor, ... and --max-bytes itself last where the steps pass over it (8 x 4^k
+    // never meets 256M): the largest size asked for is measured, and the buffers are its size.
+    std::vector<std::size_t> sizes;
+    for (std::size_t size = min_b; size <= max_b; size = size > max_b / std::size_t(a.factor) ? max_b + 1 : size * std::size_t(a.factor))
+      sizes.push_back(size);
+    if (sizes.back() != max_b) sizes.push_back(max_b);
+    for (const std::size_t size : sizes) {
       // Whole elements per rank, as nccl-tests rounds.
       const bool sharded = op == "all_gather" || op == "reduce_scatter";
       const std::size_t per_rank = sharded ? std::max<std::size_t>(size / es / n, 1) : std::max<std::size_t>(size / es, 1);
@@ -139,7 +148,6 @@ void run_comm(const CommArgs& a) {
         results.push_back({{"op", op}, {"size_bytes", bytes}, {"count", count}, {"time_us", secs * 1e6},
                            {"algbw_gbps", algbw}, {"busbw_gbps", busbw}});
       }
-      if (size > max_b / std::size_t(a.factor)) break;
     }
   }
   if (!root) return;

@@ -234,6 +234,7 @@ struct RegimeResult {
   int bottleneck = 0;
   double ratio = 0;
   EngineStats stats;
+  Isa adamw_isa = Isa::kAuto;  // the path the engine's CPU AdamW ran (Engine::host_optimizer_isa)
 };
 
 // A stopped run's NVMe folder: nothing in it but strata-swap's folders and lock files that no
@@ -326,6 +327,13 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     // step or ended after it was not recorded at all (up to one unit's AdamW per edge).
     Tracer& tracer = Tracer::global();
     tracer.clear();
+    struct TracerOff {  // however the regime ends, the global tracer is left off and empty
+      Tracer& t;
+      ~TracerOff() {
+        t.set_enabled(false);
+        t.clear();
+      }
+    } tracer_off{tracer};
     for (int w = 0; w < kWarmupSteps; ++w) {
       if (w + 1 == kWarmupSteps) tracer.set_enabled(true);
       model.micro_batch(e, *dev, *s);
@@ -364,7 +372,7 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
       out.busy_s[kCores] += cpu_s[std::size_t(i)] / cpu::usable_cores() / a.steps;
     }
     if (!trace_file.empty()) tracer.write_chrome_trace(trace_file, windows.back().first, windows.back().second);
-    tracer.clear();
+    out.adamw_isa = e.host_optimizer_isa();
     // Bytes moved per traced step (the counters are cumulative).
     const auto per_step = [&](std::uint64_t b, std::uint64_t a0) { return (b - a0) / std::uint64_t(a.steps); };
     out.stats.h2d_bytes = per_step(after.h2d_bytes, before.h2d_bytes);
@@ -466,7 +474,7 @@ void run(const Args& a) {
                     {"bottleneck", kResources[res.bottleneck]},
                     {"expected_bottleneck", r.expect},
                     {"adamw_isa", r.optimizer == Tier::kDevice ? nlohmann::json(nullptr)  // no CPU AdamW
-                                  : nlohmann::json(isa_name(r.adamw_isa == Isa::kAuto ? adamw_selected_isa() : r.adamw_isa))},
+                                                               : nlohmann::json(isa_name(res.adamw_isa))},
                     {"ratio_step_vs_busiest", res.ratio},
                     {"h2d_bytes_per_step", res.stats.h2d_bytes},
                     {"d2h_bytes_per_step", res.stats.d2h_bytes},

@@ -393,8 +393,14 @@ void run_compare(const NvmeArgs& a) {
   cfg.thread_count = a.threads;
   cfg.engine = a.engine == "threads" ? IoBackend::kThreads : a.engine == "io_uring" ? IoBackend::kIoUring : IoBackend::kAuto;
   cfg.register_buffers = !a.no_register;
-  const std::size_t size = parse_bytes(a.size, "--size") / cfg.block_size * cfg.block_size;
-  STRATA_REQUIRE(size > 0, "--size must be at least one block");
+  const std::size_t size = parse_bytes(a.size, "--size");
+  // Whole blocks only: a size cut down to them (1.5M became 1M) measured something else than asked.
+  if (size == 0 || size % cfg.block_size != 0) {
+    const std::size_t below = size / cfg.block_size * cfg.block_size, above = below + cfg.block_size;
+    STRATA_THROW(kInvalidArgument, "--size {}: must be a whole number of --block-size {} blocks; use {}", a.size,
+                 a.block_size,
+                 below > 0 ? human_bytes(double(below)) + " or " + human_bytes(double(above)) : human_bytes(double(above)));
+  }
   STRATA_REQUIRE(fs::is_directory(a.path), "--path '{}' is not a directory", a.path);
   const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
   const bool fio = a.vs_fio && have_fio();
@@ -597,7 +603,8 @@ void add_nvme_command(CLI::App& app) {
   auto a = std::make_shared<NvmeArgs>();
   CLI::App* c = app.add_subcommand("nvme", "sequential NVMe write+read through strata's I/O engine (vs fio)");
   c->add_option("--path", a->path, "directory on the drive to test (a file is created and removed)");
-  c->add_option("--size", a->size, "bytes to write then read (4G, 512M, ...)");
+  c->add_option("--size", a->size,
+                "bytes to write then read, whole blocks (4G, 512M, ...; --sweep: at most 512M a run)");
   c->add_option("--block-size", a->block_size, "bytes per request (aio.block_size)");
   c->add_option("--queue-depth", a->queue_depth, "requests in flight per ring")->check(CLI::Range(1, 4096));
   c->add_option("--threads", a->threads, "rings / worker threads")->check(CLI::Range(1, 64));

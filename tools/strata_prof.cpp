@@ -208,7 +208,11 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       const DType ct = base.compute_dtype;
       std::vector<float> p(n, 0.5f), g(n, 1e-3f), mm(n, 0.0f), v(n, 0.0f);
       std::vector<std::uint16_t> out16(n);
-      CpuAdamW adam({.isa = base.optimizer_isa});  // the path the engine will run (strata.optimizer_isa)
+      // The path the engine will run (strata.optimizer_isa).
+      STRATA_REQUIRE(isa_supported(base.optimizer_isa),
+                     "config key 'strata.optimizer_isa' = \"{}\" needs {}, which this CPU lacks; use \"auto\"",
+                     isa_name(base.optimizer_isa), isa_requirements(base.optimizer_isa));
+      CpuAdamW adam({.isa = base.optimizer_isa});
       AdamWOptions o;
       AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),
                     host_tensor(mm.data(), DType::kF32, n), host_tensor(v.data(), DType::kF32, n), {}};

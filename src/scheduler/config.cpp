@@ -549,15 +549,7 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
                  threads);
   c.optimizer_threads = int(threads);
-  if (st.has("optimizer_isa")) {
-    const std::string isa = st.get_string("optimizer_isa", "auto");
-    try {
-      c.optimizer_isa = parse_isa(isa);
-    } catch (const Error&) {
-      STRATA_THROW(kInvalidArgument, "config key 'strata.optimizer_isa' = \"{}\": use \"auto\", \"avx512\", \"avx2\" or \"scalar\"",
-                   isa);
-    }
-  }
+  c.optimizer_isa = parse_isa(st.get_choice("optimizer_isa", "auto", {"auto", "avx512", "avx2", "scalar"}));
   return c;
 }
 
