@@ -113,6 +113,29 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
 }
 
+// A drive too small for the NVMe regime's swap files is said before any regime runs, in one line
+// (the engine refused it only when the regime came, after the others, with its whole plan).
+// Needs root to mount a 32 MiB tmpfs; Skipped elsewhere.
+TEST(BenchCli, EngineNvmeRegimeTooBigForTheDriveIsRefusedFirst) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  TempDir d("strata-bench");
+  const std::string mnt = d.path + "/small";
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=32m tmpfs '" + mnt + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string mnt;
+    ~Unmount() { (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str()); }
+  } unmount{mnt};
+  const auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", mnt, "--steps", "1"}, d.path, "small");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(first_line(r.err).find("--path " + mnt + ": the NVMe regime's swap files need 448 MiB and the drive has "
+                                   "32 MiB free"),
+            std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
+  EXPECT_TRUE(fs::is_empty(mnt));
+}
+
 // The sizes run from --min-bytes by --factor and end at --max-bytes itself (8 x 4^k never met
 // 256M: the largest size asked for was never measured); each bad flag is named on its own.
 TEST(BenchCli, CommEndsAtMaxBytesAndNamesEachBadFlag) {

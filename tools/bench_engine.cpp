@@ -262,20 +262,10 @@ std::string trace_path(const Args& a, const std::string& name, bool single) {
   return (p.parent_path() / (p.stem().string() + "." + name + p.extension().string())).string();
 }
 
-RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace_file) {
-  HostDeviceOptions ho;
-  ho.capacity_bytes = std::size_t(3) << 30;
-  ho.h2d_gbps = r.h2d_gbps;
-  ho.d2h_gbps = r.d2h_gbps;
-  ho.compute_gflops = r.compute_gflops;
-  ho.compute_threads = r.device_threads;
-  ho.poison = false;  // a debugging aid that costs a memset per buffer
-  auto dev = make_host_device(ho);
-  CommOptions co;
-  co.backend = CommBackend::kLocal;
-  auto comm = make_communicator(*dev, co);
+constexpr std::uint64_t kDeviceCapacity = std::uint64_t(3) << 30;  // the emulated device's HBM
 
-  const LinearModel model(a.layers, a.width, r.batch);
+// The engine's configuration in regime `r` (its NVMe paths are set where the folder is made).
+EngineConfig regime_config(const Args& a, const Regime& r) {
   const std::uint64_t layer_numel = std::uint64_t(a.width) * std::uint64_t(a.width);
   EngineConfig cfg = default_engine_config();
   cfg.compute_dtype = DType::kBF16;
@@ -291,6 +281,45 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     cfg.max_live_parameters = layer_numel * std::uint64_t(r.live_layers);
     cfg.max_reuse_distance = 0;
   }
+  return cfg;
+}
+
+// The NVMe regime's swap files against the free space under --path, before any regime runs (the
+// engine refuses them too, but after the regimes before it, with its whole plan): one line with
+// what is needed, what is free, and what to change.
+void require_nvme_room(const Args& a, const Regime& r) {
+  EngineConfig cfg = regime_config(a, r);
+  cfg.param_nvme_paths = cfg.optimizer_nvme_paths = {nvme_dir_of(a).string()};
+  PlanInputs in;
+  for (int l = 0; l < a.layers; ++l) in.units.push_back({fmt::format("layer{}", l), std::uint64_t(a.width) * a.width});
+  in.device_capacity = kDeviceCapacity;
+  in.host_capacity = cfg.host_budget_bytes;
+  std::error_code ec;
+  const fs::space_info sp = fs::space(a.path, ec);
+  if (ec) return;  // the engine's own check still stands
+  in.nvme_capacity = sp.available;
+  const MemoryPlan plan = plan_memory(cfg, in);
+  STRATA_REQUIRE(plan.nvme_bytes <= plan.nvme_capacity,
+                 "--path {}: the NVMe regime's swap files need {} and the drive has {} free; give a --path on a "
+                 "drive with room, or fewer --layers / a smaller --width (or leave the NVMe regime out: --regime)",
+                 a.path, human_bytes(double(plan.nvme_bytes)), human_bytes(double(plan.nvme_capacity)));
+}
+
+RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace_file) {
+  HostDeviceOptions ho;
+  ho.capacity_bytes = kDeviceCapacity;
+  ho.h2d_gbps = r.h2d_gbps;
+  ho.d2h_gbps = r.d2h_gbps;
+  ho.compute_gflops = r.compute_gflops;
+  ho.compute_threads = r.device_threads;
+  ho.poison = false;  // a debugging aid that costs a memset per buffer
+  auto dev = make_host_device(ho);
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  auto comm = make_communicator(*dev, co);
+
+  const LinearModel model(a.layers, a.width, r.batch);
+  EngineConfig cfg = regime_config(a, r);
   const fs::path nvme_dir = nvme_dir_of(a);
   // Removed however the regime ends (an error in it left hundreds of MiB of swap files), and only
   // when this regime made it: one that appeared since run()'s check is another run's.
@@ -440,6 +469,8 @@ void run(const Args& a) {
       STRATA_THROW(kIo, "--path {}: cannot create the NVMe regime's folder {} there: {}; give a writable folder on "
                    "the drive to use", a.path, dir.string(), ec.message());
     fs::remove(dir, ec);  // made again, and removed, by the regime itself
+    for (const Regime& r : chosen)
+      if (r.uses_nvme()) require_nvme_room(a, r);
   }
   // Trace files are written after minutes of regimes: checked now, and a file already there is
   // replaced only with --overwrite (as strata-prof --trace).
