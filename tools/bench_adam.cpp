@@ -18,7 +18,10 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <fstream>
 #include <thread>
+
+#include <unistd.h>
 #include <vector>
 
 #include "bench_common.h"
@@ -179,6 +182,26 @@ double triad_same_bytes(Aligned<float>& a, Aligned<float>& b, Aligned<float>& c,
   return 12.0 * double(n) / best / 1e9;
 }
 
+// The last-level cache this process's first CPU shares, from sysfs (glibc's sysconf gives the
+// whole package's on some VMs: 320 MiB where this CPU's is 32); 0 when unknown.
+long last_level_cache_bytes() {
+  for (int index = 4; index >= 2; --index) {
+    std::ifstream f(fmt::format("/sys/devices/system/cpu/cpu0/cache/index{}/size", index));
+    std::string text;
+    if (!(f >> text) || text.empty()) continue;
+    long v = 0;
+    std::size_t used = 0;
+    try {
+      v = std::stol(text, &used);
+    } catch (...) {
+      continue;
+    }
+    const char unit = used < text.size() ? text[used] : ' ';
+    return unit == 'K' ? v << 10 : unit == 'M' ? v << 20 : v;
+  }
+  return ::sysconf(_SC_LEVEL3_CACHE_SIZE) > 0 ? ::sysconf(_SC_LEVEL3_CACHE_SIZE) : 0;
+}
+
 void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bool skip_check,
          bool json) {
   const NonFinitePolicy policy =
@@ -192,6 +215,14 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
   std::printf(
       "bound = max(STREAM triad over the mode's bytes, same-pattern read/write loop), same "
       "threads\n");
+  // A working set the last-level cache holds runs at cache speed, the step and the bound alike,
+  // and their ratio then says little about memory (both beat DRAM; the step may beat the loops).
+  const long l3 = last_level_cache_bytes();
+  const bool cache_resident = l3 > 0 && double(params) * 16 <= double(l3);
+  if (cache_resident)
+    std::printf("note: %s of fp32 master/grad/m/v fit in the %s last-level cache: cache speeds, not memory's; "
+                "use --params of at least %zu for the memory bound\n",
+                human_bytes(double(params) * 16).c_str(), human_bytes(double(l3)).c_str(), std::size_t(l3) / 16 * 8);
   Arrays a(params);
   init(a, max_threads);
   // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
@@ -255,6 +286,7 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
                 {"native_bf16", adamw_native_bf16()},
                 {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
                 {"reps", reps},
+                {"cache_resident", cache_resident},
                 {"results", rows}});
   }
 }
