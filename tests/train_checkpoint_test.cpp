@@ -496,6 +496,32 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   EXPECT_NE(slurp(p.err).find("no complete checkpoint found"), std::string::npos) << slurp(p.err);
 }
 
+// A fresh run saving into a folder that holds another run's checkpoints is refused before step 1:
+// its step-2 replaced theirs (even another model's) and a later --resume took whichever was
+// newest. Resuming from that folder continues there.
+TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  const std::string before = slurp(ck + "/step-2/manifest.json");
+  auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  Proc p = spawn(a, dir.path, "fresh");
+  int st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.out);
+  EXPECT_NE(slurp(p.err).find("--checkpoint-dir " + ck + " already holds checkpoints of another run (newest: step-2), "
+                              "which this run's would replace: continue that run with --resume " + ck),
+            std::string::npos) << slurp(p.err);
+  EXPECT_FALSE(fs::exists(dir.path + "/b.jsonl")) << "it trained";
+  EXPECT_EQ(slurp(ck + "/step-2/manifest.json"), before);
+  // Continuing that run saves beside its checkpoints.
+  a = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--resume", ck});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  p = spawn(a, dir.path, "continue");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
+}
+
 // A run killed while writing --out after its last checkpoint (a temporary file of the save left
 // in --out) is finished by the same command with --resume: no step is left, the model is
 // written from the checkpoint (it was refused twice: "--out exists", then "--steps is not

@@ -102,6 +102,9 @@ struct FoundCheckpoint {
 // step-<N> checkpoints, or a run folder holding checkpoints/. Temporary (.tmp-*) folders and
 // folders that fail verification are skipped with a warning; none complete: strata::Error.
 FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what = "--resume");
+// The step-<N> folders (and step-<N>.old-<pid> ones set aside) directly in `dir`, newest step
+// first; none (or no such folder): empty.
+std::vector<std::string> checkpoint_folders(const std::string& dir);
 
 // The embedded demo's model: a byte-level Llama (GQA, untied head), ~5.9M parameters.
 ModelConfig demo_model_config();

@@ -272,6 +272,22 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
   return "";
 }
 
+std::vector<std::string> checkpoint_folders(const std::string& dir) {
+  std::vector<std::pair<std::int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (!e.is_directory(ec)) continue;
+    const std::string name = e.path().filename().string();
+    const auto old = name.find(".old-");
+    const std::int64_t st = step_of(old == std::string::npos ? name : name.substr(0, old));
+    if (st >= 0) found.emplace_back(st, e.path().string());
+  }
+  std::sort(found.begin(), found.end(), std::greater<>());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
 FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what) {
   std::error_code ec;
   STRATA_REQUIRE(fs::is_directory(path, ec), "{} {}: no such directory", what, path);

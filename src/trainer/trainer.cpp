@@ -309,9 +309,26 @@ TrainResult train(const TrainOptions& o) {
   }
   // Files written during the run: their folders are checked now, not at the step that writes
   // them (a run that cannot save its checkpoint was lost at that step).
-  if (o.save_every > 0)
+  if (o.save_every > 0) {
     require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root,
                             nearest_existing(ckpt_root));
+    // This run's step-<N> would replace another run's in that folder (even another model's), and
+    // a later --resume of it would take whichever is newest. Only the run the folder's checkpoints
+    // come from continues there: one resumed from a checkpoint in it.
+    const std::vector<std::string> there = checkpoint_folders(ckpt_root);
+    std::error_code ec;
+    bool continues = false;
+    if (!resume.dir.empty()) {
+      fs::path resumed = fs::absolute(resume.dir).lexically_normal();
+      if (resumed.filename().empty()) resumed = resumed.parent_path();  // "P/step-4/"
+      continues = fs::equivalent(resumed.parent_path(), ckpt_root, ec);
+    }
+    STRATA_REQUIRE(there.empty() || continues,
+                   "{} {} already holds checkpoints of another run (newest: {}), which this run's would replace: "
+                   "continue that run with --resume {}, give another --checkpoint-dir, or remove them",
+                   o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir", ckpt_root,
+                   fs::path(there.front()).filename().string(), ckpt_root);
+  }
   if (!o.trace_file.empty()) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
     require_writable_folder("--trace", o.trace_file, parent);
