@@ -252,6 +252,13 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--trace " + dir.path + "/nope/t.json: " + dir.path + "/nope is not a folder"},
       {"--checkpoint-dir under a file", args(log, {"--save-every", "2", "--checkpoint-dir", text + "/ck"}),
        "--checkpoint-dir " + text + "/ck: " + text + " is not a folder"},
+      // A folder that passes the write check on its parent (as root) and still cannot be made
+      // (/proc): it was found when the model was written, after the training ("nothing ran" below).
+      {"--out where no folder can be made", args(log, {"--out", "/proc/strata-test-out"}),
+       "--out /proc/strata-test-out: "},
+      {"--checkpoint-dir where no folder can be made",
+       args(log, {"--save-every", "2", "--checkpoint-dir", "/proc/strata-test-ck"}),
+       "--checkpoint-dir /proc/strata-test-ck: "},
       // A model config's type error names the model config file.
       {"a string for a number in the model config", {"--model-config", bad_cfg, "--text", text},
        bad_cfg + ": config key 'hidden_size' must be a number"},

@@ -93,6 +93,23 @@ fs::path nearest_existing(const std::string& path) {
   return up;
 }
 
+// A folder the run will make (--out, the checkpoints') can be made: some file systems pass the
+// write check on an existing ancestor and still refuse the mkdir (/proc, /sys; NFS with root
+// squashed), which was found when the model was written, after the whole training. Made now,
+// and removed again (the run makes it when it writes there).
+void require_creatable_folder(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  if (fs::exists(path, ec)) return;
+  fs::path first_new = fs::absolute(path, ec).lexically_normal();
+  for (fs::path p = first_new; !p.empty() && !fs::exists(p, ec) && p != p.root_path(); p = p.parent_path())
+    first_new = p;
+  fs::create_directories(path, ec);
+  if (ec)
+    STRATA_THROW(kInvalidArgument, "{} {}: the folder cannot be made there: {}; give a folder on a writable drive", flag,
+                 path, ec.message());
+  fs::remove_all(first_new, ec);
+}
+
 // Checked before the first step, not when the file is written: `folder` (the file's, or the
 // nearest existing ancestor of a folder the run will create) is one this process can write in.
 void require_writable_folder(const std::string& flag, const std::string& path, const fs::path& folder) {
@@ -293,6 +310,7 @@ TrainResult train(const TrainOptions& o) {
                    up.string());
     if (!o.overwrite)
       STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it", o.out_dir);
+    require_creatable_folder("--out", o.out_dir);
   }
   STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0");
   STRATA_REQUIRE(o.save_every == 0 || !o.checkpoint_dir.empty() || !o.out_dir.empty() || !o.resume.empty(),
@@ -312,6 +330,7 @@ TrainResult train(const TrainOptions& o) {
   if (o.save_every > 0) {
     require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root,
                             nearest_existing(ckpt_root));
+    require_creatable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root);
     // This run's step-<N> would replace another run's in that folder (even another model's), and
     // a later --resume of it would take whichever is newest. Only the run the folder's checkpoints
     // come from continues there: one resumed from a checkpoint in it.
