@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <set>
 #include <random>
 #include <thread>
 
@@ -360,6 +361,36 @@ TEST_P(DeviceTest, DeviceSynchronizeDrainsEveryStreamBeforeItRethrows) {
   dev->synchronize();  // reported once
 }
 
+// Every failed stream's failure is reported: the first at a device-wide synchronize, the next
+// at the next one (they were cleared unreported, as they are not on a GPU).
+TEST_P(DeviceTest, DeviceSynchronizeKeepsTheOtherStreamsFailuresForLater) {
+  auto other = dev->create_stream("other");
+  s->host_fn([] { throw std::runtime_error("boom on main"); });
+  other->host_fn([] { throw std::runtime_error("boom on other"); });
+  std::set<std::string> seen;
+  for (int i = 0; i < 2; ++i) {
+    try {
+      dev->synchronize();
+      ADD_FAILURE() << "synchronize " << i << " reported nothing";
+    } catch (const std::runtime_error& e) {
+      seen.insert(e.what());
+    }
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"boom on main", "boom on other"}));
+  dev->synchronize();  // each reported once
+}
+
+// A stream destroyed with a failure nobody asked about says so (it vanished without a word).
+TEST_P(DeviceTest, AStreamDestroyedWithAnUnreportedFailureSaysSo) {
+  auto doomed = dev->create_stream("doomed");
+  doomed->host_fn([] { throw std::runtime_error("never asked about"); });
+  ::testing::internal::CaptureStderr();
+  doomed.reset();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("stream 'doomed' destroyed with an unreported"), std::string::npos) << err;
+  EXPECT_NE(err.find("never asked about"), std::string::npos) << err;
+}
+
 // A host function that drops the last reference to a buffer allocated without a stream: the
 // free cannot wait for the device from there (it hung, waiting for its own op); the memory
 // returns at the next device-wide wait.
@@ -594,6 +625,59 @@ TEST_P(DeviceTest, AnAllocationWaitsForTheFreeItNeedsNotForTheWholeDevice) {
   go.set_value();
   y.reset();
   small->synchronize();
+}
+
+// A request that no queued free can make room for fails at once, as on a GPU: it waited for every
+// stream to finish its work (here one held by a host function that waits on this thread: a hang
+// for 20 s where the GPU says out of memory).
+TEST_P(DeviceTest, AnAllocationNothingCanMakeRoomForFailsWithoutWaitingForBusyStreams) {
+  if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
+  auto small = GetParam().make(std::size_t(1) << 20);
+  auto busy = small->create_stream("busy");
+  std::promise<void> go;
+  std::shared_future<void> gone = go.get_future().share();
+  std::atomic<bool> busy_done{false};
+  busy->host_fn([gone, &busy_done] {
+    gone.wait_for(20s);
+    busy_done = true;
+  });
+  Buffer held = small->alloc(700 * 1024, busy.get());
+  try {
+    Buffer more = small->alloc(700 * 1024);
+    ADD_FAILURE() << "two 700 KiB blocks in a 1 MiB cap";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory) << e.what();
+  }
+  EXPECT_FALSE(busy_done.load()) << "the failed allocation waited for the busy stream";
+  go.set_value();
+  held.reset();
+  small->synchronize();
+}
+
+// A throttled copy's bytes land when it ends, as a DMA's: a reader on another stream that
+// misses its wait sees the old (here poisoned) contents, not the data, while the copy runs.
+TEST_P(DeviceTest, AThrottledCopysBytesLandWhenItEnds) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  auto slow = throttled_device(0.01, 0.01, 0);  // 1 MiB: ~100 ms
+  auto st = slow->create_stream("pcie");
+  const std::size_t n = std::size_t(1) << 18;
+  std::vector<float> h(n, 3.0f);
+  Buffer b = slow->alloc(n * 4, st.get());
+  st->synchronize();  // (its poison written)
+  const Event done = [&] {
+    st->copy(b.ref(), host_ref(h.data(), n * 4));
+    return st->record();
+  }();
+  std::this_thread::sleep_for(20ms);
+  const float* seen = static_cast<const float*>(b.ref().ptr);  // host memory on this device
+  if (!done.query()) {
+    std::size_t landed = 0;
+    for (std::size_t i = 0; i < n; ++i) landed += seen[i] == 3.0f;
+    EXPECT_EQ(landed, 0u) << "bytes of a copy still in flight were visible";
+  }
+  st->synchronize();
+  EXPECT_EQ(seen[0], 3.0f);
+  EXPECT_EQ(seen[n - 1], 3.0f);
 }
 
 TEST_P(DeviceTest, AFreedBlockIsReusedAtOnceOnItsStreamAndPoisonedFirst) {

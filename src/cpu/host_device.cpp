@@ -189,6 +189,11 @@ struct StreamCore {
     wait_locked(lock, submitted);
     return std::exchange(error, nullptr);
   }
+  // The first failure not yet reported, cleared (no wait).
+  std::exception_ptr take_error() {
+    std::lock_guard<std::mutex> lock(mu);
+    return std::exchange(error, nullptr);
+  }
 
   // Sleeps until op `seq` has completed. The worker wakes waiters only when it reaches the
   // earliest op one of them waits for (`wake_at`), not after every op: a host thread or
@@ -330,11 +335,13 @@ class HostDevice final : public Device {
   }
 
   // Every stream drained, a failed one too (what a caller frees after catching must be idle);
-  // the first failure is rethrown after.
+  // the first failure is rethrown after, and the other streams keep theirs for their own
+  // synchronize or the next device-wide one (as on a GPU; they were cleared unreported).
   void synchronize() override {
     std::exception_ptr first;
     for (auto& core : live_streams()) {
-      if (auto err = core->drain(); err && !first) first = err;
+      if (!first) first = core->drain();
+      else core->wait_for(core->submitted_seq());
     }
     release_deferred();
     if (first) std::rethrow_exception(first);
@@ -464,6 +471,16 @@ class HostStream final : public Stream {
   ~HostStream() override {
     core_->stop();  // drains the queue first
     mark_destroyed();
+    // A failure nothing asked about is said, not dropped (the CUDA stream does the same).
+    if (auto err = core_->take_error()) {
+      try {
+        std::rethrow_exception(err);
+      } catch (const std::exception& e) {
+        log::warn("stream '{}' destroyed with an unreported failure: {}", name(), e.what());
+      } catch (...) {
+        log::warn("stream '{}' destroyed with an unreported failure", name());
+      }
+    }
   }
 
   const std::shared_ptr<StreamCore>& core() const { return core_; }
@@ -496,8 +513,11 @@ class HostStream final : public Stream {
           const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
                                      : std::chrono::steady_clock::now() +
                                            std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
-          std::memmove(dst.ptr, src.ptr, src.bytes);
+          // The bytes land when the transfer ends, as a DMA's do: a reader on another stream
+          // that misses its wait sees the old contents for the whole transfer, not only for the
+          // memmove's first microseconds.
           std::this_thread::sleep_until(end);
+          std::memmove(dst.ptr, src.ptr, src.bytes);
         },
         kind, src.bytes);
   }
@@ -648,7 +668,11 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
     TraceScope span("alloc_wait", "engine", size);  // the calling thread stalls: show it
     lock.lock();
     freed_cv_.wait(lock, [&] { return take() || pending_frees_ == 0; });
-    if (off == SIZE_MAX) {
+    // Blocks freed inside a stream's work return at a device-wide wait; with none of those, no
+    // stream has memory to give back, and the request fails now, as on a GPU (it waited for
+    // every stream, however long their work, or for a host function that was waiting on this
+    // thread: a hang where the GPU says out of memory).
+    if (off == SIZE_MAX && !deferred_.empty()) {
       lock.unlock();
       synchronize_quietly();
       lock.lock();
