@@ -403,6 +403,9 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})", {"'strata.optimizer_isa'"}},
       // A key a typo away from one strata reads would leave that setting at its default.
       {R"({"zero_optimisation": {"stage": 3}})", {"'zero_optimisation'", "did you mean 'zero_optimization'"}},
+      // Beside the key it is a typo of: not "would keep its default", since that key is given.
+      {R"({"zero_optimization": {"stage": 3}, "zero_optimization_x": 1})",
+       {"'zero_optimization_x' is not a key strata knows, a typo away from 'zero_optimization', which is given too"}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimzer": {"device": "cpu"}}})",
        {"'zero_optimization.offload_optimzer'", "did you mean 'zero_optimization.offload_optimizer'"}},
       {R"({"zero_optimization": {"stage": 3, "Overlap_Comm": false}})", {"did you mean 'zero_optimization.overlap_comm'"}},

@@ -280,6 +280,23 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
 
 // --plan checks the NVMe bytes against the free space under the configured nvme_path (no
 // disk here holds a 405B model's 5 TiB of weights and optimizer state) and says what to change.
+// A bad command line is one line too (CLI11's reason and "Run with --help" were two, without the
+// tool's name), and a flag a typo away from a known one is named.
+TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
+  const std::string log = dir.path + "/log.jsonl";
+  Result r = train(args(log, {"--stpes", "3"}), "typo");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "strata-train: The following arguments were not expected: 3 --stpes (did you mean --steps?); "
+                   "see --help\n");
+  r = train(args(log, {"--steps", "0"}), "zero");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "strata-train: --steps: must be > 0, got 0; see --help\n");
+  EXPECT_FALSE(fs::exists(log)) << "nothing ran";
+  r = train({"--help"}, "help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("--steps"), std::string::npos);
+}
+
 TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nv";
   write_405b_on_nvme(big, ds, nv);

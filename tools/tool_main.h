@@ -1,5 +1,5 @@
 // How strata's command-line tools end, the same way in each: --help exits 0; a bad command
-// line prints CLI11's message and exits 1; a strata::Error prints one line (Error::user_message)
+// line prints one line (CLI11's reason, a flag a typo away from an unknown one, "see --help") and exits 1; a strata::Error prints one line (Error::user_message)
 // and exits 1, and with --json on the command line also prints, last, {"error": ..., "kind": ...}
 // on stdout, so a script reading the last JSON object finds out why there are no figures. One
 // rank of several failing ends the whole MPI job (its peers would wait for it for ever).
@@ -7,16 +7,19 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "core/json_config.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 
@@ -91,15 +94,34 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     app.parse(argc, argv);
     return body();
   } catch (const CLI::ParseError& e) {
-    if (app.exit(e) == 0) return 0;  // --help is a ParseError with exit code 0
-    // CLI11 said what is wrong on stderr; --json still gets its error object, last.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    // One line, as every other error: what is wrong, a flag a typo away from an unknown one,
+    // and where the rest is.
+    std::string message = e.what();
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      std::vector<std::string> flags;
+      auto add = [&](const CLI::App* a) {
+        for (const CLI::Option* opt : a->get_options())
+          for (const std::string& l : opt->get_lnames()) flags.push_back("--" + l);
+      };
+      add(&app);
+      for (const CLI::App* sub : app.get_subcommands()) add(sub);
+      for (int i = 1; i < argc; ++i) {
+        const std::string arg = std::string(argv[i]).substr(0, std::string(argv[i]).find('='));
+        if (!arg.starts_with("--") || std::find(flags.begin(), flags.end(), arg) != flags.end()) continue;
+        const std::string guess = config::near_miss(arg, flags);
+        if (!guess.empty()) message += fmt::format(" (did you mean {}?)", guess);
+      }
+    }
+    std::fprintf(stderr, "%s: %s; see --help\n", name, message.c_str());
     for (int i = 1; i < argc; ++i) {
       if (std::strcmp(argv[i], "--json") != 0) continue;
-      std::printf("%s\n", nlohmann::json{{"error", e.what()}, {"kind", "invalid argument"}}.dump().c_str());
+      std::printf("%s\n", nlohmann::json{{"error", message}, {"kind", "invalid argument"}}.dump().c_str());
       break;
     }
     std::fflush(stdout);
-    end_job_if_one_of_many(e.what(), g_ranks_start_mpi);
+    std::fflush(stderr);
+    end_job_if_one_of_many(message, g_ranks_start_mpi);
     return 1;
   } catch (const Error& e) {
     return fail(name, argc, argv, e.user_message(), error_kind_name(e.kind()));

@@ -127,17 +127,25 @@ static std::size_t edit_distance(std::string_view a, std::string_view b) {
   return d[a.size()][b.size()];
 }
 
-std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known) {
+template <class List>
+static std::string_view nearest(std::string_view key, const List& known) {
   // Short keys are too close to each other to guess (DeepSpeed's "amp" is one edit from "aio").
   if (key.size() < 5) return {};
   const std::size_t allowed = key.size() < 8 ? 1 : 2;
   std::string_view best;
   std::size_t best_d = allowed + 1;
-  for (auto k : known) {
+  for (const auto& k : known) {
     const std::size_t d = edit_distance(key, k);
     if (d < best_d) best = k, best_d = d;
   }
   return best;
+}
+
+std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known) {
+  return nearest(key, known);
+}
+std::string near_miss(std::string_view key, const std::vector<std::string>& known) {
+  return std::string(nearest(key, known));
 }
 
 void Section::warn_unknown(std::initializer_list<std::string_view> known) const {
@@ -150,8 +158,13 @@ void Section::warn_unknown(std::initializer_list<std::string_view> known) const 
     // A key a typo away from one strata reads is a typo: ignoring it would run with the default
     // of the setting the user meant to change.
     const std::string_view guess = near_miss(it.key(), known);
-    STRATA_REQUIRE(guess.empty(), "config key '{}' is not a key strata knows; did you mean '{}'? (left as it is, "
+    // (Beside the key it is a typo of, it is a leftover: the setting is given, but which value
+    // was meant is not known.)
+    STRATA_REQUIRE(guess.empty() || obj_->contains(guess),
+                   "config key '{}' is not a key strata knows; did you mean '{}'? (left as it is, "
                    "'{}' would silently keep its default)", full, key_path(guess), key_path(guess));
+    STRATA_REQUIRE(guess.empty(), "config key '{}' is not a key strata knows, a typo away from '{}', which is given too: "
+                   "remove '{}' (or merge what it holds into '{}')", full, key_path(guess), full, key_path(guess));
     log::warn_once("config.unknown." + full, fmt::format("config key '{}' is not used by strata; ignored", full));
   }
 }

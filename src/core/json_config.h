@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@ Json parse(std::string_view text, std::string_view what);
 // The key of `known` at most one edit (keys under 8 characters) or two (longer) away from
 // `key`, case and '-' / '_' aside; empty when none is, or `key` is under 5 characters.
 std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known);
+std::string near_miss(std::string_view key, const std::vector<std::string>& known);
 
 class Section {
  public:
