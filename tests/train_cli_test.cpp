@@ -211,6 +211,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const std::string bad_cfg = dir.path + "/bad-model.json";
   std::ofstream(bad_cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": "64",
       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})";
+  const std::string not_json = dir.path + "/not-json.json";
+  std::ofstream(not_json) << R"({"zero_optimization": {)";
   struct Case {
     const char* what;
     std::vector<std::string> args;
@@ -259,6 +261,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"--checkpoint-dir where no folder can be made",
        args(log, {"--save-every", "2", "--checkpoint-dir", "/proc/strata-test-ck"}),
        "--checkpoint-dir /proc/strata-test-ck: "},
+      // A --config that is not JSON names the file (it said "ds_config is not valid JSON").
+      {"a --config that is not JSON", args(log, {"--config", not_json}), "--config " + not_json + " is not valid JSON"},
       // A model config's type error names the model config file.
       {"a string for a number in the model config", {"--model-config", bad_cfg, "--text", text},
        bad_cfg + ": config key 'hidden_size' must be a number"},

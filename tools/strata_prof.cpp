@@ -34,6 +34,7 @@
 
 #include "cpu/cpu_info.h"
 #include "cpu/cpu_kernels.h"
+#include "core/json_config.h"
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/device.h"
@@ -757,6 +758,7 @@ int run(Args a) {
     STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
     std::stringstream ss;
     ss << f.rdbuf();
+    (void)config::parse(ss.str(), fmt::format("--config {}", a.ds_config));  // a syntax error names the file
     EngineConfig c = parse_engine_config(ss.str(), launch.world_size);
     const nlohmann::json top = nlohmann::json::parse(ss.str(), nullptr, false);
     config_train = top.is_object() && top.contains("train_batch_size");

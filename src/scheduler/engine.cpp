@@ -929,7 +929,7 @@ void Engine::finalize() {
     so.config_key = key;
     return so;
   };
-  if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "offload_param.nvme_path"));
+  if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "zero_optimization.offload_param.nvme_path"));
   if (o_nvme) {
     // One store when both keys name the same directories ("/nvme" and "/nvme/", or a link to
     // it, too): two stores on one directory would share its rank<N>/ (the store refuses that).
@@ -944,7 +944,7 @@ void Engine::finalize() {
     if (s.w_store && same_dirs(cfg.optimizer_nvme_paths, cfg.param_nvme_paths)) {
       s.o_store = s.w_store.get();
     } else {
-      s.o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "offload_optimizer.nvme_path"));
+      s.o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path"));
       s.o_store = s.o_store_own.get();
     }
   }

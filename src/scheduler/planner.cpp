@@ -327,8 +327,8 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
       if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
     }
   };
-  if (params) use(config.param_nvme_paths, "offload_param.nvme_path");
-  if (optimizer) use(config.optimizer_nvme_paths, "offload_optimizer.nvme_path");
+  if (params) use(config.param_nvme_paths, "zero_optimization.offload_param.nvme_path");
+  if (optimizer) use(config.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path");
   return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node));
 }
 

@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/json_config.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -395,6 +396,7 @@ TrainResult train(const TrainOptions& o) {
   bool config_batch = false;  // the --config gives train_batch_size: the user's global batch
   if (!o.ds_config.empty()) {
     const std::string text = read_text(o.ds_config, "--config");
+    (void)config::parse(text, fmt::format("--config {}", o.ds_config));  // a syntax error names the file
     ecfg = parse_engine_config(text, launch.world_size);
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     config_batch = j.is_object() && j.contains("train_batch_size");
