@@ -520,6 +520,8 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
   EXPECT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
+  // Its summary counts the steps it ran ("4 steps" for steps 3-4).
+  EXPECT_NE(slurp(p.out).find("summary (steps 3-4 of 4, resumed,"), std::string::npos) << slurp(p.out);
 }
 
 // A run killed while writing --out after its last checkpoint (a temporary file of the save left

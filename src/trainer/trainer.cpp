@@ -911,7 +911,11 @@ TrainResult train(const TrainOptions& o) {
   if (con) {
     const EngineStats& s = result.stats;
     const double total = since(t_start);
-    std::fprintf(con, "\nsummary (%lld steps, %.1f s, %.0f tokens/s, final loss %.4f)\n", (long long)steps, total,
+    // A resumed run says which steps it ran (it said "9 steps" for steps 7-9).
+    const std::string ran = start_step >= steps ? fmt::format("resumed at step {}: no step left", start_step)
+                            : start_step > 0   ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
+                                               : fmt::format("{} steps", steps);
+    std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, final loss %.4f)\n", ran.c_str(), total,
                  tokens_per_step * double(steps - start_step) / since(loop_start),
                  result.steps.empty() ? NAN : result.steps.back().loss);
     std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
@@ -936,13 +940,15 @@ TrainResult train(const TrainOptions& o) {
                    "%llu redone (clipping, overflow, lr), %llu steps without it (backing off after redone ones)\n",
                    (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_finished_behind,
                    (unsigned long long)s.early_units_redone, (unsigned long long)s.early_steps_skipped);
-    if (s.device_alloc_waits > 0)
+    if (s.device_alloc_waits > 0)  // (what is on already is not offered: the demo checkpoints)
       std::fprintf(con,
                    "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
-                   "step); a smaller micro-batch, activation checkpointing or, where weights are gathered on "
-                   "use, a smaller stage3_max_live_parameters avoids the stalls\n",
+                   "step); a smaller micro-batch%s or, where weights are gathered on use, a smaller "
+                   "stage3_max_live_parameters avoids the stalls%s\n",
                    (unsigned long long)s.device_alloc_waits,
-                   (unsigned long long)(s.device_alloc_waits / std::uint64_t(std::max<std::int64_t>(1, steps - start_step))));
+                   (unsigned long long)(s.device_alloc_waits / std::uint64_t(std::max<std::int64_t>(1, steps - start_step))),
+                   mopt.checkpoint ? "" : ", activation checkpointing (--checkpoint-activations)",
+                   demo_model ? " (expected in the demo: its cap is below its weights)" : "");
     if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
     if (!result_checkpoints.empty())
       std::fprintf(con, "checkpoints in %s (newest: %s)\n", ckpt_root.c_str(), result_checkpoints.back().c_str());
