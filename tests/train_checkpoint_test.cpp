@@ -385,7 +385,30 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
     ASSERT_TRUE(running) << slurp(p.err);
     EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == sig) << "status " << st << "\n" << slurp(p.err);
     EXPECT_FALSE(fs::exists(stripe)) << "the swap file stayed";
+    // Nor the folders and lock file around it, as after a clean exit (the next run said it was
+    // "removing swap files of a previous run" where there were none).
+    EXPECT_FALSE(fs::exists(nv + "/strata-swap")) << "strata-swap/ stayed";
+    // And it says so, and whether it can go on (it stopped without a word).
+    EXPECT_NE(slurp(p.err).find("strata-train: interrupted; no checkpoints were written (--save-every N keeps a "
+                                "run's progress)"),
+              std::string::npos) << slurp(p.err);
   }
+  // With checkpoints: where to continue from.
+  const std::string ck = dir.path + "/ck", log = dir.path + "/ck.jsonl";
+  auto a = args(log, {"--save-every", "1", "--checkpoint-dir", ck});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "1000";  // the kill always lands
+  Proc p = spawn(a, dir.path, "saving");
+  bool saved = false;
+  for (int i = 0; i < 60000 && !saved; ++i) {  // up to 60 s: step 2 logged (after its checkpoint)
+    saved = read_log(log).count(2) > 0;
+    if (!saved) std::this_thread::sleep_for(1ms);
+  }
+  ::kill(p.pid, SIGINT);
+  wait_status(p.pid);
+  ASSERT_TRUE(saved) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("strata-train: interrupted; the newest checkpoint is " + ck + "/step-"), std::string::npos)
+      << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("continue with the same command and --resume " + ck), std::string::npos) << slurp(p.err);
 }
 
 TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {

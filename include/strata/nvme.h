@@ -183,6 +183,9 @@ struct SwapStoreStats {
 // run in the same folder. A handler the program installed itself is left in place. For tools;
 // a program embedding strata may call it too.
 void remove_swap_files_on_interrupt();
+// A line that handler writes to stderr first (up to 1 KiB; "" for none), e.g. where to resume
+// from: an interrupted run otherwise just stopped. Any thread may replace it at any time.
+void set_interrupt_note(std::string_view text) noexcept;
 
 class SwapStore {
  public:

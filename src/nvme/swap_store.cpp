@@ -96,9 +96,37 @@ void unpublish_swap_file(int slot) {
   g_swap_slots[slot].claimed.store(false);
 }
 
+// set_interrupt_note's text: written into the buffer not being shown, then made the shown one.
+constexpr std::size_t kNoteMax = 1024;
+char g_notes[2][kNoteMax];
+std::atomic<int> g_note{-1};
+
+// Async-signal-safe only (unlink, rmdir, write, the string functions POSIX lists).
 extern "C" void remove_swap_files_and_reraise(int sig) {
-  for (SwapSlot& slot : g_swap_slots)
-    if (slot.published.load()) ::unlink(slot.path);
+  if (const int i = g_note.load(); i >= 0 && g_notes[i][0] != '\0')
+    (void)!::write(2, g_notes[i], std::strlen(g_notes[i]));
+  for (SwapSlot& slot : g_swap_slots) {
+    if (!slot.published.load()) continue;
+    ::unlink(slot.path);
+    // And what the store made around it, as a clean exit removes it: <top>/rank<N>/ (now empty),
+    // <top>/rank<N>.lock, then <top> itself if no other rank's files are in it.
+    char dir[kSwapPathMax];
+    std::strcpy(dir, slot.path);
+    char* cut = std::strrchr(dir, '/');
+    if (cut == nullptr) continue;
+    *cut = '\0';
+    ::rmdir(dir);
+    const std::size_t n = std::strlen(dir);
+    if (n + sizeof(".lock") <= sizeof dir) {
+      std::memcpy(dir + n, ".lock", sizeof(".lock"));
+      ::unlink(dir);
+      dir[n] = '\0';
+    }
+    if ((cut = std::strrchr(dir, '/')) != nullptr) {
+      *cut = '\0';
+      ::rmdir(dir);
+    }
+  }
   ::signal(sig, SIG_DFL);
   ::raise(sig);
 }
@@ -248,6 +276,14 @@ struct SwapStore::Impl {
   }
 };
 
+void set_interrupt_note(std::string_view text) noexcept {
+  const int next = g_note.load() == 0 ? 1 : 0;
+  const std::size_t n = std::min(text.size(), kNoteMax - 1);
+  std::memcpy(g_notes[next], text.data(), n);
+  g_notes[next][n] = '\0';
+  g_note.store(next);
+}
+
 void remove_swap_files_on_interrupt() {
   for (const int sig : {SIGINT, SIGTERM}) {
     struct sigaction old {};
@@ -357,7 +393,7 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     s.locks.push_back(lock);
     const fs::path dir = top / fmt::format("rank{}", opts.rank);
     if (fs::exists(dir, ec)) {
-      log::info("removing swap files of a previous run in '{}'", dir.string());
+      if (!fs::is_empty(dir, ec)) log::info("removing swap files of a previous run in '{}'", dir.string());
       fs::remove_all(dir, ec);
       STRATA_REQUIRE(!ec, "cannot remove the previous run's swap files in '{}': {}", dir.string(), ec.message());
     }

@@ -31,6 +31,7 @@
 #include "strata/log.h"
 #include "strata/model_data.h"
 #include "strata/trace.h"
+#include "strata/nvme.h"
 #include "strata/trainer.h"
 
 namespace strata {
@@ -722,6 +723,9 @@ TrainResult train(const TrainOptions& o) {
     }
     result_checkpoints.push_back(dir);
     saved_steps.push_back(step);
+    if (rank == 0)  // what Ctrl-C (or a scheduler's SIGTERM) says from now on
+      set_interrupt_note(fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
+                                     "with the same command and --resume {}\n", dir, step, ckpt_root));
     if (rank == 0 && o.keep_checkpoints > 0) {
       // Older complete checkpoints of this run beyond the newest keep_checkpoints.
       while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
@@ -775,6 +779,15 @@ TrainResult train(const TrainOptions& o) {
   result.resumed_from = result_resumed_from;
   Phases ph;
   EngineStats prev = engine.stats();
+  if (rank == 0)  // an interrupted run said nothing; now it says where it can go on from
+    set_interrupt_note(
+        !resume.dir.empty()
+            ? fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue with the same "
+                          "command\n", resume.dir, resume.step)
+        : o.save_every > 0
+            ? std::string("\nstrata-train: interrupted before its first checkpoint: nothing to resume from\n")
+            : std::string("\nstrata-train: interrupted; no checkpoints were written (--save-every N keeps a run's "
+                          "progress)\n"));
   const auto loop_start = Clock::now();
   for (std::int64_t step = start_step + 1; step <= steps; ++step) {
     const auto t_step = Clock::now();
