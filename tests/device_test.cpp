@@ -380,6 +380,29 @@ TEST_P(DeviceTest, DeviceSynchronizeKeepsTheOtherStreamsFailuresForLater) {
   dev->synchronize();  // each reported once
 }
 
+// Waiting for the device or a stream from inside a stream's host function is an error, not a
+// hang (it waited for itself; CUDA forbids any CUDA call there).
+TEST_P(DeviceTest, SynchronizeInsideAHostFunctionIsAnErrorNotAHang) {
+  if (GetParam().cuda) GTEST_SKIP() << "on CUDA it deadlocks: the emulated device is where it is caught";
+  auto other = dev->create_stream("other");
+  s->host_fn([&] { s->synchronize(); });
+  other->host_fn([&] { dev->synchronize(); });
+  for (Stream* st : {s.get(), other.get()}) {
+    try {
+      st->synchronize();
+      ADD_FAILURE() << st->name() << ": no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("inside a stream's host function"), std::string::npos) << e.what();
+    }
+  }
+  // A buffer freed on another device's stream is refused, not freed through the wrong device.
+  auto second = GetParam().make(kDefaultCap);
+  auto foreign = second->create_stream("foreign");
+  Buffer b = dev->alloc(4096, s.get());
+  EXPECT_THROW(b.reset_on(*foreign), Error);
+  b.reset_on(*s);
+}
+
 // A stream destroyed with a failure nobody asked about says so (it vanished without a word).
 TEST_P(DeviceTest, AStreamDestroyedWithAnUnreportedFailureSaysSo) {
   auto doomed = dev->create_stream("doomed");

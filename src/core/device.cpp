@@ -43,6 +43,8 @@ void Buffer::reset() {
 }
 
 void Buffer::reset_on(Stream& stream) {
+  STRATA_REQUIRE(!device_ || &stream.device() == device_,
+                 "Buffer::reset_on: stream '{}' belongs to another device than the buffer", stream.name());
   if (device_ && block_) device_->do_free_on(block_, stream);
   device_ = nullptr;
   ptr_ = nullptr;

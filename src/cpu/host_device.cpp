@@ -338,6 +338,9 @@ class HostDevice final : public Device {
   // the first failure is rethrown after, and the other streams keep theirs for their own
   // synchronize or the next device-wide one (as on a GPU; they were cleared unreported).
   void synchronize() override {
+    // From a stream's own work it would wait for that work: a hang (CUDA forbids it too).
+    STRATA_REQUIRE(!t_in_stream_worker, "Device::synchronize inside a stream's host function: it would wait for "
+                   "itself; wait outside, or record an event and make another stream wait on it");
     std::exception_ptr first;
     for (auto& core : live_streams()) {
       if (!first) first = core->drain();
@@ -538,6 +541,9 @@ class HostStream final : public Stream {
   }
 
   void do_synchronize() override {
+    STRATA_REQUIRE(!t_in_stream_worker, "Stream::synchronize of '{}' inside a stream's host function: a hang where "
+                   "it is that stream's (CUDA forbids it on any); wait outside, or make a stream wait on an event",
+                   name());
     if (auto err = core_->drain()) std::rethrow_exception(err);
   }
 
