@@ -1041,6 +1041,10 @@ int run(Args a) {
       std::printf("no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
                   "missing over all tiers), %s:\n%s", sr.considered, sr.smallest_label.c_str(),
                   sr.smallest.table().c_str());
+      // The table's device capacity is the headroom's share, not the device's: say so.
+      std::printf("(a plan may fill %.0f%% of the device's memory, %s of %s: the rest is the allocator's)\n",
+                  100 * space.device_headroom, log::human_bytes(double(sr.smallest.device_capacity)).c_str(),
+                  log::human_bytes(double(machine.device_capacity)).c_str());
       // (A GPU's own memory is its limit: a larger cap than it has plans for memory not there.)
       std::string ways = dev_name.starts_with("cpu") || a.device_mem_gb > 0 ? "a larger --device-mem-gb or --host-mem-gb"
                                                                            : "a larger --host-mem-gb";
