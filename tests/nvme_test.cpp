@@ -251,6 +251,19 @@ TEST_P(EngineTest, ShortTransfersEagainAndDelaysAreRecovered) {
   }
 }
 
+// A chunk the drive keeps answering -EAGAIN is tried again, paced, until it goes through: it
+// failed after 1,000 retries back to back (a few milliseconds of a kernel short of memory).
+TEST_P(EngineTest, APersistentEagainIsWaitedOutNotFailed) {
+  Fault keeps{FaultKind::kEagain, 2};
+  keeps.times = 1200;
+  FaultRun fr(GetParam(), {keeps}, IoOp::kRead);
+  IoHandle h = fr.run(IoOp::kRead);
+  ASSERT_TRUE(h.wait_for(60s)) << "hung";
+  EXPECT_NO_THROW(h.wait());
+  EXPECT_EQ(fr.eng->stats().requeued_eagain, 1200u);
+  EXPECT_EQ(std::memcmp(fr.src.ptr, fr.dst.ptr, fr.src.size), 0) << "corrupt bytes delivered";
+}
+
 // An O_DIRECT transfer comes back short only by whole 4 KiB blocks: the injected one too, so
 // a one-block chunk is not shortened (a 2 KiB remainder would be refused by 4Kn drives), and
 // a two-block chunk is requeued from its second block.

@@ -536,8 +536,10 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
             std::string::npos) << slurp(p.err);
   EXPECT_FALSE(fs::exists(dir.path + "/b.jsonl")) << "it trained";
   EXPECT_EQ(slurp(ck + "/step-2/manifest.json"), before);
-  // Continuing that run saves beside its checkpoints.
-  a = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--resume", ck});
+  // Continuing that run saves beside its checkpoints, also from a link to one of them (it was
+  // taken for another run's).
+  fs::create_directory_symlink(ck + "/step-2", dir.path + "/latest");
+  a = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--resume", dir.path + "/latest"});
   a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
   p = spawn(a, dir.path, "continue");
   st = wait_status(p.pid);

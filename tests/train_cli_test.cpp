@@ -284,6 +284,22 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
 
 // --plan checks the NVMe bytes against the free space under the configured nvme_path (no
 // disk here holds a 405B model's 5 TiB of weights and optimizer state) and says what to change.
+// The up-front check that --out can be made removes only what it made: "link/../X" is not the
+// lexical X (the kernel follows the link first), and the user's X there was removed with all it
+// held.
+TEST_F(TrainCli, CheckingThatOutCanBeMadeRemovesNothingOfTheUsers) {
+  fs::create_directories(dir.path + "/work/X");
+  fs::create_directories(dir.path + "/elsewhere/sub");
+  std::ofstream(dir.path + "/work/X/keep.txt") << "precious";
+  fs::create_directory_symlink("../elsewhere/sub", dir.path + "/work/link");
+  const std::string log = dir.path + "/log.jsonl";
+  const Result r = train(args(log, {"--out", dir.path + "/work/link/../X", "--resume", dir.path + "/nope"}), "link");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("--resume " + dir.path + "/nope"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(dir.path + "/work/X/keep.txt")) << "the user's folder was removed";
+  EXPECT_FALSE(fs::exists(dir.path + "/elsewhere/X")) << "the check's own folder stayed";
+}
+
 // A bad command line is one line too (CLI11's reason and "Run with --help" were two, without the
 // tool's name), and a flag a typo away from a known one is named.
 TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {

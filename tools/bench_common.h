@@ -3,6 +3,7 @@
 // (snake_case keys with units) so runs can be compared.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -52,6 +53,7 @@ class Stopwatch {
 // Runs body(lo, hi) on `threads` threads over [0, n), split evenly; returns wall seconds.
 template <class Body>
 double timed_parallel(std::size_t n, int threads, Body body) {
+  threads = std::max(threads, 1);
   // Timed from the moment every thread is made and waiting until the last one is done: the
   // threads' creation is not the loop's time (a pool, as the optimizer's, makes them once; at
   // small sizes it was a large part of the "bound", which the step then beat).

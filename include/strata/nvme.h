@@ -45,6 +45,9 @@ struct Fault {
   FaultKind kind = FaultKind::kShort;
   std::uint64_t chunk = 0;
   std::uint32_t delay_ms = 0;
+  // Completions of the chunk it fires on, in a row (kEagain: a drive that keeps saying it);
+  // every other kind fires once, at the chunk's first completion (or submission).
+  std::uint32_t times = 1;
 };
 
 // ---- configuration: the DeepSpeed-style "aio" block, plus strata's own keys ----

@@ -7,7 +7,7 @@
 //    order of submit() (the fault plan names chunks by number).
 //  - A ring never has more than queue_depth chunks in flight; every CQE is marked seen;
 //    a worker drains its ring before it exits, so no buffer is written after shutdown.
-//  - -EAGAIN / -EINTR requeue the chunk (bounded retries); a short transfer requeues the
+//  - -EAGAIN / -EINTR requeue the chunk (paced, for up to kRetryWindow); a short transfer requeues the
 //    remainder; anything else fails the batch with the operation, file, offset and errno,
 //    while the batch's other chunks still complete: a batch always ends, never hangs.
 //  - A ring's prepared SQEs are all submitted: a submit the kernel refuses for a while
@@ -102,7 +102,9 @@ namespace {
 
 using detail::IoBatch;
 
-constexpr int kMaxRetries = 1000;
+// A chunk's -EAGAIN / -EINTR: kQuickRetries at once, then paced, until kRetryWindow has passed.
+constexpr int kQuickRetries = 8;
+constexpr std::chrono::seconds kRetryWindow{30};
 constexpr std::size_t kDirectAlign = 4096;
 
 struct Chunk {
@@ -115,6 +117,7 @@ struct Chunk {
   std::size_t bytes = 0;
   std::uint64_t id = 0;
   int retries = 0;
+  std::chrono::steady_clock::time_point first_retry{};  // of the -EAGAIN / -EINTR run
   bool fault_checked = false;
   bool direct = false;         // its file is open with O_DIRECT
   std::int64_t issued_ns = 0;  // when it entered the ring (tracer clock; 0 = not traced)
@@ -138,7 +141,10 @@ std::string describe_file(const IoBatch& b, std::uint32_t req) {
 class EngineBase : public IoEngine {
  public:
   EngineBase(const AioConfig& cfg, std::vector<Fault> faults)
-      : cfg_(cfg), faults_(std::move(faults)), fired_(faults_.size(), false) {}
+      : cfg_(cfg), faults_(std::move(faults)), left_(faults_.size()) {
+    for (std::size_t i = 0; i < faults_.size(); ++i)
+      left_[i] = faults_[i].kind == FaultKind::kEagain ? std::max<std::uint32_t>(faults_[i].times, 1) : 1;
+  }
 
   IoHandle submit(std::span<const IoRequest> requests) override {
     auto batch = std::make_shared<IoBatch>();
@@ -231,8 +237,8 @@ class EngineBase : public IoEngine {
     std::lock_guard<std::mutex> lock(fault_mu_);
     for (const Chunk* c : chunks)
       for (std::size_t i = 0; i < faults_.size(); ++i) {
-        if (fired_[i] || faults_[i].chunk != c->id || !at_submit(faults_[i].kind)) continue;
-        fired_[i] = true;
+        if (left_[i] == 0 || faults_[i].chunk != c->id || !at_submit(faults_[i].kind)) continue;
+        left_[i] = 0;
         return faults_[i].kind == FaultKind::kSubmitEagain ? -EAGAIN : -EINVAL;
       }
     return 0;
@@ -248,14 +254,16 @@ class EngineBase : public IoEngine {
  protected:
   // Applies the fault plan to a chunk's first completion.
   long inject(Chunk* c, long res) {
-    if (faults_.empty() || c->fault_checked) return res;
+    if (faults_.empty()) return res;
+    const bool first = !c->fault_checked;  // one-shot faults fire at the first completion only
     c->fault_checked = true;
     std::uint32_t delay = 0;
     {
       std::lock_guard<std::mutex> lock(fault_mu_);
       for (std::size_t i = 0; i < faults_.size(); ++i) {
-        if (fired_[i] || faults_[i].chunk != c->id || at_submit(faults_[i].kind)) continue;
-        fired_[i] = true;
+        if (left_[i] == 0 || faults_[i].chunk != c->id || at_submit(faults_[i].kind)) continue;
+        if (!first && faults_[i].kind != FaultKind::kEagain) continue;
+        --left_[i];
         switch (faults_[i].kind) {
           case FaultKind::kShort:
             // As a real one: with O_DIRECT a whole number of 4 KiB blocks (drives with 4 KiB
@@ -281,11 +289,20 @@ class EngineBase : public IoEngine {
   bool finish_chunk(Chunk* c, long res) {
     res = inject(c, res);
     if (res == -EAGAIN || res == -EINTR) {
-      if (++c->retries <= kMaxRetries) {
+      // Tried again at once a few times, then after a pause growing to 0.8 ms (the kernel short of
+      // something: retrying at once only spins), for up to kRetryWindow; it was 1,000 retries
+      // back to back, a few milliseconds, before the chunk failed.
+      const auto now = std::chrono::steady_clock::now();
+      if (c->retries++ == 0) c->first_retry = now;
+      if (now - c->first_retry < kRetryWindow) {
         ++requeued_eagain_;
+        if (c->retries > kQuickRetries)
+          std::this_thread::sleep_for(std::chrono::microseconds(50 << std::min(c->retries - kQuickRetries, 4)));
         return true;
       }
-      fail(c, fmt::format("still -EAGAIN after {} retries", kMaxRetries), EAGAIN);
+      fail(c, fmt::format("still -EAGAIN after {} tries over {} s", c->retries,
+                          std::chrono::duration_cast<std::chrono::seconds>(kRetryWindow).count()),
+           EAGAIN);
     } else if (res < 0) {
       fail(c, errno_text(int(-res)), int(-res));
     } else if (res == 0) {
@@ -389,7 +406,7 @@ class EngineBase : public IoEngine {
 
  private:
   std::vector<Fault> faults_;
-  std::vector<bool> fired_;
+  std::vector<std::uint32_t> left_;  // firings left of each fault
   std::mutex fault_mu_;
   std::atomic<std::uint64_t> next_chunk_{0};
   std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0}, chunks_done_{0}, requeued_short_{0},

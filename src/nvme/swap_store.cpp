@@ -276,10 +276,14 @@ struct SwapStore::Impl {
   }
 };
 
+std::mutex g_note_mu;  // writers only: the handler never takes it
+
 void set_interrupt_note(std::string_view text) noexcept {
+  std::lock_guard<std::mutex> lock(g_note_mu);
   const int next = g_note.load() == 0 ? 1 : 0;
   const std::size_t n = std::min(text.size(), kNoteMax - 1);
   std::memcpy(g_notes[next], text.data(), n);
+  if (n < text.size()) g_notes[next][n - 1] = '\n';  // cut: still a line
   g_notes[next][n] = '\0';
   g_note.store(next);
 }

@@ -101,15 +101,28 @@ fs::path nearest_existing(const std::string& path) {
 // and removed again (the run makes it when it writes there).
 void require_creatable_folder(const std::string& flag, const std::string& path) {
   std::error_code ec;
-  if (fs::exists(path, ec)) return;
-  fs::path first_new = fs::absolute(path, ec).lexically_normal();
-  for (fs::path p = first_new; !p.empty() && !fs::exists(p, ec) && p != p.root_path(); p = p.parent_path())
-    first_new = p;
-  fs::create_directories(path, ec);
+  if (fs::is_directory(path, ec)) return;
+  // One level at a time, and only the folders this call made are removed again, each only while
+  // empty: never one that was there ("link/../X" is not the lexical X: a folder of the user's was
+  // removed), nor one another rank made or filled meanwhile (ranks check the same paths at once;
+  // a parent another rank removed is made again).
+  std::vector<fs::path> made;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    fs::path p;
+    ec.clear();
+    for (const fs::path& part : fs::path(path)) {
+      if (part.empty()) continue;
+      p /= part;
+      if (fs::create_directory(p, ec)) made.push_back(p);
+      else if (ec) break;
+    }
+    if (ec != std::errc::no_such_file_or_directory) break;
+  }
+  std::error_code ignored;
+  for (auto it = made.rbegin(); it != made.rend(); ++it) fs::remove(*it, ignored);
   if (ec)
     STRATA_THROW(kInvalidArgument, "{} {}: the folder cannot be made there: {}; give a folder on a writable drive", flag,
                  path, ec.message());
-  fs::remove_all(first_new, ec);
 }
 
 // Checked before the first step, not when the file is written: `folder` (the file's, or the
@@ -340,9 +353,8 @@ TrainResult train(const TrainOptions& o) {
     std::error_code ec;
     bool continues = false;
     if (!resume.dir.empty()) {
-      fs::path resumed = fs::absolute(resume.dir).lexically_normal();
-      if (resumed.filename().empty()) resumed = resumed.parent_path();  // "P/step-4/"
-      continues = fs::equivalent(resumed.parent_path(), ckpt_root, ec);
+      const fs::path resumed = fs::canonical(resume.dir, ec);  // links, "P/step-4/", ".."
+      continues = !ec && fs::equivalent(resumed.parent_path(), ckpt_root, ec);
     }
     STRATA_REQUIRE(there.empty() || continues,
                    "{} {} already holds checkpoints of another run (newest: {}), which this run's would replace: "
@@ -926,6 +938,7 @@ TrainResult train(const TrainOptions& o) {
     const double total = since(t_start);
     // A resumed run says which steps it ran (it said "9 steps" for steps 7-9).
     const std::string ran = start_step >= steps ? fmt::format("resumed at step {}: no step left", start_step)
+                            : start_step + 1 == steps ? fmt::format("step {} of {}, resumed", steps, steps)
                             : start_step > 0   ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
                                                : fmt::format("{} steps", steps);
     std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, final loss %.4f)\n", ran.c_str(), total,
