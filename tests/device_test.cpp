@@ -624,28 +624,40 @@ TEST_P(DeviceTest, AllocationWaitsForQueuedFreesBeforeFailing) {
   EXPECT_LE(small->stats().peak_bytes_in_use, std::size_t(1) << 20);
 }
 
+// A stream kept busy by a host function until release() (or 20 s): an allocator that waited for
+// every stream would not return before then.
+// (The state is shared with the host function: it outlives a test that ends early.)
+struct HeldBusy {
+  struct State {
+    std::promise<void> go;
+    std::shared_future<void> gone = go.get_future().share();
+    std::atomic<bool> done{false};
+  };
+  std::shared_ptr<State> st = std::make_shared<State>();
+  explicit HeldBusy(Stream& s) {
+    s.host_fn([st = st] {
+      st->gone.wait_for(20s);
+      st->done = true;
+    });
+  }
+  bool done() const { return st->done.load(); }
+  void release() { st->go.set_value(); }
+};
+
 TEST_P(DeviceTest, AnAllocationWaitsForTheFreeItNeedsNotForTheWholeDevice) {
   if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
   auto small = GetParam().make(std::size_t(1) << 20);
   auto a = small->create_stream("a"), b = small->create_stream("b"), busy = small->create_stream("busy");
-  // `busy` holds until the test lets it go (or 20 s pass): an allocator that waited for every
-  // stream would not return before then.
-  std::promise<void> go;
-  std::shared_future<void> gone = go.get_future().share();
-  std::atomic<bool> busy_done{false};
-  busy->host_fn([gone, &busy_done] {
-    gone.wait_for(20s);
-    busy_done = true;
-  });
+  HeldBusy held(*busy);
   {
     Buffer x = small->alloc(700 * 1024, a.get());
     a->host_fn([] { std::this_thread::sleep_for(20ms); });
     a->fill(tensor(x, DType::kF32), 1.0f);
   }  // freed on `a`, behind its sleep
   Buffer y = small->alloc(700 * 1024, b.get());  // waits for that free only
-  EXPECT_FALSE(busy_done.load());
+  EXPECT_FALSE(held.done());
   EXPECT_EQ(small->stats().num_alloc_waits, 1u);
-  go.set_value();
+  held.release();
   y.reset();
   small->synchronize();
 }
@@ -657,13 +669,7 @@ TEST_P(DeviceTest, AnAllocationNothingCanMakeRoomForFailsWithoutWaitingForBusySt
   if (GetParam().cuda) GTEST_SKIP() << "a property of the emulated device's allocator";
   auto small = GetParam().make(std::size_t(1) << 20);
   auto busy = small->create_stream("busy");
-  std::promise<void> go;
-  std::shared_future<void> gone = go.get_future().share();
-  std::atomic<bool> busy_done{false};
-  busy->host_fn([gone, &busy_done] {
-    gone.wait_for(20s);
-    busy_done = true;
-  });
+  HeldBusy hold(*busy);
   Buffer held = small->alloc(700 * 1024, busy.get());
   try {
     Buffer more = small->alloc(700 * 1024);
@@ -671,8 +677,8 @@ TEST_P(DeviceTest, AnAllocationNothingCanMakeRoomForFailsWithoutWaitingForBusySt
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory) << e.what();
   }
-  EXPECT_FALSE(busy_done.load()) << "the failed allocation waited for the busy stream";
-  go.set_value();
+  EXPECT_FALSE(hold.done()) << "the failed allocation waited for the busy stream";
+  hold.release();
   held.reset();
   small->synchronize();
 }
