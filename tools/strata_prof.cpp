@@ -758,9 +758,9 @@ int run(Args a) {
     STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
     std::stringstream ss;
     ss << f.rdbuf();
-    (void)config::parse(ss.str(), fmt::format("--config {}", a.ds_config));  // a syntax error names the file
+    // Parsed here too: a syntax error names the file, and the batch keys are read from it.
+    const config::Json top = config::parse(ss.str(), fmt::format("--config {}", a.ds_config));
     EngineConfig c = parse_engine_config(ss.str(), launch.world_size);
-    const nlohmann::json top = nlohmann::json::parse(ss.str(), nullptr, false);
     config_train = top.is_object() && top.contains("train_batch_size");
     config_micro = config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
     return c;

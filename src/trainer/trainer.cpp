@@ -409,9 +409,9 @@ TrainResult train(const TrainOptions& o) {
   bool config_batch = false;  // the --config gives train_batch_size: the user's global batch
   if (!o.ds_config.empty()) {
     const std::string text = read_text(o.ds_config, "--config");
-    (void)config::parse(text, fmt::format("--config {}", o.ds_config));  // a syntax error names the file
+    // Parsed here too: a syntax error names the file, and train_batch_size is read from it.
+    const config::Json j = config::parse(text, fmt::format("--config {}", o.ds_config));
     ecfg = parse_engine_config(text, launch.world_size);
-    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     config_batch = j.is_object() && j.contains("train_batch_size");
   } else if (demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
