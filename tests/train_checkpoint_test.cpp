@@ -547,6 +547,19 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   EXPECT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
   // Its summary counts the steps it ran ("4 steps" for steps 3-4).
   EXPECT_NE(slurp(p.out).find("summary (steps 3-4 of 4, resumed,"), std::string::npos) << slurp(p.out);
+  // Without --checkpoint-dir a resume through that link saves where the checkpoint is, not beside
+  // the link (step-6 went into the link's folder, where the next resume of ck did not look).
+  fs::remove(dir.path + "/latest");
+  fs::create_directory_symlink(ck + "/step-4", dir.path + "/latest");
+  a = args(dir.path + "/d.jsonl", {"--save-every", "2", "--resume", dir.path + "/latest"});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "6";
+  p = spawn(a, dir.path, "through-link");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(ck + "/step-6/manifest.json"));
+  EXPECT_FALSE(fs::exists(dir.path + "/step-6")) << "saved beside the link";
+  EXPECT_NE(slurp(p.out).find("checkpoints in " + ck + " (newest: " + ck + "/step-6)"), std::string::npos)
+      << slurp(p.out);
 }
 
 // A run killed while writing --out after its last checkpoint (a temporary file of the save left

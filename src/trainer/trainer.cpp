@@ -335,8 +335,12 @@ TrainResult train(const TrainOptions& o) {
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
   std::string ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
-  if (ckpt_root.empty() && !resume.dir.empty()) {  // beside the resumed one ("P/step-4/" and "step-4" too)
-    fs::path dir = fs::absolute(resume.dir).lexically_normal();
+  if (ckpt_root.empty() && !resume.dir.empty()) {
+    // Beside the resumed one, where it really is: "--resume latest" with latest -> ck/step-2
+    // continues in ck/, not beside the link ("P/step-4/" and "step-4" too).
+    std::error_code ec;
+    fs::path dir = fs::canonical(resume.dir, ec);
+    if (ec) dir = fs::absolute(resume.dir).lexically_normal();
     if (dir.filename().empty()) dir = dir.parent_path();
     ckpt_root = dir.parent_path().string();
   }
