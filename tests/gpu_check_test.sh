@@ -47,6 +47,25 @@ bad=0
 grep -q -- "--vocab 70000 must be in 1..65536" "$out/bad.stderr" ||
   { cat "$out/bad.stderr"; fail "--bench-args --vocab 70000: the bad value is not named"; }
 [ ! -e "$out/bad/gpu-tests.log" ] || fail "--bench-args --vocab 70000: the tests ran first"
+# Folders that cannot be what they name are refused before anything runs (exit 2), and nothing
+# is written elsewhere: an --out that is a file put every log and the JSON in / (exit 0); a
+# mistyped --build was created; an --nvme-path that is a file surfaced as failed gpu tests.
+touch "$out/afile"
+refused() {  # refused WHAT EXPECTED-TEXT ARGS...
+  local what=$1 text=$2 rc=0
+  shift 2
+  "$src/tools/gpu-check.sh" "$@" >"$out/ref.stdout" 2>"$out/ref.stderr" || rc=$?
+  [ "$rc" = 2 ] || { cat "$out/ref.stdout" "$out/ref.stderr"; fail "$what: exit $rc, not 2"; }
+  grep -qF -- "$text" "$out/ref.stderr" || { cat "$out/ref.stderr"; fail "$what: not named ('$text')"; }
+}
+refused "--out a file" "--out $out/afile cannot be a folder (a file of that name is there" \
+  --build "$build" --out "$out/afile" --no-ctest
+[ ! -e /gpu-check.json ] || fail "--out a file: the summary went to /"
+refused "--build missing" "--build $out/no-build: no such folder" --build "$out/no-build" --out "$out/nb" --no-ctest
+[ ! -e "$out/no-build" ] || fail "--build missing: the folder was created"
+refused "--nvme-path a file" "--nvme-path $out/afile is a file: give a folder" \
+  --build "$build" --out "$out/nv" --no-ctest --nvme-path "$out/afile"
+[ ! -e "$out/nv" ] || fail "--nvme-path a file: --out was made first"
 
 python3 - "$out/gpu-check.json" "${probe#SKIPPED: }" <<'PY'
 import json, sys
