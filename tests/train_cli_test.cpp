@@ -650,6 +650,10 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
                         {"STRATA_COMM_TIMEOUT_S", "120"}});
   ASSERT_EQ(b.status, 0) << b.out << b.err;
   EXPECT_NE(b.out.find("2 rank(s)"), std::string::npos) << b.out;
+  // Plain progress lines: mpirun's ranks write to a pseudo-terminal even when its output goes to
+  // a file (or, here, a pipe), which got a "\r\x1b[K" rewrite for every step.
+  EXPECT_EQ(b.out.find('\r'), std::string::npos) << b.out;
+  EXPECT_NE(b.out.find("step 4/4"), std::string::npos) << b.out;
   std::map<std::int64_t, double> la, lb;
   for (const auto& [s, v] : losses(one)) la[s] = std::stod(v);
   for (const auto& [s, v] : losses(two)) lb[s] = std::stod(v);

@@ -771,7 +771,9 @@ TrainResult train(const TrainOptions& o) {
     *jlog << kept;
     if (!*jlog) STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
   }
-  const bool tty = con && ::isatty(::fileno(con));
+  // Under an MPI launcher stdout is a pseudo-terminal the launcher forwards, wherever its own
+  // output goes (a file got "\r\x1b[K" for every step): plain lines there.
+  const bool tty = con && ::isatty(::fileno(con)) && !launch.under_mpi;
   const std::int64_t print_every = std::max<std::int64_t>(1, steps / 20);
   const double tokens_per_step = double(B * seq_len * accum * world);
   if (con) {
