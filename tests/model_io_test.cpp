@@ -187,6 +187,51 @@ TEST(ModelIo, UnusedTensorsAreNamedInOneWarning) {
   fs::remove_all(dir);
 }
 
+// A key a typo away from one strata reads is said (it trained with rope_theta 10000 and no word);
+// the keys of real Hugging Face configs strata has no use for are not.
+TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
+  const std::string hf_llama = R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 131072,
+    "mlp_bias": false, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"}, "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 256})";
+  const std::string hf_qwen2 = R"({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 32768,
+    "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+    "use_cache": true, "use_sliding_window": false, "vocab_size": 256})";
+  const std::string hf_gpt2 = R"({"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256,
+    "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 64,
+    "n_head": 4, "n_layer": 2, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null,
+    "summary_first_dropout": 0.1, "summary_proj_to_labels": true, "summary_type": "cls_index",
+    "summary_use_proj": true, "task_specific_params": {"text-generation": {"do_sample": true, "max_length": 50}},
+    "vocab_size": 256})";
+  for (const std::string& j : {hf_llama, hf_qwen2, hf_gpt2}) {
+    testing::internal::CaptureStderr();
+    (void)parse_model_config(j, "config.json");
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "") << j;
+  }
+  std::string typo = hf_llama;
+  typo.replace(typo.find("\"rope_theta\""), 12, "\"rope_thetta\"");
+  testing::internal::CaptureStderr();
+  const ModelConfig c = parse_model_config(typo, "config.json");
+  const std::string warned = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("config.json: key 'rope_thetta' is not one strata reads; did you mean 'rope_theta'? As "
+                        "written, 'rope_theta' keeps its default"), std::string::npos) << warned;
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  typo = hf_gpt2;
+  typo.replace(typo.find("\"layer_norm_epsilon\""), 20, "\"layer_norm_epsilom\"");
+  testing::internal::CaptureStderr();
+  (void)parse_model_config(typo, "config.json");
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"), std::string::npos);
+}
+
 TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   Env e;
   const ModelConfig cfg = parse_model_config(kLlama, "cfg");

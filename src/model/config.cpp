@@ -4,11 +4,13 @@
 // buffer per unit, each parameter under its Hugging Face name at a 64-element-aligned offset.
 // Within a Llama layer q/k/v (and their biases) are adjacent, as are gate/up, so each pair
 // or triple is one fused GEMM; GPT-2's Conv1D c_attn is already fused.
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
 #include "core/json_config.h"
 #include "strata/error.h"
+#include "strata/log.h"
 #include "strata/model.h"
 
 namespace strata {
@@ -32,6 +34,30 @@ std::int64_t positive(const config::Section& s, const char* key, const std::stri
   const std::int64_t v = s.get_int(key, def);
   STRATA_REQUIRE(v > 0, "{}: '{}' must be > 0, got {}", what, key, v);
   return v;
+}
+
+// A key a typo away from one strata reads ("rope_thetta") is said: the setting meant keeps its
+// default and the model is another one. Only said, not refused: a Hugging Face config carries
+// many keys strata has no use for, and a new one must not stop a model from loading.
+void warn_near_misses(const ModelConfig& c, const std::string& what) {
+  static const std::vector<std::string> common = {"model_type", "architectures", "vocab_size", "initializer_range"};
+  static const std::vector<std::string> llama = {
+      "hidden_size",  "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "attention_bias",
+      "mlp_bias", "hidden_act", "rope_scaling", "head_dim"};
+  static const std::vector<std::string> gpt2 = {"n_embd", "n_layer", "n_head", "n_positions", "n_inner",
+                                                "layer_norm_epsilon", "activation_function", "scale_attn_weights",
+                                                "scale_attn_by_inverse_layer_idx"};
+  std::vector<std::string> known = common;
+  const auto& family = c.arch == ModelArch::kGpt2 ? gpt2 : llama;
+  known.insert(known.end(), family.begin(), family.end());
+  for (auto it = c.raw.begin(); it != c.raw.end(); ++it) {
+    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
+    const std::string guess = config::near_miss(it.key(), known);
+    if (guess.empty() || c.raw.contains(guess)) continue;
+    log::warn("{}: key '{}' is not one strata reads; did you mean '{}'? As written, '{}' keeps its default", what,
+              it.key(), guess, guess);
+  }
 }
 
 ModelConfig parse_model_config_body(const std::string& json_text, const std::string& what) {
@@ -120,6 +146,7 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
                  c.num_heads, c.num_kv_heads);
   STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512, "{}: head_dim {} must be even and <= 512",
                  what, c.head_dim);
+  warn_near_misses(c, what);
   return c;
 }
 
