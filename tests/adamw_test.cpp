@@ -259,7 +259,13 @@ TEST(AdamW, IsaSelection) {
   // An explicit option wins over the environment.
   EXPECT_EQ(CpuAdamW(CpuAdamWConfig{1, auto_isa}).isa(), auto_isa);
   ASSERT_EQ(setenv("STRATA_ADAMW_ISA", "bogus", 1), 0);
-  EXPECT_THROW(CpuAdamW(), Error);
+  try {  // named as the variable it came from (the user typed no ISA)
+    CpuAdamW a;
+    ADD_FAILURE() << "STRATA_ADAMW_ISA=bogus was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("STRATA_ADAMW_ISA='bogus' is not one of auto, avx512, avx2, scalar"),
+              std::string::npos) << e.what();
+  }
   unsetenv("STRATA_ADAMW_ISA");
   for (Isa i : {Isa::kAvx2, Isa::kAvx512}) {
     if (isa_supported(i)) continue;
@@ -365,6 +371,21 @@ TEST(AdamW, MillionElementsAgainstReference) {
   }
   // Unaligned pointers at the large size too.
   run_case(1000003, Mode{DType::kBF16, DType::kF32, DType::kF16, 0.0, false}, 1, 1, 2, 99);
+}
+
+// More threads than the process may run on are refused, naming the cores (a CpuAdamW of 99 threads
+// said it had 99 and ran on 2, oneTBB saying so at exit).
+TEST(AdamW, MoreThreadsThanCoresIsAClearError) {
+  const int cores = CpuAdamW().threads();
+  try {
+    CpuAdamW a(CpuAdamWConfig{cores + 1, Isa::kAuto});
+    ADD_FAILURE() << "a CpuAdamW of " << cores + 1 << " threads on " << cores << " cores was made";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(fmt::format("CpuAdamW threads = {}: this process may run on {} core",
+                                                     cores + 1, cores)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(CpuAdamW(CpuAdamWConfig{cores, Isa::kAuto}).threads(), cores);
 }
 
 TEST(AdamW, ThreadCountAndBindingDoNotChangeBits) {

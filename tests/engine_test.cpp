@@ -1002,6 +1002,26 @@ TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
   }
 }
 
+// strata.optimizer_threads beyond the process's cores is refused naming the key (the AdamW said
+// it had that many threads and ran on the cores it had).
+TEST(Engine, MoreOptimizerThreadsThanCoresNamesTheKey) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 64}, 2, 3);
+  RunSetup s;
+  s.steps = 1;
+  s.cfg.optimizer = on(Tier::kHost);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.optimizer_threads = 4096;
+  try {
+    train(s, model);
+    FAIL() << "4096 optimizer threads were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("config key 'strata.optimizer_threads' = 4096: this process may run on "),
+              std::string::npos) << e.what();
+  }
+}
+
 // Misuse is a clear error naming the call, never a crash or a std::out_of_range: a gradient
 // before finalize() (reduce_grad used to dereference the comm stream it had not made yet:
 // SIGSEGV), a master shard before finalize(), a unit the model never registered.

@@ -141,7 +141,13 @@ bool adamw_native_bf16() { return isa_supported(Isa::kAvx512) && cpu_has("avx512
 
 Isa adamw_selected_isa() {
   if (const char* env = std::getenv("STRATA_ADAMW_ISA"); env != nullptr && *env != '\0') {
-    const Isa forced = parse_isa(env);
+    Isa forced = Isa::kAuto;
+    try {
+      forced = parse_isa(env);
+    } catch (const Error&) {  // it said "unknown AdamW ISA", of a variable the user may not know is set
+      STRATA_THROW(kInvalidArgument, "STRATA_ADAMW_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or "
+                   "pick one", env);
+    }
     if (forced != Isa::kAuto) {
       if (!isa_supported(forced))
         STRATA_THROW(kUnsupported,
@@ -228,7 +234,14 @@ CpuAdamW::CpuAdamW(const CpuAdamWConfig& c) : impl_(std::make_unique<Impl>()) {
       impl_->kernels = cpu::adamw::scalar_kernels();
       break;
   }
-  impl_->threads = c.threads > 0 ? c.threads : tbb::info::default_concurrency();
+  // More threads than the process may run on would be reported here and not run (oneTBB keeps to
+  // the cores and says so at exit).
+  const int cores = tbb::info::default_concurrency();
+  STRATA_REQUIRE(c.threads <= cores,
+                 "CpuAdamW threads = {}: this process may run on {} core{} (sched_getaffinity: taskset, cgroups); "
+                 "use 0 (every core) or at most {}",
+                 c.threads, cores, cores == 1 ? "" : "s", cores);
+  impl_->threads = c.threads > 0 ? c.threads : cores;
   impl_->arena = std::make_unique<tbb::task_arena>(impl_->threads);
   impl_->arena->initialize();
   if (c.binding != ThreadBinding::kNone) impl_->bind(c);

@@ -919,7 +919,12 @@ void Engine::finalize() {
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
   ac.isa = cfg.optimizer_isa;
-  s.cpu_adam = std::make_unique<CpuAdamW>(ac);
+  try {
+    s.cpu_adam = std::make_unique<CpuAdamW>(ac);
+  } catch (const Error& e) {  // too many threads: named as the config key that asked for them
+    if (e.kind() != ErrorKind::kInvalidArgument || e.message().rfind("CpuAdamW threads = ", 0) != 0) throw;
+    STRATA_THROW(kInvalidArgument, "config key 'strata.optimizer_threads' = {}", e.message().substr(19));
+  }
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
     SwapStoreOptions so;
