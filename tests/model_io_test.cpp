@@ -296,6 +296,12 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "truncated or corrupt"});
   hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})");
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "bad shape"});
+  // Bytes past the last tensor (a file written over a longer one) and a hole between tensors: the
+  // format has neither, and Hugging Face's loader refuses both (this one loaded them).
+  hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "128 bytes after the last tensor's data"});
+  hostile(R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "b": {"dtype": "F32", "shape": [16], "data_offsets": [192, 256]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "belong to no tensor"});
   fs::remove(file);
   expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
 
@@ -304,7 +310,9 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     std::ofstream f(dir / "model.safetensors.index.json");
     f << R"({"weight_map": {"model.norm.weight": "model-00009-of-00009.safetensors"}})";
   }
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model-00009-of-00009.safetensors"});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"model-00009-of-00009.safetensors", "model.safetensors.index.json names the shard",
+                "'model.norm.weight'", "which is not there"});
   // ... or nothing at all (it used to crash).
   std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
   expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.safetensors.index.json", "non-empty", "weight_map"});

@@ -238,6 +238,10 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config", {"--model-config", dir.path + "/nope.json", "--text", text},
        "--model-config " + dir.path + "/nope.json: no such file"},
+      {"--model a file", {"--model", cfg, "--text", text},
+       "--model " + cfg + ": a file, not a folder: give the folder that holds config.json and the *.safetensors (" +
+           dir.path + ")"},
+      {"--resume a file", args(log, {"--resume", text}), "--resume " + text + ": a file, not a folder"},
       {"missing --data", {"--model-config", cfg, "--data", dir.path + "/nope.bin"},
        "--data " + dir.path + "/nope.bin: no such file"},
       {"missing --text", {"--model-config", cfg, "--text", dir.path + "/nope.txt"},

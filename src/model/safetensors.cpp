@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -138,6 +139,23 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                      t.name, t.dtype, shape_str(t.shape), numel * es, t.data_begin, t.data_end - t.data_begin);
       tensors_.push_back(std::move(t));
     }
+    // The data is wholly the tensors', without holes, as the format asks (Hugging Face's loader
+    // refuses anything else): bytes past the last tensor are a file written over a longer one,
+    // or a header that lost entries; either way not the file its writer meant.
+    std::vector<std::pair<std::size_t, std::size_t>> spans;
+    for (const SafetensorsInfo& t : tensors_) spans.emplace_back(t.data_begin, t.data_end);
+    std::sort(spans.begin(), spans.end());
+    std::size_t at = data0;
+    for (const auto& [b, e] : spans) {
+      STRATA_REQUIRE(b == at, "{}: corrupt: {}", path,
+                     b > at ? fmt::format("bytes [{}, {}) of the file belong to no tensor (the format has no holes)", at, b)
+                            : fmt::format("two tensors share the bytes from offset {}", b));
+      at = e;
+    }
+    STRATA_REQUIRE(at == size_,
+                   "{}: {} bytes after the last tensor's data (the tensors end at offset {}, the file at {}): a file "
+                   "written over a longer one, or a header that lost entries; write it again",
+                   path, size_ - at, at, size_);
   } catch (...) {
     ::munmap(const_cast<std::uint8_t*>(base_), size_);
     throw;
@@ -247,7 +265,17 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
     files.push_back("model.safetensors");
   }
   std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
-  for (const auto& f : files) open[f] = std::make_unique<SafetensorsFile>((d / f).string());
+  for (const auto& f : files) {
+    if (!file_of.empty()) {  // a shard the index names, which is not there (a download cut short?)
+      std::error_code ec;
+      std::string some;
+      for (const auto& [tensor, file] : file_of)
+        if (file == f) some = tensor;
+      STRATA_REQUIRE(fs::exists(d / f, ec), "{}: {} names the shard {} (for '{}' and others), which is not there: "
+                     "copy the model's every shard into {}", (d / f).string(), index.filename().string(), f, some, dir);
+    }
+    open[f] = std::make_unique<SafetensorsFile>((d / f).string());
+  }
   auto locate = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const SafetensorsInfo*> {
     for (const std::string& n : {name, name.starts_with("transformer.") ? name.substr(12) : std::string()}) {
       if (n.empty()) continue;

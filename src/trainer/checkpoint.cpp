@@ -290,7 +290,10 @@ std::vector<std::string> checkpoint_folders(const std::string& dir) {
 
 FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(path, ec), "{} {}: no such directory", what, path);
+  STRATA_REQUIRE(fs::is_directory(path, ec), "{} {}: {}", what, path,
+                 fs::exists(path, ec) ? "a file, not a folder: give a checkpoint's folder, a checkpoints folder or a "
+                                        "run's --out"
+                                      : "no such directory");
   // A checkpoint folder itself.
   if (fs::exists(fs::path(path) / kManifest, ec) || step_of(fs::path(path).filename().string()) >= 0) {
     FoundCheckpoint fc;

@@ -301,7 +301,11 @@ TrainResult train(const TrainOptions& o) {
   ModelConfig mcfg;
   if (!o.model_dir.empty()) {
     std::error_code ec;
-    STRATA_REQUIRE(fs::is_directory(o.model_dir, ec), "--model {}: no such directory", o.model_dir);
+    STRATA_REQUIRE(fs::is_directory(o.model_dir, ec), "--model {}: {}", o.model_dir,
+                   fs::exists(o.model_dir, ec)
+                       ? fmt::format("a file, not a folder: give the folder that holds config.json and the "
+                                     "*.safetensors ({})", fs::path(o.model_dir).has_parent_path() ? fs::path(o.model_dir).parent_path().string() : std::string("."))
+                       : std::string("no such directory"));
     require_file(o.model_dir + "/config.json", "--model (config.json)");
     mcfg = load_model_config(o.model_dir + "/config.json");
   } else if (!o.model_config.empty()) {
