@@ -617,6 +617,20 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_TRUE(p.fits);
   EXPECT_TRUE(p.notes.empty());
 
+  // sub_group_size and reduce_bucket_size below a unit (DeepSpeed would split it; this engine
+  // works unit by unit): said in the plan's notes, not ignored in silence.
+  const MemoryPlan small = plan_memory(
+      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
+                          "reduce_bucket_size": 1000)"),
+      synthetic_inputs());
+  ASSERT_EQ(small.notes.size(), 2u) << small.table();
+  EXPECT_NE(small.notes[0].find("zero_optimization.sub_group_size 1000 is below the largest unit's shard (409601 "
+                                "elements): the optimizer steps one whole unit at a time"), std::string::npos)
+      << small.notes[0];
+  EXPECT_NE(small.notes[1].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
+                                "elements)"), std::string::npos) << small.notes[1];
+  EXPECT_EQ(small.host_bytes, p.host_bytes);  // planned as what the engine does
+
   EngineConfig off = synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})");
   off.overlap_optimizer = false;
   const MemoryPlan q = plan_memory(off, synthetic_inputs());

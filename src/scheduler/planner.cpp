@@ -204,6 +204,28 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
           shared ? slack(w_bytes + o_bytes) : slack(w_bytes) + slack(o_bytes));
   }
 
+  // DeepSpeed splits at these sizes; this engine works a whole unit at a time. A value below the
+  // largest unit, the reason a user sets it (less pinned or device memory), is said, not ignored.
+  // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
+  std::uint64_t largest_numel = 0;
+  for (const UnitSize& u : in.units) largest_numel = std::max<std::uint64_t>(largest_numel, u.numel);
+  const std::uint64_t W = std::uint64_t(in.world_size);
+  if (config.sub_group_size < (largest_numel + W - 1) / W && host_optimizer) {
+    b.plan.notes.push_back(fmt::format(
+        "zero_optimization.sub_group_size {} is below the largest unit's shard ({} elements): the optimizer steps "
+        "one whole unit at a time, so its buffers hold a unit's state ({}{}); smaller units (layers) are the way "
+        "to smaller buffers",
+        config.sub_group_size, (largest_numel + W - 1) / W, human(largest_shard * 12),
+        opt_tiers[static_cast<int>(Tier::kNvme)] > 0 ? fmt::format(" each, {} NVMe swap buffers", opt_buffers)
+                                                     : std::string()));
+  }
+  if (config.reduce_bucket_size < largest_numel) {
+    b.plan.notes.push_back(fmt::format(
+        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced one "
+        "whole unit at a time, so a bucket is that unit's fp32 gradient ({}{})",
+        config.reduce_bucket_size, largest_numel, human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
+  }
+
   MemoryPlan& plan = b.plan;
   for (const PlanLine& l : plan.lines) {
     (l.tier == Tier::kDevice ? plan.device_bytes
