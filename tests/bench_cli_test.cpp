@@ -523,13 +523,23 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            {{"gpu", "--parts", ""}, "--parts is empty"},
            {{"gpu", "--link-gib", "0.1"}, "--link-gib 0.1: at least 0.25"},
            {{"gpu", "--out", d.path + "/afile"}, "--out " + d.path + "/afile is a file: give a folder"},
-           {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"}}) {
+           {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"},
+           // The model's shape named as the flags given (it named config.json keys), and a negative
+           // chunk no longer taken as 0.
+           {{"model", "--seq", "0"}, "--seq: must be > 0, got 0"},
+           {{"model", "--layers", "0"}, "--layers: must be > 0, got 0"},
+           {{"model", "--loss-chunk-rows", "-5"}, "--loss-chunk-rows: must be >= 0, got -5"}}) {
     const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "bad");
     EXPECT_EQ(r.status, 1) << says << "\n" << r.out << r.err;
     EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
     EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
   }
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+  // adam --params takes the form its help gives its default in (100M was "not a number").
+  const auto adam = testing::run(STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
+                                 d.path, "adam-2k");
+  EXPECT_EQ(adam.status, 0) << adam.err;
+  EXPECT_NE(adam.out.find("\"params\":2000,"), std::string::npos) << adam.out;
   // --probe with --rehearse checks the flags and looks for no GPU (gpu-check.sh's pre-check of
   // its --bench-args adds --probe).
   const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--probe", "--rehearse", "--hidden", "64", "--heads", "4"},

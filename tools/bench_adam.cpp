@@ -11,6 +11,7 @@
 //  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads.
 // The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
 // kSkipStep pre-check pass to show its cost.
+#include <map>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -304,7 +305,10 @@ void add_adam_command(CLI::App& app) {
     bool json = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--params", args->params, "parameters per step (default 100M)")
+  cmd->add_option("--params", args->params, "parameters per step, e.g. 100M, 2500k or 100000000 (default 100M)")
+      ->transform(CLI::AsNumberWithUnit(std::map<std::string, std::size_t>{{"k", 1000}, {"m", 1000000}, {"g", 1000000000}},
+                                        static_cast<CLI::AsNumberWithUnit::Options>(CLI::AsNumberWithUnit::CASE_INSENSITIVE |
+                                                                                  CLI::AsNumberWithUnit::UNIT_OPTIONAL)))
       ->check(strata::tools::kPositive);
   auto* threads_opt =
       cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2, up to the usable cores)")

@@ -183,18 +183,19 @@ void add_model_command(CLI::App& app) {
   auto a = std::make_shared<Args>();
   cmd->add_option("--device", a->device, "auto, cpu or cuda (default cpu)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: bf16 or fp32 (default bf16)");
-  cmd->add_option("--hidden", a->hidden, "hidden size (default 768)");
-  cmd->add_option("--layers", a->layers, "decoder layers (default 12)");
-  cmd->add_option("--heads", a->heads, "attention heads (default 12)");
-  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (default 12)");
-  cmd->add_option("--intermediate", a->inter, "MLP size (default 2048)");
-  cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)");
-  cmd->add_option("--batch", a->batch, "micro-batch B (default 2)");
-  cmd->add_option("--seq", a->seq, "sequence length T (default 256)");
+  cmd->add_option("--hidden", a->hidden, "hidden size (default 768)")->check(strata::tools::kPositive);
+  cmd->add_option("--layers", a->layers, "decoder layers (default 12)")->check(strata::tools::kPositive);
+  cmd->add_option("--heads", a->heads, "attention heads (default 12)")->check(strata::tools::kPositive);
+  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (default 12)")->check(strata::tools::kPositive);
+  cmd->add_option("--intermediate", a->inter, "MLP size (default 2048)")->check(strata::tools::kPositive);
+  cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)")->check(strata::tools::kPositive);
+  cmd->add_option("--batch", a->batch, "micro-batch B (default 2)")->check(strata::tools::kPositive);
+  cmd->add_option("--seq", a->seq, "sequence length T (default 256)")->check(strata::tools::kPositive);
   cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)")->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)")->check(CLI::Range(0, 100000));
   cmd->add_flag("--checkpoint", a->checkpoint, "activation checkpointing");
-  cmd->add_option("--loss-chunk-rows", a->loss_chunk_rows, "rows per fused LM-head/loss chunk (default 0: the model's choice)");
+  cmd->add_option("--loss-chunk-rows", a->loss_chunk_rows, "rows per fused LM-head/loss chunk (default 0: the model's choice)")
+      ->check(strata::tools::kNonNegative);
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->add_flag("--breakdown", a->breakdown, "then trace --steps more steps and print the stream's time by op");
   cmd->add_option("--trace", a->trace, "then trace --steps more steps and write them as a Chrome trace to this path");
