@@ -83,12 +83,20 @@ struct DoneEvent {
     (void)cudaSetDevice(ordinal);
     (void)cudaEventDestroy(ev);
   }
-  bool done() const {
+  // Done, or failed: a fault of the kernels before it (sticky) is no reason to wait on until the
+  // watchdog's timeout, which would then call it "still running". `failure` says which.
+  bool done() {
     (void)cudaSetDevice(ordinal);
-    return cudaEventQuery(ev) == cudaSuccess;
+    const cudaError_t q = cudaEventQuery(ev);
+    if (q == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    if (q == cudaErrorNotReady) return false;
+    failure = q;
+    return true;
   }
   int ordinal;
   cudaEvent_t ev = nullptr;
+  cudaError_t failure = cudaSuccess;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -180,8 +188,11 @@ class NcclCommunicator final : public Communicator {
       ++in_flight_;
       note_in_flight(what);
     }
-    watchdog_.begin(what, [this, done] {
+    watchdog_.begin(what, [this, done, what] {
       if (!done->done()) return false;
+      if (done->failure != cudaSuccess)  // said now; the stream's next synchronize throws it
+        log::error("collective {} on rank {}: the GPU reported {} ({})", what, rank(), cudaGetErrorName(done->failure),
+                   cudaGetErrorString(done->failure));
       std::lock_guard<std::mutex> nl(note_mu_);
       if (--in_flight_ == 0) note_done();
       return true;

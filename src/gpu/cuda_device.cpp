@@ -15,7 +15,12 @@
 //    reusable by anyone.
 //  - The budget: bytes_reserved (everything held from cudaMalloc, cache included) never
 //    exceeds capacity_bytes. An allocation that would cross it first returns the cache to
-//    CUDA (after its events complete); if it still does not fit it throws kOutOfMemory.
+//    CUDA (after its events complete, with the allocator's lock released: a host function
+//    may need it to free what those events wait for); if it still does not fit it throws
+//    kOutOfMemory. Inside a host function (its stream held until it returns) the allocator
+//    never waits for the GPU, which would be waiting for itself: such an allocation fails at
+//    once when the cache would have to go back, and a streamless free there is cached at the
+//    next device-wide wait (synchronize, or an allocation short of room), as on HostDevice.
 //  - CudaStream: a non-blocking cudaStream_t with its own cuBLAS handle, sum_squares
 //    scratch and host-function flag (StreamResources: made on first use, outside the
 //    budget, as they are the backend's and not the caller's). A destroyed stream hands them
@@ -190,11 +195,17 @@ class StagingPool {
   std::vector<void*> all_;
 };
 
+// True on a HostWorker's thread: its stream is held by a kernel until the function returns, so
+// nothing there may wait for the GPU (a device-wide wait, cudaFree, an event behind the held
+// stream would wait for itself). The allocator does not, there.
+thread_local bool t_in_host_worker = false;
+
 // Runs one stream's host functions, in order, on a thread of ours, whose current device is the
 // stream's (a host function may queue work; a fresh thread's would be GPU 0).
 struct HostWorker {
   explicit HostWorker(int ordinal)
       : thread([this, ordinal] {
+          t_in_host_worker = true;
           if (cudaSetDevice(ordinal) != cudaSuccess) (void)cudaGetLastError();
           run();
         }) {}
@@ -291,9 +302,18 @@ class CudaEvent final : public detail::EventImpl {
   ~CudaEvent() override {
     if (cudaEventDestroy(event) != cudaSuccess) (void)cudaGetLastError();
   }
-  bool query() override { return event_done(event); }
-  void synchronize() override { STRATA_CUDA_CHECK(cudaEventSynchronize(event)); }
+  // Asked from any thread (the engine's optimizer and I/O threads): the event's GPU first, or a
+  // thread that never chose one would make a context on GPU 0 (every rank of a node, ~0.5 GiB).
+  bool query() override {
+    DeviceGuard guard(ordinal);
+    return event_done(event);
+  }
+  void synchronize() override {
+    DeviceGuard guard(ordinal);
+    STRATA_CUDA_CHECK(cudaEventSynchronize(event));
+  }
   cudaEvent_t event = nullptr;
+  int ordinal = 0;
 };
 
 // The allocator's record of one cudaMalloc.
@@ -402,8 +422,11 @@ class CudaDevice final : public Device {
 
  private:
   Block* take_cached(std::size_t size, std::uint64_t stream_id);
-  Block* malloc_block(std::size_t size, std::size_t requested);
-  void release_cached();
+  Block* malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock);
+  // Returns every cached block to CUDA; waits for their events and frees with `lock` released.
+  void release_cached(std::unique_lock<std::mutex>& lock);
+  // Blocks freed without a stream inside a host function: cached once the device is idle.
+  void adopt_deferred();
   cudaEvent_t acquire_event();
   void release_event(cudaEvent_t ev) { event_pool_.push_back(ev); }
   [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, std::string detail = {});
@@ -418,6 +441,7 @@ class CudaDevice final : public Device {
   mutable std::mutex mu_;  // guards everything below
   DeviceStats stats_;
   std::multimap<std::size_t, Block*> cached_;  // by rounded size
+  std::vector<Block*> deferred_;                // freed in a host function, no stream to order on
   std::vector<cudaEvent_t> event_pool_;
   std::unordered_map<std::uint64_t, CudaStream*> streams_;
   std::vector<std::unique_ptr<StreamResources>> spare_resources_;
@@ -448,13 +472,14 @@ CudaDevice::~CudaDevice() {
   try {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    adopt_deferred();
     if (!streams_.empty())
       log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
     if (stats_.bytes_in_use != 0)
       log::warn("{} destroyed while {} bytes of its buffers are alive; free buffers before their "
                 "device", name(), stats_.bytes_in_use);
-    release_cached();
+    release_cached(lock);
     for (cudaEvent_t ev : event_pool_) (void)cudaEventDestroy(ev);
     event_pool_.clear();
     staging_.release();
@@ -518,6 +543,10 @@ void CudaDevice::synchronize() {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    adopt_deferred();
+  }
   gpu::flush_gpu_spans();
   std::vector<CudaStream*> live;
   {
@@ -564,11 +593,11 @@ void* CudaDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   DeviceGuard guard(ordinal_);
   auto* cs = static_cast<CudaStream*>(stream);
   const std::uint64_t sid = cs ? cs->id() : 0;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (bytes > capacity_ || bytes > SIZE_MAX - kLargeUnit) throw_oom(bytes, bytes);
   const std::size_t size = round_block(bytes);
   Block* b = take_cached(size, sid);
-  if (b == nullptr) b = malloc_block(size, bytes);
+  if (b == nullptr) b = malloc_block(size, bytes, lock);
   b->stream_id = sid;
   b->stream = cs ? cs->handle() : nullptr;
   stats_.bytes_in_use += size;
@@ -599,17 +628,33 @@ Block* CudaDevice::take_cached(std::size_t size, std::uint64_t stream_id) {
   return nullptr;
 }
 
-Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested) {
+Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock) {
+  // In a host function nothing may wait for the GPU (it would wait for the held stream, i.e. for
+  // itself): what is cached stays cached and the request fails now, as on the emulated device.
+  const char* in_host_fn =
+      "inside a stream's host function the allocator does not wait for the GPU to take back cached "
+      "blocks (the function holds its stream): allocate before queuing it";
   if (stats_.bytes_reserved + size > capacity_) {
-    ++stats_.num_alloc_waits;
-    release_cached();
+    if (t_in_host_worker) throw_oom(requested, size, in_host_fn);
+    if (!cached_.empty()) {
+      ++stats_.num_alloc_waits;
+      release_cached(lock);
+    }
+    if (stats_.bytes_reserved + size > capacity_ && !deferred_.empty()) {
+      // Freed inside host functions: theirs once the device is idle.
+      lock.unlock();
+      STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+      lock.lock();
+      adopt_deferred();
+      release_cached(lock);
+    }
   }
   if (stats_.bytes_reserved + size > capacity_) throw_oom(requested, size);
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, size);
-  if (err == cudaErrorMemoryAllocation) {
+  if (err == cudaErrorMemoryAllocation && !t_in_host_worker) {
     (void)cudaGetLastError();
-    release_cached();
+    release_cached(lock);
     err = cudaMalloc(&p, size);
   }
   if (err == cudaErrorMemoryAllocation) {
@@ -617,8 +662,8 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested) {
     std::size_t free_bytes = 0, total_bytes = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
     throw_oom(requested, size,
-              fmt::format("cudaMalloc: out of memory; the GPU has {} bytes free of {}", free_bytes,
-                          total_bytes));
+              fmt::format("cudaMalloc: out of memory; the GPU has {} bytes free of {}{}", free_bytes,
+                          total_bytes, t_in_host_worker ? fmt::format(" ({})", in_host_fn) : std::string()));
   }
   if (err != cudaSuccess) throw_cuda(err, "cudaMalloc(&p, size)", __FILE__, __LINE__);
   stats_.bytes_reserved += size;
@@ -626,18 +671,45 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested) {
 }
 
 // Returns every cached block to CUDA. A block still pending on its stream is waited for
-// first: cudaFree would wait anyway, and its event must not be reused while pending.
-void CudaDevice::release_cached() {
-  for (auto it = cached_.begin(); it != cached_.end(); it = cached_.erase(it)) {
-    Block* b = it->second;
-    if (b->event) {
-      STRATA_CUDA_CHECK(cudaEventSynchronize(b->event));
-      release_event(b->event);
-    }
-    STRATA_CUDA_CHECK(cudaFree(b->ptr));
+// first: cudaFree would wait anyway, and its event must not be reused while pending. The waits
+// and frees run with the lock released: a host function freeing a buffer meanwhile (which needs
+// the lock) may be what one of those events waits for. The bytes leave bytes_reserved first, so
+// another allocation may be granted them while their cudaFree is on its way.
+void CudaDevice::release_cached(std::unique_lock<std::mutex>& lock) {
+  if (cached_.empty()) return;
+  std::vector<Block*> blocks;
+  for (auto& [size, b] : cached_) {
+    blocks.push_back(b);
     stats_.bytes_reserved -= b->size;
+  }
+  cached_.clear();
+  lock.unlock();
+  std::vector<cudaEvent_t> done;
+  std::exception_ptr failure;
+  for (Block* b : blocks) {
+    try {
+      if (b->event) {
+        STRATA_CUDA_CHECK(cudaEventSynchronize(b->event));
+        done.push_back(b->event);
+      }
+      STRATA_CUDA_CHECK(cudaFree(b->ptr));
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
     delete b;
   }
+  lock.lock();
+  for (cudaEvent_t ev : done) release_event(ev);
+  if (failure) std::rethrow_exception(failure);
+}
+
+void CudaDevice::adopt_deferred() {
+  for (Block* b : deferred_) {
+    b->stream_id = 0;
+    b->stream = nullptr;
+    cached_.emplace(b->size, b);
+  }
+  deferred_.clear();
 }
 
 cudaEvent_t CudaDevice::acquire_event() {
@@ -681,7 +753,12 @@ void CudaDevice::do_free(void* block) noexcept {
       cached_.emplace(b->size, b);
       return;
     }
-    // No stream to order the free on: wait until no work can still use the block.
+    // No stream to order the free on: wait until no work can still use the block. Inside a host
+    // function that wait would be for itself: the block waits for the next device-wide wait.
+    if (t_in_host_worker) {
+      deferred_.push_back(b);
+      return;
+    }
     lock.unlock();
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
     lock.lock();
@@ -777,6 +854,7 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
 Event CudaStream::do_record() {
   DeviceGuard guard(ordinal());
   auto e = std::make_shared<CudaEvent>();
+  e->ordinal = ordinal();
   STRATA_CUDA_CHECK(cudaEventRecord(e->event, stream_));
   e->device = dev_;
   e->stream = life();
