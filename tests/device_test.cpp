@@ -548,6 +548,38 @@ TEST_P(DeviceTest, ThrottledMatmulsTakeAtLeastFlopsOverRate) {
   EXPECT_EQ(hc[0], 0.25f * 0.5f * float(k)) << "the throttle must not change the result";
 }
 
+// A throttled matmul's product lands when its time ends, as a kernel's: a reader on another
+// stream that misses its wait sees the old C while it runs (it saw the product at once, the
+// throttle's sleep coming after it), and an accumulating one (beta 1) still adds to the old C.
+TEST_P(DeviceTest, AThrottledMatmulsProductLandsWhenItEnds) {
+  if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";
+  auto slow = throttled_device(0, 0, 0.2);
+  auto st = slow->create_stream("compute");
+  const std::int64_t m = 128, n = 128, k = 256;  // 2*m*n*k = 8.4 MFLOP: >= 42 ms at 0.2 GFLOP/s
+  std::vector<float> ha(std::size_t(m * k), 0.5f), hb(std::size_t(k * n), 0.25f), hc(std::size_t(m * n), 7.0f);
+  Buffer a = slow->alloc(ha.size() * 4, st.get()), b = slow->alloc(hb.size() * 4, st.get());
+  Buffer c = slow->alloc(hc.size() * 4, st.get());
+  st->copy(a.ref(), host_ref(ha.data(), ha.size() * 4));
+  st->copy(b.ref(), host_ref(hb.data(), hb.size() * 4));
+  st->copy(c.ref(), host_ref(hc.data(), hc.size() * 4));
+  st->synchronize();
+  const Event done = [&] {
+    st->matmul({m, n, k, false, false, 1.0f, 1.0f, tensor(a, DType::kF32), tensor(b, DType::kF32),
+                tensor(c, DType::kF32)});
+    return st->record();
+  }();
+  std::this_thread::sleep_for(15ms);
+  const float* seen = static_cast<const float*>(c.ref().ptr);  // host memory on this device
+  if (!done.query()) {
+    std::size_t old = 0;
+    for (std::size_t i = 0; i < hc.size(); ++i) old += seen[i] == 7.0f;
+    EXPECT_EQ(old, hc.size()) << "a product still in flight was visible";
+  }
+  st->synchronize();
+  EXPECT_EQ(seen[0], 7.0f + 0.5f * 0.25f * float(k));
+  EXPECT_EQ(seen[hc.size() - 1], 7.0f + 0.5f * 0.25f * float(k));
+}
+
 TEST_P(DeviceTest, KernelsOnFewerThreadsGiveTheSameResult) {
   if (GetParam().cuda) GTEST_SKIP() << "compute_threads is a property of the emulated device";
   auto result = [](int threads) {

@@ -22,7 +22,8 @@
 //    (each reserves the link after those already on it, whatever stream it runs on); the two
 //    directions run at once. Matmuls can likewise be throttled to a set
 //    GFLOP/s, so which resource bounds a step (compute, link, NVMe, CPU optimizer) is a
-//    choice of the test, not an accident of the host's cores.
+//    choice of the test, not an accident of the host's cores. A throttled copy's bytes and a
+//    throttled matmul's product land when their time ends.
 #include <sys/mman.h>
 
 #include <chrono>
@@ -575,12 +576,23 @@ class HostStream final : public Stream {
     submit(
         [d, gflops, core = core_.get()] {
           const auto t0 = std::chrono::steady_clock::now();
-          core->matmul.run(d);
-          if (gflops > 0) {
-            // Lower bound only, as for copies: flops / (GFLOP/s) = nanoseconds.
-            const double flops = 2.0 * double(d.m) * double(d.n) * double(d.k);
-            std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
+          if (gflops <= 0) {
+            core->matmul.run(d);
+            return;
           }
+          // Throttled: at least flops / (GFLOP/s) nanoseconds (a lower bound, as for copies), and
+          // the product lands when that time ends, as a kernel's: computed aside (from C when it
+          // accumulates), so a reader on another stream missing its wait sees the old C throughout.
+          const double flops = 2.0 * double(d.m) * double(d.n) * double(d.k);
+          const std::size_t c_bytes = d.c.mem.bytes;
+          thread_local std::vector<float> aside;
+          aside.resize((c_bytes + 3) / 4);
+          if (d.beta != 0.0f) std::memcpy(aside.data(), d.c.mem.ptr, c_bytes);
+          MatmulDesc t = d;
+          t.c.mem.ptr = aside.data();
+          core->matmul.run(t);
+          std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
+          std::memcpy(d.c.mem.ptr, aside.data(), c_bytes);
         },
         "matmul", d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
   }
