@@ -274,6 +274,8 @@ class Stream {
   // Backends call this first thing in their destructor, after draining their queue.
   void mark_destroyed() noexcept { life_->alive = false; }
   const std::shared_ptr<detail::StreamLife>& life() const noexcept { return life_; }
+  // At destruction: a failure of the stream's work nothing asked about is said, not dropped.
+  void warn_unreported(std::exception_ptr err, const char* what) const noexcept;
 
   virtual void do_copy(MemRef dst, MemRef src) = 0;
   virtual Event do_record() = 0;

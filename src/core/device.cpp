@@ -98,6 +98,17 @@ void Event::synchronize() const {
 }
 
 // ---- Stream: validation, then the backend ----
+void Stream::warn_unreported(std::exception_ptr err, const char* what) const noexcept {
+  if (!err) return;
+  try {
+    std::rethrow_exception(err);
+  } catch (const std::exception& e) {
+    log::warn("stream '{}' destroyed with an unreported {}: {}", name(), what, e.what());
+  } catch (...) {
+    log::warn("stream '{}' destroyed with an unreported {}", name(), what);
+  }
+}
+
 void Stream::require_device_tensor(const TensorRef& t, const char* what) const {
   STRATA_REQUIRE(t.mem.ptr != nullptr, "{} of stream '{}': tensor '{}' has no memory", "kernel",
                  name(), what);

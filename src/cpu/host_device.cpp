@@ -475,16 +475,7 @@ class HostStream final : public Stream {
   ~HostStream() override {
     core_->stop();  // drains the queue first
     mark_destroyed();
-    // A failure nothing asked about is said, not dropped (the CUDA stream does the same).
-    if (auto err = core_->take_error()) {
-      try {
-        std::rethrow_exception(err);
-      } catch (const std::exception& e) {
-        log::warn("stream '{}' destroyed with an unreported failure: {}", name(), e.what());
-      } catch (...) {
-        log::warn("stream '{}' destroyed with an unreported failure", name());
-      }
-    }
+    warn_unreported(core_->take_error(), "failure");
   }
 
   const std::shared_ptr<StreamCore>& core() const { return core_; }

@@ -792,15 +792,7 @@ CudaStream::~CudaStream() {
   mark_destroyed();
   dev_->remove_stream(id_);
   worker_.reset();  // idle: the stream drained
-  if (auto err = take_host_error()) {
-    try {
-      std::rethrow_exception(err);
-    } catch (const std::exception& e) {
-      log::warn("stream '{}' destroyed with an unreported host function failure: {}", name(), e.what());
-    } catch (...) {
-      log::warn("stream '{}' destroyed with an unreported host function failure", name());
-    }
-  }
+  warn_unreported(take_host_error(), "host function failure");
   dev_->give_back_resources(std::move(res_));
   gpu::flush_gpu_spans();
   gpu::forget_gpu_stream(stream_);
