@@ -526,6 +526,8 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"},
            // The model's shape named as the flags given (it named config.json keys), and a negative
            // chunk no longer taken as 0.
+           {{"nvme", "--path", d.path + "/afile", "--size", "8M"}, "--path '" + d.path + "/afile' is a file, not a folder"},
+           {{"nvme", "--path", d.path + "/nope", "--size", "8M"}, "--path '" + d.path + "/nope' is not there: create"},
            {{"model", "--seq", "0"}, "--seq: must be > 0, got 0"},
            {{"model", "--layers", "0"}, "--layers: must be > 0, got 0"},
            {{"model", "--loss-chunk-rows", "-5"}, "--loss-chunk-rows: must be >= 0, got -5"}}) {

@@ -781,6 +781,10 @@ TEST(ProfCli, BadInputIsAClearError) {
   EXPECT_EQ(nv.status, 1);
   EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos) << nv.err;
   EXPECT_FALSE(fs::exists(d.path + "/nope"));
+  std::ofstream(d.path + "/afile") << "x";  // a file there: "create it" would not do
+  const auto nf = testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/afile"}, d.path, "nvme-file");
+  EXPECT_EQ(nf.status, 1);
+  EXPECT_NE(nf.err.find("--nvme-path " + d.path + "/afile: a file, not a folder"), std::string::npos) << nf.err;
   // Two flags that contradict each other: both named (the path was ignored).
   const std::vector<std::string> out = {"--out", d.path + "/best.json", "--svg", "", "--device", "cpu"};
   auto with = [&](std::vector<std::string> v) {

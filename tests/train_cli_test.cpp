@@ -161,6 +161,33 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   EXPECT_GT(nvme_read, 0u);
 }
 
+// --dtype replaces the --config's fp16 with its loss scaling: kept, every gradient was divided by a
+// scale the fp32 loss was never multiplied by (grad norm 65536x too small, no word).
+TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
+  const std::string ds = dir.path + "/fp16.json", plain = dir.path + "/plain.json";
+  std::ofstream(ds) << R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})";
+  std::ofstream(plain) << R"({"zero_optimization": {"stage": 3}})";
+  const std::string a_log = dir.path + "/a.jsonl", b_log = dir.path + "/b.jsonl";
+  const Result a = train(args(a_log, {"--config", plain, "--dtype", "fp32"}), "plain");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const Result b = train(args(b_log, {"--config", ds, "--dtype", "fp32"}), "fp16-config");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_NE(b.err.find("--dtype fp32 replaces the --config's fp16 (fp16.enabled): no loss scaling"), std::string::npos)
+      << b.err;
+  EXPECT_EQ(losses(a_log), losses(b_log));
+  // A split placement is said as one (it said "optimizer on nvme" for 70% device + 30% host).
+  const std::string split = dir.path + "/split.json";
+  std::ofstream(split) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})";
+  const Result d = train(args(dir.path + "/d.jsonl", {"--config", split}), "split");
+  ASSERT_EQ(d.status, 0) << d.err;
+  EXPECT_NE(d.out.find("weights on device, optimizer on device 70% + host 30%;"), std::string::npos) << d.out;
+  // Without --dtype: refused, naming the way to bf16.
+  const Result c = train(args(dir.path + "/c.jsonl", {"--config", ds}), "fp16");
+  EXPECT_EQ(c.status, 1);
+  EXPECT_NE(c.err.find("fp16 (fp16.enabled in --config) is not supported yet: use \"bf16\": {\"enabled\": true} in "
+                       "--config or --dtype bf16"), std::string::npos) << c.err;
+}
+
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.

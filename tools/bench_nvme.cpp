@@ -384,6 +384,19 @@ bool lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
 
 bool have_fio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
 
+
+// --path: a folder this process can write (a missing one, a file and a read-only one named as
+// such; a read-only folder failed at the O_DIRECT open with errno 13, pointing at O_DIRECT).
+void require_bench_folder(const std::string& path) {
+  std::error_code ec;
+  STRATA_REQUIRE(fs::is_directory(path, ec), "--path '{}' {}", path,
+                 fs::exists(path, ec) ? "is a file, not a folder: give a folder on the drive to measure"
+                                      : "is not there: create the folder on the drive to measure");
+  STRATA_REQUIRE(::access(path.c_str(), W_OK) == 0,
+                 "--path '{}' cannot be written ({}): give a folder you may write on the drive to measure", path,
+                 std::strerror(errno));
+}
+
 void run_compare(const NvmeArgs& a) {
   AioConfig cfg;
   cfg.block_size = parse_bytes(a.block_size, "--block-size");
@@ -401,7 +414,7 @@ void run_compare(const NvmeArgs& a) {
                  a.block_size,
                  below > 0 ? human_bytes(double(below)) + " or " + human_bytes(double(above)) : human_bytes(double(above)));
   }
-  STRATA_REQUIRE(fs::is_directory(a.path), "--path '{}' is not a directory", a.path);
+  require_bench_folder(a.path);
   const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
   const bool fio = a.vs_fio && have_fio();
   if (a.vs_fio && !fio) log::warn("fio is not installed (scripts/setup.sh installs it): no fio comparison");
@@ -523,7 +536,7 @@ void run_compare(const NvmeArgs& a) {
 }
 
 void run_sweep(const NvmeArgs& a) {
-  STRATA_REQUIRE(fs::is_directory(a.path), "--path '{}' is not a directory", a.path);
+  require_bench_folder(a.path);
   const std::string file = (fs::path(a.path) / "strata-bench-nvme.bin").string();
   const std::size_t size = std::min<std::size_t>(parse_bytes(a.size, "--size"), std::size_t(512) << 20);
   const std::size_t blocks[] = {std::size_t(256) << 10, std::size_t(1) << 20, std::size_t(4) << 20};

@@ -857,8 +857,10 @@ int run(Args a) {
                      nvme_dir, ec.message());
     } else {  // the drive to measure: a typo must not measure another one
       nvme_dir = a.nvme_path;
-      STRATA_REQUIRE(fs::is_directory(nvme_dir, ec), "--nvme-path {}: no such directory; create it on the drive to "
-                     "profile, or leave the flag out (a scratch folder, or --no-nvme)", nvme_dir);
+      STRATA_REQUIRE(fs::is_directory(nvme_dir, ec), "--nvme-path {}: {}", nvme_dir,
+                     fs::exists(nvme_dir, ec) ? "a file, not a folder: give a folder on the drive to profile"
+                                              : "no such directory; create it on the drive to profile, or leave the "
+                                                "flag out (a scratch folder, or --no-nvme)");
     }
   }
   const int rank = launch.rank;

@@ -459,10 +459,17 @@ TrainResult train(const TrainOptions& o) {
   else if (demo_model && o.ds_config.empty()) ecfg.adamw.lr = 3e-3;
   if (o.weight_decay >= 0) ecfg.adamw.weight_decay = o.weight_decay;
   else if (o.ds_config.empty()) ecfg.adamw.weight_decay = 0;
-  if (o.dtype == "fp32") ecfg.compute_dtype = DType::kF32;
-  if (o.dtype == "bf16") ecfg.compute_dtype = DType::kBF16;
+  if (!o.dtype.empty()) {
+    // The flag replaces the --config's precision, fp16's loss scaling with it (kept, it divided
+    // every gradient by a scale the fp32/bf16 loss was never multiplied by: 65536x too small).
+    if (ecfg.fp16.enabled)
+      log::warn("--dtype {} replaces the --config's fp16 (fp16.enabled): no loss scaling", o.dtype);
+    ecfg.fp16.enabled = false;
+    ecfg.compute_dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  }
   STRATA_REQUIRE(ecfg.compute_dtype == DType::kF32 || ecfg.compute_dtype == DType::kBF16,
-                 "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not supported yet");
+                 "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not supported yet: use "
+                 "\"bf16\": {{\"enabled\": true}} in --config or --dtype bf16");
   // The schedule: --warmup / --lr-schedule when given, else the --config's scheduler block
   // (DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR), else constant.
   const bool cli_schedule = o.warmup >= 0 || !o.lr_schedule.empty();
@@ -786,10 +793,18 @@ TrainResult train(const TrainOptions& o) {
     std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s\n", mcfg.model_type.c_str(),
                  demo_model ? " (embedded demo)" : "", double(model.num_params()) / 1e6,
                  std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, on.c_str());
+    // "device", "host", "nvme", or the split ("device 70% + host 30%"; it said "nvme" for any split).
+    const auto where = [](const Placement& p) {
+      std::vector<std::string> parts;
+      const std::pair<const char*, double> tiers[] = {
+          {"device", p.device_fraction}, {"host", p.host_fraction}, {"nvme", p.nvme_fraction()}};
+      for (const auto& [name, f] : tiers)
+        if (f > 1e-9) parts.push_back(f >= 1 - 1e-9 ? std::string(name) : fmt::format("{} {:.0f}%", name, f * 100));
+      return fmt::format("{}", fmt::join(parts, " + "));
+    };
     std::fprintf(con, "  stage %d; weights on %s, optimizer on %s; batch %lld x %lld tokens x %lld accum x %d ranks\n",
-                 ecfg.stage, ecfg.params.device_fraction >= 1 ? "device" : ecfg.params.host_fraction >= 1 ? "host" : "nvme",
-                 ecfg.optimizer.device_fraction >= 1 ? "device" : ecfg.optimizer.host_fraction >= 1 ? "host" : "nvme",
-                 (long long)B, (long long)seq_len, (long long)accum, world);
+                 ecfg.stage, where(ecfg.params).c_str(), where(ecfg.optimizer).c_str(), (long long)B, (long long)seq_len,
+                 (long long)accum, world);
     std::string data = text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : text_file;
     if (demo_data) data += " (the demo's generated text: no --data or --text given)";
     if (!demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s\n", demo_dir.c_str());
