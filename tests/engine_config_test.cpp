@@ -480,6 +480,24 @@ TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
   EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 61), lr * (1e-4 + (1 - 1e-4) * 0.5), 1e-15);  // halfway
   EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 111), lr * 1e-4, 1e-15);  // the end: cos_min_ratio
   EXPECT_DOUBLE_EQ(scheduled_lr(LrScheduleConfig{}, 3e-4, 7), 3e-4);  // no scheduler: constant
+  // Hugging Face's "auto" as it fills them: warmup_max_lr is the learning rate (WarmupDecayLR ran
+  // at its 0.001 default), total_num_steps the run's steps (0 here, strata-train's --steps; it
+  // was refused as missing).
+  c = sched("WarmupDecayLR", R"({"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 10,
+                                 "total_num_steps": "auto", "warmup_type": "linear"})");
+  EXPECT_LT(c.scheduler.warmup_max_lr, 0);
+  EXPECT_EQ(c.scheduler.total_num_steps, 0);
+  c.scheduler.total_num_steps = 110;
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), lr);
+  c = sched("WarmupCosineLR", R"({"warmup_num_steps": 10, "total_num_steps": "auto"})");
+  EXPECT_EQ(c.scheduler.total_num_steps, 0);
+  // Left out (not "auto") it is still required, naming what it is.
+  try {
+    sched("WarmupDecayLR", R"({"warmup_num_steps": 10})");
+    ADD_FAILURE() << "WarmupDecayLR without total_num_steps was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the run's total optimizer steps"), std::string::npos) << e.what();
+  }
 }
 
 // ---- placements ----

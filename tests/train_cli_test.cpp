@@ -188,6 +188,34 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
                        "--config or --dtype bf16"), std::string::npos) << c.err;
 }
 
+// A Hugging Face-style WarmupDecayLR block ("auto" where the Trainer fills in the learning rate and
+// the run's steps) follows --lr and --steps: it ran at 0.001 (33x --lr 3e-5 here), and
+// total_num_steps "auto" was refused.
+TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
+  const std::string ds = dir.path + "/hf.json", log = dir.path + "/hf.jsonl";
+  std::ofstream(ds) << R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+      "warmup_num_steps": 1, "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
+  std::vector<std::string> a = args(log, {"--config", ds}, "6");
+  a.erase(std::find(a.begin(), a.end(), "--warmup"), std::find(a.begin(), a.end(), "--warmup") + 2);
+  a[std::size_t(std::find(a.begin(), a.end(), "--lr") - a.begin()) + 1] = "3e-5";
+  const Result r = train(a, "hf-auto");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::vector<double> lrs;
+  std::ifstream f(log);
+  for (std::string line; std::getline(f, line);) lrs.push_back(nlohmann::json::parse(line).at("lr").get<double>());
+  ASSERT_EQ(lrs.size(), 6u);
+  // DeepSpeed's WarmupDecayLR (log warmup over max(2, warmup_num_steps)), its maximum --lr, its
+  // total --steps 6: 0, 0, lr, lr, then lr (6-3)/(6-2) and (6-4)/(6-2).
+  const double lr = double(3e-5f);
+  EXPECT_EQ(lrs[0], 0.0);
+  EXPECT_EQ(lrs[1], 0.0);
+  EXPECT_NEAR(lrs[2], lr, 1e-15);
+  EXPECT_NEAR(lrs[3], lr, 1e-15);
+  EXPECT_NEAR(lrs[4], lr * 0.75, 1e-15);
+  EXPECT_NEAR(lrs[5], lr * 0.5, 1e-15);
+}
+
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.

@@ -45,7 +45,7 @@ struct LrScheduleConfig {
   // as DeepSpeed); WarmupDecayLR's default is 0.001.
   double warmup_min_lr = 0, warmup_max_lr = 0.001;
   std::int64_t warmup_num_steps = 1000;
-  std::int64_t total_num_steps = 0;  // WarmupDecayLR / WarmupCosineLR
+  std::int64_t total_num_steps = 0;  // WarmupDecayLR / WarmupCosineLR; 0: "auto", the run's steps
   double cos_min_ratio = 0.0001;     // WarmupCosineLR
   double warmup_min_ratio = 0;       // WarmupCosineLR
   std::string warmup_type = "log";   // warmup curve: "log" | "linear" (all three types)

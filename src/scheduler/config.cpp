@@ -47,6 +47,7 @@
 #include <cctype>
 #include <cmath>
 #include <numbers>
+#include <set>
 
 #include "core/json_config.h"
 #include "strata/engine_config.h"
@@ -111,8 +112,9 @@ using config::Json;
 using config::Section;
 
 // Removes every "auto" string value (outside "aio"), warning once per key, so the typed
-// getters below see "not given".
-void drop_auto_values(Json& obj, const std::string& path) {
+// getters below see "not given"; `dropped` collects their full keys (the scheduler reads two of
+// them as Hugging Face fills them in: the learning rate and the run's total steps).
+void drop_auto_values(Json& obj, const std::string& path, std::set<std::string>& dropped) {
   if (!obj.is_object()) return;
   for (auto it = obj.begin(); it != obj.end();) {
     const std::string key = path.empty() ? it.key() : path + "." + it.key();
@@ -122,10 +124,11 @@ void drop_auto_values(Json& obj, const std::string& path) {
           fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
                       "treated as not given, so strata's default or derived value applies",
                       key));
+      dropped.insert(key);
       it = obj.erase(it);
       continue;
     }
-    if (it->is_object() && !(path.empty() && it.key() == "aio")) drop_auto_values(*it, key);
+    if (it->is_object() && !(path.empty() && it.key() == "aio")) drop_auto_values(*it, key, dropped);
     ++it;
   }
 }
@@ -311,7 +314,7 @@ void parse_optimizer(const Section& top, EngineConfig& c) {
                  p.key_path("amsgrad"));
 }
 
-void parse_scheduler(const Section& top, EngineConfig& c) {
+void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::string>& auto_keys) {
   const Section s = top.child("scheduler");
   if (!top.has("scheduler")) return;
   s.warn_unknown({"type", "params"});
@@ -341,16 +344,22 @@ void parse_scheduler(const Section& top, EngineConfig& c) {
     l.cos_min_ratio = get_fraction(p, "cos_min_ratio", l.cos_min_ratio);
   } else {
     l.warmup_min_lr = get_nonnegative(p, "warmup_min_lr", l.warmup_min_lr);
-    if (p.has("warmup_max_lr") || l.type != "WarmupLR") l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
-    else l.warmup_max_lr = -1;  // WarmupLR without a maximum: the optimizer's lr (DeepSpeed)
+    // WarmupLR without a maximum: the optimizer's lr (DeepSpeed); "auto" too, for either type, as
+    // Hugging Face fills it with the learning rate (WarmupDecayLR ran at its 0.001 default).
+    if (auto_keys.count("scheduler.params.warmup_max_lr")) l.warmup_max_lr = -1;
+    else if (p.has("warmup_max_lr") || l.type != "WarmupLR") l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
+    else l.warmup_max_lr = -1;
     STRATA_REQUIRE(l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
                    "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
                    p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),
                    l.warmup_min_lr);
   }
-  if (l.type != "WarmupLR") {
+  if (l.type != "WarmupLR" && auto_keys.count("scheduler.params.total_num_steps")) {
+    l.total_num_steps = 0;  // "auto": the run's steps, as Hugging Face fills it (strata-train: --steps)
+  } else if (l.type != "WarmupLR") {
     STRATA_REQUIRE(p.has("total_num_steps"),
-                   "config key '{}' is required for scheduler type \"{}\"",
+                   "config key '{}' is required for scheduler type \"{}\": the run's total optimizer steps (\"auto\": "
+                   "strata-train's --steps)",
                    p.key_path("total_num_steps"), l.type);
     l.total_num_steps = p.get_int("total_num_steps", 0);
     STRATA_REQUIRE(l.total_num_steps >= 1 && l.total_num_steps >= l.warmup_num_steps,
@@ -516,7 +525,8 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   Json doc = config::parse(json_text, "ds_config");
   STRATA_REQUIRE(doc.is_object(), "the ds_config must be a JSON object {{...}}, got {}",
                  doc.type_name());
-  drop_auto_values(doc, "");
+  std::set<std::string> auto_keys;
+  drop_auto_values(doc, "", auto_keys);
   const Section top(&doc, "");
   top.warn_unknown({"train_batch_size", "train_micro_batch_size_per_gpu",
                     "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
@@ -531,7 +541,7 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
       c.gradient_clipping);
   parse_precision(top, c);
   parse_optimizer(top, c);
-  parse_scheduler(top, c);
+  parse_scheduler(top, c, auto_keys);
   parse_zero(top, c);
 
   // The aio block, inside an object of its own: never mistaken for anything else.

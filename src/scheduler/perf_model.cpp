@@ -972,9 +972,11 @@ std::string engine_config_json(const EngineConfig& c) {
       sp["cos_min_ratio"] = l.cos_min_ratio;
     } else {
       sp["warmup_min_lr"] = l.warmup_min_lr;
-      if (l.warmup_max_lr >= 0) sp["warmup_max_lr"] = l.warmup_max_lr;  // < 0: the optimizer's lr
+      // < 0: the optimizer's lr: WarmupLR's default; WarmupDecayLR's is 0.001, so "auto" (the lr) is written
+      if (l.warmup_max_lr >= 0) sp["warmup_max_lr"] = l.warmup_max_lr;
+      else if (l.type == "WarmupDecayLR") sp["warmup_max_lr"] = "auto";
     }
-    if (l.type != "WarmupLR") sp["total_num_steps"] = l.total_num_steps;
+    if (l.type != "WarmupLR") sp["total_num_steps"] = l.total_num_steps > 0 ? json(l.total_num_steps) : json("auto");
     j["scheduler"] = {{"type", l.type}, {"params", sp}};
   }
   json z = {{"stage", c.stage},

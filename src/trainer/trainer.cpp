@@ -480,6 +480,15 @@ TrainResult train(const TrainOptions& o) {
     log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule", ecfg.scheduler.type);
   if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget(launch.local_size);
   const std::int64_t steps = o.steps > 0 ? o.steps : 60;
+  if (ds_schedule && ecfg.scheduler.type != "WarmupLR" && ecfg.scheduler.total_num_steps == 0) {
+    // "auto", as Hugging Face fills it: the run's steps.
+    STRATA_REQUIRE(steps >= ecfg.scheduler.warmup_num_steps,
+                   "--config: scheduler.params.total_num_steps \"auto\" is this run's --steps {}, below its "
+                   "warmup_num_steps {}: give more --steps or fewer warmup steps", steps,
+                   ecfg.scheduler.warmup_num_steps);
+    ecfg.scheduler.total_num_steps = steps;
+    log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's --steps, {}", steps);
+  }
   // The lr of optimizer step t (1-based).
   const auto lr_of = [&](std::int64_t t) {
     return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t) : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
