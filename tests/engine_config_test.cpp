@@ -648,6 +648,16 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_NE(small.notes[1].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
                                 "elements)"), std::string::npos) << small.notes[1];
   EXPECT_EQ(small.host_bytes, p.host_bytes);  // planned as what the engine does
+  // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
+  // 525M-element embedding drew the note from a config without the key).
+  const EngineConfig dflt = parse_engine_config(
+      R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})", 1);
+  PlanInputs big = synthetic_inputs();
+  big.world_size = 1;
+  big.units = {{"embedding", 600'000'000}, {"layer", 1000}};
+  big.host_capacity = big.device_capacity = std::uint64_t(1) << 40;
+  const MemoryPlan quiet = plan_memory(dflt, big);
+  EXPECT_TRUE(quiet.notes.empty()) << quiet.table();
 
   EngineConfig off = synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})");
   off.overlap_optimizer = false;

@@ -188,6 +188,14 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
                        "--config or --dtype bf16"), std::string::npos) << c.err;
 }
 
+// A fresh one-step run is not "resumed" (its summary said "step 1 of 1, resumed").
+TEST_F(TrainCli, AFreshOneStepRunIsNotCalledResumed) {
+  const Result r = train(args(dir.path + "/one.jsonl", {}, "1"), "one-step");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("summary (1 step, "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("resumed"), std::string::npos) << r.out;
+}
+
 // A Hugging Face-style WarmupDecayLR block ("auto" where the Trainer fills in the learning rate and
 // the run's steps) follows --lr and --steps: it ran at 0.001 (33x --lr 3e-5 here), and
 // total_num_steps "auto" was refused.

@@ -71,6 +71,9 @@ struct EngineConfig {
   std::uint64_t reduce_bucket_size = 500'000'000;         // elements
   std::uint64_t allgather_bucket_size = 500'000'000;      // elements
   std::uint64_t sub_group_size = 1'000'000'000;           // elements
+  // reduce_bucket_size / sub_group_size given in the ds_config (not defaults): the plan notes a
+  // value below the largest unit only then (the defaults are below a large model's embedding).
+  bool reduce_bucket_size_given = false, sub_group_size_given = false;
   std::uint64_t prefetch_bucket_size = 50'000'000;        // stage3_prefetch_bucket_size
   std::uint64_t max_live_parameters = 1'000'000'000;      // stage3_max_live_parameters
   std::uint64_t max_reuse_distance = 1'000'000'000;       // stage3_max_reuse_distance

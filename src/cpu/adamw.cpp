@@ -237,10 +237,15 @@ CpuAdamW::CpuAdamW(const CpuAdamWConfig& c) : impl_(std::make_unique<Impl>()) {
   // More threads than the process may run on would be reported here and not run (oneTBB keeps to
   // the cores and says so at exit).
   const int cores = tbb::info::default_concurrency();
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
   STRATA_REQUIRE(c.threads <= cores,
-                 "CpuAdamW threads = {}: this process may run on {} core{} (sched_getaffinity: taskset, cgroups); "
-                 "use 0 (every core) or at most {}",
-                 c.threads, cores, cores == 1 ? "" : "s", cores);
+                 "CpuAdamW threads = {}: oneTBB runs at most {} thread{} in this process (its CPU affinity{}); use 0 "
+                 "(every core) or at most {}{}",
+                 c.threads, cores, cores == 1 ? "" : "s", launched ? ", which the MPI launcher set" : " or CPU quota",
+                 cores,
+                 launched ? " (mpirun binds each rank to its share of the cores: --bind-to none, or fewer ranks per "
+                            "node, gives a rank more)"
+                          : "");
   impl_->threads = c.threads > 0 ? c.threads : cores;
   impl_->arena = std::make_unique<tbb::task_arena>(impl_->threads);
   impl_->arena->initialize();

@@ -401,6 +401,8 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.overlap_comm = z.get_bool("overlap_comm", c.stage == 3);
   c.contiguous_gradients = z.get_bool("contiguous_gradients", true);
   c.reduce_bucket_size = get_positive(z, "reduce_bucket_size", 500'000'000);
+  c.reduce_bucket_size_given = z.has("reduce_bucket_size");
+  c.sub_group_size_given = z.has("sub_group_size");
   c.allgather_bucket_size = get_positive(z, "allgather_bucket_size", 500'000'000);
   c.sub_group_size = get_positive(z, "sub_group_size", 1'000'000'000);
   // DeepSpeed reads these under either name (the "stage3_" one is the alias).

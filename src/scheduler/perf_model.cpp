@@ -982,14 +982,16 @@ std::string engine_config_json(const EngineConfig& c) {
   json z = {{"stage", c.stage},
             {"overlap_comm", c.overlap_comm},
             {"contiguous_gradients", c.contiguous_gradients},
-            {"reduce_bucket_size", c.reduce_bucket_size},
             {"allgather_bucket_size", c.allgather_bucket_size},
-            {"sub_group_size", c.sub_group_size},
             {"stage3_prefetch_bucket_size", c.prefetch_bucket_size},
             {"stage3_max_live_parameters", c.max_live_parameters},
             {"stage3_max_reuse_distance", c.max_reuse_distance},
             {"stage3_param_persistence_threshold", c.param_persistence_threshold},
             {"stage3_gather_16bit_weights_on_model_save", c.gather_16bit_weights_on_model_save}};
+  // Written when the --config gave them: DeepSpeed's defaults are below a large model's embedding
+  // unit, and the plan notes a value below the largest unit as the user's.
+  if (c.reduce_bucket_size_given) z["reduce_bucket_size"] = c.reduce_bucket_size;
+  if (c.sub_group_size_given) z["sub_group_size"] = c.sub_group_size;
   json op = {{"buffer_count", c.param_buffer_count},
              {"buffer_size", c.param_buffer_size},
              {"pin_memory", c.pin_memory}};

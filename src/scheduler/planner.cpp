@@ -210,7 +210,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   std::uint64_t largest_numel = 0;
   for (const UnitSize& u : in.units) largest_numel = std::max<std::uint64_t>(largest_numel, u.numel);
   const std::uint64_t W = std::uint64_t(in.world_size);
-  if (config.sub_group_size < (largest_numel + W - 1) / W && host_optimizer) {
+  if (config.sub_group_size_given && config.sub_group_size < (largest_numel + W - 1) / W && host_optimizer) {
     b.plan.notes.push_back(fmt::format(
         "zero_optimization.sub_group_size {} is below the largest unit's shard ({} elements): the optimizer steps "
         "one whole unit at a time, so its buffers hold a unit's state ({}{}); smaller units (layers) are the way "
@@ -219,7 +219,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
         opt_tiers[static_cast<int>(Tier::kNvme)] > 0 ? fmt::format(" each, {} NVMe swap buffers", opt_buffers)
                                                      : std::string()));
   }
-  if (config.reduce_bucket_size < largest_numel) {
+  if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     b.plan.notes.push_back(fmt::format(
         "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced one "
         "whole unit at a time, so a bucket is that unit's fp32 gradient ({}{})",

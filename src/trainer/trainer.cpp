@@ -972,9 +972,9 @@ TrainResult train(const TrainOptions& o) {
     const double total = since(t_start);
     // A resumed run says which steps it ran (it said "9 steps" for steps 7-9).
     const std::string ran = start_step >= steps ? fmt::format("resumed at step {}: no step left", start_step)
-                            : start_step + 1 == steps ? fmt::format("step {} of {}, resumed", steps, steps)
+                            : start_step > 0 && start_step + 1 == steps ? fmt::format("step {} of {}, resumed", steps, steps)
                             : start_step > 0   ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
-                                               : fmt::format("{} steps", steps);
+                                               : fmt::format("{} step{}", steps, steps == 1 ? "" : "s");
     std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, final loss %.4f)\n", ran.c_str(), total,
                  tokens_per_step * double(steps - start_step) / since(loop_start),
                  result.steps.empty() ? NAN : result.steps.back().loss);
