@@ -83,20 +83,18 @@ struct DoneEvent {
     (void)cudaSetDevice(ordinal);
     (void)cudaEventDestroy(ev);
   }
-  // Done, or failed: a fault of the kernels before it (sticky) is no reason to wait on until the
-  // watchdog's timeout, which would then call it "still running". `failure` says which.
-  bool done() {
+  // cudaSuccess, cudaErrorNotReady, or the failure of the work before it (a sticky fault is no
+  // reason to wait on until the watchdog's timeout, which would call it "still running"). Read
+  // by the watchdog and the enqueuing thread at once: nothing is stored.
+  cudaError_t status() const {
     (void)cudaSetDevice(ordinal);
     const cudaError_t q = cudaEventQuery(ev);
-    if (q == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    if (q == cudaErrorNotReady) return false;
-    failure = q;
-    return true;
+    if (q != cudaSuccess) (void)cudaGetLastError();
+    return q;
   }
+  bool done() const { return status() != cudaErrorNotReady; }
   int ordinal;
   cudaEvent_t ev = nullptr;
-  cudaError_t failure = cudaSuccess;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -189,10 +187,11 @@ class NcclCommunicator final : public Communicator {
       note_in_flight(what);
     }
     watchdog_.begin(what, [this, done, what] {
-      if (!done->done()) return false;
-      if (done->failure != cudaSuccess)  // said now; the stream's next synchronize throws it
-        log::error("collective {} on rank {}: the GPU reported {} ({})", what, rank(), cudaGetErrorName(done->failure),
-                   cudaGetErrorString(done->failure));
+      const cudaError_t q = done->status();
+      if (q == cudaErrorNotReady) return false;
+      if (q != cudaSuccess)  // said now; the stream's next synchronize throws it
+        log::error("collective {} on rank {}: the GPU reported {} ({})", what, rank(), cudaGetErrorName(q),
+                   cudaGetErrorString(q));
       std::lock_guard<std::mutex> nl(note_mu_);
       if (--in_flight_ == 0) note_done();
       return true;

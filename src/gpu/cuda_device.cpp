@@ -300,6 +300,10 @@ class CudaEvent final : public detail::EventImpl {
  public:
   CudaEvent() { STRATA_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
   ~CudaEvent() override {
+    try {
+      DeviceGuard guard(ordinal);  // the last Event may go on any thread (see query)
+    } catch (...) {
+    }
     if (cudaEventDestroy(event) != cudaSuccess) (void)cudaGetLastError();
   }
   // Asked from any thread (the engine's optimizer and I/O threads): the event's GPU first, or a
@@ -425,8 +429,9 @@ class CudaDevice final : public Device {
   Block* malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock);
   // Returns every cached block to CUDA; waits for their events and frees with `lock` released.
   void release_cached(std::unique_lock<std::mutex>& lock);
-  // Blocks freed without a stream inside a host function: cached once the device is idle.
-  void adopt_deferred();
+  // Blocks freed without a stream inside a host function (deferred_), cached once a device-wide
+  // wait that began after their free has ended (with mu_ held).
+  void adopt(std::vector<Block*>& blocks);
   cudaEvent_t acquire_event();
   void release_event(cudaEvent_t ev) { event_pool_.push_back(ev); }
   [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, std::string detail = {});
@@ -442,6 +447,8 @@ class CudaDevice final : public Device {
   DeviceStats stats_;
   std::multimap<std::size_t, Block*> cached_;  // by rounded size
   std::vector<Block*> deferred_;                // freed in a host function, no stream to order on
+  std::size_t releasing_ = 0;                   // blocks release_cached is freeing with mu_ released
+  std::condition_variable released_cv_;         // signalled when releasing_ falls
   std::vector<cudaEvent_t> event_pool_;
   std::unordered_map<std::uint64_t, CudaStream*> streams_;
   std::vector<std::unique_ptr<StreamResources>> spare_resources_;
@@ -473,7 +480,7 @@ CudaDevice::~CudaDevice() {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
     std::unique_lock<std::mutex> lock(mu_);
-    adopt_deferred();
+    adopt(deferred_);  // the device is idle (synchronized above) and its streams gone
     if (!streams_.empty())
       log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
     if (stats_.bytes_in_use != 0)
@@ -539,13 +546,24 @@ DeviceStats CudaDevice::stats() const {
 }
 
 void CudaDevice::synchronize() {
+  // Only the blocks deferred before the wait began are past their use after it (a host function
+  // may defer another meanwhile).
+  std::vector<Block*> ready;
   {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready.swap(deferred_);
+  }
+  try {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    deferred_.insert(deferred_.end(), ready.begin(), ready.end());
+    throw;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    adopt_deferred();
+    adopt(ready);
   }
   gpu::flush_gpu_spans();
   std::vector<CudaStream*> live;
@@ -641,11 +659,19 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::un
       release_cached(lock);
     }
     if (stats_.bytes_reserved + size > capacity_ && !deferred_.empty()) {
-      // Freed inside host functions: theirs once the device is idle.
+      // Freed inside host functions: reusable once the device is idle (those deferred before the
+      // wait began; a host function may defer another meanwhile).
+      std::vector<Block*> ready;
+      ready.swap(deferred_);
       lock.unlock();
-      STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+      const cudaError_t err = cudaDeviceSynchronize();
       lock.lock();
-      adopt_deferred();
+      if (err != cudaSuccess) {
+        deferred_.insert(deferred_.end(), ready.begin(), ready.end());
+        throw_cuda(err, "cudaDeviceSynchronize()", __FILE__, __LINE__);
+      }
+      adopt(ready);
+      ++stats_.num_alloc_waits;
       release_cached(lock);
     }
   }
@@ -654,6 +680,9 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::un
   cudaError_t err = cudaMalloc(&p, size);
   if (err == cudaErrorMemoryAllocation && !t_in_host_worker) {
     (void)cudaGetLastError();
+    // Bytes another thread is returning to CUDA left bytes_reserved before their cudaFree: wait
+    // for them rather than fail while they are on their way.
+    released_cv_.wait(lock, [&] { return releasing_ == 0; });
     release_cached(lock);
     err = cudaMalloc(&p, size);
   }
@@ -683,6 +712,7 @@ void CudaDevice::release_cached(std::unique_lock<std::mutex>& lock) {
     stats_.bytes_reserved -= b->size;
   }
   cached_.clear();
+  releasing_ += blocks.size();
   lock.unlock();
   std::vector<cudaEvent_t> done;
   std::exception_ptr failure;
@@ -699,17 +729,19 @@ void CudaDevice::release_cached(std::unique_lock<std::mutex>& lock) {
     delete b;
   }
   lock.lock();
+  releasing_ -= blocks.size();
+  released_cv_.notify_all();
   for (cudaEvent_t ev : done) release_event(ev);
   if (failure) std::rethrow_exception(failure);
 }
 
-void CudaDevice::adopt_deferred() {
-  for (Block* b : deferred_) {
+void CudaDevice::adopt(std::vector<Block*>& blocks) {
+  for (Block* b : blocks) {
     b->stream_id = 0;
     b->stream = nullptr;
     cached_.emplace(b->size, b);
   }
-  deferred_.clear();
+  blocks.clear();
 }
 
 cudaEvent_t CudaDevice::acquire_event() {
