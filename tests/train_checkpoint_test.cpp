@@ -560,6 +560,19 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   EXPECT_FALSE(fs::exists(dir.path + "/step-6")) << "saved beside the link";
   EXPECT_NE(slurp(p.out).find("checkpoints in " + ck + " (newest: " + ck + "/step-6)"), std::string::npos)
       << slurp(p.out);
+  // A folder of checkpoints whose step-<N> links into another folder: resuming the folder saves in
+  // it, where its next resume looks (it saved beside the link's target, and the next resume of
+  // the folder took the old step again).
+  const std::string mine = dir.path + "/mine";
+  fs::create_directories(mine);
+  fs::create_directory_symlink(ck + "/step-6", mine + "/step-6");
+  a = args(dir.path + "/e.jsonl", {"--save-every", "1", "--resume", mine});
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "7";
+  p = spawn(a, dir.path, "folder-of-links");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_TRUE(fs::exists(mine + "/step-7/manifest.json"));
+  EXPECT_FALSE(fs::exists(ck + "/step-7")) << "saved beside the link's target";
 }
 
 // A run killed while writing --out after its last checkpoint (a temporary file of the save left

@@ -94,7 +94,8 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
 std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest = nullptr);
 
 struct FoundCheckpoint {
-  std::string dir;  // the step-<N> folder
+  std::string dir;   // the step-<N> folder
+  std::string root;  // the folder of step-<N> folders it was found in; empty when given itself
   std::int64_t step = 0;
   nlohmann::json manifest;
 };

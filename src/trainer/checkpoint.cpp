@@ -344,6 +344,7 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
       continue;
     }
     fc.dir = dir;
+    fc.root = root;
     fc.step = st;
     return fc;
   }

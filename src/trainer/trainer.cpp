@@ -339,7 +339,11 @@ TrainResult train(const TrainOptions& o) {
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
   std::string ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
-  if (ckpt_root.empty() && !resume.dir.empty()) {
+  if (ckpt_root.empty() && !resume.root.empty()) {
+    // --resume named a folder of checkpoints (or a run's): the next resume of it looks there,
+    // whatever its step-<N> entries link to.
+    ckpt_root = resume.root;
+  } else if (ckpt_root.empty() && !resume.dir.empty()) {
     // Beside the resumed one, where it really is: "--resume latest" with latest -> ck/step-2
     // continues in ck/, not beside the link ("P/step-4/" and "step-4" too).
     std::error_code ec;
@@ -363,6 +367,7 @@ TrainResult train(const TrainOptions& o) {
     if (!resume.dir.empty()) {
       const fs::path resumed = fs::canonical(resume.dir, ec);  // links, "P/step-4/", ".."
       continues = !ec && fs::equivalent(resumed.parent_path(), ckpt_root, ec);
+      if (!continues && !resume.root.empty()) continues = fs::equivalent(resume.root, ckpt_root, ec);
     }
     STRATA_REQUIRE(there.empty() || continues,
                    "{} {} already holds checkpoints of another run (newest: {}), which this run's would replace: "
