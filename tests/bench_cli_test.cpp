@@ -528,6 +528,7 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            // chunk no longer taken as 0.
            {{"nvme", "--path", d.path + "/afile", "--size", "8M"}, "--path '" + d.path + "/afile' is a file, not a folder"},
            {{"nvme", "--path", d.path + "/nope", "--size", "8M"}, "--path '" + d.path + "/nope' is not there: create"},
+           {{"adam", "--params", "-3k"}, "--params: '-3k' is not a count"},
            {{"model", "--seq", "0"}, "--seq: must be > 0, got 0"},
            {{"model", "--layers", "0"}, "--layers: must be > 0, got 0"},
            {{"model", "--loss-chunk-rows", "-5"}, "--loss-chunk-rows: must be >= 0, got -5"}}) {

@@ -188,6 +188,27 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
                        "--config or --dtype bf16"), std::string::npos) << c.err;
 }
 
+// The demo model under a --config whose micro-batches do not fit its 20 MiB device: one line (it
+// was two) that says where the cap comes from.
+TEST_F(TrainCli, TheDemoRunningOutOfItsCapSaysWhereTheCapComesFrom) {
+  TempDir nv;
+  const std::string ds = dir.path + "/ds.json";
+  std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+    "bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv.path + R"("},
+      "offload_param": {"device": "nvme", "nvme_path": ")" + nv.path + R"("},
+      "stage3_prefetch_bucket_size": 1e6, "stage3_param_persistence_threshold": 1e4}})";
+  const Result r = train({"--config", ds, "--steps", "3", "--device", "cpu"}, "demo-oom");
+  if (r.status == 0) GTEST_SKIP() << "the micro-batches fitted this time";
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, below its "
+                       "weights)"), std::string::npos) << r.err;
+  std::istringstream lines(r.err);
+  int own = 0;  // lines that are not the log's
+  for (std::string l; std::getline(lines, l);) own += l.rfind("[strata]", 0) != 0;
+  EXPECT_EQ(own, 1) << r.err;
+}
+
 // A fresh one-step run is not "resumed" (its summary said "step 1 of 1, resumed").
 TEST_F(TrainCli, AFreshOneStepRunIsNotCalledResumed) {
   const Result r = train(args(dir.path + "/one.jsonl", {}, "1"), "one-step");

@@ -11,6 +11,7 @@
 //  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads.
 // The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
 // kSkipStep pre-check pass to show its cost.
+#include <cctype>
 #include <map>
 #include <algorithm>
 #include <cstdint>
@@ -305,10 +306,23 @@ void add_adam_command(CLI::App& app) {
     bool json = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--params", args->params, "parameters per step, e.g. 100M, 2500k or 100000000 (default 100M)")
-      ->transform(CLI::AsNumberWithUnit(std::map<std::string, std::size_t>{{"k", 1000}, {"m", 1000000}, {"g", 1000000000}},
-                                        static_cast<CLI::AsNumberWithUnit::Options>(CLI::AsNumberWithUnit::CASE_INSENSITIVE |
-                                                                                  CLI::AsNumberWithUnit::UNIT_OPTIONAL)))
+  cmd->add_option("--params", args->params,
+                  "parameters per step, e.g. 100M (M = 10^6), 2500k or 100000000 (default 100M)")
+      ->transform(CLI::Validator(
+          [](std::string& v) {  // "100M" -> "100000000" (k, M, G: 10^3, 10^6, 10^9)
+            std::size_t digits = 0;
+            while (digits < v.size() && std::isdigit(static_cast<unsigned char>(v[digits]))) ++digits;
+            const std::string unit = v.substr(digits);
+            const std::uint64_t mult = unit.empty() ? 1
+                                       : unit == "k" || unit == "K" ? 1000
+                                       : unit == "m" || unit == "M" ? 1000000
+                                       : unit == "g" || unit == "G" ? 1000000000
+                                                                    : 0;
+            if (digits == 0 || mult == 0 || digits > 12) return "'" + v + "' is not a count: write e.g. 100M, 2500k or 100000000";
+            v = std::to_string(std::stoull(v.substr(0, digits)) * mult);
+            return std::string();
+          },
+          "", "count"))
       ->check(strata::tools::kPositive);
   auto* threads_opt =
       cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2, up to the usable cores)")

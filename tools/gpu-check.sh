@@ -51,11 +51,16 @@ if [ -z "$build" ] && [ -x "$here/strata-bench" ] && [ -d "$here/../lib" ]; then
   export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # for the test binaries
   out=${out:-$PWD/gpu-check}
 else
+  given_build=$build
   build=${build:-$here/../build}
   # A build folder that is not there is a typo, not one to make (only --make builds into it).
   [ "$make" = 1 ] && mkdir -p "$build" 2>/dev/null
   [ -d "$build" ] || {
-    echo "gpu-check.sh: --build $build: no such folder (give the build folder, or add --make to build one there)" >&2
+    if [ -n "$given_build" ]; then
+      echo "gpu-check.sh: --build $build: no such folder (give the build folder, or add --make to build one there)" >&2
+    else
+      echo "gpu-check.sh: no build folder at $build (the default): give --build DIR, --tests DIR, or add --make" >&2
+    fi
     exit 2
   }
   build=$(cd "$build" && pwd)

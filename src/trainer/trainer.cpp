@@ -870,10 +870,14 @@ TrainResult train(const TrainOptions& o) {
         STRATA_THROW(kOutOfMemory,
                      "step {}: the device ran out of memory during a micro-batch (its activations are not in the "
                      "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on the "
-                     "device (--config: offload_param, stage3_max_live_parameters)\n{}",
+                     "device (--config: offload_param, stage3_max_live_parameters) ({})",
                      step, B, seq_len,
                      mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
-                     dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb" : "",
+                     demo_model && o.device_mem_gb <= 0
+                         ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
+                           "below its weights)"
+                     : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
+                                                                              : "",
                      e.user_message());
       }
     }
