@@ -12,7 +12,6 @@
 // The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
 // kSkipStep pre-check pass to show its cost.
 #include <cctype>
-#include <map>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
