@@ -217,6 +217,12 @@ class MpiCommunicator final : public Communicator {
               if (avg) average(DType::kF32, s, in.numel);
               cpu::cast(DType::kF32, s, t, in.mem.ptr, in.numel);
             });
+          } else if (c.inputs.size() == 1) {
+            // One tensor: the blocking call, which takes Open MPI's tuned algorithms (the
+            // nonblocking one is libnbc's: half the speed from 2 MiB up, measured with 2 ranks here).
+            reqs.back() = MPI_REQUEST_NULL;
+            check(MPI_Allreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_), "MPI_Allreduce");
+            if (avg) finish.push_back([=] { average(t, in.mem.ptr, in.numel); });
           } else {
             check(MPI_Iallreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_, req), "MPI_Iallreduce");
             if (avg) finish.push_back([=] { average(t, in.mem.ptr, in.numel); });
