@@ -575,7 +575,7 @@ class HostStream final : public Stream {
           // the product lands when that time ends, as a kernel's: computed aside (from C when it
           // accumulates), so a reader on another stream missing its wait sees the old C throughout.
           const double flops = 2.0 * double(d.m) * double(d.n) * double(d.k);
-          const std::size_t c_bytes = d.c.mem.bytes;
+          const std::size_t c_bytes = std::size_t(d.m) * std::size_t(d.n) * dtype_size(d.c.dtype);  // what it writes
           thread_local std::vector<float> aside;
           aside.resize((c_bytes + 3) / 4);
           if (d.beta != 0.0f) std::memcpy(aside.data(), d.c.mem.ptr, c_bytes);
