@@ -468,6 +468,27 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_NE(testing::slurp(d.path + "/log.json").find("\"step\":2"), std::string::npos);
 }
 
+// A --config schedule sized for the whole run (total_num_steps "auto", a warmup longer than the
+// steps measured) does not stop the validation runs (each failed: "auto" is the run's 2 steps,
+// below the warmup), and the written file keeps it as given.
+TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path), ds = d.path + "/ds.json";
+  std::ofstream(ds) << R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100,
+    "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config", model, "--config", ds, "--device", "cpu", "--seq-len", "32",
+                               "--micro-batches", "2", "--no-nvme", "--out", d.path + "/best.json", "--svg", "",
+                               "--validate", "1", "--validate-steps", "2", "--top", "1", "--trace", "", "--json"},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0) << r.out;
+  const auto best = nlohmann::json::parse(testing::slurp(d.path + "/best.json"));
+  EXPECT_EQ(best["scheduler"]["params"]["total_num_steps"], "auto") << best.dump();
+  EXPECT_EQ(best["scheduler"]["params"]["warmup_num_steps"], 100) << best.dump();
+}
+
 // Validated candidates of different micro-batch sizes are compared by tokens a second, as the
 // search ranks them: the recommended B=8 measured 317 ms against 182 ms for a B=4 one and was
 // said to be "73.9% slower than #3", while it trained 15% faster.

@@ -224,7 +224,7 @@ TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
   const std::string ds = dir.path + "/hf.json", log = dir.path + "/hf.jsonl";
   std::ofstream(ds) << R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-      "warmup_num_steps": 1, "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
+      "warmup_num_steps": "auto", "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
   std::vector<std::string> a = args(log, {"--config", ds}, "6");
   a.erase(std::find(a.begin(), a.end(), "--warmup"), std::find(a.begin(), a.end(), "--warmup") + 2);
   a[std::size_t(std::find(a.begin(), a.end(), "--lr") - a.begin()) + 1] = "3e-5";
@@ -234,7 +234,8 @@ TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
   std::ifstream f(log);
   for (std::string line; std::getline(f, line);) lrs.push_back(nlohmann::json::parse(line).at("lr").get<double>());
   ASSERT_EQ(lrs.size(), 6u);
-  // DeepSpeed's WarmupDecayLR (log warmup over max(2, warmup_num_steps)), its maximum --lr, its
+  // DeepSpeed's WarmupDecayLR (log warmup over max(2, warmup_num_steps): "auto" is the Trainer's 0
+  // warmup steps, not strata's 1000, which --steps 6 was refused as below), its maximum --lr, its
   // total --steps 6: 0, 0, lr, lr, then lr (6-3)/(6-2) and (6-4)/(6-2).
   const double lr = double(3e-5f);
   EXPECT_EQ(lrs[0], 0.0);

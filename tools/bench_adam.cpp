@@ -318,7 +318,9 @@ void add_adam_command(CLI::App& app) {
                                        : unit == "g" || unit == "G" ? 1000000000
                                                                     : 0;
             if (digits == 0 || mult == 0 || digits > 12) return "'" + v + "' is not a count: write e.g. 100M, 2500k or 100000000";
-            v = std::to_string(std::stoull(v.substr(0, digits)) * mult);
+            const std::uint64_t n = std::stoull(v.substr(0, digits));
+            if (n > UINT64_MAX / mult) return "'" + v + "' is more than any memory holds";
+            v = std::to_string(n * mult);
             return std::string();
           },
           "", "count"))

@@ -639,8 +639,12 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
                        const std::string& trace_file, int index) {
   const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
   {
+    // No schedule: a step's time does not depend on its lr, and a schedule the --config sizes for
+    // the whole run ("auto" total steps, a long warmup) may not fit the few steps measured here.
+    EngineConfig w = written_config(c.config, a.user_config, a.host_budget_given);
+    w.scheduler = LrScheduleConfig{};
     std::ofstream f(cfg_path, std::ios::trunc);
-    f << engine_config_json(written_config(c.config, a.user_config, a.host_budget_given));
+    f << engine_config_json(w);
   }
   TrainOptions o;
   o.model_dir = a.model_dir;

@@ -429,9 +429,9 @@ class CudaDevice final : public Device {
   Block* malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock);
   // Returns every cached block to CUDA; waits for their events and frees with `lock` released.
   void release_cached(std::unique_lock<std::mutex>& lock);
-  // Blocks freed without a stream inside a host function (deferred_), cached once a device-wide
-  // wait that began after their free has ended (with mu_ held).
-  void adopt(std::vector<Block*>& blocks);
+  // Caches the deferred blocks freed before deferral number `upto` (taken before a device-wide
+  // wait that has ended since), with mu_ held.
+  void adopt_deferred(std::uint64_t upto);
   cudaEvent_t acquire_event();
   void release_event(cudaEvent_t ev) { event_pool_.push_back(ev); }
   [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, std::string detail = {});
@@ -446,7 +446,10 @@ class CudaDevice final : public Device {
   mutable std::mutex mu_;  // guards everything below
   DeviceStats stats_;
   std::multimap<std::size_t, Block*> cached_;  // by rounded size
-  std::vector<Block*> deferred_;                // freed in a host function, no stream to order on
+  // Freed in a host function, no stream to order on: (the number of deferrals before it, block).
+  // They stay here (visible to other allocations) until a device-wide wait that began after them.
+  std::vector<std::pair<std::uint64_t, Block*>> deferred_;
+  std::uint64_t deferrals_ = 0;
   std::size_t releasing_ = 0;                   // blocks release_cached is freeing with mu_ released
   std::condition_variable released_cv_;         // signalled when releasing_ falls
   std::vector<cudaEvent_t> event_pool_;
@@ -480,7 +483,7 @@ CudaDevice::~CudaDevice() {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
     std::unique_lock<std::mutex> lock(mu_);
-    adopt(deferred_);  // the device is idle (synchronized above) and its streams gone
+    adopt_deferred(UINT64_MAX);  // the device is idle (synchronized above) and its streams gone
     if (!streams_.empty())
       log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
     if (stats_.bytes_in_use != 0)
@@ -548,22 +551,18 @@ DeviceStats CudaDevice::stats() const {
 void CudaDevice::synchronize() {
   // Only the blocks deferred before the wait began are past their use after it (a host function
   // may defer another meanwhile).
-  std::vector<Block*> ready;
+  std::uint64_t upto = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ready.swap(deferred_);
+    upto = deferrals_;
   }
-  try {
+  {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    deferred_.insert(deferred_.end(), ready.begin(), ready.end());
-    throw;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    adopt(ready);
+    adopt_deferred(upto);
   }
   gpu::flush_gpu_spans();
   std::vector<CudaStream*> live;
@@ -654,24 +653,17 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::un
       "blocks (the function holds its stream): allocate before queuing it";
   if (stats_.bytes_reserved + size > capacity_) {
     if (t_in_host_worker) throw_oom(requested, size, in_host_fn);
-    if (!cached_.empty()) {
-      ++stats_.num_alloc_waits;
-      release_cached(lock);
-    }
+    if (!cached_.empty() || !deferred_.empty()) ++stats_.num_alloc_waits;
+    release_cached(lock);
     if (stats_.bytes_reserved + size > capacity_ && !deferred_.empty()) {
       // Freed inside host functions: reusable once the device is idle (those deferred before the
       // wait began; a host function may defer another meanwhile).
-      std::vector<Block*> ready;
-      ready.swap(deferred_);
+      const std::uint64_t upto = deferrals_;
       lock.unlock();
       const cudaError_t err = cudaDeviceSynchronize();
       lock.lock();
-      if (err != cudaSuccess) {
-        deferred_.insert(deferred_.end(), ready.begin(), ready.end());
-        throw_cuda(err, "cudaDeviceSynchronize()", __FILE__, __LINE__);
-      }
-      adopt(ready);
-      ++stats_.num_alloc_waits;
+      if (err != cudaSuccess) throw_cuda(err, "cudaDeviceSynchronize()", __FILE__, __LINE__);
+      adopt_deferred(upto);
       release_cached(lock);
     }
   }
@@ -682,7 +674,9 @@ Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::un
     (void)cudaGetLastError();
     // Bytes another thread is returning to CUDA left bytes_reserved before their cudaFree: wait
     // for them rather than fail while they are on their way.
-    released_cv_.wait(lock, [&] { return releasing_ == 0; });
+    // Bounded: should a block's event wait on this thread (it never does in strata), the request
+    // fails as out of memory rather than hangs.
+    released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0; });
     release_cached(lock);
     err = cudaMalloc(&p, size);
   }
@@ -735,13 +729,14 @@ void CudaDevice::release_cached(std::unique_lock<std::mutex>& lock) {
   if (failure) std::rethrow_exception(failure);
 }
 
-void CudaDevice::adopt(std::vector<Block*>& blocks) {
-  for (Block* b : blocks) {
-    b->stream_id = 0;
-    b->stream = nullptr;
-    cached_.emplace(b->size, b);
-  }
-  blocks.clear();
+void CudaDevice::adopt_deferred(std::uint64_t upto) {
+  std::erase_if(deferred_, [&](const std::pair<std::uint64_t, Block*>& d) {
+    if (d.first >= upto) return false;
+    d.second->stream_id = 0;
+    d.second->stream = nullptr;
+    cached_.emplace(d.second->size, d.second);
+    return true;
+  });
 }
 
 cudaEvent_t CudaDevice::acquire_event() {
@@ -788,7 +783,7 @@ void CudaDevice::do_free(void* block) noexcept {
     // No stream to order the free on: wait until no work can still use the block. Inside a host
     // function that wait would be for itself: the block waits for the next device-wide wait.
     if (t_in_host_worker) {
-      deferred_.push_back(b);
+      deferred_.emplace_back(deferrals_++, b);
       return;
     }
     lock.unlock();

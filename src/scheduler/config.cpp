@@ -119,11 +119,17 @@ void drop_auto_values(Json& obj, const std::string& path, std::set<std::string>&
   for (auto it = obj.begin(); it != obj.end();) {
     const std::string key = path.empty() ? it.key() : path + "." + it.key();
     if (it->is_string() && it->get<std::string>() == "auto") {
-      log::warn_once(
-          "config.auto." + key,
-          fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
-                      "treated as not given, so strata's default or derived value applies",
-                      key));
+      // Three are read as the Trainer fills them in (parse_scheduler); the rest are not given.
+      const char* as = key == "scheduler.params.warmup_max_lr"      ? "the learning rate (--lr, else optimizer.params.lr)"
+                       : key == "scheduler.params.total_num_steps"  ? "the run's steps (strata-train's --steps)"
+                       : key == "scheduler.params.warmup_num_steps" ? "0 warmup steps, the Trainer's default"
+                                                                    : nullptr;
+      log::warn_once("config.auto." + key,
+                     as ? fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): read as {}",
+                                      key, as)
+                        : fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
+                                      "treated as not given, so strata's default or derived value applies",
+                                      key));
       dropped.insert(key);
       it = obj.erase(it);
       continue;
@@ -335,7 +341,10 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
   } else {
     p.warn_unknown({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"});
   }
-  l.warmup_num_steps = p.get_int("warmup_num_steps", l.warmup_num_steps);
+  // "auto": the Trainer's warmup steps, 0 unless it is told otherwise (strata's default, 1000,
+  // would be no one's choice here).
+  if (auto_keys.count("scheduler.params.warmup_num_steps")) l.warmup_num_steps = 0;
+  else l.warmup_num_steps = p.get_int("warmup_num_steps", l.warmup_num_steps);
   STRATA_REQUIRE(l.warmup_num_steps >= 0, "config key '{}' = {}: must be >= 0",
                  p.key_path("warmup_num_steps"), l.warmup_num_steps);
   l.warmup_type = p.get_choice("warmup_type", l.warmup_type, {"log", "linear"});

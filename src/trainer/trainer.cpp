@@ -629,7 +629,8 @@ TrainResult train(const TrainOptions& o) {
     if (e.kind() == ErrorKind::kOutOfMemory && o.device_mem_gb > 0)
       STRATA_THROW(kOutOfMemory, "{}\n(--device-mem-gb {:g} caps the device: a larger one is another way)",
                    e.message(), o.device_mem_gb);
-    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.ds_config.empty()) throw;
+    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.ds_config.empty() || dev->kind() != DeviceKind::kCpu)
+      throw;  // (the 20 MiB cap is the emulated device's: a GPU runs the demo uncapped)
     STRATA_THROW(kOutOfMemory,
                  "the demo model runs on an emulated device capped at 20 MiB (below its weights), and --config {} "
                  "does not fit it: offload as the message below says, or give a larger device with "
@@ -873,7 +874,7 @@ TrainResult train(const TrainOptions& o) {
                      "device (--config: offload_param, stage3_max_live_parameters) ({})",
                      step, B, seq_len,
                      mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
-                     demo_model && o.device_mem_gb <= 0
+                     demo_model && o.device_mem_gb <= 0 && dev->kind() == DeviceKind::kCpu
                          ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
                            "below its weights)"
                      : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
