@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "strata/device.h"
@@ -83,6 +84,11 @@ class CpuAdamW {
   Isa isa() const noexcept;
   int threads() const noexcept;
   const CpuAdamWConfig& config() const noexcept;
+
+  // Why `threads` is more than oneTBB runs in this process ("oneTBB runs at most 2 threads in
+  // this process (its CPU affinity ...); use 0 (every core) or at most 2"); empty when it is not.
+  // The constructor refuses such a config with it; callers with a config key of their own name it.
+  static std::string threads_problem(int threads);
 
  private:
   struct Impl;

@@ -236,23 +236,27 @@ CpuAdamW::CpuAdamW(const CpuAdamWConfig& c) : impl_(std::make_unique<Impl>()) {
   }
   // More threads than the process may run on would be reported here and not run (oneTBB keeps to
   // the cores and says so at exit).
-  const int cores = tbb::info::default_concurrency();
-  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
-  STRATA_REQUIRE(c.threads <= cores,
-                 "CpuAdamW threads = {}: oneTBB runs at most {} thread{} in this process (its CPU affinity{}); use 0 "
-                 "(every core) or at most {}{}",
-                 c.threads, cores, cores == 1 ? "" : "s", launched ? ", which the MPI launcher set" : " or CPU quota",
-                 cores,
-                 launched ? " (mpirun binds each rank to its share of the cores: --bind-to none, or fewer ranks per "
-                            "node, gives a rank more)"
-                          : "");
-  impl_->threads = c.threads > 0 ? c.threads : cores;
+  const std::string too_many = threads_problem(c.threads);
+  STRATA_REQUIRE(too_many.empty(), "CpuAdamW threads = {}: {}", c.threads, too_many);
+  impl_->threads = c.threads > 0 ? c.threads : tbb::info::default_concurrency();
   impl_->arena = std::make_unique<tbb::task_arena>(impl_->threads);
   impl_->arena->initialize();
   if (c.binding != ThreadBinding::kNone) impl_->bind(c);
 }
 
 CpuAdamW::~CpuAdamW() = default;
+
+std::string CpuAdamW::threads_problem(int threads) {
+  const int cores = tbb::info::default_concurrency();
+  if (threads <= cores) return {};
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+  return fmt::format("oneTBB runs at most {} thread{} in this process (its CPU affinity{}); use 0 (every core) or at "
+                     "most {}{}",
+                     cores, cores == 1 ? "" : "s", launched ? ", which the MPI launcher set" : " or CPU quota", cores,
+                     launched ? " (mpirun binds each rank to its share of the cores: --bind-to none, or fewer ranks "
+                                "per node, gives a rank more)"
+                              : "");
+}
 
 Isa CpuAdamW::isa() const noexcept { return impl_->isa; }
 int CpuAdamW::threads() const noexcept { return impl_->threads; }

@@ -919,12 +919,9 @@ void Engine::finalize() {
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
   ac.isa = cfg.optimizer_isa;
-  try {
-    s.cpu_adam = std::make_unique<CpuAdamW>(ac);
-  } catch (const Error& e) {  // too many threads: named as the config key that asked for them
-    if (e.kind() != ErrorKind::kInvalidArgument || e.message().rfind("CpuAdamW threads = ", 0) != 0) throw;
-    STRATA_THROW(kInvalidArgument, "config key 'strata.optimizer_threads' = {}", e.message().substr(19));
-  }
+  const std::string too_many = CpuAdamW::threads_problem(cfg.optimizer_threads);  // named as the key that asked
+  STRATA_REQUIRE(too_many.empty(), "config key 'strata.optimizer_threads' = {}: {}", cfg.optimizer_threads, too_many);
+  s.cpu_adam = std::make_unique<CpuAdamW>(ac);
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
     SwapStoreOptions so;
