@@ -207,8 +207,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   // DeepSpeed splits at these sizes; this engine works a whole unit at a time. A value below the
   // largest unit, the reason a user sets it (less pinned or device memory), is said, not ignored.
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
-  std::uint64_t largest_numel = 0;
-  for (const UnitSize& u : in.units) largest_numel = std::max<std::uint64_t>(largest_numel, u.numel);
+  const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
   const std::uint64_t W = std::uint64_t(in.world_size);
   if (config.sub_group_size_given && config.sub_group_size < (largest_numel + W - 1) / W && host_optimizer) {
     b.plan.notes.push_back(fmt::format(
