@@ -208,13 +208,13 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   // largest unit, the reason a user sets it (less pinned or device memory), is said, not ignored.
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
   const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
-  const std::uint64_t W = std::uint64_t(in.world_size);
-  if (config.sub_group_size_given && config.sub_group_size < (largest_numel + W - 1) / W && host_optimizer) {
+  const std::uint64_t W = std::uint64_t(in.world_size), largest_share = (largest_numel + W - 1) / W;
+  if (config.sub_group_size_given && config.sub_group_size < largest_share && host_optimizer) {
     b.plan.notes.push_back(fmt::format(
         "zero_optimization.sub_group_size {} is below the largest unit's shard ({} elements): the optimizer steps "
         "one whole unit at a time, so its buffers hold a unit's state ({}{}); smaller units (layers) are the way "
         "to smaller buffers",
-        config.sub_group_size, (largest_numel + W - 1) / W, human(largest_shard * 12),
+        config.sub_group_size, largest_share, human(largest_shard * 12),
         opt_tiers[static_cast<int>(Tier::kNvme)] > 0 ? fmt::format(" each, {} NVMe swap buffers", opt_buffers)
                                                      : std::string()));
   }

@@ -568,6 +568,8 @@ TrainResult train(const TrainOptions& o) {
   dopt.val_fraction = o.eval_every > 0 ? 0.1 : 0.0;  // (it shapes the train split: recorded, compared on resume)
 
   auto dev = make_device(o.device, hopt, copt);
+  // Under the demo's 20 MiB cap (set on the emulated device's options above; a GPU runs it uncapped).
+  const bool demo_capped = demo_model && o.device_mem_gb <= 0 && dev->kind() == DeviceKind::kCpu;
   auto comm = make_communicator(*dev);
   STRATA_CHECK(comm->rank() == rank && comm->world_size() == world, "the communicator disagrees with the launcher");
   require_same_settings(
@@ -629,8 +631,7 @@ TrainResult train(const TrainOptions& o) {
     if (e.kind() == ErrorKind::kOutOfMemory && o.device_mem_gb > 0)
       STRATA_THROW(kOutOfMemory, "{}\n(--device-mem-gb {:g} caps the device: a larger one is another way)",
                    e.message(), o.device_mem_gb);
-    if (e.kind() != ErrorKind::kOutOfMemory || !demo_model || o.ds_config.empty() || dev->kind() != DeviceKind::kCpu)
-      throw;  // (the 20 MiB cap is the emulated device's: a GPU runs the demo uncapped)
+    if (e.kind() != ErrorKind::kOutOfMemory || !demo_capped || o.ds_config.empty()) throw;
     STRATA_THROW(kOutOfMemory,
                  "the demo model runs on an emulated device capped at 20 MiB (below its weights), and --config {} "
                  "does not fit it: offload as the message below says, or give a larger device with "
@@ -874,7 +875,7 @@ TrainResult train(const TrainOptions& o) {
                      "device (--config: offload_param, stage3_max_live_parameters) ({})",
                      step, B, seq_len,
                      mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
-                     demo_model && o.device_mem_gb <= 0 && dev->kind() == DeviceKind::kCpu
+                     demo_capped
                          ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
                            "below its weights)"
                      : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
