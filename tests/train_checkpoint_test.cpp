@@ -290,6 +290,10 @@ class TrainBinary : public ::testing::Test {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
+  // `a` (from args) with --steps `steps` instead of 10.
+  static void set_steps(std::vector<std::string>& a, const std::string& steps) {
+    a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = steps;
+  }
   // The straight 10-step run's log (computed once per test).
   std::map<std::int64_t, nlohmann::json> straight() {
     const std::string log = dir.path + "/straight.jsonl";
@@ -313,7 +317,7 @@ class TrainBinary : public ::testing::Test {
   // Two steps, checkpointed at step 2 under `ck`.
   void two_steps_saved_in(const std::string& ck) {
     auto a = args(dir.path + "/a.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
-    a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+    set_steps(a, "2");
     Proc p = spawn(a, dir.path, "first");
     const int st = wait_status(p.pid);
     ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -396,7 +400,7 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
   // With checkpoints: where to continue from.
   const std::string ck = dir.path + "/ck", log = dir.path + "/ck.jsonl";
   auto a = args(log, {"--save-every", "1", "--checkpoint-dir", ck});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "1000";  // the kill always lands
+  set_steps(a, "1000");  // the kill always lands
   Proc p = spawn(a, dir.path, "saving");
   bool saved = false;
   for (int i = 0; i < 60000 && !saved; ++i) {  // up to 60 s: step 2 logged (after its checkpoint)
@@ -468,7 +472,7 @@ TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLefto
   left("step-3.tmp-1", std::string(host) + " 1");
   left("step-3.tmp-77", "another-host-" + std::string(host) + " 2147483646");
   auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--resume", ck + "/step-2/", "--eval-every", "100"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  set_steps(a, "4");
   Proc p = spawn(a, dir.path, "resumed");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -527,7 +531,7 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
   const std::string before = slurp(ck + "/step-2/manifest.json");
   auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  set_steps(a, "2");
   Proc p = spawn(a, dir.path, "fresh");
   int st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.out);
@@ -540,7 +544,7 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   // taken for another run's).
   fs::create_directory_symlink(ck + "/step-2", dir.path + "/latest");
   a = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--resume", dir.path + "/latest"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  set_steps(a, "4");
   p = spawn(a, dir.path, "continue");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -552,7 +556,7 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   fs::remove(dir.path + "/latest");
   fs::create_directory_symlink(ck + "/step-4", dir.path + "/latest");
   a = args(dir.path + "/d.jsonl", {"--save-every", "2", "--resume", dir.path + "/latest"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "6";
+  set_steps(a, "6");
   p = spawn(a, dir.path, "through-link");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -567,7 +571,7 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   fs::create_directories(mine);
   fs::create_directory_symlink(ck + "/step-6", mine + "/step-6");
   a = args(dir.path + "/e.jsonl", {"--save-every", "1", "--resume", mine});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "7";
+  set_steps(a, "7");
   p = spawn(a, dir.path, "folder-of-links");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -585,7 +589,7 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   fs::create_directories(out);
   std::ofstream(out + "/.strata-tmp-model.safetensors") << "half a file";
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--out", out});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  set_steps(a, "2");
   Proc p = spawn(a, dir.path, "finish");
   int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -594,7 +598,7 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   EXPECT_TRUE(read_log(dir.path + "/b.jsonl").empty()) << "a step ran";
   // Without --out: refused, naming the way to the model.
   a = args(dir.path + "/c.jsonl", {"--resume", ck});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "2";
+  set_steps(a, "2");
   p = spawn(a, dir.path, "no-out");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
@@ -608,7 +612,7 @@ TEST_F(TrainBinary, AResumeWithAnotherWeightDecayWarns) {
   const std::string ck = dir.path + "/ck";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--weight-decay", "0.1"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  set_steps(a, "3");
   Proc p = spawn(a, dir.path, "wd");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -649,7 +653,7 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
     }
   }
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "2"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "4";
+  set_steps(a, "4");
   Proc p = spawn(a, dir.path, "full");
   const int st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.err);
@@ -682,7 +686,7 @@ TEST_F(TrainBinary, AStepSetAsideByARunThatDiedIsTakenWhenItsStepIsMissing) {
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
   fs::rename(ck + "/step-2", ck + "/step-2.old-99999");
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  set_steps(a, "3");
   Proc p = spawn(a, dir.path, "aside");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -701,7 +705,7 @@ TEST_F(TrainBinary, AStepSetAsideBesideItsCompleteStepIsRemovedByTheNextSave) {
   // step 2, so resume skips it).
   fs::copy(ck + "/step-2", ck + "/step-1.old-99998", fs::copy_options::recursive);
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "3"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  set_steps(a, "3");
   Proc p = spawn(a, dir.path, "aside-beside");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
@@ -732,7 +736,7 @@ TEST_F(TrainBinary, AStepSetAsideBesideADamagedStepIsTakenAndKept) {
     f.write(&c, 1);
   }
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck, "--save-every", "3"});
-  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "3";
+  set_steps(a, "3");
   Proc p = spawn(a, dir.path, "aside-damaged");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
