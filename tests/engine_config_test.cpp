@@ -635,19 +635,19 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_TRUE(p.fits);
   EXPECT_TRUE(p.notes.empty());
 
-  // sub_group_size and reduce_bucket_size below a unit (DeepSpeed would split it; this engine
-  // works unit by unit): said in the plan's notes, not ignored in silence.
+  // sub_group_size below a unit: the host optimizer steps it a sub-group (here one page of 2048
+  // elements, the least) at a time, so two sub-groups' new weights are staged, not two shards'.
+  // reduce_bucket_size below a unit (DeepSpeed would split it; this engine reduces unit by
+  // unit): said in the plan's notes, not ignored in silence.
   const MemoryPlan small = plan_memory(
       synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
                           "reduce_bucket_size": 1000)"),
       synthetic_inputs());
-  ASSERT_EQ(small.notes.size(), 2u) << small.table();
-  EXPECT_NE(small.notes[0].find("zero_optimization.sub_group_size 1000 is below the largest unit's shard (409601 "
-                                "elements): the optimizer steps one whole unit at a time"), std::string::npos)
-      << small.notes[0];
-  EXPECT_NE(small.notes[1].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
-                                "elements)"), std::string::npos) << small.notes[1];
-  EXPECT_EQ(small.host_bytes, p.host_bytes);  // planned as what the engine does
+  EXPECT_EQ(line(small, "new compute-weight staging (2 x 2048 elements)", Tier::kHost), 2u * 2048 * 2);
+  EXPECT_EQ(small.host_bytes, p.host_bytes - 1'646'592u + 2u * 2048 * 2);
+  ASSERT_EQ(small.notes.size(), 1u) << small.table();
+  EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
+                                "elements)"), std::string::npos) << small.notes[0];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).
   const EngineConfig dflt = parse_engine_config(
@@ -706,12 +706,12 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
   // offload_param.buffer_count (5) whole shards read ahead (buffer_size is stored).
   EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost), 5u * 411648 * 2);
   // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind, each
-  // a unit's state (the engine steps unit by unit: sub_group_size 1e5 is stored).
-  EXPECT_EQ(line(p, "optimizer swap buffers", Tier::kHost), 4u * 411648 * 12);
-  EXPECT_EQ(line(p, "new compute-weight staging", Tier::kHost), 2u * 411648 * 2);
+  // one sub-group's state: sub_group_size 1e5 in whole pages of 2048 elements is 98304.
+  EXPECT_EQ(line(p, "optimizer swap buffers (4 x 98304 elements' state", Tier::kHost), 4u * 98304 * 12);
+  EXPECT_EQ(line(p, "new compute-weight staging (2 x 98304 elements)", Tier::kHost), 2u * 98304 * 2);
   // u2's new weights (persistent: on the device) wait in host memory until it switches.
   EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 2048u * 2);
-  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 19'759'104u + 1'646'592u + 4'096u);
+  EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'718'592u + 393'216u + 4'096u);
   EXPECT_EQ(line(p, "compute weights", Tier::kNvme), (1028096u - 2048) * 2);  // not u2's
   EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
   // The early optimizer step writes its second copies to NVMe too.
@@ -797,10 +797,11 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   EXPECT_EQ(q.host_capacity, 15'000'000u);  // strata.host_budget_bytes wins over the machine
   ASSERT_EQ(q.problems.size(), 2u);
   EXPECT_EQ(q.problems[0].rfind("host:", 0), 0u) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("17927744 bytes missing"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("1633856 bytes missing"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count (now 4"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("offload_param.buffer_count (now 5"), std::string::npos) << q.problems[0];
-  EXPECT_EQ(q.problems[0].find("sub_group_size"), std::string::npos) << "the engine does not use it";
+  EXPECT_NE(q.problems[0].find("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold 98304 "
+                               "elements' state each, 1.12 MiB)"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("strata.host_budget_bytes"), std::string::npos) << q.problems[0];
   EXPECT_EQ(q.problems[1].rfind("nvme:", 0), 0u) << q.problems[1];
   // 14389248 bytes of state in two stores, whole 1 MiB stripes each: 2 + 12 MiB.

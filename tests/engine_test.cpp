@@ -623,7 +623,7 @@ TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
   s.cfg.aio.inject_faults = {{FaultKind::kEnospc, 7}};
   const std::string w = error_of_train(s, model, "ENOSPC");
   EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
-  EXPECT_NE(w.find("swap key 'o1'"), std::string::npos) << w;
+  EXPECT_NE(w.find("swap key 'o1.0'"), std::string::npos) << w;  // unit 1, sub-group 0
 }
 
 // The early optimizer step (strata.overlap_optimizer): each unit's host AdamW runs as soon as
@@ -728,6 +728,53 @@ TEST(Engine, EarlyOptimizerStepIsKeptAndBitIdentical) {
       EXPECT_EQ(off.stats.early_units_kept + off.stats.early_units_redone, 0u) << what;
       EXPECT_LE(on_.stats.host_pinned_peak_bytes, on_.plan.host_bytes + (std::uint64_t(2) << 20))
           << what << "\n" << on_.plan.table();
+    }
+  }
+}
+
+// zero_optimization.sub_group_size: the host optimizer steps each unit's shard a sub-group at a
+// time and NVMe holds one key per sub-group, so the pinned buffers between them hold one
+// sub-group's state instead of one unit's (a billion-element embedding no longer needs several
+// 12 GB buffers). The bits do not change: early step or not, new weights to the device or the
+// optimizer's tier, a unit's last sub-group shorter than the others.
+TEST(Engine, SubGroupsGiveTheSameBitsInSmallerBuffers) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 1000, 1000, 64}, 4, 41);  // shards of 65536, 1001472, 65536 elements
+  TempDir nv;
+  for (Tier t : {Tier::kHost, Tier::kNvme}) {
+    for (Tier w : {Tier::kDevice, t}) {
+      for (const bool early : {false, true}) {
+        RunSetup whole = early_setup(nv, t);
+        whole.steps = 5;
+        whole.cfg.params = on(w);
+        whole.cfg.param_persistence_threshold = 0;
+        whole.cfg.overlap_optimizer = early;
+        whole.cfg.host_budget_bytes = 256 << 20;  // whole, four 12 MB state buffers are planned
+        RunSetup split = whole;
+        split.cfg.sub_group_size = 12288;  // 6 and 82 sub-groups, the last of each 4096 / 6144 elements
+        const std::string what =
+            fmt::format("optimizer on {}, weights on {}, early step {}", tier_name(t), tier_name(w), early);
+        const RunOut a = train(whole, model), b = train(split, model);
+        expect_identical(a, b, what.c_str());
+        if (early) {
+          EXPECT_EQ(b.stats.early_units_kept, std::uint64_t(split.steps - 1) * 3) << what;
+        }
+        EXPECT_LE(b.stats.host_pinned_peak_bytes, b.plan.host_bytes + (std::uint64_t(2) << 20)) << what << "\n"
+                                                                                                 << b.plan.table();
+        if (t != Tier::kNvme) continue;
+        // Four swap buffers (offload_optimizer.buffer_count) of one sub-group's state each.
+        const auto swap = [](const MemoryPlan& p) {
+          for (const PlanLine& l : p.lines)
+            if (l.what.rfind("optimizer swap buffers", 0) == 0) return l.bytes;
+          return std::uint64_t(0);
+        };
+        EXPECT_EQ(swap(a.plan), 4u * 1001472 * 12) << a.plan.table();
+        EXPECT_EQ(swap(b.plan), 4u * 12288 * 12) << b.plan.table();
+        // Whole: at least one 12 MB state buffer beside the 4.5 MB of gradients; in sub-groups
+        // the gradients and the new device weights (2 MB) are most of it.
+        EXPECT_LT(b.stats.host_pinned_peak_bytes + (std::uint64_t(6) << 20), a.stats.host_pinned_peak_bytes)
+            << what << ": the pinned peak did not shrink";
+      }
     }
   }
 }

@@ -162,6 +162,21 @@ TEST(EngineCheckpoint, ResumeAcrossPlacements) {
   expect_resume_matches(mc, host, nvme_config(nv2.path), 1, "saved from the host, resumed on NVMe");
 }
 
+// The checkpoint does not depend on zero_optimization.sub_group_size: state saved a sub-group at
+// a time from NVMe resumes whole on the device, and state saved whole resumes into sub-groups.
+TEST(EngineCheckpoint, ResumeAcrossSubGroupSizes) {
+  const ModelConfig mc = tiny_llama(false);  // the embedding's shard spans 3 sub-groups of 2048
+  TempDir nv1, nv2;
+  EngineConfig split = nvme_config(nv1.path);
+  split.sub_group_size = 2048;
+  expect_resume_matches(mc, split, base_config(), 1, "saved from NVMe sub-groups, resumed whole on the device");
+  EngineConfig host = base_config();
+  host.params = host.optimizer = host.grads = on(Tier::kHost);
+  EngineConfig split2 = nvme_config(nv2.path);
+  split2.sub_group_size = 4096;
+  expect_resume_matches(mc, host, split2, 1, "saved whole from the host, resumed into NVMe sub-groups");
+}
+
 TEST(EngineCheckpoint, ResumeBf16WithAccumulationAndResidentUnits) {
   const ModelConfig mc = tiny_llama(true);
   EngineConfig c = default_engine_config();  // default persistence threshold: small units resident

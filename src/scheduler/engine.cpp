@@ -62,14 +62,20 @@ class SyncedFile {
     if (fd_ >= 0) ::close(fd_);
   }
   void write(const void* data, std::size_t bytes) {
+    write_at(data, bytes, end_);
+  }
+  // At byte `offset` of the file (pwrite(2)); write() goes on after the furthest byte written.
+  void write_at(const void* data, std::size_t bytes, std::uint64_t offset) {
     const char* p = static_cast<const char*>(data);
     while (bytes > 0) {
-      const ssize_t n = ::write(fd_, p, bytes);
+      const ssize_t n = ::pwrite(fd_, p, bytes, off_t(offset));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", path_, std::strerror(errno));
       p += n;
       bytes -= std::size_t(n);
+      offset += std::uint64_t(n);
     }
+    end_ = std::max(end_, offset);
   }
   void close() {
     if (::fsync(fd_) != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path_, std::strerror(errno));
@@ -81,6 +87,7 @@ class SyncedFile {
  private:
   std::string path_;
   int fd_ = -1;
+  std::uint64_t end_ = 0;
 };
 
 std::string state_file(const std::string& dir, int rank, const char* ext) {
@@ -126,7 +133,7 @@ struct Unit {
   // grads_done / the comm stream is reached) for this step() call, so no CPU pass over it.
   std::int64_t dev_sumsq_call = -1;
   std::shared_ptr<PinnedBlock> early_w;  // new weights for a device target, until finished
-  IoHandle early_o_write, early_w_write;  // to the other NVMe key
+  std::vector<IoHandle> early_io;  // its writes to the other NVMe keys (one a sub-group and kind)
   // step() kept the early work but did not wait for it: it is finished (state and weights
   // switched to the new copy) before anything uses the unit again (Impl::finish_early).
   bool finish_pending = false;
@@ -217,7 +224,8 @@ struct Engine::Impl {
   bool early_stop = false;
   std::exception_ptr early_error;
   // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
-  std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> early_reads;
+  // (Keyed by unit and sub-group.)
+  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> early_reads;
   std::deque<IoHandle> early_writes, early_w_writes;
   // Kept early work that step() left running (Unit::finish_pending), and the fetch count of
   // the step in progress (Unit::first_fetch: the order the worker finishes them in).
@@ -237,6 +245,7 @@ struct Engine::Impl {
       STRATA_THROW(kUnsupported, "config key 'strata.optimizer_isa' = \"{}\" needs {}, which this CPU lacks; use \"auto\"",
                    isa_name(cfg.optimizer_isa), isa_requirements(cfg.optimizer_isa));
     c_size = dtype_size(cfg.compute_dtype);
+    sg = std::size_t(detail::sub_group_elems(cfg));
     device_alloc_waits_at_start = dev.stats().num_alloc_waits;
     if (cfg.fp16.enabled) {
       scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale : std::ldexp(1.0, cfg.fp16.initial_scale_power);
@@ -279,44 +288,86 @@ struct Engine::Impl {
   }
 
   SwapStore& w_swap() { return *w_store; }
-  // NVMe keys of the current (gen) or the other (1 - gen) copy.
-  static std::string key(char kind, std::size_t u, int gen) { return fmt::format("{}{}{}", kind, u, gen ? "'" : ""); }
-  std::string w_key(std::size_t u) const { return key('w', u, units[u].w_gen); }
-  std::string o_key(std::size_t u) const { return key('o', u, units[u].o_gen); }
+
+  // ---- sub-groups (zero_optimization.sub_group_size; scheduler/layout.h) ----
+  // The host optimizer steps a unit's shard one sub-group (range of `sg` elements, whole pages)
+  // at a time, and NVMe-tier optimizer state and compute weights are stored one key per
+  // sub-group: every pinned buffer between the optimizer and NVMe holds one sub-group.
+  std::size_t sg = 0;
+  std::size_t groups(const Unit& u) const { return std::size_t(detail::num_sub_groups(u.shard, sg)); }
+  detail::Range range(const Unit& u, std::size_t g) const { return detail::sub_group(u.shard, sg, g); }
+  // NVMe keys of sub-group g of the current (gen) or the other (1 - gen) copy.
+  static std::string key(char kind, std::size_t u, int gen, std::size_t g) {
+    return fmt::format("{}{}.{}{}", kind, u, g, gen ? "'" : "");
+  }
+  std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].w_gen, g); }
+  std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].o_gen, g); }
 
   // ---- placing a unit's shard (finalize, load_state) ----
-  // The compute-weight shard derived from `master` (u.shard fp32 values) exactly as the
-  // optimizer's copy-out produces it, onto the unit's tier. `first`: allocate (finalize);
-  // otherwise overwrite what is there (load_state).
-  void put_weights(std::size_t ui, const float* master, bool first) {
+  // begin_put, then put_group for every sub-group, then end_put. `first`: allocate the unit's
+  // storage (finalize); otherwise overwrite what is there (load_state).
+  void begin_put(std::size_t ui, bool first) {
     Unit& u = units[ui];
+    if (first) {
+      if (u.resident) u.full = dev.alloc(u.padded * c_size);
+      else if (u.w_tier == Tier::kDevice) u.w_dev = dev.alloc(u.shard * c_size);
+      else if (u.w_tier == Tier::kHost) u.w_host = pinned(SwapStore::padded_bytes(u.shard * c_size));
+      if (u.o_tier == Tier::kDevice) u.o_dev = dev.alloc(3 * u.shard * 4);
+      else if (u.o_tier == Tier::kHost) u.o_host = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    }
+    if (u.resident && u.released.valid()) fetch_s->wait(u.released);  // the compute stream's last read
+    if (!u.resident && u.w_tier == Tier::kHost && u.w_written.valid()) u.w_written.synchronize();  // a write-back
+  }
+  // Sub-group g of unit ui from its master, m and v values (g's size each; m and v null:
+  // zeros) onto the unit's tiers: the optimizer state, and the compute weights derived from
+  // the master exactly as the optimizer's copy-out produces them. Device-tier state is copied
+  // from the caller's memory: the plan has no pinned staging for it.
+  void put_group(std::size_t ui, std::size_t g, const float* master, const float* m, const float* v) {
+    Unit& u = units[ui];
+    const detail::Range r = range(u, g);
+    const std::size_t a = r.first, n = r.size, w_bytes = n * c_size;
     const DType ct = cfg.compute_dtype;
     Stream& up = *fetch_s;
-    auto w = pinned(SwapStore::padded_bytes(u.shard * c_size));
-    for (std::size_t i = 0; i < u.shard; ++i) {
-      if (ct == DType::kF32) static_cast<float*>(w->data())[i] = master[i];
-      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w->data())[i] = f32_to_bf16(master[i]);
-      else static_cast<std::uint16_t*>(w->data())[i] = f32_to_f16(master[i]);
+    const bool w_host = !u.resident && u.w_tier == Tier::kHost;
+    std::shared_ptr<PinnedBlock> staging;
+    if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
+    void* w = w_host ? static_cast<char*>(u.w_host->data()) + a * c_size : staging->data();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (ct == DType::kF32) static_cast<float*>(w)[i] = master[i];
+      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w)[i] = f32_to_bf16(master[i]);
+      else static_cast<std::uint16_t*>(w)[i] = f32_to_f16(master[i]);
     }
-    if (u.resident) {
-      if (first) u.full = dev.alloc(u.padded * c_size);
-      if (u.released.valid()) up.wait(u.released);  // the compute stream's last read of the old
-      const TensorRef block = view(u.full, ct, u.shard, std::size_t(rank) * u.shard);
-      up.copy(block.mem, host_ref(w->data(), u.shard * c_size));
-      if (world > 1) comm.all_gather(block, view(u.full, ct, u.padded), up);
-      u.gathered = true;
-      u.ready = up.record();
-    } else if (u.w_tier == Tier::kDevice) {
-      if (first) u.w_dev = dev.alloc(u.shard * c_size);
-      up.copy(u.w_dev.ref(), host_ref(w->data(), u.shard * c_size));
-    } else if (u.w_tier == Tier::kHost) {
-      if (u.w_written.valid()) u.w_written.synchronize();  // a write-back still on its way
-      if (first) u.w_host = w;
-      else std::memcpy(u.w_host->data(), w->data(), u.shard * c_size);
+    if (u.resident) up.copy(view(u.full, ct, n, std::size_t(rank) * u.shard + a).mem, host_ref(w, w_bytes));
+    else if (u.w_tier == Tier::kDevice) up.copy(view(u.w_dev, ct, n, a).mem, host_ref(w, w_bytes));
+    else if (u.w_tier == Tier::kNvme) w_store->write(w_key(ui, g), w, w_bytes).wait();
+    const float* parts[3] = {master, m, v};
+    if (u.o_tier == Tier::kDevice) {
+      for (std::size_t k = 0; k < 3; ++k) {
+        const TensorRef dst = view(u.o_dev, DType::kF32, n, k * u.shard + a);
+        if (parts[k]) up.copy(dst.mem, host_ref(parts[k], n * 4));
+        else up.fill(dst, 0.0f);
+      }
     } else {
-      w_store->write(w_key(ui), w->data(), u.shard * c_size).wait();
+      std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v
+      if (u.o_tier == Tier::kNvme) block = pinned(SwapStore::padded_bytes(3 * n * 4));
+      float* o = block ? static_cast<float*>(block->data()) : static_cast<float*>(u.o_host->data());
+      for (std::size_t k = 0; k < 3; ++k) {
+        float* dst = block ? o + k * n : o + k * u.shard + a;
+        if (parts[k]) std::memcpy(dst, parts[k], n * 4);
+        else std::memset(dst, 0, n * 4);
+      }
+      if (block) o_store->write(o_key(ui, g), block->data(), 3 * n * 4).wait();
     }
-    up.synchronize();  // `w` is released when this scope ends
+    up.synchronize();  // the staging is released when this scope ends
+  }
+  void end_put(std::size_t ui) {
+    Unit& u = units[ui];
+    if (!u.resident) return;
+    const DType ct = cfg.compute_dtype;
+    if (world > 1)
+      comm.all_gather(view(u.full, ct, u.shard, std::size_t(rank) * u.shard), view(u.full, ct, u.padded), *fetch_s);
+    u.gathered = true;
+    u.ready = fetch_s->record();
   }
 
   // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).
@@ -326,34 +377,21 @@ struct Engine::Impl {
     return units[std::size_t(unit)];
   }
 
-  // master | m | v (3 * u.shard fp32 values at `data`) onto the unit's optimizer tier. `o`, the
-  // pinned block holding them, is needed for host state (`first`: kept as the state itself) and
-  // NVMe state; device state (allocated by finalize()) is copied from any memory, `o` null.
-  void put_state(std::size_t ui, const float* data, const std::shared_ptr<PinnedBlock>& o, bool first) {
+  // Sub-group g of unit ui's master | m | v from its tier into `out` (3 * its size fp32 values).
+  void get_group(std::size_t ui, std::size_t g, float* out) {
     Unit& u = units[ui];
+    const detail::Range r = range(u, g);
+    const std::size_t a = r.first, n = r.size;
     if (u.o_tier == Tier::kDevice) {
-      fetch_s->copy(u.o_dev.ref(), host_ref(data, 3 * u.shard * 4));
-      fetch_s->synchronize();
-    } else if (u.o_tier == Tier::kHost) {
-      if (first) u.o_host = o;
-      else std::memcpy(u.o_host->data(), data, 3 * u.shard * 4);
-    } else {
-      o_store->write(o_key(ui), o->data(), 3 * u.shard * 4).wait();
-    }
-  }
-
-  // master | m | v of unit `ui` from its tier into `out` (3 * u.shard fp32 values).
-  void get_state(std::size_t ui, float* out) {
-    Unit& u = units[ui];
-    if (u.o_tier == Tier::kDevice) {
-      opt_s->copy(host_ref(out, 3 * u.shard * 4), u.o_dev.ref());
+      for (std::size_t k = 0; k < 3; ++k) opt_s->copy(host_ref(out + k * n, n * 4), u.o_dev.ref((k * u.shard + a) * 4, n * 4));
       opt_s->synchronize();
     } else if (u.o_tier == Tier::kHost) {
-      std::memcpy(out, u.o_host->data(), 3 * u.shard * 4);
+      const float* o = static_cast<const float*>(u.o_host->data());
+      for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * u.shard + a, n * 4);
     } else {
-      auto b = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-      o_store->read(o_key(ui), b->data(), 3 * u.shard * 4).wait();
-      std::memcpy(out, b->data(), 3 * u.shard * 4);
+      auto b = pinned(SwapStore::padded_bytes(3 * n * 4));
+      o_store->read(o_key(ui, g), b->data(), 3 * n * 4).wait();
+      std::memcpy(out, b->data(), 3 * n * 4);
     }
   }
 
@@ -374,8 +412,17 @@ struct Engine::Impl {
       case Tier::kNvme: {
         bound(param_staging, std::size_t(cfg.param_buffer_count));
         auto staging = pinned(SwapStore::padded_bytes(u.shard * c_size));
-        IoHandle h = w_swap().read(w_key(std::size_t(ui)), staging->data(), u.shard * c_size);
-        fetch_s->host_fn([h] { h.wait(); }, "nvme_wait");
+        std::vector<IoHandle> reads;  // one a sub-group, into its place in the shard
+        for (std::size_t g = 0; g < groups(u); ++g) {
+          const detail::Range r = range(u, g);
+          reads.push_back(w_swap().read(w_key(std::size_t(ui), g), static_cast<char*>(staging->data()) + r.first * c_size,
+                                        r.size * c_size));
+        }
+        fetch_s->host_fn(
+            [reads] {
+              for (const IoHandle& h : reads) h.wait();
+            },
+            "nvme_wait");
         fetch_s->copy(block.mem, host_ref(staging->data(), u.shard * c_size));
         fetch_s->host_fn([staging] {}, "staging_free");
         param_staging.push_back(fetch_s->record());
@@ -524,8 +571,8 @@ struct Engine::Impl {
   [[noreturn]] void rethrow_early_error() {
     wait_early_idle();
     for (auto& u : units)
-      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
-        if (h->valid()) h->wait_for(std::chrono::minutes(1));
+      for (IoHandle& h : u.early_io)
+        if (h.valid()) h.wait_for(std::chrono::minutes(1));
     std::exception_ptr error;
     {
       std::lock_guard<std::mutex> lk(early_mu);
@@ -549,8 +596,7 @@ struct Engine::Impl {
       state = wait_early(ui);
     }
     if (state != Unit::Early::kDone || early_failed()) rethrow_early_error();
-    for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
-      if (h->valid()) h->wait();
+    for (IoHandle& h : u.early_io) h.wait();
     const std::size_t n = u.shard, w_bytes = n * c_size;
     count_early_io(u);
     if (u.o_tier == Tier::kHost) std::swap(u.o_host, u.o_alt);
@@ -572,8 +618,7 @@ struct Engine::Impl {
       u.early = Unit::Early::kNone;
     }
     u.early_w.reset();
-    u.early_o_write = IoHandle();
-    u.early_w_write = IoHandle();
+    u.early_io.clear();
     u.finish_pending = false;
     std::erase(pending_finish, ui);
     return true;
@@ -653,16 +698,14 @@ struct Engine::Impl {
       if (early_queue.empty()) continue;  // (cancelled meanwhile)
       const std::size_t ui = early_queue.front();
       early_queue.pop_front();
-      const std::optional<std::size_t> next =
-          early_queue.empty() ? std::nullopt : std::optional<std::size_t>(early_queue.front());
+      const std::size_t next = early_queue.empty() ? SIZE_MAX : early_queue.front();
       const bool need_norm = norm_owed(units[ui]);
       const std::int64_t call = units[ui].early_call;
       const bool device_norm = units[ui].dev_sumsq_call == call;
       lk.unlock();
       std::exception_ptr error;
       try {
-        if (next) early_read_ahead(*next);
-        early_unit(ui, need_norm, device_norm);
+        early_unit(ui, next, need_norm, device_norm);
       } catch (...) {
         error = std::current_exception();
       }
@@ -712,18 +755,21 @@ struct Engine::Impl {
     }
   }
 
-  void early_read_ahead(std::size_t ui) {
+  void early_read_ahead(std::size_t ui, std::size_t g) {
     Unit& u = units[ui];
-    if (u.o_tier != Tier::kNvme || early_reads.count(ui)) return;
-    auto b = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    early_reads[ui] = {b, o_store->read(o_key(ui), b->data(), 3 * u.shard * 4)};
+    if (u.o_tier != Tier::kNvme || early_reads.count({ui, g})) return;
+    const std::size_t n = range(u, g).size;
+    auto b = pinned(SwapStore::padded_bytes(3 * n * 4));
+    early_reads[{ui, g}] = {b, o_store->read(o_key(ui, g), b->data(), 3 * n * 4)};
   }
 
-  // One unit's AdamW from its current state into the second copy (worker thread), and its part
-  // of the norm when owed (the device's when it took it).
-  void early_unit(std::size_t ui, bool need_norm, bool device_norm) {
+  // One unit's AdamW from its current state into the second copy, a sub-group at a time (worker
+  // thread), and its part of the norm when owed (the device's when it took it). NVMe state is
+  // read one sub-group ahead (the next job's first once this unit's last is stepping).
+  // (`next`: the job queued after it, SIZE_MAX if none)
+  void early_unit(std::size_t ui, std::size_t next, bool need_norm, bool device_norm) {
     Unit& u = units[ui];
-    const std::size_t n = u.shard, w_bytes = n * c_size;
+    const std::size_t n = u.shard;
     u.grads_done.synchronize();
     TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
     const auto* g = static_cast<const float*>(u.g_host->data());
@@ -733,55 +779,70 @@ struct Engine::Impl {
       TraceScope norm_span("sum_squares", "optimizer", n * 4);
       u.early_sumsq = cpu::sum_squares(DType::kF32, g, n);
     }
-    float *src = nullptr, *dst = nullptr;
-    std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other key
-    if (u.o_tier == Tier::kHost) {
-      src = static_cast<float*>(u.o_host->data());
-      dst = static_cast<float*>(u.o_alt->data());
-    } else {
-      early_read_ahead(ui);
-      auto it = early_reads.find(ui);
-      state = it->second.first;
-      const IoHandle h = it->second.second;
-      early_reads.erase(it);
-      h.wait();
-      src = dst = static_cast<float*>(state->data());
-    }
     const bool w_host = !u.resident && u.w_tier == Tier::kHost;
     const bool w_nvme = !u.resident && u.w_tier == Tier::kNvme;
-    std::shared_ptr<PinnedBlock> w_block;
-    if (w_nvme) bound_io(early_w_writes, 2);  // the plan's "new compute-weight staging"
-    if (!w_host) {
-      TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
-      w_block = pinned(SwapStore::padded_bytes(w_bytes));
-    }
-    void* w_dst = w_host ? u.w_alt->data() : w_block->data();
-    AdamWShard sh{host_tensor(dst, DType::kF32, n), host_tensor(g, DType::kF32, n),
-                  host_tensor(dst + n, DType::kF32, n), host_tensor(dst + 2 * n, DType::kF32, n), {}};
-    if (src != dst) {
-      sh.params_src = host_tensor(src, DType::kF32, n);
-      sh.m_src = host_tensor(src + n, DType::kF32, n);
-      sh.v_src = host_tensor(src + 2 * n, DType::kF32, n);
-    }
     const bool copy_out = cfg.compute_dtype != DType::kF32;
-    if (copy_out) sh.copy_out = host_tensor(w_dst, cfg.compute_dtype, n);
-    {
-      TraceScope adam_span("cpu_adamw", "optimizer", n * 4 * 4);
-      cpu_adam->step(u.early_opt, sh, NonFinitePolicy::kReportOnly);
+    if (!w_host && !w_nvme) {  // new weights for the device, held until the unit switches to them
+      TraceScope alloc_span("staging_alloc", "optimizer", n * c_size);
+      u.early_w = pinned(SwapStore::padded_bytes(n * c_size));
     }
-    if (!copy_out) std::memcpy(w_dst, dst, n * 4);
-    if (state) {
-      bound_io(early_writes, std::size_t(std::max(1, cfg.optimizer_buffer_count - 2)));
-      u.early_o_write = o_store->write(key('o', ui, 1 - u.o_gen), state->data(), 3 * n * 4);
-      u.early_o_write.on_complete([state](std::exception_ptr) {});
-      early_writes.push_back(u.early_o_write);
-    }
-    if (w_nvme) {
-      u.early_w_write = w_store->write(key('w', ui, 1 - u.w_gen), w_block->data(), w_bytes);
-      u.early_w_write.on_complete([w_block](std::exception_ptr) {});
-      early_w_writes.push_back(u.early_w_write);
-    } else if (!w_host) {
-      u.early_w = std::move(w_block);
+    const std::size_t G = groups(u);
+    for (std::size_t gi = 0; gi < G; ++gi) {
+      const detail::Range r = range(u, gi);
+      const std::size_t a = r.first, len = r.size, w_bytes = len * c_size;
+      AdamWShard sh;
+      float* master = nullptr;
+      std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other key
+      if (u.o_tier == Tier::kHost) {
+        const float* src = static_cast<const float*>(u.o_host->data());
+        float* dst = static_cast<float*>(u.o_alt->data());
+        master = dst + a;
+        sh = {host_tensor(dst + a, DType::kF32, len), host_tensor(g + a, DType::kF32, len),
+              host_tensor(dst + n + a, DType::kF32, len), host_tensor(dst + 2 * n + a, DType::kF32, len), {}};
+        sh.params_src = host_tensor(src + a, DType::kF32, len);
+        sh.m_src = host_tensor(src + n + a, DType::kF32, len);
+        sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
+      } else {
+        early_read_ahead(ui, gi);
+        if (gi + 1 < G) early_read_ahead(ui, gi + 1);
+        else if (next != SIZE_MAX) early_read_ahead(next, 0);
+        auto it = early_reads.find({ui, gi});
+        state = it->second.first;
+        const IoHandle h = it->second.second;
+        early_reads.erase(it);
+        h.wait();
+        master = static_cast<float*>(state->data());
+        sh = {host_tensor(master, DType::kF32, len), host_tensor(g + a, DType::kF32, len),
+              host_tensor(master + len, DType::kF32, len), host_tensor(master + 2 * len, DType::kF32, len), {}};
+      }
+      std::shared_ptr<PinnedBlock> w_block;  // NVMe weights: the sub-group's, written behind
+      if (w_nvme) {
+        bound_io(early_w_writes, 2);  // the plan's "new compute-weight staging"
+        TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
+        w_block = pinned(SwapStore::padded_bytes(w_bytes));
+      }
+      void* w_dst = w_host ? static_cast<char*>(u.w_alt->data()) + a * c_size
+                    : w_nvme ? w_block->data()
+                             : static_cast<char*>(u.early_w->data()) + a * c_size;
+      if (copy_out) sh.copy_out = host_tensor(w_dst, cfg.compute_dtype, len);
+      {
+        TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
+        cpu_adam->step(u.early_opt, sh, NonFinitePolicy::kReportOnly);
+      }
+      if (!copy_out) std::memcpy(w_dst, master, len * 4);
+      if (state) {
+        bound_io(early_writes, std::size_t(std::max(1, cfg.optimizer_buffer_count - 2)));
+        IoHandle h = o_store->write(key('o', ui, 1 - u.o_gen, gi), state->data(), 3 * len * 4);
+        h.on_complete([state](std::exception_ptr) {});
+        early_writes.push_back(h);
+        u.early_io.push_back(h);
+      }
+      if (w_nvme) {
+        IoHandle h = w_store->write(key('w', ui, 1 - u.w_gen, gi), w_block->data(), w_bytes);
+        h.on_complete([w_block](std::exception_ptr) {});
+        early_w_writes.push_back(h);
+        u.early_io.push_back(h);
+      }
     }
   }
 };
@@ -955,27 +1016,20 @@ void Engine::finalize() {
   Stream& up = *s.fetch_s;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
+    // compute weights as the optimizer's copy-out would produce them, and the optimizer state
+    // (master | m | v, m and v zero), a sub-group at a time
     const float* master = u.init.data() + std::size_t(s.rank) * u.shard;
-    // compute weights as the optimizer's copy-out would produce them
-    s.put_weights(ui, master, /*first=*/true);
-    // optimizer state: master | m | v. On the device: straight from the init values, m and v
-    // filled there (no pinned staging, which the plan does not count for device-tier state).
-    if (u.o_tier == Tier::kDevice) {
-      u.o_dev = s.dev.alloc(3 * u.shard * 4);
-      up.copy(u.o_dev.ref(0, u.shard * 4), host_ref(master, u.shard * 4));
-      up.fill(Impl::view(u.o_dev, DType::kF32, 2 * u.shard, u.shard), 0.0f);
-    } else {
-      auto o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-      auto* of = static_cast<float*>(o->data());
-      std::memcpy(of, master, u.shard * 4);
-      std::memset(of + u.shard, 0, 2 * u.shard * 4);
-      s.put_state(ui, of, o, /*first=*/true);
-    }
+    s.begin_put(ui, /*first=*/true);
+    for (std::size_t g = 0; g < s.groups(u); ++g) s.put_group(ui, g, master + s.range(u, g).first, nullptr, nullptr);
+    s.end_put(ui);
     if (s.early_eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.o_alt = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-      else s.o_store->reserve(Impl::key('o', ui, 1), 3 * u.shard * 4);
       if (!u.resident && u.w_tier == Tier::kHost) u.w_alt = s.pinned(SwapStore::padded_bytes(u.shard * s.c_size));
-      if (!u.resident && u.w_tier == Tier::kNvme) s.w_store->reserve(Impl::key('w', ui, 1), u.shard * s.c_size);
+      for (std::size_t g = 0; g < s.groups(u); ++g) {
+        const std::size_t n = s.range(u, g).size;
+        if (u.o_tier == Tier::kNvme) s.o_store->reserve(Impl::key('o', ui, 1, g), 3 * n * 4);
+        if (!u.resident && u.w_tier == Tier::kNvme) s.w_store->reserve(Impl::key('w', ui, 1, g), n * s.c_size);
+      }
     }
     // gradient accumulator
     if (u.g_tier == Tier::kDevice) {
@@ -1213,9 +1267,11 @@ StepResult Engine::step(float lr) {
   const DType ct = s.cfg.compute_dtype;
   // Where the new compute weights of unit `u` go, as a host staging block when the target
   // is not host memory the optimizer can write directly.
-  auto w_target_dev = [&](Unit& u) -> std::optional<TensorRef> {
-    if (u.resident) return Impl::view(u.full, ct, u.shard, std::size_t(s.rank) * u.shard);
-    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, u.shard);
+  // (`first`, `size`: the elements of the shard wanted; all of it by default)
+  auto w_target_dev = [&](Unit& u, std::size_t first = 0, std::size_t size = SIZE_MAX) -> std::optional<TensorRef> {
+    size = std::min(size, u.shard);
+    if (u.resident) return Impl::view(u.full, ct, size, std::size_t(s.rank) * u.shard + first);
+    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, size, first);
     return std::nullopt;
   };
 
@@ -1248,15 +1304,11 @@ StepResult Engine::step(float lr) {
       // Its writes (to the second NVMe keys) settle before anything else may write there: a
       // job voided after it ran (a unit that got more gradients than recorded) issued them
       // too, and the next step's early job writes the same keys.
-      for (IoHandle* h : {&u.early_o_write, &u.early_w_write})
-        if (h->valid()) h->wait();
+      for (IoHandle& h : u.early_io) h.wait();
       if (state == Unit::Early::kDone) s.count_early_io(u);  // what it moved, for nothing
     }
     ++s.st.early_units_redone;
-    if (!failed) {
-      u.early_o_write = IoHandle();
-      u.early_w_write = IoHandle();
-    }
+    if (!failed) u.early_io.clear();
     {
       std::lock_guard<std::mutex> lk(s.early_mu);
       u.early = Unit::Early::kNone;
@@ -1328,18 +1380,20 @@ StepResult Engine::step(float lr) {
   opt.grad_scale = float(r.clip_coef / den);
   const bool copy_out = ct != DType::kF32;
 
-  // Units with optimizer state on NVMe: the next unit's state streams in while this one
+  // Sub-groups with optimizer state on NVMe: the next one's state streams in while this one
   // computes; writes go out behind, at most optimizer_buffer_count in flight.
-  std::vector<std::size_t> nvme_units;
+  std::vector<std::pair<std::size_t, std::size_t>> nvme_groups;  // (unit, sub-group)
   for (std::size_t i = 0; i < s.units.size(); ++i)
-    if (s.units[i].o_tier == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
-  std::map<std::size_t, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
+    if (s.units[i].o_tier == Tier::kNvme && !kept[i])
+      for (std::size_t g = 0; g < s.groups(s.units[i]); ++g) nvme_groups.push_back({i, g});
+  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
   std::deque<IoHandle> writes;  // optimizer state written behind
   // At most optimizer_buffer_count state buffers at once: one read ahead, one stepping, the
-  // rest written behind (the memory plan's "optimizer swap buffers").
+  // rest written behind (the memory plan's "optimizer swap buffers", a sub-group each).
   const std::size_t max_writes = std::size_t(std::max(1, s.cfg.optimizer_buffer_count - 2));
   // New compute weights staged in pinned memory on their way to the device or NVMe: at most
-  // two at once (the plan's "new compute-weight staging"); each entry waits for one to be free.
+  // two sub-groups' at once (the plan's "new compute-weight staging"); each entry waits for one
+  // to be free.
   std::deque<std::function<void()>> w_staging;
   auto stage_w = [&](std::size_t bytes) {
     while (w_staging.size() >= 2) {
@@ -1349,13 +1403,14 @@ StepResult Engine::step(float lr) {
     return s.pinned(SwapStore::padded_bytes(bytes));
   };
   auto issue_read = [&](std::size_t k) {
-    if (k >= nvme_units.size()) return;
-    Unit& u = s.units[nvme_units[k]];
-    auto b = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    IoHandle h = s.o_store->read(s.o_key(nvme_units[k]), b->data(), 3 * u.shard * 4);
+    if (k >= nvme_groups.size()) return;
+    const auto [ui, g] = nvme_groups[k];
+    const std::size_t bytes = 3 * s.range(s.units[ui], g).size * 4;
+    auto b = s.pinned(SwapStore::padded_bytes(bytes));
+    IoHandle h = s.o_store->read(s.o_key(ui, g), b->data(), bytes);
     h.on_complete([b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
-    s.st.nvme_read_bytes += 3 * u.shard * 4;
-    reads[nvme_units[k]] = {b, h};
+    s.st.nvme_read_bytes += bytes;
+    reads[nvme_groups[k]] = {b, h};
   };
   // Writes `bytes` from `block` to `store`; the block lives until the write completes.
   auto write_behind = [&](SwapStore& store, const std::string& key, std::shared_ptr<PinnedBlock> block,
@@ -1372,6 +1427,11 @@ StepResult Engine::step(float lr) {
       writes.pop_front();
     }
   };
+  // New NVMe-tier weights of sub-group g of unit ui, from `block`, written behind.
+  auto write_w = [&](std::size_t ui, std::size_t g, std::shared_ptr<PinnedBlock> block, std::size_t bytes) {
+    IoHandle h = write_behind(*s.w_store, s.w_key(ui, g), std::move(block), bytes);
+    w_staging.push_back([h] { h.wait(); });
+  };
   std::size_t nvme_next = 0;
   issue_read(nvme_next++);
 
@@ -1379,12 +1439,11 @@ StepResult Engine::step(float lr) {
     Unit& u = s.units[ui];
     if (kept[ui]) continue;
     // The whole unit (state in, update, weights out); the update itself is the device's
-    // adamw kernel or the cpu_adamw span below, so a trace tells waiting from computing.
+    // adamw kernel or the cpu_adamw spans below, so a trace tells waiting from computing.
     TraceScope span("optimizer_unit", "optimizer", u.shard * 4 * 4);
     const std::size_t n = u.shard;
     const std::size_t w_bytes = n * s.c_size;
     const auto target = w_target_dev(u);  // device-resident compute weights, if any
-    std::shared_ptr<PinnedBlock> w_out;   // host-side new compute weights otherwise
 
     if (u.o_tier == Tier::kDevice) {
       Buffer g_tmp, scratch;
@@ -1414,67 +1473,85 @@ StepResult Engine::step(float lr) {
       d.policy = NonFinitePolicy::kReportOnly;
       d.shards.push_back(sh);
       os.adamw(d);
-      const MemRef new_w = copy_out ? (target ? target->mem : scratch.ref()) : u.o_dev.ref(0, n * 4);
       if (target) {
-        if (!copy_out) os.copy(target->mem, new_w);
-      } else {
-        // The new weights go back over the link on the write-back stream, so the next unit's
-        // update overlaps this unit's device -> host copy, and host-tier ones (not waited for
-        // here) the next forward's reads: its fetch of the unit waits for w_written.
-        w_out = u.w_tier == Tier::kHost ? u.w_host : stage_w(w_bytes);
-        Stream& xs = *s.wb_s;
-        xs.wait(os.record());
-        xs.copy(host_ref(w_out->data(), w_bytes), new_w);
-        if (scratch) scratch.reset_on(xs);
-        s.st.d2h_bytes += w_bytes;
-        if (u.w_tier == Tier::kHost) u.w_written = xs.record();
-        // NVMe weights are written from w_out by the host below: the copy must be done.
-        if (u.w_tier == Tier::kNvme) xs.synchronize();
+        if (!copy_out) os.copy(target->mem, u.o_dev.ref(0, n * 4));
+        continue;
       }
-    } else {
-      float* state = nullptr;
+      // The new weights go back over the link on the write-back stream, so the next unit's
+      // update overlaps this unit's device -> host copy, and host-tier ones (not waited for
+      // here) the next forward's reads: its fetch of the unit waits for w_written.
+      const Buffer& new_w = copy_out ? scratch : u.o_dev;  // (fp32: the master itself)
+      Stream& xs = *s.wb_s;
+      xs.wait(os.record());
+      if (u.w_tier == Tier::kHost) {
+        xs.copy(host_ref(u.w_host->data(), w_bytes), new_w.ref(0, w_bytes));
+        u.w_written = xs.record();
+      } else {
+        // NVMe: a sub-group at a time through staging, written by the host once copied.
+        for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
+          const detail::Range r = s.range(u, gi);
+          auto block = stage_w(r.size * s.c_size);
+          xs.copy(host_ref(block->data(), r.size * s.c_size), new_w.ref(r.first * s.c_size, r.size * s.c_size));
+          xs.synchronize();
+          write_w(ui, gi, block, r.size * s.c_size);
+        }
+      }
+      if (scratch) scratch.reset_on(xs);
+      s.st.d2h_bytes += w_bytes;
+      continue;
+    }
+    // The host optimizer, a sub-group at a time.
+    for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
+      const detail::Range r = s.range(u, gi);
+      const std::size_t a = r.first, len = r.size, len_w = len * s.c_size;
+      float* master = nullptr;
+      AdamWShard sh;
       std::shared_ptr<PinnedBlock> state_block;
       if (u.o_tier == Tier::kHost) {
-        state = static_cast<float*>(u.o_host->data());
+        float* o = static_cast<float*>(u.o_host->data());
+        master = o + a;
+        sh.params = host_tensor(o + a, DType::kF32, len);
+        sh.m = host_tensor(o + n + a, DType::kF32, len);
+        sh.v = host_tensor(o + 2 * n + a, DType::kF32, len);
       } else {
         issue_read(nvme_next++);
-        auto it = reads.find(ui);
+        auto it = reads.find({ui, gi});
         it->second.second.wait();
         state_block = it->second.first;
         reads.erase(it);
-        state = static_cast<float*>(state_block->data());
+        master = static_cast<float*>(state_block->data());
+        sh.params = host_tensor(master, DType::kF32, len);
+        sh.m = host_tensor(master + len, DType::kF32, len);
+        sh.v = host_tensor(master + 2 * len, DType::kF32, len);
       }
       std::shared_ptr<PinnedBlock> g_stage;
-      const float* g = nullptr;
       if (u.g_tier == Tier::kHost) {
-        g = static_cast<const float*>(u.g_host->data());
+        sh.grads = host_tensor(static_cast<const float*>(u.g_host->data()) + a, DType::kF32, len);
       } else {
-        g_stage = s.pinned(n * 4);
-        os.copy(host_ref(g_stage->data(), n * 4), u.g_dev.ref());
+        g_stage = s.pinned(len * 4);
+        os.copy(host_ref(g_stage->data(), len * 4), u.g_dev.ref(a * 4, len * 4));
         os.synchronize();
-        s.st.d2h_bytes += n * 4;
-        g = static_cast<const float*>(g_stage->data());
+        s.st.d2h_bytes += len * 4;
+        sh.grads = host_tensor(g_stage->data(), DType::kF32, len);
       }
-      w_out = (!target && u.w_tier == Tier::kHost) ? u.w_host : stage_w(w_bytes);
-      AdamWShard sh{host_tensor(state, DType::kF32, n), host_tensor(g, DType::kF32, n),
-                    host_tensor(state + n, DType::kF32, n), host_tensor(state + 2 * n, DType::kF32, n), {}};
-      if (copy_out) sh.copy_out = host_tensor(w_out->data(), ct, n);
+      const bool to_host = !target && u.w_tier == Tier::kHost;  // written in place, no staging
+      std::shared_ptr<PinnedBlock> w_block;
+      if (!to_host) w_block = stage_w(len_w);
+      void* w_dst = to_host ? static_cast<char*>(u.w_host->data()) + a * s.c_size : w_block->data();
+      if (copy_out) sh.copy_out = host_tensor(w_dst, ct, len);
       {
-        TraceScope adam_span("cpu_adamw", "optimizer", n * 4 * 4);
+        TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
         s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
       }
-      if (!copy_out) std::memcpy(w_out->data(), state, n * 4);
+      if (!copy_out) std::memcpy(w_dst, master, len * 4);
       if (target) {
-        os.copy(target->mem, host_ref(w_out->data(), w_bytes));
-        os.host_fn([w_out] {}, "staging_free");
+        os.copy(w_target_dev(u, a, len)->mem, host_ref(w_dst, len_w));
+        os.host_fn([w_block] {}, "staging_free");
         w_staging.push_back([e = os.record()] { e.synchronize(); });
-        s.st.h2d_bytes += w_bytes;
+        s.st.h2d_bytes += len_w;
       }
-      if (state_block) write_state(s.o_key(ui), state_block, 3 * n * 4);
-    }
-    if (!u.resident && u.w_tier == Tier::kNvme) {
-      IoHandle h = write_behind(*s.w_store, s.w_key(ui), w_out, w_bytes);
-      w_staging.push_back([h] { h.wait(); });
+      if (state_block) write_state(s.o_key(ui, gi), state_block, 3 * len * 4);
+      if (!u.resident && u.w_tier == Tier::kNvme) write_w(ui, gi, w_block, len_w);
     }
   }
   for (auto& h : writes) h.wait();
@@ -1510,9 +1587,13 @@ std::vector<float> Engine::master_shard(int unit) {
   STRATA_REQUIRE(s.finalized, "Engine::master_shard before finalize()");
   Unit& u = s.unit_at(unit, "Engine::master_shard");
   s.finish_early(std::size_t(unit), true);
-  std::vector<float> out(3 * u.shard);
-  s.get_state(std::size_t(unit), out.data());
-  out.resize(u.shard);
+  std::vector<float> out(u.shard), buf;
+  for (std::size_t g = 0; g < s.groups(u); ++g) {
+    const detail::Range r = s.range(u, g);
+    buf.resize(3 * r.size);
+    s.get_group(std::size_t(unit), g, buf.data());
+    std::copy_n(buf.begin(), r.size, out.begin() + std::ptrdiff_t(r.first));
+  }
   return out;
 }
 
@@ -1571,11 +1652,17 @@ void Engine::save_state(const std::string& dir) {
   std::uint64_t offset = 0;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     const Unit& u = s.units[ui];
-    buf.resize(3 * u.shard);
-    s.get_state(ui, buf.data());
-    bin.write(buf.data(), buf.size() * 4);
+    // A sub-group at a time, each of its master, m and v to its place in the unit's record
+    // (the file does not depend on sub_group_size).
+    for (std::size_t g = 0; g < s.groups(u); ++g) {
+      const detail::Range r = s.range(u, g);
+      buf.resize(3 * r.size);
+      s.get_group(ui, g, buf.data());
+      for (std::size_t k = 0; k < 3; ++k)
+        bin.write_at(buf.data() + k * r.size, r.size * 4, offset + (k * u.shard + r.first) * 4);
+    }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"shard", u.shard}, {"offset", offset}});
-    offset += buf.size() * 4;
+    offset += 3 * u.shard * 4;
   }
   bin.close();
   j["units"] = std::move(units);
@@ -1645,20 +1732,22 @@ void Engine::load_state(const std::string& dir) {
   s.opt_s->synchronize();
   s.void_early();  // early optimizer work of a step in progress read the state replaced below
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
+  std::vector<float> buf;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
-    // Device-tier state is read into pageable memory: the plan has no pinned staging for it.
-    std::shared_ptr<PinnedBlock> o;
-    std::vector<float> o_pageable;
-    if (u.o_tier == Tier::kDevice) o_pageable.resize(3 * u.shard);
-    else o = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-    float* of = o ? static_cast<float*>(o->data()) : o_pageable.data();
-    bin.seekg(std::streamoff(units[ui].value("offset", std::uint64_t(0))));
-    bin.read(reinterpret_cast<char*>(of), std::streamsize(3 * u.shard * 4));
-    STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
-    // The weights first: put_state may keep `o` itself as the host-tier state.
-    s.put_weights(ui, of, /*first=*/false);
-    s.put_state(ui, of, o, /*first=*/false);
+    const std::uint64_t at = units[ui].value("offset", std::uint64_t(0));
+    s.begin_put(ui, /*first=*/false);
+    for (std::size_t g = 0; g < s.groups(u); ++g) {  // (pageable: put_group stages what needs it)
+      const detail::Range r = s.range(u, g);
+      buf.resize(3 * r.size);
+      for (std::size_t k = 0; k < 3; ++k) {
+        bin.seekg(std::streamoff(at + (k * u.shard + r.first) * 4));
+        bin.read(reinterpret_cast<char*>(buf.data() + k * r.size), std::streamsize(r.size * 4));
+      }
+      STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
+      s.put_group(ui, g, buf.data(), buf.data() + r.size, buf.data() + 2 * r.size);
+    }
+    s.end_put(ui);
     if (u.g_tier == Tier::kDevice) s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
     else std::memset(u.g_host->data(), 0, u.shard * 4);
   }

@@ -1,5 +1,7 @@
 #include "scheduler/layout.h"
 
+#include <algorithm>
+
 #include "strata/error.h"
 
 namespace strata::detail {
@@ -7,6 +9,10 @@ namespace strata::detail {
 std::uint64_t padded_numel(std::uint64_t numel, int world) {
   const std::uint64_t align = kShardAlign * std::uint64_t(world);
   return (numel + align - 1) / align * align;
+}
+
+std::uint64_t sub_group_elems(const EngineConfig& c) {
+  return std::max<std::uint64_t>(kShardAlign, c.sub_group_size / kShardAlign * kShardAlign);
 }
 
 std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world) {

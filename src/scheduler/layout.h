@@ -17,6 +17,21 @@ constexpr std::uint64_t kShardAlign = 2048;
 
 std::uint64_t padded_numel(std::uint64_t numel, int world);
 
+// The elements of one optimizer sub-group (zero_optimization.sub_group_size rounded down to
+// whole kShardAlign pages, at least one): the host optimizer steps a unit's shard in ranges of
+// this many elements, and NVMe-tier state and weights are stored one range per key, so every
+// pinned buffer on the optimizer's path holds one range, not the whole unit.
+std::uint64_t sub_group_elems(const EngineConfig& c);
+// Sub-group `g` of a shard of `shard` elements: its first element and its length.
+struct Range {
+  std::uint64_t first = 0, size = 0;
+};
+inline std::uint64_t num_sub_groups(std::uint64_t shard, std::uint64_t sg) { return (shard + sg - 1) / sg; }
+inline Range sub_group(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
+  const std::uint64_t first = g * sg;
+  return {first, shard - first < sg ? shard - first : sg};
+}
+
 struct UnitLayout {
   std::uint64_t numel = 0, padded = 0, shard = 0;  // elements; shard = padded / world
   // Full weights on the device for good, with no compute-weight shard of their own: stage < 3,

@@ -30,11 +30,11 @@
 //       parameter swap: offload_param.buffer_count whole shards read ahead, each the largest
 //         shard * c in whole 4 KiB pages, when any compute weights live on NVMe;
 //       optimizer swap: max(3, offload_optimizer.buffer_count) buffers (one read ahead, one
-//         stepping, the rest written behind), each one unit's state (the engine steps unit by
-//         unit; sub_group_size is stored): largest shard * 12 in whole pages, when any
-//         optimizer state lives on NVMe;
-//       new compute weights on their way from the optimizer to the device or NVMe: 2 *
-//         largest shard * c, when the optimizer state or the weights leave the device.
+//         stepping, the rest written behind), each one sub-group's state: S * 12 in whole
+//         pages, S = min(sub_group_size in whole pages, largest shard), when any optimizer
+//         state lives on NVMe (the host optimizer steps a unit a sub-group at a time);
+//       new compute weights on their way from the optimizer to the device or NVMe: 2 * S * c,
+//         when the optimizer state or the weights leave the device.
 //   The engine waits for the oldest of each kind of staging before it takes one more.
 //   - The early optimizer step (strata.overlap_optimizer; when the optimizer state leaves the
 //     device and the gradients are on the host): each unit's AdamW runs while backward still
@@ -168,14 +168,17 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
           Tier::kHost,
           static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
   }
-  const std::uint64_t opt_swap_buffer = SwapStore::padded_bytes(largest_shard * 12);
+  // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
+  const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
+  const std::uint64_t opt_swap_buffer = SwapStore::padded_bytes(S * 12);
   const int opt_buffers = std::max(3, config.optimizer_buffer_count);
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add(fmt::format("optimizer swap buffers ({} units' state: read ahead, step, write behind)", opt_buffers),
+    b.add(fmt::format("optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)", opt_buffers,
+                      S),
           Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
   }
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add("new compute-weight staging (2 x largest shard)", Tier::kHost, 2 * largest_shard * c);
+    b.add(fmt::format("new compute-weight staging (2 x {} elements)", S), Tier::kHost, 2 * S * c);
   }
   b.plan.early_optimizer_step =
       config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
@@ -204,20 +207,10 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
           shared ? slack(w_bytes + o_bytes) : slack(w_bytes) + slack(o_bytes));
   }
 
-  // DeepSpeed splits at these sizes; this engine works a whole unit at a time. A value below the
-  // largest unit, the reason a user sets it (less pinned or device memory), is said, not ignored.
+  // DeepSpeed splits gradients at this size; this engine reduces a whole unit at a time. A
+  // value below the largest unit, the reason a user sets it (less device memory), is said.
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
   const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
-  const std::uint64_t W = std::uint64_t(in.world_size), largest_share = (largest_numel + W - 1) / W;
-  if (config.sub_group_size_given && config.sub_group_size < largest_share && host_optimizer) {
-    b.plan.notes.push_back(fmt::format(
-        "zero_optimization.sub_group_size {} is below the largest unit's shard ({} elements): the optimizer steps "
-        "one whole unit at a time, so its buffers hold a unit's state ({}{}); smaller units (layers) are the way "
-        "to smaller buffers",
-        config.sub_group_size, largest_share, human(largest_shard * 12),
-        opt_tiers[static_cast<int>(Tier::kNvme)] > 0 ? fmt::format(" each, {} NVMe swap buffers", opt_buffers)
-                                                     : std::string()));
-  }
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     b.plan.notes.push_back(fmt::format(
         "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced one "
@@ -280,6 +273,11 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     if (opt_tiers[2] > 0 && config.optimizer_buffer_count > 3) {
       fix.push_back(fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
                                 config.optimizer_buffer_count, human(opt_swap_buffer)));
+    }
+    if (opt_tiers[2] > 0 && S > detail::kShardAlign) {
+      fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
+                                "elements' state each, {})",
+                                S, human(opt_swap_buffer)));
     }
     if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
       fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
