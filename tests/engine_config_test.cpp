@@ -565,8 +565,8 @@ TEST(EngineConfig, TierAtFollowsUnitOrder) {
 //   u2     100       4096      2048     (persistent: <= 100000)
 //   u3     409600    409600    204800
 //   total            2056192   1028096; largest padded 823296, largest shard 411648
-// bf16 (c = 2), stage3_max_live_parameters 1e6, reduce_bucket_size 1.5e6 (stored: a bucket is
-// one unit), activations 1e7.
+// bf16 (c = 2), stage3_max_live_parameters 1e6, reduce_bucket_size 1.5e6 (749568 elements a
+// rank: every unit reduced in one bucket), activations 1e7.
 PlanInputs synthetic_inputs() {
   PlanInputs in;
   in.units = {{"u0", 819200}, {"u1", 819201}, {"u2", 100}, {"u3", 409600}};
@@ -604,9 +604,13 @@ TEST(MemoryPlan, Stage3NoOffload) {
   EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 2);
   EXPECT_EQ(line(p, "gradient shard", Tier::kDevice), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 1028096u * 12);
-  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 823'296u * 4 * 2);  // the largest unit, overlap_comm
+  EXPECT_EQ(line(p, "unit gradients", Tier::kDevice), 823'296u * 4 * 2);  // the largest unit, overlap_comm
+  // reduce_bucket_size 1.5e6 is 749568 elements a rank, more than the largest shard: each unit
+  // is reduced in one bucket, into one shard-sized output.
+  EXPECT_EQ(line(p, "reduce-scatter output (411648 elements", Tier::kDevice), 411'648u * 4);
+  EXPECT_EQ(line(p, "reduce-scatter bucket", Tier::kDevice), 0u);
   EXPECT_EQ(line(p, "activations", Tier::kDevice), 10'000'000u);
-  EXPECT_EQ(p.device_bytes, 38'742'784u);
+  EXPECT_EQ(p.device_bytes, 38'742'784u + 1'646'592u);
   EXPECT_EQ(p.host_bytes, 0u);  // nothing leaves the device: no staging either
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);
@@ -618,7 +622,7 @@ TEST(MemoryPlan, OptimizerOnCpu) {
       plan_memory(synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"})"),
                   synthetic_inputs());
   EXPECT_EQ(p.device_bytes,
-            2'052'096u + 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 10'000'000u);
+            2'052'096u + 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 1'646'592u + 10'000'000u);
   EXPECT_EQ(line(p, "gradient shard", Tier::kHost), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kHost), 1028096u * 12);
   EXPECT_EQ(line(p, "gradient D2H staging", Tier::kHost), 2u * 411648 * 4);
@@ -637,17 +641,23 @@ TEST(MemoryPlan, OptimizerOnCpu) {
 
   // sub_group_size below a unit: the host optimizer steps it a sub-group (here one page of 2048
   // elements, the least) at a time, so two sub-groups' new weights are staged, not two shards'.
-  // reduce_bucket_size below a unit (DeepSpeed would split it; this engine reduces unit by
-  // unit): said in the plan's notes, not ignored in silence.
+  // reduce_bucket_size below a unit: the reducer works a bucket (here 2048 elements of each of
+  // the two ranks' shards) at a time, so its output and host staging hold that much; the unit's
+  // whole gradient the model writes is still planned, and the notes say so.
   const MemoryPlan small = plan_memory(
       synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
                           "reduce_bucket_size": 1000)"),
       synthetic_inputs());
   EXPECT_EQ(line(small, "new compute-weight staging (2 x 2048 elements)", Tier::kHost), 2u * 2048 * 2);
-  EXPECT_EQ(small.host_bytes, p.host_bytes - 1'646'592u + 2u * 2048 * 2);
+  EXPECT_EQ(line(small, "gradient D2H staging (2 x 2048 elements", Tier::kHost), 2u * 2048 * 4);
+  EXPECT_EQ(small.host_bytes, p.host_bytes - 1'646'592u + 2u * 2048 * 2 - 3'293'184u + 2u * 2048 * 4);
+  EXPECT_EQ(line(small, "reduce-scatter output (2048 elements", Tier::kDevice), 2048u * 4);
+  EXPECT_EQ(line(small, "reduce-scatter bucket (2 x 2048 elements", Tier::kDevice), 2u * 2048 * 4);
+  EXPECT_EQ(line(small, "unit gradients", Tier::kDevice), line(p, "unit gradients", Tier::kDevice));
   ASSERT_EQ(small.notes.size(), 1u) << small.table();
   EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
-                                "elements)"), std::string::npos) << small.notes[0];
+                                "elements): gradients are reduced and staged in buckets of it, but the model writes "
+                                "a unit's whole fp32 gradient"), std::string::npos) << small.notes[0];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).
   const EngineConfig dflt = parse_engine_config(
@@ -702,7 +712,7 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
           "offload_optimizer": {"device": "nvme", "nvme_path": ["/o1", "/o2"]})"),
                                    synthetic_inputs());
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
-  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 10'000'000u);
+  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 1'646'592u + 10'000'000u);
   // offload_param.buffer_count (5) whole shards read ahead (buffer_size is stored).
   EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost), 5u * 411648 * 2);
   // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind, each
@@ -753,18 +763,22 @@ TEST(MemoryPlan, Stage2KeepsFullWeights) {
   EXPECT_EQ(line(p, "full weights", Tier::kDevice), 2'056'192u * 2);
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
   EXPECT_EQ(line(p, "gathered units", Tier::kDevice), 0u);
-  EXPECT_EQ(line(p, "gradient bucket", Tier::kDevice), 823'296u * 4);  // overlap_comm off at stage 2
-  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 3'293'184u + 10'000'000u);
+  EXPECT_EQ(line(p, "unit gradient (", Tier::kDevice), 823'296u * 4);  // overlap_comm off at stage 2
+  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 10'000'000u);
   EXPECT_EQ(p.host_bytes, 0u);
 }
 
-// The engine reduces unit by unit: a bucket is the largest unit whatever reduce_bucket_size says
-// (DeepSpeed's default 5e8 elements planned 4 GB of device memory the engine never takes).
-TEST(MemoryPlan, BucketIsTheLargestUnitAndFp32PlansWith4Bytes) {
+// The model writes a unit's whole gradient whatever reduce_bucket_size says, and the reducer's
+// buckets are never larger than the largest shard (DeepSpeed's default 5e8 elements planned 4 GB
+// of device memory the engine never takes).
+TEST(MemoryPlan, BucketsAreAtMostTheLargestShardAndFp32PlansWith4Bytes) {
   EngineConfig c = synthetic_config(R"(, "stage": 3, "overlap_comm": false)");
   for (std::uint64_t size : {std::uint64_t(1000), std::uint64_t(500'000'000)}) {
     c.reduce_bucket_size = size;
-    EXPECT_EQ(line(plan_memory(c, synthetic_inputs()), "gradient bucket", Tier::kDevice), 823'296u * 4) << size;
+    const MemoryPlan p = plan_memory(c, synthetic_inputs());
+    EXPECT_EQ(line(p, "unit gradient (", Tier::kDevice), 823'296u * 4) << size;
+    EXPECT_EQ(line(p, "reduce-scatter output", Tier::kDevice), (size == 1000 ? 2048u : 411'648u) * 4) << size;
+    EXPECT_EQ(line(p, "reduce-scatter bucket", Tier::kDevice), size == 1000 ? 2u * 2048 * 4 : 0u) << size;
   }
   c.compute_dtype = DType::kF32;
   const MemoryPlan p = plan_memory(c, synthetic_inputs());
@@ -774,12 +788,12 @@ TEST(MemoryPlan, BucketIsTheLargestUnitAndFp32PlansWith4Bytes) {
 
 TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   PlanInputs in = synthetic_inputs();
-  in.device_capacity = 36'000'000;  // the no-offload plan needs 38742784
+  in.device_capacity = 36'000'000;  // the no-offload plan needs 40389376
   const MemoryPlan p = plan_memory(synthetic_config(R"(, "stage": 3)"), in);
   EXPECT_FALSE(p.fits);
   ASSERT_EQ(p.problems.size(), 1u);
   EXPECT_EQ(p.problems[0].rfind("device:", 0), 0u) << p.problems[0];
-  EXPECT_NE(p.problems[0].find("2742784 bytes missing"), std::string::npos) << p.problems[0];
+  EXPECT_NE(p.problems[0].find("4389376 bytes missing"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("offload_optimizer.device"), std::string::npos) << p.problems[0];
   EXPECT_NE(p.problems[0].find("stage3_max_live_parameters"), std::string::npos) << p.problems[0];
 

@@ -779,6 +779,40 @@ TEST(Engine, SubGroupsGiveTheSameBitsInSmallerBuffers) {
   }
 }
 
+// zero_optimization.reduce_bucket_size: the reducer works each unit's gradient a bucket at a time
+// (on one rank: the copy to the host and the accumulation; the reduce-scatter with more, in
+// engine_mpi_test). Gradients on the device or the host, one micro-batch (the device takes
+// the norm) or two (the host accumulates through its staging): the same bits as whole units.
+TEST(Engine, GradientBucketsGiveTheSameBits) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 1000, 1000, 64}, 4, 43);  // shards of 65536, 1001472, 65536 elements
+  TempDir nv;
+  for (Tier g : {Tier::kDevice, Tier::kHost}) {
+    for (const int accum : {1, 2}) {
+      RunSetup whole;
+      whole.steps = 3;
+      whole.accum = accum;
+      whole.cfg.compute_dtype = DType::kBF16;
+      whole.cfg.grads = on(g);
+      whole.cfg.optimizer = on(g);  // host gradients feed the host optimizer
+      whole.cfg.device_grad_norm = true;
+      whole.cfg.gradient_clipping = 0.05;  // the norm decides every step
+      whole.cfg.host_budget_bytes = 256 << 20;
+      RunSetup split = whole;
+      split.cfg.reduce_bucket_size = 4096;  // 16, 245 and 16 buckets a gradient, the 245th half full
+      const std::string what = fmt::format("gradients on {}, {} micro-batches", tier_name(g), accum);
+      const RunOut a = train(whole, model), b = train(split, model);
+      expect_identical(a, b, what.c_str());
+      for (std::size_t i = 0; i < a.results.size(); ++i)
+        EXPECT_EQ(a.results[i].grad_norm, b.results[i].grad_norm) << what << " step " << i;
+      const std::uint64_t gradients = std::uint64_t(whole.steps * accum);
+      EXPECT_EQ(a.stats.grad_buckets, gradients * 3) << what;
+      EXPECT_EQ(b.stats.grad_buckets, gradients * (16 + 245 + 16)) << what;
+      EXPECT_EQ(a.stats.d2h_bytes, b.stats.d2h_bytes) << what;
+    }
+  }
+}
+
 // strata.optimizer_isa picks the host AdamW's code path; every path gives the serial step's
 // bits, early or not. A path this CPU lacks is refused when the engine is made, naming the key.
 TEST(Engine, EveryOptimizerIsaGivesTheSameBits) {

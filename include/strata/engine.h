@@ -78,6 +78,9 @@ struct EngineStats {
   std::uint64_t nvme_bytes = 0;
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
   std::uint64_t fetches = 0, prefetches = 0, trace_rebuilds = 0;
+  // Gradient buckets reduced and accumulated: one per reduce_grad per reduce_bucket_size
+  // share of the unit's shard (zero_optimization.reduce_bucket_size / world elements a rank).
+  std::uint64_t grad_buckets = 0;
   // Units whose early optimizer step (strata.overlap_optimizer) was kept / redone serially
   // because the step clipped, overflowed or ran with another lr.
   std::uint64_t early_units_kept = 0, early_units_redone = 0;

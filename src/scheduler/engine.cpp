@@ -246,6 +246,7 @@ struct Engine::Impl {
                    isa_name(cfg.optimizer_isa), isa_requirements(cfg.optimizer_isa));
     c_size = dtype_size(cfg.compute_dtype);
     sg = std::size_t(detail::sub_group_elems(cfg));
+    bucket_share = std::size_t(detail::bucket_share_elems(cfg, world));
     device_alloc_waits_at_start = dev.stats().num_alloc_waits;
     if (cfg.fp16.enabled) {
       scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale : std::ldexp(1.0, cfg.fp16.initial_scale_power);
@@ -300,6 +301,11 @@ struct Engine::Impl {
   static std::string key(char kind, std::size_t u, int gen, std::size_t g) {
     return fmt::format("{}{}.{}{}", kind, u, g, gen ? "'" : "");
   }
+  // Gradient buckets (zero_optimization.reduce_bucket_size): a unit's gradient is reduced
+  // `bucket_share` elements of every rank's shard at a time.
+  std::size_t bucket_share = 0;
+  std::size_t buckets(const Unit& u) const { return std::size_t(detail::num_sub_groups(u.shard, bucket_share)); }
+  detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::sub_group(u.shard, bucket_share, b); }
   std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].w_gen, g); }
   std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].o_gen, g); }
 
@@ -1116,55 +1122,81 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   s.finish_early(std::size_t(unit), true);  // its last early job reads the accumulator
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
+  const std::size_t ui = std::size_t(unit), n = u.shard;
+  const bool host_first = u.g_tier == Tier::kHost && s.grads_now[ui] == 0;
+  // The step's only gradient of the unit (as recorded), arriving whole into a host
+  // accumulator: its part of the norm from the same kernel on the device, beside the copy (a
+  // GPU does it in microseconds; on the host it was a pass over the shard on the CPU the
+  // optimizer needs). Bit for bit the host's: the same fp32 shard, the same kernel (step()
+  // falls back to the host if more come) — so only where the whole reduced shard is on the
+  // device at once: one rank, or a unit in one bucket.
+  const std::size_t buckets = s.buckets(u);
+  const bool device_norm = host_first && s.cfg.device_grad_norm.value_or(true) && !s.grads_recording &&
+                           s.grads_recorded[ui] == 1 && (s.world == 1 || buckets == 1);
   // One rank: the gradient is its own shard (an average over one rank is the value itself),
   // so no second buffer and no copy; the scratch is freed after the accumulation below.
-  Buffer out, full;
-  TensorRef shard;
-  if (s.world > 1) {
-    out = s.alloc(u.shard * 4, &cs);
-    shard = Impl::view(out, DType::kF32, u.shard);
-    s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), shard, ReduceOp::kAvg, cs);
-    u.grad_full.reset_on(cs);  // its last use: the reduce-scatter
-  } else {
-    full = std::move(u.grad_full);
-    shard = Impl::view(full, DType::kF32, u.shard);
-  }
-  if (u.g_tier == Tier::kDevice) {
-    cs.add(Impl::view(u.g_dev, DType::kF32, u.shard), shard, Impl::view(u.g_dev, DType::kF32, u.shard));
-  } else if (s.grads_now[std::size_t(unit)] == 0) {
-    // The step's first gradient of the unit goes straight into its accumulator: no staging
-    // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
-    // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
-    cs.copy(host_ref(u.g_host->data(), u.shard * 4), shard.mem);
-    s.st.d2h_bytes += u.shard * 4;
-    if (s.cfg.device_grad_norm.value_or(true) && !s.grads_recording && s.grads_recorded[std::size_t(unit)] == 1) {
-      // The step's only gradient of the unit (as recorded): its part of the norm from the same
-      // kernel on the device, beside the copy (a GPU does it in microseconds; on the host it
-      // was a pass over the shard on the CPU the optimizer needs). Bit for bit the host's:
-      // the same fp32 shard, the same kernel (step() falls back to the host if more come).
+  Buffer full;
+  if (s.world == 1) full = std::move(u.grad_full);
+  // In buckets of reduce_bucket_size (a bucket_share of every rank's shard): each reduced on
+  // the comm stream and its share added into this rank's accumulator, so the reduce-scatter
+  // output and the host staging hold one bucket's share, not the unit's shard.
+  for (std::size_t b = 0; b < buckets; ++b) {
+    const detail::Range r = s.bucket_range(u, b);
+    const std::size_t a = r.first, len = r.size;
+    Buffer out;
+    TensorRef part;  // this rank's reduced elements [a, a + len) of the shard
+    if (s.world > 1) {
+      out = s.alloc(len * 4, &cs);
+      part = Impl::view(out, DType::kF32, len);
+      if (buckets == 1) {
+        s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), part, ReduceOp::kAvg, cs);
+      } else {
+        // Every rank's [a, a + len) of the unit side by side: the bucket's contiguous input.
+        Buffer bucket = s.alloc(std::size_t(s.world) * len * 4, &cs);
+        for (int q = 0; q < s.world; ++q)
+          cs.copy(bucket.ref(std::size_t(q) * len * 4, len * 4), u.grad_full.ref((std::size_t(q) * n + a) * 4, len * 4));
+        s.comm.reduce_scatter(Impl::view(bucket, DType::kF32, std::size_t(s.world) * len), part, ReduceOp::kAvg, cs);
+        bucket.reset_on(cs);
+      }
+    } else {
+      part = Impl::view(full, DType::kF32, len, a);
+    }
+    if (u.g_tier == Tier::kDevice) {
+      const TensorRef acc = Impl::view(u.g_dev, DType::kF32, len, a);
+      cs.add(acc, part, acc);
+    } else if (host_first) {
+      // The step's first gradient of the unit goes straight into its accumulator: no staging
+      // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
+      // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
+      cs.copy(host_ref(static_cast<float*>(u.g_host->data()) + a, len * 4), part.mem);
+      s.st.d2h_bytes += len * 4;
+    } else {
+      Impl::bound(s.grad_staging, 2);
+      auto staging = s.pinned(len * 4);
+      cs.copy(host_ref(staging->data(), len * 4), part.mem);
+      s.st.d2h_bytes += len * 4;
+      float* acc = static_cast<float*>(u.g_host->data()) + a;
+      cs.host_fn(
+          [staging, acc, len] {
+            const float* g = static_cast<const float*>(staging->data());
+            for (std::size_t i = 0; i < len; ++i) acc[i] += g[i];
+          },
+          "grad_accumulate");
+      s.grad_staging.push_back(cs.record());
+    }
+    if (device_norm && b + 1 == buckets) {
       Buffer sq = s.alloc(4, &cs);
-      cs.sum_squares(shard, Impl::view(sq, DType::kF32, 1));
+      cs.sum_squares(s.world == 1 ? Impl::view(full, DType::kF32, n) : part, Impl::view(sq, DType::kF32, 1));
       cs.copy(host_ref(static_cast<float*>(s.norm_host->data()) + unit, 4), sq.ref());
       sq.reset_on(cs);
       std::lock_guard<std::mutex> lk(s.early_mu);
       u.dev_sumsq_call = s.step_calls;
     }
-  } else {
-    Impl::bound(s.grad_staging, 2);
-    auto staging = s.pinned(u.shard * 4);
-    cs.copy(host_ref(staging->data(), u.shard * 4), shard.mem);
-    s.st.d2h_bytes += u.shard * 4;
-    float* acc = static_cast<float*>(u.g_host->data());
-    const std::size_t n = u.shard;
-    cs.host_fn(
-        [staging, acc, n] {
-          const float* g = static_cast<const float*>(staging->data());
-          for (std::size_t i = 0; i < n; ++i) acc[i] += g[i];
-        },
-        "grad_accumulate");
-    s.grad_staging.push_back(cs.record());
+    if (out) out.reset_on(cs);  // its last use: the accumulation above
+    ++s.st.grad_buckets;
   }
-  if (full) full.reset_on(cs);  // its last use: the accumulation above
+  if (s.world > 1) u.grad_full.reset_on(cs);  // its last use: the reduce-scatters
+  if (full) full.reset_on(cs);                // its last use: the accumulation above
   s.note_grad(std::size_t(unit), cs);
 }
 

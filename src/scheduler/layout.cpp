@@ -15,6 +15,11 @@ std::uint64_t sub_group_elems(const EngineConfig& c) {
   return std::max<std::uint64_t>(kShardAlign, c.sub_group_size / kShardAlign * kShardAlign);
 }
 
+std::uint64_t bucket_share_elems(const EngineConfig& c, int world) {
+  const std::uint64_t share = c.reduce_bucket_size / std::uint64_t(std::max(1, world));
+  return std::max<std::uint64_t>(kShardAlign, share / kShardAlign * kShardAlign);
+}
+
 std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world) {
   STRATA_REQUIRE(world >= 1, "layout: world size {} must be at least 1", world);
   std::vector<UnitLayout> u(numel.size());

@@ -22,7 +22,12 @@ std::uint64_t padded_numel(std::uint64_t numel, int world);
 // this many elements, and NVMe-tier state and weights are stored one range per key, so every
 // pinned buffer on the optimizer's path holds one range, not the whole unit.
 std::uint64_t sub_group_elems(const EngineConfig& c);
-// Sub-group `g` of a shard of `shard` elements: its first element and its length.
+// A rank's share of one gradient bucket (zero_optimization.reduce_bucket_size / world, rounded
+// down to whole kShardAlign pages, at least one): the reducer reduce-scatters and accumulates a
+// unit's gradient this many shard elements at a time.
+std::uint64_t bucket_share_elems(const EngineConfig& c, int world);
+// Piece `g` of a shard of `shard` elements cut every `sg` (a sub-group, a bucket's share): its
+// first element and its length.
 struct Range {
   std::uint64_t first = 0, size = 0;
 };

@@ -21,12 +21,15 @@
 //     whole unit): only offloaded units count here.
 //   - Stages 1 and 2 keep every unit's full padded weights on the device (padded * c) and have
 //     no separate compute-weight shard. Stage 1 is planned like stage 2 (a gradient shard).
-//   - Gradient buckets on the device: a bucket is one unit's full fp32 gradient (the engine
-//     reduces unit by unit; reduce_bucket_size is stored), largest unit padded * 4, doubled
-//     with overlap_comm (one reduces while the next fills).
+//   - Unit gradients on the device: the model writes one unit's full fp32 gradient before it
+//     is reduced, largest unit padded * 4, doubled with overlap_comm (one reduces while the
+//     next fills). The reducer then works in buckets: R = min(reduce_bucket_size / W in whole
+//     pages, largest shard) elements of every rank's shard at a time; with W > 1 the
+//     reduce-scatter output (R * 4) and, for a unit of more than one bucket, its input gathered
+//     side by side (W * R * 4).
 //   - Pinned host staging:
-//       gradient D2H: 2 * largest shard * 4 (double-buffered), whenever gradients or optimizer
-//         state leave the device (the host optimizer reads its gradients on the host);
+//       gradient D2H: 2 * R * 4 (double-buffered), whenever gradients or optimizer state leave
+//         the device (the host optimizer reads its gradients on the host);
 //       parameter swap: offload_param.buffer_count whole shards read ahead, each the largest
 //         shard * c in whole 4 KiB pages, when any compute weights live on NVMe;
 //       optimizer swap: max(3, offload_optimizer.buffer_count) buffers (one read ahead, one
@@ -154,14 +157,24 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   const auto grad_tiers = b.place("gradient shard (fp32)", config.grads, scaled(4));
   const auto opt_tiers =
       b.place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
-  b.add(config.overlap_comm ? "gradient buckets (2 x largest unit, fp32, for overlap_comm)"
-                            : "gradient bucket (largest unit, fp32)",
+  b.add(config.overlap_comm ? "unit gradients (2 x largest unit, fp32, for overlap_comm)"
+                            : "unit gradient (largest unit, fp32)",
         Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
+  // The reducer works a bucket (reduce_bucket_size elements: a share of every rank's shard)
+  // at a time: with more than one rank, the reduce-scatter's output, and for a unit larger than
+  // one bucket its input gathered side by side.
+  const std::uint64_t R = std::min(detail::bucket_share_elems(config, in.world_size), largest_shard);
+  if (in.world_size > 1) {
+    b.add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
+    if (largest_shard > R)
+      b.add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R), Tier::kDevice,
+            std::uint64_t(in.world_size) * R * 4);
+  }
   b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
 
   const bool host_optimizer = opt_tiers[0] < total_shard * 12;
   if (grad_tiers[0] < total_shard * 4 || host_optimizer) {
-    b.add("gradient D2H staging (2 x largest shard, fp32)", Tier::kHost, 2 * largest_shard * 4);
+    b.add(fmt::format("gradient D2H staging (2 x {} elements, fp32)", R), Tier::kHost, 2 * R * 4);
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     b.add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
@@ -207,14 +220,14 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
           shared ? slack(w_bytes + o_bytes) : slack(w_bytes) + slack(o_bytes));
   }
 
-  // DeepSpeed splits gradients at this size; this engine reduces a whole unit at a time. A
-  // value below the largest unit, the reason a user sets it (less device memory), is said.
+  // A reduce_bucket_size below the largest unit, the reason a user sets it (less device memory),
+  // bounds the reducer's buffers but not the unit's gradient the model writes: said.
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
   const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     b.plan.notes.push_back(fmt::format(
-        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced one "
-        "whole unit at a time, so a bucket is that unit's fp32 gradient ({}{})",
+        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced and "
+        "staged in buckets of it, but the model writes a unit's whole fp32 gradient before it is reduced ({}{})",
         config.reduce_bucket_size, largest_numel, human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
 
