@@ -220,6 +220,31 @@ TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
   EXPECT_NEAR(p.step_s, params / 1e8, params / 1e8 * kRel);
 }
 
+// zero_optimization.sub_group_size: the engine steps a unit's NVMe state a sub-group at a time,
+// reading the next one while it steps this one and writing behind, so the drive never idles and
+// the CPU AdamW (faster than the drive here) hides under its traffic; whole, one unit's read,
+// AdamW and write follow each other.
+TEST(PerfModel, SubGroupsOverlapTheAdamWWithTheDrive) {
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = 1e9;
+  m.cpu_adamw_params_per_s = 1e8;
+  const std::uint64_t n = 16 * kLayer;  // one 32M-parameter layer
+  const ModelProfile mp = synthetic(1, n, 0, 0);
+  const double drive = 24.0 * double(n) / 1e9, adamw = double(n) / 1e8;  // 0.81 s, 0.34 s
+  for (const bool early : {false, true}) {
+    EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kHost);
+    c.overlap_optimizer = early;
+    const Prediction whole = predict_step(m, mp, c);
+    c.sub_group_size = n / 32;
+    const Prediction split = predict_step(m, mp, c);
+    EXPECT_NEAR(whole.step_s, drive + adamw, (drive + adamw) * 1e-2) << "early " << early;
+    EXPECT_NEAR(split.step_s, drive, drive * 1e-3) << "early " << early;
+    int reads = 0;
+    for (const Interval& iv : split.schedule) reads += iv.what == "read state layers.0";
+    EXPECT_EQ(reads, 32) << "early " << early;
+  }
+}
+
 // strata.device_grad_norm: with one micro-batch a step the device sums the host-tier gradients'
 // squares, and the host's pass over them (4 bytes a parameter at host_norm_bps) leaves the step.
 TEST(PerfModel, TheDevicesNormTakesTheHostsPassOutOfTheStep) {
@@ -314,7 +339,9 @@ TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
     EXPECT_TRUE(labels.insert(c.label).second) << c.label;
     // "twice the swap buffers" of a layout with nothing on NVMe is the same candidate again
     // (it was listed, and validated, beside its twin).
-    if (c.plan.nvme_bytes == 0) EXPECT_EQ(c.label.find("twice the swap buffers"), std::string::npos) << c.label;
+    if (c.plan.nvme_bytes == 0) {
+      EXPECT_EQ(c.label.find("twice the swap buffers"), std::string::npos) << c.label;
+    }
   }
 }
 
@@ -554,7 +581,9 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   const std::int64_t best = j["candidates"][0]["micro_batch"].get<std::int64_t>();
   const bool note = r.out.find("not the train_batch_size 16 of --config") != std::string::npos;
   EXPECT_EQ(note, best != 8) << r.out;
-  if (note) EXPECT_NE(r.out.find("(pass --micro-batches 8 to keep it)"), std::string::npos) << r.out;
+  if (note) {
+    EXPECT_NE(r.out.find("(pass --micro-batches 8 to keep it)"), std::string::npos) << r.out;
+  }
 
   // --grad-accum beside a train_batch_size keeps the global batch, as strata-train does: the
   // micro-batch follows (16 / 4 = 4: 2, 4 and 8 searched), or a --grad-accum that does not

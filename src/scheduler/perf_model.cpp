@@ -218,6 +218,11 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
     if (x.g == Tier::kHost && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "host gradients");
   }
+  // The host optimizer's sub-groups and the reducer's buckets, as the engine cuts a shard.
+  const std::uint64_t sub_group = detail::sub_group_elems(c), bucket_share = detail::bucket_share_elems(c, m.world_size);
+  auto groups = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, sub_group); };
+  auto group_size = [&](const SimUnit& x, std::uint64_t g) { return double(detail::sub_group(x.shard, sub_group, g).size); };
+  auto buckets = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, bucket_share); };
   // The early optimizer step (strata.overlap_optimizer) of the units whose optimizer runs on
   // the host from host gradients. The search sets the flag from the plan; unset, the engine's
   // default (on) is assumed. Modelled as kept: no clipping, the lr announced.
@@ -405,8 +410,10 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
-  // a step) has its norm part summed on the device beside its copy; no host pass.
-  const bool device_norm = c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
+  // a step) has its norm part summed on the device beside its copy, no host pass — where the
+  // whole reduced shard is on the device at once (one rank, or a unit in one bucket).
+  const bool device_norm_on = c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
+  auto device_norm = [&](const SimUnit& x) { return device_norm_on && (W == 1 || buckets(x) == 1); };
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
 
   // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
@@ -419,34 +426,43 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   std::deque<double> early_writes, early_w_writes;
   auto early_job = [&](std::size_t i, double avail, bool norm) {
     SimUnit& x = u[i];
-    const double n = double(x.shard), w_bytes = n * csz;
-    double start = std::max(sim.stream_free[kEarlyS], avail);
+    const double n = double(x.shard);
+    double t = std::max(sim.stream_free[kEarlyS], avail);
     double io = 0;
-    if (x.o == Tier::kNvme) {
-      const double issue = avail <= early_prev_start ? early_prev_start : start;
-      start = std::max(start, sim.lane(Resource::kNvme, issue, secs(12 * n, opt_read_bps), "read state " + name(i)));
-    }
-    early_prev_start = start;
     const bool w_nvme = !x.resident && x.w == Tier::kNvme;
-    if (w_nvme && early_w_writes.size() >= 2) {
-      start = std::max(start, early_w_writes.front());
-      early_w_writes.pop_front();
-    }
-    double t = start;
     if (norm) t = norm_done[i] = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
-    t = sim.op(kEarlyS, Resource::kCpu, t, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
-    if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
+    // A sub-group at a time: NVMe state read one sub-group ahead (the first when the previous
+    // job started its last, if this one was queued by then), written behind.
+    double read = 0;
     if (x.o == Tier::kNvme) {
-      if (early_writes.size() >= max_writes) {
-        t = std::max(t, early_writes.front());
-        early_writes.pop_front();
-      }
-      early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * n, opt_write_bps), "write state " + name(i)));
-      io = std::max(io, early_writes.back());
+      const double issue = avail <= early_prev_start ? early_prev_start : t;
+      read = sim.lane(Resource::kNvme, issue, secs(12 * group_size(x, 0), opt_read_bps), "read state " + name(i));
     }
-    if (w_nvme) {
-      early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i)));
-      io = std::max(io, early_w_writes.back());
+    const std::uint64_t G = groups(x);
+    for (std::uint64_t g = 0; g < G; ++g) {
+      const double len = group_size(x, g), w_bytes = len * csz;
+      t = std::max(t, read);
+      if (x.o == Tier::kNvme && g + 1 < G)
+        read = sim.lane(Resource::kNvme, t, secs(12 * group_size(x, g + 1), opt_read_bps), "read state " + name(i));
+      if (g + 1 == G) early_prev_start = t;
+      if (w_nvme && early_w_writes.size() >= 2) {
+        t = std::max(t, early_w_writes.front());
+        early_w_writes.pop_front();
+      }
+      t = sim.op(kEarlyS, Resource::kCpu, t, secs(len, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
+      if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
+      if (x.o == Tier::kNvme) {
+        if (early_writes.size() >= max_writes) {
+          t = std::max(t, early_writes.front());
+          early_writes.pop_front();
+        }
+        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps), "write state " + name(i)));
+        io = std::max(io, early_writes.back());
+      }
+      if (w_nvme) {
+        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i)));
+        io = std::max(io, early_w_writes.back());
+      }
     }
     sim.wait(kEarlyS, t);
     early_done[i] = t;
@@ -493,8 +509,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   };
   auto enqueue = [&](std::size_t i, double avail) {
     run_started_before(avail);
-    norm_done[i] = device_norm ? avail : kNever;
-    early_q.push_back({i, avail, !device_norm});
+    norm_done[i] = device_norm(u[i]) ? avail : kNever;
+    early_q.push_back({i, avail, !device_norm(u[i])});
     queued[i] = true;
     early_order.push_back(i);
   };
@@ -504,27 +520,33 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   auto reduce = [&](std::size_t i, double after_compute) {
     SimUnit& x = u[i];
     sim.wait(kCommS, after_compute);
-    double t = after_compute;
-    if (W > 1) {
-      t = sim.op(kCommS, Resource::kComm, t, secs(double(x.padded) * 4 * double(W - 1) / double(W), m.reduce_scatter_bps),
-                 "reduce-scatter " + name(i));
-      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)), "");  // the scratch, after its last use
-      // its output shard, freed on the comm stream
-      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");
-    }  // one rank: the gradient scratch is the shard, no copy
-    if (x.g == Tier::kDevice) {
-      sim.op(kCommS, Resource::kCount, t, secs(12.0 * double(x.shard), m.device_mem_bps), "");
-    } else if (first_micro_batch) {  // straight into the accumulator
-      t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
-      if (device_norm) sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
-      if (last_micro_batch && eligible(x)) enqueue(i, t);
-    } else {
-      bound(grad_staging, 2);
-      t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * double(x.shard), m.d2h_bps), "d2h grad " + name(i));
-      grad_staging.push_back(
-          sim.op(kCommS, Resource::kCpu, t, secs(12.0 * double(x.shard), m.host_mem_bps), "grad add " + name(i), all_cores));
-      if (last_micro_batch && eligible(x)) enqueue(i, grad_staging.back());
+    double t = after_compute, ready = after_compute;  // `ready`: the accumulation's end
+    const std::uint64_t B = buckets(x);
+    for (std::uint64_t b = 0; b < B; ++b) {  // Engine::reduce_grad's buckets, on the comm stream
+      const double len = double(detail::sub_group(x.shard, bucket_share, b).size);
+      if (W > 1) {
+        if (B > 1)  // every rank's share gathered side by side
+          t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * len * double(W), m.device_mem_bps), "");
+        t = sim.op(kCommS, Resource::kComm, t, secs(len * 4 * double(W - 1), m.reduce_scatter_bps),
+                   "reduce-scatter " + name(i));
+        sim.op(kCommS, Resource::kCount, t, free_s(4.0 * len), "");  // its output, freed on the comm stream
+      }  // one rank: the gradient scratch is the shard, no copy
+      if (x.g == Tier::kDevice) {
+        sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
+      } else if (first_micro_batch) {  // straight into the accumulator
+        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+      } else {
+        bound(grad_staging, 2);
+        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+        grad_staging.push_back(
+            sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores));
+        ready = grad_staging.back();
+      }
     }
+    if (W > 1) sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)), "");  // the scratch, after its last use
+    if (x.g == Tier::kHost && first_micro_batch && device_norm(x))
+      sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
+    if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
   };
@@ -609,7 +631,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     run_started_before(norm_at);
     const Resource norm_lane = early_order.empty() ? Resource::kCpu : Resource::kCount;
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].g == Tier::kHost && !device_norm && !(kept[i] && norm_done[i] <= norm_at))
+      if (u[i].g == Tier::kHost && !device_norm(u[i]) && !(kept[i] && norm_done[i] <= norm_at))
         h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
     h = std::max(h, sim.stream_free[kOptS]);
     // The early results: kept without waiting; each unit is finished before its next use
@@ -618,16 +640,16 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     std::stable_sort(early_q.begin(), early_q.end(), [](const Job& x, const Job& y) { return x.unit < y.unit; });
     for (Job& j : early_q) j.norm = false;  // step() has the norm
 
-    std::vector<std::size_t> nvme_units;
+    std::vector<std::pair<std::size_t, std::uint64_t>> nvme_groups;  // (unit, sub-group), read one ahead
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].o == Tier::kNvme && !kept[i]) nvme_units.push_back(i);
-    std::vector<double> read_done(N, 0);
+      if (u[i].o == Tier::kNvme && !kept[i])
+        for (std::uint64_t g = 0; g < groups(u[i]); ++g) nvme_groups.push_back({i, g});
+    std::vector<double> read_done(nvme_groups.size(), 0);
     std::size_t nvme_next = 0;
     auto issue_read = [&](std::size_t k) {
-      if (k >= nvme_units.size()) return;
-      const std::size_t i = nvme_units[k];
-      read_done[i] = sim.lane(Resource::kNvme, h, secs(12.0 * double(u[i].shard), opt_read_bps),
-                              "read state " + name(i));
+      if (k >= nvme_groups.size()) return;
+      const auto [i, g] = nvme_groups[k];
+      read_done[k] = sim.lane(Resource::kNvme, h, secs(12.0 * group_size(u[i], g), opt_read_bps), "read state " + name(i));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
@@ -665,35 +687,42 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
                    "adamw " + name(i));
         if (!target_dev) {
           // On the write-back stream: the step does not wait for host-tier ones (the next
-          // fetch of the unit does), NVMe-tier ones are written by the host from there.
-          if (x.w == Tier::kNvme) stage_w();
+          // fetch of the unit does); NVMe-tier ones a sub-group at a time through staging,
+          // written by the host from there.
           sim.wait(kWbS, t);
-          const double d = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
-          if (x.w == Tier::kNvme) h = std::max(h, d);
-          else x.w_written = d;
+          if (x.w == Tier::kHost) {
+            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
+          } else {
+            for (std::uint64_t g = 0; g < groups(x); ++g) {
+              const double len_w = group_size(x, g) * csz;
+              stage_w();
+              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps), "d2h w " + name(i)));
+              w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
+            }
+          }
         } else if (!copy_out) {
           sim.op(kOptS, Resource::kCount, t, secs(2 * w_bytes, m.device_mem_bps), "");
         }
-      } else {
-        if (x.o == Tier::kNvme) {
-          issue_read(nvme_next++);
-          h = std::max(h, read_done[i]);
-        }
-        if (x.g == Tier::kDevice) {
-          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * n, m.d2h_bps), "d2h grad " + name(i));
-        }
-        if (target_dev || x.w == Tier::kNvme) stage_w();
-        h = sim.op(kHostS, Resource::kCpu, h, secs(n, m.cpu_adamw_params_per_s), "adamw " + name(i),
-                   adamw_cores);
-        if (!copy_out)
-          h = sim.op(kHostS, Resource::kCpu, h, secs(8 * n, m.host_mem_bps), "copy w " + name(i));
-        if (target_dev)
-          w_staging.push_back(
-              sim.op(kOptS, Resource::kH2D, h, secs(w_bytes, m.h2d_bps), "h2d w " + name(i)));
-        if (x.o == Tier::kNvme) write_state(12 * n, h, "write state " + name(i));
+        continue;
       }
-      if (!x.resident && x.w == Tier::kNvme)
-        w_staging.push_back(write_behind(w_bytes, h, "write w " + name(i)));
+      // The host optimizer, a sub-group at a time.
+      for (std::uint64_t g = 0; g < groups(x); ++g) {
+        const double len = group_size(x, g), len_w = len * csz;
+        if (x.o == Tier::kNvme) {
+          const std::size_t k = nvme_next - 1;  // this sub-group's read, issued one ahead
+          issue_read(nvme_next++);
+          h = std::max(h, read_done[k]);
+        }
+        if (x.g == Tier::kDevice)
+          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i));
+        if (target_dev || x.w == Tier::kNvme) stage_w();
+        h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
+        if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
+        if (target_dev)
+          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps), "h2d w " + name(i)));
+        if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
+        if (!x.resident && x.w == Tier::kNvme) w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
+      }
     }
     h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
     if (W > 1)
