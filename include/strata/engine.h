@@ -136,7 +136,8 @@ class Engine {
   // with beta 0): its contents are undefined until written, which saves a pass over it.
   TensorRef grad_buffer(int unit, Stream& compute, GradInit init = GradInit::kZeroed);
   // Reduce-scatters the gradient written on `compute` (averaged over ranks) and adds this
-  // rank's shard into its fp32 accumulator, asynchronously.
+  // rank's shard into its fp32 accumulator, asynchronously, in buckets of
+  // zero_optimization.reduce_bucket_size elements.
   void reduce_grad(int unit, Stream& compute);
 
   // fp16: the factor to multiply the loss by before backward (1 otherwise).
