@@ -813,6 +813,28 @@ TEST(Engine, GradientBucketsGiveTheSameBits) {
   }
 }
 
+// Gradients on the device, the optimizer on the host: step() stages each sub-group's gradient in
+// pinned memory for the host AdamW, which the plan's D2H staging line must hold even when the
+// reducer's buckets are far smaller than a sub-group (it planned two buckets' shares: 16 KiB).
+TEST(Engine, DeviceGradientsStagedForTheHostOptimizerStayWithinThePlan) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 1000, 1000, 64}, 4, 41);
+  for (Tier w : {Tier::kDevice, Tier::kHost}) {
+    RunSetup s;
+    s.steps = 2;
+    s.cfg.compute_dtype = DType::kBF16;
+    s.cfg.params = on(w);
+    s.cfg.grads = on(Tier::kDevice);
+    s.cfg.optimizer = on(Tier::kHost);
+    s.cfg.param_persistence_threshold = 0;
+    s.cfg.reduce_bucket_size = 2048;
+    s.cfg.host_budget_bytes = 256 << 20;
+    const RunOut r = train(s, model);
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
+        << "weights on " << tier_name(w) << "\n" << r.plan.table();
+  }
+}
+
 // strata.optimizer_isa picks the host AdamW's code path; every path gives the serial step's
 // bits, early or not. A path this CPU lacks is refused when the engine is made, naming the key.
 TEST(Engine, EveryOptimizerIsaGivesTheSameBits) {

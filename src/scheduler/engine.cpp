@@ -423,10 +423,17 @@ struct Engine::Impl {
           const detail::Range r = range(u, g);
           reads.push_back(w_swap().read(w_key(std::size_t(ui), g), static_cast<char*>(staging->data()) + r.first * c_size,
                                         r.size * c_size));
+          reads.back().on_complete([staging](std::exception_ptr) {});  // outlives it if a later read throws
         }
         fetch_s->host_fn(
-            [reads] {
-              for (const IoHandle& h : reads) h.wait();
+            [reads] {  // every read settles before the staging can be freed; then the first error
+              std::exception_ptr err;
+              for (const IoHandle& h : reads) try {
+                  h.wait();
+                } catch (...) {
+                  if (!err) err = std::current_exception();
+                }
+              if (err) std::rethrow_exception(err);
             },
             "nvme_wait");
         fetch_s->copy(block.mem, host_ref(staging->data(), u.shard * c_size));

@@ -422,12 +422,15 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   std::vector<std::size_t> early_order;
   std::vector<double> early_done(N, 0), early_io_done(N, 0);
   std::vector<double> norm_done(N, kNever);  // when the worker had the unit's norm part
-  double early_prev_start = -1;
+  double early_prev_pop = -1, early_prev_start = -1;  // the previous job's pop, and its last sub-group's start
   std::deque<double> early_writes, early_w_writes;
   auto early_job = [&](std::size_t i, double avail, bool norm) {
     SimUnit& x = u[i];
     const double n = double(x.shard);
     double t = std::max(sim.stream_free[kEarlyS], avail);
+    // Engine::early_loop picks the job to read ahead for (`next`) when it pops this one.
+    const bool read_ahead = avail <= early_prev_pop;
+    early_prev_pop = t;
     double io = 0;
     const bool w_nvme = !x.resident && x.w == Tier::kNvme;
     if (norm) t = norm_done[i] = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
@@ -435,7 +438,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     // job started its last, if this one was queued by then), written behind.
     double read = 0;
     if (x.o == Tier::kNvme) {
-      const double issue = avail <= early_prev_start ? early_prev_start : t;
+      const double issue = read_ahead ? early_prev_start : t;
       read = sim.lane(Resource::kNvme, issue, secs(12 * group_size(x, 0), opt_read_bps), "read state " + name(i));
     }
     const std::uint64_t G = groups(x);

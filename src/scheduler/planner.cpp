@@ -173,16 +173,21 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
 
   const bool host_optimizer = opt_tiers[0] < total_shard * 12;
+  // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
+  const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
   if (grad_tiers[0] < total_shard * 4 || host_optimizer) {
-    b.add(fmt::format("gradient D2H staging (2 x {} elements, fp32)", R), Tier::kHost, 2 * R * 4);
+    // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
+    // device gradient staged for the host optimizer
+    const std::uint64_t E = std::max(2 * R, host_optimizer && grad_tiers[0] > 0 ? S : 0);
+    b.add(E == 2 * R ? fmt::format("gradient D2H staging (2 x {} elements, fp32)", R)
+                     : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
+          Tier::kHost, E * 4);
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     b.add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
           Tier::kHost,
           static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
   }
-  // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
-  const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
   const std::uint64_t opt_swap_buffer = SwapStore::padded_bytes(S * 12);
   const int opt_buffers = std::max(3, config.optimizer_buffer_count);
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
