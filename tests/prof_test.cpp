@@ -308,6 +308,53 @@ TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
   }
 }
 
+// Optimizer state on NVMe and too little host memory for its swap buffers of a whole unit's
+// state: the search tries smaller sub-groups (zero_optimization.sub_group_size), keeps the
+// largest that fits, says so in the label and writes it in the config; with room to spare it
+// leaves the config's.
+TEST(PerfModel, SearchShrinksSubGroupsToFitTheHost) {
+  MachineProfile m = fast_machine();
+  m.h2d_bps = m.d2h_bps = 10e9;
+  m.nvme_read_bps = m.nvme_write_bps = 2e9;
+  m.cpu_adamw_params_per_s = 5e8;
+  m.host_capacity = std::uint64_t(600) << 20;  // a 32M-element layer's state is 384 MiB a buffer
+  SearchSpace space;
+  space.base = default_engine_config();
+  space.nvme_paths = {"/tmp"};
+  space.models.push_back(synthetic(2, 16 * kLayer, 0.002, 0.004));
+  const SearchResult r = search_placements(m, space);
+  int split = 0;
+  for (const Candidate& c : r.ranked) {
+    EXPECT_LE(c.plan.host_bytes, m.host_capacity) << c.label;
+    if (c.label.find("sub-groups of") == std::string::npos) {
+      EXPECT_FALSE(c.config.sub_group_size_given) << c.label;
+      continue;
+    }
+    ++split;
+    EXPECT_GT(c.config.optimizer.nvme_fraction(), 0) << c.label;
+    EXPECT_LT(c.config.sub_group_size, 16 * kLayer) << c.label;
+    EXPECT_EQ(c.config.sub_group_size % 2048, 0u) << c.label;
+    EXPECT_NE(c.label.find(fmt::format("sub-groups of {} elements", c.config.sub_group_size)), std::string::npos)
+        << c.label;
+    // The largest that fits: twice it does not.
+    EngineConfig twice = c.config;
+    twice.sub_group_size *= 2;
+    PlanInputs in;
+    for (const auto& x : space.models[0].units) in.units.push_back({x.name, x.numel});
+    in.device_capacity = m.device_capacity;
+    in.host_capacity = m.host_capacity;
+    in.nvme_capacity = m.nvme_free;
+    EXPECT_FALSE(plan_memory(twice, in).fits) << c.label;
+    EXPECT_NE(engine_config_json(c.config).find(fmt::format("\"sub_group_size\": {}", c.config.sub_group_size)),
+              std::string::npos)
+        << engine_config_json(c.config);
+  }
+  EXPECT_GT(split, 0);
+  m.host_capacity = std::uint64_t(64) << 30;
+  for (const Candidate& c : search_placements(m, space).ranked)
+    EXPECT_EQ(c.label.find("sub-groups of"), std::string::npos) << c.label;
+}
+
 // A window of K units holds K padded units (the engine's measure): with 2 ranks a 1000001-element
 // layer pads to 1003520, and "2 units live" held one (never prefetching). Candidates that lay the
 // state out alike are one: with every unit persistent, no weight tier or window to choose.

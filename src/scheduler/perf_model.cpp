@@ -929,6 +929,26 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                                        more_buffers ? ", twice the swap buffers" : "");
               ++out.considered;
               cand.plan = plan_memory(c, in);
+              // Short of host memory with optimizer state on NVMe: its swap buffers and the new
+              // weights' staging hold one sub-group each, so smaller sub-groups may make it fit.
+              // The largest that does (halving from the unit's shard, whole pages), if any.
+              if (!cand.plan.fits && o_nvme && cand.plan.host_bytes > cand.plan.host_capacity) {
+                std::uint64_t largest_shard = 0;
+                for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size))
+                  largest_shard = std::max(largest_shard, u.shard);
+                EngineConfig smaller = c;
+                smaller.sub_group_size_given = true;
+                for (std::uint64_t sg = std::min(detail::sub_group_elems(c), largest_shard) / 2;
+                     sg >= detail::kShardAlign; sg /= 2) {
+                  smaller.sub_group_size = sg / detail::kShardAlign * detail::kShardAlign;
+                  MemoryPlan p = plan_memory(smaller, in);
+                  if (!p.fits) continue;
+                  c = smaller;
+                  cand.plan = std::move(p);
+                  cand.label += fmt::format(", sub-groups of {} elements", c.sub_group_size);
+                  break;
+                }
+              }
               if (!cand.plan.fits) {
                 // The least demanding candidate: the smallest sum of bytes missing.
                 std::uint64_t shortfall = 0;
