@@ -159,6 +159,24 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   std::uint64_t nvme_read = 0;
   while (std::getline(f, line)) nvme_read += nlohmann::json::parse(line).value("nvme_read_bytes", std::uint64_t(0));
   EXPECT_GT(nvme_read, 0u);
+  // The optimizer a sub-group of 4096 elements at a time, the gradients reduced in buckets of
+  // 4096: the same losses (the keys reach the engine from the ds_config).
+  const std::string small = dir.path + "/small.json", small_log = dir.path + "/small.jsonl";
+  std::ofstream(small) << nlohmann::json{
+      {"zero_optimization",
+       {{"stage", 3},
+        {"sub_group_size", 4096},
+        {"reduce_bucket_size", 4096},
+        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+                              .dump();
+  const Result c = train(args(small_log, {"--config", small, "--plan"}), "small-plan");
+  EXPECT_EQ(c.status, 0) << c.err;
+  EXPECT_NE(c.out.find("optimizer swap buffers (4 x 4096 elements' state"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("gradient D2H staging (2 x 4096 elements"), std::string::npos) << c.out;
+  const Result d = train(args(small_log, {"--config", small}), "small");
+  ASSERT_EQ(d.status, 0) << d.err;
+  EXPECT_EQ(la, losses(small_log));
 }
 
 // --dtype replaces the --config's fp16 with its loss scaling: kept, every gradient was divided by a
