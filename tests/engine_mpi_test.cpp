@@ -27,7 +27,7 @@ struct Run {
   std::vector<double> losses;  // global mean loss per step
   std::vector<std::vector<float>> master;
   std::uint64_t early_kept = 0;  // unit updates the early optimizer step kept
-  std::uint64_t grad_buckets = 0;
+  std::uint64_t grad_buckets = 0, reduce_scatters = 0;
 };
 
 Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
@@ -61,6 +61,7 @@ Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& 
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.early_kept = e.stats().early_units_kept;
   out.grad_buckets = e.stats().grad_buckets;
+  out.reduce_scatters = e.stats().reduce_scatters;
   return out;
 }
 
@@ -153,23 +154,27 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   if (g_env->comm->rank() == 0) fs::remove_all(dir, ec);
 }
 
-// zero_optimization.reduce_bucket_size below a unit: each unit's gradient is reduce-scattered a
-// bucket at a time (every rank's share of it gathered side by side first), gradients on the
-// device or accumulated on the host. Against one rank as above, and against whole-unit buckets:
-// on two ranks bit for bit (a sum of two is the same in any order); with more, MPI may pick
-// another algorithm for another message size, so within the tolerance only.
+// zero_optimization.reduce_bucket_size below a unit: each unit's gradient reaches its accumulator
+// a bucket at a time, gradients on the device or accumulated on the host; a unit of many buckets
+// is reduce-scattered bucket by bucket too (every rank's share gathered side by side first:
+// here the second unit with 2 ranks), one of a few in one reduce-scatter (the second unit with
+// 4 ranks). Against one rank as above, and against whole units: on two ranks bit for bit (a sum
+// of two is the same in any order); with more, MPI may pick another algorithm for another
+// message size, so within the tolerance only.
 TEST(EngineRanks, GradientBucketsMatchWholeUnitsAndOneRank) {
-  const std::vector<int> dims = {24, 100, 90, 16};  // units of 2400, 9000 and 1440 elements
+  const std::vector<int> dims = {24, 100, 200, 16};  // units of 2400, 20000 and 3200 elements
   const int n = g_env->comm->world_size();
   for (Tier g : {Tier::kDevice, Tier::kHost}) {
     EngineConfig c = default_engine_config();
     c.grads = on(g);
     c.optimizer = on(g);
-    c.reduce_bucket_size = 4096;  // a share of 2048 elements a rank: the second unit in 3 or 2 buckets
+    c.reduce_bucket_size = 4096;  // a share of 4096 elements (1 rank) or 2048 (2 and 4 ranks)
     const std::string what = fmt::format("buckets of 4096 elements, gradients on {}", tier_name(g));
     const strata::Run split = compare_with_one_rank(c, what.c_str(), dims);
-    // Shards of 4096 | 10240 | 2048 elements (1 rank), 2048 | 6144 | 2048 (2), 2048 | 4096 | 2048 (4).
-    EXPECT_EQ(split.grad_buckets, std::uint64_t(kSteps * kAccum) * (n == 4 ? 4 : 5)) << what;
+    // Shards of 4096 | 20480 | 4096 elements (1 rank), 2048 | 10240 | 2048 (2: the second
+    // reduce-scattered in 5 buckets), 2048 | 5120 | 2048 (4: 3 buckets' shares of one).
+    EXPECT_EQ(split.grad_buckets, std::uint64_t(kSteps * kAccum) * (n == 4 ? 5 : 7)) << what;
+    EXPECT_EQ(split.reduce_scatters, std::uint64_t(kSteps * kAccum) * (n == 1 ? 0 : n == 2 ? 7 : 3)) << what;
     if (n != 2) continue;
     c.reduce_bucket_size = 500'000'000;
     const strata::Run whole = train_ranks(c, dims);

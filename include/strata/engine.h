@@ -81,6 +81,9 @@ struct EngineStats {
   // Gradient buckets reduced and accumulated: one per reduce_grad per reduce_bucket_size
   // share of the unit's shard (zero_optimization.reduce_bucket_size / world elements a rank).
   std::uint64_t grad_buckets = 0;
+  // Gradient reduce-scatter collectives issued (none on one rank): one per reduce_grad, or one
+  // per bucket for a unit reduce-scattered bucket by bucket.
+  std::uint64_t reduce_scatters = 0;
   // Units whose early optimizer step (strata.overlap_optimizer) was kept / redone serially
   // because the step clipped, overflowed or ran with another lr.
   std::uint64_t early_units_kept = 0, early_units_redone = 0;

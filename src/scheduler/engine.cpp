@@ -305,6 +305,10 @@ struct Engine::Impl {
   // `bucket_share` elements of every rank's shard at a time.
   std::size_t bucket_share = 0;
   std::size_t buckets(const Unit& u) const { return std::size_t(detail::num_sub_groups(u.shard, bucket_share)); }
+  // Whether the reduce-scatter itself goes bucket by bucket (every rank's share gathered side by
+  // side first): only where that takes less device memory than one reduce-scatter of the unit
+  // into a shard-sized output (scheduler/layout.h).
+  bool bucketed_reduce(const Unit& u) const { return detail::bucketed_reduce(u.shard, bucket_share, world); }
   detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::sub_group(u.shard, bucket_share, b); }
   std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].w_gen, g); }
   std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].o_gen, g); }
@@ -1136,35 +1140,41 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   // GPU does it in microseconds; on the host it was a pass over the shard on the CPU the
   // optimizer needs). Bit for bit the host's: the same fp32 shard, the same kernel (step()
   // falls back to the host if more come) — so only where the whole reduced shard is on the
-  // device at once: one rank, or a unit in one bucket.
+  // device at once (not when the reduce-scatter itself goes bucket by bucket).
   const std::size_t buckets = s.buckets(u);
+  const bool bucketed = s.bucketed_reduce(u);
   const bool device_norm = host_first && s.cfg.device_grad_norm.value_or(true) && !s.grads_recording &&
-                           s.grads_recorded[ui] == 1 && (s.world == 1 || buckets == 1);
-  // One rank: the gradient is its own shard (an average over one rank is the value itself),
-  // so no second buffer and no copy; the scratch is freed after the accumulation below.
+                           s.grads_recorded[ui] == 1 && !bucketed;
+  // The whole reduced shard, when it is on the device at once. One rank: the gradient is its
+  // own shard (an average over one rank is the value itself), so no second buffer and no copy;
+  // the scratch is freed after the accumulation below.
   Buffer full;
-  if (s.world == 1) full = std::move(u.grad_full);
-  // In buckets of reduce_bucket_size (a bucket_share of every rank's shard): each reduced on
-  // the comm stream and its share added into this rank's accumulator, so the reduce-scatter
-  // output and the host staging hold one bucket's share, not the unit's shard.
+  if (s.world == 1) {
+    full = std::move(u.grad_full);
+  } else if (!bucketed) {
+    full = s.alloc(n * 4, &cs);
+    s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), Impl::view(full, DType::kF32, n),
+                          ReduceOp::kAvg, cs);
+    ++s.st.reduce_scatters;
+  }
+  // In buckets of reduce_bucket_size (a bucket_share of every rank's shard): each (reduced on
+  // the comm stream, when bucketed, and) added into this rank's accumulator, so the host
+  // staging — and the reduce-scatter's buffers, when bucketed — hold one bucket's share.
   for (std::size_t b = 0; b < buckets; ++b) {
     const detail::Range r = s.bucket_range(u, b);
     const std::size_t a = r.first, len = r.size;
     Buffer out;
     TensorRef part;  // this rank's reduced elements [a, a + len) of the shard
-    if (s.world > 1) {
+    if (bucketed) {
       out = s.alloc(len * 4, &cs);
       part = Impl::view(out, DType::kF32, len);
-      if (buckets == 1) {
-        s.comm.reduce_scatter(Impl::view(u.grad_full, DType::kF32, u.padded), part, ReduceOp::kAvg, cs);
-      } else {
-        // Every rank's [a, a + len) of the unit side by side: the bucket's contiguous input.
-        Buffer bucket = s.alloc(std::size_t(s.world) * len * 4, &cs);
-        for (int q = 0; q < s.world; ++q)
-          cs.copy(bucket.ref(std::size_t(q) * len * 4, len * 4), u.grad_full.ref((std::size_t(q) * n + a) * 4, len * 4));
-        s.comm.reduce_scatter(Impl::view(bucket, DType::kF32, std::size_t(s.world) * len), part, ReduceOp::kAvg, cs);
-        bucket.reset_on(cs);
-      }
+      // Every rank's [a, a + len) of the unit side by side: the bucket's contiguous input.
+      Buffer bucket = s.alloc(std::size_t(s.world) * len * 4, &cs);
+      for (int q = 0; q < s.world; ++q)
+        cs.copy(bucket.ref(std::size_t(q) * len * 4, len * 4), u.grad_full.ref((std::size_t(q) * n + a) * 4, len * 4));
+      s.comm.reduce_scatter(Impl::view(bucket, DType::kF32, std::size_t(s.world) * len), part, ReduceOp::kAvg, cs);
+      bucket.reset_on(cs);
+      ++s.st.reduce_scatters;
     } else {
       part = Impl::view(full, DType::kF32, len, a);
     }
@@ -1193,7 +1203,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     }
     if (device_norm && b + 1 == buckets) {
       Buffer sq = s.alloc(4, &cs);
-      cs.sum_squares(s.world == 1 ? Impl::view(full, DType::kF32, n) : part, Impl::view(sq, DType::kF32, 1));
+      cs.sum_squares(Impl::view(full, DType::kF32, n), Impl::view(sq, DType::kF32, 1));
       cs.copy(host_ref(static_cast<float*>(s.norm_host->data()) + unit, 4), sq.ref());
       sq.reset_on(cs);
       std::lock_guard<std::mutex> lk(s.early_mu);

@@ -26,6 +26,14 @@ std::uint64_t sub_group_elems(const EngineConfig& c);
 // down to whole kShardAlign pages, at least one): the reducer reduce-scatters and accumulates a
 // unit's gradient this many shard elements at a time.
 std::uint64_t bucket_share_elems(const EngineConfig& c, int world);
+// Whether the reducer reduce-scatters a unit of `shard` elements a rank bucket by bucket —
+// each bucket's input gathered side by side (world * share elements) into its own output
+// (share) — rather than in one reduce-scatter into a shard-sized output: only with more than
+// one rank, and where it takes less device memory. Either way the gradient reaches the host
+// (and is accumulated) a bucket's share at a time.
+inline bool bucketed_reduce(std::uint64_t shard, std::uint64_t share, int world) {
+  return world > 1 && (std::uint64_t(world) + 1) * share < shard;
+}
 // Piece `g` of a shard of `shard` elements cut every `sg` (a sub-group, a bucket's share): its
 // first element and its length.
 struct Range {

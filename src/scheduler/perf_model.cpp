@@ -223,6 +223,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   auto groups = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, sub_group); };
   auto group_size = [&](const SimUnit& x, std::uint64_t g) { return double(detail::sub_group(x.shard, sub_group, g).size); };
   auto buckets = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, bucket_share); };
+  auto bucketed = [&](const SimUnit& x) { return detail::bucketed_reduce(x.shard, bucket_share, m.world_size); };
   // The early optimizer step (strata.overlap_optimizer) of the units whose optimizer runs on
   // the host from host gradients. The search sets the flag from the plan; unset, the engine's
   // default (on) is assumed. Modelled as kept: no clipping, the lr announced.
@@ -411,9 +412,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
   // a step) has its norm part summed on the device beside its copy, no host pass — where the
-  // whole reduced shard is on the device at once (one rank, or a unit in one bucket).
+  // whole reduced shard is on the device at once (not when the reduce-scatter goes bucket by bucket).
   const bool device_norm_on = c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
-  auto device_norm = [&](const SimUnit& x) { return device_norm_on && (W == 1 || buckets(x) == 1); };
+  auto device_norm = [&](const SimUnit& x) { return device_norm_on && !bucketed(x); };
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
 
   // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
@@ -525,11 +526,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     sim.wait(kCommS, after_compute);
     double t = after_compute, ready = after_compute;  // `ready`: the accumulation's end
     const std::uint64_t B = buckets(x);
+    const bool by_bucket = bucketed(x);
+    if (W > 1 && !by_bucket)  // one reduce-scatter into a shard-sized output
+      t = sim.op(kCommS, Resource::kComm, t, secs(double(x.shard) * 4 * double(W - 1), m.reduce_scatter_bps),
+                 "reduce-scatter " + name(i));
     for (std::uint64_t b = 0; b < B; ++b) {  // Engine::reduce_grad's buckets, on the comm stream
       const double len = double(detail::sub_group(x.shard, bucket_share, b).size);
-      if (W > 1) {
-        if (B > 1)  // every rank's share gathered side by side
-          t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * len * double(W), m.device_mem_bps), "");
+      if (by_bucket) {  // every rank's share gathered side by side, reduce-scattered
+        t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * len * double(W), m.device_mem_bps), "");
         t = sim.op(kCommS, Resource::kComm, t, secs(len * 4 * double(W - 1), m.reduce_scatter_bps),
                    "reduce-scatter " + name(i));
         sim.op(kCommS, Resource::kCount, t, free_s(4.0 * len), "");  // its output, freed on the comm stream
@@ -547,6 +551,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       }
     }
     if (W > 1) sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)), "");  // the scratch, after its last use
+    if (W > 1 && !by_bucket) sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
     if (x.g == Tier::kHost && first_micro_batch && device_norm(x))
       sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
     if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);

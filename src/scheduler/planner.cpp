@@ -24,9 +24,10 @@
 //   - Unit gradients on the device: the model writes one unit's full fp32 gradient before it
 //     is reduced, largest unit padded * 4, doubled with overlap_comm (one reduces while the
 //     next fills). The reducer then works in buckets: R = min(reduce_bucket_size / W in whole
-//     pages, largest shard) elements of every rank's shard at a time; with W > 1 the
-//     reduce-scatter output (R * 4) and, for a unit of more than one bucket, its input gathered
-//     side by side (W * R * 4).
+//     pages, largest shard) elements of every rank's shard at a time. With W > 1, the
+//     reduce-scatter's output: the largest shard * 4, or, where (W + 1) * R is less (a unit of
+//     many buckets, which is then reduce-scattered bucket by bucket), R * 4 and the bucket's
+//     input gathered side by side, W * R * 4.
 //   - Pinned host staging:
 //       gradient D2H: 2 * R * 4 (double-buffered), whenever gradients or optimizer state leave
 //         the device (the host optimizer reads its gradients on the host);
@@ -161,14 +162,18 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
                             : "unit gradient (largest unit, fp32)",
         Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
   // The reducer works a bucket (reduce_bucket_size elements: a share of every rank's shard)
-  // at a time: with more than one rank, the reduce-scatter's output, and for a unit larger than
-  // one bucket its input gathered side by side.
+  // at a time. With more than one rank, the reduce-scatter's output: a shard, or, where a unit
+  // is large enough that going bucket by bucket takes less (layout.h), one bucket's share and
+  // the bucket's input gathered side by side.
   const std::uint64_t R = std::min(detail::bucket_share_elems(config, in.world_size), largest_shard);
   if (in.world_size > 1) {
-    b.add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
-    if (largest_shard > R)
+    if (detail::bucketed_reduce(largest_shard, R, in.world_size)) {
+      b.add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
       b.add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R), Tier::kDevice,
             std::uint64_t(in.world_size) * R * 4);
+    } else {
+      b.add(fmt::format("reduce-scatter output ({} elements, fp32)", largest_shard), Tier::kDevice, largest_shard * 4);
+    }
   }
   b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
 
