@@ -356,7 +356,12 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}})",
        {"'zero_optimization.reduce_bucket_size'", "at least 1"}},
       {R"({"zero_optimization": {"stage": 3, "sub_group_size": 1.5}})",
-       {"'zero_optimization.sub_group_size'", "whole number"}},
+       {"'zero_optimization.sub_group_size' must be a whole number of at least 1", "got 1.5"}},
+      // Below the least: the message names the least (it said ">= 0" for -1, and 0 is refused too).
+      {R"({"zero_optimization": {"stage": 3, "sub_group_size": -1}})",
+       {"'zero_optimization.sub_group_size' must be a whole number of at least 1", "got -1"}},
+      {R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e30}})",
+       {"'zero_optimization.sub_group_size' = 1e+30 is too large (at most 1.8e19)"}},
       {R"({"zero_optimization": {"stage": 3, "cpu_offload": true}})",
        {"'zero_optimization.cpu_offload'", "offload_optimizer"}},
       {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
@@ -656,8 +661,9 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_EQ(line(small, "unit gradients", Tier::kDevice), line(p, "unit gradients", Tier::kDevice));
   ASSERT_EQ(small.notes.size(), 1u) << small.table();
   EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
-                                "elements): gradients are reduced and staged in buckets of it, but the model writes "
-                                "a unit's whole fp32 gradient"), std::string::npos) << small.notes[0];
+                                "elements): gradients are reduced in buckets of 2048 elements a rank (whole pages), "
+                                "but the model writes a unit's whole fp32 gradient"), std::string::npos)
+      << small.notes[0];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).
   const EngineConfig dflt = parse_engine_config(
@@ -682,7 +688,8 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_TRUE(t.fits) << t.table();
   EXPECT_FALSE(t.early_optimizer_step);
   ASSERT_EQ(t.notes.size(), 1u);
-  EXPECT_NE(t.notes[0].find("strata.host_budget_bytes to 35782656"), std::string::npos) << t.notes[0];
+  // 35782656 bytes needed, in whole 2 MiB pieces of the pinned pool: 18 of them.
+  EXPECT_NE(t.notes[0].find("strata.host_budget_bytes to 37748736"), std::string::npos) << t.notes[0];
   EXPECT_NE(t.table().find("note: strata.overlap_optimizer is off"), std::string::npos) << t.table();
   // Asked for: refused, naming the way out.
   tight.overlap_optimizer = true;
@@ -690,6 +697,9 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_FALSE(f.fits);
   ASSERT_EQ(f.problems.size(), 1u);
   EXPECT_NE(f.problems[0].find("strata.overlap_optimizer false"), std::string::npos) << f.problems[0];
+  // The host optimizer stages new weights a sub-group at a time: a smaller one is a way too.
+  EXPECT_NE(f.problems[0].find("a smaller zero_optimization.sub_group_size (the new weights are staged 411648 "
+                               "elements at a time)"), std::string::npos) << f.problems[0];
 }
 
 TEST(MemoryPlan, OptimizerRatioSplitsWholeUnitsInOrder) {
@@ -808,10 +818,14 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
       2);
   const MemoryPlan q = plan_memory(nv, in);
   EXPECT_FALSE(q.fits);
-  EXPECT_EQ(q.host_capacity, 15'000'000u);  // strata.host_budget_bytes wins over the machine
+  // strata.host_budget_bytes wins over the machine, in the whole 2 MiB pieces the pinned pool commits.
+  EXPECT_EQ(q.host_capacity, 15'000'000u / (2 << 20) * (2 << 20));
   ASSERT_EQ(q.problems.size(), 2u);
   EXPECT_EQ(q.problems[0].rfind("host:", 0), 0u) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("1633856 bytes missing"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("has 14.00 MiB (the budget of 15000000 bytes in whole 2 MiB pieces, as the pinned pool "
+                               "commits it; 1.86 MiB = 1953792 bytes missing)"), std::string::npos) << q.problems[0];
+  EXPECT_NE(q.problems[0].find("a smaller zero_optimization.reduce_bucket_size (the gradient D2H staging holds 2 x "
+                               "411648 elements, 3.14 MiB)"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count (now 4"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("offload_param.buffer_count (now 5"), std::string::npos) << q.problems[0];
   EXPECT_NE(q.problems[0].find("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold 98304 "
@@ -834,9 +848,12 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
 TEST(MemoryPlan, DefaultHostBudgetIsSplitAmongTheNodesRanks) {
   const std::uint64_t ram = std::uint64_t(::sysconf(_SC_PHYS_PAGES)) * std::uint64_t(::sysconf(_SC_PAGESIZE));
   const std::uint64_t one = default_host_budget(), two = default_host_budget(2), eight = default_host_budget(8);
-  EXPECT_NEAR(double(one), 0.8 * double(ram), double(1 << 20));
-  EXPECT_NEAR(double(two), double(one) / 2, 1.0);
-  EXPECT_NEAR(double(eight), double(one) / 8, 1.0);
+  // In whole 2 MiB pieces, as the pinned pool commits memory.
+  const double piece = double(2 << 20);
+  EXPECT_NEAR(double(one), 0.8 * double(ram), piece);
+  EXPECT_NEAR(double(two), double(one) / 2, piece);
+  EXPECT_NEAR(double(eight), double(one) / 8, piece);
+  for (const std::uint64_t b : {one, two, eight}) EXPECT_EQ(b % (2 << 20), 0u) << b;
   EXPECT_EQ(default_host_budget(0), one) << "a nonsense count is one rank";
 }
 

@@ -179,6 +179,44 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   EXPECT_EQ(la, losses(small_log));
 }
 
+// strata.host_budget_bytes is used in the whole 2 MiB pieces the pinned pool commits: a budget
+// equal to the plan's host total, not a whole number of pieces, is refused by the plan, saying
+// so (it passed --plan, then ran out of pinned memory at step 2, blaming the device); rounded up
+// to whole pieces, it trains.
+TEST_F(TrainCli, TheHostBudgetIsPlannedInWholePinnedPieces) {
+  TempDir nvme;
+  const auto config = [&](std::uint64_t budget) {
+    const std::string ds = dir.path + "/budget" + std::to_string(budget) + ".json";
+    std::ofstream(ds) << nlohmann::json{
+        {"strata", {{"host_budget_bytes", budget}}},
+        {"zero_optimization",
+         {{"stage", 3},
+          {"sub_group_size", 8192},
+          {"reduce_bucket_size", 4096},
+          {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+          // 64 swap buffers of 8192 elements' state: a host total of several pieces
+          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}, {"buffer_count", 64}}}}}}
+                             .dump();
+    return ds;
+  };
+  const std::string log = dir.path + "/budget.jsonl";
+  const Result p = train(args(log, {"--config", config(std::uint64_t(1) << 30), "--plan"}), "plan");
+  ASSERT_EQ(p.status, 0) << p.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.out, m, std::regex(R"(host +total +([0-9]+))"))) << p.out;
+  const std::uint64_t total = std::stoull(m[1].str()), piece = 2 << 20;
+  ASSERT_NE(total % piece, 0u) << "the plan's host total is a whole number of pieces: pick other sizes";
+  const Result exact = train(args(log, {"--config", config(total)}), "exact");
+  EXPECT_EQ(exact.status, 1) << exact.out << exact.err;
+  EXPECT_NE(exact.err.find(fmt::format("(the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it;",
+                                       total)),
+            std::string::npos)
+      << exact.err;
+  const Result rounded = train(args(log, {"--config", config((total + piece - 1) / piece * piece)}), "rounded");
+  EXPECT_EQ(rounded.status, 0) << rounded.err;
+  EXPECT_EQ(losses(log).size(), 4u);
+}
+
 // --dtype replaces the --config's fp16 with its loss scaling: kept, every gradient was divided by a
 // scale the fp32 loss was never multiplied by (grad norm 65536x too small, no word).
 TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {

@@ -170,7 +170,8 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 // is placed on NVMe. Throws naming the key of a missing directory.
 std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1);
 // Pinned host memory an engine may hold when strata.host_budget_bytes is 0: 80% of the
-// machine's RAM divided among the `ranks_on_node` ranks of this node.
+// machine's RAM divided among the `ranks_on_node` ranks of this node, in whole 2 MiB pieces (the
+// pinned pool commits memory so; plan_memory uses any budget so).
 std::uint64_t default_host_budget(int ranks_on_node = 1);
 
 }  // namespace strata

@@ -39,24 +39,31 @@ const Json* Section::raw(std::string_view key) const {
   return &*it;
 }
 
-std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def) const {
+std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def, std::uint64_t min) const {
   const Json* v = raw(key);
   if (!v) return def;
-  if (v->is_number_unsigned()) return v->get<std::uint64_t>();
-  if (v->is_number_integer()) {
+  const auto too_small = [&] {
+    return fmt::format("config key '{}' must be a whole number of at least {} (5e8 and 500000000 both work), got {}",
+                       key_path(key), min, v->dump());
+  };
+  std::uint64_t out = 0;
+  if (v->is_number_unsigned()) {
+    out = v->get<std::uint64_t>();
+  } else if (v->is_number_integer()) {
     const auto i = v->get<std::int64_t>();
-    STRATA_REQUIRE(i >= 0, "config key '{}' must be >= 0, got {}", key_path(key), i);
-    return static_cast<std::uint64_t>(i);
-  }
-  if (v->is_number_float()) {
+    STRATA_REQUIRE(i >= 0, "{}", too_small());
+    out = static_cast<std::uint64_t>(i);
+  } else if (v->is_number_float()) {
     const double d = v->get<double>();
-    STRATA_REQUIRE(d >= 0 && d == std::floor(d) && d < 1.8e19,
-                   "config key '{}' must be a whole number >= 0 (5e8 and 500000000 both work), got {}",
-                   key_path(key), v->dump());
-    return static_cast<std::uint64_t>(d);
+    STRATA_REQUIRE(d < 1.8e19, "config key '{}' = {} is too large (at most 1.8e19)", key_path(key), v->dump());
+    STRATA_REQUIRE(d >= 0 && d == std::floor(d), "{}", too_small());
+    out = static_cast<std::uint64_t>(d);
+  } else {
+    STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key), type_name(*v),
+                 v->dump());
   }
-  STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key),
-               type_name(*v), v->dump());
+  STRATA_REQUIRE(out >= min, "{}", too_small());
+  return out;
 }
 
 std::int64_t Section::get_int(std::string_view key, std::int64_t def) const {

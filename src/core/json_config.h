@@ -33,7 +33,9 @@ class Section {
   // "aio.block_size": the full key for messages.
   std::string key_path(std::string_view key) const;
 
-  std::uint64_t get_uint(std::string_view key, std::uint64_t def) const;
+  // A whole number >= `min` (5e8 as a float too), or `def` when the key is absent; an error
+  // naming the key and the range otherwise.
+  std::uint64_t get_uint(std::string_view key, std::uint64_t def, std::uint64_t min = 0) const;
   std::int64_t get_int(std::string_view key, std::int64_t def) const;
   double get_double(std::string_view key, double def) const;
   bool get_bool(std::string_view key, bool def) const;

@@ -152,9 +152,7 @@ double get_fraction(const Section& s, std::string_view key, double def) {
 }
 
 std::uint64_t get_positive(const Section& s, std::string_view key, std::uint64_t def) {
-  const std::uint64_t v = s.get_uint(key, def);
-  STRATA_REQUIRE(v >= 1, "config key '{}' = 0: must be at least 1", s.key_path(key));
-  return v;
+  return s.get_uint(key, def, 1);
 }
 
 int get_int_in(const Section& s, std::string_view key, int def, int lo, int hi) {

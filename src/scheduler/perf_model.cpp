@@ -893,9 +893,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               c.params = pc.p;
               c.optimizer = oc.p;
               c.grads = gc.p;
-              if (more_buffers) {
-                c.param_buffer_count = 2 * space.base.param_buffer_count;
-                c.optimizer_buffer_count = 2 * space.base.optimizer_buffer_count;
+              if (more_buffers) {  // (of what is on NVMe)
+                if (p_nvme) c.param_buffer_count = 2 * space.base.param_buffer_count;
+                if (o_nvme) c.optimizer_buffer_count = 2 * space.base.optimizer_buffer_count;
               }
               c.param_nvme_paths = !p_nvme                         ? std::vector<std::string>{}
                                    : space.param_nvme_paths.empty() ? space.nvme_paths
@@ -943,6 +943,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                   largest_shard = std::max(largest_shard, u.shard);
                 EngineConfig smaller = c;
                 smaller.sub_group_size_given = true;
+                bool shrunk = false;
                 for (std::uint64_t sg = std::min(detail::sub_group_elems(c), largest_shard) / 2;
                      sg >= detail::kShardAlign; sg /= 2) {
                   smaller.sub_group_size = sg / detail::kShardAlign * detail::kShardAlign;
@@ -951,8 +952,12 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                   c = smaller;
                   cand.plan = std::move(p);
                   cand.label += fmt::format(", sub-groups of {} elements", c.sub_group_size);
+                  shrunk = true;
                   break;
                 }
+                // Twice the swap buffers of half the sub-group are the same bytes as the config's
+                // count of the whole one: not another candidate.
+                if (more_buffers && shrunk) continue;
               }
               if (!cand.plan.fits) {
                 // The least demanding candidate: the smallest sum of bytes missing.

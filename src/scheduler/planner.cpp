@@ -180,10 +180,12 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   const bool host_optimizer = opt_tiers[0] < total_shard * 12;
   // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
   const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
+  bool staging_r = false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
   if (grad_tiers[0] < total_shard * 4 || host_optimizer) {
     // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
     // device gradient staged for the host optimizer
     const std::uint64_t E = std::max(2 * R, host_optimizer && grad_tiers[0] > 0 ? S : 0);
+    staging_r = E == 2 * R;
     b.add(E == 2 * R ? fmt::format("gradient D2H staging (2 x {} elements, fp32)", R)
                      : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
           Tier::kHost, E * 4);
@@ -236,9 +238,11 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     b.plan.notes.push_back(fmt::format(
-        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced and "
-        "staged in buckets of it, but the model writes a unit's whole fp32 gradient before it is reduced ({}{})",
-        config.reduce_bucket_size, largest_numel, human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
+        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced in "
+        "buckets of {} elements a rank (whole pages), but the model writes a unit's whole fp32 gradient before it is "
+        "reduced ({}{})",
+        config.reduce_bucket_size, largest_numel, detail::bucket_share_elems(config, in.world_size),
+        human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
 
   MemoryPlan& plan = b.plan;
@@ -248,7 +252,11 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
                              : plan.nvme_bytes) += l.bytes;
   }
   plan.device_capacity = in.device_capacity;
-  plan.host_capacity = config.host_budget_bytes > 0 ? config.host_budget_bytes : in.host_capacity;
+  // The pinned pool commits memory in whole 2 MiB pieces: a budget is usable to its last one.
+  const std::uint64_t budget = config.host_budget_bytes > 0 ? config.host_budget_bytes : in.host_capacity;
+  constexpr std::uint64_t kPinnedPiece = std::uint64_t(2) << 20;
+  plan.host_capacity = budget == UINT64_MAX ? budget : budget / kPinnedPiece * kPinnedPiece;
+
   plan.nvme_capacity = in.nvme_capacity;
 
   const auto shortfall = [](const char* tier, std::uint64_t need, std::uint64_t have) {
@@ -274,7 +282,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     if (config.stage == 3 && persistent_padded > 0)
       fix.push_back("lower stage3_param_persistence_threshold");
     if (config.overlap_comm)
-      fix.push_back("set overlap_comm false (one gradient bucket instead of two)");
+      fix.push_back("set overlap_comm false (one unit gradient buffer instead of two)");
     if (in.activation_bytes > 0) {
       fix.push_back(fmt::format("a smaller train_micro_batch_size_per_gpu (activations take {})",
                                 human(in.activation_bytes)));
@@ -301,6 +309,15 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
                                 "elements' state each, {})",
                                 S, human(opt_swap_buffer)));
+    } else if (host_optimizer && S > detail::kShardAlign) {
+      fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the new weights are staged {} elements "
+                                "at a time)",
+                                S));
+    }
+    if (staging_r && R > detail::kShardAlign) {
+      fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient D2H staging holds 2 x "
+                                "{} elements, {})",
+                                R, human(2 * R * 4)));
     }
     if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
       fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
@@ -309,13 +326,16 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     if (grad_tiers[1] > 0)
       fix.push_back(
           "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
-    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", plan.host_capacity,
+    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,
                               in.ranks_on_node > 1
                                   ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
                                                 in.ranks_on_node, in.ranks_on_node)
                                   : std::string()));
-    plan.problems.push_back(shortfall("host", plan.host_bytes, plan.host_capacity) + ": " +
-                            join_or(fix));
+    std::string problem = shortfall("host", plan.host_bytes, plan.host_capacity);
+    if (plan.host_capacity != budget)  // "(" ... "bytes missing)": say where "has" comes from first
+      problem.insert(problem.find(" (") + 2,
+                     fmt::format("the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it; ", budget));
+    plan.problems.push_back(problem + ": " + join_or(fix));
   }
   if (plan.nvme_bytes > plan.nvme_capacity) {
     plan.problems.push_back(
@@ -340,7 +360,8 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
             "with its second copy of the state the {} would need {} of {}; {} to turn it on",
             host ? "host" : "NVMe", human(host ? plan.host_bytes : plan.nvme_bytes),
             human(host ? plan.host_capacity : plan.nvme_capacity),
-            host ? fmt::format("set strata.host_budget_bytes to {} or more", plan.host_bytes)
+            host ? fmt::format("set strata.host_budget_bytes to {} or more",
+                               (plan.host_bytes + kPinnedPiece - 1) / kPinnedPiece * kPinnedPiece)
                  : std::string("free NVMe space")));
       }
       return without;
@@ -355,7 +376,8 @@ std::uint64_t default_host_budget(int ranks_on_node) {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   const std::uint64_t all =
       pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
-  return all / std::uint64_t(std::max(1, ranks_on_node));
+  const std::uint64_t piece = std::uint64_t(2) << 20;  // the pinned pool commits whole 2 MiB pieces
+  return all / std::uint64_t(std::max(1, ranks_on_node)) / piece * piece;
 }
 
 std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node) {

@@ -211,8 +211,9 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   c.overlap_comm = false;
   c.max_reuse_distance = 0;  // release each layer at once: the cap leaves no room to keep one
   c.prefetch_bucket_size = layer_numel;
-  c.sub_group_size = layer_numel;
-  c.reduce_bucket_size = layer_numel;
+  // A layer in one sub-group and one bucket: the sizes are used in whole pages of 2048 elements,
+  // rounded down (a layer's own count split each layer into its pages and one page more).
+  c.sub_group_size = c.reduce_bucket_size = (layer_numel + 2047) / 2048 * 2048;
   c.param_persistence_threshold = 0;
   c.host_budget_bytes = std::uint64_t(256) << 20;
   return c;
@@ -869,6 +870,12 @@ TrainResult train(const TrainOptions& o) {
       } catch (const Error& e) {
         // The plan covered the training state; what did not fit is a micro-batch's work.
         if (e.kind() != ErrorKind::kOutOfMemory) throw;
+        // The pinned pool's budget (its errors begin "pinned pool:"), not the device's.
+        if (e.message().rfind("pinned pool:", 0) == 0)
+          STRATA_THROW(kOutOfMemory,
+                       "step {}: pinned host memory ran out during a micro-batch: raise strata.host_budget_bytes in "
+                       "--config (the plan's host total is {} bytes; the pool commits whole 2 MiB pieces) ({})",
+                       step, engine.plan().host_bytes, e.user_message());
         STRATA_THROW(kOutOfMemory,
                      "step {}: the device ran out of memory during a micro-batch (its activations are not in the "
                      "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on the "
