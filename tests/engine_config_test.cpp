@@ -661,8 +661,9 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_EQ(line(small, "unit gradients", Tier::kDevice), line(p, "unit gradients", Tier::kDevice));
   ASSERT_EQ(small.notes.size(), 1u) << small.table();
   EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
-                                "elements): gradients are reduced in buckets of 2048 elements a rank (whole pages), "
-                                "but the model writes a unit's whole fp32 gradient"), std::string::npos)
+                                "elements): gradients are accumulated in buckets of 2048 elements a rank (whole "
+                                "pages) and the largest reduce-scattered bucket by bucket, but the model writes a "
+                                "unit's whole fp32 gradient"), std::string::npos)
       << small.notes[0];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).

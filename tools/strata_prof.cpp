@@ -973,6 +973,8 @@ int run(Args a) {
     auto dev = make_device(a.device, hopt, copt);
     auto comm = make_communicator(*dev);
     agree_across_ranks(*comm, machine, space.models);
+    // The plan takes the config's budget over the machine's: the least any rank has, on every rank.
+    space.base.host_budget_bytes = machine.host_capacity;
     if (talk)
       std::printf("%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
                   launch.world_size);

@@ -955,9 +955,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                   shrunk = true;
                   break;
                 }
-                // Twice the swap buffers of half the sub-group are the same bytes as the config's
-                // count of the whole one: not another candidate.
-                if (more_buffers && shrunk) continue;
+                // Twice the optimizer's swap buffers of half the sub-group are the same bytes as
+                // the config's count of the whole one: not another candidate.
+                if (more_buffers && shrunk && !p_nvme) continue;  // (params on NVMe: their read-ahead doubles)
               }
               if (!cand.plan.fits) {
                 // The least demanding candidate: the smallest sum of bytes missing.

@@ -238,10 +238,15 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     b.plan.notes.push_back(fmt::format(
-        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are reduced in "
-        "buckets of {} elements a rank (whole pages), but the model writes a unit's whole fp32 gradient before it is "
-        "reduced ({}{})",
+        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are accumulated "
+        "in buckets of {} elements a rank (whole pages){}, but the model writes a unit's whole fp32 gradient before it "
+        "is reduced ({}{})",
         config.reduce_bucket_size, largest_numel, detail::bucket_share_elems(config, in.world_size),
+        in.world_size == 1 ? ""
+        : detail::bucketed_reduce(largest_shard, R, in.world_size)
+            ? " and the largest reduce-scattered bucket by bucket"
+            : " (each still reduce-scattered whole: bucket by bucket only where (world + 1) shares are less than a "
+              "shard)",
         human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
 

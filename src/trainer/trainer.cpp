@@ -196,7 +196,7 @@ std::string demo_text(std::size_t bytes, std::uint64_t seed) {
 
 // The demo's engine: ZeRO-3 with weights and optimizer state on NVMe, gradients in pinned
 // host memory, one layer gathered at a time (plus one in flight) and one gradient bucket.
-EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel) {
+EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel, int world) {
   EngineConfig c = default_engine_config();
   c.stage = 3;
   c.params.device_fraction = 0;
@@ -212,8 +212,11 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   c.max_reuse_distance = 0;  // release each layer at once: the cap leaves no room to keep one
   c.prefetch_bucket_size = layer_numel;
   // A layer in one sub-group and one bucket: the sizes are used in whole pages of 2048 elements,
-  // rounded down (a layer's own count split each layer into its pages and one page more).
-  c.sub_group_size = c.reduce_bucket_size = (layer_numel + 2047) / 2048 * 2048;
+  // rounded down (a layer's own count split each layer into its pages and one page more), the
+  // bucket's as a share of every rank's shard.
+  c.sub_group_size = (layer_numel + 2047) / 2048 * 2048;
+  const std::uint64_t align = 2048 * std::uint64_t(std::max(1, world));
+  c.reduce_bucket_size = (layer_numel + align - 1) / align * align;
   c.param_persistence_threshold = 0;
   c.host_budget_bytes = std::uint64_t(256) << 20;
   return c;
@@ -435,7 +438,7 @@ TrainResult train(const TrainOptions& o) {
                    o.demo_nvme_dir.empty() ? "" : "--demo-nvme ", demo_dir, ec.message(),
                    o.demo_nvme_dir.empty() ? "; give another with --demo-nvme DIR" : "");
     std::uint64_t layer = units.size() > 2 ? units[1].numel : max_unit;
-    ecfg = demo_engine_config(demo_dir, layer);
+    ecfg = demo_engine_config(demo_dir, layer, launch.world_size);
   } else {
     ecfg = default_engine_config();
   }
