@@ -819,6 +819,7 @@ struct Engine::Impl {
         sh.params_src = host_tensor(src + a, DType::kF32, len);
         sh.m_src = host_tensor(src + n + a, DType::kF32, len);
         sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
+        if (gi + 1 == G && next != SIZE_MAX) early_read_ahead(next, 0);  // (an NVMe job after it)
       } else {
         early_read_ahead(ui, gi);
         if (gi + 1 < G) early_read_ahead(ui, gi + 1);
