@@ -20,6 +20,7 @@
 
 #include "strata/engine_config.h"
 #include "strata/perf_model.h"
+#include "scheduler/layout.h"
 #include "test_util.h"
 
 namespace strata {
@@ -59,6 +60,18 @@ EngineConfig placed(Tier params, Tier opt, Tier grads) {
   c.grads = on(grads);
   c.param_persistence_threshold = 0;  // every unit is gathered on use
   return c;
+}
+
+// The units named by the predicted schedule's intervals `what` starts with ("adamw "), in the
+// order they start, space-separated.
+std::string units_by_start(const Prediction& p, const std::string& what) {
+  std::vector<std::pair<double, std::string>> found;
+  for (const Interval& iv : p.schedule)
+    if (iv.what.starts_with(what)) found.emplace_back(iv.start_s, iv.what.substr(what.size()));
+  std::sort(found.begin(), found.end());
+  std::string order;
+  for (const auto& [t, unit] : found) order += (order.empty() ? "" : " ") + unit;
+  return order;
 }
 
 constexpr std::uint64_t kLayer = 2048 * 1024;  // 2M parameters, 8 MiB in fp32
@@ -134,15 +147,45 @@ TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   EXPECT_NEAR(predict_step(m, mp, serial).step_s, 0.120 + 4 * 0.015 + small, 1e-6);
   // An AdamW slower than backward bounds the step: every layer's AdamW back to back (and the
   // embedding's; the head's runs during forward), then a gap until the next step's first
-  // gradient. step() does not wait for the worker: when backward ends it is still to start
-  // layers 1 and 0, which it then takes in the next forward's order, so that forward runs
-  // layer 0 under layer 1's AdamW; the gap is the forward of layers 1-3 and the backward of
-  // layer 3 (without finishing behind it would be the whole forward: 10 ms more).
+  // gradient. The worker takes, of the jobs whose gradient is there, the unit the next forward
+  // needs first: after layer 3 (at 70 ms) it takes layer 1, not layer 2 (both there), and
+  // step() does not wait for it, so that forward runs the embedding, layers 0 and 1 under the
+  // AdamW of the ones it left (embedding, 0, then 2): the gap is the forward of layers 2-3 and
+  // the backward of layer 3. Taken in the order the gradients came (3, 2, 1, then 0), the
+  // forward of layer 1 was in the gap too (10 ms more); without finishing behind, the whole
+  // forward (20 ms more).
   m.cpu_adamw_params_per_s = double(kLayer) / 0.050;
   const Prediction a = predict_step(m, mp, placed(Tier::kDevice, Tier::kHost, Tier::kHost));
   EXPECT_EQ(a.bottleneck, Resource::kCpu);
   const double small_a = 2.0 * 2048 / double(kLayer) * 0.050;
-  EXPECT_NEAR(a.step_s, 4 * 0.050 + small_a / 2 + 0.030 + 0.020, 1e-6);
+  EXPECT_NEAR(a.step_s, 4 * 0.050 + small_a / 2 + 0.020 + 0.020, 1e-6);
+  // The AdamW jobs in the predicted step, by start: the last step's backlog (layer 1 running
+  // when the step begins), then this step's head, layer 3, layer 1 and the embedding (layers 0
+  // and 2 fall in the next step).
+  EXPECT_EQ(units_by_start(a, "adamw "), "layers.1 embed layers.0 layers.2 head layers.3 layers.1 embed");
+}
+
+// The early worker's choice of its next job (Engine::Impl::next_early_job, replayed by the
+// perf model): the job read ahead, else the ready one the next forward needs first, else the
+// oldest (the next to be ready: the comm stream completes gradients in order).
+TEST(PerfModel, TheEarlyWorkerTakesReadyJobsInTheForwardsOrder) {
+  struct Q {
+    std::size_t unit;
+    bool ready;
+  };
+  auto pick = [](const std::vector<Q>& q, std::size_t read_ahead) {
+    return q[detail::next_early_job(
+                 q.size(), [&](std::size_t i) { return q[i].unit == read_ahead; },
+                 [&](std::size_t i) { return q[i].ready; }, [&](std::size_t i) { return q[i].unit; })]
+        .unit;
+  };
+  // Queued as backward produces them: the last layers first.
+  EXPECT_EQ(pick({{14, true}, {13, true}, {12, false}, {11, false}}, SIZE_MAX), 13u);
+  EXPECT_EQ(pick({{14, true}, {13, false}, {12, false}}, SIZE_MAX), 14u);
+  EXPECT_EQ(pick({{14, false}, {13, false}}, SIZE_MAX), 14u);  // none ready: the oldest
+  EXPECT_EQ(pick({{14, true}, {13, true}, {12, true}}, 14), 14u);  // its state was read ahead
+  EXPECT_EQ(pick({{14, true}, {13, true}}, 7), 13u);  // (a read-ahead for a job not queued)
+  EXPECT_EQ(pick({{5, true}}, SIZE_MAX), 5u);
 }
 
 // As the engine (Engine.KeptEarlyWeightsReachTheDeviceInTheForwardsOrder): the new weights of
@@ -157,13 +200,7 @@ TEST(PerfModel, KeptEarlyWeightsGoToTheDeviceInTheForwardsOrder) {
   EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
   c.compute_dtype = DType::kBF16;
   const Prediction p = predict_step(m, mp, c);
-  std::vector<std::pair<double, std::string>> copies;
-  for (const Interval& iv : p.schedule)
-    if (iv.what.starts_with("h2d w ")) copies.emplace_back(iv.start_s, iv.what.substr(6));
-  std::sort(copies.begin(), copies.end());
-  std::string order;
-  for (const auto& [t, what] : copies) order += (order.empty() ? "" : " ") + what;
-  EXPECT_EQ(order, "embed layers.0 layers.1 layers.2 layers.3 head");
+  EXPECT_EQ(units_by_start(p, "h2d w "), "embed layers.0 layers.1 layers.2 layers.3 head");
 }
 
 // strata-prof --validate's choice of the fastest validated candidate: by tokens a second, as the

@@ -221,6 +221,7 @@ struct Engine::Impl {
   std::deque<std::size_t> early_queue;
   std::vector<std::size_t> early_order;  // units queued this step, in order (main thread)
   std::size_t early_busy = 0;  // queued or running jobs
+  std::size_t early_next = SIZE_MAX;  // the queued job whose state the worker read ahead
   bool early_stop = false;
   std::exception_ptr early_error;
   // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
@@ -295,8 +296,8 @@ struct Engine::Impl {
   // at a time, and NVMe-tier optimizer state and compute weights are stored one key per
   // sub-group: every pinned buffer between the optimizer and NVMe holds one sub-group.
   std::size_t sg = 0;
-  std::size_t groups(const Unit& u) const { return std::size_t(detail::num_sub_groups(u.shard, sg)); }
-  detail::Range range(const Unit& u, std::size_t g) const { return detail::sub_group(u.shard, sg, g); }
+  std::size_t groups(const Unit& u) const { return std::size_t(detail::num_pieces(u.shard, sg)); }
+  detail::Range range(const Unit& u, std::size_t g) const { return detail::piece(u.shard, sg, g); }
   // NVMe keys of sub-group g of the current (gen) or the other (1 - gen) copy.
   static std::string key(char kind, std::size_t u, int gen, std::size_t g) {
     return fmt::format("{}{}.{}{}", kind, u, g, gen ? "'" : "");
@@ -304,12 +305,12 @@ struct Engine::Impl {
   // Gradient buckets (zero_optimization.reduce_bucket_size): a unit's gradient is reduced
   // `bucket_share` elements of every rank's shard at a time.
   std::size_t bucket_share = 0;
-  std::size_t buckets(const Unit& u) const { return std::size_t(detail::num_sub_groups(u.shard, bucket_share)); }
+  std::size_t buckets(const Unit& u) const { return std::size_t(detail::num_pieces(u.shard, bucket_share)); }
   // Whether the reduce-scatter itself goes bucket by bucket (every rank's share gathered side by
   // side first): only where that takes less device memory than one reduce-scatter of the unit
   // into a shard-sized output (scheduler/layout.h).
   bool bucketed_reduce(const Unit& u) const { return detail::bucketed_reduce(u.shard, bucket_share, world); }
-  detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::sub_group(u.shard, bucket_share, b); }
+  detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::piece(u.shard, bucket_share, b); }
   std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].w_gen, g); }
   std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].o_gen, g); }
 
@@ -328,6 +329,15 @@ struct Engine::Impl {
     if (u.resident && u.released.valid()) fetch_s->wait(u.released);  // the compute stream's last read
     if (!u.resident && u.w_tier == Tier::kHost && u.w_written.valid()) u.w_written.synchronize();  // a write-back
   }
+  // Where the new compute weights of unit `u` go on the device — its gathered buffer (resident)
+  // or its device-tier shard — or nullopt for a host or NVMe target, which the optimizer
+  // writes in host memory. (`first`, `size`: the elements of the shard wanted; all by default)
+  std::optional<TensorRef> w_target_dev(const Unit& u, std::size_t first = 0, std::size_t size = SIZE_MAX) const {
+    size = std::min(size, u.shard);
+    if (u.resident) return view(u.full, cfg.compute_dtype, size, std::size_t(rank) * u.shard + first);
+    if (u.w_tier == Tier::kDevice) return view(u.w_dev, cfg.compute_dtype, size, first);
+    return std::nullopt;
+  }
   // Sub-group g of unit ui from its master, m and v values (g's size each; m and v null:
   // zeros) onto the unit's tiers: the optimizer state, and the compute weights derived from
   // the master exactly as the optimizer's copy-out produces them. Device-tier state is copied
@@ -342,13 +352,8 @@ struct Engine::Impl {
     std::shared_ptr<PinnedBlock> staging;
     if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
     void* w = w_host ? static_cast<char*>(u.w_host->data()) + a * c_size : staging->data();
-    for (std::size_t i = 0; i < n; ++i) {
-      if (ct == DType::kF32) static_cast<float*>(w)[i] = master[i];
-      else if (ct == DType::kBF16) static_cast<std::uint16_t*>(w)[i] = f32_to_bf16(master[i]);
-      else static_cast<std::uint16_t*>(w)[i] = f32_to_f16(master[i]);
-    }
-    if (u.resident) up.copy(view(u.full, ct, n, std::size_t(rank) * u.shard + a).mem, host_ref(w, w_bytes));
-    else if (u.w_tier == Tier::kDevice) up.copy(view(u.w_dev, ct, n, a).mem, host_ref(w, w_bytes));
+    cpu::cast(DType::kF32, master, ct, w, n);  // round to nearest even, as the copy-out
+    if (const auto target = w_target_dev(u, a, n)) up.copy(target->mem, host_ref(w, w_bytes));
     else if (u.w_tier == Tier::kNvme) w_store->write(w_key(ui, g), w, w_bytes).wait();
     const float* parts[3] = {master, m, v};
     if (u.o_tier == Tier::kDevice) {
@@ -574,6 +579,7 @@ struct Engine::Impl {
     for (const std::size_t ui : early_queue) units[ui].early = Unit::Early::kVoid;
     early_busy -= early_queue.size();
     early_queue.clear();
+    early_next = SIZE_MAX;
   }
   // The NVMe traffic of a unit's finished early job (kept or not).
   void count_early_io(const Unit& u) {
@@ -620,11 +626,9 @@ struct Engine::Impl {
     else u.o_gen = 1 - u.o_gen;
     if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w_host, u.w_alt);
     if (!u.resident && u.w_tier == Tier::kNvme) u.w_gen = 1 - u.w_gen;
-    if (u.resident || u.w_tier == Tier::kDevice) {
+    if (const auto target = w_target_dev(u)) {
       Stream& up = *fetch_s;
-      const DType ct = cfg.compute_dtype;
-      const TensorRef target = u.resident ? view(u.full, ct, n, std::size_t(rank) * n) : view(u.w_dev, ct, n);
-      up.copy(target.mem, host_ref(u.early_w->data(), w_bytes));
+      up.copy(target->mem, host_ref(u.early_w->data(), w_bytes));
       up.host_fn([b = u.early_w] {}, "staging_free");
       st.h2d_bytes += w_bytes;
       if (u.resident && world > 1) u.gather_pending = true;
@@ -703,6 +707,28 @@ struct Engine::Impl {
     early_cv.notify_all();
   }
 
+  // The position in early_queue of the job the worker takes next (early_mu held, queue not
+  // empty): detail::next_early_job, by each unit's first fetch in the step that queued it.
+  std::size_t next_early_job() const {
+    return detail::next_early_job(
+        early_queue.size(), [&](std::size_t i) { return early_queue[i] == early_next; },
+        [&](std::size_t i) { return units[early_queue[i]].grads_done.query(); },
+        [&](std::size_t i) { return units[early_queue[i]].first_fetch; });
+  }
+  // From the last sub-group of the running job (worker thread): the state of the job the worker
+  // would take now is read ahead when it is on NVMe, and that job is then taken next.
+  void read_ahead_next() {
+    std::size_t next = SIZE_MAX;
+    {
+      std::lock_guard<std::mutex> lk(early_mu);
+      if (early_queue.empty()) return;
+      next = early_queue[next_early_job()];
+      if (units[next].o_tier != Tier::kNvme) return;
+      early_next = next;
+    }
+    early_read_ahead(next, 0);
+  }
+
   // Whether the job of unit `ui` still owes step() its part of the gradient norm (early_mu held).
   bool norm_owed(const Unit& u) const { return u.norm_call != u.early_call && u.early_call > norm_taken_call; }
 
@@ -713,16 +739,17 @@ struct Engine::Impl {
       if (early_stop) return;
       early_norms(lk);
       if (early_queue.empty()) continue;  // (cancelled meanwhile)
-      const std::size_t ui = early_queue.front();
-      early_queue.pop_front();
-      const std::size_t next = early_queue.empty() ? SIZE_MAX : early_queue.front();
+      const auto it = early_queue.begin() + std::ptrdiff_t(next_early_job());
+      const std::size_t ui = *it;
+      early_queue.erase(it);
+      early_next = SIZE_MAX;
       const bool need_norm = norm_owed(units[ui]);
       const std::int64_t call = units[ui].early_call;
       const bool device_norm = units[ui].dev_sumsq_call == call;
       lk.unlock();
       std::exception_ptr error;
       try {
-        early_unit(ui, next, need_norm, device_norm);
+        early_unit(ui, need_norm, device_norm);
       } catch (...) {
         error = std::current_exception();
       }
@@ -784,7 +811,7 @@ struct Engine::Impl {
   // thread), and its part of the norm when owed (the device's when it took it). NVMe state is
   // read one sub-group ahead (the next job's first once this unit's last is stepping).
   // (`next`: the job queued after it, SIZE_MAX if none)
-  void early_unit(std::size_t ui, std::size_t next, bool need_norm, bool device_norm) {
+  void early_unit(std::size_t ui, bool need_norm, bool device_norm) {
     Unit& u = units[ui];
     const std::size_t n = u.shard;
     u.grads_done.synchronize();
@@ -819,11 +846,11 @@ struct Engine::Impl {
         sh.params_src = host_tensor(src + a, DType::kF32, len);
         sh.m_src = host_tensor(src + n + a, DType::kF32, len);
         sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
-        if (gi + 1 == G && next != SIZE_MAX) early_read_ahead(next, 0);  // (an NVMe job after it)
+        if (gi + 1 == G) read_ahead_next();  // (an NVMe job after it)
       } else {
         early_read_ahead(ui, gi);
         if (gi + 1 < G) early_read_ahead(ui, gi + 1);
-        else if (next != SIZE_MAX) early_read_ahead(next, 0);
+        else read_ahead_next();
         auto it = early_reads.find({ui, gi});
         state = it->second.first;
         const IoHandle h = it->second.second;
@@ -1315,15 +1342,6 @@ StepResult Engine::step(float lr) {
     }
   }
   const DType ct = s.cfg.compute_dtype;
-  // Where the new compute weights of unit `u` go, as a host staging block when the target
-  // is not host memory the optimizer can write directly.
-  // (`first`, `size`: the elements of the shard wanted; all of it by default)
-  auto w_target_dev = [&](Unit& u, std::size_t first = 0, std::size_t size = SIZE_MAX) -> std::optional<TensorRef> {
-    size = std::min(size, u.shard);
-    if (u.resident) return Impl::view(u.full, ct, size, std::size_t(s.rank) * u.shard + first);
-    if (u.w_tier == Tier::kDevice) return Impl::view(u.w_dev, ct, size, first);
-    return std::nullopt;
-  };
 
   // The early step's results: kept when this step is the one they assumed (finite, no
   // clipping, the same lr and step) — without waiting for them: the worker finishes them
@@ -1493,7 +1511,7 @@ StepResult Engine::step(float lr) {
     TraceScope span("optimizer_unit", "optimizer", u.shard * 4 * 4);
     const std::size_t n = u.shard;
     const std::size_t w_bytes = n * s.c_size;
-    const auto target = w_target_dev(u);  // device-resident compute weights, if any
+    const auto target = s.w_target_dev(u);  // device-resident compute weights, if any
 
     if (u.o_tier == Tier::kDevice) {
       Buffer g_tmp, scratch;
@@ -1595,7 +1613,7 @@ StepResult Engine::step(float lr) {
       }
       if (!copy_out) std::memcpy(w_dst, master, len * 4);
       if (target) {
-        os.copy(w_target_dev(u, a, len)->mem, host_ref(w_dst, len_w));
+        os.copy(s.w_target_dev(u, a, len)->mem, host_ref(w_dst, len_w));
         os.host_fn([w_block] {}, "staging_free");
         w_staging.push_back([e = os.record()] { e.synchronize(); });
         s.st.h2d_bytes += len_w;

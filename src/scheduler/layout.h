@@ -3,6 +3,7 @@
 // plan's bytes, the model's replay and the engine's allocations cannot drift apart.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -39,10 +40,28 @@ inline bool bucketed_reduce(std::uint64_t shard, std::uint64_t share, int world)
 struct Range {
   std::uint64_t first = 0, size = 0;
 };
-inline std::uint64_t num_sub_groups(std::uint64_t shard, std::uint64_t sg) { return (shard + sg - 1) / sg; }
-inline Range sub_group(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
+inline std::uint64_t num_pieces(std::uint64_t shard, std::uint64_t sg) { return (shard + sg - 1) / sg; }
+inline Range piece(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
   const std::uint64_t first = g * sg;
   return {first, shard - first < sg ? shard - first : sg};
+}
+
+// The job the early optimizer's worker takes next (Engine::Impl::next_early_job; the perf model
+// replays it): of `n` queued jobs, oldest first, the one whose NVMe state it read ahead
+// (`read_ahead(i)`), else — of those whose gradient is complete (`ready(i)`) — the one whose unit
+// the next forward needs first (`order(i)`, its place in the forward), else the oldest. The next
+// forward waits for each unit's job in its own order, so this leaves the units it needs last to
+// the end of the worker's backlog, and the worker stays busy while the forward runs. (Taken in
+// the order the gradients come, the units stepped during backward are the ones the forward needs
+// last: the worker idled through their forward and the next backward's first unit.)
+template <class ReadAhead, class Ready, class Order>
+std::size_t next_early_job(std::size_t n, ReadAhead read_ahead, Ready ready, Order order) {
+  std::size_t best = n;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (read_ahead(i)) return i;
+    if (ready(i) && (best == n || order(i) < order(best))) best = i;
+  }
+  return best == n ? 0 : best;
 }
 
 struct UnitLayout {

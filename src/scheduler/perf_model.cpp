@@ -220,9 +220,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   }
   // The host optimizer's sub-groups and the reducer's buckets, as the engine cuts a shard.
   const std::uint64_t sub_group = detail::sub_group_elems(c), bucket_share = detail::bucket_share_elems(c, m.world_size);
-  auto groups = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, sub_group); };
-  auto group_size = [&](const SimUnit& x, std::uint64_t g) { return double(detail::sub_group(x.shard, sub_group, g).size); };
-  auto buckets = [&](const SimUnit& x) { return detail::num_sub_groups(x.shard, bucket_share); };
+  auto groups = [&](const SimUnit& x) { return detail::num_pieces(x.shard, sub_group); };
+  auto group_size = [&](const SimUnit& x, std::uint64_t g) { return double(detail::piece(x.shard, sub_group, g).size); };
+  auto buckets = [&](const SimUnit& x) { return detail::num_pieces(x.shard, bucket_share); };
   auto bucketed = [&](const SimUnit& x) { return detail::bucketed_reduce(x.shard, bucket_share, m.world_size); };
   // The early optimizer step (strata.overlap_optimizer) of the units whose optimizer runs on
   // the host from host gradients. The search sets the flag from the plan; unset, the engine's
@@ -418,20 +418,35 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
 
   // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
-  // gradient of the step has been accumulated (`avail`); the worker takes jobs in that order,
-  // reads the next job's NVMe state when it starts one, and writes the second copy behind.
+  // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
+  // of Engine::Impl::next_early_job (pick_job below), reads the NVMe state of the job it will
+  // take next when it starts the last sub-group of one, and writes the second copy behind.
+  // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
+  struct Job {
+    std::size_t unit;
+    double avail;
+    bool norm;
+  };
+  std::deque<Job> early_q;
   std::vector<std::size_t> early_order;
   std::vector<double> early_done(N, 0), early_io_done(N, 0);
   std::vector<double> norm_done(N, kNever);  // when the worker had the unit's norm part
-  double early_prev_pop = -1, early_prev_start = -1;  // the previous job's pop, and its last sub-group's start
+  std::size_t early_next = kNone;  // the job whose state was read ahead, taken next
+  double early_prev_start = -1;    // the start of the previous job's last sub-group
+  // The job the worker takes at time `t` (the forward takes the units in their own order).
+  auto pick_job = [&](double t) {
+    return early_q.begin() + std::ptrdiff_t(detail::next_early_job(
+                                 early_q.size(), [&](std::size_t k) { return early_q[k].unit == early_next; },
+                                 [&](std::size_t k) { return early_q[k].avail <= t; },
+                                 [&](std::size_t k) { return early_q[k].unit; }));
+  };
   std::deque<double> early_writes, early_w_writes;
   auto early_job = [&](std::size_t i, double avail, bool norm) {
     SimUnit& x = u[i];
     const double n = double(x.shard);
     double t = std::max(sim.stream_free[kEarlyS], avail);
-    // Engine::early_loop picks the job to read ahead for (`next`) when it pops this one.
-    const bool read_ahead = avail <= early_prev_pop;
-    early_prev_pop = t;
+    const bool read_ahead = i == early_next;
+    early_next = kNone;
     double io = 0;
     const bool w_nvme = !x.resident && x.w == Tier::kNvme;
     if (norm) t = norm_done[i] = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
@@ -448,7 +463,11 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
         read = sim.lane(Resource::kNvme, t, secs(12 * group_size(x, g + 1), opt_read_bps), "read state " + name(i));
-      if (g + 1 == G) early_prev_start = t;
+      if (g + 1 == G && !early_q.empty()) {  // Engine::Impl::read_ahead_next
+        early_prev_start = t;
+        const std::size_t next = pick_job(t)->unit;
+        if (u[next].o == Tier::kNvme) early_next = next;
+      }
       if (w_nvme && early_w_writes.size() >= 2) {
         t = std::max(t, early_w_writes.front());
         early_w_writes.pop_front();
@@ -473,15 +492,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     early_io_done[i] = io;
   };
   // The worker's queue, replayed lazily: a job is replayed when a later event shows the
-  // worker must have started it (FIFO), or when something waits for it; at step() the jobs
-  // not started are reordered to the next forward's order, as the engine does.
-  // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
-  struct Job {
-    std::size_t unit;
-    double avail;
-    bool norm;
-  };
-  std::deque<Job> early_q;
+  // worker must have started it, or when something waits for it; at step() the jobs not
+  // started are reordered to the next forward's order, as the engine does.
   std::vector<bool> queued(N, false);
   auto run_next = [&] {
     // Engine::Impl::early_norms: first the norm's part of every queued job whose gradient
@@ -498,9 +510,10 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         again = true;
       }
     }
-    const Job j = early_q.front();
+    const auto k = pick_job(sim.stream_free[kEarlyS]);
+    const Job j = *k;
     const std::size_t i = j.unit;
-    early_q.pop_front();
+    early_q.erase(k);
     queued[i] = false;
     early_job(i, j.avail, j.norm);
   };
@@ -531,7 +544,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       t = sim.op(kCommS, Resource::kComm, t, secs(double(x.shard) * 4 * double(W - 1), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
     for (std::uint64_t b = 0; b < B; ++b) {  // Engine::reduce_grad's buckets, on the comm stream
-      const double len = double(detail::sub_group(x.shard, bucket_share, b).size);
+      const double len = double(detail::piece(x.shard, bucket_share, b).size);
       if (by_bucket) {  // every rank's share gathered side by side, reduce-scattered
         t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * len * double(W), m.device_mem_bps), "");
         t = sim.op(kCommS, Resource::kComm, t, secs(len * 4 * double(W - 1), m.reduce_scatter_bps),
