@@ -754,6 +754,28 @@ TEST_F(TrainCli, TwoRanksOneRanksBadFlagEndsTheJobNamingTheRank) {
 
 // Two ranks of one node keep their swap files on the same drive: each plans with half its free
 // space (each used to count all of it, so together they could plan twice what the drive has).
+// Every rank reads the same --config: a key strata does not use is said once (by rank 0), not
+// once a rank.
+TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string ds = dir.path + "/unused.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": true})";
+  std::vector<std::string> a = {STRATA_TRAIN_BIN};
+  for (const auto& x : args(dir.path + "/w.jsonl", {"--config", ds, "--plan"})) a.push_back(x);
+  a.insert(a.begin(), {"-np", "2", "--oversubscribe"});
+  const Result r = run(STRATA_MPIEXEC, a, dir.path, "unused-key",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const std::string said = "config key 'wall_clock_breakdown' is not used by strata; ignored";
+  const std::size_t first = r.err.find(said);
+  ASSERT_NE(first, std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(said, first + 1), std::string::npos) << "said more than once:\n" << r.err;
+#endif
+}
+
 TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";

@@ -428,7 +428,19 @@ TrainResult train(const TrainOptions& o) {
     const std::string text = read_text(o.ds_config, "--config");
     // Parsed here too: a syntax error names the file, and train_batch_size is read from it.
     const config::Json j = config::parse(text, fmt::format("--config {}", o.ds_config));
-    ecfg = parse_engine_config(text, launch.world_size);
+    {
+      // Every rank reads the same file: what it warns of (keys strata does not use, settings it
+      // ignores) is said once, by rank 0, not once a rank.
+      const log::Level said = log::level();
+      if (launch.rank > 0) log::set_level(std::max(said, log::Level::kError));
+      try {
+        ecfg = parse_engine_config(text, launch.world_size);
+      } catch (...) {
+        log::set_level(said);
+        throw;
+      }
+      log::set_level(said);
+    }
     config_batch = j.is_object() && j.contains("train_batch_size");
   } else if (demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
