@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <sstream>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -280,6 +281,33 @@ TEST(PerfModel, SubGroupsOverlapTheAdamWWithTheDrive) {
     for (const Interval& iv : split.schedule) reads += iv.what == "read state layers.0";
     EXPECT_EQ(reads, 32) << "early " << early;
   }
+}
+
+// NVMe optimizer state, several sub-groups a unit: the worker reads the first sub-group of the job
+// it takes next while it steps the last one of the job before (Engine::Impl::read_ahead_next),
+// choosing by the same rule as its next job — so the drive reads the jobs in the order the
+// worker takes them, and no job after the first waits for its first read.
+TEST(PerfModel, NvmeStateIsReadAheadForTheJobTheWorkerTakesNext) {
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.050;
+  m.nvme_read_bps = m.nvme_write_bps = 12.0 * double(kLayer / 4) / 0.004;  // a sub-group's state in 4 ms
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kHost);
+  c.sub_group_size = kLayer / 4;
+  const Prediction p = predict_step(m, mp, c);
+  // Each unit once for its run of sub-groups.
+  auto runs = [](const std::string& order) {
+    std::string out, last, unit;
+    for (std::istringstream in(order); in >> unit; last = unit)
+      if (unit != last) out += (out.empty() ? "" : " ") + unit;
+    return out;
+  };
+  // The predicted step: the last step's layers 2, the embedding, layers 0 and 1 (the forward's
+  // order, the first already running), then this step's head and layer 3; at layer 3's last
+  // sub-group only layer 2's gradient is there, so its state is read ahead and it is taken next
+  // although layer 1's is there when layer 3 ends.
+  EXPECT_EQ(runs(units_by_start(p, "adamw ")), "layers.2 embed layers.0 layers.1 head layers.3 layers.2 embed");
+  EXPECT_EQ(runs(units_by_start(p, "read state ")), runs(units_by_start(p, "adamw ")));
 }
 
 // strata.device_grad_norm: with one micro-batch a step the device sums the host-tier gradients'

@@ -810,7 +810,6 @@ struct Engine::Impl {
   // One unit's AdamW from its current state into the second copy, a sub-group at a time (worker
   // thread), and its part of the norm when owed (the device's when it took it). NVMe state is
   // read one sub-group ahead (the next job's first once this unit's last is stepping).
-  // (`next`: the job queued after it, SIZE_MAX if none)
   void early_unit(std::size_t ui, bool need_norm, bool device_norm) {
     Unit& u = units[ui];
     const std::size_t n = u.shard;
@@ -1100,6 +1099,7 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
   Unit& u = s.units[std::size_t(unit)];
   if (u.first_fetch_step != s.steps_taken) {
+    std::lock_guard<std::mutex> lk(s.early_mu);  // next_early_job reads it on the worker
     u.first_fetch_step = s.steps_taken;
     u.first_fetch = s.fetch_seq++;
   }

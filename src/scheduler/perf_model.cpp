@@ -433,6 +433,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   std::vector<double> norm_done(N, kNever);  // when the worker had the unit's norm part
   std::size_t early_next = kNone;  // the job whose state was read ahead, taken next
   double early_prev_start = -1;    // the start of the previous job's last sub-group
+  bool ahead_pending = false;      // ... at which the worker chose the job to read ahead
   // The job the worker takes at time `t` (the forward takes the units in their own order).
   auto pick_job = [&](double t) {
     return early_q.begin() + std::ptrdiff_t(detail::next_early_job(
@@ -463,10 +464,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
         read = sim.lane(Resource::kNvme, t, secs(12 * group_size(x, g + 1), opt_read_bps), "read state " + name(i));
-      if (g + 1 == G && !early_q.empty()) {  // Engine::Impl::read_ahead_next
+      if (g + 1 == G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
-        const std::size_t next = pick_job(t)->unit;
-        if (u[next].o == Tier::kNvme) early_next = next;
+        ahead_pending = true;
       }
       if (w_nvme && early_w_writes.size() >= 2) {
         t = std::max(t, early_w_writes.front());
@@ -509,6 +509,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         j.norm = false;
         again = true;
       }
+    }
+    // The job the last one read ahead for, chosen at the start of its last sub-group: by now every
+    // job queued by then is in early_q (it was replayed before the next job's arrival).
+    if (std::exchange(ahead_pending, false) && !early_q.empty()) {
+      const std::size_t next = pick_job(early_prev_start)->unit;
+      if (u[next].o == Tier::kNvme) early_next = next;
     }
     const auto k = pick_job(sim.stream_free[kEarlyS]);
     const Job j = *k;
