@@ -108,7 +108,7 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.nvme_fetch_read_bps, &m.cpu_adamw_params_per_s, &m.device_adamw_params_per_s,
                                  &m.all_gather_bps, &m.reduce_scatter_bps};
   std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free};
-  std::vector<double*> highest;
+  std::vector<double*> highest = {&m.nvme_request_s};
   std::vector<std::uint64_t*> highest_bytes;
   for (ModelProfile& mp : models) {
     for (UnitCost& u : mp.units) {
@@ -302,6 +302,24 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       return since(t0);
     });
     m.nvme_mixed_bps = double(extent * count) / mixed;
+    // One read at a time, of a big extent and of a small one: the line through both is a read's
+    // fixed time (the drive's latency, the engine's per-request work) plus its bytes. The
+    // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
+    // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
+    {
+      const std::size_t small = 64 << 10, reads = 16;
+      auto one_at_a_time = [&](std::size_t bytes) {
+        return best_of(2, [&] {
+                 const auto t0 = Clock::now();
+                 for (std::size_t i = 0; i < reads; ++i) store.read(fmt::format("x{}", i % count), bufs[0].data(), bytes).wait();
+                 return since(t0);
+               }) /
+               double(reads);
+      };
+      const double big = one_at_a_time(extent), little = one_at_a_time(small);
+      m.nvme_request_s = 0;
+      if (small < extent && little < big) m.nvme_request_s = std::max(0.0, little - double(small) * (big - little) / double(extent - small));
+    }
     // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
     // one read of that size at a time (the next is issued as the prefetch window moves).
     const std::size_t w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
@@ -698,9 +716,10 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
   std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
   std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n", g(m.h2d_bps).c_str(),
               g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
-  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  (%s free)\n",
-              g(m.nvme_write_bps).c_str(),
-              g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(), g(m.nvme_fetch_read_bps).c_str(),
+  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  a read's fixed time %.3f ms"
+              "  (%s free)\n",
+              g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
+              g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
               m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
               m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6, g(m.host_norm_bps).c_str());
@@ -1009,6 +1028,7 @@ int run(Args a) {
                   {"nvme_read_gbps", machine.nvme_read_bps / 1e9},
                   {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
                   {"nvme_mixed_gbps", machine.nvme_mixed_bps / 1e9},
+                  {"nvme_request_ms", machine.nvme_request_s * 1e3},
                   {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},

@@ -51,6 +51,11 @@ struct MachineProfile {
   // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
   // of both per second; 0 = take the one-direction rates.
   double nvme_mixed_bps = 0;
+  // The fixed part of a read's time when it is waited for alone (queue depth 1): a read of b
+  // bytes of optimizer state (a sub-group's) costs nvme_request_s + b at the rate above. The
+  // optimizer waits for each sub-group's read, issued one ahead, so small sub-groups pay it
+  // once each. 0 = bytes only.
+  double nvme_request_s = 0;
   // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
   // waits for each: 0 = nvme_read_bps.
   double nvme_fetch_read_bps = 0;

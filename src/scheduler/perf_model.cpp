@@ -409,6 +409,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // NVMe rates when reads and writes share the drive (the optimizer's state traffic).
   const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
+  // A sub-group's read of optimizer state: its fixed time (waited for one ahead) and its bytes.
+  auto opt_read_s = [&](double bytes) { return m.nvme_request_s + secs(bytes, opt_read_bps); };
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
   // a step) has its norm part summed on the device beside its copy, no host pass — where the
@@ -456,14 +458,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = sim.lane(Resource::kNvme, issue, secs(12 * group_size(x, 0), opt_read_bps), "read state " + name(i));
+      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)), "read state " + name(i));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = sim.lane(Resource::kNvme, t, secs(12 * group_size(x, g + 1), opt_read_bps), "read state " + name(i));
+        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)), "read state " + name(i));
       if (g + 1 == G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
         ahead_pending = true;
@@ -676,7 +678,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     auto issue_read = [&](std::size_t k) {
       if (k >= nvme_groups.size()) return;
       const auto [i, g] = nvme_groups[k];
-      read_done[k] = sim.lane(Resource::kNvme, h, secs(12.0 * group_size(u[i], g), opt_read_bps), "read state " + name(i));
+      read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
