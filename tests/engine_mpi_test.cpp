@@ -216,6 +216,43 @@ TEST(EngineRanks, EveryRankPlansWithTheLeastRoomAnyRankHas) {
   }
 }
 
+// Ranks given settings that decide their collectives differently stop together in finalize,
+// naming the key (a reduce_bucket_size of one rank's own ended in a double free inside MPI; a
+// persistence threshold in a truncated all-gather).
+TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
+  if (g_env->comm->world_size() == 1) GTEST_SKIP() << "one rank: no other rank to differ from";
+  const int r = g_env->comm->rank();
+  struct Case {
+    const char* key;
+    void (*differ)(EngineConfig&);
+  };
+  const Case cases[] = {
+      {"zero_optimization.reduce_bucket_size", [](EngineConfig& c) { c.reduce_bucket_size = 4096; }},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       [](EngineConfig& c) { c.param_persistence_threshold = 1 << 30; }},
+      {"the optimizer state's placement", [](EngineConfig& c) { c.optimizer = on(Tier::kHost); }}};
+  for (const Case& k : cases) {
+    EngineConfig c = default_engine_config();
+    c.host_budget_bytes = 64 << 20;
+    if (r == 1) k.differ(c);
+    Engine e(*g_env->dev, *g_env->comm, c);
+    LinearModel({64, 64, 64}, 2, 3).register_units(e);
+    try {
+      e.finalize();
+      ADD_FAILURE() << "rank " << r << ": " << k.key << " differs between the ranks and finalize went on";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(std::string("different engine settings: ") + k.key), std::string::npos)
+          << err.what();
+    }
+  }
+  // The same settings still go on.
+  EngineConfig c = default_engine_config();
+  c.host_budget_bytes = 64 << 20;
+  Engine e(*g_env->dev, *g_env->comm, c);
+  LinearModel({64, 64, 64}, 2, 3).register_units(e);
+  e.finalize();
+}
+
 }  // namespace
 }  // namespace strata
 

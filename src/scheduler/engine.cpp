@@ -991,11 +991,42 @@ void Engine::finalize() {
     // collective). And every rank reads its free space before any writes its swap files
     // below: this all-reduce is that barrier (a rank planning after a neighbour's files grew
     // counted them against itself).
-    double least[] = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
-    max_across_ranks(s.comm, least);
-    in.device_capacity = bytes_from_double(-least[0]);
-    s.cfg.host_budget_bytes = in.host_capacity = bytes_from_double(-least[1]);  // the pool's budget too
-    in.nvme_capacity = bytes_from_double(-least[2]);
+    // The same all-reduce compares the settings that decide which collectives a rank issues,
+    // and in what order: ranks given different ones would hang or mix buffers in a collective
+    // (a double free, a truncated message) instead of saying why.
+    std::uint64_t numel = 0;
+    for (const auto& u : s.units) numel += u.numel;
+    auto optional = [](const std::optional<bool>& b) { return b.has_value() ? double(*b) : -1.0; };
+    const std::pair<const char*, double> same[] = {
+        {"the number of units registered", double(s.units.size())},
+        {"the parameters registered", double(numel)},
+        {"zero_optimization.stage", double(cfg.stage)},
+        {"zero_optimization.reduce_bucket_size", double(cfg.reduce_bucket_size)},
+        {"zero_optimization.stage3_prefetch_bucket_size", double(cfg.prefetch_bucket_size)},
+        {"zero_optimization.stage3_max_live_parameters", double(cfg.max_live_parameters)},
+        {"zero_optimization.stage3_max_reuse_distance", double(cfg.max_reuse_distance)},
+        {"zero_optimization.stage3_param_persistence_threshold", double(cfg.param_persistence_threshold)},
+        {"the weights' placement (offload_param: device fraction)", cfg.params.device_fraction},
+        {"the weights' placement (offload_param: host fraction)", cfg.params.host_fraction},
+        {"the gradients' placement (device fraction)", cfg.grads.device_fraction},
+        {"the optimizer state's placement (offload_optimizer: device fraction)", cfg.optimizer.device_fraction},
+        {"the optimizer state's placement (offload_optimizer: host fraction)", cfg.optimizer.host_fraction},
+        {"gradient_accumulation_steps", double(cfg.gradient_accumulation_steps)},
+        {"gradient_clipping", cfg.gradient_clipping},
+        {"the compute dtype (bf16 / fp16 / fp32)", double(int(cfg.compute_dtype))},
+        {"strata.overlap_optimizer (-1: not given)", optional(cfg.overlap_optimizer)},
+        {"strata.device_grad_norm (-1: not given)", optional(cfg.device_grad_norm)}};
+    std::vector<double> v = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
+    for (const auto& [key, x] : same) v.insert(v.end(), {x, -x});
+    max_across_ranks(s.comm, v);
+    for (std::size_t i = 0; i < std::size(same); ++i)
+      STRATA_REQUIRE(v[3 + 2 * i] == -v[4 + 2 * i],
+                     "the ranks were given different engine settings: {} is {:g} on some and {:g} on others; "
+                     "give every rank the same config",
+                     same[i].first, -v[4 + 2 * i], v[3 + 2 * i]);
+    in.device_capacity = bytes_from_double(-v[0]);
+    s.cfg.host_budget_bytes = in.host_capacity = bytes_from_double(-v[1]);  // the pool's budget too
+    in.nvme_capacity = bytes_from_double(-v[2]);
   }
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
