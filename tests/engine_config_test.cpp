@@ -659,12 +659,14 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_EQ(line(small, "reduce-scatter output (2048 elements", Tier::kDevice), 2048u * 4);
   EXPECT_EQ(line(small, "reduce-scatter bucket (2 x 2048 elements", Tier::kDevice), 2u * 2048 * 4);
   EXPECT_EQ(line(small, "unit gradients", Tier::kDevice), line(p, "unit gradients", Tier::kDevice));
-  ASSERT_EQ(small.notes.size(), 1u) << small.table();
+  ASSERT_EQ(small.notes.size(), 2u) << small.table();
   EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
                                 "elements): gradients are accumulated in buckets of 2048 elements a rank (whole "
                                 "pages) and the largest reduce-scattered bucket by bucket, but the model writes a "
                                 "unit's whole fp32 gradient"), std::string::npos)
       << small.notes[0];
+  EXPECT_NE(small.notes[1].find("zero_optimization.sub_group_size 1000 is used as 2048 elements"), std::string::npos)
+      << small.notes[1];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).
   const EngineConfig dflt = parse_engine_config(
@@ -843,6 +845,49 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   ASSERT_EQ(shared.problems.size(), 2u);
   EXPECT_NE(shared.problems[1].find("the 4 ranks on this node split each drive's free space"), std::string::npos)
       << shared.problems[1];
+}
+
+// Values the engine uses otherwise than the config wrote them are said in the plan's notes (a
+// sub_group_size below a page became a page, a buffer_count of 1 became 3, a live budget below
+// the largest unit became that unit — silently), and nothing is said when they are used as written.
+TEST(MemoryPlan, ValuesUsedOtherwiseThanWrittenAreSaid) {
+  const PlanInputs in = synthetic_inputs();
+  auto notes = [&](const std::string& zero) {
+    std::string all;
+    const EngineConfig c = parse_engine_config(
+        R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1.5e6,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/o")" + zero + "}}", 2);
+    for (const std::string& n : plan_memory(c, in).notes) all += n + "\n";
+    return all;
+  };
+  const std::string changed = notes(R"(, "buffer_count": 1}, "sub_group_size": 100, "stage3_max_live_parameters": 1)");
+  EXPECT_NE(changed.find("zero_optimization.sub_group_size 100 is used as 2048 elements"), std::string::npos) << changed;
+  EXPECT_NE(changed.find("offload_optimizer.buffer_count 1: 3 swap buffers are used"), std::string::npos) << changed;
+  EXPECT_NE(changed.find("stage3_max_live_parameters 1 is below the largest gathered unit (823296 elements, padded)"),
+            std::string::npos)
+      << changed;
+  const std::string as_written = notes(R"(, "buffer_count": 4}, "sub_group_size": 4096, "stage3_max_live_parameters": 1e6)");
+  EXPECT_EQ(as_written.find("sub_group_size"), std::string::npos) << as_written;
+  EXPECT_EQ(as_written.find("buffer_count"), std::string::npos) << as_written;
+  EXPECT_EQ(as_written.find("stage3_max_live_parameters"), std::string::npos) << as_written;
+}
+
+// Stage 1 or 2 with the optimizer state on the host, short of host memory: the fix offered is one
+// that stage takes (NVMe optimizer state needs stage 3, and said so when followed).
+TEST(MemoryPlan, AHostShortfallBelowStage3OffersWhatThatStageTakes) {
+  PlanInputs in = synthetic_inputs();
+  in.host_capacity = 2 << 20;
+  for (const int stage : {1, 2, 3}) {
+    const EngineConfig c = parse_engine_config(
+        fmt::format(R"({{"zero_optimization": {{"stage": {}, "offload_optimizer": {{"device": "cpu"}}}}}})", stage), 1);
+    const MemoryPlan p = plan_memory(c, in);
+    ASSERT_FALSE(p.fits) << "stage " << stage;
+    ASSERT_EQ(p.problems[0].rfind("host:", 0), 0u) << p.problems[0];
+    EXPECT_EQ(p.problems[0].find("offload_optimizer.device \"nvme\"") != std::string::npos, stage == 3)
+        << p.problems[0];
+    EXPECT_EQ(p.problems[0].find("offload_optimizer.ratio below 1") != std::string::npos, stage < 3)
+        << p.problems[0];
+  }
 }
 
 // strata.host_budget_bytes left at 0: 80% of RAM, split among the ranks of the node.

@@ -16,6 +16,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/statvfs.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -820,6 +822,17 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   const auto g = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/gone.json"}), d.path, "gone");
   EXPECT_EQ(g.status, 1) << g.out << g.err;
   EXPECT_NE(g.err.find(d.path + "/gone"), std::string::npos) << g.err;
+  // One that cannot be written is named as the --config's key, not as --nvme-path (not given).
+  struct statvfs sv {};
+  if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY)) {
+    std::ofstream(d.path + "/ro.json") << R"({"zero_optimization": {"stage": 3, "offload_optimizer":
+      {"device": "nvme", "nvme_path": "/proc/sys"}}})";
+    const auto ro = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/ro.json"}), d.path, "ro");
+    EXPECT_EQ(ro.status, 1) << ro.out << ro.err;
+    EXPECT_NE(ro.err.find("config key 'zero_optimization.offload_optimizer.nvme_path' = '/proc/sys' is read-only"),
+              std::string::npos)
+        << ro.err;
+  }
 }
 
 // The demo model profiled: the command printed to run the recommendation names a model config

@@ -183,6 +183,22 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
 // equal to the plan's host total, not a whole number of pieces, is refused by the plan, saying
 // so (it passed --plan, then ran out of pinned memory at step 2, blaming the device); rounded up
 // to whole pieces, it trains.
+// --plan refuses what the run would (it said "fits" for strata.optimizer_threads 8 on 2 cores,
+// and the run then stopped on it).
+TEST_F(TrainCli, PlanRefusesTheHostSettingsTheRunRefuses) {
+  const std::string ds = dir.path + "/threads.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                           "strata": {"optimizer_threads": 4096}})";
+  const std::string log = dir.path + "/threads.jsonl";
+  for (const bool plan : {true, false}) {
+    const Result r = train(args(log, plan ? std::vector<std::string>{"--config", ds, "--plan"}
+                                          : std::vector<std::string>{"--config", ds}),
+                           plan ? "threads-plan" : "threads-run");
+    EXPECT_EQ(r.status, 1) << (plan ? "--plan: " : "run: ") << r.out << r.err;
+    EXPECT_NE(r.err.find("config key 'strata.optimizer_threads' = 4096: "), std::string::npos) << r.err;
+  }
+}
+
 TEST_F(TrainCli, TheHostBudgetIsPlannedInWholePinnedPieces) {
   TempDir nvme;
   const auto config = [&](std::uint64_t budget) {

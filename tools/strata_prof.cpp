@@ -132,9 +132,11 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
 
 // NVMe is measured under `nvme_dir`; the free space is that of every path the search may use
 // (`all_nvme_paths`: a file system counted once).
+// (`nvme_key`: what gave the path, named in its errors: "--nvme-path", or the --config's key)
 MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
                                const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
-                               bool use_nvme, std::size_t unit_state_bytes, std::size_t unit_weight_bytes) {
+                               const std::string& nvme_key, bool use_nvme, std::size_t unit_state_bytes,
+                               std::size_t unit_weight_bytes) {
   MachineProfile m;
   m.world_size = comm.world_size();
   m.ranks_on_node = ranks_on_this_node(comm);
@@ -255,7 +257,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     so.paths = {nvme_dir};
     so.rank = comm.rank();
     so.aio = base.aio;
-    so.config_key = "--nvme-path";
+    so.config_key = nvme_key;
     SwapStore store(so);
     const std::size_t extent =
         SwapStore::padded_bytes(std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
@@ -331,7 +333,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     });
     m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
     // The engine's own rule: this rank's share of the drive's free space (its files counted free).
-    m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), "--nvme-path", ranks_on_this_node(comm));
+    m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key, ranks_on_this_node(comm));
   }
 
   {
@@ -854,7 +856,7 @@ int run(Args a) {
   hopt.d2h_gbps = a.emu_d2h;
   hopt.compute_gflops = a.emu_gflops;
 
-  std::string nvme_dir;
+  std::string nvme_dir, nvme_key = "--nvme-path";  // (the key: what gave it, for its errors)
   std::vector<std::string> nvme_paths;        // the search's: the --config's lists, else nvme_dir
   std::vector<std::string> param_nvme_paths;  // the --config's offload_param list, when it has its own
   const bool use_nvme = !a.no_nvme;
@@ -871,6 +873,8 @@ int run(Args a) {
           STRATA_REQUIRE(fs::is_directory(p, ec), "--config {}: nvme_path {}: no such directory; create it on the "
                          "drive to profile, or give --nvme-path DIR", a.ds_config, p);
       nvme_dir = cfg_paths.front();  // measured there
+      nvme_key = !base.optimizer_nvme_paths.empty() ? "zero_optimization.offload_optimizer.nvme_path"
+                                                    : "zero_optimization.offload_param.nvme_path";
       nvme_paths = cfg_paths;
       if (!base.param_nvme_paths.empty()) param_nvme_paths = base.param_nvme_paths;
     } else if (a.nvme_path.empty()) {
@@ -953,7 +957,7 @@ int run(Args a) {
     std::vector<std::string> all_paths = nvme_paths.empty() ? std::vector<std::string>{nvme_dir} : nvme_paths;
     for (const std::string& p : param_nvme_paths)
       if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
-    machine = measure_machine(*dev, *comm, base, nvme_dir, all_paths, use_nvme, shard * 12,
+    machine = measure_machine(*dev, *comm, base, nvme_dir, all_paths, nvme_key, use_nvme, shard * 12,
                               shard * dtype_size(base.compute_dtype));
     if (dev->kind() == DeviceKind::kCpu) {
       machine.device_capacity = hopt.capacity_bytes;

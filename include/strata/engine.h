@@ -121,6 +121,9 @@ class Engine {
   // strata.overlap_optimizer left unset is off on the CPU-emulated device (its kernels use the
   // cores the host optimizer would). For planning without an engine (strata-train --plan).
   static EngineConfig with_device_defaults(EngineConfig config, const Device& device);
+  // Throws what finalize() would for the settings that depend on this host, not on the plan
+  // (strata.optimizer_threads beyond what oneTBB runs here): for planning without an engine.
+  static void check_host_settings(const EngineConfig& config);
   const MemoryPlan& plan() const;
   const EngineConfig& config() const;
   DType compute_dtype() const;

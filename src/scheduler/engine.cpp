@@ -1055,8 +1055,7 @@ void Engine::finalize() {
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
   ac.isa = cfg.optimizer_isa;
-  const std::string too_many = CpuAdamW::threads_problem(cfg.optimizer_threads);  // named as the key that asked
-  STRATA_REQUIRE(too_many.empty(), "config key 'strata.optimizer_threads' = {}: {}", cfg.optimizer_threads, too_many);
+  check_host_settings(cfg);
   s.cpu_adam = std::make_unique<CpuAdamW>(ac);
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
@@ -1120,6 +1119,12 @@ void Engine::finalize() {
   }
   if (s.early) s.early_thread = std::thread([&s] { s.early_loop(); });
   s.finalized = true;
+}
+
+void Engine::check_host_settings(const EngineConfig& config) {
+  const std::string too_many = CpuAdamW::threads_problem(config.optimizer_threads);  // named as the key that asked
+  STRATA_REQUIRE(too_many.empty(), "config key 'strata.optimizer_threads' = {}: {}", config.optimizer_threads,
+                 too_many);
 }
 
 void Engine::set_next_lr(float lr) { impl_->next_lr = lr; }

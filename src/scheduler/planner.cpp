@@ -250,6 +250,20 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
         human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
 
+  // Values the engine uses otherwise than written, said (the table's lines use them already).
+  if (config.sub_group_size_given && host_optimizer && detail::sub_group_elems(config) != config.sub_group_size)
+    b.plan.notes.push_back(fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
+                                       "pages, at least one)",
+                                       config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
+  if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0 && config.optimizer_buffer_count < opt_buffers)
+    b.plan.notes.push_back(fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
+                                       "one stepping, one written behind)",
+                                       config.optimizer_buffer_count, opt_buffers));
+  if (config.stage == 3 && np_largest > 0 && config.max_live_parameters < np_largest)
+    b.plan.notes.push_back(fmt::format("stage3_max_live_parameters {} is below the largest gathered unit ({} "
+                                       "elements, padded): the live budget is raised to that unit",
+                                       config.max_live_parameters, np_largest));
+
   MemoryPlan& plan = b.plan;
   for (const PlanLine& l : plan.lines) {
     (l.tier == Tier::kDevice ? plan.device_bytes
@@ -298,10 +312,14 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   }
   if (plan.host_bytes > plan.host_capacity) {
     std::vector<std::string> fix;
-    if (opt_tiers[1] > 0)
+    if (opt_tiers[1] > 0 && config.stage == 3)
       fix.push_back(
           "move the optimizer state to NVMe (offload_optimizer.device \"nvme\", a lower "
           "offload_optimizer.host_fraction)");
+    else if (opt_tiers[1] > 0)  // (NVMe optimizer state needs stage 3)
+      fix.push_back(
+          "keep part of the optimizer state on the device (offload_optimizer.ratio below 1: the share on the "
+          "host), or zero_optimization.stage 3 to move it to NVMe");
     if (param_tiers[1] > 0)
       fix.push_back(
           "move the parameters to NVMe (offload_param.device \"nvme\", a lower "

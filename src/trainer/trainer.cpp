@@ -534,6 +534,7 @@ TrainResult train(const TrainOptions& o) {
 
   // ---- the plan alone ----
   if (o.plan_only) {
+    Engine::check_host_settings(ecfg);  // a plan that says "fits" must not be refused by the run
     auto dev = make_device(o.device, hopt, copt);
     PlanInputs in;
     for (const auto& u : units) in.units.push_back({u.name, u.numel});
