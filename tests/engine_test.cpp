@@ -36,6 +36,7 @@ struct RunOut {
   EngineStats stats;
   MemoryPlan plan;
   Isa isa = Isa::kAuto;  // Engine::host_optimizer_isa
+  std::uint64_t eval_prefetches = 0;  // RunSetup::eval_every's passes
 };
 
 struct RunSetup {
@@ -51,6 +52,9 @@ struct RunSetup {
   bool announce_lr = true;
   // One more micro-batch than `accum` in this step, when >= 0.
   int extra_mb_step = -1;
+  // After every `eval_every`-th step, two forward-only passes (fetch and release each unit in
+  // the forward's order) under Engine::set_eval.
+  int eval_every = 0;
 };
 
 #ifdef STRATA_TEST_CUDA
@@ -120,6 +124,17 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
     }
     out.losses.push_back(loss);
     out.results.push_back(e.step(lr));
+    if (su.eval_every > 0 && (step + 1) % su.eval_every == 0) {
+      const std::uint64_t before = e.stats().prefetches;
+      e.set_eval(true);
+      for (int pass = 0; pass < 2; ++pass)
+        for (int l = 0; l < model.layers(); ++l) {
+          e.fetch(l, *s);
+          e.release(l, *s);
+        }
+      e.set_eval(false);
+      out.eval_prefetches += e.stats().prefetches - before;
+    }
   }
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.stats = e.stats();
@@ -307,6 +322,33 @@ TEST(Engine, RandomDelaysChangeNothing) {
   d.dev.random_delay_us = 200;
   d.dev.seed = 99;
   expect_identical(a, train(d, model), "random delays");
+}
+
+// Forward-only passes between steps (an evaluation) under set_eval: prefetched along the
+// forward part of the recorded order, the order left as it was (each evaluation made it be
+// recorded again twice, with a log line each: the next training step ran unprefetched), and
+// the training's bits unchanged.
+TEST(Engine, EvaluationPassesFollowTheForwardAndLeaveTheOrderAlone) {
+  STRATA_NEEDS_DEVICE();
+  std::vector<int> dims(9, 64);  // 8 layers
+  const LinearModel model(dims, 2, 5);
+  TempDir nv;
+  RunSetup s;
+  s.steps = 6;
+  s.cfg.params = on(Tier::kNvme);
+  s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.max_live_parameters = 2 * 4096;
+  s.cfg.prefetch_bucket_size = 4096;
+  s.cfg.param_persistence_threshold = 0;
+  s.cfg.host_budget_bytes = 16 << 20;
+  const RunOut plain = train(s, model);
+  s.eval_every = 2;
+  const RunOut evaluated = train(s, model);
+  expect_identical(plain, evaluated, "with evaluation passes");
+  EXPECT_EQ(evaluated.stats.trace_rebuilds, 0u);
+  // 3 evaluations x 2 passes x 8 units, all but the first of each pass prefetched when the order is followed.
+  EXPECT_GE(evaluated.eval_prefetches, 3u * 2 * 6) << "the evaluation passes were not prefetched";
+  EXPECT_EQ(evaluated.stats.prefetches - evaluated.eval_prefetches, plain.stats.prefetches);
 }
 
 TEST(Engine, PeakDeviceBytesStayUnderACapFourTimesSmallerThanTheWeights) {

@@ -124,6 +124,11 @@ class Engine {
   // Throws what finalize() would for the settings that depend on this host, not on the plan
   // (strata.optimizer_threads beyond what oneTBB runs here): for planning without an engine.
   static void check_host_settings(const EngineConfig& config);
+  // Forward-only passes (an evaluation) between steps: while on, fetches follow the forward part
+  // of the recorded unit order — prefetching ahead in it, a pass beginning at its first unit —
+  // without checking or recording the order, which the next training step finds as it was
+  // (without it, each evaluation made the order be recorded again twice, unprefetched).
+  void set_eval(bool on);
   const MemoryPlan& plan() const;
   const EngineConfig& config() const;
   DType compute_dtype() const;

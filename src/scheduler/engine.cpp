@@ -169,6 +169,13 @@ struct Engine::Impl {
   std::vector<int> trace;
   bool recording = true;
   std::size_t pos = 0;
+  // Engine::set_eval: forward-only passes follow the trace's forward part, [0, eval_end), at
+  // their own position (SIZE_MAX: lost), and leave the trace and `pos` alone.
+  bool eval = false;
+  std::size_t eval_pos = SIZE_MAX, eval_end = 0;
+  std::size_t cursor() const { return eval ? eval_pos : pos; }
+  std::size_t trace_end() const { return eval ? eval_end : trace.size(); }
+  bool order_known() const { return !recording && cursor() != SIZE_MAX; }
   std::uint64_t live = 0;  // padded elements of gathered non-resident units
 
   // Pinned staging in flight (the memory plan's "gradient D2H staging" and "parameter swap
@@ -470,7 +477,7 @@ struct Engine::Impl {
 
   // Next position after `from` where the trace uses `ui`, or SIZE_MAX.
   std::size_t next_use(int ui, std::size_t from) const {
-    for (std::size_t p = from; p < trace.size(); ++p)
+    for (std::size_t p = from; p < trace_end(); ++p)
       if (trace[p] == ui) return p;
     return SIZE_MAX;
   }
@@ -484,7 +491,7 @@ struct Engine::Impl {
       for (std::size_t i = 0; i < units.size(); ++i) {
         const Unit& u = units[i];
         if (!u.gathered || u.resident || u.in_use > 0) continue;
-        const std::size_t nu = recording ? SIZE_MAX : next_use(int(i), pos);
+        const std::size_t nu = order_known() ? next_use(int(i), cursor()) : SIZE_MAX;
         if (victim < 0 || nu > furthest) {
           victim = int(i);
           furthest = nu;
@@ -496,9 +503,9 @@ struct Engine::Impl {
   }
 
   void prefetch_ahead() {
-    if (recording) return;
+    if (!order_known()) return;
     std::uint64_t ahead = 0;
-    for (std::size_t p = pos; p < trace.size(); ++p) {
+    for (std::size_t p = cursor(); p < trace_end(); ++p) {
       Unit& u = units[std::size_t(trace[p])];
       if (u.resident || u.gathered) continue;
       if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
@@ -510,6 +517,13 @@ struct Engine::Impl {
       issue_fetch(trace[p], true);
       ahead += u.padded;
     }
+  }
+
+  // A fetch in a forward-only pass: on the trace's forward part if it follows it (a pass begins
+  // at its first unit), else no prefetching until the next pass begins.
+  void note_eval_fetch(int ui) {
+    if (eval_pos < eval_end && trace[eval_pos] == ui) ++eval_pos;
+    else eval_pos = eval_end > 0 && trace[0] == ui ? 1 : SIZE_MAX;
   }
 
   void note_fetch(int ui) {
@@ -1129,12 +1143,31 @@ void Engine::check_host_settings(const EngineConfig& config) {
 
 void Engine::set_next_lr(float lr) { impl_->next_lr = lr; }
 
+void Engine::set_eval(bool on) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(s.finalized, "Engine::set_eval before finalize()");
+  if (on == s.eval) return;
+  s.eval = on;
+  if (!on) return;
+  // The forward part of the recorded order: up to the first unit fetched a second time.
+  s.eval_end = s.trace.size();
+  std::vector<bool> seen(s.units.size(), false);
+  for (std::size_t p = 0; p < s.trace.size(); ++p) {
+    if (seen[std::size_t(s.trace[p])]) {
+      s.eval_end = p;
+      break;
+    }
+    seen[std::size_t(s.trace[p])] = true;
+  }
+  s.eval_pos = 0;
+}
+
 TensorRef Engine::fetch(int unit, Stream& compute) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::fetch before finalize()");
   STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
   Unit& u = s.units[std::size_t(unit)];
-  if (u.first_fetch_step != s.steps_taken) {
+  if (!s.eval && u.first_fetch_step != s.steps_taken) {
     std::lock_guard<std::mutex> lk(s.early_mu);  // next_early_job reads it on the worker
     u.first_fetch_step = s.steps_taken;
     u.first_fetch = s.fetch_seq++;
@@ -1144,7 +1177,8 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   s.gather_finished(std::size_t(unit));
   u.kept_behind = false;
   if (!u.resident) {
-    s.note_fetch(unit);
+    if (s.eval) s.note_eval_fetch(unit);
+    else s.note_fetch(unit);
     if (!u.gathered) {
       s.make_room(u.padded);
       s.issue_fetch(unit, false);
@@ -1166,11 +1200,11 @@ void Engine::release(int unit, Stream& compute) {
   u.released = compute.record();
   if (u.resident || u.in_use > 0) return;
   // Keep it gathered if the trace uses it again soon and the budget allows.
-  if (!s.recording) {
-    const std::size_t nu = s.next_use(unit, s.pos);
+  if (s.order_known()) {
+    const std::size_t nu = s.next_use(unit, s.cursor());
     if (nu != SIZE_MAX) {
       std::uint64_t dist = 0;
-      for (std::size_t p = s.pos; p < nu; ++p) dist += s.units[std::size_t(s.trace[p])].padded;
+      for (std::size_t p = s.cursor(); p < nu; ++p) dist += s.units[std::size_t(s.trace[p])].padded;
       if (dist <= s.cfg.max_reuse_distance) return;
     }
   }
@@ -1180,6 +1214,8 @@ void Engine::release(int unit, Stream& compute) {
 TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::grad_buffer before finalize()");
+  STRATA_REQUIRE(!s.eval, "Engine::grad_buffer while set_eval(true): a forward-only pass has no backward; "
+                 "call set_eval(false) before training");
   Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.grad_full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
   u.grad_full = s.alloc(u.padded * 4, &compute);
@@ -1284,6 +1320,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
 StepResult Engine::step(float lr) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::step before finalize()");
+  STRATA_REQUIRE(!s.eval, "Engine::step while set_eval(true): call set_eval(false) after the evaluation");
   s.finish_all_early();  // a unit the model did not fetch since the last step
   for (auto& u : s.units)
     STRATA_REQUIRE(u.in_use == 0 && !u.grad_full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",

@@ -934,6 +934,7 @@ TrainResult train(const TrainOptions& o) {
     if (val && step % o.eval_every == 0) {
       t0 = Clock::now();
       double sum = 0;
+      engine.set_eval(true);  // the training's recorded unit order stays as it is
       for (std::int64_t i = 0; i < o.eval_batches; ++i) {
         Batch vb;
         for (int r = 0; r < world; ++r) {
@@ -943,6 +944,7 @@ TrainResult train(const TrainOptions& o) {
         }
         sum += double(model.forward(vb, weights, /*grad=*/false));
       }
+      engine.set_eval(false);
       val_loss = mean_over_ranks(sum / double(o.eval_batches), *comm, *dev, *compute);
       ph.eval += since(t0);
     }
