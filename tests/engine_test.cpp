@@ -1145,7 +1145,11 @@ TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
     FAIL() << "a plan that cannot fit was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
-    EXPECT_NE(std::string(e.what()).find("device"), std::string::npos) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the training state does not fit:\n  device: needs "), std::string::npos) << what;
+    // The table follows, without saying the problem again (it was said twice).
+    EXPECT_EQ(what.find("device: needs ", what.find("device: needs ") + 1), std::string::npos) << what;
+    EXPECT_NE(what.find("verdict: does not fit"), std::string::npos) << what;
   }
 }
 

@@ -183,6 +183,34 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
 // equal to the plan's host total, not a whole number of pieces, is refused by the plan, saying
 // so (it passed --plan, then ran out of pinned memory at step 2, blaming the device); rounded up
 // to whole pieces, it trains.
+// The banner says the split as placed: units go whole to a tier, so offload_optimizer.ratio 0.5
+// is met only as nearly as the units allow (it said "device 50% + host 50%" where the plan had
+// 62% / 38%).
+TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
+  const std::string ds = dir.path + "/ratio.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})";
+  const Result r = train(args(dir.path + "/ratio.jsonl", {"--config", ds}, "1"), "ratio");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const std::smatch m = [&] {
+    std::smatch x;
+    std::regex_search(r.out, x, std::regex(R"(optimizer on device (\d+)% \+ host (\d+)%( \(device 50% \+ host 50% asked; units are placed whole\))?)"));
+    return x;
+  }();
+  ASSERT_FALSE(m.empty()) << r.out;
+  const int device = std::stoi(m[1].str()), host = std::stoi(m[2].str());
+  EXPECT_NEAR(device + host, 100, 1) << r.out;
+  // The plan's optimizer-state bytes per tier give the same split.
+  const Result p = train(args(dir.path + "/ratio.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
+  ASSERT_EQ(p.status, 0) << p.out << p.err;
+  std::smatch d, h;
+  ASSERT_TRUE(std::regex_search(p.out, d, std::regex(R"(device +optimizer state \(fp32 master, m, v\) +(\d+))"))) << p.out;
+  ASSERT_TRUE(std::regex_search(p.out, h, std::regex(R"(host +optimizer state \(fp32 master, m, v\) +(\d+))"))) << p.out;
+  const double share = std::stod(d[1].str()) / (std::stod(d[1].str()) + std::stod(h[1].str()));
+  EXPECT_NEAR(device, 100 * share, 0.51) << r.out << p.out;
+  // Said "asked" exactly when the placed split is not the one asked for.
+  EXPECT_EQ(m[3].matched, device != 50) << r.out;
+}
+
 // --plan refuses what the run would (it said "fits" for strata.optimizer_threads 8 on 2 cores,
 // and the run then stopped on it).
 TEST_F(TrainCli, PlanRefusesTheHostSettingsTheRunRefuses) {
@@ -252,7 +280,10 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
   std::ofstream(split) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})";
   const Result d = train(args(dir.path + "/d.jsonl", {"--config", split}), "split");
   ASSERT_EQ(d.status, 0) << d.err;
-  EXPECT_NE(d.out.find("weights on device, optimizer on device 70% + host 30%;"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("weights on device, optimizer on device 82% + host 18% (device 70% + host 30% asked; units are "
+                       "placed whole);"),
+            std::string::npos)
+      << d.out;
   // Without --dtype: refused, naming the way to bf16.
   const Result c = train(args(dir.path + "/c.jsonl", {"--config", ds}), "fp16");
   EXPECT_EQ(c.status, 1);

@@ -1044,9 +1044,13 @@ void Engine::finalize() {
   }
   s.plan = plan_memory(cfg, in);
   if (!s.plan.fits) {
+    // The problems first (the message's first lines name what to change), then the table
+    // without them (its tail would say them again).
     std::string problems;
     for (auto& p : s.plan.problems) problems += "\n  " + p;
-    STRATA_THROW(kOutOfMemory, "the training state does not fit:{}\n{}", problems, s.plan.table());
+    MemoryPlan shown = s.plan;
+    shown.problems.clear();
+    STRATA_THROW(kOutOfMemory, "the training state does not fit:{}\n{}", problems, shown.table());
   }
   for (const std::string& n : s.plan.notes) log::info("engine: {}", n);
   s.early = s.plan.early_optimizer_step;

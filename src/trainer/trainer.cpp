@@ -835,8 +835,23 @@ TrainResult train(const TrainOptions& o) {
         if (f > 1e-9) parts.push_back(f >= 1 - 1e-9 ? std::string(name) : fmt::format("{} {:.0f}%", name, f * 100));
       return fmt::format("{}", fmt::join(parts, " + "));
     };
+    // The split as placed: units are placed whole (by where their first byte falls), so a
+    // fraction is met only as nearly as the units allow — the plan's bytes say how nearly.
+    const auto placed = [&](const char* prefix, const Placement& asked) {
+      double bytes[3] = {}, total = 0;
+      for (const PlanLine& l : engine.plan().lines)
+        if (l.what.starts_with(prefix)) bytes[int(l.tier)] += double(l.bytes), total += double(l.bytes);
+      if (total <= 0) return where(asked);
+      const Placement got{bytes[0] / total, bytes[1] / total};
+      std::string said = where(got);
+      if (std::abs(got.device_fraction - asked.device_fraction) > 0.005 ||
+          std::abs(got.host_fraction - asked.host_fraction) > 0.005)
+        said += fmt::format(" ({} asked; units are placed whole)", where(asked));
+      return said;
+    };
     std::fprintf(con, "  stage %d; weights on %s, optimizer on %s; batch %lld x %lld tokens x %lld accum x %d ranks\n",
-                 ecfg.stage, where(ecfg.params).c_str(), where(ecfg.optimizer).c_str(), (long long)B, (long long)seq_len,
+                 ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
+                 placed("optimizer state (", ecfg.optimizer).c_str(), (long long)B, (long long)seq_len,
                  (long long)accum, world);
     std::string data = text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : text_file;
     if (demo_data) data += " (the demo's generated text: no --data or --text given)";
