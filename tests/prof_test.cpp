@@ -822,6 +822,13 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   const auto g = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/gone.json"}), d.path, "gone");
   EXPECT_EQ(g.status, 1) << g.out << g.err;
   EXPECT_NE(g.err.find(d.path + "/gone"), std::string::npos) << g.err;
+  // aio.verify on: the drive is measured with reads of whole writes only (a read of 64 KiB of a
+  // 1 MiB write was refused, and strata-prof with it).
+  std::ofstream(d.path + "/verify.json") << R"({"aio": {"verify": true}, "zero_optimization": {"stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+  const auto v = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/verify.json", "--out", d.path + "/v.json"}),
+                              d.path, "verify");
+  EXPECT_EQ(v.status, 0) << v.out << v.err;
   // One that cannot be written is named as the --config's key, not as --nvme-path (not given).
   struct statvfs sv {};
   if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY)) {
@@ -833,6 +840,39 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
               std::string::npos)
         << ro.err;
   }
+}
+
+// The recommendation keeps what the user wrote where it does not change what was decided:
+// Hugging Face's "auto" placeholders, keys strata does not use, defaults written out (it wrote
+// strata's whole config: every "auto" became a number, and a Trainer given the file back found
+// values that disagree with its own arguments).
+TEST(ProfCli, TheConfigsOwnKeysAndAutosAreKeptAsWritten) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path), ds = d.path + "/hf.json", out = d.path + "/best.json";
+  std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "steps_per_print": 10, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
+    "zero_optimization": {"stage": 3, "round_robin_gradients": true, "overlap_comm": true}})";
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
+                               "--micro-batches", "2", "--no-nvme", "--svg", "", "--config", ds, "--out", out},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto best = nlohmann::json::parse(testing::slurp(out));
+  EXPECT_EQ(best["gradient_accumulation_steps"], "auto") << best.dump();
+  EXPECT_EQ(best["bf16"]["enabled"], "auto") << best.dump();
+  EXPECT_EQ(best["optimizer"]["params"]["lr"], "auto") << best.dump();
+  EXPECT_EQ(best["optimizer"]["params"]["weight_decay"], "auto") << best.dump();
+  EXPECT_EQ(best["optimizer"]["params"]["betas"], nlohmann::json({0.9, 0.95})) << best.dump();
+  EXPECT_EQ(best["steps_per_print"], 10) << best.dump();
+  EXPECT_EQ(best["zero_optimization"]["round_robin_gradients"], true) << best.dump();
+  // What the search decided is written as decided: the micro-batch it measured.
+  EXPECT_EQ(best["train_micro_batch_size_per_gpu"], 2) << best.dump();
+  // ... and the file means what the search chose.
+  const EngineConfig kept = parse_engine_config(best.dump(), 1);
+  EXPECT_EQ(kept.micro_batch_per_gpu, 2);
+  EXPECT_EQ(kept.gradient_accumulation_steps, 1);
+  EXPECT_EQ(kept.compute_dtype, DType::kF32);
 }
 
 // The demo model profiled: the command printed to run the recommendation names a model config

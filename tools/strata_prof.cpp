@@ -86,6 +86,7 @@ struct Args {
   // Set in main: the --config as the user wrote it (plus the flags), before this machine's
   // defaults; and whether the host budget came from the user.
   EngineConfig user_config;
+  std::string user_text;  // the --config as written (written_json puts its own keys back)
   bool host_budget_given = false;
 };
 
@@ -308,12 +309,25 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     // fixed time (the drive's latency, the engine's per-request work) plus its bytes. The
     // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
     // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
+    // (Reads of fewer bytes than an extent go to keys written at that size: with aio.verify a read
+    // must take a whole write.)
+    auto written_keys = [&](const char* prefix, std::size_t bytes, std::size_t n) {
+      if (bytes == extent) return std::string("x");
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::string key = fmt::format("{}{}", prefix, i);
+        store.reserve(key, bytes);
+        store.write(key, bufs[0].data(), bytes).wait();
+      }
+      return std::string(prefix);
+    };
     {
       const std::size_t small = 64 << 10, reads = 16;
       auto one_at_a_time = [&](std::size_t bytes) {
+        const std::string prefix = written_keys("s", bytes, reads);
         return best_of(2, [&] {
                  const auto t0 = Clock::now();
-                 for (std::size_t i = 0; i < reads; ++i) store.read(fmt::format("x{}", i % count), bufs[0].data(), bytes).wait();
+                 for (std::size_t i = 0; i < reads; ++i)
+                   store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes).wait();
                  return since(t0);
                }) /
                double(reads);
@@ -326,9 +340,11 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     // one read of that size at a time (the next is issued as the prefetch window moves).
     const std::size_t w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
     const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
+    const std::string w_prefix = written_keys("w", w_extent, count);
     const double fetch = best_of(2, [&] {
       const auto t0 = Clock::now();
-      for (std::size_t i = 0; i < w_count; ++i) store.read(fmt::format("x{}", i % count), bufs[0].data(), w_extent).wait();
+      for (std::size_t i = 0; i < w_count; ++i)
+        store.read(fmt::format("{}{}", w_prefix, i % count), bufs[0].data(), w_extent).wait();
       return since(t0);
     });
     m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
@@ -655,6 +671,60 @@ EngineConfig written_config(const EngineConfig& chosen, const EngineConfig& user
   return w;
 }
 
+// The recommendation as written to --out: `chosen`'s settings, with the --config's own keys that
+// strata's full config would lose put back as the user wrote them — Hugging Face's "auto"
+// placeholders, keys strata does not use, defaults written out — wherever that leaves the
+// configuration the same (each tried, parsed and compared): a key of the user's that only says
+// what strata does anyway, and does not change what was decided.
+std::string written_json(const EngineConfig& chosen, const std::string& user_text, int world) {
+  const std::string plain = engine_config_json(chosen);
+  if (user_text.empty()) return plain;
+  // The trial parses warn of the user's unused keys and "auto"s: said once already, when read.
+  const log::Level said = log::level();
+  log::set_level(log::Level::kOff);
+  struct Restore {
+    log::Level level;
+    ~Restore() { log::set_level(level); }
+  } restore{said};
+  auto meaning = [&](const config::Json& j) -> std::string {
+    try {
+      return engine_config_json(parse_engine_config(j.dump(), world));
+    } catch (const Error&) {
+      return {};
+    }
+  };
+  config::Json out = config::Json::parse(plain);
+  const config::Json user = config::parse(user_text, "--config");
+  const std::string decided = meaning(out), users = meaning(user);
+  if (decided.empty() || users.empty()) return plain;
+  // The user's values, each a leaf where `out` has no object at that place.
+  using Ptr = config::Json::json_pointer;
+  std::vector<Ptr> leaves;
+  const auto collect = [&](const auto& self, const config::Json& at, const Ptr& where) -> void {
+    for (auto it = at.begin(); it != at.end(); ++it) {
+      const Ptr p = where / it.key();
+      if (it->is_object() && out.contains(p) && out[p].is_object()) self(self, *it, p);
+      else leaves.push_back(p);
+    }
+  };
+  if (user.is_object()) collect(collect, user, Ptr());
+  for (const Ptr& p : leaves) {
+    const config::Json& v = user[p];
+    const bool missing = !out.contains(p), placeholder = v.is_string() && v == "auto" && !missing && out[p] != v;
+    if (!missing && !placeholder) continue;
+    try {
+      config::Json without = user;  // inert in the user's own config: removing it changes nothing there
+      without[p.parent_pointer()].erase(p.back());
+      if (meaning(without) != users) continue;
+      config::Json trial = out;  // ... and it changes nothing in the recommendation
+      trial[p] = v;
+      if (meaning(trial) == decided) out = std::move(trial);
+    } catch (const nlohmann::json::exception&) {  // (a place `out` holds a value, not an object, above it)
+    }
+  }
+  return out.dump(2) + "\n";
+}
+
 Measured run_candidate(const Args& a, const Candidate& c, const std::string& work, const std::string& data_file,
                        const std::string& trace_file, int index) {
   const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
@@ -786,6 +856,7 @@ int run(Args a) {
     // Parsed here too: a syntax error names the file, and the batch keys are read from it.
     const config::Json top = config::parse(ss.str(), fmt::format("--config {}", a.ds_config));
     EngineConfig c = parse_engine_config(ss.str(), launch.world_size);
+    a.user_text = ss.str();
     config_train = top.is_object() && top.contains("train_batch_size");
     config_micro = config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
     return c;
@@ -1128,7 +1199,8 @@ int run(Args a) {
   int exit_code = 0;
   if (talk && !a.out.empty()) {
     std::ofstream f(a.out, std::ios::trunc);
-    f << engine_config_json(written_config(best.config, a.user_config, a.host_budget_given));
+    f << written_json(written_config(best.config, a.user_config, a.host_budget_given), a.user_text,
+                      std::max(1, machine.world_size));
     STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
     std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                              : !a.model_config.empty() ? " --model-config " + a.model_config
