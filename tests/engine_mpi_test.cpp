@@ -230,7 +230,10 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
       {"zero_optimization.reduce_bucket_size", [](EngineConfig& c) { c.reduce_bucket_size = 4096; }},
       {"zero_optimization.stage3_param_persistence_threshold",
        [](EngineConfig& c) { c.param_persistence_threshold = 1 << 30; }},
-      {"the optimizer state's placement", [](EngineConfig& c) { c.optimizer = on(Tier::kHost); }}};
+      {"the optimizer state's placement", [](EngineConfig& c) { c.optimizer = on(Tier::kHost); }},
+      // (a planner input: with a small host budget one rank alone did not fit, and stopped, while
+      // the other went on into an all-gather)
+      {"zero_optimization.offload_optimizer.buffer_count", [](EngineConfig& c) { c.optimizer_buffer_count = 1000; }}};
   for (const Case& k : cases) {
     EngineConfig c = default_engine_config();
     c.host_budget_bytes = 64 << 20;
@@ -242,6 +245,26 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
       ADD_FAILURE() << "rank " << r << ": " << k.key << " differs between the ranks and finalize went on";
     } catch (const Error& err) {
       EXPECT_NE(std::string(err.what()).find(std::string("different engine settings: ") + k.key), std::string::npos)
+          << err.what();
+    }
+  }
+  // A setting one rank's host refuses (more optimizer threads than it runs): that rank says why,
+  // the others that it did, all at once.
+  {
+    EngineConfig c = default_engine_config();
+    c.host_budget_bytes = 64 << 20;
+    c.optimizer = on(Tier::kHost);
+    c.grads = on(Tier::kHost);
+    if (r == 1) c.optimizer_threads = 4096;
+    Engine e(*g_env->dev, *g_env->comm, c);
+    LinearModel({64, 64, 64}, 2, 3).register_units(e);
+    try {
+      e.finalize();
+      ADD_FAILURE() << "rank " << r << ": rank 1's refused optimizer_threads and finalize went on";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(r == 1 ? "config key 'strata.optimizer_threads' = 4096"
+                                                    : "another rank's host refused its settings"),
+                std::string::npos)
           << err.what();
     }
   }

@@ -998,6 +998,15 @@ void Engine::finalize() {
   in.host_capacity = cfg.host_budget_bytes;
   in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
   in.ranks_on_node = on_node;
+  // The settings this host refuses (more optimizer threads than it runs), said on every rank
+  // below when there are several: a rank that stopped alone left the others in a collective.
+  std::string host_refused;
+  try {
+    check_host_settings(cfg);
+  } catch (const Error& e) {
+    if (s.world == 1) throw;
+    host_refused = e.what();
+  }
   if (s.world > 1) {
     // One plan for the job: every rank plans with the least room any rank has (a rank that
     // decided otherwise — the early step off, say — would issue other collectives), so all of
@@ -1008,18 +1017,33 @@ void Engine::finalize() {
     // The same all-reduce compares the settings that decide which collectives a rank issues,
     // and in what order: ranks given different ones would hang or mix buffers in a collective
     // (a double free, a truncated message) instead of saying why.
-    std::uint64_t numel = 0;
-    for (const auto& u : s.units) numel += u.numel;
+    double numel = 0, order = 0;  // (the units' sizes, and in which order)
+    for (std::size_t i = 0; i < s.units.size(); ++i) {
+      numel += double(s.units[i].numel);
+      order += double(s.units[i].numel) * double(i + 1);
+    }
     auto optional = [](const std::optional<bool>& b) { return b.has_value() ? double(*b) : -1.0; };
     const std::pair<const char*, double> same[] = {
         {"the number of units registered", double(s.units.size())},
-        {"the parameters registered", double(numel)},
+        {"the parameters registered", numel},
+        {"the units' sizes in their order (sum of size x position)", order},
         {"zero_optimization.stage", double(cfg.stage)},
         {"zero_optimization.reduce_bucket_size", double(cfg.reduce_bucket_size)},
         {"zero_optimization.stage3_prefetch_bucket_size", double(cfg.prefetch_bucket_size)},
         {"zero_optimization.stage3_max_live_parameters", double(cfg.max_live_parameters)},
         {"zero_optimization.stage3_max_reuse_distance", double(cfg.max_reuse_distance)},
         {"zero_optimization.stage3_param_persistence_threshold", double(cfg.param_persistence_threshold)},
+        {"zero_optimization.overlap_comm", double(cfg.overlap_comm)},
+        {"zero_optimization.sub_group_size", double(cfg.sub_group_size)},
+        {"zero_optimization.offload_optimizer.buffer_count", double(cfg.optimizer_buffer_count)},
+        {"zero_optimization.offload_param.buffer_count", double(cfg.param_buffer_count)},
+        {"aio.block_size", double(cfg.aio.block_size)},
+        {"fp16.enabled", double(cfg.fp16.enabled)},
+        {"fp16.loss_scale", cfg.fp16.loss_scale},
+        {"fp16.initial_scale_power", double(cfg.fp16.initial_scale_power)},
+        {"fp16.loss_scale_window", double(cfg.fp16.loss_scale_window)},
+        {"fp16.hysteresis", double(cfg.fp16.hysteresis)},
+        {"fp16.min_loss_scale", cfg.fp16.min_loss_scale},
         {"the weights' placement (offload_param: device fraction)", cfg.params.device_fraction},
         {"the weights' placement (offload_param: host fraction)", cfg.params.host_fraction},
         {"the gradients' placement (device fraction)", cfg.grads.device_fraction},
@@ -1030,19 +1054,35 @@ void Engine::finalize() {
         {"the compute dtype (bf16 / fp16 / fp32)", double(int(cfg.compute_dtype))},
         {"strata.overlap_optimizer (-1: not given)", optional(cfg.overlap_optimizer)},
         {"strata.device_grad_norm (-1: not given)", optional(cfg.device_grad_norm)}};
-    std::vector<double> v = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity)};
+    std::vector<double> v = {-double(in.device_capacity), -double(s.cfg.host_budget_bytes), -double(in.nvme_capacity),
+                             host_refused.empty() ? 0.0 : 1.0};
     for (const auto& [key, x] : same) v.insert(v.end(), {x, -x});
     max_across_ranks(s.comm, v);
+    if (!host_refused.empty()) STRATA_THROW(kInvalidArgument, "{}", host_refused);
+    STRATA_REQUIRE(v[3] == 0, "another rank's host refused its settings (its error says which and why)");
     for (std::size_t i = 0; i < std::size(same); ++i)
-      STRATA_REQUIRE(v[3 + 2 * i] == -v[4 + 2 * i],
+      STRATA_REQUIRE(v[4 + 2 * i] == -v[5 + 2 * i],
                      "the ranks were given different engine settings: {} is {:g} on some and {:g} on others; "
                      "give every rank the same config",
-                     same[i].first, -v[4 + 2 * i], v[3 + 2 * i]);
+                     same[i].first, -v[5 + 2 * i], v[4 + 2 * i]);
     in.device_capacity = bytes_from_double(-v[0]);
     s.cfg.host_budget_bytes = in.host_capacity = bytes_from_double(-v[1]);  // the pool's budget too
     in.nvme_capacity = bytes_from_double(-v[2]);
   }
   s.plan = plan_memory(cfg, in);
+  if (s.world > 1) {
+    // One outcome for the job: every input above is the same on every rank but the NVMe paths
+    // (node-local), which can still decide whether it fits, and with it the early step.
+    double o[] = {s.plan.fits ? 0.0 : 1.0, s.plan.early_optimizer_step ? 1.0 : 0.0,
+                  s.plan.early_optimizer_step ? 0.0 : 1.0};
+    max_across_ranks(s.comm, o);
+    if (s.plan.fits && o[0] > 0)
+      STRATA_THROW(kOutOfMemory, "the training state does not fit on another rank (its error says where and what to "
+                   "change)");
+    STRATA_REQUIRE(o[0] > 0 || o[1] + o[2] < 2,
+                   "the ranks planned the early optimizer step differently (strata.overlap_optimizer left to the "
+                   "plan): set strata.overlap_optimizer, or give every rank the same config and NVMe paths");
+  }
   if (!s.plan.fits) {
     // The problems first (the message's first lines name what to change), then the table
     // without them (its tail would say them again).
@@ -1073,7 +1113,6 @@ void Engine::finalize() {
   ac.policy = NonFinitePolicy::kReportOnly;
   ac.threads = cfg.optimizer_threads;
   ac.isa = cfg.optimizer_isa;
-  check_host_settings(cfg);
   s.cpu_adam = std::make_unique<CpuAdamW>(ac);
 
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
