@@ -31,6 +31,11 @@
 //     }
 //     strata::StepResult r = engine.step(lr);  // clip, AdamW over sub-groups, new weights
 //     engine.set_next_lr(next_lr);             // (when the lr changes) before the next backward
+//     if (evaluate) {                          // forward-only passes between steps
+//       engine.set_eval(true);                 // (fetch / release as in forward, no grad_buffer)
+//       ...
+//       engine.set_eval(false);
+//     }
 //   }
 //
 // Invariants: no byte is resident on a tier unless the memory plan budgeted it; the
