@@ -35,6 +35,7 @@
 #include "cpu/cpu_info.h"
 #include "cpu/cpu_kernels.h"
 #include "core/json_config.h"
+#include "core/quiet_log.h"
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/device.h"
@@ -680,12 +681,7 @@ std::string written_json(const EngineConfig& chosen, const std::string& user_tex
   const std::string plain = engine_config_json(chosen);
   if (user_text.empty()) return plain;
   // The trial parses warn of the user's unused keys and "auto"s: said once already, when read.
-  const log::Level said = log::level();
-  log::set_level(log::Level::kOff);
-  struct Restore {
-    log::Level level;
-    ~Restore() { log::set_level(level); }
-  } restore{said};
+  const log::Quiet quiet(log::Level::kOff);
   auto meaning = [&](const config::Json& j) -> std::string {
     try {
       return engine_config_json(parse_engine_config(j.dump(), world));

@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_config.h"
+#include "core/quiet_log.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -434,15 +435,8 @@ TrainResult train(const TrainOptions& o) {
     {
       // Every rank reads the same file: what it warns of (keys strata does not use, settings it
       // ignores) is said once, by rank 0, not once a rank.
-      const log::Level said = log::level();
-      if (launch.rank > 0) log::set_level(std::max(said, log::Level::kError));
-      try {
-        ecfg = parse_engine_config(text, launch.world_size);
-      } catch (...) {
-        log::set_level(said);
-        throw;
-      }
-      log::set_level(said);
+      const log::Quiet quiet(log::Level::kError, launch.rank > 0);
+      ecfg = parse_engine_config(text, launch.world_size);
     }
     config_batch = j.is_object() && j.contains("train_batch_size");
   } else if (demo_model) {
