@@ -346,8 +346,10 @@ TEST(Engine, EvaluationPassesFollowTheForwardAndLeaveTheOrderAlone) {
   const RunOut evaluated = train(s, model);
   expect_identical(plain, evaluated, "with evaluation passes");
   EXPECT_EQ(evaluated.stats.trace_rebuilds, 0u);
-  // 3 evaluations x 2 passes x 8 units, all but the first of each pass prefetched when the order is followed.
-  EXPECT_GE(evaluated.eval_prefetches, 3u * 2 * 6) << "the evaluation passes were not prefetched";
+  // 3 evaluations x 2 passes x 8 units, each prefetched when the order is followed — a pass's first
+  // unit too, from set_eval(true) and from the end of the pass before (it was not: 36 of 48) —
+  // and after the last pass the first unit again, which the next training step takes first.
+  EXPECT_EQ(evaluated.eval_prefetches, 3u * (2 * 8 + 1)) << "the evaluation passes were not prefetched";
   EXPECT_EQ(evaluated.stats.prefetches - evaluated.eval_prefetches, plain.stats.prefetches);
 }
 

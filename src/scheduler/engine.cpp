@@ -505,7 +505,10 @@ struct Engine::Impl {
   void prefetch_ahead() {
     if (!order_known()) return;
     std::uint64_t ahead = 0;
-    for (std::size_t p = cursor(); p < trace_end(); ++p) {
+    // At the end of a forward-only pass, the next one (or the next training step) begins again
+    // at the first unit.
+    const std::size_t from = eval && eval_pos == eval_end ? 0 : cursor();
+    for (std::size_t p = from; p < trace_end(); ++p) {
       Unit& u = units[std::size_t(trace[p])];
       if (u.resident || u.gathered) continue;
       if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
@@ -1203,6 +1206,7 @@ void Engine::set_eval(bool on) {
     seen[std::size_t(s.trace[p])] = true;
   }
   s.eval_pos = 0;
+  s.prefetch_ahead();  // the first pass's first units
 }
 
 TensorRef Engine::fetch(int unit, Stream& compute) {
