@@ -27,6 +27,7 @@
 
 #include "core/json_config.h"
 #include "core/quiet_log.h"
+#include "scheduler/layout.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -210,8 +211,7 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   c.optimizer_nvme_paths = {nvme_dir};
   // One layer as the engine holds it: padded to whole pages of 2048 elements on every rank (the
   // live budget counts padded units: the layer's own count was below one, said in a plan note).
-  const std::uint64_t align = 2048 * std::uint64_t(std::max(1, world));
-  const std::uint64_t padded = (layer_numel + align - 1) / align * align;
+  const std::uint64_t padded = detail::padded_numel(layer_numel, std::max(1, world));
   c.max_live_parameters = padded;
   c.overlap_comm = false;
   c.max_reuse_distance = 0;  // release each layer at once: the cap leaves no room to keep one
@@ -219,7 +219,7 @@ EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer
   // A layer in one sub-group and one bucket: the sizes are used in whole pages of 2048 elements,
   // rounded down (a layer's own count split each layer into its pages and one page more), the
   // bucket's as a share of every rank's shard.
-  c.sub_group_size = (layer_numel + 2047) / 2048 * 2048;
+  c.sub_group_size = detail::padded_numel(layer_numel, 1);
   c.reduce_bucket_size = padded;
   c.param_persistence_threshold = 0;
   c.host_budget_bytes = std::uint64_t(256) << 20;
