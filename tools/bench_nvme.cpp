@@ -5,18 +5,24 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -39,7 +45,7 @@ struct NvmeArgs {
   std::string block_size = "1M";
   int queue_depth = 32;
   int threads = 1;
-  std::string buffers = "both";  // huge | normal | both
+  std::string buffers = "both";  // huge | normal | same | both (huge, normal) | all
   std::string engine = "auto";
   bool vs_fio = false;
   bool verify = false;
@@ -198,6 +204,19 @@ void require_space(const std::string& dir, const std::string& file, std::size_t 
                  dir, human_bytes(double(free)), human_bytes(double(size)));
 }
 
+// Where a run's buffers come from. kSame: 4 KiB pages of one tmpfs file that our runs and fio
+// (--mem=mmapshared:FILE) both map, so both read into the very same physical pages: with 4 KiB
+// pages how a buffer lies in physical memory decides a virtio disk's read speed (physical_runs),
+// and each side's own allocation (kNormal) is a draw from the kernel's free lists.
+enum class Buffers { kHuge, kNormal, kSame };
+const char* buffers_name(Buffers b) { return b == Buffers::kHuge ? "huge" : b == Buffers::kNormal ? "normal" : "same"; }
+
+// The tmpfs file behind Buffers::kSame, made for the run and removed however it ends.
+struct SharedPages {
+  std::string path;
+  std::size_t bytes = 0;
+};
+
 struct RunResult {
   double write_gbps = 0, read_gbps = 0;
   std::string page_kind;
@@ -212,40 +231,105 @@ struct RunResult {
 // segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
 // tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
 // 0 without it (or where a page is not present).
-std::size_t physical_runs(const void* p, std::size_t bytes) {
+// Over the longest stretch of present pages in [addr, addr + bytes) of the process whose
+// pagemap this is: 0 unless it is at least `need` pages (a mapping fio's buffer shares with
+// others has pages of theirs around it, some absent).
+std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size_t bytes, std::size_t need) {
   constexpr std::size_t kPage = 4096;
-  const auto first = reinterpret_cast<std::uintptr_t>(p) / kPage;
-  const std::size_t n = (reinterpret_cast<std::uintptr_t>(p) + bytes + kPage - 1) / kPage - first;
-  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  const auto first = addr / kPage;
+  const std::size_t n = (addr + bytes + kPage - 1) / kPage - first;
+  const int fd = ::open(pagemap, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return 0;
   std::vector<std::uint64_t> e(n);
   const ssize_t got = ::pread(fd, e.data(), n * 8, off_t(first * 8));
   ::close(fd);
   if (got != ssize_t(n * 8)) return 0;
   constexpr std::uint64_t kPresent = std::uint64_t(1) << 63, kFrame = (std::uint64_t(1) << 55) - 1;
-  std::size_t runs = 0;
+  std::size_t best_len = 0, best_runs = 0, len = 0, runs = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    if (!(e[i] & kPresent) || (e[i] & kFrame) == 0) return 0;
-    if (i == 0 || (e[i] & kFrame) != (e[i - 1] & kFrame) + 1) ++runs;
+    if (!(e[i] & kPresent)) {
+      len = runs = 0;
+      continue;
+    }
+    if ((e[i] & kFrame) == 0) return 0;  // frame numbers hidden (no CAP_SYS_ADMIN)
+    if (len++ == 0 || (e[i] & kFrame) != (e[i - 1] & kFrame) + 1) ++runs;
+    if (len > best_len) best_len = len, best_runs = runs;
   }
-  return runs;
+  return best_len >= need ? best_runs : 0;
+}
+std::size_t physical_runs(const void* p, std::size_t bytes) {
+  return physical_runs_in("/proc/self/pagemap", reinterpret_cast<std::uintptr_t>(p), bytes, (bytes + 4095) / 4096);
+}
+
+// The same of fio's own buffer (its default, malloc): in process `pid`, the longest stretch of
+// present pages, `bytes` or more, in an anonymous read-write mapping of at least `bytes` (its
+// own, with glibc's header and fio's alignment, or merged with a neighbour), once all its pages
+// are there (fixed buffers are pinned when registered; others fault in with the first
+// requests); 0 while there is none.
+std::size_t fio_buffer_runs(pid_t pid, std::size_t bytes) {
+  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
+  const std::string pagemap = fmt::format("/proc/{}/pagemap", pid);
+  for (std::string line; std::getline(maps, line);) {
+    unsigned long lo = 0, hi = 0, inode = 0;
+    char perms[8] = {};
+    int path_at = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx %7s %*s %*s %lu %n", &lo, &hi, perms, &inode, &path_at) < 4) continue;
+    if (perms[0] != 'r' || perms[1] != 'w' || inode != 0 || line.size() > std::size_t(path_at)) continue;
+    if (hi - lo < bytes) continue;
+    if (const std::size_t runs = physical_runs_in(pagemap.c_str(), lo, hi - lo, bytes / 4096)) return runs;
+  }
+  return 0;
 }
 
 // One sequential write then read of `size` bytes with `cfg`, buffers of `kind`; with
 // `also_verified`, a second write and read with xxh3 checksums from the same buffer, so the
 // checksums' cost is measured on the same pages (with 4 KiB pages, how the buffer lies in
 // physical memory moves reads by more than the checksums do: see physical_runs).
-RunResult run_strata(const std::string& file, std::size_t size, const AioConfig& cfg, bool huge,
-                     bool also_verified) {
+// The buffer of one run: the pinned pool's (huge or 4 KiB pages), or a mapping of the shared file.
+class RunBuffer {
+ public:
+  RunBuffer(Buffers kind, std::size_t bytes, const SharedPages* shared) : bytes_(bytes) {
+    if (kind == Buffers::kSame) {
+      const int fd = ::open(shared->path.c_str(), O_RDWR | O_CLOEXEC);
+      STRATA_CHECK_ERRNO(fd, "--buffers same: cannot open {}", shared->path);
+      void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      const int err = errno;
+      ::close(fd);
+      if (m == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, "--buffers same: " + shared->path);
+      map_ = static_cast<char*>(m);
+      page_kind_ = "tmpfs";
+      return;
+    }
+    PinnedPoolOptions po;
+    po.budget_bytes = bytes + (std::size_t(8) << 20);
+    po.huge_pages = kind == Buffers::kHuge;
+    po.chunk_bytes = bytes + (std::size_t(4) << 20);
+    pool_ = std::make_unique<PinnedPool>(po);
+    block_ = pool_->allocate(bytes);
+    page_kind_ = page_kind_name(block_.page_kind());
+  }
+  ~RunBuffer() {
+    if (map_) ::munmap(map_, bytes_);
+  }
+  RunBuffer(const RunBuffer&) = delete;
+  RunBuffer& operator=(const RunBuffer&) = delete;
+  char* data() { return map_ ? map_ : static_cast<char*>(block_.data()); }
+  const char* page_kind() const { return page_kind_; }
+
+ private:
+  std::size_t bytes_;
+  char* map_ = nullptr;
+  std::unique_ptr<PinnedPool> pool_;
+  PinnedBlock block_;
+  const char* page_kind_ = "";
+};
+
+RunResult run_strata(const std::string& file, std::size_t size, const AioConfig& cfg, Buffers kind,
+                     const SharedPages* shared, bool also_verified) {
   // As fio does: one block per request in flight (iodepth x bs per job).
   const std::size_t buf_bytes =
       std::min<std::size_t>(size, cfg.block_size * std::size_t(cfg.queue_depth) * std::size_t(cfg.thread_count));
-  PinnedPoolOptions po;
-  po.budget_bytes = buf_bytes + (std::size_t(8) << 20);
-  po.huge_pages = huge;
-  po.chunk_bytes = buf_bytes + (std::size_t(4) << 20);
-  PinnedPool pool(po);
-  PinnedBlock buf = pool.allocate(buf_bytes);
+  RunBuffer buf(kind, buf_bytes, shared);
   std::memset(buf.data(), 0x5a, buf_bytes);
 
   auto eng = make_io_engine(cfg);
@@ -264,7 +348,7 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
       r.fd = fd;
       r.offset = off;
       r.bytes = std::min(cfg.block_size, size - off);
-      r.buf = static_cast<char*>(buf.data()) + (off % buf_bytes);
+      r.buf = buf.data() + (off % buf_bytes);
       r.path = &file;
       if (verify) {
         r.checksum = &sums[i];
@@ -286,7 +370,7 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
     return std::pair{wr, double(size) / sw.seconds() / 1e9};
   };
   RunResult res;
-  res.page_kind = page_kind_name(buf.page_kind());
+  res.page_kind = buf.page_kind();
   res.pages = (buf_bytes + 4095) / 4096;
   res.phys_runs = physical_runs(buf.data(), buf_bytes);
   res.engine = eng->describe();
@@ -297,8 +381,10 @@ RunResult run_strata(const std::string& file, std::size_t size, const AioConfig&
 }
 
 // Runs fio with the job equivalent to run_strata's; returns GB/s (0 when fio is missing).
-double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, bool direct, bool huge,
-               bool fixedbufs, const char* rw) {
+// `mem`: fio's --mem ("" for its default, malloc). With `buffer_runs`, how fio's own buffer lies
+// in physical memory (fio_buffer_runs; 0 where not seen) is written there.
+double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, bool direct, const std::string& mem,
+               bool fixedbufs, const char* rw, std::size_t* buffer_runs = nullptr) {
   const int jobs = cfg.thread_count;
   const std::size_t per_job = size / std::size_t(jobs) / cfg.block_size * cfg.block_size;
   // fio ends with us: a signal's clean-up kills it first (its pid, through g_cleanup); and a
@@ -311,7 +397,7 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
       "--output-format=json{}{} 2>'{}.fio-stderr'",
       pdeath ? "setpriv --pdeathsig KILL " : "", file, rw, cfg.block_size, cfg.queue_depth, jobs, per_job, per_job,
       direct ? 1 : 0,
-      fixedbufs ? " --fixedbufs" : "", huge ? " --mem=mmaphuge" : "", file);
+      fixedbufs ? " --fixedbufs" : "", mem.empty() ? "" : " --mem=" + mem, file);
   const RemovedAtExit err_file{file + ".fio-stderr"};
   int pipe_fd[2];
   STRATA_CHECK_ERRNO(::pipe2(pipe_fd, O_CLOEXEC), "pipe for fio's output");
@@ -327,6 +413,17 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
     STRATA_THROW(kIo, "cannot run fio: fork failed: {}", std::strerror(errno));
   }
   g_cleanup.child.store(pid);
+  // Looked at while fio runs (until it is reaped its pid is its own).
+  std::atomic<bool> ended{false};
+  std::thread sampler;
+  if (buffer_runs) {
+    *buffer_runs = 0;
+    const std::size_t bytes = cfg.block_size * std::size_t(cfg.queue_depth);  // fio's, whatever --size
+    sampler = std::thread([&, bytes] {
+      while (!ended.load() && (*buffer_runs = fio_buffer_runs(pid, bytes)) == 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    });
+  }
   std::string out;
   char chunk[4096];
   for (ssize_t n; (n = ::read(pipe_fd[0], chunk, sizeof chunk)) != 0;) {
@@ -334,6 +431,8 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
     else if (errno != EINTR) break;
   }
   ::close(pipe_fd[0]);
+  ended.store(true);
+  if (sampler.joinable()) sampler.join();
   int rc = 0;
   while (::waitpid(pid, &rc, 0) < 0 && errno == EINTR) {
   }
@@ -342,8 +441,10 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
     std::string why, line;
     for (std::ifstream e(err_file.path); std::getline(e, line);)
       if (!line.empty()) why = line;  // fio's last word
-    STRATA_THROW(kIo, "fio failed (exit {}{}{}) running: {}{}", WEXITSTATUS(rc), why.empty() ? "" : ": ", why, cmd,
-                 huge ? " (--mem=mmaphuge needs hugetlbfs pages: see --reserve-hugepages)" : "");
+    const std::string how = WIFSIGNALED(rc) ? fmt::format("killed by signal {} ({})", WTERMSIG(rc), strsignal(WTERMSIG(rc)))
+                                            : fmt::format("exit {}", WEXITSTATUS(rc));
+    STRATA_THROW(kIo, "fio failed ({}{}{}) running: {}{}", how, why.empty() ? "" : ": ", why, cmd,
+                 mem == "mmaphuge" ? " (--mem=mmaphuge needs hugetlbfs pages: see --reserve-hugepages)" : "");
   }
   const auto j = nlohmann::json::parse(out.substr(out.find('{')));
   const auto& job = j["jobs"][0][rw == std::string("write") ? "write" : "read"];
@@ -397,6 +498,40 @@ void require_bench_folder(const std::string& path) {
                  std::strerror(errno));
 }
 
+// The tmpfs file of --buffers same, in /dev/shm, its pages allocated (written once) so that our
+// runs' mappings and fio's (--mem=mmapshared:FILE) share them. Registered for removal on a
+// signal before it is made; the caller removes it at the end.
+SharedPages make_shared_pages(std::size_t bytes) {
+  struct statfs sf {};
+  STRATA_REQUIRE(::statfs("/dev/shm", &sf) == 0 && sf.f_type == TMPFS_MAGIC,
+                 "--buffers same: /dev/shm is not a tmpfs, where the shared pages are made; mount one there (mount -t "
+                 "tmpfs tmpfs /dev/shm) or use --buffers huge, normal or both");
+  // fio maps its buffers plus up to a page of alignment: the file holds a block more.
+  const std::size_t file_bytes = bytes + (std::size_t(1) << 20);
+  struct statvfs sv {};
+  if (::statvfs("/dev/shm", &sv) == 0 && sv.f_blocks != 0)
+    STRATA_REQUIRE(std::uint64_t(sv.f_bavail) * sv.f_frsize >= file_bytes,
+                   "--buffers same: /dev/shm has {} free and the shared pages need {}; free some, or use --buffers "
+                   "huge, normal or both", human_bytes(double(std::uint64_t(sv.f_bavail) * sv.f_frsize)),
+                   human_bytes(double(file_bytes)));
+  SharedPages s{fmt::format("/dev/shm/strata-bench-nvme-{}.buf", ::getpid()), bytes};
+  SignalCleanup::remove_file(s.path);
+  const int fd = ::open(s.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  STRATA_CHECK_ERRNO(fd, "--buffers same: cannot create {}", s.path);
+  std::vector<char> chunk(std::size_t(1) << 20, char(0x5a));
+  for (std::size_t off = 0; off < file_bytes; off += chunk.size()) {
+    if (::pwrite(fd, chunk.data(), chunk.size(), off_t(off)) != ssize_t(chunk.size())) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(s.path.c_str());
+      STRATA_THROW(kIo, "--buffers same: cannot fill {} ({}): use --buffers huge, normal or both", s.path,
+                   std::strerror(err));
+    }
+  }
+  ::close(fd);
+  return s;
+}
+
 void run_compare(const NvmeArgs& a) {
   AioConfig cfg;
   cfg.block_size = parse_bytes(a.block_size, "--block-size");
@@ -419,16 +554,31 @@ void run_compare(const NvmeArgs& a) {
   const bool fio = a.vs_fio && have_fio();
   if (a.vs_fio && !fio) log::warn("fio is not installed (scripts/setup.sh installs it): no fio comparison");
 
-  std::vector<bool> kinds;
-  if (a.buffers == "huge" || a.buffers == "both") kinds.push_back(true);
-  if (a.buffers == "normal" || a.buffers == "both") kinds.push_back(false);
-  STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal or both", a.buffers);
+  std::vector<Buffers> kinds;
+  const bool all = a.buffers == "all";
+  if (a.buffers == "huge" || a.buffers == "both" || all) kinds.push_back(Buffers::kHuge);
+  if (a.buffers == "normal" || a.buffers == "both" || all) kinds.push_back(Buffers::kNormal);
+  if (a.buffers == "same" || all) kinds.push_back(Buffers::kSame);
+  STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal, same, both or all", a.buffers);
+  const bool same = kinds.back() == Buffers::kSame;
+  // fio's jobs would each map the file from its start, sharing one job's pages, where our
+  // rings use a buffer each.
+  STRATA_REQUIRE(!same || cfg.thread_count == 1,
+                 "--buffers {} with --threads {}: the shared pages are one ring's buffer (fio's jobs would all map the "
+                 "same one); use --threads 1, or --buffers huge, normal or both", a.buffers, cfg.thread_count);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
   require_space(a.path, file, size);
   SignalCleanup::remove_file(file);
   SignalCleanup::remove_file(file + ".fio-stderr");  // run_fio's
   const RemovedAtExit removed{file};
   const bool direct = lay_down(file, size, cfg);
+  SharedPages shared;
+  std::optional<RemovedAtExit> shared_removed;
+  if (same) {
+    // fio's buffers are iodepth x bs whatever the size (ours are no larger than --size).
+    shared = make_shared_pages(cfg.block_size * std::size_t(cfg.queue_depth));
+    shared_removed.emplace(shared.path);
+  }
 
   nlohmann::json js;
   js["path"] = fs::absolute(a.path).string();
@@ -444,15 +594,18 @@ void run_compare(const NvmeArgs& a) {
               human_bytes(double(cfg.block_size)).c_str(), cfg.queue_depth, cfg.thread_count, a.repeat,
               direct ? "" : "; BUFFERED I/O (the file system refuses O_DIRECT, e.g. tmpfs): the page cache, not the drive");
   std::printf("%-10s %-17s %-6s %12s %10s %7s\n", "buffers", "pages", "op", "strata GB/s", "fio GB/s", "ratio");
-  for (bool huge : kinds) {
+  for (Buffers kind : kinds) {
+    const bool huge = kind == Buffers::kHuge;
+    const char* name = buffers_name(kind);
     // Best of --repeat runs each, ours and fio's alternating, so both see the same drive
     // state (the virtual disk's host cache, other load) as often.
     RunResult r;
     double fw = 0, fr = 0;
     bool fio_ok = false;
     std::vector<RunResult> each;  // our runs, for the buffers' physical runs beside their reads
+    std::vector<std::pair<std::size_t, double>> fio_each;  // fio's (kNormal): its buffer's runs, its read
     for (int rep = 0; rep < a.repeat; ++rep) {
-      const RunResult once = run_strata(file, size, cfg, huge, a.verify);
+      const RunResult once = run_strata(file, size, cfg, kind, same ? &shared : nullptr, a.verify);
       each.push_back(once);
       r.page_kind = once.page_kind;
       r.engine = once.engine;
@@ -463,13 +616,20 @@ void run_compare(const NvmeArgs& a) {
       fio_ok = fio && (!huge || fio_huge);
       if (fio_ok) {
         const bool fixed = !a.no_register && cfg.engine != IoBackend::kThreads;
-        fw = std::max(fw, run_fio(file, size, cfg, direct, fio_huge, fixed, "write"));
-        fr = std::max(fr, run_fio(file, size, cfg, direct, fio_huge, fixed, "read"));
+        const std::string mem = fio_huge ? "mmaphuge" : kind == Buffers::kSame ? "mmapshared:" + shared.path : "";
+        fw = std::max(fw, run_fio(file, size, cfg, direct, mem, fixed, "write"));
+        // fio's own 4 KiB pages are a draw from the same free lists as ours: seen where ours are.
+        std::size_t runs = 0;
+        const bool look = kind == Buffers::kNormal && once.phys_runs > 0;
+        const double read = run_fio(file, size, cfg, direct, mem, fixed, "read", look ? &runs : nullptr);
+        fr = std::max(fr, read);
+        if (look) fio_each.emplace_back(runs, read);
       }
     }
     js["engine"] = r.engine;
-    nlohmann::json row{{"buffers", huge ? "huge" : "normal"}, {"page_kind", r.page_kind},
+    nlohmann::json row{{"buffers", name}, {"page_kind", r.page_kind},
                        {"write_gbps", r.write_gbps}, {"read_gbps", r.read_gbps}};
+    if (kind == Buffers::kSame) row["shared_file"] = shared.path;
     if (fio_ok) {
       row["fio_write_gbps"] = fw;
       row["fio_read_gbps"] = fr;
@@ -490,13 +650,26 @@ void run_compare(const NvmeArgs& a) {
       row["buffer_pages"] = each.front().pages;
       row["buffer_phys_runs"] = runs;
       row["read_gbps_each"] = reads;
-      std::printf("(%s buffers, %zu pages; physically contiguous runs and read GB/s of each of our runs: %s)\n",
-                  huge ? "huge" : "normal", each.front().pages, line.c_str());
+      std::printf("(%s buffers, %zu pages; physically contiguous runs and read GB/s of each of our runs: %s%s)\n",
+                  name, each.front().pages, line.c_str(),
+                  kind == Buffers::kSame ? "; fio reads into the same pages" : "");
+    }
+    if (!fio_each.empty()) {
+      nlohmann::json runs = nlohmann::json::array(), reads = nlohmann::json::array();
+      std::string line;
+      for (const auto& [n, read] : fio_each) {
+        runs.push_back(n);
+        reads.push_back(read);
+        line += fmt::format("{}{} {:.2f}", line.empty() ? "" : ", ", n == 0 ? "?" : std::to_string(n), read);
+      }
+      row["fio_buffer_phys_runs"] = runs;  // 0: fio's buffer was not seen
+      row["fio_read_gbps_each"] = reads;
+      std::printf("(fio's own buffers: physically contiguous runs and read GB/s of each fio run: %s)\n", line.c_str());
     }
     for (int op = 0; op < 2; ++op) {
       const double ours = op == 0 ? r.write_gbps : r.read_gbps;
       const double theirs = op == 0 ? fw : fr;
-      std::printf("%-10s %-17s %-6s %12.2f %10s %7s\n", huge ? "huge" : "normal", r.page_kind.c_str(),
+      std::printf("%-10s %-17s %-6s %12.2f %10s %7s\n", name, r.page_kind.c_str(),
                   op == 0 ? "write" : "read", ours, fio_ok ? fmt::format("{:.2f}", theirs).c_str() : "-",
                   fio_ok ? fmt::format("{:.2f}", ours / theirs).c_str() : "-");
     }
@@ -575,7 +748,8 @@ void run_sweep(const NvmeArgs& a) {
           }
           cfg.queue_depth = qd;
           cfg.thread_count = th;
-          const RunResult r = run_strata(file, size / bs * bs, cfg, huge, false);
+          const RunResult r =
+              run_strata(file, size / bs * bs, cfg, huge ? Buffers::kHuge : Buffers::kNormal, nullptr, false);
           // Both directions matter to a training step: rank by the time to write and read back.
           const double score = 2.0 / (1.0 / r.write_gbps + 1.0 / r.read_gbps);
           std::printf("%-8s %4d %7d %-7s %10.2f %10.2f\n", human_bytes(double(bs)).c_str(), qd, th,
@@ -621,7 +795,10 @@ void add_nvme_command(CLI::App& app) {
   c->add_option("--block-size", a->block_size, "bytes per request (aio.block_size)");
   c->add_option("--queue-depth", a->queue_depth, "requests in flight per ring")->check(CLI::Range(1, 4096));
   c->add_option("--threads", a->threads, "rings / worker threads")->check(CLI::Range(1, 64));
-  c->add_option("--buffers", a->buffers, "huge, normal or both")->check(CLI::IsMember({"huge", "normal", "both"}));
+  c->add_option("--buffers", a->buffers,
+                "huge, normal, same (4 KiB pages of one tmpfs file that fio reads into too), both (huge, normal) "
+                "or all")
+      ->check(CLI::IsMember({"huge", "normal", "same", "both", "all"}));
   c->add_option("--engine", a->engine, "auto, io_uring or threads")->check(CLI::IsMember({"auto", "io_uring", "threads"}));
   c->add_flag("--vs-fio", a->vs_fio, "run fio with the same job in the same run and print our/fio ratios");
   c->add_flag("--verify", a->verify, "also run with xxh3 checksums and print their cost");
