@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/trace.h"
 
 namespace strata {
 namespace {
@@ -170,6 +172,31 @@ TEST_F(Collectives, AllGather) {
       }
       EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
     }
+}
+
+// Each collective is a span of its own name on its stream's lane while the tracer is on (MPI:
+// from the stream reaching it to its end; NCCL: its GPU time). The local backend's one rank
+// has nothing to do, and no span.
+TEST_F(Collectives, EachCollectiveIsATraceSpanOfItsName) {
+  if (comm->backend() == CommBackend::kLocal) GTEST_SKIP() << "one rank, local backend: collectives do nothing";
+  const std::size_t n = 1024;
+  Buffer in = upload(DType::kF32, values(DType::kF32, 7, R, n));
+  Buffer all = dev->alloc(n * W * 4);
+  Tracer& t = Tracer::global();
+  t.clear();
+  t.set_enabled(true);
+  comm->all_gather(tensor(in, DType::kF32, n), tensor(all, DType::kF32, n * W), *s);
+  comm->reduce_scatter(tensor(all, DType::kF32, n * W), tensor(in, DType::kF32, n), ReduceOp::kSum, *s);
+  comm->all_reduce(tensor(in, DType::kF32, n), ReduceOp::kSum, *s);
+  comm->broadcast(tensor(in, DType::kF32, n), 0, *s);
+  s->synchronize();
+  t.set_enabled(false);
+  std::map<std::string, int> seen;
+  for (const TraceSpan& sp : t.spans())
+    if (sp.lane == s->name()) ++seen[sp.name];
+  t.clear();
+  for (const char* name : {"all_gather", "reduce_scatter", "all_reduce", "broadcast"})
+    EXPECT_EQ(seen[name], 1) << name << " on lane " << s->name();
 }
 
 TEST_F(Collectives, AllReduce) {

@@ -28,6 +28,7 @@ struct Run {
   std::vector<std::vector<float>> master;
   std::uint64_t early_kept = 0;  // unit updates the early optimizer step kept
   std::uint64_t grad_buckets = 0, reduce_scatters = 0;
+  std::uint64_t fetches = 0;  // fetched or prefetched
 };
 
 Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
@@ -61,6 +62,7 @@ Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& 
   for (int l = 0; l < model.layers(); ++l) out.master.push_back(e.gather_master(l));
   out.early_kept = e.stats().early_units_kept;
   out.grad_buckets = e.stats().grad_buckets;
+  out.fetches = e.stats().fetches + e.stats().prefetches;
   out.reduce_scatters = e.stats().reduce_scatters;
   return out;
 }
@@ -117,7 +119,21 @@ Placement on(Tier t) {
   return p;
 }
 
-TEST(EngineRanks, Stage3MatchesOneRank) { compare_with_one_rank(default_engine_config(), "stage 3"); }
+TEST(EngineRanks, Stage3MatchesOneRank) {
+  EngineConfig c = default_engine_config();
+  compare_with_one_rank(c, "stage 3");
+  // No unit resident for its size (the default threshold keeps every unit of this small model):
+  // each rank holds a shard of each unit's weights and all-gathers it at every use.
+  c.param_persistence_threshold = 0;
+  const auto gathered = compare_with_one_rank(c, "stage 3, every unit gathered at each use");
+  EXPECT_GE(gathered.fetches, std::uint64_t(kSteps) * 3) << "the units were not gathered";
+}
+
+TEST(EngineRanks, Stage1MatchesOneRank) {
+  EngineConfig c = default_engine_config();
+  c.stage = 1;
+  compare_with_one_rank(c, "stage 1");
+}
 
 TEST(EngineRanks, Stage2MatchesOneRank) {
   EngineConfig c = default_engine_config();
@@ -132,6 +148,55 @@ TEST(EngineRanks, Stage2MatchesOneRank) {
   compare_with_one_rank(c, "stage 2, optimizer on the host, early optimizer step");
 }
 
+// An fp16 overflow on one rank only (an Inf in the last rank's input at step 2): every rank
+// skips that step (the flag is agreed before any update), no weight changes anywhere, the scale
+// halves on every rank, and the ranks train on in step.
+TEST(EngineRanks, Fp16OverflowOnOneRankSkipsTheStepEverywhere) {
+  Env& env = *g_env;
+  EngineConfig c = default_engine_config();
+  c.host_budget_bytes = 64 << 20;
+  c.compute_dtype = DType::kF16;
+  c.fp16.enabled = true;
+  c.fp16.initial_scale_power = 8;
+  c.fp16.hysteresis = 1;
+  c.optimizer = on(Tier::kHost);
+  c.grads = on(Tier::kHost);
+  c.param_persistence_threshold = 0;
+  const LinearModel m({24, 40, 33, 16}, kRows, 7);
+  Engine e(*env.dev, *env.comm, c);
+  m.register_units(e);
+  e.finalize();
+  auto s = env.dev->create_stream("compute");
+  const int r = env.comm->rank(), n = env.comm->world_size();
+  std::vector<double> scales;
+  for (int step = 0; step < 5; ++step) {
+    auto x = LinearModel::data(24, kRows, r * kRows, step, 1);
+    auto t = LinearModel::data(16, kRows, r * kRows, step, 2);
+    if (step == 2 && r == n - 1) x[0] = INFINITY;
+    std::vector<std::vector<float>> before;
+    if (step == 2)
+      for (int l = 0; l < m.layers(); ++l) before.push_back(e.gather_master(l));
+    m.micro_batch(e, *env.dev, *s, x, t);
+    const StepResult res = e.step(1e-2f);
+    scales.push_back(res.loss_scale);
+    EXPECT_EQ(res.skipped, step == 2) << "rank " << r << " step " << step;
+    EXPECT_EQ(res.step, step < 2 ? step + 1 : step) << "rank " << r;
+    if (step == 2) {
+      for (int l = 0; l < m.layers(); ++l)
+        EXPECT_TRUE(e.gather_master(l) == before[std::size_t(l)]) << "rank " << r << ": layer " << l << " changed";
+    }
+  }
+  EXPECT_EQ(scales[3], scales[2] / 2) << "rank " << r << ": the scale did not halve after the overflow";
+  // Every rank's scales are rank 0's.
+  std::vector<double> mine = scales, first = scales;
+  Buffer b = env.dev->alloc(first.size() * 8, s.get());
+  s->copy(b.ref(), host_ref(first.data(), first.size() * 8));
+  env.comm->broadcast(TensorRef{b.ref(), DType::kF64, first.size()}, 0, *s);
+  s->copy(host_ref(first.data(), first.size() * 8), b.ref());
+  s->synchronize();
+  EXPECT_EQ(mine, first) << "rank " << r;
+}
+
 TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   EngineConfig c = default_engine_config();
   const std::string dir = (fs::temp_directory_path() / "strata-engine-mpi-test").string();
@@ -144,7 +209,9 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   c.grads = on(Tier::kHost);
   c.param_nvme_paths = {dir};
   c.optimizer_nvme_paths = {dir};
-  compare_with_one_rank(c, "params on NVMe, optimizer half host half NVMe");
+  c.param_persistence_threshold = 0;  // every unit's weights read from NVMe and gathered at each use
+  EXPECT_GE(compare_with_one_rank(c, "params on NVMe, optimizer half host half NVMe").fetches,
+            std::uint64_t(kSteps) * 3);
   // The early optimizer step on every rank (the emulated device's default is off): each rank
   // keeps or redoes by the same global norm and lr, so the ranks stay in step.
   c.overlap_optimizer = true;

@@ -87,8 +87,11 @@ struct Rig {
   std::unique_ptr<Stream> stream;
   Rig(const HostDeviceOptions& d, const EngineConfig& cfg, const LinearModel& model) : dev(make_test_device(d)) {
     CommOptions co;
-    co.backend = CommBackend::kLocal;
+    // The GPU check runs these with CudaDevice and NCCL (one rank): the default
+    // backend on a CUDA device; the local one on the emulated device.
+    if (dev->kind() != DeviceKind::kCuda) co.backend = CommBackend::kLocal;
     comm = make_communicator(*dev, co);
+    EXPECT_EQ(comm->backend(), dev->kind() == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kLocal);
     engine = std::make_unique<Engine>(*dev, *comm, cfg);
     model.register_units(*engine);
     engine->finalize();
@@ -168,6 +171,9 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   RunSetup base;
   base.cfg.compute_dtype = GetParam();
   base.cfg.host_budget_bytes = 256 << 20;
+  // No unit kept resident for its size (the default threshold, 100,000 elements, keeps every
+  // unit of this small model): offloaded weights are fetched from their tier at each use.
+  base.cfg.param_persistence_threshold = 0;
   const RunOut ref = train(base, model);
   EXPECT_LT(ref.losses.back(), ref.losses.front()) << "the model did not train";
 
@@ -175,7 +181,11 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   host.cfg.params = on(Tier::kHost);
   host.cfg.optimizer = on(Tier::kHost);
   host.cfg.grads = on(Tier::kHost);
-  expect_identical(ref, train(host, model), "params+optimizer on host");
+  const RunOut h = train(host, model);
+  expect_identical(ref, h, "params+optimizer on host");
+  // Each step brings every unit's new weights from the host (3 units, 20 steps), fetched or
+  // prefetched.
+  EXPECT_GE(h.stats.fetches + h.stats.prefetches, 3u * 20u) << "the weights were not fetched from the host";
 
   TempDir nv;
   RunSetup nvme = base;
@@ -186,6 +196,7 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   nvme.cfg.optimizer_nvme_paths = {nv.path};
   const RunOut n = train(nvme, model);
   expect_identical(ref, n, "params+optimizer on NVMe");
+  EXPECT_GE(n.stats.fetches + n.stats.prefetches, 3u * 20u) << "the weights were not fetched from NVMe";
   EXPECT_GT(n.stats.nvme_read_bytes, 0u);
   EXPECT_GT(n.stats.nvme_written_bytes, 0u);
 
@@ -302,6 +313,15 @@ TEST(Engine, Stages123AreBitIdentical) {
     s.cfg.stage = stage;
     expect_identical(a, train(s, model), stage == 1 ? "stage 1" : "stage 2");
   }
+  // Stage 3 proper on one rank: no unit resident, each gathered from the host at every use
+  // (on one rank, device-placed weights stay resident whatever the stage; the ranks' gathers
+  // are engine_mpi_test's).
+  RunSetup g = s3;
+  g.cfg.param_persistence_threshold = 0;
+  g.cfg.params = on(Tier::kHost);
+  const RunOut b = train(g, model);
+  expect_identical(a, b, "stage 3, weights fetched from the host");
+  EXPECT_GE(b.stats.fetches + b.stats.prefetches, 2u * 8u);
 }
 
 TEST(Engine, RandomDelaysChangeNothing) {
@@ -317,11 +337,60 @@ TEST(Engine, RandomDelaysChangeNothing) {
   s.cfg.optimizer = on(Tier::kHost);
   s.cfg.grads = on(Tier::kHost);
   s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.param_persistence_threshold = 0;  // every unit fetched from NVMe at every use
   const RunOut a = train(s, model);
   RunSetup d = s;
   d.dev.random_delay_us = 200;
   d.dev.seed = 99;
-  expect_identical(a, train(d, model), "random delays");
+  const RunOut b = train(d, model);
+  expect_identical(a, b, "random delays");
+  EXPECT_GE(b.stats.fetches + b.stats.prefetches, 3u * 6u);
+  EXPECT_GT(b.stats.prefetches, 0u);
+}
+
+// A change of the units' order (here a forward-only pass in another order, outside set_eval)
+// is said in a log line and recorded again; prefetching resumes once the training order is
+// back, and the results are those of a run without it.
+TEST(Engine, AChangeOfOrderIsRecordedAgainWithALogLine) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 13);
+  RunSetup su;
+  su.steps = 8;
+  su.cfg.host_budget_bytes = 64 << 20;
+  su.cfg.params = on(Tier::kHost);
+  su.cfg.param_persistence_threshold = 0;
+  const RunOut ref = train(su, model);
+
+  Rig rig(su.dev, su.cfg, model);
+  Engine& e = *rig.engine;
+  std::vector<double> losses;
+  auto step = [&](int i) {
+    e.set_next_lr(su.lr);
+    losses.push_back(rig.micro_batch(model, i));
+    e.step(su.lr);
+  };
+  for (int i = 0; i < 3; ++i) step(i);
+  EXPECT_EQ(e.stats().trace_rebuilds, 0u);
+  const std::uint64_t prefetched = e.stats().prefetches;
+  EXPECT_GT(prefetched, 0u);
+  ::testing::internal::CaptureStderr();
+  for (int l : {2, 0, 1}) {
+    e.fetch(l, *rig.stream);
+    e.release(l, *rig.stream);
+  }
+  rig.stream->synchronize();
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(e.stats().trace_rebuilds, 1u);
+  EXPECT_NE(said.find("engine: unit order changed at position 0 (expected"), std::string::npos) << said;
+  EXPECT_NE(said.find("recording it again"), std::string::npos) << said;
+  // The pass belongs to the step after it: that step's order (the pass's, then the step's) is
+  // recorded, the step after it differs again and is recorded; from then on it repeats.
+  for (int i = 3; i < 8; ++i) step(i);
+  EXPECT_EQ(e.stats().trace_rebuilds, 2u);
+  EXPECT_GE(e.stats().prefetches, prefetched + 6) << "prefetching did not resume";
+  ASSERT_EQ(losses.size(), ref.losses.size());
+  for (std::size_t i = 0; i < losses.size(); ++i)
+    EXPECT_EQ(std::bit_cast<std::uint64_t>(losses[i]), std::bit_cast<std::uint64_t>(ref.losses[i])) << "step " << i;
 }
 
 // Forward-only passes between steps (an evaluation) under set_eval: prefetched along the

@@ -125,6 +125,8 @@ class Communicator {
     std::vector<TensorRef> outputs;  // all_gather / reduce_scatter only
     // "all_reduce(sum, fp32, 1000 elements)": for logs and error messages.
     std::string describe() const;
+    // "all_gather", "reduce_scatter", ...: the name of its trace span (a static string).
+    const char* name() const noexcept;
   };
 
  protected:

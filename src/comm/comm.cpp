@@ -62,6 +62,8 @@ bool overlaps(const MemRef& a, const MemRef& b) {
 
 }  // namespace
 
+const char* Communicator::Collective::name() const noexcept { return kind_name(kind); }
+
 std::string Communicator::Collective::describe() const {
   std::string s = kind_name(kind);
   if (coalesced) s += "_coalesced";

@@ -110,10 +110,12 @@ class MpiCommunicator final : public Communicator {
     op->what = c.describe();
     // One lock over both steps: the worker's order is the streams' issue order.
     std::lock_guard<std::mutex> issue(issue_mu_);
-    stream.host_fn([op] {
-      op->set(&PendingOp::ready);
-      op->wait(&PendingOp::done);
-    });
+    stream.host_fn(
+        [op] {
+          op->set(&PendingOp::ready);
+          op->wait(&PendingOp::done);
+        },
+        c.name());  // the span: from the stream reaching it to the collective's end
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(op));

@@ -26,6 +26,7 @@
 #include "comm/comm_internal.h"
 #include "comm/nccl_version.h"
 #include "gpu/cuda_check.h"
+#include "gpu/cuda_trace.h"
 #include "strata/error.h"
 #include "strata/log.h"
 
@@ -166,14 +167,17 @@ class NcclCommunicator final : public Communicator {
                    c.describe(), stream.name());
     GpuGuard guard(ordinal_);
     const bool group = c.inputs.size() > 1;
-    if (group) STRATA_NCCL_CHECK(ncclGroupStart());
-    try {
-      enqueue_calls(c, s);
-    } catch (...) {
-      if (group) (void)ncclGroupEnd();  // never leave the group open behind an error
-      throw;
+    {
+      const gpu::GpuSpan span(c.name(), s);  // while traced: the collective's GPU time, on the stream's lane
+      if (group) STRATA_NCCL_CHECK(ncclGroupStart());
+      try {
+        enqueue_calls(c, s);
+      } catch (...) {
+        if (group) (void)ncclGroupEnd();  // never leave the group open behind an error
+        throw;
+      }
+      if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
     }
-    if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
     auto done = std::make_shared<DoneEvent>(ordinal_);
     STRATA_CUDA_CHECK(cudaEventRecord(done->ev, s));
     // The SIGTERM note names the collective (a survivor of a killed peer says what it was in),
