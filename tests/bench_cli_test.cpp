@@ -233,14 +233,15 @@ TEST(BenchCli, NvmeReportsItsBuffersPhysicalRuns) {
   EXPECT_NE(r.out.find("physically contiguous runs and read GB/s of each of our runs"), std::string::npos) << r.out;
 }
 
-// --buffers same: our runs and fio read into the pages of one tmpfs file (the like-for-like
-// comparison where 4 KiB pages' physical layout decides a read's speed), removed at the end;
-// with --vs-fio, fio ran on them (mmapshared) and, for normal buffers, fio's own buffer's
-// layout is shown beside each of its reads.
-TEST(BenchCli, NvmeSameBuffersAreOneFilesPagesForBothSides) {
+// --buffers same: our runs and fio read into the pages of one shared memory (a memfd fio opens
+// through our /proc entry: the like-for-like comparison where 4 KiB pages' physical layout
+// decides a read's speed); with --vs-fio, fio ran on them (mmapshared) and, for normal
+// buffers, fio's own buffer's layout is shown beside each of its reads.
+TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
   TempDir d("strata-bench");
   const bool fio = std::system("fio --version >/dev/null 2>&1") == 0;
-  std::vector<std::string> args = {"nvme", "--path", d.path, "--size", "8M", "--buffers", "all", "--repeat", "2",
+  // 256M: fio's reads last long enough (~0.1 s) to be looked at.
+  std::vector<std::string> args = {"nvme", "--path", d.path, "--size", "256M", "--buffers", "all", "--repeat", "2",
                                    "--json"};
   if (fio) args.push_back("--vs-fio");
   const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "same");
@@ -249,11 +250,8 @@ TEST(BenchCli, NvmeSameBuffersAreOneFilesPagesForBothSides) {
   ASSERT_EQ(results.size(), 3u) << results.dump();
   const auto& same = results.at(2);
   EXPECT_EQ(same.at("buffers"), "same");
-  EXPECT_EQ(same.at("page_kind"), "tmpfs");
+  EXPECT_EQ(same.at("page_kind"), "shmem");
   EXPECT_GT(same.at("read_gbps").get<double>(), 0);
-  const std::string shared = same.at("shared_file").get<std::string>();
-  EXPECT_EQ(shared.rfind("/dev/shm/strata-bench-nvme-", 0), 0u) << shared;
-  EXPECT_FALSE(fs::exists(shared)) << "the shared pages' file was left behind";
   if (fio) {
     EXPECT_GT(same.at("fio_read_gbps").get<double>(), 0) << same.dump();
     EXPECT_GT(same.at("fio_write_gbps").get<double>(), 0) << same.dump();
@@ -265,19 +263,33 @@ TEST(BenchCli, NvmeSameBuffersAreOneFilesPagesForBothSides) {
   ASSERT_EQ(normal.at("buffers"), "normal");
   if (fio) {
     ASSERT_EQ(normal.at("fio_buffer_phys_runs").size(), 2u) << normal.dump();
-    for (const auto& runs : normal["fio_buffer_phys_runs"]) {
-      EXPECT_GE(runs.get<std::size_t>(), 1u) << normal.dump();
-      // fio's buffer is iodepth x bs (32 MiB at the defaults) whatever --size, and a page or two more.
-      EXPECT_LE(runs.get<std::size_t>(), (std::size_t(32) << 20 >> 12) + 2) << normal.dump();
+    std::size_t seen = 0;
+    for (const auto& runs : normal["fio_buffer_phys_runs"]) {  // of fio's 32 MiB: 8,192 pages (0: not seen)
+      EXPECT_LE(runs.get<std::size_t>(), (std::size_t(32) << 20 >> 12) + 64) << normal.dump();
+      seen += runs.get<std::size_t>() > 0;
     }
+    EXPECT_GE(seen, 1u) << "fio's buffer was never seen: " << normal.dump();
     EXPECT_NE(r.out.find("fio's own buffers: physically contiguous runs and read GB/s of each fio run"),
               std::string::npos) << r.out;
   }
 }
 
+// fio takes its buffers last in, first out: below block x queue depth its reads would land in
+// other pages of the shared memory than ours.
+TEST(BenchCli, NvmeSameBuffersNeedAWholeQueueOfBlocks) {
+  TempDir d("strata-bench");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--buffers", "same"},
+                              d.path, "small");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("--buffers same with --size 8M: below block x queue depth (32 MiB)"),
+            std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("use --size 32 MiB or more"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+}
+
 TEST(BenchCli, NvmeSameBuffersAreOneRingsBuffer) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--buffers", "same",
+  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "64M", "--buffers", "same",
                                                  "--threads", "2"}, d.path, "threads");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(first_line(r.err).find("--buffers same with --threads 2: the shared pages are one ring's buffer"),
@@ -293,19 +305,16 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
   int before = -1;
   std::ifstream(hugepages) >> before;
   const bool reserve = before >= 0 && ::geteuid() == 0 && ::access(hugepages, W_OK) == 0;
-  for (const int sig : {SIGINT, SIGTERM}) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {  // Ctrl-C, a kill, a closed terminal
     SCOPED_TRACE(sig);
     TempDir d("strata-bench");
     const std::string file = d.path + "/strata-bench-nvme.bin";
     std::vector<std::string> args = {"nvme", "--path", d.path, "--size", "256M", "--repeat", "100", "--buffers", "all"};
     if (reserve) args.insert(args.end(), {"--reserve-hugepages", std::to_string(before + 2)});
     const pid_t pid = testing::start(STRATA_BENCH_BIN, args, d.path, "run");
-    // The file appears after the pages are reserved, then the shared pages' file (--buffers
-    // same); then a run of minutes is ahead.
-    const std::string shared = "/dev/shm/strata-bench-nvme-" + std::to_string(pid) + ".buf";
-    for (int i = 0; i < 3000 && !(fs::exists(file) && fs::exists(shared)); ++i) ::usleep(10'000);
+    // The file appears after the pages are reserved; then a run of minutes is ahead.
+    for (int i = 0; i < 3000 && !fs::exists(file); ++i) ::usleep(10'000);
     EXPECT_TRUE(fs::exists(file)) << testing::slurp(d.path + "/run.stderr");
-    EXPECT_TRUE(fs::exists(shared)) << testing::slurp(d.path + "/run.stderr");
     ::kill(pid, sig);
     int st = 0;
     ASSERT_EQ(::waitpid(pid, &st, 0), pid);
@@ -313,7 +322,6 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
         << "status " << st << ": " << testing::slurp(d.path + "/run.stderr");
     EXPECT_FALSE(fs::exists(file));
     EXPECT_FALSE(fs::exists(file + ".fio-stderr"));
-    EXPECT_FALSE(fs::exists(shared));
     if (reserve) {
       int after = -1;
       std::ifstream(hugepages) >> after;

@@ -61,6 +61,7 @@ inline pid_t start(const std::string& bin, const std::vector<std::string>& args,
     // (a script's background job starts with SIGINT ignored).
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGHUP, SIG_DFL);  // ignored under nohup
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -5,9 +5,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
-#include <linux/magic.h>
 #include <sys/mman.h>
-#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,7 +19,6 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -59,14 +56,14 @@ struct NvmeArgs {
   int repeat = 3;
 };
 
-// A SIGINT or SIGTERM (Ctrl-C, a job's time limit) must leave no more behind than any other end
-// of the run: the benchmark's file removed, vm.nr_hugepages put back. The handler does only
-// async-signal-safe work (unlink, open, write, close, sigaction, raise) on text formatted
-// before it can need it, then ends the process by the same signal, so the shell still sees
-// 130 / 143. What it undoes is registered before it is done and stays registered until the
+// A SIGINT, SIGTERM or SIGHUP (Ctrl-C, a job's time limit, a closed terminal) must leave no
+// more behind than any other end of the run: the benchmark's file removed, vm.nr_hugepages put
+// back. The handler does only async-signal-safe work (unlink, open, write, close, sigaction,
+// raise) on text formatted before it can need it, then ends the process by the same signal,
+// so the shell still sees 130 / 143 / 129. What it undoes is registered before it is done and stays registered until the
 // handlers go: an unlink of a file already removed, or a write of the value already there,
 // costs nothing.
-constexpr int kCleanupSignals[] = {SIGINT, SIGTERM};
+constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP};
 constexpr int kMaxCleanupFiles = 4;
 // Written by the main thread, each entry before it is published through its count; read by
 // the handler on whichever thread the signal lands.
@@ -211,10 +208,18 @@ void require_space(const std::string& dir, const std::string& file, std::size_t 
 enum class Buffers { kHuge, kNormal, kSame };
 const char* buffers_name(Buffers b) { return b == Buffers::kHuge ? "huge" : b == Buffers::kNormal ? "normal" : "same"; }
 
-// The tmpfs file behind Buffers::kSame, made for the run and removed however it ends.
+// The memory behind Buffers::kSame: a memfd (shmem pages, in no file system: nothing is left
+// behind however the run ends), inherited by fio, which opens it as /proc/<our pid>/fd/<fd>.
 struct SharedPages {
-  std::string path;
+  int fd = -1;
   std::size_t bytes = 0;
+  std::string path;  // what fio opens
+  SharedPages() = default;
+  SharedPages(const SharedPages&) = delete;
+  SharedPages& operator=(const SharedPages&) = delete;
+  ~SharedPages() {
+    if (fd >= 0) ::close(fd);
+  }
 };
 
 struct RunResult {
@@ -231,10 +236,11 @@ struct RunResult {
 // segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
 // tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
 // 0 without it (or where a page is not present).
-// Over the longest stretch of present pages in [addr, addr + bytes) of the process whose
-// pagemap this is: 0 unless it is at least `need` pages (a mapping fio's buffer shares with
-// others has pages of theirs around it, some absent).
-std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size_t bytes, std::size_t need) {
+// Over [addr, addr + bytes) of the process whose pagemap this is. With `stretch`, over the
+// longest stretch of present pages instead, if it is `stretch` pages long or up to 64 more
+// (fio's buffer in a mapping it may share with others, whose pages around it are mostly absent);
+// 0 where there is none, or where a page is absent (without `stretch`).
+std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size_t bytes, std::size_t stretch = 0) {
   constexpr std::size_t kPage = 4096;
   const auto first = addr / kPage;
   const std::size_t n = (addr + bytes + kPage - 1) / kPage - first;
@@ -248,6 +254,7 @@ std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size
   std::size_t best_len = 0, best_runs = 0, len = 0, runs = 0;
   for (std::size_t i = 0; i < n; ++i) {
     if (!(e[i] & kPresent)) {
+      if (!stretch) return 0;
       len = runs = 0;
       continue;
     }
@@ -255,18 +262,20 @@ std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size
     if (len++ == 0 || (e[i] & kFrame) != (e[i - 1] & kFrame) + 1) ++runs;
     if (len > best_len) best_len = len, best_runs = runs;
   }
-  return best_len >= need ? best_runs : 0;
+  if (!stretch) return runs;
+  return best_len >= stretch && best_len <= stretch + 64 ? best_runs : 0;
 }
 std::size_t physical_runs(const void* p, std::size_t bytes) {
-  return physical_runs_in("/proc/self/pagemap", reinterpret_cast<std::uintptr_t>(p), bytes, (bytes + 4095) / 4096);
+  return physical_runs_in("/proc/self/pagemap", reinterpret_cast<std::uintptr_t>(p), bytes);
 }
 
-// The same of fio's own buffer (its default, malloc): in process `pid`, the longest stretch of
-// present pages, `bytes` or more, in an anonymous read-write mapping of at least `bytes` (its
-// own, with glibc's header and fio's alignment, or merged with a neighbour), once all its pages
-// are there (fixed buffers are pinned when registered; others fault in with the first
-// requests); 0 while there is none.
+// The same of fio's own buffer (its default, malloc) in process `pid`: the stretch of present
+// pages of its size in an anonymous read-write mapping (glibc maps a buffer this large on its
+// own, but the kernel may merge that with a neighbour), once all its pages are there (fixed
+// buffers are pinned when registered; others fault in with the first requests); 0 while there
+// is none, and for buffers under 1 MiB (taken from the heap, among others' pages).
 std::size_t fio_buffer_runs(pid_t pid, std::size_t bytes) {
+  if (bytes < (std::size_t(1) << 20)) return 0;
   std::ifstream maps(fmt::format("/proc/{}/maps", pid));
   const std::string pagemap = fmt::format("/proc/{}/pagemap", pid);
   for (std::string line; std::getline(maps, line);) {
@@ -290,14 +299,10 @@ class RunBuffer {
  public:
   RunBuffer(Buffers kind, std::size_t bytes, const SharedPages* shared) : bytes_(bytes) {
     if (kind == Buffers::kSame) {
-      const int fd = ::open(shared->path.c_str(), O_RDWR | O_CLOEXEC);
-      STRATA_CHECK_ERRNO(fd, "--buffers same: cannot open {}", shared->path);
-      void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-      const int err = errno;
-      ::close(fd);
-      if (m == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, "--buffers same: " + shared->path);
+      void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, shared->fd, 0);
+      if (m == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", errno, "--buffers same: the shared pages");
       map_ = static_cast<char*>(m);
-      page_kind_ = "tmpfs";
+      page_kind_ = "shmem";
       return;
     }
     PinnedPoolOptions po;
@@ -414,14 +419,14 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
   }
   g_cleanup.child.store(pid);
   // Looked at while fio runs (until it is reaped its pid is its own).
-  std::atomic<bool> ended{false};
-  std::thread sampler;
+  std::jthread sampler;  // stopped and joined on the way out, whatever way that is
   if (buffer_runs) {
     *buffer_runs = 0;
     const std::size_t bytes = cfg.block_size * std::size_t(cfg.queue_depth);  // fio's, whatever --size
-    sampler = std::thread([&, bytes] {
-      while (!ended.load() && (*buffer_runs = fio_buffer_runs(pid, bytes)) == 0)
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    sampler = std::jthread([buffer_runs, pid, bytes](std::stop_token stop) {
+      for (int wait_ms = 5; !stop.stop_requested() && (*buffer_runs = fio_buffer_runs(pid, bytes)) == 0;
+           wait_ms = std::min(wait_ms * 2, 20))
+        std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
     });
   }
   std::string out;
@@ -431,8 +436,10 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
     else if (errno != EINTR) break;
   }
   ::close(pipe_fd[0]);
-  ended.store(true);
-  if (sampler.joinable()) sampler.join();
+  if (sampler.joinable()) {  // before fio is reaped: until then its pid is its own
+    sampler.request_stop();
+    sampler.join();
+  }
   int rc = 0;
   while (::waitpid(pid, &rc, 0) < 0 && errno == EINTR) {
   }
@@ -498,38 +505,28 @@ void require_bench_folder(const std::string& path) {
                  std::strerror(errno));
 }
 
-// The tmpfs file of --buffers same, in /dev/shm, its pages allocated (written once) so that our
-// runs' mappings and fio's (--mem=mmapshared:FILE) share them. Registered for removal on a
-// signal before it is made; the caller removes it at the end.
-SharedPages make_shared_pages(std::size_t bytes) {
-  struct statfs sf {};
-  STRATA_REQUIRE(::statfs("/dev/shm", &sf) == 0 && sf.f_type == TMPFS_MAGIC,
-                 "--buffers same: /dev/shm is not a tmpfs, where the shared pages are made; mount one there (mount -t "
-                 "tmpfs tmpfs /dev/shm) or use --buffers huge, normal or both");
-  // fio maps its buffers plus up to a page of alignment: the file holds a block more.
-  const std::size_t file_bytes = bytes + (std::size_t(1) << 20);
-  struct statvfs sv {};
-  if (::statvfs("/dev/shm", &sv) == 0 && sv.f_blocks != 0)
-    STRATA_REQUIRE(std::uint64_t(sv.f_bavail) * sv.f_frsize >= file_bytes,
-                   "--buffers same: /dev/shm has {} free and the shared pages need {}; free some, or use --buffers "
-                   "huge, normal or both", human_bytes(double(std::uint64_t(sv.f_bavail) * sv.f_frsize)),
-                   human_bytes(double(file_bytes)));
-  SharedPages s{fmt::format("/dev/shm/strata-bench-nvme-{}.buf", ::getpid()), bytes};
-  SignalCleanup::remove_file(s.path);
-  const int fd = ::open(s.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  STRATA_CHECK_ERRNO(fd, "--buffers same: cannot create {}", s.path);
+// The shared pages of --buffers same (fio's buffer size), allocated (written once) so that our
+// runs' mappings and fio's (--mem=mmapshared:/proc/<pid>/fd/<fd>) share them.
+void make_shared_pages(SharedPages& s, std::size_t bytes) {
+  // Shared memory takes RAM: no more than half of what is available (it is never swapped out
+  // while mapped and registered, and a run needs room for the rest).
+  const std::uint64_t avail = cpu::mem_available_bytes();
+  STRATA_REQUIRE(avail == 0 || bytes <= avail / 2,
+                 "--buffers same: the shared pages are block x queue depth = {}, and {} of memory is available; "
+                 "lower --queue-depth or --block-size, or use --buffers huge, normal or both",
+                 human_bytes(double(bytes)), human_bytes(double(avail)));
+  // Not close-on-exec: fio, our child, opens it through our /proc entry.
+  s.fd = ::memfd_create("strata-bench-nvme-shared", 0);
+  STRATA_CHECK_ERRNO(s.fd, "--buffers same: memfd_create");
+  s.bytes = bytes;
+  s.path = fmt::format("/proc/{}/fd/{}", ::getpid(), s.fd);
+  // fio maps its buffers plus up to a page of alignment: the memory holds a block more.
+  const std::size_t total = bytes + (std::size_t(1) << 20);
   std::vector<char> chunk(std::size_t(1) << 20, char(0x5a));
-  for (std::size_t off = 0; off < file_bytes; off += chunk.size()) {
-    if (::pwrite(fd, chunk.data(), chunk.size(), off_t(off)) != ssize_t(chunk.size())) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(s.path.c_str());
-      STRATA_THROW(kIo, "--buffers same: cannot fill {} ({}): use --buffers huge, normal or both", s.path,
-                   std::strerror(err));
-    }
-  }
-  ::close(fd);
-  return s;
+  for (std::size_t off = 0; off < total; off += chunk.size())
+    if (::pwrite(s.fd, chunk.data(), chunk.size(), off_t(off)) != ssize_t(chunk.size()))
+      STRATA_THROW(kIo, "--buffers same: cannot fill {} of shared memory ({}): use --buffers huge, normal or both",
+                   human_bytes(double(total)), std::strerror(errno ? errno : ENOSPC));
 }
 
 void run_compare(const NvmeArgs& a) {
@@ -563,6 +560,13 @@ void run_compare(const NvmeArgs& a) {
   const bool same = kinds.back() == Buffers::kSame;
   // fio's jobs would each map the file from its start, sharing one job's pages, where our
   // rings use a buffer each.
+  // fio takes its buffers last in, first out: a job of fewer blocks than its queue depth
+  // reads into the last of them, where ours would use the first.
+  STRATA_REQUIRE(!same || size >= cfg.block_size * std::size_t(cfg.queue_depth),
+                 "--buffers {} with --size {}: below block x queue depth ({}), fio reads into other pages of the "
+                 "shared buffer than ours; use --size {} or more", a.buffers, a.size,
+                 human_bytes(double(cfg.block_size * std::size_t(cfg.queue_depth))),
+                 human_bytes(double(cfg.block_size * std::size_t(cfg.queue_depth))));
   STRATA_REQUIRE(!same || cfg.thread_count == 1,
                  "--buffers {} with --threads {}: the shared pages are one ring's buffer (fio's jobs would all map the "
                  "same one); use --threads 1, or --buffers huge, normal or both", a.buffers, cfg.thread_count);
@@ -573,12 +577,7 @@ void run_compare(const NvmeArgs& a) {
   const RemovedAtExit removed{file};
   const bool direct = lay_down(file, size, cfg);
   SharedPages shared;
-  std::optional<RemovedAtExit> shared_removed;
-  if (same) {
-    // fio's buffers are iodepth x bs whatever the size (ours are no larger than --size).
-    shared = make_shared_pages(cfg.block_size * std::size_t(cfg.queue_depth));
-    shared_removed.emplace(shared.path);
-  }
+  if (same) make_shared_pages(shared, cfg.block_size * std::size_t(cfg.queue_depth));
 
   nlohmann::json js;
   js["path"] = fs::absolute(a.path).string();
@@ -629,7 +628,6 @@ void run_compare(const NvmeArgs& a) {
     js["engine"] = r.engine;
     nlohmann::json row{{"buffers", name}, {"page_kind", r.page_kind},
                        {"write_gbps", r.write_gbps}, {"read_gbps", r.read_gbps}};
-    if (kind == Buffers::kSame) row["shared_file"] = shared.path;
     if (fio_ok) {
       row["fio_write_gbps"] = fw;
       row["fio_read_gbps"] = fr;
