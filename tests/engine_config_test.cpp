@@ -384,6 +384,10 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'zero_optimization.offload_optimizer.device'", "\"none\", \"cpu\", \"nvme\""}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})",
        {"'zero_optimization.offload_optimizer.ratio'", "0 to 1"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": -0.5}}})",
+       {"'zero_optimization.offload_param.ratio'", "0 to 1"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_grads_ratio": 2}})",
+       {"'zero_optimization.offload_grads_ratio'", "0 to 1"}},
       {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "host_fraction": 0.5}}})",
        {"'zero_optimization.offload_param.host_fraction'", "\"nvme\""}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x",
@@ -544,6 +548,26 @@ TEST(EngineConfig, PlacementsFromOffloadDevices) {
   // ratio only means something with device "cpu": warned and ignored for nvme.
   c = parse_zero(R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o", "ratio": 0.5})");
   EXPECT_EQ(c.optimizer.nvme_fraction(), 1.0);
+
+  // Every piece takes a device / host split: the weights by offload_param.ratio, the gradients
+  // by offload_grads_ratio (strata's), as the optimizer state by offload_optimizer.ratio.
+  c = parse_zero(R"("offload_param": {"device": "cpu", "ratio": 0.25}, "offload_optimizer": {"device": "cpu"},
+                    "offload_grads_ratio": 0.6)");
+  EXPECT_DOUBLE_EQ(c.params.device_fraction, 0.75);
+  EXPECT_DOUBLE_EQ(c.params.host_fraction, 0.25);
+  EXPECT_DOUBLE_EQ(c.grads.device_fraction, 0.4);
+  EXPECT_DOUBLE_EQ(c.grads.host_fraction, 0.6);
+  EXPECT_NEAR(c.grads.nvme_fraction(), 0.0, 1e-12);
+  // Ignored, with a warning naming the key that does split them, where the piece is not on "cpu".
+  testing::internal::CaptureStderr();
+  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p", "ratio": 0.5}, "offload_grads": "none",
+                    "offload_grads_ratio": 0.5)");
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(c.params.nvme_fraction(), 1.0);
+  EXPECT_EQ(c.grads.device_fraction, 1.0);
+  EXPECT_NE(said.find("'zero_optimization.offload_param.ratio' is ignored"), std::string::npos) << said;
+  EXPECT_NE(said.find("(for host and NVMe: zero_optimization.offload_param.host_fraction)"), std::string::npos) << said;
+  EXPECT_NE(said.find("'zero_optimization.offload_grads_ratio' is ignored"), std::string::npos) << said;
 }
 
 TEST(EngineConfig, TierAtFollowsUnitOrder) {

@@ -126,7 +126,8 @@ TEST(EngineRanks, Stage3MatchesOneRank) {
   // each rank holds a shard of each unit's weights and all-gathers it at every use.
   c.param_persistence_threshold = 0;
   const auto gathered = compare_with_one_rank(c, "stage 3, every unit gathered at each use");
-  EXPECT_GE(gathered.fetches, std::uint64_t(kSteps) * 3) << "the units were not gathered";
+  // (One rank keeps device-placed weights whole: nothing to gather.)
+  if (g_env->comm->world_size() > 1) EXPECT_GE(gathered.fetches, std::uint64_t(kSteps) * 3) << "the units were not gathered";
 }
 
 TEST(EngineRanks, Stage1MatchesOneRank) {

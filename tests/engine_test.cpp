@@ -200,6 +200,22 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   EXPECT_GT(n.stats.nvme_read_bytes, 0u);
   EXPECT_GT(n.stats.nvme_written_bytes, 0u);
 
+  // Every piece split, unit by unit (3 equal shards, placed in order): weights device | host,
+  // host; gradients device, device | host; optimizer device | host, host. Then with NVMe:
+  // weights device | host | NVMe, gradients device, device | host, optimizer device | host | NVMe.
+  RunSetup split = base;
+  split.cfg.params = Placement{0.3, 0.7};
+  split.cfg.grads = Placement{0.5, 0.5};
+  split.cfg.optimizer = Placement{0.3, 0.7};
+  expect_identical(ref, train(split, model), "every piece split between device and host");
+  split.cfg.params = Placement{0.3, 0.3};
+  split.cfg.optimizer = Placement{0.3, 0.3};
+  split.cfg.param_nvme_paths = {nv.path};
+  split.cfg.optimizer_nvme_paths = {nv.path};
+  const RunOut three = train(split, model);
+  expect_identical(ref, three, "every piece split over the tiers");
+  EXPECT_GT(three.stats.nvme_read_bytes, 0u);
+
   RunSetup mixed = base;  // optimizer 30% host, the rest NVMe; weights on the device
   mixed.cfg.optimizer.device_fraction = 0;
   mixed.cfg.optimizer.host_fraction = 0.3;
@@ -346,6 +362,40 @@ TEST(Engine, RandomDelaysChangeNothing) {
   expect_identical(a, b, "random delays");
   EXPECT_GE(b.stats.fetches + b.stats.prefetches, 3u * 6u);
   EXPECT_GT(b.stats.prefetches, 0u);
+}
+
+// stage3_max_reuse_distance and the live budget decide what a released unit costs: 4 units of
+// one shard each (2048 elements), weights on the host, forward 0 1 2 3 then backward 3 2 1 0.
+// Each step fetches every unit once for the forward (the step changed them); then, with a
+// reuse distance of 0 the backward gathers 0, 1 and 2 again (3 is used next at once); with
+// 4096 (two units between uses) unit 2 is kept too; with the default, all are. With room for
+// 3 units live, fetching unit 3 evicts the one whose next use is furthest away, unit 0: one
+// more gather a step. Bits the same every way.
+TEST(Engine, ReuseDistanceAndTheLiveBudgetDecideWhatIsGatheredAgain) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({32, 32, 32, 32, 32}, 2, 17);  // 4 units of 1,024 weights + 32 biases
+  RunSetup su;
+  su.steps = 6;
+  su.cfg.host_budget_bytes = 64 << 20;
+  su.cfg.params = on(Tier::kHost);
+  su.cfg.param_persistence_threshold = 0;
+  su.cfg.prefetch_bucket_size = 0;  // no prefetch: every gather is a fetch, in the order of use
+  auto per_step = [&](const RunSetup& r, const char* what) {
+    RunSetup one = r, two = r;
+    one.steps = 3;  // the count over the last 3 steps: recorded order known, steady
+    const RunOut a = train(one, model), b = train(two, model);
+    expect_identical(train(su, model), b, what);
+    return double(b.stats.fetches + b.stats.prefetches - a.stats.fetches - a.stats.prefetches) / 3;
+  };
+  RunSetup r = su;
+  EXPECT_EQ(per_step(r, "default reuse distance"), 4.0);
+  r.cfg.max_reuse_distance = 0;
+  EXPECT_EQ(per_step(r, "reuse distance 0"), 7.0);
+  r.cfg.max_reuse_distance = 4096;
+  EXPECT_EQ(per_step(r, "reuse distance 4096"), 6.0);
+  r = su;
+  r.cfg.max_live_parameters = 3 * 2048;
+  EXPECT_EQ(per_step(r, "3 units live"), 5.0);
 }
 
 // A change of the units' order (here a forward-only pass in another order, outside set_eval)

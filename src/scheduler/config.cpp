@@ -25,6 +25,11 @@
 //                                          lives. Default "cpu" when offload_optimizer.device
 //                                          is cpu or nvme (the optimizer runs on the host and
 //                                          reads its gradients there), else "none".
+//   zero_optimization.offload_grads_ratio with offload_grads "cpu": the fraction of the gradient
+//                                          shard on the host (last units in order), the rest on
+//                                          the device. Default 1.
+//   zero_optimization.offload_param.ratio with device "cpu": the same for the weight shard, as
+//                                          offload_optimizer.ratio is for the optimizer state.
 //   zero_optimization.offload_param.host_fraction      with device "nvme": the fraction of
 //   zero_optimization.offload_optimizer.host_fraction  the piece kept in pinned host memory
 //                                          (first units in order), the rest on NVMe. Default 0.
@@ -383,7 +388,7 @@ void parse_zero(const Section& top, EngineConfig& c) {
                   "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
                   "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
                   "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
-                  "offload_grads", "cpu_offload", "cpu_offload_params"});
+                  "offload_grads", "offload_grads_ratio", "cpu_offload", "cpu_offload_params"});
   STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(), "config key '{}' = {}: use 1, 2 or 3 (a number)",
                  z.key_path("stage"), z.raw("stage") ? z.raw("stage")->dump() : "");
   const std::int64_t stage = z.get_int("stage", 0);
@@ -437,7 +442,7 @@ void parse_zero(const Section& top, EngineConfig& c) {
   // ---- offload_param: the compute-weight shard ----
   const Section op = z.child("offload_param");
   op.warn_unknown({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
-                   "host_fraction"});
+                   "host_fraction", "ratio"});
   const std::string pdev = op.get_choice("device", "none", {"none", "cpu", "nvme"});
   STRATA_REQUIRE(
       pdev == "none" || c.stage == 3,
@@ -466,8 +471,16 @@ void parse_zero(const Section& top, EngineConfig& c) {
                  "config key '{}' splits parameters between host and NVMe: it needs {} \"nvme\" "
                  "(it is \"{}\")",
                  op.key_path("host_fraction"), op.key_path("device"), pdev);
+  const double p_ratio = get_fraction(op, "ratio", 1.0);
+  if (op.has("ratio") && pdev != "cpu")
+    log::warn_once("config.unused." + op.key_path("ratio"),
+                   fmt::format("config key '{}' is ignored: it splits the weights between host and device, and {} "
+                               "is \"{}\", not \"cpu\"{}",
+                               op.key_path("ratio"), op.key_path("device"), pdev,
+                               pdev == "nvme" ? fmt::format(" (for host and NVMe: {})", op.key_path("host_fraction"))
+                                              : std::string()));
   c.params = pdev == "none"  ? Placement{1.0, 0.0}
-             : pdev == "cpu" ? Placement{0.0, 1.0}
+             : pdev == "cpu" ? Placement{1.0 - p_ratio, p_ratio}
                              : Placement{0.0, p_host};
 
   // ---- offload_optimizer: fp32 master, m, v ----
@@ -517,7 +530,13 @@ void parse_zero(const Section& top, EngineConfig& c) {
   // ---- offload_grads (strata): the fp32 gradient shard ----
   const std::string gdev =
       z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu"});
-  c.grads = gdev == "none" ? Placement{1.0, 0.0} : Placement{0.0, 1.0};
+  const double g_ratio = get_fraction(z, "offload_grads_ratio", 1.0);
+  if (z.has("offload_grads_ratio") && gdev != "cpu")
+    log::warn_once("config.unused." + z.key_path("offload_grads_ratio"),
+                   fmt::format("config key '{}' is ignored: it splits the gradients between host and device, and "
+                               "{} is \"{}\", not \"cpu\"",
+                               z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev));
+  c.grads = gdev == "none" ? Placement{1.0, 0.0} : Placement{1.0 - g_ratio, g_ratio};
 
   for (const Placement* pl : {&c.params, &c.grads, &c.optimizer}) {
     STRATA_CHECK(pl->device_fraction >= 0 && pl->host_fraction >= 0 &&
