@@ -668,6 +668,18 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_TRUE(p.fits);
   EXPECT_TRUE(p.notes.empty());
 
+  // Gradients half on the device (u0, u1: by position), half on the host (u2, u3): the early
+  // step takes only the units whose gradients are on the host, and only theirs have second copies
+  // (it counted every unit's: 2.5x the host bytes the run holds).
+  const MemoryPlan half = plan_memory(
+      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"),
+      synthetic_inputs());
+  EXPECT_TRUE(half.early_optimizer_step);
+  EXPECT_EQ(line(half, "gradient shard", Tier::kDevice), (409600u + 411648u) * 4);
+  EXPECT_EQ(line(half, "gradient shard", Tier::kHost), (2048u + 204800u) * 4);
+  EXPECT_EQ(line(half, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost), (2048u + 204800u) * 12);
+  EXPECT_EQ(line(half, "early optimizer step: new device weights until switched", Tier::kHost), (2048u + 204800u) * 2);
+
   // sub_group_size below a unit: the host optimizer steps it a sub-group (here one page of 2048
   // elements, the least) at a time, so two sub-groups' new weights are staged, not two shards'.
   // reduce_bucket_size below a unit: the reducer works a bucket (here 2048 elements of each of
@@ -821,6 +833,33 @@ TEST(MemoryPlan, BucketsAreAtMostTheLargestShardAndFp32PlansWith4Bytes) {
   const MemoryPlan p = plan_memory(c, synthetic_inputs());
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), (1028096u - 2048) * 4);
   EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 4);
+}
+
+// A piece already split between device and host: the fix named is its ratio, not a setting it
+// already has ("keep gradient shards on the host (offload_grads \"cpu\")" with offload_grads cpu).
+TEST(MemoryPlan, ASplitPieceIsFixedByItsRatio) {
+  PlanInputs in = synthetic_inputs();
+  in.device_capacity = 4'000'000;
+  const MemoryPlan p = plan_memory(
+      synthetic_config(R"(, "stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5},
+                          "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"),
+      in);
+  ASSERT_FALSE(p.fits);
+  ASSERT_FALSE(p.problems.empty());
+  const std::string& d = p.problems[0];
+  EXPECT_EQ(d.rfind("device:", 0), 0u) << d;
+  EXPECT_NE(d.find("raise zero_optimization.offload_grads_ratio (now 0.5"), std::string::npos) << d;
+  EXPECT_NE(d.find("raise offload_param.ratio (now 0.5"), std::string::npos) << d;
+  EXPECT_EQ(d.find("offload_grads \"cpu\""), std::string::npos) << d;
+  in = synthetic_inputs();
+  in.host_capacity = 4u << 20;
+  const MemoryPlan h = plan_memory(
+      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"), in);
+  ASSERT_FALSE(h.fits);
+  std::string all;
+  for (const auto& q : h.problems) all += q + "\n";
+  EXPECT_NE(all.find("lower zero_optimization.offload_grads_ratio (now 0.5"), std::string::npos) << all;
+  EXPECT_EQ(all.find("offload_grads \"none\""), std::string::npos) << all;
 }
 
 TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {

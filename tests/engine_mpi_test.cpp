@@ -127,7 +127,9 @@ TEST(EngineRanks, Stage3MatchesOneRank) {
   c.param_persistence_threshold = 0;
   const auto gathered = compare_with_one_rank(c, "stage 3, every unit gathered at each use");
   // (One rank keeps device-placed weights whole: nothing to gather.)
-  if (g_env->comm->world_size() > 1) EXPECT_GE(gathered.fetches, std::uint64_t(kSteps) * 3) << "the units were not gathered";
+  if (g_env->comm->world_size() > 1) {
+    EXPECT_GE(gathered.fetches, std::uint64_t(kSteps) * 3) << "the units were not gathered";
+  }
 }
 
 TEST(EngineRanks, Stage1MatchesOneRank) {

@@ -208,6 +208,13 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   split.cfg.grads = Placement{0.5, 0.5};
   split.cfg.optimizer = Placement{0.3, 0.7};
   expect_identical(ref, train(split, model), "every piece split between device and host");
+  // With the early optimizer step: it takes the units whose gradients are on the host (here the
+  // last one), the others are stepped in step().
+  split.cfg.overlap_optimizer = true;
+  const RunOut early = train(split, model);
+  expect_identical(ref, early, "every piece split, early optimizer step");
+  EXPECT_GT(early.stats.early_units_kept, 0u);
+  split.cfg.overlap_optimizer = std::nullopt;
   split.cfg.params = Placement{0.3, 0.3};
   split.cfg.optimizer = Placement{0.3, 0.3};
   split.cfg.param_nvme_paths = {nv.path};

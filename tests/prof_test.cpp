@@ -503,6 +503,25 @@ TEST(PerfModel, NothingFitsSaysWhatIsMissingWhere) {
   EXPECT_NE(all.find("host"), std::string::npos) << all;
 }
 
+// Weights and gradients split between device and host (offload_param.ratio,
+// offload_grads_ratio) are written so: engine_config_json refused them, and strata-prof's
+// written config then silently dropped the user's own keys.
+TEST(PerfModel, ConfigJsonWritesDeviceHostSplitsOfEveryPiece) {
+  EngineConfig c = default_engine_config();
+  c.params = Placement{0.4, 0.6};
+  c.grads = Placement{0.25, 0.75};
+  c.optimizer = Placement{0.5, 0.5};
+  const std::string text = engine_config_json(c);
+  const EngineConfig r = parse_engine_config(text, 1);
+  SCOPED_TRACE(text);
+  EXPECT_DOUBLE_EQ(r.params.device_fraction, 0.4);
+  EXPECT_DOUBLE_EQ(r.params.host_fraction, 0.6);
+  EXPECT_DOUBLE_EQ(r.grads.device_fraction, 0.25);
+  EXPECT_DOUBLE_EQ(r.grads.host_fraction, 0.75);
+  EXPECT_DOUBLE_EQ(r.optimizer.device_fraction, 0.5);
+  EXPECT_DOUBLE_EQ(r.optimizer.host_fraction, 0.5);
+}
+
 TEST(PerfModel, ConfigJsonRoundTrips) {
   const char* const schedulers[] = {"", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
   int variant = 0;

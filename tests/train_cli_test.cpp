@@ -281,9 +281,17 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
   const Result d = train(args(dir.path + "/d.jsonl", {"--config", split}), "split");
   ASSERT_EQ(d.status, 0) << d.err;
   EXPECT_NE(d.out.find("weights on device, optimizer on device 82% + host 18% (device 70% + host 30% asked; units are "
-                       "placed whole);"),
+                       "placed whole), gradients on host;"),
             std::string::npos)
       << d.out;
+  // The gradients' and the weights' splits are said as placed too.
+  const std::string split2 = dir.path + "/split2.json";
+  std::ofstream(split2) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                               "offload_param": {"device": "cpu", "ratio": 0.5}, "offload_grads_ratio": 0.5}})";
+  const Result e = train(args(dir.path + "/e.jsonl", {"--config", split2}), "split2");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_NE(e.out.find("weights on device "), std::string::npos) << e.out;
+  EXPECT_NE(e.out.find("optimizer on host, gradients on device "), std::string::npos) << e.out;
   // Without --dtype: refused, naming the way to bf16.
   const Result c = train(args(dir.path + "/c.jsonl", {"--config", ds}), "fp16");
   EXPECT_EQ(c.status, 1);

@@ -271,7 +271,7 @@ std::size_t physical_runs(const void* p, std::size_t bytes) {
 
 // The same of fio's own buffer (its default, malloc) in process `pid`: the stretch of present
 // pages of its size in an anonymous read-write mapping (glibc maps a buffer this large on its
-// own, but the kernel may merge that with a neighbour), once all its pages are there (fixed
+// own, but the kernel may merge that with a neighbour: up to 1 GiB more), once all its pages are there (fixed
 // buffers are pinned when registered; others fault in with the first requests); 0 while there
 // is none, and for buffers under 1 MiB (taken from the heap, among others' pages).
 std::size_t fio_buffer_runs(pid_t pid, std::size_t bytes) {
@@ -284,7 +284,9 @@ std::size_t fio_buffer_runs(pid_t pid, std::size_t bytes) {
     int path_at = 0;
     if (std::sscanf(line.c_str(), "%lx-%lx %7s %*s %*s %lu %n", &lo, &hi, perms, &inode, &path_at) < 4) continue;
     if (perms[0] != 'r' || perms[1] != 'w' || inode != 0 || line.size() > std::size_t(path_at)) continue;
-    if (hi - lo < bytes) continue;
+    // A mapping far larger than the buffer is not one it was merged into (a reservation of
+    // terabytes would be read page by page).
+    if (hi - lo < bytes || hi - lo > bytes + (std::size_t(1) << 30)) continue;
     if (const std::size_t runs = physical_runs_in(pagemap.c_str(), lo, hi - lo, bytes / 4096)) return runs;
   }
   return 0;

@@ -100,9 +100,10 @@ std::size_t anon_huge_bytes_at(const void* addr) {
 // Faults 4 KiB pages in as the kernel faults memory pinned for the long term: through an
 // io_uring buffer registration, dropped at once (the pages stay, mapped). Such pins allocate
 // outside the movable page lists (memalloc_pin_save), from pageblocks that hand out 4 KiB
-// pages physically in a row far more often than the movable lists a touch or mlock draws
-// from, and a disk's scatter list is one segment per physically contiguous run (README, "The
-// NVMe tier": measured here, 500-3,000 runs in 8,192 pages against 5,000-8,000). False where
+// pages physically in a row more often than the movable lists a touch or mlock draws from,
+// and a disk's scatter list is one segment per physically contiguous run (README, "The NVMe
+// tier": the benchmark's 32 MiB buffers came out at 597-6,341 runs in 8,192 pages against
+// 2,363-8,189). False where
 // io_uring is refused (old kernel, seccomp, io_uring_disabled, RLIMIT_MEMLOCK): the caller
 // faults the pages in the ordinary way.
 bool fault_in_as_pinned(void* addr, std::size_t bytes) {

@@ -1080,12 +1080,13 @@ std::string engine_config_json(const EngineConfig& c) {
              {"pin_memory", c.pin_memory}};
   if (is(c.params, 1, 0)) {
     op["device"] = "none";
-  } else if (is(c.params, 0, 1)) {
+  } else if (std::abs(c.params.nvme_fraction()) < 1e-9) {
     op["device"] = "cpu";
+    if (c.params.host_fraction < 1) op["ratio"] = c.params.host_fraction;
   } else {
     STRATA_REQUIRE(c.params.device_fraction < 1e-9,
-                   "engine_config_json: parameters split {} device / {} host cannot be written as a ds_config "
-                   "(offload_param has no device share)", c.params.device_fraction, c.params.host_fraction);
+                   "engine_config_json: parameters split over device, host and NVMe cannot be written as a "
+                   "ds_config");
     op["device"] = "nvme";
     op["nvme_path"] = paths(c.param_nvme_paths);
     if (c.params.host_fraction > 0) op["host_fraction"] = c.params.host_fraction;
@@ -1109,9 +1110,10 @@ std::string engine_config_json(const EngineConfig& c) {
     if (c.optimizer.host_fraction > 0) oo["host_fraction"] = c.optimizer.host_fraction;
   }
   z["offload_optimizer"] = oo;
-  STRATA_REQUIRE(is(c.grads, 1, 0) || is(c.grads, 0, 1),
-                 "engine_config_json: gradients split over tiers cannot be written as a ds_config");
+  STRATA_REQUIRE(std::abs(c.grads.nvme_fraction()) < 1e-9,
+                 "engine_config_json: gradients on NVMe cannot be written as a ds_config");
   z["offload_grads"] = is(c.grads, 1, 0) ? "none" : "cpu";
+  if (!is(c.grads, 1, 0) && c.grads.host_fraction < 1) z["offload_grads_ratio"] = c.grads.host_fraction;
   j["zero_optimization"] = z;
   j["aio"] = {{"block_size", c.aio.block_size},      {"queue_depth", c.aio.queue_depth},
               {"thread_count", c.aio.thread_count},  {"single_submit", c.aio.single_submit},

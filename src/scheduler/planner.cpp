@@ -207,24 +207,30 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   }
   b.plan.early_optimizer_step =
       config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
+  std::array<std::uint64_t, 3> o2{}, w2{};  // the early step's second copies, by tier
   if (b.plan.early_optimizer_step) {
+    // The units the early step takes (the engine's early_eligible: optimizer state off the
+    // device, gradients on the host) have second copies; the others are stepped in step().
+    std::uint64_t new_device_w = 0;
+    for (const detail::UnitLayout& u : layout) {
+      if (u.o == Tier::kDevice || u.g != Tier::kHost) continue;
+      o2[static_cast<int>(u.o)] += u.shard * 12;
+      if (config.stage == 3 && !u.persistent && u.w != Tier::kDevice) w2[static_cast<int>(u.w)] += u.shard * c;
+      else new_device_w += u.shard * c;
+    }
     const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
-    b.add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, opt_tiers[H]);
-    b.add("early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme, opt_tiers[N]);
-    const std::uint64_t host_w = config.stage == 3 ? param_tiers[H] : 0;
-    const std::uint64_t nvme_w = config.stage == 3 ? param_tiers[N] : 0;
-    b.add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, host_w);
-    b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, nvme_w);
-    b.add("early optimizer step: new device weights until switched", Tier::kHost,
-          total_shard * c - host_w - nvme_w);
+    b.add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, o2[H]);
+    b.add("early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme, o2[N]);
+    b.add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, w2[H]);
+    b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, w2[N]);
+    b.add("early optimizer step: new device weights until switched", Tier::kHost, new_device_w);
   }
 
   {
     // The swap store grows its files a whole aio.block_size stripe at a time; the parameters
     // and the optimizer state each have a store, or share one when they share the paths.
     const int N = static_cast<int>(Tier::kNvme);
-    const std::uint64_t copies = b.plan.early_optimizer_step ? 2 : 1;
-    const std::uint64_t w_bytes = param_tiers[N] * copies, o_bytes = opt_tiers[N] * copies;
+    const std::uint64_t w_bytes = param_tiers[N] + w2[N], o_bytes = opt_tiers[N] + o2[N];
     const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
     const auto slack = [&](std::uint64_t bytes) { return (bytes + stripe - 1) / stripe * stripe - bytes; };
     const bool shared = w_bytes > 0 && config.optimizer_nvme_paths == config.param_nvme_paths;
@@ -287,11 +293,18 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     std::vector<std::string> fix;
     if (opt_tiers[0] > 0)
       fix.push_back("offload the optimizer state (offload_optimizer.device \"cpu\" or \"nvme\")");
-    if (grad_tiers[0] > 0)
+    // A piece already split between device and host: its ratio is what to raise.
+    if (grad_tiers[0] > 0 && config.grads.host_fraction > 0)
+      fix.push_back(fmt::format("raise zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+                                "shards on the host)", config.grads.host_fraction));
+    else if (grad_tiers[0] > 0)
       fix.push_back("keep gradient shards on the host (zero_optimization.offload_grads \"cpu\")");
     if (config.stage < 3)
       fix.push_back("use zero_optimization.stage 3 (only the layers in use are gathered)");
-    if (param_tiers[0] > 0)
+    if (param_tiers[0] > 0 && config.params.host_fraction > 0)
+      fix.push_back(fmt::format("raise offload_param.ratio (now {}: the share of the weight shards on the host), or "
+                                "move them to NVMe (offload_param.device \"nvme\")", config.params.host_fraction));
+    else if (param_tiers[0] > 0)
       fix.push_back("offload the parameters (offload_param.device \"cpu\" or \"nvme\")");
     if (config.stage == 3 && live > np_largest * c) {
       fix.push_back(
@@ -346,7 +359,10 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
                                 human(SwapStore::padded_bytes(largest_shard * c))));
     }
-    if (grad_tiers[1] > 0)
+    if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
+      fix.push_back(fmt::format("lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+                                "shards on the host)", config.grads.host_fraction));
+    else if (grad_tiers[1] > 0)
       fix.push_back(
           "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
     fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,

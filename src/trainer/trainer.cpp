@@ -846,10 +846,11 @@ TrainResult train(const TrainOptions& o) {
         said += fmt::format(" ({} asked; units are placed whole)", where(asked));
       return said;
     };
-    std::fprintf(con, "  stage %d; weights on %s, optimizer on %s; batch %lld x %lld tokens x %lld accum x %d ranks\n",
+    std::fprintf(con, "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld tokens x %lld "
+                      "accum x %d ranks\n",
                  ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
-                 placed("optimizer state (", ecfg.optimizer).c_str(), (long long)B, (long long)seq_len,
-                 (long long)accum, world);
+                 placed("optimizer state (", ecfg.optimizer).c_str(), placed("gradient shard", ecfg.grads).c_str(),
+                 (long long)B, (long long)seq_len, (long long)accum, world);
     std::string data = text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : text_file;
     if (demo_data) data += " (the demo's generated text: no --data or --text given)";
     if (!demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s\n", demo_dir.c_str());
