@@ -513,8 +513,10 @@ void make_shared_pages(SharedPages& s, std::size_t bytes) {
   // Shared memory takes RAM: no more than half of what is available (it is never swapped out
   // while mapped and registered, and a run needs room for the rest).
   const std::uint64_t avail = cpu::mem_available_bytes();
-  STRATA_REQUIRE(avail == 0 || bytes <= avail / 2,
-                 "--buffers same: the shared pages are block x queue depth = {}, and {} of memory is available; "
+  // fio maps its buffers plus up to a page of alignment: the memory holds a block more.
+  const std::size_t total = bytes + (std::size_t(1) << 20);
+  STRATA_REQUIRE(avail == 0 || total <= avail / 2,
+                 "--buffers same: the shared pages are block x queue depth = {}, and {} of memory is available (half may be used); "
                  "lower --queue-depth or --block-size, or use --buffers huge, normal or both",
                  human_bytes(double(bytes)), human_bytes(double(avail)));
   // Not close-on-exec: fio, our child, opens it through our /proc entry.
@@ -522,13 +524,13 @@ void make_shared_pages(SharedPages& s, std::size_t bytes) {
   STRATA_CHECK_ERRNO(s.fd, "--buffers same: memfd_create");
   s.bytes = bytes;
   s.path = fmt::format("/proc/{}/fd/{}", ::getpid(), s.fd);
-  // fio maps its buffers plus up to a page of alignment: the memory holds a block more.
-  const std::size_t total = bytes + (std::size_t(1) << 20);
   std::vector<char> chunk(std::size_t(1) << 20, char(0x5a));
-  for (std::size_t off = 0; off < total; off += chunk.size())
+  for (std::size_t off = 0; off < total; off += chunk.size()) {
+    errno = 0;
     if (::pwrite(s.fd, chunk.data(), chunk.size(), off_t(off)) != ssize_t(chunk.size()))
       STRATA_THROW(kIo, "--buffers same: cannot fill {} of shared memory ({}): use --buffers huge, normal or both",
-                   human_bytes(double(total)), std::strerror(errno ? errno : ENOSPC));
+                   human_bytes(double(total)), errno ? std::strerror(errno) : "a short write: out of memory");
+  }
 }
 
 void run_compare(const NvmeArgs& a) {

@@ -102,7 +102,7 @@ std::size_t anon_huge_bytes_at(const void* addr) {
 // outside the movable page lists (memalloc_pin_save), from pageblocks that hand out 4 KiB
 // pages physically in a row more often than the movable lists a touch or mlock draws from,
 // and a disk's scatter list is one segment per physically contiguous run (README, "The NVMe
-// tier": the benchmark's 32 MiB buffers came out at 597-6,341 runs in 8,192 pages against
+// tier": the benchmark's 32 MiB buffers came out at 584-6,341 runs in 8,192 pages against
 // 2,363-8,189). False where
 // io_uring is refused (old kernel, seccomp, io_uring_disabled, RLIMIT_MEMLOCK): the caller
 // faults the pages in the ordinary way.
