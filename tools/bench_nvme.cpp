@@ -212,7 +212,6 @@ const char* buffers_name(Buffers b) { return b == Buffers::kHuge ? "huge" : b ==
 // behind however the run ends), inherited by fio, which opens it as /proc/<our pid>/fd/<fd>.
 struct SharedPages {
   int fd = -1;
-  std::size_t bytes = 0;
   std::string path;  // what fio opens
   SharedPages() = default;
   SharedPages(const SharedPages&) = delete;
@@ -231,11 +230,6 @@ struct RunResult {
   double verify_write_gbps = 0, verify_read_gbps = 0;  // with xxh3 checksums, the same buffer
 };
 
-// How many runs of physically consecutive, ascending 4 KiB pages make up [p, p + bytes): the
-// scatter list a request from this memory becomes (a virtio disk takes each run as one
-// segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
-// tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
-// 0 without it (or where a page is not present).
 // Over [addr, addr + bytes) of the process whose pagemap this is. With `stretch`, over the
 // longest stretch of present pages instead, if it is `stretch` pages long or up to 64 more
 // (fio's buffer in a mapping it may share with others, whose pages around it are mostly absent);
@@ -265,6 +259,11 @@ std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size
   if (!stretch) return runs;
   return best_len >= stretch && best_len <= stretch + 64 ? best_runs : 0;
 }
+// How many runs of physically consecutive, ascending 4 KiB pages make up [p, p + bytes): the
+// scatter list a request from this memory becomes (a virtio disk takes each run as one
+// segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
+// tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
+// 0 without it (or where a page is not present).
 std::size_t physical_runs(const void* p, std::size_t bytes) {
   return physical_runs_in("/proc/self/pagemap", reinterpret_cast<std::uintptr_t>(p), bytes);
 }
@@ -296,7 +295,7 @@ std::size_t fio_buffer_runs(pid_t pid, std::size_t bytes) {
 // `also_verified`, a second write and read with xxh3 checksums from the same buffer, so the
 // checksums' cost is measured on the same pages (with 4 KiB pages, how the buffer lies in
 // physical memory moves reads by more than the checksums do: see physical_runs).
-// The buffer of one run: the pinned pool's (huge or 4 KiB pages), or a mapping of the shared file.
+// The buffer of one run: the pinned pool's (huge or 4 KiB pages), or a mapping of the shared memory.
 class RunBuffer {
  public:
   RunBuffer(Buffers kind, std::size_t bytes, const SharedPages* shared) : bytes_(bytes) {
@@ -522,7 +521,6 @@ void make_shared_pages(SharedPages& s, std::size_t bytes) {
   // Not close-on-exec: fio, our child, opens it through our /proc entry.
   s.fd = ::memfd_create("strata-bench-nvme-shared", 0);
   STRATA_CHECK_ERRNO(s.fd, "--buffers same: memfd_create");
-  s.bytes = bytes;
   s.path = fmt::format("/proc/{}/fd/{}", ::getpid(), s.fd);
   std::vector<char> chunk(std::size_t(1) << 20, char(0x5a));
   for (std::size_t off = 0; off < total; off += chunk.size()) {
@@ -562,8 +560,6 @@ void run_compare(const NvmeArgs& a) {
   if (a.buffers == "same" || all) kinds.push_back(Buffers::kSame);
   STRATA_REQUIRE(!kinds.empty(), "--buffers '{}': use huge, normal, same, both or all", a.buffers);
   const bool same = kinds.back() == Buffers::kSame;
-  // fio's jobs would each map the file from its start, sharing one job's pages, where our
-  // rings use a buffer each.
   // fio takes its buffers last in, first out: a job of fewer blocks than its queue depth
   // reads into the last of them, where ours would use the first.
   STRATA_REQUIRE(!same || size >= cfg.block_size * std::size_t(cfg.queue_depth),
@@ -571,6 +567,8 @@ void run_compare(const NvmeArgs& a) {
                  "shared buffer than ours; use --size {} or more", a.buffers, a.size,
                  human_bytes(double(cfg.block_size * std::size_t(cfg.queue_depth))),
                  human_bytes(double(cfg.block_size * std::size_t(cfg.queue_depth))));
+  // fio's jobs would each map the shared memory from its start, sharing one job's pages, where
+  // our rings use a buffer each.
   STRATA_REQUIRE(!same || cfg.thread_count == 1,
                  "--buffers {} with --threads {}: the shared pages are one ring's buffer (fio's jobs would all map the "
                  "same one); use --threads 1, or --buffers huge, normal or both", a.buffers, cfg.thread_count);
@@ -621,7 +619,7 @@ void run_compare(const NvmeArgs& a) {
         const bool fixed = !a.no_register && cfg.engine != IoBackend::kThreads;
         const std::string mem = fio_huge ? "mmaphuge" : kind == Buffers::kSame ? "mmapshared:" + shared.path : "";
         fw = std::max(fw, run_fio(file, size, cfg, direct, mem, fixed, "write"));
-        // fio's own 4 KiB pages are a draw from the same free lists as ours: seen where ours are.
+        // How fio's own 4 KiB pages lie, beside its read: seen where ours are.
         std::size_t runs = 0;
         const bool look = kind == Buffers::kNormal && once.phys_runs > 0;
         const double read = run_fio(file, size, cfg, direct, mem, fixed, "read", look ? &runs : nullptr);
