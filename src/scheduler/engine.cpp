@@ -548,7 +548,7 @@ struct Engine::Impl {
   }
 
   // ---- the early optimizer step (see the fields above) ----
-  bool early_eligible(const Unit& u) const { return early && u.o_tier != Tier::kDevice && u.g_tier == Tier::kHost; }
+  bool early_eligible(const Unit& u) const { return early && detail::early_step_takes(u.o_tier, u.g_tier); }
 
   void stop_early_worker() {
     if (!early_thread.joinable()) return;

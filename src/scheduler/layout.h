@@ -46,6 +46,13 @@ inline Range piece(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
   return {first, shard - first < sg ? shard - first : sg};
 }
 
+// Whether the early optimizer step takes a unit (when the step is on): its optimizer state off
+// the device and its gradient on the host, where the host optimizer reads it as backward ends.
+// The engine, the memory plan's second copies and the perf model follow this one rule.
+inline bool early_step_takes(Tier optimizer, Tier grads) {
+  return optimizer != Tier::kDevice && grads == Tier::kHost;
+}
+
 // The job the early optimizer's worker takes next (Engine::Impl::next_early_job; the perf model
 // replays it): of `n` queued jobs, oldest first, the one whose NVMe state it read ahead
 // (`read_ahead(i)`), else — of those whose gradient is complete (`ready(i)`) — the one whose unit

@@ -228,7 +228,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   // the host from host gradients. The search sets the flag from the plan; unset, the engine's
   // default (on) is assumed. Modelled as kept: no clipping, the lr announced.
   const bool early = c.overlap_optimizer.value_or(true);
-  auto eligible = [&](const SimUnit& x) { return early && x.o != Tier::kDevice && x.g == Tier::kHost; };
+  auto eligible = [&](const SimUnit& x) { return early && detail::early_step_takes(x.o, x.g); };
   if (W > 1) {
     need_rate(m.all_gather_bps, "all-gather", "more than one rank");
     need_rate(m.reduce_scatter_bps, "reduce-scatter", "more than one rank");

@@ -209,11 +209,10 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
   std::array<std::uint64_t, 3> o2{}, w2{};  // the early step's second copies, by tier
   if (b.plan.early_optimizer_step) {
-    // The units the early step takes (the engine's early_eligible: optimizer state off the
-    // device, gradients on the host) have second copies; the others are stepped in step().
+    // The units the early step takes have second copies; the others are stepped in step().
     std::uint64_t new_device_w = 0;
     for (const detail::UnitLayout& u : layout) {
-      if (u.o == Tier::kDevice || u.g != Tier::kHost) continue;
+      if (!detail::early_step_takes(u.o, u.g)) continue;
       o2[static_cast<int>(u.o)] += u.shard * 12;
       if (config.stage == 3 && !u.persistent && u.w != Tier::kDevice) w2[static_cast<int>(u.w)] += u.shard * c;
       else new_device_w += u.shard * c;
