@@ -395,8 +395,18 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'zero_optimization.offload_optimizer.host_fraction'", "0 to 1"}},
       {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}})",
        {"'zero_optimization.offload_param.buffer_count'"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_grads": "disk"}})",
+       {"'zero_optimization.offload_grads'", "\"none\", \"cpu\", \"nvme\""}},
       {R"({"zero_optimization": {"stage": 3, "offload_grads": "nvme"}})",
-       {"'zero_optimization.offload_grads'", "\"none\", \"cpu\""}},
+       {"'zero_optimization.offload_grads' is \"nvme\"", "neither offload_optimizer.device nor offload_param.device",
+        "offload_grads \"cpu\""}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads": "cpu",
+           "offload_grads_host_fraction": 0.5}})",
+       {"'zero_optimization.offload_grads_host_fraction'", "needs zero_optimization.offload_grads \"nvme\"",
+        "zero_optimization.offload_grads_ratio"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/o"},
+           "offload_grads": "nvme", "offload_grads_host_fraction": 1.5}})",
+       {"'zero_optimization.offload_grads_host_fraction'", "0 to 1"}},
       {R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 3000}})",
        {"'aio.block_size'", "power of two"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"host_budget_bytes": -5}})",
@@ -568,6 +578,25 @@ TEST(EngineConfig, PlacementsFromOffloadDevices) {
   EXPECT_NE(said.find("'zero_optimization.offload_param.ratio' is ignored"), std::string::npos) << said;
   EXPECT_NE(said.find("(for host and NVMe: zero_optimization.offload_param.host_fraction)"), std::string::npos) << said;
   EXPECT_NE(said.find("'zero_optimization.offload_grads_ratio' is ignored"), std::string::npos) << said;
+
+  // Gradients on NVMe: beside the optimizer state (its nvme_path), else beside the weights; a
+  // share kept on the host by offload_grads_host_fraction.
+  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p"},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/o"}, "offload_grads": "nvme")");
+  EXPECT_EQ(c.grads.nvme_fraction(), 1.0);
+  EXPECT_EQ(c.grad_nvme_paths, std::vector<std::string>{"/o"});
+  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p"}, "offload_optimizer": {"device": "cpu"},
+                    "offload_grads": "nvme", "offload_grads_host_fraction": 0.25)");
+  EXPECT_EQ(c.grads.device_fraction, 0.0);
+  EXPECT_EQ(c.grads.host_fraction, 0.25);
+  EXPECT_EQ(c.grad_nvme_paths, std::vector<std::string>{"/p"});
+  c = parse_zero(R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o"}, "offload_grads": "nvme",
+                    "offload_grads_ratio": 0.5)");  // (ignored: warned once per process, above)
+  EXPECT_EQ(c.grads.nvme_fraction(), 1.0);
+  // Not asked for, never there.
+  c = parse_zero(R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o"})");
+  EXPECT_EQ(c.grads.host_fraction, 1.0);
+  EXPECT_TRUE(c.grad_nvme_paths.empty());
 }
 
 TEST(EngineConfig, TierAtFollowsUnitOrder) {
@@ -860,6 +889,51 @@ TEST(MemoryPlan, ASplitPieceIsFixedByItsRatio) {
   for (const auto& q : h.problems) all += q + "\n";
   EXPECT_NE(all.find("lower zero_optimization.offload_grads_ratio (now 0.5"), std::string::npos) << all;
   EXPECT_EQ(all.find("offload_grads \"none\""), std::string::npos) << all;
+}
+
+// Gradient shards on NVMe: their bytes on the NVMe tier, the reducer's staging (two buckets in
+// flight, each with what its keys held) and the optimizer's read-ahead buffers on the host; a
+// host shortfall with host gradients names the move to NVMe.
+TEST(MemoryPlan, GradientsOnNvme) {
+  PlanInputs in = synthetic_inputs();
+  EngineConfig host = synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"})");
+  EngineConfig nv = synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_grads": "nvme")");
+  host.overlap_optimizer = nv.overlap_optimizer = false;  // (no second copies to drop when short)
+  const MemoryPlan h = plan_memory(host, in), n = plan_memory(nv, in);
+  const std::uint64_t grads = line(h, "gradient shard", Tier::kHost);
+  ASSERT_GT(grads, 0u);
+  EXPECT_EQ(line(n, "gradient shard", Tier::kHost), 0u);
+  EXPECT_EQ(line(n, "gradient shard", Tier::kNvme), grads);
+  EXPECT_EQ(line(n, "gradient NVMe staging", Tier::kHost), 4u * 8192 * 4) << n.table();
+  EXPECT_EQ(line(n, "gradient swap buffers", Tier::kHost), 2u * 16384 * 4) << n.table();
+  EXPECT_EQ(line(h, "gradient NVMe staging", Tier::kHost), 0u);
+  EXPECT_FALSE(n.early_optimizer_step);  // (it takes units with host gradients)
+  in.host_capacity = h.host_bytes - 1;
+  const MemoryPlan short_h = plan_memory(host, in);
+  ASSERT_FALSE(short_h.fits);
+  std::string all;
+  for (const auto& q : short_h.problems) all += q + "\n";
+  EXPECT_NE(all.find("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\""), std::string::npos)
+      << all;
+  // Half kept on the host: the fix is that share.
+  nv.grads.host_fraction = 0.5;
+  in.host_capacity = 4u << 20;
+  const MemoryPlan short_n = plan_memory(nv, in);
+  ASSERT_FALSE(short_n.fits);
+  all.clear();
+  for (const auto& q : short_n.problems) all += q + "\n";
+  EXPECT_NE(all.find("lower zero_optimization.offload_grads_host_fraction (now 0.5"), std::string::npos) << all;
+  EXPECT_NE(all.find("the gradient NVMe staging holds 4 x"), std::string::npos) << all;
+  // No directory for them: refused naming the keys.
+  nv.grad_nvme_paths.clear();
+  try {
+    plan_memory(nv, synthetic_inputs());
+    ADD_FAILURE() << "gradients on NVMe without a path were planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos) << e.what();
+  }
 }
 
 TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {

@@ -202,7 +202,7 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
 
   // Every piece split, unit by unit (3 equal shards, placed in order): weights device | host,
   // host; gradients device, device | host; optimizer device | host, host. Then with NVMe:
-  // weights device | host | NVMe, gradients device, device | host, optimizer device | host | NVMe.
+  // each of the three device | host | NVMe.
   RunSetup split = base;
   split.cfg.params = Placement{0.3, 0.7};
   split.cfg.grads = Placement{0.5, 0.5};
@@ -217,11 +217,14 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   split.cfg.overlap_optimizer = std::nullopt;
   split.cfg.params = Placement{0.3, 0.3};
   split.cfg.optimizer = Placement{0.3, 0.3};
+  split.cfg.grads = Placement{0.3, 0.3};
   split.cfg.param_nvme_paths = {nv.path};
   split.cfg.optimizer_nvme_paths = {nv.path};
+  split.cfg.grad_nvme_paths = {nv.path};
   const RunOut three = train(split, model);
   expect_identical(ref, three, "every piece split over the tiers");
   EXPECT_GT(three.stats.nvme_read_bytes, 0u);
+  EXPECT_EQ(three.stats.nvme_bytes, three.plan.nvme_bytes) << three.plan.table();
 
   RunSetup mixed = base;  // optimizer 30% host, the rest NVMe; weights on the device
   mixed.cfg.optimizer.device_fraction = 0;
@@ -369,6 +372,18 @@ TEST(Engine, RandomDelaysChangeNothing) {
   expect_identical(a, b, "random delays");
   EXPECT_GE(b.stats.fetches + b.stats.prefetches, 3u * 6u);
   EXPECT_GT(b.stats.prefetches, 0u);
+  // Gradients on NVMe, two micro-batches (read back and added to) in buckets: the comm stream's
+  // writes and reads and the optimizer's reads of them, delayed.
+  RunSetup g = s;
+  g.accum = 2;
+  g.cfg.grads = on(Tier::kNvme);
+  g.cfg.grad_nvme_paths = {nv.path};
+  g.cfg.reduce_bucket_size = 2048;
+  RunSetup gh = g;
+  gh.cfg.grads = on(Tier::kHost);
+  const RunOut c = train(gh, model);
+  g.dev = d.dev;
+  expect_identical(c, train(g, model), "random delays, gradients on NVMe");
 }
 
 // stage3_max_reuse_distance and the live budget decide what a released unit costs: 4 units of
@@ -983,6 +998,125 @@ TEST(Engine, GradientBucketsGiveTheSameBits) {
       EXPECT_EQ(a.stats.d2h_bytes, b.stats.d2h_bytes) << what;
     }
   }
+}
+
+// Gradient shards on NVMe (zero_optimization.offload_grads "nvme"): written a bucket at a time
+// as backward reduces them, read back and added to by the next micro-batch, their squares summed
+// on the way out (the norm, hence clipping), read by the optimizer a sub-group at a time. Bit for
+// bit the run without offload, beside every optimizer tier, with buckets (3 pages) and
+// sub-groups (4 pages) that cut the shards in different places, two micro-batches and clipping.
+class GradsOnNvmeTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GradsOnNvmeTest, GradientsOnNvmeAreBitIdenticalToNoOffload) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({96, 200, 160, 64}, 4, 29);  // shards of 20480, 32768, 10240 elements
+  const std::uint64_t shards = 20480 + 32768 + 10240;
+  TempDir nv;
+  RunSetup base;
+  base.steps = 5;
+  base.accum = 2;
+  base.cfg.compute_dtype = GetParam();
+  base.cfg.gradient_clipping = 0.05;
+  base.cfg.reduce_bucket_size = 6144;
+  base.cfg.sub_group_size = 8192;
+  base.cfg.param_persistence_threshold = 0;
+  base.cfg.host_budget_bytes = 256 << 20;
+  base.cfg.param_nvme_paths = {nv.path};
+  base.cfg.optimizer_nvme_paths = {nv.path};
+  base.cfg.grad_nvme_paths = {nv.path};
+  const RunOut ref = train(base, model);
+  EXPECT_LT(ref.results[0].clip_coef, 1.0) << "the test must actually clip";
+  for (Tier o : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    RunSetup host = base;  // the same, the gradients on the host: the NVMe traffic apart from them
+    host.cfg.params = on(Tier::kNvme);
+    host.cfg.optimizer = on(o);
+    host.cfg.grads = on(Tier::kHost);
+    RunSetup s = host;
+    s.cfg.grads = on(Tier::kNvme);
+    const std::string what = fmt::format("gradients on NVMe, optimizer on {}", tier_name(o));
+    const RunOut h = train(host, model), r = train(s, model);
+    expect_identical(ref, r, what.c_str());
+    for (std::size_t i = 0; i < ref.results.size(); ++i)
+      EXPECT_EQ(ref.results[i].grad_norm, r.results[i].grad_norm) << what << " step " << i;
+    // Each micro-batch writes every gradient shard; the second reads it back first, the
+    // optimizer once more.
+    EXPECT_EQ(r.stats.nvme_written_bytes - h.stats.nvme_written_bytes, 5u * 2 * shards * 4) << what;
+    EXPECT_EQ(r.stats.nvme_read_bytes - h.stats.nvme_read_bytes, 5u * 2 * shards * 4) << what;
+    EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << what << "\n" << r.plan.table();
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << what << "\n"
+                                                                                           << r.plan.table();
+  }
+  // Half on the host (the first units), half on NVMe, with the early step taking the host ones.
+  RunSetup split = base;
+  split.cfg.optimizer = on(Tier::kNvme);
+  split.cfg.grads = Placement{0.0, 0.5};
+  split.cfg.overlap_optimizer = true;
+  split.cfg.gradient_clipping = 0;  // (the early results are kept only without clipping)
+  RunSetup plain = base;
+  plain.cfg.gradient_clipping = 0;
+  const RunOut sr = train(split, model);
+  expect_identical(train(plain, model), sr, "gradients half on the host, half on NVMe, early step");
+  EXPECT_GT(sr.stats.early_units_kept, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GradsOnNvmeTest, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const auto& p) { return std::string(dtype_name(p.param)); });
+
+// An fp16 overflow with the gradients on NVMe skips the step (its squares came with the writes)
+// and the next step starts the keys afresh: the same bits as on the host.
+TEST(Engine, Fp16OverflowWithGradientsOnNvmeSkipsAsOnTheHost) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 16}, 4, 9);
+  TempDir nv;
+  RunSetup s;
+  s.steps = 4;
+  s.accum = 2;
+  s.inf_step = 1;
+  s.cfg.compute_dtype = DType::kF16;
+  s.cfg.fp16.enabled = true;
+  s.cfg.fp16.initial_scale_power = 8;
+  s.cfg.fp16.hysteresis = 1;
+  s.cfg.host_budget_bytes = 64 << 20;
+  s.cfg.optimizer = on(Tier::kNvme);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.optimizer_nvme_paths = {nv.path};
+  s.cfg.grad_nvme_paths = {nv.path};
+  const RunOut host = train(s, model);
+  ASSERT_TRUE(host.results[1].skipped);
+  s.cfg.grads = on(Tier::kNvme);
+  const RunOut r = train(s, model);
+  expect_identical(host, r, "fp16 overflow, gradients on NVMe");
+  for (std::size_t i = 0; i < r.results.size(); ++i) {
+    EXPECT_EQ(r.results[i].skipped, host.results[i].skipped) << "step " << i;
+    EXPECT_EQ(r.results[i].loss_scale, host.results[i].loss_scale) << "step " << i;
+  }
+}
+
+// A full disk or a failed read on the gradients' way to or from NVMe: a clear error naming the
+// key, the run stops, no hang.
+TEST(Engine, AnIoErrorOnAnNvmeGradientIsAClearErrorNotAHang) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 13);
+  TempDir nv;
+  RunSetup s;
+  s.steps = 2;
+  s.accum = 2;
+  s.cfg.optimizer = on(Tier::kHost);
+  s.cfg.params = on(Tier::kNvme);
+  s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.grad_nvme_paths = {nv.path};
+  s.cfg.grads = on(Tier::kNvme);
+  s.cfg.param_persistence_threshold = 1 << 30;  // every unit resident: the gradients' I/O only
+  s.cfg.host_budget_bytes = 64 << 20;
+  // Chunks: the first backward writes layers 2, 1, 0 (0-2); the second reads layer 2 back (3)
+  // and writes it (4).
+  s.cfg.aio.inject_faults = {{FaultKind::kEnospc, 1}};
+  std::string w = error_of_train(s, model, "ENOSPC");
+  EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
+  EXPECT_NE(w.find("swap key 'g1@0'"), std::string::npos) << w;
+  s.cfg.aio.inject_faults = {{FaultKind::kEio, 3}};
+  w = error_of_train(s, model, "EIO");
+  EXPECT_NE(w.find("swap key 'g2@0'"), std::string::npos) << w;
 }
 
 // Gradients on the device, the optimizer on the host: step() stages each sub-group's gradient in

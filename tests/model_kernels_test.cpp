@@ -329,6 +329,34 @@ TEST_P(ModelKernels, SumOfSquaresHasOneOrderOnEveryPath) {
   }
 }
 
+// cpu::SumSquares (the norm's part of a gradient on NVMe, taken a piece at a time as it is
+// written): its runs, of any lengths — whole pages, or odd ones that leave a lane part-way —
+// give sum_squares of the whole bit for bit.
+TEST_P(ModelKernels, SumOfSquaresInRunsIsTheWholeSumBitForBit) {
+  const std::size_t n = 300001;
+  const auto x = randn(n, 9, 3.0f);
+  const float whole = cpu::sum_squares(DType::kF32, x.data(), n);
+  for (std::vector<std::size_t> runs : std::vector<std::vector<std::size_t>>{
+           {n}, {2048, 2048, 4096, n - 8192}, {65536, 65536, n - 131072}, {1, 15, 17, 65535, 3, n - 65571},
+           {40000, 40000, 40000, 40000, 40000, 40000, 40000, n - 280000}}) {
+    cpu::SumSquares s;
+    std::size_t at = 0;
+    for (std::size_t len : runs) {
+      s.add(x.data() + at, len);
+      at += len;
+    }
+    ASSERT_EQ(at, n);
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(s.result()), std::bit_cast<std::uint32_t>(whole))
+        << runs.size() << " runs, the first " << runs[0];
+  }
+  for (std::size_t m : {std::size_t(0), std::size_t(5), std::size_t(65536)}) {  // one run of at most a chunk, or none
+    cpu::SumSquares s;
+    s.add(x.data(), m);
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(s.result()),
+              std::bit_cast<std::uint32_t>(cpu::sum_squares(DType::kF32, x.data(), m))) << m;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, ModelKernels,
                          ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
                          [](const auto& info) { return std::string(isa_name(info.param)); });

@@ -135,6 +135,27 @@ TEST(PerfModel, NvmeBoundStepIsTheDrivesBytes) {
   EXPECT_NEAR(q.optimizer_s, q.step_s, 1e-6);
 }
 
+TEST(PerfModel, GradientsOnNvmeAddTheirBytesToTheDrive) {
+  // Beside NVMe optimizer state: each micro-batch writes every gradient shard (the second reads
+  // it back first to add to), and the optimizer reads it with the state: 4 + 4 more bytes a
+  // parameter with one micro-batch, 8 + 8 with two. The drive is the bottleneck.
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = 1e9;
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  const double params = 4.0 * double(kLayer) + 2 * 2048;
+  EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kNvme);
+  c.optimizer_nvme_paths = c.grad_nvme_paths = {"/tmp"};
+  for (int accum : {1, 2}) {
+    c.gradient_accumulation_steps = accum;
+    const Prediction p = predict_step(m, mp, c);
+    const double bytes = (24 + 8 * accum) * params;
+    EXPECT_EQ(p.bottleneck, Resource::kNvme) << accum;
+    EXPECT_NEAR(p.busy_s[int(Resource::kNvme)], bytes / 1e9, 1e-9) << accum;
+    EXPECT_GE(p.step_s, bytes / 1e9 * (1 - 1e-9)) << accum;
+    EXPECT_LT(p.step_s, 1.1 * bytes / 1e9) << accum;
+  }
+}
+
 TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   // 4 layers, 10 ms forward and 20 ms backward each; the CPU AdamW takes 15 ms a layer. The
   // early step runs each layer's AdamW after its backward, in the shadow of the next layer's:
@@ -527,12 +548,17 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
   int variant = 0;
   for (Tier pt : {Tier::kDevice, Tier::kHost, Tier::kNvme})
     for (Tier ot : {Tier::kDevice, Tier::kHost, Tier::kNvme})
-      for (Tier gt : {Tier::kDevice, Tier::kHost}) {
+      for (Tier gt : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+        if (gt == Tier::kNvme && pt != Tier::kNvme && ot != Tier::kNvme) continue;  // (no path for them)
         EngineConfig c = placed(pt, ot, gt);
         if (pt == Tier::kNvme) c.param_nvme_paths = {"/tmp/a"};
         if (ot == Tier::kNvme) {
           c.optimizer_nvme_paths = {"/tmp/a", "/tmp/b"};
           c.optimizer.host_fraction = 0.25;
+        }
+        if (gt == Tier::kNvme) {  // beside the optimizer state, else the weights; a share on the host
+          c.grad_nvme_paths = ot == Tier::kNvme ? c.optimizer_nvme_paths : c.param_nvme_paths;
+          c.grads.host_fraction = 0.5;
         }
         c.compute_dtype = DType::kBF16;
         c.micro_batch_per_gpu = 3;
@@ -564,6 +590,8 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         EXPECT_EQ(r.optimizer.device_fraction, c.optimizer.device_fraction);
         EXPECT_EQ(r.optimizer.host_fraction, c.optimizer.host_fraction);
         EXPECT_EQ(r.grads.device_fraction, c.grads.device_fraction);
+        EXPECT_EQ(r.grads.host_fraction, c.grads.host_fraction);
+        EXPECT_EQ(r.grad_nvme_paths, c.grad_nvme_paths);
         EXPECT_EQ(r.param_nvme_paths, c.param_nvme_paths);
         EXPECT_EQ(r.optimizer_nvme_paths, c.optimizer_nvme_paths);
         EXPECT_EQ(r.compute_dtype, DType::kBF16);

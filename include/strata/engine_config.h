@@ -84,6 +84,9 @@ struct EngineConfig {
   Placement grads;      // fp32 gradient shard: strata key zero_optimization.offload_grads
   Placement optimizer;  // master, m, v: offload_optimizer.device (+ ratio / strata fractions)
   std::vector<std::string> param_nvme_paths, optimizer_nvme_paths;
+  // Where NVMe-tier gradient shards go: the optimizer's nvme_path when offload_optimizer.device is
+  // "nvme", else the parameters' (parse_engine_config fills it when offload_grads is "nvme").
+  std::vector<std::string> grad_nvme_paths;
   int param_buffer_count = 5;
   std::uint64_t param_buffer_size = 100'000'000;  // elements
   std::uint64_t param_max_in_cpu = 1'000'000'000; // elements

@@ -195,6 +195,43 @@ float sum_squares(DType t, const void* x, std::size_t n) {
   return static_cast<float>(s);
 }
 
+void SumSquares::add(const float* x, std::size_t n) {
+  static_assert(std::size(SumSquares{}.acc_) == kSumLanes);
+  while (n > 0) {
+    // A run that ends off a multiple of the lanes continues at the lane after its last value
+    // (accumulate_squares starts each call at lane 0): fill up to the boundary one at a time.
+    const std::size_t lane = in_chunk_ % kSumLanes;
+    if (lane != 0) {
+      const std::size_t k = std::min(n, kSumLanes - lane);
+      for (std::size_t j = 0; j < k; ++j) acc_[lane + j] += double(x[j]) * double(x[j]);
+      x += k;
+      n -= k;
+      in_chunk_ += k;
+    } else {
+      const std::size_t k = std::min(n, kGrain - in_chunk_);
+      accumulate_squares(x, k, acc_);
+      x += k;
+      n -= k;
+      in_chunk_ += k;
+    }
+    if (in_chunk_ == kGrain) {  // a whole chunk: its lanes combined, added in order
+      total_ += combine_lanes(acc_);
+      std::fill(std::begin(acc_), std::end(acc_), 0.0);
+      in_chunk_ = 0;
+      ++chunks_;
+    }
+  }
+}
+
+float SumSquares::result() const {
+  if (in_chunk_ == 0) return static_cast<float>(total_);
+  double acc[kSumLanes];
+  std::copy(std::begin(acc_), std::end(acc_), acc);
+  const double last = combine_lanes(acc);
+  // sum_squares of at most one chunk returns that chunk's sum as is (0 + x is x anyway).
+  return static_cast<float>(chunks_ == 0 ? last : total_ + last);
+}
+
 // ---- matmul ----
 // Primitives are kept by shape (a training step issues the same few shapes again and again),
 // so a call costs only binding the three pointers; the cache is per Matmul, i.e. per stream

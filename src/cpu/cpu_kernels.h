@@ -17,6 +17,21 @@ void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, 
 void cast(DType ts, const void* src, DType td, void* dst, std::size_t n);
 // Sum of squares accumulated in double, returned as fp32.
 float sum_squares(DType t, const void* x, std::size_t n);
+// sum_squares of fp32 values that arrive in runs, in order (a gradient written to NVMe a piece at
+// a time): bit for bit sum_squares over their concatenation, for runs of any length (the same
+// chunks, lanes and order of additions; serial, where sum_squares splits large inputs across
+// threads).
+class SumSquares {
+ public:
+  void add(const float* x, std::size_t n);
+  float result() const;
+
+ private:
+  double acc_[16] = {};      // the current chunk's lanes
+  double total_ = 0;         // the whole chunks so far
+  std::size_t in_chunk_ = 0; // values of the current chunk added
+  std::size_t chunks_ = 0;   // whole chunks in total_
+};
 
 // oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe).
 class Matmul {

@@ -21,13 +21,18 @@
 //     defaults (micro batch 1, grad accumulation 1) apply where DeepSpeed would refuse.
 //
 // strata's own keys (DeepSpeed ignores them; strata documents them in README "Configuration"):
-//   zero_optimization.offload_grads       "none" | "cpu": where the fp32 gradient shard
+//   zero_optimization.offload_grads       "none" | "cpu" | "nvme": where the fp32 gradient shard
 //                                          lives. Default "cpu" when offload_optimizer.device
 //                                          is cpu or nvme (the optimizer runs on the host and
-//                                          reads its gradients there), else "none".
+//                                          reads its gradients there), else "none". "nvme"
+//                                          keeps them under the optimizer's nvme_path (the
+//                                          parameters' when only those are on NVMe).
 //   zero_optimization.offload_grads_ratio with offload_grads "cpu": the fraction of the gradient
 //                                          shard on the host (last units in order), the rest on
 //                                          the device. Default 1.
+//   zero_optimization.offload_grads_host_fraction  with offload_grads "nvme": the fraction kept
+//                                          in pinned host memory (first units), the rest on NVMe.
+//                                          Default 0.
 //   zero_optimization.offload_param.ratio with device "cpu": the same for the weight shard, as
 //                                          offload_optimizer.ratio is for the optimizer state.
 //   zero_optimization.offload_param.host_fraction      with device "nvme": the fraction of
@@ -388,7 +393,8 @@ void parse_zero(const Section& top, EngineConfig& c) {
                   "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
                   "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
                   "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
-                  "offload_grads", "offload_grads_ratio", "cpu_offload", "cpu_offload_params"});
+                  "offload_grads", "offload_grads_ratio", "offload_grads_host_fraction", "cpu_offload",
+                  "cpu_offload_params"});
   STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(), "config key '{}' = {}: use 1, 2 or 3 (a number)",
                  z.key_path("stage"), z.raw("stage") ? z.raw("stage")->dump() : "");
   const std::int64_t stage = z.get_int("stage", 0);
@@ -529,14 +535,35 @@ void parse_zero(const Section& top, EngineConfig& c) {
 
   // ---- offload_grads (strata): the fp32 gradient shard ----
   const std::string gdev =
-      z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu"});
+      z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu", "nvme"});
   const double g_ratio = get_fraction(z, "offload_grads_ratio", 1.0);
   if (z.has("offload_grads_ratio") && gdev != "cpu")
     log::warn_once("config.unused." + z.key_path("offload_grads_ratio"),
                    fmt::format("config key '{}' is ignored: it splits the gradients between host and device, and "
-                               "{} is \"{}\", not \"cpu\"",
-                               z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev));
-  c.grads = gdev == "none" ? Placement{1.0, 0.0} : Placement{1.0 - g_ratio, g_ratio};
+                               "{} is \"{}\", not \"cpu\"{}",
+                               z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev,
+                               gdev == "nvme" ? fmt::format(" (for host and NVMe: {})",
+                                                            z.key_path("offload_grads_host_fraction"))
+                                              : std::string()));
+  const double g_host = get_fraction(z, "offload_grads_host_fraction", 0.0);
+  STRATA_REQUIRE(!z.has("offload_grads_host_fraction") || gdev == "nvme",
+                 "config key '{}' splits the gradients between host and NVMe: it needs {} \"nvme\" (it is \"{}\"; "
+                 "for host and device use {})",
+                 z.key_path("offload_grads_host_fraction"), z.key_path("offload_grads"), gdev,
+                 z.key_path("offload_grads_ratio"));
+  if (gdev == "nvme") {
+    // The gradients swap beside the optimizer state (they are read with it), else beside the
+    // weights: no directory of their own.
+    STRATA_REQUIRE(odev == "nvme" || pdev == "nvme",
+                   "config key '{}' is \"nvme\", but neither offload_optimizer.device nor offload_param.device is "
+                   "\"nvme\": gradient shards go under the optimizer's nvme_path (or the parameters'); put one of "
+                   "them on NVMe, or set {} \"cpu\"",
+                   z.key_path("offload_grads"), z.key_path("offload_grads"));
+    c.grad_nvme_paths = odev == "nvme" ? c.optimizer_nvme_paths : c.param_nvme_paths;
+  }
+  c.grads = gdev == "none"  ? Placement{1.0, 0.0}
+            : gdev == "cpu" ? Placement{1.0 - g_ratio, g_ratio}
+                            : Placement{0.0, g_host};
 
   for (const Placement* pl : {&c.params, &c.grads, &c.optimizer}) {
     STRATA_CHECK(pl->device_fraction >= 0 && pl->host_fraction >= 0 &&

@@ -95,6 +95,19 @@ std::string state_file(const std::string& dir, int rank, const char* ext) {
 }
 
 
+// One bucket of an NVMe-tier gradient on its way out (Engine::reduce_grad): the writes its
+// host function on the comm stream issued, and that stream's event after it.
+struct GradIo {
+  Event queued;
+  std::vector<IoHandle> writes;  // set by the host function (read once `queued` is reached)
+  // Both done; the first write error is thrown (a failed host function's own error is the comm
+  // stream's, thrown by its synchronize).
+  void wait() const {
+    queued.synchronize();
+    for (const IoHandle& h : writes) h.wait();
+  }
+};
+
 struct Unit {
   std::string name;
   std::vector<std::size_t> offsets;
@@ -116,6 +129,15 @@ struct Unit {
   Buffer o_dev;  // master | m | v, fp32, 3 * shard
   std::shared_ptr<PinnedBlock> o_host;
   Buffer grad_full;  // fp32 gradient scratch between grad_buffer() and reduce_grad()
+  // An NVMe-tier gradient (g_tier kNvme), kept as keys cut by detail::grad_pieces. `g_fresh`:
+  // they hold nothing of this step yet — the next reduce_grad writes instead of adding, and
+  // step() takes zeros (set when made, by every step() and by load_state). `g_sumsq`: the sum
+  // of squares of what the last reduce_grad wrote (the norm's part), taken as it went out.
+  // `g_io`: that reduce_grad's writes, done before anything reads the keys again.
+  bool g_fresh = true;
+  float g_sumsq = 0;
+  cpu::SumSquares g_sumsq_run;  // (the comm stream's host functions only)
+  std::vector<std::shared_ptr<GradIo>> g_io;
   // The early optimizer step (Impl::early_*): second copies of host-tier state and weights,
   // and which of the two NVMe keys holds the current optimizer state / compute weights.
   std::shared_ptr<PinnedBlock> o_alt, w_alt;
@@ -156,8 +178,9 @@ struct Engine::Impl {
   MemoryPlan plan;
   // Declared before the units: destroyed after them (units hold their blocks and buffers).
   std::unique_ptr<PinnedPool> pool;
-  std::unique_ptr<SwapStore> w_store, o_store_own;
+  std::unique_ptr<SwapStore> w_store, o_store_own, g_store_own;
   SwapStore* o_store = nullptr;
+  SwapStore* g_store = nullptr;  // NVMe-tier gradients: the optimizer's or the weights' store, or its own
   std::unique_ptr<CpuAdamW> cpu_adam;
   // wb: new compute weights from the device optimizer back to host or NVMe tiers; apart from
   // `fetch` so they overlap the next forward's host-to-device reads (a link carries both
@@ -318,6 +341,99 @@ struct Engine::Impl {
   // into a shard-sized output (scheduler/layout.h).
   bool bucketed_reduce(const Unit& u) const { return detail::bucketed_reduce(u.shard, bucket_share, world); }
   detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::piece(u.shard, bucket_share, b); }
+  // An NVMe-tier gradient's keys: the pieces of a bucket or a sub-group (detail::grad_pieces),
+  // each named by its first element.
+  std::vector<detail::Range> grad_pieces(detail::Range r) const { return detail::grad_pieces(r, sg, bucket_share); }
+  static std::string g_key(std::size_t u, std::size_t first) { return fmt::format("g{}@{}", u, first); }
+  // Waits for unit u's gradient writes (before its keys are read, or the step reads them).
+  void settle_grad_io(Unit& u) {
+    for (const auto& io : u.g_io) io->wait();
+    u.g_io.clear();
+  }
+  // Reads `r` of unit ui's NVMe-tier gradient (a sub-group) into `dst` (pinned, r.size floats);
+  // zeros when it has none this step. The handles settle before `dst` may be freed.
+  std::vector<IoHandle> read_grad(std::size_t ui, detail::Range r, const std::shared_ptr<PinnedBlock>& dst) {
+    Unit& u = units[ui];
+    std::vector<IoHandle> reads;
+    if (u.g_fresh) {
+      std::memset(dst->data(), 0, r.size * 4);
+      return reads;
+    }
+    for (const detail::Range p : grad_pieces(r)) {
+      reads.push_back(g_store->read(g_key(ui, p.first), static_cast<float*>(dst->data()) + (p.first - r.first), p.size * 4));
+      reads.back().on_complete([dst](std::exception_ptr) {});
+      st.nvme_read_bytes += p.size * 4;
+    }
+    return reads;
+  }
+  // Every handle settled, then the first error thrown.
+  static void wait_all(const std::vector<IoHandle>& hs) {
+    std::exception_ptr err;
+    for (const IoHandle& h : hs) try {
+        h.wait();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    if (err) std::rethrow_exception(err);
+  }
+  // Bucket `r` of unit ui's reduced gradient (`part`, on the device, in the comm stream's order)
+  // to its NVMe keys: copied to pinned staging, added to what the keys hold (read back, unless it
+  // is the step's first gradient of the unit), its squares added to the unit's sum (restarted by
+  // the first bucket), written behind. The host waits for the oldest bucket's writes before it
+  // takes a third (the plan's "gradient NVMe staging").
+  std::deque<std::shared_ptr<GradIo>> grad_out;
+  void reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part, bool first_bucket, Stream& cs) {
+    Unit& u = units[ui];
+    while (grad_out.size() >= 2) {
+      const std::shared_ptr<GradIo> oldest = grad_out.front();
+      grad_out.pop_front();
+      std::optional<TraceScope> span;
+      if (!oldest->queued.query()) span.emplace("staging_wait", "engine");  // the host waits for staging
+      oldest->wait();
+    }
+    if (first_bucket) settle_grad_io(u);  // the last gradient's writes of the keys read below
+    const bool fresh = u.g_fresh;
+    const std::size_t bytes = r.size * 4;
+    auto in = pinned(bytes);
+    std::shared_ptr<PinnedBlock> acc;  // what the keys hold, read back to add to
+    std::vector<IoHandle> reads;
+    if (!fresh) {
+      acc = pinned(bytes);
+      for (const detail::Range p : grad_pieces(r)) {
+        reads.push_back(g_store->read(g_key(ui, p.first), static_cast<float*>(acc->data()) + (p.first - r.first), p.size * 4));
+        reads.back().on_complete([acc](std::exception_ptr) {});
+        st.nvme_read_bytes += p.size * 4;
+      }
+    }
+    cs.copy(host_ref(in->data(), bytes), part.mem);
+    st.d2h_bytes += bytes;
+    auto io = std::make_shared<GradIo>();
+    cs.host_fn(
+        [this, ui, r, in, acc, reads, io, first_bucket] {
+          Unit& x = units[ui];
+          std::shared_ptr<PinnedBlock> out = in;
+          if (acc) {  // acc += g, as the host tier's accumulator
+            wait_all(reads);
+            float* a = static_cast<float*>(acc->data());
+            const float* g = static_cast<const float*>(in->data());
+            for (std::size_t i = 0; i < r.size; ++i) a[i] += g[i];
+            out = acc;
+          }
+          const float* v = static_cast<const float*>(out->data());
+          if (first_bucket) x.g_sumsq_run = cpu::SumSquares{};
+          x.g_sumsq_run.add(v, r.size);
+          x.g_sumsq = x.g_sumsq_run.result();
+          for (const detail::Range p : grad_pieces(r)) {
+            io->writes.push_back(g_store->write(g_key(ui, p.first), v + (p.first - r.first), p.size * 4));
+            io->writes.back().on_complete([out](std::exception_ptr) {});
+          }
+        },
+        "grad_to_nvme");
+    io->queued = cs.record();
+    u.g_io.push_back(io);
+    grad_out.push_back(io);
+    st.nvme_written_bytes += bytes;
+  }
   std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].w_gen, g); }
   std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].o_gen, g); }
 
@@ -441,17 +557,8 @@ struct Engine::Impl {
                                         r.size * c_size));
           reads.back().on_complete([staging](std::exception_ptr) {});  // outlives it if a later read throws
         }
-        fetch_s->host_fn(
-            [reads] {  // every read settles before the staging can be freed; then the first error
-              std::exception_ptr err;
-              for (const IoHandle& h : reads) try {
-                  h.wait();
-                } catch (...) {
-                  if (!err) err = std::current_exception();
-                }
-              if (err) std::rethrow_exception(err);
-            },
-            "nvme_wait");
+        // Every read settles before the staging can be freed; then the first error.
+        fetch_s->host_fn([reads] { wait_all(reads); }, "nvme_wait");
         fetch_s->copy(block.mem, host_ref(staging->data(), u.shard * c_size));
         fetch_s->host_fn([staging] {}, "staging_free");
         param_staging.push_back(fetch_s->record());
@@ -972,7 +1079,7 @@ void Engine::finalize() {
   std::vector<std::uint64_t> numel;
   for (const Unit& u : s.units) numel.push_back(u.numel);
   const std::vector<detail::UnitLayout> layout = detail::layout_units(cfg, numel, s.world);
-  bool w_nvme = false, o_nvme = false;
+  bool w_nvme = false, o_nvme = false, g_nvme = false;
   for (std::size_t i = 0; i < s.units.size(); ++i) {
     Unit& u = s.units[i];
     u.resident = layout[i].resident;
@@ -981,6 +1088,7 @@ void Engine::finalize() {
     u.o_tier = layout[i].o;
     w_nvme = w_nvme || (!u.resident && u.w_tier == Tier::kNvme);
     o_nvme = o_nvme || u.o_tier == Tier::kNvme;
+    g_nvme = g_nvme || u.g_tier == Tier::kNvme;
   }
 
   const bool defaulted = !s.cfg.overlap_optimizer.has_value();
@@ -999,7 +1107,7 @@ void Engine::finalize() {
   in.world_size = s.world;
   in.device_capacity = s.dev.stats().capacity_bytes;
   in.host_capacity = cfg.host_budget_bytes;
-  in.nvme_capacity = (w_nvme || o_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
+  in.nvme_capacity = (w_nvme || o_nvme || g_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
   in.ranks_on_node = on_node;
   // The settings this host refuses (more optimizer threads than it runs), said on every rank
   // below when there are several: a rank that stopped alone left the others in a collective.
@@ -1050,6 +1158,7 @@ void Engine::finalize() {
         {"the weights' placement (offload_param: device fraction)", cfg.params.device_fraction},
         {"the weights' placement (offload_param: host fraction)", cfg.params.host_fraction},
         {"the gradients' placement (device fraction)", cfg.grads.device_fraction},
+        {"the gradients' placement (host fraction)", cfg.grads.host_fraction},
         {"the optimizer state's placement (offload_optimizer: device fraction)", cfg.optimizer.device_fraction},
         {"the optimizer state's placement (offload_optimizer: host fraction)", cfg.optimizer.host_fraction},
         {"gradient_accumulation_steps", double(cfg.gradient_accumulation_steps)},
@@ -1126,23 +1235,36 @@ void Engine::finalize() {
     so.config_key = key;
     return so;
   };
+  // One store where two pieces name the same directories ("/nvme" and "/nvme/", or a link to
+  // it, too): two stores on one directory would share its rank<N>/ (the store refuses that).
+  const auto same_dirs = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      std::error_code ec;
+      if (a[i] != b[i] && !std::filesystem::equivalent(a[i], b[i], ec)) return false;
+    }
+    return true;
+  };
   if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "zero_optimization.offload_param.nvme_path"));
   if (o_nvme) {
-    // One store when both keys name the same directories ("/nvme" and "/nvme/", or a link to
-    // it, too): two stores on one directory would share its rank<N>/ (the store refuses that).
-    const auto same_dirs = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
-      if (a.size() != b.size()) return false;
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        std::error_code ec;
-        if (a[i] != b[i] && !std::filesystem::equivalent(a[i], b[i], ec)) return false;
-      }
-      return true;
-    };
     if (s.w_store && same_dirs(cfg.optimizer_nvme_paths, cfg.param_nvme_paths)) {
       s.o_store = s.w_store.get();
     } else {
       s.o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path"));
       s.o_store = s.o_store_own.get();
+    }
+  }
+  if (g_nvme) {  // beside the optimizer state (config: its nvme_path), else the weights
+    if (s.o_store && same_dirs(cfg.grad_nvme_paths, cfg.optimizer_nvme_paths)) {
+      s.g_store = s.o_store;
+    } else if (s.w_store && same_dirs(cfg.grad_nvme_paths, cfg.param_nvme_paths)) {
+      s.g_store = s.w_store.get();
+    } else {
+      s.g_store_own = std::make_unique<SwapStore>(
+          store_options(cfg.grad_nvme_paths, cfg.grad_nvme_paths == cfg.optimizer_nvme_paths
+                                                 ? "zero_optimization.offload_optimizer.nvme_path"
+                                                 : "zero_optimization.offload_param.nvme_path"));
+      s.g_store = s.g_store_own.get();
     }
   }
 
@@ -1165,13 +1287,15 @@ void Engine::finalize() {
         if (!u.resident && u.w_tier == Tier::kNvme) s.w_store->reserve(Impl::key('w', ui, 1, g), n * s.c_size);
       }
     }
-    // gradient accumulator
+    // gradient accumulator (NVMe: its keys' room taken now, so a full disk is said here)
     if (u.g_tier == Tier::kDevice) {
       u.g_dev = s.dev.alloc(u.shard * 4);
       up.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
-    } else {
+    } else if (u.g_tier == Tier::kHost) {
       u.g_host = s.pinned(u.shard * 4);
       std::memset(u.g_host->data(), 0, u.shard * 4);
+    } else {
+      for (const detail::Range p : s.grad_pieces({0, u.shard})) s.g_store->reserve(Impl::g_key(ui, p.first), p.size * 4);
     }
     up.synchronize();  // the staging above is released when this scope ends
     u.init.clear();
@@ -1328,6 +1452,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     if (u.g_tier == Tier::kDevice) {
       const TensorRef acc = Impl::view(u.g_dev, DType::kF32, len, a);
       cs.add(acc, part, acc);
+    } else if (u.g_tier == Tier::kNvme) {
+      s.reduce_to_nvme(ui, r, part, b == 0, cs);
     } else if (host_first) {
       // The step's first gradient of the unit goes straight into its accumulator: no staging
       // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
@@ -1361,6 +1487,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   }
   if (s.world > 1) u.grad_full.reset_on(cs);  // its last use: the reduce-scatters
   if (full) full.reset_on(cs);                // its last use: the accumulation above
+  u.g_fresh = false;
   s.note_grad(std::size_t(unit), cs);
 }
 
@@ -1374,6 +1501,8 @@ StepResult Engine::step(float lr) {
                    u.name);
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
+  for (auto& u : s.units) s.settle_grad_io(u);  // NVMe-tier gradients written
+  s.grad_out.clear();
   Stream& os = *s.opt_s;
   // Resident units' weights are rewritten in place below and after (the optimizer stream's
   // copy-out, the fetch stream's switch to kept early results): only once the compute stream
@@ -1408,6 +1537,8 @@ StepResult Engine::step(float lr) {
     if (any_device) os.copy(host_ref(dev_part.data(), 4 * dev_part.size()), sq.ref());
     for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
       Unit& u = s.units[ui];
+      // NVMe: taken as the last gradient went out (reduce_to_nvme), the host's kernel's bits.
+      if (u.g_tier == Tier::kNvme) part[ui] = u.g_fresh ? 0.0f : u.g_sumsq;
       if (u.g_tier != Tier::kHost) continue;
       // The early worker computed it with the same kernel from the same final gradient.
       bool done;
@@ -1540,8 +1671,10 @@ StepResult Engine::step(float lr) {
   // Host accumulators need no zeroing: the next step's first gradient overwrites them (and a
   // unit without one is zeroed when that step begins).
   auto zero_grads = [&] {
-    for (auto& u : s.units)
+    for (auto& u : s.units) {
       if (u.g_tier == Tier::kDevice) os.fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
+      if (u.g_tier == Tier::kNvme) u.g_fresh = true;
+    }
     os.synchronize();
   };
   // The next forward starts the recorded order again, whether this step updates or is skipped.
@@ -1568,13 +1701,20 @@ StepResult Engine::step(float lr) {
   opt.grad_scale = float(r.clip_coef / den);
   const bool copy_out = ct != DType::kF32;
 
-  // Sub-groups with optimizer state on NVMe: the next one's state streams in while this one
-  // computes; writes go out behind, at most optimizer_buffer_count in flight.
+  // Sub-groups of the host optimizer with state or gradients on NVMe: the next one's stream in
+  // while this one computes; state writes go out behind, at most optimizer_buffer_count in flight.
   std::vector<std::pair<std::size_t, std::size_t>> nvme_groups;  // (unit, sub-group)
-  for (std::size_t i = 0; i < s.units.size(); ++i)
-    if (s.units[i].o_tier == Tier::kNvme && !kept[i])
-      for (std::size_t g = 0; g < s.groups(s.units[i]); ++g) nvme_groups.push_back({i, g});
-  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
+  for (std::size_t i = 0; i < s.units.size(); ++i) {
+    const Unit& u = s.units[i];
+    if (!kept[i] && (u.o_tier == Tier::kNvme || (u.g_tier == Tier::kNvme && u.o_tier == Tier::kHost)))
+      for (std::size_t g = 0; g < s.groups(u); ++g) nvme_groups.push_back({i, g});
+  }
+  struct GroupRead {
+    std::shared_ptr<PinnedBlock> state, grad;  // master | m | v; the gradient
+    IoHandle state_read;
+    std::vector<IoHandle> grad_reads;
+  };
+  std::map<std::pair<std::size_t, std::size_t>, GroupRead> reads;
   std::deque<IoHandle> writes;  // optimizer state written behind
   // At most optimizer_buffer_count state buffers at once: one read ahead, one stepping, the
   // rest written behind (the memory plan's "optimizer swap buffers", a sub-group each).
@@ -1593,12 +1733,20 @@ StepResult Engine::step(float lr) {
   auto issue_read = [&](std::size_t k) {
     if (k >= nvme_groups.size()) return;
     const auto [ui, g] = nvme_groups[k];
-    const std::size_t bytes = 3 * s.range(s.units[ui], g).size * 4;
-    auto b = s.pinned(SwapStore::padded_bytes(bytes));
-    IoHandle h = s.o_store->read(s.o_key(ui, g), b->data(), bytes);
-    h.on_complete([b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
-    s.st.nvme_read_bytes += bytes;
-    reads[nvme_groups[k]] = {b, h};
+    const detail::Range r = s.range(s.units[ui], g);
+    GroupRead& rd = reads[nvme_groups[k]];
+    if (s.units[ui].o_tier == Tier::kNvme) {
+      const std::size_t bytes = 3 * r.size * 4;
+      auto b = s.pinned(SwapStore::padded_bytes(bytes));
+      rd.state_read = s.o_store->read(s.o_key(ui, g), b->data(), bytes);
+      rd.state_read.on_complete([b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
+      s.st.nvme_read_bytes += bytes;
+      rd.state = b;
+    }
+    if (s.units[ui].g_tier == Tier::kNvme) {
+      rd.grad = s.pinned(SwapStore::padded_bytes(r.size * 4));
+      rd.grad_reads = s.read_grad(ui, r, rd.grad);
+    }
   };
   // Writes `bytes` from `block` to `store`; the block lives until the write completes.
   auto write_behind = [&](SwapStore& store, const std::string& key, std::shared_ptr<PinnedBlock> block,
@@ -1638,9 +1786,20 @@ StepResult Engine::step(float lr) {
       TensorRef g;
       if (u.g_tier == Tier::kDevice) {
         g = Impl::view(u.g_dev, DType::kF32, n);
-      } else {
+      } else if (u.g_tier == Tier::kHost) {
         g_tmp = s.alloc(n * 4, &os);
         os.copy(g_tmp.ref(), host_ref(u.g_host->data(), n * 4));
+        g = Impl::view(g_tmp, DType::kF32, n);
+      } else {  // NVMe: a sub-group at a time through pinned staging
+        g_tmp = s.alloc(n * 4, &os);
+        for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
+          const detail::Range r = s.range(u, gi);
+          auto staging = s.pinned(SwapStore::padded_bytes(r.size * 4));
+          Impl::wait_all(s.read_grad(ui, r, staging));
+          os.copy(g_tmp.ref(r.first * 4, r.size * 4), host_ref(staging->data(), r.size * 4));
+          os.synchronize();
+          s.st.h2d_bytes += r.size * 4;
+        }
         g = Impl::view(g_tmp, DType::kF32, n);
       }
       AdamWShard sh{Impl::view(u.o_dev, DType::kF32, n, 0), g, Impl::view(u.o_dev, DType::kF32, n, n),
@@ -1694,6 +1853,13 @@ StepResult Engine::step(float lr) {
       const std::size_t a = r.first, len = r.size, len_w = len * s.c_size;
       float* master = nullptr;
       AdamWShard sh;
+      GroupRead rd;  // what was read ahead from NVMe for this sub-group
+      if (u.o_tier == Tier::kNvme || u.g_tier == Tier::kNvme) {
+        issue_read(nvme_next++);
+        auto it = reads.find({ui, gi});
+        rd = std::move(it->second);
+        reads.erase(it);
+      }
       std::shared_ptr<PinnedBlock> state_block;
       if (u.o_tier == Tier::kHost) {
         float* o = static_cast<float*>(u.o_host->data());
@@ -1702,11 +1868,8 @@ StepResult Engine::step(float lr) {
         sh.m = host_tensor(o + n + a, DType::kF32, len);
         sh.v = host_tensor(o + 2 * n + a, DType::kF32, len);
       } else {
-        issue_read(nvme_next++);
-        auto it = reads.find({ui, gi});
-        it->second.second.wait();
-        state_block = it->second.first;
-        reads.erase(it);
+        rd.state_read.wait();
+        state_block = rd.state;
         master = static_cast<float*>(state_block->data());
         sh.params = host_tensor(master, DType::kF32, len);
         sh.m = host_tensor(master + len, DType::kF32, len);
@@ -1715,6 +1878,10 @@ StepResult Engine::step(float lr) {
       std::shared_ptr<PinnedBlock> g_stage;
       if (u.g_tier == Tier::kHost) {
         sh.grads = host_tensor(static_cast<const float*>(u.g_host->data()) + a, DType::kF32, len);
+      } else if (u.g_tier == Tier::kNvme) {
+        Impl::wait_all(rd.grad_reads);
+        g_stage = rd.grad;
+        sh.grads = host_tensor(g_stage->data(), DType::kF32, len);
       } else {
         g_stage = s.pinned(len * 4);
         os.copy(host_ref(g_stage->data(), len * 4), u.g_dev.ref(a * 4, len * 4));
@@ -1936,8 +2103,14 @@ void Engine::load_state(const std::string& dir) {
       s.put_group(ui, g, buf.data(), buf.data() + r.size, buf.data() + 2 * r.size);
     }
     s.end_put(ui);
-    if (u.g_tier == Tier::kDevice) s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
-    else std::memset(u.g_host->data(), 0, u.shard * 4);
+    if (u.g_tier == Tier::kDevice) {
+      s.opt_s->fill(Impl::view(u.g_dev, DType::kF32, u.shard), 0.0f);
+    } else if (u.g_tier == Tier::kHost) {
+      std::memset(u.g_host->data(), 0, u.shard * 4);
+    } else {
+      s.settle_grad_io(u);
+      u.g_fresh = true;
+    }
   }
   s.opt_s->synchronize();
   s.steps_taken = j.at("steps_taken").get<std::int64_t>();
@@ -1963,6 +2136,7 @@ EngineStats Engine::stats() const {
   }
   if (s.w_store) st.nvme_bytes += s.w_store->stats().file_bytes;
   if (s.o_store_own) st.nvme_bytes += s.o_store_own->stats().file_bytes;
+  if (s.g_store_own) st.nvme_bytes += s.g_store_own->stats().file_bytes;
   return st;
 }
 

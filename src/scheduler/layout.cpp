@@ -41,8 +41,10 @@ std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std:
     }
     x.g = c.grads.tier_at(g_pos, g_total);
     g_pos += double(x.shard);
-    STRATA_REQUIRE(x.g != Tier::kNvme, "gradient shards cannot live on NVMe: set "
-                   "zero_optimization.offload_grads to \"none\" or \"cpu\"");
+    STRATA_REQUIRE(x.g != Tier::kNvme || !c.grad_nvme_paths.empty(),
+                   "gradient shards on NVMe need a directory: zero_optimization.offload_grads \"nvme\" keeps them "
+                   "under offload_optimizer.nvme_path (or offload_param.nvme_path when the optimizer is not on NVMe); "
+                   "set one");
     x.o = c.optimizer.tier_at(o_pos, o_total);
     o_pos += double(x.shard);
     x.resident = x.persistent || (world == 1 && x.w == Tier::kDevice);

@@ -3,6 +3,7 @@
 // plan's bytes, the model's replay and the engine's allocations cannot drift apart.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -46,6 +47,22 @@ inline Range piece(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
   return {first, shard - first < sg ? shard - first : sg};
 }
 
+// The NVMe keys of a unit's gradient shard (a gradient on the NVMe tier): the shard cut at every
+// sub-group (`sg`) and every bucket-share (`share`) boundary, so each key lies inside one bucket,
+// which the reducer writes (and reads back to accumulate into), and inside one sub-group, which
+// the optimizer reads. The pieces of `r` — a bucket or a sub-group of that shard — in order. All
+// are whole kShardAlign pages when `sg` and `share` are.
+inline std::vector<Range> grad_pieces(Range r, std::uint64_t sg, std::uint64_t share) {
+  std::vector<Range> out;
+  const std::uint64_t end = r.first + r.size;
+  for (std::uint64_t at = r.first; at < end;) {
+    const std::uint64_t next = std::min({(at / sg + 1) * sg, (at / share + 1) * share, end});
+    out.push_back({at, next - at});
+    at = next;
+  }
+  return out;
+}
+
 // Whether the early optimizer step takes a unit (when the step is on): its optimizer state off
 // the device and its gradient on the host, where the host optimizer reads it as backward ends.
 // The engine, the memory plan's second copies and the perf model follow this one rule.
@@ -85,7 +102,7 @@ struct UnitLayout {
   Tier w = Tier::kDevice, g = Tier::kDevice, o = Tier::kDevice;
 };
 
-// Refuses gradient shards on NVMe (the reducer accumulates them in memory).
+// Refuses gradient shards on NVMe without a directory for them (EngineConfig::grad_nvme_paths).
 std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world);
 
 }  // namespace strata::detail

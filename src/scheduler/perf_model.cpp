@@ -212,9 +212,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");
     if (x.o == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "optimizer state on NVMe");
     if (x.o == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "optimizer state on NVMe");
+    if (x.g == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "gradients on NVMe");
+    if (x.g == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "gradients on NVMe");
+    if (x.g == Tier::kNvme && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "NVMe gradients");
     if (x.o != Tier::kDevice) need_rate(m.cpu_adamw_params_per_s, "CPU AdamW", "optimizer state off the device");
     if (x.o == Tier::kDevice) need_rate(m.device_adamw_params_per_s, "device AdamW", "optimizer state on the device");
-    if (x.g == Tier::kHost || x.o != Tier::kDevice || (!x.resident && x.w != Tier::kDevice))
+    if (x.g != Tier::kDevice || x.o != Tier::kDevice || (!x.resident && x.w != Tier::kDevice))
       need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
     if (x.g == Tier::kHost && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "host gradients");
   }
@@ -259,6 +262,9 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
   double h = 0;  // the host thread
   // Pinned staging in flight, as the engine bounds it: the host waits for the oldest.
   std::deque<double> grad_staging, param_staging;
+  // NVMe-tier gradients: the writes of the buckets in flight (two), and the last of all.
+  std::deque<double> grad_nvme;
+  double grad_writes = 0;
   auto bound = [&](std::deque<double>& q, std::size_t most) {
     while (q.size() >= std::max<std::size_t>(most, 1)) {
       h = std::max(h, q.front());
@@ -561,6 +567,19 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       }  // one rank: the gradient scratch is the shard, no copy
       if (x.g == Tier::kDevice) {
         sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
+      } else if (x.g == Tier::kNvme) {  // Engine::Impl::reduce_to_nvme
+        bound(grad_nvme, 2);
+        // What the keys hold, read back by the host (not for the step's first gradient) while
+        // the bucket comes over; added, its squares summed, written behind.
+        const double rd =
+            first_micro_batch ? h : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len), "read grad " + name(i));
+        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+        t = std::max(t, rd);
+        if (!first_micro_batch)
+          t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores);
+        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps), "norm " + name(i), all_cores);
+        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps), "write grad " + name(i)));
+        grad_writes = std::max(grad_writes, grad_nvme.back());
       } else if (first_micro_batch) {  // straight into the accumulator
         t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
       } else {
@@ -646,7 +665,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       kept_behind[i] = false;
     }
     const double s0 = h;
-    h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS]});
+    h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS], grad_writes});  // (NVMe gradients written)
+    grad_nvme.clear();
     // gradient norm: device shards on the optimizer stream, host shards on the host thread
     for (std::size_t i = 0; i < N; ++i)
       if (u[i].g == Tier::kDevice)
@@ -669,16 +689,22 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     std::stable_sort(early_q.begin(), early_q.end(), [](const Job& x, const Job& y) { return x.unit < y.unit; });
     for (Job& j : early_q) j.norm = false;  // step() has the norm
 
-    std::vector<std::pair<std::size_t, std::uint64_t>> nvme_groups;  // (unit, sub-group), read one ahead
+    // (unit, sub-group) of the host optimizer with state or gradient on NVMe, read one ahead
+    std::vector<std::pair<std::size_t, std::uint64_t>> nvme_groups;
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].o == Tier::kNvme && !kept[i])
+      if (!kept[i] && (u[i].o == Tier::kNvme || (u[i].g == Tier::kNvme && u[i].o == Tier::kHost)))
         for (std::uint64_t g = 0; g < groups(u[i]); ++g) nvme_groups.push_back({i, g});
     std::vector<double> read_done(nvme_groups.size(), 0);
     std::size_t nvme_next = 0;
     auto issue_read = [&](std::size_t k) {
       if (k >= nvme_groups.size()) return;
       const auto [i, g] = nvme_groups[k];
-      read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i));
+      read_done[k] = h;
+      if (u[i].o == Tier::kNvme)
+        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i));
+      if (u[i].g == Tier::kNvme)
+        read_done[k] = std::max(
+            read_done[k], sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)), "read grad " + name(i)));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
@@ -712,6 +738,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         double t = h;
         if (x.g == Tier::kHost)
           t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
+        if (x.g == Tier::kNvme) {  // a sub-group at a time, the host waiting for each
+          for (std::uint64_t g = 0; g < groups(x); ++g) {
+            const double len = group_size(x, g);
+            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i));
+            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps), "h2d grad " + name(i));
+          }
+        }
         t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
                    "adamw " + name(i));
         if (!target_dev) {
@@ -737,7 +770,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       // The host optimizer, a sub-group at a time.
       for (std::uint64_t g = 0; g < groups(x); ++g) {
         const double len = group_size(x, g), len_w = len * csz;
-        if (x.o == Tier::kNvme) {
+        if (x.o == Tier::kNvme || x.g == Tier::kNvme) {
           const std::size_t k = nvme_next - 1;  // this sub-group's read, issued one ahead
           issue_read(nvme_next++);
           h = std::max(h, read_done[k]);
@@ -866,7 +899,8 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     opt.push_back({"nvme", {0, 0}});
     opt.push_back({"host 50% + nvme 50%", {0, 0.5}});
   }
-  const std::vector<TierChoice> grads = {{"device", {1, 0}}, {"host", {0, 1}}};
+  std::vector<TierChoice> grads = {{"device", {1, 0}}, {"host", {0, 1}}};
+  if (nvme) grads.push_back({"nvme", {0, 0}});  // (beside NVMe optimizer state or weights)
   const std::vector<int> windows = {0, 2, 4};  // units live at once (0: the default, all)
 
   SearchResult out;
@@ -902,6 +936,8 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               // (Engine::finalize keeps such units resident), so no window either.
               if (win > 0 && m.world_size == 1 && pc.p.device_fraction >= 1) continue;
               const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
+              const bool g_nvme = gc.p.nvme_fraction() > 1e-9;
+              if (g_nvme && !o_nvme && !p_nvme) continue;  // (no directory for them: the config's rule)
               // NVMe swap buffers (offload_param / offload_optimizer buffer_count): the config's,
               // or twice as many (more reads ahead and writes behind, more pinned memory).
               if (more_buffers && !p_nvme && !o_nvme) continue;
@@ -922,6 +958,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                                    : space.param_nvme_paths.empty() ? space.nvme_paths
                                                                     : space.param_nvme_paths;
               c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
+              c.grad_nvme_paths = !g_nvme ? std::vector<std::string>{}
+                                  : o_nvme ? c.optimizer_nvme_paths
+                                           : c.param_nvme_paths;
               const EngineConfig d = default_engine_config();
               if (win > 0) {
                 c.max_live_parameters = max_unit * std::uint64_t(win);
@@ -936,7 +975,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                 bool gathered = false, swapped = false;
                 for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size)) {
                   gathered = gathered || !u.resident;
-                  swapped = swapped || (!u.resident && u.w == Tier::kNvme) || u.o == Tier::kNvme;
+                  swapped = swapped || (!u.resident && u.w == Tier::kNvme) || u.o == Tier::kNvme || u.g == Tier::kNvme;
                   sig += fmt::format("{}{}{}{},", u.resident ? 'r' : 'g', u.resident ? 0 : int(u.w), int(u.g), int(u.o));
                 }
                 if (win > 0 && !gathered) continue;
@@ -1110,10 +1149,23 @@ std::string engine_config_json(const EngineConfig& c) {
     if (c.optimizer.host_fraction > 0) oo["host_fraction"] = c.optimizer.host_fraction;
   }
   z["offload_optimizer"] = oo;
-  STRATA_REQUIRE(std::abs(c.grads.nvme_fraction()) < 1e-9,
-                 "engine_config_json: gradients on NVMe cannot be written as a ds_config");
-  z["offload_grads"] = is(c.grads, 1, 0) ? "none" : "cpu";
-  if (!is(c.grads, 1, 0) && c.grads.host_fraction < 1) z["offload_grads_ratio"] = c.grads.host_fraction;
+  if (is(c.grads, 1, 0)) {
+    z["offload_grads"] = "none";
+  } else if (std::abs(c.grads.nvme_fraction()) < 1e-9) {
+    z["offload_grads"] = "cpu";
+    if (c.grads.host_fraction < 1) z["offload_grads_ratio"] = c.grads.host_fraction;
+  } else {
+    STRATA_REQUIRE(c.grads.device_fraction < 1e-9,
+                   "engine_config_json: gradients split over device, host and NVMe cannot be written as a ds_config");
+    // parse_engine_config puts them under the optimizer's nvme_path, else the parameters'.
+    const bool o_nvme = oo["device"] == "nvme", p_nvme = op["device"] == "nvme";
+    STRATA_REQUIRE((o_nvme && c.grad_nvme_paths == c.optimizer_nvme_paths) ||
+                       (!o_nvme && p_nvme && c.grad_nvme_paths == c.param_nvme_paths),
+                   "engine_config_json: gradients on NVMe are written as a ds_config only under the optimizer's "
+                   "nvme_path (or, with the optimizer off NVMe, the parameters')");
+    z["offload_grads"] = "nvme";
+    if (c.grads.host_fraction > 0) z["offload_grads_host_fraction"] = c.grads.host_fraction;
+  }
   j["zero_optimization"] = z;
   j["aio"] = {{"block_size", c.aio.block_size},      {"queue_depth", c.aio.queue_depth},
               {"thread_count", c.aio.thread_count},  {"single_submit", c.aio.single_submit},

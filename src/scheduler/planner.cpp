@@ -31,6 +31,10 @@
 //   - Pinned host staging:
 //       gradient D2H: 2 * R * 4 (double-buffered), whenever gradients or optimizer state leave
 //         the device (the host optimizer reads its gradients on the host);
+//       gradient NVMe staging: 2 * 2 * R * 4 when any gradient shard is on NVMe (two buckets in
+//         flight, each its copy from the device and what its keys held, read back to add to);
+//       gradient swap buffers: 2 * S * 4 in whole pages, the same (a sub-group's gradient read
+//         ahead for the optimizer, one stepping);
 //       parameter swap: offload_param.buffer_count whole shards read ahead, each the largest
 //         shard * c in whole 4 KiB pages, when any compute weights live on NVMe;
 //       optimizer swap: max(3, offload_optimizer.buffer_count) buffers (one read ahead, one
@@ -190,6 +194,13 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
                      : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
           Tier::kHost, E * 4);
   }
+  const bool grads_nvme = grad_tiers[static_cast<int>(Tier::kNvme)] > 0;
+  if (grads_nvme) {
+    b.add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R), Tier::kHost,
+          4 * R * 4);
+    b.add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S), Tier::kHost,
+          2 * SwapStore::padded_bytes(S * 4));
+  }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     b.add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
           Tier::kHost,
@@ -226,15 +237,28 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   }
 
   {
-    // The swap store grows its files a whole aio.block_size stripe at a time; the parameters
-    // and the optimizer state each have a store, or share one when they share the paths.
+    // The swap store grows its files a whole aio.block_size stripe at a time; the parameters,
+    // the optimizer state and the gradients each have a store, or share one where they share
+    // the paths (Engine::finalize).
     const int N = static_cast<int>(Tier::kNvme);
-    const std::uint64_t w_bytes = param_tiers[N] + w2[N], o_bytes = opt_tiers[N] + o2[N];
+    std::vector<std::pair<std::vector<std::string>, std::uint64_t>> stores;
+    const auto put = [&](const std::vector<std::string>& paths, std::uint64_t bytes) {
+      if (bytes == 0) return;
+      for (auto& [p, n] : stores)
+        if (p == paths) {
+          n += bytes;
+          return;
+        }
+      stores.push_back({paths, bytes});
+    };
+    put(config.param_nvme_paths, param_tiers[N] + w2[N]);
+    put(config.optimizer_nvme_paths, opt_tiers[N] + o2[N]);
+    put(config.grad_nvme_paths, grad_tiers[N]);
     const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
-    const auto slack = [&](std::uint64_t bytes) { return (bytes + stripe - 1) / stripe * stripe - bytes; };
-    const bool shared = w_bytes > 0 && config.optimizer_nvme_paths == config.param_nvme_paths;
+    std::uint64_t slack = 0;
+    for (const auto& [p, bytes] : stores) slack += (bytes + stripe - 1) / stripe * stripe - bytes;
     b.add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)), Tier::kNvme,
-          shared ? slack(w_bytes + o_bytes) : slack(w_bytes) + slack(o_bytes));
+          slack);
   }
 
   // A reduce_bucket_size below the largest unit, the reason a user sets it (less device memory),
@@ -349,21 +373,27 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
                                 "at a time)",
                                 S));
     }
-    if (staging_r && R > detail::kShardAlign) {
-      fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient D2H staging holds 2 x "
+    if ((staging_r || grads_nvme) && R > detail::kShardAlign) {
+      fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient {} staging holds {} x "
                                 "{} elements, {})",
-                                R, human(2 * R * 4)));
+                                grads_nvme ? "NVMe" : "D2H", grads_nvme ? 4 : 2, R, human((grads_nvme ? 4 : 2) * R * 4)));
     }
     if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
       fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
                                 human(SwapStore::padded_bytes(largest_shard * c))));
     }
-    if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
+    if (grad_tiers[1] > 0 && config.grads.nvme_fraction() > 1e-12)
+      fix.push_back(fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
+                                "gradient shards kept on the host beside NVMe)", config.grads.host_fraction));
+    else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
       fix.push_back(fmt::format("lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
                                 "shards on the host)", config.grads.host_fraction));
     else if (grad_tiers[1] > 0)
       fix.push_back(
           "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
+    if (grad_tiers[1] > 0 && config.grads.nvme_fraction() <= 1e-12 && config.stage == 3)
+      fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\": beside the "
+                    "optimizer state or the parameters on NVMe)");
     fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,
                               in.ranks_on_node > 1
                                   ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
@@ -421,7 +451,8 @@ std::uint64_t default_host_budget(int ranks_on_node) {
 std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node) {
   const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;
   const bool optimizer = config.optimizer.nvme_fraction() > 0;
-  if (!params && !optimizer) return UINT64_MAX;
+  const bool grads = config.grads.nvme_fraction() > 0 && !config.grad_nvme_paths.empty();
+  if (!params && !optimizer && !grads) return UINT64_MAX;
   std::vector<std::string> paths;
   const auto use = [&](const std::vector<std::string>& list, const char* key) {
     for (const std::string& p : list) {
@@ -431,6 +462,10 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
   };
   if (params) use(config.param_nvme_paths, "zero_optimization.offload_param.nvme_path");
   if (optimizer) use(config.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path");
+  if (grads)
+    use(config.grad_nvme_paths, config.grad_nvme_paths == config.optimizer_nvme_paths
+                                    ? "zero_optimization.offload_optimizer.nvme_path"
+                                    : "zero_optimization.offload_param.nvme_path");
   return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node));
 }
 
