@@ -177,6 +177,25 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   const Result d = train(args(small_log, {"--config", small}), "small");
   ASSERT_EQ(d.status, 0) << d.err;
   EXPECT_EQ(la, losses(small_log));
+  // The gradients on NVMe too (under the optimizer's nvme_path): the same losses.
+  const std::string grads = dir.path + "/grads.json", grads_log = dir.path + "/grads.jsonl";
+  std::ofstream(grads) << nlohmann::json{
+      {"zero_optimization",
+       {{"stage", 3},
+        {"sub_group_size", 4096},
+        {"reduce_bucket_size", 4096},
+        {"offload_grads", "nvme"},
+        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+                              .dump();
+  const Result g = train(args(grads_log, {"--config", grads, "--plan"}), "grads-plan");
+  EXPECT_EQ(g.status, 0) << g.err;
+  EXPECT_NE(g.out.find("gradient NVMe staging (2 x 2 x 4096 elements"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("gradient swap buffers (2 x 4096 elements"), std::string::npos) << g.out;
+  const Result h = train(args(grads_log, {"--config", grads}), "grads");
+  ASSERT_EQ(h.status, 0) << h.err;
+  EXPECT_NE(h.out.find("gradients on nvme"), std::string::npos) << h.out;
+  EXPECT_EQ(la, losses(grads_log));
 }
 
 // strata.host_budget_bytes is used in the whole 2 MiB pieces the pinned pool commits: a budget
