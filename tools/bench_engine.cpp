@@ -68,6 +68,7 @@ struct Args {
   bool overwrite = false;  // --trace: replace existing files
   bool json = false;
   bool serial_optimizer = false;  // strata.overlap_optimizer false: the optimizer after backward
+  bool nvme_grads = false;        // the NVMe regime's gradients on NVMe too (offload_grads "nvme")
   std::string adamw_isa;  // every regime's AdamW path; empty: each regime's own
 };
 
@@ -84,7 +85,7 @@ struct Regime {
   int device_threads = 0, optimizer_threads = 0;
   // The CPU AdamW's code path (strata.optimizer_isa).
   Isa adamw_isa = Isa::kAuto;
-  bool uses_nvme() const { return params == Tier::kNvme || optimizer == Tier::kNvme; }
+  bool uses_nvme() const { return params == Tier::kNvme || optimizer == Tier::kNvme || grads == Tier::kNvme; }
 };
 
 std::vector<Regime> regimes() {
@@ -293,6 +294,7 @@ EngineConfig regime_config(const Args& a, const Regime& r) {
 void require_nvme_room(const Args& a, const Regime& r) {
   EngineConfig cfg = regime_config(a, r);
   cfg.param_nvme_paths = cfg.optimizer_nvme_paths = {nvme_dir_of(a).string()};
+  if (r.grads == Tier::kNvme) cfg.grad_nvme_paths = cfg.optimizer_nvme_paths;
   PlanInputs in;
   for (int l = 0; l < a.layers; ++l) in.units.push_back({fmt::format("layer{}", l), std::uint64_t(a.width) * a.width});
   in.device_capacity = kDeviceCapacity;
@@ -341,6 +343,7 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     remove_dir.dir = nvme_dir;
     cfg.param_nvme_paths = {nvme_dir.string()};
     cfg.optimizer_nvme_paths = {nvme_dir.string()};
+    if (r.grads == Tier::kNvme) cfg.grad_nvme_paths = {nvme_dir.string()};
   }
   RegimeResult out;
   {
@@ -435,8 +438,10 @@ std::string describe(const Regime& r) {
 
 void run(const Args& a) {
   std::vector<Regime> chosen;
-  for (const Regime& r : regimes())
+  for (Regime r : regimes()) {
+    if (a.nvme_grads && r.name == "nvme") r.grads = Tier::kNvme;
     if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
+  }
   STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
   if (!a.adamw_isa.empty()) {
     Isa isa = Isa::kAuto;
@@ -527,6 +532,7 @@ void run(const Args& a) {
                 {"goal_ratio", 1.1},
                 {"cores", cpu::usable_cores()},
                 {"overlap_optimizer", !a.serial_optimizer},
+                {"nvme_grads", a.nvme_grads},
                 {"regimes", rows}});
 }
 
@@ -547,6 +553,9 @@ void add_engine_command(CLI::App& app) {
   cmd->add_flag("--overwrite", a->overwrite, "replace existing --trace files");
   cmd->add_flag("--serial-optimizer", a->serial_optimizer,
                 "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
+  cmd->add_flag("--nvme-grads", a->nvme_grads,
+                "the NVMe regime's gradients on NVMe too (offload_grads \"nvme\": 8 more bytes a parameter on the "
+                "drive)");
   cmd->add_option("--adamw-isa", a->adamw_isa,
                   "the CPU AdamW's path in every regime: auto, avx512, avx2 or scalar (default: each regime's own, "
                   "scalar in adamw, auto elsewhere)");
