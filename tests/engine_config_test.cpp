@@ -397,6 +397,8 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'zero_optimization.offload_param.buffer_count'"}},
       {R"({"zero_optimization": {"stage": 3, "offload_grads": "disk"}})",
        {"'zero_optimization.offload_grads'", "\"none\", \"cpu\", \"nvme\""}},
+      {R"({"zero_optimization": {"stage": 2, "offload_grads": "nvme"}})",
+       {"'zero_optimization.offload_grads' is \"nvme\" with zero_optimization.stage 2", "needs stage 3"}},
       {R"({"zero_optimization": {"stage": 3, "offload_grads": "nvme"}})",
        {"'zero_optimization.offload_grads' is \"nvme\"", "neither offload_optimizer.device nor offload_param.device",
         "offload_grads \"cpu\""}},
@@ -909,6 +911,17 @@ TEST(MemoryPlan, GradientsOnNvme) {
   EXPECT_EQ(line(n, "gradient NVMe staging", Tier::kHost), 4u * 8192 * 4) << n.table();
   EXPECT_EQ(line(n, "gradient swap buffers", Tier::kHost), 2u * 16384 * 4) << n.table();
   EXPECT_EQ(line(h, "gradient NVMe staging", Tier::kHost), 0u);
+  // No host gradients, no device gradients for the host optimizer: no D2H staging (it planned 2
+  // bucket shares nothing used).
+  EXPECT_EQ(line(n, "gradient D2H staging", Tier::kHost), 0u) << n.table();
+  // One directory spelled two ways is one store: its files rounded up to whole stripes once.
+  EngineConfig one = nv;
+  one.aio.block_size = std::size_t(64) << 20;  // (neither piece a whole number of these stripes)
+  EngineConfig spelled = one;
+  spelled.grad_nvme_paths = {"/tmp/"};
+  const std::uint64_t slack = line(plan_memory(one, in), "swap files", Tier::kNvme);
+  EXPECT_GT(slack, 0u);
+  EXPECT_EQ(line(plan_memory(spelled, in), "swap files", Tier::kNvme), slack);
   EXPECT_FALSE(n.early_optimizer_step);  // (it takes units with host gradients)
   in.host_capacity = h.host_bytes - 1;
   const MemoryPlan short_h = plan_memory(host, in);

@@ -923,13 +923,16 @@ void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/
   std::lock_guard<std::mutex> lock(host_mu_);
   if (!worker_) start_host_worker();
   const std::uint64_t seq = host_submitted_ + 1;
-  auto task = [this, seq, fn = std::move(fn)] {
+  auto task = [this, seq, fn = std::move(fn)]() mutable {
     try {
       fn();
     } catch (...) {
       std::lock_guard<std::mutex> error_lock(host_error_mu_);
       if (!host_error_) host_error_ = std::current_exception();
     }
+    // What `fn` captured (a pinned block, say) is released before the stream moves on, as on the
+    // emulated device: whoever waits for this point may count on it being back.
+    fn = nullptr;
     std::atomic_ref<unsigned long long>(*res_->host_done).store(seq, std::memory_order_release);
   };
   // Moved, not copied, to the worker: the copy would stay with CUDA's callback thread and, if

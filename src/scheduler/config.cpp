@@ -554,6 +554,10 @@ void parse_zero(const Section& top, EngineConfig& c) {
   if (gdev == "nvme") {
     // The gradients swap beside the optimizer state (they are read with it), else beside the
     // weights: no directory of their own.
+    STRATA_REQUIRE(c.stage == 3,
+                   "config key '{}' is \"nvme\" with zero_optimization.stage {}: NVMe offload needs stage 3 (set "
+                   "stage 3 and put the optimizer state or the parameters on NVMe, or set {} \"cpu\")",
+                   z.key_path("offload_grads"), c.stage, z.key_path("offload_grads"));
     STRATA_REQUIRE(odev == "nvme" || pdev == "nvme",
                    "config key '{}' is \"nvme\", but neither offload_optimizer.device nor offload_param.device is "
                    "\"nvme\": gradient shards go under the optimizer's nvme_path (or the parameters'); put one of "

@@ -95,6 +95,17 @@ std::string state_file(const std::string& dir, int rank, const char* ext) {
 }
 
 
+// Every handle settled, then the first error thrown.
+void wait_all(const std::vector<IoHandle>& hs) {
+  std::exception_ptr err;
+  for (const IoHandle& h : hs) try {
+      h.wait();
+    } catch (...) {
+      if (!err) err = std::current_exception();
+    }
+  if (err) std::rethrow_exception(err);
+}
+
 // One bucket of an NVMe-tier gradient on its way out (Engine::reduce_grad): the writes its
 // host function on the comm stream issued, and that stream's event after it.
 struct GradIo {
@@ -104,7 +115,7 @@ struct GradIo {
   // stream's, thrown by its synchronize).
   void wait() const {
     queued.synchronize();
-    for (const IoHandle& h : writes) h.wait();
+    wait_all(writes);
   }
 };
 
@@ -345,10 +356,16 @@ struct Engine::Impl {
   // each named by its first element.
   std::vector<detail::Range> grad_pieces(detail::Range r) const { return detail::grad_pieces(r, sg, bucket_share); }
   static std::string g_key(std::size_t u, std::size_t first) { return fmt::format("g{}@{}", u, first); }
-  // Waits for unit u's gradient writes (before its keys are read, or the step reads them).
+  // Waits for unit u's gradient writes (before its keys are read, or the step reads them): all
+  // of them, then the first error (once: they are not waited for again).
   void settle_grad_io(Unit& u) {
-    for (const auto& io : u.g_io) io->wait();
-    u.g_io.clear();
+    std::exception_ptr err;
+    for (const auto& io : std::exchange(u.g_io, {})) try {
+        io->wait();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    if (err) std::rethrow_exception(err);
   }
   // Reads `r` of unit ui's NVMe-tier gradient (a sub-group) into `dst` (pinned, r.size floats);
   // zeros when it has none this step. The handles settle before `dst` may be freed.
@@ -365,16 +382,6 @@ struct Engine::Impl {
       st.nvme_read_bytes += p.size * 4;
     }
     return reads;
-  }
-  // Every handle settled, then the first error thrown.
-  static void wait_all(const std::vector<IoHandle>& hs) {
-    std::exception_ptr err;
-    for (const IoHandle& h : hs) try {
-        h.wait();
-      } catch (...) {
-        if (!err) err = std::current_exception();
-      }
-    if (err) std::rethrow_exception(err);
   }
   // Bucket `r` of unit ui's reduced gradient (`part`, on the device, in the comm stream's order)
   // to its NVMe keys: copied to pinned staging, added to what the keys hold (read back, unless it
@@ -1235,16 +1242,8 @@ void Engine::finalize() {
     so.config_key = key;
     return so;
   };
-  // One store where two pieces name the same directories ("/nvme" and "/nvme/", or a link to
-  // it, too): two stores on one directory would share its rank<N>/ (the store refuses that).
-  const auto same_dirs = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
-    if (a.size() != b.size()) return false;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      std::error_code ec;
-      if (a[i] != b[i] && !std::filesystem::equivalent(a[i], b[i], ec)) return false;
-    }
-    return true;
-  };
+  // One store where two pieces name the same directories (detail::same_dirs).
+  using detail::same_dirs;
   if (w_nvme) s.w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "zero_optimization.offload_param.nvme_path"));
   if (o_nvme) {
     if (s.w_store && same_dirs(cfg.optimizer_nvme_paths, cfg.param_nvme_paths)) {
@@ -1260,10 +1259,7 @@ void Engine::finalize() {
     } else if (s.w_store && same_dirs(cfg.grad_nvme_paths, cfg.param_nvme_paths)) {
       s.g_store = s.w_store.get();
     } else {
-      s.g_store_own = std::make_unique<SwapStore>(
-          store_options(cfg.grad_nvme_paths, cfg.grad_nvme_paths == cfg.optimizer_nvme_paths
-                                                 ? "zero_optimization.offload_optimizer.nvme_path"
-                                                 : "zero_optimization.offload_param.nvme_path"));
+      s.g_store_own = std::make_unique<SwapStore>(store_options(cfg.grad_nvme_paths, detail::grad_nvme_path_key(cfg)));
       s.g_store = s.g_store_own.get();
     }
   }
@@ -1795,7 +1791,7 @@ StepResult Engine::step(float lr) {
         for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
           const detail::Range r = s.range(u, gi);
           auto staging = s.pinned(SwapStore::padded_bytes(r.size * 4));
-          Impl::wait_all(s.read_grad(ui, r, staging));
+          wait_all(s.read_grad(ui, r, staging));
           os.copy(g_tmp.ref(r.first * 4, r.size * 4), host_ref(staging->data(), r.size * 4));
           os.synchronize();
           s.st.h2d_bytes += r.size * 4;
@@ -1879,7 +1875,7 @@ StepResult Engine::step(float lr) {
       if (u.g_tier == Tier::kHost) {
         sh.grads = host_tensor(static_cast<const float*>(u.g_host->data()) + a, DType::kF32, len);
       } else if (u.g_tier == Tier::kNvme) {
-        Impl::wait_all(rd.grad_reads);
+        wait_all(rd.grad_reads);
         g_stage = rd.grad;
         sh.grads = host_tensor(g_stage->data(), DType::kF32, len);
       } else {
@@ -2108,7 +2104,10 @@ void Engine::load_state(const std::string& dir) {
     } else if (u.g_tier == Tier::kHost) {
       std::memset(u.g_host->data(), 0, u.shard * 4);
     } else {
-      s.settle_grad_io(u);
+      try {
+        s.settle_grad_io(u);  // (what they wrote is dropped: a write error does not matter now)
+      } catch (const Error&) {
+      }
       u.g_fresh = true;
     }
   }

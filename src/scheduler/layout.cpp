@@ -1,6 +1,7 @@
 #include "scheduler/layout.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "strata/error.h"
 
@@ -18,6 +19,15 @@ std::uint64_t sub_group_elems(const EngineConfig& c) {
 std::uint64_t bucket_share_elems(const EngineConfig& c, int world) {
   const std::uint64_t share = c.reduce_bucket_size / std::uint64_t(std::max(1, world));
   return std::max<std::uint64_t>(kShardAlign, share / kShardAlign * kShardAlign);
+}
+
+bool same_dirs(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    std::error_code ec;
+    if (a[i] != b[i] && !std::filesystem::equivalent(a[i], b[i], ec)) return false;
+  }
+  return true;
 }
 
 std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world) {

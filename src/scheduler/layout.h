@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "strata/engine_config.h"
@@ -101,6 +102,19 @@ struct UnitLayout {
   // in order by its first byte. `w` is kDevice for a persistent unit.
   Tier w = Tier::kDevice, g = Tier::kDevice, o = Tier::kDevice;
 };
+
+// Whether two nvme_path lists name the same directories, however spelled ("/nvme" and "/nvme/",
+// a link to it): the engine keeps one swap store for them (two on one directory would share its
+// rank<N>/, which the store refuses), and the plan rounds their files up as one.
+bool same_dirs(const std::vector<std::string>& a, const std::vector<std::string>& b);
+
+// The config key the gradients' NVMe directories came from (parse_engine_config: the optimizer's
+// nvme_path when it is on NVMe, else the parameters'), to name in a store's errors.
+inline const char* grad_nvme_path_key(const EngineConfig& c) {
+  const bool optimizer = c.grad_nvme_paths == c.optimizer_nvme_paths && c.optimizer.nvme_fraction() > 1e-12;
+  return optimizer || c.grad_nvme_paths != c.param_nvme_paths ? "zero_optimization.offload_optimizer.nvme_path"
+                                                              : "zero_optimization.offload_param.nvme_path";
+}
 
 // Refuses gradient shards on NVMe without a directory for them (EngineConfig::grad_nvme_paths).
 std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world);

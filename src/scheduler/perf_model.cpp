@@ -573,11 +573,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         // the bucket comes over; added, its squares summed, written behind.
         const double rd =
             first_micro_batch ? h : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len), "read grad " + name(i));
-        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
         t = std::max(t, rd);
         if (!first_micro_batch)
           t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores);
-        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps), "norm " + name(i), all_cores);
+        // cpu::SumSquares is serial: one core's share of the (all-core) rate.
+        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores), "norm " + name(i), 1);
         grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps), "write grad " + name(i)));
         grad_writes = std::max(grad_writes, grad_nvme.back());
       } else if (first_micro_batch) {  // straight into the accumulator

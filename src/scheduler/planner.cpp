@@ -185,7 +185,8 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
   // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
   const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
   bool staging_r = false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
-  if (grad_tiers[0] < total_shard * 4 || host_optimizer) {
+  // (Not for NVMe gradients: their staging is its own line below.)
+  if (grad_tiers[1] > 0 || (host_optimizer && grad_tiers[0] > 0)) {
     // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
     // device gradient staged for the host optimizer
     const std::uint64_t E = std::max(2 * R, host_optimizer && grad_tiers[0] > 0 ? S : 0);
@@ -245,7 +246,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     const auto put = [&](const std::vector<std::string>& paths, std::uint64_t bytes) {
       if (bytes == 0) return;
       for (auto& [p, n] : stores)
-        if (p == paths) {
+        if (detail::same_dirs(p, paths)) {
           n += bytes;
           return;
         }
@@ -462,10 +463,7 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
   };
   if (params) use(config.param_nvme_paths, "zero_optimization.offload_param.nvme_path");
   if (optimizer) use(config.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path");
-  if (grads)
-    use(config.grad_nvme_paths, config.grad_nvme_paths == config.optimizer_nvme_paths
-                                    ? "zero_optimization.offload_optimizer.nvme_path"
-                                    : "zero_optimization.offload_param.nvme_path");
+  if (grads) use(config.grad_nvme_paths, detail::grad_nvme_path_key(config));
   return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node));
 }
 
