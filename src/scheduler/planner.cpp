@@ -29,8 +29,9 @@
 //     many buckets, which is then reduce-scattered bucket by bucket), R * 4 and the bucket's
 //     input gathered side by side, W * R * 4.
 //   - Pinned host staging:
-//       gradient D2H: 2 * R * 4 (double-buffered), whenever gradients or optimizer state leave
-//         the device (the host optimizer reads its gradients on the host);
+//       gradient D2H: 2 * R * 4 (double-buffered), when any gradient shard is on the host, or
+//         the larger of that and S * 4 when the host optimizer has device gradients (it reads
+//         them on the host, a sub-group at a time);
 //       gradient NVMe staging: 2 * 2 * R * 4 when any gradient shard is on NVMe (two buckets in
 //         flight, each its copy from the device and what its keys held, read back to add to);
 //       gradient swap buffers: 2 * S * 4 in whole pages, the same (a sub-group's gradient read
