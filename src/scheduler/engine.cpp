@@ -367,8 +367,8 @@ struct Engine::Impl {
       }
     if (err) std::rethrow_exception(err);
   }
-  // Reads `r` of unit ui's NVMe-tier gradient (a sub-group) into `dst` (pinned, r.size floats);
-  // zeros when it has none this step. The handles settle before `dst` may be freed.
+  // Reads `r` of unit ui's NVMe-tier gradient (a sub-group, or a bucket to add to) into `dst`
+  // (pinned, r.size floats); zeros when it has none this step. `dst` lives until they settle.
   std::vector<IoHandle> read_grad(std::size_t ui, detail::Range r, const std::shared_ptr<PinnedBlock>& dst) {
     Unit& u = units[ui];
     std::vector<IoHandle> reads;
@@ -406,11 +406,7 @@ struct Engine::Impl {
     std::vector<IoHandle> reads;
     if (!fresh) {
       acc = pinned(bytes);
-      for (const detail::Range p : grad_pieces(r)) {
-        reads.push_back(g_store->read(g_key(ui, p.first), static_cast<float*>(acc->data()) + (p.first - r.first), p.size * 4));
-        reads.back().on_complete([acc](std::exception_ptr) {});
-        st.nvme_read_bytes += p.size * 4;
-      }
+      reads = read_grad(ui, r, acc);
     }
     cs.copy(host_ref(in->data(), bytes), part.mem);
     st.d2h_bytes += bytes;
