@@ -11,9 +11,13 @@
 #include <future>
 #include <set>
 #include <random>
+#include <optional>
 #include <thread>
 
 #include <gtest/gtest.h>
+
+#include "cpu/cpu_kernels.h"
+#include "cpu/gemm_path.h"
 
 #include "strata/adamw.h"
 #include "strata/device.h"
@@ -883,36 +887,61 @@ struct MatmulCase {
   float alpha, beta;
 };
 
+// The routes a CPU backend's matmul of `in` operands can take on this host (cpu/gemm_path.h):
+// widened to fp32 (bf16, fp16), and oneDNN's own where it has one. CUDA: one, as it is.
+std::vector<std::optional<cpu::GemmRoute>> gemm_routes(const Backend& b, DType in) {
+  if (b.cuda || in == DType::kF32) return {std::nullopt};
+  std::vector<std::optional<cpu::GemmRoute>> r{cpu::GemmRoute::kWidened};
+  if (cpu::gemm_native_available(in)) r.push_back(cpu::GemmRoute::kNative);
+  return r;
+}
+
+// Runs `in`'s CPU matmuls on `route` while it lives (none: as they are).
+struct GemmRouteScope {
+  GemmRouteScope(DType in, std::optional<cpu::GemmRoute> route) : in(in), was(cpu::gemm_route(in)) {
+    if (route) cpu::set_gemm_route(in, *route);
+  }
+  ~GemmRouteScope() { cpu::set_gemm_route(in, was); }
+  DType in;
+  cpu::GemmRoute was;
+};
+
+// Every operand dtype on every route this host has: fp32, bf16 and fp16 operands, fp32 or bf16
+// out, bf16 and fp16 both widened to fp32 and (where oneDNN has it) native.
 TEST_P(DeviceTest, MatmulAgainstDoubleReference) {
   const MatmulCase cases[] = {{1, 1, 1, false, false, 1, 0},     {7, 13, 5, false, false, 1, 0},
                               {33, 17, 65, true, false, 1, 0},   {64, 48, 80, false, true, 1, 0},
                               {31, 29, 37, true, true, 0.5f, 0}, {19, 23, 129, false, false, 1.5f, 0.25f}};
-  for (DType in : {DType::kF32, DType::kBF16}) {
-    for (DType out : {DType::kF32, DType::kBF16}) {
-      for (const auto& c : cases) {
-        SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " m" << c.m
-                                          << " n" << c.n << " k" << c.k << " ta" << c.ta << " tb" << c.tb);
-        const auto a = random_floats(c.m * c.k, c.m * 7 + c.k);
-        const auto b = random_floats(c.k * c.n, c.n * 11 + c.k);
-        const auto c0 = random_floats(c.m * c.n, c.m + c.n);
-        Buffer ba = upload(a, in), bb = upload(b, in), bc = upload(c0, out);
-        MatmulDesc d{c.m, c.n, c.k, c.ta, c.tb, c.alpha, c.beta, tensor(ba, in), tensor(bb, in), tensor(bc, out)};
-        s->matmul(d);
-        const auto got = download(bc, out, c.m * c.n);
-        for (std::int64_t i = 0; i < c.m; ++i) {
-          for (std::int64_t j = 0; j < c.n; ++j) {
-            double ref = 0, mag = 0;
-            for (std::int64_t p = 0; p < c.k; ++p) {
-              const double av = as_stored(in, a[c.ta ? p * c.m + i : i * c.k + p]);
-              const double bv = as_stored(in, b[c.tb ? j * c.k + p : p * c.n + j]);
-              ref += av * bv;
-              mag += std::fabs(av * bv);
+  for (DType in : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const auto route : gemm_routes(GetParam(), in)) {
+      const GemmRouteScope scope(in, route);
+      for (DType out : {DType::kF32, DType::kBF16}) {
+        for (const auto& c : cases) {
+          SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " m" << c.m << " n" << c.n
+                                            << " k" << c.k << " ta" << c.ta << " tb" << c.tb << " route "
+                                            << (route ? cpu::gemm_route_name(*route) : "as is"));
+          const auto a = random_floats(c.m * c.k, c.m * 7 + c.k);
+          const auto b = random_floats(c.k * c.n, c.n * 11 + c.k);
+          const auto c0 = random_floats(c.m * c.n, c.m + c.n);
+          Buffer ba = upload(a, in), bb = upload(b, in), bc = upload(c0, out);
+          MatmulDesc d{c.m, c.n, c.k, c.ta, c.tb, c.alpha, c.beta, tensor(ba, in), tensor(bb, in), tensor(bc, out)};
+          s->matmul(d);
+          const auto got = download(bc, out, c.m * c.n);
+          for (std::int64_t i = 0; i < c.m; ++i) {
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              double ref = 0, mag = 0;
+              for (std::int64_t p = 0; p < c.k; ++p) {
+                const double av = as_stored(in, a[c.ta ? p * c.m + i : i * c.k + p]);
+                const double bv = as_stored(in, b[c.tb ? j * c.k + p : p * c.n + j]);
+                ref += av * bv;
+                mag += std::fabs(av * bv);
+              }
+              const double cv = as_stored(out, c0[i * c.n + j]);
+              ref = c.alpha * ref + c.beta * cv;
+              mag = std::fabs(c.alpha) * mag + std::fabs(c.beta * cv);
+              const double tol = 1e-5 * mag + (out == DType::kBF16 ? std::fabs(ref) / 128 : 0) + 1e-6;
+              ASSERT_NEAR(got[i * c.n + j], ref, tol) << "at " << i << "," << j;
             }
-            const double cv = as_stored(out, c0[i * c.n + j]);
-            ref = c.alpha * ref + c.beta * cv;
-            mag = std::fabs(c.alpha) * mag + std::fabs(c.beta * cv);
-            const double tol = 1e-5 * mag + (out == DType::kBF16 ? std::fabs(ref) / 128 : 0) + 1e-6;
-            ASSERT_NEAR(got[i * c.n + j], ref, tol) << "at " << i << "," << j;
           }
         }
       }
@@ -1091,6 +1120,89 @@ TEST_P(DeviceTest, AdamWOutOfPlaceMatchesInPlaceAndKeepsSources) {
     EXPECT_THROW(s->adamw(bad), Error);
   }
 }
+
+#ifndef STRATA_TEST_CUDA
+// A widened matmul (bf16 or fp16 operands on the fp32 GEMM), and a bf16 output of an fp32 one,
+// run in blocks of C whose widened operands and fp32 accumulator fit the Matmul's scratch: a
+// 4 KiB scratch cuts these products into many blocks, with every transpose and with beta, and each
+// still sums over the whole of k once in fp32 (against the double reference, as above; and
+// within one bf16 rounding of an unblocked Matmul's result).
+TEST(CpuMatmul, WidenedInBlocksOfABoundedScratch) {
+  const std::int64_t m = 37, n = 53, k = 29;
+  constexpr std::size_t kStage = 4096;
+  const cpu::MatmulBlocks blk = cpu::matmul_blocks(m, n, k, true, true, kStage);
+  ASSERT_LT(blk.rows, m);
+  ASSERT_LT(blk.cols, n);
+  EXPECT_LE(std::size_t(blk.rows * k + k * blk.cols + blk.rows * blk.cols) * 4, kStage);
+  EXPECT_EQ(cpu::matmul_blocks(m, n, k, true, true, cpu::Matmul::kStageBytes).rows, m);  // fits whole
+  cpu::Matmul small(kStage), whole;
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> u(-2, 2);
+  auto randv = [&](std::int64_t count) {
+    std::vector<float> v(static_cast<std::size_t>(count));
+    for (float& x : v) x = u(rng);
+    return v;
+  };
+  auto stored = [](DType t, const std::vector<float>& v) {
+    std::vector<std::uint8_t> b(v.size() * dtype_size(t));
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (t == DType::kF32) std::memcpy(b.data() + 4 * i, &v[i], 4);
+      else {
+        const std::uint16_t h = t == DType::kBF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
+        std::memcpy(b.data() + 2 * i, &h, 2);
+      }
+    }
+    return b;
+  };
+  auto value = [](DType t, const std::vector<std::uint8_t>& b, std::size_t i) -> double {
+    if (t == DType::kF32) {
+      float f;
+      std::memcpy(&f, b.data() + 4 * i, 4);
+      return f;
+    }
+    std::uint16_t h;
+    std::memcpy(&h, b.data() + 2 * i, 2);
+    return t == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+  };
+  for (DType in : {DType::kBF16, DType::kF16, DType::kF32}) {
+    const GemmRouteScope scope(in, in == DType::kF32 ? std::nullopt : std::optional(cpu::GemmRoute::kWidened));
+    for (DType out : {DType::kF32, DType::kBF16}) {
+      if (in == DType::kF32 && out == DType::kF32) continue;  // nothing staged: oneDNN straight
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = t & 1, tb = t & 2;
+        const float alpha = 0.75f, beta = 0.5f;
+        SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " ta" << ta << " tb" << tb);
+        const auto a = stored(in, randv(m * k)), b = stored(in, randv(k * n)), c0 = stored(out, randv(m * n));
+        auto c_small = c0, c_whole = c0;
+        auto desc = [&](std::vector<std::uint8_t>& c) {
+          return MatmulDesc{m, n, k, ta, tb, alpha, beta, host_tensor(a.data(), in, std::size_t(m * k)),
+                            host_tensor(b.data(), in, std::size_t(k * n)), host_tensor(c.data(), out, std::size_t(m * n))};
+        };
+        small.run(desc(c_small));
+        whole.run(desc(c_whole));
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            double ref = 0, mag = 0;
+            for (std::int64_t p = 0; p < k; ++p) {
+              const double av = value(in, a, std::size_t(ta ? p * m + i : i * k + p));
+              const double bv = value(in, b, std::size_t(tb ? j * k + p : p * n + j));
+              ref += av * bv;
+              mag += std::fabs(av * bv);
+            }
+            const double cv = value(out, c0, std::size_t(i * n + j));
+            ref = alpha * ref + beta * cv;
+            mag = alpha * mag + std::fabs(beta * cv);
+            const double bf16_ulp = out == DType::kBF16 ? std::fabs(ref) / 128 : 0;
+            const std::size_t at = std::size_t(i * n + j);
+            ASSERT_NEAR(value(out, c_small, at), ref, 1e-5 * mag + bf16_ulp + 1e-6) << "at " << i << "," << j;
+            ASSERT_NEAR(value(out, c_small, at), value(out, c_whole, at), 1e-5 * mag + bf16_ulp) << "at " << i << "," << j;
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceTest, ::testing::ValuesIn(backends()),
                          [](const ::testing::TestParamInfo<Backend>& p) { return p.param.name; });

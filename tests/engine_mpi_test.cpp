@@ -31,9 +31,15 @@ struct Run {
   std::uint64_t fetches = 0;  // fetched or prefetched
 };
 
+// Adam's eps is 1e-4 here, not 1e-8: AdamW's first update is lr * g / (|g| + eps), so with a tiny
+// eps an element whose gradient nearly cancels (8 products summing to ~1e-8) moves by a visible
+// amount for a last-bit change of its sum. N ranks and one rank sum a gradient in different orders
+// (the GEMM library's blocking decides one of them, and oneDNN's AVX2 and AVX-512 kernels block
+// differently), so the comparisons below would depend on the data's luck, not on the engine.
 Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
           int steps, int accum) {
   cfg.gradient_accumulation_steps = accum;
+  cfg.adamw.eps = 1e-4f;
   Engine e(dev, comm, cfg);
   model.register_units(e);
   e.finalize();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
+#include "cpu/gemm_path.h"
 #include "cpu/model_simd.h"
 #include "strata/adamw.h"
 #include "strata/dtype.h"
@@ -272,7 +273,17 @@ TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
                                    sh.hd, scale);
     cpu::attention_backward<double>(qkvd_.data(), ro.data(), doutd.data(), rlse.data(),
                                     rdqkv.data(), sh.b, sh.t, sh.nh, sh.nkv, sh.hd, scale);
-    for (bool bf16 : {false, true}) {
+    // bf16 on every route this host has: widened to oneDNN's fp32 GEMM, and oneDNN's own bf16.
+    std::vector<std::pair<bool, cpu::GemmRoute>> runs{{false, cpu::GemmRoute::kNative},
+                                                      {true, cpu::GemmRoute::kWidened}};
+    if (cpu::gemm_native_available(DType::kBF16)) runs.emplace_back(true, cpu::GemmRoute::kNative);
+    for (const auto& [bf16, route] : runs) {
+      const cpu::GemmRoute was = cpu::gemm_route(DType::kBF16);
+      if (bf16) cpu::set_gemm_route(DType::kBF16, route);
+      struct Restore {
+        cpu::GemmRoute r;
+        ~Restore() { cpu::set_gemm_route(DType::kBF16, r); }
+      } restore{was};
       std::vector<float> o(n * qd), lse(rlse.size()), dqkv(n * qkvd, NAN);
       std::vector<bf16_t> ob(n * qd);
       cpu::attention_forward_fast(qkv.data(), o.data(), ob.data(), lse.data(), sh.b, sh.t, sh.nh,
@@ -281,7 +292,7 @@ TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
                                    sh.t, sh.nh, sh.nkv, sh.hd, scale, bf16);
       const std::string what = "b" + std::to_string(sh.b) + " t" + std::to_string(sh.t) + " nh" +
                                std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) +
-                               (bf16 ? " bf16" : " fp32");
+                               (bf16 ? std::string(" bf16 ") + cpu::gemm_route_name(route) : " fp32");
       // bf16: q, k, v, P, dO and dS are each rounded once (2^-9); the errors of S feed exp and
       // those of P and dS feed sums over keys. Measured worst 4.4e-3 (o), 4.1e-3 (dqkv).
       std::printf("[ attention] %s: o %.1e lse %.1e dqkv %.1e\n", what.c_str(), rel_err(o, ro),
@@ -297,6 +308,35 @@ TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
       EXPECT_EQ(std::memcmp(dqkv.data(), dqkv2.data(), dqkv.size() * 4), 0) << what;
     }
   }
+}
+
+// A oneDNN primitive that fails inside the attention's OpenMP team (here a failure injected into
+// every product) comes out of the call as a strata::Error naming the product, not as
+// std::terminate; the next call, with nothing injected, runs and is right.
+TEST_P(ModelKernels, AFailingPrimitiveInTheAttentionIsAClearError) {
+  // 4 tasks of enough work for the OpenMP team to take them in parallel.
+  const i64 b = 2, t = 97, nh = 4, nkv = 2, hd = 13, n = b * t, qkvd = (nh + 2 * nkv) * hd;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const std::vector<float> qkv = randn(n * qkvd, 21);
+  std::vector<float> o(n * nh * hd), lse(b * nh * t);
+  for (bool bf16 : {false, true}) {
+    cpu::fail_attention_gemms_for_testing(1000);
+    try {
+      cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd, scale, bf16);
+      ADD_FAILURE() << "the injected failure did not come out";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+      EXPECT_NE(std::string(e.what()).find("attention: oneDNN matmul"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("a failure injected by a test"), std::string::npos) << e.what();
+    }
+    cpu::fail_attention_gemms_for_testing(0);
+  }
+  const std::vector<double> qkvd_ = wide(qkv);
+  std::vector<double> ro(o.size()), rlse(lse.size());
+  cpu::attention_forward<double>(qkvd_.data(), ro.data(), rlse.data(), b, t, nh, nkv, hd, scale);
+  cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd, scale, false);
+  EXPECT_LT(rel_err(o, ro), 2e-6);
+  EXPECT_LT(rel_err(lse, rlse), 2e-6);
 }
 
 // cpu::sum_squares (the gradient norm, hence clipping) has one order of additions on every

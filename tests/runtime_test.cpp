@@ -10,12 +10,15 @@
 #include <string>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "cpu/cpu_info.h"
 #include "gpu/gpu_info.h"
 #include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -178,6 +181,70 @@ TEST(Runtime, HostFactsAreSane) {
     EXPECT_EQ(flags.find(" f16c ") != std::string::npos, std::count(isa.begin(), isa.end(), "f16c") > 0);
   }
 #endif
+}
+
+// strata-info's JSON ("host") of a run with `env`, or the run itself when it failed.
+nlohmann::json info_host(const std::vector<std::pair<std::string, std::string>>& env, testing::Result* r = nullptr) {
+  testing::TempDir d("strata-info");
+  const testing::Result got = testing::run(STRATA_INFO_BIN, {"--json"}, d.path, "info", env);
+  if (r) *r = got;
+  if (got.status != 0) return {};
+  const std::string& out = got.out;
+  const auto start = out.rfind("\n{");
+  return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1))["host"];
+}
+
+// STRATA_CPU_ISA caps every CPU dispatcher at once, as strata-info reports them: AdamW, the model's
+// row kernels and oneDNN (whose bf16 matmul Debian's oneDNN has only from AVX-512: below it the
+// bf16 GEMMs are widened to fp32). Without the cap, the paths are the widest the CPU has. A bad
+// value is one line naming the variable, before anything else is printed.
+TEST(Runtime, StrataCpuIsaCapsEveryPathStrataInfoReports) {
+  // The user's own oneDNN cap would win over ours: this test sets none.
+  const std::vector<std::pair<std::string, std::string>> clean{{"ONEDNN_MAX_CPU_ISA", ""}, {"DNNL_MAX_CPU_ISA", ""},
+                                                                {"STRATA_ADAMW_ISA", ""}, {"STRATA_MODEL_ISA", ""}};
+  auto with = [&](const char* cap) {
+    auto env = clean;
+    env.emplace_back("STRATA_CPU_ISA", cap);
+    return env;
+  };
+  const nlohmann::json free = info_host(with(""));
+  ASSERT_TRUE(free.is_object());
+  EXPECT_EQ(free["isa_cap"], "auto");
+  const auto features = cpu::cpu_isa_features();
+  const bool has512 = std::count(features.begin(), features.end(), "avx512bw") > 0;
+  const bool has2 = std::count(features.begin(), features.end(), "avx2") > 0;
+  EXPECT_EQ(free["adamw_isa"], has512 ? "avx512" : has2 ? "avx2" : "scalar") << free.dump();
+  EXPECT_EQ(free["model_kernels_isa"], free["adamw_isa"]);
+  for (const char* dt : {"fp32", "bf16", "fp16"}) {
+    ASSERT_TRUE(free["gemm"].contains(dt)) << free.dump();
+    EXPECT_FALSE(free["gemm"][dt]["impl"].get<std::string>().empty()) << dt;
+  }
+  EXPECT_EQ(free["gemm"]["fp32"]["route"], "oneDNN native");
+
+  for (const char* cap : {"avx2", "scalar"}) {
+    SCOPED_TRACE(cap);
+    const nlohmann::json h = info_host(with(cap));
+    ASSERT_TRUE(h.is_object());
+    EXPECT_EQ(h["isa_cap"], cap);
+    const std::string want = std::string(cap) == "avx2" && has2 ? "avx2" : "scalar";
+    EXPECT_EQ(h["adamw_isa"], want) << h.dump();
+    EXPECT_EQ(h["model_kernels_isa"], want) << h.dump();
+    const std::string onednn = h["onednn_isa"];
+    EXPECT_FALSE(onednn.starts_with("avx512")) << onednn;
+    if (std::string(cap) == "scalar") EXPECT_EQ(onednn, "sse41");
+    // oneDNN 2.x has no bf16 or fp16 matmul below AVX-512: both widened.
+    EXPECT_EQ(h["gemm"]["bf16"]["route"], "widened to fp32") << h.dump();
+    EXPECT_EQ(h["gemm"]["fp16"]["route"], "widened to fp32") << h.dump();
+    EXPECT_EQ(h["gemm"]["fp32"]["route"], "oneDNN native") << h.dump();
+  }
+  testing::Result r;
+  auto bad = with("avx3");
+  EXPECT_TRUE(info_host(bad, &r).is_null());
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "strata-info: invalid argument: STRATA_CPU_ISA='avx3' is not one of auto, avx512, avx2, scalar: "
+                   "unset it or pick one\n");
+  EXPECT_NE(r.out.find("\"error\""), std::string::npos) << r.out;  // --json's error object, and nothing before it
+  EXPECT_EQ(r.out.find("cpu:"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -450,8 +450,7 @@ void run(const Args& a) {
     } catch (const Error&) {
       STRATA_THROW(kInvalidArgument, "--adamw-isa '{}': use auto, avx512, avx2 or scalar", a.adamw_isa);
     }
-    STRATA_REQUIRE(isa_supported(isa), "--adamw-isa {} needs {}, which this CPU lacks; use auto", a.adamw_isa,
-                   isa_requirements(isa));
+    STRATA_REQUIRE(isa_supported(isa), "--adamw-isa {}: {}; use auto", a.adamw_isa, isa_unavailable(isa));
     for (Regime& r : chosen) r.adamw_isa = isa;
   }
   // The drive to use: a typo must not put the swap files somewhere else (nor create folders).

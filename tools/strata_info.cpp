@@ -62,6 +62,16 @@ json report_cpu() {
   const std::string model = cpu::cpu_model();
   const auto isa = cpu::cpu_isa_features();
   std::printf("cpu: %s\n  isa: %s\n", model.c_str(), isa.empty() ? "(none of interest)" : join(isa, " ").c_str());
+  // The paths taken (STRATA_CPU_ISA caps them all) and how each GEMM dtype runs.
+  const cpu::CpuPaths paths = cpu::cpu_paths();
+  std::printf("  paths: AdamW %s, model kernels %s, oneDNN %s (%s)\n", paths.adamw.c_str(), paths.model.c_str(),
+              paths.onednn.c_str(),
+              paths.cap == "auto" ? "the widest this CPU has" : ("capped by STRATA_CPU_ISA=" + paths.cap).c_str());
+  json gemms = json::object();
+  for (const auto& g : paths.gemms) {
+    std::printf("  gemm %s: %s (%s)\n", g.dtype.c_str(), g.route.c_str(), g.impl.c_str());
+    gemms[g.dtype] = {{"route", g.route}, {"impl", g.impl}};
+  }
   json nodes = json::array();
   std::printf("numa:\n");
   for (const auto& n : cpu::numa_nodes()) {
@@ -79,6 +89,11 @@ json report_cpu() {
   return {{"cpu_model", model},
           {"omp_wait_policy", wait ? wait : ""},
           {"isa_features", isa},
+          {"isa_cap", paths.cap},
+          {"adamw_isa", paths.adamw},
+          {"model_kernels_isa", paths.model},
+          {"onednn_isa", paths.onednn},
+          {"gemm", gemms},
           {"numa_nodes", nodes},
           {"huge_pages",
            {{"hugetlb_page_bytes", h.hugetlb_page_bytes},

@@ -215,8 +215,8 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       std::vector<std::uint16_t> out16(n);
       // The path the engine will run (strata.optimizer_isa).
       STRATA_REQUIRE(isa_supported(base.optimizer_isa),
-                     "config key 'strata.optimizer_isa' = \"{}\" needs {}, which this CPU lacks; use \"auto\"",
-                     isa_name(base.optimizer_isa), isa_requirements(base.optimizer_isa));
+                     "config key 'strata.optimizer_isa' = \"{}\": {}; use \"auto\"",
+                     isa_name(base.optimizer_isa), isa_unavailable(base.optimizer_isa));
       CpuAdamW adam({.isa = base.optimizer_isa});
       AdamWOptions o;
       AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),

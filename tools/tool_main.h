@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_config.h"
+#include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 
@@ -92,6 +93,7 @@ template <class Body>
 int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
   try {
     app.parse(argc, argv);
+    cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
     return body();
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help

@@ -24,11 +24,20 @@ enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
 const char* isa_name(Isa isa);
 // "auto", "avx512", "avx2", "scalar"; throws naming the allowed values otherwise.
 Isa parse_isa(std::string_view name);
-// Whether this CPU can run `isa` (kAuto and kScalar: always). kAvx512 needs avx512f/bw/vl,
-// kAvx2 needs avx2, fma and f16c.
+// The widest CPU path strata may take, from STRATA_CPU_ISA: kAuto (unset or "auto": no cap),
+// kAvx512, kAvx2 or kScalar. Every CPU dispatcher keeps at or below it (AdamW, the model's row
+// kernels, and oneDNN's GEMMs through oneDNN's own maximum ISA, see cpu/gemm_path.h), so a host
+// with AVX-512 can prove the AVX2 and scalar paths. Read once per process; an unknown value
+// throws naming the variable and its values.
+Isa cpu_isa_cap();
+// Whether strata may run `isa` here (kAuto and kScalar: always): the CPU has it (kAvx512 needs
+// avx512f/bw/vl, kAvx2 needs avx2, fma and f16c) and STRATA_CPU_ISA does not cap it away.
 bool isa_supported(Isa isa);
 // The CPU features `isa` needs, in words ("nothing" for kAuto and kScalar).
 const char* isa_requirements(Isa isa);
+// Why isa_supported(isa) is false, in words ("this CPU lacks avx2, fma and f16c", or
+// "STRATA_CPU_ISA=avx2 caps strata's CPU paths below it"); empty when it is supported.
+std::string isa_unavailable(Isa isa);
 // The path a CpuAdamW with Isa::kAuto takes: STRATA_ADAMW_ISA when set (an error if this CPU
 // lacks it), else the best the CPU supports.
 Isa adamw_selected_isa();

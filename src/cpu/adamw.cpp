@@ -126,7 +126,9 @@ Isa parse_isa(std::string_view name) {
                name);
 }
 
-bool isa_supported(Isa isa) {
+namespace {
+
+bool cpu_runs(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:
       return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl");
@@ -135,6 +137,37 @@ bool isa_supported(Isa isa) {
     default:
       return true;
   }
+}
+
+// Paths from the widest down; a cap allows itself and what follows it.
+int width(Isa isa) { return isa == Isa::kAvx512 ? 2 : isa == Isa::kAvx2 ? 1 : 0; }
+
+Isa read_cap() {
+  const char* env = std::getenv("STRATA_CPU_ISA");
+  if (env == nullptr || *env == '\0') return Isa::kAuto;
+  for (Isa i : {Isa::kAuto, Isa::kAvx512, Isa::kAvx2, Isa::kScalar})
+    if (std::string_view(env) == isa_name(i)) return i;
+  STRATA_THROW(kInvalidArgument, "STRATA_CPU_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or pick one",
+               env);
+}
+
+}  // namespace
+
+Isa cpu_isa_cap() {
+  static const Isa cap = read_cap();
+  return cap;
+}
+
+bool isa_supported(Isa isa) {
+  if (isa == Isa::kAuto || isa == Isa::kScalar) return true;
+  const Isa cap = cpu_isa_cap();
+  return cpu_runs(isa) && (cap == Isa::kAuto || width(isa) <= width(cap));
+}
+
+std::string isa_unavailable(Isa isa) {
+  if (isa_supported(isa)) return {};
+  if (!cpu_runs(isa)) return fmt::format("this CPU lacks {}", isa_requirements(isa));
+  return fmt::format("STRATA_CPU_ISA={} caps strata's CPU paths below it", isa_name(cpu_isa_cap()));
 }
 
 bool adamw_native_bf16() { return isa_supported(Isa::kAvx512) && cpu_has("avx512bf16"); }
@@ -150,9 +183,8 @@ Isa adamw_selected_isa() {
     }
     if (forced != Isa::kAuto) {
       if (!isa_supported(forced))
-        STRATA_THROW(kUnsupported,
-                     "STRATA_ADAMW_ISA={} but this CPU lacks {}; unset it or pick a path it has",
-                     env, isa_requirements(forced));
+        STRATA_THROW(kUnsupported, "STRATA_ADAMW_ISA={} but {}; unset it or pick a path it has", env,
+                     isa_unavailable(forced));
       return forced;
     }
   }
@@ -219,8 +251,7 @@ CpuAdamW::CpuAdamW(const CpuAdamWConfig& c) : impl_(std::make_unique<Impl>()) {
   if (isa == Isa::kAuto) {
     isa = adamw_selected_isa();
   } else if (!isa_supported(isa)) {
-    STRATA_THROW(kUnsupported, "CpuAdamW isa {} needs {}, which this CPU lacks; use Isa::kAuto",
-                 isa_name(isa), isa_requirements(isa));
+    STRATA_THROW(kUnsupported, "CpuAdamW isa {}: {}; use Isa::kAuto", isa_name(isa), isa_unavailable(isa));
   }
   impl_->isa = isa;
   switch (isa) {

@@ -22,6 +22,10 @@
 
 #include <fmt/format.h>
 
+#include "cpu/gemm_path.h"
+#include "cpu/model_simd.h"
+#include "strata/adamw.h"
+
 namespace strata::cpu {
 
 std::vector<ComponentVersion> component_versions() {
@@ -69,6 +73,17 @@ std::vector<std::string> cpu_isa_features() {
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22))) out.push_back("amx_bf16");
 #endif
   return out;
+}
+
+CpuPaths cpu_paths() {
+  CpuPaths p;
+  p.cap = isa_name(cpu_isa_cap());
+  p.adamw = isa_name(adamw_selected_isa());
+  p.model = isa_name(simd::model_isa());
+  for (const GemmPath& g : gemm_paths())
+    p.gemms.push_back({std::string(dtype_name(g.dtype)), gemm_route_name(g.route), g.impl});
+  p.onednn = onednn_isa();
+  return p;
 }
 
 namespace {

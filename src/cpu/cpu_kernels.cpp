@@ -16,10 +16,15 @@
 #include <tbb/parallel_for.h>
 #include <tbb/parallel_reduce.h>
 
+#include "cpu/gemm_path.h"
 #include "cpu/model_simd.h"
+#include "cpu/parallel_rows.h"
 #include "strata/error.h"
 
 namespace strata::cpu {
+
+using i64 = std::int64_t;
+
 namespace {
 
 constexpr std::size_t kTile = 2048;
@@ -71,8 +76,8 @@ void store(DType t, void* p, std::size_t off, std::size_t n, const float* in) {
 }
 
 // Runs body(offset, count) over [0, n) in tiles, in parallel for large n. On OpenMP, oneDNN's
-// runtime: these kernels sit between matmuls, and a second runtime's workers would spin on
-// the cores the matmul's team wants (and the other way round).
+// runtime (parallel_rows): these kernels sit between matmuls, and a second runtime's workers
+// would spin on the cores the matmul's team wants (and the other way round).
 template <class Body>
 void for_tiles(std::size_t n, Body body) {
   auto range = [&](std::size_t lo, std::size_t hi) {
@@ -82,10 +87,9 @@ void for_tiles(std::size_t n, Body body) {
     range(0, n);
     return;
   }
-  const std::ptrdiff_t grains = static_cast<std::ptrdiff_t>((n + kGrain - 1) / kGrain);
-#pragma omp parallel for schedule(static)
-  for (std::ptrdiff_t g = 0; g < grains; ++g)
+  parallel_rows(static_cast<i64>((n + kGrain - 1) / kGrain), i64(kGrain), [&](i64 g) {
     range(std::size_t(g) * kGrain, std::min(n, std::size_t(g + 1) * kGrain));
+  });
 }
 
 }  // namespace
@@ -236,18 +240,35 @@ float SumSquares::result() const {
 // Primitives are kept by shape (a training step issues the same few shapes again and again),
 // so a call costs only binding the three pointers; the cache is per Matmul, i.e. per stream
 // worker, like the oneDNN stream.
+//
+// Operands whose dtype oneDNN has no matmul for here (gemm_path.h) are widened to fp32, and a
+// bf16 output of an fp32 GEMM is accumulated in fp32 and rounded once: both in blocks of C
+// (rows x columns, each over the whole of k) whose widened operands and accumulator fit
+// `stage_bytes`, so a weight of any size is widened a block at a time. The blocks follow from
+// the shape alone: the same call gives the same bits.
 struct Matmul::Impl {
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool, int, int, float, float>;
+  // m, n, k, trans_a, trans_b, lda, ldb, ldc, input dtype, output dtype, alpha, beta
+  using Key = std::tuple<i64, i64, i64, bool, bool, i64, i64, i64, int, int, float, float>;
   struct Prim {
     dnnl::matmul prim;
     dnnl::memory a, b, c;
   };
+  std::size_t stage_bytes;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::map<Key, Prim> prims;
+  std::vector<float> stage;  // widened blocks and the fp32 accumulator; at most stage_bytes
+
+  // C[m, n] (ldc apart) = alpha * op(A) op(B) + beta * C, A and B of `in` with leading
+  // dimensions lda and ldb as stored.
+  void gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in, DType out, float alpha,
+            float beta, const void* a, const void* b, void* c);
 };
 
-Matmul::Matmul() : impl_(std::make_unique<Impl>()) {}
+Matmul::Matmul(std::size_t stage_bytes) : impl_(std::make_unique<Impl>()) {
+  gemm_route(DType::kF32);  // oneDNN's ISA cap and the routes, before this Matmul's first primitive
+  impl_->stage_bytes = stage_bytes;
+}
 Matmul::~Matmul() = default;
 
 static dnnl::memory::data_type dnnl_type(DType t) {
@@ -260,65 +281,126 @@ static dnnl::memory::data_type dnnl_type(DType t) {
   STRATA_THROW(kUnsupported, "matmul: {} has no oneDNN type", dtype_name(t));
 }
 
-void Matmul::run(const MatmulDesc& d) {
+void Matmul::Impl::gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in, DType out,
+                        float alpha, float beta, const void* a, const void* b, void* c) {
   using dims = dnnl::memory::dims;
-  const std::int64_t m = d.m, n = d.n, k = d.k;
-  const void* a = d.a.mem.ptr;
-  const void* b = d.b.mem.ptr;
-  DType in_type = d.a.dtype;
-  // oneDNN on CPUs without AVX512-FP16 has no fp16 matmul: widen to fp32 (exact).
-  std::vector<float> a32, b32;
-  if (in_type == DType::kF16) {
-    a32.resize(d.a.numel);
-    b32.resize(d.b.numel);
-    cast(DType::kF16, a, DType::kF32, a32.data(), a32.size());
-    cast(DType::kF16, b, DType::kF32, b32.data(), b32.size());
-    a = a32.data();
-    b = b32.data();
-    in_type = DType::kF32;
-  }
-  // oneDNN has no fp32 x fp32 -> bf16 matmul: accumulate into fp32, then round once.
-  std::vector<float> c32;
-  void* c_ptr = d.c.mem.ptr;
-  DType c_type = d.c.dtype;
-  if (in_type == DType::kF32 && c_type == DType::kBF16) {
-    c32.resize(d.c.numel);
-    if (d.beta != 0.0f) cast(DType::kBF16, c_ptr, DType::kF32, c32.data(), c32.size());
-    c_ptr = c32.data();
-    c_type = DType::kF32;
-  }
   try {
-    const Impl::Key key{m, n, k, d.trans_a, d.trans_b, int(in_type), int(c_type), d.alpha, d.beta};
-    auto it = impl_->prims.find(key);
-    if (it == impl_->prims.end()) {
-      const dnnl::memory::desc a_md({m, k}, dnnl_type(in_type), d.trans_a ? dims{1, m} : dims{k, 1});
-      const dnnl::memory::desc b_md({k, n}, dnnl_type(in_type), d.trans_b ? dims{1, k} : dims{n, 1});
-      const dnnl::memory::desc c_md({m, n}, dnnl_type(c_type), dims{n, 1});
+    const Key key{m, n, k, ta, tb, lda, ldb, ldc, int(in), int(out), alpha, beta};
+    auto it = prims.find(key);
+    if (it == prims.end()) {
+      const dnnl::memory::desc a_md({m, k}, dnnl_type(in), ta ? dims{1, lda} : dims{lda, 1});
+      const dnnl::memory::desc b_md({k, n}, dnnl_type(in), tb ? dims{1, ldb} : dims{ldb, 1});
+      const dnnl::memory::desc c_md({m, n}, dnnl_type(out), dims{ldc, 1});
       dnnl::primitive_attr attr;
-      if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
-      if (d.beta != 0.0f) {
+      if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+      if (beta != 0.0f) {
         dnnl::post_ops po;
-        po.append_sum(d.beta);
+        po.append_sum(beta);
         attr.set_post_ops(po);
       }
-      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, impl_->engine);
-      if (impl_->prims.size() >= 512) impl_->prims.clear();  // a caller cycling through many shapes
-      it = impl_->prims
-               .emplace(key, Impl::Prim{dnnl::matmul(pd), dnnl::memory(a_md, impl_->engine, nullptr),
-                                        dnnl::memory(b_md, impl_->engine, nullptr),
-                                        dnnl::memory(c_md, impl_->engine, nullptr)})
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, engine);
+      if (prims.size() >= 512) prims.clear();  // a caller cycling through many shapes
+      it = prims
+               .emplace(key, Prim{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr),
+                                  dnnl::memory(b_md, engine, nullptr), dnnl::memory(c_md, engine, nullptr)})
                .first;
     }
-    Impl::Prim& p = it->second;
+    Prim& p = it->second;
     p.a.set_data_handle(const_cast<void*>(a));
     p.b.set_data_handle(const_cast<void*>(b));
-    p.c.set_data_handle(c_ptr);
-    p.prim.execute(impl_->stream, {{DNNL_ARG_SRC, p.a}, {DNNL_ARG_WEIGHTS, p.b}, {DNNL_ARG_DST, p.c}});
-    impl_->stream.wait();
-    if (!c32.empty()) cast(DType::kF32, c32.data(), DType::kBF16, d.c.mem.ptr, c32.size());
+    p.c.set_data_handle(c);
+    p.prim.execute(stream, {{DNNL_ARG_SRC, p.a}, {DNNL_ARG_WEIGHTS, p.b}, {DNNL_ARG_DST, p.c}});
+    stream.wait();
   } catch (const dnnl::error& e) {
-    STRATA_THROW(kInternal, "oneDNN matmul {}x{}x{} ({} -> {}) failed: {} (status {})", m, n, k,
-                 dtype_name(in_type), dtype_name(d.c.dtype), e.what(), static_cast<int>(e.status));
+    STRATA_THROW(kInternal, "oneDNN matmul {}x{}x{} ({} -> {}) failed: {} (status {})", m, n, k, dtype_name(in),
+                 dtype_name(out), e.what(), static_cast<int>(e.status));
+  }
+}
+
+namespace {
+
+const void* at(const void* p, DType t, i64 elems) {
+  return static_cast<const char*>(p) + std::size_t(elems) * dtype_size(t);
+}
+void* at(void* p, DType t, i64 elems) { return static_cast<char*>(p) + std::size_t(elems) * dtype_size(t); }
+
+// rows x cols of `src` (rows ld apart, from element `off`) -> dense fp32 at dst.
+void widen_block(DType t, const void* src, i64 off, i64 ld, i64 rows, i64 cols, float* dst) {
+  if (ld == cols) return cast(t, at(src, t, off), DType::kF32, dst, std::size_t(rows * cols));
+  for (i64 r = 0; r < rows; ++r) cast(t, at(src, t, off + r * ld), DType::kF32, dst + r * cols, std::size_t(cols));
+}
+
+}  // namespace
+
+MatmulBlocks matmul_blocks(i64 m, i64 n, i64 k, bool widen, bool stage_c, std::size_t stage_bytes) {
+  const auto need = [&](i64 mb, i64 nb) {
+    return std::size_t((widen ? mb * k + k * nb : 0) + (stage_c ? mb * nb : 0)) * 4;
+  };
+  MatmulBlocks blk{m, n};
+  while (need(blk.rows, blk.cols) > stage_bytes && (blk.rows > 1 || blk.cols > 1)) {
+    i64& side = blk.cols >= blk.rows ? blk.cols : blk.rows;  // halve the longer side
+    side = (side + 1) / 2;
+  }
+  return blk;
+}
+
+void Matmul::run(const MatmulDesc& d) {
+  const i64 m = d.m, n = d.n, k = d.k;
+  const DType in = d.a.dtype, out = d.c.dtype;
+  const bool widen = gemm_route(in) == GemmRoute::kWidened;
+  const DType gemm_in = widen ? DType::kF32 : in;
+  // oneDNN has no fp32 x fp32 -> bf16 matmul: accumulate into fp32, then round once.
+  const bool stage_c = gemm_in == DType::kF32 && out == DType::kBF16;
+  const i64 lda = d.trans_a ? m : k, ldb = d.trans_b ? k : n;
+  if (!widen && !stage_c)
+    return impl_->gemm(m, n, k, d.trans_a, d.trans_b, lda, ldb, n, in, out, d.alpha, d.beta, d.a.mem.ptr,
+                       d.b.mem.ptr, d.c.mem.ptr);
+
+  const MatmulBlocks blk = matmul_blocks(m, n, k, widen, stage_c, impl_->stage_bytes);
+  const i64 a_elems = widen ? blk.rows * k : 0, b_elems = widen ? k * blk.cols : 0;
+  impl_->stage.resize(std::size_t(a_elems + b_elems + (stage_c ? blk.rows * blk.cols : 0)));
+  float* wa = impl_->stage.data();
+  float* wb = wa + a_elems;
+  float* c32 = wb + b_elems;
+  for (i64 j0 = 0; j0 < n; j0 += blk.cols) {
+    const i64 nb = std::min(blk.cols, n - j0);
+    // B's columns [j0, j0 + nb): stored [k, n] (or [n, k] transposed), widened as [k, nb] ([nb, k]).
+    const void* b = at(d.b.mem.ptr, in, d.trans_b ? j0 * k : j0);
+    i64 ldb_blk = ldb;
+    if (widen) {
+      if (d.trans_b)
+        widen_block(in, d.b.mem.ptr, j0 * k, k, nb, k, wb);
+      else
+        widen_block(in, d.b.mem.ptr, j0, n, k, nb, wb);
+      b = wb;
+      ldb_blk = d.trans_b ? k : nb;
+    }
+    for (i64 i0 = 0; i0 < m; i0 += blk.rows) {
+      const i64 mb = std::min(blk.rows, m - i0);
+      // A's rows [i0, i0 + mb): stored [m, k] (or [k, m] transposed); once when one block holds them all.
+      const void* a = at(d.a.mem.ptr, in, d.trans_a ? i0 : i0 * k);
+      i64 lda_blk = lda;
+      if (widen) {
+        if (j0 == 0 || blk.rows < m) {
+          if (d.trans_a)
+            widen_block(in, d.a.mem.ptr, i0, m, k, mb, wa);
+          else
+            widen_block(in, d.a.mem.ptr, i0 * k, k, mb, k, wa);
+        }
+        a = wa;
+        lda_blk = d.trans_a ? mb : k;
+      }
+      void* c = at(d.c.mem.ptr, out, i0 * n + j0);
+      if (!stage_c) {
+        impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, n, gemm_in, out, d.alpha, d.beta, a, b, c);
+        continue;
+      }
+      if (d.beta != 0.0f) widen_block(out, d.c.mem.ptr, i0 * n + j0, n, mb, nb, c32);
+      impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, nb, gemm_in, DType::kF32, d.alpha, d.beta, a,
+                  b, c32);
+      for (i64 r = 0; r < mb; ++r)
+        cast(DType::kF32, c32 + r * nb, out, at(d.c.mem.ptr, out, (i0 + r) * n + j0), std::size_t(nb));
+    }
   }
 }
 

@@ -33,10 +33,14 @@ class SumSquares {
   std::size_t chunks_ = 0;   // whole chunks in total_
 };
 
-// oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe).
+// oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe). Operands
+// oneDNN has no matmul for on this host are widened to fp32 a block of C at a time (the route:
+// cpu/gemm_path.h), with at most `stage_bytes` of scratch (more only where one row and one column
+// of k exceed it); fp32 accumulation and one rounding of a bf16 output on every route.
 class Matmul {
  public:
-  Matmul();
+  static constexpr std::size_t kStageBytes = std::size_t(32) << 20;
+  explicit Matmul(std::size_t stage_bytes = kStageBytes);
   ~Matmul();
   void run(const MatmulDesc& d);
 
@@ -44,5 +48,13 @@ class Matmul {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The blocks of C a widened or fp32-accumulated matmul runs in: the longer side halved until the
+// widened rows of A, columns of B and the block's fp32 accumulator fit stage_bytes.
+struct MatmulBlocks {
+  std::int64_t rows, cols;
+};
+MatmulBlocks matmul_blocks(std::int64_t m, std::int64_t n, std::int64_t k, bool widen, bool stage_c,
+                           std::size_t stage_bytes);
 
 }  // namespace strata::cpu

@@ -20,12 +20,17 @@
 //
 // With bf16_gemm, the matmul inputs (q, k, v, do, P, dS) are rounded to bf16 as the model's
 // other GEMMs are in bf16 compute; S, dP, the softmax, the logsumexp and every output stay fp32.
-// Results are deterministic: each head's work is one task, in a fixed order.
+// Where oneDNN has no bf16 matmul on this host (cpu/gemm_path.h), each product's bf16 operands
+// are widened to fp32 (exact) into the thread's scratch and run through the fp32 GEMM: the same
+// rounded operands, fp32 accumulation. Results are deterministic: each head's work is one task,
+// in a fixed order. A primitive that cannot be made or run is a strata::Error from the call
+// (parallel_rows carries it out of the OpenMP team).
 //
 // Owns: per thread, a cache of oneDNN primitives keyed by shape and scratch that only grows
 // (the calling thread's also holds the packed tensors), so a training step allocates nothing
 // here after its first call.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -35,6 +40,8 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 
+#include "cpu/cpu_kernels.h"
+#include "cpu/gemm_path.h"
 #include "cpu/model_kernels.h"
 #include "cpu/model_simd.h"
 #include "cpu/parallel_rows.h"
@@ -54,7 +61,16 @@ struct Gemm {
 // What one thread keeps: its oneDNN stream, the primitives it has used, and scratch.
 class Workspace {
  public:
-  void gemm(const Gemm& g, const void* a, const void* b, float* c) {
+  void gemm(Gemm g, const void* a, const void* b, float* c) {
+    if (g.bf16 && gemm_route(DType::kBF16) == GemmRoute::kWidened) {
+      float* wa = static_cast<float*>(scratch(kWidenA, std::size_t(g.m * g.k) * 4));
+      float* wb = static_cast<float*>(scratch(kWidenB, std::size_t(g.k * g.n) * 4));
+      cast(DType::kBF16, a, DType::kF32, wa, std::size_t(g.m * g.k));
+      cast(DType::kBF16, b, DType::kF32, wb, std::size_t(g.k * g.n));
+      a = wa;
+      b = wb;
+      g.bf16 = false;
+    }
     auto it = prims_.find(g.key());
     if (it == prims_.end()) {
       if (prims_.size() >= 256) prims_.clear();  // a process that cycles through many shapes
@@ -66,6 +82,8 @@ class Workspace {
     p.c.set_data_handle(c);
     p.pad.set_data_handle(scratch(kPadSlot, p.pad_bytes));
     try {
+      if (failures_to_inject.load() > 0 && failures_to_inject.fetch_sub(1) > 0)
+        throw dnnl::error(dnnl_runtime_error, "a failure injected by a test");
       p.prim.execute(stream_, {{DNNL_ARG_SRC, p.a},
                                {DNNL_ARG_WEIGHTS, p.b},
                                {DNNL_ARG_DST, p.c},
@@ -86,7 +104,8 @@ class Workspace {
     }
     return s.p.get();
   }
-  static constexpr int kPadSlot = 14;
+  static inline std::atomic<int> failures_to_inject{0};  // fail_attention_gemms_for_testing
+  static constexpr int kWidenA = 11, kWidenB = 12, kPadSlot = 14;
 
  private:
   struct Prim {
@@ -128,6 +147,7 @@ class Workspace {
     std::unique_ptr<char, Free> p;
     std::size_t bytes = 0;
   };
+  GemmRoute f32_route_ = gemm_route(DType::kF32);  // oneDNN's ISA cap, before the engine and primitives
   dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<decltype(Gemm{}.key()), Prim> prims_;
@@ -282,6 +302,8 @@ struct Head {
 };
 
 }  // namespace
+
+void fail_attention_gemms_for_testing(int count) { Workspace::failures_to_inject = count; }
 
 void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* lse, i64 b, i64 t,
                             i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm) {

@@ -31,14 +31,14 @@ Choice choose(Isa want) {
     if (const char* env = std::getenv("STRATA_MODEL_ISA"); env != nullptr && *env != '\0') {
       want = parse_isa(env);
       if (want != Isa::kAuto && !isa_supported(want))
-        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but this CPU cannot run it; unset it or pick a path it has",
-                     env);
+        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but {}; unset it or pick a path it has", env,
+                     isa_unavailable(want));
     }
   }
   if (want == Isa::kAuto) want = isa_supported(Isa::kAvx512) ? Isa::kAvx512
                                  : isa_supported(Isa::kAvx2) ? Isa::kAvx2
                                                              : Isa::kScalar;
-  STRATA_REQUIRE(isa_supported(want), "set_model_isa: this CPU cannot run the {} path", isa_name(want));
+  STRATA_REQUIRE(isa_supported(want), "set_model_isa({}): {}", isa_name(want), isa_unavailable(want));
   switch (want) {
     case Isa::kAvx512: return {&avx512_kernels(), want};
     case Isa::kAvx2: return {&avx2_kernels(), want};

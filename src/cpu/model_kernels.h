@@ -86,6 +86,9 @@ void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* l
                             i64 hd, double scale, bool bf16_gemm);
 void attention_backward_fast(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
                              i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm);
+// For tests: the next `count` products the attention runs fail as a oneDNN primitive that
+// cannot run does (a strata::Error naming the product comes out of the call).
+void fail_attention_gemms_for_testing(int count);
 
 // out[n,i] = silu(gate[n,i]) * up[n,i]; dgu written.
 template <class T, class O = T>

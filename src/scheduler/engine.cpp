@@ -284,8 +284,8 @@ struct Engine::Impl {
     STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3", cfg.stage);
     STRATA_REQUIRE(cfg.compute_dtype != DType::kF64, "Engine: fp64 compute is not supported");
     if (!isa_supported(cfg.optimizer_isa))
-      STRATA_THROW(kUnsupported, "config key 'strata.optimizer_isa' = \"{}\" needs {}, which this CPU lacks; use \"auto\"",
-                   isa_name(cfg.optimizer_isa), isa_requirements(cfg.optimizer_isa));
+      STRATA_THROW(kUnsupported, "config key 'strata.optimizer_isa' = \"{}\": {}; use \"auto\"",
+                   isa_name(cfg.optimizer_isa), isa_unavailable(cfg.optimizer_isa));
     c_size = dtype_size(cfg.compute_dtype);
     sg = std::size_t(detail::sub_group_elems(cfg));
     bucket_share = std::size_t(detail::bucket_share_elems(cfg, world));
