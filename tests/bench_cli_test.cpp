@@ -50,6 +50,35 @@ TEST(BenchCli, NvmeRefusesASizeTheDriveCannotHold) {
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
+// strata-bench model says how its bf16 GEMMs run and measures its bound as the faster of the bf16
+// and fp32 GEMMs: capped to AVX2 (no bf16 matmul in oneDNN there), widened to fp32.
+TEST(BenchCli, ModelNamesItsGemmRouteAndTheFasterGemmAsItsBound) {
+  TempDir d("strata-bench");
+  const std::vector<std::string> args{"model", "--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "2",
+                                      "--intermediate", "128", "--vocab", "256", "--seq", "32", "--steps", "1",
+                                      "--json"};
+  for (const char* cap : {"", "avx2"}) {
+    SCOPED_TRACE(cap);
+    const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "model",
+                                {{"STRATA_CPU_ISA", cap}, {"ONEDNN_MAX_CPU_ISA", ""}});
+    ASSERT_EQ(r.status, 0) << r.out << r.err;
+    const nlohmann::json j = last_json(r.out);
+    EXPECT_EQ(j.at("cpu_isa_cap"), *cap ? cap : "auto");
+    const double bf16 = j.at("onednn_bf16_gflops"), fp32 = j.at("onednn_fp32_gflops");
+    EXPECT_EQ(j.at("reference_gemm"), bf16 >= fp32 ? "onednn_bf16" : "onednn_fp32") << j.dump();
+    EXPECT_DOUBLE_EQ(j.at("ratio_vs_matmul").get<double>(), j.at("gflops").get<double>() / std::max(bf16, fp32));
+    if (*cap) {
+      EXPECT_EQ(j.at("gemm_route"), "widened to fp32") << j.dump();
+      EXPECT_EQ(j.at("onednn_isa"), "avx2") << j.dump();
+    } else {
+      EXPECT_EQ(j.at("gemm_route"), j.at("onednn_isa").get<std::string>().starts_with("avx512") ? "oneDNN native"
+                                                                                                : "widened to fp32")
+          << j.dump();
+    }
+    EXPECT_NE(r.out.find(std::string("; ") + j.at("gemm_route").get<std::string>() + ")"), std::string::npos) << r.out;
+  }
+}
+
 // A --max-bytes the node's memory cannot hold on the emulated device is refused before any
 // buffer is made (it used to meet the OOM killer).
 TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {

@@ -1,14 +1,17 @@
 // strata-bench model: forward+backward throughput of the native transformer (a ~100M-parameter
-// Llama by default, all weights resident) on a device, against the bf16 GEMM rate of the same
+// Llama by default, all weights resident) on a device, against the best GEMM rate of the same
 // device measured in the same run (oneDNN on the CPU device, cuBLAS on CUDA) over the model's
-// own MLP GEMM shape. ratio_vs_matmul = achieved model GFLOP/s / that GEMM rate: on a GPU it
-// is the model FLOPs utilisation against the measured bf16 GEMM rate.
+// own MLP GEMM shape: the compute dtype's and fp32's, whichever is faster (on a CPU without a
+// bf16 matmul, bf16 GEMMs are widened to fp32 and fp32 is the faster). ratio_vs_matmul =
+// achieved model GFLOP/s / that rate: on a GPU the model FLOPs utilisation against the measured
+// bf16 GEMM rate.
 #include <algorithm>
 #include <cstdio>
 #include <map>
 #include <random>
 
 #include "bench_common.h"
+#include "cpu/cpu_info.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trace.h"
@@ -96,8 +99,16 @@ void run(const Args& a) {
     m.backward(w);
   }
   s->synchronize();
-  // The GEMM rate is taken before and after the timed steps: the best burst of either.
-  double gemm = gemm_gflops(*dev, *s, mo.compute, a.batch * a.seq, a.inter, a.hidden, 20);
+  // The GEMM rates are taken before and after the timed steps: the best burst of either, in the
+  // compute dtype and (when that is not fp32) in fp32.
+  std::vector<DType> gemm_types{mo.compute};
+  if (mo.compute != DType::kF32) gemm_types.push_back(DType::kF32);
+  std::vector<double> gemm(gemm_types.size());
+  auto measure_gemms = [&] {
+    for (std::size_t i = 0; i < gemm_types.size(); ++i)
+      gemm[i] = std::max(gemm[i], gemm_gflops(*dev, *s, gemm_types[i], a.batch * a.seq, a.inter, a.hidden, 20));
+  };
+  measure_gemms();
   double best = 1e30;
   for (int i = 0; i < a.steps; ++i) {
     const Stopwatch sw;
@@ -154,26 +165,46 @@ void run(const Args& a) {
   }
   const double tokens = double(a.batch * a.seq);
   const double gflops = m.flops_per_step() / best / 1e9;
-  gemm = std::max(gemm, gemm_gflops(*dev, *s, mo.compute, a.batch * a.seq, a.inter, a.hidden, 20));
+  measure_gemms();
+  const bool cuda = dev->kind() == DeviceKind::kCuda;
+  // How the compute dtype's GEMMs run: cuBLAS, or oneDNN's own kernel or widened to fp32.
+  std::string route = "cuBLAS";
+  if (!cuda)
+    for (const auto& g : cpu::cpu_paths().gemms)
+      if (g.dtype == dtype_name(mo.compute)) route = g.route;
+  const std::size_t ref = std::size_t(std::max_element(gemm.begin(), gemm.end()) - gemm.begin());
   std::printf("  step %.3f s (best of %d), loss %.4f\n", best, a.steps, loss);
   std::printf("  %-28s %12.0f\n", "tokens/s", tokens / best);
   std::printf("  %-28s %12.1f\n", "model GFLOP/s", gflops);
-  std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device, best burst)\n", (a.dtype + " GEMM GFLOP/s").c_str(), gemm,
-              long(a.batch * a.seq), long(a.inter), long(a.hidden));
-  std::printf("  %-28s %12.3f\n", "ratio vs matmul", gflops / gemm);
-  if (a.json)
-    print_json({{"command", "model"},
-                {"device", dev->name()},
-                {"params", m.num_params()},
-                {"batch", a.batch},
-                {"seq_len", a.seq},
-                {"dtype", a.dtype},
-                {"checkpoint", a.checkpoint},
-                {"step_s", best},
-                {"tokens_per_s", tokens / best},
-                {"gflops", gflops},
-                {fmt::format("{}_{}_gflops", dev->kind() == DeviceKind::kCuda ? "cublas" : "onednn", a.dtype), gemm},
-                {"ratio_vs_matmul", gflops / gemm}});
+  for (std::size_t i = 0; i < gemm.size(); ++i)
+    std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device, best burst%s)\n",
+                fmt::format("{} GEMM GFLOP/s", dtype_name(gemm_types[i])).c_str(), gemm[i], long(a.batch * a.seq),
+                long(a.inter), long(a.hidden), i == 0 ? fmt::format("; {}", route).c_str() : "");
+  std::printf("  %-28s %12.3f  (against the %s GEMM, the faster)\n", "ratio vs matmul", gflops / gemm[ref],
+              std::string(dtype_name(gemm_types[ref])).c_str());
+  if (a.json) {
+    nlohmann::json j = {{"command", "model"},
+                        {"device", dev->name()},
+                        {"params", m.num_params()},
+                        {"batch", a.batch},
+                        {"seq_len", a.seq},
+                        {"dtype", a.dtype},
+                        {"checkpoint", a.checkpoint},
+                        {"gemm_route", route},
+                        {"step_s", best},
+                        {"tokens_per_s", tokens / best},
+                        {"gflops", gflops}};
+    const char* lib = cuda ? "cublas" : "onednn";
+    for (std::size_t i = 0; i < gemm.size(); ++i) j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] = gemm[i];
+    j["reference_gemm"] = fmt::format("{}_{}", lib, dtype_name(gemm_types[ref]));
+    j["ratio_vs_matmul"] = gflops / gemm[ref];
+    if (!cuda) {
+      const cpu::CpuPaths paths = cpu::cpu_paths();
+      j["cpu_isa_cap"] = paths.cap;
+      j["onednn_isa"] = paths.onednn;
+    }
+    print_json(j);
+  }
 }
 
 }  // namespace
