@@ -11,8 +11,10 @@ add_test(NAME comm_local COMMAND comm_test)
 set_tests_properties(comm_local PROPERTIES LABELS "unit;comm" TIMEOUT 120)
 
 strata_add_test(comm_gpu_test SOURCES comm_test.cpp LABELS gpu DEFINES STRATA_TEST_CUDA=1)
-# The suite has its own main (MPI-aware); gtest_main's is not used.
-target_link_libraries(comm_gpu_test PRIVATE GTest::gtest)
+if(TARGET comm_gpu_test)
+  # The suite has its own main (MPI-aware); gtest_main's is not used.
+  target_link_libraries(comm_gpu_test PRIVATE GTest::gtest)
+endif()
 
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   # Root in a container is common here; OpenMPI refuses it without these two variables.
