@@ -183,6 +183,14 @@ TEST(Runtime, HostFactsAreSane) {
 #endif
 }
 
+// A CUDA device's default cap leaves max(3 GiB, 5% of the total) for what is not strata's to plan.
+TEST(Runtime, TheDefaultCudaCapLeavesHeadroom) {
+  constexpr std::size_t GiB = std::size_t(1) << 30;
+  EXPECT_EQ(default_cuda_capacity(139 * GiB, 140 * GiB), 139 * GiB - 7 * GiB);  // an H200: 5%
+  EXPECT_EQ(default_cuda_capacity(23 * GiB, 24 * GiB), 20 * GiB);               // 3 GiB
+  EXPECT_EQ(default_cuda_capacity(2 * GiB, 24 * GiB), 1 * GiB);                 // nothing left: half
+}
+
 // strata-info's JSON ("host") of a run with `env`, or the run itself when it failed.
 nlohmann::json info_host(const std::vector<std::pair<std::string, std::string>>& env, testing::Result* r = nullptr) {
   testing::TempDir d("strata-info");
@@ -231,7 +239,9 @@ TEST(Runtime, StrataCpuIsaCapsEveryPathStrataInfoReports) {
     EXPECT_EQ(h["model_kernels_isa"], want) << h.dump();
     const std::string onednn = h["onednn_isa"];
     EXPECT_FALSE(onednn.starts_with("avx512")) << onednn;
-    if (std::string(cap) == "scalar") EXPECT_EQ(onednn, "sse41");
+    if (std::string(cap) == "scalar") {
+      EXPECT_EQ(onednn, "sse41");
+    }
     // oneDNN 2.x has no bf16 or fp16 matmul below AVX-512: both widened.
     EXPECT_EQ(h["gemm"]["bf16"]["route"], "widened to fp32") << h.dump();
     EXPECT_EQ(h["gemm"]["fp16"]["route"], "widened to fp32") << h.dump();

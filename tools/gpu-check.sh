@@ -21,10 +21,14 @@
 #   --bench-args "..." (more strata-bench gpu flags, e.g. "--hidden 1024 --layers 16").
 #
 # Without a usable GPU every part reports SKIPPED with the reason, gpu-check.json says
-# "skipped": true, and it exits 0. With one it exits non-zero when any step fails, any gpu
-# test fails or is skipped (on a GPU machine a skip means the GPU was not usable), or any
-# benchmark part fails (the loss parity included). Each step has its own time limit; the
-# logs are in <out>/<step>.log, the bench's configs, logs and traces in <out>/bench.
+# "skipped": true, and it exits 0, unless nvidia-smi lists a GPU: then strata not being able to
+# use it (an old driver, CUDA libraries it cannot find) is a failure naming the probe's reason.
+# With a usable GPU it exits non-zero when any step fails, any gpu test fails or is skipped for
+# want of a usable GPU (tests of the emulated device alone skip by design on CUDA and are counted
+# apart), or any benchmark part fails (the loss parity included). Each step has its own time
+# limit; the logs are in <out>/<step>.log, the bench's configs, logs and traces in <out>/bench.
+# Where STRATA_CUDA_LIBS is unset and python3 imports PyTorch's nvidia-* wheels (an unactivated
+# venv, lib64/python3*), their lib folders are given to strata's loader through it.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -81,6 +85,25 @@ fi
 out=$abs
 nvme=${nvme:-$out/nvme}
 started=$(date +%s)
+
+# The CUDA libraries of PyTorch's nvidia-* wheels wherever this python3 keeps them: first in the
+# loader's search (STRATA_CUDA_LIBS), unless the user set it.
+if [ -z "${STRATA_CUDA_LIBS:-}" ] && command -v python3 >/dev/null; then
+  wheels=$(python3 -c '
+import glob, os
+try:
+    import nvidia
+except Exception:
+    raise SystemExit
+print(":".join(d for root in nvidia.__path__ for d in sorted(glob.glob(os.path.join(root, "*", "lib")))))' 2>/dev/null)
+  if [ -n "$wheels" ]; then
+    export STRATA_CUDA_LIBS=$wheels
+    echo "gpu-check.sh: STRATA_CUDA_LIBS=$wheels (PyTorch's nvidia-* wheels)"
+  fi
+fi
+# GPUs the driver lists: with any, strata not using one is a failure, not a skip.
+listed=0
+command -v nvidia-smi >/dev/null && listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 names=() rcs=() secs=()
 failed=0
 
@@ -197,7 +220,7 @@ fi
 
 # ---- test counts ----
 log=$out/gpu-tests.log
-runner=none total=0 passed=0 skipped=0 failed_tests=0
+runner=none total=0 passed=0 skipped=0 failed_tests=0 no_gpu_skips=0
 if [ -f "$log" ]; then
   runner=$(sed -n 's/^runner: //p' "$log" | head -n 1)
   if [ "$runner" = ctest ]; then
@@ -212,27 +235,38 @@ if [ -f "$log" ]; then
     skipped=$(sum '^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*')
   fi
   failed_tests=$((total - passed - skipped))
+  # Skips for want of a usable GPU (the suites say "no usable GPU"), as against tests of the
+  # emulated device that skip by design on CUDA. ctest keeps every test's output in LastTest.log.
+  skip_log=$log
+  [ "$runner" = ctest ] && [ -f "$tests/Testing/Temporary/LastTest.log" ] && skip_log=$tests/Testing/Temporary/LastTest.log
+  no_gpu_skips=$(grep -c 'no usable GPU' "$skip_log")
+  [ "$no_gpu_skips" -gt "$skipped" ] && no_gpu_skips=$skipped
 fi
 
 # ---- verdict ----
 if [ "$no_gpu" = 1 ]; then
-  # Nothing could run on a GPU: the check passes as skipped unless a test failed outright.
+  # Nothing could run on a GPU: the check passes as skipped unless a test failed outright, or
+  # the driver lists a GPU strata cannot use.
   status=skipped
   [ "$failed_tests" -gt 0 ] && status=failed
   for i in "${!names[@]}"; do
     [ "${names[$i]}" != gpu-tests ] && [ "${rcs[$i]}" -ne 0 ] && status=failed
   done
   [ -n "$tests" ] && [ "$total" -eq 0 ] && status=failed
+  if [ "$listed" -gt 0 ]; then
+    status=failed
+    reason="nvidia-smi lists $listed GPU(s), but strata cannot use them: ${reason:-no reason given}"
+  fi
 else
   status=passed
-  { [ "$failed" -ne 0 ] || [ "$total" -eq 0 ] || [ "$skipped" -gt 0 ] || [ "$failed_tests" -gt 0 ]; } && status=failed
+  { [ "$failed" -ne 0 ] || [ "$total" -eq 0 ] || [ "$no_gpu_skips" -gt 0 ] || [ "$failed_tests" -gt 0 ]; } && status=failed
   case $bench_json in *'"ok":true'*) ;; *) status=failed ;; esac
 fi
 if [ -z "$tests" ]; then tests_status="not given (--tests DIR)"
 elif [ "$total" -eq 0 ]; then tests_status="none found"
 elif [ "$failed_tests" -gt 0 ]; then tests_status="FAILED"
 elif [ "$no_gpu" = 1 ]; then tests_status="SKIPPED"  # the ones that pass need no GPU
-elif [ "$skipped" -gt 0 ]; then tests_status="FAILED"
+elif [ "$no_gpu_skips" -gt 0 ]; then tests_status="FAILED ($no_gpu_skips skipped for want of a usable GPU)"
 else tests_status="ok"; fi
 [ -z "$tests" ] && [ "$no_gpu" = 0 ] && status=failed
 seconds=$(($(date +%s) - started))
@@ -243,8 +277,8 @@ seconds=$(($(date +%s) - started))
     "$([ "$status" = failed ] && echo false || echo true)" "$([ "$no_gpu" = 1 ] && echo true || echo false)" \
     "$([ -n "$reason" ] && json_str "$reason" || echo null)"
   printf '  "date": "%s",\n  "host": %s,\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$(json_str "$(uname -n)")"
-  printf '  "tests": {"status": %s, "runner": "%s", "total": %d, "passed": %d, "failed": %d, "skipped": %d},\n' \
-    "$(json_str "$tests_status")" "$runner" "$total" "$passed" "$failed_tests" "$skipped"
+  printf '  "tests": {"status": %s, "runner": "%s", "total": %d, "passed": %d, "failed": %d, "skipped": %d, "skipped_no_gpu": %d},\n' \
+    "$(json_str "$tests_status")" "$runner" "$total" "$passed" "$failed_tests" "$skipped" "$no_gpu_skips"
   printf '  "steps": ['
   for i in "${!names[@]}"; do
     [ "$i" -gt 0 ] && printf ','
@@ -258,10 +292,10 @@ seconds=$(($(date +%s) - started))
   case $status in
     skipped) echo "strata gpu-check: SKIPPED: ${reason:-no usable GPU}" ;;
     passed) echo "strata gpu-check: PASS" ;;
-    *) echo "strata gpu-check: FAIL" ;;
+    *) echo "strata gpu-check: FAIL${reason:+: $reason}" ;;
   esac
-  printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped; %s)\n' "gpu tests" "$tests_status" \
-    "$total" "$passed" "$failed_tests" "$skipped" "$runner"
+  printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped, %d of them for want of a usable GPU; %s)\n' \
+    "gpu tests" "$tests_status" "$total" "$passed" "$failed_tests" "$skipped" "$no_gpu_skips" "$runner"
   if [ "$no_gpu" = 1 ]; then
     for p in link gemm adamw model parity prof; do printf '  %-12s SKIPPED\n' "$p"; done
   else

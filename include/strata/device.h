@@ -19,6 +19,7 @@
 //    is queued. Failures inside queued work surface at the next synchronize().
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -379,9 +380,19 @@ struct CudaDeviceOptions {
   // -1: make_device picks the launcher's local rank modulo the visible GPUs (0 without a
   // launcher); make_cuda_device takes it as 0.
   int ordinal = -1;
-  std::size_t capacity_bytes = 0;  // 0 = what the device has free at creation
+  // 0 = what the device has free at creation less a headroom (default_cuda_capacity).
+  std::size_t capacity_bytes = 0;
 };
 std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options = {});
+
+// The default CUDA device cap: the free bytes at creation less max(3 GiB, 5% of the total),
+// room for what comes later and is not strata's to plan (NCCL's communicator and the buffers
+// it connects lazily, cuBLAS workspaces, the context's own growth); half the free bytes when
+// that leaves nothing.
+constexpr std::size_t default_cuda_capacity(std::size_t free_bytes, std::size_t total_bytes) {
+  const std::size_t headroom = std::max(std::size_t(3) << 30, total_bytes / 20);
+  return free_bytes > headroom ? free_bytes - headroom : free_bytes / 2;
+}
 
 // "auto" picks CUDA when a GPU is usable, else the CPU-emulated device; "cpu" and "cuda"
 // force a backend (cuda throws with probe_cuda().reason when none is usable).

@@ -224,9 +224,9 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   if (code < kMinNcclCode)
     STRATA_THROW(kUnsupported,
                  "NCCL {} was loaded, and strata needs NCCL >= {} (bf16 and average reductions); install a "
-                 "newer one (pip install nvidia-nccl-cu12, or the libnccl2 package) and put it first on the "
+                 "newer one (pip install nvidia-nccl-cu{}, or the libnccl2 package) and put it first on the "
                  "library path",
-                 decode_nccl_version(code).str(), kMinNcclVersion);
+                 decode_nccl_version(code).str(), kMinNcclVersion, CUDART_VERSION / 1000);
   const LaunchInfo li = init_launch();  // MPI only under a launcher
   Buffer scratch = device.alloc(256);
   cudaPointerAttributes attr{};
@@ -248,8 +248,13 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   if (li.world_size > 1) mpi_broadcast_bytes(&id, sizeof id);
   ncclComm_t comm = nullptr;
   {
+    // ncclCommInitRank waits for every rank without a timeout: a rank that died before joining
+    // would hang the rest. The collectives' watchdog ends the job instead, saying which call waited.
+    Watchdog bootstrap(li.rank, li.world_size, timeout_s, [](const std::string& msg) { abort_job(msg); });
+    const std::uint64_t waiting = bootstrap.begin("ncclCommInitRank (NCCL's bootstrap, which every rank joins)");
     GpuGuard guard(ordinal);
     STRATA_NCCL_CHECK(ncclCommInitRank(&comm, li.world_size, id, li.rank));
+    bootstrap.end(waiting);
   }
   if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
   log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,

@@ -470,7 +470,7 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   STRATA_CUDA_CHECK(static_cast<cudaError_t>(gpu::model::preload_kernels()));
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  capacity_ = capacity_bytes == 0 ? free_bytes : capacity_bytes;
+  capacity_ = capacity_bytes == 0 ? default_cuda_capacity(free_bytes, total_bytes) : capacity_bytes;
   if (capacity_ > free_bytes) {
     log::warn("{}: the device memory cap {} is more than the {} free now; allocations may fail "
               "before reaching it",
@@ -565,14 +565,16 @@ void CudaDevice::synchronize() {
     adopt_deferred(upto);
   }
   gpu::flush_gpu_spans();
-  std::vector<CudaStream*> live;
+  // The first failed stream's host-function error, taken under mu_ (a stream destroyed on another
+  // thread leaves streams_ under it: a pointer kept past the lock could be freed); host_error_mu_
+  // is a leaf lock. The other streams keep theirs for their own synchronize.
+  std::exception_ptr err;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, s] : streams_) live.push_back(s);
+    for (auto& [id, s] : streams_)
+      if ((err = s->take_host_error())) break;
   }
-  for (CudaStream* s : live) {
-    if (auto err = s->take_host_error()) std::rethrow_exception(err);
-  }
+  if (err) std::rethrow_exception(err);
 }
 
 bool CudaDevice::register_host(void* ptr, std::size_t bytes) {
@@ -1023,14 +1025,17 @@ void CudaStream::gemm(const MatmulDesc& d, void* c, DType c_type) {
 void CudaStream::do_matmul(const MatmulDesc& d) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("matmul", stream_);
-  std::lock_guard<std::mutex> lock(lazy_mu_);
   // cuBLAS writes bf16 C only from bf16 A/B; fp32 or fp16 inputs with a bf16 C compute
   // into an fp32 temporary that is rounded once at the end, as a bf16-out GEMM would.
-  if (d.c.dtype == DType::kF32 || d.a.dtype == DType::kBF16) {
+  const bool direct = d.c.dtype == DType::kF32 || d.a.dtype == DType::kBF16;
+  // The temporary is allocated before lazy_mu_ is taken: an allocation may wait for queued frees
+  // or return the cache to CUDA (a device-wide synchronize), with the stream's launches held up.
+  Buffer tmp = direct ? Buffer() : dev_->alloc(d.c.numel * sizeof(float), this);  // freed in this stream's order
+  std::lock_guard<std::mutex> lock(lazy_mu_);
+  if (direct) {
     gemm(d, d.c.mem.ptr, d.c.dtype);
     return;
   }
-  Buffer tmp = dev_->alloc(d.c.numel * sizeof(float), this);  // freed in this stream's order
   if (d.beta != 0.0f) {
     STRATA_CUDA_CHECK(gpu::launch_cast(d.c.mem.ptr, d.c.dtype, tmp.data(), DType::kF32, d.c.numel, stream_));
   }

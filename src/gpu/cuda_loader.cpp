@@ -11,8 +11,8 @@
 //      first), each at lib64, lib and targets/<arch>-linux/lib;
 //   3. the nvidia-* Python wheels PyTorch machines carry (nvidia/cu<N>/lib, nvidia/nccl/lib,
 //      and CUDA 12's nvidia/cuda_runtime/lib, nvidia/cublas/lib) in the site-packages and
-//      dist-packages of $VIRTUAL_ENV, $CONDA_PREFIX, ~/.local, /usr/local, /usr and
-//      /opt/conda (found by glob; no Python is run);
+//      dist-packages under lib/ and lib64/ of $VIRTUAL_ENV, $CONDA_PREFIX, ~/.local, /usr/local,
+//      /usr and /opt/conda (found by glob; no Python is run);
 //   4. the loader's default path (LD_LIBRARY_PATH, /etc/ld.so.cache, /lib, /usr/lib).
 // A library some other code already loaded into the process is used as it is.
 // The module lives next to this library (libstrata_gpu.so): in lib/ of an installed package
@@ -159,7 +159,7 @@ SearchPath search_path() {
   for (std::size_t i = 0; i < prefixes.size(); ++i) {
     // /usr/lib/python3/dist-packages (Debian's) matches python3* too.
     note += (i ? ", " : "") +
-            sp.add(prefixes[i] + "/lib/python3*/{site,dist}-packages", wheel_subdirs, " (none)");
+            sp.add(prefixes[i] + "/{lib,lib64}/python3*/{site,dist}-packages", wheel_subdirs, " (none)");
   }
   sp.looked.push_back(note + ")");
   // 4. The loader's default path: tried by name when a library is in none of the above.
@@ -197,6 +197,11 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 
 LoadResult load() {
   LoadResult r;
+  // CUDA 12+ loads kernels lazily, and loading one may need a context synchronization: a cuBLAS
+  // kernel first launched while a stream spins on a host function's flag (the CUDA stream's
+  // wait for host work) would deadlock. Every module is loaded when the context is made instead,
+  // unless the user chose otherwise. Set before cudart is loaded: it reads the variable then.
+  ::setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   const std::vector<std::string> needed = split(STRATA_CUDA_LIBRARIES, ':');  // in dependency order
   const SearchPath sp = search_path();
   std::vector<std::string> missing, failed;

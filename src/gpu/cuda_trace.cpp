@@ -145,6 +145,9 @@ void flush_gpu_spans() noexcept {
     for (Pending& p : st.pending) {
       const cudaError_t q = cudaEventQuery(p.end);
       if (q == cudaErrorNotReady) {
+        // Not a failure, but the runtime keeps it as this thread's last error, and every kernel
+        // launcher returns cudaGetLastError(): the next launch would "fail" with it.
+        (void)cudaGetLastError();
         keep.push_back(std::move(p));
         continue;
       }
