@@ -35,8 +35,10 @@
 //    and block only their own stream, as on HostDevice. An exception they throw is kept and
 //    rethrown by the next synchronize().
 //  - Copies never block the caller. CUDA copies to or from pageable host memory
-//    synchronously, so those go through pinned staging chunks in stream order (host
-//    memcpy in a host step, DMA from or to the chunk); host-to-host copies are a host step.
+//    synchronously, so those go through pinned staging chunks in stream order (host memcpy on
+//    the stream's host worker, DMA from or to the chunk); host-to-host copies run on the worker
+//    too. Never a memcpy on CUDA's callback thread: CUDA may run every stream's callbacks on
+//    that one thread, so one stream's copy would hold up the others' host steps.
 //  - While the tracer is on, every op is a GPU-timed span of its stream's lane (cuda_trace.h),
 //    recorded at the next synchronize.
 //
@@ -836,7 +838,7 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
   const gpu::GpuSpan span(from_host ? (to_host ? "copy_h2h" : "copy_h2d") : (to_host ? "copy_d2h" : "copy_d2d"),
                           stream_, src.bytes);
   if (dst.space == MemSpace::kHost && src.space == MemSpace::kHost) {
-    launch_host_step(stream_, [d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); });
+    do_host_fn([d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); }, "copy_h2h");
     return;
   }
   const bool src_pageable = src.space == MemSpace::kHost && is_pageable(src.ptr);
@@ -859,15 +861,15 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
       continue;
     }
     if (src_pageable) {
-      launch_host_step(stream_, [chunk, from = s + off, len] { std::memcpy(chunk, from, len); });
+      do_host_fn([chunk, from = s + off, len] { std::memcpy(chunk, from, len); }, "stage_h2d");
       STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, chunk, len, cudaMemcpyHostToDevice, stream_));
-      launch_host_step(stream_, [pool, chunk] { pool->put(chunk); });
+      launch_host_step(stream_, [pool, chunk] { pool->put(chunk); });  // short: no copy, no CUDA call
     } else {
       STRATA_CUDA_CHECK(cudaMemcpyAsync(chunk, s + off, len, cudaMemcpyDeviceToHost, stream_));
-      launch_host_step(stream_, [pool, chunk, to = d + off, len] {
+      do_host_fn([pool, chunk, to = d + off, len] {
         std::memcpy(to, chunk, len);
         pool->put(chunk);
-      });
+      }, "stage_d2h");
     }
   }
 }

@@ -4,7 +4,11 @@
 //  - weight-gradient reductions over rows (norm weights, biases, embeddings) give each
 //    column to one thread that walks the rows in order: no atomics, bit-reproducible;
 //  - attention is one warp per query row (forward, dq) or per key row (dk, dv), the head
-//    dimension spread over the lanes, online softmax in registers; nothing of size T^2.
+//    dimension spread over the lanes, online softmax in registers; nothing of size T^2. With
+//    bf16 it rounds what the CPU's tiled attention rounds (cpu/model_attention.cpp): q, k, v and
+//    dO as products read them, the probabilities P = softmax(S) (normalised: the forward takes a
+//    second pass over the keys once it knows the row's max and sum) and dS; the sums, the
+//    softmax itself, the logsumexp and the outputs stay fp32.
 // Faster tiled versions (shared-memory K/V tiles, tensor cores) can replace them behind the
 // same launchers.
 #include <cuda_bf16.h>
@@ -21,6 +25,9 @@ constexpr int kMaxHdPerLane = 16;  // head_dim <= 512
 __device__ __forceinline__ float ld(const void* p, bool bf16, i64 i) {
   return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
 }
+
+// x as a bf16 GEMM operand sees it: rounded to bf16 (to nearest even) when `on`.
+__device__ __forceinline__ float rb(float x, bool on) { return on ? __bfloat162float(__float2bfloat16_rn(x)) : x; }
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -177,7 +184,7 @@ __global__ void k_rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i
 
 // One warp per query row (b, h, t).
 __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
-                                    float scale) {
+                                    float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nh * t) return;
@@ -188,39 +195,53 @@ __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 
   const float* qp = qkv + (bi * t + qi) * stride + h * hd;
   for (int j = 0; j < per; ++j) {
     const i64 d = lane + 32 * j;
-    q[j] = d < hd ? qp[d] : 0.0f;
+    q[j] = d < hd ? rb(qp[d], bf16) : 0.0f;
     acc[j] = 0.0f;
   }
-  float m = -INFINITY, l = 0.0f;
-  for (i64 s = 0; s <= qi; ++s) {
+  auto score = [&](i64 s) {
     const float* kp = qkv + (bi * t + s) * stride + (nh + kvh) * hd;
-    const float* vp = qkv + (bi * t + s) * stride + (nh + nkv + kvh) * hd;
     float part = 0;
     for (int j = 0; j < per; ++j) {
       const i64 d = lane + 32 * j;
-      if (d < hd) part += q[j] * kp[d];
+      if (d < hd) part += q[j] * rb(kp[d], bf16);
     }
-    const float sc = warp_sum(part) * scale;
+    return warp_sum(part) * scale;
+  };
+  float m = -INFINITY, l = 0.0f;
+  for (i64 s = 0; s <= qi; ++s) {
+    const float* vp = qkv + (bi * t + s) * stride + (nh + nkv + kvh) * hd;
+    const float sc = score(s);
     const float mn = fmaxf(m, sc);
     const float corr = __expf(m - mn), p = __expf(sc - mn);
     l = l * corr + p;
-    for (int j = 0; j < per; ++j) {
-      const i64 d = lane + 32 * j;
-      acc[j] = acc[j] * corr + (d < hd ? p * vp[d] : 0.0f);
-    }
+    if (!bf16)
+      for (int j = 0; j < per; ++j) {
+        const i64 d = lane + 32 * j;
+        acc[j] = acc[j] * corr + (d < hd ? p * vp[d] : 0.0f);
+      }
     m = mn;
+  }
+  if (bf16) {  // O = round(P) round(V), P normalised with the row's final max and sum
+    for (i64 s = 0; s <= qi; ++s) {
+      const float* vp = qkv + (bi * t + s) * stride + (nh + nkv + kvh) * hd;
+      const float p = rb(__expf(score(s) - m) / l, true);
+      for (int j = 0; j < per; ++j) {
+        const i64 d = lane + 32 * j;
+        if (d < hd) acc[j] += p * rb(vp[d], true);
+      }
+    }
   }
   float* op = o + (bi * t + qi) * nh * hd + h * hd;
   for (int j = 0; j < per; ++j) {
     const i64 d = lane + 32 * j;
-    if (d < hd) op[d] = acc[j] / l;
+    if (d < hd) op[d] = bf16 ? acc[j] : acc[j] / l;
   }
   if (lane == 0) lse[(bi * nh + h) * t + qi] = m + __logf(l);
 }
 
 // dq: one warp per query row.
 __global__ void k_attention_backward_dq(const float* qkv, const float* o, const float* dout, const float* lse,
-                                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale) {
+                                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nh * t) return;
@@ -234,9 +255,10 @@ __global__ void k_attention_backward_dq(const float* qkv, const float* o, const 
   float dpart = 0;
   for (int j = 0; j < per; ++j) {
     const i64 d = lane + 32 * j;
-    q[j] = d < hd ? qp[d] : 0.0f;
+    q[j] = d < hd ? rb(qp[d], bf16) : 0.0f;
     g[j] = d < hd ? gp[d] : 0.0f;
-    dpart += d < hd ? g[j] * op[d] : 0.0f;
+    dpart += d < hd ? g[j] * op[d] : 0.0f;  // sum(dO o): fp32, as the CPU's
+    g[j] = rb(g[j], bf16);
     dq[j] = 0.0f;
   }
   const float dsum = warp_sum(dpart);
@@ -248,15 +270,15 @@ __global__ void k_attention_backward_dq(const float* qkv, const float* o, const 
     for (int j = 0; j < per; ++j) {
       const i64 d = lane + 32 * j;
       if (d < hd) {
-        a += q[j] * kp[d];
-        c += g[j] * vp[d];
+        a += q[j] * rb(kp[d], bf16);
+        c += g[j] * rb(vp[d], bf16);
       }
     }
     const float p = __expf(warp_sum(a) * scale - L);
-    const float ds = p * (warp_sum(c) - dsum) * scale;
+    const float ds = rb(p * (warp_sum(c) - dsum) * scale, bf16);
     for (int j = 0; j < per; ++j) {
       const i64 d = lane + 32 * j;
-      if (d < hd) dq[j] += ds * kp[d];
+      if (d < hd) dq[j] += ds * rb(kp[d], bf16);
     }
   }
   float* dqp = dqkv + (bi * t + qi) * stride + h * hd;
@@ -268,7 +290,7 @@ __global__ void k_attention_backward_dq(const float* qkv, const float* o, const 
 
 // dk, dv: one warp per key row (b, kv head, s), over the heads of its group and queries >= s.
 __global__ void k_attention_backward_dkv(const float* qkv, const float* o, const float* dout, const float* lse,
-                                         float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale) {
+                                         float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nkv * t) return;
@@ -280,8 +302,8 @@ __global__ void k_attention_backward_dkv(const float* qkv, const float* o, const
   float k[kMaxHdPerLane], v[kMaxHdPerLane], dk[kMaxHdPerLane], dv[kMaxHdPerLane];
   for (int j = 0; j < per; ++j) {
     const i64 d = lane + 32 * j;
-    k[j] = d < hd ? kp[d] : 0.0f;
-    v[j] = d < hd ? vp[d] : 0.0f;
+    k[j] = d < hd ? rb(kp[d], bf16) : 0.0f;
+    v[j] = d < hd ? rb(vp[d], bf16) : 0.0f;
     dk[j] = dv[j] = 0.0f;
   }
   for (i64 h = kvh * group; h < (kvh + 1) * group; ++h) {
@@ -293,18 +315,18 @@ __global__ void k_attention_backward_dkv(const float* qkv, const float* o, const
       for (int j = 0; j < per; ++j) {
         const i64 d = lane + 32 * j;
         if (d < hd) {
-          a += qp[d] * k[j];
-          c += gp[d] * v[j];
-          e += gp[d] * op[d];
+          a += rb(qp[d], bf16) * k[j];
+          c += rb(gp[d], bf16) * v[j];
+          e += gp[d] * op[d];  // sum(dO o): fp32, as the CPU's
         }
       }
       const float p = __expf(warp_sum(a) * scale - lse[(bi * nh + h) * t + qi]);
-      const float ds = p * (warp_sum(c) - warp_sum(e)) * scale;
+      const float ds = rb(p * (warp_sum(c) - warp_sum(e)) * scale, bf16), pb = rb(p, bf16);
       for (int j = 0; j < per; ++j) {
         const i64 d = lane + 32 * j;
         if (d < hd) {
-          dk[j] += ds * qp[d];
-          dv[j] += p * gp[d];
+          dk[j] += ds * rb(qp[d], bf16);
+          dv[j] += pb * rb(gp[d], bf16);
         }
       }
     }
@@ -449,20 +471,21 @@ int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const f
   return launched();
 }
 int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale,
-                      void* stream) {
+                      bool bf16, void* stream) {
   const i64 rows = b * nh * t, per_block = kThreads / 32;
   k_attention_forward<<<unsigned((rows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
-      qkv, o, lse, b, t, nh, nkv, hd, float(scale));
+      qkv, o, lse, b, t, nh, nkv, hd, float(scale), bf16);
   return launched();
 }
 int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv, i64 b,
-                       i64 t, i64 nh, i64 nkv, i64 hd, double scale, void* stream) {
+                       i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream) {
   const i64 per_block = kThreads / 32;
   const i64 qrows = b * nh * t, krows = b * nkv * t;
   k_attention_backward_dq<<<unsigned((qrows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
-      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale));
+      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale), bf16);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
   k_attention_backward_dkv<<<unsigned((krows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
-      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale));
+      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale), bf16);
   return launched();
 }
 int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream) {

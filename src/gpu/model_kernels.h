@@ -34,10 +34,11 @@ int layernorm_backward(const float* dout, const float* x, const void* w, bool wb
                        const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c, void* stream);
 int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos, const float* sin,
          bool inverse, void* stream);
+// bf16: round the GEMM operands (q, k, v, dO, P, dS) as the CPU's bf16 attention does.
 int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
-                      double scale, void* stream);
+                      double scale, bool bf16, void* stream);
 int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
-                       i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, void* stream);
+                       i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream);
 int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream);
 int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter, void* stream);
 int gelu_forward(const float* x, float* out, i64 n, void* stream);

@@ -152,12 +152,12 @@ void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, floa
                        i64 nkv, i64 hd, double scale, DType gemm) {
   STRATA_REQUIRE(hd <= 512 && nh % nkv == 0, "attention: head_dim {} must be <= 512, heads {} a multiple of {}",
                  hd, nh, nkv);
+  const bool bf16 = gemm == DType::kBF16;
   if (on_cuda(s)) {
-    [&] { STRATA_GPU_OP(attention_forward, qkv, o, lse, b, t, nh, nkv, hd, scale) }();
+    [&] { STRATA_GPU_OP(attention_forward, qkv, o, lse, b, t, nh, nkv, hd, scale, bf16) }();
     if (o_bf16) cast_to_bf16(s, o, o_bf16, b * t * nh * hd);
     return;
   }
-  const bool bf16 = gemm == DType::kBF16;
   auto* ob = static_cast<cpu::bf16_t*>(o_bf16);
   s.host_fn([=] { cpu::attention_forward_fast(qkv, o, ob, lse, b, t, nh, nkv, hd, scale, bf16); },
             "attention_forward");
@@ -165,8 +165,8 @@ void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, floa
 
 void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout, const float* lse,
                         float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm) {
-  STRATA_GPU_OP(attention_backward, qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale)
   const bool bf16 = gemm == DType::kBF16;
+  STRATA_GPU_OP(attention_backward, qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale, bf16)
   s.host_fn([=] { cpu::attention_backward_fast(qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale, bf16); },
             "attention_backward");
 }
