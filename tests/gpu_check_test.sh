@@ -2,8 +2,8 @@
 # gpu_check_skipped: tools/gpu-check.sh on a machine where no GPU is usable (CI, this VM). What
 # can run here does: the gpu test binaries (each must skip, none fail), strata-bench gpu (it
 # must say SKIPPED with the reason and exit 0), the summary; and gpu-check.json must be
-# well-formed and say "skipped" for every part. Then `strata-bench gpu --rehearse` runs every
-# bench part on the CPU-emulated device at small sizes, and its JSON must hold every figure. Where a GPU is usable this test is skipped
+# well-formed and say "skipped" for every part. Then `gpu-check.sh --rehearse` runs every step on
+# the CPU-emulated device at small sizes, and its JSON must hold every figure. Where a GPU is usable this test is skipped
 # (exit 77): the check itself is then the test, and takes minutes.
 #
 # The tests run through the binaries directly (--no-ctest), the path a package without ctest
@@ -88,33 +88,42 @@ need(isinstance(j["seconds"], int) and j["date"].endswith("Z"), "seconds, date")
 print(f"gpu-check.json ok: {t['total']} gpu tests skipped, every bench part skipped: {reason}")
 PY
 
-# What of the bench can run without a GPU: every part on the CPU-emulated device at small sizes
-# (configs and data written, both placements trained and traced, the trace read, parity, JSON).
+# The whole check rehearsed (--rehearse): its GPU path end to end, the bench's every part and
+# strata-prof on the CPU-emulated device at small sizes (configs and data written, both placements
+# trained and traced, the trace read, parity, two placements validated), the JSON and the table.
 nvme=$build/gpu-check-test-nvme.$$
 trap 'rm -rf "$out" "$nvme"' EXIT
-"$build/tools/strata-bench" gpu --rehearse --json --out "$out/rehearse" --nvme-path "$nvme" --adamw-mparams 1 \
-  --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 --vocab 512 --batch 2 --seq 64 --steps 3 \
-  >"$out/rehearse.log" 2>&1 || { cat "$out/rehearse.log"; fail "strata-bench gpu --rehearse failed"; }
+"$src/tools/gpu-check.sh" --build "$build" --out "$out/rehearse" --no-ctest --rehearse --nvme-path "$nvme" \
+  >"$out/rehearse.log" 2>&1 || { cat "$out/rehearse.log"; fail "gpu-check.sh --rehearse failed"; }
 cat "$out/rehearse.log"
-python3 - "$out/rehearse.log" <<'PY'
+grep -q "^strata gpu-check: REHEARSED on the CPU-emulated device" "$out/rehearse.log" || fail "no REHEARSED verdict"
+grep -qE "^  prof +worst prediction error" "$out/rehearse.log" || fail "no strata-prof line in the table"
+python3 - "$out/rehearse/gpu-check.json" <<'PY'
 import json, sys
-j = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-def need(cond, what):
+c = json.load(open(sys.argv[1]))
+def need(cond, what, j=c):
     if not cond:
-        sys.exit(f"strata-bench gpu --rehearse: {what}: {json.dumps(j, indent=1)}")
-need(j["ok"] is True and j["rehearsal"] is True and j["skipped"] is False, "verdict")
-need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "model", "parity"]}, "parts")
+        sys.exit(f"gpu-check --rehearse: {what}: {json.dumps(j, indent=1)}")
+need(c["status"] == "rehearsed" and c["rehearsal"] is True and c["ok"] is True and c["skipped"] is False, "verdict")
+need([s["name"] for s in c["steps"]] == ["gpu-info", "gpu-tests", "bench", "prof"], "steps")
+need(all(s["exit"] == 0 for s in c["steps"]), "step exits")
+need(c["tests"]["total"] > 0 and c["tests"]["failed"] == 0, "tests")
+p = c["prof"]
+need(isinstance(p, dict) and len(p["candidates"]) >= 2 and "measured_step_s" in p["candidates"][0], "prof", p)
+j = c["bench"]
+need(j["ok"] is True and j["rehearsal"] is True and j["skipped"] is False, "bench verdict", j)
+need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "model", "parity"]}, "parts", j)
 l = j["link"]
-need(all(l[k] > 0 for k in ["h2d_gbps", "d2h_gbps", "peak_h2d_gbps", "peak_d2h_gbps"]) and len(l["chunks"]) == 2, "link")
-need(j["gemm"]["peak_tflops"] > 0 and j["adamw"]["adamw_gbps"] > 0 and j["adamw"]["d2d_copy_gbps"] > 0, "gemm, adamw")
+need(all(l[k] > 0 for k in ["h2d_gbps", "d2h_gbps", "peak_h2d_gbps", "peak_d2h_gbps"]) and len(l["chunks"]) == 2, "link", j)
+need(j["gemm"]["peak_tflops"] > 0 and j["adamw"]["adamw_gbps"] > 0 and j["adamw"]["d2d_copy_gbps"] > 0, "gemm, adamw", j)
 m = j["model"]
-need(m["flops_per_step"] > 0 and sorted(m["placements"]) == ["host", "nvme"], "model")
-for name, p in m["placements"].items():
-    need(p["tokens_per_s"] > 0 and p["mfu"] > 0 and 0 <= p["gpu_idle_share"] <= 1 and 0 < p["gpu_busy_s"], name)
-    need(len(p["losses"]) == 3 and all(x == x for x in p["losses"]), name + " losses")
+need(m["flops_per_step"] > 0 and sorted(m["placements"]) == ["host", "nvme"], "model", j)
+for name, pl in m["placements"].items():
+    need(pl["tokens_per_s"] > 0 and pl["mfu"] > 0 and 0 <= pl["gpu_idle_share"] <= 1 and 0 < pl["gpu_busy_s"], name, j)
+    need(len(pl["losses"]) == 3 and all(x == x for x in pl["losses"]), name + " losses", j)
 # host and NVMe placements train the same model on the same data: the same losses, bit for bit
-need(m["placements"]["host"]["losses"] == m["placements"]["nvme"]["losses"], "host vs nvme losses")
+need(m["placements"]["host"]["losses"] == m["placements"]["nvme"]["losses"], "host vs nvme losses", j)
 par = j["parity"]
-need(par["ok"] is True and len(par["cuda_losses"]) == 8 and par["max_rel_diff"] == 0, "parity")
-print("strata-bench gpu --rehearse ok: every part ran on the CPU-emulated device")
+need(par["ok"] is True and len(par["cuda_losses"]) == 8 and par["max_rel_diff"] == 0, "parity", j)
+print("gpu-check.sh --rehearse ok: every step ran on the CPU-emulated device")
 PY

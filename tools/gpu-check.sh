@@ -18,7 +18,10 @@
 #   --nvme-path DIR (the NVMe placement's swap folder: put it on the NVMe drive; default
 #   <out>/nvme), --no-ctest (run the test binaries directly even where ctest exists),
 #   --make (configure and build DIR with CUDA first; counts against the 10 minutes),
-#   --bench-args "..." (more strata-bench gpu flags, e.g. "--hidden 1024 --layers 16").
+#   --bench-args "..." (more strata-bench gpu flags, e.g. "--hidden 1024 --layers 16"),
+#   --rehearse (where there is no GPU: every step as on a GPU machine, the bench and strata-prof on
+#   the CPU-emulated device at small sizes, so this script's own GPU path, its JSON and its table,
+#   run end to end; the gpu tests are run and skip; the verdict is REHEARSED or FAIL).
 #
 # Without a usable GPU every part reports SKIPPED with the reason, gpu-check.json says
 # "skipped": true, and it exits 0, unless nvidia-smi lists a GPU: then strata not being able to
@@ -32,7 +35,7 @@
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-build="" tests="" out="" nvme="" use_ctest=1 make=0 bench_args=""
+build="" tests="" out="" nvme="" use_ctest=1 make=0 bench_args="" rehearse=0
 while [ $# -gt 0 ]; do
   case $1 in
     --build) build=$2; shift 2 ;;
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
     --no-ctest) use_ctest=0; shift ;;
     --make) make=1; shift ;;
     --bench-args) bench_args=$2; shift 2 ;;
+    --rehearse) rehearse=1; shift ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -137,8 +141,14 @@ gpu_info() {
   "$bin/strata-info"
 }
 
+# NCCL required; PyTorch's nvidia-nccl wheel found through python3 where nothing else has it.
 configure_and_build() {
-  cmake -S "$here/.." -B "$build" -G Ninja -DSTRATA_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+  local nccl=() root
+  if command -v python3 >/dev/null &&
+     root=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null) && [ -n "$root" ]; then
+    nccl=(-DSTRATA_NCCL_ROOT="$root")
+  fi
+  cmake -S "$here/.." -B "$build" -G Ninja -DSTRATA_CUDA=ON -DSTRATA_NCCL=ON "${nccl[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DSTRATA_BUILD_TESTS=ON -DSTRATA_BUILD_BENCH=OFF && cmake --build "$build" -j "$(nproc)"
 }
 
@@ -165,8 +175,10 @@ gpu_tests() {
 }
 
 bench() {
+  local rehearsal=()
+  [ "$rehearse" = 1 ] && rehearsal=(--rehearse)  # small sizes on the CPU-emulated device
   # shellcheck disable=SC2086  # --bench-args is split into flags on purpose
-  "$bin/strata-bench" gpu --json --out "$out/bench" --overwrite --nvme-path "$nvme" $bench_args  # its own folder
+  "$bin/strata-bench" gpu "${rehearsal[@]}" --json --out "$out/bench" --overwrite --nvme-path "$nvme" $bench_args
 }
 
 # strata-prof on the GPU: predicted vs measured step time of the best 3 placements (issue #9's
@@ -179,12 +191,15 @@ prof() {
  "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
  "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": false}
 EOF
-  "$bin/strata-prof" --device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batch 4 --dtype bf16 \
-    --device-mem-gb 2 --nvme-path "$nvme" --validate 3 --validate-steps 4 --top 3 --json --out "$out/prof/best.json" \
+  local where=(--device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batch 4 --dtype bf16
+               --device-mem-gb 2 --validate 3)
+  # Rehearsed: strata-prof's demo model on the CPU-emulated device, two placements validated.
+  [ "$rehearse" = 1 ] && where=(--device cpu --device-mem-gb 0.1 --micro-batches 1 --seq-len 64 --validate 2)
+  "$bin/strata-prof" "${where[@]}" --nvme-path "$nvme" --validate-steps 4 --top 3 --json --out "$out/prof/best.json" \
     --svg "$out/prof/prof.svg" --trace "$out/prof/trace.json" --overwrite  # a check run again into the same --out
 }
 
-export bin tests out nvme use_ctest bench_args build here
+export bin tests out nvme use_ctest bench_args build here rehearse
 export -f gpu_info configure_and_build gpu_tests bench prof
 
 # ---- steps ----
@@ -193,8 +208,10 @@ export -f gpu_info configure_and_build gpu_tests bench prof
 # before it looks for a GPU): a typo is said now, exit 2, not reported as a failed bench after
 # the tests, with the tests counted against it.
 if [ -n "$bench_args" ] && [ -x "$bin/strata-bench" ]; then
+  probe=(gpu --probe)
+  [ "$rehearse" = 1 ] && probe+=(--rehearse)
   # shellcheck disable=SC2086  # split into flags on purpose, as in bench()
-  if ! why=$("$bin/strata-bench" gpu --probe $bench_args 2>&1 >/dev/null); then
+  if ! why=$("$bin/strata-bench" "${probe[@]}" $bench_args 2>&1 >/dev/null); then
     echo "gpu-check.sh: --bench-args \"$bench_args\": ${why:-refused by strata-bench gpu}" >&2
     exit 2
   fi
@@ -244,7 +261,14 @@ if [ -f "$log" ]; then
 fi
 
 # ---- verdict ----
-if [ "$no_gpu" = 1 ]; then
+if [ "$rehearse" = 1 ]; then
+  # Every step ran on the CPU-emulated device: each must have done so, the tests skipping only.
+  status=rehearsed
+  { [ "$failed" -ne 0 ] || [ "$failed_tests" -gt 0 ]; } && status=failed
+  [ -n "$tests" ] && [ "$total" -eq 0 ] && status=failed
+  case $bench_json in *'"ok":true'*) ;; *) status=failed ;; esac
+  case $bench_json in *'"rehearsal":true'*) ;; *) status=failed ;; esac
+elif [ "$no_gpu" = 1 ]; then
   # Nothing could run on a GPU: the check passes as skipped unless a test failed outright, or
   # the driver lists a GPU strata cannot use.
   status=skipped
@@ -265,7 +289,7 @@ fi
 if [ -z "$tests" ]; then tests_status="not given (--tests DIR)"
 elif [ "$total" -eq 0 ]; then tests_status="none found"
 elif [ "$failed_tests" -gt 0 ]; then tests_status="FAILED"
-elif [ "$no_gpu" = 1 ]; then tests_status="SKIPPED"  # the ones that pass need no GPU
+elif [ "$no_gpu" = 1 ] || [ "$rehearse" = 1 ]; then tests_status="SKIPPED"  # the ones that pass need no GPU
 elif [ "$no_gpu_skips" -gt 0 ]; then tests_status="FAILED ($no_gpu_skips skipped for want of a usable GPU)"
 else tests_status="ok"; fi
 [ -z "$tests" ] && [ "$no_gpu" = 0 ] && status=failed
@@ -273,7 +297,8 @@ seconds=$(($(date +%s) - started))
 
 # ---- gpu-check.json ----
 {
-  printf '{\n  "status": "%s",\n  "ok": %s,\n  "skipped": %s,\n  "reason": %s,\n' "$status" \
+  printf '{\n  "status": "%s",\n  "rehearsal": %s,\n  "ok": %s,\n  "skipped": %s,\n  "reason": %s,\n' "$status" \
+    "$([ "$rehearse" = 1 ] && echo true || echo false)" \
     "$([ "$status" = failed ] && echo false || echo true)" "$([ "$no_gpu" = 1 ] && echo true || echo false)" \
     "$([ -n "$reason" ] && json_str "$reason" || echo null)"
   printf '  "date": "%s",\n  "host": %s,\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$(json_str "$(uname -n)")"
@@ -292,6 +317,7 @@ seconds=$(($(date +%s) - started))
   case $status in
     skipped) echo "strata gpu-check: SKIPPED: ${reason:-no usable GPU}" ;;
     passed) echo "strata gpu-check: PASS" ;;
+    rehearsed) echo "strata gpu-check: REHEARSED on the CPU-emulated device (no GPU was used)" ;;
     *) echo "strata gpu-check: FAIL${reason:+: $reason}" ;;
   esac
   printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped, %d of them for want of a usable GPU; %s)\n' \
