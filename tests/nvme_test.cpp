@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <sys/file.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -18,6 +19,7 @@
 
 #include "test_util.h"
 
+#include "comm/comm_internal.h"
 #include "strata/error.h"
 #include "strata/nvme.h"
 #include "strata/pinned_pool.h"
@@ -511,6 +513,30 @@ TEST(SwapStore, StripedRoundTripAtOddSizesAndCleanExit) {
   }
   for (auto& f : files) EXPECT_FALSE(fs::exists(f)) << f << " left behind";
   EXPECT_FALSE(fs::exists(a.path + "/strata-swap")) << "directory left behind";
+}
+
+// A job that ends on the comm layer's abort (a collective's timeout, a rank that failed: MPI_Abort,
+// or an exit where MPI is not up) runs no destructor: its swap files are removed first (73 MB
+// stayed in 1 of 2 such runs). In a child, which the abort ends with exit code 3.
+TEST(SwapStore, AnAbortedJobLeavesNoSwapFiles) {
+  TempDir a;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    try {
+      SwapStore store(store_options({a.path}));
+      AlignedBuf data(1 << 20);
+      fill_random(data.ptr, data.size, 7);
+      store.write("k", data.ptr, data.size).wait();
+      comm::abort_job("a test ends the job", 3);
+    } catch (...) {
+      ::_exit(1);
+    }
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 3) << st;
+  EXPECT_FALSE(fs::exists(a.path + "/strata-swap/rank0/stripe.bin")) << "the swap file stayed";
+  EXPECT_FALSE(fs::exists(a.path + "/strata-swap")) << "its folders stayed";
 }
 
 TEST(SwapStore, ForcedFallbacksPassTheSameRoundTrip) {

@@ -258,6 +258,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     SwapStoreOptions so;
     so.paths = {nvme_dir};
     so.rank = comm.rank();
+    so.world_size = comm.world_size();
     so.aio = base.aio;
     so.config_key = nvme_key;
     SwapStore store(so);
@@ -350,7 +351,8 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
     });
     m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
     // The engine's own rule: this rank's share of the drive's free space (its files counted free).
-    m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key, ranks_on_this_node(comm));
+    m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key, ranks_on_this_node(comm),
+                                        comm.world_size());
   }
 
   {

@@ -169,9 +169,10 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 // PlanInputs::nvme_capacity for `rank`: the free bytes under the NVMe paths the placement uses
 // (SwapStore::free_bytes: a file system counted once, a previous run's files counted as free),
 // each file system's free space split evenly among the `ranks_on_node` ranks of this node
-// (one config: they all keep their swap files under the same paths); UINT64_MAX when nothing
+// (one config: they all keep their swap files under the same paths); with `world_size`, a dead
+// run's ranks beyond it count as free too (rank 0's store removes them); UINT64_MAX when nothing
 // is placed on NVMe. Throws naming the key of a missing directory.
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1);
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1, int world_size = 0);
 // Pinned host memory an engine may hold when strata.host_budget_bytes is 0: 80% of the
 // machine's RAM divided among the `ranks_on_node` ranks of this node, in whole 2 MiB pieces (the
 // pinned pool commits memory so; plan_memory uses any budget so).

@@ -169,6 +169,11 @@ int open_for_io(const std::string& path, int flags, DirectIo direct, bool* is_di
 struct SwapStoreOptions {
   std::vector<std::string> paths;  // one or more existing, writable directories (striped)
   int rank = 0;
+  // The job's ranks. With it, rank 0's store removes (saying so) the swap folders of ranks >= it
+  // that a process of this host left when it died (SIGKILL, an MPI_Abort): each rank's lock file
+  // names its host and pid, and one whose lock no process holds and whose pid is gone is dead.
+  // 0: such folders are left alone.
+  int world_size = 0;
   AioConfig aio;
   std::string config_key = "nvme_path";  // named in error messages
 };
@@ -180,12 +185,15 @@ struct SwapStoreStats {
   bool direct = false;
 };
 
-// Makes SIGINT and SIGTERM (Ctrl-C, mpirun passing one on, a scheduler's kill) delete the swap
-// files of every live SwapStore before the process ends by the signal as it would have: an
-// interrupted run's optimizer state can fill most of a drive, and otherwise stays until the next
-// run in the same folder. A handler the program installed itself is left in place. For tools;
-// a program embedding strata may call it too.
+// Makes SIGINT, SIGTERM and SIGHUP (Ctrl-C, mpirun passing one on, a scheduler's kill, a closed
+// terminal or dropped ssh) delete the swap files of every live SwapStore before the process ends
+// by the signal as it would have: an interrupted run's optimizer state can fill most of a drive,
+// and otherwise stays until the next run in the same folder. A handler the program installed
+// itself is left in place. For tools; a program embedding strata may call it too.
 void remove_swap_files_on_interrupt();
+// Deletes the swap files of every live SwapStore now (async-signal-safe: for a process about to
+// end without its destructors, e.g. the comm layer's MPI_Abort).
+void remove_swap_files_now() noexcept;
 // A line that handler writes to stderr first (up to 1 KiB; "" for none), e.g. where to resume
 // from: an interrupted run otherwise just stopped. Any thread may replace it at any time.
 void set_interrupt_note(std::string_view text) noexcept;
@@ -207,10 +215,11 @@ class SwapStore {
   // (statvfs f_bavail, a file system counted once however many paths are on it) plus what a
   // previous run of the rank left there (a new store removes it). With `ranks_sharing` > 1
   // (ranks of one node under the same paths) each file system's free bytes are split evenly
-  // among them. Throws naming `config_key` when a path is missing or unreadable. For the memory
-  // plan, before any store exists.
+  // among them. With `world_size` > 0, what dead ranks >= it left there (see
+  // SwapStoreOptions::world_size; rank 0's store removes it) counts as free too. Throws naming
+  // `config_key` when a path is missing or unreadable. For the memory plan, before any store exists.
   static std::uint64_t free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
-                                  int ranks_sharing = 1);
+                                  int ranks_sharing = 1, int world_size = 0);
 
   // Reserves an extent for `key`, growing the files after checking free space (statvfs):
   // refuses with the bytes needed and available, before anything is written.

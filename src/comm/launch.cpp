@@ -20,6 +20,7 @@
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/nvme.h"
 
 namespace strata {
 namespace {
@@ -181,6 +182,7 @@ void mpi_broadcast_bytes(void* data, std::size_t bytes) {
 
 void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
+  remove_swap_files_now();  // no destructor runs past here: the swap files would stay on the drive
   if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::_Exit(exit_code);
 }
@@ -215,6 +217,7 @@ void mpi_broadcast_bytes(void*, std::size_t) {
 
 void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
+  remove_swap_files_now();
   std::_Exit(exit_code);
 }
 

@@ -13,7 +13,9 @@
 //  - Every request the store issues is 4 KiB-aligned and within one stripe.
 //  - With verify on, each stripe piece's xxh3 is recorded when its write completes and
 //    checked when a read completes.
-//  - A clean exit deletes the files; a new run deletes a previous run's leftovers.
+//  - A clean exit deletes the files; a new run deletes a previous run's leftovers of its rank, and
+//    rank 0 those of dead ranks beyond the job's (SwapStoreOptions::world_size). The lock file
+//    holds "host pid" of its owner.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -23,11 +25,13 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <unordered_map>
 
+#include "core/process.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
@@ -101,10 +105,8 @@ constexpr std::size_t kNoteMax = 1024;
 char g_notes[2][kNoteMax];
 std::atomic<int> g_note{-1};
 
-// Async-signal-safe only (unlink, rmdir, write, the string functions POSIX lists).
-extern "C" void remove_swap_files_and_reraise(int sig) {
-  if (const int i = g_note.load(); i >= 0 && g_notes[i][0] != '\0')
-    (void)!::write(2, g_notes[i], std::strlen(g_notes[i]));
+// Async-signal-safe only (unlink, rmdir, the string functions POSIX lists).
+void remove_published_swap_files() noexcept {
   for (SwapSlot& slot : g_swap_slots) {
     if (!slot.published.load()) continue;
     ::unlink(slot.path);
@@ -127,8 +129,62 @@ extern "C" void remove_swap_files_and_reraise(int sig) {
       ::rmdir(dir);
     }
   }
+}
+
+// Async-signal-safe only (write, and the above).
+extern "C" void remove_swap_files_and_reraise(int sig) {
+  if (const int i = g_note.load(); i >= 0 && g_notes[i][0] != '\0')
+    (void)!::write(2, g_notes[i], std::strlen(g_notes[i]));
+  remove_published_swap_files();
   ::signal(sig, SIG_DFL);
   ::raise(sig);
+}
+
+// The bytes of the regular files under `dir`.
+std::uint64_t bytes_under(const fs::path& dir) {
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    struct stat fst {};
+    if (::lstat(it->path().c_str(), &fst) == 0 && S_ISREG(fst.st_mode)) total += std::uint64_t(fst.st_blocks) * 512;
+  }
+  return total;
+}
+
+// The swap folders under `top` (a strata-swap/) of ranks >= world_size that are dead: a lock file
+// no process holds, naming a process of this host that is gone (what a rank killed with SIGKILL,
+// or a job that ended on MPI_Abort, leaves). Returns their bytes; with `remove`, deletes each
+// (under its lock, so no new run takes it meanwhile) and says so.
+std::uint64_t dead_ranks_files(const fs::path& top, int world_size, bool remove) {
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it(top, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int r = -1;
+    if (std::sscanf(name.c_str(), "rank%d.lock", &r) != 1 || r < world_size ||
+        name != fmt::format("rank{}.lock", r))
+      continue;
+    const int fd = ::open(it->path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) continue;
+    char buf[320] = {};
+    const ssize_t n = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
+    char host[256] = {};
+    long pid = 0;
+    if (n > 0 && std::sscanf(buf, "%255s %ld", host, &pid) == 2 && this_host() == host && process_gone(pid)) {
+      const fs::path dir = top / fmt::format("rank{}", r);
+      const std::uint64_t bytes = bytes_under(dir);
+      total += bytes;
+      if (remove) {
+        std::error_code e2;
+        fs::remove_all(dir, e2);
+        fs::remove(it->path(), e2);
+        log::info("removed {} of swap files in '{}': rank {} of a run that died (pid {}) left them", log::human_bytes(double(bytes)),
+                  dir.string(), r, pid);
+      }
+    }
+    ::close(fd);
+  }
+  return total;
 }
 
 }  // namespace
@@ -288,8 +344,10 @@ void set_interrupt_note(std::string_view text) noexcept {
   g_note.store(next);
 }
 
+void remove_swap_files_now() noexcept { remove_published_swap_files(); }
+
 void remove_swap_files_on_interrupt() {
-  for (const int sig : {SIGINT, SIGTERM}) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {  // Ctrl-C, a scheduler's stop, a closed terminal
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO)) continue;
     struct sigaction sa {};
@@ -302,7 +360,7 @@ void remove_swap_files_on_interrupt() {
 std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
 std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
-                                    int ranks_sharing) {
+                                    int ranks_sharing, int world_size) {
   STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1", ranks_sharing);
   std::uint64_t total = 0;
   std::vector<dev_t> seen;
@@ -313,17 +371,15 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
                    "directory on the NVMe drive", key_name(config_key), p, config_key);
     require_writable(key_name(config_key), p);
     // A previous run's files of this rank: removed when the store starts, so they count as free.
-    std::error_code ec;
-    const fs::path dir = fs::path(p) / "strata-swap" / fmt::format("rank{}", rank);
-    for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-      struct stat fst {};
-      if (::lstat(it->path().c_str(), &fst) == 0 && S_ISREG(fst.st_mode)) total += std::uint64_t(fst.st_blocks) * 512;
-    }
+    const fs::path top = fs::path(p) / "strata-swap";
+    total += bytes_under(top / fmt::format("rank{}", rank));
+    // And a dead run's ranks beyond this job's: rank 0's store removes them, for every rank.
+    const std::uint64_t dead = world_size > 0 ? dead_ranks_files(top, world_size, false) : 0;
     if (std::find(seen.begin(), seen.end(), st.st_dev) != seen.end()) continue;
     seen.push_back(st.st_dev);
     struct statvfs sv {};
     STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, key_name(config_key));
-    total += std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) / std::uint64_t(ranks_sharing);
+    total += (std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) + dead) / std::uint64_t(ranks_sharing);
   }
   return total;
 }
@@ -395,6 +451,11 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     }
     s.lock_fds.push_back(lfd);
     s.locks.push_back(lock);
+    // Whose it is, for a later run to tell a dead rank's files (dead_ranks_files) from a live one's.
+    const std::string owner = fmt::format("{} {}\n", this_host(), ::getpid());
+    if (::ftruncate(lfd, 0) != 0 || ::pwrite(lfd, owner.data(), owner.size(), 0) != ssize_t(owner.size()))
+      log::warn("swap store: cannot write the owner into '{}': {}", lock, std::strerror(errno));
+    if (opts.rank == 0 && opts.world_size > 0) dead_ranks_files(top, opts.world_size, true);
     const fs::path dir = top / fmt::format("rank{}", opts.rank);
     if (fs::exists(dir, ec)) {
       if (!fs::is_empty(dir, ec)) log::info("removing swap files of a previous run in '{}'", dir.string());

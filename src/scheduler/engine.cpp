@@ -1110,7 +1110,7 @@ void Engine::finalize() {
   in.world_size = s.world;
   in.device_capacity = s.dev.stats().capacity_bytes;
   in.host_capacity = cfg.host_budget_bytes;
-  in.nvme_capacity = (w_nvme || o_nvme || g_nvme) ? nvme_capacity(cfg, s.rank, on_node) : UINT64_MAX;
+  in.nvme_capacity = (w_nvme || o_nvme || g_nvme) ? nvme_capacity(cfg, s.rank, on_node, s.world) : UINT64_MAX;
   in.ranks_on_node = on_node;
   // The settings this host refuses (more optimizer threads than it runs), said on every rank
   // below when there are several: a rank that stopped alone left the others in a collective.
@@ -1234,6 +1234,7 @@ void Engine::finalize() {
     SwapStoreOptions so;
     so.paths = paths;
     so.rank = s.rank;
+    so.world_size = s.world;
     so.aio = cfg.aio;
     so.config_key = key;
     return so;

@@ -450,7 +450,7 @@ std::uint64_t default_host_budget(int ranks_on_node) {
   return all / std::uint64_t(std::max(1, ranks_on_node)) / piece * piece;
 }
 
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node) {
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node, int world_size) {
   const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;
   const bool optimizer = config.optimizer.nvme_fraction() > 0;
   const bool grads = config.grads.nvme_fraction() > 0 && !config.grad_nvme_paths.empty();
@@ -465,7 +465,7 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
   if (params) use(config.param_nvme_paths, "zero_optimization.offload_param.nvme_path");
   if (optimizer) use(config.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path");
   if (grads) use(config.grad_nvme_paths, detail::grad_nvme_path_key(config));
-  return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node));
+  return SwapStore::free_bytes(paths, rank, "nvme_path", std::max(1, ranks_on_node), world_size);
 }
 
 std::string MemoryPlan::table() const {
