@@ -11,6 +11,7 @@
 // a clear error.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -243,6 +244,7 @@ Proc spawn(const std::vector<std::string>& args, const std::string& dir, const s
     // (a script's background job starts with SIGINT ignored).
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGHUP, SIG_DFL);  // ignored under nohup
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -269,6 +271,18 @@ int wait_status(pid_t pid) {
 }
 
 using testing::slurp;
+
+// Flips the bits `mask` of the byte at `at` of a file: damage done to a checkpoint after the fact.
+void flip_bits(const std::string& path, std::streamoff at, char mask) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char c = 0;
+  f.seekg(at);
+  f.read(&c, 1);
+  c = char(c ^ mask);
+  f.seekp(at);
+  f.write(&c, 1);
+  ASSERT_TRUE(f.good()) << path;
+}
 
 // step -> the log line's JSON, for the complete lines of a --log-json file.
 std::map<std::int64_t, nlohmann::json> read_log(const std::string& path) {
@@ -384,11 +398,11 @@ TEST_F(TrainBinary, SigkillAfterStep6ThenResumeEqualsStraightRun) {
   EXPECT_TRUE(fs::exists(ck + "/step-10/manifest.json"));
 }
 
-// Ctrl-C (SIGINT) or a scheduler's SIGTERM: the run ends by the signal as before, and its swap
-// files go with it (they stayed until the next run in that folder: for a big model, most of the
-// drive).
+// Ctrl-C (SIGINT), a scheduler's SIGTERM or a closed terminal's SIGHUP: the run ends by the
+// signal as before, and its swap files go with it (they stayed until the next run in that folder:
+// for a big model, most of the drive).
 TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
-  for (const int sig : {SIGINT, SIGTERM}) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     SCOPED_TRACE(sig);
     const std::string nv = dir.path + "/nv" + std::to_string(sig), log = dir.path + "/int.jsonl";
     fs::remove(log);
@@ -430,6 +444,117 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
   EXPECT_NE(slurp(p.err).find("continue with the same command and --resume " + ck), std::string::npos) << slurp(p.err);
 }
 
+// One flipped bit in a checkpoint's manifest.json (its data position: train_batches) is caught by
+// the manifest's own checksum: the checkpoint is skipped with a warning like any damaged one, and
+// the run resumes from the one before, bit for bit the straight run (the flip resumed silently at
+// a shifted data position).
+TEST_F(TrainBinary, AManifestChangedAfterItWasWrittenIsSkipped) {
+  schedule = "const";  // --steps does not shape the lr: the 4-step run is the straight run's start
+  const auto ref = straight();
+  const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
+  auto a = args(log, {"--save-every", "1", "--checkpoint-dir", ck});
+  set_steps(a, "4");
+  Proc p = spawn(a, dir.path, "first");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  {
+    const std::string m = ck + "/step-4/manifest.json";
+    std::string text = slurp(m);
+    const std::size_t at = text.find("\"train_batches\": ");
+    ASSERT_NE(at, std::string::npos) << text;
+    char& digit = text[at + 17];
+    digit = char(digit ^ 1);  // 8 -> 9: one bit
+    std::ofstream(m, std::ios::trunc) << text;
+  }
+  Proc r = spawn(args(log, {"--save-every", "1", "--resume", ck}), dir.path, "resumed");
+  const int rs = wait_status(r.pid);
+  ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
+  EXPECT_NE(slurp(r.err).find("skipping " + ck + "/step-4: manifest.json has checksum"), std::string::npos)
+      << slurp(r.err);
+  EXPECT_NE(slurp(r.out).find("step-3 (step 3)"), std::string::npos) << slurp(r.out);
+  const auto got = read_log(log);
+  EXPECT_EQ(got.size(), 10u);
+  expect_same_steps(got, ref, 1);
+}
+
+// A run that dies after a checkpoint is in place and before the step's --log-json line (the hook
+// aborts there: the line used to come after the pruning of old checkpoints, ~0.1 s here) leaves
+// no hole in the log: the resume writes that line from the checkpoint. And --keep-checkpoints
+// counts the checkpoints the resumed run inherits: exactly K are left (the inherited ones stayed
+// for ever, 6 folders of K = 3 after kills and resumes). A damaged newest checkpoint then stops
+// strata-export (it exported an older step with exit 0) unless --accept-older.
+TEST_F(TrainBinary, ADeathBetweenACheckpointAndItsLogLineLeavesNoHoleAndKeepsK) {
+  schedule = "const";
+  const auto ref = straight();
+  const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
+  Proc p = spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--checkpoint-dir", ck}), dir.path, "died",
+                 {{"STRATA_TEST_CRASH_AFTER_CHECKPOINT", "6"}});
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT) << slurp(p.err);
+  ASSERT_TRUE(fs::exists(ck + "/step-6/manifest.json"));
+  EXPECT_EQ(read_log(log).count(6), 0u) << "the hook stops the run before step 6's line";
+  EXPECT_EQ(read_log(log).size(), 5u);
+
+  Proc r = spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--resume", ck}), dir.path, "resumed");
+  const int rs = wait_status(r.pid);
+  ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
+  EXPECT_NE(slurp(r.out).find("step-6 (step 6)"), std::string::npos) << slurp(r.out);
+  const auto got = read_log(log);
+  EXPECT_EQ(got.size(), 10u);
+  expect_same_steps(got, ref, 1);  // step 6's line, from the checkpoint, included
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ck)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-10", "step-8", "step-9"}));
+
+  // strata-export: the newest damaged (a byte of its rank file flipped).
+  flip_bits(ck + "/step-10/rank0.bin", 64, 0x10);
+  const auto e1 = testing::run(STRATA_EXPORT_BIN, {ck, dir.path + "/out1"}, dir.path, "export1");
+  EXPECT_EQ(e1.status, 1) << e1.out << e1.err;
+  EXPECT_NE(e1.err.find("the newest checkpoint does not verify (" + ck + "/step-10: rank0.bin has checksum"),
+            std::string::npos) << e1.err;
+  EXPECT_NE(e1.err.find("pass --accept-older to export that one"), std::string::npos) << e1.err;
+  EXPECT_FALSE(fs::exists(dir.path + "/out1/model.safetensors"));
+  const auto e2 = testing::run(STRATA_EXPORT_BIN, {ck, dir.path + "/out2", "--accept-older"}, dir.path, "export2");
+  EXPECT_EQ(e2.status, 0) << e2.out << e2.err;
+  EXPECT_TRUE(fs::exists(dir.path + "/out2/config.json")) << e2.out << e2.err;
+}
+
+// Swap folders a dead run left beyond this job's ranks (a rank killed with SIGKILL keeps its
+// files; a later run with fewer ranks never removed them and was refused for space without naming
+// them) are removed by the next run's rank 0, which says so. Only dead ones: a folder whose lock a
+// live process holds, or whose owner is alive, stays.
+TEST_F(TrainBinary, ADeadRanksSwapFolderIsReclaimedByTheNextRun) {
+  const std::string nv = dir.path + "/nv", top = nv + "/strata-swap";
+  fs::create_directories(top + "/rank1");
+  fs::create_directories(top + "/rank2");
+  fs::create_directories(top + "/rank3");
+  const pid_t gone = ::fork();  // a pid that existed and is gone
+  if (gone == 0) ::_exit(0);
+  wait_status(gone);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  for (int r = 1; r <= 3; ++r) {
+    std::ofstream(top + "/rank" + std::to_string(r) + "/stripe.bin") << std::string(1 << 20, 'x');
+    // rank 1: dead; rank 2: dead but its lock held (by this process); rank 3: its owner alive.
+    std::ofstream(top + "/rank" + std::to_string(r) + ".lock")
+        << host << " " << (r == 3 ? long(::getpid()) : long(gone)) << "\n";
+  }
+  const int held = ::open((top + "/rank2.lock").c_str(), O_RDWR);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+  Proc p = spawn({"--steps", "1", "--demo-nvme", nv}, dir.path, "next");
+  const int st = wait_status(p.pid);
+  ::close(held);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("of swap files in '" + top + "/rank1': rank 1 of a run that died (pid " +
+                              std::to_string(gone) + ") left them"), std::string::npos) << slurp(p.err);
+  EXPECT_FALSE(fs::exists(top + "/rank1")) << "the dead rank's folder stayed";
+  EXPECT_FALSE(fs::exists(top + "/rank1.lock"));
+  EXPECT_TRUE(fs::exists(top + "/rank2/stripe.bin")) << "a folder whose lock is held was removed";
+  EXPECT_TRUE(fs::exists(top + "/rank3/stripe.bin")) << "a live owner's folder was removed";
+}
+
 TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
   const auto ref = straight();
   const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
@@ -446,16 +571,7 @@ TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
   EXPECT_EQ(read_log(log).count(6), 0u) << "step 6 is logged only after its checkpoint";
 
   // Also damage step-5 after the fact: one flipped byte fails its checksum.
-  {
-    std::fstream f(ck + "/step-5/rank0.bin", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(100);
-    char c = 0;
-    f.seekg(100);
-    f.read(&c, 1);
-    c = char(c ^ 0x40);
-    f.seekp(100);
-    f.write(&c, 1);
-  }
+  flip_bits(ck + "/step-5/rank0.bin", 100, 0x40);
   const std::string log2 = dir.path + "/resumed.jsonl";
   Proc r = spawn(args(log2, {"--save-every", "1", "--resume", ck}), dir.path, "resumed");
   const int rs = wait_status(r.pid);
@@ -518,11 +634,13 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   EXPECT_NE(slurp(p.err).find("different model"), std::string::npos) << slurp(p.err);
   // Each side described as itself: the checkpoint's model first, then this run's (hidden 32).
   EXPECT_NE(slurp(p.err).find("this run's: llama 32x64 2 layers, vocab 256"), std::string::npos) << slurp(p.err);
-  // A different world size: the manifest says 2 ranks (the files still verify).
+  // A different world size: the manifest says 2 ranks (the files still verify), its own checksum
+  // made again as a 2-rank run's would be.
   {
     std::ifstream f(ck + "/step-2/manifest.json");
     nlohmann::json m = nlohmann::json::parse(f);
     m["world_size"] = 2;
+    m["manifest_xxh3"] = manifest_checksum(m);
     std::ofstream(ck + "/step-2/manifest.json") << m.dump(1);
   }
   p = spawn(args(dir.path + "/c.jsonl", {"--resume", ck}), dir.path, "world");
@@ -535,7 +653,9 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   p = spawn(args(dir.path + "/d.jsonl", {"--resume", dir.path + "/empty"}), dir.path, "empty");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  EXPECT_NE(slurp(p.err).find("no complete checkpoint found"), std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("--resume " + dir.path + "/empty: no checkpoint there yet (no step-<N> folder in " +
+                              dir.path + "/empty); to start the run from the beginning, drop --resume"),
+            std::string::npos) << slurp(p.err);
 }
 
 // A fresh run saving into a folder that holds another run's checkpoints is refused before step 1:

@@ -678,7 +678,7 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   // Not a checkpoint.
   e = run_export({dir.path, dir.path + "/export3"}, dir.path, "none");
   EXPECT_EQ(e.status, 1);
-  EXPECT_NE(first_line(e.err).find("checkpoint " + dir.path + ": no complete checkpoint found"), std::string::npos)
+  EXPECT_NE(first_line(e.err).find("checkpoint " + dir.path + ": no checkpoint there yet"), std::string::npos)
       << e.err;
   EXPECT_EQ(e.err.find("--resume"), std::string::npos) << "strata-export has no --resume\n" << e.err;
 

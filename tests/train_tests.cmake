@@ -4,9 +4,9 @@ target_link_libraries(train_bridge_test PRIVATE strata_trainer)
 # Checkpoints and resume: in process (Engine::save_state/load_state) and end to end (the
 # strata-train binary killed with SIGKILL, crashing mid-checkpoint, resumed).
 strata_add_test(train_checkpoint_test SOURCES train_checkpoint_test.cpp LABELS unit
-                DEFINES STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>")
+                DEFINES STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>" STRATA_EXPORT_BIN="$<TARGET_FILE:strata-export>")
 target_link_libraries(train_checkpoint_test PRIVATE strata_trainer)
-add_dependencies(train_checkpoint_test strata-train)
+add_dependencies(train_checkpoint_test strata-train strata-export)
 # The command line end to end (offload on/off, bad flags, --out/--overwrite) and strata-export.
 # The 2-rank comparison (TrainCli.TwoRanks*) runs only in train_cli_mpi (STRATA_TEST_MPI=1; skipped in
 # the discovered entry), which spawns mpirun itself.

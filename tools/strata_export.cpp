@@ -65,6 +65,7 @@ struct RankFile {
 struct Options {
   std::string ckpt, out, dtype = "fp32", model_config;
   bool overwrite = false;
+  bool accept_older = false;
   double max_shard_mb = 5 * 1024;
 };
 
@@ -85,6 +86,11 @@ int run(const Options& o) {
     ck.step = ck.manifest.value("step", std::int64_t(0));
   } else {
     ck = strata::find_checkpoint(o.ckpt, "checkpoint");
+    // A damaged newest checkpoint: exporting an older step without a word would pass for the
+    // run's latest model.
+    STRATA_REQUIRE(ck.skipped.empty() || o.accept_older,
+                   "{}: the newest checkpoint does not verify ({}); the newest complete one is {} (step {}): pass "
+                   "--accept-older to export that one, or give its folder", o.ckpt, ck.skipped.front(), ck.dir, ck.step);
   }
   const int world = ck.manifest.value("world_size", 0);
   STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);
@@ -298,6 +304,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", o.dtype, "dtype of the written tensors (default fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--overwrite", o.overwrite, "replace an existing, non-empty OUT_DIR");
+  app.add_flag("--accept-older", o.accept_older,
+               "when the newest checkpoint under CKPT_DIR does not verify, export the newest that does");
   app.add_option("--model-config", o.model_config, "the model's config.json (default: the checkpoint manifest's)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);

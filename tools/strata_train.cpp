@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kPositive);
   app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(strata::tools::kPositive);
-  app.add_option("--steps", o.steps, "optimizer steps (default 60)")->check(strata::tools::kPositive);
+  app.add_option("--steps", o.steps, "optimizer steps (default 60)")
+      ->check(strata::tools::kCount & strata::tools::kPositive);
   app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")->check(strata::tools::kNonNegative);
   app.add_option("--warmup", o.warmup, "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
                  "--config's scheduler block applies)")->check(strata::tools::kNonNegative);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -45,6 +46,17 @@ inline CLI::Validator sign_check(bool zero_ok) {
 }
 inline const CLI::Validator kNonNegative = sign_check(true);
 inline const CLI::Validator kPositive = sign_check(false);
+// A count: a whole number that fits in 64 bits (CLI11 would take 99999999999999999999 as the
+// largest one, silently).
+inline const CLI::Validator kCount(
+    [](std::string& text) -> std::string {
+      long long v = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec == std::errc::result_out_of_range) return "'" + text + "' is beyond the largest count, 2^63 - 1";
+      if (ec != std::errc() || end != text.data() + text.size()) return "'" + text + "' is not a whole number";
+      return {};
+    },
+    "COUNT");
 
 // A file a tool writes when it is done (a recommendation, a picture, a trace), checked before
 // anything is measured, so a run of minutes does not end in "cannot be written": its folder

@@ -98,11 +98,16 @@ struct FoundCheckpoint {
   std::string root;  // the folder of step-<N> folders it was found in; empty when given itself
   std::int64_t step = 0;
   nlohmann::json manifest;
+  std::vector<std::string> skipped;  // newer candidates that failed verification: "<dir>: <why>"
 };
 // The newest complete checkpoint under `path`: a checkpoint folder itself, a folder of
 // step-<N> checkpoints, or a run folder holding checkpoints/. Temporary (.tmp-*) folders and
-// folders that fail verification are skipped with a warning; none complete: strata::Error.
+// folders that fail verification are skipped with a warning (and listed in `skipped`); none
+// complete: strata::Error (for --resume, one that says to drop it when there is nothing yet).
 FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what = "--resume");
+// The checksum a checkpoint's manifest.json carries of itself (its manifest_xxh3 field): xxh3-64
+// of the manifest without that field.
+std::string manifest_checksum(nlohmann::json manifest);
 // The step-<N> folders (and step-<N>.old-<pid> ones set aside) directly in `dir`, newest step
 // first; none (or no such folder): empty.
 std::vector<std::string> checkpoint_folders(const std::string& dir);

@@ -6,12 +6,14 @@
 //      barrier.
 //   2. every rank writes its engine state there (Engine::save_state: rank<R>.bin/.json, each
 //      fsync'd); barrier.
-//   3. rank 0 hashes every file (xxh3-64), writes manifest.json (fsync'd), fsyncs the folder,
-//      renames it to <root>/step-<N> (an existing step-<N> is moved aside first and removed
-//      after) and fsyncs <root>; barrier.
+//   3. rank 0 hashes every file (xxh3-64), writes manifest.json (fsync'd; its last field,
+//      manifest_xxh3, the checksum of the rest of it), fsyncs the folder, renames it to
+//      <root>/step-<N> (an existing step-<N> is moved aside first and removed after) and fsyncs
+//      <root>; barrier.
 // A crash at any point leaves either a .tmp-* folder (never chosen: find_checkpoint skips it)
-// or a complete step-<N>. find_checkpoint verifies sizes and checksums before choosing one,
-// so a folder damaged after the fact is skipped too.
+// or a complete step-<N>. find_checkpoint verifies the manifest's own checksum first, then every
+// file's size and checksum, before choosing one, so a folder damaged after the fact (the manifest
+// included: a flipped data position would resume elsewhere) is skipped too.
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -27,6 +29,7 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include "core/process.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
@@ -36,8 +39,11 @@ namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr int kCheckpointVersion = 1;
+// 2: the manifest carries its own checksum (manifest_xxh3). Version 1 manifests, without it,
+// are still read.
+constexpr int kCheckpointVersion = 2;
 constexpr const char* kManifest = "manifest.json";
+constexpr const char* kManifestChecksum = "manifest_xxh3";
 
 // Size and xxh3-64 of a file, streamed; false when it cannot be read.
 bool hash_file(const std::string& path, std::uint64_t& bytes, std::string& hex) {
@@ -75,6 +81,13 @@ std::int64_t step_of(const std::string& name) {
 
 }  // namespace
 
+// Its compact dump: nlohmann keeps an object's keys sorted, so the same content dumps the same.
+std::string manifest_checksum(nlohmann::json manifest) {
+  manifest.erase(kManifestChecksum);
+  const std::string body = manifest.dump();
+  return fmt::format("{:016x}", XXH3_64bits(body.data(), body.size()));
+}
+
 std::string model_config_hash(const ModelConfig& c) {
   std::string key = fmt::format(
       "arch={} vocab={} hidden={} inter={} layers={} heads={} kv={} head_dim={} pos={} eps={:a} theta={:a} "
@@ -96,11 +109,6 @@ namespace {
 
 // Who is writing a .tmp folder: "<host> <pid>" of rank 0, removed before the rename.
 constexpr const char* kOwnerFile = ".owner";
-
-std::string this_host() {
-  char name[256] = {};
-  return ::gethostname(name, sizeof name - 1) == 0 ? std::string(name) : std::string("?");
-}
 
 // Half-written checkpoints of runs that died: never chosen, only taking space. Only a folder
 // whose owner was on this host and whose process is gone (a live run's, or one from another
@@ -129,8 +137,7 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
     std::ifstream owner(it->path() / kOwnerFile);
     std::string host;
     long pid = 0;
-    if (!(owner >> host >> pid) || host != this_host() || pid <= 0) continue;
-    if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+    if (!(owner >> host >> pid) || host != this_host() || !process_gone(pid)) continue;
     dead.push_back(it->path());
   }
   for (const fs::path& p : dead) {
@@ -185,6 +192,7 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
           files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
         }
       m["files"] = std::move(files);
+      m[kManifestChecksum] = manifest_checksum(m);
       const std::string text = m.dump(1) + "\n";
       const std::string mpath = (fs::path(tmp) / kManifest).string();
       {
@@ -253,20 +261,34 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
   } catch (const std::exception& e) {
     return fmt::format("manifest.json does not parse ({})", e.what());
   }
-  if (m.value("format", "") != "strata-checkpoint") return "manifest.json is not a strata checkpoint manifest";
-  if (m.value("version", 0) != kCheckpointVersion)
-    return fmt::format("format version {}, this build reads {}", m.value("version", 0), kCheckpointVersion);
-  if (!m.contains("files") || !m["files"].is_array() || m["files"].empty()) return "manifest.json lists no files";
-  for (const auto& e : m["files"]) {
-    const std::string name = e.value("name", "");
-    if (name.empty() || name.find('/') != std::string::npos) return "manifest.json has a bad file entry";
-    std::uint64_t bytes = 0;
-    std::string hex;
-    if (!hash_file((fs::path(dir) / name).string(), bytes, hex)) return fmt::format("{} is missing", name);
-    if (bytes != e.value("bytes", std::uint64_t(0)))
-      return fmt::format("{} has {} bytes, the manifest says {}", name, bytes, e.value("bytes", std::uint64_t(0)));
-    if (hex != e.value("xxh3", ""))
-      return fmt::format("{} has checksum {}, the manifest says {}", name, hex, e.value("xxh3", ""));
+  try {  // a field of the wrong type (a damaged manifest) throws from value()
+    if (!m.is_object() || m.value("format", "") != "strata-checkpoint")
+      return "manifest.json is not a strata checkpoint manifest";
+    const int version = m.value("version", 0);
+    if (version != 1 && version != kCheckpointVersion)
+      return fmt::format("format version {}, this build reads 1 to {}", version, kCheckpointVersion);
+    if (version >= 2) {  // the manifest itself first: every value below is read from it
+      if (!m.contains(kManifestChecksum) || !m[kManifestChecksum].is_string())
+        return "manifest.json has no checksum of its own (manifest_xxh3)";
+      const std::string want = m[kManifestChecksum].get<std::string>(), got = manifest_checksum(m);
+      if (got != want)
+        return fmt::format("manifest.json has checksum {}, its manifest_xxh3 says {}: it changed after it was written",
+                           got, want);
+    }
+    if (!m.contains("files") || !m["files"].is_array() || m["files"].empty()) return "manifest.json lists no files";
+    for (const auto& e : m["files"]) {
+      const std::string name = e.value("name", "");
+      if (name.empty() || name.find('/') != std::string::npos) return "manifest.json has a bad file entry";
+      std::uint64_t bytes = 0;
+      std::string hex;
+      if (!hash_file((fs::path(dir) / name).string(), bytes, hex)) return fmt::format("{} is missing", name);
+      if (bytes != e.value("bytes", std::uint64_t(0)))
+        return fmt::format("{} has {} bytes, the manifest says {}", name, bytes, e.value("bytes", std::uint64_t(0)));
+      if (hex != e.value("xxh3", ""))
+        return fmt::format("{} has checksum {}, the manifest says {}", name, hex, e.value("xxh3", ""));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return fmt::format("manifest.json has a field of the wrong type ({})", e.what());
   }
   if (manifest) *manifest = std::move(m);
   return "";
@@ -332,22 +354,25 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     found.emplace_back(st, dir);
   }
   std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> skipped;
   for (const auto& [st, dir] : found) {
     FoundCheckpoint fc;
-    const std::string why = verify_checkpoint(dir, &fc.manifest);
+    std::string why = verify_checkpoint(dir, &fc.manifest);
+    if (why.empty() && fc.manifest.value("step", std::int64_t(-1)) != st)
+      why = fmt::format("its manifest says step {}", fc.manifest.value("step", std::int64_t(-1)));
     if (!why.empty()) {
       log::warn("{}: skipping {}: {}", what, dir, why);
-      continue;
-    }
-    if (fc.manifest.value("step", std::int64_t(-1)) != st) {
-      log::warn("{}: skipping {}: its manifest says step {}", what, dir, fc.manifest.value("step", std::int64_t(-1)));
+      skipped.push_back(fmt::format("{}: {}", dir, why));
       continue;
     }
     fc.dir = dir;
     fc.root = root;
     fc.step = st;
+    fc.skipped = std::move(skipped);
     return fc;
   }
+  STRATA_REQUIRE(!found.empty(), "{} {}: no checkpoint there yet (no step-<N> folder in {}){}", what, path, root,
+                 what == "--resume" ? "; to start the run from the beginning, drop --resume" : "");
   STRATA_THROW(kInvalidArgument, "{} {}: no complete checkpoint found (looked for step-<N> folders with a valid "
                "manifest.json in {}; {} candidate(s) failed verification)", what, path, root, found.size());
 }

@@ -345,6 +345,7 @@ TrainResult train(const TrainOptions& o) {
   // Resume: the newest complete checkpoint, found (and verified) before anything is built.
   FoundCheckpoint resume;
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
+  std::vector<std::int64_t> inherited_checkpoints;  // steps, oldest first
   std::string ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
   if (ckpt_root.empty() && !resume.root.empty()) {
@@ -382,6 +383,15 @@ TrainResult train(const TrainOptions& o) {
                    "continue that run with --resume {}, give another --checkpoint-dir, or remove them",
                    o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir", ckpt_root,
                    fs::path(there.front()).filename().string(), ckpt_root);
+    // A resumed run continues the run: its complete checkpoints up to the resumed step count
+    // towards --keep-checkpoints with this run's own (oldest first).
+    if (continues)
+      for (auto it = there.rbegin(); it != there.rend(); ++it) {
+        const std::string name = fs::path(*it).filename().string();
+        if (name.find(".old-") != std::string::npos || !fs::exists(fs::path(*it) / "manifest.json", ec)) continue;
+        const std::int64_t st = std::stoll(name.substr(5));  // checkpoint_folders: "step-<N>"
+        if (st <= resume.step) inherited_checkpoints.push_back(st);
+      }
   }
   if (!o.trace_file.empty()) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
@@ -538,7 +548,7 @@ TrainResult train(const TrainOptions& o) {
     in.world_size = world;
     in.device_capacity = dev->stats().capacity_bytes;
     in.host_capacity = ecfg.host_budget_bytes;
-    in.nvme_capacity = nvme_capacity(ecfg, rank, launch.local_size);
+    in.nvme_capacity = nvme_capacity(ecfg, rank, launch.local_size, world);
     in.ranks_on_node = launch.local_size;
     MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
     // The training state only: what a micro-batch's activations take depends on the kernels
@@ -739,9 +749,12 @@ TrainResult train(const TrainOptions& o) {
     pid = mean_over_ranks(pid, *comm, *dev, *compute) * world;
     tmp_tag = std::to_string(std::int64_t(std::llround(pid)));
   }
-  auto trainer_state = [&](std::int64_t step) {
+  // `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
+  // when the run died before it did.
+  auto trainer_state = [&](std::int64_t step, const nlohmann::json& log_line) {
     return nlohmann::json{
         {"step", step},
+        {"log_line", log_line},
         {"model_config_hash", model_hash},
         // The model's config.json, so that a checkpoint alone can be exported (strata-export).
         {"model_config", nlohmann::json::parse(model_config_json(mcfg))},
@@ -760,11 +773,11 @@ TrainResult train(const TrainOptions& o) {
         {"optimizer", optimizer_state},
         {"loss_scale", engine.loss_scale()}};
   };
-  std::vector<std::int64_t> saved_steps;
-  auto save_checkpoint = [&](std::int64_t step) {
+  std::vector<std::int64_t> saved_steps = inherited_checkpoints;
+  auto save_checkpoint = [&](std::int64_t step, const nlohmann::json& log_line) {
     std::string dir;
     try {
-      dir = write_checkpoint(engine, *comm, *compute, ckpt_root, step, tmp_tag, trainer_state(step));
+      dir = write_checkpoint(engine, *comm, *compute, ckpt_root, step, tmp_tag, trainer_state(step, log_line));
     } catch (const Error& e) {
       // A file that could not be written (a full drive): say what is left and what to do
       // (write_checkpoint removed the half-written folder). Other errors pass as they are.
@@ -783,13 +796,15 @@ TrainResult train(const TrainOptions& o) {
     if (rank == 0)  // what Ctrl-C (or a scheduler's SIGTERM) says from now on
       set_interrupt_note(fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
                                      "with the same command and --resume {}\n", dir, step, ckpt_root));
-    if (rank == 0 && o.keep_checkpoints > 0) {
-      // Older complete checkpoints of this run beyond the newest keep_checkpoints.
-      while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
-        std::error_code ec;
-        fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);
-        saved_steps.erase(saved_steps.begin());
-      }
+  };
+  // Older complete checkpoints of the run beyond the newest keep_checkpoints: after the step's
+  // log line (a removal of ~100 MiB takes a while, and the line must not wait behind it).
+  auto prune_checkpoints = [&] {
+    if (rank != 0 || o.keep_checkpoints == 0) return;
+    while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
+      std::error_code ec;
+      fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);
+      saved_steps.erase(saved_steps.begin());
     }
   };
 
@@ -800,13 +815,22 @@ TrainResult train(const TrainOptions& o) {
     if (start_step > 0) {
       std::ifstream old(o.log_json);
       std::string line;
+      bool has_start = false, has_earlier = false;
       while (std::getline(old, line)) {
         try {
-          if (nlohmann::json::parse(line).value("step", std::int64_t(0)) <= start_step) kept += line + "\n";
+          const std::int64_t at = nlohmann::json::parse(line).value("step", std::int64_t(0));
+          if (at <= start_step) kept += line + "\n";
+          has_start = has_start || at == start_step;
+          has_earlier = has_earlier || at < start_step;
         } catch (const std::exception&) {
           break;  // a torn last line of the killed run
         }
       }
+      // The run's own log, which it died before writing the checkpoint's line to: the checkpoint
+      // has the line. (A new log of the resumed run starts after the checkpoint, as ever.)
+      const nlohmann::json t = resume.manifest.value("trainer", nlohmann::json::object());
+      if (has_earlier && !has_start && t.contains("log_line") && t["log_line"].is_object())
+        kept += t["log_line"].dump() + "\n";
     }
     jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
     *jlog << kept;
@@ -962,22 +986,32 @@ TrainResult train(const TrainOptions& o) {
       ph.eval += since(t0);
     }
 
-    // The checkpoint before the step's log line: a logged step's checkpoint is complete.
-    if (o.save_every > 0 && (step % o.save_every == 0 || step == steps)) {
+    const EngineStats st = engine.stats();
+    nlohmann::json j = {{"step", step},          {"loss", loss},           {"lr", lr},
+                        {"grad_norm", sr.grad_norm}, {"tokens_per_s", rec.tokens_per_s},
+                        {"step_time_s", rec.step_s}, {"skipped", sr.skipped}, {"loss_scale", sr.loss_scale},
+                        {"h2d_bytes", st.h2d_bytes - prev.h2d_bytes}, {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
+                        {"nvme_read_bytes", st.nvme_read_bytes - prev.nvme_read_bytes},
+                        {"nvme_written_bytes", st.nvme_written_bytes - prev.nvme_written_bytes}};
+    if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
+
+    // The checkpoint before the step's log line: a logged step's checkpoint is complete. The line
+    // is in the checkpoint too, for a resume after a death between the two.
+    const bool checkpointed = o.save_every > 0 && (step % o.save_every == 0 || step == steps);
+    if (checkpointed) {
       t0 = Clock::now();
-      save_checkpoint(step);
+      save_checkpoint(step, j);
       ph.save += since(t0);
+      if (const char* crash = std::getenv("STRATA_TEST_CRASH_AFTER_CHECKPOINT");
+          crash && std::atoll(crash) == step && rank == 0) {
+        std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_AFTER_CHECKPOINT=%lld: aborting before the step's log "
+                     "line\n", (long long)step);
+        std::fflush(stderr);
+        std::abort();
+      }
     }
 
-    const EngineStats st = engine.stats();
     if (jlog) {
-      nlohmann::json j = {{"step", step},          {"loss", loss},           {"lr", lr},
-                          {"grad_norm", sr.grad_norm}, {"tokens_per_s", rec.tokens_per_s},
-                          {"step_time_s", rec.step_s}, {"skipped", sr.skipped}, {"loss_scale", sr.loss_scale},
-                          {"h2d_bytes", st.h2d_bytes - prev.h2d_bytes}, {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
-                          {"nvme_read_bytes", st.nvme_read_bytes - prev.nvme_read_bytes},
-                          {"nvme_written_bytes", st.nvme_written_bytes - prev.nvme_written_bytes}};
-      if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
       *jlog << j.dump() << '\n';
       jlog->flush();
       if (!*jlog) {  // a full drive: the run goes on, but the log is said to be incomplete
@@ -986,6 +1020,7 @@ TrainResult train(const TrainOptions& o) {
         jlog.reset();
       }
     }
+    if (checkpointed) prune_checkpoints();
     if (con) {
       const double gbps = 1e-9 / rec.step_s;
       const double elapsed = since(loop_start);
@@ -1010,7 +1045,19 @@ TrainResult train(const TrainOptions& o) {
       std::error_code ec;          // replaces the weights and config.json, and other files stay
       if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
     }
-    save_engine_weights(engine, mcfg, ecfg.compute_dtype, o.out_dir, rank);
+    try {
+      save_engine_weights(engine, mcfg, ecfg.compute_dtype, o.out_dir, rank);
+    } catch (const Error& e) {
+      // A full drive at the end: the training is in the newest checkpoint, if any; say so, and how to
+      // finish (the same command with --resume writes the model and runs no step).
+      if (e.kind() != ErrorKind::kIo) throw;
+      const std::string newest = !result_checkpoints.empty() ? result_checkpoints.back() : resume.dir;
+      STRATA_THROW(kIo, "{}; the model was not written to {}; {}", e.message(), o.out_dir,
+                   newest.empty() ? std::string("no checkpoint of this run holds its training (--save-every N keeps "
+                                                "it): free space there and run again")
+                                  : fmt::format("the newest checkpoint is {}: free space there, then run the same "
+                                                "command with --resume {}", newest, newest));
+    }
     ph.save += since(t0);
   }
   result.stats = engine.stats();
@@ -1024,9 +1071,17 @@ TrainResult train(const TrainOptions& o) {
                             : start_step > 0 && start_step + 1 == steps ? fmt::format("step {} of {}, resumed", steps, steps)
                             : start_step > 0   ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
                                                : fmt::format("{} step{}", steps, steps == 1 ? "" : "s");
-    std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, final loss %.4f)\n", ran.c_str(), total,
-                 tokens_per_step * double(steps - start_step) / since(loop_start),
-                 result.steps.empty() ? NAN : result.steps.back().loss);
+    // No step run (resumed at the last step): the checkpoint's loss, when its log line is there.
+    std::string final_loss;
+    if (!result.steps.empty()) {
+      final_loss = fmt::format(", final loss {:.4f}", result.steps.back().loss);
+    } else if (const nlohmann::json line = resume.manifest.value("trainer", nlohmann::json::object())
+                                               .value("log_line", nlohmann::json::object());
+               line.contains("loss") && line["loss"].is_number()) {
+      final_loss = fmt::format(", loss {:.4f} at the checkpoint", line["loss"].get<double>());
+    }
+    std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s%s)\n", ran.c_str(), total,
+                 tokens_per_step * double(steps - start_step) / since(loop_start), final_loss.c_str());
     std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
     const std::pair<const char*, double> rows[] = {{"data", ph.data},           {"forward", ph.forward},
                                                    {"backward", ph.backward},   {"optimizer", ph.optimizer},
