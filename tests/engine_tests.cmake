@@ -6,7 +6,7 @@ strata_add_test(engine_gpu_test SOURCES engine_test.cpp LABELS gpu DEFINES STRAT
 find_package(MPI COMPONENTS C)
 add_executable(engine_mpi_test engine_mpi_test.cpp)
 target_include_directories(engine_mpi_test PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
-target_link_libraries(engine_mpi_test PRIVATE strata GTest::gtest)
+target_link_libraries(engine_mpi_test PRIVATE strata strata_trainer GTest::gtest)
 add_test(NAME engine_ranks_1 COMMAND engine_mpi_test)
 set_tests_properties(engine_ranks_1 PROPERTIES LABELS "unit;engine" TIMEOUT 300)
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)

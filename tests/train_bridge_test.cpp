@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -239,6 +240,27 @@ TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
   // The seed decides the weights.
   EXPECT_EQ(initial_unit_weights(gpt2, "", 7), initial_unit_weights(gpt2, "", 7));
   EXPECT_NE(initial_unit_weights(gpt2, "", 7), initial_unit_weights(gpt2, "", 8));
+}
+
+// The from-scratch source the engine asks for slices gives, for any slice, what init_hf gives the
+// whole model: every element a function of the seed, its parameter and its index alone (slices
+// that cut parameters and the alignment gaps included), and the gaps zero.
+TEST(Bridge, TheFreshSourceGivesAnySliceOfInitHf) {
+  const ModelConfig gpt2 = parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 64})", "tiny gpt2");
+  for (const ModelConfig& mc : {tiny_llama(false), gpt2}) {
+    const auto whole = initial_unit_weights(mc, "", 11);  // ResidentWeights::init_hf
+    const ModelSource src = fresh_model_source(mc, 11);
+    const std::vector<UnitSpec> units = model_units(mc);
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      std::vector<float> got(units[u].numel, NAN);
+      for (std::size_t first = 0; first < got.size(); first += 1000)  // slices of 1000: cut anywhere
+        src(u, first, std::min<std::size_t>(1000, got.size() - first), got.data() + first);
+      ASSERT_EQ(std::memcmp(got.data(), whole[u].data(), got.size() * 4), 0) << units[u].name;
+    }
+  }
+  EXPECT_THROW(fresh_model_source(tiny_llama(false), 1)(0, 0, model_units(tiny_llama(false))[0].numel + 1, nullptr),
+               Error);
 }
 
 TEST(Bridge, SizeMismatchIsAnError) {

@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -133,6 +134,51 @@ class TrainCli : public ::testing::Test {
   TempDir dir;
   std::string cfg, text;
 };
+
+// Everything on NVMe (weights, optimizer state, gradients; a bounded live window), from scratch:
+// the host memory a run takes does not grow with the model. Two models, 25M and 100M parameters
+// (4x the layers), one step each; the bigger one's peak RSS (the child's
+// ru_maxrss) is within 10% of its extra fp32 weights of the smaller one's. (Built whole in host
+// memory, the initial weights alone took 12 bytes a parameter more.)
+TEST_F(TrainCli, FromScratchWithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
+#endif
+  const std::string nv = dir.path + "/nv", ds = dir.path + "/nvme.json";
+  fs::create_directories(nv);
+  std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")" << nv << R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}, "offload_grads": "nvme",
+      "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 8e6, "stage3_prefetch_bucket_size": 4e6}})";
+  auto peak_rss = [&](int layers, double* params) {
+    const std::string model = dir.path + "/l" + std::to_string(layers) + ".json";
+    std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+      "intermediate_size": 1344, "num_hidden_layers": )" << layers << R"(, "num_attention_heads": 8,
+      "num_key_value_heads": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+    const std::string tag = "rss" + std::to_string(layers);
+    // Checkpointed activations: a layer's grow with the layers, and this is about the weights.
+    const pid_t pid = testing::start(STRATA_TRAIN_BIN, {"--model-config", model, "--config", ds, "--text", text,
+                                                        "--seq-len", "16", "--steps", "1", "--device", "cpu",
+                                                        "--checkpoint-activations"},
+                                     dir.path, tag);
+    int st = 0;
+    rusage ru {};
+    EXPECT_EQ(::wait4(pid, &st, 0, &ru), pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(dir.path + "/" + tag + ".stderr");
+    const std::string out = slurp(dir.path + "/" + tag + ".stdout");
+    const std::size_t at = out.find(", ");
+    *params = at == std::string::npos ? 0 : std::stod(out.substr(at + 2)) * 1e6;  // "llama, 10.65M parameters"
+    return double(ru.ru_maxrss) * 1024;
+  };
+  double small_params = 0, big_params = 0;
+  const double small = peak_rss(8, &small_params), big = peak_rss(32, &big_params);  // 25M, 100M
+  ASSERT_GT(big_params, 3.5 * small_params) << small_params << " vs " << big_params;
+  const double extra_fp32 = (big_params - small_params) * 4;
+  std::printf("peak RSS: %.1f MB (%.1fM parameters), %.1f MB (%.1fM): grew %.2f MB, %.2f%% of the extra fp32 weights\n",
+              small / 1e6, small_params / 1e6, big / 1e6, big_params / 1e6, (big - small) / 1e6,
+              100 * (big - small) / extra_fp32);
+  EXPECT_LT(big - small, 0.1 * extra_fp32);
+}
 
 TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   TempDir nvme;

@@ -1,7 +1,9 @@
 // The ZeRO-3 offload engine: owns where every byte of training state lives and when it moves.
 //
 // A model registers its parameters grouped into fetch units (one per layer, typically),
-// each with its initial fp32 values. The engine flattens each unit into one buffer, pads it
+// each with its initial fp32 values, given whole or by a source the engine asks for this rank's
+// slices at finalize() (a sub-group at a time, straight to the tier that keeps them: no rank ever
+// holds a whole unit's initial values). The engine flattens each unit into one buffer, pads it
 // to a multiple of world_size * 2048 elements and keeps only this rank's 1/world_size shard
 // of everything: compute weights (fp32 or bf16), an fp32 gradient accumulator, and the
 // fp32 master weights with AdamW's m and v — each piece on the tier the config places it
@@ -45,6 +47,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,9 +64,16 @@ struct ParamDef {
   const float* init = nullptr;  // numel fp32 values; copied by add_unit
 };
 
+// Elements [first, first + count) of a unit's flat layout (its parameters in order, each at its
+// param_offset), as fp32 into `out`. Asked only for what lies within the unit's elements.
+using UnitSource = std::function<void(std::size_t first, std::size_t count, float* out)>;
+
 struct UnitDef {
   std::string name;
   std::vector<ParamDef> params;
+  // With a source, the params give names and sizes only (init null): finalize() asks it for this
+  // rank's shard a sub-group at a time (the layout: parameters back to back, in order).
+  UnitSource source = nullptr;
 };
 
 // What Engine::grad_buffer hands out: a zeroed gradient, or one the caller overwrites whole.

@@ -107,6 +107,15 @@ struct UnitSpec {
   std::size_t numel = 0;  // of the flat buffer (parameters are 64-element aligned)
 };
 
+// Elements [first, first + count) of parameter `p` as Hugging Face's _init_weights gives a model
+// of `cfg` from scratch: matrices and embeddings normal(0, initializer_range) (GPT-2's attn/mlp
+// c_proj: / sqrt(2 n_layer)), norm weights 1, biases 0. The normal draws come from a
+// counter-based generator (Philox-4x32-10, Box-Muller) keyed by the seed and the parameter's
+// name, with the element's index as the counter: any slice is computed alone, so every rank of
+// any number of ranks, and every placement, gets the same weights.
+void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed, std::size_t first,
+                    std::size_t count, float* out);
+
 // Where a unit's weights and gradients come from; see the header comment.
 class UnitProvider {
  public:
@@ -185,9 +194,8 @@ class ResidentWeights final : public UnitProvider {
   // Normal(0, std) weights, norm weights 1 and biases small, from a seed (tests, benches:
   // norms and biases noisy on purpose, so their gradients are exercised).
   void init_random(std::uint64_t seed, float std = 0.02f);
-  // From-scratch training weights as Hugging Face's _init_weights gives them: matrices and
-  // embeddings normal(0, initializer_range) (GPT-2's attn/mlp c_proj: / sqrt(2 n_layer)),
-  // norm weights 1, biases 0. The seed decides the draws.
+  // From-scratch training weights as Hugging Face's _init_weights gives them (init_hf_values:
+  // every element a function of the seed, its parameter's name and its index).
   void init_hf(std::uint64_t seed);
   // Host copies in fp32 (synchronizes): one parameter by name, or a whole unit.
   std::vector<float> get(const std::string& name) const;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <functional>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -52,9 +53,21 @@ class EngineWeights final : public UnitProvider {
 void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
                      const std::vector<std::vector<float>>& flat_init);
 
+// A model's initial values for the engine: elements [first, first + count) of unit `unit`'s flat
+// layout (model_units: parameters at their offsets, the alignment gaps zero) in fp32. The engine
+// asks only for this rank's slices, a sub-group at a time.
+using ModelSource = std::function<void(std::size_t unit, std::size_t first, std::size_t count, float* out)>;
+// From scratch, as Hugging Face initialises the model (init_hf_values): every value a function of
+// the seed, its parameter and its index, so 1, 2 or N ranks and every placement get the same
+// weights, and no rank holds more than the slice it asks for.
+ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed);
+// Registers one engine unit per model unit, in order, its values from `source`.
+void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSource source);
+
 // The model's initial weights as one fp32 flat buffer per unit: loaded from a Hugging Face
 // folder when `hf_dir` is not empty, else ResidentWeights::init_hf(seed). Staged in host
-// memory (a CPU-emulated device sized to the fp32 weights), never on the training device.
+// memory (a CPU-emulated device sized to the fp32 weights), never on the training device: the
+// whole model in RAM (fresh_model_source is what a run from scratch uses).
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
                                                      std::uint64_t seed);
 

@@ -1,6 +1,7 @@
 // ResidentWeights: the simplest UnitProvider — every unit's weights and fp32 gradients live
 // on the device for the whole run. Used by tests, benches and strata-train until the engine
 // drives the model. Host-side accessors synchronize the stream (they are for setup and checks).
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -127,15 +128,61 @@ void ResidentWeights::init_random(std::uint64_t seed, float std) {
 }
 
 void ResidentWeights::init_hf(std::uint64_t seed) {
-  const float range = static_cast<float>(cfg_.initializer_range);
+  for (const UnitSpec& u : units())
+    for (const ParamSpec& p : u.params) {
+      std::vector<float> v(p.numel);
+      init_hf_values(cfg_, p, seed, 0, p.numel, v.data());
+      set(p.name, v);
+    }
+}
+
+namespace {
+
+// Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): four
+// 32-bit outputs of a 128-bit counter under a 64-bit key.
+std::array<std::uint32_t, 4> philox(std::array<std::uint32_t, 4> c, std::array<std::uint32_t, 2> k) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = std::uint64_t(kM0) * c[0], p1 = std::uint64_t(kM1) * c[2];
+    c = {std::uint32_t(p1 >> 32) ^ c[1] ^ k[0], std::uint32_t(p1), std::uint32_t(p0 >> 32) ^ c[3] ^ k[1],
+         std::uint32_t(p0)};
+    k = {k[0] + kW0, k[1] + kW1};
+  }
+  return c;
+}
+
+// FNV-1a: a parameter name's part of the key, the same on every machine (std::hash is not).
+std::uint64_t name_hash(const std::string& s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+}  // namespace
+
+void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed, std::size_t first,
+                    std::size_t count, float* out) {
+  STRATA_REQUIRE(first + count <= p.numel, "init_hf_values: elements [{}, {}) of '{}', which has {}", first,
+                 first + count, p.name, p.numel);
+  const bool norm = p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
+  if (p.name.ends_with(".bias") || norm) {
+    std::fill_n(out, count, p.name.ends_with(".bias") ? 0.0f : 1.0f);
+    return;
+  }
+  const double range = cfg.initializer_range;
   // GPT-2 scales its residual projections by 1/sqrt(2 n_layer) (GPT2PreTrainedModel._init_weights).
-  const float residual =
-      cfg_.arch == ModelArch::kGpt2 ? range / std::sqrt(2.0f * static_cast<float>(cfg_.num_layers)) : range;
-  fill_params(*this, seed, [&](const ParamSpec& p, bool norm, bool bias, float r) {
-    if (bias) return 0.0f;
-    if (norm) return 1.0f;
-    return (p.name.ends_with("c_proj.weight") ? residual : range) * r;
-  });
+  const double stdev = cfg.arch == ModelArch::kGpt2 && p.name.ends_with("c_proj.weight")
+                           ? range / std::sqrt(2.0 * double(cfg.num_layers))
+                           : range;
+  const std::uint64_t key = seed ^ name_hash(p.name);
+  const std::array<std::uint32_t, 2> k = {std::uint32_t(key), std::uint32_t(key >> 32)};
+  for (std::size_t j = 0; j < count; ++j) {
+    const std::uint64_t i = first + j;
+    const auto r = philox({std::uint32_t(i), std::uint32_t(i >> 32), 0x5eed, 0}, k);
+    // Box-Muller: u1 in (0, 1] (its log is finite), u2 in [0, 1).
+    const double u1 = (double(r[0]) + 1.0) * 0x1p-32, u2 = double(r[1]) * 0x1p-32;
+    out[j] = static_cast<float>(stdev * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  }
 }
 
 }  // namespace strata

@@ -123,7 +123,7 @@ struct Unit {
   std::string name;
   std::vector<std::size_t> offsets;
   std::size_t numel = 0, padded = 0, shard = 0;
-  std::vector<float> init;
+  UnitSource source;  // the initial values, until finalize() has placed this rank's shard
   // Full weights live on the device for good: stage < 3, a unit under the persistence
   // threshold, or (one rank) a unit whose compute weights are on the device tier.
   bool resident = false;
@@ -1039,14 +1039,23 @@ int Engine::add_unit(const UnitDef& def) {
   u.name = def.name;
   for (const ParamDef& p : def.params) {
     STRATA_REQUIRE(p.numel > 0, "parameter '{}.{}' has 0 elements", def.name, p.name);
-    STRATA_REQUIRE(p.init != nullptr, "parameter '{}.{}' has no initial values", def.name, p.name);
+    STRATA_REQUIRE((p.init != nullptr) != bool(def.source), "parameter '{}.{}': {}", def.name, p.name,
+                   def.source ? "the unit has a source: give no initial values" : "no initial values");
     u.offsets.push_back(u.numel);
-    u.init.insert(u.init.end(), p.init, p.init + p.numel);
     u.numel += p.numel;
   }
   u.padded = detail::padded_numel(u.numel, s.world);
   u.shard = u.padded / std::size_t(s.world);
-  u.init.resize(u.padded, 0.0f);
+  if (def.source) {
+    u.source = def.source;
+  } else {  // the values given, copied: a source over them
+    auto flat = std::make_shared<std::vector<float>>();
+    flat->reserve(u.numel);
+    for (const ParamDef& p : def.params) flat->insert(flat->end(), p.init, p.init + p.numel);
+    u.source = [flat](std::size_t first, std::size_t count, float* out) {
+      std::copy_n(flat->data() + first, count, out);
+    };
+  }
   s.units.push_back(std::move(u));
   return int(s.units.size() - 1);
 }
@@ -1261,15 +1270,24 @@ void Engine::finalize() {
     }
   }
 
-  // Initial state: this rank's shard of every unit.
+  // Initial state: this rank's shard of every unit, from its source a sub-group at a time (the
+  // padding beyond the unit's elements zero).
   Stream& up = *s.fetch_s;
+  std::vector<float> master;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
     // compute weights as the optimizer's copy-out would produce them, and the optimizer state
     // (master | m | v, m and v zero), a sub-group at a time
-    const float* master = u.init.data() + std::size_t(s.rank) * u.shard;
     s.begin_put(ui, /*first=*/true);
-    for (std::size_t g = 0; g < s.groups(u); ++g) s.put_group(ui, g, master + s.range(u, g).first, nullptr, nullptr);
+    for (std::size_t g = 0; g < s.groups(u); ++g) {
+      const detail::Range r = s.range(u, g);
+      const std::size_t first = std::size_t(s.rank) * u.shard + r.first;
+      const std::size_t given = first < u.numel ? std::min(r.size, u.numel - first) : 0;
+      master.assign(r.size, 0.0f);
+      if (given > 0) u.source(first, given, master.data());
+      s.put_group(ui, g, master.data(), nullptr, nullptr);
+      up.synchronize();  // put_group's copies read `master`
+    }
     s.end_put(ui);
     if (s.early_eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.o_alt = s.pinned(SwapStore::padded_bytes(3 * u.shard * 4));
@@ -1291,9 +1309,10 @@ void Engine::finalize() {
       for (const detail::Range p : s.grad_pieces({0, u.shard})) s.g_store->reserve(Impl::g_key(ui, p.first), p.size * 4);
     }
     up.synchronize();  // the staging above is released when this scope ends
-    u.init.clear();
-    u.init.shrink_to_fit();
+    u.source = nullptr;  // what it holds (a copy of given values) goes now
   }
+  master.clear();
+  master.shrink_to_fit();
   if (s.early) s.early_thread = std::thread([&s] { s.early_loop(); });
   s.finalized = true;
 }

@@ -1,11 +1,13 @@
 // EngineWeights and the model <-> engine plumbing around it (include/strata/trainer.h).
 //
-// Weights enter the engine once, as fp32 flat unit buffers built on a host-staged
-// ResidentWeights (random init or a Hugging Face folder), and leave it the same way for a
-// save. The staging device is a CPU-emulated device sized to the fp32 weights, so neither
-// step ever needs room on the training device, whose cap may be far below the model.
+// Weights enter the engine once: from scratch through a source the engine asks for this rank's
+// slices (fresh_model_source: counter-based, nothing of the model held whole), or as fp32 flat
+// unit buffers built on a host-staged ResidentWeights (a Hugging Face folder); they leave it the
+// second way for a save. The staging device is a CPU-emulated device sized to the fp32 weights,
+// so neither step ever needs room on the training device, whose cap may be far below the model.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "strata/error.h"
 #include "strata/model_io.h"
@@ -46,6 +48,32 @@ void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
     const int id = engine.add_unit({units[i].name, {{"flat", units[i].numel, flat_init[i].data()}}});
     STRATA_REQUIRE(id == int(i), "add_model_units: the engine already held {} units", id);
   }
+}
+
+void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSource source) {
+  STRATA_REQUIRE(bool(source), "add_model_units: no source of initial values");
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const int id = engine.add_unit({units[i].name,
+                                    {{"flat", units[i].numel, nullptr}},
+                                    [source, i](std::size_t first, std::size_t count, float* out) {
+                                      source(i, first, count, out);
+                                    }});
+    STRATA_REQUIRE(id == int(i), "add_model_units: the engine already held {} units", id);
+  }
+}
+
+ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed) {
+  auto units = std::make_shared<const std::vector<UnitSpec>>(model_units(cfg));
+  return [cfg, seed, units](std::size_t unit, std::size_t first, std::size_t count, float* out) {
+    const UnitSpec& u = units->at(unit);
+    STRATA_REQUIRE(first + count <= u.numel, "model source: elements [{}, {}) of unit '{}', which has {}", first,
+                   first + count, u.name, u.numel);
+    std::fill_n(out, count, 0.0f);  // the alignment gaps
+    for (const ParamSpec& p : u.params) {
+      const std::size_t lo = std::max(first, p.offset), hi = std::min(first + count, p.offset + p.numel);
+      if (lo < hi) init_hf_values(cfg, p, seed, lo - p.offset, hi - lo, out + (lo - first));
+    }
+  };
 }
 
 namespace {

@@ -641,7 +641,10 @@ TrainResult train(const TrainOptions& o) {
   mopt.checkpoint_on_host = o.checkpoint_on_host;
   Model model(mcfg, *dev, *compute, mopt);
   Engine engine(*dev, *comm, ecfg);
-  add_model_units(engine, model.units(), initial_unit_weights(mcfg, o.model_dir, o.seed));
+  if (o.model_dir.empty())  // from scratch: each rank's slices computed where they go
+    add_model_units(engine, model.units(), fresh_model_source(mcfg, o.seed));
+  else
+    add_model_units(engine, model.units(), initial_unit_weights(mcfg, o.model_dir, o.seed));
   try {
     engine.finalize();
   } catch (const Error& e) {
