@@ -1,6 +1,8 @@
 // The engine across ranks: N ranks under mpirun (MPI on the CPU-emulated device), each with
 // 1/N of the global batch, against one rank with the whole batch computed in the same
 // process. Same global batch, so the same losses and weights up to reduction order.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -121,6 +123,13 @@ Run compare_with_one_rank(EngineConfig cfg, const char* what, const std::vector<
   return multi;
 }
 
+// A folder of this job's own under the temp folder: the ranks of one mpirun share a parent
+// process (the launcher's), and another job running at once (ctest runs the 1-, 2- and 4-rank
+// jobs, and the AVX2-capped one, side by side) has another.
+std::string job_dir(const char* name) {
+  return (fs::temp_directory_path() / fmt::format("{}-{}", name, ::getppid())).string();
+}
+
 Placement on(Tier t) {
   Placement p;
   p.device_fraction = t == Tier::kDevice ? 1 : 0;
@@ -211,7 +220,7 @@ TEST(EngineRanks, Fp16OverflowOnOneRankSkipsTheStepEverywhere) {
 
 TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   EngineConfig c = default_engine_config();
-  const std::string dir = (fs::temp_directory_path() / "strata-engine-mpi-test").string();
+  const std::string dir = job_dir("strata-engine-mpi-test");
   if (g_env->comm->rank() == 0) fs::create_directories(dir);
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
   c.params = on(Tier::kNvme);
@@ -245,7 +254,7 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
 TEST(EngineRanks, GradientBucketsMatchWholeUnitsAndOneRank) {
   const std::vector<int> dims = {24, 100, 200, 16};  // units of 2400, 20000 and 3200 elements
   const int n = g_env->comm->world_size();
-  const std::string dir = (fs::temp_directory_path() / "strata-engine-mpi-buckets").string();
+  const std::string dir = job_dir("strata-engine-mpi-buckets");
   if (g_env->comm->rank() == 0) fs::create_directories(dir);
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
   for (Tier g : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
@@ -287,7 +296,7 @@ TEST(EngineRanks, AFreshModelIsTheSameOnAnyRanksAndPlacement) {
     "max_position_embeddings": 32, "tie_word_embeddings": false})", "tiny llama");
   const std::vector<UnitSpec> units = model_units(mc);
   const ModelSource src = fresh_model_source(mc, 1234);
-  const std::string dir = (fs::temp_directory_path() / "strata-engine-mpi-fresh").string();
+  const std::string dir = job_dir("strata-engine-mpi-fresh");
   if (g_env->comm->rank() == 0) fs::create_directories(dir);
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
   for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {

@@ -21,6 +21,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -135,12 +137,14 @@ class TrainCli : public ::testing::Test {
   std::string cfg, text;
 };
 
-// Everything on NVMe (weights, optimizer state, gradients; a bounded live window), from scratch:
-// the host memory a run takes does not grow with the model. Two models, 25M and 100M parameters
-// (4x the layers), one step each; the bigger one's peak RSS (the child's
-// ru_maxrss) is within 10% of its extra fp32 weights of the smaller one's. (Built whole in host
-// memory, the initial weights alone took 12 bytes a parameter more.)
-TEST_F(TrainCli, FromScratchWithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
+// Everything on NVMe (weights, optimizer state, gradients; a bounded live window): the host memory
+// a run takes does not grow with the model, from scratch and loading a Hugging Face folder, with
+// --out. Two models, 25M and 100M parameters (4x the layers), one step each (lr 0: the weights
+// written are the weights started from): from scratch with --out A, then from A with --out B; for
+// each, the bigger model's peak RSS (the child's ru_maxrss) is within 10% of its extra fp32
+// weights of the smaller one's. (Built whole in host memory, the initial weights alone took 12
+// bytes a parameter more, and a save gathered every unit first.) B is A, byte for byte.
+TEST_F(TrainCli, WithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
 #ifdef __SANITIZE_ADDRESS__
   GTEST_SKIP() << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
 #endif
@@ -150,34 +154,120 @@ TEST_F(TrainCli, FromScratchWithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheM
     "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")" << nv << R"("},
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}, "offload_grads": "nvme",
       "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 8e6, "stage3_prefetch_bucket_size": 4e6}})";
-  auto peak_rss = [&](int layers, double* params) {
-    const std::string model = dir.path + "/l" + std::to_string(layers) + ".json";
-    std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
-      "intermediate_size": 1344, "num_hidden_layers": )" << layers << R"(, "num_attention_heads": 8,
-      "num_key_value_heads": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-    const std::string tag = "rss" + std::to_string(layers);
+  // `from`: a model config (from scratch) or a Hugging Face folder.
+  auto peak_rss = [&](const std::vector<std::string>& from, const std::string& out, double* params) {
+    const std::string tag = "rss-" + fs::path(out).filename().string();
+    std::vector<std::string> a = from;
     // Checkpointed activations: a layer's grow with the layers, and this is about the weights.
-    const pid_t pid = testing::start(STRATA_TRAIN_BIN, {"--model-config", model, "--config", ds, "--text", text,
-                                                        "--seq-len", "16", "--steps", "1", "--device", "cpu",
-                                                        "--checkpoint-activations"},
-                                     dir.path, tag);
+    a.insert(a.end(), {"--config", ds, "--text", text, "--seq-len", "16", "--steps", "1", "--lr", "0", "--device", "cpu",
+                       "--checkpoint-activations", "--out", out});
+    const pid_t pid = testing::start(STRATA_TRAIN_BIN, a, dir.path, tag);
     int st = 0;
     rusage ru {};
     EXPECT_EQ(::wait4(pid, &st, 0, &ru), pid);
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(dir.path + "/" + tag + ".stderr");
-    const std::string out = slurp(dir.path + "/" + tag + ".stdout");
-    const std::size_t at = out.find(", ");
-    *params = at == std::string::npos ? 0 : std::stod(out.substr(at + 2)) * 1e6;  // "llama, 10.65M parameters"
+    const std::string printed = slurp(dir.path + "/" + tag + ".stdout");
+    const std::size_t at = printed.find(", ");
+    *params = at == std::string::npos ? 0 : std::stod(printed.substr(at + 2)) * 1e6;  // "llama, 10.65M parameters"
     return double(ru.ru_maxrss) * 1024;
   };
-  double small_params = 0, big_params = 0;
-  const double small = peak_rss(8, &small_params), big = peak_rss(32, &big_params);  // 25M, 100M
-  ASSERT_GT(big_params, 3.5 * small_params) << small_params << " vs " << big_params;
-  const double extra_fp32 = (big_params - small_params) * 4;
-  std::printf("peak RSS: %.1f MB (%.1fM parameters), %.1f MB (%.1fM): grew %.2f MB, %.2f%% of the extra fp32 weights\n",
-              small / 1e6, small_params / 1e6, big / 1e6, big_params / 1e6, (big - small) / 1e6,
-              100 * (big - small) / extra_fp32);
-  EXPECT_LT(big - small, 0.1 * extra_fp32);
+  double rss[2][2] = {}, params[2] = {};  // [model][from scratch, loaded]
+  for (int m = 0; m < 2; ++m) {
+    const int layers = m == 0 ? 8 : 32;  // 25M, 100M
+    const std::string model = dir.path + "/l" + std::to_string(layers) + ".json";
+    std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+      "intermediate_size": 1344, "num_hidden_layers": )" << layers << R"(, "num_attention_heads": 8,
+      "num_key_value_heads": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+    const std::string a = dir.path + "/a" + std::to_string(layers), b = dir.path + "/b" + std::to_string(layers);
+    double loaded_params = 0;
+    rss[m][0] = peak_rss({"--model-config", model}, a, &params[m]);
+    rss[m][1] = peak_rss({"--model", a}, b, &loaded_params);
+    EXPECT_EQ(loaded_params, params[m]);
+    EXPECT_EQ(slurp(a + "/model.safetensors"), slurp(b + "/model.safetensors")) << "loaded and written again, " << layers;
+  }
+  ASSERT_GT(params[1], 3.5 * params[0]) << params[0] << " vs " << params[1];
+  const double extra_fp32 = (params[1] - params[0]) * 4;
+  for (int k = 0; k < 2; ++k) {
+    const double grew = rss[1][k] - rss[0][k];
+    std::printf("peak RSS %s, with --out: %.1f MB (%.1fM parameters), %.1f MB (%.1fM): grew %.2f MB, %.2f%% of the "
+                "extra fp32 weights\n", k == 0 ? "from scratch" : "loaded from the first's --out", rss[0][k] / 1e6,
+                params[0] / 1e6, rss[1][k] / 1e6, params[1] / 1e6, grew / 1e6, 100 * grew / extra_fp32);
+    EXPECT_LT(grew, 0.1 * extra_fp32) << (k == 0 ? "from scratch" : "loaded");
+  }
+}
+
+// A Hugging Face folder in shards (of at most 128 KiB here) loads bit for bit: what a run with
+// lr 0 writes back equals what was written. A shard missing or truncated, or a tensor of another
+// shape or dtype, is an error naming the file and the tensor, before any training state exists
+// (no swap file made).
+TEST_F(TrainCli, AShardedFolderLoadsBitForBitAndABrokenOneIsNamedFirst) {
+  const ModelConfig mc = load_model_config(cfg);
+  const std::string hf = dir.path + "/hf";
+  {
+    auto dev = make_host_device();
+    auto s = dev->create_stream("w");
+    ResidentWeights w(mc, DType::kF32, *dev, *s);
+    w.init_random(3, 0.3f);
+    save_hf_weights(hf, w, std::size_t(128) << 10);
+  }
+  ASSERT_TRUE(fs::exists(hf + "/model.safetensors.index.json"));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(hf)) shards += e.path().extension() == ".safetensors";
+  ASSERT_GE(shards, 3);
+  const std::string nv = dir.path + "/nv", ds = dir.path + "/nv.json";
+  fs::create_directories(nv);
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+                    << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
+  auto load = [&](const std::string& from, const std::string& tag) {
+    return train({"--model", from, "--config", ds, "--text", text, "--seq-len", "16", "--micro-batch", "2", "--steps",
+                  "1", "--lr", "0", "--device", "cpu", "--out", dir.path + "/" + tag},
+                 tag);
+  };
+  const Result ok = load(hf, "again");
+  ASSERT_EQ(ok.status, 0) << ok.err;
+  const auto want = tensors_of(hf), got = tensors_of(dir.path + "/again");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, v] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_EQ(std::memcmp(got.at(name).data(), v.data(), v.size() * 4), 0) << name;
+  }
+  // Broken copies of the folder, one fault each.
+  auto broken = [&](const std::string& tag, const std::function<void(const std::string&)>& harm) {
+    const std::string d = dir.path + "/" + tag;
+    fs::copy(hf, d, fs::copy_options::recursive);
+    harm(d);
+    return load(d, tag + "-out");
+  };
+  const std::string shard2 = fmt::format("model-00002-of-{:05d}.safetensors", shards);
+  Result r = broken("missing", [&](const std::string& d) { fs::remove(d + "/" + shard2); });
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find(shard2 + " (for '"), std::string::npos) << r.err;
+  r = broken("truncated", [&](const std::string& d) { fs::resize_file(d + "/" + shard2, fs::file_size(d + "/" + shard2) - 4); });
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find(shard2 + ": truncated or corrupt: tensor '"), std::string::npos) << r.err;
+  // Another shape or dtype: a one-layer model's weights in a two-layer config's folder, then a
+  // header whose dtype says I32.
+  r = broken("shape", [&](const std::string& d) {
+    std::string text_ = slurp(d + "/config.json");
+    const std::string was = "\"intermediate_size\": 96";
+    const auto at = text_.find(was);
+    ASSERT_NE(at, std::string::npos) << text_;
+    text_.replace(at, was.size(), "\"intermediate_size\": 128");
+    std::ofstream(d + "/config.json") << text_;
+  });
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(std::regex_search(first_line(r.err), std::regex(R"(has shape \[(96, 64|64, 96)\], the config needs \[(128, 64|64, 128)\])")))
+      << r.err;
+  r = broken("dtype", [&](const std::string& d) {
+    std::string bytes = slurp(d + "/" + shard2);
+    const auto at = bytes.find("\"F32\"");
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(at, 5, "\"I32\"");
+    std::ofstream(d + "/" + shard2, std::ios::binary | std::ios::trunc) << bytes;
+  });
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(first_line(r.err).find("has dtype I32; strata loads F32, BF16 and F16"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(nv + "/strata-swap")) << "swap files were made before the folder was checked";
 }
 
 TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {

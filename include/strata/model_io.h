@@ -42,6 +42,10 @@ class SafetensorsFile {
   const std::uint8_t* data(const SafetensorsInfo& t) const { return base_ + t.data_begin; }
   // The tensor converted to fp32 (F32 / BF16 / F16 / F64); throws naming it when absent.
   std::vector<float> read_f32(const std::string& name) const;
+  // Elements [first, first + count) of tensor `t` converted to fp32 into `out`, then the pages
+  // they were read from dropped from this process's memory (read from the file again if touched
+  // later): a reader taking a model a slice at a time holds no more of the file than one slice.
+  void read_f32(const SafetensorsInfo& t, std::size_t first, std::size_t count, float* out) const;
 
  private:
   std::string path_;
@@ -60,11 +64,55 @@ struct SafetensorsTensor {
 // Writes one .safetensors file (header padded to 8 bytes, tensors in the given order).
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors);
 
-// Loads every parameter of `weights` from `dir` (model.safetensors.index.json when present,
-// else model.safetensors). Tensors in the files that no parameter takes are skipped with one
+// The weights of a Hugging Face folder (model.safetensors.index.json when present, else
+// model.safetensors) for the parameters of a model config, read a slice at a time. Opening it
+// checks every parameter first — a shard missing, a tensor missing or of another shape or dtype,
+// a truncated or corrupt file: strata::Error naming the file and the tensor — so nothing is
+// placed from a folder that cannot be read whole. Tensors no parameter takes are skipped with one
 // warning naming them (known buffers — GPT-2's attn.bias / attn.masked_bias, rotary_emb.inv_freq —
 // silently); GPT-2 names are accepted with or without the "transformer." prefix.
+class HfWeightsReader {
+ public:
+  HfWeightsReader(const std::string& dir, const ModelConfig& cfg);
+  ~HfWeightsReader();
+  HfWeightsReader(const HfWeightsReader&) = delete;
+  HfWeightsReader& operator=(const HfWeightsReader&) = delete;
+  // Elements [first, first + count) of parameter `p` (model_units(cfg)'s) in fp32.
+  void read(const ParamSpec& p, std::size_t first, std::size_t count, float* out) const;
+  // The parameter's tensor as stored, for a bit-exact copy: its dtype ("F32", "BF16", "F16") and
+  // bytes (mapped; valid while the reader lives).
+  std::pair<std::string, const std::uint8_t*> raw(const ParamSpec& p) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Loads every parameter of `weights` from `dir` through an HfWeightsReader (a tensor already in
+// the weights' dtype is copied bit for bit).
 void load_hf_weights(const std::string& dir, ResidentWeights& weights);
+
+// Writes a model to a folder as save_hf_weights does, one unit at a time: write_unit() takes
+// each unit's flat fp32 values (model_units: parameters at their offsets) in order and writes its
+// tensors in `dtype` (rounded to nearest even) into the shard they go to; finish() writes the
+// index (sharded) and config.json and moves everything into place (commit_hf_files). The shards'
+// layout is planned from the sizes alone, so no more than one unit's values (the caller's) and a
+// few MiB of converted bytes are held at once. Destroyed unfinished, it removes its temporary
+// files and leaves the folder as it was.
+class HfWeightsWriter {
+ public:
+  HfWeightsWriter(const std::string& dir, const ModelConfig& cfg, DType dtype,
+                  std::size_t max_shard_bytes = std::size_t(5) << 30);
+  ~HfWeightsWriter();
+  HfWeightsWriter(const HfWeightsWriter&) = delete;
+  HfWeightsWriter& operator=(const HfWeightsWriter&) = delete;
+  void write_unit(std::size_t unit, const float* flat);
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Writes config.json and the weights (in the weights' dtype) to `dir` (created if needed),
 // in shards of at most max_shard_bytes (one tensor larger than that gets a shard of its own),

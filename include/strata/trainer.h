@@ -61,18 +61,21 @@ using ModelSource = std::function<void(std::size_t unit, std::size_t first, std:
 // the seed, its parameter and its index, so 1, 2 or N ranks and every placement get the same
 // weights, and no rank holds more than the slice it asks for.
 ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed);
+// A Hugging Face folder's weights (HfWeightsReader: the whole folder checked when this is made,
+// each slice read from its byte range).
+ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir);
 // Registers one engine unit per model unit, in order, its values from `source`.
 void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSource source);
 
-// The model's initial weights as one fp32 flat buffer per unit: loaded from a Hugging Face
-// folder when `hf_dir` is not empty, else ResidentWeights::init_hf(seed). Staged in host
-// memory (a CPU-emulated device sized to the fp32 weights), never on the training device: the
-// whole model in RAM (fresh_model_source is what a run from scratch uses).
+// The model's initial weights as one fp32 flat buffer per unit (hf_model_source of `hf_dir` when
+// it is not empty, else fresh_model_source): the whole model in host memory, for tests; a run
+// gives the engine the source itself.
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
                                                      std::uint64_t seed);
 
-// Gathers every unit's fp32 master weights (collective: every rank calls it) and, on rank 0,
-// writes them in Hugging Face layout to `dir` in `dtype` (fp32 or bf16).
+// Gathers the units' fp32 master weights one at a time (collective: every rank calls it) and, on
+// rank 0, writes each into its safetensors shard in `dtype` (fp32 or bf16) as it comes
+// (HfWeightsWriter): Hugging Face layout in `dir`, at most one unit held at a time.
 void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 

@@ -170,6 +170,19 @@ const SafetensorsInfo* SafetensorsFile::find(const std::string& name) const {
   return nullptr;
 }
 
+void SafetensorsFile::read_f32(const SafetensorsInfo& t, std::size_t first, std::size_t count, float* out) const {
+  const std::size_t es = st_dtype_size(t.dtype);
+  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64", path_, t.name, t.dtype);
+  STRATA_REQUIRE(first + count <= (t.data_end - t.data_begin) / es, "{}: elements [{}, {}) of tensor '{}', which has {}",
+                 path_, first, first + count, t.name, (t.data_end - t.data_begin) / es);
+  const std::uint8_t* p = data(t) + first * es;
+  for (std::size_t i = 0; i < count; ++i) out[i] = load_elem(t.dtype, p, i);
+  // The pages just read: out of this process's memory (the page cache keeps them for the next).
+  const std::size_t page = std::size_t(::sysconf(_SC_PAGESIZE));
+  const std::size_t lo = (t.data_begin + first * es) / page * page, hi = t.data_begin + (first + count) * es;
+  if (hi > lo) (void)::madvise(const_cast<std::uint8_t*>(base_) + lo, hi - lo, MADV_DONTNEED);
+}
+
 std::vector<float> SafetensorsFile::read_f32(const std::string& name) const {
   const SafetensorsInfo* t = find(name);
   STRATA_REQUIRE(t != nullptr, "{}: no tensor '{}'", path_, name);
@@ -219,7 +232,7 @@ bool is_known_buffer(const std::string& name) {
 
 // One warning naming (up to five of) the tensors of `files` that no parameter took: a config
 // that does not describe the weights (a bias it does not enable) would otherwise drop them silently.
-void warn_unused(const std::string& dir, const ResidentWeights& w,
+void warn_unused(const std::string& dir, const ModelConfig& cfg,
                  const std::map<std::string, std::unique_ptr<SafetensorsFile>>& files,
                  const std::set<std::string>& used) {
   std::vector<std::string> unused;
@@ -234,12 +247,24 @@ void warn_unused(const std::string& dir, const ResidentWeights& w,
   log::warn("{}: {} tensor{} in the weights {} not used by this {} config ({} layers) and {} skipped: {}; check "
             "that config.json describes these weights (a bias or head it does not enable?)",
             dir, unused.size(), unused.size() == 1 ? "" : "s", unused.size() == 1 ? "is" : "are",
-            w.config().model_type, w.config().num_layers, unused.size() == 1 ? "was" : "were", names);
+            cfg.model_type, cfg.num_layers, unused.size() == 1 ? "was" : "were", names);
 }
 
 }  // namespace
 
-void load_hf_weights(const std::string& dir, ResidentWeights& w) {
+struct HfWeightsReader::Impl {
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;  // file name -> file
+  std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsInfo*>> of;  // parameter -> tensor
+  const std::pair<const SafetensorsFile*, const SafetensorsInfo*>& at(const ParamSpec& p) const {
+    const auto it = of.find(p.name);
+    STRATA_REQUIRE(it != of.end(), "HfWeightsReader: '{}' is not a parameter of the model it was opened for", p.name);
+    return it->second;
+  }
+};
+
+HfWeightsReader::~HfWeightsReader() = default;
+
+HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg) : impl_(std::make_unique<Impl>()) {
   const fs::path d(dir);
   std::map<std::string, std::string> file_of;  // tensor -> file name
   std::vector<std::string> files;
@@ -264,7 +289,7 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
                    "{}: neither model.safetensors nor model.safetensors.index.json exists", dir);
     files.push_back("model.safetensors");
   }
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>>& open = impl_->open;
   for (const auto& f : files) {
     if (!file_of.empty()) {  // a shard the index names, which is not there (a download cut short?)
       std::error_code ec;
@@ -293,103 +318,214 @@ void load_hf_weights(const std::string& dir, ResidentWeights& w) {
     }
     return {nullptr, nullptr};
   };
-  // Check everything before writing anything.
-  std::vector<std::pair<const SafetensorsFile*, const SafetensorsInfo*>> found;
-  std::vector<const ParamSpec*> params;
-  for (const UnitSpec& u : w.units())
+  // Check everything before anything is read.
+  std::set<std::string> used;
+  for (const UnitSpec& u : model_units(cfg))
     for (const ParamSpec& p : u.params) {
       auto [f, t] = locate(p.name);
       STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is missing (expected {} for {} with {} layers)", dir, p.name,
-                     shape_str(p.shape), w.config().model_type, w.config().num_layers);
+                     shape_str(p.shape), cfg.model_type, cfg.num_layers);
       STRATA_REQUIRE(t->shape == p.shape, "{}: tensor '{}' has shape {}, the config needs {}", f->path(), t->name,
                      shape_str(t->shape), shape_str(p.shape));
       STRATA_REQUIRE(t->dtype == "F32" || t->dtype == "BF16" || t->dtype == "F16",
                      "{}: tensor '{}' has dtype {}; strata loads F32, BF16 and F16", f->path(), t->name, t->dtype);
-      found.emplace_back(f, t);
-      params.push_back(&p);
+      impl_->of[p.name] = {f, t};
+      used.insert(t->name);
     }
-  std::set<std::string> used;
-  for (const auto& [f, t] : found) used.insert(t->name);
-  warn_unused(dir, w, open, used);
+  warn_unused(dir, cfg, open, used);
+}
+
+void HfWeightsReader::read(const ParamSpec& p, std::size_t first, std::size_t count, float* out) const {
+  const auto [f, t] = impl_->at(p);
+  f->read_f32(*t, first, count, out);
+}
+
+std::pair<std::string, const std::uint8_t*> HfWeightsReader::raw(const ParamSpec& p) const {
+  const auto [f, t] = impl_->at(p);
+  return {t->dtype, f->data(*t)};
+}
+
+void load_hf_weights(const std::string& dir, ResidentWeights& w) {
+  const HfWeightsReader reader(dir, w.config());
   const DType wd = w.dtype();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto [f, t] = found[i];
-    const std::size_t n = params[i]->numel;
-    if (t->dtype == st_dtype_name(wd)) {
-      w.set_bytes(params[i]->name, f->data(*t), n * dtype_size(wd));
-      continue;
+  for (const UnitSpec& u : w.units())
+    for (const ParamSpec& p : u.params) {
+      const auto [dtype, bytes] = reader.raw(p);
+      if (dtype == st_dtype_name(wd)) {
+        w.set_bytes(p.name, bytes, p.numel * dtype_size(wd));
+        continue;
+      }
+      std::vector<float> v(p.numel);
+      reader.read(p, 0, p.numel, v.data());
+      w.set(p.name, v);
     }
-    std::vector<float> v(n);
-    for (std::size_t k = 0; k < n; ++k) v[k] = load_elem(t->dtype, f->data(*t), k);
-    w.set(params[i]->name, v);
+}
+
+// The shards are planned from the tensors' sizes (cut before a tensor that would take a shard past
+// max_shard_bytes; one larger than that gets a shard of its own), and each shard's header written
+// when the shard is opened; tensors then stream into it in order.
+struct HfWeightsWriter::Impl {
+  struct Tensor {
+    const ParamSpec* p;
+    std::size_t shard;
+  };
+  fs::path dir;
+  ModelConfig cfg;
+  DType dtype;
+  std::vector<UnitSpec> units;
+  std::vector<std::vector<Tensor>> shards;  // in write order
+  std::vector<std::string> names;           // shard file names
+  std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final, of what was written
+  std::FILE* f = nullptr;                   // the shard being written
+  std::size_t shard = SIZE_MAX, next_unit = 0, total = 0;
+  bool finished = false;
+
+  std::string tmp_of(const std::string& name) {
+    const fs::path fin = dir / name, tmp = dir / (".strata-tmp-" + name);
+    renames.emplace_back(tmp.string(), fin.string());
+    return tmp.string();
   }
+  void check(bool ok, int err) {
+    if (!ok) detail::throw_errno(__FILE__, __LINE__, "fwrite", err, fmt::format("cannot write {}", renames.back().first));
+  }
+  void close_shard() {
+    if (!f) return;
+    const int err = errno;
+    const bool ok = std::fclose(f) == 0;
+    f = nullptr;
+    check(ok, err);
+  }
+  void open_shard(std::size_t s) {
+    close_shard();
+    shard = s;
+    nlohmann::ordered_json h = nlohmann::ordered_json::object();
+    h["__metadata__"] = {{"format", "pt"}};
+    std::size_t off = 0;
+    for (const Tensor& t : shards[s]) {
+      const std::size_t bytes = t.p->numel * dtype_size(dtype);
+      h[t.p->name] = {{"dtype", st_dtype_name(dtype)}, {"shape", t.p->shape}, {"data_offsets", {off, off + bytes}}};
+      off += bytes;
+    }
+    std::string hs = h.dump();
+    hs.append((8 - hs.size() % 8) % 8, ' ');
+    const std::string path = tmp_of(names[s]);
+    f = std::fopen(path.c_str(), "wb");
+    if (!f) detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot create {}", path));
+    const std::uint64_t hlen = hs.size();
+    check(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size(), errno);
+  }
+  // `n` fp32 values as `dtype`, a few MiB at a time.
+  void put(const float* v, std::size_t n) {
+    constexpr std::size_t kChunk = std::size_t(1) << 20;
+    if (dtype == DType::kF32) {
+      check(n == 0 || std::fwrite(v, 4, n, f) == n, errno);
+      return;
+    }
+    std::vector<std::uint16_t> h(std::min(n, kChunk));
+    for (std::size_t at = 0; at < n; at += kChunk) {
+      const std::size_t k = std::min(kChunk, n - at);
+      for (std::size_t i = 0; i < k; ++i) h[i] = f32_to_bf16(v[at + i]);
+      check(std::fwrite(h.data(), 2, k, f) == k, errno);
+    }
+  }
+};
+
+HfWeightsWriter::HfWeightsWriter(const std::string& dir, const ModelConfig& cfg, DType dtype,
+                                 std::size_t max_shard_bytes)
+    : impl_(std::make_unique<Impl>()) {
+  STRATA_REQUIRE(max_shard_bytes > 0, "save: max_shard_bytes must be > 0");
+  STRATA_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16, "save: weights are written as fp32 or bf16, not {}",
+                 dtype_name(dtype));
+  Impl& w = *impl_;
+  w.dir = dir;
+  w.cfg = cfg;
+  w.dtype = dtype;
+  w.units = model_units(cfg);
+  std::error_code ec;
+  fs::create_directories(w.dir, ec);
+  STRATA_REQUIRE(!ec, "cannot create the directory {}: {}", dir, ec.message());
+  w.shards.emplace_back();
+  std::size_t cur = 0;
+  for (std::size_t u = 0; u < w.units.size(); ++u)
+    for (const ParamSpec& p : w.units[u].params) {
+      const std::size_t bytes = p.numel * dtype_size(dtype);
+      if (!w.shards.back().empty() && cur + bytes > max_shard_bytes) {
+        w.shards.emplace_back();
+        cur = 0;
+      }
+      cur += bytes;
+      w.total += bytes;
+      w.shards.back().push_back({&p, w.shards.size() - 1});
+    }
+  const std::size_t n = w.shards.size();
+  for (std::size_t s = 0; s < n; ++s)
+    w.names.push_back(n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n));
+}
+
+HfWeightsWriter::~HfWeightsWriter() {
+  Impl& w = *impl_;
+  if (w.f) std::fclose(w.f);
+  if (w.finished) return;
+  std::error_code ec;
+  for (const auto& [tmp, fin] : w.renames) fs::remove(tmp, ec);
+}
+
+void HfWeightsWriter::write_unit(std::size_t unit, const float* flat) {
+  Impl& w = *impl_;
+  STRATA_REQUIRE(!w.finished && unit == w.next_unit && unit < w.units.size(),
+                 "HfWeightsWriter: unit {} written out of order (next: {} of {})", unit, w.next_unit, w.units.size());
+  for (const ParamSpec& p : w.units[unit].params) {
+    std::size_t s = w.shard == SIZE_MAX ? 0 : w.shard;
+    while (std::none_of(w.shards[s].begin(), w.shards[s].end(), [&](const Impl::Tensor& t) { return t.p == &p; })) ++s;
+    if (s != w.shard) w.open_shard(s);
+    w.put(flat + p.offset, p.numel);
+  }
+  ++w.next_unit;
+}
+
+void HfWeightsWriter::finish() {
+  Impl& w = *impl_;
+  STRATA_REQUIRE(w.next_unit == w.units.size(), "HfWeightsWriter: {} of {} units written", w.next_unit,
+                 w.units.size());
+  w.close_shard();
+  const std::size_t n = w.shards.size();
+  if (n > 1) {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    for (std::size_t s = 0; s < n; ++s)
+      for (const Impl::Tensor& t : w.shards[s]) weight_map[t.p->name] = w.names[s];
+    nlohmann::ordered_json idx = {{"metadata", {{"total_size", w.total}}}, {"weight_map", weight_map}};
+    std::ofstream out(w.tmp_of("model.safetensors.index.json"));
+    out << idx.dump(2) << "\n";
+    STRATA_REQUIRE(out.good(), "cannot write {}", (w.dir / "model.safetensors.index.json").string());
+  }
+  ModelConfig cfg = w.cfg;
+  if (cfg.raw.is_object()) cfg.raw["torch_dtype"] = w.dtype == DType::kBF16 ? "bfloat16" : "float32";
+  std::string text = model_config_json(cfg);
+  if (!cfg.raw.is_object() && w.dtype == DType::kBF16) {
+    auto j = nlohmann::json::parse(text);
+    j["torch_dtype"] = "bfloat16";
+    text = j.dump(2);
+  }
+  {
+    std::ofstream out(w.tmp_of("config.json"));
+    out << text << "\n";
+    STRATA_REQUIRE(out.good(), "cannot write {}", (w.dir / "config.json").string());
+  }
+  commit_hf_files(w.dir.string(), w.renames, n > 1);
+  w.finished = true;
 }
 
 void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size_t max_shard_bytes) {
-  STRATA_REQUIRE(max_shard_bytes > 0, "save_hf_weights: max_shard_bytes must be > 0");
-  const fs::path d(dir);
-  std::error_code ec;
-  fs::create_directories(d, ec);
-  STRATA_REQUIRE(!ec, "cannot create the directory {}: {}", dir, ec.message());
-  // Gather every parameter (host copies) and cut shards.
-  struct Item {
-    const ParamSpec* p;
-    std::vector<std::uint8_t> bytes;
-  };
-  std::vector<std::vector<Item>> shards(1);
-  std::size_t cur = 0, total = 0;
-  for (const UnitSpec& u : w.units())
-    for (const ParamSpec& p : u.params) {
-      Item it{&p, w.get_bytes(p.name)};
-      if (!shards.back().empty() && cur + it.bytes.size() > max_shard_bytes) {
-        shards.emplace_back();
-        cur = 0;
-      }
-      cur += it.bytes.size();
-      total += it.bytes.size();
-      shards.back().push_back(std::move(it));
+  HfWeightsWriter out(dir, w.config(), w.dtype(), max_shard_bytes);
+  for (std::size_t u = 0; u < w.units().size(); ++u) {
+    std::vector<float> flat(w.units()[u].numel, 0.0f);
+    for (const ParamSpec& p : w.units()[u].params) {
+      const std::vector<float> v = w.get(p.name);  // bf16 weights widened exactly: written back the same
+      std::copy(v.begin(), v.end(), flat.begin() + std::ptrdiff_t(p.offset));
     }
-  const std::size_t n = shards.size();
-  std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final
-  auto tmp_of = [&](const std::string& name) {
-    const fs::path fin = d / name, tmp = d / (".strata-tmp-" + name);
-    renames.emplace_back(tmp.string(), fin.string());
-    return tmp.string();
-  };
-  try {
-    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
-    for (std::size_t s = 0; s < n; ++s) {
-      const std::string name =
-          n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-      std::vector<SafetensorsTensor> ts;
-      for (const Item& it : shards[s]) {
-        ts.push_back({it.p->name, w.dtype(), it.p->shape, it.bytes.data()});
-        weight_map[it.p->name] = name;
-      }
-      write_safetensors(tmp_of(name), ts);
-    }
-    if (n > 1) {
-      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-      std::ofstream out(tmp_of("model.safetensors.index.json"));
-      out << idx.dump(2) << "\n";
-      STRATA_REQUIRE(out.good(), "cannot write {}", (d / "model.safetensors.index.json").string());
-    }
-    ModelConfig cfg = w.config();
-    if (cfg.raw.is_object()) cfg.raw["torch_dtype"] = w.dtype() == DType::kBF16 ? "bfloat16" : "float32";
-    std::string text = model_config_json(cfg);
-    if (!cfg.raw.is_object() && w.dtype() == DType::kBF16) {
-      auto j = nlohmann::json::parse(text);
-      j["torch_dtype"] = "bfloat16";
-      text = j.dump(2);
-    }
-    std::ofstream out(tmp_of("config.json"));
-    out << text << "\n";
-    STRATA_REQUIRE(out.good(), "cannot write {}", (d / "config.json").string());
-  } catch (...) {
-    for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
-    throw;
+    out.write_unit(u, flat.data());
   }
-  commit_hf_files(dir, renames, n > 1);
+  out.finish();
 }
 
 void fsync_path(const std::string& path, bool folder, const char* what) {

@@ -1,10 +1,10 @@
 // EngineWeights and the model <-> engine plumbing around it (include/strata/trainer.h).
 //
-// Weights enter the engine once: from scratch through a source the engine asks for this rank's
-// slices (fresh_model_source: counter-based, nothing of the model held whole), or as fp32 flat
-// unit buffers built on a host-staged ResidentWeights (a Hugging Face folder); they leave it the
-// second way for a save. The staging device is a CPU-emulated device sized to the fp32 weights,
-// so neither step ever needs room on the training device, whose cap may be far below the model.
+// Weights enter the engine once, through a source the engine asks for this rank's slices, a
+// sub-group at a time: from scratch (fresh_model_source: counter-based) or a Hugging Face folder
+// (hf_model_source: byte ranges of its safetensors, pages dropped once read). They leave it one
+// unit at a time into the safetensors shards (save_engine_weights). No step holds the model
+// whole in host memory, nor needs room for it on the training device.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -62,49 +62,48 @@ void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSo
   }
 }
 
-ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed) {
+namespace {
+
+// A ModelSource over per-parameter values: value(p, first, count, out) for the part of each
+// parameter a slice of the unit's flat layout covers; the alignment gaps zero.
+template <class Value>
+ModelSource per_parameter(const ModelConfig& cfg, Value value) {
   auto units = std::make_shared<const std::vector<UnitSpec>>(model_units(cfg));
-  return [cfg, seed, units](std::size_t unit, std::size_t first, std::size_t count, float* out) {
+  return [units, value](std::size_t unit, std::size_t first, std::size_t count, float* out) {
     const UnitSpec& u = units->at(unit);
     STRATA_REQUIRE(first + count <= u.numel, "model source: elements [{}, {}) of unit '{}', which has {}", first,
                    first + count, u.name, u.numel);
-    std::fill_n(out, count, 0.0f);  // the alignment gaps
+    std::fill_n(out, count, 0.0f);
     for (const ParamSpec& p : u.params) {
       const std::size_t lo = std::max(first, p.offset), hi = std::min(first + count, p.offset + p.numel);
-      if (lo < hi) init_hf_values(cfg, p, seed, lo - p.offset, hi - lo, out + (lo - first));
+      if (lo < hi) value(p, lo - p.offset, hi - lo, out + (lo - first));
     }
   };
 }
 
-namespace {
+}  // namespace
 
-std::unique_ptr<Device> staging_device(const std::vector<UnitSpec>& units) {
-  std::size_t bytes = 0;
-  for (const UnitSpec& u : units) bytes += u.numel * 8;  // fp32 weights + fp32 grads
-  HostDeviceOptions o;
-  o.capacity_bytes = bytes + (std::size_t(64) << 20);
-  o.poison = false;
-  return make_host_device(o);
+ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed) {
+  return per_parameter(cfg, [cfg, seed](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
+    init_hf_values(cfg, p, seed, first, count, out);
+  });
 }
 
-}  // namespace
+ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir) {
+  auto reader = std::make_shared<const HfWeightsReader>(dir, cfg);  // checks the whole folder now
+  return per_parameter(cfg, [reader](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
+    reader->read(p, first, count, out);
+  });
+}
 
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
                                                      std::uint64_t seed) {
-  const std::vector<UnitSpec> units = model_units(cfg);
-  auto dev = staging_device(units);
-  auto s = dev->create_stream("staging");
-  ResidentWeights w(cfg, DType::kF32, *dev, *s);
-  if (hf_dir.empty()) w.init_hf(seed);  // as Hugging Face initialises a model from its config
-  else load_hf_weights(hf_dir, w);
+  const ModelSource source = hf_dir.empty() ? fresh_model_source(cfg, seed) : hf_model_source(cfg, hf_dir);
   std::vector<std::vector<float>> out;
-  for (const UnitSpec& u : units) {
-    std::vector<float> flat(u.numel, 0.0f);
-    for (const ParamSpec& p : u.params) {
-      const std::vector<float> v = w.get(p.name);
-      std::copy(v.begin(), v.end(), flat.begin() + std::ptrdiff_t(p.offset));
-    }
-    out.push_back(std::move(flat));
+  const std::vector<UnitSpec> units = model_units(cfg);
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    out.emplace_back(units[u].numel);
+    source(u, 0, units[u].numel, out.back().data());
   }
   return out;
 }
@@ -112,20 +111,16 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, con
 void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
                          std::size_t max_shard_bytes) {
   const std::vector<UnitSpec> units = model_units(cfg);
-  std::vector<std::vector<float>> flat;
-  for (std::size_t i = 0; i < units.size(); ++i) flat.push_back(engine.gather_master(int(i)));
-  if (rank != 0) return;
-  auto dev = staging_device(units);
-  auto s = dev->create_stream("staging");
-  ResidentWeights w(cfg, dtype, *dev, *s);
+  std::unique_ptr<HfWeightsWriter> out;
+  if (rank == 0) out = std::make_unique<HfWeightsWriter>(dir, cfg, dtype, max_shard_bytes);
   for (std::size_t i = 0; i < units.size(); ++i) {
-    STRATA_REQUIRE(flat[i].size() == units[i].numel, "save: unit '{}' gathered {} of {} elements", units[i].name,
-                   flat[i].size(), units[i].numel);
-    for (const ParamSpec& p : units[i].params)
-      w.set(p.name, std::vector<float>(flat[i].begin() + std::ptrdiff_t(p.offset),
-                                       flat[i].begin() + std::ptrdiff_t(p.offset + p.numel)));
+    const std::vector<float> flat = engine.gather_master(int(i));  // collective: every rank, one unit at a time
+    if (!out) continue;
+    STRATA_REQUIRE(flat.size() == units[i].numel, "save: unit '{}' gathered {} of {} elements", units[i].name,
+                   flat.size(), units[i].numel);
+    out->write_unit(i, flat.data());
   }
-  save_hf_weights(dir, w, max_shard_bytes);
+  if (out) out->finish();
 }
 
 }  // namespace strata

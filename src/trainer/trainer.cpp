@@ -641,10 +641,9 @@ TrainResult train(const TrainOptions& o) {
   mopt.checkpoint_on_host = o.checkpoint_on_host;
   Model model(mcfg, *dev, *compute, mopt);
   Engine engine(*dev, *comm, ecfg);
-  if (o.model_dir.empty())  // from scratch: each rank's slices computed where they go
-    add_model_units(engine, model.units(), fresh_model_source(mcfg, o.seed));
-  else
-    add_model_units(engine, model.units(), initial_unit_weights(mcfg, o.model_dir, o.seed));
+  // Each rank's slices computed (from scratch) or read (a Hugging Face folder) where they go.
+  add_model_units(engine, model.units(),
+                  o.model_dir.empty() ? fresh_model_source(mcfg, o.seed) : hf_model_source(mcfg, o.model_dir));
   try {
     engine.finalize();
   } catch (const Error& e) {
