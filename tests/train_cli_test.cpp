@@ -699,6 +699,42 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   EXPECT_NE(first_line(m2.err).find("offload_param.nvme_path"), std::string::npos) << m2.err;
 }
 
+// Host RAM is planned like device memory: --plan prints what a rank keeps resident (the
+// process, the pinned lines, the emulated device's memory, the larger of the initial weights' and
+// a save's buffer) against the node's available RAM, and a plan that needs more is refused (exit 2)
+// naming what to move to NVMe; the run refuses it before step 1, having placed nothing. Here with a
+// fake /proc/meminfo (STRATA_TEST_MEMINFO) of 512 KiB available, and the optimizer state on the host.
+TEST_F(TrainCli, PlanRefusesAHostRamPlanThatCannotFitNamingTheFix) {
+  const std::string ds = dir.path + "/host.json", meminfo = dir.path + "/meminfo";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})";
+  std::ofstream(meminfo) << "MemTotal:       1048576 kB\nMemAvailable:        512 kB\n";
+  const std::vector<std::pair<std::string, std::string>> small{{"STRATA_TEST_MEMINFO", meminfo}};
+  const std::string nv = dir.path + "/nv";
+  const Result fits = train(args(dir.path + "/a.jsonl", {"--config", ds, "--plan"}), "fits");
+  EXPECT_EQ(fits.status, 0) << fits.out << fits.err;
+  EXPECT_TRUE(std::regex_search(fits.out, std::regex(R"(ram +total +\d+ +\S+ \S+ +of \S+ \S+ \(\d+ bytes\): ok)")))
+      << fits.out;
+  EXPECT_NE(fits.out.find("pinned host memory (the host lines above)"), std::string::npos) << fits.out;
+  EXPECT_NE(fits.out.find("the CPU-emulated device's memory"), std::string::npos) << fits.out;
+  const Result over = run(STRATA_TRAIN_BIN, args(dir.path + "/b.jsonl", {"--config", ds, "--plan"}), dir.path, "over",
+                          small);
+  EXPECT_EQ(over.status, 2) << over.out << over.err;
+  EXPECT_NE(over.out.find("verdict: does not fit"), std::string::npos) << over.out;
+  EXPECT_NE(over.out.find("host RAM: needs"), std::string::npos) << over.out;
+  EXPECT_NE(over.out.find("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")"), std::string::npos)
+      << over.out;
+  EXPECT_NE(over.out.find("a smaller memory cap for the CPU-emulated device (--device-mem-gb"), std::string::npos)
+      << over.out;
+  // The run: refused the same way before step 1, nothing trained.
+  const Result run_over = run(STRATA_TRAIN_BIN, args(dir.path + "/c.jsonl", {"--config", ds}), dir.path, "run", small);
+  EXPECT_EQ(run_over.status, 1) << run_over.out << run_over.err;
+  EXPECT_NE(run_over.err.find("host RAM: needs"), std::string::npos) << run_over.err;
+  EXPECT_TRUE(losses(dir.path + "/c.jsonl").empty());
+  // A finished run prints its peak RSS beside the plan's.
+  EXPECT_TRUE(std::regex_search(fits.out + train(args(dir.path + "/d.jsonl"), "ran").out,
+                                std::regex(R"(ram +\(the process, peak\) +\S+ \S+ / \S+ \S+ planned)")));
+}
+
 // The --config's scheduler block sets each step's lr as DeepSpeed would (step t: iteration
 // t - 2); --warmup or --lr-schedule replaces it.
 TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {

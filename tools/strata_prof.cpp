@@ -109,9 +109,9 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.host_norm_bps, &m.nvme_read_bps, &m.nvme_write_bps, &m.nvme_mixed_bps,
                                  &m.nvme_fetch_read_bps, &m.cpu_adamw_params_per_s, &m.device_adamw_params_per_s,
                                  &m.all_gather_bps, &m.reduce_scatter_bps};
-  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free};
+  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free, &m.ram_capacity};
   std::vector<double*> highest = {&m.nvme_request_s};
-  std::vector<std::uint64_t*> highest_bytes;
+  std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
   for (ModelProfile& mp : models) {
     for (UnitCost& u : mp.units) {
       highest.push_back(&u.forward_s);
@@ -139,6 +139,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
                                const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
                                const std::string& nvme_key, bool use_nvme, std::size_t unit_state_bytes,
                                std::size_t unit_weight_bytes) {
+  const std::uint64_t rss_before = cpu::process_rss_bytes();
   MachineProfile m;
   m.world_size = comm.world_size();
   m.ranks_on_node = ranks_on_this_node(comm);
@@ -390,6 +391,13 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
   }
   m.device_capacity = dev.stats().capacity_bytes;
   m.host_capacity = base.host_budget_bytes;
+  // Host RAM as strata-train will plan it (set_host_ram_inputs), its base the resident memory
+  // before the measurements above took theirs.
+  PlanInputs ram;
+  set_host_ram_inputs(ram, dev, m.ranks_on_node);
+  m.ram_base_bytes = std::min<std::uint64_t>(ram.ram_base_bytes, rss_before);
+  m.ram_capacity = ram.ram_capacity == 0 ? 0 : ram.ram_capacity - ram.ram_base_bytes + m.ram_base_bytes;
+  m.device_in_ram = ram.device_in_ram;
   return m;
 }
 

@@ -151,6 +151,11 @@ struct MemoryPlan {
   bool early_optimizer_step = false;
   std::vector<std::string> notes;     // choices the planner made for the user, said aloud
   std::vector<std::string> problems;  // one per tier that does not fit: what is missing, what to change
+  // Host RAM: what this rank keeps resident in all (the process before the engine, the pinned
+  // lines, the CPU-emulated device's memory, the larger of the initial weights' and a save's
+  // pageable buffer), against PlanInputs::ram_capacity (not checked when that is 0).
+  std::vector<PlanLine> ram_lines;    // (tier kHost; their own section of the table)
+  std::uint64_t ram_bytes = 0, ram_capacity = 0;
   std::string table() const;          // the table `--plan` prints
 };
 
@@ -162,7 +167,17 @@ struct PlanInputs {
   std::uint64_t nvme_capacity = 0;   // free bytes on the NVMe paths (this rank's share)
   int ranks_on_node = 1;             // ranks sharing this node's RAM and drives (for the messages)
   std::uint64_t activation_bytes = 0;  // the model's estimate for one micro-batch
+  // Host RAM: this rank's share of what the node has (0: not checked), the process's resident
+  // memory before the engine, and whether the device's memory is host RAM (CPU-emulated).
+  std::uint64_t ram_capacity = 0, ram_base_bytes = 0;
+  bool device_in_ram = false;
 };
+
+// Fills PlanInputs' host-RAM fields for a rank of this process on `device`, one of
+// `ranks_on_node` sharing the node: its share of what the node can still give
+// (cpu::ram_available_bytes() / ranks_on_node) plus what the process holds now, which is also
+// the base.
+void set_host_ram_inputs(PlanInputs& in, const Device& device, int ranks_on_node);
 
 MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 

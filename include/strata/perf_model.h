@@ -65,6 +65,10 @@ struct MachineProfile {
   int world_size = 1;
   int ranks_on_node = 1;  // sharing its RAM and drives: the capacities below are a share
   std::uint64_t device_capacity = 0, host_capacity = 0, nvme_free = 0;
+  // Host RAM (PlanInputs'): this rank's share of what the node has (0: not checked), the resident
+  // memory of the process before an engine, and whether the device's memory is host RAM.
+  std::uint64_t ram_capacity = 0, ram_base_bytes = 0;
+  bool device_in_ram = false;
   // The CPU-emulated device: its streams are threads on these host cores, shared with the
   // host thread and the CPU optimizer (0: a real device, nothing shared). Its kernels use
   // device_kernel_threads of them (0: all).

@@ -4,6 +4,8 @@
 #include "cpu/cpu_info.h"
 
 #include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -89,7 +91,8 @@ CpuPaths cpu_paths() {
 namespace {
 
 std::size_t meminfo_value(const std::string& key, std::size_t unit_bytes) {
-  std::ifstream f("/proc/meminfo");
+  const char* fake = std::getenv("STRATA_TEST_MEMINFO");
+  std::ifstream f(fake && *fake ? fake : "/proc/meminfo");
   std::string line;
   while (std::getline(f, line)) {
     if (line.rfind(key + ":", 0) == 0) return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10) * unit_bytes;
@@ -127,6 +130,37 @@ std::vector<NumaNode> numa_nodes() {
 }
 
 std::size_t mem_available_bytes() { return meminfo_value("MemAvailable", 1024); }
+
+std::size_t ram_available_bytes() {
+  std::size_t avail = mem_available_bytes();
+  if (const char* fake = std::getenv("STRATA_TEST_MEMINFO"); fake && *fake) return avail;
+  // cgroup v2: this process's group, from /proc/self/cgroup ("0::/path").
+  std::ifstream cg("/proc/self/cgroup");
+  std::string line, path;
+  while (std::getline(cg, line))
+    if (line.rfind("0::", 0) == 0) path = line.substr(3);
+  if (path.empty()) return avail;
+  const std::string dir = "/sys/fs/cgroup" + (path == "/" ? std::string() : path);
+  std::ifstream max_f(dir + "/memory.max"), cur_f(dir + "/memory.current");
+  std::string max_s;
+  std::size_t cur = 0;
+  if (!(max_f >> max_s) || max_s == "max" || !(cur_f >> cur)) return avail;
+  const std::size_t limit = std::strtoull(max_s.c_str(), nullptr, 10);
+  const std::size_t left = limit > cur ? limit - cur : 0;
+  return avail == 0 ? left : std::min(avail, left);
+}
+
+std::size_t process_rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  std::size_t pages = 0, resident = 0;
+  if (!(f >> pages >> resident)) return 0;
+  return resident * std::size_t(::sysconf(_SC_PAGESIZE));
+}
+
+std::size_t process_peak_rss_bytes() {
+  rusage ru{};
+  return ::getrusage(RUSAGE_SELF, &ru) == 0 ? std::size_t(ru.ru_maxrss) * 1024 : 0;
+}
 
 int usable_cores() {
   cpu_set_t set;

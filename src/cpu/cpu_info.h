@@ -49,7 +49,15 @@ struct HugePageInfo {
 HugePageInfo huge_page_info();
 
 // MemAvailable from /proc/meminfo: what can be allocated without swapping (0 when unknown).
+// STRATA_TEST_MEMINFO names a file read instead of /proc/meminfo (tests of the RAM plan).
 std::size_t mem_available_bytes();
+// What this process may still take of the host's RAM: MemAvailable, or less where the process's
+// cgroup (v2) sets memory.max (its limit less memory.current). 0 when unknown. (With
+// STRATA_TEST_MEMINFO set, MemAvailable of that file alone.)
+std::size_t ram_available_bytes();
+// This process's resident memory now (/proc/self/statm), and its peak so far (getrusage).
+std::size_t process_rss_bytes();
+std::size_t process_peak_rss_bytes();
 
 // The cores this process may run on (sched_getaffinity; hardware_concurrency where that fails):
 // what taskset, a cgroup's cpuset or a batch scheduler left it, at least 1.

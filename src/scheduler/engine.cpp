@@ -1121,6 +1121,7 @@ void Engine::finalize() {
   in.host_capacity = cfg.host_budget_bytes;
   in.nvme_capacity = (w_nvme || o_nvme || g_nvme) ? nvme_capacity(cfg, s.rank, on_node, s.world) : UINT64_MAX;
   in.ranks_on_node = on_node;
+  set_host_ram_inputs(in, s.dev, on_node);
   // The settings this host refuses (more optimizer threads than it runs), said on every rank
   // below when there are several: a rank that stopped alone left the others in a collective.
   std::string host_refused;

@@ -927,6 +927,9 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     in.nvme_capacity = m.nvme_free;
     in.ranks_on_node = m.ranks_on_node;
     in.activation_bytes = mp.activation_bytes;
+    in.ram_capacity = m.ram_capacity;
+    in.ram_base_bytes = m.ram_base_bytes;
+    in.device_in_ram = m.device_in_ram;
     for (const auto& pc : params)
       for (const auto& oc : opt)
         for (const auto& gc : grads)

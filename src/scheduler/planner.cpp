@@ -62,6 +62,7 @@
 #include <algorithm>
 #include <array>
 
+#include "cpu/cpu_info.h"
 #include "scheduler/layout.h"
 #include "strata/dtype.h"
 #include "strata/engine_config.h"
@@ -417,6 +418,44 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
         ": free space under the nvme_path directories, add nvme_path directories on other "
         "drives, or keep more in host memory (offload_*.host_fraction)");
   }
+  // Host RAM: the rank's resident memory in all, load, step and save: the process before the
+  // engine, the pinned lines, the emulated device's memory, and the larger pageable buffer of
+  // the phases (finalize's initial weights a sub-group at a time, a save's one gathered unit).
+  {
+    const auto ram = [&](std::string what, std::uint64_t bytes) {
+      plan.ram_lines.push_back({std::move(what), Tier::kHost, bytes});
+      plan.ram_bytes += bytes;
+    };
+    ram("the process before the engine (libraries, model, data: measured)", in.ram_base_bytes);
+    ram("pinned host memory (the host lines above)", plan.host_bytes);
+    if (in.device_in_ram) ram("the CPU-emulated device's memory (the device lines above)", plan.device_bytes);
+    ram(fmt::format("initial weights ({} elements at a time) or a save (one unit, {} elements), the larger", S,
+                    largest_numel),
+        std::max(S, largest_numel) * 4);
+    plan.ram_capacity = in.ram_capacity;
+    if (in.ram_capacity > 0 && plan.ram_bytes > in.ram_capacity) {
+      std::vector<std::string> fix;
+      if (opt_tiers[1] > 0 && config.stage == 3)
+        fix.push_back("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")");
+      if (grad_tiers[1] > 0 && config.stage == 3)
+        fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\")");
+      if (param_tiers[1] > 0)
+        fix.push_back("move the parameters to NVMe (offload_param.device \"nvme\")");
+      if (in.device_in_ram)
+        fix.push_back("a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host RAM)");
+      if (S > detail::kShardAlign && S * 4 >= largest_numel * 4)
+        fix.push_back("a smaller zero_optimization.sub_group_size");
+      if (in.ranks_on_node > 1) fix.push_back(fmt::format("fewer ranks on this node (now {})", in.ranks_on_node));
+      fix.push_back("a machine with more memory");
+      plan.problems.push_back(
+          fmt::format("host RAM: needs {}, has {} ({} = {} bytes missing: this rank's share of what the node has "
+                      "available{}, with what the process holds already)",
+                      human(plan.ram_bytes), human(in.ram_capacity), human(plan.ram_bytes - in.ram_capacity),
+                      plan.ram_bytes - in.ram_capacity,
+                      in.ranks_on_node > 1 ? fmt::format(", split among its {} ranks", in.ranks_on_node) : "") +
+          ": " + join_or(fix));
+    }
+  }
   plan.fits = plan.problems.empty();
   if (!plan.fits && plan.early_optimizer_step) {
     if (!config.overlap_optimizer.has_value()) {  // left to the planner: off, said aloud
@@ -440,6 +479,13 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
       p += "; or set strata.overlap_optimizer false (no second copy of the optimizer state)";
   }
   return plan;
+}
+
+void set_host_ram_inputs(PlanInputs& in, const Device& device, int ranks_on_node) {
+  in.ram_base_bytes = cpu::process_rss_bytes();
+  const std::uint64_t avail = cpu::ram_available_bytes();
+  in.ram_capacity = avail == 0 ? 0 : avail / std::uint64_t(std::max(1, ranks_on_node)) + in.ram_base_bytes;
+  in.device_in_ram = device.kind() == DeviceKind::kCpu;
 }
 
 std::uint64_t default_host_budget(int ranks_on_node) {
@@ -471,6 +517,7 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
 std::string MemoryPlan::table() const {
   std::size_t width = 40;  // the "what" column: as wide as its longest line
   for (const PlanLine& l : lines) width = std::max(width, l.what.size());
+  for (const PlanLine& l : ram_lines) width = std::max(width, l.what.size());
   std::string out = fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "tier", "what", width, "bytes", "size");
   const std::array<std::pair<Tier, std::pair<std::uint64_t, std::uint64_t>>, 3> tiers = {{
       {Tier::kDevice, {device_bytes, device_capacity}},
@@ -490,6 +537,16 @@ std::string MemoryPlan::table() const {
     out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier), "total", width,
                        bytes, human(bytes), human(cap), cap,
                        bytes <= cap ? "ok" : fmt::format("OVER by {}", human(bytes - cap)));
+  }
+  if (ram_capacity > 0 || !ram_lines.empty()) {
+    for (const PlanLine& l : ram_lines)
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", l.what, width, l.bytes, human(l.bytes));
+    if (ram_capacity == 0)
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", "total", width, ram_bytes, human(ram_bytes));
+    else
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", "ram", "total", width, ram_bytes,
+                         human(ram_bytes), human(ram_capacity), ram_capacity,
+                         ram_bytes <= ram_capacity ? "ok" : fmt::format("OVER by {}", human(ram_bytes - ram_capacity)));
   }
   out += fits ? "verdict: fits\n" : "verdict: does not fit\n";
   for (const std::string& n : notes) out += "  note: " + n + "\n";

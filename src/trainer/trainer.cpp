@@ -27,6 +27,7 @@
 
 #include "core/json_config.h"
 #include "core/quiet_log.h"
+#include "cpu/cpu_info.h"
 #include "scheduler/layout.h"
 #include "strata/comm.h"
 #include "strata/error.h"
@@ -550,6 +551,7 @@ TrainResult train(const TrainOptions& o) {
     in.host_capacity = ecfg.host_budget_bytes;
     in.nvme_capacity = nvme_capacity(ecfg, rank, launch.local_size, world);
     in.ranks_on_node = launch.local_size;
+    set_host_ram_inputs(in, *dev, launch.local_size);
     MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
     // The training state only: what a micro-batch's activations take depends on the kernels
     // and is measured, not estimated (a "fits" here can still run out of device memory).
@@ -1100,6 +1102,10 @@ TrainResult train(const TrainOptions& o) {
                  fmt::format("read {} written {}", human_bytes(double(s.nvme_read_bytes)),
                              human_bytes(double(s.nvme_written_bytes))).c_str(),
                  fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
+    // The process's resident memory at its peak, beside what the plan counted for it.
+    std::fprintf(con, "  %-8s %-22s %-22s\n", "ram", "(the process, peak)",
+                 fmt::format("{} / {} planned", human_bytes(double(cpu::process_peak_rss_bytes())),
+                             human_bytes(double(engine.plan().ram_bytes))).c_str());
     if (s.early_units_kept + s.early_units_redone > 0)
       std::fprintf(con,
                    "  early optimizer step: %llu unit updates kept (%llu finished under the next forward), "
