@@ -1046,6 +1046,36 @@ TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {
 #endif
 }
 
+// From scratch the weights are a function of the seed alone: two ranks, each computing only its
+// slices, write (lr 0, one step) the very bytes one rank writes, weights on NVMe or not.
+TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string nv = dir.path + "/nv", ds = dir.path + "/nvme.json";
+  fs::create_directories(nv);
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+                    << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
+  auto with = [&](std::vector<std::string> extra, const std::string& out) {
+    std::vector<std::string> a = args(dir.path + "/" + fs::path(out).filename().string() + ".jsonl", {}, "1");
+    a[std::size_t(std::find(a.begin(), a.end(), "--lr") - a.begin()) + 1] = "0";
+    a.insert(a.end(), extra.begin(), extra.end());
+    a.insert(a.end(), {"--seed", "77", "--out", out});
+    return a;
+  };
+  const Result one = train(with({}, dir.path + "/one"), "one");
+  ASSERT_EQ(one.status, 0) << one.err;
+  std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
+  for (const auto& s : with({"--config", ds}, dir.path + "/two")) m.push_back(s);
+  const Result two = run(STRATA_MPIEXEC, m, dir.path, "two",
+                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                          {"STRATA_COMM_TIMEOUT_S", "120"}});
+  ASSERT_EQ(two.status, 0) << two.out << two.err;
+  EXPECT_EQ(slurp(dir.path + "/one/model.safetensors"), slurp(dir.path + "/two/model.safetensors"));
+#endif
+}
+
 TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
