@@ -3,13 +3,15 @@
 # with everything on NVMe (weights, gradients, optimizer state), bf16, on the CPU-emulated device
 # capped at 2 GiB. It measures, in one run:
 #   - the drive: fio's sequential O_DIRECT write and read rates (1 MiB blocks, queue depth 32, 4 GiB)
-#     on the NVMe folder;
+#     on the NVMe folder, and, after the run, its rate for the run's own mix of the two (rw with
+#     rwmixread the share of the step's bytes that are reads): a drive serves reads and writes at
+#     once, so the mix, not the sum of the two alone, is the floor's rate;
 #   - the run: strata-train for --steps steps (--log-json: each step's time and NVMe bytes; a
 #     Chrome trace of the last step: the compute lane's busy time), and its summary's peak RSS
 #     (getrusage) beside the plan's host-RAM total;
 # and prints, for the median of the steps after the first: the step time, the compute time, the
-# NVMe floor (the step's bytes read / fio's read rate + its bytes written / fio's write rate: one
-# drive does both), and the step time over the larger of the two; then one JSON object, last.
+# NVMe floor (the step's bytes, read and written, at fio's rate for that mix), and the step time
+# over the larger of the two; then one JSON object, last.
 #
 #   scripts/capacity.sh [--nvme-path DIR] [--steps N] [--model-config FILE] [--build DIR] [--keep]
 #
@@ -68,11 +70,11 @@ EOF
 head -c 400000 README.md >"$work/text.txt"  # some text: 16-token sequences of it
 
 echo "== the drive (fio on $nvme)"
-fio_rate() {  # fio_rate write|read -> bytes/s
-  fio --name=cap --filename="$nvme/fio.bin" --rw="$1" --bs=1M --direct=1 --ioengine=io_uring --iodepth=32 \
-    --size=4G --output-format=json >"$work/fio-$1.json"
-  python3 -c "import json,sys; j=json.load(open(sys.argv[1]))['jobs'][0]; print(j[sys.argv[2]]['bw_bytes'])" \
-    "$work/fio-$1.json" "$1"
+fio_rate() {  # fio_rate write|read|rw [rwmixread] -> bytes/s (read and write together for rw)
+  fio --name=cap --filename="$nvme/fio.bin" --rw="$1" --rwmixread="${2:-50}" --bs=1M --direct=1 \
+    --ioengine=io_uring --iodepth=32 --size=4G --output-format=json >"$work/fio-$1.json"
+  python3 -c "import json,sys; j=json.load(open(sys.argv[1]))['jobs'][0]; print(j['read']['bw_bytes'] + j['write']['bw_bytes'])" \
+    "$work/fio-$1.json"
 }
 fio_write=$(fio_rate write)
 fio_read=$(fio_rate read)
@@ -84,9 +86,20 @@ echo "== strata-train, $steps steps"
   --seq-len 16 --steps "$steps" --device cpu --device-mem-gb 2 --checkpoint-activations \
   --log-json "$work/log.jsonl" --trace "$work/trace.json" --trace-step "$steps" | tee "$work/train.out"
 
-python3 - "$work" "$fio_read" "$fio_write" "$steps" "$(uname -n)" <<'PY'
+# The run's mix of reads and writes (steps after the first), at fio's rate.
+mix=$(python3 -c "
+import json, statistics, sys
+log = [json.loads(l) for l in open(sys.argv[1]) if json.loads(l)['step'] > 1]
+r = statistics.median(l['nvme_read_bytes'] for l in log); w = statistics.median(l['nvme_written_bytes'] for l in log)
+print(round(100 * r / (r + w)))" "$work/log.jsonl")
+echo "== the drive again: reads and writes mixed as the run's ($mix% reads)"
+fio_mixed=$(fio_rate rw "$mix")
+rm -f "$nvme/fio.bin"
+
+python3 - "$work" "$fio_read" "$fio_write" "$fio_mixed" "$steps" "$(uname -n)" <<'PY'
 import json, re, statistics, sys
-work, fio_read, fio_write, steps, host = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+work, fio_read, fio_write, fio_mixed = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+steps, host = int(sys.argv[5]), sys.argv[6]
 log = [json.loads(l) for l in open(f"{work}/log.jsonl")]
 out = open(f"{work}/train.out").read()
 params = float(re.search(r", ([0-9.]+)M parameters", out).group(1)) * 1e6
@@ -109,20 +122,25 @@ later = [l for l in log if l["step"] > 1]
 step_s = statistics.median(l["step_time_s"] for l in later)
 read_b = statistics.median(l["nvme_read_bytes"] for l in later)
 written_b = statistics.median(l["nvme_written_bytes"] for l in later)
-floor_s = read_b / fio_read + written_b / fio_write
+floor_s = (read_b + written_b) / fio_mixed
 bound = max(compute_s, floor_s)
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
 r = {"command": "capacity", "host": host, "cpu": cpu, "params": params, "steps": steps, "step_s": step_s,
      "compute_s": compute_s, "nvme_read_bytes_per_step": read_b, "nvme_written_bytes_per_step": written_b,
-     "fio_read_gbps": fio_read / 1e9, "fio_write_gbps": fio_write / 1e9, "nvme_floor_s": floor_s,
+     "fio_read_gbps": fio_read / 1e9, "fio_write_gbps": fio_write / 1e9, "fio_mixed_gbps": fio_mixed / 1e9,
+     "nvme_floor_s": floor_s,
      "ratio_vs_bound": step_s / bound, "bound": "nvme" if floor_s >= compute_s else "compute",
      "peak_rss_bytes": rss, "planned_ram_bytes": planned_ram,
      "ratio_rss_vs_plan": rss / planned_ram if planned_ram else None,
      "losses": [l["loss"] for l in log]}
 print(f"\ncapacity: {params/1e9:.2f}B parameters, everything on NVMe, {steps} steps on {host} ({cpu})")
 print(f"  step {step_s:.1f} s (median of steps 2-{steps}); compute {compute_s:.2f} s; NVMe floor {floor_s:.1f} s "
-      f"({read_b/1e9:.1f} GB read at {fio_read/1e9:.2f} GB/s + {written_b/1e9:.1f} GB written at {fio_write/1e9:.2f} GB/s)")
-print(f"  step / max(compute, NVMe floor) = {step_s/bound:.2f} ({r['bound']}-bound; target <= 1.25)")
+      f"({read_b/1e9:.1f} GB read + {written_b/1e9:.1f} GB written at fio's {fio_mixed/1e9:.2f} GB/s for that mix; "
+      f"alone: read {fio_read/1e9:.2f}, write {fio_write/1e9:.2f} GB/s)")
+# A floor the step beats is no floor: said, never passed off as speed.
+r["broken_bound"] = step_s / bound < 0.98
+print(f"  step / max(compute, NVMe floor) = {step_s/bound:.2f} ({r['bound']}-bound; target <= 1.25)"
+      + ("  BROKEN BOUND: the step beat its floor" if r["broken_bound"] else ""))
 print(f"  peak RSS {rss/2**30:.2f} GiB (target <= 6 GiB), planned {planned_ram/2**30:.2f} GiB"
       + (f" (measured / planned {rss/planned_ram:.2f})" if planned_ram else ""))
 print(json.dumps(r))
