@@ -1,4 +1,4 @@
-// Core: errors, dtype conversions, logging levels, the tracer.
+// Core: errors, dtype conversions, logging levels, the tracer, the allocators' placement rule.
 #include <fcntl.h>
 
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/range_pool.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -255,6 +256,67 @@ TEST(Tracer, UnwritablePathIsAClearError) {
     EXPECT_EQ(e.kind(), ErrorKind::kIo);
     EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/trace.json"), std::string::npos);
   }
+}
+
+// The placement rule both devices' allocators use (core/range_pool.h).
+TEST(RangePool, LargeBlocksGoBestFitAndSplit) {
+  detail::RangePool pool(/*small_limit=*/1024);
+  const std::size_t base = pool.add_segment(100000);
+  const std::size_t a = pool.alloc(10000), b = pool.alloc(30000), c = pool.alloc(5000), d = pool.alloc(20000);
+  EXPECT_EQ(a, base);
+  EXPECT_EQ(b, a + 10000);
+  pool.free(a, 10000);  // a hole of 10000 at the bottom, 35000 at the top
+  pool.free(c, 5000);   // and one of 5000 between b and d
+  EXPECT_EQ(pool.free_ranges(), 3u);
+  // The smallest range that fits, split: 4000 goes into the 5000 hole, not the bottom one.
+  const std::size_t e = pool.alloc(4000);
+  EXPECT_EQ(e, c);
+  EXPECT_EQ(pool.largest_free(), 35000u);
+  // The 1000 the split left is too small for 2000: the next smallest, the bottom hole, takes it.
+  EXPECT_EQ(pool.alloc(2000), a);
+  EXPECT_EQ(pool.free_bytes(), 100000u - 30000 - 20000 - 4000 - 2000);
+  (void)d;
+}
+
+TEST(RangePool, FreedNeighboursCoalesceAndSmallBlocksComeFromTheTop) {
+  detail::RangePool pool(/*small_limit=*/1000);
+  const std::size_t base = pool.add_segment(10000);
+  const std::size_t s1 = pool.alloc(100), s2 = pool.alloc(100);
+  EXPECT_EQ(s1, base + 9900);  // small: carved from the top
+  EXPECT_EQ(s2, base + 9800);
+  const std::size_t l1 = pool.alloc(3000), l2 = pool.alloc(3000);
+  EXPECT_EQ(l1, base);         // large: from the bottom
+  EXPECT_EQ(l2, base + 3000);
+  pool.free(l1, 3000);
+  pool.free(l2, 3000);         // merges with l1's range and the free middle
+  EXPECT_EQ(pool.free_ranges(), 1u);
+  EXPECT_EQ(pool.largest_free(), 9800u);
+  pool.free(s2, 100);
+  pool.free(s1, 100);
+  EXPECT_EQ(pool.free_ranges(), 1u);
+  EXPECT_EQ(pool.largest_free(), 10000u);
+  EXPECT_EQ(pool.free_bytes(), 10000u);
+  EXPECT_EQ(pool.alloc(10000), base);  // whole again
+}
+
+TEST(RangePool, SegmentsNeverMergeAndWhollyFreeOnesAreTakenBack) {
+  detail::RangePool pool(/*small_limit=*/1);
+  const std::size_t a = pool.add_segment(4096), b = pool.add_segment(4096);
+  EXPECT_GT(b, a + 4096);  // a gap: their memory is not contiguous
+  EXPECT_EQ(pool.free_bytes(), 8192u);
+  EXPECT_EQ(pool.largest_free(), 4096u);
+  EXPECT_EQ(pool.alloc(8192), detail::RangePool::kNone);  // two free segments are not one range
+  const std::size_t x = pool.alloc(4096);
+  EXPECT_EQ(pool.segment_of(x + 100), (std::pair<std::size_t, std::size_t>{x, 4096}));
+  const auto freed = pool.take_free_segments();  // only the other one is wholly free
+  ASSERT_EQ(freed.size(), 1u);
+  EXPECT_NE(freed[0].first, x);
+  EXPECT_EQ(pool.segments(), 1u);
+  EXPECT_EQ(pool.free_bytes(), 0u);
+  pool.free(x, 4096);
+  EXPECT_EQ(pool.take_free_segments().size(), 1u);
+  EXPECT_EQ(pool.segments(), 0u);
+  EXPECT_EQ(pool.alloc(1), detail::RangePool::kNone);
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ struct DeviceStats {
   // on streams (a stall of the calling thread).
   std::uint64_t num_alloc_waits = 0;
   // Requests served at once by a block whose free was still queued on the same stream
-  // (counted by the emulated device; CUDA's caching allocator reuses so without counting).
+  // (both devices count them).
   std::uint64_t num_reused = 0;
 };
 

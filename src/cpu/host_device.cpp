@@ -39,6 +39,7 @@
 
 #include <omp.h>
 
+#include "core/range_pool.h"
 #include "cpu/cpu_kernels.h"
 #include "strata/adamw.h"
 #include "strata/device.h"
@@ -62,85 +63,6 @@ void poison(void* p, std::size_t bytes) {
   std::fill_n(h, bytes / 2, kPoison16);
   if (bytes % 2) static_cast<unsigned char*>(p)[bytes - 1] = 0x7f;
 }
-
-// Allocator over [0, cap) with coalescing of free neighbours. Large blocks are placed
-// best-fit from the bottom, the others (below cap/8, at most 4 MiB) from the top, so
-// activations and other short-lived buffers do not cut the space the large ones (a layer's
-// gathered weights, its gradient) need into pieces (the caching allocators of GPU runtimes
-// keep separate small and large pools for the same reason). With cap/64 (at most 1 MiB) as
-// the boundary, the demo (a ~17 MB working set) failed at an 18 MiB cap with 7 MB free in
-// pieces of at most 2.7 MB, none large enough for one layer.
-class Arena {
- public:
-  explicit Arena(std::size_t cap) : cap_(cap), small_(std::min<std::size_t>(cap / 8, std::size_t(4) << 20)) {
-    free_by_off_[0] = cap;
-    free_by_size_.insert({cap, 0});
-  }
-  // Returns the offset, or SIZE_MAX when no free range is large enough.
-  std::size_t alloc(std::size_t size) {
-    if (size < small_) {
-      // The highest free range that fits; carve from its top end.
-      for (auto it = free_by_off_.rbegin(); it != free_by_off_.rend(); ++it) {
-        if (it->second < size) continue;
-        const std::size_t off = it->first, fsize = it->second;
-        free_by_size_.erase({fsize, off});
-        if (fsize > size) {
-          it->second = fsize - size;
-          free_by_size_.insert({fsize - size, off});
-        } else {
-          free_by_off_.erase(off);
-        }
-        const std::size_t at = off + fsize - size;
-        high_water_ = std::max(high_water_, at + size);
-        return at;
-      }
-      return SIZE_MAX;
-    }
-    auto it = free_by_size_.lower_bound({size, 0});
-    if (it == free_by_size_.end()) return SIZE_MAX;
-    const auto [fsize, off] = *it;
-    free_by_size_.erase(it);
-    free_by_off_.erase(off);
-    if (fsize > size) {
-      free_by_off_[off + size] = fsize - size;
-      free_by_size_.insert({fsize - size, off + size});
-    }
-    high_water_ = std::max(high_water_, off + size);
-    return off;
-  }
-  void free(std::size_t off, std::size_t size) {
-    auto next = free_by_off_.lower_bound(off);
-    if (next != free_by_off_.end() && off + size == next->first) {
-      size += next->second;
-      free_by_size_.erase({next->second, next->first});
-      next = free_by_off_.erase(next);
-    }
-    if (next != free_by_off_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == off) {
-        off = prev->first;
-        size += prev->second;
-        free_by_size_.erase({prev->second, prev->first});
-        free_by_off_.erase(prev);
-      }
-    }
-    free_by_off_[off] = size;
-    free_by_size_.insert({size, off});
-  }
-  std::size_t largest_free() const {
-    return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
-  }
-  std::size_t high_water() const { return high_water_; }
-  std::size_t small_limit() const { return small_; }
-  std::size_t capacity() const { return cap_; }
-
- private:
-  std::size_t cap_;
-  std::size_t small_;
-  std::size_t high_water_ = 0;
-  std::map<std::size_t, std::size_t> free_by_off_;
-  std::set<std::pair<std::size_t, std::size_t>> free_by_size_;
-};
 
 class HostDevice;
 
@@ -297,7 +219,9 @@ class HostEvent final : public detail::EventImpl {
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(const HostDeviceOptions& o) : opt_(o), arena_(round_down(o.capacity_bytes)) {
+  explicit HostDevice(const HostDeviceOptions& o)
+      : opt_(o), arena_(std::min<std::size_t>(round_down(o.capacity_bytes) / 8, std::size_t(4) << 20)) {
+    arena_.add_segment(round_down(o.capacity_bytes));
     STRATA_REQUIRE(o.capacity_bytes >= kAlign, "HostDevice capacity_bytes must be at least {} bytes, got {}",
                    kAlign, o.capacity_bytes);
     STRATA_REQUIRE(o.h2d_gbps >= 0 && o.d2h_gbps >= 0 && o.d2d_gbps >= 0,
@@ -455,7 +379,10 @@ class HostDevice final : public Device {
   std::chrono::steady_clock::time_point link_free_[2] = {};  // when each direction is free
   char* base_ = nullptr;
   mutable std::mutex mu_;
-  Arena arena_;
+  // The emulated HBM: one segment, [0, cap). Small blocks (below cap/8, at most 4 MiB) from the
+  // top: with cap/64 (at most 1 MiB) as the boundary, the demo (a ~17 MB working set) failed at an
+  // 18 MiB cap with 7 MB free in pieces of at most 2.7 MB, none large enough for one layer.
+  detail::RangePool arena_;
   DeviceStats stats_;
   // Frees queued on streams and not yet run; freed_cv_ is notified as each runs. The blocks
   // of those not yet reused, by size.
@@ -644,7 +571,7 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   // holes instead of leaving a free range a few KiB too small.
   // (Not past the arena: the whole cap stays allocatable when it is not a multiple of 64 KiB.)
   if (size >= arena_.small_limit())
-    size = std::max(size, std::min((size + kLargeStep - 1) / kLargeStep * kLargeStep, arena_.capacity()));
+    size = std::max(size, std::min((size + kLargeStep - 1) / kLargeStep * kLargeStep, round_down(opt_.capacity_bytes)));
   std::size_t off = SIZE_MAX;
   std::unique_lock<std::mutex> lock(mu_);
   // A block of this size whose free is still queued on the same stream: the stream's order

@@ -3,24 +3,26 @@
 // libstrata_cuda.so, which the loader, cuda_loader.cpp, loads once the CUDA libraries are found).
 //
 // What it owns:
-//  - A caching allocator over cudaMalloc. Requests are rounded (512 B up to 1 MiB, 2 MiB
-//    above) and each block is one cudaMalloc of exactly its rounded size; freed blocks are
-//    cached and reused only for a request of the same rounded size, so bytes_in_use is the
-//    sum of live rounded sizes and nothing is ever split or merged.
+//  - A caching allocator over cudaMalloc with the emulated device's placement rule
+//    (core/range_pool.h): requests are rounded (512 B up to 1 MiB, 64 KiB above, as on the
+//    emulated device), placed best-fit in segments (each one cudaMalloc: 2 MiB for small
+//    blocks, the block rounded up to 2 MiB for large ones), split, and merged with their free
+//    neighbours when freed; bytes_in_use is the sum of live rounded sizes.
 //  - Stream-ordered reuse, as cudaFreeAsync does it: a block freed by a buffer allocated on
-//    stream S gets an event recorded on S at free time. S may reuse it at once (its later
-//    work runs after the earlier work that used it); any other stream, or an allocation
-//    without a stream, only once that event has completed. A buffer allocated without a
-//    stream (or whose stream is gone) is freed after cudaDeviceSynchronize, and is then
-//    reusable by anyone.
-//  - The budget: bytes_reserved (everything held from cudaMalloc, cache included) never
-//    exceeds capacity_bytes. An allocation that would cross it first returns the cache to
-//    CUDA (after its events complete, with the allocator's lock released: a host function
-//    may need it to free what those events wait for); if it still does not fit it throws
-//    kOutOfMemory. Inside a host function (its stream held until it returns) the allocator
-//    never waits for the GPU, which would be waiting for itself: such an allocation fails at
-//    once when the cache would have to go back, and a streamless free there is cached at the
-//    next device-wide wait (synchronize, or an allocation short of room), as on HostDevice.
+//    stream S gets an event recorded on S at free time and waits beside the pool. S may reuse
+//    it at once (its later work runs after the earlier work that used it); it joins the pool
+//    (and so any other stream, or an allocation without a stream) once that event has
+//    completed. A buffer allocated without a stream (or whose stream is gone) joins the pool
+//    after cudaDeviceSynchronize.
+//  - The budget: bytes_reserved (every segment held from cudaMalloc) never exceeds
+//    capacity_bytes. An allocation that fits no free range and whose new segment would cross
+//    it first waits for the pending frees' events (num_alloc_waits; with the allocator's lock
+//    released: a host function may need it to free what those events wait for), then returns
+//    wholly free segments to CUDA; if it still does not fit it throws kOutOfMemory. Inside a
+//    host function (its stream held until it returns) the allocator never waits for the GPU,
+//    which would be waiting for itself: such an allocation takes what is free now or fails,
+//    and a streamless free there joins the pool at the next device-wide wait (synchronize, or
+//    an allocation short of room), as on HostDevice.
 //  - CudaStream: a non-blocking cudaStream_t with its own cuBLAS handle, sum_squares
 //    scratch and host-function flag (StreamResources: made on first use, outside the
 //    budget, as they are the backend's and not the caller's). A destroyed stream hands them
@@ -71,9 +73,10 @@
 
 #if defined(STRATA_HAVE_NCCL)
 #include <nccl.h>
-#include "comm/nccl_version.h"
+#include "gpu/nccl_version.h"
 #endif
 
+#include "core/range_pool.h"
 #include "gpu/adamw.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -83,6 +86,7 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/trace.h"
 
 namespace strata {
 namespace {
@@ -91,7 +95,8 @@ using gpu::detail::throw_cuda;
 
 constexpr std::size_t kSmallLimit = std::size_t(1) << 20;  // rounded to kSmallUnit up to here
 constexpr std::size_t kSmallUnit = 512;
-constexpr std::size_t kLargeUnit = std::size_t(2) << 20;
+constexpr std::size_t kLargeUnit = std::size_t(64) << 10;   // the emulated device's large step
+constexpr std::size_t kSegmentUnit = std::size_t(2) << 20;  // segments: multiples of 2 MiB
 
 std::size_t round_block(std::size_t bytes) {
   const std::size_t unit = bytes <= kSmallLimit ? kSmallUnit : kLargeUnit;
@@ -322,13 +327,14 @@ class CudaEvent final : public detail::EventImpl {
   int ordinal = 0;
 };
 
-// The allocator's record of one cudaMalloc.
+// The allocator's record of one block: a range of a segment.
 struct Block {
   void* ptr = nullptr;
-  std::size_t size = 0;          // rounded; exactly what cudaMalloc gave
-  std::uint64_t stream_id = 0;   // in use: allocated on; cached: freed on; 0 = no stream
+  std::size_t offset = 0;        // in the RangePool
+  std::size_t size = 0;          // rounded
+  std::uint64_t stream_id = 0;   // in use: allocated on; pending: freed on; 0 = no stream
   cudaStream_t stream = nullptr;
-  cudaEvent_t event = nullptr;   // cached with a stream: recorded on it at free time
+  cudaEvent_t event = nullptr;   // pending: recorded on its stream at free time
 };
 
 class CudaStream final : public Stream {
@@ -427,15 +433,24 @@ class CudaDevice final : public Device {
   void do_free_on(void* block, Stream& stream) noexcept override;
 
  private:
-  Block* take_cached(std::size_t size, std::uint64_t stream_id);
-  Block* malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock);
-  // Returns every cached block to CUDA; waits for their events and frees with `lock` released.
-  void release_cached(std::unique_lock<std::mutex>& lock);
-  // Caches the deferred blocks freed before deferral number `upto` (taken before a device-wide
+  // A pending block freed on `stream_id` that fits `size` closely, taken; or null.
+  Block* take_pending(std::size_t size, std::uint64_t stream_id);
+  // Moves the pending blocks whose events have completed into the pool.
+  void collect_pending();
+  // A new block from the pool: a free range, else a new segment, else after the waits the
+  // budget calls for (with `lock` released while waiting).
+  Block* place(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock);
+  std::size_t place_new_segment(std::size_t size);  // kNone: not under the cap, or CUDA refused
+  // Returns the wholly free segments to CUDA (cudaFree with `lock` released).
+  void release_free_segments(std::unique_lock<std::mutex>& lock);
+  void to_pool(Block* b);  // with mu_ held; deletes b
+  void* ptr_at(std::size_t offset) const;
+  // Pools the deferred blocks freed before deferral number `upto` (taken before a device-wide
   // wait that has ended since), with mu_ held.
   void adopt_deferred(std::uint64_t upto);
   cudaEvent_t acquire_event();
   void release_event(cudaEvent_t ev) { event_pool_.push_back(ev); }
+  void warm_up_gemms();
   [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, std::string detail = {});
 
   const int ordinal_;
@@ -447,12 +462,15 @@ class CudaDevice final : public Device {
 
   mutable std::mutex mu_;  // guards everything below
   DeviceStats stats_;
-  std::multimap<std::size_t, Block*> cached_;  // by rounded size
+  detail::RangePool pool_{kSmallLimit};
+  std::map<std::size_t, void*> segment_ptrs_;  // a segment's base offset -> its cudaMalloc
+  // Freed on a live stream, their events not yet seen complete.
+  std::vector<Block*> pending_;
   // Freed in a host function, no stream to order on: (the number of deferrals before it, block).
   // They stay here (visible to other allocations) until a device-wide wait that began after them.
   std::vector<std::pair<std::uint64_t, Block*>> deferred_;
   std::uint64_t deferrals_ = 0;
-  std::size_t releasing_ = 0;                   // blocks release_cached is freeing with mu_ released
+  std::size_t releasing_ = 0;                   // segments being returned with mu_ released
   std::condition_variable released_cv_;         // signalled when releasing_ falls
   std::vector<cudaEvent_t> event_pool_;
   std::unordered_map<std::uint64_t, CudaStream*> streams_;
@@ -470,6 +488,7 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   STRATA_CUDA_CHECK(gpu::preload_kernels());
   STRATA_CUDA_CHECK(gpu::preload_adamw_kernels());
   STRATA_CUDA_CHECK(static_cast<cudaError_t>(gpu::model::preload_kernels()));
+  warm_up_gemms();
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   capacity_ = capacity_bytes == 0 ? default_cuda_capacity(free_bytes, total_bytes) : capacity_bytes;
@@ -480,18 +499,55 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   }
 }
 
+// A first stream's cuBLAS handle and one GEMM of each operand / output type the engine uses,
+// before the free memory is measured: the handle's workspace and the kernels cuBLAS loads on
+// first use (CUDA_MODULE_LOADING=EAGER aside) are then outside the cap, not inside the plan,
+// and no later GEMM loads a module while a host function's spinning wait holds a stream.
+// The handle is kept for the first stream (spare_resources_).
+void CudaDevice::warm_up_gemms() {
+  auto res = std::make_unique<StreamResources>();
+  STRATA_CUBLAS_CHECK(cublasCreate(&res->blas));
+  spare_resources_.push_back(std::move(res));
+  cublasHandle_t h = spare_resources_.back()->blas;
+  STRATA_CUBLAS_CHECK(cublasSetStream(h, nullptr));
+  constexpr int kN = 64;
+  void* buf = nullptr;
+  STRATA_CUDA_CHECK(cudaMalloc(&buf, 3 * kN * kN * sizeof(float)));
+  std::exception_ptr failure;
+  try {
+    STRATA_CUDA_CHECK(cudaMemset(buf, 0, 3 * kN * kN * sizeof(float)));
+    char* a = static_cast<char*>(buf);
+    char* b = a + kN * kN * sizeof(float);
+    char* c = b + kN * kN * sizeof(float);
+    const float one = 1.0f, zero = 0.0f;
+    const std::pair<cudaDataType_t, cudaDataType_t> types[] = {
+        {CUDA_R_32F, CUDA_R_32F}, {CUDA_R_16BF, CUDA_R_16BF}, {CUDA_R_16BF, CUDA_R_32F},
+        {CUDA_R_16F, CUDA_R_16F}, {CUDA_R_16F, CUDA_R_32F}};
+    for (const auto& [ab, ct] : types)
+      for (const cublasOperation_t op : {CUBLAS_OP_N, CUBLAS_OP_T})
+        STRATA_CUBLAS_CHECK(cublasGemmEx(h, op, CUBLAS_OP_N, kN, kN, kN, &one, a, ab, kN, b, ab, kN, &zero,
+                                         c, ct, kN, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (cudaFree(buf) != cudaSuccess) (void)cudaGetLastError();
+  if (failure) std::rethrow_exception(failure);
+}
+
 CudaDevice::~CudaDevice() {
   try {
     DeviceGuard guard(ordinal_);
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
     std::unique_lock<std::mutex> lock(mu_);
     adopt_deferred(UINT64_MAX);  // the device is idle (synchronized above) and its streams gone
+    for (Block* b : std::exchange(pending_, {})) to_pool(b);  // their events are complete
     if (!streams_.empty())
       log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
     if (stats_.bytes_in_use != 0)
       log::warn("{} destroyed while {} bytes of its buffers are alive; free buffers before their "
                 "device", name(), stats_.bytes_in_use);
-    release_cached(lock);
+    release_free_segments(lock);
     for (cudaEvent_t ev : event_pool_) (void)cudaEventDestroy(ev);
     event_pool_.clear();
     staging_.release();
@@ -534,13 +590,11 @@ void CudaDevice::add_stream(CudaStream* s) {
 void CudaDevice::remove_stream(std::uint64_t id) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   streams_.erase(id);
-  for (auto& [size, b] : cached_) {
-    if (b->stream_id != id) continue;
-    release_event(b->event);  // complete: the stream was synchronized
-    b->event = nullptr;
-    b->stream_id = 0;
-    b->stream = nullptr;
-  }
+  std::erase_if(pending_, [&](Block* b) {
+    if (b->stream_id != id) return false;
+    to_pool(b);  // its event is complete: the stream was synchronized
+    return true;
+  });
 }
 
 DeviceStats CudaDevice::stats() const {
@@ -615,130 +669,169 @@ void* CudaDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   auto* cs = static_cast<CudaStream*>(stream);
   const std::uint64_t sid = cs ? cs->id() : 0;
   std::unique_lock<std::mutex> lock(mu_);
-  if (bytes > capacity_ || bytes > SIZE_MAX - kLargeUnit) throw_oom(bytes, bytes);
+  if (bytes > capacity_ || bytes > SIZE_MAX - kSegmentUnit) throw_oom(bytes, bytes);
   const std::size_t size = round_block(bytes);
-  Block* b = take_cached(size, sid);
-  if (b == nullptr) b = malloc_block(size, bytes, lock);
+  Block* b = sid != 0 ? take_pending(size, sid) : nullptr;
+  if (b != nullptr) ++stats_.num_reused;
+  else b = place(size, bytes, lock);
   b->stream_id = sid;
   b->stream = cs ? cs->handle() : nullptr;
-  stats_.bytes_in_use += size;
+  stats_.bytes_in_use += b->size;
   stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
   ++stats_.num_allocs;
   *block = b;
   return b->ptr;
 }
 
-Block* CudaDevice::take_cached(std::size_t size, std::uint64_t stream_id) {
-  const auto [lo, hi] = cached_.equal_range(size);
-  auto take = [&](std::multimap<std::size_t, Block*>::iterator it) {
-    Block* b = it->second;
-    cached_.erase(it);
-    if (b->event) release_event(b->event);
-    b->event = nullptr;
-    return b;
-  };
-  // Same stream first: reusable at once, stream order protects the earlier work.
-  if (stream_id != 0) {
-    for (auto it = lo; it != hi; ++it)
-      if (it->second->stream_id == stream_id) return take(it);
+// Same stream: reusable at once, stream order protects the earlier work. Taken whole, so only a
+// close fit (at most an eighth larger): a large pending block would otherwise be held by a
+// small request until its stream frees that one.
+Block* CudaDevice::take_pending(std::size_t size, std::uint64_t stream_id) {
+  auto best = pending_.end();
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    const Block* b = *it;
+    if (b->stream_id != stream_id || b->size < size || b->size > size + size / 8) continue;
+    if (best == pending_.end() || b->size < (*best)->size) best = it;
   }
-  for (auto it = lo; it != hi; ++it) {
-    const Block* b = it->second;
-    if (b->event == nullptr || event_done(b->event)) return take(it);
-  }
-  return nullptr;
+  if (best == pending_.end()) return nullptr;
+  Block* b = *best;
+  pending_.erase(best);
+  release_event(b->event);
+  b->event = nullptr;
+  return b;
 }
 
-Block* CudaDevice::malloc_block(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock) {
+void CudaDevice::collect_pending() {
+  std::erase_if(pending_, [&](Block* b) {
+    if (!event_done(b->event)) return false;
+    to_pool(b);
+    return true;
+  });
+}
+
+void CudaDevice::to_pool(Block* b) {
+  if (b->event) release_event(b->event);
+  pool_.free(b->offset, b->size);
+  delete b;
+}
+
+void* CudaDevice::ptr_at(std::size_t offset) const {
+  const auto [base, bytes] = pool_.segment_of(offset);
+  return static_cast<char*>(segment_ptrs_.at(base)) + (offset - base);
+}
+
+Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock) {
   // In a host function nothing may wait for the GPU (it would wait for the held stream, i.e. for
-  // itself): what is cached stays cached and the request fails now, as on the emulated device.
+  // itself): what is free now serves it, or the request fails now, as on the emulated device.
   const char* in_host_fn =
-      "inside a stream's host function the allocator does not wait for the GPU to take back cached "
+      "inside a stream's host function the allocator does not wait for the GPU to take back freed "
       "blocks (the function holds its stream): allocate before queuing it";
-  if (stats_.bytes_reserved + size > capacity_) {
-    if (t_in_host_worker) throw_oom(requested, size, in_host_fn);
-    if (!cached_.empty() || !deferred_.empty()) ++stats_.num_alloc_waits;
-    release_cached(lock);
-    if (stats_.bytes_reserved + size > capacity_ && !deferred_.empty()) {
-      // Freed inside host functions: reusable once the device is idle (those deferred before the
-      // wait began; a host function may defer another meanwhile).
-      const std::uint64_t upto = deferrals_;
-      lock.unlock();
-      const cudaError_t err = cudaDeviceSynchronize();
-      lock.lock();
-      if (err != cudaSuccess) throw_cuda(err, "cudaDeviceSynchronize()", __FILE__, __LINE__);
-      adopt_deferred(upto);
-      release_cached(lock);
+  auto make = [&](std::size_t off) { return new Block{ptr_at(off), off, size, 0, nullptr, nullptr}; };
+  collect_pending();
+  std::size_t off = pool_.alloc(size);
+  if (off == detail::RangePool::kNone) off = place_new_segment(size);
+  if (off != detail::RangePool::kNone) return make(off);
+  if (t_in_host_worker) throw_oom(requested, size, in_host_fn);
+
+  // Short of room: wait for what the streams are still to free, then give back whole segments.
+  ++stats_.num_alloc_waits;
+  TraceScope span("alloc_wait", "engine", size);  // the calling thread stalls: show it
+  if (!pending_.empty()) {
+    std::vector<Block*> waiting = std::exchange(pending_, {});
+    lock.unlock();
+    std::exception_ptr failure;
+    for (Block* b : waiting) {
+      const cudaError_t err = cudaEventSynchronize(b->event);
+      if (err != cudaSuccess && !failure) {
+        try {
+          throw_cuda(err, "cudaEventSynchronize(b->event)", __FILE__, __LINE__);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }
     }
+    lock.lock();
+    if (failure) {
+      pending_.insert(pending_.end(), waiting.begin(), waiting.end());
+      std::rethrow_exception(failure);
+    }
+    for (Block* b : waiting) to_pool(b);
+    if ((off = pool_.alloc(size)) != detail::RangePool::kNone) return make(off);
   }
-  if (stats_.bytes_reserved + size > capacity_) throw_oom(requested, size);
+  // Freed inside host functions: poolable once the device is idle (those deferred before the
+  // wait began; a host function may defer another meanwhile).
+  if (!deferred_.empty()) {
+    const std::uint64_t upto = deferrals_;
+    lock.unlock();
+    const cudaError_t err = cudaDeviceSynchronize();
+    lock.lock();
+    if (err != cudaSuccess) throw_cuda(err, "cudaDeviceSynchronize()", __FILE__, __LINE__);
+    adopt_deferred(upto);
+    collect_pending();
+    if ((off = pool_.alloc(size)) != detail::RangePool::kNone) return make(off);
+  }
+  // Bytes another thread is returning to CUDA have left bytes_reserved before their cudaFree:
+  // wait for them rather than fail while they are on their way. Bounded: should a free wait on
+  // this thread (it never does in strata), the request fails as out of memory, not a hang.
+  released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0; });
+  release_free_segments(lock);
+  if ((off = pool_.alloc(size)) != detail::RangePool::kNone) return make(off);
+  if ((off = place_new_segment(size)) != detail::RangePool::kNone) return make(off);
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+  throw_oom(requested, size,
+            fmt::format("largest free range {} bytes in {} segments; the GPU has {} bytes free of {}",
+                        pool_.largest_free(), pool_.segments(), free_bytes, total_bytes));
+}
+
+std::size_t CudaDevice::place_new_segment(std::size_t size) {
+  if (stats_.bytes_reserved + size > capacity_) return detail::RangePool::kNone;
+  // 2 MiB multiples (small blocks share one), less when only that much of the cap is left.
+  const std::size_t seg = std::min((size + kSegmentUnit - 1) / kSegmentUnit * kSegmentUnit,
+                                   capacity_ - stats_.bytes_reserved);
   void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, size);
-  if (err == cudaErrorMemoryAllocation && !t_in_host_worker) {
-    (void)cudaGetLastError();
-    // Bytes another thread is returning to CUDA left bytes_reserved before their cudaFree: wait
-    // for them rather than fail while they are on their way.
-    // Bounded: should a block's event wait on this thread (it never does in strata), the request
-    // fails as out of memory rather than hangs.
-    released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0; });
-    release_cached(lock);
-    err = cudaMalloc(&p, size);
-  }
+  const cudaError_t err = cudaMalloc(&p, seg);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    std::size_t free_bytes = 0, total_bytes = 0;
-    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
-    throw_oom(requested, size,
-              fmt::format("cudaMalloc: out of memory; the GPU has {} bytes free of {}{}", free_bytes,
-                          total_bytes, t_in_host_worker ? fmt::format(" ({})", in_host_fn) : std::string()));
+    return detail::RangePool::kNone;
   }
-  if (err != cudaSuccess) throw_cuda(err, "cudaMalloc(&p, size)", __FILE__, __LINE__);
-  stats_.bytes_reserved += size;
-  return new Block{p, size, 0, nullptr, nullptr};
+  if (err != cudaSuccess) throw_cuda(err, "cudaMalloc(&p, seg)", __FILE__, __LINE__);
+  stats_.bytes_reserved += seg;
+  segment_ptrs_[pool_.add_segment(seg)] = p;
+  return pool_.alloc(size);
 }
 
-// Returns every cached block to CUDA. A block still pending on its stream is waited for
-// first: cudaFree would wait anyway, and its event must not be reused while pending. The waits
-// and frees run with the lock released: a host function freeing a buffer meanwhile (which needs
-// the lock) may be what one of those events waits for. The bytes leave bytes_reserved first, so
-// another allocation may be granted them while their cudaFree is on its way.
-void CudaDevice::release_cached(std::unique_lock<std::mutex>& lock) {
-  if (cached_.empty()) return;
-  std::vector<Block*> blocks;
-  for (auto& [size, b] : cached_) {
-    blocks.push_back(b);
-    stats_.bytes_reserved -= b->size;
+// The wholly free segments go back to CUDA. Their bytes leave bytes_reserved first, so another
+// allocation may be granted them while their cudaFree (a device-wide wait) is on its way, run
+// with the lock released: a host function freeing a buffer meanwhile needs it.
+void CudaDevice::release_free_segments(std::unique_lock<std::mutex>& lock) {
+  std::vector<void*> ptrs;
+  for (const auto& [base, bytes] : pool_.take_free_segments()) {
+    ptrs.push_back(segment_ptrs_.at(base));
+    segment_ptrs_.erase(base);
+    stats_.bytes_reserved -= bytes;
   }
-  cached_.clear();
-  releasing_ += blocks.size();
+  if (ptrs.empty()) return;
+  releasing_ += ptrs.size();
   lock.unlock();
-  std::vector<cudaEvent_t> done;
   std::exception_ptr failure;
-  for (Block* b : blocks) {
+  for (void* p : ptrs) {
     try {
-      if (b->event) {
-        STRATA_CUDA_CHECK(cudaEventSynchronize(b->event));
-        done.push_back(b->event);
-      }
-      STRATA_CUDA_CHECK(cudaFree(b->ptr));
+      STRATA_CUDA_CHECK(cudaFree(p));
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
-    delete b;
   }
   lock.lock();
-  releasing_ -= blocks.size();
+  releasing_ -= ptrs.size();
   released_cv_.notify_all();
-  for (cudaEvent_t ev : done) release_event(ev);
   if (failure) std::rethrow_exception(failure);
 }
 
 void CudaDevice::adopt_deferred(std::uint64_t upto) {
   std::erase_if(deferred_, [&](const std::pair<std::uint64_t, Block*>& d) {
     if (d.first >= upto) return false;
-    d.second->stream_id = 0;
-    d.second->stream = nullptr;
-    cached_.emplace(d.second->size, d.second);
+    to_pool(d.second);
     return true;
   });
 }
@@ -781,7 +874,7 @@ void CudaDevice::do_free(void* block) noexcept {
         throw_cuda(err, "cudaEventRecord(ev, b->stream)", __FILE__, __LINE__);
       }
       b->event = ev;
-      cached_.emplace(b->size, b);
+      pending_.push_back(b);
       return;
     }
     // No stream to order the free on: wait until no work can still use the block. Inside a host
@@ -793,9 +886,7 @@ void CudaDevice::do_free(void* block) noexcept {
     lock.unlock();
     STRATA_CUDA_CHECK(cudaDeviceSynchronize());
     lock.lock();
-    b->stream_id = 0;
-    b->stream = nullptr;
-    cached_.emplace(b->size, b);
+    to_pool(b);
   } catch (const std::exception& e) {
     log::error("{}: freeing a {}-byte block failed; it stays reserved and unused: {}", name(),
                b->size, e.what());
@@ -1121,7 +1212,7 @@ std::vector<ComponentVersion> component_versions() {
 #if defined(STRATA_HAVE_NCCL)
   int nccl = 0;
   if (ncclGetVersion(&nccl) == ncclSuccess) {
-    out.push_back({"nccl", comm::decode_nccl_version(nccl).str()});
+    out.push_back({"nccl", decode_nccl_version(nccl).str()});
   } else {
     out.push_back({"nccl", "unknown"});
   }
