@@ -24,7 +24,7 @@
 
 #include <gtest/gtest.h>
 
-#include "comm/nccl_version.h"
+#include "gpu/nccl_version.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -504,12 +504,12 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 // ncclGetVersion's code changed scheme at 2.9; the minimum must read as 2.10.0, and the old
 // scheme's codes (2.8.4 = 2804) must not pass for new ones.
 TEST(NcclVersion, DecodesBothSchemesAndTheMinimum) {
-  using strata::comm::decode_nccl_version;
+  using strata::gpu::decode_nccl_version;
   EXPECT_EQ(decode_nccl_version(2804).str(), "2.8.4");
   EXPECT_EQ(decode_nccl_version(20906).str(), "2.9.6");
   EXPECT_EQ(decode_nccl_version(22703).str(), "2.27.3");
-  EXPECT_EQ(decode_nccl_version(strata::comm::kMinNcclCode).str(), std::string(strata::comm::kMinNcclVersion) + ".0");
-  EXPECT_LT(2804, strata::comm::kMinNcclCode);
+  EXPECT_EQ(decode_nccl_version(strata::gpu::kMinNcclCode).str(), std::string(strata::gpu::kMinNcclVersion) + ".0");
+  EXPECT_LT(2804, strata::gpu::kMinNcclCode);
 }
 #endif
 

@@ -5,7 +5,11 @@
 // Owns: the ncclComm_t, a 256-byte device scratch (barrier's one-element all-reduce; also
 // how we learn the GPU ordinal of the Device, through cudaPointerGetAttributes), and a
 // watchdog. Bootstrap: rank 0 makes the unique id and MPI broadcasts it (one rank needs no
-// MPI at all).
+// MPI at all). The communicator is non-blocking (ncclCommInitRankConfig, blocking = 0): NCCL
+// finishes its bootstrap, and any call that returns ncclInProgress, in the background, and
+// settle() polls ncclCommGetAsyncError until it has, against the timeout, so a rank that died
+// before joining ends the job (ncclCommAbort, then abort_job, naming the call) instead of
+// hanging the others in ncclCommInitRank.
 // Invariants:
 //  - Collectives are ncclXxx calls on the stream's cudaStream_t (Stream::native_handle),
 //    made with this GPU current; coalesced calls are one ncclGroupStart/End.
@@ -18,13 +22,16 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "comm/comm_internal.h"
-#include "comm/nccl_version.h"
+#include "gpu/nccl_version.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_trace.h"
 #include "strata/error.h"
@@ -43,6 +50,32 @@
 
 namespace strata::comm {
 namespace {
+
+// Waits until a non-blocking communicator has finished the call that returned `rc` (settled
+// calls and failures return at once). Past `timeout_s` the communicator is aborted (so no
+// kernel waits on dead peers) and the job ends, naming `what`.
+void settle(ncclComm_t comm, ncclResult_t rc, const char* what, const char* file, int line, int rank,
+            int world_size, double timeout_s) {
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(1);
+  while (rc == ncclInProgress) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    rc = q != ncclSuccess ? q : state;
+    if (rc != ncclInProgress) break;
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timeout_s > 0 && waited > timeout_s) {
+      (void)ncclCommAbort(comm);
+      abort_job(Watchdog::timeout_message(what, rank, world_size, waited, timeout_s));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  if (rc != ncclSuccess)
+    detail::throw_error(ErrorKind::kNccl, file, line, what, "NCCL call failed",
+                        fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more", ncclGetErrorString(rc),
+                                    static_cast<int>(rc)));
+}
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
@@ -98,6 +131,9 @@ struct DoneEvent {
   cudaEvent_t ev = nullptr;
 };
 
+// A call on the communicator, settled (see settle()).
+#define STRATA_NCCL_SETTLE(expr) settle(comm_, (expr), #expr, __FILE__, __LINE__, rank(), world_size(), timeout_s())
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(Device& device, double timeout_s, int rank, int world_size, int ordinal, ncclComm_t comm,
@@ -128,7 +164,11 @@ class NcclCommunicator final : public Communicator {
       pending.swap(recent_);
     }
     for (auto& e : pending) (void)cudaEventSynchronize(e->ev);
-    (void)ncclCommFinalize(comm_);
+    try {
+      STRATA_NCCL_SETTLE(ncclCommFinalize(comm_));  // non-blocking: flushed in the background
+    } catch (const std::exception& e) {
+      log::warn("rank {}: {}", rank(), e.what());
+    }
     (void)ncclCommDestroy(comm_);
   }
 
@@ -137,7 +177,7 @@ class NcclCommunicator final : public Communicator {
   void enqueue_calls(const Collective& c, cudaStream_t s) {
     if (c.kind == Kind::kBarrier) {
       float* one = static_cast<float*>(scratch_.data());
-      STRATA_NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, s));
+      STRATA_NCCL_SETTLE(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, s));
     }
     for (std::size_t i = 0; i < c.inputs.size(); ++i) {
       const TensorRef& in = c.inputs[i];
@@ -145,17 +185,17 @@ class NcclCommunicator final : public Communicator {
       switch (c.kind) {
         case Kind::kBarrier: break;
         case Kind::kAllGather:
-          STRATA_NCCL_CHECK(ncclAllGather(in.mem.ptr, c.outputs[i].mem.ptr, in.numel, t, comm_, s));
+          STRATA_NCCL_SETTLE(ncclAllGather(in.mem.ptr, c.outputs[i].mem.ptr, in.numel, t, comm_, s));
           break;
         case Kind::kReduceScatter:
-          STRATA_NCCL_CHECK(ncclReduceScatter(in.mem.ptr, c.outputs[i].mem.ptr, c.outputs[i].numel, t,
+          STRATA_NCCL_SETTLE(ncclReduceScatter(in.mem.ptr, c.outputs[i].mem.ptr, c.outputs[i].numel, t,
                                               nccl_op(c.op), comm_, s));
           break;
         case Kind::kAllReduce:
-          STRATA_NCCL_CHECK(ncclAllReduce(in.mem.ptr, in.mem.ptr, in.numel, t, nccl_op(c.op), comm_, s));
+          STRATA_NCCL_SETTLE(ncclAllReduce(in.mem.ptr, in.mem.ptr, in.numel, t, nccl_op(c.op), comm_, s));
           break;
         case Kind::kBroadcast:
-          STRATA_NCCL_CHECK(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
+          STRATA_NCCL_SETTLE(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
           break;
       }
     }
@@ -176,7 +216,7 @@ class NcclCommunicator final : public Communicator {
         if (group) (void)ncclGroupEnd();  // never leave the group open behind an error
         throw;
       }
-      if (group) STRATA_NCCL_CHECK(ncclGroupEnd());
+      if (group) STRATA_NCCL_SETTLE(ncclGroupEnd());
     }
     auto done = std::make_shared<DoneEvent>(ordinal_);
     STRATA_CUDA_CHECK(cudaEventRecord(done->ev, s));
@@ -221,6 +261,7 @@ class NcclCommunicator final : public Communicator {
 std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double timeout_s) {
   int code = 0;
   STRATA_NCCL_CHECK(ncclGetVersion(&code));
+  using gpu::decode_nccl_version, gpu::kMinNcclCode, gpu::kMinNcclVersion;
   if (code < kMinNcclCode)
     STRATA_THROW(kUnsupported,
                  "NCCL {} was loaded, and strata needs NCCL >= {} (bf16 and average reductions); install a "
@@ -248,13 +289,15 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   if (li.world_size > 1) mpi_broadcast_bytes(&id, sizeof id);
   ncclComm_t comm = nullptr;
   {
-    // ncclCommInitRank waits for every rank without a timeout: a rank that died before joining
-    // would hang the rest. The collectives' watchdog ends the job instead, saying which call waited.
-    Watchdog bootstrap(li.rank, li.world_size, timeout_s, [](const std::string& msg) { abort_job(msg); });
-    const std::uint64_t waiting = bootstrap.begin("ncclCommInitRank (NCCL's bootstrap, which every rank joins)");
+    // Every rank joins NCCL's bootstrap: non-blocking, so a rank that died before joining ends
+    // the job after the timeout (settle) instead of hanging the rest.
     GpuGuard guard(ordinal);
-    STRATA_NCCL_CHECK(ncclCommInitRank(&comm, li.world_size, id, li.rank));
-    bootstrap.end(waiting);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t rc = ncclCommInitRankConfig(&comm, li.world_size, id, li.rank, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
+    settle(comm, rc, "ncclCommInitRankConfig (NCCL's bootstrap, which every rank joins)", __FILE__, __LINE__,
+           li.rank, li.world_size, timeout_s);
   }
   if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
   log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,

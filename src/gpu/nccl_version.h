@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-namespace strata::comm {
+namespace strata::gpu {
 
 struct NcclVersion {
   int major = 0, minor = 0, patch = 0;
@@ -25,4 +25,4 @@ inline NcclVersion decode_nccl_version(int code) {
 inline constexpr int kMinNcclCode = 21000;
 inline constexpr const char* kMinNcclVersion = "2.10";
 
-}  // namespace strata::comm
+}  // namespace strata::gpu
