@@ -67,7 +67,7 @@ cat >"$work/ds.json" <<EOF
    "sub_group_size": 1e7, "reduce_bucket_size": 1e7, "stage3_param_persistence_threshold": 0,
    "stage3_max_live_parameters": 2e8, "stage3_prefetch_bucket_size": 1e8}}
 EOF
-head -c 400000 README.md >"$work/text.txt"  # some text: 16-token sequences of it
+cat README.md docs/*.md | head -c 400000 >"$work/text.txt"  # some text: 16-token sequences of it
 
 echo "== the drive (fio on $nvme)"
 fio_rate() {  # fio_rate write|read|rw [rwmixread] -> bytes/s (read and write together for rw)

@@ -4,7 +4,7 @@
 # network. Everything the node lacks travels as one archive, made here:
 #
 #   scripts/gpu-first-run.sh prepare [BUILD]   here, after a build with CUDA (default build/):
-#       installs the relocatable package (README "Package": strata's tools and libraries and
+#       installs the relocatable package (docs/build.md, "Package": strata's tools and libraries and
 #       every library they load that a minimal Debian root lacks), adds the gpu test binaries
 #       with their RUNPATH pointed at the package's lib/, and packs both into
 #       .gpu-carry/strata.tar.xz (.gpu-carry/ is ignored by git; a few tens of MiB).

@@ -261,8 +261,8 @@ std::size_t physical_runs_in(const char* pagemap, std::uintptr_t addr, std::size
 }
 // How many runs of physically consecutive, ascending 4 KiB pages make up [p, p + bytes): the
 // scatter list a request from this memory becomes (a virtio disk takes each run as one
-// segment, and with 4 KiB pages its reads slow down as the runs grow: see README, "The NVMe
-// tier"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
+// segment, and with 4 KiB pages its reads slow down as the runs grow: see docs/nvme.md, "4 KiB pages:
+// where they lie physically"). Frame numbers come from /proc/self/pagemap, which shows them only to CAP_SYS_ADMIN:
 // 0 without it (or where a page is not present).
 std::size_t physical_runs(const void* p, std::size_t bytes) {
   return physical_runs_in("/proc/self/pagemap", reinterpret_cast<std::uintptr_t>(p), bytes);

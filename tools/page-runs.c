@@ -4,7 +4,7 @@
 // them: a long-term pin, allocated outside the kernel's movable page lists). Prints the number
 // of physically contiguous runs in the buffer's 8,192 pages (a virtio disk takes one segment per
 // run; fewer runs, faster O_DIRECT reads). Root only (/proc/self/pagemap hides frame numbers
-// from others). Tooling, not part of strata; README "The NVMe tier" has the command.
+// from others). Tooling, not part of strata; docs/nvme.md has the command.
 //
 //   cc -O2 tools/page-runs.c -o /tmp/page-runs -luring && /tmp/page-runs register
 #define _GNU_SOURCE

@@ -5,7 +5,7 @@
 // params, m, v and (optionally) the bf16/fp16 compute copy. The instruction set is chosen at
 // run time from cpuid (AVX-512, AVX2 + FMA + F16C, scalar), never from the build machine;
 // every path performs the same IEEE fp32 operations in the same order, so all paths (and
-// the CUDA kernel) produce identical bits. The exact order is in README "CPU AdamW".
+// the CUDA kernel) produce identical bits. The exact order is in docs/adamw.md, "Semantics".
 #pragma once
 
 #include <cstddef>

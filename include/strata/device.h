@@ -127,7 +127,7 @@ inline TensorRef host_tensor(const void* ptr, DType dtype, std::size_t numel) {
   return TensorRef{host_ref(ptr, numel * dtype_size(dtype)), dtype, numel};
 }
 
-// Hyper-parameters of one AdamW step (torch.optim.AdamW semantics; see README "CPU AdamW").
+// Hyper-parameters of one AdamW step (torch.optim.AdamW semantics; see docs/adamw.md, "Semantics").
 struct AdamWOptions {
   float lr = 1e-3f;            // >= 0, finite; the rate of this step (schedules set it per step)
   float beta1 = 0.9f;          // in [0, 1)

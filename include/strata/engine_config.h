@@ -60,7 +60,7 @@ struct EngineConfig {
   // precision
   DType compute_dtype = DType::kF32;  // bf16.enabled -> kBF16, fp16.enabled -> kF16
   LossScaleConfig fp16;
-  // optimizer ("Adam" and "AdamW" both run AdamW; see README for "Adam" + weight_decay)
+  // optimizer ("Adam" and "AdamW" both run AdamW; see docs/configuration.md for "Adam" + weight_decay)
   std::string optimizer_type = "AdamW";
   AdamWOptions adamw;  // lr, betas, eps, weight_decay
   LrScheduleConfig scheduler;

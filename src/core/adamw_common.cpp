@@ -2,7 +2,7 @@
 // engine and Stream::adamw reject bad input with the same messages) and the per-step fp32
 // scalars. The scalars are computed here once, in double, and rounded once; the CPU paths
 // and the CUDA kernel receive these exact floats, which is half of why they agree bit for bit
-// (the other half: the same fp32 operations in the same order, README "CPU AdamW").
+// (the other half: the same fp32 operations in the same order, docs/adamw.md, "Semantics").
 #include <cmath>
 #include <string>
 

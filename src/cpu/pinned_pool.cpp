@@ -101,8 +101,8 @@ std::size_t anon_huge_bytes_at(const void* addr) {
 // io_uring buffer registration, dropped at once (the pages stay, mapped). Such pins allocate
 // outside the movable page lists (memalloc_pin_save), from pageblocks that hand out 4 KiB
 // pages physically in a row more often than the movable lists a touch or mlock draws from,
-// and a disk's scatter list is one segment per physically contiguous run (README, "The NVMe
-// tier": the benchmark's 32 MiB buffers came out at 584-6,341 runs in 8,192 pages against
+// and a disk's scatter list is one segment per physically contiguous run (docs/nvme.md, "4 KiB pages:
+// where they lie physically": the benchmark's 32 MiB buffers came out at 584-6,341 runs in 8,192 pages against
 // 2,363-8,189). False where io_uring is refused (old kernel, seccomp, io_uring_disabled,
 // RLIMIT_MEMLOCK): the caller faults the pages in the ordinary way.
 bool fault_in_as_pinned(void* addr, std::size_t bytes) {

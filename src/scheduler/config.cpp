@@ -20,7 +20,7 @@
 //   - With neither train_batch_size nor train_micro_batch_size_per_gpu given, the DS_CONFIG.md
 //     defaults (micro batch 1, grad accumulation 1) apply where DeepSpeed would refuse.
 //
-// strata's own keys (DeepSpeed ignores them; strata documents them in README "Configuration"):
+// strata's own keys (DeepSpeed ignores them; strata documents them in docs/configuration.md):
 //   zero_optimization.offload_grads       "none" | "cpu" | "nvme": where the fp32 gradient shard
 //                                          lives. Default "cpu" when offload_optimizer.device
 //                                          is cpu or nvme (the optimizer runs on the host and
