@@ -238,6 +238,55 @@ TEST_F(Collectives, Broadcast) {
     }
 }
 
+// gather: the root alone receives every rank's block, out of place and in place; the others pass
+// no output; an output on a non-root rank, or none on the root, is refused before queueing.
+TEST_F(Collectives, GatherToOneRoot) {
+  for (DType t : kDtypes)
+    for (std::size_t n : kSizes) {
+      const std::uint64_t seed = 450 + n + std::size_t(t);
+      const int root = W - 1;
+      Buffer in = upload(t, values(t, seed, R, n));
+      Buffer out = R == root ? dev->alloc(n * W * dtype_size(t)) : Buffer();
+      comm->gather(tensor(in, t, n), R == root ? tensor(out, t, n * W) : TensorRef{}, root, *s).synchronize();
+      if (R != root) continue;
+      std::vector<float> expect;
+      for (int r = 0; r < W; ++r) {
+        const auto v = values(t, seed, r, n);
+        expect.insert(expect.end(), v.begin(), v.end());
+      }
+      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
+    }
+  // In place on rank 0: its input is block 0 of the output.
+  const DType t = DType::kF32;
+  const std::size_t n = 1001;
+  const std::uint64_t seed = 470;
+  std::vector<float> init(R == 0 ? n * W : n, 0.0f);
+  const auto mine = values(t, seed, R, n);
+  std::copy(mine.begin(), mine.end(), init.begin());
+  Buffer buf = upload(t, init);
+  comm->gather(tensor(buf, t, n), R == 0 ? tensor(buf, t, n * W) : TensorRef{}, 0, *s).synchronize();
+  if (R == 0) {
+    std::vector<float> expect;
+    for (int r = 0; r < W; ++r) {
+      const auto v = values(t, seed, r, n);
+      expect.insert(expect.end(), v.begin(), v.end());
+    }
+    EXPECT_EQ(first_diff(download(buf, n * W * 4), encode(t, expect), 4), -1) << "in place";
+  }
+  Buffer a = dev->alloc(64 * 4), b = dev->alloc(64 * 4 * std::size_t(W));
+  const ErrorKind wrong_side = [&] {
+    try {
+      // The root without an output, every other rank with one: each is refused on its own rank.
+      comm->gather(tensor(a, t, 64), R == 0 ? TensorRef{} : tensor(b, t, 64 * std::size_t(W)), 0, *s);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("only the root (rank 0) passes one"), std::string::npos) << e.what();
+      return e.kind();
+    }
+    return ErrorKind::kInternal;
+  }();
+  EXPECT_EQ(wrong_side, ErrorKind::kInvalidArgument);
+}
+
 TEST_F(Collectives, BarrierWaitsForTheLastRank) {
   // Rank 0 arrives 300 ms late; nobody may leave the barrier before it arrived.
   // (A lower bound only: a correctness property, not a speed claim.)

@@ -104,6 +104,10 @@ class Communicator {
   Event all_reduce(TensorRef data, ReduceOp op, Stream& stream);
   // In place: every rank's `data` ends up holding rank `root`'s.
   Event broadcast(TensorRef data, int root, Stream& stream);
+  // Rank `root`'s `output` (world_size x input elements: block r is rank r's input; the in-place
+  // layout has root's input as its block) receives every rank's `input`. The other ranks pass
+  // no output (a default TensorRef) and need memory for their input only.
+  Event gather(TensorRef input, TensorRef output, int root, Stream& stream);
   Event barrier(Stream& stream);
 
   // Several tensors in one call (one NCCL group, one MPI wait): the same results as the
@@ -115,14 +119,14 @@ class Communicator {
   Event all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op, Stream& stream);
 
   // One queued call, as the wrapper hands it to a backend (validated).
-  enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+  enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kGather };
   struct Collective {
     Kind kind = Kind::kBarrier;
     ReduceOp op = ReduceOp::kSum;
     int root = 0;
     bool coalesced = false;
     std::vector<TensorRef> inputs;   // all_reduce / broadcast: the data (in place)
-    std::vector<TensorRef> outputs;  // all_gather / reduce_scatter only
+    std::vector<TensorRef> outputs;  // all_gather / reduce_scatter, gather on its root only
     // "all_reduce(sum, fp32, 1000 elements)": for logs and error messages.
     std::string describe() const;
     // "all_gather", "reduce_scatter", ...: the name of its trace span (a static string).

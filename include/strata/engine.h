@@ -186,6 +186,9 @@ class Engine {
   // (collective), unpadded. For checks and for saving.
   std::vector<float> master_shard(int unit);
   std::vector<float> gather_master(int unit);
+  // The full unit on rank `root` alone (collective; empty on the other ranks, which hold only
+  // their shard meanwhile): what a save needs, without every rank holding the unit.
+  std::vector<float> gather_master_to(int unit, int root);
 
   // Checkpoints (between steps; every rank calls them with the same folder):
   // save_state writes this rank's master, m and v shard of every unit (fp32, streamed one

@@ -50,6 +50,7 @@ const char* kind_name(Communicator::Kind k) {
     case Communicator::Kind::kAllReduce: return "all_reduce";
     case Communicator::Kind::kBroadcast: return "broadcast";
     case Communicator::Kind::kBarrier: return "barrier";
+    case Communicator::Kind::kGather: return "gather";
   }
   return "?";
 }
@@ -69,7 +70,7 @@ std::string Communicator::Collective::describe() const {
   if (coalesced) s += "_coalesced";
   s += "(";
   if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) s += fmt::format("{}, ", reduce_op_name(op));
-  if (kind == Kind::kBroadcast) s += fmt::format("root {}, ", root);
+  if (kind == Kind::kBroadcast || kind == Kind::kGather) s += fmt::format("root {}, ", root);
   if (kind == Kind::kBarrier) return s + ")";
   if (inputs.size() == 1) {
     s += fmt::format("{}, {} elements)", dtype_name(inputs[0].dtype), inputs[0].numel);
@@ -153,7 +154,7 @@ void Communicator::check_same_call(const Collective& c, Stream& stream) {
     const auto kind = Kind(int(f[1]));
     std::string d = fmt::format("rank {}: call #{} {}(", r, std::uint64_t(f[0]), kind_name(kind));
     if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) d += fmt::format("{}, ", reduce_op_name(ReduceOp(int(f[2]))));
-    if (kind == Kind::kBroadcast) d += fmt::format("root {}, ", int(f[3]));
+    if (kind == Kind::kBroadcast || kind == Kind::kGather) d += fmt::format("root {}, ", int(f[3]));
     if (f[4] > 0) d += fmt::format("{} tensor(s), {}, {} elements", int(f[4]), dtype_name(DType(int(f[5]))), std::uint64_t(f[6]));
     if (same_but_layout)
       d += fmt::format(", layout {:08x}{:08x}", std::uint64_t(f[7]), std::uint64_t(f[8]));
@@ -181,7 +182,7 @@ Event Communicator::submit(Collective c, Stream& stream) {
                    what, i, dtype_name(in.dtype), dtype_name(out.dtype));
     const std::size_t es = dtype_size(in.dtype);
     // The NCCL in-place layouts: the small side is block `rank` of the large one.
-    if (c.kind == Kind::kAllGather) {
+    if (c.kind == Kind::kAllGather || c.kind == Kind::kGather) {
       STRATA_REQUIRE(out.numel == in.numel * n,
                      "{}: tensor {}: output has {} elements, needs world_size ({}) x input ({}) = {}", what,
                      i, out.numel, n, in.numel, in.numel * n);
@@ -242,6 +243,19 @@ Event Communicator::broadcast(TensorRef data, int root, Stream& stream) {
   STRATA_REQUIRE(root >= 0 && root < world_size_, "broadcast: root {} is not a rank of this {}-rank job",
                  root, world_size_);
   return submit(Collective{Kind::kBroadcast, ReduceOp::kSum, root, false, {data}, {}}, stream);
+}
+
+Event Communicator::gather(TensorRef input, TensorRef output, int root, Stream& stream) {
+  STRATA_REQUIRE(root >= 0 && root < world_size_, "gather: root {} is not a rank of this {}-rank job", root,
+                 world_size_);
+  const bool has_output = output.numel != 0 || output.mem.ptr != nullptr;
+  STRATA_REQUIRE(has_output == (rank_ == root),
+                 "gather: rank {} {} an output, and only the root (rank {}) passes one; the others pass "
+                 "TensorRef{{}}",
+                 rank_, has_output ? "passed" : "did not pass", root);
+  std::vector<TensorRef> outputs;
+  if (has_output) outputs.push_back(output);
+  return submit(Collective{Kind::kGather, ReduceOp::kSum, root, false, {input}, std::move(outputs)}, stream);
 }
 
 Event Communicator::barrier(Stream& stream) {

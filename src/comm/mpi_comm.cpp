@@ -202,6 +202,14 @@ class MpiCommunicator final : public Communicator {
         case Kind::kBroadcast:
           check(MPI_Ibcast(in.mem.ptr, n, mpi_type(t), c.root, comm_, req), "MPI_Ibcast");
           break;
+        case Kind::kGather: {
+          void* out = c.outputs.empty() ? nullptr : c.outputs[i].mem.ptr;
+          const bool in_place = out && in.mem.ptr == static_cast<char*>(out) + rank() * in.numel * dtype_size(t);
+          check(MPI_Igather(in_place ? MPI_IN_PLACE : in.mem.ptr, n, mpi_type(t), out, n, mpi_type(t), c.root,
+                            comm_, req),
+                "MPI_Igather");
+          break;
+        }
         case Kind::kAllGather: {
           const TensorRef& out = c.outputs[i];
           const bool in_place = in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank() * in.numel * dtype_size(t);

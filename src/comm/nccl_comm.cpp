@@ -197,6 +197,28 @@ class NcclCommunicator final : public Communicator {
         case Kind::kBroadcast:
           STRATA_NCCL_SETTLE(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
           break;
+        case Kind::kGather: {
+          // Point to point in one group: the root receives block r from rank r and copies its own.
+          const std::size_t bytes = in.numel * dtype_size(in.dtype);
+          char* out = c.outputs.empty() ? nullptr : static_cast<char*>(c.outputs[i].mem.ptr);
+          STRATA_NCCL_CHECK(ncclGroupStart());
+          try {
+            if (out) {
+              for (int r = 0; r < world_size(); ++r)
+                if (r != rank()) STRATA_NCCL_CHECK(ncclRecv(out + std::size_t(r) * bytes, in.numel, t, r, comm_, s));
+            } else {
+              STRATA_NCCL_CHECK(ncclSend(in.mem.ptr, in.numel, t, c.root, comm_, s));
+            }
+          } catch (...) {
+            (void)ncclGroupEnd();
+            throw;
+          }
+          STRATA_NCCL_SETTLE(ncclGroupEnd());
+          char* mine = out ? out + std::size_t(rank()) * bytes : nullptr;
+          if (mine && mine != in.mem.ptr)
+            STRATA_CUDA_CHECK(cudaMemcpyAsync(mine, in.mem.ptr, bytes, cudaMemcpyDeviceToDevice, s));
+          break;
+        }
       }
     }
   }

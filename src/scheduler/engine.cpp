@@ -1984,6 +1984,28 @@ std::vector<float> Engine::gather_master(int unit) {
   return full;
 }
 
+std::vector<float> Engine::gather_master_to(int unit, int root) {
+  Impl& s = *impl_;
+  Unit& u = s.unit_at(unit, "Engine::gather_master_to");
+  STRATA_REQUIRE(root >= 0 && root < s.world, "Engine::gather_master_to: root {} is not a rank of this {}-rank job",
+                 root, s.world);
+  if (s.world == 1) return gather_master(unit);
+  std::vector<float> shard = master_shard(unit);
+  const bool am_root = s.rank == root;
+  Buffer b = s.alloc((am_root ? u.padded : u.shard) * 4, s.opt_s.get());
+  const TensorRef block = Impl::view(b, DType::kF32, u.shard, am_root ? std::size_t(s.rank) * u.shard : 0);
+  s.opt_s->copy(block.mem, host_ref(shard.data(), u.shard * 4));
+  s.comm.gather(block, am_root ? Impl::view(b, DType::kF32, u.padded) : TensorRef{}, root, *s.opt_s);
+  std::vector<float> full;
+  if (am_root) {
+    full.resize(u.padded);
+    s.opt_s->copy(host_ref(full.data(), u.padded * 4), b.ref());
+  }
+  s.opt_s->synchronize();
+  if (am_root) full.resize(u.numel);
+  return full;
+}
+
 // ---- checkpoints ----
 // dir/rank<R>.bin: for every unit in order, this rank's master | m | v shard (3 * shard fp32
 // values, padding included), streamed one unit at a time from whichever tier holds it.

@@ -114,7 +114,8 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, co
   std::unique_ptr<HfWeightsWriter> out;
   if (rank == 0) out = std::make_unique<HfWeightsWriter>(dir, cfg, dtype, max_shard_bytes);
   for (std::size_t i = 0; i < units.size(); ++i) {
-    const std::vector<float> flat = engine.gather_master(int(i));  // collective: every rank, one unit at a time
+    // Collective: every rank, one unit at a time, gathered on rank 0 alone.
+    const std::vector<float> flat = engine.gather_master_to(int(i), 0);
     if (!out) continue;
     STRATA_REQUIRE(flat.size() == units[i].numel, "save: unit '{}' gathered {} of {} elements", units[i].name,
                    flat.size(), units[i].numel);
