@@ -508,7 +508,7 @@ TEST(BenchCli, GpuPartsAreCheckedBeforeTheGpuIsLookedFor) {
   TempDir d("strata-bench");
   const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link,gemmm", "--json"}, d.path, "gpu");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--parts: 'gemmm' is not one of link, gemm, adamw, model, parity"),
+  EXPECT_NE(first_line(r.err).find("--parts: 'gemmm' is not one of link, gemm, adamw, kernels, model, parity"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;

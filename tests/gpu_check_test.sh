@@ -27,7 +27,7 @@ trap 'rm -rf "$out"' EXIT
   { cat "$out/stdout"; fail "gpu-check.sh exited non-zero without a GPU"; }
 cat "$out/stdout"
 grep -q "^strata gpu-check: SKIPPED: ${probe#SKIPPED: }" "$out/stdout" || fail "no SKIPPED verdict with the reason"
-for part in "gpu tests" link gemm adamw model parity prof; do
+for part in "gpu tests" link gemm adamw kernels model parity prof; do
   grep -qE "^  $part +SKIPPED" "$out/stdout" || fail "part '$part' not reported SKIPPED"
 done
 
@@ -36,7 +36,7 @@ typo=0
 "$src/tools/gpu-check.sh" --build "$build" --out "$out/typo" --no-ctest --bench-args "--parts link,gemmm" \
   >"$out/typo.stdout" 2>"$out/typo.stderr" || typo=$?
 [ "$typo" = 2 ] || { cat "$out/typo.stdout" "$out/typo.stderr"; fail "--bench-args with a typo: exit $typo, not 2"; }
-grep -q "'gemmm' is not one of link, gemm, adamw, model, parity" "$out/typo.stderr" ||
+grep -q "'gemmm' is not one of link, gemm, adamw, kernels, model, parity" "$out/typo.stderr" ||
   { cat "$out/typo.stderr"; fail "--bench-args with a typo: the bad part is not named"; }
 [ ! -e "$out/typo/gpu-tests.log" ] || fail "--bench-args with a typo: the tests ran first"
 # ... and so is a value the model part would refuse (it passed until the GPU run).
@@ -80,7 +80,7 @@ need(t["runner"] == "gtest" and t["total"] > 0 and t["skipped"] == t["total"] an
 need(t["status"] == "SKIPPED", "tests status")
 b = j["bench"]
 need(b["skipped"] is True and b["reason"] == reason and b["command"] == "gpu", "bench")
-need(b["parts"] == {p: "skipped" for p in ["link", "gemm", "adamw", "model", "parity"]}, "bench parts")
+need(b["parts"] == {p: "skipped" for p in ["link", "gemm", "adamw", "kernels", "model", "parity"]}, "bench parts")
 need([s["name"] for s in j["steps"]] == ["gpu-info", "gpu-tests", "bench"], "steps")  # no prof without a GPU
 need(j["prof"] is None, "prof")
 need(all(s["exit"] == 0 for s in j["steps"]), "step exits")
@@ -112,7 +112,12 @@ p = c["prof"]
 need(isinstance(p, dict) and len(p["candidates"]) >= 2 and "measured_step_s" in p["candidates"][0], "prof", p)
 j = c["bench"]
 need(j["ok"] is True and j["rehearsal"] is True and j["skipped"] is False, "bench verdict", j)
-need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "model", "parity"]}, "parts", j)
+need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "kernels", "model", "parity"]}, "parts", j)
+k = j["kernels"]
+ops = ["attention_forward", "attention_backward", "rmsnorm_backward", "layernorm_backward", "bias_backward",
+       "embedding_backward"]
+need(k["ok"] is True and all(k[op + "_tiled_repeatable"] is True and k[op + "_simple_ms"] > 0
+                             and k[op + "_tiled_ms"] > 0 for op in ops), "kernels", j)
 l = j["link"]
 need(all(l[k] > 0 for k in ["h2d_gbps", "d2h_gbps", "peak_h2d_gbps", "peak_d2h_gbps"]) and len(l["chunks"]) == 2, "link", j)
 need(j["gemm"]["peak_tflops"] > 0 and j["adamw"]["adamw_gbps"] > 0 and j["adamw"]["d2d_copy_gbps"] > 0, "gemm, adamw", j)

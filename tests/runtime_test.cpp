@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -13,7 +15,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cpu/cpu_info.h"
+#include "gpu/cuda_module.h"
 #include "gpu/gpu_info.h"
+#include "gpu/model_kernels.h"
 #include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/device.h"
@@ -200,6 +204,57 @@ nlohmann::json info_host(const std::vector<std::pair<std::string, std::string>>&
   const std::string& out = got.out;
   const auto start = out.rfind("\n{");
   return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1))["host"];
+}
+
+// The CUDA model kernels' variant (gpu/model_kernels.h) in a fresh process: exit 1 for the simple
+// kernels, 2 for the tiled; 3 when the table's first use throws and its second throws too,
+// with the message on stderr.
+[[noreturn]] void exit_with_first_kernel_variant() {
+  try {
+    std::exit(gpu::model::kernels().kernel_variant() == gpu::model::KernelVariant::kTiled ? 2 : 1);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s\n", e.message().c_str());
+    try {
+      (void)gpu::model::kernels();
+    } catch (const Error&) {
+      std::exit(3);
+    }
+    std::exit(4);
+  }
+}
+
+// The CUDA model kernels default to the simple variant, set_kernel_variant switches them, and
+// STRATA_GPU_KERNELS, read when the table is first used, picks one or is refused naming itself
+// and its values. Host state only: this runs wherever the CUDA module loads, GPU or not.
+TEST(Runtime, GpuKernelVariantSwitchAndStrataGpuKernels) {
+  if (gpu::cuda_module() == nullptr)
+    GTEST_SKIP() << "the CUDA module does not load here: " << gpu::cuda_unavailable_reason();
+  const char* user = std::getenv("STRATA_GPU_KERNELS");
+  const std::string saved = user ? user : "";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process each: the variable is read once
+  struct Case {
+    const char* value;  // nullptr: unset
+    int exit_code;
+    const char* stderr_regex;
+  };
+  for (const Case& c : {Case{nullptr, 1, ""}, Case{"", 1, ""}, Case{"simple", 1, ""}, Case{"tiled", 2, ""},
+                        Case{"Tiled", 3, "STRATA_GPU_KERNELS='Tiled' is not one of simple .*, tiled "}}) {
+    SCOPED_TRACE(c.value ? c.value : "(unset)");
+    if (c.value)
+      setenv("STRATA_GPU_KERNELS", c.value, 1);
+    else
+      unsetenv("STRATA_GPU_KERNELS");
+    EXPECT_EXIT(exit_with_first_kernel_variant(), ::testing::ExitedWithCode(c.exit_code), c.stderr_regex);
+  }
+  unsetenv("STRATA_GPU_KERNELS");
+  const gpu::model::Kernels& k = gpu::model::kernels();
+  const auto before = k.kernel_variant();
+  k.set_kernel_variant(gpu::model::KernelVariant::kTiled);
+  EXPECT_EQ(k.kernel_variant(), gpu::model::KernelVariant::kTiled);
+  k.set_kernel_variant(gpu::model::KernelVariant::kSimple);
+  EXPECT_EQ(k.kernel_variant(), gpu::model::KernelVariant::kSimple);
+  k.set_kernel_variant(before);
+  if (user) setenv("STRATA_GPU_KERNELS", saved.c_str(), 1);
 }
 
 // STRATA_CPU_ISA caps every CPU dispatcher at once, as strata-info reports them: AdamW, the model's

@@ -7,6 +7,12 @@
 //           at the GEMM shapes of an 8B Llama layer with 8192 tokens
 //   adamw   Stream::adamw GB/s (fp32 params/grads/m/v, bf16 copy-out: 30 bytes per parameter)
 //           against a device-to-device copy that moves as many bytes
+//   kernels the model kernels with two variants (simple, the reference; tiled: tensor-core
+//           attention, parallel column reductions; src/gpu/model_kernels.cu) on the same inputs,
+//           at an 8B Llama layer's shapes: the largest difference between them against a
+//           tolerance (bf16 for attention, fp32 summation order for the reductions, none for the
+//           embedding's, which is bit-equal by construction), whether the tiled results repeat bit
+//           for bit, and each variant's GPU time (CUDA events) with the ratio simple / tiled
 //   model   strata::train on the GPU, bf16, ZeRO-3 with parameters and optimizer state on the
 //           host and, separately, on NVMe: tokens/s, model FLOPs utilisation (against the best
 //           cuBLAS rate of the gemm part) and the GPU's idle share of a traced step (the union
@@ -26,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -33,6 +40,7 @@
 #include "tool_main.h"
 #include "gpu/cuda_module.h"
 #include "gpu/gpu_info.h"
+#include "model/ops.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/pinned_pool.h"
@@ -46,7 +54,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 struct Args {
-  std::string parts = "link,gemm,adamw,model,parity";
+  std::string parts = "link,gemm,adamw,kernels,model,parity";
   std::string out;        // configs, logs and traces of the model runs
   std::string nvme_path;  // the NVMe placement's swap folder
   double link_gib = 1.0;
@@ -63,7 +71,13 @@ struct Args {
   std::string train_device() const { return rehearse ? "cpu" : "cuda"; }
 };
 
-const char* const kParts[] = {"link", "gemm", "adamw", "model", "parity"};
+const char* const kParts[] = {"link", "gemm", "adamw", "kernels", "model", "parity"};
+
+std::string part_names(const char* sep) {
+  std::string names;
+  for (const char* p : kParts) names += (names.empty() ? "" : sep) + std::string(p);
+  return names;
+}
 
 // --parts as a list, each name checked: before the GPU is probed, so a typo is an error on a
 // machine without one too (not SKIPPED, exit 0).
@@ -72,14 +86,14 @@ std::vector<std::string> parse_parts(const std::string& text) {
   std::stringstream ss(text);
   for (std::string p; std::getline(ss, p, ',');) {
     STRATA_REQUIRE(std::find(std::begin(kParts), std::end(kParts), p) != std::end(kParts),
-                   "--parts: '{}' is not one of link, gemm, adamw, model, parity", p);
+                   "--parts: '{}' is not one of {}", p, part_names(", "));
     parts.push_back(p);
   }
-  STRATA_REQUIRE(!parts.empty(), "--parts is empty: name one or more of link, gemm, adamw, model, parity");
+  STRATA_REQUIRE(!parts.empty(), "--parts is empty: name one or more of {}", part_names(", "));
   return parts;
 }
 
-constexpr double kParityTolerance = 3e-2;  // README "The model": CUDA vs CPU, bf16
+constexpr double kParityTolerance = 3e-2;  // docs/model.md, "Tolerances": CUDA vs CPU, bf16
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -268,6 +282,214 @@ json bench_adamw(Device& dev, Stream& s, const Args& a, std::vector<std::string>
           {"params_per_s", double(per * shards) / adamw_s},
           {"d2d_copy_gbps", copy_gbps},
           {"ratio_vs_copy", adamw_gbps / copy_gbps}};
+}
+
+// The kernels part's inputs: uniform in [lo, hi) from a fixed seed (xorshift: the attention
+// inputs are 50M values).
+std::vector<float> uniform(std::size_t n, std::uint64_t seed, float lo, float hi) {
+  std::vector<float> v(n);
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull | 1;
+  for (auto& e : v) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    e = lo + (hi - lo) * float(x >> 40) * 0x1p-24f;
+  }
+  return v;
+}
+
+Buffer upload(Device& dev, Stream& s, const void* host, std::size_t bytes) {
+  Buffer b = dev.alloc(bytes, &s);
+  s.copy(b.ref(), host_ref(host, bytes));
+  s.synchronize();  // the host vector may go once this returns
+  return b;
+}
+
+std::vector<float> download(Stream& s, const Buffer& b) {
+  std::vector<float> h(b.size() / 4);
+  s.copy(host_ref(h.data(), b.size()), b.ref());
+  s.synchronize();
+  return h;
+}
+
+// Milliseconds of the work `queue` puts on `s`: CUDA events around it on a GPU, the wall clock
+// to a synchronize on the emulated device (a rehearsal).
+double queued_ms(Stream& s, const Args& a, const std::function<void()>& queue) {
+  if (!a.rehearse) return gpu::time_queued_ms(s, queue);
+  s.synchronize();
+  const Stopwatch sw;
+  queue();
+  s.synchronize();
+  return sw.seconds() * 1e3;
+}
+
+// The CUDA module's variant for the kernels part's span, the one it found put back after (the
+// emulated device has one CPU kernel per op: nothing to switch).
+class VariantScope {
+ public:
+  explicit VariantScope(bool cuda) : cuda_(cuda) {
+    if (cuda_) saved_ = gpu::model::kernels().kernel_variant();
+  }
+  ~VariantScope() {
+    if (cuda_) gpu::model::kernels().set_kernel_variant(saved_);
+  }
+  VariantScope(const VariantScope&) = delete;
+  VariantScope& operator=(const VariantScope&) = delete;
+  void use(gpu::model::KernelVariant v) const {
+    if (cuda_) gpu::model::kernels().set_kernel_variant(v);
+  }
+
+ private:
+  bool cuda_;
+  gpu::model::KernelVariant saved_ = gpu::model::KernelVariant::kSimple;
+};
+
+// The largest |got - ref| (infinite where either is NaN or they differ in infinity) and the
+// largest |ref|.
+struct Diff {
+  double max_abs = 0, scale = 0;
+  double rel() const { return max_abs == 0 ? 0 : max_abs / std::max(scale, 1e-30); }
+};
+Diff diff(const std::vector<float>& ref, const std::vector<float>& got) {
+  Diff d;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::fabs(double(got[i]) - double(ref[i]));
+    if (!(e <= d.max_abs)) d.max_abs = std::isnan(e) ? INFINITY : e;
+    d.scale = std::max(d.scale, std::fabs(double(ref[i])));
+  }
+  return d;
+}
+
+constexpr int kKernelRuns = 5;  // timed runs per variant; the median is reported
+
+// One op of the kernels part: its launcher (through model_ops, as the model calls it), the
+// buffers it writes (zeroed before a run whose results are read: some accumulate) and those
+// compared between the variants.
+struct KernelCase {
+  std::string name;   // JSON key prefix
+  std::string shape;  // for the table
+  double tolerance;   // of the largest difference relative to the simple result's largest value
+  std::vector<const Buffer*> written, compared;
+  std::function<void()> run;
+};
+
+json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::string>& table) {
+  using model_ops::Weight;
+  const bool small = a.rehearse;
+  // An 8B Llama layer's attention (32 heads of 128, 8 KV heads) over 4 x 2048 tokens, its norms
+  // and a bias over 8192 rows of 4096, and the embedding of a 32000-token vocabulary.
+  const std::int64_t b = small ? 1 : 4, t = small ? 77 : 2048, nh = small ? 4 : 32, nkv = small ? 2 : 8,
+                     hd = small ? 64 : 128;
+  const std::int64_t n = b * t, c = small ? 96 : 4096, vocab = small ? 50 : 32000;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const std::size_t qkv_n = std::size_t(n * (nh + 2 * nkv) * hd), o_n = std::size_t(n * nh * hd),
+                    lse_n = std::size_t(b * nh * t), nc = std::size_t(n * c);
+  auto f32 = [&](std::size_t count) {
+    Buffer buf = dev.alloc(count * 4, &s);
+    s.fill(tensor(buf, DType::kF32), 0.0f);
+    return buf;
+  };
+  auto in = [&](std::size_t count, std::uint64_t seed, float lo, float hi) {
+    const std::vector<float> h = uniform(count, seed, lo, hi);
+    return upload(dev, s, h.data(), h.size() * 4);
+  };
+  const VariantScope variants(!a.rehearse);
+
+  Buffer qkv = in(qkv_n, 1, -1.0f, 1.0f), dout = in(o_n, 2, -1.0f, 1.0f);
+  Buffer o = f32(o_n), lse = f32(lse_n), o_in = f32(o_n), lse_in = f32(lse_n), dqkv = f32(qkv_n);
+  variants.use(gpu::model::KernelVariant::kSimple);  // the backward's inputs: the simple forward's outputs
+  model_ops::attention_forward(s, static_cast<float*>(qkv.data()), static_cast<float*>(o_in.data()), nullptr,
+                               static_cast<float*>(lse_in.data()), b, t, nh, nkv, hd, scale, DType::kBF16);
+  Buffer rows_a = in(nc, 3, -1.0f, 1.0f), rows_b = in(nc, 4, -1.0f, 1.0f), dx = f32(nc);
+  Buffer w = in(std::size_t(c), 5, 0.5f, 1.5f), rstd = in(std::size_t(n), 6, 0.5f, 2.0f),
+         mean = in(std::size_t(n), 7, -0.1f, 0.1f);
+  Buffer dw = f32(std::size_t(c)), db = f32(std::size_t(c));
+  Buffer dwte = f32(std::size_t(vocab * c)), dwpe = f32(std::size_t(t * c));
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(n));
+  std::mt19937_64 rng(8);
+  for (auto& tok : tokens) tok = std::int32_t(rng() % std::uint64_t(vocab));
+  Buffer tok = upload(dev, s, tokens.data(), tokens.size() * 4);
+
+  auto p = [](const Buffer& buf) { return static_cast<float*>(buf.data()); };
+  const std::string attn = fmt::format("b{} t{} h{}/{} d{} bf16", b, t, nh, nkv, hd);
+  const std::string rows = fmt::format("{} x {}", n, c);
+  std::vector<KernelCase> cases = {
+      {"attention_forward", attn, 3e-2, {&o, &lse}, {&o, &lse},
+       [&] { model_ops::attention_forward(s, p(qkv), p(o), nullptr, p(lse), b, t, nh, nkv, hd, scale, DType::kBF16); }},
+      {"attention_backward", attn, 3e-2, {&dqkv}, {&dqkv},
+       [&] {
+         model_ops::attention_backward(s, p(qkv), p(o_in), p(dout), p(lse_in), p(dqkv), b, t, nh, nkv, hd, scale,
+                                       DType::kBF16);
+       }},
+      {"rmsnorm_backward", rows, 1e-4, {&dx, &dw}, {&dw},
+       [&] {
+         model_ops::rmsnorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32}, p(rstd), p(dx), p(dw), n,
+                                     c);
+       }},
+      {"layernorm_backward", rows, 1e-4, {&dx, &dw, &db}, {&dw, &db},
+       [&] {
+         model_ops::layernorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32}, p(mean), p(rstd), p(dx),
+                                       p(dw), p(db), n, c);
+       }},
+      {"bias_backward", rows, 1e-4, {&db}, {&db}, [&] { model_ops::bias_backward(s, p(rows_a), p(db), n, c); }},
+      // Bit-equal by construction (each element's additions in the same order): tolerance 0.
+      {"embedding_backward", fmt::format("{} x {}, vocab {}, t {}", n, c, vocab, t), 0.0, {&dwte, &dwpe},
+       {&dwte, &dwpe},
+       [&] {
+         model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tok.data()), p(rows_a), p(dwte), p(dwpe), n,
+                                       t, c);
+       }},
+  };
+
+  table.push_back(fmt::format("  kernels: simple vs tiled (STRATA_GPU_KERNELS), GPU ms, median of {} runs{}",
+                              kKernelRuns, a.rehearse ? " (rehearsal: both columns run the CPU reference)" : ""));
+  table.push_back("    kernel              shape                          simple ms  tiled ms  ratio  max|diff|  "
+                  "rel diff  tolerance");
+  json figures = {{"runs", kKernelRuns},
+                  {"attention_shape", {{"b", b}, {"t", t}, {"heads", nh}, {"kv_heads", nkv}, {"head_dim", hd}}},
+                  {"rows", n},
+                  {"columns", c},
+                  {"vocab", vocab}};
+  bool ok = true;
+  for (const KernelCase& k : cases) {
+    auto result = [&] {
+      for (const Buffer* buf : k.written) s.fill(tensor(*buf, DType::kF32), 0.0f);
+      k.run();
+      std::vector<float> all;
+      for (const Buffer* buf : k.compared) {
+        const std::vector<float> h = download(s, *buf);
+        all.insert(all.end(), h.begin(), h.end());
+      }
+      return all;
+    };
+    std::vector<float> got[2];
+    double ms[2];
+    for (int v = 0; v < 2; ++v) {
+      variants.use(v == 0 ? gpu::model::KernelVariant::kSimple : gpu::model::KernelVariant::kTiled);
+      got[v] = result();
+      std::vector<double> runs;
+      for (int r = 0; r < kKernelRuns; ++r) runs.push_back(queued_ms(s, a, k.run));
+      ms[v] = median(runs);
+    }
+    const std::vector<float> again = result();  // the tiled variant again: bit for bit?
+    const bool repeatable =
+        again.size() == got[1].size() && std::memcmp(again.data(), got[1].data(), again.size() * 4) == 0;
+    const Diff d = diff(got[0], got[1]);
+    const bool within = d.rel() <= k.tolerance;
+    ok = ok && within && repeatable;
+    figures[k.name + "_simple_ms"] = ms[0];
+    figures[k.name + "_tiled_ms"] = ms[1];
+    figures[k.name + "_tiled_speedup"] = ms[0] / ms[1];  // simple ms / tiled ms
+    figures[k.name + "_max_abs_diff"] = d.max_abs;
+    figures[k.name + "_max_rel_diff"] = d.rel();  // relative to the simple result's largest |value|
+    figures[k.name + "_tolerance"] = k.tolerance;
+    figures[k.name + "_tiled_repeatable"] = repeatable;
+    table.push_back(fmt::format("    {:<19} {:<30} {:9.3f} {:9.3f} {:6.2f}  {:9.2e}  {:8.1e}  {:9.0e}{}{}", k.name,
+                                k.shape, ms[0], ms[1], ms[0] / ms[1], d.max_abs, d.rel(), k.tolerance,
+                                within ? "" : "  OUT OF TOLERANCE", repeatable ? "" : "  NOT REPEATABLE"));
+  }
+  figures["ok"] = ok;
+  return figures;
 }
 
 void write_file(const fs::path& path, const std::string& text) {
@@ -525,6 +747,10 @@ void run(Args a) {
         if (p == "link") figures["link"] = bench_link(*dev, *s, a, table);
         if (p == "gemm") figures["gemm"] = bench_gemm(*dev, *s, a, table, &peak_tflops);
         if (p == "adamw") figures["adamw"] = bench_adamw(*dev, *s, a, table);
+        if (p == "kernels") {
+          figures["kernels"] = bench_kernels(*dev, *s, a, table);
+          if (!figures["kernels"]["ok"].get<bool>()) ++failures;
+        }
       } catch (const Error& e) {
         ++failures;
         figures[p] = {{"error", e.what()}};
@@ -571,9 +797,10 @@ void run(Args a) {
 }  // namespace
 
 void add_gpu_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("gpu", "link, GEMM, AdamW and model step on a CUDA GPU vs its measured bounds");
+  auto* cmd = app.add_subcommand("gpu", "link, GEMM, AdamW, model kernels and model step on a CUDA GPU vs its measured "
+                                        "bounds");
   auto a = std::make_shared<Args>();
-  cmd->add_option("--parts", a->parts, "comma-separated: link,gemm,adamw,model,parity (default all)");
+  cmd->add_option("--parts", a->parts, "comma-separated: " + part_names(",") + " (default all)");
   cmd->add_option("--out", a->out, "folder for the model runs' configs, logs and traces (default: the scratch folder)");
   cmd->add_flag("--overwrite", a->overwrite, "replace the bench's files an earlier run left in --out");
   cmd->add_option("--nvme-path", a->nvme_path, "swap folder of the NVMe placement (default: the scratch folder)");

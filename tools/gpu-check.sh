@@ -3,14 +3,15 @@
 # in 10 minutes of GPU time, needs no network, no compiler and no Python: it runs every
 # `gpu`-labelled test, then `strata-bench gpu` (pinned H2D / D2H against the link's measured
 # peak, bf16 GEMM through Stream::matmul against cuBLASLt's best, CUDA AdamW against a device
-# copy, a ZeRO-3 model step with parameters and optimizer state on the host and on NVMe:
-# tokens/s, MFU, the GPU's idle share from the trace; and the GPU's losses against the
+# copy, the simple and tiled model kernels against each other (results and time), a ZeRO-3
+# model step with parameters and optimizer state on the host and on NVMe: tokens/s, MFU, the
+# GPU's idle share from the trace; and the GPU's losses against the
 # CPU-emulated device's), then strata-prof's predictions against measured steps on the GPU
 # (a 16-layer, 1024-wide Llama in bf16 planned for 2 GiB of it: the best 3 placements
 # validated), writes one JSON summary (gpu-check.json) and prints a short table.
 #
 #   tools/gpu-check.sh --build DIR            from a source tree: DIR is a build with tests
-#   <package>/bin/gpu-check.sh --tests DIR    from an unpacked package (README "Package"):
+#   <package>/bin/gpu-check.sh --tests DIR    from an unpacked package (docs/build.md, "Package"):
 #                                             DIR holds the test binaries (*_gpu_test, e.g.
 #                                             copied from build/tests) or is a build folder
 #
@@ -323,7 +324,7 @@ seconds=$(($(date +%s) - started))
   printf '  %-12s %s (%d tests: %d passed, %d failed, %d skipped, %d of them for want of a usable GPU; %s)\n' \
     "gpu tests" "$tests_status" "$total" "$passed" "$failed_tests" "$skipped" "$no_gpu_skips" "$runner"
   if [ "$no_gpu" = 1 ]; then
-    for p in link gemm adamw model parity prof; do printf '  %-12s SKIPPED\n' "$p"; done
+    for p in link gemm adamw kernels model parity prof; do printf '  %-12s SKIPPED\n' "$p"; done
   else
     sed -n '/^strata-bench gpu:/,$p' "$blog" | grep -vE '^\{' | sed 's/^/  /'
     printf '  %-12s %s\n' prof "$(grep -E '^worst prediction error' "$out/prof.log" 2>/dev/null || echo "no result: see $out/prof.log")"

@@ -340,12 +340,39 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& desc, int max_cand
   return m->best_cublaslt_gemm(stream, desc, max_candidates, iters);
 }
 
+double time_queued_ms(Stream& stream, const std::function<void()>& queue) {
+  const CudaModule* m = cuda_module();
+  if (!m) STRATA_THROW(kUnsupported, "CUDA event timing is unavailable: {}", cuda_unavailable_reason());
+  return m->time_queued_ms(stream, queue);
+}
+
 namespace model {
+namespace {
+// STRATA_GPU_KERNELS into the module's variant switch (unset or empty: left at its default).
+void apply_kernel_variant_env(const Kernels& k) {
+  const char* v = std::getenv("STRATA_GPU_KERNELS");
+  if (v == nullptr || *v == '\0') return;
+  if (std::strcmp(v, "simple") == 0)
+    k.set_kernel_variant(KernelVariant::kSimple);
+  else if (std::strcmp(v, "tiled") == 0)
+    k.set_kernel_variant(KernelVariant::kTiled);
+  else
+    STRATA_THROW(kInvalidArgument,
+                 "STRATA_GPU_KERNELS='{}' is not one of simple (the reference kernels, the default), tiled "
+                 "(tensor-core attention, parallel column reductions): unset it or pick one",
+                 v);
+}
+}  // namespace
+
 const Kernels& kernels() {
   const CudaModule* m = cuda_module();
   if (!m)
     STRATA_THROW(kUnsupported, "the CUDA model kernels are unavailable: {}",
                  cuda_unavailable_reason());
+  // Once, at the first call; a bad value throws here and again at every later call (a static
+  // whose initialisation throws is initialised again next time).
+  static const bool env_applied = (apply_kernel_variant_env(*m->model_kernels), true);
+  (void)env_applied;
   return *m->model_kernels;
 }
 }  // namespace model

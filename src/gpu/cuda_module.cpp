@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "comm/comm_internal.h"
+#include "gpu/cuda_check.h"
 #include "gpu/cuda_trace.h"
 #include "strata/device.h"
 
@@ -42,8 +43,32 @@ GemmBest best_gemm_on_its_device(Stream& stream, const MatmulDesc& desc, int max
   return backend::best_cublaslt_gemm(stream, desc, max_candidates, iters);
 }
 
+double time_queued_on_its_device_ms(Stream& stream, const std::function<void()>& queue) {
+  use_device_of(stream.native_handle());
+  const auto s = static_cast<cudaStream_t>(stream.native_handle());
+  struct Events {
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    ~Events() {
+      for (cudaEvent_t x : e)
+        if (x) (void)cudaEventDestroy(x);
+    }
+  } ev;
+  STRATA_CUDA_CHECK(cudaEventCreate(&ev.e[0]));
+  STRATA_CUDA_CHECK(cudaEventCreate(&ev.e[1]));
+  STRATA_CUDA_CHECK(cudaEventRecord(ev.e[0], s));
+  queue();
+  STRATA_CUDA_CHECK(cudaEventRecord(ev.e[1], s));
+  STRATA_CUDA_CHECK(cudaEventSynchronize(ev.e[1]));
+  float ms = 0;
+  STRATA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.e[0], ev.e[1]));
+  return ms;
+}
+
+// The variant switch is plain module state, not a launch: no wrapper.
 const model::Kernels kModelKernels = {
     &model::error_text,
+    &model::set_kernel_variant,
+    &model::kernel_variant,
     STRATA_TRACED(embedding_forward),
     STRATA_TRACED(embedding_backward),
     STRATA_TRACED(rmsnorm_forward),
@@ -78,6 +103,7 @@ const CudaModule kModule = {
 #endif
     &kModelKernels,
     &best_gemm_on_its_device,
+    &time_queued_on_its_device_ms,
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 // version) before using it. This header carries no CUDA types.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,8 +26,8 @@
 
 namespace strata::gpu {
 
-// Raise when CudaModule's layout or meaning changes.
-inline constexpr int kCudaModuleAbi = 2;
+// Raise when CudaModule's layout or meaning changes (model::Kernels included).
+inline constexpr int kCudaModuleAbi = 3;
 inline constexpr const char* kCudaModuleEntry = "strata_cuda_module";
 
 // The fastest of cuBLASLt's heuristic candidates for one GEMM (best_cublaslt_gemm).
@@ -53,6 +54,9 @@ struct CudaModule {
   // algorithms, `iters` calls each, on `stream`; blocks; returns the fastest. For
   // strata-bench gpu: our matmul against cuBLAS's best.
   GemmBest (*best_cublaslt_gemm)(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters);
+  // Milliseconds of GPU time between CUDA events recorded on `stream` before and after `queue`
+  // queues its work there; blocks until that work is done. For strata-bench gpu's kernel timings.
+  double (*time_queued_ms)(Stream& stream, const std::function<void()>& queue);
 };
 
 // The module's side (defined in libstrata_cuda.so only).
@@ -72,6 +76,9 @@ const std::string& cuda_unavailable_reason();
 // CudaModule::best_cublaslt_gemm of the loaded module; throws kUnsupported (with the reason)
 // without one.
 GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters);
+// CudaModule::time_queued_ms of the loaded module (`stream` a CUDA stream); throws kUnsupported
+// (with the reason) without one.
+double time_queued_ms(Stream& stream, const std::function<void()>& queue);
 
 }  // namespace strata::gpu
 

@@ -10,6 +10,11 @@
 // cudaError_t of its launch as an int (0 = success; error_text() names it). Weights are fp32
 // (wbf16 = false) or bf16; everything else is fp32. Weight-gradient reductions over rows use
 // a fixed partition and order, so results are deterministic run to run.
+//
+// Two variants of some kernels sit behind the same launchers (model_kernels.cu says which and
+// how they differ): kSimple, the reference and the default, and kTiled, opt-in. The variant is
+// module-wide state, read at each launch; STRATA_GPU_KERNELS=simple|tiled sets it when the
+// table is first asked for (kernels(), cuda_loader.cpp), and set_kernel_variant changes it.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +23,15 @@ namespace strata::gpu::model {
 
 using i64 = std::int64_t;
 
+enum class KernelVariant { kSimple, kTiled };
+
 const char* error_text(int err);
+
+// The variant the launchers run from now on (for every device of the process), and the
+// current one. Safe to switch at any time; a launcher that runs several kernels (attention
+// backward) reads it once, so its kernels always agree.
+void set_kernel_variant(KernelVariant variant);
+KernelVariant kernel_variant();
 
 int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16, float* out,
                       i64 n, i64 t, i64 c, void* stream);
@@ -57,6 +70,8 @@ int preload_kernels();
 struct Kernels {
 #define STRATA_MODEL_KERNEL(name) decltype(&::strata::gpu::model::name) name
   STRATA_MODEL_KERNEL(error_text);
+  STRATA_MODEL_KERNEL(set_kernel_variant);
+  STRATA_MODEL_KERNEL(kernel_variant);
   STRATA_MODEL_KERNEL(embedding_forward);
   STRATA_MODEL_KERNEL(embedding_backward);
   STRATA_MODEL_KERNEL(rmsnorm_forward);
@@ -78,7 +93,9 @@ struct Kernels {
 
 // The loaded CUDA module's table (loading it if needed); throws kUnsupported with the reason
 // when the CUDA backend is unavailable. Only a CUDA stream's ops call it, and a CUDA stream
-// exists only once the module is loaded.
+// exists only once the module is loaded. Its first call applies STRATA_GPU_KERNELS (unset or
+// empty: the module's default, kSimple); a value other than simple or tiled throws
+// kInvalidArgument naming the variable, at that call and at every later one.
 const Kernels& kernels();
 
 }  // namespace strata::gpu::model

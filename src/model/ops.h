@@ -43,8 +43,8 @@ void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w, 
                         const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c);
 void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
           const float* sin, bool inverse);
-// gemm: the compute dtype; with bf16 the CPU rounds the inputs of attention's products to bf16
-// as it does for every other GEMM (the CUDA kernels compute them in fp32 either way).
+// gemm: the compute dtype; with bf16 the inputs of attention's products are rounded to bf16 as
+// for every other GEMM, on the CPU and in both CUDA variants (gpu/model_kernels.cu).
 // o_bf16 (optional): o also written rounded to bf16, the output projection's operand.
 void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b, i64 t, i64 nh,
                        i64 nkv, i64 hd, double scale, DType gemm);
