@@ -24,6 +24,7 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/comm_internal.h"
 #include "gpu/nccl_version.h"
 #include "strata/comm.h"
 #include "strata/device.h"
@@ -552,6 +553,32 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 #ifndef STRATA_TEST_CUDA  // no GPU needed: in the CPU binary only (the gpu one's tests all skip without one)
 // ncclGetVersion's code changed scheme at 2.9; the minimum must read as 2.10.0, and the old
 // scheme's codes (2.8.4 = 2804) must not pass for new ones.
+// The NCCL backend's wait for a call its non-blocking communicator finishes in the background
+// (its bootstrap: a rank that died before joining must end the job at the timeout, not hang).
+TEST(WaitInProgress, AsksUntilSettledAndGivesUpAtTheTimeout) {
+  using comm::Progress;
+  int asks = 0, timeouts = 0;
+  EXPECT_EQ(comm::wait_in_progress([&] { return ++asks < 5 ? Progress::kInProgress : Progress::kDone; }, 10,
+                                   [&](double) { ++timeouts; }),
+            Progress::kDone);
+  EXPECT_EQ(asks, 5);
+  EXPECT_EQ(comm::wait_in_progress([] { return Progress::kFailed; }, 10, [&](double) { ++timeouts; }),
+            Progress::kFailed);
+  EXPECT_EQ(timeouts, 0);
+  double waited = 0;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(comm::wait_in_progress([] { return Progress::kInProgress; }, 0.05,
+                                   [&](double w) {
+                                     ++timeouts;
+                                     waited = w;
+                                   }),
+            Progress::kFailed);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(timeouts, 1);
+  EXPECT_GT(waited, 0.05);
+  EXPECT_LT(took, 5.0);  // no hang: at most a millisecond's sleep past the timeout, on any machine
+}
+
 TEST(NcclVersion, DecodesBothSchemesAndTheMinimum) {
   using strata::gpu::decode_nccl_version;
   EXPECT_EQ(decode_nccl_version(2804).str(), "2.8.4");

@@ -385,6 +385,23 @@ double resolve_timeout_s(double option_s) {
   return 300.0;
 }
 
+Progress wait_in_progress(const std::function<Progress()>& state, double timeout_s,
+                          const std::function<void(double waited_s)>& on_timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(1);
+  for (;;) {
+    const Progress p = state();
+    if (p != Progress::kInProgress) return p;
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timeout_s > 0 && waited > timeout_s) {
+      on_timeout(waited);
+      return Progress::kFailed;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
 std::string Watchdog::timeout_message(const std::string& what, int rank, int world_size, double elapsed_s,
                                       double timeout_s) {
   return fmt::format(

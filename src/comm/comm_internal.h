@@ -64,6 +64,15 @@ class Watchdog {
 // The timeout from options, else STRATA_COMM_TIMEOUT_S, else 300 s.
 double resolve_timeout_s(double option_s);
 
+// A call a backend finishes in the background (NCCL's non-blocking communicator returns
+// ncclInProgress), waited for: `state` is asked, with sleeps from 1 us doubling to 1 ms, until
+// it is no longer in progress, and that answer returned. Past `timeout_s` (> 0) `on_timeout`
+// is called once with the seconds waited (the NCCL backend aborts the communicator and ends the
+// job there); if it returns, so does the wait, with kFailed.
+enum class Progress { kDone, kInProgress, kFailed };
+Progress wait_in_progress(const std::function<Progress()>& state, double timeout_s,
+                          const std::function<void(double waited_s)>& on_timeout);
+
 // What is in flight right now, for the SIGTERM note: when a launcher ends the job because a
 // peer died (OpenMPI sends SIGTERM to the survivors), each survivor prints which collective
 // it was in, its rank and for how long, instead of dying silently. Process-wide, lock-free.

@@ -56,20 +56,19 @@ namespace {
 // kernel waits on dead peers) and the job ends, naming `what`.
 void settle(ncclComm_t comm, ncclResult_t rc, const char* what, const char* file, int line, int rank,
             int world_size, double timeout_s) {
-  const auto start = std::chrono::steady_clock::now();
-  auto pause = std::chrono::microseconds(1);
-  while (rc == ncclInProgress) {
-    ncclResult_t state = ncclInProgress;
-    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-    rc = q != ncclSuccess ? q : state;
-    if (rc != ncclInProgress) break;
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (timeout_s > 0 && waited > timeout_s) {
-      (void)ncclCommAbort(comm);
-      abort_job(Watchdog::timeout_message(what, rank, world_size, waited, timeout_s));
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  if (rc == ncclInProgress) {
+    wait_in_progress(
+        [&] {
+          ncclResult_t state = ncclInProgress;
+          const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+          rc = q != ncclSuccess ? q : state;
+          return rc == ncclInProgress ? Progress::kInProgress : rc == ncclSuccess ? Progress::kDone : Progress::kFailed;
+        },
+        timeout_s,
+        [&](double waited) {
+          (void)ncclCommAbort(comm);  // frees the GPU from kernels waiting on dead peers
+          abort_job(Watchdog::timeout_message(what, rank, world_size, waited, timeout_s));
+        });
   }
   if (rc != ncclSuccess)
     detail::throw_error(ErrorKind::kNccl, file, line, what, "NCCL call failed",
