@@ -1,10 +1,13 @@
 // strata-bench model: forward+backward throughput of the native transformer (a ~100M-parameter
-// Llama by default, all weights resident) on a device, against the best GEMM rate of the same
-// device measured in the same run (oneDNN on the CPU device, cuBLAS on CUDA) over the model's
-// own MLP GEMM shape: the compute dtype's and fp32's, whichever is faster (on a CPU without a
-// bf16 matmul, bf16 GEMMs are widened to fp32 and fp32 is the faster). ratio_vs_matmul =
-// achieved model GFLOP/s / that rate: on a GPU the model FLOPs utilisation against the measured
-// bf16 GEMM rate.
+// Llama by default, all weights resident) on a device, against the GEMM library of the same
+// device measured in the same run (oneDNN on the CPU device, cuBLAS on CUDA) on the model's own
+// GEMMs (Model::gemm_shapes: every linear layer's forward, dX and dW, the LM head's chunks), each
+// shape timed alone in the compute dtype and in fp32 (on a CPU without a bf16 matmul, bf16 GEMMs
+// are widened to fp32 and fp32 may be the faster), the faster kept, and the shapes combined by
+// their FLOPs in a step: the time the library would take for the step's GEMMs, as a rate.
+// ratio_vs_matmul = achieved model GFLOP/s / that rate, "the share of the library's rate on the
+// model's GEMMs" (on a GPU, the model FLOPs utilisation against it). Recomputation (activation
+// checkpointing) is not in the model's FLOPs; its GEMM FLOPs are reported apart.
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -37,7 +40,8 @@ struct Args {
 // The best rate over `windows` timed bursts of at least 5 ms each: on a shared machine one
 // burst can land on a busy moment, and the ratio's denominator must not come out low.
 // In the model's compute dtype (fp32 against an fp32 GEMM: a bf16 bound made fp32 look 2.7x worse).
-double gemm_gflops(Device& dev, Stream& s, DType dt, std::int64_t m, std::int64_t n, std::int64_t k, int windows) {
+double gemm_gflops(Device& dev, Stream& s, DType dt, const Model::GemmShape& g, int windows) {
+  const std::int64_t m = g.m, n = g.n, k = g.k;
   const std::size_t es = dtype_size(dt);
   Buffer a = dev.alloc(m * k * es, &s), b = dev.alloc(k * n * es, &s), c = dev.alloc(m * n * 4, &s);
   s.fill(tensor(a, dt), 0.5f);
@@ -46,7 +50,8 @@ double gemm_gflops(Device& dev, Stream& s, DType dt, std::int64_t m, std::int64_
   d.m = m;
   d.n = n;
   d.k = k;
-  d.trans_b = true;
+  d.trans_a = g.trans_a;
+  d.trans_b = g.trans_b;
   d.a = tensor(a, dt);
   d.b = tensor(b, dt);
   d.c = tensor(c, DType::kF32);
@@ -99,14 +104,16 @@ void run(const Args& a) {
     m.backward(w);
   }
   s->synchronize();
-  // The GEMM rates are taken before and after the timed steps: the best burst of either, in the
-  // compute dtype and (when that is not fp32) in fp32.
+  // The GEMM rates are taken before and after the timed steps, each shape's best burst of either,
+  // in the compute dtype and (when that is not fp32) in fp32.
   std::vector<DType> gemm_types{mo.compute};
   if (mo.compute != DType::kF32) gemm_types.push_back(DType::kF32);
-  std::vector<double> gemm(gemm_types.size());
+  const std::vector<Model::GemmShape> shapes = m.gemm_shapes();
+  std::vector<std::vector<double>> rate(shapes.size(), std::vector<double>(gemm_types.size()));
   auto measure_gemms = [&] {
-    for (std::size_t i = 0; i < gemm_types.size(); ++i)
-      gemm[i] = std::max(gemm[i], gemm_gflops(*dev, *s, gemm_types[i], a.batch * a.seq, a.inter, a.hidden, 20));
+    for (std::size_t g = 0; g < shapes.size(); ++g)
+      for (std::size_t i = 0; i < gemm_types.size(); ++i)
+        rate[g][i] = std::max(rate[g][i], gemm_gflops(*dev, *s, gemm_types[i], shapes[g], 5));
   };
   measure_gemms();
   double best = 1e30;
@@ -172,16 +179,40 @@ void run(const Args& a) {
   if (!cuda)
     for (const auto& g : cpu::cpu_paths().gemms)
       if (g.dtype == dtype_name(mo.compute)) route = g.route;
-  const std::size_t ref = std::size_t(std::max_element(gemm.begin(), gemm.end()) - gemm.begin());
+  // The step's GEMMs (recomputation apart) at each dtype's rate, and at the faster per shape.
+  double gemm_flops = 0, recompute_flops = 0, best_time = 0;
+  std::vector<double> dtype_time(gemm_types.size());
+  nlohmann::json shape_rows = nlohmann::json::array();
+  for (std::size_t g = 0; g < shapes.size(); ++g) {
+    const double f = shapes[g].flops();
+    nlohmann::json row = {{"name", shapes[g].name}, {"m", shapes[g].m}, {"n", shapes[g].n}, {"k", shapes[g].k},
+                          {"trans_a", shapes[g].trans_a}, {"trans_b", shapes[g].trans_b},
+                          {"count", shapes[g].count}, {"recompute", shapes[g].recompute}};
+    for (std::size_t i = 0; i < gemm_types.size(); ++i)
+      row[fmt::format("{}_gflops", dtype_name(gemm_types[i]))] = rate[g][i];
+    shape_rows.push_back(row);
+    if (shapes[g].recompute) {
+      recompute_flops += f;
+      continue;
+    }
+    gemm_flops += f;
+    for (std::size_t i = 0; i < gemm_types.size(); ++i) dtype_time[i] += f / (rate[g][i] * 1e9);
+    best_time += f / (*std::max_element(rate[g].begin(), rate[g].end()) * 1e9);
+  }
+  const double reference = gemm_flops / best_time / 1e9;
   std::printf("  step %.3f s (best of %d), loss %.4f\n", best, a.steps, loss);
   std::printf("  %-28s %12.0f\n", "tokens/s", tokens / best);
-  std::printf("  %-28s %12.1f\n", "model GFLOP/s", gflops);
-  for (std::size_t i = 0; i < gemm.size(); ++i)
-    std::printf("  %-28s %12.1f  (%ldx%ldx%ld, same device, best burst%s)\n",
-                fmt::format("{} GEMM GFLOP/s", dtype_name(gemm_types[i])).c_str(), gemm[i], long(a.batch * a.seq),
-                long(a.inter), long(a.hidden), i == 0 ? fmt::format("; {}", route).c_str() : "");
-  std::printf("  %-28s %12.3f  (against the %s GEMM, the faster)\n", "ratio vs matmul", gflops / gemm[ref],
-              std::string(dtype_name(gemm_types[ref])).c_str());
+  std::printf("  %-28s %12.1f  (%.1f GFLOP a step%s)\n", "model GFLOP/s", gflops, m.flops_per_step() / 1e9,
+              recompute_flops > 0 ? fmt::format("; recomputation adds {:.1f} GFLOP of GEMMs, not counted",
+                                                recompute_flops / 1e9).c_str()
+                                  : "");
+  for (std::size_t i = 0; i < gemm_types.size(); ++i)
+    std::printf("  %-28s %12.1f  (the model's %zu GEMM shapes, by FLOPs; same device, best burst%s)\n",
+                fmt::format("{} GEMM GFLOP/s", dtype_name(gemm_types[i])).c_str(), gemm_flops / dtype_time[i] / 1e9,
+                shapes.size(), i == 0 ? fmt::format("; {}", route).c_str() : "");
+  std::printf("  %-28s %12.1f  (the faster dtype per shape)\n", "reference GEMM GFLOP/s", reference);
+  std::printf("  %-28s %12.3f  (share of %s's rate on the model's GEMMs)\n", "ratio vs matmul",
+              gflops / reference, cuda ? "cuBLAS" : "oneDNN");
   if (a.json) {
     nlohmann::json j = {{"command", "model"},
                         {"device", dev->name()},
@@ -193,11 +224,17 @@ void run(const Args& a) {
                         {"gemm_route", route},
                         {"step_s", best},
                         {"tokens_per_s", tokens / best},
-                        {"gflops", gflops}};
+                        {"gflops", gflops},
+                        {"gflop_per_step", m.flops_per_step() / 1e9},
+                        {"recompute_gemm_gflop_per_step", recompute_flops / 1e9}};
     const char* lib = cuda ? "cublas" : "onednn";
-    for (std::size_t i = 0; i < gemm.size(); ++i) j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] = gemm[i];
-    j["reference_gemm"] = fmt::format("{}_{}", lib, dtype_name(gemm_types[ref]));
-    j["ratio_vs_matmul"] = gflops / gemm[ref];
+    for (std::size_t i = 0; i < gemm_types.size(); ++i)
+      j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] = gemm_flops / dtype_time[i] / 1e9;
+    j["reference_gemm"] = fmt::format("{} on the model's GEMM shapes, the faster of {} per shape, weighted by "
+                                      "their FLOPs in a step", lib, gemm_types.size() > 1 ? fmt::format("{} and fp32", dtype_name(mo.compute)) : std::string("fp32"));
+    j["reference_gemm_gflops"] = reference;
+    j["ratio_vs_matmul"] = gflops / reference;
+    j["gemm_shapes"] = shape_rows;
     if (!cuda) {
       const cpu::CpuPaths paths = cpu::cpu_paths();
       j["cpu_isa_cap"] = paths.cap;

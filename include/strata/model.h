@@ -160,6 +160,20 @@ class Model {
   // Matmul FLOPs of one forward+backward over B*T tokens (6 * matmul params * tokens plus
   // attention), for throughput figures.
   double flops_per_step() const;
+  // The GEMMs one forward+backward runs through Stream::matmul: each linear layer's forward, dX
+  // and dW, and the LM head's chunk by chunk, with how many times a step runs each shape.
+  // `recompute`: a layer's forward run again in backward (activation checkpointing), work that
+  // flops_per_step leaves out. For benchmarks that weigh a GEMM library's rate by the model's
+  // own shapes.
+  struct GemmShape {
+    std::string name;  // "q|k|v forward", "mlp down dw", "lm head dx", ...
+    std::int64_t m = 0, n = 0, k = 0;
+    bool trans_a = false, trans_b = false;
+    std::int64_t count = 0;
+    bool recompute = false;
+    double flops() const { return 2.0 * double(m) * double(n) * double(k) * double(count); }
+  };
+  std::vector<GemmShape> gemm_shapes() const;
 
   // Queues the forward (and, with grad, the head's backward); waits for it and returns the
   // mean loss. Token ids must be < vocab_size: an error names the offending position.

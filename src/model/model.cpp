@@ -668,6 +668,32 @@ double Model::flops_per_step() const {
   return 6.0 * matmul_params * double(m.N) + 3.0 * attn;
 }
 
+// The shapes linear(), linear_dx() and linear_dw() give Stream::matmul (keep in step with them
+// and with the layers and the head above).
+std::vector<Model::GemmShape> Model::gemm_shapes() const {
+  const Impl& m = *impl_;
+  std::vector<GemmShape> out;
+  auto add = [&](const std::string& name, i64 n, i64 in, i64 out_dim, bool out_in, i64 count, bool fwd_again) {
+    out.push_back({name + " forward", n, out_dim, in, false, out_in, count, false});
+    if (fwd_again) out.push_back({name + " forward (recompute)", n, out_dim, in, false, out_in, count, true});
+    out.push_back({name + " dx", n, in, out_dim, false, !out_in, count, false});
+    if (out_in) out.push_back({name + " dw", out_dim, in, n, true, false, count, false});
+    else out.push_back({name + " dw", in, out_dim, n, true, false, count, false});
+  };
+  const bool ckpt = m.opt.checkpoint;
+  const bool out_in = !m.gpt2;
+  // A recomputed layer runs every linear but the last (its output is not needed).
+  add(m.gpt2 ? "attn c_attn" : "q|k|v", m.N, m.C, m.qkvd, out_in, m.L, ckpt);
+  add(m.gpt2 ? "attn c_proj" : "o", m.N, m.qd, m.C, out_in, m.L, ckpt);
+  add(m.gpt2 ? "mlp c_fc" : "mlp gate|up", m.N, m.C, m.gpt2 ? m.I : 2 * m.I, out_in, m.L, ckpt);
+  add(m.gpt2 ? "mlp c_proj" : "mlp down", m.N, m.I, m.C, out_in, m.L, false);
+  const i64 chunk = m.opt.loss_chunk_rows > 0 ? m.opt.loss_chunk_rows
+                                              : std::max<i64>(1, std::min<i64>(m.N, (i64(4) << 20) / m.V));
+  if (m.N / chunk > 0) add("lm head", chunk, m.C, m.V, true, m.N / chunk, false);
+  if (m.N % chunk > 0) add("lm head (last chunk)", m.N % chunk, m.C, m.V, true, 1, false);
+  return out;
+}
+
 float Model::forward(const Batch& batch, UnitProvider& weights, bool grad) {
   return impl_->forward(batch, weights, grad);
 }
