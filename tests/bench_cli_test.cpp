@@ -120,12 +120,14 @@ TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {
 // The engine bench counts, and its --trace shows, work that crosses a step's edge: in the adamw
 // regime the early optimizer's AdamW runs on through step()'s return into the next forward, so a
 // step starts with one running. Tracing turned on only inside each step lost that AdamW, from the
-// trace and from the AdamW's busy time. The regime's AdamW is its scalar path unless --adamw-isa.
+// trace and from the AdamW's busy time. The adamw-scalar regime's AdamW is its scalar path unless
+// --adamw-isa; the adamw regime runs the AdamW strata ships. A regime is met only when bound by the
+// resource it stresses.
 TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   TempDir d("strata-bench");
   const std::string trace = d.path + "/t.json";
-  auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw", "--layers", "4", "--steps",
-                                           "2", "--trace", trace, "--json"}, d.path, "adamw");
+  auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw-scalar", "--layers", "4",
+                                           "--steps", "2", "--trace", trace, "--json"}, d.path, "adamw");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const nlohmann::json row = last_json(r.out).at("regimes").at(0);
   EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
@@ -159,10 +161,19 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   }
   EXPECT_GE(cut, 1) << "no AdamW cut at the step's edges: " << r.out;
 
-  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw", "--layers", "2", "--steps", "1",
-                                      "--adamw-isa", "auto", "--json"}, d.path, "auto");
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  EXPECT_EQ(last_json(r.out).at("regimes").at(0).at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--regime", "adamw"}, std::vector<std::string>{"--regime", "adamw-scalar", "--adamw-isa", "auto"}}) {
+    std::vector<std::string> args{"engine", "--path", d.path, "--layers", "2", "--steps", "1", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    r = testing::run(STRATA_BENCH_BIN, args, d.path, "auto");
+    ASSERT_EQ(r.status, 0) << r.out << r.err;
+    const nlohmann::json row2 = last_json(r.out).at("regimes").at(0);
+    EXPECT_EQ(row2.at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
+    const bool as_meant = row2.at("bottleneck") == row2.at("expected_bottleneck");
+    EXPECT_EQ(row2.at("bound_as_meant").get<bool>(), as_meant) << row2;
+    EXPECT_EQ(row2.at("met").get<bool>(), as_meant && row2.at("ratio_step_vs_busiest").get<double>() <= 1.1) << row2;
+    EXPECT_EQ(r.out.find("(meant to be") == std::string::npos, as_meant) << r.out;
+  }
   r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--adamw-isa", "avx3"}, d.path, "bad");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   EXPECT_NE(first_line(r.err).find("--adamw-isa 'avx3': use auto, avx512, avx2 or scalar"), std::string::npos) << r.err;

@@ -102,17 +102,21 @@ std::vector<Regime> regimes() {
   r.push_back({.name = "nvme", .expect = "nvme", .batch = 8, .params = Tier::kNvme, .optimizer = Tier::kNvme,
                .grads = Tier::kHost, .prefetch_layers = 3, .live_layers = 4});
   // Optimizer state on the host, one sample per step: the CPU AdamW's pass over
-  // master/m/v/grad. The emulated device's kernels get one core and the AdamW the other, as a
-  // GPU's kernels and the host's optimizer do not share cores. The AdamW runs its scalar path:
-  // at one sample the emulated device's own work (its matmuls and copies, on the same cores and
-  // memory) moves as many bytes per parameter as the AVX-512 AdamW, so with that path the step
-  // is bound by the cores, not the optimizer. On a GPU machine the device's step is milliseconds
-  // and the host's AdamW the slowest part; the scalar path (~7x slower here, the same bits)
-  // stands in for that host. --adamw-isa auto runs the fast path instead. The device's matmuls
-  // are throttled to 2 GFLOP/s: its forward and backward take about half the AdamW's time, as in
-  // a fine-tune whose device step is not small beside the host's optimizer, so the AdamW of the
-  // units the next forward needs last has to be hidden under the forward of the others.
+  // master/m/v/grad, with the AdamW strata ships (the widest path the CPU has). The emulated
+  // device's kernels get one core and the AdamW the other, as a GPU's kernels and the host's
+  // optimizer do not share cores. The device's matmuls are throttled to 2 GFLOP/s: its forward
+  // and backward take about half the scalar AdamW's time, as in a fine-tune whose device step is
+  // not small beside the host's optimizer, so the AdamW of the units the next forward needs last
+  // has to be hidden under the forward of the others. At one sample the emulated device's own
+  // work (its matmuls and copies, on the same cores and memory) moves as many bytes per
+  // parameter as the vector AdamW, so this regime may come out bound by the cores or the compute
+  // rather than the AdamW: said so (not met), not hidden.
   r.push_back({.name = "adamw", .expect = "adamw", .batch = 1, .compute_gflops = 2, .optimizer = Tier::kHost,
+               .grads = Tier::kHost, .device_threads = 1, .optimizer_threads = 1});
+  // The same with the scalar AdamW (~7x slower here, the same bits) standing in for a host whose
+  // optimizer is the slowest part, as on a GPU machine whose device step takes milliseconds: a
+  // labelled variant, not the headline.
+  r.push_back({.name = "adamw-scalar", .expect = "adamw", .batch = 1, .compute_gflops = 2, .optimizer = Tier::kHost,
                .grads = Tier::kHost, .device_threads = 1, .optimizer_threads = 1, .adamw_isa = Isa::kScalar});
   return r;
 }
@@ -442,7 +446,7 @@ void run(const Args& a) {
     if (a.nvme_grads && r.name == "nvme") r.grads = Tier::kNvme;
     if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
   }
-  STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme or adamw", a.regime);
+  STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme, adamw or adamw-scalar", a.regime);
   if (!a.adamw_isa.empty()) {
     Isa isa = Isa::kAuto;
     try {
@@ -487,17 +491,19 @@ void run(const Args& a) {
   std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
               "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",
               a.layers, a.width, a.width, params_m, a.steps, kWarmupSteps);
-  for (const Regime& r : chosen) std::printf("  %-8s %s\n", r.name.c_str(), describe(r).c_str());
-  std::printf("\n%-8s %8s %9s %9s %9s %9s %9s %9s  %-10s %8s\n", "regime", "step s", "compute", "link", "nvme",
+  for (const Regime& r : chosen) std::printf("  %-12s %s\n", r.name.c_str(), describe(r).c_str());
+  std::printf("\n%-12s %8s %9s %9s %9s %9s %9s %9s  %-10s %8s\n", "regime", "step s", "compute", "link", "nvme",
               "adamw", "comm", "cores", "busiest", "step/bus");
   nlohmann::json rows = nlohmann::json::array();
   bool all_met = true;
   for (const Regime& r : chosen) {
     const std::string tf = a.trace.empty() ? std::string() : trace_path(a, r.name, chosen.size() == 1);
     const RegimeResult res = run_regime(a, r, tf);
-    const bool met = res.ratio <= 1.1;
+    // Met: within 1.1 of the busiest resource, and that resource the one the regime stresses.
+    const bool bound_as_meant = kResources[res.bottleneck] == r.expect;
+    const bool met = res.ratio <= 1.1 && bound_as_meant;
     all_met = all_met && met;
-    std::printf("%-8s %8.3f", r.name.c_str(), res.step_s);
+    std::printf("%-12s %8.3f", r.name.c_str(), res.step_s);
     for (double b : res.busy_s) std::printf(" %9.3f", b);
     std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio, met ? "" : "  (> 1.1)",
                 kResources[res.bottleneck] == r.expect ? "" : fmt::format("  (meant to be {})", r.expect).c_str());
@@ -514,13 +520,15 @@ void run(const Args& a) {
                     {"adamw_isa", r.optimizer == Tier::kDevice ? nlohmann::json(nullptr)  // no CPU AdamW
                                                                : nlohmann::json(isa_name(res.adamw_isa))},
                     {"ratio_step_vs_busiest", res.ratio},
+                    {"bound_as_meant", bound_as_meant},
+                    {"met", met},
                     {"h2d_bytes_per_step", res.stats.h2d_bytes},
                     {"d2h_bytes_per_step", res.stats.d2h_bytes},
                     {"nvme_read_bytes_per_step", res.stats.nvme_read_bytes},
                     {"nvme_written_bytes_per_step", res.stats.nvme_written_bytes}});
   }
   std::printf("\nbusy = union of the resource's spans in the step (seconds per step); cores = the process's CPU time\n"
-              "in the step / %d cores; goal: step/busiest <= 1.1 %s\n",
+              "in the step / %d cores; goal: step/busiest <= 1.1, bound by the resource each regime stresses %s\n",
               cpu::usable_cores(), all_met ? "(met in every regime)" : "(NOT met everywhere)");
   if (a.json)
     print_json({{"command", "engine"},
@@ -544,7 +552,7 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--layers", a->layers, "layers of the linear model (default 16)")->check(CLI::Range(1, 1024));
   cmd->add_option("--width", a->width, "width of each layer (default 1024)")->check(CLI::Range(64, 16384));
   cmd->add_option("--steps", a->steps, "traced steps per regime, averaged (default 2)")->check(CLI::Range(1, 100));
-  cmd->add_option("--regime", a->regime, "all, compute, link, nvme or adamw (default all)");
+  cmd->add_option("--regime", a->regime, "all, compute, link, nvme, adamw or adamw-scalar (default all)");
   cmd->add_option("--path", a->path, "directory for the NVMe regime's swap files (default .)");
   cmd->add_option("--trace", a->trace,
                   "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
@@ -557,7 +565,7 @@ void add_engine_command(CLI::App& app) {
                 "drive)");
   cmd->add_option("--adamw-isa", a->adamw_isa,
                   "the CPU AdamW's path in every regime: auto, avx512, avx2 or scalar (default: each regime's own, "
-                  "scalar in adamw, auto elsewhere)");
+                  "scalar in adamw-scalar, auto elsewhere)");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->callback([a] {
     // Ctrl-C / SIGTERM in the NVMe regime: its swap files are removed before the process ends
