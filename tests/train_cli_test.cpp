@@ -144,6 +144,31 @@ class TrainCli : public ::testing::Test {
 // each, the bigger model's peak RSS (the child's ru_maxrss) is within 10% of its extra fp32
 // weights of the smaller one's. (Built whole in host memory, the initial weights alone took 12
 // bytes a parameter more, and a save gathered every unit first.) B is A, byte for byte.
+// Started by torchrun (RANK, WORLD_SIZE) or as one task of a Slurm step without --mpi, a process
+// cannot join its peers: it is refused, naming what it saw and how to start it, instead of
+// training alone as a 1-rank job on GPU 0 (what every one of them did, silently).
+TEST_F(TrainCli, ALaunchItCannotJoinIsRefusedNotRunAlone) {
+  const std::vector<std::pair<std::vector<std::pair<std::string, std::string>>, std::string>> cases = {
+      {{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}},
+       "this process was started as rank 1 of 2 by a torchrun-style launcher (RANK, WORLD_SIZE, MASTER_ADDR "
+       "10.0.0.1:29500) and strata joins several processes only under an MPI launcher: start it with mpirun -np 2"},
+      {{{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_NTASKS", "4"}},
+       "this process is task 3 of a 4-task Slurm step started without MPI's process management: run srun with "
+       "--mpi=pmix"}};
+  for (const auto& [env, message] : cases) {
+    const std::string log = dir.path + "/refused.jsonl";
+    const Result r = testing::run(STRATA_TRAIN_BIN, args(log), dir.path, "refused", env);
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(log)) << "it trained";
+  }
+  // One process of one (torchrun --nproc-per-node 1, srun -n 1) runs as before.
+  const std::string log = dir.path + "/one.jsonl";
+  const Result one = testing::run(STRATA_TRAIN_BIN, args(log, {}, "1"), dir.path, "one",
+                                  {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}});
+  EXPECT_EQ(one.status, 0) << one.out << one.err;
+}
+
 TEST_F(TrainCli, WithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
 #ifdef __SANITIZE_ADDRESS__
   GTEST_SKIP() << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";

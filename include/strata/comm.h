@@ -63,7 +63,10 @@ struct LaunchInfo {
 LaunchInfo launch_info();
 // Under an MPI launcher, initializes MPI once per process (MPI_THREAD_MULTIPLE, finalized at
 // exit if strata initialized it) and returns MPI's view, local rank from the shared-memory
-// split. Without a launcher it returns launch_info() and initializes nothing. Throws kMpi
+// split. Without a launcher it returns launch_info() and initializes nothing, but refuses
+// (kUnsupported, naming what it saw and how to start) a process that torchrun (RANK, WORLD_SIZE
+// > 1) or a Slurm step of several tasks without --mpi started: alone it would train as a 1-rank
+// job. Throws kMpi
 // when MPI cannot give thread-multiple support, kUnsupported in a build without MPI.
 LaunchInfo init_launch();
 // The GPU ordinal this rank should use: local_rank modulo the GPUs visible to it.

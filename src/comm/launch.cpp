@@ -122,9 +122,38 @@ LaunchInfo launch_info() {
   return li;
 }
 
+namespace {
+// Signs of a multi-process launch that strata cannot join without MPI's variables: torchrun's
+// (RANK, WORLD_SIZE > 1) or a Slurm step of several tasks started without --mpi. Left alone,
+// each such process would train by itself as rank 0 of 1 (on GPU 0), silently.
+void refuse_launch_without_mpi() {
+  const int world = env_int({"WORLD_SIZE"});
+  if (world > 1 && std::getenv("RANK")) {
+    const char* addr = std::getenv("MASTER_ADDR");
+    const char* port = std::getenv("MASTER_PORT");
+    STRATA_THROW(kUnsupported,
+                 "this process was started as rank {} of {} by a torchrun-style launcher (RANK, WORLD_SIZE{}) and "
+                 "strata joins several processes only under an MPI launcher: start it with mpirun -np {} (or srun "
+                 "--mpi=pmix); alone it would train as a 1-rank job",
+                 env_int({"RANK"}), world,
+                 addr || port ? fmt::format(", MASTER_ADDR {}:{}", addr ? addr : "?", port ? port : "?") : "", world);
+  }
+  const int tasks = env_int({"SLURM_STEP_NUM_TASKS"});
+  if (tasks > 1 && std::getenv("SLURM_PROCID"))
+    STRATA_THROW(kUnsupported,
+                 "this process is task {} of a {}-task Slurm step started without MPI's process management: run "
+                 "srun with --mpi=pmix (or pmi2), so the tasks can join as one job; alone each would train as a "
+                 "1-rank job",
+                 env_int({"SLURM_PROCID"}), tasks);
+}
+}  // namespace
+
 LaunchInfo init_launch() {
   const LaunchInfo env = launch_info();
-  if (!env.under_mpi) return env;
+  if (!env.under_mpi) {
+    refuse_launch_without_mpi();
+    return env;
+  }
 #if defined(STRATA_HAVE_MPI)
   std::call_once(g_init_once, [] {
     int initialized = 0;
