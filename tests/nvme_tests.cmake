@@ -1,1 +1,0 @@
-strata_add_test(nvme_test SOURCES nvme_test.cpp LABELS unit)
