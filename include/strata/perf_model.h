@@ -1,6 +1,6 @@
 // The step-time model strata-prof predicts with, and the search over placements it runs.
 //
-// predict_step() replays one optimizer step of the ZeRO-3 engine (src/scheduler/engine.cpp)
+// predict_step() replays one optimizer step of the ZeRO-3 engine (src/scheduler/*: engine_impl.h)
 // on paper: the same units in the same order, the same streams and their FIFO order, the same
 // waits. Each resource is a lane that does one thing at a time; an operation starts when its
 // lane is free and its inputs are ready, and lasts bytes / measured bandwidth (or the measured

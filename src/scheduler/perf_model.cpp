@@ -6,9 +6,10 @@
 // measured time. Waits are the engine's waits. The step's length, each lane's busy time and
 // the schedule (for the timeline picture) fall out. When a step leaves work for the next one
 // (kept early optimizer work finished behind), two steps are replayed and the second, a
-// steady-state step, is the prediction. Keep this file in step with
-// src/scheduler/engine.cpp: when the engine changes what it overlaps, this must change too,
-// and strata-prof --validate is how a mismatch shows.
+// steady-state step, is the prediction. What it replays is the engine's schedule: fetches
+// (param_coordinator.cpp), gradient reduction (grad_reduce.cpp), the optimizer pass
+// (optimizer_step.cpp) and the early step (early_step.cpp); when the engine changes what it
+// overlaps this must follow, and strata-prof --validate is how a mismatch shows.
 #include "strata/perf_model.h"
 
 #include <algorithm>
