@@ -670,6 +670,19 @@ __device__ void tile_dsum(float* d, const float* dout, const float* o, i64 ld, i
 // WMMA on bf16 needs sm_80; the module is built for sm_90 (CMAKE_CUDA_ARCHITECTURES). A build
 // for an older GPU compiles the kernels below to a trap.
 
+// S for 16 keys (chunk n of the staged K tile ks, rows of LD elements) against the warp's 16
+// query rows qf (NF fragments of 16 head dims): sf = Q K^T, fp32.
+template <int NF, int LD>
+__device__ __forceinline__ void score_chunk(FragC& sf, const FragA (&qf)[NF], const bf16_t* ks, int n) {
+  wmma::fill_fragment(sf, 0.0f);
+#pragma unroll
+  for (int kk = 0; kk < NF; ++kk) {
+    FragBt kb;
+    wmma::load_matrix_sync(kb, ks + n * 16 * LD + kk * 16, LD);
+    wmma::mma_sync(sf, qf[kk], kb, sf);
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kAttnThreads)
     k_attention_forward_tiled(const float* qkv, float* o, float* lse, int b, int t, int nh, int nkv, float scale) {
@@ -711,13 +724,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll 1
     for (int n = 0; n < kChunks; ++n) {
       FragC sf;
-      wmma::fill_fragment(sf, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < NF; ++kk) {
-        FragBt kb;
-        wmma::load_matrix_sync(kb, ks + n * 16 * LD + kk * 16, LD);
-        wmma::mma_sync(sf, qf[kk], kb, sf);
-      }
+      score_chunk<NF, LD>(sf, qf, ks, n);
       wmma::store_matrix_sync(ss + w0 * kSLd + n * 16, sf, kSLd, wmma::mem_row_major);
     }
     __syncwarp();
@@ -756,13 +763,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll 1
     for (int n = 0; n < kChunks; ++n) {
       FragC sf;
-      wmma::fill_fragment(sf, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < NF; ++kk) {
-        FragBt kb;
-        wmma::load_matrix_sync(kb, ks + n * 16 * LD + kk * 16, LD);
-        wmma::mma_sync(sf, qf[kk], kb, sf);
-      }
+      score_chunk<NF, LD>(sf, qf, ks, n);
 #pragma unroll
       for (int i = 0; i < kFragElems; ++i) {
         const int r = idx.row(i), c = idx.col(i), s = k0 + n * 16 + c;
