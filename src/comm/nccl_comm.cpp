@@ -144,10 +144,12 @@ class NcclCommunicator final : public Communicator {
         watchdog_(
             rank, world_size, timeout_s,
             [this](const std::string& msg) {
-              (void)ncclCommAbort(comm_);  // frees the GPU from kernels waiting on dead peers
+              abort_comm();  // frees the GPU from kernels waiting on dead peers
               abort_job(msg);
             },
             [this]() -> std::string {
+              std::lock_guard<std::mutex> lock(comm_mu_);
+              if (aborted_) return {};
               ncclResult_t r = ncclSuccess;
               if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress)
                 return {};
@@ -163,12 +165,17 @@ class NcclCommunicator final : public Communicator {
       pending.swap(recent_);
     }
     for (auto& e : pending) (void)cudaEventSynchronize(e->ev);
+    if (aborted_) return;  // comm_ is gone
+    bool finalized = false;
     try {
       STRATA_NCCL_SETTLE(ncclCommFinalize(comm_));  // non-blocking: flushed in the background
+      finalized = true;
     } catch (const std::exception& e) {
       log::warn("rank {}: {}", rank(), e.what());
     }
-    (void)ncclCommDestroy(comm_);
+    // After an error NCCL's rule is to abort: a destroy could wait for work that never ends.
+    if (finalized) (void)ncclCommDestroy(comm_);
+    else (void)ncclCommAbort(comm_);
   }
 
  protected:
@@ -229,6 +236,10 @@ class NcclCommunicator final : public Communicator {
     GpuGuard guard(ordinal_);
     const bool group = c.inputs.size() > 1;
     {
+      // No call while the watchdog aborts the communicator (which frees it), and none after.
+      std::lock_guard<std::mutex> nccl_lock(comm_mu_);
+      STRATA_REQUIRE(!aborted_, "{}: the NCCL communicator was aborted (a collective timed out or failed); the "
+                     "job is ending", c.describe());
       const gpu::GpuSpan span(c.name(), s);  // while traced: the collective's GPU time, on the stream's lane
       if (group) STRATA_NCCL_CHECK(ncclGroupStart());
       try {
@@ -274,6 +285,15 @@ class NcclCommunicator final : public Communicator {
   std::vector<std::shared_ptr<DoneEvent>> recent_;  // not yet seen complete; the destructor waits
   std::mutex note_mu_;
   int in_flight_ = 0;  // collectives the watchdog has not yet seen complete (under note_mu_)
+  // Guards comm_ against its abort: NCCL calls and polls take it; abort_comm() frees comm_ once.
+  std::mutex comm_mu_;
+  bool aborted_ = false;
+  void abort_comm() {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    (void)ncclCommAbort(comm_);
+  }
   Watchdog watchdog_;  // last: its thread polls the members above
 };
 
@@ -316,9 +336,14 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const ncclResult_t rc = ncclCommInitRankConfig(&comm, li.world_size, id, li.rank, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
-    settle(comm, rc, "ncclCommInitRankConfig (NCCL's bootstrap, which every rank joins)", __FILE__, __LINE__,
-           li.rank, li.world_size, timeout_s);
+    try {
+      if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
+      settle(comm, rc, "ncclCommInitRankConfig (NCCL's bootstrap, which every rank joins)", __FILE__, __LINE__,
+             li.rank, li.world_size, timeout_s);
+    } catch (...) {
+      if (comm) (void)ncclCommAbort(comm);  // its bootstrap and proxy threads, its sockets
+      throw;
+    }
   }
   if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
   log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,

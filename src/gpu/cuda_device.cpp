@@ -471,6 +471,7 @@ class CudaDevice final : public Device {
   std::vector<std::pair<std::uint64_t, Block*>> deferred_;
   std::uint64_t deferrals_ = 0;
   std::size_t releasing_ = 0;                   // segments being returned with mu_ released
+  std::size_t awaited_ = 0;                     // pending blocks place() waits for with mu_ released
   std::condition_variable released_cv_;         // signalled when releasing_ falls
   std::vector<cudaEvent_t> event_pool_;
   std::unordered_map<std::uint64_t, CudaStream*> streams_;
@@ -492,6 +493,9 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   capacity_ = capacity_bytes == 0 ? default_cuda_capacity(free_bytes, total_bytes) : capacity_bytes;
+  // Whole 512-byte units: the last segment below the cap is what is left of it, and a block
+  // carved from the top of a segment of an odd size would start misaligned.
+  capacity_ = capacity_ / kSmallUnit * kSmallUnit;
   if (capacity_ > free_bytes) {
     log::warn("{}: the device memory cap {} is more than the {} free now; allocations may fail "
               "before reaching it",
@@ -505,17 +509,18 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
 // and no later GEMM loads a module while a host function's spinning wait holds a stream.
 // The handle is kept for the first stream (spare_resources_).
 void CudaDevice::warm_up_gemms() {
-  auto res = std::make_unique<StreamResources>();
-  STRATA_CUBLAS_CHECK(cublasCreate(&res->blas));
-  spare_resources_.push_back(std::move(res));
-  cublasHandle_t h = spare_resources_.back()->blas;
-  STRATA_CUBLAS_CHECK(cublasSetStream(h, nullptr));
-  constexpr int kN = 64;
+  cublasHandle_t h = nullptr;
+  STRATA_CUBLAS_CHECK(cublasCreate(&h));
+  cudaStream_t s = nullptr;
   void* buf = nullptr;
-  STRATA_CUDA_CHECK(cudaMalloc(&buf, 3 * kN * kN * sizeof(float)));
+  constexpr int kN = 64;
   std::exception_ptr failure;
   try {
-    STRATA_CUDA_CHECK(cudaMemset(buf, 0, 3 * kN * kN * sizeof(float)));
+    // A stream of its own: a device-wide wait would wait for other CudaDevices' work too.
+    STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    STRATA_CUBLAS_CHECK(cublasSetStream(h, s));
+    STRATA_CUDA_CHECK(cudaMalloc(&buf, 3 * kN * kN * sizeof(float)));
+    STRATA_CUDA_CHECK(cudaMemsetAsync(buf, 0, 3 * kN * kN * sizeof(float), s));
     char* a = static_cast<char*>(buf);
     char* b = a + kN * kN * sizeof(float);
     char* c = b + kN * kN * sizeof(float);
@@ -527,12 +532,20 @@ void CudaDevice::warm_up_gemms() {
       for (const cublasOperation_t op : {CUBLAS_OP_N, CUBLAS_OP_T})
         STRATA_CUBLAS_CHECK(cublasGemmEx(h, op, CUBLAS_OP_N, kN, kN, kN, &one, a, ab, kN, b, ab, kN, &zero,
                                          c, ct, kN, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    STRATA_CUDA_CHECK(cudaStreamSynchronize(s));
   } catch (...) {
     failure = std::current_exception();
   }
-  if (cudaFree(buf) != cudaSuccess) (void)cudaGetLastError();
-  if (failure) std::rethrow_exception(failure);
+  if (buf && cudaFree(buf) != cudaSuccess) (void)cudaGetLastError();
+  if (s && cudaStreamDestroy(s) != cudaSuccess) (void)cudaGetLastError();
+  if (failure) {
+    if (cublasDestroy(h) != CUBLAS_STATUS_SUCCESS) (void)cudaGetLastError();
+    std::rethrow_exception(failure);
+  }
+  // Kept for the first stream, which binds it to itself (its stream here is gone).
+  auto res = std::make_unique<StreamResources>();
+  res->blas = h;
+  spare_resources_.push_back(std::move(res));
 }
 
 CudaDevice::~CudaDevice() {
@@ -702,11 +715,13 @@ Block* CudaDevice::take_pending(std::size_t size, std::uint64_t stream_id) {
 }
 
 void CudaDevice::collect_pending() {
-  std::erase_if(pending_, [&](Block* b) {
-    if (!event_done(b->event)) return false;
-    to_pool(b);
-    return true;
-  });
+  // The completed ones are taken out first: event_done throws on a sticky error, and pending_
+  // must then still hold every block it held (none freed behind it).
+  std::vector<Block*> done;
+  for (Block* b : pending_)
+    if (event_done(b->event)) done.push_back(b);
+  std::erase_if(pending_, [&](Block* b) { return std::find(done.begin(), done.end(), b) != done.end(); });
+  for (Block* b : done) to_pool(b);
 }
 
 void CudaDevice::to_pool(Block* b) {
@@ -738,6 +753,7 @@ Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lo
   TraceScope span("alloc_wait", "engine", size);  // the calling thread stalls: show it
   if (!pending_.empty()) {
     std::vector<Block*> waiting = std::exchange(pending_, {});
+    awaited_ += waiting.size();  // another allocation short of room waits for them (below)
     lock.unlock();
     std::exception_ptr failure;
     for (Block* b : waiting) {
@@ -751,6 +767,8 @@ Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lo
       }
     }
     lock.lock();
+    awaited_ -= waiting.size();
+    released_cv_.notify_all();
     if (failure) {
       pending_.insert(pending_.end(), waiting.begin(), waiting.end());
       std::rethrow_exception(failure);
@@ -773,7 +791,9 @@ Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lo
   // Bytes another thread is returning to CUDA have left bytes_reserved before their cudaFree:
   // wait for them rather than fail while they are on their way. Bounded: should a free wait on
   // this thread (it never does in strata), the request fails as out of memory, not a hang.
-  released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0; });
+  // And for the pending blocks another allocation took out to wait for: they come back to the
+  // pool (it waited with mu_ released), not lost to this one, which would say out of memory.
+  released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0 && awaited_ == 0; });
   release_free_segments(lock);
   if ((off = pool_.alloc(size)) != detail::RangePool::kNone) return make(off);
   if ((off = place_new_segment(size)) != detail::RangePool::kNone) return make(off);
