@@ -33,6 +33,7 @@
 #include "comm/comm_internal.h"
 #include "gpu/nccl_version.h"
 #include "gpu/cuda_check.h"
+#include "gpu/cuda_module.h"
 #include "gpu/cuda_trace.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -345,6 +346,10 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
       throw;
     }
   }
+  // Its buffers are device memory strata's allocator does not see: the default cap is measured
+  // again now that they exist (those NCCL connects lazily, at the first collectives, come out of
+  // the cap's headroom).
+  gpu::backend::remeasure_default_capacity(device);
   if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
   log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,
              timeout_s);

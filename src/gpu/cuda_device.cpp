@@ -420,6 +420,19 @@ class CudaDevice final : public Device {
 
   int ordinal() const noexcept { return ordinal_; }
   StagingPool& staging() noexcept { return staging_; }
+  // backend::remeasure_default_capacity.
+  void remeasure_default_capacity() {
+    if (!default_capacity_) return;
+    DeviceGuard guard(ordinal_);
+    std::size_t free_bytes = 0, total_bytes = 0;
+    STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::size_t cap = default_cuda_capacity(free_bytes + stats_.bytes_reserved, total_bytes) / kSmallUnit * kSmallUnit;
+    if (cap >= capacity_) return;
+    log::debug("{}: the device memory cap is {} after memory outside strata's allocator was taken (was {})", name(),
+               gib(cap), gib(capacity_));
+    capacity_ = std::max(cap, stats_.bytes_reserved);
+  }
   std::unique_ptr<StreamResources> take_resources();
   void give_back_resources(std::unique_ptr<StreamResources> res) noexcept;
   void add_stream(CudaStream* s);
@@ -457,6 +470,7 @@ class CudaDevice final : public Device {
   std::string gpu_name_;
   int numa_node_ = -1;
   std::size_t capacity_ = 0;
+  bool default_capacity_ = false;  // capacity_ measured from the free memory (no cap was given)
   std::atomic<std::uint64_t> next_stream_id_{1};
   StagingPool staging_;
 
@@ -492,6 +506,7 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   warm_up_gemms();
   std::size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  default_capacity_ = capacity_bytes == 0;
   capacity_ = capacity_bytes == 0 ? default_cuda_capacity(free_bytes, total_bytes) : capacity_bytes;
   // Whole 512-byte units: the last segment below the cap is what is left of it, and a block
   // carved from the top of a segment of an odd size would start misaligned.
@@ -1211,6 +1226,11 @@ std::unique_ptr<Device> make_device(const CudaDeviceOptions& options) {
                  "CUDA device ordinal {} out of range: this machine has {} GPU(s), cuda:0..cuda:{}",
                  ordinal, p.device_count, p.device_count - 1);
   return std::make_unique<CudaDevice>(ordinal, options.capacity_bytes);
+}
+
+void remeasure_default_capacity(Device& device) {
+  if (device.kind() != DeviceKind::kCuda) return;
+  static_cast<CudaDevice&>(device).remeasure_default_capacity();
 }
 
 std::vector<ComponentVersion> component_versions() {

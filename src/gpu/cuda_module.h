@@ -66,6 +66,10 @@ std::unique_ptr<Device> make_device(const CudaDeviceOptions& options);
 std::vector<ComponentVersion> component_versions();
 std::vector<std::string> device_descriptions();
 GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters);
+// After memory the device's allocator does not see was taken (the NCCL communicator's buffers):
+// a CudaDevice whose cap is the default measures again, its cap lowered to the free memory now
+// (plus what its allocator holds) less the headroom. A no-op for other devices and set caps.
+void remeasure_default_capacity(Device& device);
 }  // namespace backend
 
 // The host's side (cuda_loader.cpp, in every build): the module's table, loaded on first use
