@@ -201,8 +201,8 @@ void require_space(const std::string& dir, const std::string& file, std::size_t 
                  dir, human_bytes(double(free)), human_bytes(double(size)));
 }
 
-// Where a run's buffers come from. kSame: 4 KiB pages of one tmpfs file that our runs and fio
-// (--mem=mmapshared:FILE) both map, so both read into the very same physical pages: with 4 KiB
+// Where a run's buffers come from. kSame: 4 KiB pages of one shared memory (a memfd) that our
+// runs and fio (--mem=mmapshared:FILE) both map, so both read into the very same physical pages: with 4 KiB
 // pages how a buffer lies in physical memory decides a virtio disk's read speed (physical_runs),
 // and each side's own allocation (kNormal) is a draw from the kernel's free lists.
 enum class Buffers { kHuge, kNormal, kSame };
@@ -796,7 +796,7 @@ void add_nvme_command(CLI::App& app) {
   c->add_option("--queue-depth", a->queue_depth, "requests in flight per ring")->check(CLI::Range(1, 4096));
   c->add_option("--threads", a->threads, "rings / worker threads")->check(CLI::Range(1, 64));
   c->add_option("--buffers", a->buffers,
-                "huge, normal, same (4 KiB pages of one tmpfs file that fio reads into too), both (huge, normal) "
+                "huge, normal, same (4 KiB pages of one shared memory, a memfd, that fio reads into too), both (huge, normal) "
                 "or all")
       ->check(CLI::IsMember({"huge", "normal", "same", "both", "all"}));
   c->add_option("--engine", a->engine, "auto, io_uring or threads")->check(CLI::IsMember({"auto", "io_uring", "threads"}));
