@@ -643,6 +643,46 @@ TEST(Engine, StepWaitsForComputeReadsQueuedBeforeRelease) {
   }
 }
 
+// zero_optimization.overlap_comm false: a unit's gradient buffer is made only once the last
+// unit's reduce has finished (and freed its buffer), as the plan counts one; with it true (the
+// stage-3 default) both are alive while that reduce is queued. The first reduce is held up behind
+// a slow op on the compute stream, so which it is does not depend on timing.
+TEST(Engine, WithoutOverlapCommOneUnitGradientIsAliveAtATime) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 256, 256, 64}, 4, 7);
+  std::size_t in_use[2] = {};
+  std::uint64_t waits[2] = {};
+  std::vector<float> weights[2];
+  for (const bool overlap : {true, false}) {
+    EngineConfig cfg = default_engine_config();
+    cfg.compute_dtype = DType::kF32;
+    cfg.overlap_comm = overlap;
+    Rig rig(HostDeviceOptions{}, cfg, model);
+    Engine& e = *rig.engine;
+    Stream* s = rig.stream.get();
+    for (int l = model.layers() - 1; l >= 0; --l) {
+      TensorRef w = e.fetch(l, *s);
+      (void)w;
+      TensorRef g = e.grad_buffer(l, *s);
+      if (l == model.layers() - 2) in_use[overlap] = rig.dev->stats().bytes_in_use;
+      s->fill(g, 0.01f * float(l + 1));
+      if (l == model.layers() - 1) s->host_fn([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, "slow");
+      e.reduce_grad(l, *s);
+      e.release(l, *s);
+    }
+    e.step(1e-2f);
+    s->synchronize();
+    waits[overlap] = e.stats().grad_serial_waits;
+    weights[overlap] = e.master_shard(0);
+  }
+  const std::size_t last_grad = model.dims[model.dims.size() - 2] * model.dims.back() * 4;  // the first unit reduced
+  EXPECT_GE(in_use[true], in_use[false] + last_grad) << "with overlap_comm " << in_use[true] << " bytes in use, "
+                                                     << "without " << in_use[false];
+  EXPECT_EQ(waits[true], 0u);
+  EXPECT_GE(waits[false], 1u);
+  EXPECT_EQ(weights[true], weights[false]) << "the same step either way";
+}
+
 // An fp16 overflow skips the step; the next forward still follows the recorded order.
 TEST(Engine, OverflowSkippedStepKeepsThePrefetchTrace) {
   STRATA_NEEDS_DEVICE();

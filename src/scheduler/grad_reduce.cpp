@@ -90,6 +90,15 @@ TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
                  "call set_eval(false) before training");
   Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.g.full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
+  if (s.last_reduce.valid()) {
+    // overlap_comm false: the last unit's reduce (and the free of its gradient) first.
+    std::optional<TraceScope> span;
+    if (!s.last_reduce.query()) {
+      span.emplace("grad_serial_wait", "engine");
+      ++s.st.grad_serial_waits;
+    }
+    std::exchange(s.last_reduce, Event()).synchronize();
+  }
   u.g.full = s.alloc(u.padded * 4, &compute);
   // The padding is always zero: it is reduced, and its squares go into the gradient norm.
   const std::size_t from = init == GradInit::kOverwrite ? u.numel : 0;
@@ -190,6 +199,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   if (full) full.reset_on(cs);                // its last use: the accumulation above
   u.g.fresh = false;
   s.note_grad(std::size_t(unit), cs);
+  if (!s.cfg.overlap_comm) s.last_reduce = cs.record();
 }
 
 }  // namespace strata
