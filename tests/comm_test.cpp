@@ -119,6 +119,16 @@ class Collectives : public ::testing::Test {
     return 0;
   }
 
+  // Every rank's values(t, seed, r, n), rank after rank: what a gather or all-gather yields.
+  std::vector<float> gathered(DType t, std::uint64_t seed, std::size_t n) {
+    std::vector<float> out;
+    for (int r = 0; r < W; ++r) {
+      const auto v = values(t, seed, r, n);
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  }
+
   // The element-wise reduction of every rank's values(t, seed, r, n), rounded to t.
   std::vector<float> reduced(DType t, std::uint64_t seed, std::size_t n, ReduceOp op) {
     std::vector<float> acc = values(t, seed, 0, n);
@@ -166,11 +176,7 @@ TEST_F(Collectives, AllGather) {
       Buffer out = dev->alloc(n * W * dtype_size(t));
       Event e = comm->all_gather(tensor(in, t, n), tensor(out, t, n * W), *s);
       e.synchronize();
-      std::vector<float> expect;
-      for (int r = 0; r < W; ++r) {
-        const auto v = values(t, seed, r, n);
-        expect.insert(expect.end(), v.begin(), v.end());
-      }
+      const std::vector<float> expect = gathered(t, seed, n);
       EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
     }
 }
@@ -250,11 +256,7 @@ TEST_F(Collectives, GatherToOneRoot) {
       Buffer out = R == root ? dev->alloc(n * W * dtype_size(t)) : Buffer();
       comm->gather(tensor(in, t, n), R == root ? tensor(out, t, n * W) : TensorRef{}, root, *s).synchronize();
       if (R != root) continue;
-      std::vector<float> expect;
-      for (int r = 0; r < W; ++r) {
-        const auto v = values(t, seed, r, n);
-        expect.insert(expect.end(), v.begin(), v.end());
-      }
+      const std::vector<float> expect = gathered(t, seed, n);
       EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
     }
   // In place on rank 0: its input is block 0 of the output.
@@ -267,11 +269,7 @@ TEST_F(Collectives, GatherToOneRoot) {
   Buffer buf = upload(t, init);
   comm->gather(tensor(buf, t, n), R == 0 ? tensor(buf, t, n * W) : TensorRef{}, 0, *s).synchronize();
   if (R == 0) {
-    std::vector<float> expect;
-    for (int r = 0; r < W; ++r) {
-      const auto v = values(t, seed, r, n);
-      expect.insert(expect.end(), v.begin(), v.end());
-    }
+    const std::vector<float> expect = gathered(t, seed, n);
     EXPECT_EQ(first_diff(download(buf, n * W * 4), encode(t, expect), 4), -1) << "in place";
   }
   Buffer a = dev->alloc(64 * 4), b = dev->alloc(64 * 4 * std::size_t(W));
@@ -341,11 +339,7 @@ TEST_F(Collectives, InPlaceLayouts) {
     std::copy(mine.begin(), mine.end(), init.begin() + R * n);
     Buffer buf = upload(t, init);
     comm->all_gather(tensor(buf, t, n, R * n), tensor(buf, t, n * W), *s).synchronize();
-    std::vector<float> expect;
-    for (int r = 0; r < W; ++r) {
-      const auto v = values(t, seed, r, n);
-      expect.insert(expect.end(), v.begin(), v.end());
-    }
+    const std::vector<float> expect = gathered(t, seed, n);
     EXPECT_EQ(first_diff(download(buf, n * W * es), encode(t, expect), es), -1) << "all_gather " << dtype_name(t);
     // reduce_scatter: the output is block R of the input.
     Buffer rs = upload(t, values(t, seed + 1, R, n * W));
