@@ -760,10 +760,12 @@ void UringWorker::run() {
       const std::size_t bytes = c->bytes;
       // The span is the chunk's time in the drive (submission to completion), so the union
       // of a lane's spans is the time the drive had work: its busy time in a step.
+      // Recorded before the completion is handed on: a waiter released by it may stop the
+      // tracer, and the request's span belongs to what it waited for.
       const std::int64_t t0 = c->issued_ns;
-      if (eng_->on_cqe(c, res)) local.push_front(c);
       if (t0 && tracer.enabled())
         tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(), bytes);
+      if (eng_->on_cqe(c, res)) local.push_front(c);
     } while (io_uring_peek_cqe(&ring_, &cqe) == 0);
   }
 }
