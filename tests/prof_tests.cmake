@@ -18,3 +18,7 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   set_tests_properties(prof_mpi PROPERTIES LABELS "unit;prof;mpi" TIMEOUT 300 PROCESSORS 2
                                            ENVIRONMENT "${strata_prof_mpi_env}")
 endif()
+# The model held to the engine: each placement class's step traced on the emulated device and
+# replayed by the model, stream by stream (see conformance_test.cpp).
+strata_add_test(conformance_test SOURCES conformance_test.cpp LABELS unit)
+target_link_libraries(conformance_test PRIVATE strata_trainer)

@@ -579,7 +579,7 @@ std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans) {
   for (const auto& sp : spans) {
     const Resource r = lane_of(sp);
     if (r == Resource::kCount || sp.end_ns <= sp.start_ns) continue;
-    out.push_back({r, double(sp.start_ns - t0) / 1e9, double(sp.end_ns - t0) / 1e9, sp.name});
+    out.push_back({r, double(sp.start_ns - t0) / 1e9, double(sp.end_ns - t0) / 1e9, sp.name, sp.lane, sp.bytes});
   }
   return out;
 }

@@ -101,6 +101,11 @@ struct Interval {
   Resource lane;
   double start_s = 0, end_s = 0;
   std::string what;  // "fwd layers.3", "h2d layers.3", "adamw embed", ...
+  // The engine's stream it is queued on ("fetch", "comm", "optimizer", "writeback", "compute"),
+  // "host" / "early" for the engine's host thread / early-optimizer worker, "" for an NVMe
+  // request; and the bytes it moves (copies and NVMe requests; 0 for compute).
+  std::string stream;
+  std::uint64_t bytes = 0;
 };
 
 struct Prediction {

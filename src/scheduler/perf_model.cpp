@@ -47,6 +47,12 @@ constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 constexpr double kNever = std::numeric_limits<double>::infinity();
 
 enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kWbS, kNumStreams };
+// As Interval::stream names them: the engine's stream names (engine.cpp), "host" and "early"
+// for its host thread and early-optimizer worker, "" for none.
+const char* stream_name(StreamId s) {
+  constexpr const char* kNames[] = {"compute", "fetch", "comm", "optimizer", "host", "early", "writeback", ""};
+  return kNames[s];
+}
 
 struct SimUnit {
   std::uint64_t numel = 0, padded = 0, shard = 0;
@@ -87,13 +93,15 @@ class Sim {
 
   // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
   // `ready`; returns its end. `weight`: cores it uses (< 0: the lane's).
-  double op(StreamId s, Resource r, double ready, double dur, const std::string& what, double weight = -1) {
-    const double end = lane(r, std::max(stream_free[s], ready), dur, what, weight);
+  double op(StreamId s, Resource r, double ready, double dur, const std::string& what, double weight = -1,
+            double bytes = 0) {
+    const double end = lane(r, std::max(stream_free[s], ready), dur, what, weight, bytes, s);
     stream_free[s] = end;
     return end;
   }
   // Work that is not on a stream (NVMe requests): the lane only (kCount: no lane, no wait).
-  double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1) {
+  double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1, double bytes = 0,
+              StreamId s = kNumStreams) {
     if (weight < 0) weight = share ? share->lane_weight[int(r)] : 0.0;
     dur = stretched(std::max(dur, 0.0), weight);
     if (r == Resource::kCount) {
@@ -104,7 +112,7 @@ class Sim {
     const double end = start + dur;
     lane_free[int(r)] = end;
     busy[int(r)] += end - start;
-    if (end > start) schedule.push_back({r, start, end, what});
+    if (end > start) schedule.push_back({r, start, end, what, stream_name(s), std::uint64_t(bytes)});
     note(start, end, weight);
     return end;
   }
@@ -325,13 +333,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         break;
       case Tier::kHost:
         sim.wait(kFetchS, x.w_written);
-        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
+        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
         break;
       case Tier::kNvme: {
         bound(param_staging, std::size_t(c.param_buffer_count));
-        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps), "read w " + name(i));
+        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps), "read w " + name(i), -1, bytes);
         sim.wait(kFetchS, rd);
-        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i));
+        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
         param_staging.push_back(ready);
         break;
       }
@@ -355,7 +363,7 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     h = std::max(h, worker_done(i));
     pending[i] = false;
     if (!x.resident && x.w != Tier::kDevice) return;
-    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps), "h2d w " + name(i));
+    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps), "h2d w " + name(i), -1, double(x.shard) * csz);
     if (x.resident && W > 1)
       t = sim.op(kFetchS, Resource::kComm, t, all_gather_s(x), "all-gather " + name(i));
     if (x.resident) x.ready = t;
@@ -465,14 +473,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)), "read state " + name(i));
+      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)), "read state " + name(i), -1, 12 * group_size(x, 0));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)), "read state " + name(i));
+        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)), "read state " + name(i), -1, 12 * group_size(x, g + 1));
       if (g + 1 == G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
         ahead_pending = true;
@@ -488,11 +496,11 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps), "write state " + name(i)));
+        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps), "write state " + name(i), -1, 12 * len));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
-        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i)));
+        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i), -1, w_bytes));
         io = std::max(io, early_w_writes.back());
       }
     }
@@ -573,20 +581,20 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         // What the keys hold, read back by the host (not for the step's first gradient) while
         // the bucket comes over; added, its squares summed, written behind.
         const double rd =
-            first_micro_batch ? h : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len), "read grad " + name(i));
-        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+            first_micro_batch ? h : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len), "read grad " + name(i), -1, 4.0 * len);
+        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
         t = std::max(t, rd);
         if (!first_micro_batch)
           t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores);
         // cpu::SumSquares is serial: one core's share of the (all-core) rate.
         t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores), "norm " + name(i), 1);
-        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps), "write grad " + name(i)));
+        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps), "write grad " + name(i), -1, 4.0 * len));
         grad_writes = std::max(grad_writes, grad_nvme.back());
       } else if (first_micro_batch) {  // straight into the accumulator
-        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
       } else {
         bound(grad_staging, 2);
-        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i));
+        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
         grad_staging.push_back(
             sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores));
         ready = grad_staging.back();
@@ -670,9 +678,19 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS], grad_writes});  // (NVMe gradients written)
     grad_nvme.clear();
     // gradient norm: device shards on the optimizer stream, host shards on the host thread
+    bool any_device_grad = false;
     for (std::size_t i = 0; i < N; ++i)
-      if (u[i].g == Tier::kDevice)
+      if (u[i].g == Tier::kDevice) {
         sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+        any_device_grad = true;
+      }
+    if (any_device_grad)  // each unit's sum of squares read back (Engine::Impl::grad_sumsq)
+      sim.op(kOptS, Resource::kD2H, h, secs(4.0 * double(N), m.d2h_bps), "d2h norm", -1, 4.0 * double(N));
+    if (W > 1) {  // the rank's sum all-reduced through the device, in fp64
+      sim.op(kOptS, Resource::kH2D, h, secs(8, m.h2d_bps), "h2d norm", -1, 8);
+      sim.op(kOptS, Resource::kComm, h, secs(8, m.all_gather_bps), "all-reduce norm");
+      sim.op(kOptS, Resource::kD2H, h, secs(8, m.d2h_bps), "d2h norm", -1, 8);
+    }
     std::vector<bool> kept(N, false);
     for (std::size_t i : early_order) kept[i] = true;
     // The early worker computed the norm's part of the units it got to by now (it does those
@@ -703,15 +721,15 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       const auto [i, g] = nvme_groups[k];
       read_done[k] = h;
       if (u[i].o == Tier::kNvme)
-        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i));
+        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i), -1, 12.0 * group_size(u[i], g));
       if (u[i].g == Tier::kNvme)
         read_done[k] = std::max(
-            read_done[k], sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)), "read grad " + name(i)));
+            read_done[k], sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)), "read grad " + name(i), -1, 4.0 * group_size(u[i], g)));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
     auto write_behind = [&](double bytes, double ready, const std::string& what) {
-      const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what);
+      const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what, -1, bytes);
       all_writes = std::max(all_writes, end);
       return end;
     };
@@ -739,12 +757,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (x.o == Tier::kDevice) {
         double t = h;
         if (x.g == Tier::kHost)
-          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i));
+          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i), -1, 4 * n);
         if (x.g == Tier::kNvme) {  // a sub-group at a time, the host waiting for each
           for (std::uint64_t g = 0; g < groups(x); ++g) {
             const double len = group_size(x, g);
-            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i));
-            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps), "h2d grad " + name(i));
+            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i), -1, 4 * len);
+            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps), "h2d grad " + name(i), -1, 4 * len);
           }
         }
         t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
@@ -755,12 +773,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
           // written by the host from there.
           sim.wait(kWbS, t);
           if (x.w == Tier::kHost) {
-            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i));
+            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i), -1, w_bytes);
           } else {
             for (std::uint64_t g = 0; g < groups(x); ++g) {
               const double len_w = group_size(x, g) * csz;
               stage_w();
-              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps), "d2h w " + name(i)));
+              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps), "d2h w " + name(i), -1, len_w));
               w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
             }
           }
@@ -778,12 +796,12 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
           h = std::max(h, read_done[k]);
         }
         if (x.g == Tier::kDevice)
-          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i));
+          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4 * len);
         if (target_dev || x.w == Tier::kNvme) stage_w();
         h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
         if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
-          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps), "h2d w " + name(i)));
+          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps), "h2d w " + name(i), -1, len_w));
         if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
         if (!x.resident && x.w == Tier::kNvme) w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
       }
