@@ -18,9 +18,8 @@
 #include <deque>
 #include <functional>
 #include <limits>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "scheduler/layout.h"
 #include "strata/dtype.h"
@@ -30,13 +29,20 @@ namespace strata {
 
 const char* resource_name(Resource r) {
   switch (r) {
-    case Resource::kCompute: return "compute";
-    case Resource::kH2D: return "h2d";
-    case Resource::kD2H: return "d2h";
-    case Resource::kNvme: return "nvme";
-    case Resource::kCpu: return "cpu";
-    case Resource::kComm: return "comm";
-    case Resource::kCount: break;
+    case Resource::kCompute:
+      return "compute";
+    case Resource::kH2D:
+      return "h2d";
+    case Resource::kD2H:
+      return "d2h";
+    case Resource::kNvme:
+      return "nvme";
+    case Resource::kCpu:
+      return "cpu";
+    case Resource::kComm:
+      return "comm";
+    case Resource::kCount:
+      break;
   }
   return "?";
 }
@@ -50,7 +56,8 @@ enum StreamId { kComputeS, kFetchS, kCommS, kOptS, kHostS, kEarlyS, kWbS, kNumSt
 // As Interval::stream names them: the engine's stream names (engine.cpp), "host" and "early"
 // for its host thread and early-optimizer worker, "" for none.
 const char* stream_name(StreamId s) {
-  constexpr const char* kNames[] = {"compute", "fetch", "comm", "optimizer", "host", "early", "writeback", ""};
+  constexpr const char* kNames[] = {"compute", "fetch", "comm",      "optimizer",
+                                    "host",    "early", "writeback", ""};
   return kNames[s];
 }
 
@@ -70,7 +77,8 @@ struct SimUnit {
 // time that is CPU work, the rest sleeps, as a throttled copy does). cores == 0: nothing shared.
 struct CoreShare {
   double cores = 0;
-  double lane_weight[int(Resource::kCount) + 1] = {};  // by lane; the last: no lane (device memory passes, frees)
+  double lane_weight[int(Resource::kCount) + 1] =
+      {};  // by lane; the last: no lane (device memory passes, frees)
 };
 
 // One operation's use of the cores, for the next replay's stretch.
@@ -93,15 +101,15 @@ class Sim {
 
   // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
   // `ready`; returns its end. `weight`: cores it uses (< 0: the lane's).
-  double op(StreamId s, Resource r, double ready, double dur, const std::string& what, double weight = -1,
-            double bytes = 0) {
+  double op(StreamId s, Resource r, double ready, double dur, const std::string& what,
+            double weight = -1, double bytes = 0) {
     const double end = lane(r, std::max(stream_free[s], ready), dur, what, weight, bytes, s);
     stream_free[s] = end;
     return end;
   }
   // Work that is not on a stream (NVMe requests): the lane only (kCount: no lane, no wait).
-  double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1, double bytes = 0,
-              StreamId s = kNumStreams) {
+  double lane(Resource r, double ready, double dur, const std::string& what, double weight = -1,
+              double bytes = 0, StreamId s = kNumStreams) {
     if (weight < 0) weight = share ? share->lane_weight[int(r)] : 0.0;
     dur = stretched(std::max(dur, 0.0), weight);
     if (r == Resource::kCount) {
@@ -112,7 +120,8 @@ class Sim {
     const double end = start + dur;
     lane_free[int(r)] = end;
     busy[int(r)] += end - start;
-    if (end > start) schedule.push_back({r, start, end, what, stream_name(s), std::uint64_t(bytes)});
+    if (end > start)
+      schedule.push_back({r, start, end, what, stream_name(s), std::uint64_t(bytes)});
     note(start, end, weight);
     return end;
   }
@@ -166,13 +175,15 @@ std::vector<double> core_stretch(const std::vector<CoreUse>& uses, double cores)
     if (j == 0) return 0.0;
     // wanted between t[j-1] and t[j]: recover from the integral's slope
     if (j >= t.size()) return integral.back();
-    const double slope = t[j] > t[j - 1] ? (integral[j] - integral[j - 1]) / (t[j] - t[j - 1]) : 1.0;
+    const double slope =
+        t[j] > t[j - 1] ? (integral[j] - integral[j - 1]) / (t[j] - t[j - 1]) : 1.0;
     return integral[j - 1] + (x - t[j - 1]) * slope;
   };
   std::vector<double> out(uses.size(), 1.0);
   for (std::size_t i = 0; i < uses.size(); ++i) {
     const CoreUse& x = uses[i];
-    if (x.end > x.start && x.weight > 0) out[i] = std::max(1.0, (at(x.end) - at(x.start)) / (x.end - x.start));
+    if (x.end > x.start && x.weight > 0)
+      out[i] = std::max(1.0, (at(x.end) - at(x.start)) / (x.end - x.start));
   }
   return out;
 }
@@ -180,72 +191,146 @@ std::vector<double> core_stretch(const std::vector<CoreUse>& uses, double cores)
 double secs(double bytes, double rate) { return bytes <= 0 ? 0.0 : bytes / rate; }
 
 void need_rate(double rate, const char* what, const char* why) {
-  STRATA_REQUIRE(rate > 0 && std::isfinite(rate), "perf model: no {} rate was measured, and {} needs it", what, why);
+  STRATA_REQUIRE(rate > 0 && std::isfinite(rate),
+                 "perf model: no {} rate was measured, and {} needs it", what, why);
 }
 
 }  // namespace
 
 namespace {
+std::vector<std::uint64_t> numels(const ModelProfile& mp) {
+  std::vector<std::uint64_t> n;
+  for (const UnitCost& x : mp.units) n.push_back(x.numel);
+  return n;
+}
 
 // One replay of the step (see the file's head). `share`/`stretch`: core sharing (stretch by
 // operation index, from the previous replay; empty: none); each operation's use of the
 // cores goes to `uses`.
-Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c, const CoreShare& share,
-                  const std::vector<double>& stretch, std::vector<CoreUse>& uses) {
-  STRATA_REQUIRE(!mp.units.empty(), "perf model: the model profile has no units");
-  STRATA_REQUIRE(m.world_size >= 1, "perf model: world_size {} must be at least 1", m.world_size);
-  STRATA_REQUIRE(c.gradient_accumulation_steps >= 1, "perf model: gradient_accumulation_steps must be at least 1");
+class Replay {
+ public:
+  Replay(const MachineProfile& m_, const ModelProfile& mp_, const EngineConfig& c_,
+         const CoreShare& share_, const std::vector<double>& stretch)
+      : m(m_), mp(mp_), c(c_), share(share_) {
+    STRATA_REQUIRE(!mp.units.empty(), "perf model: the model profile has no units");
+    STRATA_REQUIRE(m.world_size >= 1, "perf model: world_size {} must be at least 1", m.world_size);
+    STRATA_REQUIRE(c.gradient_accumulation_steps >= 1,
+                   "perf model: gradient_accumulation_steps must be at least 1");
+    need_rate(m.device_mem_bps, "device memory", "every step");
+    need_rate(m.host_mem_bps, "host memory", "every step");
+    for (std::size_t i = 0; i < N; ++i) {
+      SimUnit& x = u[i];
+      x.numel = layout[i].numel;
+      x.padded = layout[i].padded;
+      x.shard = layout[i].shard;
+      x.resident = layout[i].resident;
+      x.w = layout[i].w;
+      x.g = layout[i].g;
+      x.o = layout[i].o;
+      if (!x.resident && x.w != Tier::kDevice)
+        need_rate(m.h2d_bps, "host-to-device", "offloaded parameters");
+      if (!x.resident && x.w == Tier::kNvme)
+        need_rate(m.nvme_read_bps, "NVMe read", "parameters on NVMe");
+      if (!x.resident && x.w == Tier::kNvme)
+        need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");
+      if (x.o == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "optimizer state on NVMe");
+      if (x.o == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "optimizer state on NVMe");
+      if (x.g == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "gradients on NVMe");
+      if (x.g == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "gradients on NVMe");
+      if (x.g == Tier::kNvme && x.o == Tier::kDevice)
+        need_rate(m.h2d_bps, "host-to-device", "NVMe gradients");
+      if (x.o != Tier::kDevice)
+        need_rate(m.cpu_adamw_params_per_s, "CPU AdamW", "optimizer state off the device");
+      if (x.o == Tier::kDevice)
+        need_rate(m.device_adamw_params_per_s, "device AdamW", "optimizer state on the device");
+      if (x.g != Tier::kDevice || x.o != Tier::kDevice || (!x.resident && x.w != Tier::kDevice))
+        need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
+      if (x.g == Tier::kHost && x.o == Tier::kDevice)
+        need_rate(m.h2d_bps, "host-to-device", "host gradients");
+    }
+    if (W > 1) {
+      need_rate(m.all_gather_bps, "all-gather", "more than one rank");
+      need_rate(m.reduce_scatter_bps, "reduce-scatter", "more than one rank");
+    }
+    std::vector<Use> one;
+    for (std::size_t i = 0; i < N; ++i) one.push_back({i, false});
+    for (std::size_t i = head; i-- > 1;) one.push_back({i, true});
+    for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a)
+      for (const Use& x : one)
+        if (!u[x.unit].resident) trace.push_back(x.unit);
+    sim.share = &share;
+    sim.stretch = &stretch;
+  }
+
+  // The prediction; each operation's use of the cores goes to `uses`.
+  Prediction run(std::vector<CoreUse>& uses) {
+    Prediction pr;
+    // Kept early work that a step leaves to finish behind (Engine::step) delays the next
+    // step's forward: then two steps are replayed, and the second is the prediction.
+    bool any_early = false;
+    for (const SimUnit& x : u) any_early = any_early || eligible(x);
+    const int passes = any_early ? 2 : 1;
+    double pass_start = 0, busy_before[int(Resource::kCount)] = {};
+    for (int pass = 0; pass < passes; ++pass) {
+      if (pass + 1 == passes) {
+        pass_start = h;
+        std::copy(std::begin(sim.busy), std::end(sim.busy), std::begin(busy_before));
+      }
+      pos = 0;
+      early_order.clear();
+      double fwd_total = 0, bwd_total = 0;
+      for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+        first_micro_batch = a == 0;
+        last_micro_batch = a + 1 == c.gradient_accumulation_steps;
+        fwd_total += forward();
+        bwd_total += backward();
+      }
+      pr.forward_s = fwd_total;
+      pr.backward_s = bwd_total;
+
+      pr.optimizer_s = optimizer_step();
+    }  // passes
+    pr.step_s = h - pass_start;
+
+    for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r] - busy_before[r];
+    int best = 0;
+    for (int r = 1; r < int(Resource::kCount); ++r)
+      if (pr.busy_s[r] > pr.busy_s[best]) best = r;
+    pr.bottleneck = Resource(best);
+    pr.tokens_per_s = pr.step_s > 0
+                          ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) *
+                                double(W) / pr.step_s
+                          : 0;
+    // The last step's window: what ran in it (the step before's work finished behind, too).
+    for (Interval iv : sim.schedule)
+      if (iv.end_s > pass_start) {
+        iv.start_s = std::max(iv.start_s, pass_start) - pass_start;
+        iv.end_s -= pass_start;
+        pr.schedule.push_back(iv);
+      }
+    uses = std::move(sim.uses);
+    return pr;
+  }
+
+ private:
+  const MachineProfile& m;
+  const ModelProfile& mp;
+  const EngineConfig& c;
+  const CoreShare& share;
   const std::size_t N = mp.units.size();
   const std::uint64_t W = std::uint64_t(m.world_size);
   const double csz = double(dtype_size(c.compute_dtype));
   const bool copy_out = c.compute_dtype != DType::kF32;
-  need_rate(m.device_mem_bps, "device memory", "every step");
-  need_rate(m.host_mem_bps, "host memory", "every step");
-
   // ---- units, tiers: as Engine::finalize places them (scheduler/layout.h) ----
-  std::vector<std::uint64_t> numel;
-  for (const auto& mu : mp.units) numel.push_back(mu.numel);
-  const std::vector<detail::UnitLayout> layout = detail::layout_units(c, numel, m.world_size);
-  std::vector<SimUnit> u(N);
-  for (std::size_t i = 0; i < N; ++i) {
-    SimUnit& x = u[i];
-    x.numel = layout[i].numel;
-    x.padded = layout[i].padded;
-    x.shard = layout[i].shard;
-    x.resident = layout[i].resident;
-    x.w = layout[i].w;
-    x.g = layout[i].g;
-    x.o = layout[i].o;
-    if (!x.resident && x.w != Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "offloaded parameters");
-    if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "parameters on NVMe");
-    if (!x.resident && x.w == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "parameters on NVMe");
-    if (x.o == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "optimizer state on NVMe");
-    if (x.o == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "optimizer state on NVMe");
-    if (x.g == Tier::kNvme) need_rate(m.nvme_read_bps, "NVMe read", "gradients on NVMe");
-    if (x.g == Tier::kNvme) need_rate(m.nvme_write_bps, "NVMe write", "gradients on NVMe");
-    if (x.g == Tier::kNvme && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "NVMe gradients");
-    if (x.o != Tier::kDevice) need_rate(m.cpu_adamw_params_per_s, "CPU AdamW", "optimizer state off the device");
-    if (x.o == Tier::kDevice) need_rate(m.device_adamw_params_per_s, "device AdamW", "optimizer state on the device");
-    if (x.g != Tier::kDevice || x.o != Tier::kDevice || (!x.resident && x.w != Tier::kDevice))
-      need_rate(m.d2h_bps, "device-to-host", "gradients or weights leaving the device");
-    if (x.g == Tier::kHost && x.o == Tier::kDevice) need_rate(m.h2d_bps, "host-to-device", "host gradients");
-  }
+  const std::vector<detail::UnitLayout> layout = detail::layout_units(c, numels(mp), m.world_size);
+  std::vector<SimUnit> u = std::vector<SimUnit>(N);
   // The host optimizer's sub-groups and the reducer's buckets, as the engine cuts a shard.
-  const std::uint64_t sub_group = detail::sub_group_elems(c), bucket_share = detail::bucket_share_elems(c, m.world_size);
-  auto groups = [&](const SimUnit& x) { return detail::num_pieces(x.shard, sub_group); };
-  auto group_size = [&](const SimUnit& x, std::uint64_t g) { return double(detail::piece(x.shard, sub_group, g).size); };
-  auto buckets = [&](const SimUnit& x) { return detail::num_pieces(x.shard, bucket_share); };
-  auto bucketed = [&](const SimUnit& x) { return detail::bucketed_reduce(x.shard, bucket_share, m.world_size); };
+  const std::uint64_t sub_group = detail::sub_group_elems(c),
+                      bucket_share = detail::bucket_share_elems(c, m.world_size);
   // The early optimizer step (strata.overlap_optimizer) of the units whose optimizer runs on
   // the host from host gradients. The search sets the flag from the plan; unset, the engine's
   // default (on) is assumed. Modelled as kept: no clipping, the lr announced.
   const bool early = c.overlap_optimizer.value_or(true);
-  auto eligible = [&](const SimUnit& x) { return early && detail::early_step_takes(x.o, x.g); };
-  if (W > 1) {
-    need_rate(m.all_gather_bps, "all-gather", "more than one rank");
-    need_rate(m.reduce_scatter_bps, "reduce-scatter", "more than one rank");
-  }
-
   // ---- the fetch sequence of one step: the trace the engine records ----
   // Forward: embed, layers, head (the head also takes unit 0 with tied embeddings, which the
   // profile does not know; the units' costs already include it). Backward: layers in reverse;
@@ -255,50 +340,96 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     std::size_t unit;
     bool backward;
   };
-  std::vector<Use> one;
-  for (std::size_t i = 0; i < N; ++i) one.push_back({i, false});
-  for (std::size_t i = head; i-- > 1;) one.push_back({i, true});
   std::vector<std::size_t> trace;  // non-resident units, in fetch order, all micro-batches
-  for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a)
-    for (const Use& x : one)
-      if (!u[x.unit].resident) trace.push_back(x.unit);
-
   Sim sim;
-  sim.share = &share;
-  sim.stretch = &stretch;
   const double all_cores = share.cores;
-  const double adamw_cores = c.optimizer_threads > 0 ? std::min<double>(c.optimizer_threads, share.cores) : share.cores;
+  const double adamw_cores = c.optimizer_threads > 0
+                                 ? std::min<double>(c.optimizer_threads, share.cores)
+                                 : share.cores;
   double h = 0;  // the host thread
   // Pinned staging in flight, as the engine bounds it: the host waits for the oldest.
   std::deque<double> grad_staging, param_staging;
   // NVMe-tier gradients: the writes of the buckets in flight (two), and the last of all.
   std::deque<double> grad_nvme;
   double grad_writes = 0;
-  auto bound = [&](std::deque<double>& q, std::size_t most) {
+  std::uint64_t live = 0;
+  std::size_t pos = 0;  // position in `trace`
+  const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
+  // Engine::Impl::finish_early: kept early work the last step did not wait for, before the
+  // unit's first use (the host waits for the worker; new weights for the device go over the
+  // link on the fetch stream, then a resident unit's all-gather).
+  // pending[i]: kept, not finished; worker_done(i) replays the worker's queue up to unit i's
+  // job and returns when it and its writes are done (defined with the worker, below).
+  std::vector<bool> pending = std::vector<bool>(N, false),
+                    kept_behind = std::vector<bool>(N, false);
+  // NVMe rates when reads and writes share the drive (the optimizer's state traffic).
+  const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
+  const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
+  const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
+  // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
+  // a step) has its norm part summed on the device beside its copy, no host pass — where the
+  // whole reduced shard is on the device at once (not when the reduce-scatter goes bucket by
+  // bucket).
+  const bool device_norm_on =
+      c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
+  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
+  // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
+  // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
+  // of Engine::Impl::next_early_job (pick_job below), reads the NVMe state of the job it will
+  // take next when it starts the last sub-group of one, and writes the second copy behind.
+  // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
+  struct Job {
+    std::size_t unit;
+    double avail;
+    bool norm;
+  };
+  std::deque<Job> early_q;
+  std::vector<std::size_t> early_order;
+  std::vector<double> early_done = std::vector<double>(N, 0),
+                      early_io_done = std::vector<double>(N, 0);
+  std::vector<double> norm_done =
+      std::vector<double>(N, kNever);  // when the worker had the unit's norm part
+  std::size_t early_next = kNone;      // the job whose state was read ahead, taken next
+  double early_prev_start = -1;        // the start of the previous job's last sub-group
+  bool ahead_pending = false;          // ... at which the worker chose the job to read ahead
+  std::deque<double> early_writes, early_w_writes;
+  // The worker's queue, replayed lazily: a job is replayed when a later event shows the
+  // worker must have started it, or when something waits for it; at step() the jobs not
+  // started are reordered to the next forward's order, as the engine does.
+  std::vector<bool> queued = std::vector<bool>(N, false);
+  bool first_micro_batch = true, last_micro_batch = false;
+
+  std::uint64_t groups(const SimUnit& x) { return detail::num_pieces(x.shard, sub_group); }
+  double group_size(const SimUnit& x, std::uint64_t g) {
+    return double(detail::piece(x.shard, sub_group, g).size);
+  }
+  std::uint64_t buckets(const SimUnit& x) { return detail::num_pieces(x.shard, bucket_share); }
+  bool bucketed(const SimUnit& x) {
+    return detail::bucketed_reduce(x.shard, bucket_share, m.world_size);
+  }
+  bool eligible(const SimUnit& x) { return early && detail::early_step_takes(x.o, x.g); }
+  void bound(std::deque<double>& q, std::size_t most) {
     while (q.size() >= std::max<std::size_t>(most, 1)) {
       h = std::max(h, q.front());
       q.pop_front();
     }
-  };
-  std::uint64_t live = 0;
-  std::size_t pos = 0;  // position in `trace`
-  auto next_use = [&](std::size_t unit, std::size_t from) {
+  }
+  std::size_t next_use(std::size_t unit, std::size_t from) {
     for (std::size_t p = from; p < trace.size(); ++p)
       if (trace[p] == unit) return p;
     return kNone;
-  };
-  auto name = [&](std::size_t i) { return mp.units[i].name; };
-
+  }
+  const std::string& name(std::size_t i) { return mp.units[i].name; }
   // Engine::Impl::drop: the fetch stream waits for the unit's release before its memory goes.
-  auto free_s = [&](double bytes) { return m.free_bps > 0 ? bytes / m.free_bps : 0.0; };
-  auto drop = [&](std::size_t i) {
+  double free_s(double bytes) { return m.free_bps > 0 ? bytes / m.free_bps : 0.0; }
+  void drop(std::size_t i) {
     if (!u[i].gathered || u[i].resident) return;
     sim.wait(kFetchS, u[i].released);
     sim.op(kFetchS, Resource::kCount, 0, free_s(double(u[i].padded) * csz), "");
     u[i].gathered = false;
     live -= u[i].padded;
-  };
-  auto make_room = [&](std::uint64_t need) {
+  }
+  void make_room(std::uint64_t need) {
     while (live + need > c.max_live_parameters) {
       std::size_t victim = kNone, furthest = 0;
       for (std::size_t i = 0; i < N; ++i) {
@@ -312,14 +443,13 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (victim == kNone) return;
       drop(victim);
     }
-  };
-  const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
+  }
   // Engine::Impl::issue_fetch at host time `h`.
   // A unit's all-gather of its compute weights across the ranks.
-  auto all_gather_s = [&](const SimUnit& x) {
+  double all_gather_s(const SimUnit& x) {
     return secs(double(x.padded) * csz * double(W - 1) / double(W), m.all_gather_bps);
-  };
-  auto issue_fetch = [&](std::size_t i) {
+  }
+  void issue_fetch(std::size_t i) {
     SimUnit& x = u[i];
     if (x.gathered) return;
     const double bytes = double(x.shard) * csz;
@@ -333,13 +463,16 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         break;
       case Tier::kHost:
         sim.wait(kFetchS, x.w_written);
-        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
+        ready =
+            sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
         break;
       case Tier::kNvme: {
         bound(param_staging, std::size_t(c.param_buffer_count));
-        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps), "read w " + name(i), -1, bytes);
+        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps),
+                                   "read w " + name(i), -1, bytes);
         sim.wait(kFetchS, rd);
-        ready = sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
+        ready =
+            sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
         param_staging.push_back(ready);
         break;
       }
@@ -349,26 +482,20 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     x.ready = ready;
     x.gathered = true;
     live += x.padded;
-  };
-  // Engine::Impl::finish_early: kept early work the last step did not wait for, before the
-  // unit's first use (the host waits for the worker; new weights for the device go over the
-  // link on the fetch stream, then a resident unit's all-gather).
-  // pending[i]: kept, not finished; worker_done(i) replays the worker's queue up to unit i's
-  // job and returns when it and its writes are done (defined with the worker, below).
-  std::vector<bool> pending(N, false), kept_behind(N, false);
-  std::function<double(std::size_t)> worker_done;
-  auto finish_early = [&](std::size_t i) {
+  }
+  void finish_early(std::size_t i) {
     if (!pending[i]) return;
     SimUnit& x = u[i];
     h = std::max(h, worker_done(i));
     pending[i] = false;
     if (!x.resident && x.w != Tier::kDevice) return;
-    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps), "h2d w " + name(i), -1, double(x.shard) * csz);
+    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps),
+                      "h2d w " + name(i), -1, double(x.shard) * csz);
     if (x.resident && W > 1)
       t = sim.op(kFetchS, Resource::kComm, t, all_gather_s(x), "all-gather " + name(i));
     if (x.resident) x.ready = t;
-  };
-  auto prefetch_ahead = [&]() {
+  }
+  void prefetch_ahead() {
     std::uint64_t ahead = 0;
     for (std::size_t p = pos; p < trace.size(); ++p) {
       SimUnit& x = u[trace[p]];
@@ -380,18 +507,18 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       issue_fetch(trace[p]);
       ahead += x.padded;
     }
-  };
+  }
   // Engine::Impl::finish_done_ahead: the kept units the worker has finished by now, in the
   // forward's order (the units' own), up to the first it has not.
-  auto finish_done_ahead = [&] {
+  void finish_done_ahead() {
     for (std::size_t j = 0; j < N; ++j) {
       if (!pending[j]) continue;
       if (worker_done(j) > h) return;
       finish_early(j);
     }
-  };
+  }
   // Engine::fetch: returns the time the compute stream may use the unit.
-  auto fetch = [&](std::size_t i) {
+  double fetch(std::size_t i) {
     SimUnit& x = u[i];
     finish_early(i);
     finish_done_ahead();
@@ -406,8 +533,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     }
     ++x.in_use;
     return x.ready;  // (a resident unit: its last update's, see finish_early)
-  };
-  auto release = [&](std::size_t i, double event) {
+  }
+  void release(std::size_t i, double event) {
     SimUnit& x = u[i];
     --x.in_use;
     if (x.resident) return;
@@ -420,46 +547,19 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (dist <= c.max_reuse_distance) return;
     }
     drop(i);
-  };
-  // NVMe rates when reads and writes share the drive (the optimizer's state traffic).
-  const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
-  const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
+  }
   // A sub-group's read of optimizer state: its fixed time (waited for one ahead) and its bytes.
-  auto opt_read_s = [&](double bytes) { return m.nvme_request_s + secs(bytes, opt_read_bps); };
-  const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
-  // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
-  // a step) has its norm part summed on the device beside its copy, no host pass — where the
-  // whole reduced shard is on the device at once (not when the reduce-scatter goes bucket by bucket).
-  const bool device_norm_on = c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
-  auto device_norm = [&](const SimUnit& x) { return device_norm_on && !bucketed(x); };
-  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
-
-  // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
-  // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
-  // of Engine::Impl::next_early_job (pick_job below), reads the NVMe state of the job it will
-  // take next when it starts the last sub-group of one, and writes the second copy behind.
-  // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
-  struct Job {
-    std::size_t unit;
-    double avail;
-    bool norm;
-  };
-  std::deque<Job> early_q;
-  std::vector<std::size_t> early_order;
-  std::vector<double> early_done(N, 0), early_io_done(N, 0);
-  std::vector<double> norm_done(N, kNever);  // when the worker had the unit's norm part
-  std::size_t early_next = kNone;  // the job whose state was read ahead, taken next
-  double early_prev_start = -1;    // the start of the previous job's last sub-group
-  bool ahead_pending = false;      // ... at which the worker chose the job to read ahead
+  double opt_read_s(double bytes) { return m.nvme_request_s + secs(bytes, opt_read_bps); }
+  bool device_norm(const SimUnit& x) { return device_norm_on && !bucketed(x); }
   // The job the worker takes at time `t` (the forward takes the units in their own order).
-  auto pick_job = [&](double t) {
-    return early_q.begin() + std::ptrdiff_t(detail::next_early_job(
-                                 early_q.size(), [&](std::size_t k) { return early_q[k].unit == early_next; },
-                                 [&](std::size_t k) { return early_q[k].avail <= t; },
-                                 [&](std::size_t k) { return early_q[k].unit; }));
-  };
-  std::deque<double> early_writes, early_w_writes;
-  auto early_job = [&](std::size_t i, double avail, bool norm) {
+  std::deque<Job>::iterator pick_job(double t) {
+    return early_q.begin() +
+           std::ptrdiff_t(detail::next_early_job(
+               early_q.size(), [&](std::size_t k) { return early_q[k].unit == early_next; },
+               [&](std::size_t k) { return early_q[k].avail <= t; },
+               [&](std::size_t k) { return early_q[k].unit; }));
+  }
+  void early_job(std::size_t i, double avail, bool norm) {
     SimUnit& x = u[i];
     const double n = double(x.shard);
     double t = std::max(sim.stream_free[kEarlyS], avail);
@@ -467,21 +567,26 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     early_next = kNone;
     double io = 0;
     const bool w_nvme = !x.resident && x.w == Tier::kNvme;
-    if (norm) t = norm_done[i] = sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
+    if (norm)
+      t = norm_done[i] =
+          sim.op(kEarlyS, Resource::kCpu, t, secs(4 * n, norm_bps), "norm " + name(i), all_cores);
     // A sub-group at a time: NVMe state read one sub-group ahead (the first when the previous
     // job started its last, if this one was queued by then), written behind.
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)), "read state " + name(i), -1, 12 * group_size(x, 0));
+      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)),
+                      "read state " + name(i), -1, 12 * group_size(x, 0));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)), "read state " + name(i), -1, 12 * group_size(x, g + 1));
-      if (g + 1 == G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
+        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)),
+                        "read state " + name(i), -1, 12 * group_size(x, g + 1));
+      if (g + 1 ==
+          G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
         ahead_pending = true;
       }
@@ -489,30 +594,30 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         t = std::max(t, early_w_writes.front());
         early_w_writes.pop_front();
       }
-      t = sim.op(kEarlyS, Resource::kCpu, t, secs(len, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
-      if (!copy_out) t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
+      t = sim.op(kEarlyS, Resource::kCpu, t, secs(len, m.cpu_adamw_params_per_s),
+                 "adamw " + name(i), adamw_cores);
+      if (!copy_out)
+        t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
       if (x.o == Tier::kNvme) {
         if (early_writes.size() >= max_writes) {
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps), "write state " + name(i), -1, 12 * len));
+        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps),
+                                        "write state " + name(i), -1, 12 * len));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
-        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps), "write w " + name(i), -1, w_bytes));
+        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps),
+                                          "write w " + name(i), -1, w_bytes));
         io = std::max(io, early_w_writes.back());
       }
     }
     sim.wait(kEarlyS, t);
     early_done[i] = t;
     early_io_done[i] = io;
-  };
-  // The worker's queue, replayed lazily: a job is replayed when a later event shows the
-  // worker must have started it, or when something waits for it; at step() the jobs not
-  // started are reordered to the next forward's order, as the engine does.
-  std::vector<bool> queued(N, false);
-  auto run_next = [&] {
+  }
+  void run_next() {
     // Engine::Impl::early_norms: first the norm's part of every queued job whose gradient
     // is there when the worker is free, then the next AdamW.
     for (bool again = true; again;) {
@@ -521,7 +626,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         const double free = sim.stream_free[kEarlyS];
         if (!j.norm || j.avail > free) continue;
         const double n = double(u[j.unit].shard);
-        norm_done[j.unit] = sim.op(kEarlyS, Resource::kCpu, free, secs(4 * n, norm_bps), "norm " + name(j.unit), all_cores);
+        norm_done[j.unit] = sim.op(kEarlyS, Resource::kCpu, free, secs(4 * n, norm_bps),
+                                   "norm " + name(j.unit), all_cores);
         sim.wait(kEarlyS, norm_done[j.unit]);
         j.norm = false;
         again = true;
@@ -539,32 +645,32 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     early_q.erase(k);
     queued[i] = false;
     early_job(i, j.avail, j.norm);
-  };
-  auto run_started_before = [&](double t) {
-    while (!early_q.empty() && std::max(sim.stream_free[kEarlyS], early_q.front().avail) < t) run_next();
-  };
-  worker_done = [&](std::size_t i) {
+  }
+  void run_started_before(double t) {
+    while (!early_q.empty() && std::max(sim.stream_free[kEarlyS], early_q.front().avail) < t)
+      run_next();
+  }
+  double worker_done(std::size_t i) {
     while (queued[i]) run_next();
     return std::max(early_done[i], early_io_done[i]);
-  };
-  auto enqueue = [&](std::size_t i, double avail) {
+  }
+  void enqueue(std::size_t i, double avail) {
     run_started_before(avail);
     norm_done[i] = device_norm(u[i]) ? avail : kNever;
     early_q.push_back({i, avail, !device_norm(u[i])});
     queued[i] = true;
     early_order.push_back(i);
-  };
-  bool first_micro_batch = true, last_micro_batch = false;
-
+  }
   // Engine::grad_buffer + the model's backward + Engine::reduce_grad for unit i.
-  auto reduce = [&](std::size_t i, double after_compute) {
+  void reduce(std::size_t i, double after_compute) {
     SimUnit& x = u[i];
     sim.wait(kCommS, after_compute);
     double t = after_compute, ready = after_compute;  // `ready`: the accumulation's end
     const std::uint64_t B = buckets(x);
     const bool by_bucket = bucketed(x);
     if (W > 1 && !by_bucket)  // one reduce-scatter into a shard-sized output
-      t = sim.op(kCommS, Resource::kComm, t, secs(double(x.shard) * 4 * double(W - 1), m.reduce_scatter_bps),
+      t = sim.op(kCommS, Resource::kComm, t,
+                 secs(double(x.shard) * 4 * double(W - 1), m.reduce_scatter_bps),
                  "reduce-scatter " + name(i));
     for (std::uint64_t b = 0; b < B; ++b) {  // Engine::reduce_grad's buckets, on the comm stream
       const double len = double(detail::piece(x.shard, bucket_share, b).size);
@@ -572,112 +678,133 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         t = sim.op(kCommS, Resource::kCount, t, secs(8.0 * len * double(W), m.device_mem_bps), "");
         t = sim.op(kCommS, Resource::kComm, t, secs(len * 4 * double(W - 1), m.reduce_scatter_bps),
                    "reduce-scatter " + name(i));
-        sim.op(kCommS, Resource::kCount, t, free_s(4.0 * len), "");  // its output, freed on the comm stream
-      }  // one rank: the gradient scratch is the shard, no copy
+        sim.op(kCommS, Resource::kCount, t, free_s(4.0 * len),
+               "");  // its output, freed on the comm stream
+      }              // one rank: the gradient scratch is the shard, no copy
       if (x.g == Tier::kDevice) {
         sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
       } else if (x.g == Tier::kNvme) {  // Engine::Impl::reduce_to_nvme
         bound(grad_nvme, 2);
         // What the keys hold, read back by the host (not for the step's first gradient) while
         // the bucket comes over; added, its squares summed, written behind.
-        const double rd =
-            first_micro_batch ? h : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len), "read grad " + name(i), -1, 4.0 * len);
-        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
+        const double rd = first_micro_batch ? h
+                                            : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len),
+                                                       "read grad " + name(i), -1, 4.0 * len);
+        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps),
+                   "d2h grad " + name(i), -1, 4.0 * len);
         t = std::max(t, rd);
         if (!first_micro_batch)
-          t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores);
+          t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
+                     "grad add " + name(i), all_cores);
         // cpu::SumSquares is serial: one core's share of the (all-core) rate.
-        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores), "norm " + name(i), 1);
-        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps), "write grad " + name(i), -1, 4.0 * len));
+        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores),
+                           "norm " + name(i), 1);
+        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps),
+                                     "write grad " + name(i), -1, 4.0 * len));
         grad_writes = std::max(grad_writes, grad_nvme.back());
       } else if (first_micro_batch) {  // straight into the accumulator
-        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
+        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps),
+                           "d2h grad " + name(i), -1, 4.0 * len);
       } else {
         bound(grad_staging, 2);
-        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4.0 * len);
-        grad_staging.push_back(
-            sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps), "grad add " + name(i), all_cores));
+        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1,
+                   4.0 * len);
+        grad_staging.push_back(sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
+                                      "grad add " + name(i), all_cores));
         ready = grad_staging.back();
       }
     }
-    if (W > 1) sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)), "");  // the scratch, after its last use
-    if (W > 1 && !by_bucket) sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
+    if (W > 1)
+      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.padded)),
+             "");  // the scratch, after its last use
+    if (W > 1 && !by_bucket)
+      sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
     if (x.g == Tier::kHost && first_micro_batch && device_norm(x))
       sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
     if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
-  };
+  }
   // The unit's fp32 gradient scratch: zero-filled on the compute stream (and freed on the
   // comm stream, in `reduce`).
-  auto grad_fill = [&](std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); };
+  double grad_fill(std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); }
 
-  Prediction pr;
-  // Kept early work that a step leaves to finish behind (Engine::step) delays the next
-  // step's forward: then two steps are replayed, and the second is the prediction.
-  bool any_early = false;
-  for (const SimUnit& x : u) any_early = any_early || eligible(x);
-  const int passes = any_early ? 2 : 1;
-  double pass_start = 0, busy_before[int(Resource::kCount)] = {};
-  for (int pass = 0; pass < passes; ++pass) {
-    if (pass + 1 == passes) {
-      pass_start = h;
-      std::copy(std::begin(sim.busy), std::end(sim.busy), std::begin(busy_before));
+  // One micro-batch's forward: the host time it took.
+  double forward() {
+    const double f0 = h;
+    for (std::size_t i = 0; i < N; ++i) {
+      const double ready = fetch(i);
+      double dur = mp.units[i].forward_s;
+      if (i == head) {
+        dur += grad_fill(i);
+        // grad_buffer's allocation, as in issue_fetch
+        h = sim.host(h, free_s(4.0 * double(u[i].padded)));
+      }
+      const double end =
+          sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
+      if (i == head) reduce(i, end);
+      release(i, end);
     }
-    pos = 0;
-    early_order.clear();
-    double fwd_total = 0, bwd_total = 0;
-    for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
-      first_micro_batch = a == 0;
-      last_micro_batch = a + 1 == c.gradient_accumulation_steps;
-      // forward
-      const double f0 = h;
-      for (std::size_t i = 0; i < N; ++i) {
-        const double ready = fetch(i);
-        double dur = mp.units[i].forward_s;
-        if (i == head) {
-          dur += grad_fill(i);
-          // grad_buffer's allocation, as in issue_fetch
-          h = sim.host(h, free_s(4.0 * double(u[i].padded)));
-        }
-        const double end =
-            sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
-        if (i == head) reduce(i, end);
-        release(i, end);
-      }
-      h = std::max(h, sim.stream_free[kComputeS]);  // the loss
-      fwd_total += h - f0;
-      // backward
-      const double b0 = h;
-      for (std::size_t i = head; i-- > 1;) {
-        const double ready = fetch(i);
-        h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
-        const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
-                                  mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
-        reduce(i, end);
-        release(i, end);
-      }
-      {
-        h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
-        const double end = sim.op(kComputeS, Resource::kCompute, h,
-                                  mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
-        reduce(0, end);
-      }
-      h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
-      bwd_total += h - b0;
-    }
-    pr.forward_s = fwd_total;
-    pr.backward_s = bwd_total;
+    h = std::max(h, sim.stream_free[kComputeS]);  // the loss
+    return h - f0;
+  }
 
-    // ---- step ----
+  // ... and its backward.
+  double backward() {
+    const double b0 = h;
+    for (std::size_t i = head; i-- > 1;) {
+      const double ready = fetch(i);
+      h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
+      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
+                                mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
+      reduce(i, end);
+      release(i, end);
+    }
+    {
+      h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
+      const double end = sim.op(kComputeS, Resource::kCompute, h,
+                                mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
+      reduce(0, end);
+    }
+    h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
+    return h - b0;
+  }
+
+  // ---- step ----
+  // Engine::step: the host time it took.
+  double optimizer_step() {
     for (std::size_t i = 0; i < N; ++i) {  // the last step's, if not fetched since
       finish_early(i);
       kept_behind[i] = false;
     }
     const double s0 = h;
-    h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS], grad_writes});  // (NVMe gradients written)
+    h = std::max({h, sim.stream_free[kCommS], sim.stream_free[kFetchS],
+                  grad_writes});  // (NVMe gradients written)
+    const std::vector<bool> kept = grad_norm();
+    update(kept);
+    if (W > 1)
+      for (std::size_t i = 0; i < N; ++i)
+        if (u[i].resident && !pending[i])
+          sim.op(kOptS, Resource::kComm, h, all_gather_s(u[i]), "all-gather " + name(i));
+    // Device gradients zeroed (host accumulators are overwritten by the next step's first
+    // gradient).
+    for (std::size_t i = 0; i < N; ++i)
+      if (u[i].g == Tier::kDevice)
+        sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
+    h = std::max(h, sim.stream_free[kOptS]);
+    // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
+    // next step's first fetch.
+    for (std::size_t i = 0; i < N; ++i) drop(i);
+    h = std::max(h, sim.stream_free[kFetchS]);
+    // Kept units the worker has finished by now switch at once (new weights over the link).
+    finish_done_ahead();
+    return h - s0;
+  }
+
+  // The gradient norm: device shards on the optimizer stream, host shards on the host thread;
+  // returns the units the early worker stepped (kept).
+  std::vector<bool> grad_norm() {
     grad_nvme.clear();
-    // gradient norm: device shards on the optimizer stream, host shards on the host thread
     bool any_device_grad = false;
     for (std::size_t i = 0; i < N; ++i)
       if (u[i].g == Tier::kDevice) {
@@ -685,7 +812,8 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
         any_device_grad = true;
       }
     if (any_device_grad)  // each unit's sum of squares read back (Engine::Impl::grad_sumsq)
-      sim.op(kOptS, Resource::kD2H, h, secs(4.0 * double(N), m.d2h_bps), "d2h norm", -1, 4.0 * double(N));
+      sim.op(kOptS, Resource::kD2H, h, secs(4.0 * double(N), m.d2h_bps), "d2h norm", -1,
+             4.0 * double(N));
     if (W > 1) {  // the rank's sum all-reduced through the device, in fp64
       sim.op(kOptS, Resource::kH2D, h, secs(8, m.h2d_bps), "h2d norm", -1, 8);
       sim.op(kOptS, Resource::kComm, h, secs(8, m.all_gather_bps), "all-reduce norm");
@@ -701,14 +829,20 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
     const Resource norm_lane = early_order.empty() ? Resource::kCpu : Resource::kCount;
     for (std::size_t i = 0; i < N; ++i)
       if (u[i].g == Tier::kHost && !device_norm(u[i]) && !(kept[i] && norm_done[i] <= norm_at))
-        h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps), "norm " + name(i), all_cores);
+        h = sim.op(kHostS, norm_lane, h, secs(4.0 * double(u[i].shard), norm_bps),
+                   "norm " + name(i), all_cores);
     h = std::max(h, sim.stream_free[kOptS]);
     // The early results: kept without waiting; each unit is finished before its next use
     // (finish_early), the jobs not started yet in the next forward's order (the units').
     for (std::size_t i : early_order) pending[i] = kept_behind[i] = true;
-    std::stable_sort(early_q.begin(), early_q.end(), [](const Job& x, const Job& y) { return x.unit < y.unit; });
+    std::stable_sort(early_q.begin(), early_q.end(),
+                     [](const Job& x, const Job& y) { return x.unit < y.unit; });
     for (Job& j : early_q) j.norm = false;  // step() has the norm
+    return kept;
+  }
 
+  // The units the early worker did not step, unit by unit on the host thread.
+  void update(const std::vector<bool>& kept) {
     // (unit, sub-group) of the host optimizer with state or gradient on NVMe, read one ahead
     std::vector<std::pair<std::size_t, std::uint64_t>> nvme_groups;
     for (std::size_t i = 0; i < N; ++i)
@@ -721,15 +855,18 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       const auto [i, g] = nvme_groups[k];
       read_done[k] = h;
       if (u[i].o == Tier::kNvme)
-        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)), "read state " + name(i), -1, 12.0 * group_size(u[i], g));
+        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)),
+                                "read state " + name(i), -1, 12.0 * group_size(u[i], g));
       if (u[i].g == Tier::kNvme)
-        read_done[k] = std::max(
-            read_done[k], sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)), "read grad " + name(i), -1, 4.0 * group_size(u[i], g)));
+        read_done[k] = std::max(read_done[k],
+                                sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)),
+                                         "read grad " + name(i), -1, 4.0 * group_size(u[i], g)));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
     auto write_behind = [&](double bytes, double ready, const std::string& what) {
-      const double end = sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what, -1, bytes);
+      const double end =
+          sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what, -1, bytes);
       all_writes = std::max(all_writes, end);
       return end;
     };
@@ -757,12 +894,15 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
       if (x.o == Tier::kDevice) {
         double t = h;
         if (x.g == Tier::kHost)
-          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i), -1, 4 * n);
+          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i), -1,
+                     4 * n);
         if (x.g == Tier::kNvme) {  // a sub-group at a time, the host waiting for each
           for (std::uint64_t g = 0; g < groups(x); ++g) {
             const double len = group_size(x, g);
-            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i), -1, 4 * len);
-            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps), "h2d grad " + name(i), -1, 4 * len);
+            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i), -1,
+                         4 * len);
+            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps),
+                           "h2d grad " + name(i), -1, 4 * len);
           }
         }
         t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
@@ -773,12 +913,14 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
           // written by the host from there.
           sim.wait(kWbS, t);
           if (x.w == Tier::kHost) {
-            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps), "d2h w " + name(i), -1, w_bytes);
+            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps),
+                                 "d2h w " + name(i), -1, w_bytes);
           } else {
             for (std::uint64_t g = 0; g < groups(x); ++g) {
               const double len_w = group_size(x, g) * csz;
               stage_w();
-              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps), "d2h w " + name(i), -1, len_w));
+              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps),
+                                     "d2h w " + name(i), -1, len_w));
               w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
             }
           }
@@ -796,54 +938,24 @@ Prediction replay(const MachineProfile& m, const ModelProfile& mp, const EngineC
           h = std::max(h, read_done[k]);
         }
         if (x.g == Tier::kDevice)
-          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i), -1, 4 * len);
+          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i), -1,
+                     4 * len);
         if (target_dev || x.w == Tier::kNvme) stage_w();
-        h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s), "adamw " + name(i), adamw_cores);
-        if (!copy_out) h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
+        h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s),
+                   "adamw " + name(i), adamw_cores);
+        if (!copy_out)
+          h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
-          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps), "h2d w " + name(i), -1, len_w));
+          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps),
+                                     "h2d w " + name(i), -1, len_w));
         if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
-        if (!x.resident && x.w == Tier::kNvme) w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
+        if (!x.resident && x.w == Tier::kNvme)
+          w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
       }
     }
     h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
-    if (W > 1)
-      for (std::size_t i = 0; i < N; ++i)
-        if (u[i].resident && !pending[i])
-          sim.op(kOptS, Resource::kComm, h, all_gather_s(u[i]), "all-gather " + name(i));
-    // Device gradients zeroed (host accumulators are overwritten by the next step's first gradient).
-    for (std::size_t i = 0; i < N; ++i)
-      if (u[i].g == Tier::kDevice)
-        sim.op(kOptS, Resource::kCount, h, secs(4.0 * double(u[i].shard), m.device_mem_bps), "");
-    h = std::max(h, sim.stream_free[kOptS]);
-    // The gathered units hold the old weights: dropped (freed on the fetch stream) before the
-    // next step's first fetch.
-    for (std::size_t i = 0; i < N; ++i) drop(i);
-    h = std::max(h, sim.stream_free[kFetchS]);
-    // Kept units the worker has finished by now switch at once (new weights over the link).
-    finish_done_ahead();
-    pr.optimizer_s = h - s0;
-  }  // passes
-  pr.step_s = h - pass_start;
-
-  for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r] - busy_before[r];
-  int best = 0;
-  for (int r = 1; r < int(Resource::kCount); ++r)
-    if (pr.busy_s[r] > pr.busy_s[best]) best = r;
-  pr.bottleneck = Resource(best);
-  pr.tokens_per_s = pr.step_s > 0 ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) * double(W) /
-                                        pr.step_s
-                                  : 0;
-  // The last step's window: what ran in it (the step before's work finished behind, too).
-  for (Interval iv : sim.schedule)
-    if (iv.end_s > pass_start) {
-      iv.start_s = std::max(iv.start_s, pass_start) - pass_start;
-      iv.end_s -= pass_start;
-      pr.schedule.push_back(iv);
-    }
-  uses = std::move(sim.uses);
-  return pr;
-}
+  }
+};
 
 }  // namespace
 
@@ -853,18 +965,22 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     // The CPU-emulated device: its kernels, copies and memory passes are threads on the same
     // cores as the host thread and the CPU optimizer; NVMe requests and comm take none.
     share.cores = m.device_shares_host_cores;
-    const double kernel = m.device_kernel_threads > 0 ? std::min<double>(m.device_kernel_threads, share.cores) : share.cores;
+    const double kernel = m.device_kernel_threads > 0
+                              ? std::min<double>(m.device_kernel_threads, share.cores)
+                              : share.cores;
     share.lane_weight[int(Resource::kCompute)] = kernel;
     // A throttled link sleeps most of each copy: the memcpy's share of its time.
     const double copy_bps = m.host_mem_bps / 2;
-    share.lane_weight[int(Resource::kH2D)] = m.h2d_bps > 0 ? std::min(1.0, m.h2d_bps / copy_bps) : 1.0;
-    share.lane_weight[int(Resource::kD2H)] = m.d2h_bps > 0 ? std::min(1.0, m.d2h_bps / copy_bps) : 1.0;
+    share.lane_weight[int(Resource::kH2D)] =
+        m.h2d_bps > 0 ? std::min(1.0, m.h2d_bps / copy_bps) : 1.0;
+    share.lane_weight[int(Resource::kD2H)] =
+        m.d2h_bps > 0 ? std::min(1.0, m.d2h_bps / copy_bps) : 1.0;
     share.lane_weight[int(Resource::kCpu)] = 1;
     share.lane_weight[int(Resource::kCount)] = 1;  // fills, adds, frees on the device's streams
   }
   std::vector<double> stretch;
   std::vector<CoreUse> uses;
-  Prediction pr = replay(m, mp, c, share, stretch, uses);
+  Prediction pr = Replay(m, mp, c, share, stretch).run(uses);
   if (share.cores <= 0) return pr;
   // Fixed point: each replay stretches the operations by how crowded the cores were around
   // them in the last one (halfway, so that it settles rather than oscillates).
@@ -873,7 +989,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     if (stretch.size() != want.size()) stretch.assign(want.size(), 1.0);
     for (std::size_t i = 0; i < want.size(); ++i) stretch[i] = 0.5 * (stretch[i] + want[i]);
     const double before = pr.step_s;
-    pr = replay(m, mp, c, share, stretch, uses);
+    pr = Replay(m, mp, c, share, stretch).run(uses);
     if (std::abs(pr.step_s - before) <= 1e-3 * before) break;
   }
   return pr;
@@ -890,12 +1006,15 @@ struct TierChoice {
 }  // namespace
 
 double measured_tokens_per_s(const Candidate& c, double measured_step_s) {
-  return measured_step_s > 0 ? c.prediction.tokens_per_s * c.prediction.step_s / measured_step_s : 0;
+  return measured_step_s > 0 ? c.prediction.tokens_per_s * c.prediction.step_s / measured_step_s
+                             : 0;
 }
 
-std::size_t fastest_validated(const std::vector<Candidate>& ranked, const std::vector<double>& measured_step_s) {
-  STRATA_REQUIRE(measured_step_s.size() <= ranked.size(), "fastest_validated: {} measurements of {} candidates",
-                 measured_step_s.size(), ranked.size());
+std::size_t fastest_validated(const std::vector<Candidate>& ranked,
+                              const std::vector<double>& measured_step_s) {
+  STRATA_REQUIRE(measured_step_s.size() <= ranked.size(),
+                 "fastest_validated: {} measurements of {} candidates", measured_step_s.size(),
+                 ranked.size());
   std::size_t best = measured_step_s.size();
   double best_tps = 0;
   for (std::size_t i = 0; i < measured_step_s.size(); ++i) {
@@ -904,6 +1023,57 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked, const std::v
   }
   return best;
 }
+
+namespace {
+
+// What the planner is given for `mp` on `m`, the device's capacity cut to `headroom`.
+PlanInputs plan_inputs(const MachineProfile& m, const ModelProfile& mp, double headroom) {
+  PlanInputs in;
+  for (const auto& x : mp.units) in.units.push_back({x.name, x.numel});
+  in.world_size = m.world_size;
+  in.device_capacity = std::uint64_t(double(m.device_capacity) * std::clamp(headroom, 0.0, 1.0));
+  in.host_capacity = m.host_capacity;
+  in.nvme_capacity = m.nvme_free;
+  in.ranks_on_node = m.ranks_on_node;
+  in.activation_bytes = mp.activation_bytes;
+  in.ram_capacity = m.ram_capacity;
+  in.ram_base_bytes = m.ram_base_bytes;
+  in.device_in_ram = m.device_in_ram;
+  return in;
+}
+
+// A candidate short of host memory with optimizer state on NVMe: its swap buffers and the new
+// weights' staging hold one sub-group each, so smaller sub-groups may make it fit. Takes the
+// largest that does (halving from the largest unit's shard, whole pages), if any: true then.
+bool fit_smaller_sub_groups(Candidate& cand, const std::vector<std::uint64_t>& numel, int world,
+                            const PlanInputs& in) {
+  EngineConfig& c = cand.config;
+  std::uint64_t largest_shard = 0;
+  for (const detail::UnitLayout& u : detail::layout_units(c, numel, world))
+    largest_shard = std::max(largest_shard, u.shard);
+  EngineConfig smaller = c;
+  smaller.sub_group_size_given = true;
+  for (std::uint64_t sg = std::min(detail::sub_group_elems(c), largest_shard) / 2;
+       sg >= detail::kShardAlign; sg /= 2) {
+    smaller.sub_group_size = sg / detail::kShardAlign * detail::kShardAlign;
+    MemoryPlan p = plan_memory(smaller, in);
+    if (!p.fits) continue;
+    c = smaller;
+    cand.plan = std::move(p);
+    cand.label += fmt::format(", sub-groups of {} elements", c.sub_group_size);
+    return true;
+  }
+  return false;
+}
+
+// The bytes a plan lacks, summed over the tiers.
+std::uint64_t bytes_missing(const MemoryPlan& p) {
+  auto miss = [](std::uint64_t need, std::uint64_t cap) { return need > cap ? need - cap : 0; };
+  return miss(p.device_bytes, p.device_capacity) + miss(p.host_bytes, p.host_capacity) +
+         miss(p.nvme_bytes, p.nvme_capacity);
+}
+
+}  // namespace
 
 SearchResult search_placements(const MachineProfile& m, const SearchSpace& space) {
   STRATA_REQUIRE(!space.models.empty(), "search_placements: no model profiles");
@@ -921,7 +1091,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
   }
   std::vector<TierChoice> grads = {{"device", {1, 0}}, {"host", {0, 1}}};
   if (nvme) grads.push_back({"nvme", {0, 0}});  // (beside NVMe optimizer state or weights)
-  const std::vector<int> windows = {0, 2, 4};  // units live at once (0: the default, all)
+  const std::vector<int> windows = {0, 2, 4};   // units live at once (0: the default, all)
 
   SearchResult out;
   bool have_smallest = false;
@@ -938,17 +1108,7 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
     // Candidates that lay the state out alike (every unit resident: no window and no weight
     // tier to choose) are one candidate.
     std::set<std::string> seen;
-    PlanInputs in;
-    for (const auto& x : mp.units) in.units.push_back({x.name, x.numel});
-    in.world_size = m.world_size;
-    in.device_capacity = std::uint64_t(double(m.device_capacity) * std::clamp(space.device_headroom, 0.0, 1.0));
-    in.host_capacity = m.host_capacity;
-    in.nvme_capacity = m.nvme_free;
-    in.ranks_on_node = m.ranks_on_node;
-    in.activation_bytes = mp.activation_bytes;
-    in.ram_capacity = m.ram_capacity;
-    in.ram_base_bytes = m.ram_base_bytes;
-    in.device_in_ram = m.device_in_ram;
+    const PlanInputs in = plan_inputs(m, mp, space.device_headroom);
     for (const auto& pc : params)
       for (const auto& oc : opt)
         for (const auto& gc : grads)
@@ -960,7 +1120,8 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               if (win > 0 && m.world_size == 1 && pc.p.device_fraction >= 1) continue;
               const bool p_nvme = pc.p.nvme_fraction() > 1e-9, o_nvme = oc.p.nvme_fraction() > 1e-9;
               const bool g_nvme = gc.p.nvme_fraction() > 1e-9;
-              if (g_nvme && !o_nvme && !p_nvme) continue;  // (no directory for them: the config's rule)
+              if (g_nvme && !o_nvme && !p_nvme)
+                continue;  // (no directory for them: the config's rule)
               // NVMe swap buffers (offload_param / offload_optimizer buffer_count): the config's,
               // or twice as many (more reads ahead and writes behind, more pinned memory).
               if (more_buffers && !p_nvme && !o_nvme) continue;
@@ -977,11 +1138,11 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                 if (p_nvme) c.param_buffer_count = 2 * space.base.param_buffer_count;
                 if (o_nvme) c.optimizer_buffer_count = 2 * space.base.optimizer_buffer_count;
               }
-              c.param_nvme_paths = !p_nvme                         ? std::vector<std::string>{}
+              c.param_nvme_paths = !p_nvme                          ? std::vector<std::string>{}
                                    : space.param_nvme_paths.empty() ? space.nvme_paths
                                                                     : space.param_nvme_paths;
               c.optimizer_nvme_paths = o_nvme ? space.nvme_paths : std::vector<std::string>{};
-              c.grad_nvme_paths = !g_nvme ? std::vector<std::string>{}
+              c.grad_nvme_paths = !g_nvme  ? std::vector<std::string>{}
                                   : o_nvme ? c.optimizer_nvme_paths
                                            : c.param_nvme_paths;
               const EngineConfig d = default_engine_config();
@@ -998,8 +1159,10 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                 bool gathered = false, swapped = false;
                 for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size)) {
                   gathered = gathered || !u.resident;
-                  swapped = swapped || (!u.resident && u.w == Tier::kNvme) || u.o == Tier::kNvme || u.g == Tier::kNvme;
-                  sig += fmt::format("{}{}{}{},", u.resident ? 'r' : 'g', u.resident ? 0 : int(u.w), int(u.g), int(u.o));
+                  swapped = swapped || (!u.resident && u.w == Tier::kNvme) || u.o == Tier::kNvme ||
+                            u.g == Tier::kNvme;
+                  sig += fmt::format("{}{}{}{},", u.resident ? 'r' : 'g', u.resident ? 0 : int(u.w),
+                                     int(u.g), int(u.o));
                 }
                 if (win > 0 && !gathered) continue;
                 // Nothing of this layout on NVMe (every unit below the persistence threshold, say):
@@ -1010,45 +1173,27 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               cand.checkpoint = mp.checkpoint;
               cand.checkpoint_on_host = mp.checkpoint && mp.checkpoint_on_host;
               cand.micro_batch = mp.micro_batch;
-              cand.label = fmt::format("params {}, optimizer {}, grads {}, {}, B={}{}{}", pc.label, oc.label, gc.label,
-                                       win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
-                                       mp.micro_batch,
-                                       !mp.checkpoint ? "" : mp.checkpoint_on_host ? ", checkpoints on host" : ", checkpointing",
-                                       more_buffers ? ", twice the swap buffers" : "");
+              cand.label = fmt::format(
+                  "params {}, optimizer {}, grads {}, {}, B={}{}{}", pc.label, oc.label, gc.label,
+                  win > 0 ? fmt::format("{} units live", win) : std::string("all units live"),
+                  mp.micro_batch,
+                  !mp.checkpoint          ? ""
+                  : mp.checkpoint_on_host ? ", checkpoints on host"
+                                          : ", checkpointing",
+                  more_buffers ? ", twice the swap buffers" : "");
               ++out.considered;
               cand.plan = plan_memory(c, in);
-              // Short of host memory with optimizer state on NVMe: its swap buffers and the new
-              // weights' staging hold one sub-group each, so smaller sub-groups may make it fit.
-              // The largest that does (halving from the unit's shard, whole pages), if any.
+              // Short of host memory with optimizer state on NVMe: smaller sub-groups may fit.
               if (!cand.plan.fits && o_nvme && cand.plan.host_bytes > cand.plan.host_capacity) {
-                std::uint64_t largest_shard = 0;
-                for (const detail::UnitLayout& u : detail::layout_units(c, numel, m.world_size))
-                  largest_shard = std::max(largest_shard, u.shard);
-                EngineConfig smaller = c;
-                smaller.sub_group_size_given = true;
-                bool shrunk = false;
-                for (std::uint64_t sg = std::min(detail::sub_group_elems(c), largest_shard) / 2;
-                     sg >= detail::kShardAlign; sg /= 2) {
-                  smaller.sub_group_size = sg / detail::kShardAlign * detail::kShardAlign;
-                  MemoryPlan p = plan_memory(smaller, in);
-                  if (!p.fits) continue;
-                  c = smaller;
-                  cand.plan = std::move(p);
-                  cand.label += fmt::format(", sub-groups of {} elements", c.sub_group_size);
-                  shrunk = true;
-                  break;
-                }
+                const bool shrunk = fit_smaller_sub_groups(cand, numel, m.world_size, in);
                 // Twice the optimizer's swap buffers of half the sub-group are the same bytes as
                 // the config's count of the whole one: not another candidate.
-                if (more_buffers && shrunk && !p_nvme) continue;  // (params on NVMe: their read-ahead doubles)
+                if (more_buffers && shrunk && !p_nvme)
+                  continue;  // (params on NVMe: their read-ahead doubles)
               }
               if (!cand.plan.fits) {
                 // The least demanding candidate: the smallest sum of bytes missing.
-                std::uint64_t shortfall = 0;
-                auto miss = [](std::uint64_t need, std::uint64_t cap) { return need > cap ? need - cap : 0; };
-                shortfall += miss(cand.plan.device_bytes, cand.plan.device_capacity);
-                shortfall += miss(cand.plan.host_bytes, cand.plan.host_capacity);
-                shortfall += miss(cand.plan.nvme_bytes, cand.plan.nvme_capacity);
+                const std::uint64_t shortfall = bytes_missing(cand.plan);
                 if (!have_smallest || shortfall < smallest_short) {
                   have_smallest = true;
                   smallest_short = shortfall;
@@ -1064,11 +1209,12 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
               out.ranked.push_back(std::move(cand));
             }
   }
-  std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.prediction.tokens_per_s != b.prediction.tokens_per_s)
-      return a.prediction.tokens_per_s > b.prediction.tokens_per_s;
-    return a.plan.device_bytes < b.plan.device_bytes;
-  });
+  std::stable_sort(out.ranked.begin(), out.ranked.end(),
+                   [](const Candidate& a, const Candidate& b) {
+                     if (a.prediction.tokens_per_s != b.prediction.tokens_per_s)
+                       return a.prediction.tokens_per_s > b.prediction.tokens_per_s;
+                     return a.plan.device_bytes < b.plan.device_bytes;
+                   });
   if (!out.ranked.empty()) out.problems.clear();
   return out;
 }
@@ -1117,11 +1263,15 @@ std::string engine_config_json(const EngineConfig& c) {
       sp["cos_min_ratio"] = l.cos_min_ratio;
     } else {
       sp["warmup_min_lr"] = l.warmup_min_lr;
-      // < 0: the optimizer's lr: WarmupLR's default; WarmupDecayLR's is 0.001, so "auto" (the lr) is written
-      if (l.warmup_max_lr >= 0) sp["warmup_max_lr"] = l.warmup_max_lr;
-      else if (l.type == "WarmupDecayLR") sp["warmup_max_lr"] = "auto";
+      // < 0: the optimizer's lr: WarmupLR's default; WarmupDecayLR's is 0.001, so "auto" (the lr)
+      // is written
+      if (l.warmup_max_lr >= 0)
+        sp["warmup_max_lr"] = l.warmup_max_lr;
+      else if (l.type == "WarmupDecayLR")
+        sp["warmup_max_lr"] = "auto";
     }
-    if (l.type != "WarmupLR") sp["total_num_steps"] = l.total_num_steps > 0 ? json(l.total_num_steps) : json("auto");
+    if (l.type != "WarmupLR")
+      sp["total_num_steps"] = l.total_num_steps > 0 ? json(l.total_num_steps) : json("auto");
     j["scheduler"] = {{"type", l.type}, {"params", sp}};
   }
   json z = {{"stage", c.stage},
@@ -1146,9 +1296,10 @@ std::string engine_config_json(const EngineConfig& c) {
     op["device"] = "cpu";
     if (c.params.host_fraction < 1) op["ratio"] = c.params.host_fraction;
   } else {
-    STRATA_REQUIRE(c.params.device_fraction < 1e-9,
-                   "engine_config_json: parameters split over device, host and NVMe cannot be written as a "
-                   "ds_config");
+    STRATA_REQUIRE(
+        c.params.device_fraction < 1e-9,
+        "engine_config_json: parameters split over device, host and NVMe cannot be written as a "
+        "ds_config");
     op["device"] = "nvme";
     op["nvme_path"] = paths(c.param_nvme_paths);
     if (c.params.host_fraction > 0) op["host_fraction"] = c.params.host_fraction;
@@ -1165,7 +1316,8 @@ std::string engine_config_json(const EngineConfig& c) {
     if (c.optimizer.host_fraction < 1) oo["ratio"] = c.optimizer.host_fraction;
   } else {
     STRATA_REQUIRE(c.optimizer.device_fraction < 1e-9,
-                   "engine_config_json: optimizer state split over device, host and NVMe cannot be written as a "
+                   "engine_config_json: optimizer state split over device, host and NVMe cannot be "
+                   "written as a "
                    "ds_config");
     oo["device"] = "nvme";
     oo["nvme_path"] = paths(c.optimizer_nvme_paths);
@@ -1179,21 +1331,27 @@ std::string engine_config_json(const EngineConfig& c) {
     if (c.grads.host_fraction < 1) z["offload_grads_ratio"] = c.grads.host_fraction;
   } else {
     STRATA_REQUIRE(c.grads.device_fraction < 1e-9,
-                   "engine_config_json: gradients split over device, host and NVMe cannot be written as a ds_config");
+                   "engine_config_json: gradients split over device, host and NVMe cannot be "
+                   "written as a ds_config");
     // parse_engine_config puts them under the optimizer's nvme_path, else the parameters'.
     const bool o_nvme = oo["device"] == "nvme", p_nvme = op["device"] == "nvme";
     STRATA_REQUIRE((o_nvme && c.grad_nvme_paths == c.optimizer_nvme_paths) ||
                        (!o_nvme && p_nvme && c.grad_nvme_paths == c.param_nvme_paths),
-                   "engine_config_json: gradients on NVMe are written as a ds_config only under the optimizer's "
+                   "engine_config_json: gradients on NVMe are written as a ds_config only under "
+                   "the optimizer's "
                    "nvme_path (or, with the optimizer off NVMe, the parameters')");
     z["offload_grads"] = "nvme";
     if (c.grads.host_fraction > 0) z["offload_grads_host_fraction"] = c.grads.host_fraction;
   }
   j["zero_optimization"] = z;
-  j["aio"] = {{"block_size", c.aio.block_size},      {"queue_depth", c.aio.queue_depth},
-              {"thread_count", c.aio.thread_count},  {"single_submit", c.aio.single_submit},
-              {"overlap_events", c.aio.overlap_events}, {"use_hugepages", c.aio.use_hugepages},
-              {"verify", c.aio.verify},              {"engine", io_backend_name(c.aio.engine)},
+  j["aio"] = {{"block_size", c.aio.block_size},
+              {"queue_depth", c.aio.queue_depth},
+              {"thread_count", c.aio.thread_count},
+              {"single_submit", c.aio.single_submit},
+              {"overlap_events", c.aio.overlap_events},
+              {"use_hugepages", c.aio.use_hugepages},
+              {"verify", c.aio.verify},
+              {"engine", io_backend_name(c.aio.engine)},
               {"register_buffers", c.aio.register_buffers}};
   if (c.aio.direct != DirectIo::kAuto) j["aio"]["direct"] = c.aio.direct == DirectIo::kOn;
   if (c.host_budget_bytes > 0) j["strata"]["host_budget_bytes"] = c.host_budget_bytes;
