@@ -148,6 +148,7 @@ struct Class {
   std::string zero;  // the zero_optimization block's placement keys
   bool early = false;
   int accum = 2;
+  bool device_norm = false;  // strata.device_grad_norm
 };
 
 // A ds_config.json of the class, parsed as a user's would be.
@@ -158,8 +159,8 @@ EngineConfig config_of(const Class& c, const std::string& dir) {
       R"({{"train_micro_batch_size_per_gpu": {}, "gradient_accumulation_steps": {}, "bf16": {{"enabled": true}},
           "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4000,
                                  "reduce_bucket_size": 6000 {}}},
-          "strata": {{"overlap_optimizer": {}, "device_grad_norm": false, "host_budget_bytes": 67108864}}}})",
-      kB, c.accum, z, c.early ? "true" : "false");
+          "strata": {{"overlap_optimizer": {}, "device_grad_norm": {}, "host_budget_bytes": 67108864}}}})",
+      kB, c.accum, z, c.early, c.device_norm);
   return parse_engine_config(json);
 }
 
@@ -197,6 +198,7 @@ const std::vector<Class> kClasses = {
     {"ParamsNvme", R"(, "offload_param": {"device": "nvme", "nvme_path": "$NVME"})"},
     {"OptimizerHost", R"(, "offload_optimizer": {"device": "cpu"})"},
     {"OptimizerHostOneMicroBatch", R"(, "offload_optimizer": {"device": "cpu"})", false, 1},
+    {"OptimizerHostNormOnTheDevice", R"(, "offload_optimizer": {"device": "cpu"})", false, 1, true},
     {"OptimizerNvme", R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})"},
     {"Infinity", R"(, "offload_param": {"device": "nvme", "nvme_path": "$NVME"},
                     "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})"},

@@ -719,8 +719,10 @@ class Replay {
              "");  // the scratch, after its last use
     if (W > 1 && !by_bucket)
       sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
-    if (x.g == Tier::kHost && first_micro_batch && device_norm(x))
-      sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
+    if (x.g == Tier::kHost && first_micro_batch && device_norm(x)) {  // its sum of squares, read back
+      t = sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
+      sim.op(kCommS, Resource::kD2H, t, secs(4, m.d2h_bps), "d2h norm " + name(i), -1, 4);
+    }
     if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
