@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "cpu/cpu_kernels.h"
-#include "scheduler/layout.h"
+#include "scheduler/schedule.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
 #include "strata/log.h"

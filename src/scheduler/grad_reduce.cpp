@@ -115,7 +115,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
   const std::size_t ui = std::size_t(unit), n = u.shard;
-  const bool host_first = u.g_tier == Tier::kHost && s.grads_now[ui] == 0;
+  const bool first = s.grads_now[ui] == 0;
   // The step's only gradient of the unit (as recorded), arriving whole into a host
   // accumulator: its part of the norm from the same kernel on the device, beside the copy (a
   // GPU does it in microseconds; on the host it was a pass over the shard on the CPU the
@@ -124,8 +124,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   // device at once (not when the reduce-scatter itself goes bucket by bucket).
   const std::size_t buckets = s.buckets(u);
   const bool bucketed = s.bucketed_reduce(u);
-  const bool device_norm = host_first && s.cfg.device_grad_norm.value_or(true) && !s.grads_recording &&
-                           s.grads_recorded[ui] == 1 && !bucketed;
+  const bool device_norm = detail::device_norm_takes(
+      s.cfg, u.g_tier, first, !s.grads_recording && s.grads_recorded[ui] == 1, bucketed);
   // The whole reduced shard, when it is on the device at once. One rank: the gradient is its
   // own shard (an average over one rank is the value itself), so no second buffer and no copy;
   // the scratch is freed after the accumulation below.
@@ -159,18 +159,23 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     } else {
       part = Impl::view(full, DType::kF32, len, a);
     }
-    if (u.g_tier == Tier::kDevice) {
+    switch (detail::grad_path(u.g_tier, first)) {
+    case detail::GradPath::kDeviceAdd: {
       const TensorRef acc = Impl::view(u.g.dev, DType::kF32, len, a);
       cs.add(acc, part, acc);
-    } else if (u.g_tier == Tier::kNvme) {
+      break;
+    }
+    case detail::GradPath::kNvme:
       s.reduce_to_nvme(ui, r, part, b == 0, cs);
-    } else if (host_first) {
+      break;
+    case detail::GradPath::kStraightCopy:
       // The step's first gradient of the unit goes straight into its accumulator: no staging
       // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
       // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
       cs.copy(host_ref(static_cast<float*>(u.g.host->data()) + a, len * 4), part.mem);
       s.st.d2h_bytes += len * 4;
-    } else {
+      break;
+    case detail::GradPath::kStagedAdd: {
       Impl::bound(s.grad_staging, 2);
       auto staging = s.pinned(len * 4);
       cs.copy(host_ref(staging->data(), len * 4), part.mem);
@@ -183,6 +188,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
           },
           "grad_accumulate");
       s.grad_staging.push_back(cs.record());
+      break;
+    }
     }
     if (device_norm && b + 1 == buckets) {
       Buffer sq = s.alloc(4, &cs);

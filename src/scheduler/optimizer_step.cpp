@@ -63,7 +63,7 @@ OptimizerPass::OptimizerPass(Engine::Impl& impl, const AdamWOptions& options, co
       max_writes(std::size_t(std::max(1, impl.cfg.optimizer_buffer_count - 2))) {
   for (std::size_t i = 0; i < s.units.size(); ++i) {
     const Unit& u = s.units[i];
-    if (!kept[i] && (u.o_tier == Tier::kNvme || (u.g_tier == Tier::kNvme && u.o_tier == Tier::kHost)))
+    if (!kept[i] && detail::reads_ahead_from_nvme(u.o_tier, u.g_tier))
       for (std::size_t g = 0; g < s.groups(u); ++g) nvme_groups.push_back({i, g});
   }
 }
@@ -187,7 +187,7 @@ void OptimizerPass::device_unit(std::size_t ui, const std::optional<TensorRef>& 
   const Buffer& new_w = copy_out ? scratch : u.o.dev;  // (fp32: the master itself)
   Stream& xs = *s.wb_s;
   xs.wait(os.record());
-  if (u.w_tier == Tier::kHost) {
+  if (detail::weights_out(u.resident, u.w_tier) == detail::WeightsOut::kHost) {
     xs.copy(host_ref(u.w.host->data(), w_bytes), new_w.ref(0, w_bytes));
     u.w.written = xs.record();
   } else {
@@ -214,7 +214,7 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
     float* master = nullptr;
     AdamWShard sh;
     GroupRead rd;  // what was read ahead from NVMe for this sub-group
-    if (u.o_tier == Tier::kNvme || u.g_tier == Tier::kNvme) {
+    if (detail::reads_ahead_from_nvme(u.o_tier, u.g_tier)) {
       issue_read(nvme_next++);
       auto it = reads.find({ui, gi});
       rd = std::move(it->second);
@@ -249,7 +249,8 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
       s.st.d2h_bytes += len * 4;
       sh.grads = host_tensor(g_stage->data(), DType::kF32, len);
     }
-    const bool to_host = !target && u.w_tier == Tier::kHost;  // written in place, no staging
+    const detail::WeightsOut out = detail::weights_out(u.resident, u.w_tier);
+    const bool to_host = out == detail::WeightsOut::kHost;  // written in place, no staging
     std::shared_ptr<PinnedBlock> w_block;
     if (!to_host) w_block = stage_w(len_w);
     void* w_dst = to_host ? static_cast<char*>(u.w.host->data()) + a * s.c_size : w_block->data();
@@ -266,7 +267,7 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
       s.st.h2d_bytes += len_w;
     }
     if (state_block) write_state(s.o_key(ui, gi), state_block, 3 * len * 4);
-    if (!u.resident && u.w_tier == Tier::kNvme) write_w(ui, gi, w_block, len_w);
+    if (out == detail::WeightsOut::kNvme) write_w(ui, gi, w_block, len_w);
   }
 }
 

@@ -14,14 +14,14 @@ void Engine::Impl::issue_fetch(int ui, bool prefetch) {
   TraceScope span(prefetch ? "prefetch" : "fetch", "engine", u.padded * c_size);
   u.w.full = alloc(u.padded * c_size, fetch_s.get());
   const TensorRef block = view(u.w.full, cfg.compute_dtype, u.shard, std::size_t(rank) * u.shard);
-  switch (u.w_tier) {
-    case Tier::kDevice: fetch_s->copy(block.mem, u.w.dev.ref()); break;
-    case Tier::kHost:
+  switch (detail::fetch_path(u.w_tier)) {
+    case detail::FetchPath::kDeviceCopy: fetch_s->copy(block.mem, u.w.dev.ref()); break;
+    case detail::FetchPath::kUpload:
       if (u.w.written.valid()) fetch_s->wait(u.w.written);
       fetch_s->copy(block.mem, host_ref(u.w.host->data(), u.shard * c_size));
       st.h2d_bytes += u.shard * c_size;
       break;
-    case Tier::kNvme: {
+    case detail::FetchPath::kNvmeUpload: {
       bound(param_staging, std::size_t(cfg.param_buffer_count));
       auto staging = pinned(SwapStore::padded_bytes(u.shard * c_size));
       std::vector<IoHandle> reads;  // one a sub-group, into its place in the shard

@@ -21,7 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "scheduler/layout.h"
+#include "scheduler/schedule.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
 
@@ -366,12 +366,6 @@ class Replay {
   const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
-  // Engine (strata.device_grad_norm): a host-tier gradient that arrives whole (one micro-batch
-  // a step) has its norm part summed on the device beside its copy, no host pass — where the
-  // whole reduced shard is on the device at once (not when the reduce-scatter goes bucket by
-  // bucket).
-  const bool device_norm_on =
-      c.device_grad_norm.value_or(true) && c.gradient_accumulation_steps == 1;
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
   // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
   // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
@@ -457,16 +451,16 @@ class Replay {
     // one, free_bps > 0) the host thread writes it before it goes on.
     h = sim.host(h, free_s(double(x.padded) * csz));
     double ready = h;
-    switch (x.w) {
-      case Tier::kDevice:
+    switch (detail::fetch_path(x.w)) {
+      case detail::FetchPath::kDeviceCopy:
         ready = sim.op(kFetchS, Resource::kCount, h, secs(2 * bytes, m.device_mem_bps), "");
         break;
-      case Tier::kHost:
+      case detail::FetchPath::kUpload:
         sim.wait(kFetchS, x.w_written);
         ready =
             sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
         break;
-      case Tier::kNvme: {
+      case detail::FetchPath::kNvmeUpload: {
         bound(param_staging, std::size_t(c.param_buffer_count));
         const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps),
                                    "read w " + name(i), -1, bytes);
@@ -550,7 +544,11 @@ class Replay {
   }
   // A sub-group's read of optimizer state: its fixed time (waited for one ahead) and its bytes.
   double opt_read_s(double bytes) { return m.nvme_request_s + secs(bytes, opt_read_bps); }
-  bool device_norm(const SimUnit& x) { return device_norm_on && !bucketed(x); }
+  // Whether the device sums the unit's part of the norm as its step's only gradient (one
+  // micro-batch a step) is reduced (strata.device_grad_norm): no host pass over it.
+  bool device_norm(const SimUnit& x) {
+    return detail::device_norm_takes(c, x.g, true, c.gradient_accumulation_steps == 1, bucketed(x));
+  }
   // The job the worker takes at time `t` (the forward takes the units in their own order).
   std::deque<Job>::iterator pick_job(double t) {
     return early_q.begin() +
@@ -681,37 +679,43 @@ class Replay {
         sim.op(kCommS, Resource::kCount, t, free_s(4.0 * len),
                "");  // its output, freed on the comm stream
       }              // one rank: the gradient scratch is the shard, no copy
-      if (x.g == Tier::kDevice) {
-        sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
-      } else if (x.g == Tier::kNvme) {  // Engine::Impl::reduce_to_nvme
-        bound(grad_nvme, 2);
-        // What the keys hold, read back by the host (not for the step's first gradient) while
-        // the bucket comes over; added, its squares summed, written behind.
-        const double rd = first_micro_batch ? h
-                                            : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len),
-                                                       "read grad " + name(i), -1, 4.0 * len);
-        t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps),
-                   "d2h grad " + name(i), -1, 4.0 * len);
-        t = std::max(t, rd);
-        if (!first_micro_batch)
-          t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
-                     "grad add " + name(i), all_cores);
-        // cpu::SumSquares is serial: one core's share of the (all-core) rate.
-        t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores),
-                           "norm " + name(i), 1);
-        grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps),
-                                     "write grad " + name(i), -1, 4.0 * len));
-        grad_writes = std::max(grad_writes, grad_nvme.back());
-      } else if (first_micro_batch) {  // straight into the accumulator
-        t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps),
-                           "d2h grad " + name(i), -1, 4.0 * len);
-      } else {
-        bound(grad_staging, 2);
-        t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i), -1,
-                   4.0 * len);
-        grad_staging.push_back(sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
-                                      "grad add " + name(i), all_cores));
-        ready = grad_staging.back();
+      switch (detail::grad_path(x.g, first_micro_batch)) {
+        case detail::GradPath::kDeviceAdd:
+          sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
+          break;
+        case detail::GradPath::kNvme: {  // Engine::Impl::reduce_to_nvme
+          bound(grad_nvme, 2);
+          // What the keys hold, read back by the host (not for the step's first gradient) while
+          // the bucket comes over; added, its squares summed, written behind.
+          const double rd = first_micro_batch ? h
+                                              : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len),
+                                                         "read grad " + name(i), -1, 4.0 * len);
+          t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps),
+                     "d2h grad " + name(i), -1, 4.0 * len);
+          t = std::max(t, rd);
+          if (!first_micro_batch)
+            t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
+                       "grad add " + name(i), all_cores);
+          // cpu::SumSquares is serial: one core's share of the (all-core) rate.
+          t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores),
+                             "norm " + name(i), 1);
+          grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps),
+                                       "write grad " + name(i), -1, 4.0 * len));
+          grad_writes = std::max(grad_writes, grad_nvme.back());
+          break;
+        }
+        case detail::GradPath::kStraightCopy:
+          t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps),
+                             "d2h grad " + name(i), -1, 4.0 * len);
+          break;
+        case detail::GradPath::kStagedAdd:
+          bound(grad_staging, 2);
+          t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i),
+                     -1, 4.0 * len);
+          grad_staging.push_back(sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
+                                        "grad add " + name(i), all_cores));
+          ready = grad_staging.back();
+          break;
       }
     }
     if (W > 1)
@@ -719,7 +723,7 @@ class Replay {
              "");  // the scratch, after its last use
     if (W > 1 && !by_bucket)
       sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
-    if (x.g == Tier::kHost && first_micro_batch && device_norm(x)) {  // its sum of squares, read back
+    if (first_micro_batch && device_norm(x)) {  // its sum of squares, read back
       t = sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
       sim.op(kCommS, Resource::kD2H, t, secs(4, m.d2h_bps), "d2h norm " + name(i), -1, 4);
     }
@@ -848,7 +852,7 @@ class Replay {
     // (unit, sub-group) of the host optimizer with state or gradient on NVMe, read one ahead
     std::vector<std::pair<std::size_t, std::uint64_t>> nvme_groups;
     for (std::size_t i = 0; i < N; ++i)
-      if (!kept[i] && (u[i].o == Tier::kNvme || (u[i].g == Tier::kNvme && u[i].o == Tier::kHost)))
+      if (!kept[i] && detail::reads_ahead_from_nvme(u[i].o, u[i].g))
         for (std::uint64_t g = 0; g < groups(u[i]); ++g) nvme_groups.push_back({i, g});
     std::vector<double> read_done(nvme_groups.size(), 0);
     std::size_t nvme_next = 0;
@@ -892,7 +896,8 @@ class Replay {
       if (kept[i]) continue;
       const double n = double(x.shard);
       const double w_bytes = n * csz;
-      const bool target_dev = x.resident || x.w == Tier::kDevice;
+      const detail::WeightsOut out = detail::weights_out(x.resident, x.w);
+      const bool target_dev = out == detail::WeightsOut::kDevice;
       if (x.o == Tier::kDevice) {
         double t = h;
         if (x.g == Tier::kHost)
@@ -914,7 +919,7 @@ class Replay {
           // fetch of the unit does); NVMe-tier ones a sub-group at a time through staging,
           // written by the host from there.
           sim.wait(kWbS, t);
-          if (x.w == Tier::kHost) {
+          if (out == detail::WeightsOut::kHost) {
             x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps),
                                  "d2h w " + name(i), -1, w_bytes);
           } else {
@@ -934,7 +939,7 @@ class Replay {
       // The host optimizer, a sub-group at a time.
       for (std::uint64_t g = 0; g < groups(x); ++g) {
         const double len = group_size(x, g), len_w = len * csz;
-        if (x.o == Tier::kNvme || x.g == Tier::kNvme) {
+        if (detail::reads_ahead_from_nvme(x.o, x.g)) {
           const std::size_t k = nvme_next - 1;  // this sub-group's read, issued one ahead
           issue_read(nvme_next++);
           h = std::max(h, read_done[k]);
@@ -942,7 +947,7 @@ class Replay {
         if (x.g == Tier::kDevice)
           h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i), -1,
                      4 * len);
-        if (target_dev || x.w == Tier::kNvme) stage_w();
+        if (out != detail::WeightsOut::kHost) stage_w();
         h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s),
                    "adamw " + name(i), adamw_cores);
         if (!copy_out)
@@ -951,7 +956,7 @@ class Replay {
           w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps),
                                      "h2d w " + name(i), -1, len_w));
         if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
-        if (!x.resident && x.w == Tier::kNvme)
+        if (out == detail::WeightsOut::kNvme)
           w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
       }
     }
