@@ -189,7 +189,7 @@ TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   EXPECT_EQ(units_by_start(a, "adamw "), "layers.1 embed layers.0 layers.2 head layers.3 layers.1 embed");
 }
 
-// The early worker's choice of its next job (Engine::Impl::next_early_job, replayed by the
+// The early worker's choice of its next job (EarlyStepper::next_job, replayed by the
 // perf model): the job read ahead, else the ready one the next forward needs first, else the
 // oldest (the next to be ready: the comm stream completes gradients in order).
 TEST(PerfModel, TheEarlyWorkerTakesReadyJobsInTheForwardsOrder) {
@@ -325,7 +325,7 @@ TEST(PerfModel, EachSubGroupsReadPaysTheDrivesFixedTime) {
 }
 
 // NVMe optimizer state, several sub-groups a unit: the worker reads the first sub-group of the job
-// it takes next while it steps the last one of the job before (Engine::Impl::read_ahead_next),
+// it takes next while it steps the last one of the job before (EarlyStepper::read_ahead_next),
 // choosing by the same rule as its next job — so the drive reads the jobs in the order the
 // worker takes them, and no job after the first waits for its first read.
 TEST(PerfModel, NvmeStateIsReadAheadForTheJobTheWorkerTakesNext) {

@@ -5,107 +5,112 @@
 
 namespace strata {
 
+using detail::EarlyStepper;
 using detail::Unit;
 
-void Engine::Impl::stop_early_worker() {
-  if (!early_thread.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lk(early_mu);
-    early_stop = true;
-  }
-  early_cv.notify_all();
-  early_thread.join();
-  // Reads issued ahead for jobs that will not run still target their blocks.
-  for (auto& [ui, read] : std::exchange(early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
+void EarlyStepper::start() {
+  if (on) worker = std::thread([this] { loop(); });
 }
 
-void Engine::Impl::void_early() {
-  wait_early_idle();
-  std::lock_guard<std::mutex> lk(early_mu);
-  for (auto& u : units) {
+void EarlyStepper::stop() {
+  if (!worker.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    stopping = true;
+  }
+  cv.notify_all();
+  worker.join();
+  // Reads issued ahead for jobs that will not run still target their blocks.
+  for (auto& [ui, read] : std::exchange(reads, {})) read.second.wait_for(std::chrono::minutes(1));
+}
+
+void EarlyStepper::void_results() {
+  wait_idle();
+  std::lock_guard<std::mutex> lk(mu);
+  for (auto& u : s.units) {
     if (u.early.state != Unit::Early::kNone) u.early.state = Unit::Early::kVoid;
     u.early.norm_call = -1;
   }
 }
 
-void Engine::Impl::wait_early_idle() {
-  std::unique_lock<std::mutex> lk(early_mu);
-  early_cv.wait(lk, [&] { return early_busy == 0; });
+void EarlyStepper::wait_idle() {
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return busy == 0; });
 }
 
-Unit::Early Engine::Impl::early_state(std::size_t ui) {
-  std::lock_guard<std::mutex> lk(early_mu);
-  return units[ui].early.state;
+Unit::Early EarlyStepper::state_of(std::size_t ui) {
+  std::lock_guard<std::mutex> lk(mu);
+  return s.units[ui].early.state;
 }
 
-Unit::Early Engine::Impl::wait_early(std::size_t ui) {
-  std::unique_lock<std::mutex> lk(early_mu);
-  early_cv.wait(lk, [&] { return units[ui].early.state != Unit::Early::kQueued; });
-  return units[ui].early.state;
+Unit::Early EarlyStepper::wait(std::size_t ui) {
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return s.units[ui].early.state != Unit::Early::kQueued; });
+  return s.units[ui].early.state;
 }
 
-bool Engine::Impl::early_failed() {
-  std::lock_guard<std::mutex> lk(early_mu);
-  return early_error != nullptr;
+bool EarlyStepper::failed() {
+  std::lock_guard<std::mutex> lk(mu);
+  return worker_error != nullptr;
 }
 
-void Engine::Impl::cancel_queued_early() {
-  std::lock_guard<std::mutex> lk(early_mu);
-  for (const std::size_t ui : early_queue) units[ui].early.state = Unit::Early::kVoid;
-  early_busy -= early_queue.size();
-  early_queue.clear();
-  early_next = SIZE_MAX;
+void EarlyStepper::cancel_queued() {
+  std::lock_guard<std::mutex> lk(mu);
+  for (const std::size_t ui : queue) s.units[ui].early.state = Unit::Early::kVoid;
+  busy -= queue.size();
+  queue.clear();
+  read_ahead_job = SIZE_MAX;
 }
 
-void Engine::Impl::count_early_io(const Unit& u) {
+void EarlyStepper::count_io(const Unit& u) {
   if (u.o_tier == Tier::kNvme) {
-    st.nvme_read_bytes += 3 * u.shard * 4;
-    st.nvme_written_bytes += 3 * u.shard * 4;
+    s.st.nvme_read_bytes += 3 * u.shard * 4;
+    s.st.nvme_written_bytes += 3 * u.shard * 4;
   }
-  if (!u.resident && u.w_tier == Tier::kNvme) st.nvme_written_bytes += u.shard * c_size;
+  if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += u.shard * s.c_size;
 }
 
-void Engine::Impl::rethrow_early_error() {
-  wait_early_idle();
-  for (auto& u : units)
+void EarlyStepper::rethrow_error() {
+  wait_idle();
+  for (auto& u : s.units)
     for (IoHandle& h : u.early.io)
       if (h.valid()) h.wait_for(std::chrono::minutes(1));
   std::exception_ptr error;
   {
-    std::lock_guard<std::mutex> lk(early_mu);
-    error = early_error;
+    std::lock_guard<std::mutex> lk(mu);
+    error = worker_error;
   }
-  STRATA_CHECK(error != nullptr, "rethrow_early_error without an error");
+  STRATA_CHECK(error != nullptr, "rethrow_error without an error");
   std::rethrow_exception(error);
 }
 
-bool Engine::Impl::finish_early(std::size_t ui, bool block) {
-  Unit& u = units[ui];
+bool EarlyStepper::finish(std::size_t ui, bool block) {
+  Unit& u = s.units[ui];
   if (!u.early.finish_pending) return true;
-  Unit::Early state = early_state(ui);
+  Unit::Early state = state_of(ui);
   if (state == Unit::Early::kQueued) {
     if (!block) return false;
     TraceScope span("optimizer_wait", "engine");  // the host waits for the worker
-    state = wait_early(ui);
+    state = wait(ui);
   }
-  if (state != Unit::Early::kDone || early_failed()) rethrow_early_error();
+  if (state != Unit::Early::kDone || failed()) rethrow_error();
   for (IoHandle& h : u.early.io) h.wait();
-  const std::size_t n = u.shard, w_bytes = n * c_size;
-  count_early_io(u);
+  const std::size_t n = u.shard, w_bytes = n * s.c_size;
+  count_io(u);
   if (u.o_tier == Tier::kHost) std::swap(u.o.host, u.early.o_alt);
   else u.early.o_gen = 1 - u.early.o_gen;
   if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w.host, u.early.w_alt);
   if (!u.resident && u.w_tier == Tier::kNvme) u.early.w_gen = 1 - u.early.w_gen;
-  if (const auto target = w_target_dev(u)) {
-    Stream& up = *fetch_s;
+  if (const auto target = s.w_target_dev(u)) {
+    Stream& up = *s.fetch_s;
     up.copy(target->mem, host_ref(u.early.new_w->data(), w_bytes));
     up.host_fn([b = u.early.new_w] {}, "staging_free");
-    st.h2d_bytes += w_bytes;
-    if (u.resident && world > 1) u.early.gather_pending = true;
+    s.st.h2d_bytes += w_bytes;
+    if (u.resident && s.world > 1) u.early.gather_pending = true;
     else if (u.resident) u.fetch.ready = up.record();
   }
   {
-    std::lock_guard<std::mutex> lk(early_mu);
+    std::lock_guard<std::mutex> lk(mu);
     u.early.state = Unit::Early::kNone;
   }
   u.early.new_w.reset();
@@ -115,131 +120,131 @@ bool Engine::Impl::finish_early(std::size_t ui, bool block) {
   return true;
 }
 
-void Engine::Impl::gather_finished(std::size_t ui) {
-  Unit& u = units[ui];
+void EarlyStepper::gather_finished(std::size_t ui) {
+  Unit& u = s.units[ui];
   if (!u.early.gather_pending) return;
-  const DType ct = cfg.compute_dtype;
-  comm.all_gather(view(u.w.full, ct, u.shard, std::size_t(rank) * u.shard), view(u.w.full, ct, u.padded), *fetch_s);
-  u.fetch.ready = fetch_s->record();
+  const DType ct = s.cfg.compute_dtype;
+  s.comm.all_gather(s.view(u.w.full, ct, u.shard, std::size_t(s.rank) * u.shard), s.view(u.w.full, ct, u.padded), *s.fetch_s);
+  u.fetch.ready = s.fetch_s->record();
   u.early.gather_pending = false;
 }
 
 // The early step's one entry point for a fetch of unit `ui` (Engine::fetch): its kept early
 // work finished (waiting for the worker if it is not done), the others the worker has done
 // switched ahead, and a resident unit's new shard all-gathered (collective, as gather_finished).
-void Engine::Impl::finish_early_for_fetch(std::size_t ui) {
-  finish_early(ui, true);
+void EarlyStepper::for_fetch(std::size_t ui) {
+  finish(ui, true);
   finish_done_ahead();
   gather_finished(ui);
-  units[ui].early.kept_behind = false;
+  s.units[ui].early.kept_behind = false;
 }
 
-void Engine::Impl::finish_done_ahead() {
+void EarlyStepper::finish_done_ahead() {
   for (const std::size_t ui : std::vector<std::size_t>(pending_finish))
-    if (!finish_early(ui, false)) return;
+    if (!finish(ui, false)) return;
 }
 
-void Engine::Impl::finish_all_early() {
-  while (!pending_finish.empty()) finish_early(pending_finish.front(), true);
-  for (std::size_t ui = 0; ui < units.size(); ++ui) {
+void EarlyStepper::finish_all() {
+  while (!pending_finish.empty()) finish(pending_finish.front(), true);
+  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     gather_finished(ui);
-    units[ui].early.kept_behind = false;
+    s.units[ui].early.kept_behind = false;
   }
 }
 
-void Engine::Impl::note_grad(std::size_t ui, Stream& cs) {
-  ++grads_now[ui];
-  if (!early || grads_recording) return;
-  Unit& u = units[ui];
-  if (grads_now[ui] > grads_recorded[ui]) {
+void EarlyStepper::note_grad(std::size_t ui, Stream& cs) {
+  ++s.grads_now[ui];
+  if (!on || s.grads_recording) return;
+  Unit& u = s.units[ui];
+  if (s.grads_now[ui] > s.grads_recorded[ui]) {
     // More gradients than the recorded step had: the early result (if any) used a partial
     // sum. Drop it; step() steps the unit serially and the counts are recorded again.
-    grads_changed = true;
-    if (early_state(ui) != Unit::Early::kNone) {
-      wait_early(ui);
-      std::lock_guard<std::mutex> lk(early_mu);
+    s.grads_changed = true;
+    if (state_of(ui) != Unit::Early::kNone) {
+      wait(ui);
+      std::lock_guard<std::mutex> lk(mu);
       u.early.state = Unit::Early::kVoid;
       u.early.norm_call = -1;  // (its norm's part too)
     }
     return;
   }
-  if (grads_now[ui] < grads_recorded[ui] || !early_eligible(u) || early_skip > 0) return;
+  if (s.grads_now[ui] < s.grads_recorded[ui] || !eligible(u) || skip > 0) return;
   u.early.grads_done = cs.record();
-  u.early.opt = cfg.adamw;
+  u.early.opt = s.cfg.adamw;
   u.early.opt.lr = next_lr;
-  u.early.opt.step = steps_taken + 1;
+  u.early.opt.step = s.steps_taken + 1;
   u.early.call = step_calls;
   // Exactly the serial step's grad_scale with clip coefficient 1.
-  u.early.opt.grad_scale = float(1.0 / (double(cfg.gradient_accumulation_steps) * scale));
-  early_order.push_back(ui);
+  u.early.opt.grad_scale = float(1.0 / (double(s.cfg.gradient_accumulation_steps) * s.scale));
+  order.push_back(ui);
   {
-    std::lock_guard<std::mutex> lk(early_mu);
+    std::lock_guard<std::mutex> lk(mu);
     u.early.state = Unit::Early::kQueued;
-    early_queue.push_back(ui);
-    ++early_busy;
+    queue.push_back(ui);
+    ++busy;
   }
-  early_cv.notify_all();
+  cv.notify_all();
 }
 
-std::size_t Engine::Impl::next_early_job() const {
+std::size_t EarlyStepper::next_job() const {
   return detail::next_early_job(
-      early_queue.size(), [&](std::size_t i) { return early_queue[i] == early_next; },
-      [&](std::size_t i) { return units[early_queue[i]].early.grads_done.query(); },
-      [&](std::size_t i) { return units[early_queue[i]].fetch.first; });
+      queue.size(), [&](std::size_t i) { return queue[i] == read_ahead_job; },
+      [&](std::size_t i) { return s.units[queue[i]].early.grads_done.query(); },
+      [&](std::size_t i) { return s.units[queue[i]].fetch.first; });
 }
 
-void Engine::Impl::read_ahead_next() {
+void EarlyStepper::read_ahead_next() {
   std::size_t next = SIZE_MAX;
   {
-    std::lock_guard<std::mutex> lk(early_mu);
-    if (early_queue.empty()) return;
-    next = early_queue[next_early_job()];
-    if (units[next].o_tier != Tier::kNvme) return;
-    early_next = next;
+    std::lock_guard<std::mutex> lk(mu);
+    if (queue.empty()) return;
+    next = queue[next_job()];
+    if (s.units[next].o_tier != Tier::kNvme) return;
+    read_ahead_job = next;
   }
-  early_read_ahead(next, 0);
+  read_ahead(next, 0);
 }
 
-void Engine::Impl::early_loop() {
-  std::unique_lock<std::mutex> lk(early_mu);
+void EarlyStepper::loop() {
+  std::unique_lock<std::mutex> lk(mu);
   for (;;) {
-    early_cv.wait(lk, [&] { return early_stop || !early_queue.empty(); });
-    if (early_stop) return;
-    early_norms(lk);
-    if (early_queue.empty()) continue;  // (cancelled meanwhile)
-    const auto it = early_queue.begin() + std::ptrdiff_t(next_early_job());
+    cv.wait(lk, [&] { return stopping || !queue.empty(); });
+    if (stopping) return;
+    norms(lk);
+    if (queue.empty()) continue;  // (cancelled meanwhile)
+    const auto it = queue.begin() + std::ptrdiff_t(next_job());
     const std::size_t ui = *it;
-    early_queue.erase(it);
-    early_next = SIZE_MAX;
-    const bool need_norm = norm_owed(units[ui]);
-    const std::int64_t call = units[ui].early.call;
-    const bool device_norm = units[ui].g.dev_sumsq_call == call;
+    queue.erase(it);
+    read_ahead_job = SIZE_MAX;
+    const bool need_norm = norm_owed(s.units[ui]);
+    const std::int64_t call = s.units[ui].early.call;
+    const bool device_norm = s.units[ui].g.dev_sumsq_call == call;
     lk.unlock();
     std::exception_ptr error;
     try {
-      early_unit(ui, need_norm, device_norm);
+      step_unit(ui, need_norm, device_norm);
     } catch (...) {
       error = std::current_exception();
     }
     lk.lock();
-    units[ui].early.state = error ? Unit::Early::kVoid : Unit::Early::kDone;
-    if (need_norm && !error) units[ui].early.norm_call = call;
-    if (error && !early_error) early_error = error;
-    --early_busy;
-    early_cv.notify_all();
+    s.units[ui].early.state = error ? Unit::Early::kVoid : Unit::Early::kDone;
+    if (need_norm && !error) s.units[ui].early.norm_call = call;
+    if (error && !worker_error) worker_error = error;
+    --busy;
+    cv.notify_all();
   }
 }
 
-void Engine::Impl::early_norms(std::unique_lock<std::mutex>& lk) {
-  for (bool again = true; again && !early_stop;) {
+void EarlyStepper::norms(std::unique_lock<std::mutex>& lk) {
+  for (bool again = true; again && !stopping;) {
     again = false;
-    for (const std::size_t ui : early_queue) {
-      Unit& u = units[ui];
+    for (const std::size_t ui : queue) {
+      Unit& u = s.units[ui];
       if (!norm_owed(u) || !u.early.grads_done.query()) continue;
       const std::int64_t call = u.early.call;
       float sq;
       if (u.g.dev_sumsq_call == call) {
-        sq = dev_sumsq(ui);  // the device's, in host memory since grads_done
+        sq = s.dev_sumsq(ui);  // the device's, in host memory since grads_done
       } else {
         lk.unlock();
         TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
@@ -254,7 +259,7 @@ void Engine::Impl::early_norms(std::unique_lock<std::mutex>& lk) {
   }
 }
 
-void Engine::Impl::bound_io(std::deque<IoHandle>& q, std::size_t most) {
+void EarlyStepper::bound_io(std::deque<IoHandle>& q, std::size_t most) {
   while (q.size() >= std::max<std::size_t>(most, 1)) {
     IoHandle h = q.front();
     q.pop_front();
@@ -262,40 +267,40 @@ void Engine::Impl::bound_io(std::deque<IoHandle>& q, std::size_t most) {
   }
 }
 
-void Engine::Impl::early_read_ahead(std::size_t ui, std::size_t g) {
-  Unit& u = units[ui];
-  if (u.o_tier != Tier::kNvme || early_reads.count({ui, g})) return;
-  const std::size_t n = range(u, g).size;
-  auto b = pinned(SwapStore::padded_bytes(3 * n * 4));
-  early_reads[{ui, g}] = {b, o_store->read(o_key(ui, g), b->data(), 3 * n * 4)};
+void EarlyStepper::read_ahead(std::size_t ui, std::size_t g) {
+  Unit& u = s.units[ui];
+  if (u.o_tier != Tier::kNvme || reads.count({ui, g})) return;
+  const std::size_t n = s.range(u, g).size;
+  auto b = s.pinned(SwapStore::padded_bytes(3 * n * 4));
+  reads[{ui, g}] = {b, s.o_store->read(s.o_key(ui, g), b->data(), 3 * n * 4)};
 }
 
-void Engine::Impl::early_unit(std::size_t ui, bool need_norm, bool device_norm) {
-  Unit& u = units[ui];
+void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
+  Unit& u = s.units[ui];
   const std::size_t n = u.shard;
   u.early.grads_done.synchronize();
   TraceScope span("early_optimizer_unit", "optimizer", n * 4 * 4);
   const auto* g = static_cast<const float*>(u.g.host->data());
   if (need_norm && device_norm) {
-    u.early.sumsq = dev_sumsq(ui);
+    u.early.sumsq = s.dev_sumsq(ui);
   } else if (need_norm) {
     TraceScope norm_span("sum_squares", "optimizer", n * 4);
     u.early.sumsq = cpu::sum_squares(DType::kF32, g, n);
   }
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
   const bool w_nvme = !u.resident && u.w_tier == Tier::kNvme;
-  const bool copy_out = cfg.compute_dtype != DType::kF32;
+  const bool copy_out = s.cfg.compute_dtype != DType::kF32;
   if (!w_host && !w_nvme) {  // new weights for the device, held until the unit switches to them
-    TraceScope alloc_span("staging_alloc", "optimizer", n * c_size);
-    u.early.new_w = pinned(SwapStore::padded_bytes(n * c_size));
+    TraceScope alloc_span("staging_alloc", "optimizer", n * s.c_size);
+    u.early.new_w = s.pinned(SwapStore::padded_bytes(n * s.c_size));
   }
-  const std::size_t G = groups(u);
+  const std::size_t G = s.groups(u);
   for (std::size_t gi = 0; gi < G; ++gi) {
-    const detail::Range r = range(u, gi);
-    const std::size_t a = r.first, len = r.size, w_bytes = len * c_size;
+    const detail::Range r = s.range(u, gi);
+    const std::size_t a = r.first, len = r.size, w_bytes = len * s.c_size;
     AdamWShard sh;
     float* master = nullptr;
-    std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other key
+    std::shared_ptr<PinnedBlock> state;  // NVMe: read, stepped in place, written to the other s.key
     if (u.o_tier == Tier::kHost) {
       const float* src = static_cast<const float*>(u.o.host->data());
       float* dst = static_cast<float*>(u.early.o_alt->data());
@@ -307,13 +312,13 @@ void Engine::Impl::early_unit(std::size_t ui, bool need_norm, bool device_norm) 
       sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
       if (gi + 1 == G) read_ahead_next();  // (an NVMe job after it)
     } else {
-      early_read_ahead(ui, gi);
-      if (gi + 1 < G) early_read_ahead(ui, gi + 1);
+      read_ahead(ui, gi);
+      if (gi + 1 < G) read_ahead(ui, gi + 1);
       else read_ahead_next();
-      auto it = early_reads.find({ui, gi});
+      auto it = reads.find({ui, gi});
       state = it->second.first;
       const IoHandle h = it->second.second;
-      early_reads.erase(it);
+      reads.erase(it);
       h.wait();
       master = static_cast<float*>(state->data());
       sh = {host_tensor(master, DType::kF32, len), host_tensor(g + a, DType::kF32, len),
@@ -321,30 +326,30 @@ void Engine::Impl::early_unit(std::size_t ui, bool need_norm, bool device_norm) 
     }
     std::shared_ptr<PinnedBlock> w_block;  // NVMe weights: the sub-group's, written behind
     if (w_nvme) {
-      bound_io(early_w_writes, 2);  // the plan's "new compute-weight staging"
+      bound_io(w_writes, 2);  // the plan's "new compute-weight staging"
       TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
-      w_block = pinned(SwapStore::padded_bytes(w_bytes));
+      w_block = s.pinned(SwapStore::padded_bytes(w_bytes));
     }
-    void* w_dst = w_host ? static_cast<char*>(u.early.w_alt->data()) + a * c_size
+    void* w_dst = w_host ? static_cast<char*>(u.early.w_alt->data()) + a * s.c_size
                   : w_nvme ? w_block->data()
-                           : static_cast<char*>(u.early.new_w->data()) + a * c_size;
-    if (copy_out) sh.copy_out = host_tensor(w_dst, cfg.compute_dtype, len);
+                           : static_cast<char*>(u.early.new_w->data()) + a * s.c_size;
+    if (copy_out) sh.copy_out = host_tensor(w_dst, s.cfg.compute_dtype, len);
     {
       TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
-      cpu_adam->step(u.early.opt, sh, NonFinitePolicy::kReportOnly);
+      s.cpu_adam->step(u.early.opt, sh, NonFinitePolicy::kReportOnly);
     }
     if (!copy_out) std::memcpy(w_dst, master, len * 4);
     if (state) {
-      bound_io(early_writes, std::size_t(std::max(1, cfg.optimizer_buffer_count - 2)));
-      IoHandle h = o_store->write(key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
+      bound_io(writes, std::size_t(std::max(1, s.cfg.optimizer_buffer_count - 2)));
+      IoHandle h = s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
       h.on_complete([state](std::exception_ptr) {});
-      early_writes.push_back(h);
+      writes.push_back(h);
       u.early.io.push_back(h);
     }
     if (w_nvme) {
-      IoHandle h = w_store->write(key('w', ui, 1 - u.early.w_gen, gi), w_block->data(), w_bytes);
+      IoHandle h = s.w_store->write(s.key('w', ui, 1 - u.early.w_gen, gi), w_block->data(), w_bytes);
       h.on_complete([w_block](std::exception_ptr) {});
-      early_w_writes.push_back(h);
+      w_writes.push_back(h);
       u.early.io.push_back(h);
     }
   }
@@ -354,66 +359,66 @@ void Engine::Impl::early_unit(std::size_t ui, bool need_norm, bool device_norm) 
 // The early step's results: kept when this step is the one they assumed (finite, no
 // clipping, the same lr and step) — without waiting for them: the worker finishes them
 // behind, in the next forward's order, and each unit switches to its new copy before it is
-// used again (finish_early). The decision depends on nothing timed, so every rank makes the
+// used again (finish). The decision depends on nothing timed, so every s.rank makes the
 // same one (a resident unit's all-gather moves with it). Otherwise dropped: the state they
-// read is untouched, and the serial loop of step() steps the unit. Returns which units were kept.
-std::vector<bool> Engine::Impl::settle_early_step(float lr, bool overflow, bool clipped) {
-  if (overflow || clipped) cancel_queued_early();
-  std::vector<bool> kept(units.size(), false);
-  const std::vector<std::size_t> queued = std::exchange(early_order, {});
+// read is untouched, and the serial loop of step() steps the unit. Returns which s.units were kept.
+std::vector<bool> EarlyStepper::settle(float lr, bool overflow, bool clipped) {
+  if (overflow || clipped) cancel_queued();
+  std::vector<bool> kept(s.units.size(), false);
+  const std::vector<std::size_t> queued = std::exchange(order, {});
   bool any_kept = false;
   for (const std::size_t ui : queued) {
-    Unit& u = units[ui];
-    const bool keep = !overflow && !clipped && u.early.opt.lr == lr && u.early.opt.step == steps_taken + 1;
-    const Unit::Early state = keep ? early_state(ui) : wait_early(ui);
+    Unit& u = s.units[ui];
+    const bool keep = !overflow && !clipped && u.early.opt.lr == lr && u.early.opt.step == s.steps_taken + 1;
+    const Unit::Early state = keep ? state_of(ui) : wait(ui);
     if (keep && state != Unit::Early::kVoid) {
       kept[ui] = true;
       u.early.finish_pending = true;
       pending_finish.push_back(ui);
-      ++st.early_units_kept;
-      if (state == Unit::Early::kQueued) ++st.early_units_finished_behind;
+      ++s.st.early_units_kept;
+      if (state == Unit::Early::kQueued) ++s.st.early_units_finished_behind;
       any_kept = true;
       continue;
     }
-    const bool failed = early_failed();
-    if (!failed) {
+    const bool worker_failed = failed();
+    if (!worker_failed) {
       // Its writes (to the second NVMe keys) settle before anything else may write there: a
       // job voided after it ran (a unit that got more gradients than recorded) issued them
       // too, and the next step's early job writes the same keys.
       for (IoHandle& h : u.early.io) h.wait();
-      if (state == Unit::Early::kDone) count_early_io(u);  // what it moved, for nothing
+      if (state == Unit::Early::kDone) count_io(u);  // what it moved, for nothing
     }
-    ++st.early_units_redone;
-    if (!failed) u.early.io.clear();
+    ++s.st.early_units_redone;
+    if (!worker_failed) u.early.io.clear();
     {
-      std::lock_guard<std::mutex> lk(early_mu);
+      std::lock_guard<std::mutex> lk(mu);
       u.early.state = Unit::Early::kNone;
     }
     u.early.new_w.reset();
   }
-  if (early_failed()) rethrow_early_error();  // the run stops with the worker's error
+  if (failed()) rethrow_error();  // the run stops with the worker's error
   if (pending_finish.empty()) {
-    wait_early_idle();
+    wait_idle();
     // State read ahead for jobs that were cancelled: stale after this step.
-    for (auto& [ui, read] : std::exchange(early_reads, {})) read.second.wait_for(std::chrono::minutes(1));
+    for (auto& [ui, read] : std::exchange(reads, {})) read.second.wait_for(std::chrono::minutes(1));
   } else {
     {
-      // The next forward takes the units in the order this one did: the worker follows it.
-      std::lock_guard<std::mutex> lk(early_mu);
-      std::stable_sort(early_queue.begin(), early_queue.end(),
-                       [&](std::size_t a, std::size_t b) { return units[a].fetch.first < units[b].fetch.first; });
+      // The next forward takes the s.units in the order this one did: the worker follows it.
+      std::lock_guard<std::mutex> lk(mu);
+      std::stable_sort(queue.begin(), queue.end(),
+                       [&](std::size_t a, std::size_t b) { return s.units[a].fetch.first < s.units[b].fetch.first; });
     }
-    for (const std::size_t ui : pending_finish) units[ui].early.kept_behind = true;
+    for (const std::size_t ui : pending_finish) s.units[ui].early.kept_behind = true;
     // ... and switches them in that order (finish_done_ahead): the first the forward needs first.
     std::stable_sort(pending_finish.begin(), pending_finish.end(),
-                     [&](std::size_t a, std::size_t b) { return units[a].fetch.first < units[b].fetch.first; });
+                     [&](std::size_t a, std::size_t b) { return s.units[a].fetch.first < s.units[b].fetch.first; });
   }
   if (!queued.empty()) {
-    early_backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * early_backoff));
-    early_skip = any_kept ? 0 : early_backoff;
-  } else if (early_skip > 0) {
-    --early_skip;
-    ++st.early_steps_skipped;
+    backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * backoff));
+    skip = any_kept ? 0 : backoff;
+  } else if (skip > 0) {
+    --skip;
+    ++s.st.early_steps_skipped;
   }
   return kept;
 }

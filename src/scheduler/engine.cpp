@@ -92,7 +92,7 @@ Engine::Engine(Device& device, Communicator& comm, const EngineConfig& config)
 
 Engine::~Engine() {
   if (!impl_) return;
-  impl_->stop_early_worker();
+  impl_->early_step.stop();
   try {
     impl_->dev.synchronize();
   } catch (const std::exception& e) {
@@ -214,7 +214,7 @@ void Engine::Impl::make_plan(const OnNvme& nvme) {
     STRATA_THROW(kOutOfMemory, "the training state does not fit:{}\n{}", problems, shown.table());
   }
   for (const std::string& n : plan.notes) log::info("engine: {}", n);
-  early = plan.early_optimizer_step;
+  early_step.on = plan.early_optimizer_step;
   grads_recorded.assign(units.size(), 0);
   grads_now.assign(units.size(), 0);
 }
@@ -369,7 +369,7 @@ void Engine::Impl::place_initial_state() {
       up.synchronize();  // put_group's copies read `master`
     }
     end_put(ui);
-    if (early_eligible(u)) {  // the early step's second copies (the plan's lines)
+    if (early_step.eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.early.o_alt = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
       if (!u.resident && u.w_tier == Tier::kHost) u.early.w_alt = pinned(SwapStore::padded_bytes(u.shard * c_size));
       for (std::size_t g = 0; g < groups(u); ++g) {
@@ -403,7 +403,7 @@ void Engine::finalize() {
   s.make_plan(nvme);
   s.open_streams_and_stores(nvme);
   s.place_initial_state();
-  if (s.early) s.early_thread = std::thread([&s] { s.early_loop(); });
+  s.early_step.start();
   s.finalized = true;
 }
 
@@ -413,7 +413,7 @@ void Engine::check_host_settings(const EngineConfig& config) {
                  too_many);
 }
 
-void Engine::set_next_lr(float lr) { impl_->next_lr = lr; }
+void Engine::set_next_lr(float lr) { impl_->early_step.next_lr = lr; }
 
 std::int64_t Engine::steps_taken() const { return impl_->steps_taken; }
 

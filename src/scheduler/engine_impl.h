@@ -128,11 +128,132 @@ struct Unit {
     std::shared_ptr<PinnedBlock> new_w;  // new weights for a device target, until finished
     std::vector<IoHandle> io;  // its writes to the other NVMe keys (one a sub-group and kind)
     // step() kept the early work but did not wait for it: it is finished (state and weights
-    // switched to the new copy) before anything uses the unit again (Impl::finish_early).
+    // switched to the new copy) before anything uses the unit again (EarlyStepper::finish).
     bool finish_pending = false;
     bool gather_pending = false;  // resident, more than one rank: finished, not yet all-gathered
     bool kept_behind = false;     // kept by the last step() and not fetched since (see prefetch_ahead)
   } early;
+};
+
+// The early optimizer step (strata.overlap_optimizer; early_step.cpp). When a unit's last
+// gradient of the step has been accumulated on the host (the count of reduce_grad calls per unit
+// is recorded in the first step), a worker thread runs its AdamW at once — while backward goes on
+// for the units before it — with clip coefficient 1 and the expected lr, reading the current
+// state and writing a second copy (host tier: o_alt / w_alt; NVMe tier: the other key). step()
+// keeps that result only when the step it would have run is the same: no clipping, finite
+// gradients, the same lr; otherwise it drops it and steps the unit from the untouched state.
+// Either way the bits are those of the serial step. (The clip coefficient needs the global norm,
+// which exists only after the last gradient: that is why this is a speculation and not a
+// reordering.) step() decides what to keep without waiting for the worker: kept work still
+// queued is reordered to the next forward's order and finished behind — each unit before its
+// next fetch (or anything else that reads it) — so the AdamW of the last units to get their
+// gradients overlaps the next step's forward instead of stalling the device.
+//
+// The engine calls it at four points: note_grad (each reduce_grad), settle (step() decides what
+// to keep), for_fetch (the one entry point of Engine::fetch) and finish / finish_all (anything
+// else that reads a unit's state: save, load, gather).
+class EarlyStepper {
+ public:
+  explicit EarlyStepper(Engine::Impl& engine) : s(engine) {}
+  ~EarlyStepper() { stop(); }
+  EarlyStepper(const EarlyStepper&) = delete;
+  EarlyStepper& operator=(const EarlyStepper&) = delete;
+
+  bool on = false;      // plan.early_optimizer_step
+  float next_lr = NAN;  // set_next_lr(), else the last step's lr
+  // Guards every Unit::early.state / norm_call, the worker's queue, and the two counts below
+  // (the reducer and step()'s norm read them too).
+  std::mutex mu;
+  // step() calls so far, counting skipped steps (main thread), and the last call that has taken
+  // its gradient norm (mu): jobs queued before it that the worker starts later skip their sum of
+  // squares, which nothing will read.
+  std::int64_t step_calls = 0, norm_taken_call = -1;
+
+  bool eligible(const Unit& u) const { return on && early_step_takes(u.o_tier, u.g_tier); }
+  void start();  // the worker thread, when on
+  void stop();
+
+  // Called for every reduce_grad, after its accumulation was queued on the comm stream.
+  void note_grad(std::size_t ui, Stream& cs);
+  // Which units keep their early result; the others are stepped by step().
+  std::vector<bool> settle(float lr, bool overflow, bool clipped);
+  // Everything a fetch of unit `ui` needs of the early step (Engine::fetch; collective).
+  void for_fetch(std::size_t ui);
+  // Switches unit `ui` to the result of its kept early work (step() decided to keep it):
+  // the second copies become the current ones, and new weights for a device target go there
+  // on the fetch stream. `block`: wait for the worker; otherwise return false if it has not
+  // finished the unit yet. Local to this rank: a resident unit's all-gather, when there is
+  // more than one rank, is left to gather_finished() (collective calls only).
+  bool finish(std::size_t ui, bool block);
+  void finish_all();  // collective
+  // Switches the kept units the worker has finished, in the next forward's order: their new
+  // weights go to the device on the fetch stream ahead of their fetch (a resident unit has no
+  // prefetch to do it). It stops at the first unit still being stepped: one queued behind
+  // units the forward needs later would wait for all their copies on the fetch stream (the
+  // forward's first unit is the last to get its gradient, so it is often the one not done).
+  // Local, never waits.
+  void finish_done_ahead();
+  // Marks every early result of the current step unusable (the state it read was replaced).
+  void void_results();
+
+ private:
+  Engine::Impl& s;
+  // After a step whose early work was all redone (it clipped, overflowed, or the lr was not
+  // announced), the next `skip` steps do not speculate — 1, 2, 4, then 8 steps, back to 0 once
+  // a result is kept — so a run that clips every step does not do its AdamW twice.
+  int skip = 0, backoff = 0;
+  std::thread worker;
+  std::condition_variable cv;
+  std::deque<std::size_t> queue;
+  std::vector<std::size_t> order;  // units queued this step, in order (main thread)
+  std::size_t busy = 0;            // queued or running jobs
+  std::size_t read_ahead_job = SIZE_MAX;  // the queued job whose state the worker read ahead
+  bool stopping = false;
+  std::exception_ptr worker_error;
+  // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
+  // (Keyed by unit and sub-group.)
+  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
+  std::deque<IoHandle> writes, w_writes;
+  // Kept early work that step() left running (Unit::early.finish_pending), in the order they
+  // are finished.
+  std::vector<std::size_t> pending_finish;
+
+  void wait_idle();
+  Unit::Early state_of(std::size_t ui);
+  // Waits until the worker is done with unit `ui`; its final state.
+  Unit::Early wait(std::size_t ui);
+  bool failed();
+  // Drops the jobs the worker has not started (their results could not be kept).
+  void cancel_queued();
+  // The NVMe traffic of a unit's finished early job (kept or not).
+  void count_io(const Unit& u);
+  // The worker's error (an I/O fault, say), once every write it issued has settled. Kept: the
+  // state it left is not usable, so every later call that needs it throws the same error.
+  [[noreturn]] void rethrow_error();
+  // A resident unit's new shard (finish) to every rank. Collective: every rank calls it for the
+  // same units in the same order (Engine::fetch, step, save_state, load_state).
+  void gather_finished(std::size_t ui);
+  // The position in `queue` of the job the worker takes next (mu held, queue not empty):
+  // detail::next_early_job, by each unit's first fetch in the step that queued it.
+  std::size_t next_job() const;
+  // From the last sub-group of the running job (worker thread): the state of the job the worker
+  // would take now is read ahead when it is on NVMe, and that job is then taken next.
+  void read_ahead_next();
+  // Whether the job of unit `ui` still owes step() its part of the gradient norm (mu held).
+  bool norm_owed(const Unit& u) const { return u.early.norm_call != u.early.call && u.early.call > norm_taken_call; }
+  void loop();
+  // The norm's part of every queued job whose gradient is complete, before the next AdamW:
+  // a few tenths of a millisecond each against the AdamW's few milliseconds, and step() needs
+  // all of them before it can decide anything, while the AdamW can finish behind it. So step()
+  // finds them done instead of computing them on its own thread (worker thread, `lk` held).
+  void norms(std::unique_lock<std::mutex>& lk);
+  // Waits for the oldest of `q` until fewer than `most` are in flight (worker thread).
+  static void bound_io(std::deque<IoHandle>& q, std::size_t most);
+  void read_ahead(std::size_t ui, std::size_t g);
+  // One unit's AdamW from its current state into the second copy, a sub-group at a time (worker
+  // thread), and its part of the norm when owed (the device's when it took it). NVMe state is
+  // read one sub-group ahead (the next job's first once this unit's last is stepping).
+  void step_unit(std::size_t ui, bool need_norm, bool device_norm);
 };
 
 }  // namespace detail
@@ -189,51 +310,14 @@ struct Engine::Impl {
   std::int64_t steps_taken = 0;
   EngineStats st;
 
-  // ---- the early optimizer step ----
-  // When a unit's last gradient of the step has been accumulated on the host (the count of
-  // reduce_grad calls per unit is recorded in the first step), a worker thread runs its
-  // AdamW at once — while backward goes on for the units before it — with clip coefficient
-  // 1 and the expected lr, reading the current state and writing a second copy (host tier:
-  // o_alt / w_alt; NVMe tier: the other key). step() keeps that result only when the step
-  // it would have run is the same: no clipping, finite gradients, the same lr; otherwise it
-  // drops it and steps the unit from the untouched state. Either way the bits are those of
-  // the serial step. (The clip coefficient needs the global norm, which exists only after
-  // the last gradient: that is why this is a speculation and not a reordering.)
-  // step() decides what to keep without waiting for the worker: kept work still queued is
-  // reordered to the next forward's order and finished behind — each unit before its next
-  // fetch (or anything else that reads it) — so the AdamW of the last units to get their
-  // gradients overlaps the next step's forward instead of stalling the device.
-  bool early = false;  // plan.early_optimizer_step
+  // Gradient counts per unit: this step's, and the recorded step's (the early optimizer step
+  // queues a unit at its last one; more than recorded re-records).
   std::vector<int> grads_recorded, grads_now;
   bool grads_recording = true, grads_changed = false;
   std::shared_ptr<PinnedBlock> norm_host;  // one float a unit: Unit::g.dev_sumsq_call
   float dev_sumsq(std::size_t ui) const { return static_cast<const float*>(norm_host->data())[ui]; }
-  // After a step whose early work was all redone (it clipped, overflowed, or the lr was not
-  // announced), the next `early_skip` steps do not speculate — 1, 2, 4, then 8 steps, back to
-  // 0 once a result is kept — so a run that clips every step does not do its AdamW twice.
-  int early_skip = 0, early_backoff = 0;
-  float next_lr = NAN;  // set_next_lr(), else the last step's lr
-  std::thread early_thread;
-  std::mutex early_mu;
-  std::condition_variable early_cv;
-  std::deque<std::size_t> early_queue;
-  std::vector<std::size_t> early_order;  // units queued this step, in order (main thread)
-  std::size_t early_busy = 0;  // queued or running jobs
-  std::size_t early_next = SIZE_MAX;  // the queued job whose state the worker read ahead
-  bool early_stop = false;
-  std::exception_ptr early_error;
-  // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
-  // (Keyed by unit and sub-group.)
-  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> early_reads;
-  std::deque<IoHandle> early_writes, early_w_writes;
-  // Kept early work that step() left running (Unit::early.finish_pending), and the fetch count of
-  // the step in progress (Unit::fetch.first: the order the worker finishes them in).
-  std::vector<std::size_t> pending_finish;
-  std::size_t fetch_seq = 0;
-  // step() calls so far, counting skipped steps (main thread), and the last call that has
-  // taken its gradient norm (early_mu): jobs queued before it that the worker starts later
-  // skip their sum of squares, which nothing will read.
-  std::int64_t step_calls = 0, norm_taken_call = -1;
+  std::size_t fetch_seq = 0;  // fetches in the step in progress (Unit::fetch.first)
+  detail::EarlyStepper early_step{*this};
 
   Impl(Device& d, Communicator& c, const EngineConfig& config);
 
@@ -333,77 +417,6 @@ struct Engine::Impl {
 
   void note_fetch(int ui);
 
-  // ---- the early optimizer step (early_step.cpp; see the fields above) ----
-  bool early_eligible(const Unit& u) const { return early && detail::early_step_takes(u.o_tier, u.g_tier); }
-
-  void stop_early_worker();
-
-  // Marks every early result of the current step unusable (the state it read was replaced).
-  void void_early();
-
-  void wait_early_idle();
-  Unit::Early early_state(std::size_t ui);
-  // Waits until the worker is done with unit `ui`; its final state.
-  Unit::Early wait_early(std::size_t ui);
-  bool early_failed();
-  // Drops the jobs the worker has not started (their results could not be kept).
-  void cancel_queued_early();
-  // The NVMe traffic of a unit's finished early job (kept or not).
-  void count_early_io(const Unit& u);
-  // The worker's error (an I/O fault, say), once every write it issued has settled. Kept: the
-  // state it left is not usable, so every later call that needs it throws the same error.
-  [[noreturn]] void rethrow_early_error();
-  // Switches unit `ui` to the result of its kept early work (step() decided to keep it):
-  // the second copies become the current ones, and new weights for a device target go there
-  // on the fetch stream. `block`: wait for the worker; otherwise return false if it has not
-  // finished the unit yet. Local to this rank: a resident unit's all-gather, when there is
-  // more than one rank, is left to gather_finished() (collective calls only).
-  bool finish_early(std::size_t ui, bool block);
-  // A resident unit's new shard (finish_early) to every rank. Collective: every rank calls
-  // it for the same units in the same order (Engine::fetch, step, save_state, load_state).
-  void gather_finished(std::size_t ui);
-  // Switches the kept units the worker has finished, in the next forward's order: their new
-  // weights go to the device on the fetch stream ahead of their fetch (a resident unit has no
-  // prefetch to do it). It stops at the first unit still being stepped: one queued behind
-  // units the forward needs later would wait for all their copies on the fetch stream (the
-  // forward's first unit is the last to get its gradient, so it is often the one not done).
-  // Local, never waits.
-  void finish_done_ahead();
-  // Everything a fetch of unit `ui` needs of the early step (Engine::fetch; collective).
-  void finish_early_for_fetch(std::size_t ui);
-  void finish_all_early();  // collective
-
-  // Called for every reduce_grad, after its accumulation was queued on the comm stream.
-  void note_grad(std::size_t ui, Stream& cs);
-
-  // The position in early_queue of the job the worker takes next (early_mu held, queue not
-  // empty): detail::next_early_job, by each unit's first fetch in the step that queued it.
-  std::size_t next_early_job() const;
-  // From the last sub-group of the running job (worker thread): the state of the job the worker
-  // would take now is read ahead when it is on NVMe, and that job is then taken next.
-  void read_ahead_next();
-
-  // Whether the job of unit `ui` still owes step() its part of the gradient norm (early_mu held).
-  bool norm_owed(const Unit& u) const { return u.early.norm_call != u.early.call && u.early.call > norm_taken_call; }
-
-  void early_loop();
-
-  // The norm's part of every queued job whose gradient is complete, before the next AdamW:
-  // a few tenths of a millisecond each against the AdamW's few milliseconds, and step() needs
-  // all of them before it can decide anything, while the AdamW can finish behind it. So step()
-  // finds them done instead of computing them on its own thread (worker thread, `lk` held).
-  void early_norms(std::unique_lock<std::mutex>& lk);
-
-  // Waits for the oldest of `q` until fewer than `most` are in flight (worker thread).
-  static void bound_io(std::deque<IoHandle>& q, std::size_t most);
-
-  void early_read_ahead(std::size_t ui, std::size_t g);
-
-  // One unit's AdamW from its current state into the second copy, a sub-group at a time (worker
-  // thread), and its part of the norm when owed (the device's when it took it). NVMe state is
-  // read one sub-group ahead (the next job's first once this unit's last is stepping).
-  void early_unit(std::size_t ui, bool need_norm, bool device_norm);
-
   // ---- finalize (engine.cpp; Engine::finalize runs them in this order) ----
   struct OnNvme {  // which pieces some unit keeps on NVMe
     bool w = false, o = false, g = false;
@@ -423,8 +436,6 @@ struct Engine::Impl {
   // unscaling); the step's norm is then taken (norm_taken_call).
   double grad_sumsq();
   void update_loss_scale(bool overflow);
-  // Which units keep their early result (early_step.cpp); the others are stepped by step().
-  std::vector<bool> settle_early_step(float lr, bool overflow, bool clipped);
   void record_grad_counts();
   void zero_grads();
   void rewind_trace();

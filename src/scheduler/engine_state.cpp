@@ -141,7 +141,7 @@ std::vector<float> Engine::master_shard(int unit) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::master_shard before finalize()");
   Unit& u = s.unit_at(unit, "Engine::master_shard");
-  s.finish_early(std::size_t(unit), true);
+  s.early_step.finish(std::size_t(unit), true);
   std::vector<float> out(u.shard), buf;
   for (std::size_t g = 0; g < s.groups(u); ++g) {
     const detail::Range r = s.range(u, g);
@@ -204,7 +204,7 @@ void Engine::save_state(const std::string& dir) {
   for (auto& u : s.units)
     STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full, "Engine::save_state: unit '{}' is still fetched or has an unreduced "
                    "gradient; save between steps", u.name);
-  s.finish_all_early();
+  s.early_step.finish_all();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();
@@ -303,11 +303,11 @@ void Engine::load_state(const std::string& dir) {
                  dir, bin_path, size, s.rank, j.value("bytes", std::uint64_t(0)));
   bin.seekg(0);
 
-  s.finish_all_early();
+  s.early_step.finish_all();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();
-  s.void_early();  // early optimizer work of a step in progress read the state replaced below
+  s.early_step.void_results();  // early optimizer work of a step in progress read the state replaced below
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
   std::vector<float> buf;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {

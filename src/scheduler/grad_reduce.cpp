@@ -111,7 +111,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   STRATA_REQUIRE(s.finalized, "Engine::reduce_grad before finalize()");
   Unit& u = s.unit_at(unit, "Engine::reduce_grad");
   STRATA_REQUIRE(static_cast<bool>(u.g.full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
-  s.finish_early(std::size_t(unit), true);  // its last early job reads the accumulator
+  s.early_step.finish(std::size_t(unit), true);  // its last early job reads the accumulator
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
   const std::size_t ui = std::size_t(unit), n = u.shard;
@@ -196,8 +196,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
       cs.sum_squares(Impl::view(full, DType::kF32, n), Impl::view(sq, DType::kF32, 1));
       cs.copy(host_ref(static_cast<float*>(s.norm_host->data()) + unit, 4), sq.ref());
       sq.reset_on(cs);
-      std::lock_guard<std::mutex> lk(s.early_mu);
-      u.g.dev_sumsq_call = s.step_calls;
+      std::lock_guard<std::mutex> lk(s.early_step.mu);
+      u.g.dev_sumsq_call = s.early_step.step_calls;
     }
     if (out) out.reset_on(cs);  // its last use: the accumulation above
     ++s.st.grad_buckets;
@@ -205,7 +205,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   if (s.world > 1) u.g.full.reset_on(cs);  // its last use: the reduce-scatters
   if (full) full.reset_on(cs);                // its last use: the accumulation above
   u.g.fresh = false;
-  s.note_grad(std::size_t(unit), cs);
+  s.early_step.note_grad(std::size_t(unit), cs);
   if (!s.cfg.overlap_comm) s.last_reduce = cs.record();
 }
 

@@ -71,7 +71,7 @@ inline bool early_step_takes(Tier optimizer, Tier grads) {
   return optimizer != Tier::kDevice && grads == Tier::kHost;
 }
 
-// The job the early optimizer's worker takes next (Engine::Impl::next_early_job; the perf model
+// The job the early optimizer's worker takes next (EarlyStepper::next_job; the perf model
 // replays it): of `n` queued jobs, oldest first, the one whose NVMe state it read ahead
 // (`read_ahead(i)`), else — of those whose gradient is complete (`ready(i)`) — the one whose unit
 // the next forward needs first (`order(i)`, its place in the forward), else the oldest. The next

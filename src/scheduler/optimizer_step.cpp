@@ -276,7 +276,7 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
 // Everything queued for this step done: kept early work switched, gradients reduced and
 // written, the compute stream's reads of resident weights done.
 void Engine::Impl::begin_step() {
-  finish_all_early();  // a unit the model did not fetch since the last step
+  early_step.finish_all();  // a unit the model did not fetch since the last step
   for (auto& u : units)
     STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",
                    u.name);
@@ -327,11 +327,11 @@ double Engine::Impl::grad_sumsq() {
       // The early worker computed it with the same kernel from the same final gradient.
       bool done;
       {
-        std::lock_guard<std::mutex> lk(early_mu);
-        done = u.early.norm_call == step_calls;
+        std::lock_guard<std::mutex> lk(early_step.mu);
+        done = u.early.norm_call == early_step.step_calls;
       }
       // Or the device took it from the step's only gradient (the comm stream is done).
-      const bool device = grads_now[ui] == 1 && u.g.dev_sumsq_call == step_calls;
+      const bool device = grads_now[ui] == 1 && u.g.dev_sumsq_call == early_step.step_calls;
       if (done || device) {
         part[ui] = done ? u.early.sumsq : dev_sumsq(ui);
       } else {
@@ -352,8 +352,8 @@ double Engine::Impl::grad_sumsq() {
     os.synchronize();
   }
   {
-    std::lock_guard<std::mutex> lk(early_mu);
-    norm_taken_call = step_calls++;
+    std::lock_guard<std::mutex> lk(early_step.mu);
+    early_step.norm_taken_call = early_step.step_calls++;
   }
   return total;
 }
@@ -415,7 +415,7 @@ void Engine::Impl::end_step() {
 
   // Resident units: gather the updated shards.
   for (auto& u : units) {
-    if (!u.resident || world == 1 || u.early.finish_pending) continue;  // (finish_early gathers those)
+    if (!u.resident || world == 1 || u.early.finish_pending) continue;  // (EarlyStepper::finish gathers those)
     const TensorRef block = Impl::view(u.w.full, ct, u.shard, std::size_t(rank) * u.shard);
     comm.all_gather(block, Impl::view(u.w.full, ct, u.padded), os);
   }
@@ -429,7 +429,7 @@ void Engine::Impl::end_step() {
   // Kept units the worker has already finished switch now (after the loops above, which
   // leave them alone): their new weights go to the device on the fetch stream while it steps
   // the rest. Local only: a resident unit's all-gather still waits for its fetch.
-  finish_done_ahead();
+  early_step.finish_done_ahead();
 
   rewind_trace();
 }
@@ -449,9 +449,9 @@ StepResult Engine::step(float lr) {
   s.update_loss_scale(overflow);
 
   const bool clipped = s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping;
-  const std::vector<bool> kept = s.settle_early_step(lr, overflow, clipped);
+  const std::vector<bool> kept = s.early_step.settle(lr, overflow, clipped);
   s.record_grad_counts();
-  s.next_lr = lr;
+  s.early_step.next_lr = lr;
 
   if (overflow) {
     if (!s.cfg.fp16.enabled)

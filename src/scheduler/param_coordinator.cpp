@@ -94,7 +94,7 @@ void Engine::Impl::prefetch_ahead() {
     // Kept early work not finished yet: its new weights are not there. With more than one
     // rank, whether the worker is done must not decide which all-gathers go first: there
     // prefetch stops at any unit the last step left to finish, done or not.
-    if (world > 1 ? u.early.kept_behind : !finish_early(std::size_t(trace[p]), false)) break;
+    if (world > 1 ? u.early.kept_behind : !early_step.finish(std::size_t(trace[p]), false)) break;
     issue_fetch(trace[p], true);
     ahead += u.padded;
   }
@@ -149,11 +149,11 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
   Unit& u = s.units[std::size_t(unit)];
   if (!s.eval && u.fetch.first_step != s.steps_taken) {
-    std::lock_guard<std::mutex> lk(s.early_mu);  // next_early_job reads it on the worker
+    std::lock_guard<std::mutex> lk(s.early_step.mu);  // the worker's next_job reads it
     u.fetch.first_step = s.steps_taken;
     u.fetch.first = s.fetch_seq++;
   }
-  s.finish_early_for_fetch(std::size_t(unit));
+  s.early_step.for_fetch(std::size_t(unit));
   if (!u.resident) {
     if (s.eval) s.note_eval_fetch(unit);
     else s.note_fetch(unit);

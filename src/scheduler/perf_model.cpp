@@ -355,7 +355,7 @@ class Replay {
   std::uint64_t live = 0;
   std::size_t pos = 0;  // position in `trace`
   const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
-  // Engine::Impl::finish_early: kept early work the last step did not wait for, before the
+  // EarlyStepper::finish: kept early work the last step did not wait for, before the
   // unit's first use (the host waits for the worker; new weights for the device go over the
   // link on the fetch stream, then a resident unit's all-gather).
   // pending[i]: kept, not finished; worker_done(i) replays the worker's queue up to unit i's
@@ -367,9 +367,9 @@ class Replay {
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
-  // Engine::Impl::early_unit on the early worker thread: a unit's job is queued when its last
+  // EarlyStepper::step_unit on the early worker thread: a unit's job is queued when its last
   // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
-  // of Engine::Impl::next_early_job (pick_job below), reads the NVMe state of the job it will
+  // of EarlyStepper::next_job (pick_job below), reads the NVMe state of the job it will
   // take next when it starts the last sub-group of one, and writes the second copy behind.
   // (unit, gradient ready, its norm still wanted: false for jobs started after step() took it)
   struct Job {
@@ -502,7 +502,7 @@ class Replay {
       ahead += x.padded;
     }
   }
-  // Engine::Impl::finish_done_ahead: the kept units the worker has finished by now, in the
+  // EarlyStepper::finish_done_ahead: the kept units the worker has finished by now, in the
   // forward's order (the units' own), up to the first it has not.
   void finish_done_ahead() {
     for (std::size_t j = 0; j < N; ++j) {
@@ -584,7 +584,7 @@ class Replay {
         read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)),
                         "read state " + name(i), -1, 12 * group_size(x, g + 1));
       if (g + 1 ==
-          G) {  // Engine::Impl::read_ahead_next, chosen in run_next (the queue is complete then)
+          G) {  // EarlyStepper::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
         ahead_pending = true;
       }
@@ -616,7 +616,7 @@ class Replay {
     early_io_done[i] = io;
   }
   void run_next() {
-    // Engine::Impl::early_norms: first the norm's part of every queued job whose gradient
+    // EarlyStepper::norms: first the norm's part of every queued job whose gradient
     // is there when the worker is free, then the next AdamW.
     for (bool again = true; again;) {
       again = false;
