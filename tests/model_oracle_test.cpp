@@ -4,9 +4,11 @@
 // Compared: logits, the loss, and every parameter's gradient.
 //
 // Error measure per tensor: max |strata - ref| / max |ref| (the tensor's own scale).
-// Tolerances: fp32 compute 2e-5 (logits, loss) and 3e-5 (gradients; measured worst 4e-6); bf16 compute (bf16
-// weights, GEMM inputs rounded to bf16, fp32 accumulate; the reference uses the same bf16
-// weights in float64) 3e-2 and 8e-2: a few bf16 roundings of 2^-9 relative each, summed.
+// Tolerances: fp32 compute 2e-5 (logits, loss) and 3e-5 (gradients; measured worst 4e-6). bf16
+// compute (bf16 weights, every GEMM operand rounded to bf16 — attention's q, k, v, probabilities
+// and their gradients too — fp32 accumulation): the reference rounds the same operands
+// (model_ref.py --bf16-gemm) and computes in float64; 1e-2 and 2e-2 (measured worst: Llama
+// 1.5e-6 logits, 9.8e-4 gradients; GPT-2 3.7e-3 and 7.4e-3, a difference not yet traced).
 // Skipped, never passed, when /usr/bin/python3 cannot import torch.
 #include <cmath>
 #include <cstdlib>
@@ -80,12 +82,13 @@ TEST_P(ModelOracle, LogitsLossAndEveryGradientMatchPyTorch) {
                     {{"tokens", DType::kF32, {c.batch, c.seq}, tf.data()},
                      {"targets", DType::kF32, {c.batch, c.seq}, gf.data()}});
   const std::string cmd =
-      fmt::format("/usr/bin/python3 {}/tests/oracle/model_ref.py {}", STRATA_SOURCE_DIR, dir.string());
+      fmt::format("/usr/bin/python3 {}/tests/oracle/model_ref.py {}{}", STRATA_SOURCE_DIR,
+                  c.dtype == DType::kBF16 ? "--bf16-gemm " : "", dir.string());
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   SafetensorsFile ref((dir / "ref.safetensors").string());
 
   const bool bf16 = c.dtype == DType::kBF16;
-  const double tol_out = bf16 ? 3e-2 : 2e-5, tol_grad = bf16 ? 8e-2 : 3e-5;
+  const double tol_out = bf16 ? 1e-2 : 2e-5, tol_grad = bf16 ? 2e-2 : 3e-5;
   const std::vector<float> logits = m.logits(b.tokens, w);
   EXPECT_LT(rel_err(logits, ref.read_f32("logits")), tol_out);
   w.zero_grads();

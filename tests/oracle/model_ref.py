@@ -2,7 +2,11 @@
 """Independent reference for strata's transformer: a plain PyTorch (float64, autograd)
 implementation of Llama / Qwen2 / Mistral and GPT-2 as Hugging Face defines them.
 
-Usage: model_ref.py DIR
+Usage: model_ref.py [--bf16-gemm] DIR
+  --bf16-gemm: every matrix product's operands rounded to bf16 as strata's bf16 compute reads
+               them (activations and weights; attention's q, k, v and probabilities; in backward
+               also the incoming gradient, which strata's kernels write in bf16); the products,
+               their sums and everything else in float64.
   reads  DIR/config.json, DIR/model.safetensors (F32 or BF16 weights, HF names),
          DIR/batch.safetensors ("tokens", "targets": [B, T] ids stored as F32)
   writes DIR/ref.safetensors (F64): "logits" [B*T, V], "loss" [1], "grad.<name>" per parameter.
@@ -58,6 +62,36 @@ def write_safetensors(path, tensors):
             f.write(b)
 
 
+BF16_GEMM = False
+
+
+def rb(x):
+    """x rounded to bf16 (round to nearest even, through fp32 as strata's fp32 values are)."""
+    return x.float().bfloat16().double() if BF16_GEMM else x
+
+
+class Gemm(torch.autograd.Function):
+    """a @ b ([..., N, K] x [..., K, M]) as strata's GEMMs compute it: operands rounded (rb), and
+    in backward the incoming gradient too, for both of its products."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = rb(a), rb(b)
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = rb(g)
+        return g @ b.transpose(-1, -2), a.transpose(-1, -2) @ g
+
+
+def mm(x, w):
+    """x [..., K] @ w [K, M] through Gemm."""
+    return Gemm.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
 def rope_tables(cfg, hd, T):
     theta = cfg.get("rope_theta", 10000.0)
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
@@ -82,13 +116,41 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+class Bf16Attention(torch.autograd.Function):
+    """Causal softmax(q k^T * scale) v with strata's bf16 roundings (--bf16-gemm): forward, q, k, v
+    and the probabilities P rounded as the two products' operands; backward (its formula, as
+    strata's kernel computes it), dO, v, P and dS = P (dP - rowsum(dO o)) * scale rounded as
+    operands, rowsum(dO o) from the unrounded dO and the output o."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        T = q.shape[2]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        p = torch.softmax((rb(q) @ rb(k).transpose(-1, -2) * scale).masked_fill(mask, float("-inf")), dim=-1)
+        o = rb(p) @ rb(v)
+        ctx.save_for_backward(q, k, v, p, o)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, p, o = ctx.saved_tensors
+        dob = rb(do)
+        dp = dob @ rb(v).transpose(-1, -2)
+        ds = rb(p * (dp - (do * o).sum(-1, keepdim=True)) * ctx.scale)
+        return ds @ rb(k), ds.transpose(-1, -2) @ rb(q), rb(p).transpose(-1, -2) @ dob, None
+
+
 def attention(q, k, v, nh, nkv, scale=None):
     # q [B, nh, T, hd]; k, v [B, nkv, T, hd] (repeat_kv as Hugging Face does)
     rep = nh // nkv
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
     T = q.shape[2]
-    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if BF16_GEMM:
+        return Bf16Attention.apply(q, k, v, scale)
+    s = q @ k.transpose(-1, -2) * scale
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     s = s.masked_fill(mask, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
@@ -107,7 +169,7 @@ def llama(cfg, P, tok):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def lin(x, name):
-        y = x @ P[name + ".weight"].T
+        y = mm(x, P[name + ".weight"].T)
         if name + ".bias" in P:
             y = y + P[name + ".bias"]
         return y
@@ -129,7 +191,7 @@ def llama(cfg, P, tok):
         x = x + lin(torch.nn.functional.silu(g) * u, p + "mlp.down_proj")
     x = rms(x, P["model.norm.weight"])
     head = P["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings", False) else P["lm_head.weight"]
-    return x @ head.T
+    return mm(x, head.T)
 
 
 def gpt2(cfg, P, tok):
@@ -143,7 +205,7 @@ def gpt2(cfg, P, tok):
         return torch.nn.functional.layer_norm(x, (C,), P[p + ".weight"], P[p + ".bias"], eps)
 
     def conv1d(x, p):  # Conv1D: weight [in, out]
-        return x @ P[p + ".weight"] + P[p + ".bias"]
+        return mm(x, P[p + ".weight"]) + P[p + ".bias"]
 
     def gelu_new(x):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
@@ -162,11 +224,16 @@ def gpt2(cfg, P, tok):
         x = x + conv1d(o, p + "attn.c_proj")
         x = x + conv1d(gelu_new(conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
     x = ln(x, "transformer.ln_f")
-    return x @ P["transformer.wte.weight"].T
+    return mm(x, P["transformer.wte.weight"].T)
 
 
 def main():
-    d = sys.argv[1]
+    global BF16_GEMM
+    args = sys.argv[1:]
+    if args and args[0] == "--bf16-gemm":
+        BF16_GEMM = True
+        args = args[1:]
+    d = args[0]
     cfg = json.load(open(f"{d}/config.json"))
     P = read_safetensors(f"{d}/model.safetensors")
     for t in P.values():
