@@ -385,16 +385,8 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
   }
 }
 
-void parse_zero(const Section& top, EngineConfig& c) {
-  const Section z = top.child("zero_optimization");
-  z.warn_unknown({"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
-                  "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
-                  "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                  "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
-                  "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-                  "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
-                  "offload_grads", "offload_grads_ratio", "offload_grads_host_fraction", "cpu_offload",
-                  "cpu_offload_params"});
+// zero_optimization.stage, and DeepSpeed's legacy spellings that move state somewhere.
+void parse_zero_stage(const Section& z, EngineConfig& c) {
   STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(), "config key '{}' = {}: use 1, 2 or 3 (a number)",
                  z.key_path("stage"), z.raw("stage") ? z.raw("stage")->dump() : "");
   const std::int64_t stage = z.get_int("stage", 0);
@@ -415,7 +407,10 @@ void parse_zero(const Section& top, EngineConfig& c) {
                  "config key '{}' is DeepSpeed's deprecated spelling: use \"offload_param\": "
                  "{{\"device\": \"cpu\"}}",
                  z.key_path("cpu_offload_params"));
+}
 
+// The buckets, the sub-groups and the stage-3 gathering (prefetch, live budget, persistence).
+void parse_zero_sizes(const Section& z, EngineConfig& c) {
   c.overlap_comm = z.get_bool("overlap_comm", c.stage == 3);
   c.contiguous_gradients = z.get_bool("contiguous_gradients", true);
   c.reduce_bucket_size = get_positive(z, "reduce_bucket_size", 500'000'000);
@@ -444,8 +439,10 @@ void parse_zero(const Section& top, EngineConfig& c) {
       z.has("stage3_gather_fp16_weights_on_model_save")
           ? z.get_bool("stage3_gather_fp16_weights_on_model_save", false)
           : z.get_bool("stage3_gather_16bit_weights_on_model_save", false);
+}
 
-  // ---- offload_param: the compute-weight shard ----
+// offload_param: the compute-weight shard. Returns its device.
+std::string parse_offload_param(const Section& z, EngineConfig& c) {
   const Section op = z.child("offload_param");
   op.warn_unknown({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
                    "host_fraction", "ratio"});
@@ -488,8 +485,11 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.params = pdev == "none"  ? Placement{1.0, 0.0}
              : pdev == "cpu" ? Placement{1.0 - p_ratio, p_ratio}
                              : Placement{0.0, p_host};
+  return pdev;
+}
 
-  // ---- offload_optimizer: fp32 master, m, v ----
+// offload_optimizer: fp32 master, m, v. Returns its device.
+std::string parse_offload_optimizer(const Section& z, EngineConfig& c) {
   const Section oo = z.child("offload_optimizer");
   oo.warn_unknown({"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
                    "pipeline_write", "ratio", "host_fraction"});
@@ -529,11 +529,11 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.optimizer = odev == "none"  ? Placement{1.0, 0.0}
                 : odev == "cpu" ? Placement{1.0 - ratio, ratio}
                                 : Placement{0.0, o_host};
+  return odev;
+}
 
-  // One pin_memory for the engine: host state is pinned unless either block says otherwise.
-  c.pin_memory = op.get_bool("pin_memory", true) && oo.get_bool("pin_memory", true);
-
-  // ---- offload_grads (strata): the fp32 gradient shard ----
+// offload_grads (strata): the fp32 gradient shard, beside the optimizer state or the weights on NVMe.
+void parse_offload_grads(const Section& z, EngineConfig& c, const std::string& odev, const std::string& pdev) {
   const std::string gdev =
       z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu", "nvme"});
   const double g_ratio = get_fraction(z, "offload_grads_ratio", 1.0);
@@ -568,6 +568,26 @@ void parse_zero(const Section& top, EngineConfig& c) {
   c.grads = gdev == "none"  ? Placement{1.0, 0.0}
             : gdev == "cpu" ? Placement{1.0 - g_ratio, g_ratio}
                             : Placement{0.0, g_host};
+}
+
+void parse_zero(const Section& top, EngineConfig& c) {
+  const Section z = top.child("zero_optimization");
+  z.warn_unknown({"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+                  "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                  "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                  "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
+                  "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
+                  "offload_grads", "offload_grads_ratio", "offload_grads_host_fraction", "cpu_offload",
+                  "cpu_offload_params"});
+  parse_zero_stage(z, c);
+  parse_zero_sizes(z, c);
+  const std::string pdev = parse_offload_param(z, c);
+  const std::string odev = parse_offload_optimizer(z, c);
+  // One pin_memory for the engine: host state is pinned unless either block says otherwise.
+  c.pin_memory = z.child("offload_param").get_bool("pin_memory", true) &&
+                 z.child("offload_optimizer").get_bool("pin_memory", true);
+  parse_offload_grads(z, c, odev, pdev);
 
   for (const Placement* pl : {&c.params, &c.grads, &c.optimizer}) {
     STRATA_CHECK(pl->device_fraction >= 0 && pl->host_fraction >= 0 &&

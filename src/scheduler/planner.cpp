@@ -85,8 +85,32 @@ std::string join_or(const std::vector<std::string>& items) {
   return out;
 }
 
+// The plan under construction: its lines, and the sizes and tiers the later pieces read.
 struct Builder {
+  const EngineConfig& config;
+  const PlanInputs& in;
   MemoryPlan plan;
+
+  // The units (unit_sizes)
+  std::uint64_t c = 0;  // the compute dtype's size
+  std::vector<std::uint64_t> numel, shard;
+  std::vector<detail::UnitLayout> layout;
+  std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0, largest_numel = 0;
+  std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
+  // The sharded state's bytes per tier, the live budget, the bucket share R and the sub-group S
+  std::array<std::uint64_t, 3> param_tiers{}, grad_tiers{}, opt_tiers{};
+  std::uint64_t live = 0, R = 0, S = 0;
+  // The host staging (add_host_staging)
+  bool host_optimizer = false;
+  bool staging_r = false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
+  bool grads_nvme = false;
+  std::uint64_t opt_swap_buffer = 0;
+  int opt_buffers = 0;
+  std::array<std::uint64_t, 3> o2{}, w2{};  // the early step's second copies, by tier
+  std::uint64_t budget = 0;                 // the host budget before its rounding to pinned pieces
+
+  Builder(const EngineConfig& cfg, const PlanInputs& inputs) : config(cfg), in(inputs) {}
+
   void add(std::string what, Tier tier, std::uint64_t bytes) {
     if (bytes == 0) return;
     plan.lines.push_back({std::move(what), tier, bytes});
@@ -107,23 +131,31 @@ struct Builder {
       add(what, t, per_tier[static_cast<int>(t)]);
     return per_tier;
   }
+  std::vector<std::uint64_t> scaled(std::uint64_t k) const {
+    std::vector<std::uint64_t> v;
+    for (auto s : shard) v.push_back(s * k);
+    return v;
+  }
+
+  void unit_sizes();
+  void add_weights();
+  void add_gradients_and_optimizer_state();
+  void add_host_staging();
+  void add_early_step();
+  void add_swap_slack();
+  void add_notes();
+  void sum_and_capacities();
+  void device_problem();
+  void host_problem();
+  void nvme_problem();
+  void host_ram();
 };
 
-}  // namespace
-
-MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
-  STRATA_REQUIRE(in.world_size >= 1, "plan_memory: world_size = {}: must be at least 1",
-                 in.world_size);
-  STRATA_REQUIRE(config.stage >= 1 && config.stage <= 3, "plan_memory: stage {}: must be 1, 2 or 3",
-                 config.stage);
-  const std::uint64_t c = dtype_size(config.compute_dtype);
-  std::vector<std::uint64_t> numel;
+// The units as the engine lays them out (layout.h), their shards and the sizes the lines use.
+void Builder::unit_sizes() {
+  c = dtype_size(config.compute_dtype);
   for (const UnitSize& u : in.units) numel.push_back(u.numel);
-  const std::vector<detail::UnitLayout> layout = detail::layout_units(config, numel, in.world_size);
-
-  std::vector<std::uint64_t> shard;
-  std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0;
-  std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
+  layout = detail::layout_units(config, numel, in.world_size);
   for (const detail::UnitLayout& u : layout) {
     shard.push_back(u.shard);
     total_padded += u.padded;
@@ -135,141 +167,145 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
     np_sum += u.padded;
     np_largest = std::max(np_largest, u.padded);
   }
-  const auto scaled = [&](std::uint64_t k) {
-    std::vector<std::uint64_t> v;
-    for (auto s : shard) v.push_back(s * k);
-    return v;
-  };
+  largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
+}
 
-  Builder b;
+// The compute weights: stage 3's shards, persistent units and the gathered ones; below stage 3
+// the full weights.
+void Builder::add_weights() {
   const std::string cname(dtype_name(config.compute_dtype));
-  std::array<std::uint64_t, 3> param_tiers{};
-  std::uint64_t live = 0;
   if (config.stage == 3) {
     // Persistent units have no shard of their own (their gathered weights are the line below).
     for (const detail::UnitLayout& u : layout)
       if (!u.persistent) param_tiers[static_cast<int>(u.w)] += u.shard * c;
     for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme})
-      b.add(fmt::format("compute weights ({} shard)", cname), t, param_tiers[static_cast<int>(t)]);
-    b.add(fmt::format("persistent units (gathered, <= {} elements)",
-                      config.param_persistence_threshold),
-          Tier::kDevice, persistent_padded * c);
+      add(fmt::format("compute weights ({} shard)", cname), t, param_tiers[static_cast<int>(t)]);
+    add(fmt::format("persistent units (gathered, <= {} elements)", config.param_persistence_threshold),
+        Tier::kDevice, persistent_padded * c);
     live = std::max(np_largest, std::min(config.max_live_parameters, np_sum)) * c;
-    b.add("gathered units (live budget)", Tier::kDevice, live);
-    b.add("prefetch (one unit in flight)", Tier::kDevice, np_largest * c);
+    add("gathered units (live budget)", Tier::kDevice, live);
+    add("prefetch (one unit in flight)", Tier::kDevice, np_largest * c);
   } else {
-    b.add(fmt::format("full weights ({}, replicated at stage {})", cname, config.stage),
-          Tier::kDevice, total_padded * c);
+    add(fmt::format("full weights ({}, replicated at stage {})", cname, config.stage), Tier::kDevice,
+        total_padded * c);
   }
-  const auto grad_tiers = b.place("gradient shard (fp32)", config.grads, scaled(4));
-  const auto opt_tiers =
-      b.place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
-  b.add(config.overlap_comm ? "unit gradients (2 x largest unit, fp32, for overlap_comm)"
-                            : "unit gradient (largest unit, fp32)",
-        Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
+}
+
+// The gradient shards and the optimizer state, placed; the unit gradients the model writes, the
+// reducer's buffers and the activations on the device.
+void Builder::add_gradients_and_optimizer_state() {
+  grad_tiers = place("gradient shard (fp32)", config.grads, scaled(4));
+  opt_tiers = place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
+  add(config.overlap_comm ? "unit gradients (2 x largest unit, fp32, for overlap_comm)"
+                          : "unit gradient (largest unit, fp32)",
+      Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
   // The reducer works a bucket (reduce_bucket_size elements: a share of every rank's shard)
   // at a time. With more than one rank, the reduce-scatter's output: a shard, or, where a unit
   // is large enough that going bucket by bucket takes less (layout.h), one bucket's share and
   // the bucket's input gathered side by side.
-  const std::uint64_t R = std::min(detail::bucket_share_elems(config, in.world_size), largest_shard);
+  R = std::min(detail::bucket_share_elems(config, in.world_size), largest_shard);
   if (in.world_size > 1) {
     if (detail::bucketed_reduce(largest_shard, R, in.world_size)) {
-      b.add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
-      b.add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R), Tier::kDevice,
-            std::uint64_t(in.world_size) * R * 4);
+      add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
+      add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R), Tier::kDevice,
+          std::uint64_t(in.world_size) * R * 4);
     } else {
-      b.add(fmt::format("reduce-scatter output ({} elements, fp32)", largest_shard), Tier::kDevice, largest_shard * 4);
+      add(fmt::format("reduce-scatter output ({} elements, fp32)", largest_shard), Tier::kDevice, largest_shard * 4);
     }
   }
-  b.add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
+  add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
+}
 
-  const bool host_optimizer = opt_tiers[0] < total_shard * 12;
+// Pinned host staging: gradients to the host and to NVMe, the swap buffers, the new weights.
+void Builder::add_host_staging() {
+  host_optimizer = opt_tiers[0] < total_shard * 12;
   // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
-  const std::uint64_t S = std::min(detail::sub_group_elems(config), largest_shard);
-  bool staging_r = false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
+  S = std::min(detail::sub_group_elems(config), largest_shard);
   // (Not for NVMe gradients: their staging is its own line below.)
   if (grad_tiers[1] > 0 || (host_optimizer && grad_tiers[0] > 0)) {
     // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
     // device gradient staged for the host optimizer
     const std::uint64_t E = std::max(2 * R, host_optimizer && grad_tiers[0] > 0 ? S : 0);
     staging_r = E == 2 * R;
-    b.add(E == 2 * R ? fmt::format("gradient D2H staging (2 x {} elements, fp32)", R)
-                     : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
-          Tier::kHost, E * 4);
+    add(E == 2 * R ? fmt::format("gradient D2H staging (2 x {} elements, fp32)", R)
+                   : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
+        Tier::kHost, E * 4);
   }
-  const bool grads_nvme = grad_tiers[static_cast<int>(Tier::kNvme)] > 0;
+  grads_nvme = grad_tiers[static_cast<int>(Tier::kNvme)] > 0;
   if (grads_nvme) {
-    b.add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R), Tier::kHost,
-          4 * R * 4);
-    b.add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S), Tier::kHost,
-          2 * SwapStore::padded_bytes(S * 4));
+    add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R), Tier::kHost,
+        4 * R * 4);
+    add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S), Tier::kHost,
+        2 * SwapStore::padded_bytes(S * 4));
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
-          Tier::kHost,
-          static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
+    add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
+        Tier::kHost,
+        static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
   }
-  const std::uint64_t opt_swap_buffer = SwapStore::padded_bytes(S * 12);
-  const int opt_buffers = std::max(3, config.optimizer_buffer_count);
+  opt_swap_buffer = SwapStore::padded_bytes(S * 12);
+  opt_buffers = std::max(3, config.optimizer_buffer_count);
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add(fmt::format("optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)", opt_buffers,
-                      S),
-          Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
+    add(fmt::format("optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)", opt_buffers,
+                    S),
+        Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
   }
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    b.add(fmt::format("new compute-weight staging (2 x {} elements)", S), Tier::kHost, 2 * S * c);
+    add(fmt::format("new compute-weight staging (2 x {} elements)", S), Tier::kHost, 2 * S * c);
   }
-  b.plan.early_optimizer_step =
-      config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
-  std::array<std::uint64_t, 3> o2{}, w2{};  // the early step's second copies, by tier
-  if (b.plan.early_optimizer_step) {
-    // The units the early step takes have second copies; the others are stepped in step().
-    std::uint64_t new_device_w = 0;
-    for (const detail::UnitLayout& u : layout) {
-      if (!detail::early_step_takes(u.o, u.g)) continue;
-      o2[static_cast<int>(u.o)] += u.shard * 12;
-      if (config.stage == 3 && !u.persistent && u.w != Tier::kDevice) w2[static_cast<int>(u.w)] += u.shard * c;
-      else new_device_w += u.shard * c;
-    }
-    const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
-    b.add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, o2[H]);
-    b.add("early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme, o2[N]);
-    b.add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, w2[H]);
-    b.add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, w2[N]);
-    b.add("early optimizer step: new device weights until switched", Tier::kHost, new_device_w);
-  }
+}
 
-  {
-    // The swap store grows its files a whole aio.block_size stripe at a time; the parameters,
-    // the optimizer state and the gradients each have a store, or share one where they share
-    // the paths (Engine::finalize).
-    const int N = static_cast<int>(Tier::kNvme);
-    std::vector<std::pair<std::vector<std::string>, std::uint64_t>> stores;
-    const auto put = [&](const std::vector<std::string>& paths, std::uint64_t bytes) {
-      if (bytes == 0) return;
-      for (auto& [p, n] : stores)
-        if (detail::same_dirs(p, paths)) {
-          n += bytes;
-          return;
-        }
-      stores.push_back({paths, bytes});
-    };
-    put(config.param_nvme_paths, param_tiers[N] + w2[N]);
-    put(config.optimizer_nvme_paths, opt_tiers[N] + o2[N]);
-    put(config.grad_nvme_paths, grad_tiers[N]);
-    const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
-    std::uint64_t slack = 0;
-    for (const auto& [p, bytes] : stores) slack += (bytes + stripe - 1) / stripe * stripe - bytes;
-    b.add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)), Tier::kNvme,
-          slack);
+// The early optimizer step's second copies of the state and weights it takes.
+void Builder::add_early_step() {
+  plan.early_optimizer_step = config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
+  if (!plan.early_optimizer_step) return;
+  // The units the early step takes have second copies; the others are stepped in step().
+  std::uint64_t new_device_w = 0;
+  for (const detail::UnitLayout& u : layout) {
+    if (!detail::early_step_takes(u.o, u.g)) continue;
+    o2[static_cast<int>(u.o)] += u.shard * 12;
+    if (config.stage == 3 && !u.persistent && u.w != Tier::kDevice) w2[static_cast<int>(u.w)] += u.shard * c;
+    else new_device_w += u.shard * c;
   }
+  const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
+  add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, o2[H]);
+  add("early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme, o2[N]);
+  add("early optimizer step: 2nd copy of host compute weights", Tier::kHost, w2[H]);
+  add("early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme, w2[N]);
+  add("early optimizer step: new device weights until switched", Tier::kHost, new_device_w);
+}
 
+// The swap store grows its files a whole aio.block_size stripe at a time; the parameters,
+// the optimizer state and the gradients each have a store, or share one where they share
+// the paths (Engine::finalize).
+void Builder::add_swap_slack() {
+  const int N = static_cast<int>(Tier::kNvme);
+  std::vector<std::pair<std::vector<std::string>, std::uint64_t>> stores;
+  const auto put = [&](const std::vector<std::string>& paths, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    for (auto& [p, n] : stores)
+      if (detail::same_dirs(p, paths)) {
+        n += bytes;
+        return;
+      }
+    stores.push_back({paths, bytes});
+  };
+  put(config.param_nvme_paths, param_tiers[N] + w2[N]);
+  put(config.optimizer_nvme_paths, opt_tiers[N] + o2[N]);
+  put(config.grad_nvme_paths, grad_tiers[N]);
+  const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
+  std::uint64_t slack = 0;
+  for (const auto& [p, bytes] : stores) slack += (bytes + stripe - 1) / stripe * stripe - bytes;
+  add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)), Tier::kNvme, slack);
+}
+
+// Values the engine uses otherwise than written, said (the table's lines use them already).
+void Builder::add_notes() {
   // A reduce_bucket_size below the largest unit, the reason a user sets it (less device memory),
   // bounds the reducer's buffers but not the unit's gradient the model writes: said.
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
-  const std::uint64_t largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
-    b.plan.notes.push_back(fmt::format(
+    plan.notes.push_back(fmt::format(
         "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are accumulated "
         "in buckets of {} elements a rank (whole pages){}, but the model writes a unit's whole fp32 gradient before it "
         "is reduced ({}{})",
@@ -281,181 +317,211 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
               "shard)",
         human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
-
-  // Values the engine uses otherwise than written, said (the table's lines use them already).
   if (config.sub_group_size_given && host_optimizer && detail::sub_group_elems(config) != config.sub_group_size)
-    b.plan.notes.push_back(fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
-                                       "pages, at least one)",
-                                       config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
+    plan.notes.push_back(fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
+                                     "pages, at least one)",
+                                     config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0 && config.optimizer_buffer_count < opt_buffers)
-    b.plan.notes.push_back(fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
-                                       "one stepping, one written behind)",
-                                       config.optimizer_buffer_count, opt_buffers));
+    plan.notes.push_back(fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
+                                     "one stepping, one written behind)",
+                                     config.optimizer_buffer_count, opt_buffers));
   if (config.stage == 3 && np_largest > 0 && config.max_live_parameters < np_largest)
-    b.plan.notes.push_back(fmt::format("stage3_max_live_parameters {} is below the largest gathered unit ({} "
-                                       "elements, padded): the live budget is raised to that unit",
-                                       config.max_live_parameters, np_largest));
+    plan.notes.push_back(fmt::format("stage3_max_live_parameters {} is below the largest gathered unit ({} "
+                                     "elements, padded): the live budget is raised to that unit",
+                                     config.max_live_parameters, np_largest));
+}
 
-  MemoryPlan& plan = b.plan;
+// The pinned pool commits memory in whole 2 MiB pieces: a budget is usable to its last one.
+constexpr std::uint64_t kPinnedPiece = std::uint64_t(2) << 20;
+
+// Each tier's total, and its capacity.
+void Builder::sum_and_capacities() {
   for (const PlanLine& l : plan.lines) {
     (l.tier == Tier::kDevice ? plan.device_bytes
      : l.tier == Tier::kHost ? plan.host_bytes
                              : plan.nvme_bytes) += l.bytes;
   }
   plan.device_capacity = in.device_capacity;
-  // The pinned pool commits memory in whole 2 MiB pieces: a budget is usable to its last one.
-  const std::uint64_t budget = config.host_budget_bytes > 0 ? config.host_budget_bytes : in.host_capacity;
-  constexpr std::uint64_t kPinnedPiece = std::uint64_t(2) << 20;
+  budget = config.host_budget_bytes > 0 ? config.host_budget_bytes : in.host_capacity;
   plan.host_capacity = budget == UINT64_MAX ? budget : budget / kPinnedPiece * kPinnedPiece;
 
   plan.nvme_capacity = in.nvme_capacity;
+}
 
-  const auto shortfall = [](const char* tier, std::uint64_t need, std::uint64_t have) {
-    return fmt::format("{}: needs {}, has {} ({} = {} bytes missing)", tier, human(need),
-                       human(have), human(need - have), need - have);
+std::string shortfall(const char* tier, std::uint64_t need, std::uint64_t have) {
+  return fmt::format("{}: needs {}, has {} ({} = {} bytes missing)", tier, human(need), human(have),
+                     human(need - have), need - have);
+}
+
+// The device over its capacity: only what would actually shrink this plan's device bytes.
+void Builder::device_problem() {
+  if (plan.device_bytes <= plan.device_capacity) return;
+  std::vector<std::string> fix;
+  if (opt_tiers[0] > 0)
+    fix.push_back("offload the optimizer state (offload_optimizer.device \"cpu\" or \"nvme\")");
+  // A piece already split between device and host: its ratio is what to raise.
+  if (grad_tiers[0] > 0 && config.grads.host_fraction > 0)
+    fix.push_back(fmt::format("raise zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+                              "shards on the host)", config.grads.host_fraction));
+  else if (grad_tiers[0] > 0)
+    fix.push_back("keep gradient shards on the host (zero_optimization.offload_grads \"cpu\")");
+  if (config.stage < 3)
+    fix.push_back("use zero_optimization.stage 3 (only the layers in use are gathered)");
+  if (param_tiers[0] > 0 && config.params.host_fraction > 0)
+    fix.push_back(fmt::format("raise offload_param.ratio (now {}: the share of the weight shards on the host), or "
+                              "move them to NVMe (offload_param.device \"nvme\")", config.params.host_fraction));
+  else if (param_tiers[0] > 0)
+    fix.push_back("offload the parameters (offload_param.device \"cpu\" or \"nvme\")");
+  if (config.stage == 3 && live > np_largest * c) {
+    fix.push_back(
+        fmt::format("lower stage3_max_live_parameters (now {}; the largest unit is {} elements)",
+                    config.max_live_parameters, np_largest));
+  }
+  if (config.stage == 3 && persistent_padded > 0)
+    fix.push_back("lower stage3_param_persistence_threshold");
+  if (config.overlap_comm)
+    fix.push_back("set overlap_comm false (one unit gradient buffer instead of two)");
+  if (in.activation_bytes > 0) {
+    fix.push_back(fmt::format("a smaller train_micro_batch_size_per_gpu (activations take {})",
+                              human(in.activation_bytes)));
+  }
+  fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
+  plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " + join_or(fix));
+}
+
+// Pinned host memory over its budget: what would shrink the host lines.
+void Builder::host_problem() {
+  if (plan.host_bytes <= plan.host_capacity) return;
+  std::vector<std::string> fix;
+  if (opt_tiers[1] > 0 && config.stage == 3)
+    fix.push_back(
+        "move the optimizer state to NVMe (offload_optimizer.device \"nvme\", a lower "
+        "offload_optimizer.host_fraction)");
+  else if (opt_tiers[1] > 0)  // (NVMe optimizer state needs stage 3)
+    fix.push_back(
+        "keep part of the optimizer state on the device (offload_optimizer.ratio below 1: the share on the "
+        "host), or zero_optimization.stage 3 to move it to NVMe");
+  if (param_tiers[1] > 0)
+    fix.push_back(
+        "move the parameters to NVMe (offload_param.device \"nvme\", a lower "
+        "offload_param.host_fraction)");
+  if (opt_tiers[2] > 0 && config.optimizer_buffer_count > 3) {
+    fix.push_back(fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
+                              config.optimizer_buffer_count, human(opt_swap_buffer)));
+  }
+  if (opt_tiers[2] > 0 && S > detail::kShardAlign) {
+    fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
+                              "elements' state each, {})",
+                              S, human(opt_swap_buffer)));
+  } else if (host_optimizer && S > detail::kShardAlign) {
+    fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the new weights are staged {} elements "
+                              "at a time)",
+                              S));
+  }
+  if ((staging_r || grads_nvme) && R > detail::kShardAlign) {
+    fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient {} staging holds {} x "
+                              "{} elements, {})",
+                              grads_nvme ? "NVMe" : "D2H", grads_nvme ? 4 : 2, R, human((grads_nvme ? 4 : 2) * R * 4)));
+  }
+  if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
+    fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
+                              human(SwapStore::padded_bytes(largest_shard * c))));
+  }
+  if (grad_tiers[1] > 0 && config.grads.nvme_fraction() > 1e-12)
+    fix.push_back(fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
+                              "gradient shards kept on the host beside NVMe)", config.grads.host_fraction));
+  else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
+    fix.push_back(fmt::format("lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+                              "shards on the host)", config.grads.host_fraction));
+  else if (grad_tiers[1] > 0)
+    fix.push_back(
+        "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
+  if (grad_tiers[1] > 0 && config.grads.nvme_fraction() <= 1e-12 && config.stage == 3)
+    fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\": beside the "
+                  "optimizer state or the parameters on NVMe)");
+  fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,
+                            in.ranks_on_node > 1
+                                ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
+                                              in.ranks_on_node, in.ranks_on_node)
+                                : std::string()));
+  std::string problem = shortfall("host", plan.host_bytes, plan.host_capacity);
+  if (plan.host_capacity != budget)  // "(" ... "bytes missing)": say where "has" comes from first
+    problem.insert(problem.find(" (") + 2,
+                   fmt::format("the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it; ", budget));
+  plan.problems.push_back(problem + ": " + join_or(fix));
+}
+
+void Builder::nvme_problem() {
+  if (plan.nvme_bytes <= plan.nvme_capacity) return;
+  plan.problems.push_back(
+      shortfall("nvme", plan.nvme_bytes, plan.nvme_capacity) +
+      (in.ranks_on_node > 1
+           ? fmt::format(" (this rank's share: the {} ranks on this node split each drive's free space)",
+                         in.ranks_on_node)
+           : std::string()) +
+      ": free space under the nvme_path directories, add nvme_path directories on other "
+      "drives, or keep more in host memory (offload_*.host_fraction)");
+}
+
+// Host RAM: the rank's resident memory in all, load, step and save: the process before the
+// engine, the pinned lines, the emulated device's memory, and the larger pageable buffer of
+// the phases (finalize's initial weights a sub-group at a time, a save's one gathered unit).
+void Builder::host_ram() {
+  const auto ram = [&](std::string what, std::uint64_t bytes) {
+    plan.ram_lines.push_back({std::move(what), Tier::kHost, bytes});
+    plan.ram_bytes += bytes;
   };
-  if (plan.device_bytes > plan.device_capacity) {
-    // Only what would actually shrink this plan's device bytes.
-    std::vector<std::string> fix;
-    if (opt_tiers[0] > 0)
-      fix.push_back("offload the optimizer state (offload_optimizer.device \"cpu\" or \"nvme\")");
-    // A piece already split between device and host: its ratio is what to raise.
-    if (grad_tiers[0] > 0 && config.grads.host_fraction > 0)
-      fix.push_back(fmt::format("raise zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
-                                "shards on the host)", config.grads.host_fraction));
-    else if (grad_tiers[0] > 0)
-      fix.push_back("keep gradient shards on the host (zero_optimization.offload_grads \"cpu\")");
-    if (config.stage < 3)
-      fix.push_back("use zero_optimization.stage 3 (only the layers in use are gathered)");
-    if (param_tiers[0] > 0 && config.params.host_fraction > 0)
-      fix.push_back(fmt::format("raise offload_param.ratio (now {}: the share of the weight shards on the host), or "
-                                "move them to NVMe (offload_param.device \"nvme\")", config.params.host_fraction));
-    else if (param_tiers[0] > 0)
-      fix.push_back("offload the parameters (offload_param.device \"cpu\" or \"nvme\")");
-    if (config.stage == 3 && live > np_largest * c) {
-      fix.push_back(
-          fmt::format("lower stage3_max_live_parameters (now {}; the largest unit is {} elements)",
-                      config.max_live_parameters, np_largest));
-    }
-    if (config.stage == 3 && persistent_padded > 0)
-      fix.push_back("lower stage3_param_persistence_threshold");
-    if (config.overlap_comm)
-      fix.push_back("set overlap_comm false (one unit gradient buffer instead of two)");
-    if (in.activation_bytes > 0) {
-      fix.push_back(fmt::format("a smaller train_micro_batch_size_per_gpu (activations take {})",
-                                human(in.activation_bytes)));
-    }
-    fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
-    plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " +
-                            join_or(fix));
-  }
-  if (plan.host_bytes > plan.host_capacity) {
-    std::vector<std::string> fix;
-    if (opt_tiers[1] > 0 && config.stage == 3)
-      fix.push_back(
-          "move the optimizer state to NVMe (offload_optimizer.device \"nvme\", a lower "
-          "offload_optimizer.host_fraction)");
-    else if (opt_tiers[1] > 0)  // (NVMe optimizer state needs stage 3)
-      fix.push_back(
-          "keep part of the optimizer state on the device (offload_optimizer.ratio below 1: the share on the "
-          "host), or zero_optimization.stage 3 to move it to NVMe");
-    if (param_tiers[1] > 0)
-      fix.push_back(
-          "move the parameters to NVMe (offload_param.device \"nvme\", a lower "
-          "offload_param.host_fraction)");
-    if (opt_tiers[2] > 0 && config.optimizer_buffer_count > 3) {
-      fix.push_back(fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
-                                config.optimizer_buffer_count, human(opt_swap_buffer)));
-    }
-    if (opt_tiers[2] > 0 && S > detail::kShardAlign) {
-      fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
-                                "elements' state each, {})",
-                                S, human(opt_swap_buffer)));
-    } else if (host_optimizer && S > detail::kShardAlign) {
-      fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the new weights are staged {} elements "
-                                "at a time)",
-                                S));
-    }
-    if ((staging_r || grads_nvme) && R > detail::kShardAlign) {
-      fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient {} staging holds {} x "
-                                "{} elements, {})",
-                                grads_nvme ? "NVMe" : "D2H", grads_nvme ? 4 : 2, R, human((grads_nvme ? 4 : 2) * R * 4)));
-    }
-    if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
-      fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
-                                human(SwapStore::padded_bytes(largest_shard * c))));
-    }
-    if (grad_tiers[1] > 0 && config.grads.nvme_fraction() > 1e-12)
-      fix.push_back(fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
-                                "gradient shards kept on the host beside NVMe)", config.grads.host_fraction));
-    else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
-      fix.push_back(fmt::format("lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
-                                "shards on the host)", config.grads.host_fraction));
-    else if (grad_tiers[1] > 0)
-      fix.push_back(
-          "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
-    if (grad_tiers[1] > 0 && config.grads.nvme_fraction() <= 1e-12 && config.stage == 3)
-      fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\": beside the "
-                    "optimizer state or the parameters on NVMe)");
-    fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,
-                              in.ranks_on_node > 1
-                                  ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
-                                                in.ranks_on_node, in.ranks_on_node)
-                                  : std::string()));
-    std::string problem = shortfall("host", plan.host_bytes, plan.host_capacity);
-    if (plan.host_capacity != budget)  // "(" ... "bytes missing)": say where "has" comes from first
-      problem.insert(problem.find(" (") + 2,
-                     fmt::format("the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it; ", budget));
-    plan.problems.push_back(problem + ": " + join_or(fix));
-  }
-  if (plan.nvme_bytes > plan.nvme_capacity) {
-    plan.problems.push_back(
-        shortfall("nvme", plan.nvme_bytes, plan.nvme_capacity) +
-        (in.ranks_on_node > 1
-             ? fmt::format(" (this rank's share: the {} ranks on this node split each drive's free space)",
-                           in.ranks_on_node)
-             : std::string()) +
-        ": free space under the nvme_path directories, add nvme_path directories on other "
-        "drives, or keep more in host memory (offload_*.host_fraction)");
-  }
-  // Host RAM: the rank's resident memory in all, load, step and save: the process before the
-  // engine, the pinned lines, the emulated device's memory, and the larger pageable buffer of
-  // the phases (finalize's initial weights a sub-group at a time, a save's one gathered unit).
-  {
-    const auto ram = [&](std::string what, std::uint64_t bytes) {
-      plan.ram_lines.push_back({std::move(what), Tier::kHost, bytes});
-      plan.ram_bytes += bytes;
-    };
-    ram("the process before the engine (libraries, model, data: measured)", in.ram_base_bytes);
-    ram("pinned host memory (the host lines above)", plan.host_bytes);
-    if (in.device_in_ram) ram("the CPU-emulated device's memory (the device lines above)", plan.device_bytes);
-    ram(fmt::format("initial weights ({} elements at a time) or a save (one unit, {} elements), the larger", S,
-                    largest_numel),
-        std::max(S, largest_numel) * 4);
-    plan.ram_capacity = in.ram_capacity;
-    if (in.ram_capacity > 0 && plan.ram_bytes > in.ram_capacity) {
-      std::vector<std::string> fix;
-      if (opt_tiers[1] > 0 && config.stage == 3)
-        fix.push_back("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")");
-      if (grad_tiers[1] > 0 && config.stage == 3)
-        fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\")");
-      if (param_tiers[1] > 0)
-        fix.push_back("move the parameters to NVMe (offload_param.device \"nvme\")");
-      if (in.device_in_ram)
-        fix.push_back("a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host RAM)");
-      if (S > detail::kShardAlign && S * 4 >= largest_numel * 4)
-        fix.push_back("a smaller zero_optimization.sub_group_size");
-      if (in.ranks_on_node > 1) fix.push_back(fmt::format("fewer ranks on this node (now {})", in.ranks_on_node));
-      fix.push_back("a machine with more memory");
-      plan.problems.push_back(
-          fmt::format("host RAM: needs {}, has {} ({} = {} bytes missing: this rank's share of what the node has "
-                      "available{}, with what the process holds already)",
-                      human(plan.ram_bytes), human(in.ram_capacity), human(plan.ram_bytes - in.ram_capacity),
-                      plan.ram_bytes - in.ram_capacity,
-                      in.ranks_on_node > 1 ? fmt::format(", split among its {} ranks", in.ranks_on_node) : "") +
-          ": " + join_or(fix));
-    }
-  }
+  ram("the process before the engine (libraries, model, data: measured)", in.ram_base_bytes);
+  ram("pinned host memory (the host lines above)", plan.host_bytes);
+  if (in.device_in_ram) ram("the CPU-emulated device's memory (the device lines above)", plan.device_bytes);
+  ram(fmt::format("initial weights ({} elements at a time) or a save (one unit, {} elements), the larger", S,
+                  largest_numel),
+      std::max(S, largest_numel) * 4);
+  plan.ram_capacity = in.ram_capacity;
+  if (in.ram_capacity == 0 || plan.ram_bytes <= in.ram_capacity) return;
+  std::vector<std::string> fix;
+  if (opt_tiers[1] > 0 && config.stage == 3)
+    fix.push_back("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")");
+  if (grad_tiers[1] > 0 && config.stage == 3)
+    fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\")");
+  if (param_tiers[1] > 0)
+    fix.push_back("move the parameters to NVMe (offload_param.device \"nvme\")");
+  if (in.device_in_ram)
+    fix.push_back("a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host RAM)");
+  if (S > detail::kShardAlign && S * 4 >= largest_numel * 4)
+    fix.push_back("a smaller zero_optimization.sub_group_size");
+  if (in.ranks_on_node > 1) fix.push_back(fmt::format("fewer ranks on this node (now {})", in.ranks_on_node));
+  fix.push_back("a machine with more memory");
+  plan.problems.push_back(
+      fmt::format("host RAM: needs {}, has {} ({} = {} bytes missing: this rank's share of what the node has "
+                  "available{}, with what the process holds already)",
+                  human(plan.ram_bytes), human(in.ram_capacity), human(plan.ram_bytes - in.ram_capacity),
+                  plan.ram_bytes - in.ram_capacity,
+                  in.ranks_on_node > 1 ? fmt::format(", split among its {} ranks", in.ranks_on_node) : "") +
+      ": " + join_or(fix));
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
+  STRATA_REQUIRE(in.world_size >= 1, "plan_memory: world_size = {}: must be at least 1",
+                 in.world_size);
+  STRATA_REQUIRE(config.stage >= 1 && config.stage <= 3, "plan_memory: stage {}: must be 1, 2 or 3",
+                 config.stage);
+  Builder b(config, in);
+  b.unit_sizes();
+  b.add_weights();
+  b.add_gradients_and_optimizer_state();
+  b.add_host_staging();
+  b.add_early_step();
+  b.add_swap_slack();
+  b.add_notes();
+  b.sum_and_capacities();
+  b.device_problem();
+  b.host_problem();
+  b.nvme_problem();
+  b.host_ram();
+  MemoryPlan& plan = b.plan;
   plan.fits = plan.problems.empty();
   if (!plan.fits && plan.early_optimizer_step) {
     if (!config.overlap_optimizer.has_value()) {  // left to the planner: off, said aloud

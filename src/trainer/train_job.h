@@ -1,0 +1,141 @@
+// The parts of train() (trainer.cpp), one file a job:
+//   trainer_setup.cpp   the options checked, the model config, the checkpoints' folder, the
+//                       engine config with the flags' overrides, the schedule; then the data,
+//                       the device and communicator, the model and engine, the resume
+//   trainer_loop.cpp    the step loop, the checkpoints it saves, the model it writes at the end
+//   trainer_report.cpp  what the user sees: the plan alone, the header, the progress line, the
+//                       per-step JSON log, the summary table
+//   trainer_demo.cpp    the embedded demo's model, text and engine config
+// Settings holds what the options and files decide before any device or collective; Run holds
+// the objects of the job itself. Every rank runs the same steps in the same order: see
+// trainer.cpp.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/comm.h"
+#include "strata/model_data.h"
+#include "strata/trainer.h"
+
+namespace strata::train_job {
+
+using Clock = std::chrono::steady_clock;
+
+inline double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// What the options and files decide before any device or collective.
+struct Settings {
+  explicit Settings(const TrainOptions& options) : o(options) {}
+  const TrainOptions& o;
+  Clock::time_point t_start;
+  bool demo_model = false, demo_data = false;
+  ModelConfig mcfg;
+  // Resume: the newest complete checkpoint, found (and verified) before anything is built.
+  FoundCheckpoint resume;
+  std::vector<std::int64_t> inherited_checkpoints;  // steps, oldest first
+  std::string ckpt_root;
+  // The launch and the device's options
+  LaunchInfo launch;
+  HostDeviceOptions hopt;
+  CudaDeviceOptions copt;
+  std::vector<UnitSpec> units;
+  std::uint64_t max_unit = 0, total_numel = 0;
+  // The engine config: the file (or defaults), then the flags
+  EngineConfig ecfg;
+  std::string demo_dir;
+  // The schedule and the batch
+  std::int64_t warmup = 0, steps = 0, seq_len = 0, B = 0, accum = 0;
+  bool ds_schedule = false;
+  std::string schedule;
+  int rank = 0, world = 1;
+  std::FILE* con = nullptr;  // rank 0's console, else null
+
+  // The lr of optimizer step t (1-based).
+  double lr_of(std::int64_t t) const;
+};
+
+struct Phases {
+  double data = 0, forward = 0, backward = 0, optimizer = 0, eval = 0, save = 0;
+};
+
+// The job's objects, declared in the order they are made (and destroyed in reverse).
+struct Run {
+  explicit Run(Settings& settings) : s(settings) {}
+  Settings& s;
+  // The data
+  std::string text_file;
+  DataOptions dopt;
+  // Device, communicator, loaders
+  std::unique_ptr<Device> dev;
+  bool demo_capped = false;  // under the demo's 20 MiB cap
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<TokenLoader> loader, val;
+  std::int64_t train_batches = 0, val_batches = 0;  // next() calls so far: the data position
+  // Model and engine
+  std::unique_ptr<Stream> compute;
+  ModelOptions mopt;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<EngineWeights> weights;
+  // Resume and checkpoints
+  std::string model_hash, model_desc;
+  nlohmann::json optimizer_state;  // what else shapes the steps after a checkpoint
+  std::int64_t start_step = 0;
+  std::int64_t resumed_from = 0;
+  std::vector<std::string> checkpoints;  // folders written, in order
+  std::vector<std::int64_t> saved_steps;
+  std::string tmp_tag;
+  // Reporting
+  std::unique_ptr<std::ofstream> jlog;
+  bool tty = false;
+  std::int64_t print_every = 1;
+  double tokens_per_step = 0;
+  // The loop
+  TrainResult result;
+  Phases ph;
+  EngineStats prev;
+  Clock::time_point loop_start;
+};
+
+// ---- set-up (trainer_setup.cpp), in this order ----
+void check_flags(Settings& s);
+void read_model_config(Settings& s);
+void check_files(Settings& s);
+void find_checkpoints(Settings& s);
+void check_resume_step(Settings& s);
+void device_options(Settings& s);
+void build_engine_config(Settings& s);
+void lr_schedule(Settings& s);
+void sequence_and_batch(Settings& s);
+void prepare_data(Run& r);
+void open_device(Run& r);
+void build_model_and_engine(Run& r);
+void resume_from_checkpoint(Run& r);
+
+// ---- the loop (trainer_loop.cpp) ----
+// The mean of `v` over the ranks (every rank calls it).
+double mean_over_ranks(double v, Communicator& comm, Device& dev, Stream& s);
+void prepare_checkpoints(Run& r);
+void run_steps(Run& r);
+void write_model(Run& r);
+
+// ---- what the user sees (trainer_report.cpp) ----
+TrainResult report_plan(const Settings& s);
+void open_json_log(Run& r);
+void print_header(Run& r);
+void print_progress(Run& r, const StepRecord& rec, double val_loss, const EngineStats& st);
+void print_summary(Run& r);
+
+// ---- the embedded demo (trainer_demo.cpp) ----
+void write_demo_text(const std::string& path);
+EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel, int world);
+
+}  // namespace strata::train_job

@@ -1,0 +1,375 @@
+// The step loop: micro-batches through forward and backward, the optimizer step, evaluation,
+// the checkpoints and the log line of each step, and the model written at the end. Every rank
+// runs each step's collectives (the engine's, the loss all-reduce, a checkpoint's gathers) in
+// the same order; only rank 0 prints or writes the log.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <numbers>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "strata/error.h"
+#include "strata/log.h"
+#include "strata/trace.h"
+#include "trainer/train_job.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+
+
+double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule) {
+  STRATA_REQUIRE(schedule == "const" || schedule == "cosine", "--lr-schedule '{}': use const or cosine", schedule);
+  if (warmup > 0 && t <= warmup) return lr * double(t) / double(warmup);
+  if (schedule == "const") return lr;
+  const double span = double(std::max<std::int64_t>(1, total - warmup));
+  const double progress = std::min(1.0, double(t - warmup) / span);
+  return lr * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+namespace train_job {
+
+// The mean of `v` over the ranks (every rank calls it).
+double mean_over_ranks(double v, Communicator& comm, Device& dev, Stream& s) {
+  if (comm.world_size() == 1) return v;
+  Buffer b = dev.alloc(8, &s);
+  s.copy(b.ref(), host_ref(&v, 8));
+  comm.all_reduce(TensorRef{b.ref(), DType::kF64, 1}, ReduceOp::kSum, s);
+  s.copy(host_ref(&v, 8), b.ref());
+  s.synchronize();
+  return v / comm.world_size();
+}
+
+void prepare_checkpoints(Run& r) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  const int rank = s.rank, world = s.world;
+  // The name of the temporary checkpoint folders: rank 0's pid, the same on every rank.
+  r.tmp_tag = std::to_string(::getpid());
+  if (o.save_every > 0 && world > 1) {
+    double pid = rank == 0 ? double(::getpid()) : 0.0;
+    pid = mean_over_ranks(pid, *r.comm, *r.dev, *r.compute) * world;
+    r.tmp_tag = std::to_string(std::int64_t(std::llround(pid)));
+  }
+  r.saved_steps = s.inherited_checkpoints;
+}
+
+namespace {
+
+  // `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
+  // when the run died before it did.
+nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::json& log_line) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  const EngineConfig& ecfg = s.ecfg;
+  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps, warmup = s.warmup;
+  const ModelConfig& mcfg = s.mcfg;
+  const int world = s.world;
+  const std::string& schedule = s.schedule;
+  const DataOptions& dopt = r.dopt;
+  return nlohmann::json{
+      {"step", step},
+      {"log_line", log_line},
+      {"model_config_hash", r.model_hash},
+      // The model's config.json, so that a checkpoint alone can be exported (strata-export).
+      {"model_config", nlohmann::json::parse(model_config_json(mcfg))},
+      {"model", r.model_desc},
+      {"world_size", world},
+      {"data",
+       {{"train_batches", r.train_batches}, {"val_batches", r.val_batches}, {"epoch", r.loader->epoch()},
+        {"micro_batch", B}, {"seq_len", seq_len}, {"grad_accum", accum}, {"seed", o.seed},
+        {"shuffle", o.shuffle}, {"files", dopt.files}, {"val_fraction", dopt.val_fraction}}},
+      // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
+      // per epoch: the position above restores it.
+      {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
+      {"lr_schedule",
+       {{"lr", double(ecfg.adamw.lr)}, {"warmup", warmup}, {"total_steps", steps},
+        {"schedule", schedule}, {"next_step", step + 1}, {"next_lr", s.lr_of(step + 1)}}},
+      {"optimizer", r.optimizer_state},
+      {"loss_scale", r.engine->loss_scale()}};
+}
+
+// The step's checkpoint, with its log line.
+void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) {
+  const Settings& s = r.s;
+  const std::string& ckpt_root = s.ckpt_root;
+  std::string dir;
+  try {
+    dir = write_checkpoint(*r.engine, *r.comm, *r.compute, ckpt_root, step, r.tmp_tag, trainer_state(r, step, log_line));
+  } catch (const Error& e) {
+    // A file that could not be written (a full drive): say what is left and what to do
+    // (write_checkpoint removed the half-written folder). Other errors pass as they are.
+    if (e.kind() != ErrorKind::kIo) throw;
+    const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
+    STRATA_THROW(kIo, "{}; the checkpoint of step {} was not written and nothing of it is left; {}; free space in "
+                 "{} (or give another --checkpoint-dir), then run the same command{}", e.message(),
+                 step, newest.empty() ? std::string("no checkpoint of this run is complete")
+                                      : fmt::format("the newest complete one is {}", newest),
+                 ckpt_root,
+                 newest.empty() ? std::string(" again (there is nothing to --resume from)")
+                                : fmt::format(" with --resume {}", newest));
+  }
+  r.checkpoints.push_back(dir);
+  r.saved_steps.push_back(step);
+  if (s.rank == 0)  // what Ctrl-C (or a scheduler's SIGTERM) says from now on
+    set_interrupt_note(fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
+                                   "with the same command and --resume {}\n", dir, step, ckpt_root));
+}
+
+  // Older complete checkpoints of the run beyond the newest keep_checkpoints: after the step's
+  // log line (a removal of ~100 MiB takes a while, and the line must not wait behind it).
+void prune_checkpoints(Run& r) {
+  const TrainOptions& o = r.s.o;
+  std::vector<std::int64_t>& saved_steps = r.saved_steps;
+  const std::string& ckpt_root = r.s.ckpt_root;
+  if (r.s.rank != 0 || o.keep_checkpoints == 0) return;
+  while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
+    std::error_code ec;
+    fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);
+    saved_steps.erase(saved_steps.begin());
+  }
+}
+
+// The step's micro-batches through forward and backward: the sum of their losses. Each rank takes
+// every world-th batch of the stream.
+double forward_backward(Run& run, std::int64_t step) {
+  const Settings& s = run.s;
+  const TrainOptions& o = s.o;
+  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len;
+  const int rank = s.rank, world = s.world;
+  TokenLoader& loader = *run.loader;
+  std::int64_t& train_batches = run.train_batches;
+  Phases& ph = run.ph;
+  Model& model = *run.model;
+  EngineWeights& weights = *run.weights;
+  Stream* compute = run.compute.get();
+  const Engine& engine = *run.engine;
+  const ModelOptions& mopt = run.mopt;
+  const bool demo_capped = run.demo_capped;
+  const Device* dev = run.dev.get();
+  double loss_sum = 0;
+  for (std::int64_t a = 0; a < accum; ++a) {
+    auto t0 = Clock::now();
+    Batch batch;
+    for (int r = 0; r < world; ++r) {
+      Batch b = loader.next();
+      ++train_batches;
+      if (r == rank) batch = std::move(b);
+    }
+    ph.data += since(t0);
+    try {
+      t0 = Clock::now();
+      loss_sum += double(model.forward(batch, weights));
+      ph.forward += since(t0);
+      t0 = Clock::now();
+      model.backward(weights);
+      compute->synchronize();
+      ph.backward += since(t0);
+    } catch (const Error& e) {
+      // The plan covered the training state; what did not fit is a micro-batch's work.
+      if (e.kind() != ErrorKind::kOutOfMemory) throw;
+      // The pinned pool's budget (its errors begin "pinned pool:"), not the device's.
+      if (e.message().rfind("pinned pool:", 0) == 0)
+        STRATA_THROW(kOutOfMemory,
+                     "step {}: pinned host memory ran out during a micro-batch: raise strata.host_budget_bytes in "
+                     "--config (the plan's host total is {} bytes; the pool commits whole 2 MiB pieces) ({})",
+                     step, engine.plan().host_bytes, e.user_message());
+      STRATA_THROW(kOutOfMemory,
+                   "step {}: the device ran out of memory during a micro-batch (its activations are not in the "
+                   "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on the "
+                   "device (--config: offload_param, stage3_max_live_parameters) ({})",
+                   step, B, seq_len,
+                   mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
+                   demo_capped
+                       ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
+                         "below its weights)"
+                   : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
+                                                                            : "",
+                   e.user_message());
+    }
+  }
+  return loss_sum;
+}
+
+// The traced step written (--trace): a debugging aid, whose failure only warns.
+void end_trace(const Run& r) {
+  const TrainOptions& o = r.s.o;
+  const int rank = r.s.rank;
+  Tracer::global().set_enabled(false);
+  if (rank == 0) {
+    try {
+      Tracer::global().write_chrome_trace(o.trace_file);
+    } catch (const Error& e) {  // a debugging aid: not worth the run
+      log::warn("--trace: {}; the training goes on", e.user_message());
+    }
+  }
+}
+
+// The validation loss over --eval-batches batches (every rank takes its share, as in training).
+double evaluate(Run& run) {
+  const TrainOptions& o = run.s.o;
+  const int rank = run.s.rank, world = run.s.world;
+  Engine& engine = *run.engine;
+  TokenLoader* val = run.val.get();
+  std::int64_t& val_batches = run.val_batches;
+  Model& model = *run.model;
+  EngineWeights& weights = *run.weights;
+  Communicator* comm = run.comm.get();
+  Device* dev = run.dev.get();
+  Stream* compute = run.compute.get();
+  Phases& ph = run.ph;
+  double val_loss = NAN;
+  const auto t0 = Clock::now();
+  double sum = 0;
+  engine.set_eval(true);  // the training's recorded unit order stays as it is
+  for (std::int64_t i = 0; i < o.eval_batches; ++i) {
+    Batch vb;
+    for (int r = 0; r < world; ++r) {
+      Batch b = val->next();
+      ++val_batches;
+      if (r == rank) vb = std::move(b);
+    }
+    sum += double(model.forward(vb, weights, /*grad=*/false));
+  }
+  engine.set_eval(false);
+  val_loss = mean_over_ranks(sum / double(o.eval_batches), *comm, *dev, *compute);
+  ph.eval += since(t0);
+  return val_loss;
+}
+
+// The step's line in --log-json; a line that cannot be written ends the log, not the run.
+void write_log_line(Run& r, std::int64_t step, const nlohmann::json& j) {
+  const TrainOptions& o = r.s.o;
+  std::unique_ptr<std::ofstream>& jlog = r.jlog;
+  if (jlog) {
+    *jlog << j.dump() << '\n';
+    jlog->flush();
+    if (!*jlog) {  // a full drive: the run goes on, but the log is said to be incomplete
+      log::warn("--log-json {}: the line of step {} could not be written ({}); the log stops here, the run goes "
+                "on", o.log_json, step, std::strerror(errno));
+      jlog.reset();
+    }
+  }
+}
+
+}  // namespace
+
+// One step: its micro-batches, the optimizer step, the loss over the ranks, evaluation, the
+// checkpoint, the log line and the progress line.
+void run_step(Run& r, std::int64_t step) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  const std::int64_t accum = s.accum, steps = s.steps;
+  const int rank = s.rank;
+  std::FILE* con = s.con;
+  Engine& engine = *r.engine;
+  Phases& ph = r.ph;
+  const EngineStats& prev = r.prev;
+  const TokenLoader* val = r.val.get();
+  const auto t_step = Clock::now();
+  const bool tracing = !o.trace_file.empty() && step == o.trace_step;
+  if (tracing) Tracer::global().set_enabled(true);
+  const double lr = s.lr_of(step);
+  engine.set_next_lr(float(lr));  // the early optimizer step (overlapping backward) uses it
+  const double loss_sum = forward_backward(r, step);
+  auto t0 = Clock::now();
+  const StepResult sr = engine.step(float(lr));
+  ph.optimizer += since(t0);
+  const double loss = mean_over_ranks(loss_sum / double(accum), *r.comm, *r.dev, *r.compute);
+  if (tracing) end_trace(r);
+  StepRecord rec;
+  rec.step = step;
+  rec.loss = loss;
+  rec.lr = lr;
+  rec.grad_norm = sr.grad_norm;
+  rec.skipped = sr.skipped;
+  rec.step_s = since(t_step);
+  rec.tokens_per_s = r.tokens_per_step / rec.step_s;
+  r.result.steps.push_back(rec);
+
+  const double val_loss = val && step % o.eval_every == 0 ? evaluate(r) : NAN;
+
+  const EngineStats st = engine.stats();
+  nlohmann::json j = {{"step", step},          {"loss", loss},           {"lr", lr},
+                      {"grad_norm", sr.grad_norm}, {"tokens_per_s", rec.tokens_per_s},
+                      {"step_time_s", rec.step_s}, {"skipped", sr.skipped}, {"loss_scale", sr.loss_scale},
+                      {"h2d_bytes", st.h2d_bytes - prev.h2d_bytes}, {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
+                      {"nvme_read_bytes", st.nvme_read_bytes - prev.nvme_read_bytes},
+                      {"nvme_written_bytes", st.nvme_written_bytes - prev.nvme_written_bytes}};
+  if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
+
+  // The checkpoint before the step's log line: a logged step's checkpoint is complete. The line
+  // is in the checkpoint too, for a resume after a death between the two.
+  const bool checkpointed = o.save_every > 0 && (step % o.save_every == 0 || step == steps);
+  if (checkpointed) {
+    t0 = Clock::now();
+    save_checkpoint(r, step, j);
+    ph.save += since(t0);
+    if (const char* crash = std::getenv("STRATA_TEST_CRASH_AFTER_CHECKPOINT");
+        crash && std::atoll(crash) == step && rank == 0) {
+      std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_AFTER_CHECKPOINT=%lld: aborting before the step's log "
+                   "line\n", (long long)step);
+      std::fflush(stderr);
+      std::abort();
+    }
+  }
+
+  write_log_line(r, step, j);
+  if (checkpointed) prune_checkpoints(r);
+  if (con) print_progress(r, rec, val_loss, st);
+  r.prev = st;
+}
+
+// The steps after the resumed one (none resumed: from the first) to --steps.
+void run_steps(Run& r) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  const FoundCheckpoint& resume = s.resume;
+  r.result.resumed_from = r.resumed_from;
+  r.prev = r.engine->stats();
+  if (s.rank == 0)  // an interrupted run said nothing; now it says where it can go on from
+    set_interrupt_note(
+        !resume.dir.empty()
+            ? fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue with the same "
+                          "command\n", resume.dir, resume.step)
+        : o.save_every > 0
+            ? std::string("\nstrata-train: interrupted before its first checkpoint: nothing to resume from\n")
+            : std::string("\nstrata-train: interrupted; no checkpoints were written (--save-every N keeps a run's "
+                          "progress)\n"));
+  r.loop_start = Clock::now();
+  for (std::int64_t step = r.start_step + 1; step <= s.steps; ++step) run_step(r, step);
+}
+
+// The trained model written to --out (Hugging Face layout), after the last step.
+void write_model(Run& r) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  if (o.out_dir.empty()) return;
+  const auto t0 = Clock::now();
+  if (s.rank == 0 && o.overwrite) {  // a file where the folder goes; in a folder, the save
+    std::error_code ec;            // replaces the weights and config.json, and other files stay
+    if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
+  }
+  try {
+    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank);
+  } catch (const Error& e) {
+    // A full drive at the end: the training is in the newest checkpoint, if any; say so, and how to
+    // finish (the same command with --resume writes the model and runs no step).
+    if (e.kind() != ErrorKind::kIo) throw;
+    const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
+    STRATA_THROW(kIo, "{}; the model was not written to {}; {}", e.message(), o.out_dir,
+                 newest.empty() ? std::string("no checkpoint of this run holds its training (--save-every N keeps "
+                                              "it): free space there and run again")
+                                : fmt::format("the newest checkpoint is {}: free space there, then run the same "
+                                              "command with --resume {}", newest, newest));
+  }
+  r.ph.save += since(t0);
+}
+
+}  // namespace train_job
+}  // namespace strata
