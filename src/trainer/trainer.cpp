@@ -26,7 +26,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_config.h"
-#include "core/quiet_log.h"
 #include "cpu/cpu_info.h"
 #include "scheduler/layout.h"
 #include "strata/comm.h"
