@@ -3,6 +3,7 @@
 #   bin/  strata-info, strata-train, strata-export, strata-bench, strata-prof, gpu-check.sh
 #   lib/  strata's shared libraries, the CUDA module, and every shared library they load that a
 #         minimal Debian 12 root (debootstrap --variant=minbase) does not have
+#   include/strata/  the public headers (include/strata/ of the source tree)
 # so unpacking it anywhere is enough: strata's binaries carry RUNPATH $ORIGIN/../lib (set at
 # link time, CMAKE_INSTALL_RPATH), the bundled libraries RUNPATH $ORIGIN (set with patchelf on
 # the copies, so their own dependencies resolve inside lib/ too).
@@ -37,6 +38,9 @@ set(strata_package_tools strata-info strata-train strata-export strata-bench str
 install(TARGETS ${strata_package_tools} RUNTIME DESTINATION bin)
 install(TARGETS ${strata_package_libraries} LIBRARY DESTINATION lib)
 install(PROGRAMS ${PROJECT_SOURCE_DIR}/tools/gpu-check.sh DESTINATION bin)
+# The public headers, for programs built against the package (they also need the fmt and
+# nlohmann_json headers, which the package does not ship).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/strata DESTINATION include)
 
 # The third-party libraries, resolved from the built files at install time.
 find_program(STRATA_PATCHELF patchelf)

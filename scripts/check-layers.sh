@@ -7,9 +7,10 @@
 #   3 cuda_module scheduler
 #   4 trainer, src/runtime.cpp (the umbrella library)
 #   5 tools tests
-# A file in src/<folder>/ (or tools/, tests/) may include "<other>/..." only when <other> is its
-# own folder (tests/engine/ is the tests' own) or in a lower layer; "strata/..." (the public
-# headers) anywhere. Prints each
+# A file in src/<folder>/ (or tests/) may include "<other>/..." only when <other> is its own
+# folder (tests/engine/ is the tests' own) or in a lower layer; "strata/..." (the public headers)
+# anywhere. A tool is a program a user could have written: a file in tools/ may include only
+# "strata/..." and files of tools/ (the build gives the tools no src/ either). Prints each
 # offending line as file:line: and exits 1; run by CI (.ci/run) and by scripts/test.sh.
 #
 #   scripts/check-layers.sh [ROOT]      (ROOT: the repository, default: this script's parent)
@@ -41,8 +42,23 @@ while IFS= read -r hit; do
     echo "$file:$line: $from/ (layer ${layer[$from]}) includes $inc/ (layer ${layer[$inc]}): only lower layers may be included" >&2
     bad=1
   fi
-done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[a-z_]+/' src tools tests \
+done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[a-z_]+/' src tests \
            --include='*.h' --include='*.cpp' --include='*.cu' --include='*.c' || true)
 
-if [ "$bad" = 0 ]; then echo "check-layers: every #include goes down the layers"; fi
+# tools/: every quoted #include, with or without a folder.
+while IFS= read -r hit; do
+  file=${hit%%:*}
+  rest=${hit#*:}
+  line=${rest%%:*}
+  path=$(sed -E 's/.*#[[:space:]]*include[[:space:]]+"([^"]+)".*/\1/' <<<"$rest")
+  if [[ $path != *..* ]]; then
+    case $path in strata/*) continue ;; esac
+    [ -e "$(dirname "$file")/$path" ] && continue
+  fi
+  echo "$file:$line: tools/ includes \"$path\": a tool may include only \"strata/...\" (include/strata/) and files of tools/" >&2
+  bad=1
+done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"' tools \
+           --include='*.h' --include='*.cpp' --include='*.cu' --include='*.c' || true)
+
+if [ "$bad" = 0 ]; then echo "check-layers: every #include goes down the layers; the tools include only strata/ and their own"; fi
 exit "$bad"

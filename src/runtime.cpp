@@ -8,12 +8,12 @@
 
 #include "cpu/cpu_info.h"
 #include "gpu/gpu_info.h"
-#include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/system_info.h"
 
 namespace strata {
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/check-layers.sh: the repository's #include lines go down the layers, and the script
-# names an upward include, a sideways one and a folder it does not place (fake trees).
+# names an upward include, a sideways one, a folder it does not place and a tool that reaches past
+# the public headers (fake trees).
 set -uo pipefail
 src=$1
 check=$src/scripts/check-layers.sh
@@ -14,7 +15,8 @@ mkdir -p "$t/src/core" "$t/src/gpu" "$t/src/comm" "$t/src/scheduler" "$t/src/wid
 printf '#include "strata/device.h"\n#include "core/a.h"\n' >"$t/src/core/a.cpp"
 printf '#include "core/a.h"\n' >"$t/src/gpu/g.cpp"
 printf '#include "gpu/g.h"\n#include "cpu/c.h"\n' >"$t/src/comm/c.cpp"
-printf '#include "scheduler/s.h"\n#include "comm/c.h"\n' >"$t/tools/tool.cpp"
+printf '#include "strata/engine.h"\n#include "tool.h"\n' >"$t/tools/tool.cpp"
+touch "$t/tools/tool.h"
 touch "$t/tests/engine/linear_model.h"
 printf '#include "engine/linear_model.h"\n' >"$t/tests/t.cpp"
 "$check" "$t" >"$t/out" 2>&1 || fail "a tree that keeps the rule was refused: $(cat "$t/out")"
@@ -22,9 +24,12 @@ printf '#include "engine/linear_model.h"\n' >"$t/tests/t.cpp"
 printf '#include "scheduler/layout.h"\n' >>"$t/src/core/a.cpp"   # up
 printf 'int x;\n#include "nvme/io.h"\n' >"$t/src/gpu/side.cpp"      # sideways
 printf '#include "widgets/w.h"\n' >"$t/src/scheduler/s.cpp"         # unplaced
-"$check" "$t" >"$t/out" 2>&1 && fail "upward, sideways and unplaced includes passed"
+printf '#include "scheduler/s.h"\n#include "../src/core/a.h"\n' >"$t/tools/inner.cpp"  # a tool past strata/
+"$check" "$t" >"$t/out" 2>&1 && fail "upward, sideways, unplaced and a tool's internal includes passed"
 grep -q 'src/core/a.cpp:3: core/ (layer 0) includes scheduler/ (layer 3)' "$t/out" || fail "upward: $(cat "$t/out")"
 grep -q 'src/gpu/side.cpp:2: gpu/ (layer 1) includes nvme/ (layer 1)' "$t/out" || fail "sideways: $(cat "$t/out")"
 grep -q 'src/scheduler/s.cpp:1: "widgets/" .* does not place' "$t/out" || fail "unplaced: $(cat "$t/out")"
-[ "$(grep -c . "$t/out")" = 3 ] || fail "expected exactly the three lines: $(cat "$t/out")"
-echo "check-layers: the tree passes; upward, sideways and unplaced includes are named"
+grep -q 'tools/inner.cpp:1: tools/ includes "scheduler/s.h": a tool may include only' "$t/out" || fail "tool: $(cat "$t/out")"
+grep -q 'tools/inner.cpp:2: tools/ includes "../src/core/a.h"' "$t/out" || fail "tool, relative: $(cat "$t/out")"
+[ "$(grep -c . "$t/out")" = 5 ] || fail "expected exactly the five lines: $(cat "$t/out")"
+echo "check-layers: the tree passes; upward, sideways, unplaced and a tool's internal includes are named"

@@ -4,6 +4,7 @@
 # it inside the root and, through chroot, checks that
 #   - every binary and library of the package resolves its dependencies there (only the CUDA
 #     module may lack the CUDA libraries, which are never shipped);
+#   - the public headers are there (include/strata/);
 #   - strata-info runs, reports CUDA as unavailable naming where it looked, and self-checks the
 #     CPU-emulated device;
 #   - with the host's CUDA libraries mounted in, the CUDA module loads through STRATA_CUDA_LIBS
@@ -111,6 +112,9 @@ in_root tar -xzf "/tmp/$name.tar.gz" -C /opt
 pkg=/opt/$name
 for f in bin/strata-info bin/strata-train bin/strata-export bin/strata-bench bin/gpu-check.sh; do
   [ -x "$root$pkg/$f" ] || fail "the package lacks $f"
+done
+for h in device.h engine.h system_info.h; do
+  [ -f "$root$pkg/include/strata/$h" ] || fail "the package lacks include/strata/$h (the public headers)"
 done
 shipped_cuda=$(ls "$root$pkg/lib" | grep -E '^lib(cuda|cudart|cublas|cublasLt|nccl)\.so' || true)
 [ -z "$shipped_cuda" ] || fail "the package ships CUDA libraries: $shipped_cuda"

@@ -18,10 +18,10 @@
 #include "gpu/cuda_module.h"
 #include "gpu/gpu_info.h"
 #include "gpu/model_kernels.h"
-#include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/system_info.h"
 #include "test_util.h"
 
 namespace strata {

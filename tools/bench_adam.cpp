@@ -33,9 +33,9 @@
 #include <immintrin.h>
 
 #include "bench_common.h"
-#include "cpu/cpu_info.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
+#include "strata/system_info.h"
 #include "tool_main.h"
 
 namespace strata::bench {

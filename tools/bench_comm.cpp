@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cpu/cpu_info.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
+#include "strata/system_info.h"
 
 namespace strata::bench {
 namespace {

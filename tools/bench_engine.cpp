@@ -34,9 +34,9 @@
 #include <unistd.h>
 
 #include "bench_common.h"
-#include "cpu/cpu_info.h"
 #include "strata/engine.h"
 #include "strata/error.h"
+#include "strata/system_info.h"
 #include "strata/trace.h"
 #include "tool_main.h"
 

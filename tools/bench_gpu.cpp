@@ -37,15 +37,15 @@
 #include <sstream>
 
 #include "bench_common.h"
-#include "tool_main.h"
-#include "gpu/cuda_module.h"
-#include "gpu/gpu_info.h"
-#include "model/ops.h"
 #include "strata/error.h"
+#include "strata/gpu_bench.h"
+#include "strata/kernels.h"
 #include "strata/model.h"
 #include "strata/pinned_pool.h"
+#include "strata/system_info.h"
 #include "strata/trace.h"
 #include "strata/trainer.h"
+#include "tool_main.h"
 
 namespace strata::bench {
 namespace {
@@ -328,20 +328,20 @@ double queued_ms(Stream& s, const Args& a, const std::function<void()>& queue) {
 class VariantScope {
  public:
   explicit VariantScope(bool cuda) : cuda_(cuda) {
-    if (cuda_) saved_ = gpu::model::kernels().kernel_variant();
+    if (cuda_) saved_ = gpu::model_kernel_variant();
   }
   ~VariantScope() {
-    if (cuda_) gpu::model::kernels().set_kernel_variant(saved_);
+    if (cuda_) gpu::set_model_kernel_variant(saved_);
   }
   VariantScope(const VariantScope&) = delete;
   VariantScope& operator=(const VariantScope&) = delete;
-  void use(gpu::model::KernelVariant v) const {
-    if (cuda_) gpu::model::kernels().set_kernel_variant(v);
+  void use(gpu::KernelVariant v) const {
+    if (cuda_) gpu::set_model_kernel_variant(v);
   }
 
  private:
   bool cuda_;
-  gpu::model::KernelVariant saved_ = gpu::model::KernelVariant::kSimple;
+  gpu::KernelVariant saved_ = gpu::KernelVariant::kSimple;
 };
 
 // The largest |got - ref| (infinite where either is NaN or they differ in infinity) and the
@@ -397,7 +397,7 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
 
   Buffer qkv = in(qkv_n, 1, -1.0f, 1.0f), dout = in(o_n, 2, -1.0f, 1.0f);
   Buffer o = f32(o_n), lse = f32(lse_n), o_in = f32(o_n), lse_in = f32(lse_n), dqkv = f32(qkv_n);
-  variants.use(gpu::model::KernelVariant::kSimple);  // the backward's inputs: the simple forward's outputs
+  variants.use(gpu::KernelVariant::kSimple);  // the backward's inputs: the simple forward's outputs
   model_ops::attention_forward(s, static_cast<float*>(qkv.data()), static_cast<float*>(o_in.data()), nullptr,
                                static_cast<float*>(lse_in.data()), b, t, nh, nkv, hd, scale, DType::kBF16);
   Buffer rows_a = in(nc, 3, -1.0f, 1.0f), rows_b = in(nc, 4, -1.0f, 1.0f), dx = f32(nc);
@@ -465,7 +465,7 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
     std::vector<float> got[2];
     double ms[2];
     for (int v = 0; v < 2; ++v) {
-      variants.use(v == 0 ? gpu::model::KernelVariant::kSimple : gpu::model::KernelVariant::kTiled);
+      variants.use(v == 0 ? gpu::KernelVariant::kSimple : gpu::KernelVariant::kTiled);
       got[v] = result();
       std::vector<double> runs;
       for (int r = 0; r < kKernelRuns; ++r) runs.push_back(queued_ms(s, a, k.run));

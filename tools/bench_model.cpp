@@ -14,9 +14,9 @@
 #include <random>
 
 #include "bench_common.h"
-#include "cpu/cpu_info.h"
 #include "strata/error.h"
 #include "strata/model.h"
+#include "strata/system_info.h"
 #include "strata/trace.h"
 #include "tool_main.h"
 

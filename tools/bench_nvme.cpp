@@ -24,11 +24,11 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cpu/cpu_info.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
 #include "strata/pinned_pool.h"
+#include "strata/system_info.h"
 #include "tool_main.h"
 
 namespace strata::bench {

@@ -13,13 +13,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "cpu/cpu_info.h"
-#include "gpu/gpu_info.h"
-#include "nvme/uring_probe.h"
 #include "strata/build_info.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/pinned_pool.h"
+#include "strata/system_info.h"
 #include "tool_main.h"
 
 namespace strata {

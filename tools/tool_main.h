@@ -20,10 +20,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "core/json_config.h"
 #include "strata/adamw.h"
 #include "strata/comm.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
 
 namespace strata::tools {
 

@@ -2,6 +2,7 @@
 // Numbers may be written as 5e8 or 500000000 (both accepted where an integer is meant);
 // a wrong type stops with the key, what was found and what is allowed; unknown keys warn
 // once (a user's ds_config.json carries keys strata does not use).
+// Parsing and the near-miss rule are public: strata/json_config.h.
 #pragma once
 
 #include <cstdint>
@@ -10,19 +11,9 @@
 #include <vector>
 #include <string_view>
 
-#include <nlohmann/json.hpp>
+#include "strata/json_config.h"
 
 namespace strata::config {
-
-using Json = nlohmann::json;
-
-// Parses JSON text; `what` names its source ("ds_config.json") in the error.
-Json parse(std::string_view text, std::string_view what);
-
-// The key of `known` at most one edit (keys under 8 characters) or two (longer) away from
-// `key`, case and '-' / '_' aside; empty when none is, or `key` is under 5 characters.
-std::string_view near_miss(std::string_view key, std::initializer_list<std::string_view> known);
-std::string near_miss(std::string_view key, const std::vector<std::string>& known);
 
 class Section {
  public:

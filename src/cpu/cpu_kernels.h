@@ -7,6 +7,7 @@
 
 #include "strata/device.h"
 #include "strata/dtype.h"
+#include "strata/kernels.h"
 
 namespace strata::cpu {
 
@@ -15,12 +16,10 @@ void axpy(float alpha, DType tx, const void* x, DType ty, void* y, std::size_t n
 void scale(float alpha, DType t, void* x, std::size_t n);
 void add(DType ta, const void* a, DType tb, const void* b, DType to, void* out, std::size_t n);
 void cast(DType ts, const void* src, DType td, void* dst, std::size_t n);
-// Sum of squares accumulated in double, returned as fp32.
-float sum_squares(DType t, const void* x, std::size_t n);
-// sum_squares of fp32 values that arrive in runs, in order (a gradient written to NVMe a piece at
-// a time): bit for bit sum_squares over their concatenation, for runs of any length (the same
-// chunks, lanes and order of additions; serial, where sum_squares splits large inputs across
-// threads).
+// sum_squares (strata/kernels.h) of fp32 values that arrive in runs, in order (a gradient
+// written to NVMe a piece at a time): bit for bit sum_squares over their concatenation, for runs
+// of any length (the same chunks, lanes and order of additions; serial, where sum_squares splits
+// large inputs across threads).
 class SumSquares {
  public:
   void add(const float* x, std::size_t n);

@@ -377,6 +377,9 @@ const Kernels& kernels() {
 }
 }  // namespace model
 
+void set_model_kernel_variant(KernelVariant variant) { model::kernels().set_kernel_variant(variant); }
+KernelVariant model_kernel_variant() { return model::kernels().kernel_variant(); }
+
 }  // namespace gpu
 
 CudaProbe probe_cuda() {

@@ -23,20 +23,13 @@
 #include "strata/build_info.h"
 #include "strata/comm.h"
 #include "strata/device.h"
+#include "strata/gpu_bench.h"
 
 namespace strata::gpu {
 
 // Raise when CudaModule's layout or meaning changes (model::Kernels included).
 inline constexpr int kCudaModuleAbi = 3;
 inline constexpr const char* kCudaModuleEntry = "strata_cuda_module";
-
-// The fastest of cuBLASLt's heuristic candidates for one GEMM (best_cublaslt_gemm).
-struct GemmBest {
-  double seconds = 0;               // per call
-  int candidates = 0;               // candidates that ran and were timed
-  int candidate = -1;               // the fastest one's rank in the heuristic's order (0 = its first choice)
-  std::size_t workspace_bytes = 0;  // what the fastest one needs
-};
 
 struct CudaModule {
   int abi;                     // kCudaModuleAbi of the module's build
@@ -77,12 +70,8 @@ void remeasure_default_capacity(Device& device);
 // says why, naming every place that was searched and what to do.
 const CudaModule* cuda_module();
 const std::string& cuda_unavailable_reason();
-// CudaModule::best_cublaslt_gemm of the loaded module; throws kUnsupported (with the reason)
-// without one.
-GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters);
-// CudaModule::time_queued_ms of the loaded module (`stream` a CUDA stream); throws kUnsupported
-// (with the reason) without one.
-double time_queued_ms(Stream& stream, const std::function<void()>& queue);
+// best_cublaslt_gemm, time_queued_ms and the model kernels' variant (strata/gpu_bench.h) call
+// the loaded module's table the same way, and throw kUnsupported (with the reason) without one.
 
 }  // namespace strata::gpu
 

@@ -19,11 +19,14 @@
 
 #include <cstdint>
 
+#include "strata/gpu_bench.h"
+
 namespace strata::gpu::model {
 
 using i64 = std::int64_t;
 
-enum class KernelVariant { kSimple, kTiled };
+// kSimple or kTiled (strata/gpu_bench.h, where strata-bench gpu switches it).
+using ::strata::gpu::KernelVariant;
 
 const char* error_text(int err);
 

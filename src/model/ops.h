@@ -2,22 +2,17 @@
 // (src/cpu/model_kernels.h, on the HostDevice stream's worker through host_fn) or the CUDA
 // kernel (src/gpu/model_kernels.h, on the stream's cudaStream_t), picked by the device kind.
 // Semantics are those of the CPU kernels; pointers are device memory of the stream's device.
-// Activations and gradients are fp32; weights (Weight) are fp32 or bf16.
+// Activations and gradients are fp32; weights (Weight) are fp32 or bf16. The ops a benchmark
+// drives directly (attention, the backward reductions) and Weight are declared in the public
+// strata/kernels.h; the rest here.
 #pragma once
 
 #include <cstdint>
 
 #include "strata/device.h"
+#include "strata/kernels.h"
 
 namespace strata::model_ops {
-
-using i64 = std::int64_t;
-
-struct Weight {
-  const void* ptr = nullptr;
-  DType dtype = DType::kF32;
-  explicit operator bool() const { return ptr != nullptr; }
-};
 
 // Where an op writes an activation read only as a GEMM operand: fp32, or bf16 in bf16 compute
 // (the CPU kernels round as they store, saving the cast pass; on CUDA, ops.cpp casts an fp32
@@ -31,31 +26,16 @@ struct Out {
 
 void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out, i64 n,
                        i64 t, i64 c);
-void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
-                        i64 n, i64 t, i64 c);
 void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n, i64 c, double eps);
-// dx_bf16 (optional): the updated dx again, rounded to bf16 (the next GEMMs' operand).
-void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd, float* dx,
-                      float* dw, i64 n, i64 c, void* dx_bf16 = nullptr);
 void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, float* mean, float* rstd,
                        i64 n, i64 c, double eps);
-void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* mean,
-                        const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c);
 void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
           const float* sin, bool inverse);
-// gemm: the compute dtype; with bf16 the inputs of attention's products are rounded to bf16 as
-// for every other GEMM, on the CPU and in both CUDA variants (gpu/model_kernels.cu).
-// o_bf16 (optional): o also written rounded to bf16, the output projection's operand.
-void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b, i64 t, i64 nh,
-                       i64 nkv, i64 hd, double scale, DType gemm);
-void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout, const float* lse,
-                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm);
 void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter);
 void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n, i64 inter);
 void gelu_forward(Stream& s, const float* x, Out out, i64 n);
 void gelu_backward(Stream& s, const float* dout, const float* x, float* dx, i64 n);
 void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m);
-void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m);
 // With grad_scale != 0 the logits' gradient goes to grad: the logits themselves (fp32) or a
 // bf16 buffer (the head GEMMs' operand in bf16 compute).
 void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,

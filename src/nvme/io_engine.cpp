@@ -37,10 +37,10 @@
 #include <utility>
 #include <unordered_map>
 
-#include "nvme/uring_probe.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
+#include "strata/system_info.h"
 #include "strata/trace.h"
 
 namespace strata {

@@ -3,7 +3,7 @@
 // Kernels before 5.1 lack the syscall (ENOSYS); container seccomp profiles and
 // kernel.io_uring_disabled forbid it (EPERM); RLIMIT_MEMLOCK may be too small on old
 // kernels (ENOMEM).
-#include "nvme/uring_probe.h"
+#include "strata/system_info.h"
 
 #include <cstring>
 #include <mutex>

@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_config.h"
-#include "core/quiet_log.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "trainer/train_job.h"

@@ -1,0 +1,96 @@
+// Facts about the machine strata runs on, as strata sees them: the CPU (model, ISA features,
+// the code paths strata takes), host memory and NUMA, the GPUs and where the CUDA libraries
+// were loaded from, and whether io_uring can be used. What strata-info prints and the
+// benchmarks size themselves by.
+//
+// Every fact is read at run time (cpuid, hwloc, /proc and /sys, the loaded libraries), never
+// guessed at build time. Nothing here throws except cpu_paths (on a bad STRATA_CPU_ISA): a fact
+// that cannot be read is reported as absent ("unknown", 0, empty). Safe to call in every build:
+// without CUDA compiled in, without the CUDA libraries or without a driver the GPU facts are
+// empty. Library versions: strata/build_info.h.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace strata::cpu {
+
+std::string cpu_model();                      // "AMD EPYC ..." from /proc/cpuinfo; "unknown"
+std::vector<std::string> cpu_isa_features();  // of avx2, f16c, fma, avx512f, avx512bw, avx512_bf16, amx_bf16 (cpuid)
+
+// The code paths strata takes on this host, after STRATA_CPU_ISA (strata/adamw.h): the cap, the
+// ISA of the CPU AdamW and of the model's row kernels, oneDNN's ISA, and each GEMM operand
+// dtype's route through oneDNN. Throws on a bad STRATA_CPU_ISA (or STRATA_ADAMW_ISA /
+// STRATA_MODEL_ISA), naming it.
+struct CpuPaths {
+  std::string cap;            // "auto" (no cap), "avx512", "avx2" or "scalar"
+  std::string adamw, model;   // "avx512", "avx2", "scalar"
+  std::string onednn;         // "avx2", "avx512_core_amx", ...
+  struct Gemm {
+    std::string dtype;  // "fp32", "bf16", "fp16"
+    std::string route;  // "oneDNN native" or "widened to fp32"
+    std::string impl;   // oneDNN's implementation of the GEMM that runs, e.g. "brg:avx512_core_bf16"
+  };
+  std::vector<Gemm> gemms;
+};
+CpuPaths cpu_paths();
+
+struct NumaNode {
+  int os_index = 0;
+  std::size_t memory_bytes = 0;
+  int cores = 0;
+  std::string cpuset;  // hwloc list syntax, e.g. "0-15"
+};
+std::vector<NumaNode> numa_nodes();  // at least one node (a machine without NUMA has node 0)
+
+struct HugePageInfo {
+  std::size_t hugetlb_page_bytes = 0;  // Hugepagesize
+  std::size_t hugetlb_total = 0;       // HugePages_Total (pages)
+  std::size_t hugetlb_free = 0;        // HugePages_Free (pages)
+  std::string thp_mode;                // "always", "madvise", "never" or "unavailable"
+};
+HugePageInfo huge_page_info();
+
+// MemAvailable from /proc/meminfo: what can be allocated without swapping (0 when unknown).
+// STRATA_TEST_MEMINFO names a file read instead of /proc/meminfo (tests of the RAM plan).
+std::size_t mem_available_bytes();
+// This process's resident memory now (/proc/self/statm).
+std::size_t process_rss_bytes();
+
+// The cores this process may run on (sched_getaffinity; hardware_concurrency where that fails):
+// what taskset, a cgroup's cpuset or a batch scheduler left it, at least 1.
+int usable_cores();
+
+}  // namespace strata::cpu
+
+namespace strata::gpu {
+
+// One line per visible GPU: "cuda:0 NVIDIA H200, 139.8 GiB, sm_90, PCI 0000:19:00.0"; empty
+// without a usable GPU (strata/device.h probe_cuda says why).
+std::vector<std::string> device_descriptions();
+
+// The CUDA libraries and the CUDA module in load order, with the file each was loaded from:
+// {"libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.13"}. Loads them if not yet done;
+// empty when they could not all be found (probe_cuda().reason says where it looked).
+struct LoadedLibrary {
+  std::string name;
+  std::string path;
+};
+std::vector<LoadedLibrary> cuda_libraries();
+
+}  // namespace strata::gpu
+
+namespace strata::nvme {
+
+// Whether io_uring can be used here (old kernels and seccomp profiles forbid it); without it
+// the NVMe engine runs on a pread/pwrite thread pool.
+struct UringProbe {
+  bool available = false;
+  std::string reason;   // why not, with the errno text
+  std::string version;  // liburing version compiled against
+};
+// Creates and destroys a small ring once; cached after the first call.
+UringProbe probe_io_uring();
+
+}  // namespace strata::nvme
