@@ -63,7 +63,7 @@
 #include <array>
 
 #include "cpu/cpu_info.h"
-#include "scheduler/layout.h"
+#include "scheduler/schedule.h"
 #include "strata/dtype.h"
 #include "strata/engine_config.h"
 #include "strata/error.h"
@@ -264,8 +264,9 @@ void Builder::add_early_step() {
   for (const detail::UnitLayout& u : layout) {
     if (!detail::early_step_takes(u.o, u.g)) continue;
     o2[static_cast<int>(u.o)] += u.shard * 12;
-    if (config.stage == 3 && !u.persistent && u.w != Tier::kDevice) w2[static_cast<int>(u.w)] += u.shard * c;
-    else new_device_w += u.shard * c;
+    // Where its new weights go (schedule.h): a second copy on their tier, or held for the device.
+    if (detail::weights_out(u.resident, u.w) == detail::WeightsOut::kDevice) new_device_w += u.shard * c;
+    else w2[static_cast<int>(u.w)] += u.shard * c;
   }
   const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
   add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, o2[H]);
