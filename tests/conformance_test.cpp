@@ -75,10 +75,10 @@ bool engine_stream(const std::string& s) {
 
 // Step 2 of a run under `cfg` (step 1 records the order the engine prefetches in), traced until
 // every stream is idle.
-Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, std::vector<UnitSize>* sizes) {
+Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, bool ranks, std::vector<UnitSize>* sizes) {
   auto dev = make_host_device();
   CommOptions co;
-  co.backend = CommBackend::kLocal;
+  if (!ranks) co.backend = CommBackend::kLocal;  // (else the launcher's MPI)
   auto comm = make_communicator(*dev, co);
   auto s = dev->create_stream("compute");
   Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT, .compute = cfg.compute_dtype});
@@ -108,6 +108,8 @@ Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, std::vector<
   for (const TraceSpan& sp : tr.spans()) {
     if ((sp.name == "copy_h2d" || sp.name == "copy_d2h") && engine_stream(sp.lane))
       o.streams[sp.lane].push_back(fmt::format("{} {}", sp.name, sp.bytes));
+    if ((sp.name == "all_gather" || sp.name == "reduce_scatter" || sp.name == "all_reduce") && engine_stream(sp.lane))
+      o.streams[sp.lane].push_back(sp.name);
     if (sp.lane.starts_with("nvme")) (sp.name == "nvme_read" ? o.nvme_read : o.nvme_written) += sp.bytes;
   }
   tr.clear();
@@ -115,8 +117,10 @@ Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, std::vector<
 }
 
 // The same step as the model replays it.
-Observed replay(const std::vector<UnitSize>& sizes, const EngineConfig& cfg) {
+Observed replay(const std::vector<UnitSize>& sizes, const EngineConfig& cfg, int world) {
   MachineProfile m;
+  m.world_size = world;
+  m.all_gather_bps = m.reduce_scatter_bps = 5e9;
   m.h2d_bps = m.d2h_bps = 10e9;
   m.device_mem_bps = 50e9;
   m.host_mem_bps = 20e9;
@@ -133,6 +137,10 @@ Observed replay(const std::vector<UnitSize>& sizes, const EngineConfig& cfg) {
     if ((iv.lane == Resource::kH2D || iv.lane == Resource::kD2H) && engine_stream(iv.stream))
       o.streams[iv.stream].push_back(fmt::format("{} {}", iv.lane == Resource::kH2D ? "copy_h2d" : "copy_d2h", iv.bytes));
     if (iv.lane == Resource::kNvme) (iv.what.starts_with("read") ? o.nvme_read : o.nvme_written) += iv.bytes;
+    if (iv.lane == Resource::kComm && engine_stream(iv.stream))  // "all-gather layers.0" -> all_gather
+      o.streams[iv.stream].push_back(iv.what.starts_with("all-gather")       ? "all_gather"
+                                     : iv.what.starts_with("reduce-scatter") ? "reduce_scatter"
+                                                                             : "all_reduce");
   }
   return o;
 }
@@ -151,30 +159,36 @@ struct Class {
   bool device_norm = false;  // strata.device_grad_norm
 };
 
-// A ds_config.json of the class, parsed as a user's would be.
-EngineConfig config_of(const Class& c, const std::string& dir) {
+// A ds_config.json of the class, as a user would write it.
+std::string config_json(const Class& c, const std::string& dir) {
   std::string z = c.zero;
   for (std::size_t at; (at = z.find("$NVME")) != std::string::npos;) z.replace(at, 5, dir);
-  const std::string json = fmt::format(
+  return fmt::format(
       R"({{"train_micro_batch_size_per_gpu": {}, "gradient_accumulation_steps": {}, "bf16": {{"enabled": true}},
           "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4000,
                                  "reduce_bucket_size": 6000 {}}},
           "strata": {{"overlap_optimizer": {}, "device_grad_norm": {}, "host_budget_bytes": 67108864}}}})",
       kB, c.accum, z, c.early, c.device_norm);
-  return parse_engine_config(json);
 }
 
 void PrintTo(const Class& c, std::ostream* os) { *os << c.name; }
 
-class Conformance : public ::testing::TestWithParam<Class> {};
-
-TEST_P(Conformance, TheModelReplaysWhatTheEngineQueues) {
-  const Class& c = GetParam();
+// One class: the engine's step on this process's ranks (`ranks`: every rank of the launcher's
+// MPI job, each comparing its own streams; else one rank alone) against the model's replay.
+void check_class(const Class& c, bool ranks) {
+  const int world = ranks ? launch_info().world_size : 1;
   TempDir dir("conformance");
-  const EngineConfig cfg = config_of(c, dir.path);
+  const EngineConfig cfg = parse_engine_config(config_json(c, dir.path), world);
   std::vector<UnitSize> sizes;
-  Observed engine = run_engine(tiny_llama(), cfg, &sizes);
-  const Observed model = replay(sizes, cfg);
+  Observed engine = run_engine(tiny_llama(), cfg, ranks, &sizes);
+  const Observed model = replay(sizes, cfg, world);
+  if (world > 1) {  // (not compared vacuously: the collectives are there)
+    auto count = [&](const std::string& st, const std::string& op) {
+      return engine.streams.count(st) ? std::count(engine.streams.at(st).begin(), engine.streams.at(st).end(), op) : 0;
+    };
+    EXPECT_GT(count("fetch", "all_gather"), 0);
+    EXPECT_GT(count("comm", "reduce_scatter"), 0);
+  }
   std::set<std::string> streams;
   for (const auto& [k, v] : engine.streams) streams.insert(k);
   for (const auto& [k, v] : model.streams) streams.insert(k);
@@ -190,6 +204,21 @@ TEST_P(Conformance, TheModelReplaysWhatTheEngineQueues) {
   }
   EXPECT_EQ(engine.nvme_read, model.nvme_read) << "NVMe bytes read in the step";
   EXPECT_EQ(engine.nvme_written, model.nvme_written) << "NVMe bytes written in the step";
+}
+
+class Conformance : public ::testing::TestWithParam<Class> {};
+
+TEST_P(Conformance, TheModelReplaysWhatTheEngineQueues) { check_class(GetParam(), false); }
+
+// The same across ranks (the ctest entry conformance_ranks_2 runs it under mpirun -np 2): the
+// all-gathers on the fetch stream, the reduce-scatters on the comm stream, the norm's
+// all-reduce. Skipped in a plain process.
+class ConformanceRanks : public ::testing::TestWithParam<Class> {};
+
+TEST_P(ConformanceRanks, TheModelReplaysWhatTheEngineQueues) {
+  if (launch_info().world_size < 2) GTEST_SKIP() << "runs under mpirun -np 2 (ctest: conformance_ranks_2)";
+  init_launch();
+  check_class(GetParam(), true);
 }
 
 const std::vector<Class> kClasses = {
@@ -210,6 +239,8 @@ const std::vector<Class> kClasses = {
 };
 
 INSTANTIATE_TEST_SUITE_P(Placements, Conformance, ::testing::ValuesIn(kClasses),
+                         [](const ::testing::TestParamInfo<Class>& i) { return i.param.name; });
+INSTANTIATE_TEST_SUITE_P(Placements, ConformanceRanks, ::testing::ValuesIn(kClasses),
                          [](const ::testing::TestParamInfo<Class>& i) { return i.param.name; });
 
 }  // namespace

@@ -22,3 +22,14 @@ endif()
 # replayed by the model, stream by stream (see conformance_test.cpp).
 strata_add_test(conformance_test SOURCES conformance_test.cpp LABELS unit)
 target_link_libraries(conformance_test PRIVATE strata_trainer)
+if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
+  add_test(NAME conformance_ranks_2
+           COMMAND ${MPIEXEC_EXECUTABLE} -np 2 --oversubscribe $<TARGET_FILE:conformance_test>
+                   --gtest_filter=Placements/ConformanceRanks.*)
+  set(strata_conformance_env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STRATA_COMM_TIMEOUT_S=120)
+  if(STRATA_SANITIZE)
+    list(APPEND strata_conformance_env ASAN_OPTIONS=detect_leaks=0)  # OpenMPI's own leaks (see comm_tests.cmake)
+  endif()
+  set_tests_properties(conformance_ranks_2 PROPERTIES LABELS "unit;mpi" TIMEOUT 300 PROCESSORS 2
+                                                      ENVIRONMENT "${strata_conformance_env}")
+endif()
