@@ -6,7 +6,7 @@
 #include <cmath>
 #include <string>
 
-#include "strata/adamw.h"
+#include "core/adamw_common.h"
 #include "strata/error.h"
 
 namespace strata::detail {

@@ -3,7 +3,7 @@
 // fallbacks for optional hooks.
 #include "strata/device.h"
 
-#include "strata/adamw.h"
+#include "core/adamw_common.h"
 #include "strata/error.h"
 #include "strata/log.h"
 

@@ -9,7 +9,7 @@
 //    nothing is written when it finds one.
 //  - Work is cut into kTile-element tiles over all shards; a static partition gives each
 //    worker one contiguous run of tiles (hardware prefetchers like long streams).
-#include "strata/adamw.h"
+#include "core/adamw_common.h"
 
 #include <hwloc.h>
 #include <tbb/blocked_range.h>

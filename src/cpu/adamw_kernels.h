@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "strata/adamw.h"
+#include "core/adamw_common.h"
 
 namespace strata::cpu::adamw {
 

@@ -10,7 +10,7 @@
 
 #include <cstddef>
 
-#include "strata/adamw.h"
+#include "core/adamw_common.h"
 
 namespace strata::gpu {
 
