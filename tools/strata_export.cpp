@@ -69,13 +69,9 @@ struct Options {
   double max_shard_mb = 5 * 1024;
 };
 
-int run(const Options& o) {
-  STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
-  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
-  STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
-  const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
-
-  // ---- the checkpoint ----
+// ---- the checkpoint ----
+// CKPT_DIR itself when it holds a manifest, else the newest complete checkpoint under it.
+strata::FoundCheckpoint find_export_checkpoint(const Options& o) {
   std::error_code ec;
   STRATA_REQUIRE(fs::is_directory(o.ckpt, ec), "{}: no such checkpoint directory", o.ckpt);
   strata::FoundCheckpoint ck;
@@ -92,11 +88,14 @@ int run(const Options& o) {
                    "{}: the newest checkpoint does not verify ({}); the newest complete one is {} (step {}): pass "
                    "--accept-older to export that one, or give its folder", o.ckpt, ck.skipped.front(), ck.dir, ck.step);
   }
-  const int world = ck.manifest.value("world_size", 0);
-  STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);
-  const nlohmann::json trainer = ck.manifest.value("trainer", nlohmann::json::object());
+  return ck;
+}
 
-  // ---- the model ----
+// ---- the model ----
+// --model-config, else the manifest's, checked against the hash the checkpoint was taken with.
+strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint& ck,
+                                 const nlohmann::json& trainer) {
+  std::error_code ec;
   strata::ModelConfig cfg;
   if (!o.model_config.empty()) {
     STRATA_REQUIRE(fs::is_regular_file(o.model_config, ec), "--model-config {}: no such file", o.model_config);
@@ -111,69 +110,70 @@ int run(const Options& o) {
   STRATA_REQUIRE(want_hash.empty() || want_hash == strata::model_config_hash(cfg),
                  "{}: the checkpoint was taken with a different model (config hash {}, this config's {})", ck.dir,
                  want_hash, strata::model_config_hash(cfg));
-  const std::vector<strata::UnitSpec> units = strata::model_units(cfg);
+  return cfg;
+}
 
-  // ---- every rank's layout ----
-  std::vector<RankFile> ranks(static_cast<std::size_t>(world));
-  struct Closer {
-    std::vector<RankFile>& r;
-    ~Closer() {
-      for (auto& f : r)
-        if (f.fd >= 0) ::close(f.fd);
-    }
-  } closer{ranks};
-  for (int r = 0; r < world; ++r) {
-    RankFile& rf = ranks[std::size_t(r)];
-    const nlohmann::json j = read_json((fs::path(ck.dir) / fmt::format("rank{}.json", r)).string());
-    STRATA_REQUIRE(j.value("format", "") == "strata-engine-state", "{}/rank{}.json is not a strata engine state",
-                   ck.dir, r);
-    STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == world,
-                   "{}/rank{}.json says rank {} of {}, the manifest {} of {}", ck.dir, r, j.value("rank", -1),
-                   j.value("world_size", -1), r, world);
-    rf.units = j.value("units", nlohmann::json::array());
-    STRATA_REQUIRE(rf.units.size() == units.size(), "{}/rank{}.json has {} units, the model {}", ck.dir, r,
-                   rf.units.size(), units.size());
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      const auto& ju = rf.units[u];
-      STRATA_REQUIRE(ju.value("name", "") == units[u].name && ju.value("numel", std::uint64_t(0)) == units[u].numel,
-                     "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck.dir, r, u,
-                     ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name, units[u].numel);
-      STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) * std::uint64_t(world) >= units[u].numel,
-                     "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck.dir, r,
-                     units[u].name, ju.value("shard", std::uint64_t(0)), world);
-      STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
-                     "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck.dir, units[u].name, r);
-    }
-    rf.path = (fs::path(ck.dir) / fmt::format("rank{}.bin", r)).string();
-    rf.fd = ::open(rf.path.c_str(), O_RDONLY | O_CLOEXEC);
-    STRATA_REQUIRE(rf.fd >= 0, "{} cannot be opened: {}", rf.path, std::strerror(errno));
-    rf.size = fs::file_size(rf.path);
+// ---- every rank's layout ----
+// Rank r's engine state (rank<r>.json), checked against the model and rank 0's shards, and its
+// rank<r>.bin opened.
+void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, int world,
+               const std::vector<strata::UnitSpec>& units) {
+  RankFile& rf = ranks[std::size_t(r)];
+  const nlohmann::json j = read_json((fs::path(ck_dir) / fmt::format("rank{}.json", r)).string());
+  STRATA_REQUIRE(j.value("format", "") == "strata-engine-state", "{}/rank{}.json is not a strata engine state",
+                 ck_dir, r);
+  STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == world,
+                 "{}/rank{}.json says rank {} of {}, the manifest {} of {}", ck_dir, r, j.value("rank", -1),
+                 j.value("world_size", -1), r, world);
+  rf.units = j.value("units", nlohmann::json::array());
+  STRATA_REQUIRE(rf.units.size() == units.size(), "{}/rank{}.json has {} units, the model {}", ck_dir, r,
+                 rf.units.size(), units.size());
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const auto& ju = rf.units[u];
+    STRATA_REQUIRE(ju.value("name", "") == units[u].name && ju.value("numel", std::uint64_t(0)) == units[u].numel,
+                   "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck_dir, r, u,
+                   ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name, units[u].numel);
+    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) * std::uint64_t(world) >= units[u].numel,
+                   "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck_dir, r,
+                   units[u].name, ju.value("shard", std::uint64_t(0)), world);
+    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
+                   "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck_dir, units[u].name, r);
   }
+  rf.path = (fs::path(ck_dir) / fmt::format("rank{}.bin", r)).string();
+  rf.fd = ::open(rf.path.c_str(), O_RDONLY | O_CLOEXEC);
+  STRATA_REQUIRE(rf.fd >= 0, "{} cannot be opened: {}", rf.path, std::strerror(errno));
+  rf.size = fs::file_size(rf.path);
+}
 
-  // One unit's fp32 master weights, unpadded: every rank's shard in rank order.
-  auto read_unit = [&](std::size_t u) {
-    const std::uint64_t shard = ranks[0].units[u].value("shard", std::uint64_t(0));
-    std::vector<float> flat(shard * std::uint64_t(world));
-    for (int r = 0; r < world; ++r) {
-      const RankFile& rf = ranks[std::size_t(r)];
-      const std::uint64_t off = rf.units[u].value("offset", std::uint64_t(0)), bytes = shard * 4;
-      STRATA_REQUIRE(off + 3 * bytes <= rf.size, "{}: unit '{}' at {} + {} bytes runs past the end ({} bytes)", rf.path,
-                     units[u].name, off, 3 * bytes, rf.size);
-      auto* dst = reinterpret_cast<char*>(flat.data() + std::uint64_t(r) * shard);
-      std::uint64_t done = 0;
-      while (done < bytes) {
-        const ssize_t n = ::pread(rf.fd, dst + done, bytes - done, off_t(off + done));
-        if (n < 0 && errno == EINTR) continue;
-        STRATA_REQUIRE(n > 0, "{}: reading unit '{}' failed: {}", rf.path, units[u].name,
-                       n == 0 ? "unexpected end of file" : std::strerror(errno));
-        done += std::uint64_t(n);
-      }
+// One unit's fp32 master weights, unpadded: every rank's shard in rank order.
+std::vector<float> read_unit(const std::vector<RankFile>& ranks, std::size_t u,
+                             const std::vector<strata::UnitSpec>& units) {
+  const int world = int(ranks.size());
+  const std::uint64_t shard = ranks[0].units[u].value("shard", std::uint64_t(0));
+  std::vector<float> flat(shard * std::uint64_t(world));
+  for (int r = 0; r < world; ++r) {
+    const RankFile& rf = ranks[std::size_t(r)];
+    const std::uint64_t off = rf.units[u].value("offset", std::uint64_t(0)), bytes = shard * 4;
+    STRATA_REQUIRE(off + 3 * bytes <= rf.size, "{}: unit '{}' at {} + {} bytes runs past the end ({} bytes)", rf.path,
+                   units[u].name, off, 3 * bytes, rf.size);
+    auto* dst = reinterpret_cast<char*>(flat.data() + std::uint64_t(r) * shard);
+    std::uint64_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pread(rf.fd, dst + done, bytes - done, off_t(off + done));
+      if (n < 0 && errno == EINTR) continue;
+      STRATA_REQUIRE(n > 0, "{}: reading unit '{}' failed: {}", rf.path, units[u].name,
+                     n == 0 ? "unexpected end of file" : std::strerror(errno));
+      done += std::uint64_t(n);
     }
-    flat.resize(units[u].numel);  // the padding goes
-    return flat;
-  };
+  }
+  flat.resize(units[u].numel);  // the padding goes
+  return flat;
+}
 
-  // ---- the output folder ----
+// ---- the output folder ----
+// OUT_DIR empty, or --overwrite, and never the checkpoint being exported or a folder above it.
+void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
+  std::error_code ec;
   const fs::path out(o.out);
   if (fs::exists(out, ec)) {
     STRATA_REQUIRE(fs::is_directory(out, ec), "{} exists and is not a directory", o.out);
@@ -189,15 +189,21 @@ int run(const Options& o) {
     }
     STRATA_REQUIRE(out_abs != ck_abs, "OUT_DIR {} is the checkpoint itself: choose another folder", o.out);
   }
+}
 
-  // ---- the shards: the same cut as save_hf_weights ----
-  struct Item {
-    const strata::ParamSpec* p;
-    std::size_t unit;
-    std::size_t bytes;
-  };
+// ---- the shards: the same cut as save_hf_weights ----
+struct Item {
+  const strata::ParamSpec* p;
+  std::size_t unit;
+  std::size_t bytes;
+};
+
+// The tensors in order, cut into files of at most `max_shard_bytes` (a larger tensor alone).
+std::vector<std::vector<Item>> cut_shards(const std::vector<strata::UnitSpec>& units, DType dtype,
+                                          std::size_t max_shard_bytes, std::size_t& total) {
   std::vector<std::vector<Item>> shards(1);
-  std::size_t cur = 0, total = 0;
+  std::size_t cur = 0;
+  total = 0;
   for (std::size_t u = 0; u < units.size(); ++u)
     for (const strata::ParamSpec& p : units[u].params) {
       const std::size_t bytes = p.numel * strata::dtype_size(dtype);
@@ -209,8 +215,98 @@ int run(const Options& o) {
       total += bytes;
       shards.back().push_back({&p, u, bytes});
     }
+  return shards;
+}
+
+// One safetensors file, header first and then tensor by tensor; each unit is read once (`flat`
+// holds the last one read, `loaded_unit` its index: params come in unit order).
+void write_shard(const std::string& path, const std::string& name, const std::vector<Item>& shard,
+                 DType dtype, const std::vector<RankFile>& ranks,
+                 const std::vector<strata::UnitSpec>& units, nlohmann::ordered_json& weight_map,
+                 std::size_t& loaded_unit, std::vector<float>& flat) {
+  std::vector<std::uint16_t> half;
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  h["__metadata__"] = {{"format", "pt"}};
+  std::size_t off = 0;
+  for (const Item& it : shard) {
+    h[it.p->name] = {{"dtype", dtype == DType::kBF16 ? "BF16" : "F32"},
+                     {"shape", it.p->shape},
+                     {"data_offsets", {off, off + it.bytes}}};
+    off += it.bytes;
+    weight_map[it.p->name] = name;
+  }
+  std::string hs = h.dump();
+  hs.append((8 - hs.size() % 8) % 8, ' ');
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  STRATA_REQUIRE(f != nullptr, "cannot create {}: {}", path, std::strerror(errno));
+  const std::uint64_t hlen = hs.size();
+  bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+  for (const Item& it : shard) {
+    if (!ok) break;
+    if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
+      flat = read_unit(ranks, it.unit, units);
+      loaded_unit = it.unit;
+    }
+    const float* src = flat.data() + it.p->offset;
+    if (dtype == DType::kF32) {
+      ok = it.bytes == 0 || std::fwrite(src, 1, it.bytes, f) == it.bytes;
+    } else {
+      half.resize(it.p->numel);
+      for (std::size_t i = 0; i < it.p->numel; ++i) half[i] = strata::f32_to_bf16(src[i]);
+      ok = it.bytes == 0 || std::fwrite(half.data(), 1, it.bytes, f) == it.bytes;
+    }
+  }
+  const int err = errno;
+  if (std::fclose(f) != 0) ok = false;
+  STRATA_REQUIRE(ok, "cannot write {}: {}", path, std::strerror(err));
+}
+
+// config.json as save_hf_weights writes it (to `tmp`, renamed into place later).
+void write_config(const std::string& tmp, const fs::path& out, const strata::ModelConfig& cfg,
+                  DType dtype) {
+  strata::ModelConfig c = cfg;
+  if (c.raw.is_object()) c.raw["torch_dtype"] = dtype == DType::kBF16 ? "bfloat16" : "float32";
+  std::string text = strata::model_config_json(c);
+  if (!c.raw.is_object() && dtype == DType::kBF16) {
+    auto j = nlohmann::json::parse(text);
+    j["torch_dtype"] = "bfloat16";
+    text = j.dump(2);
+  }
+  std::ofstream f(tmp);
+  f << text << "\n";
+  STRATA_REQUIRE(f.good(), "cannot write {}", (out / "config.json").string());
+}
+
+int run(const Options& o) {
+  STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
+  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
+  const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
+
+  const strata::FoundCheckpoint ck = find_export_checkpoint(o);
+  const int world = ck.manifest.value("world_size", 0);
+  STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);
+  const nlohmann::json trainer = ck.manifest.value("trainer", nlohmann::json::object());
+  const strata::ModelConfig cfg = export_model(o, ck, trainer);
+  const std::vector<strata::UnitSpec> units = strata::model_units(cfg);
+
+  std::vector<RankFile> ranks(static_cast<std::size_t>(world));
+  struct Closer {
+    std::vector<RankFile>& r;
+    ~Closer() {
+      for (auto& f : r)
+        if (f.fd >= 0) ::close(f.fd);
+    }
+  } closer{ranks};
+  for (int r = 0; r < world; ++r) open_rank(ranks, r, ck.dir, world, units);
+
+  check_output_folder(o, ck);
+  std::size_t total = 0;
+  const std::vector<std::vector<Item>> shards = cut_shards(units, dtype, max_shard_bytes, total);
   const std::size_t n = shards.size();
 
+  const fs::path out(o.out);
+  std::error_code ec;
   fs::create_directories(out, ec);
   STRATA_REQUIRE(!ec, "cannot create {}: {}", o.out, ec.message());
   std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final
@@ -223,45 +319,10 @@ int run(const Options& o) {
     nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
     std::size_t loaded_unit = SIZE_MAX;
     std::vector<float> flat;
-    std::vector<std::uint16_t> half;
     for (std::size_t s = 0; s < n; ++s) {
       const std::string name =
           n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-      nlohmann::ordered_json h = nlohmann::ordered_json::object();
-      h["__metadata__"] = {{"format", "pt"}};
-      std::size_t off = 0;
-      for (const Item& it : shards[s]) {
-        h[it.p->name] = {{"dtype", dtype == DType::kBF16 ? "BF16" : "F32"},
-                         {"shape", it.p->shape},
-                         {"data_offsets", {off, off + it.bytes}}};
-        off += it.bytes;
-        weight_map[it.p->name] = name;
-      }
-      std::string hs = h.dump();
-      hs.append((8 - hs.size() % 8) % 8, ' ');
-      const std::string path = tmp_of(name);
-      std::FILE* f = std::fopen(path.c_str(), "wb");
-      STRATA_REQUIRE(f != nullptr, "cannot create {}: {}", path, std::strerror(errno));
-      const std::uint64_t hlen = hs.size();
-      bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
-      for (const Item& it : shards[s]) {
-        if (!ok) break;
-        if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
-          flat = read_unit(it.unit);
-          loaded_unit = it.unit;
-        }
-        const float* src = flat.data() + it.p->offset;
-        if (dtype == DType::kF32) {
-          ok = it.bytes == 0 || std::fwrite(src, 1, it.bytes, f) == it.bytes;
-        } else {
-          half.resize(it.p->numel);
-          for (std::size_t i = 0; i < it.p->numel; ++i) half[i] = strata::f32_to_bf16(src[i]);
-          ok = it.bytes == 0 || std::fwrite(half.data(), 1, it.bytes, f) == it.bytes;
-        }
-      }
-      const int err = errno;
-      if (std::fclose(f) != 0) ok = false;
-      STRATA_REQUIRE(ok, "cannot write {}: {}", path, std::strerror(err));
+      write_shard(tmp_of(name), name, shards[s], dtype, ranks, units, weight_map, loaded_unit, flat);
     }
     if (n > 1) {
       nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
@@ -269,18 +330,7 @@ int run(const Options& o) {
       f << idx.dump(2) << "\n";
       STRATA_REQUIRE(f.good(), "cannot write {}", (out / "model.safetensors.index.json").string());
     }
-    // config.json as save_hf_weights writes it.
-    strata::ModelConfig c = cfg;
-    if (c.raw.is_object()) c.raw["torch_dtype"] = dtype == DType::kBF16 ? "bfloat16" : "float32";
-    std::string text = strata::model_config_json(c);
-    if (!c.raw.is_object() && dtype == DType::kBF16) {
-      auto j = nlohmann::json::parse(text);
-      j["torch_dtype"] = "bfloat16";
-      text = j.dump(2);
-    }
-    std::ofstream f(tmp_of("config.json"));
-    f << text << "\n";
-    STRATA_REQUIRE(f.good(), "cannot write {}", (out / "config.json").string());
+    write_config(tmp_of("config.json"), out, cfg, dtype);
   } catch (...) {
     for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
     throw;

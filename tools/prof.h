@@ -1,0 +1,117 @@
+// strata-prof's parts (strata_prof.cpp's head comment names the jobs): what the measuring
+// (prof_measure.cpp), the validation (prof_validate.cpp), the picture (prof_picture.cpp) and the
+// tool's sequence of steps (strata_prof.cpp) share. Internal to the tool.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "strata/device.h"
+#include "strata/engine_config.h"
+#include "strata/log.h"
+#include "strata/model.h"
+#include "strata/perf_model.h"
+#include "strata/trace.h"
+#include "strata/trainer.h"
+
+namespace strata::prof {
+
+using Clock = std::chrono::steady_clock;
+
+inline double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+inline std::string human(double b) { return log::human_bytes(b); }
+
+struct Args {
+  std::string model_dir, model_config, ds_config, aio_file;
+  std::vector<std::string> data_files;
+  std::string text_file;
+  std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0;  // 0: --config's, else 1
+  std::vector<std::int64_t> micro_batches;                    // empty: B/2, B, 2B
+  std::string dtype;                                          // "": --config's, else fp32
+  std::string device = "auto";
+  double device_mem_gb = 0, host_mem_gb = 0;
+  double emu_h2d = 0, emu_d2h = 0, emu_gflops = 0;
+  std::string nvme_path;
+  bool no_nvme = false;
+  int top = 5;
+  int validate = 0;
+  int validate_steps = 4;
+  std::string out = "strata-prof.ds_config.json";
+  std::string svg = "strata-prof.svg";
+  std::string trace;  // with --validate: default strata-prof.trace.json
+  bool overwrite = false;
+  // Which of --out, --svg, --trace the user named: the default files (strata-prof.*) are the
+  // tool's own and replaced without --overwrite, as a re-run in the same folder expects.
+  bool out_named = false, svg_named = false, trace_named = false;
+  bool json = false;
+  // Set in main: the --config as the user wrote it (plus the flags), before this machine's
+  // defaults; and whether the host budget came from the user.
+  EngineConfig user_config;
+  std::string user_text;  // the --config as written (written_json puts its own keys back)
+  bool host_budget_given = false;
+};
+
+// Where NVMe is measured and what the search may place there.
+struct NvmeChoice {
+  bool use = false;
+  std::string dir, key = "--nvme-path";  // (the key: what gave it, for its errors)
+  std::vector<std::string> paths;        // the search's: the --config's lists, else dir
+  std::vector<std::string> param_paths;  // the --config's offload_param list, when it has its own
+};
+
+// The devices' options from the flags: `hopt`/`copt` the placements are planned for, `mhopt` the
+// emulated device the measurements run on.
+struct DeviceOptions {
+  HostDeviceOptions hopt, mhopt;
+  CudaDeviceOptions copt;
+};
+
+// What the measure step found: the machine, the device's name as printed, the search space with
+// the model's profiles, and the times taken.
+struct Measurement {
+  MachineProfile machine;
+  std::string dev_name;
+  SearchSpace space;
+  double machine_s = 0, measured_s = 0;
+};
+
+// ---- prof_measure.cpp ----
+// Measures the machine and the model (printing both on rank 0); `a.device` becomes what "auto"
+// chose and `base` takes the device's defaults.
+Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const NvmeChoice& nvme,
+                    const DeviceOptions& dopt, int world_size, bool talk,
+                    Clock::time_point t_start);
+
+// ---- prof_picture.cpp ----
+std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans);
+void write_svg(const std::string& path, const Candidate& best,
+               const std::vector<Interval>* measured, double measured_step_s,
+               const std::vector<Candidate>& top);
+
+// ---- prof_validate.cpp ----
+// The demo's model config, written beside --out for the printed command: best.json ->
+// best.model.json.
+std::string demo_model_file(const std::string& out);
+// Writes --out and prints the strata-train command that runs it (rank 0).
+void write_recommendation(const Args& a, const Candidate& best, const Measurement& m,
+                          std::int64_t config_train_batch);
+// What the validation runs leave for the picture.
+struct Validation {
+  std::vector<Interval> measured_sched;
+  double measured_best_step = 0;
+  bool have_trace = false;
+  int exit_code = 0;
+};
+// --validate K: runs the best K, prints predicted against measured, and adds the figures to
+// `cands` (one per candidate) and `j`.
+Validation validate(const Args& a, const std::vector<Candidate>& ranked, const ModelConfig& mcfg,
+                    const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
+                    nlohmann::json& j);
+
+}  // namespace strata::prof

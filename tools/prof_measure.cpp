@@ -1,0 +1,642 @@
+// strata-prof's measuring: the machine (pinned H2D / D2H, device and host memory passes, NVMe
+// write and read through the engine's own swap store, CPU and device AdamW, collectives) and the
+// model (per-unit forward / backward time and activation bytes from real micro-batches of a 1-
+// and a 2-layer copy of it), agreed across ranks.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "prof.h"
+#include "strata/adamw.h"
+#include "strata/comm.h"
+#include "strata/engine.h"
+#include "strata/error.h"
+#include "strata/kernels.h"
+#include "strata/nvme.h"
+#include "strata/pinned_pool.h"
+#include "strata/system_info.h"
+
+namespace strata::prof {
+namespace {
+
+// ---- measuring the machine ----
+template <class F>
+double best_of(int reps, F f) {
+  double best = 1e300;
+  for (int i = 0; i < reps; ++i) best = std::min(best, f());
+  return best;
+}
+
+// Several ranks: every rank searches with the same figures, the slowest rank's (the lowest rate,
+// the longest time, the smallest capacity: a data-parallel step waits for its slowest rank),
+// so all of them rank the candidates alike and validate the same ones. One all-reduce (max)
+// of the figures, rates and capacities negated.
+void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<ModelProfile>& models) {
+  if (comm.world_size() <= 1) return;
+  std::vector<double*> lowest = {&m.h2d_bps, &m.d2h_bps, &m.device_mem_bps, &m.free_bps, &m.host_mem_bps,
+                                 &m.host_norm_bps, &m.nvme_read_bps, &m.nvme_write_bps, &m.nvme_mixed_bps,
+                                 &m.nvme_fetch_read_bps, &m.cpu_adamw_params_per_s, &m.device_adamw_params_per_s,
+                                 &m.all_gather_bps, &m.reduce_scatter_bps};
+  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free, &m.ram_capacity};
+  std::vector<double*> highest = {&m.nvme_request_s};
+  std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
+  for (ModelProfile& mp : models) {
+    for (UnitCost& u : mp.units) {
+      highest.push_back(&u.forward_s);
+      highest.push_back(&u.backward_s);
+    }
+    highest_bytes.push_back(&mp.activation_bytes);
+  }
+  std::vector<double> v;
+  for (double* x : lowest) v.push_back(-*x);
+  for (std::uint64_t* x : lowest_bytes) v.push_back(-double(*x));
+  for (double* x : highest) v.push_back(*x);
+  for (std::uint64_t* x : highest_bytes) v.push_back(double(*x));
+  max_across_ranks(comm, v);
+  std::size_t i = 0;
+  for (double* x : lowest) *x = -v[i++];
+  for (std::uint64_t* x : lowest_bytes) *x = bytes_from_double(-v[i++]);
+  for (double* x : highest) *x = v[i++];
+  for (std::uint64_t* x : highest_bytes) *x = bytes_from_double(v[i++]);
+}
+
+// The copy and memory rates: pinned H2D and D2H, a device fill, a free on its stream, a host
+// memcpy and the engine's gradient-norm pass, each best of 3 over `bytes`.
+void measure_copy_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, std::size_t bytes,
+                        MachineProfile& m) {
+  const double h2d = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s.copy(d.ref(), host_ref(host.data(), bytes));
+    s.synchronize();
+    return since(t0);
+  });
+  const double d2h = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s.copy(host_ref(host.data(), bytes), d.ref());
+    s.synchronize();
+    return since(t0);
+  });
+  m.h2d_bps = double(bytes) / h2d;
+  m.d2h_bps = double(bytes) / d2h;
+  const double fill = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s.fill(tensor(d, DType::kF32, bytes / 4), 0.0f);
+    s.synchronize();
+    return since(t0);
+  });
+  m.device_mem_bps = double(bytes) / fill;
+  // What a free costs on its stream (the emulated device poisons freed memory).
+  const double fr = best_of(3, [&] {
+    Buffer t = dev.alloc(bytes, &s);
+    s.synchronize();
+    const auto t0 = Clock::now();
+    t.reset();
+    s.synchronize();
+    return since(t0);
+  });
+  m.free_bps = fr > 0 ? double(bytes) / fr : 0;
+  std::vector<char> h1(bytes), h2(bytes, 2);
+  const double cp = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    std::memcpy(h1.data(), h2.data(), bytes);
+    return since(t0);
+  });
+  m.host_mem_bps = 2.0 * double(bytes) / cp;
+  // The engine's gradient-norm pass over host gradients.
+  {
+    volatile float sink = 0;
+    const double t = best_of(3, [&] {
+      const auto t0 = Clock::now();
+      sink = cpu::sum_squares(DType::kF32, h1.data(), bytes / 4);
+      return since(t0);
+    });
+    (void)sink;
+    m.host_norm_bps = double(bytes) / t;
+  }
+}
+
+// AdamW: 8M parameters, the compute dtype's copy-out, on the CPU and on the device.
+void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, MachineProfile& m) {
+  const std::size_t n = std::size_t(8) << 20;
+  const DType ct = base.compute_dtype;
+  std::vector<float> p(n, 0.5f), g(n, 1e-3f), mm(n, 0.0f), v(n, 0.0f);
+  std::vector<std::uint16_t> out16(n);
+  // The path the engine will run (strata.optimizer_isa).
+  STRATA_REQUIRE(isa_supported(base.optimizer_isa),
+                 "config key 'strata.optimizer_isa' = \"{}\": {}; use \"auto\"",
+                 isa_name(base.optimizer_isa), isa_unavailable(base.optimizer_isa));
+  CpuAdamW adam({.isa = base.optimizer_isa});
+  AdamWOptions o;
+  AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),
+                host_tensor(mm.data(), DType::kF32, n), host_tensor(v.data(), DType::kF32, n), {}};
+  if (ct != DType::kF32) sh.copy_out = host_tensor(out16.data(), ct, n);
+  adam.step(o, sh);
+  const double t = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    adam.step(o, sh);
+    return since(t0);
+  });
+  m.cpu_adamw_params_per_s = double(n) / t;
+  Buffer dp = dev.alloc(n * 4), dg = dev.alloc(n * 4), dm = dev.alloc(n * 4), dv = dev.alloc(n * 4);
+  Buffer dout = dev.alloc(n * 2);
+  for (Buffer* b : {&dp, &dg, &dm, &dv}) s.fill(tensor(*b, DType::kF32, n), 0.01f);
+  AdamWDesc desc;
+  desc.options = o;
+  desc.policy = NonFinitePolicy::kReportOnly;
+  desc.shards.push_back({tensor(dp, DType::kF32, n), tensor(dg, DType::kF32, n), tensor(dm, DType::kF32, n),
+                         tensor(dv, DType::kF32, n), ct != DType::kF32 ? tensor(dout, ct, n) : TensorRef{}});
+  s.adamw(desc);
+  s.synchronize();
+  const double td = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    s.adamw(desc);
+    s.synchronize();
+    return since(t0);
+  });
+  m.device_adamw_params_per_s = double(n) / td;
+}
+
+// The rates the host's cores set (copies, memory passes, AdamW): measured twice, a second
+// or so apart (the NVMe runs between), and the better of each kept: on a shared machine a
+// burst of someone else's work can slow one best-of-3 as a whole.
+void measure_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, std::size_t bytes,
+                   const EngineConfig& base, MachineProfile& m) {
+  measure_copy_rates(dev, s, host, d, bytes, m);
+  measure_adamw_rates(dev, s, base, m);
+}
+
+// NVMe: the engine's swap store, as the engine drives it: extents of one unit's optimizer
+// state, two in flight (the optimizer reads one ahead; a fetch reads the next unit while
+// the current one is in use). A drive reaches its sequential rate only with many requests
+// in flight; the engine rarely has them, and the model must see the rate it gets.
+void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base,
+                  const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
+                  const std::string& nvme_key, std::size_t unit_state_bytes,
+                  std::size_t unit_weight_bytes, MachineProfile& m) {
+  SwapStoreOptions so;
+  so.paths = {nvme_dir};
+  so.rank = comm.rank();
+  so.world_size = comm.world_size();
+  so.aio = base.aio;
+  so.config_key = nvme_key;
+  SwapStore store(so);
+  const std::size_t extent =
+      SwapStore::padded_bytes(std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
+  const std::size_t count = std::max<std::size_t>(8, (std::size_t(128) << 20) / extent), depth = 2;
+  std::vector<PinnedBlock> bufs;
+  for (std::size_t i = 0; i < 4; ++i) {
+    bufs.push_back(pool.allocate(extent));
+    std::memset(bufs.back().data(), int(i + 1), extent);
+  }
+  for (std::size_t i = 0; i < count; ++i) store.reserve(fmt::format("x{}", i), extent);
+  auto run = [&](bool write) {
+    const auto t0 = Clock::now();
+    std::deque<IoHandle> hs;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (hs.size() >= depth) {
+        hs.front().wait();
+        hs.pop_front();
+      }
+      void* b = bufs[i % bufs.size()].data();
+      hs.push_back(write ? store.write(fmt::format("x{}", i), b, extent) : store.read(fmt::format("x{}", i), b, extent));
+    }
+    for (auto& h : hs) h.wait();
+    return since(t0);
+  };
+  run(true);  // allocate the extents on disk
+  const double w = best_of(2, [&] { return run(true); });
+  const double r = best_of(2, [&] { return run(false); });
+  m.nvme_write_bps = double(extent * count) / w;
+  m.nvme_read_bps = double(extent * count) / r;
+  // Half the extents read while the other half are written, as the optimizer streams.
+  const double mixed = best_of(2, [&] {
+    const auto t0 = Clock::now();
+    std::deque<IoHandle> hs;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each `depth` deep
+        hs.front().wait();
+        hs.pop_front();
+      }
+      void* b = bufs[i % bufs.size()].data();
+      const std::string key = fmt::format("x{}", i);
+      hs.push_back(i % 2 ? store.write(key, b, extent) : store.read(key, b, extent));
+    }
+    for (auto& h : hs) h.wait();
+    return since(t0);
+  });
+  m.nvme_mixed_bps = double(extent * count) / mixed;
+  // One read at a time, of a big extent and of a small one: the line through both is a read's
+  // fixed time (the drive's latency, the engine's per-request work) plus its bytes. The
+  // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
+  // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
+  // (Reads of fewer bytes than an extent go to keys written at that size: with aio.verify a read
+  // must take a whole write.)
+  auto written_keys = [&](const char* prefix, std::size_t bytes, std::size_t n) {
+    if (bytes == extent) return std::string("x");
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::string key = fmt::format("{}{}", prefix, i);
+      store.reserve(key, bytes);
+      store.write(key, bufs[0].data(), bytes).wait();
+    }
+    return std::string(prefix);
+  };
+  {
+    const std::size_t small = 64 << 10, reads = 16;
+    auto one_at_a_time = [&](std::size_t bytes) {
+      const std::string prefix = written_keys("s", bytes, reads);
+      return best_of(2, [&] {
+               const auto t0 = Clock::now();
+               for (std::size_t i = 0; i < reads; ++i)
+                 store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes).wait();
+               return since(t0);
+             }) /
+             double(reads);
+    };
+    const double big = one_at_a_time(extent), little = one_at_a_time(small);
+    m.nvme_request_s = 0;
+    if (small < extent && little < big) m.nvme_request_s = std::max(0.0, little - double(small) * (big - little) / double(extent - small));
+  }
+  // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
+  // one read of that size at a time (the next is issued as the prefetch window moves).
+  const std::size_t w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
+  const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
+  const std::string w_prefix = written_keys("w", w_extent, count);
+  const double fetch = best_of(2, [&] {
+    const auto t0 = Clock::now();
+    for (std::size_t i = 0; i < w_count; ++i)
+      store.read(fmt::format("{}{}", w_prefix, i % count), bufs[0].data(), w_extent).wait();
+    return since(t0);
+  });
+  m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
+  // The engine's own rule: this rank's share of the drive's free space (its files counted free).
+  m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key, ranks_on_this_node(comm),
+                                      comm.world_size());
+}
+
+// Collectives over the full buffer (more than one rank).
+void measure_collectives(Device& dev, Communicator& comm, Stream& s, std::size_t bytes,
+                         MachineProfile& m) {
+  // A whole shard per rank whatever the world size (3 ranks do not divide 2^24 elements).
+  const std::size_t shard = bytes / 4 / std::size_t(m.world_size), n = shard * std::size_t(m.world_size);
+  Buffer full = dev.alloc(n * 4), part = dev.alloc(shard * 4);
+  comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n), s);
+  s.synchronize();
+  const double ag = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n),
+                    s);
+    s.synchronize();
+    return since(t0);
+  });
+  const double rs = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    comm.reduce_scatter(tensor(full, DType::kF32, n), tensor(part, DType::kF32, shard), ReduceOp::kAvg, s);
+    s.synchronize();
+    return since(t0);
+  });
+  m.all_gather_bps = double(bytes) / ag;
+  m.reduce_scatter_bps = double(bytes) / rs;
+}
+
+// NVMe is measured under `nvme_dir`; the free space is that of every path the search may use
+// (`all_nvme_paths`: a file system counted once).
+// (`nvme_key`: what gave the path, named in its errors: "--nvme-path", or the --config's key)
+MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
+                               const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
+                               const std::string& nvme_key, bool use_nvme, std::size_t unit_state_bytes,
+                               std::size_t unit_weight_bytes) {
+  const std::uint64_t rss_before = cpu::process_rss_bytes();
+  MachineProfile m;
+  m.world_size = comm.world_size();
+  m.ranks_on_node = ranks_on_this_node(comm);
+  auto s = dev.create_stream("prof");
+  const std::size_t bytes = std::size_t(64) << 20;
+  PinnedPoolOptions po;
+  po.budget_bytes = std::size_t(512) << 20;
+  po.device = &dev;
+  PinnedPool pool(po);
+  PinnedBlock host = pool.allocate(bytes);
+  std::memset(host.data(), 1, bytes);
+  Buffer d = dev.alloc(bytes);
+  s->copy(d.ref(), host_ref(host.data(), bytes));  // warm
+  s->synchronize();
+  measure_rates(dev, *s, host, d, bytes, base, m);
+  if (use_nvme)
+    measure_nvme(comm, pool, base, nvme_dir, all_nvme_paths, nvme_key, unit_state_bytes,
+                 unit_weight_bytes, m);
+  {
+    MachineProfile again = m;
+    measure_rates(dev, *s, host, d, bytes, base, again);
+    for (double MachineProfile::*f :
+         {&MachineProfile::h2d_bps, &MachineProfile::d2h_bps, &MachineProfile::device_mem_bps,
+          &MachineProfile::free_bps, &MachineProfile::host_mem_bps, &MachineProfile::host_norm_bps,
+          &MachineProfile::cpu_adamw_params_per_s, &MachineProfile::device_adamw_params_per_s})
+      m.*f = std::max(m.*f, again.*f);
+  }
+
+  if (m.world_size > 1) measure_collectives(dev, comm, *s, bytes, m);
+  m.device_capacity = dev.stats().capacity_bytes;
+  m.host_capacity = base.host_budget_bytes;
+  // Host RAM as strata-train will plan it (set_host_ram_inputs), its base the resident memory
+  // before the measurements above took theirs.
+  PlanInputs ram;
+  set_host_ram_inputs(ram, dev, m.ranks_on_node);
+  m.ram_base_bytes = std::min<std::uint64_t>(ram.ram_base_bytes, rss_before);
+  m.ram_capacity = ram.ram_capacity == 0 ? 0 : ram.ram_capacity - ram.ram_base_bytes + m.ram_base_bytes;
+  m.device_in_ram = ram.device_in_ram;
+  return m;
+}
+
+// ---- measuring the model ----
+// Wraps the resident weights and stamps the stream's clock each time the model takes a unit's
+// weights (and unit 0's gradient, where the embedding's backward begins).
+class StampingWeights final : public UnitProvider {
+ public:
+  StampingWeights(ResidentWeights& inner, Stream& s) : inner_(inner), s_(s) {}
+  struct Stamp {
+    bool grads;
+    std::size_t unit;
+    Clock::time_point t;
+  };
+  TensorRef acquire_weights(std::size_t unit) override {
+    stamp(false, unit);
+    return inner_.acquire_weights(unit);
+  }
+  void release_weights(std::size_t unit) override { inner_.release_weights(unit); }
+  TensorRef acquire_grads(std::size_t unit) override {
+    if (unit == 0) stamp(true, unit);
+    return inner_.acquire_grads(unit);
+  }
+  void release_grads(std::size_t unit) override { inner_.release_grads(unit); }
+  void mark_end() { stamp(true, SIZE_MAX); }
+  std::vector<Stamp> take() {
+    s_.synchronize();
+    std::lock_guard lock(mu_);
+    return std::exchange(stamps_, {});
+  }
+
+ private:
+  void stamp(bool grads, std::size_t unit) {
+    s_.host_fn(
+        [this, grads, unit] {
+          std::lock_guard lock(mu_);
+          stamps_.push_back({grads, unit, Clock::now()});
+        },
+        "prof_stamp");
+  }
+  ResidentWeights& inner_;
+  Stream& s_;
+  std::mutex mu_;
+  std::vector<Stamp> stamps_;
+};
+
+struct LayerTiming {
+  double embed_f = 0, embed_b = 0, layer_f = 0, layer_b = 0, head_f = 0;
+  std::uint64_t activation_bytes = 0;
+};
+
+// Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
+// over the repetitions) and the device bytes beyond the weights at the peak.
+LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host,
+                        DType dt,
+                        const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+  ModelConfig cfg = base;
+  cfg.num_layers = layers;
+  auto dev = make_device(device, hopt, copt);
+  auto s = dev->create_stream("compute");
+  ModelOptions mo;
+  mo.micro_batch = B;
+  mo.seq_len = T;
+  mo.compute = dt;
+  mo.checkpoint = ckpt;
+  mo.checkpoint_on_host = ckpt && ckpt_host;
+  Model model(cfg, *dev, *s, mo);
+  ResidentWeights rw(model, *s);
+  rw.init_random(1);
+  s->synchronize();
+  StampingWeights sw(rw, *s);
+  std::mt19937_64 rng(7);
+  Batch b;
+  for (std::int64_t i = 0; i < B * T; ++i) {
+    b.tokens.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
+    b.targets.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
+  }
+  const std::size_t base_bytes = dev->stats().bytes_in_use;
+  std::vector<LayerTiming> reps;
+  const int kReps = 7;  // the median of 7: short layers on a shared machine are noisy
+  for (int r = 0; r <= kReps; ++r) {
+    model.forward(b, sw);
+    sw.mark_end();
+    model.backward(sw);
+    sw.mark_end();
+    const auto st = sw.take();
+    if (r == 0) continue;  // warm-up
+    // forward: w0 w1 .. wL whead (w0 again when tied) end | backward: wL .. w1 g0 end
+    const std::size_t L = std::size_t(layers), head = L + 1;
+    std::map<std::size_t, Clock::time_point> fw, bw;
+    Clock::time_point f_end{}, g0{}, b_end{};
+    int phase = 0;
+    for (const auto& x : st) {
+      if (x.unit == SIZE_MAX) {
+        (phase++ == 0 ? f_end : b_end) = x.t;
+      } else if (!x.grads) {
+        (phase == 0 ? fw : bw).emplace(x.unit, x.t);
+      } else if (phase == 1 && x.unit == 0) {
+        g0 = x.t;
+      }
+    }
+    STRATA_CHECK(fw.size() == head + 1 && bw.size() == L && phase == 2, "strata-prof: unexpected unit order from the model");
+    auto d = [](Clock::time_point a0, Clock::time_point b2) { return std::chrono::duration<double>(b2 - a0).count(); };
+    LayerTiming t;
+    t.embed_f = d(fw[0], fw[1]);
+    double lf = 0, lb = 0;
+    for (std::size_t l = 1; l <= L; ++l) lf += d(fw[l], fw[l + 1]);
+    t.layer_f = lf / double(L);
+    t.head_f = d(fw[head], f_end);
+    for (std::size_t l = L; l >= 1; --l) lb += d(bw[l], l > 1 ? bw[l - 1] : g0);
+    t.layer_b = lb / double(L);
+    t.embed_b = d(g0, b_end);
+    reps.push_back(t);
+  }
+  auto median = [&](double LayerTiming::*f) {
+    std::vector<double> v;
+    for (auto& r : reps) v.push_back(r.*f);
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  LayerTiming out;
+  for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f, &LayerTiming::layer_b,
+                 &LayerTiming::head_f})
+    out.*f = median(f);
+  const std::size_t peak = dev->stats().peak_bytes_in_use;
+  out.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
+  return out;
+}
+
+ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host, DType dt,
+                           const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+  const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
+  const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
+  ModelProfile mp;
+  mp.micro_batch = B;
+  mp.seq_len = T;
+  mp.checkpoint = ckpt;
+  mp.checkpoint_on_host = ckpt && ckpt_host;
+  const auto units = model_units(mcfg);
+  const std::size_t head = units.size() - 1;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    UnitCost c;
+    c.name = units[i].name;
+    c.numel = units[i].numel;
+    if (i == 0) {
+      c.forward_s = two.embed_f;
+      c.backward_s = two.embed_b;
+    } else if (i == head) {
+      c.forward_s = two.head_f;
+    } else {
+      c.forward_s = two.layer_f;
+      c.backward_s = two.layer_b;
+    }
+    mp.units.push_back(c);
+  }
+  const double per_layer = double(two.activation_bytes) - double(one.activation_bytes);
+  mp.activation_bytes =
+      std::uint64_t(std::max(0.0, double(one.activation_bytes) + double(mcfg.num_layers - 1) * std::max(0.0, per_layer)));
+  return mp;
+}
+
+
+void print_machine(const MachineProfile& m, const std::string& dev_name) {
+  auto g = [](double bps) { return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-"); };
+  std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
+  std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n", g(m.h2d_bps).c_str(),
+              g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
+  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  a read's fixed time %.3f ms"
+              "  (%s free)\n",
+              g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
+              g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
+              m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
+  std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
+              m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6, g(m.host_norm_bps).c_str());
+  if (m.world_size > 1)
+    std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(), g(m.reduce_scatter_bps).c_str());
+  std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
+              human(double(m.host_capacity)).c_str());
+  if (m.device_shares_host_cores > 0)
+    std::printf("  (the emulated device computes on this process's %g core%s, with the host thread and the CPU\n"
+                "   optimizer: the model shares them out among whatever runs at once)\n",
+                m.device_shares_host_cores, m.device_shares_host_cores == 1 ? "" : "s");
+}
+
+// The machine, measured on the device the placements run on (the emulated one sized up to hold the measurements'
+// buffers); `a.device` becomes what "auto" chose and `base` takes the device's defaults.
+void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
+                          const NvmeChoice& nvme, const DeviceOptions& dopt, int world_size,
+                          Measurement& out) {
+  const HostDeviceOptions& hopt = dopt.hopt;
+  MachineProfile& machine = out.machine;
+  std::string& dev_name = out.dev_name;
+  auto dev = make_device(a.device, dopt.mhopt, dopt.copt);
+  dev_name = dev->name();
+  // The emulated device's throttles would be ignored on a GPU (with --device auto, say).
+  STRATA_REQUIRE(dev->kind() == DeviceKind::kCpu || (a.emu_h2d <= 0 && a.emu_d2h <= 0 && a.emu_gflops <= 0),
+                 "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops throttle the CPU-emulated device, and "
+                 "this run measures {}: leave them out, or pass --device cpu", dev_name);
+  auto comm = make_communicator(*dev);
+  std::size_t largest = 0;
+  for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
+  const std::size_t shard = largest / std::size_t(std::max(1, world_size));
+  std::vector<std::string> all_paths = nvme.paths.empty() ? std::vector<std::string>{nvme.dir} : nvme.paths;
+  for (const std::string& p : nvme.param_paths)
+    if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
+  machine = measure_machine(*dev, *comm, base, nvme.dir, all_paths, nvme.key, nvme.use, shard * 12,
+                            shard * dtype_size(base.compute_dtype));
+  if (dev->kind() == DeviceKind::kCpu) {
+    machine.device_capacity = hopt.capacity_bytes;
+    // Named with the cap the placements are planned for (the measuring one is sized up).
+    dev_name = fmt::format("cpu-emulated (cap {})", human(double(hopt.capacity_bytes)));
+    a.device = "cpu";  // what "auto" chose; said once above
+    // As the engine decides it there: the emulated device's kernels share the host's cores.
+    base = Engine::with_device_defaults(base, *dev);
+    // ... and the model shares them out (the cores this process may run on).
+    machine.device_shares_host_cores = cpu::usable_cores();
+    machine.device_kernel_threads = hopt.compute_threads;
+  }
+}
+
+// The model's profiles: every micro-batch size with checkpointing off, on, and on with the checkpoints in host memory;
+// with several ranks, every rank then takes the slowest rank's figures.
+void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfig& mcfg,
+                       const NvmeChoice& nvme, const DeviceOptions& dopt, int world_size, bool talk,
+                       Measurement& out) {
+  SearchSpace& space = out.space;
+  space.base = base;
+  if (nvme.use) {
+    space.nvme_paths = nvme.paths.empty() ? std::vector<std::string>{nvme.dir} : nvme.paths;
+    space.param_nvme_paths = nvme.param_paths;
+  }
+  const DType dt = base.compute_dtype;
+  for (auto B : a.micro_batches)
+    for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
+      space.models.push_back(
+          profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device, dopt.mhopt, dopt.copt));
+  if (world_size > 1) {
+    auto dev = make_device(a.device, dopt.hopt, dopt.copt);
+    auto comm = make_communicator(*dev);
+    agree_across_ranks(*comm, out.machine, space.models);
+    // The plan takes the config's budget over the machine's: the least any rank has, on every rank.
+    space.base.host_budget_bytes = out.machine.host_capacity;
+    if (talk)
+      std::printf("%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
+                  world_size);
+  }
+}
+
+void print_models(const SearchSpace& space) {
+  std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
+  std::printf("  %-6s %-5s %10s %10s %10s %10s %12s\n", "B", "ckpt", "layer fwd", "layer bwd", "head", "embed",
+              "activations");
+  for (const auto& mp : space.models)
+    std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s\n", (long long)mp.micro_batch,
+                !mp.checkpoint ? "off" : mp.checkpoint_on_host ? "host" : "on", mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
+                mp.units.back().forward_s * 1e3, (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
+                human(double(mp.activation_bytes)).c_str());
+}
+
+}  // namespace
+
+// ---- measure ----
+Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const NvmeChoice& nvme,
+                    const DeviceOptions& dopt, int world_size, bool talk,
+                    Clock::time_point t_start) {
+  Measurement out;
+  measure_this_machine(a, base, mcfg, nvme, dopt, world_size, out);
+  out.machine_s = since(t_start);
+  if (talk) {
+    std::printf("strata-prof: %s, %zu layers, %.2fM parameters, seq %lld, %s\n", mcfg.model_type.c_str(),
+                std::size_t(mcfg.num_layers), [&] {
+                  double n = 0;
+                  for (const auto& u : model_units(mcfg)) n += double(u.numel);
+                  return n / 1e6;
+                }(), (long long)a.seq_len, a.dtype.c_str());
+    print_machine(out.machine, out.dev_name);
+    std::fflush(stdout);
+  }
+  measure_the_model(a, base, mcfg, nvme, dopt, world_size, talk, out);
+  out.measured_s = since(t_start);
+  if (talk) {
+    print_models(out.space);
+    std::printf("measured in %.1f s (machine %.1f s)\n\n", out.measured_s, out.machine_s);
+    std::fflush(stdout);
+  }
+  return out;
+}
+
+}  // namespace strata::prof

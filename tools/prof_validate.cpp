@@ -1,0 +1,345 @@
+// strata-prof's validation: the configuration written for a candidate (--out, and each
+// validation run's), the strata-train command that runs the recommendation, and --validate K:
+// the best K run through strata::train for a few steps, predicted against measured step time.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "prof.h"
+#include "strata/error.h"
+#include "strata/json_config.h"
+#include "strata/log.h"
+
+namespace strata::prof {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Measured {
+  double step_s = 0;
+  std::vector<double> steps;
+};
+
+
+
+// The configuration written for a candidate: what the search decided, and otherwise the user's
+// own keys — not this machine's defaults (the host budget of 80% of its RAM over its ranks, the
+// emulated device's early-step and norm settings), which strata-train works out again where it
+// runs (a config carried to a GPU or to more ranks must not take them along).
+EngineConfig written_config(const EngineConfig& chosen, const EngineConfig& user, bool host_budget_given) {
+  EngineConfig w = chosen;
+  if (!host_budget_given) w.host_budget_bytes = 0;
+  w.overlap_optimizer = user.overlap_optimizer;
+  w.device_grad_norm = user.device_grad_norm;
+  return w;
+}
+
+// The recommendation as written to --out: `chosen`'s settings, with the --config's own keys that
+// strata's full config would lose put back as the user wrote them — Hugging Face's "auto"
+// placeholders, keys strata does not use, defaults written out — wherever that leaves the
+// configuration the same (each tried, parsed and compared): a key of the user's that only says
+// what strata does anyway, and does not change what was decided.
+std::string written_json(const EngineConfig& chosen, const std::string& user_text, int world) {
+  const std::string plain = engine_config_json(chosen);
+  if (user_text.empty()) return plain;
+  // The trial parses warn of the user's unused keys and "auto"s: said once already, when read.
+  const log::Quiet quiet(log::Level::kOff);
+  auto meaning = [&](const config::Json& j) -> std::string {
+    try {
+      return engine_config_json(parse_engine_config(j.dump(), world));
+    } catch (const Error&) {
+      return {};
+    }
+  };
+  config::Json out = config::Json::parse(plain);
+  const config::Json user = config::parse(user_text, "--config");
+  const std::string decided = meaning(out), users = meaning(user);
+  if (decided.empty() || users.empty()) return plain;
+  // The user's values, each a leaf where `out` has no object at that place.
+  using Ptr = config::Json::json_pointer;
+  std::vector<Ptr> leaves;
+  const auto collect = [&](const auto& self, const config::Json& at, const Ptr& where) -> void {
+    for (auto it = at.begin(); it != at.end(); ++it) {
+      const Ptr p = where / it.key();
+      if (it->is_object() && out.contains(p) && out[p].is_object()) self(self, *it, p);
+      else leaves.push_back(p);
+    }
+  };
+  if (user.is_object()) collect(collect, user, Ptr());
+  for (const Ptr& p : leaves) {
+    const config::Json& v = user[p];
+    const bool missing = !out.contains(p), placeholder = v.is_string() && v == "auto" && !missing && out[p] != v;
+    if (!missing && !placeholder) continue;
+    try {
+      config::Json without = user;  // inert in the user's own config: removing it changes nothing there
+      without[p.parent_pointer()].erase(p.back());
+      if (meaning(without) != users) continue;
+      config::Json trial = out;  // ... and it changes nothing in the recommendation
+      trial[p] = v;
+      if (meaning(trial) == decided) out = std::move(trial);
+    } catch (const nlohmann::json::exception&) {  // (a place `out` holds a value, not an object, above it)
+    }
+  }
+  return out.dump(2) + "\n";
+}
+
+Measured run_candidate(const Args& a, const Candidate& c, const std::string& work, const std::string& data_file,
+                       const std::string& trace_file, int index) {
+  const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
+  {
+    // No schedule: a step's time does not depend on its lr, and a schedule the --config sizes for
+    // the whole run ("auto" total steps, a long warmup) may not fit the few steps measured here.
+    EngineConfig w = written_config(c.config, a.user_config, a.host_budget_given);
+    w.scheduler = LrScheduleConfig{};
+    std::ofstream f(cfg_path, std::ios::trunc);
+    f << engine_config_json(w);
+  }
+  TrainOptions o;
+  o.model_dir = a.model_dir;
+  o.model_config = a.model_config;
+  if (a.model_dir.empty() && a.model_config.empty()) {
+    // The demo model, from its config: train() then needs no demo data.
+    const std::string mc = (fs::path(work) / "model_config.json").string();
+    std::ofstream f(mc, std::ios::trunc);
+    f << model_config_json(demo_model_config());
+    o.model_config = mc;
+  }
+  if (!a.data_files.empty()) o.data_files = a.data_files;
+  else if (!a.text_file.empty()) o.text_file = a.text_file;
+  else o.data_files = {data_file};
+  if (a.data_files.empty() && a.text_file.empty()) o.data_format = "u32";
+  o.ds_config = cfg_path;
+  o.seq_len = a.seq_len;
+  o.micro_batch = c.micro_batch;
+  o.grad_accum = a.grad_accum;
+  o.steps = a.validate_steps;
+  o.dtype = a.dtype;
+  o.device = a.device;
+  o.device_mem_gb = a.device_mem_gb;
+  o.emu_h2d_gbps = a.emu_h2d;
+  o.emu_d2h_gbps = a.emu_d2h;
+  o.emu_compute_gflops = a.emu_gflops;
+  o.checkpoint_activations = c.checkpoint;
+  o.checkpoint_on_host = c.checkpoint_on_host;
+  o.trace_file = trace_file;
+  o.trace_step = a.validate_steps;
+  std::FILE* null = std::fopen("/dev/null", "w");
+  o.console = null;
+  TrainResult r;
+  try {
+    r = train(o);
+  } catch (...) {
+    std::fclose(null);
+    throw;
+  }
+  std::fclose(null);
+  Measured m;
+  for (std::size_t i = 1; i < r.steps.size(); ++i) m.steps.push_back(r.steps[i].step_s);  // step 1 records the order
+  std::vector<double> v = m.steps;
+  std::sort(v.begin(), v.end());
+  m.step_s = v.empty() ? 0 : v[v.size() / 2];
+  return m;
+}
+
+
+// Random tokens for the validation runs (every rank its own, in its work folder): the step's
+// time does not depend on what they are.
+std::string write_token_file(const Args& a, const std::string& work, const ModelConfig& mcfg,
+                             int world_size) {
+  const std::string data_file = (fs::path(work) / "tokens.u32").string();
+  std::vector<std::uint32_t> tok(std::size_t(a.seq_len + 1) * std::size_t(a.micro_batches.back()) *
+                                 std::size_t(a.grad_accum * world_size * (a.validate_steps + 2)));
+  std::mt19937_64 rng(3);
+  for (auto& t : tok) t = std::uint32_t(rng() % std::uint64_t(mcfg.vocab_size));
+  std::ofstream f(data_file, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(tok.data()), std::streamsize(tok.size() * 4));
+  return data_file;
+}
+
+// The validation's summary: failures, the worst prediction error and how the recommended
+// configuration fared against the fastest validated (printed on rank 0, and into `j`).
+int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::size_t k,
+                      int failed, double worst, const std::vector<double>& measured,
+                      const std::vector<double>& measured_tps, bool trace_written, bool talk,
+                      nlohmann::json& j) {
+  const std::string& trace = a.trace;
+  int exit_code = 0;
+  // How much slower the recommended configuration trains than the fastest validated (>= 1).
+  const std::size_t best_measured_i = fastest_validated(ranked, measured);
+  const double rec_vs_best =
+      measured_tps[0] > 0 && best_measured_i < k ? measured_tps[best_measured_i] / measured_tps[0] : 0;
+  if (failed > 0) {
+    exit_code = 3;
+    if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
+  }
+  const int validated_ok = int(k) - failed;
+  if (talk) {
+    if (measured[0] <= 0 && validated_ok > 0)
+      std::printf("worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended configuration's "
+                  "run FAILED\n", worst * 100, validated_ok);
+    if (measured[0] > 0) {
+      std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms "
+                  "(%.0f tokens/s), %s\n",
+                  worst * 100, measured[0] * 1e3, measured_tps[0],
+                  best_measured_i == 0
+                      ? "the fastest of those validated"
+                      : fmt::format("{:.1f}% slower than #{} in tokens/s (target 5%)", (rec_vs_best - 1) * 100,
+                                    best_measured_i + 1)
+                            .c_str());
+    }
+    if (trace_written)
+      std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
+  }
+  j["validated"] = k;
+  j["validation_failures"] = failed;
+  j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
+  j["recommended_vs_best_measured"] = measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
+  j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
+  return exit_code;
+}
+
+}  // namespace
+
+// The demo's model config, written beside --out for the printed command: best.json ->
+// best.model.json.
+std::string demo_model_file(const std::string& out) { return fs::path(out).replace_extension(".model.json").string(); }
+
+// The recommendation: --out, written as the user's --config would have it (written_json), and the
+// strata-train command that runs it on the device it was measured on.
+void write_recommendation(const Args& a, const Candidate& best, const Measurement& m,
+                          std::int64_t config_train_batch) {
+  const MachineProfile& machine = m.machine;
+  const std::string& dev_name = m.dev_name;
+  std::ofstream f(a.out, std::ios::trunc);
+  f << written_json(written_config(best.config, a.user_config, a.host_budget_given), a.user_text,
+                    std::max(1, machine.world_size));
+  STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
+  std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
+                           : !a.model_config.empty() ? " --model-config " + a.model_config
+                                                     : "";
+  if (model_flag.empty()) {
+    // The demo model as profiled: strata-train without a model runs the demo under its own
+    // 20 MiB cap, not the device this plan was made for.
+    const std::string mc = demo_model_file(a.out);
+    std::ofstream(mc, std::ios::trunc) << model_config_json(demo_model_config());
+    model_flag = " --model-config " + mc;
+  }
+  // The device it was measured on, as strata-train takes it (the emulated one with its cap and throttles).
+  std::string device_flags;
+  if (dev_name.starts_with("cpu")) {
+    device_flags = " --device cpu";
+    if (a.device_mem_gb > 0) device_flags += fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
+    if (a.emu_h2d > 0) device_flags += fmt::format(" --emu-h2d-gbps {:g}", a.emu_h2d);
+    if (a.emu_d2h > 0) device_flags += fmt::format(" --emu-d2h-gbps {:g}", a.emu_d2h);
+    if (a.emu_gflops > 0) device_flags += fmt::format(" --emu-compute-gflops {:g}", a.emu_gflops);
+  } else if (a.device_mem_gb > 0) {  // a GPU planned under a cap: the run keeps to it too
+    device_flags = fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
+  }
+  // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
+  std::error_code ec;
+  const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
+  const std::int64_t global = best.config.micro_batch_per_gpu * best.config.gradient_accumulation_steps *
+                              machine.world_size;
+  if (config_train_batch > 0 && global != config_train_batch) {
+    const std::int64_t per_b = best.config.gradient_accumulation_steps * machine.world_size;
+    const std::string keep =
+        config_train_batch % per_b == 0
+            ? fmt::format("pass --micro-batches {} to keep it", config_train_batch / per_b)
+            : fmt::format("no micro-batch keeps it with {} x {} rank(s): choose a --grad-accum that divides it",
+                          best.config.gradient_accumulation_steps, machine.world_size);
+    std::printf("\nnote: B=%lld x gradient_accumulation_steps %lld x %d rank(s) = %lld sequences a step, not the "
+                "train_batch_size %lld of --config %s (%s)\n",
+                (long long)best.config.micro_batch_per_gpu, (long long)best.config.gradient_accumulation_steps,
+                machine.world_size, (long long)global, (long long)config_train_batch, a.ds_config.c_str(),
+                keep.c_str());
+  }
+  std::printf("\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
+              a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
+              a.out.c_str(), (long long)a.seq_len,
+              best.checkpoint_on_host ? " --checkpoint-on-host" : best.checkpoint ? " --checkpoint-activations" : "",
+              device_flags.c_str());
+}
+
+// ---- validation ----
+Validation validate(const Args& a, const std::vector<Candidate>& ranked, const ModelConfig& mcfg,
+                    const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
+                    nlohmann::json& j) {
+  Validation out;
+  std::vector<Interval>& measured_sched = out.measured_sched;
+  const std::size_t k = std::min<std::size_t>(std::size_t(a.validate), ranked.size());
+  const std::string work = (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
+                            fmt::format("prof-work-{}", ::getpid()))
+                               .string();
+  fs::create_directories(work);
+  const std::string data_file =
+      a.data_files.empty() && a.text_file.empty() ? write_token_file(a, work, mcfg, world_size) : std::string();
+  if (talk) std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k, a.validate_steps);
+  if (talk)
+    std::printf("  %-3s %12s %12s %8s %10s  %s\n", "#", "predicted ms", "measured ms", "error", "tokens/s",
+                "configuration");
+  const std::string& trace = a.trace;
+  bool trace_written = false;  // only by the recommended configuration's run, when it ran
+  {
+    // An older file of that name is not this run's trace (checked replaceable up front).
+    std::error_code ec;
+    if (talk && !trace.empty()) fs::remove(trace, ec);
+  }
+  // The candidates may differ in micro-batch size: which is fastest is a matter of tokens a
+  // second (what the search ranks by), not of step time (fastest_validated).
+  double worst = 0;
+  int failed = 0;
+  std::vector<double> measured(k), measured_tps(k, 0.0);
+  for (std::size_t i = 0; i < k; ++i) {
+    const Candidate& c = ranked[i];
+    Tracer::global().clear();
+    Measured mres;
+    try {
+      mres = run_candidate(a, c, work, data_file, i == 0 ? trace : std::string(), int(i));
+    } catch (const Error& e) {
+      // A configuration the planner passed and the run refused is a finding, not the end.
+      ++failed;
+      if (talk) std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
+                            c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(), e.user_message().c_str());
+      cands[i]["validation_error"] = e.user_message();
+      for (const char* k2 : {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "prediction_error"})
+        cands[i][k2] = nullptr;
+      measured[i] = 0;
+      continue;
+    }
+    if (i == 0) {
+      trace_written = fs::exists(trace);
+      measured_sched = measured_schedule(Tracer::global().spans());
+      out.have_trace = !measured_sched.empty();
+      out.measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
+      Tracer::global().clear();
+    }
+    measured[i] = mres.step_s;
+    measured_tps[i] = measured_tokens_per_s(c, mres.step_s);
+    const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
+    worst = std::max(worst, std::abs(err));
+    if (talk) {
+      std::printf("  %-3zu %12.1f %12.1f %+7.1f%% %10.0f  %s\n", i + 1, c.prediction.step_s * 1e3,
+                  mres.step_s * 1e3, err * 100, measured_tps[i], c.label.c_str());
+      std::fflush(stdout);
+    }
+    cands[i]["measured_step_s"] = mres.step_s;
+    cands[i]["measured_tokens_per_s"] = measured_tps[i];
+    cands[i]["measured_steps_s"] = mres.steps;
+    cands[i]["prediction_error"] = err;
+  }
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  out.exit_code = report_validation(a, ranked, k, failed, worst, measured, measured_tps,
+                                    trace_written, talk, j);
+  return out;
+}
+
+}  // namespace strata::prof
