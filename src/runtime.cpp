@@ -23,7 +23,8 @@ void reexec_with_passive_openmp(char** argv) {
   ::execv("/proc/self/exe", argv);
   // Still here: no /proc, or exec refused. Run on with libgomp's policy as it loaded (the
   // variable stays set, so a child we start gets it).
-  log::debug("OMP_WAIT_POLICY=PASSIVE not applied: re-executing {} failed: {}", argv[0], std::strerror(errno));
+  log::debug("OMP_WAIT_POLICY=PASSIVE not applied: re-executing {} failed: {}", argv[0],
+             std::strerror(errno));
 }
 
 std::string strata_version() { return STRATA_VERSION_STRING; }
@@ -49,7 +50,8 @@ std::unique_ptr<Device> make_device(std::string_view which, const HostDeviceOpti
   if (which == "cuda") {
     const CudaProbe p = probe_cuda();
     if (p.device_count == 0)
-      STRATA_THROW(kUnsupported, "--device cuda: no usable GPU ({}); use --device cpu or auto", p.reason);
+      STRATA_THROW(kUnsupported, "--device cuda: no usable GPU ({}); use --device cpu or auto",
+                   p.reason);
     return make_cuda_device(with_ordinal(cuda, p.device_count));
   }
   if (which == "auto") {

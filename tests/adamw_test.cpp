@@ -263,8 +263,10 @@ TEST(AdamW, IsaSelection) {
     CpuAdamW a;
     ADD_FAILURE() << "STRATA_ADAMW_ISA=bogus was taken";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("STRATA_ADAMW_ISA='bogus' is not one of auto, avx512, avx2, scalar"),
-              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(
+                  "STRATA_ADAMW_ISA='bogus' is not one of auto, avx512, avx2, scalar"),
+              std::string::npos)
+        << e.what();
   }
   unsetenv("STRATA_ADAMW_ISA");
   for (Isa i : {Isa::kAvx2, Isa::kAvx512}) {
@@ -382,8 +384,10 @@ TEST(AdamW, MoreThreadsThanCoresIsAClearError) {
     ADD_FAILURE() << "a CpuAdamW of " << cores + 1 << " threads on " << cores << " cores was made";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(fmt::format("CpuAdamW threads = {}: oneTBB runs at most {} thread",
-                                                     cores + 1, cores)), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fmt::format(
+                  "CpuAdamW threads = {}: oneTBB runs at most {} thread", cores + 1, cores)),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(CpuAdamW(CpuAdamWConfig{cores, Isa::kAuto}).threads(), cores);
 }

@@ -2,6 +2,7 @@
 // written or measured, with one line naming the flag, and --json's last line is one JSON object
 // (the figures, or the error); a measured part that fails exits 1 with its figures still last.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/statvfs.h>
@@ -12,10 +13,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <string>
-
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "strata/adamw.h"
 #include "test_util.h"
@@ -41,12 +40,14 @@ TEST(BenchCli, NvmeRefusesASizeTheDriveCannotHold) {
   struct statvfs sv {};
   ASSERT_EQ(::statvfs(d.path.c_str(), &sv), 0);
   const std::uint64_t free_gib = std::uint64_t(sv.f_bavail) * sv.f_frsize >> 30;
-  const auto r = testing::run(STRATA_BENCH_BIN,
-                              {"nvme", "--path", d.path, "--size", std::to_string(free_gib + 64) + "G", "--json"},
-                              d.path, "big");
+  const auto r = testing::run(
+      STRATA_BENCH_BIN,
+      {"nvme", "--path", d.path, "--size", std::to_string(free_gib + 64) + "G", "--json"}, d.path,
+      "big");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   EXPECT_NE(first_line(r.err).find("free, and the benchmark writes a"), std::string::npos) << r.err;
-  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("--path"), std::string::npos) << r.out;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("--path"), std::string::npos)
+      << r.out;
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
@@ -56,9 +57,10 @@ TEST(BenchCli, NvmeRefusesASizeTheDriveCannotHold) {
 // widened to fp32. With checkpointing the recomputed forwards are listed and reported apart.
 TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
   TempDir d("strata-bench");
-  const std::vector<std::string> args{"model", "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "2",
-                                      "--intermediate", "128", "--vocab", "256", "--seq", "32", "--steps", "1",
-                                      "--loss-chunk-rows", "40", "--json"};
+  const std::vector<std::string> args{
+      "model", "--hidden",          "64",  "--layers", "2",   "--heads", "2",  "--kv-heads",
+      "2",     "--intermediate",    "128", "--vocab",  "256", "--seq",   "32", "--steps",
+      "1",     "--loss-chunk-rows", "40",  "--json"};
   for (const char* cap : {"", "avx2"}) {
     SCOPED_TRACE(cap);
     const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "model",
@@ -70,7 +72,8 @@ TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
     const double ref = j.at("reference_gemm_gflops");
     // The faster per shape is at least as fast as either dtype throughout.
     EXPECT_GE(ref, std::max(bf16, fp32) * 0.999) << j.dump();
-    EXPECT_NE(j.at("reference_gemm").get<std::string>().find("on the model's GEMM shapes"), std::string::npos);
+    EXPECT_NE(j.at("reference_gemm").get<std::string>().find("on the model's GEMM shapes"),
+              std::string::npos);
     EXPECT_DOUBLE_EQ(j.at("ratio_vs_matmul").get<double>(), j.at("gflops").get<double>() / ref);
     // B=2 x T=32 = 64 rows: LM head chunks of 40 and 24; 4 linears x 3 GEMMs + 2 chunks x 3.
     const auto& shapes = j.at("gemm_shapes");
@@ -89,11 +92,14 @@ TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
       EXPECT_EQ(j.at("gemm_route"), "widened to fp32") << j.dump();
       EXPECT_EQ(j.at("onednn_isa"), "avx2") << j.dump();
     } else {
-      EXPECT_EQ(j.at("gemm_route"), j.at("onednn_isa").get<std::string>().starts_with("avx512") ? "oneDNN native"
-                                                                                                : "widened to fp32")
+      EXPECT_EQ(j.at("gemm_route"), j.at("onednn_isa").get<std::string>().starts_with("avx512")
+                                        ? "oneDNN native"
+                                        : "widened to fp32")
           << j.dump();
     }
-    EXPECT_NE(r.out.find(std::string("; ") + j.at("gemm_route").get<std::string>() + ")"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(std::string("; ") + j.at("gemm_route").get<std::string>() + ")"),
+              std::string::npos)
+        << r.out;
   }
   std::vector<std::string> ckpt = args;
   ckpt.insert(ckpt.end() - 1, "--checkpoint");
@@ -102,7 +108,8 @@ TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
   const nlohmann::json j = last_json(r.out);
   // Each layer's first three linears run again in backward: 3 x 2 x N x in x out x L.
   const double recompute = 2.0 * 64 * (64 * 192 + 64 * 64 + 64 * 256) * 2;  // q|k|v is 3 x 64 wide
-  EXPECT_NEAR(j.at("recompute_gemm_gflop_per_step").get<double>() * 1e9, recompute, 1.0) << j.dump();
+  EXPECT_NEAR(j.at("recompute_gemm_gflop_per_step").get<double>() * 1e9, recompute, 1.0)
+      << j.dump();
   EXPECT_NE(r.out.find("recomputation adds"), std::string::npos) << r.out;
 }
 
@@ -110,11 +117,14 @@ TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
 // buffer is made (it used to meet the OOM killer).
 TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "4096G", "--json"}, d.path,
-                              "comm");
+  const auto r =
+      testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "4096G", "--json"},
+                   d.path, "comm");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   EXPECT_NE(first_line(r.err).find("--max-bytes 4096G needs about"), std::string::npos) << r.err;
-  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("lower --max-bytes"), std::string::npos) << r.out;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("lower --max-bytes"),
+            std::string::npos)
+      << r.out;
 }
 
 // The engine bench counts, and its --trace shows, work that crosses a step's edge: in the adamw
@@ -126,8 +136,10 @@ TEST(BenchCli, CommRefusesSizesTheMemoryCannotHold) {
 TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   TempDir d("strata-bench");
   const std::string trace = d.path + "/t.json";
-  auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "adamw-scalar", "--layers", "4",
-                                           "--steps", "2", "--trace", trace, "--json"}, d.path, "adamw");
+  auto r = testing::run(STRATA_BENCH_BIN,
+                        {"engine", "--path", d.path, "--regime", "adamw-scalar", "--layers", "4",
+                         "--steps", "2", "--trace", trace, "--json"},
+                        d.path, "adamw");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const nlohmann::json row = last_json(r.out).at("regimes").at(0);
   EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
@@ -162,8 +174,10 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   EXPECT_GE(cut, 1) << "no AdamW cut at the step's edges: " << r.out;
 
   for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{"--regime", "adamw"}, std::vector<std::string>{"--regime", "adamw-scalar", "--adamw-isa", "auto"}}) {
-    std::vector<std::string> args{"engine", "--path", d.path, "--layers", "2", "--steps", "1", "--json"};
+       {std::vector<std::string>{"--regime", "adamw"},
+        std::vector<std::string>{"--regime", "adamw-scalar", "--adamw-isa", "auto"}}) {
+    std::vector<std::string> args{"engine", "--path",  d.path, "--layers",
+                                  "2",      "--steps", "1",    "--json"};
     args.insert(args.end(), extra.begin(), extra.end());
     r = testing::run(STRATA_BENCH_BIN, args, d.path, "auto");
     ASSERT_EQ(r.status, 0) << r.out << r.err;
@@ -171,12 +185,17 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
     EXPECT_EQ(row2.at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
     const bool as_meant = row2.at("bottleneck") == row2.at("expected_bottleneck");
     EXPECT_EQ(row2.at("bound_as_meant").get<bool>(), as_meant) << row2;
-    EXPECT_EQ(row2.at("met").get<bool>(), as_meant && row2.at("ratio_step_vs_busiest").get<double>() <= 1.1) << row2;
+    EXPECT_EQ(row2.at("met").get<bool>(),
+              as_meant && row2.at("ratio_step_vs_busiest").get<double>() <= 1.1)
+        << row2;
     EXPECT_EQ(r.out.find("(meant to be") == std::string::npos, as_meant) << r.out;
   }
-  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--adamw-isa", "avx3"}, d.path, "bad");
+  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--adamw-isa", "avx3"}, d.path,
+                   "bad");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--adamw-isa 'avx3': use auto, avx512, avx2 or scalar"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("--adamw-isa 'avx3': use auto, avx512, avx2 or scalar"),
+            std::string::npos)
+      << r.err;
   EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
 }
 
@@ -192,13 +211,18 @@ TEST(BenchCli, EngineNvmeRegimeTooBigForTheDriveIsRefusedFirst) {
     GTEST_SKIP() << "cannot mount a tmpfs here";
   struct Unmount {
     std::string mnt;
-    ~Unmount() { (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str()); }
+    ~Unmount() {
+      (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str());
+    }
   } unmount{mnt};
-  const auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", mnt, "--steps", "1"}, d.path, "small");
+  const auto r =
+      testing::run(STRATA_BENCH_BIN, {"engine", "--path", mnt, "--steps", "1"}, d.path, "small");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--path " + mnt + ": the NVMe regime's swap files need 448 MiB and the drive has "
+  EXPECT_NE(first_line(r.err).find("--path " + mnt +
+                                   ": the NVMe regime's swap files need 448 MiB and the drive has "
                                    "32 MiB free"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
   EXPECT_EQ(r.out.find("strata-bench engine:"), std::string::npos) << "ran first: " << r.out;
   EXPECT_TRUE(fs::is_empty(mnt));
 }
@@ -207,18 +231,23 @@ TEST(BenchCli, EngineNvmeRegimeTooBigForTheDriveIsRefusedFirst) {
 // 256M: the largest size asked for was never measured); each bad flag is named on its own.
 TEST(BenchCli, CommEndsAtMaxBytesAndNamesEachBadFlag) {
   TempDir d("strata-bench");
-  auto r = testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--min-bytes", "8", "--max-bytes", "1M", "--ops",
-                                           "all_reduce", "--iters", "1", "--warmup", "0", "--json"}, d.path, "sizes");
+  auto r = testing::run(STRATA_BENCH_BIN,
+                        {"comm", "--device", "cpu", "--min-bytes", "8", "--max-bytes", "1M",
+                         "--ops", "all_reduce", "--iters", "1", "--warmup", "0", "--json"},
+                        d.path, "sizes");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const nlohmann::json j = last_json(r.out);
   std::vector<std::uint64_t> sizes;
   for (const auto& row : j.at("results")) sizes.push_back(row.at("size_bytes"));
-  EXPECT_EQ(sizes, (std::vector<std::uint64_t>{8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288, 1048576})) << r.out;
+  EXPECT_EQ(sizes, (std::vector<std::uint64_t>{8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288,
+                                               1048576}))
+      << r.out;
   const std::pair<std::vector<std::string>, const char*> bad[] = {
       {{"--factor", "1"}, "--factor 1: must be >= 2"},
       {{"--iters", "0"}, "--iters 0: must be >= 1"},
       {{"--warmup", "-1"}, "--warmup -1: must be >= 0"},
-      {{"--min-bytes", "2M", "--max-bytes", "1M"}, "--min-bytes 2M / --max-bytes 1M: need 1 <= --min-bytes <= --max-bytes"}};
+      {{"--min-bytes", "2M", "--max-bytes", "1M"},
+       "--min-bytes 2M / --max-bytes 1M: need 1 <= --min-bytes <= --max-bytes"}};
   for (const auto& [flags, says] : bad) {
     std::vector<std::string> args{"comm", "--device", "cpu"};
     args.insert(args.end(), flags.begin(), flags.end());
@@ -254,12 +283,17 @@ TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
   // A size that is not whole blocks was cut down to them, silently (1.5M ran as 1M).
   r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "1536K"}, d.path, "part");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find("--size 1536K: must be a whole number of --block-size 1M blocks; use 1 MiB or 2 MiB"),
-            std::string::npos) << r.err;
+  EXPECT_NE(
+      first_line(r.err).find(
+          "--size 1536K: must be a whole number of --block-size 1M blocks; use 1 MiB or 2 MiB"),
+      std::string::npos)
+      << r.err;
   r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "64K"}, d.path, "small");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find("--size 64K: must be a whole number of --block-size 1M blocks; use 1 MiB"),
-            std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find(
+                "--size 64K: must be a whole number of --block-size 1M blocks; use 1 MiB"),
+            std::string::npos)
+      << r.err;
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
@@ -268,9 +302,10 @@ TEST(BenchCli, NvmeFlagsTheModeIgnoresAreRefused) {
 // figures are kept per run, and the best is the one reported.
 TEST(BenchCli, NvmeReportsItsBuffersPhysicalRuns) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN,
-                              {"nvme", "--path", d.path, "--size", "8M", "--buffers", "normal", "--repeat", "2", "--json"},
-                              d.path, "runs");
+  const auto r = testing::run(
+      STRATA_BENCH_BIN,
+      {"nvme", "--path", d.path, "--size", "8M", "--buffers", "normal", "--repeat", "2", "--json"},
+      d.path, "runs");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto row = last_json(r.out).at("results").at(0);
   // Does /proc/self/pagemap show this process frame numbers (CAP_SYS_ADMIN)? Asked of a page
@@ -287,7 +322,8 @@ TEST(BenchCli, NvmeReportsItsBuffersPhysicalRuns) {
     GTEST_SKIP() << "/proc/self/pagemap shows frame numbers to CAP_SYS_ADMIN only";
   }
   const auto pages = row.at("buffer_pages").get<std::size_t>();
-  EXPECT_EQ(pages, std::size_t(8) << 20 >> 12);  // the buffer is the whole 8 MiB (less than QD x block)
+  EXPECT_EQ(pages,
+            std::size_t(8) << 20 >> 12);  // the buffer is the whole 8 MiB (less than QD x block)
   ASSERT_EQ(row.at("buffer_phys_runs").size(), 2u) << row.dump();
   double best = 0;
   for (int i = 0; i < 2; ++i) {
@@ -297,7 +333,9 @@ TEST(BenchCli, NvmeReportsItsBuffersPhysicalRuns) {
     best = std::max(best, row["read_gbps_each"][std::size_t(i)].get<double>());
   }
   EXPECT_DOUBLE_EQ(best, row.at("read_gbps").get<double>());
-  EXPECT_NE(r.out.find("physically contiguous runs and read GB/s of each of our runs"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("physically contiguous runs and read GB/s of each of our runs"),
+            std::string::npos)
+      << r.out;
 }
 
 // --buffers same: our runs and fio read into the pages of one shared memory (a memfd fio opens
@@ -308,8 +346,8 @@ TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
   TempDir d("strata-bench");
   const bool fio = std::system("fio --version >/dev/null 2>&1") == 0;
   // 256M: fio's reads last long enough (~0.1 s) to be looked at.
-  std::vector<std::string> args = {"nvme", "--path", d.path, "--size", "256M", "--buffers", "all", "--repeat", "2",
-                                   "--json"};
+  std::vector<std::string> args = {"nvme",      "--path", d.path,     "--size", "256M",
+                                   "--buffers", "all",    "--repeat", "2",      "--json"};
   if (fio) args.push_back("--vs-fio");
   const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "same");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
@@ -323,7 +361,8 @@ TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
     EXPECT_GT(same.at("fio_read_gbps").get<double>(), 0) << same.dump();
     EXPECT_GT(same.at("fio_write_gbps").get<double>(), 0) << same.dump();
   }
-  if (!same.contains("buffer_phys_runs")) GTEST_SKIP() << "frame numbers are shown to CAP_SYS_ADMIN only";
+  if (!same.contains("buffer_phys_runs"))
+    GTEST_SKIP() << "frame numbers are shown to CAP_SYS_ADMIN only";
   // The same pages in every run (our pool's normal pages are new ones each run).
   EXPECT_EQ(same["buffer_phys_runs"][0], same["buffer_phys_runs"][1]) << same.dump();
   const auto& normal = results.at(1);
@@ -331,13 +370,16 @@ TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
   if (fio) {
     ASSERT_EQ(normal.at("fio_buffer_phys_runs").size(), 2u) << normal.dump();
     std::size_t seen = 0;
-    for (const auto& runs : normal["fio_buffer_phys_runs"]) {  // of fio's 32 MiB: 8,192 pages (0: not seen)
+    for (const auto& runs :
+         normal["fio_buffer_phys_runs"]) {  // of fio's 32 MiB: 8,192 pages (0: not seen)
       EXPECT_LE(runs.get<std::size_t>(), (std::size_t(32) << 20 >> 12) + 64) << normal.dump();
       seen += runs.get<std::size_t>() > 0;
     }
     EXPECT_GE(seen, 1u) << "fio's buffer was never seen: " << normal.dump();
-    EXPECT_NE(r.out.find("fio's own buffers: physically contiguous runs and read GB/s of each fio run"),
-              std::string::npos) << r.out;
+    EXPECT_NE(
+        r.out.find("fio's own buffers: physically contiguous runs and read GB/s of each fio run"),
+        std::string::npos)
+        << r.out;
   }
 }
 
@@ -345,22 +387,29 @@ TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
 // other pages of the shared memory than ours.
 TEST(BenchCli, NvmeSameBuffersNeedAWholeQueueOfBlocks) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--buffers", "same"},
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"nvme", "--path", d.path, "--size", "8M", "--buffers", "same"},
                               d.path, "small");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find("--buffers same with --size 8M: below block x queue depth (32 MiB)"),
-            std::string::npos) << r.err;
+  EXPECT_NE(
+      first_line(r.err).find("--buffers same with --size 8M: below block x queue depth (32 MiB)"),
+      std::string::npos)
+      << r.err;
   EXPECT_NE(first_line(r.err).find("use --size 32 MiB or more"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
 TEST(BenchCli, NvmeSameBuffersAreOneRingsBuffer) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "64M", "--buffers", "same",
-                                                 "--threads", "2"}, d.path, "threads");
+  const auto r = testing::run(
+      STRATA_BENCH_BIN,
+      {"nvme", "--path", d.path, "--size", "64M", "--buffers", "same", "--threads", "2"}, d.path,
+      "threads");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find("--buffers same with --threads 2: the shared pages are one ring's buffer"),
-            std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find(
+                "--buffers same with --threads 2: the shared pages are one ring's buffer"),
+            std::string::npos)
+      << r.err;
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
 }
 
@@ -376,7 +425,8 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
     SCOPED_TRACE(sig);
     TempDir d("strata-bench");
     const std::string file = d.path + "/strata-bench-nvme.bin";
-    std::vector<std::string> args = {"nvme", "--path", d.path, "--size", "256M", "--repeat", "100", "--buffers", "all"};
+    std::vector<std::string> args = {"nvme",     "--path", d.path,      "--size", "256M",
+                                     "--repeat", "100",    "--buffers", "all"};
     if (reserve) args.insert(args.end(), {"--reserve-hugepages", std::to_string(before + 2)});
     const pid_t pid = testing::start(STRATA_BENCH_BIN, args, d.path, "run");
     // The file appears after the pages are reserved; then a run of minutes is ahead.
@@ -403,8 +453,9 @@ TEST(BenchCli, NvmeASignalLeavesNothingBehind) {
 TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
   TempDir d("strata-bench");
   const fs::path dir = fs::path(d.path) / "strata-bench-engine";
-  const pid_t pid = testing::start(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--steps", "100"},
-                                   d.path, "run");
+  const pid_t pid = testing::start(
+      STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--steps", "100"}, d.path,
+      "run");
   struct Reap {  // an assertion below must not leave it writing into the removed folder
     pid_t p;
     ~Reap() {
@@ -415,7 +466,8 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
     std::vector<std::string> files;
     std::error_code ec;
     for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-      if (it->is_regular_file(ec) && it->path().filename().string().find("lock") == std::string::npos)
+      if (it->is_regular_file(ec) &&
+          it->path().filename().string().find("lock") == std::string::npos)
         files.push_back(it->path().string());
     return files;
   };
@@ -426,12 +478,14 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
   int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
   reap.p = 0;
-  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGINT) << "status " << st << ": " << testing::slurp(d.path + "/run.stderr");
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGINT)
+      << "status " << st << ": " << testing::slurp(d.path + "/run.stderr");
   const auto left = swap_files();
   EXPECT_TRUE(left.empty()) << left.size() << " left, e.g. " << (left.empty() ? "" : left.front());
   // The folders and lock file the signal left are a stopped run's: the next run removes them.
-  const auto again = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--layers", "2",
-                                                     "--width", "256", "--steps", "1"},
+  const auto again = testing::run(STRATA_BENCH_BIN,
+                                  {"engine", "--path", d.path, "--regime", "nvme", "--layers", "2",
+                                   "--width", "256", "--steps", "1"},
                                   d.path, "again");
   EXPECT_EQ(again.status, 0) << again.out << again.err;
   EXPECT_NE(again.err.find("left by a run that was stopped"), std::string::npos) << again.err;
@@ -441,19 +495,21 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
 // The child fio of --vs-fio dies with the run: a SIGTERM to strata-bench alone (a scheduler's
 // kill) left fio writing on, and laying the removed file out again.
 TEST(BenchCli, NvmeASignalEndsItsFioToo) {
-  if (std::system("fio --version >/dev/null 2>&1") != 0) GTEST_SKIP() << "no fio (scripts/setup.sh installs it)";
+  if (std::system("fio --version >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "no fio (scripts/setup.sh installs it)";
   TempDir d("strata-bench");
   const std::string file = d.path + "/strata-bench-nvme.bin";
   const pid_t pid = testing::start(STRATA_BENCH_BIN,
-                                   {"nvme", "--path", d.path, "--size", "1G", "--repeat", "100", "--vs-fio",
-                                    "--buffers", "normal"},
+                                   {"nvme", "--path", d.path, "--size", "1G", "--repeat", "100",
+                                    "--vs-fio", "--buffers", "normal"},
                                    d.path, "run");
   auto fio_child = [&] {  // a process whose parent is the run and whose name is fio
     for (const auto& e : fs::directory_iterator("/proc")) {
       std::ifstream stat(e.path() / "stat");
       std::string pid_s, comm, state;
       pid_t ppid = 0;
-      if (stat >> pid_s >> comm >> state >> ppid && comm == "(fio)" && ppid == pid) return std::stoi(pid_s);
+      if (stat >> pid_s >> comm >> state >> ppid && comm == "(fio)" && ppid == pid)
+        return std::stoi(pid_s);
     }
     return 0;
   };
@@ -483,14 +539,17 @@ TEST(BenchCli, NvmeSweepOutIsCheckedBeforeTheSweep) {
   const std::string mine = d.path + "/ds_config.json";
   std::ofstream(mine) << "{\"train_batch_size\": 8}";
   auto run = [&](std::vector<std::string> args, const char* tag) {
-    args.insert(args.begin(), {"nvme", "--path", d.path, "--size", "8M", "--sweep", "--sweep-seconds", "1"});
+    args.insert(args.begin(),
+                {"nvme", "--path", d.path, "--size", "8M", "--sweep", "--sweep-seconds", "1"});
     return testing::run(STRATA_BENCH_BIN, args, d.path, tag);
   };
   auto r = run({"--out", mine}, "exists");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--out " + mine + " exists: pass --overwrite to replace it"), std::string::npos)
+  EXPECT_NE(first_line(r.err).find("--out " + mine + " exists: pass --overwrite to replace it"),
+            std::string::npos)
       << r.err;
-  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos) << "measured first: " << r.out;
+  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos)
+      << "measured first: " << r.out;
   EXPECT_EQ(testing::slurp(mine), "{\"train_batch_size\": 8}");
   const std::string nodir = d.path + "/nodir/aio.json";
   r = run({"--out", nodir}, "nodir");
@@ -499,7 +558,8 @@ TEST(BenchCli, NvmeSweepOutIsCheckedBeforeTheSweep) {
                                    "/nodir: No such file or directory"),
             std::string::npos)
       << r.err;
-  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos) << "measured first: " << r.out;
+  EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos)
+      << "measured first: " << r.out;
   r = run({"--out", mine, "--overwrite"}, "overwrite");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(nlohmann::json::parse(testing::slurp(mine)).contains("aio")) << testing::slurp(mine);
@@ -514,11 +574,13 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
   CPU_ZERO(&set);
   ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
   const int cores = CPU_COUNT(&set);
-  const auto r = testing::run(STRATA_BENCH_BIN,
-                              {"adam", "--params", "4096", "--reps", "1", "--threads", "1," + std::to_string(cores + 1)},
-                              d.path, "adam");
+  const auto r = testing::run(
+      STRATA_BENCH_BIN,
+      {"adam", "--params", "4096", "--reps", "1", "--threads", "1," + std::to_string(cores + 1)},
+      d.path, "adam");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find(fmt::format("--threads {}: this process may run on {} core", cores + 1, cores)),
+  EXPECT_NE(first_line(r.err).find(
+                fmt::format("--threads {}: this process may run on {} core", cores + 1, cores)),
             std::string::npos)
       << r.err;
   // Without --threads, on one core: the default (1,2) keeps to what can run, not an error about
@@ -531,7 +593,8 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
       break;
     }
   ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);
-  const auto dflt = testing::run(STRATA_BENCH_BIN, {"adam", "--params", "4096", "--reps", "1", "--json"}, d.path, "one");
+  const auto dflt = testing::run(
+      STRATA_BENCH_BIN, {"adam", "--params", "4096", "--reps", "1", "--json"}, d.path, "one");
   ::sched_setaffinity(0, sizeof set, &set);
   EXPECT_EQ(dflt.status, 0) << dflt.out << dflt.err;
   // 64 KiB of state sits in any last-level cache: said, in the table and the JSON (the step beat
@@ -552,8 +615,9 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
   for (const auto& cap : caps) {
     std::vector<std::pair<std::string, std::string>> env;
     if (!cap.first.empty()) env.push_back(cap);
-    const auto r = testing::run(STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
-                                d.path, "isa-" + cap.second, env);
+    const auto r = testing::run(
+        STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
+        d.path, "isa-" + cap.second, env);
     ASSERT_EQ(r.status, 0) << r.out << r.err;
     const nlohmann::json j = last_json(r.out);
     EXPECT_EQ(j.at("bound_isa"), j.at("isa")) << r.out;
@@ -575,13 +639,16 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
 // A typo in --parts is an error wherever it runs (without a GPU it was SKIPPED, exit 0).
 TEST(BenchCli, GpuPartsAreCheckedBeforeTheGpuIsLookedFor) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link,gemmm", "--json"}, d.path, "gpu");
+  const auto r =
+      testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link,gemmm", "--json"}, d.path, "gpu");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--parts: 'gemmm' is not one of link, gemm, adamw, kernels, model, parity"),
+  EXPECT_NE(first_line(r.err).find(
+                "--parts: 'gemmm' is not one of link, gemm, adamw, kernels, model, parity"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
-  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("gemmm"), std::string::npos) << r.out;
+  EXPECT_NE(last_json(r.out).at("error").get<std::string>().find("gemmm"), std::string::npos)
+      << r.out;
 }
 
 // So are the model part's values: a shape strata-train would refuse, or a vocabulary past u16
@@ -590,11 +657,14 @@ TEST(BenchCli, GpuModelFlagsAreCheckedBeforeTheGpuIsLookedFor) {
   TempDir d("strata-bench");
   auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--vocab", "70000", "--json"}, d.path, "vocab");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--vocab 70000 must be in 1..65536"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("--vocab 70000 must be in 1..65536"), std::string::npos)
+      << r.err;
   EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
   r = testing::run(STRATA_BENCH_BIN, {"gpu", "--hidden", "770"}, d.path, "hidden");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("hidden size 770 is not a multiple of 12 heads"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find("hidden size 770 is not a multiple of 12 heads"),
+            std::string::npos)
+      << r.err;
   EXPECT_NE(first_line(r.err).find("hidden_size is --hidden"), std::string::npos) << r.err;
   r = testing::run(STRATA_BENCH_BIN, {"gpu", "--batch", "0"}, d.path, "batch");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
@@ -605,10 +675,12 @@ TEST(BenchCli, GpuModelFlagsAreCheckedBeforeTheGpuIsLookedFor) {
 // before any regime runs, not a raw "filesystem error".
 TEST(BenchCli, EnginePathThatCannotBeWrittenIsNamed) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", "/sys", "--regime", "nvme"}, d.path, "engine");
+  const auto r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", "/sys", "--regime", "nvme"},
+                              d.path, "engine");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--path /sys: cannot create the NVMe regime's folder /sys/strata-bench-engine "
-                                   "there: "),
+  EXPECT_NE(first_line(r.err).find(
+                "--path /sys: cannot create the NVMe regime's folder /sys/strata-bench-engine "
+                "there: "),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("filesystem error"), std::string::npos) << r.err;
@@ -632,40 +704,48 @@ TEST(BenchCli, WhatIsThereAlreadyIsNotRemovedNorReplaced) {
     return s == "mine";
   };
   const std::string bin = keep(d.path + "/strata-bench-nvme.bin");
-  auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--json"}, d.path, "nvme");
+  auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", d.path, "--size", "8M", "--json"},
+                        d.path, "nvme");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("strata-bench-nvme.bin already exists and the benchmark would replace and then "
-                                   "remove it"),
+  EXPECT_NE(first_line(r.err).find(
+                "strata-bench-nvme.bin already exists and the benchmark would replace and then "
+                "remove it"),
             std::string::npos)
       << r.err;
   EXPECT_TRUE(intact(bin));
   fs::create_directories(d.path + "/e/strata-bench-engine");
   const std::string notes = keep(d.path + "/e/strata-bench-engine/notes.txt");
-  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path + "/e", "--regime", "nvme"}, d.path, "engine");
+  r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path + "/e", "--regime", "nvme"},
+                   d.path, "engine");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("strata-bench-engine already exists and the NVMe regime removes its folder"),
+  EXPECT_NE(first_line(r.err).find(
+                "strata-bench-engine already exists and the NVMe regime removes its folder"),
             std::string::npos)
       << r.err;
   EXPECT_TRUE(intact(notes));
   const std::string trace = keep(d.path + "/trace.json");
-  for (const std::vector<std::string>& cmd : {std::vector<std::string>{"engine", "--regime", "link"},
-                                              std::vector<std::string>{"model", "--layers", "1"}}) {
+  for (const std::vector<std::string>& cmd :
+       {std::vector<std::string>{"engine", "--regime", "link"},
+        std::vector<std::string>{"model", "--layers", "1"}}) {
     std::vector<std::string> v = cmd;
     v.insert(v.end(), {"--trace", trace});
     r = testing::run(STRATA_BENCH_BIN, v, d.path, "trace");
     EXPECT_EQ(r.status, 1) << cmd[0] << "\n" << r.out << r.err;
-    EXPECT_NE(r.err.find("--trace " + trace + " exists: pass --overwrite"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("--trace " + trace + " exists: pass --overwrite"), std::string::npos)
+        << r.err;
     EXPECT_TRUE(intact(trace)) << cmd[0];
   }
   fs::create_directories(d.path + "/g");
   const std::string model_cfg = keep(d.path + "/g/model-config.json");
   r = testing::run(STRATA_BENCH_BIN, {"gpu", "--out", d.path + "/g"}, d.path, "gpu");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("model-config.json is there and the bench writes its own"), std::string::npos)
+  EXPECT_NE(first_line(r.err).find("model-config.json is there and the bench writes its own"),
+            std::string::npos)
       << r.err;
   EXPECT_TRUE(intact(model_cfg));
   // Parts that write nothing into --out do not mind what is there (here: no GPU, SKIPPED).
-  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link", "--out", d.path + "/g"}, d.path, "gpu-link");
+  r = testing::run(STRATA_BENCH_BIN, {"gpu", "--parts", "link", "--out", d.path + "/g"}, d.path,
+                   "gpu-link");
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(intact(model_cfg));
 }
@@ -678,18 +758,25 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
   TempDir d("strata-bench");
   std::ofstream(d.path + "/afile") << "x";
   for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"nvme", "--path", d.path, "--size", "1e30"}, "--size '1e30' is more bytes than any drive or memory holds"},
-           {{"comm", "--max-bytes", "1e30"}, "--max-bytes '1e30' is more bytes than any drive or memory holds"},
+           {{"nvme", "--path", d.path, "--size", "1e30"},
+            "--size '1e30' is more bytes than any drive or memory holds"},
+           {{"comm", "--max-bytes", "1e30"},
+            "--max-bytes '1e30' is more bytes than any drive or memory holds"},
            {{"nvme", "--path", d.path, "--reserve-hugepages", "-5"}, "--reserve-hugepages"},
-           {{"nvme", "--path", d.path, "--reserve-hugepages", "1000000"}, "more in huge pages, and"},
+           {{"nvme", "--path", d.path, "--reserve-hugepages", "1000000"},
+            "more in huge pages, and"},
            {{"gpu", "--parts", ""}, "--parts is empty"},
            {{"gpu", "--link-gib", "0.1"}, "--link-gib 0.1: at least 0.25"},
-           {{"gpu", "--out", d.path + "/afile"}, "--out " + d.path + "/afile is a file: give a folder"},
-           {{"adam", "--params", "100000000000"}, "--params 100000000000: the benchmark needs about"},
+           {{"gpu", "--out", d.path + "/afile"},
+            "--out " + d.path + "/afile is a file: give a folder"},
+           {{"adam", "--params", "100000000000"},
+            "--params 100000000000: the benchmark needs about"},
            // The model's shape named as the flags given (it named config.json keys), and a negative
            // chunk no longer taken as 0.
-           {{"nvme", "--path", d.path + "/afile", "--size", "8M"}, "--path '" + d.path + "/afile' is a file, not a folder"},
-           {{"nvme", "--path", d.path + "/nope", "--size", "8M"}, "--path '" + d.path + "/nope' is not there: create"},
+           {{"nvme", "--path", d.path + "/afile", "--size", "8M"},
+            "--path '" + d.path + "/afile' is a file, not a folder"},
+           {{"nvme", "--path", d.path + "/nope", "--size", "8M"},
+            "--path '" + d.path + "/nope' is not there: create"},
            {{"adam", "--params", "-3k"}, "--params: '-3k' is not a count"},
            {{"model", "--seq", "0"}, "--seq: must be > 0, got 0"},
            {{"model", "--layers", "0"}, "--layers: must be > 0, got 0"},
@@ -701,13 +788,15 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
   }
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
   // adam --params takes the form its help gives its default in (100M was "not a number").
-  const auto adam = testing::run(STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
-                                 d.path, "adam-2k");
+  const auto adam = testing::run(
+      STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
+      d.path, "adam-2k");
   EXPECT_EQ(adam.status, 0) << adam.err;
   EXPECT_NE(adam.out.find("\"params\":2000,"), std::string::npos) << adam.out;
   // --probe with --rehearse checks the flags and looks for no GPU (gpu-check.sh's pre-check of
   // its --bench-args adds --probe).
-  const auto r = testing::run(STRATA_BENCH_BIN, {"gpu", "--probe", "--rehearse", "--hidden", "64", "--heads", "4"},
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"gpu", "--probe", "--rehearse", "--hidden", "64", "--heads", "4"},
                               d.path, "probe");
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("REHEARSAL: flags accepted"), std::string::npos) << r.out;
@@ -719,10 +808,12 @@ TEST(BenchCli, NvmeOnRamfsKeepsAUsersFile) {
   TempDir d("strata-bench");
   const std::string mnt = d.path + "/ram";
   fs::create_directories(mnt);
-  if (::geteuid() != 0 || std::system(("mount -t ramfs ramfs " + mnt + " 2>/dev/null").c_str()) != 0)
+  if (::geteuid() != 0 ||
+      std::system(("mount -t ramfs ramfs " + mnt + " 2>/dev/null").c_str()) != 0)
     GTEST_SKIP() << "cannot mount a ramfs here (root and CAP_SYS_ADMIN needed)";
   std::ofstream(mnt + "/strata-bench-nvme.bin") << "mine";
-  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--path", mnt, "--size", "8M"}, d.path, "ramfs");
+  const auto r =
+      testing::run(STRATA_BENCH_BIN, {"nvme", "--path", mnt, "--size", "8M"}, d.path, "ramfs");
   std::string kept;
   std::ifstream(mnt + "/strata-bench-nvme.bin") >> kept;
   std::system(("umount " + mnt).c_str());
@@ -735,8 +826,9 @@ TEST(BenchCli, NvmeOnRamfsKeepsAUsersFile) {
 // the local copy's, 2661 GB/s).
 TEST(BenchCli, CommOnOneRankHasNoBusBandwidth) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "64K", "--iters", "2", "--json"},
-                              d.path, "comm");
+  const auto r = testing::run(
+      STRATA_BENCH_BIN, {"comm", "--device", "cpu", "--max-bytes", "64K", "--iters", "2", "--json"},
+      d.path, "comm");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = last_json(r.out);
   int rows = 0;
@@ -750,7 +842,8 @@ TEST(BenchCli, CommOnOneRankHasNoBusBandwidth) {
 // A bad value CLI11 catches still gets --json's error object, last.
 TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
   TempDir d("strata-bench");
-  const auto r = testing::run(STRATA_BENCH_BIN, {"nvme", "--queue-depth", "0", "--json"}, d.path, "qd");
+  const auto r =
+      testing::run(STRATA_BENCH_BIN, {"nvme", "--queue-depth", "0", "--json"}, d.path, "qd");
   EXPECT_EQ(r.status, 1);
   const auto j = last_json(r.out);
   EXPECT_NE(j.at("error").get<std::string>().find("--queue-depth"), std::string::npos) << r.out;
@@ -762,8 +855,8 @@ TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
 TEST(BenchCli, AFailedGpuPartKeepsTheFiguresLast) {
   TempDir d("strata-bench");
   const auto r = testing::run(STRATA_BENCH_BIN,
-                              {"gpu", "--rehearse", "--parts", "adamw", "--adamw-mparams", "0.00001", "--out",
-                               d.path + "/gpu", "--json"},
+                              {"gpu", "--rehearse", "--parts", "adamw", "--adamw-mparams",
+                               "0.00001", "--out", d.path + "/gpu", "--json"},
                               d.path, "gpu");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   const auto j = last_json(r.out);

@@ -8,11 +8,13 @@
 // Either way the job must end non-zero within 60 s: never a silent hang.
 //   owned  not a fault: the program initializes MPI itself, and rank 0 alone asks launch_info()
 //         before init_launch(): it must return (it took a collective, and hung), exit 0.
+#include <mpi.h>
 #include <signal.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,9 +22,6 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/nvme.h"
-
-#include <mpi.h>
-#include <string>
 
 int main(int argc, char** argv) {
   using namespace strata;
@@ -44,8 +43,8 @@ int main(int argc, char** argv) {
     }
     MPI_Barrier(MPI_COMM_WORLD);
     const LaunchInfo li = init_launch();  // every rank: the view MPI gives, the local split too
-    std::printf("rank %d: init_launch says rank %d of %d, local %d of %d\n", rank, li.rank, li.world_size,
-                li.local_rank, li.local_size);
+    std::printf("rank %d: init_launch says rank %d of %d, local %d of %d\n", rank, li.rank,
+                li.world_size, li.local_rank, li.local_size);
     MPI_Finalize();
     return li.rank == rank && li.world_size == 4 && li.local_size == 4 ? 0 : 1;
   }
@@ -65,12 +64,14 @@ int main(int argc, char** argv) {
       Buffer out = dev->alloc(4 * n * std::size_t(li.world_size));
       comm->all_gather(tensor(x, t, n), tensor(out, t, n * std::size_t(li.world_size)), *s);
       s->synchronize();
-      std::this_thread::sleep_for(std::chrono::seconds(120));  // the failing rank ends the job first
+      std::this_thread::sleep_for(
+          std::chrono::seconds(120));  // the failing rank ends the job first
       return 0;
     }
     for (int i = 0;; ++i) {
       if (i == 50 && li.rank == 2 && kill_mode) ::raise(SIGKILL);
-      if (i == 50 && li.rank == 1 && !kill_mode) std::this_thread::sleep_for(std::chrono::seconds(120));
+      if (i == 50 && li.rank == 1 && !kill_mode)
+        std::this_thread::sleep_for(std::chrono::seconds(120));
       comm->all_reduce(tensor(x, DType::kF32, n), ReduceOp::kMax, *s);
       if (i % 10 == 0) s->synchronize();
       // Bounded, should the fault somehow not end the job: then this exits 0 and the check fails.

@@ -13,6 +13,10 @@
 // Every rank runs every test; only rank 0 prints the full report, other ranks print their
 // failures. main() agrees on the outcome over the communicator, so a failure on any rank
 // fails every process and thus mpirun.
+#include "strata/comm.h"
+
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -22,11 +26,8 @@
 #include <thread>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "comm/comm_internal.h"
 #include "gpu/nccl_version.h"
-#include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trace.h"
@@ -52,9 +53,12 @@ std::uint64_t splitmix(std::uint64_t x) {
 
 float to_dtype_and_back(DType t, float v) {
   switch (t) {
-    case DType::kBF16: return bf16_to_f32(f32_to_bf16(v));
-    case DType::kF16: return f16_to_f32(f32_to_f16(v));
-    default: return v;
+    case DType::kBF16:
+      return bf16_to_f32(f32_to_bf16(v));
+    case DType::kF16:
+      return f16_to_f32(f32_to_f16(v));
+    default:
+      return v;
   }
 }
 
@@ -111,7 +115,8 @@ class Collectives : public ::testing::Test {
     return out;
   }
   // Index of the first differing element (of size es), or -1.
-  static long first_diff(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b, std::size_t es) {
+  static long first_diff(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b,
+                         std::size_t es) {
     if (a.size() != b.size()) return 0;
     if (std::memcmp(a.data(), b.data(), a.size()) == 0) return -1;
     for (std::size_t i = 0; i < a.size() / es; ++i)
@@ -134,7 +139,8 @@ class Collectives : public ::testing::Test {
     std::vector<float> acc = values(t, seed, 0, n);
     for (int r = 1; r < W; ++r) {
       const auto v = values(t, seed, r, n);
-      for (std::size_t i = 0; i < n; ++i) acc[i] = op == ReduceOp::kMax ? std::max(acc[i], v[i]) : acc[i] + v[i];
+      for (std::size_t i = 0; i < n; ++i)
+        acc[i] = op == ReduceOp::kMax ? std::max(acc[i], v[i]) : acc[i] + v[i];
     }
     if (op == ReduceOp::kAvg)
       for (float& x : acc) x /= float(W);
@@ -164,8 +170,10 @@ TEST_F(Collectives, LaunchAndBackend) {
     EXPECT_EQ(li.world_size, std::atoi(env));
     EXPECT_EQ(li.rank, std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
   }
-  if (dev->kind() == DeviceKind::kCuda) EXPECT_EQ(comm->backend(), CommBackend::kNccl);
-  else EXPECT_EQ(comm->backend(), li.under_mpi ? CommBackend::kMpi : CommBackend::kLocal);
+  if (dev->kind() == DeviceKind::kCuda)
+    EXPECT_EQ(comm->backend(), CommBackend::kNccl);
+  else
+    EXPECT_EQ(comm->backend(), li.under_mpi ? CommBackend::kMpi : CommBackend::kLocal);
 }
 
 TEST_F(Collectives, AllGather) {
@@ -177,7 +185,8 @@ TEST_F(Collectives, AllGather) {
       Event e = comm->all_gather(tensor(in, t, n), tensor(out, t, n * W), *s);
       e.synchronize();
       const std::vector<float> expect = gathered(t, seed, n);
-      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
+      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1)
+          << label(t, n);
     }
 }
 
@@ -185,7 +194,8 @@ TEST_F(Collectives, AllGather) {
 // from the stream reaching it to its end; NCCL: its GPU time). The local backend's one rank
 // has nothing to do, and no span.
 TEST_F(Collectives, EachCollectiveIsATraceSpanOfItsName) {
-  if (comm->backend() == CommBackend::kLocal) GTEST_SKIP() << "one rank, local backend: collectives do nothing";
+  if (comm->backend() == CommBackend::kLocal)
+    GTEST_SKIP() << "one rank, local backend: collectives do nothing";
   const std::size_t n = 1024;
   Buffer in = upload(DType::kF32, values(DType::kF32, 7, R, n));
   Buffer all = dev->alloc(n * W * 4);
@@ -193,7 +203,8 @@ TEST_F(Collectives, EachCollectiveIsATraceSpanOfItsName) {
   t.clear();
   t.set_enabled(true);
   comm->all_gather(tensor(in, DType::kF32, n), tensor(all, DType::kF32, n * W), *s);
-  comm->reduce_scatter(tensor(all, DType::kF32, n * W), tensor(in, DType::kF32, n), ReduceOp::kSum, *s);
+  comm->reduce_scatter(tensor(all, DType::kF32, n * W), tensor(in, DType::kF32, n), ReduceOp::kSum,
+                       *s);
   comm->all_reduce(tensor(in, DType::kF32, n), ReduceOp::kSum, *s);
   comm->broadcast(tensor(in, DType::kF32, n), 0, *s);
   s->synchronize();
@@ -213,7 +224,9 @@ TEST_F(Collectives, AllReduce) {
         const std::uint64_t seed = 200 + n * 3 + std::size_t(op) * 7 + std::size_t(t);
         Buffer x = upload(t, values(t, seed, R, n));
         comm->all_reduce(tensor(x, t, n), op, *s).synchronize();
-        EXPECT_EQ(first_diff(download(x, x.size()), encode(t, reduced(t, seed, n, op)), dtype_size(t)), -1)
+        EXPECT_EQ(
+            first_diff(download(x, x.size()), encode(t, reduced(t, seed, n, op)), dtype_size(t)),
+            -1)
             << label(t, n) << " " << reduce_op_name(op);
       }
 }
@@ -240,7 +253,8 @@ TEST_F(Collectives, Broadcast) {
       const int root = W - 1;
       Buffer x = upload(t, values(t, seed, R, n));
       comm->broadcast(tensor(x, t, n), root, *s).synchronize();
-      EXPECT_EQ(first_diff(download(x, x.size()), encode(t, values(t, seed, root, n)), dtype_size(t)), -1)
+      EXPECT_EQ(
+          first_diff(download(x, x.size()), encode(t, values(t, seed, root, n)), dtype_size(t)), -1)
           << label(t, n);
     }
 }
@@ -254,10 +268,12 @@ TEST_F(Collectives, GatherToOneRoot) {
       const int root = W - 1;
       Buffer in = upload(t, values(t, seed, R, n));
       Buffer out = R == root ? dev->alloc(n * W * dtype_size(t)) : Buffer();
-      comm->gather(tensor(in, t, n), R == root ? tensor(out, t, n * W) : TensorRef{}, root, *s).synchronize();
+      comm->gather(tensor(in, t, n), R == root ? tensor(out, t, n * W) : TensorRef{}, root, *s)
+          .synchronize();
       if (R != root) continue;
       const std::vector<float> expect = gathered(t, seed, n);
-      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1) << label(t, n);
+      EXPECT_EQ(first_diff(download(out, out.size()), encode(t, expect), dtype_size(t)), -1)
+          << label(t, n);
     }
   // In place on rank 0: its input is block 0 of the output.
   const DType t = DType::kF32;
@@ -267,7 +283,8 @@ TEST_F(Collectives, GatherToOneRoot) {
   const auto mine = values(t, seed, R, n);
   std::copy(mine.begin(), mine.end(), init.begin());
   Buffer buf = upload(t, init);
-  comm->gather(tensor(buf, t, n), R == 0 ? tensor(buf, t, n * W) : TensorRef{}, 0, *s).synchronize();
+  comm->gather(tensor(buf, t, n), R == 0 ? tensor(buf, t, n * W) : TensorRef{}, 0, *s)
+      .synchronize();
   if (R == 0) {
     const std::vector<float> expect = gathered(t, seed, n);
     EXPECT_EQ(first_diff(download(buf, n * W * 4), encode(t, expect), 4), -1) << "in place";
@@ -276,9 +293,11 @@ TEST_F(Collectives, GatherToOneRoot) {
   const ErrorKind wrong_side = [&] {
     try {
       // The root without an output, every other rank with one: each is refused on its own rank.
-      comm->gather(tensor(a, t, 64), R == 0 ? TensorRef{} : tensor(b, t, 64 * std::size_t(W)), 0, *s);
+      comm->gather(tensor(a, t, 64), R == 0 ? TensorRef{} : tensor(b, t, 64 * std::size_t(W)), 0,
+                   *s);
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("only the root (rank 0) passes one"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("only the root (rank 0) passes one"), std::string::npos)
+          << e.what();
       return e.kind();
     }
     return ErrorKind::kInternal;
@@ -312,14 +331,17 @@ TEST_F(Collectives, UnevenShardsByPadding) {
       Buffer sh = upload(t, my_shard);
       Buffer gathered = dev->alloc(padded * dtype_size(t));
       comm->all_gather(tensor(sh, t, shard), tensor(gathered, t, padded), *s).synchronize();
-      EXPECT_EQ(first_diff(download(gathered, padded * dtype_size(t)), encode(t, flat), dtype_size(t)), -1)
+      EXPECT_EQ(
+          first_diff(download(gathered, padded * dtype_size(t)), encode(t, flat), dtype_size(t)),
+          -1)
           << "gather " << label(t, numel);
 
       std::vector<float> grads = values(t, seed + 1, R, numel);
       grads.resize(padded, 0.0f);
       Buffer g = upload(t, grads);
       Buffer out = dev->alloc(shard * dtype_size(t));
-      comm->reduce_scatter(tensor(g, t, padded), tensor(out, t, shard), ReduceOp::kSum, *s).synchronize();
+      comm->reduce_scatter(tensor(g, t, padded), tensor(out, t, shard), ReduceOp::kSum, *s)
+          .synchronize();
       std::vector<float> expect = reduced(t, seed + 1, numel, ReduceOp::kSum);
       expect.resize(padded, 0.0f);
       const std::vector<float> mine(expect.begin() + R * shard, expect.begin() + (R + 1) * shard);
@@ -340,10 +362,12 @@ TEST_F(Collectives, InPlaceLayouts) {
     Buffer buf = upload(t, init);
     comm->all_gather(tensor(buf, t, n, R * n), tensor(buf, t, n * W), *s).synchronize();
     const std::vector<float> expect = gathered(t, seed, n);
-    EXPECT_EQ(first_diff(download(buf, n * W * es), encode(t, expect), es), -1) << "all_gather " << dtype_name(t);
+    EXPECT_EQ(first_diff(download(buf, n * W * es), encode(t, expect), es), -1)
+        << "all_gather " << dtype_name(t);
     // reduce_scatter: the output is block R of the input.
     Buffer rs = upload(t, values(t, seed + 1, R, n * W));
-    comm->reduce_scatter(tensor(rs, t, n * W), tensor(rs, t, n, R * n), ReduceOp::kSum, *s).synchronize();
+    comm->reduce_scatter(tensor(rs, t, n * W), tensor(rs, t, n, R * n), ReduceOp::kSum, *s)
+        .synchronize();
     const auto full = reduced(t, seed + 1, n * W, ReduceOp::kSum);
     const std::vector<float> block(full.begin() + R * n, full.begin() + (R + 1) * n);
     EXPECT_EQ(first_diff(download(rs, n * es, R * n * es), encode(t, block), es), -1)
@@ -353,11 +377,13 @@ TEST_F(Collectives, InPlaceLayouts) {
 
 TEST_F(Collectives, CoalescedEqualsIndividual) {
   // Three tensors of different sizes and dtypes, in one call and one by one.
-  const std::vector<std::pair<DType, std::size_t>> shapes = {{DType::kF32, 7}, {DType::kBF16, 1000}, {DType::kF16, 33}};
+  const std::vector<std::pair<DType, std::size_t>> shapes = {
+      {DType::kF32, 7}, {DType::kBF16, 1000}, {DType::kF16, 33}};
   auto make = [&](std::uint64_t seed, std::size_t mult) {
     std::vector<Buffer> bufs;
     for (std::size_t i = 0; i < shapes.size(); ++i)
-      bufs.push_back(upload(shapes[i].first, values(shapes[i].first, seed + i, R, shapes[i].second * mult)));
+      bufs.push_back(
+          upload(shapes[i].first, values(shapes[i].first, seed + i, R, shapes[i].second * mult)));
     return bufs;
   };
   auto outs = [&](std::size_t mult) {
@@ -367,12 +393,15 @@ TEST_F(Collectives, CoalescedEqualsIndividual) {
   };
   auto refs = [&](const std::vector<Buffer>& bufs, std::size_t mult) {
     std::vector<TensorRef> r;
-    for (std::size_t i = 0; i < shapes.size(); ++i) r.push_back(tensor(bufs[i], shapes[i].first, shapes[i].second * mult));
+    for (std::size_t i = 0; i < shapes.size(); ++i)
+      r.push_back(tensor(bufs[i], shapes[i].first, shapes[i].second * mult));
     return r;
   };
   auto same = [&](const std::vector<Buffer>& a, const std::vector<Buffer>& b, const char* what) {
     for (std::size_t i = 0; i < a.size(); ++i)
-      EXPECT_EQ(first_diff(download(a[i], a[i].size()), download(b[i], b[i].size()), dtype_size(shapes[i].first)), -1)
+      EXPECT_EQ(first_diff(download(a[i], a[i].size()), download(b[i], b[i].size()),
+                           dtype_size(shapes[i].first)),
+                -1)
           << what << " tensor " << i;
   };
   const std::size_t w = std::size_t(W);
@@ -383,12 +412,15 @@ TEST_F(Collectives, CoalescedEqualsIndividual) {
   s->synchronize();
   same(ar1, ar2, "all_reduce");
   // And the result is right, not just equal.
-  EXPECT_EQ(first_diff(download(ar1[1], ar1[1].size()), encode(DType::kBF16, reduced(DType::kBF16, 701, 1000, ReduceOp::kSum)), 2), -1);
+  EXPECT_EQ(first_diff(download(ar1[1], ar1[1].size()),
+                       encode(DType::kBF16, reduced(DType::kBF16, 701, 1000, ReduceOp::kSum)), 2),
+            -1);
 
   auto ag_in = make(710, 1);
   auto ag1 = outs(w), ag2 = outs(w);
   comm->all_gather_coalesced(refs(ag_in, 1), refs(ag1, w), *s);
-  for (std::size_t i = 0; i < shapes.size(); ++i) comm->all_gather(refs(ag_in, 1)[i], refs(ag2, w)[i], *s);
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    comm->all_gather(refs(ag_in, 1)[i], refs(ag2, w)[i], *s);
   s->synchronize();
   same(ag1, ag2, "all_gather");
 
@@ -448,7 +480,8 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
   Buffer b = upload(DType::kF32, values(DType::kF32, 3, R, 1000));
   checked->all_reduce(tensor(b, DType::kF32, 1000), ReduceOp::kSum, *s);
   const auto sum = download(b, 4000);
-  EXPECT_EQ(first_diff(sum, encode(DType::kF32, reduced(DType::kF32, 3, 1000, ReduceOp::kSum)), 4), -1);
+  EXPECT_EQ(first_diff(sum, encode(DType::kF32, reduced(DType::kF32, 3, 1000, ReduceOp::kSum)), 4),
+            -1);
   const std::size_t n = R == W - 1 ? 999 : 1000;
   try {
     checked->all_reduce(tensor(b, DType::kF32, n), ReduceOp::kSum, *s);
@@ -457,14 +490,19 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
   } catch (const Error& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("the ranks issued different collectives"), std::string::npos) << m;
-    EXPECT_NE(m.find("rank 0: call #2 all_reduce(sum, 1 tensor(s), fp32, 1000 elements)"), std::string::npos) << m;
-    EXPECT_NE(m.find(fmt::format("rank {}: call #2 all_reduce(sum, 1 tensor(s), fp32, 999 elements)", W - 1)),
-              std::string::npos) << m;
+    EXPECT_NE(m.find("rank 0: call #2 all_reduce(sum, 1 tensor(s), fp32, 1000 elements)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find(fmt::format(
+                  "rank {}: call #2 all_reduce(sum, 1 tensor(s), fp32, 999 elements)", W - 1)),
+              std::string::npos)
+        << m;
   }
   // A coalesced call with the same count, first dtype and total, its tensors split differently
   // on the last rank (600 + 400 against 400 + 600): caught by the layout.
   const std::size_t first = R == W - 1 ? 400 : 600;
-  const TensorRef parts[2] = {tensor(b, DType::kF32, first), tensor(b, DType::kF32, 1000 - first, first)};
+  const TensorRef parts[2] = {tensor(b, DType::kF32, first),
+                              tensor(b, DType::kF32, 1000 - first, first)};
   try {
     checked->all_reduce_coalesced(parts, ReduceOp::kSum, *s);
     s->synchronize();
@@ -472,7 +510,8 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
   } catch (const Error& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("the tensors' dtypes or lengths differ in order"), std::string::npos) << m;
-    EXPECT_NE(m.find("rank 0: call #3 all_reduce(sum, 2 tensor(s), fp32, 1000 elements, layout "), std::string::npos)
+    EXPECT_NE(m.find("rank 0: call #3 all_reduce(sum, 2 tensor(s), fp32, 1000 elements, layout "),
+              std::string::npos)
         << m;
   }
 }
@@ -483,21 +522,26 @@ TEST_F(Collectives, MismatchedCallsAreNamedUnderCommCheck) {
 TEST_F(Collectives, CoalescedTensorsThatOverlapAreRefused) {
   Buffer x = upload(DType::kF32, std::vector<float>(2000, 1.0f));
   const TensorRef same[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000)};
-  const TensorRef overlapping[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000, 500)};
+  const TensorRef overlapping[2] = {tensor(x, DType::kF32, 1000),
+                                    tensor(x, DType::kF32, 1000, 500)};
   for (const auto& parts : {same, overlapping}) {
     try {
       comm->all_reduce_coalesced(std::span<const TensorRef>(parts, 2), ReduceOp::kSum, *s);
       ADD_FAILURE() << "overlapping tensors of one coalesced call were accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find("tensor 0 overlaps tensor 1 of the same call"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("tensor 0 overlaps tensor 1 of the same call"),
+                std::string::npos)
           << e.what();
     }
   }
   // Adjacent, not overlapping: fine, and a collective still matches across ranks.
   const TensorRef adjacent[2] = {tensor(x, DType::kF32, 1000), tensor(x, DType::kF32, 1000, 1000)};
-  comm->all_reduce_coalesced(std::span<const TensorRef>(adjacent, 2), ReduceOp::kSum, *s).synchronize();
-  EXPECT_EQ(first_diff(download(x, 8000), encode(DType::kF32, std::vector<float>(2000, float(W))), 4), -1);
+  comm->all_reduce_coalesced(std::span<const TensorRef>(adjacent, 2), ReduceOp::kSum, *s)
+      .synchronize();
+  EXPECT_EQ(
+      first_diff(download(x, 8000), encode(DType::kF32, std::vector<float>(2000, float(W))), 4),
+      -1);
 }
 
 TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
@@ -512,13 +556,18 @@ TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
     return ErrorKind::kInternal;
   };
   // Output one element too large for the gather.
-  EXPECT_EQ(kind_of([&] { comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kF32, 64 * W + 1), *s); }),
+  EXPECT_EQ(kind_of([&] {
+              comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kF32, 64 * W + 1), *s);
+            }),
             ErrorKind::kInvalidArgument);
   // Mismatched dtypes.
-  EXPECT_EQ(kind_of([&] { comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kBF16, 64 * W), *s); }),
+  EXPECT_EQ(kind_of([&] {
+              comm->all_gather(tensor(a, DType::kF32, 64), tensor(b, DType::kBF16, 64 * W), *s);
+            }),
             ErrorKind::kInvalidArgument);
   // Root outside the job.
-  EXPECT_EQ(kind_of([&] { comm->broadcast(tensor(a, DType::kF32, 64), W, *s); }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_of([&] { comm->broadcast(tensor(a, DType::kF32, 64), W, *s); }),
+            ErrorKind::kInvalidArgument);
   // A stream of another device.
   auto other = make_host_device({});
   auto os = other->create_stream("other");
@@ -527,7 +576,8 @@ TEST_F(Collectives, BadArgumentsThrowBeforeQueueing) {
   // Nothing was queued by the calls above: a collective still matches across ranks.
   Buffer y = upload(DType::kF32, std::vector<float>(5, 1.0f));
   comm->all_reduce(tensor(y, DType::kF32, 5), ReduceOp::kSum, *s).synchronize();
-  EXPECT_EQ(first_diff(download(y, 20), encode(DType::kF32, std::vector<float>(5, float(W))), 4), -1);
+  EXPECT_EQ(first_diff(download(y, 20), encode(DType::kF32, std::vector<float>(5, float(W))), 4),
+            -1);
 }
 
 // Non-zero ranks: print failures only, prefixed with the rank.
@@ -536,15 +586,16 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+                   r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
   }
 
  private:
   int rank_;
 };
 
-#ifndef STRATA_TEST_CUDA  // no GPU needed: in the CPU binary only (the gpu one's tests all skip without one)
+#ifndef STRATA_TEST_CUDA  // no GPU needed: in the CPU binary only (the gpu one's tests all skip
+                          // without one)
 // ncclGetVersion's code changed scheme at 2.9; the minimum must read as 2.10.0, and the old
 // scheme's codes (2.8.4 = 2804) must not pass for new ones.
 // The NCCL backend's wait for a call its non-blocking communicator finishes in the background
@@ -552,12 +603,14 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 TEST(WaitInProgress, AsksUntilSettledAndGivesUpAtTheTimeout) {
   using comm::Progress;
   int asks = 0, timeouts = 0;
-  EXPECT_EQ(comm::wait_in_progress([&] { return ++asks < 5 ? Progress::kInProgress : Progress::kDone; }, 10,
-                                   [&](double) { ++timeouts; }),
-            Progress::kDone);
+  EXPECT_EQ(
+      comm::wait_in_progress([&] { return ++asks < 5 ? Progress::kInProgress : Progress::kDone; },
+                             10, [&](double) { ++timeouts; }),
+      Progress::kDone);
   EXPECT_EQ(asks, 5);
-  EXPECT_EQ(comm::wait_in_progress([] { return Progress::kFailed; }, 10, [&](double) { ++timeouts; }),
-            Progress::kFailed);
+  EXPECT_EQ(
+      comm::wait_in_progress([] { return Progress::kFailed; }, 10, [&](double) { ++timeouts; }),
+      Progress::kFailed);
   EXPECT_EQ(timeouts, 0);
   double waited = 0;
   const auto start = std::chrono::steady_clock::now();
@@ -567,7 +620,8 @@ TEST(WaitInProgress, AsksUntilSettledAndGivesUpAtTheTimeout) {
                                      waited = w;
                                    }),
             Progress::kFailed);
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(timeouts, 1);
   EXPECT_GT(waited, 0.05);
   EXPECT_LT(took, 5.0);  // no hang: at most a millisecond's sleep past the timeout, on any machine
@@ -578,7 +632,8 @@ TEST(NcclVersion, DecodesBothSchemesAndTheMinimum) {
   EXPECT_EQ(decode_nccl_version(2804).str(), "2.8.4");
   EXPECT_EQ(decode_nccl_version(20906).str(), "2.9.6");
   EXPECT_EQ(decode_nccl_version(22703).str(), "2.27.3");
-  EXPECT_EQ(decode_nccl_version(strata::gpu::kMinNcclCode).str(), std::string(strata::gpu::kMinNcclVersion) + ".0");
+  EXPECT_EQ(decode_nccl_version(strata::gpu::kMinNcclCode).str(),
+            std::string(strata::gpu::kMinNcclVersion) + ".0");
   EXPECT_LT(2804, strata::gpu::kMinNcclCode);
 }
 #endif
@@ -626,7 +681,8 @@ int main(int argc, char** argv) {
     env.comm->all_reduce(tensor(b, DType::kF32, 1), ReduceOp::kMax, *s);
     s->copy(host_ref(&worst, 4), b.ref());
     s->synchronize();
-    if (env.launch.rank == 0 && worst != 0 && rc == 0) std::fprintf(stderr, "comm_test: another rank failed\n");
+    if (env.launch.rank == 0 && worst != 0 && rc == 0)
+      std::fprintf(stderr, "comm_test: another rank failed\n");
     rc = worst != 0 ? 1 : 0;
   }
   env.comm.reset();
@@ -634,4 +690,3 @@ int main(int argc, char** argv) {
   g_env = nullptr;
   return rc;
 }
-

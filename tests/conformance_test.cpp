@@ -11,20 +11,17 @@
 // at their next fetch, and how much of its NVMe traffic falls inside the traced step. Its classes
 // compare the streams that do not depend on that (the gradients' way off the device on the comm
 // stream, the step's work on the optimizer stream), in order.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <set>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <fmt/format.h>
-
-#include "test_util.h"
 
 #include "strata/comm.h"
 #include "strata/engine.h"
@@ -32,6 +29,7 @@
 #include "strata/perf_model.h"
 #include "strata/trace.h"
 #include "strata/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -63,7 +61,7 @@ Batch batch_of(int i, std::int64_t vocab) {
 using Lanes = std::map<std::string, std::vector<std::string>>;
 
 struct Observed {
-  Lanes streams;                       // the engine's streams' link copies
+  Lanes streams;  // the engine's streams' link copies
   std::uint64_t nvme_read = 0, nvme_written = 0;
 };
 
@@ -75,7 +73,8 @@ bool engine_stream(const std::string& s) {
 
 // Step 2 of a run under `cfg` (step 1 records the order the engine prefetches in), traced until
 // every stream is idle.
-Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, bool ranks, std::vector<UnitSize>* sizes) {
+Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, bool ranks,
+                    std::vector<UnitSize>* sizes) {
   auto dev = make_host_device();
   CommOptions co;
   if (!ranks) co.backend = CommBackend::kLocal;  // (else the launcher's MPI)
@@ -108,9 +107,11 @@ Observed run_engine(const ModelConfig& mc, const EngineConfig& cfg, bool ranks, 
   for (const TraceSpan& sp : tr.spans()) {
     if ((sp.name == "copy_h2d" || sp.name == "copy_d2h") && engine_stream(sp.lane))
       o.streams[sp.lane].push_back(fmt::format("{} {}", sp.name, sp.bytes));
-    if ((sp.name == "all_gather" || sp.name == "reduce_scatter" || sp.name == "all_reduce") && engine_stream(sp.lane))
+    if ((sp.name == "all_gather" || sp.name == "reduce_scatter" || sp.name == "all_reduce") &&
+        engine_stream(sp.lane))
       o.streams[sp.lane].push_back(sp.name);
-    if (sp.lane.starts_with("nvme")) (sp.name == "nvme_read" ? o.nvme_read : o.nvme_written) += sp.bytes;
+    if (sp.lane.starts_with("nvme"))
+      (sp.name == "nvme_read" ? o.nvme_read : o.nvme_written) += sp.bytes;
   }
   tr.clear();
   return o;
@@ -135,9 +136,12 @@ Observed replay(const std::vector<UnitSize>& sizes, const EngineConfig& cfg, int
   Observed o;
   for (const Interval& iv : p.schedule) {
     if ((iv.lane == Resource::kH2D || iv.lane == Resource::kD2H) && engine_stream(iv.stream))
-      o.streams[iv.stream].push_back(fmt::format("{} {}", iv.lane == Resource::kH2D ? "copy_h2d" : "copy_d2h", iv.bytes));
-    if (iv.lane == Resource::kNvme) (iv.what.starts_with("read") ? o.nvme_read : o.nvme_written) += iv.bytes;
-    if (iv.lane == Resource::kComm && engine_stream(iv.stream))  // "all-gather layers.0" -> all_gather
+      o.streams[iv.stream].push_back(
+          fmt::format("{} {}", iv.lane == Resource::kH2D ? "copy_h2d" : "copy_d2h", iv.bytes));
+    if (iv.lane == Resource::kNvme)
+      (iv.what.starts_with("read") ? o.nvme_read : o.nvme_written) += iv.bytes;
+    if (iv.lane == Resource::kComm &&
+        engine_stream(iv.stream))  // "all-gather layers.0" -> all_gather
       o.streams[iv.stream].push_back(iv.what.starts_with("all-gather")       ? "all_gather"
                                      : iv.what.starts_with("reduce-scatter") ? "reduce_scatter"
                                                                              : "all_reduce");
@@ -184,7 +188,9 @@ void check_class(const Class& c, bool ranks) {
   const Observed model = replay(sizes, cfg, world);
   if (world > 1) {  // (not compared vacuously: the collectives are there)
     auto count = [&](const std::string& st, const std::string& op) {
-      return engine.streams.count(st) ? std::count(engine.streams.at(st).begin(), engine.streams.at(st).end(), op) : 0;
+      return engine.streams.count(st)
+                 ? std::count(engine.streams.at(st).begin(), engine.streams.at(st).end(), op)
+                 : 0;
     };
     EXPECT_GT(count("fetch", "all_gather"), 0);
     EXPECT_GT(count("comm", "reduce_scatter"), 0);
@@ -194,12 +200,14 @@ void check_class(const Class& c, bool ranks) {
   for (const auto& [k, v] : model.streams) streams.insert(k);
   for (const std::string& st : streams) {
     if (c.early && st != "comm" && st != "optimizer") continue;
-    const std::vector<std::string> none, &a = engine.streams.count(st) ? engine.streams.at(st) : none,
-                                          &b = model.streams.count(st) ? model.streams.at(st) : none;
+    const std::vector<std::string> none,
+        &a = engine.streams.count(st) ? engine.streams.at(st) : none,
+        &b = model.streams.count(st) ? model.streams.at(st) : none;
     EXPECT_EQ(a, b) << "stream \"" << st << "\"\n  engine:" << show(a) << "\n  model:" << show(b);
   }
   if (c.early) {
-    EXPECT_FALSE(engine.streams["comm"].empty()) << "the gradients leave the device on the comm stream";
+    EXPECT_FALSE(engine.streams["comm"].empty())
+        << "the gradients leave the device on the comm stream";
     return;
   }
   EXPECT_EQ(engine.nvme_read, model.nvme_read) << "NVMe bytes read in the step";
@@ -216,7 +224,8 @@ TEST_P(Conformance, TheModelReplaysWhatTheEngineQueues) { check_class(GetParam()
 class ConformanceRanks : public ::testing::TestWithParam<Class> {};
 
 TEST_P(ConformanceRanks, TheModelReplaysWhatTheEngineQueues) {
-  if (launch_info().world_size < 2) GTEST_SKIP() << "runs under mpirun -np 2 (ctest: conformance_ranks_2)";
+  if (launch_info().world_size < 2)
+    GTEST_SKIP() << "runs under mpirun -np 2 (ctest: conformance_ranks_2)";
   init_launch();
   check_class(GetParam(), true);
 }
@@ -231,11 +240,14 @@ const std::vector<Class> kClasses = {
     {"OptimizerNvme", R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})"},
     {"Infinity", R"(, "offload_param": {"device": "nvme", "nvme_path": "$NVME"},
                     "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})"},
-    {"GradsNvme", R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"}, "offload_grads": "nvme")"},
+    {"GradsNvme",
+     R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"}, "offload_grads": "nvme")"},
     {"GradsHostOptimizerDevice", R"(, "offload_grads": "cpu")"},
-    {"ParamsHostOptimizerDevice", R"(, "offload_param": {"device": "cpu"}, "offload_grads": "none")"},
+    {"ParamsHostOptimizerDevice",
+     R"(, "offload_param": {"device": "cpu"}, "offload_grads": "none")"},
     {"EarlyOptimizerHost", R"(, "offload_optimizer": {"device": "cpu"})", true},
-    {"EarlyOptimizerNvme", R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})", true},
+    {"EarlyOptimizerNvme", R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME"})",
+     true},
 };
 
 INSTANTIATE_TEST_SUITE_P(Placements, Conformance, ::testing::ValuesIn(kClasses),

@@ -1,15 +1,14 @@
 // Core: errors, dtype conversions, logging levels, the tracer, the allocators' placement rule.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
-#include <map>
-#include <set>
 #include <filesystem>
 #include <fstream>
-#include <thread>
-
-#include <gtest/gtest.h>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
 
 #include "core/range_pool.h"
 #include "strata/dtype.h"
@@ -38,7 +37,8 @@ TEST(Error, CarriesKindCallFileLineAndFix) {
   try {
     STRATA_CHECK(1 + 1 == 3, "arithmetic");
   } catch (const Error& e) {
-    EXPECT_NE(e.user_message().find("core_test.cpp:"), std::string::npos) << "a bug report needs the place";
+    EXPECT_NE(e.user_message().find("core_test.cpp:"), std::string::npos)
+        << "a bug report needs the place";
   }
 }
 
@@ -94,9 +94,9 @@ TEST(DType, F16RoundingMatchesDoubleReference) {
   EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);
   EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);
-  EXPECT_EQ(f32_to_f16(5.9604645e-08f), 0x0001);   // smallest subnormal
-  EXPECT_EQ(f32_to_f16(2.9802322e-08f), 0x0000);   // half of it: ties to even (0)
-  EXPECT_EQ(f32_to_f16(8.940697e-08f), 0x0002);    // 1.5 ulp: ties to even (2)
+  EXPECT_EQ(f32_to_f16(5.9604645e-08f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(f32_to_f16(2.9802322e-08f), 0x0000);  // half of it: ties to even (0)
+  EXPECT_EQ(f32_to_f16(8.940697e-08f), 0x0002);   // 1.5 ulp: ties to even (2)
   EXPECT_EQ(f32_to_f16(-1.0f), 0xbc00);
   EXPECT_EQ(f32_to_f16(1.0f + 0.00048828125f), 0x3c00);      // tie -> even
   EXPECT_EQ(f32_to_f16(1.0f + 3 * 0.00048828125f), 0x3c02);  // tie -> even (up)
@@ -147,7 +147,8 @@ TEST(Tracer, RecordsFromManyThreadsAndWritesChromeJson) {
   t.set_enabled(false);
   const auto spans = t.spans();
   ASSERT_EQ(spans.size(), 400u);
-  for (std::size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].start_ns, spans[i].start_ns);
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    EXPECT_LE(spans[i - 1].start_ns, spans[i].start_ns);
   for (const auto& s : spans) {
     EXPECT_LE(s.start_ns, s.end_ns);
     EXPECT_EQ(s.bytes, 4096u);
@@ -183,8 +184,15 @@ TEST(Tracer, InvalidUtf8InNamesStillWritesValidJson) {
   t.clear();
   t.set_enabled(true);
   const std::string valid = "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80";  // café € 😀
-  const std::string invalid[] = {"a\xff" "b", "\xc3", "x\xe2\x82", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80",
-                                 "\x80z"};
+  const std::string invalid[] = {
+      "a\xff"
+      "b",
+      "\xc3",
+      "x\xe2\x82",
+      "\xc0\xaf",
+      "\xed\xa0\x80",
+      "\xf4\x90\x80\x80",
+      "\x80z"};
   t.record(valid, "lane \xfe", 1, 2, 0);
   for (const auto& n : invalid) t.record(n, "lane", 3, 4, 0);
   t.set_enabled(false);
@@ -195,12 +203,14 @@ TEST(Tracer, InvalidUtf8InNamesStillWritesValidJson) {
   ASSERT_NO_THROW(j = nlohmann::json::parse(in)) << "the trace is not valid JSON";
   std::set<std::string> names, lanes;
   for (const auto& e : j["traceEvents"]) {
-    if (e["ph"] == "X") names.insert(e["name"].get<std::string>());
-    else lanes.insert(e["args"]["name"].get<std::string>());
+    if (e["ph"] == "X")
+      names.insert(e["name"].get<std::string>());
+    else
+      lanes.insert(e["args"]["name"].get<std::string>());
   }
   const std::string r = "\xef\xbf\xbd";  // U+FFFD
-  EXPECT_EQ(names, (std::set<std::string>{valid, "a" + r + "b", r, "x" + r, r + r, r + r + r, r + r + r + r,
-                                          r + "z"}));
+  EXPECT_EQ(names, (std::set<std::string>{valid, "a" + r + "b", r, "x" + r, r + r, r + r + r,
+                                          r + r + r + r, r + "z"}));
   EXPECT_EQ(lanes, (std::set<std::string>{"lane " + r, "lane"}));
   std::filesystem::remove(path);
   t.clear();
@@ -212,12 +222,12 @@ TEST(Tracer, WritesTheSpansOfAWindowCutToIt) {
   Tracer& t = Tracer::global();
   t.clear();
   t.set_enabled(true);
-  t.record("before", "a", 100, 200);    // ends where the window starts: out
+  t.record("before", "a", 100, 200);  // ends where the window starts: out
   t.record("across_start", "a", 150, 1300);
   t.record("inside", "b", 1100, 1200, 7);
   t.record("instant", "b", 1500, 1500);
   t.record("across_end", "a", 1900, 2600);
-  t.record("after", "b", 2000, 2100);   // starts where the window ends: out
+  t.record("after", "b", 2000, 2100);  // starts where the window ends: out
   t.record("around", "c", 500, 3000);
   t.set_enabled(false);
   const auto path = std::filesystem::temp_directory_path() / "strata_core_test_trace_window.json";
@@ -227,8 +237,10 @@ TEST(Tracer, WritesTheSpansOfAWindowCutToIt) {
   std::map<std::string, std::pair<double, double>> got;  // name: ts, dur (us)
   std::set<std::string> lanes;
   for (const auto& e : j["traceEvents"]) {
-    if (e["ph"] == "X") got[e["name"].get<std::string>()] = {e["ts"].get<double>(), e["dur"].get<double>()};
-    else lanes.insert(e["args"]["name"].get<std::string>());
+    if (e["ph"] == "X")
+      got[e["name"].get<std::string>()] = {e["ts"].get<double>(), e["dur"].get<double>()};
+    else
+      lanes.insert(e["args"]["name"].get<std::string>());
   }
   using P = std::pair<double, double>;
   EXPECT_EQ(got, (std::map<std::string, P>{{"across_start", P{1.0, 0.3}},
@@ -262,7 +274,8 @@ TEST(Tracer, UnwritablePathIsAClearError) {
 TEST(RangePool, LargeBlocksGoBestFitAndSplit) {
   detail::RangePool pool(/*small_limit=*/1024);
   const std::size_t base = pool.add_segment(100000);
-  const std::size_t a = pool.alloc(10000), b = pool.alloc(30000), c = pool.alloc(5000), d = pool.alloc(20000);
+  const std::size_t a = pool.alloc(10000), b = pool.alloc(30000), c = pool.alloc(5000),
+                    d = pool.alloc(20000);
   EXPECT_EQ(a, base);
   EXPECT_EQ(b, a + 10000);
   pool.free(a, 10000);  // a hole of 10000 at the bottom, 35000 at the top
@@ -285,10 +298,10 @@ TEST(RangePool, FreedNeighboursCoalesceAndSmallBlocksComeFromTheTop) {
   EXPECT_EQ(s1, base + 9900);  // small: carved from the top
   EXPECT_EQ(s2, base + 9800);
   const std::size_t l1 = pool.alloc(3000), l2 = pool.alloc(3000);
-  EXPECT_EQ(l1, base);         // large: from the bottom
+  EXPECT_EQ(l1, base);  // large: from the bottom
   EXPECT_EQ(l2, base + 3000);
   pool.free(l1, 3000);
-  pool.free(l2, 3000);         // merges with l1's range and the free middle
+  pool.free(l2, 3000);  // merges with l1's range and the free middle
   EXPECT_EQ(pool.free_ranges(), 1u);
   EXPECT_EQ(pool.largest_free(), 9800u);
   pool.free(s2, 100);

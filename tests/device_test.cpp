@@ -2,6 +2,10 @@
 // against a double-precision CPU reference on random (never zero) inputs at odd shapes.
 // Built twice: device_test (the CPU-emulated device, plain and with random delays) and
 // device_gpu_test (-DSTRATA_TEST_CUDA, label gpu: skipped where no GPU is usable).
+#include "strata/device.h"
+
+#include <gtest/gtest.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -9,18 +13,14 @@
 #include <cstring>
 #include <functional>
 #include <future>
-#include <set>
-#include <random>
 #include <optional>
+#include <random>
+#include <set>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm_path.h"
-
 #include "strata/adamw.h"
-#include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trace.h"
 
@@ -82,7 +82,8 @@ class DeviceTest : public ::testing::TestWithParam<Backend> {
     std::uniform_real_distribution<float> d(lo, hi);
     std::vector<float> v(n);
     for (auto& x : v) {
-      do x = d(rng); while (std::fabs(x) < 1e-3f);  // never zero
+      do x = d(rng);
+      while (std::fabs(x) < 1e-3f);  // never zero
     }
     return v;
   }
@@ -108,18 +109,30 @@ class DeviceTest : public ::testing::TestWithParam<Backend> {
 
   static void store_host(DType t, void* p, std::size_t i, float v) {
     switch (t) {
-      case DType::kF32: static_cast<float*>(p)[i] = v; break;
-      case DType::kBF16: static_cast<std::uint16_t*>(p)[i] = f32_to_bf16(v); break;
-      case DType::kF16: static_cast<std::uint16_t*>(p)[i] = f32_to_f16(v); break;
-      case DType::kF64: static_cast<double*>(p)[i] = v; break;
+      case DType::kF32:
+        static_cast<float*>(p)[i] = v;
+        break;
+      case DType::kBF16:
+        static_cast<std::uint16_t*>(p)[i] = f32_to_bf16(v);
+        break;
+      case DType::kF16:
+        static_cast<std::uint16_t*>(p)[i] = f32_to_f16(v);
+        break;
+      case DType::kF64:
+        static_cast<double*>(p)[i] = v;
+        break;
     }
   }
   static double load_host(DType t, const void* p, std::size_t i) {
     switch (t) {
-      case DType::kF32: return static_cast<const float*>(p)[i];
-      case DType::kBF16: return bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
-      case DType::kF16: return f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
-      case DType::kF64: return static_cast<const double*>(p)[i];
+      case DType::kF32:
+        return static_cast<const float*>(p)[i];
+      case DType::kBF16:
+        return bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+      case DType::kF16:
+        return f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
+      case DType::kF64:
+        return static_cast<const double*>(p)[i];
     }
     return 0;
   }
@@ -132,9 +145,12 @@ class DeviceTest : public ::testing::TestWithParam<Backend> {
   // Relative step of t: results stored as t may differ by one rounding.
   static double eps(DType t) {
     switch (t) {
-      case DType::kBF16: return 1.0 / 128;
-      case DType::kF16: return 1.0 / 1024;
-      default: return 1e-6;
+      case DType::kBF16:
+        return 1.0 / 128;
+      case DType::kF16:
+        return 1.0 / 1024;
+      default:
+        return 1e-6;
     }
   }
 
@@ -148,7 +164,8 @@ TEST_P(DeviceTest, AllocFreeAndStatsAreExact) {
   const DeviceStats before = dev->stats();
   {
     std::vector<Buffer> bufs;
-    for (std::size_t sz : {1u, 255u, 257u, 4097u, 1000003u}) bufs.push_back(dev->alloc(sz, s.get()));
+    for (std::size_t sz : {1u, 255u, 257u, 4097u, 1000003u})
+      bufs.push_back(dev->alloc(sz, s.get()));
     for (const auto& b : bufs) {
       EXPECT_NE(b.data(), nullptr);
       EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % 256, 0u);
@@ -217,9 +234,9 @@ TEST_P(DeviceTest, CopiesOfRandomDataAtOddSizesRoundTrip) {
     for (auto& x : src) x = static_cast<std::uint8_t>(rng());
     Buffer a = dev->alloc(n + 5, s.get());
     Buffer b = dev->alloc(n + 11, s.get());
-    s->copy(a.ref(5, n), host_ref(src.data(), n));        // H2D at an odd offset
-    s->copy(b.ref(11, n), a.ref(5, n));                    // D2D between odd offsets
-    s->copy(host_ref(dst.data(), n), b.ref(11, n));        // D2H
+    s->copy(a.ref(5, n), host_ref(src.data(), n));   // H2D at an odd offset
+    s->copy(b.ref(11, n), a.ref(5, n));              // D2D between odd offsets
+    s->copy(host_ref(dst.data(), n), b.ref(11, n));  // D2H
     s->synchronize();
     EXPECT_EQ(std::memcmp(src.data(), dst.data(), n), 0) << "size " << n;
   }
@@ -387,7 +404,8 @@ TEST_P(DeviceTest, DeviceSynchronizeKeepsTheOtherStreamsFailuresForLater) {
 // Waiting for the device or a stream from inside a stream's host function is an error, not a
 // hang (it waited for itself; CUDA forbids any CUDA call there).
 TEST_P(DeviceTest, SynchronizeInsideAHostFunctionIsAnErrorNotAHang) {
-  if (GetParam().cuda) GTEST_SKIP() << "on CUDA it deadlocks: the emulated device is where it is caught";
+  if (GetParam().cuda)
+    GTEST_SKIP() << "on CUDA it deadlocks: the emulated device is where it is caught";
   auto other = dev->create_stream("other");
   s->host_fn([&] { s->synchronize(); });
   other->host_fn([&] { dev->synchronize(); });
@@ -396,7 +414,8 @@ TEST_P(DeviceTest, SynchronizeInsideAHostFunctionIsAnErrorNotAHang) {
       st->synchronize();
       ADD_FAILURE() << st->name() << ": no error";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("inside a stream's host function"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("inside a stream's host function"), std::string::npos)
+          << e.what();
     }
   }
   // A buffer freed on another device's stream is refused, not freed through the wrong device.
@@ -526,7 +545,8 @@ TEST_P(DeviceTest, ThrottledCopiesOnTwoStreamsShareTheLink) {
   b->copy(bb.ref(), host_ref(h.data(), bytes));
   a->synchronize();
   b->synchronize();
-  const double both_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double both_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(both_s, 2 * bytes / 2.0e9);
 }
 
@@ -560,7 +580,8 @@ TEST_P(DeviceTest, AThrottledMatmulsProductLandsWhenItEnds) {
   auto slow = throttled_device(0, 0, 0.2);
   auto st = slow->create_stream("compute");
   const std::int64_t m = 128, n = 128, k = 256;  // 2*m*n*k = 8.4 MFLOP: >= 42 ms at 0.2 GFLOP/s
-  std::vector<float> ha(std::size_t(m * k), 0.5f), hb(std::size_t(k * n), 0.25f), hc(std::size_t(m * n), 7.0f);
+  std::vector<float> ha(std::size_t(m * k), 0.5f), hb(std::size_t(k * n), 0.25f),
+      hc(std::size_t(m * n), 7.0f);
   Buffer a = slow->alloc(ha.size() * 4, st.get()), b = slow->alloc(hb.size() * 4, st.get());
   Buffer c = slow->alloc(hc.size() * 4, st.get());
   st->copy(a.ref(), host_ref(ha.data(), ha.size() * 4));
@@ -698,13 +719,14 @@ struct HeldBusy {
 
 TEST_P(DeviceTest, AnAllocationWaitsForTheFreeItNeedsNotForTheWholeDevice) {
   auto small = GetParam().make(std::size_t(1) << 20);
-  auto a = small->create_stream("a"), b = small->create_stream("b"), busy = small->create_stream("busy");
+  auto a = small->create_stream("a"), b = small->create_stream("b"),
+       busy = small->create_stream("busy");
   HeldBusy held(*busy);
   {
     Buffer x = small->alloc(700 * 1024, a.get());
     a->host_fn([] { std::this_thread::sleep_for(20ms); });
     a->fill(tensor(x, DType::kF32), 1.0f);
-  }  // freed on `a`, behind its sleep
+  }                                              // freed on `a`, behind its sleep
   Buffer y = small->alloc(700 * 1024, b.get());  // waits for that free only
   EXPECT_FALSE(held.done());
   EXPECT_EQ(small->stats().num_alloc_waits, 1u);
@@ -833,7 +855,9 @@ TEST_P(DeviceTest, FillScaleAxpyAddAgainstReference) {
       got = download(by, t, n);
       for (std::size_t i = 0; i < n; ++i) {
         const double ref = as_stored(t, y[i]) - 1.5 * as_stored(t, x[i]);
-        ASSERT_NEAR(got[i], ref, eps(t) * (std::fabs(ref) + 1.5 * std::fabs(x[i]) + std::fabs(y[i]))) << i;
+        ASSERT_NEAR(got[i], ref,
+                    eps(t) * (std::fabs(ref) + 1.5 * std::fabs(x[i]) + std::fabs(y[i])))
+            << i;
       }
 
       s->scale(0.75f, tensor(bx, t));
@@ -924,22 +948,33 @@ struct GemmRouteScope {
 // Every operand dtype on every route this host has: fp32, bf16 and fp16 operands, fp32 or bf16
 // out, bf16 and fp16 both widened to fp32 and (where oneDNN has it) native.
 TEST_P(DeviceTest, MatmulAgainstDoubleReference) {
-  const MatmulCase cases[] = {{1, 1, 1, false, false, 1, 0},     {7, 13, 5, false, false, 1, 0},
-                              {33, 17, 65, true, false, 1, 0},   {64, 48, 80, false, true, 1, 0},
-                              {31, 29, 37, true, true, 0.5f, 0}, {19, 23, 129, false, false, 1.5f, 0.25f}};
+  const MatmulCase cases[] = {
+      {1, 1, 1, false, false, 1, 0},     {7, 13, 5, false, false, 1, 0},
+      {33, 17, 65, true, false, 1, 0},   {64, 48, 80, false, true, 1, 0},
+      {31, 29, 37, true, true, 0.5f, 0}, {19, 23, 129, false, false, 1.5f, 0.25f}};
   for (DType in : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (const auto route : gemm_routes(GetParam(), in)) {
       const GemmRouteScope scope(in, route);
       for (DType out : {DType::kF32, DType::kBF16}) {
         for (const auto& c : cases) {
-          SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " m" << c.m << " n" << c.n
-                                            << " k" << c.k << " ta" << c.ta << " tb" << c.tb << " route "
-                                            << (route ? cpu::gemm_route_name(*route) : "as is"));
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(in) << "->" << dtype_name(out) << " m" << c.m << " n" << c.n
+                       << " k" << c.k << " ta" << c.ta << " tb" << c.tb << " route "
+                       << (route ? cpu::gemm_route_name(*route) : "as is"));
           const auto a = random_floats(c.m * c.k, c.m * 7 + c.k);
           const auto b = random_floats(c.k * c.n, c.n * 11 + c.k);
           const auto c0 = random_floats(c.m * c.n, c.m + c.n);
           Buffer ba = upload(a, in), bb = upload(b, in), bc = upload(c0, out);
-          MatmulDesc d{c.m, c.n, c.k, c.ta, c.tb, c.alpha, c.beta, tensor(ba, in), tensor(bb, in), tensor(bc, out)};
+          MatmulDesc d{c.m,
+                       c.n,
+                       c.k,
+                       c.ta,
+                       c.tb,
+                       c.alpha,
+                       c.beta,
+                       tensor(ba, in),
+                       tensor(bb, in),
+                       tensor(bc, out)};
           s->matmul(d);
           const auto got = download(bc, out, c.m * c.n);
           for (std::int64_t i = 0; i < c.m; ++i) {
@@ -954,7 +989,8 @@ TEST_P(DeviceTest, MatmulAgainstDoubleReference) {
               const double cv = as_stored(out, c0[i * c.n + j]);
               ref = c.alpha * ref + c.beta * cv;
               mag = std::fabs(c.alpha) * mag + std::fabs(c.beta * cv);
-              const double tol = 1e-5 * mag + (out == DType::kBF16 ? std::fabs(ref) / 128 : 0) + 1e-6;
+              const double tol =
+                  1e-5 * mag + (out == DType::kBF16 ? std::fabs(ref) / 128 : 0) + 1e-6;
               ASSERT_NEAR(got[i * c.n + j], ref, tol) << "at " << i << "," << j;
             }
           }
@@ -1015,12 +1051,14 @@ TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
     HostShard& h = host[k];
     std::array<Buffer, 5> b{to_device(h.p), to_device(h.g), to_device(h.m), to_device(h.v),
                             h.c.empty() ? Buffer{} : to_device(h.c)};
-    AdamWShard ds{tensor(b[0], DType::kF32, sp.n), tensor(b[1], sp.grad, sp.n), tensor(b[2], sp.state, sp.n),
-                  tensor(b[3], sp.state, sp.n), h.c.empty() ? TensorRef{} : tensor(b[4], sp.copy, sp.n)};
+    AdamWShard ds{tensor(b[0], DType::kF32, sp.n), tensor(b[1], sp.grad, sp.n),
+                  tensor(b[2], sp.state, sp.n), tensor(b[3], sp.state, sp.n),
+                  h.c.empty() ? TensorRef{} : tensor(b[4], sp.copy, sp.n)};
     desc.shards.push_back(ds);
-    host_shards.push_back({host_tensor(h.p.data(), DType::kF32, sp.n), host_tensor(h.g.data(), sp.grad, sp.n),
-                           host_tensor(h.m.data(), sp.state, sp.n), host_tensor(h.v.data(), sp.state, sp.n),
-                           h.c.empty() ? TensorRef{} : host_tensor(h.c.data(), sp.copy, sp.n)});
+    host_shards.push_back(
+        {host_tensor(h.p.data(), DType::kF32, sp.n), host_tensor(h.g.data(), sp.grad, sp.n),
+         host_tensor(h.m.data(), sp.state, sp.n), host_tensor(h.v.data(), sp.state, sp.n),
+         h.c.empty() ? TensorRef{} : host_tensor(h.c.data(), sp.copy, sp.n)});
     bufs.push_back(std::move(b));
   }
   // The uploads read the host copies, which the reference step below rewrites: wait for them.
@@ -1149,7 +1187,8 @@ TEST(CpuMatmul, WidenedInBlocksOfABoundedScratch) {
   ASSERT_LT(blk.rows, m);
   ASSERT_LT(blk.cols, n);
   EXPECT_LE(std::size_t(blk.rows * k + k * blk.cols + blk.rows * blk.cols) * 4, kStage);
-  EXPECT_EQ(cpu::matmul_blocks(m, n, k, true, true, cpu::Matmul::kStageBytes).rows, m);  // fits whole
+  EXPECT_EQ(cpu::matmul_blocks(m, n, k, true, true, cpu::Matmul::kStageBytes).rows,
+            m);  // fits whole
   cpu::Matmul small(kStage), whole;
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> u(-2, 2);
@@ -1161,7 +1200,8 @@ TEST(CpuMatmul, WidenedInBlocksOfABoundedScratch) {
   auto stored = [](DType t, const std::vector<float>& v) {
     std::vector<std::uint8_t> b(v.size() * dtype_size(t));
     for (std::size_t i = 0; i < v.size(); ++i) {
-      if (t == DType::kF32) std::memcpy(b.data() + 4 * i, &v[i], 4);
+      if (t == DType::kF32)
+        std::memcpy(b.data() + 4 * i, &v[i], 4);
       else {
         const std::uint16_t h = t == DType::kBF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
         std::memcpy(b.data() + 2 * i, &h, 2);
@@ -1180,18 +1220,29 @@ TEST(CpuMatmul, WidenedInBlocksOfABoundedScratch) {
     return t == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
   };
   for (DType in : {DType::kBF16, DType::kF16, DType::kF32}) {
-    const GemmRouteScope scope(in, in == DType::kF32 ? std::nullopt : std::optional(cpu::GemmRoute::kWidened));
+    const GemmRouteScope scope(
+        in, in == DType::kF32 ? std::nullopt : std::optional(cpu::GemmRoute::kWidened));
     for (DType out : {DType::kF32, DType::kBF16}) {
       if (in == DType::kF32 && out == DType::kF32) continue;  // nothing staged: oneDNN straight
       for (int t = 0; t < 4; ++t) {
         const bool ta = t & 1, tb = t & 2;
         const float alpha = 0.75f, beta = 0.5f;
-        SCOPED_TRACE(::testing::Message() << dtype_name(in) << "->" << dtype_name(out) << " ta" << ta << " tb" << tb);
-        const auto a = stored(in, randv(m * k)), b = stored(in, randv(k * n)), c0 = stored(out, randv(m * n));
+        SCOPED_TRACE(::testing::Message()
+                     << dtype_name(in) << "->" << dtype_name(out) << " ta" << ta << " tb" << tb);
+        const auto a = stored(in, randv(m * k)), b = stored(in, randv(k * n)),
+                   c0 = stored(out, randv(m * n));
         auto c_small = c0, c_whole = c0;
         auto desc = [&](std::vector<std::uint8_t>& c) {
-          return MatmulDesc{m, n, k, ta, tb, alpha, beta, host_tensor(a.data(), in, std::size_t(m * k)),
-                            host_tensor(b.data(), in, std::size_t(k * n)), host_tensor(c.data(), out, std::size_t(m * n))};
+          return MatmulDesc{m,
+                            n,
+                            k,
+                            ta,
+                            tb,
+                            alpha,
+                            beta,
+                            host_tensor(a.data(), in, std::size_t(m * k)),
+                            host_tensor(b.data(), in, std::size_t(k * n)),
+                            host_tensor(c.data(), out, std::size_t(m * n))};
         };
         small.run(desc(c_small));
         whole.run(desc(c_whole));
@@ -1209,8 +1260,10 @@ TEST(CpuMatmul, WidenedInBlocksOfABoundedScratch) {
             mag = alpha * mag + std::fabs(beta * cv);
             const double bf16_ulp = out == DType::kBF16 ? std::fabs(ref) / 128 : 0;
             const std::size_t at = std::size_t(i * n + j);
-            ASSERT_NEAR(value(out, c_small, at), ref, 1e-5 * mag + bf16_ulp + 1e-6) << "at " << i << "," << j;
-            ASSERT_NEAR(value(out, c_small, at), value(out, c_whole, at), 1e-5 * mag + bf16_ulp) << "at " << i << "," << j;
+            ASSERT_NEAR(value(out, c_small, at), ref, 1e-5 * mag + bf16_ulp + 1e-6)
+                << "at " << i << "," << j;
+            ASSERT_NEAR(value(out, c_small, at), value(out, c_whole, at), 1e-5 * mag + bf16_ulp)
+                << "at " << i << "," << j;
           }
         }
       }

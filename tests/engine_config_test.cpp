@@ -2,9 +2,8 @@
 // planner (bytes per tier against hand-computed values for a small synthetic model).
 #include "strata/engine_config.h"
 
-#include <unistd.h>
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <string>
@@ -398,14 +397,15 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3, "offload_grads": "disk"}})",
        {"'zero_optimization.offload_grads'", "\"none\", \"cpu\", \"nvme\""}},
       {R"({"zero_optimization": {"stage": 2, "offload_grads": "nvme"}})",
-       {"'zero_optimization.offload_grads' is \"nvme\" with zero_optimization.stage 2", "needs stage 3"}},
+       {"'zero_optimization.offload_grads' is \"nvme\" with zero_optimization.stage 2",
+        "needs stage 3"}},
       {R"({"zero_optimization": {"stage": 3, "offload_grads": "nvme"}})",
-       {"'zero_optimization.offload_grads' is \"nvme\"", "neither offload_optimizer.device nor offload_param.device",
-        "offload_grads \"cpu\""}},
+       {"'zero_optimization.offload_grads' is \"nvme\"",
+        "neither offload_optimizer.device nor offload_param.device", "offload_grads \"cpu\""}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads": "cpu",
            "offload_grads_host_fraction": 0.5}})",
-       {"'zero_optimization.offload_grads_host_fraction'", "needs zero_optimization.offload_grads \"nvme\"",
-        "zero_optimization.offload_grads_ratio"}},
+       {"'zero_optimization.offload_grads_host_fraction'",
+        "needs zero_optimization.offload_grads \"nvme\"", "zero_optimization.offload_grads_ratio"}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/o"},
            "offload_grads": "nvme", "offload_grads_host_fraction": 1.5}})",
        {"'zero_optimization.offload_grads_host_fraction'", "0 to 1"}},
@@ -420,20 +420,27 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_threads": -1}})",
        {"'strata.optimizer_threads'"}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": "avx3"}})",
-       {"'strata.optimizer_isa' is \"avx3\"", "use one of \"auto\", \"avx512\", \"avx2\", \"scalar\""}},
-      {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})", {"'strata.optimizer_isa'"}},
+       {"'strata.optimizer_isa' is \"avx3\"",
+        "use one of \"auto\", \"avx512\", \"avx2\", \"scalar\""}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})",
+       {"'strata.optimizer_isa'"}},
       // A key a typo away from one strata reads would leave that setting at its default.
-      {R"({"zero_optimisation": {"stage": 3}})", {"'zero_optimisation'", "did you mean 'zero_optimization'"}},
+      {R"({"zero_optimisation": {"stage": 3}})",
+       {"'zero_optimisation'", "did you mean 'zero_optimization'"}},
       // Beside the key it is a typo of: not "would keep its default", since that key is given.
       {R"({"zero_optimization": {"stage": 3}, "zero_optimization_x": 1})",
-       {"'zero_optimization_x' is not a key strata knows, a typo away from 'zero_optimization', which is given too"}},
+       {"'zero_optimization_x' is not a key strata knows, a typo away from 'zero_optimization', "
+        "which is given too"}},
       {R"({"zero_optimization": {"stage": 3, "offload_optimzer": {"device": "cpu"}}})",
-       {"'zero_optimization.offload_optimzer'", "did you mean 'zero_optimization.offload_optimizer'"}},
-      {R"({"zero_optimization": {"stage": 3, "Overlap_Comm": false}})", {"did you mean 'zero_optimization.overlap_comm'"}},
+       {"'zero_optimization.offload_optimzer'",
+        "did you mean 'zero_optimization.offload_optimizer'"}},
+      {R"({"zero_optimization": {"stage": 3, "Overlap_Comm": false}})",
+       {"did you mean 'zero_optimization.overlap_comm'"}},
       {R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 1048576, "queue_dpeth": 8}})",
        {"'aio.queue_dpeth'", "did you mean 'aio.queue_depth'"}},
       {R"({"zero_optimization": {"stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}})",
-       {"'zero_optimization.stage3_max_live_parameters'", "'zero_optimization.max_live_parameters'", "same setting"}},
+       {"'zero_optimization.stage3_max_live_parameters'", "'zero_optimization.max_live_parameters'",
+        "same setting"}},
       {R"({"zero_optimization": {"stage": "three"}})", {"'zero_optimization.stage'", "1, 2 or 3"}},
   };
   for (const Case& t : cases) {
@@ -457,54 +464,66 @@ TEST(EngineConfig, DeepSpeedAliasesAreReadAndUnusedKeysOnlyWarn) {
   EXPECT_EQ(c.max_reuse_distance, 3'000'000u);
   EXPECT_EQ(c.param_persistence_threshold, 4'000u);
   // Both names with one value: fine.
-  EXPECT_EQ(parse_engine_config(
-                R"({"zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_max_live_parameters": 7}})")
-                .max_live_parameters,
-            7u);
+  EXPECT_EQ(
+      parse_engine_config(
+          R"({"zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_max_live_parameters": 7}})")
+          .max_live_parameters,
+      7u);
 }
 
 TEST(EngineConfig, NearMissFindsTyposOnly) {
-  EXPECT_EQ(config::near_miss("queue_dpeth", {"block_size", "queue_depth"}), "queue_depth");  // swapped letters
+  EXPECT_EQ(config::near_miss("queue_dpeth", {"block_size", "queue_depth"}),
+            "queue_depth");  // swapped letters
   EXPECT_EQ(config::near_miss("nvme_paths", {"nvme_path", "device"}), "nvme_path");
   EXPECT_EQ(config::near_miss("Pin-Memory", {"pin_memory"}), "pin_memory");
-  EXPECT_EQ(config::near_miss("amp", {"aio"}), "");       // too short to guess
+  EXPECT_EQ(config::near_miss("amp", {"aio"}), "");  // too short to guess
   EXPECT_EQ(config::near_miss("ratios", {"ratio"}), "ratio");
   EXPECT_EQ(config::near_miss("radius", {"ratio"}), "");  // two edits on a short key
   EXPECT_EQ(config::near_miss("reduce_scatter", {"reduce_bucket_size"}), "");
-  EXPECT_EQ(config::near_miss("stage3_model_persistence_threshold", {"stage3_param_persistence_threshold"}), "");
+  EXPECT_EQ(config::near_miss("stage3_model_persistence_threshold",
+                              {"stage3_param_persistence_threshold"}),
+            "");
 }
 
 // DeepSpeed's schedules, by hand from lr_schedules.py: step t runs with iteration t - 2.
 TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
   auto sched = [](const char* type, const char* params) {
     return parse_engine_config(std::string(R"({"zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": ")") + type +
-                               R"(", "params": )" + params + "}}");
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": ")") +
+                               type + R"(", "params": )" + params + "}}");
   };
-  EngineConfig c = sched("WarmupLR", R"({"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10})");
+  EngineConfig c =
+      sched("WarmupLR", R"({"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10})");
   EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 1), 0.0);  // iteration -1: the minimum
   EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 2), 0.0);  // log(1) = 0
-  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 3), 1e-3 * std::log(2.0) / std::log(10.0), 1e-15);
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 3), 1e-3 * std::log(2.0) / std::log(10.0),
+              1e-15);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 5000), 1e-3);
-  c = sched("WarmupLR", R"({"warmup_num_steps": 10, "warmup_type": "linear"})");  // no maximum: the optimizer's lr
-  const double lr = c.adamw.lr;  // 2e-3 as a float
+  c = sched(
+      "WarmupLR",
+      R"({"warmup_num_steps": 10, "warmup_type": "linear"})");  // no maximum: the optimizer's lr
+  const double lr = c.adamw.lr;                                 // 2e-3 as a float
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 7), lr * 0.5);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), lr);
-  c = sched("WarmupDecayLR", R"({"warmup_max_lr": 1e-2, "warmup_num_steps": 10, "total_num_steps": 110,
+  c = sched("WarmupDecayLR",
+            R"({"warmup_max_lr": 1e-2, "warmup_num_steps": 10, "total_num_steps": 110,
                                  "warmup_type": "linear"})");
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-2);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 62), 5e-3);
   EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 200), 0.0);
   c = sched("WarmupCosineLR", R"({"warmup_num_steps": 10, "total_num_steps": 110})");
   EXPECT_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 1), 0.0);
-  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 61), lr * (1e-4 + (1 - 1e-4) * 0.5), 1e-15);  // halfway
-  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 111), lr * 1e-4, 1e-15);  // the end: cos_min_ratio
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 61), lr * (1e-4 + (1 - 1e-4) * 0.5),
+              1e-15);  // halfway
+  EXPECT_NEAR(scheduled_lr(c.scheduler, c.adamw.lr, 111), lr * 1e-4,
+              1e-15);                                                 // the end: cos_min_ratio
   EXPECT_DOUBLE_EQ(scheduled_lr(LrScheduleConfig{}, 3e-4, 7), 3e-4);  // no scheduler: constant
   // Hugging Face's "auto" as it fills them: warmup_max_lr is the learning rate (WarmupDecayLR ran
   // at its 0.001 default), total_num_steps the run's steps (0 here, strata-train's --steps; it
   // was refused as missing).
-  c = sched("WarmupDecayLR", R"({"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 10,
+  c = sched("WarmupDecayLR",
+            R"({"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 10,
                                  "total_num_steps": "auto", "warmup_type": "linear"})");
   EXPECT_LT(c.scheduler.warmup_max_lr, 0);
   EXPECT_EQ(c.scheduler.total_num_steps, 0);
@@ -517,7 +536,8 @@ TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
     sched("WarmupDecayLR", R"({"warmup_num_steps": 10})");
     ADD_FAILURE() << "WarmupDecayLR without total_num_steps was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the run's total optimizer steps"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the run's total optimizer steps"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -563,7 +583,8 @@ TEST(EngineConfig, PlacementsFromOffloadDevices) {
 
   // Every piece takes a device / host split: the weights by offload_param.ratio, the gradients
   // by offload_grads_ratio (strata's), as the optimizer state by offload_optimizer.ratio.
-  c = parse_zero(R"("offload_param": {"device": "cpu", "ratio": 0.25}, "offload_optimizer": {"device": "cpu"},
+  c = parse_zero(
+      R"("offload_param": {"device": "cpu", "ratio": 0.25}, "offload_optimizer": {"device": "cpu"},
                     "offload_grads_ratio": 0.6)");
   EXPECT_DOUBLE_EQ(c.params.device_fraction, 0.75);
   EXPECT_DOUBLE_EQ(c.params.host_fraction, 0.25);
@@ -572,14 +593,19 @@ TEST(EngineConfig, PlacementsFromOffloadDevices) {
   EXPECT_NEAR(c.grads.nvme_fraction(), 0.0, 1e-12);
   // Ignored, with a warning naming the key that does split them, where the piece is not on "cpu".
   testing::internal::CaptureStderr();
-  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p", "ratio": 0.5}, "offload_grads": "none",
+  c = parse_zero(
+      R"("offload_param": {"device": "nvme", "nvme_path": "/p", "ratio": 0.5}, "offload_grads": "none",
                     "offload_grads_ratio": 0.5)");
   const std::string said = testing::internal::GetCapturedStderr();
   EXPECT_EQ(c.params.nvme_fraction(), 1.0);
   EXPECT_EQ(c.grads.device_fraction, 1.0);
-  EXPECT_NE(said.find("'zero_optimization.offload_param.ratio' is ignored"), std::string::npos) << said;
-  EXPECT_NE(said.find("(for host and NVMe: zero_optimization.offload_param.host_fraction)"), std::string::npos) << said;
-  EXPECT_NE(said.find("'zero_optimization.offload_grads_ratio' is ignored"), std::string::npos) << said;
+  EXPECT_NE(said.find("'zero_optimization.offload_param.ratio' is ignored"), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("(for host and NVMe: zero_optimization.offload_param.host_fraction)"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("'zero_optimization.offload_grads_ratio' is ignored"), std::string::npos)
+      << said;
 
   // Gradients on NVMe: beside the optimizer state (its nvme_path), else beside the weights; a
   // share kept on the host by offload_grads_host_fraction.
@@ -587,12 +613,14 @@ TEST(EngineConfig, PlacementsFromOffloadDevices) {
                     "offload_optimizer": {"device": "nvme", "nvme_path": "/o"}, "offload_grads": "nvme")");
   EXPECT_EQ(c.grads.nvme_fraction(), 1.0);
   EXPECT_EQ(c.grad_nvme_paths, std::vector<std::string>{"/o"});
-  c = parse_zero(R"("offload_param": {"device": "nvme", "nvme_path": "/p"}, "offload_optimizer": {"device": "cpu"},
+  c = parse_zero(
+      R"("offload_param": {"device": "nvme", "nvme_path": "/p"}, "offload_optimizer": {"device": "cpu"},
                     "offload_grads": "nvme", "offload_grads_host_fraction": 0.25)");
   EXPECT_EQ(c.grads.device_fraction, 0.0);
   EXPECT_EQ(c.grads.host_fraction, 0.25);
   EXPECT_EQ(c.grad_nvme_paths, std::vector<std::string>{"/p"});
-  c = parse_zero(R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o"}, "offload_grads": "nvme",
+  c = parse_zero(
+      R"("offload_optimizer": {"device": "nvme", "nvme_path": "/o"}, "offload_grads": "nvme",
                     "offload_grads_ratio": 0.5)");  // (ignored: warned once per process, above)
   EXPECT_EQ(c.grads.nvme_fraction(), 1.0);
   // Not asked for, never there.
@@ -664,7 +692,8 @@ TEST(MemoryPlan, Stage3NoOffload) {
   EXPECT_EQ(line(p, "prefetch", Tier::kDevice), 823296u * 2);
   EXPECT_EQ(line(p, "gradient shard", Tier::kDevice), 1028096u * 4);
   EXPECT_EQ(line(p, "optimizer state", Tier::kDevice), 1028096u * 12);
-  EXPECT_EQ(line(p, "unit gradients", Tier::kDevice), 823'296u * 4 * 2);  // the largest unit, overlap_comm
+  EXPECT_EQ(line(p, "unit gradients", Tier::kDevice),
+            823'296u * 4 * 2);  // the largest unit, overlap_comm
   // reduce_bucket_size 1.5e6 is 749568 elements a rank, more than the largest shard: each unit
   // is reduced in one bucket, into one shard-sized output.
   EXPECT_EQ(line(p, "reduce-scatter output (411648 elements", Tier::kDevice), 411'648u * 4);
@@ -692,9 +721,12 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   // unit's new bf16 weights held until the unit switches to them (end of step() or its
   // next fetch).
   EXPECT_TRUE(p.early_optimizer_step);
-  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost), 1028096u * 12);
-  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 1028096u * 2);
-  EXPECT_EQ(p.host_bytes, 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 12'337'152u + 2'056'192u);
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost),
+            1028096u * 12);
+  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost),
+            1028096u * 2);
+  EXPECT_EQ(p.host_bytes,
+            4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 12'337'152u + 2'056'192u);
   EXPECT_EQ(p.nvme_bytes, 0u);
   EXPECT_TRUE(p.fits);
   EXPECT_TRUE(p.notes.empty());
@@ -703,13 +735,16 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   // step takes only the units whose gradients are on the host, and only theirs have second copies
   // (it counted every unit's: 2.5x the host bytes the run holds).
   const MemoryPlan half = plan_memory(
-      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"),
+      synthetic_config(
+          R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"),
       synthetic_inputs());
   EXPECT_TRUE(half.early_optimizer_step);
   EXPECT_EQ(line(half, "gradient shard", Tier::kDevice), (409600u + 411648u) * 4);
   EXPECT_EQ(line(half, "gradient shard", Tier::kHost), (2048u + 204800u) * 4);
-  EXPECT_EQ(line(half, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost), (2048u + 204800u) * 12);
-  EXPECT_EQ(line(half, "early optimizer step: new device weights until switched", Tier::kHost), (2048u + 204800u) * 2);
+  EXPECT_EQ(line(half, "early optimizer step: 2nd copy of host optimizer state", Tier::kHost),
+            (2048u + 204800u) * 12);
+  EXPECT_EQ(line(half, "early optimizer step: new device weights until switched", Tier::kHost),
+            (2048u + 204800u) * 2);
 
   // sub_group_size below a unit: the host optimizer steps it a sub-group (here one page of 2048
   // elements, the least) at a time, so two sub-groups' new weights are staged, not two shards'.
@@ -717,27 +752,34 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   // the two ranks' shards) at a time, so its output and host staging hold that much; the unit's
   // whole gradient the model writes is still planned, and the notes say so.
   const MemoryPlan small = plan_memory(
-      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
+      synthetic_config(
+          R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000,
                           "reduce_bucket_size": 1000)"),
       synthetic_inputs());
-  EXPECT_EQ(line(small, "new compute-weight staging (2 x 2048 elements)", Tier::kHost), 2u * 2048 * 2);
+  EXPECT_EQ(line(small, "new compute-weight staging (2 x 2048 elements)", Tier::kHost),
+            2u * 2048 * 2);
   EXPECT_EQ(line(small, "gradient D2H staging (2 x 2048 elements", Tier::kHost), 2u * 2048 * 4);
-  EXPECT_EQ(small.host_bytes, p.host_bytes - 1'646'592u + 2u * 2048 * 2 - 3'293'184u + 2u * 2048 * 4);
+  EXPECT_EQ(small.host_bytes,
+            p.host_bytes - 1'646'592u + 2u * 2048 * 2 - 3'293'184u + 2u * 2048 * 4);
   EXPECT_EQ(line(small, "reduce-scatter output (2048 elements", Tier::kDevice), 2048u * 4);
   EXPECT_EQ(line(small, "reduce-scatter bucket (2 x 2048 elements", Tier::kDevice), 2u * 2048 * 4);
   EXPECT_EQ(line(small, "unit gradients", Tier::kDevice), line(p, "unit gradients", Tier::kDevice));
   ASSERT_EQ(small.notes.size(), 2u) << small.table();
-  EXPECT_NE(small.notes[0].find("zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
-                                "elements): gradients are accumulated in buckets of 2048 elements a rank (whole "
-                                "pages) and the largest reduce-scattered bucket by bucket, but the model writes a "
-                                "unit's whole fp32 gradient"), std::string::npos)
+  EXPECT_NE(small.notes[0].find(
+                "zero_optimization.reduce_bucket_size 1000 is below the largest unit (819201 "
+                "elements): gradients are accumulated in buckets of 2048 elements a rank (whole "
+                "pages) and the largest reduce-scattered bucket by bucket, but the model writes a "
+                "unit's whole fp32 gradient"),
+            std::string::npos)
       << small.notes[0];
-  EXPECT_NE(small.notes[1].find("zero_optimization.sub_group_size 1000 is used as 2048 elements"), std::string::npos)
+  EXPECT_NE(small.notes[1].find("zero_optimization.sub_group_size 1000 is used as 2048 elements"),
+            std::string::npos)
       << small.notes[1];
   // Not given, the defaults (5e8, 1e9 elements) are no one's choice: nothing said (a Llama-3-8B's
   // 525M-element embedding drew the note from a config without the key).
   const EngineConfig dflt = parse_engine_config(
-      R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})", 1);
+      R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})",
+      1);
   PlanInputs big = synthetic_inputs();
   big.world_size = 1;
   big.units = {{"embedding", 600'000'000}, {"layer", 1000}};
@@ -759,17 +801,23 @@ TEST(MemoryPlan, OptimizerOnCpu) {
   EXPECT_FALSE(t.early_optimizer_step);
   ASSERT_EQ(t.notes.size(), 1u);
   // 35782656 bytes needed, in whole 2 MiB pieces of the pinned pool: 18 of them.
-  EXPECT_NE(t.notes[0].find("strata.host_budget_bytes to 37748736"), std::string::npos) << t.notes[0];
-  EXPECT_NE(t.table().find("note: strata.overlap_optimizer is off"), std::string::npos) << t.table();
+  EXPECT_NE(t.notes[0].find("strata.host_budget_bytes to 37748736"), std::string::npos)
+      << t.notes[0];
+  EXPECT_NE(t.table().find("note: strata.overlap_optimizer is off"), std::string::npos)
+      << t.table();
   // Asked for: refused, naming the way out.
   tight.overlap_optimizer = true;
   const MemoryPlan f = plan_memory(tight, synthetic_inputs());
   EXPECT_FALSE(f.fits);
   ASSERT_EQ(f.problems.size(), 1u);
-  EXPECT_NE(f.problems[0].find("strata.overlap_optimizer false"), std::string::npos) << f.problems[0];
+  EXPECT_NE(f.problems[0].find("strata.overlap_optimizer false"), std::string::npos)
+      << f.problems[0];
   // The host optimizer stages new weights a sub-group at a time: a smaller one is a way too.
-  EXPECT_NE(f.problems[0].find("a smaller zero_optimization.sub_group_size (the new weights are staged 411648 "
-                               "elements at a time)"), std::string::npos) << f.problems[0];
+  EXPECT_NE(f.problems[0].find(
+                "a smaller zero_optimization.sub_group_size (the new weights are staged 411648 "
+                "elements at a time)"),
+            std::string::npos)
+      << f.problems[0];
 }
 
 TEST(MemoryPlan, OptimizerRatioSplitsWholeUnitsInOrder) {
@@ -792,24 +840,31 @@ TEST(MemoryPlan, ParamsAndOptimizerOnNvme) {
           "offload_optimizer": {"device": "nvme", "nvme_path": ["/o1", "/o2"]})"),
                                    synthetic_inputs());
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
-  EXPECT_EQ(p.device_bytes, 8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 1'646'592u + 10'000'000u);
+  EXPECT_EQ(p.device_bytes,
+            8'192u + 2'000'000u + 1'646'592u + 6'586'368u + 1'646'592u + 10'000'000u);
   // offload_param.buffer_count (5) whole shards read ahead (buffer_size is stored).
   EXPECT_EQ(line(p, "parameter swap buffers", Tier::kHost), 5u * 411648 * 2);
   // offload_optimizer.buffer_count (4): one read ahead, one stepping, two written behind, each
   // one sub-group's state: sub_group_size 1e5 in whole pages of 2048 elements is 98304.
-  EXPECT_EQ(line(p, "optimizer swap buffers (4 x 98304 elements' state", Tier::kHost), 4u * 98304 * 12);
-  EXPECT_EQ(line(p, "new compute-weight staging (2 x 98304 elements)", Tier::kHost), 2u * 98304 * 2);
+  EXPECT_EQ(line(p, "optimizer swap buffers (4 x 98304 elements' state", Tier::kHost),
+            4u * 98304 * 12);
+  EXPECT_EQ(line(p, "new compute-weight staging (2 x 98304 elements)", Tier::kHost),
+            2u * 98304 * 2);
   // u2's new weights (persistent: on the device) wait in host memory until it switches.
-  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost), 2048u * 2);
+  EXPECT_EQ(line(p, "early optimizer step: new device weights until switched", Tier::kHost),
+            2048u * 2);
   EXPECT_EQ(p.host_bytes, 4'112'384u + 3'293'184u + 4'116'480u + 4'718'592u + 393'216u + 4'096u);
   EXPECT_EQ(line(p, "compute weights", Tier::kNvme), (1028096u - 2048) * 2);  // not u2's
   EXPECT_EQ(line(p, "optimizer state", Tier::kNvme), 1028096u * 12);
   // The early optimizer step writes its second copies to NVMe too.
-  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme), 1028096u * 12);
-  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme), (1028096u - 2048) * 2);
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe optimizer state", Tier::kNvme),
+            1028096u * 12);
+  EXPECT_EQ(line(p, "early optimizer step: 2nd copy of NVMe compute weights", Tier::kNvme),
+            (1028096u - 2048) * 2);
   // Two swap stores (the paths differ), each growing its files by whole 1 MiB stripes:
   // 4104192 -> 4 MiB, 24674304 -> 24 MiB.
-  EXPECT_EQ(line(p, "swap files: rounded up", Tier::kNvme), (4u << 20) - 4'104'192u + (24u << 20) - 24'674'304u);
+  EXPECT_EQ(line(p, "swap files: rounded up", Tier::kNvme),
+            (4u << 20) - 4'104'192u + (24u << 20) - 24'674'304u);
   EXPECT_EQ(p.nvme_bytes, (28u << 20));
   EXPECT_TRUE(p.fits);
 
@@ -843,8 +898,10 @@ TEST(MemoryPlan, Stage2KeepsFullWeights) {
   EXPECT_EQ(line(p, "full weights", Tier::kDevice), 2'056'192u * 2);
   EXPECT_EQ(line(p, "compute weights", Tier::kDevice), 0u);
   EXPECT_EQ(line(p, "gathered units", Tier::kDevice), 0u);
-  EXPECT_EQ(line(p, "unit gradient (", Tier::kDevice), 823'296u * 4);  // overlap_comm off at stage 2
-  EXPECT_EQ(p.device_bytes, 4'112'384u + 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 10'000'000u);
+  EXPECT_EQ(line(p, "unit gradient (", Tier::kDevice),
+            823'296u * 4);  // overlap_comm off at stage 2
+  EXPECT_EQ(p.device_bytes,
+            4'112'384u + 4'112'384u + 12'337'152u + 3'293'184u + 1'646'592u + 10'000'000u);
   EXPECT_EQ(p.host_bytes, 0u);
 }
 
@@ -857,8 +914,11 @@ TEST(MemoryPlan, BucketsAreAtMostTheLargestShardAndFp32PlansWith4Bytes) {
     c.reduce_bucket_size = size;
     const MemoryPlan p = plan_memory(c, synthetic_inputs());
     EXPECT_EQ(line(p, "unit gradient (", Tier::kDevice), 823'296u * 4) << size;
-    EXPECT_EQ(line(p, "reduce-scatter output", Tier::kDevice), (size == 1000 ? 2048u : 411'648u) * 4) << size;
-    EXPECT_EQ(line(p, "reduce-scatter bucket", Tier::kDevice), size == 1000 ? 2u * 2048 * 4 : 0u) << size;
+    EXPECT_EQ(line(p, "reduce-scatter output", Tier::kDevice),
+              (size == 1000 ? 2048u : 411'648u) * 4)
+        << size;
+    EXPECT_EQ(line(p, "reduce-scatter bucket", Tier::kDevice), size == 1000 ? 2u * 2048 * 4 : 0u)
+        << size;
   }
   c.compute_dtype = DType::kF32;
   const MemoryPlan p = plan_memory(c, synthetic_inputs());
@@ -885,11 +945,14 @@ TEST(MemoryPlan, ASplitPieceIsFixedByItsRatio) {
   in = synthetic_inputs();
   in.host_capacity = 4u << 20;
   const MemoryPlan h = plan_memory(
-      synthetic_config(R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"), in);
+      synthetic_config(
+          R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads_ratio": 0.5)"),
+      in);
   ASSERT_FALSE(h.fits);
   std::string all;
   for (const auto& q : h.problems) all += q + "\n";
-  EXPECT_NE(all.find("lower zero_optimization.offload_grads_ratio (now 0.5"), std::string::npos) << all;
+  EXPECT_NE(all.find("lower zero_optimization.offload_grads_ratio (now 0.5"), std::string::npos)
+      << all;
   EXPECT_EQ(all.find("offload_grads \"none\""), std::string::npos) << all;
 }
 
@@ -898,9 +961,11 @@ TEST(MemoryPlan, ASplitPieceIsFixedByItsRatio) {
 // host shortfall with host gradients names the move to NVMe.
 TEST(MemoryPlan, GradientsOnNvme) {
   PlanInputs in = synthetic_inputs();
-  EngineConfig host = synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
+  EngineConfig host =
+      synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"})");
-  EngineConfig nv = synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
+  EngineConfig nv =
+      synthetic_config(R"(, "stage": 3, "reduce_bucket_size": 16384, "sub_group_size": 16384,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_grads": "nvme")");
   host.overlap_optimizer = nv.overlap_optimizer = false;  // (no second copies to drop when short)
   const MemoryPlan h = plan_memory(host, in), n = plan_memory(nv, in);
@@ -928,7 +993,8 @@ TEST(MemoryPlan, GradientsOnNvme) {
   ASSERT_FALSE(short_h.fits);
   std::string all;
   for (const auto& q : short_h.problems) all += q + "\n";
-  EXPECT_NE(all.find("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\""), std::string::npos)
+  EXPECT_NE(all.find("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\""),
+            std::string::npos)
       << all;
   // Half kept on the host: the fix is that share.
   nv.grads.host_fraction = 0.5;
@@ -937,7 +1003,9 @@ TEST(MemoryPlan, GradientsOnNvme) {
   ASSERT_FALSE(short_n.fits);
   all.clear();
   for (const auto& q : short_n.problems) all += q + "\n";
-  EXPECT_NE(all.find("lower zero_optimization.offload_grads_host_fraction (now 0.5"), std::string::npos) << all;
+  EXPECT_NE(all.find("lower zero_optimization.offload_grads_host_fraction (now 0.5"),
+            std::string::npos)
+      << all;
   EXPECT_NE(all.find("the gradient NVMe staging holds 4 x"), std::string::npos) << all;
   // No directory for them: refused naming the keys.
   nv.grad_nvme_paths.clear();
@@ -945,7 +1013,8 @@ TEST(MemoryPlan, GradientsOnNvme) {
     plan_memory(nv, synthetic_inputs());
     ADD_FAILURE() << "gradients on NVMe without a path were planned";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -971,18 +1040,33 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
       2);
   const MemoryPlan q = plan_memory(nv, in);
   EXPECT_FALSE(q.fits);
-  // strata.host_budget_bytes wins over the machine, in the whole 2 MiB pieces the pinned pool commits.
+  // strata.host_budget_bytes wins over the machine, in the whole 2 MiB pieces the pinned pool
+  // commits.
   EXPECT_EQ(q.host_capacity, 15'000'000u / (2 << 20) * (2 << 20));
   ASSERT_EQ(q.problems.size(), 2u);
   EXPECT_EQ(q.problems[0].rfind("host:", 0), 0u) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("has 14.00 MiB (the budget of 15000000 bytes in whole 2 MiB pieces, as the pinned pool "
-                               "commits it; 1.86 MiB = 1953792 bytes missing)"), std::string::npos) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("a smaller zero_optimization.reduce_bucket_size (the gradient D2H staging holds 2 x "
-                               "411648 elements, 3.14 MiB)"), std::string::npos) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count (now 4"), std::string::npos) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("offload_param.buffer_count (now 5"), std::string::npos) << q.problems[0];
-  EXPECT_NE(q.problems[0].find("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold 98304 "
-                               "elements' state each, 1.12 MiB)"), std::string::npos) << q.problems[0];
+  EXPECT_NE(
+      q.problems[0].find(
+          "has 14.00 MiB (the budget of 15000000 bytes in whole 2 MiB pieces, as the pinned pool "
+          "commits it; 1.86 MiB = 1953792 bytes missing)"),
+      std::string::npos)
+      << q.problems[0];
+  EXPECT_NE(
+      q.problems[0].find(
+          "a smaller zero_optimization.reduce_bucket_size (the gradient D2H staging holds 2 x "
+          "411648 elements, 3.14 MiB)"),
+      std::string::npos)
+      << q.problems[0];
+  EXPECT_NE(q.problems[0].find("offload_optimizer.buffer_count (now 4"), std::string::npos)
+      << q.problems[0];
+  EXPECT_NE(q.problems[0].find("offload_param.buffer_count (now 5"), std::string::npos)
+      << q.problems[0];
+  EXPECT_NE(
+      q.problems[0].find(
+          "a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold 98304 "
+          "elements' state each, 1.12 MiB)"),
+      std::string::npos)
+      << q.problems[0];
   EXPECT_NE(q.problems[0].find("strata.host_budget_bytes"), std::string::npos) << q.problems[0];
   EXPECT_EQ(q.problems[1].rfind("nvme:", 0), 0u) << q.problems[1];
   // 14389248 bytes of state in two stores, whole 1 MiB stripes each: 2 + 12 MiB.
@@ -993,7 +1077,8 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
   in.ranks_on_node = 4;
   const MemoryPlan shared = plan_memory(nv, in);
   ASSERT_EQ(shared.problems.size(), 2u);
-  EXPECT_NE(shared.problems[1].find("the 4 ranks on this node split each drive's free space"), std::string::npos)
+  EXPECT_NE(shared.problems[1].find("the 4 ranks on this node split each drive's free space"),
+            std::string::npos)
       << shared.problems[1];
 }
 
@@ -1006,17 +1091,26 @@ TEST(MemoryPlan, ValuesUsedOtherwiseThanWrittenAreSaid) {
     std::string all;
     const EngineConfig c = parse_engine_config(
         R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1.5e6,
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/o")" + zero + "}}", 2);
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/o")" +
+            zero + "}}",
+        2);
     for (const std::string& n : plan_memory(c, in).notes) all += n + "\n";
     return all;
   };
-  const std::string changed = notes(R"(, "buffer_count": 1}, "sub_group_size": 100, "stage3_max_live_parameters": 1)");
-  EXPECT_NE(changed.find("zero_optimization.sub_group_size 100 is used as 2048 elements"), std::string::npos) << changed;
-  EXPECT_NE(changed.find("offload_optimizer.buffer_count 1: 3 swap buffers are used"), std::string::npos) << changed;
-  EXPECT_NE(changed.find("stage3_max_live_parameters 1 is below the largest gathered unit (823296 elements, padded)"),
+  const std::string changed =
+      notes(R"(, "buffer_count": 1}, "sub_group_size": 100, "stage3_max_live_parameters": 1)");
+  EXPECT_NE(changed.find("zero_optimization.sub_group_size 100 is used as 2048 elements"),
             std::string::npos)
       << changed;
-  const std::string as_written = notes(R"(, "buffer_count": 4}, "sub_group_size": 4096, "stage3_max_live_parameters": 1e6)");
+  EXPECT_NE(changed.find("offload_optimizer.buffer_count 1: 3 swap buffers are used"),
+            std::string::npos)
+      << changed;
+  EXPECT_NE(changed.find("stage3_max_live_parameters 1 is below the largest gathered unit (823296 "
+                         "elements, padded)"),
+            std::string::npos)
+      << changed;
+  const std::string as_written =
+      notes(R"(, "buffer_count": 4}, "sub_group_size": 4096, "stage3_max_live_parameters": 1e6)");
   EXPECT_EQ(as_written.find("sub_group_size"), std::string::npos) << as_written;
   EXPECT_EQ(as_written.find("buffer_count"), std::string::npos) << as_written;
   EXPECT_EQ(as_written.find("stage3_max_live_parameters"), std::string::npos) << as_written;
@@ -1029,11 +1123,15 @@ TEST(MemoryPlan, AHostShortfallBelowStage3OffersWhatThatStageTakes) {
   in.host_capacity = 2 << 20;
   for (const int stage : {1, 2, 3}) {
     const EngineConfig c = parse_engine_config(
-        fmt::format(R"({{"zero_optimization": {{"stage": {}, "offload_optimizer": {{"device": "cpu"}}}}}})", stage), 1);
+        fmt::format(
+            R"({{"zero_optimization": {{"stage": {}, "offload_optimizer": {{"device": "cpu"}}}}}})",
+            stage),
+        1);
     const MemoryPlan p = plan_memory(c, in);
     ASSERT_FALSE(p.fits) << "stage " << stage;
     ASSERT_EQ(p.problems[0].rfind("host:", 0), 0u) << p.problems[0];
-    EXPECT_EQ(p.problems[0].find("offload_optimizer.device \"nvme\"") != std::string::npos, stage == 3)
+    EXPECT_EQ(p.problems[0].find("offload_optimizer.device \"nvme\"") != std::string::npos,
+              stage == 3)
         << p.problems[0];
     EXPECT_EQ(p.problems[0].find("offload_optimizer.ratio below 1") != std::string::npos, stage < 3)
         << p.problems[0];
@@ -1042,8 +1140,10 @@ TEST(MemoryPlan, AHostShortfallBelowStage3OffersWhatThatStageTakes) {
 
 // strata.host_budget_bytes left at 0: 80% of RAM, split among the ranks of the node.
 TEST(MemoryPlan, DefaultHostBudgetIsSplitAmongTheNodesRanks) {
-  const std::uint64_t ram = std::uint64_t(::sysconf(_SC_PHYS_PAGES)) * std::uint64_t(::sysconf(_SC_PAGESIZE));
-  const std::uint64_t one = default_host_budget(), two = default_host_budget(2), eight = default_host_budget(8);
+  const std::uint64_t ram =
+      std::uint64_t(::sysconf(_SC_PHYS_PAGES)) * std::uint64_t(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t one = default_host_budget(), two = default_host_budget(2),
+                      eight = default_host_budget(8);
   // In whole 2 MiB pieces, as the pinned pool commits memory.
   const double piece = double(2 << 20);
   EXPECT_NEAR(double(one), 0.8 * double(ram), piece);

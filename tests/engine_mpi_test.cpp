@@ -1,14 +1,13 @@
 // The engine across ranks: N ranks under mpirun (MPI on the CPU-emulated device), each with
 // 1/N of the global batch, against one rank with the whole batch computed in the same
 // process. Same global batch, so the same losses and weights up to reduction order.
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-
-#include <gtest/gtest.h>
 
 #include "engine/linear_model.h"
 #include "strata/error.h"
@@ -41,8 +40,8 @@ struct Run {
 // amount for a last-bit change of its sum. N ranks and one rank sum a gradient in different orders
 // (the GEMM library's blocking decides one of them, and oneDNN's AVX2 and AVX-512 kernels block
 // differently), so the comparisons below would depend on the data's luck, not on the engine.
-Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model, int rows_per_rank,
-          int steps, int accum) {
+Run train(Device& dev, Communicator& comm, EngineConfig cfg, const LinearModel& model,
+          int rows_per_rank, int steps, int accum) {
   cfg.gradient_accumulation_steps = accum;
   cfg.adamw.eps = 1e-4f;
   Engine e(dev, comm, cfg);
@@ -87,7 +86,8 @@ Run train_ranks(EngineConfig cfg, const std::vector<int>& dims) {
 }
 
 // Returns the ranks' run.
-Run compare_with_one_rank(EngineConfig cfg, const char* what, const std::vector<int>& dims = {24, 40, 33, 16}) {
+Run compare_with_one_rank(EngineConfig cfg, const char* what,
+                          const std::vector<int>& dims = {24, 40, 33, 16}) {
   Env& env = *g_env;
   const int n = env.comm->world_size();
   const int rows = kRows, steps = kSteps, accum = kAccum;
@@ -107,17 +107,20 @@ Run compare_with_one_rank(EngineConfig cfg, const char* what, const std::vector<
   const Run one = train(*dev1, *local, c1, LinearModel(dims, rows * n, 7), rows * n, steps, accum);
 
   for (int i = 0; i < steps; ++i)
-    EXPECT_NEAR(multi.losses[std::size_t(i)], one.losses[std::size_t(i)], 1e-5 * one.losses[std::size_t(i)])
+    EXPECT_NEAR(multi.losses[std::size_t(i)], one.losses[std::size_t(i)],
+                1e-5 * one.losses[std::size_t(i)])
         << what << ": step " << i;
   EXPECT_LT(multi.losses.back(), multi.losses.front()) << what << ": did not train";
   if (cfg.overlap_optimizer.value_or(false)) {
-    EXPECT_EQ(multi.early_kept, std::uint64_t(steps - 1) * (dims.size() - 1)) << what;  // every layer after step 1
+    EXPECT_EQ(multi.early_kept, std::uint64_t(steps - 1) * (dims.size() - 1))
+        << what;  // every layer after step 1
   }
   for (std::size_t l = 0; l < one.master.size(); ++l)
     for (std::size_t i = 0; i < one.master[l].size(); ++i)
-      if (std::fabs(multi.master[l][i] - one.master[l][i]) > 2e-5 + 2e-5 * std::fabs(one.master[l][i])) {
-        ADD_FAILURE() << what << ": layer " << l << " element " << i << ": " << multi.master[l][i] << " vs "
-                      << one.master[l][i] << " on one rank";
+      if (std::fabs(multi.master[l][i] - one.master[l][i]) >
+          2e-5 + 2e-5 * std::fabs(one.master[l][i])) {
+        ADD_FAILURE() << what << ": layer " << l << " element " << i << ": " << multi.master[l][i]
+                      << " vs " << one.master[l][i] << " on one rank";
         break;
       }
   return multi;
@@ -204,10 +207,12 @@ TEST(EngineRanks, Fp16OverflowOnOneRankSkipsTheStepEverywhere) {
     EXPECT_EQ(res.step, step < 2 ? step + 1 : step) << "rank " << r;
     if (step == 2) {
       for (int l = 0; l < m.layers(); ++l)
-        EXPECT_TRUE(e.gather_master(l) == before[std::size_t(l)]) << "rank " << r << ": layer " << l << " changed";
+        EXPECT_TRUE(e.gather_master(l) == before[std::size_t(l)])
+            << "rank " << r << ": layer " << l << " changed";
     }
   }
-  EXPECT_EQ(scales[3], scales[2] / 2) << "rank " << r << ": the scale did not halve after the overflow";
+  EXPECT_EQ(scales[3], scales[2] / 2)
+      << "rank " << r << ": the scale did not halve after the overflow";
   // Every rank's scales are rank 0's.
   std::vector<double> mine = scales, first = scales;
   Buffer b = env.dev->alloc(first.size() * 8, s.get());
@@ -230,7 +235,8 @@ TEST(EngineRanks, OffloadToHostAndNvmeMatchesOneRank) {
   c.grads = on(Tier::kHost);
   c.param_nvme_paths = {dir};
   c.optimizer_nvme_paths = {dir};
-  c.param_persistence_threshold = 0;  // every unit's weights read from NVMe and gathered at each use
+  c.param_persistence_threshold =
+      0;  // every unit's weights read from NVMe and gathered at each use
   EXPECT_GE(compare_with_one_rank(c, "params on NVMe, optimizer half host half NVMe").fetches,
             std::uint64_t(kSteps) * 3);
   // The early optimizer step on every rank (the emulated device's default is off): each rank
@@ -268,14 +274,19 @@ TEST(EngineRanks, GradientBucketsMatchWholeUnitsAndOneRank) {
     // Shards of 4096 | 20480 | 4096 elements (1 rank), 2048 | 10240 | 2048 (2: the second
     // reduce-scattered in 5 buckets), 2048 | 5120 | 2048 (4: 3 buckets' shares of one).
     EXPECT_EQ(split.grad_buckets, std::uint64_t(kSteps * kAccum) * (n == 4 ? 5 : 7)) << what;
-    EXPECT_EQ(split.reduce_scatters, std::uint64_t(kSteps * kAccum) * (n == 1 ? 0 : n == 2 ? 7 : 3)) << what;
+    EXPECT_EQ(split.reduce_scatters, std::uint64_t(kSteps * kAccum) * (n == 1   ? 0
+                                                                       : n == 2 ? 7
+                                                                                : 3))
+        << what;
     if (n != 2) continue;
     c.reduce_bucket_size = 500'000'000;
     const strata::Run whole = train_ranks(c, dims);
     for (int i = 0; i < kSteps; ++i)
-      EXPECT_EQ(split.losses[std::size_t(i)], whole.losses[std::size_t(i)]) << what << ": step " << i;
+      EXPECT_EQ(split.losses[std::size_t(i)], whole.losses[std::size_t(i)])
+          << what << ": step " << i;
     for (std::size_t l = 0; l < whole.master.size(); ++l)
-      EXPECT_TRUE(split.master[l] == whole.master[l]) << what << ": layer " << l << " differs from whole units";
+      EXPECT_TRUE(split.master[l] == whole.master[l])
+          << what << ": layer " << l << " differs from whole units";
   }
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
   std::error_code ec;
@@ -291,9 +302,11 @@ TEST(EngineRanks, GradientBucketsMatchWholeUnitsAndOneRank) {
 // the same for 1, 2 and 4 ranks (this suite runs under each) and for every placement: what the
 // source gives for the whole unit in one call.
 TEST(EngineRanks, AFreshModelIsTheSameOnAnyRanksAndPlacement) {
-  const ModelConfig mc = parse_model_config(R"({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+  const ModelConfig mc =
+      parse_model_config(R"({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
     "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 32, "tie_word_embeddings": false})", "tiny llama");
+    "max_position_embeddings": 32, "tie_word_embeddings": false})",
+                         "tiny llama");
   const std::vector<UnitSpec> units = model_units(mc);
   const ModelSource src = fresh_model_source(mc, 1234);
   const std::string dir = job_dir("strata-engine-mpi-fresh");
@@ -316,7 +329,8 @@ TEST(EngineRanks, AFreshModelIsTheSameOnAnyRanksAndPlacement) {
       const std::vector<float> got = e.gather_master(int(u));
       ASSERT_EQ(got.size(), want.size()) << units[u].name;
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0)
-          << units[u].name << " on " << tier_name(t) << " differs on " << g_env->comm->world_size() << " rank(s)";
+          << units[u].name << " on " << tier_name(t) << " differs on " << g_env->comm->world_size()
+          << " rank(s)";
     }
   }
   g_env->comm->barrier(*g_env->dev->create_stream("barrier")).synchronize();
@@ -362,13 +376,15 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
     void (*differ)(EngineConfig&);
   };
   const Case cases[] = {
-      {"zero_optimization.reduce_bucket_size", [](EngineConfig& c) { c.reduce_bucket_size = 4096; }},
+      {"zero_optimization.reduce_bucket_size",
+       [](EngineConfig& c) { c.reduce_bucket_size = 4096; }},
       {"zero_optimization.stage3_param_persistence_threshold",
        [](EngineConfig& c) { c.param_persistence_threshold = 1 << 30; }},
       {"the optimizer state's placement", [](EngineConfig& c) { c.optimizer = on(Tier::kHost); }},
       // (a planner input: with a small host budget one rank alone did not fit, and stopped, while
       // the other went on into an all-gather)
-      {"zero_optimization.offload_optimizer.buffer_count", [](EngineConfig& c) { c.optimizer_buffer_count = 1000; }}};
+      {"zero_optimization.offload_optimizer.buffer_count",
+       [](EngineConfig& c) { c.optimizer_buffer_count = 1000; }}};
   for (const Case& k : cases) {
     EngineConfig c = default_engine_config();
     c.host_budget_bytes = 64 << 20;
@@ -377,9 +393,11 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
     LinearModel({64, 64, 64}, 2, 3).register_units(e);
     try {
       e.finalize();
-      ADD_FAILURE() << "rank " << r << ": " << k.key << " differs between the ranks and finalize went on";
+      ADD_FAILURE() << "rank " << r << ": " << k.key
+                    << " differs between the ranks and finalize went on";
     } catch (const Error& err) {
-      EXPECT_NE(std::string(err.what()).find(std::string("different engine settings: ") + k.key), std::string::npos)
+      EXPECT_NE(std::string(err.what()).find(std::string("different engine settings: ") + k.key),
+                std::string::npos)
           << err.what();
     }
   }
@@ -397,8 +415,9 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
       e.finalize();
       ADD_FAILURE() << "rank " << r << ": rank 1's refused optimizer_threads and finalize went on";
     } catch (const Error& err) {
-      EXPECT_NE(std::string(err.what()).find(r == 1 ? "config key 'strata.optimizer_threads' = 4096"
-                                                    : "another rank's host refused its settings"),
+      EXPECT_NE(std::string(err.what())
+                    .find(r == 1 ? "config key 'strata.optimizer_threads' = 4096"
+                                 : "another rank's host refused its settings"),
                 std::string::npos)
           << err.what();
     }

@@ -2,23 +2,21 @@
 // and fp16 skipping against references, NVMe faults. Built twice: engine_test on the
 // CPU-emulated device, engine_gpu_test (-DSTRATA_TEST_CUDA, label gpu) on CudaDevice, where
 // it skips without a GPU.
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <bit>
 #include <filesystem>
 #include <functional>
-#include <map>
 #include <future>
+#include <map>
 #include <thread>
-
-#include <gtest/gtest.h>
-
-#include "test_util.h"
 
 #include "engine/linear_model.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
 #include "strata/trace.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -35,7 +33,7 @@ struct RunOut {
   std::vector<std::vector<float>> master;
   EngineStats stats;
   MemoryPlan plan;
-  Isa isa = Isa::kAuto;  // Engine::host_optimizer_isa
+  Isa isa = Isa::kAuto;               // Engine::host_optimizer_isa
   std::uint64_t eval_prefetches = 0;  // RunSetup::eval_every's passes
 };
 
@@ -58,8 +56,8 @@ struct RunSetup {
 };
 
 #ifdef STRATA_TEST_CUDA
-#define STRATA_NEEDS_DEVICE()                                                             \
-  do {                                                                                    \
+#define STRATA_NEEDS_DEVICE()                                                                     \
+  do {                                                                                            \
     if (probe_cuda().device_count == 0) GTEST_SKIP() << "no usable GPU: " << probe_cuda().reason; \
   } while (0)
 #define STRATA_EMULATED_ONLY() GTEST_SKIP() << "a property of the emulated device"
@@ -85,13 +83,15 @@ struct Rig {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<Stream> stream;
-  Rig(const HostDeviceOptions& d, const EngineConfig& cfg, const LinearModel& model) : dev(make_test_device(d)) {
+  Rig(const HostDeviceOptions& d, const EngineConfig& cfg, const LinearModel& model)
+      : dev(make_test_device(d)) {
     CommOptions co;
     // The GPU check runs these with CudaDevice and NCCL (one rank): the default
     // backend on a CUDA device; the local one on the emulated device.
     if (dev->kind() != DeviceKind::kCuda) co.backend = CommBackend::kLocal;
     comm = make_communicator(*dev, co);
-    EXPECT_EQ(comm->backend(), dev->kind() == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kLocal);
+    EXPECT_EQ(comm->backend(),
+              dev->kind() == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kLocal);
     engine = std::make_unique<Engine>(*dev, *comm, cfg);
     model.register_units(*engine);
     engine->finalize();
@@ -99,7 +99,8 @@ struct Rig {
   }
   // Forward and backward of micro-batch `mb` of the model's data.
   double micro_batch(const LinearModel& model, int mb) {
-    return model.micro_batch(*engine, *dev, *stream, LinearModel::data(model.dims.front(), model.batch, 0, mb, 1),
+    return model.micro_batch(*engine, *dev, *stream,
+                             LinearModel::data(model.dims.front(), model.batch, 0, mb, 1),
                              LinearModel::data(model.dims.back(), model.batch, 0, mb, 2));
   }
 };
@@ -153,7 +154,8 @@ void expect_identical(const RunOut& a, const RunOut& b, const char* what) {
         << what << " step " << i << ": " << a.losses[i] << " vs " << b.losses[i];
   ASSERT_EQ(a.master.size(), b.master.size());
   for (std::size_t l = 0; l < a.master.size(); ++l)
-    EXPECT_TRUE(a.master[l] == b.master[l]) << what << ": master weights of layer " << l << " differ";
+    EXPECT_TRUE(a.master[l] == b.master[l])
+        << what << ": master weights of layer " << l << " differ";
 }
 
 Placement on(Tier t) {
@@ -185,7 +187,8 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   expect_identical(ref, h, "params+optimizer on host");
   // Each step brings every unit's new weights from the host (3 units, 20 steps), fetched or
   // prefetched.
-  EXPECT_GE(h.stats.fetches + h.stats.prefetches, 3u * 20u) << "the weights were not fetched from the host";
+  EXPECT_GE(h.stats.fetches + h.stats.prefetches, 3u * 20u)
+      << "the weights were not fetched from the host";
 
   TempDir nv;
   RunSetup nvme = base;
@@ -196,7 +199,8 @@ TEST_P(PlacementTest, OffloadToHostOrNvmeIsBitIdenticalToNoOffload) {
   nvme.cfg.optimizer_nvme_paths = {nv.path};
   const RunOut n = train(nvme, model);
   expect_identical(ref, n, "params+optimizer on NVMe");
-  EXPECT_GE(n.stats.fetches + n.stats.prefetches, 3u * 20u) << "the weights were not fetched from NVMe";
+  EXPECT_GE(n.stats.fetches + n.stats.prefetches, 3u * 20u)
+      << "the weights were not fetched from NVMe";
   EXPECT_GT(n.stats.nvme_read_bytes, 0u);
   EXPECT_GT(n.stats.nvme_written_bytes, 0u);
 
@@ -292,7 +296,9 @@ TEST(Engine, OverwrittenGradientBuffersGiveTheZeroedResultBitForBit) {
     EXPECT_LT(zeroed.results[0].clip_coef, 1.0) << "the test must actually clip";
     model.grad_init = GradInit::kOverwrite;
     const RunOut over = train(s, model);
-    expect_identical(zeroed, over, t == Tier::kDevice ? "overwritten, on the device" : "overwritten, on the host");
+    expect_identical(
+        zeroed, over,
+        t == Tier::kDevice ? "overwritten, on the device" : "overwritten, on the host");
     for (std::size_t i = 0; i < over.results.size(); ++i)
       EXPECT_EQ(zeroed.results[i].grad_norm, over.results[i].grad_norm) << "step " << i;
   }
@@ -320,8 +326,9 @@ TEST(Engine, WeightsWrittenBackByTheDeviceOptimizerAreBitIdentical) {
     s.dev.random_delay_us = 300;
     s.dev.seed = 5;
     const RunOut r = train(s, model);
-    expect_identical(ref, r, t == Tier::kHost ? "weights on host, optimizer on the device"
-                                              : "weights on NVMe, optimizer on the device");
+    expect_identical(ref, r,
+                     t == Tier::kHost ? "weights on host, optimizer on the device"
+                                      : "weights on NVMe, optimizer on the device");
     EXPECT_GT(r.stats.d2h_bytes, 0u);
   }
 }
@@ -453,7 +460,8 @@ TEST(Engine, AChangeOfOrderIsRecordedAgainWithALogLine) {
   rig.stream->synchronize();
   const std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(e.stats().trace_rebuilds, 1u);
-  EXPECT_NE(said.find("engine: unit order changed at position 0 (expected"), std::string::npos) << said;
+  EXPECT_NE(said.find("engine: unit order changed at position 0 (expected"), std::string::npos)
+      << said;
   EXPECT_NE(said.find("recording it again"), std::string::npos) << said;
   // The pass belongs to the step after it: that step's order (the pass's, then the step's) is
   // recorded, the step after it differs again and is recorded; from then on it repeats.
@@ -462,7 +470,8 @@ TEST(Engine, AChangeOfOrderIsRecordedAgainWithALogLine) {
   EXPECT_GE(e.stats().prefetches, prefetched + 6) << "prefetching did not resume";
   ASSERT_EQ(losses.size(), ref.losses.size());
   for (std::size_t i = 0; i < losses.size(); ++i)
-    EXPECT_EQ(std::bit_cast<std::uint64_t>(losses[i]), std::bit_cast<std::uint64_t>(ref.losses[i])) << "step " << i;
+    EXPECT_EQ(std::bit_cast<std::uint64_t>(losses[i]), std::bit_cast<std::uint64_t>(ref.losses[i]))
+        << "step " << i;
 }
 
 // Forward-only passes between steps (an evaluation) under set_eval: prefetched along the
@@ -490,7 +499,8 @@ TEST(Engine, EvaluationPassesFollowTheForwardAndLeaveTheOrderAlone) {
   // 3 evaluations x 2 passes x 8 units, each prefetched when the order is followed — a pass's first
   // unit too, from set_eval(true) and from the end of the pass before (it was not: 36 of 48) —
   // and after the last pass the first unit again, which the next training step takes first.
-  EXPECT_EQ(evaluated.eval_prefetches, 3u * (2 * 8 + 1)) << "the evaluation passes were not prefetched";
+  EXPECT_EQ(evaluated.eval_prefetches, 3u * (2 * 8 + 1))
+      << "the evaluation passes were not prefetched";
   EXPECT_EQ(evaluated.stats.prefetches - evaluated.eval_prefetches, plain.stats.prefetches);
 }
 
@@ -510,7 +520,7 @@ TEST(Engine, PeakDeviceBytesStayUnderACapFourTimesSmallerThanTheWeights) {
   s.cfg.max_live_parameters = 2 * 16384;
   s.cfg.prefetch_bucket_size = 16384;
   s.cfg.param_persistence_threshold = 0;
-  s.cfg.sub_group_size = 16384;     // the optimizer streams one layer's state at a time
+  s.cfg.sub_group_size = 16384;      // the optimizer streams one layer's state at a time
   s.cfg.reduce_bucket_size = 16384;  // gradients reduce one layer at a time
   s.cfg.host_budget_bytes = 16 << 20;
   const std::size_t weights_bf16 = 64 * 128 * 128 * 2;
@@ -552,7 +562,8 @@ TEST(Engine, PinnedStagingStaysWithinThePlan) {
   s.dev.h2d_gbps = 2;  // a link slower than the host: fetches queue up behind it
   s.dev.d2h_gbps = 2;
   const RunOut r = train(s, model);
-  EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << r.plan.table();
+  EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
+      << r.plan.table();
 }
 
 // The engine's NVMe files hold what the plan's NVMe lines say, to the byte, with units small
@@ -579,8 +590,10 @@ TEST(Engine, NvmeFilesHoldWhatThePlanSaysWithPersistentUnits) {
     s.cfg.host_budget_bytes = 256 << 20;
     const RunOut r = train(s, model);
     EXPECT_EQ(r.plan.early_optimizer_step, early) << r.plan.table();
-    EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << "early step " << early << "\n" << r.plan.table();
-    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << r.plan.table();
+    EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << "early step " << early << "\n"
+                                                     << r.plan.table();
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
+        << r.plan.table();
   }
 }
 
@@ -594,11 +607,14 @@ TEST(Engine, StepWaitsForComputeReadsQueuedBeforeRelease) {
     Tier params, optimizer;
     bool resident, early;
   };
-  for (const Case c : {Case{Tier::kHost, Tier::kHost, false, false},  // gathered: drop() waits already
-                       Case{Tier::kDevice, Tier::kDevice, true, false}, Case{Tier::kDevice, Tier::kHost, true, false},
-                       Case{Tier::kDevice, Tier::kHost, true, true}}) {
-    const std::string what = fmt::format("params {}, optimizer {}, resident {}, early step {}", tier_name(c.params),
-                                         tier_name(c.optimizer), c.resident, c.early);
+  for (const Case c :
+       {Case{Tier::kHost, Tier::kHost, false, false},  // gathered: drop() waits already
+        Case{Tier::kDevice, Tier::kDevice, true, false},
+        Case{Tier::kDevice, Tier::kHost, true, false},
+        Case{Tier::kDevice, Tier::kHost, true, true}}) {
+    const std::string what =
+        fmt::format("params {}, optimizer {}, resident {}, early step {}", tier_name(c.params),
+                    tier_name(c.optimizer), c.resident, c.early);
     const LinearModel model({24, 40, 33, 16}, 4, 7);
     EngineConfig cfg = default_engine_config();
     cfg.compute_dtype = DType::kF32;
@@ -636,7 +652,8 @@ TEST(Engine, StepWaitsForComputeReadsQueuedBeforeRelease) {
     }
     e.step(1e-2f);
     s->synchronize();
-    EXPECT_TRUE(seen == before) << what << ": the compute stream read unit 0's weights after step() rewrote them";
+    EXPECT_TRUE(seen == before)
+        << what << ": the compute stream read unit 0's weights after step() rewrote them";
     if (c.early) {
       EXPECT_GT(e.stats().early_units_kept, 0u) << what;
     }
@@ -666,7 +683,8 @@ TEST(Engine, WithoutOverlapCommOneUnitGradientIsAliveAtATime) {
       TensorRef g = e.grad_buffer(l, *s);
       if (l == model.layers() - 2) in_use[overlap] = rig.dev->stats().bytes_in_use;
       s->fill(g, 0.01f * float(l + 1));
-      if (l == model.layers() - 1) s->host_fn([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, "slow");
+      if (l == model.layers() - 1)
+        s->host_fn([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, "slow");
       e.reduce_grad(l, *s);
       e.release(l, *s);
     }
@@ -675,9 +693,11 @@ TEST(Engine, WithoutOverlapCommOneUnitGradientIsAliveAtATime) {
     waits[overlap] = e.stats().grad_serial_waits;
     weights[overlap] = e.master_shard(0);
   }
-  const std::size_t last_grad = model.dims[model.dims.size() - 2] * model.dims.back() * 4;  // the first unit reduced
-  EXPECT_GE(in_use[true], in_use[false] + last_grad) << "with overlap_comm " << in_use[true] << " bytes in use, "
-                                                     << "without " << in_use[false];
+  const std::size_t last_grad =
+      model.dims[model.dims.size() - 2] * model.dims.back() * 4;  // the first unit reduced
+  EXPECT_GE(in_use[true], in_use[false] + last_grad)
+      << "with overlap_comm " << in_use[true] << " bytes in use, "
+      << "without " << in_use[false];
   EXPECT_EQ(waits[true], 0u);
   EXPECT_GE(waits[false], 1u);
   EXPECT_EQ(weights[true], weights[false]) << "the same step either way";
@@ -719,7 +739,9 @@ struct Reference {
       for (int b = 0; b < B; ++b)
         for (int o = 0; o < out; ++o)
           for (int i = 0; i < in; ++i)
-            h[std::size_t(l) + 1][std::size_t(b * out + o)] += h[std::size_t(l)][std::size_t(b * in + i)] * w[std::size_t(l)][std::size_t(o * in + i)];
+            h[std::size_t(l) + 1][std::size_t(b * out + o)] +=
+                h[std::size_t(l)][std::size_t(b * in + i)] *
+                w[std::size_t(l)][std::size_t(o * in + i)];
     }
     const int outL = dims.back();
     std::vector<double> dy(std::size_t(B) * outL);
@@ -738,8 +760,10 @@ struct Reference {
       for (int b = 0; b < B; ++b)
         for (int o = 0; o < out; ++o)
           for (int i = 0; i < in; ++i) {
-            gl[std::size_t(o * in + i)] += dy[std::size_t(b * out + o)] * h[std::size_t(l)][std::size_t(b * in + i)];
-            dh[std::size_t(b * in + i)] += dy[std::size_t(b * out + o)] * w[std::size_t(l)][std::size_t(o * in + i)];
+            gl[std::size_t(o * in + i)] +=
+                dy[std::size_t(b * out + o)] * h[std::size_t(l)][std::size_t(b * in + i)];
+            dh[std::size_t(b * in + i)] +=
+                dy[std::size_t(b * out + o)] * w[std::size_t(l)][std::size_t(o * in + i)];
           }
       dy = std::move(dh);
     }
@@ -763,7 +787,8 @@ TEST(Engine, GradientClippingAgreesWithASerialReference) {
   ref.dims = model.dims;
   for (auto& w : model.init) ref.w.emplace_back(w.begin(), w.end());
   std::vector<std::vector<double>> g;
-  const double loss = ref.loss_and_grads(LinearModel::data(24, 4, 0, 0, 1), LinearModel::data(16, 4, 0, 0, 2), 4, &g);
+  const double loss = ref.loss_and_grads(LinearModel::data(24, 4, 0, 0, 1),
+                                         LinearModel::data(16, 4, 0, 0, 2), 4, &g);
   double sq = 0;
   for (auto& gl : g)
     for (double v : gl) sq += v * v;
@@ -781,7 +806,8 @@ TEST(Engine, GradientClippingAgreesWithASerialReference) {
       const double m = (1 - o.beta1) * gi, v = (1 - o.beta2) * gi * gi;
       const double mhat = m / (1 - o.beta1), vhat = v / (1 - o.beta2);
       const double want = ref.w[l][i] - s.lr * mhat / (std::sqrt(vhat) + o.eps);
-      ASSERT_NEAR(r.master[l][i], want, 1e-5 + 1e-4 * std::fabs(s.lr)) << "layer " << l << " element " << i;
+      ASSERT_NEAR(r.master[l][i], want, 1e-5 + 1e-4 * std::fabs(s.lr))
+          << "layer " << l << " element " << i;
     }
   }
 }
@@ -895,40 +921,43 @@ TEST(Engine, AWholeHostGradientsNormIsTakenOnTheDevice) {
     dev.steps = 4;
     dev.accum = accum;
     dev.cfg.compute_dtype = DType::kBF16;
-    dev.cfg.gradient_clipping = accum == 1 ? 0.0 : 0.05;  // the early work kept (no clipping) / clips every step
+    dev.cfg.gradient_clipping =
+        accum == 1 ? 0.0 : 0.05;  // the early work kept (no clipping) / clips every step
     dev.cfg.host_budget_bytes = 64 << 20;
     const RunOut ref = train(dev, model);
     for (const bool early : {false, true})
-    for (const bool device_norm : {false, true}) {
-      RunSetup host = early_setup(nv, Tier::kHost);
-      host.cfg.device_grad_norm = device_norm;
-      host.steps = dev.steps;
-      host.accum = accum;
-      host.cfg.gradient_clipping = dev.cfg.gradient_clipping;
-      host.cfg.params = on(Tier::kDevice);  // the optimizer state on the host: the early worker's
-      host.cfg.overlap_optimizer = early;
-      Tracer& tracer = Tracer::global();
-      tracer.clear();
-      tracer.set_enabled(true);
-      const RunOut r = train(host, model);
-      tracer.set_enabled(false);
-      int cpu_passes = 0;  // the host's sums (the device's run on the "comm" stream)
-      for (const TraceSpan& sp : tracer.spans()) cpu_passes += sp.name == "sum_squares" && sp.lane == "optimizer";
-      tracer.clear();
-      const std::string what = fmt::format("accum {}, early step {}, device_grad_norm {}", accum, early, device_norm);
-      expect_identical(ref, r, what.c_str());
-      for (std::size_t i = 0; i < ref.results.size(); ++i)  // the norm itself, bit for bit
-        EXPECT_EQ(std::bit_cast<std::uint64_t>(double(ref.results[i].grad_norm)),
-                  std::bit_cast<std::uint64_t>(double(r.results[i].grad_norm)))
-            << what << " step " << i;
-      if (early && accum == 1) {
-        EXPECT_GT(r.stats.early_units_kept, 0u) << what << ": the worker's path never ran";
+      for (const bool device_norm : {false, true}) {
+        RunSetup host = early_setup(nv, Tier::kHost);
+        host.cfg.device_grad_norm = device_norm;
+        host.steps = dev.steps;
+        host.accum = accum;
+        host.cfg.gradient_clipping = dev.cfg.gradient_clipping;
+        host.cfg.params = on(Tier::kDevice);  // the optimizer state on the host: the early worker's
+        host.cfg.overlap_optimizer = early;
+        Tracer& tracer = Tracer::global();
+        tracer.clear();
+        tracer.set_enabled(true);
+        const RunOut r = train(host, model);
+        tracer.set_enabled(false);
+        int cpu_passes = 0;  // the host's sums (the device's run on the "comm" stream)
+        for (const TraceSpan& sp : tracer.spans())
+          cpu_passes += sp.name == "sum_squares" && sp.lane == "optimizer";
+        tracer.clear();
+        const std::string what =
+            fmt::format("accum {}, early step {}, device_grad_norm {}", accum, early, device_norm);
+        expect_identical(ref, r, what.c_str());
+        for (std::size_t i = 0; i < ref.results.size(); ++i)  // the norm itself, bit for bit
+          EXPECT_EQ(std::bit_cast<std::uint64_t>(double(ref.results[i].grad_norm)),
+                    std::bit_cast<std::uint64_t>(double(r.results[i].grad_norm)))
+              << what << " step " << i;
+        if (early && accum == 1) {
+          EXPECT_GT(r.stats.early_units_kept, 0u) << what << ": the worker's path never ran";
+        }
+        if (accum == 1 && device_norm)
+          EXPECT_EQ(cpu_passes, 3) << what << ": the first step's only";
+        else  // every unit every step (a redone early step may take some twice)
+          EXPECT_GE(cpu_passes, 3 * host.steps) << what;
       }
-      if (accum == 1 && device_norm)
-        EXPECT_EQ(cpu_passes, 3) << what << ": the first step's only";
-      else  // every unit every step (a redone early step may take some twice)
-        EXPECT_GE(cpu_passes, 3 * host.steps) << what;
-    }
   }
 }
 
@@ -940,19 +969,22 @@ TEST(Engine, EarlyOptimizerStepIsKeptAndBitIdentical) {
     for (Tier w : {Tier::kDevice, t}) {  // new weights to the device, or to the optimizer's tier
       RunSetup s = early_setup(nv, t);
       s.cfg.params = on(w);
-      const std::string what = fmt::format("optimizer on {}, weights on {}", tier_name(t), tier_name(w));
+      const std::string what =
+          fmt::format("optimizer on {}, weights on {}", tier_name(t), tier_name(w));
       const RunOut on_ = train(s, model);
       const RunOut off = train(without_early(s), model);
       EXPECT_TRUE(on_.plan.early_optimizer_step) << what << "\n" << on_.plan.table();
       EXPECT_FALSE(off.plan.early_optimizer_step) << what;
-      EXPECT_NE(on_.plan.table().find("early optimizer step"), std::string::npos) << on_.plan.table();
+      EXPECT_NE(on_.plan.table().find("early optimizer step"), std::string::npos)
+          << on_.plan.table();
       expect_identical(off, on_, what.c_str());
       // Step 1 records the gradients per unit; every later step keeps every unit's early work.
       EXPECT_EQ(on_.stats.early_units_kept, std::uint64_t(s.steps - 1) * 3) << what;
       EXPECT_EQ(on_.stats.early_units_redone, 0u) << what;
       EXPECT_EQ(off.stats.early_units_kept + off.stats.early_units_redone, 0u) << what;
       EXPECT_LE(on_.stats.host_pinned_peak_bytes, on_.plan.host_bytes + (std::uint64_t(2) << 20))
-          << what << "\n" << on_.plan.table();
+          << what << "\n"
+          << on_.plan.table();
     }
   }
 }
@@ -976,16 +1008,18 @@ TEST(Engine, SubGroupsGiveTheSameBitsInSmallerBuffers) {
         whole.cfg.overlap_optimizer = early;
         whole.cfg.host_budget_bytes = 256 << 20;  // whole, four 12 MB state buffers are planned
         RunSetup split = whole;
-        split.cfg.sub_group_size = 12288;  // 6 and 82 sub-groups, the last of each 4096 / 6144 elements
-        const std::string what =
-            fmt::format("optimizer on {}, weights on {}, early step {}", tier_name(t), tier_name(w), early);
+        split.cfg.sub_group_size =
+            12288;  // 6 and 82 sub-groups, the last of each 4096 / 6144 elements
+        const std::string what = fmt::format("optimizer on {}, weights on {}, early step {}",
+                                             tier_name(t), tier_name(w), early);
         const RunOut a = train(whole, model), b = train(split, model);
         expect_identical(a, b, what.c_str());
         if (early) {
           EXPECT_EQ(b.stats.early_units_kept, std::uint64_t(split.steps - 1) * 3) << what;
         }
-        EXPECT_LE(b.stats.host_pinned_peak_bytes, b.plan.host_bytes + (std::uint64_t(2) << 20)) << what << "\n"
-                                                                                                 << b.plan.table();
+        EXPECT_LE(b.stats.host_pinned_peak_bytes, b.plan.host_bytes + (std::uint64_t(2) << 20))
+            << what << "\n"
+            << b.plan.table();
         if (t != Tier::kNvme) continue;
         // Four swap buffers (offload_optimizer.buffer_count) of one sub-group's state each.
         const auto swap = [](const MemoryPlan& p) {
@@ -999,7 +1033,8 @@ TEST(Engine, SubGroupsGiveTheSameBitsInSmallerBuffers) {
         EXPECT_EQ(swap(b.plan), 4u * 12288 * 12) << b.plan.table();
         // Whole: at least one 12 MB state buffer beside the 4.5 MB of gradients; in sub-groups
         // the gradients and the new device weights (2 MB) are most of it.
-        EXPECT_LT(b.stats.host_pinned_peak_bytes + (std::uint64_t(6) << 20), a.stats.host_pinned_peak_bytes)
+        EXPECT_LT(b.stats.host_pinned_peak_bytes + (std::uint64_t(6) << 20),
+                  a.stats.host_pinned_peak_bytes)
             << what << ": the pinned peak did not shrink";
       }
     }
@@ -1026,8 +1061,10 @@ TEST(Engine, GradientBucketsGiveTheSameBits) {
       whole.cfg.gradient_clipping = 0.05;  // the norm decides every step
       whole.cfg.host_budget_bytes = 256 << 20;
       RunSetup split = whole;
-      split.cfg.reduce_bucket_size = 4096;  // 16, 245 and 16 buckets a gradient, the 245th half full
-      const std::string what = fmt::format("gradients on {}, {} micro-batches", tier_name(g), accum);
+      split.cfg.reduce_bucket_size =
+          4096;  // 16, 245 and 16 buckets a gradient, the 245th half full
+      const std::string what =
+          fmt::format("gradients on {}, {} micro-batches", tier_name(g), accum);
       const RunOut a = train(whole, model), b = train(split, model);
       expect_identical(a, b, what.c_str());
       for (std::size_t i = 0; i < a.results.size(); ++i)
@@ -1083,8 +1120,9 @@ TEST_P(GradsOnNvmeTest, GradientsOnNvmeAreBitIdenticalToNoOffload) {
     EXPECT_EQ(r.stats.nvme_written_bytes - h.stats.nvme_written_bytes, 5u * 2 * shards * 4) << what;
     EXPECT_EQ(r.stats.nvme_read_bytes - h.stats.nvme_read_bytes, 5u * 2 * shards * 4) << what;
     EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << what << "\n" << r.plan.table();
-    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20)) << what << "\n"
-                                                                                           << r.plan.table();
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
+        << what << "\n"
+        << r.plan.table();
   }
   // Half on the host (the first units), half on NVMe, with the early step taking the host ones.
   RunSetup split = base;
@@ -1184,7 +1222,8 @@ TEST(Engine, DeviceGradientsStagedForTheHostOptimizerStayWithinThePlan) {
     s.cfg.host_budget_bytes = 256 << 20;
     const RunOut r = train(s, model);
     EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
-        << "weights on " << tier_name(w) << "\n" << r.plan.table();
+        << "weights on " << tier_name(w) << "\n"
+        << r.plan.table();
   }
 }
 
@@ -1206,7 +1245,8 @@ TEST(Engine, EveryOptimizerIsaGivesTheSameBits) {
         train(t, model);
         ADD_FAILURE() << isa_name(isa) << " ran on a CPU that lacks it";
       } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("'strata.optimizer_isa'"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("'strata.optimizer_isa'"), std::string::npos)
+            << e.what();
       }
       continue;
     }
@@ -1276,16 +1316,18 @@ TEST(Engine, EarlyOptimizerStepDefaultsAndRefusal) {
   RunSetup s = early_setup(nv, Tier::kHost);
   s.steps = 2;
   s.cfg.params = on(Tier::kDevice);
-  s.cfg.overlap_optimizer.reset();  // strata decides
+  s.cfg.overlap_optimizer.reset();     // strata decides
   s.cfg.host_budget_bytes = 48 << 20;  // 35 MiB planned without the second state copy, 63 with
   const RunOut r = train(s, model);
   EXPECT_FALSE(r.plan.early_optimizer_step) << r.plan.table();
 #ifdef STRATA_TEST_CUDA
   // On a GPU it would be on, but its second copy does not fit: off, said in a note.
   ASSERT_EQ(r.plan.notes.size(), 1u) << r.plan.table();
-  EXPECT_NE(r.plan.notes[0].find("strata.overlap_optimizer is off"), std::string::npos) << r.plan.notes[0];
+  EXPECT_NE(r.plan.notes[0].find("strata.overlap_optimizer is off"), std::string::npos)
+      << r.plan.notes[0];
 #else
-  EXPECT_TRUE(r.plan.notes.empty()) << r.plan.table();  // off for the emulated device, before planning
+  EXPECT_TRUE(r.plan.notes.empty())
+      << r.plan.table();  // off for the emulated device, before planning
 #endif
   EXPECT_EQ(r.stats.early_units_kept + r.stats.early_units_redone, 0u);
   s.cfg.overlap_optimizer = true;  // asked for explicitly: refused, with what to change
@@ -1294,7 +1336,8 @@ TEST(Engine, EarlyOptimizerStepDefaultsAndRefusal) {
     FAIL() << "an explicit overlap_optimizer that cannot fit was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
-    EXPECT_NE(std::string(e.what()).find("strata.overlap_optimizer false"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("strata.overlap_optimizer false"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -1323,7 +1366,8 @@ TEST(Engine, KeptEarlyWorkFinishesBehindTheStepBitIdentically) {
     // The held read was waited for by the next forward's fetch, not by step().
     std::int64_t longest_wait_ns = 0;
     for (const TraceSpan& sp : tracer.spans())
-      if (sp.name == "optimizer_wait") longest_wait_ns = std::max(longest_wait_ns, sp.end_ns - sp.start_ns);
+      if (sp.name == "optimizer_wait")
+        longest_wait_ns = std::max(longest_wait_ns, sp.end_ns - sp.start_ns);
     tracer.clear();
     EXPECT_GT(longest_wait_ns, 100'000'000) << what << ": no fetch waited for the held early work";
     RunSetup serial = without_early(s);
@@ -1344,12 +1388,14 @@ TEST(Engine, KeptEarlyWeightsReachTheDeviceInTheForwardsOrder) {
   const LinearModel model({2048, 2048, 24, 256, 32}, 4, 38);
   TempDir nv;
   RunSetup s = early_setup(nv, Tier::kHost);
-  s.steps = 8;  // 7 steps whose first unit may be unfinished when step() ends (the old order: 20 in 20 runs caught)
+  s.steps = 8;  // 7 steps whose first unit may be unfinished when step() ends (the old order: 20 in
+                // 20 runs caught)
   s.cfg.params = on(Tier::kDevice);  // resident: nothing but these copies on the fetch stream
   s.cfg.host_budget_bytes = 256 << 20;
   std::map<std::uint64_t, int> unit_of_bytes;  // each unit's bf16 weights: a size of its own
   for (int l = 0; l < model.layers(); ++l)
-    unit_of_bytes[std::uint64_t(model.dims[std::size_t(l)]) * std::uint64_t(model.dims[std::size_t(l) + 1]) * 2] = l;
+    unit_of_bytes[std::uint64_t(model.dims[std::size_t(l)]) *
+                  std::uint64_t(model.dims[std::size_t(l) + 1]) * 2] = l;
   ASSERT_EQ(unit_of_bytes.size(), std::size_t(model.layers()));
   Rig rig(s.dev, s.cfg, model);
   Tracer& tracer = Tracer::global();
@@ -1365,7 +1411,8 @@ TEST(Engine, KeptEarlyWeightsReachTheDeviceInTheForwardsOrder) {
   tracer.set_enabled(false);
   std::vector<TraceSpan> copies;
   for (const TraceSpan& sp : tracer.spans())
-    if (sp.lane == "fetch" && sp.name == "copy_h2d" && unit_of_bytes.count(sp.bytes)) copies.push_back(sp);
+    if (sp.lane == "fetch" && sp.name == "copy_h2d" && unit_of_bytes.count(sp.bytes))
+      copies.push_back(sp);
   tracer.clear();
   std::stable_sort(copies.begin(), copies.end(),
                    [](const TraceSpan& a, const TraceSpan& b) { return a.start_ns < b.start_ns; });
@@ -1455,9 +1502,11 @@ TEST(Engine, AnImpossiblePlanIsRefusedBeforeAnythingIsAllocated) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kOutOfMemory);
     const std::string what = e.what();
-    EXPECT_NE(what.find("the training state does not fit:\n  device: needs "), std::string::npos) << what;
+    EXPECT_NE(what.find("the training state does not fit:\n  device: needs "), std::string::npos)
+        << what;
     // The table follows, without saying the problem again (it was said twice).
-    EXPECT_EQ(what.find("device: needs ", what.find("device: needs ") + 1), std::string::npos) << what;
+    EXPECT_EQ(what.find("device: needs ", what.find("device: needs ") + 1), std::string::npos)
+        << what;
     EXPECT_NE(what.find("verdict: does not fit"), std::string::npos) << what;
   }
 }
@@ -1477,8 +1526,10 @@ TEST(Engine, MoreOptimizerThreadsThanCoresNamesTheKey) {
     FAIL() << "4096 optimizer threads were accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("config key 'strata.optimizer_threads' = 4096: oneTBB runs at most "),
-              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(
+                  "config key 'strata.optimizer_threads' = 4096: oneTBB runs at most "),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -1508,7 +1559,8 @@ TEST(Engine, MisuseBeforeFinalizeOrOfAMissingUnitIsAClearError) {
   expect_error([&] { e.master_shard(0); }, "Engine::master_shard before finalize()");
   expect_error([&] { e.gather_master(0); }, "before finalize()");
   e.finalize();
-  expect_error([&] { e.release(7, *stream); }, "Engine::release: no unit 7 (the model registered 2)");
+  expect_error([&] { e.release(7, *stream); },
+               "Engine::release: no unit 7 (the model registered 2)");
   expect_error([&] { e.grad_buffer(-1, *stream); }, "Engine::grad_buffer: no unit -1");
   expect_error([&] { e.reduce_grad(2, *stream); }, "Engine::reduce_grad: no unit 2");
   expect_error([&] { e.master_shard(9); }, "Engine::master_shard: no unit 9");
@@ -1531,7 +1583,8 @@ TEST(Engine, DeviceOptimizerStateFitsAHostBudgetOfThePlansHostBytes) {
     s.cfg.grads = on(grads);
     s.cfg.host_budget_bytes = std::uint64_t(1) << 30;
     const std::uint64_t planned = train(s, model).plan.host_bytes;
-    s.cfg.host_budget_bytes = (planned + (std::uint64_t(2) << 20) - 1) / (std::uint64_t(2) << 20) * (std::uint64_t(2) << 20);
+    s.cfg.host_budget_bytes = (planned + (std::uint64_t(2) << 20) - 1) / (std::uint64_t(2) << 20) *
+                              (std::uint64_t(2) << 20);
     RunOut a;
     ASSERT_NO_THROW(a = train(s, model)) << "planned " << planned << " bytes of host memory";
     // And a checkpoint of it loads into an engine of the same budget, to the bit.
@@ -1542,7 +1595,8 @@ TEST(Engine, DeviceOptimizerStateFitsAHostBudgetOfThePlansHostBytes) {
     r1.engine->save_state(ck.path);
     Rig r2(s.dev, s.cfg, model);
     ASSERT_NO_THROW(r2.engine->load_state(ck.path));
-    for (int l = 0; l < model.layers(); ++l) EXPECT_TRUE(r1.engine->master_shard(l) == r2.engine->master_shard(l)) << l;
+    for (int l = 0; l < model.layers(); ++l)
+      EXPECT_TRUE(r1.engine->master_shard(l) == r2.engine->master_shard(l)) << l;
   }
 }
 

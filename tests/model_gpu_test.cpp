@@ -8,12 +8,12 @@
 // dim they do not take); the column reductions within fp32 summation-order tolerance; the
 // embedding's backward bit-equal; and every tiled result bit for bit the same on a second run.
 // Skipped where no GPU is usable.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "gpu/model_kernels.h"
 #include "model/ops.h"
@@ -22,9 +22,11 @@
 namespace strata {
 namespace {
 
-const char* kQwen2 = R"({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+const char* kQwen2 =
+    R"({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})";
-const char* kGpt2 = R"({"model_type": "gpt2", "vocab_size": 113, "n_embd": 48, "n_layer": 2, "n_head": 3,
+const char* kGpt2 =
+    R"({"model_type": "gpt2", "vocab_size": 113, "n_embd": 48, "n_layer": 2, "n_head": 3,
   "n_positions": 32})";
 
 struct Out {
@@ -74,7 +76,9 @@ using gpu::model::KernelVariant;
 // The CUDA module's kernel variant for a scope (the one it found put back after).
 class VariantScope {
  public:
-  explicit VariantScope(KernelVariant v) : saved_(gpu::model::kernels().kernel_variant()) { use(v); }
+  explicit VariantScope(KernelVariant v) : saved_(gpu::model::kernels().kernel_variant()) {
+    use(v);
+  }
   ~VariantScope() { use(saved_); }
   VariantScope(const VariantScope&) = delete;
   VariantScope& operator=(const VariantScope&) = delete;
@@ -98,7 +102,8 @@ class ModelGpu : public ::testing::TestWithParam<std::pair<const char*, DType>> 
     EXPECT_LT(rel(got.logits, ref.logits), tol);
     EXPECT_NEAR(got.loss, ref.loss, tol * ref.loss);
     ASSERT_EQ(got.grads.size(), ref.grads.size());
-    for (std::size_t i = 0; i < ref.grads.size(); ++i) EXPECT_LT(rel(got.grads[i], ref.grads[i]), 3 * tol) << i;
+    for (std::size_t i = 0; i < ref.grads.size(); ++i)
+      EXPECT_LT(rel(got.grads[i], ref.grads[i]), 3 * tol) << i;
   }
 };
 
@@ -106,7 +111,8 @@ TEST_P(ModelGpu, MatchesCpuReference) { matches_cpu_reference(KernelVariant::kSi
 TEST_P(ModelGpu, MatchesCpuReferenceTiled) { matches_cpu_reference(KernelVariant::kTiled); }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelGpu,
-                         ::testing::Values(std::make_pair(kQwen2, DType::kF32), std::make_pair(kGpt2, DType::kF32),
+                         ::testing::Values(std::make_pair(kQwen2, DType::kF32),
+                                           std::make_pair(kGpt2, DType::kF32),
                                            std::make_pair(kQwen2, DType::kBF16)),
                          [](const auto& i) {
                            return std::string(i.index == 1 ? "gpt2" : "qwen2") +
@@ -156,17 +162,20 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Columns [c0, c1) of every row of a [rows, cols] matrix.
-std::vector<float> columns(const std::vector<float>& m, std::size_t cols, std::size_t c0, std::size_t c1) {
+std::vector<float> columns(const std::vector<float>& m, std::size_t cols, std::size_t c0,
+                           std::size_t c1) {
   std::vector<float> out;
   for (std::size_t r = 0; r < m.size() / cols; ++r)
-    out.insert(out.end(), m.begin() + std::ptrdiff_t(r * cols + c0), m.begin() + std::ptrdiff_t(r * cols + c1));
+    out.insert(out.end(), m.begin() + std::ptrdiff_t(r * cols + c0),
+               m.begin() + std::ptrdiff_t(r * cols + c1));
   return out;
 }
 
 struct AttentionCase {
   std::int64_t b, t, nh, nkv, hd;
   bool bf16;
-  bool tiled;  // the tiled kernels take it (bf16, hd a multiple of 16 up to 128); else they fall back
+  bool tiled;  // the tiled kernels take it (bf16, hd a multiple of 16 up to 128); else they fall
+               // back
 };
 
 struct AttentionOut {
@@ -184,41 +193,52 @@ TEST(ModelGpuVariants, AttentionTiledMatchesSimple) {
                                  {2, 77, 4, 2, 80, true, true},  {1, 77, 2, 2, 128, true, true},
                                  {2, 77, 4, 2, 72, true, false}, {2, 77, 4, 2, 64, false, false}};
   for (const AttentionCase& k : cases) {
-    SCOPED_TRACE(::testing::Message() << "b " << k.b << " t " << k.t << " heads " << k.nh << "/" << k.nkv << " hd "
-                                      << k.hd << (k.bf16 ? " bf16" : " fp32"));
+    SCOPED_TRACE(::testing::Message() << "b " << k.b << " t " << k.t << " heads " << k.nh << "/"
+                                      << k.nkv << " hd " << k.hd << (k.bf16 ? " bf16" : " fp32"));
     const std::size_t width = std::size_t((k.nh + 2 * k.nkv) * k.hd), n = std::size_t(k.b * k.t);
     const std::size_t o_n = n * std::size_t(k.nh * k.hd), lse_n = std::size_t(k.b * k.nh * k.t);
     const double scale = 1.0 / std::sqrt(double(k.hd));
     const DType gemm = k.bf16 ? DType::kBF16 : DType::kF32;
-    Buffer qkv = g.up(uniform(n * width, 1, -1.5f, 1.5f)), dout = g.up(uniform(o_n, 2, -1.0f, 1.0f));
+    Buffer qkv = g.up(uniform(n * width, 1, -1.5f, 1.5f)),
+           dout = g.up(uniform(o_n, 2, -1.0f, 1.0f));
     Buffer o = g.zeros(o_n), lse = g.zeros(lse_n), o_in = g.zeros(o_n), lse_in = g.zeros(lse_n),
            dqkv = g.zeros(n * width);
     auto f = [](const Buffer& b) { return static_cast<float*>(b.data()); };
     VariantScope::use(KernelVariant::kSimple);  // the backward's inputs, the same for both variants
-    model_ops::attention_forward(*g.s, f(qkv), f(o_in), nullptr, f(lse_in), k.b, k.t, k.nh, k.nkv, k.hd, scale, gemm);
+    model_ops::attention_forward(*g.s, f(qkv), f(o_in), nullptr, f(lse_in), k.b, k.t, k.nh, k.nkv,
+                                 k.hd, scale, gemm);
     auto run = [&](KernelVariant v) {
       VariantScope::use(v);
       g.s->fill(tensor(dqkv, DType::kF32), 0.0f);
-      model_ops::attention_forward(*g.s, f(qkv), f(o), nullptr, f(lse), k.b, k.t, k.nh, k.nkv, k.hd, scale, gemm);
-      model_ops::attention_backward(*g.s, f(qkv), f(o_in), f(dout), f(lse_in), f(dqkv), k.b, k.t, k.nh, k.nkv, k.hd,
-                                    scale, gemm);
+      model_ops::attention_forward(*g.s, f(qkv), f(o), nullptr, f(lse), k.b, k.t, k.nh, k.nkv, k.hd,
+                                   scale, gemm);
+      model_ops::attention_backward(*g.s, f(qkv), f(o_in), f(dout), f(lse_in), f(dqkv), k.b, k.t,
+                                    k.nh, k.nkv, k.hd, scale, gemm);
       return AttentionOut{g.down(o), g.down(lse), g.down(dqkv)};
     };
     const AttentionOut ref = run(KernelVariant::kSimple), got = run(KernelVariant::kTiled),
                        again = run(KernelVariant::kTiled);
-    EXPECT_TRUE(bit_equal(got.o, again.o) && bit_equal(got.lse, again.lse) && bit_equal(got.dqkv, again.dqkv))
+    EXPECT_TRUE(bit_equal(got.o, again.o) && bit_equal(got.lse, again.lse) &&
+                bit_equal(got.dqkv, again.dqkv))
         << "the tiled variant is not bit-reproducible";
     if (!k.tiled) {
-      EXPECT_TRUE(bit_equal(got.o, ref.o) && bit_equal(got.lse, ref.lse) && bit_equal(got.dqkv, ref.dqkv))
+      EXPECT_TRUE(bit_equal(got.o, ref.o) && bit_equal(got.lse, ref.lse) &&
+                  bit_equal(got.dqkv, ref.dqkv))
           << "the tiled variant should have run the simple kernels";
       continue;
     }
     EXPECT_LT(rel(got.o, ref.o), 3e-2);
-    EXPECT_LT(rel(got.lse, ref.lse), 1e-5);  // fp32 throughout: only the order of the row's sum differs
+    EXPECT_LT(rel(got.lse, ref.lse),
+              1e-5);  // fp32 throughout: only the order of the row's sum differs
     const std::size_t q_end = std::size_t(k.nh * k.hd), k_end = q_end + std::size_t(k.nkv * k.hd);
-    EXPECT_LT(rel(columns(got.dqkv, width, 0, q_end), columns(ref.dqkv, width, 0, q_end)), 3e-2) << "dq";
-    EXPECT_LT(rel(columns(got.dqkv, width, q_end, k_end), columns(ref.dqkv, width, q_end, k_end)), 3e-2) << "dk";
-    EXPECT_LT(rel(columns(got.dqkv, width, k_end, width), columns(ref.dqkv, width, k_end, width)), 3e-2) << "dv";
+    EXPECT_LT(rel(columns(got.dqkv, width, 0, q_end), columns(ref.dqkv, width, 0, q_end)), 3e-2)
+        << "dq";
+    EXPECT_LT(rel(columns(got.dqkv, width, q_end, k_end), columns(ref.dqkv, width, q_end, k_end)),
+              3e-2)
+        << "dk";
+    EXPECT_LT(rel(columns(got.dqkv, width, k_end, width), columns(ref.dqkv, width, k_end, width)),
+              3e-2)
+        << "dv";
   }
 }
 
@@ -228,11 +248,13 @@ TEST(ModelGpuVariants, ColumnReductionsTiledMatchSimpleAndRepeat) {
   const VariantScope restore(KernelVariant::kSimple);
   Gpu g;
   // Row counts below, at and past the 16 row groups; columns not a multiple of the 32 per block.
-  for (const auto& [n, c] : {std::pair<std::int64_t, std::int64_t>{333, 200}, {5, 37}, {1024, 64}}) {
+  for (const auto& [n, c] :
+       {std::pair<std::int64_t, std::int64_t>{333, 200}, {5, 37}, {1024, 64}}) {
     SCOPED_TRACE(::testing::Message() << n << " x " << c);
     const std::size_t nc = std::size_t(n * c), cs = std::size_t(c);
     Buffer dout = g.up(uniform(nc, 3, -1.0f, 1.0f)), x = g.up(uniform(nc, 4, -1.0f, 1.0f));
-    Buffer w = g.up(uniform(cs, 5, 0.5f, 1.5f)), rstd = g.up(uniform(std::size_t(n), 6, 0.5f, 2.0f)),
+    Buffer w = g.up(uniform(cs, 5, 0.5f, 1.5f)),
+           rstd = g.up(uniform(std::size_t(n), 6, 0.5f, 2.0f)),
            mean = g.up(uniform(std::size_t(n), 7, -0.1f, 0.1f));
     // The gradients accumulate: each run starts from the same non-zero values.
     const std::vector<float> dx0 = uniform(nc, 8, -1.0f, 1.0f), dw0 = uniform(cs, 9, -1.0f, 1.0f),
@@ -248,11 +270,20 @@ TEST(ModelGpuVariants, ColumnReductionsTiledMatchSimpleAndRepeat) {
     };
     const std::vector<Op> ops = {
         {"rmsnorm_backward",
-         [&] { model_ops::rmsnorm_backward(*g.s, f(dout), f(x), wt, f(rstd), f(dx), f(dw), n, c); }, {&dw}, true},
+         [&] { model_ops::rmsnorm_backward(*g.s, f(dout), f(x), wt, f(rstd), f(dx), f(dw), n, c); },
+         {&dw},
+         true},
         {"layernorm_backward",
-         [&] { model_ops::layernorm_backward(*g.s, f(dout), f(x), wt, f(mean), f(rstd), f(dx), f(dw), f(db), n, c); },
-         {&dw, &db}, true},
-        {"bias_backward", [&] { model_ops::bias_backward(*g.s, f(dout), f(db), n, c); }, {&db}, false},
+         [&] {
+           model_ops::layernorm_backward(*g.s, f(dout), f(x), wt, f(mean), f(rstd), f(dx), f(dw),
+                                         f(db), n, c);
+         },
+         {&dw, &db},
+         true},
+        {"bias_backward",
+         [&] { model_ops::bias_backward(*g.s, f(dout), f(db), n, c); },
+         {&db},
+         false},
     };
     for (const Op& op : ops) {
       SCOPED_TRACE(op.name);
@@ -270,9 +301,11 @@ TEST(ModelGpuVariants, ColumnReductionsTiledMatchSimpleAndRepeat) {
       const auto ref = run(KernelVariant::kSimple), got = run(KernelVariant::kTiled),
                  again = run(KernelVariant::kTiled);
       for (std::size_t i = 0; i < got.size(); ++i) {
-        EXPECT_TRUE(bit_equal(got[i], again[i])) << "output " << i << ": the tiled variant is not bit-reproducible";
+        EXPECT_TRUE(bit_equal(got[i], again[i]))
+            << "output " << i << ": the tiled variant is not bit-reproducible";
         if (i + 1 < got.size()) {
-          EXPECT_LT(rel(got[i], ref[i]), 1e-4) << "output " << i;  // fp32: only the summation order differs
+          EXPECT_LT(rel(got[i], ref[i]), 1e-4)
+              << "output " << i;  // fp32: only the summation order differs
         } else if (op.writes_dx) {
           EXPECT_TRUE(bit_equal(got[i], ref[i])) << "dx has one kernel in both variants";
         }
@@ -303,11 +336,13 @@ TEST(ModelGpuVariants, EmbeddingBackwardTiledIsBitEqualToSimple) {
       g.set(dwte, wte0);
       g.set(dwpe, wpe0);
       model_ops::embedding_backward(*g.s, static_cast<const std::int32_t*>(tok.data()),
-                                    static_cast<const float*>(dout.data()), static_cast<float*>(dwte.data()),
+                                    static_cast<const float*>(dout.data()),
+                                    static_cast<float*>(dwte.data()),
                                     with_wpe ? static_cast<float*>(dwpe.data()) : nullptr, n, t, c);
       return std::make_pair(g.down(dwte), g.down(dwpe));
     };
-    const auto ref = run(KernelVariant::kSimple), got = run(KernelVariant::kTiled), again = run(KernelVariant::kTiled);
+    const auto ref = run(KernelVariant::kSimple), got = run(KernelVariant::kTiled),
+               again = run(KernelVariant::kTiled);
     EXPECT_TRUE(bit_equal(got.first, ref.first)) << "dwte";
     EXPECT_TRUE(bit_equal(got.second, ref.second)) << "dwpe";
     EXPECT_TRUE(bit_equal(got.first, again.first) && bit_equal(got.second, again.second));

@@ -1,32 +1,36 @@
 // Weights I/O (config.json + safetensors, single and sharded) and token data loaders.
-#include <algorithm>
-#include <cstring>
-#include <functional>
-#include <filesystem>
-#include <fstream>
-#include <random>
-#include <set>
+#include "strata/model_io.h"
 
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <set>
 
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_data.h"
-#include "strata/model_io.h"
 
 namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
 
-const char* kLlama = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 67,
+const char* kLlama =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 67,
   "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
   "num_key_value_heads": 2, "max_position_embeddings": 32})";
-const char* kGpt2 = R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
+const char* kGpt2 =
+    R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
   "n_positions": 16})";
 
 fs::path scratch(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / fmt::format("strata_model_io_{}_{}", name, ::getpid());
+  const fs::path p =
+      fs::temp_directory_path() / fmt::format("strata_model_io_{}_{}", name, ::getpid());
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -37,7 +41,8 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<std::st
     fn();
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    for (const auto& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
   }
 }
 
@@ -61,13 +66,15 @@ TEST_P(RoundTrip, SaveThenLoadIsBitExact) {
   a.init_random(7, 0.5f);
   const fs::path dir = scratch("rt");
   // Over a save of the other layout: nothing of it may be left for a loader to take first.
-  save_hf_weights(dir.string(), a, shard < (std::size_t(1) << 30) ? std::size_t(1) << 40 : std::size_t(20000));
+  save_hf_weights(dir.string(), a,
+                  shard < (std::size_t(1) << 30) ? std::size_t(1) << 40 : std::size_t(20000));
   save_hf_weights(dir.string(), a, shard);
   const bool sharded = shard < (std::size_t(1) << 30);
   EXPECT_EQ(fs::exists(dir / "model.safetensors.index.json"), sharded);
   EXPECT_EQ(fs::exists(dir / "model.safetensors"), !sharded);
   int shards = 0;
-  for (const auto& f : fs::directory_iterator(dir)) shards += f.path().filename().string().starts_with("model-");
+  for (const auto& f : fs::directory_iterator(dir))
+    shards += f.path().filename().string().starts_with("model-");
   EXPECT_EQ(shards > 1, sharded) << shards << " shard files";
   for (const auto& f : fs::directory_iterator(dir))
     EXPECT_FALSE(f.path().filename().string().starts_with(".strata-tmp")) << f.path();
@@ -107,7 +114,8 @@ TEST(ModelIo, Fp32FileLoadsIntoBf16RoundedToNearestEven) {
 }
 
 // Every parameter of `w` (fp32) under `rename(its name)`, then `extra`, as dir/model.safetensors.
-void write_params(const ResidentWeights& w, const fs::path& dir, const std::vector<SafetensorsTensor>& extra,
+void write_params(const ResidentWeights& w, const fs::path& dir,
+                  const std::vector<SafetensorsTensor>& extra,
                   const std::function<std::string(const std::string&)>& rename) {
   std::vector<std::vector<std::uint8_t>> keep;
   std::vector<SafetensorsTensor> ts;
@@ -128,7 +136,8 @@ TEST(ModelIo, HubGpt2NamesWithoutPrefixLoad) {
   ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
   a.init_random(9, 0.5f);
   const fs::path dir = scratch("hub");
-  write_params(a, dir, {}, [](const std::string& n) { return n.substr(12); });  // "transformer." dropped
+  write_params(a, dir, {},
+               [](const std::string& n) { return n.substr(12); });  // "transformer." dropped
   ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
   load_hf_weights(dir.string(), b);
   expect_same_bytes(a, b);
@@ -138,7 +147,8 @@ TEST(ModelIo, HubGpt2NamesWithoutPrefixLoad) {
 // Llama's attention_bias: true gives o_proj a bias (Hugging Face's LlamaAttention); it loads.
 TEST(ModelIo, LlamaAttentionBiasLoadsOutputProjectionBias) {
   Env e;
-  const ModelConfig cfg = parse_model_config(std::string(kLlama).insert(1, R"("attention_bias": true, )"), "cfg");
+  const ModelConfig cfg =
+      parse_model_config(std::string(kLlama).insert(1, R"("attention_bias": true, )"), "cfg");
   ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
   a.init_random(12, 0.5f);
   const fs::path dir = scratch("obias");
@@ -205,7 +215,8 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
     "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
     "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
     "use_cache": true, "use_sliding_window": false, "vocab_size": 256})";
-  const std::string hf_gpt2 = R"({"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
+  const std::string hf_gpt2 =
+      R"({"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
     "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256,
     "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 64,
     "n_head": 4, "n_layer": 2, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null,
@@ -222,14 +233,19 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
   testing::internal::CaptureStderr();
   const ModelConfig c = parse_model_config(typo, "config.json");
   const std::string warned = testing::internal::GetCapturedStderr();
-  EXPECT_NE(warned.find("config.json: key 'rope_thetta' is not one strata reads; did you mean 'rope_theta'? As "
-                        "written, 'rope_theta' keeps its default"), std::string::npos) << warned;
+  EXPECT_NE(
+      warned.find(
+          "config.json: key 'rope_thetta' is not one strata reads; did you mean 'rope_theta'? As "
+          "written, 'rope_theta' keeps its default"),
+      std::string::npos)
+      << warned;
   EXPECT_EQ(c.rope_theta, 10000.0);
   typo = hf_gpt2;
   typo.replace(typo.find("\"layer_norm_epsilon\""), 20, "\"layer_norm_epsilom\"");
   testing::internal::CaptureStderr();
   (void)parse_model_config(typo, "config.json");
-  EXPECT_NE(testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"), std::string::npos);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"),
+            std::string::npos);
 }
 
 TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
@@ -259,9 +275,11 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     write_safetensors(file, ts);
   };
   rewrite("model.layers.1.mlp.up_proj.weight", {});
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.layers.1.mlp.up_proj.weight", "missing"});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"model.layers.1.mlp.up_proj.weight", "missing"});
   rewrite("model.norm.weight", {"model.norm.weight", DType::kF32, {31}, one.data()});
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "[31]", "[32]"});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "model.norm.weight", "[31]", "[32]"});
   rewrite("model.norm.weight", {"model.norm.weight", DType::kF64, {32}, one.data()});
   expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.norm.weight", "F64"});
 
@@ -269,7 +287,8 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   rewrite("", {});
   const auto full = fs::file_size(file);
   fs::resize_file(file, full - 10);
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "truncated", std::to_string(full - 10)});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "truncated", std::to_string(full - 10)});
   {
     std::ofstream f(file, std::ios::binary | std::ios::trunc);
     const std::uint64_t hlen = 1000;
@@ -292,15 +311,20 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     f.write(reinterpret_cast<const char*>(&hlen), 8);
     f << header << std::string(256, '\0');
   };
-  hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [18446744073709551000, 18446744073709551256]}})");
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "truncated or corrupt"});
-  hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})");
+  hostile(
+      R"({"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [18446744073709551000, 18446744073709551256]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "model.norm.weight", "truncated or corrupt"});
+  hostile(
+      R"({"model.norm.weight": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})");
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "model.norm.weight", "bad shape"});
   // Bytes past the last tensor (a file written over a longer one) and a hole between tensors: the
   // format has neither, and Hugging Face's loader refuses both (this one loaded them).
   hostile(R"({"model.norm.weight": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}})");
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "128 bytes after the last tensor's data"});
-  hostile(R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "b": {"dtype": "F32", "shape": [16], "data_offsets": [192, 256]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "128 bytes after the last tensor's data"});
+  hostile(
+      R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "b": {"dtype": "F32", "shape": [16], "data_offsets": [192, 256]}})");
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "belong to no tensor"});
   fs::remove(file);
   expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
@@ -315,7 +339,8 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
                 "'model.norm.weight'", "which is not there"});
   // ... or nothing at all (it used to crash).
   std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
-  expect_error([&] { load_hf_weights(dir.string(), b); }, {"model.safetensors.index.json", "non-empty", "weight_map"});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"model.safetensors.index.json", "non-empty", "weight_map"});
   fs::remove_all(dir);
 }
 
@@ -327,7 +352,8 @@ TEST(ModelIo, FailedSaveWritesNothing) {
   fs::create_directories(dir / ".strata-tmp-config.json");  // config.json cannot be written
   EXPECT_THROW(save_hf_weights(dir.string(), a, 20000), Error);
   for (const auto& f : fs::directory_iterator(dir))
-    EXPECT_EQ(f.path().filename().string(), ".strata-tmp-config.json") << "left behind by a failed save";
+    EXPECT_EQ(f.path().filename().string(), ".strata-tmp-config.json")
+        << "left behind by a failed save";
   EXPECT_FALSE(fs::exists(dir / "model-00001-of-00004.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "config.json"));
   fs::remove_all(dir);
@@ -475,8 +501,9 @@ TEST(TokenData, ShuffledEpochOrderDependsOnlyOnSeedAndEpoch) {
   };
   const auto first = three_epochs(a);
   EXPECT_EQ(a.epoch(), 2);
-  EXPECT_NE(std::vector(first.begin(), first.begin() + per_epoch),
-            std::vector(first.begin() + per_epoch, first.begin() + 2 * per_epoch));  // epochs differ
+  EXPECT_NE(
+      std::vector(first.begin(), first.begin() + per_epoch),
+      std::vector(first.begin() + per_epoch, first.begin() + 2 * per_epoch));  // epochs differ
   a.reset();
   EXPECT_EQ(a.epoch(), 0);
   EXPECT_EQ(three_epochs(a), first);
@@ -496,7 +523,8 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.vocab_size = 256;
   TokenLoader loader(o);
   loader.next();  // tokens 0..16
-  expect_error([&] { loader.next(); }, {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256"});
+  expect_error([&] { loader.next(); },
+               {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256"});
   // A header promising more tokens than the file holds.
   std::vector<std::uint16_t> few(10, 1);
   const fs::path p = write_tokens(dir, "short.bin", few, 1);
@@ -504,7 +532,8 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.files = {p.string()};
   expect_error([&] { TokenLoader l(o); }, {"short.bin", "truncated", "10 tokens"});
   o.files = {write_tokens(dir, "tiny.bin", few).string()};
-  expect_error([&] { TokenLoader l(o); }, {"batch x seq_len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
+  expect_error([&] { TokenLoader l(o); },
+               {"batch x seq_len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
   o.shuffle = true;
   o.val_fraction = 0.1;
   expect_error([&] { TokenLoader l(o, DataSplit::kVal); },

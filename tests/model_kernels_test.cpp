@@ -290,9 +290,10 @@ TEST_P(ModelKernels, TiledAttentionMatchesTheReference) {
                                   sh.nkv, sh.hd, scale, bf16);
       cpu::attention_backward_fast(qkv.data(), o.data(), dout.data(), lse.data(), dqkv.data(), sh.b,
                                    sh.t, sh.nh, sh.nkv, sh.hd, scale, bf16);
-      const std::string what = "b" + std::to_string(sh.b) + " t" + std::to_string(sh.t) + " nh" +
-                               std::to_string(sh.nh) + "/" + std::to_string(sh.nkv) +
-                               (bf16 ? std::string(" bf16 ") + cpu::gemm_route_name(route) : " fp32");
+      const std::string what =
+          "b" + std::to_string(sh.b) + " t" + std::to_string(sh.t) + " nh" + std::to_string(sh.nh) +
+          "/" + std::to_string(sh.nkv) +
+          (bf16 ? std::string(" bf16 ") + cpu::gemm_route_name(route) : " fp32");
       // bf16: q, k, v, P, dO and dS are each rounded once (2^-9); the errors of S feed exp and
       // those of P and dS feed sums over keys. Measured worst 4.4e-3 (o), 4.1e-3 (dqkv).
       std::printf("[ attention] %s: o %.1e lse %.1e dqkv %.1e\n", what.c_str(), rel_err(o, ro),
@@ -322,19 +323,23 @@ TEST_P(ModelKernels, AFailingPrimitiveInTheAttentionIsAClearError) {
   for (bool bf16 : {false, true}) {
     cpu::fail_attention_gemms_for_testing(1000);
     try {
-      cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd, scale, bf16);
+      cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd,
+                                  scale, bf16);
       ADD_FAILURE() << "the injected failure did not come out";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kInternal);
-      EXPECT_NE(std::string(e.what()).find("attention: oneDNN matmul"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("a failure injected by a test"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("attention: oneDNN matmul"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("a failure injected by a test"), std::string::npos)
+          << e.what();
     }
     cpu::fail_attention_gemms_for_testing(0);
   }
   const std::vector<double> qkvd_ = wide(qkv);
   std::vector<double> ro(o.size()), rlse(lse.size());
   cpu::attention_forward<double>(qkvd_.data(), ro.data(), rlse.data(), b, t, nh, nkv, hd, scale);
-  cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd, scale, false);
+  cpu::attention_forward_fast(qkv.data(), o.data(), nullptr, lse.data(), b, t, nh, nkv, hd, scale,
+                              false);
   EXPECT_LT(rel_err(o, ro), 2e-6);
   EXPECT_LT(rel_err(lse, rlse), 2e-6);
 }
@@ -356,7 +361,8 @@ TEST_P(ModelKernels, SumOfSquaresHasOneOrderOnEveryPath) {
       double total = 0;
       for (std::size_t lo = 0; lo < n; lo += 65536) {
         double lane[16] = {};
-        for (std::size_t i = lo; i < std::min(n, lo + 65536); ++i) lane[(i - lo) % 16] += double(v[i]) * double(v[i]);
+        for (std::size_t i = lo; i < std::min(n, lo + 65536); ++i)
+          lane[(i - lo) % 16] += double(v[i]) * double(v[i]);
         for (std::size_t w = 8; w > 0; w /= 2)
           for (std::size_t j = 0; j < w; ++j) lane[j] += lane[j + w];
         total += lane[0];
@@ -377,7 +383,10 @@ TEST_P(ModelKernels, SumOfSquaresInRunsIsTheWholeSumBitForBit) {
   const auto x = randn(n, 9, 3.0f);
   const float whole = cpu::sum_squares(DType::kF32, x.data(), n);
   for (std::vector<std::size_t> runs : std::vector<std::vector<std::size_t>>{
-           {n}, {2048, 2048, 4096, n - 8192}, {65536, 65536, n - 131072}, {1, 15, 17, 65535, 3, n - 65571},
+           {n},
+           {2048, 2048, 4096, n - 8192},
+           {65536, 65536, n - 131072},
+           {1, 15, 17, 65535, 3, n - 65571},
            {40000, 40000, 40000, 40000, 40000, 40000, 40000, n - 280000}}) {
     cpu::SumSquares s;
     std::size_t at = 0;
@@ -389,11 +398,13 @@ TEST_P(ModelKernels, SumOfSquaresInRunsIsTheWholeSumBitForBit) {
     EXPECT_EQ(std::bit_cast<std::uint32_t>(s.result()), std::bit_cast<std::uint32_t>(whole))
         << runs.size() << " runs, the first " << runs[0];
   }
-  for (std::size_t m : {std::size_t(0), std::size_t(5), std::size_t(65536)}) {  // one run of at most a chunk, or none
+  for (std::size_t m : {std::size_t(0), std::size_t(5),
+                        std::size_t(65536)}) {  // one run of at most a chunk, or none
     cpu::SumSquares s;
     s.add(x.data(), m);
     EXPECT_EQ(std::bit_cast<std::uint32_t>(s.result()),
-              std::bit_cast<std::uint32_t>(cpu::sum_squares(DType::kF32, x.data(), m))) << m;
+              std::bit_cast<std::uint32_t>(cpu::sum_squares(DType::kF32, x.data(), m)))
+        << m;
   }
 }
 

@@ -1,12 +1,12 @@
 // Every transformer op's backward against central finite differences, in double precision
 // (the CPU kernels instantiated for double), at small odd shapes, on random non-zero inputs.
 // The scalar checked is L = sum(out * R) for a random R, so dout = R.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "cpu/model_kernels.h"
 
@@ -21,7 +21,8 @@ V rnd(std::size_t n, std::uint64_t seed, double lo = -1.5, double hi = 1.5) {
   std::uniform_real_distribution<double> d(lo, hi);
   V v(n);
   for (auto& x : v) {
-    do x = d(rng); while (std::fabs(x) < 1e-2);
+    do x = d(rng);
+    while (std::fabs(x) < 1e-2);
   }
   return v;
 }
@@ -63,7 +64,8 @@ TEST(ModelOpsFd, RmsNorm) {
   };
   V out(n * c), rstd(n), dx(n * c, 0.0), dw(c, 0.0);
   cpu::rmsnorm_forward<double, double>(x.data(), w.data(), out.data(), rstd.data(), n, c, 1e-5);
-  cpu::rmsnorm_backward<double, double>(R.data(), x.data(), w.data(), rstd.data(), dx.data(), dw.data(), n, c);
+  cpu::rmsnorm_backward<double, double>(R.data(), x.data(), w.data(), rstd.data(), dx.data(),
+                                        dw.data(), n, c);
   expect_grad("rmsnorm dx", &x, dx, loss);
   expect_grad("rmsnorm dw", &w, dw, loss);
 }
@@ -72,8 +74,8 @@ TEST(ModelOpsFd, LayerNorm) {
   const i64 n = 3, c = 9;
   V x = rnd(n * c, 4), w = rnd(c, 5), b = rnd(c, 6), R = rnd(n * c, 7);
   auto fwd = [&](V& out, V& mean, V& rstd) {
-    cpu::layernorm_forward<double, double>(x.data(), w.data(), b.data(), out.data(), mean.data(), rstd.data(), n, c,
-                                           1e-5);
+    cpu::layernorm_forward<double, double>(x.data(), w.data(), b.data(), out.data(), mean.data(),
+                                           rstd.data(), n, c, 1e-5);
   };
   auto loss = [&] {
     V out(n * c), mean(n), rstd(n);
@@ -82,8 +84,8 @@ TEST(ModelOpsFd, LayerNorm) {
   };
   V out(n * c), mean(n), rstd(n), dx(n * c, 0.0), dw(c, 0.0), db(c, 0.0);
   fwd(out, mean, rstd);
-  cpu::layernorm_backward<double, double>(R.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
-                                          dw.data(), db.data(), n, c);
+  cpu::layernorm_backward<double, double>(R.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                                          dx.data(), dw.data(), db.data(), n, c);
   expect_grad("layernorm dx", &x, dx, loss);
   expect_grad("layernorm dw", &w, dw, loss);
   expect_grad("layernorm db", &b, db, loss);
@@ -94,13 +96,15 @@ TEST(ModelOpsFd, RopeIsARotationAndItsBackwardTheTranspose) {
   const V cs = [&] {
     V v(t * hd / 2);
     for (i64 p = 0; p < t; ++p)
-      for (i64 i = 0; i < hd / 2; ++i) v[p * hd / 2 + i] = std::cos(p * std::pow(100.0, -2.0 * i / hd));
+      for (i64 i = 0; i < hd / 2; ++i)
+        v[p * hd / 2 + i] = std::cos(p * std::pow(100.0, -2.0 * i / hd));
     return v;
   }();
   const V sn = [&] {
     V v(t * hd / 2);
     for (i64 p = 0; p < t; ++p)
-      for (i64 i = 0; i < hd / 2; ++i) v[p * hd / 2 + i] = std::sin(p * std::pow(100.0, -2.0 * i / hd));
+      for (i64 i = 0; i < hd / 2; ++i)
+        v[p * hd / 2 + i] = std::sin(p * std::pow(100.0, -2.0 * i / hd));
     return v;
   }();
   V x = rnd(n * stride, 8), R = rnd(n * stride, 9);
@@ -132,7 +136,8 @@ TEST_P(AttentionFd, CausalGqa) {
   };
   V o(b * t * nh * hd), lse(b * nh * t), dqkv(qkv.size(), 123.0);
   cpu::attention_forward<double>(qkv.data(), o.data(), lse.data(), b, t, nh, nkv, hd, scale);
-  cpu::attention_backward<double>(qkv.data(), o.data(), R.data(), lse.data(), dqkv.data(), b, t, nh, nkv, hd, scale);
+  cpu::attention_backward<double>(qkv.data(), o.data(), R.data(), lse.data(), dqkv.data(), b, t, nh,
+                                  nkv, hd, scale);
   expect_grad("attention dqkv", &qkv, dqkv, loss);
   // Causality: the first query row attends only to itself, so o = v of position 0.
   for (i64 h = 0; h < nh; ++h)

@@ -10,12 +10,12 @@
 // (model_ref.py --bf16-gemm) and computes in float64; 1e-2 and 2e-2 (measured worst: Llama
 // 1.5e-6 logits, 9.8e-4 gradients; GPT-2 3.7e-3 and 7.4e-3, a difference not yet traced).
 // Skipped, never passed, when /usr/bin/python3 cannot import torch.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "strata/error.h"
 #include "strata/model.h"
@@ -53,9 +53,11 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
 class ModelOracle : public ::testing::TestWithParam<OracleCase> {};
 
 TEST_P(ModelOracle, LogitsLossAndEveryGradientMatchPyTorch) {
-  if (!have_torch()) GTEST_SKIP() << "/usr/bin/python3 cannot import torch (apt-get install python3-torch)";
+  if (!have_torch())
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch (apt-get install python3-torch)";
   const OracleCase& c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("strata_model_oracle_{}_{}", c.name, ::getpid());
+  const fs::path dir =
+      fs::temp_directory_path() / fmt::format("strata_model_oracle_{}_{}", c.name, ::getpid());
   fs::remove_all(dir);
   const ModelConfig cfg = parse_model_config(c.config, c.name);
   auto dev = make_host_device();
@@ -110,36 +112,43 @@ TEST_P(ModelOracle, LogitsLossAndEveryGradientMatchPyTorch) {
       ++checked;
     }
   EXPECT_EQ(checked, ref.tensors().size() - 2);  // every parameter the reference has
-  std::printf("[ oracle   ] %s: loss %.6f (ref %.6f), worst gradient error %.2e\n", c.name.c_str(), loss,
-              ref_loss, worst);
+  std::printf("[ oracle   ] %s: loss %.6f (ref %.6f), worst gradient error %.2e\n", c.name.c_str(),
+              loss, ref_loss, worst);
   fs::remove_all(dir);
 }
 
-const char* kLlamaGqa = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 131,
+const char* kLlamaGqa =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 131,
   "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
   "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
   "tie_word_embeddings": false})";
-const char* kQwen2 = R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97,
+const char* kQwen2 =
+    R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97,
   "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
   "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
   "tie_word_embeddings": false})";
-const char* kLlama3Tied = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 101,
+const char* kLlama3Tied =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 101,
   "hidden_size": 40, "intermediate_size": 56, "num_hidden_layers": 2, "num_attention_heads": 4,
   "num_key_value_heads": 4, "head_dim": 10, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
   "rope_theta": 500000.0, "tie_word_embeddings": true,
   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 32}})";
-const char* kMistral = R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 89,
+const char* kMistral =
+    R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 89,
   "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
   "num_key_value_heads": 1, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "sliding_window": 4096})";
-const char* kGpt2 = R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 113,
+const char* kGpt2 =
+    R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 113,
   "n_embd": 36, "n_layer": 2, "n_head": 3, "n_positions": 16, "layer_norm_epsilon": 1e-5,
   "activation_function": "gelu_new"})";
 // q/k/v and o_proj biases (Hugging Face's LlamaAttention with attention_bias).
-const char* kLlamaAttnBias = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 79,
+const char* kLlamaAttnBias =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 79,
   "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
   "num_key_value_heads": 2, "max_position_embeddings": 64, "attention_bias": true})";
-const char* kGpt2Scaled = R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 83,
+const char* kGpt2Scaled =
+    R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 83,
   "n_embd": 24, "n_layer": 3, "n_head": 2, "n_positions": 16, "scale_attn_weights": false,
   "scale_attn_by_inverse_layer_idx": true})";
 

@@ -1,22 +1,25 @@
 // Model behaviour that needs no oracle: activation checkpointing (device and host) gives
 // bit-identical gradients, the chunked fused LM-head loss equals the loss of the full logits,
 // gradients accumulate, the provider contract is checked, and bad input gives named errors.
+#include "strata/model.h"
+
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <random>
 #include <string>
 #include <tuple>
 
-#include <gtest/gtest.h>
-
 #include "strata/error.h"
-#include "strata/model.h"
 
 namespace strata {
 namespace {
 
-const char* kLlama = R"({"model_type": "llama", "vocab_size": 67, "hidden_size": 32, "intermediate_size": 40,
+const char* kLlama =
+    R"({"model_type": "llama", "vocab_size": 67, "hidden_size": 32, "intermediate_size": 40,
   "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32})";
-const char* kGpt2 = R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
+const char* kGpt2 =
+    R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2, "n_head": 2,
   "n_positions": 16})";
 
 Batch random_batch(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
@@ -41,8 +44,8 @@ struct StepResult {
   std::vector<std::vector<float>> grads;
 };
 
-StepResult train_step(const char* cfg_json, bool ckpt, bool host, DType dt = DType::kF32, int micro_batches = 1,
-                      std::int64_t seq = 7) {
+StepResult train_step(const char* cfg_json, bool ckpt, bool host, DType dt = DType::kF32,
+                      int micro_batches = 1, std::int64_t seq = 7) {
   const ModelConfig cfg = parse_model_config(cfg_json, "test config");
   HostDeviceOptions ho;
   ho.capacity_bytes = std::size_t(256) << 20;
@@ -118,8 +121,10 @@ TEST(Model, ChunkedFusedLossEqualsLossOfFullLogits) {
     double ref = 0;
     for (std::size_t r = 0; r < 15; ++r) {
       double mx = -1e30, sum = 0;
-      for (std::int64_t i = 0; i < cfg.vocab_size; ++i) mx = std::max<double>(mx, logits[r * cfg.vocab_size + i]);
-      for (std::int64_t i = 0; i < cfg.vocab_size; ++i) sum += std::exp(logits[r * cfg.vocab_size + i] - mx);
+      for (std::int64_t i = 0; i < cfg.vocab_size; ++i)
+        mx = std::max<double>(mx, logits[r * cfg.vocab_size + i]);
+      for (std::int64_t i = 0; i < cfg.vocab_size; ++i)
+        sum += std::exp(logits[r * cfg.vocab_size + i] - mx);
       ref += mx + std::log(sum) - logits[r * cfg.vocab_size + b.targets[r]];
     }
     ref /= 15;
@@ -207,13 +212,16 @@ TEST(Model, Gpt2AttentionScaleOptionsEqualScaledQueries) {
 // Hugging Face's Qwen2Config defaults use_sliding_window to false; Mistral's window always binds
 // (use_sliding_window true and false: BadInputNamesTheProblem).
 TEST(Model, Qwen2SlidingWindowIsOffUnlessEnabled) {
-  const char* shape = R"("vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+  const char* shape =
+      R"("vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
     "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 32})";
   auto dev = make_host_device();
   auto s = dev->create_stream("model");
-  const ModelConfig q = parse_model_config(std::string(R"({"model_type": "qwen2", )") + shape, "qwen2");
+  const ModelConfig q =
+      parse_model_config(std::string(R"({"model_type": "qwen2", )") + shape, "qwen2");
   EXPECT_NO_THROW(Model(q, *dev, *s, {.micro_batch = 1, .seq_len = 64}));
-  const ModelConfig mi = parse_model_config(std::string(R"({"model_type": "mistral", )") + shape, "mistral");
+  const ModelConfig mi =
+      parse_model_config(std::string(R"({"model_type": "mistral", )") + shape, "mistral");
   EXPECT_THROW(Model(mi, *dev, *s, {.micro_batch = 1, .seq_len = 64}), Error);
 }
 
@@ -246,22 +254,28 @@ TEST(Model, BadInputNamesTheProblem) {
   expect_error([&] { Model big(cfg, *dev, *s, mo); }, "n_positions 16");
   // A sliding window binds only when used (Qwen2's configs say "use_sliding_window": false).
   const auto windowed = [](const char* use) {
-    return parse_model_config(std::string(R"({"model_type": "qwen2", "vocab_size": 67, "hidden_size": 32,
+    return parse_model_config(
+        std::string(R"({"model_type": "qwen2", "vocab_size": 67, "hidden_size": 32,
       "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-      "max_position_embeddings": 64, "sliding_window": 8)") + use + "}", "qwen2.json");
+      "max_position_embeddings": 64, "sliding_window": 8)") +
+            use + "}",
+        "qwen2.json");
   };
-  expect_error([&] { Model windowed_model(windowed(R"(, "use_sliding_window": true)"), *dev, *s, mo); },
-               "sliding_window 8");
+  expect_error(
+      [&] { Model windowed_model(windowed(R"(, "use_sliding_window": true)"), *dev, *s, mo); },
+      "sliding_window 8");
   Model unwindowed(windowed(R"(, "use_sliding_window": false)"), *dev, *s, mo);
-  expect_error([&] { parse_model_config("{\"model_type\": \"llama\"}", "cfg.json"); }, "'vocab_size' is missing");
+  expect_error([&] { parse_model_config("{\"model_type\": \"llama\"}", "cfg.json"); },
+               "'vocab_size' is missing");
   expect_error([&] { parse_model_config("{\"model_type\": \"bert\"}", "cfg.json"); }, "bert");
   expect_error([&] { parse_model_config("{not json", "my/config.json"); }, "my/config.json");
   expect_error([&] { load_model_config("/nonexistent/config.json"); }, "/nonexistent/config.json");
   expect_error(
       [&] {
-        parse_model_config(R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+        parse_model_config(
+            R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 2})",
-                           "c.json");
+            "c.json");
       },
       "not a multiple");
 }

@@ -1,28 +1,27 @@
 // The NVMe tier: aio config, both engines, fault injection, the swap store.
+#include "strata/nvme.h"
+
 #include <fcntl.h>
-#include <sys/statvfs.h>
+#include <gtest/gtest.h>
 #include <sys/file.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <thread>
-#include <atomic>
 #include <future>
 #include <mutex>
 #include <random>
-
-#include <gtest/gtest.h>
-
-#include "test_util.h"
+#include <thread>
 
 #include "comm/comm_internal.h"
 #include "strata/error.h"
-#include "strata/nvme.h"
 #include "strata/pinned_pool.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -55,7 +54,9 @@ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
 using testing::TempDir;
 
 struct FileFd {
-  FileFd(const std::string& p, DirectIo d) : path(p) { fd = open_for_io(p, O_RDWR | O_CREAT | O_TRUNC, d, &direct); }
+  FileFd(const std::string& p, DirectIo d) : path(p) {
+    fd = open_for_io(p, O_RDWR | O_CREAT | O_TRUNC, d, &direct);
+  }
   ~FileFd() { ::close(fd); }
   std::string path;
   int fd;
@@ -84,7 +85,8 @@ TEST(AioConfig, DefaultsMatchDeepSpeed) {
 }
 
 TEST(AioConfig, ReadsKeysAliasesAndWholeDsConfig) {
-  AioConfig c = parse_aio_config(R"({"block_size": 2.62144e5, "queue_depth": 32, "intra_op_parallelism": 2,
+  AioConfig c =
+      parse_aio_config(R"({"block_size": 2.62144e5, "queue_depth": 32, "intra_op_parallelism": 2,
                                      "single_submit": true, "verify": true, "engine": "threads", "direct": false})");
   EXPECT_EQ(c.block_size, 262144u);
   EXPECT_EQ(c.queue_depth, 32);
@@ -125,7 +127,8 @@ TEST(AioConfig, BadValuesNameTheKeyAndAllowedValues) {
   expect_config_error(R"({"aio": [1]})", "must be an object");
   expect_config_error(R"({"queue_depth": )", "not valid JSON");
   // A typo among good keys: named, not taken for a ds_config without aio (the defaults, silently).
-  expect_config_error(R"({"block_size": 1048576, "queue_dpeth": 8})", "did you mean 'aio.queue_depth'");
+  expect_config_error(R"({"block_size": 1048576, "queue_dpeth": 8})",
+                      "did you mean 'aio.queue_depth'");
   expect_config_error(R"({"queue_dpeth": 8})", "did you mean 'aio.queue_depth'");
 }
 
@@ -159,7 +162,8 @@ void many_requests_round_trip(IoBackend be, bool single_submit) {
   }
   eng->submit(writes).wait();
   eng->submit(reads).wait();
-  for (int i = 0; i < n; ++i) ASSERT_EQ(std::memcmp(src[i]->ptr, dst[i]->ptr, writes[i].bytes), 0) << i;
+  for (int i = 0; i < n; ++i)
+    ASSERT_EQ(std::memcmp(src[i]->ptr, dst[i]->ptr, writes[i].bytes), 0) << i;
   const IoStats st = eng->stats();
   EXPECT_EQ(st.bytes_written, st.bytes_read);
   EXPECT_GT(st.chunks, std::uint64_t(n) * 2);
@@ -238,7 +242,10 @@ TEST_P(EngineTest, ShortTransfersEagainAndDelaysAreRecovered) {
   for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
     SCOPED_TRACE(op == IoOp::kWrite ? "write" : "read");
     FaultRun fr(GetParam(),
-                {{FaultKind::kShort, 3}, {FaultKind::kEagain, 5}, {FaultKind::kDelay, 7, 50}, {FaultKind::kShort, 15}},
+                {{FaultKind::kShort, 3},
+                 {FaultKind::kEagain, 5},
+                 {FaultKind::kDelay, 7, 50},
+                 {FaultKind::kShort, 15}},
                 op);
     IoHandle h = fr.run(op);
     ASSERT_TRUE(h.wait_for(30s)) << "hung";
@@ -300,8 +307,10 @@ TEST_P(EngineTest, EioAndEnospcAreClearErrorsNamingFileAndOffset) {
       EXPECT_EQ(e.kind(), ErrorKind::kIo);
       EXPECT_NE(w.find("faults.bin"), std::string::npos) << w;
       EXPECT_NE(w.find("offset 393216"), std::string::npos) << w;  // chunk 6 x 64 KiB
-      if (kind == FaultKind::kEnospc) EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
-      else EXPECT_NE(w.find("Input/output error"), std::string::npos) << w;
+      if (kind == FaultKind::kEnospc)
+        EXPECT_NE(w.find("disk is full"), std::string::npos) << w;
+      else
+        EXPECT_NE(w.find("Input/output error"), std::string::npos) << w;
     }
     EXPECT_TRUE(threw);
     EXPECT_TRUE(h.done());
@@ -327,7 +336,8 @@ TEST_P(EngineTest, CompletionCallbackRuns) {
     });
     h.wait();
     ASSERT_TRUE(ran) << "wait() returned before the callback ran (round " << i << ")";
-    ASSERT_EQ(held.use_count(), 1) << "wait() returned before the callback was destroyed (round " << i << ")";
+    ASSERT_EQ(held.use_count(), 1)
+        << "wait() returned before the callback was destroyed (round " << i << ")";
   }
 }
 
@@ -349,7 +359,8 @@ TEST_P(EngineTest, ReadPastEndOfFileIsAnError) {
   EXPECT_THROW(eng->submit({&r, 1}).wait(), Error);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::Values(IoBackend::kIoUring, IoBackend::kThreads),
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest,
+                         ::testing::Values(IoBackend::kIoUring, IoBackend::kThreads),
                          [](const auto& p) { return std::string(io_backend_name(p.param)); });
 
 TEST(Engine, FixedBuffersFromThePinnedPool) {
@@ -377,21 +388,26 @@ TEST(Engine, FixedBuffersFromThePinnedPool) {
 TEST(Engine, ASubmitTheKernelRefusesIsTriedAgain) {
   for (const bool single : {false, true})
     for (const IoOp op : {IoOp::kWrite, IoOp::kRead}) {
-      SCOPED_TRACE(fmt::format("{}, {}", single ? "single_submit" : "batched", op == IoOp::kWrite ? "write" : "read"));
-      FaultRun fr(IoBackend::kIoUring, {{FaultKind::kSubmitEagain, 3}, {FaultKind::kSubmitEagain, 10}}, op);
+      SCOPED_TRACE(fmt::format("{}, {}", single ? "single_submit" : "batched",
+                               op == IoOp::kWrite ? "write" : "read"));
+      FaultRun fr(IoBackend::kIoUring,
+                  {{FaultKind::kSubmitEagain, 3}, {FaultKind::kSubmitEagain, 10}}, op);
       if (fr.eng->backend() != IoBackend::kIoUring) GTEST_SKIP() << "no io_uring here";
       if (single) {  // one io_uring_enter per chunk
         AioConfig c = config(IoBackend::kIoUring, 64 << 10, 4, 2);
         c.single_submit = true;
-        fr.eng = make_fault_injecting_engine(c, {{FaultKind::kSubmitEagain, 3}, {FaultKind::kSubmitEagain, 10}});
+        fr.eng = make_fault_injecting_engine(
+            c, {{FaultKind::kSubmitEagain, 3}, {FaultKind::kSubmitEagain, 10}});
       }
       IoHandle h = fr.run(op);
       ASSERT_TRUE(h.wait_for(30s)) << "hung";
       const IoStats st = fr.eng->stats();
       EXPECT_EQ(st.submits_refused, 2u);
       EXPECT_EQ(st.errors, 0u);
-      if (op == IoOp::kRead) EXPECT_EQ(std::memcmp(fr.src.ptr, fr.dst.ptr, fr.src.size), 0) << "corrupt bytes";
-      else EXPECT_TRUE(fr.file_matches());
+      if (op == IoOp::kRead)
+        EXPECT_EQ(std::memcmp(fr.src.ptr, fr.dst.ptr, fr.src.size), 0) << "corrupt bytes";
+      else
+        EXPECT_TRUE(fr.file_matches());
     }
 }
 
@@ -416,12 +432,15 @@ TEST(Engine, ASubmitThatFailsGivesTheRingUpWithAClearError) {
                            "set aio.engine to \"threads\""})
     EXPECT_NE(first.find(part), std::string::npos) << part << " in: " << first;
   EXPECT_GT(fr.eng->stats().errors, 0u);
-  // The engine's other ring still works; a request that spans both fails as a whole, said the same way.
+  // The engine's other ring still works; a request that spans both fails as a whole, said the same
+  // way.
   try {
     ASSERT_TRUE(fr.run(IoOp::kRead).wait_for(30s)) << "hung";
     ADD_FAILURE() << "a read on the given-up ring went through";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("io_uring_submit failed (Invalid argument)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("io_uring_submit failed (Invalid argument)"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -440,7 +459,8 @@ TEST(Engine, ASubmitThatFailsGivesTheRingUpOneSubmitAChunk) {
       ASSERT_TRUE(fr.run(i == 0 ? IoOp::kWrite : IoOp::kRead).wait_for(30s)) << "hung";
       ADD_FAILURE() << "request " << i << " went through";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("io_uring_submit failed (Invalid argument)"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("io_uring_submit failed (Invalid argument)"),
+                std::string::npos)
           << e.what();
     }
   }
@@ -458,8 +478,9 @@ TEST(Engine, BlockSizesPastOneGibAreRefused) {
       make_io_engine(c);
       ADD_FAILURE() << "a 4 GiB block was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("aio.block_size = 4294967296: must be a power of two from 4096 to "
-                                           "1073741824 (1 GiB)"),
+      EXPECT_NE(std::string(e.what()).find(
+                    "aio.block_size = 4294967296: must be a power of two from 4096 to "
+                    "1073741824 (1 GiB)"),
                 std::string::npos)
           << e.what();
     }
@@ -504,7 +525,8 @@ TEST(SwapStore, StripedRoundTripAtOddSizesAndCleanExit) {
   TempDir a, b, c;
   std::vector<std::string> files;
   {
-    SwapStore store(store_options({a.path, b.path, c.path}, IoBackend::kAuto, DirectIo::kAuto, true));
+    SwapStore store(
+        store_options({a.path, b.path, c.path}, IoBackend::kAuto, DirectIo::kAuto, true));
     store_round_trip(store);
     files = store.files();
     ASSERT_EQ(files.size(), 3u);
@@ -589,7 +611,8 @@ TEST(SwapStore, VerifyDetectsAByteFlippedBehindItsBack) {
     EXPECT_NE(w.find("checksum mismatch"), std::string::npos) << w;
     EXPECT_NE(w.find("layer3.v"), std::string::npos) << w;
     EXPECT_NE(w.find("stripe.bin"), std::string::npos) << w;
-    EXPECT_NE(w.find("offset 1245184"), std::string::npos) << w;  // the 64 KiB stripe holding the byte
+    EXPECT_NE(w.find("offset 1245184"), std::string::npos)
+        << w;  // the 64 KiB stripe holding the byte
   }
   // Reads the checksums cannot vouch for are refused, not reported as corruption: part of a
   // write (the last piece's sum is of the whole piece), or past a shorter write.
@@ -658,12 +681,16 @@ TEST(SwapStore, AGrowthTheDriveRefusesPartWayHoldsNothing) {
   TempDir d;
   const std::string img = d.path + "/ext4.img", mnt = d.path + "/mnt";
   fs::create_directories(mnt);
-  const std::string make = "truncate -s 64M '" + img + "' && mkfs.ext4 -q -F -N 20000 -m 0 '" + img +
-                           "' >/dev/null 2>&1 && mount -o loop '" + img + "' '" + mnt + "' 2>/dev/null";
-  if (std::system(make.c_str()) != 0) GTEST_SKIP() << "cannot make and loop-mount an ext4 image here";
+  const std::string make = "truncate -s 64M '" + img + "' && mkfs.ext4 -q -F -N 20000 -m 0 '" +
+                           img + "' >/dev/null 2>&1 && mount -o loop '" + img + "' '" + mnt +
+                           "' 2>/dev/null";
+  if (std::system(make.c_str()) != 0)
+    GTEST_SKIP() << "cannot make and loop-mount an ext4 image here";
   struct Unmount {
     std::string mnt;
-    ~Unmount() { (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str()); }
+    ~Unmount() {
+      (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str());
+    }
   } unmount{mnt};
   // Fill the file system with 4 KiB files, then delete every other one.
   fs::create_directories(mnt + "/frag");
@@ -692,7 +719,8 @@ TEST(SwapStore, AGrowthTheDriveRefusesPartWayHoldsNothing) {
   const std::uint64_t free_before = std::uint64_t(sv.f_bavail) * sv.f_frsize;
   EXPECT_THROW(store.reserve("all", free_before / 4096 * 4096), Error);
   ASSERT_EQ(::statvfs(mnt.c_str(), &sv), 0);
-  EXPECT_GE(std::uint64_t(sv.f_bavail) * sv.f_frsize + (64 << 10), free_before) << "the refused growth kept space";
+  EXPECT_GE(std::uint64_t(sv.f_bavail) * sv.f_frsize + (64 << 10), free_before)
+      << "the refused growth kept space";
   EXPECT_EQ(fs::file_size(store.files()[0]), 0u);
   EXPECT_EQ(store.stats().file_bytes, 0u);
   EXPECT_NO_THROW(store.reserve("small", 4096));  // refused too while the drive stayed full
@@ -737,7 +765,8 @@ TEST(SwapStore, FreeBytesCountsEachFileSystemOnceAndAPreviousRunsFilesAsFree) {
     FAIL() << "a missing directory was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("offload_param.nvme_path"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("not an existing directory"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not an existing directory"), std::string::npos)
+        << e.what();
   }
   try {  // a flag (strata-prof's) is named as the flag, not as a config key
     SwapStore::free_bytes({a.path + "/nope"}, 0, "--nvme-path");
@@ -770,14 +799,17 @@ TEST(SwapStore, RemovesAPreviousRunsFilesAndRefusesASharedPath) {
   // in for the other process: flock locks belong to open files).
   TempDir b;
   fs::create_directories(b.path + "/strata-swap");
-  const int held = ::open((b.path + "/strata-swap/rank0.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int held =
+      ::open((b.path + "/strata-swap/rank0.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   ASSERT_GE(held, 0);
   ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
   try {
     SwapStore third(store_options({b.path}));
     ADD_FAILURE() << "a directory another run holds was taken";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("in use by another running strata process"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("in use by another running strata process"),
+              std::string::npos)
+        << e.what();
   }
   ::close(held);
   SwapStore after(store_options({b.path}));  // and taken once that run is gone
@@ -861,9 +893,13 @@ TEST(SwapStore, OverlappingPathListsAreRefusedNamingBothKeys) {
       ADD_FAILURE() << "a directory of another store was taken";
     } catch (const Error& e) {
       const std::string w = e.what();
-      EXPECT_NE(w.find("config key 'offload_optimizer.nvme_path' = '" + a.path + "/'"), std::string::npos) << w;
-      EXPECT_NE(w.find("already used by this process's swap store of config key 'offload_param.nvme_path'"),
+      EXPECT_NE(w.find("config key 'offload_optimizer.nvme_path' = '" + a.path + "/'"),
                 std::string::npos)
+          << w;
+      EXPECT_NE(
+          w.find(
+              "already used by this process's swap store of config key 'offload_param.nvme_path'"),
+          std::string::npos)
           << w;
     }
     EXPECT_EQ(params.files().size(), 2u);
@@ -873,9 +909,10 @@ TEST(SwapStore, OverlappingPathListsAreRefusedNamingBothKeys) {
     SwapStore twice(store_options({a.path, a.path + "/"}));
     ADD_FAILURE() << "a list naming one directory twice was taken";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("config key 'offload_optimizer.nvme_path' names the directory '" + a.path +
-                                         "/' twice"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "config key 'offload_optimizer.nvme_path' names the directory '" + a.path + "/' twice"),
+        std::string::npos)
         << e.what();
   }
   SwapStore opt(store_options({a.path}));
@@ -904,11 +941,14 @@ TEST(SwapStore, ASharedEngineForgetsAGoneStoresFiles) {
   }
   // The store's fd numbers are free again: new files get them (the lowest free first).
   std::vector<std::unique_ptr<FileFd>> files;
-  for (int i = 0; i < 4; ++i) files.push_back(std::make_unique<FileFd>(a.path + "/other" + std::to_string(i), DirectIo::kAuto));
+  for (int i = 0; i < 4; ++i)
+    files.push_back(
+        std::make_unique<FileFd>(a.path + "/other" + std::to_string(i), DirectIo::kAuto));
   for (const auto& f : files) {
     IoRequest w{IoOp::kWrite, f->fd, 0, buf.ptr, buf.size, &f->path};
     eng->submit({&w, 1}).wait();
-    EXPECT_EQ(fs::file_size(f->path), buf.size) << "the write to fd " << f->fd << " went to another file";
+    EXPECT_EQ(fs::file_size(f->path), buf.size)
+        << "the write to fd " << f->fd << " went to another file";
   }
 }
 
@@ -920,7 +960,8 @@ TEST(SwapStore, BadPathsNameTheKey) {
       ADD_FAILURE() << "accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("offload_optimizer.nvme_path"), std::string::npos)
+          << e.what();
     }
   };
   expect(store_options({}), "is missing");
@@ -928,14 +969,15 @@ TEST(SwapStore, BadPathsNameTheKey) {
   std::ofstream(a.path + "/file") << "x";
   expect(store_options({a.path + "/file"}), "not a directory");
   struct statvfs sv {};
-  if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY)) expect(store_options({"/proc/sys"}), "read-only");
+  if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY))
+    expect(store_options({"/proc/sys"}), "read-only");
   SwapStore store(store_options({a.path}));
   AlignedBuf buf(8192);
   EXPECT_THROW(store.read("never", buf.ptr, 10), Error);
   store.reserve("reserved", 10);
   EXPECT_THROW(store.read("reserved", buf.ptr, 10), Error);
   EXPECT_THROW(store.write("reserved", buf.ptr, 8192), Error);  // larger than its extent
-  EXPECT_THROW(store.write("x", buf.ptr + 1, 10), Error);      // unaligned buffer
+  EXPECT_THROW(store.write("x", buf.ptr + 1, 10), Error);       // unaligned buffer
 }
 
 }  // namespace

@@ -58,7 +58,8 @@ std::string thp_mode() {
   std::string line;
   std::getline(f, line);
   const auto o = line.find('['), c = line.find(']');
-  return o == std::string::npos || c == std::string::npos ? "unavailable" : line.substr(o + 1, c - o - 1);
+  return o == std::string::npos || c == std::string::npos ? "unavailable"
+                                                          : line.substr(o + 1, c - o - 1);
 }
 
 PinnedPoolOptions opts(std::size_t budget) {
@@ -120,9 +121,9 @@ TEST(PinnedPool, BudgetIsEnforcedAndTheErrorNamesTheNumbers) {
   PinnedBlock a = pool.allocate(6 * kMiB);
   const Error e = expect_error([&] { (void)pool.allocate(3 * kMiB + 5); }, ErrorKind::kOutOfMemory);
   const std::string msg = e.message();
-  EXPECT_NE(msg.find(std::to_string(3 * kMiB + 5)), std::string::npos) << msg;   // requested
-  EXPECT_NE(msg.find(std::to_string(6 * kMiB)), std::string::npos) << msg;       // reserved
-  EXPECT_NE(msg.find(std::to_string(8 * kMiB)), std::string::npos) << msg;       // budget
+  EXPECT_NE(msg.find(std::to_string(3 * kMiB + 5)), std::string::npos) << msg;  // requested
+  EXPECT_NE(msg.find(std::to_string(6 * kMiB)), std::string::npos) << msg;      // reserved
+  EXPECT_NE(msg.find(std::to_string(8 * kMiB)), std::string::npos) << msg;      // budget
   EXPECT_NE(msg.find("raise the pinned budget or free blocks"), std::string::npos) << msg;
   EXPECT_LE(pool.stats().reserved_bytes, o.budget_bytes);
 
@@ -191,10 +192,11 @@ void check_batch_overhead(std::size_t min_bytes, std::size_t max_bytes, int coun
   std::vector<PinnedBlock> blocks;
   for (int i = 0; i < count; ++i) blocks.push_back(pool.allocate(size_dist(rng) | 1));
   const PinnedPoolStats s = pool.stats();
-  std::printf("batch of %d buffers %zu..%zu MiB: requested %.1f MiB, reserved %.1f MiB in %zu chunks, "
-              "overhead %.2f%%\n",
-              count, min_bytes / kMiB, max_bytes / kMiB, double(s.requested_bytes) / kMiB,
-              double(s.reserved_bytes) / kMiB, s.num_chunks, 100 * s.overhead());
+  std::printf(
+      "batch of %d buffers %zu..%zu MiB: requested %.1f MiB, reserved %.1f MiB in %zu chunks, "
+      "overhead %.2f%%\n",
+      count, min_bytes / kMiB, max_bytes / kMiB, double(s.requested_bytes) / kMiB,
+      double(s.reserved_bytes) / kMiB, s.num_chunks, 100 * s.overhead());
   EXPECT_LE(s.overhead(), limit);
   EXPECT_GE(s.overhead(), 0.0);
 
@@ -203,7 +205,8 @@ void check_batch_overhead(std::size_t min_bytes, std::size_t max_bytes, int coun
   for (std::size_t i = 0; i < blocks.size(); i += 2) blocks[i] = pool.allocate(size_dist(rng) | 1);
   const PinnedPoolStats s2 = pool.stats();
   std::printf("  after a second wave: requested %.1f MiB, reserved %.1f MiB, overhead %.2f%%\n",
-              double(s2.requested_bytes) / kMiB, double(s2.reserved_bytes) / kMiB, 100 * s2.overhead());
+              double(s2.requested_bytes) / kMiB, double(s2.reserved_bytes) / kMiB,
+              100 * s2.overhead());
   EXPECT_LE(s2.reserved_bytes, s.reserved_bytes + s2.requested_bytes / 5);
 }
 
@@ -221,8 +224,8 @@ TEST(PinnedPool, MemoryIsUsableAlignedAndBlocksDoNotOverlap) {
     std::mt19937_64 rng(3);
     std::vector<PinnedBlock> blocks;
     std::vector<std::uint64_t> seeds;
-    for (std::size_t n : {std::size_t(1), std::size_t(4095), std::size_t(4097), 3 * kMiB + 17, 5 * kMiB,
-                          std::size_t(12345), 9 * kMiB + 1 /* larger than a chunk */}) {
+    for (std::size_t n : {std::size_t(1), std::size_t(4095), std::size_t(4097), 3 * kMiB + 17,
+                          5 * kMiB, std::size_t(12345), 9 * kMiB + 1 /* larger than a chunk */}) {
       blocks.push_back(pool.allocate(n));
       ASSERT_EQ(reinterpret_cast<std::uintptr_t>(blocks.back().data()) % alignment, 0u);
       seeds.push_back(rng());
@@ -236,7 +239,8 @@ TEST(PinnedPool, MemoryIsUsableAlignedAndBlocksDoNotOverlap) {
       std::mt19937_64 gen(seeds[i]);
       const auto* p = static_cast<const unsigned char*>(blocks[i].data());
       std::size_t bad = 0;
-      for (std::size_t j = 0; j < blocks[i].size(); ++j) bad += p[j] != static_cast<unsigned char>(gen());
+      for (std::size_t j = 0; j < blocks[i].size(); ++j)
+        bad += p[j] != static_cast<unsigned char>(gen());
       EXPECT_EQ(bad, 0u) << "block " << i << " of " << blocks[i].size() << " bytes";
     }
   }
@@ -410,10 +414,11 @@ TEST(PinnedPool, OverheadWithDeviceRegistration) {
   std::vector<PinnedBlock> blocks;
   for (int i = 0; i < 64; ++i) blocks.push_back(pool.allocate(size_dist(rng) | 1));
   const PinnedPoolStats s = pool.stats();
-  std::printf("registered batch of 64 buffers 1..16 MiB: requested %.1f MiB, reserved %.1f MiB in %zu "
-              "registrations, overhead %.2f%%\n",
-              double(s.requested_bytes) / kMiB, double(s.reserved_bytes) / kMiB, dev.ranges.size(),
-              100 * s.overhead());
+  std::printf(
+      "registered batch of 64 buffers 1..16 MiB: requested %.1f MiB, reserved %.1f MiB in %zu "
+      "registrations, overhead %.2f%%\n",
+      double(s.requested_bytes) / kMiB, double(s.reserved_bytes) / kMiB, dev.ranges.size(),
+      100 * s.overhead());
   EXPECT_LE(s.overhead(), 0.10);
   for (const auto& b : blocks) EXPECT_TRUE(dev.inside_one(b.data(), b.size()));
 }

@@ -9,21 +9,20 @@
 //   - engine_config_json round-trips through parse_engine_config;
 //   - the recommended ds_config is accepted by strata-train (--plan fits, a short run trains),
 //     and an impossible request exits 2 naming the tiers short of memory.
+#include <gtest/gtest.h>
+#include <sys/statvfs.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
-#include <sys/statvfs.h>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
+#include "scheduler/layout.h"
 #include "strata/engine_config.h"
 #include "strata/perf_model.h"
-#include "scheduler/layout.h"
 #include "test_util.h"
 
 namespace strata {
@@ -50,14 +49,17 @@ ModelProfile synthetic(int layers, std::uint64_t layer_numel, double fwd_s, doub
   mp.micro_batch = 2;
   mp.seq_len = 64;
   mp.units.push_back({"embed", 2048, 0, 0});
-  for (int l = 0; l < layers; ++l) mp.units.push_back({"layers." + std::to_string(l), layer_numel, fwd_s, bwd_s});
+  for (int l = 0; l < layers; ++l)
+    mp.units.push_back({"layers." + std::to_string(l), layer_numel, fwd_s, bwd_s});
   mp.units.push_back({"head", 2048, 0, 0});
   return mp;
 }
 
 EngineConfig placed(Tier params, Tier opt, Tier grads) {
   EngineConfig c = default_engine_config();
-  auto on = [](Tier t) { return Placement{t == Tier::kDevice ? 1.0 : 0.0, t == Tier::kHost ? 1.0 : 0.0}; };
+  auto on = [](Tier t) {
+    return Placement{t == Tier::kDevice ? 1.0 : 0.0, t == Tier::kHost ? 1.0 : 0.0};
+  };
   c.params = on(params);
   c.optimizer = on(opt);
   c.grads = on(grads);
@@ -82,7 +84,8 @@ constexpr double kRel = 1e-6;
 
 TEST(PerfModel, ComputeBoundStepIsTheComputeTime) {
   const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
-  const Prediction p = predict_step(fast_machine(), mp, placed(Tier::kDevice, Tier::kDevice, Tier::kDevice));
+  const Prediction p =
+      predict_step(fast_machine(), mp, placed(Tier::kDevice, Tier::kDevice, Tier::kDevice));
   EXPECT_NEAR(p.step_s, 4 * (0.010 + 0.020), 0.120 * kRel);
   EXPECT_EQ(p.bottleneck, Resource::kCompute);
   EXPECT_NEAR(p.busy_s[int(Resource::kCompute)], 0.120, 0.120 * kRel);
@@ -104,7 +107,8 @@ TEST(PerfModel, LinkBoundStepIsTheTransfersPlusTheLastComputes) {
   const double fetch = double(kLayer) * 4 / 1e9, small = 2048.0 * 4 / 1e9;
   EXPECT_EQ(p.bottleneck, Resource::kH2D);
   EXPECT_NEAR(p.busy_s[int(Resource::kH2D)], 4 * fetch + 2 * small, 1e-9);
-  const double expect = small + 4 * fetch + 0.001 /* layer 3 fwd */ + small /* head fetch after it */ + 4 * 0.001;
+  const double expect =
+      small + 4 * fetch + 0.001 /* layer 3 fwd */ + small /* head fetch after it */ + 4 * 0.001;
   EXPECT_NEAR(p.step_s, expect, expect * 1e-3);
   // A window of two layers: evicted in forward, every layer crosses the link again in backward.
   EngineConfig c = placed(Tier::kHost, Tier::kDevice, Tier::kDevice);
@@ -186,7 +190,8 @@ TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   // The AdamW jobs in the predicted step, by start: the last step's backlog (layer 1 running
   // when the step begins), then this step's head, layer 3, layer 1 and the embedding (layers 0
   // and 2 fall in the next step).
-  EXPECT_EQ(units_by_start(a, "adamw "), "layers.1 embed layers.0 layers.2 head layers.3 layers.1 embed");
+  EXPECT_EQ(units_by_start(a, "adamw "),
+            "layers.1 embed layers.0 layers.2 head layers.3 layers.1 embed");
 }
 
 // The early worker's choice of its next job (EarlyStepper::next_job, replayed by the
@@ -200,13 +205,14 @@ TEST(PerfModel, TheEarlyWorkerTakesReadyJobsInTheForwardsOrder) {
   auto pick = [](const std::vector<Q>& q, std::size_t read_ahead) {
     return q[detail::next_early_job(
                  q.size(), [&](std::size_t i) { return q[i].unit == read_ahead; },
-                 [&](std::size_t i) { return q[i].ready; }, [&](std::size_t i) { return q[i].unit; })]
+                 [&](std::size_t i) { return q[i].ready; },
+                 [&](std::size_t i) { return q[i].unit; })]
         .unit;
   };
   // Queued as backward produces them: the last layers first.
   EXPECT_EQ(pick({{14, true}, {13, true}, {12, false}, {11, false}}, SIZE_MAX), 13u);
   EXPECT_EQ(pick({{14, true}, {13, false}, {12, false}}, SIZE_MAX), 14u);
-  EXPECT_EQ(pick({{14, false}, {13, false}}, SIZE_MAX), 14u);  // none ready: the oldest
+  EXPECT_EQ(pick({{14, false}, {13, false}}, SIZE_MAX), 14u);      // none ready: the oldest
   EXPECT_EQ(pick({{14, true}, {13, true}, {12, true}}, 14), 14u);  // its state was read ahead
   EXPECT_EQ(pick({{14, true}, {13, true}}, 7), 13u);  // (a read-ahead for a job not queued)
   EXPECT_EQ(pick({{5, true}}, SIZE_MAX), 5u);
@@ -237,7 +243,7 @@ TEST(PerfModel, FastestValidatedIsByTokensASecond) {
   c[2].prediction.step_s = 0.3, c[2].prediction.tokens_per_s = 8 * 32 / 0.3;
   EXPECT_EQ(fastest_validated(c, {0.317, 0.182}), 0u);  // 808 against 703 tokens/s
   EXPECT_NEAR(measured_tokens_per_s(c[0], 0.317), 8 * 32 / 0.317, 1e-9);
-  EXPECT_EQ(fastest_validated(c, {0.317, 0.150}), 1u);  // 853: faster
+  EXPECT_EQ(fastest_validated(c, {0.317, 0.150}), 1u);   // 853: faster
   EXPECT_EQ(fastest_validated(c, {0, 0.182, 0.4}), 1u);  // a failed run is not the fastest
   EXPECT_EQ(fastest_validated(c, {0, 0}), 2u);           // none ran
 }
@@ -331,7 +337,8 @@ TEST(PerfModel, EachSubGroupsReadPaysTheDrivesFixedTime) {
 TEST(PerfModel, NvmeStateIsReadAheadForTheJobTheWorkerTakesNext) {
   MachineProfile m = fast_machine();
   m.cpu_adamw_params_per_s = double(kLayer) / 0.050;
-  m.nvme_read_bps = m.nvme_write_bps = 12.0 * double(kLayer / 4) / 0.004;  // a sub-group's state in 4 ms
+  m.nvme_read_bps = m.nvme_write_bps =
+      12.0 * double(kLayer / 4) / 0.004;  // a sub-group's state in 4 ms
   const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
   EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kHost);
   c.sub_group_size = kLayer / 4;
@@ -347,7 +354,8 @@ TEST(PerfModel, NvmeStateIsReadAheadForTheJobTheWorkerTakesNext) {
   // order, the first already running), then this step's head and layer 3; at layer 3's last
   // sub-group only layer 2's gradient is there, so its state is read ahead and it is taken next
   // although layer 1's is there when layer 3 ends.
-  EXPECT_EQ(runs(units_by_start(p, "adamw ")), "layers.2 embed layers.0 layers.1 head layers.3 layers.2 embed");
+  EXPECT_EQ(runs(units_by_start(p, "adamw ")),
+            "layers.2 embed layers.0 layers.1 head layers.3 layers.2 embed");
   EXPECT_EQ(runs(units_by_start(p, "read state ")), runs(units_by_start(p, "adamw ")));
 }
 
@@ -365,7 +373,8 @@ TEST(PerfModel, TheDevicesNormTakesTheHostsPassOutOfTheStep) {
   c.device_grad_norm = true;
   const Prediction device = predict_step(m, mp, c);
   EXPECT_LT(device.step_s, host.step_s * 1e-3);
-  for (const Interval& iv : device.schedule) EXPECT_EQ(iv.what.rfind("norm ", 0), std::string::npos) << iv.what;
+  for (const Interval& iv : device.schedule)
+    EXPECT_EQ(iv.what.rfind("norm ", 0), std::string::npos) << iv.what;
   c.gradient_accumulation_steps = 2;  // the host accumulates: the host takes the norm again
   EXPECT_NEAR(predict_step(m, mp, c).step_s, 4 * params / 4e8, 4 * params / 4e8 * kRel);
 }
@@ -400,13 +409,16 @@ TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
   for (const Candidate& c : r.ranked) {
     if (c.label.find("twice the swap buffers") == std::string::npos) continue;
     ++doubled;
-    EXPECT_TRUE(c.config.params.nvme_fraction() > 0 || c.config.optimizer.nvme_fraction() > 0) << c.label;
-    // Of what is on NVMe only (a doubled offload_param.buffer_count beside params on the device read
-    // as a setting that did something).
+    EXPECT_TRUE(c.config.params.nvme_fraction() > 0 || c.config.optimizer.nvme_fraction() > 0)
+        << c.label;
+    // Of what is on NVMe only (a doubled offload_param.buffer_count beside params on the device
+    // read as a setting that did something).
     EXPECT_EQ(c.config.optimizer_buffer_count,
-              (c.config.optimizer.nvme_fraction() > 0 ? 2 : 1) * space.base.optimizer_buffer_count) << c.label;
+              (c.config.optimizer.nvme_fraction() > 0 ? 2 : 1) * space.base.optimizer_buffer_count)
+        << c.label;
     EXPECT_EQ(c.config.param_buffer_count,
-              (c.config.params.nvme_fraction() > 0 ? 2 : 1) * space.base.param_buffer_count) << c.label;
+              (c.config.params.nvme_fraction() > 0 ? 2 : 1) * space.base.param_buffer_count)
+        << c.label;
   }
   EXPECT_GT(doubled, 0);
   for (std::size_t i = 0; i < r.ranked.size(); ++i) {
@@ -444,7 +456,8 @@ TEST(PerfModel, SearchShrinksSubGroupsToFitTheHost) {
     EXPECT_GT(c.config.optimizer.nvme_fraction(), 0) << c.label;
     EXPECT_LT(c.config.sub_group_size, 16 * kLayer) << c.label;
     EXPECT_EQ(c.config.sub_group_size % 2048, 0u) << c.label;
-    EXPECT_NE(c.label.find(fmt::format("sub-groups of {} elements", c.config.sub_group_size)), std::string::npos)
+    EXPECT_NE(c.label.find(fmt::format("sub-groups of {} elements", c.config.sub_group_size)),
+              std::string::npos)
         << c.label;
     // The largest that fits: twice it does not.
     EngineConfig twice = c.config;
@@ -455,7 +468,8 @@ TEST(PerfModel, SearchShrinksSubGroupsToFitTheHost) {
     in.host_capacity = m.host_capacity;
     in.nvme_capacity = m.nvme_free;
     EXPECT_FALSE(plan_memory(twice, in).fits) << c.label;
-    EXPECT_NE(engine_config_json(c.config).find(fmt::format("\"sub_group_size\": {}", c.config.sub_group_size)),
+    EXPECT_NE(engine_config_json(c.config).find(
+                  fmt::format("\"sub_group_size\": {}", c.config.sub_group_size)),
               std::string::npos)
         << engine_config_json(c.config);
   }
@@ -464,7 +478,8 @@ TEST(PerfModel, SearchShrinksSubGroupsToFitTheHost) {
   // (with params on NVMe it is another candidate: their read-ahead doubles).
   for (const Candidate& c : r.ranked)
     EXPECT_FALSE(c.label.find("sub-groups of") != std::string::npos &&
-                 c.label.find("twice the swap buffers") != std::string::npos && c.config.params.nvme_fraction() == 0)
+                 c.label.find("twice the swap buffers") != std::string::npos &&
+                 c.config.params.nvme_fraction() == 0)
         << c.label;
   m.host_capacity = std::uint64_t(64) << 30;
   for (const Candidate& c : search_placements(m, space).ranked)
@@ -497,8 +512,10 @@ TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
   ASSERT_FALSE(r.ranked.empty());
   std::set<std::string> labels;
   for (const Candidate& c : r.ranked) {
-    EXPECT_NE(c.label.find("all units live"), std::string::npos) << "a window over resident units: " << c.label;
-    EXPECT_EQ(c.label.find("params host"), std::string::npos) << "the same layout as params device: " << c.label;
+    EXPECT_NE(c.label.find("all units live"), std::string::npos)
+        << "a window over resident units: " << c.label;
+    EXPECT_EQ(c.label.find("params host"), std::string::npos)
+        << "the same layout as params device: " << c.label;
     EXPECT_TRUE(labels.insert(c.label).second) << c.label;
     // "twice the swap buffers" of a layout with nothing on NVMe is the same candidate again
     // (it was listed, and validated, beside its twin).
@@ -549,14 +566,16 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
   for (Tier pt : {Tier::kDevice, Tier::kHost, Tier::kNvme})
     for (Tier ot : {Tier::kDevice, Tier::kHost, Tier::kNvme})
       for (Tier gt : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-        if (gt == Tier::kNvme && pt != Tier::kNvme && ot != Tier::kNvme) continue;  // (no path for them)
+        if (gt == Tier::kNvme && pt != Tier::kNvme && ot != Tier::kNvme)
+          continue;  // (no path for them)
         EngineConfig c = placed(pt, ot, gt);
         if (pt == Tier::kNvme) c.param_nvme_paths = {"/tmp/a"};
         if (ot == Tier::kNvme) {
           c.optimizer_nvme_paths = {"/tmp/a", "/tmp/b"};
           c.optimizer.host_fraction = 0.25;
         }
-        if (gt == Tier::kNvme) {  // beside the optimizer state, else the weights; a share on the host
+        if (gt ==
+            Tier::kNvme) {  // beside the optimizer state, else the weights; a share on the host
           c.grad_nvme_paths = ot == Tier::kNvme ? c.optimizer_nvme_paths : c.param_nvme_paths;
           c.grads.host_fraction = 0.5;
         }
@@ -617,7 +636,9 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
           EXPECT_EQ(r.scheduler.warmup_num_steps, 7);
           EXPECT_EQ(r.scheduler.warmup_type, "linear");
           for (std::int64_t t : {1, 2, 8, 40, 70, 90})  // the same lr at every step
-            EXPECT_EQ(scheduled_lr(r.scheduler, r.adamw.lr, t), scheduled_lr(c.scheduler, c.adamw.lr, t)) << t;
+            EXPECT_EQ(scheduled_lr(r.scheduler, r.adamw.lr, t),
+                      scheduled_lr(c.scheduler, c.adamw.lr, t))
+                << t;
         }
         EXPECT_EQ(text.find("max_in_cpu"), std::string::npos) << "a key strata-train warns about";
         // Floats written as the decimals that read back as them, not their double expansion.
@@ -630,18 +651,19 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
 // A small Llama: the whole strata-prof run takes seconds.
 std::string tiny_model(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  std::ofstream(path) << nlohmann::json{{"model_type", "llama"},
-                                        {"architectures", {"LlamaForCausalLM"}},
-                                        {"vocab_size", 256},
-                                        {"hidden_size", 64},
-                                        {"intermediate_size", 160},
-                                        {"num_hidden_layers", 3},
-                                        {"num_attention_heads", 4},
-                                        {"num_key_value_heads", 2},
-                                        {"max_position_embeddings", 128},
-                                        {"rms_norm_eps", 1e-5},
-                                        {"tie_word_embeddings", false}}
-                             .dump();
+  std::ofstream(path) << nlohmann::json{
+      {"model_type", "llama"},
+      {"architectures", {"LlamaForCausalLM"}},
+      {"vocab_size", 256},
+      {"hidden_size", 64},
+      {"intermediate_size", 160},
+      {"num_hidden_layers", 3},
+      {"num_attention_heads", 4},
+      {"num_key_value_heads", 2},
+      {"max_position_embeddings", 128},
+      {"rms_norm_eps", 1e-5},
+      {"tie_word_embeddings",
+       false}}.dump();
   return path;
 }
 
@@ -650,10 +672,29 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   const std::string model = tiny_model(d.path);
   fs::create_directories(d.path + "/nvme");
   const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
-                               "--micro-batches", "2", "--nvme-path", d.path + "/nvme", "--out", d.path + "/best.json",
-                               "--svg", d.path + "/prof.svg", "--validate", "1", "--validate-steps", "2",
-                               "--trace", d.path + "/trace.json", "--json"},
+                              {"--model-config",
+                               model,
+                               "--device",
+                               "cpu",
+                               "--device-mem-gb",
+                               "0.02",
+                               "--seq-len",
+                               "32",
+                               "--micro-batches",
+                               "2",
+                               "--nvme-path",
+                               d.path + "/nvme",
+                               "--out",
+                               d.path + "/best.json",
+                               "--svg",
+                               d.path + "/prof.svg",
+                               "--validate",
+                               "1",
+                               "--validate-steps",
+                               "2",
+                               "--trace",
+                               d.path + "/trace.json",
+                               "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   // The last line is the JSON summary.
@@ -667,19 +708,22 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_TRUE(fs::file_size(d.path + "/trace.json") > 100);
   EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
   // strata-train takes the file as it is, and its planner agrees that it fits.
-  const auto plan = testing::run(STRATA_TRAIN_BIN,
-                                 {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
-                                  "--device-mem-gb", "0.02", "--seq-len", "32", "--plan"},
-                                 d.path, "plan");
+  const auto plan =
+      testing::run(STRATA_TRAIN_BIN,
+                   {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
+                    "--device-mem-gb", "0.02", "--seq-len", "32", "--plan"},
+                   d.path, "plan");
   ASSERT_EQ(plan.status, 0) << plan.out << plan.err;
   EXPECT_EQ(plan.out.find("does not fit"), std::string::npos) << plan.out;
   // ... and trains with it.
-  std::ofstream(d.path + "/text.txt") << std::string(20000, 'a') + "the quick brown fox jumps over the lazy dog\n";
-  const auto train = testing::run(STRATA_TRAIN_BIN,
-                                  {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
-                                   "--device-mem-gb", "0.02", "--seq-len", "32", "--text", d.path + "/text.txt",
-                                   "--steps", "2", "--log-json", d.path + "/log.json"},
-                                  d.path, "train");
+  std::ofstream(d.path + "/text.txt")
+      << std::string(20000, 'a') + "the quick brown fox jumps over the lazy dog\n";
+  const auto train =
+      testing::run(STRATA_TRAIN_BIN,
+                   {"--model-config", model, "--config", d.path + "/best.json", "--device", "cpu",
+                    "--device-mem-gb", "0.02", "--seq-len", "32", "--text", d.path + "/text.txt",
+                    "--steps", "2", "--log-json", d.path + "/log.json"},
+                   d.path, "train");
   ASSERT_EQ(train.status, 0) << train.out << train.err;
   EXPECT_NE(testing::slurp(d.path + "/log.json").find("\"step\":2"), std::string::npos);
 }
@@ -690,12 +734,34 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
 TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path), ds = d.path + "/ds.json";
-  std::ofstream(ds) << R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100,
+  std::ofstream(ds)
+      << R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100,
     "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
   const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--config", ds, "--device", "cpu", "--seq-len", "32",
-                               "--micro-batches", "2", "--no-nvme", "--out", d.path + "/best.json", "--svg", "",
-                               "--validate", "1", "--validate-steps", "2", "--top", "1", "--trace", "", "--json"},
+                              {"--model-config",
+                               model,
+                               "--config",
+                               ds,
+                               "--device",
+                               "cpu",
+                               "--seq-len",
+                               "32",
+                               "--micro-batches",
+                               "2",
+                               "--no-nvme",
+                               "--out",
+                               d.path + "/best.json",
+                               "--svg",
+                               "",
+                               "--validate",
+                               "1",
+                               "--validate-steps",
+                               "2",
+                               "--top",
+                               "1",
+                               "--trace",
+                               "",
+                               "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
@@ -712,9 +778,29 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
   const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--micro-batches", "6", "8",
-                               "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--validate", "5",
-                               "--validate-steps", "2", "--top", "1", "--trace", "", "--json"},
+                              {"--model-config",
+                               model,
+                               "--device",
+                               "cpu",
+                               "--seq-len",
+                               "32",
+                               "--micro-batches",
+                               "6",
+                               "8",
+                               "--no-nvme",
+                               "--out",
+                               d.path + "/best.json",
+                               "--svg",
+                               "",
+                               "--validate",
+                               "5",
+                               "--validate-steps",
+                               "2",
+                               "--top",
+                               "1",
+                               "--trace",
+                               "",
+                               "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
@@ -723,8 +809,10 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   for (int i = 0; i < j["validated"].get<int>(); ++i) {
     const auto& c = j["candidates"][std::size_t(i)];
     // Every validated one has its figures, also past --top (they were bare measurements).
-    ASSERT_TRUE(c.contains("label") && c.contains("predicted_step_s") && c.contains("micro_batch")) << c.dump();
-    const double tokens_a_step = c["predicted_tokens_per_s"].get<double>() * c["predicted_step_s"].get<double>();
+    ASSERT_TRUE(c.contains("label") && c.contains("predicted_step_s") && c.contains("micro_batch"))
+        << c.dump();
+    const double tokens_a_step =
+        c["predicted_tokens_per_s"].get<double>() * c["predicted_step_s"].get<double>();
     const double tps = c["measured_tokens_per_s"].get<double>();
     EXPECT_NEAR(tps, tokens_a_step / c["measured_step_s"].get<double>(), tps * 1e-9) << c.dump();
     best = std::max(best, tps);
@@ -735,7 +823,8 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NEAR(j["recommended_vs_best_measured"].get<double>(), best / first, 1e-9);
   EXPECT_NE(r.out.find(fmt::format("({:.0f} tokens/s)", first)), std::string::npos) << r.out;
   EXPECT_TRUE(j["trace_file"].is_null()) << "--trace \"\" is no trace: " << j["trace_file"];
-  if (batches.size() < 2) std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
+  if (batches.size() < 2)
+    std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
 }
 
 // The --config's micro-batch is what the search centres on (B/2, B, 2B), as its dtype and
@@ -748,16 +837,18 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   std::ofstream(d.path + "/user.json")
       << R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
           "zero_optimization": {"stage": 3}})";
-  const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--config", d.path + "/user.json", "--device", "cpu",
-                               "--seq-len", "32", "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--json"},
-                              d.path, "prof");
+  const auto r = testing::run(
+      STRATA_PROF_BIN,
+      {"--model-config", model, "--config", d.path + "/user.json", "--device", "cpu", "--seq-len",
+       "32", "--no-nvme", "--out", d.path + "/best.json", "--svg", "", "--json"},
+      d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   std::set<std::int64_t> searched;
   for (const auto& c : j["candidates"]) searched.insert(c["micro_batch"].get<std::int64_t>());
   EXPECT_TRUE(searched.count(8) || searched.count(4) || searched.count(16)) << r.out;
-  for (const std::int64_t b : searched) EXPECT_TRUE(b == 4 || b == 8 || b == 16) << b << "\n" << r.out;
+  for (const std::int64_t b : searched)
+    EXPECT_TRUE(b == 4 || b == 8 || b == 16) << b << "\n" << r.out;
   // The model's measurements are in the JSON too: each size searched, each checkpointing mode.
   ASSERT_EQ(j["model"]["measured"].size(), 9u) << j["model"].dump();
   for (const auto& row : j["model"]["measured"]) {
@@ -777,30 +868,35 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   // --grad-accum beside a train_batch_size keeps the global batch, as strata-train does: the
   // micro-batch follows (16 / 4 = 4: 2, 4 and 8 searched), or a --grad-accum that does not
   // divide it is refused, as strata-train refuses it.
-  std::ofstream(d.path + "/global.json") << R"({"train_batch_size": 16, "zero_optimization": {"stage": 3}})";
-  const auto ga = testing::run(STRATA_PROF_BIN,
-                               {"--model-config", model, "--config", d.path + "/global.json", "--grad-accum", "4",
-                                "--device", "cpu", "--seq-len", "32", "--no-nvme", "--out", d.path + "/ga.json",
-                                "--svg", "", "--top", "1", "--json"},
-                               d.path, "ga");
+  std::ofstream(d.path + "/global.json")
+      << R"({"train_batch_size": 16, "zero_optimization": {"stage": 3}})";
+  const auto ga =
+      testing::run(STRATA_PROF_BIN,
+                   {"--model-config", model, "--config", d.path + "/global.json", "--grad-accum",
+                    "4", "--device", "cpu", "--seq-len", "32", "--no-nvme", "--out",
+                    d.path + "/ga.json", "--svg", "", "--top", "1", "--json"},
+                   d.path, "ga");
   ASSERT_EQ(ga.status, 0) << ga.out << ga.err;
   const auto gj = nlohmann::json::parse(ga.out.substr(ga.out.rfind('\n', ga.out.size() - 2) + 1));
   std::set<std::int64_t> sizes;
-  for (const auto& row : gj["model"]["measured"]) sizes.insert(row["micro_batch"].get<std::int64_t>());
+  for (const auto& row : gj["model"]["measured"])
+    sizes.insert(row["micro_batch"].get<std::int64_t>());
   EXPECT_EQ(sizes, (std::set<std::int64_t>{2, 4, 8})) << ga.out;
   const auto ga3 = testing::run(STRATA_PROF_BIN,
-                                {"--model-config", model, "--config", d.path + "/global.json", "--grad-accum", "3",
-                                 "--device", "cpu", "--seq-len", "32", "--no-nvme", "--out", d.path + "/ga3.json",
-                                 "--svg", ""},
+                                {"--model-config", model, "--config", d.path + "/global.json",
+                                 "--grad-accum", "3", "--device", "cpu", "--seq-len", "32",
+                                 "--no-nvme", "--out", d.path + "/ga3.json", "--svg", ""},
                                 d.path, "ga3");
   EXPECT_EQ(ga3.status, 1) << ga3.out << ga3.err;
-  EXPECT_NE(ga3.err.find("--grad-accum 3 x 1 rank(s) does not divide the train_batch_size 16"), std::string::npos)
+  EXPECT_NE(ga3.err.find("--grad-accum 3 x 1 rank(s) does not divide the train_batch_size 16"),
+            std::string::npos)
       << ga3.err;
 
-  const auto twice = testing::run(STRATA_PROF_BIN,
-                                  {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--no-nvme",
-                                   "--micro-batches", "2", "2", "--out", d.path + "/b2.json", "--svg", ""},
-                                  d.path, "twice");
+  const auto twice =
+      testing::run(STRATA_PROF_BIN,
+                   {"--model-config", model, "--device", "cpu", "--seq-len", "32", "--no-nvme",
+                    "--micro-batches", "2", "2", "--out", d.path + "/b2.json", "--svg", ""},
+                   d.path, "twice");
   ASSERT_EQ(twice.status, 0) << twice.out << twice.err;
   std::size_t rows = 0;
   for (std::size_t at = twice.out.find("\n  2      off"); at != std::string::npos;
@@ -819,15 +915,18 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   std::ofstream(ds) << R"({"bf16": {"enabled": true}, "gradient_accumulation_steps": 3,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": false}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
-  const std::vector<std::string> common = {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02",
-                                           "--seq-len", "32", "--micro-batches", "2", "--validate", "0", "--svg", ""};
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                           nv + R"("}}})";
+  const std::vector<std::string> common = {
+      "--model-config",  model, "--device",   "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
+      "--micro-batches", "2",   "--validate", "0",   "--svg",           ""};
   auto with = [&](std::vector<std::string> more) {
     std::vector<std::string> v = common;
     v.insert(v.end(), more.begin(), more.end());
     return v;
   };
-  const auto r = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--out", d.path + "/best.json", "--json"}),
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              with({"--config", ds, "--out", d.path + "/best.json", "--json"}),
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("seq 32, bf16"), std::string::npos) << r.out;
@@ -839,11 +938,15 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   EXPECT_EQ(best["scheduler"]["type"], "WarmupLR") << best.dump();
   EXPECT_EQ(best["optimizer"]["params"]["bias_correction"], false) << best.dump();
   // This machine's defaults stay out of it (strata-train works them out where it runs).
-  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("host_budget_bytes")) << best.dump();
-  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("device_grad_norm")) << best.dump();
-  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("overlap_optimizer")) << best.dump();
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("host_budget_bytes"))
+      << best.dump();
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("device_grad_norm"))
+      << best.dump();
+  EXPECT_FALSE(best.contains("strata") && best["strata"].contains("overlap_optimizer"))
+      << best.dump();
   // The user's --config is never the file written.
-  const auto same = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--out", ds}), d.path, "same");
+  const auto same =
+      testing::run(STRATA_PROF_BIN, with({"--config", ds, "--out", ds}), d.path, "same");
   EXPECT_EQ(same.status, 1) << same.out << same.err;
   EXPECT_NE(same.err.find("is the --config file"), std::string::npos) << same.err;
   EXPECT_NE(testing::slurp(ds).find("WarmupLR"), std::string::npos) << "the --config was changed";
@@ -851,39 +954,49 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
     EXPECT_EQ(best["zero_optimization"]["offload_optimizer"]["nvme_path"], nv) << best.dump();
   }
   // The flags still win when given.
-  const auto f = testing::run(STRATA_PROF_BIN, with({"--config", ds, "--dtype", "fp32", "--grad-accum", "2", "--out",
-                                                     d.path + "/flags.json"}),
+  const auto f = testing::run(STRATA_PROF_BIN,
+                              with({"--config", ds, "--dtype", "fp32", "--grad-accum", "2", "--out",
+                                    d.path + "/flags.json"}),
                               d.path, "flags");
   ASSERT_EQ(f.status, 0) << f.out << f.err;
   const auto flags = nlohmann::json::parse(testing::slurp(d.path + "/flags.json"));
   EXPECT_FALSE(flags.contains("bf16")) << flags.dump();
   EXPECT_EQ(flags["gradient_accumulation_steps"], 2) << flags.dump();
   // fp16, which strata-train refuses, is refused here before anything is measured.
-  std::ofstream(d.path + "/fp16.json") << R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})";
-  const auto h = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/fp16.json"}), d.path, "fp16");
+  std::ofstream(d.path + "/fp16.json")
+      << R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})";
+  const auto h =
+      testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/fp16.json"}), d.path, "fp16");
   EXPECT_EQ(h.status, 1) << h.out << h.err;
   EXPECT_NE(h.err.find("fp16"), std::string::npos) << h.err;
   // A config's nvme_path that does not exist is named.
   std::ofstream(d.path + "/gone.json") << R"({"zero_optimization": {"stage": 3, "offload_optimizer":
-    {"device": "nvme", "nvme_path": ")" + d.path + R"(/gone"}}})";
-  const auto g = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/gone.json"}), d.path, "gone");
+    {"device": "nvme", "nvme_path": ")" + d.path +
+                                              R"(/gone"}}})";
+  const auto g =
+      testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/gone.json"}), d.path, "gone");
   EXPECT_EQ(g.status, 1) << g.out << g.err;
   EXPECT_NE(g.err.find(d.path + "/gone"), std::string::npos) << g.err;
   // aio.verify on: the drive is measured with reads of whole writes only (a read of 64 KiB of a
   // 1 MiB write was refused, and strata-prof with it).
-  std::ofstream(d.path + "/verify.json") << R"({"aio": {"verify": true}, "zero_optimization": {"stage": 3,
-    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
-  const auto v = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/verify.json", "--out", d.path + "/v.json"}),
-                              d.path, "verify");
+  std::ofstream(d.path + "/verify.json")
+      << R"({"aio": {"verify": true}, "zero_optimization": {"stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+             nv + R"("}}})";
+  const auto v = testing::run(
+      STRATA_PROF_BIN, with({"--config", d.path + "/verify.json", "--out", d.path + "/v.json"}),
+      d.path, "verify");
   EXPECT_EQ(v.status, 0) << v.out << v.err;
   // One that cannot be written is named as the --config's key, not as --nvme-path (not given).
   struct statvfs sv {};
   if (::statvfs("/proc/sys", &sv) == 0 && (sv.f_flag & ST_RDONLY)) {
     std::ofstream(d.path + "/ro.json") << R"({"zero_optimization": {"stage": 3, "offload_optimizer":
       {"device": "nvme", "nvme_path": "/proc/sys"}}})";
-    const auto ro = testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/ro.json"}), d.path, "ro");
+    const auto ro =
+        testing::run(STRATA_PROF_BIN, with({"--config", d.path + "/ro.json"}), d.path, "ro");
     EXPECT_EQ(ro.status, 1) << ro.out << ro.err;
-    EXPECT_NE(ro.err.find("config key 'zero_optimization.offload_optimizer.nvme_path' = '/proc/sys' is read-only"),
+    EXPECT_NE(ro.err.find("config key 'zero_optimization.offload_optimizer.nvme_path' = "
+                          "'/proc/sys' is read-only"),
               std::string::npos)
         << ro.err;
   }
@@ -895,15 +1008,18 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
 // values that disagree with its own arguments).
 TEST(ProfCli, TheConfigsOwnKeysAndAutosAreKeptAsWritten) {
   TempDir d("strata-prof");
-  const std::string model = tiny_model(d.path), ds = d.path + "/hf.json", out = d.path + "/best.json";
-  std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+  const std::string model = tiny_model(d.path), ds = d.path + "/hf.json",
+                    out = d.path + "/best.json";
+  std::ofstream(ds)
+      << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
     "steps_per_print": 10, "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
     "zero_optimization": {"stage": 3, "round_robin_gradients": true, "overlap_comm": true}})";
-  const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
-                               "--micro-batches", "2", "--no-nvme", "--svg", "", "--config", ds, "--out", out},
-                              d.path, "prof");
+  const auto r = testing::run(
+      STRATA_PROF_BIN,
+      {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
+       "--micro-batches", "2", "--no-nvme", "--svg", "", "--config", ds, "--out", out},
+      d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto best = nlohmann::json::parse(testing::slurp(out));
   EXPECT_EQ(best["gradient_accumulation_steps"], "auto") << best.dump();
@@ -928,26 +1044,27 @@ TEST(ProfCli, TheConfigsOwnKeysAndAutosAreKeptAsWritten) {
 TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
   TempDir d("strata-prof");
   const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--validate", "0", "--out",
-                               d.path + "/best.json", "--svg", ""},
+                              {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--validate",
+                               "0", "--out", d.path + "/best.json", "--svg", ""},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const std::string mc = d.path + "/best.model.json";
-  EXPECT_NE(r.out.find("strata-train --model-config " + mc + " --config " + d.path + "/best.json"), std::string::npos)
+  EXPECT_NE(r.out.find("strata-train --model-config " + mc + " --config " + d.path + "/best.json"),
+            std::string::npos)
       << r.out;
   ASSERT_TRUE(fs::exists(mc));
   // A file of the user's where the demo's model config would go is not replaced.
   std::ofstream(d.path + "/mine.model.json") << "{\"mine\": true}";
   const auto mine = testing::run(STRATA_PROF_BIN,
-                                 {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--validate", "0", "--out",
-                                  d.path + "/mine.json", "--svg", ""},
+                                 {"--device", "cpu", "--micro-batches", "2", "--no-nvme",
+                                  "--validate", "0", "--out", d.path + "/mine.json", "--svg", ""},
                                  d.path, "mine");
   EXPECT_EQ(mine.status, 1) << mine.out << mine.err;
   EXPECT_NE(mine.err.find("is not the demo model's config"), std::string::npos) << mine.err;
   EXPECT_EQ(testing::slurp(d.path + "/mine.model.json"), "{\"mine\": true}");
   const auto plan = testing::run(STRATA_TRAIN_BIN,
-                                 {"--model-config", mc, "--config", d.path + "/best.json", "--seq-len", "128",
-                                  "--device", "cpu", "--plan"},
+                                 {"--model-config", mc, "--config", d.path + "/best.json",
+                                  "--seq-len", "128", "--device", "cpu", "--plan"},
                                  d.path, "plan");
   EXPECT_EQ(plan.status, 0) << plan.out << plan.err;
   EXPECT_NE(plan.out.find("verdict: fits"), std::string::npos) << plan.out;
@@ -957,19 +1074,44 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
 // Three ranks (a world size that does not divide the collective benchmark's 2^24 elements, which
 // was refused) profile, search with the slowest rank's figures, and validate the same candidate.
 TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
   const auto r = testing::run(STRATA_MPIEXEC,
-                              {"-np", "3", "--oversubscribe", STRATA_PROF_BIN, "--model-config", model, "--device",
-                               "cpu", "--device-mem-gb", "0.02", "--seq-len", "32", "--micro-batches", "2",
-                               "--no-nvme", "--validate", "1", "--validate-steps", "2", "--out", d.path + "/best.json",
-                               "--svg", "", "--trace", d.path + "/trace.json", "--json"},
+                              {"-np",
+                               "3",
+                               "--oversubscribe",
+                               STRATA_PROF_BIN,
+                               "--model-config",
+                               model,
+                               "--device",
+                               "cpu",
+                               "--device-mem-gb",
+                               "0.02",
+                               "--seq-len",
+                               "32",
+                               "--micro-batches",
+                               "2",
+                               "--no-nvme",
+                               "--validate",
+                               "1",
+                               "--validate-steps",
+                               "2",
+                               "--out",
+                               d.path + "/best.json",
+                               "--svg",
+                               "",
+                               "--trace",
+                               d.path + "/trace.json",
+                               "--json"},
                               d.path, "prof3",
-                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                               {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
                                {"STRATA_COMM_TIMEOUT_S", "120"}});
   ASSERT_EQ(r.status, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("3 ranks: the search takes the slowest rank's figures"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("3 ranks: the search takes the slowest rank's figures"), std::string::npos)
+      << r.out;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   EXPECT_EQ(j["machine"]["world_size"], 3);
   EXPECT_GT(j["machine"]["all_gather_gbps"].get<double>(), 0);
@@ -985,7 +1127,8 @@ TEST(ProfCli, OutputsAreCheckedBeforeAnythingIsMeasured) {
   TempDir d("strata-prof");
   std::ofstream(d.path + "/file") << "a file";
   auto prof = [&](std::vector<std::string> more, const std::string& tag) {
-    std::vector<std::string> args = {"--device", "cpu", "--micro-batches", "2", "--no-nvme", "--top", "1"};
+    std::vector<std::string> args = {"--device", "cpu", "--micro-batches", "2", "--no-nvme",
+                                     "--top",    "1"};
     args.insert(args.end(), more.begin(), more.end());
     return testing::run(STRATA_PROF_BIN, args, d.path, tag);
   };
@@ -994,11 +1137,15 @@ TEST(ProfCli, OutputsAreCheckedBeforeAnythingIsMeasured) {
     std::string error;
   } bad[] = {
       {{"--out", d.path + "/nodir/best.json", "--svg", ""},
-       "--out " + d.path + "/nodir/best.json: cannot be written in " + d.path + "/nodir: No such file or directory"},
+       "--out " + d.path + "/nodir/best.json: cannot be written in " + d.path +
+           "/nodir: No such file or directory"},
       {{"--out", d.path + "/a.json", "--svg", d.path + "/file/prof.svg"},
-       "--svg " + d.path + "/file/prof.svg: cannot be written in " + d.path + "/file: Not a directory"},
-      {{"--out", d.path + "/a.json", "--svg", "", "--validate", "1", "--trace", d.path + "/nodir/trace.json"},
-       "--trace " + d.path + "/nodir/trace.json: cannot be written in " + d.path + "/nodir: No such file or directory"},
+       "--svg " + d.path + "/file/prof.svg: cannot be written in " + d.path +
+           "/file: Not a directory"},
+      {{"--out", d.path + "/a.json", "--svg", "", "--validate", "1", "--trace",
+        d.path + "/nodir/trace.json"},
+       "--trace " + d.path + "/nodir/trace.json: cannot be written in " + d.path +
+           "/nodir: No such file or directory"},
   };
   int n = 0;
   for (const auto& c : bad) {
@@ -1013,18 +1160,22 @@ TEST(ProfCli, OutputsAreCheckedBeforeAnythingIsMeasured) {
   std::ofstream(d.path + "/prof.svg") << "mine";
   auto r = prof({"--out", d.path + "/best.json", "--svg", ""}, "out");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("--out " + d.path + "/best.json exists: pass --overwrite to replace it"), std::string::npos)
+  EXPECT_NE(r.err.find("--out " + d.path + "/best.json exists: pass --overwrite to replace it"),
+            std::string::npos)
       << r.err;
   r = prof({"--out", d.path + "/new.json", "--svg", d.path + "/prof.svg"}, "svg");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("--svg " + d.path + "/prof.svg exists: pass --overwrite to replace it"), std::string::npos)
+  EXPECT_NE(r.err.find("--svg " + d.path + "/prof.svg exists: pass --overwrite to replace it"),
+            std::string::npos)
       << r.err;
   EXPECT_FALSE(fs::exists(d.path + "/new.json"));
   EXPECT_EQ(testing::slurp(d.path + "/best.json"), "mine");
   EXPECT_EQ(testing::slurp(d.path + "/prof.svg"), "mine");
-  r = prof({"--out", d.path + "/best.json", "--svg", d.path + "/prof.svg", "--overwrite"}, "overwrite");
+  r = prof({"--out", d.path + "/best.json", "--svg", d.path + "/prof.svg", "--overwrite"},
+           "overwrite");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
-  EXPECT_TRUE(nlohmann::json::parse(testing::slurp(d.path + "/best.json")).contains("zero_optimization"));
+  EXPECT_TRUE(
+      nlohmann::json::parse(testing::slurp(d.path + "/best.json")).contains("zero_optimization"));
   EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
 }
 
@@ -1032,33 +1183,41 @@ TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
   const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.0001",
-                               "--host-mem-gb", "0.002", "--no-nvme", "--seq-len", "32", "--micro-batches", "1",
-                               "--out", d.path + "/best.json", "--svg", ""},
+                              {"--model-config", model, "--device", "cpu", "--device-mem-gb",
+                               "0.0001", "--host-mem-gb", "0.002", "--no-nvme", "--seq-len", "32",
+                               "--micro-batches", "1", "--out", d.path + "/best.json", "--svg", ""},
                               d.path, "prof");
   EXPECT_EQ(r.status, 2) << r.out << r.err;
   EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  device: needs "), std::string::npos) << r.out;
   // Which configuration that plan is, and the way out in strata-prof's own flags.
-  EXPECT_NE(r.out.find("closest to fitting (the fewest bytes missing over all tiers), params "), std::string::npos)
+  EXPECT_NE(r.out.find("closest to fitting (the fewest bytes missing over all tiers), params "),
+            std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("strata-prof's own ways out: a larger --device-mem-gb or --host-mem-gb"), std::string::npos)
+  EXPECT_NE(r.out.find("strata-prof's own ways out: a larger --device-mem-gb or --host-mem-gb"),
+            std::string::npos)
       << r.out;
   // The table's device capacity is 90% of the device's: said (0.0001 GiB is 104.86 KiB).
-  EXPECT_NE(r.out.find("(a plan may fill 90% of the device's memory, 94.37 KiB of 104.86 KiB: the rest is the "
-                       "allocator's)"),
-            std::string::npos) << r.out;
+  EXPECT_NE(
+      r.out.find(
+          "(a plan may fill 90% of the device's memory, 94.37 KiB of 104.86 KiB: the rest is the "
+          "allocator's)"),
+      std::string::npos)
+      << r.out;
   EXPECT_FALSE(fs::exists(d.path + "/best.json"));
 }
 
 TEST(ProfCli, BadInputIsAClearError) {
   TempDir d("strata-prof");
-  const auto r = testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json"}, d.path, "prof");
+  const auto r =
+      testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json"}, d.path, "prof");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("missing.json"), std::string::npos) << r.err;
-  EXPECT_EQ(r.err.find(".cpp:"), std::string::npos) << "bad input needs no source location: " << r.err;
+  EXPECT_EQ(r.err.find(".cpp:"), std::string::npos)
+      << "bad input needs no source location: " << r.err;
   // With --json, the last line of stdout says why there are no figures.
-  const auto j = testing::run(STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json", "--json"}, d.path, "json");
+  const auto j = testing::run(
+      STRATA_PROF_BIN, {"--model-config", d.path + "/missing.json", "--json"}, d.path, "json");
   EXPECT_EQ(j.status, 1);
   const std::string last = j.out.substr(j.out.rfind('{'));
   const auto obj = nlohmann::json::parse(last);
@@ -1069,19 +1228,25 @@ TEST(ProfCli, BadInputIsAClearError) {
   EXPECT_EQ(testing::run(STRATA_PROF_BIN, {"--validate", "abc"}, d.path, "flag").status, 1);
   const auto nv = testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/nope"}, d.path, "nvme");
   EXPECT_EQ(nv.status, 1);
-  EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos) << nv.err;
+  EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos)
+      << nv.err;
   EXPECT_FALSE(fs::exists(d.path + "/nope"));
   std::ofstream(d.path + "/afile") << "x";  // a file there: "create it" would not do
-  const auto nf = testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/afile"}, d.path, "nvme-file");
+  const auto nf =
+      testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/afile"}, d.path, "nvme-file");
   EXPECT_EQ(nf.status, 1);
-  EXPECT_NE(nf.err.find("--nvme-path " + d.path + "/afile: a file, not a folder"), std::string::npos) << nf.err;
+  EXPECT_NE(nf.err.find("--nvme-path " + d.path + "/afile: a file, not a folder"),
+            std::string::npos)
+      << nf.err;
   // Two flags that contradict each other: both named (the path was ignored).
-  const std::vector<std::string> out = {"--out", d.path + "/best.json", "--svg", "", "--device", "cpu"};
+  const std::vector<std::string> out = {"--out", d.path + "/best.json", "--svg", "", "--device",
+                                        "cpu"};
   auto with = [&](std::vector<std::string> v) {
     v.insert(v.end(), out.begin(), out.end());
     return v;
   };
-  const auto both = testing::run(STRATA_PROF_BIN, with({"--no-nvme", "--nvme-path", d.path}), d.path, "both");
+  const auto both =
+      testing::run(STRATA_PROF_BIN, with({"--no-nvme", "--nvme-path", d.path}), d.path, "both");
   EXPECT_EQ(both.status, 1) << both.out << both.err;
   EXPECT_NE(both.err.find("--no-nvme and --nvme-path " + d.path), std::string::npos) << both.err;
   // Flags that would be ignored, or two outputs naming one file (the later replaced the
@@ -1091,10 +1256,13 @@ TEST(ProfCli, BadInputIsAClearError) {
   for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
            {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
-           {{"--trace", d.path + "/t.json"}, "--trace, --data and --text are for the validation runs: add --validate K"},
+           {{"--trace", d.path + "/t.json"},
+            "--trace, --data and --text are for the validation runs: add --validate K"},
            {{"--micro-batch", "4", "--micro-batches", "2"}, "--micro-batch 4 and --micro-batches"},
-           {{"--validate", "1", "--data", d.path + "/nope.bin"}, "--data " + d.path + "/nope.bin: no such file"},
-           {{"--validate", "1", "--data", d.path + "/t.txt", "--text", d.path + "/t.txt"}, "--data and --text"}}) {
+           {{"--validate", "1", "--data", d.path + "/nope.bin"},
+            "--data " + d.path + "/nope.bin: no such file"},
+           {{"--validate", "1", "--data", d.path + "/t.txt", "--text", d.path + "/t.txt"},
+            "--data and --text"}}) {
     std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
     v.insert(v.end(), flags.begin(), flags.end());
     const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");
@@ -1107,35 +1275,43 @@ TEST(ProfCli, BadInputIsAClearError) {
   const std::string m2 = d.path + "/m2.json";
   fs::copy_file(tiny_model(d.path), m2, fs::copy_options::overwrite_existing);
   const auto self = testing::run(STRATA_PROF_BIN,
-                                 {"--model-config", m2, "--out", d.path + "/./m2.json", "--overwrite", "--device", "cpu",
-                                  "--no-nvme"},
+                                 {"--model-config", m2, "--out", d.path + "/./m2.json",
+                                  "--overwrite", "--device", "cpu", "--no-nvme"},
                                  d.path, "self");
   EXPECT_EQ(self.status, 1) << self.out << self.err;
-  EXPECT_NE(self.err.find("is the --model-config file: strata-prof would replace it"), std::string::npos) << self.err;
+  EXPECT_NE(self.err.find("is the --model-config file: strata-prof would replace it"),
+            std::string::npos)
+      << self.err;
   EXPECT_EQ(self.out.find("machine ("), std::string::npos) << "measured first: " << self.out;
   // A GPT-2 sequence longer than its positions, as strata-train says it, before measuring.
-  std::ofstream(d.path + "/gpt2.json") << R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2,
+  std::ofstream(d.path + "/gpt2.json")
+      << R"({"model_type": "gpt2", "vocab_size": 71, "n_embd": 24, "n_layer": 2,
       "n_head": 2, "n_positions": 32})";
   const auto pos = testing::run(STRATA_PROF_BIN,
-                                {"--model-config", d.path + "/gpt2.json", "--seq-len", "64", "--device", "cpu",
-                                 "--no-nvme", "--out", d.path + "/best.json"},
+                                {"--model-config", d.path + "/gpt2.json", "--seq-len", "64",
+                                 "--device", "cpu", "--no-nvme", "--out", d.path + "/best.json"},
                                 d.path, "positions");
   EXPECT_EQ(pos.status, 1) << pos.out << pos.err;
-  EXPECT_NE(pos.err.find("--seq-len 64 exceeds the model's 32 positions"), std::string::npos) << pos.err;
+  EXPECT_NE(pos.err.find("--seq-len 64 exceeds the model's 32 positions"), std::string::npos)
+      << pos.err;
   EXPECT_EQ(pos.out.find("machine ("), std::string::npos) << "measured first: " << pos.out;
   // An --aio file with no "aio" block (a model's config.json by mistake) is refused, not read as
   // the defaults.
   const std::string model = tiny_model(d.path);
-  const auto aio = testing::run(STRATA_PROF_BIN, with({"--aio", model, "--no-nvme"}), d.path, "aio");
+  const auto aio =
+      testing::run(STRATA_PROF_BIN, with({"--aio", model, "--no-nvme"}), d.path, "aio");
   EXPECT_EQ(aio.status, 1) << aio.out << aio.err;
-  EXPECT_NE(aio.err.find("--aio " + model + ": no \"aio\" block in it"), std::string::npos) << aio.err;
+  EXPECT_NE(aio.err.find("--aio " + model + ": no \"aio\" block in it"), std::string::npos)
+      << aio.err;
   EXPECT_NE(aio.err.find("strata-bench nvme --sweep --out"), std::string::npos) << aio.err;
   EXPECT_FALSE(fs::exists(d.path + "/best.json"));
   // A bare aio block (what parse_aio_config reads besides a ds_config) is one: the run goes on
   // to its next check (a pinned budget under 2 MiB, refused at once).
   std::ofstream(d.path + "/bare.json") << R"({"block_size": 1048576, "queue_depth": 32})";
-  const auto bare = testing::run(
-      STRATA_PROF_BIN, with({"--aio", d.path + "/bare.json", "--no-nvme", "--host-mem-gb", "0.0001"}), d.path, "bare");
+  const auto bare =
+      testing::run(STRATA_PROF_BIN,
+                   with({"--aio", d.path + "/bare.json", "--no-nvme", "--host-mem-gb", "0.0001"}),
+                   d.path, "bare");
   EXPECT_EQ(bare.status, 1) << bare.out << bare.err;
   EXPECT_NE(bare.err.find("--host-mem-gb"), std::string::npos) << bare.err;
 }

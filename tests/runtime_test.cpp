@@ -8,11 +8,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "cpu/cpu_info.h"
 #include "gpu/cuda_module.h"
@@ -45,7 +44,8 @@ TEST(Runtime, MakeDeviceRejectsUnknownNamesListingTheAllowedOnes) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
     const std::string m = e.message();
     EXPECT_NE(m.find("bogus"), std::string::npos) << m;
-    for (const char* allowed : {"auto", "cpu", "cuda"}) EXPECT_NE(m.find(allowed), std::string::npos) << m;
+    for (const char* allowed : {"auto", "cpu", "cuda"})
+      EXPECT_NE(m.find(allowed), std::string::npos) << m;
   }
 }
 
@@ -74,9 +74,11 @@ TEST(Runtime, ComponentVersionsNameTheHostLibraries) {
   }
   for (const char* lib : {"onednn", "tbb", "hwloc", "liburing"}) {
     ASSERT_TRUE(names.count(lib)) << lib << " missing";
-    const auto it = std::find_if(versions.begin(), versions.end(), [&](const auto& c) { return c.name == lib; });
+    const auto it = std::find_if(versions.begin(), versions.end(),
+                                 [&](const auto& c) { return c.name == lib; });
     // Host libraries are always linked: a real version, starting with a digit.
-    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(it->version[0]))) << lib << ": " << it->version;
+    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(it->version[0])))
+        << lib << ": " << it->version;
   }
   EXPECT_EQ(built_with_cuda(), probe_cuda().compiled);
   EXPECT_FALSE(strata_version().empty());
@@ -104,8 +106,10 @@ TEST(Runtime, CudaModuleLoadsWithItsLibrariesOrTheReasonSaysWhereItLooked) {
     return;
   }
   if (libs.empty()) {
-    for (const char* place : {"looked in", "STRATA_CUDA_LIBS", "/usr/local/cuda", "wheels", "default path"})
-      EXPECT_NE(probe.reason.find(place), std::string::npos) << place << " missing from: " << probe.reason;
+    for (const char* place :
+         {"looked in", "STRATA_CUDA_LIBS", "/usr/local/cuda", "wheels", "default path"})
+      EXPECT_NE(probe.reason.find(place), std::string::npos)
+          << place << " missing from: " << probe.reason;
     return;
   }
   std::set<std::string> names;
@@ -116,13 +120,15 @@ TEST(Runtime, CudaModuleLoadsWithItsLibrariesOrTheReasonSaysWhereItLooked) {
   }
   EXPECT_EQ(libs.back().name, "libstrata_cuda.so");
   for (const char* needed : {"libcudart.so", "libcublas.so", "libcublasLt.so"}) {
-    EXPECT_TRUE(std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.starts_with(needed); }))
+    EXPECT_TRUE(std::any_of(names.begin(), names.end(),
+                            [&](const std::string& n) { return n.starts_with(needed); }))
         << needed << " was not loaded";
   }
   // With the module loaded, the versions are the libraries' own.
   for (const auto& c : component_versions()) {
     if (c.name == "cuda" || c.name == "cublas") {
-      EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(c.version[0]))) << c.name << ": " << c.version;
+      EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(c.version[0])))
+          << c.name << ": " << c.version;
     }
   }
 }
@@ -162,7 +168,8 @@ TEST(Runtime, HostFactsAreSane) {
   EXPECT_TRUE(modes.count(h.thp_mode)) << h.thp_mode;
 
   EXPECT_FALSE(cpu::cpu_model().empty());
-  const std::set<std::string> known{"avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"};
+  const std::set<std::string> known{"avx2",     "f16c",        "fma",     "avx512f",
+                                    "avx512bw", "avx512_bf16", "amx_bf16"};
   const auto isa = cpu::cpu_isa_features();
   for (const auto& f : isa) EXPECT_TRUE(known.count(f)) << f;
   // avx512_bf16 is only reported on top of avx512f.
@@ -181,8 +188,10 @@ TEST(Runtime, HostFactsAreSane) {
       break;
     }
   if (!flags.empty()) {
-    EXPECT_EQ(flags.find(" avx2 ") != std::string::npos, std::count(isa.begin(), isa.end(), "avx2") > 0);
-    EXPECT_EQ(flags.find(" f16c ") != std::string::npos, std::count(isa.begin(), isa.end(), "f16c") > 0);
+    EXPECT_EQ(flags.find(" avx2 ") != std::string::npos,
+              std::count(isa.begin(), isa.end(), "avx2") > 0);
+    EXPECT_EQ(flags.find(" f16c ") != std::string::npos,
+              std::count(isa.begin(), isa.end(), "f16c") > 0);
   }
 #endif
 }
@@ -192,11 +201,12 @@ TEST(Runtime, TheDefaultCudaCapLeavesHeadroom) {
   constexpr std::size_t GiB = std::size_t(1) << 30;
   EXPECT_EQ(default_cuda_capacity(139 * GiB, 140 * GiB), 139 * GiB - 7 * GiB);  // an H200: 5%
   EXPECT_EQ(default_cuda_capacity(23 * GiB, 24 * GiB), 20 * GiB);               // 3 GiB
-  EXPECT_EQ(default_cuda_capacity(2 * GiB, 24 * GiB), 1 * GiB);                 // nothing left: half
+  EXPECT_EQ(default_cuda_capacity(2 * GiB, 24 * GiB), 1 * GiB);  // nothing left: half
 }
 
 // strata-info's JSON ("host") of a run with `env`, or the run itself when it failed.
-nlohmann::json info_host(const std::vector<std::pair<std::string, std::string>>& env, testing::Result* r = nullptr) {
+nlohmann::json info_host(const std::vector<std::pair<std::string, std::string>>& env,
+                         testing::Result* r = nullptr) {
   testing::TempDir d("strata-info");
   const testing::Result got = testing::run(STRATA_INFO_BIN, {"--json"}, d.path, "info", env);
   if (r) *r = got;
@@ -231,20 +241,23 @@ TEST(Runtime, GpuKernelVariantSwitchAndStrataGpuKernels) {
     GTEST_SKIP() << "the CUDA module does not load here: " << gpu::cuda_unavailable_reason();
   const char* user = std::getenv("STRATA_GPU_KERNELS");
   const std::string saved = user ? user : "";
-  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process each: the variable is read once
+  GTEST_FLAG_SET(death_test_style,
+                 "threadsafe");  // a fresh process each: the variable is read once
   struct Case {
     const char* value;  // nullptr: unset
     int exit_code;
     const char* stderr_regex;
   };
-  for (const Case& c : {Case{nullptr, 1, ""}, Case{"", 1, ""}, Case{"simple", 1, ""}, Case{"tiled", 2, ""},
-                        Case{"Tiled", 3, "STRATA_GPU_KERNELS='Tiled' is not one of simple .*, tiled "}}) {
+  for (const Case& c :
+       {Case{nullptr, 1, ""}, Case{"", 1, ""}, Case{"simple", 1, ""}, Case{"tiled", 2, ""},
+        Case{"Tiled", 3, "STRATA_GPU_KERNELS='Tiled' is not one of simple .*, tiled "}}) {
     SCOPED_TRACE(c.value ? c.value : "(unset)");
     if (c.value)
       setenv("STRATA_GPU_KERNELS", c.value, 1);
     else
       unsetenv("STRATA_GPU_KERNELS");
-    EXPECT_EXIT(exit_with_first_kernel_variant(), ::testing::ExitedWithCode(c.exit_code), c.stderr_regex);
+    EXPECT_EXIT(exit_with_first_kernel_variant(), ::testing::ExitedWithCode(c.exit_code),
+                c.stderr_regex);
   }
   unsetenv("STRATA_GPU_KERNELS");
   const gpu::model::Kernels& k = gpu::model::kernels();
@@ -263,8 +276,10 @@ TEST(Runtime, GpuKernelVariantSwitchAndStrataGpuKernels) {
 // value is one line naming the variable, before anything else is printed.
 TEST(Runtime, StrataCpuIsaCapsEveryPathStrataInfoReports) {
   // The user's own oneDNN cap would win over ours: this test sets none.
-  const std::vector<std::pair<std::string, std::string>> clean{{"ONEDNN_MAX_CPU_ISA", ""}, {"DNNL_MAX_CPU_ISA", ""},
-                                                                {"STRATA_ADAMW_ISA", ""}, {"STRATA_MODEL_ISA", ""}};
+  const std::vector<std::pair<std::string, std::string>> clean{{"ONEDNN_MAX_CPU_ISA", ""},
+                                                               {"DNNL_MAX_CPU_ISA", ""},
+                                                               {"STRATA_ADAMW_ISA", ""},
+                                                               {"STRATA_MODEL_ISA", ""}};
   auto with = [&](const char* cap) {
     auto env = clean;
     env.emplace_back("STRATA_CPU_ISA", cap);
@@ -306,9 +321,12 @@ TEST(Runtime, StrataCpuIsaCapsEveryPathStrataInfoReports) {
   auto bad = with("avx3");
   EXPECT_TRUE(info_host(bad, &r).is_null());
   EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "strata-info: invalid argument: STRATA_CPU_ISA='avx3' is not one of auto, avx512, avx2, scalar: "
-                   "unset it or pick one\n");
-  EXPECT_NE(r.out.find("\"error\""), std::string::npos) << r.out;  // --json's error object, and nothing before it
+  EXPECT_EQ(r.err,
+            "strata-info: invalid argument: STRATA_CPU_ISA='avx3' is not one of auto, avx512, "
+            "avx2, scalar: "
+            "unset it or pick one\n");
+  EXPECT_NE(r.out.find("\"error\""), std::string::npos)
+      << r.out;  // --json's error object, and nothing before it
   EXPECT_EQ(r.out.find("cpu:"), std::string::npos) << r.out;
 }
 

@@ -51,8 +51,9 @@ struct Result {
 
 // Starts `bin args...` (its stdout/stderr captured in `dir` under `tag`: <tag>.stdout,
 // <tag>.stderr) and returns its pid without waiting: for a test that signals it.
-inline pid_t start(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
-                   const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+inline pid_t start(const std::string& bin, const std::vector<std::string>& args,
+                   const std::string& dir, const std::string& tag,
+                   const std::vector<std::pair<std::string, std::string>>& env = {}) {
   const std::string out = dir + "/" + tag + ".stdout", err = dir + "/" + tag + ".stderr";
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -81,12 +82,14 @@ inline pid_t start(const std::string& bin, const std::vector<std::string>& args,
 }
 
 // Runs `bin args...` to completion in `dir` (its stdout/stderr captured there under `tag`).
-inline Result run(const std::string& bin, const std::vector<std::string>& args, const std::string& dir,
-                  const std::string& tag, const std::vector<std::pair<std::string, std::string>>& env = {}) {
+inline Result run(const std::string& bin, const std::vector<std::string>& args,
+                  const std::string& dir, const std::string& tag,
+                  const std::vector<std::pair<std::string, std::string>>& env = {}) {
   const pid_t pid = start(bin, args, dir, tag, env);
   int st = 0;
   ::waitpid(pid, &st, 0);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(dir + "/" + tag + ".stdout"), slurp(dir + "/" + tag + ".stderr")};
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(dir + "/" + tag + ".stdout"),
+          slurp(dir + "/" + tag + ".stderr")};
 }
 
 }  // namespace strata::testing

@@ -6,6 +6,7 @@
 // reference they agree to a tolerance, not bitwise: the reference AdamW is a plain scalar
 // loop (sqrt, division and the bias corrections in a different order from strata's fused
 // kernel), so the weights differ in the last bits after the first step and the losses follow.
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,15 +15,12 @@
 #include <map>
 #include <random>
 
-#include <gtest/gtest.h>
-
-#include "test_util.h"
-
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -46,7 +44,8 @@ Batch batch_of(int i, std::int64_t vocab) {
   std::mt19937_64 rng(1000 + std::uint64_t(i));
   std::vector<std::int32_t> seq(kB * kT + 1);
   for (std::size_t k = 0; k < seq.size(); ++k)
-    seq[k] = rng() % 5 == 0 ? std::int32_t(rng() % std::uint64_t(vocab)) : std::int32_t((k * 7 + std::size_t(i)) % 23);
+    seq[k] = rng() % 5 == 0 ? std::int32_t(rng() % std::uint64_t(vocab))
+                            : std::int32_t((k * 7 + std::size_t(i)) % 23);
   Batch b;
   b.tokens.assign(seq.begin(), seq.end() - 1);
   b.targets.assign(seq.begin() + 1, seq.end());
@@ -82,13 +81,15 @@ TrainRun run_engine(const ModelConfig& mc, EngineConfig cfg, int steps, int accu
     out.losses.push_back(loss);
     e.step(lr);
   }
-  for (std::size_t u = 0; u < model.units().size(); ++u) out.master.push_back(e.gather_master(int(u)));
+  for (std::size_t u = 0; u < model.units().size(); ++u)
+    out.master.push_back(e.gather_master(int(u)));
   out.stats = e.stats();
   return out;
 }
 
 // ResidentWeights + AdamW as torch.optim.AdamW documents it, one element at a time.
-std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, int steps, float lr) {
+std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, int steps,
+                                 float lr) {
   auto dev = make_host_device();
   auto s = dev->create_stream("compute");
   Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT});
@@ -100,7 +101,8 @@ std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, i
     w.zero_grads();
     losses.push_back(model.forward(batch_of(step - 1, mc.vocab_size), w));
     model.backward(w);
-    const double bc1 = 1 - std::pow(double(h.beta1), step), bc2 = 1 - std::pow(double(h.beta2), step);
+    const double bc1 = 1 - std::pow(double(h.beta1), step),
+                 bc2 = 1 - std::pow(double(h.beta2), step);
     for (const UnitSpec& u : model.units())
       for (const ParamSpec& p : u.params) {
         std::vector<float> x = w.get(p.name), g = w.grad(p.name);
@@ -129,10 +131,12 @@ Placement on(Tier t) {
 
 void expect_identical(const TrainRun& a, const TrainRun& b, const char* what) {
   ASSERT_EQ(a.losses.size(), b.losses.size());
-  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << ", step " << i + 1;
+  for (std::size_t i = 0; i < a.losses.size(); ++i)
+    EXPECT_EQ(a.losses[i], b.losses[i]) << what << ", step " << i + 1;
   ASSERT_EQ(a.master.size(), b.master.size());
   for (std::size_t u = 0; u < a.master.size(); ++u)
-    EXPECT_TRUE(a.master[u] == b.master[u]) << what << ": master weights of unit " << u << " differ";
+    EXPECT_TRUE(a.master[u] == b.master[u])
+        << what << ": master weights of unit " << u << " differ";
 }
 
 class BridgeTest : public ::testing::TestWithParam<bool> {};  // tied embeddings or not
@@ -176,13 +180,15 @@ TEST_P(BridgeTest, EnginePlacementsAreBitIdenticalAndMatchTheResidentReference) 
 
   const std::vector<float> plain = run_reference(mc, base.adamw, steps, lr);
   for (int i = 0; i < steps; ++i)
-    EXPECT_NEAR(plain[std::size_t(i)], ref.losses[std::size_t(i)], 2e-5 * std::abs(plain[std::size_t(i)]))
+    EXPECT_NEAR(plain[std::size_t(i)], ref.losses[std::size_t(i)],
+                2e-5 * std::abs(plain[std::size_t(i)]))
         << "step " << i + 1;
   EXPECT_EQ(plain[0], ref.losses[0]) << "the first loss (before any update) must be bitwise equal";
 }
 
-INSTANTIATE_TEST_SUITE_P(Tied, BridgeTest, ::testing::Bool(),
-                         [](const auto& p) { return p.param ? std::string("tied") : std::string("untied"); });
+INSTANTIATE_TEST_SUITE_P(Tied, BridgeTest, ::testing::Bool(), [](const auto& p) {
+  return p.param ? std::string("tied") : std::string("untied");
+});
 
 TEST(Bridge, GradientAccumulationIsIdenticalAcrossPlacements) {
   const ModelConfig mc = tiny_llama(true);
@@ -202,8 +208,10 @@ TEST(Bridge, GradientAccumulationIsIdenticalAcrossPlacements) {
 // norm weights 1, biases (LayerNorm's too) 0, matrices and embeddings normal(0, initializer_range),
 // GPT-2's residual projections (c_proj) normal(0, initializer_range / sqrt(2 n_layer)).
 TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
-  const ModelConfig gpt2 = parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
-    "n_layer": 2, "n_head": 4, "n_positions": 64, "initializer_range": 0.05})", "tiny gpt2");
+  const ModelConfig gpt2 =
+      parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 64, "initializer_range": 0.05})",
+                         "tiny gpt2");
   for (const ModelConfig& mc : {tiny_llama(false), gpt2}) {
     const double range = mc.arch == ModelArch::kGpt2 ? 0.05 : 0.02;
     const std::vector<UnitSpec> units = model_units(mc);
@@ -216,7 +224,8 @@ TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
         const bool bias = p.name.ends_with(".bias");
         const bool norm = p.shape.size() == 1 && !bias;
         if (norm || bias) {
-          for (std::size_t i = 0; i < p.numel; ++i) ASSERT_EQ(v[i], norm ? 1.0f : 0.0f) << p.name << "[" << i << "]";
+          for (std::size_t i = 0; i < p.numel; ++i)
+            ASSERT_EQ(v[i], norm ? 1.0f : 0.0f) << p.name << "[" << i << "]";
           (norm ? norms : biases) += 1;
           continue;
         }
@@ -225,8 +234,11 @@ TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
           sum += v[i];
           sq += double(v[i]) * v[i];
         }
-        const double mean = sum / double(p.numel), sd = std::sqrt(sq / double(p.numel) - mean * mean);
-        const double want = p.name.ends_with("c_proj.weight") ? range / std::sqrt(2.0 * double(mc.num_layers)) : range;
+        const double mean = sum / double(p.numel),
+                     sd = std::sqrt(sq / double(p.numel) - mean * mean);
+        const double want = p.name.ends_with("c_proj.weight")
+                                ? range / std::sqrt(2.0 * double(mc.num_layers))
+                                : range;
         EXPECT_NEAR(sd, want, 0.1 * want) << p.name;
         EXPECT_NEAR(mean, 0.0, 0.1 * want) << p.name;
         ++matrices;
@@ -246,20 +258,24 @@ TEST(Bridge, InitialWeightsAreHuggingFaceLike) {
 // whole model: every element a function of the seed, its parameter and its index alone (slices
 // that cut parameters and the alignment gaps included), and the gaps zero.
 TEST(Bridge, TheFreshSourceGivesAnySliceOfInitHf) {
-  const ModelConfig gpt2 = parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
-    "n_layer": 2, "n_head": 4, "n_positions": 64})", "tiny gpt2");
+  const ModelConfig gpt2 =
+      parse_model_config(R"({"model_type": "gpt2", "vocab_size": 96, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 64})",
+                         "tiny gpt2");
   for (const ModelConfig& mc : {tiny_llama(false), gpt2}) {
     const auto whole = initial_unit_weights(mc, "", 11);  // ResidentWeights::init_hf
     const ModelSource src = fresh_model_source(mc, 11);
     const std::vector<UnitSpec> units = model_units(mc);
     for (std::size_t u = 0; u < units.size(); ++u) {
       std::vector<float> got(units[u].numel, NAN);
-      for (std::size_t first = 0; first < got.size(); first += 1000)  // slices of 1000: cut anywhere
+      for (std::size_t first = 0; first < got.size();
+           first += 1000)  // slices of 1000: cut anywhere
         src(u, first, std::min<std::size_t>(1000, got.size() - first), got.data() + first);
       ASSERT_EQ(std::memcmp(got.data(), whole[u].data(), got.size() * 4), 0) << units[u].name;
     }
   }
-  EXPECT_THROW(fresh_model_source(tiny_llama(false), 1)(0, 0, model_units(tiny_llama(false))[0].numel + 1, nullptr),
+  EXPECT_THROW(fresh_model_source(tiny_llama(false), 1)(
+                   0, 0, model_units(tiny_llama(false))[0].numel + 1, nullptr),
                Error);
 }
 

@@ -10,6 +10,7 @@
 // chosen, a checkpoint with a bad checksum is skipped too; a different model or world size is
 // a clear error.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -23,20 +24,17 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
-
-#include <gtest/gtest.h>
-
-#include "test_util.h"
-#include <nlohmann/json.hpp>
 
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -60,7 +58,8 @@ Batch batch_of(int i, std::int64_t vocab) {
   std::mt19937_64 rng(1000 + std::uint64_t(i));
   std::vector<std::int32_t> seq(kB * kT + 1);
   for (std::size_t k = 0; k < seq.size(); ++k)
-    seq[k] = rng() % 5 == 0 ? std::int32_t(rng() % std::uint64_t(vocab)) : std::int32_t((k * 7 + std::size_t(i)) % 23);
+    seq[k] = rng() % 5 == 0 ? std::int32_t(rng() % std::uint64_t(vocab))
+                            : std::int32_t((k * 7 + std::size_t(i)) % 23);
   Batch b;
   b.tokens.assign(seq.begin(), seq.end() - 1);
   b.targets.assign(seq.begin() + 1, seq.end());
@@ -81,8 +80,8 @@ struct Run {
 
 // Steps [first, last] (1-based) of a run on fresh objects; loads `load_from` first when given
 // and saves to `save_to` after the last step when given.
-Run run_steps(const ModelConfig& mc, EngineConfig cfg, int first, int last, int accum, const std::string& load_from,
-              const std::string& save_to) {
+Run run_steps(const ModelConfig& mc, EngineConfig cfg, int first, int last, int accum,
+              const std::string& load_from, const std::string& save_to) {
   auto dev = make_host_device();
   CommOptions co;
   co.backend = CommBackend::kLocal;
@@ -111,7 +110,8 @@ Run run_steps(const ModelConfig& mc, EngineConfig cfg, int first, int last, int 
     e.step(1e-2f * float(step) / 10.0f);  // a varying lr: the schedule position matters
   }
   if (!save_to.empty()) e.save_state(save_to);
-  for (std::size_t u = 0; u < model.units().size(); ++u) out.master.push_back(e.gather_master(int(u)));
+  for (std::size_t u = 0; u < model.units().size(); ++u)
+    out.master.push_back(e.gather_master(int(u)));
   return out;
 }
 
@@ -130,8 +130,8 @@ EngineConfig nvme_config(const std::string& dir) {
   return c;
 }
 
-void expect_resume_matches(const ModelConfig& mc, const EngineConfig& save_cfg, const EngineConfig& load_cfg,
-                           int accum, const char* what) {
+void expect_resume_matches(const ModelConfig& mc, const EngineConfig& save_cfg,
+                           const EngineConfig& load_cfg, int accum, const char* what) {
   SCOPED_TRACE(what);
   TempDir ck;
   // Steps 7-10 of the straight run are taken by the loading config's placement; placements
@@ -140,12 +140,15 @@ void expect_resume_matches(const ModelConfig& mc, const EngineConfig& save_cfg, 
   const Run first = run_steps(mc, save_cfg, 1, 6, accum, "", ck.path);
   const Run second = run_steps(mc, load_cfg, 7, 10, accum, ck.path, "");
   ASSERT_EQ(second.losses.size(), 4u);
-  for (int i = 0; i < 6; ++i) EXPECT_EQ(first.losses[std::size_t(i)], straight.losses[std::size_t(i)]) << "step " << i + 1;
+  for (int i = 0; i < 6; ++i)
+    EXPECT_EQ(first.losses[std::size_t(i)], straight.losses[std::size_t(i)]) << "step " << i + 1;
   for (int i = 0; i < 4; ++i)
-    EXPECT_EQ(second.losses[std::size_t(i)], straight.losses[std::size_t(6 + i)]) << "step " << 7 + i;
+    EXPECT_EQ(second.losses[std::size_t(i)], straight.losses[std::size_t(6 + i)])
+        << "step " << 7 + i;
   ASSERT_EQ(second.master.size(), straight.master.size());
   for (std::size_t u = 0; u < straight.master.size(); ++u)
-    EXPECT_TRUE(second.master[u] == straight.master[u]) << "master weights of unit " << u << " differ";
+    EXPECT_TRUE(second.master[u] == straight.master[u])
+        << "master weights of unit " << u << " differ";
 }
 
 TEST(EngineCheckpoint, ResumeEqualsStraightRun) {
@@ -156,7 +159,8 @@ TEST(EngineCheckpoint, ResumeEqualsStraightRun) {
 TEST(EngineCheckpoint, ResumeAcrossPlacements) {
   const ModelConfig mc = tiny_llama(false);
   TempDir nv1, nv2;
-  expect_resume_matches(mc, nvme_config(nv1.path), base_config(), 1, "saved from NVMe, resumed on the device");
+  expect_resume_matches(mc, nvme_config(nv1.path), base_config(), 1,
+                        "saved from NVMe, resumed on the device");
   EngineConfig host = base_config();
   host.params = host.optimizer = host.grads = on(Tier::kHost);
   expect_resume_matches(mc, base_config(), host, 1, "saved from the device, resumed on the host");
@@ -170,12 +174,14 @@ TEST(EngineCheckpoint, ResumeAcrossSubGroupSizes) {
   TempDir nv1, nv2;
   EngineConfig split = nvme_config(nv1.path);
   split.sub_group_size = 2048;
-  expect_resume_matches(mc, split, base_config(), 1, "saved from NVMe sub-groups, resumed whole on the device");
+  expect_resume_matches(mc, split, base_config(), 1,
+                        "saved from NVMe sub-groups, resumed whole on the device");
   EngineConfig host = base_config();
   host.params = host.optimizer = host.grads = on(Tier::kHost);
   EngineConfig split2 = nvme_config(nv2.path);
   split2.sub_group_size = 4096;
-  expect_resume_matches(mc, host, split2, 1, "saved whole from the host, resumed into NVMe sub-groups");
+  expect_resume_matches(mc, host, split2, 1,
+                        "saved whole from the host, resumed into NVMe sub-groups");
 }
 
 TEST(EngineCheckpoint, ResumeBf16WithAccumulationAndResidentUnits) {
@@ -206,7 +212,8 @@ TEST(EngineCheckpoint, IncompatibleStateIsRefused) {
   TempDir ck;
   run_steps(tiny_llama(false), base_config(), 1, 1, 1, "", ck.path);
   // A different model.
-  std::string err = error_of([&] { run_steps(tiny_llama(false, 32), base_config(), 2, 2, 1, ck.path, ""); });
+  std::string err =
+      error_of([&] { run_steps(tiny_llama(false, 32), base_config(), 2, 2, 1, ck.path, ""); });
   EXPECT_NE(err.find("different model"), std::string::npos) << err;
   // A different world size (rank0.json edited).
   {
@@ -216,7 +223,9 @@ TEST(EngineCheckpoint, IncompatibleStateIsRefused) {
     std::ofstream(ck.path + "/rank0.json") << j.dump();
   }
   err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, ck.path, ""); });
-  EXPECT_NE(err.find("has 2 ranks, this run has 1; resharding is not supported yet"), std::string::npos) << err;
+  EXPECT_NE(err.find("has 2 ranks, this run has 1; resharding is not supported yet"),
+            std::string::npos)
+      << err;
   // No state at all.
   TempDir empty;
   err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, empty.path, ""); });
@@ -313,9 +322,10 @@ class TrainBinary : public ::testing::Test {
     for (int i = 0; i < 4000; ++i) t << words[rng() % 5];
   }
   std::vector<std::string> args(const std::string& log, std::vector<std::string> extra = {}) const {
-    std::vector<std::string> a = {"--model-config", cfg,    "--text", text,      "--seq-len", "16", "--micro-batch", "2",
-                                  "--grad-accum",   "2",    "--steps", "10",     "--lr",      "1e-2", "--warmup", "2",
-                                  "--lr-schedule",  schedule, "--device", "cpu", "--log-json", log};
+    std::vector<std::string> a = {
+        "--model-config", cfg,      "--text",   text,  "--seq-len",  "16",   "--micro-batch", "2",
+        "--grad-accum",   "2",      "--steps",  "10",  "--lr",       "1e-2", "--warmup",      "2",
+        "--lr-schedule",  schedule, "--device", "cpu", "--log-json", log};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
@@ -334,12 +344,15 @@ class TrainBinary : public ::testing::Test {
     return l;
   }
   static void expect_same_steps(const std::map<std::int64_t, nlohmann::json>& got,
-                                const std::map<std::int64_t, nlohmann::json>& ref, std::int64_t from) {
+                                const std::map<std::int64_t, nlohmann::json>& ref,
+                                std::int64_t from) {
     for (std::int64_t s = from; s <= 10; ++s) {
       ASSERT_TRUE(got.count(s)) << "step " << s << " missing from the resumed log";
       // Bitwise: the doubles as logged (nlohmann writes the shortest round-trip form).
-      EXPECT_EQ(got.at(s)["loss"].get<double>(), ref.at(s)["loss"].get<double>()) << "loss of step " << s;
-      EXPECT_EQ(got.at(s)["grad_norm"].get<double>(), ref.at(s)["grad_norm"].get<double>()) << "grad_norm of step " << s;
+      EXPECT_EQ(got.at(s)["loss"].get<double>(), ref.at(s)["loss"].get<double>())
+          << "loss of step " << s;
+      EXPECT_EQ(got.at(s)["grad_norm"].get<double>(), ref.at(s)["grad_norm"].get<double>())
+          << "grad_norm of step " << s;
       EXPECT_EQ(got.at(s)["lr"].get<double>(), ref.at(s)["lr"].get<double>()) << "lr of step " << s;
     }
   }
@@ -363,7 +376,8 @@ TEST_F(TrainBinary, SigkillAfterStep6ThenResumeEqualsStraightRun) {
   const auto ref = straight();
   const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
   auto long_run = args(log, {"--save-every", "1", "--checkpoint-dir", ck});
-  long_run[std::size_t(std::find(long_run.begin(), long_run.end(), "--steps") - long_run.begin()) + 1] = "1000";
+  long_run[std::size_t(std::find(long_run.begin(), long_run.end(), "--steps") - long_run.begin()) +
+           1] = "1000";
   Proc p = spawn(long_run, dir.path, "killed");
   bool seen = false;
   for (int i = 0; i < 60000 && !seen; ++i) {  // up to 60 s
@@ -373,7 +387,8 @@ TEST_F(TrainBinary, SigkillAfterStep6ThenResumeEqualsStraightRun) {
   ::kill(p.pid, SIGKILL);
   const int st = wait_status(p.pid);
   ASSERT_TRUE(seen) << "step 6 never logged: " << slurp(p.err);
-  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) << "the run ended before the kill: " << slurp(p.err);
+  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL)
+      << "the run ended before the kill: " << slurp(p.err);
   ASSERT_TRUE(fs::exists(ck + "/step-6/manifest.json")) << "a logged step's checkpoint is complete";
   const auto killed_log = read_log(log);
   const std::int64_t last_logged = killed_log.rbegin()->first;  // 6, or later if the kill was slow
@@ -406,7 +421,8 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
     SCOPED_TRACE(sig);
     const std::string nv = dir.path + "/nv" + std::to_string(sig), log = dir.path + "/int.jsonl";
     fs::remove(log);
-    Proc p = spawn({"--steps", "1000", "--demo-nvme", nv, "--log-json", log}, dir.path, "interrupted");
+    Proc p =
+        spawn({"--steps", "1000", "--demo-nvme", nv, "--log-json", log}, dir.path, "interrupted");
     const std::string stripe = nv + "/strata-swap/rank0/stripe.bin";
     bool running = false;
     for (int i = 0; i < 60000 && !running; ++i) {  // up to 60 s: the first step logged
@@ -422,9 +438,11 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
     // "removing swap files of a previous run" where there were none).
     EXPECT_FALSE(fs::exists(nv + "/strata-swap")) << "strata-swap/ stayed";
     // And it says so, and whether it can go on (it stopped without a word).
-    EXPECT_NE(slurp(p.err).find("strata-train: interrupted; no checkpoints were written (--save-every N keeps a "
-                                "run's progress)"),
-              std::string::npos) << slurp(p.err);
+    EXPECT_NE(slurp(p.err).find(
+                  "strata-train: interrupted; no checkpoints were written (--save-every N keeps a "
+                  "run's progress)"),
+              std::string::npos)
+        << slurp(p.err);
   }
   // With checkpoints: where to continue from.
   const std::string ck = dir.path + "/ck", log = dir.path + "/ck.jsonl";
@@ -439,9 +457,13 @@ TEST_F(TrainBinary, AnInterruptedRunLeavesNoSwapFiles) {
   ::kill(p.pid, SIGINT);
   wait_status(p.pid);
   ASSERT_TRUE(saved) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("strata-train: interrupted; the newest checkpoint is " + ck + "/step-"), std::string::npos)
+  EXPECT_NE(
+      slurp(p.err).find("strata-train: interrupted; the newest checkpoint is " + ck + "/step-"),
+      std::string::npos)
       << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("continue with the same command and --resume " + ck), std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("continue with the same command and --resume " + ck),
+            std::string::npos)
+      << slurp(p.err);
 }
 
 // One flipped bit in a checkpoint's manifest.json (its data position: train_batches) is caught by
@@ -469,7 +491,8 @@ TEST_F(TrainBinary, AManifestChangedAfterItWasWrittenIsSkipped) {
   Proc r = spawn(args(log, {"--save-every", "1", "--resume", ck}), dir.path, "resumed");
   const int rs = wait_status(r.pid);
   ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
-  EXPECT_NE(slurp(r.err).find("skipping " + ck + "/step-4: manifest.json has checksum"), std::string::npos)
+  EXPECT_NE(slurp(r.err).find("skipping " + ck + "/step-4: manifest.json has checksum"),
+            std::string::npos)
       << slurp(r.err);
   EXPECT_NE(slurp(r.out).find("step-3 (step 3)"), std::string::npos) << slurp(r.out);
   const auto got = read_log(log);
@@ -487,15 +510,17 @@ TEST_F(TrainBinary, ADeathBetweenACheckpointAndItsLogLineLeavesNoHoleAndKeepsK) 
   schedule = "const";
   const auto ref = straight();
   const std::string ck = dir.path + "/ck", log = dir.path + "/run.jsonl";
-  Proc p = spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--checkpoint-dir", ck}), dir.path, "died",
-                 {{"STRATA_TEST_CRASH_AFTER_CHECKPOINT", "6"}});
+  Proc p =
+      spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--checkpoint-dir", ck}),
+            dir.path, "died", {{"STRATA_TEST_CRASH_AFTER_CHECKPOINT", "6"}});
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT) << slurp(p.err);
   ASSERT_TRUE(fs::exists(ck + "/step-6/manifest.json"));
   EXPECT_EQ(read_log(log).count(6), 0u) << "the hook stops the run before step 6's line";
   EXPECT_EQ(read_log(log).size(), 5u);
 
-  Proc r = spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--resume", ck}), dir.path, "resumed");
+  Proc r = spawn(args(log, {"--save-every", "1", "--keep-checkpoints", "3", "--resume", ck}),
+                 dir.path, "resumed");
   const int rs = wait_status(r.pid);
   ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
   EXPECT_NE(slurp(r.out).find("step-6 (step 6)"), std::string::npos) << slurp(r.out);
@@ -511,11 +536,14 @@ TEST_F(TrainBinary, ADeathBetweenACheckpointAndItsLogLineLeavesNoHoleAndKeepsK) 
   flip_bits(ck + "/step-10/rank0.bin", 64, 0x10);
   const auto e1 = testing::run(STRATA_EXPORT_BIN, {ck, dir.path + "/out1"}, dir.path, "export1");
   EXPECT_EQ(e1.status, 1) << e1.out << e1.err;
-  EXPECT_NE(e1.err.find("the newest checkpoint does not verify (" + ck + "/step-10: rank0.bin has checksum"),
-            std::string::npos) << e1.err;
+  EXPECT_NE(e1.err.find("the newest checkpoint does not verify (" + ck +
+                        "/step-10: rank0.bin has checksum"),
+            std::string::npos)
+      << e1.err;
   EXPECT_NE(e1.err.find("pass --accept-older to export that one"), std::string::npos) << e1.err;
   EXPECT_FALSE(fs::exists(dir.path + "/out1/model.safetensors"));
-  const auto e2 = testing::run(STRATA_EXPORT_BIN, {ck, dir.path + "/out2", "--accept-older"}, dir.path, "export2");
+  const auto e2 = testing::run(STRATA_EXPORT_BIN, {ck, dir.path + "/out2", "--accept-older"},
+                               dir.path, "export2");
   EXPECT_EQ(e2.status, 0) << e2.out << e2.err;
   EXPECT_TRUE(fs::exists(dir.path + "/out2/config.json")) << e2.out << e2.err;
 }
@@ -547,8 +575,11 @@ TEST_F(TrainBinary, ADeadRanksSwapFolderIsReclaimedByTheNextRun) {
   const int st = wait_status(p.pid);
   ::close(held);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("of swap files in '" + top + "/rank1': rank 1 of a run that died (pid " +
-                              std::to_string(gone) + ") left them"), std::string::npos) << slurp(p.err);
+  EXPECT_NE(
+      slurp(p.err).find("of swap files in '" + top + "/rank1': rank 1 of a run that died (pid " +
+                        std::to_string(gone) + ") left them"),
+      std::string::npos)
+      << slurp(p.err);
   EXPECT_FALSE(fs::exists(top + "/rank1")) << "the dead rank's folder stayed";
   EXPECT_FALSE(fs::exists(top + "/rank1.lock"));
   EXPECT_TRUE(fs::exists(top + "/rank2/stripe.bin")) << "a folder whose lock is held was removed";
@@ -577,8 +608,10 @@ TEST_F(TrainBinary, CrashInsideACheckpointWriteIsNeverChosen) {
   const int rs = wait_status(r.pid);
   ASSERT_TRUE(WIFEXITED(rs) && WEXITSTATUS(rs) == 0) << slurp(r.err);
   const std::string err = slurp(r.err), out = slurp(r.out);
-  EXPECT_NE(err.find("step-6.tmp-"), std::string::npos) << "the skipped partial folder is warned about: " << err;
-  EXPECT_NE(err.find("checksum"), std::string::npos) << "the damaged step-5 is warned about: " << err;
+  EXPECT_NE(err.find("step-6.tmp-"), std::string::npos)
+      << "the skipped partial folder is warned about: " << err;
+  EXPECT_NE(err.find("checksum"), std::string::npos)
+      << "the damaged step-5 is warned about: " << err;
   EXPECT_NE(out.find("step-4 (step 4)"), std::string::npos) << out;
   const auto got = read_log(log2);
   EXPECT_EQ(got.size(), 6u) << "steps 5-10";
@@ -602,7 +635,8 @@ TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLefto
   left("step-3.tmp-2147483646", std::string(host) + " 2147483646");
   left("step-3.tmp-1", std::string(host) + " 1");
   left("step-3.tmp-77", "another-host-" + std::string(host) + " 2147483646");
-  auto a = args(dir.path + "/b.jsonl", {"--save-every", "2", "--resume", ck + "/step-2/", "--eval-every", "100"});
+  auto a = args(dir.path + "/b.jsonl",
+                {"--save-every", "2", "--resume", ck + "/step-2/", "--eval-every", "100"});
   set_steps(a, "4");
   Proc p = spawn(a, dir.path, "resumed");
   const int st = wait_status(p.pid);
@@ -613,7 +647,8 @@ TEST_F(TrainBinary, ResumeFromAPathWithASlashSavesBesideItAndCleansDeadRunsLefto
   EXPECT_TRUE(fs::exists(ck + "/step-3.tmp-1"));
   EXPECT_TRUE(fs::exists(ck + "/step-3.tmp-77"));
   EXPECT_FALSE(fs::exists(ck + "/step-4/.owner")) << "the owner file went into the checkpoint";
-  EXPECT_NE(slurp(p.err).find("val_fraction was 0.0 in the checkpoint's run, 0.1 now"), std::string::npos)
+  EXPECT_NE(slurp(p.err).find("val_fraction was 0.0 in the checkpoint's run, 0.1 now"),
+            std::string::npos)
       << slurp(p.err);
 }
 
@@ -633,7 +668,8 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
   EXPECT_NE(slurp(p.err).find("different model"), std::string::npos) << slurp(p.err);
   // Each side described as itself: the checkpoint's model first, then this run's (hidden 32).
-  EXPECT_NE(slurp(p.err).find("this run's: llama 32x64 2 layers, vocab 256"), std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("this run's: llama 32x64 2 layers, vocab 256"), std::string::npos)
+      << slurp(p.err);
   // A different world size: the manifest says 2 ranks (the files still verify), its own checksum
   // made again as a 2-rank run's would be.
   {
@@ -646,16 +682,19 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   p = spawn(args(dir.path + "/c.jsonl", {"--resume", ck}), dir.path, "world");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  EXPECT_NE(slurp(p.err).find("has 2 ranks, this run has 1; resharding is not supported yet"), std::string::npos)
+  EXPECT_NE(slurp(p.err).find("has 2 ranks, this run has 1; resharding is not supported yet"),
+            std::string::npos)
       << slurp(p.err);
   // Nothing to resume from.
   fs::create_directories(dir.path + "/empty");
   p = spawn(args(dir.path + "/d.jsonl", {"--resume", dir.path + "/empty"}), dir.path, "empty");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  EXPECT_NE(slurp(p.err).find("--resume " + dir.path + "/empty: no checkpoint there yet (no step-<N> folder in " +
-                              dir.path + "/empty); to start the run from the beginning, drop --resume"),
-            std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("--resume " + dir.path +
+                              "/empty: no checkpoint there yet (no step-<N> folder in " + dir.path +
+                              "/empty); to start the run from the beginning, drop --resume"),
+            std::string::npos)
+      << slurp(p.err);
 }
 
 // A fresh run saving into a folder that holds another run's checkpoints is refused before step 1:
@@ -670,22 +709,27 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   Proc p = spawn(a, dir.path, "fresh");
   int st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.out);
-  EXPECT_NE(slurp(p.err).find("--checkpoint-dir " + ck + " already holds checkpoints of another run (newest: step-2), "
-                              "which this run's would replace: continue that run with --resume " + ck),
-            std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("--checkpoint-dir " + ck +
+                              " already holds checkpoints of another run (newest: step-2), "
+                              "which this run's would replace: continue that run with --resume " +
+                              ck),
+            std::string::npos)
+      << slurp(p.err);
   EXPECT_FALSE(fs::exists(dir.path + "/b.jsonl")) << "it trained";
   EXPECT_EQ(slurp(ck + "/step-2/manifest.json"), before);
   // Continuing that run saves beside its checkpoints, also from a link to one of them (it was
   // taken for another run's).
   fs::create_directory_symlink(ck + "/step-2", dir.path + "/latest");
-  a = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--resume", dir.path + "/latest"});
+  a = args(dir.path + "/c.jsonl",
+           {"--save-every", "2", "--checkpoint-dir", ck, "--resume", dir.path + "/latest"});
   set_steps(a, "4");
   p = spawn(a, dir.path, "continue");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
   EXPECT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
   // Its summary counts the steps it ran ("4 steps" for steps 3-4).
-  EXPECT_NE(slurp(p.out).find("summary (steps 3-4 of 4, resumed,"), std::string::npos) << slurp(p.out);
+  EXPECT_NE(slurp(p.out).find("summary (steps 3-4 of 4, resumed,"), std::string::npos)
+      << slurp(p.out);
   // Without --checkpoint-dir a resume through that link saves where the checkpoint is, not beside
   // the link (step-6 went into the link's folder, where the next resume of ck did not look).
   fs::remove(dir.path + "/latest");
@@ -697,7 +741,8 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
   EXPECT_TRUE(fs::exists(ck + "/step-6/manifest.json"));
   EXPECT_FALSE(fs::exists(dir.path + "/step-6")) << "saved beside the link";
-  EXPECT_NE(slurp(p.out).find("checkpoints in " + ck + " (newest: " + ck + "/step-6)"), std::string::npos)
+  EXPECT_NE(slurp(p.out).find("checkpoints in " + ck + " (newest: " + ck + "/step-6)"),
+            std::string::npos)
       << slurp(p.out);
   // A folder of checkpoints whose step-<N> links into another folder: resuming the folder saves in
   // it, where its next resume looks (it saved beside the link's target, and the next resume of
@@ -737,7 +782,8 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   p = spawn(a, dir.path, "no-out");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  EXPECT_NE(slurp(p.err).find("or write its model with strata-export"), std::string::npos) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("or write its model with strata-export"), std::string::npos)
+      << slurp(p.err);
 }
 
 // Settings that shape the steps after a checkpoint and that the run does not take from it
@@ -766,7 +812,9 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
     GTEST_SKIP() << "cannot mount a tmpfs here";
   struct Unmount {
     std::string at;
-    ~Unmount() { (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str()); }
+    ~Unmount() {
+      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
+    }
   } unmount{small};
   const std::string ck = small + "/ck";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
@@ -793,23 +841,29 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
   const int st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << slurp(p.err);
   const std::string err = slurp(p.err);
-  EXPECT_NE(err.find("the checkpoint of step 4 was not written and nothing of it is left; the newest complete one is " +
+  EXPECT_NE(err.find("the checkpoint of step 4 was not written and nothing of it is left; the "
+                     "newest complete one is " +
                      ck + "/step-2; free space in " + ck),
             std::string::npos)
       << err;
-  EXPECT_NE(err.find("run the same command with --resume " + ck + "/step-2"), std::string::npos) << err;
+  EXPECT_NE(err.find("run the same command with --resume " + ck + "/step-2"), std::string::npos)
+      << err;
   EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
-  for (const auto& e : fs::directory_iterator(ck)) EXPECT_EQ(e.path().filename().string().find("step-4"), std::string::npos) << e.path();
+  for (const auto& e : fs::directory_iterator(ck))
+    EXPECT_EQ(e.path().filename().string().find("step-4"), std::string::npos) << e.path();
   // A run whose first checkpoint does not fit has nothing to resume: it is told to run again.
   auto b = args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", small + "/ck2"});
   b[std::size_t(std::find(b.begin(), b.end(), "--steps") - b.begin()) + 1] = "2";
   p = spawn(b, dir.path, "full-first");
   const int st2 = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st2) && WEXITSTATUS(st2) == 1) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("no checkpoint of this run is complete; free space in " + small + "/ck2"),
-            std::string::npos)
+  EXPECT_NE(
+      slurp(p.err).find("no checkpoint of this run is complete; free space in " + small + "/ck2"),
+      std::string::npos)
       << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("then run the same command again (there is nothing to --resume from)"), std::string::npos)
+  EXPECT_NE(
+      slurp(p.err).find("then run the same command again (there is nothing to --resume from)"),
+      std::string::npos)
       << slurp(p.err);
 }
 
@@ -825,7 +879,8 @@ TEST_F(TrainBinary, AStepSetAsideByARunThatDiedIsTakenWhenItsStepIsMissing) {
   Proc p = spawn(a, dir.path, "aside");
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("step-2.old-99999 is step-2 set aside by a run that stopped"), std::string::npos)
+  EXPECT_NE(slurp(p.err).find("step-2.old-99999 is step-2 set aside by a run that stopped"),
+            std::string::npos)
       << slurp(p.err);
   EXPECT_EQ(read_log(dir.path + "/b.jsonl").begin()->first, 3) << "did not resume after step 2";
 }
@@ -845,11 +900,13 @@ TEST_F(TrainBinary, AStepSetAsideBesideItsCompleteStepIsRemovedByTheNextSave) {
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
   EXPECT_FALSE(fs::exists(ck + "/step-2.old-99999")) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("removed " + ck + "/step-2.old-99999, left by a run that stopped while writing that "
+  EXPECT_NE(slurp(p.err).find("removed " + ck +
+                              "/step-2.old-99999, left by a run that stopped while writing that "
                               "step again"),
             std::string::npos)
       << slurp(p.err);
-  EXPECT_TRUE(fs::exists(ck + "/step-1.old-99998/manifest.json")) << "a step's only copy was removed";
+  EXPECT_TRUE(fs::exists(ck + "/step-1.old-99998/manifest.json"))
+      << "a step's only copy was removed";
   EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
   EXPECT_TRUE(fs::exists(ck + "/step-3/manifest.json"));
 }
@@ -876,8 +933,10 @@ TEST_F(TrainBinary, AStepSetAsideBesideADamagedStepIsTakenAndKept) {
   const int st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
   const std::string all = slurp(p.out) + slurp(p.err);
-  EXPECT_NE(all.find("resumed from " + ck + "/step-2.old-99999 (step 2)"), std::string::npos) << all;
-  EXPECT_TRUE(fs::exists(ck + "/step-2.old-99999/manifest.json")) << "the only good copy of step 2 was removed";
+  EXPECT_NE(all.find("resumed from " + ck + "/step-2.old-99999 (step 2)"), std::string::npos)
+      << all;
+  EXPECT_TRUE(fs::exists(ck + "/step-2.old-99999/manifest.json"))
+      << "the only good copy of step 2 was removed";
   EXPECT_EQ(read_log(dir.path + "/b.jsonl").begin()->first, 3) << "did not resume after step 2";
 }
 

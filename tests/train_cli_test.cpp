@@ -11,10 +11,11 @@
 //     micro-batch of each group of world_size, so that is the same global batch) within 1e-4
 //     relative per step, and the export of the 2-rank checkpoint matches the 1-rank weights.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,21 +23,18 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
 #include <sstream>
 
-#include <gtest/gtest.h>
-
-#include "test_util.h"
-#include <nlohmann/json.hpp>
-
 #include "strata/dtype.h"
 #include "strata/model_io.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -45,9 +43,9 @@ namespace fs = std::filesystem;
 
 using testing::TempDir;
 
+using testing::Result;
 using testing::run;
 using testing::slurp;
-using testing::Result;
 
 // step -> the loss as the log wrote it (nlohmann's shortest round-trip text).
 std::map<std::int64_t, std::string> losses(const std::string& path) {
@@ -92,8 +90,10 @@ void write_405b_on_nvme(const std::string& big, const std::string& ds, const std
     "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
   std::ofstream(ds) << R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
-    "offload_param": {"device": "nvme", "nvme_path": ")" + nv + R"("},
-    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv + R"("}}})";
+    "offload_param": {"device": "nvme", "nvme_path": ")" +
+                           nv + R"("},
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                           nv + R"("}}})";
 }
 
 class TrainCli : public ::testing::Test {
@@ -111,9 +111,10 @@ class TrainCli : public ::testing::Test {
   }
   std::vector<std::string> args(const std::string& log, std::vector<std::string> extra = {},
                                 const std::string& steps = "4") const {
-    std::vector<std::string> a = {"--model-config", cfg,      "--text",  text, "--seq-len", "16", "--micro-batch", "2",
-                                  "--steps",        steps,    "--lr",    "1e-2", "--warmup", "1", "--weight-decay",
-                                  "0.01",           "--device", "cpu",   "--log-json", log};
+    std::vector<std::string> a = {
+        "--model-config", cfg,   "--text",     text,   "--seq-len", "16", "--micro-batch",  "2",
+        "--steps",        steps, "--lr",       "1e-2", "--warmup",  "1",  "--weight-decay", "0.01",
+        "--device",       "cpu", "--log-json", log};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
@@ -124,13 +125,16 @@ class TrainCli : public ::testing::Test {
   // mpirun -np 2 of the usual run, rank 1 given `extra` flags besides.
   Result two_ranks_rank1_adds(const std::string& extra, const std::string& tag) const {
     const std::string wrap = dir.path + "/" + tag + ".sh";
-    std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='" + extra + "' || x=''\nexec " +
-                      std::string(STRATA_TRAIN_BIN);
+    std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && x='" + extra +
+                      "' || x=''\nexec " + std::string(STRATA_TRAIN_BIN);
     for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
     std::ofstream(wrap) << cmd << " $x\n";
     fs::permissions(wrap, fs::perms::owner_all);
     return run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, tag,
-               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}, {"STRATA_COMM_TIMEOUT_S", "120"}});
+               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                { "STRATA_COMM_TIMEOUT_S",
+                  "120" }});
   }
 #endif
   TempDir dir;
@@ -148,13 +152,20 @@ class TrainCli : public ::testing::Test {
 // cannot join its peers: it is refused, naming what it saw and how to start it, instead of
 // training alone as a 1-rank job on GPU 0 (what every one of them did, silently).
 TEST_F(TrainCli, ALaunchItCannotJoinIsRefusedNotRunAlone) {
-  const std::vector<std::pair<std::vector<std::pair<std::string, std::string>>, std::string>> cases = {
-      {{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}},
-       "this process was started as rank 1 of 2 by a torchrun-style launcher (RANK, WORLD_SIZE, MASTER_ADDR "
-       "10.0.0.1:29500) and strata joins several processes only under an MPI launcher: start it with mpirun -np 2"},
-      {{{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_NTASKS", "4"}},
-       "this process is task 3 of a 4-task Slurm step started without MPI's process management: run srun with "
-       "--mpi=pmix"}};
+  const std::vector<std::pair<std::vector<std::pair<std::string, std::string>>, std::string>>
+      cases = {{{{"RANK", "1"},
+                 {"WORLD_SIZE", "2"},
+                 {"LOCAL_RANK", "1"},
+                 {"MASTER_ADDR", "10.0.0.1"},
+                 {"MASTER_PORT", "29500"}},
+                "this process was started as rank 1 of 2 by a torchrun-style launcher (RANK, "
+                "WORLD_SIZE, MASTER_ADDR "
+                "10.0.0.1:29500) and strata joins several processes only under an MPI launcher: "
+                "start it with mpirun -np 2"},
+               {{{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_NTASKS", "4"}},
+                "this process is task 3 of a 4-task Slurm step started without MPI's process "
+                "management: run srun with "
+                "--mpi=pmix"}};
   for (const auto& [env, message] : cases) {
     const std::string log = dir.path + "/refused.jsonl";
     const Result r = testing::run(STRATA_TRAIN_BIN, args(log), dir.path, "refused", env);
@@ -164,36 +175,43 @@ TEST_F(TrainCli, ALaunchItCannotJoinIsRefusedNotRunAlone) {
   }
   // One process of one (torchrun --nproc-per-node 1, srun -n 1) runs as before.
   const std::string log = dir.path + "/one.jsonl";
-  const Result one = testing::run(STRATA_TRAIN_BIN, args(log, {}, "1"), dir.path, "one",
-                                  {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}});
+  const Result one = testing::run(
+      STRATA_TRAIN_BIN, args(log, {}, "1"), dir.path, "one",
+      {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}});
   EXPECT_EQ(one.status, 0) << one.out << one.err;
 }
 
 TEST_F(TrainCli, WithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
 #ifdef __SANITIZE_ADDRESS__
-  GTEST_SKIP() << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
+  GTEST_SKIP()
+      << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
 #endif
   const std::string nv = dir.path + "/nv", ds = dir.path + "/nvme.json";
   fs::create_directories(nv);
   std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")" << nv << R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}, "offload_grads": "nvme",
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+                    << nv << R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")"
+                    << nv << R"("}, "offload_grads": "nvme",
       "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 8e6, "stage3_prefetch_bucket_size": 4e6}})";
   // `from`: a model config (from scratch) or a Hugging Face folder.
-  auto peak_rss = [&](const std::vector<std::string>& from, const std::string& out, double* params) {
+  auto peak_rss = [&](const std::vector<std::string>& from, const std::string& out,
+                      double* params) {
     const std::string tag = "rss-" + fs::path(out).filename().string();
     std::vector<std::string> a = from;
     // Checkpointed activations: a layer's grow with the layers, and this is about the weights.
-    a.insert(a.end(), {"--config", ds, "--text", text, "--seq-len", "16", "--steps", "1", "--lr", "0", "--device", "cpu",
-                       "--checkpoint-activations", "--out", out});
+    a.insert(a.end(), {"--config", ds, "--text", text, "--seq-len", "16", "--steps", "1", "--lr",
+                       "0", "--device", "cpu", "--checkpoint-activations", "--out", out});
     const pid_t pid = testing::start(STRATA_TRAIN_BIN, a, dir.path, tag);
     int st = 0;
-    rusage ru {};
+    rusage ru{};
     EXPECT_EQ(::wait4(pid, &st, 0, &ru), pid);
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(dir.path + "/" + tag + ".stderr");
     const std::string printed = slurp(dir.path + "/" + tag + ".stdout");
     const std::size_t at = printed.find(", ");
-    *params = at == std::string::npos ? 0 : std::stod(printed.substr(at + 2)) * 1e6;  // "llama, 10.65M parameters"
+    *params = at == std::string::npos
+                  ? 0
+                  : std::stod(printed.substr(at + 2)) * 1e6;  // "llama, 10.65M parameters"
     return double(ru.ru_maxrss) * 1024;
   };
   double rss[2][2] = {}, params[2] = {};  // [model][from scratch, loaded]
@@ -201,22 +219,28 @@ TEST_F(TrainCli, WithEverythingOnNvmeTheHostMemoryDoesNotGrowWithTheModel) {
     const int layers = m == 0 ? 8 : 32;  // 25M, 100M
     const std::string model = dir.path + "/l" + std::to_string(layers) + ".json";
     std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
-      "intermediate_size": 1344, "num_hidden_layers": )" << layers << R"(, "num_attention_heads": 8,
+      "intermediate_size": 1344, "num_hidden_layers": )"
+                         << layers << R"(, "num_attention_heads": 8,
       "num_key_value_heads": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-    const std::string a = dir.path + "/a" + std::to_string(layers), b = dir.path + "/b" + std::to_string(layers);
+    const std::string a = dir.path + "/a" + std::to_string(layers),
+                      b = dir.path + "/b" + std::to_string(layers);
     double loaded_params = 0;
     rss[m][0] = peak_rss({"--model-config", model}, a, &params[m]);
     rss[m][1] = peak_rss({"--model", a}, b, &loaded_params);
     EXPECT_EQ(loaded_params, params[m]);
-    EXPECT_EQ(slurp(a + "/model.safetensors"), slurp(b + "/model.safetensors")) << "loaded and written again, " << layers;
+    EXPECT_EQ(slurp(a + "/model.safetensors"), slurp(b + "/model.safetensors"))
+        << "loaded and written again, " << layers;
   }
   ASSERT_GT(params[1], 3.5 * params[0]) << params[0] << " vs " << params[1];
   const double extra_fp32 = (params[1] - params[0]) * 4;
   for (int k = 0; k < 2; ++k) {
     const double grew = rss[1][k] - rss[0][k];
-    std::printf("peak RSS %s, with --out: %.1f MB (%.1fM parameters), %.1f MB (%.1fM): grew %.2f MB, %.2f%% of the "
-                "extra fp32 weights\n", k == 0 ? "from scratch" : "loaded from the first's --out", rss[0][k] / 1e6,
-                params[0] / 1e6, rss[1][k] / 1e6, params[1] / 1e6, grew / 1e6, 100 * grew / extra_fp32);
+    std::printf(
+        "peak RSS %s, with --out: %.1f MB (%.1fM parameters), %.1f MB (%.1fM): grew %.2f MB, "
+        "%.2f%% of the "
+        "extra fp32 weights\n",
+        k == 0 ? "from scratch" : "loaded from the first's --out", rss[0][k] / 1e6, params[0] / 1e6,
+        rss[1][k] / 1e6, params[1] / 1e6, grew / 1e6, 100 * grew / extra_fp32);
     EXPECT_LT(grew, 0.1 * extra_fp32) << (k == 0 ? "from scratch" : "loaded");
   }
 }
@@ -241,12 +265,14 @@ TEST_F(TrainCli, AShardedFolderLoadsBitForBitAndABrokenOneIsNamedFirst) {
   ASSERT_GE(shards, 3);
   const std::string nv = dir.path + "/nv", ds = dir.path + "/nv.json";
   fs::create_directories(nv);
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
-                    << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+      << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
   auto load = [&](const std::string& from, const std::string& tag) {
-    return train({"--model", from, "--config", ds, "--text", text, "--seq-len", "16", "--micro-batch", "2", "--steps",
-                  "1", "--lr", "0", "--device", "cpu", "--out", dir.path + "/" + tag},
-                 tag);
+    return train(
+        {"--model", from, "--config", ds, "--text", text, "--seq-len", "16", "--micro-batch", "2",
+         "--steps", "1", "--lr", "0", "--device", "cpu", "--out", dir.path + "/" + tag},
+        tag);
   };
   const Result ok = load(hf, "again");
   ASSERT_EQ(ok.status, 0) << ok.err;
@@ -267,9 +293,12 @@ TEST_F(TrainCli, AShardedFolderLoadsBitForBitAndABrokenOneIsNamedFirst) {
   Result r = broken("missing", [&](const std::string& d) { fs::remove(d + "/" + shard2); });
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(first_line(r.err).find(shard2 + " (for '"), std::string::npos) << r.err;
-  r = broken("truncated", [&](const std::string& d) { fs::resize_file(d + "/" + shard2, fs::file_size(d + "/" + shard2) - 4); });
+  r = broken("truncated", [&](const std::string& d) {
+    fs::resize_file(d + "/" + shard2, fs::file_size(d + "/" + shard2) - 4);
+  });
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find(shard2 + ": truncated or corrupt: tensor '"), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find(shard2 + ": truncated or corrupt: tensor '"), std::string::npos)
+      << r.err;
   // Another shape or dtype: a one-layer model's weights in a two-layer config's folder, then a
   // header whose dtype says I32.
   r = broken("shape", [&](const std::string& d) {
@@ -281,7 +310,9 @@ TEST_F(TrainCli, AShardedFolderLoadsBitForBitAndABrokenOneIsNamedFirst) {
     std::ofstream(d + "/config.json") << text_;
   });
   EXPECT_EQ(r.status, 1);
-  EXPECT_TRUE(std::regex_search(first_line(r.err), std::regex(R"(has shape \[(96, 64|64, 96)\], the config needs \[(128, 64|64, 128)\])")))
+  EXPECT_TRUE(std::regex_search(
+      first_line(r.err),
+      std::regex(R"(has shape \[(96, 64|64, 96)\], the config needs \[(128, 64|64, 128)\])")))
       << r.err;
   r = broken("dtype", [&](const std::string& d) {
     std::string bytes = slurp(d + "/" + shard2);
@@ -291,19 +322,22 @@ TEST_F(TrainCli, AShardedFolderLoadsBitForBitAndABrokenOneIsNamedFirst) {
     std::ofstream(d + "/" + shard2, std::ios::binary | std::ios::trunc) << bytes;
   });
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(first_line(r.err).find("has dtype I32; strata loads F32, BF16 and F16"), std::string::npos) << r.err;
-  EXPECT_FALSE(fs::exists(nv + "/strata-swap")) << "swap files were made before the folder was checked";
+  EXPECT_NE(first_line(r.err).find("has dtype I32; strata loads F32, BF16 and F16"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(nv + "/strata-swap"))
+      << "swap files were made before the folder was checked";
 }
 
 TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   TempDir nvme;
   const std::string ds = dir.path + "/ds_config.json";
-  std::ofstream(ds) << nlohmann::json{
-      {"zero_optimization",
-       {{"stage", 3},
-        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
-        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
-                           .dump();
+  std::ofstream(ds)
+      << nlohmann::json{{"zero_optimization",
+                         {{"stage", 3},
+                          {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+                          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+             .dump();
   const std::string off = dir.path + "/off.jsonl", on = dir.path + "/on.jsonl";
   const Result a = train(args(off), "off");
   ASSERT_EQ(a.status, 0) << a.err;
@@ -318,37 +352,39 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
   std::ifstream f(on);
   std::string line;
   std::uint64_t nvme_read = 0;
-  while (std::getline(f, line)) nvme_read += nlohmann::json::parse(line).value("nvme_read_bytes", std::uint64_t(0));
+  while (std::getline(f, line))
+    nvme_read += nlohmann::json::parse(line).value("nvme_read_bytes", std::uint64_t(0));
   EXPECT_GT(nvme_read, 0u);
   // The optimizer a sub-group of 4096 elements at a time, the gradients reduced in buckets of
   // 4096: the same losses (the keys reach the engine from the ds_config).
   const std::string small = dir.path + "/small.json", small_log = dir.path + "/small.jsonl";
-  std::ofstream(small) << nlohmann::json{
-      {"zero_optimization",
-       {{"stage", 3},
-        {"sub_group_size", 4096},
-        {"reduce_bucket_size", 4096},
-        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
-        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
-                              .dump();
+  std::ofstream(small)
+      << nlohmann::json{{"zero_optimization",
+                         {{"stage", 3},
+                          {"sub_group_size", 4096},
+                          {"reduce_bucket_size", 4096},
+                          {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+                          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+             .dump();
   const Result c = train(args(small_log, {"--config", small, "--plan"}), "small-plan");
   EXPECT_EQ(c.status, 0) << c.err;
-  EXPECT_NE(c.out.find("optimizer swap buffers (4 x 4096 elements' state"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("optimizer swap buffers (4 x 4096 elements' state"), std::string::npos)
+      << c.out;
   EXPECT_NE(c.out.find("gradient D2H staging (2 x 4096 elements"), std::string::npos) << c.out;
   const Result d = train(args(small_log, {"--config", small}), "small");
   ASSERT_EQ(d.status, 0) << d.err;
   EXPECT_EQ(la, losses(small_log));
   // The gradients on NVMe too (under the optimizer's nvme_path): the same losses.
   const std::string grads = dir.path + "/grads.json", grads_log = dir.path + "/grads.jsonl";
-  std::ofstream(grads) << nlohmann::json{
-      {"zero_optimization",
-       {{"stage", 3},
-        {"sub_group_size", 4096},
-        {"reduce_bucket_size", 4096},
-        {"offload_grads", "nvme"},
-        {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
-        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
-                              .dump();
+  std::ofstream(grads)
+      << nlohmann::json{{"zero_optimization",
+                         {{"stage", 3},
+                          {"sub_group_size", 4096},
+                          {"reduce_bucket_size", 4096},
+                          {"offload_grads", "nvme"},
+                          {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
+                          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}}}}}}
+             .dump();
   const Result g = train(args(grads_log, {"--config", grads, "--plan"}), "grads-plan");
   EXPECT_EQ(g.status, 0) << g.err;
   EXPECT_NE(g.out.find("gradient NVMe staging (2 x 2 x 4096 elements"), std::string::npos) << g.out;
@@ -368,12 +404,16 @@ TEST_F(TrainCli, OffloadToNvmeGivesTheSameLosses) {
 // 62% / 38%).
 TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
   const std::string ds = dir.path + "/ratio.json";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})";
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})";
   const Result r = train(args(dir.path + "/ratio.jsonl", {"--config", ds}, "1"), "ratio");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const std::smatch m = [&] {
     std::smatch x;
-    std::regex_search(r.out, x, std::regex(R"(optimizer on device (\d+)% \+ host (\d+)%( \(device 50% \+ host 50% asked; units are placed whole\))?)"));
+    std::regex_search(
+        r.out, x,
+        std::regex(
+            R"(optimizer on device (\d+)% \+ host (\d+)%( \(device 50% \+ host 50% asked; units are placed whole\))?)"));
     return x;
   }();
   ASSERT_FALSE(m.empty()) << r.out;
@@ -383,8 +423,12 @@ TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
   const Result p = train(args(dir.path + "/ratio.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
   ASSERT_EQ(p.status, 0) << p.out << p.err;
   std::smatch d, h;
-  ASSERT_TRUE(std::regex_search(p.out, d, std::regex(R"(device +optimizer state \(fp32 master, m, v\) +(\d+))"))) << p.out;
-  ASSERT_TRUE(std::regex_search(p.out, h, std::regex(R"(host +optimizer state \(fp32 master, m, v\) +(\d+))"))) << p.out;
+  ASSERT_TRUE(std::regex_search(
+      p.out, d, std::regex(R"(device +optimizer state \(fp32 master, m, v\) +(\d+))")))
+      << p.out;
+  ASSERT_TRUE(std::regex_search(
+      p.out, h, std::regex(R"(host +optimizer state \(fp32 master, m, v\) +(\d+))")))
+      << p.out;
   const double share = std::stod(d[1].str()) / (std::stod(d[1].str()) + std::stod(h[1].str()));
   EXPECT_NEAR(device, 100 * share, 0.51) << r.out << p.out;
   // Said "asked" exactly when the placed split is not the one asked for.
@@ -395,7 +439,8 @@ TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
 // and the run then stopped on it).
 TEST_F(TrainCli, PlanRefusesTheHostSettingsTheRunRefuses) {
   const std::string ds = dir.path + "/threads.json";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
                            "strata": {"optimizer_threads": 4096}})";
   const std::string log = dir.path + "/threads.jsonl";
   for (const bool plan : {true, false}) {
@@ -403,7 +448,8 @@ TEST_F(TrainCli, PlanRefusesTheHostSettingsTheRunRefuses) {
                                           : std::vector<std::string>{"--config", ds}),
                            plan ? "threads-plan" : "threads-run");
     EXPECT_EQ(r.status, 1) << (plan ? "--plan: " : "run: ") << r.out << r.err;
-    EXPECT_NE(r.err.find("config key 'strata.optimizer_threads' = 4096: "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("config key 'strata.optimizer_threads' = 4096: "), std::string::npos)
+        << r.err;
   }
 }
 
@@ -419,8 +465,11 @@ TEST_F(TrainCli, TheHostBudgetIsPlannedInWholePinnedPieces) {
           {"reduce_bucket_size", 4096},
           {"offload_param", {{"device", "nvme"}, {"nvme_path", nvme.path}}},
           // 64 swap buffers of 8192 elements' state: a host total of several pieces
-          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", nvme.path}, {"buffer_count", 64}}}}}}
-                             .dump();
+          {"offload_optimizer",
+           {{"device", "nvme"},
+            {"nvme_path", nvme.path},
+            {"buffer_count",
+             64}}}}}}.dump();
     return ds;
   };
   const std::string log = dir.path + "/budget.jsonl";
@@ -429,14 +478,17 @@ TEST_F(TrainCli, TheHostBudgetIsPlannedInWholePinnedPieces) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(p.out, m, std::regex(R"(host +total +([0-9]+))"))) << p.out;
   const std::uint64_t total = std::stoull(m[1].str()), piece = 2 << 20;
-  ASSERT_NE(total % piece, 0u) << "the plan's host total is a whole number of pieces: pick other sizes";
+  ASSERT_NE(total % piece, 0u)
+      << "the plan's host total is a whole number of pieces: pick other sizes";
   const Result exact = train(args(log, {"--config", config(total)}), "exact");
   EXPECT_EQ(exact.status, 1) << exact.out << exact.err;
-  EXPECT_NE(exact.err.find(fmt::format("(the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it;",
-                                       total)),
-            std::string::npos)
+  EXPECT_NE(
+      exact.err.find(fmt::format(
+          "(the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it;", total)),
+      std::string::npos)
       << exact.err;
-  const Result rounded = train(args(log, {"--config", config((total + piece - 1) / piece * piece)}), "rounded");
+  const Result rounded =
+      train(args(log, {"--config", config((total + piece - 1) / piece * piece)}), "rounded");
   EXPECT_EQ(rounded.status, 0) << rounded.err;
   EXPECT_EQ(losses(log).size(), 4u);
 }
@@ -452,21 +504,25 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
   ASSERT_EQ(a.status, 0) << a.err;
   const Result b = train(args(b_log, {"--config", ds, "--dtype", "fp32"}), "fp16-config");
   ASSERT_EQ(b.status, 0) << b.err;
-  EXPECT_NE(b.err.find("--dtype fp32 replaces the --config's fp16 (fp16.enabled): no loss scaling"), std::string::npos)
+  EXPECT_NE(b.err.find("--dtype fp32 replaces the --config's fp16 (fp16.enabled): no loss scaling"),
+            std::string::npos)
       << b.err;
   EXPECT_EQ(losses(a_log), losses(b_log));
   // A split placement is said as one (it said "optimizer on nvme" for 70% device + 30% host).
   const std::string split = dir.path + "/split.json";
-  std::ofstream(split) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})";
+  std::ofstream(split)
+      << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})";
   const Result d = train(args(dir.path + "/d.jsonl", {"--config", split}), "split");
   ASSERT_EQ(d.status, 0) << d.err;
-  EXPECT_NE(d.out.find("weights on device, optimizer on device 82% + host 18% (device 70% + host 30% asked; units are "
+  EXPECT_NE(d.out.find("weights on device, optimizer on device 82% + host 18% (device 70% + host "
+                       "30% asked; units are "
                        "placed whole), gradients on host;"),
             std::string::npos)
       << d.out;
   // The gradients' and the weights' splits are said as placed too.
   const std::string split2 = dir.path + "/split2.json";
-  std::ofstream(split2) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+  std::ofstream(split2)
+      << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                "offload_param": {"device": "cpu", "ratio": 0.5}, "offload_grads_ratio": 0.5}})";
   const Result e = train(args(dir.path + "/e.jsonl", {"--config", split2}), "split2");
   ASSERT_EQ(e.status, 0) << e.err;
@@ -475,8 +531,11 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
   // Without --dtype: refused, naming the way to bf16.
   const Result c = train(args(dir.path + "/c.jsonl", {"--config", ds}), "fp16");
   EXPECT_EQ(c.status, 1);
-  EXPECT_NE(c.err.find("fp16 (fp16.enabled in --config) is not supported yet: use \"bf16\": {\"enabled\": true} in "
-                       "--config or --dtype bf16"), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("fp16 (fp16.enabled in --config) is not supported yet: use \"bf16\": "
+                       "{\"enabled\": true} in "
+                       "--config or --dtype bf16"),
+            std::string::npos)
+      << c.err;
 }
 
 // The demo model under a --config whose micro-batches do not fit its 20 MiB device: one line (it
@@ -486,14 +545,19 @@ TEST_F(TrainCli, TheDemoRunningOutOfItsCapSaysWhereTheCapComesFrom) {
   const std::string ds = dir.path + "/ds.json";
   std::ofstream(ds) << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
     "bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + nv.path + R"("},
-      "offload_param": {"device": "nvme", "nvme_path": ")" + nv.path + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                           nv.path + R"("},
+      "offload_param": {"device": "nvme", "nvme_path": ")" +
+                           nv.path + R"("},
       "stage3_prefetch_bucket_size": 1e6, "stage3_param_persistence_threshold": 1e4}})";
   const Result r = train({"--config", ds, "--steps", "3", "--device", "cpu"}, "demo-oom");
   if (r.status == 0) GTEST_SKIP() << "the micro-batches fitted this time";
   EXPECT_EQ(r.status, 1) << r.err;
-  EXPECT_NE(r.err.find("a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, below its "
-                       "weights)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("a larger --device-mem-gb (the demo model's emulated device is capped at 20 "
+                       "MiB, below its "
+                       "weights)"),
+            std::string::npos)
+      << r.err;
   std::istringstream lines(r.err);
   int own = 0;  // lines that are not the log's
   for (std::string l; std::getline(lines, l);) own += l.rfind("[strata]", 0) != 0;
@@ -523,7 +587,8 @@ TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
   ASSERT_EQ(r.status, 0) << r.err;
   std::vector<double> lrs;
   std::ifstream f(log);
-  for (std::string line; std::getline(f, line);) lrs.push_back(nlohmann::json::parse(line).at("lr").get<double>());
+  for (std::string line; std::getline(f, line);)
+    lrs.push_back(nlohmann::json::parse(line).at("lr").get<double>());
   ASSERT_EQ(lrs.size(), 6u);
   // DeepSpeed's WarmupDecayLR (log warmup over max(2, warmup_num_steps): "auto" is the Trainer's 0
   // warmup steps, not strata's 1000, which --steps 6 was refused as below), its maximum --lr, its
@@ -541,12 +606,13 @@ TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.
 TEST_F(TrainCli, CheckpointingAndThrottlesDoNotChangeTheLosses) {
-  const std::string plain = dir.path + "/plain.jsonl", ck = dir.path + "/ck.jsonl", host = dir.path + "/host.jsonl";
+  const std::string plain = dir.path + "/plain.jsonl", ck = dir.path + "/ck.jsonl",
+                    host = dir.path + "/host.jsonl";
   ASSERT_EQ(train(args(plain), "plain").status, 0);
   const Result b = train(args(ck, {"--checkpoint-activations"}), "ck");
   ASSERT_EQ(b.status, 0) << b.err;
-  const Result c = train(args(host, {"--checkpoint-on-host", "--emu-h2d-gbps", "2", "--emu-d2h-gbps", "2",
-                                     "--emu-compute-gflops", "50"}),
+  const Result c = train(args(host, {"--checkpoint-on-host", "--emu-h2d-gbps", "2",
+                                     "--emu-d2h-gbps", "2", "--emu-compute-gflops", "50"}),
                          "host");
   ASSERT_EQ(c.status, 0) << c.err;
   const auto la = losses(plain);
@@ -561,8 +627,9 @@ TEST_F(TrainCli, CheckpointingAndThrottlesDoNotChangeTheLosses) {
 TEST_F(TrainCli, DemoTrainsUnderACapBelowItsWeights) {
   TempDir nvme;
   const std::string log = dir.path + "/demo.jsonl";
-  const Result r = run(STRATA_TRAIN_BIN, {"--steps", "12", "--demo-nvme", nvme.path, "--log-json", log}, dir.path,
-                       "demo");
+  const Result r =
+      run(STRATA_TRAIN_BIN, {"--steps", "12", "--demo-nvme", nvme.path, "--log-json", log},
+          dir.path, "demo");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("weights on nvme, optimizer on nvme"), std::string::npos) << r.out;
   // "5.94M parameters ... (cap 20.0 MiB)": fp32 weights are 4 bytes a parameter.
@@ -580,7 +647,8 @@ TEST_F(TrainCli, DemoTrainsUnderACapBelowItsWeights) {
   EXPECT_LE(peak_mib, cap_mib) << r.out;
   const auto l = losses(log);
   ASSERT_EQ(l.size(), 12u);
-  EXPECT_LT(std::stod(l.rbegin()->second), std::stod(l.begin()->second) - 1.0) << "the loss did not fall";
+  EXPECT_LT(std::stod(l.rbegin()->second), std::stod(l.begin()->second) - 1.0)
+      << "the loss did not fall";
 }
 
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
@@ -601,38 +669,51 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"the demo with a config that does not fit its 20 MiB device",
        {"--config", stage3, "--steps", "1", "--device", "cpu"},
        "the demo model runs on an emulated device capped at 20 MiB"},
-      {"--demo-nvme beside a --config", {"--config", stage3, "--demo-nvme", dir.path + "/demo-nvme"},
+      {"--demo-nvme beside a --config",
+       {"--config", stage3, "--demo-nvme", dir.path + "/demo-nvme"},
        "--demo-nvme is the embedded demo's NVMe folder"},
-      {"--trace-step without --trace", args(log, {"--trace-step", "2"}), "--trace-step chooses the step"},
-      {"--overwrite without --out", args(log, {"--overwrite"}), "--overwrite replaces an existing --out folder"},
+      {"--trace-step without --trace", args(log, {"--trace-step", "2"}),
+       "--trace-step chooses the step"},
+      {"--overwrite without --out", args(log, {"--overwrite"}),
+       "--overwrite replaces an existing --out folder"},
       {"--checkpoint-dir without --save-every", args(log, {"--checkpoint-dir", dir.path + "/ck"}),
        "--checkpoint-dir is where --save-every N writes checkpoints"},
       {"--keep-checkpoints without --save-every", args(log, {"--keep-checkpoints", "2"}),
        "--keep-checkpoints prunes the checkpoints"},
-      {"--data-dtype with --text", {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
+      {"--data-dtype with --text",
+       {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
        "--data-dtype is the format of --data token files"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
-      {"missing --model-config", {"--model-config", dir.path + "/nope.json", "--text", text},
+      {"missing --model-config",
+       {"--model-config", dir.path + "/nope.json", "--text", text},
        "--model-config " + dir.path + "/nope.json: no such file"},
-      {"--model a file", {"--model", cfg, "--text", text},
-       "--model " + cfg + ": a file, not a folder: give the folder that holds config.json and the *.safetensors (" +
+      {"--model a file",
+       {"--model", cfg, "--text", text},
+       "--model " + cfg +
+           ": a file, not a folder: give the folder that holds config.json and the *.safetensors "
+           "(" +
            dir.path + ")"},
-      {"--resume a file", args(log, {"--resume", text}), "--resume " + text + ": a file, not a folder"},
-      {"missing --data", {"--model-config", cfg, "--data", dir.path + "/nope.bin"},
+      {"--resume a file", args(log, {"--resume", text}),
+       "--resume " + text + ": a file, not a folder"},
+      {"missing --data",
+       {"--model-config", cfg, "--data", dir.path + "/nope.bin"},
        "--data " + dir.path + "/nope.bin: no such file"},
-      {"missing --text", {"--model-config", cfg, "--text", dir.path + "/nope.txt"},
+      {"missing --text",
+       {"--model-config", cfg, "--text", dir.path + "/nope.txt"},
        "--text " + dir.path + "/nope.txt: no such file"},
       {"--dtype bogus", args(log, {"--dtype", "bogus"}), "--dtype"},
       {"--lr -1", args(log, {"--lr", "-1"}), "--lr: must be >= 0, got -1"},
       {"--out a file", args(log, {"--out", text, "--overwrite"}), "is a file, not a folder"},
       {"--out under a file", args(log, {"--out", text + "/sub"}), "is not a writable folder"},
-      {"--trace-step past the end", args(log, {"--trace", dir.path + "/t.json", "--trace-step", "9"}),
+      {"--trace-step past the end",
+       args(log, {"--trace", dir.path + "/t.json", "--trace-step", "9"}),
        "--trace-step 9 is after the last step (--steps 4)"},
       // Files written during the run are checked before step 1 (a run that could not save its
       // checkpoint, or its trace, ended at that step).
       {"--trace into a missing folder", args(log, {"--trace", dir.path + "/nope/t.json"}),
        "--trace " + dir.path + "/nope/t.json: " + dir.path + "/nope is not a folder"},
-      {"--checkpoint-dir under a file", args(log, {"--save-every", "2", "--checkpoint-dir", text + "/ck"}),
+      {"--checkpoint-dir under a file",
+       args(log, {"--save-every", "2", "--checkpoint-dir", text + "/ck"}),
        "--checkpoint-dir " + text + "/ck: " + text + " is not a folder"},
       // A folder that passes the write check on its parent (as root) and still cannot be made
       // (/proc): it was found when the model was written, after the training ("nothing ran" below).
@@ -642,9 +723,11 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        args(log, {"--save-every", "2", "--checkpoint-dir", "/proc/strata-test-ck"}),
        "--checkpoint-dir /proc/strata-test-ck: "},
       // A --config that is not JSON names the file (it said "ds_config is not valid JSON").
-      {"a --config that is not JSON", args(log, {"--config", not_json}), "--config " + not_json + " is not valid JSON"},
+      {"a --config that is not JSON", args(log, {"--config", not_json}),
+       "--config " + not_json + " is not valid JSON"},
       // A model config's type error names the model config file.
-      {"a string for a number in the model config", {"--model-config", bad_cfg, "--text", text},
+      {"a string for a number in the model config",
+       {"--model-config", bad_cfg, "--text", text},
        bad_cfg + ": config key 'hidden_size' must be a number"},
   };
   for (const Case& c : cases) {
@@ -673,7 +756,8 @@ TEST_F(TrainCli, CheckingThatOutCanBeMadeRemovesNothingOfTheUsers) {
   std::ofstream(dir.path + "/work/X/keep.txt") << "precious";
   fs::create_directory_symlink("../elsewhere/sub", dir.path + "/work/link");
   const std::string log = dir.path + "/log.jsonl";
-  const Result r = train(args(log, {"--out", dir.path + "/work/link/../X", "--resume", dir.path + "/nope"}), "link");
+  const Result r = train(
+      args(log, {"--out", dir.path + "/work/link/../X", "--resume", dir.path + "/nope"}), "link");
   EXPECT_EQ(r.status, 1) << r.err;
   EXPECT_NE(first_line(r.err).find("--resume " + dir.path + "/nope"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::exists(dir.path + "/work/X/keep.txt")) << "the user's folder was removed";
@@ -686,8 +770,10 @@ TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
   const std::string log = dir.path + "/log.jsonl";
   Result r = train(args(log, {"--stpes", "3"}), "typo");
   EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "strata-train: The following arguments were not expected: 3 --stpes (did you mean --steps?); "
-                   "see --help\n");
+  EXPECT_EQ(
+      r.err,
+      "strata-train: The following arguments were not expected: 3 --stpes (did you mean --steps?); "
+      "see --help\n");
   r = train(args(log, {"--steps", "0"}), "zero");
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.err, "strata-train: --steps: must be > 0, got 0; see --help\n");
@@ -700,12 +786,14 @@ TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
 TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nv";
   write_405b_on_nvme(big, ds, nv);
-  const Result r = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan");
+  const Result r =
+      train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan");
   EXPECT_EQ(r.status, 2) << "--plan of a plan that does not fit\n" << r.err;
   struct statvfs sv {};
   ASSERT_EQ(::statvfs(nv.c_str(), &sv), 0);
   const std::uint64_t free_bytes = std::uint64_t(sv.f_bavail) * sv.f_frsize;
-  ASSERT_LT(free_bytes, std::uint64_t(5) << 40) << "a disk with 5 TiB free: the test needs a bigger model";
+  ASSERT_LT(free_bytes, std::uint64_t(5) << 40)
+      << "a disk with 5 TiB free: the test needs a bigger model";
   // The NVMe total line names the file system's free bytes (give or take other writers).
   const std::regex total(R"(nvme +total +\d+ +\S+ \S+ +of \S+ \S+ \((\d+) bytes\): OVER by)");
   std::smatch m;
@@ -715,11 +803,13 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   EXPECT_NE(r.out.find("nvme: needs"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("free space under the nvme_path directories"), std::string::npos) << r.out;
   // It says what it leaves out (a "fits" could still run out of device memory).
-  EXPECT_NE(r.out.find("note: activations are not in this plan: a micro-batch of 1 x 1024 tokens"), std::string::npos)
+  EXPECT_NE(r.out.find("note: activations are not in this plan: a micro-batch of 1 x 1024 tokens"),
+            std::string::npos)
       << r.out;
   // A missing nvme_path is named as the key it came from.
   fs::remove_all(nv);
-  const Result m2 = train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan2");
+  const Result m2 =
+      train({"--model-config", big, "--config", ds, "--device", "cpu", "--plan"}, "plan2");
   EXPECT_GT(m2.status, 0) << m2.out;
   EXPECT_NE(first_line(m2.err).find("offload_param.nvme_path"), std::string::npos) << m2.err;
 }
@@ -728,53 +818,64 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
 // process, the pinned lines, the emulated device's memory, the larger of the initial weights' and
 // a save's buffer) against the node's available RAM, and a plan that needs more is refused (exit 2)
 // naming what to move to NVMe; the run refuses it before step 1, having placed nothing. Here with a
-// fake /proc/meminfo (STRATA_TEST_MEMINFO) of 512 KiB available, and the optimizer state on the host.
+// fake /proc/meminfo (STRATA_TEST_MEMINFO) of 512 KiB available, and the optimizer state on the
+// host.
 TEST_F(TrainCli, PlanRefusesAHostRamPlanThatCannotFitNamingTheFix) {
   const std::string ds = dir.path + "/host.json", meminfo = dir.path + "/meminfo";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})";
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})";
   std::ofstream(meminfo) << "MemTotal:       1048576 kB\nMemAvailable:        512 kB\n";
   const std::vector<std::pair<std::string, std::string>> small{{"STRATA_TEST_MEMINFO", meminfo}};
   const std::string nv = dir.path + "/nv";
   const Result fits = train(args(dir.path + "/a.jsonl", {"--config", ds, "--plan"}), "fits");
   EXPECT_EQ(fits.status, 0) << fits.out << fits.err;
-  EXPECT_TRUE(std::regex_search(fits.out, std::regex(R"(ram +total +\d+ +\S+ \S+ +of \S+ \S+ \(\d+ bytes\): ok)")))
+  EXPECT_TRUE(std::regex_search(
+      fits.out, std::regex(R"(ram +total +\d+ +\S+ \S+ +of \S+ \S+ \(\d+ bytes\): ok)")))
       << fits.out;
-  EXPECT_NE(fits.out.find("pinned host memory (the host lines above)"), std::string::npos) << fits.out;
+  EXPECT_NE(fits.out.find("pinned host memory (the host lines above)"), std::string::npos)
+      << fits.out;
   EXPECT_NE(fits.out.find("the CPU-emulated device's memory"), std::string::npos) << fits.out;
-  const Result over = run(STRATA_TRAIN_BIN, args(dir.path + "/b.jsonl", {"--config", ds, "--plan"}), dir.path, "over",
-                          small);
+  const Result over = run(STRATA_TRAIN_BIN, args(dir.path + "/b.jsonl", {"--config", ds, "--plan"}),
+                          dir.path, "over", small);
   EXPECT_EQ(over.status, 2) << over.out << over.err;
   EXPECT_NE(over.out.find("verdict: does not fit"), std::string::npos) << over.out;
   EXPECT_NE(over.out.find("host RAM: needs"), std::string::npos) << over.out;
-  EXPECT_NE(over.out.find("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")"), std::string::npos)
+  EXPECT_NE(over.out.find("move the optimizer state to NVMe (offload_optimizer.device \"nvme\")"),
+            std::string::npos)
       << over.out;
-  EXPECT_NE(over.out.find("a smaller memory cap for the CPU-emulated device (--device-mem-gb"), std::string::npos)
+  EXPECT_NE(over.out.find("a smaller memory cap for the CPU-emulated device (--device-mem-gb"),
+            std::string::npos)
       << over.out;
   // The run: refused the same way before step 1, nothing trained.
-  const Result run_over = run(STRATA_TRAIN_BIN, args(dir.path + "/c.jsonl", {"--config", ds}), dir.path, "run", small);
+  const Result run_over =
+      run(STRATA_TRAIN_BIN, args(dir.path + "/c.jsonl", {"--config", ds}), dir.path, "run", small);
   EXPECT_EQ(run_over.status, 1) << run_over.out << run_over.err;
   EXPECT_NE(run_over.err.find("host RAM: needs"), std::string::npos) << run_over.err;
   EXPECT_TRUE(losses(dir.path + "/c.jsonl").empty());
   // A finished run prints its peak RSS beside the plan's.
-  EXPECT_TRUE(std::regex_search(fits.out + train(args(dir.path + "/d.jsonl"), "ran").out,
-                                std::regex(R"(ram +\(the process, peak\) +\S+ \S+ / \S+ \S+ planned)")));
+  EXPECT_TRUE(
+      std::regex_search(fits.out + train(args(dir.path + "/d.jsonl"), "ran").out,
+                        std::regex(R"(ram +\(the process, peak\) +\S+ \S+ / \S+ \S+ planned)")));
 }
 
 // The --config's scheduler block sets each step's lr as DeepSpeed would (step t: iteration
 // t - 2); --warmup or --lr-schedule replaces it.
 TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {
   const std::string ds = dir.path + "/ds.json";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 2,
                   "total_num_steps": 6, "warmup_type": "linear"}}})";
   const auto lrs = [](const std::string& path) {
     std::vector<double> out;
     std::ifstream f(path);
-    for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line).at("lr").get<double>());
+    for (std::string line; std::getline(f, line);)
+      out.push_back(nlohmann::json::parse(line).at("lr").get<double>());
     return out;
   };
-  const std::vector<std::string> base = {"--model-config", cfg, "--text", text, "--seq-len", "16", "--micro-batch", "2",
-                                         "--steps", "6", "--device", "cpu", "--config", ds};
+  const std::vector<std::string> base = {"--model-config", cfg, "--text",  text, "--seq-len", "16",
+                                         "--micro-batch",  "2", "--steps", "6",  "--device",  "cpu",
+                                         "--config",       ds};
   std::vector<std::string> a = base;
   a.insert(a.end(), {"--log-json", dir.path + "/ds.jsonl"});
   const Result r = train(a, "ds-schedule");
@@ -782,13 +883,17 @@ TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {
   const std::vector<double> expect = {0, 0, 5e-3, 1e-2, 7.5e-3, 5e-3};
   const std::vector<double> got = lrs(dir.path + "/ds.jsonl");
   ASSERT_EQ(got.size(), expect.size());
-  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expect[i], 1e-12) << "step " << i + 1;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], expect[i], 1e-12) << "step " << i + 1;
   a = base;
   a.insert(a.end(), {"--log-json", dir.path + "/flags.jsonl", "--warmup", "0"});
   const Result f = train(a, "flag-schedule");
   ASSERT_EQ(f.status, 0) << f.err;
-  EXPECT_NE(f.err.find("scheduler 'WarmupDecayLR' is replaced by --warmup / --lr-schedule"), std::string::npos) << f.err;
-  for (double lr : lrs(dir.path + "/flags.jsonl")) EXPECT_NEAR(lr, 1e-3, 1e-9);  // the optimizer's lr, constant
+  EXPECT_NE(f.err.find("scheduler 'WarmupDecayLR' is replaced by --warmup / --lr-schedule"),
+            std::string::npos)
+      << f.err;
+  for (double lr : lrs(dir.path + "/flags.jsonl"))
+    EXPECT_NEAR(lr, 1e-3, 1e-9);  // the optimizer's lr, constant
 }
 
 TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
@@ -797,17 +902,20 @@ TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
   std::ofstream(out + "/keep.txt") << "precious";
   const Result r = train(args(dir.path + "/a.jsonl", {"--out", out}, "1"), "refused");
   EXPECT_EQ(r.status, 1) << r.err;
-  EXPECT_NE(first_line(r.err).find("--out " + out + " exists: pass --overwrite to replace it"), std::string::npos)
+  EXPECT_NE(first_line(r.err).find("--out " + out + " exists: pass --overwrite to replace it"),
+            std::string::npos)
       << r.err;
   EXPECT_EQ(slurp(out + "/keep.txt"), "precious");
-  EXPECT_EQ(std::distance(fs::directory_iterator(out), fs::directory_iterator()), 1) << "nothing written";
+  EXPECT_EQ(std::distance(fs::directory_iterator(out), fs::directory_iterator()), 1)
+      << "nothing written";
 
   // --overwrite replaces an older save's weights (its shards and index would be loaded instead)
   // and a failed save's leftovers; the user's other files stay (they were all deleted).
   for (const char* f : {"/model-00001-of-00002.safetensors", "/model.safetensors.index.json",
                         "/.strata-tmp-config.json", "/tokenizer.json"})
     std::ofstream(out + f) << "old";
-  const Result w = train(args(dir.path + "/b.jsonl", {"--out", out, "--overwrite"}, "1"), "overwrite");
+  const Result w =
+      train(args(dir.path + "/b.jsonl", {"--out", out, "--overwrite"}, "1"), "overwrite");
   ASSERT_EQ(w.status, 0) << w.err;
   EXPECT_EQ(slurp(out + "/keep.txt"), "precious");
   EXPECT_EQ(slurp(out + "/tokenizer.json"), "old");
@@ -820,13 +928,16 @@ TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
 
 // ---- strata-export ----
 
-Result run_export(const std::vector<std::string>& a, const std::string& dir, const std::string& tag) {
+Result run_export(const std::vector<std::string>& a, const std::string& dir,
+                  const std::string& tag) {
   return run(STRATA_EXPORT_BIN, a, dir, tag);
 }
 
 TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   const std::string out = dir.path + "/out", ck = dir.path + "/ck";
-  const Result r = train(args(dir.path + "/a.jsonl", {"--out", out, "--save-every", "2", "--checkpoint-dir", ck}), "run");
+  const Result r = train(
+      args(dir.path + "/a.jsonl", {"--out", out, "--save-every", "2", "--checkpoint-dir", ck}),
+      "run");
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
 
@@ -843,7 +954,8 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
     EXPECT_TRUE(got.at(name) == v) << name << " differs";
   }
   EXPECT_EQ(slurp(ex + "/model.safetensors"), slurp(out + "/model.safetensors"));
-  EXPECT_EQ(nlohmann::json::parse(slurp(ex + "/config.json")), nlohmann::json::parse(slurp(out + "/config.json")));
+  EXPECT_EQ(nlohmann::json::parse(slurp(ex + "/config.json")),
+            nlohmann::json::parse(slurp(out + "/config.json")));
 
   // The folder of checkpoints picks the newest; an existing OUT_DIR needs --overwrite.
   e = run_export({ck, ex}, dir.path, "exists");
@@ -852,7 +964,8 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   // bf16 and small shards: each tensor is the fp32 one rounded to bf16. The folder's other files
   // stay (an export into a Hugging Face folder keeps its tokenizer).
   std::ofstream(ex + "/tokenizer.json") << "{}";
-  e = run_export({ck, ex, "--overwrite", "--dtype", "bf16", "--max-shard-mb", "0.05"}, dir.path, "bf16");
+  e = run_export({ck, ex, "--overwrite", "--dtype", "bf16", "--max-shard-mb", "0.05"}, dir.path,
+                 "bf16");
   ASSERT_EQ(e.status, 0) << e.err;
   EXPECT_EQ(slurp(ex + "/tokenizer.json"), "{}");
   EXPECT_FALSE(fs::exists(ex + "/model.safetensors"));
@@ -875,16 +988,20 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   // Not a checkpoint.
   e = run_export({dir.path, dir.path + "/export3"}, dir.path, "none");
   EXPECT_EQ(e.status, 1);
-  EXPECT_NE(first_line(e.err).find("checkpoint " + dir.path + ": no checkpoint there yet"), std::string::npos)
+  EXPECT_NE(first_line(e.err).find("checkpoint " + dir.path + ": no checkpoint there yet"),
+            std::string::npos)
       << e.err;
-  EXPECT_EQ(e.err.find("--resume"), std::string::npos) << "strata-export has no --resume\n" << e.err;
+  EXPECT_EQ(e.err.find("--resume"), std::string::npos) << "strata-export has no --resume\n"
+                                                       << e.err;
 
   // Resuming with --steps at or below the checkpoint's step has nothing to run: refused (it
   // printed a summary of negative tokens/s and exited 0).
   const Result again = train(args(dir.path + "/c.jsonl", {"--resume", ck}, "4"), "not-beyond");
   EXPECT_EQ(again.status, 1) << again.out << again.err;
-  EXPECT_NE(first_line(again.err).find("the checkpoint is at step 4, and --steps 4 is not beyond it"),
-            std::string::npos) << again.err;
+  EXPECT_NE(
+      first_line(again.err).find("the checkpoint is at step 4, and --steps 4 is not beyond it"),
+      std::string::npos)
+      << again.err;
   // Extending the run with the same data by another path and a constant lr: nothing differs,
   // so no warning (both used to warn).
   std::vector<std::string> more = args(dir.path + "/d.jsonl", {"--resume", ck}, "5");
@@ -900,10 +1017,13 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
 // it, and then as a new file renamed over the old one, whose readers keep their bytes.
 TEST_F(TrainCli, TheDemoTextIsNotRewrittenUnderARunReadingIt) {
   TempDir nvme;
-  auto demo = [&](const char* tag) { return run(STRATA_TRAIN_BIN, {"--steps", "1", "--demo-nvme", nvme.path}, dir.path, tag); };
+  auto demo = [&](const char* tag) {
+    return run(STRATA_TRAIN_BIN, {"--steps", "1", "--demo-nvme", nvme.path}, dir.path, tag);
+  };
   ASSERT_EQ(demo("first").status, 0);
   const std::string text_file = nvme.path + "/demo-text.txt";
-  struct stat before {}, after {};
+  struct stat before {
+  }, after{};
   ASSERT_EQ(::stat(text_file.c_str(), &before), 0);
   const std::string good = slurp(text_file);
   ASSERT_EQ(demo("again").status, 0);
@@ -927,26 +1047,33 @@ TEST_F(TrainCli, TheDemoTextIsNotRewrittenUnderARunReadingIt) {
 // says it trains on the demo's text.
 TEST_F(TrainCli, TheConfigsGlobalBatchStaysAndTheDataIsNamed) {
   const std::string ds = dir.path + "/batch.json";
-  std::ofstream(ds) << R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})";
+  std::ofstream(ds)
+      << R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})";
   auto with = [&](std::vector<std::string> extra, const char* tag) {
-    std::vector<std::string> a = {"--model-config", cfg, "--text", text, "--seq-len", "16", "--steps", "1", "--device",
-                                  "cpu", "--config", ds};
+    std::vector<std::string> a = {"--model-config", cfg, "--text",   text,  "--seq-len", "16",
+                                  "--steps",        "1", "--device", "cpu", "--config",  ds};
     a.insert(a.end(), extra.begin(), extra.end());
     return train(a, tag);
   };
   const Result four = with({"--micro-batch", "4"}, "micro4");
   ASSERT_EQ(four.status, 0) << four.err;
-  EXPECT_NE(four.out.find("batch 4 x 16 tokens x 2 accum x 1 ranks"), std::string::npos) << four.out;
+  EXPECT_NE(four.out.find("batch 4 x 16 tokens x 2 accum x 1 ranks"), std::string::npos)
+      << four.out;
   const Result three = with({"--micro-batch", "3"}, "micro3");
   EXPECT_EQ(three.status, 1);
-  EXPECT_NE(first_line(three.err).find("--micro-batch 3 x 1 rank(s) does not divide train_batch_size 8"),
-            std::string::npos) << three.err;
+  EXPECT_NE(
+      first_line(three.err).find("--micro-batch 3 x 1 rank(s) does not divide train_batch_size 8"),
+      std::string::npos)
+      << three.err;
   const Result both = with({"--micro-batch", "4", "--grad-accum", "4"}, "both");
   ASSERT_EQ(both.status, 0) << both.err;
-  EXPECT_NE(both.err.find("= 16 sequences a step replaces train_batch_size 8"), std::string::npos) << both.err;
-  const Result nodata = train({"--model-config", cfg, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "nodata");
+  EXPECT_NE(both.err.find("= 16 sequences a step replaces train_batch_size 8"), std::string::npos)
+      << both.err;
+  const Result nodata = train(
+      {"--model-config", cfg, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "nodata");
   ASSERT_EQ(nodata.status, 0) << nodata.err;
-  EXPECT_NE(nodata.err.find("no --data or --text: training the model on the demo's generated text"), std::string::npos)
+  EXPECT_NE(nodata.err.find("no --data or --text: training the model on the demo's generated text"),
+            std::string::npos)
       << nodata.err;
   EXPECT_NE(nodata.out.find("data: "), std::string::npos) << nodata.out;
 }
@@ -959,19 +1086,23 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
-  const std::string good = dir.path + "/good.json", bad = dir.path + "/bad.json", wrap = dir.path + "/wrap.sh";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string good = dir.path + "/good.json", bad = dir.path + "/bad.json",
+                    wrap = dir.path + "/wrap.sh";
   std::ofstream(good) << R"({"zero_optimization": {"stage": 3}})";
   std::ofstream(bad) << R"({"zero_optimization": {"stage": 3}, "aio": {"block_size": 3000}})";
-  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && c=" + bad + " || c=" + good + "\nexec " +
-                    STRATA_TRAIN_BIN;
+  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && c=" + bad + " || c=" + good +
+                    "\nexec " + STRATA_TRAIN_BIN;
   for (const auto& s : args(dir.path + "/x.jsonl")) cmd += " '" + s + "'";
   std::ofstream(wrap) << cmd << " --config \"$c\"\n";
   fs::permissions(wrap, fs::perms::owner_all);
   const auto t0 = std::chrono::steady_clock::now();
-  const Result r = run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "rank-error",
-                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result r =
+      run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "rank-error",
+          {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+           {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+           {"STRATA_COMM_TIMEOUT_S", "120"}});
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_LT(s, 60.0) << "the job waited for the failed rank";
@@ -986,8 +1117,11 @@ TEST_F(TrainCli, ALogJsonTheDriveCannotTakeIsSaid) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
   const Result r = train(args("/dev/full", {}, "2"), "full-log");
   EXPECT_EQ(r.status, 0) << r.err;
-  EXPECT_NE(r.err.find("--log-json /dev/full: the line of step 1 could not be written"), std::string::npos) << r.err;
-  EXPECT_EQ(r.err.find("the line of step 2"), std::string::npos) << "said more than once: " << r.err;
+  EXPECT_NE(r.err.find("--log-json /dev/full: the line of step 1 could not be written"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("the line of step 2"), std::string::npos)
+      << "said more than once: " << r.err;
 }
 
 // Ranks started with different settings (here --seed on rank 1 only) are refused before
@@ -997,10 +1131,12 @@ TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   const Result r = two_ranks_rank1_adds("--seed 7", "settings");
   EXPECT_NE(r.status, 0) << r.out << r.err;
-  EXPECT_NE(r.err.find("the ranks were started with different settings: --seed is 1234 on rank 0 and 7 on rank 1"),
+  EXPECT_NE(r.err.find("the ranks were started with different settings: --seed is 1234 on rank 0 "
+                       "and 7 on rank 1"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << "a step ran: " << r.out;
@@ -1014,11 +1150,13 @@ TEST_F(TrainCli, TwoRanksOneRanksBadFlagEndsTheJobNamingTheRank) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   const Result r = two_ranks_rank1_adds("--no-such-flag", "early-flag");
   EXPECT_NE(r.status, 0) << r.out << r.err;
-  EXPECT_NE(r.err.find("rank 1 of 2 stopped: The following argument was not expected: --no-such-flag"),
-            std::string::npos)
+  EXPECT_NE(
+      r.err.find("rank 1 of 2 stopped: The following argument was not expected: --no-such-flag"),
+      std::string::npos)
       << r.err;
 #endif
 }
@@ -1031,7 +1169,8 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   const std::string ds = dir.path + "/unused.json";
   std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": true})";
   std::vector<std::string> a = {STRATA_TRAIN_BIN};
@@ -1051,12 +1190,14 @@ TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
-  const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json", nv = dir.path + "/nvme";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string big = dir.path + "/big.json", ds = dir.path + "/ds.json",
+                    nv = dir.path + "/nvme";
   write_405b_on_nvme(big, ds, nv);
   const Result r = run(STRATA_MPIEXEC,
-                       {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN, "--model-config", big, "--config", ds,
-                        "--device", "cpu", "--plan"},
+                       {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN, "--model-config", big,
+                        "--config", ds, "--device", "cpu", "--plan"},
                        dir.path, "plan2ranks",
                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
   EXPECT_NE(r.status, 0) << r.out << r.err;
@@ -1067,7 +1208,8 @@ TEST_F(TrainCli, TwoRanksOnOneNodeSplitTheDrivesFreeSpace) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, total)) << r.out;
   EXPECT_NEAR(std::stod(m[1]), double(free_bytes) / 2, double(std::uint64_t(1) << 30)) << r.out;
-  EXPECT_NE(r.out.find("the 2 ranks on this node split each drive's free space"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the 2 ranks on this node split each drive's free space"), std::string::npos)
+      << r.out;
 #endif
 }
 
@@ -1077,13 +1219,16 @@ TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   const std::string nv = dir.path + "/nv", ds = dir.path + "/nvme.json";
   fs::create_directories(nv);
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
-                    << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+      << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv << R"("}}})";
   auto with = [&](std::vector<std::string> extra, const std::string& out) {
-    std::vector<std::string> a = args(dir.path + "/" + fs::path(out).filename().string() + ".jsonl", {}, "1");
+    std::vector<std::string> a =
+        args(dir.path + "/" + fs::path(out).filename().string() + ".jsonl", {}, "1");
     a[std::size_t(std::find(a.begin(), a.end(), "--lr") - a.begin()) + 1] = "0";
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), {"--seed", "77", "--out", out});
@@ -1094,7 +1239,8 @@ TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
   std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
   for (const auto& s : with({"--config", ds}, dir.path + "/two")) m.push_back(s);
   const Result two = run(STRATA_MPIEXEC, m, dir.path, "two",
-                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                          {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
                           {"STRATA_COMM_TIMEOUT_S", "120"}});
   ASSERT_EQ(two.status, 0) << two.out << two.err;
   EXPECT_EQ(slurp(dir.path + "/one/model.safetensors"), slurp(dir.path + "/two/model.safetensors"));
@@ -1105,7 +1251,8 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
-  if (!std::getenv("STRATA_TEST_MPI")) GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   const std::string one = dir.path + "/one.jsonl", two = dir.path + "/two.jsonl";
   const std::string out1 = dir.path + "/out1", ck2 = dir.path + "/ck2";
   // 1 rank, micro-batch 2, 2 micro-batches per step == 2 ranks, micro-batch 2 each.
@@ -1114,7 +1261,8 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
   std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
   for (const auto& s : args(two, {"--save-every", "4", "--checkpoint-dir", ck2})) m.push_back(s);
   const Result b = run(STRATA_MPIEXEC, m, dir.path, "two",
-                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                        {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
                         {"STRATA_COMM_TIMEOUT_S", "120"}});
   ASSERT_EQ(b.status, 0) << b.out << b.err;
   EXPECT_NE(b.out.find("2 rank(s)"), std::string::npos) << b.out;
@@ -1128,7 +1276,8 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
   ASSERT_EQ(la.size(), 4u);
   ASSERT_EQ(lb.size(), 4u);
   for (const auto& [s, v] : la) {
-    EXPECT_LE(std::fabs(lb[s] - v), 1e-4 * std::fabs(v)) << "step " << s << ": 1 rank " << v << ", 2 ranks " << lb[s];
+    EXPECT_LE(std::fabs(lb[s] - v), 1e-4 * std::fabs(v))
+        << "step " << s << ": 1 rank " << v << ", 2 ranks " << lb[s];
   }
   // The 2-rank checkpoint, exported, is the 1-rank run's --out within 1e-5.
   ASSERT_TRUE(fs::exists(ck2 + "/step-4/manifest.json"));
@@ -1143,7 +1292,8 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
     ASSERT_EQ(g.size(), v.size()) << name;
     double worst = 0;
     for (std::size_t i = 0; i < v.size(); ++i)
-      worst = std::max(worst, std::fabs(double(g[i]) - double(v[i])) / std::max(1.0, std::fabs(double(v[i]))));
+      worst = std::max(
+          worst, std::fabs(double(g[i]) - double(v[i])) / std::max(1.0, std::fabs(double(v[i]))));
     EXPECT_LE(worst, 1e-5) << name;
   }
 #endif

@@ -16,21 +16,20 @@
 //  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads.
 // The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
 // kSkipStep pre-check pass to show its cost.
-#include <cctype>
+#include <immintrin.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
-#include <fstream>
 #include <thread>
-
-#include <unistd.h>
 #include <vector>
-
-#include <immintrin.h>
 
 #include "bench_common.h"
 #include "strata/adamw.h"
@@ -169,15 +168,22 @@ template <bool G, bool S, bool C>
   same_pattern_body<G, S, C>(a, lo, hi);
 }
 template <bool G, bool S, bool C>
-[[gnu::target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")]] void same_pattern_avx512(Arrays& a, std::size_t lo,
-                                                                                      std::size_t hi) {
+[[gnu::target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")]] void same_pattern_avx512(
+    Arrays& a, std::size_t lo, std::size_t hi) {
   same_pattern_body<G, S, C>(a, lo, hi);
 }
-#define STRATA_PASSES(fn)                                                  \
-  {{{&fn<false, false, false>, &fn<false, false, true>},                  \
-    {&fn<false, true, false>, &fn<false, true, true>}},                    \
-   {{&fn<true, false, false>, &fn<true, false, true>}, {&fn<true, true, false>, &fn<true, true, true>}}}
-const Pass kPasses[3][2][2][2] = {STRATA_PASSES(same_pattern_scalar), STRATA_PASSES(same_pattern_avx2),
+#define STRATA_PASSES(fn)                                  \
+  {                                                        \
+    {{&fn<false, false, false>, &fn<false, false, true>},  \
+     {&fn<false, true, false>, &fn<false, true, true>}},   \
+    {                                                      \
+      {&fn<true, false, false>, &fn<true, false, true>}, { \
+        &fn<true, true, false>, &fn<true, true, true>      \
+      }                                                    \
+    }                                                      \
+  }
+const Pass kPasses[3][2][2][2] = {STRATA_PASSES(same_pattern_scalar),
+                                  STRATA_PASSES(same_pattern_avx2),
                                   STRATA_PASSES(same_pattern_avx512)};
 #undef STRATA_PASSES
 
@@ -185,7 +191,8 @@ const Pass kPasses[3][2][2][2] = {STRATA_PASSES(same_pattern_scalar), STRATA_PAS
 int isa_slot(Isa isa) { return isa == Isa::kAvx512 ? 2 : isa == Isa::kAvx2 ? 1 : 0; }
 
 double same_pattern_gbps(Arrays& a, const Mode& mode, Isa isa, int threads, int reps) {
-  const Pass pass = kPasses[isa_slot(isa)][mode.grad == DType::kBF16][mode.state == DType::kBF16][mode.copy];
+  const Pass pass =
+      kPasses[isa_slot(isa)][mode.grad == DType::kBF16][mode.state == DType::kBF16][mode.copy];
   const std::size_t n = a.p.size();
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
@@ -198,15 +205,17 @@ double same_pattern_gbps(Arrays& a, const Mode& mode, Isa isa, int threads, int 
 // The STREAM triad a = b + s*c, plain stores (each reads its line first) or non-temporal ones
 // (vector stores that bypass the cache where the range is aligned; the ends plain).
 [[gnu::always_inline]] inline void triad_body(float* __restrict a, const float* __restrict b,
-                                              const float* __restrict c, float s, std::size_t lo, std::size_t hi) {
+                                              const float* __restrict c, float s, std::size_t lo,
+                                              std::size_t hi) {
   for (std::size_t i = lo; i < hi; ++i) a[i] = b[i] + s * c[i];
 }
 using Triad = void (*)(float*, const float*, const float*, float, std::size_t, std::size_t, bool);
-void triad_scalar(float* a, const float* b, const float* c, float s, std::size_t lo, std::size_t hi, bool) {
+void triad_scalar(float* a, const float* b, const float* c, float s, std::size_t lo, std::size_t hi,
+                  bool) {
   triad_body(a, b, c, s, lo, hi);  // no non-temporal stores without a vector ISA
 }
-[[gnu::target("avx2,fma")]] void triad_avx2(float* a, const float* b, const float* c, float s, std::size_t lo,
-                                            std::size_t hi, bool nt) {
+[[gnu::target("avx2,fma")]] void triad_avx2(float* a, const float* b, const float* c, float s,
+                                            std::size_t lo, std::size_t hi, bool nt) {
   if (!nt) return triad_body(a, b, c, s, lo, hi);
   std::size_t i = lo;
   for (; i < hi && reinterpret_cast<std::uintptr_t>(a + i) % 32 != 0; ++i) a[i] = b[i] + s * c[i];
@@ -216,8 +225,9 @@ void triad_scalar(float* a, const float* b, const float* c, float s, std::size_t
   for (; i < hi; ++i) a[i] = b[i] + s * c[i];
   _mm_sfence();
 }
-[[gnu::target("avx512f,avx2,fma")]] void triad_avx512(float* a, const float* b, const float* c, float s,
-                                                      std::size_t lo, std::size_t hi, bool nt) {
+[[gnu::target("avx512f,avx2,fma")]] void triad_avx512(float* a, const float* b, const float* c,
+                                                      float s, std::size_t lo, std::size_t hi,
+                                                      bool nt) {
   if (!nt) return triad_body(a, b, c, s, lo, hi);
   std::size_t i = lo;
   for (; i < hi && reinterpret_cast<std::uintptr_t>(a + i) % 64 != 0; ++i) a[i] = b[i] + s * c[i];
@@ -231,8 +241,8 @@ const Triad kTriads[3] = {&triad_scalar, &triad_avx2, &triad_avx512};
 
 // The triad over three fp32 arrays holding `bytes` together, in GB/s as the hardware moves
 // them: 16 bytes an element with plain stores (write-allocate), 12 with non-temporal ones.
-double triad_same_bytes(Aligned<float>& a, Aligned<float>& b, Aligned<float>& c, double bytes, Isa isa,
-                        bool nt, int threads, int reps) {
+double triad_same_bytes(Aligned<float>& a, Aligned<float>& b, Aligned<float>& c, double bytes,
+                        Isa isa, bool nt, int threads, int reps) {
   const std::size_t n = std::min(a.size(), static_cast<std::size_t>(bytes / 12));
   const Triad triad = kTriads[isa_slot(isa)];
   double best = 1e30;
@@ -276,8 +286,10 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
               adamw_native_bf16() && isa == Isa::kAvx512 ? " (AVX512_BF16)" : "", reps,
               skip_check ? "pre-check (kSkipStep)" : "fused (kReportOnly)");
   std::printf(
-      "bound = max(STREAM triad over the mode's bytes at 16 B an element (write-allocate), the same with "
-      "non-temporal stores at 12 B, same-pattern read/write loop), each compiled for %s, same threads; "
+      "bound = max(STREAM triad over the mode's bytes at 16 B an element (write-allocate), the "
+      "same with "
+      "non-temporal stores at 12 B, same-pattern read/write loop), each compiled for %s, same "
+      "threads; "
       "a step above it by more than 2%% is a broken bound\n",
       isa_name(isa));
   // A working set the last-level cache holds runs at cache speed, the step and the bound alike,
@@ -285,9 +297,12 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
   const long l3 = last_level_cache_bytes();
   const bool cache_resident = l3 > 0 && double(params) * 16 <= double(l3);
   if (cache_resident)
-    std::printf("note: %s of fp32 master/grad/m/v fit in the %s last-level cache: cache speeds, not memory's; "
-                "use --params of at least %zu for the memory bound\n",
-                human_bytes(double(params) * 16).c_str(), human_bytes(double(l3)).c_str(), std::size_t(l3) / 16 * 8);
+    std::printf(
+        "note: %s of fp32 master/grad/m/v fit in the %s last-level cache: cache speeds, not "
+        "memory's; "
+        "use --params of at least %zu for the memory bound\n",
+        human_bytes(double(params) * 16).c_str(), human_bytes(double(l3)).c_str(),
+        std::size_t(l3) / 16 * 8);
   Arrays a(params);
   init(a, max_threads);
   // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
@@ -331,9 +346,9 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
       const double scalar_gps = double(params) / sec_scalar / 1e9;
       const bool broken_bound = gbps / bound > 1.02;
       broken += broken_bound;
-      std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %9.2f %8.2f %9.3f %9.2f%s\n", mode.name().c_str(),
-                  threads, bpp, gps, gbps, triad, triad_nt, pattern, gbps / bound, scalar_gps, gps / scalar_gps,
-                  broken_bound ? "  broken bound" : "");
+      std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %9.2f %8.2f %9.3f %9.2f%s\n",
+                  mode.name().c_str(), threads, bpp, gps, gbps, triad, triad_nt, pattern,
+                  gbps / bound, scalar_gps, gps / scalar_gps, broken_bound ? "  broken bound" : "");
       rows.push_back({{"grads", std::string(dtype_name(mode.grad))},
                       {"states", std::string(dtype_name(mode.state))},
                       {"copy_out", mode.copy ? "bf16" : "none"},
@@ -353,22 +368,26 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
     }
   }
   if (broken > 0)
-    std::printf("broken bound: %d row(s) ran faster than every probe of the memory bound; the bound, not the step, "
-                "is wrong there\n",
-                broken);
+    std::printf(
+        "broken bound: %d row(s) ran faster than every probe of the memory bound; the bound, not "
+        "the step, "
+        "is wrong there\n",
+        broken);
   if (json) {
-    print_json({{"command", "adam"},
-                {"params", params},
-                {"isa", isa_name(isa)},
-                {"bound_isa", isa_name(isa)},
-                {"bound", "max(triad_gbps: STREAM triad, 16 B an element with write-allocate; triad_nt_gbps: "
-                          "non-temporal stores, 12 B; same_pattern_gbps: the mode's arrays read and written), "
-                          "each compiled for bound_isa, best of before and after the step"},
-                {"native_bf16", adamw_native_bf16()},
-                {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
-                {"reps", reps},
-                {"cache_resident", cache_resident},
-                {"results", rows}});
+    print_json(
+        {{"command", "adam"},
+         {"params", params},
+         {"isa", isa_name(isa)},
+         {"bound_isa", isa_name(isa)},
+         {"bound",
+          "max(triad_gbps: STREAM triad, 16 B an element with write-allocate; triad_nt_gbps: "
+          "non-temporal stores, 12 B; same_pattern_gbps: the mode's arrays read and written), "
+          "each compiled for bound_isa, best of before and after the step"},
+         {"native_bf16", adamw_native_bf16()},
+         {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
+         {"reps", reps},
+         {"cache_resident", cache_resident},
+         {"results", rows}});
   }
 }
 
@@ -390,14 +409,16 @@ void add_adam_command(CLI::App& app) {
       ->transform(CLI::Validator(
           [](std::string& v) {  // "100M" -> "100000000" (k, M, G: 10^3, 10^6, 10^9)
             std::size_t digits = 0;
-            while (digits < v.size() && std::isdigit(static_cast<unsigned char>(v[digits]))) ++digits;
+            while (digits < v.size() && std::isdigit(static_cast<unsigned char>(v[digits])))
+              ++digits;
             const std::string unit = v.substr(digits);
-            const std::uint64_t mult = unit.empty() ? 1
+            const std::uint64_t mult = unit.empty()                 ? 1
                                        : unit == "k" || unit == "K" ? 1000
                                        : unit == "m" || unit == "M" ? 1000000
                                        : unit == "g" || unit == "G" ? 1000000000
                                                                     : 0;
-            if (digits == 0 || mult == 0 || digits > 12) return "'" + v + "' is not a count: write e.g. 100M, 2500k or 100000000";
+            if (digits == 0 || mult == 0 || digits > 12)
+              return "'" + v + "' is not a count: write e.g. 100M, 2500k or 100000000";
             const std::uint64_t n = std::stoull(v.substr(0, digits));
             if (n > UINT64_MAX / mult) return "'" + v + "' is more than any memory holds";
             v = std::to_string(n * mult);
@@ -405,9 +426,9 @@ void add_adam_command(CLI::App& app) {
           },
           "", "count"))
       ->check(strata::tools::kPositive);
-  auto* threads_opt =
-      cmd->add_option("--threads", args->threads, "thread counts to run (default 1,2, up to the usable cores)")
-          ->delimiter(',');
+  auto* threads_opt = cmd->add_option("--threads", args->threads,
+                                      "thread counts to run (default 1,2, up to the usable cores)")
+                          ->delimiter(',');
   cmd->add_option("--reps", args->reps, "steps per measurement; the best is reported")
       ->check(strata::tools::kPositive);
   cmd->add_flag("--skip-check", args->skip_check,
@@ -423,15 +444,18 @@ void add_adam_command(CLI::App& app) {
     if (threads_opt->count() == 0)  // the default on a one-core process: what it can run
       std::erase_if(args->threads, [cores](int t) { return t > cores; });
     const int most = *std::max_element(args->threads.begin(), args->threads.end());
-    STRATA_REQUIRE(most <= cores, "--threads {}: this process may run on {} core{} (sched_getaffinity: taskset, "
-                   "the cgroup's cpuset); give counts up to {}", most, cores, cores == 1 ? "" : "s", cores);
+    STRATA_REQUIRE(most <= cores,
+                   "--threads {}: this process may run on {} core{} (sched_getaffinity: taskset, "
+                   "the cgroup's cpuset); give counts up to {}",
+                   most, cores, cores == 1 ? "" : "s", cores);
     // The step's arrays (p, m, v, g: 4 x fp32; m16, v16, g16, copy: 4 x bf16) and the triad's three
     // (30 B/param together): refused up front, not met by the OOM killer while they are filled.
     const double need = double(args->params) * (4 * 4 + 4 * 2 + 30);
     const std::size_t avail = cpu::mem_available_bytes();
-    STRATA_REQUIRE(avail == 0 || need <= 0.9 * double(avail),
-                   "--params {}: the benchmark needs about {} of memory and {} is available; lower --params",
-                   args->params, human_bytes(need), human_bytes(double(avail)));
+    STRATA_REQUIRE(
+        avail == 0 || need <= 0.9 * double(avail),
+        "--params {}: the benchmark needs about {} of memory and {} is available; lower --params",
+        args->params, human_bytes(need), human_bytes(double(avail)));
     run(args->params, args->threads, args->reps, args->skip_check, args->json);
   });
 }

@@ -47,14 +47,17 @@ void run_comm(const CommArgs& a) {
   const std::size_t es = dtype_size(t);
   const std::size_t min_b = parse_bytes(a.min_bytes, "--min-bytes");
   const std::size_t max_b = parse_bytes(a.max_bytes, "--max-bytes");
-  STRATA_REQUIRE(min_b >= 1 && min_b <= max_b, "comm: --min-bytes {} / --max-bytes {}: need 1 <= --min-bytes <= --max-bytes",
+  STRATA_REQUIRE(min_b >= 1 && min_b <= max_b,
+                 "comm: --min-bytes {} / --max-bytes {}: need 1 <= --min-bytes <= --max-bytes",
                  a.min_bytes, a.max_bytes);
-  STRATA_REQUIRE(a.factor >= 2, "comm: --factor {}: must be >= 2 (each size is the last one times it)", a.factor);
+  STRATA_REQUIRE(a.factor >= 2,
+                 "comm: --factor {}: must be >= 2 (each size is the last one times it)", a.factor);
   STRATA_REQUIRE(a.iters >= 1, "comm: --iters {}: must be >= 1", a.iters);
   STRATA_REQUIRE(a.warmup >= 0, "comm: --warmup {}: must be >= 0", a.warmup);
   for (const auto& op : a.ops)
-    STRATA_REQUIRE(op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "broadcast",
-                   "comm: unknown op '{}': use all_reduce, all_gather, reduce_scatter, broadcast", op);
+    STRATA_REQUIRE(
+        op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "broadcast",
+        "comm: unknown op '{}': use all_reduce, all_gather, reduce_scatter, broadcast", op);
 
   HostDeviceOptions host;
   host.capacity_bytes = 2 * max_b + (std::size_t(64) << 20);
@@ -63,10 +66,11 @@ void run_comm(const CommArgs& a) {
   if (a.device == "cpu" || probe_cuda().device_count == 0) {
     const double need = double(li.local_size) * double(host.capacity_bytes);
     const std::size_t avail = cpu::mem_available_bytes();
-    STRATA_REQUIRE(avail == 0 || need <= double(avail),
-                   "comm: --max-bytes {} needs about {} of memory on this node ({} rank(s) x the largest size "
-                   "twice + 64 MiB, on the CPU-emulated device), and {} is available; lower --max-bytes",
-                   a.max_bytes, human_bytes(need), li.local_size, human_bytes(double(avail)));
+    STRATA_REQUIRE(
+        avail == 0 || need <= double(avail),
+        "comm: --max-bytes {} needs about {} of memory on this node ({} rank(s) x the largest size "
+        "twice + 64 MiB, on the CPU-emulated device), and {} is available; lower --max-bytes",
+        a.max_bytes, human_bytes(need), li.local_size, human_bytes(double(avail)));
   }
   CudaDeviceOptions cuda;
   if (a.device != "cpu") {
@@ -83,15 +87,18 @@ void run_comm(const CommArgs& a) {
   // bytes a one-thread memcpy copies per second (copy_gbps counts each byte read and written;
   // busbw counts each payload byte once).
   double memcpy_gbps = 0;
-  if (root) memcpy_gbps = copy_gbps(std::min<std::size_t>(std::max<std::size_t>(max_b, 16 << 20), 256 << 20), 1) / 2;
+  if (root)
+    memcpy_gbps =
+        copy_gbps(std::min<std::size_t>(std::max<std::size_t>(max_b, 16 << 20), 256 << 20), 1) / 2;
   comm->barrier(*s).synchronize();
 
   if (root) {
     std::printf("# strata-bench comm: backend %s, %d rank(s), device %s, dtype %s\n",
                 comm_backend_name(comm->backend()), n, dev->name().c_str(), dtype_name(t).data());
     if (comm->backend() == CommBackend::kLocal)
-      std::printf("# local backend (one process, no mpirun): collectives are copies or no-ops, not a link; "
-                  "run under mpirun -np N for link figures\n");
+      std::printf(
+          "# local backend (one process, no mpirun): collectives are copies or no-ops, not a link; "
+          "run under mpirun -np N for link figures\n");
     std::printf("# bound: one-thread memcpy %.2f GB/s (rank 0)\n", memcpy_gbps);
   }
 
@@ -102,29 +109,37 @@ void run_comm(const CommArgs& a) {
   Buffer timing = dev->alloc(4);
 
   nlohmann::json results = nlohmann::json::array();
-  std::map<std::string, double> peak_busbw, largest_busbw;  // largest: at the top size, DRAM-bound as memcpy is
+  std::map<std::string, double> peak_busbw,
+      largest_busbw;  // largest: at the top size, DRAM-bound as memcpy is
   for (const auto& op : a.ops) {
     if (root) {
-      std::printf("\n# %s\n#%14s %12s %6s %6s %12s %12s %12s\n", op.c_str(), "size(B)", "count", "type", "redop",
-                  "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+      std::printf("\n# %s\n#%14s %12s %6s %6s %12s %12s %12s\n", op.c_str(), "size(B)", "count",
+                  "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     }
     // min, min x factor, ... and --max-bytes itself last where the steps pass over it (8 x 4^k
     // never meets 256M): the largest size asked for is measured, and the buffers are its size.
     std::vector<std::size_t> sizes;
-    for (std::size_t size = min_b; size <= max_b; size = size > max_b / std::size_t(a.factor) ? max_b + 1 : size * std::size_t(a.factor))
+    for (std::size_t size = min_b; size <= max_b;
+         size = size > max_b / std::size_t(a.factor) ? max_b + 1 : size * std::size_t(a.factor))
       sizes.push_back(size);
     if (sizes.back() != max_b) sizes.push_back(max_b);
     for (const std::size_t size : sizes) {
       // Whole elements per rank, as nccl-tests rounds.
       const bool sharded = op == "all_gather" || op == "reduce_scatter";
-      const std::size_t per_rank = sharded ? std::max<std::size_t>(size / es / n, 1) : std::max<std::size_t>(size / es, 1);
+      const std::size_t per_rank =
+          sharded ? std::max<std::size_t>(size / es / n, 1) : std::max<std::size_t>(size / es, 1);
       const std::size_t count = sharded ? per_rank * n : per_rank;
       const std::size_t bytes = count * es;
       auto issue = [&] {
-        if (op == "all_reduce") comm->all_reduce(tensor(big, t, count), ReduceOp::kSum, *s);
-        else if (op == "broadcast") comm->broadcast(tensor(big, t, count), 0, *s);
-        else if (op == "all_gather") comm->all_gather(tensor(small, t, per_rank), tensor(big, t, count), *s);
-        else comm->reduce_scatter(tensor(big, t, count), tensor(small, t, per_rank), ReduceOp::kSum, *s);
+        if (op == "all_reduce")
+          comm->all_reduce(tensor(big, t, count), ReduceOp::kSum, *s);
+        else if (op == "broadcast")
+          comm->broadcast(tensor(big, t, count), 0, *s);
+        else if (op == "all_gather")
+          comm->all_gather(tensor(small, t, per_rank), tensor(big, t, count), *s);
+        else
+          comm->reduce_scatter(tensor(big, t, count), tensor(small, t, per_rank), ReduceOp::kSum,
+                               *s);
       };
       for (int i = 0; i < a.warmup; ++i) issue();
       comm->barrier(*s).synchronize();
@@ -143,18 +158,23 @@ void run_comm(const CommArgs& a) {
       largest_busbw[op] = busbw;
       if (root) {
         const char* redop = (op == "all_reduce" || op == "reduce_scatter") ? "sum" : "none";
-        std::printf(" %14zu %12zu %6s %6s %12.1f %12.3f %12.3f\n", bytes, count, dtype_name(t).data(), redop,
-                    secs * 1e6, algbw, busbw);
-        results.push_back({{"op", op}, {"size_bytes", bytes}, {"count", count}, {"time_us", secs * 1e6},
-                           {"algbw_gbps", algbw}, {"busbw_gbps", busbw}});
+        std::printf(" %14zu %12zu %6s %6s %12.1f %12.3f %12.3f\n", bytes, count,
+                    dtype_name(t).data(), redop, secs * 1e6, algbw, busbw);
+        results.push_back({{"op", op},
+                           {"size_bytes", bytes},
+                           {"count", count},
+                           {"time_us", secs * 1e6},
+                           {"algbw_gbps", algbw},
+                           {"busbw_gbps", busbw}});
       }
     }
   }
   if (!root) return;
   if (n == 1) peak_busbw.clear();  // one rank moves nothing between ranks: no bus figure
-  std::printf("\n# bus bandwidth against one-thread memcpy (%.2f GB/s copied); peak may be cache-resident, "
-              "largest size is memory-bound\n#   %-15s %12s %12s %18s\n",
-              memcpy_gbps, "op", "peak(GB/s)", "largest(GB/s)", "largest/memcpy");
+  std::printf(
+      "\n# bus bandwidth against one-thread memcpy (%.2f GB/s copied); peak may be cache-resident, "
+      "largest size is memory-bound\n#   %-15s %12s %12s %18s\n",
+      memcpy_gbps, "op", "peak(GB/s)", "largest(GB/s)", "largest/memcpy");
   nlohmann::json peaks = nlohmann::json::object();
   for (const auto& [op, bw] : peak_busbw) {
     const double last = largest_busbw[op];
@@ -178,7 +198,8 @@ void run_comm(const CommArgs& a) {
 void add_comm_command(CLI::App& app) {
   auto args = std::make_shared<CommArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "comm", "collectives: time, algbw and busbw per collective and size (run under mpirun -np N)");
+      "comm",
+      "collectives: time, algbw and busbw per collective and size (run under mpirun -np N)");
   cmd->add_option("--device", args->device, "auto | cpu | cuda")->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "fp32 | bf16 | fp16")->capture_default_str();
   cmd->add_option("--min-bytes", args->min_bytes, "smallest size, e.g. 8")->capture_default_str();

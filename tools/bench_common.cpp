@@ -33,11 +33,11 @@ double triad_gbps(std::size_t bytes_per_array, int threads, int reps) {
   for (int r = 0; r < reps; ++r) {
     const float s = 0.5f + r;
     best = std::min(best, timed_parallel(n, threads, [&](std::size_t lo, std::size_t hi) {
-      float* __restrict pa = a.data();
-      const float* __restrict pb = b.data();
-      const float* __restrict pc = c.data();
-      for (std::size_t i = lo; i < hi; ++i) pa[i] = pb[i] + s * pc[i];
-    }));
+                      float* __restrict pa = a.data();
+                      const float* __restrict pb = b.data();
+                      const float* __restrict pc = c.data();
+                      for (std::size_t i = lo; i < hi; ++i) pa[i] = pb[i] + s * pc[i];
+                    }));
   }
   if (a[n / 2] == -1.0f) std::puts("");  // keeps the loop alive
   return 3.0 * n * sizeof(float) / best / 1e9;
@@ -52,8 +52,8 @@ double copy_gbps(std::size_t bytes_per_array, int threads, int reps) {
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     best = std::min(best, timed_parallel(n, threads, [&](std::size_t lo, std::size_t hi) {
-      std::copy(b.begin() + lo, b.begin() + hi, a.begin() + lo);
-    }));
+                      std::copy(b.begin() + lo, b.begin() + hi, a.begin() + lo);
+                    }));
   }
   return 2.0 * n * sizeof(float) / best / 1e9;
 }
@@ -73,15 +73,21 @@ std::size_t parse_bytes(const std::string& text, const std::string& what) {
   if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();
   if (!suffix.empty() && suffix.back() == 'i') suffix.pop_back();
   double mult = 0;
-  if (suffix.empty()) mult = 1;
-  else if (suffix == "k") mult = 1024.0;
-  else if (suffix == "m") mult = 1024.0 * 1024;
-  else if (suffix == "g") mult = 1024.0 * 1024 * 1024;
-  else if (suffix == "t") mult = 1024.0 * 1024 * 1024 * 1024;
-  STRATA_REQUIRE(pos > 0 && mult > 0 && v > 0, "{} '{}' is not a size: write e.g. 4G, 512M, 64K or 1048576",
-                 what, text);
+  if (suffix.empty())
+    mult = 1;
+  else if (suffix == "k")
+    mult = 1024.0;
+  else if (suffix == "m")
+    mult = 1024.0 * 1024;
+  else if (suffix == "g")
+    mult = 1024.0 * 1024 * 1024;
+  else if (suffix == "t")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  STRATA_REQUIRE(pos > 0 && mult > 0 && v > 0,
+                 "{} '{}' is not a size: write e.g. 4G, 512M, 64K or 1048576", what, text);
   // Past 2^62 bytes (a double past 2^64 converts to anything): no drive or memory has it.
-  STRATA_REQUIRE(v * mult < 0x1p62, "{} '{}' is more bytes than any drive or memory holds: write e.g. 4G or 512M",
+  STRATA_REQUIRE(v * mult < 0x1p62,
+                 "{} '{}' is more bytes than any drive or memory holds: write e.g. 4G or 512M",
                  what, text);
   return static_cast<std::size_t>(v * mult);
 }

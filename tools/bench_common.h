@@ -3,18 +3,17 @@
 // (snake_case keys with units) so runs can be compared.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <latch>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 namespace strata::bench {
 
@@ -60,7 +59,8 @@ double timed_parallel(std::size_t n, int threads, Body body) {
   std::latch ready(threads), go(1);
   std::atomic<std::int64_t> last_end{0};
   const auto now_ns = [] {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
         .count();
   };
   std::vector<std::thread> pool;
@@ -72,7 +72,8 @@ double timed_parallel(std::size_t n, int threads, Body body) {
       go.wait();
       body(lo, hi);
       const std::int64_t end = now_ns();
-      for (std::int64_t seen = last_end.load(); end > seen && !last_end.compare_exchange_weak(seen, end);) {
+      for (std::int64_t seen = last_end.load();
+           end > seen && !last_end.compare_exchange_weak(seen, end);) {
       }
     });
   }

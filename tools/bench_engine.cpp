@@ -22,16 +22,16 @@
 // The emulated device runs its "kernels" on the host's cores, so a regime is only meaningful
 // when the throttles it sets are slower than what the host does unthrottled; the defaults are
 // sized for a small (2-core) machine, where each regime's step takes well under a second.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <time.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <random>
-
-#include <fcntl.h>
-#include <sys/file.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "bench_common.h"
 #include "strata/engine.h"
@@ -69,7 +69,7 @@ struct Args {
   bool json = false;
   bool serial_optimizer = false;  // strata.overlap_optimizer false: the optimizer after backward
   bool nvme_grads = false;        // the NVMe regime's gradients on NVMe too (offload_grads "nvme")
-  std::string adamw_isa;  // every regime's AdamW path; empty: each regime's own
+  std::string adamw_isa;          // every regime's AdamW path; empty: each regime's own
 };
 
 // One configuration of the emulated machine and of the engine.
@@ -85,7 +85,9 @@ struct Regime {
   int device_threads = 0, optimizer_threads = 0;
   // The CPU AdamW's code path (strata.optimizer_isa).
   Isa adamw_isa = Isa::kAuto;
-  bool uses_nvme() const { return params == Tier::kNvme || optimizer == Tier::kNvme || grads == Tier::kNvme; }
+  bool uses_nvme() const {
+    return params == Tier::kNvme || optimizer == Tier::kNvme || grads == Tier::kNvme;
+  }
 };
 
 std::vector<Regime> regimes() {
@@ -95,12 +97,24 @@ std::vector<Regime> regimes() {
   // Parameters on pinned host memory behind a slow link, streamed through a small window of
   // layers (a model larger than HBM): every layer crosses the link in forward and again in
   // backward, and new weights go back after the step.
-  r.push_back({.name = "link", .expect = "link", .batch = 32, .h2d_gbps = 0.25, .d2h_gbps = 0.25,
-               .params = Tier::kHost, .prefetch_layers = 4, .live_layers = 6});
+  r.push_back({.name = "link",
+               .expect = "link",
+               .batch = 32,
+               .h2d_gbps = 0.25,
+               .d2h_gbps = 0.25,
+               .params = Tier::kHost,
+               .prefetch_layers = 4,
+               .live_layers = 6});
   // Parameters and optimizer state on NVMe, fast link and compute: the drive moves ~30 bytes
   // per parameter per step (weights in twice, m/v/master in and out, weights out).
-  r.push_back({.name = "nvme", .expect = "nvme", .batch = 8, .params = Tier::kNvme, .optimizer = Tier::kNvme,
-               .grads = Tier::kHost, .prefetch_layers = 3, .live_layers = 4});
+  r.push_back({.name = "nvme",
+               .expect = "nvme",
+               .batch = 8,
+               .params = Tier::kNvme,
+               .optimizer = Tier::kNvme,
+               .grads = Tier::kHost,
+               .prefetch_layers = 3,
+               .live_layers = 4});
   // Optimizer state on the host, one sample per step: the CPU AdamW's pass over
   // master/m/v/grad, with the AdamW strata ships (the widest path the CPU has). The emulated
   // device's kernels get one core and the AdamW the other, as a GPU's kernels and the host's
@@ -111,13 +125,26 @@ std::vector<Regime> regimes() {
   // work (its matmuls and copies, on the same cores and memory) moves as many bytes per
   // parameter as the vector AdamW, so this regime may come out bound by the cores or the compute
   // rather than the AdamW: said so (not met), not hidden.
-  r.push_back({.name = "adamw", .expect = "adamw", .batch = 1, .compute_gflops = 2, .optimizer = Tier::kHost,
-               .grads = Tier::kHost, .device_threads = 1, .optimizer_threads = 1});
+  r.push_back({.name = "adamw",
+               .expect = "adamw",
+               .batch = 1,
+               .compute_gflops = 2,
+               .optimizer = Tier::kHost,
+               .grads = Tier::kHost,
+               .device_threads = 1,
+               .optimizer_threads = 1});
   // The same with the scalar AdamW (~7x slower here, the same bits) standing in for a host whose
   // optimizer is the slowest part, as on a GPU machine whose device step takes milliseconds: a
   // labelled variant, not the headline.
-  r.push_back({.name = "adamw-scalar", .expect = "adamw", .batch = 1, .compute_gflops = 2, .optimizer = Tier::kHost,
-               .grads = Tier::kHost, .device_threads = 1, .optimizer_threads = 1, .adamw_isa = Isa::kScalar});
+  r.push_back({.name = "adamw-scalar",
+               .expect = "adamw",
+               .batch = 1,
+               .compute_gflops = 2,
+               .optimizer = Tier::kHost,
+               .grads = Tier::kHost,
+               .device_threads = 1,
+               .optimizer_threads = 1,
+               .adamw_isa = Isa::kScalar});
   return r;
 }
 
@@ -152,7 +179,8 @@ struct LinearModel {
 
   void register_units(Engine& e) const {
     for (int l = 0; l < layers; ++l)
-      e.add_unit({"layer" + std::to_string(l), {{"weight", init[std::size_t(l)].size(), init[std::size_t(l)].data()}}});
+      e.add_unit({"layer" + std::to_string(l),
+                  {{"weight", init[std::size_t(l)].size(), init[std::size_t(l)].data()}}});
   }
 
   // Forward and backward of one micro-batch, queued on `s`; returns once `s` is idle.
@@ -175,10 +203,13 @@ struct LinearModel {
     for (int l = 0; l < layers; ++l) {
       TensorRef w = e.fetch(l, s);
       Buffer o = dev.alloc(n * 4, &s);
-      s.matmul({Bi, Wi, Wi, false, true, 1.0f, 0.0f, tensor(h[std::size_t(l)], ct, n), w, tensor(o, DType::kF32, n)});
+      s.matmul({Bi, Wi, Wi, false, true, 1.0f, 0.0f, tensor(h[std::size_t(l)], ct, n), w,
+                tensor(o, DType::kF32, n)});
       e.release(l, s);
-      if (l + 1 < layers) h[std::size_t(l) + 1] = to_ct(o);
-      else dy = std::move(o);
+      if (l + 1 < layers)
+        h[std::size_t(l) + 1] = to_ct(o);
+      else
+        dy = std::move(o);
     }
     {
       Buffer t = dev.alloc(n * 4, &s);
@@ -190,11 +221,13 @@ struct LinearModel {
       Buffer dy_c = to_ct(dy);
       TensorRef w = e.fetch(l, s);
       TensorRef g = e.grad_buffer(l, s, GradInit::kOverwrite);  // the matmul below writes all of it
-      s.matmul({Wi, Wi, Bi, true, false, 1.0f, 0.0f, tensor(dy_c, ct, n), tensor(h[std::size_t(l)], ct, n), g});
+      s.matmul({Wi, Wi, Bi, true, false, 1.0f, 0.0f, tensor(dy_c, ct, n),
+                tensor(h[std::size_t(l)], ct, n), g});
       e.reduce_grad(l, s);
       if (l > 0) {
         Buffer dh = dev.alloc(n * 4, &s);
-        s.matmul({Bi, Wi, Wi, false, false, 1.0f, 0.0f, tensor(dy_c, ct, n), w, tensor(dh, DType::kF32, n)});
+        s.matmul({Bi, Wi, Wi, false, false, 1.0f, 0.0f, tensor(dy_c, ct, n), w,
+                  tensor(dh, DType::kF32, n)});
         dy = std::move(dh);
       }
       e.release(l, s);
@@ -215,7 +248,8 @@ int resource_of(const TraceSpan& sp) {
 }
 
 // Total length of the union of [start, end) intervals, each clipped to [lo, hi).
-double union_seconds(std::vector<std::pair<std::int64_t, std::int64_t>> iv, std::int64_t lo, std::int64_t hi) {
+double union_seconds(std::vector<std::pair<std::int64_t, std::int64_t>> iv, std::int64_t lo,
+                     std::int64_t hi) {
   for (auto& [a, b] : iv) {
     a = std::max(a, lo);
     b = std::min(b, hi);
@@ -252,7 +286,8 @@ bool only_a_killed_runs_leftovers(const fs::path& dir) {
   for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     if (it->is_directory(ec)) continue;
     const std::string name = it->path().filename().string();
-    if (!it->is_regular_file(ec) || !name.starts_with("rank") || !name.ends_with(".lock")) return false;
+    if (!it->is_regular_file(ec) || !name.starts_with("rank") || !name.ends_with(".lock"))
+      return false;
     const int fd = ::open(it->path().c_str(), O_RDONLY | O_CLOEXEC);
     const bool free = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
     if (fd >= 0) ::close(fd);
@@ -284,7 +319,8 @@ EngineConfig regime_config(const Args& a, const Regime& r) {
   cfg.optimizer_threads = r.optimizer_threads;
   cfg.optimizer_isa = r.adamw_isa;
   cfg.overlap_optimizer = !a.serial_optimizer;  // the emulated device's default is off
-  if (r.prefetch_layers > 0) cfg.prefetch_bucket_size = layer_numel * std::uint64_t(r.prefetch_layers);
+  if (r.prefetch_layers > 0)
+    cfg.prefetch_bucket_size = layer_numel * std::uint64_t(r.prefetch_layers);
   if (r.live_layers > 0) {
     cfg.max_live_parameters = layer_numel * std::uint64_t(r.live_layers);
     cfg.max_reuse_distance = 0;
@@ -300,7 +336,8 @@ void require_nvme_room(const Args& a, const Regime& r) {
   cfg.param_nvme_paths = cfg.optimizer_nvme_paths = {nvme_dir_of(a).string()};
   if (r.grads == Tier::kNvme) cfg.grad_nvme_paths = cfg.optimizer_nvme_paths;
   PlanInputs in;
-  for (int l = 0; l < a.layers; ++l) in.units.push_back({fmt::format("layer{}", l), std::uint64_t(a.width) * a.width});
+  for (int l = 0; l < a.layers; ++l)
+    in.units.push_back({fmt::format("layer{}", l), std::uint64_t(a.width) * a.width});
   in.device_capacity = kDeviceCapacity;
   in.host_capacity = cfg.host_budget_bytes;
   std::error_code ec;
@@ -309,9 +346,12 @@ void require_nvme_room(const Args& a, const Regime& r) {
   in.nvme_capacity = sp.available;
   const MemoryPlan plan = plan_memory(cfg, in);
   STRATA_REQUIRE(plan.nvme_bytes <= plan.nvme_capacity,
-                 "--path {}: the NVMe regime's swap files need {} and the drive has {} free; give a --path on a "
-                 "drive with room, or fewer --layers / a smaller --width (or leave the NVMe regime out: --regime)",
-                 a.path, human_bytes(double(plan.nvme_bytes)), human_bytes(double(plan.nvme_capacity)));
+                 "--path {}: the NVMe regime's swap files need {} and the drive has {} free; give "
+                 "a --path on a "
+                 "drive with room, or fewer --layers / a smaller --width (or leave the NVMe regime "
+                 "out: --regime)",
+                 a.path, human_bytes(double(plan.nvme_bytes)),
+                 human_bytes(double(plan.nvme_capacity)));
 }
 
 RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace_file) {
@@ -342,8 +382,11 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
   if (r.uses_nvme()) {
     std::error_code ec;
     const bool made = fs::create_directory(nvme_dir, ec);  // --path exists (checked in run())
-    STRATA_REQUIRE(made && !ec, "--path {}: {} {} since the run started (another run's?); give each run its own --path",
-                   a.path, nvme_dir.string(), ec ? "cannot be made: " + ec.message() : std::string("appeared"));
+    STRATA_REQUIRE(
+        made && !ec,
+        "--path {}: {} {} since the run started (another run's?); give each run its own --path",
+        a.path, nvme_dir.string(),
+        ec ? "cannot be made: " + ec.message() : std::string("appeared"));
     remove_dir.dir = nvme_dir;
     cfg.param_nvme_paths = {nvme_dir.string()};
     cfg.optimizer_nvme_paths = {nvme_dir.string()};
@@ -410,10 +453,13 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
         if (k != kCores) out.busy_s[k] += union_seconds(iv[k], t0, t1) / a.steps;
       out.busy_s[kCores] += cpu_s[std::size_t(i)] / cpu::usable_cores() / a.steps;
     }
-    if (!trace_file.empty()) tracer.write_chrome_trace(trace_file, windows.back().first, windows.back().second);
+    if (!trace_file.empty())
+      tracer.write_chrome_trace(trace_file, windows.back().first, windows.back().second);
     out.adamw_isa = e.host_optimizer_isa();
     // Bytes moved per traced step (the counters are cumulative).
-    const auto per_step = [&](std::uint64_t b, std::uint64_t a0) { return (b - a0) / std::uint64_t(a.steps); };
+    const auto per_step = [&](std::uint64_t b, std::uint64_t a0) {
+      return (b - a0) / std::uint64_t(a.steps);
+    };
     out.stats.h2d_bytes = per_step(after.h2d_bytes, before.h2d_bytes);
     out.stats.d2h_bytes = per_step(after.d2h_bytes, before.d2h_bytes);
     out.stats.nvme_read_bytes = per_step(after.nvme_read_bytes, before.nvme_read_bytes);
@@ -426,18 +472,24 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
 
 // The path an Isa runs here: auto resolved ("auto (avx512)").
 std::string isa_label(Isa isa) {
-  return isa == Isa::kAuto ? fmt::format("auto ({})", isa_name(adamw_selected_isa())) : std::string(isa_name(isa));
+  return isa == Isa::kAuto ? fmt::format("auto ({})", isa_name(adamw_selected_isa()))
+                           : std::string(isa_name(isa));
 }
 
 std::string describe(const Regime& r) {
-  auto rate = [](double v, const char* unit) { return v > 0 ? fmt::format("{:g} {}", v, unit) : std::string("-"); };
-  std::string window = r.live_layers > 0 ? fmt::format(", prefetch {} / live {} layers", r.prefetch_layers, r.live_layers)
+  auto rate = [](double v, const char* unit) {
+    return v > 0 ? fmt::format("{:g} {}", v, unit) : std::string("-");
+  };
+  std::string window = r.live_layers > 0 ? fmt::format(", prefetch {} / live {} layers",
+                                                       r.prefetch_layers, r.live_layers)
                                          : std::string(", all layers live");
   // The CPU AdamW's path where it runs (the optimizer state off the device).
-  const std::string adamw = r.optimizer == Tier::kDevice ? std::string() : "; AdamW " + isa_label(r.adamw_isa);
-  return fmt::format("B={}, h2d {}, d2h {}, compute {}; params {}, optimizer {}, grads {}{}{}", r.batch,
-                     rate(r.h2d_gbps, "GB/s"), rate(r.d2h_gbps, "GB/s"), rate(r.compute_gflops, "GFLOP/s"),
-                     tier_name(r.params), tier_name(r.optimizer), tier_name(r.grads), window, adamw);
+  const std::string adamw =
+      r.optimizer == Tier::kDevice ? std::string() : "; AdamW " + isa_label(r.adamw_isa);
+  return fmt::format("B={}, h2d {}, d2h {}, compute {}; params {}, optimizer {}, grads {}{}{}",
+                     r.batch, rate(r.h2d_gbps, "GB/s"), rate(r.d2h_gbps, "GB/s"),
+                     rate(r.compute_gflops, "GFLOP/s"), tier_name(r.params), tier_name(r.optimizer),
+                     tier_name(r.grads), window, adamw);
 }
 
 void run(const Args& a) {
@@ -446,39 +498,50 @@ void run(const Args& a) {
     if (a.nvme_grads && r.name == "nvme") r.grads = Tier::kNvme;
     if (a.regime == "all" || a.regime == r.name) chosen.push_back(r);
   }
-  STRATA_REQUIRE(!chosen.empty(), "--regime '{}': use all, compute, link, nvme, adamw or adamw-scalar", a.regime);
+  STRATA_REQUIRE(!chosen.empty(),
+                 "--regime '{}': use all, compute, link, nvme, adamw or adamw-scalar", a.regime);
   if (!a.adamw_isa.empty()) {
     Isa isa = Isa::kAuto;
     try {
       isa = parse_isa(a.adamw_isa);
     } catch (const Error&) {
-      STRATA_THROW(kInvalidArgument, "--adamw-isa '{}': use auto, avx512, avx2 or scalar", a.adamw_isa);
+      STRATA_THROW(kInvalidArgument, "--adamw-isa '{}': use auto, avx512, avx2 or scalar",
+                   a.adamw_isa);
     }
-    STRATA_REQUIRE(isa_supported(isa), "--adamw-isa {}: {}; use auto", a.adamw_isa, isa_unavailable(isa));
+    STRATA_REQUIRE(isa_supported(isa), "--adamw-isa {}: {}; use auto", a.adamw_isa,
+                   isa_unavailable(isa));
     for (Regime& r : chosen) r.adamw_isa = isa;
   }
   // The drive to use: a typo must not put the swap files somewhere else (nor create folders).
-  STRATA_REQUIRE(fs::is_directory(a.path), "--path {}: no such directory; create it on the drive to use", a.path);
+  STRATA_REQUIRE(fs::is_directory(a.path),
+                 "--path {}: no such directory; create it on the drive to use", a.path);
   // The NVMe regime's swap folder goes under --path: one that cannot be made there (read-only,
   // not ours) is said now, not as a raw filesystem error after the regimes before it.
   if (std::any_of(chosen.begin(), chosen.end(), [](const Regime& r) { return r.uses_nvme(); })) {
     const fs::path dir = nvme_dir_of(a);
     std::error_code ec;
     bool existed = fs::exists(fs::symlink_status(dir, ec));
-    if (existed && fs::is_directory(fs::symlink_status(dir, ec)) && only_a_killed_runs_leftovers(dir)) {
+    if (existed && fs::is_directory(fs::symlink_status(dir, ec)) &&
+        only_a_killed_runs_leftovers(dir)) {
       // A signal removes the swap files, not the folders and lock files around them.
-      std::fprintf(stderr, "strata-bench engine: removing %s, left by a run that was stopped\n", dir.c_str());
+      std::fprintf(stderr, "strata-bench engine: removing %s, left by a run that was stopped\n",
+                   dir.c_str());
       fs::remove_all(dir, ec);
       existed = fs::exists(fs::symlink_status(dir, ec));
     }
     // The folder is removed, with all it holds, after the regime: one already there is not ours
     // to remove (a user's folder of that name, or another run's swap files in use).
-    STRATA_REQUIRE(!existed, "--path {}: {} already exists and the NVMe regime removes its folder when done; "
-                   "remove it (a killed earlier run leaves it), or give another --path", a.path, dir.string());
+    STRATA_REQUIRE(!existed,
+                   "--path {}: {} already exists and the NVMe regime removes its folder when done; "
+                   "remove it (a killed earlier run leaves it), or give another --path",
+                   a.path, dir.string());
     fs::create_directories(dir, ec);
     if (ec)
-      STRATA_THROW(kIo, "--path {}: cannot create the NVMe regime's folder {} there: {}; give a writable folder on "
-                   "the drive to use", a.path, dir.string(), ec.message());
+      STRATA_THROW(kIo,
+                   "--path {}: cannot create the NVMe regime's folder {} there: {}; give a "
+                   "writable folder on "
+                   "the drive to use",
+                   a.path, dir.string(), ec.message());
     fs::remove(dir, ec);  // made again, and removed, by the regime itself
     for (const Regime& r : chosen)
       if (r.uses_nvme()) require_nvme_room(a, r);
@@ -486,18 +549,21 @@ void run(const Args& a) {
   // Trace files are written after minutes of regimes: checked now, and a file already there is
   // replaced only with --overwrite (as strata-prof --trace).
   if (!a.trace.empty())
-    for (const Regime& r : chosen) tools::require_output_file("--trace", trace_path(a, r.name, chosen.size() == 1), a.overwrite);
+    for (const Regime& r : chosen)
+      tools::require_output_file("--trace", trace_path(a, r.name, chosen.size() == 1), a.overwrite);
   const double params_m = double(a.layers) * a.width * a.width / 1e6;
-  std::printf("strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
-              "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",
-              a.layers, a.width, a.width, params_m, a.steps, kWarmupSteps);
+  std::printf(
+      "strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "
+      "1 rank, CPU-emulated device; %d traced step(s) per regime after %d warm-up\n",
+      a.layers, a.width, a.width, params_m, a.steps, kWarmupSteps);
   for (const Regime& r : chosen) std::printf("  %-12s %s\n", r.name.c_str(), describe(r).c_str());
-  std::printf("\n%-12s %8s %9s %9s %9s %9s %9s %9s  %-10s %8s\n", "regime", "step s", "compute", "link", "nvme",
-              "adamw", "comm", "cores", "busiest", "step/bus");
+  std::printf("\n%-12s %8s %9s %9s %9s %9s %9s %9s  %-10s %8s\n", "regime", "step s", "compute",
+              "link", "nvme", "adamw", "comm", "cores", "busiest", "step/bus");
   nlohmann::json rows = nlohmann::json::array();
   bool all_met = true;
   for (const Regime& r : chosen) {
-    const std::string tf = a.trace.empty() ? std::string() : trace_path(a, r.name, chosen.size() == 1);
+    const std::string tf =
+        a.trace.empty() ? std::string() : trace_path(a, r.name, chosen.size() == 1);
     const RegimeResult res = run_regime(a, r, tf);
     // Met: within 1.1 of the busiest resource, and that resource the one the regime stresses.
     const bool bound_as_meant = kResources[res.bottleneck] == r.expect;
@@ -505,31 +571,38 @@ void run(const Args& a) {
     all_met = all_met && met;
     std::printf("%-12s %8.3f", r.name.c_str(), res.step_s);
     for (double b : res.busy_s) std::printf(" %9.3f", b);
-    std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio, met ? "" : "  (> 1.1)",
-                kResources[res.bottleneck] == r.expect ? "" : fmt::format("  (meant to be {})", r.expect).c_str());
+    std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio,
+                met ? "" : "  (> 1.1)",
+                kResources[res.bottleneck] == r.expect
+                    ? ""
+                    : fmt::format("  (meant to be {})", r.expect).c_str());
     if (!tf.empty()) std::printf("         trace of one step: %s\n", tf.c_str());
     std::fflush(stdout);
     nlohmann::json busy;
     for (int k = 0; k < kNumResources; ++k) busy[kResources[k]] = res.busy_s[k];
-    rows.push_back({{"name", r.name},
-                    {"config", describe(r)},
-                    {"step_s", res.step_s},
-                    {"busy_s", busy},
-                    {"bottleneck", kResources[res.bottleneck]},
-                    {"expected_bottleneck", r.expect},
-                    {"adamw_isa", r.optimizer == Tier::kDevice ? nlohmann::json(nullptr)  // no CPU AdamW
-                                                               : nlohmann::json(isa_name(res.adamw_isa))},
-                    {"ratio_step_vs_busiest", res.ratio},
-                    {"bound_as_meant", bound_as_meant},
-                    {"met", met},
-                    {"h2d_bytes_per_step", res.stats.h2d_bytes},
-                    {"d2h_bytes_per_step", res.stats.d2h_bytes},
-                    {"nvme_read_bytes_per_step", res.stats.nvme_read_bytes},
-                    {"nvme_written_bytes_per_step", res.stats.nvme_written_bytes}});
+    rows.push_back(
+        {{"name", r.name},
+         {"config", describe(r)},
+         {"step_s", res.step_s},
+         {"busy_s", busy},
+         {"bottleneck", kResources[res.bottleneck]},
+         {"expected_bottleneck", r.expect},
+         {"adamw_isa", r.optimizer == Tier::kDevice ? nlohmann::json(nullptr)  // no CPU AdamW
+                                                    : nlohmann::json(isa_name(res.adamw_isa))},
+         {"ratio_step_vs_busiest", res.ratio},
+         {"bound_as_meant", bound_as_meant},
+         {"met", met},
+         {"h2d_bytes_per_step", res.stats.h2d_bytes},
+         {"d2h_bytes_per_step", res.stats.d2h_bytes},
+         {"nvme_read_bytes_per_step", res.stats.nvme_read_bytes},
+         {"nvme_written_bytes_per_step", res.stats.nvme_written_bytes}});
   }
-  std::printf("\nbusy = union of the resource's spans in the step (seconds per step); cores = the process's CPU time\n"
-              "in the step / %d cores; goal: step/busiest <= 1.1, bound by the resource each regime stresses %s\n",
-              cpu::usable_cores(), all_met ? "(met in every regime)" : "(NOT met everywhere)");
+  std::printf(
+      "\nbusy = union of the resource's spans in the step (seconds per step); cores = the "
+      "process's CPU time\n"
+      "in the step / %d cores; goal: step/busiest <= 1.1, bound by the resource each regime "
+      "stresses %s\n",
+      cpu::usable_cores(), all_met ? "(met in every regime)" : "(NOT met everywhere)");
   if (a.json)
     print_json({{"command", "engine"},
                 {"layers", a.layers},
@@ -546,25 +619,34 @@ void run(const Args& a) {
 }  // namespace
 
 void add_engine_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand(
-      "engine", "ZeRO-3 engine step time vs its busiest resource (compute, link, NVMe, CPU AdamW), from the trace");
+  auto* cmd = app.add_subcommand("engine",
+                                 "ZeRO-3 engine step time vs its busiest resource (compute, link, "
+                                 "NVMe, CPU AdamW), from the trace");
   auto a = std::make_shared<Args>();
-  cmd->add_option("--layers", a->layers, "layers of the linear model (default 16)")->check(CLI::Range(1, 1024));
-  cmd->add_option("--width", a->width, "width of each layer (default 1024)")->check(CLI::Range(64, 16384));
-  cmd->add_option("--steps", a->steps, "traced steps per regime, averaged (default 2)")->check(CLI::Range(1, 100));
-  cmd->add_option("--regime", a->regime, "all, compute, link, nvme, adamw or adamw-scalar (default all)");
+  cmd->add_option("--layers", a->layers, "layers of the linear model (default 16)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--width", a->width, "width of each layer (default 1024)")
+      ->check(CLI::Range(64, 16384));
+  cmd->add_option("--steps", a->steps, "traced steps per regime, averaged (default 2)")
+      ->check(CLI::Range(1, 100));
+  cmd->add_option("--regime", a->regime,
+                  "all, compute, link, nvme, adamw or adamw-scalar (default all)");
   cmd->add_option("--path", a->path, "directory for the NVMe regime's swap files (default .)");
-  cmd->add_option("--trace", a->trace,
-                  "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
-                  "name inserted, e.g. trace.link.json)");
+  cmd->add_option(
+      "--trace", a->trace,
+      "write the Chrome trace of one step to FILE (with --regime all: FILE with the regime's "
+      "name inserted, e.g. trace.link.json)");
   cmd->add_flag("--overwrite", a->overwrite, "replace existing --trace files");
-  cmd->add_flag("--serial-optimizer", a->serial_optimizer,
-                "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
+  cmd->add_flag(
+      "--serial-optimizer", a->serial_optimizer,
+      "turn the early optimizer step off (strata.overlap_optimizer false), to see what it gains");
   cmd->add_flag("--nvme-grads", a->nvme_grads,
-                "the NVMe regime's gradients on NVMe too (offload_grads \"nvme\": 8 more bytes a parameter on the "
+                "the NVMe regime's gradients on NVMe too (offload_grads \"nvme\": 8 more bytes a "
+                "parameter on the "
                 "drive)");
   cmd->add_option("--adamw-isa", a->adamw_isa,
-                  "the CPU AdamW's path in every regime: auto, avx512, avx2 or scalar (default: each regime's own, "
+                  "the CPU AdamW's path in every regime: auto, avx512, avx2 or scalar (default: "
+                  "each regime's own, "
                   "scalar in adamw-scalar, auto elsewhere)");
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->callback([a] {

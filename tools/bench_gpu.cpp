@@ -31,8 +31,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <functional>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -119,7 +119,8 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
   std::vector<std::size_t> sizes = {4 * mib, 16 * mib, 64 * mib, 256 * mib};
   if (a.rehearse) sizes = {mib, 4 * mib};
   const std::size_t unit = sizes.back();
-  const auto total = a.rehearse ? 4 * unit : std::size_t(a.link_gib * double(1u << 30)) / unit * unit;
+  const auto total =
+      a.rehearse ? 4 * unit : std::size_t(a.link_gib * double(1u << 30)) / unit * unit;
   STRATA_REQUIRE(total > 0, "--link-gib must be at least 0.25");
   PinnedPoolOptions po;
   po.budget_bytes = total + 4 * unit + 64 * mib;
@@ -130,8 +131,9 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
   std::memset(big.data(), 1, total);
   auto peak = [&](bool h2d) {
     return double(total) / 1e9 / best_seconds(s, 3, [&] {
-      h2d ? s.copy(d.ref(), host_ref(big.data(), total)) : s.copy(host_ref(big.data(), total), d.ref());
-    });
+             h2d ? s.copy(d.ref(), host_ref(big.data(), total))
+                 : s.copy(host_ref(big.data(), total), d.ref());
+           });
   };
   double peak_h2d = peak(true), peak_d2h = peak(false);
   big.reset();
@@ -146,11 +148,11 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
     }
     auto rate = [&](bool h2d) {
       return double(total) / 1e9 / best_seconds(s, 3, [&] {
-        for (std::size_t off = 0, i = 0; off < total; off += chunk, ++i) {
-          const MemRef host = host_ref(ring[i % ring.size()].data(), chunk);
-          h2d ? s.copy(d.ref(off, chunk), host) : s.copy(host, d.ref(off, chunk));
-        }
-      });
+               for (std::size_t off = 0, i = 0; off < total; off += chunk, ++i) {
+                 const MemRef host = host_ref(ring[i % ring.size()].data(), chunk);
+                 h2d ? s.copy(d.ref(off, chunk), host) : s.copy(host, d.ref(off, chunk));
+               }
+             });
     };
     const double h2d = rate(true), d2h = rate(false);
     h2d_min = std::min(h2d_min, h2d);
@@ -161,12 +163,13 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
     chunks.push_back({{"chunk_bytes", chunk}, {"h2d_gbps", h2d}, {"d2h_gbps", d2h}});
     rates.emplace_back(h2d, d2h);
   }
-  table.push_back(fmt::format("  link (pinned, {} per run)  peak H2D {:.1f} GB/s, D2H {:.1f} GB/s", human_bytes(double(total)),
-                              peak_h2d, peak_d2h));
+  table.push_back(fmt::format("  link (pinned, {} per run)  peak H2D {:.1f} GB/s, D2H {:.1f} GB/s",
+                              human_bytes(double(total)), peak_h2d, peak_d2h));
   for (std::size_t i = 0; i < sizes.size(); ++i)
-    table.push_back(fmt::format("    chunks of {:>8}: H2D {:6.1f} GB/s ({:.2f} of peak), D2H {:6.1f} GB/s ({:.2f})",
-                                human_bytes(double(sizes[i])), rates[i].first, rates[i].first / peak_h2d,
-                                rates[i].second, rates[i].second / peak_d2h));
+    table.push_back(fmt::format(
+        "    chunks of {:>8}: H2D {:6.1f} GB/s ({:.2f} of peak), D2H {:6.1f} GB/s ({:.2f})",
+        human_bytes(double(sizes[i])), rates[i].first, rates[i].first / peak_h2d, rates[i].second,
+        rates[i].second / peak_d2h));
   return {{"bytes_per_run", total},
           {"peak_h2d_gbps", peak_h2d},
           {"peak_d2h_gbps", peak_d2h},
@@ -177,7 +180,8 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
           {"d2h_ratio_vs_peak", d2h_min / peak_d2h}};
 }
 
-json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::string>& table, double* peak_tflops) {
+json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::string>& table,
+                double* peak_tflops) {
   struct Shape {
     const char* name;
     std::int64_t m, n, k;
@@ -190,11 +194,14 @@ json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::strin
   if (args.rehearse) shapes = {{"small", 256, 384, 256}};
   json rows = json::array();
   // A rehearsal (the CPU-emulated device) has no cuBLASLt to compare with: its column says so.
-  table.push_back(args.rehearse ? "  bf16 GEMM (A [m,k] x W[n,k]^T, fp32 out)      ours TFLOP/s  (no cuBLASLt)  ratio"
-                                : "  bf16 GEMM (A [m,k] x W[n,k]^T, fp32 out)      ours TFLOP/s  cuBLASLt best  ratio");
+  table.push_back(
+      args.rehearse
+          ? "  bf16 GEMM (A [m,k] x W[n,k]^T, fp32 out)      ours TFLOP/s  (no cuBLASLt)  ratio"
+          : "  bf16 GEMM (A [m,k] x W[n,k]^T, fp32 out)      ours TFLOP/s  cuBLASLt best  ratio");
   *peak_tflops = 0;
   for (const Shape& sh : shapes) {
-    Buffer a = dev.alloc(std::size_t(sh.m * sh.k) * 2, &s), b = dev.alloc(std::size_t(sh.n * sh.k) * 2, &s),
+    Buffer a = dev.alloc(std::size_t(sh.m * sh.k) * 2, &s),
+           b = dev.alloc(std::size_t(sh.n * sh.k) * 2, &s),
            c = dev.alloc(std::size_t(sh.m * sh.n) * 4, &s);
     s.fill(tensor(a, DType::kBF16), 0.5f);
     s.fill(tensor(b, DType::kBF16), 0.25f);
@@ -208,9 +215,11 @@ json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::strin
     d.c = tensor(c, DType::kF32);
     s.matmul(d);  // warm-up (cuBLAS's handle, its heuristics)
     const int calls = 10;
-    const double ours_s = best_seconds(s, 5, [&] {
-                            for (int i = 0; i < calls; ++i) s.matmul(d);
-                          }) / calls;
+    const double ours_s = best_seconds(s, 5,
+                                       [&] {
+                                         for (int i = 0; i < calls; ++i) s.matmul(d);
+                                       }) /
+                          calls;
     gpu::GemmBest lt{ours_s, 0, -1, 0};  // rehearsal: ours is its own reference
     if (!args.rehearse) lt = gpu::best_cublaslt_gemm(s, d, 16, calls);
     const double flop = 2.0 * double(sh.m) * double(sh.n) * double(sh.k);
@@ -225,8 +234,9 @@ json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::strin
                     {"cublaslt_candidates", lt.candidates},
                     {"cublaslt_best_candidate", lt.candidate},
                     {"ratio_vs_cublaslt", ours / best}});
-    table.push_back(fmt::format("    {:<9} {:>5}x{:>5}x{:>5}                 {:8.1f}  {:13.1f}  {:5.2f}", sh.name, sh.m,
-                                sh.n, sh.k, ours, best, ours / best));
+    table.push_back(
+        fmt::format("    {:<9} {:>5}x{:>5}x{:>5}                 {:8.1f}  {:13.1f}  {:5.2f}",
+                    sh.name, sh.m, sh.n, sh.k, ours, best, ours / best));
   }
   double worst = 1e30;
   for (const auto& r : rows) worst = std::min(worst, r["ratio_vs_cublaslt"].get<double>());
@@ -240,8 +250,8 @@ json bench_adamw(Device& dev, Stream& s, const Args& a, std::vector<std::string>
   const std::size_t per = n / shards;
   double adamw_s = 0;
   {
-    Buffer p = dev.alloc(n * 4, &s), g = dev.alloc(n * 4, &s), m = dev.alloc(n * 4, &s), v = dev.alloc(n * 4, &s),
-           w = dev.alloc(n * 2, &s), bad = dev.alloc(4, &s);
+    Buffer p = dev.alloc(n * 4, &s), g = dev.alloc(n * 4, &s), m = dev.alloc(n * 4, &s),
+           v = dev.alloc(n * 4, &s), w = dev.alloc(n * 2, &s), bad = dev.alloc(4, &s);
     s.fill(tensor(p, DType::kF32), 1.0f);
     s.fill(tensor(g, DType::kF32), 0.01f);
     s.fill(tensor(m, DType::kF32), 0.0f);
@@ -261,27 +271,29 @@ json bench_adamw(Device& dev, Stream& s, const Args& a, std::vector<std::string>
       s.adamw(desc);
     };
     run();
-    adamw_s = best_seconds(s, 3, [&] {
-                for (int i = 0; i < 5; ++i) run();
-              }) / 5;
+    adamw_s = best_seconds(s, 3,
+                           [&] {
+                             for (int i = 0; i < 5; ++i) run();
+                           }) /
+              5;
   }
   const std::size_t moved = std::size_t(per) * shards * 30;  // read p g m v, write p m v, bf16 out
   Buffer src = dev.alloc(moved / 2, &s), dst = dev.alloc(moved / 2, &s);  // a copy reads and writes
   s.fill(tensor(src, DType::kF32), 1.0f);
   s.copy(dst.ref(), src.ref());
-  const double copy_s = best_seconds(s, 3, [&] {
-                          for (int i = 0; i < 5; ++i) s.copy(dst.ref(), src.ref());
-                        }) / 5;
+  const double copy_s = best_seconds(s, 3,
+                                     [&] {
+                                       for (int i = 0; i < 5; ++i) s.copy(dst.ref(), src.ref());
+                                     }) /
+                        5;
   const double adamw_gbps = double(moved) / adamw_s / 1e9, copy_gbps = double(moved) / copy_s / 1e9;
-  table.push_back(fmt::format("  AdamW ({:.0f}M params, fp32 state, bf16 copy-out)  {:.0f} GB/s, device copy {:.0f} GB/s: "
-                              "ratio {:.2f}",
-                              double(per * shards) / 1e6, adamw_gbps, copy_gbps, adamw_gbps / copy_gbps));
-  return {{"params", per * shards},
-          {"bytes_per_step", moved},
-          {"adamw_gbps", adamw_gbps},
-          {"params_per_s", double(per * shards) / adamw_s},
-          {"d2d_copy_gbps", copy_gbps},
-          {"ratio_vs_copy", adamw_gbps / copy_gbps}};
+  table.push_back(fmt::format(
+      "  AdamW ({:.0f}M params, fp32 state, bf16 copy-out)  {:.0f} GB/s, device copy {:.0f} GB/s: "
+      "ratio {:.2f}",
+      double(per * shards) / 1e6, adamw_gbps, copy_gbps, adamw_gbps / copy_gbps));
+  return {{"params", per * shards},     {"bytes_per_step", moved},
+          {"adamw_gbps", adamw_gbps},   {"params_per_s", double(per * shards) / adamw_s},
+          {"d2d_copy_gbps", copy_gbps}, {"ratio_vs_copy", adamw_gbps / copy_gbps}};
 }
 
 // The kernels part's inputs: uniform in [lo, hi) from a fixed seed (xorshift: the attention
@@ -378,8 +390,8 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
   const bool small = a.rehearse;
   // An 8B Llama layer's attention (32 heads of 128, 8 KV heads) over 4 x 2048 tokens, its norms
   // and a bias over 8192 rows of 4096, and the embedding of a 32000-token vocabulary.
-  const std::int64_t b = small ? 1 : 4, t = small ? 77 : 2048, nh = small ? 4 : 32, nkv = small ? 2 : 8,
-                     hd = small ? 64 : 128;
+  const std::int64_t b = small ? 1 : 4, t = small ? 77 : 2048, nh = small ? 4 : 32,
+                     nkv = small ? 2 : 8, hd = small ? 64 : 128;
   const std::int64_t n = b * t, c = small ? 96 : 4096, vocab = small ? 50 : 32000;
   const double scale = 1.0 / std::sqrt(double(hd));
   const std::size_t qkv_n = std::size_t(n * (nh + 2 * nkv) * hd), o_n = std::size_t(n * nh * hd),
@@ -398,8 +410,9 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
   Buffer qkv = in(qkv_n, 1, -1.0f, 1.0f), dout = in(o_n, 2, -1.0f, 1.0f);
   Buffer o = f32(o_n), lse = f32(lse_n), o_in = f32(o_n), lse_in = f32(lse_n), dqkv = f32(qkv_n);
   variants.use(gpu::KernelVariant::kSimple);  // the backward's inputs: the simple forward's outputs
-  model_ops::attention_forward(s, static_cast<float*>(qkv.data()), static_cast<float*>(o_in.data()), nullptr,
-                               static_cast<float*>(lse_in.data()), b, t, nh, nkv, hd, scale, DType::kBF16);
+  model_ops::attention_forward(s, static_cast<float*>(qkv.data()), static_cast<float*>(o_in.data()),
+                               nullptr, static_cast<float*>(lse_in.data()), b, t, nh, nkv, hd,
+                               scale, DType::kBF16);
   Buffer rows_a = in(nc, 3, -1.0f, 1.0f), rows_b = in(nc, 4, -1.0f, 1.0f), dx = f32(nc);
   Buffer w = in(std::size_t(c), 5, 0.5f, 1.5f), rstd = in(std::size_t(n), 6, 0.5f, 2.0f),
          mean = in(std::size_t(n), 7, -0.1f, 0.1f);
@@ -414,42 +427,73 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
   const std::string attn = fmt::format("b{} t{} h{}/{} d{} bf16", b, t, nh, nkv, hd);
   const std::string rows = fmt::format("{} x {}", n, c);
   std::vector<KernelCase> cases = {
-      {"attention_forward", attn, 3e-2, {&o, &lse}, {&o, &lse},
-       [&] { model_ops::attention_forward(s, p(qkv), p(o), nullptr, p(lse), b, t, nh, nkv, hd, scale, DType::kBF16); }},
-      {"attention_backward", attn, 3e-2, {&dqkv}, {&dqkv},
+      {"attention_forward",
+       attn,
+       3e-2,
+       {&o, &lse},
+       {&o, &lse},
        [&] {
-         model_ops::attention_backward(s, p(qkv), p(o_in), p(dout), p(lse_in), p(dqkv), b, t, nh, nkv, hd, scale,
-                                       DType::kBF16);
+         model_ops::attention_forward(s, p(qkv), p(o), nullptr, p(lse), b, t, nh, nkv, hd, scale,
+                                      DType::kBF16);
        }},
-      {"rmsnorm_backward", rows, 1e-4, {&dx, &dw}, {&dw},
+      {"attention_backward",
+       attn,
+       3e-2,
+       {&dqkv},
+       {&dqkv},
        [&] {
-         model_ops::rmsnorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32}, p(rstd), p(dx), p(dw), n,
-                                     c);
+         model_ops::attention_backward(s, p(qkv), p(o_in), p(dout), p(lse_in), p(dqkv), b, t, nh,
+                                       nkv, hd, scale, DType::kBF16);
        }},
-      {"layernorm_backward", rows, 1e-4, {&dx, &dw, &db}, {&dw, &db},
+      {"rmsnorm_backward",
+       rows,
+       1e-4,
+       {&dx, &dw},
+       {&dw},
        [&] {
-         model_ops::layernorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32}, p(mean), p(rstd), p(dx),
-                                       p(dw), p(db), n, c);
+         model_ops::rmsnorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32},
+                                     p(rstd), p(dx), p(dw), n, c);
        }},
-      {"bias_backward", rows, 1e-4, {&db}, {&db}, [&] { model_ops::bias_backward(s, p(rows_a), p(db), n, c); }},
+      {"layernorm_backward",
+       rows,
+       1e-4,
+       {&dx, &dw, &db},
+       {&dw, &db},
+       [&] {
+         model_ops::layernorm_backward(s, p(rows_a), p(rows_b), Weight{w.data(), DType::kF32},
+                                       p(mean), p(rstd), p(dx), p(dw), p(db), n, c);
+       }},
+      {"bias_backward",
+       rows,
+       1e-4,
+       {&db},
+       {&db},
+       [&] { model_ops::bias_backward(s, p(rows_a), p(db), n, c); }},
       // Bit-equal by construction (each element's additions in the same order): tolerance 0.
-      {"embedding_backward", fmt::format("{} x {}, vocab {}, t {}", n, c, vocab, t), 0.0, {&dwte, &dwpe},
+      {"embedding_backward",
+       fmt::format("{} x {}, vocab {}, t {}", n, c, vocab, t),
+       0.0,
+       {&dwte, &dwpe},
        {&dwte, &dwpe},
        [&] {
-         model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tok.data()), p(rows_a), p(dwte), p(dwpe), n,
-                                       t, c);
+         model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tok.data()), p(rows_a),
+                                       p(dwte), p(dwpe), n, t, c);
        }},
   };
 
-  table.push_back(fmt::format("  kernels: simple vs tiled (STRATA_GPU_KERNELS), GPU ms, median of {} runs{}",
-                              kKernelRuns, a.rehearse ? " (rehearsal: both columns run the CPU reference)" : ""));
-  table.push_back("    kernel              shape                          simple ms  tiled ms  ratio  max|diff|  "
-                  "rel diff  tolerance");
-  json figures = {{"runs", kKernelRuns},
-                  {"attention_shape", {{"b", b}, {"t", t}, {"heads", nh}, {"kv_heads", nkv}, {"head_dim", hd}}},
-                  {"rows", n},
-                  {"columns", c},
-                  {"vocab", vocab}};
+  table.push_back(fmt::format(
+      "  kernels: simple vs tiled (STRATA_GPU_KERNELS), GPU ms, median of {} runs{}", kKernelRuns,
+      a.rehearse ? " (rehearsal: both columns run the CPU reference)" : ""));
+  table.push_back(
+      "    kernel              shape                          simple ms  tiled ms  ratio  "
+      "max|diff|  "
+      "rel diff  tolerance");
+  json figures = {
+      {"runs", kKernelRuns},
+      {"attention_shape", {{"b", b}, {"t", t}, {"heads", nh}, {"kv_heads", nkv}, {"head_dim", hd}}},
+      {"rows", n},
+      {"columns", c},
+      {"vocab", vocab}};
   bool ok = true;
   for (const KernelCase& k : cases) {
     auto result = [&] {
@@ -472,8 +516,8 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
       ms[v] = median(runs);
     }
     const std::vector<float> again = result();  // the tiled variant again: bit for bit?
-    const bool repeatable =
-        again.size() == got[1].size() && std::memcmp(again.data(), got[1].data(), again.size() * 4) == 0;
+    const bool repeatable = again.size() == got[1].size() &&
+                            std::memcmp(again.data(), got[1].data(), again.size() * 4) == 0;
     const Diff d = diff(got[0], got[1]);
     const bool within = d.rel() <= k.tolerance;
     ok = ok && within && repeatable;
@@ -484,9 +528,10 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
     figures[k.name + "_max_rel_diff"] = d.rel();  // relative to the simple result's largest |value|
     figures[k.name + "_tolerance"] = k.tolerance;
     figures[k.name + "_tiled_repeatable"] = repeatable;
-    table.push_back(fmt::format("    {:<19} {:<30} {:9.3f} {:9.3f} {:6.2f}  {:9.2e}  {:8.1e}  {:9.0e}{}{}", k.name,
-                                k.shape, ms[0], ms[1], ms[0] / ms[1], d.max_abs, d.rel(), k.tolerance,
-                                within ? "" : "  OUT OF TOLERANCE", repeatable ? "" : "  NOT REPEATABLE"));
+    table.push_back(
+        fmt::format("    {:<19} {:<30} {:9.3f} {:9.3f} {:6.2f}  {:9.2e}  {:8.1e}  {:9.0e}{}{}",
+                    k.name, k.shape, ms[0], ms[1], ms[0] / ms[1], d.max_abs, d.rel(), k.tolerance,
+                    within ? "" : "  OUT OF TOLERANCE", repeatable ? "" : "  NOT REPEATABLE"));
   }
   figures["ok"] = ok;
   return figures;
@@ -513,25 +558,32 @@ void write_tokens(const fs::path& path, std::size_t count, std::int64_t vocab) {
   STRATA_CHECK(f.good(), "cannot write {}", path.string());
 }
 
-json llama_config(std::int64_t hidden, std::int64_t layers, std::int64_t heads, std::int64_t kv, std::int64_t inter,
-                  std::int64_t vocab, std::int64_t seq) {
-  return {{"model_type", "llama"},          {"architectures", {"LlamaForCausalLM"}},
-          {"vocab_size", vocab},            {"hidden_size", hidden},
-          {"intermediate_size", inter},     {"num_hidden_layers", layers},
-          {"num_attention_heads", heads},   {"num_key_value_heads", kv},
-          {"max_position_embeddings", seq}, {"rms_norm_eps", 1e-5},
-          {"rope_theta", 10000.0},          {"tie_word_embeddings", false}};
+json llama_config(std::int64_t hidden, std::int64_t layers, std::int64_t heads, std::int64_t kv,
+                  std::int64_t inter, std::int64_t vocab, std::int64_t seq) {
+  return {{"model_type", "llama"},
+          {"architectures", {"LlamaForCausalLM"}},
+          {"vocab_size", vocab},
+          {"hidden_size", hidden},
+          {"intermediate_size", inter},
+          {"num_hidden_layers", layers},
+          {"num_attention_heads", heads},
+          {"num_key_value_heads", kv},
+          {"max_position_embeddings", seq},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"tie_word_embeddings", false}};
 }
 
 // A ds_config: ZeRO-3, bf16, AdamW, parameters and optimizer state on `where` (cpu | nvme).
 json ds_config(const std::string& where, const std::string& nvme_path, std::int64_t micro_batch) {
   json off = {{"device", where}, {"pin_memory", true}};
   if (where == "nvme") off["nvme_path"] = nvme_path;
-  return {{"train_micro_batch_size_per_gpu", micro_batch},
-          {"gradient_accumulation_steps", 1},
-          {"bf16", {{"enabled", true}}},
-          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}, {"weight_decay", 0.0}}}}},
-          {"zero_optimization", {{"stage", 3}, {"offload_param", off}, {"offload_optimizer", off}}}};
+  return {
+      {"train_micro_batch_size_per_gpu", micro_batch},
+      {"gradient_accumulation_steps", 1},
+      {"bf16", {{"enabled", true}}},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}, {"weight_decay", 0.0}}}}},
+      {"zero_optimization", {{"stage", 3}, {"offload_param", off}, {"offload_optimizer", off}}}};
 }
 
 struct TraceFigures {
@@ -548,16 +600,19 @@ TraceFigures lane_busy(const fs::path& trace, const std::string& lane) {
   std::vector<std::pair<double, double>> spans;  // microseconds
   double first = 1e300, last = -1e300;
   for (const auto& e : t.at("traceEvents"))
-    if (e.value("ph", "") == "M" && e.at("args").value("name", "") == lane) tid = e.at("tid").get<int>();
+    if (e.value("ph", "") == "M" && e.at("args").value("name", "") == lane)
+      tid = e.at("tid").get<int>();
   for (const auto& e : t.at("traceEvents")) {
     if (e.value("ph", "") != "X") continue;
     const double ts = e.at("ts").get<double>(), end = ts + e.at("dur").get<double>();
     first = std::min(first, ts);
     last = std::max(last, end);
     // (the emulated device also records its streams' event waits: not work)
-    if (e.at("tid").get<int>() == tid && !e.value("name", "").starts_with("wait")) spans.emplace_back(ts, end);
+    if (e.at("tid").get<int>() == tid && !e.value("name", "").starts_with("wait"))
+      spans.emplace_back(ts, end);
   }
-  STRATA_CHECK(tid >= 0 && !spans.empty(), "the trace {} has no span on lane '{}'", trace.string(), lane);
+  STRATA_CHECK(tid >= 0 && !spans.empty(), "the trace {} has no span on lane '{}'", trace.string(),
+               lane);
   std::sort(spans.begin(), spans.end());
   double busy = 0, lo = 0, hi = -1;
   for (const auto& [a, b] : spans) {
@@ -578,7 +633,8 @@ TrainResult train_logged(TrainOptions o, const fs::path& log) {
   std::FILE* con = std::fopen(log.c_str(), "w");
   STRATA_CHECK(con != nullptr, "cannot write {}", log.string());
   o.console = con;
-  Tracer::global().clear();  // a trace holds this run's step only, not an earlier run's in this process
+  Tracer::global()
+      .clear();  // a trace holds this run's step only, not an earlier run's in this process
   try {
     TrainResult r = train(o);
     std::fclose(con);
@@ -589,7 +645,8 @@ TrainResult train_logged(TrainOptions o, const fs::path& log) {
   }
 }
 
-json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::vector<std::string>& table) {
+json bench_model(const Args& a, const fs::path& out, double peak_tflops,
+                 std::vector<std::string>& table) {
   const json cfg = llama_config(a.hidden, a.layers, a.heads, a.kv_heads, a.inter, a.vocab, a.seq);
   write_file(out / "model-config.json", cfg.dump(2));
   write_tokens(out / "model-tokens.u16", std::size_t((a.steps + 2) * a.batch * a.seq + 1), a.vocab);
@@ -597,7 +654,8 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::ve
   double flops = 0;
   std::size_t params = 0;
   {
-    auto hd = make_host_device(HostDeviceOptions{.capacity_bytes = std::size_t(256) << 20, .poison = false});
+    auto hd = make_host_device(
+        HostDeviceOptions{.capacity_bytes = std::size_t(256) << 20, .poison = false});
     auto hs = hd->create_stream("flops");
     ModelOptions mo;
     mo.micro_batch = a.batch;
@@ -607,8 +665,9 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::ve
     flops = m.flops_per_step();
     params = m.num_params();
   }
-  table.push_back(fmt::format("  model step: Llama {:.1f}M params (hidden {}, {} layers), B={} T={}, bf16, ZeRO-3, 1 GPU",
-                              double(params) / 1e6, a.hidden, a.layers, a.batch, a.seq));
+  table.push_back(fmt::format(
+      "  model step: Llama {:.1f}M params (hidden {}, {} layers), B={} T={}, bf16, ZeRO-3, 1 GPU",
+      double(params) / 1e6, a.hidden, a.layers, a.batch, a.seq));
   table.push_back(a.rehearse ? "    placement   step s   tokens/s    MFU  device idle (emulated)"
                              : "    placement   step s   tokens/s    MFU  GPU idle");
   json runs = json::object();
@@ -627,7 +686,8 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::ve
     o.trace_file = (out / ("trace-" + tag + ".json")).string();
     o.trace_step = a.steps;  // the last: the earlier ones warm up (prefetch order, allocator)
     const TrainResult r = train_logged(o, out / ("model-" + tag + ".log"));
-    STRATA_CHECK(std::int64_t(r.steps.size()) == a.steps, "{} steps ran, {} expected", r.steps.size(), a.steps);
+    STRATA_CHECK(std::int64_t(r.steps.size()) == a.steps, "{} steps ran, {} expected",
+                 r.steps.size(), a.steps);
     std::vector<double> untraced;
     for (std::size_t i = 1; i + 1 < r.steps.size(); ++i) untraced.push_back(r.steps[i].step_s);
     if (untraced.empty()) untraced.push_back(r.steps.back().step_s);
@@ -646,18 +706,20 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops, std::ve
                  {"traced_step_s", traced_s},
                  {"gpu_busy_s", busy},
                  {"gpu_idle_share", idle},
-                 {"losses", [&] {
+                 {"losses",
+                  [&] {
                     json l = json::array();
                     for (const auto& s : r.steps) l.push_back(s.loss);
                     return l;
                   }()},
                  {"trace", o.trace_file},
                  {"log_json", o.log_json}};
-    table.push_back(fmt::format("    {:<9} {:8.3f} {:10.0f} {:>6} {:8.2f}", tag, step_s, tokens_per_s,
-                                peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-", idle));
+    table.push_back(fmt::format("    {:<9} {:8.3f} {:10.0f} {:>6} {:8.2f}", tag, step_s,
+                                tokens_per_s, peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-",
+                                idle));
   }
-  return {{"params", params},   {"flops_per_step", flops},  {"batch", a.batch},       {"seq_len", a.seq},
-          {"steps", a.steps},   {"peak_tflops", peak_tflops}, {"placements", runs}};
+  return {{"params", params}, {"flops_per_step", flops},    {"batch", a.batch},  {"seq_len", a.seq},
+          {"steps", a.steps}, {"peak_tflops", peak_tflops}, {"placements", runs}};
 }
 
 json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& table) {
@@ -677,17 +739,21 @@ json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& 
     o.steps = steps;
     o.lr = 3e-3;
     o.log_json = (out / ("parity-" + dev + ".jsonl")).string();
-    for (const auto& s : train_logged(o, out / ("parity-" + dev + ".log")).steps) losses[dev].push_back(s.loss);
+    for (const auto& s : train_logged(o, out / ("parity-" + dev + ".log")).steps)
+      losses[dev].push_back(s.loss);
   }
   const auto& g = losses["cuda"];
   const auto& c = losses["cpu"];
-  STRATA_CHECK(g.size() == c.size() && !g.empty(), "parity: {} GPU steps, {} CPU steps", g.size(), c.size());
+  STRATA_CHECK(g.size() == c.size() && !g.empty(), "parity: {} GPU steps, {} CPU steps", g.size(),
+               c.size());
   double worst = 0;
-  for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - c[i]) / std::abs(c[i]));
+  for (std::size_t i = 0; i < g.size(); ++i)
+    worst = std::max(worst, std::abs(g[i] - c[i]) / std::abs(c[i]));
   const bool ok = std::isfinite(worst) && worst <= kParityTolerance;
-  table.push_back(fmt::format("  parity (Llama 4x256, {} steps, host offload, bf16): GPU vs CPU-emulated losses, max rel "
-                              "diff {:.2e} (tolerance {:.0e}): {}",
-                              steps, worst, kParityTolerance, ok ? "ok" : "FAILED"));
+  table.push_back(fmt::format(
+      "  parity (Llama 4x256, {} steps, host offload, bf16): GPU vs CPU-emulated losses, max rel "
+      "diff {:.2e} (tolerance {:.0e}): {}",
+      steps, worst, kParityTolerance, ok ? "ok" : "FAILED"));
   return {{"steps", steps},
           {"cuda_losses", g},
           {"cpu_losses", c},
@@ -700,14 +766,19 @@ json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& 
 // is probed: a bad value is an error on a machine without one too (gpu-check runs this first),
 // not a failure after the other parts' minutes on one.
 void check_model_flags(const Args& a) {
-  STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536, "--vocab {} must be in 1..65536 (the data is u16 tokens)", a.vocab);
+  STRATA_REQUIRE(a.vocab > 0 && a.vocab <= 65536,
+                 "--vocab {} must be in 1..65536 (the data is u16 tokens)", a.vocab);
   try {
-    parse_model_config(llama_config(a.hidden, a.layers, a.heads, a.kv_heads, a.inter, a.vocab, a.seq).dump(),
-                       "the model part's config");
+    parse_model_config(
+        llama_config(a.hidden, a.layers, a.heads, a.kv_heads, a.inter, a.vocab, a.seq).dump(),
+        "the model part's config");
   } catch (const Error& e) {
-    STRATA_THROW(kInvalidArgument, "{} (from the flags: hidden_size is --hidden, num_attention_heads --heads, "
-                 "num_key_value_heads --kv-heads, intermediate_size --intermediate, num_hidden_layers --layers, "
-                 "max_position_embeddings --seq)", e.message());
+    STRATA_THROW(kInvalidArgument,
+                 "{} (from the flags: hidden_size is --hidden, num_attention_heads --heads, "
+                 "num_key_value_heads --kv-heads, intermediate_size --intermediate, "
+                 "num_hidden_layers --layers, "
+                 "max_position_embeddings --seq)",
+                 e.message());
   }
 }
 
@@ -717,12 +788,15 @@ void run(Args a) {
     std::printf("SKIPPED: %s\n", probe.reason.c_str());
     json parts = json::object();
     for (const char* p : kParts) parts[p] = "skipped";
-    if (a.json) print_json({{"command", "gpu"}, {"skipped", true}, {"reason", probe.reason}, {"parts", parts}});
+    if (a.json)
+      print_json(
+          {{"command", "gpu"}, {"skipped", true}, {"reason", probe.reason}, {"parts", parts}});
     return;
   }
   if (a.probe && !a.rehearse) {
     for (const auto& d : gpu::device_descriptions()) std::printf("GPU: %s\n", d.c_str());
-    if (a.json) print_json({{"command", "gpu"}, {"skipped", false}, {"devices", gpu::device_descriptions()}});
+    if (a.json)
+      print_json({{"command", "gpu"}, {"skipped", false}, {"devices", gpu::device_descriptions()}});
     return;
   }
   const std::vector<std::string> parts = parse_parts(a.parts);
@@ -736,7 +810,8 @@ void run(Args a) {
   double peak_tflops = 0;
   int failures = 0;
   {
-    auto dev = a.rehearse ? make_host_device(HostDeviceOptions{.poison = false}) : make_cuda_device({});
+    auto dev =
+        a.rehearse ? make_host_device(HostDeviceOptions{.poison = false}) : make_cuda_device({});
     figures["device"] = dev->name();
     std::printf("strata-bench gpu: %s\n", dev->name().c_str());
     auto s = dev->create_stream("bench-gpu");
@@ -780,9 +855,10 @@ void run(Args a) {
   std::printf("  files: %s\n", out.c_str());
   json status = json::object();
   for (const char* p : kParts)
-    status[p] = !figures.contains(p) ? "not run" : figures[p].contains("error") ? "failed"
-                : figures[p].value("ok", true)                               ? "ok"
-                                                                             : "failed";
+    status[p] = !figures.contains(p)           ? "not run"
+                : figures[p].contains("error") ? "failed"
+                : figures[p].value("ok", true) ? "ok"
+                                               : "failed";
   figures["parts"] = status;
   figures["ok"] = failures == 0;
   figures["out"] = out.string();
@@ -797,31 +873,48 @@ void run(Args a) {
 }  // namespace
 
 void add_gpu_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("gpu", "link, GEMM, AdamW, model kernels and model step on a CUDA GPU vs its measured "
-                                        "bounds");
+  auto* cmd = app.add_subcommand(
+      "gpu",
+      "link, GEMM, AdamW, model kernels and model step on a CUDA GPU vs its measured "
+      "bounds");
   auto a = std::make_shared<Args>();
   cmd->add_option("--parts", a->parts, "comma-separated: " + part_names(",") + " (default all)");
-  cmd->add_option("--out", a->out, "folder for the model runs' configs, logs and traces (default: the scratch folder)");
-  cmd->add_flag("--overwrite", a->overwrite, "replace the bench's files an earlier run left in --out");
-  cmd->add_option("--nvme-path", a->nvme_path, "swap folder of the NVMe placement (default: the scratch folder)");
-  cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)")->check(tools::kPositive);
-  cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)")->check(tools::kPositive);
-  cmd->add_option("--hidden", a->hidden, "model part: hidden size (default 768)")->check(tools::kPositive);
-  cmd->add_option("--layers", a->layers, "model part: decoder layers (default 12)")->check(tools::kPositive);
-  cmd->add_option("--heads", a->heads, "model part: attention heads (default 12)")->check(tools::kPositive);
-  cmd->add_option("--kv-heads", a->kv_heads, "model part: key/value heads (default 4)")->check(tools::kPositive);
-  cmd->add_option("--intermediate", a->inter, "model part: MLP size (default 2048)")->check(tools::kPositive);
+  cmd->add_option(
+      "--out", a->out,
+      "folder for the model runs' configs, logs and traces (default: the scratch folder)");
+  cmd->add_flag("--overwrite", a->overwrite,
+                "replace the bench's files an earlier run left in --out");
+  cmd->add_option("--nvme-path", a->nvme_path,
+                  "swap folder of the NVMe placement (default: the scratch folder)");
+  cmd->add_option("--link-gib", a->link_gib, "bytes per link run, GiB (default 1)")
+      ->check(tools::kPositive);
+  cmd->add_option("--adamw-mparams", a->adamw_mparams, "AdamW parameters, millions (default 256)")
+      ->check(tools::kPositive);
+  cmd->add_option("--hidden", a->hidden, "model part: hidden size (default 768)")
+      ->check(tools::kPositive);
+  cmd->add_option("--layers", a->layers, "model part: decoder layers (default 12)")
+      ->check(tools::kPositive);
+  cmd->add_option("--heads", a->heads, "model part: attention heads (default 12)")
+      ->check(tools::kPositive);
+  cmd->add_option("--kv-heads", a->kv_heads, "model part: key/value heads (default 4)")
+      ->check(tools::kPositive);
+  cmd->add_option("--intermediate", a->inter, "model part: MLP size (default 2048)")
+      ->check(tools::kPositive);
   cmd->add_option("--vocab", a->vocab, "model part: vocabulary, <= 65536 (default 32000)");
-  cmd->add_option("--batch", a->batch, "model part: micro-batch (default 8)")->check(tools::kPositive);
-  cmd->add_option("--seq", a->seq, "model part: sequence length (default 1024)")->check(tools::kPositive);
-  cmd->add_option("--steps", a->steps, "model part: steps per placement, the last traced (default 4)")
+  cmd->add_option("--batch", a->batch, "model part: micro-batch (default 8)")
+      ->check(tools::kPositive);
+  cmd->add_option("--seq", a->seq, "model part: sequence length (default 1024)")
+      ->check(tools::kPositive);
+  cmd->add_option("--steps", a->steps,
+                  "model part: steps per placement, the last traced (default 4)")
       ->check(CLI::Range(2, 1000));
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
   cmd->add_flag("--probe", a->probe, "only say whether a GPU is usable (GPU: ... or SKIPPED: ...)");
-  cmd->add_flag("--rehearse", a->rehearse,
-                "run every part on the CPU-emulated device (no cuBLASLt reference; parity against itself): "
-                "tests the bench where there is no GPU, at small sizes unless given (AdamW 1M parameters, a "
-                "2-layer hidden-64 model, B=2 x 64, 3 steps)");
+  cmd->add_flag(
+      "--rehearse", a->rehearse,
+      "run every part on the CPU-emulated device (no cuBLASLt reference; parity against itself): "
+      "tests the bench where there is no GPU, at small sizes unless given (AdamW 1M parameters, a "
+      "2-layer hidden-64 model, B=2 x 64, 3 steps)");
   cmd->callback([a, cmd] {
     parse_parts(a->parts);
     if (a->rehearse) {  // the GPU's sizes would take minutes (and more than the emulated cap) here
@@ -840,34 +933,44 @@ void add_gpu_command(CLI::App& app) {
       small("--steps", a->steps, 3);
     }
     check_model_flags(*a);
-    if (a->probe && a->rehearse) {  // flags checked above; nothing to look for (gpu-check.sh's pre-check)
+    if (a->probe &&
+        a->rehearse) {  // flags checked above; nothing to look for (gpu-check.sh's pre-check)
       std::printf("REHEARSAL: flags accepted; --probe looks for no GPU with --rehearse\n");
       return;
     }
-    STRATA_REQUIRE(a->link_gib >= 0.25, "--link-gib {}: at least 0.25 (one 256 MiB chunk)", a->link_gib);
-    for (const auto& [flag, dir] : {std::pair{"--out", a->out}, std::pair{"--nvme-path", a->nvme_path}}) {
+    STRATA_REQUIRE(a->link_gib >= 0.25, "--link-gib {}: at least 0.25 (one 256 MiB chunk)",
+                   a->link_gib);
+    for (const auto& [flag, dir] :
+         {std::pair{"--out", a->out}, std::pair{"--nvme-path", a->nvme_path}}) {
       std::error_code ec;
       STRATA_REQUIRE(dir.empty() || !fs::exists(dir, ec) || fs::is_directory(dir, ec),
                      "{} {} is a file: give a folder", flag, dir);
     }
     // The model and parity parts write these names into --out: a user's files there are not
-    // replaced unless --overwrite says they are the bench's own (gpu-check.sh runs again into its folder).
+    // replaced unless --overwrite says they are the bench's own (gpu-check.sh runs again into its
+    // folder).
     const auto parts = parse_parts(a->parts);
-    const auto has = [&](const char* p) { return std::find(parts.begin(), parts.end(), p) != parts.end(); };
+    const auto has = [&](const char* p) {
+      return std::find(parts.begin(), parts.end(), p) != parts.end();
+    };
     std::vector<std::string> names;
     if (has("model"))
-      names = {"model-config.json", "model-tokens.u16", "ds-host.json",     "ds-nvme.json",    "model-host.jsonl",
-               "model-nvme.jsonl",  "model-host.log",   "model-nvme.log",   "trace-host.json", "trace-nvme.json"};
+      names = {"model-config.json", "model-tokens.u16", "ds-host.json",   "ds-nvme.json",
+               "model-host.jsonl",  "model-nvme.jsonl", "model-host.log", "model-nvme.log",
+               "trace-host.json",   "trace-nvme.json"};
     if (has("parity"))
-      for (const char* n : {"parity-config.json", "parity-tokens.u16", "ds-parity.json", "parity-cuda.jsonl",
-                            "parity-cpu.jsonl", "parity-cuda.log", "parity-cpu.log"})
+      for (const char* n :
+           {"parity-config.json", "parity-tokens.u16", "ds-parity.json", "parity-cuda.jsonl",
+            "parity-cpu.jsonl", "parity-cuda.log", "parity-cpu.log"})
         names.push_back(n);
     if (!a->out.empty() && !a->overwrite)
       for (const std::string& name : names) {
         std::error_code ec;
-        STRATA_REQUIRE(!fs::exists(fs::path(a->out) / name, ec),
-                       "--out {}: {} is there and the bench writes its own; give an empty or new folder, or "
-                       "--overwrite if it is an earlier run's", a->out, name);
+        STRATA_REQUIRE(
+            !fs::exists(fs::path(a->out) / name, ec),
+            "--out {}: {} is there and the bench writes its own; give an empty or new folder, or "
+            "--overwrite if it is an earlier run's",
+            a->out, name);
       }
     run(*a);
   });

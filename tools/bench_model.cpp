@@ -73,12 +73,17 @@ double gemm_gflops(Device& dev, Stream& s, DType dt, const Model::GemmShape& g, 
 
 void run(const Args& a) {
   // No poisoning of fresh and freed memory: a debugging aid that costs a memset per buffer.
-  auto dev = make_device(a.device, HostDeviceOptions{.capacity_bytes = std::size_t(20) << 30, .poison = false});
+  auto dev = make_device(
+      a.device, HostDeviceOptions{.capacity_bytes = std::size_t(20) << 30, .poison = false});
   auto s = dev->create_stream("bench-model");
-  const nlohmann::json cj = {{"model_type", "llama"},          {"vocab_size", a.vocab},
-                             {"hidden_size", a.hidden},        {"intermediate_size", a.inter},
-                             {"num_hidden_layers", a.layers},  {"num_attention_heads", a.heads},
-                             {"num_key_value_heads", a.kv_heads}, {"max_position_embeddings", a.seq}};
+  const nlohmann::json cj = {{"model_type", "llama"},
+                             {"vocab_size", a.vocab},
+                             {"hidden_size", a.hidden},
+                             {"intermediate_size", a.inter},
+                             {"num_hidden_layers", a.layers},
+                             {"num_attention_heads", a.heads},
+                             {"num_key_value_heads", a.kv_heads},
+                             {"max_position_embeddings", a.seq}};
   const ModelConfig cfg = parse_model_config(cj.dump(), "bench config");
   ModelOptions mo;
   mo.micro_batch = a.batch;
@@ -95,9 +100,11 @@ void run(const Args& a) {
     b.tokens.push_back(static_cast<std::int32_t>(rng() % a.vocab));
     b.targets.push_back(static_cast<std::int32_t>(rng() % a.vocab));
   }
-  std::printf("strata-bench model: %s, Llama %.1fM params (hidden %ld, %ld layers, vocab %ld), B=%ld T=%ld, %s%s\n",
-              dev->name().c_str(), m.num_params() / 1e6, long(a.hidden), long(a.layers), long(a.vocab),
-              long(a.batch), long(a.seq), a.dtype.c_str(), a.checkpoint ? ", checkpointing" : "");
+  std::printf(
+      "strata-bench model: %s, Llama %.1fM params (hidden %ld, %ld layers, vocab %ld), B=%ld "
+      "T=%ld, %s%s\n",
+      dev->name().c_str(), m.num_params() / 1e6, long(a.hidden), long(a.layers), long(a.vocab),
+      long(a.batch), long(a.seq), a.dtype.c_str(), a.checkpoint ? ", checkpointing" : "");
   float loss = 0;
   for (int i = 0; i < a.warmup; ++i) {
     loss = m.forward(b, w);
@@ -162,11 +169,13 @@ void run(const Args& a) {
       }
       std::vector<std::pair<std::string, double>> rows;
       for (auto& [name, v] : per_op) rows.emplace_back(name, median(v));
-      std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+      std::sort(rows.begin(), rows.end(),
+                [](const auto& x, const auto& y) { return x.second > y.second; });
       const double step = median(step_s);
       std::printf("  stream time by op (median of %d traced steps; step %.3f s):\n", a.steps, step);
       for (const auto& [name, sec] : rows)
-        std::printf("    %-24s %8.1f ms %6.1f%% %6d calls\n", name.c_str(), sec * 1e3, 100 * sec / step, calls[name]);
+        std::printf("    %-24s %8.1f ms %6.1f%% %6d calls\n", name.c_str(), sec * 1e3,
+                    100 * sec / step, calls[name]);
     }
     tr.clear();
   }
@@ -185,9 +194,14 @@ void run(const Args& a) {
   nlohmann::json shape_rows = nlohmann::json::array();
   for (std::size_t g = 0; g < shapes.size(); ++g) {
     const double f = shapes[g].flops();
-    nlohmann::json row = {{"name", shapes[g].name}, {"m", shapes[g].m}, {"n", shapes[g].n}, {"k", shapes[g].k},
-                          {"trans_a", shapes[g].trans_a}, {"trans_b", shapes[g].trans_b},
-                          {"count", shapes[g].count}, {"recompute", shapes[g].recompute}};
+    nlohmann::json row = {{"name", shapes[g].name},
+                          {"m", shapes[g].m},
+                          {"n", shapes[g].n},
+                          {"k", shapes[g].k},
+                          {"trans_a", shapes[g].trans_a},
+                          {"trans_b", shapes[g].trans_b},
+                          {"count", shapes[g].count},
+                          {"recompute", shapes[g].recompute}};
     for (std::size_t i = 0; i < gemm_types.size(); ++i)
       row[fmt::format("{}_gflops", dtype_name(gemm_types[i]))] = rate[g][i];
     shape_rows.push_back(row);
@@ -202,15 +216,20 @@ void run(const Args& a) {
   const double reference = gemm_flops / best_time / 1e9;
   std::printf("  step %.3f s (best of %d), loss %.4f\n", best, a.steps, loss);
   std::printf("  %-28s %12.0f\n", "tokens/s", tokens / best);
-  std::printf("  %-28s %12.1f  (%.1f GFLOP a step%s)\n", "model GFLOP/s", gflops, m.flops_per_step() / 1e9,
-              recompute_flops > 0 ? fmt::format("; recomputation adds {:.1f} GFLOP of GEMMs, not counted",
-                                                recompute_flops / 1e9).c_str()
-                                  : "");
+  std::printf(
+      "  %-28s %12.1f  (%.1f GFLOP a step%s)\n", "model GFLOP/s", gflops, m.flops_per_step() / 1e9,
+      recompute_flops > 0 ? fmt::format("; recomputation adds {:.1f} GFLOP of GEMMs, not counted",
+                                        recompute_flops / 1e9)
+                                .c_str()
+                          : "");
   for (std::size_t i = 0; i < gemm_types.size(); ++i)
-    std::printf("  %-28s %12.1f  (the model's %zu GEMM shapes, by FLOPs; same device, best burst%s)\n",
-                fmt::format("{} GEMM GFLOP/s", dtype_name(gemm_types[i])).c_str(), gemm_flops / dtype_time[i] / 1e9,
-                shapes.size(), i == 0 ? fmt::format("; {}", route).c_str() : "");
-  std::printf("  %-28s %12.1f  (the faster dtype per shape)\n", "reference GEMM GFLOP/s", reference);
+    std::printf(
+        "  %-28s %12.1f  (the model's %zu GEMM shapes, by FLOPs; same device, best burst%s)\n",
+        fmt::format("{} GEMM GFLOP/s", dtype_name(gemm_types[i])).c_str(),
+        gemm_flops / dtype_time[i] / 1e9, shapes.size(),
+        i == 0 ? fmt::format("; {}", route).c_str() : "");
+  std::printf("  %-28s %12.1f  (the faster dtype per shape)\n", "reference GEMM GFLOP/s",
+              reference);
   std::printf("  %-28s %12.3f  (share of %s's rate on the model's GEMMs)\n", "ratio vs matmul",
               gflops / reference, cuda ? "cuBLAS" : "oneDNN");
   if (a.json) {
@@ -229,9 +248,14 @@ void run(const Args& a) {
                         {"recompute_gemm_gflop_per_step", recompute_flops / 1e9}};
     const char* lib = cuda ? "cublas" : "onednn";
     for (std::size_t i = 0; i < gemm_types.size(); ++i)
-      j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] = gemm_flops / dtype_time[i] / 1e9;
-    j["reference_gemm"] = fmt::format("{} on the model's GEMM shapes, the faster of {} per shape, weighted by "
-                                      "their FLOPs in a step", lib, gemm_types.size() > 1 ? fmt::format("{} and fp32", dtype_name(mo.compute)) : std::string("fp32"));
+      j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] =
+          gemm_flops / dtype_time[i] / 1e9;
+    j["reference_gemm"] = fmt::format(
+        "{} on the model's GEMM shapes, the faster of {} per shape, weighted by "
+        "their FLOPs in a step",
+        lib,
+        gemm_types.size() > 1 ? fmt::format("{} and fp32", dtype_name(mo.compute))
+                              : std::string("fp32"));
     j["reference_gemm_gflops"] = reference;
     j["ratio_vs_matmul"] = gflops / reference;
     j["gemm_shapes"] = shape_rows;
@@ -247,26 +271,40 @@ void run(const Args& a) {
 }  // namespace
 
 void add_model_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("model", "transformer forward+backward tokens/s and GFLOP/s vs the bf16 GEMM rate");
+  auto* cmd = app.add_subcommand(
+      "model", "transformer forward+backward tokens/s and GFLOP/s vs the bf16 GEMM rate");
   auto a = std::make_shared<Args>();
   cmd->add_option("--device", a->device, "auto, cpu or cuda (default cpu)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: bf16 or fp32 (default bf16)");
-  cmd->add_option("--hidden", a->hidden, "hidden size (default 768)")->check(strata::tools::kPositive);
-  cmd->add_option("--layers", a->layers, "decoder layers (default 12)")->check(strata::tools::kPositive);
-  cmd->add_option("--heads", a->heads, "attention heads (default 12)")->check(strata::tools::kPositive);
-  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (default 12)")->check(strata::tools::kPositive);
-  cmd->add_option("--intermediate", a->inter, "MLP size (default 2048)")->check(strata::tools::kPositive);
-  cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)")->check(strata::tools::kPositive);
-  cmd->add_option("--batch", a->batch, "micro-batch B (default 2)")->check(strata::tools::kPositive);
-  cmd->add_option("--seq", a->seq, "sequence length T (default 256)")->check(strata::tools::kPositive);
-  cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)")->check(CLI::Range(1, 100000));
-  cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)")->check(CLI::Range(0, 100000));
+  cmd->add_option("--hidden", a->hidden, "hidden size (default 768)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--layers", a->layers, "decoder layers (default 12)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--heads", a->heads, "attention heads (default 12)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (default 12)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--intermediate", a->inter, "MLP size (default 2048)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--vocab", a->vocab, "vocabulary (default 16384)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--batch", a->batch, "micro-batch B (default 2)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--seq", a->seq, "sequence length T (default 256)")
+      ->check(strata::tools::kPositive);
+  cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)")
+      ->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)")
+      ->check(CLI::Range(0, 100000));
   cmd->add_flag("--checkpoint", a->checkpoint, "activation checkpointing");
-  cmd->add_option("--loss-chunk-rows", a->loss_chunk_rows, "rows per fused LM-head/loss chunk (default 0: the model's choice)")
+  cmd->add_option("--loss-chunk-rows", a->loss_chunk_rows,
+                  "rows per fused LM-head/loss chunk (default 0: the model's choice)")
       ->check(strata::tools::kNonNegative);
   cmd->add_flag("--json", a->json, "print, last, one JSON object of the figures");
-  cmd->add_flag("--breakdown", a->breakdown, "then trace --steps more steps and print the stream's time by op");
-  cmd->add_option("--trace", a->trace, "then trace --steps more steps and write them as a Chrome trace to this path");
+  cmd->add_flag("--breakdown", a->breakdown,
+                "then trace --steps more steps and print the stream's time by op");
+  cmd->add_option("--trace", a->trace,
+                  "then trace --steps more steps and write them as a Chrome trace to this path");
   cmd->add_flag("--overwrite", a->overwrite, "replace an existing --trace file");
   cmd->callback([a] {
     // Written after the timed steps: checked first, and not replaced unasked.

@@ -40,7 +40,8 @@ int main(int argc, char** argv) {
   }
   const int fd = open("/proc/self/pagemap", O_RDONLY);
   uint64_t* e = malloc(pages * 8);
-  if (fd < 0 || !e || pread(fd, e, pages * 8, (off_t)((uintptr_t)p / 4096 * 8)) != (ssize_t)(pages * 8))
+  if (fd < 0 || !e ||
+      pread(fd, e, pages * 8, (off_t)((uintptr_t)p / 4096 * 8)) != (ssize_t)(pages * 8))
     return perror("pagemap"), 1;
   const uint64_t frame = ((uint64_t)1 << 55) - 1;
   if ((e[0] & frame) == 0) return fprintf(stderr, "frame numbers hidden: run as root\n"), 1;

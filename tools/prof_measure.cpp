@@ -2,6 +2,8 @@
 // write and read through the engine's own swap store, CPU and device AdamW, collectives) and the
 // model (per-unit forward / backward time and activation bytes from real micro-batches of a 1-
 // and a 2-layer copy of it), agreed across ranks.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -10,8 +12,6 @@
 #include <mutex>
 #include <random>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "prof.h"
 #include "strata/adamw.h"
@@ -40,11 +40,22 @@ double best_of(int reps, F f) {
 // of the figures, rates and capacities negated.
 void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<ModelProfile>& models) {
   if (comm.world_size() <= 1) return;
-  std::vector<double*> lowest = {&m.h2d_bps, &m.d2h_bps, &m.device_mem_bps, &m.free_bps, &m.host_mem_bps,
-                                 &m.host_norm_bps, &m.nvme_read_bps, &m.nvme_write_bps, &m.nvme_mixed_bps,
-                                 &m.nvme_fetch_read_bps, &m.cpu_adamw_params_per_s, &m.device_adamw_params_per_s,
-                                 &m.all_gather_bps, &m.reduce_scatter_bps};
-  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free, &m.ram_capacity};
+  std::vector<double*> lowest = {&m.h2d_bps,
+                                 &m.d2h_bps,
+                                 &m.device_mem_bps,
+                                 &m.free_bps,
+                                 &m.host_mem_bps,
+                                 &m.host_norm_bps,
+                                 &m.nvme_read_bps,
+                                 &m.nvme_write_bps,
+                                 &m.nvme_mixed_bps,
+                                 &m.nvme_fetch_read_bps,
+                                 &m.cpu_adamw_params_per_s,
+                                 &m.device_adamw_params_per_s,
+                                 &m.all_gather_bps,
+                                 &m.reduce_scatter_bps};
+  std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free,
+                                              &m.ram_capacity};
   std::vector<double*> highest = {&m.nvme_request_s};
   std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
   for (ModelProfile& mp : models) {
@@ -134,8 +145,11 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
                  isa_name(base.optimizer_isa), isa_unavailable(base.optimizer_isa));
   CpuAdamW adam({.isa = base.optimizer_isa});
   AdamWOptions o;
-  AdamWShard sh{host_tensor(p.data(), DType::kF32, n), host_tensor(g.data(), DType::kF32, n),
-                host_tensor(mm.data(), DType::kF32, n), host_tensor(v.data(), DType::kF32, n), {}};
+  AdamWShard sh{host_tensor(p.data(), DType::kF32, n),
+                host_tensor(g.data(), DType::kF32, n),
+                host_tensor(mm.data(), DType::kF32, n),
+                host_tensor(v.data(), DType::kF32, n),
+                {}};
   if (ct != DType::kF32) sh.copy_out = host_tensor(out16.data(), ct, n);
   adam.step(o, sh);
   const double t = best_of(3, [&] {
@@ -150,8 +164,9 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
   AdamWDesc desc;
   desc.options = o;
   desc.policy = NonFinitePolicy::kReportOnly;
-  desc.shards.push_back({tensor(dp, DType::kF32, n), tensor(dg, DType::kF32, n), tensor(dm, DType::kF32, n),
-                         tensor(dv, DType::kF32, n), ct != DType::kF32 ? tensor(dout, ct, n) : TensorRef{}});
+  desc.shards.push_back({tensor(dp, DType::kF32, n), tensor(dg, DType::kF32, n),
+                         tensor(dm, DType::kF32, n), tensor(dv, DType::kF32, n),
+                         ct != DType::kF32 ? tensor(dout, ct, n) : TensorRef{}});
   s.adamw(desc);
   s.synchronize();
   const double td = best_of(3, [&] {
@@ -187,8 +202,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   so.aio = base.aio;
   so.config_key = nvme_key;
   SwapStore store(so);
-  const std::size_t extent =
-      SwapStore::padded_bytes(std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
+  const std::size_t extent = SwapStore::padded_bytes(
+      std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
   const std::size_t count = std::max<std::size_t>(8, (std::size_t(128) << 20) / extent), depth = 2;
   std::vector<PinnedBlock> bufs;
   for (std::size_t i = 0; i < 4; ++i) {
@@ -205,7 +220,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
         hs.pop_front();
       }
       void* b = bufs[i % bufs.size()].data();
-      hs.push_back(write ? store.write(fmt::format("x{}", i), b, extent) : store.read(fmt::format("x{}", i), b, extent));
+      hs.push_back(write ? store.write(fmt::format("x{}", i), b, extent)
+                         : store.read(fmt::format("x{}", i), b, extent));
     }
     for (auto& h : hs) h.wait();
     return since(t0);
@@ -251,21 +267,26 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     const std::size_t small = 64 << 10, reads = 16;
     auto one_at_a_time = [&](std::size_t bytes) {
       const std::string prefix = written_keys("s", bytes, reads);
-      return best_of(2, [&] {
-               const auto t0 = Clock::now();
-               for (std::size_t i = 0; i < reads; ++i)
-                 store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes).wait();
-               return since(t0);
-             }) /
+      return best_of(2,
+                     [&] {
+                       const auto t0 = Clock::now();
+                       for (std::size_t i = 0; i < reads; ++i)
+                         store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes)
+                             .wait();
+                       return since(t0);
+                     }) /
              double(reads);
     };
     const double big = one_at_a_time(extent), little = one_at_a_time(small);
     m.nvme_request_s = 0;
-    if (small < extent && little < big) m.nvme_request_s = std::max(0.0, little - double(small) * (big - little) / double(extent - small));
+    if (small < extent && little < big)
+      m.nvme_request_s =
+          std::max(0.0, little - double(small) * (big - little) / double(extent - small));
   }
   // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
   // one read of that size at a time (the next is issued as the prefetch window moves).
-  const std::size_t w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
+  const std::size_t w_extent =
+      SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
   const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
   const std::string w_prefix = written_keys("w", w_extent, count);
   const double fetch = best_of(2, [&] {
@@ -276,28 +297,31 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   });
   m.nvme_fetch_read_bps = double(w_extent * w_count) / fetch;
   // The engine's own rule: this rank's share of the drive's free space (its files counted free).
-  m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key, ranks_on_this_node(comm),
-                                      comm.world_size());
+  m.nvme_free = SwapStore::free_bytes(all_nvme_paths, comm.rank(), nvme_key,
+                                      ranks_on_this_node(comm), comm.world_size());
 }
 
 // Collectives over the full buffer (more than one rank).
 void measure_collectives(Device& dev, Communicator& comm, Stream& s, std::size_t bytes,
                          MachineProfile& m) {
   // A whole shard per rank whatever the world size (3 ranks do not divide 2^24 elements).
-  const std::size_t shard = bytes / 4 / std::size_t(m.world_size), n = shard * std::size_t(m.world_size);
+  const std::size_t shard = bytes / 4 / std::size_t(m.world_size),
+                    n = shard * std::size_t(m.world_size);
   Buffer full = dev.alloc(n * 4), part = dev.alloc(shard * 4);
-  comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n), s);
+  comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())),
+                  tensor(full, DType::kF32, n), s);
   s.synchronize();
   const double ag = best_of(3, [&] {
     const auto t0 = Clock::now();
-    comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())), tensor(full, DType::kF32, n),
-                    s);
+    comm.all_gather(tensor(full, DType::kF32, shard, shard * std::size_t(comm.rank())),
+                    tensor(full, DType::kF32, n), s);
     s.synchronize();
     return since(t0);
   });
   const double rs = best_of(3, [&] {
     const auto t0 = Clock::now();
-    comm.reduce_scatter(tensor(full, DType::kF32, n), tensor(part, DType::kF32, shard), ReduceOp::kAvg, s);
+    comm.reduce_scatter(tensor(full, DType::kF32, n), tensor(part, DType::kF32, shard),
+                        ReduceOp::kAvg, s);
     s.synchronize();
     return since(t0);
   });
@@ -309,9 +333,10 @@ void measure_collectives(Device& dev, Communicator& comm, Stream& s, std::size_t
 // (`all_nvme_paths`: a file system counted once).
 // (`nvme_key`: what gave the path, named in its errors: "--nvme-path", or the --config's key)
 MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
-                               const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
-                               const std::string& nvme_key, bool use_nvme, std::size_t unit_state_bytes,
-                               std::size_t unit_weight_bytes) {
+                               const std::string& nvme_dir,
+                               const std::vector<std::string>& all_nvme_paths,
+                               const std::string& nvme_key, bool use_nvme,
+                               std::size_t unit_state_bytes, std::size_t unit_weight_bytes) {
   const std::uint64_t rss_before = cpu::process_rss_bytes();
   MachineProfile m;
   m.world_size = comm.world_size();
@@ -349,7 +374,8 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
   PlanInputs ram;
   set_host_ram_inputs(ram, dev, m.ranks_on_node);
   m.ram_base_bytes = std::min<std::uint64_t>(ram.ram_base_bytes, rss_before);
-  m.ram_capacity = ram.ram_capacity == 0 ? 0 : ram.ram_capacity - ram.ram_base_bytes + m.ram_base_bytes;
+  m.ram_capacity =
+      ram.ram_capacity == 0 ? 0 : ram.ram_capacity - ram.ram_base_bytes + m.ram_base_bytes;
   m.device_in_ram = ram.device_in_ram;
   return m;
 }
@@ -404,9 +430,9 @@ struct LayerTiming {
 
 // Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
 // over the repetitions) and the device bytes beyond the weights at the peak.
-LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host,
-                        DType dt,
-                        const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T,
+                        bool ckpt, bool ckpt_host, DType dt, const std::string& device,
+                        const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
   ModelConfig cfg = base;
   cfg.num_layers = layers;
   auto dev = make_device(device, hopt, copt);
@@ -452,8 +478,11 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
         g0 = x.t;
       }
     }
-    STRATA_CHECK(fw.size() == head + 1 && bw.size() == L && phase == 2, "strata-prof: unexpected unit order from the model");
-    auto d = [](Clock::time_point a0, Clock::time_point b2) { return std::chrono::duration<double>(b2 - a0).count(); };
+    STRATA_CHECK(fw.size() == head + 1 && bw.size() == L && phase == 2,
+                 "strata-prof: unexpected unit order from the model");
+    auto d = [](Clock::time_point a0, Clock::time_point b2) {
+      return std::chrono::duration<double>(b2 - a0).count();
+    };
     LayerTiming t;
     t.embed_f = d(fw[0], fw[1]);
     double lf = 0, lb = 0;
@@ -472,16 +501,17 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
     return v[v.size() / 2];
   };
   LayerTiming out;
-  for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f, &LayerTiming::layer_b,
-                 &LayerTiming::head_f})
+  for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
+                 &LayerTiming::layer_b, &LayerTiming::head_f})
     out.*f = median(f);
   const std::size_t peak = dev->stats().peak_bytes_in_use;
   out.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
   return out;
 }
 
-ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt, bool ckpt_host, DType dt,
-                           const std::string& device, const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt,
+                           bool ckpt_host, DType dt, const std::string& device,
+                           const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
   const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
   const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
   ModelProfile mp;
@@ -507,36 +537,46 @@ ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t
     mp.units.push_back(c);
   }
   const double per_layer = double(two.activation_bytes) - double(one.activation_bytes);
-  mp.activation_bytes =
-      std::uint64_t(std::max(0.0, double(one.activation_bytes) + double(mcfg.num_layers - 1) * std::max(0.0, per_layer)));
+  mp.activation_bytes = std::uint64_t(std::max(
+      0.0, double(one.activation_bytes) + double(mcfg.num_layers - 1) * std::max(0.0, per_layer)));
   return mp;
 }
 
-
 void print_machine(const MachineProfile& m, const std::string& dev_name) {
-  auto g = [](double bps) { return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-"); };
-  std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size, m.world_size == 1 ? "" : "s");
-  std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n", g(m.h2d_bps).c_str(),
-              g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(), g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
-  std::printf("  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  a read's fixed time %.3f ms"
-              "  (%s free)\n",
-              g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
-              g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
-              m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
+  auto g = [](double bps) {
+    return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-");
+  };
+  std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size,
+              m.world_size == 1 ? "" : "s");
+  std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n",
+              g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(),
+              g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
+  std::printf(
+      "  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  a read's fixed "
+      "time %.3f ms"
+      "  (%s free)\n",
+      g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
+      g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
+      m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
-              m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6, g(m.host_norm_bps).c_str());
+              m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6,
+              g(m.host_norm_bps).c_str());
   if (m.world_size > 1)
-    std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(), g(m.reduce_scatter_bps).c_str());
-  std::printf("  capacity: device %s, host (pinned budget) %s\n", human(double(m.device_capacity)).c_str(),
-              human(double(m.host_capacity)).c_str());
+    std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(),
+                g(m.reduce_scatter_bps).c_str());
+  std::printf("  capacity: device %s, host (pinned budget) %s\n",
+              human(double(m.device_capacity)).c_str(), human(double(m.host_capacity)).c_str());
   if (m.device_shares_host_cores > 0)
-    std::printf("  (the emulated device computes on this process's %g core%s, with the host thread and the CPU\n"
-                "   optimizer: the model shares them out among whatever runs at once)\n",
-                m.device_shares_host_cores, m.device_shares_host_cores == 1 ? "" : "s");
+    std::printf(
+        "  (the emulated device computes on this process's %g core%s, with the host thread and the "
+        "CPU\n"
+        "   optimizer: the model shares them out among whatever runs at once)\n",
+        m.device_shares_host_cores, m.device_shares_host_cores == 1 ? "" : "s");
 }
 
-// The machine, measured on the device the placements run on (the emulated one sized up to hold the measurements'
-// buffers); `a.device` becomes what "auto" chose and `base` takes the device's defaults.
+// The machine, measured on the device the placements run on (the emulated one sized up to hold the
+// measurements' buffers); `a.device` becomes what "auto" chose and `base` takes the device's
+// defaults.
 void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
                           const NvmeChoice& nvme, const DeviceOptions& dopt, int world_size,
                           Measurement& out) {
@@ -546,14 +586,18 @@ void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
   auto dev = make_device(a.device, dopt.mhopt, dopt.copt);
   dev_name = dev->name();
   // The emulated device's throttles would be ignored on a GPU (with --device auto, say).
-  STRATA_REQUIRE(dev->kind() == DeviceKind::kCpu || (a.emu_h2d <= 0 && a.emu_d2h <= 0 && a.emu_gflops <= 0),
-                 "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops throttle the CPU-emulated device, and "
-                 "this run measures {}: leave them out, or pass --device cpu", dev_name);
+  STRATA_REQUIRE(
+      dev->kind() == DeviceKind::kCpu || (a.emu_h2d <= 0 && a.emu_d2h <= 0 && a.emu_gflops <= 0),
+      "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops throttle the CPU-emulated device, "
+      "and "
+      "this run measures {}: leave them out, or pass --device cpu",
+      dev_name);
   auto comm = make_communicator(*dev);
   std::size_t largest = 0;
   for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
   const std::size_t shard = largest / std::size_t(std::max(1, world_size));
-  std::vector<std::string> all_paths = nvme.paths.empty() ? std::vector<std::string>{nvme.dir} : nvme.paths;
+  std::vector<std::string> all_paths =
+      nvme.paths.empty() ? std::vector<std::string>{nvme.dir} : nvme.paths;
   for (const std::string& p : nvme.param_paths)
     if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
   machine = measure_machine(*dev, *comm, base, nvme.dir, all_paths, nvme.key, nvme.use, shard * 12,
@@ -571,8 +615,8 @@ void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
   }
 }
 
-// The model's profiles: every micro-batch size with checkpointing off, on, and on with the checkpoints in host memory;
-// with several ranks, every rank then takes the slowest rank's figures.
+// The model's profiles: every micro-batch size with checkpointing off, on, and on with the
+// checkpoints in host memory; with several ranks, every rank then takes the slowest rank's figures.
 void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfig& mcfg,
                        const NvmeChoice& nvme, const DeviceOptions& dopt, int world_size, bool talk,
                        Measurement& out) {
@@ -594,19 +638,24 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     // The plan takes the config's budget over the machine's: the least any rank has, on every rank.
     space.base.host_budget_bytes = out.machine.host_capacity;
     if (talk)
-      std::printf("%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
-                  world_size);
+      std::printf(
+          "%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
+          world_size);
   }
 }
 
 void print_models(const SearchSpace& space) {
   std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
-  std::printf("  %-6s %-5s %10s %10s %10s %10s %12s\n", "B", "ckpt", "layer fwd", "layer bwd", "head", "embed",
-              "activations");
+  std::printf("  %-6s %-5s %10s %10s %10s %10s %12s\n", "B", "ckpt", "layer fwd", "layer bwd",
+              "head", "embed", "activations");
   for (const auto& mp : space.models)
     std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s\n", (long long)mp.micro_batch,
-                !mp.checkpoint ? "off" : mp.checkpoint_on_host ? "host" : "on", mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
-                mp.units.back().forward_s * 1e3, (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
+                !mp.checkpoint          ? "off"
+                : mp.checkpoint_on_host ? "host"
+                                        : "on",
+                mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
+                mp.units.back().forward_s * 1e3,
+                (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
                 human(double(mp.activation_bytes)).c_str());
 }
 
@@ -620,12 +669,15 @@ Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const 
   measure_this_machine(a, base, mcfg, nvme, dopt, world_size, out);
   out.machine_s = since(t_start);
   if (talk) {
-    std::printf("strata-prof: %s, %zu layers, %.2fM parameters, seq %lld, %s\n", mcfg.model_type.c_str(),
-                std::size_t(mcfg.num_layers), [&] {
-                  double n = 0;
-                  for (const auto& u : model_units(mcfg)) n += double(u.numel);
-                  return n / 1e6;
-                }(), (long long)a.seq_len, a.dtype.c_str());
+    std::printf(
+        "strata-prof: %s, %zu layers, %.2fM parameters, seq %lld, %s\n", mcfg.model_type.c_str(),
+        std::size_t(mcfg.num_layers),
+        [&] {
+          double n = 0;
+          for (const auto& u : model_units(mcfg)) n += double(u.numel);
+          return n / 1e6;
+        }(),
+        (long long)a.seq_len, a.dtype.c_str());
     print_machine(out.machine, out.dev_name);
     std::fflush(stdout);
   }

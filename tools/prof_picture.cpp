@@ -1,11 +1,11 @@
 // strata-prof's picture: the measured step's trace as per-lane intervals, and the SVG of the best
 // candidate's step per resource lane (predicted, and measured when validated) with the bytes
 // per tier of the top candidates.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
-
-#include <fmt/format.h>
 
 #include "prof.h"
 #include "strata/error.h"
@@ -15,13 +15,16 @@ namespace {
 
 // The resource lane a traced span ran on (kCount: none the model has).
 Resource lane_of(const TraceSpan& sp) {
-  if (sp.name == "wait_event" || sp.name == "free" || sp.name == "prof_stamp") return Resource::kCount;
+  if (sp.name == "wait_event" || sp.name == "free" || sp.name == "prof_stamp")
+    return Resource::kCount;
   if (sp.name == "copy_h2d") return Resource::kH2D;
   if (sp.name == "copy_d2h") return Resource::kD2H;
   if (sp.lane.starts_with("nvme")) return Resource::kNvme;
   if (sp.name == "cpu_adamw" || sp.name == "grad_accumulate") return Resource::kCpu;
-  if (sp.lane == "compute" || (sp.lane == "optimizer" && sp.name == "adamw")) return Resource::kCompute;
-  if (sp.name.starts_with("all_gather") || sp.name.starts_with("reduce_scatter") || sp.name.starts_with("all_reduce"))
+  if (sp.lane == "compute" || (sp.lane == "optimizer" && sp.name == "adamw"))
+    return Resource::kCompute;
+  if (sp.name.starts_with("all_gather") || sp.name.starts_with("reduce_scatter") ||
+      sp.name.starts_with("all_reduce"))
     return Resource::kComm;
   return Resource::kCount;
 }
@@ -36,7 +39,8 @@ std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans) {
   for (const auto& sp : spans) {
     const Resource r = lane_of(sp);
     if (r == Resource::kCount || sp.end_ns <= sp.start_ns) continue;
-    out.push_back({r, double(sp.start_ns - t0) / 1e9, double(sp.end_ns - t0) / 1e9, sp.name, sp.lane, sp.bytes});
+    out.push_back({r, double(sp.start_ns - t0) / 1e9, double(sp.end_ns - t0) / 1e9, sp.name,
+                   sp.lane, sp.bytes});
   }
   return out;
 }
@@ -46,10 +50,14 @@ namespace {
 std::string svg_escape(const std::string& s) {
   std::string o;
   for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else o += c;
+    if (c == '<')
+      o += "&lt;";
+    else if (c == '>')
+      o += "&gt;";
+    else if (c == '&')
+      o += "&amp;";
+    else
+      o += c;
   }
   return o;
 }
@@ -57,8 +65,9 @@ std::string svg_escape(const std::string& s) {
 }  // namespace
 
 // ---- the picture ----
-void write_svg(const std::string& path, const Candidate& best, const std::vector<Interval>* measured,
-               double measured_step_s, const std::vector<Candidate>& top) {
+void write_svg(const std::string& path, const Candidate& best,
+               const std::vector<Interval>* measured, double measured_step_s,
+               const std::vector<Candidate>& top) {
   const char* colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948"};
   const int lanes = int(Resource::kCount);
   const double width = 1000, left = 90, lane_h = 22;
@@ -73,50 +82,63 @@ void write_svg(const std::string& path, const Candidate& best, const std::vector
     for (int r = 0; r < lanes; ++r) {
       const double ly = y + r * lane_h;
       body += fmt::format("<text x='10' y='{}'>{}</text>\n", ly + 15, resource_name(Resource(r)));
-      body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='#f4f4f4'/>\n", left, ly + 2,
-                          width - left - 20, lane_h - 4);
+      body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='#f4f4f4'/>\n", left,
+                          ly + 2, width - left - 20, lane_h - 4);
     }
     for (const auto& iv : sched) {
       const double ly = y + int(iv.lane) * lane_h;
-      const double x = left + iv.start_s * scale, w = std::max(0.5, (iv.end_s - iv.start_s) * scale);
-      body += fmt::format("<rect x='{:.1f}' y='{}' width='{:.1f}' height='{}' fill='{}'><title>{} {:.2f}-{:.2f} ms</title></rect>\n",
-                          x, ly + 2, w, lane_h - 4, colors[int(iv.lane)], svg_escape(iv.what), iv.start_s * 1e3,
-                          iv.end_s * 1e3);
+      const double x = left + iv.start_s * scale,
+                   w = std::max(0.5, (iv.end_s - iv.start_s) * scale);
+      body += fmt::format(
+          "<rect x='{:.1f}' y='{}' width='{:.1f}' height='{}' fill='{}'><title>{} {:.2f}-{:.2f} "
+          "ms</title></rect>\n",
+          x, ly + 2, w, lane_h - 4, colors[int(iv.lane)], svg_escape(iv.what), iv.start_s * 1e3,
+          iv.end_s * 1e3);
     }
     y += lanes * lane_h;
-    body += fmt::format("<text x='{}' y='{}'>0</text><text x='{:.1f}' y='{}' text-anchor='end'>{:.1f} ms</text>\n", left,
-                        y + 14, left + step_s * scale, y + 14, step_s * 1e3);
+    body += fmt::format(
+        "<text x='{}' y='{}'>0</text><text x='{:.1f}' y='{}' text-anchor='end'>{:.1f} ms</text>\n",
+        left, y + 14, left + step_s * scale, y + 14, step_s * 1e3);
     y += 36;
   };
   timeline(best.prediction.schedule, best.prediction.step_s,
            fmt::format("predicted step: {} ({:.1f} ms)", best.label, best.prediction.step_s * 1e3));
   if (measured)
-    timeline(*measured, measured_step_s, fmt::format("measured step (trace of the same configuration, {:.1f} ms)",
-                                                     measured_step_s * 1e3));
+    timeline(*measured, measured_step_s,
+             fmt::format("measured step (trace of the same configuration, {:.1f} ms)",
+                         measured_step_s * 1e3));
   // bytes per tier of the top candidates
-  body += fmt::format("<text x='10' y='{}' font-weight='bold'>bytes per tier (planner), top candidates</text>\n", y);
+  body += fmt::format(
+      "<text x='10' y='{}' font-weight='bold'>bytes per tier (planner), top candidates</text>\n",
+      y);
   y += 12;
   double maxb = 1;
-  for (const auto& c : top) maxb = std::max({maxb, double(c.plan.device_bytes), double(c.plan.host_bytes), double(c.plan.nvme_bytes)});
+  for (const auto& c : top)
+    maxb = std::max(
+        {maxb, double(c.plan.device_bytes), double(c.plan.host_bytes), double(c.plan.nvme_bytes)});
   const char* tier_names[] = {"device", "host", "nvme"};
   for (std::size_t i = 0; i < top.size(); ++i) {
     const Candidate& c = top[i];
-    const double vals[] = {double(c.plan.device_bytes), double(c.plan.host_bytes), double(c.plan.nvme_bytes)};
+    const double vals[] = {double(c.plan.device_bytes), double(c.plan.host_bytes),
+                           double(c.plan.nvme_bytes)};
     body += fmt::format("<text x='10' y='{}'>#{} {}</text>\n", y + 12, i + 1, svg_escape(c.label));
     y += 16;
     for (int t = 0; t < 3; ++t) {
       const double w = vals[t] / maxb * (width - left - 160);
-      body += fmt::format("<text x='20' y='{}'>{}</text><rect x='{}' y='{}' width='{:.1f}' height='12' fill='{}'/>"
-                          "<text x='{:.1f}' y='{}'>{}</text>\n",
-                          y + 11, tier_names[t], left, y + 1, w, colors[t], left + w + 6, y + 11, human(vals[t]));
+      body += fmt::format(
+          "<text x='20' y='{}'>{}</text><rect x='{}' y='{}' width='{:.1f}' height='12' fill='{}'/>"
+          "<text x='{:.1f}' y='{}'>{}</text>\n",
+          y + 11, tier_names[t], left, y + 1, w, colors[t], left + w + 6, y + 11, human(vals[t]));
       y += 15;
     }
     y += 6;
   }
   std::ofstream f(path, std::ios::trunc);
-  f << fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' "
-                   "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n",
-                   width, y + 10)
+  f << fmt::format(
+           "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' "
+           "font-family='sans-serif' "
+           "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n",
+           width, y + 10)
     << body << "</svg>\n";
   STRATA_REQUIRE(f.good(), "--svg {}: cannot be written", path);
 }

@@ -1,6 +1,7 @@
 // strata-prof's validation: the configuration written for a candidate (--out, and each
 // validation run's), the strata-train command that runs the recommendation, and --validate K:
 // the best K run through strata::train for a few steps, predicted against measured step time.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 #include <fstream>
 #include <random>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "prof.h"
 #include "strata/error.h"
@@ -28,13 +27,12 @@ struct Measured {
   std::vector<double> steps;
 };
 
-
-
 // The configuration written for a candidate: what the search decided, and otherwise the user's
 // own keys — not this machine's defaults (the host budget of 80% of its RAM over its ranks, the
 // emulated device's early-step and norm settings), which strata-train works out again where it
 // runs (a config carried to a GPU or to more ranks must not take them along).
-EngineConfig written_config(const EngineConfig& chosen, const EngineConfig& user, bool host_budget_given) {
+EngineConfig written_config(const EngineConfig& chosen, const EngineConfig& user,
+                            bool host_budget_given) {
   EngineConfig w = chosen;
   if (!host_budget_given) w.host_budget_bytes = 0;
   w.overlap_optimizer = user.overlap_optimizer;
@@ -69,30 +67,35 @@ std::string written_json(const EngineConfig& chosen, const std::string& user_tex
   const auto collect = [&](const auto& self, const config::Json& at, const Ptr& where) -> void {
     for (auto it = at.begin(); it != at.end(); ++it) {
       const Ptr p = where / it.key();
-      if (it->is_object() && out.contains(p) && out[p].is_object()) self(self, *it, p);
-      else leaves.push_back(p);
+      if (it->is_object() && out.contains(p) && out[p].is_object())
+        self(self, *it, p);
+      else
+        leaves.push_back(p);
     }
   };
   if (user.is_object()) collect(collect, user, Ptr());
   for (const Ptr& p : leaves) {
     const config::Json& v = user[p];
-    const bool missing = !out.contains(p), placeholder = v.is_string() && v == "auto" && !missing && out[p] != v;
+    const bool missing = !out.contains(p),
+               placeholder = v.is_string() && v == "auto" && !missing && out[p] != v;
     if (!missing && !placeholder) continue;
     try {
-      config::Json without = user;  // inert in the user's own config: removing it changes nothing there
+      config::Json without =
+          user;  // inert in the user's own config: removing it changes nothing there
       without[p.parent_pointer()].erase(p.back());
       if (meaning(without) != users) continue;
       config::Json trial = out;  // ... and it changes nothing in the recommendation
       trial[p] = v;
       if (meaning(trial) == decided) out = std::move(trial);
-    } catch (const nlohmann::json::exception&) {  // (a place `out` holds a value, not an object, above it)
+    } catch (const nlohmann::json::exception&) {  // (a place `out` holds a value, not an object,
+                                                  // above it)
     }
   }
   return out.dump(2) + "\n";
 }
 
-Measured run_candidate(const Args& a, const Candidate& c, const std::string& work, const std::string& data_file,
-                       const std::string& trace_file, int index) {
+Measured run_candidate(const Args& a, const Candidate& c, const std::string& work,
+                       const std::string& data_file, const std::string& trace_file, int index) {
   const std::string cfg_path = (fs::path(work) / fmt::format("candidate{}.json", index)).string();
   {
     // No schedule: a step's time does not depend on its lr, and a schedule the --config sizes for
@@ -112,9 +115,12 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
     f << model_config_json(demo_model_config());
     o.model_config = mc;
   }
-  if (!a.data_files.empty()) o.data_files = a.data_files;
-  else if (!a.text_file.empty()) o.text_file = a.text_file;
-  else o.data_files = {data_file};
+  if (!a.data_files.empty())
+    o.data_files = a.data_files;
+  else if (!a.text_file.empty())
+    o.text_file = a.text_file;
+  else
+    o.data_files = {data_file};
   if (a.data_files.empty() && a.text_file.empty()) o.data_format = "u32";
   o.ds_config = cfg_path;
   o.seq_len = a.seq_len;
@@ -142,13 +148,13 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   }
   std::fclose(null);
   Measured m;
-  for (std::size_t i = 1; i < r.steps.size(); ++i) m.steps.push_back(r.steps[i].step_s);  // step 1 records the order
+  for (std::size_t i = 1; i < r.steps.size(); ++i)
+    m.steps.push_back(r.steps[i].step_s);  // step 1 records the order
   std::vector<double> v = m.steps;
   std::sort(v.begin(), v.end());
   m.step_s = v.empty() ? 0 : v[v.size() / 2];
   return m;
 }
-
 
 // Random tokens for the validation runs (every rank its own, in its work folder): the step's
 // time does not depend on what they are.
@@ -174,8 +180,9 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
   int exit_code = 0;
   // How much slower the recommended configuration trains than the fastest validated (>= 1).
   const std::size_t best_measured_i = fastest_validated(ranked, measured);
-  const double rec_vs_best =
-      measured_tps[0] > 0 && best_measured_i < k ? measured_tps[best_measured_i] / measured_tps[0] : 0;
+  const double rec_vs_best = measured_tps[0] > 0 && best_measured_i < k
+                                 ? measured_tps[best_measured_i] / measured_tps[0]
+                                 : 0;
   if (failed > 0) {
     exit_code = 3;
     if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
@@ -183,25 +190,31 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
   const int validated_ok = int(k) - failed;
   if (talk) {
     if (measured[0] <= 0 && validated_ok > 0)
-      std::printf("worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended configuration's "
-                  "run FAILED\n", worst * 100, validated_ok);
+      std::printf(
+          "worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended "
+          "configuration's "
+          "run FAILED\n",
+          worst * 100, validated_ok);
     if (measured[0] > 0) {
-      std::printf("worst prediction error %.1f%% (target 15%%); the recommended configuration measured %.1f ms "
-                  "(%.0f tokens/s), %s\n",
-                  worst * 100, measured[0] * 1e3, measured_tps[0],
-                  best_measured_i == 0
-                      ? "the fastest of those validated"
-                      : fmt::format("{:.1f}% slower than #{} in tokens/s (target 5%)", (rec_vs_best - 1) * 100,
-                                    best_measured_i + 1)
-                            .c_str());
+      std::printf(
+          "worst prediction error %.1f%% (target 15%%); the recommended configuration measured "
+          "%.1f ms "
+          "(%.0f tokens/s), %s\n",
+          worst * 100, measured[0] * 1e3, measured_tps[0],
+          best_measured_i == 0 ? "the fastest of those validated"
+                               : fmt::format("{:.1f}% slower than #{} in tokens/s (target 5%)",
+                                             (rec_vs_best - 1) * 100, best_measured_i + 1)
+                                     .c_str());
     }
     if (trace_written)
-      std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps, trace.c_str());
+      std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
+                  trace.c_str());
   }
   j["validated"] = k;
   j["validation_failures"] = failed;
   j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
-  j["recommended_vs_best_measured"] = measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
+  j["recommended_vs_best_measured"] =
+      measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
 }
@@ -210,7 +223,9 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
 
 // The demo's model config, written beside --out for the printed command: best.json ->
 // best.model.json.
-std::string demo_model_file(const std::string& out) { return fs::path(out).replace_extension(".model.json").string(); }
+std::string demo_model_file(const std::string& out) {
+  return fs::path(out).replace_extension(".model.json").string();
+}
 
 // The recommendation: --out, written as the user's --config would have it (written_json), and the
 // strata-train command that runs it on the device it was measured on.
@@ -232,7 +247,8 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
     std::ofstream(mc, std::ios::trunc) << model_config_json(demo_model_config());
     model_flag = " --model-config " + mc;
   }
-  // The device it was measured on, as strata-train takes it (the emulated one with its cap and throttles).
+  // The device it was measured on, as strata-train takes it (the emulated one with its cap and
+  // throttles).
   std::string device_flags;
   if (dev_name.starts_with("cpu")) {
     device_flags = " --device cpu";
@@ -246,26 +262,33 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
   // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
   std::error_code ec;
   const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
-  const std::int64_t global = best.config.micro_batch_per_gpu * best.config.gradient_accumulation_steps *
-                              machine.world_size;
+  const std::int64_t global = best.config.micro_batch_per_gpu *
+                              best.config.gradient_accumulation_steps * machine.world_size;
   if (config_train_batch > 0 && global != config_train_batch) {
     const std::int64_t per_b = best.config.gradient_accumulation_steps * machine.world_size;
     const std::string keep =
         config_train_batch % per_b == 0
             ? fmt::format("pass --micro-batches {} to keep it", config_train_batch / per_b)
-            : fmt::format("no micro-batch keeps it with {} x {} rank(s): choose a --grad-accum that divides it",
-                          best.config.gradient_accumulation_steps, machine.world_size);
-    std::printf("\nnote: B=%lld x gradient_accumulation_steps %lld x %d rank(s) = %lld sequences a step, not the "
-                "train_batch_size %lld of --config %s (%s)\n",
-                (long long)best.config.micro_batch_per_gpu, (long long)best.config.gradient_accumulation_steps,
-                machine.world_size, (long long)global, (long long)config_train_batch, a.ds_config.c_str(),
-                keep.c_str());
+            : fmt::format(
+                  "no micro-batch keeps it with {} x {} rank(s): choose a --grad-accum that "
+                  "divides it",
+                  best.config.gradient_accumulation_steps, machine.world_size);
+    std::printf(
+        "\nnote: B=%lld x gradient_accumulation_steps %lld x %d rank(s) = %lld sequences a step, "
+        "not the "
+        "train_batch_size %lld of --config %s (%s)\n",
+        (long long)best.config.micro_batch_per_gpu,
+        (long long)best.config.gradient_accumulation_steps, machine.world_size, (long long)global,
+        (long long)config_train_batch, a.ds_config.c_str(), keep.c_str());
   }
-  std::printf("\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
-              a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
-              a.out.c_str(), (long long)a.seq_len,
-              best.checkpoint_on_host ? " --checkpoint-on-host" : best.checkpoint ? " --checkpoint-activations" : "",
-              device_flags.c_str());
+  std::printf(
+      "\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
+      a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
+      a.out.c_str(), (long long)a.seq_len,
+      best.checkpoint_on_host ? " --checkpoint-on-host"
+      : best.checkpoint       ? " --checkpoint-activations"
+                              : "",
+      device_flags.c_str());
 }
 
 // ---- validation ----
@@ -275,16 +298,20 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked, const M
   Validation out;
   std::vector<Interval>& measured_sched = out.measured_sched;
   const std::size_t k = std::min<std::size_t>(std::size_t(a.validate), ranked.size());
-  const std::string work = (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
-                            fmt::format("prof-work-{}", ::getpid()))
-                               .string();
+  const std::string work =
+      (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
+       fmt::format("prof-work-{}", ::getpid()))
+          .string();
   fs::create_directories(work);
-  const std::string data_file =
-      a.data_files.empty() && a.text_file.empty() ? write_token_file(a, work, mcfg, world_size) : std::string();
-  if (talk) std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k, a.validate_steps);
+  const std::string data_file = a.data_files.empty() && a.text_file.empty()
+                                    ? write_token_file(a, work, mcfg, world_size)
+                                    : std::string();
   if (talk)
-    std::printf("  %-3s %12s %12s %8s %10s  %s\n", "#", "predicted ms", "measured ms", "error", "tokens/s",
-                "configuration");
+    std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k,
+                a.validate_steps);
+  if (talk)
+    std::printf("  %-3s %12s %12s %8s %10s  %s\n", "#", "predicted ms", "measured ms", "error",
+                "tokens/s", "configuration");
   const std::string& trace = a.trace;
   bool trace_written = false;  // only by the recommended configuration's run, when it ran
   {
@@ -306,10 +333,13 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked, const M
     } catch (const Error& e) {
       // A configuration the planner passed and the run refused is a finding, not the end.
       ++failed;
-      if (talk) std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
-                            c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(), e.user_message().c_str());
+      if (talk)
+        std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
+                    c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(),
+                    e.user_message().c_str());
       cands[i]["validation_error"] = e.user_message();
-      for (const char* k2 : {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "prediction_error"})
+      for (const char* k2 :
+           {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "prediction_error"})
         cands[i][k2] = nullptr;
       measured[i] = 0;
       continue;

@@ -18,5 +18,6 @@ int main(int argc, char** argv) {
   strata::bench::add_model_command(app);
   strata::bench::add_engine_command(app);
   strata::bench::add_gpu_command(app);
-  return strata::tools::run_tool("strata-bench", app, argc, argv, [] { return strata::bench::exit_code(); });
+  return strata::tools::run_tool("strata-bench", app, argc, argv,
+                                 [] { return strata::bench::exit_code(); });
 }

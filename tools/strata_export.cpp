@@ -18,18 +18,17 @@
 // is byte for byte what strata-train --out writes at that step. Files go to temporary names
 // and are renamed into place only when every one is complete.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "strata/dtype.h"
 #include "strata/error.h"
@@ -85,8 +84,10 @@ strata::FoundCheckpoint find_export_checkpoint(const Options& o) {
     // A damaged newest checkpoint: exporting an older step without a word would pass for the
     // run's latest model.
     STRATA_REQUIRE(ck.skipped.empty() || o.accept_older,
-                   "{}: the newest checkpoint does not verify ({}); the newest complete one is {} (step {}): pass "
-                   "--accept-older to export that one, or give its folder", o.ckpt, ck.skipped.front(), ck.dir, ck.step);
+                   "{}: the newest checkpoint does not verify ({}); the newest complete one is {} "
+                   "(step {}): pass "
+                   "--accept-older to export that one, or give its folder",
+                   o.ckpt, ck.skipped.front(), ck.dir, ck.step);
   }
   return ck;
 }
@@ -98,18 +99,23 @@ strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint
   std::error_code ec;
   strata::ModelConfig cfg;
   if (!o.model_config.empty()) {
-    STRATA_REQUIRE(fs::is_regular_file(o.model_config, ec), "--model-config {}: no such file", o.model_config);
+    STRATA_REQUIRE(fs::is_regular_file(o.model_config, ec), "--model-config {}: no such file",
+                   o.model_config);
     cfg = strata::load_model_config(o.model_config);
   } else {
     STRATA_REQUIRE(trainer.contains("model_config") && trainer["model_config"].is_object(),
-                   "{}: the manifest does not carry the model's config (a checkpoint of an older strata-train); "
-                   "give --model-config FILE", ck.dir);
-    cfg = strata::parse_model_config(trainer["model_config"].dump(), ck.dir + "/manifest.json (trainer.model_config)");
+                   "{}: the manifest does not carry the model's config (a checkpoint of an older "
+                   "strata-train); "
+                   "give --model-config FILE",
+                   ck.dir);
+    cfg = strata::parse_model_config(trainer["model_config"].dump(),
+                                     ck.dir + "/manifest.json (trainer.model_config)");
   }
   const std::string want_hash = trainer.value("model_config_hash", "");
-  STRATA_REQUIRE(want_hash.empty() || want_hash == strata::model_config_hash(cfg),
-                 "{}: the checkpoint was taken with a different model (config hash {}, this config's {})", ck.dir,
-                 want_hash, strata::model_config_hash(cfg));
+  STRATA_REQUIRE(
+      want_hash.empty() || want_hash == strata::model_config_hash(cfg),
+      "{}: the checkpoint was taken with a different model (config hash {}, this config's {})",
+      ck.dir, want_hash, strata::model_config_hash(cfg));
   return cfg;
 }
 
@@ -120,24 +126,28 @@ void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, i
                const std::vector<strata::UnitSpec>& units) {
   RankFile& rf = ranks[std::size_t(r)];
   const nlohmann::json j = read_json((fs::path(ck_dir) / fmt::format("rank{}.json", r)).string());
-  STRATA_REQUIRE(j.value("format", "") == "strata-engine-state", "{}/rank{}.json is not a strata engine state",
-                 ck_dir, r);
+  STRATA_REQUIRE(j.value("format", "") == "strata-engine-state",
+                 "{}/rank{}.json is not a strata engine state", ck_dir, r);
   STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == world,
-                 "{}/rank{}.json says rank {} of {}, the manifest {} of {}", ck_dir, r, j.value("rank", -1),
-                 j.value("world_size", -1), r, world);
+                 "{}/rank{}.json says rank {} of {}, the manifest {} of {}", ck_dir, r,
+                 j.value("rank", -1), j.value("world_size", -1), r, world);
   rf.units = j.value("units", nlohmann::json::array());
-  STRATA_REQUIRE(rf.units.size() == units.size(), "{}/rank{}.json has {} units, the model {}", ck_dir, r,
-                 rf.units.size(), units.size());
+  STRATA_REQUIRE(rf.units.size() == units.size(), "{}/rank{}.json has {} units, the model {}",
+                 ck_dir, r, rf.units.size(), units.size());
   for (std::size_t u = 0; u < units.size(); ++u) {
     const auto& ju = rf.units[u];
-    STRATA_REQUIRE(ju.value("name", "") == units[u].name && ju.value("numel", std::uint64_t(0)) == units[u].numel,
-                   "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck_dir, r, u,
-                   ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name, units[u].numel);
+    STRATA_REQUIRE(ju.value("name", "") == units[u].name &&
+                       ju.value("numel", std::uint64_t(0)) == units[u].numel,
+                   "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck_dir,
+                   r, u, ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name,
+                   units[u].numel);
     STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) * std::uint64_t(world) >= units[u].numel,
-                   "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck_dir, r,
-                   units[u].name, ju.value("shard", std::uint64_t(0)), world);
-    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
-                   "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck_dir, units[u].name, r);
+                   "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks",
+                   ck_dir, r, units[u].name, ju.value("shard", std::uint64_t(0)), world);
+    STRATA_REQUIRE(
+        ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
+        "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck_dir, units[u].name,
+        r);
   }
   rf.path = (fs::path(ck_dir) / fmt::format("rank{}.bin", r)).string();
   rf.fd = ::open(rf.path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -154,7 +164,8 @@ std::vector<float> read_unit(const std::vector<RankFile>& ranks, std::size_t u,
   for (int r = 0; r < world; ++r) {
     const RankFile& rf = ranks[std::size_t(r)];
     const std::uint64_t off = rf.units[u].value("offset", std::uint64_t(0)), bytes = shard * 4;
-    STRATA_REQUIRE(off + 3 * bytes <= rf.size, "{}: unit '{}' at {} + {} bytes runs past the end ({} bytes)", rf.path,
+    STRATA_REQUIRE(off + 3 * bytes <= rf.size,
+                   "{}: unit '{}' at {} + {} bytes runs past the end ({} bytes)", rf.path,
                    units[u].name, off, 3 * bytes, rf.size);
     auto* dst = reinterpret_cast<char*>(flat.data() + std::uint64_t(r) * shard);
     std::uint64_t done = 0;
@@ -184,10 +195,13 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
     for (const auto& e : fs::directory_iterator(out, ec)) {
       const fs::path ea = fs::weakly_canonical(e.path());
       const auto rel = ck_abs.lexically_relative(ea);
-      STRATA_REQUIRE(!(ck_abs == ea || (!rel.empty() && *rel.begin() != "..")) || e.path().filename() == "checkpoints",
-                     "{} holds the checkpoint being exported ({}): choose another OUT_DIR", o.out, ck.dir);
+      STRATA_REQUIRE(!(ck_abs == ea || (!rel.empty() && *rel.begin() != "..")) ||
+                         e.path().filename() == "checkpoints",
+                     "{} holds the checkpoint being exported ({}): choose another OUT_DIR", o.out,
+                     ck.dir);
     }
-    STRATA_REQUIRE(out_abs != ck_abs, "OUT_DIR {} is the checkpoint itself: choose another folder", o.out);
+    STRATA_REQUIRE(out_abs != ck_abs, "OUT_DIR {} is the checkpoint itself: choose another folder",
+                   o.out);
   }
 }
 
@@ -240,7 +254,8 @@ void write_shard(const std::string& path, const std::string& name, const std::ve
   std::FILE* f = std::fopen(path.c_str(), "wb");
   STRATA_REQUIRE(f != nullptr, "cannot create {}: {}", path, std::strerror(errno));
   const std::uint64_t hlen = hs.size();
-  bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+  bool ok =
+      std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
   for (const Item& it : shard) {
     if (!ok) break;
     if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
@@ -320,12 +335,14 @@ int run(const Options& o) {
     std::size_t loaded_unit = SIZE_MAX;
     std::vector<float> flat;
     for (std::size_t s = 0; s < n; ++s) {
-      const std::string name =
-          n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-      write_shard(tmp_of(name), name, shards[s], dtype, ranks, units, weight_map, loaded_unit, flat);
+      const std::string name = n == 1 ? "model.safetensors"
+                                      : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
+      write_shard(tmp_of(name), name, shards[s], dtype, ranks, units, weight_map, loaded_unit,
+                  flat);
     }
     if (n > 1) {
-      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}},
+                                    {"weight_map", weight_map}};
       std::ofstream f(tmp_of("model.safetensors.index.json"));
       f << idx.dump(2) << "\n";
       STRATA_REQUIRE(f.good(), "cannot write {}", (out / "model.safetensors.index.json").string());
@@ -338,8 +355,9 @@ int run(const Options& o) {
   // --overwrite replaces the weights and config.json; other files (tokenizer, README,
   // checkpoints/) stay.
   strata::commit_hf_files(out.string(), renames, n > 1);
-  std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(), (long long)ck.step,
-              world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s", o.dtype.c_str());
+  std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(),
+              (long long)ck.step, world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s",
+              o.dtype.c_str());
   return 0;
 }
 
@@ -347,16 +365,22 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"strata-export: a strata-train checkpoint (any number of ranks) -> Hugging Face safetensors + "
-               "config.json, one unit at a time."};
-  app.add_option("CKPT_DIR", o.ckpt, "a checkpoint (step-<N>), a folder of checkpoints or a run's --out")->required();
+  CLI::App app{
+      "strata-export: a strata-train checkpoint (any number of ranks) -> Hugging Face safetensors "
+      "+ "
+      "config.json, one unit at a time."};
+  app.add_option("CKPT_DIR", o.ckpt,
+                 "a checkpoint (step-<N>), a folder of checkpoints or a run's --out")
+      ->required();
   app.add_option("OUT_DIR", o.out, "the Hugging Face folder to write")->required();
   app.add_option("--dtype", o.dtype, "dtype of the written tensors (default fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--overwrite", o.overwrite, "replace an existing, non-empty OUT_DIR");
-  app.add_flag("--accept-older", o.accept_older,
-               "when the newest checkpoint under CKPT_DIR does not verify, export the newest that does");
-  app.add_option("--model-config", o.model_config, "the model's config.json (default: the checkpoint manifest's)");
+  app.add_flag(
+      "--accept-older", o.accept_older,
+      "when the newest checkpoint under CKPT_DIR does not verify, export the newest that does");
+  app.add_option("--model-config", o.model_config,
+                 "the model's config.json (default: the checkpoint manifest's)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);
   return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });

@@ -1,17 +1,17 @@
 // strata-info: what this build contains and what this machine offers it — versions, CPU,
 // NUMA, huge pages, io_uring, devices, pinned memory — and, with --self-check, a short
 // correctness check of every usable device against a CPU reference.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "strata/build_info.h"
 #include "strata/device.h"
@@ -25,7 +25,9 @@ namespace {
 
 using nlohmann::json;
 
-std::string gib(std::size_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / double(1ull << 30)); }
+std::string gib(std::size_t bytes) {
+  return fmt::format("{:.2f} GiB", double(bytes) / double(1ull << 30));
+}
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -35,7 +37,8 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 
 json report_build() {
   const CudaProbe cuda = probe_cuda();
-  std::printf("strata %s (CUDA backend %s)\n", strata_version().c_str(), cuda.compiled ? "on" : "off");
+  std::printf("strata %s (CUDA backend %s)\n", strata_version().c_str(),
+              cuda.compiled ? "on" : "off");
   json components = json::object();
   std::printf("components:\n");
   for (const auto& c : component_versions()) {
@@ -59,12 +62,14 @@ json report_build() {
 json report_cpu() {
   const std::string model = cpu::cpu_model();
   const auto isa = cpu::cpu_isa_features();
-  std::printf("cpu: %s\n  isa: %s\n", model.c_str(), isa.empty() ? "(none of interest)" : join(isa, " ").c_str());
+  std::printf("cpu: %s\n  isa: %s\n", model.c_str(),
+              isa.empty() ? "(none of interest)" : join(isa, " ").c_str());
   // The paths taken (STRATA_CPU_ISA caps them all) and how each GEMM dtype runs.
   const cpu::CpuPaths paths = cpu::cpu_paths();
-  std::printf("  paths: AdamW %s, model kernels %s, oneDNN %s (%s)\n", paths.adamw.c_str(), paths.model.c_str(),
-              paths.onednn.c_str(),
-              paths.cap == "auto" ? "the widest this CPU has" : ("capped by STRATA_CPU_ISA=" + paths.cap).c_str());
+  std::printf("  paths: AdamW %s, model kernels %s, oneDNN %s (%s)\n", paths.adamw.c_str(),
+              paths.model.c_str(), paths.onednn.c_str(),
+              paths.cap == "auto" ? "the widest this CPU has"
+                                  : ("capped by STRATA_CPU_ISA=" + paths.cap).c_str());
   json gemms = json::object();
   for (const auto& g : paths.gemms) {
     std::printf("  gemm %s: %s (%s)\n", g.dtype.c_str(), g.route.c_str(), g.impl.c_str());
@@ -73,14 +78,17 @@ json report_cpu() {
   json nodes = json::array();
   std::printf("numa:\n");
   for (const auto& n : cpu::numa_nodes()) {
-    std::printf("  node %d: %s, %d cores, cpus %s\n", n.os_index, gib(n.memory_bytes).c_str(), n.cores,
-                n.cpuset.c_str());
-    nodes.push_back({{"os_index", n.os_index}, {"memory_bytes", n.memory_bytes}, {"cores", n.cores},
+    std::printf("  node %d: %s, %d cores, cpus %s\n", n.os_index, gib(n.memory_bytes).c_str(),
+                n.cores, n.cpuset.c_str());
+    nodes.push_back({{"os_index", n.os_index},
+                     {"memory_bytes", n.memory_bytes},
+                     {"cores", n.cores},
                      {"cpuset", n.cpuset}});
   }
   const cpu::HugePageInfo h = cpu::huge_page_info();
-  std::printf("huge pages: hugetlbfs %zu of %zu pages of %zu KiB free, transparent huge pages '%s'\n",
-              h.hugetlb_free, h.hugetlb_total, h.hugetlb_page_bytes / 1024, h.thp_mode.c_str());
+  std::printf(
+      "huge pages: hugetlbfs %zu of %zu pages of %zu KiB free, transparent huge pages '%s'\n",
+      h.hugetlb_free, h.hugetlb_total, h.hugetlb_page_bytes / 1024, h.thp_mode.c_str());
   // What libgomp loaded with (the tools set PASSIVE when it is unset: see device.h).
   const char* wait = std::getenv("OMP_WAIT_POLICY");
   std::printf("openmp: OMP_WAIT_POLICY=%s\n", wait ? wait : "(unset: libgomp spins)");
@@ -214,15 +222,18 @@ json self_check(const std::string& which) {
 
   const bool matmul_ok = matmul_err <= 5e-3, sumsq_ok = sumsq_err <= 1e-5;
   const bool ok = copy_ok && matmul_ok && sumsq_ok;
-  std::string detail = fmt::format("{}; round trip {} bytes {}, matmul {}x{}x{} max rel err {:.2e}{}, "
-                                   "sum_squares rel err {:.2e}{}, staging {} pages {}",
-                                   dev->name(), n_bytes, copy_ok ? "identical" : "CORRUPTED", m, n, k,
-                                   matmul_err, matmul_ok ? "" : " (limit 5e-3)", sumsq_err,
-                                   sumsq_ok ? "" : " (limit 1e-5)", page_kind_name(src.page_kind()),
-                                   src.pinned() ? "locked" : "pageable");
+  std::string detail = fmt::format(
+      "{}; round trip {} bytes {}, matmul {}x{}x{} max rel err {:.2e}{}, "
+      "sum_squares rel err {:.2e}{}, staging {} pages {}",
+      dev->name(), n_bytes, copy_ok ? "identical" : "CORRUPTED", m, n, k, matmul_err,
+      matmul_ok ? "" : " (limit 5e-3)", sumsq_err, sumsq_ok ? "" : " (limit 1e-5)",
+      page_kind_name(src.page_kind()), src.pinned() ? "locked" : "pageable");
   std::printf("self-check %s: %s (%s)\n", which.c_str(), ok ? "ok" : "FAILED", detail.c_str());
-  return {{"device", which},         {"name", dev->name()},      {"ok", ok},
-          {"copy_ok", copy_ok},      {"matmul_max_rel_err", matmul_err},
+  return {{"device", which},
+          {"name", dev->name()},
+          {"ok", ok},
+          {"copy_ok", copy_ok},
+          {"matmul_max_rel_err", matmul_err},
           {"sum_squares_rel_err", sumsq_err}};
 }
 
@@ -264,5 +275,6 @@ int main(int argc, char** argv) {
   bool as_json = false, check = false;
   app.add_flag("--json", as_json, "also print one JSON object with everything, last");
   app.add_flag("--self-check", check, "run a short correctness check on every usable device");
-  return strata::tools::run_tool("strata-info", app, argc, argv, [&] { return strata::report(as_json, check); });
+  return strata::tools::run_tool("strata-info", app, argc, argv,
+                                 [&] { return strata::report(as_json, check); });
 }

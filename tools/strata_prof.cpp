@@ -17,16 +17,16 @@
 // The jobs' files: prof_measure.cpp (the machine and the model), prof_validate.cpp (the
 // validation runs, the written config), prof_picture.cpp (the SVG, the measured schedule); this
 // one holds the options, run()'s sequence of steps and the JSON figures.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <utility>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "prof.h"
 #include "strata/comm.h"
@@ -46,12 +46,15 @@ namespace fs = std::filesystem;
 // The model (--model, --model-config, else the demo's) and the sequence length strata-train would
 // take; the demo model's file beside --out must be the tool's own.
 ModelConfig load_model(Args& a, bool demo) {
-  STRATA_REQUIRE(a.model_dir.empty() || a.model_config.empty(), "give --model or --model-config, not both");
+  STRATA_REQUIRE(a.model_dir.empty() || a.model_config.empty(),
+                 "give --model or --model-config, not both");
   ModelConfig mcfg = !a.model_dir.empty()      ? load_model_config(a.model_dir + "/config.json")
                      : !a.model_config.empty() ? load_model_config(a.model_config)
                                                : demo_model_config();
   if (a.seq_len <= 0)  // strata-train's default
-    a.seq_len = demo ? 128 : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions) : 1024;
+    a.seq_len = demo                     ? 128
+                : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions)
+                                         : 1024;
   // As strata-train refuses it (the model itself said so only after the machine was measured).
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || a.seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", a.seq_len, mcfg.max_positions);
@@ -63,8 +66,10 @@ ModelConfig load_model(Args& a, bool demo) {
       std::stringstream have;
       have << f.rdbuf();
       STRATA_REQUIRE(have.str() == model_config_json(demo_model_config()),
-                     "{} exists and is not the demo model's config, which strata-prof writes beside --out {}; move it, "
-                     "or choose another --out", mc, a.out);
+                     "{} exists and is not the demo model's config, which strata-prof writes "
+                     "beside --out {}; move it, "
+                     "or choose another --out",
+                     mc, a.out);
     }
   }
   return mcfg;
@@ -73,19 +78,28 @@ ModelConfig load_model(Args& a, bool demo) {
 // The flags that contradict each other or name what is not there, refused before anything runs.
 void check_flags(const Args& a) {
   STRATA_REQUIRE(a.micro_batch <= 0 || a.micro_batches.empty(),
-                 "--micro-batch {} and --micro-batches: --micro-batches is the list searched (--micro-batch only sets "
-                 "its default B/2, B, 2B); give one of them", a.micro_batch);
-  STRATA_REQUIRE(a.data_files.empty() || a.text_file.empty(), "--data and --text: the validation runs read one of "
+                 "--micro-batch {} and --micro-batches: --micro-batches is the list searched "
+                 "(--micro-batch only sets "
+                 "its default B/2, B, 2B); give one of them",
+                 a.micro_batch);
+  STRATA_REQUIRE(a.data_files.empty() || a.text_file.empty(),
+                 "--data and --text: the validation runs read one of "
                  "them; give one");
-  STRATA_REQUIRE(a.validate > 0 || ((!a.trace_named || a.trace.empty()) && a.data_files.empty() && a.text_file.empty()),
-                 "--trace, --data and --text are for the validation runs: add --validate K (or leave them out)");
+  STRATA_REQUIRE(a.validate > 0 || ((!a.trace_named || a.trace.empty()) && a.data_files.empty() &&
+                                    a.text_file.empty()),
+                 "--trace, --data and --text are for the validation runs: add --validate K (or "
+                 "leave them out)");
   for (const std::string& f : a.data_files)
     STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
-  STRATA_REQUIRE(a.text_file.empty() || fs::is_regular_file(a.text_file), "--text {}: no such file", a.text_file);
-  STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16", "--dtype '{}': use fp32 or bf16", a.dtype);
-  STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2, "--validate-steps must be at least 2 (the first step records "
+  STRATA_REQUIRE(a.text_file.empty() || fs::is_regular_file(a.text_file), "--text {}: no such file",
+                 a.text_file);
+  STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16",
+                 "--dtype '{}': use fp32 or bf16", a.dtype);
+  STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2,
+                 "--validate-steps must be at least 2 (the first step records "
                  "the unit order and is not timed)");
-  for (auto b : a.micro_batches) STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
+  for (auto b : a.micro_batches)
+    STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
 }
 
 // The --config (or the defaults), with the --aio block. Whether it gives a batch size (the
@@ -102,18 +116,22 @@ EngineConfig read_config(Args& a, int world_size, bool& config_micro, bool& conf
     EngineConfig c = parse_engine_config(ss.str(), world_size);
     a.user_text = ss.str();
     config_train = top.is_object() && top.contains("train_batch_size");
-    config_micro = config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
+    config_micro =
+        config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
     return c;
   }();
   if (!a.aio_file.empty()) {
     std::ifstream f(a.aio_file);
-    STRATA_REQUIRE(f.good(), "--aio {}: cannot be read (write one with strata-bench nvme --sweep --out FILE)", a.aio_file);
+    STRATA_REQUIRE(f.good(),
+                   "--aio {}: cannot be read (write one with strata-bench nvme --sweep --out FILE)",
+                   a.aio_file);
     std::stringstream ss;
     ss << f.rdbuf();
     // A file without one (a model's config.json by mistake) would leave every aio key at its
     // default, silently. (Not JSON at all: parse_aio_config says where.)
     STRATA_REQUIRE(has_aio_block(ss.str()),
-                   "--aio {}: no \"aio\" block in it; give the file strata-bench nvme --sweep --out FILE writes "
+                   "--aio {}: no \"aio\" block in it; give the file strata-bench nvme --sweep "
+                   "--out FILE writes "
                    "({{\"aio\": {{\"block_size\": ..., \"queue_depth\": ..., ...}}}})",
                    a.aio_file);
     base.aio = parse_aio_config(ss.str());
@@ -132,8 +150,10 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
     base.fp16.enabled = false;
   }
   STRATA_REQUIRE(base.compute_dtype == DType::kF32 || base.compute_dtype == DType::kBF16,
-                 "--config {}: fp16.enabled: the model computes in fp32 or bf16 (fp16 is not supported yet); use "
-                 "\"bf16\": {{\"enabled\": true}} or --dtype bf16", a.ds_config);
+                 "--config {}: fp16.enabled: the model computes in fp32 or bf16 (fp16 is not "
+                 "supported yet); use "
+                 "\"bf16\": {{\"enabled\": true}} or --dtype bf16",
+                 a.ds_config);
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
   const bool grad_accum_given = a.grad_accum > 0;
   if (grad_accum_given) base.gradient_accumulation_steps = a.grad_accum;
@@ -143,7 +163,8 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
   if (a.micro_batch <= 0 && a.micro_batches.empty() && config_train && grad_accum_given) {
     const std::int64_t per = a.grad_accum * launch.world_size;
     STRATA_REQUIRE(base.train_batch_size % per == 0,
-                   "--grad-accum {} x {} rank(s) does not divide the train_batch_size {} of --config {}: give a "
+                   "--grad-accum {} x {} rank(s) does not divide the train_batch_size {} of "
+                   "--config {}: give a "
                    "--grad-accum that divides it, or --micro-batch / --micro-batches",
                    a.grad_accum, launch.world_size, base.train_batch_size, a.ds_config);
     a.micro_batch = base.train_batch_size / per;
@@ -157,14 +178,18 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
     a.micro_batches.push_back(a.micro_batch * 2);
   }
   std::sort(a.micro_batches.begin(), a.micro_batches.end());  // the token file is sized by the last
-  a.micro_batches.erase(std::unique(a.micro_batches.begin(), a.micro_batches.end()), a.micro_batches.end());
+  a.micro_batches.erase(std::unique(a.micro_batches.begin(), a.micro_batches.end()),
+                        a.micro_batches.end());
   a.user_config = base;
   a.host_budget_given = a.host_mem_gb > 0 || base.host_budget_bytes > 0;
-  STRATA_REQUIRE(a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
-                 "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps", a.host_mem_gb);
-  base.host_budget_bytes =
-      a.host_mem_gb > 0 ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
-                        : (base.host_budget_bytes ? base.host_budget_bytes : default_host_budget(launch.local_size));
+  STRATA_REQUIRE(
+      a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
+      "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps",
+      a.host_mem_gb);
+  base.host_budget_bytes = a.host_mem_gb > 0
+                               ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
+                               : (base.host_budget_bytes ? base.host_budget_bytes
+                                                         : default_host_budget(launch.local_size));
   if (a.ds_config.empty() && a.model_dir.empty()) base.adamw.weight_decay = 0;
   return config_train ? base.train_batch_size : 0;
 }
@@ -192,8 +217,10 @@ DeviceOptions device_options(const Args& a) {
 NvmeChoice choose_nvme(const Args& a, const EngineConfig& base) {
   NvmeChoice n;
   n.use = !a.no_nvme;
-  STRATA_REQUIRE(!a.no_nvme || a.nvme_path.empty(), "--no-nvme and --nvme-path {}: --no-nvme leaves NVMe out (nothing "
-                 "is measured or placed there); give one of them", a.nvme_path);
+  STRATA_REQUIRE(!a.no_nvme || a.nvme_path.empty(),
+                 "--no-nvme and --nvme-path {}: --no-nvme leaves NVMe out (nothing "
+                 "is measured or placed there); give one of them",
+                 a.nvme_path);
   if (n.use) {
     std::error_code ec;
     // Left out: the --config's nvme_path (the drive the user means), else a scratch folder.
@@ -202,24 +229,28 @@ NvmeChoice choose_nvme(const Args& a, const EngineConfig& base) {
     if (a.nvme_path.empty() && !cfg_paths.empty()) {
       for (const auto* list : {&base.param_nvme_paths, &base.optimizer_nvme_paths})
         for (const std::string& p : *list)
-          STRATA_REQUIRE(fs::is_directory(p, ec), "--config {}: nvme_path {}: no such directory; create it on the "
-                         "drive to profile, or give --nvme-path DIR", a.ds_config, p);
+          STRATA_REQUIRE(fs::is_directory(p, ec),
+                         "--config {}: nvme_path {}: no such directory; create it on the "
+                         "drive to profile, or give --nvme-path DIR",
+                         a.ds_config, p);
       n.dir = cfg_paths.front();  // measured there
       n.key = !base.optimizer_nvme_paths.empty() ? "zero_optimization.offload_optimizer.nvme_path"
-                                                    : "zero_optimization.offload_param.nvme_path";
+                                                 : "zero_optimization.offload_param.nvme_path";
       n.paths = cfg_paths;
       if (!base.param_nvme_paths.empty()) n.param_paths = base.param_nvme_paths;
     } else if (a.nvme_path.empty()) {
       n.dir = default_scratch_dir("prof-nvme");
       fs::create_directories(n.dir, ec);
-      STRATA_REQUIRE(fs::is_directory(n.dir), "cannot create the default NVMe folder {} ({}): give --nvme-path DIR",
-                     n.dir, ec.message());
+      STRATA_REQUIRE(fs::is_directory(n.dir),
+                     "cannot create the default NVMe folder {} ({}): give --nvme-path DIR", n.dir,
+                     ec.message());
     } else {  // the drive to measure: a typo must not measure another one
       n.dir = a.nvme_path;
       STRATA_REQUIRE(fs::is_directory(n.dir, ec), "--nvme-path {}: {}", n.dir,
-                     fs::exists(n.dir, ec) ? "a file, not a folder: give a folder on the drive to profile"
-                                              : "no such directory; create it on the drive to profile, or leave the "
-                                                "flag out (a scratch folder, or --no-nvme)");
+                     fs::exists(n.dir, ec)
+                         ? "a file, not a folder: give a folder on the drive to profile"
+                         : "no such directory; create it on the drive to profile, or leave the "
+                           "flag out (a scratch folder, or --no-nvme)");
     }
   }
   return n;
@@ -229,7 +260,8 @@ NvmeChoice choose_nvme(const Args& a, const EngineConfig& base) {
 // user's in the way, must not cost the measuring and the search first (and --svg must not
 // fail after --out was written).
 void check_outputs(Args& a, bool demo, bool talk) {
-  if (a.validate > 0 && a.trace.empty() && !a.trace_named) a.trace = "strata-prof.trace.json";  // --trace "": none
+  if (a.validate > 0 && a.trace.empty() && !a.trace_named)
+    a.trace = "strata-prof.trace.json";  // --trace "": none
   {
     // What strata-prof writes must not name one file twice (the later replaced the earlier: the
     // recommendation by the picture or the trace), nor a file it reads (the model's config is
@@ -237,11 +269,14 @@ void check_outputs(Args& a, bool demo, bool talk) {
     using Named = std::vector<std::pair<std::string, std::string>>;
     Named outs = {{"--out", a.out}, {"--svg", a.svg}};
     if (a.validate > 0) outs.push_back({"--trace", a.trace});
-    if (demo && !a.out.empty()) outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
-    Named ins;  // inputs may share a file with each other (--config and --aio, say), not with an output
+    if (demo && !a.out.empty())
+      outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
+    Named ins;  // inputs may share a file with each other (--config and --aio, say), not with an
+                // output
     if (!a.ds_config.empty()) ins.push_back({"--config", a.ds_config});
     if (!a.model_config.empty()) ins.push_back({"--model-config", a.model_config});
-    if (!a.model_dir.empty()) ins.push_back({"--model folder's config.json", a.model_dir + "/config.json"});
+    if (!a.model_dir.empty())
+      ins.push_back({"--model folder's config.json", a.model_dir + "/config.json"});
     if (!a.aio_file.empty()) ins.push_back({"--aio", a.aio_file});
     for (const std::string& f : a.data_files) ins.push_back({"--data", f});
     if (!a.text_file.empty()) ins.push_back({"--text", a.text_file});
@@ -256,18 +291,20 @@ void check_outputs(Args& a, bool demo, bool talk) {
     };
     for (std::size_t i = 0; i < outs.size(); ++i) {
       for (std::size_t k = i + 1; k < outs.size(); ++k)
-        STRATA_REQUIRE(!same(outs[i].second, outs[k].second), "{} and {} both name {}: give each its own file",
-                       outs[i].first, outs[k].first, outs[i].second);
+        STRATA_REQUIRE(!same(outs[i].second, outs[k].second),
+                       "{} and {} both name {}: give each its own file", outs[i].first,
+                       outs[k].first, outs[i].second);
       for (const auto& [flag, path] : ins)
         STRATA_REQUIRE(!same(outs[i].second, path),
-                       "{} {} is the {} file: strata-prof would replace it; write it elsewhere", outs[i].first,
-                       outs[i].second, flag);
+                       "{} {} is the {} file: strata-prof would replace it; write it elsewhere",
+                       outs[i].first, outs[i].second, flag);
     }
   }
   if (talk) {
     tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);
     tools::require_output_file("--svg", a.svg, a.overwrite || !a.svg_named);
-    if (a.validate > 0) tools::require_output_file("--trace", a.trace, a.overwrite || !a.trace_named);
+    if (a.validate > 0)
+      tools::require_output_file("--trace", a.trace, a.overwrite || !a.trace_named);
   }
 }
 
@@ -304,7 +341,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_free_bytes", machine.nvme_free}};
   j["model"] = {{"type", mcfg.model_type},
                 {"layers", mcfg.num_layers},
-                {"params", [&] {
+                {"params",
+                 [&] {
                    std::uint64_t n = 0;
                    for (const auto& u : model_units(mcfg)) n += u.numel;
                    return n;
@@ -316,7 +354,9 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& mp : space.models)
       rows.push_back({{"micro_batch", mp.micro_batch},
-                      {"checkpoint", !mp.checkpoint ? "off" : mp.checkpoint_on_host ? "host" : "on"},
+                      {"checkpoint", !mp.checkpoint          ? "off"
+                                     : mp.checkpoint_on_host ? "host"
+                                                             : "on"},
                       {"layer_forward_s", mp.units[1].forward_s},
                       {"layer_backward_s", mp.units[1].backward_s},
                       {"head_forward_s", mp.units.back().forward_s},
@@ -334,22 +374,28 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
 // No placement fits: the closest, and the ways out (rank 0).
 void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
                    const SearchResult& sr, nlohmann::json& j, Clock::time_point t_start) {
-  std::printf("no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
-              "missing over all tiers), %s:\n%s", sr.considered, sr.smallest_label.c_str(),
-              sr.smallest.table().c_str());
+  std::printf(
+      "no placement fits: %zu candidates considered. The one closest to fitting (the fewest bytes "
+      "missing over all tiers), %s:\n%s",
+      sr.considered, sr.smallest_label.c_str(), sr.smallest.table().c_str());
   // The table's device capacity is the headroom's share, not the device's: say so.
-  std::printf("(a plan may fill %.0f%% of the device's memory, %s of %s: the rest is the allocator's)\n",
-              100 * m.space.device_headroom, log::human_bytes(double(sr.smallest.device_capacity)).c_str(),
-              log::human_bytes(double(m.machine.device_capacity)).c_str());
+  std::printf(
+      "(a plan may fill %.0f%% of the device's memory, %s of %s: the rest is the allocator's)\n",
+      100 * m.space.device_headroom, log::human_bytes(double(sr.smallest.device_capacity)).c_str(),
+      log::human_bytes(double(m.machine.device_capacity)).c_str());
   // (A GPU's own memory is its limit: a larger cap than it has plans for memory not there.)
-  std::string ways = m.dev_name.starts_with("cpu") || a.device_mem_gb > 0 ? "a larger --device-mem-gb or --host-mem-gb"
-                                                                       : "a larger --host-mem-gb";
-  if (a.micro_batches.front() > 1) ways += fmt::format(", --micro-batches below {}", a.micro_batches.front());
-  ways += nvme.use ? ", or --nvme-path on a drive with more free space" : ", or NVMe (leave out --no-nvme)";
+  std::string ways = m.dev_name.starts_with("cpu") || a.device_mem_gb > 0
+                         ? "a larger --device-mem-gb or --host-mem-gb"
+                         : "a larger --host-mem-gb";
+  if (a.micro_batches.front() > 1)
+    ways += fmt::format(", --micro-batches below {}", a.micro_batches.front());
+  ways += nvme.use ? ", or --nvme-path on a drive with more free space"
+                   : ", or NVMe (leave out --no-nvme)";
   std::printf("strata-prof's own ways out: %s\n", ways.c_str());
   std::error_code ec;
   for (const std::string* f : {&a.out, &a.svg, &a.trace})
-    if (!f->empty() && fs::exists(*f, ec)) std::printf("(%s is not this run's: nothing was written)\n", f->c_str());
+    if (!f->empty() && fs::exists(*f, ec))
+      std::printf("(%s is not this run's: nothing was written)\n", f->c_str());
   if (!nvme.use) std::printf("(NVMe placements were not considered: --no-nvme)\n");
   if (a.json) {
     j["fits"] = false;
@@ -357,7 +403,9 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
     if (a.validate > 0) {
       j["validated"] = 0;
       j["validation_failures"] = 0;
-      for (const char* k2 : {"worst_prediction_error", "recommended_vs_best_measured", "trace_file"}) j[k2] = nullptr;
+      for (const char* k2 :
+           {"worst_prediction_error", "recommended_vs_best_measured", "trace_file"})
+        j[k2] = nullptr;
     }
     j["problems"] = sr.problems;
     j["closest"] = {{"label", sr.smallest_label},
@@ -375,15 +423,17 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
 
 // The best `shown` candidates as predicted (rank 0).
 void print_ranked(const SearchResult& sr, std::size_t shown) {
-  std::printf("%zu placements considered, %zu fit; the best %zu (predicted):\n", sr.considered, sr.ranked.size(), shown);
-  std::printf("  %-3s %10s %10s %-9s %10s %10s %10s  %s\n", "#", "step ms", "tokens/s", "bound by", "device", "host",
-              "nvme", "configuration");
+  std::printf("%zu placements considered, %zu fit; the best %zu (predicted):\n", sr.considered,
+              sr.ranked.size(), shown);
+  std::printf("  %-3s %10s %10s %-9s %10s %10s %10s  %s\n", "#", "step ms", "tokens/s", "bound by",
+              "device", "host", "nvme", "configuration");
   for (std::size_t i = 0; i < shown; ++i) {
     const Candidate& c = sr.ranked[i];
     std::printf("  %-3zu %10.1f %10.0f %-9s %10s %10s %10s  %s\n", i + 1, c.prediction.step_s * 1e3,
                 c.prediction.tokens_per_s, resource_name(c.prediction.bottleneck),
-                human(double(c.plan.device_bytes)).c_str(), human(double(c.plan.host_bytes)).c_str(),
-                human(double(c.plan.nvme_bytes)).c_str(), c.label.c_str());
+                human(double(c.plan.device_bytes)).c_str(),
+                human(double(c.plan.host_bytes)).c_str(), human(double(c.plan.nvme_bytes)).c_str(),
+                c.label.c_str());
   }
   std::fflush(stdout);
 }
@@ -391,15 +441,19 @@ void print_ranked(const SearchResult& sr, std::size_t shown) {
 // The candidates for --json: the printed ones, and every validated one (--top 1 --validate 3).
 nlohmann::json candidates_json(const Args& a, const SearchResult& sr, std::size_t shown) {
   nlohmann::json cands = nlohmann::json::array();
-  const std::size_t in_json = std::min(sr.ranked.size(), std::max(shown, std::size_t(std::max(0, a.validate))));
+  const std::size_t in_json =
+      std::min(sr.ranked.size(), std::max(shown, std::size_t(std::max(0, a.validate))));
   for (std::size_t i = 0; i < in_json; ++i) {
     const Candidate& c = sr.ranked[i];
     nlohmann::json busy;
-    for (int r = 0; r < int(Resource::kCount); ++r) busy[resource_name(Resource(r))] = c.prediction.busy_s[r];
+    for (int r = 0; r < int(Resource::kCount); ++r)
+      busy[resource_name(Resource(r))] = c.prediction.busy_s[r];
     cands.push_back({{"rank", i + 1},
                      {"label", c.label},
                      {"micro_batch", c.micro_batch},
-                     {"checkpoint", !c.checkpoint ? "off" : c.checkpoint_on_host ? "host" : "on"},
+                     {"checkpoint", !c.checkpoint          ? "off"
+                                    : c.checkpoint_on_host ? "host"
+                                                           : "on"},
                      {"predicted_step_s", c.prediction.step_s},
                      {"predicted_tokens_per_s", c.prediction.tokens_per_s},
                      {"predicted_forward_s", c.prediction.forward_s},
@@ -468,47 +522,67 @@ int run(Args a) {
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
-  strata::remove_swap_files_on_interrupt();   // its validation runs' swap files too
-  strata::tools::g_ranks_start_mpi = true;    // every rank starts MPI: one failing early ends the job
+  strata::remove_swap_files_on_interrupt();  // its validation runs' swap files too
+  strata::tools::g_ranks_start_mpi = true;  // every rank starts MPI: one failing early ends the job
   strata::prof::Args a;
-  CLI::App app{"strata-prof: measure this machine and the model, predict the step time of every placement of\n"
-               "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"
-               "that fits (written as a ds_config.json), and --validate the prediction by running the best."};
-  app.add_option("--model", a.model_dir, "Hugging Face model folder (config.json); default: the demo model");
+  CLI::App app{
+      "strata-prof: measure this machine and the model, predict the step time of every placement "
+      "of\n"
+      "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"
+      "that fits (written as a ds_config.json), and --validate the prediction by running the "
+      "best."};
+  app.add_option("--model", a.model_dir,
+                 "Hugging Face model folder (config.json); default: the demo model");
   app.add_option("--model-config", a.model_config, "config.json of the model");
-  app.add_option("--config", a.ds_config, "ds_config.json whose other settings (precision, clipping, aio) are kept");
+  app.add_option("--config", a.ds_config,
+                 "ds_config.json whose other settings (precision, clipping, aio) are kept");
   app.add_option("--aio", a.aio_file, "an aio block from strata-bench nvme --sweep --out FILE");
   app.add_option("--data", a.data_files, "token file(s) for --validate (default: random tokens)");
   app.add_option("--text", a.text_file, "a text file for --validate (byte-level models)");
   app.add_option("--seq-len", a.seq_len,
-                 "tokens per sequence (default 128 demo, else 1024 or the model's max_position_embeddings when smaller)")->check(strata::tools::kPositive);
-  app.add_option("--micro-batch", a.micro_batch, "sequences per micro-batch (default 4 demo, else 1)")
+                 "tokens per sequence (default 128 demo, else 1024 or the model's "
+                 "max_position_embeddings when smaller)")
       ->check(strata::tools::kPositive);
-  app.add_option("--micro-batches", a.micro_batches, "micro-batch sizes to search (default B/2, B, 2B)");
-  app.add_option("--grad-accum", a.grad_accum, "micro-batches per step (default: --config's, else 1)")
+  app.add_option("--micro-batch", a.micro_batch,
+                 "sequences per micro-batch (default 4 demo, else 1)")
+      ->check(strata::tools::kPositive);
+  app.add_option("--micro-batches", a.micro_batches,
+                 "micro-batch sizes to search (default B/2, B, 2B)");
+  app.add_option("--grad-accum", a.grad_accum,
+                 "micro-batches per step (default: --config's, else 1)")
       ->check(strata::tools::kPositive);
   app.add_option("--dtype", a.dtype, "compute dtype (default: --config's, else fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--device", a.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--device-mem-gb", a.device_mem_gb, "device memory to plan for, GiB (the emulated device's cap)")
+  app.add_option("--device-mem-gb", a.device_mem_gb,
+                 "device memory to plan for, GiB (the emulated device's cap)")
       ->check(strata::tools::kPositive);
-  app.add_option("--host-mem-gb", a.host_mem_gb, "pinned host memory to plan for, GiB (default 80% of RAM)")
+  app.add_option("--host-mem-gb", a.host_mem_gb,
+                 "pinned host memory to plan for, GiB (default 80% of RAM)")
       ->check(strata::tools::kPositive);
-  app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")->check(strata::tools::kNonNegative);
-  app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")->check(strata::tools::kNonNegative);
-  app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")->check(strata::tools::kNonNegative);
+  app.add_option("--emu-h2d-gbps", a.emu_h2d, "emulated device: host-to-device GB/s")
+      ->check(strata::tools::kNonNegative);
+  app.add_option("--emu-d2h-gbps", a.emu_d2h, "emulated device: device-to-host GB/s")
+      ->check(strata::tools::kNonNegative);
+  app.add_option("--emu-compute-gflops", a.emu_gflops, "emulated device: matmul GFLOP/s")
+      ->check(strata::tools::kNonNegative);
   app.add_option("--nvme-path", a.nvme_path,
-                 "folder on the NVMe drive (default <build>/prof-nvme, or ~/.cache/strata/prof-nvme installed)");
+                 "folder on the NVMe drive (default <build>/prof-nvme, or "
+                 "~/.cache/strata/prof-nvme installed)");
   app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
   app.add_option("--top", a.top, "candidates to print (default 5)")->check(CLI::Range(1, 100));
   app.add_option("--validate", a.validate, "run the best K for a few steps and compare (default 0)")
       ->check(CLI::Range(0, 20));
-  app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")->check(CLI::Range(2, 100));
-  app.add_option("--out", a.out, "write the best configuration here (default strata-prof.ds_config.json)");
+  app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")
+      ->check(CLI::Range(2, 100));
+  app.add_option("--out", a.out,
+                 "write the best configuration here (default strata-prof.ds_config.json)");
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
   app.add_option("--trace", a.trace,
-                 "Chrome trace of the recommended configuration (with --validate; default strata-prof.trace.json; \"\": none)");
-  app.add_flag("--overwrite", a.overwrite, "replace existing --out, --svg and --trace files you named");
+                 "Chrome trace of the recommended configuration (with --validate; default "
+                 "strata-prof.trace.json; \"\": none)");
+  app.add_flag("--overwrite", a.overwrite,
+               "replace existing --out, --svg and --trace files you named");
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
   return strata::tools::run_tool("strata-prof", app, argc, argv, [&] {
     a.out_named = app.count("--out") > 0;

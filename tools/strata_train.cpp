@@ -2,9 +2,8 @@
 // With no model and no data it runs the embedded demo (a small Llama on generated text,
 // weights and optimizer state on NVMe, an emulated device smaller than the weights).
 // Flags are parsed here; everything else is strata::train (include/strata/trainer.h).
-#include <cstdio>
-
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "strata/device.h"
 #include "strata/error.h"
@@ -14,30 +13,40 @@
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
-  strata::remove_swap_files_on_interrupt();   // Ctrl-C does not leave the optimizer state on the drive
-  strata::tools::g_ranks_start_mpi = true;    // every rank starts MPI: one failing early ends the job
+  strata::remove_swap_files_on_interrupt();  // Ctrl-C does not leave the optimizer state on the
+                                             // drive
+  strata::tools::g_ranks_start_mpi = true;  // every rank starts MPI: one failing early ends the job
   strata::TrainOptions o;
   bool no_shuffle = false;
-  CLI::App app{"strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"
-               "With no --model/--model-config and no --data/--text: the embedded demo."};
+  CLI::App app{
+      "strata-train: fine-tune a model with ZeRO-3 over GPU memory, pinned host memory and NVMe.\n"
+      "With no --model/--model-config and no --data/--text: the embedded demo."};
   app.add_option("--model", o.model_dir, "Hugging Face model folder (config.json + *.safetensors)");
-  app.add_option("--model-config", o.model_config, "config.json of a model to initialise at random");
+  app.add_option("--model-config", o.model_config,
+                 "config.json of a model to initialise at random");
   app.add_option("--data", o.data_files, "token file(s)");
   app.add_option("--data-dtype", o.data_format, "token file format")
       ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes"}));
   app.add_option("--text", o.text_file, "a text file trained on byte by byte (vocabulary 256)");
-  app.add_option("--config", o.ds_config, "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
+  app.add_option("--config", o.ds_config,
+                 "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
   app.add_option("--seq-len", o.seq_len,
-                 "tokens per sequence (default: 128 for the demo, else 1024 or the model's max_position_embeddings "
+                 "tokens per sequence (default: 128 for the demo, else 1024 or the model's "
+                 "max_position_embeddings "
                  "when smaller)")
       ->check(strata::tools::kPositive);
-  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")->check(strata::tools::kPositive);
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")->check(strata::tools::kPositive);
+  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")
+      ->check(strata::tools::kPositive);
+  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")
+      ->check(strata::tools::kPositive);
   app.add_option("--steps", o.steps, "optimizer steps (default 60)")
       ->check(strata::tools::kCount & strata::tools::kPositive);
-  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")->check(strata::tools::kNonNegative);
-  app.add_option("--warmup", o.warmup, "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
-                 "--config's scheduler block applies)")->check(strata::tools::kNonNegative);
+  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")
+      ->check(strata::tools::kNonNegative);
+  app.add_option("--warmup", o.warmup,
+                 "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
+                 "--config's scheduler block applies)")
+      ->check(strata::tools::kNonNegative);
   app.add_option("--lr-schedule", o.lr_schedule, "after warmup: const (default) or cosine")
       ->check(CLI::IsMember({"const", "cosine"}));
   app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
@@ -47,18 +56,25 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", o.dtype, "compute dtype (default: the config's, else fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--device", o.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--device-mem-gb", o.device_mem_gb, "device memory cap in GiB (the emulated device's HBM)")
+  app.add_option("--device-mem-gb", o.device_mem_gb,
+                 "device memory cap in GiB (the emulated device's HBM)")
       ->check(strata::tools::kPositive);
-  app.add_option("--emu-h2d-gbps", o.emu_h2d_gbps, "emulated device: host-to-device GB/s (default unthrottled)")
+  app.add_option("--emu-h2d-gbps", o.emu_h2d_gbps,
+                 "emulated device: host-to-device GB/s (default unthrottled)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--emu-d2h-gbps", o.emu_d2h_gbps, "emulated device: device-to-host GB/s (default unthrottled)")
+  app.add_option("--emu-d2h-gbps", o.emu_d2h_gbps,
+                 "emulated device: device-to-host GB/s (default unthrottled)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--emu-compute-gflops", o.emu_compute_gflops, "emulated device: matmul GFLOP/s (default unthrottled)")
+  app.add_option("--emu-compute-gflops", o.emu_compute_gflops,
+                 "emulated device: matmul GFLOP/s (default unthrottled)")
       ->check(strata::tools::kNonNegative);
-  app.add_flag("--checkpoint-activations", o.checkpoint_activations, "recompute each layer in backward");
+  app.add_flag("--checkpoint-activations", o.checkpoint_activations,
+               "recompute each layer in backward");
   app.add_flag("--checkpoint-on-host", o.checkpoint_on_host,
-               "recompute each layer in backward, keeping its input in host memory (implies --checkpoint-activations)");
-  app.add_option("--eval-every", o.eval_every, "validation loss every N steps (last 10% of the data)")
+               "recompute each layer in backward, keeping its input in host memory (implies "
+               "--checkpoint-activations)");
+  app.add_option("--eval-every", o.eval_every,
+                 "validation loss every N steps (last 10% of the data)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
@@ -66,15 +82,21 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", o.save_every,
                  "write a checkpoint every N steps and after the last one (default 0: none)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--checkpoint-dir", o.checkpoint_dir,
-                 "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
-  app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep only the newest N checkpoints (default 0: all)")
+  app.add_option(
+      "--checkpoint-dir", o.checkpoint_dir,
+      "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
+  app.add_option("--keep-checkpoints", o.keep_checkpoints,
+                 "keep only the newest N checkpoints (default 0: all)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--resume", o.resume,
-                 "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints folder or a run's --out)");
+                 "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints "
+                 "folder or a run's --out)");
   app.add_option("--trace", o.trace_file, "Chrome trace of one step to this file");
-  app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")->check(strata::tools::kPositive);
-  app.add_option("--demo-nvme", o.demo_nvme_dir, "the demo's NVMe folder (default: <build>/demo-nvme from the build tree, else ~/.cache/strata/demo-nvme)");
+  app.add_option("--trace-step", o.trace_step, "the step --trace records (default 2)")
+      ->check(strata::tools::kPositive);
+  app.add_option("--demo-nvme", o.demo_nvme_dir,
+                 "the demo's NVMe folder (default: <build>/demo-nvme from the build tree, else "
+                 "~/.cache/strata/demo-nvme)");
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
@@ -83,14 +105,19 @@ int main(int argc, char** argv) {
       STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);
     };
     const bool demo = o.model_dir.empty() && o.model_config.empty();
-    needs("--trace-step", !o.trace_file.empty(), "chooses the step --trace records: add --trace FILE");
+    needs("--trace-step", !o.trace_file.empty(),
+          "chooses the step --trace records: add --trace FILE");
     needs("--overwrite", !o.out_dir.empty(), "replaces an existing --out folder: add --out DIR");
-    needs("--checkpoint-dir", o.save_every > 0, "is where --save-every N writes checkpoints: add --save-every N");
-    needs("--keep-checkpoints", o.save_every > 0, "prunes the checkpoints --save-every N writes: add --save-every N");
+    needs("--checkpoint-dir", o.save_every > 0,
+          "is where --save-every N writes checkpoints: add --save-every N");
+    needs("--keep-checkpoints", o.save_every > 0,
+          "prunes the checkpoints --save-every N writes: add --save-every N");
     needs("--demo-nvme", demo && o.ds_config.empty(),
-          "is the embedded demo's NVMe folder; with a model of yours or a --config, set offload_param / "
+          "is the embedded demo's NVMe folder; with a model of yours or a --config, set "
+          "offload_param / "
           "offload_optimizer nvme_path in the --config");
-    needs("--data-dtype", !o.data_files.empty(), "is the format of --data token files (--text is read byte by byte)");
+    needs("--data-dtype", !o.data_files.empty(),
+          "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

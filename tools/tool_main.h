@@ -1,24 +1,24 @@
 // How strata's command-line tools end, the same way in each: --help exits 0; a bad command
-// line prints one line (CLI11's reason, a flag a typo away from an unknown one, "see --help") and exits 1; a strata::Error prints one line (Error::user_message)
-// and exits 1, and with --json on the command line also prints, last, {"error": ..., "kind": ...}
-// on stdout, so a script reading the last JSON object finds out why there are no figures. One
-// rank of several failing ends the whole MPI job (its peers would wait for it for ever).
+// line prints one line (CLI11's reason, a flag a typo away from an unknown one, "see --help") and
+// exits 1; a strata::Error prints one line (Error::user_message) and exits 1, and with --json on
+// the command line also prints, last, {"error": ..., "kind": ...} on stdout, so a script reading
+// the last JSON object finds out why there are no figures. One rank of several failing ends the
+// whole MPI job (its peers would wait for it for ever).
 #pragma once
 
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "strata/adamw.h"
 #include "strata/comm.h"
@@ -52,8 +52,10 @@ inline const CLI::Validator kCount(
     [](std::string& text) -> std::string {
       long long v = 0;
       const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (ec == std::errc::result_out_of_range) return "'" + text + "' is beyond the largest count, 2^63 - 1";
-      if (ec != std::errc() || end != text.data() + text.size()) return "'" + text + "' is not a whole number";
+      if (ec == std::errc::result_out_of_range)
+        return "'" + text + "' is beyond the largest count, 2^63 - 1";
+      if (ec != std::errc() || end != text.data() + text.size())
+        return "'" + text + "' is not a whole number";
       return {};
     },
     "COUNT");
@@ -77,7 +79,8 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
   const std::string where = dir.empty() ? std::string(".") : dir.string();
   // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
   if (::access((where + "/.").c_str(), W_OK) != 0)
-    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where, std::strerror(errno));
+    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
+                 std::strerror(errno));
 }
 
 // Set by a tool whose every rank starts MPI (strata-train, strata-prof): a rank that fails before
@@ -86,7 +89,8 @@ inline bool g_ranks_start_mpi = false;
 
 // The error path: one line on stderr, the JSON object with --json, the job ended if this is one
 // rank of several; returns the exit code.
-inline int fail(const char* name, int argc, char** argv, const std::string& message, const char* kind) {
+inline int fail(const char* name, int argc, char** argv, const std::string& message,
+                const char* kind) {
   std::fprintf(stderr, "%s: %s\n", name, message.c_str());
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") != 0) continue;
@@ -96,7 +100,8 @@ inline int fail(const char* name, int argc, char** argv, const std::string& mess
   }
   std::fflush(stdout);
   std::fflush(stderr);
-  end_job_if_one_of_many(message, g_ranks_start_mpi);  // the other ranks would wait for this one for ever
+  end_job_if_one_of_many(message,
+                         g_ranks_start_mpi);  // the other ranks would wait for this one for ever
   return 1;
 }
 
@@ -108,7 +113,8 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
     return body();
   } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success))
+      return app.exit(e);  // --help
     // One line, as every other error: what is wrong, a flag a typo away from an unknown one,
     // and where the rest is.
     std::string message = e.what();
@@ -122,7 +128,8 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
       for (const CLI::App* sub : app.get_subcommands()) add(sub);
       for (int i = 1; i < argc; ++i) {
         const std::string arg = std::string(argv[i]).substr(0, std::string(argv[i]).find('='));
-        if (!arg.starts_with("--") || std::find(flags.begin(), flags.end(), arg) != flags.end()) continue;
+        if (!arg.starts_with("--") || std::find(flags.begin(), flags.end(), arg) != flags.end())
+          continue;
         const std::string guess = config::near_miss(arg, flags);
         if (!guess.empty()) message += fmt::format(" (did you mean {}?)", guess);
       }
@@ -130,7 +137,8 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     std::fprintf(stderr, "%s: %s; see --help\n", name, message.c_str());
     for (int i = 1; i < argc; ++i) {
       if (std::strcmp(argv[i], "--json") != 0) continue;
-      std::printf("%s\n", nlohmann::json{{"error", message}, {"kind", "invalid argument"}}.dump().c_str());
+      std::printf("%s\n",
+                  nlohmann::json{{"error", message}, {"kind", "invalid argument"}}.dump().c_str());
       break;
     }
     std::fflush(stdout);

@@ -43,8 +43,8 @@ namespace strata {
 enum class ReduceOp { kSum, kAvg, kMax };
 enum class CommBackend { kLocal, kMpi, kNccl };
 
-const char* reduce_op_name(ReduceOp op);        // "sum", "avg", "max"
-const char* comm_backend_name(CommBackend b);   // "local", "mpi", "nccl"
+const char* reduce_op_name(ReduceOp op);       // "sum", "avg", "max"
+const char* comm_backend_name(CommBackend b);  // "local", "mpi", "nccl"
 
 // Where this process sits in the job. Read from MPI once it is initialized, else from the
 // launcher's environment (mpirun: OMPI_COMM_WORLD_*; srun --mpi=pmix: PMIX_RANK and
@@ -52,7 +52,7 @@ const char* comm_backend_name(CommBackend b);   // "local", "mpi", "nccl"
 struct LaunchInfo {
   int rank = 0;
   int world_size = 1;
-  int local_rank = 0;   // rank among the processes on this node: picks the GPU
+  int local_rank = 0;  // rank among the processes on this node: picks the GPU
   int local_size = 1;
   bool under_mpi = false;  // started by an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx)
   std::string launcher = "none";  // "openmpi", "pmix", "pmi", "none"
@@ -153,8 +153,8 @@ class Communicator {
   int rank_;
   int world_size_;
   double timeout_s_;
-  bool check_calls_ = false;     // STRATA_COMM_CHECK=1
-  std::uint64_t calls_ = 0;      // collectives submitted (with check_calls_)
+  bool check_calls_ = false;  // STRATA_COMM_CHECK=1
+  std::uint64_t calls_ = 0;   // collectives submitted (with check_calls_)
 };
 
 // The communicator for this process on `device`: NCCL for a CUDA device (MPI bootstraps it

@@ -44,10 +44,10 @@ class Stream;
 
 // Statistics of a device's memory; exact, taken under the allocator's lock.
 struct DeviceStats {
-  std::size_t capacity_bytes = 0;        // the budget allocations may not exceed
-  std::size_t bytes_in_use = 0;          // live allocations, rounded to the allocator's unit
+  std::size_t capacity_bytes = 0;  // the budget allocations may not exceed
+  std::size_t bytes_in_use = 0;    // live allocations, rounded to the allocator's unit
   std::size_t peak_bytes_in_use = 0;
-  std::size_t bytes_reserved = 0;        // held from the system (cached blocks included)
+  std::size_t bytes_reserved = 0;  // held from the system (cached blocks included)
   std::uint64_t num_allocs = 0;
   std::uint64_t num_frees = 0;
   std::uint64_t num_alloc_failures = 0;  // requests refused for lack of memory
@@ -68,7 +68,9 @@ struct MemRef {
 };
 
 // Host memory as a copy endpoint (pinned memory from PinnedPool copies fastest).
-inline MemRef host_ref(void* ptr, std::size_t bytes) { return MemRef{ptr, bytes, MemSpace::kHost, nullptr}; }
+inline MemRef host_ref(void* ptr, std::size_t bytes) {
+  return MemRef{ptr, bytes, MemSpace::kHost, nullptr};
+}
 inline MemRef host_ref(const void* ptr, std::size_t bytes) {
   return host_ref(const_cast<void*>(ptr), bytes);
 }
@@ -129,15 +131,15 @@ inline TensorRef host_tensor(const void* ptr, DType dtype, std::size_t numel) {
 
 // Hyper-parameters of one AdamW step (torch.optim.AdamW semantics; see docs/adamw.md, "Semantics").
 struct AdamWOptions {
-  float lr = 1e-3f;            // >= 0, finite; the rate of this step (schedules set it per step)
-  float beta1 = 0.9f;          // in [0, 1)
-  float beta2 = 0.999f;        // in [0, 1)
-  float eps = 1e-8f;           // >= 0
-  float weight_decay = 0.0f;   // decoupled: p *= 1 - lr * weight_decay, before the Adam update
+  float lr = 1e-3f;           // >= 0, finite; the rate of this step (schedules set it per step)
+  float beta1 = 0.9f;         // in [0, 1)
+  float beta2 = 0.999f;       // in [0, 1)
+  float eps = 1e-8f;          // >= 0
+  float weight_decay = 0.0f;  // decoupled: p *= 1 - lr * weight_decay, before the Adam update
   bool bias_correction = true;
   // Every gradient is multiplied by this first: folds 1 / loss_scale and the clip coefficient.
-  float grad_scale = 1.0f;     // finite, >= 0
-  std::int64_t step = 1;       // t of this step, 1-based (the bias corrections use it)
+  float grad_scale = 1.0f;  // finite, >= 0
+  std::int64_t step = 1;    // t of this step, 1-based (the bias corrections use it)
 };
 
 // What to do about non-finite (NaN / Inf) gradients.
@@ -260,11 +262,11 @@ class Stream {
 
   // Kernels (device memory only). Element-wise kernels compute in fp32 whatever the dtype.
   void fill(TensorRef x, float value);
-  void axpy(float alpha, TensorRef x, TensorRef y);         // y += alpha * x
-  void scale(float alpha, TensorRef x);                     // x *= alpha
-  void add(TensorRef a, TensorRef b, TensorRef out);        // out = a + b
-  void cast(TensorRef src, TensorRef dst);                  // dst = src converted (RNE)
-  void sum_squares(TensorRef x, TensorRef out);             // out[0] (fp32) = sum(x^2)
+  void axpy(float alpha, TensorRef x, TensorRef y);   // y += alpha * x
+  void scale(float alpha, TensorRef x);               // x *= alpha
+  void add(TensorRef a, TensorRef b, TensorRef out);  // out = a + b
+  void cast(TensorRef src, TensorRef dst);            // dst = src converted (RNE)
+  void sum_squares(TensorRef x, TensorRef out);       // out[0] (fp32) = sum(x^2)
   void matmul(const MatmulDesc& desc);
   // Fused AdamW over every shard (all device tensors of this device); see AdamWDesc.
   void adamw(const AdamWDesc& desc);
@@ -372,7 +374,8 @@ void reexec_with_passive_openmp(char** argv);
 struct CudaProbe {
   bool compiled = false;  // built with the CUDA backend
   int device_count = 0;
-  std::string reason;     // why there is no usable device, e.g. "no CUDA driver (cudaErrorInsufficientDriver, error 35)"
+  std::string reason;  // why there is no usable device, e.g. "no CUDA driver
+                       // (cudaErrorInsufficientDriver, error 35)"
 };
 CudaProbe probe_cuda();
 

@@ -14,10 +14,14 @@ enum class DType : std::uint8_t { kF32, kBF16, kF16, kF64 };
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
-    case DType::kBF16: return 2;
-    case DType::kF16: return 2;
-    case DType::kF64: return 8;
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kF16:
+      return 2;
+    case DType::kF64:
+      return 8;
   }
   return 0;
 }
@@ -40,7 +44,8 @@ inline float f32_from_bits(std::uint32_t u) {
 
 inline std::uint16_t f32_to_bf16(float f) {
   std::uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
 }

@@ -31,8 +31,8 @@ struct Placement {
 };
 
 struct LossScaleConfig {
-  bool enabled = false;          // fp16.enabled
-  double loss_scale = 0;         // 0 = dynamic
+  bool enabled = false;   // fp16.enabled
+  double loss_scale = 0;  // 0 = dynamic
   int initial_scale_power = 16;
   int loss_scale_window = 1000;
   int hysteresis = 2;
@@ -60,7 +60,8 @@ struct EngineConfig {
   // precision
   DType compute_dtype = DType::kF32;  // bf16.enabled -> kBF16, fp16.enabled -> kF16
   LossScaleConfig fp16;
-  // optimizer ("Adam" and "AdamW" both run AdamW; see docs/configuration.md for "Adam" + weight_decay)
+  // optimizer ("Adam" and "AdamW" both run AdamW; see docs/configuration.md for "Adam" +
+  // weight_decay)
   std::string optimizer_type = "AdamW";
   AdamWOptions adamw;  // lr, betas, eps, weight_decay
   LrScheduleConfig scheduler;
@@ -68,17 +69,17 @@ struct EngineConfig {
   int stage = 3;  // strata's default when no config is given; a ds_config without "stage" gives 0
   bool overlap_comm = true;
   bool contiguous_gradients = true;
-  std::uint64_t reduce_bucket_size = 500'000'000;         // elements
-  std::uint64_t allgather_bucket_size = 500'000'000;      // elements
-  std::uint64_t sub_group_size = 1'000'000'000;           // elements
+  std::uint64_t reduce_bucket_size = 500'000'000;     // elements
+  std::uint64_t allgather_bucket_size = 500'000'000;  // elements
+  std::uint64_t sub_group_size = 1'000'000'000;       // elements
   // reduce_bucket_size / sub_group_size given in the ds_config (not defaults): the plan notes a
   // value below the largest unit only then (the defaults are below a large model's embedding).
   bool reduce_bucket_size_given = false, sub_group_size_given = false;
-  std::uint64_t prefetch_bucket_size = 50'000'000;        // stage3_prefetch_bucket_size
-  std::uint64_t max_live_parameters = 1'000'000'000;      // stage3_max_live_parameters
-  std::uint64_t max_reuse_distance = 1'000'000'000;       // stage3_max_reuse_distance
-  std::uint64_t param_persistence_threshold = 100'000;    // stage3_param_persistence_threshold
-  bool gather_16bit_weights_on_model_save = false;        // stage3_gather_16bit_weights_on_model_save
+  std::uint64_t prefetch_bucket_size = 50'000'000;      // stage3_prefetch_bucket_size
+  std::uint64_t max_live_parameters = 1'000'000'000;    // stage3_max_live_parameters
+  std::uint64_t max_reuse_distance = 1'000'000'000;     // stage3_max_reuse_distance
+  std::uint64_t param_persistence_threshold = 100'000;  // stage3_param_persistence_threshold
+  bool gather_16bit_weights_on_model_save = false;      // stage3_gather_16bit_weights_on_model_save
   // placement of each piece of this rank's shard
   Placement params;     // compute-weight shard: offload_param.device (+ strata fractions)
   Placement grads;      // fp32 gradient shard: strata key zero_optimization.offload_grads
@@ -88,10 +89,11 @@ struct EngineConfig {
   // "nvme", else the parameters' (parse_engine_config fills it when offload_grads is "nvme").
   std::vector<std::string> grad_nvme_paths;
   int param_buffer_count = 5;
-  std::uint64_t param_buffer_size = 100'000'000;  // elements
-  std::uint64_t param_max_in_cpu = 1'000'000'000; // elements
+  std::uint64_t param_buffer_size = 100'000'000;   // elements
+  std::uint64_t param_max_in_cpu = 1'000'000'000;  // elements
   int optimizer_buffer_count = 4;
-  bool pin_memory = true;  // false if offload_param.pin_memory or offload_optimizer.pin_memory is false
+  bool pin_memory =
+      true;  // false if offload_param.pin_memory or offload_optimizer.pin_memory is false
   bool pipeline_read = false, pipeline_write = false;
   AioConfig aio;
   // strata additions
@@ -149,14 +151,15 @@ struct MemoryPlan {
   bool fits = true;
   // The plan counts the early (overlapped) optimizer step's second copies of the state.
   bool early_optimizer_step = false;
-  std::vector<std::string> notes;     // choices the planner made for the user, said aloud
-  std::vector<std::string> problems;  // one per tier that does not fit: what is missing, what to change
+  std::vector<std::string> notes;  // choices the planner made for the user, said aloud
+  std::vector<std::string>
+      problems;  // one per tier that does not fit: what is missing, what to change
   // Host RAM: what this rank keeps resident in all (the process before the engine, the pinned
   // lines, the CPU-emulated device's memory, the larger of the initial weights' and a save's
   // pageable buffer), against PlanInputs::ram_capacity (not checked when that is 0).
-  std::vector<PlanLine> ram_lines;    // (tier kHost; their own section of the table)
+  std::vector<PlanLine> ram_lines;  // (tier kHost; their own section of the table)
   std::uint64_t ram_bytes = 0, ram_capacity = 0;
-  std::string table() const;          // the table `--plan` prints
+  std::string table() const;  // the table `--plan` prints
 };
 
 struct PlanInputs {
@@ -164,8 +167,8 @@ struct PlanInputs {
   int world_size = 1;
   std::uint64_t device_capacity = 0;
   std::uint64_t host_capacity = 0;
-  std::uint64_t nvme_capacity = 0;   // free bytes on the NVMe paths (this rank's share)
-  int ranks_on_node = 1;             // ranks sharing this node's RAM and drives (for the messages)
+  std::uint64_t nvme_capacity = 0;  // free bytes on the NVMe paths (this rank's share)
+  int ranks_on_node = 1;            // ranks sharing this node's RAM and drives (for the messages)
   std::uint64_t activation_bytes = 0;  // the model's estimate for one micro-batch
   // Host RAM: this rank's share of what the node has (0: not checked), the process's resident
   // memory before the engine, and whether the device's memory is host RAM (CPU-emulated).
@@ -187,7 +190,8 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& inputs);
 // (one config: they all keep their swap files under the same paths); with `world_size`, a dead
 // run's ranks beyond it count as free too (rank 0's store removes them); UINT64_MAX when nothing
 // is placed on NVMe. Throws naming the key of a missing directory.
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1, int world_size = 0);
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node = 1,
+                            int world_size = 0);
 // Pinned host memory an engine may hold when strata.host_budget_bytes is 0: 80% of the
 // machine's RAM divided among the `ranks_on_node` ranks of this node, in whole 2 MiB pieces (the
 // pinned pool commits memory so; plan_memory uses any budget so).

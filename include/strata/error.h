@@ -7,11 +7,11 @@
 // syscall results or for invariants the runtime depends on.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cerrno>
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace strata {
 
@@ -22,8 +22,8 @@ enum class ErrorKind {
   kCuda,             // a CUDA runtime / cuBLAS call failed
   kNccl,
   kMpi,
-  kUnsupported,      // the build or the machine lacks a capability
-  kInternal,         // an invariant of strata itself broke: a bug
+  kUnsupported,  // the build or the machine lacks a capability
+  kInternal,     // an invariant of strata itself broke: a bug
 };
 
 const char* error_kind_name(ErrorKind kind);
@@ -65,29 +65,28 @@ namespace detail {
 }  // namespace strata
 
 // Argument validation: the message names the problem and the fix.
-#define STRATA_REQUIRE(cond, ...)                                                         \
-  do {                                                                                    \
-    if (!(cond)) [[unlikely]]                                                             \
-      ::strata::detail::throw_error(::strata::ErrorKind::kInvalidArgument, __FILE__,      \
-                                    __LINE__, #cond, ::fmt::format(__VA_ARGS__));         \
+#define STRATA_REQUIRE(cond, ...)                                                              \
+  do {                                                                                         \
+    if (!(cond)) [[unlikely]]                                                                  \
+      ::strata::detail::throw_error(::strata::ErrorKind::kInvalidArgument, __FILE__, __LINE__, \
+                                    #cond, ::fmt::format(__VA_ARGS__));                        \
   } while (0)
 
 // Internal invariant: stays on in release builds.
-#define STRATA_CHECK(cond, ...)                                                           \
-  do {                                                                                    \
-    if (!(cond)) [[unlikely]]                                                             \
-      ::strata::detail::throw_error(::strata::ErrorKind::kInternal, __FILE__, __LINE__,   \
-                                    #cond, ::fmt::format(__VA_ARGS__));                   \
+#define STRATA_CHECK(cond, ...)                                                                \
+  do {                                                                                         \
+    if (!(cond)) [[unlikely]]                                                                  \
+      ::strata::detail::throw_error(::strata::ErrorKind::kInternal, __FILE__, __LINE__, #cond, \
+                                    ::fmt::format(__VA_ARGS__));                               \
   } while (0)
 
-#define STRATA_THROW(kind, ...)                                                           \
-  ::strata::detail::throw_error(::strata::ErrorKind::kind, __FILE__, __LINE__, "",        \
+#define STRATA_THROW(kind, ...)                                                    \
+  ::strata::detail::throw_error(::strata::ErrorKind::kind, __FILE__, __LINE__, "", \
                                 ::fmt::format(__VA_ARGS__))
 
 // For syscalls that return -1 and set errno.
-#define STRATA_CHECK_ERRNO(expr, ...)                                                     \
-  do {                                                                                    \
-    if ((expr) == -1) [[unlikely]]                                                        \
-      ::strata::detail::throw_errno(__FILE__, __LINE__, #expr, errno,                     \
-                                    ::fmt::format(__VA_ARGS__));                          \
+#define STRATA_CHECK_ERRNO(expr, ...)                                                              \
+  do {                                                                                             \
+    if ((expr) == -1) [[unlikely]]                                                                 \
+      ::strata::detail::throw_errno(__FILE__, __LINE__, #expr, errno, ::fmt::format(__VA_ARGS__)); \
   } while (0)

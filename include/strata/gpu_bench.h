@@ -19,9 +19,9 @@ namespace strata::gpu {
 
 // The fastest of cuBLASLt's heuristic candidates for one GEMM (best_cublaslt_gemm).
 struct GemmBest {
-  double seconds = 0;               // per call
-  int candidates = 0;               // candidates that ran and were timed
-  int candidate = -1;               // the fastest one's rank in the heuristic's order (0 = its first choice)
+  double seconds = 0;  // per call
+  int candidates = 0;  // candidates that ran and were timed
+  int candidate = -1;  // the fastest one's rank in the heuristic's order (0 = its first choice)
   std::size_t workspace_bytes = 0;  // what the fastest one needs
 };
 

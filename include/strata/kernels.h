@@ -34,20 +34,21 @@ struct Weight {
   explicit operator bool() const { return ptr != nullptr; }
 };
 
-void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
-                        i64 n, i64 t, i64 c);
+void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte,
+                        float* dwpe, i64 n, i64 t, i64 c);
 // dx_bf16 (optional): the updated dx again, rounded to bf16 (the next GEMMs' operand).
-void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd, float* dx,
-                      float* dw, i64 n, i64 c, void* dx_bf16 = nullptr);
+void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd,
+                      float* dx, float* dw, i64 n, i64 c, void* dx_bf16 = nullptr);
 void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* mean,
                         const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c);
 // gemm: the compute dtype; with bf16 the inputs of attention's products are rounded to bf16 as
 // for every other GEMM, on the CPU and in both CUDA variants.
 // o_bf16 (optional): o also written rounded to bf16, the output projection's operand.
-void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b, i64 t, i64 nh,
-                       i64 nkv, i64 hd, double scale, DType gemm);
-void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout, const float* lse,
-                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm);
+void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b,
+                       i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm);
+void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
+                        const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                        double scale, DType gemm);
 void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m);
 
 }  // namespace strata::model_ops

@@ -2,10 +2,10 @@
 // error, off; default info). Messages go to stderr as "[strata] [level] text".
 #pragma once
 
+#include <fmt/format.h>
+
 #include <string>
 #include <string_view>
-
-#include <fmt/format.h>
 
 namespace strata::log {
 

@@ -42,10 +42,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "strata/device.h"
 #include "strata/dtype.h"
@@ -81,8 +80,8 @@ struct ModelConfig {
   // by (layer index + 1) with scale_attn_by_inverse_layer_idx (Hugging Face's GPT2Attention).
   bool scale_attn_weights = true;
   bool scale_attn_by_inverse_layer_idx = false;
-  double initializer_range = 0.02;   // std of from-scratch matrices (ResidentWeights::init_hf)
-  nlohmann::json raw;                // the config.json as read, written back on save
+  double initializer_range = 0.02;  // std of from-scratch matrices (ResidentWeights::init_hf)
+  nlohmann::json raw;               // the config.json as read, written back on save
 
   std::int64_t num_units() const { return num_layers + 2; }
 };
@@ -95,9 +94,9 @@ ModelConfig load_model_config(const std::string& path);
 std::string model_config_json(const ModelConfig& cfg);
 
 struct ParamSpec {
-  std::string name;                  // the Hugging Face tensor name
-  std::vector<std::int64_t> shape;   // as stored in safetensors
-  std::size_t offset = 0;            // elements into the unit's flat buffer
+  std::string name;                 // the Hugging Face tensor name
+  std::vector<std::int64_t> shape;  // as stored in safetensors
+  std::size_t offset = 0;           // elements into the unit's flat buffer
   std::size_t numel = 0;
 };
 
@@ -113,8 +112,8 @@ struct UnitSpec {
 // counter-based generator (Philox-4x32-10, Box-Muller) keyed by the seed and the parameter's
 // name, with the element's index as the counter: any slice is computed alone, so every rank of
 // any number of ranks, and every placement, gets the same weights.
-void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed, std::size_t first,
-                    std::size_t count, float* out);
+void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed,
+                    std::size_t first, std::size_t count, float* out);
 
 // Where a unit's weights and gradients come from; see the header comment.
 class UnitProvider {
@@ -132,11 +131,11 @@ class UnitProvider {
 };
 
 struct ModelOptions {
-  std::int64_t micro_batch = 1;  // B
-  std::int64_t seq_len = 0;      // T; 0 = max_positions (GPT-2) or 1024
-  DType compute = DType::kF32;   // kF32 or kBF16
-  bool checkpoint = false;       // keep only layer inputs, recompute in backward
-  bool checkpoint_on_host = false;  // with checkpoint: keep those inputs in host memory
+  std::int64_t micro_batch = 1;      // B
+  std::int64_t seq_len = 0;          // T; 0 = max_positions (GPT-2) or 1024
+  DType compute = DType::kF32;       // kF32 or kBF16
+  bool checkpoint = false;           // keep only layer inputs, recompute in backward
+  bool checkpoint_on_host = false;   // with checkpoint: keep those inputs in host memory
   std::int64_t loss_chunk_rows = 0;  // rows of logits per LM-head chunk; 0 = about 16 MiB
 };
 

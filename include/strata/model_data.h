@@ -40,7 +40,7 @@ struct DataOptions {
   std::int64_t vocab_size = 0;  // ids must be below it; 0 = unchecked
   bool shuffle = false;
   std::uint64_t seed = 0;
-  double val_fraction = 0.0;    // in [0, 1)
+  double val_fraction = 0.0;  // in [0, 1)
 };
 
 class TokenLoader {

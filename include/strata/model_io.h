@@ -126,8 +126,8 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
 // that loaders would take instead — model.safetensors beside a sharded save's index (or the
 // index beside a single file), model-*-of-*.safetensors not written now — and .strata-tmp-*
 // leftovers of a failed save. Every other file (tokenizer files, a README, checkpoints/) stays.
-void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
-                     bool sharded);
+void commit_hf_files(const std::string& dir,
+                     const std::vector<std::pair<std::string, std::string>>& renames, bool sharded);
 
 // fsync of a file (or, with `folder`, of a folder's entries): what a save calls before a rename
 // makes a file visible, and after. Throws kIo naming `what` ("checkpoint", "model save") and

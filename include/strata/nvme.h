@@ -55,17 +55,19 @@ enum class IoBackend { kAuto, kIoUring, kThreads };
 enum class DirectIo { kAuto, kOn, kOff };
 
 struct AioConfig {
-  std::size_t block_size = std::size_t(1) << 20;  // bytes per request chunk (power of two, 4 KiB - 1 GiB)
-  int queue_depth = 8;                            // chunks in flight per ring
-  int thread_count = 1;                           // rings (worker threads); alias intra_op_parallelism
-  bool single_submit = false;  // one submit call per chunk instead of batches
-  bool overlap_events = true;  // keep the queue full while reaping (false: drain, then refill)
-  bool use_hugepages = true;   // staging buffers from huge pages where the machine has them
-  bool verify = false;         // per-stripe checksums (xxh3), checked on every read
+  std::size_t block_size = std::size_t(1)
+                           << 20;  // bytes per request chunk (power of two, 4 KiB - 1 GiB)
+  int queue_depth = 8;             // chunks in flight per ring
+  int thread_count = 1;            // rings (worker threads); alias intra_op_parallelism
+  bool single_submit = false;      // one submit call per chunk instead of batches
+  bool overlap_events = true;      // keep the queue full while reaping (false: drain, then refill)
+  bool use_hugepages = true;       // staging buffers from huge pages where the machine has them
+  bool verify = false;             // per-stripe checksums (xxh3), checked on every read
   // strata additions:
   IoBackend engine = IoBackend::kAuto;  // "auto" | "io_uring" | "threads"
-  DirectIo direct = DirectIo::kAuto;    // O_DIRECT: "auto" (fall back to buffered where refused) | true | false
-  bool register_buffers = true;         // io_uring fixed buffers for pool memory
+  DirectIo direct =
+      DirectIo::kAuto;  // O_DIRECT: "auto" (fall back to buffered where refused) | true | false
+  bool register_buffers = true;  // io_uring fixed buffers for pool memory
   // Tests only (not read from JSON): engines built from this config inject these faults.
   std::vector<Fault> inject_faults;
 };
@@ -159,7 +161,8 @@ class IoEngine {
 // pool with one warning when the kernel or a seccomp profile refuses io_uring.
 std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config);
 // The same engine with `faults` injected into chunk completions (tests).
-std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config, std::vector<Fault> faults);
+std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config,
+                                                      std::vector<Fault> faults);
 
 // Opens `path` for the engine: O_DIRECT per `direct` (kAuto falls back to buffered I/O with
 // one warning where the file system refuses it, as tmpfs does). Sets *is_direct.
@@ -179,8 +182,8 @@ struct SwapStoreOptions {
 };
 
 struct SwapStoreStats {
-  std::size_t reserved_bytes = 0;   // sum of extents (4 KiB-rounded)
-  std::size_t file_bytes = 0;       // preallocated on disk, all files
+  std::size_t reserved_bytes = 0;  // sum of extents (4 KiB-rounded)
+  std::size_t file_bytes = 0;      // preallocated on disk, all files
   std::uint64_t bytes_written = 0, bytes_read = 0;
   bool direct = false;
 };
@@ -217,9 +220,11 @@ class SwapStore {
   // (ranks of one node under the same paths) each file system's free bytes are split evenly
   // among them. With `world_size` > 0, what dead ranks >= it left there (see
   // SwapStoreOptions::world_size; rank 0's store removes it) counts as free too. Throws naming
-  // `config_key` when a path is missing or unreadable. For the memory plan, before any store exists.
-  static std::uint64_t free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
-                                  int ranks_sharing = 1, int world_size = 0);
+  // `config_key` when a path is missing or unreadable. For the memory plan, before any store
+  // exists.
+  static std::uint64_t free_bytes(const std::vector<std::string>& paths, int rank,
+                                  const std::string& config_key, int ranks_sharing = 1,
+                                  int world_size = 0);
 
   // Reserves an extent for `key`, growing the files after checking free space (statvfs):
   // refuses with the bytes needed and available, before anything is written.

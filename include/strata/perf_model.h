@@ -40,13 +40,13 @@ namespace strata {
 
 // What strata-prof measures on the machine (rates in bytes or parameters per second).
 struct MachineProfile {
-  double h2d_bps = 0, d2h_bps = 0;      // pinned host <-> device copies
-  double device_mem_bps = 0;            // device memory traffic of a fill / add pass
+  double h2d_bps = 0, d2h_bps = 0;  // pinned host <-> device copies
+  double device_mem_bps = 0;        // device memory traffic of a fill / add pass
   // Bytes a free costs per second on the stream that frees them (the CPU-emulated device
   // poisons freed memory; a GPU's caching allocator frees for nothing: 0 = no cost).
   double free_bps = 0;
-  double host_mem_bps = 0;              // host memory traffic of a memcpy / add pass
-  double host_norm_bps = 0;             // gradient bytes per second of the host's norm pass (0: host_mem_bps)
+  double host_mem_bps = 0;   // host memory traffic of a memcpy / add pass
+  double host_norm_bps = 0;  // gradient bytes per second of the host's norm pass (0: host_mem_bps)
   double nvme_read_bps = 0, nvme_write_bps = 0;
   // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
   // of both per second; 0 = take the one-direction rates.
@@ -59,8 +59,8 @@ struct MachineProfile {
   // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
   // waits for each: 0 = nvme_read_bps.
   double nvme_fetch_read_bps = 0;
-  double cpu_adamw_params_per_s = 0;    // CpuAdamW, all its threads
-  double device_adamw_params_per_s = 0; // Stream::adamw on the device
+  double cpu_adamw_params_per_s = 0;                  // CpuAdamW, all its threads
+  double device_adamw_params_per_s = 0;               // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
   int world_size = 1;
   int ranks_on_node = 1;  // sharing its RAM and drives: the capacities below are a share
@@ -86,10 +86,10 @@ struct UnitCost {
 
 // The model at one micro-batch size and one checkpointing mode.
 struct ModelProfile {
-  std::vector<UnitCost> units;    // in forward order; the last one is the LM head
+  std::vector<UnitCost> units;  // in forward order; the last one is the LM head
   std::int64_t micro_batch = 1, seq_len = 1;
-  bool checkpoint = false;        // activation checkpointing (recompute in backward)
-  bool checkpoint_on_host = false;  // ... with the checkpoints kept in host memory
+  bool checkpoint = false;             // activation checkpointing (recompute in backward)
+  bool checkpoint_on_host = false;     // ... with the checkpoints kept in host memory
   std::uint64_t activation_bytes = 0;  // device bytes one micro-batch's activations take
   double tokens_per_micro_batch() const { return double(micro_batch) * double(seq_len); }
 };
@@ -120,12 +120,13 @@ struct Prediction {
 // The predicted time of one optimizer step (gradient_accumulation_steps micro-batches and the
 // update) of `model` under `config` on `machine`. Throws strata::Error for a profile that lacks
 // a rate the configuration needs (e.g. optimizer state on NVMe with no NVMe bandwidth).
-Prediction predict_step(const MachineProfile& machine, const ModelProfile& model, const EngineConfig& config);
+Prediction predict_step(const MachineProfile& machine, const ModelProfile& model,
+                        const EngineConfig& config);
 
 // ---- the search ----
 struct Candidate {
-  std::string label;       // "params nvme, optimizer host, grads host, live 4 units, B=8, ckpt"
-  EngineConfig config;     // micro_batch_per_gpu set; nvme paths set when used
+  std::string label;    // "params nvme, optimizer host, grads host, live 4 units, B=8, ckpt"
+  EngineConfig config;  // micro_batch_per_gpu set; nvme paths set when used
   bool checkpoint = false, checkpoint_on_host = false;
   std::int64_t micro_batch = 1;
   MemoryPlan plan;
@@ -135,9 +136,10 @@ struct Candidate {
 struct SearchSpace {
   // Model profiles to choose from (one per micro-batch size and checkpointing mode).
   std::vector<ModelProfile> models;
-  EngineConfig base;                   // everything the search does not set (dtype, clipping, ...)
-  std::vector<std::string> nvme_paths; // empty: NVMe placements are not considered
-  std::vector<std::string> param_nvme_paths;  // the weights' own, when they differ (empty: nvme_paths)
+  EngineConfig base;                    // everything the search does not set (dtype, clipping, ...)
+  std::vector<std::string> nvme_paths;  // empty: NVMe placements are not considered
+  std::vector<std::string>
+      param_nvme_paths;                // the weights' own, when they differ (empty: nvme_paths)
   bool allow_device_optimizer = true;  // the optimizer state on the device
   // The share of device memory a candidate's plan may fill: the rest is the allocator's
   // (fragmentation, frees still queued on streams). A plan over it would make the engine
@@ -146,8 +148,8 @@ struct SearchSpace {
 };
 
 struct SearchResult {
-  std::vector<Candidate> ranked;       // feasible candidates, fastest (tokens/s) first
-  std::size_t considered = 0;          // all candidates, feasible or not
+  std::vector<Candidate> ranked;  // feasible candidates, fastest (tokens/s) first
+  std::size_t considered = 0;     // all candidates, feasible or not
   // When nothing fits: the plan of the least demanding candidate and its problems (what is
   // missing on which tier).
   std::vector<std::string> problems;
@@ -163,7 +165,8 @@ SearchResult search_placements(const MachineProfile& machine, const SearchSpace&
 // by it — what the search ranks by: candidates of other micro-batch sizes differ in step time
 // for that alone. measured_step_s.size() when none ran.
 double measured_tokens_per_s(const Candidate& c, double measured_step_s);
-std::size_t fastest_validated(const std::vector<Candidate>& ranked, const std::vector<double>& measured_step_s);
+std::size_t fastest_validated(const std::vector<Candidate>& ranked,
+                              const std::vector<double>& measured_step_s);
 
 // A ds_config.json text that parse_engine_config reads back as `config` (the placement,
 // prefetch, live-parameter and batch settings, precision, optimizer, aio).

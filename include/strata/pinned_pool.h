@@ -47,8 +47,8 @@ struct PinnedPoolOptions {
   // Most memory the pool may hold, >= 2 MiB: memory is committed in 2 MiB steps, so a budget's
   // part above its last whole 2 MiB is never used.
   std::size_t budget_bytes = 0;
-  bool huge_pages = true;        // try huge pages first; false forces 4 KiB pages
-  bool lock = true;              // page-lock (mlock or device registration)
+  bool huge_pages = true;  // try huge pages first; false forces 4 KiB pages
+  bool lock = true;        // page-lock (mlock or device registration)
   // NUMA node to bind the memory to; -1: the node nearest `device` where the device knows
   // it (Device::numa_node(), from the GPU's PCI slot), else no binding.
   int numa_node = -1;
@@ -63,14 +63,14 @@ struct PinnedPoolOptions {
 
 struct PinnedPoolStats {
   std::size_t budget_bytes = 0;
-  std::size_t requested_bytes = 0;      // sum of live requests, as asked
-  std::size_t allocated_bytes = 0;      // sum of live blocks, rounded up to the alignment
-  std::size_t reserved_bytes = 0;       // memory committed in chunks (free ranges included)
+  std::size_t requested_bytes = 0;  // sum of live requests, as asked
+  std::size_t allocated_bytes = 0;  // sum of live blocks, rounded up to the alignment
+  std::size_t reserved_bytes = 0;   // memory committed in chunks (free ranges included)
   std::size_t peak_reserved_bytes = 0;
   std::size_t num_blocks = 0;
   std::size_t num_chunks = 0;
-  std::size_t huge_chunks = 0;          // chunks backed by huge pages (either kind)
-  std::size_t locked_bytes = 0;         // reserved bytes that are page-locked / registered
+  std::size_t huge_chunks = 0;   // chunks backed by huge pages (either kind)
+  std::size_t locked_bytes = 0;  // reserved bytes that are page-locked / registered
 
   // reserved / requested - 1: the memory held beyond what callers asked for.
   double overhead() const {

@@ -16,21 +16,22 @@
 
 namespace strata::cpu {
 
-std::string cpu_model();                      // "AMD EPYC ..." from /proc/cpuinfo; "unknown"
-std::vector<std::string> cpu_isa_features();  // of avx2, f16c, fma, avx512f, avx512bw, avx512_bf16, amx_bf16 (cpuid)
+std::string cpu_model();  // "AMD EPYC ..." from /proc/cpuinfo; "unknown"
+std::vector<std::string>
+cpu_isa_features();  // of avx2, f16c, fma, avx512f, avx512bw, avx512_bf16, amx_bf16 (cpuid)
 
 // The code paths strata takes on this host, after STRATA_CPU_ISA (strata/adamw.h): the cap, the
 // ISA of the CPU AdamW and of the model's row kernels, oneDNN's ISA, and each GEMM operand
 // dtype's route through oneDNN. Throws on a bad STRATA_CPU_ISA (or STRATA_ADAMW_ISA /
 // STRATA_MODEL_ISA), naming it.
 struct CpuPaths {
-  std::string cap;            // "auto" (no cap), "avx512", "avx2" or "scalar"
-  std::string adamw, model;   // "avx512", "avx2", "scalar"
-  std::string onednn;         // "avx2", "avx512_core_amx", ...
+  std::string cap;           // "auto" (no cap), "avx512", "avx2" or "scalar"
+  std::string adamw, model;  // "avx512", "avx2", "scalar"
+  std::string onednn;        // "avx2", "avx512_core_amx", ...
   struct Gemm {
     std::string dtype;  // "fp32", "bf16", "fp16"
     std::string route;  // "oneDNN native" or "widened to fp32"
-    std::string impl;   // oneDNN's implementation of the GEMM that runs, e.g. "brg:avx512_core_bf16"
+    std::string impl;  // oneDNN's implementation of the GEMM that runs, e.g. "brg:avx512_core_bf16"
   };
   std::vector<Gemm> gemms;
 };

@@ -20,11 +20,10 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <string>
 #include <functional>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "strata/engine.h"
 #include "strata/model.h"
@@ -56,7 +55,8 @@ void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
 // A model's initial values for the engine: elements [first, first + count) of unit `unit`'s flat
 // layout (model_units: parameters at their offsets, the alignment gaps zero) in fp32. The engine
 // asks only for this rank's slices, a sub-group at a time.
-using ModelSource = std::function<void(std::size_t unit, std::size_t first, std::size_t count, float* out)>;
+using ModelSource =
+    std::function<void(std::size_t unit, std::size_t first, std::size_t count, float* out)>;
 // From scratch, as Hugging Face initialises the model (init_hf_values): every value a function of
 // the seed, its parameter and its index, so 1, 2 or N ranks and every placement get the same
 // weights, and no rank holds more than the slice it asks for.
@@ -70,20 +70,22 @@ void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSo
 // The model's initial weights as one fp32 flat buffer per unit (hf_model_source of `hf_dir` when
 // it is not empty, else fresh_model_source): the whole model in host memory, for tests; a run
 // gives the engine the source itself.
-std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
-                                                     std::uint64_t seed);
+std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
+                                                     const std::string& hf_dir, std::uint64_t seed);
 
 // Gathers the units' fp32 master weights one at a time (collective: every rank calls it) and, on
 // rank 0, writes each into its safetensors shard in `dtype` (fp32 or bf16) as it comes
 // (HfWeightsWriter): Hugging Face layout in `dir`, at most one unit held at a time.
-void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
+void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
+                         const std::string& dir, int rank,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 
 // The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps (t/warmup),
 // then constant ("const") or cosine decay reaching 0 at step `total` ("cosine"): Hugging
 // Face's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup one step on —
 // step t runs at their lambda(t), where theirs runs at lambda(t - 1) (a first step at lr 0).
-double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule);
+double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
+             const std::string& schedule);
 
 // ---- checkpoints (src/trainer/checkpoint.cpp) ----
 // A checkpoint is a folder <root>/step-<N> holding every rank's engine state (rank<R>.bin +
@@ -102,8 +104,9 @@ std::string model_config_hash(const ModelConfig& cfg);
 // on every rank. `trainer_state` goes into the manifest as is, next to the files. Returns the
 // final folder. Test hook: STRATA_TEST_CRASH_IN_CHECKPOINT=<step> makes rank 0 abort() halfway
 // through that step's manifest (the rank files written, the folder not yet renamed).
-std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root, std::int64_t step,
-                             const std::string& tmp_tag, const nlohmann::json& trainer_state);
+std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root,
+                             std::int64_t step, const std::string& tmp_tag,
+                             const nlohmann::json& trainer_state);
 
 // "" when `dir` is a complete checkpoint (manifest present and parsed, every listed file
 // present with its size and checksum), else why not. `manifest` receives the manifest.
@@ -154,9 +157,9 @@ struct TrainOptions {
   std::string lr_schedule;
   std::uint64_t seed = 1234;
   bool shuffle = true;
-  std::string dtype;          // "" (config's), fp32 | bf16
+  std::string dtype;  // "" (config's), fp32 | bf16
   std::string device = "auto";
-  double device_mem_gb = 0;   // cap of the emulated device; 0 = its default
+  double device_mem_gb = 0;  // cap of the emulated device; 0 = its default
   // The emulated device's throttles (HostDeviceOptions; 0 = unthrottled): a slower link or
   // matmul rate, to rehearse a GPU machine's balance on a CPU (strata-prof validates with them).
   double emu_h2d_gbps = 0, emu_d2h_gbps = 0, emu_compute_gflops = 0;
@@ -186,8 +189,8 @@ struct StepRecord {
 };
 
 struct TrainResult {
-  std::vector<StepRecord> steps;  // the steps this call ran (after the resumed one, if any)
-  std::int64_t resumed_from = 0;  // the checkpoint's step, 0 when not resumed
+  std::vector<StepRecord> steps;         // the steps this call ran (after the resumed one, if any)
+  std::int64_t resumed_from = 0;         // the checkpoint's step, 0 when not resumed
   std::vector<std::string> checkpoints;  // folders written, in order
   EngineStats stats;
   bool plan_fits = true;  // --plan: whether the plan fits (strata-train exits 2 when not)

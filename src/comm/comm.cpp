@@ -5,6 +5,8 @@
 // it, so backends can trust their input; it never touches memory itself. The local backend
 // copies only when a result must move (out-of-place all_gather / reduce_scatter); every
 // other one-rank collective is already complete and costs one event record.
+#include "strata/comm.h"
+
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -17,7 +19,6 @@
 
 #include "comm/comm_internal.h"
 #include "gpu/cuda_module.h"
-#include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
 
@@ -25,18 +26,24 @@ namespace strata {
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kMax: return "max";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
   }
   return "?";
 }
 
 const char* comm_backend_name(CommBackend b) {
   switch (b) {
-    case CommBackend::kLocal: return "local";
-    case CommBackend::kMpi: return "mpi";
-    case CommBackend::kNccl: return "nccl";
+    case CommBackend::kLocal:
+      return "local";
+    case CommBackend::kMpi:
+      return "mpi";
+    case CommBackend::kNccl:
+      return "nccl";
   }
   return "?";
 }
@@ -45,12 +52,18 @@ namespace {
 
 const char* kind_name(Communicator::Kind k) {
   switch (k) {
-    case Communicator::Kind::kAllGather: return "all_gather";
-    case Communicator::Kind::kReduceScatter: return "reduce_scatter";
-    case Communicator::Kind::kAllReduce: return "all_reduce";
-    case Communicator::Kind::kBroadcast: return "broadcast";
-    case Communicator::Kind::kBarrier: return "barrier";
-    case Communicator::Kind::kGather: return "gather";
+    case Communicator::Kind::kAllGather:
+      return "all_gather";
+    case Communicator::Kind::kReduceScatter:
+      return "reduce_scatter";
+    case Communicator::Kind::kAllReduce:
+      return "all_reduce";
+    case Communicator::Kind::kBroadcast:
+      return "broadcast";
+    case Communicator::Kind::kBarrier:
+      return "barrier";
+    case Communicator::Kind::kGather:
+      return "gather";
   }
   return "?";
 }
@@ -69,7 +82,8 @@ std::string Communicator::Collective::describe() const {
   std::string s = kind_name(kind);
   if (coalesced) s += "_coalesced";
   s += "(";
-  if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) s += fmt::format("{}, ", reduce_op_name(op));
+  if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce)
+    s += fmt::format("{}, ", reduce_op_name(op));
   if (kind == Kind::kBroadcast || kind == Kind::kGather) s += fmt::format("root {}, ", root);
   if (kind == Kind::kBarrier) return s + ")";
   if (inputs.size() == 1) {
@@ -87,8 +101,9 @@ void Communicator::check_tensor(const TensorRef& t, const char* what) const {
                      t.dtype == DType::kF64,
                  "{}: dtype {} is not supported by collectives: use fp32, bf16, fp16 or fp64", what,
                  dtype_name(t.dtype));
-  STRATA_REQUIRE(t.numel > 0 && t.mem.ptr != nullptr, "{}: empty tensor ({} elements at {}); pass at least one element",
-                 what, t.numel, t.mem.ptr);
+  STRATA_REQUIRE(t.numel > 0 && t.mem.ptr != nullptr,
+                 "{}: empty tensor ({} elements at {}); pass at least one element", what, t.numel,
+                 t.mem.ptr);
   STRATA_REQUIRE(t.mem.bytes >= t.numel * dtype_size(t.dtype),
                  "{}: {} elements of {} need {} bytes but the memory holds {}", what, t.numel,
                  dtype_name(t.dtype), t.numel * dtype_size(t.dtype), t.mem.bytes);
@@ -98,25 +113,33 @@ void Communicator::check_tensor(const TensorRef& t, const char* what) const {
                    "of {} first",
                    what, comm_backend_name(backend_), device_->name());
   } else {
-    STRATA_REQUIRE(t.mem.device == device_,
-                   "{}: the tensor is in the memory of another device; the communicator works on {}",
-                   what, device_->name());
+    STRATA_REQUIRE(
+        t.mem.device == device_,
+        "{}: the tensor is in the memory of another device; the communicator works on {}", what,
+        device_->name());
   }
 }
 
-Communicator::Communicator(CommBackend backend, Device& device, int rank, int world_size, double timeout_s)
-    : backend_(backend), device_(&device), rank_(rank), world_size_(world_size), timeout_s_(timeout_s) {
+Communicator::Communicator(CommBackend backend, Device& device, int rank, int world_size,
+                           double timeout_s)
+    : backend_(backend),
+      device_(&device),
+      rank_(rank),
+      world_size_(world_size),
+      timeout_s_(timeout_s) {
   const char* check = std::getenv("STRATA_COMM_CHECK");
   check_calls_ = check && std::string_view(check) == "1";
   if (check && *check && !check_calls_ && std::string_view(check) != "0")
-    log::warn_once("comm.check", fmt::format("STRATA_COMM_CHECK='{}': use 1 (compare every collective across the "
-                                             "ranks) or 0; it is off", check));
+    log::warn_once("comm.check",
+                   fmt::format("STRATA_COMM_CHECK='{}': use 1 (compare every collective across the "
+                               "ranks) or 0; it is off",
+                               check));
 }
 
-// STRATA_COMM_CHECK=1: this call's signature (its number, from 1, kind, op, root, tensor count, first
-// dtype, total elements, and a hash of every tensor's dtype and length in order) gathered from
-// every rank and compared on the host before the call is queued. A mismatch throws on every rank
-// alike (they all see the same gathered table).
+// STRATA_COMM_CHECK=1: this call's signature (its number, from 1, kind, op, root, tensor count,
+// first dtype, total elements, and a hash of every tensor's dtype and length in order) gathered
+// from every rank and compared on the host before the call is queued. A mismatch throws on every
+// rank alike (they all see the same gathered table).
 void Communicator::check_same_call(const Collective& c, Stream& stream) {
   constexpr std::size_t kFields = 9;
   double total = 0;
@@ -129,9 +152,15 @@ void Communicator::check_same_call(const Collective& c, Stream& stream) {
     }
   }
   // Doubles hold 32-bit halves exactly.
-  const double mine[kFields] = {double(++calls_), double(int(c.kind)), double(int(c.op)), double(c.root),
-                                double(c.inputs.size()), c.inputs.empty() ? -1.0 : double(int(c.inputs[0].dtype)),
-                                total, double(layout >> 32), double(layout & 0xffffffffu)};
+  const double mine[kFields] = {double(++calls_),
+                                double(int(c.kind)),
+                                double(int(c.op)),
+                                double(c.root),
+                                double(c.inputs.size()),
+                                c.inputs.empty() ? -1.0 : double(int(c.inputs[0].dtype)),
+                                total,
+                                double(layout >> 32),
+                                double(layout & 0xffffffffu)};
   const std::size_t W = std::size_t(world_size_);
   Buffer buf = device_->alloc(kFields * 8 * W, &stream);
   const TensorRef all = tensor(buf, DType::kF64, kFields * W);
@@ -153,18 +182,24 @@ void Communicator::check_same_call(const Collective& c, Stream& stream) {
     const double* f = got.data() + r * kFields;
     const auto kind = Kind(int(f[1]));
     std::string d = fmt::format("rank {}: call #{} {}(", r, std::uint64_t(f[0]), kind_name(kind));
-    if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce) d += fmt::format("{}, ", reduce_op_name(ReduceOp(int(f[2]))));
+    if (kind == Kind::kReduceScatter || kind == Kind::kAllReduce)
+      d += fmt::format("{}, ", reduce_op_name(ReduceOp(int(f[2]))));
     if (kind == Kind::kBroadcast || kind == Kind::kGather) d += fmt::format("root {}, ", int(f[3]));
-    if (f[4] > 0) d += fmt::format("{} tensor(s), {}, {} elements", int(f[4]), dtype_name(DType(int(f[5]))), std::uint64_t(f[6]));
+    if (f[4] > 0)
+      d += fmt::format("{} tensor(s), {}, {} elements", int(f[4]), dtype_name(DType(int(f[5]))),
+                       std::uint64_t(f[6]));
     if (same_but_layout)
       d += fmt::format(", layout {:08x}{:08x}", std::uint64_t(f[7]), std::uint64_t(f[8]));
     calls += d + ")" + (r + 1 < W ? "; " : "");
   }
   STRATA_THROW(kInvalidArgument,
-               "STRATA_COMM_CHECK: the ranks issued different collectives ({}){}: every rank must issue the same "
+               "STRATA_COMM_CHECK: the ranks issued different collectives ({}){}: every rank must "
+               "issue the same "
                "collectives, with the same sizes and dtypes, in the same order",
                calls,
-               same_but_layout ? "; the same totals, but the tensors' dtypes or lengths differ in order" : "");
+               same_but_layout
+                   ? "; the same totals, but the tensors' dtypes or lengths differ in order"
+                   : "");
 }
 
 Event Communicator::submit(Collective c, Stream& stream) {
@@ -178,29 +213,34 @@ Event Communicator::submit(Collective c, Stream& stream) {
   for (std::size_t i = 0; i < c.outputs.size(); ++i) {
     const TensorRef& in = c.inputs[i];
     const TensorRef& out = c.outputs[i];
-    STRATA_REQUIRE(in.dtype == out.dtype, "{}: tensor {} has input dtype {} but output dtype {}; they must match",
-                   what, i, dtype_name(in.dtype), dtype_name(out.dtype));
+    STRATA_REQUIRE(in.dtype == out.dtype,
+                   "{}: tensor {} has input dtype {} but output dtype {}; they must match", what, i,
+                   dtype_name(in.dtype), dtype_name(out.dtype));
     const std::size_t es = dtype_size(in.dtype);
     // The NCCL in-place layouts: the small side is block `rank` of the large one.
     if (c.kind == Kind::kAllGather || c.kind == Kind::kGather) {
-      STRATA_REQUIRE(out.numel == in.numel * n,
-                     "{}: tensor {}: output has {} elements, needs world_size ({}) x input ({}) = {}", what,
-                     i, out.numel, n, in.numel, in.numel * n);
+      STRATA_REQUIRE(
+          out.numel == in.numel * n,
+          "{}: tensor {}: output has {} elements, needs world_size ({}) x input ({}) = {}", what, i,
+          out.numel, n, in.numel, in.numel * n);
       const bool in_place = in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank_ * in.numel * es;
-      STRATA_REQUIRE(in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
-                     "{}: tensor {}: input overlaps the output other than as block {} of it; use "
-                     "separate buffers or the in-place layout",
-                     what, i, rank_);
+      STRATA_REQUIRE(
+          in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
+          "{}: tensor {}: input overlaps the output other than as block {} of it; use "
+          "separate buffers or the in-place layout",
+          what, i, rank_);
     } else {
-      STRATA_REQUIRE(in.numel == out.numel * n,
-                     "{}: tensor {}: input has {} elements, needs world_size ({}) x output ({}) = {}; "
-                     "pad the flat buffer to a multiple of the world size",
-                     what, i, in.numel, n, out.numel, out.numel * n);
+      STRATA_REQUIRE(
+          in.numel == out.numel * n,
+          "{}: tensor {}: input has {} elements, needs world_size ({}) x output ({}) = {}; "
+          "pad the flat buffer to a multiple of the world size",
+          what, i, in.numel, n, out.numel, out.numel * n);
       const bool in_place = out.mem.ptr == static_cast<char*>(in.mem.ptr) + rank_ * out.numel * es;
-      STRATA_REQUIRE(in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
-                     "{}: tensor {}: output overlaps the input other than as block {} of it; use "
-                     "separate buffers or the in-place layout",
-                     what, i, rank_);
+      STRATA_REQUIRE(
+          in_place || !overlaps({in.mem.ptr, in.numel * es}, {out.mem.ptr, out.numel * es}),
+          "{}: tensor {}: output overlaps the input other than as block {} of it; use "
+          "separate buffers or the in-place layout",
+          what, i, rank_);
     }
   }
   if (c.coalesced) {
@@ -214,10 +254,11 @@ Event Communicator::submit(Collective c, Stream& stream) {
         if (j == i) continue;  // tensor i's own input: the in-place layouts checked above
         const bool hit = overlaps(span(written[i]), span(c.inputs[j])) ||
                          (!writes_inputs && overlaps(span(written[i]), span(c.outputs[j])));
-        STRATA_REQUIRE(!hit,
-                       "{}: tensor {} overlaps tensor {} of the same call; the tensors of a coalesced "
-                       "call run concurrently: use separate buffers or separate calls",
-                       what, i, j);
+        STRATA_REQUIRE(
+            !hit,
+            "{}: tensor {} overlaps tensor {} of the same call; the tensors of a coalesced "
+            "call run concurrently: use separate buffers or separate calls",
+            what, i, j);
       }
   }
   if (check_calls_ && world_size_ > 1) check_same_call(c, stream);
@@ -240,22 +281,24 @@ Event Communicator::all_reduce(TensorRef data, ReduceOp op, Stream& stream) {
 }
 
 Event Communicator::broadcast(TensorRef data, int root, Stream& stream) {
-  STRATA_REQUIRE(root >= 0 && root < world_size_, "broadcast: root {} is not a rank of this {}-rank job",
-                 root, world_size_);
+  STRATA_REQUIRE(root >= 0 && root < world_size_,
+                 "broadcast: root {} is not a rank of this {}-rank job", root, world_size_);
   return submit(Collective{Kind::kBroadcast, ReduceOp::kSum, root, false, {data}, {}}, stream);
 }
 
 Event Communicator::gather(TensorRef input, TensorRef output, int root, Stream& stream) {
-  STRATA_REQUIRE(root >= 0 && root < world_size_, "gather: root {} is not a rank of this {}-rank job", root,
-                 world_size_);
+  STRATA_REQUIRE(root >= 0 && root < world_size_,
+                 "gather: root {} is not a rank of this {}-rank job", root, world_size_);
   const bool has_output = output.numel != 0 || output.mem.ptr != nullptr;
-  STRATA_REQUIRE(has_output == (rank_ == root),
-                 "gather: rank {} {} an output, and only the root (rank {}) passes one; the others pass "
-                 "TensorRef{{}}",
-                 rank_, has_output ? "passed" : "did not pass", root);
+  STRATA_REQUIRE(
+      has_output == (rank_ == root),
+      "gather: rank {} {} an output, and only the root (rank {}) passes one; the others pass "
+      "TensorRef{{}}",
+      rank_, has_output ? "passed" : "did not pass", root);
   std::vector<TensorRef> outputs;
   if (has_output) outputs.push_back(output);
-  return submit(Collective{Kind::kGather, ReduceOp::kSum, root, false, {input}, std::move(outputs)}, stream);
+  return submit(Collective{Kind::kGather, ReduceOp::kSum, root, false, {input}, std::move(outputs)},
+                stream);
 }
 
 Event Communicator::barrier(Stream& stream) {
@@ -264,10 +307,15 @@ Event Communicator::barrier(Stream& stream) {
 
 Event Communicator::all_gather_coalesced(std::span<const TensorRef> inputs,
                                          std::span<const TensorRef> outputs, Stream& stream) {
-  STRATA_REQUIRE(!inputs.empty() && inputs.size() == outputs.size(),
-                 "all_gather_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
-                 inputs.size(), outputs.size());
-  return submit(Collective{Kind::kAllGather, ReduceOp::kSum, 0, true, {inputs.begin(), inputs.end()},
+  STRATA_REQUIRE(
+      !inputs.empty() && inputs.size() == outputs.size(),
+      "all_gather_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
+      inputs.size(), outputs.size());
+  return submit(Collective{Kind::kAllGather,
+                           ReduceOp::kSum,
+                           0,
+                           true,
+                           {inputs.begin(), inputs.end()},
                            {outputs.begin(), outputs.end()}},
                 stream);
 }
@@ -275,15 +323,21 @@ Event Communicator::all_gather_coalesced(std::span<const TensorRef> inputs,
 Event Communicator::reduce_scatter_coalesced(std::span<const TensorRef> inputs,
                                              std::span<const TensorRef> outputs, ReduceOp op,
                                              Stream& stream) {
-  STRATA_REQUIRE(!inputs.empty() && inputs.size() == outputs.size(),
-                 "reduce_scatter_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
-                 inputs.size(), outputs.size());
-  return submit(Collective{Kind::kReduceScatter, op, 0, true, {inputs.begin(), inputs.end()},
+  STRATA_REQUIRE(
+      !inputs.empty() && inputs.size() == outputs.size(),
+      "reduce_scatter_coalesced: {} inputs and {} outputs; pass one output per input, at least one",
+      inputs.size(), outputs.size());
+  return submit(Collective{Kind::kReduceScatter,
+                           op,
+                           0,
+                           true,
+                           {inputs.begin(), inputs.end()},
                            {outputs.begin(), outputs.end()}},
                 stream);
 }
 
-Event Communicator::all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op, Stream& stream) {
+Event Communicator::all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op,
+                                         Stream& stream) {
   STRATA_REQUIRE(!data.empty(), "all_reduce_coalesced: pass at least one tensor");
   return submit(Collective{Kind::kAllReduce, op, 0, true, {data.begin(), data.end()}, {}}, stream);
 }
@@ -291,7 +345,8 @@ Event Communicator::all_reduce_coalesced(std::span<const TensorRef> data, Reduce
 int launch_gpu_ordinal(const LaunchInfo& info, int device_count) {
   STRATA_REQUIRE(device_count > 0, "launch_gpu_ordinal: no GPU is visible to rank {}", info.rank);
   if (info.local_size > device_count && info.local_rank == 0)
-    log::warn("{} ranks on this node share {} GPU(s): launch one rank per GPU", info.local_size, device_count);
+    log::warn("{} ranks on this node share {} GPU(s): launch one rank per GPU", info.local_size,
+              device_count);
   return info.local_rank % device_count;
 }
 
@@ -308,17 +363,20 @@ std::unique_ptr<Communicator> make_communicator(Device& device, const CommOption
   switch (backend) {
     case CommBackend::kLocal: {
       const LaunchInfo li = launch_info();
-      STRATA_REQUIRE(li.world_size == 1 || options.process_local,
-                     "the local communicator serves one rank, but the launcher started {}; use the mpi "
-                     "or nccl backend (the default), or set CommOptions::process_local for a group of this process alone",
-                     li.world_size);
+      STRATA_REQUIRE(
+          li.world_size == 1 || options.process_local,
+          "the local communicator serves one rank, but the launcher started {}; use the mpi "
+          "or nccl backend (the default), or set CommOptions::process_local for a group of this "
+          "process alone",
+          li.world_size);
       return comm::make_local_communicator(device, timeout_s);
     }
     case CommBackend::kMpi:
       return comm::make_mpi_communicator(device, timeout_s);
     case CommBackend::kNccl:
       STRATA_REQUIRE(device.kind() == DeviceKind::kCuda,
-                     "the nccl communicator needs a CUDA device, not {}; use mpi or local", device.name());
+                     "the nccl communicator needs a CUDA device, not {}; use mpi or local",
+                     device.name());
       return comm::make_nccl_communicator(device, timeout_s);
   }
   STRATA_THROW(kInvalidArgument, "unknown communicator backend");
@@ -361,12 +419,15 @@ std::unique_ptr<Communicator> make_local_communicator(Device& device, double tim
 // The NCCL backend is in the CUDA module (nccl_comm.cpp is built into libstrata_cuda.so).
 std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s) {
   const gpu::CudaModule* m = gpu::cuda_module();
-  if (!m) STRATA_THROW(kUnsupported, "no NCCL communicator for {}: {}", device.name(), gpu::cuda_unavailable_reason());
+  if (!m)
+    STRATA_THROW(kUnsupported, "no NCCL communicator for {}: {}", device.name(),
+                 gpu::cuda_unavailable_reason());
   if (!m->make_nccl_communicator)
-    STRATA_THROW(kUnsupported,
-                 "no NCCL communicator for {}: this build has no NCCL (configure with the CUDA toolkit and "
-                 "NCCL installed, libnccl in the toolkit's lib64)",
-                 device.name());
+    STRATA_THROW(
+        kUnsupported,
+        "no NCCL communicator for {}: this build has no NCCL (configure with the CUDA toolkit and "
+        "NCCL installed, libnccl in the toolkit's lib64)",
+        device.name());
   return m->make_nccl_communicator(device, timeout_s);
 }
 
@@ -374,12 +435,14 @@ std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double time
 
 double resolve_timeout_s(double option_s) {
   if (option_s > 0) return option_s;
-  STRATA_REQUIRE(option_s == 0, "CommOptions::timeout_s must be > 0 seconds (0 = default), got {}", option_s);
+  STRATA_REQUIRE(option_s == 0, "CommOptions::timeout_s must be > 0 seconds (0 = default), got {}",
+                 option_s);
   if (const char* env = std::getenv("STRATA_COMM_TIMEOUT_S"); env && *env) {
     char* end = nullptr;
     const double v = std::strtod(env, &end);
     STRATA_REQUIRE(end != env && *end == '\0' && v > 0,
-                   "STRATA_COMM_TIMEOUT_S='{}' is not a positive number of seconds; set e.g. 300", env);
+                   "STRATA_COMM_TIMEOUT_S='{}' is not a positive number of seconds; set e.g. 300",
+                   env);
     return v;
   }
   return 300.0;
@@ -392,7 +455,8 @@ Progress wait_in_progress(const std::function<Progress()>& state, double timeout
   for (;;) {
     const Progress p = state();
     if (p != Progress::kInProgress) return p;
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (timeout_s > 0 && waited > timeout_s) {
       on_timeout(waited);
       return Progress::kFailed;
@@ -402,10 +466,11 @@ Progress wait_in_progress(const std::function<Progress()>& state, double timeout
   }
 }
 
-std::string Watchdog::timeout_message(const std::string& what, int rank, int world_size, double elapsed_s,
-                                      double timeout_s) {
+std::string Watchdog::timeout_message(const std::string& what, int rank, int world_size,
+                                      double elapsed_s, double timeout_s) {
   return fmt::format(
-      "collective {} on rank {} of {} has not completed after {:.1f} s (timeout {:.1f} s): a peer rank "
+      "collective {} on rank {} of {} has not completed after {:.1f} s (timeout {:.1f} s): a peer "
+      "rank "
       "died or hangs, or the ranks issued collectives in different orders; ending the job. Raise "
       "STRATA_COMM_TIMEOUT_S if collectives are legitimately this slow",
       what, rank, world_size, elapsed_s, timeout_s);
@@ -413,7 +478,10 @@ std::string Watchdog::timeout_message(const std::string& what, int rank, int wor
 
 Watchdog::Watchdog(int rank, int world_size, double timeout_s, OnTimeout on_timeout,
                    std::function<std::string()> async_error)
-    : rank_(rank), world_size_(world_size), timeout_s_(timeout_s), on_timeout_(std::move(on_timeout)),
+    : rank_(rank),
+      world_size_(world_size),
+      timeout_s_(timeout_s),
+      on_timeout_(std::move(on_timeout)),
       async_error_(std::move(async_error)) {
   thread_ = std::thread([this] { run(); });
 }
@@ -567,7 +635,9 @@ void install_termination_note(int rank, int world_size) {
   g_note_rank = rank;
   g_note_world = world_size;
   struct sigaction old {};
-  if (::sigaction(SIGTERM, nullptr, &old) != 0 || old.sa_handler == SIG_IGN || (old.sa_flags & SA_SIGINFO)) return;
+  if (::sigaction(SIGTERM, nullptr, &old) != 0 || old.sa_handler == SIG_IGN ||
+      (old.sa_flags & SA_SIGINFO))
+    return;
   if (old.sa_handler != SIG_DFL) g_prev_sigterm = old.sa_handler;  // chained: see on_sigterm
   struct sigaction sa {};
   sa.sa_handler = on_sigterm;

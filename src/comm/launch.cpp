@@ -132,17 +132,24 @@ void refuse_launch_without_mpi() {
     const char* addr = std::getenv("MASTER_ADDR");
     const char* port = std::getenv("MASTER_PORT");
     STRATA_THROW(kUnsupported,
-                 "this process was started as rank {} of {} by a torchrun-style launcher (RANK, WORLD_SIZE{}) and "
-                 "strata joins several processes only under an MPI launcher: start it with mpirun -np {} (or srun "
+                 "this process was started as rank {} of {} by a torchrun-style launcher (RANK, "
+                 "WORLD_SIZE{}) and "
+                 "strata joins several processes only under an MPI launcher: start it with mpirun "
+                 "-np {} (or srun "
                  "--mpi=pmix); alone it would train as a 1-rank job",
                  env_int({"RANK"}), world,
-                 addr || port ? fmt::format(", MASTER_ADDR {}:{}", addr ? addr : "?", port ? port : "?") : "", world);
+                 addr || port
+                     ? fmt::format(", MASTER_ADDR {}:{}", addr ? addr : "?", port ? port : "?")
+                     : "",
+                 world);
   }
   const int tasks = env_int({"SLURM_STEP_NUM_TASKS"});
   if (tasks > 1 && std::getenv("SLURM_PROCID"))
     STRATA_THROW(kUnsupported,
-                 "this process is task {} of a {}-task Slurm step started without MPI's process management: run "
-                 "srun with --mpi=pmix (or pmi2), so the tasks can join as one job; alone each would train as a "
+                 "this process is task {} of a {}-task Slurm step started without MPI's process "
+                 "management: run "
+                 "srun with --mpi=pmix (or pmi2), so the tasks can join as one job; alone each "
+                 "would train as a "
                  "1-rank job",
                  env_int({"SLURM_PROCID"}), tasks);
 }
@@ -174,11 +181,12 @@ LaunchInfo init_launch() {
     // Collectives run on a communicator's worker while the watchdog may call MPI_Abort from
     // its own thread: that needs MPI_THREAD_MULTIPLE (OpenMPI 4.1 provides it).
     if (provided < MPI_THREAD_MULTIPLE)
-      STRATA_THROW(kMpi,
-                   "MPI provides thread level {} but strata needs MPI_THREAD_MULTIPLE ({}); use an MPI "
-                   "built with thread-multiple support{}",
-                   provided, int(MPI_THREAD_MULTIPLE),
-                   initialized ? ", or initialize MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)" : "");
+      STRATA_THROW(
+          kMpi,
+          "MPI provides thread level {} but strata needs MPI_THREAD_MULTIPLE ({}); use an MPI "
+          "built with thread-multiple support{}",
+          provided, int(MPI_THREAD_MULTIPLE),
+          initialized ? ", or initialize MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)" : "");
   });
   // Every rank, here: the shared-memory split is a collective, taken once.
   std::lock_guard<std::mutex> lock(g_view_mu);
@@ -205,8 +213,8 @@ bool mpi_active() {
 void mpi_broadcast_bytes(void* data, std::size_t bytes) {
   const int rc = MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, MPI_COMM_WORLD);
   if (rc != MPI_SUCCESS)
-    detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Bcast", "bootstrap broadcast failed",
-                        mpi_error_text(rc));
+    detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, "MPI_Bcast",
+                        "bootstrap broadcast failed", mpi_error_text(rc));
 }
 
 void abort_job(const std::string& message, int exit_code) {
@@ -234,14 +242,16 @@ void end_job_if_one_of_many_impl(const std::string& message, bool join_if_not_up
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (size > 1) abort_job(fmt::format("rank {} of {} stopped: {}; ending the job", rank, size, message), 1);
+  if (size > 1)
+    abort_job(fmt::format("rank {} of {} stopped: {}; ending the job", rank, size, message), 1);
 }
 #else
 bool mpi_active() { return false; }
 
 void mpi_broadcast_bytes(void*, std::size_t) {
-  STRATA_THROW(kUnsupported, "a multi-rank bootstrap needs MPI, and this build has none; install "
-                             "libopenmpi-dev and rebuild");
+  STRATA_THROW(kUnsupported,
+               "a multi-rank bootstrap needs MPI, and this build has none; install "
+               "libopenmpi-dev and rebuild");
 }
 
 void abort_job(const std::string& message, int exit_code) {
@@ -253,8 +263,9 @@ void abort_job(const std::string& message, int exit_code) {
 void end_job_if_one_of_many_impl(const std::string&, bool) {}
 
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
-  STRATA_THROW(kUnsupported, "no MPI communicator for {}: this build has no MPI; install libopenmpi-dev "
-                             "and rebuild",
+  STRATA_THROW(kUnsupported,
+               "no MPI communicator for {}: this build has no MPI; install libopenmpi-dev "
+               "and rebuild",
                device.name());
 }
 #endif

@@ -21,10 +21,10 @@
 #include <mpi.h>
 
 #include <climits>
-#include <cstring>
-#include <functional>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -47,10 +47,13 @@ bool is_16bit(DType t) { return t == DType::kBF16 || t == DType::kF16; }
 
 MPI_Datatype mpi_type(DType t) {
   switch (t) {
-    case DType::kF32: return MPI_FLOAT;
-    case DType::kF64: return MPI_DOUBLE;
+    case DType::kF32:
+      return MPI_FLOAT;
+    case DType::kF64:
+      return MPI_DOUBLE;
     case DType::kBF16:
-    case DType::kF16: return MPI_UINT16_T;  // moved as words, never reduced as such
+    case DType::kF16:
+      return MPI_UINT16_T;  // moved as words, never reduced as such
   }
   return MPI_DATATYPE_NULL;
 }
@@ -103,8 +106,8 @@ class MpiCommunicator final : public Communicator {
     for (const auto* list : {&c.inputs, &c.outputs})
       for (const TensorRef& t : *list)
         STRATA_REQUIRE(t.numel <= std::size_t(INT_MAX),
-                       "{}: {} elements exceed MPI's int count ({}); split the tensor", c.describe(),
-                       t.numel, INT_MAX);
+                       "{}: {} elements exceed MPI's int count ({}); split the tensor",
+                       c.describe(), t.numel, INT_MAX);
     auto op = std::make_shared<PendingOp>();
     op->c = c;
     op->what = c.describe();
@@ -141,9 +144,11 @@ class MpiCommunicator final : public Communicator {
       try {
         execute(op->c);
       } catch (const std::exception& e) {
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        abort_job(fmt::format("collective {} failed on rank {} of {} after {:.3f} s: {}; ending the job",
-                              op->what, rank(), world_size(), s, e.what()));
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        abort_job(
+            fmt::format("collective {} failed on rank {} of {} after {:.3f} s: {}; ending the job",
+                        op->what, rank(), world_size(), s, e.what()));
       }
       watchdog_.end(id);
       note_done();
@@ -157,8 +162,9 @@ class MpiCommunicator final : public Communicator {
     MPI_Error_class(rc, &cls);
     std::string text = mpi_error_text(rc);
     if (cls == MPI_ERR_TRUNCATE)
-      text += ": the ranks passed this collective different sizes or dtypes (or issued different "
-              "collectives); rerun with STRATA_COMM_CHECK=1 to name each rank's call";
+      text +=
+          ": the ranks passed this collective different sizes or dtypes (or issued different "
+          "collectives); rerun with STRATA_COMM_CHECK=1 to name each rank's call";
     detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", text);
   }
 
@@ -198,21 +204,24 @@ class MpiCommunicator final : public Communicator {
       reqs.emplace_back();
       MPI_Request* req = &reqs.back();
       switch (c.kind) {
-        case Kind::kBarrier: break;
+        case Kind::kBarrier:
+          break;
         case Kind::kBroadcast:
           check(MPI_Ibcast(in.mem.ptr, n, mpi_type(t), c.root, comm_, req), "MPI_Ibcast");
           break;
         case Kind::kGather: {
           void* out = c.outputs.empty() ? nullptr : c.outputs[i].mem.ptr;
-          const bool in_place = out && in.mem.ptr == static_cast<char*>(out) + rank() * in.numel * dtype_size(t);
-          check(MPI_Igather(in_place ? MPI_IN_PLACE : in.mem.ptr, n, mpi_type(t), out, n, mpi_type(t), c.root,
-                            comm_, req),
+          const bool in_place =
+              out && in.mem.ptr == static_cast<char*>(out) + rank() * in.numel * dtype_size(t);
+          check(MPI_Igather(in_place ? MPI_IN_PLACE : in.mem.ptr, n, mpi_type(t), out, n,
+                            mpi_type(t), c.root, comm_, req),
                 "MPI_Igather");
           break;
         }
         case Kind::kAllGather: {
           const TensorRef& out = c.outputs[i];
-          const bool in_place = in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank() * in.numel * dtype_size(t);
+          const bool in_place =
+              in.mem.ptr == static_cast<char*>(out.mem.ptr) + rank() * in.numel * dtype_size(t);
           check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.mem.ptr, n, mpi_type(t), out.mem.ptr, n,
                                mpi_type(t), comm_, req),
                 "MPI_Iallgather");
@@ -229,14 +238,17 @@ class MpiCommunicator final : public Communicator {
             });
           } else if (c.inputs.size() == 1) {
             // One tensor: the blocking call, which takes Open MPI's tuned algorithms (the
-            // nonblocking one is libnbc's: half the speed from 2 MiB up, measured with 2 ranks here).
-            // A blocking and a nonblocking call do not match: ranks issuing different collectives
-            // (which STRATA_COMM_CHECK=1 names) wait for the watchdog, as any mismatch does.
+            // nonblocking one is libnbc's: half the speed from 2 MiB up, measured with 2 ranks
+            // here). A blocking and a nonblocking call do not match: ranks issuing different
+            // collectives (which STRATA_COMM_CHECK=1 names) wait for the watchdog, as any mismatch
+            // does.
             reqs.back() = MPI_REQUEST_NULL;
-            check(MPI_Allreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_), "MPI_Allreduce");
+            check(MPI_Allreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_),
+                  "MPI_Allreduce");
             if (avg) finish.push_back([=] { average(t, in.mem.ptr, in.numel); });
           } else {
-            check(MPI_Iallreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_, req), "MPI_Iallreduce");
+            check(MPI_Iallreduce(MPI_IN_PLACE, in.mem.ptr, n, mpi_type(t), mop, comm_, req),
+                  "MPI_Iallreduce");
             if (avg) finish.push_back([=] { average(t, in.mem.ptr, in.numel); });
           }
           break;
@@ -256,7 +268,8 @@ class MpiCommunicator final : public Communicator {
           } else {
             // MPI forbids the output aliasing the input, which the in-place layout does.
             const std::size_t out_bytes = out.numel * dtype_size(t);
-            const bool in_place = out.mem.ptr == static_cast<char*>(in.mem.ptr) + rank() * out_bytes;
+            const bool in_place =
+                out.mem.ptr == static_cast<char*>(in.mem.ptr) + rank() * out_bytes;
             void* dst = in_place ? scratch(slot++, (out_bytes + 3) / 4) : out.mem.ptr;
             check(MPI_Ireduce_scatter_block(in.mem.ptr, dst, n_out, mpi_type(t), mop, comm_, req),
                   "MPI_Ireduce_scatter_block");
@@ -297,9 +310,10 @@ class MpiCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeout_s) {
   const LaunchInfo li = init_launch();
-  STRATA_REQUIRE(li.under_mpi,
-                 "the mpi communicator needs an MPI launcher: start the program with mpirun -np N (or "
-                 "srun --mpi=pmix), or use the local communicator for one process");
+  STRATA_REQUIRE(
+      li.under_mpi,
+      "the mpi communicator needs an MPI launcher: start the program with mpirun -np N (or "
+      "srun --mpi=pmix), or use the local communicator for one process");
   MPI_Comm comm;
   int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   if (rc != MPI_SUCCESS)
@@ -313,8 +327,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeo
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   install_termination_note(rank, size);
-  log::debug("mpi communicator: rank {} of {} (local {} of {}), timeout {} s", rank, size, li.local_rank,
-             li.local_size, timeout_s);
+  log::debug("mpi communicator: rank {} of {} (local {} of {}), timeout {} s", rank, size,
+             li.local_rank, li.local_size, timeout_s);
   return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size);
 }
 

@@ -31,10 +31,10 @@
 #include <vector>
 
 #include "comm/comm_internal.h"
-#include "gpu/nccl_version.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_module.h"
 #include "gpu/cuda_trace.h"
+#include "gpu/nccl_version.h"
 #include "strata/error.h"
 #include "strata/log.h"
 
@@ -42,11 +42,10 @@
   do {                                                                                            \
     const ncclResult_t strata_nccl_rc_ = (expr);                                                  \
     if (strata_nccl_rc_ != ncclSuccess) [[unlikely]]                                              \
-      ::strata::detail::throw_error(::strata::ErrorKind::kNccl, __FILE__, __LINE__, #expr,       \
-                                    "NCCL call failed",                                           \
-                                    ::fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more", \
-                                                  ncclGetErrorString(strata_nccl_rc_),            \
-                                                  static_cast<int>(strata_nccl_rc_)));            \
+      ::strata::detail::throw_error(                                                              \
+          ::strata::ErrorKind::kNccl, __FILE__, __LINE__, #expr, "NCCL call failed",              \
+          ::fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more",                           \
+                        ncclGetErrorString(strata_nccl_rc_), static_cast<int>(strata_nccl_rc_))); \
   } while (0)
 
 namespace strata::comm {
@@ -55,15 +54,17 @@ namespace {
 // Waits until a non-blocking communicator has finished the call that returned `rc` (settled
 // calls and failures return at once). Past `timeout_s` the communicator is aborted (so no
 // kernel waits on dead peers) and the job ends, naming `what`.
-void settle(ncclComm_t comm, ncclResult_t rc, const char* what, const char* file, int line, int rank,
-            int world_size, double timeout_s) {
+void settle(ncclComm_t comm, ncclResult_t rc, const char* what, const char* file, int line,
+            int rank, int world_size, double timeout_s) {
   if (rc == ncclInProgress) {
     wait_in_progress(
         [&] {
           ncclResult_t state = ncclInProgress;
           const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
           rc = q != ncclSuccess ? q : state;
-          return rc == ncclInProgress ? Progress::kInProgress : rc == ncclSuccess ? Progress::kDone : Progress::kFailed;
+          return rc == ncclInProgress ? Progress::kInProgress
+                 : rc == ncclSuccess  ? Progress::kDone
+                                      : Progress::kFailed;
         },
         timeout_s,
         [&](double waited) {
@@ -73,25 +74,32 @@ void settle(ncclComm_t comm, ncclResult_t rc, const char* what, const char* file
   }
   if (rc != ncclSuccess)
     detail::throw_error(ErrorKind::kNccl, file, line, what, "NCCL call failed",
-                        fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more", ncclGetErrorString(rc),
-                                    static_cast<int>(rc)));
+                        fmt::format("{} (result {}); set NCCL_DEBUG=WARN for more",
+                                    ncclGetErrorString(rc), static_cast<int>(rc)));
 }
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::kF32: return ncclFloat32;
-    case DType::kBF16: return ncclBfloat16;
-    case DType::kF16: return ncclFloat16;
-    case DType::kF64: return ncclFloat64;
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kF16:
+      return ncclFloat16;
+    case DType::kF64:
+      return ncclFloat64;
   }
   return ncclFloat32;
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kAvg: return ncclAvg;
-    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
   }
   return ncclSum;
 }
@@ -132,12 +140,13 @@ struct DoneEvent {
 };
 
 // A call on the communicator, settled (see settle()).
-#define STRATA_NCCL_SETTLE(expr) settle(comm_, (expr), #expr, __FILE__, __LINE__, rank(), world_size(), timeout_s())
+#define STRATA_NCCL_SETTLE(expr) \
+  settle(comm_, (expr), #expr, __FILE__, __LINE__, rank(), world_size(), timeout_s())
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Device& device, double timeout_s, int rank, int world_size, int ordinal, ncclComm_t comm,
-                   Buffer scratch)
+  NcclCommunicator(Device& device, double timeout_s, int rank, int world_size, int ordinal,
+                   ncclComm_t comm, Buffer scratch)
       : Communicator(CommBackend::kNccl, device, rank, world_size, timeout_s),
         ordinal_(ordinal),
         comm_(comm),
@@ -152,10 +161,12 @@ class NcclCommunicator final : public Communicator {
               std::lock_guard<std::mutex> lock(comm_mu_);
               if (aborted_) return {};
               ncclResult_t r = ncclSuccess;
-              if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress)
+              if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess ||
+                  r == ncclInProgress)
                 return {};
-              return fmt::format("NCCL reported an asynchronous error: {} (result {}); ending the job",
-                                 ncclGetErrorString(r), static_cast<int>(r));
+              return fmt::format(
+                  "NCCL reported an asynchronous error: {} (result {}); ending the job",
+                  ncclGetErrorString(r), static_cast<int>(r));
             }) {}
 
   ~NcclCommunicator() override {
@@ -175,8 +186,10 @@ class NcclCommunicator final : public Communicator {
       log::warn("rank {}: {}", rank(), e.what());
     }
     // After an error NCCL's rule is to abort: a destroy could wait for work that never ends.
-    if (finalized) (void)ncclCommDestroy(comm_);
-    else (void)ncclCommAbort(comm_);
+    if (finalized)
+      (void)ncclCommDestroy(comm_);
+    else
+      (void)ncclCommAbort(comm_);
   }
 
  protected:
@@ -190,16 +203,19 @@ class NcclCommunicator final : public Communicator {
       const TensorRef& in = c.inputs[i];
       const ncclDataType_t t = nccl_type(in.dtype);
       switch (c.kind) {
-        case Kind::kBarrier: break;
+        case Kind::kBarrier:
+          break;
         case Kind::kAllGather:
-          STRATA_NCCL_SETTLE(ncclAllGather(in.mem.ptr, c.outputs[i].mem.ptr, in.numel, t, comm_, s));
+          STRATA_NCCL_SETTLE(
+              ncclAllGather(in.mem.ptr, c.outputs[i].mem.ptr, in.numel, t, comm_, s));
           break;
         case Kind::kReduceScatter:
-          STRATA_NCCL_SETTLE(ncclReduceScatter(in.mem.ptr, c.outputs[i].mem.ptr, c.outputs[i].numel, t,
-                                              nccl_op(c.op), comm_, s));
+          STRATA_NCCL_SETTLE(ncclReduceScatter(in.mem.ptr, c.outputs[i].mem.ptr, c.outputs[i].numel,
+                                               t, nccl_op(c.op), comm_, s));
           break;
         case Kind::kAllReduce:
-          STRATA_NCCL_SETTLE(ncclAllReduce(in.mem.ptr, in.mem.ptr, in.numel, t, nccl_op(c.op), comm_, s));
+          STRATA_NCCL_SETTLE(
+              ncclAllReduce(in.mem.ptr, in.mem.ptr, in.numel, t, nccl_op(c.op), comm_, s));
           break;
         case Kind::kBroadcast:
           STRATA_NCCL_SETTLE(ncclBroadcast(in.mem.ptr, in.mem.ptr, in.numel, t, c.root, comm_, s));
@@ -212,7 +228,9 @@ class NcclCommunicator final : public Communicator {
           try {
             if (out) {
               for (int r = 0; r < world_size(); ++r)
-                if (r != rank()) STRATA_NCCL_CHECK(ncclRecv(out + std::size_t(r) * bytes, in.numel, t, r, comm_, s));
+                if (r != rank())
+                  STRATA_NCCL_CHECK(
+                      ncclRecv(out + std::size_t(r) * bytes, in.numel, t, r, comm_, s));
             } else {
               STRATA_NCCL_CHECK(ncclSend(in.mem.ptr, in.numel, t, c.root, comm_, s));
             }
@@ -223,7 +241,8 @@ class NcclCommunicator final : public Communicator {
           STRATA_NCCL_SETTLE(ncclGroupEnd());
           char* mine = out ? out + std::size_t(rank()) * bytes : nullptr;
           if (mine && mine != in.mem.ptr)
-            STRATA_CUDA_CHECK(cudaMemcpyAsync(mine, in.mem.ptr, bytes, cudaMemcpyDeviceToDevice, s));
+            STRATA_CUDA_CHECK(
+                cudaMemcpyAsync(mine, in.mem.ptr, bytes, cudaMemcpyDeviceToDevice, s));
           break;
         }
       }
@@ -232,16 +251,21 @@ class NcclCommunicator final : public Communicator {
 
   void do_enqueue(const Collective& c, Stream& stream) override {
     auto s = static_cast<cudaStream_t>(stream.native_handle());
-    STRATA_REQUIRE(s != nullptr, "{}: stream '{}' has no CUDA stream; use a stream of the CUDA device",
+    STRATA_REQUIRE(s != nullptr,
+                   "{}: stream '{}' has no CUDA stream; use a stream of the CUDA device",
                    c.describe(), stream.name());
     GpuGuard guard(ordinal_);
     const bool group = c.inputs.size() > 1;
     {
       // No call while the watchdog aborts the communicator (which frees it), and none after.
       std::lock_guard<std::mutex> nccl_lock(comm_mu_);
-      STRATA_REQUIRE(!aborted_, "{}: the NCCL communicator was aborted (a collective timed out or failed); the "
-                     "job is ending", c.describe());
-      const gpu::GpuSpan span(c.name(), s);  // while traced: the collective's GPU time, on the stream's lane
+      STRATA_REQUIRE(
+          !aborted_,
+          "{}: the NCCL communicator was aborted (a collective timed out or failed); the "
+          "job is ending",
+          c.describe());
+      const gpu::GpuSpan span(c.name(),
+                              s);  // while traced: the collective's GPU time, on the stream's lane
       if (group) STRATA_NCCL_CHECK(ncclGroupStart());
       try {
         enqueue_calls(c, s);
@@ -267,8 +291,8 @@ class NcclCommunicator final : public Communicator {
       const cudaError_t q = done->status();
       if (q == cudaErrorNotReady) return false;
       if (q != cudaSuccess)  // said now; the stream's next synchronize throws it
-        log::error("collective {} on rank {}: the GPU reported {} ({})", what, rank(), cudaGetErrorName(q),
-                   cudaGetErrorString(q));
+        log::error("collective {} on rank {}: the GPU reported {} ({})", what, rank(),
+                   cudaGetErrorName(q), cudaGetErrorString(q));
       std::lock_guard<std::mutex> nl(note_mu_);
       if (--in_flight_ == 0) note_done();
       return true;
@@ -305,11 +329,12 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   STRATA_NCCL_CHECK(ncclGetVersion(&code));
   using gpu::decode_nccl_version, gpu::kMinNcclCode, gpu::kMinNcclVersion;
   if (code < kMinNcclCode)
-    STRATA_THROW(kUnsupported,
-                 "NCCL {} was loaded, and strata needs NCCL >= {} (bf16 and average reductions); install a "
-                 "newer one (pip install nvidia-nccl-cu{}, or the libnccl2 package) and put it first on the "
-                 "library path",
-                 decode_nccl_version(code).str(), kMinNcclVersion, CUDART_VERSION / 1000);
+    STRATA_THROW(
+        kUnsupported,
+        "NCCL {} was loaded, and strata needs NCCL >= {} (bf16 and average reductions); install a "
+        "newer one (pip install nvidia-nccl-cu{}, or the libnccl2 package) and put it first on the "
+        "library path",
+        decode_nccl_version(code).str(), kMinNcclVersion, CUDART_VERSION / 1000);
   const LaunchInfo li = init_launch();  // MPI only under a launcher
   Buffer scratch = device.alloc(256);
   cudaPointerAttributes attr{};
@@ -318,9 +343,11 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   int count = 0;
   STRATA_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (li.under_mpi && count > 0 && ordinal != launch_gpu_ordinal(li, count))
-    log::warn("rank {} (local rank {}) uses GPU {} but the launch layout suggests GPU {}; create the device "
-              "with strata::launch_gpu_ordinal()",
-              li.rank, li.local_rank, ordinal, launch_gpu_ordinal(li, count));
+    log::warn(
+        "rank {} (local rank {}) uses GPU {} but the launch layout suggests GPU {}; create the "
+        "device "
+        "with strata::launch_gpu_ordinal()",
+        li.rank, li.local_rank, ordinal, launch_gpu_ordinal(li, count));
   {
     GpuGuard guard(ordinal);
     STRATA_CUDA_CHECK(cudaMemset(scratch.data(), 0, 256));
@@ -339,8 +366,8 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
     const ncclResult_t rc = ncclCommInitRankConfig(&comm, li.world_size, id, li.rank, &config);
     try {
       if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
-      settle(comm, rc, "ncclCommInitRankConfig (NCCL's bootstrap, which every rank joins)", __FILE__, __LINE__,
-             li.rank, li.world_size, timeout_s);
+      settle(comm, rc, "ncclCommInitRankConfig (NCCL's bootstrap, which every rank joins)",
+             __FILE__, __LINE__, li.rank, li.world_size, timeout_s);
     } catch (...) {
       if (comm) (void)ncclCommAbort(comm);  // its bootstrap and proxy threads, its sockets
       throw;
@@ -351,10 +378,10 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   // the cap's headroom).
   gpu::backend::remeasure_default_capacity(device);
   if (li.world_size > 1) install_termination_note(li.rank, li.world_size);
-  log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size, ordinal,
-             timeout_s);
-  return std::make_unique<NcclCommunicator>(device, timeout_s, li.rank, li.world_size, ordinal, comm,
-                                            std::move(scratch));
+  log::debug("nccl communicator: rank {} of {} on GPU {}, timeout {} s", li.rank, li.world_size,
+             ordinal, timeout_s);
+  return std::make_unique<NcclCommunicator>(device, timeout_s, li.rank, li.world_size, ordinal,
+                                            comm, std::move(scratch));
 }
 
 }  // namespace strata::comm

@@ -3,10 +3,11 @@
 // scalars. The scalars are computed here once, in double, and rounded once; the CPU paths
 // and the CUDA kernel receive these exact floats, which is half of why they agree bit for bit
 // (the other half: the same fp32 operations in the same order, docs/adamw.md, "Semantics").
+#include "core/adamw_common.h"
+
 #include <cmath>
 #include <string>
 
-#include "core/adamw_common.h"
 #include "strata/error.h"
 
 namespace strata::detail {

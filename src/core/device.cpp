@@ -10,7 +10,9 @@
 namespace strata {
 
 const char* device_kind_name(DeviceKind kind) { return kind == DeviceKind::kCuda ? "cuda" : "cpu"; }
-const char* mem_space_name(MemSpace space) { return space == MemSpace::kDevice ? "device" : "host"; }
+const char* mem_space_name(MemSpace space) {
+  return space == MemSpace::kDevice ? "device" : "host";
+}
 
 // ---- Buffer ----
 Buffer::Buffer(Buffer&& o) noexcept
@@ -44,7 +46,8 @@ void Buffer::reset() {
 
 void Buffer::reset_on(Stream& stream) {
   STRATA_REQUIRE(!device_ || &stream.device() == device_,
-                 "Buffer::reset_on: stream '{}' belongs to another device than the buffer", stream.name());
+                 "Buffer::reset_on: stream '{}' belongs to another device than the buffer",
+                 stream.name());
   if (device_ && block_) device_->do_free_on(block_, stream);
   device_ = nullptr;
   ptr_ = nullptr;
@@ -56,7 +59,8 @@ void Device::do_free_on(void* block, Stream& stream) noexcept {
   try {
     stream.synchronize();
   } catch (const std::exception& e) {
-    log::error("freeing a block after stream '{}': the stream failed ({}); freeing it anyway", stream.name(), e.what());
+    log::error("freeing a block after stream '{}': the stream failed ({}); freeing it anyway",
+               stream.name(), e.what());
   }
   do_free(block);
 }
@@ -93,7 +97,8 @@ bool Event::query() const {
 }
 
 void Event::synchronize() const {
-  STRATA_REQUIRE(impl_ != nullptr, "synchronize() of an empty Event: record() one on a stream first");
+  STRATA_REQUIRE(impl_ != nullptr,
+                 "synchronize() of an empty Event: record() one on a stream first");
   impl_->synchronize();
 }
 
@@ -117,8 +122,10 @@ void Stream::require_device_tensor(const TensorRef& t, const char* what) const {
                  "kernel on stream '{}': tensor '{}' is not in this device's memory; copy it "
                  "to a Buffer of this device first",
                  name(), what);
-  STRATA_REQUIRE(t.dtype != DType::kF64, "kernel on stream '{}': tensor '{}' is fp64; kernels take "
-                 "fp32, bf16 or fp16", name(), what);
+  STRATA_REQUIRE(t.dtype != DType::kF64,
+                 "kernel on stream '{}': tensor '{}' is fp64; kernels take "
+                 "fp32, bf16 or fp16",
+                 name(), what);
   STRATA_REQUIRE(t.mem.bytes >= t.numel * dtype_size(t.dtype),
                  "kernel on stream '{}': tensor '{}' claims {} {} elements but its memory holds "
                  "only {} bytes",
@@ -143,7 +150,8 @@ void Stream::copy(MemRef dst, MemRef src) {
 Event Stream::record() { return do_record(); }
 
 void Stream::wait(const Event& event) {
-  STRATA_REQUIRE(event.valid(), "wait on stream '{}': the event is empty; record() it first", name());
+  STRATA_REQUIRE(event.valid(), "wait on stream '{}': the event is empty; record() it first",
+                 name());
   const auto& impl = event.impl();
   STRATA_REQUIRE(impl->device == device_,
                  "wait on stream '{}': the event was recorded on another device", name());
@@ -215,7 +223,8 @@ void Stream::matmul(const MatmulDesc& d) {
   STRATA_REQUIRE(d.a.dtype == d.b.dtype, "matmul on stream '{}': a is {}, b is {}; they must match",
                  name(), dtype_name(d.a.dtype), dtype_name(d.b.dtype));
   STRATA_REQUIRE(d.c.dtype == DType::kF32 || d.c.dtype == DType::kBF16,
-                 "matmul on stream '{}': c must be fp32 or bf16, got {}", name(), dtype_name(d.c.dtype));
+                 "matmul on stream '{}': c must be fp32 or bf16, got {}", name(),
+                 dtype_name(d.c.dtype));
   const auto need = [](std::int64_t r, std::int64_t c) { return static_cast<std::size_t>(r * c); };
   STRATA_REQUIRE(d.a.numel == need(d.m, d.k), "matmul on stream '{}': a has {} elements, m*k = {}",
                  name(), d.a.numel, need(d.m, d.k));

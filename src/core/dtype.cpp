@@ -8,10 +8,14 @@ namespace strata {
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "fp32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "fp16";
-    case DType::kF64: return "fp64";
+    case DType::kF32:
+      return "fp32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    case DType::kF64:
+      return "fp64";
   }
   return "?";
 }

@@ -6,14 +6,22 @@ namespace strata {
 
 const char* error_kind_name(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidArgument: return "invalid argument";
-    case ErrorKind::kOutOfMemory: return "out of memory";
-    case ErrorKind::kIo: return "I/O error";
-    case ErrorKind::kCuda: return "CUDA error";
-    case ErrorKind::kNccl: return "NCCL error";
-    case ErrorKind::kMpi: return "MPI error";
-    case ErrorKind::kUnsupported: return "unsupported";
-    case ErrorKind::kInternal: return "internal error";
+    case ErrorKind::kInvalidArgument:
+      return "invalid argument";
+    case ErrorKind::kOutOfMemory:
+      return "out of memory";
+    case ErrorKind::kIo:
+      return "I/O error";
+    case ErrorKind::kCuda:
+      return "CUDA error";
+    case ErrorKind::kNccl:
+      return "NCCL error";
+    case ErrorKind::kMpi:
+      return "MPI error";
+    case ErrorKind::kUnsupported:
+      return "unsupported";
+    case ErrorKind::kInternal:
+      return "internal error";
   }
   return "error";
 }

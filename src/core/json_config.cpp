@@ -43,8 +43,10 @@ std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def, std::ui
   const Json* v = raw(key);
   if (!v) return def;
   const auto too_small = [&] {
-    return fmt::format("config key '{}' must be a whole number of at least {} (5e8 and 500000000 both work), got {}",
-                       key_path(key), min, v->dump());
+    return fmt::format(
+        "config key '{}' must be a whole number of at least {} (5e8 and 500000000 both work), got "
+        "{}",
+        key_path(key), min, v->dump());
   };
   std::uint64_t out = 0;
   if (v->is_number_unsigned()) {
@@ -55,12 +57,13 @@ std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def, std::ui
     out = static_cast<std::uint64_t>(i);
   } else if (v->is_number_float()) {
     const double d = v->get<double>();
-    STRATA_REQUIRE(d < 1.8e19, "config key '{}' = {} is too large (at most 1.8e19)", key_path(key), v->dump());
+    STRATA_REQUIRE(d < 1.8e19, "config key '{}' = {} is too large (at most 1.8e19)", key_path(key),
+                   v->dump());
     STRATA_REQUIRE(d >= 0 && d == std::floor(d), "{}", too_small());
     out = static_cast<std::uint64_t>(d);
   } else {
-    STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key), type_name(*v),
-                 v->dump());
+    STRATA_THROW(kInvalidArgument, "config key '{}' must be a number, got {} {}", key_path(key),
+                 type_name(*v), v->dump());
   }
   STRATA_REQUIRE(out >= min, "{}", too_small());
   return out;
@@ -112,14 +115,17 @@ std::string Section::get_choice(std::string_view key, std::string_view def,
     if (s == a) return s;
     list += fmt::format("{}\"{}\"", list.empty() ? "" : ", ", a);
   }
-  STRATA_THROW(kInvalidArgument, "config key '{}' is \"{}\": use one of {}", key_path(key), s, list);
+  STRATA_THROW(kInvalidArgument, "config key '{}' is \"{}\": use one of {}", key_path(key), s,
+               list);
 }
 
 Section Section::child(std::string_view key) const { return Section(raw(key), key_path(key)); }
 
 // Edits (insert, delete, substitute, swap two neighbours) from a to b, case and '-' / '_' aside.
 static std::size_t edit_distance(std::string_view a, std::string_view b) {
-  const auto norm = [](char ch) { return ch == '-' ? '_' : char(std::tolower(static_cast<unsigned char>(ch))); };
+  const auto norm = [](char ch) {
+    return ch == '-' ? '_' : char(std::tolower(static_cast<unsigned char>(ch)));
+  };
   std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
   for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
   for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
@@ -169,10 +175,15 @@ void Section::warn_unknown(std::initializer_list<std::string_view> known) const 
     // was meant is not known.)
     STRATA_REQUIRE(guess.empty() || obj_->contains(guess),
                    "config key '{}' is not a key strata knows; did you mean '{}'? (left as it is, "
-                   "'{}' would silently keep its default)", full, key_path(guess), key_path(guess));
-    STRATA_REQUIRE(guess.empty(), "config key '{}' is not a key strata knows, a typo away from '{}', which is given too: "
-                   "remove '{}' (or merge what it holds into '{}')", full, key_path(guess), full, key_path(guess));
-    log::warn_once("config.unknown." + full, fmt::format("config key '{}' is not used by strata; ignored", full));
+                   "'{}' would silently keep its default)",
+                   full, key_path(guess), key_path(guess));
+    STRATA_REQUIRE(
+        guess.empty(),
+        "config key '{}' is not a key strata knows, a typo away from '{}', which is given too: "
+        "remove '{}' (or merge what it holds into '{}')",
+        full, key_path(guess), full, key_path(guess));
+    log::warn_once("config.unknown." + full,
+                   fmt::format("config key '{}' is not used by strata; ignored", full));
   }
 }
 

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
-#include <vector>
 #include <string_view>
+#include <vector>
 
 #include "strata/json_config.h"
 

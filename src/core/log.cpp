@@ -1,13 +1,13 @@
 #include "strata/log.h"
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <set>
 #include <string>
-
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "strata/error.h"
 
@@ -16,12 +16,18 @@ namespace {
 
 spdlog::level::level_enum to_spd(Level l) {
   switch (l) {
-    case Level::kTrace: return spdlog::level::trace;
-    case Level::kDebug: return spdlog::level::debug;
-    case Level::kInfo: return spdlog::level::info;
-    case Level::kWarn: return spdlog::level::warn;
-    case Level::kError: return spdlog::level::err;
-    case Level::kOff: return spdlog::level::off;
+    case Level::kTrace:
+      return spdlog::level::trace;
+    case Level::kDebug:
+      return spdlog::level::debug;
+    case Level::kInfo:
+      return spdlog::level::info;
+    case Level::kWarn:
+      return spdlog::level::warn;
+    case Level::kError:
+      return spdlog::level::err;
+    case Level::kOff:
+      return spdlog::level::off;
   }
   return spdlog::level::info;
 }
@@ -32,7 +38,8 @@ Level initial_level() {
   try {
     return parse_level(env);
   } catch (const Error& e) {
-    std::fprintf(stderr, "[strata] [warning] STRATA_LOG_LEVEL: %s; using info\n", e.message().c_str());
+    std::fprintf(stderr, "[strata] [warning] STRATA_LOG_LEVEL: %s; using info\n",
+                 e.message().c_str());
     return Level::kInfo;
   }
 }
@@ -65,7 +72,8 @@ Level parse_level(std::string_view n) {
   if (n == "warn" || n == "warning") return Level::kWarn;
   if (n == "error") return Level::kError;
   if (n == "off") return Level::kOff;
-  STRATA_THROW(kInvalidArgument, "unknown log level '{}': use trace, debug, info, warn, error or off", n);
+  STRATA_THROW(kInvalidArgument,
+               "unknown log level '{}': use trace, debug, info, warn, error or off", n);
 }
 
 std::string human_bytes(double b, int decimals) {

@@ -26,7 +26,8 @@ class RangePool {
  public:
   static constexpr std::size_t kNone = SIZE_MAX;
 
-  explicit RangePool(std::size_t small_limit, std::size_t gap = 512) : small_(small_limit), gap_(gap) {}
+  explicit RangePool(std::size_t small_limit, std::size_t gap = 512)
+      : small_(small_limit), gap_(gap) {}
 
   // Adds a segment of `size` bytes, all free; returns its base offset.
   std::size_t add_segment(std::size_t size) {
@@ -100,7 +101,9 @@ class RangePool {
     insert_free(off, size);
   }
 
-  std::size_t largest_free() const { return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first; }
+  std::size_t largest_free() const {
+    return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
+  }
   std::size_t free_bytes() const { return free_bytes_; }
   std::size_t free_ranges() const { return free_by_off_.size(); }
   std::size_t segments() const { return segments_.size(); }
@@ -127,8 +130,8 @@ class RangePool {
   std::size_t next_base_ = 0;
   std::size_t free_bytes_ = 0;
   std::size_t high_water_ = 0;
-  std::map<std::size_t, std::size_t> segments_;                // base -> size
-  std::map<std::size_t, std::size_t> free_by_off_;             // offset -> size
+  std::map<std::size_t, std::size_t> segments_;                 // base -> size
+  std::map<std::size_t, std::size_t> free_by_off_;              // offset -> size
   std::set<std::pair<std::size_t, std::size_t>> free_by_size_;  // (size, offset)
 };
 

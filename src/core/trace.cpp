@@ -118,16 +118,26 @@ static void append_json_string(std::string& out, std::string_view s) {
     if (static_cast<unsigned char>(c) >= 0x80) {
       std::size_t bad = 0;
       const std::size_t n = utf8_sequence(s, i, &bad);
-      if (n > 0) out.append(s.substr(i, n));
-      else out += "\xEF\xBF\xBD";  // U+FFFD
+      if (n > 0)
+        out.append(s.substr(i, n));
+      else
+        out += "\xEF\xBF\xBD";  // U+FFFD
       i += n > 0 ? n : bad;
       continue;
     }
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20)
           out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
@@ -143,10 +153,12 @@ void Tracer::write_chrome_trace(const std::string& path) const {
   write_chrome_trace(path, INT64_MIN, INT64_MAX);
 }
 
-void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns, std::int64_t to_ns) const {
+void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns,
+                                std::int64_t to_ns) const {
   std::vector<TraceSpan> all;
   for (TraceSpan& s : spans()) {
-    const bool overlaps = s.start_ns < to_ns && (s.end_ns > from_ns || (s.end_ns == s.start_ns && s.start_ns >= from_ns));
+    const bool overlaps = s.start_ns < to_ns &&
+                          (s.end_ns > from_ns || (s.end_ns == s.start_ns && s.start_ns >= from_ns));
     if (!overlaps) continue;
     s.start_ns = std::max(s.start_ns, from_ns);
     s.end_ns = std::min(s.end_ns, to_ns);
@@ -162,7 +174,8 @@ void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns, s
   for (const auto& [name, id] : lanes) {
     if (!first) out += ",\n";
     first = false;
-    out += fmt::format("{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":{},\"args\":{{\"name\":", id);
+    out += fmt::format(
+        "{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":{},\"args\":{{\"name\":", id);
     append_json_string(out, name);
     out += "}}";
   }
@@ -171,14 +184,17 @@ void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns, s
     first = false;
     out += "{\"name\":";
     append_json_string(out, s.name);
-    out += fmt::format(",\"cat\":\"strata\",\"ph\":\"X\",\"pid\":1,\"tid\":{},\"ts\":{:.3f},\"dur\":{:.3f},"
-                       "\"args\":{{\"bytes\":{}}}}}",
-                       lanes[s.lane], s.start_ns / 1e3, (s.end_ns - s.start_ns) / 1e3, s.bytes);
+    out += fmt::format(
+        ",\"cat\":\"strata\",\"ph\":\"X\",\"pid\":1,\"tid\":{},\"ts\":{:.3f},\"dur\":{:.3f},"
+        "\"args\":{{\"bytes\":{}}}}}",
+        lanes[s.lane], s.start_ns / 1e3, (s.end_ns - s.start_ns) / 1e3, s.bytes);
   }
   out += "\n]}\n";
 
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot write trace to '{}'", path));
+  if (!f)
+    detail::throw_errno(__FILE__, __LINE__, "fopen", errno,
+                        fmt::format("cannot write trace to '{}'", path));
   const bool ok = std::fwrite(out.data(), 1, out.size(), f) == out.size();
   const int err = errno;
   if (std::fclose(f) != 0 || !ok)

@@ -9,8 +9,6 @@
 //    nothing is written when it finds one.
 //  - Work is cut into kTile-element tiles over all shards; a static partition gives each
 //    worker one contiguous run of tiles (hardware prefetchers like long streams).
-#include "core/adamw_common.h"
-
 #include <hwloc.h>
 #include <tbb/blocked_range.h>
 #include <tbb/info.h>
@@ -23,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/adamw_common.h"
 #include "cpu/adamw_kernels.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -47,7 +46,6 @@ bool cpu_has(const char* feature) {
   if (f == "f16c") return __builtin_cpu_supports("f16c");
   return false;
 }
-
 
 // Binds threads entering the arena to hwloc cpusets, slot by slot.
 class Binder final : public tbb::task_scheduler_observer {
@@ -147,7 +145,8 @@ Isa read_cap() {
   if (env == nullptr || *env == '\0') return Isa::kAuto;
   for (Isa i : {Isa::kAuto, Isa::kAvx512, Isa::kAvx2, Isa::kScalar})
     if (std::string_view(env) == isa_name(i)) return i;
-  STRATA_THROW(kInvalidArgument, "STRATA_CPU_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or pick one",
+  STRATA_THROW(kInvalidArgument,
+               "STRATA_CPU_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or pick one",
                env);
 }
 
@@ -177,14 +176,17 @@ Isa adamw_selected_isa() {
     Isa forced = Isa::kAuto;
     try {
       forced = parse_isa(env);
-    } catch (const Error&) {  // it said "unknown AdamW ISA", of a variable the user may not know is set
-      STRATA_THROW(kInvalidArgument, "STRATA_ADAMW_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or "
-                   "pick one", env);
+    } catch (
+        const Error&) {  // it said "unknown AdamW ISA", of a variable the user may not know is set
+      STRATA_THROW(kInvalidArgument,
+                   "STRATA_ADAMW_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or "
+                   "pick one",
+                   env);
     }
     if (forced != Isa::kAuto) {
       if (!isa_supported(forced))
-        STRATA_THROW(kUnsupported, "STRATA_ADAMW_ISA={} but {}; unset it or pick a path it has", env,
-                     isa_unavailable(forced));
+        STRATA_THROW(kUnsupported, "STRATA_ADAMW_ISA={} but {}; unset it or pick a path it has",
+                     env, isa_unavailable(forced));
       return forced;
     }
   }
@@ -251,7 +253,8 @@ CpuAdamW::CpuAdamW(const CpuAdamWConfig& c) : impl_(std::make_unique<Impl>()) {
   if (isa == Isa::kAuto) {
     isa = adamw_selected_isa();
   } else if (!isa_supported(isa)) {
-    STRATA_THROW(kUnsupported, "CpuAdamW isa {}: {}; use Isa::kAuto", isa_name(isa), isa_unavailable(isa));
+    STRATA_THROW(kUnsupported, "CpuAdamW isa {}: {}; use Isa::kAuto", isa_name(isa),
+                 isa_unavailable(isa));
   }
   impl_->isa = isa;
   switch (isa) {
@@ -280,13 +283,18 @@ CpuAdamW::~CpuAdamW() = default;
 std::string CpuAdamW::threads_problem(int threads) {
   const int cores = tbb::info::default_concurrency();
   if (threads <= cores) return {};
-  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
-  return fmt::format("oneTBB runs at most {} thread{} in this process (its CPU affinity{}); use 0 (every core) or at "
-                     "most {}{}",
-                     cores, cores == 1 ? "" : "s", launched ? ", which the MPI launcher set" : " or CPU quota", cores,
-                     launched ? " (mpirun binds each rank to its share of the cores: --bind-to none, or fewer ranks "
-                                "per node, gives a rank more)"
-                              : "");
+  const bool launched =
+      std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+  return fmt::format(
+      "oneTBB runs at most {} thread{} in this process (its CPU affinity{}); use 0 (every core) or "
+      "at "
+      "most {}{}",
+      cores, cores == 1 ? "" : "s", launched ? ", which the MPI launcher set" : " or CPU quota",
+      cores,
+      launched
+          ? " (mpirun binds each rank to its share of the cores: --bind-to none, or fewer ranks "
+            "per node, gives a rank more)"
+          : "");
 }
 
 Isa CpuAdamW::isa() const noexcept { return impl_->isa; }
@@ -327,9 +335,9 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
     const AdamWShard& s = shards[i];
     const bool copy = s.copy_out.numel > 0;
     arrays.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr,
-                      static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr, s.v_in().mem.ptr,
-                      s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr, s.grads.dtype,
-                      s.m.dtype, s.copy_out.dtype, total >= kStreamCopyMinElems});
+                      static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr,
+                      s.v_in().mem.ptr, s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr,
+                      s.grads.dtype, s.m.dtype, s.copy_out.dtype, total >= kStreamCopyMinElems});
     for (std::size_t lo = 0; lo < s.params.numel; lo += kTile)
       tiles.push_back({static_cast<std::uint32_t>(i), lo, std::min(s.params.numel, lo + kTile)});
   }

@@ -64,16 +64,21 @@ struct Isa512 {
   struct Impl {
     static std::size_t run(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
                            std::size_t hi) {
-      const auto aligned = [](const void* q, std::size_t to) { return reinterpret_cast<std::uintptr_t>(q) % to == 0; };
+      const auto aligned = [](const void* q, std::size_t to) {
+        return reinterpret_cast<std::uintptr_t>(q) % to == 0;
+      };
       const std::size_t ssz = S ? 2 : 4;  // bytes per m / v element
-      const bool nt = C != CopyKind::kNone && a.stream_copy && aligned(static_cast<const char*>(a.c) + 2 * lo, 32);
+      const bool nt = C != CopyKind::kNone && a.stream_copy &&
+                      aligned(static_cast<const char*>(a.c) + 2 * lo, 32);
       // Out of place, p, m and v are write-only too (their sources are other arrays).
       const bool nt_state = a.stream_copy && a.p != a.p_src && aligned(a.p + lo, 64) &&
                             aligned(static_cast<const char*>(a.m) + ssz * lo, 16 * ssz) &&
                             aligned(static_cast<const char*>(a.v) + ssz * lo, 16 * ssz);
-      const std::size_t bad = nt_state ? (nt ? loop<true, true>(k, a, lo, hi) : loop<false, true>(k, a, lo, hi))
-                                       : (nt ? loop<true, false>(k, a, lo, hi) : loop<false, false>(k, a, lo, hi));
-      if (nt || nt_state) _mm_sfence();  // order the streaming stores before whoever reads them next
+      const std::size_t bad =
+          nt_state ? (nt ? loop<true, true>(k, a, lo, hi) : loop<false, true>(k, a, lo, hi))
+                   : (nt ? loop<true, false>(k, a, lo, hi) : loop<false, false>(k, a, lo, hi));
+      if (nt || nt_state)
+        _mm_sfence();  // order the streaming stores before whoever reads them next
       return bad;
     }
 
@@ -109,8 +114,10 @@ struct Isa512 {
         v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
         const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);
         p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, d), p);
-        if (kStreamState && full) _mm512_stream_ps(a.p + i, p);
-        else _mm512_mask_storeu_ps(a.p + i, mk, p);
+        if (kStreamState && full)
+          _mm512_stream_ps(a.p + i, p);
+        else
+          _mm512_mask_storeu_ps(a.p + i, mk, p);
         if constexpr (S) {
           if (kStreamState && full) {
             _mm256_stream_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));

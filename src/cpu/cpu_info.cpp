@@ -3,6 +3,9 @@
 // and nothing here throws: a fact that cannot be read is reported as absent.
 #include "cpu/cpu_info.h"
 
+#include <hwloc.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <oneapi/tbb/version.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -13,10 +16,6 @@
 #include <fstream>
 #include <string>
 #include <thread>
-
-#include <hwloc.h>
-#include <oneapi/dnnl/dnnl.h>
-#include <oneapi/tbb/version.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -38,8 +37,8 @@ std::vector<ComponentVersion> component_versions() {
   // hwloc reports its API version at run time (2.9.x releases carry API 2.8.0), so say which
   // is which.
   const unsigned v = hwloc_get_api_version();
-  out.push_back({"hwloc", fmt::format("{}.{}.{} API (headers {})", v >> 16, (v >> 8) & 0xff, v & 0xff,
-                                      HWLOC_VERSION)});
+  out.push_back({"hwloc", fmt::format("{}.{}.{} API (headers {})", v >> 16, (v >> 8) & 0xff,
+                                      v & 0xff, HWLOC_VERSION)});
   return out;
 }
 
@@ -71,7 +70,8 @@ std::vector<std::string> cpu_isa_features() {
   if (__builtin_cpu_supports("fma")) out.push_back("fma");
   if (avx512f) out.push_back("avx512f");
   if (__builtin_cpu_supports("avx512bw")) out.push_back("avx512bw");
-  if (avx512f && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) out.push_back("avx512_bf16");
+  if (avx512f && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+    out.push_back("avx512_bf16");
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22))) out.push_back("amx_bf16");
 #endif
   return out;
@@ -95,7 +95,8 @@ std::size_t meminfo_value(const std::string& key, std::size_t unit_bytes) {
   std::ifstream f(fake && *fake ? fake : "/proc/meminfo");
   std::string line;
   while (std::getline(f, line)) {
-    if (line.rfind(key + ":", 0) == 0) return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10) * unit_bytes;
+    if (line.rfind(key + ":", 0) == 0)
+      return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10) * unit_bytes;
   }
   return 0;
 }
@@ -165,7 +166,8 @@ std::size_t process_peak_rss_bytes() {
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return int(std::max(1u, std::thread::hardware_concurrency()));
+  if (::sched_getaffinity(0, sizeof set, &set) != 0)
+    return int(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, CPU_COUNT(&set));
 }
 

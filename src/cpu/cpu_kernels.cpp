@@ -6,15 +6,15 @@
 // oneTBB workers (sum_squares).
 #include "cpu/cpu_kernels.h"
 
-#include <algorithm>
-#include <map>
-#include <tuple>
-#include <vector>
-
-#include <oneapi/dnnl/dnnl.hpp>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/parallel_reduce.h>
+
+#include <algorithm>
+#include <map>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+#include <vector>
 
 #include "cpu/gemm_path.h"
 #include "cpu/model_simd.h"
@@ -33,7 +33,9 @@ static_assert(kTile % 16 == 0 && kGrain % kTile == 0);
 
 void load(DType t, const void* p, std::size_t off, std::size_t n, float* out) {
   switch (t) {
-    case DType::kF32: std::copy_n(static_cast<const float*>(p) + off, n, out); return;
+    case DType::kF32:
+      std::copy_n(static_cast<const float*>(p) + off, n, out);
+      return;
     case DType::kBF16: {
       const auto* s = static_cast<const std::uint16_t*>(p) + off;
       if (const simd::Kernels* k = simd::kernels()) return k->bf16_to_f32(s, out, std::int64_t(n));
@@ -55,7 +57,9 @@ void load(DType t, const void* p, std::size_t off, std::size_t n, float* out) {
 
 void store(DType t, void* p, std::size_t off, std::size_t n, const float* in) {
   switch (t) {
-    case DType::kF32: std::copy_n(in, n, static_cast<float*>(p) + off); return;
+    case DType::kF32:
+      std::copy_n(in, n, static_cast<float*>(p) + off);
+      return;
     case DType::kBF16: {
       auto* d = static_cast<std::uint16_t*>(p) + off;
       if (const simd::Kernels* k = simd::kernels()) return k->f32_to_bf16(in, d, std::int64_t(n));
@@ -135,13 +139,15 @@ void cast(DType ts, const void* src, DType td, void* dst, std::size_t n) {
   // fp32 <-> bf16 straight from source to destination, without the fp32 tile in between.
   if (const simd::Kernels* k = simd::kernels(); k && ts == DType::kF32 && td == DType::kBF16) {
     for_tiles(n, [&](std::size_t off, std::size_t cnt) {
-      k->f32_to_bf16(static_cast<const float*>(src) + off, static_cast<std::uint16_t*>(dst) + off, std::int64_t(cnt));
+      k->f32_to_bf16(static_cast<const float*>(src) + off, static_cast<std::uint16_t*>(dst) + off,
+                     std::int64_t(cnt));
     });
     return;
   }
   if (const simd::Kernels* k = simd::kernels(); k && ts == DType::kBF16 && td == DType::kF32) {
     for_tiles(n, [&](std::size_t off, std::size_t cnt) {
-      k->bf16_to_f32(static_cast<const std::uint16_t*>(src) + off, static_cast<float*>(dst) + off, std::int64_t(cnt));
+      k->bf16_to_f32(static_cast<const std::uint16_t*>(src) + off, static_cast<float*>(dst) + off,
+                     std::int64_t(cnt));
     });
     return;
   }
@@ -261,8 +267,8 @@ struct Matmul::Impl {
 
   // C[m, n] (ldc apart) = alpha * op(A) op(B) + beta * C, A and B of `in` with leading
   // dimensions lda and ldb as stored.
-  void gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in, DType out, float alpha,
-            float beta, const void* a, const void* b, void* c);
+  void gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in, DType out,
+            float alpha, float beta, const void* a, const void* b, void* c);
 };
 
 Matmul::Matmul(std::size_t stage_bytes) : impl_(std::make_unique<Impl>()) {
@@ -273,16 +279,20 @@ Matmul::~Matmul() = default;
 
 static dnnl::memory::data_type dnnl_type(DType t) {
   switch (t) {
-    case DType::kF32: return dnnl::memory::data_type::f32;
-    case DType::kBF16: return dnnl::memory::data_type::bf16;
-    case DType::kF16: return dnnl::memory::data_type::f16;
-    case DType::kF64: break;
+    case DType::kF32:
+      return dnnl::memory::data_type::f32;
+    case DType::kBF16:
+      return dnnl::memory::data_type::bf16;
+    case DType::kF16:
+      return dnnl::memory::data_type::f16;
+    case DType::kF64:
+      break;
   }
   STRATA_THROW(kUnsupported, "matmul: {} has no oneDNN type", dtype_name(t));
 }
 
-void Matmul::Impl::gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in, DType out,
-                        float alpha, float beta, const void* a, const void* b, void* c) {
+void Matmul::Impl::gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb, i64 ldc, DType in,
+                        DType out, float alpha, float beta, const void* a, const void* b, void* c) {
   using dims = dnnl::memory::dims;
   try {
     const Key key{m, n, k, ta, tb, lda, ldb, ldc, int(in), int(out), alpha, beta};
@@ -302,7 +312,8 @@ void Matmul::Impl::gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb,
       if (prims.size() >= 512) prims.clear();  // a caller cycling through many shapes
       it = prims
                .emplace(key, Prim{dnnl::matmul(pd), dnnl::memory(a_md, engine, nullptr),
-                                  dnnl::memory(b_md, engine, nullptr), dnnl::memory(c_md, engine, nullptr)})
+                                  dnnl::memory(b_md, engine, nullptr),
+                                  dnnl::memory(c_md, engine, nullptr)})
                .first;
     }
     Prim& p = it->second;
@@ -312,8 +323,8 @@ void Matmul::Impl::gemm(i64 m, i64 n, i64 k, bool ta, bool tb, i64 lda, i64 ldb,
     p.prim.execute(stream, {{DNNL_ARG_SRC, p.a}, {DNNL_ARG_WEIGHTS, p.b}, {DNNL_ARG_DST, p.c}});
     stream.wait();
   } catch (const dnnl::error& e) {
-    STRATA_THROW(kInternal, "oneDNN matmul {}x{}x{} ({} -> {}) failed: {} (status {})", m, n, k, dtype_name(in),
-                 dtype_name(out), e.what(), static_cast<int>(e.status));
+    STRATA_THROW(kInternal, "oneDNN matmul {}x{}x{} ({} -> {}) failed: {} (status {})", m, n, k,
+                 dtype_name(in), dtype_name(out), e.what(), static_cast<int>(e.status));
   }
 }
 
@@ -322,12 +333,15 @@ namespace {
 const void* at(const void* p, DType t, i64 elems) {
   return static_cast<const char*>(p) + std::size_t(elems) * dtype_size(t);
 }
-void* at(void* p, DType t, i64 elems) { return static_cast<char*>(p) + std::size_t(elems) * dtype_size(t); }
+void* at(void* p, DType t, i64 elems) {
+  return static_cast<char*>(p) + std::size_t(elems) * dtype_size(t);
+}
 
 // rows x cols of `src` (rows ld apart, from element `off`) -> dense fp32 at dst.
 void widen_block(DType t, const void* src, i64 off, i64 ld, i64 rows, i64 cols, float* dst) {
   if (ld == cols) return cast(t, at(src, t, off), DType::kF32, dst, std::size_t(rows * cols));
-  for (i64 r = 0; r < rows; ++r) cast(t, at(src, t, off + r * ld), DType::kF32, dst + r * cols, std::size_t(cols));
+  for (i64 r = 0; r < rows; ++r)
+    cast(t, at(src, t, off + r * ld), DType::kF32, dst + r * cols, std::size_t(cols));
 }
 
 }  // namespace
@@ -353,8 +367,8 @@ void Matmul::run(const MatmulDesc& d) {
   const bool stage_c = gemm_in == DType::kF32 && out == DType::kBF16;
   const i64 lda = d.trans_a ? m : k, ldb = d.trans_b ? k : n;
   if (!widen && !stage_c)
-    return impl_->gemm(m, n, k, d.trans_a, d.trans_b, lda, ldb, n, in, out, d.alpha, d.beta, d.a.mem.ptr,
-                       d.b.mem.ptr, d.c.mem.ptr);
+    return impl_->gemm(m, n, k, d.trans_a, d.trans_b, lda, ldb, n, in, out, d.alpha, d.beta,
+                       d.a.mem.ptr, d.b.mem.ptr, d.c.mem.ptr);
 
   const MatmulBlocks blk = matmul_blocks(m, n, k, widen, stage_c, impl_->stage_bytes);
   const i64 a_elems = widen ? blk.rows * k : 0, b_elems = widen ? k * blk.cols : 0;
@@ -364,7 +378,8 @@ void Matmul::run(const MatmulDesc& d) {
   float* c32 = wb + b_elems;
   for (i64 j0 = 0; j0 < n; j0 += blk.cols) {
     const i64 nb = std::min(blk.cols, n - j0);
-    // B's columns [j0, j0 + nb): stored [k, n] (or [n, k] transposed), widened as [k, nb] ([nb, k]).
+    // B's columns [j0, j0 + nb): stored [k, n] (or [n, k] transposed), widened as [k, nb] ([nb,
+    // k]).
     const void* b = at(d.b.mem.ptr, in, d.trans_b ? j0 * k : j0);
     i64 ldb_blk = ldb;
     if (widen) {
@@ -377,7 +392,8 @@ void Matmul::run(const MatmulDesc& d) {
     }
     for (i64 i0 = 0; i0 < m; i0 += blk.rows) {
       const i64 mb = std::min(blk.rows, m - i0);
-      // A's rows [i0, i0 + mb): stored [m, k] (or [k, m] transposed); once when one block holds them all.
+      // A's rows [i0, i0 + mb): stored [m, k] (or [k, m] transposed); once when one block holds
+      // them all.
       const void* a = at(d.a.mem.ptr, in, d.trans_a ? i0 : i0 * k);
       i64 lda_blk = lda;
       if (widen) {
@@ -392,14 +408,16 @@ void Matmul::run(const MatmulDesc& d) {
       }
       void* c = at(d.c.mem.ptr, out, i0 * n + j0);
       if (!stage_c) {
-        impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, n, gemm_in, out, d.alpha, d.beta, a, b, c);
+        impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, n, gemm_in, out, d.alpha,
+                    d.beta, a, b, c);
         continue;
       }
       if (d.beta != 0.0f) widen_block(out, d.c.mem.ptr, i0 * n + j0, n, mb, nb, c32);
-      impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, nb, gemm_in, DType::kF32, d.alpha, d.beta, a,
-                  b, c32);
+      impl_->gemm(mb, nb, k, d.trans_a, d.trans_b, lda_blk, ldb_blk, nb, gemm_in, DType::kF32,
+                  d.alpha, d.beta, a, b, c32);
       for (i64 r = 0; r < mb; ++r)
-        cast(DType::kF32, c32 + r * nb, out, at(d.c.mem.ptr, out, (i0 + r) * n + j0), std::size_t(nb));
+        cast(DType::kF32, c32 + r * nb, out, at(d.c.mem.ptr, out, (i0 + r) * n + j0),
+             std::size_t(nb));
     }
   }
 }

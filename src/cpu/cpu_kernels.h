@@ -26,10 +26,10 @@ class SumSquares {
   float result() const;
 
  private:
-  double acc_[16] = {};      // the current chunk's lanes
-  double total_ = 0;         // the whole chunks so far
-  std::size_t in_chunk_ = 0; // values of the current chunk added
-  std::size_t chunks_ = 0;   // whole chunks in total_
+  double acc_[16] = {};       // the current chunk's lanes
+  double total_ = 0;          // the whole chunks so far
+  std::size_t in_chunk_ = 0;  // values of the current chunk added
+  std::size_t chunks_ = 0;    // whole chunks in total_
 };
 
 // oneDNN matmul, one per thread that runs kernels (oneDNN streams are not thread-safe). Operands

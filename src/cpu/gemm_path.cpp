@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdlib>
-
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "strata/adamw.h"
@@ -23,8 +22,10 @@ void cap_onednn() {
   try {
     dnnl::set_max_cpu_isa(cap == Isa::kAvx2 ? dnnl::cpu_isa::avx2 : dnnl::cpu_isa::sse41);
   } catch (const dnnl::error& e) {
-    log::warn("STRATA_CPU_ISA={} could not cap oneDNN ({}): its GEMMs run at {}; set ONEDNN_MAX_CPU_ISA too",
-              isa_name(cap), e.what(), onednn_isa());
+    log::warn(
+        "STRATA_CPU_ISA={} could not cap oneDNN ({}): its GEMMs run at {}; set ONEDNN_MAX_CPU_ISA "
+        "too",
+        isa_name(cap), e.what(), onednn_isa());
   }
 }
 
@@ -46,8 +47,8 @@ std::string probe(DType in) {
 }
 
 struct State {
-  std::string impl[3];               // fp32, bf16, fp16: "" where oneDNN has no native matmul
-  std::atomic<GemmRoute> route[3];   // what runs now
+  std::string impl[3];              // fp32, bf16, fp16: "" where oneDNN has no native matmul
+  std::atomic<GemmRoute> route[3];  // what runs now
   State() {
     cap_onednn();
     const DType ts[3] = {DType::kF32, DType::kBF16, DType::kF16};
@@ -66,12 +67,17 @@ State& state() {
 
 int slot(DType in) {
   switch (in) {
-    case DType::kF32: return 0;
-    case DType::kBF16: return 1;
-    case DType::kF16: return 2;
-    case DType::kF64: break;
+    case DType::kF32:
+      return 0;
+    case DType::kBF16:
+      return 1;
+    case DType::kF16:
+      return 2;
+    case DType::kF64:
+      break;
   }
-  STRATA_THROW(kUnsupported, "matmul: {} operands have no GEMM route; use fp32, bf16 or fp16", dtype_name(in));
+  STRATA_THROW(kUnsupported, "matmul: {} operands have no GEMM route; use fp32, bf16 or fp16",
+               dtype_name(in));
 }
 
 }  // namespace
@@ -98,8 +104,8 @@ void set_gemm_route(DType in, GemmRoute route) {
   State& s = state();
   const int i = slot(in);
   if (route == GemmRoute::kNative && s.impl[i].empty())
-    STRATA_THROW(kUnsupported, "set_gemm_route: oneDNN has no {} matmul on this CPU (isa {})", dtype_name(in),
-                 onednn_isa());
+    STRATA_THROW(kUnsupported, "set_gemm_route: oneDNN has no {} matmul on this CPU (isa {})",
+                 dtype_name(in), onednn_isa());
   if (route == GemmRoute::kWidened && in == DType::kF32)
     STRATA_THROW(kInvalidArgument, "set_gemm_route: fp32 operands are not widened");
   s.route[i] = route;
@@ -107,17 +113,28 @@ void set_gemm_route(DType in, GemmRoute route) {
 
 std::string onednn_isa() {
   switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::sse41: return "sse41";
-    case dnnl::cpu_isa::avx: return "avx";
-    case dnnl::cpu_isa::avx2: return "avx2";
-    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
-    case dnnl::cpu_isa::avx512_mic: return "avx512_mic";
-    case dnnl::cpu_isa::avx512_mic_4ops: return "avx512_mic_4ops";
-    case dnnl::cpu_isa::avx512_core: return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
-    default: return "other";
+    case dnnl::cpu_isa::sse41:
+      return "sse41";
+    case dnnl::cpu_isa::avx:
+      return "avx";
+    case dnnl::cpu_isa::avx2:
+      return "avx2";
+    case dnnl::cpu_isa::avx2_vnni:
+      return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_mic:
+      return "avx512_mic";
+    case dnnl::cpu_isa::avx512_mic_4ops:
+      return "avx512_mic_4ops";
+    case dnnl::cpu_isa::avx512_core:
+      return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
   }
 }
 

@@ -30,9 +30,9 @@ const char* gemm_route_name(GemmRoute r);
 GemmRoute gemm_route(DType in);
 
 struct GemmPath {
-  DType dtype;        // the operands' dtype: fp32, bf16, fp16
-  GemmRoute route;    // as gemm_route() now says
-  std::string impl;   // oneDNN's implementation of the GEMM that runs ("brg:avx512_core_bf16")
+  DType dtype;       // the operands' dtype: fp32, bf16, fp16
+  GemmRoute route;   // as gemm_route() now says
+  std::string impl;  // oneDNN's implementation of the GEMM that runs ("brg:avx512_core_bf16")
 };
 // fp32, bf16 and fp16, for strata-info and the benchmarks.
 std::vector<GemmPath> gemm_paths();

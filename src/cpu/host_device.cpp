@@ -24,11 +24,12 @@
 //    GFLOP/s, so which resource bounds a step (compute, link, NVMe, CPU optimizer) is a
 //    choice of the test, not an accident of the host's cores. A throttled copy's bytes and a
 //    throttled matmul's product land when their time ends.
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <chrono>
-#include <cstring>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -36,8 +37,6 @@
 #include <set>
 #include <thread>
 #include <utility>
-
-#include <omp.h>
 
 #include "core/range_pool.h"
 #include "cpu/cpu_kernels.h"
@@ -190,9 +189,9 @@ struct StreamCore {
   std::uint64_t wake_at = UINT64_MAX;  // the earliest op a waiter waits for (see wait_locked)
   bool stopping = false;
   std::exception_ptr error;
-  cpu::Matmul matmul;  // used by the worker only
+  cpu::Matmul matmul;               // used by the worker only
   std::unique_ptr<CpuAdamW> adamw;  // made by the worker on first use
-  std::thread worker;  // last: started after every other member exists
+  std::thread worker;               // last: started after every other member exists
 };
 
 struct HostBlock {
@@ -220,21 +219,26 @@ class HostEvent final : public detail::EventImpl {
 class HostDevice final : public Device {
  public:
   explicit HostDevice(const HostDeviceOptions& o)
-      : opt_(o), arena_(std::min<std::size_t>(round_down(o.capacity_bytes) / 8, std::size_t(4) << 20)) {
+      : opt_(o),
+        arena_(std::min<std::size_t>(round_down(o.capacity_bytes) / 8, std::size_t(4) << 20)) {
     arena_.add_segment(round_down(o.capacity_bytes));
-    STRATA_REQUIRE(o.capacity_bytes >= kAlign, "HostDevice capacity_bytes must be at least {} bytes, got {}",
-                   kAlign, o.capacity_bytes);
+    STRATA_REQUIRE(o.capacity_bytes >= kAlign,
+                   "HostDevice capacity_bytes must be at least {} bytes, got {}", kAlign,
+                   o.capacity_bytes);
     STRATA_REQUIRE(o.h2d_gbps >= 0 && o.d2h_gbps >= 0 && o.d2d_gbps >= 0,
                    "HostDevice copy rates must be >= 0 GB/s (0 = unthrottled)");
-    STRATA_REQUIRE(o.compute_gflops >= 0, "HostDevice compute_gflops must be >= 0 (0 = unthrottled), got {}",
+    STRATA_REQUIRE(o.compute_gflops >= 0,
+                   "HostDevice compute_gflops must be >= 0 (0 = unthrottled), got {}",
                    o.compute_gflops);
-    STRATA_REQUIRE(o.compute_threads >= 0, "HostDevice compute_threads must be >= 0 (0 = every core), got {}",
+    STRATA_REQUIRE(o.compute_threads >= 0,
+                   "HostDevice compute_threads must be >= 0 (0 = every core), got {}",
                    o.compute_threads);
     void* p = ::mmap(nullptr, o.capacity_bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
-      detail::throw_errno(__FILE__, __LINE__, "mmap", errno,
-                          fmt::format("cannot reserve {} for the emulated device", gib(o.capacity_bytes)));
+      detail::throw_errno(
+          __FILE__, __LINE__, "mmap", errno,
+          fmt::format("cannot reserve {} for the emulated device", gib(o.capacity_bytes)));
     base_ = static_cast<char*>(p);
   }
 
@@ -264,12 +268,15 @@ class HostDevice final : public Device {
   // synchronize or the next device-wide one (as on a GPU; they were cleared unreported).
   void synchronize() override {
     // From a stream's own work it would wait for that work: a hang (CUDA forbids it too).
-    STRATA_REQUIRE(!t_in_stream_worker, "Device::synchronize inside a stream's host function: it would wait for "
+    STRATA_REQUIRE(!t_in_stream_worker,
+                   "Device::synchronize inside a stream's host function: it would wait for "
                    "itself; wait outside, or record an event and make another stream wait on it");
     std::exception_ptr first;
     for (auto& core : live_streams()) {
-      if (!first) first = core->drain();
-      else core->wait_for(core->submitted_seq());
+      if (!first)
+        first = core->drain();
+      else
+        core->wait_for(core->submitted_seq());
     }
     release_deferred();
     if (first) std::rethrow_exception(first);
@@ -281,7 +288,8 @@ class HostDevice final : public Device {
   std::chrono::steady_clock::time_point reserve_link(int dir, std::size_t bytes, double gbps) {
     std::lock_guard<std::mutex> lock(link_mu_);
     const auto start = std::max(std::chrono::steady_clock::now(), link_free_[dir]);
-    link_free_[dir] = start + std::chrono::nanoseconds(static_cast<std::int64_t>(double(bytes) / gbps));
+    link_free_[dir] =
+        start + std::chrono::nanoseconds(static_cast<std::int64_t>(double(bytes) / gbps));
     return link_free_[dir];
   }
   void register_stream(const std::shared_ptr<StreamCore>& core) {
@@ -434,7 +442,8 @@ class HostStream final : public Stream {
           // stream's copies; a device-to-device copy has its own bandwidth. bytes / (GB/s) = ns.
           const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
                                      : std::chrono::steady_clock::now() +
-                                           std::chrono::nanoseconds(static_cast<std::int64_t>(double(src.bytes) / gbps));
+                                           std::chrono::nanoseconds(
+                                               static_cast<std::int64_t>(double(src.bytes) / gbps));
           // The bytes land when the transfer ends, as a DMA's do: a reader on another stream
           // that misses its wait sees the old contents for the whole transfer, not only for the
           // memmove's first microseconds.
@@ -460,13 +469,17 @@ class HostStream final : public Stream {
   }
 
   void do_synchronize() override {
-    STRATA_REQUIRE(!t_in_stream_worker, "Stream::synchronize of '{}' inside a stream's host function: a hang where "
-                   "it is that stream's (CUDA forbids it on any); wait outside, or make a stream wait on an event",
+    STRATA_REQUIRE(!t_in_stream_worker,
+                   "Stream::synchronize of '{}' inside a stream's host function: a hang where "
+                   "it is that stream's (CUDA forbids it on any); wait outside, or make a stream "
+                   "wait on an event",
                    name());
     if (auto err = core_->drain()) std::rethrow_exception(err);
   }
 
-  void do_host_fn(std::function<void()> fn, const char* trace_name) override { submit(std::move(fn), trace_name); }
+  void do_host_fn(std::function<void()> fn, const char* trace_name) override {
+    submit(std::move(fn), trace_name);
+  }
 
   void do_fill(TensorRef x, float v) override {
     submit([x, v] { cpu::fill(x.dtype, x.mem.ptr, x.numel, v); }, "fill", x.mem.bytes);
@@ -479,15 +492,22 @@ class HostStream final : public Stream {
     submit([a, x] { cpu::scale(a, x.dtype, x.mem.ptr, x.numel); }, "scale", x.mem.bytes);
   }
   void do_add(TensorRef a, TensorRef b, TensorRef out) override {
-    submit([a, b, out] { cpu::add(a.dtype, a.mem.ptr, b.dtype, b.mem.ptr, out.dtype, out.mem.ptr, a.numel); },
-           "add", a.mem.bytes + b.mem.bytes + out.mem.bytes);
+    submit(
+        [a, b, out] {
+          cpu::add(a.dtype, a.mem.ptr, b.dtype, b.mem.ptr, out.dtype, out.mem.ptr, a.numel);
+        },
+        "add", a.mem.bytes + b.mem.bytes + out.mem.bytes);
   }
   void do_cast(TensorRef s, TensorRef d) override {
-    submit([s, d] { cpu::cast(s.dtype, s.mem.ptr, d.dtype, d.mem.ptr, s.numel); }, "cast", s.mem.bytes);
+    submit([s, d] { cpu::cast(s.dtype, s.mem.ptr, d.dtype, d.mem.ptr, s.numel); }, "cast",
+           s.mem.bytes);
   }
   void do_sum_squares(TensorRef x, TensorRef out) override {
-    submit([x, out] { *static_cast<float*>(out.mem.ptr) = cpu::sum_squares(x.dtype, x.mem.ptr, x.numel); },
-           "sum_squares", x.mem.bytes);
+    submit(
+        [x, out] {
+          *static_cast<float*>(out.mem.ptr) = cpu::sum_squares(x.dtype, x.mem.ptr, x.numel);
+        },
+        "sum_squares", x.mem.bytes);
   }
   void do_matmul(const MatmulDesc& d) override {
     const double gflops = dev_->options().compute_gflops;
@@ -502,14 +522,16 @@ class HostStream final : public Stream {
           // the product lands when that time ends, as a kernel's: computed aside (from C when it
           // accumulates), so a reader on another stream missing its wait sees the old C throughout.
           const double flops = 2.0 * double(d.m) * double(d.n) * double(d.k);
-          const std::size_t c_bytes = std::size_t(d.m) * std::size_t(d.n) * dtype_size(d.c.dtype);  // what it writes
+          const std::size_t c_bytes =
+              std::size_t(d.m) * std::size_t(d.n) * dtype_size(d.c.dtype);  // what it writes
           thread_local std::vector<float> aside;
           aside.resize((c_bytes + 3) / 4);
           if (d.beta != 0.0f) std::memcpy(aside.data(), d.c.mem.ptr, c_bytes);
           MatmulDesc t = d;
           t.c.mem.ptr = aside.data();
           core->matmul.run(t);
-          std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
+          std::this_thread::sleep_until(
+              t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
           std::memcpy(d.c.mem.ptr, aside.data(), c_bytes);
         },
         "matmul", d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
@@ -558,8 +580,8 @@ std::unique_ptr<Stream> HostDevice::create_stream(std::string name) {
     std::lock_guard<std::mutex> lock(mu_);
     index = streams_.size() + stats_.num_allocs;  // varies the per-stream seed
   }
-  auto core = std::make_shared<StreamCore>(name, opt_.random_delay_us,
-                                           opt_.seed * 0x9e3779b97f4a7c15ull + index, opt_.compute_threads);
+  auto core = std::make_shared<StreamCore>(
+      name, opt_.random_delay_us, opt_.seed * 0x9e3779b97f4a7c15ull + index, opt_.compute_threads);
   register_stream(core);
   return std::make_unique<HostStream>(this, std::move(name), std::move(core));
 }
@@ -571,7 +593,8 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   // holes instead of leaving a free range a few KiB too small.
   // (Not past the arena: the whole cap stays allocatable when it is not a multiple of 64 KiB.)
   if (size >= arena_.small_limit())
-    size = std::max(size, std::min((size + kLargeStep - 1) / kLargeStep * kLargeStep, round_down(opt_.capacity_bytes)));
+    size = std::max(size, std::min((size + kLargeStep - 1) / kLargeStep * kLargeStep,
+                                   round_down(opt_.capacity_bytes)));
   std::size_t off = SIZE_MAX;
   std::unique_lock<std::mutex> lock(mu_);
   // A block of this size whose free is still queued on the same stream: the stream's order
@@ -591,7 +614,8 @@ void* HostDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
     }
   }
   const auto take = [&] {
-    off = size >= bytes && size <= opt_.capacity_bytes - stats_.bytes_in_use ? arena_.alloc(size) : SIZE_MAX;
+    off = size >= bytes && size <= opt_.capacity_bytes - stats_.bytes_in_use ? arena_.alloc(size)
+                                                                             : SIZE_MAX;
     return off != SIZE_MAX;
   };
   if (!take() && !t_in_stream_worker) {

@@ -147,7 +147,8 @@ class Workspace {
     std::unique_ptr<char, Free> p;
     std::size_t bytes = 0;
   };
-  GemmRoute f32_route_ = gemm_route(DType::kF32);  // oneDNN's ISA cap, before the engine and primitives
+  GemmRoute f32_route_ =
+      gemm_route(DType::kF32);  // oneDNN's ISA cap, before the engine and primitives
   dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<decltype(Gemm{}.key()), Prim> prims_;

@@ -1,6 +1,6 @@
-// CPU transformer kernels. Row-parallel work goes to OpenMP (oneDNN's runtime); anything that sums over rows into
-// a weight gradient is a serial loop over rows (vectorised along the row) so the order of
-// additions, and hence the bits, never depend on scheduling. Instantiated for float (the
+// CPU transformer kernels. Row-parallel work goes to OpenMP (oneDNN's runtime); anything that sums
+// over rows into a weight gradient is a serial loop over rows (vectorised along the row) so the
+// order of additions, and hence the bits, never depend on scheduling. Instantiated for float (the
 // model) and double (the finite-difference tests).
 #include "cpu/model_kernels.h"
 
@@ -31,18 +31,23 @@ Choice choose(Isa want) {
     if (const char* env = std::getenv("STRATA_MODEL_ISA"); env != nullptr && *env != '\0') {
       want = parse_isa(env);
       if (want != Isa::kAuto && !isa_supported(want))
-        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but {}; unset it or pick a path it has", env,
-                     isa_unavailable(want));
+        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but {}; unset it or pick a path it has",
+                     env, isa_unavailable(want));
     }
   }
-  if (want == Isa::kAuto) want = isa_supported(Isa::kAvx512) ? Isa::kAvx512
-                                 : isa_supported(Isa::kAvx2) ? Isa::kAvx2
-                                                             : Isa::kScalar;
-  STRATA_REQUIRE(isa_supported(want), "set_model_isa({}): {}", isa_name(want), isa_unavailable(want));
+  if (want == Isa::kAuto)
+    want = isa_supported(Isa::kAvx512) ? Isa::kAvx512
+           : isa_supported(Isa::kAvx2) ? Isa::kAvx2
+                                       : Isa::kScalar;
+  STRATA_REQUIRE(isa_supported(want), "set_model_isa({}): {}", isa_name(want),
+                 isa_unavailable(want));
   switch (want) {
-    case Isa::kAvx512: return {&avx512_kernels(), want};
-    case Isa::kAvx2: return {&avx2_kernels(), want};
-    default: return {nullptr, Isa::kScalar};
+    case Isa::kAvx512:
+      return {&avx512_kernels(), want};
+    case Isa::kAvx2:
+      return {&avx2_kernels(), want};
+    default:
+      return {nullptr, Isa::kScalar};
   }
 }
 
@@ -122,7 +127,8 @@ void rmsnorm_forward(const T* x, const W* w, O* out, T* rstd, i64 n, i64 c, doub
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(n, c, [&](i64 r) {
-        rstd[r] = k->rms_fwd(x + r * c, w, is_bf16<W>, out + r * c, is_bf16<O>, c, static_cast<float>(eps));
+        rstd[r] = k->rms_fwd(x + r * c, w, is_bf16<W>, out + r * c, is_bf16<O>, c,
+                             static_cast<float>(eps));
       });
       return;
     }
@@ -139,8 +145,8 @@ void rmsnorm_forward(const T* x, const W* w, O* out, T* rstd, i64 n, i64 c, doub
 }
 
 template <class T, class W>
-void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c,
-                      bf16_t* dx_bf16) {
+void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n,
+                      i64 c, bf16_t* dx_bf16) {
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(n, 3 * c, [&](i64 r) {
@@ -178,8 +184,8 @@ void layernorm_forward(const T* x, const W* w, const W* b, O* out, T* mean, T* r
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(n, 3 * c, [&](i64 r) {
-        rstd[r] = k->ln_fwd(x + r * c, w, b, is_bf16<W>, out + r * c, is_bf16<O>, c, static_cast<float>(eps),
-                            mean + r);
+        rstd[r] = k->ln_fwd(x + r * c, w, b, is_bf16<W>, out + r * c, is_bf16<O>, c,
+                            static_cast<float>(eps), mean + r);
       });
       return;
     }
@@ -196,7 +202,8 @@ void layernorm_forward(const T* x, const W* w, const W* b, O* out, T* mean, T* r
     mean[r] = mu;
     rstd[r] = rs;
     O* o = out + r * c;
-    for (i64 i = 0; i < c; ++i) put(o, i, (xr[i] - mu) * rs * T(to_float(w[i])) + T(to_float(b[i])));
+    for (i64 i = 0; i < c; ++i)
+      put(o, i, (xr[i] - mu) * rs * T(to_float(w[i])) + T(to_float(b[i])));
   });
 }
 
@@ -248,7 +255,8 @@ void rope_apply(T* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, cons
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(n, heads * hd, [&](i64 r) {
         for (i64 h = 0; h < heads; ++h)
-          k->rope_head(x + r * stride + col + h * hd, cos + (r % t) * half, sin + (r % t) * half, half, sgn);
+          k->rope_head(x + r * stride + col + h * hd, cos + (r % t) * half, sin + (r % t) * half,
+                       half, sgn);
       });
       return;
     }
@@ -269,7 +277,8 @@ void rope_apply(T* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, cons
 }
 
 template <class T>
-void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale) {
+void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                       double scale) {
   const i64 stride = (nh + 2 * nkv) * hd;
   const i64 group = nh / nkv;
   constexpr i64 kBlock = 64;
@@ -309,8 +318,8 @@ void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv
 }
 
 template <class T>
-void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b, i64 t,
-                        i64 nh, i64 nkv, i64 hd, double scale) {
+void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b,
+                        i64 t, i64 nh, i64 nkv, i64 hd, double scale) {
   const i64 stride = (nh + 2 * nkv) * hd;
   const i64 group = nh / nkv;
   // One task per (batch, kv head): it owns dk/dv of that kv head and dq of its query heads.
@@ -357,7 +366,8 @@ void swiglu_forward(const T* gu, O* out, i64 n, i64 inter) {
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(n, inter, [&](i64 r) {
-        k->swiglu_fwd(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, is_bf16<O>, inter);
+        k->swiglu_fwd(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, is_bf16<O>,
+                      inter);
       });
       return;
     }
@@ -405,7 +415,8 @@ void gelu_forward(const T* x, O* out, i64 n) {
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
-        k->gelu_fwd(x + blk * 4096, out + blk * 4096, is_bf16<O>, std::min<i64>(4096, n - blk * 4096));
+        k->gelu_fwd(x + blk * 4096, out + blk * 4096, is_bf16<O>,
+                    std::min<i64>(4096, n - blk * 4096));
       });
       return;
     }
@@ -423,7 +434,8 @@ void gelu_backward(const T* dout, const T* x, T* dx, i64 n) {
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows((n + 4095) / 4096, 4096, [&](i64 blk) {
-        k->gelu_bwd(dout + blk * 4096, x + blk * 4096, dx + blk * 4096, std::min<i64>(4096, n - blk * 4096));
+        k->gelu_bwd(dout + blk * 4096, x + blk * 4096, dx + blk * 4096,
+                    std::min<i64>(4096, n - blk * 4096));
       });
       return;
     }
@@ -459,7 +471,9 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(rows, vocab, [&](i64 r) {
-        void* g = grad_scale == 0 ? nullptr : grad ? static_cast<void*>(grad + r * vocab) : logits + r * vocab;
+        void* g = grad_scale == 0 ? nullptr
+                  : grad          ? static_cast<void*>(grad + r * vocab)
+                                  : logits + r * vocab;
         losses[r] = k->xent_row(logits + r * vocab, vocab, targets[r], g, grad && is_bf16<O>,
                                 static_cast<float>(grad_scale));
       });
@@ -479,7 +493,8 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
       const T gs = T(grad_scale);
       if (grad) {
         O* g = grad + r * vocab;
-        for (i64 i = 0; i < vocab; ++i) put(g, i, std::exp(l[i] - lse) * gs - (i == tgt ? gs : T(0)));
+        for (i64 i = 0; i < vocab; ++i)
+          put(g, i, std::exp(l[i] - lse) * gs - (i == tgt ? gs : T(0)));
       } else {
         for (i64 i = 0; i < vocab; ++i) l[i] = std::exp(l[i] - lse) * gs;
         l[tgt] -= gs;
@@ -488,33 +503,35 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
   });
 }
 
-#define STRATA_MK_T(T)                                                                            \
-  template void embedding_backward<T>(const std::int32_t*, const T*, T*, T*, i64, i64, i64);      \
-  template void rope_apply<T>(T*, i64, i64, i64, i64, i64, i64, const T*, const T*, bool);        \
-  template void attention_forward<T>(const T*, T*, T*, i64, i64, i64, i64, i64, double);          \
-  template void attention_backward<T>(const T*, const T*, const T*, const T*, T*, i64, i64, i64,  \
-                                      i64, i64, double);                                          \
-  template void gelu_backward<T>(const T*, const T*, T*, i64);                                    \
-  template void bias_backward<T>(const T*, T*, i64, i64);                                         \
-
+#define STRATA_MK_T(T)                                                                           \
+  template void embedding_backward<T>(const std::int32_t*, const T*, T*, T*, i64, i64, i64);     \
+  template void rope_apply<T>(T*, i64, i64, i64, i64, i64, i64, const T*, const T*, bool);       \
+  template void attention_forward<T>(const T*, T*, T*, i64, i64, i64, i64, i64, double);         \
+  template void attention_backward<T>(const T*, const T*, const T*, const T*, T*, i64, i64, i64, \
+                                      i64, i64, double);                                         \
+  template void gelu_backward<T>(const T*, const T*, T*, i64);                                   \
+  template void bias_backward<T>(const T*, T*, i64, i64);
 
 // Kernels with an output of type O.
-#define STRATA_MK_TO(T, O)                                                                        \
-  template void swiglu_forward<T, O>(const T*, O*, i64, i64);                                     \
-  template void swiglu_backward<T, O>(const T*, const T*, O*, i64, i64);                          \
-  template void gelu_forward<T, O>(const T*, O*, i64);                                            \
+#define STRATA_MK_TO(T, O)                                               \
+  template void swiglu_forward<T, O>(const T*, O*, i64, i64);            \
+  template void swiglu_backward<T, O>(const T*, const T*, O*, i64, i64); \
+  template void gelu_forward<T, O>(const T*, O*, i64);                   \
   template void cross_entropy<T, O>(T*, const std::int32_t*, T*, i64, i64, double, O*);
 
-#define STRATA_MK_TW(T, W)                                                                        \
-  template void embedding_forward<T, W>(const std::int32_t*, const W*, const W*, T*, i64, i64, i64); \
-  template void rmsnorm_backward<T, W>(const T*, const T*, const W*, const T*, T*, T*, i64, i64, bf16_t*); \
+#define STRATA_MK_TW(T, W)                                                                         \
+  template void embedding_forward<T, W>(const std::int32_t*, const W*, const W*, T*, i64, i64,     \
+                                        i64);                                                      \
+  template void rmsnorm_backward<T, W>(const T*, const T*, const W*, const T*, T*, T*, i64, i64,   \
+                                       bf16_t*);                                                   \
   template void layernorm_backward<T, W>(const T*, const T*, const W*, const T*, const T*, T*, T*, \
-                                         T*, i64, i64);                                           \
+                                         T*, i64, i64);                                            \
   template void bias_add<T, W>(T*, const W*, i64, i64);
 
-#define STRATA_MK_TWO(T, W, O)                                                                    \
-  template void rmsnorm_forward<T, W, O>(const T*, const W*, O*, T*, i64, i64, double);           \
-  template void layernorm_forward<T, W, O>(const T*, const W*, const W*, O*, T*, T*, i64, i64, double);
+#define STRATA_MK_TWO(T, W, O)                                                                 \
+  template void rmsnorm_forward<T, W, O>(const T*, const W*, O*, T*, i64, i64, double);        \
+  template void layernorm_forward<T, W, O>(const T*, const W*, const W*, O*, T*, T*, i64, i64, \
+                                           double);
 
 STRATA_MK_T(float)
 STRATA_MK_T(double)

@@ -5,9 +5,10 @@
 // the finite-difference tests); weights are W (float, bf16_t or double) and are read as T.
 // The float instantiations of the hot kernels run the vectorised row kernels of
 // src/cpu/model_simd.h when the CPU has AVX-512 or AVX2 (picked at run time); the portable
-// loops here are their fallback and, in double, the reference the tests check them against. Reductions over rows that feed a weight gradient run
-// in a fixed order, so results are deterministic for any thread count; that is what makes
-// activation checkpointing on and off give identical gradients.
+// loops here are their fallback and, in double, the reference the tests check them against.
+// Reductions over rows that feed a weight gradient run in a fixed order, so results are
+// deterministic for any thread count; that is what makes activation checkpointing on and off give
+// identical gradients.
 //
 // Layout conventions (row-major, N = B*T rows, position t = row % T):
 //  - qkv rows are [q (nh*hd) | k (nkv*hd) | v (nkv*hd)]: one fused projection.
@@ -49,8 +50,8 @@ template <class T, class W, class O = T>
 void rmsnorm_forward(const T* x, const W* w, O* out, T* rstd, i64 n, i64 c, double eps);
 // dx += ..., dw += ...; with dx_bf16 (T = float), the updated dx also rounded to bf16 there.
 template <class T, class W>
-void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n, i64 c,
-                      bf16_t* dx_bf16 = nullptr);
+void rmsnorm_backward(const T* dout, const T* x, const W* w, const T* rstd, T* dx, T* dw, i64 n,
+                      i64 c, bf16_t* dx_bf16 = nullptr);
 
 // torch.nn.LayerNorm (biased variance): out = (x - mean) * rstd * w + b.
 template <class T, class W, class O = T>
@@ -71,21 +72,23 @@ void rope_apply(T* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, cons
 // Causal grouped-query attention with an online softmax (flash-style): o [N, nh*hd] and the
 // logsumexp of each query row's scores, lse [B, nh, T]; nothing of size T^2 is stored.
 template <class T>
-void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale);
+void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                       double scale);
 // Writes dqkv (every element) from do, recomputing the probabilities from lse.
 template <class T>
-void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b, i64 t,
-                        i64 nh, i64 nkv, i64 hd, double scale);
+void attention_backward(const T* qkv, const T* o, const T* dout, const T* lse, T* dqkv, i64 b,
+                        i64 t, i64 nh, i64 nkv, i64 hd, double scale);
 // The same two in fp32 through oneDNN batched matmuls over query blocks (model_attention.cpp),
 // what the model runs; the templates above are the portable reference the tests hold them to.
 // With bf16_gemm the matmul inputs (q, k, v, do and the probabilities and their gradients) are
 // rounded to bf16, as every GEMM input is in the model's bf16 compute; accumulation, softmax,
 // lse and the outputs stay fp32.
 // o_bf16 (optional): o again, rounded to bf16 (the output projection's operand).
-void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* lse, i64 b, i64 t, i64 nh, i64 nkv,
-                            i64 hd, double scale, bool bf16_gemm);
-void attention_backward_fast(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
-                             i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm);
+void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* lse, i64 b, i64 t,
+                            i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm);
+void attention_backward_fast(const float* qkv, const float* o, const float* dout, const float* lse,
+                             float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale,
+                             bool bf16_gemm);
 // For tests: the next `count` products the attention runs fail as a oneDNN primitive that
 // cannot run does (a strata::Error naming the product comes out of the call).
 void fail_attention_gemms_for_testing(int count);

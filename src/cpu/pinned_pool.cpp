@@ -18,6 +18,7 @@
 // Never: munmap a chunk with live blocks, or call the device after the pool is destroyed.
 #include "strata/pinned_pool.h"
 
+#include <hwloc.h>
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -36,8 +37,6 @@
 #include <utility>
 #include <vector>
 
-#include <hwloc.h>
-
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -46,9 +45,12 @@ namespace strata {
 
 const char* page_kind_name(PageKind kind) {
   switch (kind) {
-    case PageKind::kHugeTlb: return "hugetlb";
-    case PageKind::kTransparentHuge: return "transparent-huge";
-    case PageKind::kNormal: return "normal";
+    case PageKind::kHugeTlb:
+      return "hugetlb";
+    case PageKind::kTransparentHuge:
+      return "transparent-huge";
+    case PageKind::kNormal:
+      return "normal";
   }
   return "unknown";
 }
@@ -101,19 +103,21 @@ std::size_t anon_huge_bytes_at(const void* addr) {
 // io_uring buffer registration, dropped at once (the pages stay, mapped). Such pins allocate
 // outside the movable page lists (memalloc_pin_save), from pageblocks that hand out 4 KiB
 // pages physically in a row more often than the movable lists a touch or mlock draws from,
-// and a disk's scatter list is one segment per physically contiguous run (docs/nvme.md, "4 KiB pages:
-// where they lie physically": the benchmark's 32 MiB buffers came out at 584-6,341 runs in 8,192 pages against
-// 2,363-8,189). False where io_uring is refused (old kernel, seccomp, io_uring_disabled,
-// RLIMIT_MEMLOCK): the caller faults the pages in the ordinary way.
+// and a disk's scatter list is one segment per physically contiguous run (docs/nvme.md, "4 KiB
+// pages: where they lie physically": the benchmark's 32 MiB buffers came out at 584-6,341 runs in
+// 8,192 pages against 2,363-8,189). False where io_uring is refused (old kernel, seccomp,
+// io_uring_disabled, RLIMIT_MEMLOCK): the caller faults the pages in the ordinary way.
 bool fault_in_as_pinned(void* addr, std::size_t bytes) {
   io_uring_params params{};
   const int fd = int(syscall(SYS_io_uring_setup, 1, &params));
   if (fd < 0) return false;
-  constexpr std::size_t kMaxBuffer = std::size_t(1) << 30;  // io_uring's limit per registered buffer
+  constexpr std::size_t kMaxBuffer = std::size_t(1)
+                                     << 30;  // io_uring's limit per registered buffer
   std::vector<iovec> iov;
   for (std::size_t off = 0; off < bytes; off += kMaxBuffer)
     iov.push_back({static_cast<char*>(addr) + off, std::min(kMaxBuffer, bytes - off)});
-  const bool ok = syscall(SYS_io_uring_register, fd, IORING_REGISTER_BUFFERS, iov.data(), unsigned(iov.size())) == 0;
+  const bool ok = syscall(SYS_io_uring_register, fd, IORING_REGISTER_BUFFERS, iov.data(),
+                          unsigned(iov.size())) == 0;
   if (ok) syscall(SYS_io_uring_register, fd, IORING_UNREGISTER_BUFFERS, nullptr, 0);
   ::close(fd);
   return ok;
@@ -131,9 +135,9 @@ void prefault(void* addr, std::size_t bytes) {
 namespace detail {
 
 struct PinnedChunk {
-  char* map_base = nullptr;   // the whole mapping: guard page + address space
+  char* map_base = nullptr;  // the whole mapping: guard page + address space
   std::size_t map_bytes = 0;
-  char* base = nullptr;       // start of the address space blocks come from
+  char* base = nullptr;  // start of the address space blocks come from
   std::size_t va_bytes = 0;
   std::size_t committed = 0;  // [0, committed) is committed
   PageKind kind = PageKind::kNormal;
@@ -214,8 +218,8 @@ struct PinnedPoolState {
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_FIXED_NOREPLACE, -1, 0);
       if (m != p) {
         if (m != MAP_FAILED) munmap(m, len);
-        void* r = mmap(p, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
-                                              MAP_FIXED_NOREPLACE, -1, 0);
+        void* r = mmap(p, len, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
         if (r != p) {
           // Another mapping took the hole: the address space above it is no longer ours to
           // grow into. Give back our part above the hole and stop growing.
@@ -233,8 +237,8 @@ struct PinnedPoolState {
                          "pinned pool: cannot commit {} bytes of host memory", len);
     }
 
-    if (nodeset &&
-        hwloc_set_area_membind(topo, p, len, nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0)
+    if (nodeset && hwloc_set_area_membind(topo, p, len, nodeset, HWLOC_MEMBIND_BIND,
+                                          HWLOC_MEMBIND_BYNODESET) != 0)
       log::warn_once("pinned_pool.numa",
                      fmt::format("pinned pool: cannot bind host memory to NUMA node {} ({}); "
                                  "continuing without binding",
@@ -243,14 +247,17 @@ struct PinnedPoolState {
     // 4 KiB pages are faulted in as pinned memory first (a device registration or mlock below
     // then finds them present): where they lie physically decides O_DIRECT speed.
     if (c.kind == PageKind::kNormal && opt.lock && !fault_in_as_pinned(p, len))
-      log::debug("pinned pool: io_uring refused the pinning fault; 4 KiB pages faulted in the ordinary way");
+      log::debug(
+          "pinned pool: io_uring refused the pinning fault; 4 KiB pages faulted in the ordinary "
+          "way");
     bool registered = false, mlocked = false;
     if (opt.lock && opt.device) {
       try {
         registered = opt.device->register_host(p, len);
       } catch (const Error& e) {
-        log::warn_once("pinned_pool.register",
-                       fmt::format("pinned pool: device registration failed ({}); using mlock", e.what()));
+        log::warn_once(
+            "pinned_pool.register",
+            fmt::format("pinned pool: device registration failed ({}); using mlock", e.what()));
       }
     }
     if (opt.lock && !registered) {
@@ -298,12 +305,15 @@ struct PinnedPoolState {
     auto c = std::make_unique<PinnedChunk>();
     const std::size_t base_align = std::max(kHugePage, opt.alignment);
     const std::size_t map_bytes = kPage + va_bytes + base_align;
-    void* m = mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* m =
+        mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED)
-      detail::throw_errno(__FILE__, __LINE__, "mmap", errno,
-                          fmt::format("pinned pool: cannot reserve {} bytes of address space", map_bytes));
+      detail::throw_errno(
+          __FILE__, __LINE__, "mmap", errno,
+          fmt::format("pinned pool: cannot reserve {} bytes of address space", map_bytes));
     auto* raw = static_cast<char*>(m);
-    auto* base = reinterpret_cast<char*>(round_up(reinterpret_cast<std::uintptr_t>(raw) + kPage, base_align));
+    auto* base = reinterpret_cast<char*>(
+        round_up(reinterpret_cast<std::uintptr_t>(raw) + kPage, base_align));
     char* start = base - kPage;
     if (start > raw) munmap(raw, static_cast<std::size_t>(start - raw));
     char* end = base + va_bytes;
@@ -344,7 +354,8 @@ struct PinnedPoolState {
         c->growable = true;
         c->kind = PageKind::kTransparentHuge;
         const std::string mode = thp_mode();
-        if (mode == "never" || mode == "unavailable" || madvise(c->base, c->va_bytes, MADV_HUGEPAGE) != 0)
+        if (mode == "never" || mode == "unavailable" ||
+            madvise(c->base, c->va_bytes, MADV_HUGEPAGE) != 0)
           c->kind = PageKind::kNormal;
       }
       if (c->pieces.empty() && !commit(*c, first_len))
@@ -357,15 +368,17 @@ struct PinnedPoolState {
       throw;
     }
     if (opt.huge_pages && c->kind == PageKind::kNormal)
-      log::warn_once("pinned_pool.huge_pages",
-                     fmt::format("pinned pool: huge pages requested but unavailable (no free "
-                                 "hugetlbfs pages; transparent huge pages '{}'{}); using 4 KiB "
-                                 "pages, O_DIRECT staging will be slower. Reserve huge pages "
-                                 "(sysctl vm.nr_hugepages){}",
-                                 thp_mode(), thp_mode() == "never" || thp_mode() == "unavailable"
-                                                 ? ""
-                                                 : ", none granted: memory too fragmented",
-                                 thp_mode() == "never" ? " or set transparent_hugepage to madvise" : ""));
+      log::warn_once(
+          "pinned_pool.huge_pages",
+          fmt::format("pinned pool: huge pages requested but unavailable (no free "
+                      "hugetlbfs pages; transparent huge pages '{}'{}); using 4 KiB "
+                      "pages, O_DIRECT staging will be slower. Reserve huge pages "
+                      "(sysctl vm.nr_hugepages){}",
+                      thp_mode(),
+                      thp_mode() == "never" || thp_mode() == "unavailable"
+                          ? ""
+                          : ", none granted: memory too fragmented",
+                      thp_mode() == "never" ? " or set transparent_hugepage to madvise" : ""));
     chunks.push_back(std::move(c));
     return *chunks.back();
   }
@@ -477,21 +490,27 @@ void PinnedBlock::reset() noexcept {
   pinned_ = false;
 }
 
-PinnedPool::PinnedPool(const PinnedPoolOptions& o) : state_(std::make_shared<detail::PinnedPoolState>()) {
+PinnedPool::PinnedPool(const PinnedPoolOptions& o)
+    : state_(std::make_shared<detail::PinnedPoolState>()) {
   STRATA_REQUIRE(o.budget_bytes >= kHugePage,
-                 "PinnedPoolOptions.budget_bytes = {}: must be at least 2 MiB (2097152; the most host memory the "
+                 "PinnedPoolOptions.budget_bytes = {}: must be at least 2 MiB (2097152; the most "
+                 "host memory the "
                  "pool may pin, committed in 2 MiB steps: a smaller budget could hold nothing)",
                  o.budget_bytes);
   STRATA_REQUIRE(is_pow2(o.alignment) && o.alignment >= kPage,
                  "PinnedPoolOptions.alignment = {}: must be a power of two >= 4096 (O_DIRECT and "
-                 "page locking work on whole pages)", o.alignment);
+                 "page locking work on whole pages)",
+                 o.alignment);
   STRATA_REQUIRE(o.chunk_bytes >= kHugePage && o.chunk_bytes % kPage == 0,
                  "PinnedPoolOptions.chunk_bytes = {}: must be a multiple of 4096 and >= 2 MiB "
-                 "(2097152, one huge page)", o.chunk_bytes);
+                 "(2097152, one huge page)",
+                 o.chunk_bytes);
   STRATA_REQUIRE(o.alignment <= o.chunk_bytes,
-                 "PinnedPoolOptions.alignment = {}: must be <= chunk_bytes ({})", o.alignment, o.chunk_bytes);
+                 "PinnedPoolOptions.alignment = {}: must be <= chunk_bytes ({})", o.alignment,
+                 o.chunk_bytes);
   STRATA_REQUIRE(o.numa_node >= -1,
-                 "PinnedPoolOptions.numa_node = {}: use -1 (no binding) or a NUMA node index", o.numa_node);
+                 "PinnedPoolOptions.numa_node = {}: use -1 (no binding) or a NUMA node index",
+                 o.numa_node);
   auto& s = *state_;
   s.opt = o;
   // Unset: the node nearest the device, where the device knows it.
@@ -501,7 +520,8 @@ PinnedPool::PinnedPool(const PinnedPoolOptions& o) : state_(std::make_shared<det
       if (s.topo) hwloc_topology_destroy(s.topo);
       s.topo = nullptr;
       log::warn_once("pinned_pool.numa", fmt::format("pinned pool: hwloc cannot read the topology; "
-                                                     "NUMA node {} not bound", s.opt.numa_node));
+                                                     "NUMA node {} not bound",
+                                                     s.opt.numa_node));
       return;
     }
     if (!hwloc_get_numanode_obj_by_os_index(s.topo, static_cast<unsigned>(s.opt.numa_node))) {
@@ -509,7 +529,8 @@ PinnedPool::PinnedPool(const PinnedPoolOptions& o) : state_(std::make_shared<det
       for (hwloc_obj_t n = hwloc_get_next_obj_by_type(s.topo, HWLOC_OBJ_NUMANODE, nullptr); n;
            n = hwloc_get_next_obj_by_type(s.topo, HWLOC_OBJ_NUMANODE, n))
         nodes += fmt::format("{}{}", nodes.empty() ? "" : ", ", n->os_index);
-      STRATA_THROW(kInvalidArgument, "PinnedPoolOptions.numa_node = {}: no such NUMA node; use -1 or one of: {}",
+      STRATA_THROW(kInvalidArgument,
+                   "PinnedPoolOptions.numa_node = {}: no such NUMA node; use -1 or one of: {}",
                    s.opt.numa_node, nodes);
     }
     s.nodeset = hwloc_bitmap_alloc();
@@ -522,10 +543,11 @@ PinnedPool::~PinnedPool() {
   std::lock_guard<std::mutex> lock(s.mu);
   s.release_empty_chunks();
   if (!s.chunks.empty()) {
-    log::error("pinned pool destroyed with {} live block(s) ({} bytes) still in use: a bug in the "
-               "caller (blocks must not outlive their pool); leaking {} chunk(s) instead of freeing "
-               "memory that may still be read",
-               s.blocks, s.requested, s.chunks.size());
+    log::error(
+        "pinned pool destroyed with {} live block(s) ({} bytes) still in use: a bug in the "
+        "caller (blocks must not outlive their pool); leaking {} chunk(s) instead of freeing "
+        "memory that may still be read",
+        s.blocks, s.requested, s.chunks.size());
     s.orphaned = true;
   }
 }

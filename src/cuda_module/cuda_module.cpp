@@ -30,15 +30,16 @@ void use_device_of(void* stream) {
 // Each launcher behind a wrapper that sets its stream's device current and makes its launch a
 // GPU-timed span of the stream's lane while the tracer is on (cuda_trace.h); the stream is
 // every launcher's last argument.
-#define STRATA_TRACED(fn)                                                 \
-  static_cast<decltype(&model::fn)>([](auto... args) {                    \
-    void* stream = std::get<sizeof...(args) - 1>(std::tie(args...));      \
-    use_device_of(stream);                                                \
-    const GpuSpan span(#fn, stream);                                      \
-    return model::fn(args...);                                            \
+#define STRATA_TRACED(fn)                                            \
+  static_cast<decltype(&model::fn)>([](auto... args) {               \
+    void* stream = std::get<sizeof...(args) - 1>(std::tie(args...)); \
+    use_device_of(stream);                                           \
+    const GpuSpan span(#fn, stream);                                 \
+    return model::fn(args...);                                       \
   })
 
-GemmBest best_gemm_on_its_device(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters) {
+GemmBest best_gemm_on_its_device(Stream& stream, const MatmulDesc& desc, int max_candidates,
+                                 int iters) {
   use_device_of(stream.native_handle());
   return backend::best_cublaslt_gemm(stream, desc, max_candidates, iters);
 }

@@ -21,10 +21,14 @@ namespace {
 
 cudaDataType_t lt_type(DType t) {
   switch (t) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF16: return CUDA_R_16F;
-    case DType::kF64: break;
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kF64:
+      break;
   }
   STRATA_THROW(kUnsupported, "no cuBLASLt type for {}", dtype_name(t));
 }
@@ -53,7 +57,8 @@ struct LtObjects {
 GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& d, int max_candidates, int iters) {
   STRATA_REQUIRE(stream.device().kind() == DeviceKind::kCuda && stream.native_handle() != nullptr,
                  "best_cublaslt_gemm needs a CUDA stream, got one of {}", stream.device().name());
-  STRATA_REQUIRE(max_candidates > 0 && iters > 0, "best_cublaslt_gemm: max_candidates and iters must be > 0");
+  STRATA_REQUIRE(max_candidates > 0 && iters > 0,
+                 "best_cublaslt_gemm: max_candidates and iters must be > 0");
   STRATA_REQUIRE(d.m > 0 && d.n > 0 && d.k > 0 && d.a.dtype == d.b.dtype,
                  "best_cublaslt_gemm: sizes must be > 0 and A, B of one dtype");
   stream.synchronize();  // the operands are written
@@ -67,8 +72,10 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& d, int max_candida
   const cudaDataType_t ab = lt_type(d.a.dtype), ct = lt_type(d.c.dtype);
   STRATA_CUBLAS_CHECK(cublasLtCreate(&o.lt));
   STRATA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  STRATA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
-  STRATA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
+  STRATA_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
+  STRATA_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
   // Stored (column-major) shapes: B is [n,k] (N) or [k,n] (T); A is [k,m] (N) or [m,k] (T).
   const auto n = std::uint64_t(d.n), m = std::uint64_t(d.m), k = std::uint64_t(d.k);
   STRATA_CUBLAS_CHECK(d.trans_b ? cublasLtMatrixLayoutCreate(&o.a, ab, k, n, std::int64_t(k))
@@ -77,19 +84,19 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& d, int max_candida
                                 : cublasLtMatrixLayoutCreate(&o.b, ab, k, m, std::int64_t(k)));
   STRATA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.c, ct, n, m, std::int64_t(n)));
   STRATA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
-  STRATA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                           &ws_bytes, sizeof ws_bytes));
+  STRATA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
   std::vector<cublasLtMatmulHeuristicResult_t> found(static_cast<std::size_t>(max_candidates));
   int returned = 0;
-  STRATA_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(o.lt, o.op, o.a, o.b, o.c, o.c, o.pref, max_candidates,
-                                                     found.data(), &returned));
+  STRATA_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(o.lt, o.op, o.a, o.b, o.c, o.c, o.pref,
+                                                     max_candidates, found.data(), &returned));
   STRATA_CUDA_CHECK(cudaEventCreate(&o.t0));
   STRATA_CUDA_CHECK(cudaEventCreate(&o.t1));
 
   GemmBest best;
   auto call = [&](const cublasLtMatmulHeuristicResult_t& r) {
-    return cublasLtMatmul(o.lt, o.op, &d.alpha, d.b.mem.ptr, o.a, d.a.mem.ptr, o.b, &d.beta, d.c.mem.ptr, o.c,
-                          d.c.mem.ptr, o.c, &r.algo, ws.data(), ws_bytes, s);
+    return cublasLtMatmul(o.lt, o.op, &d.alpha, d.b.mem.ptr, o.a, d.a.mem.ptr, o.b, &d.beta,
+                          d.c.mem.ptr, o.c, d.c.mem.ptr, o.c, &r.algo, ws.data(), ws_bytes, s);
   };
   for (int i = 0; i < returned; ++i) {
     const cublasLtMatmulHeuristicResult_t& r = found[std::size_t(i)];
@@ -112,8 +119,9 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& d, int max_candida
     }
   }
   stream.synchronize();
-  STRATA_CHECK(best.candidates > 0, "cuBLASLt offered no runnable algorithm for {}x{}x{} ({} of {} candidates)",
-               d.m, d.n, d.k, returned, max_candidates);
+  STRATA_CHECK(best.candidates > 0,
+               "cuBLASLt offered no runnable algorithm for {}x{}x{} ({} of {} candidates)", d.m,
+               d.n, d.k, returned, max_candidates);
   return best;
 }
 

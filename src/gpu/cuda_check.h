@@ -25,7 +25,8 @@ namespace strata::gpu::detail {
                                             cudaGetErrorString(err), static_cast<int>(err)));
 }
 
-[[noreturn]] inline void throw_cublas(cublasStatus_t st, const char* call, const char* file, int line) {
+[[noreturn]] inline void throw_cublas(cublasStatus_t st, const char* call, const char* file,
+                                      int line) {
   (void)cudaGetLastError();
   ::strata::detail::throw_error(ErrorKind::kCuda, file, line, call, "cuBLAS call failed",
                                 fmt::format("{}: {} (status {})", cublasGetStatusName(st),
@@ -35,17 +36,17 @@ namespace strata::gpu::detail {
 }  // namespace strata::gpu::detail
 
 // Throws strata::Error (kCuda) unless `expr` returns cudaSuccess.
-#define STRATA_CUDA_CHECK(expr)                                                           \
-  do {                                                                                    \
-    const cudaError_t strata_cuda_err_ = (expr);                                          \
-    if (strata_cuda_err_ != cudaSuccess) [[unlikely]]                                     \
-      ::strata::gpu::detail::throw_cuda(strata_cuda_err_, #expr, __FILE__, __LINE__);     \
+#define STRATA_CUDA_CHECK(expr)                                                       \
+  do {                                                                                \
+    const cudaError_t strata_cuda_err_ = (expr);                                      \
+    if (strata_cuda_err_ != cudaSuccess) [[unlikely]]                                 \
+      ::strata::gpu::detail::throw_cuda(strata_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // Throws strata::Error (kCuda) unless `expr` returns CUBLAS_STATUS_SUCCESS.
-#define STRATA_CUBLAS_CHECK(expr)                                                         \
-  do {                                                                                    \
-    const cublasStatus_t strata_cublas_st_ = (expr);                                      \
-    if (strata_cublas_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                          \
-      ::strata::gpu::detail::throw_cublas(strata_cublas_st_, #expr, __FILE__, __LINE__);  \
+#define STRATA_CUBLAS_CHECK(expr)                                                        \
+  do {                                                                                   \
+    const cublasStatus_t strata_cublas_st_ = (expr);                                     \
+    if (strata_cublas_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                         \
+      ::strata::gpu::detail::throw_cublas(strata_cublas_st_, #expr, __FILE__, __LINE__); \
   } while (0)

@@ -54,12 +54,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <fstream>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -73,6 +73,7 @@
 
 #if defined(STRATA_HAVE_NCCL)
 #include <nccl.h>
+
 #include "gpu/nccl_version.h"
 #endif
 
@@ -80,9 +81,9 @@
 #include "gpu/adamw.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
-#include "gpu/model_kernels.h"
 #include "gpu/cuda_module.h"
 #include "gpu/cuda_trace.h"
+#include "gpu/model_kernels.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -103,7 +104,9 @@ std::size_t round_block(std::size_t bytes) {
   return (bytes + unit - 1) / unit * unit;
 }
 
-std::string gib(std::size_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / double(1u << 30)); }
+std::string gib(std::size_t bytes) {
+  return fmt::format("{:.2f} GiB", double(bytes) / double(1u << 30));
+}
 
 // "13.0" from 13000; CUDA encodes versions as 1000 * major + 10 * minor.
 std::string cuda_version_string(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
@@ -268,10 +271,11 @@ CudaProbe run_probe() {
     int runtime = 0;
     if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
     p.reason = driver == 0 ? "no CUDA driver (cudaErrorInsufficientDriver, error 35)"
-                           : fmt::format("the CUDA driver (CUDA {}) is older than the runtime "
-                                         "(CUDA {}); update the driver "
-                                         "(cudaErrorInsufficientDriver, error 35)",
-                                         cuda_version_string(driver), cuda_version_string(runtime));
+                           : fmt::format(
+                                 "the CUDA driver (CUDA {}) is older than the runtime "
+                                 "(CUDA {}); update the driver "
+                                 "(cudaErrorInsufficientDriver, error 35)",
+                                 cuda_version_string(driver), cuda_version_string(runtime));
   } else if (err == cudaErrorNoDevice) {
     p.reason = "no CUDA device";
   } else {
@@ -283,10 +287,14 @@ CudaProbe run_probe() {
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF16: return CUDA_R_16F;
-    case DType::kF64: break;
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kF64:
+      break;
   }
   STRATA_THROW(kUnsupported, "no CUDA matmul type for {}", dtype_name(t));
 }
@@ -330,11 +338,11 @@ class CudaEvent final : public detail::EventImpl {
 // The allocator's record of one block: a range of a segment.
 struct Block {
   void* ptr = nullptr;
-  std::size_t offset = 0;        // in the RangePool
-  std::size_t size = 0;          // rounded
-  std::uint64_t stream_id = 0;   // in use: allocated on; pending: freed on; 0 = no stream
+  std::size_t offset = 0;       // in the RangePool
+  std::size_t size = 0;         // rounded
+  std::uint64_t stream_id = 0;  // in use: allocated on; pending: freed on; 0 = no stream
   cudaStream_t stream = nullptr;
-  cudaEvent_t event = nullptr;   // pending: recorded on its stream at free time
+  cudaEvent_t event = nullptr;  // pending: recorded on its stream at free time
 };
 
 class CudaStream final : public Stream {
@@ -369,8 +377,8 @@ class CudaStream final : public Stream {
  private:
   void start_host_worker();  // with host_mu_ held
   void gemm(const MatmulDesc& d, void* c, DType c_type);
-  cublasHandle_t blas();     // with lazy_mu_ held
-  void* sum_scratch();       // with lazy_mu_ held
+  cublasHandle_t blas();  // with lazy_mu_ held
+  void* sum_scratch();    // with lazy_mu_ held
   int ordinal() const noexcept;
 
   CudaDevice* dev_;
@@ -427,10 +435,13 @@ class CudaDevice final : public Device {
     std::size_t free_bytes = 0, total_bytes = 0;
     STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     std::lock_guard<std::mutex> lock(mu_);
-    const std::size_t cap = default_cuda_capacity(free_bytes + stats_.bytes_reserved, total_bytes) / kSmallUnit * kSmallUnit;
+    const std::size_t cap = default_cuda_capacity(free_bytes + stats_.bytes_reserved, total_bytes) /
+                            kSmallUnit * kSmallUnit;
     if (cap >= capacity_) return;
-    log::debug("{}: the device memory cap is {} after memory outside strata's allocator was taken (was {})", name(),
-               gib(cap), gib(capacity_));
+    log::debug(
+        "{}: the device memory cap is {} after memory outside strata's allocator was taken (was "
+        "{})",
+        name(), gib(cap), gib(capacity_));
     capacity_ = std::max(cap, stats_.bytes_reserved);
   }
   std::unique_ptr<StreamResources> take_resources();
@@ -484,9 +495,9 @@ class CudaDevice final : public Device {
   // They stay here (visible to other allocations) until a device-wide wait that began after them.
   std::vector<std::pair<std::uint64_t, Block*>> deferred_;
   std::uint64_t deferrals_ = 0;
-  std::size_t releasing_ = 0;                   // segments being returned with mu_ released
-  std::size_t awaited_ = 0;                     // pending blocks place() waits for with mu_ released
-  std::condition_variable released_cv_;         // signalled when releasing_ falls
+  std::size_t releasing_ = 0;            // segments being returned with mu_ released
+  std::size_t awaited_ = 0;              // pending blocks place() waits for with mu_ released
+  std::condition_variable released_cv_;  // signalled when releasing_ falls
   std::vector<cudaEvent_t> event_pool_;
   std::unordered_map<std::uint64_t, CudaStream*> streams_;
   std::vector<std::unique_ptr<StreamResources>> spare_resources_;
@@ -512,9 +523,10 @@ CudaDevice::CudaDevice(int ordinal, std::size_t capacity_bytes) : ordinal_(ordin
   // carved from the top of a segment of an odd size would start misaligned.
   capacity_ = capacity_ / kSmallUnit * kSmallUnit;
   if (capacity_ > free_bytes) {
-    log::warn("{}: the device memory cap {} is more than the {} free now; allocations may fail "
-              "before reaching it",
-              name(), gib(capacity_), gib(free_bytes));
+    log::warn(
+        "{}: the device memory cap {} is more than the {} free now; allocations may fail "
+        "before reaching it",
+        name(), gib(capacity_), gib(free_bytes));
   }
 }
 
@@ -540,13 +552,16 @@ void CudaDevice::warm_up_gemms() {
     char* b = a + kN * kN * sizeof(float);
     char* c = b + kN * kN * sizeof(float);
     const float one = 1.0f, zero = 0.0f;
-    const std::pair<cudaDataType_t, cudaDataType_t> types[] = {
-        {CUDA_R_32F, CUDA_R_32F}, {CUDA_R_16BF, CUDA_R_16BF}, {CUDA_R_16BF, CUDA_R_32F},
-        {CUDA_R_16F, CUDA_R_16F}, {CUDA_R_16F, CUDA_R_32F}};
+    const std::pair<cudaDataType_t, cudaDataType_t> types[] = {{CUDA_R_32F, CUDA_R_32F},
+                                                               {CUDA_R_16BF, CUDA_R_16BF},
+                                                               {CUDA_R_16BF, CUDA_R_32F},
+                                                               {CUDA_R_16F, CUDA_R_16F},
+                                                               {CUDA_R_16F, CUDA_R_32F}};
     for (const auto& [ab, ct] : types)
       for (const cublasOperation_t op : {CUBLAS_OP_N, CUBLAS_OP_T})
-        STRATA_CUBLAS_CHECK(cublasGemmEx(h, op, CUBLAS_OP_N, kN, kN, kN, &one, a, ab, kN, b, ab, kN, &zero,
-                                         c, ct, kN, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        STRATA_CUBLAS_CHECK(cublasGemmEx(h, op, CUBLAS_OP_N, kN, kN, kN, &one, a, ab, kN, b, ab, kN,
+                                         &zero, c, ct, kN, CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT));
     STRATA_CUDA_CHECK(cudaStreamSynchronize(s));
   } catch (...) {
     failure = std::current_exception();
@@ -573,8 +588,10 @@ CudaDevice::~CudaDevice() {
     if (!streams_.empty())
       log::warn("{} destroyed while {} of its streams still exist", name(), streams_.size());
     if (stats_.bytes_in_use != 0)
-      log::warn("{} destroyed while {} bytes of its buffers are alive; free buffers before their "
-                "device", name(), stats_.bytes_in_use);
+      log::warn(
+          "{} destroyed while {} bytes of its buffers are alive; free buffers before their "
+          "device",
+          name(), stats_.bytes_in_use);
     release_free_segments(lock);
     for (cudaEvent_t ev : event_pool_) (void)cudaEventDestroy(ev);
     event_pool_.clear();
@@ -666,9 +683,10 @@ bool CudaDevice::register_host(void* ptr, std::size_t bytes) {
   const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
   if (err == cudaSuccess) return true;
   (void)cudaGetLastError();
-  log::warn("cudaHostRegister of {} bytes at {} failed ({}: {}); copies from that memory will be "
-            "staged through pageable buffers (slower, and not truly asynchronous)",
-            bytes, ptr, cudaGetErrorName(err), cudaGetErrorString(err));
+  log::warn(
+      "cudaHostRegister of {} bytes at {} failed ({}: {}); copies from that memory will be "
+      "staged through pageable buffers (slower, and not truly asynchronous)",
+      bytes, ptr, cudaGetErrorName(err), cudaGetErrorString(err));
   return false;
 }
 
@@ -700,8 +718,10 @@ void* CudaDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   if (bytes > capacity_ || bytes > SIZE_MAX - kSegmentUnit) throw_oom(bytes, bytes);
   const std::size_t size = round_block(bytes);
   Block* b = sid != 0 ? take_pending(size, sid) : nullptr;
-  if (b != nullptr) ++stats_.num_reused;
-  else b = place(size, bytes, lock);
+  if (b != nullptr)
+    ++stats_.num_reused;
+  else
+    b = place(size, bytes, lock);
   b->stream_id = sid;
   b->stream = cs ? cs->handle() : nullptr;
   stats_.bytes_in_use += b->size;
@@ -735,7 +755,8 @@ void CudaDevice::collect_pending() {
   std::vector<Block*> done;
   for (Block* b : pending_)
     if (event_done(b->event)) done.push_back(b);
-  std::erase_if(pending_, [&](Block* b) { return std::find(done.begin(), done.end(), b) != done.end(); });
+  std::erase_if(pending_,
+                [&](Block* b) { return std::find(done.begin(), done.end(), b) != done.end(); });
   for (Block* b : done) to_pool(b);
 }
 
@@ -750,13 +771,16 @@ void* CudaDevice::ptr_at(std::size_t offset) const {
   return static_cast<char*>(segment_ptrs_.at(base)) + (offset - base);
 }
 
-Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lock<std::mutex>& lock) {
+Block* CudaDevice::place(std::size_t size, std::size_t requested,
+                         std::unique_lock<std::mutex>& lock) {
   // In a host function nothing may wait for the GPU (it would wait for the held stream, i.e. for
   // itself): what is free now serves it, or the request fails now, as on the emulated device.
   const char* in_host_fn =
       "inside a stream's host function the allocator does not wait for the GPU to take back freed "
       "blocks (the function holds its stream): allocate before queuing it";
-  auto make = [&](std::size_t off) { return new Block{ptr_at(off), off, size, 0, nullptr, nullptr}; };
+  auto make = [&](std::size_t off) {
+    return new Block{ptr_at(off), off, size, 0, nullptr, nullptr};
+  };
   collect_pending();
   std::size_t off = pool_.alloc(size);
   if (off == detail::RangePool::kNone) off = place_new_segment(size);
@@ -808,15 +832,17 @@ Block* CudaDevice::place(std::size_t size, std::size_t requested, std::unique_lo
   // this thread (it never does in strata), the request fails as out of memory, not a hang.
   // And for the pending blocks another allocation took out to wait for: they come back to the
   // pool (it waited with mu_ released), not lost to this one, which would say out of memory.
-  released_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return releasing_ == 0 && awaited_ == 0; });
+  released_cv_.wait_for(lock, std::chrono::seconds(30),
+                        [&] { return releasing_ == 0 && awaited_ == 0; });
   release_free_segments(lock);
   if ((off = pool_.alloc(size)) != detail::RangePool::kNone) return make(off);
   if ((off = place_new_segment(size)) != detail::RangePool::kNone) return make(off);
   std::size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
-  throw_oom(requested, size,
-            fmt::format("largest free range {} bytes in {} segments; the GPU has {} bytes free of {}",
-                        pool_.largest_free(), pool_.segments(), free_bytes, total_bytes));
+  throw_oom(
+      requested, size,
+      fmt::format("largest free range {} bytes in {} segments; the GPU has {} bytes free of {}",
+                  pool_.largest_free(), pool_.segments(), free_bytes, total_bytes));
 }
 
 std::size_t CudaDevice::place_new_segment(std::size_t size) {
@@ -961,8 +987,9 @@ int CudaStream::ordinal() const noexcept { return dev_->ordinal(); }
 void CudaStream::do_copy(MemRef dst, MemRef src) {
   DeviceGuard guard(ordinal());
   const bool from_host = src.space == MemSpace::kHost, to_host = dst.space == MemSpace::kHost;
-  const gpu::GpuSpan span(from_host ? (to_host ? "copy_h2h" : "copy_h2d") : (to_host ? "copy_d2h" : "copy_d2d"),
-                          stream_, src.bytes);
+  const gpu::GpuSpan span(
+      from_host ? (to_host ? "copy_h2h" : "copy_h2d") : (to_host ? "copy_d2h" : "copy_d2d"),
+      stream_, src.bytes);
   if (dst.space == MemSpace::kHost && src.space == MemSpace::kHost) {
     do_host_fn([d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); }, "copy_h2h");
     return;
@@ -989,13 +1016,16 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
     if (src_pageable) {
       do_host_fn([chunk, from = s + off, len] { std::memcpy(chunk, from, len); }, "stage_h2d");
       STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, chunk, len, cudaMemcpyHostToDevice, stream_));
-      launch_host_step(stream_, [pool, chunk] { pool->put(chunk); });  // short: no copy, no CUDA call
+      launch_host_step(stream_,
+                       [pool, chunk] { pool->put(chunk); });  // short: no copy, no CUDA call
     } else {
       STRATA_CUDA_CHECK(cudaMemcpyAsync(chunk, s + off, len, cudaMemcpyDeviceToHost, stream_));
-      do_host_fn([pool, chunk, to = d + off, len] {
-        std::memcpy(to, chunk, len);
-        pool->put(chunk);
-      }, "stage_d2h");
+      do_host_fn(
+          [pool, chunk, to = d + off, len] {
+            std::memcpy(to, chunk, len);
+            pool->put(chunk);
+          },
+          "stage_d2h");
     }
   }
 }
@@ -1068,7 +1098,8 @@ void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/
   // Moved, not copied, to the worker: the copy would stay with CUDA's callback thread and, if
   // the worker ran first, drop the last reference to what `fn` captured there (a Buffer's free
   // makes CUDA calls, which that thread must not).
-  launch_host_step(stream_, [w = worker_.get(), task = std::move(task)]() mutable { w->post(std::move(task)); });
+  launch_host_step(
+      stream_, [w = worker_.get(), task = std::move(task)]() mutable { w->post(std::move(task)); });
   host_submitted_ = seq;
   STRATA_CUDA_CHECK(gpu::launch_wait_host_flag(res_->host_done_dev, seq, stream_));
 }
@@ -1082,7 +1113,8 @@ void CudaStream::do_fill(TensorRef x, float value) {
 void CudaStream::do_axpy(float alpha, TensorRef x, TensorRef y) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("axpy", stream_);
-  STRATA_CUDA_CHECK(gpu::launch_axpy(alpha, x.mem.ptr, x.dtype, y.mem.ptr, y.dtype, x.numel, stream_));
+  STRATA_CUDA_CHECK(
+      gpu::launch_axpy(alpha, x.mem.ptr, x.dtype, y.mem.ptr, y.dtype, x.numel, stream_));
 }
 
 void CudaStream::do_scale(float alpha, TensorRef x) {
@@ -1101,7 +1133,8 @@ void CudaStream::do_add(TensorRef a, TensorRef b, TensorRef out) {
 void CudaStream::do_cast(TensorRef src, TensorRef dst) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("cast", stream_);
-  STRATA_CUDA_CHECK(gpu::launch_cast(src.mem.ptr, src.dtype, dst.mem.ptr, dst.dtype, src.numel, stream_));
+  STRATA_CUDA_CHECK(
+      gpu::launch_cast(src.mem.ptr, src.dtype, dst.mem.ptr, dst.dtype, src.numel, stream_));
 }
 
 void* CudaStream::sum_scratch() {
@@ -1114,8 +1147,8 @@ void CudaStream::do_sum_squares(TensorRef x, TensorRef out) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("sum_squares", stream_);
   std::lock_guard<std::mutex> lock(lazy_mu_);
-  STRATA_CUDA_CHECK(gpu::launch_sum_squares(x.mem.ptr, x.dtype, x.numel,
-                                            static_cast<float*>(out.mem.ptr), sum_scratch(), stream_));
+  STRATA_CUDA_CHECK(gpu::launch_sum_squares(
+      x.mem.ptr, x.dtype, x.numel, static_cast<float*>(out.mem.ptr), sum_scratch(), stream_));
 }
 
 cublasHandle_t CudaStream::blas() {
@@ -1144,8 +1177,8 @@ void CudaStream::gemm(const MatmulDesc& d, void* c, DType c_type) {
                                      d.b.mem.ptr, ab, int(ldb), d.a.mem.ptr, ab, int(lda), &d.beta,
                                      c, ct, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else {
-    STRATA_CUBLAS_CHECK(cublasGemmEx_64(h, op_b, op_a, d.n, d.m, d.k, &d.alpha, d.b.mem.ptr, ab, ldb,
-                                        d.a.mem.ptr, ab, lda, &d.beta, c, ct, ldc,
+    STRATA_CUBLAS_CHECK(cublasGemmEx_64(h, op_b, op_a, d.n, d.m, d.k, &d.alpha, d.b.mem.ptr, ab,
+                                        ldb, d.a.mem.ptr, ab, lda, &d.beta, c, ct, ldc,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
@@ -1158,17 +1191,21 @@ void CudaStream::do_matmul(const MatmulDesc& d) {
   const bool direct = d.c.dtype == DType::kF32 || d.a.dtype == DType::kBF16;
   // The temporary is allocated before lazy_mu_ is taken: an allocation may wait for queued frees
   // or return the cache to CUDA (a device-wide synchronize), with the stream's launches held up.
-  Buffer tmp = direct ? Buffer() : dev_->alloc(d.c.numel * sizeof(float), this);  // freed in this stream's order
+  Buffer tmp = direct
+                   ? Buffer()
+                   : dev_->alloc(d.c.numel * sizeof(float), this);  // freed in this stream's order
   std::lock_guard<std::mutex> lock(lazy_mu_);
   if (direct) {
     gemm(d, d.c.mem.ptr, d.c.dtype);
     return;
   }
   if (d.beta != 0.0f) {
-    STRATA_CUDA_CHECK(gpu::launch_cast(d.c.mem.ptr, d.c.dtype, tmp.data(), DType::kF32, d.c.numel, stream_));
+    STRATA_CUDA_CHECK(
+        gpu::launch_cast(d.c.mem.ptr, d.c.dtype, tmp.data(), DType::kF32, d.c.numel, stream_));
   }
   gemm(d, tmp.data(), DType::kF32);
-  STRATA_CUDA_CHECK(gpu::launch_cast(tmp.data(), DType::kF32, d.c.mem.ptr, d.c.dtype, d.c.numel, stream_));
+  STRATA_CUDA_CHECK(
+      gpu::launch_cast(tmp.data(), DType::kF32, d.c.mem.ptr, d.c.dtype, d.c.numel, stream_));
 }
 
 // Count launches (skip mode) for every batch of shards first, then the updates, then the
@@ -1183,9 +1220,10 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
   for (const AdamWShard& s : d.shards) {
     const bool copy = s.copy_out.numel > 0;
     shards.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr,
-                      static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr, s.v_in().mem.ptr,
-                      s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr, s.params.numel,
-                      s.grads.dtype, s.m.dtype, copy ? s.copy_out.dtype : DType::kBF16});
+                      static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr,
+                      s.v_in().mem.ptr, s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr,
+                      s.params.numel, s.grads.dtype, s.m.dtype,
+                      copy ? s.copy_out.dtype : DType::kBF16});
   }
   Buffer counter_buf = dev_->alloc(sizeof(unsigned long long), this);
   auto* counter = static_cast<unsigned long long*>(counter_buf.data());
@@ -1195,8 +1233,8 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
   const int count = static_cast<int>(shards.size());
   if (skip) {
     for (int i = 0; i < count; i += per)
-      STRATA_CUDA_CHECK(gpu::launch_adamw_count(shards.data() + i, std::min(per, count - i), k.grad_scale,
-                                                counter, stream_));
+      STRATA_CUDA_CHECK(gpu::launch_adamw_count(shards.data() + i, std::min(per, count - i),
+                                                k.grad_scale, counter, stream_));
   }
   for (int i = 0; i < count; i += per)
     STRATA_CUDA_CHECK(gpu::launch_adamw_update(shards.data() + i, std::min(per, count - i), k, skip,
@@ -1270,7 +1308,8 @@ std::vector<std::string> device_descriptions() {
     cudaError_t err = cudaGetDeviceProperties(&prop, i);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      out.push_back(fmt::format("cuda:{} (cudaGetDeviceProperties failed: {})", i, cudaGetErrorName(err)));
+      out.push_back(
+          fmt::format("cuda:{} (cudaGetDeviceProperties failed: {})", i, cudaGetErrorName(err)));
       continue;
     }
     char pci[32] = "?";

@@ -10,8 +10,6 @@
 //  - No kernel uses atomics or depends on the grid size chosen for the GPU model, so every
 //    run on every GPU gives the same bits.
 //  - Launchers never throw; they return cudaGetLastError() for the caller to check.
-#include "gpu/cuda_kernels.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -19,6 +17,8 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cuda/atomic>
+
+#include "gpu/cuda_kernels.h"
 
 namespace strata::gpu {
 namespace {
@@ -62,8 +62,8 @@ template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) {
   if (isnan(v)) {  // quiet NaN with the top payload bits, as f32_to_f16
     const std::uint32_t u = __float_as_uint(v);
-    return __ushort_as_half(static_cast<unsigned short>(((u >> 16) & 0x8000u) | 0x7e00u |
-                                                        ((u >> 13) & 0x3ffu)));
+    return __ushort_as_half(
+        static_cast<unsigned short>(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu)));
   }
   return __float2half_rn(v);
 }
@@ -77,10 +77,14 @@ struct Tag {
 template <class F>
 cudaError_t with_type(DType t, F&& f) {
   switch (t) {
-    case DType::kF32: return f(Tag<float>{});
-    case DType::kBF16: return f(Tag<__nv_bfloat16>{});
-    case DType::kF16: return f(Tag<__half>{});
-    case DType::kF64: break;
+    case DType::kF32:
+      return f(Tag<float>{});
+    case DType::kBF16:
+      return f(Tag<__nv_bfloat16>{});
+    case DType::kF16:
+      return f(Tag<__half>{});
+    case DType::kF64:
+      break;
   }
   return cudaErrorInvalidValue;
 }
@@ -118,15 +122,16 @@ __global__ void add_kernel(const A* a, const B* b, O* out, std::size_t n) {
 
 template <class S, class D>
 __global__ void cast_kernel(const S* src, D* dst, std::size_t n) {
-  for (std::size_t i = first_index(); i < n; i += grid_stride()) dst[i] = from_f32<D>(to_f32(src[i]));
+  for (std::size_t i = first_index(); i < n; i += grid_stride())
+    dst[i] = from_f32<D>(to_f32(src[i]));
 }
 
 // ---- sum of squares ----
 using BlockSum = cub::BlockReduce<double, kThreads>;
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) sum_squares_pass1(const T* __restrict__ x, std::size_t n,
-                                                              double* __restrict__ partials) {
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_pass1(const T* __restrict__ x, std::size_t n, double* __restrict__ partials) {
   __shared__ typename BlockSum::TempStorage tmp;
   double acc = 0;
   for (std::size_t i = first_index(); i < n; i += grid_stride()) {
@@ -137,8 +142,8 @@ __global__ void __launch_bounds__(kThreads) sum_squares_pass1(const T* __restric
   if (threadIdx.x == 0) partials[blockIdx.x] = block_sum;
 }
 
-__global__ void __launch_bounds__(kThreads) sum_squares_pass2(const double* __restrict__ partials,
-                                                              unsigned count, float* out) {
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_pass2(const double* __restrict__ partials, unsigned count, float* out) {
   __shared__ typename BlockSum::TempStorage tmp;
   double acc = 0;
   for (unsigned i = threadIdx.x; i < count; i += kThreads) acc = __dadd_rn(acc, partials[i]);

@@ -158,8 +158,8 @@ SearchPath search_path() {
          ",cuda_runtime,cublas,nccl}/lib in ";
   for (std::size_t i = 0; i < prefixes.size(); ++i) {
     // /usr/lib/python3/dist-packages (Debian's) matches python3* too.
-    note += (i ? ", " : "") +
-            sp.add(prefixes[i] + "/{lib,lib64}/python3*/{site,dist}-packages", wheel_subdirs, " (none)");
+    note += (i ? ", " : "") + sp.add(prefixes[i] + "/{lib,lib64}/python3*/{site,dist}-packages",
+                                     wheel_subdirs, " (none)");
   }
   sp.looked.push_back(note + ")");
   // 4. The loader's default path: tried by name when a library is in none of the above.
@@ -342,7 +342,8 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& desc, int max_cand
 
 double time_queued_ms(Stream& stream, const std::function<void()>& queue) {
   const CudaModule* m = cuda_module();
-  if (!m) STRATA_THROW(kUnsupported, "CUDA event timing is unavailable: {}", cuda_unavailable_reason());
+  if (!m)
+    STRATA_THROW(kUnsupported, "CUDA event timing is unavailable: {}", cuda_unavailable_reason());
   return m->time_queued_ms(stream, queue);
 }
 
@@ -357,10 +358,11 @@ void apply_kernel_variant_env(const Kernels& k) {
   else if (std::strcmp(v, "tiled") == 0)
     k.set_kernel_variant(KernelVariant::kTiled);
   else
-    STRATA_THROW(kInvalidArgument,
-                 "STRATA_GPU_KERNELS='{}' is not one of simple (the reference kernels, the default), tiled "
-                 "(tensor-core attention, parallel column reductions): unset it or pick one",
-                 v);
+    STRATA_THROW(
+        kInvalidArgument,
+        "STRATA_GPU_KERNELS='{}' is not one of simple (the reference kernels, the default), tiled "
+        "(tensor-core attention, parallel column reductions): unset it or pick one",
+        v);
 }
 }  // namespace
 
@@ -377,7 +379,9 @@ const Kernels& kernels() {
 }
 }  // namespace model
 
-void set_model_kernel_variant(KernelVariant variant) { model::kernels().set_kernel_variant(variant); }
+void set_model_kernel_variant(KernelVariant variant) {
+  model::kernels().set_kernel_variant(variant);
+}
 KernelVariant model_kernel_variant() { return model::kernels().kernel_variant(); }
 
 }  // namespace gpu

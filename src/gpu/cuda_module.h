@@ -46,7 +46,8 @@ struct CudaModule {
   // buffers of `stream`'s device) with each of up to `max_candidates` cuBLASLt heuristic
   // algorithms, `iters` calls each, on `stream`; blocks; returns the fastest. For
   // strata-bench gpu: our matmul against cuBLAS's best.
-  GemmBest (*best_cublaslt_gemm)(Stream& stream, const MatmulDesc& desc, int max_candidates, int iters);
+  GemmBest (*best_cublaslt_gemm)(Stream& stream, const MatmulDesc& desc, int max_candidates,
+                                 int iters);
   // Milliseconds of GPU time between CUDA events recorded on `stream` before and after `queue`
   // queues its work there; blocks until that work is done. For strata-bench gpu's kernel timings.
   double (*time_queued_ms)(Stream& stream, const std::function<void()>& queue);

@@ -68,7 +68,8 @@ std::shared_ptr<Anchor> anchor_of(State& st, int device) {
     return nullptr;
   }
   const std::int64_t t0 = tr.now_ns();
-  if (cudaEventRecord(fresh->event, q) != cudaSuccess || cudaEventSynchronize(fresh->event) != cudaSuccess) {
+  if (cudaEventRecord(fresh->event, q) != cudaSuccess ||
+      cudaEventSynchronize(fresh->event) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
@@ -104,7 +105,8 @@ GpuSpan::~GpuSpan() {
   // While an exception unwinds, the work may not have been queued: no span, and no call that
   // could clear the error the exception reports.
   if (std::uncaught_exceptions() > uncaught_ || cudaGetDevice(&device) != cudaSuccess ||
-      cudaEventCreate(&end) != cudaSuccess || cudaEventRecord(end, static_cast<cudaStream_t>(stream_)) != cudaSuccess) {
+      cudaEventCreate(&end) != cudaSuccess ||
+      cudaEventRecord(end, static_cast<cudaStream_t>(stream_)) != cudaSuccess) {
     if (std::uncaught_exceptions() <= uncaught_) (void)cudaGetLastError();
     destroy(start);
     destroy(end);
@@ -119,8 +121,8 @@ GpuSpan::~GpuSpan() {
     return;
   }
   auto lane = st.lanes.find(stream_);
-  st.pending.push_back({name_, lane == st.lanes.end() ? std::string("cuda") : lane->second, start, end, bytes_,
-                        std::move(anchor)});
+  st.pending.push_back({name_, lane == st.lanes.end() ? std::string("cuda") : lane->second, start,
+                        end, bytes_, std::move(anchor)});
 }
 
 void name_gpu_stream(void* stream, const std::string& name) {
@@ -152,7 +154,8 @@ void flush_gpu_spans() noexcept {
         continue;
       }
       // Failed work (q != cudaSuccess) is dropped; the stream's own synchronize reports it.
-      if (q == cudaSuccess) done.push_back(std::move(p));
+      if (q == cudaSuccess)
+        done.push_back(std::move(p));
       else {
         destroy(p.start);
         destroy(p.end);
@@ -166,7 +169,9 @@ void flush_gpu_spans() noexcept {
     if (tr.enabled()) {
       if (cudaEventElapsedTime(&t0, p.anchor->event, p.start) == cudaSuccess &&
           cudaEventElapsedTime(&t1, p.anchor->event, p.end) == cudaSuccess) {
-        const auto ns = [&](float ms) { return p.anchor->host_ns + std::int64_t(double(ms) * 1e6); };
+        const auto ns = [&](float ms) {
+          return p.anchor->host_ns + std::int64_t(double(ms) * 1e6);
+        };
         tr.record(p.name, p.lane, ns(t0), ns(t1), p.bytes);
       } else {
         (void)cudaGetLastError();  // our events' error, not the work's (it completed)

@@ -48,11 +48,14 @@ constexpr int kThreads = 256;
 constexpr int kMaxHdPerLane = 16;  // head_dim <= 512
 
 __device__ __forceinline__ float ld(const void* p, bool bf16, i64 i) {
-  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
 }
 
 // x as a bf16 GEMM operand sees it: rounded to bf16 (to nearest even) when `on`.
-__device__ __forceinline__ float rb(float x, bool on) { return on ? __bfloat162float(__float2bfloat16_rn(x)) : x; }
+__device__ __forceinline__ float rb(float x, bool on) {
+  return on ? __bfloat162float(__float2bfloat16_rn(x)) : x;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -98,8 +101,8 @@ unsigned blocks_for(i64 n) { return static_cast<unsigned>((n + kThreads - 1) / k
 cudaStream_t cs(void* s) { return static_cast<cudaStream_t>(s); }
 int launched() { return static_cast<int>(cudaGetLastError()); }
 
-__global__ void k_embedding_forward(const std::int32_t* tok, const void* wte, const void* wpe, bool bf16, float* out,
-                                    i64 n, i64 t, i64 c) {
+__global__ void k_embedding_forward(const std::int32_t* tok, const void* wte, const void* wpe,
+                                    bool bf16, float* out, i64 n, i64 t, i64 c) {
   const i64 i = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (i >= n * c) return;
   const i64 r = i / c, j = i % c;
@@ -108,8 +111,8 @@ __global__ void k_embedding_forward(const std::int32_t* tok, const void* wte, co
   out[i] = v;
 }
 
-__global__ void k_embedding_backward(const std::int32_t* tok, const float* dout, float* dwte, float* dwpe, i64 n,
-                                     i64 t, i64 c) {
+__global__ void k_embedding_backward(const std::int32_t* tok, const float* dout, float* dwte,
+                                     float* dwpe, i64 n, i64 t, i64 c) {
   const i64 j = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (j >= c) return;
   for (i64 r = 0; r < n; ++r) {
@@ -119,28 +122,31 @@ __global__ void k_embedding_backward(const std::int32_t* tok, const float* dout,
   }
 }
 
-__global__ void k_rmsnorm_forward(const float* x, const void* w, bool bf16, float* out, float* rstd, i64 c,
-                                  float eps) {
+__global__ void k_rmsnorm_forward(const float* x, const void* w, bool bf16, float* out, float* rstd,
+                                  i64 c, float eps) {
   const float* xr = x + blockIdx.x * c;
   float ss = 0;
   for (i64 i = threadIdx.x; i < c; i += blockDim.x) ss += xr[i] * xr[i];
   const float rs = rsqrtf(block_sum(ss) / float(c) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
-  for (i64 i = threadIdx.x; i < c; i += blockDim.x) out[blockIdx.x * c + i] = xr[i] * rs * ld(w, bf16, i);
+  for (i64 i = threadIdx.x; i < c; i += blockDim.x)
+    out[blockIdx.x * c + i] = xr[i] * rs * ld(w, bf16, i);
 }
 
-__global__ void k_rmsnorm_backward_dx(const float* dout, const float* x, const void* w, bool bf16, const float* rstd,
-                                      float* dx, i64 c) {
+__global__ void k_rmsnorm_backward_dx(const float* dout, const float* x, const void* w, bool bf16,
+                                      const float* rstd, float* dx, i64 c) {
   const i64 r = blockIdx.x;
   const float rs = rstd[r];
   float m = 0;
-  for (i64 i = threadIdx.x; i < c; i += blockDim.x) m += dout[r * c + i] * ld(w, bf16, i) * x[r * c + i] * rs;
+  for (i64 i = threadIdx.x; i < c; i += blockDim.x)
+    m += dout[r * c + i] * ld(w, bf16, i) * x[r * c + i] * rs;
   m = block_sum(m) / float(c);
   for (i64 i = threadIdx.x; i < c; i += blockDim.x)
     dx[r * c + i] += rs * (dout[r * c + i] * ld(w, bf16, i) - x[r * c + i] * rs * m);
 }
 
-__global__ void k_rmsnorm_backward_dw(const float* dout, const float* x, const float* rstd, float* dw, i64 n, i64 c) {
+__global__ void k_rmsnorm_backward_dw(const float* dout, const float* x, const float* rstd,
+                                      float* dw, i64 n, i64 c) {
   const i64 j = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (j >= c) return;
   float s = 0;
@@ -148,8 +154,8 @@ __global__ void k_rmsnorm_backward_dw(const float* dout, const float* x, const f
   dw[j] += s;
 }
 
-__global__ void k_layernorm_forward(const float* x, const void* w, const void* b, bool bf16, float* out, float* mean,
-                                    float* rstd, i64 c, float eps) {
+__global__ void k_layernorm_forward(const float* x, const void* w, const void* b, bool bf16,
+                                    float* out, float* mean, float* rstd, i64 c, float eps) {
   const float* xr = x + blockIdx.x * c;
   float s = 0;
   for (i64 i = threadIdx.x; i < c; i += blockDim.x) s += xr[i];
@@ -181,8 +187,8 @@ __global__ void k_layernorm_backward_dx(const float* dout, const float* x, const
     dx[r * c + i] += rs * (dout[r * c + i] * ld(w, bf16, i) - m1 - (x[r * c + i] - mu) * rs * m2);
 }
 
-__global__ void k_layernorm_backward_dwb(const float* dout, const float* x, const float* mean, const float* rstd,
-                                         float* dw, float* db, i64 n, i64 c) {
+__global__ void k_layernorm_backward_dwb(const float* dout, const float* x, const float* mean,
+                                         const float* rstd, float* dw, float* db, i64 n, i64 c) {
   const i64 j = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (j >= c) return;
   float sw = 0, sb = 0;
@@ -194,8 +200,8 @@ __global__ void k_layernorm_backward_dwb(const float* dout, const float* x, cons
   db[j] += sb;
 }
 
-__global__ void k_rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cosv,
-                       const float* sinv, bool inverse) {
+__global__ void k_rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd,
+                       const float* cosv, const float* sinv, bool inverse) {
   const i64 half = hd / 2;
   const i64 idx = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (idx >= n * heads * half) return;
@@ -208,8 +214,8 @@ __global__ void k_rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i
 }
 
 // One warp per query row (b, h, t).
-__global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
-                                    float scale, bool bf16) {
+__global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh,
+                                    i64 nkv, i64 hd, float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nh * t) return;
@@ -265,8 +271,9 @@ __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 
 }
 
 // dq: one warp per query row.
-__global__ void k_attention_backward_dq(const float* qkv, const float* o, const float* dout, const float* lse,
-                                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale, bool bf16) {
+__global__ void k_attention_backward_dq(const float* qkv, const float* o, const float* dout,
+                                        const float* lse, float* dqkv, i64 b, i64 t, i64 nh,
+                                        i64 nkv, i64 hd, float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nh * t) return;
@@ -314,8 +321,9 @@ __global__ void k_attention_backward_dq(const float* qkv, const float* o, const 
 }
 
 // dk, dv: one warp per key row (b, kv head, s), over the heads of its group and queries >= s.
-__global__ void k_attention_backward_dkv(const float* qkv, const float* o, const float* dout, const float* lse,
-                                         float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, float scale, bool bf16) {
+__global__ void k_attention_backward_dkv(const float* qkv, const float* o, const float* dout,
+                                         const float* lse, float* dqkv, i64 b, i64 t, i64 nh,
+                                         i64 nkv, i64 hd, float scale, bool bf16) {
   const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= b * nkv * t) return;
@@ -375,7 +383,8 @@ __global__ void k_swiglu_forward(const float* gu, float* out, i64 n, i64 inter) 
   out[i] = g / (1.0f + expf(-g)) * u;
 }
 
-__global__ void k_swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter) {
+__global__ void k_swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n,
+                                  i64 inter) {
   const i64 i = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (i >= n * inter) return;
   const i64 r = i / inter, j = i % inter;
@@ -399,7 +408,8 @@ __global__ void k_gelu_backward(const float* dout, const float* x, float* dx, i6
   if (i >= n) return;
   const float v = x[i];
   const float th = tanhf(kGeluK * (v + 0.044715f * v * v * v));
-  dx[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * 0.044715f * v * v));
+  dx[i] = dout[i] * (0.5f * (1.0f + th) +
+                     0.5f * v * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * 0.044715f * v * v));
 }
 
 __global__ void k_bias_add(float* y, const void* b, bool bf16, i64 n, i64 m) {
@@ -416,8 +426,8 @@ __global__ void k_bias_backward(const float* dy, float* db, i64 n, i64 m) {
   db[j] += s;
 }
 
-__global__ void k_cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 vocab,
-                                float grad_scale) {
+__global__ void k_cross_entropy(float* logits, const std::int32_t* targets, float* losses,
+                                i64 vocab, float grad_scale) {
   float* l = logits + blockIdx.x * vocab;
   float mx = -INFINITY;
   for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
@@ -433,7 +443,6 @@ __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, floa
       l[i] = expf(l[i] - lse) * grad_scale - (i == tgt ? grad_scale : 0.0f);
   }
 }
-
 
 std::atomic<KernelVariant> g_variant{KernelVariant::kSimple};
 KernelVariant variant() { return g_variant.load(std::memory_order_relaxed); }
@@ -458,7 +467,8 @@ __device__ __forceinline__ float sum_row_groups(float (&part)[kRowGroups][kColTi
 }
 
 __global__ void __launch_bounds__(kColThreads)
-    k_rmsnorm_backward_dw_tiled(const float* dout, const float* x, const float* rstd, float* dw, i64 n, i64 c) {
+    k_rmsnorm_backward_dw_tiled(const float* dout, const float* x, const float* rstd, float* dw,
+                                i64 n, i64 c) {
   __shared__ float part[kRowGroups][kColTile];
   const i64 j = blockIdx.x * i64(kColTile) + threadIdx.x;
   float s = 0;
@@ -471,8 +481,8 @@ __global__ void __launch_bounds__(kColThreads)
 }
 
 __global__ void __launch_bounds__(kColThreads)
-    k_layernorm_backward_dwb_tiled(const float* dout, const float* x, const float* mean, const float* rstd, float* dw,
-                                   float* db, i64 n, i64 c) {
+    k_layernorm_backward_dwb_tiled(const float* dout, const float* x, const float* mean,
+                                   const float* rstd, float* dw, float* db, i64 n, i64 c) {
   __shared__ float part_w[kRowGroups][kColTile], part_b[kRowGroups][kColTile];
   const i64 j = blockIdx.x * i64(kColTile) + threadIdx.x;
   float sw = 0, sb = 0;
@@ -491,7 +501,8 @@ __global__ void __launch_bounds__(kColThreads)
   }
 }
 
-__global__ void __launch_bounds__(kColThreads) k_bias_backward_tiled(const float* dy, float* db, i64 n, i64 m) {
+__global__ void __launch_bounds__(kColThreads)
+    k_bias_backward_tiled(const float* dy, float* db, i64 n, i64 m) {
   __shared__ float part[kRowGroups][kColTile];
   const i64 j = blockIdx.x * i64(kColTile) + threadIdx.x;
   float s = 0;
@@ -508,8 +519,8 @@ __global__ void __launch_bounds__(kColThreads) k_bias_backward_tiled(const float
 // chunk at a time) and adds the rows it owns. A warp's lanes share the row, so the branches are
 // uniform and the reads of dout coalesced.
 __global__ void __launch_bounds__(kColThreads)
-    k_embedding_backward_tiled(const std::int32_t* tok, const float* dout, float* dwte, float* dwpe, i64 n, i64 t,
-                               i64 c) {
+    k_embedding_backward_tiled(const std::int32_t* tok, const float* dout, float* dwte, float* dwpe,
+                               i64 n, i64 t, i64 c) {
   __shared__ std::int32_t chunk[kColThreads];
   const i64 j = blockIdx.x * i64(kColTile) + threadIdx.x;
   const unsigned g = threadIdx.y;
@@ -570,16 +581,17 @@ namespace wmma = nvcuda::wmma;
 using bf16_t = __nv_bfloat16;
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16_t, wmma::row_major>;
 using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16_t, wmma::row_major>;
-using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16_t, wmma::col_major>;  // B read transposed
+using FragBt =
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16_t, wmma::col_major>;  // B read transposed
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 constexpr int kTile = 64;
-constexpr int kChunks = kTile / 16;  // 16-wide chunks of a tile
-constexpr int kAttnWarps = kTile / 16;            // forward: a warp per 16 rows
+constexpr int kChunks = kTile / 16;     // 16-wide chunks of a tile
+constexpr int kAttnWarps = kTile / 16;  // forward: a warp per 16 rows
 constexpr int kAttnThreads = 32 * kAttnWarps;
-constexpr int kBwdThreads = 2 * kAttnThreads;     // backward: a pair of warps per 16 rows
-constexpr int kSLd = kTile + 4;  // floats per row of a staged fp32 score tile
-constexpr int kPLd = kTile + 8;  // elements per row of a bf16 P or dS tile
+constexpr int kBwdThreads = 2 * kAttnThreads;  // backward: a pair of warps per 16 rows
+constexpr int kSLd = kTile + 4;                // floats per row of a staged fp32 score tile
+constexpr int kPLd = kTile + 8;                // elements per row of a bf16 P or dS tile
 constexpr int kFragElems = FragC::num_elements;
 constexpr int kMaxTiledHd = 128;
 
@@ -614,7 +626,8 @@ template <class F>
 void for_each_tiled_head_dim(F&& f) {
   [&]<int... I>(std::integer_sequence<int, I...>) {
     (f(std::integral_constant<int, 16 * (I + 1)>{}), ...);
-  }(std::make_integer_sequence<int, kMaxTiledHd / 16>{});
+  }
+  (std::make_integer_sequence<int, kMaxTiledHd / 16>{});
 }
 
 // Rows [0, rows) of a head's slice (row r at src + r * ld, HD values), rounded to bf16, into the
@@ -673,7 +686,8 @@ __device__ void tile_dsum(float* d, const float* dout, const float* o, i64 ld, i
 // S for 16 keys (chunk n of the staged K tile ks, rows of LD elements) against the warp's 16
 // query rows qf (NF fragments of 16 head dims): sf = Q K^T, fp32.
 template <int NF, int LD>
-__device__ __forceinline__ void score_chunk(FragC& sf, const FragA (&qf)[NF], const bf16_t* ks, int n) {
+__device__ __forceinline__ void score_chunk(FragC& sf, const FragA (&qf)[NF], const bf16_t* ks,
+                                            int n) {
   wmma::fill_fragment(sf, 0.0f);
 #pragma unroll
   for (int kk = 0; kk < NF; ++kk) {
@@ -685,7 +699,8 @@ __device__ __forceinline__ void score_chunk(FragC& sf, const FragA (&qf)[NF], co
 
 template <int HD>
 __global__ void __launch_bounds__(kAttnThreads)
-    k_attention_forward_tiled(const float* qkv, float* o, float* lse, int b, int t, int nh, int nkv, float scale) {
+    k_attention_forward_tiled(const float* qkv, float* o, float* lse, int b, int t, int nh, int nkv,
+                              float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
 #else
@@ -703,8 +718,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int bh = int(blockIdx.x % unsigned(heads)), bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
   const i64 stride = i64(nh + 2 * nkv) * HD;
   const float* rows = qkv + i64(bi) * t * stride;  // this batch's row 0
-  const int q0 = qt * kTile, w0 = warp * 16;       // the tile's first query, the warp's first row in it
-  bf16_t* pw = ps + w0 * kPLd;                     // the warp's 16 rows of P
+  const int q0 = qt * kTile, w0 = warp * 16;  // the tile's first query, the warp's first row in it
+  bf16_t* pw = ps + w0 * kPLd;                // the warp's 16 rows of P
 
   const FragIndex idx = fragment_index(reinterpret_cast<float*>(pw));
   load_tile<HD>(vs, rows + i64(q0) * stride + i64(h) * HD, stride, min(kTile, t - q0));
@@ -758,7 +773,8 @@ __global__ void __launch_bounds__(kAttnThreads)
     const int k0 = kt * kTile;
     __syncthreads();  // the previous K and V tiles are read by all (and Q, staged in V's place)
     load_tile<HD>(ks, rows + i64(k0) * stride + i64(nh + kvh) * HD, stride, min(kTile, t - k0));
-    load_tile<HD>(vs, rows + i64(k0) * stride + i64(nh + nkv + kvh) * HD, stride, min(kTile, t - k0));
+    load_tile<HD>(vs, rows + i64(k0) * stride + i64(nh + nkv + kvh) * HD, stride,
+                  min(kTile, t - k0));
     __syncthreads();
 #pragma unroll 1
     for (int n = 0; n < kChunks; ++n) {
@@ -801,14 +817,15 @@ __global__ void __launch_bounds__(kAttnThreads)
 
 template <int HD>
 __global__ void __launch_bounds__(kBwdThreads)
-    k_attention_backward_dq_tiled(const float* qkv, const float* o, const float* dout, const float* lse,
-                                  float* dqkv, int b, int t, int nh, int nkv, float scale) {
+    k_attention_backward_dq_tiled(const float* qkv, const float* o, const float* dout,
+                                  const float* lse, float* dqkv, int b, int t, int nh, int nkv,
+                                  float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
 #else
   constexpr int NF = HD / 16, LD = HD + 8, NH = (NF + 1) / 2;
   bf16_t* ks = reinterpret_cast<bf16_t*>(dynamic_smem());  // stages Q before the first K tile
-  bf16_t* vs = ks + kTile * LD;                             // stages dO before the first V tile
+  bf16_t* vs = ks + kTile * LD;                            // stages dO before the first V tile
   bf16_t* dss = vs + kTile * LD;
   float* row_lse = reinterpret_cast<float*>(dss + kTile * kPLd);
   float* row_d = row_lse + kTile;
@@ -823,14 +840,15 @@ __global__ void __launch_bounds__(kBwdThreads)
   const float* rows = qkv + i64(bi) * t * stride;
   const int q0 = qt * kTile, qn = min(kTile, t - q0);
   const i64 orow = (i64(bi) * t + q0) * ldo + i64(h) * HD;  // the tile's first row of o and dout
-  bf16_t* dsw = dss + w0 * kPLd;                             // the pair's 16 rows of dS
+  bf16_t* dsw = dss + w0 * kPLd;                            // the pair's 16 rows of dS
 
   const FragIndex idx = fragment_index(reinterpret_cast<float*>(dsw) + half * 256);
   load_tile<HD>(ks, rows + i64(q0) * stride + i64(h) * HD, stride, qn);
   load_tile<HD>(vs, dout + orow, ldo, qn);
   tile_dsum<HD>(row_d, dout + orow, o + orow, ldo, qn);
   if (threadIdx.x < kTile)
-    row_lse[threadIdx.x] = int(threadIdx.x) < qn ? lse[(i64(bi) * nh + h) * t + q0 + threadIdx.x] : 0.0f;
+    row_lse[threadIdx.x] =
+        int(threadIdx.x) < qn ? lse[(i64(bi) * nh + h) * t + q0 + threadIdx.x] : 0.0f;
   __syncthreads();
   FragA qf[NF], gf[NF];
 #pragma unroll
@@ -846,7 +864,8 @@ __global__ void __launch_bounds__(kBwdThreads)
     const int k0 = kt * kTile;
     __syncthreads();  // the previous tiles (first: the Q and dO staging) and dS are read by all
     load_tile<HD>(ks, rows + i64(k0) * stride + i64(nh + kvh) * HD, stride, min(kTile, t - k0));
-    load_tile<HD>(vs, rows + i64(k0) * stride + i64(nh + nkv + kvh) * HD, stride, min(kTile, t - k0));
+    load_tile<HD>(vs, rows + i64(k0) * stride + i64(nh + nkv + kvh) * HD, stride,
+                  min(kTile, t - k0));
     __syncthreads();
 #pragma unroll 1
     for (int nn = 0; nn < kChunks / 2; ++nn) {
@@ -905,8 +924,9 @@ __global__ void __launch_bounds__(kBwdThreads)
 
 template <int HD>
 __global__ void __launch_bounds__(kBwdThreads)
-    k_attention_backward_dkv_tiled(const float* qkv, const float* o, const float* dout, const float* lse,
-                                   float* dqkv, int b, int t, int nh, int nkv, float scale) {
+    k_attention_backward_dkv_tiled(const float* qkv, const float* o, const float* dout,
+                                   const float* lse, float* dqkv, int b, int t, int nh, int nkv,
+                                   float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
 #else
@@ -951,7 +971,8 @@ __global__ void __launch_bounds__(kBwdThreads)
       load_tile<HD>(gs, dout + orow, ldo, qn);
       tile_dsum<HD>(col_d, dout + orow, o + orow, ldo, qn);
       if (threadIdx.x < kTile)
-        col_lse[threadIdx.x] = int(threadIdx.x) < qn ? lse[(i64(bi) * nh + h) * t + q0 + threadIdx.x] : 0.0f;
+        col_lse[threadIdx.x] =
+            int(threadIdx.x) < qn ? lse[(i64(bi) * nh + h) * t + q0 + threadIdx.x] : 0.0f;
       __syncthreads();
 #pragma unroll 1
       for (int nn = 0; nn < kChunks / 2; ++nn) {
@@ -1026,9 +1047,10 @@ int with_head_dim(i64 hd, F&& f) {
 // Launches `kernel` with `smem` bytes of dynamic shared memory, first raising its limit (above
 // the default 48 KiB).
 template <class... Params, class... Args>
-int launch_tiled(void (*kernel)(Params...), i64 blocks, int threads, std::size_t smem, void* stream, Args... args) {
-  if (const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+int launch_tiled(void (*kernel)(Params...), i64 blocks, int threads, std::size_t smem, void* stream,
+                 Args... args) {
+  if (const cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       err != cudaSuccess)
     return static_cast<int>(err);
   kernel<<<unsigned(blocks), threads, smem, cs(stream)>>>(args...);
@@ -1049,16 +1071,29 @@ int preload_kernels() {
     const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
     if (first == cudaSuccess) first = err;
   };
-  for (const void* k :
-       {(const void*)k_embedding_forward, (const void*)k_embedding_backward, (const void*)k_rmsnorm_forward,
-        (const void*)k_rmsnorm_backward_dx, (const void*)k_rmsnorm_backward_dw, (const void*)k_layernorm_forward,
-        (const void*)k_layernorm_backward_dx, (const void*)k_layernorm_backward_dwb, (const void*)k_rope,
-        (const void*)k_attention_forward, (const void*)k_attention_backward_dq, (const void*)k_attention_backward_dkv,
-        (const void*)k_swiglu_forward, (const void*)k_swiglu_backward, (const void*)k_gelu_forward,
-        (const void*)k_gelu_backward, (const void*)k_bias_add, (const void*)k_bias_backward,
-        (const void*)k_cross_entropy, (const void*)k_rmsnorm_backward_dw_tiled,
-        (const void*)k_layernorm_backward_dwb_tiled, (const void*)k_bias_backward_tiled,
-        (const void*)k_embedding_backward_tiled})
+  for (const void* k : {(const void*)k_embedding_forward,
+                        (const void*)k_embedding_backward,
+                        (const void*)k_rmsnorm_forward,
+                        (const void*)k_rmsnorm_backward_dx,
+                        (const void*)k_rmsnorm_backward_dw,
+                        (const void*)k_layernorm_forward,
+                        (const void*)k_layernorm_backward_dx,
+                        (const void*)k_layernorm_backward_dwb,
+                        (const void*)k_rope,
+                        (const void*)k_attention_forward,
+                        (const void*)k_attention_backward_dq,
+                        (const void*)k_attention_backward_dkv,
+                        (const void*)k_swiglu_forward,
+                        (const void*)k_swiglu_backward,
+                        (const void*)k_gelu_forward,
+                        (const void*)k_gelu_backward,
+                        (const void*)k_bias_add,
+                        (const void*)k_bias_backward,
+                        (const void*)k_cross_entropy,
+                        (const void*)k_rmsnorm_backward_dw_tiled,
+                        (const void*)k_layernorm_backward_dwb_tiled,
+                        (const void*)k_bias_backward_tiled,
+                        (const void*)k_embedding_backward_tiled})
     load(k);
   for_each_tiled_head_dim([&](auto c) {
     constexpr int hd = decltype(c)::value;
@@ -1069,94 +1104,111 @@ int preload_kernels() {
   return static_cast<int>(first);
 }
 
-int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16, float* out, i64 n,
-                      i64 t, i64 c, void* stream) {
-  k_embedding_forward<<<blocks_for(n * c), kThreads, 0, cs(stream)>>>(tokens, wte, wpe, wbf16, out, n, t, c);
+int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16,
+                      float* out, i64 n, i64 t, i64 c, void* stream) {
+  k_embedding_forward<<<blocks_for(n * c), kThreads, 0, cs(stream)>>>(tokens, wte, wpe, wbf16, out,
+                                                                      n, t, c);
   return launched();
 }
-int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe, i64 n, i64 t, i64 c,
-                       void* stream) {
+int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
+                       i64 n, i64 t, i64 c, void* stream) {
   if (variant() == KernelVariant::kTiled)
-    k_embedding_backward_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(tokens, dout, dwte, dwpe, n, t, c);
+    k_embedding_backward_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(tokens, dout, dwte,
+                                                                            dwpe, n, t, c);
   else
-    k_embedding_backward<<<blocks_for(c), kThreads, 0, cs(stream)>>>(tokens, dout, dwte, dwpe, n, t, c);
+    k_embedding_backward<<<blocks_for(c), kThreads, 0, cs(stream)>>>(tokens, dout, dwte, dwpe, n, t,
+                                                                     c);
   return launched();
 }
-int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n, i64 c, double eps,
-                    void* stream) {
-  k_rmsnorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, wbf16, out, rstd, c, float(eps));
+int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n,
+                    i64 c, double eps, void* stream) {
+  k_rmsnorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, wbf16, out, rstd, c,
+                                                              float(eps));
   return launched();
 }
-int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* rstd, float* dx,
-                     float* dw, i64 n, i64 c, void* stream) {
+int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
+                     const float* rstd, float* dx, float* dw, i64 n, i64 c, void* stream) {
   k_rmsnorm_backward_dx<<<unsigned(n), kThreads, 0, cs(stream)>>>(dout, x, w, wbf16, rstd, dx, c);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
   if (variant() == KernelVariant::kTiled)
-    k_rmsnorm_backward_dw_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(dout, x, rstd, dw, n, c);
+    k_rmsnorm_backward_dw_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(dout, x, rstd, dw, n,
+                                                                             c);
   else
     k_rmsnorm_backward_dw<<<blocks_for(c), kThreads, 0, cs(stream)>>>(dout, x, rstd, dw, n, c);
   return launched();
 }
-int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out, float* mean, float* rstd,
-                      i64 n, i64 c, double eps, void* stream) {
-  k_layernorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, b, wbf16, out, mean, rstd, c, float(eps));
+int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out,
+                      float* mean, float* rstd, i64 n, i64 c, double eps, void* stream) {
+  k_layernorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, b, wbf16, out, mean, rstd, c,
+                                                                float(eps));
   return launched();
 }
-int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* mean,
-                       const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c, void* stream) {
-  k_layernorm_backward_dx<<<unsigned(n), kThreads, 0, cs(stream)>>>(dout, x, w, wbf16, mean, rstd, dx, c);
+int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
+                       const float* mean, const float* rstd, float* dx, float* dw, float* db, i64 n,
+                       i64 c, void* stream) {
+  k_layernorm_backward_dx<<<unsigned(n), kThreads, 0, cs(stream)>>>(dout, x, w, wbf16, mean, rstd,
+                                                                    dx, c);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
   if (variant() == KernelVariant::kTiled)
-    k_layernorm_backward_dwb_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(dout, x, mean, rstd, dw, db, n, c);
+    k_layernorm_backward_dwb_tiled<<<col_grid(c), col_block(), 0, cs(stream)>>>(dout, x, mean, rstd,
+                                                                                dw, db, n, c);
   else
-    k_layernorm_backward_dwb<<<blocks_for(c), kThreads, 0, cs(stream)>>>(dout, x, mean, rstd, dw, db, n, c);
+    k_layernorm_backward_dwb<<<blocks_for(c), kThreads, 0, cs(stream)>>>(dout, x, mean, rstd, dw,
+                                                                         db, n, c);
   return launched();
 }
-int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos, const float* sin,
-         bool inverse, void* stream) {
-  k_rope<<<blocks_for(n * heads * (hd / 2)), kThreads, 0, cs(stream)>>>(x, n, t, stride, col, heads, hd, cos, sin,
-                                                                       inverse);
+int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
+         const float* sin, bool inverse, void* stream) {
+  k_rope<<<blocks_for(n * heads * (hd / 2)), kThreads, 0, cs(stream)>>>(x, n, t, stride, col, heads,
+                                                                        hd, cos, sin, inverse);
   return launched();
 }
-int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale,
-                      bool bf16, void* stream) {
+int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                      double scale, bool bf16, void* stream) {
   if (tiled_attention(variant(), hd, bf16))
     return with_head_dim(hd, [&](auto c) {
       constexpr int HD = decltype(c)::value;
-      return launch_tiled(k_attention_forward_tiled<HD>, (t + kTile - 1) / kTile * b * nh, kAttnThreads,
-                          forward_smem<HD>(), stream, qkv, o, lse, int(b), int(t), int(nh), int(nkv), float(scale));
+      return launch_tiled(k_attention_forward_tiled<HD>, (t + kTile - 1) / kTile * b * nh,
+                          kAttnThreads, forward_smem<HD>(), stream, qkv, o, lse, int(b), int(t),
+                          int(nh), int(nkv), float(scale));
     });
   const i64 rows = b * nh * t, per_block = kThreads / 32;
   k_attention_forward<<<unsigned((rows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
       qkv, o, lse, b, t, nh, nkv, hd, float(scale), bf16);
   return launched();
 }
-int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv, i64 b,
-                       i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream) {
+int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse,
+                       float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16,
+                       void* stream) {
   if (tiled_attention(variant(), hd, bf16))  // the variant read once: both kernels agree
     return with_head_dim(hd, [&](auto c) {
       constexpr int HD = decltype(c)::value;
       const i64 tiles = (t + kTile - 1) / kTile;
-      const int err = launch_tiled(k_attention_backward_dq_tiled<HD>, tiles * b * nh, kBwdThreads, dq_smem<HD>(),
-                                   stream, qkv, o, dout, lse, dqkv, int(b), int(t), int(nh), int(nkv), float(scale));
+      const int err = launch_tiled(k_attention_backward_dq_tiled<HD>, tiles * b * nh, kBwdThreads,
+                                   dq_smem<HD>(), stream, qkv, o, dout, lse, dqkv, int(b), int(t),
+                                   int(nh), int(nkv), float(scale));
       if (err != 0) return err;
-      return launch_tiled(k_attention_backward_dkv_tiled<HD>, tiles * b * nkv, kBwdThreads, dkv_smem<HD>(), stream,
-                          qkv, o, dout, lse, dqkv, int(b), int(t), int(nh), int(nkv), float(scale));
+      return launch_tiled(k_attention_backward_dkv_tiled<HD>, tiles * b * nkv, kBwdThreads,
+                          dkv_smem<HD>(), stream, qkv, o, dout, lse, dqkv, int(b), int(t), int(nh),
+                          int(nkv), float(scale));
     });
   const i64 per_block = kThreads / 32;
   const i64 qrows = b * nh * t, krows = b * nkv * t;
-  k_attention_backward_dq<<<unsigned((qrows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
-      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale), bf16);
+  k_attention_backward_dq<<<unsigned((qrows + per_block - 1) / per_block), kThreads, 0,
+                            cs(stream)>>>(qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale),
+                                          bf16);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
-  k_attention_backward_dkv<<<unsigned((krows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
-      qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale), bf16);
+  k_attention_backward_dkv<<<unsigned((krows + per_block - 1) / per_block), kThreads, 0,
+                             cs(stream)>>>(qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, float(scale),
+                                           bf16);
   return launched();
 }
 int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream) {
   k_swiglu_forward<<<blocks_for(n * inter), kThreads, 0, cs(stream)>>>(gu, out, n, inter);
   return launched();
 }
-int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter, void* stream) {
+int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter,
+                    void* stream) {
   k_swiglu_backward<<<blocks_for(n * inter), kThreads, 0, cs(stream)>>>(dout, gu, dgu, n, inter);
   return launched();
 }
@@ -1179,9 +1231,10 @@ int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream) {
     k_bias_backward<<<blocks_for(m), kThreads, 0, cs(stream)>>>(dy, db, n, m);
   return launched();
 }
-int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab, double grad_scale,
-                  void* stream) {
-  k_cross_entropy<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, losses, vocab, float(grad_scale));
+int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
+                  double grad_scale, void* stream) {
+  k_cross_entropy<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, losses, vocab,
+                                                               float(grad_scale));
   return launched();
 }
 

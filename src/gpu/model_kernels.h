@@ -36,25 +36,27 @@ const char* error_text(int err);
 void set_kernel_variant(KernelVariant variant);
 KernelVariant kernel_variant();
 
-int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16, float* out,
-                      i64 n, i64 t, i64 c, void* stream);
-int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe, i64 n, i64 t,
+int embedding_forward(const std::int32_t* tokens, const void* wte, const void* wpe, bool wbf16,
+                      float* out, i64 n, i64 t, i64 c, void* stream);
+int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
+                       i64 n, i64 t, i64 c, void* stream);
+int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n,
+                    i64 c, double eps, void* stream);
+int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
+                     const float* rstd, float* dx, float* dw, i64 n, i64 c, void* stream);
+int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out,
+                      float* mean, float* rstd, i64 n, i64 c, double eps, void* stream);
+int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
+                       const float* mean, const float* rstd, float* dx, float* dw, float* db, i64 n,
                        i64 c, void* stream);
-int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n, i64 c,
-                    double eps, void* stream);
-int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* rstd,
-                     float* dx, float* dw, i64 n, i64 c, void* stream);
-int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out, float* mean,
-                      float* rstd, i64 n, i64 c, double eps, void* stream);
-int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16, const float* mean,
-                       const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c, void* stream);
-int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos, const float* sin,
-         bool inverse, void* stream);
+int rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
+         const float* sin, bool inverse, void* stream);
 // bf16: round the GEMM operands (q, k, v, dO, P, dS) as the CPU's bf16 attention does.
 int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
                       double scale, bool bf16, void* stream);
-int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse, float* dqkv,
-                       i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream);
+int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse,
+                       float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16,
+                       void* stream);
 int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream);
 int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter, void* stream);
 int gelu_forward(const float* x, float* out, i64 n, void* stream);

@@ -2,9 +2,9 @@
 // No NCCL header needed, so CPU-only tests can check the decoding.
 #pragma once
 
-#include <string>
-
 #include <fmt/format.h>
+
+#include <string>
 
 namespace strata::gpu {
 

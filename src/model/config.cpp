@@ -40,13 +40,30 @@ std::int64_t positive(const config::Section& s, const char* key, const std::stri
 // default and the model is another one. Only said, not refused: a Hugging Face config carries
 // many keys strata has no use for, and a new one must not stop a model from loading.
 void warn_near_misses(const ModelConfig& c, const std::string& what) {
-  static const std::vector<std::string> common = {"model_type", "architectures", "vocab_size", "initializer_range"};
-  static const std::vector<std::string> llama = {
-      "hidden_size",  "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-      "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "attention_bias",
-      "mlp_bias", "hidden_act", "rope_scaling", "head_dim"};
-  static const std::vector<std::string> gpt2 = {"n_embd", "n_layer", "n_head", "n_positions", "n_inner",
-                                                "layer_norm_epsilon", "activation_function", "scale_attn_weights",
+  static const std::vector<std::string> common = {"model_type", "architectures", "vocab_size",
+                                                  "initializer_range"};
+  static const std::vector<std::string> llama = {"hidden_size",
+                                                 "intermediate_size",
+                                                 "num_hidden_layers",
+                                                 "num_attention_heads",
+                                                 "num_key_value_heads",
+                                                 "max_position_embeddings",
+                                                 "rms_norm_eps",
+                                                 "rope_theta",
+                                                 "tie_word_embeddings",
+                                                 "attention_bias",
+                                                 "mlp_bias",
+                                                 "hidden_act",
+                                                 "rope_scaling",
+                                                 "head_dim"};
+  static const std::vector<std::string> gpt2 = {"n_embd",
+                                                "n_layer",
+                                                "n_head",
+                                                "n_positions",
+                                                "n_inner",
+                                                "layer_norm_epsilon",
+                                                "activation_function",
+                                                "scale_attn_weights",
                                                 "scale_attn_by_inverse_layer_idx"};
   std::vector<std::string> known = common;
   const auto& family = c.arch == ModelArch::kGpt2 ? gpt2 : llama;
@@ -55,8 +72,10 @@ void warn_near_misses(const ModelConfig& c, const std::string& what) {
     if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
     const std::string guess = config::near_miss(it.key(), known);
     if (guess.empty() || c.raw.contains(guess)) continue;
-    log::warn("{}: key '{}' is not one strata reads; did you mean '{}'? As written, '{}' keeps its default", what,
-              it.key(), guess, guess);
+    log::warn(
+        "{}: key '{}' is not one strata reads; did you mean '{}'? As written, '{}' keeps its "
+        "default",
+        what, it.key(), guess, guess);
   }
 }
 
@@ -73,10 +92,14 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
   }
   std::string type = s.get_string("model_type", "");
   if (type.empty()) {
-    if (arch == "LlamaForCausalLM") type = "llama";
-    else if (arch == "MistralForCausalLM") type = "mistral";
-    else if (arch == "Qwen2ForCausalLM") type = "qwen2";
-    else if (arch == "GPT2LMHeadModel") type = "gpt2";
+    if (arch == "LlamaForCausalLM")
+      type = "llama";
+    else if (arch == "MistralForCausalLM")
+      type = "mistral";
+    else if (arch == "Qwen2ForCausalLM")
+      type = "qwen2";
+    else if (arch == "GPT2LMHeadModel")
+      type = "gpt2";
   }
   STRATA_REQUIRE(type == "llama" || type == "mistral" || type == "qwen2" || type == "gpt2",
                  "{}: model_type '{}' (architectures '{}') is not supported; strata runs llama, "
@@ -117,35 +140,42 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
     c.qkv_bias = type == "qwen2" || c.o_bias;
     STRATA_REQUIRE(!s.get_bool("mlp_bias", false), "{}: mlp_bias = true is not supported", what);
     const std::string act = s.get_string("hidden_act", "silu");
-    STRATA_REQUIRE(act == "silu", "{}: hidden_act '{}' is not supported; the Llama family uses silu",
-                   what, act);
+    STRATA_REQUIRE(act == "silu",
+                   "{}: hidden_act '{}' is not supported; the Llama family uses silu", what, act);
     if (const auto* rs = s.raw("rope_scaling")) {
       const config::Section r(rs, "rope_scaling");
-      const std::string rt = r.has("rope_type") ? r.get_string("rope_type", "") : r.get_string("type", "");
+      const std::string rt =
+          r.has("rope_type") ? r.get_string("rope_type", "") : r.get_string("type", "");
       STRATA_REQUIRE(rt == "llama3" || rt == "default",
-                     "{}: rope_scaling type '{}' is not supported; strata implements 'llama3'", what, rt);
+                     "{}: rope_scaling type '{}' is not supported; strata implements 'llama3'",
+                     what, rt);
       if (rt == "llama3") {
         c.rope_llama3_factor = r.get_double("factor", 8.0);
         c.rope_llama3_low_freq_factor = r.get_double("low_freq_factor", 1.0);
         c.rope_llama3_high_freq_factor = r.get_double("high_freq_factor", 4.0);
-        c.rope_llama3_original_max_positions = r.get_double("original_max_position_embeddings", 8192);
+        c.rope_llama3_original_max_positions =
+            r.get_double("original_max_position_embeddings", 8192);
         STRATA_REQUIRE(c.rope_llama3_factor > 0 &&
                            c.rope_llama3_high_freq_factor > c.rope_llama3_low_freq_factor,
-                       "{}: rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor", what);
+                       "{}: rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor",
+                       what);
       }
     }
   }
   c.initializer_range = s.get_double("initializer_range", 0.02);
-  STRATA_REQUIRE(c.initializer_range > 0, "{}: 'initializer_range' must be > 0, got {}", what, c.initializer_range);
-  STRATA_REQUIRE(c.hidden_size % c.num_heads == 0 || (c.arch == ModelArch::kLlama && s.has("head_dim")),
-                 "{}: hidden size {} is not a multiple of {} heads", what, c.hidden_size, c.num_heads);
-  c.head_dim = c.arch == ModelArch::kLlama ? positive(s, "head_dim", what, c.hidden_size / c.num_heads)
-                                           : c.hidden_size / c.num_heads;
+  STRATA_REQUIRE(c.initializer_range > 0, "{}: 'initializer_range' must be > 0, got {}", what,
+                 c.initializer_range);
+  STRATA_REQUIRE(
+      c.hidden_size % c.num_heads == 0 || (c.arch == ModelArch::kLlama && s.has("head_dim")),
+      "{}: hidden size {} is not a multiple of {} heads", what, c.hidden_size, c.num_heads);
+  c.head_dim = c.arch == ModelArch::kLlama
+                   ? positive(s, "head_dim", what, c.hidden_size / c.num_heads)
+                   : c.hidden_size / c.num_heads;
   STRATA_REQUIRE(c.num_heads % c.num_kv_heads == 0,
                  "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", what,
                  c.num_heads, c.num_kv_heads);
-  STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512, "{}: head_dim {} must be even and <= 512",
-                 what, c.head_dim);
+  STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512,
+                 "{}: head_dim {} must be even and <= 512", what, c.head_dim);
   warn_near_misses(c, what);
   return c;
 }
@@ -163,35 +193,53 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   }
 }
 
-ModelConfig load_model_config(const std::string& path) { return parse_model_config(read_text(path), path); }
+ModelConfig load_model_config(const std::string& path) {
+  return parse_model_config(read_text(path), path);
+}
 
 std::string model_config_json(const ModelConfig& c) {
   if (!c.raw.is_null()) return c.raw.dump(2);
   nlohmann::json j;
   if (c.arch == ModelArch::kGpt2) {
-    j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", c.vocab_size},
-         {"n_embd", c.hidden_size}, {"n_layer", c.num_layers}, {"n_head", c.num_heads},
-         {"n_positions", c.max_positions}, {"n_inner", c.intermediate_size},
-         {"layer_norm_epsilon", c.norm_eps}, {"activation_function", "gelu_new"},
-         {"tie_word_embeddings", true}, {"scale_attn_weights", c.scale_attn_weights},
+    j = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"vocab_size", c.vocab_size},
+         {"n_embd", c.hidden_size},
+         {"n_layer", c.num_layers},
+         {"n_head", c.num_heads},
+         {"n_positions", c.max_positions},
+         {"n_inner", c.intermediate_size},
+         {"layer_norm_epsilon", c.norm_eps},
+         {"activation_function", "gelu_new"},
+         {"tie_word_embeddings", true},
+         {"scale_attn_weights", c.scale_attn_weights},
          {"scale_attn_by_inverse_layer_idx", c.scale_attn_by_inverse_layer_idx}};
   } else {
-    const char* arch = c.model_type == "qwen2" ? "Qwen2ForCausalLM"
+    const char* arch = c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
                        : c.model_type == "mistral" ? "MistralForCausalLM"
                                                    : "LlamaForCausalLM";
-    j = {{"architectures", {arch}}, {"model_type", c.model_type}, {"vocab_size", c.vocab_size},
-         {"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size},
-         {"num_hidden_layers", c.num_layers}, {"num_attention_heads", c.num_heads},
-         {"num_key_value_heads", c.num_kv_heads}, {"head_dim", c.head_dim},
-         {"max_position_embeddings", c.max_positions}, {"rms_norm_eps", c.norm_eps},
-         {"rope_theta", c.rope_theta}, {"tie_word_embeddings", c.tie_word_embeddings},
+    j = {{"architectures", {arch}},
+         {"model_type", c.model_type},
+         {"vocab_size", c.vocab_size},
+         {"hidden_size", c.hidden_size},
+         {"intermediate_size", c.intermediate_size},
+         {"num_hidden_layers", c.num_layers},
+         {"num_attention_heads", c.num_heads},
+         {"num_key_value_heads", c.num_kv_heads},
+         {"head_dim", c.head_dim},
+         {"max_position_embeddings", c.max_positions},
+         {"rms_norm_eps", c.norm_eps},
+         {"rope_theta", c.rope_theta},
+         {"tie_word_embeddings", c.tie_word_embeddings},
          {"hidden_act", "silu"}};
     if (c.model_type == "llama") j["attention_bias"] = c.qkv_bias;
     if (c.rope_llama3_factor > 0)
-      j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", c.rope_llama3_factor},
-                           {"low_freq_factor", c.rope_llama3_low_freq_factor},
-                           {"high_freq_factor", c.rope_llama3_high_freq_factor},
-                           {"original_max_position_embeddings", c.rope_llama3_original_max_positions}};
+      j["rope_scaling"] = {
+          {"rope_type", "llama3"},
+          {"factor", c.rope_llama3_factor},
+          {"low_freq_factor", c.rope_llama3_low_freq_factor},
+          {"high_freq_factor", c.rope_llama3_high_freq_factor},
+          {"original_max_position_embeddings", c.rope_llama3_original_max_positions}};
   }
   j["initializer_range"] = c.initializer_range;
   j["torch_dtype"] = "float32";

@@ -27,8 +27,8 @@ struct TokenFile {
   std::string path;
   const std::uint8_t* base = nullptr;
   std::size_t size = 0;
-  std::size_t data_offset = 0;  // bytes before the first id
-  std::size_t elem = 2;         // bytes per id
+  std::size_t data_offset = 0;      // bytes before the first id
+  std::size_t elem = 2;             // bytes per id
   std::int64_t begin = 0, end = 0;  // this split's token range
 
   ~TokenFile() {
@@ -49,19 +49,23 @@ struct TokenFile {
 };
 
 // `vocab_size` (0 = unknown) keeps kAuto from reading ids it cannot hold as uint16.
-std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt, std::int64_t vocab_size) {
+std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
+                                       std::int64_t vocab_size) {
   auto f = std::make_unique<TokenFile>();
   f->path = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open token file {}", path));
-  struct stat st{};
+  if (fd < 0)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                        fmt::format("cannot open token file {}", path));
+  struct stat st {};
   ::fstat(fd, &st);
   f->size = static_cast<std::size_t>(st.st_size);
   if (f->size > 0) {
     void* p = ::mmap(nullptr, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
     const int err = errno;
     ::close(fd);
-    if (p == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
+    if (p == MAP_FAILED)
+      detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
     f->base = static_cast<const std::uint8_t*>(p);
   } else {
     ::close(fd);
@@ -69,12 +73,17 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
   std::int32_t head[3] = {0, 0, 0};
   if (f->size >= 12) std::memcpy(head, f->base, 12);
   if (fmt == TokenFormat::kAuto) {
-    if (head[0] == kLlmcMagic) fmt = TokenFormat::kLlmc;
-    else if (path.ends_with(".txt")) fmt = TokenFormat::kBytes;
-    else fmt = TokenFormat::kU16;
+    if (head[0] == kLlmcMagic)
+      fmt = TokenFormat::kLlmc;
+    else if (path.ends_with(".txt"))
+      fmt = TokenFormat::kBytes;
+    else
+      fmt = TokenFormat::kU16;
     STRATA_REQUIRE(fmt != TokenFormat::kU16 || vocab_size <= 65536,
-                   "{}: no llm.c header and not .txt, so format auto would read raw uint16 ids, but the model's "
-                   "vocab_size {} does not fit in uint16; for raw uint32 ids give the format u32 (strata-train "
+                   "{}: no llm.c header and not .txt, so format auto would read raw uint16 ids, "
+                   "but the model's "
+                   "vocab_size {} does not fit in uint16; for raw uint32 ids give the format u32 "
+                   "(strata-train "
                    "--data-dtype u32), or use an llm.c .bin, whose header gives the id width",
                    path, vocab_size);
   }
@@ -89,30 +98,37 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       // An llm.c file read raw would take its header for tokens (and a v2 file's uint32 ids
       // for pairs of uint16 ones): garbage, silently.
       STRATA_REQUIRE(head[0] != kLlmcMagic,
-                     "{}: starts with the llm.c magic {}, so it is an llm.c token file, not raw {} ids; give the "
+                     "{}: starts with the llm.c magic {}, so it is an llm.c token file, not raw {} "
+                     "ids; give the "
                      "format auto or llmc (strata-train --data-dtype auto), which read its header",
                      path, kLlmcMagic, fmt == TokenFormat::kU16 ? "uint16" : "uint32");
       f->elem = fmt == TokenFormat::kU16 ? 2 : 4;
-      STRATA_REQUIRE(f->size % f->elem == 0, "{}: {} bytes is not a whole number of {}-byte token ids (truncated?)",
-                     path, f->size, f->elem);
+      STRATA_REQUIRE(f->size % f->elem == 0,
+                     "{}: {} bytes is not a whole number of {}-byte token ids (truncated?)", path,
+                     f->size, f->elem);
       ntok = f->size / f->elem;
       break;
     case TokenFormat::kLlmc: {
       STRATA_REQUIRE(f->size >= kLlmcHeaderBytes && head[0] == kLlmcMagic,
-                     "{}: not an llm.c token file (needs a {}-byte header starting with magic {}; found {} at offset 0)",
+                     "{}: not an llm.c token file (needs a {}-byte header starting with magic {}; "
+                     "found {} at offset 0)",
                      path, kLlmcHeaderBytes, kLlmcMagic, head[0]);
-      STRATA_REQUIRE(head[1] == 1 || head[1] == 2,
-                     "{}: llm.c header version {} at offset 4 is not 1 (uint16 ids) or 2 (uint32 ids)", path, head[1]);
+      STRATA_REQUIRE(
+          head[1] == 1 || head[1] == 2,
+          "{}: llm.c header version {} at offset 4 is not 1 (uint16 ids) or 2 (uint32 ids)", path,
+          head[1]);
       f->elem = head[1] == 1 ? 2 : 4;
       f->data_offset = kLlmcHeaderBytes;
       STRATA_REQUIRE(head[2] >= 0 && kLlmcHeaderBytes + std::size_t(head[2]) * f->elem <= f->size,
-                     "{}: truncated: the header (offset 8) promises {} tokens = {} bytes after offset {}, the file "
+                     "{}: truncated: the header (offset 8) promises {} tokens = {} bytes after "
+                     "offset {}, the file "
                      "has {} bytes",
                      path, head[2], std::size_t(head[2]) * f->elem, kLlmcHeaderBytes, f->size);
       ntok = static_cast<std::size_t>(head[2]);
       break;
     }
-    case TokenFormat::kAuto: break;
+    case TokenFormat::kAuto:
+      break;
   }
   f->end = static_cast<std::int64_t>(ntok);
   return f;
@@ -126,7 +142,8 @@ TokenFormat parse_token_format(const std::string& name) {
   if (name == "u32") return TokenFormat::kU32;
   if (name == "llmc") return TokenFormat::kLlmc;
   if (name == "bytes") return TokenFormat::kBytes;
-  STRATA_THROW(kInvalidArgument, "token format '{}' is not one of auto, u16, u32, llmc, bytes", name);
+  STRATA_THROW(kInvalidArgument, "token format '{}' is not one of auto, u16, u32, llmc, bytes",
+               name);
 }
 
 struct TokenLoader::Impl {
@@ -135,7 +152,8 @@ struct TokenLoader::Impl {
   // Unshuffled: current file and position (token index).
   std::size_t file = 0;
   std::int64_t pos = 0;
-  // Shuffled: (file, window start) of every window in file order, and this epoch's permutation of them.
+  // Shuffled: (file, window start) of every window in file order, and this epoch's permutation of
+  // them.
   std::vector<std::pair<std::uint32_t, std::int64_t>> windows, order;
   std::size_t next_window = 0;
   std::int64_t epoch = 0;
@@ -159,7 +177,8 @@ struct TokenLoader::Impl {
     for (std::int64_t i = 0; i < count; ++i) {
       const std::int64_t v = f.id(at + i);
       STRATA_REQUIRE(opt.vocab_size == 0 || v < opt.vocab_size,
-                     "{}: token id {} at byte offset {} is >= the model's vocab_size {} (wrong tokenizer or format?)",
+                     "{}: token id {} at byte offset {} is >= the model's vocab_size {} (wrong "
+                     "tokenizer or format?)",
                      f.path, v, f.data_offset + std::size_t(at + i) * f.elem, opt.vocab_size);
       out[i] = static_cast<std::int32_t>(v);
     }
@@ -207,19 +226,22 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   Impl& m = *impl_;
   m.opt = o;
   STRATA_REQUIRE(!o.files.empty(), "TokenLoader: no token files given");
-  STRATA_REQUIRE(o.batch > 0 && o.seq_len > 0, "TokenLoader: batch ({}) and seq_len ({}) must be > 0", o.batch,
-                 o.seq_len);
-  STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1, "TokenLoader: val_fraction {} must be in [0, 1)",
-                 o.val_fraction);
+  STRATA_REQUIRE(o.batch > 0 && o.seq_len > 0,
+                 "TokenLoader: batch ({}) and seq_len ({}) must be > 0", o.batch, o.seq_len);
+  STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1,
+                 "TokenLoader: val_fraction {} must be in [0, 1)", o.val_fraction);
   bool any_batch = false;
   std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
   for (const auto& path : o.files) {
     auto f = open_tokens(path, o.format, o.vocab_size);
     const std::int64_t ntok = f->end;
-    if (sizes.size() < 400) sizes += fmt::format("{}{}: {} tokens", sizes.empty() ? "" : ", ", path, ntok);
+    if (sizes.size() < 400)
+      sizes += fmt::format("{}{}: {} tokens", sizes.empty() ? "" : ", ", path, ntok);
     const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * o.val_fraction);
-    if (split == DataSplit::kTrain) f->end = cut;
-    else f->begin = cut;
+    if (split == DataSplit::kTrain)
+      f->end = cut;
+    else
+      f->begin = cut;
     const std::int64_t len = f->end - f->begin;
     if (o.shuffle) {
       for (std::int64_t at = f->begin; at + o.seq_len + 1 <= f->end; at += o.seq_len)
@@ -230,18 +252,24 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
     m.files.push_back(std::move(f));
   }
   const char* which = split == DataSplit::kTrain ? "train" : "validation";
-  const std::string split_is = o.val_fraction > 0 ? fmt::format(" (the {} split is {}% of each file{})", which,
-                                                                  split == DataSplit::kTrain ? 100 - 100 * o.val_fraction
-                                                                                             : 100 * o.val_fraction,
-                                                                  split == DataSplit::kTrain ? "" : ", with --eval-every")
-                                                    : std::string();
+  const std::string split_is =
+      o.val_fraction > 0 ? fmt::format(" (the {} split is {}% of each file{})", which,
+                                       split == DataSplit::kTrain ? 100 - 100 * o.val_fraction
+                                                                  : 100 * o.val_fraction,
+                                       split == DataSplit::kTrain ? "" : ", with --eval-every")
+                         : std::string();
   if (o.shuffle)
     STRATA_REQUIRE(std::int64_t(m.windows.size()) >= 1,
-                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens{}; the data: {}. Give more "
-                   "data or a shorter --seq-len", which, o.seq_len + 1, split_is, sizes);
+                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens{}; the "
+                   "data: {}. Give more "
+                   "data or a shorter --seq-len",
+                   which, o.seq_len + 1, split_is, sizes);
   else
-    STRATA_REQUIRE(any_batch, "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
-                   "Give more data or a smaller --micro-batch / --seq-len", which, m.bt() + 1, split_is, sizes);
+    STRATA_REQUIRE(
+        any_batch,
+        "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
+        "Give more data or a smaller --micro-batch / --seq-len",
+        which, m.bt() + 1, split_is, sizes);
   m.start_epoch();
 }
 

@@ -15,12 +15,13 @@
 //    kernel that writes it, or (dqkv, GPT-2's gradients) from one cast shared by its GEMMs.
 //  - A layer's recomputation (checkpointing) runs exactly the forward code on exactly the
 //    same inputs, and every kernel is deterministic, so gradients are bit-identical.
+#include "strata/model.h"
+
 #include <cmath>
 #include <numbers>
 
 #include "model/ops.h"
 #include "strata/error.h"
-#include "strata/model.h"
 
 namespace strata {
 
@@ -30,7 +31,8 @@ using i64 = std::int64_t;
 namespace {
 
 TensorRef dev_tensor(const Device& dev, const void* p, DType t, std::size_t numel) {
-  return TensorRef{MemRef{const_cast<void*>(p), numel * dtype_size(t), MemSpace::kDevice, &dev}, t, numel};
+  return TensorRef{MemRef{const_cast<void*>(p), numel * dtype_size(t), MemSpace::kDevice, &dev}, t,
+                   numel};
 }
 
 float* fptr(const Buffer& b) { return static_cast<float*>(b.data()); }
@@ -38,15 +40,16 @@ float* fptr(const Buffer& b) { return static_cast<float*>(b.data()); }
 // One layer's activations kept for backward, on the device: fp32, except those read only as
 // GEMM operands (h1, h2, act), which are in the compute dtype (bf16 in bf16 compute).
 struct Acts {
-  Buffer x;                      // the layer's input [N, C] (empty while checkpointed to host)
-  Buffer h1, n1a, n1b;           // first norm: output, rstd (RMSNorm) or mean and rstd (LayerNorm)
-  Buffer qkv, o, lse;            // fused projections after rotary, attention output, logsumexp
-  Buffer xm;                     // residual after attention
-  Buffer h2, n2a, n2b;           // second norm
-  Buffer fc, act;                // MLP: gate|up (Llama) or pre-GELU (GPT-2), and its activation
-  Buffer ob;                     // bf16 compute: o rounded to bf16 (the output projection's operand)
+  Buffer x;             // the layer's input [N, C] (empty while checkpointed to host)
+  Buffer h1, n1a, n1b;  // first norm: output, rstd (RMSNorm) or mean and rstd (LayerNorm)
+  Buffer qkv, o, lse;   // fused projections after rotary, attention output, logsumexp
+  Buffer xm;            // residual after attention
+  Buffer h2, n2a, n2b;  // second norm
+  Buffer fc, act;       // MLP: gate|up (Llama) or pre-GELU (GPT-2), and its activation
+  Buffer ob;            // bf16 compute: o rounded to bf16 (the output projection's operand)
   void drop_all_but_input() {
-    for (Buffer* b : {&h1, &n1a, &n1b, &qkv, &o, &lse, &xm, &h2, &n2a, &n2b, &fc, &act, &ob}) b->reset();
+    for (Buffer* b : {&h1, &n1a, &n1b, &qkv, &o, &lse, &xm, &h2, &n2a, &n2b, &fc, &act, &ob})
+      b->reset();
   }
 };
 
@@ -61,8 +64,8 @@ struct Model::Impl {
   DType wdt;
   i64 B, T, N, C, I, V, L, nh, nkv, hd, qd, kvd, qkvd;
   bool gpt2;
-  Buffer rope_cos, rope_sin;  // [T, hd/2]
-  Buffer tokens, targets;     // int32 [N]
+  Buffer rope_cos, rope_sin;                            // [T, hd/2]
+  Buffer tokens, targets;                               // int32 [N]
   std::vector<std::int32_t> tokens_host, targets_host;  // what was copied into them
   std::vector<Acts> acts;
   // Layer inputs checkpointed to host memory; kept across steps so that no copy from or
@@ -72,9 +75,10 @@ struct Model::Impl {
   // instead of L small blocks that outlive everything allocated around them and cut a tight
   // device memory into pieces (DeepSpeed's contiguous_memory_optimization, for the same reason).
   Buffer ckpt_store;
-  Buffer dres;                // gradient of the residual stream, flowing down in backward
-  Buffer dres_b;              // bf16 compute, Llama: dres rounded to bf16 by the RMSNorm backward that last wrote it
-  Buffer tied_grad;           // LM-head gradient of the tied embedding, until the embedding's backward
+  Buffer dres;       // gradient of the residual stream, flowing down in backward
+  Buffer dres_b;     // bf16 compute, Llama: dres rounded to bf16 by the RMSNorm backward that last
+                     // wrote it
+  Buffer tied_grad;  // LM-head gradient of the tied embedding, until the embedding's backward
   std::vector<float> host_losses;
   bool have_grad = false;
 
@@ -89,19 +93,21 @@ struct Model::Impl {
     opt.seq_len = T;
     STRATA_REQUIRE(B > 0, "Model: micro_batch must be > 0, got {}", B);
     STRATA_REQUIRE(!gpt2 || T <= c.max_positions,
-                   "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)", T,
-                   c.max_positions);
+                   "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)",
+                   T, c.max_positions);
     // The window binds only where it is used: Qwen2's configs carry one with
     // "use_sliding_window" false, or without the key, whose default in Hugging Face's Qwen2Config
     // is false (it then attends over everything, as strata does); Mistral's always binds.
     const auto use = c.raw.is_object() ? c.raw.find("use_sliding_window") : c.raw.end();
-    const bool window_used = use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
+    const bool window_used =
+        use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
     if (const auto sw = c.raw.is_object() ? c.raw.find("sliding_window") : c.raw.end();
         window_used && c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
-      STRATA_REQUIRE(T <= sw->get<i64>(),
-                     "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
-                     "full causal, so use seq_len <= sliding_window",
-                     T, sw->get<i64>());
+      STRATA_REQUIRE(
+          T <= sw->get<i64>(),
+          "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
+          "full causal, so use seq_len <= sliding_window",
+          T, sw->get<i64>());
     N = B * T;
     C = c.hidden_size;
     I = c.intermediate_size;
@@ -125,10 +131,12 @@ struct Model::Impl {
   void build_rope() {
     const i64 half = hd / 2;
     std::vector<double> inv(half);
-    for (i64 i = 0; i < half; ++i) inv[i] = 1.0 / std::pow(cfg.rope_theta, double(2 * i) / double(hd));
+    for (i64 i = 0; i < half; ++i)
+      inv[i] = 1.0 / std::pow(cfg.rope_theta, double(2 * i) / double(hd));
     if (cfg.rope_llama3_factor > 0) {
       const double f = cfg.rope_llama3_factor, lo = cfg.rope_llama3_low_freq_factor,
-                   hi = cfg.rope_llama3_high_freq_factor, old = cfg.rope_llama3_original_max_positions;
+                   hi = cfg.rope_llama3_high_freq_factor,
+                   old = cfg.rope_llama3_original_max_positions;
       const double lo_wl = old / lo, hi_wl = old / hi;
       for (auto& fr : inv) {
         const double wl = 2 * std::numbers::pi / fr;
@@ -165,12 +173,13 @@ struct Model::Impl {
   }
 
   void require_unit(const TensorRef& t, std::size_t unit, DType dt, const char* what) const {
-    STRATA_REQUIRE(t.mem.ptr && t.numel == units[unit].numel && t.dtype == dt &&
-                       t.mem.space == MemSpace::kDevice && t.mem.device == &dev,
-                   "Model: the provider's {} for unit {} ('{}') must be {} {} elements on {}; got {} {} "
-                   "elements",
-                   what, unit, units[unit].name, dtype_name(dt), units[unit].numel, dev.name(),
-                   dtype_name(t.dtype), t.numel);
+    STRATA_REQUIRE(
+        t.mem.ptr && t.numel == units[unit].numel && t.dtype == dt &&
+            t.mem.space == MemSpace::kDevice && t.mem.device == &dev,
+        "Model: the provider's {} for unit {} ('{}') must be {} {} elements on {}; got {} {} "
+        "elements",
+        what, unit, units[unit].name, dtype_name(dt), units[unit].numel, dev.name(),
+        dtype_name(t.dtype), t.numel);
   }
   TensorRef acquire_w(UnitProvider& p, std::size_t unit) {
     TensorRef t = p.acquire_weights(unit);
@@ -196,17 +205,23 @@ struct Model::Impl {
   // The residual gradient g (= dres) as a GEMM operand in the Llama backward: its bf16 copy,
   // kept current by the RMSNorm backwards that write g, or g itself in fp32 compute.
   TensorRef g_operand(float* g) const {
-    return dres_b ? tensor(dres_b, DType::kBF16, std::size_t(N * C)) : dev_tensor(dev, g, DType::kF32, N * C);
+    return dres_b ? tensor(dres_b, DType::kBF16, std::size_t(N * C))
+                  : dev_tensor(dev, g, DType::kF32, N * C);
   }
   // The output projection's operand: o's bf16 copy (bf16 compute) or o itself.
   TensorRef o_operand(const Acts& a) const {
-    return a.ob ? tensor(a.ob, DType::kBF16, std::size_t(N * qd)) : tensor(a.o, DType::kF32, std::size_t(N * qd));
+    return a.ob ? tensor(a.ob, DType::kBF16, std::size_t(N * qd))
+                : tensor(a.o, DType::kF32, std::size_t(N * qd));
   }
   // Activations read only as GEMM operands are kept in the compute dtype: kernels write them
   // so (model_ops::Out) and no cast pass is needed.
-  Buffer oalloc(i64 numel) { return dev.alloc(static_cast<std::size_t>(numel) * dtype_size(wdt), &s); }
+  Buffer oalloc(i64 numel) {
+    return dev.alloc(static_cast<std::size_t>(numel) * dtype_size(wdt), &s);
+  }
   model_ops::Out oout(const Buffer& b) const { return model_ops::Out{b.data(), wdt}; }
-  TensorRef otensor(const Buffer& b, i64 numel) const { return tensor(b, wdt, static_cast<std::size_t>(numel)); }
+  TensorRef otensor(const Buffer& b, i64 numel) const {
+    return tensor(b, wdt, static_cast<std::size_t>(numel));
+  }
   // Rows [r0, r0 + rows) of a row-major operand of `cols` columns.
   static TensorRef rows_of(TensorRef t, i64 r0, i64 rows, i64 cols) {
     const std::size_t es = dtype_size(t.dtype);
@@ -217,7 +232,8 @@ struct Model::Impl {
   }
 
   // y[n, out] = beta * y + x[n, in] @ op(W); W stored [out, in] (out_in) or [in, out] (Conv1D).
-  void linear(const TensorRef& x, Weight w, bool out_in, float* y, i64 n, i64 in, i64 out, float beta) {
+  void linear(const TensorRef& x, Weight w, bool out_in, float* y, i64 n, i64 in, i64 out,
+              float beta) {
     MatmulDesc d;
     d.m = n;
     d.n = out;
@@ -230,7 +246,8 @@ struct Model::Impl {
     s.matmul(d);
   }
   // dx[n, in] = beta * dx + dy[n, out] @ op(W)^T.
-  void linear_dx(const TensorRef& dy, Weight w, bool out_in, float* dx, i64 n, i64 in, i64 out, float beta) {
+  void linear_dx(const TensorRef& dy, Weight w, bool out_in, float* dx, i64 n, i64 in, i64 out,
+                 float beta) {
     MatmulDesc d;
     d.m = n;
     d.n = in;
@@ -243,7 +260,8 @@ struct Model::Impl {
     s.matmul(d);
   }
   // dW += op(x^T dy): [out, in] = dy^T x, or [in, out] = x^T dy.
-  void linear_dw(const TensorRef& tx, const TensorRef& tdy, float* dw, bool out_in, i64 n, i64 in, i64 out) {
+  void linear_dw(const TensorRef& tx, const TensorRef& tdy, float* dw, bool out_in, i64 n, i64 in,
+                 i64 out) {
     MatmulDesc d;
     d.k = n;
     d.trans_a = true;
@@ -283,22 +301,24 @@ struct Model::Impl {
     a.n2b = falloc(N);
     Buffer y;
     if (gpt2) {
-      // ln_1.w ln_1.b c_attn.w c_attn.b attn.c_proj.w attn.c_proj.b ln_2.w ln_2.b c_fc.w c_fc.b c_proj.w c_proj.b
+      // ln_1.w ln_1.b c_attn.w c_attn.b attn.c_proj.w attn.c_proj.b ln_2.w ln_2.b c_fc.w c_fc.b
+      // c_proj.w c_proj.b
       auto P = [&](std::size_t i) { return param(w, unit, i); };
       a.n1a = falloc(N);
       a.n2a = falloc(N);
       a.fc = falloc(N * I);
       a.act = oalloc(N * I);
-      model_ops::layernorm_forward(s, x, P(0), P(1), oout(a.h1), fptr(a.n1a), fptr(a.n1b), N, C, cfg.norm_eps);
+      model_ops::layernorm_forward(s, x, P(0), P(1), oout(a.h1), fptr(a.n1a), fptr(a.n1b), N, C,
+                                   cfg.norm_eps);
       linear(otensor(a.h1, N * C), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
       model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh, nkv, hd, scale,
-                                   wdt);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh,
+                                   nkv, hd, scale, wdt);
       copy_f(fptr(a.xm), x, N * C);
       linear(o_operand(a), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
       model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
-      model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b), N, C,
-                                   cfg.norm_eps);
+      model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b),
+                                   N, C, cfg.norm_eps);
       linear(otensor(a.h2, N * C), P(8), false, fptr(a.fc), N, C, I, 0.0f);
       model_ops::bias_add(s, fptr(a.fc), P(9), N, I);
       model_ops::gelu_forward(s, fptr(a.fc), oout(a.act), N * I);
@@ -318,13 +338,15 @@ struct Model::Impl {
       linear(otensor(a.h1, N * C), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
       if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
       // q's heads and then k's are consecutive columns: one pass rotates both.
-      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin), false);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh, nkv, hd, scale,
-                                   wdt);
+      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin),
+                      false);
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh,
+                                   nkv, hd, scale, wdt);
       copy_f(fptr(a.xm), x, N * C);
       linear(o_operand(a), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
       if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), N, C);
-      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C, cfg.norm_eps);
+      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C,
+                                 cfg.norm_eps);
       linear(otensor(a.h2, N * C), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
       model_ops::swiglu_forward(s, fptr(a.fc), oout(a.act), N, I);
       const TensorRef act = otensor(a.act, N * I);
@@ -338,7 +360,8 @@ struct Model::Impl {
   }
 
   // g (grad of the layer's output) becomes the grad of its input, in place.
-  void layer_backward(Acts& a, const TensorRef& w, const TensorRef& gw, std::size_t unit, float* g) {
+  void layer_backward(Acts& a, const TensorRef& w, const TensorRef& gw, std::size_t unit,
+                      float* g) {
     const float* x = fptr(a.x);
     const double scale = attn_scale(unit);
     auto P = [&](std::size_t i) { return param(w, unit, i); };
@@ -364,7 +387,8 @@ struct Model::Impl {
         linear_dw(otensor(a.h2, N * C), dfcop, G(8), false, N, C, I);
       }
       model_ops::bias_backward(s, fptr(dfc), G(9), N, I);
-      model_ops::layernorm_backward(s, fptr(dh), fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g, G(6), G(7), N, C);
+      model_ops::layernorm_backward(s, fptr(dh), fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g,
+                                    G(6), G(7), N, C);
       {
         Buffer copy;
         const TensorRef gop = operand(g, N * C, copy);
@@ -372,8 +396,8 @@ struct Model::Impl {
         linear_dw(o_operand(a), gop, G(4), false, N, qd, C);
       }
       model_ops::bias_backward(s, g, G(5), N, C);
-      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
-                                    hd, scale, wdt);
+      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv),
+                                    B, T, nh, nkv, hd, scale, wdt);
       model_ops::bias_backward(s, fptr(dqkv), G(3), N, qkvd);
       {
         Buffer copy;
@@ -381,7 +405,8 @@ struct Model::Impl {
         linear_dx(dqkvop, P(2), false, fptr(dh), N, C, qkvd, 0.0f);
         linear_dw(otensor(a.h1, N * C), dqkvop, G(2), false, N, C, qkvd);
       }
-      model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1), N, C);
+      model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1),
+                                    N, C);
     } else {
       const LlamaIdx ix = llama_idx();
       Buffer dgu = oalloc(N * 2 * I);
@@ -391,14 +416,15 @@ struct Model::Impl {
       model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), oout(dgu), N, I);
       linear_dx(otensor(dgu, N * 2 * I), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
       linear_dw(otensor(a.h2, N * C), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C, 2 * I);
-      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g, G(ix.post_norm), N, C,
-                                  dres_b.data());
+      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g,
+                                  G(ix.post_norm), N, C, dres_b.data());
       if (cfg.o_bias) model_ops::bias_backward(s, g, G(ix.ob), N, C);
       linear_dx(g_operand(g), P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
       linear_dw(o_operand(a), g_operand(g), G(ix.o), true, N, qd, C);
-      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv), B, T, nh, nkv,
-                                    hd, scale, wdt);
-      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin), true);
+      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv),
+                                    B, T, nh, nkv, hd, scale, wdt);
+      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin),
+                      true);
       if (cfg.qkv_bias) model_ops::bias_backward(s, fptr(dqkv), G(ix.qb), N, qkvd);
       {
         Buffer copy;
@@ -406,8 +432,8 @@ struct Model::Impl {
         linear_dx(dqkvop, P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
         linear_dw(otensor(a.h1, N * C), dqkvop, G(ix.q), true, N, C, qkvd);
       }
-      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N, C,
-                                  dres_b.data());
+      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N,
+                                  C, dres_b.data());
     }
   }
 
@@ -433,17 +459,20 @@ struct Model::Impl {
   // The attention score scale of decoder layer `unit` (1..L), as Hugging Face computes it.
   double attn_scale(std::size_t unit) const {
     double sc = !gpt2 || cfg.scale_attn_weights ? 1.0 / std::sqrt(double(hd)) : 1.0;
-    if (gpt2 && cfg.scale_attn_by_inverse_layer_idx) sc /= double(unit);  // layer index unit - 1, plus 1
+    if (gpt2 && cfg.scale_attn_by_inverse_layer_idx)
+      sc /= double(unit);  // layer index unit - 1, plus 1
     return sc;
   }
 
   void check_ids(const std::vector<std::int32_t>& ids, const char* what) const {
-    STRATA_REQUIRE(static_cast<i64>(ids.size()) == N,
-                   "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}", what,
-                   ids.size(), B, T, N);
+    STRATA_REQUIRE(
+        static_cast<i64>(ids.size()) == N,
+        "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}",
+        what, ids.size(), B, T, N);
     for (std::size_t i = 0; i < ids.size(); ++i)
-      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V, "Model: batch.{}[{}] = {} is outside the vocabulary [0, {})",
-                     what, i, ids[i], V);
+      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V,
+                     "Model: batch.{}[{}] = {} is outside the vocabulary [0, {})", what, i, ids[i],
+                     V);
   }
 
   // Copies from model-owned host memory: a copy still queued when the caller's batch goes
@@ -470,8 +499,8 @@ struct Model::Impl {
     {
       const TensorRef w0 = acquire_w(p, 0);
       const Weight wpe = gpt2 ? param(w0, 0, 1) : Weight{};
-      model_ops::embedding_forward(s, static_cast<const std::int32_t*>(tokens.data()), param(w0, 0, 0), wpe,
-                                   fptr(x), N, T, C);
+      model_ops::embedding_forward(s, static_cast<const std::int32_t*>(tokens.data()),
+                                   param(w0, 0, 0), wpe, fptr(x), N, T, C);
       p.release_weights(0);
     }
     for (i64 l = 0; l < L; ++l) {
@@ -501,10 +530,11 @@ struct Model::Impl {
   }
 
   // The final norm of the head unit: out, and its saved statistics.
-  void final_norm(const TensorRef& wh, const float* x, model_ops::Out out, float* st_a, float* st_b) {
+  void final_norm(const TensorRef& wh, const float* x, model_ops::Out out, float* st_a,
+                  float* st_b) {
     if (gpt2)
-      model_ops::layernorm_forward(s, x, param(wh, L + 1, 0), param(wh, L + 1, 1), out, st_a, st_b, N, C,
-                                   cfg.norm_eps);
+      model_ops::layernorm_forward(s, x, param(wh, L + 1, 0), param(wh, L + 1, 1), out, st_a, st_b,
+                                   N, C, cfg.norm_eps);
     else
       model_ops::rmsnorm_forward(s, x, param(wh, L + 1, 0), out, st_b, N, C, cfg.norm_eps);
   }
@@ -540,19 +570,24 @@ struct Model::Impl {
         dwh = gparam(gh, hu, 1);
       }
     }
-    const i64 chunk = opt.loss_chunk_rows > 0 ? opt.loss_chunk_rows
-                                              : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / V));
+    const i64 chunk = opt.loss_chunk_rows > 0
+                          ? opt.loss_chunk_rows
+                          : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / V));
     Buffer logits = falloc(std::min(chunk, N) * V);
     // bf16 compute: the loss kernel writes the logits' gradient straight as the GEMMs' operand.
-    Buffer dlogits_b = grad && wdt == DType::kBF16 ? dev.alloc(std::size_t(std::min(chunk, N) * V) * 2, &s) : Buffer{};
+    Buffer dlogits_b = grad && wdt == DType::kBF16
+                           ? dev.alloc(std::size_t(std::min(chunk, N) * V) * 2, &s)
+                           : Buffer{};
     const TensorRef hfop = otensor(hf, N * C);
     for (i64 r0 = 0; r0 < N; r0 += chunk) {
       const i64 rows = std::min(chunk, N - r0);
       const TensorRef hrows = rows_of(hfop, r0, rows, C);
       linear(hrows, whead, true, fptr(logits), rows, C, V, 0.0f);
-      model_ops::cross_entropy(s, fptr(logits), static_cast<const std::int32_t*>(targets.data()) + r0,
+      model_ops::cross_entropy(s, fptr(logits),
+                               static_cast<const std::int32_t*>(targets.data()) + r0,
                                fptr(losses) + r0, rows, V, grad ? 1.0 / double(N) : 0.0,
-                               dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16} : model_ops::Out{fptr(logits)});
+                               dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16}
+                                         : model_ops::Out{fptr(logits)});
       if (grad) {
         const TensorRef dlogits = dlogits_b ? tensor(dlogits_b, DType::kBF16, std::size_t(rows * V))
                                             : tensor(logits, DType::kF32, std::size_t(rows * V));
@@ -565,8 +600,9 @@ struct Model::Impl {
       if (wdt == DType::kBF16 && !gpt2) dres_b = dev.alloc(static_cast<std::size_t>(N * C) * 2, &s);
       s.fill(tensor(dres, DType::kF32), 0.0f);
       if (gpt2)
-        model_ops::layernorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_a), fptr(st_b), fptr(dres),
-                                      gparam(gh, hu, 0), gparam(gh, hu, 1), N, C);
+        model_ops::layernorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_a),
+                                      fptr(st_b), fptr(dres), gparam(gh, hu, 0), gparam(gh, hu, 1),
+                                      N, C);
       else
         model_ops::rmsnorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_b), fptr(dres),
                                     gparam(gh, hu, 0), N, C, dres_b.data());
@@ -611,7 +647,8 @@ struct Model::Impl {
     model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tokens.data()), fptr(dres),
                                   gparam(g0, 0, 0), gpt2 ? gparam(g0, 0, 1) : nullptr, N, T, C);
     if (cfg.tie_word_embeddings)
-      s.axpy(1.0f, tensor(tied_grad, DType::kF32), dev_tensor(dev, gparam(g0, 0, 0), DType::kF32, V * C));
+      s.axpy(1.0f, tensor(tied_grad, DType::kF32),
+             dev_tensor(dev, gparam(g0, 0, 0), DType::kF32, V * C));
     p.release_grads(0);
     tied_grad.reset();
     dres.reset();
@@ -662,9 +699,11 @@ std::size_t Model::num_params() const {
 double Model::flops_per_step() const {
   const Impl& m = *impl_;
   // Matmul weights every token passes through (the head once, even when tied).
-  const double per_layer = double(m.C) * m.qkvd + double(m.qd) * m.C + double(m.C) * m.I * (m.gpt2 ? 2 : 3);
+  const double per_layer =
+      double(m.C) * m.qkvd + double(m.qd) * m.C + double(m.C) * m.I * (m.gpt2 ? 2 : 3);
   const double matmul_params = per_layer * m.L + double(m.C) * m.V;
-  const double attn = 2.0 * 2.0 * m.L * double(m.T) * m.T / 2 * m.qd * m.B;  // QK^T and PV, causal half
+  const double attn =
+      2.0 * 2.0 * m.L * double(m.T) * m.T / 2 * m.qd * m.B;  // QK^T and PV, causal half
   return 6.0 * matmul_params * double(m.N) + 3.0 * attn;
 }
 
@@ -673,12 +712,16 @@ double Model::flops_per_step() const {
 std::vector<Model::GemmShape> Model::gemm_shapes() const {
   const Impl& m = *impl_;
   std::vector<GemmShape> out;
-  auto add = [&](const std::string& name, i64 n, i64 in, i64 out_dim, bool out_in, i64 count, bool fwd_again) {
+  auto add = [&](const std::string& name, i64 n, i64 in, i64 out_dim, bool out_in, i64 count,
+                 bool fwd_again) {
     out.push_back({name + " forward", n, out_dim, in, false, out_in, count, false});
-    if (fwd_again) out.push_back({name + " forward (recompute)", n, out_dim, in, false, out_in, count, true});
+    if (fwd_again)
+      out.push_back({name + " forward (recompute)", n, out_dim, in, false, out_in, count, true});
     out.push_back({name + " dx", n, in, out_dim, false, !out_in, count, false});
-    if (out_in) out.push_back({name + " dw", out_dim, in, n, true, false, count, false});
-    else out.push_back({name + " dw", in, out_dim, n, true, false, count, false});
+    if (out_in)
+      out.push_back({name + " dw", out_dim, in, n, true, false, count, false});
+    else
+      out.push_back({name + " dw", in, out_dim, n, true, false, count, false});
   };
   const bool ckpt = m.opt.checkpoint;
   const bool out_in = !m.gpt2;
@@ -687,8 +730,9 @@ std::vector<Model::GemmShape> Model::gemm_shapes() const {
   add(m.gpt2 ? "attn c_proj" : "o", m.N, m.qd, m.C, out_in, m.L, ckpt);
   add(m.gpt2 ? "mlp c_fc" : "mlp gate|up", m.N, m.C, m.gpt2 ? m.I : 2 * m.I, out_in, m.L, ckpt);
   add(m.gpt2 ? "mlp c_proj" : "mlp down", m.N, m.I, m.C, out_in, m.L, false);
-  const i64 chunk = m.opt.loss_chunk_rows > 0 ? m.opt.loss_chunk_rows
-                                              : std::max<i64>(1, std::min<i64>(m.N, (i64(4) << 20) / m.V));
+  const i64 chunk = m.opt.loss_chunk_rows > 0
+                        ? m.opt.loss_chunk_rows
+                        : std::max<i64>(1, std::min<i64>(m.N, (i64(4) << 20) / m.V));
   if (m.N / chunk > 0) add("lm head", chunk, m.C, m.V, true, m.N / chunk, false);
   if (m.N % chunk > 0) add("lm head (last chunk)", m.N % chunk, m.C, m.V, true, 1, false);
   return out;

@@ -19,10 +19,10 @@ void check(int err, const char* op) {
                  gpu::model::kernels().error_text(err), err);
 }
 // The launchers are in the CUDA module, which is loaded whenever a CUDA stream exists.
-#define STRATA_GPU_OP(name, ...)                                                \
-  if (on_cuda(s)) {                                                             \
-    check(gpu::model::kernels().name(__VA_ARGS__, s.native_handle()), #name);   \
-    return;                                                                     \
+#define STRATA_GPU_OP(name, ...)                                              \
+  if (on_cuda(s)) {                                                           \
+    check(gpu::model::kernels().name(__VA_ARGS__, s.native_handle()), #name); \
+    return;                                                                   \
   }
 
 void require_w(Weight w, const char* what) {
@@ -38,7 +38,8 @@ void require_out(Out out, const char* what) {
 // fp32 device memory x (numel) cast into bf16 y, on the stream.
 void cast_to_bf16(Stream& s, const float* x, void* y, i64 numel) {
   const std::size_t n = std::size_t(numel);
-  s.cast(TensorRef{MemRef{const_cast<float*>(x), n * 4, MemSpace::kDevice, &s.device()}, DType::kF32, n},
+  s.cast(TensorRef{MemRef{const_cast<float*>(x), n * 4, MemSpace::kDevice, &s.device()},
+                   DType::kF32, n},
          TensorRef{MemRef{y, n * 2, MemSpace::kDevice, &s.device()}, DType::kBF16, n});
 }
 
@@ -73,85 +74,110 @@ void with_w(Weight w, Fn fn) {
 
 }  // namespace
 
-void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out, i64 n,
-                       i64 t, i64 c) {
+void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out,
+                       i64 n, i64 t, i64 c) {
   require_w(wte, "embedding_forward");
-  STRATA_GPU_OP(embedding_forward, tokens, wte.ptr, wpe.ptr, wte.dtype == DType::kBF16, out, n, t, c)
-  s.host_fn([=] {
-    with_w(wte, [&](auto* e) {
-      using W = std::remove_const_t<std::remove_pointer_t<decltype(e)>>;
-      cpu::embedding_forward<float, W>(tokens, e, static_cast<const W*>(wpe.ptr), out, n, t, c);
-    });
-  }, "embedding_forward");
+  STRATA_GPU_OP(embedding_forward, tokens, wte.ptr, wpe.ptr, wte.dtype == DType::kBF16, out, n, t,
+                c)
+  s.host_fn(
+      [=] {
+        with_w(wte, [&](auto* e) {
+          using W = std::remove_const_t<std::remove_pointer_t<decltype(e)>>;
+          cpu::embedding_forward<float, W>(tokens, e, static_cast<const W*>(wpe.ptr), out, n, t, c);
+        });
+      },
+      "embedding_forward");
 }
 
-void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte, float* dwpe,
-                        i64 n, i64 t, i64 c) {
+void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte,
+                        float* dwpe, i64 n, i64 t, i64 c) {
   STRATA_GPU_OP(embedding_backward, tokens, dout, dwte, dwpe, n, t, c)
-  s.host_fn([=] { cpu::embedding_backward<float>(tokens, dout, dwte, dwpe, n, t, c); }, "embedding_backward");
+  s.host_fn([=] { cpu::embedding_backward<float>(tokens, dout, dwte, dwpe, n, t, c); },
+            "embedding_backward");
 }
 
-void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n, i64 c, double eps) {
+void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n, i64 c,
+                     double eps) {
   require_w(w, "rmsnorm_forward");
   require_out(out, "rmsnorm_forward");
   if (on_cuda(s))
     return cuda_out(s, out, n * c, [&](float* dst) {
       STRATA_GPU_OP(rmsnorm_forward, x, w.ptr, w.dtype == DType::kBF16, dst, rstd, n, c, eps)
     });
-  s.host_fn([=] {
-    with_w(w, [&](auto* wp) { with_out(out, [&](auto* op) { cpu::rmsnorm_forward(x, wp, op, rstd, n, c, eps); }); });
-  }, "rmsnorm_forward");
+  s.host_fn(
+      [=] {
+        with_w(w, [&](auto* wp) {
+          with_out(out, [&](auto* op) { cpu::rmsnorm_forward(x, wp, op, rstd, n, c, eps); });
+        });
+      },
+      "rmsnorm_forward");
 }
 
-void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd, float* dx,
-                      float* dw, i64 n, i64 c, void* dx_bf16) {
+void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* rstd,
+                      float* dx, float* dw, i64 n, i64 c, void* dx_bf16) {
   require_w(w, "rmsnorm_backward");
   if (on_cuda(s)) {
-    [&] { STRATA_GPU_OP(rmsnorm_backward, dout, x, w.ptr, w.dtype == DType::kBF16, rstd, dx, dw, n, c) }();
+    [&] {
+      STRATA_GPU_OP(rmsnorm_backward, dout, x, w.ptr, w.dtype == DType::kBF16, rstd, dx, dw, n, c)
+    }();
     if (dx_bf16) cast_to_bf16(s, dx, dx_bf16, n * c);
     return;
   }
   auto* db = static_cast<cpu::bf16_t*>(dx_bf16);
-  s.host_fn([=] { with_w(w, [&](auto* wp) { cpu::rmsnorm_backward(dout, x, wp, rstd, dx, dw, n, c, db); }); },
-            "rmsnorm_backward");
+  s.host_fn(
+      [=] {
+        with_w(w, [&](auto* wp) { cpu::rmsnorm_backward(dout, x, wp, rstd, dx, dw, n, c, db); });
+      },
+      "rmsnorm_backward");
 }
 
-void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, float* mean, float* rstd,
-                       i64 n, i64 c, double eps) {
+void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, float* mean,
+                       float* rstd, i64 n, i64 c, double eps) {
   require_w(w, "layernorm_forward");
   require_out(out, "layernorm_forward");
   STRATA_REQUIRE(w.dtype == b.dtype, "layernorm_forward: weight and bias dtypes differ");
   if (on_cuda(s))
     return cuda_out(s, out, n * c, [&](float* dst) {
-      STRATA_GPU_OP(layernorm_forward, x, w.ptr, b.ptr, w.dtype == DType::kBF16, dst, mean, rstd, n, c, eps)
+      STRATA_GPU_OP(layernorm_forward, x, w.ptr, b.ptr, w.dtype == DType::kBF16, dst, mean, rstd, n,
+                    c, eps)
     });
-  s.host_fn([=] {
-    with_w(w, [&](auto* wp) {
-      using W = std::remove_pointer_t<decltype(wp)>;
-      with_out(out, [&](auto* op) { cpu::layernorm_forward(x, wp, static_cast<W*>(b.ptr), op, mean, rstd, n, c, eps); });
-    });
-  }, "layernorm_forward");
+  s.host_fn(
+      [=] {
+        with_w(w, [&](auto* wp) {
+          using W = std::remove_pointer_t<decltype(wp)>;
+          with_out(out, [&](auto* op) {
+            cpu::layernorm_forward(x, wp, static_cast<W*>(b.ptr), op, mean, rstd, n, c, eps);
+          });
+        });
+      },
+      "layernorm_forward");
 }
 
 void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w, const float* mean,
                         const float* rstd, float* dx, float* dw, float* db, i64 n, i64 c) {
   require_w(w, "layernorm_backward");
-  STRATA_GPU_OP(layernorm_backward, dout, x, w.ptr, w.dtype == DType::kBF16, mean, rstd, dx, dw, db, n, c)
-  s.host_fn([=] {
-    with_w(w, [&](auto* wp) { cpu::layernorm_backward(dout, x, wp, mean, rstd, dx, dw, db, n, c); });
-  }, "layernorm_backward");
+  STRATA_GPU_OP(layernorm_backward, dout, x, w.ptr, w.dtype == DType::kBF16, mean, rstd, dx, dw, db,
+                n, c)
+  s.host_fn(
+      [=] {
+        with_w(w, [&](auto* wp) {
+          cpu::layernorm_backward(dout, x, wp, mean, rstd, dx, dw, db, n, c);
+        });
+      },
+      "layernorm_backward");
 }
 
-void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
-          const float* sin, bool inverse) {
+void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd,
+          const float* cos, const float* sin, bool inverse) {
   STRATA_GPU_OP(rope, x, n, t, stride, col, heads, hd, cos, sin, inverse)
-  s.host_fn([=] { cpu::rope_apply<float>(x, n, t, stride, col, heads, hd, cos, sin, inverse); }, "rope");
+  s.host_fn([=] { cpu::rope_apply<float>(x, n, t, stride, col, heads, hd, cos, sin, inverse); },
+            "rope");
 }
 
-void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b, i64 t, i64 nh,
-                       i64 nkv, i64 hd, double scale, DType gemm) {
-  STRATA_REQUIRE(hd <= 512 && nh % nkv == 0, "attention: head_dim {} must be <= 512, heads {} a multiple of {}",
-                 hd, nh, nkv);
+void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse, i64 b,
+                       i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm) {
+  STRATA_REQUIRE(hd <= 512 && nh % nkv == 0,
+                 "attention: head_dim {} must be <= 512, heads {} a multiple of {}", hd, nh, nkv);
   const bool bf16 = gemm == DType::kBF16;
   if (on_cuda(s)) {
     [&] { STRATA_GPU_OP(attention_forward, qkv, o, lse, b, t, nh, nkv, hd, scale, bf16) }();
@@ -163,18 +189,23 @@ void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, floa
             "attention_forward");
 }
 
-void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout, const float* lse,
-                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, DType gemm) {
+void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
+                        const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
+                        double scale, DType gemm) {
   const bool bf16 = gemm == DType::kBF16;
   STRATA_GPU_OP(attention_backward, qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale, bf16)
-  s.host_fn([=] { cpu::attention_backward_fast(qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale, bf16); },
-            "attention_backward");
+  s.host_fn(
+      [=] {
+        cpu::attention_backward_fast(qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale, bf16);
+      },
+      "attention_backward");
 }
 
 void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter) {
   require_out(out, "swiglu_forward");
   if (on_cuda(s))
-    return cuda_out(s, out, n * inter, [&](float* dst) { STRATA_GPU_OP(swiglu_forward, gu, dst, n, inter) });
+    return cuda_out(s, out, n * inter,
+                    [&](float* dst) { STRATA_GPU_OP(swiglu_forward, gu, dst, n, inter) });
   s.host_fn([=] { with_out(out, [&](auto* op) { cpu::swiglu_forward<float>(gu, op, n, inter); }); },
             "swiglu_forward");
 }
@@ -182,15 +213,21 @@ void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter) {
 void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n, i64 inter) {
   require_out(dgu, "swiglu_backward");
   if (on_cuda(s))
-    return cuda_out(s, dgu, n * 2 * inter, [&](float* dst) { STRATA_GPU_OP(swiglu_backward, dout, gu, dst, n, inter) });
-  s.host_fn([=] { with_out(dgu, [&](auto* op) { cpu::swiglu_backward<float>(dout, gu, op, n, inter); }); },
-            "swiglu_backward");
+    return cuda_out(s, dgu, n * 2 * inter,
+                    [&](float* dst) { STRATA_GPU_OP(swiglu_backward, dout, gu, dst, n, inter) });
+  s.host_fn(
+      [=] {
+        with_out(dgu, [&](auto* op) { cpu::swiglu_backward<float>(dout, gu, op, n, inter); });
+      },
+      "swiglu_backward");
 }
 
 void gelu_forward(Stream& s, const float* x, Out out, i64 n) {
   require_out(out, "gelu_forward");
-  if (on_cuda(s)) return cuda_out(s, out, n, [&](float* dst) { STRATA_GPU_OP(gelu_forward, x, dst, n) });
-  s.host_fn([=] { with_out(out, [&](auto* op) { cpu::gelu_forward<float>(x, op, n); }); }, "gelu_forward");
+  if (on_cuda(s))
+    return cuda_out(s, out, n, [&](float* dst) { STRATA_GPU_OP(gelu_forward, x, dst, n) });
+  s.host_fn([=] { with_out(out, [&](auto* op) { cpu::gelu_forward<float>(x, op, n); }); },
+            "gelu_forward");
 }
 
 void gelu_backward(Stream& s, const float* dout, const float* x, float* dx, i64 n) {
@@ -209,8 +246,8 @@ void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m) {
   s.host_fn([=] { cpu::bias_backward<float>(dy, db, n, m); }, "bias_backward");
 }
 
-void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
-                   double grad_scale, Out grad) {
+void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows,
+                   i64 vocab, double grad_scale, Out grad) {
   require_out(grad, "cross_entropy");
   const bool to_logits = grad.ptr == logits;
   STRATA_REQUIRE(to_logits || grad.dtype == DType::kBF16 || grad_scale == 0,
@@ -221,8 +258,12 @@ void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float*
     return;
   }
   auto* gb = to_logits ? nullptr : static_cast<cpu::bf16_t*>(grad.ptr);
-  s.host_fn([=] { cpu::cross_entropy<float, cpu::bf16_t>(logits, targets, losses, rows, vocab, grad_scale, gb); },
-            "cross_entropy");
+  s.host_fn(
+      [=] {
+        cpu::cross_entropy<float, cpu::bf16_t>(logits, targets, losses, rows, vocab, grad_scale,
+                                               gb);
+      },
+      "cross_entropy");
 }
 
 }  // namespace strata::model_ops

@@ -24,13 +24,14 @@ struct Out {
   Out(void* p, DType t) : ptr(p), dtype(t) {}
 };
 
-void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out, i64 n,
-                       i64 t, i64 c);
-void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n, i64 c, double eps);
-void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, float* mean, float* rstd,
-                       i64 n, i64 c, double eps);
-void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd, const float* cos,
-          const float* sin, bool inverse);
+void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out,
+                       i64 n, i64 t, i64 c);
+void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n, i64 c,
+                     double eps);
+void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, float* mean,
+                       float* rstd, i64 n, i64 c, double eps);
+void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd,
+          const float* cos, const float* sin, bool inverse);
 void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter);
 void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n, i64 inter);
 void gelu_forward(Stream& s, const float* x, Out out, i64 n);
@@ -38,7 +39,7 @@ void gelu_backward(Stream& s, const float* dout, const float* x, float* dx, i64 
 void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m);
 // With grad_scale != 0 the logits' gradient goes to grad: the logits themselves (fp32) or a
 // bf16 buffer (the head GEMMs' operand in bf16 compute).
-void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
-                   double grad_scale, Out grad);
+void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows,
+                   i64 vocab, double grad_scale, Out grad);
 
 }  // namespace strata::model_ops

@@ -14,7 +14,8 @@ namespace strata {
 ResidentWeights::ResidentWeights(const Model& model, Stream& stream)
     : ResidentWeights(model.config(), model.options().compute, stream.device(), stream) {}
 
-ResidentWeights::ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device, Stream& stream)
+ResidentWeights::ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device,
+                                 Stream& stream)
     : cfg_(cfg), dtype_(dtype), stream_(stream), units_(model_units(cfg)) {
   STRATA_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16,
                  "ResidentWeights: dtype must be fp32 or bf16, got {}", dtype_name(dtype));
@@ -45,8 +46,8 @@ std::pair<std::size_t, const ParamSpec*> ResidentWeights::find(const std::string
   for (std::size_t u = 0; u < units_.size(); ++u)
     for (const ParamSpec& p : units_[u].params)
       if (p.name == name) return {u, &p};
-  STRATA_THROW(kInvalidArgument, "model has no parameter '{}' ({} {} layers)", name, cfg_.model_type,
-               cfg_.num_layers);
+  STRATA_THROW(kInvalidArgument, "model has no parameter '{}' ({} {} layers)", name,
+               cfg_.model_type, cfg_.num_layers);
 }
 
 std::vector<std::uint8_t> ResidentWeights::get_bytes(const std::string& name) const {
@@ -61,8 +62,8 @@ std::vector<std::uint8_t> ResidentWeights::get_bytes(const std::string& name) co
 void ResidentWeights::set_bytes(const std::string& name, const void* data, std::size_t bytes) {
   const auto [u, p] = find(name);
   const std::size_t es = dtype_size(dtype_);
-  STRATA_REQUIRE(bytes == p->numel * es, "parameter '{}': {} bytes given, {} expected ({} x {})", name, bytes,
-                 p->numel * es, p->numel, dtype_name(dtype_));
+  STRATA_REQUIRE(bytes == p->numel * es, "parameter '{}': {} bytes given, {} expected ({} x {})",
+                 name, bytes, p->numel * es, p->numel, dtype_name(dtype_));
   stream_.copy(weights_[u].ref(p->offset * es, bytes), host_ref(data, bytes));
   stream_.synchronize();
 }
@@ -110,7 +111,8 @@ void fill_params(ResidentWeights& w, std::uint64_t seed, Value value) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (const UnitSpec& u : w.units()) {
     for (const ParamSpec& p : u.params) {
-      const bool norm = p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
+      const bool norm =
+          p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
       const bool bias = p.name.ends_with(".bias");
       std::vector<float> v(p.numel);
       for (auto& x : v) x = value(p, norm, bias, nd(rng));
@@ -140,12 +142,14 @@ namespace {
 
 // Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): four
 // 32-bit outputs of a 128-bit counter under a 64-bit key.
-std::array<std::uint32_t, 4> philox(std::array<std::uint32_t, 4> c, std::array<std::uint32_t, 2> k) {
-  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+std::array<std::uint32_t, 4> philox(std::array<std::uint32_t, 4> c,
+                                    std::array<std::uint32_t, 2> k) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u,
+                          kW1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
     const std::uint64_t p0 = std::uint64_t(kM0) * c[0], p1 = std::uint64_t(kM1) * c[2];
-    c = {std::uint32_t(p1 >> 32) ^ c[1] ^ k[0], std::uint32_t(p1), std::uint32_t(p0 >> 32) ^ c[3] ^ k[1],
-         std::uint32_t(p0)};
+    c = {std::uint32_t(p1 >> 32) ^ c[1] ^ k[0], std::uint32_t(p1),
+         std::uint32_t(p0 >> 32) ^ c[3] ^ k[1], std::uint32_t(p0)};
     k = {k[0] + kW0, k[1] + kW1};
   }
   return c;
@@ -160,11 +164,13 @@ std::uint64_t name_hash(const std::string& s) {
 
 }  // namespace
 
-void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed, std::size_t first,
-                    std::size_t count, float* out) {
-  STRATA_REQUIRE(first + count <= p.numel, "init_hf_values: elements [{}, {}) of '{}', which has {}", first,
-                 first + count, p.name, p.numel);
-  const bool norm = p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
+void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed,
+                    std::size_t first, std::size_t count, float* out) {
+  STRATA_REQUIRE(first + count <= p.numel,
+                 "init_hf_values: elements [{}, {}) of '{}', which has {}", first, first + count,
+                 p.name, p.numel);
+  const bool norm =
+      p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
   if (p.name.ends_with(".bias") || norm) {
     std::fill_n(out, count, p.name.ends_with(".bias") ? 0.0f : 1.0f);
     return;

@@ -14,9 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "strata/error.h"
 #include "strata/log.h"
@@ -35,10 +34,14 @@ std::size_t st_dtype_size(const std::string& d) {
 
 const char* st_dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF64: return "F64";
+    case DType::kF32:
+      return "F32";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF64:
+      return "F64";
   }
   return "?";
 }
@@ -69,8 +72,9 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open {}", path));
-  struct stat st{};
+  if (fd < 0)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open {}", path));
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
@@ -79,25 +83,29 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ < 8) {
     ::close(fd);
-    STRATA_THROW(kInvalidArgument, "{}: truncated safetensors file ({} bytes; the 8-byte header length is missing)",
+    STRATA_THROW(kInvalidArgument,
+                 "{}: truncated safetensors file ({} bytes; the 8-byte header length is missing)",
                  path, size_);
   }
   void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
   const int err = errno;
   ::close(fd);
-  if (p == MAP_FAILED) detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
+  if (p == MAP_FAILED)
+    detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
   base_ = static_cast<const std::uint8_t*>(p);
   try {
     std::uint64_t hlen;
     std::memcpy(&hlen, base_, 8);
     STRATA_REQUIRE(hlen <= size_ - 8,
-                   "{}: truncated safetensors file: the header claims {} bytes at offset 8 but the file has {} bytes",
+                   "{}: truncated safetensors file: the header claims {} bytes at offset 8 but the "
+                   "file has {} bytes",
                    path, hlen, size_);
     nlohmann::json h;
     try {
       h = nlohmann::json::parse(base_ + 8, base_ + 8 + hlen);
     } catch (const nlohmann::json::parse_error& e) {
-      STRATA_THROW(kInvalidArgument, "{}: the safetensors header (offset 8, {} bytes) is not valid JSON: {}", path,
+      STRATA_THROW(kInvalidArgument,
+                   "{}: the safetensors header (offset 8, {} bytes) is not valid JSON: {}", path,
                    hlen, e.what());
     }
     STRATA_REQUIRE(h.is_object(), "{}: the safetensors header is not a JSON object", path);
@@ -107,10 +115,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       const auto& v = it.value();
       SafetensorsInfo t;
       t.name = it.key();
-      STRATA_REQUIRE(v.is_object() && v.contains("dtype") && v["dtype"].is_string() && v.contains("shape") &&
-                         v["shape"].is_array() && v.contains("data_offsets") && v["data_offsets"].is_array() &&
-                         v["data_offsets"].size() == 2,
-                     "{}: header entry of tensor '{}' needs dtype, shape and data_offsets [begin, end]", path, t.name);
+      STRATA_REQUIRE(
+          v.is_object() && v.contains("dtype") && v["dtype"].is_string() && v.contains("shape") &&
+              v["shape"].is_array() && v.contains("data_offsets") && v["data_offsets"].is_array() &&
+              v["data_offsets"].size() == 2,
+          "{}: header entry of tensor '{}' needs dtype, shape and data_offsets [begin, end]", path,
+          t.name);
       t.dtype = v["dtype"].get<std::string>();
       // Every number checked before it is used: a hostile header must not wrap an offset round
       // into the header or overflow an element count.
@@ -119,8 +129,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         STRATA_REQUIRE(d.is_number_unsigned() && d.get<std::uint64_t>() <= (std::uint64_t(1) << 48),
                        "{}: tensor '{}' has a bad shape {}", path, t.name, v["shape"].dump());
         const std::size_t n = d.get<std::size_t>();
-        STRATA_REQUIRE(n == 0 || numel <= size_ / n, "{}: tensor '{}' has a shape {} larger than the file", path,
-                       t.name, v["shape"].dump());
+        STRATA_REQUIRE(n == 0 || numel <= size_ / n,
+                       "{}: tensor '{}' has a shape {} larger than the file", path, t.name,
+                       v["shape"].dump());
         t.shape.push_back(std::int64_t(n));
         numel *= n;
       }
@@ -129,14 +140,18 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                      "{}: tensor '{}' has bad data_offsets {}", path, t.name, off.dump());
       const std::uint64_t o0 = off[0].get<std::uint64_t>(), o1 = off[1].get<std::uint64_t>();
       STRATA_REQUIRE(o0 <= o1 && o1 <= size_ - data0,
-                     "{}: truncated or corrupt: tensor '{}' spans data bytes [{}, {}) but the file has {} bytes ({} "
-                     "after its header)", path, t.name, o0, o1, size_, size_ - data0);
+                     "{}: truncated or corrupt: tensor '{}' spans data bytes [{}, {}) but the file "
+                     "has {} bytes ({} "
+                     "after its header)",
+                     path, t.name, o0, o1, size_, size_ - data0);
       t.data_begin = data0 + o0;
       t.data_end = data0 + o1;
       const std::size_t es = st_dtype_size(t.dtype);
-      STRATA_REQUIRE(es == 0 || numel * es == t.data_end - t.data_begin,
-                     "{}: tensor '{}' ({} {}) needs {} bytes but its data_offsets (from offset {}) span {}", path,
-                     t.name, t.dtype, shape_str(t.shape), numel * es, t.data_begin, t.data_end - t.data_begin);
+      STRATA_REQUIRE(
+          es == 0 || numel * es == t.data_end - t.data_begin,
+          "{}: tensor '{}' ({} {}) needs {} bytes but its data_offsets (from offset {}) span {}",
+          path, t.name, t.dtype, shape_str(t.shape), numel * es, t.data_begin,
+          t.data_end - t.data_begin);
       tensors_.push_back(std::move(t));
     }
     // The data is wholly the tensors', without holes, as the format asks (Hugging Face's loader
@@ -147,13 +162,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     std::sort(spans.begin(), spans.end());
     std::size_t at = data0;
     for (const auto& [b, e] : spans) {
-      STRATA_REQUIRE(b == at, "{}: corrupt: {}", path,
-                     b > at ? fmt::format("bytes [{}, {}) of the file belong to no tensor (the format has no holes)", at, b)
-                            : fmt::format("two tensors share the bytes from offset {}", b));
+      STRATA_REQUIRE(
+          b == at, "{}: corrupt: {}", path,
+          b > at ? fmt::format(
+                       "bytes [{}, {}) of the file belong to no tensor (the format has no holes)",
+                       at, b)
+                 : fmt::format("two tensors share the bytes from offset {}", b));
       at = e;
     }
     STRATA_REQUIRE(at == size_,
-                   "{}: {} bytes after the last tensor's data (the tensors end at offset {}, the file at {}): a file "
+                   "{}: {} bytes after the last tensor's data (the tensors end at offset {}, the "
+                   "file at {}): a file "
                    "written over a longer one, or a header that lost entries; write it again",
                    path, size_ - at, at, size_);
   } catch (...) {
@@ -170,16 +189,20 @@ const SafetensorsInfo* SafetensorsFile::find(const std::string& name) const {
   return nullptr;
 }
 
-void SafetensorsFile::read_f32(const SafetensorsInfo& t, std::size_t first, std::size_t count, float* out) const {
+void SafetensorsFile::read_f32(const SafetensorsInfo& t, std::size_t first, std::size_t count,
+                               float* out) const {
   const std::size_t es = st_dtype_size(t.dtype);
-  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64", path_, t.name, t.dtype);
-  STRATA_REQUIRE(first + count <= (t.data_end - t.data_begin) / es, "{}: elements [{}, {}) of tensor '{}', which has {}",
-                 path_, first, first + count, t.name, (t.data_end - t.data_begin) / es);
+  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64",
+                 path_, t.name, t.dtype);
+  STRATA_REQUIRE(first + count <= (t.data_end - t.data_begin) / es,
+                 "{}: elements [{}, {}) of tensor '{}', which has {}", path_, first, first + count,
+                 t.name, (t.data_end - t.data_begin) / es);
   const std::uint8_t* p = data(t) + first * es;
   for (std::size_t i = 0; i < count; ++i) out[i] = load_elem(t.dtype, p, i);
   // The pages just read: out of this process's memory (the page cache keeps them for the next).
   const std::size_t page = std::size_t(::sysconf(_SC_PAGESIZE));
-  const std::size_t lo = (t.data_begin + first * es) / page * page, hi = t.data_begin + (first + count) * es;
+  const std::size_t lo = (t.data_begin + first * es) / page * page,
+                    hi = t.data_begin + (first + count) * es;
   if (hi > lo) (void)::madvise(const_cast<std::uint8_t*>(base_) + lo, hi - lo, MADV_DONTNEED);
 }
 
@@ -187,7 +210,8 @@ std::vector<float> SafetensorsFile::read_f32(const std::string& name) const {
   const SafetensorsInfo* t = find(name);
   STRATA_REQUIRE(t != nullptr, "{}: no tensor '{}'", path_, name);
   const std::size_t es = st_dtype_size(t->dtype);
-  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64", path_, name, t->dtype);
+  STRATA_REQUIRE(es != 0, "{}: tensor '{}' has dtype {}; strata reads F32, BF16, F16 and F64",
+                 path_, name, t->dtype);
   std::vector<float> out((t->data_end - t->data_begin) / es);
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = load_elem(t->dtype, data(*t), i);
   return out;
@@ -202,16 +226,20 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
     std::size_t numel = 1;
     for (auto d : t.shape) numel *= static_cast<std::size_t>(d);
     const std::size_t bytes = numel * dtype_size(t.dtype);
-    h[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {off, off + bytes}}};
+    h[t.name] = {{"dtype", st_dtype_name(t.dtype)},
+                 {"shape", t.shape},
+                 {"data_offsets", {off, off + bytes}}};
     off += bytes;
     sizes.push_back(bytes);
   }
   std::string hs = h.dump();
   hs.append((8 - hs.size() % 8) % 8, ' ');
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot create {}", path));
+  if (!f)
+    detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot create {}", path));
   const std::uint64_t hlen = hs.size();
-  bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+  bool ok =
+      std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
   for (std::size_t i = 0; ok && i < tensors.size(); ++i)
     ok = sizes[i] == 0 || std::fwrite(tensors[i].data, 1, sizes[i], f) == sizes[i];
   const int err = errno;
@@ -227,11 +255,13 @@ namespace {
 // Tensors Hugging Face checkpoints carry that are buffers, not parameters: GPT-2's causal mask
 // (attn.bias, attn.masked_bias) and the rotary inverse frequencies of older Llama saves.
 bool is_known_buffer(const std::string& name) {
-  return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name.ends_with("rotary_emb.inv_freq");
+  return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") ||
+         name.ends_with("rotary_emb.inv_freq");
 }
 
 // One warning naming (up to five of) the tensors of `files` that no parameter took: a config
-// that does not describe the weights (a bias it does not enable) would otherwise drop them silently.
+// that does not describe the weights (a bias it does not enable) would otherwise drop them
+// silently.
 void warn_unused(const std::string& dir, const ModelConfig& cfg,
                  const std::map<std::string, std::unique_ptr<SafetensorsFile>>& files,
                  const std::set<std::string>& used) {
@@ -242,29 +272,36 @@ void warn_unused(const std::string& dir, const ModelConfig& cfg,
   if (unused.empty()) return;
   constexpr std::size_t kNamed = 5;
   std::string names;
-  for (std::size_t i = 0; i < std::min(unused.size(), kNamed); ++i) names += (i ? ", " : "") + unused[i];
+  for (std::size_t i = 0; i < std::min(unused.size(), kNamed); ++i)
+    names += (i ? ", " : "") + unused[i];
   if (unused.size() > kNamed) names += fmt::format(" and {} more", unused.size() - kNamed);
-  log::warn("{}: {} tensor{} in the weights {} not used by this {} config ({} layers) and {} skipped: {}; check "
-            "that config.json describes these weights (a bias or head it does not enable?)",
-            dir, unused.size(), unused.size() == 1 ? "" : "s", unused.size() == 1 ? "is" : "are",
-            cfg.model_type, cfg.num_layers, unused.size() == 1 ? "was" : "were", names);
+  log::warn(
+      "{}: {} tensor{} in the weights {} not used by this {} config ({} layers) and {} skipped: "
+      "{}; check "
+      "that config.json describes these weights (a bias or head it does not enable?)",
+      dir, unused.size(), unused.size() == 1 ? "" : "s", unused.size() == 1 ? "is" : "are",
+      cfg.model_type, cfg.num_layers, unused.size() == 1 ? "was" : "were", names);
 }
 
 }  // namespace
 
 struct HfWeightsReader::Impl {
   std::map<std::string, std::unique_ptr<SafetensorsFile>> open;  // file name -> file
-  std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsInfo*>> of;  // parameter -> tensor
+  std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsInfo*>>
+      of;  // parameter -> tensor
   const std::pair<const SafetensorsFile*, const SafetensorsInfo*>& at(const ParamSpec& p) const {
     const auto it = of.find(p.name);
-    STRATA_REQUIRE(it != of.end(), "HfWeightsReader: '{}' is not a parameter of the model it was opened for", p.name);
+    STRATA_REQUIRE(it != of.end(),
+                   "HfWeightsReader: '{}' is not a parameter of the model it was opened for",
+                   p.name);
     return it->second;
   }
 };
 
 HfWeightsReader::~HfWeightsReader() = default;
 
-HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg) : impl_(std::make_unique<Impl>()) {
+HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
+    : impl_(std::make_unique<Impl>()) {
   const fs::path d(dir);
   std::map<std::string, std::string> file_of;  // tensor -> file name
   std::vector<std::string> files;
@@ -277,12 +314,16 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
     } catch (const nlohmann::json::exception& e) {
       STRATA_THROW(kInvalidArgument, "{}: not valid JSON: {}", index.string(), e.what());
     }
-    STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object() && !j["weight_map"].empty(),
-                   "{}: needs a non-empty object 'weight_map' (tensor name -> shard file)", index.string());
+    STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object() &&
+                       !j["weight_map"].empty(),
+                   "{}: needs a non-empty object 'weight_map' (tensor name -> shard file)",
+                   index.string());
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      STRATA_REQUIRE(it.value().is_string(), "{}: weight_map['{}'] must be a file name", index.string(), it.key());
+      STRATA_REQUIRE(it.value().is_string(), "{}: weight_map['{}'] must be a file name",
+                     index.string(), it.key());
       file_of[it.key()] = it.value().get<std::string>();
-      if (std::find(files.begin(), files.end(), file_of[it.key()]) == files.end()) files.push_back(file_of[it.key()]);
+      if (std::find(files.begin(), files.end(), file_of[it.key()]) == files.end())
+        files.push_back(file_of[it.key()]);
     }
   } else {
     STRATA_REQUIRE(fs::exists(d / "model.safetensors"),
@@ -296,21 +337,26 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
       std::string some;
       for (const auto& [tensor, file] : file_of)
         if (file == f) some = tensor;
-      STRATA_REQUIRE(fs::exists(d / f, ec), "{}: {} names the shard {} (for '{}' and others), which is not there: "
-                     "copy the model's every shard into {}", (d / f).string(), index.filename().string(), f, some, dir);
+      STRATA_REQUIRE(fs::exists(d / f, ec),
+                     "{}: {} names the shard {} (for '{}' and others), which is not there: "
+                     "copy the model's every shard into {}",
+                     (d / f).string(), index.filename().string(), f, some, dir);
     }
     open[f] = std::make_unique<SafetensorsFile>((d / f).string());
   }
-  auto locate = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const SafetensorsInfo*> {
-    for (const std::string& n : {name, name.starts_with("transformer.") ? name.substr(12) : std::string()}) {
+  auto locate =
+      [&](const std::string& name) -> std::pair<const SafetensorsFile*, const SafetensorsInfo*> {
+    for (const std::string& n :
+         {name, name.starts_with("transformer.") ? name.substr(12) : std::string()}) {
       if (n.empty()) continue;
       if (!file_of.empty()) {  // sharded: the index says where (never empty, checked above)
         auto it = file_of.find(n);
         if (it == file_of.end()) continue;
         const SafetensorsFile* f = open.at(it->second).get();
         const SafetensorsInfo* t = f->find(n);
-        STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is listed in the index but missing from the file", f->path(),
-                       n);
+        STRATA_REQUIRE(t != nullptr,
+                       "{}: tensor '{}' is listed in the index but missing from the file",
+                       f->path(), n);
         return {f, t};
       }
       const SafetensorsFile* f = open.begin()->second.get();
@@ -323,19 +369,21 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
   for (const UnitSpec& u : model_units(cfg))
     for (const ParamSpec& p : u.params) {
       auto [f, t] = locate(p.name);
-      STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is missing (expected {} for {} with {} layers)", dir, p.name,
-                     shape_str(p.shape), cfg.model_type, cfg.num_layers);
-      STRATA_REQUIRE(t->shape == p.shape, "{}: tensor '{}' has shape {}, the config needs {}", f->path(), t->name,
-                     shape_str(t->shape), shape_str(p.shape));
+      STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is missing (expected {} for {} with {} layers)",
+                     dir, p.name, shape_str(p.shape), cfg.model_type, cfg.num_layers);
+      STRATA_REQUIRE(t->shape == p.shape, "{}: tensor '{}' has shape {}, the config needs {}",
+                     f->path(), t->name, shape_str(t->shape), shape_str(p.shape));
       STRATA_REQUIRE(t->dtype == "F32" || t->dtype == "BF16" || t->dtype == "F16",
-                     "{}: tensor '{}' has dtype {}; strata loads F32, BF16 and F16", f->path(), t->name, t->dtype);
+                     "{}: tensor '{}' has dtype {}; strata loads F32, BF16 and F16", f->path(),
+                     t->name, t->dtype);
       impl_->of[p.name] = {f, t};
       used.insert(t->name);
     }
   warn_unused(dir, cfg, open, used);
 }
 
-void HfWeightsReader::read(const ParamSpec& p, std::size_t first, std::size_t count, float* out) const {
+void HfWeightsReader::read(const ParamSpec& p, std::size_t first, std::size_t count,
+                           float* out) const {
   const auto [f, t] = impl_->at(p);
   f->read_f32(*t, first, count, out);
 }
@@ -373,10 +421,10 @@ struct HfWeightsWriter::Impl {
   ModelConfig cfg;
   DType dtype;
   std::vector<UnitSpec> units;
-  std::vector<std::vector<Tensor>> shards;  // in write order
-  std::vector<std::string> names;           // shard file names
+  std::vector<std::vector<Tensor>> shards;                   // in write order
+  std::vector<std::string> names;                            // shard file names
   std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final, of what was written
-  std::FILE* f = nullptr;                   // the shard being written
+  std::FILE* f = nullptr;                                    // the shard being written
   std::size_t shard = SIZE_MAX, next_unit = 0, total = 0;
   bool finished = false;
 
@@ -386,7 +434,9 @@ struct HfWeightsWriter::Impl {
     return tmp.string();
   }
   void check(bool ok, int err) {
-    if (!ok) detail::throw_errno(__FILE__, __LINE__, "fwrite", err, fmt::format("cannot write {}", renames.back().first));
+    if (!ok)
+      detail::throw_errno(__FILE__, __LINE__, "fwrite", err,
+                          fmt::format("cannot write {}", renames.back().first));
   }
   void close_shard() {
     if (!f) return;
@@ -403,16 +453,21 @@ struct HfWeightsWriter::Impl {
     std::size_t off = 0;
     for (const Tensor& t : shards[s]) {
       const std::size_t bytes = t.p->numel * dtype_size(dtype);
-      h[t.p->name] = {{"dtype", st_dtype_name(dtype)}, {"shape", t.p->shape}, {"data_offsets", {off, off + bytes}}};
+      h[t.p->name] = {{"dtype", st_dtype_name(dtype)},
+                      {"shape", t.p->shape},
+                      {"data_offsets", {off, off + bytes}}};
       off += bytes;
     }
     std::string hs = h.dump();
     hs.append((8 - hs.size() % 8) % 8, ' ');
     const std::string path = tmp_of(names[s]);
     f = std::fopen(path.c_str(), "wb");
-    if (!f) detail::throw_errno(__FILE__, __LINE__, "fopen", errno, fmt::format("cannot create {}", path));
+    if (!f)
+      detail::throw_errno(__FILE__, __LINE__, "fopen", errno,
+                          fmt::format("cannot create {}", path));
     const std::uint64_t hlen = hs.size();
-    check(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size(), errno);
+    check(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size(),
+          errno);
   }
   // `n` fp32 values as `dtype`, a few MiB at a time.
   void put(const float* v, std::size_t n) {
@@ -434,8 +489,8 @@ HfWeightsWriter::HfWeightsWriter(const std::string& dir, const ModelConfig& cfg,
                                  std::size_t max_shard_bytes)
     : impl_(std::make_unique<Impl>()) {
   STRATA_REQUIRE(max_shard_bytes > 0, "save: max_shard_bytes must be > 0");
-  STRATA_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16, "save: weights are written as fp32 or bf16, not {}",
-                 dtype_name(dtype));
+  STRATA_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16,
+                 "save: weights are written as fp32 or bf16, not {}", dtype_name(dtype));
   Impl& w = *impl_;
   w.dir = dir;
   w.cfg = cfg;
@@ -459,7 +514,8 @@ HfWeightsWriter::HfWeightsWriter(const std::string& dir, const ModelConfig& cfg,
     }
   const std::size_t n = w.shards.size();
   for (std::size_t s = 0; s < n; ++s)
-    w.names.push_back(n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n));
+    w.names.push_back(n == 1 ? "model.safetensors"
+                             : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n));
 }
 
 HfWeightsWriter::~HfWeightsWriter() {
@@ -473,10 +529,13 @@ HfWeightsWriter::~HfWeightsWriter() {
 void HfWeightsWriter::write_unit(std::size_t unit, const float* flat) {
   Impl& w = *impl_;
   STRATA_REQUIRE(!w.finished && unit == w.next_unit && unit < w.units.size(),
-                 "HfWeightsWriter: unit {} written out of order (next: {} of {})", unit, w.next_unit, w.units.size());
+                 "HfWeightsWriter: unit {} written out of order (next: {} of {})", unit,
+                 w.next_unit, w.units.size());
   for (const ParamSpec& p : w.units[unit].params) {
     std::size_t s = w.shard == SIZE_MAX ? 0 : w.shard;
-    while (std::none_of(w.shards[s].begin(), w.shards[s].end(), [&](const Impl::Tensor& t) { return t.p == &p; })) ++s;
+    while (std::none_of(w.shards[s].begin(), w.shards[s].end(),
+                        [&](const Impl::Tensor& t) { return t.p == &p; }))
+      ++s;
     if (s != w.shard) w.open_shard(s);
     w.put(flat + p.offset, p.numel);
   }
@@ -485,21 +544,24 @@ void HfWeightsWriter::write_unit(std::size_t unit, const float* flat) {
 
 void HfWeightsWriter::finish() {
   Impl& w = *impl_;
-  STRATA_REQUIRE(w.next_unit == w.units.size(), "HfWeightsWriter: {} of {} units written", w.next_unit,
-                 w.units.size());
+  STRATA_REQUIRE(w.next_unit == w.units.size(), "HfWeightsWriter: {} of {} units written",
+                 w.next_unit, w.units.size());
   w.close_shard();
   const std::size_t n = w.shards.size();
   if (n > 1) {
     nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
     for (std::size_t s = 0; s < n; ++s)
       for (const Impl::Tensor& t : w.shards[s]) weight_map[t.p->name] = w.names[s];
-    nlohmann::ordered_json idx = {{"metadata", {{"total_size", w.total}}}, {"weight_map", weight_map}};
+    nlohmann::ordered_json idx = {{"metadata", {{"total_size", w.total}}},
+                                  {"weight_map", weight_map}};
     std::ofstream out(w.tmp_of("model.safetensors.index.json"));
     out << idx.dump(2) << "\n";
-    STRATA_REQUIRE(out.good(), "cannot write {}", (w.dir / "model.safetensors.index.json").string());
+    STRATA_REQUIRE(out.good(), "cannot write {}",
+                   (w.dir / "model.safetensors.index.json").string());
   }
   ModelConfig cfg = w.cfg;
-  if (cfg.raw.is_object()) cfg.raw["torch_dtype"] = w.dtype == DType::kBF16 ? "bfloat16" : "float32";
+  if (cfg.raw.is_object())
+    cfg.raw["torch_dtype"] = w.dtype == DType::kBF16 ? "bfloat16" : "float32";
   std::string text = model_config_json(cfg);
   if (!cfg.raw.is_object() && w.dtype == DType::kBF16) {
     auto j = nlohmann::json::parse(text);
@@ -515,12 +577,14 @@ void HfWeightsWriter::finish() {
   w.finished = true;
 }
 
-void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size_t max_shard_bytes) {
+void save_hf_weights(const std::string& dir, const ResidentWeights& w,
+                     std::size_t max_shard_bytes) {
   HfWeightsWriter out(dir, w.config(), w.dtype(), max_shard_bytes);
   for (std::size_t u = 0; u < w.units().size(); ++u) {
     std::vector<float> flat(w.units()[u].numel, 0.0f);
     for (const ParamSpec& p : w.units()[u].params) {
-      const std::vector<float> v = w.get(p.name);  // bf16 weights widened exactly: written back the same
+      const std::vector<float> v =
+          w.get(p.name);  // bf16 weights widened exactly: written back the same
       std::copy(v.begin(), v.end(), flat.begin() + std::ptrdiff_t(p.offset));
     }
     out.write_unit(u, flat.data());
@@ -530,14 +594,16 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& w, std::size
 
 void fsync_path(const std::string& path, bool folder, const char* what) {
   const int fd = ::open(path.c_str(), (folder ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) STRATA_THROW(kIo, "{}: cannot open {} to fsync it: {}", what, path, std::strerror(errno));
+  if (fd < 0)
+    STRATA_THROW(kIo, "{}: cannot open {} to fsync it: {}", what, path, std::strerror(errno));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
   if (rc != 0) STRATA_THROW(kIo, "{}: fsync {} failed: {}", what, path, std::strerror(err));
 }
 
-void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& renames,
+void commit_hf_files(const std::string& dir,
+                     const std::vector<std::pair<std::string, std::string>>& renames,
                      bool sharded) {
   const fs::path d(dir);
   std::error_code ec;
@@ -555,7 +621,8 @@ void commit_hf_files(const std::string& dir, const std::vector<std::pair<std::st
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string f = it->path().filename().string();
-    const bool old_shard = f.starts_with("model-") && f.ends_with(".safetensors") && f.find("-of-") != std::string::npos;
+    const bool old_shard = f.starts_with("model-") && f.ends_with(".safetensors") &&
+                           f.find("-of-") != std::string::npos;
     if (!old_shard && !f.starts_with(".strata-tmp-")) continue;
     bool ours = false;
     for (const auto& [tmp, fin] : renames) ours = ours || fs::path(fin).filename() == f;

@@ -7,9 +7,12 @@ namespace strata {
 
 const char* io_backend_name(IoBackend b) {
   switch (b) {
-    case IoBackend::kAuto: return "auto";
-    case IoBackend::kIoUring: return "io_uring";
-    case IoBackend::kThreads: return "threads";
+    case IoBackend::kAuto:
+      return "auto";
+    case IoBackend::kIoUring:
+      return "io_uring";
+    case IoBackend::kThreads:
+      return "threads";
   }
   return "?";
 }
@@ -17,8 +20,9 @@ const char* io_backend_name(IoBackend b) {
 namespace {
 
 const std::initializer_list<std::string_view> kKeys = {
-    "block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
-    "overlap_events", "use_hugepages", "verify", "engine", "direct", "register_buffers", "use_gds"};
+    "block_size",    "queue_depth",    "thread_count",     "intra_op_parallelism",
+    "single_submit", "overlap_events", "use_hugepages",    "verify",
+    "engine",        "direct",         "register_buffers", "use_gds"};
 
 // Either a whole ds_config (its "aio" key; none: nullptr, the defaults) or an "aio" object
 // itself: one with any aio key, or a key a typo away from one. (A block with a typo among
@@ -51,7 +55,8 @@ AioConfig parse_aio_config(std::string_view json_text) {
                  s.key_path("block_size"), bs);
   c.block_size = bs;
   const std::int64_t qd = s.get_int("queue_depth", c.queue_depth);
-  STRATA_REQUIRE(qd >= 1 && qd <= 4096, "config key '{}' = {}: must be from 1 to 4096 (8-64 is typical)",
+  STRATA_REQUIRE(qd >= 1 && qd <= 4096,
+                 "config key '{}' = {}: must be from 1 to 4096 (8-64 is typical)",
                  s.key_path("queue_depth"), qd);
   c.queue_depth = static_cast<int>(qd);
   STRATA_REQUIRE(!(s.has("thread_count") && s.has("intra_op_parallelism")) ||
@@ -72,7 +77,7 @@ AioConfig parse_aio_config(std::string_view json_text) {
                  "(strata stages NVMe I/O through pinned host memory)",
                  s.key_path("use_gds"));
   const std::string engine = s.get_choice("engine", "auto", {"auto", "io_uring", "threads"});
-  c.engine = engine == "io_uring" ? IoBackend::kIoUring
+  c.engine = engine == "io_uring"  ? IoBackend::kIoUring
              : engine == "threads" ? IoBackend::kThreads
                                    : IoBackend::kAuto;
   if (const auto* d = s.raw("direct")) {
@@ -80,7 +85,8 @@ AioConfig parse_aio_config(std::string_view json_text) {
       c.direct = d->get<bool>() ? DirectIo::kOn : DirectIo::kOff;
     } else {
       STRATA_REQUIRE(d->is_string() && d->get<std::string>() == "auto",
-                     "config key '{}' = {}: use true, false or \"auto\"", s.key_path("direct"), d->dump());
+                     "config key '{}' = {}: use true, false or \"auto\"", s.key_path("direct"),
+                     d->dump());
     }
   }
   c.register_buffers = s.get_bool("register_buffers", c.register_buffers);

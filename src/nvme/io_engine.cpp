@@ -7,7 +7,8 @@
 //    order of submit() (the fault plan names chunks by number).
 //  - A ring never has more than queue_depth chunks in flight; every CQE is marked seen;
 //    a worker drains its ring before it exits, so no buffer is written after shutdown.
-//  - -EAGAIN / -EINTR requeue the chunk (paced, for up to kRetryWindow); a short transfer requeues the
+//  - -EAGAIN / -EINTR requeue the chunk (paced, for up to kRetryWindow); a short transfer requeues
+//  the
 //    remainder; anything else fails the batch with the operation, file, offset and errno,
 //    while the batch's other chunks still complete: a batch always ends, never hangs.
 //  - A ring's prepared SQEs are all submitted: a submit the kernel refuses for a while
@@ -34,8 +35,8 @@
 #include <map>
 #include <mutex>
 #include <thread>
-#include <utility>
 #include <unordered_map>
+#include <utility>
 
 #include "strata/error.h"
 #include "strata/log.h"
@@ -54,7 +55,8 @@ struct IoBatch {
   std::exception_ptr error;
   std::vector<std::function<void(std::exception_ptr)>> callbacks;
   std::vector<IoRequest> reqs;
-  std::vector<std::string> paths;  // copies of the requests' paths and tags (the pointers may dangle)
+  std::vector<std::string>
+      paths;  // copies of the requests' paths and tags (the pointers may dangle)
   std::vector<std::string> tags;
   std::unique_ptr<std::atomic<std::uint32_t>[]> req_chunks_left;
 };
@@ -143,7 +145,8 @@ class EngineBase : public IoEngine {
   EngineBase(const AioConfig& cfg, std::vector<Fault> faults)
       : cfg_(cfg), faults_(std::move(faults)), left_(faults_.size()) {
     for (std::size_t i = 0; i < faults_.size(); ++i)
-      left_[i] = faults_[i].kind == FaultKind::kEagain ? std::max<std::uint32_t>(faults_[i].times, 1) : 1;
+      left_[i] =
+          faults_[i].kind == FaultKind::kEagain ? std::max<std::uint32_t>(faults_[i].times, 1) : 1;
   }
 
   IoHandle submit(std::span<const IoRequest> requests) override {
@@ -157,9 +160,11 @@ class EngineBase : public IoEngine {
     for (std::size_t i = 0; i < requests.size(); ++i) {
       const IoRequest& r = requests[i];
       STRATA_REQUIRE(r.fd >= 0, "I/O request {}: no file (fd {})", i, r.fd);
-      STRATA_REQUIRE(r.buf != nullptr, "I/O request {} ({} of {} bytes): null buffer", i, op_name(r.op), r.bytes);
+      STRATA_REQUIRE(r.buf != nullptr, "I/O request {} ({} of {} bytes): null buffer", i,
+                     op_name(r.op), r.bytes);
       STRATA_REQUIRE(r.bytes > 0, "I/O request {}: zero bytes; skip empty requests", i);
-      STRATA_REQUIRE(!r.verify || r.checksum, "I/O request {}: verify needs a checksum to compare with", i);
+      STRATA_REQUIRE(!r.verify || r.checksum,
+                     "I/O request {}: verify needs a checksum to compare with", i);
       auto [it, fresh] = direct.try_emplace(r.fd, false);
       if (fresh) {
         const int fl = ::fcntl(r.fd, F_GETFL);
@@ -167,13 +172,13 @@ class EngineBase : public IoEngine {
         it->second = (fl & O_DIRECT) != 0;
       }
       if (it->second) {
-        STRATA_REQUIRE(r.offset % kDirectAlign == 0 && r.bytes % kDirectAlign == 0 &&
-                           reinterpret_cast<std::uintptr_t>(r.buf) % kDirectAlign == 0,
-                       "unaligned O_DIRECT {} of {}: offset {}, {} bytes, buffer {}; offset, length and "
-                       "buffer address must be multiples of 4096 (use SwapStore::padded_bytes and "
-                       "pool memory)",
-                       op_name(r.op), r.path ? *r.path : fmt::format("fd {}", r.fd), r.offset, r.bytes,
-                       r.buf);
+        STRATA_REQUIRE(
+            r.offset % kDirectAlign == 0 && r.bytes % kDirectAlign == 0 &&
+                reinterpret_cast<std::uintptr_t>(r.buf) % kDirectAlign == 0,
+            "unaligned O_DIRECT {} of {}: offset {}, {} bytes, buffer {}; offset, length and "
+            "buffer address must be multiples of 4096 (use SwapStore::padded_bytes and "
+            "pool memory)",
+            op_name(r.op), r.path ? *r.path : fmt::format("fd {}", r.fd), r.offset, r.bytes, r.buf);
       }
       nchunks += (r.bytes + cfg_.block_size - 1) / cfg_.block_size;
     }
@@ -228,7 +233,9 @@ class EngineBase : public IoEngine {
  protected:
   virtual void enqueue(std::vector<Chunk*>&& chunks) = 0;
 
-  static bool at_submit(FaultKind k) { return k == FaultKind::kSubmitEagain || k == FaultKind::kSubmitEinval; }
+  static bool at_submit(FaultKind k) {
+    return k == FaultKind::kSubmitEagain || k == FaultKind::kSubmitEinval;
+  }
 
  public:
   // The fault plan's error for an io_uring_submit carrying `chunks` (fired once), or 0.
@@ -268,15 +275,26 @@ class EngineBase : public IoEngine {
           case FaultKind::kShort:
             // As a real one: with O_DIRECT a whole number of 4 KiB blocks (drives with 4 KiB
             // sectors refuse less), so a one-block chunk comes back whole.
-            if (!c->direct && res > 1) res /= 2;
-            else if (res >= 2 * long(kDirectAlign)) res = (res / 2) / long(kDirectAlign) * long(kDirectAlign);
+            if (!c->direct && res > 1)
+              res /= 2;
+            else if (res >= 2 * long(kDirectAlign))
+              res = (res / 2) / long(kDirectAlign) * long(kDirectAlign);
             break;
-          case FaultKind::kEagain: res = -EAGAIN; break;
-          case FaultKind::kEio: res = -EIO; break;
-          case FaultKind::kEnospc: res = -ENOSPC; break;
-          case FaultKind::kDelay: delay = faults_[i].delay_ms; break;
+          case FaultKind::kEagain:
+            res = -EAGAIN;
+            break;
+          case FaultKind::kEio:
+            res = -EIO;
+            break;
+          case FaultKind::kEnospc:
+            res = -ENOSPC;
+            break;
+          case FaultKind::kDelay:
+            delay = faults_[i].delay_ms;
+            break;
           case FaultKind::kSubmitEagain:
-          case FaultKind::kSubmitEinval: break;  // (skipped above)
+          case FaultKind::kSubmitEinval:
+            break;  // (skipped above)
         }
       }
     }
@@ -297,17 +315,20 @@ class EngineBase : public IoEngine {
       if (now - c->first_retry < kRetryWindow) {
         ++requeued_eagain_;
         if (c->retries > kQuickRetries)
-          std::this_thread::sleep_for(std::chrono::microseconds(50 << std::min(c->retries - kQuickRetries, 4)));
+          std::this_thread::sleep_for(
+              std::chrono::microseconds(50 << std::min(c->retries - kQuickRetries, 4)));
         return true;
       }
-      fail(c, fmt::format("still -EAGAIN after {} tries over {} s", c->retries,
-                          std::chrono::duration_cast<std::chrono::seconds>(kRetryWindow).count()),
+      fail(c,
+           fmt::format("still -EAGAIN after {} tries over {} s", c->retries,
+                       std::chrono::duration_cast<std::chrono::seconds>(kRetryWindow).count()),
            EAGAIN);
     } else if (res < 0) {
       fail(c, errno_text(int(-res)), int(-res));
     } else if (res == 0) {
-      fail(c, c->op == IoOp::kRead ? "end of file (the file is shorter than the request)"
-                                   : "no progress (0 bytes written)",
+      fail(c,
+           c->op == IoOp::kRead ? "end of file (the file is shorter than the request)"
+                                : "no progress (0 bytes written)",
            0);
     } else if (std::size_t(res) < c->bytes) {
       c->offset += std::size_t(res);
@@ -332,9 +353,11 @@ class EngineBase : public IoEngine {
     const ErrorKind kind = ErrorKind::kIo;
     auto e = std::make_exception_ptr(Error(
         kind,
-        fmt::format("{} of {} bytes at offset {} of {} failed: {}{}", op_name(c->op), c->bytes, c->offset,
-                    describe_file(b, c->req), why,
-                    err == ENOSPC ? " — the disk is full: free space or point nvme_path at a larger drive" : ""),
+        fmt::format("{} of {} bytes at offset {} of {} failed: {}{}", op_name(c->op), c->bytes,
+                    c->offset, describe_file(b, c->req), why,
+                    err == ENOSPC
+                        ? " — the disk is full: free space or point nvme_path at a larger drive"
+                        : ""),
         op_name(r.op), __FILE__, __LINE__, err ? fmt::format("errno {}", err) : std::string()));
     std::lock_guard<std::mutex> lock(b.mu);
     if (!b.error) b.error = e;
@@ -383,19 +406,21 @@ class EngineBase : public IoEngine {
     }
     const auto t0 = std::chrono::steady_clock::now();
     const std::uint64_t h = XXH3_64bits(r.buf, r.bytes);
-    checksum_ns_ += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                      std::chrono::steady_clock::now() - t0)
-                                      .count());
+    checksum_ns_ += std::uint64_t(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
     if (r.op == IoOp::kWrite) {
       *r.checksum = h;
     } else if (r.verify && h != *r.checksum) {
       ++errors_;
-      auto e = std::make_exception_ptr(Error(
-          ErrorKind::kIo,
-          fmt::format("checksum mismatch reading {} bytes at offset {} of {}: expected {:016x}, got {:016x}; "
-                      "the file was changed behind strata's back or the drive returned corrupt data",
-                      r.bytes, r.offset, describe_file(b, req), *r.checksum, h),
-          "verify", __FILE__, __LINE__));
+      auto e = std::make_exception_ptr(
+          Error(ErrorKind::kIo,
+                fmt::format(
+                    "checksum mismatch reading {} bytes at offset {} of {}: expected {:016x}, got "
+                    "{:016x}; "
+                    "the file was changed behind strata's back or the drive returned corrupt data",
+                    r.bytes, r.offset, describe_file(b, req), *r.checksum, h),
+                "verify", __FILE__, __LINE__));
       std::lock_guard<std::mutex> lock(b.mu);
       if (!b.error) b.error = e;
     }
@@ -471,8 +496,10 @@ class UringWorker {
 
 class UringEngine final : public EngineBase {
  public:
-  UringEngine(const AioConfig& cfg, std::vector<Fault> faults) : EngineBase(cfg, std::move(faults)) {
-    for (int i = 0; i < cfg.thread_count; ++i) workers_.push_back(std::make_unique<UringWorker>(this, i, cfg));
+  UringEngine(const AioConfig& cfg, std::vector<Fault> faults)
+      : EngineBase(cfg, std::move(faults)) {
+    for (int i = 0; i < cfg.thread_count; ++i)
+      workers_.push_back(std::make_unique<UringWorker>(this, i, cfg));
   }
   ~UringEngine() override { workers_.clear(); }
 
@@ -501,13 +528,15 @@ class UringEngine final : public EngineBase {
       w->run_idle([&](io_uring& ring) {
         if (!w->fixed_.empty()) io_uring_unregister_buffers(&ring);
         w->fixed_.clear();
-        const int rc = io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
+        const int rc =
+            io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
         if (rc < 0) {
           ok = false;
-          log::warn_once("nvme.fixed_buffers",
-                         fmt::format("io_uring cannot register {} fixed buffers ({}); using plain reads and "
-                                     "writes (slower)",
-                                     iov.size(), errno_text(-rc)));
+          log::warn_once(
+              "nvme.fixed_buffers",
+              fmt::format("io_uring cannot register {} fixed buffers ({}); using plain reads and "
+                          "writes (slower)",
+                          iov.size(), errno_text(-rc)));
           return;
         }
         w->fixed_ = fixed;
@@ -523,10 +552,12 @@ class UringEngine final : public EngineBase {
       w->run_idle([&](io_uring& ring) {
         if (!w->fixed_files_.empty()) io_uring_unregister_files(&ring);
         w->fixed_files_.clear();
-        const int rc = io_uring_register_files(&ring, fds.data(), static_cast<unsigned>(fds.size()));
+        const int rc =
+            io_uring_register_files(&ring, fds.data(), static_cast<unsigned>(fds.size()));
         if (rc < 0) {
           ok = false;
-          log::warn_once("nvme.fixed_files", fmt::format("io_uring cannot register files ({})", errno_text(-rc)));
+          log::warn_once("nvme.fixed_files",
+                         fmt::format("io_uring cannot register files ({})", errno_text(-rc)));
           return;
         }
         for (std::size_t i = 0; i < fds.size(); ++i) w->fixed_files_[fds[i]] = static_cast<int>(i);
@@ -580,8 +611,9 @@ UringWorker::UringWorker(UringEngine* eng, int index, const AioConfig& cfg)
   const int rc = init.get();
   if (rc < 0) {
     thread_.join();
-    detail::throw_errno(__FILE__, __LINE__, "io_uring_queue_init", -rc,
-                        "cannot create an io_uring ring; set aio.engine to \"threads\" to use the thread pool");
+    detail::throw_errno(
+        __FILE__, __LINE__, "io_uring_queue_init", -rc,
+        "cannot create an io_uring ring; set aio.engine to \"threads\" to use the thread pool");
   }
 }
 
@@ -628,16 +660,21 @@ void UringWorker::prep(Chunk* c) {
                                [](const char* p, const Fixed& f) { return p < f.base; });
     if (it != fixed_.begin()) {
       --it;
-      if (c->buf >= it->base && c->buf + c->bytes <= it->base + it->len) buf_index = int(it - fixed_.begin());
+      if (c->buf >= it->base && c->buf + c->bytes <= it->base + it->len)
+        buf_index = int(it - fixed_.begin());
     }
   }
   const auto n = static_cast<unsigned>(c->bytes);
   if (c->op == IoOp::kRead) {
-    if (buf_index >= 0) io_uring_prep_read_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
-    else io_uring_prep_read(sqe, fd, c->buf, n, c->offset);
+    if (buf_index >= 0)
+      io_uring_prep_read_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
+    else
+      io_uring_prep_read(sqe, fd, c->buf, n, c->offset);
   } else {
-    if (buf_index >= 0) io_uring_prep_write_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
-    else io_uring_prep_write(sqe, fd, c->buf, n, c->offset);
+    if (buf_index >= 0)
+      io_uring_prep_write_fixed(sqe, fd, c->buf, n, c->offset, buf_index);
+    else
+      io_uring_prep_write(sqe, fd, c->buf, n, c->offset);
   }
   sqe->flags |= flags;
   io_uring_sqe_set_data(sqe, c);
@@ -670,17 +707,20 @@ void UringWorker::submit(std::size_t& inflight) {
   }
   if (transient) {
     give_up(-rc,
-            fmt::format("io_uring_submit refused it for {} s ({}): the kernel is short of memory or of I/O "
-                        "slots; free host memory (a smaller pinned budget), lower aio.queue_depth or "
-                        "aio.thread_count, or set aio.engine to \"threads\"",
-                        kSubmitGiveUp.count(), errno_text(-rc)),
+            fmt::format(
+                "io_uring_submit refused it for {} s ({}): the kernel is short of memory or of I/O "
+                "slots; free host memory (a smaller pinned budget), lower aio.queue_depth or "
+                "aio.thread_count, or set aio.engine to \"threads\"",
+                kSubmitGiveUp.count(), errno_text(-rc)),
             inflight);
   } else {
-    give_up(-rc,
-            fmt::format("io_uring_submit failed ({}); this ring is given up: set aio.engine to \"threads\" to "
-                        "use the thread pool",
-                        errno_text(-rc)),
-            inflight);
+    give_up(
+        -rc,
+        fmt::format(
+            "io_uring_submit failed ({}); this ring is given up: set aio.engine to \"threads\" to "
+            "use the thread pool",
+            errno_text(-rc)),
+        inflight);
   }
 }
 
@@ -735,7 +775,8 @@ void UringWorker::run() {
       if (solo_submit_) submit(inflight);
     }
     if (!unsent_.empty()) submit(inflight);
-    if (!broken_.empty()) {  // the ring was given up (now or before): what was not prepared fails the same way
+    if (!broken_.empty()) {  // the ring was given up (now or before): what was not prepared fails
+                             // the same way
       for (Chunk* c : local) eng_->fail_unsent(c, broken_, broken_err_);
       local.clear();
     }
@@ -764,7 +805,8 @@ void UringWorker::run() {
       // tracer, and the request's span belongs to what it waited for.
       const std::int64_t t0 = c->issued_ns;
       if (t0 && tracer.enabled())
-        tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(), bytes);
+        tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", lane, t0, tracer.now_ns(),
+                      bytes);
       if (eng_->on_cqe(c, res)) local.push_front(c);
     } while (io_uring_peek_cqe(&ring_, &cqe) == 0);
   }
@@ -774,7 +816,8 @@ void UringWorker::run() {
 
 class ThreadEngine final : public EngineBase {
  public:
-  ThreadEngine(const AioConfig& cfg, std::vector<Fault> faults) : EngineBase(cfg, std::move(faults)) {
+  ThreadEngine(const AioConfig& cfg, std::vector<Fault> faults)
+      : EngineBase(cfg, std::move(faults)) {
     const int n = std::clamp(cfg.thread_count * cfg.queue_depth, 1, 256);
     for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
   }
@@ -787,7 +830,8 @@ class ThreadEngine final : public EngineBase {
     for (auto& t : threads_) t.join();
   }
   std::string describe() const override {
-    return fmt::format("threads ({} pread/pwrite threads, {} KiB blocks)", threads_.size(), cfg_.block_size / 1024);
+    return fmt::format("threads ({} pread/pwrite threads, {} KiB blocks)", threads_.size(),
+                       cfg_.block_size / 1024);
   }
   IoBackend backend() const override { return IoBackend::kThreads; }
   bool register_buffers(std::span<const std::pair<void*, std::size_t>>) override { return false; }
@@ -821,7 +865,9 @@ class ThreadEngine final : public EngineBase {
         const std::int64_t t0 = tracer.enabled() ? tracer.now_ns() : 0;
         const ssize_t r = op == IoOp::kRead ? ::pread(c->fd, c->buf, bytes, off_t(c->offset))
                                             : ::pwrite(c->fd, c->buf, bytes, off_t(c->offset));
-        if (t0) tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", "nvme-threads", t0, tracer.now_ns(), bytes);
+        if (t0)
+          tracer.record(op == IoOp::kRead ? "nvme_read" : "nvme_write", "nvme-threads", t0,
+                        tracer.now_ns(), bytes);
         if (!finish_chunk(c, r < 0 ? -long(errno) : long(r))) break;
       }
     }
@@ -838,18 +884,22 @@ std::unique_ptr<IoEngine> build(const AioConfig& cfg, std::vector<Fault> faults)
   // <= 1 GiB as the aio parser says: an io_uring SQE carries a 32-bit length.
   STRATA_REQUIRE(cfg.block_size >= 4096 && (cfg.block_size & (cfg.block_size - 1)) == 0 &&
                      cfg.block_size <= (std::size_t(1) << 30),
-                 "aio.block_size = {}: must be a power of two from 4096 to 1073741824 (1 GiB)", cfg.block_size);
+                 "aio.block_size = {}: must be a power of two from 4096 to 1073741824 (1 GiB)",
+                 cfg.block_size);
   STRATA_REQUIRE(cfg.queue_depth >= 1, "aio.queue_depth = {}: must be >= 1", cfg.queue_depth);
   STRATA_REQUIRE(cfg.thread_count >= 1, "aio.thread_count = {}: must be >= 1", cfg.thread_count);
-  if (cfg.engine == IoBackend::kThreads) return std::make_unique<ThreadEngine>(cfg, std::move(faults));
+  if (cfg.engine == IoBackend::kThreads)
+    return std::make_unique<ThreadEngine>(cfg, std::move(faults));
   const nvme::UringProbe probe = nvme::probe_io_uring();
   if (!probe.available) {
     STRATA_REQUIRE(cfg.engine != IoBackend::kIoUring,
-                   "aio.engine = \"io_uring\" but io_uring is unavailable here ({}); use \"auto\" or \"threads\"",
+                   "aio.engine = \"io_uring\" but io_uring is unavailable here ({}); use \"auto\" "
+                   "or \"threads\"",
                    probe.reason);
-    log::warn_once("nvme.no_uring", fmt::format("io_uring is unavailable ({}); NVMe I/O uses a pread/pwrite "
-                                                "thread pool instead (slower)",
-                                                probe.reason));
+    log::warn_once("nvme.no_uring",
+                   fmt::format("io_uring is unavailable ({}); NVMe I/O uses a pread/pwrite "
+                               "thread pool instead (slower)",
+                               probe.reason));
     return std::make_unique<ThreadEngine>(cfg, std::move(faults));
   }
   return std::make_unique<UringEngine>(cfg, std::move(faults));
@@ -857,9 +907,12 @@ std::unique_ptr<IoEngine> build(const AioConfig& cfg, std::vector<Fault> faults)
 
 }  // namespace
 
-std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config) { return build(config, config.inject_faults); }
+std::unique_ptr<IoEngine> make_io_engine(const AioConfig& config) {
+  return build(config, config.inject_faults);
+}
 
-std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config, std::vector<Fault> faults) {
+std::unique_ptr<IoEngine> make_fault_injecting_engine(const AioConfig& config,
+                                                      std::vector<Fault> faults) {
   return build(config, std::move(faults));
 }
 
@@ -873,17 +926,20 @@ int open_for_io(const std::string& path, int flags, DirectIo direct, bool* is_di
     }
     const int err = errno;
     if (err != EINVAL || direct == DirectIo::kOn)
-      detail::throw_errno(__FILE__, __LINE__, "open", err,
-                          fmt::format("cannot open '{}' for O_DIRECT I/O{}", path,
-                                      err == EINVAL ? " (the file system refuses O_DIRECT; set aio.direct to "
-                                                      "\"auto\" or false)"
-                                                    : ""));
-    log::warn_once("nvme.no_direct", fmt::format("the file system of '{}' refuses O_DIRECT (tmpfs does); using "
-                                                 "buffered I/O through the page cache",
-                                                 path));
+      detail::throw_errno(
+          __FILE__, __LINE__, "open", err,
+          fmt::format("cannot open '{}' for O_DIRECT I/O{}", path,
+                      err == EINVAL ? " (the file system refuses O_DIRECT; set aio.direct to "
+                                      "\"auto\" or false)"
+                                    : ""));
+    log::warn_once("nvme.no_direct",
+                   fmt::format("the file system of '{}' refuses O_DIRECT (tmpfs does); using "
+                               "buffered I/O through the page cache",
+                               path));
   }
   const int fd = ::open(path.c_str(), flags, 0644);
-  if (fd < 0) detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open '{}'", path));
+  if (fd < 0)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open '{}'", path));
   if (is_direct) *is_direct = false;
   return fd;
 }

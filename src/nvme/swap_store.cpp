@@ -54,7 +54,8 @@ void require_writable(const std::string& key, const std::string& p) {
   const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
   STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
                  "{} = '{}' is read-only; strata needs to write swap files there: choose a "
-                 "writable directory", key, p);
+                 "writable directory",
+                 key, p);
 }
 
 // The swap files of the live stores, for remove_swap_files_on_interrupt(): fixed slots the
@@ -146,7 +147,8 @@ std::uint64_t bytes_under(const fs::path& dir) {
   std::error_code ec;
   for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     struct stat fst {};
-    if (::lstat(it->path().c_str(), &fst) == 0 && S_ISREG(fst.st_mode)) total += std::uint64_t(fst.st_blocks) * 512;
+    if (::lstat(it->path().c_str(), &fst) == 0 && S_ISREG(fst.st_mode))
+      total += std::uint64_t(fst.st_blocks) * 512;
   }
   return total;
 }
@@ -167,10 +169,12 @@ std::uint64_t dead_ranks_files(const fs::path& top, int world_size, bool remove)
     const int fd = ::open(it->path().c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) continue;
     char buf[320] = {};
-    const ssize_t n = ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
+    const ssize_t n =
+        ::flock(fd, LOCK_EX | LOCK_NB) == 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
     char host[256] = {};
     long pid = 0;
-    if (n > 0 && std::sscanf(buf, "%255s %ld", host, &pid) == 2 && this_host() == host && process_gone(pid)) {
+    if (n > 0 && std::sscanf(buf, "%255s %ld", host, &pid) == 2 && this_host() == host &&
+        process_gone(pid)) {
       const fs::path dir = top / fmt::format("rank{}", r);
       const std::uint64_t bytes = bytes_under(dir);
       total += bytes;
@@ -178,8 +182,8 @@ std::uint64_t dead_ranks_files(const fs::path& top, int world_size, bool remove)
         std::error_code e2;
         fs::remove_all(dir, e2);
         fs::remove(it->path(), e2);
-        log::info("removed {} of swap files in '{}': rank {} of a run that died (pid {}) left them", log::human_bytes(double(bytes)),
-                  dir.string(), r, pid);
+        log::info("removed {} of swap files in '{}': rank {} of a run that died (pid {}) left them",
+                  log::human_bytes(double(bytes)), dir.string(), r, pid);
       }
     }
     ::close(fd);
@@ -200,7 +204,7 @@ struct SwapStore::Impl {
     std::uint64_t offset = 0;  // logical
     std::size_t bytes = 0;     // padded
     bool written = false;
-    std::size_t written_bytes = 0;  // padded length of the last write
+    std::size_t written_bytes = 0;    // padded length of the last write
     std::vector<std::uint64_t> sums;  // one per stripe piece
     std::string tag;                  // "swap key 'K'", for messages
   };
@@ -247,7 +251,8 @@ struct SwapStore::Impl {
       if (want[f] <= files[f].size) continue;
       struct stat st {};
       STRATA_CHECK_ERRNO(::fstat(files[f].fd, &st), "fstat of '{}'", files[f].path);
-      auto it = std::find_if(need_on.begin(), need_on.end(), [&](const auto& p) { return p.first == st.st_dev; });
+      auto it = std::find_if(need_on.begin(), need_on.end(),
+                             [&](const auto& p) { return p.first == st.st_dev; });
       if (it == need_on.end()) it = need_on.insert(need_on.end(), {st.st_dev, 0});
       it->second += want[f] - files[f].size;
       struct statvfs sv {};
@@ -255,10 +260,12 @@ struct SwapStore::Impl {
       const double avail = double(sv.f_bavail) * double(sv.f_frsize);
       if (double(it->second) > avail)
         STRATA_THROW(kIo,
-                     "the swap store needs {} more bytes ({}) on the file system of '{}' but only {} bytes ({}) are "
-                     "free there; free space, offload less to NVMe, or list directories on other drives in {}",
-                     it->second, log::human_bytes(double(it->second)), files[f].path, std::uint64_t(avail), log::human_bytes(avail),
-                     opt.config_key);
+                     "the swap store needs {} more bytes ({}) on the file system of '{}' but only "
+                     "{} bytes ({}) are "
+                     "free there; free space, offload less to NVMe, or list directories on other "
+                     "drives in {}",
+                     it->second, log::human_bytes(double(it->second)), files[f].path,
+                     std::uint64_t(avail), log::human_bytes(avail), opt.config_key);
     }
     // Grown in turn; a failure takes back what this call grew, so a refused reserve holds nothing.
     std::vector<std::size_t> before(F);
@@ -271,11 +278,13 @@ struct SwapStore::Impl {
           const int err = errno;
           if (err == EOPNOTSUPP) {
             // Some file systems (tmpfs before 3.5, some FUSE) cannot fallocate: extend instead.
-            STRATA_CHECK_ERRNO(::ftruncate(files[f].fd, off_t(want[f])), "ftruncate '{}'", files[f].path);
+            STRATA_CHECK_ERRNO(::ftruncate(files[f].fd, off_t(want[f])), "ftruncate '{}'",
+                               files[f].path);
           } else {
-            detail::throw_errno(__FILE__, __LINE__, "fallocate", err,
-                                fmt::format("cannot preallocate {} bytes in '{}'{}", need, files[f].path,
-                                            err == ENOSPC ? ": the disk is full" : ""));
+            detail::throw_errno(
+                __FILE__, __LINE__, "fallocate", err,
+                fmt::format("cannot preallocate {} bytes in '{}'{}", need, files[f].path,
+                            err == ENOSPC ? ": the disk is full" : ""));
           }
         }
         files[f].size = want[f];
@@ -284,7 +293,8 @@ struct SwapStore::Impl {
       // Every file this call tried to grow, not only those it finished: a failed fallocate can
       // keep what it allocated (ext4 extends the file up to the ENOSPC) with files[f].size unset.
       for (std::size_t f = 0; f < F; ++f)
-        if (want[f] > before[f] && ::ftruncate(files[f].fd, off_t(before[f])) == 0) files[f].size = before[f];
+        if (want[f] > before[f] && ::ftruncate(files[f].fd, off_t(before[f])) == 0)
+          files[f].size = before[f];
       throw;
     }
   }
@@ -347,9 +357,12 @@ void set_interrupt_note(std::string_view text) noexcept {
 void remove_swap_files_now() noexcept { remove_published_swap_files(); }
 
 void remove_swap_files_on_interrupt() {
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {  // Ctrl-C, a scheduler's stop, a closed terminal
+  for (const int sig :
+       {SIGINT, SIGTERM, SIGHUP}) {  // Ctrl-C, a scheduler's stop, a closed terminal
     struct sigaction old {};
-    if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO)) continue;
+    if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL ||
+        (old.sa_flags & SA_SIGINFO))
+      continue;
     struct sigaction sa {};
     sa.sa_handler = remove_swap_files_and_reraise;
     sigemptyset(&sa.sa_mask);
@@ -357,18 +370,23 @@ void remove_swap_files_on_interrupt() {
   }
 }
 
-std::size_t SwapStore::padded_bytes(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+std::size_t SwapStore::padded_bytes(std::size_t bytes) {
+  return (bytes + kPage - 1) / kPage * kPage;
+}
 
-std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank, const std::string& config_key,
-                                    int ranks_sharing, int world_size) {
-  STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1", ranks_sharing);
+std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int rank,
+                                    const std::string& config_key, int ranks_sharing,
+                                    int world_size) {
+  STRATA_REQUIRE(ranks_sharing >= 1, "SwapStore::free_bytes: ranks_sharing {} must be >= 1",
+                 ranks_sharing);
   std::uint64_t total = 0;
   std::vector<dev_t> seen;
   for (const std::string& p : paths) {
     struct stat st {};
     STRATA_REQUIRE(::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
                    "{} = '{}': not an existing directory; create it, or point {} at an existing "
-                   "directory on the NVMe drive", key_name(config_key), p, config_key);
+                   "directory on the NVMe drive",
+                   key_name(config_key), p, config_key);
     require_writable(key_name(config_key), p);
     // A previous run's files of this rank: removed when the store starts, so they count as free.
     const fs::path top = fs::path(p) / "strata-swap";
@@ -379,17 +397,21 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
     seen.push_back(st.st_dev);
     struct statvfs sv {};
     STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, key_name(config_key));
-    total += (std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) + dead) / std::uint64_t(ranks_sharing);
+    total += (std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) + dead) /
+             std::uint64_t(ranks_sharing);
   }
   return total;
 }
 
-SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std::make_unique<Impl>()) {
+SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine)
+    : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.opt = opts;
   const std::string key = key_name(opts.config_key);
-  STRATA_REQUIRE(!opts.paths.empty(), "{} is missing: give the directory (on the NVMe drive) "
-                 "where strata may keep swap files", key);
+  STRATA_REQUIRE(!opts.paths.empty(),
+                 "{} is missing: give the directory (on the NVMe drive) "
+                 "where strata may keep swap files",
+                 key);
   STRATA_REQUIRE(opts.rank >= 0, "SwapStore rank {} must be >= 0", opts.rank);
   s.stripe = opts.aio.block_size;
   STRATA_REQUIRE(s.stripe >= kPage && (s.stripe & (s.stripe - 1)) == 0,
@@ -402,14 +424,15 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
   }
   for (const std::string& p : opts.paths) {
     std::error_code ec;
-    STRATA_REQUIRE(fs::exists(p, ec), "{} = '{}': the directory does not exist; create it, or "
-                   "point {} at an existing directory on the NVMe drive", key, p, opts.config_key);
+    STRATA_REQUIRE(fs::exists(p, ec),
+                   "{} = '{}': the directory does not exist; create it, or "
+                   "point {} at an existing directory on the NVMe drive",
+                   key, p, opts.config_key);
     STRATA_REQUIRE(fs::is_directory(p, ec), "{} = '{}' is not a directory", key, p);
     require_writable(key, p);
     const fs::path top = fs::path(p) / "strata-swap";
     fs::create_directories(top, ec);
-    STRATA_REQUIRE(!ec, "{} = '{}': cannot create '{}': {}", key, p, top.string(),
-                   ec.message());
+    STRATA_REQUIRE(!ec, "{} = '{}': cannot create '{}': {}", key, p, top.string(), ec.message());
     const std::string lock = (top / fmt::format("rank{}.lock", opts.rank)).string();
     // A store of this process (another key's list, or this list twice) on the same directory
     // would share rank<N>/ and remove the other's files: refused, naming both.
@@ -420,12 +443,15 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
       STRATA_CHECK_ERRNO(::stat(p.c_str(), &tst), "stat of '{}'", p);
       for (const HeldDir& h : g_held) {
         if (h.owner == &s)  // this store's own list names it twice ("/x" and "/x/", or a link)
-          STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino), "{} names the directory '{}' twice (or "
-                         "two names of one directory): list each directory once", key, p);
-        STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino && h.rank == opts.rank),
-                       "{} = '{}': that directory is already used by this process's swap store of {} "
-                       "(rank {}); give both the same list of directories or lists with none in common",
-                       key, p, key_name(h.key), opts.rank);
+          STRATA_REQUIRE(!(h.dev == tst.st_dev && h.ino == tst.st_ino),
+                         "{} names the directory '{}' twice (or "
+                         "two names of one directory): list each directory once",
+                         key, p);
+        STRATA_REQUIRE(
+            !(h.dev == tst.st_dev && h.ino == tst.st_ino && h.rank == opts.rank),
+            "{} = '{}': that directory is already used by this process's swap store of {} "
+            "(rank {}); give both the same list of directories or lists with none in common",
+            key, p, key_name(h.key), opts.rank);
       }
       g_held.push_back({tst.st_dev, tst.st_ino, opts.rank, opts.config_key, &s});
     }
@@ -436,31 +462,39 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine) : impl_(std
     for (int tries = 0;; ++tries) {
       fs::create_directories(top, ec);
       lfd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-      if (lfd < 0 && errno == ENOENT && tries < 100) continue;  // strata-swap/ removed by a closing run
+      if (lfd < 0 && errno == ENOENT && tries < 100)
+        continue;  // strata-swap/ removed by a closing run
       STRATA_CHECK_ERRNO(lfd, "cannot create the lock file '{}'", lock);
       if (::flock(lfd, LOCK_EX | LOCK_NB) != 0) {
         ::close(lfd);
-        STRATA_THROW(kInvalidArgument, "'{}' is in use by another running strata process (rank {}); give each "
-                     "run its own {}", top.string(), opts.rank, opts.config_key);
+        STRATA_THROW(kInvalidArgument,
+                     "'{}' is in use by another running strata process (rank {}); give each "
+                     "run its own {}",
+                     top.string(), opts.rank, opts.config_key);
       }
-      struct stat locked {}, now {};
-      if (::fstat(lfd, &locked) == 0 && ::stat(lock.c_str(), &now) == 0 && locked.st_dev == now.st_dev &&
-          locked.st_ino == now.st_ino)
+      struct stat locked {
+      }, now{};
+      if (::fstat(lfd, &locked) == 0 && ::stat(lock.c_str(), &now) == 0 &&
+          locked.st_dev == now.st_dev && locked.st_ino == now.st_ino)
         break;
       ::close(lfd);  // the closing run's unlinked file: take the new one
     }
     s.lock_fds.push_back(lfd);
     s.locks.push_back(lock);
-    // Whose it is, for a later run to tell a dead rank's files (dead_ranks_files) from a live one's.
+    // Whose it is, for a later run to tell a dead rank's files (dead_ranks_files) from a live
+    // one's.
     const std::string owner = fmt::format("{} {}\n", this_host(), ::getpid());
-    if (::ftruncate(lfd, 0) != 0 || ::pwrite(lfd, owner.data(), owner.size(), 0) != ssize_t(owner.size()))
+    if (::ftruncate(lfd, 0) != 0 ||
+        ::pwrite(lfd, owner.data(), owner.size(), 0) != ssize_t(owner.size()))
       log::warn("swap store: cannot write the owner into '{}': {}", lock, std::strerror(errno));
     if (opts.rank == 0 && opts.world_size > 0) dead_ranks_files(top, opts.world_size, true);
     const fs::path dir = top / fmt::format("rank{}", opts.rank);
     if (fs::exists(dir, ec)) {
-      if (!fs::is_empty(dir, ec)) log::info("removing swap files of a previous run in '{}'", dir.string());
+      if (!fs::is_empty(dir, ec))
+        log::info("removing swap files of a previous run in '{}'", dir.string());
       fs::remove_all(dir, ec);
-      STRATA_REQUIRE(!ec, "cannot remove the previous run's swap files in '{}': {}", dir.string(), ec.message());
+      STRATA_REQUIRE(!ec, "cannot remove the previous run's swap files in '{}': {}", dir.string(),
+                     ec.message());
     }
     fs::create_directories(dir, ec);
     STRATA_REQUIRE(!ec, "cannot create '{}': {}", dir.string(), ec.message());
@@ -506,7 +540,8 @@ bool SwapStore::contains(const std::string& key) const {
   return impl_->extents.count(key) != 0;
 }
 
-static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, void* buf, std::size_t bytes) {
+static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, void* buf,
+                         std::size_t bytes) {
   STRATA_REQUIRE(buf != nullptr, "swap key '{}': null buffer", key);
   STRATA_REQUIRE(reinterpret_cast<std::uintptr_t>(buf) % kPage == 0,
                  "swap key '{}': buffer {} is not 4096-aligned; use pinned pool memory", key, buf);
@@ -516,36 +551,41 @@ static IoHandle transfer(SwapStore::Impl& s, IoOp op, const std::string& key, vo
   STRATA_REQUIRE(it != s.extents.end(), "swap key '{}' was never reserved or written", key);
   auto& e = it->second;
   const std::size_t padded = SwapStore::padded_bytes(bytes);
-  STRATA_REQUIRE(padded <= e.bytes, "swap key '{}': {} bytes do not fit its {}-byte extent", key, bytes, e.bytes);
-  STRATA_REQUIRE(op == IoOp::kWrite || e.written, "swap key '{}' was reserved but never written; write it first",
-                 key);
+  STRATA_REQUIRE(padded <= e.bytes, "swap key '{}': {} bytes do not fit its {}-byte extent", key,
+                 bytes, e.bytes);
+  STRATA_REQUIRE(op == IoOp::kWrite || e.written,
+                 "swap key '{}' was reserved but never written; write it first", key);
   const bool verify = s.opt.aio.verify;
   // A read covers what was written: beyond it the bytes are not this key's; and with verify on,
   // exactly it (each stripe piece's checksum is of the piece as written).
   STRATA_REQUIRE(op == IoOp::kWrite || padded <= e.written_bytes,
-                 "swap key '{}': reading {} bytes, but its last write was {} bytes", key, padded, e.written_bytes);
+                 "swap key '{}': reading {} bytes, but its last write was {} bytes", key, padded,
+                 e.written_bytes);
   STRATA_REQUIRE(op == IoOp::kWrite || !verify || padded == e.written_bytes,
-                 "swap key '{}': reading {} of its {} written bytes; with aio.verify on a read must take the whole "
-                 "write (the checksums are of what was written)", key, padded, e.written_bytes);
+                 "swap key '{}': reading {} of its {} written bytes; with aio.verify on a read "
+                 "must take the whole "
+                 "write (the checksums are of what was written)",
+                 key, padded, e.written_bytes);
   e.tag = fmt::format("swap key '{}'", key);
   std::size_t piece = 0;
-  s.for_pieces(e.offset, padded, [&](const SwapStore::Impl::File& f, std::uint64_t foff, std::size_t done,
-                                     std::size_t len) {
-    IoRequest r;
-    r.op = op;
-    r.fd = f.fd;
-    r.offset = foff;
-    r.buf = static_cast<char*>(buf) + done;
-    r.bytes = len;
-    r.path = &f.path;
-    r.tag = &e.tag;
-    if (verify) {
-      r.checksum = &e.sums[piece];
-      r.verify = op == IoOp::kRead;
-    }
-    ++piece;
-    reqs.push_back(r);
-  });
+  s.for_pieces(
+      e.offset, padded,
+      [&](const SwapStore::Impl::File& f, std::uint64_t foff, std::size_t done, std::size_t len) {
+        IoRequest r;
+        r.op = op;
+        r.fd = f.fd;
+        r.offset = foff;
+        r.buf = static_cast<char*>(buf) + done;
+        r.bytes = len;
+        r.path = &f.path;
+        r.tag = &e.tag;
+        if (verify) {
+          r.checksum = &e.sums[piece];
+          r.verify = op == IoOp::kRead;
+        }
+        ++piece;
+        reqs.push_back(r);
+      });
   if (op == IoOp::kWrite) {
     e.written = true;
     e.written_bytes = padded;

@@ -39,7 +39,8 @@
 //   zero_optimization.offload_optimizer.host_fraction  the piece kept in pinned host memory
 //                                          (first units in order), the rest on NVMe. Default 0.
 //   strata.host_budget_bytes              pinned host memory the engine may hold (default 0 =
-//                                          default_host_budget(): 80% of RAM over the node's ranks).
+//                                          default_host_budget(): 80% of RAM over the node's
+//                                          ranks).
 //   strata.overlap_optimizer              true | false: the host optimizer steps each unit
 //                                          while backward runs, into a second copy of its
 //                                          state (Engine::set_next_lr). Default: on when the
@@ -47,7 +48,8 @@
 //   strata.optimizer_threads              threads of the host CPU AdamW (default 0 = every core).
 //   strata.optimizer_isa                  "auto" | "avx512" | "avx2" | "scalar": the host CPU
 //                                          AdamW's code path (default "auto": the widest the
-//                                          CPU has). Checked against the CPU when the engine is made.
+//                                          CPU has). Checked against the CPU when the engine is
+//                                          made.
 //   strata.device_grad_norm               true | false: a host-tier gradient's norm part taken
 //                                          on the device (one micro-batch a step). Default: on,
 //                                          off on the CPU-emulated device.
@@ -92,20 +94,27 @@ double scheduled_lr(const LrScheduleConfig& s, double optimizer_lr, std::int64_t
   if (s.type.empty()) return optimizer_lr;
   const std::int64_t it = step - 2;  // DeepSpeed's last_batch_iteration during this step
   const double warm = double(std::max<std::int64_t>(2, s.warmup_num_steps));
-  const auto warmup = [&] { return s.warmup_type == "log" ? std::log(double(it + 1)) / std::log(warm) : double(it) / warm; };
+  const auto warmup = [&] {
+    return s.warmup_type == "log" ? std::log(double(it + 1)) / std::log(warm) : double(it) / warm;
+  };
   if (s.type == "WarmupCosineLR") {
     if (it < 0) return 0.0;
-    if (double(it) < warm) return optimizer_lr * (s.warmup_min_ratio + warmup() * (1.0 - s.warmup_min_ratio));
+    if (double(it) < warm)
+      return optimizer_lr * (s.warmup_min_ratio + warmup() * (1.0 - s.warmup_min_ratio));
     const double span = double(s.total_num_steps) - warm;
-    const double cosine = span > 0 ? (1.0 + std::cos(std::numbers::pi * (double(it) - warm + 1.0) / span)) / 2.0 : 0.0;
+    const double cosine =
+        span > 0 ? (1.0 + std::cos(std::numbers::pi * (double(it) - warm + 1.0) / span)) / 2.0
+                 : 0.0;
     return optimizer_lr * std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
   }
   const double max_lr = s.warmup_max_lr < 0 ? optimizer_lr : s.warmup_max_lr;
   if (it < 0) return s.warmup_min_lr;
   double gamma = 1.0;
-  if (double(it) < warm) gamma = warmup();
+  if (double(it) < warm)
+    gamma = warmup();
   else if (s.type == "WarmupDecayLR")
-    gamma = std::max(0.0, (double(s.total_num_steps) - double(it)) / std::max(1.0, double(s.total_num_steps) - warm));
+    gamma = std::max(0.0, (double(s.total_num_steps) - double(it)) /
+                              std::max(1.0, double(s.total_num_steps) - warm));
   return s.warmup_min_lr + (max_lr - s.warmup_min_lr) * gamma;
 }
 
@@ -130,21 +139,26 @@ void drop_auto_values(Json& obj, const std::string& path, std::set<std::string>&
     const std::string key = path.empty() ? it.key() : path + "." + it.key();
     if (it->is_string() && it->get<std::string>() == "auto") {
       // Three are read as the Trainer fills them in (parse_scheduler); the rest are not given.
-      const char* as = key == "scheduler.params.warmup_max_lr"      ? "the learning rate (--lr, else optimizer.params.lr)"
-                       : key == "scheduler.params.total_num_steps"  ? "the run's steps (strata-train's --steps)"
-                       : key == "scheduler.params.warmup_num_steps" ? "0 warmup steps, the Trainer's default"
-                                                                    : nullptr;
-      log::warn_once("config.auto." + key,
-                     as ? fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): read as {}",
-                                      key, as)
-                        : fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
-                                      "treated as not given, so strata's default or derived value applies",
-                                      key));
+      const char* as =
+          key == "scheduler.params.warmup_max_lr"
+              ? "the learning rate (--lr, else optimizer.params.lr)"
+          : key == "scheduler.params.total_num_steps"  ? "the run's steps (strata-train's --steps)"
+          : key == "scheduler.params.warmup_num_steps" ? "0 warmup steps, the Trainer's default"
+                                                       : nullptr;
+      log::warn_once(
+          "config.auto." + key,
+          as ? fmt::format(
+                   "config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): read as {}",
+                   key, as)
+             : fmt::format("config key '{}' is \"auto\" (a Hugging Face Trainer placeholder): "
+                           "treated as not given, so strata's default or derived value applies",
+                           key));
       dropped.insert(key);
       it = obj.erase(it);
       continue;
     }
-    if (it->is_object() && !(path.empty() && it.key() == "aio")) drop_auto_values(*it, key, dropped);
+    if (it->is_object() && !(path.empty() && it.key() == "aio"))
+      drop_auto_values(*it, key, dropped);
     ++it;
   }
 }
@@ -351,8 +365,10 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
   }
   // "auto": the Trainer's warmup steps, 0 unless it is told otherwise (strata's default, 1000,
   // would be no one's choice here).
-  if (auto_keys.count("scheduler.params.warmup_num_steps")) l.warmup_num_steps = 0;
-  else l.warmup_num_steps = p.get_int("warmup_num_steps", l.warmup_num_steps);
+  if (auto_keys.count("scheduler.params.warmup_num_steps"))
+    l.warmup_num_steps = 0;
+  else
+    l.warmup_num_steps = p.get_int("warmup_num_steps", l.warmup_num_steps);
   STRATA_REQUIRE(l.warmup_num_steps >= 0, "config key '{}' = {}: must be >= 0",
                  p.key_path("warmup_num_steps"), l.warmup_num_steps);
   l.warmup_type = p.get_choice("warmup_type", l.warmup_type, {"log", "linear"});
@@ -363,19 +379,24 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
     l.warmup_min_lr = get_nonnegative(p, "warmup_min_lr", l.warmup_min_lr);
     // WarmupLR without a maximum: the optimizer's lr (DeepSpeed); "auto" too, for either type, as
     // Hugging Face fills it with the learning rate (WarmupDecayLR ran at its 0.001 default).
-    if (auto_keys.count("scheduler.params.warmup_max_lr")) l.warmup_max_lr = -1;
-    else if (p.has("warmup_max_lr") || l.type != "WarmupLR") l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
-    else l.warmup_max_lr = -1;
+    if (auto_keys.count("scheduler.params.warmup_max_lr"))
+      l.warmup_max_lr = -1;
+    else if (p.has("warmup_max_lr") || l.type != "WarmupLR")
+      l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
+    else
+      l.warmup_max_lr = -1;
     STRATA_REQUIRE(l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
                    "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
                    p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),
                    l.warmup_min_lr);
   }
   if (l.type != "WarmupLR" && auto_keys.count("scheduler.params.total_num_steps")) {
-    l.total_num_steps = 0;  // "auto": the run's steps, as Hugging Face fills it (strata-train: --steps)
+    l.total_num_steps =
+        0;  // "auto": the run's steps, as Hugging Face fills it (strata-train: --steps)
   } else if (l.type != "WarmupLR") {
     STRATA_REQUIRE(p.has("total_num_steps"),
-                   "config key '{}' is required for scheduler type \"{}\": the run's total optimizer steps (\"auto\": "
+                   "config key '{}' is required for scheduler type \"{}\": the run's total "
+                   "optimizer steps (\"auto\": "
                    "strata-train's --steps)",
                    p.key_path("total_num_steps"), l.type);
     l.total_num_steps = p.get_int("total_num_steps", 0);
@@ -387,8 +408,9 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
 
 // zero_optimization.stage, and DeepSpeed's legacy spellings that move state somewhere.
 void parse_zero_stage(const Section& z, EngineConfig& c) {
-  STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(), "config key '{}' = {}: use 1, 2 or 3 (a number)",
-                 z.key_path("stage"), z.raw("stage") ? z.raw("stage")->dump() : "");
+  STRATA_REQUIRE(!z.has("stage") || z.raw("stage")->is_number(),
+                 "config key '{}' = {}: use 1, 2 or 3 (a number)", z.key_path("stage"),
+                 z.raw("stage") ? z.raw("stage")->dump() : "");
   const std::int64_t stage = z.get_int("stage", 0);
   STRATA_REQUIRE(
       stage != 0,
@@ -465,10 +487,12 @@ std::string parse_offload_param(const Section& z, EngineConfig& c) {
   c.param_buffer_size = get_positive(op, "buffer_size", c.param_buffer_size);
   c.param_max_in_cpu = op.get_uint("max_in_cpu", c.param_max_in_cpu);
   if (op.has("max_in_cpu"))
-    log::warn_once("config.unused." + op.key_path("max_in_cpu"),
-                   fmt::format("config key '{}' has no effect in strata; to keep a share of the weights in host "
-                               "memory next to NVMe, set '{}' (a fraction of the offloaded weights)",
-                               op.key_path("max_in_cpu"), op.key_path("host_fraction")));
+    log::warn_once(
+        "config.unused." + op.key_path("max_in_cpu"),
+        fmt::format(
+            "config key '{}' has no effect in strata; to keep a share of the weights in host "
+            "memory next to NVMe, set '{}' (a fraction of the offloaded weights)",
+            op.key_path("max_in_cpu"), op.key_path("host_fraction")));
   const double p_host = get_fraction(op, "host_fraction", 0.0);
   STRATA_REQUIRE(!op.has("host_fraction") || pdev == "nvme",
                  "config key '{}' splits parameters between host and NVMe: it needs {} \"nvme\" "
@@ -476,12 +500,14 @@ std::string parse_offload_param(const Section& z, EngineConfig& c) {
                  op.key_path("host_fraction"), op.key_path("device"), pdev);
   const double p_ratio = get_fraction(op, "ratio", 1.0);
   if (op.has("ratio") && pdev != "cpu")
-    log::warn_once("config.unused." + op.key_path("ratio"),
-                   fmt::format("config key '{}' is ignored: it splits the weights between host and device, and {} "
-                               "is \"{}\", not \"cpu\"{}",
-                               op.key_path("ratio"), op.key_path("device"), pdev,
-                               pdev == "nvme" ? fmt::format(" (for host and NVMe: {})", op.key_path("host_fraction"))
-                                              : std::string()));
+    log::warn_once(
+        "config.unused." + op.key_path("ratio"),
+        fmt::format(
+            "config key '{}' is ignored: it splits the weights between host and device, and {} "
+            "is \"{}\", not \"cpu\"{}",
+            op.key_path("ratio"), op.key_path("device"), pdev,
+            pdev == "nvme" ? fmt::format(" (for host and NVMe: {})", op.key_path("host_fraction"))
+                           : std::string()));
   c.params = pdev == "none"  ? Placement{1.0, 0.0}
              : pdev == "cpu" ? Placement{1.0 - p_ratio, p_ratio}
                              : Placement{0.0, p_host};
@@ -532,35 +558,44 @@ std::string parse_offload_optimizer(const Section& z, EngineConfig& c) {
   return odev;
 }
 
-// offload_grads (strata): the fp32 gradient shard, beside the optimizer state or the weights on NVMe.
-void parse_offload_grads(const Section& z, EngineConfig& c, const std::string& odev, const std::string& pdev) {
+// offload_grads (strata): the fp32 gradient shard, beside the optimizer state or the weights on
+// NVMe.
+void parse_offload_grads(const Section& z, EngineConfig& c, const std::string& odev,
+                         const std::string& pdev) {
   const std::string gdev =
       z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu", "nvme"});
   const double g_ratio = get_fraction(z, "offload_grads_ratio", 1.0);
   if (z.has("offload_grads_ratio") && gdev != "cpu")
-    log::warn_once("config.unused." + z.key_path("offload_grads_ratio"),
-                   fmt::format("config key '{}' is ignored: it splits the gradients between host and device, and "
-                               "{} is \"{}\", not \"cpu\"{}",
-                               z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev,
-                               gdev == "nvme" ? fmt::format(" (for host and NVMe: {})",
-                                                            z.key_path("offload_grads_host_fraction"))
-                                              : std::string()));
+    log::warn_once(
+        "config.unused." + z.key_path("offload_grads_ratio"),
+        fmt::format(
+            "config key '{}' is ignored: it splits the gradients between host and device, and "
+            "{} is \"{}\", not \"cpu\"{}",
+            z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev,
+            gdev == "nvme"
+                ? fmt::format(" (for host and NVMe: {})", z.key_path("offload_grads_host_fraction"))
+                : std::string()));
   const double g_host = get_fraction(z, "offload_grads_host_fraction", 0.0);
   STRATA_REQUIRE(!z.has("offload_grads_host_fraction") || gdev == "nvme",
-                 "config key '{}' splits the gradients between host and NVMe: it needs {} \"nvme\" (it is \"{}\"; "
+                 "config key '{}' splits the gradients between host and NVMe: it needs {} \"nvme\" "
+                 "(it is \"{}\"; "
                  "for host and device use {})",
                  z.key_path("offload_grads_host_fraction"), z.key_path("offload_grads"), gdev,
                  z.key_path("offload_grads_ratio"));
   if (gdev == "nvme") {
     // The gradients swap beside the optimizer state (they are read with it), else beside the
     // weights: no directory of their own.
-    STRATA_REQUIRE(c.stage == 3,
-                   "config key '{}' is \"nvme\" with zero_optimization.stage {}: NVMe offload needs stage 3 (set "
-                   "stage 3 and put the optimizer state or the parameters on NVMe, or set {} \"cpu\")",
-                   z.key_path("offload_grads"), c.stage, z.key_path("offload_grads"));
+    STRATA_REQUIRE(
+        c.stage == 3,
+        "config key '{}' is \"nvme\" with zero_optimization.stage {}: NVMe offload needs stage 3 "
+        "(set "
+        "stage 3 and put the optimizer state or the parameters on NVMe, or set {} \"cpu\")",
+        z.key_path("offload_grads"), c.stage, z.key_path("offload_grads"));
     STRATA_REQUIRE(odev == "nvme" || pdev == "nvme",
-                   "config key '{}' is \"nvme\", but neither offload_optimizer.device nor offload_param.device is "
-                   "\"nvme\": gradient shards go under the optimizer's nvme_path (or the parameters'); put one of "
+                   "config key '{}' is \"nvme\", but neither offload_optimizer.device nor "
+                   "offload_param.device is "
+                   "\"nvme\": gradient shards go under the optimizer's nvme_path (or the "
+                   "parameters'); put one of "
                    "them on NVMe, or set {} \"cpu\"",
                    z.key_path("offload_grads"), z.key_path("offload_grads"));
     c.grad_nvme_paths = odev == "nvme" ? c.optimizer_nvme_paths : c.param_nvme_paths;
@@ -572,13 +607,28 @@ void parse_offload_grads(const Section& z, EngineConfig& c, const std::string& o
 
 void parse_zero(const Section& top, EngineConfig& c) {
   const Section z = top.child("zero_optimization");
-  z.warn_unknown({"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
-                  "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
-                  "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                  "stage3_param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters",
-                  "max_reuse_distance", "param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-                  "stage3_gather_fp16_weights_on_model_save", "offload_param", "offload_optimizer",
-                  "offload_grads", "offload_grads_ratio", "offload_grads_host_fraction", "cpu_offload",
+  z.warn_unknown({"stage",
+                  "overlap_comm",
+                  "contiguous_gradients",
+                  "reduce_bucket_size",
+                  "allgather_bucket_size",
+                  "sub_group_size",
+                  "stage3_prefetch_bucket_size",
+                  "stage3_max_live_parameters",
+                  "stage3_max_reuse_distance",
+                  "stage3_param_persistence_threshold",
+                  "prefetch_bucket_size",
+                  "max_live_parameters",
+                  "max_reuse_distance",
+                  "param_persistence_threshold",
+                  "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_gather_fp16_weights_on_model_save",
+                  "offload_param",
+                  "offload_optimizer",
+                  "offload_grads",
+                  "offload_grads_ratio",
+                  "offload_grads_host_fraction",
+                  "cpu_offload",
                   "cpu_offload_params"});
   parse_zero_stage(z, c);
   parse_zero_sizes(z, c);
@@ -624,21 +674,27 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   parse_zero(top, c);
 
   // The aio block, inside an object of its own: never mistaken for anything else.
-  c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}" : std::string("{}"));
+  c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}"
+                                               : std::string("{}"));
 
   const Section st = top.child("strata");
-  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "optimizer_isa", "device_grad_norm"});
+  st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "optimizer_isa",
+                   "device_grad_norm"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
-  STRATA_REQUIRE(c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
-                 "config key 'strata.host_budget_bytes' = {}: use 0 (80% of RAM) or at least 2 MiB (2097152): "
-                 "pinned memory is committed in 2 MiB steps", c.host_budget_bytes);
+  STRATA_REQUIRE(
+      c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
+      "config key 'strata.host_budget_bytes' = {}: use 0 (80% of RAM) or at least 2 MiB (2097152): "
+      "pinned memory is committed in 2 MiB steps",
+      c.host_budget_bytes);
   if (st.has("overlap_optimizer")) c.overlap_optimizer = st.get_bool("overlap_optimizer", true);
   if (st.has("device_grad_norm")) c.device_grad_norm = st.get_bool("device_grad_norm", true);
   const std::uint64_t threads = st.get_uint("optimizer_threads", 0);
-  STRATA_REQUIRE(threads <= 4096, "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
+  STRATA_REQUIRE(threads <= 4096,
+                 "config key 'strata.optimizer_threads' = {}: use 0 (every core) or a thread count",
                  threads);
   c.optimizer_threads = int(threads);
-  c.optimizer_isa = parse_isa(st.get_choice("optimizer_isa", "auto", {"auto", "avx512", "avx2", "scalar"}));
+  c.optimizer_isa =
+      parse_isa(st.get_choice("optimizer_isa", "auto", {"auto", "avx512", "avx2", "scalar"}));
   return c;
 }
 

@@ -97,8 +97,10 @@ bool EarlyStepper::finish(std::size_t ui, bool block) {
   for (IoHandle& h : u.early.io) h.wait();
   const std::size_t n = u.shard, w_bytes = n * s.c_size;
   count_io(u);
-  if (u.o_tier == Tier::kHost) std::swap(u.o.host, u.early.o_alt);
-  else u.early.o_gen = 1 - u.early.o_gen;
+  if (u.o_tier == Tier::kHost)
+    std::swap(u.o.host, u.early.o_alt);
+  else
+    u.early.o_gen = 1 - u.early.o_gen;
   if (!u.resident && u.w_tier == Tier::kHost) std::swap(u.w.host, u.early.w_alt);
   if (!u.resident && u.w_tier == Tier::kNvme) u.early.w_gen = 1 - u.early.w_gen;
   if (const auto target = s.w_target_dev(u)) {
@@ -106,8 +108,10 @@ bool EarlyStepper::finish(std::size_t ui, bool block) {
     up.copy(target->mem, host_ref(u.early.new_w->data(), w_bytes));
     up.host_fn([b = u.early.new_w] {}, "staging_free");
     s.st.h2d_bytes += w_bytes;
-    if (u.resident && s.world > 1) u.early.gather_pending = true;
-    else if (u.resident) u.fetch.ready = up.record();
+    if (u.resident && s.world > 1)
+      u.early.gather_pending = true;
+    else if (u.resident)
+      u.fetch.ready = up.record();
   }
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -124,7 +128,8 @@ void EarlyStepper::gather_finished(std::size_t ui) {
   Unit& u = s.units[ui];
   if (!u.early.gather_pending) return;
   const DType ct = s.cfg.compute_dtype;
-  s.comm.all_gather(s.view(u.w.full, ct, u.shard, std::size_t(s.rank) * u.shard), s.view(u.w.full, ct, u.padded), *s.fetch_s);
+  s.comm.all_gather(s.view(u.w.full, ct, u.shard, std::size_t(s.rank) * u.shard),
+                    s.view(u.w.full, ct, u.padded), *s.fetch_s);
   u.fetch.ready = s.fetch_s->record();
   u.early.gather_pending = false;
 }
@@ -305,24 +310,32 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
       const float* src = static_cast<const float*>(u.o.host->data());
       float* dst = static_cast<float*>(u.early.o_alt->data());
       master = dst + a;
-      sh = {host_tensor(dst + a, DType::kF32, len), host_tensor(g + a, DType::kF32, len),
-            host_tensor(dst + n + a, DType::kF32, len), host_tensor(dst + 2 * n + a, DType::kF32, len), {}};
+      sh = {host_tensor(dst + a, DType::kF32, len),
+            host_tensor(g + a, DType::kF32, len),
+            host_tensor(dst + n + a, DType::kF32, len),
+            host_tensor(dst + 2 * n + a, DType::kF32, len),
+            {}};
       sh.params_src = host_tensor(src + a, DType::kF32, len);
       sh.m_src = host_tensor(src + n + a, DType::kF32, len);
       sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
       if (gi + 1 == G) read_ahead_next();  // (an NVMe job after it)
     } else {
       read_ahead(ui, gi);
-      if (gi + 1 < G) read_ahead(ui, gi + 1);
-      else read_ahead_next();
+      if (gi + 1 < G)
+        read_ahead(ui, gi + 1);
+      else
+        read_ahead_next();
       auto it = reads.find({ui, gi});
       state = it->second.first;
       const IoHandle h = it->second.second;
       reads.erase(it);
       h.wait();
       master = static_cast<float*>(state->data());
-      sh = {host_tensor(master, DType::kF32, len), host_tensor(g + a, DType::kF32, len),
-            host_tensor(master + len, DType::kF32, len), host_tensor(master + 2 * len, DType::kF32, len), {}};
+      sh = {host_tensor(master, DType::kF32, len),
+            host_tensor(g + a, DType::kF32, len),
+            host_tensor(master + len, DType::kF32, len),
+            host_tensor(master + 2 * len, DType::kF32, len),
+            {}};
     }
     std::shared_ptr<PinnedBlock> w_block;  // NVMe weights: the sub-group's, written behind
     if (w_nvme) {
@@ -330,7 +343,7 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
       TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
       w_block = s.pinned(SwapStore::padded_bytes(w_bytes));
     }
-    void* w_dst = w_host ? static_cast<char*>(u.early.w_alt->data()) + a * s.c_size
+    void* w_dst = w_host   ? static_cast<char*>(u.early.w_alt->data()) + a * s.c_size
                   : w_nvme ? w_block->data()
                            : static_cast<char*>(u.early.new_w->data()) + a * s.c_size;
     if (copy_out) sh.copy_out = host_tensor(w_dst, s.cfg.compute_dtype, len);
@@ -341,20 +354,21 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     if (!copy_out) std::memcpy(w_dst, master, len * 4);
     if (state) {
       bound_io(writes, std::size_t(std::max(1, s.cfg.optimizer_buffer_count - 2)));
-      IoHandle h = s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
+      IoHandle h =
+          s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
       h.on_complete([state](std::exception_ptr) {});
       writes.push_back(h);
       u.early.io.push_back(h);
     }
     if (w_nvme) {
-      IoHandle h = s.w_store->write(s.key('w', ui, 1 - u.early.w_gen, gi), w_block->data(), w_bytes);
+      IoHandle h =
+          s.w_store->write(s.key('w', ui, 1 - u.early.w_gen, gi), w_block->data(), w_bytes);
       h.on_complete([w_block](std::exception_ptr) {});
       w_writes.push_back(h);
       u.early.io.push_back(h);
     }
   }
 }
-
 
 // The early step's results: kept when this step is the one they assumed (finite, no
 // clipping, the same lr and step) — without waiting for them: the worker finishes them
@@ -369,7 +383,8 @@ std::vector<bool> EarlyStepper::settle(float lr, bool overflow, bool clipped) {
   bool any_kept = false;
   for (const std::size_t ui : queued) {
     Unit& u = s.units[ui];
-    const bool keep = !overflow && !clipped && u.early.opt.lr == lr && u.early.opt.step == s.steps_taken + 1;
+    const bool keep =
+        !overflow && !clipped && u.early.opt.lr == lr && u.early.opt.step == s.steps_taken + 1;
     const Unit::Early state = keep ? state_of(ui) : wait(ui);
     if (keep && state != Unit::Early::kVoid) {
       kept[ui] = true;
@@ -405,13 +420,16 @@ std::vector<bool> EarlyStepper::settle(float lr, bool overflow, bool clipped) {
     {
       // The next forward takes the s.units in the order this one did: the worker follows it.
       std::lock_guard<std::mutex> lk(mu);
-      std::stable_sort(queue.begin(), queue.end(),
-                       [&](std::size_t a, std::size_t b) { return s.units[a].fetch.first < s.units[b].fetch.first; });
+      std::stable_sort(queue.begin(), queue.end(), [&](std::size_t a, std::size_t b) {
+        return s.units[a].fetch.first < s.units[b].fetch.first;
+      });
     }
     for (const std::size_t ui : pending_finish) s.units[ui].early.kept_behind = true;
     // ... and switches them in that order (finish_done_ahead): the first the forward needs first.
     std::stable_sort(pending_finish.begin(), pending_finish.end(),
-                     [&](std::size_t a, std::size_t b) { return s.units[a].fetch.first < s.units[b].fetch.first; });
+                     [&](std::size_t a, std::size_t b) {
+                       return s.units[a].fetch.first < s.units[b].fetch.first;
+                     });
   }
   if (!queued.empty()) {
     backoff = any_kept ? 0 : std::min(8, std::max(1, 2 * backoff));

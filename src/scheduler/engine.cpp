@@ -34,7 +34,8 @@ void Engine::Impl::bound(std::deque<Event>& q, std::size_t most) {
 Engine::Impl::Impl(Device& d, Communicator& c, const EngineConfig& config)
     : dev(d), comm(c), cfg(config), rank(c.rank()), world(c.world_size()) {
   STRATA_REQUIRE(&c.device() == &d, "Engine: the communicator belongs to another device");
-  STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3", cfg.stage);
+  STRATA_REQUIRE(cfg.stage >= 1 && cfg.stage <= 3, "zero_optimization.stage = {}: use 1, 2 or 3",
+                 cfg.stage);
   STRATA_REQUIRE(cfg.compute_dtype != DType::kF64, "Engine: fp64 compute is not supported");
   if (!isa_supported(cfg.optimizer_isa))
     STRATA_THROW(kUnsupported, "config key 'strata.optimizer_isa' = \"{}\": {}; use \"auto\"",
@@ -44,7 +45,8 @@ Engine::Impl::Impl(Device& d, Communicator& c, const EngineConfig& config)
   bucket_share = std::size_t(detail::bucket_share_elems(cfg, world));
   device_alloc_waits_at_start = dev.stats().num_alloc_waits;
   if (cfg.fp16.enabled) {
-    scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale : std::ldexp(1.0, cfg.fp16.initial_scale_power);
+    scale = cfg.fp16.loss_scale > 0 ? cfg.fp16.loss_scale
+                                    : std::ldexp(1.0, cfg.fp16.initial_scale_power);
     hysteresis_left = cfg.fp16.hysteresis;
   }
 }
@@ -74,16 +76,18 @@ Buffer Engine::Impl::alloc(std::size_t bytes, Stream* s) {
   return dev.alloc(bytes, s);
 }
 
-std::optional<TensorRef> Engine::Impl::w_target_dev(const Unit& u, std::size_t first, std::size_t size) const {
+std::optional<TensorRef> Engine::Impl::w_target_dev(const Unit& u, std::size_t first,
+                                                    std::size_t size) const {
   size = std::min(size, u.shard);
-  if (u.resident) return view(u.w.full, cfg.compute_dtype, size, std::size_t(rank) * u.shard + first);
+  if (u.resident)
+    return view(u.w.full, cfg.compute_dtype, size, std::size_t(rank) * u.shard + first);
   if (u.w_tier == Tier::kDevice) return view(u.w.dev, cfg.compute_dtype, size, first);
   return std::nullopt;
 }
 
 Unit& Engine::Impl::unit_at(int unit, const char* call) {
-  STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < units.size(), "{}: no unit {} (the model registered {})", call,
-                 unit, units.size());
+  STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < units.size(),
+                 "{}: no unit {} (the model registered {})", call, unit, units.size());
   return units[std::size_t(unit)];
 }
 
@@ -102,14 +106,16 @@ Engine::~Engine() {
 
 int Engine::add_unit(const UnitDef& def) {
   Impl& s = *impl_;
-  STRATA_REQUIRE(!s.finalized, "Engine::add_unit('{}') after finalize(): register every unit first", def.name);
+  STRATA_REQUIRE(!s.finalized, "Engine::add_unit('{}') after finalize(): register every unit first",
+                 def.name);
   STRATA_REQUIRE(!def.params.empty(), "unit '{}' has no parameters", def.name);
   Unit u;
   u.name = def.name;
   for (const ParamDef& p : def.params) {
     STRATA_REQUIRE(p.numel > 0, "parameter '{}.{}' has 0 elements", def.name, p.name);
-    STRATA_REQUIRE((p.init != nullptr) != bool(def.source), "parameter '{}.{}': {}", def.name, p.name,
-                   def.source ? "the unit has a source: give no initial values" : "no initial values");
+    STRATA_REQUIRE(
+        (p.init != nullptr) != bool(def.source), "parameter '{}.{}': {}", def.name, p.name,
+        def.source ? "the unit has a source: give no initial values" : "no initial values");
     u.offsets.push_back(u.numel);
     u.numel += p.numel;
   }
@@ -136,17 +142,21 @@ std::size_t Engine::param_offset(int unit, int param) const {
 const MemoryPlan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 DType Engine::compute_dtype() const { return impl_->cfg.compute_dtype; }
-Isa Engine::host_optimizer_isa() const { return impl_->cpu_adam ? impl_->cpu_adam->isa() : Isa::kAuto; }
+Isa Engine::host_optimizer_isa() const {
+  return impl_->cpu_adam ? impl_->cpu_adam->isa() : Isa::kAuto;
+}
 float Engine::loss_scale() const { return float(impl_->scale); }
 
 EngineConfig Engine::with_device_defaults(EngineConfig config, const Device& device) {
   // The early optimizer step on the CPU-emulated device: its kernels run on the cores the
   // optimizer would use, so the overlap turns into contention (measured: slower steps).
-  if (!config.overlap_optimizer.has_value() && device.kind() == DeviceKind::kCpu) config.overlap_optimizer = false;
+  if (!config.overlap_optimizer.has_value() && device.kind() == DeviceKind::kCpu)
+    config.overlap_optimizer = false;
   // The norm's sums on the device: free on a GPU, but the emulated device's kernels are host
   // threads, and its comm stream taking them delays the next gradient's copy (measured: the
   // engine benchmark's AdamW regime 1.18-1.23 -> 1.27-1.30).
-  if (!config.device_grad_norm.has_value()) config.device_grad_norm = device.kind() != DeviceKind::kCpu;
+  if (!config.device_grad_norm.has_value())
+    config.device_grad_norm = device.kind() != DeviceKind::kCpu;
   return config;
 }
 
@@ -179,8 +189,10 @@ void Engine::Impl::make_plan(const OnNvme& nvme) {
   if (cfg.host_budget_bytes == 0) cfg.host_budget_bytes = default_host_budget(on_node);
   if (defaulted && cfg.overlap_optimizer == false) {
     if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
-      log::info("engine: the early optimizer step is off on the CPU-emulated device (its kernels use the cores "
-                "the optimizer would); strata.overlap_optimizer true turns it on");
+      log::info(
+          "engine: the early optimizer step is off on the CPU-emulated device (its kernels use the "
+          "cores "
+          "the optimizer would); strata.overlap_optimizer true turns it on");
   }
 
   // The plan's inputs.
@@ -189,7 +201,8 @@ void Engine::Impl::make_plan(const OnNvme& nvme) {
   in.world_size = world;
   in.device_capacity = dev.stats().capacity_bytes;
   in.host_capacity = cfg.host_budget_bytes;
-  in.nvme_capacity = (nvme.w || nvme.o || nvme.g) ? nvme_capacity(cfg, rank, on_node, world) : UINT64_MAX;
+  in.nvme_capacity =
+      (nvme.w || nvme.o || nvme.g) ? nvme_capacity(cfg, rank, on_node, world) : UINT64_MAX;
   in.ranks_on_node = on_node;
   set_host_ram_inputs(in, dev, on_node);
   // The settings this host refuses (more optimizer threads than it runs), said on every rank
@@ -244,7 +257,8 @@ void Engine::Impl::agree_on_plan_inputs(PlanInputs& in, const std::string& host_
       {"zero_optimization.stage3_prefetch_bucket_size", double(cfg.prefetch_bucket_size)},
       {"zero_optimization.stage3_max_live_parameters", double(cfg.max_live_parameters)},
       {"zero_optimization.stage3_max_reuse_distance", double(cfg.max_reuse_distance)},
-      {"zero_optimization.stage3_param_persistence_threshold", double(cfg.param_persistence_threshold)},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       double(cfg.param_persistence_threshold)},
       {"zero_optimization.overlap_comm", double(cfg.overlap_comm)},
       {"zero_optimization.sub_group_size", double(cfg.sub_group_size)},
       {"zero_optimization.offload_optimizer.buffer_count", double(cfg.optimizer_buffer_count)},
@@ -260,24 +274,28 @@ void Engine::Impl::agree_on_plan_inputs(PlanInputs& in, const std::string& host_
       {"the weights' placement (offload_param: host fraction)", cfg.params.host_fraction},
       {"the gradients' placement (device fraction)", cfg.grads.device_fraction},
       {"the gradients' placement (host fraction)", cfg.grads.host_fraction},
-      {"the optimizer state's placement (offload_optimizer: device fraction)", cfg.optimizer.device_fraction},
-      {"the optimizer state's placement (offload_optimizer: host fraction)", cfg.optimizer.host_fraction},
+      {"the optimizer state's placement (offload_optimizer: device fraction)",
+       cfg.optimizer.device_fraction},
+      {"the optimizer state's placement (offload_optimizer: host fraction)",
+       cfg.optimizer.host_fraction},
       {"gradient_accumulation_steps", double(cfg.gradient_accumulation_steps)},
       {"gradient_clipping", cfg.gradient_clipping},
       {"the compute dtype (bf16 / fp16 / fp32)", double(int(cfg.compute_dtype))},
       {"strata.overlap_optimizer (-1: not given)", optional(cfg.overlap_optimizer)},
       {"strata.device_grad_norm (-1: not given)", optional(cfg.device_grad_norm)}};
-  std::vector<double> v = {-double(in.device_capacity), -double(cfg.host_budget_bytes), -double(in.nvme_capacity),
-                           host_refused.empty() ? 0.0 : 1.0};
+  std::vector<double> v = {-double(in.device_capacity), -double(cfg.host_budget_bytes),
+                           -double(in.nvme_capacity), host_refused.empty() ? 0.0 : 1.0};
   for (const auto& [key, x] : same) v.insert(v.end(), {x, -x});
   max_across_ranks(comm, v);
   if (!host_refused.empty()) STRATA_THROW(kInvalidArgument, "{}", host_refused);
-  STRATA_REQUIRE(v[3] == 0, "another rank's host refused its settings (its error says which and why)");
+  STRATA_REQUIRE(v[3] == 0,
+                 "another rank's host refused its settings (its error says which and why)");
   for (std::size_t i = 0; i < std::size(same); ++i)
-    STRATA_REQUIRE(v[4 + 2 * i] == -v[5 + 2 * i],
-                   "the ranks were given different engine settings: {} is {:g} on some and {:g} on others; "
-                   "give every rank the same config",
-                   same[i].first, -v[5 + 2 * i], v[4 + 2 * i]);
+    STRATA_REQUIRE(
+        v[4 + 2 * i] == -v[5 + 2 * i],
+        "the ranks were given different engine settings: {} is {:g} on some and {:g} on others; "
+        "give every rank the same config",
+        same[i].first, -v[5 + 2 * i], v[4 + 2 * i]);
   in.device_capacity = bytes_from_double(-v[0]);
   cfg.host_budget_bytes = in.host_capacity = bytes_from_double(-v[1]);  // the pool's budget too
   in.nvme_capacity = bytes_from_double(-v[2]);
@@ -290,11 +308,15 @@ void Engine::Impl::agree_on_plan_outcome() {
                 plan.early_optimizer_step ? 0.0 : 1.0};
   max_across_ranks(comm, o);
   if (plan.fits && o[0] > 0)
-    STRATA_THROW(kOutOfMemory, "the training state does not fit on another rank (its error says where and what to "
-                 "change)");
-  STRATA_REQUIRE(o[0] > 0 || o[1] + o[2] < 2,
-                 "the ranks planned the early optimizer step differently (strata.overlap_optimizer left to the "
-                 "plan): set strata.overlap_optimizer, or give every rank the same config and NVMe paths");
+    STRATA_THROW(
+        kOutOfMemory,
+        "the training state does not fit on another rank (its error says where and what to "
+        "change)");
+  STRATA_REQUIRE(
+      o[0] > 0 || o[1] + o[2] < 2,
+      "the ranks planned the early optimizer step differently (strata.overlap_optimizer left to "
+      "the "
+      "plan): set strata.overlap_optimizer, or give every rank the same config and NVMe paths");
 }
 
 // The streams, the pinned pool, the host optimizer and the swap stores the plan needs.
@@ -309,7 +331,8 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
   po.lock = cfg.pin_memory;
   po.device = &dev;
   pool = std::make_unique<PinnedPool>(po);
-  if (std::any_of(units.begin(), units.end(), [](const Unit& u) { return u.g_tier == Tier::kHost; }))
+  if (std::any_of(units.begin(), units.end(),
+                  [](const Unit& u) { return u.g_tier == Tier::kHost; }))
     norm_host = pinned(4 * units.size());
   CpuAdamWConfig ac;
   ac.policy = NonFinitePolicy::kReportOnly;
@@ -328,12 +351,15 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
   };
   // One store where two pieces name the same directories (detail::same_dirs).
   using detail::same_dirs;
-  if (nvme.w) w_store = std::make_unique<SwapStore>(store_options(cfg.param_nvme_paths, "zero_optimization.offload_param.nvme_path"));
+  if (nvme.w)
+    w_store = std::make_unique<SwapStore>(
+        store_options(cfg.param_nvme_paths, "zero_optimization.offload_param.nvme_path"));
   if (nvme.o) {
     if (w_store && same_dirs(cfg.optimizer_nvme_paths, cfg.param_nvme_paths)) {
       o_store = w_store.get();
     } else {
-      o_store_own = std::make_unique<SwapStore>(store_options(cfg.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path"));
+      o_store_own = std::make_unique<SwapStore>(
+          store_options(cfg.optimizer_nvme_paths, "zero_optimization.offload_optimizer.nvme_path"));
       o_store = o_store_own.get();
     }
   }
@@ -343,7 +369,8 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
     } else if (w_store && same_dirs(cfg.grad_nvme_paths, cfg.param_nvme_paths)) {
       g_store = w_store.get();
     } else {
-      g_store_own = std::make_unique<SwapStore>(store_options(cfg.grad_nvme_paths, detail::grad_nvme_path_key(cfg)));
+      g_store_own = std::make_unique<SwapStore>(
+          store_options(cfg.grad_nvme_paths, detail::grad_nvme_path_key(cfg)));
       g_store = g_store_own.get();
     }
   }
@@ -371,11 +398,13 @@ void Engine::Impl::place_initial_state() {
     end_put(ui);
     if (early_step.eligible(u)) {  // the early step's second copies (the plan's lines)
       if (u.o_tier == Tier::kHost) u.early.o_alt = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
-      if (!u.resident && u.w_tier == Tier::kHost) u.early.w_alt = pinned(SwapStore::padded_bytes(u.shard * c_size));
+      if (!u.resident && u.w_tier == Tier::kHost)
+        u.early.w_alt = pinned(SwapStore::padded_bytes(u.shard * c_size));
       for (std::size_t g = 0; g < groups(u); ++g) {
         const std::size_t n = range(u, g).size;
         if (u.o_tier == Tier::kNvme) o_store->reserve(Impl::key('o', ui, 1, g), 3 * n * 4);
-        if (!u.resident && u.w_tier == Tier::kNvme) w_store->reserve(Impl::key('w', ui, 1, g), n * c_size);
+        if (!u.resident && u.w_tier == Tier::kNvme)
+          w_store->reserve(Impl::key('w', ui, 1, g), n * c_size);
       }
     }
     // gradient accumulator (NVMe: its keys' room taken now, so a full disk is said here)
@@ -386,9 +415,10 @@ void Engine::Impl::place_initial_state() {
       u.g.host = pinned(u.shard * 4);
       std::memset(u.g.host->data(), 0, u.shard * 4);
     } else {
-      for (const detail::Range p : grad_pieces({0, u.shard})) g_store->reserve(Impl::g_key(ui, p.first), p.size * 4);
+      for (const detail::Range p : grad_pieces({0, u.shard}))
+        g_store->reserve(Impl::g_key(ui, p.first), p.size * 4);
     }
-    up.synchronize();  // the staging above is released when this scope ends
+    up.synchronize();    // the staging above is released when this scope ends
     u.source = nullptr;  // what it holds (a copy of given values) goes now
   }
   master.clear();
@@ -408,9 +438,10 @@ void Engine::finalize() {
 }
 
 void Engine::check_host_settings(const EngineConfig& config) {
-  const std::string too_many = CpuAdamW::threads_problem(config.optimizer_threads);  // named as the key that asked
-  STRATA_REQUIRE(too_many.empty(), "config key 'strata.optimizer_threads' = {}: {}", config.optimizer_threads,
-                 too_many);
+  const std::string too_many =
+      CpuAdamW::threads_problem(config.optimizer_threads);  // named as the key that asked
+  STRATA_REQUIRE(too_many.empty(), "config key 'strata.optimizer_threads' = {}: {}",
+                 config.optimizer_threads, too_many);
 }
 
 void Engine::set_next_lr(float lr) { impl_->early_step.next_lr = lr; }

@@ -3,8 +3,6 @@
 // src/scheduler includes it). Which file holds what: docs/engine.md, "Source files".
 #pragma once
 
-#include "strata/engine.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -21,6 +19,7 @@
 #include "cpu/cpu_kernels.h"
 #include "scheduler/schedule.h"
 #include "strata/adamw.h"
+#include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
@@ -80,13 +79,13 @@ struct Unit {
     Event ready, released;
     bool gathered = false;
     int in_use = 0;
-    std::size_t first = 0;          // position of the unit's first fetch in the last step
+    std::size_t first = 0;         // position of the unit's first fetch in the last step
     std::int64_t first_step = -1;  // the step that position belongs to
   } fetch;
 
   // The gradient (fp32).
   struct Grads {
-    Buffer dev;  // accumulator (shard), device tier
+    Buffer dev;                         // accumulator (shard), device tier
     std::shared_ptr<PinnedBlock> host;  // ... host tier
     Buffer full;  // scratch between grad_buffer() and reduce_grad() (padded, every rank's)
     // An NVMe-tier gradient (g_tier kNvme), kept as keys cut by detail::grad_pieces. `fresh`:
@@ -106,7 +105,7 @@ struct Unit {
 
   // The optimizer state: master | m | v, fp32, 3 * shard.
   struct OptimizerState {
-    Buffer dev;  // device tier
+    Buffer dev;                         // device tier
     std::shared_ptr<PinnedBlock> host;  // host tier (NVMe: keys in the optimizer's store)
   } o;
 
@@ -120,18 +119,18 @@ struct Unit {
     // This step's early work on the unit: queued when its last gradient of the step is
     // reduced, done on the early worker, then kept or dropped by step().
     Early state = Early::kNone;
-    Event grads_done;              // the accumulation of that last gradient
-    AdamWOptions opt;              // the options it ran with (lr, step, grad_scale)
-    std::int64_t call = 0;         // the step() call it was queued for (Impl::step_calls)
-    float sumsq = 0;               // its gradient's sum of squares (the norm's part) ...
-    std::int64_t norm_call = -1;   // ... for the job of this step() call (early_mu; -1: none)
+    Event grads_done;                    // the accumulation of that last gradient
+    AdamWOptions opt;                    // the options it ran with (lr, step, grad_scale)
+    std::int64_t call = 0;               // the step() call it was queued for (Impl::step_calls)
+    float sumsq = 0;                     // its gradient's sum of squares (the norm's part) ...
+    std::int64_t norm_call = -1;         // ... for the job of this step() call (early_mu; -1: none)
     std::shared_ptr<PinnedBlock> new_w;  // new weights for a device target, until finished
     std::vector<IoHandle> io;  // its writes to the other NVMe keys (one a sub-group and kind)
     // step() kept the early work but did not wait for it: it is finished (state and weights
     // switched to the new copy) before anything uses the unit again (EarlyStepper::finish).
     bool finish_pending = false;
     bool gather_pending = false;  // resident, more than one rank: finished, not yet all-gathered
-    bool kept_behind = false;     // kept by the last step() and not fetched since (see prefetch_ahead)
+    bool kept_behind = false;  // kept by the last step() and not fetched since (see prefetch_ahead)
   } early;
 };
 
@@ -205,14 +204,15 @@ class EarlyStepper {
   std::thread worker;
   std::condition_variable cv;
   std::deque<std::size_t> queue;
-  std::vector<std::size_t> order;  // units queued this step, in order (main thread)
-  std::size_t busy = 0;            // queued or running jobs
+  std::vector<std::size_t> order;         // units queued this step, in order (main thread)
+  std::size_t busy = 0;                   // queued or running jobs
   std::size_t read_ahead_job = SIZE_MAX;  // the queued job whose state the worker read ahead
   bool stopping = false;
   std::exception_ptr worker_error;
   // NVMe state reads issued ahead by the worker, and its writes in flight (worker only).
   // (Keyed by unit and sub-group.)
-  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>> reads;
+  std::map<std::pair<std::size_t, std::size_t>, std::pair<std::shared_ptr<PinnedBlock>, IoHandle>>
+      reads;
   std::deque<IoHandle> writes, w_writes;
   // Kept early work that step() left running (Unit::early.finish_pending), in the order they
   // are finished.
@@ -240,7 +240,9 @@ class EarlyStepper {
   // would take now is read ahead when it is on NVMe, and that job is then taken next.
   void read_ahead_next();
   // Whether the job of unit `ui` still owes step() its part of the gradient norm (mu held).
-  bool norm_owed(const Unit& u) const { return u.early.norm_call != u.early.call && u.early.call > norm_taken_call; }
+  bool norm_owed(const Unit& u) const {
+    return u.early.norm_call != u.early.call && u.early.call > norm_taken_call;
+  }
   void loop();
   // The norm's part of every queued job whose gradient is complete, before the next AdamW:
   // a few tenths of a millisecond each against the AdamW's few milliseconds, and step() needs
@@ -273,7 +275,8 @@ struct Engine::Impl {
   std::unique_ptr<PinnedPool> pool;
   std::unique_ptr<SwapStore> w_store, o_store_own, g_store_own;
   SwapStore* o_store = nullptr;
-  SwapStore* g_store = nullptr;  // NVMe-tier gradients: the optimizer's or the weights' store, or its own
+  SwapStore* g_store =
+      nullptr;  // NVMe-tier gradients: the optimizer's or the weights' store, or its own
   std::unique_ptr<CpuAdamW> cpu_adam;
   // wb: new compute weights from the device optimizer back to host or NVMe tiers; apart from
   // `fetch` so they overlap the next forward's host-to-device reads (a link carries both
@@ -348,16 +351,26 @@ struct Engine::Impl {
   // Gradient buckets (zero_optimization.reduce_bucket_size): a unit's gradient is reduced
   // `bucket_share` elements of every rank's shard at a time.
   std::size_t bucket_share = 0;
-  std::size_t buckets(const Unit& u) const { return std::size_t(detail::num_pieces(u.shard, bucket_share)); }
+  std::size_t buckets(const Unit& u) const {
+    return std::size_t(detail::num_pieces(u.shard, bucket_share));
+  }
   // Whether the reduce-scatter itself goes bucket by bucket (every rank's share gathered side by
   // side first): only where that takes less device memory than one reduce-scatter of the unit
   // into a shard-sized output (scheduler/layout.h).
-  bool bucketed_reduce(const Unit& u) const { return detail::bucketed_reduce(u.shard, bucket_share, world); }
-  detail::Range bucket_range(const Unit& u, std::size_t b) const { return detail::piece(u.shard, bucket_share, b); }
+  bool bucketed_reduce(const Unit& u) const {
+    return detail::bucketed_reduce(u.shard, bucket_share, world);
+  }
+  detail::Range bucket_range(const Unit& u, std::size_t b) const {
+    return detail::piece(u.shard, bucket_share, b);
+  }
   // An NVMe-tier gradient's keys: the pieces of a bucket or a sub-group (detail::grad_pieces),
   // each named by its first element.
-  std::vector<detail::Range> grad_pieces(detail::Range r) const { return detail::grad_pieces(r, sg, bucket_share); }
-  static std::string g_key(std::size_t u, std::size_t first) { return fmt::format("g{}@{}", u, first); }
+  std::vector<detail::Range> grad_pieces(detail::Range r) const {
+    return detail::grad_pieces(r, sg, bucket_share);
+  }
+  static std::string g_key(std::size_t u, std::size_t first) {
+    return fmt::format("g{}@{}", u, first);
+  }
 
   // ---- NVMe-tier gradients (grad_reduce.cpp) ----
   // Waits for unit u's gradient writes (before its keys are read, or the step reads them): all
@@ -365,16 +378,22 @@ struct Engine::Impl {
   void settle_grad_io(Unit& u);
   // Reads `r` of unit ui's NVMe-tier gradient (a sub-group, or a bucket to add to) into `dst`
   // (pinned, r.size floats); zeros when it has none this step. `dst` lives until they settle.
-  std::vector<IoHandle> read_grad(std::size_t ui, detail::Range r, const std::shared_ptr<PinnedBlock>& dst);
+  std::vector<IoHandle> read_grad(std::size_t ui, detail::Range r,
+                                  const std::shared_ptr<PinnedBlock>& dst);
   // Bucket `r` of unit ui's reduced gradient (`part`, on the device, in the comm stream's order)
   // to its NVMe keys: copied to pinned staging, added to what the keys hold (read back, unless it
   // is the step's first gradient of the unit), its squares added to the unit's sum (restarted by
   // the first bucket), written behind. The host waits for the oldest bucket's writes before it
   // takes a third (the plan's "gradient NVMe staging").
   std::deque<std::shared_ptr<GradIo>> grad_out;
-  void reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part, bool first_bucket, Stream& cs);
-  std::string w_key(std::size_t u, std::size_t g) const { return key('w', u, units[u].early.w_gen, g); }
-  std::string o_key(std::size_t u, std::size_t g) const { return key('o', u, units[u].early.o_gen, g); }
+  void reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part, bool first_bucket,
+                      Stream& cs);
+  std::string w_key(std::size_t u, std::size_t g) const {
+    return key('w', u, units[u].early.w_gen, g);
+  }
+  std::string o_key(std::size_t u, std::size_t g) const {
+    return key('o', u, units[u].early.o_gen, g);
+  }
 
   // ---- placing a unit's shard (engine_state.cpp; finalize, load_state) ----
   // begin_put, then put_group for every sub-group, then end_put. `first`: allocate the unit's
@@ -383,12 +402,14 @@ struct Engine::Impl {
   // Where the new compute weights of unit `u` go on the device — its gathered buffer (resident)
   // or its device-tier shard — or nullopt for a host or NVMe target, which the optimizer
   // writes in host memory. (`first`, `size`: the elements of the shard wanted; all by default)
-  std::optional<TensorRef> w_target_dev(const Unit& u, std::size_t first = 0, std::size_t size = SIZE_MAX) const;
+  std::optional<TensorRef> w_target_dev(const Unit& u, std::size_t first = 0,
+                                        std::size_t size = SIZE_MAX) const;
   // Sub-group g of unit ui from its master, m and v values (g's size each; m and v null:
   // zeros) onto the unit's tiers: the optimizer state, and the compute weights derived from
   // the master exactly as the optimizer's copy-out produces them. Device-tier state is copied
   // from the caller's memory: the plan has no pinned staging for it.
-  void put_group(std::size_t ui, std::size_t g, const float* master, const float* m, const float* v);
+  void put_group(std::size_t ui, std::size_t g, const float* master, const float* m,
+                 const float* v);
   void end_put(std::size_t ui);
 
   // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).

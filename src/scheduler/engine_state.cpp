@@ -1,15 +1,14 @@
 // Placing a unit's shard on its tiers and reading it back (finalize, load_state, master_shard),
 // and the engine's checkpoints (save_state / load_state). Part of the engine (engine_impl.h).
-#include "scheduler/engine_impl.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
+#include "scheduler/engine_impl.h"
 
 namespace strata {
 namespace {
@@ -26,16 +25,15 @@ class SyncedFile {
   ~SyncedFile() {
     if (fd_ >= 0) ::close(fd_);
   }
-  void write(const void* data, std::size_t bytes) {
-    write_at(data, bytes, end_);
-  }
+  void write(const void* data, std::size_t bytes) { write_at(data, bytes, end_); }
   // At byte `offset` of the file (pwrite(2)); write() goes on after the furthest byte written.
   void write_at(const void* data, std::size_t bytes, std::uint64_t offset) {
     const char* p = static_cast<const char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::pwrite(fd_, p, bytes, off_t(offset));
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", path_, std::strerror(errno));
+      if (n <= 0)
+        STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", path_, std::strerror(errno));
       p += n;
       bytes -= std::size_t(n);
       offset += std::uint64_t(n);
@@ -43,10 +41,12 @@ class SyncedFile {
     end_ = std::max(end_, offset);
   }
   void close() {
-    if (::fsync(fd_) != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path_, std::strerror(errno));
+    if (::fsync(fd_) != 0)
+      STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", path_, std::strerror(errno));
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) STRATA_THROW(kIo, "checkpoint: closing {} failed: {}", path_, std::strerror(errno));
+    if (::close(fd) != 0)
+      STRATA_THROW(kIo, "checkpoint: closing {} failed: {}", path_, std::strerror(errno));
   }
 
  private:
@@ -66,17 +66,25 @@ using detail::Unit;
 void Engine::Impl::begin_put(std::size_t ui, bool first) {
   Unit& u = units[ui];
   if (first) {
-    if (u.resident) u.w.full = dev.alloc(u.padded * c_size);
-    else if (u.w_tier == Tier::kDevice) u.w.dev = dev.alloc(u.shard * c_size);
-    else if (u.w_tier == Tier::kHost) u.w.host = pinned(SwapStore::padded_bytes(u.shard * c_size));
-    if (u.o_tier == Tier::kDevice) u.o.dev = dev.alloc(3 * u.shard * 4);
-    else if (u.o_tier == Tier::kHost) u.o.host = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+    if (u.resident)
+      u.w.full = dev.alloc(u.padded * c_size);
+    else if (u.w_tier == Tier::kDevice)
+      u.w.dev = dev.alloc(u.shard * c_size);
+    else if (u.w_tier == Tier::kHost)
+      u.w.host = pinned(SwapStore::padded_bytes(u.shard * c_size));
+    if (u.o_tier == Tier::kDevice)
+      u.o.dev = dev.alloc(3 * u.shard * 4);
+    else if (u.o_tier == Tier::kHost)
+      u.o.host = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
   }
-  if (u.resident && u.fetch.released.valid()) fetch_s->wait(u.fetch.released);  // the compute stream's last read
-  if (!u.resident && u.w_tier == Tier::kHost && u.w.written.valid()) u.w.written.synchronize();  // a write-back
+  if (u.resident && u.fetch.released.valid())
+    fetch_s->wait(u.fetch.released);  // the compute stream's last read
+  if (!u.resident && u.w_tier == Tier::kHost && u.w.written.valid())
+    u.w.written.synchronize();  // a write-back
 }
 
-void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master, const float* m, const float* v) {
+void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master, const float* m,
+                             const float* v) {
   Unit& u = units[ui];
   const detail::Range r = range(u, g);
   const std::size_t a = r.first, n = r.size, w_bytes = n * c_size;
@@ -87,14 +95,18 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master,
   if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
   void* w = w_host ? static_cast<char*>(u.w.host->data()) + a * c_size : staging->data();
   cpu::cast(DType::kF32, master, ct, w, n);  // round to nearest even, as the copy-out
-  if (const auto target = w_target_dev(u, a, n)) up.copy(target->mem, host_ref(w, w_bytes));
-  else if (u.w_tier == Tier::kNvme) w_store->write(w_key(ui, g), w, w_bytes).wait();
+  if (const auto target = w_target_dev(u, a, n))
+    up.copy(target->mem, host_ref(w, w_bytes));
+  else if (u.w_tier == Tier::kNvme)
+    w_store->write(w_key(ui, g), w, w_bytes).wait();
   const float* parts[3] = {master, m, v};
   if (u.o_tier == Tier::kDevice) {
     for (std::size_t k = 0; k < 3; ++k) {
       const TensorRef dst = view(u.o.dev, DType::kF32, n, k * u.shard + a);
-      if (parts[k]) up.copy(dst.mem, host_ref(parts[k], n * 4));
-      else up.fill(dst, 0.0f);
+      if (parts[k])
+        up.copy(dst.mem, host_ref(parts[k], n * 4));
+      else
+        up.fill(dst, 0.0f);
     }
   } else {
     std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v
@@ -102,8 +114,10 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master,
     float* o = block ? static_cast<float*>(block->data()) : static_cast<float*>(u.o.host->data());
     for (std::size_t k = 0; k < 3; ++k) {
       float* dst = block ? o + k * n : o + k * u.shard + a;
-      if (parts[k]) std::memcpy(dst, parts[k], n * 4);
-      else std::memset(dst, 0, n * 4);
+      if (parts[k])
+        std::memcpy(dst, parts[k], n * 4);
+      else
+        std::memset(dst, 0, n * 4);
     }
     if (block) o_store->write(o_key(ui, g), block->data(), 3 * n * 4).wait();
   }
@@ -115,7 +129,8 @@ void Engine::Impl::end_put(std::size_t ui) {
   if (!u.resident) return;
   const DType ct = cfg.compute_dtype;
   if (world > 1)
-    comm.all_gather(view(u.w.full, ct, u.shard, std::size_t(rank) * u.shard), view(u.w.full, ct, u.padded), *fetch_s);
+    comm.all_gather(view(u.w.full, ct, u.shard, std::size_t(rank) * u.shard),
+                    view(u.w.full, ct, u.padded), *fetch_s);
   u.fetch.gathered = true;
   u.fetch.ready = fetch_s->record();
 }
@@ -125,7 +140,8 @@ void Engine::Impl::get_group(std::size_t ui, std::size_t g, float* out) {
   const detail::Range r = range(u, g);
   const std::size_t a = r.first, n = r.size;
   if (u.o_tier == Tier::kDevice) {
-    for (std::size_t k = 0; k < 3; ++k) opt_s->copy(host_ref(out + k * n, n * 4), u.o.dev.ref((k * u.shard + a) * 4, n * 4));
+    for (std::size_t k = 0; k < 3; ++k)
+      opt_s->copy(host_ref(out + k * n, n * 4), u.o.dev.ref((k * u.shard + a) * 4, n * 4));
     opt_s->synchronize();
   } else if (u.o_tier == Tier::kHost) {
     const float* o = static_cast<const float*>(u.o.host->data());
@@ -174,15 +190,18 @@ std::vector<float> Engine::gather_master(int unit) {
 std::vector<float> Engine::gather_master_to(int unit, int root) {
   Impl& s = *impl_;
   Unit& u = s.unit_at(unit, "Engine::gather_master_to");
-  STRATA_REQUIRE(root >= 0 && root < s.world, "Engine::gather_master_to: root {} is not a rank of this {}-rank job",
-                 root, s.world);
+  STRATA_REQUIRE(root >= 0 && root < s.world,
+                 "Engine::gather_master_to: root {} is not a rank of this {}-rank job", root,
+                 s.world);
   if (s.world == 1) return gather_master(unit);
   std::vector<float> shard = master_shard(unit);
   const bool am_root = s.rank == root;
   Buffer b = s.alloc((am_root ? u.padded : u.shard) * 4, s.opt_s.get());
-  const TensorRef block = Impl::view(b, DType::kF32, u.shard, am_root ? std::size_t(s.rank) * u.shard : 0);
+  const TensorRef block =
+      Impl::view(b, DType::kF32, u.shard, am_root ? std::size_t(s.rank) * u.shard : 0);
   s.opt_s->copy(block.mem, host_ref(shard.data(), u.shard * 4));
-  s.comm.gather(block, am_root ? Impl::view(b, DType::kF32, u.padded) : TensorRef{}, root, *s.opt_s);
+  s.comm.gather(block, am_root ? Impl::view(b, DType::kF32, u.padded) : TensorRef{}, root,
+                *s.opt_s);
   std::vector<float> full;
   if (am_root) {
     full.resize(u.padded);
@@ -202,8 +221,10 @@ void Engine::save_state(const std::string& dir) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::save_state before finalize()");
   for (auto& u : s.units)
-    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full, "Engine::save_state: unit '{}' is still fetched or has an unreduced "
-                   "gradient; save between steps", u.name);
+    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full,
+                   "Engine::save_state: unit '{}' is still fetched or has an unreduced "
+                   "gradient; save between steps",
+                   u.name);
   s.early_step.finish_all();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
@@ -252,9 +273,12 @@ void Engine::save_state(const std::string& dir) {
 
 void Engine::load_state(const std::string& dir) {
   Impl& s = *impl_;
-  STRATA_REQUIRE(s.finalized, "Engine::load_state before finalize(): build the engine as for training, then load");
+  STRATA_REQUIRE(
+      s.finalized,
+      "Engine::load_state before finalize(): build the engine as for training, then load");
   for (auto& u : s.units)
-    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full, "Engine::load_state: unit '{}' is still fetched", u.name);
+    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full,
+                   "Engine::load_state: unit '{}' is still fetched", u.name);
   auto read_json = [&](int r) {
     const std::string path = state_file(dir, r, "json");
     std::ifstream f(path);
@@ -264,50 +288,62 @@ void Engine::load_state(const std::string& dir) {
     try {
       return nlohmann::json::parse(ss.str());
     } catch (const std::exception& e) {
-      STRATA_THROW(kInvalidArgument, "checkpoint {}: {} is not valid JSON: {}", dir, path, e.what());
+      STRATA_THROW(kInvalidArgument, "checkpoint {}: {} is not valid JSON: {}", dir, path,
+                   e.what());
     }
   };
   // Rank 0's file says how many ranks wrote the checkpoint, whatever this run's world size.
   const nlohmann::json j0 = read_json(0);
   STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state (rank0.json is missing)", dir);
   const int ck_world = j0.value("world_size", -1);
-  STRATA_REQUIRE(ck_world == s.world, "checkpoint {} has {} rank{}, this run has {}; resharding is not supported yet",
+  STRATA_REQUIRE(ck_world == s.world,
+                 "checkpoint {} has {} rank{}, this run has {}; resharding is not supported yet",
                  dir, ck_world, ck_world == 1 ? "" : "s", s.world);
   const nlohmann::json j = s.rank == 0 ? j0 : read_json(s.rank);
   STRATA_REQUIRE(!j.is_null(), "checkpoint {}: rank{}.json is missing", dir, s.rank);
-  STRATA_REQUIRE(j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
-                 "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, s.rank, kStateVersion);
-  STRATA_REQUIRE(j.value("rank", -1) == s.rank, "checkpoint {}: rank{}.json was written by rank {}", dir, s.rank,
-                 j.value("rank", -1));
+  STRATA_REQUIRE(
+      j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
+      "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, s.rank,
+      kStateVersion);
+  STRATA_REQUIRE(j.value("rank", -1) == s.rank, "checkpoint {}: rank{}.json was written by rank {}",
+                 dir, s.rank, j.value("rank", -1));
   const nlohmann::json& units = j.at("units");
-  STRATA_REQUIRE(units.size() == s.units.size(), "checkpoint {} has {} units, this model has {}: a different model",
-                 dir, units.size(), s.units.size());
+  STRATA_REQUIRE(units.size() == s.units.size(),
+                 "checkpoint {} has {} units, this model has {}: a different model", dir,
+                 units.size(), s.units.size());
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     const Unit& u = s.units[ui];
     const nlohmann::json& cu = units[ui];
     const std::string name = cu.value("name", "");
-    STRATA_REQUIRE(name == u.name, "checkpoint {}: unit {} is '{}', this model's is '{}': a different model", dir, ui,
-                   name, u.name);
-    const std::size_t numel = cu.value("numel", std::size_t(0)), shard = cu.value("shard", std::size_t(0));
-    STRATA_REQUIRE(numel == u.numel, "checkpoint {}: unit '{}' has {} elements, this model's {}: a different model",
+    STRATA_REQUIRE(name == u.name,
+                   "checkpoint {}: unit {} is '{}', this model's is '{}': a different model", dir,
+                   ui, name, u.name);
+    const std::size_t numel = cu.value("numel", std::size_t(0)),
+                      shard = cu.value("shard", std::size_t(0));
+    STRATA_REQUIRE(numel == u.numel,
+                   "checkpoint {}: unit '{}' has {} elements, this model's {}: a different model",
                    dir, u.name, numel, u.numel);
-    STRATA_REQUIRE(shard == u.shard, "checkpoint {}: unit '{}' has a shard of {} elements, this run {}", dir, u.name,
+    STRATA_REQUIRE(shard == u.shard,
+                   "checkpoint {}: unit '{}' has a shard of {} elements, this run {}", dir, u.name,
                    shard, u.shard);
   }
   const std::string bin_path = state_file(dir, s.rank, "bin");
   std::ifstream bin(bin_path, std::ios::binary);
-  STRATA_REQUIRE(bin.good(), "checkpoint {}: {} cannot be read: {}", dir, bin_path, std::strerror(errno));
+  STRATA_REQUIRE(bin.good(), "checkpoint {}: {} cannot be read: {}", dir, bin_path,
+                 std::strerror(errno));
   bin.seekg(0, std::ios::end);
   const std::uint64_t size = std::uint64_t(bin.tellg());
-  STRATA_REQUIRE(size == j.value("bytes", std::uint64_t(0)), "checkpoint {}: {} has {} bytes, rank{}.json says {}",
-                 dir, bin_path, size, s.rank, j.value("bytes", std::uint64_t(0)));
+  STRATA_REQUIRE(size == j.value("bytes", std::uint64_t(0)),
+                 "checkpoint {}: {} has {} bytes, rank{}.json says {}", dir, bin_path, size, s.rank,
+                 j.value("bytes", std::uint64_t(0)));
   bin.seekg(0);
 
   s.early_step.finish_all();
   s.comm_s->synchronize();
   s.fetch_s->synchronize();
   s.opt_s->synchronize();
-  s.early_step.void_results();  // early optimizer work of a step in progress read the state replaced below
+  s.early_step
+      .void_results();  // early optimizer work of a step in progress read the state replaced below
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
   std::vector<float> buf;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
@@ -321,7 +357,8 @@ void Engine::load_state(const std::string& dir) {
         bin.seekg(std::streamoff(at + (k * u.shard + r.first) * 4));
         bin.read(reinterpret_cast<char*>(buf.data() + k * r.size), std::streamsize(r.size * 4));
       }
-      STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path, u.name);
+      STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path,
+                     u.name);
       s.put_group(ui, g, buf.data(), buf.data() + r.size, buf.data() + 2 * r.size);
     }
     s.end_put(ui);

@@ -5,8 +5,8 @@
 
 namespace strata {
 
-using detail::Unit;
 using detail::GradIo;
+using detail::Unit;
 using detail::wait_all;
 
 void Engine::Impl::settle_grad_io(Unit& u) {
@@ -19,7 +19,8 @@ void Engine::Impl::settle_grad_io(Unit& u) {
   if (err) std::rethrow_exception(err);
 }
 
-std::vector<IoHandle> Engine::Impl::read_grad(std::size_t ui, detail::Range r, const std::shared_ptr<PinnedBlock>& dst) {
+std::vector<IoHandle> Engine::Impl::read_grad(std::size_t ui, detail::Range r,
+                                              const std::shared_ptr<PinnedBlock>& dst) {
   Unit& u = units[ui];
   std::vector<IoHandle> reads;
   if (u.g.fresh) {
@@ -27,20 +28,23 @@ std::vector<IoHandle> Engine::Impl::read_grad(std::size_t ui, detail::Range r, c
     return reads;
   }
   for (const detail::Range p : grad_pieces(r)) {
-    reads.push_back(g_store->read(g_key(ui, p.first), static_cast<float*>(dst->data()) + (p.first - r.first), p.size * 4));
+    reads.push_back(g_store->read(
+        g_key(ui, p.first), static_cast<float*>(dst->data()) + (p.first - r.first), p.size * 4));
     reads.back().on_complete([dst](std::exception_ptr) {});
     st.nvme_read_bytes += p.size * 4;
   }
   return reads;
 }
 
-void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part, bool first_bucket, Stream& cs) {
+void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part,
+                                  bool first_bucket, Stream& cs) {
   Unit& u = units[ui];
   while (grad_out.size() >= 2) {
     const std::shared_ptr<GradIo> oldest = grad_out.front();
     grad_out.pop_front();
     std::optional<TraceScope> span;
-    if (!oldest->queued.query()) span.emplace("staging_wait", "engine");  // the host waits for staging
+    if (!oldest->queued.query())
+      span.emplace("staging_wait", "engine");  // the host waits for staging
     oldest->wait();
   }
   if (first_bucket) settle_grad_io(u);  // the last gradient's writes of the keys read below
@@ -72,7 +76,8 @@ void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorR
         x.g.sumsq_run.add(v, r.size);
         x.g.sumsq = x.g.sumsq_run.result();
         for (const detail::Range p : grad_pieces(r)) {
-          io->writes.push_back(g_store->write(g_key(ui, p.first), v + (p.first - r.first), p.size * 4));
+          io->writes.push_back(
+              g_store->write(g_key(ui, p.first), v + (p.first - r.first), p.size * 4));
           io->writes.back().on_complete([out](std::exception_ptr) {});
         }
       },
@@ -86,7 +91,8 @@ void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorR
 TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::grad_buffer before finalize()");
-  STRATA_REQUIRE(!s.eval, "Engine::grad_buffer while set_eval(true): a forward-only pass has no backward; "
+  STRATA_REQUIRE(!s.eval,
+                 "Engine::grad_buffer while set_eval(true): a forward-only pass has no backward; "
                  "call set_eval(false) before training");
   Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.g.full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
@@ -110,7 +116,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::reduce_grad before finalize()");
   Unit& u = s.unit_at(unit, "Engine::reduce_grad");
-  STRATA_REQUIRE(static_cast<bool>(u.g.full), "Engine::reduce_grad('{}') without grad_buffer", u.name);
+  STRATA_REQUIRE(static_cast<bool>(u.g.full), "Engine::reduce_grad('{}') without grad_buffer",
+                 u.name);
   s.early_step.finish(std::size_t(unit), true);  // its last early job reads the accumulator
   Stream& cs = *s.comm_s;
   cs.wait(compute.record());
@@ -134,8 +141,8 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     full = std::move(u.g.full);
   } else if (!bucketed) {
     full = s.alloc(n * 4, &cs);
-    s.comm.reduce_scatter(Impl::view(u.g.full, DType::kF32, u.padded), Impl::view(full, DType::kF32, n),
-                          ReduceOp::kAvg, cs);
+    s.comm.reduce_scatter(Impl::view(u.g.full, DType::kF32, u.padded),
+                          Impl::view(full, DType::kF32, n), ReduceOp::kAvg, cs);
     ++s.st.reduce_scatters;
   }
   // In buckets of reduce_bucket_size (a bucket_share of every rank's shard): each (reduced on
@@ -152,44 +159,46 @@ void Engine::reduce_grad(int unit, Stream& compute) {
       // Every rank's [a, a + len) of the unit side by side: the bucket's contiguous input.
       Buffer bucket = s.alloc(std::size_t(s.world) * len * 4, &cs);
       for (int q = 0; q < s.world; ++q)
-        cs.copy(bucket.ref(std::size_t(q) * len * 4, len * 4), u.g.full.ref((std::size_t(q) * n + a) * 4, len * 4));
-      s.comm.reduce_scatter(Impl::view(bucket, DType::kF32, std::size_t(s.world) * len), part, ReduceOp::kAvg, cs);
+        cs.copy(bucket.ref(std::size_t(q) * len * 4, len * 4),
+                u.g.full.ref((std::size_t(q) * n + a) * 4, len * 4));
+      s.comm.reduce_scatter(Impl::view(bucket, DType::kF32, std::size_t(s.world) * len), part,
+                            ReduceOp::kAvg, cs);
       bucket.reset_on(cs);
       ++s.st.reduce_scatters;
     } else {
       part = Impl::view(full, DType::kF32, len, a);
     }
     switch (detail::grad_path(u.g_tier, first)) {
-    case detail::GradPath::kDeviceAdd: {
-      const TensorRef acc = Impl::view(u.g.dev, DType::kF32, len, a);
-      cs.add(acc, part, acc);
-      break;
-    }
-    case detail::GradPath::kNvme:
-      s.reduce_to_nvme(ui, r, part, b == 0, cs);
-      break;
-    case detail::GradPath::kStraightCopy:
-      // The step's first gradient of the unit goes straight into its accumulator: no staging
-      // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
-      // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
-      cs.copy(host_ref(static_cast<float*>(u.g.host->data()) + a, len * 4), part.mem);
-      s.st.d2h_bytes += len * 4;
-      break;
-    case detail::GradPath::kStagedAdd: {
-      Impl::bound(s.grad_staging, 2);
-      auto staging = s.pinned(len * 4);
-      cs.copy(host_ref(staging->data(), len * 4), part.mem);
-      s.st.d2h_bytes += len * 4;
-      float* acc = static_cast<float*>(u.g.host->data()) + a;
-      cs.host_fn(
-          [staging, acc, len] {
-            const float* g = static_cast<const float*>(staging->data());
-            for (std::size_t i = 0; i < len; ++i) acc[i] += g[i];
-          },
-          "grad_accumulate");
-      s.grad_staging.push_back(cs.record());
-      break;
-    }
+      case detail::GradPath::kDeviceAdd: {
+        const TensorRef acc = Impl::view(u.g.dev, DType::kF32, len, a);
+        cs.add(acc, part, acc);
+        break;
+      }
+      case detail::GradPath::kNvme:
+        s.reduce_to_nvme(ui, r, part, b == 0, cs);
+        break;
+      case detail::GradPath::kStraightCopy:
+        // The step's first gradient of the unit goes straight into its accumulator: no staging
+        // and no host pass (what it holds from the last step is overwritten, not added to; bitwise
+        // the same as 0 + g for the optimizer, which never sees the sign of a zero gradient).
+        cs.copy(host_ref(static_cast<float*>(u.g.host->data()) + a, len * 4), part.mem);
+        s.st.d2h_bytes += len * 4;
+        break;
+      case detail::GradPath::kStagedAdd: {
+        Impl::bound(s.grad_staging, 2);
+        auto staging = s.pinned(len * 4);
+        cs.copy(host_ref(staging->data(), len * 4), part.mem);
+        s.st.d2h_bytes += len * 4;
+        float* acc = static_cast<float*>(u.g.host->data()) + a;
+        cs.host_fn(
+            [staging, acc, len] {
+              const float* g = static_cast<const float*>(staging->data());
+              for (std::size_t i = 0; i < len; ++i) acc[i] += g[i];
+            },
+            "grad_accumulate");
+        s.grad_staging.push_back(cs.record());
+        break;
+      }
     }
     if (device_norm && b + 1 == buckets) {
       Buffer sq = s.alloc(4, &cs);
@@ -203,7 +212,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
     ++s.st.grad_buckets;
   }
   if (s.world > 1) u.g.full.reset_on(cs);  // its last use: the reduce-scatters
-  if (full) full.reset_on(cs);                // its last use: the accumulation above
+  if (full) full.reset_on(cs);             // its last use: the accumulation above
   u.g.fresh = false;
   s.early_step.note_grad(std::size_t(unit), cs);
   if (!s.cfg.overlap_comm) s.last_reduce = cs.record();

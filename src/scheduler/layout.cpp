@@ -30,7 +30,8 @@ bool same_dirs(const std::vector<std::string>& a, const std::vector<std::string>
   return true;
 }
 
-std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world) {
+std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel,
+                                     int world) {
   STRATA_REQUIRE(world >= 1, "layout: world size {} must be at least 1", world);
   std::vector<UnitLayout> u(numel.size());
   double w_total = 0, g_total = 0, o_total = 0;
@@ -52,8 +53,10 @@ std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std:
     x.g = c.grads.tier_at(g_pos, g_total);
     g_pos += double(x.shard);
     STRATA_REQUIRE(x.g != Tier::kNvme || !c.grad_nvme_paths.empty(),
-                   "gradient shards on NVMe need a directory: zero_optimization.offload_grads \"nvme\" keeps them "
-                   "under offload_optimizer.nvme_path (or offload_param.nvme_path when the optimizer is not on NVMe); "
+                   "gradient shards on NVMe need a directory: zero_optimization.offload_grads "
+                   "\"nvme\" keeps them "
+                   "under offload_optimizer.nvme_path (or offload_param.nvme_path when the "
+                   "optimizer is not on NVMe); "
                    "set one");
     x.o = c.optimizer.tier_at(o_pos, o_total);
     o_pos += double(x.shard);

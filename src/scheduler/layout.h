@@ -42,7 +42,9 @@ inline bool bucketed_reduce(std::uint64_t shard, std::uint64_t share, int world)
 struct Range {
   std::uint64_t first = 0, size = 0;
 };
-inline std::uint64_t num_pieces(std::uint64_t shard, std::uint64_t sg) { return (shard + sg - 1) / sg; }
+inline std::uint64_t num_pieces(std::uint64_t shard, std::uint64_t sg) {
+  return (shard + sg - 1) / sg;
+}
 inline Range piece(std::uint64_t shard, std::uint64_t sg, std::uint64_t g) {
   const std::uint64_t first = g * sg;
   return {first, shard - first < sg ? shard - first : sg};
@@ -111,12 +113,15 @@ bool same_dirs(const std::vector<std::string>& a, const std::vector<std::string>
 // The config key the gradients' NVMe directories came from (parse_engine_config: the optimizer's
 // nvme_path when it is on NVMe, else the parameters'), to name in a store's errors.
 inline const char* grad_nvme_path_key(const EngineConfig& c) {
-  const bool optimizer = c.grad_nvme_paths == c.optimizer_nvme_paths && c.optimizer.nvme_fraction() > 1e-12;
-  return optimizer || c.grad_nvme_paths != c.param_nvme_paths ? "zero_optimization.offload_optimizer.nvme_path"
-                                                              : "zero_optimization.offload_param.nvme_path";
+  const bool optimizer =
+      c.grad_nvme_paths == c.optimizer_nvme_paths && c.optimizer.nvme_fraction() > 1e-12;
+  return optimizer || c.grad_nvme_paths != c.param_nvme_paths
+             ? "zero_optimization.offload_optimizer.nvme_path"
+             : "zero_optimization.offload_param.nvme_path";
 }
 
 // Refuses gradient shards on NVMe without a directory for them (EngineConfig::grad_nvme_paths).
-std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel, int world);
+std::vector<UnitLayout> layout_units(const EngineConfig& c, std::span<const std::uint64_t> numel,
+                                     int world);
 
 }  // namespace strata::detail

@@ -31,10 +31,12 @@ class OptimizerPass {
   std::shared_ptr<PinnedBlock> stage_w(std::size_t bytes);
   void issue_read(std::size_t k);
   // Writes `bytes` from `block` to `store`; the block lives until the write completes.
-  IoHandle write_behind(SwapStore& store, const std::string& key, std::shared_ptr<PinnedBlock> block, std::size_t bytes);
+  IoHandle write_behind(SwapStore& store, const std::string& key,
+                        std::shared_ptr<PinnedBlock> block, std::size_t bytes);
   void write_state(const std::string& key, std::shared_ptr<PinnedBlock> block, std::size_t bytes);
   // New NVMe-tier weights of sub-group g of unit ui, from `block`, written behind.
-  void write_w(std::size_t ui, std::size_t g, std::shared_ptr<PinnedBlock> block, std::size_t bytes);
+  void write_w(std::size_t ui, std::size_t g, std::shared_ptr<PinnedBlock> block,
+               std::size_t bytes);
 
   Impl& s;
   Stream& os;
@@ -57,8 +59,13 @@ class OptimizerPass {
   std::size_t nvme_next = 0;
 };
 
-OptimizerPass::OptimizerPass(Engine::Impl& impl, const AdamWOptions& options, const std::vector<bool>& kept_units)
-    : s(impl), os(*impl.opt_s), opt(options), kept(kept_units), ct(impl.cfg.compute_dtype),
+OptimizerPass::OptimizerPass(Engine::Impl& impl, const AdamWOptions& options,
+                             const std::vector<bool>& kept_units)
+    : s(impl),
+      os(*impl.opt_s),
+      opt(options),
+      kept(kept_units),
+      ct(impl.cfg.compute_dtype),
       copy_out(ct != DType::kF32),
       max_writes(std::size_t(std::max(1, impl.cfg.optimizer_buffer_count - 2))) {
   for (std::size_t i = 0; i < s.units.size(); ++i) {
@@ -85,7 +92,8 @@ void OptimizerPass::issue_read(std::size_t k) {
     const std::size_t bytes = 3 * r.size * 4;
     auto b = s.pinned(SwapStore::padded_bytes(bytes));
     rd.state_read = s.o_store->read(s.o_key(ui, g), b->data(), bytes);
-    rd.state_read.on_complete([b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
+    rd.state_read.on_complete(
+        [b](std::exception_ptr) {});  // the block outlives the read, even if step() throws
     s.st.nvme_read_bytes += bytes;
     rd.state = b;
   }
@@ -95,15 +103,16 @@ void OptimizerPass::issue_read(std::size_t k) {
   }
 }
 
-IoHandle OptimizerPass::write_behind(SwapStore& store, const std::string& key, std::shared_ptr<PinnedBlock> block,
-                                     std::size_t bytes) {
+IoHandle OptimizerPass::write_behind(SwapStore& store, const std::string& key,
+                                     std::shared_ptr<PinnedBlock> block, std::size_t bytes) {
   IoHandle h = store.write(key, block->data(), bytes);
   h.on_complete([block](std::exception_ptr) {});
   s.st.nvme_written_bytes += bytes;
   return h;
 }
 
-void OptimizerPass::write_state(const std::string& key, std::shared_ptr<PinnedBlock> block, std::size_t bytes) {
+void OptimizerPass::write_state(const std::string& key, std::shared_ptr<PinnedBlock> block,
+                                std::size_t bytes) {
   writes.push_back(write_behind(*s.o_store, key, std::move(block), bytes));
   while (writes.size() > max_writes) {
     writes.front().wait();
@@ -111,7 +120,8 @@ void OptimizerPass::write_state(const std::string& key, std::shared_ptr<PinnedBl
   }
 }
 
-void OptimizerPass::write_w(std::size_t ui, std::size_t g, std::shared_ptr<PinnedBlock> block, std::size_t bytes) {
+void OptimizerPass::write_w(std::size_t ui, std::size_t g, std::shared_ptr<PinnedBlock> block,
+                            std::size_t bytes) {
   IoHandle h = write_behind(*s.w_store, s.w_key(ui, g), std::move(block), bytes);
   w_staging.push_back([h] { h.wait(); });
 }
@@ -125,8 +135,10 @@ void OptimizerPass::run() {
     // adamw kernel or the cpu_adamw spans below, so a trace tells waiting from computing.
     TraceScope span("optimizer_unit", "optimizer", u.shard * 4 * 4);
     const auto target = s.w_target_dev(u);  // device-resident compute weights, if any
-    if (u.o_tier == Tier::kDevice) device_unit(ui, target);
-    else host_unit(ui, target);
+    if (u.o_tier == Tier::kDevice)
+      device_unit(ui, target);
+    else
+      host_unit(ui, target);
   }
   for (auto& h : writes) h.wait();
   for (auto& w : w_staging) w();
@@ -159,8 +171,11 @@ void OptimizerPass::device_unit(std::size_t ui, const std::optional<TensorRef>& 
     }
     g = Impl::view(g_tmp, DType::kF32, n);
   }
-  AdamWShard sh{Impl::view(u.o.dev, DType::kF32, n, 0), g, Impl::view(u.o.dev, DType::kF32, n, n),
-                Impl::view(u.o.dev, DType::kF32, n, 2 * n), {}};
+  AdamWShard sh{Impl::view(u.o.dev, DType::kF32, n, 0),
+                g,
+                Impl::view(u.o.dev, DType::kF32, n, n),
+                Impl::view(u.o.dev, DType::kF32, n, 2 * n),
+                {}};
   if (copy_out) {
     if (target) {
       sh.copy_out = *target;
@@ -195,7 +210,8 @@ void OptimizerPass::device_unit(std::size_t ui, const std::optional<TensorRef>& 
     for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
       const detail::Range r = s.range(u, gi);
       auto block = stage_w(r.size * s.c_size);
-      xs.copy(host_ref(block->data(), r.size * s.c_size), new_w.ref(r.first * s.c_size, r.size * s.c_size));
+      xs.copy(host_ref(block->data(), r.size * s.c_size),
+              new_w.ref(r.first * s.c_size, r.size * s.c_size));
       xs.synchronize();
       write_w(ui, gi, block, r.size * s.c_size);
     }
@@ -278,8 +294,8 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
 void Engine::Impl::begin_step() {
   early_step.finish_all();  // a unit the model did not fetch since the last step
   for (auto& u : units)
-    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full, "Engine::step: unit '{}' is still fetched or has an unreduced gradient",
-                   u.name);
+    STRATA_REQUIRE(u.fetch.in_use == 0 && !u.g.full,
+                   "Engine::step: unit '{}' is still fetched or has an unreduced gradient", u.name);
   comm_s->synchronize();
   fetch_s->synchronize();
   for (auto& u : units) settle_grad_io(u);  // NVMe-tier gradients written
@@ -313,7 +329,8 @@ double Engine::Impl::grad_sumsq() {
     for (std::size_t ui = 0; ui < units.size(); ++ui) {
       Unit& u = units[ui];
       if (u.g_tier == Tier::kDevice) {
-        os.sum_squares(Impl::view(u.g.dev, DType::kF32, u.shard), Impl::view(sq, DType::kF32, 1, ui));
+        os.sum_squares(Impl::view(u.g.dev, DType::kF32, u.shard),
+                       Impl::view(sq, DType::kF32, 1, ui));
         any_device = true;
       }
     }
@@ -379,7 +396,8 @@ void Engine::Impl::update_loss_scale(bool overflow) {
 // The gradient counts of this step become the record the next step's early work follows.
 void Engine::Impl::record_grad_counts() {
   if (grads_recording || grads_changed || grads_now != grads_recorded) {
-    if (!grads_recording) log::info("engine: the gradients per unit changed this step; recording them again");
+    if (!grads_recording)
+      log::info("engine: the gradients per unit changed this step; recording them again");
     grads_recorded = grads_now;
     grads_recording = false;
     grads_changed = false;
@@ -415,7 +433,8 @@ void Engine::Impl::end_step() {
 
   // Resident units: gather the updated shards.
   for (auto& u : units) {
-    if (!u.resident || world == 1 || u.early.finish_pending) continue;  // (EarlyStepper::finish gathers those)
+    if (!u.resident || world == 1 || u.early.finish_pending)
+      continue;  // (EarlyStepper::finish gathers those)
     const TensorRef block = Impl::view(u.w.full, ct, u.shard, std::size_t(rank) * u.shard);
     comm.all_gather(block, Impl::view(u.w.full, ct, u.padded), os);
   }
@@ -437,7 +456,8 @@ void Engine::Impl::end_step() {
 StepResult Engine::step(float lr) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::step before finalize()");
-  STRATA_REQUIRE(!s.eval, "Engine::step while set_eval(true): call set_eval(false) after the evaluation");
+  STRATA_REQUIRE(!s.eval,
+                 "Engine::step while set_eval(true): call set_eval(false) after the evaluation");
   s.begin_step();
   const double total = s.grad_sumsq();
   const double den = double(s.cfg.gradient_accumulation_steps) * s.scale;

@@ -15,7 +15,9 @@ void Engine::Impl::issue_fetch(int ui, bool prefetch) {
   u.w.full = alloc(u.padded * c_size, fetch_s.get());
   const TensorRef block = view(u.w.full, cfg.compute_dtype, u.shard, std::size_t(rank) * u.shard);
   switch (detail::fetch_path(u.w_tier)) {
-    case detail::FetchPath::kDeviceCopy: fetch_s->copy(block.mem, u.w.dev.ref()); break;
+    case detail::FetchPath::kDeviceCopy:
+      fetch_s->copy(block.mem, u.w.dev.ref());
+      break;
     case detail::FetchPath::kUpload:
       if (u.w.written.valid()) fetch_s->wait(u.w.written);
       fetch_s->copy(block.mem, host_ref(u.w.host->data(), u.shard * c_size));
@@ -27,9 +29,11 @@ void Engine::Impl::issue_fetch(int ui, bool prefetch) {
       std::vector<IoHandle> reads;  // one a sub-group, into its place in the shard
       for (std::size_t g = 0; g < groups(u); ++g) {
         const detail::Range r = range(u, g);
-        reads.push_back(w_swap().read(w_key(std::size_t(ui), g), static_cast<char*>(staging->data()) + r.first * c_size,
+        reads.push_back(w_swap().read(w_key(std::size_t(ui), g),
+                                      static_cast<char*>(staging->data()) + r.first * c_size,
                                       r.size * c_size));
-        reads.back().on_complete([staging](std::exception_ptr) {});  // outlives it if a later read throws
+        reads.back().on_complete(
+            [staging](std::exception_ptr) {});  // outlives it if a later read throws
       }
       // Every read settles before the staging can be freed; then the first error.
       fetch_s->host_fn([reads] { wait_all(reads); }, "nvme_wait");
@@ -101,8 +105,10 @@ void Engine::Impl::prefetch_ahead() {
 }
 
 void Engine::Impl::note_eval_fetch(int ui) {
-  if (eval_pos < eval_end && trace[eval_pos] == ui) ++eval_pos;
-  else eval_pos = eval_end > 0 && trace[0] == ui ? 1 : SIZE_MAX;
+  if (eval_pos < eval_end && trace[eval_pos] == ui)
+    ++eval_pos;
+  else
+    eval_pos = eval_end > 0 && trace[0] == ui ? 1 : SIZE_MAX;
 }
 
 void Engine::Impl::note_fetch(int ui) {
@@ -114,8 +120,8 @@ void Engine::Impl::note_fetch(int ui) {
     ++pos;
     return;
   }
-  log::info("engine: unit order changed at position {} (expected {}, got {}); recording it again", pos,
-            pos < trace.size() ? units[std::size_t(trace[pos])].name : std::string("the end"),
+  log::info("engine: unit order changed at position {} (expected {}, got {}); recording it again",
+            pos, pos < trace.size() ? units[std::size_t(trace[pos])].name : std::string("the end"),
             units[std::size_t(ui)].name);
   ++st.trace_rebuilds;
   trace.assign(trace.begin(), trace.begin() + std::ptrdiff_t(std::min(pos, trace.size())));
@@ -146,7 +152,8 @@ void Engine::set_eval(bool on) {
 TensorRef Engine::fetch(int unit, Stream& compute) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::fetch before finalize()");
-  STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}", unit);
+  STRATA_REQUIRE(unit >= 0 && std::size_t(unit) < s.units.size(), "Engine::fetch: no unit {}",
+                 unit);
   Unit& u = s.units[std::size_t(unit)];
   if (!s.eval && u.fetch.first_step != s.steps_taken) {
     std::lock_guard<std::mutex> lk(s.early_step.mu);  // the worker's next_job reads it
@@ -155,8 +162,10 @@ TensorRef Engine::fetch(int unit, Stream& compute) {
   }
   s.early_step.for_fetch(std::size_t(unit));
   if (!u.resident) {
-    if (s.eval) s.note_eval_fetch(unit);
-    else s.note_fetch(unit);
+    if (s.eval)
+      s.note_eval_fetch(unit);
+    else
+      s.note_fetch(unit);
     if (!u.fetch.gathered) {
       s.make_room(u.padded);
       s.issue_fetch(unit, false);

@@ -14,11 +14,11 @@
 //       fp32 gradient shard            shard * 4        by `grads`
 //       fp32 master, Adam m and v      shard * 12       by `optimizer`
 //   - Stage 3 on the device: a unit with numel <= stage3_param_persistence_threshold stays
-//     gathered (padded * c) and has no compute-weight shard of its own. The others are gathered on use: the live budget is
-//     max(largest non-persistent unit, min(stage3_max_live_parameters, their sum)) * c, plus
-//     one more unit in flight for prefetch (largest non-persistent unit * c). With one rank,
-//     a unit whose compute-weight shard is on the device is never gathered (the shard is the
-//     whole unit): only offloaded units count here.
+//     gathered (padded * c) and has no compute-weight shard of its own. The others are gathered on
+//     use: the live budget is max(largest non-persistent unit, min(stage3_max_live_parameters,
+//     their sum)) * c, plus one more unit in flight for prefetch (largest non-persistent unit * c).
+//     With one rank, a unit whose compute-weight shard is on the device is never gathered (the
+//     shard is the whole unit): only offloaded units count here.
 //   - Stages 1 and 2 keep every unit's full padded weights on the device (padded * c) and have
 //     no separate compute-weight shard. Stage 1 is planned like stage 2 (a gradient shard).
 //   - Unit gradients on the device: the model writes one unit's full fp32 gradient before it
@@ -95,14 +95,16 @@ struct Builder {
   std::uint64_t c = 0;  // the compute dtype's size
   std::vector<std::uint64_t> numel, shard;
   std::vector<detail::UnitLayout> layout;
-  std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0, largest_numel = 0;
+  std::uint64_t total_padded = 0, total_shard = 0, largest_padded = 0, largest_shard = 0,
+                largest_numel = 0;
   std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
   // The sharded state's bytes per tier, the live budget, the bucket share R and the sub-group S
   std::array<std::uint64_t, 3> param_tiers{}, grad_tiers{}, opt_tiers{};
   std::uint64_t live = 0, R = 0, S = 0;
   // The host staging (add_host_staging)
   bool host_optimizer = false;
-  bool staging_r = false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
+  bool staging_r =
+      false;  // the gradient D2H staging is two bucket shares (reduce_bucket_size sizes it)
   bool grads_nvme = false;
   std::uint64_t opt_swap_buffer = 0;
   int opt_buffers = 0;
@@ -180,14 +182,15 @@ void Builder::add_weights() {
       if (!u.persistent) param_tiers[static_cast<int>(u.w)] += u.shard * c;
     for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme})
       add(fmt::format("compute weights ({} shard)", cname), t, param_tiers[static_cast<int>(t)]);
-    add(fmt::format("persistent units (gathered, <= {} elements)", config.param_persistence_threshold),
+    add(fmt::format("persistent units (gathered, <= {} elements)",
+                    config.param_persistence_threshold),
         Tier::kDevice, persistent_padded * c);
     live = std::max(np_largest, std::min(config.max_live_parameters, np_sum)) * c;
     add("gathered units (live budget)", Tier::kDevice, live);
     add("prefetch (one unit in flight)", Tier::kDevice, np_largest * c);
   } else {
-    add(fmt::format("full weights ({}, replicated at stage {})", cname, config.stage), Tier::kDevice,
-        total_padded * c);
+    add(fmt::format("full weights ({}, replicated at stage {})", cname, config.stage),
+        Tier::kDevice, total_padded * c);
   }
 }
 
@@ -207,10 +210,11 @@ void Builder::add_gradients_and_optimizer_state() {
   if (in.world_size > 1) {
     if (detail::bucketed_reduce(largest_shard, R, in.world_size)) {
       add(fmt::format("reduce-scatter output ({} elements, fp32)", R), Tier::kDevice, R * 4);
-      add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R), Tier::kDevice,
-          std::uint64_t(in.world_size) * R * 4);
+      add(fmt::format("reduce-scatter bucket ({} x {} elements, fp32)", in.world_size, R),
+          Tier::kDevice, std::uint64_t(in.world_size) * R * 4);
     } else {
-      add(fmt::format("reduce-scatter output ({} elements, fp32)", largest_shard), Tier::kDevice, largest_shard * 4);
+      add(fmt::format("reduce-scatter output ({} elements, fp32)", largest_shard), Tier::kDevice,
+          largest_shard * 4);
     }
   }
   add("activations (one micro-batch)", Tier::kDevice, in.activation_bytes);
@@ -233,21 +237,24 @@ void Builder::add_host_staging() {
   }
   grads_nvme = grad_tiers[static_cast<int>(Tier::kNvme)] > 0;
   if (grads_nvme) {
-    add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R), Tier::kHost,
-        4 * R * 4);
-    add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S), Tier::kHost,
-        2 * SwapStore::padded_bytes(S * 4));
+    add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R),
+        Tier::kHost, 4 * R * 4);
+    add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S),
+        Tier::kHost, 2 * SwapStore::padded_bytes(S * 4));
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)", config.param_buffer_count),
+    add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)",
+                    config.param_buffer_count),
         Tier::kHost,
-        static_cast<std::uint64_t>(config.param_buffer_count) * SwapStore::padded_bytes(largest_shard * c));
+        static_cast<std::uint64_t>(config.param_buffer_count) *
+            SwapStore::padded_bytes(largest_shard * c));
   }
   opt_swap_buffer = SwapStore::padded_bytes(S * 12);
   opt_buffers = std::max(3, config.optimizer_buffer_count);
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    add(fmt::format("optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)", opt_buffers,
-                    S),
+    add(fmt::format(
+            "optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)",
+            opt_buffers, S),
         Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
   }
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
@@ -257,7 +264,8 @@ void Builder::add_host_staging() {
 
 // The early optimizer step's second copies of the state and weights it takes.
 void Builder::add_early_step() {
-  plan.early_optimizer_step = config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
+  plan.early_optimizer_step =
+      config.overlap_optimizer.value_or(true) && host_optimizer && grad_tiers[1] > 0;
   if (!plan.early_optimizer_step) return;
   // The units the early step takes have second copies; the others are stepped in step().
   std::uint64_t new_device_w = 0;
@@ -265,8 +273,10 @@ void Builder::add_early_step() {
     if (!detail::early_step_takes(u.o, u.g)) continue;
     o2[static_cast<int>(u.o)] += u.shard * 12;
     // Where its new weights go (schedule.h): a second copy on their tier, or held for the device.
-    if (detail::weights_out(u.resident, u.w) == detail::WeightsOut::kDevice) new_device_w += u.shard * c;
-    else w2[static_cast<int>(u.w)] += u.shard * c;
+    if (detail::weights_out(u.resident, u.w) == detail::WeightsOut::kDevice)
+      new_device_w += u.shard * c;
+    else
+      w2[static_cast<int>(u.w)] += u.shard * c;
   }
   const int H = static_cast<int>(Tier::kHost), N = static_cast<int>(Tier::kNvme);
   add("early optimizer step: 2nd copy of host optimizer state", Tier::kHost, o2[H]);
@@ -297,7 +307,8 @@ void Builder::add_swap_slack() {
   const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
   std::uint64_t slack = 0;
   for (const auto& [p, bytes] : stores) slack += (bytes + stripe - 1) / stripe * stripe - bytes;
-  add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)), Tier::kNvme, slack);
+  add(fmt::format("swap files: rounded up to whole stripes (aio.block_size {})", human(stripe)),
+      Tier::kNvme, slack);
 }
 
 // Values the engine uses otherwise than written, said (the table's lines use them already).
@@ -307,29 +318,36 @@ void Builder::add_notes() {
   // (Against the unit's own elements: the padding to whole pages per rank is strata's.)
   if (config.reduce_bucket_size_given && config.reduce_bucket_size < largest_numel) {
     plan.notes.push_back(fmt::format(
-        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): gradients are accumulated "
-        "in buckets of {} elements a rank (whole pages){}, but the model writes a unit's whole fp32 gradient before it "
+        "zero_optimization.reduce_bucket_size {} is below the largest unit ({} elements): "
+        "gradients are accumulated "
+        "in buckets of {} elements a rank (whole pages){}, but the model writes a unit's whole "
+        "fp32 gradient before it "
         "is reduced ({}{})",
         config.reduce_bucket_size, largest_numel, detail::bucket_share_elems(config, in.world_size),
         in.world_size == 1 ? ""
         : detail::bucketed_reduce(largest_shard, R, in.world_size)
             ? " and the largest reduce-scattered bucket by bucket"
-            : " (each still reduce-scattered whole: bucket by bucket only where (world + 1) shares are less than a "
+            : " (each still reduce-scattered whole: bucket by bucket only where (world + 1) shares "
+              "are less than a "
               "shard)",
         human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
-  if (config.sub_group_size_given && host_optimizer && detail::sub_group_elems(config) != config.sub_group_size)
-    plan.notes.push_back(fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
-                                     "pages, at least one)",
-                                     config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
+  if (config.sub_group_size_given && host_optimizer &&
+      detail::sub_group_elems(config) != config.sub_group_size)
+    plan.notes.push_back(
+        fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
+                    "pages, at least one)",
+                    config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0 && config.optimizer_buffer_count < opt_buffers)
-    plan.notes.push_back(fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
-                                     "one stepping, one written behind)",
-                                     config.optimizer_buffer_count, opt_buffers));
+    plan.notes.push_back(
+        fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
+                    "one stepping, one written behind)",
+                    config.optimizer_buffer_count, opt_buffers));
   if (config.stage == 3 && np_largest > 0 && config.max_live_parameters < np_largest)
-    plan.notes.push_back(fmt::format("stage3_max_live_parameters {} is below the largest gathered unit ({} "
-                                     "elements, padded): the live budget is raised to that unit",
-                                     config.max_live_parameters, np_largest));
+    plan.notes.push_back(
+        fmt::format("stage3_max_live_parameters {} is below the largest gathered unit ({} "
+                    "elements, padded): the live budget is raised to that unit",
+                    config.max_live_parameters, np_largest));
 }
 
 // The pinned pool commits memory in whole 2 MiB pieces: a budget is usable to its last one.
@@ -362,15 +380,19 @@ void Builder::device_problem() {
     fix.push_back("offload the optimizer state (offload_optimizer.device \"cpu\" or \"nvme\")");
   // A piece already split between device and host: its ratio is what to raise.
   if (grad_tiers[0] > 0 && config.grads.host_fraction > 0)
-    fix.push_back(fmt::format("raise zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
-                              "shards on the host)", config.grads.host_fraction));
+    fix.push_back(fmt::format(
+        "raise zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+        "shards on the host)",
+        config.grads.host_fraction));
   else if (grad_tiers[0] > 0)
     fix.push_back("keep gradient shards on the host (zero_optimization.offload_grads \"cpu\")");
   if (config.stage < 3)
     fix.push_back("use zero_optimization.stage 3 (only the layers in use are gathered)");
   if (param_tiers[0] > 0 && config.params.host_fraction > 0)
-    fix.push_back(fmt::format("raise offload_param.ratio (now {}: the share of the weight shards on the host), or "
-                              "move them to NVMe (offload_param.device \"nvme\")", config.params.host_fraction));
+    fix.push_back(fmt::format(
+        "raise offload_param.ratio (now {}: the share of the weight shards on the host), or "
+        "move them to NVMe (offload_param.device \"nvme\")",
+        config.params.host_fraction));
   else if (param_tiers[0] > 0)
     fix.push_back("offload the parameters (offload_param.device \"cpu\" or \"nvme\")");
   if (config.stage == 3 && live > np_largest * c) {
@@ -387,7 +409,8 @@ void Builder::device_problem() {
                               human(in.activation_bytes)));
   }
   fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
-  plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " + join_or(fix));
+  plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " +
+                          join_or(fix));
 }
 
 // Pinned host memory over its budget: what would shrink the host lines.
@@ -400,55 +423,68 @@ void Builder::host_problem() {
         "offload_optimizer.host_fraction)");
   else if (opt_tiers[1] > 0)  // (NVMe optimizer state needs stage 3)
     fix.push_back(
-        "keep part of the optimizer state on the device (offload_optimizer.ratio below 1: the share on the "
+        "keep part of the optimizer state on the device (offload_optimizer.ratio below 1: the "
+        "share on the "
         "host), or zero_optimization.stage 3 to move it to NVMe");
   if (param_tiers[1] > 0)
     fix.push_back(
         "move the parameters to NVMe (offload_param.device \"nvme\", a lower "
         "offload_param.host_fraction)");
   if (opt_tiers[2] > 0 && config.optimizer_buffer_count > 3) {
-    fix.push_back(fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
-                              config.optimizer_buffer_count, human(opt_swap_buffer)));
+    fix.push_back(
+        fmt::format("lower offload_optimizer.buffer_count (now {}; at least 3 are used, each {})",
+                    config.optimizer_buffer_count, human(opt_swap_buffer)));
   }
   if (opt_tiers[2] > 0 && S > detail::kShardAlign) {
-    fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
-                              "elements' state each, {})",
-                              S, human(opt_swap_buffer)));
+    fix.push_back(fmt::format(
+        "a smaller zero_optimization.sub_group_size (the optimizer's swap buffers hold {} "
+        "elements' state each, {})",
+        S, human(opt_swap_buffer)));
   } else if (host_optimizer && S > detail::kShardAlign) {
-    fix.push_back(fmt::format("a smaller zero_optimization.sub_group_size (the new weights are staged {} elements "
-                              "at a time)",
-                              S));
+    fix.push_back(fmt::format(
+        "a smaller zero_optimization.sub_group_size (the new weights are staged {} elements "
+        "at a time)",
+        S));
   }
   if ((staging_r || grads_nvme) && R > detail::kShardAlign) {
-    fix.push_back(fmt::format("a smaller zero_optimization.reduce_bucket_size (the gradient {} staging holds {} x "
-                              "{} elements, {})",
-                              grads_nvme ? "NVMe" : "D2H", grads_nvme ? 4 : 2, R, human((grads_nvme ? 4 : 2) * R * 4)));
+    fix.push_back(fmt::format(
+        "a smaller zero_optimization.reduce_bucket_size (the gradient {} staging holds {} x "
+        "{} elements, {})",
+        grads_nvme ? "NVMe" : "D2H", grads_nvme ? 4 : 2, R, human((grads_nvme ? 4 : 2) * R * 4)));
   }
   if (param_tiers[2] > 0 && config.param_buffer_count > 1) {
-    fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})", config.param_buffer_count,
+    fix.push_back(fmt::format("lower offload_param.buffer_count (now {}; each {})",
+                              config.param_buffer_count,
                               human(SwapStore::padded_bytes(largest_shard * c))));
   }
   if (grad_tiers[1] > 0 && config.grads.nvme_fraction() > 1e-12)
-    fix.push_back(fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
-                              "gradient shards kept on the host beside NVMe)", config.grads.host_fraction));
-  else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
-    fix.push_back(fmt::format("lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
-                              "shards on the host)", config.grads.host_fraction));
-  else if (grad_tiers[1] > 0)
     fix.push_back(
-        "keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
+        fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
+                    "gradient shards kept on the host beside NVMe)",
+                    config.grads.host_fraction));
+  else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
+    fix.push_back(fmt::format(
+        "lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
+        "shards on the host)",
+        config.grads.host_fraction));
+  else if (grad_tiers[1] > 0)
+    fix.push_back("keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
   if (grad_tiers[1] > 0 && config.grads.nvme_fraction() <= 1e-12 && config.stage == 3)
-    fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\": beside the "
-                  "optimizer state or the parameters on NVMe)");
-  fix.push_back(fmt::format("raise strata.host_budget_bytes (now {}{})", budget,
-                            in.ranks_on_node > 1
-                                ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
-                                              in.ranks_on_node, in.ranks_on_node)
-                                : std::string()));
+    fix.push_back(
+        "move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\": beside the "
+        "optimizer state or the parameters on NVMe)");
+  fix.push_back(fmt::format(
+      "raise strata.host_budget_bytes (now {}{})", budget,
+      in.ranks_on_node > 1
+          ? fmt::format("; the default gives each of the {} ranks on this node 1/{} of 80% of RAM",
+                        in.ranks_on_node, in.ranks_on_node)
+          : std::string()));
   std::string problem = shortfall("host", plan.host_bytes, plan.host_capacity);
   if (plan.host_capacity != budget)  // "(" ... "bytes missing)": say where "has" comes from first
-    problem.insert(problem.find(" (") + 2,
-                   fmt::format("the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it; ", budget));
+    problem.insert(
+        problem.find(" (") + 2,
+        fmt::format("the budget of {} bytes in whole 2 MiB pieces, as the pinned pool commits it; ",
+                    budget));
   plan.problems.push_back(problem + ": " + join_or(fix));
 }
 
@@ -457,8 +493,9 @@ void Builder::nvme_problem() {
   plan.problems.push_back(
       shortfall("nvme", plan.nvme_bytes, plan.nvme_capacity) +
       (in.ranks_on_node > 1
-           ? fmt::format(" (this rank's share: the {} ranks on this node split each drive's free space)",
-                         in.ranks_on_node)
+           ? fmt::format(
+                 " (this rank's share: the {} ranks on this node split each drive's free space)",
+                 in.ranks_on_node)
            : std::string()) +
       ": free space under the nvme_path directories, add nvme_path directories on other "
       "drives, or keep more in host memory (offload_*.host_fraction)");
@@ -474,9 +511,11 @@ void Builder::host_ram() {
   };
   ram("the process before the engine (libraries, model, data: measured)", in.ram_base_bytes);
   ram("pinned host memory (the host lines above)", plan.host_bytes);
-  if (in.device_in_ram) ram("the CPU-emulated device's memory (the device lines above)", plan.device_bytes);
-  ram(fmt::format("initial weights ({} elements at a time) or a save (one unit, {} elements), the larger", S,
-                  largest_numel),
+  if (in.device_in_ram)
+    ram("the CPU-emulated device's memory (the device lines above)", plan.device_bytes);
+  ram(fmt::format(
+          "initial weights ({} elements at a time) or a save (one unit, {} elements), the larger",
+          S, largest_numel),
       std::max(S, largest_numel) * 4);
   plan.ram_capacity = in.ram_capacity;
   if (in.ram_capacity == 0 || plan.ram_bytes <= in.ram_capacity) return;
@@ -488,17 +527,22 @@ void Builder::host_ram() {
   if (param_tiers[1] > 0)
     fix.push_back("move the parameters to NVMe (offload_param.device \"nvme\")");
   if (in.device_in_ram)
-    fix.push_back("a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host RAM)");
+    fix.push_back(
+        "a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host "
+        "RAM)");
   if (S > detail::kShardAlign && S * 4 >= largest_numel * 4)
     fix.push_back("a smaller zero_optimization.sub_group_size");
-  if (in.ranks_on_node > 1) fix.push_back(fmt::format("fewer ranks on this node (now {})", in.ranks_on_node));
+  if (in.ranks_on_node > 1)
+    fix.push_back(fmt::format("fewer ranks on this node (now {})", in.ranks_on_node));
   fix.push_back("a machine with more memory");
   plan.problems.push_back(
-      fmt::format("host RAM: needs {}, has {} ({} = {} bytes missing: this rank's share of what the node has "
-                  "available{}, with what the process holds already)",
-                  human(plan.ram_bytes), human(in.ram_capacity), human(plan.ram_bytes - in.ram_capacity),
-                  plan.ram_bytes - in.ram_capacity,
-                  in.ranks_on_node > 1 ? fmt::format(", split among its {} ranks", in.ranks_on_node) : "") +
+      fmt::format(
+          "host RAM: needs {}, has {} ({} = {} bytes missing: this rank's share of what the node "
+          "has "
+          "available{}, with what the process holds already)",
+          human(plan.ram_bytes), human(in.ram_capacity), human(plan.ram_bytes - in.ram_capacity),
+          plan.ram_bytes - in.ram_capacity,
+          in.ranks_on_node > 1 ? fmt::format(", split among its {} ranks", in.ranks_on_node) : "") +
       ": " + join_or(fix));
 }
 
@@ -551,19 +595,22 @@ MemoryPlan plan_memory(const EngineConfig& config, const PlanInputs& in) {
 void set_host_ram_inputs(PlanInputs& in, const Device& device, int ranks_on_node) {
   in.ram_base_bytes = cpu::process_rss_bytes();
   const std::uint64_t avail = cpu::ram_available_bytes();
-  in.ram_capacity = avail == 0 ? 0 : avail / std::uint64_t(std::max(1, ranks_on_node)) + in.ram_base_bytes;
+  in.ram_capacity =
+      avail == 0 ? 0 : avail / std::uint64_t(std::max(1, ranks_on_node)) + in.ram_base_bytes;
   in.device_in_ram = device.kind() == DeviceKind::kCpu;
 }
 
 std::uint64_t default_host_budget(int ranks_on_node) {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  const std::uint64_t all =
-      pages > 0 && page > 0 ? std::uint64_t(double(pages) * double(page) * 0.8) : std::uint64_t(4) << 30;
+  const std::uint64_t all = pages > 0 && page > 0
+                                ? std::uint64_t(double(pages) * double(page) * 0.8)
+                                : std::uint64_t(4) << 30;
   const std::uint64_t piece = std::uint64_t(2) << 20;  // the pinned pool commits whole 2 MiB pieces
   return all / std::uint64_t(std::max(1, ranks_on_node)) / piece * piece;
 }
 
-std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node, int world_size) {
+std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node,
+                            int world_size) {
   const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;
   const bool optimizer = config.optimizer.nvme_fraction() > 0;
   const bool grads = config.grads.nvme_fraction() > 0 && !config.grad_nvme_paths.empty();
@@ -585,7 +632,8 @@ std::string MemoryPlan::table() const {
   std::size_t width = 40;  // the "what" column: as wide as its longest line
   for (const PlanLine& l : lines) width = std::max(width, l.what.size());
   for (const PlanLine& l : ram_lines) width = std::max(width, l.what.size());
-  std::string out = fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "tier", "what", width, "bytes", "size");
+  std::string out =
+      fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "tier", "what", width, "bytes", "size");
   const std::array<std::pair<Tier, std::pair<std::uint64_t, std::uint64_t>>, 3> tiers = {{
       {Tier::kDevice, {device_bytes, device_capacity}},
       {Tier::kHost, {host_bytes, host_capacity}},
@@ -594,26 +642,32 @@ std::string MemoryPlan::table() const {
   for (const auto& [tier, use] : tiers) {
     for (const PlanLine& l : lines) {
       if (l.tier == tier)
-        out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), l.what, width, l.bytes, human(l.bytes));
+        out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), l.what, width, l.bytes,
+                           human(l.bytes));
     }
     const auto [bytes, cap] = use;
     if (cap == UINT64_MAX) {  // no NVMe path in use: nothing to check against
-      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), "total", width, bytes, human(bytes));
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", tier_name(tier), "total", width, bytes,
+                         human(bytes));
       continue;
     }
-    out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier), "total", width,
-                       bytes, human(bytes), human(cap), cap,
+    out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", tier_name(tier),
+                       "total", width, bytes, human(bytes), human(cap), cap,
                        bytes <= cap ? "ok" : fmt::format("OVER by {}", human(bytes - cap)));
   }
   if (ram_capacity > 0 || !ram_lines.empty()) {
     for (const PlanLine& l : ram_lines)
-      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", l.what, width, l.bytes, human(l.bytes));
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", l.what, width, l.bytes,
+                         human(l.bytes));
     if (ram_capacity == 0)
-      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", "total", width, ram_bytes, human(ram_bytes));
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}\n", "ram", "total", width, ram_bytes,
+                         human(ram_bytes));
     else
-      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", "ram", "total", width, ram_bytes,
-                         human(ram_bytes), human(ram_capacity), ram_capacity,
-                         ram_bytes <= ram_capacity ? "ok" : fmt::format("OVER by {}", human(ram_bytes - ram_capacity)));
+      out += fmt::format("{:<7} {:<{}} {:>16} {:>12}  of {} ({} bytes): {}\n", "ram", "total",
+                         width, ram_bytes, human(ram_bytes), human(ram_capacity), ram_capacity,
+                         ram_bytes <= ram_capacity
+                             ? "ok"
+                             : fmt::format("OVER by {}", human(ram_bytes - ram_capacity)));
   }
   out += fits ? "verdict: fits\n" : "verdict: does not fit\n";
   for (const std::string& n : notes) out += "  note: " + n + "\n";

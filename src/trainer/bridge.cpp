@@ -39,13 +39,16 @@ void EngineWeights::release_grads(std::size_t unit) { engine_.reduce_grad(int(un
 
 void add_model_units(Engine& engine, const std::vector<UnitSpec>& units,
                      const std::vector<std::vector<float>>& flat_init) {
-  STRATA_REQUIRE(units.size() == flat_init.size(), "add_model_units: {} units but {} initial buffers",
-                 units.size(), flat_init.size());
+  STRATA_REQUIRE(units.size() == flat_init.size(),
+                 "add_model_units: {} units but {} initial buffers", units.size(),
+                 flat_init.size());
   for (std::size_t i = 0; i < units.size(); ++i) {
-    STRATA_REQUIRE(flat_init[i].size() == units[i].numel, "add_model_units: unit '{}' has {} elements, {} given",
-                   units[i].name, units[i].numel, flat_init[i].size());
+    STRATA_REQUIRE(flat_init[i].size() == units[i].numel,
+                   "add_model_units: unit '{}' has {} elements, {} given", units[i].name,
+                   units[i].numel, flat_init[i].size());
     // One engine parameter per unit: the model's flat layout, alignment gaps included.
-    const int id = engine.add_unit({units[i].name, {{"flat", units[i].numel, flat_init[i].data()}}});
+    const int id =
+        engine.add_unit({units[i].name, {{"flat", units[i].numel, flat_init[i].data()}}});
     STRATA_REQUIRE(id == int(i), "add_model_units: the engine already held {} units", id);
   }
 }
@@ -71,11 +74,13 @@ ModelSource per_parameter(const ModelConfig& cfg, Value value) {
   auto units = std::make_shared<const std::vector<UnitSpec>>(model_units(cfg));
   return [units, value](std::size_t unit, std::size_t first, std::size_t count, float* out) {
     const UnitSpec& u = units->at(unit);
-    STRATA_REQUIRE(first + count <= u.numel, "model source: elements [{}, {}) of unit '{}', which has {}", first,
+    STRATA_REQUIRE(first + count <= u.numel,
+                   "model source: elements [{}, {}) of unit '{}', which has {}", first,
                    first + count, u.name, u.numel);
     std::fill_n(out, count, 0.0f);
     for (const ParamSpec& p : u.params) {
-      const std::size_t lo = std::max(first, p.offset), hi = std::min(first + count, p.offset + p.numel);
+      const std::size_t lo = std::max(first, p.offset),
+                        hi = std::min(first + count, p.offset + p.numel);
       if (lo < hi) value(p, lo - p.offset, hi - lo, out + (lo - first));
     }
   };
@@ -84,21 +89,23 @@ ModelSource per_parameter(const ModelConfig& cfg, Value value) {
 }  // namespace
 
 ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed) {
-  return per_parameter(cfg, [cfg, seed](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
-    init_hf_values(cfg, p, seed, first, count, out);
-  });
+  return per_parameter(
+      cfg, [cfg, seed](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
+        init_hf_values(cfg, p, seed, first, count, out);
+      });
 }
 
 ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir) {
   auto reader = std::make_shared<const HfWeightsReader>(dir, cfg);  // checks the whole folder now
-  return per_parameter(cfg, [reader](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
-    reader->read(p, first, count, out);
-  });
+  return per_parameter(cfg, [reader](const ParamSpec& p, std::size_t first, std::size_t count,
+                                     float* out) { reader->read(p, first, count, out); });
 }
 
-std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, const std::string& hf_dir,
+std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
+                                                     const std::string& hf_dir,
                                                      std::uint64_t seed) {
-  const ModelSource source = hf_dir.empty() ? fresh_model_source(cfg, seed) : hf_model_source(cfg, hf_dir);
+  const ModelSource source =
+      hf_dir.empty() ? fresh_model_source(cfg, seed) : hf_model_source(cfg, hf_dir);
   std::vector<std::vector<float>> out;
   const std::vector<UnitSpec> units = model_units(cfg);
   for (std::size_t u = 0; u < units.size(); ++u) {
@@ -108,8 +115,8 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg, con
   return out;
 }
 
-void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, const std::string& dir, int rank,
-                         std::size_t max_shard_bytes) {
+void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
+                         const std::string& dir, int rank, std::size_t max_shard_bytes) {
   const std::vector<UnitSpec> units = model_units(cfg);
   std::unique_ptr<HfWeightsWriter> out;
   if (rank == 0) out = std::make_unique<HfWeightsWriter>(dir, cfg, dtype, max_shard_bytes);
@@ -117,8 +124,8 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype, co
     // Collective: every rank, one unit at a time, gathered on rank 0 alone.
     const std::vector<float> flat = engine.gather_master_to(int(i), 0);
     if (!out) continue;
-    STRATA_REQUIRE(flat.size() == units[i].numel, "save: unit '{}' gathered {} of {} elements", units[i].name,
-                   flat.size(), units[i].numel);
+    STRATA_REQUIRE(flat.size() == units[i].numel, "save: unit '{}' gathered {} of {} elements",
+                   units[i].name, flat.size(), units[i].numel);
     out->write_unit(i, flat.data());
   }
   if (out) out->finish();

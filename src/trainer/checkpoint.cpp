@@ -15,8 +15,10 @@
 // file's size and checksum, before choosing one, so a folder damaged after the fact (the manifest
 // included: a flipped data position would resume elsewhere) is skipped too.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -25,9 +27,6 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <fmt/format.h>
-#include <xxhash.h>
 
 #include "core/process.h"
 #include "strata/error.h"
@@ -75,7 +74,8 @@ void barrier(Communicator& comm, Stream& s) {
 std::int64_t step_of(const std::string& name) {
   if (name.rfind("step-", 0) != 0) return -1;
   const std::string digits = name.substr(5);
-  if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit))
+    return -1;
   return std::stoll(digits);
 }
 
@@ -90,14 +90,17 @@ std::string manifest_checksum(nlohmann::json manifest) {
 
 std::string model_config_hash(const ModelConfig& c) {
   std::string key = fmt::format(
-      "arch={} vocab={} hidden={} inter={} layers={} heads={} kv={} head_dim={} pos={} eps={:a} theta={:a} "
+      "arch={} vocab={} hidden={} inter={} layers={} heads={} kv={} head_dim={} pos={} eps={:a} "
+      "theta={:a} "
       "l3={:a},{:a},{:a},{:a} tie={} qkv_bias={}",
-      int(c.arch), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
-      c.head_dim, c.max_positions, c.norm_eps, c.rope_theta, c.rope_llama3_factor, c.rope_llama3_low_freq_factor,
-      c.rope_llama3_high_freq_factor, c.rope_llama3_original_max_positions, c.tie_word_embeddings, c.qkv_bias);
+      int(c.arch), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+      c.num_kv_heads, c.head_dim, c.max_positions, c.norm_eps, c.rope_theta, c.rope_llama3_factor,
+      c.rope_llama3_low_freq_factor, c.rope_llama3_high_freq_factor,
+      c.rope_llama3_original_max_positions, c.tie_word_embeddings, c.qkv_bias);
   // Only when not the default, so that the hashes of earlier checkpoints still match.
   if (!c.scale_attn_weights || c.scale_attn_by_inverse_layer_idx)
-    key += fmt::format(" attn_scale={},{}", c.scale_attn_weights, c.scale_attn_by_inverse_layer_idx);
+    key +=
+        fmt::format(" attn_scale={},{}", c.scale_attn_weights, c.scale_attn_by_inverse_layer_idx);
   for (const UnitSpec& u : model_units(c)) {
     key += fmt::format("|{}:{}", u.name, u.numel);
     for (const ParamSpec& p : u.params) key += fmt::format(",{}@{}+{}", p.name, p.offset, p.numel);
@@ -128,7 +131,8 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
       std::error_code e2;
       nlohmann::json m;
       if (n.substr(old + 5) != tmp_tag && fs::exists(fs::path(step_dir) / kManifest, e2) &&
-          verify_checkpoint(step_dir, &m).empty() && m.value("step", std::int64_t(-1)) == step_of(n.substr(0, old)))
+          verify_checkpoint(step_dir, &m).empty() &&
+          m.value("step", std::int64_t(-1)) == step_of(n.substr(0, old)))
         dead.push_back(it->path());
       continue;
     }
@@ -142,15 +146,18 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
   }
   for (const fs::path& p : dead) {
     fs::remove_all(p, ec);
-    if (!ec) log::info("checkpoint: removed {}, left by a run that stopped while writing {}", p.string(),
-                       p.filename().string().find(".old-") != std::string::npos ? "that step again" : "it");
+    if (!ec)
+      log::info(
+          "checkpoint: removed {}, left by a run that stopped while writing {}", p.string(),
+          p.filename().string().find(".old-") != std::string::npos ? "that step again" : "it");
   }
 }
 
 }  // namespace
 
-std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root, std::int64_t step,
-                             const std::string& tmp_tag, const nlohmann::json& trainer_state) {
+std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root,
+                             std::int64_t step, const std::string& tmp_tag,
+                             const nlohmann::json& trainer_state) {
   const int rank = comm.rank(), world = comm.world_size();
   const std::string name = fmt::format("step-{}", step);
   const std::string final_dir = (fs::path(root) / name).string();
@@ -187,8 +194,8 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
           const std::string f = fmt::format("rank{}.{}", r, ext);
           std::uint64_t bytes = 0;
           std::string hex;
-          STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex), "checkpoint: {}/{} cannot be read back",
-                         tmp, f);
+          STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex),
+                         "checkpoint: {}/{} cannot be read back", tmp, f);
           files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
         }
       m["files"] = std::move(files);
@@ -213,8 +220,10 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
           done += std::size_t(n);
         }
         if (crash_here) {
-          std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
-                       (long long)step);
+          std::fprintf(
+              stderr,
+              "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
+              (long long)step);
           std::fflush(stderr);
           std::abort();
         }
@@ -229,7 +238,8 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
         aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
         fs::remove_all(aside, ec);
         fs::rename(final_dir, aside, ec);
-        STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir, ec.message());
+        STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir,
+                       ec.message());
       }
       fs::remove(fs::path(tmp) / kOwnerFile, ec);
       fs::rename(tmp, final_dir, ec);
@@ -243,7 +253,8 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     if (rank == 0) {
       std::error_code ec;
       fs::remove_all(tmp, ec);
-      if (!aside.empty() && !fs::exists(final_dir, ec) && fs::exists(aside, ec)) fs::rename(aside, final_dir, ec);
+      if (!aside.empty() && !fs::exists(final_dir, ec) && fs::exists(aside, ec))
+        fs::rename(aside, final_dir, ec);
     }
     throw;
   }
@@ -266,26 +277,34 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
       return "manifest.json is not a strata checkpoint manifest";
     const int version = m.value("version", 0);
     if (version != 1 && version != kCheckpointVersion)
-      return fmt::format("format version {}, this build reads 1 to {}", version, kCheckpointVersion);
+      return fmt::format("format version {}, this build reads 1 to {}", version,
+                         kCheckpointVersion);
     if (version >= 2) {  // the manifest itself first: every value below is read from it
       if (!m.contains(kManifestChecksum) || !m[kManifestChecksum].is_string())
         return "manifest.json has no checksum of its own (manifest_xxh3)";
       const std::string want = m[kManifestChecksum].get<std::string>(), got = manifest_checksum(m);
       if (got != want)
-        return fmt::format("manifest.json has checksum {}, its manifest_xxh3 says {}: it changed after it was written",
-                           got, want);
+        return fmt::format(
+            "manifest.json has checksum {}, its manifest_xxh3 says {}: it changed after it was "
+            "written",
+            got, want);
     }
-    if (!m.contains("files") || !m["files"].is_array() || m["files"].empty()) return "manifest.json lists no files";
+    if (!m.contains("files") || !m["files"].is_array() || m["files"].empty())
+      return "manifest.json lists no files";
     for (const auto& e : m["files"]) {
       const std::string name = e.value("name", "");
-      if (name.empty() || name.find('/') != std::string::npos) return "manifest.json has a bad file entry";
+      if (name.empty() || name.find('/') != std::string::npos)
+        return "manifest.json has a bad file entry";
       std::uint64_t bytes = 0;
       std::string hex;
-      if (!hash_file((fs::path(dir) / name).string(), bytes, hex)) return fmt::format("{} is missing", name);
+      if (!hash_file((fs::path(dir) / name).string(), bytes, hex))
+        return fmt::format("{} is missing", name);
       if (bytes != e.value("bytes", std::uint64_t(0)))
-        return fmt::format("{} has {} bytes, the manifest says {}", name, bytes, e.value("bytes", std::uint64_t(0)));
+        return fmt::format("{} has {} bytes, the manifest says {}", name, bytes,
+                           e.value("bytes", std::uint64_t(0)));
       if (hex != e.value("xxh3", ""))
-        return fmt::format("{} has checksum {}, the manifest says {}", name, hex, e.value("xxh3", ""));
+        return fmt::format("{} has checksum {}, the manifest says {}", name, hex,
+                           e.value("xxh3", ""));
     }
   } catch (const nlohmann::json::exception& e) {
     return fmt::format("manifest.json has a field of the wrong type ({})", e.what());
@@ -312,12 +331,15 @@ std::vector<std::string> checkpoint_folders(const std::string& dir) {
 
 FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(path, ec), "{} {}: {}", what, path,
-                 fs::exists(path, ec) ? "a file, not a folder: give a checkpoint's folder, a checkpoints folder or a "
-                                        "run's --out"
-                                      : "no such directory");
+  STRATA_REQUIRE(
+      fs::is_directory(path, ec), "{} {}: {}", what, path,
+      fs::exists(path, ec)
+          ? "a file, not a folder: give a checkpoint's folder, a checkpoints folder or a "
+            "run's --out"
+          : "no such directory");
   // A checkpoint folder itself.
-  if (fs::exists(fs::path(path) / kManifest, ec) || step_of(fs::path(path).filename().string()) >= 0) {
+  if (fs::exists(fs::path(path) / kManifest, ec) ||
+      step_of(fs::path(path).filename().string()) >= 0) {
     FoundCheckpoint fc;
     const std::string why = verify_checkpoint(path, &fc.manifest);
     STRATA_REQUIRE(why.empty(), "{} {}: not a complete checkpoint: {}", what, path, why);
@@ -326,14 +348,16 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     return fc;
   }
   std::string root = path;
-  if (fs::is_directory(fs::path(path) / "checkpoints", ec)) root = (fs::path(path) / "checkpoints").string();
+  if (fs::is_directory(fs::path(path) / "checkpoints", ec))
+    root = (fs::path(path) / "checkpoints").string();
   std::vector<std::pair<std::int64_t, std::string>> found, set_aside;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     if (!e.is_directory()) continue;
     const std::string name = e.path().filename().string();
     const std::int64_t st = step_of(name);
     const auto old = name.find(".old-");
-    if (st >= 0) found.emplace_back(st, e.path().string());
+    if (st >= 0)
+      found.emplace_back(st, e.path().string());
     else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
       set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
     else if (name.rfind("step-", 0) == 0)
@@ -345,15 +369,20 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   // Beside its step-<N> it is the older copy of that step: tried after it (the stable sort below
   // keeps it behind), when step-<N> does not verify.
   for (const auto& [st, dir] : set_aside) {
-    const bool have = std::any_of(found.begin(), found.end(), [st = st](const auto& f) { return f.first == st; });
+    const bool have =
+        std::any_of(found.begin(), found.end(), [st = st](const auto& f) { return f.first == st; });
     if (have)
-      log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what, dir, st, st);
+      log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what,
+                dir, st, st);
     else
-      log::warn("{}: {} is step-{} set aside by a run that stopped while saving that step again: taking it as step-{}",
-                what, dir, st, st);
+      log::warn(
+          "{}: {} is step-{} set aside by a run that stopped while saving that step again: taking "
+          "it as step-{}",
+          what, dir, st, st);
     found.emplace_back(st, dir);
   }
-  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::stable_sort(found.begin(), found.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<std::string> skipped;
   for (const auto& [st, dir] : found) {
     FoundCheckpoint fc;
@@ -371,10 +400,13 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     fc.skipped = std::move(skipped);
     return fc;
   }
-  STRATA_REQUIRE(!found.empty(), "{} {}: no checkpoint there yet (no step-<N> folder in {}){}", what, path, root,
+  STRATA_REQUIRE(!found.empty(), "{} {}: no checkpoint there yet (no step-<N> folder in {}){}",
+                 what, path, root,
                  what == "--resume" ? "; to start the run from the beginning, drop --resume" : "");
-  STRATA_THROW(kInvalidArgument, "{} {}: no complete checkpoint found (looked for step-<N> folders with a valid "
-               "manifest.json in {}; {} candidate(s) failed verification)", what, path, root, found.size());
+  STRATA_THROW(kInvalidArgument,
+               "{} {}: no complete checkpoint found (looked for step-<N> folders with a valid "
+               "manifest.json in {}; {} candidate(s) failed verification)",
+               what, path, root, found.size());
 }
 
 }  // namespace strata

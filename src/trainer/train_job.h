@@ -16,10 +16,9 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "strata/comm.h"
 #include "strata/model_data.h"
@@ -29,7 +28,9 @@ namespace strata::train_job {
 
 using Clock = std::chrono::steady_clock;
 
-inline double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+inline double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 // What the options and files decide before any device or collective.
 struct Settings {

@@ -2,16 +2,15 @@
 // Llama trained on text from a tiny generated grammar, with weights and optimizer state on NVMe
 // and an emulated device capped below the size of the fp32 weights, so every tier is exercised
 // in a minute. Here: its model, its text, its engine config and where its files go.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <random>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "scheduler/layout.h"
 #include "strata/error.h"
@@ -23,12 +22,18 @@ namespace fs = std::filesystem;
 
 // The demo model: a byte-level Llama (GQA, untied head). ~5.9M parameters, 24 MB in fp32.
 ModelConfig demo_model_config() {
-  const nlohmann::json j = {{"model_type", "llama"},        {"architectures", {"LlamaForCausalLM"}},
-                            {"vocab_size", 256},            {"hidden_size", 256},
-                            {"intermediate_size", 688},     {"num_hidden_layers", 8},
-                            {"num_attention_heads", 8},     {"num_key_value_heads", 4},
-                            {"max_position_embeddings", 512}, {"rms_norm_eps", 1e-5},
-                            {"rope_theta", 10000.0},        {"tie_word_embeddings", false},
+  const nlohmann::json j = {{"model_type", "llama"},
+                            {"architectures", {"LlamaForCausalLM"}},
+                            {"vocab_size", 256},
+                            {"hidden_size", 256},
+                            {"intermediate_size", 688},
+                            {"num_hidden_layers", 8},
+                            {"num_attention_heads", 8},
+                            {"num_key_value_heads", 4},
+                            {"max_position_embeddings", 512},
+                            {"rms_norm_eps", 1e-5},
+                            {"rope_theta", 10000.0},
+                            {"tie_word_embeddings", false},
                             {"hidden_act", "silu"}};
   return parse_model_config(j.dump(), "the demo model");
 }
@@ -38,8 +43,10 @@ std::string default_scratch_dir(const std::string& name) {
   const std::string exe = fs::read_symlink("/proc/self/exe", ec).string();
   const std::string build = STRATA_BUILD_DIR;
   if (!ec && exe.starts_with(build + "/")) return build + "/" + name;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/strata/" + name;
-  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/strata/" + name;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::string(xdg) + "/strata/" + name;
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return std::string(home) + "/.cache/strata/" + name;
   return "/var/tmp/strata-" + name;
 }
 
@@ -51,7 +58,8 @@ namespace {
 // is learnable within tens of steps, and the remaining entropy (which word comes next) keeps
 // the loss from collapsing to zero.
 std::string demo_text(std::size_t bytes, std::uint64_t seed) {
-  static const char* subj[] = {"the cat", "a dog", "the old man", "my friend", "the bird", "a child", "the teacher"};
+  static const char* subj[] = {"the cat",  "a dog",   "the old man", "my friend",
+                               "the bird", "a child", "the teacher"};
   static const char* verb[] = {"sees", "likes", "finds", "chases", "helps", "paints", "follows"};
   static const char* adj[] = {"red", "small", "happy", "quiet", "green", "tall"};
   static const char* noun[] = {"ball", "tree", "house", "river", "car", "apple", "garden"};
@@ -80,8 +88,8 @@ void write_demo_text(const std::string& path) {
   const std::string t = demo_text(std::size_t(1) << 20, 7);
   std::error_code ec;
   fs::create_directories(fs::path(path).parent_path(), ec);
-  STRATA_REQUIRE(!ec, "the demo text's folder {} cannot be created: {}", fs::path(path).parent_path().string(),
-                 ec.message());
+  STRATA_REQUIRE(!ec, "the demo text's folder {} cannot be created: {}",
+                 fs::path(path).parent_path().string(), ec.message());
   if (fs::file_size(path, ec) == t.size() && !ec) {
     std::ifstream in(path, std::ios::binary);
     std::string have(t.size(), '\0');

@@ -2,16 +2,15 @@
 // the checkpoints and the log line of each step, and the model written at the end. Every rank
 // runs each step's collectives (the engine's, the loss all-reduce, a checkpoint's gathers) in
 // the same order; only rank 0 prints or writes the log.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <numbers>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <numbers>
 
 #include "strata/error.h"
 #include "strata/log.h"
@@ -22,9 +21,10 @@ namespace strata {
 
 namespace fs = std::filesystem;
 
-
-double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total, const std::string& schedule) {
-  STRATA_REQUIRE(schedule == "const" || schedule == "cosine", "--lr-schedule '{}': use const or cosine", schedule);
+double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
+             const std::string& schedule) {
+  STRATA_REQUIRE(schedule == "const" || schedule == "cosine",
+                 "--lr-schedule '{}': use const or cosine", schedule);
   if (warmup > 0 && t <= warmup) return lr * double(t) / double(warmup);
   if (schedule == "const") return lr;
   const double span = double(std::max<std::int64_t>(1, total - warmup));
@@ -61,13 +61,14 @@ void prepare_checkpoints(Run& r) {
 
 namespace {
 
-  // `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
-  // when the run died before it did.
+// `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
+// when the run died before it did.
 nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::json& log_line) {
   const Settings& s = r.s;
   const TrainOptions& o = s.o;
   const EngineConfig& ecfg = s.ecfg;
-  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps, warmup = s.warmup;
+  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps,
+                     warmup = s.warmup;
   const ModelConfig& mcfg = s.mcfg;
   const int world = s.world;
   const std::string& schedule = s.schedule;
@@ -81,15 +82,26 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       {"model", r.model_desc},
       {"world_size", world},
       {"data",
-       {{"train_batches", r.train_batches}, {"val_batches", r.val_batches}, {"epoch", r.loader->epoch()},
-        {"micro_batch", B}, {"seq_len", seq_len}, {"grad_accum", accum}, {"seed", o.seed},
-        {"shuffle", o.shuffle}, {"files", dopt.files}, {"val_fraction", dopt.val_fraction}}},
+       {{"train_batches", r.train_batches},
+        {"val_batches", r.val_batches},
+        {"epoch", r.loader->epoch()},
+        {"micro_batch", B},
+        {"seq_len", seq_len},
+        {"grad_accum", accum},
+        {"seed", o.seed},
+        {"shuffle", o.shuffle},
+        {"files", dopt.files},
+        {"val_fraction", dopt.val_fraction}}},
       // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
       // per epoch: the position above restores it.
       {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
       {"lr_schedule",
-       {{"lr", double(ecfg.adamw.lr)}, {"warmup", warmup}, {"total_steps", steps},
-        {"schedule", schedule}, {"next_step", step + 1}, {"next_lr", s.lr_of(step + 1)}}},
+       {{"lr", double(ecfg.adamw.lr)},
+        {"warmup", warmup},
+        {"total_steps", steps},
+        {"schedule", schedule},
+        {"next_step", step + 1},
+        {"next_lr", s.lr_of(step + 1)}}},
       {"optimizer", r.optimizer_state},
       {"loss_scale", r.engine->loss_scale()}};
 }
@@ -100,16 +112,20 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
   const std::string& ckpt_root = s.ckpt_root;
   std::string dir;
   try {
-    dir = write_checkpoint(*r.engine, *r.comm, *r.compute, ckpt_root, step, r.tmp_tag, trainer_state(r, step, log_line));
+    dir = write_checkpoint(*r.engine, *r.comm, *r.compute, ckpt_root, step, r.tmp_tag,
+                           trainer_state(r, step, log_line));
   } catch (const Error& e) {
     // A file that could not be written (a full drive): say what is left and what to do
     // (write_checkpoint removed the half-written folder). Other errors pass as they are.
     if (e.kind() != ErrorKind::kIo) throw;
     const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
-    STRATA_THROW(kIo, "{}; the checkpoint of step {} was not written and nothing of it is left; {}; free space in "
-                 "{} (or give another --checkpoint-dir), then run the same command{}", e.message(),
-                 step, newest.empty() ? std::string("no checkpoint of this run is complete")
-                                      : fmt::format("the newest complete one is {}", newest),
+    STRATA_THROW(kIo,
+                 "{}; the checkpoint of step {} was not written and nothing of it is left; {}; "
+                 "free space in "
+                 "{} (or give another --checkpoint-dir), then run the same command{}",
+                 e.message(), step,
+                 newest.empty() ? std::string("no checkpoint of this run is complete")
+                                : fmt::format("the newest complete one is {}", newest),
                  ckpt_root,
                  newest.empty() ? std::string(" again (there is nothing to --resume from)")
                                 : fmt::format(" with --resume {}", newest));
@@ -117,12 +133,14 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
   r.checkpoints.push_back(dir);
   r.saved_steps.push_back(step);
   if (s.rank == 0)  // what Ctrl-C (or a scheduler's SIGTERM) says from now on
-    set_interrupt_note(fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
-                                   "with the same command and --resume {}\n", dir, step, ckpt_root));
+    set_interrupt_note(
+        fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
+                    "with the same command and --resume {}\n",
+                    dir, step, ckpt_root));
 }
 
-  // Older complete checkpoints of the run beyond the newest keep_checkpoints: after the step's
-  // log line (a removal of ~100 MiB takes a while, and the line must not wait behind it).
+// Older complete checkpoints of the run beyond the newest keep_checkpoints: after the step's
+// log line (a removal of ~100 MiB takes a while, and the line must not wait behind it).
 void prune_checkpoints(Run& r) {
   const TrainOptions& o = r.s.o;
   std::vector<std::int64_t>& saved_steps = r.saved_steps;
@@ -176,21 +194,26 @@ double forward_backward(Run& run, std::int64_t step) {
       // The pinned pool's budget (its errors begin "pinned pool:"), not the device's.
       if (e.message().rfind("pinned pool:", 0) == 0)
         STRATA_THROW(kOutOfMemory,
-                     "step {}: pinned host memory ran out during a micro-batch: raise strata.host_budget_bytes in "
-                     "--config (the plan's host total is {} bytes; the pool commits whole 2 MiB pieces) ({})",
+                     "step {}: pinned host memory ran out during a micro-batch: raise "
+                     "strata.host_budget_bytes in "
+                     "--config (the plan's host total is {} bytes; the pool commits whole 2 MiB "
+                     "pieces) ({})",
                      step, engine.plan().host_bytes, e.user_message());
-      STRATA_THROW(kOutOfMemory,
-                   "step {}: the device ran out of memory during a micro-batch (its activations are not in the "
-                   "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on the "
-                   "device (--config: offload_param, stage3_max_live_parameters) ({})",
-                   step, B, seq_len,
-                   mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
-                   demo_capped
-                       ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
-                         "below its weights)"
-                   : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
-                                                                            : "",
-                   e.user_message());
+      STRATA_THROW(
+          kOutOfMemory,
+          "step {}: the device ran out of memory during a micro-batch (its activations are not in "
+          "the "
+          "plan): a smaller --micro-batch (now {}) or --seq-len (now {}){}{}, or fewer weights on "
+          "the "
+          "device (--config: offload_param, stage3_max_live_parameters) ({})",
+          step, B, seq_len,
+          mopt.checkpoint ? "" : ", --checkpoint-activations (or --checkpoint-on-host)",
+          demo_capped
+              ? ", a larger --device-mem-gb (the demo model's emulated device is capped at 20 MiB, "
+                "below its weights)"
+          : dev->kind() == DeviceKind::kCpu || o.device_mem_gb > 0 ? ", a larger --device-mem-gb"
+                                                                   : "",
+          e.user_message());
     }
   }
   return loss_sum;
@@ -250,8 +273,11 @@ void write_log_line(Run& r, std::int64_t step, const nlohmann::json& j) {
     *jlog << j.dump() << '\n';
     jlog->flush();
     if (!*jlog) {  // a full drive: the run goes on, but the log is said to be incomplete
-      log::warn("--log-json {}: the line of step {} could not be written ({}); the log stops here, the run goes "
-                "on", o.log_json, step, std::strerror(errno));
+      log::warn(
+          "--log-json {}: the line of step {} could not be written ({}); the log stops here, the "
+          "run goes "
+          "on",
+          o.log_json, step, std::strerror(errno));
       jlog.reset();
     }
   }
@@ -295,10 +321,16 @@ void run_step(Run& r, std::int64_t step) {
   const double val_loss = val && step % o.eval_every == 0 ? evaluate(r) : NAN;
 
   const EngineStats st = engine.stats();
-  nlohmann::json j = {{"step", step},          {"loss", loss},           {"lr", lr},
-                      {"grad_norm", sr.grad_norm}, {"tokens_per_s", rec.tokens_per_s},
-                      {"step_time_s", rec.step_s}, {"skipped", sr.skipped}, {"loss_scale", sr.loss_scale},
-                      {"h2d_bytes", st.h2d_bytes - prev.h2d_bytes}, {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
+  nlohmann::json j = {{"step", step},
+                      {"loss", loss},
+                      {"lr", lr},
+                      {"grad_norm", sr.grad_norm},
+                      {"tokens_per_s", rec.tokens_per_s},
+                      {"step_time_s", rec.step_s},
+                      {"skipped", sr.skipped},
+                      {"loss_scale", sr.loss_scale},
+                      {"h2d_bytes", st.h2d_bytes - prev.h2d_bytes},
+                      {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
                       {"nvme_read_bytes", st.nvme_read_bytes - prev.nvme_read_bytes},
                       {"nvme_written_bytes", st.nvme_written_bytes - prev.nvme_written_bytes}};
   if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
@@ -312,8 +344,11 @@ void run_step(Run& r, std::int64_t step) {
     ph.save += since(t0);
     if (const char* crash = std::getenv("STRATA_TEST_CRASH_AFTER_CHECKPOINT");
         crash && std::atoll(crash) == step && rank == 0) {
-      std::fprintf(stderr, "strata-train: STRATA_TEST_CRASH_AFTER_CHECKPOINT=%lld: aborting before the step's log "
-                   "line\n", (long long)step);
+      std::fprintf(
+          stderr,
+          "strata-train: STRATA_TEST_CRASH_AFTER_CHECKPOINT=%lld: aborting before the step's log "
+          "line\n",
+          (long long)step);
       std::fflush(stderr);
       std::abort();
     }
@@ -334,13 +369,15 @@ void run_steps(Run& r) {
   r.prev = r.engine->stats();
   if (s.rank == 0)  // an interrupted run said nothing; now it says where it can go on from
     set_interrupt_note(
-        !resume.dir.empty()
-            ? fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue with the same "
-                          "command\n", resume.dir, resume.step)
-        : o.save_every > 0
-            ? std::string("\nstrata-train: interrupted before its first checkpoint: nothing to resume from\n")
-            : std::string("\nstrata-train: interrupted; no checkpoints were written (--save-every N keeps a run's "
-                          "progress)\n"));
+        !resume.dir.empty() ? fmt::format("\nstrata-train: interrupted; the newest checkpoint is "
+                                          "{} (step {}): continue with the same "
+                                          "command\n",
+                                          resume.dir, resume.step)
+        : o.save_every > 0 ? std::string("\nstrata-train: interrupted before its first checkpoint: "
+                                         "nothing to resume from\n")
+                           : std::string("\nstrata-train: interrupted; no checkpoints were written "
+                                         "(--save-every N keeps a run's "
+                                         "progress)\n"));
   r.loop_start = Clock::now();
   for (std::int64_t step = r.start_step + 1; step <= s.steps; ++step) run_step(r, step);
 }
@@ -352,7 +389,7 @@ void write_model(Run& r) {
   if (o.out_dir.empty()) return;
   const auto t0 = Clock::now();
   if (s.rank == 0 && o.overwrite) {  // a file where the folder goes; in a folder, the save
-    std::error_code ec;            // replaces the weights and config.json, and other files stay
+    std::error_code ec;              // replaces the weights and config.json, and other files stay
     if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
   }
   try {
@@ -362,11 +399,14 @@ void write_model(Run& r) {
     // finish (the same command with --resume writes the model and runs no step).
     if (e.kind() != ErrorKind::kIo) throw;
     const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
-    STRATA_THROW(kIo, "{}; the model was not written to {}; {}", e.message(), o.out_dir,
-                 newest.empty() ? std::string("no checkpoint of this run holds its training (--save-every N keeps "
-                                              "it): free space there and run again")
-                                : fmt::format("the newest checkpoint is {}: free space there, then run the same "
-                                              "command with --resume {}", newest, newest));
+    STRATA_THROW(
+        kIo, "{}; the model was not written to {}; {}", e.message(), o.out_dir,
+        newest.empty()
+            ? std::string("no checkpoint of this run holds its training (--save-every N keeps "
+                          "it): free space there and run again")
+            : fmt::format("the newest checkpoint is {}: free space there, then run the same "
+                          "command with --resume {}",
+                          newest, newest));
   }
   r.ph.save += since(t0);
 }

@@ -1,14 +1,13 @@
 // What the user sees of a run: the plan alone (--plan), the header, the progress line of each
 // step, the per-step JSON log (--log-json) and the summary table. Only rank 0 prints (Settings::con
 // is null on the others) or writes the log.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <fstream>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cpu/cpu_info.h"
@@ -24,7 +23,8 @@ std::string human_bytes(double b) { return log::human_bytes(b, 1); }
 
 std::string hms(double s) {
   const auto t = std::int64_t(std::max(0.0, s) + 0.5);
-  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60) : fmt::format("{}:{:02}", t / 60, t % 60);
+  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+                   : fmt::format("{}:{:02}", t / 60, t % 60);
 }
 
 }  // namespace
@@ -50,16 +50,20 @@ TrainResult report_plan(const Settings& s) {
   MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
   // The training state only: what a micro-batch's activations take depends on the kernels
   // and is measured, not estimated (a "fits" here can still run out of device memory).
-  plan.notes.push_back(fmt::format(
-      "activations are not in this plan: a micro-batch of {} x {} tokens needs device memory beyond the "
-      "device total above; strata-prof measures them{}",
-      ecfg.micro_batch_per_gpu, s.seq_len, o.checkpoint_activations ? "" : " (--checkpoint-activations keeps them small)"));
+  plan.notes.push_back(
+      fmt::format("activations are not in this plan: a micro-batch of {} x {} tokens needs device "
+                  "memory beyond the "
+                  "device total above; strata-prof measures them{}",
+                  ecfg.micro_batch_per_gpu, s.seq_len,
+                  o.checkpoint_activations ? "" : " (--checkpoint-activations keeps them small)"));
   if (!plan.fits && o.device_mem_gb > 0)
-    plan.notes.push_back(fmt::format("--device-mem-gb {:g} caps the device: a larger one is another way", o.device_mem_gb));
+    plan.notes.push_back(fmt::format(
+        "--device-mem-gb {:g} caps the device: a larger one is another way", o.device_mem_gb));
   if (con) {
-    std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s", mcfg.model_type.c_str(),
-                 s.demo_model ? " (demo)" : "", std::size_t(s.total_numel), s.units.size(), world,
-                 std::string(dtype_name(ecfg.compute_dtype)).c_str(), dev->name().c_str(), plan.table().c_str());
+    std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s",
+                 mcfg.model_type.c_str(), s.demo_model ? " (demo)" : "", std::size_t(s.total_numel),
+                 s.units.size(), world, std::string(dtype_name(ecfg.compute_dtype)).c_str(),
+                 dev->name().c_str(), plan.table().c_str());
   }
   TrainResult r;
   r.plan_fits = plan.fits;
@@ -94,10 +98,12 @@ void open_json_log(Run& r) {
   }
   r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
   *r.jlog << kept;
-  if (!*r.jlog) STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
+  if (!*r.jlog)
+    STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
 }
 
-// The run's header: the model, the device, where each piece of state is placed, the batch and the data.
+// The run's header: the model, the device, where each piece of state is placed, the batch and the
+// data.
 void print_header(Run& r) {
   const Settings& s = r.s;
   const TrainOptions& o = s.o;
@@ -113,9 +119,11 @@ void print_header(Run& r) {
   r.tokens_per_step = double(B * seq_len * accum * world);
   if (!con) return;
   std::string on = r.dev->name();  // the emulated device's name says its cap already
-  if (on.find("(cap ") == std::string::npos) on += " (cap " + human_bytes(double(r.dev->stats().capacity_bytes)) + ")";
-  std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s\n", mcfg.model_type.c_str(),
-               s.demo_model ? " (embedded demo)" : "", double(r.model->num_params()) / 1e6,
+  if (on.find("(cap ") == std::string::npos)
+    on += " (cap " + human_bytes(double(r.dev->stats().capacity_bytes)) + ")";
+  std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s\n",
+               mcfg.model_type.c_str(), s.demo_model ? " (embedded demo)" : "",
+               double(r.model->num_params()) / 1e6,
                std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, on.c_str());
   // "device", "host", "nvme", or the split ("device 70% + host 30%"; it said "nvme" for any split).
   const auto where = [](const Placement& p) {
@@ -123,7 +131,9 @@ void print_header(Run& r) {
     const std::pair<const char*, double> tiers[] = {
         {"device", p.device_fraction}, {"host", p.host_fraction}, {"nvme", p.nvme_fraction()}};
     for (const auto& [name, f] : tiers)
-      if (f > 1e-9) parts.push_back(f >= 1 - 1e-9 ? std::string(name) : fmt::format("{} {:.0f}%", name, f * 100));
+      if (f > 1e-9)
+        parts.push_back(f >= 1 - 1e-9 ? std::string(name)
+                                      : fmt::format("{} {:.0f}%", name, f * 100));
     return fmt::format("{}", fmt::join(parts, " + "));
   };
   // The split as placed: units are placed whole (by where their first byte falls), so a
@@ -131,7 +141,8 @@ void print_header(Run& r) {
   const auto placed = [&](const char* prefix, const Placement& asked) {
     double bytes[3] = {}, total = 0;
     for (const PlanLine& l : r.engine->plan().lines)
-      if (l.what.starts_with(prefix)) bytes[int(l.tier)] += double(l.bytes), total += double(l.bytes);
+      if (l.what.starts_with(prefix))
+        bytes[int(l.tier)] += double(l.bytes), total += double(l.bytes);
     if (total <= 0) return where(asked);
     const Placement got{bytes[0] / total, bytes[1] / total};
     std::string said = where(got);
@@ -140,12 +151,16 @@ void print_header(Run& r) {
       said += fmt::format(" ({} asked; units are placed whole)", where(asked));
     return said;
   };
-  std::fprintf(con, "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld tokens x %lld "
-                    "accum x %d ranks\n",
+  std::fprintf(con,
+               "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld "
+               "tokens x %lld "
+               "accum x %d ranks\n",
                ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
-               placed("optimizer state (", ecfg.optimizer).c_str(), placed("gradient shard", ecfg.grads).c_str(),
-               (long long)B, (long long)seq_len, (long long)accum, world);
-  std::string data = r.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.text_file;
+               placed("optimizer state (", ecfg.optimizer).c_str(),
+               placed("gradient shard", ecfg.grads).c_str(), (long long)B, (long long)seq_len,
+               (long long)accum, world);
+  std::string data =
+      r.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.text_file;
   if (s.demo_data) data += " (the demo's generated text: no --data or --text given)";
   if (!s.demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s\n", s.demo_dir.c_str());
   std::fprintf(con, "  data: %s\n", data.c_str());
@@ -160,15 +175,21 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
   const double gbps = 1e-9 / rec.step_s;
   const double elapsed = since(r.loop_start);
   const std::string line = fmt::format(
-      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r {:.2f} w {:.2f} GB/s  ETA {}",
-      step, steps, rec.loss, std::isnan(val_loss) ? std::string() : fmt::format(" (val {:.4f})", val_loss),
+      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r {:.2f} "
+      "w {:.2f} GB/s  ETA {}",
+      step, steps, rec.loss,
+      std::isnan(val_loss) ? std::string() : fmt::format(" (val {:.4f})", val_loss),
       rec.tokens_per_s, rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,
-      double(st.d2h_bytes - prev.d2h_bytes) * gbps, double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,
+      double(st.d2h_bytes - prev.d2h_bytes) * gbps,
+      double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,
       double(st.nvme_written_bytes - prev.nvme_written_bytes) * gbps,
       hms(elapsed / double(step - r.start_step) * double(steps - step)));
-  const bool keep = step == 1 || step == steps || step % r.print_every == 0 || !std::isnan(val_loss);
-  if (r.tty) std::fprintf(con, "\r\x1b[K%s%s", line.c_str(), keep ? "\n" : "");
-  else if (keep) std::fprintf(con, "%s\n", line.c_str());
+  const bool keep =
+      step == 1 || step == steps || step % r.print_every == 0 || !std::isnan(val_loss);
+  if (r.tty)
+    std::fprintf(con, "\r\x1b[K%s%s", line.c_str(), keep ? "\n" : "");
+  else if (keep)
+    std::fprintf(con, "%s\n", line.c_str());
   std::fflush(con);
 }
 
@@ -182,59 +203,75 @@ void print_summary(Run& r) {
   const EngineStats& s = r.result.stats;
   const double total = since(job.t_start);
   // A resumed run says which steps it ran (it said "9 steps" for steps 7-9).
-  const std::string ran = start_step >= steps ? fmt::format("resumed at step {}: no step left", start_step)
-                          : start_step > 0 && start_step + 1 == steps ? fmt::format("step {} of {}, resumed", steps, steps)
-                          : start_step > 0   ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
-                                             : fmt::format("{} step{}", steps, steps == 1 ? "" : "s");
+  const std::string ran =
+      start_step >= steps ? fmt::format("resumed at step {}: no step left", start_step)
+      : start_step > 0 && start_step + 1 == steps
+          ? fmt::format("step {} of {}, resumed", steps, steps)
+      : start_step > 0 ? fmt::format("steps {}-{} of {}, resumed", start_step + 1, steps, steps)
+                       : fmt::format("{} step{}", steps, steps == 1 ? "" : "s");
   // No step run (resumed at the last step): the checkpoint's loss, when its log line is there.
   std::string final_loss;
   if (!r.result.steps.empty()) {
     final_loss = fmt::format(", final loss {:.4f}", r.result.steps.back().loss);
-  } else if (const nlohmann::json line = job.resume.manifest.value("trainer", nlohmann::json::object())
-                                             .value("log_line", nlohmann::json::object());
+  } else if (const nlohmann::json line =
+                 job.resume.manifest.value("trainer", nlohmann::json::object())
+                     .value("log_line", nlohmann::json::object());
              line.contains("loss") && line["loss"].is_number()) {
     final_loss = fmt::format(", loss {:.4f} at the checkpoint", line["loss"].get<double>());
   }
   std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s%s)\n", ran.c_str(), total,
-               r.tokens_per_step * double(steps - start_step) / since(r.loop_start), final_loss.c_str());
+               r.tokens_per_step * double(steps - start_step) / since(r.loop_start),
+               final_loss.c_str());
   std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
-  const std::pair<const char*, double> rows[] = {{"data", r.ph.data},           {"forward", r.ph.forward},
-                                                 {"backward", r.ph.backward},   {"optimizer", r.ph.optimizer},
-                                                 {"eval", r.ph.eval},           {"save", r.ph.save}};
+  const std::pair<const char*, double> rows[] = {
+      {"data", r.ph.data},           {"forward", r.ph.forward}, {"backward", r.ph.backward},
+      {"optimizer", r.ph.optimizer}, {"eval", r.ph.eval},       {"save", r.ph.save}};
   for (const auto& [n, v] : rows) std::fprintf(con, "  %-12s %9.2f\n", n, v);
   std::fprintf(con, "  %-8s %-22s %-22s\n", "tier", "moved", "peak / capacity");
   std::fprintf(con, "  %-8s %-22s %-22s\n", "device",
-               fmt::format("in {} out {}", human_bytes(double(s.h2d_bytes)), human_bytes(double(s.d2h_bytes))).c_str(),
-               fmt::format("{} / {}", human_bytes(double(s.device_peak_bytes)), human_bytes(double(s.device_capacity))).c_str());
+               fmt::format("in {} out {}", human_bytes(double(s.h2d_bytes)),
+                           human_bytes(double(s.d2h_bytes)))
+                   .c_str(),
+               fmt::format("{} / {}", human_bytes(double(s.device_peak_bytes)),
+                           human_bytes(double(s.device_capacity)))
+                   .c_str());
   std::fprintf(con, "  %-8s %-22s %-22s\n", "host", "(staging of the above)",
                fmt::format("{} / {}", human_bytes(double(s.host_pinned_peak_bytes)),
-                           human_bytes(double(s.host_budget_bytes))).c_str());
+                           human_bytes(double(s.host_budget_bytes)))
+                   .c_str());
   std::fprintf(con, "  %-8s %-22s %-22s\n", "nvme",
                fmt::format("read {} written {}", human_bytes(double(s.nvme_read_bytes)),
-                           human_bytes(double(s.nvme_written_bytes))).c_str(),
+                           human_bytes(double(s.nvme_written_bytes)))
+                   .c_str(),
                fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
   // The process's resident memory at its peak, beside what the plan counted for it.
   std::fprintf(con, "  %-8s %-22s %-22s\n", "ram", "(the process, peak)",
                fmt::format("{} / {} planned", human_bytes(double(cpu::process_peak_rss_bytes())),
-                           human_bytes(double(r.engine->plan().ram_bytes))).c_str());
+                           human_bytes(double(r.engine->plan().ram_bytes)))
+                   .c_str());
   if (s.early_units_kept + s.early_units_redone > 0)
-    std::fprintf(con,
-                 "  early optimizer step: %llu unit updates kept (%llu finished under the next forward), "
-                 "%llu redone (clipping, overflow, lr), %llu steps without it (backing off after redone ones)\n",
-                 (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_finished_behind,
-                 (unsigned long long)s.early_units_redone, (unsigned long long)s.early_steps_skipped);
+    std::fprintf(
+        con,
+        "  early optimizer step: %llu unit updates kept (%llu finished under the next forward), "
+        "%llu redone (clipping, overflow, lr), %llu steps without it (backing off after redone "
+        "ones)\n",
+        (unsigned long long)s.early_units_kept, (unsigned long long)s.early_units_finished_behind,
+        (unsigned long long)s.early_units_redone, (unsigned long long)s.early_steps_skipped);
   if (s.device_alloc_waits > 0)  // (what is on already is not offered: the demo checkpoints)
-    std::fprintf(con,
-                 "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
-                 "step); a smaller micro-batch%s or, where weights are gathered on use, a smaller "
-                 "stage3_max_live_parameters avoids the stalls%s\n",
-                 (unsigned long long)s.device_alloc_waits,
-                 (unsigned long long)(s.device_alloc_waits / std::uint64_t(std::max<std::int64_t>(1, steps - start_step))),
-                 r.mopt.checkpoint ? "" : ", activation checkpointing (--checkpoint-activations)",
-                 job.demo_model ? " (expected in the demo: its cap is below its weights)" : "");
+    std::fprintf(
+        con,
+        "  device memory full: %llu allocations waited for frees still queued on streams (%llu per "
+        "step); a smaller micro-batch%s or, where weights are gathered on use, a smaller "
+        "stage3_max_live_parameters avoids the stalls%s\n",
+        (unsigned long long)s.device_alloc_waits,
+        (unsigned long long)(s.device_alloc_waits /
+                             std::uint64_t(std::max<std::int64_t>(1, steps - start_step))),
+        r.mopt.checkpoint ? "" : ", activation checkpointing (--checkpoint-activations)",
+        job.demo_model ? " (expected in the demo: its cap is below its weights)" : "");
   if (!o.out_dir.empty()) std::fprintf(con, "model written to %s\n", o.out_dir.c_str());
   if (!r.checkpoints.empty())
-    std::fprintf(con, "checkpoints in %s (newest: %s)\n", job.ckpt_root.c_str(), r.checkpoints.back().c_str());
+    std::fprintf(con, "checkpoints in %s (newest: %s)\n", job.ckpt_root.c_str(),
+                 r.checkpoints.back().c_str());
   std::fflush(con);
 }
 

@@ -1,15 +1,14 @@
 // The job's set-up: everything train() checks, reads and builds before its first step. Every
 // error here is thrown before the first collective (require_same_settings, in open_device, is
 // the first), or is one every rank throws alike, so no rank is left waiting for another.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/json_config.h"
 #include "strata/error.h"
@@ -21,7 +20,6 @@ namespace strata::train_job {
 namespace fs = std::filesystem;
 
 namespace {
-
 
 std::string read_text(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
@@ -63,26 +61,30 @@ void require_creatable_folder(const std::string& flag, const std::string& path) 
     for (const fs::path& part : fs::path(path)) {
       if (part.empty()) continue;
       p /= part;
-      if (fs::create_directory(p, ec)) made.push_back(p);
-      else if (ec) break;
+      if (fs::create_directory(p, ec))
+        made.push_back(p);
+      else if (ec)
+        break;
     }
     if (ec != std::errc::no_such_file_or_directory) break;
   }
   std::error_code ignored;
   for (auto it = made.rbegin(); it != made.rend(); ++it) fs::remove(*it, ignored);
   if (ec)
-    STRATA_THROW(kInvalidArgument, "{} {}: the folder cannot be made there: {}; give a folder on a writable drive", flag,
-                 path, ec.message());
+    STRATA_THROW(kInvalidArgument,
+                 "{} {}: the folder cannot be made there: {}; give a folder on a writable drive",
+                 flag, path, ec.message());
 }
 
 // Checked before the first step, not when the file is written: `folder` (the file's, or the
 // nearest existing ancestor of a folder the run will create) is one this process can write in.
-void require_writable_folder(const std::string& flag, const std::string& path, const fs::path& folder) {
+void require_writable_folder(const std::string& flag, const std::string& path,
+                             const fs::path& folder) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(folder, ec), "{} {}: {} is not a folder (create it first)", flag, path,
-                 folder.string());
-  STRATA_REQUIRE(::access(folder.c_str(), W_OK) == 0, "{} {}: {} cannot be written in: {}", flag, path,
-                 folder.string(), std::strerror(errno));
+  STRATA_REQUIRE(fs::is_directory(folder, ec), "{} {}: {} is not a folder (create it first)", flag,
+                 path, folder.string());
+  STRATA_REQUIRE(::access(folder.c_str(), W_OK) == 0, "{} {}: {} cannot be written in: {}", flag,
+                 path, folder.string(), std::strerror(errno));
 }
 
 // A setting every rank must share: a rank started with other flags or another config trains
@@ -94,7 +96,8 @@ struct SharedSetting {
 
 // Every rank calls it: refuses the job, on every rank alike, when the ranks' settings differ,
 // naming the first that does and its value on rank 0 and on the first rank that differs.
-void require_same_settings(const std::vector<SharedSetting>& mine, Communicator& comm, Device& dev) {
+void require_same_settings(const std::vector<SharedSetting>& mine, Communicator& comm,
+                           Device& dev) {
   if (comm.world_size() == 1) return;
   const std::size_t k = mine.size(), world = std::size_t(comm.world_size());
   std::vector<double> v, all(k * world);
@@ -102,13 +105,15 @@ void require_same_settings(const std::vector<SharedSetting>& mine, Communicator&
   auto s = dev.create_stream("settings");
   Buffer in = dev.alloc(8 * k, s.get()), out = dev.alloc(8 * k * world, s.get());
   s->copy(in.ref(), host_ref(v.data(), 8 * k));
-  comm.all_gather(TensorRef{in.ref(), DType::kF64, k}, TensorRef{out.ref(), DType::kF64, k * world}, *s);
+  comm.all_gather(TensorRef{in.ref(), DType::kF64, k}, TensorRef{out.ref(), DType::kF64, k * world},
+                  *s);
   s->copy(host_ref(all.data(), 8 * k * world), out.ref());
   s->synchronize();
   for (std::size_t i = 0; i < k; ++i)
     for (std::size_t r = 1; r < world; ++r)
       STRATA_REQUIRE(all[r * k + i] == all[i],
-                     "the ranks were started with different settings: {} is {:g} on rank 0 and {:g} on rank {}; "
+                     "the ranks were started with different settings: {} is {:g} on rank 0 and "
+                     "{:g} on rank {}; "
                      "start every rank with the same flags and --config",
                      mine[i].name, all[i], all[r * k + i], r);
 }
@@ -120,7 +125,8 @@ bool out_dir_free(const std::string& out) {
   if (!fs::is_directory(out, ec)) return false;
   for (const auto& e : fs::directory_iterator(out, ec)) {
     const std::string n = e.path().filename().string();
-    // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes them)
+    // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes
+    // them)
     if (n != "checkpoints" && !n.starts_with(".strata-tmp-")) return false;
   }
   return true;
@@ -136,9 +142,12 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"the accumulation (--grad-accum, gradient_accumulation_steps)", double(s.accum)},
           {"--steps", double(s.steps)},
           {"the learning rate (--lr, optimizer.params.lr)", double(s.ecfg.adamw.lr)},
-          {"the weight decay (--weight-decay, optimizer.params.weight_decay)", double(s.ecfg.adamw.weight_decay)},
+          {"the weight decay (--weight-decay, optimizer.params.weight_decay)",
+           double(s.ecfg.adamw.weight_decay)},
           {"--warmup", double(s.warmup)},
-          {"the schedule (0 const, 1 cosine, 2 the --config's)", s.ds_schedule ? 2.0 : s.schedule == "cosine" ? 1.0 : 0.0},
+          {"the schedule (0 const, 1 cosine, 2 the --config's)", s.ds_schedule            ? 2.0
+                                                                 : s.schedule == "cosine" ? 1.0
+                                                                                          : 0.0},
           {"the compute dtype (0 fp32, 1 bf16)", s.ecfg.compute_dtype == DType::kBF16 ? 1.0 : 0.0},
           {"zero_optimization.stage", double(s.ecfg.stage)},
           {"gradient_clipping", double(s.ecfg.gradient_clipping)},
@@ -147,9 +156,10 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"--checkpoint-activations", s.o.checkpoint_activations ? 1.0 : 0.0},
           {"--save-every", double(s.o.save_every)},
           {"--eval-every", double(s.o.eval_every)},
-          // Each rank found its checkpoint on its own (node-local folders, a file one rank could not
-          // verify): different steps would mix states and desynchronise the step loop.
-          {"the step of the checkpoint --resume found (0: none; give every rank the same --resume DIR/step-<N>)",
+          // Each rank found its checkpoint on its own (node-local folders, a file one rank could
+          // not verify): different steps would mix states and desynchronise the step loop.
+          {"the step of the checkpoint --resume found (0: none; give every rank the same --resume "
+           "DIR/step-<N>)",
            double(s.resume.step)}};
 }
 
@@ -160,11 +170,13 @@ void check_flags(Settings& s) {
   const TrainOptions& o = s.o;
   s.demo_model = o.model_dir.empty() && o.model_config.empty();
   s.demo_data = o.data_files.empty() && o.text_file.empty();
-  STRATA_REQUIRE(o.model_dir.empty() || o.model_config.empty(), "give --model or --model-config, not both");
+  STRATA_REQUIRE(o.model_dir.empty() || o.model_config.empty(),
+                 "give --model or --model-config, not both");
   STRATA_REQUIRE(o.data_files.empty() || o.text_file.empty(), "give --data or --text, not both");
   STRATA_REQUIRE(s.demo_model == s.demo_data || !s.demo_model,
                  "--data/--text without a model: give --model DIR or --model-config FILE too");
-  STRATA_REQUIRE(o.dtype.empty() || o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
+  STRATA_REQUIRE(o.dtype.empty() || o.dtype == "fp32" || o.dtype == "bf16",
+                 "--dtype '{}': use fp32 or bf16", o.dtype);
   STRATA_REQUIRE(o.lr_schedule.empty() || o.lr_schedule == "const" || o.lr_schedule == "cosine",
                  "--lr-schedule '{}': use const or cosine", o.lr_schedule);
 }
@@ -176,11 +188,15 @@ void read_model_config(Settings& s) {
   ModelConfig& mcfg = s.mcfg;
   if (!o.model_dir.empty()) {
     std::error_code ec;
-    STRATA_REQUIRE(fs::is_directory(o.model_dir, ec), "--model {}: {}", o.model_dir,
-                   fs::exists(o.model_dir, ec)
-                       ? fmt::format("a file, not a folder: give the folder that holds config.json and the "
-                                     "*.safetensors ({})", fs::path(o.model_dir).has_parent_path() ? fs::path(o.model_dir).parent_path().string() : std::string("."))
-                       : std::string("no such directory"));
+    STRATA_REQUIRE(
+        fs::is_directory(o.model_dir, ec), "--model {}: {}", o.model_dir,
+        fs::exists(o.model_dir, ec)
+            ? fmt::format("a file, not a folder: give the folder that holds config.json and the "
+                          "*.safetensors ({})",
+                          fs::path(o.model_dir).has_parent_path()
+                              ? fs::path(o.model_dir).parent_path().string()
+                              : std::string("."))
+            : std::string("no such directory"));
     require_file(o.model_dir + "/config.json", "--model (config.json)");
     mcfg = load_model_config(o.model_dir + "/config.json");
   } else if (!o.model_config.empty()) {
@@ -191,7 +207,8 @@ void read_model_config(Settings& s) {
   }
 }
 
-// The files the run reads exist, and the folders it writes to can be made, before anything is built.
+// The files the run reads exist, and the folders it writes to can be made, before anything is
+// built.
 void check_files(Settings& s) {
   const TrainOptions& o = s.o;
   for (const auto& f : o.data_files) require_file(f, "--data");
@@ -205,15 +222,18 @@ void check_files(Settings& s) {
                    "--out {} is a file, not a folder: give a folder for the model", o.out_dir);
     const fs::path up = nearest_existing(o.out_dir);
     STRATA_REQUIRE(fs::is_directory(up, ec) && ::access(up.c_str(), W_OK) == 0,
-                   "--out {}: {} is not a writable folder, so the model could not be written there", o.out_dir,
-                   up.string());
+                   "--out {}: {} is not a writable folder, so the model could not be written there",
+                   o.out_dir, up.string());
     if (!o.overwrite)
-      STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it", o.out_dir);
+      STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it",
+                     o.out_dir);
     require_creatable_folder("--out", o.out_dir);
   }
-  STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0");
-  STRATA_REQUIRE(o.save_every == 0 || !o.checkpoint_dir.empty() || !o.out_dir.empty() || !o.resume.empty(),
-                 "--save-every needs a folder for the checkpoints: give --checkpoint-dir DIR or --out DIR");
+  STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0,
+                 "--save-every and --keep-checkpoints must be >= 0");
+  STRATA_REQUIRE(
+      o.save_every == 0 || !o.checkpoint_dir.empty() || !o.out_dir.empty() || !o.resume.empty(),
+      "--save-every needs a folder for the checkpoints: give --checkpoint-dir DIR or --out DIR");
 }
 
 // Resume: the newest complete checkpoint, found (and verified) before anything is built; the
@@ -225,7 +245,8 @@ void find_checkpoints(Settings& s) {
   std::vector<std::int64_t>& inherited_checkpoints = s.inherited_checkpoints;
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
   ckpt_root = o.checkpoint_dir;
-  if (ckpt_root.empty() && !o.out_dir.empty()) ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
+  if (ckpt_root.empty() && !o.out_dir.empty())
+    ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
   if (ckpt_root.empty() && !resume.root.empty()) {
     // --resume named a folder of checkpoints (or a run's): the next resume of it looks there,
     // whatever its step-<N> entries link to.
@@ -242,9 +263,10 @@ void find_checkpoints(Settings& s) {
   // Files written during the run: their folders are checked now, not at the step that writes
   // them (a run that cannot save its checkpoint was lost at that step).
   if (o.save_every > 0) {
-    require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root,
-                            nearest_existing(ckpt_root));
-    require_creatable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir", ckpt_root);
+    require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir",
+                            ckpt_root, nearest_existing(ckpt_root));
+    require_creatable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir",
+                             ckpt_root);
     // This run's step-<N> would replace another run's in that folder (even another model's), and
     // a later --resume of it would take whichever is newest. Only the run the folder's checkpoints
     // come from continues there: one resumed from a checkpoint in it.
@@ -254,19 +276,24 @@ void find_checkpoints(Settings& s) {
     if (!resume.dir.empty()) {
       const fs::path resumed = fs::canonical(resume.dir, ec);  // links, "P/step-4/", ".."
       continues = !ec && fs::equivalent(resumed.parent_path(), ckpt_root, ec);
-      if (!continues && !resume.root.empty()) continues = fs::equivalent(resume.root, ckpt_root, ec);
+      if (!continues && !resume.root.empty())
+        continues = fs::equivalent(resume.root, ckpt_root, ec);
     }
-    STRATA_REQUIRE(there.empty() || continues,
-                   "{} {} already holds checkpoints of another run (newest: {}), which this run's would replace: "
-                   "continue that run with --resume {}, give another --checkpoint-dir, or remove them",
-                   o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir", ckpt_root,
-                   fs::path(there.front()).filename().string(), ckpt_root);
+    STRATA_REQUIRE(
+        there.empty() || continues,
+        "{} {} already holds checkpoints of another run (newest: {}), which this run's would "
+        "replace: "
+        "continue that run with --resume {}, give another --checkpoint-dir, or remove them",
+        o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir", ckpt_root,
+        fs::path(there.front()).filename().string(), ckpt_root);
     // A resumed run continues the run: its complete checkpoints up to the resumed step count
     // towards --keep-checkpoints with this run's own (oldest first).
     if (continues)
       for (auto it = there.rbegin(); it != there.rend(); ++it) {
         const std::string name = fs::path(*it).filename().string();
-        if (name.find(".old-") != std::string::npos || !fs::exists(fs::path(*it) / "manifest.json", ec)) continue;
+        if (name.find(".old-") != std::string::npos ||
+            !fs::exists(fs::path(*it) / "manifest.json", ec))
+          continue;
         const std::int64_t st = std::stoll(name.substr(5));  // checkpoint_folders: "step-<N>"
         if (st <= resume.step) inherited_checkpoints.push_back(st);
       }
@@ -287,12 +314,15 @@ void check_resume_step(Settings& s) {
     // (no step left to run, the model is written from the checkpoint).
     const bool only_out = total == resume.step && !o.out_dir.empty();
     STRATA_REQUIRE(total > resume.step || only_out,
-                   "--resume {}: the checkpoint is at step {}, and --steps {}{} is not beyond it: --steps counts from "
+                   "--resume {}: the checkpoint is at step {}, and --steps {}{} is not beyond it: "
+                   "--steps counts from "
                    "the run's start, so give more than {} to train on{}",
                    resume.dir, resume.step, total, o.steps > 0 ? "" : " (the default)", resume.step,
-                   total == resume.step ? fmt::format(", or write its model with strata-export {} OUT_DIR (or --out "
-                                                      "DIR here)", resume.dir)
-                                        : std::string());
+                   total == resume.step
+                       ? fmt::format(", or write its model with strata-export {} OUT_DIR (or --out "
+                                     "DIR here)",
+                                     resume.dir)
+                       : std::string());
   }
 }
 
@@ -308,13 +338,15 @@ void device_options(Settings& s) {
     hopt.capacity_bytes = std::size_t(o.device_mem_gb * double(1ull << 30));
     copt.capacity_bytes = hopt.capacity_bytes;
   }
-  STRATA_REQUIRE(o.emu_h2d_gbps >= 0 && o.emu_d2h_gbps >= 0 && o.emu_compute_gflops >= 0,
-                 "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops must be >= 0 (0: unthrottled)");
+  STRATA_REQUIRE(
+      o.emu_h2d_gbps >= 0 && o.emu_d2h_gbps >= 0 && o.emu_compute_gflops >= 0,
+      "--emu-h2d-gbps, --emu-d2h-gbps and --emu-compute-gflops must be >= 0 (0: unthrottled)");
   hopt.h2d_gbps = o.emu_h2d_gbps;
   hopt.d2h_gbps = o.emu_d2h_gbps;
   hopt.compute_gflops = o.emu_compute_gflops;
   s.units = model_units(s.mcfg);
-  for (const auto& u : s.units) max_unit = std::max<std::uint64_t>(max_unit, u.numel), total_numel += u.numel;
+  for (const auto& u : s.units)
+    max_unit = std::max<std::uint64_t>(max_unit, u.numel), total_numel += u.numel;
   if (s.demo_model && o.device_mem_gb <= 0) {
     // Below the model's fp32 weights (5.94M parameters, 22.7 MiB): one layer gathered at a
     // time plus one in flight, one layer's gradient, the checkpoints and one layer's
@@ -354,8 +386,10 @@ void build_engine_config(Settings& s) {
     ecfg = default_engine_config();
   }
   const std::int64_t config_train_batch = ecfg.train_batch_size;
-  if (o.micro_batch > 0) ecfg.micro_batch_per_gpu = o.micro_batch;
-  else if (s.demo_model && o.ds_config.empty()) ecfg.micro_batch_per_gpu = 2;
+  if (o.micro_batch > 0)
+    ecfg.micro_batch_per_gpu = o.micro_batch;
+  else if (s.demo_model && o.ds_config.empty())
+    ecfg.micro_batch_per_gpu = 2;
   if (o.grad_accum > 0) ecfg.gradient_accumulation_steps = o.grad_accum;
   if (config_batch && (o.micro_batch > 0) != (o.grad_accum > 0)) {
     // One of the two flags: the --config's global batch stays, the other factor follows (as
@@ -364,21 +398,31 @@ void build_engine_config(Settings& s) {
     const std::int64_t given = by_micro ? o.micro_batch : o.grad_accum;
     const std::int64_t per = given * launch.world_size;
     STRATA_REQUIRE(config_train_batch % per == 0,
-                   "{} {} x {} rank(s) does not divide train_batch_size {} of --config {}: give {} too, or a value "
+                   "{} {} x {} rank(s) does not divide train_batch_size {} of --config {}: give {} "
+                   "too, or a value "
                    "that divides it",
-                   by_micro ? "--micro-batch" : "--grad-accum", given, launch.world_size, config_train_batch,
-                   o.ds_config, by_micro ? "--grad-accum" : "--micro-batch");
-    (by_micro ? ecfg.gradient_accumulation_steps : ecfg.micro_batch_per_gpu) = config_train_batch / per;
+                   by_micro ? "--micro-batch" : "--grad-accum", given, launch.world_size,
+                   config_train_batch, o.ds_config, by_micro ? "--grad-accum" : "--micro-batch");
+    (by_micro ? ecfg.gradient_accumulation_steps : ecfg.micro_batch_per_gpu) =
+        config_train_batch / per;
   }
-  ecfg.train_batch_size = ecfg.micro_batch_per_gpu * ecfg.gradient_accumulation_steps * launch.world_size;
+  ecfg.train_batch_size =
+      ecfg.micro_batch_per_gpu * ecfg.gradient_accumulation_steps * launch.world_size;
   if (config_batch && ecfg.train_batch_size != config_train_batch)
-    log::warn("--micro-batch {} x --grad-accum {} x {} rank(s) = {} sequences a step replaces train_batch_size {} of "
-              "--config {}", ecfg.micro_batch_per_gpu, ecfg.gradient_accumulation_steps, launch.world_size,
-              ecfg.train_batch_size, config_train_batch, o.ds_config);
-  if (o.lr >= 0) ecfg.adamw.lr = o.lr;
-  else if (s.demo_model && o.ds_config.empty()) ecfg.adamw.lr = 3e-3;
-  if (o.weight_decay >= 0) ecfg.adamw.weight_decay = o.weight_decay;
-  else if (o.ds_config.empty()) ecfg.adamw.weight_decay = 0;
+    log::warn(
+        "--micro-batch {} x --grad-accum {} x {} rank(s) = {} sequences a step replaces "
+        "train_batch_size {} of "
+        "--config {}",
+        ecfg.micro_batch_per_gpu, ecfg.gradient_accumulation_steps, launch.world_size,
+        ecfg.train_batch_size, config_train_batch, o.ds_config);
+  if (o.lr >= 0)
+    ecfg.adamw.lr = o.lr;
+  else if (s.demo_model && o.ds_config.empty())
+    ecfg.adamw.lr = 3e-3;
+  if (o.weight_decay >= 0)
+    ecfg.adamw.weight_decay = o.weight_decay;
+  else if (o.ds_config.empty())
+    ecfg.adamw.weight_decay = 0;
   if (!o.dtype.empty()) {
     // The flag replaces the --config's precision, fp16's loss scaling with it (kept, it divided
     // every gradient by a scale the fp32/bf16 loss was never multiplied by: 65536x too small).
@@ -388,9 +432,11 @@ void build_engine_config(Settings& s) {
     ecfg.compute_dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   }
   STRATA_REQUIRE(ecfg.compute_dtype == DType::kF32 || ecfg.compute_dtype == DType::kBF16,
-                 "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not supported yet: use "
+                 "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not "
+                 "supported yet: use "
                  "\"bf16\": {{\"enabled\": true}} in --config or --dtype bf16");
-  if (ecfg.host_budget_bytes == 0) ecfg.host_budget_bytes = default_host_budget(s.launch.local_size);
+  if (ecfg.host_budget_bytes == 0)
+    ecfg.host_budget_bytes = default_host_budget(s.launch.local_size);
 }
 
 // The schedule: --warmup / --lr-schedule when given, else the --config's scheduler block
@@ -406,16 +452,19 @@ void lr_schedule(Settings& s) {
   ds_schedule = !cli_schedule && !ecfg.scheduler.type.empty();
   schedule = ds_schedule ? ecfg.scheduler.type : o.lr_schedule.empty() ? "const" : o.lr_schedule;
   if (!ecfg.scheduler.type.empty() && cli_schedule)
-    log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule", ecfg.scheduler.type);
+    log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule",
+              ecfg.scheduler.type);
   steps = o.steps > 0 ? o.steps : 60;
   if (ds_schedule && ecfg.scheduler.type != "WarmupLR" && ecfg.scheduler.total_num_steps == 0) {
     // "auto", as Hugging Face fills it: the run's steps.
-    STRATA_REQUIRE(steps >= ecfg.scheduler.warmup_num_steps,
-                   "--config: scheduler.params.total_num_steps \"auto\" is this run's --steps {}, below its "
-                   "warmup_num_steps {}: give more --steps or fewer warmup steps", steps,
-                   ecfg.scheduler.warmup_num_steps);
+    STRATA_REQUIRE(
+        steps >= ecfg.scheduler.warmup_num_steps,
+        "--config: scheduler.params.total_num_steps \"auto\" is this run's --steps {}, below its "
+        "warmup_num_steps {}: give more --steps or fewer warmup steps",
+        steps, ecfg.scheduler.warmup_num_steps);
     ecfg.scheduler.total_num_steps = steps;
-    log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's --steps, {}", steps);
+    log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's --steps, {}",
+              steps);
   }
 }
 
@@ -424,19 +473,25 @@ void sequence_and_batch(Settings& s) {
   const TrainOptions& o = s.o;
   const ModelConfig& mcfg = s.mcfg;
   // Default: the demo's 128, else 1024 or the model's positions when it has fewer.
-  const std::int64_t seq_len = s.seq_len = o.seq_len > 0            ? o.seq_len
-                                           : s.demo_model            ? 128
-                                           : mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions)
-                                                                    : 1024;
+  const std::int64_t seq_len = s.seq_len = o.seq_len > 0  ? o.seq_len
+                                           : s.demo_model ? 128
+                                           : mcfg.max_positions > 0
+                                               ? std::min<std::int64_t>(1024, mcfg.max_positions)
+                                               : 1024;
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
   // RoPE takes any length, but the model was trained (and its config sized) for this many.
   if (mcfg.arch != ModelArch::kGpt2 && mcfg.max_positions > 0 && seq_len > mcfg.max_positions)
-    log::warn("--seq-len {} is beyond the model's max_position_embeddings ({}): positions past it are ones the "
-              "model has not seen", seq_len, mcfg.max_positions);
+    log::warn(
+        "--seq-len {} is beyond the model's max_position_embeddings ({}): positions past it are "
+        "ones the "
+        "model has not seen",
+        seq_len, mcfg.max_positions);
   STRATA_REQUIRE(o.trace_file.empty() || o.trace_step <= s.steps,
-                 "--trace-step {} is after the last step (--steps {}): nothing would be traced; pick a step from 1 "
-                 "to {}", o.trace_step, s.steps, s.steps);
+                 "--trace-step {} is after the last step (--steps {}): nothing would be traced; "
+                 "pick a step from 1 "
+                 "to {}",
+                 o.trace_step, s.steps, s.steps);
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
   s.rank = s.launch.rank;
@@ -458,8 +513,11 @@ void prepare_data(Run& r) {
     text_file = (fs::path(dir) / "demo-text.txt").string();
     if (s.rank == 0) write_demo_text(text_file);
     if (s.rank == 0 && !s.demo_model)
-      log::warn("no --data or --text: training {} on the demo's generated text (a smoke test, not a fine-tune); "
-                "give --data FILE or --text FILE for your own", o.model_dir.empty() ? "the model" : o.model_dir);
+      log::warn(
+          "no --data or --text: training {} on the demo's generated text (a smoke test, not a "
+          "fine-tune); "
+          "give --data FILE or --text FILE for your own",
+          o.model_dir.empty() ? "the model" : o.model_dir);
   }
   dopt.files = text_file.empty() ? o.data_files : std::vector<std::string>{text_file};
   dopt.format = text_file.empty() ? parse_token_format(o.data_format) : TokenFormat::kBytes;
@@ -468,7 +526,8 @@ void prepare_data(Run& r) {
   dopt.vocab_size = s.mcfg.vocab_size;
   dopt.shuffle = o.shuffle;
   dopt.seed = o.seed;
-  dopt.val_fraction = o.eval_every > 0 ? 0.1 : 0.0;  // (it shapes the train split: recorded, compared on resume)
+  dopt.val_fraction =
+      o.eval_every > 0 ? 0.1 : 0.0;  // (it shapes the train split: recorded, compared on resume)
 }
 
 // The device and the communicator; the ranks agree on their settings (the first collective);
@@ -480,10 +539,12 @@ void open_device(Run& r) {
   std::unique_ptr<Device>& dev = r.dev;
   std::unique_ptr<Communicator>& comm = r.comm;
   dev = make_device(o.device, s.hopt, s.copt);
-  // Under the demo's 20 MiB cap (set on the emulated device's options above; a GPU runs it uncapped).
+  // Under the demo's 20 MiB cap (set on the emulated device's options above; a GPU runs it
+  // uncapped).
   r.demo_capped = s.demo_model && o.device_mem_gb <= 0 && dev->kind() == DeviceKind::kCpu;
   comm = make_communicator(*dev);
-  STRATA_CHECK(comm->rank() == rank && comm->world_size() == world, "the communicator disagrees with the launcher");
+  STRATA_CHECK(comm->rank() == rank && comm->world_size() == world,
+               "the communicator disagrees with the launcher");
   require_same_settings(shared_settings(s), *comm, *dev);
   if (s.demo_data && world > 1) {  // rank 0 wrote the text
     auto bs = dev->create_stream("barrier");
@@ -512,24 +573,30 @@ void build_model_and_engine(Run& r) {
   r.engine = std::make_unique<Engine>(dev, *r.comm, s.ecfg);
   Engine& engine = *r.engine;
   // Each rank's slices computed (from scratch) or read (a Hugging Face folder) where they go.
-  add_model_units(engine, r.model->units(),
-                  o.model_dir.empty() ? fresh_model_source(mcfg, o.seed) : hf_model_source(mcfg, o.model_dir));
+  add_model_units(
+      engine, r.model->units(),
+      o.model_dir.empty() ? fresh_model_source(mcfg, o.seed) : hf_model_source(mcfg, o.model_dir));
   try {
     engine.finalize();
   } catch (const Error& e) {
     // Two demos at once: the demo's folder is the flag's, not a config key of the user's.
-    if (!s.demo_dir.empty() && e.user_message().find("in use by another running strata process") != std::string::npos)
-      STRATA_THROW(kInvalidArgument, "the demo's NVMe folder {} is in use by another running demo; give this one "
-                   "its own with --demo-nvme DIR", s.demo_dir);
+    if (!s.demo_dir.empty() &&
+        e.user_message().find("in use by another running strata process") != std::string::npos)
+      STRATA_THROW(kInvalidArgument,
+                   "the demo's NVMe folder {} is in use by another running demo; give this one "
+                   "its own with --demo-nvme DIR",
+                   s.demo_dir);
     // The demo runs on a device capped below its weights, which its own config offloads
     // around; a config of the user's may not: say where the cap comes from.
     // A cap of the user's own is one of the things to change.
     if (e.kind() == ErrorKind::kOutOfMemory && o.device_mem_gb > 0)
-      STRATA_THROW(kOutOfMemory, "{}\n(--device-mem-gb {:g} caps the device: a larger one is another way)",
+      STRATA_THROW(kOutOfMemory,
+                   "{}\n(--device-mem-gb {:g} caps the device: a larger one is another way)",
                    e.message(), o.device_mem_gb);
     if (e.kind() != ErrorKind::kOutOfMemory || !r.demo_capped || o.ds_config.empty()) throw;
     STRATA_THROW(kOutOfMemory,
-                 "the demo model runs on an emulated device capped at 20 MiB (below its weights), and --config {} "
+                 "the demo model runs on an emulated device capped at 20 MiB (below its weights), "
+                 "and --config {} "
                  "does not fit it: offload as the message below says, or give a larger device with "
                  "--device-mem-gb\n{}",
                  o.ds_config, e.user_message());
@@ -538,14 +605,16 @@ void build_model_and_engine(Run& r) {
 }
 
 // ---- resume ----
-// The checkpoint's state loaded, after what differs from its run is said; the data position replayed.
+// The checkpoint's state loaded, after what differs from its run is said; the data position
+// replayed.
 void resume_from_checkpoint(Run& r) {
   const Settings& s = r.s;
   const TrainOptions& o = s.o;
   const ModelConfig& mcfg = s.mcfg;
   const EngineConfig& ecfg = s.ecfg;
   const FoundCheckpoint& resume = s.resume;
-  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps, warmup = s.warmup;
+  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps,
+                     warmup = s.warmup;
   const int world = s.world;
   const std::string& schedule = s.schedule;
   const bool ds_schedule = s.ds_schedule;
@@ -554,31 +623,41 @@ void resume_from_checkpoint(Run& r) {
   Engine& engine = *r.engine;
   TokenLoader& loader = *r.loader;
   std::unique_ptr<TokenLoader>& val = r.val;
-  std::int64_t &train_batches = r.train_batches, &val_batches = r.val_batches, &start_step = r.start_step;
+  std::int64_t &train_batches = r.train_batches, &val_batches = r.val_batches,
+               &start_step = r.start_step;
   const std::string& model_hash = r.model_hash = model_config_hash(mcfg);
-  const std::string& model_desc = r.model_desc = fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
-                                                           mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size);
+  const std::string& model_desc = r.model_desc =
+      fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
+                  mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size);
   // What else shapes the steps after a checkpoint: recorded, compared on resume.
-  const nlohmann::json& optimizer_state = r.optimizer_state = {
-      {"weight_decay", double(ecfg.adamw.weight_decay)}, {"beta1", double(ecfg.adamw.beta1)},
-      {"beta2", double(ecfg.adamw.beta2)},               {"eps", double(ecfg.adamw.eps)},
-      {"bias_correction", ecfg.adamw.bias_correction},   {"gradient_clipping", ecfg.gradient_clipping},
-      {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
+  const nlohmann::json& optimizer_state =
+      r.optimizer_state = {{"weight_decay", double(ecfg.adamw.weight_decay)},
+                           {"beta1", double(ecfg.adamw.beta1)},
+                           {"beta2", double(ecfg.adamw.beta2)},
+                           {"eps", double(ecfg.adamw.eps)},
+                           {"bias_correction", ecfg.adamw.bias_correction},
+                           {"gradient_clipping", ecfg.gradient_clipping},
+                           {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
     const int ck_world = m.value("world_size", -1);
-    STRATA_REQUIRE(ck_world == world, "--resume {}: the checkpoint has {} rank{}, this run has {}; resharding is not "
-                   "supported yet", resume.dir, ck_world, ck_world == 1 ? "" : "s", world);
+    STRATA_REQUIRE(ck_world == world,
+                   "--resume {}: the checkpoint has {} rank{}, this run has {}; resharding is not "
+                   "supported yet",
+                   resume.dir, ck_world, ck_world == 1 ? "" : "s", world);
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
     const std::string ck_hash = t.value("model_config_hash", "");
-    STRATA_REQUIRE(ck_hash == model_hash, "--resume {}: the checkpoint was taken with a different model ({}, config "
-                   "hash {}; this run's: {}, hash {}); resume with the same --model/--model-config", resume.dir,
-                   t.value("model", "?"), ck_hash, model_desc, model_hash);
+    STRATA_REQUIRE(ck_hash == model_hash,
+                   "--resume {}: the checkpoint was taken with a different model ({}, config "
+                   "hash {}; this run's: {}, hash {}); resume with the same --model/--model-config",
+                   resume.dir, t.value("model", "?"), ck_hash, model_desc, model_hash);
     const nlohmann::json d = t.value("data", nlohmann::json::object());
     auto differs = [&](const char* key, const nlohmann::json& now) {
       if (d.contains(key) && d[key] != now)
-        log::warn("--resume: {} was {} in the checkpoint's run, {} now: the data will not continue where it stopped",
-                  key, d[key].dump(), now.dump());
+        log::warn(
+            "--resume: {} was {} in the checkpoint's run, {} now: the data will not continue where "
+            "it stopped",
+            key, d[key].dump(), now.dump());
     };
     differs("micro_batch", B);
     differs("seq_len", seq_len);
@@ -598,27 +677,38 @@ void resume_from_checkpoint(Run& r) {
         return out;
       };
       if (d.contains("files") && canon(d["files"]) != canon(nlohmann::json(dopt.files)))
-        log::warn("--resume: files was {} in the checkpoint's run, {} now: the data will not continue where it "
-                  "stopped", d["files"].dump(), nlohmann::json(dopt.files).dump());
+        log::warn(
+            "--resume: files was {} in the checkpoint's run, {} now: the data will not continue "
+            "where it "
+            "stopped",
+            d["files"].dump(), nlohmann::json(dopt.files).dump());
     }
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
     // The total only shapes a cosine decay: extending a constant-lr run is no change of schedule.
     const bool by_total = !ds_schedule && schedule == "cosine";
-    if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) || ls.value("warmup", warmup) != warmup ||
-        ls.value("schedule", schedule) != schedule || (by_total && ls.value("total_steps", steps) != steps) ||
+    if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) ||
+        ls.value("warmup", warmup) != warmup || ls.value("schedule", schedule) != schedule ||
+        (by_total && ls.value("total_steps", steps) != steps) ||
         ls.value("next_lr", s.lr_of(resume.step + 1)) != s.lr_of(resume.step + 1))
-      log::warn("--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing with this "
-                "run's", ls.dump());
+      log::warn(
+          "--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing "
+          "with this "
+          "run's",
+          ls.dump());
     const nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
     for (const auto& [key, now] : optimizer_state.items())
       if (ck_opt.contains(key) && ck_opt[key] != now)
-        log::warn("--resume: {} was {} in the checkpoint's run, {} now: the steps after the checkpoint will not be "
-                  "those of the run that wrote it (give the same --config / flags to continue it exactly)",
-                  key, ck_opt[key].dump(), now.dump());
+        log::warn(
+            "--resume: {} was {} in the checkpoint's run, {} now: the steps after the checkpoint "
+            "will not be "
+            "those of the run that wrote it (give the same --config / flags to continue it "
+            "exactly)",
+            key, ck_opt[key].dump(), now.dump());
     engine.load_state(resume.dir);
     // The data position: replay the loaders' batches (their order is a function of the seed).
-    const std::int64_t tb = d.value("train_batches", std::int64_t(0)), vb = d.value("val_batches", std::int64_t(0));
+    const std::int64_t tb = d.value("train_batches", std::int64_t(0)),
+                       vb = d.value("val_batches", std::int64_t(0));
     for (; train_batches < tb; ++train_batches) loader.next();
     if (val)
       for (; val_batches < vb; ++val_batches) val->next();
@@ -632,7 +722,8 @@ void resume_from_checkpoint(Run& r) {
 }
 
 double Settings::lr_of(std::int64_t t) const {
-  return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t) : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
+  return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t)
+                     : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
 }
 
 }  // namespace strata::train_job

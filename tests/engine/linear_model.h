@@ -33,16 +33,19 @@ struct LinearModel {
 
   void register_units(Engine& e) const {
     for (int l = 0; l < layers(); ++l)
-      e.add_unit({"layer" + std::to_string(l), {{"weight", init[std::size_t(l)].size(), init[std::size_t(l)].data()}}});
+      e.add_unit({"layer" + std::to_string(l),
+                  {{"weight", init[std::size_t(l)].size(), init[std::size_t(l)].data()}}});
   }
 
   // Deterministic data for global micro-batch `mb`: rows [row0, row0 + rows) of it.
   static std::vector<float> data(int width, int rows, int row0, int mb, std::uint64_t salt) {
     std::vector<float> v(std::size_t(rows) * std::size_t(width));
     for (int r = 0; r < rows; ++r) {
-      std::mt19937_64 rng(salt * 1000003ull + std::uint64_t(mb) * 7919ull + std::uint64_t(row0 + r));
+      std::mt19937_64 rng(salt * 1000003ull + std::uint64_t(mb) * 7919ull +
+                          std::uint64_t(row0 + r));
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (int c = 0; c < width; ++c) v[std::size_t(r) * std::size_t(width) + std::size_t(c)] = u(rng);
+      for (int c = 0; c < width; ++c)
+        v[std::size_t(r) * std::size_t(width) + std::size_t(c)] = u(rng);
     }
     return v;
   }
@@ -73,8 +76,10 @@ struct LinearModel {
     std::vector<Buffer> h(std::size_t(L) + 1);
     auto to_ct = [&](const Buffer& f32, std::size_t n) {
       Buffer out = dev.alloc(n * cs, &s);
-      if (ct == DType::kF32) s.copy(out.ref(), f32.ref(0, n * 4));
-      else s.cast(tensor(f32, DType::kF32, n), tensor(out, ct, n));
+      if (ct == DType::kF32)
+        s.copy(out.ref(), f32.ref(0, n * 4));
+      else
+        s.cast(tensor(f32, DType::kF32, n), tensor(out, ct, n));
       return out;
     };
     {
@@ -84,14 +89,17 @@ struct LinearModel {
     }
     Buffer y;
     for (int l = 0; l < L; ++l) {
-      const std::size_t in = std::size_t(dims[std::size_t(l)]), out = std::size_t(dims[std::size_t(l) + 1]);
+      const std::size_t in = std::size_t(dims[std::size_t(l)]),
+                        out = std::size_t(dims[std::size_t(l) + 1]);
       TensorRef w = e.fetch(l, s);
       Buffer o = dev.alloc(B * out * 4, &s);
       s.matmul({std::int64_t(B), std::int64_t(out), std::int64_t(in), false, true, 1.0f, 0.0f,
                 tensor(h[std::size_t(l)], ct, B * in), w, tensor(o, DType::kF32, B * out)});
       e.release(l, s);
-      if (l + 1 < L) h[std::size_t(l) + 1] = to_ct(o, B * out);
-      else y = std::move(o);
+      if (l + 1 < L)
+        h[std::size_t(l) + 1] = to_ct(o, B * out);
+      else
+        y = std::move(o);
     }
     // diff = y - t; loss = 0.5 * |diff|^2 / B
     const std::size_t out = std::size_t(dims.back());
@@ -107,7 +115,8 @@ struct LinearModel {
     s.scale(e.loss_scale() / float(B), tensor(diff, DType::kF32));
     Buffer dy = std::move(diff);
     for (int l = L - 1; l >= 0; --l) {
-      const std::size_t in = std::size_t(dims[std::size_t(l)]), outl = std::size_t(dims[std::size_t(l) + 1]);
+      const std::size_t in = std::size_t(dims[std::size_t(l)]),
+                        outl = std::size_t(dims[std::size_t(l) + 1]);
       Buffer dy_c = to_ct(dy, B * outl);
       TensorRef w = e.fetch(l, s);
       TensorRef g = e.grad_buffer(l, s, grad_init);
