@@ -19,20 +19,6 @@
 namespace strata::gpu::backend {
 namespace {
 
-cudaDataType_t lt_type(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return CUDA_R_32F;
-    case DType::kBF16:
-      return CUDA_R_16BF;
-    case DType::kF16:
-      return CUDA_R_16F;
-    case DType::kF64:
-      break;
-  }
-  STRATA_THROW(kUnsupported, "no cuBLASLt type for {}", dtype_name(t));
-}
-
 // Destroys the cuBLASLt and CUDA objects of one timing, whatever happens.
 struct LtObjects {
   cublasLtHandle_t lt = nullptr;
@@ -69,7 +55,8 @@ GemmBest best_cublaslt_gemm(Stream& stream, const MatmulDesc& d, int max_candida
   LtObjects o;
   const cublasOperation_t op_b = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A
   const cublasOperation_t op_a = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B
-  const cudaDataType_t ab = lt_type(d.a.dtype), ct = lt_type(d.c.dtype);
+  const cudaDataType_t ab = gpu::detail::cuda_data_type(d.a.dtype),
+                       ct = gpu::detail::cuda_data_type(d.c.dtype);
   STRATA_CUBLAS_CHECK(cublasLtCreate(&o.lt));
   STRATA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   STRATA_CUBLAS_CHECK(

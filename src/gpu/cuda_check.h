@@ -13,9 +13,25 @@
 
 #include <string>
 
+#include "strata/dtype.h"
 #include "strata/error.h"
 
 namespace strata::gpu::detail {
+
+// The cuBLAS / cuBLASLt data type of a strata dtype (fp64 has none here: kUnsupported).
+inline cudaDataType_t cuda_data_type(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kF64:
+      break;
+  }
+  STRATA_THROW(kUnsupported, "no CUDA matmul type for {}", dtype_name(t));
+}
 
 [[noreturn]] inline void throw_cuda(cudaError_t err, const char* call, const char* file, int line,
                                     std::string message = "CUDA call failed") {

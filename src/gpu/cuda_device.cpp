@@ -285,20 +285,6 @@ CudaProbe run_probe() {
   return p;
 }
 
-cudaDataType_t cuda_type(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return CUDA_R_32F;
-    case DType::kBF16:
-      return CUDA_R_16BF;
-    case DType::kF16:
-      return CUDA_R_16F;
-    case DType::kF64:
-      break;
-  }
-  STRATA_THROW(kUnsupported, "no CUDA matmul type for {}", dtype_name(t));
-}
-
 class CudaDevice;
 
 // What a stream creates on first use and a later stream may inherit. Idle when pooled.
@@ -1169,8 +1155,8 @@ void CudaStream::gemm(const MatmulDesc& d, void* c, DType c_type) {
   const std::int64_t ldb = d.trans_b ? d.k : d.n;  // B stored [n,k] or [k,n]
   const std::int64_t lda = d.trans_a ? d.m : d.k;  // A stored [k,m] or [m,k]
   const std::int64_t ldc = d.n;
-  const cudaDataType_t ab = cuda_type(d.a.dtype);
-  const cudaDataType_t ct = cuda_type(c_type);
+  const cudaDataType_t ab = gpu::detail::cuda_data_type(d.a.dtype);
+  const cudaDataType_t ct = gpu::detail::cuda_data_type(c_type);
   cublasHandle_t h = blas();
   if (std::max({d.m, d.n, d.k}) <= INT_MAX) {
     STRATA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, int(d.n), int(d.m), int(d.k), &d.alpha,
