@@ -1565,6 +1565,10 @@ TEST(Engine, MisuseBeforeFinalizeOrOfAMissingUnitIsAClearError) {
   expect_error([&] { e.reduce_grad(2, *stream); }, "Engine::reduce_grad: no unit 2");
   expect_error([&] { e.master_shard(9); }, "Engine::master_shard: no unit 9");
   expect_error([&] { e.gather_master(9); }, "no unit 9");
+  expect_error([&] { e.unit_numel(5); }, "Engine::unit_numel: no unit 5 (the model registered 2)");
+  expect_error([&] { e.param_offset(2, 0); }, "Engine::param_offset: no unit 2");
+  expect_error([&] { e.param_offset(0, 1); },
+               "Engine::param_offset: unit 'layer0' has no parameter 1 (it registered 1)");
   EXPECT_EQ(e.master_shard(1).size(), e.unit_numel(1));  // the engine is still usable
 }
 

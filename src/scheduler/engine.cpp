@@ -135,9 +135,15 @@ int Engine::add_unit(const UnitDef& def) {
   return int(s.units.size() - 1);
 }
 
-std::size_t Engine::unit_numel(int unit) const { return impl_->units.at(std::size_t(unit)).numel; }
+std::size_t Engine::unit_numel(int unit) const {
+  return impl_->unit_at(unit, "Engine::unit_numel").numel;
+}
 std::size_t Engine::param_offset(int unit, int param) const {
-  return impl_->units.at(std::size_t(unit)).offsets.at(std::size_t(param));
+  const Unit& u = impl_->unit_at(unit, "Engine::param_offset");
+  STRATA_REQUIRE(param >= 0 && std::size_t(param) < u.offsets.size(),
+                 "Engine::param_offset: unit '{}' has no parameter {} (it registered {})", u.name,
+                 param, u.offsets.size());
+  return u.offsets[std::size_t(param)];
 }
 const MemoryPlan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
