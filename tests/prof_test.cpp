@@ -248,6 +248,18 @@ TEST(PerfModel, FastestValidatedIsByTokensASecond) {
   EXPECT_EQ(fastest_validated(c, {0, 0}), 2u);           // none ran
 }
 
+// strata-prof --validate's rank correlation: Spearman's, ties at their mean rank.
+TEST(PerfModel, SpearmanRanksAsTheTextbookDoes) {
+  EXPECT_DOUBLE_EQ(*spearman({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0);
+  EXPECT_DOUBLE_EQ(*spearman({1, 2, 3, 4}, {9, 7, 5, 1}), -1.0);
+  // ties (7, 7) at rank 3.5: numpy's corrcoef of the ranks
+  EXPECT_NEAR(*spearman({1, 2, 3, 4, 5}, {5, 6, 7, 8, 7}), 0.8207826816681234, 1e-12);
+  EXPECT_DOUBLE_EQ(*spearman({1, 2, 3}, {1, 3, 2}), 0.5);    // 1 - 6 * 2 / (3 * 8)
+  EXPECT_FALSE(spearman({1, 2}, {1, 2}).has_value());        // too few to rank
+  EXPECT_FALSE(spearman({1, 2, 3}, {4, 4, 4}).has_value());  // no order on one side
+  EXPECT_THROW(spearman({1, 2, 3}, {1, 2}), Error);
+}
+
 TEST(PerfModel, LanesOnSharedCoresShareThem) {
   // The early-step case above on a CPU-emulated device: its kernels and the CPU AdamW each
   // want one core. With two they run side by side as on separate hardware; with one, nothing

@@ -188,7 +188,21 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
     if (talk) std::printf("%d of %zu validation runs FAILED (see above)\n", failed, k);
   }
   const int validated_ok = int(k) - failed;
+  // Whether the model orders the candidates as their runs do: Spearman's rank correlation of the
+  // predicted and the measured tokens a second, over the runs that finished.
+  std::vector<double> predicted_ok, measured_ok;
+  for (std::size_t i = 0; i < k; ++i)
+    if (measured_tps[i] > 0) {
+      predicted_ok.push_back(ranked[i].prediction.tokens_per_s);
+      measured_ok.push_back(measured_tps[i]);
+    }
+  const std::optional<double> rho = spearman(predicted_ok, measured_ok);
   if (talk) {
+    if (rho)
+      std::printf(
+          "rank correlation of predicted and measured tokens/s (Spearman) %.2f over %zu runs "
+          "(target 0.8)\n",
+          *rho, predicted_ok.size());
     if (measured[0] <= 0 && validated_ok > 0)
       std::printf(
           "worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended "
@@ -213,6 +227,7 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
   j["validated"] = k;
   j["validation_failures"] = failed;
   j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
+  j["rank_correlation_spearman"] = rho ? nlohmann::json(*rho) : nlohmann::json(nullptr);
   j["recommended_vs_best_measured"] =
       measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,10 @@ SearchResult search_placements(const MachineProfile& machine, const SearchSpace&
 double measured_tokens_per_s(const Candidate& c, double measured_step_s);
 std::size_t fastest_validated(const std::vector<Candidate>& ranked,
                               const std::vector<double>& measured_step_s);
+// Spearman's rank correlation of x and y (ties ranked by their mean rank): 1 when y orders the
+// values as x does, -1 reversed. strata-prof --validate gives it for the predicted against the
+// measured tokens a second. Empty with fewer than 3 pairs, or when either side is all ties.
+std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y);
 
 // A ds_config.json text that parse_engine_config reads back as `config` (the placement,
 // prefetch, live-parameter and batch settings, precision, optimizer, aio).

@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "scheduler/schedule.h"
@@ -1029,6 +1030,39 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked,
     if (tps > best_tps) best_tps = tps, best = i;
   }
   return best;
+}
+
+namespace {
+// Each value's rank (0-based), ties given the mean of the ranks they span.
+std::vector<double> ranks_of(const std::vector<double>& v) {
+  std::vector<std::size_t> order(v.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return v[a] < v[b]; });
+  std::vector<double> r(v.size());
+  for (std::size_t i = 0; i < order.size();) {
+    std::size_t j = i;
+    while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) ++j;
+    for (std::size_t k = i; k <= j; ++k) r[order[k]] = 0.5 * double(i + j);
+    i = j + 1;
+  }
+  return r;
+}
+}  // namespace
+
+std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y) {
+  STRATA_REQUIRE(x.size() == y.size(), "spearman: {} values against {}", x.size(), y.size());
+  if (x.size() < 3) return std::nullopt;
+  const std::vector<double> rx = ranks_of(x), ry = ranks_of(y);
+  const double n = double(x.size()), mean = (n - 1) / 2;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (std::size_t i = 0; i < rx.size(); ++i) {
+    sxy += (rx[i] - mean) * (ry[i] - mean);
+    sxx += (rx[i] - mean) * (rx[i] - mean);
+    syy += (ry[i] - mean) * (ry[i] - mean);
+  }
+  if (sxx == 0 || syy == 0) return std::nullopt;  // every value tied: no order to compare
+  return sxy / std::sqrt(sxx * syy);
 }
 
 namespace {
