@@ -403,6 +403,29 @@ TEST(PerfModel, MissingRateIsAnError) {
   }
 }
 
+// A profile without ranks or units is refused with the reason, before anything is laid out (a
+// world size of 0 would divide by it).
+TEST(PerfModel, AnEmptyWorldOrModelIsAnError) {
+  MachineProfile m = fast_machine();
+  const ModelProfile mp = synthetic(2, kLayer, 0, 0);
+  const EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
+  m.world_size = 0;
+  try {
+    predict_step(m, mp, c);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("world_size 0 must be at least 1"), std::string::npos)
+        << e.what();
+  }
+  m.world_size = 1;
+  try {
+    predict_step(m, ModelProfile{}, c);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no units"), std::string::npos) << e.what();
+  }
+}
+
 TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
   MachineProfile m = fast_machine();
   m.h2d_bps = m.d2h_bps = 10e9;

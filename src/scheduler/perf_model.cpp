@@ -219,6 +219,9 @@ class Replay {
                    "perf model: gradient_accumulation_steps must be at least 1");
     need_rate(m.device_mem_bps, "device memory", "every step");
     need_rate(m.host_mem_bps, "host memory", "every step");
+    // ---- units, tiers: as Engine::finalize places them (scheduler/layout.h) ----
+    const std::vector<detail::UnitLayout> layout =
+        detail::layout_units(c, numels(mp), m.world_size);
     for (std::size_t i = 0; i < N; ++i) {
       SimUnit& x = u[i];
       x.numel = layout[i].numel;
@@ -322,8 +325,6 @@ class Replay {
   const std::uint64_t W = std::uint64_t(m.world_size);
   const double csz = double(dtype_size(c.compute_dtype));
   const bool copy_out = c.compute_dtype != DType::kF32;
-  // ---- units, tiers: as Engine::finalize places them (scheduler/layout.h) ----
-  const std::vector<detail::UnitLayout> layout = detail::layout_units(c, numels(mp), m.world_size);
   std::vector<SimUnit> u = std::vector<SimUnit>(N);
   // The host optimizer's sub-groups and the reducer's buckets, as the engine cuts a shard.
   const std::uint64_t sub_group = detail::sub_group_elems(c),
@@ -458,16 +459,13 @@ class Replay {
         break;
       case detail::FetchPath::kUpload:
         sim.wait(kFetchS, x.w_written);
-        ready =
-            sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
+        ready = copy(kFetchS, Resource::kH2D, h, bytes, m.h2d_bps, "h2d " + name(i));
         break;
       case detail::FetchPath::kNvmeUpload: {
         bound(param_staging, std::size_t(c.param_buffer_count));
-        const double rd = sim.lane(Resource::kNvme, h, secs(bytes, fetch_read_bps),
-                                   "read w " + name(i), -1, bytes);
+        const double rd = nvme_request(h, bytes, fetch_read_bps, "read w " + name(i));
         sim.wait(kFetchS, rd);
-        ready =
-            sim.op(kFetchS, Resource::kH2D, h, secs(bytes, m.h2d_bps), "h2d " + name(i), -1, bytes);
+        ready = copy(kFetchS, Resource::kH2D, h, bytes, m.h2d_bps, "h2d " + name(i));
         param_staging.push_back(ready);
         break;
       }
@@ -484,8 +482,8 @@ class Replay {
     h = std::max(h, worker_done(i));
     pending[i] = false;
     if (!x.resident && x.w != Tier::kDevice) return;
-    double t = sim.op(kFetchS, Resource::kH2D, h, secs(double(x.shard) * csz, m.h2d_bps),
-                      "h2d w " + name(i), -1, double(x.shard) * csz);
+    double t =
+        copy(kFetchS, Resource::kH2D, h, double(x.shard) * csz, m.h2d_bps, "h2d w " + name(i));
     if (x.resident && W > 1)
       t = sim.op(kFetchS, Resource::kComm, t, all_gather_s(x), "all-gather " + name(i));
     if (x.resident) x.ready = t;
@@ -543,8 +541,21 @@ class Replay {
     }
     drop(i);
   }
-  // A sub-group's read of optimizer state: its fixed time (waited for one ahead) and its bytes.
-  double opt_read_s(double bytes) { return m.nvme_request_s + secs(bytes, opt_read_bps); }
+  // A transfer of `bytes` at `rate` on stream `s`, holding lane `r` (a copy: H2D or D2H).
+  double copy(StreamId s, Resource r, double ready, double bytes, double rate,
+              const std::string& what) {
+    return sim.op(s, r, ready, secs(bytes, rate), what, -1, bytes);
+  }
+  // An NVMe request of `bytes` at `rate` (plus `fixed_s`, a read waited for alone), on no stream.
+  double nvme_request(double ready, double bytes, double rate, const std::string& what,
+                      double fixed_s = 0) {
+    return sim.lane(Resource::kNvme, ready, fixed_s + secs(bytes, rate), what, -1, bytes);
+  }
+  // A sub-group's read of optimizer state (or NVMe gradients) as the optimizer waits for it: its
+  // fixed time (waited for one ahead) and its bytes, at the drive's mixed rate.
+  double opt_read(double ready, double bytes, const std::string& what) {
+    return nvme_request(ready, bytes, opt_read_bps, what, m.nvme_request_s);
+  }
   // Whether the device sums the unit's part of the norm as its step's only gradient (one
   // micro-batch a step) is reduced (strata.device_grad_norm): no host pass over it.
   bool device_norm(const SimUnit& x) {
@@ -574,16 +585,14 @@ class Replay {
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = sim.lane(Resource::kNvme, issue, opt_read_s(12 * group_size(x, 0)),
-                      "read state " + name(i), -1, 12 * group_size(x, 0));
+      read = opt_read(issue, 12 * group_size(x, 0), "read state " + name(i));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = sim.lane(Resource::kNvme, t, opt_read_s(12 * group_size(x, g + 1)),
-                        "read state " + name(i), -1, 12 * group_size(x, g + 1));
+        read = opt_read(t, 12 * group_size(x, g + 1), "read state " + name(i));
       if (g + 1 ==
           G) {  // EarlyStepper::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
@@ -602,13 +611,11 @@ class Replay {
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(sim.lane(Resource::kNvme, t, secs(12 * len, opt_write_bps),
-                                        "write state " + name(i), -1, 12 * len));
+        early_writes.push_back(nvme_request(t, 12 * len, opt_write_bps, "write state " + name(i)));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
-        early_w_writes.push_back(sim.lane(Resource::kNvme, t, secs(w_bytes, opt_write_bps),
-                                          "write w " + name(i), -1, w_bytes));
+        early_w_writes.push_back(nvme_request(t, w_bytes, opt_write_bps, "write w " + name(i)));
         io = std::max(io, early_w_writes.back());
       }
     }
@@ -688,11 +695,9 @@ class Replay {
           bound(grad_nvme, 2);
           // What the keys hold, read back by the host (not for the step's first gradient) while
           // the bucket comes over; added, its squares summed, written behind.
-          const double rd = first_micro_batch ? h
-                                              : sim.lane(Resource::kNvme, h, opt_read_s(4.0 * len),
-                                                         "read grad " + name(i), -1, 4.0 * len);
-          t = sim.op(kCommS, Resource::kD2H, std::max(t, h), secs(4.0 * len, m.d2h_bps),
-                     "d2h grad " + name(i), -1, 4.0 * len);
+          const double rd = first_micro_batch ? h : opt_read(h, 4.0 * len, "read grad " + name(i));
+          t = copy(kCommS, Resource::kD2H, std::max(t, h), 4.0 * len, m.d2h_bps,
+                   "d2h grad " + name(i));
           t = std::max(t, rd);
           if (!first_micro_batch)
             t = sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
@@ -700,19 +705,16 @@ class Replay {
           // cpu::SumSquares is serial: one core's share of the (all-core) rate.
           t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores),
                              "norm " + name(i), 1);
-          grad_nvme.push_back(sim.lane(Resource::kNvme, t, secs(4.0 * len, opt_write_bps),
-                                       "write grad " + name(i), -1, 4.0 * len));
+          grad_nvme.push_back(nvme_request(t, 4.0 * len, opt_write_bps, "write grad " + name(i)));
           grad_writes = std::max(grad_writes, grad_nvme.back());
           break;
         }
         case detail::GradPath::kStraightCopy:
-          t = ready = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps),
-                             "d2h grad " + name(i), -1, 4.0 * len);
+          t = ready = copy(kCommS, Resource::kD2H, t, 4.0 * len, m.d2h_bps, "d2h grad " + name(i));
           break;
         case detail::GradPath::kStagedAdd:
           bound(grad_staging, 2);
-          t = sim.op(kCommS, Resource::kD2H, t, secs(4.0 * len, m.d2h_bps), "d2h grad " + name(i),
-                     -1, 4.0 * len);
+          t = copy(kCommS, Resource::kD2H, t, 4.0 * len, m.d2h_bps, "d2h grad " + name(i));
           grad_staging.push_back(sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
                                         "grad add " + name(i), all_cores));
           ready = grad_staging.back();
@@ -726,7 +728,7 @@ class Replay {
       sim.op(kCommS, Resource::kCount, t, free_s(4.0 * double(x.shard)), "");  // the output
     if (first_micro_batch && device_norm(x)) {  // its sum of squares, read back
       t = sim.op(kCommS, Resource::kCount, t, secs(4.0 * double(x.shard), m.device_mem_bps), "");
-      sim.op(kCommS, Resource::kD2H, t, secs(4, m.d2h_bps), "d2h norm " + name(i), -1, 4);
+      copy(kCommS, Resource::kD2H, t, 4, m.d2h_bps, "d2h norm " + name(i));
     }
     if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
@@ -819,12 +821,11 @@ class Replay {
         any_device_grad = true;
       }
     if (any_device_grad)  // each unit's sum of squares read back (Engine::Impl::grad_sumsq)
-      sim.op(kOptS, Resource::kD2H, h, secs(4.0 * double(N), m.d2h_bps), "d2h norm", -1,
-             4.0 * double(N));
+      copy(kOptS, Resource::kD2H, h, 4.0 * double(N), m.d2h_bps, "d2h norm");
     if (W > 1) {  // the rank's sum all-reduced through the device, in fp64
-      sim.op(kOptS, Resource::kH2D, h, secs(8, m.h2d_bps), "h2d norm", -1, 8);
+      copy(kOptS, Resource::kH2D, h, 8, m.h2d_bps, "h2d norm");
       sim.op(kOptS, Resource::kComm, h, secs(8, m.all_gather_bps), "all-reduce norm");
-      sim.op(kOptS, Resource::kD2H, h, secs(8, m.d2h_bps), "d2h norm", -1, 8);
+      copy(kOptS, Resource::kD2H, h, 8, m.d2h_bps, "d2h norm");
     }
     std::vector<bool> kept(N, false);
     for (std::size_t i : early_order) kept[i] = true;
@@ -862,18 +863,15 @@ class Replay {
       const auto [i, g] = nvme_groups[k];
       read_done[k] = h;
       if (u[i].o == Tier::kNvme)
-        read_done[k] = sim.lane(Resource::kNvme, h, opt_read_s(12.0 * group_size(u[i], g)),
-                                "read state " + name(i), -1, 12.0 * group_size(u[i], g));
+        read_done[k] = opt_read(h, 12.0 * group_size(u[i], g), "read state " + name(i));
       if (u[i].g == Tier::kNvme)
-        read_done[k] = std::max(read_done[k],
-                                sim.lane(Resource::kNvme, h, opt_read_s(4.0 * group_size(u[i], g)),
-                                         "read grad " + name(i), -1, 4.0 * group_size(u[i], g)));
+        read_done[k] =
+            std::max(read_done[k], opt_read(h, 4.0 * group_size(u[i], g), "read grad " + name(i)));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
     auto write_behind = [&](double bytes, double ready, const std::string& what) {
-      const double end =
-          sim.lane(Resource::kNvme, ready, secs(bytes, opt_write_bps), what, -1, bytes);
+      const double end = nvme_request(ready, bytes, opt_write_bps, what);
       all_writes = std::max(all_writes, end);
       return end;
     };
@@ -902,15 +900,12 @@ class Replay {
       if (x.o == Tier::kDevice) {
         double t = h;
         if (x.g == Tier::kHost)
-          t = sim.op(kOptS, Resource::kH2D, t, secs(4 * n, m.h2d_bps), "h2d grad " + name(i), -1,
-                     4 * n);
+          t = copy(kOptS, Resource::kH2D, t, 4 * n, m.h2d_bps, "h2d grad " + name(i));
         if (x.g == Tier::kNvme) {  // a sub-group at a time, the host waiting for each
           for (std::uint64_t g = 0; g < groups(x); ++g) {
             const double len = group_size(x, g);
-            t = sim.lane(Resource::kNvme, t, opt_read_s(4 * len), "read grad " + name(i), -1,
-                         4 * len);
-            t = h = sim.op(kOptS, Resource::kH2D, t, secs(4 * len, m.h2d_bps),
-                           "h2d grad " + name(i), -1, 4 * len);
+            t = opt_read(t, 4 * len, "read grad " + name(i));
+            t = h = copy(kOptS, Resource::kH2D, t, 4 * len, m.h2d_bps, "h2d grad " + name(i));
           }
         }
         t = sim.op(kOptS, Resource::kCompute, t, secs(n, m.device_adamw_params_per_s),
@@ -921,14 +916,12 @@ class Replay {
           // written by the host from there.
           sim.wait(kWbS, t);
           if (out == detail::WeightsOut::kHost) {
-            x.w_written = sim.op(kWbS, Resource::kD2H, t, secs(w_bytes, m.d2h_bps),
-                                 "d2h w " + name(i), -1, w_bytes);
+            x.w_written = copy(kWbS, Resource::kD2H, t, w_bytes, m.d2h_bps, "d2h w " + name(i));
           } else {
             for (std::uint64_t g = 0; g < groups(x); ++g) {
               const double len_w = group_size(x, g) * csz;
               stage_w();
-              h = std::max(h, sim.op(kWbS, Resource::kD2H, h, secs(len_w, m.d2h_bps),
-                                     "d2h w " + name(i), -1, len_w));
+              h = std::max(h, copy(kWbS, Resource::kD2H, h, len_w, m.d2h_bps, "d2h w " + name(i)));
               w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
             }
           }
@@ -946,16 +939,14 @@ class Replay {
           h = std::max(h, read_done[k]);
         }
         if (x.g == Tier::kDevice)
-          h = sim.op(kOptS, Resource::kD2H, h, secs(4 * len, m.d2h_bps), "d2h grad " + name(i), -1,
-                     4 * len);
+          h = copy(kOptS, Resource::kD2H, h, 4 * len, m.d2h_bps, "d2h grad " + name(i));
         if (out != detail::WeightsOut::kHost) stage_w();
         h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s),
                    "adamw " + name(i), adamw_cores);
         if (!copy_out)
           h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
-          w_staging.push_back(sim.op(kOptS, Resource::kH2D, h, secs(len_w, m.h2d_bps),
-                                     "h2d w " + name(i), -1, len_w));
+          w_staging.push_back(copy(kOptS, Resource::kH2D, h, len_w, m.h2d_bps, "h2d w " + name(i)));
         if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
         if (out == detail::WeightsOut::kNvme)
           w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
