@@ -175,6 +175,21 @@ double get_fraction(const Section& s, std::string_view key, double def) {
   return v;
 }
 
+// A host/device split (`ratio_key`, a fraction) given while `device_key` is not "cpu": warned
+// once as ignored, naming the host/NVMe split key (`nvme_key`) when the device is "nvme".
+void warn_unused_split(const Section& s, std::string_view ratio_key, std::string_view device_key,
+                       const std::string& device, std::string_view what,
+                       std::string_view nvme_key) {
+  if (!s.has(ratio_key) || device == "cpu") return;
+  log::warn_once(
+      "config.unused." + s.key_path(ratio_key),
+      fmt::format("config key '{}' is ignored: it splits {} between host and device, "
+                  "and {} is \"{}\", not \"cpu\"{}",
+                  s.key_path(ratio_key), what, s.key_path(device_key), device,
+                  device == "nvme" ? fmt::format(" (for host and NVMe: {})", s.key_path(nvme_key))
+                                   : std::string()));
+}
+
 std::uint64_t get_positive(const Section& s, std::string_view key, std::uint64_t def) {
   return s.get_uint(key, def, 1);
 }
@@ -499,15 +514,7 @@ std::string parse_offload_param(const Section& z, EngineConfig& c) {
                  "(it is \"{}\")",
                  op.key_path("host_fraction"), op.key_path("device"), pdev);
   const double p_ratio = get_fraction(op, "ratio", 1.0);
-  if (op.has("ratio") && pdev != "cpu")
-    log::warn_once(
-        "config.unused." + op.key_path("ratio"),
-        fmt::format(
-            "config key '{}' is ignored: it splits the weights between host and device, and {} "
-            "is \"{}\", not \"cpu\"{}",
-            op.key_path("ratio"), op.key_path("device"), pdev,
-            pdev == "nvme" ? fmt::format(" (for host and NVMe: {})", op.key_path("host_fraction"))
-                           : std::string()));
+  warn_unused_split(op, "ratio", "device", pdev, "the weights", "host_fraction");
   c.params = pdev == "none"  ? Placement{1.0, 0.0}
              : pdev == "cpu" ? Placement{1.0 - p_ratio, p_ratio}
                              : Placement{0.0, p_host};
@@ -565,16 +572,8 @@ void parse_offload_grads(const Section& z, EngineConfig& c, const std::string& o
   const std::string gdev =
       z.get_choice("offload_grads", odev == "none" ? "none" : "cpu", {"none", "cpu", "nvme"});
   const double g_ratio = get_fraction(z, "offload_grads_ratio", 1.0);
-  if (z.has("offload_grads_ratio") && gdev != "cpu")
-    log::warn_once(
-        "config.unused." + z.key_path("offload_grads_ratio"),
-        fmt::format(
-            "config key '{}' is ignored: it splits the gradients between host and device, and "
-            "{} is \"{}\", not \"cpu\"{}",
-            z.key_path("offload_grads_ratio"), z.key_path("offload_grads"), gdev,
-            gdev == "nvme"
-                ? fmt::format(" (for host and NVMe: {})", z.key_path("offload_grads_host_fraction"))
-                : std::string()));
+  warn_unused_split(z, "offload_grads_ratio", "offload_grads", gdev, "the gradients",
+                    "offload_grads_host_fraction");
   const double g_host = get_fraction(z, "offload_grads_host_fraction", 0.0);
   STRATA_REQUIRE(!z.has("offload_grads_host_fraction") || gdev == "nvme",
                  "config key '{}' splits the gradients between host and NVMe: it needs {} \"nvme\" "
