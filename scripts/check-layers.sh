@@ -9,7 +9,8 @@
 #   5 tools tests
 # A file in src/<folder>/ (or tests/) may include "<other>/..." only when <other> is its own
 # folder (tests/engine/ is the tests' own) or in a lower layer; "strata/..." (the public headers)
-# anywhere. A tool is a program a user could have written: a file in tools/ may include only
+# anywhere. The model calls kernels through the Device (Device::model_kernels()), never a
+# backend's headers: model/ may not include cpu/ or gpu/ though they are lower. A tool is a program a user could have written: a file in tools/ may include only
 # "strata/..." and files of tools/ (the build gives the tools no src/ either). Prints each
 # offending line as file:line: and exits 1; run by CI (.ci/run) and by scripts/test.sh.
 #
@@ -20,6 +21,8 @@ cd "$root"
 
 declare -A layer=([core]=0 [cpu]=1 [gpu]=1 [nvme]=1 [comm]=2 [model]=2 [cuda_module]=3 [scheduler]=3
                   [trainer]=4 [runtime.cpp]=4 [tools]=5 [tests]=5)
+# Lower folders a folder may still not include.
+declare -A barred=([model]="cpu gpu")
 
 bad=0
 while IFS= read -r hit; do
@@ -35,7 +38,10 @@ while IFS= read -r hit; do
   [ "$inc" = "$from" ] && continue
   path=$(sed -E 's/.*#include "([^"]+)".*/\1/' <<<"$rest")
   case $file in src/*) ;; *) [ -e "$from/$path" ] && continue ;; esac
-  if [ -z "${layer[$from]+x}" ] || [ -z "${layer[$inc]+x}" ]; then
+  if [[ " ${barred[$from]:-} " == *" $inc "* ]]; then
+    echo "$file:$line: $from/ includes $inc/: the model reaches a backend's kernels through the Device (Device::model_kernels()), not its headers" >&2
+    bad=1
+  elif [ -z "${layer[$from]+x}" ] || [ -z "${layer[$inc]+x}" ]; then
     echo "$file:$line: \"$inc/\" from \"$from/\": a folder scripts/check-layers.sh does not place; add it to its layers" >&2
     bad=1
   elif [ "${layer[$inc]}" -ge "${layer[$from]}" ]; then

@@ -5,6 +5,9 @@
 # double reference. The CPU suites carry the label model (ctest -L model) instead of unit: a
 # discovered GoogleTest gets one label here.
 strata_add_test(model_ops_test SOURCES model_ops_test.cpp LABELS model)
+# The model reaches its kernels through Device::model_kernels() (a device of its own, none, the
+# emulated one).
+strata_add_test(model_dispatch_test SOURCES model_dispatch_test.cpp LABELS model)
 strata_add_test(model_kernels_test SOURCES model_kernels_test.cpp LABELS model)
 strata_add_test(model_oracle_test SOURCES model_oracle_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")

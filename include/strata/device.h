@@ -33,6 +33,10 @@
 
 namespace strata {
 
+namespace model_ops {
+class Backend;  // strata/model_ops.h
+}
+
 enum class DeviceKind { kCpu, kCuda };
 enum class MemSpace : std::uint8_t { kHost, kDevice };
 
@@ -325,6 +329,10 @@ class Device {
   // (optional) The NUMA node nearest this device (host memory for it is best placed there),
   // or -1 where unknown.
   virtual int numa_node() const;
+  // (optional) The model's kernels on this device (strata/model_ops.h), which the model calls
+  // through it; nullptr (the default) where the backend has none: the engine runs, the model
+  // does not.
+  virtual const model_ops::Backend* model_kernels() const { return nullptr; }
 
  protected:
   Device() = default;

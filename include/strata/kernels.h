@@ -9,6 +9,7 @@
 
 #include "strata/device.h"
 #include "strata/dtype.h"
+#include "strata/model_ops.h"
 
 namespace strata::cpu {
 
@@ -20,19 +21,11 @@ float sum_squares(DType t, const void* x, std::size_t n);
 
 }  // namespace strata::cpu
 
-// The model's kernels as the model calls them: each op is queued on a Stream and runs the CPU
-// kernel (on a HostDevice stream) or the CUDA kernel (on a CUDA stream). Pointers are device
+// The model's kernels as the model calls them: each op is checked, then queued on a Stream
+// through its device's kernels (Device::model_kernels(), strata/model_ops.h). Pointers are device
 // memory of the stream's device; activations and gradients are fp32, weights (Weight) fp32 or
 // bf16. Here, the ops strata-bench gpu compares between the CUDA kernels' variants.
 namespace strata::model_ops {
-
-using i64 = std::int64_t;
-
-struct Weight {
-  const void* ptr = nullptr;
-  DType dtype = DType::kF32;
-  explicit operator bool() const { return ptr != nullptr; }
-};
 
 void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout, float* dwte,
                         float* dwpe, i64 n, i64 t, i64 c);

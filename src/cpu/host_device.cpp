@@ -40,6 +40,7 @@
 
 #include "core/range_pool.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/model_kernels.h"
 #include "strata/adamw.h"
 #include "strata/device.h"
 #include "strata/error.h"
@@ -254,6 +255,7 @@ class HostDevice final : public Device {
   }
 
   std::unique_ptr<Stream> create_stream(std::string name) override;
+  const model_ops::Backend* model_kernels() const override { return &cpu::host_model_ops(); }
 
   DeviceStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);

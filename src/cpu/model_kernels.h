@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "strata/dtype.h"
+#include "strata/model_ops.h"
 
 namespace strata::cpu {
 
@@ -118,5 +119,9 @@ void bias_backward(const T* dy, T* db, i64 n, i64 m);
 template <class T, class O = T>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
                    double grad_scale, O* grad = nullptr);
+
+// HostDevice::model_kernels(): the kernels above, each queued with host_fn on the stream it is
+// called for (model_ops_host.cpp).
+const model_ops::Backend& host_model_ops();
 
 }  // namespace strata::cpu

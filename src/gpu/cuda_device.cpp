@@ -411,6 +411,7 @@ class CudaDevice final : public Device {
   bool register_host(void* ptr, std::size_t bytes) override;
   void unregister_host(void* ptr) override;
   int numa_node() const override { return numa_node_; }
+  const model_ops::Backend* model_kernels() const override { return &gpu::model::cuda_model_ops(); }
 
   int ordinal() const noexcept { return ordinal_; }
   StagingPool& staging() noexcept { return staging_; }

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "strata/gpu_bench.h"
+#include "strata/model_ops.h"
 
 namespace strata::gpu::model {
 
@@ -70,6 +71,10 @@ int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64
 // the element-wise ones): with lazy module loading, a first launch from a host function while a
 // stream spins in wait_host_flag could deadlock. Returns the first error, as an int.
 int preload_kernels();
+
+// CudaDevice::model_kernels(): the launchers above on the stream's cudaStream_t, in the module
+// (model_ops_cuda.cpp).
+const model_ops::Backend& cuda_model_ops();
 
 // The launchers above as the CUDA module exports them (one pointer each, same names).
 struct Kernels {

@@ -1,9 +1,8 @@
-// The model's kernel dispatch: each op is queued on a Stream and runs the CPU kernel
-// (src/cpu/model_kernels.h, on the HostDevice stream's worker through host_fn) or the CUDA
-// kernel (src/gpu/model_kernels.h, on the stream's cudaStream_t), picked by the device kind.
-// Semantics are those of the CPU kernels; pointers are device memory of the stream's device.
-// Activations and gradients are fp32; weights (Weight) are fp32 or bf16. The ops a benchmark
-// drives directly (attention, the backward reductions) and Weight are declared in the public
+// The model's ops: each is checked, then queued on a Stream through its device's kernels
+// (Device::model_kernels(), strata/model_ops.h: the CPU kernels on HostDevice, the CUDA kernels on
+// CudaDevice). Semantics are those of the CPU kernels; pointers are device memory of the stream's
+// device. Activations and gradients are fp32; weights (Weight) are fp32 or bf16. The ops a
+// benchmark drives directly (attention, the backward reductions) are declared in the public
 // strata/kernels.h; the rest here.
 #pragma once
 
@@ -11,18 +10,9 @@
 
 #include "strata/device.h"
 #include "strata/kernels.h"
+#include "strata/model_ops.h"
 
 namespace strata::model_ops {
-
-// Where an op writes an activation read only as a GEMM operand: fp32, or bf16 in bf16 compute
-// (the CPU kernels round as they store, saving the cast pass; on CUDA, ops.cpp casts an fp32
-// result).
-struct Out {
-  void* ptr = nullptr;
-  DType dtype = DType::kF32;
-  Out(float* p) : ptr(p) {}  // NOLINT: an fp32 output converts implicitly
-  Out(void* p, DType t) : ptr(p), dtype(t) {}
-};
 
 void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe, float* out,
                        i64 n, i64 t, i64 c);

@@ -1,0 +1,88 @@
+// The model's kernels as a device backend provides them (Device::model_kernels()): the
+// transformer's ops (embedding, norms, rotary embedding, attention, activations, bias, cross
+// entropy) queued on a Stream of that device. The model calls them through the device it runs on
+// and never names a backend: HostDevice queues the CPU kernels as host functions on the stream's
+// worker, CudaDevice launches the CUDA kernels on the stream's cudaStream_t. A backend of one's
+// own implements Backend to run the model; one without (model_kernels() returns nullptr) runs the
+// engine but not the model.
+//
+// Semantics are those of the CPU kernels (src/cpu/model_kernels.h). Pointers are device memory of
+// the stream's device; activations and gradients are fp32, weights (Weight) fp32 or bf16, and an
+// Out fp32 or bf16 (the model checks both before it calls). Every op is asynchronous, in the
+// stream's order, like the Stream's own kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "strata/dtype.h"
+
+namespace strata {
+class Stream;
+}
+
+namespace strata::model_ops {
+
+using i64 = std::int64_t;
+
+struct Weight {
+  const void* ptr = nullptr;
+  DType dtype = DType::kF32;
+  explicit operator bool() const { return ptr != nullptr; }
+};
+
+// Where an op writes an activation read only as a GEMM operand: fp32, or bf16 in bf16 compute
+// (the CPU kernels round as they store, saving the cast pass; the CUDA backend casts an fp32
+// result).
+struct Out {
+  void* ptr = nullptr;
+  DType dtype = DType::kF32;
+  Out(float* p) : ptr(p) {}  // NOLINT: an fp32 output converts implicitly
+  Out(void* p, DType t) : ptr(p), dtype(t) {}
+};
+
+// One backend's kernels. Shapes: n rows (tokens) of c channels; t the sequence length, b the
+// batch; nh / nkv the query / key-value heads of hd channels; inter the MLP's inner width.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe,
+                                 float* out, i64 n, i64 t, i64 c) const = 0;
+  virtual void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout,
+                                  float* dwte, float* dwpe, i64 n, i64 t, i64 c) const = 0;
+  virtual void rmsnorm_forward(Stream& s, const float* x, Weight w, Out out, float* rstd, i64 n,
+                               i64 c, double eps) const = 0;
+  // dx_bf16 (nullable): the updated dx again, rounded to bf16.
+  virtual void rmsnorm_backward(Stream& s, const float* dout, const float* x, Weight w,
+                                const float* rstd, float* dx, float* dw, i64 n, i64 c,
+                                void* dx_bf16) const = 0;
+  virtual void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out,
+                                 float* mean, float* rstd, i64 n, i64 c, double eps) const = 0;
+  virtual void layernorm_backward(Stream& s, const float* dout, const float* x, Weight w,
+                                  const float* mean, const float* rstd, float* dx, float* dw,
+                                  float* db, i64 n, i64 c) const = 0;
+  virtual void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd,
+                    const float* cos, const float* sin, bool inverse) const = 0;
+  // bf16: the products' inputs rounded to bf16, as every other GEMM's in bf16 compute.
+  // o_bf16 (nullable): o again, rounded to bf16.
+  virtual void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, float* lse,
+                                 i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale,
+                                 bool bf16) const = 0;
+  virtual void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
+                                  const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv,
+                                  i64 hd, double scale, bool bf16) const = 0;
+  virtual void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter) const = 0;
+  virtual void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n,
+                               i64 inter) const = 0;
+  virtual void gelu_forward(Stream& s, const float* x, Out out, i64 n) const = 0;
+  virtual void gelu_backward(Stream& s, const float* dout, const float* x, float* dx,
+                             i64 n) const = 0;
+  virtual void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m) const = 0;
+  virtual void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m) const = 0;
+  // grad_scale != 0: the logits' gradient (times grad_scale) into grad, which is the logits
+  // themselves (fp32) or a bf16 buffer.
+  virtual void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses,
+                             i64 rows, i64 vocab, double grad_scale, Out grad) const = 0;
+};
+
+}  // namespace strata::model_ops
