@@ -339,7 +339,8 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     }
     std::shared_ptr<PinnedBlock> w_block;  // NVMe weights: the sub-group's, written behind
     if (w_nvme) {
-      bound_io(w_writes, 2);  // the plan's "new compute-weight staging"
+      bound_io(w_writes,
+               detail::kWeightStagingInFlight);  // the plan's "new compute-weight staging"
       TraceScope alloc_span("staging_alloc", "optimizer", w_bytes);
       w_block = s.pinned(SwapStore::padded_bytes(w_bytes));
     }
@@ -353,7 +354,7 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     }
     if (!copy_out) std::memcpy(w_dst, master, len * 4);
     if (state) {
-      bound_io(writes, std::size_t(std::max(1, s.cfg.optimizer_buffer_count - 2)));
+      bound_io(writes, detail::state_writes_in_flight(s.cfg));
       IoHandle h =
           s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
       h.on_complete([state](std::exception_ptr) {});

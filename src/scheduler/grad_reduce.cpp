@@ -39,7 +39,7 @@ std::vector<IoHandle> Engine::Impl::read_grad(std::size_t ui, detail::Range r,
 void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorRef& part,
                                   bool first_bucket, Stream& cs) {
   Unit& u = units[ui];
-  while (grad_out.size() >= 2) {
+  while (grad_out.size() >= detail::kGradBucketsInFlight) {
     const std::shared_ptr<GradIo> oldest = grad_out.front();
     grad_out.pop_front();
     std::optional<TraceScope> span;
@@ -185,7 +185,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
         s.st.d2h_bytes += len * 4;
         break;
       case detail::GradPath::kStagedAdd: {
-        Impl::bound(s.grad_staging, 2);
+        Impl::bound(s.grad_staging, detail::kGradBucketsInFlight);
         auto staging = s.pinned(len * 4);
         cs.copy(host_ref(staging->data(), len * 4), part.mem);
         s.st.d2h_bytes += len * 4;

@@ -67,7 +67,7 @@ OptimizerPass::OptimizerPass(Engine::Impl& impl, const AdamWOptions& options,
       kept(kept_units),
       ct(impl.cfg.compute_dtype),
       copy_out(ct != DType::kF32),
-      max_writes(std::size_t(std::max(1, impl.cfg.optimizer_buffer_count - 2))) {
+      max_writes(detail::state_writes_in_flight(impl.cfg)) {
   for (std::size_t i = 0; i < s.units.size(); ++i) {
     const Unit& u = s.units[i];
     if (!kept[i] && detail::reads_ahead_from_nvme(u.o_tier, u.g_tier))
@@ -76,7 +76,7 @@ OptimizerPass::OptimizerPass(Engine::Impl& impl, const AdamWOptions& options,
 }
 
 std::shared_ptr<PinnedBlock> OptimizerPass::stage_w(std::size_t bytes) {
-  while (w_staging.size() >= 2) {
+  while (w_staging.size() >= detail::kWeightStagingInFlight) {
     w_staging.front()();
     w_staging.pop_front();
   }

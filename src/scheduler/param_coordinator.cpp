@@ -24,7 +24,7 @@ void Engine::Impl::issue_fetch(int ui, bool prefetch) {
       st.h2d_bytes += u.shard * c_size;
       break;
     case detail::FetchPath::kNvmeUpload: {
-      bound(param_staging, std::size_t(cfg.param_buffer_count));
+      bound(param_staging, detail::weight_reads_in_flight(cfg));
       auto staging = pinned(SwapStore::padded_bytes(u.shard * c_size));
       std::vector<IoHandle> reads;  // one a sub-group, into its place in the shard
       for (std::size_t g = 0; g < groups(u); ++g) {

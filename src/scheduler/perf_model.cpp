@@ -368,7 +368,7 @@ class Replay {
   const double opt_read_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_read_bps;
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
-  const std::size_t max_writes = std::size_t(std::max(1, c.optimizer_buffer_count - 2));
+  const std::size_t max_writes = detail::state_writes_in_flight(c);
   // EarlyStepper::step_unit on the early worker thread: a unit's job is queued when its last
   // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
   // of EarlyStepper::next_job (pick_job below), reads the NVMe state of the job it will
@@ -462,7 +462,7 @@ class Replay {
         ready = copy(kFetchS, Resource::kH2D, h, bytes, m.h2d_bps, "h2d " + name(i));
         break;
       case detail::FetchPath::kNvmeUpload: {
-        bound(param_staging, std::size_t(c.param_buffer_count));
+        bound(param_staging, detail::weight_reads_in_flight(c));
         const double rd = nvme_request(h, bytes, fetch_read_bps, "read w " + name(i));
         sim.wait(kFetchS, rd);
         ready = copy(kFetchS, Resource::kH2D, h, bytes, m.h2d_bps, "h2d " + name(i));
@@ -598,7 +598,7 @@ class Replay {
         early_prev_start = t;
         ahead_pending = true;
       }
-      if (w_nvme && early_w_writes.size() >= 2) {
+      if (w_nvme && early_w_writes.size() >= detail::kWeightStagingInFlight) {
         t = std::max(t, early_w_writes.front());
         early_w_writes.pop_front();
       }
@@ -692,7 +692,7 @@ class Replay {
           sim.op(kCommS, Resource::kCount, t, secs(12.0 * len, m.device_mem_bps), "");
           break;
         case detail::GradPath::kNvme: {  // Engine::Impl::reduce_to_nvme
-          bound(grad_nvme, 2);
+          bound(grad_nvme, detail::kGradBucketsInFlight);
           // What the keys hold, read back by the host (not for the step's first gradient) while
           // the bucket comes over; added, its squares summed, written behind.
           const double rd = first_micro_batch ? h : opt_read(h, 4.0 * len, "read grad " + name(i));
@@ -713,7 +713,7 @@ class Replay {
           t = ready = copy(kCommS, Resource::kD2H, t, 4.0 * len, m.d2h_bps, "d2h grad " + name(i));
           break;
         case detail::GradPath::kStagedAdd:
-          bound(grad_staging, 2);
+          bound(grad_staging, detail::kGradBucketsInFlight);
           t = copy(kCommS, Resource::kD2H, t, 4.0 * len, m.d2h_bps, "d2h grad " + name(i));
           grad_staging.push_back(sim.op(kCommS, Resource::kCpu, t, secs(12.0 * len, m.host_mem_bps),
                                         "grad add " + name(i), all_cores));
@@ -884,7 +884,7 @@ class Replay {
     };
     // New compute weights staged in pinned memory: two at a time.
     auto stage_w = [&] {
-      while (w_staging.size() >= 2) {
+      while (w_staging.size() >= detail::kWeightStagingInFlight) {
         h = std::max(h, w_staging.front());
         w_staging.pop_front();
       }

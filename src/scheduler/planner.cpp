@@ -229,28 +229,30 @@ void Builder::add_host_staging() {
   if (grad_tiers[1] > 0 || (host_optimizer && grad_tiers[0] > 0)) {
     // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
     // device gradient staged for the host optimizer
-    const std::uint64_t E = std::max(2 * R, host_optimizer && grad_tiers[0] > 0 ? S : 0);
-    staging_r = E == 2 * R;
-    add(E == 2 * R ? fmt::format("gradient D2H staging (2 x {} elements, fp32)", R)
-                   : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
+    const std::uint64_t buckets = detail::kGradBucketsInFlight * R;
+    const std::uint64_t E = std::max(buckets, host_optimizer && grad_tiers[0] > 0 ? S : 0);
+    staging_r = E == buckets;
+    add(staging_r ? fmt::format("gradient D2H staging ({} x {} elements, fp32)",
+                                detail::kGradBucketsInFlight, R)
+                  : fmt::format("gradient D2H staging ({} elements: a sub-group, fp32)", S),
         Tier::kHost, E * 4);
   }
   grads_nvme = grad_tiers[static_cast<int>(Tier::kNvme)] > 0;
   if (grads_nvme) {
-    add(fmt::format("gradient NVMe staging (2 x 2 x {} elements, fp32: bucket, read back)", R),
-        Tier::kHost, 4 * R * 4);
+    add(fmt::format("gradient NVMe staging ({} x 2 x {} elements, fp32: bucket, read back)",
+                    detail::kGradBucketsInFlight, R),
+        Tier::kHost, detail::kGradBucketsInFlight * 2 * R * 4);
     add(fmt::format("gradient swap buffers (2 x {} elements, fp32: read ahead, step)", S),
         Tier::kHost, 2 * SwapStore::padded_bytes(S * 4));
   }
   if (param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     add(fmt::format("parameter swap buffers ({} x largest shard, read ahead)",
-                    config.param_buffer_count),
+                    detail::weight_reads_in_flight(config)),
         Tier::kHost,
-        static_cast<std::uint64_t>(config.param_buffer_count) *
-            SwapStore::padded_bytes(largest_shard * c));
+        detail::weight_reads_in_flight(config) * SwapStore::padded_bytes(largest_shard * c));
   }
   opt_swap_buffer = SwapStore::padded_bytes(S * 12);
-  opt_buffers = std::max(3, config.optimizer_buffer_count);
+  opt_buffers = int(detail::state_buffers(config));
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     add(fmt::format(
             "optimizer swap buffers ({} x {} elements' state: read ahead, step, write behind)",
@@ -258,7 +260,9 @@ void Builder::add_host_staging() {
         Tier::kHost, static_cast<std::uint64_t>(opt_buffers) * opt_swap_buffer);
   }
   if (host_optimizer || param_tiers[static_cast<int>(Tier::kNvme)] > 0) {
-    add(fmt::format("new compute-weight staging (2 x {} elements)", S), Tier::kHost, 2 * S * c);
+    add(fmt::format("new compute-weight staging ({} x {} elements)", detail::kWeightStagingInFlight,
+                    S),
+        Tier::kHost, detail::kWeightStagingInFlight * S * c);
   }
 }
 

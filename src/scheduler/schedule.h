@@ -1,9 +1,13 @@
 // What runs where in a step: the path each piece of a unit's data takes, given where the layout
-// (layout.h) put it. The engine takes these paths (param_coordinator.cpp, grad_reduce.cpp,
-// optimizer_step.cpp, early_step.cpp), the perf model replays them (perf_model.cpp) and the
-// planner counts their buffers (planner.cpp); tests/conformance_test.cpp checks, placement by
-// placement, that the engine's streams and the model's replay carry the same transfers.
+// (layout.h) put it, and how far each pipeline runs ahead of what waits for it. The engine takes
+// these paths (param_coordinator.cpp, grad_reduce.cpp, optimizer_step.cpp, early_step.cpp), the
+// perf model replays them (perf_model.cpp) and the planner counts their buffers (planner.cpp);
+// tests/conformance_test.cpp checks, placement by placement, that the engine's streams and the
+// model's replay carry the same transfers.
 #pragma once
+
+#include <algorithm>
+#include <cstddef>
 
 #include "scheduler/layout.h"
 
@@ -65,5 +69,25 @@ inline WeightsOut weights_out(bool resident, Tier w) {
   if (resident || w == Tier::kDevice) return WeightsOut::kDevice;
   return w == Tier::kHost ? WeightsOut::kHost : WeightsOut::kNvme;
 }
+
+// ---- How far each pipeline runs ahead: the host waits for the oldest in flight beyond these ----
+// (The planner sizes the pinned buffers they hold by the same numbers.)
+
+// Gradient buckets on their way to the host: GradPath::kStagedAdd's pinned staging, and
+// GradPath::kNvme's buckets (staged, read back, written behind).
+inline constexpr std::size_t kGradBucketsInFlight = 2;
+// New compute weights staged in pinned memory from the host optimizer: to the device
+// (WeightsOut::kDevice) or written behind to NVMe (WeightsOut::kNvme).
+inline constexpr std::size_t kWeightStagingInFlight = 2;
+// NVMe-tier weights read ahead for fetches (FetchPath::kNvmeUpload): offload_param.buffer_count.
+inline std::size_t weight_reads_in_flight(const EngineConfig& c) {
+  return std::size_t(std::max(1, c.param_buffer_count));
+}
+// The host optimizer's NVMe state buffers: one sub-group read ahead, one stepping, and the rest of
+// offload_optimizer.buffer_count (at least one) written behind.
+inline std::size_t state_writes_in_flight(const EngineConfig& c) {
+  return std::size_t(std::max(1, c.optimizer_buffer_count - 2));
+}
+inline std::size_t state_buffers(const EngineConfig& c) { return 2 + state_writes_in_flight(c); }
 
 }  // namespace strata::detail
