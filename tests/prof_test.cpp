@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "scheduler/layout.h"
+#include "scheduler/schedule.h"
 #include "strata/engine_config.h"
 #include "strata/perf_model.h"
 #include "test_util.h"
@@ -81,6 +82,34 @@ std::string units_by_start(const Prediction& p, const std::string& what) {
 
 constexpr std::uint64_t kLayer = 2048 * 1024;  // 2M parameters, 8 MiB in fp32
 constexpr double kRel = 1e-6;
+
+// The fetch rules the engine and the replay share (schedule.h): what prefetch takes, when a
+// fetch releases, and which unit goes.
+TEST(Schedule, PrefetchTheLiveBudgetAndTheUnitReleased) {
+  EngineConfig c;
+  c.prefetch_bucket_size = 300;
+  c.max_live_parameters = 1000;
+  EXPECT_TRUE(detail::prefetch_fits(c, 0, 0, 300));
+  EXPECT_FALSE(detail::prefetch_fits(c, 100, 0, 201));   // past the bucket
+  EXPECT_FALSE(detail::prefetch_fits(c, 0, 800, 201));   // past the live budget
+  EXPECT_TRUE(detail::prefetch_fits(c, 100, 800, 200));  // both exactly full
+  c.prefetch_bucket_size = 0;                            // no prefetch
+  EXPECT_FALSE(detail::prefetch_fits(c, 0, 0, 2));
+  EXPECT_FALSE(detail::over_live_budget(c, 600, 400));
+  EXPECT_TRUE(detail::over_live_budget(c, 601, 400));
+
+  // Belady: the releasable unit used furthest ahead; the first of a tie; n when none.
+  const std::vector<bool> releasable = {true, false, true, true, true};
+  const std::vector<std::size_t> next = {7, 99, 3, 7, 5};
+  auto victim = [&](const std::vector<bool>& r) {
+    return detail::release_victim(
+        r.size(), [&](std::size_t i) { return bool(r[i]); },
+        [&](std::size_t i) { return next[i]; });
+  };
+  EXPECT_EQ(victim(releasable), 0u);  // 0 and 3 tie at 7; unit 1 (99) is not releasable
+  EXPECT_EQ(victim({false, false, true, false, true}), 4u);
+  EXPECT_EQ(victim({false, false, false, false, false}), 5u);
+}
 
 TEST(PerfModel, ComputeBoundStepIsTheComputeTime) {
   const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);

@@ -67,20 +67,16 @@ std::size_t Engine::Impl::next_use(int ui, std::size_t from) const {
 }
 
 void Engine::Impl::make_room(std::uint64_t need) {
-  while (live + need > cfg.max_live_parameters) {
-    int victim = -1;
-    std::size_t furthest = 0;
-    for (std::size_t i = 0; i < units.size(); ++i) {
-      const Unit& u = units[i];
-      if (!u.fetch.gathered || u.resident || u.fetch.in_use > 0) continue;
-      const std::size_t nu = order_known() ? next_use(int(i), cursor()) : SIZE_MAX;
-      if (victim < 0 || nu > furthest) {
-        victim = int(i);
-        furthest = nu;
-      }
-    }
-    if (victim < 0) return;
-    drop(units[std::size_t(victim)]);
+  while (detail::over_live_budget(cfg, live, need)) {
+    const std::size_t victim = detail::release_victim(
+        units.size(),
+        [&](std::size_t i) {
+          const Unit& u = units[i];
+          return u.fetch.gathered && !u.resident && u.fetch.in_use == 0;
+        },
+        [&](std::size_t i) { return order_known() ? next_use(int(i), cursor()) : SIZE_MAX; });
+    if (victim == units.size()) return;
+    drop(units[victim]);
   }
 }
 
@@ -93,8 +89,7 @@ void Engine::Impl::prefetch_ahead() {
   for (std::size_t p = from; p < trace_end(); ++p) {
     Unit& u = units[std::size_t(trace[p])];
     if (u.resident || u.fetch.gathered) continue;
-    if (ahead + u.padded > std::max<std::uint64_t>(cfg.prefetch_bucket_size, 1)) break;
-    if (live + u.padded > cfg.max_live_parameters) break;
+    if (!detail::prefetch_fits(cfg, ahead, live, u.padded)) break;
     // Kept early work not finished yet: its new weights are not there. With more than one
     // rank, whether the worker is done must not decide which all-gathers go first: there
     // prefetch stops at any unit the last step left to finish, done or not.

@@ -426,17 +426,11 @@ class Replay {
     live -= u[i].padded;
   }
   void make_room(std::uint64_t need) {
-    while (live + need > c.max_live_parameters) {
-      std::size_t victim = kNone, furthest = 0;
-      for (std::size_t i = 0; i < N; ++i) {
-        if (!u[i].gathered || u[i].resident || u[i].in_use > 0) continue;
-        const std::size_t nu = next_use(i, pos);
-        if (victim == kNone || nu > furthest) {
-          victim = i;
-          furthest = nu;
-        }
-      }
-      if (victim == kNone) return;
+    while (detail::over_live_budget(c, live, need)) {
+      const std::size_t victim = detail::release_victim(
+          N, [&](std::size_t i) { return u[i].gathered && !u[i].resident && u[i].in_use == 0; },
+          [&](std::size_t i) { return next_use(i, pos); });
+      if (victim == N) return;
       drop(victim);
     }
   }
@@ -493,8 +487,7 @@ class Replay {
     for (std::size_t p = pos; p < trace.size(); ++p) {
       SimUnit& x = u[trace[p]];
       if (x.resident || x.gathered) continue;
-      if (ahead + x.padded > std::max<std::uint64_t>(c.prefetch_bucket_size, 1)) break;
-      if (live + x.padded > c.max_live_parameters) break;
+      if (!detail::prefetch_fits(c, ahead, live, x.padded)) break;
       if (W > 1 ? kept_behind[trace[p]] : pending[trace[p]] && worker_done(trace[p]) > h) break;
       finish_early(trace[p]);
       issue_fetch(trace[p]);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 #include "scheduler/layout.h"
 
@@ -68,6 +69,37 @@ enum class WeightsOut {
 inline WeightsOut weights_out(bool resident, Tier w) {
   if (resident || w == Tier::kDevice) return WeightsOut::kDevice;
   return w == Tier::kHost ? WeightsOut::kHost : WeightsOut::kNvme;
+}
+
+// ---- When a unit is fetched ahead, and which one a fetch releases ----
+
+// Prefetch takes the next unit in fetch order (padded elements) while the units already fetched
+// ahead and it fit stage3_prefetch_bucket_size (0: no prefetch) and the live units and it stay
+// within stage3_max_live_parameters; it stops at the first that does not.
+inline bool prefetch_fits(const EngineConfig& c, std::uint64_t ahead, std::uint64_t live,
+                          std::uint64_t padded) {
+  return ahead + padded <= std::max<std::uint64_t>(c.prefetch_bucket_size, 1) &&
+         live + padded <= c.max_live_parameters;
+}
+// A fetch of `need` elements first releases live units while they and it exceed
+// stage3_max_live_parameters, ...
+inline bool over_live_budget(const EngineConfig& c, std::uint64_t live, std::uint64_t need) {
+  return live + need > c.max_live_parameters;
+}
+// ... each time the releasable unit (gathered, not resident, not in use) whose next use is
+// furthest (Belady's rule; the first of a tie). Of units 0..n-1; n when none is releasable.
+template <class Releasable, class NextUse>
+std::size_t release_victim(std::size_t n, Releasable releasable, NextUse next_use) {
+  std::size_t victim = n, furthest = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!releasable(i)) continue;
+    const std::size_t nu = next_use(i);
+    if (victim == n || nu > furthest) {
+      victim = i;
+      furthest = nu;
+    }
+  }
+  return victim;
 }
 
 // ---- How far each pipeline runs ahead: the host waits for the oldest in flight beyond these ----
