@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -981,6 +982,81 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
     std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
 }
 
+// --validate K's spread: beside the best K, the best of other placement classes and low-ranked
+// ones, each saying why it ran and what bound its traced step; the summary is over all of them.
+TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
+  TempDir d("strata-prof");
+  const std::vector<std::string> args = {"--model-config",
+                                         tiny_model(d.path),
+                                         "--device",
+                                         "cpu",
+                                         "--seq-len",
+                                         "32",
+                                         "--no-nvme",
+                                         "--micro-batches",
+                                         "2",
+                                         "--out",
+                                         d.path + "/best.json",
+                                         "--svg",
+                                         "",
+                                         "--top",
+                                         "1",
+                                         "--validate",
+                                         "1",
+                                         "--validate-spread",
+                                         "4",
+                                         "--validate-steps",
+                                         "2",
+                                         "--trace",
+                                         d.path + "/trace.json",
+                                         "--json"};
+  const auto r = testing::run(STRATA_PROF_BIN, args, d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  const int feasible = j["candidates_feasible"].get<int>();
+  ASSERT_GE(feasible, 4) << "too few candidates for a spread";
+  EXPECT_EQ(j["validated_top"].get<int>(), 1);
+  std::set<std::string> classes;
+  std::map<std::string, int> reasons;
+  int validated = 0, last_rank = 0;
+  for (const auto& c : j["candidates"]) {
+    EXPECT_GT(c["rank"].get<int>(), last_rank) << "in rank order, once each";
+    last_rank = c["rank"].get<int>();
+    if (!c.contains("validated_as")) continue;
+    ++validated;
+    const std::string why = c["validated_as"], cls = c["placement_class"];
+    ++reasons[why];
+    SCOPED_TRACE(c.dump());
+    if (why == "top") {
+      EXPECT_EQ(c["rank"].get<int>(), 1);
+    } else if (why == "best of class") {
+      EXPECT_FALSE(classes.contains(cls)) << "a class already run";
+    } else if (why == "low-ranked (last)") {
+      EXPECT_EQ(c["rank"].get<int>(), feasible);
+    }
+    if (why == "top" || why == "best of class") classes.insert(cls);
+    // The measured bottleneck is the lane busiest in the run's traced step.
+    const std::string bound = c["measured_bottleneck"];
+    double most = 0;
+    for (const auto& [lane, s] : c["measured_busy_s"].items())
+      most = std::max(most, s.get<double>());
+    EXPECT_GT(most, 0);
+    EXPECT_EQ(c["measured_busy_s"][bound].get<double>(), most);
+  }
+  EXPECT_EQ(validated, j["validated"].get<int>());
+  EXPECT_LE(validated, 1 + 4);
+  EXPECT_EQ(reasons["top"], 1);
+  EXPECT_EQ(reasons["low-ranked (median)"], 1);
+  EXPECT_EQ(reasons["low-ranked (last)"], 1);
+  EXPECT_GE(reasons["best of class"], 1) << "the tiny model has more than one class that fits";
+  // Spearman over every run, top or spread (the summary's).
+  EXPECT_TRUE(j["rank_correlation_spearman"].is_number()) << j.dump();
+  EXPECT_NE(r.out.find(fmt::format("over {} runs", validated)), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("chosen as"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("low-ranked (last)"), std::string::npos) << r.out;
+  EXPECT_EQ(j["trace_file"], d.path + "/trace.json");
+}
+
 // The --config's micro-batch is what the search centres on (B/2, B, 2B), as its dtype and
 // accumulation are the defaults of --dtype and --grad-accum (it searched 1 and 2 and wrote
 // B=1 over a train_batch_size of 16); a recommendation that changes the global batch says so
@@ -1411,7 +1487,10 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
            {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
            {{"--trace", d.path + "/t.json"},
-            "--trace, --data and --text are for the validation runs: add --validate K"},
+            "--trace, --data, --text and --validate-spread are for the validation runs: add "
+            "--validate K"},
+           {{"--validate-spread", "2"},
+            "--trace, --data, --text and --validate-spread are for the validation runs"},
            {{"--micro-batch", "4", "--micro-batches", "2"}, "--micro-batch 4 and --micro-batches"},
            {{"--validate", "1", "--data", d.path + "/nope.bin"},
             "--data " + d.path + "/nope.bin: no such file"},
