@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Checks strata-prof's predictions in several bottleneck regimes on the CPU-emulated device:
-# for each regime, strata-prof measures, searches, and --validate's the best 3 placements by
-# running them through strata-train; this prints predicted vs measured step time per
-# candidate, the worst error (target <= 15%) and how far the recommended configuration is
-# from the fastest one measured (target <= 5%).
+# for each regime, strata-prof measures, searches, and --validate's the best 3 placements and
+# its default spread (up to 4 more: the best of other placement classes, the median- and the
+# last-ranked) by running them through strata-train; this prints predicted vs measured step
+# time per candidate, then a table of the recommended configuration per regime: the resource
+# it is bound by as predicted and as measured (the lane busiest in its traced step), the worst
+# error over every validated candidate (target <= 15%), Spearman's rank correlation of
+# predicted and measured tokens/s over them (target >= 0.8) and how far the recommended
+# configuration is from the fastest one measured (target <= 5%).
 #
 #   scripts/prof-regimes.sh [BUILD_DIR] [WORK_DIR]      (defaults: build, build/prof-regimes)
 #
@@ -46,14 +50,20 @@ run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
 run adamw --model-config "$work/wide.json" --device-mem-gb 0.075 --no-nvme --micro-batches 1 --seq-len 16
 
 echo
-printf '%-8s %-9s %12s %12s %9s %14s\n' regime "bound by" "predicted ms" "measured ms" "worst err" "rec. vs best"
+printf '%-8s %-11s %-11s %12s %12s %9s %9s %14s\n' regime "bound (pr.)" "bound (ms.)" "predicted ms" \
+  "measured ms" "worst err" "rank corr" "rec. vs best"
 for name in compute link nvme adamw; do
   python3 - "$work/$name.json" "$name" <<'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
 c = j["candidates"][0]
-print("%-8s %-9s %12.1f %12.1f %8.1f%% %13.1f%%" % (sys.argv[2], c["bottleneck"], c["predicted_step_s"] * 1e3,
-      c["measured_step_s"] * 1e3, j["worst_prediction_error"] * 100, (j["recommended_vs_best_measured"] - 1) * 100))
+rho = j.get("rank_correlation_spearman")
+print("%-8s %-11s %-11s %12.1f %12.1f %8.1f%% %9s %13.1f%%  (of %d validated)" % (
+      sys.argv[2], c["bottleneck"], c.get("measured_bottleneck") or "-", c["predicted_step_s"] * 1e3,
+      c["measured_step_s"] * 1e3, j["worst_prediction_error"] * 100, "-" if rho is None else "%.2f" % rho,
+      (j["recommended_vs_best_measured"] - 1) * 100, j["validated"]))
 EOF
 done
-echo "(targets: worst error <= 15%, recommended within 5% of the fastest validated; details in $work/*.out, pictures *.svg)"
+echo "(bound (pr.) / (ms.): the recommended configuration's bottleneck, predicted / measured in its traced step)"
+echo "(targets: worst error <= 15%, rank correlation >= 0.8, recommended within 5% of the fastest validated;"
+echo " details in $work/*.out, pictures *.svg)"

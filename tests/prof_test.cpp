@@ -12,10 +12,12 @@
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -287,6 +289,124 @@ TEST(PerfModel, SpearmanRanksAsTheTextbookDoes) {
   EXPECT_FALSE(spearman({1, 2}, {1, 2}).has_value());        // too few to rank
   EXPECT_FALSE(spearman({1, 2, 3}, {4, 4, 4}).has_value());  // no order on one side
   EXPECT_THROW(spearman({1, 2, 3}, {1, 2}), Error);
+}
+
+// A ranked candidate of the given placement (nothing else of it matters to the picks).
+Candidate ranked_as(Tier params, Tier opt, Tier grads, bool early = false) {
+  Candidate c;
+  c.config = placed(params, opt, grads);
+  c.plan.early_optimizer_step = early;
+  return c;
+}
+
+TEST(PerfModel, PlacementClassNamesEveryPiecesTiers) {
+  Candidate c = ranked_as(Tier::kHost, Tier::kDevice, Tier::kHost, true);
+  c.config.params = Placement{0, 0.5};  // half host, half NVMe
+  EXPECT_EQ(placement_class(c), "params host+nvme, optimizer device, grads host, early step");
+  c.config.optimizer = Placement{0.5, 0.5};
+  c.plan.early_optimizer_step = false;
+  EXPECT_EQ(placement_class(c), "params host+nvme, optimizer device+host, grads host");
+  // The window, micro-batch and checkpointing are not the class.
+  Candidate d = c;
+  d.config.max_live_parameters = 1234;
+  d.micro_batch = 8;
+  d.checkpoint = true;
+  EXPECT_EQ(placement_class(d), placement_class(c));
+}
+
+// --validate K's spread: the best-ranked of each class not among the top, then low-ranked ones.
+TEST(PerfModel, ValidationPicksSpreadOverClassesAndRanks) {
+  using T = Tier;
+  const std::vector<Candidate> r = {
+      ranked_as(T::kHost, T::kHost, T::kHost),        // 0  A
+      ranked_as(T::kHost, T::kHost, T::kHost),        // 1  A
+      ranked_as(T::kHost, T::kHost, T::kHost),        // 2  A
+      ranked_as(T::kDevice, T::kHost, T::kHost),      // 3  B
+      ranked_as(T::kHost, T::kHost, T::kHost),        // 4  A
+      ranked_as(T::kNvme, T::kHost, T::kHost),        // 5  C
+      ranked_as(T::kDevice, T::kHost, T::kHost),      // 6  B
+      ranked_as(T::kNvme, T::kNvme, T::kNvme),        // 7  D
+      ranked_as(T::kHost, T::kHost, T::kHost, true),  // 8  E: A with the early step
+      ranked_as(T::kNvme, T::kNvme, T::kHost)};       // 9  F
+  const auto summary = [](const std::vector<ValidationPick>& picks) {
+    std::string s;
+    for (const ValidationPick& p : picks) s += fmt::format("{}:{}; ", p.index, p.reason);
+    return s;
+  };
+  // Two of the four for classes (B, C), two low: the median's rank 5 is taken, so the next, 6.
+  EXPECT_EQ(summary(validation_picks(r, 2, 4)),
+            "0:top; 1:top; 3:best of class; 5:best of class; 6:low-ranked (median); "
+            "9:low-ranked (last); ");
+  // Room for every class: each of B..F once, by its best rank; the last is F's best already.
+  const std::vector<ValidationPick> wide = validation_picks(r, 2, 8);
+  EXPECT_EQ(summary(wide),
+            "0:top; 1:top; 3:best of class; 5:best of class; 6:low-ranked (median); "
+            "7:best of class; 8:best of class; 9:best of class; ");
+  std::set<std::string> classes, all;
+  std::set<std::size_t> seen;
+  for (const ValidationPick& p : wide) {
+    classes.insert(placement_class(r[p.index]));
+    EXPECT_TRUE(seen.insert(p.index).second) << "picked twice: " << p.index;
+  }
+  for (const Candidate& c : r) all.insert(placement_class(c));
+  EXPECT_EQ(classes, all);
+  EXPECT_EQ(all.size(), 6u);
+  // The cap holds whatever the spread, and no candidate comes twice.
+  for (std::size_t top : {0, 1, 3, 10, 12})
+    for (std::size_t spread : {0, 1, 2, 3, 5, 20}) {
+      const std::vector<ValidationPick> picks = validation_picks(r, top, spread);
+      SCOPED_TRACE(fmt::format("top {} spread {}: {}", top, spread, summary(picks)));
+      EXPECT_LE(picks.size(), std::min(r.size(), top + spread));
+      std::set<std::size_t> once;
+      for (const ValidationPick& p : picks) {
+        EXPECT_TRUE(once.insert(p.index).second);
+        EXPECT_EQ(p.reason == "top", p.index < top);
+      }
+      EXPECT_TRUE(std::is_sorted(picks.begin(), picks.end(),
+                                 [](const auto& a, const auto& b) { return a.index < b.index; }));
+    }
+  // No spread: the best K only. One: the best of a new class. Classes exhausted: low-ranked.
+  EXPECT_EQ(summary(validation_picks(r, 3, 0)), "0:top; 1:top; 2:top; ");
+  EXPECT_EQ(summary(validation_picks(r, 3, 1)), "0:top; 1:top; 2:top; 3:best of class; ");
+  const std::vector<Candidate> one_class(5, ranked_as(T::kHost, T::kHost, T::kHost));
+  EXPECT_EQ(summary(validation_picks(one_class, 1, 4)),
+            "0:top; 2:low-ranked (median); 4:low-ranked (last); ");
+  EXPECT_EQ(summary(validation_picks(std::vector<Candidate>(2, one_class[0]), 1, 4)),
+            "0:top; 1:low-ranked (last); ");
+  EXPECT_TRUE(validation_picks({}, 3, 4).empty());
+}
+
+// A traced step's measured bottleneck: the lane busy longest, its overlapping intervals counted
+// once (three NVMe requests in flight together are 1 s of the drive, not 2.2).
+TEST(PerfModel, LaneBusyIsTheUnionOfEachLanesIntervals) {
+  using R = Resource;
+  const auto span = [](R lane, double start, double end, const char* what) {
+    return Interval{lane, start, end, what, "", 0};
+  };
+  const std::vector<Interval> sched = {
+      span(R::kCompute, 0.0, 1.0, "fwd layers.0"), span(R::kCompute, 0.5, 1.5, "adamw layers.0"),
+      span(R::kCompute, 2.0, 2.5, "bwd layers.0"), span(R::kH2D, 0.0, 0.8, "copy_h2d"),
+      span(R::kNvme, 0.0, 1.0, "read a"),          span(R::kNvme, 0.0, 1.0, "read b"),
+      span(R::kNvme, 0.2, 0.4, "read c"),          span(R::kCpu, 3.0, 3.0, "empty"),
+      span(R::kCount, 0.0, 9.0, "not a lane")};
+  const LaneBusy b = lane_busy(sched);
+  EXPECT_NEAR(b.busy_s[int(R::kCompute)], 2.0, 1e-12);
+  EXPECT_NEAR(b.busy_s[int(R::kH2D)], 0.8, 1e-12);
+  EXPECT_NEAR(b.busy_s[int(R::kNvme)], 1.0, 1e-12);
+  EXPECT_EQ(b.busy_s[int(R::kCpu)], 0.0);
+  EXPECT_EQ(b.busy_s[int(R::kD2H)], 0.0);
+  ASSERT_TRUE(b.busiest.has_value());
+  EXPECT_EQ(*b.busiest, R::kCompute);
+  // The drive alone, once its requests outlast the compute.
+  std::vector<Interval> more = sched;
+  more.push_back(span(R::kNvme, 1.0, 2.1, "write a"));
+  EXPECT_EQ(*lane_busy(more).busiest, R::kNvme);
+  EXPECT_NEAR(lane_busy(more).busy_s[int(R::kNvme)], 2.1, 1e-12);
+  EXPECT_FALSE(lane_busy({}).busiest.has_value());
+  EXPECT_FALSE(lane_busy({span(R::kCpu, 1.0, 1.0, "empty")}).busiest.has_value());
+  // Ties go to the first lane, as the prediction's bottleneck does.
+  const double tied[int(R::kCount)] = {0, 2, 2, 1, 0, 0};
+  EXPECT_EQ(busiest(tied), R::kH2D);
 }
 
 TEST(PerfModel, LanesOnSharedCoresShareThem) {
@@ -891,6 +1011,81 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
     std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
 }
 
+// --validate K's spread: beside the best K, the best of other placement classes and low-ranked
+// ones, each saying why it ran and what bound its traced step; the summary is over all of them.
+TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
+  TempDir d("strata-prof");
+  const std::vector<std::string> args = {"--model-config",
+                                         tiny_model(d.path),
+                                         "--device",
+                                         "cpu",
+                                         "--seq-len",
+                                         "32",
+                                         "--no-nvme",
+                                         "--micro-batches",
+                                         "2",
+                                         "--out",
+                                         d.path + "/best.json",
+                                         "--svg",
+                                         "",
+                                         "--top",
+                                         "1",
+                                         "--validate",
+                                         "1",
+                                         "--validate-spread",
+                                         "4",
+                                         "--validate-steps",
+                                         "2",
+                                         "--trace",
+                                         d.path + "/trace.json",
+                                         "--json"};
+  const auto r = testing::run(STRATA_PROF_BIN, args, d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  const int feasible = j["candidates_feasible"].get<int>();
+  ASSERT_GE(feasible, 4) << "too few candidates for a spread";
+  EXPECT_EQ(j["validated_top"].get<int>(), 1);
+  std::set<std::string> classes;
+  std::map<std::string, int> reasons;
+  int validated = 0, last_rank = 0;
+  for (const auto& c : j["candidates"]) {
+    EXPECT_GT(c["rank"].get<int>(), last_rank) << "in rank order, once each";
+    last_rank = c["rank"].get<int>();
+    if (!c.contains("validated_as")) continue;
+    ++validated;
+    const std::string why = c["validated_as"], cls = c["placement_class"];
+    ++reasons[why];
+    SCOPED_TRACE(c.dump());
+    if (why == "top") {
+      EXPECT_EQ(c["rank"].get<int>(), 1);
+    } else if (why == "best of class") {
+      EXPECT_FALSE(classes.contains(cls)) << "a class already run";
+    } else if (why == "low-ranked (last)") {
+      EXPECT_EQ(c["rank"].get<int>(), feasible);
+    }
+    if (why == "top" || why == "best of class") classes.insert(cls);
+    // The measured bottleneck is the lane busiest in the run's traced step.
+    const std::string bound = c["measured_bottleneck"];
+    double most = 0;
+    for (const auto& [lane, s] : c["measured_busy_s"].items())
+      most = std::max(most, s.get<double>());
+    EXPECT_GT(most, 0);
+    EXPECT_EQ(c["measured_busy_s"][bound].get<double>(), most);
+  }
+  EXPECT_EQ(validated, j["validated"].get<int>());
+  EXPECT_LE(validated, 1 + 4);
+  EXPECT_EQ(reasons["top"], 1);
+  EXPECT_EQ(reasons["low-ranked (median)"], 1);
+  EXPECT_EQ(reasons["low-ranked (last)"], 1);
+  EXPECT_GE(reasons["best of class"], 1) << "the tiny model has more than one class that fits";
+  // Spearman over every run, top or spread (the summary's).
+  EXPECT_TRUE(j["rank_correlation_spearman"].is_number()) << j.dump();
+  EXPECT_NE(r.out.find(fmt::format("over {} runs", validated)), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("chosen as"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("low-ranked (last)"), std::string::npos) << r.out;
+  EXPECT_EQ(j["trace_file"], d.path + "/trace.json");
+}
+
 // The --config's micro-batch is what the search centres on (B/2, B, 2B), as its dtype and
 // accumulation are the defaults of --dtype and --grad-accum (it searched 1 and 2 and wrote
 // B=1 over a train_batch_size of 16); a recommendation that changes the global batch says so
@@ -1321,7 +1516,10 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
            {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
            {{"--trace", d.path + "/t.json"},
-            "--trace, --data and --text are for the validation runs: add --validate K"},
+            "--trace, --data, --text and --validate-spread are for the validation runs: add "
+            "--validate K"},
+           {{"--validate-spread", "2"},
+            "--trace, --data, --text and --validate-spread are for the validation runs"},
            {{"--micro-batch", "4", "--micro-batches", "2"}, "--micro-batch 4 and --micro-batches"},
            {{"--validate", "1", "--data", d.path + "/nope.bin"},
             "--data " + d.path + "/nope.bin: no such file"},

@@ -41,6 +41,7 @@ struct Args {
   bool no_nvme = false;
   int top = 5;
   int validate = 0;
+  int validate_spread = 4;  // with --validate K: up to this many more, of other classes and low
   int validate_steps = 4;
   std::string out = "strata-prof.ds_config.json";
   std::string svg = "strata-prof.svg";
@@ -49,6 +50,7 @@ struct Args {
   // Which of --out, --svg, --trace the user named: the default files (strata-prof.*) are the
   // tool's own and replaced without --overwrite, as a re-run in the same folder expects.
   bool out_named = false, svg_named = false, trace_named = false;
+  bool validate_spread_named = false;  // (refused without --validate)
   bool json = false;
   // Set in main: the --config as the user wrote it (plus the flags), before this machine's
   // defaults; and whether the host budget came from the user.
@@ -108,9 +110,11 @@ struct Validation {
   bool have_trace = false;
   int exit_code = 0;
 };
-// --validate K: runs the best K, prints predicted against measured, and adds the figures to
-// `cands` (one per candidate) and `j`.
-Validation validate(const Args& a, const std::vector<Candidate>& ranked, const ModelConfig& mcfg,
+// --validate K: runs the picked candidates (validation_picks: the best K and the spread), prints
+// predicted against measured step time and bottleneck, and adds the figures to `cands` (the
+// entry of each by its "rank") and `j`.
+Validation validate(const Args& a, const std::vector<Candidate>& ranked,
+                    const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
                     const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
                     nlohmann::json& j);
 

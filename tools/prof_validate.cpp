@@ -170,16 +170,30 @@ std::string write_token_file(const Args& a, const std::string& work, const Model
   return data_file;
 }
 
-// The validation's summary: failures, the worst prediction error and how the recommended
-// configuration fared against the fastest validated (printed on rank 0, and into `j`).
-int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::size_t k,
-                      int failed, double worst, const std::vector<double>& measured,
-                      const std::vector<double>& measured_tps, bool trace_written, bool talk,
-                      nlohmann::json& j) {
+// What the validation runs measured, one entry a pick (0: the run failed).
+struct Runs {
+  std::vector<double> step_s, tokens_per_s;
+  double worst = 0;  // the largest prediction error, relative to the measured step
+  int failed = 0;
+};
+
+// The validation's summary: failures, the worst prediction error, the rank correlation and how
+// the recommended configuration fared against the fastest validated, all over every validated
+// candidate, top or spread (printed on rank 0, and into `j`).
+int report_validation(const Args& a, const std::vector<Candidate>& ranked,
+                      const std::vector<ValidationPick>& picks, const Runs& runs,
+                      bool trace_written, bool talk, nlohmann::json& j) {
   const std::string& trace = a.trace;
+  const std::size_t k = picks.size();
+  const int failed = runs.failed;
+  const double worst = runs.worst;
   int exit_code = 0;
-  // How much slower the recommended configuration trains than the fastest validated (>= 1).
-  const std::size_t best_measured_i = fastest_validated(ranked, measured);
+  // How much slower the recommended configuration (picks[0], ranked first) trains than the
+  // fastest validated (>= 1).
+  std::vector<Candidate> run_cands;
+  for (const ValidationPick& p : picks) run_cands.push_back(ranked[p.index]);
+  const std::size_t best_measured_i = fastest_validated(run_cands, runs.step_s);
+  const std::vector<double>& measured_tps = runs.tokens_per_s;
   const double rec_vs_best = measured_tps[0] > 0 && best_measured_i < k
                                  ? measured_tps[best_measured_i] / measured_tps[0]
                                  : 0;
@@ -193,45 +207,70 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked, std::
   std::vector<double> predicted_ok, measured_ok;
   for (std::size_t i = 0; i < k; ++i)
     if (measured_tps[i] > 0) {
-      predicted_ok.push_back(ranked[i].prediction.tokens_per_s);
+      predicted_ok.push_back(run_cands[i].prediction.tokens_per_s);
       measured_ok.push_back(measured_tps[i]);
     }
   const std::optional<double> rho = spearman(predicted_ok, measured_ok);
+  const double rec_step = runs.step_s[0];
   if (talk) {
     if (rho)
       std::printf(
           "rank correlation of predicted and measured tokens/s (Spearman) %.2f over %zu runs "
           "(target 0.8)\n",
           *rho, predicted_ok.size());
-    if (measured[0] <= 0 && validated_ok > 0)
+    if (rec_step <= 0 && validated_ok > 0)
       std::printf(
           "worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended "
-          "configuration's "
-          "run FAILED\n",
+          "configuration's run FAILED\n",
           worst * 100, validated_ok);
-    if (measured[0] > 0) {
+    if (rec_step > 0) {
       std::printf(
           "worst prediction error %.1f%% (target 15%%); the recommended configuration measured "
-          "%.1f ms "
-          "(%.0f tokens/s), %s\n",
-          worst * 100, measured[0] * 1e3, measured_tps[0],
-          best_measured_i == 0 ? "the fastest of those validated"
-                               : fmt::format("{:.1f}% slower than #{} in tokens/s (target 5%)",
-                                             (rec_vs_best - 1) * 100, best_measured_i + 1)
-                                     .c_str());
+          "%.1f ms (%.0f tokens/s), %s\n",
+          worst * 100, rec_step * 1e3, measured_tps[0],
+          best_measured_i == 0
+              ? "the fastest of those validated"
+              : fmt::format("{:.1f}% slower than #{} in tokens/s (target 5%)",
+                            (rec_vs_best - 1) * 100, picks[best_measured_i].index + 1)
+                    .c_str());
     }
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
   }
   j["validated"] = k;
+  j["validated_top"] = std::count_if(picks.begin(), picks.end(),
+                                     [](const ValidationPick& p) { return p.reason == "top"; });
   j["validation_failures"] = failed;
   j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
   j["rank_correlation_spearman"] = rho ? nlohmann::json(*rho) : nlohmann::json(nullptr);
   j["recommended_vs_best_measured"] =
-      measured[0] > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
+      rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
+}
+
+// The --json entry of the candidate ranked `index` (candidates_json wrote one for each pick).
+nlohmann::json& entry_of(nlohmann::json& cands, std::size_t index) {
+  for (nlohmann::json& c : cands)
+    if (c["rank"] == index + 1) return c;
+  STRATA_THROW(kInternal, "no --json entry for candidate #{}", index + 1);
+}
+
+// What validate() prints before the runs: which candidates, and the table's head.
+void print_validation_head(const Args& a, const std::vector<ValidationPick>& picks) {
+  const std::size_t top = std::size_t(std::count_if(
+      picks.begin(), picks.end(), [](const ValidationPick& p) { return p.reason == "top"; }));
+  if (top == picks.size())
+    std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", top,
+                a.validate_steps);
+  else
+    std::printf(
+        "\nvalidating the best %zu and %zu more for spread, the best of other placement classes "
+        "and low-ranked ones (%d steps each, the first not timed):\n",
+        top, picks.size() - top, a.validate_steps);
+  std::printf("  %-4s %12s %12s %8s %10s  %-18s %-19s  %s\n", "#", "predicted ms", "measured ms",
+              "error", "tokens/s", "bound by pred/meas", "chosen as", "configuration");
 }
 
 }  // namespace
@@ -307,12 +346,12 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
 }
 
 // ---- validation ----
-Validation validate(const Args& a, const std::vector<Candidate>& ranked, const ModelConfig& mcfg,
+Validation validate(const Args& a, const std::vector<Candidate>& ranked,
+                    const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
                     const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
                     nlohmann::json& j) {
   Validation out;
-  std::vector<Interval>& measured_sched = out.measured_sched;
-  const std::size_t k = std::min<std::size_t>(std::size_t(a.validate), ranked.size());
+  const std::size_t k = picks.size();
   const std::string work =
       (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
        fmt::format("prof-work-{}", ::getpid()))
@@ -321,12 +360,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked, const M
   const std::string data_file = a.data_files.empty() && a.text_file.empty()
                                     ? write_token_file(a, work, mcfg, world_size)
                                     : std::string();
-  if (talk)
-    std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", k,
-                a.validate_steps);
-  if (talk)
-    std::printf("  %-3s %12s %12s %8s %10s  %s\n", "#", "predicted ms", "measured ms", "error",
-                "tokens/s", "configuration");
+  if (talk) print_validation_head(a, picks);
   const std::string& trace = a.trace;
   bool trace_written = false;  // only by the recommended configuration's run, when it ran
   {
@@ -336,54 +370,72 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked, const M
   }
   // The candidates may differ in micro-batch size: which is fastest is a matter of tokens a
   // second (what the search ranks by), not of step time (fastest_validated).
-  double worst = 0;
-  int failed = 0;
-  std::vector<double> measured(k), measured_tps(k, 0.0);
-  for (std::size_t i = 0; i < k; ++i) {
+  Runs runs;
+  runs.step_s.assign(k, 0.0);
+  runs.tokens_per_s.assign(k, 0.0);
+  for (std::size_t n = 0; n < k; ++n) {
+    const std::size_t i = picks[n].index;
     const Candidate& c = ranked[i];
+    nlohmann::json& entry = entry_of(cands, i);
+    entry["validated_as"] = picks[n].reason;
+    const std::string predicted_bound = resource_name(c.prediction.bottleneck);
+    // Every run's last step is traced, for its measured bottleneck: the recommended one's into
+    // --trace, the others' (and with --trace "" that one's too) into the work folder.
+    const std::string trace_file = i == 0 && !trace.empty()
+                                       ? trace
+                                       : (fs::path(work) / fmt::format("trace{}.json", i)).string();
     Tracer::global().clear();
     Measured mres;
     try {
-      mres = run_candidate(a, c, work, data_file, i == 0 ? trace : std::string(), int(i));
+      mres = run_candidate(a, c, work, data_file, trace_file, int(i));
     } catch (const Error& e) {
       // A configuration the planner passed and the run refused is a finding, not the end.
-      ++failed;
+      ++runs.failed;
       if (talk)
-        std::printf("  %-3zu %12.1f %12s %8s %10s  %s\n      FAILED: %s\n", i + 1,
-                    c.prediction.step_s * 1e3, "-", "-", "-", c.label.c_str(),
-                    e.user_message().c_str());
-      cands[i]["validation_error"] = e.user_message();
-      for (const char* k2 :
-           {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "prediction_error"})
-        cands[i][k2] = nullptr;
-      measured[i] = 0;
+        std::printf("  %-4zu %12.1f %12s %8s %10s  %-18s %-19s  %s\n      FAILED: %s\n", i + 1,
+                    c.prediction.step_s * 1e3, "-", "-", "-", (predicted_bound + " / -").c_str(),
+                    picks[n].reason.c_str(), c.label.c_str(), e.user_message().c_str());
+      entry["validation_error"] = e.user_message();
+      for (const char* k2 : {"measured_step_s", "measured_tokens_per_s", "measured_steps_s",
+                             "prediction_error", "measured_bottleneck", "measured_busy_s"})
+        entry[k2] = nullptr;
       continue;
     }
+    const std::vector<Interval> sched = measured_schedule(Tracer::global().spans());
+    Tracer::global().clear();
+    const LaneBusy busy = lane_busy(sched);
     if (i == 0) {
-      trace_written = fs::exists(trace);
-      measured_sched = measured_schedule(Tracer::global().spans());
-      out.have_trace = !measured_sched.empty();
+      trace_written = !trace.empty() && fs::exists(trace);
+      out.measured_sched = sched;
+      out.have_trace = !sched.empty();
       out.measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
-      Tracer::global().clear();
     }
-    measured[i] = mres.step_s;
-    measured_tps[i] = measured_tokens_per_s(c, mres.step_s);
+    runs.step_s[n] = mres.step_s;
+    runs.tokens_per_s[n] = measured_tokens_per_s(c, mres.step_s);
     const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
-    worst = std::max(worst, std::abs(err));
+    runs.worst = std::max(runs.worst, std::abs(err));
+    const std::string measured_bound = busy.busiest ? resource_name(*busy.busiest) : "-";
     if (talk) {
-      std::printf("  %-3zu %12.1f %12.1f %+7.1f%% %10.0f  %s\n", i + 1, c.prediction.step_s * 1e3,
-                  mres.step_s * 1e3, err * 100, measured_tps[i], c.label.c_str());
+      std::printf("  %-4zu %12.1f %12.1f %+7.1f%% %10.0f  %-18s %-19s  %s\n", i + 1,
+                  c.prediction.step_s * 1e3, mres.step_s * 1e3, err * 100, runs.tokens_per_s[n],
+                  (predicted_bound + " / " + measured_bound).c_str(), picks[n].reason.c_str(),
+                  c.label.c_str());
       std::fflush(stdout);
     }
-    cands[i]["measured_step_s"] = mres.step_s;
-    cands[i]["measured_tokens_per_s"] = measured_tps[i];
-    cands[i]["measured_steps_s"] = mres.steps;
-    cands[i]["prediction_error"] = err;
+    entry["measured_step_s"] = mres.step_s;
+    entry["measured_tokens_per_s"] = runs.tokens_per_s[n];
+    entry["measured_steps_s"] = mres.steps;
+    entry["prediction_error"] = err;
+    nlohmann::json busy_s;
+    for (int r = 0; r < int(Resource::kCount); ++r)
+      busy_s[resource_name(Resource(r))] = busy.busy_s[r];
+    entry["measured_busy_s"] = busy.busiest ? busy_s : nlohmann::json(nullptr);
+    entry["measured_bottleneck"] =
+        busy.busiest ? nlohmann::json(measured_bound) : nlohmann::json(nullptr);
   }
   std::error_code ec;
   fs::remove_all(work, ec);
-  out.exit_code = report_validation(a, ranked, k, failed, worst, measured, measured_tps,
-                                    trace_written, talk, j);
+  out.exit_code = report_validation(a, ranked, picks, runs, trace_written, talk, j);
   return out;
 }
 

@@ -9,8 +9,9 @@
 //   predict   src/scheduler/perf_model.cpp replays the engine's step on those rates.
 //   search    placements x live window x micro-batch x checkpointing, filtered by the memory
 //             planner; the best few printed, the best written as a ds_config.json.
-//   validate  (--validate K) the top K run through strata::train for a few steps; predicted vs
-//             measured step time, and the Chrome trace of the best.
+//   validate  (--validate K) the top K and a spread of others (the best of other placement
+//             classes, low-ranked ones) run through strata::train for a few steps; predicted vs
+//             measured step time and bottleneck, and the Chrome trace of the best.
 //   picture   an SVG with the best candidate's step per resource lane (predicted, and measured
 //             when validated) and the bytes per tier of the top candidates.
 //
@@ -25,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -86,9 +88,9 @@ void check_flags(const Args& a) {
                  "--data and --text: the validation runs read one of "
                  "them; give one");
   STRATA_REQUIRE(a.validate > 0 || ((!a.trace_named || a.trace.empty()) && a.data_files.empty() &&
-                                    a.text_file.empty()),
-                 "--trace, --data and --text are for the validation runs: add --validate K (or "
-                 "leave them out)");
+                                    a.text_file.empty() && !a.validate_spread_named),
+                 "--trace, --data, --text and --validate-spread are for the validation runs: add "
+                 "--validate K (or leave them out)");
   for (const std::string& f : a.data_files)
     STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
   STRATA_REQUIRE(a.text_file.empty() || fs::is_regular_file(a.text_file), "--text {}: no such file",
@@ -402,9 +404,10 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
     j["candidates"] = nlohmann::json::array();
     if (a.validate > 0) {
       j["validated"] = 0;
+      j["validated_top"] = 0;
       j["validation_failures"] = 0;
-      for (const char* k2 :
-           {"worst_prediction_error", "recommended_vs_best_measured", "trace_file"})
+      for (const char* k2 : {"worst_prediction_error", "rank_correlation_spearman",
+                             "recommended_vs_best_measured", "trace_file"})
         j[k2] = nullptr;
     }
     j["problems"] = sr.problems;
@@ -438,18 +441,22 @@ void print_ranked(const SearchResult& sr, std::size_t shown) {
   std::fflush(stdout);
 }
 
-// The candidates for --json: the printed ones, and every validated one (--top 1 --validate 3).
-nlohmann::json candidates_json(const Args& a, const SearchResult& sr, std::size_t shown) {
+// The candidates for --json, in rank order: the printed ones, and every one to validate (--top 1
+// --validate 3, and the spread's, ranked anywhere).
+nlohmann::json candidates_json(const SearchResult& sr, std::size_t shown,
+                               const std::vector<ValidationPick>& picks) {
   nlohmann::json cands = nlohmann::json::array();
-  const std::size_t in_json =
-      std::min(sr.ranked.size(), std::max(shown, std::size_t(std::max(0, a.validate))));
-  for (std::size_t i = 0; i < in_json; ++i) {
+  std::set<std::size_t> in_json;
+  for (std::size_t i = 0; i < shown; ++i) in_json.insert(i);
+  for (const ValidationPick& p : picks) in_json.insert(p.index);
+  for (const std::size_t i : in_json) {
     const Candidate& c = sr.ranked[i];
     nlohmann::json busy;
     for (int r = 0; r < int(Resource::kCount); ++r)
       busy[resource_name(Resource(r))] = c.prediction.busy_s[r];
     cands.push_back({{"rank", i + 1},
                      {"label", c.label},
+                     {"placement_class", placement_class(c)},
                      {"micro_batch", c.micro_batch},
                      {"checkpoint", !c.checkpoint          ? "off"
                                     : c.checkpoint_on_host ? "host"
@@ -500,11 +507,16 @@ int run(Args a) {
   if (talk) print_ranked(sr, shown);
   const Candidate& best = sr.ranked[0];
   if (talk && !a.out.empty()) write_recommendation(a, best, m, config_train_batch);
-  nlohmann::json cands = candidates_json(a, sr, shown);
+  const std::vector<ValidationPick> picks =
+      a.validate > 0
+          ? validation_picks(sr.ranked, std::size_t(a.validate), std::size_t(a.validate_spread))
+          : std::vector<ValidationPick>{};
+  nlohmann::json cands = candidates_json(sr, shown, picks);
 
   // ---- validate ----
   Validation v;
-  if (a.validate > 0) v = validate(a, sr.ranked, mcfg, nvme.dir, launch.world_size, talk, cands, j);
+  if (a.validate > 0)
+    v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk, cands, j);
   if (talk && !a.svg.empty()) {
     write_svg(a.svg, best, v.have_trace ? &v.measured_sched : nullptr, v.measured_best_step,
               std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
@@ -571,7 +583,13 @@ int main(int argc, char** argv) {
                  "~/.cache/strata/prof-nvme installed)");
   app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
   app.add_option("--top", a.top, "candidates to print (default 5)")->check(CLI::Range(1, 100));
-  app.add_option("--validate", a.validate, "run the best K for a few steps and compare (default 0)")
+  app.add_option("--validate", a.validate,
+                 "run the best K for a few steps and compare, with the spread (default 0)")
+      ->check(CLI::Range(0, 20));
+  app.add_option("--validate-spread", a.validate_spread,
+                 "with --validate K: up to N more runs, so that a wrong ranking can show: the best "
+                 "of each placement class not among the K, the median and the last-ranked "
+                 "(default 4; 0: the best K only)")
       ->check(CLI::Range(0, 20));
   app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")
       ->check(CLI::Range(2, 100));
@@ -588,6 +606,7 @@ int main(int argc, char** argv) {
     a.out_named = app.count("--out") > 0;
     a.svg_named = app.count("--svg") > 0;
     a.trace_named = app.count("--trace") > 0;
+    a.validate_spread_named = app.count("--validate-spread") > 0;
     return strata::prof::run(a);
   });
 }

@@ -173,6 +173,39 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked,
 // measured tokens a second. Empty with fewer than 3 pairs, or when either side is all ties.
 std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y);
 
+// A candidate's placement class: the tiers its weights, gradients and optimizer state occupy
+// (joined by "+" where split) and whether the early optimizer step runs, e.g. "params host+nvme,
+// optimizer host, grads host, early step". Candidates of one class differ only in live window,
+// micro-batch, checkpointing or buffer counts.
+std::string placement_class(const Candidate& c);
+
+// A candidate strata-prof --validate runs, and why it was chosen.
+struct ValidationPick {
+  std::size_t index = 0;  // into the ranked candidates
+  // "top" (among the best `top`), "best of class" (the best-ranked of a placement class not
+  // yet chosen), "low-ranked (median)" or "low-ranked (last)".
+  std::string reason;
+};
+// The ranked candidates --validate runs, in rank order: the best `top`, then up to `spread`
+// others so that a wrong ranking can show — the best-ranked candidate of each placement class
+// not already chosen (best first), and, ranked low, the median (or the first rank below it not
+// yet chosen) and the last (these two keep up to half of `spread`, and take what the classes
+// leave). No candidate twice; at most top + spread.
+std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranked, std::size_t top,
+                                             std::size_t spread);
+
+// The busiest of `busy_s` (per Resource): the first of the largest. The bottleneck of a step.
+Resource busiest(const double (&busy_s)[int(Resource::kCount)]);
+
+// How long each lane of `schedule` was busy: the union of its intervals (overlapping ones on one
+// lane, as NVMe requests in flight together or two device streams computing, count once), and
+// the busiest lane: a traced step's measured bottleneck (nullopt when nothing was busy).
+struct LaneBusy {
+  double busy_s[int(Resource::kCount)] = {};
+  std::optional<Resource> busiest;
+};
+LaneBusy lane_busy(const std::vector<Interval>& schedule);
+
 // A ds_config.json text that parse_engine_config reads back as `config` (the placement,
 // prefetch, live-parameter and batch settings, precision, optimizer, aio).
 std::string engine_config_json(const EngineConfig& config);

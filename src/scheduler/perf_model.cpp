@@ -297,10 +297,7 @@ class Replay {
     pr.step_s = h - pass_start;
 
     for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r] - busy_before[r];
-    int best = 0;
-    for (int r = 1; r < int(Resource::kCount); ++r)
-      if (pr.busy_s[r] > pr.busy_s[best]) best = r;
-    pr.bottleneck = Resource(best);
+    pr.bottleneck = busiest(pr.busy_s);
     pr.tokens_per_s = pr.step_s > 0
                           ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) *
                                 double(W) / pr.step_s
@@ -1047,6 +1044,86 @@ std::optional<double> spearman(const std::vector<double>& x, const std::vector<d
   }
   if (sxx == 0 || syy == 0) return std::nullopt;  // every value tied: no order to compare
   return sxy / std::sqrt(sxx * syy);
+}
+
+std::string placement_class(const Candidate& c) {
+  const auto tiers = [](const Placement& p) {
+    std::string s;
+    const std::pair<double, Tier> parts[] = {{p.device_fraction, Tier::kDevice},
+                                             {p.host_fraction, Tier::kHost},
+                                             {p.nvme_fraction(), Tier::kNvme}};
+    for (const auto& [fraction, tier] : parts) {
+      if (fraction <= 1e-9) continue;
+      if (!s.empty()) s += '+';
+      s += tier_name(tier);
+    }
+    return s;
+  };
+  const EngineConfig& k = c.config;
+  return fmt::format("params {}, optimizer {}, grads {}{}", tiers(k.params), tiers(k.optimizer),
+                     tiers(k.grads), c.plan.early_optimizer_step ? ", early step" : "");
+}
+
+std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranked, std::size_t top,
+                                             std::size_t spread) {
+  const std::size_t n = ranked.size();
+  std::vector<ValidationPick> picks;
+  std::vector<bool> chosen(n, false);
+  std::set<std::string> classes;
+  const auto pick = [&](std::size_t i, const char* reason) {
+    chosen[i] = true;
+    classes.insert(placement_class(ranked[i]));
+    picks.push_back({i, reason});
+  };
+  for (std::size_t i = 0; i < std::min(top, n); ++i) pick(i, "top");
+  // The low-ranked ones keep up to half of the spread; the classes may take the rest.
+  const std::size_t low = std::min<std::size_t>(2, spread / 2);
+  std::size_t extra = 0;
+  for (std::size_t i = 0; i < n && extra < spread - low; ++i)
+    if (!chosen[i] && !classes.contains(placement_class(ranked[i]))) {
+      pick(i, "best of class");
+      ++extra;
+    }
+  // The median first (the last-ranked may take many times the best's step): the middle rank, or
+  // the next below it not yet chosen.
+  std::size_t mid = n / 2;
+  while (mid + 1 < n && chosen[mid]) ++mid;
+  if (mid + 1 < n && extra < spread) {
+    pick(mid, "low-ranked (median)");
+    ++extra;
+  }
+  if (n > 0 && extra < spread && !chosen[n - 1]) pick(n - 1, "low-ranked (last)");
+  std::sort(picks.begin(), picks.end(),
+            [](const ValidationPick& a, const ValidationPick& b) { return a.index < b.index; });
+  return picks;
+}
+
+Resource busiest(const double (&busy_s)[int(Resource::kCount)]) {
+  int best = 0;
+  for (int r = 1; r < int(Resource::kCount); ++r)
+    if (busy_s[r] > busy_s[best]) best = r;
+  return Resource(best);
+}
+
+LaneBusy lane_busy(const std::vector<Interval>& schedule) {
+  LaneBusy out;
+  std::vector<std::pair<double, double>> spans[int(Resource::kCount)];
+  for (const Interval& iv : schedule)
+    if (iv.lane != Resource::kCount && iv.end_s > iv.start_s)
+      spans[int(iv.lane)].emplace_back(iv.start_s, iv.end_s);
+  bool any = false;
+  for (int r = 0; r < int(Resource::kCount); ++r) {
+    std::sort(spans[r].begin(), spans[r].end());
+    double covered_to = -kNever;
+    for (const auto& [start, end] : spans[r]) {  // the union: each instant counted once
+      const double from = std::max(start, covered_to);
+      if (end > from) out.busy_s[r] += end - from;
+      covered_to = std::max(covered_to, end);
+    }
+    any = any || out.busy_s[r] > 0;
+  }
+  if (any) out.busiest = busiest(out.busy_s);
+  return out;
 }
 
 namespace {
