@@ -67,7 +67,13 @@ cat >"$work/ds.json" <<EOF
    "sub_group_size": 1e7, "reduce_bucket_size": 1e7, "stage3_param_persistence_threshold": 0,
    "stage3_max_live_parameters": 2e8, "stage3_prefetch_bucket_size": 1e8}}
 EOF
-cat README.md docs/*.md | head -c 400000 >"$work/text.txt"  # some text: 16-token sequences of it
+# Token ids for the model's vocabulary (raw uint32): 100k random ones, 16-token sequences of them.
+python3 -c "
+import array, json, random, sys
+v = json.load(open(sys.argv[1]))['vocab_size']
+random.seed(0)
+array.array('I', (random.randrange(v) for _ in range(100000))).tofile(open(sys.argv[2], 'wb'))" \
+  "$model" "$work/tokens.u32"
 
 echo "== the drive (fio on $nvme)"
 fio_rate() {  # fio_rate write|read|rw [rwmixread] -> bytes/s (read and write together for rw)
@@ -82,7 +88,7 @@ rm -f "$nvme/fio.bin"
 echo "   write $(python3 -c "print(f'{$fio_write/1e9:.2f}')") GB/s, read $(python3 -c "print(f'{$fio_read/1e9:.2f}')") GB/s"
 
 echo "== strata-train, $steps steps"
-"$train" --model-config "$model" --config "$work/ds.json" --text "$work/text.txt" \
+"$train" --model-config "$model" --config "$work/ds.json" --data "$work/tokens.u32" --data-dtype u32 \
   --seq-len 16 --steps "$steps" --device cpu --device-mem-gb 2 --checkpoint-activations \
   --log-json "$work/log.jsonl" --trace "$work/trace.json" --trace-step "$steps" | tee "$work/train.out"
 

@@ -479,6 +479,54 @@ TEST(TokenData, AutoRefusesRawU16WhenTheVocabDoesNotFit) {
   fs::remove_all(dir);
 }
 
+// Text where token ids are read (JSON lines, prose) is refused in every raw format, not read
+// as ids; text read byte by byte is refused for a vocabulary that is not bytes; real ids pass.
+TEST(TokenData, TextIsNotReadAsTokenIdsNorBytesAsAWiderVocabulary) {
+  const fs::path dir = scratch("data6");
+  {
+    std::ofstream f(dir / "chat.jsonl");
+    for (int i = 0; i < 100; ++i)
+      f << R"({"messages": [{"role": "user", "content": "naïve café ✓ )" << i << R"("}]})"
+        << "\n";
+    std::ofstream(dir / "notes.md") << "# Notes\n\nSome prose,\ttabs and 日本語 text.\n";
+    std::ofstream(dir / "corpus.txt") << "hello, strata! hello again, and again.";
+  }
+  DataOptions o;
+  o.batch = 1;
+  o.seq_len = 4;
+  o.vocab_size = 50257;
+  o.files = {(dir / "chat.jsonl").string()};
+  for (TokenFormat f : {TokenFormat::kAuto, TokenFormat::kU16, TokenFormat::kU32}) {
+    o.format = f;
+    expect_error([&] { TokenLoader l(o); },
+                 {"chat.jsonl: this is JSON lines text, not token ids", "tokenizer", "--text"});
+  }
+  o.format = TokenFormat::kAuto;
+  o.files = {(dir / "notes.md").string()};
+  expect_error([&] { TokenLoader l(o); }, {"notes.md: this is text, not token ids"});
+  // Llama 3's vocabulary: the text is named before the id width.
+  o.vocab_size = 128256;
+  expect_error([&] { TokenLoader l(o); }, {"notes.md: this is text"});
+
+  o.vocab_size = 32000;
+  o.files = {(dir / "corpus.txt").string()};
+  for (TokenFormat f : {TokenFormat::kAuto, TokenFormat::kBytes}) {
+    o.format = f;
+    expect_error([&] { TokenLoader l(o); }, {"corpus.txt", "byte by byte", "32000"});
+  }
+  o.vocab_size = 256;
+  EXPECT_EQ(TokenLoader(o).next().tokens[0], 'h');
+
+  // Token ids, even all in the printable range but one, are not text.
+  std::vector<std::uint16_t> ids(300, std::uint16_t(0x4142));
+  ids[150] = 7;
+  o.files = {write_tokens(dir, "ids.bin", ids).string()};
+  o.format = TokenFormat::kAuto;
+  o.vocab_size = 32000;
+  EXPECT_EQ(TokenLoader(o).next().tokens[0], 0x4142);
+  fs::remove_all(dir);
+}
+
 // A shuffled epoch's order depends only on (seed, epoch): reset() replays epoch 0 exactly,
 // and every later epoch too.
 TEST(TokenData, ShuffledEpochOrderDependsOnlyOnSeedAndEpoch) {

@@ -1512,6 +1512,11 @@ TEST(ProfCli, BadInputIsAClearError) {
   // recommendation: an SVG or a trace handed to strata-train as --config), refused before
   // anything is measured, naming the fix.
   std::ofstream(d.path + "/t.txt") << "text";
+  std::ofstream(d.path + "/t.jsonl") << R"({"text": "a document"})"
+                                     << "\n";
+  const std::string v32k = d.path + "/v32k.json";
+  std::ofstream(v32k) << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
   for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
            {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
@@ -1524,7 +1529,11 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--validate", "1", "--data", d.path + "/nope.bin"},
             "--data " + d.path + "/nope.bin: no such file"},
            {{"--validate", "1", "--data", d.path + "/t.txt", "--text", d.path + "/t.txt"},
-            "--data and --text"}}) {
+            "--data and --text"},
+           {{"--validate", "1", "--data", d.path + "/t.jsonl"},
+            d.path + "/t.jsonl: this is JSON lines text, not token ids"},
+           {{"--validate", "1", "--model-config", v32k, "--text", d.path + "/t.txt"},
+            "text is read byte by byte"}}) {
     std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
     v.insert(v.end(), flags.begin(), flags.end());
     const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");

@@ -657,6 +657,18 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})";
   const std::string not_json = dir.path + "/not-json.json";
   std::ofstream(not_json) << R"({"zero_optimization": {)";
+  // Inputs that used to train on garbage without a word: a text file read byte by byte for a
+  // vocabulary that is not bytes, and JSON lines read as raw token ids.
+  const std::string vocab32k = dir.path + "/vocab32k.json";
+  std::ofstream(vocab32k) << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
+  const std::string jsonl = dir.path + "/chat.jsonl";
+  {
+    std::ofstream f(jsonl);
+    for (int i = 0; i < 200; ++i)
+      f << R"({"messages": [{"role": "user", "content": "Ça va? "})" << i << R"("}]})"
+        << "\n";
+  }
   struct Case {
     const char* what;
     std::vector<std::string> args;
@@ -683,6 +695,13 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"--data-dtype with --text",
        {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
        "--data-dtype is the format of --data token files"},
+      {"--text with a model whose vocabulary is not bytes",
+       {"--model-config", vocab32k, "--text", text, "--log-json", log, "--device", "cpu"},
+       "is read byte by byte (ids 0-255: --text, a .txt file or --data-dtype bytes), which only a "
+       "byte-level model reads, but this model's vocab_size is 32000"},
+      {"JSON lines given as token ids",
+       {"--model-config", cfg, "--data", jsonl, "--log-json", log, "--device", "cpu"},
+       jsonl + ": this is JSON lines text, not token ids"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config",
        {"--model-config", dir.path + "/nope.json", "--text", text},

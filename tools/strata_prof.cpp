@@ -36,6 +36,7 @@
 #include "strata/error.h"
 #include "strata/json_config.h"
 #include "strata/log.h"
+#include "strata/model_data.h"
 #include "strata/nvme.h"
 #include "strata/system_info.h"
 #include "tool_main.h"
@@ -475,6 +476,18 @@ nlohmann::json candidates_json(const SearchResult& sr, std::size_t shown,
   return cands;
 }
 
+// The validation runs' data, opened as strata-train opens it (text for ids, bytes for a
+// vocabulary that is not bytes are refused), before the machine is measured, not once a candidate.
+void check_data(const Args& a, const ModelConfig& mcfg) {
+  if (a.data_files.empty() && a.text_file.empty()) return;
+  DataOptions d;
+  d.files = a.text_file.empty() ? a.data_files : std::vector<std::string>{a.text_file};
+  d.format = a.text_file.empty() ? TokenFormat::kAuto : TokenFormat::kBytes;
+  d.vocab_size = mcfg.vocab_size;
+  d.seq_len = 1;
+  TokenLoader check(d);
+}
+
 }  // namespace
 
 int run(Args a) {
@@ -482,6 +495,7 @@ int run(Args a) {
   const bool demo = a.model_dir.empty() && a.model_config.empty();
   const ModelConfig mcfg = load_model(a, demo);
   check_flags(a);
+  check_data(a, mcfg);
   const LaunchInfo launch = init_launch();
   bool config_micro = false, config_train = false;
   EngineConfig base = read_config(a, launch.world_size, config_micro, config_train);

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -48,6 +49,48 @@ struct TokenFile {
   }
 };
 
+// The bytes a text sniff reads: a token file's first ids are as good a sample as any.
+constexpr std::size_t kSniffBytes = 4096;
+
+// True when the first kSniffBytes of [p, p + n) are text: printable ASCII, tabs, line ends and
+// well-formed UTF-8 (a sequence the sample cuts short counts). Token ids read as bytes are not:
+// ids below 0x2000 (most of any vocabulary) give bytes below 0x20 in every uint16 and uint32.
+bool looks_like_text(const std::uint8_t* p, std::size_t n) {
+  n = std::min(n, kSniffBytes);
+  if (n == 0) return false;
+  for (std::size_t i = 0; i < n;) {
+    const std::uint8_t c = p[i];
+    if (c == '\t' || c == '\n' || c == '\r' || (c >= 0x20 && c < 0x7f)) {
+      ++i;
+      continue;
+    }
+    const std::size_t len = c >= 0xc2 && c <= 0xdf   ? 2
+                            : c >= 0xe0 && c <= 0xef ? 3
+                            : c >= 0xf0 && c <= 0xf4 ? 4
+                                                     : 0;
+    if (len == 0) return false;
+    for (std::size_t k = 1; k < len; ++k)
+      if (i + k < n && (p[i + k] & 0xc0) != 0x80) return false;
+    i += len;
+  }
+  return true;
+}
+
+// A text file where token ids are read would train on its bytes taken as ids: garbage, silently.
+void refuse_text(const TokenFile& f, const char* read_as) {
+  if (!looks_like_text(f.base, f.size)) return;
+  std::size_t i = 0;
+  while (i < f.size && (f.base[i] == ' ' || f.base[i] == '\n' || f.base[i] == '\r')) ++i;
+  const bool jsonl = i < f.size && f.base[i] == '{';
+  STRATA_THROW(kInvalidArgument,
+               "{}: this is {}, not token ids (its first {} bytes are all UTF-8 text), so reading "
+               "it as {} would train on characters taken for ids. strata-train reads token files "
+               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32): tokenize it "
+               "with the model's own tokenizer first; a byte-level model (vocab_size 256) trains "
+               "on a text file with --text",
+               f.path, jsonl ? "JSON lines text" : "text", std::min(f.size, kSniffBytes), read_as);
+}
+
 // `vocab_size` (0 = unknown) keeps kAuto from reading ids it cannot hold as uint16.
 std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
                                        std::int64_t vocab_size) {
@@ -79,17 +122,26 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       fmt = TokenFormat::kBytes;
     else
       fmt = TokenFormat::kU16;
+    if (fmt == TokenFormat::kU16) refuse_text(*f, "raw uint16 ids (no llm.c header, not .txt)");
     STRATA_REQUIRE(fmt != TokenFormat::kU16 || vocab_size <= 65536,
                    "{}: no llm.c header and not .txt, so format auto would read raw uint16 ids, "
-                   "but the model's "
-                   "vocab_size {} does not fit in uint16; for raw uint32 ids give the format u32 "
-                   "(strata-train "
-                   "--data-dtype u32), or use an llm.c .bin, whose header gives the id width",
+                   "but the model's vocab_size {} does not fit in uint16; for raw uint32 ids give "
+                   "the format u32 (strata-train --data-dtype u32), or use an llm.c .bin, whose "
+                   "header gives the id width",
                    path, vocab_size);
   }
   std::size_t ntok = 0;
   switch (fmt) {
     case TokenFormat::kBytes:
+      // Bytes are ids 0-255: a model with a larger vocabulary would train on them as its own
+      // tokens (a Llama's 128k), and say nothing.
+      STRATA_REQUIRE(vocab_size == 0 || vocab_size <= 256,
+                     "{}: text is read byte by byte (ids 0-255: --text, a .txt file or "
+                     "--data-dtype bytes), which only a byte-level model reads, but this model's "
+                     "vocab_size is {}: tokenize the text with the model's own tokenizer into a "
+                     "token file and give it with --data (an llm.c .bin, or raw uint16 / uint32 "
+                     "ids with --data-dtype u16|u32)",
+                     path, vocab_size);
       f->elem = 1;
       ntok = f->size;
       break;
@@ -102,6 +154,7 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
                      "ids; give the "
                      "format auto or llmc (strata-train --data-dtype auto), which read its header",
                      path, kLlmcMagic, fmt == TokenFormat::kU16 ? "uint16" : "uint32");
+      refuse_text(*f, fmt == TokenFormat::kU16 ? "uint16 ids" : "uint32 ids");
       f->elem = fmt == TokenFormat::kU16 ? 2 : 4;
       STRATA_REQUIRE(f->size % f->elem == 0,
                      "{}: {} bytes is not a whole number of {}-byte token ids (truncated?)", path,
