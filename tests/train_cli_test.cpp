@@ -952,6 +952,70 @@ Result run_export(const std::vector<std::string>& a, const std::string& dir,
   return run(STRATA_EXPORT_BIN, a, dir, tag);
 }
 
+// A run from a Hugging Face folder writes its --out, and strata-export its folder, with the
+// model folder's tokenizer files, chat template and generation_config.json beside the weights,
+// byte for byte (nothing else of that folder); strata-export finds the folder through the
+// checkpoint, says when it is gone, and takes another with --model.
+TEST_F(TrainCli, TheOutFolderAndAnExportCarryTheModelFoldersTokenizerFiles) {
+  const std::string hf = dir.path + "/hf";
+  {
+    auto dev = make_host_device();
+    auto s = dev->create_stream("w");
+    ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
+    w.init_random(3, 0.3f);
+    save_hf_weights(hf, w);
+  }
+  const std::map<std::string, std::string> side = {
+      {"tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"é": 0, "日本": 1}}})"},
+      {"tokenizer_config.json", R"({"bos_token": "<s>", "chat_template": "{{ messages }}"})"},
+      {"special_tokens_map.json", R"({"eos_token": "</s>"})"},
+      {"merges.txt", "#version: 0.2\nh e\n"},
+      {"generation_config.json", R"({"do_sample": true, "temperature": 0.6})"}};
+  for (const auto& [name, text] : side) std::ofstream(hf + "/" + name) << text;
+  std::ofstream(hf + "/README.md") << "the model card";
+  const std::string out = dir.path + "/out", ck = dir.path + "/ck";
+  const Result r =
+      train({"--model", hf, "--text", text, "--seq-len", "16", "--micro-batch", "2", "--steps", "2",
+             "--device", "cpu", "--out", out, "--save-every", "2", "--checkpoint-dir", ck},
+            "side");
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto expect_side = [&](const std::string& d) {
+    for (const auto& [name, text] : side)
+      EXPECT_EQ(slurp(d + "/" + name), text) << d << " " << name;
+    EXPECT_FALSE(fs::exists(d + "/README.md")) << d;
+    EXPECT_EQ(nlohmann::json::parse(slurp(d + "/config.json")).value("torch_dtype", ""), "float32");
+    for (const auto& e : fs::directory_iterator(d))
+      EXPECT_FALSE(e.path().filename().string().starts_with(".strata-tmp-")) << e.path();
+  };
+  expect_side(out);
+  EXPECT_NE((r.out + r.err)
+                .find("copied tokenizer.json, tokenizer_config.json, special_tokens_map.json, "
+                      "merges.txt, generation_config.json from " +
+                      hf),
+            std::string::npos)
+      << r.out << r.err;
+
+  Result e = run_export({ck, dir.path + "/ex"}, dir.path, "ex");
+  ASSERT_EQ(e.status, 0) << e.err;
+  expect_side(dir.path + "/ex");
+  EXPECT_NE(e.out.find("copied from " + hf), std::string::npos) << e.out;
+  // The folder gone: said, the weights still exported; another named with --model.
+  fs::rename(hf, dir.path + "/hf2");
+  e = run_export({ck, dir.path + "/ex2"}, dir.path, "gone");
+  ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_NE(e.out.find("the run's model folder " + hf + " is gone"), std::string::npos) << e.out;
+  EXPECT_FALSE(fs::exists(dir.path + "/ex2/tokenizer.json"));
+  e = run_export({ck, dir.path + "/ex3", "--model", dir.path + "/hf2"}, dir.path, "other");
+  ASSERT_EQ(e.status, 0) << e.err;
+  expect_side(dir.path + "/ex3");
+  e = run_export({ck, dir.path + "/ex4", "--model", dir.path + "/nope"}, dir.path, "nope");
+  EXPECT_EQ(e.status, 1);
+  EXPECT_NE(first_line(e.err).find("--model " + dir.path + "/nope: no such folder"),
+            std::string::npos)
+      << e.err;
+  EXPECT_FALSE(fs::exists(dir.path + "/ex4"));
+}
+
 TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   const std::string out = dir.path + "/out", ck = dir.path + "/ck";
   const Result r = train(

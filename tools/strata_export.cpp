@@ -19,6 +19,7 @@
 // and are renamed into place only when every one is complete.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -62,7 +63,7 @@ struct RankFile {
 };
 
 struct Options {
-  std::string ckpt, out, dtype = "fp32", model_config;
+  std::string ckpt, out, dtype = "fp32", model_config, model_dir;
   bool overwrite = false;
   bool accept_older = false;
   double max_shard_mb = 5 * 1024;
@@ -292,10 +293,40 @@ void write_config(const std::string& tmp, const fs::path& out, const strata::Mod
   STRATA_REQUIRE(f.good(), "cannot write {}", (out / "config.json").string());
 }
 
+// The tokenizer, chat template and generation_config.json of the Hugging Face folder the run
+// started from (--model, else the manifest's trainer.model_dir), beside the weights.
+void copy_side_files(const Options& o, const nlohmann::json& trainer) {
+  const std::string recorded = trainer.value("model_dir", "");
+  const std::string from = !o.model_dir.empty() ? o.model_dir : recorded;
+  std::error_code ec;
+  if (from.empty()) {
+    std::printf(
+        "no tokenizer files copied: the run did not start from a Hugging Face folder "
+        "(--model DIR copies them from one)\n");
+    return;
+  }
+  if (!fs::is_directory(from, ec)) {
+    std::printf(
+        "no tokenizer files copied: the run's model folder %s is gone (--model DIR "
+        "copies them from another)\n",
+        from.c_str());
+    return;
+  }
+  const std::vector<std::string> copied = strata::copy_hf_side_files(from, o.out);
+  if (copied.empty())
+    std::printf("no tokenizer files copied: %s has none\n", from.c_str());
+  else
+    std::printf("copied from %s: %s\n", from.c_str(),
+                fmt::format("{}", fmt::join(copied, ", ")).c_str());
+}
+
 int run(const Options& o) {
   STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
+  std::error_code dir_ec;
+  STRATA_REQUIRE(o.model_dir.empty() || fs::is_directory(o.model_dir, dir_ec),
+                 "--model {}: no such folder", o.model_dir);
   const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);
@@ -358,6 +389,7 @@ int run(const Options& o) {
   std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(),
               (long long)ck.step, world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s",
               o.dtype.c_str());
+  copy_side_files(o, trainer);
   return 0;
 }
 
@@ -381,6 +413,10 @@ int main(int argc, char** argv) {
       "when the newest checkpoint under CKPT_DIR does not verify, export the newest that does");
   app.add_option("--model-config", o.model_config,
                  "the model's config.json (default: the checkpoint manifest's)");
+  app.add_option("--model", o.model_dir,
+                 "the Hugging Face folder whose tokenizer files, chat template and "
+                 "generation_config.json go beside the weights (default: the folder the run "
+                 "started from, as its checkpoint records)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);
   return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });

@@ -121,6 +121,17 @@ class HfWeightsWriter {
 void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
                      std::size_t max_shard_bytes = std::size_t(5) << 30);
 
+// The files beside a Hugging Face model's weights that make its folder usable as it is
+// (AutoTokenizer / from_pretrained, vLLM): the tokenizer (tokenizer.json, tokenizer_config.json,
+// special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json, merges.txt), the chat
+// template (chat_template.jinja, chat_template.json) and generation_config.json.
+const std::vector<std::string>& hf_side_files();
+// Copies the hf_side_files() that the folder `from` holds into the folder `to`, byte for byte,
+// each through a temporary name renamed into place (one already there is replaced); nothing
+// when the two are the same folder. Returns the names copied, in hf_side_files()' order. A
+// failure throws kIo naming the file, and leaves no temporary behind.
+std::vector<std::string> copy_hf_side_files(const std::string& from, const std::string& to);
+
 // The end of a save into `dir` (save_hf_weights, strata-export): moves the written temporary
 // files into place (`renames`: temporary -> final paths) and removes what an older save left
 // that loaders would take instead — model.safetensors beside a sharded save's index (or the

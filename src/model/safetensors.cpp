@@ -631,4 +631,46 @@ void commit_hf_files(const std::string& dir,
   for (const fs::path& p : stale) fs::remove(p, ec);
 }
 
+const std::vector<std::string>& hf_side_files() {
+  static const std::vector<std::string> names = {"tokenizer.json",
+                                                 "tokenizer_config.json",
+                                                 "special_tokens_map.json",
+                                                 "tokenizer.model",
+                                                 "added_tokens.json",
+                                                 "vocab.json",
+                                                 "merges.txt",
+                                                 "chat_template.jinja",
+                                                 "chat_template.json",
+                                                 "generation_config.json"};
+  return names;
+}
+
+std::vector<std::string> copy_hf_side_files(const std::string& from, const std::string& to) {
+  std::vector<std::string> copied;
+  std::error_code ec;
+  if (fs::equivalent(from, to, ec)) return copied;
+  for (const std::string& name : hf_side_files()) {
+    const fs::path src = fs::path(from) / name;
+    if (!fs::is_regular_file(src, ec)) continue;
+    const fs::path fin = fs::path(to) / name;
+    const fs::path tmp = fs::path(to) / (".strata-tmp-" + name);
+    try {
+      fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec);
+      if (ec)
+        STRATA_THROW(kIo, "cannot copy {} to {}: {}", src.string(), tmp.string(), ec.message());
+      fsync_path(tmp.string(), false, "model save");
+      fs::rename(tmp, fin, ec);
+      if (ec)
+        STRATA_THROW(kIo, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
+    } catch (...) {
+      std::error_code ignore;
+      fs::remove(tmp, ignore);
+      throw;
+    }
+    copied.push_back(name);
+  }
+  if (!copied.empty()) fsync_path(to, true, "model save");
+  return copied;
+}
+
 }  // namespace strata

@@ -3,6 +3,7 @@
 // runs each step's collectives (the engine's, the loss all-reduce, a checkpoint's gathers) in
 // the same order; only rank 0 prints or writes the log.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/model_io.h"
 #include "strata/trace.h"
 #include "trainer/train_job.h"
 
@@ -79,6 +81,9 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       {"model_config_hash", r.model_hash},
       // The model's config.json, so that a checkpoint alone can be exported (strata-export).
       {"model_config", nlohmann::json::parse(model_config_json(mcfg))},
+      // The Hugging Face folder the run started from ("" for none): strata-export copies its
+      // tokenizer files beside the weights.
+      {"model_dir", s.o.model_dir.empty() ? std::string() : fs::absolute(s.o.model_dir).string()},
       {"model", r.model_desc},
       {"world_size", world},
       {"data",
@@ -394,6 +399,18 @@ void write_model(Run& r) {
   }
   try {
     save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank);
+    // The model folder's tokenizer, chat template and generation_config.json beside the
+    // weights, so that --out loads as it is (rank 0 wrote config.json).
+    if (s.rank == 0 && !o.model_dir.empty()) {
+      const std::vector<std::string> copied = copy_hf_side_files(o.model_dir, o.out_dir);
+      if (copied.empty())
+        log::warn(
+            "--out {}: {} has no tokenizer files ({}, ...): the folder holds the weights "
+            "and config.json only",
+            o.out_dir, o.model_dir, hf_side_files().front());
+      else
+        log::info("--out {}: copied {} from {}", o.out_dir, fmt::join(copied, ", "), o.model_dir);
+    }
   } catch (const Error& e) {
     // A full drive at the end: the training is in the newest checkpoint, if any; say so, and how to
     // finish (the same command with --resume writes the model and runs no step).
