@@ -228,22 +228,65 @@ TEST(EngineConfig, OptimizerAndPrecisionVariants) {
   EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
 }
 
-TEST(EngineConfig, HuggingFaceAutoValuesMeanNotGiven) {
+// Hugging Face's "auto" (the Trainer fills it in before DeepSpeed reads the file): the values the
+// Trainer gives where they are known here — clipping its max_grad_norm 1.0, lr its learning_rate
+// 5e-5, weight decay 0, bf16 the model's dtype (resolve_auto_dtype) — and "not given" for the
+// rest, each said in a warning.
+TEST(EngineConfig, HuggingFaceAutoValuesAreWhatTheTrainerFillsIn) {
   testing::internal::CaptureStderr();
-  const EngineConfig c = parse_engine_config(
+  EngineConfig c = parse_engine_config(
       R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                    "betas": "auto", "eps": "auto"}},
           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
           "aio": {"engine": "auto"}})",
       4);
   const std::string warnings = testing::internal::GetCapturedStderr();
   EXPECT_EQ(c.micro_batch_per_gpu, 4);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
-  EXPECT_FLOAT_EQ(c.adamw.lr, 1e-3f);
+  EXPECT_EQ(c.gradient_clipping, 1.0);
+  EXPECT_FLOAT_EQ(c.adamw.lr, 5e-5f);
+  EXPECT_EQ(c.adamw.weight_decay, 0.0f);
+  EXPECT_FLOAT_EQ(c.adamw.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(c.adamw.beta2, 0.999f);
+  EXPECT_FLOAT_EQ(c.adamw.eps, 1e-8f);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_TRUE(c.bf16_auto);
+  EXPECT_EQ(c.compute_dtype, DType::kF32);  // until the model says
   EXPECT_EQ(c.reduce_bucket_size, 500'000'000u);
   EXPECT_EQ(c.aio.engine, IoBackend::kAuto);  // a real value there, not a placeholder
-  EXPECT_NE(warnings.find("'optimizer.params.lr' is \"auto\""), std::string::npos) << warnings;
+  for (const char* said :
+       {"'optimizer.params.lr' is \"auto\" (a Hugging Face Trainer placeholder): read as the "
+        "Trainer's default learning rate, 5e-5",
+        "'gradient_clipping' is \"auto\" (a Hugging Face Trainer placeholder): read as 1.0",
+        "'bf16.enabled' is \"auto\" (a Hugging Face Trainer placeholder): read as the model's "
+        "dtype",
+        "'optimizer.params.weight_decay' is \"auto\"", "'fp16.enabled' is \"auto\"",
+        "'zero_optimization.reduce_bucket_size' is \"auto\" (a Hugging Face Trainer placeholder): "
+        "treated as not "
+        "given"})
+    EXPECT_NE(warnings.find(said), std::string::npos) << said << "\n" << warnings;
   EXPECT_EQ(warnings.find("aio.engine"), std::string::npos) << warnings;
+
+  // bf16 "auto": the model's saved dtype decides, once.
+  EngineConfig b = c;
+  EXPECT_EQ(resolve_auto_dtype(b, "bfloat16"),
+            "config key 'bf16.enabled' \"auto\": bf16, as the model's config.json says "
+            "torch_dtype \"bfloat16\"");
+  EXPECT_EQ(b.compute_dtype, DType::kBF16);
+  EXPECT_EQ(resolve_auto_dtype(b, "float32"), "");  // resolved already
+  EXPECT_EQ(b.compute_dtype, DType::kBF16);
+  b = c;
+  EXPECT_NE(resolve_auto_dtype(b, "").find("fp32, as the model's config.json says torch_dtype "
+                                           "nothing"),
+            std::string::npos);
+  EXPECT_EQ(b.compute_dtype, DType::kF32);
+  // Given, not "auto": the file's value stands whatever the model says.
+  EngineConfig given =
+      parse_engine_config(R"({"bf16": {"enabled": false}, "zero_optimization": {"stage": 3}})", 1);
+  EXPECT_EQ(resolve_auto_dtype(given, "bfloat16"), "");
+  EXPECT_EQ(given.compute_dtype, DType::kF32);
 }
 
 // ---- batch sizes ----

@@ -602,6 +602,51 @@ TEST_F(TrainCli, HuggingFaceAutoSchedulerFollowsLrAndSteps) {
   EXPECT_NEAR(lrs[5], lr * 0.5, 1e-15);
 }
 
+// A Hugging Face-style config as the Trainer would fill it: bf16 "auto" runs in the dtype the
+// model was saved in (bf16 for a bfloat16 config.json, fp32 for one that says float32) unless
+// --dtype says; clipping "auto" clips at 1.0 and lr "auto" is 5e-5 (the log's lr), the flags
+// still over both.
+TEST_F(TrainCli, HuggingFaceAutoPrecisionClippingAndLrAreTheTrainersValues) {
+  const std::string ds = dir.path + "/auto.json";
+  std::ofstream(ds) << R"({"bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 3}})";
+  auto model = [&](const char* torch_dtype) {
+    const std::string m = dir.path + "/" + torch_dtype + ".json";
+    std::ofstream(m) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "torch_dtype": ")"
+                     << torch_dtype << R"("})";
+    return m;
+  };
+  auto run_with = [&](const std::string& m, std::vector<std::string> more, const std::string& tag) {
+    std::vector<std::string> a = {"--model-config", m,
+                                  "--config",       ds,
+                                  "--text",         text,
+                                  "--seq-len",      "16",
+                                  "--steps",        "1",
+                                  "--device",       "cpu",
+                                  "--log-json",     dir.path + "/" + tag + ".jsonl"};
+    a.insert(a.end(), more.begin(), more.end());
+    return train(a, tag);
+  };
+  Result r = run_with(model("bfloat16"), {}, "bf16");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("parameters, bf16, 1 rank"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("'bf16.enabled' \"auto\": bf16, as the model's config.json says "
+                       "torch_dtype \"bfloat16\""),
+            std::string::npos)
+      << r.err;
+  const auto line = nlohmann::json::parse(slurp(dir.path + "/bf16.jsonl"));
+  EXPECT_EQ(line.at("lr").get<double>(), double(5e-5f)) << line;  // the fp32 lr
+  r = run_with(model("float32"), {}, "fp32");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("parameters, fp32, 1 rank"), std::string::npos) << r.out;
+  r = run_with(model("bfloat16"), {"--dtype", "fp32", "--lr", "1e-4"}, "flags");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("parameters, fp32, 1 rank"), std::string::npos) << r.out;
+  EXPECT_NEAR(nlohmann::json::parse(slurp(dir.path + "/flags.jsonl")).at("lr").get<double>(), 1e-4,
+              1e-10);
+}
+
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.

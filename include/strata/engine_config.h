@@ -59,6 +59,9 @@ struct EngineConfig {
   double gradient_clipping = 0;  // 0 = off
   // precision
   DType compute_dtype = DType::kF32;  // bf16.enabled -> kBF16, fp16.enabled -> kF16
+  // bf16.enabled "auto" (the Hugging Face Trainer's placeholder): the model's own dtype decides,
+  // which the file does not know; resolve_auto_dtype() sets compute_dtype from it.
+  bool bf16_auto = false;
   LossScaleConfig fp16;
   // optimizer ("Adam" and "AdamW" both run AdamW; see docs/configuration.md for "Adam" +
   // weight_decay)
@@ -120,8 +123,18 @@ struct EngineConfig {
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x
 // grad accumulation x ranks. Unknown keys warn once; wrong types and impossible values throw
-// strata::Error naming the key and the allowed values.
+// strata::Error naming the key and the allowed values. A string "auto" (the Hugging Face
+// Trainer's placeholder) takes the value the Trainer fills in where that is known here —
+// gradient_clipping its max_grad_norm 1.0, optimizer.params.lr its learning_rate 5e-5 and
+// weight_decay 0 (the flags of strata-train and strata-prof then apply as over any value), the
+// scheduler's warmup, peak lr and total steps — or sets bf16_auto; every other "auto" is
+// treated as not given. Each is said in a warning naming the key.
 EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1);
+
+// bf16.enabled "auto", as the Trainer fills it (its --bf16 flag; here the model itself): bf16
+// when the model's config.json says torch_dtype "bfloat16", else fp32. Returns the line saying
+// which; "" (nothing changed) when the config did not say "auto".
+std::string resolve_auto_dtype(EngineConfig& c, const std::string& model_torch_dtype);
 
 // The lr of optimizer step `step` (1-based) under the config's scheduler, as DeepSpeed's
 // lr_schedules.py gives it: DeepSpeed sets the lr of iteration -1 when it makes the scheduler and

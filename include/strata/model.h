@@ -81,7 +81,8 @@ struct ModelConfig {
   bool scale_attn_weights = true;
   bool scale_attn_by_inverse_layer_idx = false;
   double initializer_range = 0.02;  // std of from-scratch matrices (ResidentWeights::init_hf)
-  nlohmann::json raw;               // the config.json as read, written back on save
+  std::string torch_dtype;  // the dtype the weights were saved in ("bfloat16", ...; "" unsaid)
+  nlohmann::json raw;       // the config.json as read, written back on save
 
   std::int64_t num_units() const { return num_layers + 2; }
 };

@@ -162,6 +162,11 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
       }
     }
   }
+  // The dtype the weights were saved in (transformers writes "torch_dtype", newer versions
+  // "dtype"); a value that is not a string (null) is no answer.
+  for (const char* key : {"torch_dtype", "dtype"})
+    if (const auto* d = s.raw(key); d && d->is_string() && c.torch_dtype.empty())
+      c.torch_dtype = d->get<std::string>();
   c.initializer_range = s.get_double("initializer_range", 0.02);
   STRATA_REQUIRE(c.initializer_range > 0, "{}: 'initializer_range' must be > 0, got {}", what,
                  c.initializer_range);

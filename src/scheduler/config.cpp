@@ -144,7 +144,16 @@ void drop_auto_values(Json& obj, const std::string& path, std::set<std::string>&
               ? "the learning rate (--lr, else optimizer.params.lr)"
           : key == "scheduler.params.total_num_steps"  ? "the run's steps (strata-train's --steps)"
           : key == "scheduler.params.warmup_num_steps" ? "0 warmup steps, the Trainer's default"
-                                                       : nullptr;
+          : key == "gradient_clipping"                 ? "1.0, the Trainer's max_grad_norm default"
+          : key == "optimizer.params.lr"
+              ? "the Trainer's default learning rate, 5e-5 (--lr sets another)"
+          : key == "optimizer.params.weight_decay"
+              ? "the Trainer's default, 0 (--weight-decay sets another)"
+          : key == "bf16.enabled" || key == "bfloat16.enabled"
+              ? "the model's dtype: bf16 when its config.json says torch_dtype bfloat16, else "
+                "fp32 (--dtype decides when given)"
+          : key == "fp16.enabled" ? "false, the Trainer's default (strata computes in fp32 or bf16)"
+                                  : nullptr;
       log::warn_once(
           "config.auto." + key,
           as ? fmt::format(
@@ -648,6 +657,18 @@ void parse_zero(const Section& top, EngineConfig& c) {
 
 }  // namespace
 
+std::string resolve_auto_dtype(EngineConfig& c, const std::string& model_torch_dtype) {
+  if (!c.bf16_auto) return {};
+  c.bf16_auto = false;
+  if (c.fp16.enabled) return {};  // fp16.enabled true beside it: refused as fp16 is
+  c.compute_dtype = model_torch_dtype == "bfloat16" ? DType::kBF16 : DType::kF32;
+  return fmt::format(
+      "config key 'bf16.enabled' \"auto\": {}, as the model's config.json says "
+      "torch_dtype {}",
+      c.compute_dtype == DType::kBF16 ? "bf16" : "fp32",
+      model_torch_dtype.empty() ? std::string("nothing (fp32)") : "\"" + model_torch_dtype + "\"");
+}
+
 EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   STRATA_REQUIRE(world_size >= 1, "world_size = {}: must be at least 1", world_size);
   Json doc = config::parse(json_text, "ds_config");
@@ -671,6 +692,11 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   parse_optimizer(top, c);
   parse_scheduler(top, c, auto_keys);
   parse_zero(top, c);
+  // "auto" as the Hugging Face Trainer fills it in (its TrainingArguments' defaults).
+  if (auto_keys.count("gradient_clipping")) c.gradient_clipping = 1.0;
+  if (auto_keys.count("optimizer.params.lr")) c.adamw.lr = 5e-5;
+  if (auto_keys.count("optimizer.params.weight_decay")) c.adamw.weight_decay = 0;
+  c.bf16_auto = auto_keys.count("bf16.enabled") || auto_keys.count("bfloat16.enabled");
 
   // The aio block, inside an object of its own: never mistaken for anything else.
   c.aio = parse_aio_config(doc.contains("aio") ? R"({"aio": )" + doc["aio"].dump() + "}"

@@ -385,6 +385,10 @@ void build_engine_config(Settings& s) {
   } else {
     ecfg = default_engine_config();
   }
+  // bf16.enabled "auto": the model's own dtype, unless --dtype decides.
+  const std::string auto_dtype = resolve_auto_dtype(ecfg, s.mcfg.torch_dtype);
+  if (!auto_dtype.empty() && o.dtype.empty() && launch.rank == 0)
+    log::info("--config {}: {}", o.ds_config, auto_dtype);
   const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0)
     ecfg.micro_batch_per_gpu = o.micro_batch;
