@@ -11,6 +11,7 @@
 
 #include "core/json_config.h"
 #include "strata/error.h"
+#include "strata/model.h"
 
 namespace strata {
 namespace {
@@ -289,6 +290,32 @@ TEST(EngineConfig, HuggingFaceAutoValuesAreWhatTheTrainerFillsIn) {
   EXPECT_EQ(given.compute_dtype, DType::kF32);
 }
 
+// sub_group_size 0, as axolotl's stock ZeRO-3 files give it: DeepSpeed makes every parameter
+// tensor's partition a sub-group; strata sizes its sub-groups as the largest one, from the model.
+TEST(EngineConfig, SubGroupSizeZeroIsOneTensorsPartition) {
+  EngineConfig c = parse_engine_config(
+      R"({"zero_optimization": {"stage": 3, "sub_group_size": 0, "offload_optimizer": {"device": "cpu"}}})",
+      1);
+  EXPECT_TRUE(c.sub_group_per_tensor);
+  EXPECT_EQ(resolve_per_tensor_sub_groups(c, 1000, 3),
+            "config key 'zero_optimization.sub_group_size' 0 (DeepSpeed: each parameter tensor's "
+            "partition a sub-group of its own): sub-groups of 334 elements, the largest tensor's "
+            "partition over 3 rank(s)");
+  EXPECT_EQ(c.sub_group_size, 334u);
+  EXPECT_EQ(resolve_per_tensor_sub_groups(c, 5000, 1), "");  // once
+  EXPECT_EQ(c.sub_group_size, 334u);
+  EngineConfig given =
+      parse_engine_config(R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e6}})", 1);
+  EXPECT_EQ(resolve_per_tensor_sub_groups(given, 5000, 1), "");
+  EXPECT_EQ(given.sub_group_size, 1'000'000u);
+  // A Llama's largest tensor: here the embedding (256 x 64) over the MLP's (128 x 64) ones.
+  const ModelConfig m = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4})",
+      "test");
+  EXPECT_EQ(largest_tensor(model_units(m)), 256u * 64u);
+}
+
 // ---- batch sizes ----
 
 TEST(EngineConfig, BatchSizesDeriveTheMissingOne) {
@@ -398,10 +425,10 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
       {R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}})",
        {"'zero_optimization.reduce_bucket_size'", "at least 1"}},
       {R"({"zero_optimization": {"stage": 3, "sub_group_size": 1.5}})",
-       {"'zero_optimization.sub_group_size' must be a whole number of at least 1", "got 1.5"}},
+       {"'zero_optimization.sub_group_size' must be a whole number of at least 0", "got 1.5"}},
       // Below the least: the message names the least (it said ">= 0" for -1, and 0 is refused too).
       {R"({"zero_optimization": {"stage": 3, "sub_group_size": -1}})",
-       {"'zero_optimization.sub_group_size' must be a whole number of at least 1", "got -1"}},
+       {"'zero_optimization.sub_group_size' must be a whole number of at least 0", "got -1"}},
       {R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e30}})",
        {"'zero_optimization.sub_group_size' = 1e+30 is too large (at most 1.8e19)"}},
       {R"({"zero_optimization": {"stage": 3, "cpu_offload": true}})",

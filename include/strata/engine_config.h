@@ -78,6 +78,10 @@ struct EngineConfig {
   // reduce_bucket_size / sub_group_size given in the ds_config (not defaults): the plan notes a
   // value below the largest unit only then (the defaults are below a large model's embedding).
   bool reduce_bucket_size_given = false, sub_group_size_given = false;
+  // sub_group_size 0, as axolotl's ZeRO-3 files give it: in DeepSpeed every parameter tensor's
+  // partition is a sub-group of its own. strata's sub-groups are element ranges of a unit's
+  // shard; resolve_per_tensor_sub_groups() sizes them as the largest tensor's partition.
+  bool sub_group_per_tensor = false;
   std::uint64_t prefetch_bucket_size = 50'000'000;      // stage3_prefetch_bucket_size
   std::uint64_t max_live_parameters = 1'000'000'000;    // stage3_max_live_parameters
   std::uint64_t max_reuse_distance = 1'000'000'000;     // stage3_max_reuse_distance
@@ -135,6 +139,12 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1)
 // when the model's config.json says torch_dtype "bfloat16", else fp32. Returns the line saying
 // which; "" (nothing changed) when the config did not say "auto".
 std::string resolve_auto_dtype(EngineConfig& c, const std::string& model_torch_dtype);
+
+// sub_group_size 0 (sub_group_per_tensor): the sub-group becomes the largest parameter tensor's
+// partition over `world_size` ranks (`largest_tensor` elements), what DeepSpeed's largest
+// sub-group is then. Returns the line saying so; "" when the config gave another size.
+std::string resolve_per_tensor_sub_groups(EngineConfig& c, std::uint64_t largest_tensor,
+                                          int world_size);
 
 // The lr of optimizer step `step` (1-based) under the config's scheduler, as DeepSpeed's
 // lr_schedules.py gives it: DeepSpeed sets the lr of iteration -1 when it makes the scheduler and

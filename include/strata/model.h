@@ -231,5 +231,7 @@ class ResidentWeights final : public UnitProvider {
 
 // The unit layout of `cfg` (what Model::units() returns).
 std::vector<UnitSpec> model_units(const ModelConfig& cfg);
+// The elements of the largest parameter tensor of `units`.
+std::uint64_t largest_tensor(const std::vector<UnitSpec>& units);
 
 }  // namespace strata

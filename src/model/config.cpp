@@ -251,6 +251,13 @@ std::string model_config_json(const ModelConfig& c) {
   return j.dump(2);
 }
 
+std::uint64_t largest_tensor(const std::vector<UnitSpec>& units) {
+  std::uint64_t n = 0;
+  for (const UnitSpec& u : units)
+    for (const ParamSpec& p : u.params) n = std::max<std::uint64_t>(n, p.numel);
+  return n;
+}
+
 std::vector<UnitSpec> model_units(const ModelConfig& c) {
   const std::int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const std::int64_t qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;

@@ -463,7 +463,8 @@ void parse_zero_sizes(const Section& z, EngineConfig& c) {
   c.reduce_bucket_size_given = z.has("reduce_bucket_size");
   c.sub_group_size_given = z.has("sub_group_size");
   c.allgather_bucket_size = get_positive(z, "allgather_bucket_size", 500'000'000);
-  c.sub_group_size = get_positive(z, "sub_group_size", 1'000'000'000);
+  c.sub_group_size = z.get_uint("sub_group_size", 1'000'000'000);
+  c.sub_group_per_tensor = c.sub_group_size == 0;
   // DeepSpeed reads these under either name (the "stage3_" one is the alias).
   const auto stage3 = [&](const char* name, std::uint64_t def) {
     const std::string alias = std::string("stage3_") + name;
@@ -667,6 +668,19 @@ std::string resolve_auto_dtype(EngineConfig& c, const std::string& model_torch_d
       "torch_dtype {}",
       c.compute_dtype == DType::kBF16 ? "bf16" : "fp32",
       model_torch_dtype.empty() ? std::string("nothing (fp32)") : "\"" + model_torch_dtype + "\"");
+}
+
+std::string resolve_per_tensor_sub_groups(EngineConfig& c, std::uint64_t largest_tensor,
+                                          int world_size) {
+  if (!c.sub_group_per_tensor) return {};
+  c.sub_group_per_tensor = false;
+  const std::uint64_t w = std::uint64_t(std::max(1, world_size));
+  c.sub_group_size = std::max<std::uint64_t>(1, (largest_tensor + w - 1) / w);
+  return fmt::format(
+      "config key 'zero_optimization.sub_group_size' 0 (DeepSpeed: each parameter tensor's "
+      "partition a sub-group of its own): sub-groups of {} elements, the largest tensor's "
+      "partition over {} rank(s)",
+      c.sub_group_size, w);
 }
 
 EngineConfig parse_engine_config(std::string_view json_text, int world_size) {

@@ -389,6 +389,10 @@ void build_engine_config(Settings& s) {
   const std::string auto_dtype = resolve_auto_dtype(ecfg, s.mcfg.torch_dtype);
   if (!auto_dtype.empty() && o.dtype.empty() && launch.rank == 0)
     log::info("--config {}: {}", o.ds_config, auto_dtype);
+  const std::string per_tensor =
+      resolve_per_tensor_sub_groups(ecfg, largest_tensor(s.units), launch.world_size);
+  if (!per_tensor.empty() && launch.rank == 0)
+    log::info("--config {}: {}", o.ds_config, per_tensor);
   const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0)
     ecfg.micro_batch_per_gpu = o.micro_batch;
