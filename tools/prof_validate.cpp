@@ -80,10 +80,12 @@ std::string written_json(const EngineConfig& chosen, const std::string& user_tex
                placeholder = v.is_string() && v == "auto" && !missing && out[p] != v;
     if (!missing && !placeholder) continue;
     try {
-      config::Json without =
-          user;  // inert in the user's own config: removing it changes nothing there
+      // A key the user wrote: inert in their own config (removing it changes nothing there). A
+      // placeholder may mean a value ("auto" lr is the Trainer's 5e-5): it goes back wherever it
+      // means what was decided (below), so that a Trainer given the file fills it in again.
+      config::Json without = user;
       without[p.parent_pointer()].erase(p.back());
-      if (meaning(without) != users) continue;
+      if (!placeholder && meaning(without) != users) continue;
       config::Json trial = out;  // ... and it changes nothing in the recommendation
       trial[p] = v;
       if (meaning(trial) == decided) out = std::move(trial);
