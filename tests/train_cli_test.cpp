@@ -647,6 +647,53 @@ TEST_F(TrainCli, HuggingFaceAutoPrecisionClippingAndLrAreTheTrainersValues) {
               1e-10);
 }
 
+// --eval-data: a held-out file evaluated after the last step (and --eval-batches 0: all of it)
+// gives the mean of the forward losses over the same batches, which a run training on that file
+// at lr 0 in order (--no-shuffle) logs step by step; the log says the perplexity beside it.
+TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
+  const std::string held = dir.path + "/held.u16";
+  {
+    std::vector<std::uint16_t> ids(5 * 2 * 16 + 1);  // 5 batches of 2 x 16, and a last target
+    std::mt19937 rng(7);
+    for (auto& t : ids) t = std::uint16_t(rng() % 256);
+    std::ofstream(held, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(ids.size() * 2));
+  }
+  const std::vector<std::string> common = {
+      "--model-config", cfg, "--data", held, "--data-dtype", "u16", "--seq-len",   "16",
+      "--micro-batch",  "2", "--lr",   "0",  "--device",     "cpu", "--no-shuffle"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), common.begin(), common.end());
+    return more;
+  };
+  const std::string eval_log = dir.path + "/eval.jsonl", walk_log = dir.path + "/walk.jsonl";
+  Result r = train(
+      with({"--steps", "1", "--eval-data", held, "--eval-batches", "0", "--log-json", eval_log}),
+      "eval");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("(val "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", ppl "), std::string::npos) << r.out;
+  const auto line = nlohmann::json::parse(slurp(eval_log));
+  ASSERT_TRUE(line.contains("val_loss")) << line;
+  const double val = line.at("val_loss").get<double>();
+  EXPECT_NEAR(line.at("val_ppl").get<double>(), std::exp(val), 1e-9 * std::exp(val));
+  r = train(with({"--steps", "5", "--log-json", walk_log}), "walk");
+  ASSERT_EQ(r.status, 0) << r.err;
+  double sum = 0;
+  int n = 0;
+  std::ifstream f(walk_log);
+  for (std::string l; std::getline(f, l); ++n)
+    sum += nlohmann::json::parse(l).at("loss").get<double>();
+  ASSERT_EQ(n, 5);
+  EXPECT_NEAR(val, sum / 5, 1e-5 * std::abs(val)) << "the evaluation is not the mean forward loss";
+  // Four batches a rank (the default) differ from all five: the setting is taken.
+  r = train(with({"--steps", "1", "--eval-data", held, "--log-json", dir.path + "/four.jsonl"}),
+            "four");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(nlohmann::json::parse(slurp(dir.path + "/four.jsonl")).at("val_loss").get<double>(),
+            val);
+}
+
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.
@@ -747,6 +794,10 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"JSON lines given as token ids",
        {"--model-config", cfg, "--data", jsonl, "--log-json", log, "--device", "cpu"},
        jsonl + ": this is JSON lines text, not token ids"},
+      {"--eval-batches without an evaluation", args(log, {"--eval-batches", "2"}),
+       "--eval-batches sets the batches of an evaluation: add --eval-every N or --eval-data FILE"},
+      {"missing --eval-data", args(log, {"--eval-data", dir.path + "/nope.bin"}),
+       "--eval-data " + dir.path + "/nope.bin: no such file"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config",
        {"--model-config", dir.path + "/nope.json", "--text", text},

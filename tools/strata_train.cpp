@@ -4,6 +4,7 @@
 // Flags are parsed here; everything else is strata::train (include/strata/trainer.h).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 
 #include "strata/device.h"
 #include "strata/error.h"
@@ -74,7 +75,14 @@ int main(int argc, char** argv) {
                "recompute each layer in backward, keeping its input in host memory (implies "
                "--checkpoint-activations)");
   app.add_option("--eval-every", o.eval_every,
-                 "validation loss every N steps (last 10% of the data)")
+                 "validation loss every N steps and after the last (on --eval-data, else the "
+                 "last 10% of the data)")
+      ->check(strata::tools::kNonNegative);
+  app.add_option("--eval-data", o.eval_files,
+                 "evaluation token file(s), any format --data takes: evaluated after the last "
+                 "step, and every --eval-every N steps");
+  app.add_option("--eval-batches", o.eval_batches,
+                 "batches a rank per evaluation (default 4; 0: the whole evaluation data)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
@@ -116,6 +124,10 @@ int main(int argc, char** argv) {
           "is the embedded demo's NVMe folder; with a model of yours or a --config, set "
           "offload_param / "
           "offload_optimizer nvme_path in the --config");
+    needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
+          "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
+    for (const std::string& f : o.eval_files)
+      STRATA_REQUIRE(std::filesystem::is_regular_file(f), "--eval-data {}: no such file", f);
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;

@@ -165,7 +165,12 @@ struct TrainOptions {
   double emu_h2d_gbps = 0, emu_d2h_gbps = 0, emu_compute_gflops = 0;
   bool checkpoint_activations = false;
   bool checkpoint_on_host = false;  // with checkpoint_activations: the checkpoints in host memory
+  // Evaluation: every eval_every steps (0: none) and after the last step, on eval_batches
+  // batches a rank (0: the whole evaluation data once), from eval_files (any format data_files
+  // takes) or, without them, the last 10% of the training data; with eval_files and no
+  // eval_every, after the last step only.
   std::int64_t eval_every = 0, eval_batches = 4;
+  std::vector<std::string> eval_files;
   std::string log_json, out_dir, trace_file;
   std::int64_t trace_step = 2;
   bool overwrite = false;

@@ -255,7 +255,11 @@ double evaluate(Run& run) {
   const auto t0 = Clock::now();
   double sum = 0;
   engine.set_eval(true);  // the training's recorded unit order stays as it is
-  for (std::int64_t i = 0; i < o.eval_batches; ++i) {
+  // --eval-batches 0: the whole evaluation data, from its start, each rank a batch in turn.
+  const std::int64_t batches =
+      o.eval_batches > 0 ? o.eval_batches : val->batches_per_epoch() / world;
+  if (o.eval_batches == 0) val->reset();
+  for (std::int64_t i = 0; i < batches; ++i) {
     Batch vb;
     for (int r = 0; r < world; ++r) {
       Batch b = val->next();
@@ -265,7 +269,7 @@ double evaluate(Run& run) {
     sum += double(model.forward(vb, weights, /*grad=*/false));
   }
   engine.set_eval(false);
-  val_loss = mean_over_ranks(sum / double(o.eval_batches), *comm, *dev, *compute);
+  val_loss = mean_over_ranks(sum / double(batches), *comm, *dev, *compute);
   ph.eval += since(t0);
   return val_loss;
 }
@@ -323,7 +327,9 @@ void run_step(Run& r, std::int64_t step) {
   rec.tokens_per_s = r.tokens_per_step / rec.step_s;
   r.result.steps.push_back(rec);
 
-  const double val_loss = val && step % o.eval_every == 0 ? evaluate(r) : NAN;
+  // Every --eval-every steps, and after the last.
+  const bool eval_now = val && ((o.eval_every > 0 && step % o.eval_every == 0) || step == steps);
+  const double val_loss = eval_now ? evaluate(r) : NAN;
 
   const EngineStats st = engine.stats();
   nlohmann::json j = {{"step", step},
@@ -338,7 +344,10 @@ void run_step(Run& r, std::int64_t step) {
                       {"d2h_bytes", st.d2h_bytes - prev.d2h_bytes},
                       {"nvme_read_bytes", st.nvme_read_bytes - prev.nvme_read_bytes},
                       {"nvme_written_bytes", st.nvme_written_bytes - prev.nvme_written_bytes}};
-  if (!std::isnan(val_loss)) j["val_loss"] = val_loss;
+  if (!std::isnan(val_loss)) {
+    j["val_loss"] = val_loss;
+    j["val_ppl"] = std::exp(val_loss);  // perplexity
+  }
 
   // The checkpoint before the step's log line: a logged step's checkpoint is complete. The line
   // is in the checkpoint too, for a resume after a death between the two.

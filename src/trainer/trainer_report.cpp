@@ -178,7 +178,8 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
       "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r {:.2f} "
       "w {:.2f} GB/s  ETA {}",
       step, steps, rec.loss,
-      std::isnan(val_loss) ? std::string() : fmt::format(" (val {:.4f})", val_loss),
+      std::isnan(val_loss) ? std::string()
+                           : fmt::format(" (val {:.4f}, ppl {:.2f})", val_loss, std::exp(val_loss)),
       rec.tokens_per_s, rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,
       double(st.d2h_bytes - prev.d2h_bytes) * gbps,
       double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,

@@ -156,6 +156,8 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"--checkpoint-activations", s.o.checkpoint_activations ? 1.0 : 0.0},
           {"--save-every", double(s.o.save_every)},
           {"--eval-every", double(s.o.eval_every)},
+          {"--eval-batches", double(s.o.eval_batches)},
+          {"--eval-data files", double(s.o.eval_files.size())},
           // Each rank found its checkpoint on its own (node-local folders, a file one rank could
           // not verify): different steps would mix states and desynchronise the step loop.
           {"the step of the checkpoint --resume found (0: none; give every rank the same --resume "
@@ -534,8 +536,9 @@ void prepare_data(Run& r) {
   dopt.vocab_size = s.mcfg.vocab_size;
   dopt.shuffle = o.shuffle;
   dopt.seed = o.seed;
-  dopt.val_fraction =
-      o.eval_every > 0 ? 0.1 : 0.0;  // (it shapes the train split: recorded, compared on resume)
+  // The last 10% of each training file, unless --eval-data gives the evaluation its own (it
+  // shapes the train split: recorded, compared on resume).
+  dopt.val_fraction = o.eval_every > 0 && o.eval_files.empty() ? 0.1 : 0.0;
 }
 
 // The device and the communicator; the ranks agree on their settings (the first collective);
@@ -560,7 +563,21 @@ void open_device(Run& r) {
     bs->synchronize();
   }
   r.loader = std::make_unique<TokenLoader>(r.dopt);
-  if (o.eval_every > 0) r.val = std::make_unique<TokenLoader>(r.dopt, DataSplit::kVal);
+  if (!o.eval_files.empty()) {  // read whole, in order
+    DataOptions e = r.dopt;
+    e.files = o.eval_files;
+    e.val_fraction = 0;
+    e.shuffle = false;
+    r.val = std::make_unique<TokenLoader>(e);
+  } else if (o.eval_every > 0) {
+    r.val = std::make_unique<TokenLoader>(r.dopt, DataSplit::kVal);
+  }
+  // The whole evaluation data once: each rank a batch of every `world` in turn.
+  STRATA_REQUIRE(!r.val || o.eval_batches > 0 || r.val->batches_per_epoch() >= world,
+                 "--eval-batches 0 evaluates the whole evaluation data, {} batch(es) of {} x {} "
+                 "tokens, fewer than the {} ranks: give more evaluation data or a smaller "
+                 "--micro-batch",
+                 r.val->batches_per_epoch(), s.B, s.seq_len, world);
 }
 
 // ---- model + engine ----
