@@ -28,12 +28,14 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numbers>
 #include <random>
 #include <regex>
 #include <sstream>
 
 #include "strata/dtype.h"
 #include "strata/model_io.h"
+#include "strata/trainer.h"
 #include "test_util.h"
 
 namespace strata {
@@ -647,6 +649,64 @@ TEST_F(TrainCli, HuggingFaceAutoPrecisionClippingAndLrAreTheTrainersValues) {
               1e-10);
 }
 
+// The schedules after warmup, one step on from Hugging Face's lambdas: linear (the Trainer's
+// default) falls to --min-lr at the last step, cosine too, const stays; a floor above the peak
+// is refused.
+TEST(LrSchedule, LinearAndCosineDecayToTheFloor) {
+  const double lr = 1e-3, floor = 1e-4;
+  // warmup 2 of 10 steps: t = 1, 2 ramp; then progress (t - 2) / 8.
+  EXPECT_DOUBLE_EQ(lr_at(1, lr, 2, 10, "linear"), lr / 2);
+  EXPECT_DOUBLE_EQ(lr_at(2, lr, 2, 10, "linear"), lr);
+  EXPECT_DOUBLE_EQ(lr_at(6, lr, 2, 10, "linear"), lr * 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(10, lr, 2, 10, "linear"), 0.0);
+  EXPECT_DOUBLE_EQ(lr_at(12, lr, 2, 10, "linear"), 0.0);  // past the end: the floor
+  EXPECT_DOUBLE_EQ(lr_at(6, lr, 2, 10, "linear", floor), floor + (lr - floor) * 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(10, lr, 2, 10, "linear", floor), floor);
+  EXPECT_DOUBLE_EQ(lr_at(6, lr, 2, 10, "cosine", floor), floor + (lr - floor) * 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(10, lr, 2, 10, "cosine", floor), floor);
+  EXPECT_DOUBLE_EQ(lr_at(4, lr, 2, 10, "cosine"),
+                   lr * 0.5 * (1 + std::cos(std::numbers::pi * 0.25)));
+  EXPECT_DOUBLE_EQ(lr_at(9, lr, 2, 10, "const"), lr);
+  EXPECT_THROW(lr_at(5, lr, 2, 10, "linear", 2e-3), Error);
+  EXPECT_THROW(lr_at(5, lr, 2, 10, "step"), Error);
+}
+
+// Fine-tuning a --model folder clips the gradient norm at 1.0 (the Hugging Face Trainer's
+// max_grad_norm) unless the --config or --max-grad-norm says otherwise: the logged norms are the
+// same, the steps (and so the second step's loss) differ from an unclipped run.
+TEST_F(TrainCli, FineTuningAModelClipsAtOneUnlessToldOtherwise) {
+  const std::string hf = dir.path + "/hf";
+  {
+    auto dev = make_host_device();
+    auto s = dev->create_stream("w");
+    ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
+    w.init_random(3, 0.3f);
+    save_hf_weights(hf, w);
+  }
+  auto run_with = [&](std::vector<std::string> more, const std::string& tag) {
+    std::vector<std::string> a = {
+        "--model",      hf,         "--text", text,         "--seq-len",
+        "16",           "--steps",  "2",      "--lr",       "1e-2",
+        "--no-shuffle", "--device", "cpu",    "--log-json", dir.path + "/" + tag + ".jsonl"};
+    a.insert(a.end(), more.begin(), more.end());
+    const Result r = train(a, tag);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return std::make_pair(r, losses(dir.path + "/" + tag + ".jsonl"));
+  };
+  const auto [dflt, l_dflt] = run_with({}, "default");
+  EXPECT_NE(dflt.err.find("clipping the gradient norm at 1.0, the Hugging Face Trainer's "
+                          "max_grad_norm"),
+            std::string::npos)
+      << dflt.err;
+  const auto [one, l_one] = run_with({"--max-grad-norm", "1"}, "one");
+  const auto [off, l_off] = run_with({"--max-grad-norm", "0"}, "off");
+  EXPECT_EQ(one.err.find("clipping the gradient norm at 1.0"), std::string::npos) << one.err;
+  ASSERT_EQ(l_dflt.size(), 2u);
+  EXPECT_EQ(l_dflt, l_one);
+  EXPECT_EQ(l_dflt.at(1), l_off.at(1));  // the first step's loss comes before any update
+  EXPECT_NE(l_dflt.at(2), l_off.at(2));
+}
+
 // --eval-data: a held-out file evaluated after the last step (and --eval-batches 0: all of it)
 // gives the mean of the forward losses over the same batches, which a run training on that file
 // at lr 0 in order (--no-shuffle) logs step by step; the log says the perplexity beside it.
@@ -794,6 +854,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"JSON lines given as token ids",
        {"--model-config", cfg, "--data", jsonl, "--log-json", log, "--device", "cpu"},
        jsonl + ": this is JSON lines text, not token ids"},
+      {"--min-lr without a decaying schedule", args(log, {"--min-lr", "1e-5"}),
+       "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear"},
       {"--eval-batches without an evaluation", args(log, {"--eval-batches", "2"}),
        "--eval-batches sets the batches of an evaluation: add --eval-every N or --eval-data FILE"},
       {"missing --eval-data", args(log, {"--eval-data", dir.path + "/nope.bin"}),

@@ -48,8 +48,16 @@ int main(int argc, char** argv) {
                  "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
                  "--config's scheduler block applies)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--lr-schedule", o.lr_schedule, "after warmup: const (default) or cosine")
-      ->check(CLI::IsMember({"const", "cosine"}));
+  app.add_option("--lr-schedule", o.lr_schedule,
+                 "after warmup: const (default), cosine or linear (the Hugging Face Trainer's)")
+      ->check(CLI::IsMember({"const", "cosine", "linear"}));
+  app.add_option("--min-lr", o.min_lr, "the lr a cosine or linear schedule ends at (default 0)")
+      ->check(strata::tools::kNonNegative);
+  app.add_option("--max-grad-norm", o.max_grad_norm,
+                 "clip the global gradient norm to this (0: off; default: the --config's "
+                 "gradient_clipping, else 1.0 when fine-tuning a --model folder, as the Hugging "
+                 "Face Trainer, else off)")
+      ->check(strata::tools::kNonNegative);
   app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--seed", o.seed, "initialisation and shuffle seed");

@@ -81,11 +81,12 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 
 // The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps (t/warmup),
-// then constant ("const") or cosine decay reaching 0 at step `total` ("cosine"): Hugging
-// Face's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup one step on —
-// step t runs at their lambda(t), where theirs runs at lambda(t - 1) (a first step at lr 0).
+// then constant ("const"), cosine decay ("cosine") or linear decay ("linear", the Hugging Face
+// Trainer's default) reaching min_lr at step `total`: Hugging Face's
+// get_{constant,cosine,linear}_schedule_with_warmup (cosine_with_min_lr with a floor) one step
+// on — step t runs at their lambda(t), where theirs runs at lambda(t - 1) (a first step at lr 0).
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
-             const std::string& schedule);
+             const std::string& schedule, double min_lr = 0);
 
 // ---- checkpoints (src/trainer/checkpoint.cpp) ----
 // A checkpoint is a folder <root>/step-<N> holding every rank's engine state (rank<R>.bin +
@@ -151,6 +152,10 @@ struct TrainOptions {
   // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;
   double lr = -1, weight_decay = -1;
+  double min_lr = -1;  // the floor of a cosine or linear schedule (-1: 0)
+  // The global gradient-norm clip (-1: the --config's gradient_clipping; without one, 1.0 when
+  // fine-tuning a --model folder, the Hugging Face Trainer's max_grad_norm, else none); 0: none.
+  double max_grad_norm = -1;
   // --warmup / --lr-schedule; when neither is given (-1, ""), the ds_config's scheduler block
   // applies (scheduled_lr), else 0 and "const".
   std::int64_t warmup = -1;

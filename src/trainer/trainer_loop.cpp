@@ -24,14 +24,18 @@ namespace strata {
 namespace fs = std::filesystem;
 
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
-             const std::string& schedule) {
-  STRATA_REQUIRE(schedule == "const" || schedule == "cosine",
-                 "--lr-schedule '{}': use const or cosine", schedule);
+             const std::string& schedule, double min_lr) {
+  STRATA_REQUIRE(schedule == "const" || schedule == "cosine" || schedule == "linear",
+                 "--lr-schedule '{}': use const, cosine or linear", schedule);
+  STRATA_REQUIRE(min_lr >= 0 && min_lr <= lr, "--min-lr {} must be from 0 to the peak lr {}",
+                 min_lr, lr);
   if (warmup > 0 && t <= warmup) return lr * double(t) / double(warmup);
   if (schedule == "const") return lr;
   const double span = double(std::max<std::int64_t>(1, total - warmup));
   const double progress = std::min(1.0, double(t - warmup) / span);
-  return lr * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+  const double factor =
+      schedule == "cosine" ? 0.5 * (1.0 + std::cos(std::numbers::pi * progress)) : 1.0 - progress;
+  return min_lr + (lr - min_lr) * factor;
 }
 
 namespace train_job {

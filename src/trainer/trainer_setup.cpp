@@ -179,8 +179,12 @@ void check_flags(Settings& s) {
                  "--data/--text without a model: give --model DIR or --model-config FILE too");
   STRATA_REQUIRE(o.dtype.empty() || o.dtype == "fp32" || o.dtype == "bf16",
                  "--dtype '{}': use fp32 or bf16", o.dtype);
-  STRATA_REQUIRE(o.lr_schedule.empty() || o.lr_schedule == "const" || o.lr_schedule == "cosine",
-                 "--lr-schedule '{}': use const or cosine", o.lr_schedule);
+  STRATA_REQUIRE(o.lr_schedule.empty() || o.lr_schedule == "const" || o.lr_schedule == "cosine" ||
+                     o.lr_schedule == "linear",
+                 "--lr-schedule '{}': use const, cosine or linear", o.lr_schedule);
+  STRATA_REQUIRE(
+      o.min_lr <= 0 || o.lr_schedule == "cosine" || o.lr_schedule == "linear",
+      "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear");
 }
 
 // ---- model ----
@@ -364,6 +368,7 @@ void build_engine_config(Settings& s) {
   EngineConfig& ecfg = s.ecfg;
   std::string& demo_dir = s.demo_dir;
   bool config_batch = false;  // the --config gives train_batch_size: the user's global batch
+  bool config_clip = false;   // ... and gradient_clipping
   if (!o.ds_config.empty()) {
     const std::string text = read_text(o.ds_config, "--config");
     // Parsed here too: a syntax error names the file, and train_batch_size is read from it.
@@ -375,6 +380,7 @@ void build_engine_config(Settings& s) {
       ecfg = parse_engine_config(text, launch.world_size);
     }
     config_batch = j.is_object() && j.contains("train_batch_size");
+    config_clip = j.is_object() && j.contains("gradient_clipping");
   } else if (s.demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
     std::error_code ec;
@@ -445,6 +451,15 @@ void build_engine_config(Settings& s) {
                  "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not "
                  "supported yet: use "
                  "\"bf16\": {{\"enabled\": true}} in --config or --dtype bf16");
+  if (o.max_grad_norm >= 0) {
+    ecfg.gradient_clipping = o.max_grad_norm;
+  } else if (!config_clip && !o.model_dir.empty()) {
+    ecfg.gradient_clipping = 1.0;
+    if (launch.rank == 0)
+      log::info(
+          "clipping the gradient norm at 1.0, the Hugging Face Trainer's max_grad_norm, as "
+          "a --model is fine-tuned (--max-grad-norm sets another, 0 none)");
+  }
   if (ecfg.host_budget_bytes == 0)
     ecfg.host_budget_bytes = default_host_budget(s.launch.local_size);
 }
@@ -748,7 +763,7 @@ void resume_from_checkpoint(Run& r) {
 
 double Settings::lr_of(std::int64_t t) const {
   return ds_schedule ? scheduled_lr(ecfg.scheduler, ecfg.adamw.lr, t)
-                     : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule);
+                     : lr_at(t, ecfg.adamw.lr, warmup, steps, schedule, std::max(0.0, o.min_lr));
 }
 
 }  // namespace strata::train_job
