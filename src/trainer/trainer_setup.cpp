@@ -145,9 +145,12 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"the weight decay (--weight-decay, optimizer.params.weight_decay)",
            double(s.ecfg.adamw.weight_decay)},
           {"--warmup", double(s.warmup)},
-          {"the schedule (0 const, 1 cosine, 2 the --config's)", s.ds_schedule            ? 2.0
-                                                                 : s.schedule == "cosine" ? 1.0
-                                                                                          : 0.0},
+          {"the schedule (0 const, 1 cosine, 2 the --config's, 3 linear)",
+           s.ds_schedule            ? 2.0
+           : s.schedule == "cosine" ? 1.0
+           : s.schedule == "linear" ? 3.0
+                                    : 0.0},
+          {"--min-lr", std::max(0.0, s.o.min_lr)},
           {"the compute dtype (0 fp32, 1 bf16)", s.ecfg.compute_dtype == DType::kBF16 ? 1.0 : 0.0},
           {"zero_optimization.stage", double(s.ecfg.stage)},
           {"gradient_clipping", double(s.ecfg.gradient_clipping)},
