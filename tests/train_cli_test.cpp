@@ -120,6 +120,16 @@ class TrainCli : public ::testing::Test {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
+  // A Hugging Face folder of the test's model (`cfg`) with random weights, at dir/name.
+  std::string hf_folder(const std::string& name) const {
+    const std::string hf = dir.path + "/" + name;
+    auto dev = make_host_device();
+    auto s = dev->create_stream("w");
+    ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
+    w.init_random(3, 0.3f);
+    save_hf_weights(hf, w);
+    return hf;
+  }
   Result train(const std::vector<std::string>& a, const std::string& tag) const {
     return run(STRATA_TRAIN_BIN, a, dir.path, tag);
   }
@@ -675,14 +685,7 @@ TEST(LrSchedule, LinearAndCosineDecayToTheFloor) {
 // max_grad_norm) unless the --config or --max-grad-norm says otherwise: the logged norms are the
 // same, the steps (and so the second step's loss) differ from an unclipped run.
 TEST_F(TrainCli, FineTuningAModelClipsAtOneUnlessToldOtherwise) {
-  const std::string hf = dir.path + "/hf";
-  {
-    auto dev = make_host_device();
-    auto s = dev->create_stream("w");
-    ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
-    w.init_random(3, 0.3f);
-    save_hf_weights(hf, w);
-  }
+  const std::string hf = hf_folder("hf");
   auto run_with = [&](std::vector<std::string> more, const std::string& tag) {
     std::vector<std::string> a = {
         "--model",      hf,         "--text", text,         "--seq-len",
@@ -694,13 +697,14 @@ TEST_F(TrainCli, FineTuningAModelClipsAtOneUnlessToldOtherwise) {
     return std::make_pair(r, losses(dir.path + "/" + tag + ".jsonl"));
   };
   const auto [dflt, l_dflt] = run_with({}, "default");
-  EXPECT_NE(dflt.err.find("clipping the gradient norm at 1.0, the Hugging Face Trainer's "
-                          "max_grad_norm"),
+  EXPECT_NE(dflt.out.find("; gradient norm clipped at 1.0 (the Hugging Face Trainer's "
+                          "max_grad_norm when fine-tuning a --model"),
             std::string::npos)
-      << dflt.err;
+      << dflt.out;
   const auto [one, l_one] = run_with({"--max-grad-norm", "1"}, "one");
   const auto [off, l_off] = run_with({"--max-grad-norm", "0"}, "off");
-  EXPECT_EQ(one.err.find("clipping the gradient norm at 1.0"), std::string::npos) << one.err;
+  EXPECT_NE(one.out.find("; gradient norm clipped at 1\n"), std::string::npos) << one.out;
+  EXPECT_EQ(off.out.find("gradient norm clipped"), std::string::npos) << off.out;
   ASSERT_EQ(l_dflt.size(), 2u);
   EXPECT_EQ(l_dflt, l_one);
   EXPECT_EQ(l_dflt.at(1), l_off.at(1));  // the first step's loss comes before any update
@@ -1115,14 +1119,7 @@ Result run_export(const std::vector<std::string>& a, const std::string& dir,
 // byte for byte (nothing else of that folder); strata-export finds the folder through the
 // checkpoint, says when it is gone, and takes another with --model.
 TEST_F(TrainCli, TheOutFolderAndAnExportCarryTheModelFoldersTokenizerFiles) {
-  const std::string hf = dir.path + "/hf";
-  {
-    auto dev = make_host_device();
-    auto s = dev->create_stream("w");
-    ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
-    w.init_random(3, 0.3f);
-    save_hf_weights(hf, w);
-  }
+  const std::string hf = hf_folder("hf");
   const std::map<std::string, std::string> side = {
       {"tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"é": 0, "日本": 1}}})"},
       {"tokenizer_config.json", R"({"bos_token": "<s>", "chat_template": "{{ messages }}"})"},

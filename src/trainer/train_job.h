@@ -55,6 +55,7 @@ struct Settings {
   // The schedule and the batch
   std::int64_t warmup = 0, steps = 0, seq_len = 0, B = 0, accum = 0;
   bool ds_schedule = false;
+  bool clip_defaulted = false;  // gradient clipping 1.0: the fine-tuning default, not asked for
   std::string schedule;
   int rank = 0, world = 1;
   std::FILE* con = nullptr;  // rank 0's console, else null

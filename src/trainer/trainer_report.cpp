@@ -151,14 +151,19 @@ void print_header(Run& r) {
       said += fmt::format(" ({} asked; units are placed whole)", where(asked));
     return said;
   };
+  const std::string clip =
+      ecfg.gradient_clipping <= 0 ? std::string()
+      : s.clip_defaulted
+          ? "; gradient norm clipped at 1.0 (the Hugging Face Trainer's max_grad_norm when "
+            "fine-tuning a --model; --max-grad-norm sets another, 0 none)"
+          : fmt::format("; gradient norm clipped at {}", ecfg.gradient_clipping);
   std::fprintf(con,
                "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld "
-               "tokens x %lld "
-               "accum x %d ranks\n",
+               "tokens x %lld accum x %d ranks%s\n",
                ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
                placed("optimizer state (", ecfg.optimizer).c_str(),
                placed("gradient shard", ecfg.grads).c_str(), (long long)B, (long long)seq_len,
-               (long long)accum, world);
+               (long long)accum, world, clip.c_str());
   std::string data =
       r.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.text_file;
   if (s.demo_data) data += " (the demo's generated text: no --data or --text given)";

@@ -457,11 +457,8 @@ void build_engine_config(Settings& s) {
   if (o.max_grad_norm >= 0) {
     ecfg.gradient_clipping = o.max_grad_norm;
   } else if (!config_clip && !o.model_dir.empty()) {
-    ecfg.gradient_clipping = 1.0;
-    if (launch.rank == 0)
-      log::info(
-          "clipping the gradient norm at 1.0, the Hugging Face Trainer's max_grad_norm, as "
-          "a --model is fine-tuned (--max-grad-norm sets another, 0 none)");
+    ecfg.gradient_clipping = 1.0;  // said in the run's banner
+    s.clip_defaulted = true;
   }
   if (ecfg.host_budget_bytes == 0)
     ecfg.host_budget_bytes = default_host_budget(s.launch.local_size);
