@@ -316,6 +316,26 @@ TEST(EngineConfig, SubGroupSizeZeroIsOneTensorsPartition) {
   EXPECT_EQ(largest_tensor(model_units(m)), 256u * 64u);
 }
 
+// stage3_gather_16bit_weights_on_model_save false (DeepSpeed then saves shards only) cannot be
+// honoured: strata always writes the gathered model; said, not silently different.
+TEST(EngineConfig, GatherOnSaveFalseIsSaidNotIgnored) {
+  testing::internal::CaptureStderr();
+  const EngineConfig c = parse_engine_config(
+      R"({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": false}})",
+      1);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(c.gather_16bit_weights_on_model_save);
+  EXPECT_NE(warnings.find("'zero_optimization.stage3_gather_16bit_weights_on_model_save' is "
+                          "false: strata writes the whole model, gathered"),
+            std::string::npos)
+      << warnings;
+  testing::internal::CaptureStderr();
+  parse_engine_config(
+      R"({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}})",
+      1);
+  EXPECT_EQ(testing::internal::GetCapturedStderr().find("gather"), std::string::npos);
+}
+
 // ---- batch sizes ----
 
 TEST(EngineConfig, BatchSizesDeriveTheMissingOne) {

@@ -482,10 +482,17 @@ void parse_zero_sizes(const Section& z, EngineConfig& c) {
                  "config keys '{}' and '{}' are the same setting: give one",
                  z.key_path("stage3_gather_16bit_weights_on_model_save"),
                  z.key_path("stage3_gather_fp16_weights_on_model_save"));
-  c.gather_16bit_weights_on_model_save =
-      z.has("stage3_gather_fp16_weights_on_model_save")
-          ? z.get_bool("stage3_gather_fp16_weights_on_model_save", false)
-          : z.get_bool("stage3_gather_16bit_weights_on_model_save", false);
+  const char* gather = z.has("stage3_gather_fp16_weights_on_model_save")
+                           ? "stage3_gather_fp16_weights_on_model_save"
+                           : "stage3_gather_16bit_weights_on_model_save";
+  c.gather_16bit_weights_on_model_save = z.get_bool(gather, false);
+  // DeepSpeed saves a ZeRO-3 model's shards unless this is true; strata always gathers it.
+  if (z.has(gather) && !c.gather_16bit_weights_on_model_save)
+    log::warn_once(std::string("config.") + gather,
+                   fmt::format("config key '{}' is false: strata writes the whole model, "
+                               "gathered, at strata-train --out either way (in the compute "
+                               "dtype; strata-export writes any checkpoint in fp32 or bf16)",
+                               z.key_path(gather)));
 }
 
 // offload_param: the compute-weight shard. Returns its device.
