@@ -848,6 +848,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--checkpoint-dir is where --save-every N writes checkpoints"},
       {"--keep-checkpoints without --save-every", args(log, {"--keep-checkpoints", "2"}),
        "--keep-checkpoints prunes the checkpoints"},
+      {"--save-total-limit (its Hugging Face name) without --save-every",
+       args(log, {"--save-total-limit", "2"}), "--keep-checkpoints prunes the checkpoints"},
       {"--data-dtype with --text",
        {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
        "--data-dtype is the format of --data token files"},

@@ -101,8 +101,9 @@ int main(int argc, char** argv) {
   app.add_option(
       "--checkpoint-dir", o.checkpoint_dir,
       "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
-  app.add_option("--keep-checkpoints", o.keep_checkpoints,
-                 "keep only the newest N checkpoints (default 0: all)")
+  app.add_option("--keep-checkpoints,--save-total-limit", o.keep_checkpoints,
+                 "keep only the newest N checkpoints (default 0: all; --save-total-limit, the "
+                 "Hugging Face Trainer's name, is the same)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--resume", o.resume,
                  "continue from the newest complete checkpoint in DIR (a checkpoint, a checkpoints "
