@@ -316,6 +316,49 @@ TEST(EngineConfig, SubGroupSizeZeroIsOneTensorsPartition) {
   EXPECT_EQ(largest_tensor(model_units(m)), 256u * 64u);
 }
 
+// A ZeRO-3 file in the shape the fine-tuning frameworks ship (everything offloaded to the CPU,
+// bf16, sub_group_size 0, a live window of 0, the Trainer's "auto"s, keys of theirs strata does
+// not use): read key by key as DeepSpeed + the Hugging Face Trainer read it.
+TEST(EngineConfig, AStockOffloadZero3FileMeansWhatItMeansInDeepSpeed) {
+  testing::internal::CaptureStderr();
+  EngineConfig c = parse_engine_config(R"({
+    "zero_force_ds_cpu_optimizer": false,
+    "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "cpu", "pin_memory": true},
+      "offload_param": {"device": "cpu", "pin_memory": true},
+      "overlap_comm": true, "contiguous_gradients": true, "sub_group_size": 0,
+      "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+      "stage3_param_persistence_threshold": "auto", "max_live_parameters": 0,
+      "max_reuse_distance": 0, "gather_16bit_weights_on_model_save": true},
+    "bf16": {"enabled": true},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": false})",
+                                       2);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(c.stage, 3);
+  EXPECT_EQ(c.compute_dtype, DType::kBF16);
+  EXPECT_EQ(c.gradient_clipping, 1.0);  // "auto": the Trainer's max_grad_norm
+  EXPECT_EQ(c.params.device_fraction, 0.0);
+  EXPECT_EQ(c.params.host_fraction, 1.0);
+  EXPECT_EQ(c.optimizer.device_fraction, 0.0);
+  EXPECT_EQ(c.optimizer.host_fraction, 1.0);
+  EXPECT_TRUE(c.overlap_comm);
+  EXPECT_EQ(c.max_live_parameters, 0u);
+  EXPECT_EQ(c.max_reuse_distance, 0u);
+  EXPECT_TRUE(c.gather_16bit_weights_on_model_save);
+  EXPECT_EQ(c.micro_batch_per_gpu, 1);  // "auto": strata-train's --micro-batch, else 1
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.reduce_bucket_size, 500'000'000u);  // "auto": not given
+  EXPECT_TRUE(c.sub_group_per_tensor);
+  EXPECT_NE(resolve_per_tensor_sub_groups(c, 4096 * 4096, 2), "");
+  EXPECT_EQ(c.sub_group_size, 4096u * 4096u / 2);
+  for (const char* key : {"zero_force_ds_cpu_optimizer", "wall_clock_breakdown"})
+    EXPECT_NE(warnings.find(std::string("'") + key + "' is not used by strata"), std::string::npos)
+        << key << "\n"
+        << warnings;
+}
+
 // stage3_gather_16bit_weights_on_model_save false (DeepSpeed then saves shards only) cannot be
 // honoured: strata always writes the gathered model; said, not silently different.
 TEST(EngineConfig, GatherOnSaveFalseIsSaidNotIgnored) {

@@ -477,14 +477,17 @@ void parse_zero_sizes(const Section& z, EngineConfig& c) {
   c.max_live_parameters = stage3("max_live_parameters", 1'000'000'000);
   c.max_reuse_distance = stage3("max_reuse_distance", 1'000'000'000);
   c.param_persistence_threshold = stage3("param_persistence_threshold", 100'000);
-  STRATA_REQUIRE(!(z.has("stage3_gather_16bit_weights_on_model_save") &&
-                   z.has("stage3_gather_fp16_weights_on_model_save")),
-                 "config keys '{}' and '{}' are the same setting: give one",
-                 z.key_path("stage3_gather_16bit_weights_on_model_save"),
-                 z.key_path("stage3_gather_fp16_weights_on_model_save"));
-  const char* gather = z.has("stage3_gather_fp16_weights_on_model_save")
-                           ? "stage3_gather_fp16_weights_on_model_save"
-                           : "stage3_gather_16bit_weights_on_model_save";
+  // DeepSpeed's field and its two aliases (the stage3_ one, and the older fp16 name): one of them.
+  const char* gather = nullptr;
+  for (const char* name :
+       {"gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save"}) {
+    if (!z.has(name)) continue;
+    STRATA_REQUIRE(gather == nullptr, "config keys '{}' and '{}' are the same setting: give one",
+                   z.key_path(gather ? gather : ""), z.key_path(name));
+    gather = name;
+  }
+  if (gather == nullptr) gather = "stage3_gather_16bit_weights_on_model_save";
   c.gather_16bit_weights_on_model_save = z.get_bool(gather, false);
   // DeepSpeed saves a ZeRO-3 model's shards unless this is true; strata always gathers it.
   if (z.has(gather) && !c.gather_16bit_weights_on_model_save)
@@ -638,6 +641,7 @@ void parse_zero(const Section& top, EngineConfig& c) {
                   "max_reuse_distance",
                   "param_persistence_threshold",
                   "stage3_gather_16bit_weights_on_model_save",
+                  "gather_16bit_weights_on_model_save",
                   "stage3_gather_fp16_weights_on_model_save",
                   "offload_param",
                   "offload_optimizer",
