@@ -77,3 +77,27 @@ void ds_style_vectors(const DsStyleScalars& k, float* p, const float* g, float* 
 
 }  // namespace
 }  // namespace strata::bench
+
+// Defines `fn` (the loop at one ISA, declared in adam_ds_style.cpp) over a lane type of `width`
+// floats in `type`, whose intrinsics are named `prefix`_*_ps (_mm256, _mm512): the body of each
+// ISA's file.
+#define STRATA_DS_STYLE_ISA(fn, type, width, prefix)                                             \
+  namespace strata::bench {                                                                      \
+  namespace {                                                                                    \
+  struct Lanes {                                                                                 \
+    using T = type;                                                                              \
+    static constexpr int kWidth = width;                                                         \
+    static T set1(float x) { return prefix##_set1_ps(x); }                                       \
+    static T load(const float* q) { return prefix##_loadu_ps(q); }                               \
+    static void store(float* q, T x) { prefix##_storeu_ps(q, x); }                               \
+    static T mul(T a, T b) { return prefix##_mul_ps(a, b); }                                     \
+    static T div(T a, T b) { return prefix##_div_ps(a, b); }                                     \
+    static T sqrt(T a) { return prefix##_sqrt_ps(a); }                                           \
+    static T fma(T a, T b, T c) { return prefix##_fmadd_ps(a, b, c); }                           \
+  };                                                                                             \
+  }                                                                                              \
+  void fn(const DsStyleScalars& k, float* p, const float* g, float* m, float* v, std::size_t lo, \
+          std::size_t hi) {                                                                      \
+    ds_style_vectors<Lanes>(k, p, g, m, v, lo, hi);                                              \
+  }                                                                                              \
+  }

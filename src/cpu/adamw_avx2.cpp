@@ -111,20 +111,18 @@ struct Avx2Impl {
       p[u] = _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m[u], d), p[u]);
     }
     for (int u = 0; u < kU; ++u) _mm256_storeu_ps(a.p + i + 8 * std::size_t(u), p[u]);
-    for (int u = 0; u < kU; ++u) {
-      const std::size_t j = i + 8 * std::size_t(u);
-      if constexpr (S)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(m16 + j), to_bf16x8(m[u]));
-      else
-        _mm256_storeu_ps(m32 + j, m[u]);
-    }
-    for (int u = 0; u < kU; ++u) {
-      const std::size_t j = i + 8 * std::size_t(u);
-      if constexpr (S)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(v16 + j), to_bf16x8(v[u]));
-      else
-        _mm256_storeu_ps(v32 + j, v[u]);
-    }
+    // m's kU vectors, then v's (`s32`, `s16`: the state's fp32 and bf16 views).
+    const auto store_state = [&](float* s32, std::uint16_t* s16, const __m256* x) {
+      for (int u = 0; u < kU; ++u) {
+        const std::size_t j = i + 8 * std::size_t(u);
+        if constexpr (S)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(s16 + j), to_bf16x8(x[u]));
+        else
+          _mm256_storeu_ps(s32 + j, x[u]);
+      }
+    };
+    store_state(m32, m16, m);
+    store_state(v32, v16, v);
     if constexpr (C != CopyKind::kNone) {
       for (int u = 0; u < kU; ++u) {
         const __m128i h =
