@@ -3,14 +3,15 @@
 // For each mode (fp32/bf16 grads, fp32/bf16 states, bf16 copy-out on/off) and thread count,
 // it times CpuAdamW steps (best of --reps) over --params parameters and reports G params/s,
 // GB/s counting the bytes the mode must move (reads of p, g, m, v; writes of p, m, v and the
-// copy), and two ratios:
+// copy), and ratios:
 //  - to a bandwidth bound measured in the same run over the same footprint, with the same
-//    threads, the best of three probes, each compiled for the AdamW kernels' own ISA (the same
+//    threads, the best of its probes, each compiled for the AdamW kernels' own ISA (the same
 //    run-time choice, STRATA_CPU_ISA included): a STREAM triad (a = b + s*c over three arrays
 //    holding the mode's bytes) counted as the hardware moves it, 16 bytes an element (its
 //    store reads the line first: write-allocate); the same triad with non-temporal stores, 12
 //    bytes (the step streams its copy-out so); and a "same pattern" loop that reads and writes
-//    exactly the mode's arrays with one add each. A step faster than that bound by more than 2%
+//    exactly the mode's arrays with one add each (and the DeepSpeed-style loop below where it
+//    runs). A step faster than that bound by more than 2%
 //    is reported as a broken bound (the word in the table, `broken_bound` in the JSON), never as
 //    a ratio above 1 passed off as speed;
 //  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads;
