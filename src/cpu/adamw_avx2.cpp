@@ -67,9 +67,8 @@ struct Consts {
         omb2(_mm256_set1_ps(k.one_minus_beta2)),
         isb2(_mm256_set1_ps(k.inv_sqrt_bc2)),
         eps(_mm256_set1_ps(k.eps)),
-        neg_step(_mm256_set1_ps(-k.step_size)),
-        zero(_mm256_setzero_ps()) {}
-  __m256 gs, decay, b1, b2, omb1, omb2, isb2, eps, neg_step, zero;
+        neg_step(_mm256_set1_ps(-k.step_size)) {}
+  __m256 gs, decay, b1, b2, omb1, omb2, isb2, eps, neg_step;
 };
 
 template <bool G, bool S, CopyKind C>
@@ -97,11 +96,11 @@ struct Avx2Impl {
     for (int u = 0; u < kU; ++u) {
       const std::size_t j = i + 8 * std::size_t(u);
       g[u] = G ? load_bf16x8(g16 + j) : _mm256_loadu_ps(g32 + j);
+      if constexpr (kScaled) g[u] = _mm256_mul_ps(g[u], c.gs);
     }
+    for (int u = 0; u < kU; u += 2) seen = _mm256_fmadd_ps(g[u], g[u + 1 < kU ? u + 1 : u], seen);
     for (int u = 0; u < kU; ++u) {
       const std::size_t j = i + 8 * std::size_t(u);
-      if constexpr (kScaled) g[u] = _mm256_mul_ps(g[u], c.gs);
-      seen = _mm256_fmadd_ps(g[u], c.zero, seen);  // NaN from the first NaN or Inf on
       m[u] = S ? load_bf16x8(m16_src + j) : _mm256_loadu_ps(m32_src + j);
       v[u] = S ? load_bf16x8(v16_src + j) : _mm256_loadu_ps(v32_src + j);
       p[u] = _mm256_mul_ps(_mm256_loadu_ps(a.p_src + j), c.decay);
@@ -153,13 +152,15 @@ struct Avx2Impl {
     // through `arrays`, they were reloaded after every store).
     const Arrays a = arrays;
     const Consts c(k);
-    // seen + g * 0 stays 0 while every scaled gradient is finite and turns NaN for good at the
-    // first that is not: one fused multiply-add a vector, where a count per vector cost five
-    // instructions. Only then are they counted, by a second read of the gradients.
+    // seen + g0 * g1 over pairs of gradient vectors stays finite while they are (a sum that
+    // overflows only costs the count below) and is NaN or Inf for good from the first NaN or Inf
+    // on (Inf * 0 is NaN): one fused multiply-add for two vectors, where a count per vector cost
+    // five instructions. Only then are they counted, by a second read of the gradients.
     __m256 seen = _mm256_setzero_ps();
     const std::size_t i =
         k.grad_scale == 1.0f ? loop<false>(c, a, lo, hi, seen) : loop<true>(c, a, lo, hi, seen);
-    const bool any = _mm256_movemask_ps(_mm256_cmp_ps(seen, seen, _CMP_UNORD_Q)) != 0;
+    const __m256 d = _mm256_sub_ps(seen, seen);  // NaN exactly where seen is NaN or Inf
+    const bool any = _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)) != 0;
     return (any ? count(k.grad_scale, a.g, a.grad_dtype, lo, i) : 0) +
            update_scalar<G, S, C>(k, a, i, hi);
   }

@@ -132,18 +132,16 @@ struct Isa512 {
       auto* m32 = static_cast<float*>(a.m);
       auto* v32 = static_cast<float*>(a.v);
       auto* c16 = static_cast<std::uint16_t*>(a.c);
-      // seen + g * 0 stays 0 while every scaled gradient is finite and turns NaN for good at
-      // the first that is not (masked-off lanes load 0): one fused multiply-add a vector.
-      const __m512 zero = _mm512_setzero_ps();
-      __m512 seen = zero;
+      // seen + g0 * g1 over pairs of gradient vectors stays finite while they are (masked-off
+      // lanes load 0; a sum that overflows only costs the caller's count) and is NaN or Inf for
+      // good from the first NaN or Inf on (Inf * 0 is NaN): one fused multiply-add for two.
+      __m512 seen = _mm512_setzero_ps();
       auto load_g = [&](std::size_t i, __mmask16 mk) __attribute__((always_inline)) {
         return G ? load_bf16x16(g16 + i, mk) : _mm512_maskz_loadu_ps(mk, g32 + i);
       };
-      // The element step, lane-wise, on the vector from i whose gradients are g.
+      // The element step, lane-wise, on the vector from i whose scaled gradients are g.
       auto step = [&](__m512 g, std::size_t i, __mmask16 mk, __m512 & m, __m512 & v, __m512 & p)
           __attribute__((always_inline)) {
-        if constexpr (kScaled) g = _mm512_mul_ps(g, gs);
-        seen = _mm512_fmadd_ps(g, zero, seen);
         m = S ? load_bf16x16(m16_src + i, mk) : _mm512_maskz_loadu_ps(mk, m32_src + i);
         v = S ? load_bf16x16(v16_src + i, mk) : _mm512_maskz_loadu_ps(mk, v32_src + i);
         p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p_src + i), decay);
@@ -191,7 +189,12 @@ struct Isa512 {
       auto block = [&]<int kU>(std::size_t i, __mmask16 mk, bool full)
           __attribute__((always_inline)) {
         __m512 g[kU], m[kU], v[kU], p[kU];
-        for (int u = 0; u < kU; ++u) g[u] = load_g(i + 16 * u, mk);
+        for (int u = 0; u < kU; ++u) {
+          g[u] = load_g(i + 16 * u, mk);
+          if constexpr (kScaled) g[u] = _mm512_mul_ps(g[u], gs);
+        }
+        for (int u = 0; u < kU; u += 2)
+          seen = _mm512_fmadd_ps(g[u], g[u + 1 < kU ? u + 1 : u], seen);
         for (int u = 0; u < kU; ++u) step(g[u], i + 16 * u, mk, m[u], v[u], p[u]);
         for (int u = 0; u < kU; ++u) store_p(i + 16 * u, mk, full, p[u]);
         for (int u = 0; u < kU; ++u) store_state(m32, m16, i + 16 * u, mk, full, m[u]);
@@ -205,7 +208,8 @@ struct Isa512 {
       for (; i + 16 <= hi; i += 16) block.template operator()<1>(i, 0xffff, true);
       if (i < hi)
         block.template operator()<1>(i, static_cast<__mmask16>((1u << (hi - i)) - 1), false);
-      return _mm512_cmp_ps_mask(seen, seen, _CMP_UNORD_Q) != 0;
+      const __m512 d = _mm512_sub_ps(seen, seen);  // NaN exactly where seen is NaN or Inf
+      return _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q) != 0;
     }
   };
 };
