@@ -606,7 +606,8 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
 
 // The memory bound's loops run the instructions the AdamW kernels run (the same run-time ISA,
 // STRATA_CPU_ISA included), and a row faster than the bound says "broken bound" (in the table and
-// the JSON) rather than showing a ratio above 1 as speed.
+// the JSON) rather than showing a ratio above 1 as speed. The DeepSpeed-style comparison loop
+// follows the same ISA and is checked against AdamW before it is timed.
 TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
   TempDir d("strata-bench");
   std::vector<std::pair<std::string, std::string>> caps = {{"", ""}};
@@ -630,6 +631,36 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
       EXPECT_EQ(row.at("broken_bound").get<bool>(), ratio > 1.02) << row;
       EXPECT_GE(row.at("bound_gbps").get<double>(), row.at("triad_nt_gbps").get<double>()) << row;
     }
+    // The DeepSpeed-style loop: named as strata's rendering, held to AdamW in double at every
+    // width up to the kernels' before it is timed, and timed on the fp32/fp32/no-copy rows only,
+    // its bytes one more probe of the bound.
+    EXPECT_NE(j.at("ds_style_reference").get<std::string>().find("strata's rendering"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(j.at("ds_style_method").get<std::string>().find("alternating"), std::string::npos)
+        << r.out;
+    EXPECT_EQ(j.at("ds_style_isa"), j.at("isa")) << r.out;
+    const nlohmann::json& check = j.at("ds_style_check");
+    EXPECT_LE(check.at("worst_of_tolerance").get<double>(), 1.0) << r.out;
+    EXPECT_EQ(check.at("isas").back(), j.at("isa")) << r.out;
+    EXPECT_EQ(check.at("isas").front(), "scalar") << r.out;
+    int ds_rows = 0;
+    for (const auto& row : j.at("results")) {
+      const bool fp32_no_copy =
+          row.at("grads") == "fp32" && row.at("states") == "fp32" && row.at("copy_out") == "none";
+      EXPECT_EQ(row.contains("ds_style_gparams_per_s"), fp32_no_copy) << row;
+      EXPECT_EQ(row.contains("ratio_vs_ds_style"), fp32_no_copy) << row;
+      if (!fp32_no_copy) continue;
+      ++ds_rows;
+      EXPECT_NEAR(
+          row.at("ratio_vs_ds_style").get<double>(),
+          row.at("gparams_per_s").get<double>() / row.at("ds_style_gparams_per_s").get<double>(),
+          1e-9)
+          << row;
+      EXPECT_GE(row.at("bound_gbps").get<double>(), row.at("ds_style_gbps").get<double>()) << row;
+    }
+    EXPECT_EQ(ds_rows, 1) << r.out;
+    EXPECT_NE(r.out.find("ds-style"), std::string::npos) << r.out;
     const bool any_broken = r.out.find("\"broken_bound\": true") != std::string::npos ||
                             r.out.find("\"broken_bound\":true") != std::string::npos;
     EXPECT_EQ(any_broken, r.out.find("broken bound:") != std::string::npos) << r.out;

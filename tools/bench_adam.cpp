@@ -3,17 +3,23 @@
 // For each mode (fp32/bf16 grads, fp32/bf16 states, bf16 copy-out on/off) and thread count,
 // it times CpuAdamW steps (best of --reps) over --params parameters and reports G params/s,
 // GB/s counting the bytes the mode must move (reads of p, g, m, v; writes of p, m, v and the
-// copy), and two ratios:
+// copy), and ratios:
 //  - to a bandwidth bound measured in the same run over the same footprint, with the same
-//    threads, the best of three probes, each compiled for the AdamW kernels' own ISA (the same
+//    threads, the best of its probes, each compiled for the AdamW kernels' own ISA (the same
 //    run-time choice, STRATA_CPU_ISA included): a STREAM triad (a = b + s*c over three arrays
 //    holding the mode's bytes) counted as the hardware moves it, 16 bytes an element (its
 //    store reads the line first: write-allocate); the same triad with non-temporal stores, 12
 //    bytes (the step streams its copy-out so); and a "same pattern" loop that reads and writes
-//    exactly the mode's arrays with one add each. A step faster than that bound by more than 2%
+//    exactly the mode's arrays with one add each (and the DeepSpeed-style loop below where it
+//    runs). A step faster than that bound by more than 2%
 //    is reported as a broken bound (the word in the table, `broken_bound` in the JSON), never as
 //    a ratio above 1 passed off as speed;
-//  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads.
+//  - to the scalar path (Isa::kScalar: a plain one-element-at-a-time loop) with the same threads;
+//  - on the fp32 grads / fp32 states / no copy-out mode (the only one DeepSpeed's cpu_adam has),
+//    to a DeepSpeed-style loop: strata's rendering of cpu_adam's AVX step (adam_ds_style.h), not
+//    DeepSpeed itself, compiled for the kernels' ISA, held to AdamW in double before it is timed,
+//    and timed in rounds alternating with the step over the same arrays and threads. It moves
+//    the same 28 bytes a parameter, so its rate is one more probe of the bound.
 // The step runs with NonFinitePolicy::kReportOnly (detection fused); --skip-check adds the
 // kSkipStep pre-check pass to show its cost.
 #include <immintrin.h>
@@ -31,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "adam_ds_style.h"
 #include "bench_common.h"
 #include "strata/adamw.h"
 #include "strata/error.h"
@@ -112,18 +119,53 @@ AdamWShard shard_of(Arrays& a, const Mode& mode) {
   return s;
 }
 
+// Seconds of one step.
+double time_step(CpuAdamW& eng, const AdamWShard& s, const AdamWOptions& o,
+                 NonFinitePolicy policy) {
+  const Stopwatch sw;
+  const AdamWResult res = eng.step(o, std::span<const AdamWShard>(&s, 1), policy);
+  const double sec = sw.seconds();
+  STRATA_CHECK(res.all_finite(), "benchmark data produced {} non-finite gradients", res.non_finite);
+  return sec;
+}
+
+AdamWOptions bench_options(int step) {
+  AdamWOptions o;
+  o.weight_decay = 0.01f;
+  o.step = step;
+  return o;
+}
+
 // Best seconds per step of `reps` steps.
 double time_steps(CpuAdamW& eng, const AdamWShard& s, int reps, NonFinitePolicy policy) {
-  AdamWOptions o;
-  o.weight_decay = 0.01;
   double best = 1e30;
+  for (int r = 0; r < reps; ++r)
+    best = std::min(best, time_step(eng, s, bench_options(r + 1), policy));
+  return best;
+}
+
+// strata's step and the DeepSpeed-style loop (adam_ds_style.h) on the same fp32 arrays, in
+// alternating rounds (which runs first alternates too), `reps` of each, the best of each kept:
+// a burst of other work on a shared machine falls on both alike. The loop runs over `threads`
+// threads, each one contiguous part (timed_parallel, as the bound's probes; strata's step gives
+// each worker one contiguous run of tiles, cpu_adam's OpenMP loop one contiguous part per thread).
+struct StepVsDsStyle {
+  double step_s = 1e30, ds_style_s = 1e30;
+};
+StepVsDsStyle time_vs_ds_style(CpuAdamW& eng, const AdamWShard& s, Arrays& a, Isa isa, int threads,
+                               int reps, NonFinitePolicy policy) {
+  StepVsDsStyle best;
   for (int r = 0; r < reps; ++r) {
-    o.step = r + 1;
-    const Stopwatch sw;
-    const AdamWResult res = eng.step(o, std::span<const AdamWShard>(&s, 1), policy);
-    best = std::min(best, sw.seconds());
-    STRATA_CHECK(res.all_finite(), "benchmark data produced {} non-finite gradients",
-                 res.non_finite);
+    const AdamWOptions o = bench_options(r + 1);
+    const DsStyleScalars k = ds_style_scalars(o);
+    const auto ds_style = [&] {
+      return timed_parallel(a.p.size(), threads, [&](std::size_t lo, std::size_t hi) {
+        ds_style_adamw(isa, k, a.p.data(), a.g.data(), a.m.data(), a.v.data(), lo, hi);
+      });
+    };
+    if (r % 2 == 1) best.ds_style_s = std::min(best.ds_style_s, ds_style());
+    best.step_s = std::min(best.step_s, time_step(eng, s, o, policy));
+    if (r % 2 == 0) best.ds_style_s = std::min(best.ds_style_s, ds_style());
   }
   return best;
 }
@@ -275,23 +317,163 @@ long last_level_cache_bytes() {
   return ::sysconf(_SC_LEVEL3_CACHE_SIZE) > 0 ? ::sysconf(_SC_LEVEL3_CACHE_SIZE) : 0;
 }
 
+// What every row shares: the arrays, the kernels' ISA and the run's settings.
+struct Bench {
+  std::size_t params;
+  int reps;
+  NonFinitePolicy policy;
+  Isa isa;
+  Arrays& a;
+  Aligned<float>&ta, &tb, &tc;
+};
+
+// The mode the DeepSpeed-style loop is timed on: the only one cpu_adam's fp32 step has.
+bool ds_style_mode(const Mode& mode) {
+  return mode.grad == DType::kF32 && mode.state == DType::kF32 && !mode.copy;
+}
+
+struct Row {
+  double sec = 0, sec_scalar = 0;
+  double triad = 0, triad_nt = 0, pattern = 0;
+  double ds_style_sec = 0;  // 0: not timed in this mode
+};
+
+// One mode at one thread count. The bound's probes are measured before and after the step is
+// timed, the better kept: a burst of other work on a shared machine during one measurement must
+// not make the ratio come out high.
+Row measure_row(Bench& b, const Mode& mode, int threads, CpuAdamW& eng, CpuAdamW& scalar) {
+  const AdamWShard s = shard_of(b.a, mode);
+  const double bytes = mode.bytes_per_param() * double(b.params);
+  Row r;
+  for (int round = 0; round < 2; ++round) {
+    r.triad =
+        std::max(r.triad, triad_same_bytes(b.ta, b.tb, b.tc, bytes, b.isa, false, threads, b.reps));
+    r.triad_nt = std::max(r.triad_nt,
+                          triad_same_bytes(b.ta, b.tb, b.tc, bytes, b.isa, true, threads, b.reps));
+    r.pattern = std::max(r.pattern, same_pattern_gbps(b.a, mode, b.isa, threads, b.reps));
+    if (round == 1) break;
+    if (ds_style_mode(mode)) {
+      const StepVsDsStyle t = time_vs_ds_style(eng, s, b.a, b.isa, threads, b.reps, b.policy);
+      r.sec = t.step_s;
+      r.ds_style_sec = t.ds_style_s;
+    } else {
+      r.sec = time_steps(eng, s, b.reps, b.policy);
+    }
+    r.sec_scalar = time_steps(scalar, s, std::max(1, b.reps / 2), b.policy);
+  }
+  return r;
+}
+
+// The table's row (and, where the DeepSpeed-style loop ran, a line under it) and the JSON's;
+// returns whether the bound is broken there.
+bool report_row(const Bench& b, const Mode& mode, int threads, const Row& r, nlohmann::json& rows) {
+  const double bpp = mode.bytes_per_param(), n = double(b.params);
+  const double gps = n / r.sec / 1e9, gbps = bpp * n / r.sec / 1e9;
+  const double ds_gps = r.ds_style_sec > 0 ? n / r.ds_style_sec / 1e9 : 0;
+  const double ds_gbps = bpp * ds_gps;
+  // The loop moves the same bytes as the step: one more probe of what this machine can move.
+  const double bound = std::max({r.triad, r.triad_nt, r.pattern, ds_gbps});
+  const double scalar_gps = n / r.sec_scalar / 1e9;
+  const bool broken_bound = gbps / bound > 1.02;
+  std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %9.2f %8.2f %9.3f %9.2f%s\n",
+              mode.name().c_str(), threads, bpp, gps, gbps, r.triad, r.triad_nt, r.pattern,
+              gbps / bound, scalar_gps, gps / scalar_gps, broken_bound ? "  broken bound" : "");
+  nlohmann::json row = {{"grads", std::string(dtype_name(mode.grad))},
+                        {"states", std::string(dtype_name(mode.state))},
+                        {"copy_out", mode.copy ? "bf16" : "none"},
+                        {"threads", threads},
+                        {"bytes_per_param", bpp},
+                        {"seconds_per_step", r.sec},
+                        {"gparams_per_s", gps},
+                        {"gbps", gbps},
+                        {"triad_gbps", r.triad},
+                        {"triad_nt_gbps", r.triad_nt},
+                        {"same_pattern_gbps", r.pattern},
+                        {"bound_gbps", bound},
+                        {"ratio_vs_bound", gbps / bound},
+                        {"broken_bound", broken_bound},
+                        {"scalar_gparams_per_s", scalar_gps},
+                        {"ratio_vs_scalar", gps / scalar_gps}};
+  if (r.ds_style_sec > 0) {
+    std::printf("%-28s %3d %5.0f %9.3f %8.2f   DeepSpeed-style loop; strata / it: %.2f\n",
+                "  ds-style (rendering)", threads, bpp, ds_gps, ds_gbps, gps / ds_gps);
+    row["ds_style_seconds_per_step"] = r.ds_style_sec;
+    row["ds_style_gparams_per_s"] = ds_gps;
+    row["ds_style_gbps"] = ds_gbps;
+    row["ratio_vs_ds_style"] = gps / ds_gps;
+  }
+  rows.push_back(std::move(row));
+  return broken_bound;
+}
+
+constexpr const char* kDsStyleName =
+    "a DeepSpeed-style loop (strata's rendering of cpu_adam's AVX step), not DeepSpeed itself";
+
+void print_header(const Bench& b, const DsStyleCheck& check) {
+  const char* isa = isa_name(b.isa);
+  std::string checked;
+  for (const std::string& w : check.isas) checked += (checked.empty() ? "" : ", ") + w;
+  std::printf(
+      "strata-bench adam: %zu parameters, ISA %s%s, best of %d steps, non-finite %s\n", b.params,
+      isa, adamw_native_bf16() && b.isa == Isa::kAvx512 ? " (AVX512_BF16)" : "", b.reps,
+      b.policy == NonFinitePolicy::kSkipStep ? "pre-check (kSkipStep)" : "fused (kReportOnly)");
+  std::printf(
+      "bound = max(STREAM triad over the mode's bytes at 16 B an element (write-allocate), the "
+      "same with non-temporal stores at 12 B, same-pattern read/write loop, and on g:fp32 s:fp32 "
+      "copy:none the DeepSpeed-style loop), each compiled for %s, same threads; a step above it "
+      "by more than 2%% is a broken bound\n",
+      isa);
+  std::printf(
+      "ds-style = %s: fp32 p, g, m, v in place, %s vectors (+ FMA) unrolled 8, 4, 1, no gradient "
+      "scale, no non-finite check, one contiguous part per thread; timed on g:fp32 s:fp32 "
+      "copy:none in rounds alternating with strata's step, best of %d each; held to AdamW in "
+      "double first (%s: worst %.2f of the tolerance)\n",
+      kDsStyleName,
+      b.isa == Isa::kAvx512 ? "16-lane AVX-512"
+      : b.isa == Isa::kAvx2 ? "8-lane AVX2"
+                            : "scalar",
+      b.reps, checked.c_str(), check.worst_of_tolerance);
+}
+
+nlohmann::json ds_style_json(const Bench& b, const DsStyleCheck& check) {
+  return {{"ds_style_reference", kDsStyleName},
+          {"ds_style_method",
+           fmt::format("fp32 params, grads, exp_avg and exp_avg_sq stepped in place in AdamW mode "
+                       "(step_size = -lr/bias_correction1, w_decay = -lr*weight_decay on the "
+                       "param, denom = sqrt(v)/sqrt(bias_correction2) + eps), {} lanes with FMA, "
+                       "unrolled 8, 4 and 1 vectors, no non-finite detection; same threads, each "
+                       "one contiguous part (std::threads, as the bound's probes); timed on the "
+                       "fp32/fp32/no-copy mode only, in rounds alternating with strata's step, "
+                       "best of reps each",
+                       b.isa == Isa::kAvx512 ? 16
+                       : b.isa == Isa::kAvx2 ? 8
+                                             : 1)},
+          {"ds_style_isa", isa_name(b.isa)},
+          {"ds_style_check",
+           {{"isas", check.isas},
+            {"elements", check.elements},
+            {"steps", check.steps},
+            {"tolerance", kDsStyleTolerance},
+            {"worst_of_tolerance", check.worst_of_tolerance}}}};
+}
+
 void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bool skip_check,
          bool json) {
   const NonFinitePolicy policy =
       skip_check ? NonFinitePolicy::kSkipStep : NonFinitePolicy::kReportOnly;
   const Isa isa = adamw_selected_isa();
   const int max_threads = *std::max_element(thread_counts.begin(), thread_counts.end());
-  std::printf("strata-bench adam: %zu parameters, ISA %s%s, best of %d steps, non-finite %s\n",
-              params, isa_name(isa),
-              adamw_native_bf16() && isa == Isa::kAvx512 ? " (AVX512_BF16)" : "", reps,
-              skip_check ? "pre-check (kSkipStep)" : "fused (kReportOnly)");
-  std::printf(
-      "bound = max(STREAM triad over the mode's bytes at 16 B an element (write-allocate), the "
-      "same with "
-      "non-temporal stores at 12 B, same-pattern read/write loop), each compiled for %s, same "
-      "threads; "
-      "a step above it by more than 2%% is a broken bound\n",
-      isa_name(isa));
+  // The comparison is with a correct AdamW or none.
+  const DsStyleCheck check = check_ds_style(isa);
+  STRATA_CHECK(check.worst_of_tolerance <= 1,
+               "the DeepSpeed-style loop strays from AdamW ({:.2f} of its tolerance)",
+               check.worst_of_tolerance);
+  Arrays a(params);
+  // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
+  const std::size_t triad_n = params * 30 / 12 + 1;
+  Aligned<float> ta(triad_n), tb(triad_n), tc(triad_n);
+  Bench b{params, reps, policy, isa, a, ta, tb, tc};
+  print_header(b, check);
   // A working set the last-level cache holds runs at cache speed, the step and the bound alike,
   // and their ratio then says little about memory (both beat DRAM; the step may beat the loops).
   const long l3 = last_level_cache_bytes();
@@ -299,15 +481,10 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
   if (cache_resident)
     std::printf(
         "note: %s of fp32 master/grad/m/v fit in the %s last-level cache: cache speeds, not "
-        "memory's; "
-        "use --params of at least %zu for the memory bound\n",
+        "memory's; use --params of at least %zu for the memory bound\n",
         human_bytes(double(params) * 16).c_str(), human_bytes(double(l3)).c_str(),
         std::size_t(l3) / 16 * 8);
-  Arrays a(params);
   init(a, max_threads);
-  // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
-  const std::size_t triad_n = params * 30 / 12 + 1;
-  Aligned<float> ta(triad_n), tb(triad_n), tc(triad_n);
   timed_parallel(triad_n, max_threads, [&](std::size_t lo, std::size_t hi) {
     std::fill(ta.data() + lo, ta.data() + hi, 0.0f);
     std::fill(tb.data() + lo, tb.data() + hi, 1.0f);
@@ -327,67 +504,32 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
   for (int threads : thread_counts) {
     CpuAdamW eng(CpuAdamWConfig{threads, Isa::kAuto, policy});
     CpuAdamW scalar(CpuAdamWConfig{threads, Isa::kScalar, policy});
-    for (const Mode& mode : modes) {
-      const AdamWShard s = shard_of(a, mode);
-      const double bpp = mode.bytes_per_param();
-      // The bound before and after the step is timed, the better kept: a burst of other work
-      // on a shared machine during one measurement must not make the ratio come out high.
-      const double bytes = bpp * double(params);
-      double triad = triad_same_bytes(ta, tb, tc, bytes, isa, false, threads, reps);
-      double triad_nt = triad_same_bytes(ta, tb, tc, bytes, isa, true, threads, reps);
-      double pattern = same_pattern_gbps(a, mode, isa, threads, reps);
-      const double sec = time_steps(eng, s, reps, policy);
-      const double sec_scalar = time_steps(scalar, s, std::max(1, reps / 2), policy);
-      triad = std::max(triad, triad_same_bytes(ta, tb, tc, bytes, isa, false, threads, reps));
-      triad_nt = std::max(triad_nt, triad_same_bytes(ta, tb, tc, bytes, isa, true, threads, reps));
-      pattern = std::max(pattern, same_pattern_gbps(a, mode, isa, threads, reps));
-      const double bound = std::max({triad, triad_nt, pattern});
-      const double gps = double(params) / sec / 1e9, gbps = bpp * double(params) / sec / 1e9;
-      const double scalar_gps = double(params) / sec_scalar / 1e9;
-      const bool broken_bound = gbps / bound > 1.02;
-      broken += broken_bound;
-      std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %9.2f %8.2f %9.3f %9.2f%s\n",
-                  mode.name().c_str(), threads, bpp, gps, gbps, triad, triad_nt, pattern,
-                  gbps / bound, scalar_gps, gps / scalar_gps, broken_bound ? "  broken bound" : "");
-      rows.push_back({{"grads", std::string(dtype_name(mode.grad))},
-                      {"states", std::string(dtype_name(mode.state))},
-                      {"copy_out", mode.copy ? "bf16" : "none"},
-                      {"threads", threads},
-                      {"bytes_per_param", bpp},
-                      {"seconds_per_step", sec},
-                      {"gparams_per_s", gps},
-                      {"gbps", gbps},
-                      {"triad_gbps", triad},
-                      {"triad_nt_gbps", triad_nt},
-                      {"same_pattern_gbps", pattern},
-                      {"bound_gbps", bound},
-                      {"ratio_vs_bound", gbps / bound},
-                      {"broken_bound", broken_bound},
-                      {"scalar_gparams_per_s", scalar_gps},
-                      {"ratio_vs_scalar", gps / scalar_gps}});
-    }
+    for (const Mode& mode : modes)
+      broken += report_row(b, mode, threads, measure_row(b, mode, threads, eng, scalar), rows);
   }
   if (broken > 0)
     std::printf(
         "broken bound: %d row(s) ran faster than every probe of the memory bound; the bound, not "
-        "the step, "
-        "is wrong there\n",
+        "the step, is wrong there\n",
         broken);
   if (json) {
-    print_json(
-        {{"command", "adam"},
-         {"params", params},
-         {"isa", isa_name(isa)},
-         {"bound_isa", isa_name(isa)},
-         {"bound",
-          "max(triad_gbps: STREAM triad, 16 B an element with write-allocate; triad_nt_gbps: "
-          "non-temporal stores, 12 B; same_pattern_gbps: the mode's arrays read and written), "
-          "each compiled for bound_isa, best of before and after the step"},
-         {"native_bf16", adamw_native_bf16()},
-         {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
-         {"reps", reps},
-         {"cache_resident", cache_resident},
-         {"results", rows}});
+    nlohmann::json j = {
+        {"command", "adam"},
+        {"params", params},
+        {"isa", isa_name(isa)},
+        {"bound_isa", isa_name(isa)},
+        {"bound",
+         "max(triad_gbps: STREAM triad, 16 B an element with write-allocate; triad_nt_gbps: "
+         "non-temporal stores, 12 B; same_pattern_gbps: the mode's arrays read and written; "
+         "ds_style_gbps where the row has it: the DeepSpeed-style loop, the same bytes), each "
+         "compiled for bound_isa, the probes best of before and after the step"},
+        {"native_bf16", adamw_native_bf16()},
+        {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
+        {"reps", reps},
+        {"cache_resident", cache_resident},
+        {"results", rows}};
+    j.update(ds_style_json(b, check));
+    print_json(j);
   }
 }
 

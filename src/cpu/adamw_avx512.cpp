@@ -58,6 +58,20 @@ inline unsigned bad_lanes(__m512 g, __mmask16 mk) {
   return static_cast<unsigned>(__builtin_popcount(_mm512_mask_cmp_ps_mask(mk, d, d, _CMP_UNORD_Q)));
 }
 
+std::size_t count(float grad_scale, const void* g, DType t, std::size_t lo, std::size_t hi) {
+  const __m512 gs = _mm512_set1_ps(grad_scale);
+  std::size_t bad = 0;
+  for (std::size_t i = lo; i < hi; i += 16) {
+    const __mmask16 mk =
+        hi - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (hi - i)) - 1);
+    const __m512 x = t == DType::kBF16
+                         ? load_bf16x16(static_cast<const std::uint16_t*>(g) + i, mk)
+                         : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(g) + i);
+    bad += bad_lanes(_mm512_mul_ps(x, gs), mk);
+  }
+  return bad;
+}
+
 template <bool kNative>
 struct Isa512 {
   template <bool G, bool S, CopyKind C>
@@ -74,17 +88,33 @@ struct Isa512 {
       const bool nt_state = a.stream_copy && a.p != a.p_src && aligned(a.p + lo, 64) &&
                             aligned(static_cast<const char*>(a.m) + ssz * lo, 16 * ssz) &&
                             aligned(static_cast<const char*>(a.v) + ssz * lo, 16 * ssz);
-      const std::size_t bad =
-          nt_state ? (nt ? loop<true, true>(k, a, lo, hi) : loop<false, true>(k, a, lo, hi))
-                   : (nt ? loop<true, false>(k, a, lo, hi) : loop<false, false>(k, a, lo, hi));
+      // Without kScaled the gradients are not multiplied by grad_scale, which is 1 then: g * 1
+      // is g, bit for bit (a NaN's payload and quietness aside, which the next operation on it
+      // gives every path alike).
+      const bool scaled = k.grad_scale != 1.0f;
+      const bool any = nt_state ? (nt ? loop2<true, true>(scaled, k, a, lo, hi)
+                                      : loop2<false, true>(scaled, k, a, lo, hi))
+                                : (nt ? loop2<true, false>(scaled, k, a, lo, hi)
+                                      : loop2<false, false>(scaled, k, a, lo, hi));
       if (nt || nt_state)
         _mm_sfence();  // order the streaming stores before whoever reads them next
-      return bad;
+      // Non-finite gradients are counted by a second read, only when the step found some.
+      return any ? count(k.grad_scale, a.g, a.grad_dtype, lo, hi) : 0;
     }
 
     template <bool kStream, bool kStreamState>
-    static std::size_t loop(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
-                            std::size_t hi) {
+    static bool loop2(bool scaled, const detail::AdamWScalars& k, const Arrays& a, std::size_t lo,
+                      std::size_t hi) {
+      return scaled ? loop<kStream, kStreamState, true>(k, a, lo, hi)
+                    : loop<kStream, kStreamState, false>(k, a, lo, hi);
+    }
+
+    // Whether a scaled gradient of [lo, hi) was NaN or Inf.
+    template <bool kStream, bool kStreamState, bool kScaled>
+    static bool loop(const detail::AdamWScalars& k, const Arrays& arrays, std::size_t lo,
+                     std::size_t hi) {
+      // A local copy: the stores cannot change its pointers, so they stay in registers.
+      const Arrays a = arrays;
       const __m512 gs = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
       const __m512 b1 = _mm512_set1_ps(k.beta1), b2 = _mm512_set1_ps(k.beta2);
       const __m512 omb1 = _mm512_set1_ps(k.one_minus_beta1),
@@ -102,55 +132,84 @@ struct Isa512 {
       auto* m32 = static_cast<float*>(a.m);
       auto* v32 = static_cast<float*>(a.v);
       auto* c16 = static_cast<std::uint16_t*>(a.c);
-      std::size_t bad = 0;
-      auto body = [&](std::size_t i, __mmask16 mk, bool full) __attribute__((always_inline)) {
-        __m512 g = G ? load_bf16x16(g16 + i, mk) : _mm512_maskz_loadu_ps(mk, g32 + i);
-        g = _mm512_mul_ps(g, gs);
-        bad += bad_lanes(g, mk);
-        __m512 m = S ? load_bf16x16(m16_src + i, mk) : _mm512_maskz_loadu_ps(mk, m32_src + i);
-        __m512 v = S ? load_bf16x16(v16_src + i, mk) : _mm512_maskz_loadu_ps(mk, v32_src + i);
-        __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p_src + i), decay);
+      // seen + g0 * g1 over pairs of gradient vectors stays finite while they are (masked-off
+      // lanes load 0; a sum that overflows only costs the caller's count) and is NaN or Inf for
+      // good from the first NaN or Inf on (Inf * 0 is NaN): one fused multiply-add for two.
+      __m512 seen = _mm512_setzero_ps();
+      auto load_g = [&](std::size_t i, __mmask16 mk) __attribute__((always_inline)) {
+        return G ? load_bf16x16(g16 + i, mk) : _mm512_maskz_loadu_ps(mk, g32 + i);
+      };
+      // The element step, lane-wise, on the vector from i whose scaled gradients are g.
+      auto step = [&](__m512 g, std::size_t i, __mmask16 mk, __m512 & m, __m512 & v, __m512 & p)
+          __attribute__((always_inline)) {
+        m = S ? load_bf16x16(m16_src + i, mk) : _mm512_maskz_loadu_ps(mk, m32_src + i);
+        v = S ? load_bf16x16(v16_src + i, mk) : _mm512_maskz_loadu_ps(mk, v32_src + i);
+        p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a.p_src + i), decay);
         m = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(omb1, g));
         v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
         const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);
         p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, d), p);
+      };
+      auto store_p = [&](std::size_t i, __mmask16 mk, bool full, __m512 p)
+          __attribute__((always_inline)) {
         if (kStreamState && full)
           _mm512_stream_ps(a.p + i, p);
         else
           _mm512_mask_storeu_ps(a.p + i, mk, p);
+      };
+      // m or v (`s32`, `s16`: its fp32 and bf16 views).
+      auto store_state = [&](float* s32, std::uint16_t* s16, std::size_t i, __mmask16 mk, bool full,
+                             __m512 x) __attribute__((always_inline)) {
         if constexpr (S) {
-          if (kStreamState && full) {
-            _mm256_stream_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));
-            _mm256_stream_si256(reinterpret_cast<__m256i*>(v16 + i), to_bf16x16<kNative>(v));
-          } else if (full) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(m16 + i), to_bf16x16<kNative>(m));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(v16 + i), to_bf16x16<kNative>(v));
-          } else {
-            _mm256_mask_storeu_epi16(m16 + i, mk, to_bf16x16<kNative>(m));
-            _mm256_mask_storeu_epi16(v16 + i, mk, to_bf16x16<kNative>(v));
-          }
+          if (kStreamState && full)
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(s16 + i), to_bf16x16<kNative>(x));
+          else if (full)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(s16 + i), to_bf16x16<kNative>(x));
+          else
+            _mm256_mask_storeu_epi16(s16 + i, mk, to_bf16x16<kNative>(x));
         } else if (kStreamState && full) {
-          _mm512_stream_ps(m32 + i, m);
-          _mm512_stream_ps(v32 + i, v);
+          _mm512_stream_ps(s32 + i, x);
         } else {
-          _mm512_mask_storeu_ps(m32 + i, mk, m);
-          _mm512_mask_storeu_ps(v32 + i, mk, v);
+          _mm512_mask_storeu_ps(s32 + i, mk, x);
         }
+      };
+      auto store_copy = [&](std::size_t i, __mmask16 mk, bool full, __m512 p)
+          __attribute__((always_inline)) {
         if constexpr (C != CopyKind::kNone) {
           const __m256i c = C == CopyKind::kBF16
                                 ? to_bf16x16<kNative>(p)
                                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          if (kStream && full) {
+          if (kStream && full)
             _mm256_stream_si256(reinterpret_cast<__m256i*>(c16 + i), c);
-          } else {
+          else
             _mm256_mask_storeu_epi16(c16 + i, mk, c);
-          }
         }
       };
+      // kU vectors from i: their gradients loaded together, the stores grouped by array.
+      auto block = [&]<int kU>(std::size_t i, __mmask16 mk, bool full)
+          __attribute__((always_inline)) {
+        __m512 g[kU], m[kU], v[kU], p[kU];
+        for (int u = 0; u < kU; ++u) {
+          g[u] = load_g(i + 16 * u, mk);
+          if constexpr (kScaled) g[u] = _mm512_mul_ps(g[u], gs);
+        }
+        for (int u = 0; u < kU; u += 2)
+          seen = _mm512_fmadd_ps(g[u], g[u + 1 < kU ? u + 1 : u], seen);
+        for (int u = 0; u < kU; ++u) step(g[u], i + 16 * u, mk, m[u], v[u], p[u]);
+        for (int u = 0; u < kU; ++u) store_p(i + 16 * u, mk, full, p[u]);
+        for (int u = 0; u < kU; ++u) store_state(m32, m16, i + 16 * u, mk, full, m[u]);
+        for (int u = 0; u < kU; ++u) store_state(v32, v16, i + 16 * u, mk, full, v[u]);
+        for (int u = 0; u < kU; ++u) store_copy(i + 16 * u, mk, full, p[u]);
+      };
       std::size_t i = lo;
-      for (; i + 16 <= hi; i += 16) body(i, 0xffff, true);
-      if (i < hi) body(i, static_cast<__mmask16>((1u << (hi - i)) - 1), false);
-      return bad;
+      constexpr int kUnroll = 4;  // 4 cache lines of each fp32 array an iteration
+      for (; i + 16 * kUnroll <= hi; i += 16 * kUnroll)
+        block.template operator()<kUnroll>(i, 0xffff, true);
+      for (; i + 16 <= hi; i += 16) block.template operator()<1>(i, 0xffff, true);
+      if (i < hi)
+        block.template operator()<1>(i, static_cast<__mmask16>((1u << (hi - i)) - 1), false);
+      const __m512 d = _mm512_sub_ps(seen, seen);  // NaN exactly where seen is NaN or Inf
+      return _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q) != 0;
     }
   };
 };
@@ -158,20 +217,6 @@ struct Isa512 {
 template <bool kNative>
 std::size_t update(const detail::AdamWScalars& k, const Arrays& a, std::size_t lo, std::size_t hi) {
   return pick<Isa512<kNative>::template Impl>(a)(k, a, lo, hi);
-}
-
-std::size_t count(float grad_scale, const void* g, DType t, std::size_t lo, std::size_t hi) {
-  const __m512 gs = _mm512_set1_ps(grad_scale);
-  std::size_t bad = 0;
-  for (std::size_t i = lo; i < hi; i += 16) {
-    const __mmask16 mk =
-        hi - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (hi - i)) - 1);
-    const __m512 x = t == DType::kBF16
-                         ? load_bf16x16(static_cast<const std::uint16_t*>(g) + i, mk)
-                         : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(g) + i);
-    bad += bad_lanes(_mm512_mul_ps(x, gs), mk);
-  }
-  return bad;
 }
 
 }  // namespace
