@@ -398,7 +398,12 @@ CudaProbe probe_cuda() {
 }
 
 std::unique_ptr<Device> make_cuda_device(const CudaDeviceOptions& options) {
-  if (const gpu::CudaModule* m = gpu::cuda_module()) return m->make_device(options);
+  if (const gpu::CudaModule* m = gpu::cuda_module()) {
+    // The model kernels' variant from STRATA_GPU_KERNELS, set before the device's model kernels
+    // (Device::model_kernels(), in the module) first launch; a bad value is refused here.
+    (void)gpu::model::kernels();
+    return m->make_device(options);
+  }
   STRATA_THROW(kUnsupported, "no usable CUDA GPU ({}); use the CPU-emulated device",
                gpu::cuda_unavailable_reason());
 }

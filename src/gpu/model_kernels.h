@@ -14,7 +14,8 @@
 // Two variants of some kernels sit behind the same launchers (model_kernels.cu says which and
 // how they differ): kSimple, the reference and the default, and kTiled, opt-in. The variant is
 // module-wide state, read at each launch; STRATA_GPU_KERNELS=simple|tiled sets it when the
-// table is first asked for (kernels(), cuda_loader.cpp), and set_kernel_variant changes it.
+// table is first asked for (kernels(), cuda_loader.cpp: make_cuda_device asks, before the first
+// device exists), and set_kernel_variant changes it.
 #pragma once
 
 #include <cstdint>
@@ -102,8 +103,9 @@ struct Kernels {
 };
 
 // The loaded CUDA module's table (loading it if needed); throws kUnsupported with the reason
-// when the CUDA backend is unavailable. Only a CUDA stream's ops call it, and a CUDA stream
-// exists only once the module is loaded. Its first call applies STRATA_GPU_KERNELS (unset or
+// when the CUDA backend is unavailable. make_cuda_device and the benchmarks call it (the model
+// reaches the launchers through CudaDevice::model_kernels(), inside the module). Its first call
+// applies STRATA_GPU_KERNELS (unset or
 // empty: the module's default, kSimple); a value other than simple or tiled throws
 // kInvalidArgument naming the variable, at that call and at every later one.
 const Kernels& kernels();
