@@ -499,14 +499,8 @@ int run(Args a) {
   const LaunchInfo launch = init_launch();
   bool config_micro = false, config_train = false;
   EngineConfig base = read_config(a, launch.world_size, config_micro, config_train);
-  // bf16.enabled "auto": the model's own dtype, unless --dtype decides.
-  const std::string auto_dtype = resolve_auto_dtype(base, mcfg.torch_dtype);
-  if (!auto_dtype.empty() && a.dtype.empty() && launch.rank == 0)
-    log::info("--config {}: {}", a.ds_config, auto_dtype);
-  const std::string per_tensor =
-      resolve_per_tensor_sub_groups(base, largest_tensor(model_units(mcfg)), launch.world_size);
-  if (!per_tensor.empty() && launch.rank == 0)
-    log::info("--config {}: {}", a.ds_config, per_tensor);
+  resolve_config_for_model(base, mcfg, launch.world_size, a.ds_config, !a.dtype.empty(),
+                           launch.rank == 0);
   const std::int64_t config_train_batch =
       apply_flags(a, base, launch, demo, config_micro, config_train);
   const DeviceOptions dopt = device_options(a);

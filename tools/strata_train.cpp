@@ -4,7 +4,6 @@
 // Flags are parsed here; everything else is strata::train (include/strata/trainer.h).
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <filesystem>
 
 #include "strata/device.h"
 #include "strata/error.h"
@@ -135,8 +134,6 @@ int main(int argc, char** argv) {
           "offload_optimizer nvme_path in the --config");
     needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
           "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
-    for (const std::string& f : o.eval_files)
-      STRATA_REQUIRE(std::filesystem::is_regular_file(f), "--eval-data {}: no such file", f);
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;

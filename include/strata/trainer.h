@@ -80,6 +80,14 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
                          const std::string& dir, int rank,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 
+// The ds_config settings that only the model decides (strata-train and strata-prof call it once,
+// after parse_engine_config): bf16.enabled "auto" by the model's saved dtype (resolve_auto_dtype)
+// and sub_group_size 0 by its largest tensor over `world_size` ranks
+// (resolve_per_tensor_sub_groups). Logs each resolved one on rank 0 (`talk`), the dtype only
+// when no --dtype flag will replace it (`dtype_flag`).
+void resolve_config_for_model(EngineConfig& c, const ModelConfig& m, int world_size,
+                              const std::string& config_file, bool dtype_flag, bool talk);
+
 // The learning rate of optimizer step t (1-based): linear warmup over `warmup` steps (t/warmup),
 // then constant ("const"), cosine decay ("cosine") or linear decay ("linear", the Hugging Face
 // Trainer's default) reaching min_lr at step `total`: Hugging Face's

@@ -16,9 +16,20 @@
 
 #include <utility>
 
+#include "strata/log.h"
 #include "trainer/train_job.h"
 
 namespace strata {
+
+void resolve_config_for_model(EngineConfig& c, const ModelConfig& m, int world_size,
+                              const std::string& config_file, bool dtype_flag, bool talk) {
+  const std::string dtype = resolve_auto_dtype(c, m.torch_dtype);
+  const std::string groups =
+      resolve_per_tensor_sub_groups(c, largest_tensor(model_units(m)), world_size);
+  if (!talk) return;
+  if (!dtype.empty() && !dtype_flag) log::info("--config {}: {}", config_file, dtype);
+  if (!groups.empty()) log::info("--config {}: {}", config_file, groups);
+}
 
 TrainResult train(const TrainOptions& o) {
   using namespace train_job;

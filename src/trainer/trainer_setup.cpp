@@ -221,6 +221,7 @@ void read_model_config(Settings& s) {
 void check_files(Settings& s) {
   const TrainOptions& o = s.o;
   for (const auto& f : o.data_files) require_file(f, "--data");
+  for (const auto& f : o.eval_files) require_file(f, "--eval-data");
   if (!o.text_file.empty()) require_file(o.text_file, "--text");
   if (!o.ds_config.empty()) require_file(o.ds_config, "--config");
   if (!o.out_dir.empty()) {
@@ -396,14 +397,8 @@ void build_engine_config(Settings& s) {
   } else {
     ecfg = default_engine_config();
   }
-  // bf16.enabled "auto": the model's own dtype, unless --dtype decides.
-  const std::string auto_dtype = resolve_auto_dtype(ecfg, s.mcfg.torch_dtype);
-  if (!auto_dtype.empty() && o.dtype.empty() && launch.rank == 0)
-    log::info("--config {}: {}", o.ds_config, auto_dtype);
-  const std::string per_tensor =
-      resolve_per_tensor_sub_groups(ecfg, largest_tensor(s.units), launch.world_size);
-  if (!per_tensor.empty() && launch.rank == 0)
-    log::info("--config {}: {}", o.ds_config, per_tensor);
+  resolve_config_for_model(ecfg, s.mcfg, launch.world_size, o.ds_config, !o.dtype.empty(),
+                           launch.rank == 0);
   const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0)
     ecfg.micro_batch_per_gpu = o.micro_batch;
