@@ -76,15 +76,42 @@ void require_creatable_folder(const std::string& flag, const std::string& path) 
                  flag, path, ec.message());
 }
 
-// Checked before the first step, not when the file is written: `folder` (the file's, or the
-// nearest existing ancestor of a folder the run will create) is one this process can write in.
-void require_writable_folder(const std::string& flag, const std::string& path,
-                             const fs::path& folder) {
+// Whether `folder` is a folder this process can write in (write_errno 0), found once.
+struct FolderCheck {
+  fs::path folder;
+  bool is_folder = false;
+  int write_errno = ENOTDIR;
+  bool ok() const { return is_folder && write_errno == 0; }
+};
+FolderCheck check_folder(const fs::path& folder) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(folder, ec), "{} {}: {} is not a folder (create it first)", flag,
-                 path, folder.string());
-  STRATA_REQUIRE(::access(folder.c_str(), W_OK) == 0, "{} {}: {} cannot be written in: {}", flag,
-                 path, folder.string(), std::strerror(errno));
+  FolderCheck c{folder, fs::is_directory(folder, ec)};
+  if (c.is_folder) c.write_errno = ::access(folder.c_str(), W_OK) == 0 ? 0 : errno;
+  return c;
+}
+
+// The same of the nearest existing folder of `path`. The ranks run require_creatable_folder on
+// the same paths at once, so the nearest existing folder can be one another rank made for a
+// moment and has removed by the time it is checked: then it is looked for again.
+FolderCheck check_nearest_existing(const std::string& path) {
+  FolderCheck c;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    c = check_folder(nearest_existing(path));
+    std::error_code ec;
+    if (c.ok() || fs::exists(c.folder, ec)) break;
+  }
+  return c;
+}
+
+// Checked before the first step, not when the file is written: the checked folder (the file's,
+// or the nearest existing ancestor of a folder the run will create) is one this process can
+// write in.
+void require_writable_folder(const std::string& flag, const std::string& path,
+                             const FolderCheck& c) {
+  STRATA_REQUIRE(c.is_folder, "{} {}: {} is not a folder (create it first)", flag, path,
+                 c.folder.string());
+  STRATA_REQUIRE(c.write_errno == 0, "{} {}: {} cannot be written in: {}", flag, path,
+                 c.folder.string(), std::strerror(c.write_errno));
 }
 
 // A setting every rank must share: a rank started with other flags or another config trains
@@ -230,10 +257,10 @@ void check_files(Settings& s) {
     std::error_code ec;
     STRATA_REQUIRE(!fs::exists(o.out_dir, ec) || fs::is_directory(o.out_dir, ec),
                    "--out {} is a file, not a folder: give a folder for the model", o.out_dir);
-    const fs::path up = nearest_existing(o.out_dir);
-    STRATA_REQUIRE(fs::is_directory(up, ec) && ::access(up.c_str(), W_OK) == 0,
+    const FolderCheck up = check_nearest_existing(o.out_dir);
+    STRATA_REQUIRE(up.ok(),
                    "--out {}: {} is not a writable folder, so the model could not be written there",
-                   o.out_dir, up.string());
+                   o.out_dir, up.folder.string());
     if (!o.overwrite)
       STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it",
                      o.out_dir);
@@ -274,7 +301,7 @@ void find_checkpoints(Settings& s) {
   // them (a run that cannot save its checkpoint was lost at that step).
   if (o.save_every > 0) {
     require_writable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir",
-                            ckpt_root, nearest_existing(ckpt_root));
+                            ckpt_root, check_nearest_existing(ckpt_root));
     require_creatable_folder(o.checkpoint_dir.empty() ? "checkpoints in" : "--checkpoint-dir",
                              ckpt_root);
     // This run's step-<N> would replace another run's in that folder (even another model's), and
@@ -316,7 +343,7 @@ void check_resume_step(Settings& s) {
   const FoundCheckpoint& resume = s.resume;
   if (!o.trace_file.empty()) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
-    require_writable_folder("--trace", o.trace_file, parent);
+    require_writable_folder("--trace", o.trace_file, check_folder(parent));
   }
   if (resume.step > 0) {
     const std::int64_t total = o.steps > 0 ? o.steps : 60;
