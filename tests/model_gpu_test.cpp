@@ -1,6 +1,7 @@
 // The CUDA transformer kernels against the CPU reference: the same tiny models (Llama with
 // GQA and q/k/v biases, GPT-2; fp32 and bf16) run forward and backward on the CPU-emulated
-// device and on CUDA from the same weights; logits, loss and every gradient must agree to
+// device and on CUDA from the same weights; logits, loss, every gradient and the logits of
+// decoding with the key/value cache (Model::decode) must agree to
 // fp32 (2e-4 of each tensor's scale) or bf16 (3e-2) tolerance, with the simple kernels and
 // again with the tiled ones (KernelVariant::kTiled). Then the two variants against each other,
 // op by op, on odd shapes (partial tiles, columns not a multiple of 32): attention within the
@@ -31,6 +32,7 @@ const char* kGpt2 =
 
 struct Out {
   std::vector<float> logits;
+  std::vector<float> decoded;  // Model::decode's logits, the first sequence fed 5, then 1 by 1
   float loss;
   std::vector<std::vector<float>> grads;
 };
@@ -54,6 +56,16 @@ Out run(Device& dev, const char* json, DType dt) {
   }
   Out o;
   o.logits = m.logits(b.tokens, w);
+  {
+    const std::vector<std::int32_t> first(b.tokens.begin(), b.tokens.begin() + 17);
+    std::vector<float> l = m.decode({first.begin(), first.begin() + 5}, w);
+    o.decoded = l;
+    for (std::size_t i = 5; i < first.size(); ++i) {
+      l = m.decode({first[i]}, w);
+      o.decoded.insert(o.decoded.end(), l.begin(), l.end());
+    }
+    m.reset_decode();
+  }
   w.zero_grads();
   o.loss = m.forward(b, w);
   m.backward(w);
@@ -100,6 +112,8 @@ class ModelGpu : public ::testing::TestWithParam<std::pair<const char*, DType>> 
     const Out ref = run(*cpu, json, dt), got = run(*gpu, json, dt);
     const double tol = dt == DType::kBF16 ? 3e-2 : 2e-4;
     EXPECT_LT(rel(got.logits, ref.logits), tol);
+    ASSERT_EQ(got.decoded.size(), ref.decoded.size());
+    EXPECT_LT(rel(got.decoded, ref.decoded), tol) << "decoding with the key/value cache";
     EXPECT_NEAR(got.loss, ref.loss, tol * ref.loss);
     ASSERT_EQ(got.grads.size(), ref.grads.size());
     for (std::size_t i = 0; i < ref.grads.size(); ++i)

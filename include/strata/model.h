@@ -183,6 +183,18 @@ class Model {
   // The full logits [B*T, vocab] (fp32) of `tokens`, for tests and inference on small inputs.
   std::vector<float> logits(const std::vector<std::int32_t>& tokens, UnitProvider& weights);
 
+  // Inference on one sequence with a key/value cache (strata-generate, strata/generate.h):
+  // `tokens` are the sequence's next ids, at positions [decode_length(), + tokens.size()); they
+  // run through every unit (each acquired and released once), their keys and values are kept
+  // (fp32, every layer, seq_len positions: allocated at the first call), and the logits [vocab]
+  // (fp32) of the last one come back. Row for row what forward() computes for those positions
+  // (the attention's sums run in another order). micro_batch plays no part; a sequence longer
+  // than seq_len is an error. Waits for the result.
+  std::vector<float> decode(const std::vector<std::int32_t>& tokens, UnitProvider& weights);
+  // Drops the cache (and its memory): the next decode() starts a new sequence at position 0.
+  void reset_decode();
+  std::int64_t decode_length() const;
+
   struct Impl;
 
  private:

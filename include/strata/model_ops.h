@@ -71,6 +71,15 @@ class Backend {
   virtual void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
                                   const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv,
                                   i64 hd, double scale, bool bf16) const = 0;
+  // Inference with a key/value cache, one sequence: qkv holds n new rows at positions
+  // [p0, p0 + n) ([n, (nh + 2 nkv) hd], rotary applied); their k and v parts are first copied into
+  // rows [p0, p0 + n) of k_cache and v_cache ([max positions, nkv hd] each), then query row i
+  // attends causally to cache rows [0, p0 + i], as attention_forward's row p0 + i would over the
+  // whole sequence (bf16: the same operands rounded). o [n, nh hd]; o_bf16 as attention_forward's.
+  // A backend without it runs training but not cached decoding: the default throws kUnsupported.
+  virtual void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cache,
+                                float* o, void* o_bf16, i64 n, i64 p0, i64 nh, i64 nkv, i64 hd,
+                                double scale, bool bf16) const;
   virtual void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter) const = 0;
   virtual void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n,
                                i64 inter) const = 0;

@@ -6,6 +6,7 @@
 #include "core/adamw_common.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/model_ops.h"
 
 namespace strata {
 
@@ -274,5 +275,15 @@ Buffer Device::alloc(std::size_t bytes, Stream* stream) {
 bool Device::register_host(void*, std::size_t) { return false; }
 void Device::unregister_host(void*) {}
 int Device::numa_node() const { return -1; }
+
+// ---- model_ops::Backend: the optional op ----
+void model_ops::Backend::attention_cached(Stream& s, const float*, float*, float*, float*, void*,
+                                          i64, i64, i64, i64, i64, double, bool) const {
+  STRATA_THROW(kUnsupported,
+               "device {}'s model kernels have no cached attention (model_ops::Backend::"
+               "attention_cached): decode without the key/value cache (strata-generate "
+               "--no-kv-cache), or implement it in the backend",
+               s.device().name());
+}
 
 }  // namespace strata

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -314,6 +315,48 @@ void attention_forward(const T* qkv, T* o, T* lse, i64 b, i64 t, i64 nh, i64 nkv
     T* out = o + (bi * t + qi) * nh * hd + h * hd;
     for (i64 i = 0; i < hd; ++i) out[i] = acc[i] / l;
     lse[(bi * nh + h) * t + qi] = m + std::log(l);
+  });
+}
+
+void attention_cached(const float* qkv, float* k_cache, float* v_cache, float* o, bf16_t* o_bf16,
+                      i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm) {
+  const i64 stride = (nh + 2 * nkv) * hd, kvd = nkv * hd, group = nh / nkv;
+  for (i64 r = 0; r < n; ++r) {
+    std::memcpy(k_cache + (p0 + r) * kvd, qkv + r * stride + nh * hd, std::size_t(kvd) * 4);
+    std::memcpy(v_cache + (p0 + r) * kvd, qkv + r * stride + (nh + nkv) * hd, std::size_t(kvd) * 4);
+  }
+  auto rd = [bf16_gemm](float x) { return bf16_gemm ? bf16_to_f32(f32_to_bf16(x)) : x; };
+  parallel_rows(n * nh, (p0 + n) * hd * 2, [&](i64 idx) {
+    const i64 r = idx / nh, h = idx % nh, kvh = h / group, keys = p0 + r + 1;
+    float q[512], acc[512];
+    for (i64 i = 0; i < hd; ++i) {
+      q[i] = rd(qkv[r * stride + h * hd + i]);
+      acc[i] = 0;
+    }
+    std::vector<float> p(static_cast<std::size_t>(keys));
+    float mx = -std::numeric_limits<float>::infinity();
+    for (i64 j = 0; j < keys; ++j) {
+      const float* k = k_cache + j * kvd + kvh * hd;
+      float sc = 0;
+      for (i64 i = 0; i < hd; ++i) sc += q[i] * rd(k[i]);
+      p[j] = sc * float(scale);
+      mx = std::max(mx, p[j]);
+    }
+    float sum = 0;
+    for (i64 j = 0; j < keys; ++j) {
+      p[j] = std::exp(p[j] - mx);
+      sum += p[j];
+    }
+    const float inv = 1.0f / sum;
+    for (i64 j = 0; j < keys; ++j) {
+      const float pj = rd(p[j] * inv);
+      const float* v = v_cache + j * kvd + kvh * hd;
+      for (i64 i = 0; i < hd; ++i) acc[i] += pj * rd(v[i]);
+    }
+    float* out = o + r * nh * hd + h * hd;
+    for (i64 i = 0; i < hd; ++i) out[i] = acc[i];
+    if (o_bf16)
+      for (i64 i = 0; i < hd; ++i) o_bf16[r * nh * hd + h * hd + i].bits = f32_to_bf16(acc[i]);
   });
 }
 

@@ -90,6 +90,12 @@ void attention_forward_fast(const float* qkv, float* o, bf16_t* o_bf16, float* l
 void attention_backward_fast(const float* qkv, const float* o, const float* dout, const float* lse,
                              float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale,
                              bool bf16_gemm);
+// Decoding with a key/value cache (model_ops::Backend::attention_cached): the n new rows' k and v
+// copied into k_cache / v_cache rows [p0, p0 + n), then query row i over cache rows [0, p0 + i],
+// one task per (row, head): an exact softmax over the row (max, then the sum), P normalised, and
+// with bf16_gemm q, k, v and P rounded to bf16 as attention_forward_fast rounds them.
+void attention_cached(const float* qkv, float* k_cache, float* v_cache, float* o, bf16_t* o_bf16,
+                      i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale, bool bf16_gemm);
 // For tests: the next `count` products the attention runs fail as a oneDNN primitive that
 // cannot run does (a strata::Error naming the product comes out of the call).
 void fail_attention_gemms_for_testing(int count);

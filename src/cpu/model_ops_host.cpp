@@ -113,6 +113,17 @@ class HostModelOps final : public model_ops::Backend {
               "attention_forward");
   }
 
+  void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cache, float* o,
+                        void* o_bf16, i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale,
+                        bool bf16) const override {
+    auto* ob = static_cast<bf16_t*>(o_bf16);
+    s.host_fn(
+        [=] {
+          cpu::attention_cached(qkv, k_cache, v_cache, o, ob, n, p0, nh, nkv, hd, scale, bf16);
+        },
+        "attention_cached");
+  }
+
   void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
                           const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
                           double scale, bool bf16) const override {

@@ -213,6 +213,18 @@ __global__ void k_rope(float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i
   v[i + half] = b * c + a * s;
 }
 
+// The warp's dot product of a query row (q: this lane's elements lane, lane + 32, ...) with the
+// key row kp, the key's elements rounded as the products read them.
+__device__ __forceinline__ float warp_dot(const float* q, const float* kp, i64 hd, int per,
+                                          int lane, bool bf16) {
+  float part = 0;
+  for (int j = 0; j < per; ++j) {
+    const i64 d = lane + 32 * j;
+    if (d < hd) part += q[j] * rb(kp[d], bf16);
+  }
+  return warp_sum(part);
+}
+
 // One warp per query row (b, h, t).
 __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 nh,
                                     i64 nkv, i64 hd, float scale, bool bf16) {
@@ -230,13 +242,7 @@ __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 
     acc[j] = 0.0f;
   }
   auto score = [&](i64 s) {
-    const float* kp = qkv + (bi * t + s) * stride + (nh + kvh) * hd;
-    float part = 0;
-    for (int j = 0; j < per; ++j) {
-      const i64 d = lane + 32 * j;
-      if (d < hd) part += q[j] * rb(kp[d], bf16);
-    }
-    return warp_sum(part) * scale;
+    return warp_dot(q, qkv + (bi * t + s) * stride + (nh + kvh) * hd, hd, per, lane, bf16) * scale;
   };
   float m = -INFINITY, l = 0.0f;
   for (i64 s = 0; s <= qi; ++s) {
@@ -268,6 +274,59 @@ __global__ void k_attention_forward(const float* qkv, float* o, float* lse, i64 
     if (d < hd) op[d] = bf16 ? acc[j] : acc[j] / l;
   }
   if (lane == 0) lse[(bi * nh + h) * t + qi] = m + __logf(l);
+}
+
+// Decoding with a key/value cache: the new rows' k and v into the cache, then one warp per (new
+// row, head) over cache rows [0, p0 + row], as k_attention_forward's row p0 + row (bf16: P
+// normalised with the row's final max and sum, then rounded, as there).
+__global__ void k_kv_append(const float* qkv, float* kc, float* vc, i64 n, i64 p0, i64 nh, i64 nkv,
+                            i64 hd) {
+  const i64 kvd = nkv * hd, stride = (nh + 2 * nkv) * hd;
+  const i64 idx = blockIdx.x * i64(blockDim.x) + threadIdx.x;
+  if (idx >= n * kvd) return;
+  const i64 r = idx / kvd, c = idx % kvd;
+  kc[(p0 + r) * kvd + c] = qkv[r * stride + nh * hd + c];
+  vc[(p0 + r) * kvd + c] = qkv[r * stride + (nh + nkv) * hd + c];
+}
+
+__global__ void k_attention_cached(const float* qkv, const float* kc, const float* vc, float* o,
+                                   i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, float scale, bool bf16) {
+  const i64 row = blockIdx.x * i64(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= n * nh) return;
+  const i64 r = row / nh, h = row % nh, kvh = h / (nh / nkv), keys = p0 + r + 1;
+  const i64 stride = (nh + 2 * nkv) * hd, kvd = nkv * hd;
+  const int per = int((hd + 31) / 32);
+  float q[kMaxHdPerLane], acc[kMaxHdPerLane];
+  const float* qp = qkv + r * stride + h * hd;
+  for (int j = 0; j < per; ++j) {
+    const i64 d = lane + 32 * j;
+    q[j] = d < hd ? rb(qp[d], bf16) : 0.0f;
+    acc[j] = 0.0f;
+  }
+  auto score = [&](i64 s) {
+    return warp_dot(q, kc + s * kvd + kvh * hd, hd, per, lane, bf16) * scale;
+  };
+  float m = -INFINITY, l = 0.0f;
+  for (i64 s = 0; s < keys; ++s) {
+    const float sc = score(s);
+    const float mn = fmaxf(m, sc);
+    l = l * __expf(m - mn) + __expf(sc - mn);
+    m = mn;
+  }
+  for (i64 s = 0; s < keys; ++s) {
+    const float* vp = vc + s * kvd + kvh * hd;
+    const float p = rb(__expf(score(s) - m) / l, bf16);
+    for (int j = 0; j < per; ++j) {
+      const i64 d = lane + 32 * j;
+      if (d < hd) acc[j] += p * rb(vp[d], bf16);
+    }
+  }
+  float* op = o + r * nh * hd + h * hd;
+  for (int j = 0; j < per; ++j) {
+    const i64 d = lane + 32 * j;
+    if (d < hd) op[d] = acc[j];
+  }
 }
 
 // dq: one warp per query row.
@@ -1090,6 +1149,8 @@ int preload_kernels() {
                         (const void*)k_bias_add,
                         (const void*)k_bias_backward,
                         (const void*)k_cross_entropy,
+                        (const void*)k_kv_append,
+                        (const void*)k_attention_cached,
                         (const void*)k_rmsnorm_backward_dw_tiled,
                         (const void*)k_layernorm_backward_dwb_tiled,
                         (const void*)k_bias_backward_tiled,
@@ -1229,6 +1290,16 @@ int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream) {
     k_bias_backward_tiled<<<col_grid(m), col_block(), 0, cs(stream)>>>(dy, db, n, m);
   else
     k_bias_backward<<<blocks_for(m), kThreads, 0, cs(stream)>>>(dy, db, n, m);
+  return launched();
+}
+int attention_cached(const float* qkv, float* k_cache, float* v_cache, float* o, i64 n, i64 p0,
+                     i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream) {
+  k_kv_append<<<blocks_for(n * nkv * hd), kThreads, 0, cs(stream)>>>(qkv, k_cache, v_cache, n, p0,
+                                                                     nh, nkv, hd);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
+  const i64 rows = n * nh, per_block = kThreads / 32;
+  k_attention_cached<<<unsigned((rows + per_block - 1) / per_block), kThreads, 0, cs(stream)>>>(
+      qkv, k_cache, v_cache, o, n, p0, nh, nkv, hd, float(scale), bf16);
   return launched();
 }
 int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,

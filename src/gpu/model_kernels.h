@@ -59,6 +59,10 @@ int attention_forward(const float* qkv, float* o, float* lse, i64 b, i64 t, i64 
 int attention_backward(const float* qkv, const float* o, const float* dout, const float* lse,
                        float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd, double scale, bool bf16,
                        void* stream);
+// Decoding with a key/value cache (model_ops::Backend::attention_cached); in the module only (the
+// device's model_kernels() reaches it), not in the exported table.
+int attention_cached(const float* qkv, float* k_cache, float* v_cache, float* o, i64 n, i64 p0,
+                     i64 nh, i64 nkv, i64 hd, double scale, bool bf16, void* stream);
 int swiglu_forward(const float* gu, float* out, i64 n, i64 inter, void* stream);
 int swiglu_backward(const float* dout, const float* gu, float* dgu, i64 n, i64 inter, void* stream);
 int gelu_forward(const float* x, float* out, i64 n, void* stream);

@@ -93,6 +93,14 @@ class CudaModelOps final : public model_ops::Backend {
     if (o_bf16) cast_to_bf16(s, o, o_bf16, b * t * nh * hd);
   }
 
+  void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cache, float* o,
+                        void* o_bf16, i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale,
+                        bool bf16) const override {
+    check(model::attention_cached(qkv, k_cache, v_cache, o, n, p0, nh, nkv, hd, scale, bf16, h(s)),
+          "attention_cached");
+    if (o_bf16) cast_to_bf16(s, o, o_bf16, n * nh * hd);
+  }
+
   void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
                           const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
                           double scale, bool bf16) const override {

@@ -209,9 +209,10 @@ struct Model::Impl {
                   : dev_tensor(dev, g, DType::kF32, N * C);
   }
   // The output projection's operand: o's bf16 copy (bf16 compute) or o itself.
-  TensorRef o_operand(const Acts& a) const {
-    return a.ob ? tensor(a.ob, DType::kBF16, std::size_t(N * qd))
-                : tensor(a.o, DType::kF32, std::size_t(N * qd));
+  TensorRef o_operand(const Acts& a) const { return o_operand(a, N); }
+  TensorRef o_operand(const Acts& a, i64 n) const {
+    return a.ob ? tensor(a.ob, DType::kBF16, std::size_t(n * qd))
+                : tensor(a.o, DType::kF32, std::size_t(n * qd));
   }
   // Activations read only as GEMM operands are kept in the compute dtype: kernels write them
   // so (model_ops::Out) and no cast pass is needed.
@@ -285,15 +286,37 @@ struct Model::Impl {
            MemRef{const_cast<float*>(src), std::size_t(numel) * 4, MemSpace::kDevice, &dev});
   }
 
+  // The rows a layer_forward runs: b x t of them (n), the first at position p0; with a key/value
+  // cache (decode), the new rows' keys and values go into it and the queries attend over it.
+  struct Span {
+    i64 b, t, n, p0;
+    float* k_cache;
+    float* v_cache;
+  };
+  void attend(Acts& a, const Span& sp, double scale) {
+    if (sp.k_cache)
+      model_ops::attention_cached(s, fptr(a.qkv), sp.k_cache, sp.v_cache, fptr(a.o), a.ob.data(),
+                                  sp.n, sp.p0, nh, nkv, hd, scale, wdt);
+    else
+      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), sp.b, sp.t,
+                                   nh, nkv, hd, scale, wdt);
+  }
+
   // ---- one decoder layer ----
   // Fills a (whose x is set) from the layer's weights w; returns the output when need_out.
+  // `sp`: the rows it runs (the batch's, or decode()'s new rows with their key/value cache).
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out) {
+    return layer_forward(a, w, unit, need_out, Span{B, T, N, 0, nullptr, nullptr});
+  }
+  Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out,
+                       const Span& sp) {
+    const i64 B = sp.b, T = sp.t, N = sp.n;  // NOLINT: the rows of this call
     const float* x = fptr(a.x);
     const double scale = attn_scale(unit);
     a.h1 = oalloc(N * C);
     a.qkv = falloc(N * qkvd);
     a.o = falloc(N * qd);
-    a.lse = falloc(B * nh * T);
+    if (!sp.k_cache) a.lse = falloc(B * nh * T);
     a.xm = falloc(N * C);
     a.h2 = oalloc(N * C);
     if (wdt == DType::kBF16) a.ob = dev.alloc(static_cast<std::size_t>(N * qd) * 2, &s);
@@ -312,10 +335,9 @@ struct Model::Impl {
                                    cfg.norm_eps);
       linear(otensor(a.h1, N * C), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
       model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh,
-                                   nkv, hd, scale, wdt);
+      attend(a, sp, scale);
       copy_f(fptr(a.xm), x, N * C);
-      linear(o_operand(a), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
+      linear(o_operand(a, N), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
       model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
       model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b),
                                    N, C, cfg.norm_eps);
@@ -338,12 +360,11 @@ struct Model::Impl {
       linear(otensor(a.h1, N * C), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
       if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
       // q's heads and then k's are consecutive columns: one pass rotates both.
-      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin),
-                      false);
-      model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), B, T, nh,
-                                   nkv, hd, scale, wdt);
+      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd,
+                      fptr(rope_cos) + sp.p0 * (hd / 2), fptr(rope_sin) + sp.p0 * (hd / 2), false);
+      attend(a, sp, scale);
       copy_f(fptr(a.xm), x, N * C);
-      linear(o_operand(a), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
+      linear(o_operand(a, N), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
       if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), N, C);
       model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C,
                                  cfg.norm_eps);
@@ -530,13 +551,14 @@ struct Model::Impl {
   }
 
   // The final norm of the head unit: out, and its saved statistics.
-  void final_norm(const TensorRef& wh, const float* x, model_ops::Out out, float* st_a,
-                  float* st_b) {
+  void final_norm(const TensorRef& wh, const float* x, model_ops::Out out, float* st_a, float* st_b,
+                  i64 rows = -1) {
+    const i64 n = rows < 0 ? N : rows;
     if (gpt2)
       model_ops::layernorm_forward(s, x, param(wh, L + 1, 0), param(wh, L + 1, 1), out, st_a, st_b,
-                                   N, C, cfg.norm_eps);
+                                   n, C, cfg.norm_eps);
     else
-      model_ops::rmsnorm_forward(s, x, param(wh, L + 1, 0), out, st_b, N, C, cfg.norm_eps);
+      model_ops::rmsnorm_forward(s, x, param(wh, L + 1, 0), out, st_b, n, C, cfg.norm_eps);
   }
 
   Weight head_weight(const TensorRef& wh, const TensorRef& w0) const {
@@ -656,6 +678,79 @@ struct Model::Impl {
     ckpt_store.reset();
   }
 
+  // ---- decoding with a key/value cache (one sequence) ----
+  std::vector<Buffer> k_cache, v_cache;  // per layer [T, kvd], fp32
+  i64 dec_len = 0;                       // positions in the cache
+  Buffer dec_tokens;
+  std::vector<std::int32_t> dec_tokens_host;
+
+  std::vector<float> decode(const std::vector<std::int32_t>& ids, UnitProvider& p) {
+    const i64 n = static_cast<i64>(ids.size());
+    STRATA_REQUIRE(n > 0, "Model::decode: no tokens given");
+    STRATA_REQUIRE(dec_len + n <= T,
+                   "Model::decode: {} more positions after {} exceed the model's context of {} "
+                   "(ModelOptions::seq_len): reset_decode(), or build the model with a longer "
+                   "seq_len",
+                   n, dec_len, T);
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V,
+                     "Model::decode: token {} = {} is outside the vocabulary [0, {})", i, ids[i],
+                     V);
+    if (k_cache.empty())
+      for (i64 l = 0; l < L; ++l) {
+        k_cache.push_back(falloc(T * kvd));
+        v_cache.push_back(falloc(T * kvd));
+      }
+    s.synchronize();  // the staging below may still be read by the last call's copy
+    dec_tokens_host = ids;
+    dec_tokens = dev.alloc(std::size_t(n) * 4, &s);
+    s.copy(dec_tokens.ref(), host_ref(dec_tokens_host.data(), std::size_t(n) * 4));
+    Buffer x = falloc(n * C);
+    {
+      const TensorRef w0 = acquire_w(p, 0);
+      Weight wpe{};
+      if (gpt2) {  // the rows' positions: dec_len on
+        wpe = param(w0, 0, 1);
+        wpe.ptr = static_cast<const char*>(wpe.ptr) + std::size_t(dec_len * C) * dtype_size(wdt);
+      }
+      model_ops::embedding_forward(s, static_cast<const std::int32_t*>(dec_tokens.data()),
+                                   param(w0, 0, 0), wpe, fptr(x), n, n, C);
+      p.release_weights(0);
+    }
+    for (i64 l = 0; l < L; ++l) {
+      const std::size_t unit = static_cast<std::size_t>(l + 1);
+      Acts a;
+      a.x = std::move(x);
+      const TensorRef w = acquire_w(p, unit);
+      x = layer_forward(
+          a, w, unit, true,
+          Span{1, n, n, dec_len, fptr(k_cache[std::size_t(l)]), fptr(v_cache[std::size_t(l)])});
+      p.release_weights(unit);
+    }
+    // The head on the last row only.
+    const std::size_t hu = static_cast<std::size_t>(L + 1);
+    const TensorRef wh = acquire_w(p, hu);
+    const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
+    Buffer hf = oalloc(C), st_a = falloc(1), st_b = falloc(1), out = falloc(V);
+    final_norm(wh, fptr(x) + (n - 1) * C, oout(hf), fptr(st_a), fptr(st_b), 1);
+    linear(otensor(hf, C), head_weight(wh, w0), true, fptr(out), 1, C, V, 0.0f);
+    if (cfg.tie_word_embeddings) p.release_weights(0);
+    p.release_weights(hu);
+    std::vector<float> host(static_cast<std::size_t>(V));
+    s.copy(host_ref(host.data(), host.size() * 4), out.ref());
+    s.synchronize();
+    dec_len += n;
+    return host;
+  }
+
+  void reset_decode() {
+    s.synchronize();
+    k_cache.clear();
+    v_cache.clear();
+    dec_tokens.reset();
+    dec_len = 0;
+  }
+
   std::vector<float> logits(const std::vector<std::int32_t>& ids, UnitProvider& p) {
     upload_ids(ids, tokens, "tokens");
     Buffer x = run_trunk(p, false);
@@ -745,5 +840,10 @@ void Model::backward(UnitProvider& weights) { impl_->backward(weights); }
 std::vector<float> Model::logits(const std::vector<std::int32_t>& tokens, UnitProvider& weights) {
   return impl_->logits(tokens, weights);
 }
+std::vector<float> Model::decode(const std::vector<std::int32_t>& tokens, UnitProvider& weights) {
+  return impl_->decode(tokens, weights);
+}
+void Model::reset_decode() { impl_->reset_decode(); }
+std::int64_t Model::decode_length() const { return impl_->dec_len; }
 
 }  // namespace strata

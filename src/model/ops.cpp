@@ -82,6 +82,17 @@ void attention_forward(Stream& s, const float* qkv, float* o, void* o_bf16, floa
                                gemm == DType::kBF16);
 }
 
+void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cache, float* o,
+                      void* o_bf16, i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale,
+                      DType gemm) {
+  STRATA_REQUIRE(hd <= 512 && nh % nkv == 0 && n > 0 && p0 >= 0,
+                 "attention_cached: head_dim {} must be <= 512, heads {} a multiple of {}, rows {} "
+                 "> 0 at position {} >= 0",
+                 hd, nh, nkv, n, p0);
+  kernels(s).attention_cached(s, qkv, k_cache, v_cache, o, o_bf16, n, p0, nh, nkv, hd, scale,
+                              gemm == DType::kBF16);
+}
+
 void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
                         const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
                         double scale, DType gemm) {

@@ -22,6 +22,10 @@ void layernorm_forward(Stream& s, const float* x, Weight w, Weight b, Out out, f
                        float* rstd, i64 n, i64 c, double eps);
 void rope(Stream& s, float* x, i64 n, i64 t, i64 stride, i64 col, i64 heads, i64 hd,
           const float* cos, const float* sin, bool inverse);
+// Backend::attention_cached: checked (head_dim <= 512, heads a multiple of the kv heads).
+void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cache, float* o,
+                      void* o_bf16, i64 n, i64 p0, i64 nh, i64 nkv, i64 hd, double scale,
+                      DType gemm);
 void swiglu_forward(Stream& s, const float* gu, Out out, i64 n, i64 inter);
 void swiglu_backward(Stream& s, const float* dout, const float* gu, Out dgu, i64 n, i64 inter);
 void gelu_forward(Stream& s, const float* x, Out out, i64 n);
