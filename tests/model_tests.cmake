@@ -14,3 +14,9 @@ strata_add_test(model_oracle_test SOURCES model_oracle_test.cpp LABELS model
 strata_add_test(model_test SOURCES model_test.cpp LABELS model)
 strata_add_test(model_io_test SOURCES model_io_test.cpp LABELS model)
 strata_add_test(model_gpu_test SOURCES model_gpu_test.cpp LABELS gpu)
+# Generation: the key/value cache against the training forward, the sampler, greedy decoding
+# against the PyTorch reference (skipped without torch), and strata-generate end to end.
+strata_add_test(generate_test SOURCES generate_test.cpp LABELS model
+                DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+                        STRATA_GENERATE_BIN="$<TARGET_FILE:strata-generate>")
+add_dependencies(generate_test strata-generate)

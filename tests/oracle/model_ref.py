@@ -3,6 +3,7 @@
 implementation of Llama / Qwen2 / Mistral and GPT-2 as Hugging Face defines them.
 
 Usage: model_ref.py [--bf16-gemm] DIR
+       model_ref.py --greedy N --prompt-ids "ID ID ..." DIR
   --bf16-gemm: every matrix product's operands rounded to bf16 as strata's bf16 compute reads
                them (activations and weights; attention's q, k, v and probabilities; in backward
                also the incoming gradient, which strata's kernels write in bf16); the products,
@@ -10,6 +11,10 @@ Usage: model_ref.py [--bf16-gemm] DIR
   reads  DIR/config.json, DIR/model.safetensors (F32 or BF16 weights, HF names),
          DIR/batch.safetensors ("tokens", "targets": [B, T] ids stored as F32)
   writes DIR/ref.safetensors (F64): "logits" [B*T, V], "loss" [1], "grad.<name>" per parameter.
+--greedy: Hugging Face's greedy decode (do_sample false) of N new tokens after the prompt,
+  the whole sequence run through the model again for every token (no key/value cache), in
+  float64; prints the new ids, space-separated, on one line. Reads DIR/config.json and
+  DIR/model.safetensors only.
 It shares no code with strata: safetensors is parsed here by hand, the model written out.
 """
 import json
@@ -227,9 +232,29 @@ def gpt2(cfg, P, tok):
     return mm(x, P["transformer.wte.weight"].T)
 
 
+def greedy(d, n, prompt):
+    cfg = json.load(open(f"{d}/config.json"))
+    P = read_safetensors(f"{d}/model.safetensors")
+    fwd = gpt2 if cfg["model_type"] == "gpt2" else llama
+    seq = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = fwd(cfg, P, torch.tensor([seq], dtype=torch.long))
+            nxt = int(torch.argmax(logits[0, -1]).item())  # the first maximum, as torch.argmax
+            out.append(nxt)
+            seq.append(nxt)
+    print(" ".join(str(t) for t in out))
+
+
 def main():
     global BF16_GEMM
     args = sys.argv[1:]
+    if args and args[0] == "--greedy":
+        n = int(args[1])
+        assert args[2] == "--prompt-ids", "usage: --greedy N --prompt-ids IDS DIR"
+        greedy(args[4], n, [int(t) for t in args[3].replace(",", " ").split()])
+        return
     if args and args[0] == "--bf16-gemm":
         BF16_GEMM = True
         args = args[1:]

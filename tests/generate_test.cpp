@@ -1,0 +1,385 @@
+// Generation: Model::decode (the key/value cache) against the training forward, the sampler,
+// greedy decoding against the PyTorch reference (tests/oracle/model_ref.py --greedy: float64,
+// the whole sequence again for every token; skipped where /usr/bin/python3 cannot import torch),
+// and strata-generate end to end.
+#include "strata/generate.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "strata/error.h"
+#include "strata/model.h"
+#include "strata/model_io.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+bool have_torch() {
+  static const bool ok = std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
+  return ok;
+}
+
+// max |a - ref| / max |ref|
+double rel_err(const float* a, const float* ref, std::size_t n) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    num = std::max(num, std::fabs(double(a[i]) - ref[i]));
+    den = std::max(den, std::fabs(double(ref[i])));
+  }
+  return num / std::max(den, 1e-30);
+}
+
+const char* kLlamaGqa =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 131,
+  "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
+  "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+  "tie_word_embeddings": false})";
+const char* kQwen2 =
+    R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "tie_word_embeddings": true})";
+const char* kGpt2 =
+    R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 113,
+  "n_embd": 36, "n_layer": 2, "n_head": 3, "n_positions": 96, "layer_norm_epsilon": 1e-5,
+  "activation_function": "gelu_new"})";
+
+struct Fixture {
+  std::unique_ptr<Device> dev = make_host_device();
+  std::unique_ptr<Stream> s = dev->create_stream("generate");
+  ModelConfig cfg;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<ResidentWeights> w;
+  Fixture(const char* json, std::int64_t seq, DType dt) {
+    cfg = parse_model_config(json, "test");
+    model = std::make_unique<Model>(cfg, *dev, *s,
+                                    ModelOptions{.micro_batch = 1, .seq_len = seq, .compute = dt});
+    w = std::make_unique<ResidentWeights>(*model, *s);
+    w->init_random(11, 0.25f);
+  }
+};
+
+std::vector<std::int32_t> random_ids(std::size_t n, std::int64_t vocab, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> ids(n);
+  for (auto& t : ids) t = static_cast<std::int32_t>(rng() % std::uint64_t(vocab));
+  return ids;
+}
+
+struct DecodeCase {
+  const char* name;
+  const char* config;
+  DType dtype;
+};
+
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+class Decode : public ::testing::TestWithParam<DecodeCase> {};
+
+// Every position's logits from the cache, fed a prompt, then one token, then a chunk of three,
+// then one at a time, equal the training forward's over the whole sequence.
+TEST_P(Decode, CachedLogitsEqualTheFullForwardAtEveryPosition) {
+  const DecodeCase& c = GetParam();
+  const std::int64_t T = 24;
+  Fixture f(c.config, T, c.dtype);
+  const std::vector<std::int32_t> ids = random_ids(T, f.cfg.vocab_size, 3);
+  const std::vector<float> full = f.model->logits(ids, *f.w);
+  const std::size_t V = std::size_t(f.cfg.vocab_size);
+  const double tol = c.dtype == DType::kBF16 ? 2e-2 : 2e-5;
+  double worst = 0;
+  std::size_t pos = 0;
+  for (std::size_t chunk : {5, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+    const std::vector<std::int32_t> part(ids.begin() + std::ptrdiff_t(pos),
+                                         ids.begin() + std::ptrdiff_t(pos + chunk));
+    const std::vector<float> got = f.model->decode(part, *f.w);
+    pos += chunk;
+    ASSERT_EQ(f.model->decode_length(), std::int64_t(pos));
+    ASSERT_EQ(got.size(), V);
+    const double e = rel_err(got.data(), full.data() + (pos - 1) * V, V);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, tol) << "position " << pos - 1;
+  }
+  ASSERT_EQ(pos, std::size_t(T));
+  std::printf("[ decode   ] %s: worst logits difference %.2e over %lld positions\n", c.name, worst,
+              (long long)T);
+  // Full: one more position is refused by name, and a reset starts over with the same logits.
+  try {
+    f.model->decode({1}, *f.w);
+    ADD_FAILURE() << "a position past seq_len was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("exceed the model's context of 24"), std::string::npos)
+        << e.what();
+  }
+  f.model->reset_decode();
+  EXPECT_EQ(f.model->decode_length(), 0);
+  const std::vector<float> again = f.model->decode({ids[0], ids[1]}, *f.w);
+  EXPECT_LT(rel_err(again.data(), full.data() + V, V), tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, Decode,
+                         ::testing::Values(DecodeCase{"llama_gqa", kLlamaGqa, DType::kF32},
+                                           DecodeCase{"qwen2_tied", kQwen2, DType::kF32},
+                                           DecodeCase{"gpt2", kGpt2, DType::kF32},
+                                           DecodeCase{"llama_gqa_bf16", kLlamaGqa, DType::kBF16},
+                                           DecodeCase{"gpt2_bf16", kGpt2, DType::kBF16}),
+                         [](const ::testing::TestParamInfo<DecodeCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+TEST(Decode, BadTokensAreRefusedByPosition) {
+  Fixture f(kLlamaGqa, 8, DType::kF32);
+  try {
+    f.model->decode({1, 131}, *f.w);
+    ADD_FAILURE() << "id 131 of a vocabulary of 131 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 1 = 131 is outside the vocabulary [0, 131)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(f.model->decode({}, *f.w), Error);
+}
+
+// ---- the sampler ----
+
+TEST(Sampler, GreedyIsTheFirstLargest) {
+  Sampler s({});
+  EXPECT_EQ(s.next({0.1f, 3.0f, -1.0f, 3.0f}), 1);
+  EXPECT_EQ(s.next({5.0f}), 0);
+}
+
+TEST(Sampler, DrawsFollowTheSoftmaxOfTheTemperedLogits) {
+  const std::vector<float> logits = {1.0f, 0.0f, 2.0f, -1.0f, 0.5f};
+  for (double temp : {1.0, 0.5, 2.0}) {
+    Sampler s({.temperature = temp, .seed = 7});
+    std::vector<double> want(logits.size());
+    double sum = 0;
+    for (std::size_t i = 0; i < logits.size(); ++i) sum += want[i] = std::exp(logits[i] / temp);
+    std::vector<int> count(logits.size(), 0);
+    const int n = 40000;
+    for (int i = 0; i < n; ++i) ++count[std::size_t(s.next(logits))];
+    for (std::size_t i = 0; i < logits.size(); ++i)
+      EXPECT_NEAR(double(count[i]) / n, want[i] / sum, 0.01) << "token " << i << " at T " << temp;
+  }
+}
+
+TEST(Sampler, TopKAndTopPKeepOnlyTheMostLikely) {
+  // Probabilities at temperature 1: about 0.665, 0.245, 0.090 (and two tiny ones).
+  const std::vector<float> logits = {-9.0f, 1.0f, 2.0f, -9.0f, 0.0f};
+  std::map<int, int> seen;
+  Sampler k2({.temperature = 1.0, .top_k = 2, .seed = 1});
+  for (int i = 0; i < 5000; ++i) ++seen[k2.next(logits)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[2], seen[1]);
+  EXPECT_GT(seen[1], 0);
+  seen.clear();
+  Sampler p({.temperature = 1.0, .top_p = 0.8, .seed = 1});  // 0.665 < 0.8 <= 0.91
+  for (int i = 0; i < 5000; ++i) ++seen[p.next(logits)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_TRUE(seen.count(2) && seen.count(1));
+  Sampler one({.temperature = 1.0, .top_p = 0.5, .seed = 1});  // the most likely alone
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(one.next(logits), 2);
+  Sampler k1({.temperature = 3.0, .top_k = 1, .seed = 1});
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(k1.next(logits), 2);
+}
+
+TEST(Sampler, TheSeedDecides) {
+  const std::vector<float> logits = {0.0f, 0.1f, 0.2f, 0.3f, 0.4f, 0.5f};
+  auto draw = [&](std::uint64_t seed) {
+    Sampler s({.temperature = 1.0, .seed = seed});
+    std::vector<std::int32_t> out;
+    for (int i = 0; i < 50; ++i) out.push_back(s.next(logits));
+    return out;
+  };
+  EXPECT_EQ(draw(3), draw(3));
+  EXPECT_NE(draw(3), draw(4));
+}
+
+TEST(Sampler, BadOptionsAndLogitsAreRefused) {
+  EXPECT_THROW(Sampler({.temperature = -1}), Error);
+  EXPECT_THROW(Sampler({.temperature = 1, .top_k = -2}), Error);
+  EXPECT_THROW(Sampler({.temperature = 1, .top_p = 0}), Error);
+  EXPECT_THROW(Sampler({.temperature = 1, .top_p = 1.5}), Error);
+  Sampler s({});
+  try {
+    s.next({0.0f, NAN});
+    ADD_FAILURE() << "a NaN logit was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 1 is nan"), std::string::npos) << e.what();
+  }
+}
+
+// ---- generate() ----
+
+TEST(Generate, StopsOnAStopIdAndChecksTheContext) {
+  Fixture f(kLlamaGqa, 40, DType::kF32);
+  const std::vector<std::int32_t> prompt = random_ids(6, f.cfg.vocab_size, 9);
+  GenerateOptions g;
+  g.max_new_tokens = 20;
+  std::vector<std::int32_t> streamed;
+  const GenerateResult all =
+      generate(*f.model, *f.w, prompt, g, [&](std::int32_t t) { streamed.push_back(t); });
+  ASSERT_EQ(all.tokens.size(), 20u);
+  EXPECT_EQ(streamed, all.tokens);
+  EXPECT_FALSE(all.stopped);
+  g.stop_ids = {all.tokens[4]};
+  const GenerateResult cut = generate(*f.model, *f.w, prompt, g);
+  const auto first = std::find(all.tokens.begin(), all.tokens.end(), all.tokens[4]);
+  EXPECT_TRUE(cut.stopped);
+  EXPECT_EQ(cut.tokens, std::vector<std::int32_t>(all.tokens.begin(), first + 1));
+  g.stop_ids.clear();
+  g.max_new_tokens = 36;  // 6 + 36 - 1 = 41 positions > 40
+  try {
+    generate(*f.model, *f.w, prompt, g);
+    ADD_FAILURE() << "a context longer than seq_len was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("need a context of 41 positions"), std::string::npos)
+        << e.what();
+  }
+}
+
+struct OracleCase {
+  const char* name;
+  const char* config;
+};
+
+void PrintTo(const OracleCase& c, std::ostream* os) { *os << c.name; }
+
+class GenerateOracle : public ::testing::TestWithParam<OracleCase> {};
+
+// 64 greedy tokens, with the cache and without it, equal the reference's token for token.
+TEST_P(GenerateOracle, GreedyEqualsPyTorchTokenForToken) {
+  if (!have_torch())
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch (apt-get install python3-torch)";
+  const OracleCase& c = GetParam();
+  TempDir dir("strata-generate-oracle");
+  const std::int64_t new_tokens = 64;
+  const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65, 35, 89, 79};
+  Fixture f(c.config, std::int64_t(prompt.size()) + new_tokens, DType::kF32);
+  save_hf_weights(dir.path, *f.w);
+  std::string ids;
+  for (auto t : prompt) ids += std::to_string(t) + " ";
+  const std::string out = dir.path + "/ref.txt";
+  const std::string cmd = fmt::format(
+      "/usr/bin/python3 {}/tests/oracle/model_ref.py --greedy {} --prompt-ids '{}' {} > {}",
+      STRATA_SOURCE_DIR, new_tokens, ids, dir.path, out);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::vector<std::int32_t> ref;
+  {
+    std::istringstream in(testing::slurp(out));
+    for (std::int32_t t; in >> t;) ref.push_back(t);
+  }
+  ASSERT_EQ(ref.size(), std::size_t(new_tokens));
+  GenerateOptions g;
+  g.max_new_tokens = new_tokens;
+  const GenerateResult cached = generate(*f.model, *f.w, prompt, g);
+  g.kv_cache = false;
+  const GenerateResult full = generate(*f.model, *f.w, prompt, g);
+  EXPECT_EQ(cached.tokens, ref) << "with the key/value cache";
+  EXPECT_EQ(full.tokens, ref) << "with the full forward";
+  // A check that checks something: the text is not one token repeated.
+  std::set<std::int32_t> distinct(ref.begin(), ref.end());
+  EXPECT_GT(distinct.size(), 3u);
+  std::printf("[ greedy   ] %s: %zu distinct of %lld tokens equal\n", c.name, distinct.size(),
+              (long long)new_tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, GenerateOracle,
+                         ::testing::Values(OracleCase{"llama_gqa", kLlamaGqa},
+                                           OracleCase{"qwen2_tied", kQwen2},
+                                           OracleCase{"gpt2", kGpt2}),
+                         [](const ::testing::TestParamInfo<OracleCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// ---- strata-generate ----
+
+struct Cli : ::testing::Test {
+  TempDir dir{"strata-generate-cli"};
+  testing::Result gen(const std::vector<std::string>& args, const std::string& tag = "gen") {
+    return testing::run(STRATA_GENERATE_BIN, args, dir.path, tag);
+  }
+  // A tiny Llama saved as a folder; returns the folder.
+  std::string saved(const char* json, const std::string& name) {
+    Fixture f(json, 16, DType::kF32);
+    const std::string d = dir.path + "/" + name;
+    save_hf_weights(d, *f.w);
+    return d;
+  }
+};
+
+TEST_F(Cli, PrintsWhatTheLibraryGeneratesAndItsFigures) {
+  const std::string m = saved(kLlamaGqa, "llama");
+  const testing::Result r =
+      gen({"--model", m, "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('{')));
+  Fixture f(kLlamaGqa, 16, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  const GenerateResult want = generate(*f.model, *f.w, {5, 6, 7}, g);
+  EXPECT_EQ(j["new_tokens"].get<std::vector<std::int32_t>>(), want.tokens);
+  EXPECT_EQ(j["prompt_tokens"], 3);
+  EXPECT_TRUE(j["kv_cache"].get<bool>());
+  EXPECT_GE(j["decode_tokens_per_s"].get<double>(), 0.0);
+  // Without --json: the ids on stdout, as they come.
+  const testing::Result plain = gen(
+      {"--model", m, "--prompt-ids", "5 6 7", "--max-new-tokens", "12", "--no-kv-cache"}, "plain");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  std::string ids;
+  for (auto t : want.tokens) ids += std::to_string(t) + " ";
+  EXPECT_EQ(plain.out, ids + "\n");
+}
+
+TEST_F(Cli, ByteLevelModelsTakeAndPrintText) {
+  const char* bytes =
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64})";
+  const std::string m = saved(bytes, "bytes");
+  const testing::Result r = gen({"--model", m, "--prompt", "hello", "--max-new-tokens", "8"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("hello", 0), 0u) << r.out;
+  EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
+}
+
+TEST_F(Cli, BadInputIsRefusedWithTheFix) {
+  const std::string m = saved(kLlamaGqa, "llama");
+  struct Bad {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
+      {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
+      {{"--model", m, "--prompt-ids", "1", "--chat"}, "--chat needs the model's tokenizer"},
+      {{"--model", m}, "give the prompt once"},
+      {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
+      {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},
+      {{"--model", m, "--prompt-ids", "1", "--top-p", "0.9"}, "give --temperature T > 0 too"},
+      {{"--model", m, "--prompt-ids", "1", "--max-new-tokens", "500"},
+       "takes 128 (config.json's max_position_embeddings)"},
+  };
+  int i = 0;
+  for (const Bad& b : bad) {
+    const testing::Result r = gen(b.args, "bad" + std::to_string(i++));
+    EXPECT_EQ(r.status, 1) << b.says;
+    EXPECT_NE(r.err.find(b.says), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(gen({"--help"}, "help").status, 0);
+}
+
+}  // namespace
+}  // namespace strata
