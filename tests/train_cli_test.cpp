@@ -34,6 +34,7 @@
 #include <sstream>
 
 #include "strata/dtype.h"
+#include "strata/generate.h"
 #include "strata/model_io.h"
 #include "strata/trainer.h"
 #include "test_util.h"
@@ -758,6 +759,45 @@ TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
             val);
 }
 
+// --sample-every: a greedy sample every N steps and after the last, under the progress line and in
+// the step's log line; the last one is what generate() makes of the --out folder (the same
+// weights), character for character.
+TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
+  const std::string log = dir.path + "/sample.jsonl", out = dir.path + "/out";
+  const Result r = train(args(log, {"--sample-every", "3", "--sample-prompt", "alpha ",
+                                    "--sample-tokens", "8", "--out", out}),
+                         "sample");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::map<std::int64_t, std::string> samples;
+  std::ifstream f(log);
+  for (std::string l; std::getline(f, l);) {
+    const auto j = nlohmann::json::parse(l);
+    if (j.contains("sample")) samples[j.at("step").get<std::int64_t>()] = j.at("sample");
+  }
+  ASSERT_EQ(samples.size(), 2u) << "samples at steps 3 and 4 (the last)";
+  ASSERT_TRUE(samples.count(3) && samples.count(4));
+  std::size_t printed = 0;
+  for (std::size_t at = r.out.find("  sample: \"alpha "); at != std::string::npos;
+       at = r.out.find("  sample: \"alpha ", at + 1))
+    ++printed;
+  EXPECT_EQ(printed, 2u) << r.out;
+  EXPECT_NE(r.out.find("  sample "), std::string::npos) << "the summary's sample phase";
+  const std::string last = samples[4];
+  ASSERT_EQ(last.size(), 6u + 8u) << last;
+  auto dev = make_host_device();
+  auto s = dev->create_stream("g");
+  Model m(load_model_config(out + "/config.json"), *dev, *s, {.micro_batch = 1, .seq_len = 16});
+  ResidentWeights w(m, *s);
+  load_hf_weights(out, w);
+  GenerateOptions g;
+  g.max_new_tokens = 8;
+  const std::string prompt = "alpha ";
+  const GenerateResult res = generate(m, w, {prompt.begin(), prompt.end()}, g);
+  std::string want = prompt;
+  for (std::int32_t t : res.tokens) want += static_cast<char>(t);
+  EXPECT_EQ(last, want);
+}
+
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the
 // checkpoints stay on the device or go to host memory; and the emulated device's throttles
 // (--emu-*) slow a run down without changing a bit of it.
@@ -818,6 +858,12 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const std::string vocab32k = dir.path + "/vocab32k.json";
   std::ofstream(vocab32k) << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
       "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
+  const std::string ids32k = dir.path + "/ids.u16";
+  {
+    std::vector<std::uint16_t> ids(4096, 7);
+    std::ofstream(ids32k, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(ids.size() * 2));
+  }
   const std::string jsonl = dir.path + "/chat.jsonl";
   {
     std::ofstream f(jsonl);
@@ -866,6 +912,21 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--eval-batches sets the batches of an evaluation: add --eval-every N or --eval-data FILE"},
       {"missing --eval-data", args(log, {"--eval-data", dir.path + "/nope.bin"}),
        "--eval-data " + dir.path + "/nope.bin: no such file"},
+      {"--sample-prompt without --sample-every", args(log, {"--sample-prompt", "a"}),
+       "--sample-prompt is the prompt of --sample-every's samples: add --sample-every N"},
+      {"--sample-every without a prompt", args(log, {"--sample-every", "2"}),
+       "--sample-every N needs its prompt once"},
+      {"--sample-prompt text for a model whose vocabulary is not bytes",
+       {"--model-config", vocab32k, "--data", ids32k, "--sample-every", "1", "--sample-prompt",
+        "hi"},
+       "give the prompt's token ids with --sample-prompt-ids"},
+      {"a sample longer than the sequence",
+       args(log, {"--sample-every", "2", "--sample-prompt", "alpha ", "--sample-tokens", "12"}),
+       "--sample-prompt (6 tokens) and --sample-tokens 12 need 17 positions, more than --seq-len "
+       "16"},
+      {"--sample-prompt-ids outside the vocabulary",
+       args(log, {"--sample-every", "2", "--sample-prompt-ids", "1 256"}),
+       "--sample-prompt-ids: 256 is outside the model's vocabulary [0, 256)"},
       {"unknown flag", args(log, {"--bogus-flag"}), "--bogus-flag"},
       {"missing --model-config",
        {"--model-config", dir.path + "/nope.json", "--text", text},

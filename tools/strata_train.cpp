@@ -91,6 +91,15 @@ int main(int argc, char** argv) {
   app.add_option("--eval-batches", o.eval_batches,
                  "batches a rank per evaluation (default 4; 0: the whole evaluation data)")
       ->check(strata::tools::kNonNegative);
+  app.add_option("--sample-every", o.sample_every,
+                 "every N steps and after the last, print a greedy sample of the model (0: none)")
+      ->check(strata::tools::kCount);
+  app.add_option("--sample-prompt", o.sample_prompt,
+                 "the samples' prompt as text (byte-level models: vocab_size <= 256)");
+  app.add_option("--sample-prompt-ids", o.sample_prompt_ids,
+                 "the samples' prompt as token ids: \"1 2 3\"");
+  app.add_option("--sample-tokens", o.sample_tokens, "new tokens a sample (default 32)")
+      ->check(strata::tools::kPositive);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");

@@ -184,6 +184,11 @@ struct TrainOptions {
   // eval_every, after the last step only.
   std::int64_t eval_every = 0, eval_batches = 4;
   std::vector<std::string> eval_files;
+  // A greedy sample every sample_every steps (0: none) and after the last: sample_tokens new
+  // tokens after sample_prompt (text, byte-level models) or sample_prompt_ids ("1 2 3"), printed
+  // under the progress line and logged as the step's "sample".
+  std::int64_t sample_every = 0, sample_tokens = 32;
+  std::string sample_prompt, sample_prompt_ids;
   std::string log_json, out_dir, trace_file;
   std::int64_t trace_step = 2;
   bool overwrite = false;

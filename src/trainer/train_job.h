@@ -56,6 +56,7 @@ struct Settings {
   std::int64_t warmup = 0, steps = 0, seq_len = 0, B = 0, accum = 0;
   bool ds_schedule = false;
   bool clip_defaulted = false;  // gradient clipping 1.0: the fine-tuning default, not asked for
+  std::vector<std::int32_t> sample_prompt;  // --sample-prompt / --sample-prompt-ids as ids
   std::string schedule;
   int rank = 0, world = 1;
   std::FILE* con = nullptr;  // rank 0's console, else null
@@ -65,7 +66,7 @@ struct Settings {
 };
 
 struct Phases {
-  double data = 0, forward = 0, backward = 0, optimizer = 0, eval = 0, save = 0;
+  double data = 0, forward = 0, backward = 0, optimizer = 0, eval = 0, save = 0, sample = 0;
 };
 
 // The job's objects, declared in the order they are made (and destroyed in reverse).
@@ -99,6 +100,7 @@ struct Run {
   std::unique_ptr<std::ofstream> jlog;
   bool tty = false;
   std::int64_t print_every = 1;
+  std::string sample;  // this step's --sample-every text (JSON-quoted), printed under its line
   double tokens_per_step = 0;
   // The loop
   TrainResult result;

@@ -14,6 +14,7 @@
 #include <numbers>
 
 #include "strata/error.h"
+#include "strata/generate.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
 #include "strata/trace.h"
@@ -278,6 +279,35 @@ double evaluate(Run& run) {
   return val_loss;
 }
 
+// --sample-every: a greedy continuation of the prompt through the engine's weights (every rank
+// runs it: the units are gathered as in evaluation), as text for a byte-level model, else ids.
+std::string sample(Run& run) {
+  const auto t0 = Clock::now();
+  Engine& engine = *run.engine;
+  engine.set_eval(true);
+  GenerateOptions g;
+  g.max_new_tokens = run.s.o.sample_tokens;
+  GenerateResult res;
+  try {
+    res = generate(*run.model, *run.weights, run.s.sample_prompt, g);
+  } catch (...) {
+    run.model->reset_decode();
+    engine.set_eval(false);
+    throw;
+  }
+  run.model->reset_decode();  // the cache's memory back before the next step
+  engine.set_eval(false);
+  std::string text;
+  if (!run.s.o.sample_prompt.empty()) {
+    text = run.s.o.sample_prompt;
+    for (std::int32_t t : res.tokens) text += static_cast<char>(t);
+  } else {
+    text = fmt::format("{}", fmt::join(res.tokens, " "));
+  }
+  run.ph.sample += since(t0);
+  return text;
+}
+
 // The step's line in --log-json; a line that cannot be written ends the log, not the run.
 void write_log_line(Run& r, std::int64_t step, const nlohmann::json& j) {
   const TrainOptions& o = r.s.o;
@@ -335,6 +365,11 @@ void run_step(Run& r, std::int64_t step) {
   const bool eval_now = val && ((o.eval_every > 0 && step % o.eval_every == 0) || step == steps);
   const double val_loss = eval_now ? evaluate(r) : NAN;
 
+  const bool sample_now = o.sample_every > 0 && (step % o.sample_every == 0 || step == steps);
+  r.sample.clear();
+  std::string sampled;
+  if (sample_now) sampled = sample(r);
+
   const EngineStats st = engine.stats();
   nlohmann::json j = {{"step", step},
                       {"loss", loss},
@@ -351,6 +386,12 @@ void run_step(Run& r, std::int64_t step) {
   if (!std::isnan(val_loss)) {
     j["val_loss"] = val_loss;
     j["val_ppl"] = std::exp(val_loss);  // perplexity
+  }
+  if (sample_now) {
+    j["sample"] = sampled;
+    // Quoted and escaped as JSON: a byte-level model's text may hold newlines and any byte.
+    r.sample =
+        nlohmann::json(sampled).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
 
   // The checkpoint before the step's log line: a logged step's checkpoint is complete. The line

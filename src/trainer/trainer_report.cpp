@@ -190,12 +190,13 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
       double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,
       double(st.nvme_written_bytes - prev.nvme_written_bytes) * gbps,
       hms(elapsed / double(step - r.start_step) * double(steps - step)));
-  const bool keep =
-      step == 1 || step == steps || step % r.print_every == 0 || !std::isnan(val_loss);
+  const bool keep = step == 1 || step == steps || step % r.print_every == 0 ||
+                    !std::isnan(val_loss) || !r.sample.empty();
   if (r.tty)
     std::fprintf(con, "\r\x1b[K%s%s", line.c_str(), keep ? "\n" : "");
   else if (keep)
     std::fprintf(con, "%s\n", line.c_str());
+  if (!r.sample.empty()) std::fprintf(con, "  sample: %s\n", r.sample.c_str());
   std::fflush(con);
 }
 
@@ -229,9 +230,10 @@ void print_summary(Run& r) {
                r.tokens_per_step * double(steps - start_step) / since(r.loop_start),
                final_loss.c_str());
   std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
-  const std::pair<const char*, double> rows[] = {
+  std::vector<std::pair<const char*, double>> rows = {
       {"data", r.ph.data},           {"forward", r.ph.forward}, {"backward", r.ph.backward},
       {"optimizer", r.ph.optimizer}, {"eval", r.ph.eval},       {"save", r.ph.save}};
+  if (o.sample_every > 0) rows.emplace_back("sample", r.ph.sample);
   for (const auto& [n, v] : rows) std::fprintf(con, "  %-12s %9.2f\n", n, v);
   std::fprintf(con, "  %-8s %-22s %-22s\n", "tier", "moved", "peak / capacity");
   std::fprintf(con, "  %-8s %-22s %-22s\n", "device",

@@ -12,6 +12,7 @@
 
 #include "core/json_config.h"
 #include "strata/error.h"
+#include "strata/generate.h"
 #include "strata/log.h"
 #include "trainer/train_job.h"
 
@@ -215,6 +216,14 @@ void check_flags(Settings& s) {
   STRATA_REQUIRE(
       o.min_lr <= 0 || o.lr_schedule == "cosine" || o.lr_schedule == "linear",
       "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear");
+  STRATA_REQUIRE(o.sample_every >= 0 && o.sample_tokens > 0,
+                 "--sample-every must be >= 0 and --sample-tokens > 0");
+  const bool prompt = !o.sample_prompt.empty() || !o.sample_prompt_ids.empty();
+  STRATA_REQUIRE(o.sample_every > 0 || !prompt,
+                 "--sample-prompt is the prompt of --sample-every's samples: add --sample-every N");
+  STRATA_REQUIRE(o.sample_every == 0 || o.sample_prompt.empty() != o.sample_prompt_ids.empty(),
+                 "--sample-every N needs its prompt once: --sample-prompt TEXT (a byte-level "
+                 "model) or --sample-prompt-ids \"ID ID ...\"");
 }
 
 // ---- model ----
@@ -539,6 +548,29 @@ void sequence_and_batch(Settings& s) {
                  "pick a step from 1 "
                  "to {}",
                  o.trace_step, s.steps, s.steps);
+  if (o.sample_every > 0) {
+    if (!o.sample_prompt.empty()) {
+      STRATA_REQUIRE(mcfg.vocab_size <= 256,
+                     "--sample-prompt TEXT is read byte by byte, for a byte-level model; this "
+                     "one's vocab_size is {}: give the prompt's token ids with --sample-prompt-ids",
+                     mcfg.vocab_size);
+      for (unsigned char c : o.sample_prompt) {
+        STRATA_REQUIRE(c < mcfg.vocab_size,
+                       "--sample-prompt: byte {} is outside the model's vocabulary [0, {}): give "
+                       "the prompt's token ids with --sample-prompt-ids",
+                       int(c), mcfg.vocab_size);
+        s.sample_prompt.push_back(c);
+      }
+    } else {
+      s.sample_prompt =
+          parse_token_ids(o.sample_prompt_ids, mcfg.vocab_size, "--sample-prompt-ids");
+    }
+    const std::int64_t need = std::int64_t(s.sample_prompt.size()) + o.sample_tokens - 1;
+    STRATA_REQUIRE(need <= seq_len,
+                   "--sample-prompt ({} tokens) and --sample-tokens {} need {} positions, more "
+                   "than --seq-len {}: shorten them",
+                   s.sample_prompt.size(), o.sample_tokens, need, seq_len);
+  }
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
   s.rank = s.launch.rank;
