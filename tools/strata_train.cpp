@@ -39,8 +39,13 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")
       ->check(strata::tools::kPositive);
-  app.add_option("--steps", o.steps, "optimizer steps (default 60)")
+  app.add_option("--steps", o.steps, "optimizer steps (default 60, unless --epochs)")
       ->check(strata::tools::kCount & strata::tools::kPositive);
+  app.add_option("--epochs", o.epochs,
+                 "passes over the data instead of --steps (default: none, --steps 60): steps = "
+                 "ceil(epochs x steps an epoch), as the Hugging Face Trainer's num_train_epochs; "
+                 "fractions allowed")
+      ->check(strata::tools::kPositive);
   app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--warmup", o.warmup,

@@ -78,7 +78,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
   const ModelConfig& mcfg = s.mcfg;
   const int world = s.world;
   const std::string& schedule = s.schedule;
-  const DataOptions& dopt = r.dopt;
+  const DataOptions& dopt = r.s.dopt;
   return nlohmann::json{
       {"step", step},
       {"log_line", log_line},
@@ -94,6 +94,8 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
        {{"train_batches", r.train_batches},
         {"val_batches", r.val_batches},
         {"epoch", r.loader->epoch()},
+        {"epochs", s.epochs},
+        {"steps_per_epoch", s.steps_per_epoch},
         {"micro_batch", B},
         {"seq_len", seq_len},
         {"grad_accum", accum},
