@@ -31,6 +31,7 @@
 #include <numbers>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "strata/dtype.h"
@@ -679,6 +680,29 @@ TEST(LrSchedule, LinearAndCosineDecayToTheFloor) {
   EXPECT_DOUBLE_EQ(lr_at(9, lr, 2, 10, "const"), lr);
   EXPECT_THROW(lr_at(5, lr, 2, 10, "linear", 2e-3), Error);
   EXPECT_THROW(lr_at(5, lr, 2, 10, "step"), Error);
+}
+
+// --max-shard-mb cuts --out's weights into shards with an index, as strata-export's does; without
+// --out it is refused.
+TEST_F(TrainCli, MaxShardMbCutsTheOutFolderIntoShards) {
+  const std::string out = dir.path + "/sharded";
+  const Result r = train(
+      args(dir.path + "/sh.jsonl", {"--out", out, "--max-shard-mb", "0.05"}, "2"), "max-shard");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_TRUE(fs::exists(out + "/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  const auto index = nlohmann::json::parse(slurp(out + "/model.safetensors.index.json"));
+  std::set<std::string> shards;
+  for (const auto& [name, file] : index.at("weight_map").items())
+    shards.insert(file.get<std::string>());
+  EXPECT_GE(shards.size(), 2u);
+  EXPECT_EQ(tensors_of(out).size(), index.at("weight_map").size());
+  const Result bad =
+      train(args(dir.path + "/sh2.jsonl", {"--max-shard-mb", "1"}, "2"), "shard-no-out");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--max-shard-mb sizes the files --out writes: add --out DIR"),
+            std::string::npos)
+      << bad.err;
 }
 
 // --epochs E: the steps derived from the data's size as the Hugging Face Trainer derives them from

@@ -192,6 +192,9 @@ struct TrainOptions {
   std::int64_t eval_every = 0, eval_batches = 4;
   std::vector<std::string> eval_files;
   std::string log_json, out_dir, trace_file;
+  // The largest safetensors file out_dir gets (a larger tensor alone in one); more: shards with
+  // model.safetensors.index.json, as Hugging Face's max_shard_size.
+  std::size_t out_max_shard_bytes = std::size_t(5) << 30;
   std::int64_t trace_step = 2;
   bool overwrite = false;
   bool plan_only = false;

@@ -413,7 +413,8 @@ void write_model(Run& r) {
     if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
   }
   try {
-    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank);
+    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank,
+                        o.out_max_shard_bytes);
     // The model folder's tokenizer, chat template and generation_config.json beside the
     // weights, so that --out loads as it is (rank 0 wrote config.json).
     if (s.rank == 0 && !o.model_dir.empty()) {
