@@ -401,6 +401,45 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
   fs::remove_all(dir);
 }
 
+// What --epochs counts from: the sequences an epoch gives, from the files' sizes and headers
+// alone, the number the loader then walks (its batches, and its windows: every one once).
+TEST(TokenData, MeasuredRowsAreTheLoadersEpoch) {
+  const fs::path dir = scratch("measure");
+  std::vector<std::uint16_t> a(100), b(40);
+  for (int i = 0; i < 100; ++i) a[i] = static_cast<std::uint16_t>(i);
+  for (int i = 0; i < 40; ++i) b[i] = static_cast<std::uint16_t>(1000 + i);
+  DataOptions o;
+  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b).string()};
+  o.batch = 3;
+  o.seq_len = 7;
+  DataExtent e = measure_tokens(o);
+  EXPECT_EQ(e.tokens, 140);
+  EXPECT_EQ(e.rows, 15);  // unshuffled: (99 / 21 = 4) + (39 / 21 = 1) batches of 3 rows
+  EXPECT_EQ(e.rows, TokenLoader(o).batches_per_epoch() * o.batch);
+  o.shuffle = true;
+  e = measure_tokens(o);
+  EXPECT_EQ(e.rows, 99 / 7 + 39 / 7);  // windows of 8 tokens at a stride of 7: 14 + 5
+  {
+    TokenLoader loader(o);
+    std::set<std::pair<std::int32_t, std::int32_t>> seen;  // (first token, last target)
+    for (std::int64_t k = 0; k < e.rows / o.batch; ++k) {
+      const Batch x = loader.next();
+      for (std::int64_t r = 0; r < o.batch; ++r)
+        seen.insert({x.tokens[r * 7], x.targets[r * 7 + 6]});
+    }
+    EXPECT_EQ(std::int64_t(seen.size()), e.rows / o.batch * o.batch);  // none twice
+    EXPECT_EQ(loader.epoch(), 0);
+  }
+  o.val_fraction = 0.25;  // a: 75 train tokens, b: 30
+  e = measure_tokens(o);
+  EXPECT_EQ(e.tokens, 105);
+  EXPECT_EQ(e.rows, 74 / 7 + 29 / 7);
+  EXPECT_EQ(measure_tokens(o, DataSplit::kVal).tokens, 35);
+  o.files.push_back((dir / "missing.bin").string());
+  EXPECT_THROW(measure_tokens(o), Error);
+  fs::remove_all(dir);
+}
+
 TEST(TokenData, U32BytesShuffleAndSplit) {
   const fs::path dir = scratch("data2");
   std::vector<std::uint32_t> ids(200);

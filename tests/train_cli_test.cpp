@@ -31,6 +31,7 @@
 #include <numbers>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "strata/dtype.h"
@@ -680,6 +681,158 @@ TEST(LrSchedule, LinearAndCosineDecayToTheFloor) {
   EXPECT_DOUBLE_EQ(lr_at(9, lr, 2, 10, "const"), lr);
   EXPECT_THROW(lr_at(5, lr, 2, 10, "linear", 2e-3), Error);
   EXPECT_THROW(lr_at(5, lr, 2, 10, "step"), Error);
+}
+
+// --max-shard-mb cuts --out's weights into shards with an index, as strata-export's does; without
+// --out it is refused.
+TEST_F(TrainCli, MaxShardMbCutsTheOutFolderIntoShards) {
+  const std::string out = dir.path + "/sharded";
+  const Result r = train(
+      args(dir.path + "/sh.jsonl", {"--out", out, "--max-shard-mb", "0.05"}, "2"), "max-shard");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_TRUE(fs::exists(out + "/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  const auto index = nlohmann::json::parse(slurp(out + "/model.safetensors.index.json"));
+  std::set<std::string> shards;
+  for (const auto& [name, file] : index.at("weight_map").items())
+    shards.insert(file.get<std::string>());
+  EXPECT_GE(shards.size(), 2u);
+  EXPECT_EQ(tensors_of(out).size(), index.at("weight_map").size());
+  const Result bad =
+      train(args(dir.path + "/sh2.jsonl", {"--max-shard-mb", "1"}, "2"), "shard-no-out");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--max-shard-mb sizes the files --out writes: add --out DIR"),
+            std::string::npos)
+      << bad.err;
+}
+
+// --epochs E: the steps derived from the data's size as the Hugging Face Trainer derives them from
+// num_train_epochs, ceil(E x whole steps an epoch), a step being --micro-batch x --grad-accum x
+// ranks sequences of --seq-len; the schedule reaches --min-lr at the last derived step.
+class TrainEpochs : public TrainCli {
+ protected:
+  std::vector<std::string> epoch_args(const std::string& log, const std::string& epochs,
+                                      std::vector<std::string> extra = {}) const {
+    std::vector<std::string> a = {
+        "--model-config", cfg,      "--text",   text,   "--seq-len", "16",   "--micro-batch", "2",
+        "--grad-accum",   "3",      "--epochs", epochs, "--lr",      "1e-2", "--warmup",      "1",
+        "--lr-schedule",  "linear", "--min-lr", "1e-3", "--device",  "cpu",  "--log-json",    log};
+    // A flag of `extra` already there takes its value; the others are added.
+    for (std::size_t i = 0; i < extra.size(); ++i) {
+      const auto at = std::find(a.begin(), a.end(), extra[i]);
+      if (at != a.end() && i + 1 < extra.size() && !extra[i + 1].starts_with("--"))
+        *(at + 1) = extra[++i];
+      else
+        a.push_back(extra[i]);
+    }
+    return a;
+  }
+  // step -> lr, from a --log-json file
+  static std::map<std::int64_t, double> lrs(const std::string& path) {
+    std::map<std::int64_t, double> out;
+    std::ifstream f(path);
+    std::string line;
+    while (std::getline(f, line)) {
+      const auto j = nlohmann::json::parse(line);
+      out[j.at("step").get<std::int64_t>()] = j.at("lr").get<double>();
+    }
+    return out;
+  }
+};
+
+TEST_F(TrainEpochs, TheStepsAreDerivedFromTheFilesSizeAndTheScheduleEndsAtTheLast) {
+  const std::int64_t bytes = std::int64_t(fs::file_size(text));  // --text: a token a byte
+  // Shuffled: windows of 17 tokens at a stride of 16, 6 a step (2 x 3 x 1 rank), whole steps.
+  const std::int64_t rows = (bytes - 1) / 16, per_epoch = rows / 6;
+  const std::int64_t want = std::int64_t(std::ceil(0.1 * double(per_epoch)));  // not a whole one
+  ASSERT_NE(double(want), 0.1 * double(per_epoch));
+  const std::string log = dir.path + "/ep.jsonl";
+  const Result r = train(epoch_args(log, "0.1"), "epochs");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find(fmt::format("--epochs 0.1: {} steps (an epoch: {} sequences of 16 tokens, "
+                                   "{} steps of 6)",
+                                   want, rows, per_epoch)),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find(fmt::format("step {}/{} (epoch 0.10/0.1)", want, want)), std::string::npos)
+      << r.out;
+  const auto lr = lrs(log);
+  ASSERT_EQ(std::int64_t(lr.size()), want);
+  EXPECT_EQ(lr.rbegin()->first, want);
+  EXPECT_DOUBLE_EQ(lr.at(want), 1e-3);  // the floor, at the last derived step
+  EXPECT_GT(lr.at(want - 1), lr.at(want));
+  EXPECT_DOUBLE_EQ(lr.at(1), double(1e-2f));  // warmup 1: the peak (the engine's fp32 lr)
+
+  // In order, with --eval-every's last 10% held out: whole micro-batches of 2 x 16 + 1 tokens from
+  // the train split; --eval-every still evaluates.
+  const std::int64_t train_tokens = bytes - std::int64_t(double(bytes) * 0.1);
+  const std::int64_t rows2 = (train_tokens - 1) / 32 * 2;
+  const std::int64_t want2 = std::int64_t(std::ceil(0.05 * double(rows2 / 6)));
+  const std::string log2 = dir.path + "/ep2.jsonl";
+  const Result r2 =
+      train(epoch_args(log2, "0.05", {"--no-shuffle", "--eval-every", "5"}), "epochs-ordered");
+  ASSERT_EQ(r2.status, 0) << r2.err;
+  EXPECT_EQ(std::int64_t(lrs(log2).size()), want2);
+  EXPECT_NE(r2.out.find(fmt::format("step 5/{}", want2)), std::string::npos) << r2.out;
+  EXPECT_NE(r2.out.find("val "), std::string::npos) << r2.out;
+}
+
+TEST_F(TrainEpochs, BadCombinationsAreRefusedNamingTheFix) {
+  const std::string log = dir.path + "/bad.jsonl";
+  auto refused = [&](std::vector<std::string> a, const std::string& want, const std::string& tag) {
+    const Result r = train(a, tag);
+    EXPECT_NE(r.status, 0) << tag;
+    EXPECT_NE(r.err.find(want), std::string::npos) << tag << ": " << r.err;
+    EXPECT_FALSE(fs::exists(log)) << tag << ": refused after it began";
+  };
+  refused(epoch_args(log, "2", {"--steps", "5"}), "give --epochs or --steps, not both", "both");
+  refused(epoch_args(log, "0"), "--epochs", "zero");
+  refused(epoch_args(log, "-1"), "--epochs", "negative");
+  refused(epoch_args(log, "nan"), "--epochs", "nan");
+  const std::int64_t bytes = std::int64_t(fs::file_size(text));
+  // 64 x 64 sequences of 16 a step: 65537 tokens, more than the corpus holds.
+  refused(epoch_args(log, "1", {"--micro-batch", "64", "--grad-accum", "64"}),
+          fmt::format("the data holds {} tokens, {} sequence(s) of --seq-len 16, and one optimizer "
+                      "step takes --micro-batch 64 x --grad-accum 64 x 1 rank(s) = 4096 sequences, "
+                      "65537 tokens or more: give more data",
+                      bytes, (bytes - 1) / 16),
+          "too-little");
+  refused({"--model-config", cfg, "--epochs", "1", "--device", "cpu", "--log-json", log},
+          "--epochs counts passes over your data: give --data FILE or --text FILE", "demo-data");
+}
+
+// A resumed --epochs run derives the same total and continues the run bitwise; one whose data or
+// batch derives another total is refused (its schedule and its end would be another run's).
+TEST_F(TrainEpochs, AResumeDerivesTheSameTotalOrIsRefused) {
+  const std::string ck = dir.path + "/ck", full = dir.path + "/full.jsonl";
+  const Result a =
+      train(epoch_args(full, "0.1", {"--save-every", "10", "--checkpoint-dir", ck}), "epochs-full");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const auto want = losses(full);
+  const std::int64_t total = want.rbegin()->first;
+  ASSERT_GT(total, 20);
+  for (const auto& d : checkpoint_folders(ck))
+    if (d.find("step-10") == std::string::npos) fs::remove_all(d);
+  const std::string part = dir.path + "/part.jsonl";
+  const Result b =
+      train(epoch_args(part, "0.1", {"--save-every", "10", "--checkpoint-dir", ck, "--resume", ck}),
+            "epochs-resumed");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_NE(b.out.find("(step 10)"), std::string::npos) << b.out;
+  const auto got = losses(part);
+  ASSERT_EQ(got.size(), std::size_t(total - 10));
+  for (const auto& [step, loss] : got) EXPECT_EQ(loss, want.at(step)) << "step " << step;
+
+  const Result c =
+      train(epoch_args(dir.path + "/other.jsonl", "0.1", {"--grad-accum", "2", "--resume", ck}),
+            "epochs-other-total");
+  EXPECT_NE(c.status, 0);
+  EXPECT_NE(c.err.find(fmt::format("the checkpoint's run was {} steps, and --epochs 0.1", total)),
+            std::string::npos)
+      << c.err;
+  EXPECT_NE(c.err.find(fmt::format("or give --steps {} instead of --epochs", total)),
+            std::string::npos)
+      << c.err;
 }
 
 // Fine-tuning a --model folder clips the gradient norm at 1.0 (the Hugging Face Trainer's

@@ -7,6 +7,12 @@ strata_add_test(train_checkpoint_test SOURCES train_checkpoint_test.cpp LABELS u
                 DEFINES STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>" STRATA_EXPORT_BIN="$<TARGET_FILE:strata-export>")
 target_link_libraries(train_checkpoint_test PRIVATE strata_trainer)
 add_dependencies(train_checkpoint_test strata-train strata-export)
+# A model strata::train saved with --out (fp32 / bf16, one file / shards, Llama / GPT-2) read from
+# the folder alone by the PyTorch reference (tests/oracle/model_ref.py; skipped where
+# /usr/bin/python3 cannot import torch): its logits match ours from the same folder.
+strata_add_test(train_oracle_test SOURCES train_oracle_test.cpp LABELS unit
+                DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+target_link_libraries(train_oracle_test PRIVATE strata_trainer)
 # The command line end to end (offload on/off, bad flags, --out/--overwrite) and strata-export.
 # The 2-rank comparison (TrainCli.TwoRanks*) runs only in train_cli_mpi (STRATA_TEST_MPI=1; skipped in
 # the discovered entry), which spawns mpirun itself.

@@ -3,6 +3,7 @@
 // weights and optimizer state on NVMe, an emulated device smaller than the weights).
 // Flags are parsed here; everything else is strata::train (include/strata/trainer.h).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 
 #include "strata/device.h"
@@ -39,8 +40,13 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")
       ->check(strata::tools::kPositive);
-  app.add_option("--steps", o.steps, "optimizer steps (default 60)")
+  app.add_option("--steps", o.steps, "optimizer steps (default 60, unless --epochs)")
       ->check(strata::tools::kCount & strata::tools::kPositive);
+  app.add_option("--epochs", o.epochs,
+                 "passes over the data instead of --steps (default: none, --steps 60): steps = "
+                 "ceil(epochs x steps an epoch), as the Hugging Face Trainer's num_train_epochs; "
+                 "fractions allowed")
+      ->check(strata::tools::kPositive);
   app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--warmup", o.warmup,
@@ -103,6 +109,11 @@ int main(int argc, char** argv) {
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
+  double max_shard_mb = 0;
+  app.add_option("--max-shard-mb", max_shard_mb,
+                 "largest safetensors file --out writes, in MiB (default 5120; more: shards with "
+                 "model.safetensors.index.json)")
+      ->check(strata::tools::kPositive);
   app.add_option("--save-every", o.save_every,
                  "write a checkpoint every N steps and after the last one (default 0: none)")
       ->check(strata::tools::kNonNegative);
@@ -125,6 +136,9 @@ int main(int argc, char** argv) {
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
+    if (max_shard_mb > 0)
+      o.out_max_shard_bytes =
+          std::max<std::size_t>(1, static_cast<std::size_t>(max_shard_mb * 1024 * 1024));
     // A flag that would be ignored is named, not ignored (the user thinks it took effect).
     auto needs = [&](const char* flag, bool ok, const char* why) {
       STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);
@@ -133,6 +147,7 @@ int main(int argc, char** argv) {
     needs("--trace-step", !o.trace_file.empty(),
           "chooses the step --trace records: add --trace FILE");
     needs("--overwrite", !o.out_dir.empty(), "replaces an existing --out folder: add --out DIR");
+    needs("--max-shard-mb", !o.out_dir.empty(), "sizes the files --out writes: add --out DIR");
     needs("--checkpoint-dir", o.save_every > 0,
           "is where --save-every N writes checkpoints: add --save-every N");
     needs("--keep-checkpoints", o.save_every > 0,

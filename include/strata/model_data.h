@@ -43,6 +43,16 @@ struct DataOptions {
   double val_fraction = 0.0;  // in [0, 1)
 };
 
+// What a TokenLoader of `options` reads in an epoch, from the files' sizes and headers alone (their
+// ids are not read: no vocabulary check); the errors of a file it cannot read are the loader's.
+struct DataExtent {
+  std::int64_t tokens = 0;  // in the split, all files
+  // The sequences of seq_len tokens (rows of a batch) one epoch gives: shuffled, every T+1-token
+  // window at a stride of T once; unshuffled, batch rows per batch, in whole batches per file.
+  std::int64_t rows = 0;
+};
+DataExtent measure_tokens(const DataOptions& options, DataSplit split = DataSplit::kTrain);
+
 class TokenLoader {
  public:
   explicit TokenLoader(const DataOptions& options, DataSplit split = DataSplit::kTrain);

@@ -159,6 +159,13 @@ struct TrainOptions {
   std::string ds_config;  // optional ds_config.json path
   // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;
+  // Passes over the training data instead of `steps` (0: `steps`, else 60), as the Hugging Face
+  // Trainer's num_train_epochs: steps = ceil(epochs x steps_per_epoch), steps_per_epoch = the
+  // sequences an epoch of the loader gives (measure_tokens) // (micro_batch x grad_accum x
+  // ranks), counted from the files' sizes before any is read. A positive real; with `steps`: an
+  // error. Shuffled, a step's sequences continue across the loader's epochs, so E epochs read
+  // steps x batch sequences, each window at most ceil(E) times (once for E <= 1).
+  double epochs = 0;
   double lr = -1, weight_decay = -1;
   double min_lr = -1;  // the floor of a cosine or linear schedule (-1: 0)
   // The global gradient-norm clip (-1: the --config's gradient_clipping; without one, 1.0 when
@@ -190,6 +197,9 @@ struct TrainOptions {
   std::int64_t sample_every = 0, sample_tokens = 32;
   std::string sample_prompt, sample_prompt_ids;
   std::string log_json, out_dir, trace_file;
+  // The largest safetensors file out_dir gets (a larger tensor alone in one); more: shards with
+  // model.safetensors.index.json, as Hugging Face's max_shard_size.
+  std::size_t out_max_shard_bytes = std::size_t(5) << 30;
   std::int64_t trace_step = 2;
   bool overwrite = false;
   bool plan_only = false;

@@ -199,6 +199,49 @@ TokenFormat parse_token_format(const std::string& name) {
                name);
 }
 
+namespace {
+
+void check_options(const DataOptions& o) {
+  STRATA_REQUIRE(!o.files.empty(), "TokenLoader: no token files given");
+  STRATA_REQUIRE(o.batch > 0 && o.seq_len > 0,
+                 "TokenLoader: batch ({}) and seq_len ({}) must be > 0", o.batch, o.seq_len);
+  STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1,
+                 "TokenLoader: val_fraction {} must be in [0, 1)", o.val_fraction);
+}
+
+// The file's token range cut to `split`: the last val_fraction of its tokens are validation.
+void cut_split(TokenFile& f, double val_fraction, DataSplit split) {
+  const std::int64_t ntok = f.end;
+  const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * val_fraction);
+  if (split == DataSplit::kTrain)
+    f.end = cut;
+  else
+    f.begin = cut;
+}
+
+// The sequences of T tokens an epoch gives from `f`'s split: shuffled, its T+1-token windows at a
+// stride of T; unshuffled, B per batch of B*T+1 tokens at a stride of B*T (the loaders' walks).
+std::int64_t rows_of(const TokenFile& f, const DataOptions& o) {
+  const std::int64_t len = f.end - f.begin;
+  const std::int64_t unit = o.shuffle ? o.seq_len : o.batch * o.seq_len;
+  if (len < unit + 1) return 0;
+  return (len - 1) / unit * (o.shuffle ? 1 : o.batch);
+}
+
+}  // namespace
+
+DataExtent measure_tokens(const DataOptions& o, DataSplit split) {
+  check_options(o);
+  DataExtent e;
+  for (const auto& path : o.files) {
+    auto f = open_tokens(path, o.format, o.vocab_size);
+    cut_split(*f, o.val_fraction, split);
+    e.tokens += f->end - f->begin;
+    e.rows += rows_of(*f, o);
+  }
+  return e;
+}
+
 struct TokenLoader::Impl {
   DataOptions opt;
   std::vector<std::unique_ptr<TokenFile>> files;
@@ -278,11 +321,7 @@ struct TokenLoader::Impl {
 TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.opt = o;
-  STRATA_REQUIRE(!o.files.empty(), "TokenLoader: no token files given");
-  STRATA_REQUIRE(o.batch > 0 && o.seq_len > 0,
-                 "TokenLoader: batch ({}) and seq_len ({}) must be > 0", o.batch, o.seq_len);
-  STRATA_REQUIRE(o.val_fraction >= 0 && o.val_fraction < 1,
-                 "TokenLoader: val_fraction {} must be in [0, 1)", o.val_fraction);
+  check_options(o);
   bool any_batch = false;
   std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
   for (const auto& path : o.files) {
@@ -290,16 +329,11 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
     const std::int64_t ntok = f->end;
     if (sizes.size() < 400)
       sizes += fmt::format("{}{}: {} tokens", sizes.empty() ? "" : ", ", path, ntok);
-    const std::int64_t cut = ntok - static_cast<std::int64_t>(double(ntok) * o.val_fraction);
-    if (split == DataSplit::kTrain)
-      f->end = cut;
-    else
-      f->begin = cut;
-    const std::int64_t len = f->end - f->begin;
+    cut_split(*f, o.val_fraction, split);
     if (o.shuffle) {
       for (std::int64_t at = f->begin; at + o.seq_len + 1 <= f->end; at += o.seq_len)
         m.windows.emplace_back(static_cast<std::uint32_t>(m.files.size()), at);
-    } else if (len >= m.bt() + 1) {
+    } else if (rows_of(*f, o) > 0) {
       any_batch = true;
     }
     m.files.push_back(std::move(f));
@@ -337,7 +371,7 @@ std::int64_t TokenLoader::batches_per_epoch() const {
   const Impl& m = *impl_;
   if (m.opt.shuffle) return std::int64_t(m.windows.size()) / m.opt.batch;
   std::int64_t n = 0;
-  for (const auto& f : m.files) n += std::max<std::int64_t>(0, (f->end - f->begin - 1) / m.bt());
+  for (const auto& f : m.files) n += rows_of(*f, m.opt) / m.opt.batch;
   return n;
 }
 std::int64_t TokenLoader::num_tokens() const {

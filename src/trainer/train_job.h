@@ -58,6 +58,13 @@ struct Settings {
   bool clip_defaulted = false;  // gradient clipping 1.0: the fine-tuning default, not asked for
   std::vector<std::int32_t> sample_prompt;  // --sample-prompt / --sample-prompt-ids as ids
   std::string schedule;
+  // The data the loaders read (the demo's text file named, not yet written), and the epochs:
+  // --epochs E, or 0 when --steps (or the default) sets the steps.
+  std::string text_file;
+  DataOptions dopt;
+  double epochs = 0;
+  std::int64_t steps_per_epoch = 0;  // with --epochs: optimizer steps in one pass over the data
+  std::int64_t epoch_rows = 0;       // ... and the sequences of seq_len tokens in that pass
   int rank = 0, world = 1;
   std::FILE* con = nullptr;  // rank 0's console, else null
 
@@ -73,9 +80,6 @@ struct Phases {
 struct Run {
   explicit Run(Settings& settings) : s(settings) {}
   Settings& s;
-  // The data
-  std::string text_file;
-  DataOptions dopt;
   // Device, communicator, loaders
   std::unique_ptr<Device> dev;
   bool demo_capped = false;  // under the demo's 20 MiB cap
@@ -114,11 +118,12 @@ void check_flags(Settings& s);
 void read_model_config(Settings& s);
 void check_files(Settings& s);
 void find_checkpoints(Settings& s);
-void check_resume_step(Settings& s);
 void device_options(Settings& s);
 void build_engine_config(Settings& s);
-void lr_schedule(Settings& s);
 void sequence_and_batch(Settings& s);
+void data_and_steps(Settings& s);
+void check_resume_step(Settings& s);
+void lr_schedule(Settings& s);
 void prepare_data(Run& r);
 void open_device(Run& r);
 void build_model_and_engine(Run& r);

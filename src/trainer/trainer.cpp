@@ -39,11 +39,12 @@ TrainResult train(const TrainOptions& o) {
   read_model_config(s);
   check_files(s);
   find_checkpoints(s);
-  check_resume_step(s);
   device_options(s);
   build_engine_config(s);
-  lr_schedule(s);
   sequence_and_batch(s);
+  data_and_steps(s);
+  check_resume_step(s);
+  lr_schedule(s);
   if (o.plan_only) return report_plan(s);
 
   Run r(s);

@@ -79,7 +79,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
   const ModelConfig& mcfg = s.mcfg;
   const int world = s.world;
   const std::string& schedule = s.schedule;
-  const DataOptions& dopt = r.dopt;
+  const DataOptions& dopt = r.s.dopt;
   return nlohmann::json{
       {"step", step},
       {"log_line", log_line},
@@ -95,6 +95,8 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
        {{"train_batches", r.train_batches},
         {"val_batches", r.val_batches},
         {"epoch", r.loader->epoch()},
+        {"epochs", s.epochs},
+        {"steps_per_epoch", s.steps_per_epoch},
         {"micro_batch", B},
         {"seq_len", seq_len},
         {"grad_accum", accum},
@@ -452,7 +454,8 @@ void write_model(Run& r) {
     if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
   }
   try {
-    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank);
+    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank,
+                        o.out_max_shard_bytes);
     // The model folder's tokenizer, chat template and generation_config.json beside the
     // weights, so that --out loads as it is (rank 0 wrote config.json).
     if (s.rank == 0 && !o.model_dir.empty()) {

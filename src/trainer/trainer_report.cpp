@@ -165,10 +165,17 @@ void print_header(Run& r) {
                placed("gradient shard", ecfg.grads).c_str(), (long long)B, (long long)seq_len,
                (long long)accum, world, clip.c_str());
   std::string data =
-      r.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.text_file;
+      r.s.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.s.text_file;
   if (s.demo_data) data += " (the demo's generated text: no --data or --text given)";
   if (!s.demo_dir.empty()) std::fprintf(con, "  NVMe folder: %s\n", s.demo_dir.c_str());
   std::fprintf(con, "  data: %s\n", data.c_str());
+  if (s.epochs > 0)
+    std::fprintf(
+        con, "  %s\n",
+        fmt::format("--epochs {:g}: {} steps (an epoch: {} sequences of {} tokens, {} "
+                    "steps of {})",
+                    s.epochs, s.steps, s.epoch_rows, seq_len, s.steps_per_epoch, B * accum * world)
+            .c_str());
   std::fflush(con);
 }
 
@@ -180,9 +187,14 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
   const double gbps = 1e-9 / rec.step_s;
   const double elapsed = since(r.loop_start);
   const std::string line = fmt::format(
-      "step {}/{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r {:.2f} "
+      "step {}/{}{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r "
+      "{:.2f} "
       "w {:.2f} GB/s  ETA {}",
-      step, steps, rec.loss,
+      step, steps,
+      r.s.epochs > 0 ? fmt::format(" (epoch {:.2f}/{:g})",
+                                   double(step) / double(r.s.steps_per_epoch), r.s.epochs)
+                     : std::string(),
+      rec.loss,
       std::isnan(val_loss) ? std::string()
                            : fmt::format(" (val {:.4f}, ppl {:.2f})", val_loss, std::exp(val_loss)),
       rec.tokens_per_s, rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,

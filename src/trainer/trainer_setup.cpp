@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -168,7 +169,7 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"--seq-len", double(s.seq_len)},
           {"the micro-batch (--micro-batch, train_micro_batch_size_per_gpu)", double(s.B)},
           {"the accumulation (--grad-accum, gradient_accumulation_steps)", double(s.accum)},
-          {"--steps", double(s.steps)},
+          {"the steps (--steps, or --epochs over the data)", double(s.steps)},
           {"the learning rate (--lr, optimizer.params.lr)", double(s.ecfg.adamw.lr)},
           {"the weight decay (--weight-decay, optimizer.params.weight_decay)",
            double(s.ecfg.adamw.weight_decay)},
@@ -224,6 +225,17 @@ void check_flags(Settings& s) {
   STRATA_REQUIRE(o.sample_every == 0 || o.sample_prompt.empty() != o.sample_prompt_ids.empty(),
                  "--sample-every N needs its prompt once: --sample-prompt TEXT (a byte-level "
                  "model) or --sample-prompt-ids \"ID ID ...\"");
+  STRATA_REQUIRE(o.epochs == 0 || o.steps <= 0,
+                 "give --epochs or --steps, not both: --epochs {:g} derives the steps from the "
+                 "data, --steps {} sets them",
+                 o.epochs, o.steps);
+  STRATA_REQUIRE(o.epochs >= 0 && std::isfinite(o.epochs),
+                 "--epochs {:g}: give a number of passes over the data above 0 (2, or 0.5 for "
+                 "half of it)",
+                 o.epochs);
+  STRATA_REQUIRE(o.epochs == 0 || !s.demo_data,
+                 "--epochs counts passes over your data: give --data FILE or --text FILE, or "
+                 "--steps N for the demo's generated text");
 }
 
 // ---- model ----
@@ -346,7 +358,8 @@ void find_checkpoints(Settings& s) {
   }
 }
 
-// The --trace file's folder, and a resumed run has steps left (or a model to write).
+// The --trace file's folder, and a resumed run has steps left (or a model to write) and, with
+// --epochs, the total its checkpoint's run had.
 void check_resume_step(Settings& s) {
   const TrainOptions& o = s.o;
   const FoundCheckpoint& resume = s.resume;
@@ -354,8 +367,23 @@ void check_resume_step(Settings& s) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
     require_writable_folder("--trace", o.trace_file, check_folder(parent));
   }
+  if (resume.step > 0 && s.epochs > 0) {
+    // --epochs derives the run's total from the data and the batch: the resumed run must derive
+    // the one it started with, or its schedule and its end would be another run's.
+    const nlohmann::json ls = resume.manifest.value("trainer", nlohmann::json::object())
+                                  .value("lr_schedule", nlohmann::json::object());
+    const std::int64_t was = ls.value("total_steps", std::int64_t(0));
+    STRATA_REQUIRE(was == s.steps,
+                   "--resume {}: the checkpoint's run was {} steps, and --epochs {:g} over this "
+                   "run's data is {} ({} a pass of {} sequences of {} tokens, {} a step): resume "
+                   "with the same data, --epochs, --seq-len, --micro-batch, --grad-accum and "
+                   "ranks, or give --steps {} instead of --epochs to end where that run would",
+                   resume.dir, was, s.epochs, s.steps, s.steps_per_epoch,
+                   s.steps_per_epoch * s.B * s.accum * s.world, s.seq_len, s.B * s.accum * s.world,
+                   was);
+  }
   if (resume.step > 0) {
-    const std::int64_t total = o.steps > 0 ? o.steps : 60;
+    const std::int64_t total = s.steps;
     // A run killed after its last checkpoint, while writing --out: the same command finishes it
     // (no step left to run, the model is written from the checkpoint).
     const bool only_out = total == resume.step && !o.out_dir.empty();
@@ -363,7 +391,11 @@ void check_resume_step(Settings& s) {
                    "--resume {}: the checkpoint is at step {}, and --steps {}{} is not beyond it: "
                    "--steps counts from "
                    "the run's start, so give more than {} to train on{}",
-                   resume.dir, resume.step, total, o.steps > 0 ? "" : " (the default)", resume.step,
+                   resume.dir, resume.step, total,
+                   s.epochs > 0  ? fmt::format(" (--epochs {:g})", s.epochs)
+                   : o.steps > 0 ? ""
+                                 : " (the default)",
+                   resume.step,
                    total == resume.step
                        ? fmt::format(", or write its model with strata-export {} OUT_DIR (or --out "
                                      "DIR here)",
@@ -496,7 +528,8 @@ void build_engine_config(Settings& s) {
 }
 
 // The schedule: --warmup / --lr-schedule when given, else the --config's scheduler block
-// (DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR), else constant; and the run's steps.
+// (DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR), else constant, over the run's steps
+// (data_and_steps).
 void lr_schedule(Settings& s) {
   const TrainOptions& o = s.o;
   EngineConfig& ecfg = s.ecfg;
@@ -510,17 +543,15 @@ void lr_schedule(Settings& s) {
   if (!ecfg.scheduler.type.empty() && cli_schedule)
     log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule",
               ecfg.scheduler.type);
-  steps = o.steps > 0 ? o.steps : 60;
   if (ds_schedule && ecfg.scheduler.type != "WarmupLR" && ecfg.scheduler.total_num_steps == 0) {
     // "auto", as Hugging Face fills it: the run's steps.
     STRATA_REQUIRE(
         steps >= ecfg.scheduler.warmup_num_steps,
-        "--config: scheduler.params.total_num_steps \"auto\" is this run's --steps {}, below its "
-        "warmup_num_steps {}: give more --steps or fewer warmup steps",
+        "--config: scheduler.params.total_num_steps \"auto\" is this run's {} steps, below its "
+        "warmup_num_steps {}: give more --steps (or --epochs) or fewer warmup steps",
         steps, ecfg.scheduler.warmup_num_steps);
     ecfg.scheduler.total_num_steps = steps;
-    log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's --steps, {}",
-              steps);
+    log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's steps, {}", steps);
   }
 }
 
@@ -543,11 +574,6 @@ void sequence_and_batch(Settings& s) {
         "ones the "
         "model has not seen",
         seq_len, mcfg.max_positions);
-  STRATA_REQUIRE(o.trace_file.empty() || o.trace_step <= s.steps,
-                 "--trace-step {} is after the last step (--steps {}): nothing would be traced; "
-                 "pick a step from 1 "
-                 "to {}",
-                 o.trace_step, s.steps, s.steps);
   if (o.sample_every > 0) {
     if (!o.sample_prompt.empty()) {
       STRATA_REQUIRE(mcfg.vocab_size <= 256,
@@ -579,27 +605,21 @@ void sequence_and_batch(Settings& s) {
 }
 
 // ---- data ----
-void prepare_data(Run& r) {
-  const Settings& s = r.s;
+// The files the loaders read and how; the run's steps: --steps, the default 60, or --epochs
+// passes over the data, counted from the files' sizes (the loaders are made after the ranks
+// agree on their settings, the steps among them).
+void data_and_steps(Settings& s) {
   const TrainOptions& o = s.o;
-  std::string& text_file = r.text_file;
-  DataOptions& dopt = r.dopt;
-  text_file = o.text_file;
+  DataOptions& dopt = s.dopt;
+  s.text_file = o.text_file;
   if (s.demo_data) {
     // Beside the demo's NVMe folder, or (a config of the user's with the demo's data) in the
-    // scratch folder: never the working directory.
+    // scratch folder: never the working directory. Written in prepare_data.
     const std::string dir = s.demo_dir.empty() ? default_scratch_dir("demo-data") : s.demo_dir;
-    text_file = (fs::path(dir) / "demo-text.txt").string();
-    if (s.rank == 0) write_demo_text(text_file);
-    if (s.rank == 0 && !s.demo_model)
-      log::warn(
-          "no --data or --text: training {} on the demo's generated text (a smoke test, not a "
-          "fine-tune); "
-          "give --data FILE or --text FILE for your own",
-          o.model_dir.empty() ? "the model" : o.model_dir);
+    s.text_file = (fs::path(dir) / "demo-text.txt").string();
   }
-  dopt.files = text_file.empty() ? o.data_files : std::vector<std::string>{text_file};
-  dopt.format = text_file.empty() ? parse_token_format(o.data_format) : TokenFormat::kBytes;
+  dopt.files = s.text_file.empty() ? o.data_files : std::vector<std::string>{s.text_file};
+  dopt.format = s.text_file.empty() ? parse_token_format(o.data_format) : TokenFormat::kBytes;
   dopt.batch = s.B;
   dopt.seq_len = s.seq_len;
   dopt.vocab_size = s.mcfg.vocab_size;
@@ -608,6 +628,49 @@ void prepare_data(Run& r) {
   // The last 10% of each training file, unless --eval-data gives the evaluation its own (it
   // shapes the train split: recorded, compared on resume).
   dopt.val_fraction = o.eval_every > 0 && o.eval_files.empty() ? 0.1 : 0.0;
+  s.steps = o.steps > 0 ? o.steps : 60;
+  if (o.epochs > 0) {
+    s.epochs = o.epochs;
+    const DataExtent e = measure_tokens(dopt);
+    const std::int64_t rows_per_step = s.B * s.accum * s.world;
+    s.epoch_rows = e.rows;
+    s.steps_per_epoch = e.rows / rows_per_step;
+    const std::string split =
+        dopt.val_fraction > 0 ? " (the train split: --eval-every keeps the last 10% of each file)"
+                              : "";
+    STRATA_REQUIRE(
+        s.steps_per_epoch > 0,
+        "--epochs: the data holds {} tokens{}, {} sequence(s) of --seq-len {}{}, and one "
+        "optimizer step takes --micro-batch {} x --grad-accum {} x {} rank(s) = {} sequences, "
+        "{} tokens or more: give more data, or a smaller --micro-batch, --grad-accum or "
+        "--seq-len",
+        e.tokens, split, e.rows, s.seq_len,
+        o.shuffle ? "" : " (--no-shuffle: in whole micro-batches of a file)", s.B, s.accum, s.world,
+        rows_per_step, rows_per_step * s.seq_len + 1);
+    // The Hugging Face Trainer's count: ceil(epochs x whole steps per epoch).
+    const double total = std::ceil(s.epochs * double(s.steps_per_epoch));
+    STRATA_REQUIRE(total < 9.2e18, "--epochs {:g} x {} steps an epoch is beyond 2^63 - 1 steps",
+                   s.epochs, s.steps_per_epoch);
+    s.steps = static_cast<std::int64_t>(total);
+  }
+  STRATA_REQUIRE(o.trace_file.empty() || o.trace_step <= s.steps,
+                 "--trace-step {} is after the last step ({} {}): nothing would be traced; pick a "
+                 "step from 1 to {}",
+                 o.trace_step, s.epochs > 0 ? "--epochs, steps:" : "--steps", s.steps, s.steps);
+}
+
+// The demo's generated text, when the run trains on it.
+void prepare_data(Run& r) {
+  const Settings& s = r.s;
+  const TrainOptions& o = s.o;
+  if (!s.demo_data) return;
+  if (s.rank == 0) write_demo_text(s.text_file);
+  if (s.rank == 0 && !s.demo_model)
+    log::warn(
+        "no --data or --text: training {} on the demo's generated text (a smoke test, not a "
+        "fine-tune); "
+        "give --data FILE or --text FILE for your own",
+        o.model_dir.empty() ? "the model" : o.model_dir);
 }
 
 // The device and the communicator; the ranks agree on their settings (the first collective);
@@ -631,15 +694,15 @@ void open_device(Run& r) {
     comm->barrier(*bs);
     bs->synchronize();
   }
-  r.loader = std::make_unique<TokenLoader>(r.dopt);
+  r.loader = std::make_unique<TokenLoader>(r.s.dopt);
   if (!o.eval_files.empty()) {  // read whole, in order
-    DataOptions e = r.dopt;
+    DataOptions e = r.s.dopt;
     e.files = o.eval_files;
     e.val_fraction = 0;
     e.shuffle = false;
     r.val = std::make_unique<TokenLoader>(e);
   } else if (o.eval_every > 0) {
-    r.val = std::make_unique<TokenLoader>(r.dopt, DataSplit::kVal);
+    r.val = std::make_unique<TokenLoader>(r.s.dopt, DataSplit::kVal);
   }
   // The whole evaluation data once: each rank a batch of every `world` in turn.
   STRATA_REQUIRE(!r.val || o.eval_batches > 0 || r.val->batches_per_epoch() >= world,
@@ -713,7 +776,7 @@ void resume_from_checkpoint(Run& r) {
   const std::string& schedule = s.schedule;
   const bool ds_schedule = s.ds_schedule;
   std::FILE* con = s.con;
-  const DataOptions& dopt = r.dopt;
+  const DataOptions& dopt = r.s.dopt;
   Engine& engine = *r.engine;
   TokenLoader& loader = *r.loader;
   std::unique_ptr<TokenLoader>& val = r.val;

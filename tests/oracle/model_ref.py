@@ -2,21 +2,25 @@
 """Independent reference for strata's transformer: a plain PyTorch (float64, autograd)
 implementation of Llama / Qwen2 / Mistral and GPT-2 as Hugging Face defines them.
 
-Usage: model_ref.py [--bf16-gemm] DIR
+Usage: model_ref.py [--bf16-gemm] [--batch FILE] [--out FILE] DIR
        model_ref.py --greedy N --prompt-ids "ID ID ..." DIR
   --bf16-gemm: every matrix product's operands rounded to bf16 as strata's bf16 compute reads
                them (activations and weights; attention's q, k, v and probabilities; in backward
                also the incoming gradient, which strata's kernels write in bf16); the products,
                their sums and everything else in float64.
-  reads  DIR/config.json, DIR/model.safetensors (F32 or BF16 weights, HF names),
-         DIR/batch.safetensors ("tokens", "targets": [B, T] ids stored as F32)
-  writes DIR/ref.safetensors (F64): "logits" [B*T, V], "loss" [1], "grad.<name>" per parameter.
+  reads  DIR as Hugging Face's from_pretrained finds a model in it: DIR/config.json, and
+         DIR/model.safetensors or, without it, the shards DIR/model.safetensors.index.json's
+         weight_map names (F32, BF16 or F16 weights, HF names; GPT-2's also without the
+         "transformer." prefix, as on the Hub; a tied head needs no lm_head.weight);
+         FILE of --batch (default DIR/batch.safetensors): "tokens", "targets", [B, T] ids as F32
+  writes FILE of --out (default DIR/ref.safetensors), F64: "logits" [B*T, V], "loss" [1],
+         "grad.<name>" per parameter. With --batch and --out outside DIR, DIR is only read.
 --greedy: Hugging Face's greedy decode (do_sample false) of N new tokens after the prompt,
   the whole sequence run through the model again for every token (no key/value cache), in
-  float64; prints the new ids, space-separated, on one line. Reads DIR/config.json and
-  DIR/model.safetensors only.
+  float64; prints the new ids, space-separated, on one line. Reads DIR as above, nothing else.
 It shares no code with strata: safetensors is parsed here by hand, the model written out.
 """
+import os
 import json
 import math
 import struct
@@ -44,10 +48,38 @@ def read_safetensors(path):
             a = np.frombuffer(buf, dtype="<f8").copy()
         elif t["dtype"] == "BF16":
             a = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        elif t["dtype"] == "F16":
+            a = np.frombuffer(buf, dtype="<f2").astype(np.float64)
         else:
             raise SystemExit(f"{path}: unsupported dtype {t['dtype']} for {name}")
+        if a.size != math.prod(t["shape"]):
+            raise SystemExit(f"{path}: {name} holds {a.size} values, its shape {t['shape']} {math.prod(t['shape'])}")
         out[name] = torch.from_numpy(a.reshape(t["shape"]))
     return out
+
+
+def read_model_folder(d):
+    """The weights of a Hugging Face folder, found as from_pretrained finds them: model.safetensors,
+    else the index's shards (every one it names must exist and hold the tensors it maps to it)."""
+    single = os.path.join(d, "model.safetensors")
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(single):
+        P = read_safetensors(single)
+    elif os.path.exists(index):
+        weight_map = json.load(open(index))["weight_map"]
+        P = {}
+        for shard in sorted(set(weight_map.values())):
+            got = read_safetensors(os.path.join(d, shard))
+            for name in got:
+                if weight_map.get(name) != shard:
+                    raise SystemExit(f"{index}: {name} is in {shard}, the weight_map says {weight_map.get(name)}")
+            P.update(got)
+        missing = sorted(set(weight_map) - set(P))
+        if missing:
+            raise SystemExit(f"{index}: {missing} mapped but in no shard")
+    else:
+        raise SystemExit(f"{d}: no model.safetensors and no model.safetensors.index.json")
+    return P
 
 
 def write_safetensors(path, tensors):
@@ -234,7 +266,9 @@ def gpt2(cfg, P, tok):
 
 def greedy(d, n, prompt):
     cfg = json.load(open(f"{d}/config.json"))
-    P = read_safetensors(f"{d}/model.safetensors")
+    P = read_model_folder(d)
+    if cfg["model_type"] == "gpt2" and "wte.weight" in P:  # the Hub's GPT-2 names: no prefix
+        P = {"transformer." + k: v for k, v in P.items()}
     fwd = gpt2 if cfg["model_type"] == "gpt2" else llama
     seq = list(prompt)
     out = []
@@ -255,15 +289,28 @@ def main():
         assert args[2] == "--prompt-ids", "usage: --greedy N --prompt-ids IDS DIR"
         greedy(args[4], n, [int(t) for t in args[3].replace(",", " ").split()])
         return
-    if args and args[0] == "--bf16-gemm":
-        BF16_GEMM = True
-        args = args[1:]
+    batch_file = out_file = None
+    while args and args[0].startswith("--"):
+        flag = args.pop(0)
+        if flag == "--bf16-gemm":
+            BF16_GEMM = True
+        elif flag in ("--batch", "--out") and args:
+            if flag == "--batch":
+                batch_file = args.pop(0)
+            else:
+                out_file = args.pop(0)
+        else:
+            raise SystemExit(f"model_ref.py: unknown or incomplete option {flag}; see the usage at the top")
+    if len(args) != 1:
+        raise SystemExit("usage: model_ref.py [--bf16-gemm] [--batch FILE] [--out FILE] DIR")
     d = args[0]
     cfg = json.load(open(f"{d}/config.json"))
-    P = read_safetensors(f"{d}/model.safetensors")
+    P = read_model_folder(d)
+    if cfg["model_type"] == "gpt2" and "wte.weight" in P:  # the Hub's GPT-2 names: no prefix
+        P = {"transformer." + k: v for k, v in P.items()}
     for t in P.values():
         t.requires_grad_(True)
-    batch = read_safetensors(f"{d}/batch.safetensors")
+    batch = read_safetensors(batch_file or f"{d}/batch.safetensors")
     tok = batch["tokens"].long()
     tgt = batch["targets"].long()
     fwd = gpt2 if cfg["model_type"] == "gpt2" else llama
@@ -274,7 +321,7 @@ def main():
     out = {"logits": logits.view(-1, V), "loss": loss.view(1)}
     for name, t in P.items():
         out["grad." + name] = t.grad if t.grad is not None else torch.zeros_like(t)
-    write_safetensors(f"{d}/ref.safetensors", out)
+    write_safetensors(out_file or f"{d}/ref.safetensors", out)
 
 
 if __name__ == "__main__":
