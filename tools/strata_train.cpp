@@ -92,6 +92,9 @@ int main(int argc, char** argv) {
                  "batches a rank per evaluation (default 4; 0: the whole evaluation data)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
+  app.add_option("--plot", o.plot_file,
+                 "a picture of the run (loss, val loss, lr, gradient norm, tokens/s, bytes per "
+                 "tier) as an SVG file, redrawn after every step: open it in a browser");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
   app.add_option("--save-every", o.save_every,
@@ -134,6 +137,8 @@ int main(int argc, char** argv) {
           "offload_optimizer nvme_path in the --config");
     needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
           "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
+    needs("--plot", !o.plan_only,
+          "draws the steps of a run and --plan runs none: drop one of them");
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;

@@ -185,6 +185,9 @@ struct TrainOptions {
   std::int64_t eval_every = 0, eval_batches = 4;
   std::vector<std::string> eval_files;
   std::string log_json, out_dir, trace_file;
+  // The picture of the run (strata/run_plot.h), redrawn by rank 0 after every step's log line
+  // ("": none).
+  std::string plot_file;
   std::int64_t trace_step = 2;
   bool overwrite = false;
   bool plan_only = false;
