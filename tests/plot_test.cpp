@@ -196,6 +196,18 @@ TEST(PlotSvg, HugeRangesStayOnTheAxis) {
   }
 }
 
+TEST(PlotSvg, ValuesAndStepsBeyondADoublesWholeNumbers) {
+  std::vector<RunRecord> steps(3);
+  for (int i = 0; i < 3; ++i) {
+    steps[i].step = 4000000000000000000 + i;  // t + 1 == t in a double
+    steps[i].loss = 1e17 + 16 * i;
+    steps[i].lr = 1e-3;
+  }
+  const std::string svg = run_plot_svg(steps, "t");
+  EXPECT_EQ(tag_balance(svg), "");
+  EXPECT_LT(svg.size(), 64u << 10);
+}
+
 TEST(PlotSvg, ManyStepsCostThePlotsWidthNotTheirNumber) {
   auto steps = sample_run(200000);
   steps[123456].grad_norm = 50;  // one spike among 200k steps stays drawn
@@ -286,6 +298,9 @@ TEST(RunLog, EmptyMissingAndOtherFilesAreRefusedWithTheFix) {
                                              "the file strata-train --log-json FILE writes"),
             std::string::npos)
       << error_of(missing);
+  const std::string torn = write(d, "torn.jsonl", "{\"step\": 1, \"lo");
+  EXPECT_NE(error_of(torn).find("holds no complete step: its only line"), std::string::npos)
+      << error_of(torn);
   const std::string cfg =
       write(d, "ds_config.json", "{\n  \"zero_optimization\": {\"stage\": 3}\n}\n");
   EXPECT_NE(error_of(cfg).find(cfg + ":1: not JSON"), std::string::npos) << error_of(cfg);

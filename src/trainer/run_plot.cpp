@@ -86,7 +86,14 @@ std::vector<RunRecord> read_run_log(const std::string& path) {
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     // The last line without its newline, cut short: strata-train is writing it now.
-    if (!complete && j.is_discarded()) break;
+    if (!complete && j.is_discarded()) {
+      STRATA_REQUIRE(!by_step.empty(),
+                     "{} holds no complete step: its only line ('{}') is not JSON and has no "
+                     "newline; give the file of a strata-train --log-json run that has logged its "
+                     "first step",
+                     path, std::string(line.substr(0, 60)));
+      break;
+    }
     if (j.is_discarded())
       STRATA_THROW(kInvalidArgument,
                    "{}:{}: not JSON ('{}'): a strata-train --log-json file has one JSON object a "
@@ -204,7 +211,7 @@ Axis value_axis(double mn, double mx, bool bytes) {
     const int every = std::max(1, int(std::ceil((e1 - e0) / 8)));
     for (double e = e0; e <= e1 + 1e-9; e += every) {
       const double v = std::pow(base, e);
-      a.ticks.emplace_back(v, bytes ? fmt::format("1 {}", kByteUnits[std::min(6, int(e))])
+      a.ticks.emplace_back(v, bytes ? fmt::format("1 {}", kByteUnits[std::clamp(int(e), 0, 6)])
                                     : fmt::format("1e{}", int(e)));
     }
     return a;
@@ -228,8 +235,10 @@ Axis value_axis(double mn, double mx, bool bytes) {
   a.hi = std::ceil(mx / unit / step) * step * unit;
   if (a.hi <= a.lo) a.hi = a.lo + step * unit;
   const int k = bytes ? byte_unit(std::max(std::abs(a.lo), std::abs(a.hi))) : 0;
-  for (double t = a.lo / unit / step; t <= a.hi / unit / step + 1e-6; t += 1) {
-    const double v = std::round(t) * step * unit;
+  // Counted, not stepped: near 1e17 a double's t + 1 is t again.
+  const long n = std::min(20L, std::lround((a.hi - a.lo) / unit / step));
+  for (long i = 0; i <= n; ++i) {
+    const double v = a.lo + double(i) * step * unit;
     if (bytes) {
       const double in_unit = v / std::pow(1024.0, k);
       a.ticks.emplace_back(
@@ -351,7 +360,10 @@ class Picture {
   // The step axis: whole steps, about eight ticks.
   void step_ticks(double py1) {
     const double every = std::max(1.0, nice_step((s1_ - s0_) / 8));
-    for (double t = std::ceil(s0_ / every) * every; t <= s1_ + 1e-9; t += every) {
+    const double first = std::ceil(s0_ / every) * every;
+    const long n = std::min(20L, long(std::floor((s1_ - first) / every + 1e-9)));
+    for (long i = 0; i <= n; ++i) {
+      const double t = first + double(i) * every;
       const double x = kLeft + (t - s0_) / (s1_ - s0_) * kPlotW;
       out += fmt::format(
           R"(<line x1="{:.1f}" y1="{}" x2="{:.1f}" y2="{}" stroke="#999" stroke-width="1"/>)"

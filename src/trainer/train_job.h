@@ -102,6 +102,8 @@ struct Run {
   // the picture is still being drawn (a file that could not be written ends it, not the run).
   std::vector<RunRecord> plot_steps;
   bool plotting = false;
+  Clock::time_point plot_drawn_at;  // when the picture was last drawn, and what that cost
+  double plot_draw_s = 0;
   bool tty = false;
   std::int64_t print_every = 1;
   double tokens_per_step = 0;

@@ -125,7 +125,10 @@ std::string plot_title(const Run& r) {
 // The picture redrawn; a file that cannot be written ends the picture, not the run.
 void draw_plot(Run& r) {
   try {
+    const auto t0 = Clock::now();
     write_run_plot(r.s.o.plot_file, run_plot_svg(r.plot_steps, plot_title(r)));
+    r.plot_drawn_at = Clock::now();
+    r.plot_draw_s = since(t0);
   } catch (const Error& e) {
     log::warn("--plot: {}; the picture stops here, the run goes on", e.user_message());
     r.plotting = false;
@@ -147,6 +150,11 @@ void plot_step(Run& r, const nlohmann::json& line) {
   // A step again (the resumed run's kept lines end at its checkpoint): the new one replaces it.
   while (!r.plot_steps.empty() && r.plot_steps.back().step >= rec.step) r.plot_steps.pop_back();
   r.plot_steps.push_back(rec);
+  // A picture of tens of thousands of steps costs milliseconds to draw: one that costs over 10 ms
+  // waits until 20 times that has passed since the last (at most 5% of a run of quick steps); the
+  // last step is always drawn.
+  if (rec.step < r.s.steps && r.plot_draw_s > 0.01 && since(r.plot_drawn_at) < 20 * r.plot_draw_s)
+    return;
   draw_plot(r);
 }
 
