@@ -14,6 +14,7 @@ packages=(
   fio python3
   python3-torch
   patchelf debootstrap
+  chromium fonts-dejavu-core
 )
 
 missing=()

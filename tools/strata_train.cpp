@@ -107,6 +107,9 @@ int main(int argc, char** argv) {
   app.add_option("--sample-tokens", o.sample_tokens, "new tokens a sample (default 32)")
       ->check(strata::tools::kPositive);
   app.add_option("--log-json", o.log_json, "one JSON object per step to this file");
+  app.add_option("--plot", o.plot_file,
+                 "a picture of the run (loss, val loss, lr, gradient norm, tokens/s, bytes per "
+                 "tier) as an SVG file, redrawn after every step: open it in a browser");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
   app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
   double max_shard_mb = 0;
@@ -158,6 +161,8 @@ int main(int argc, char** argv) {
           "offload_optimizer nvme_path in the --config");
     needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
           "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
+    needs("--plot", !o.plan_only,
+          "draws the steps of a run and --plan runs none: drop one of them");
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
     return strata::train(o).plan_fits ? 0 : 2;

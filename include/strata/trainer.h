@@ -200,6 +200,9 @@ struct TrainOptions {
   // The largest safetensors file out_dir gets (a larger tensor alone in one); more: shards with
   // model.safetensors.index.json, as Hugging Face's max_shard_size.
   std::size_t out_max_shard_bytes = std::size_t(5) << 30;
+  // The picture of the run (strata/run_plot.h), redrawn by rank 0 after every step's log line
+  // ("": none).
+  std::string plot_file;
   std::int64_t trace_step = 2;
   bool overwrite = false;
   bool plan_only = false;

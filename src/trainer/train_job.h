@@ -22,6 +22,7 @@
 
 #include "strata/comm.h"
 #include "strata/model_data.h"
+#include "strata/run_plot.h"
 #include "strata/trainer.h"
 
 namespace strata::train_job {
@@ -102,6 +103,12 @@ struct Run {
   std::string tmp_tag;
   // Reporting
   std::unique_ptr<std::ofstream> jlog;
+  // --plot on rank 0: the steps drawn so far (a resumed run's from its --log-json), and whether
+  // the picture is still being drawn (a file that could not be written ends it, not the run).
+  std::vector<RunRecord> plot_steps;
+  bool plotting = false;
+  Clock::time_point plot_drawn_at;  // when the picture was last drawn, and what that cost
+  double plot_draw_s = 0;
   bool tty = false;
   std::int64_t print_every = 1;
   std::string sample;  // this step's --sample-every text (JSON-quoted), printed under its line
@@ -139,6 +146,9 @@ void write_model(Run& r);
 // ---- what the user sees (trainer_report.cpp) ----
 TrainResult report_plan(const Settings& s);
 void open_json_log(Run& r);
+void open_plot(Run& r);
+// The step's --log-json object drawn into --plot's picture (rank 0; nothing without --plot).
+void plot_step(Run& r, const nlohmann::json& line);
 void print_header(Run& r);
 void print_progress(Run& r, const StepRecord& rec, double val_loss, const EngineStats& st);
 void print_summary(Run& r);

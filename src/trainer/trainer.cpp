@@ -54,6 +54,7 @@ TrainResult train(const TrainOptions& o) {
   resume_from_checkpoint(r);
   prepare_checkpoints(r);
   open_json_log(r);
+  open_plot(r);
   print_header(r);
   run_steps(r);
   write_model(r);

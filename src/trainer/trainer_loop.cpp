@@ -416,6 +416,7 @@ void run_step(Run& r, std::int64_t step) {
   }
 
   write_log_line(r, step, j);
+  plot_step(r, j);
   if (checkpointed) prune_checkpoints(r);
   if (con) print_progress(r, rec, val_loss, st);
   r.prev = st;

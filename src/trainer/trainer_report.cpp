@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cpu/cpu_info.h"
 #include "strata/error.h"
@@ -100,6 +101,61 @@ void open_json_log(Run& r) {
   *r.jlog << kept;
   if (!*r.jlog)
     STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
+  // --plot draws the resumed run's steps too: the lines kept are its steps up to the checkpoint.
+  if (!o.plot_file.empty()) {
+    std::istringstream lines(kept);
+    for (std::string line; std::getline(lines, line);) {
+      try {
+        r.plot_steps.push_back(run_record_from_json(nlohmann::json::parse(line)));
+      } catch (const std::exception&) {  // a line that is no step's: not the picture's
+      }
+    }
+  }
+}
+
+namespace {
+
+std::string plot_title(const Run& r) {
+  const Settings& s = r.s;
+  return fmt::format("strata-train: {}{}, {:.2f}M parameters, {} rank(s), {} steps",
+                     s.mcfg.model_type, s.demo_model ? " (embedded demo)" : "",
+                     double(r.model->num_params()) / 1e6, s.world, s.steps);
+}
+
+// The picture redrawn; a file that cannot be written ends the picture, not the run.
+void draw_plot(Run& r) {
+  try {
+    const auto t0 = Clock::now();
+    write_run_plot(r.s.o.plot_file, run_plot_svg(r.plot_steps, plot_title(r)));
+    r.plot_drawn_at = Clock::now();
+    r.plot_draw_s = since(t0);
+  } catch (const Error& e) {
+    log::warn("--plot: {}; the picture stops here, the run goes on", e.user_message());
+    r.plotting = false;
+  }
+}
+
+}  // namespace
+
+// --plot: rank 0 draws the picture now (the resumed steps, or none yet) and after every step.
+void open_plot(Run& r) {
+  if (r.s.rank != 0 || r.s.o.plot_file.empty()) return;
+  r.plotting = true;
+  draw_plot(r);
+}
+
+void plot_step(Run& r, const nlohmann::json& line) {
+  if (!r.plotting) return;
+  RunRecord rec = run_record_from_json(line);
+  // A step again (the resumed run's kept lines end at its checkpoint): the new one replaces it.
+  while (!r.plot_steps.empty() && r.plot_steps.back().step >= rec.step) r.plot_steps.pop_back();
+  r.plot_steps.push_back(rec);
+  // A picture of tens of thousands of steps costs milliseconds to draw: one that costs over 10 ms
+  // waits until 20 times that has passed since the last (at most 5% of a run of quick steps); the
+  // last step is always drawn.
+  if (rec.step < r.s.steps && r.plot_draw_s > 0.01 && since(r.plot_drawn_at) < 20 * r.plot_draw_s)
+    return;
+  draw_plot(r);
 }
 
 // The run's header: the model, the device, where each piece of state is placed, the batch and the

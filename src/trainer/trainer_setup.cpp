@@ -358,14 +358,30 @@ void find_checkpoints(Settings& s) {
   }
 }
 
-// The --trace file's folder, and a resumed run has steps left (or a model to write) and, with
-// --epochs, the total its checkpoint's run had.
+// The --trace and --plot files' folders, and a resumed run has steps left (or a model to write)
+// and, with --epochs, the total its checkpoint's run had.
 void check_resume_step(Settings& s) {
   const TrainOptions& o = s.o;
   const FoundCheckpoint& resume = s.resume;
   if (!o.trace_file.empty()) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
     require_writable_folder("--trace", o.trace_file, check_folder(parent));
+  }
+  if (!o.plot_file.empty()) {
+    std::error_code ec;
+    STRATA_REQUIRE(!fs::is_directory(o.plot_file, ec),
+                   "--plot {} is a folder: give a file name for the picture, such as {}/run.svg",
+                   o.plot_file, o.plot_file);
+    const bool same_as_log =
+        !o.log_json.empty() && (fs::equivalent(o.plot_file, o.log_json, ec) ||
+                                fs::absolute(o.plot_file).lexically_normal() ==
+                                    fs::absolute(o.log_json).lexically_normal());
+    STRATA_REQUIRE(!same_as_log,
+                   "--plot {} is the --log-json file: give the picture another name, such as "
+                   "run.svg",
+                   o.plot_file);
+    const fs::path parent = fs::absolute(o.plot_file).parent_path();
+    require_writable_folder("--plot", o.plot_file, check_folder(parent));
   }
   if (resume.step > 0 && s.epochs > 0) {
     // --epochs derives the run's total from the data and the batch: the resumed run must derive
