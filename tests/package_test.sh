@@ -110,7 +110,8 @@ dev_pkgs=$(in_root dpkg-query -W -f '${Package}\n' | grep -E -- '-dev(:|$)' || t
 cp "$tarball" "$root/tmp/"
 in_root tar -xzf "/tmp/$name.tar.gz" -C /opt
 pkg=/opt/$name
-for f in bin/strata-info bin/strata-train bin/strata-export bin/strata-plot bin/strata-bench bin/gpu-check.sh; do
+for f in bin/strata-info bin/strata-train bin/strata-export bin/strata-generate bin/strata-plot bin/strata-bench \
+  bin/gpu-check.sh; do
   [ -x "$root$pkg/$f" ] || fail "the package lacks $f"
 done
 for h in device.h engine.h system_info.h; do
