@@ -223,7 +223,8 @@ TEST(EngineCheckpoint, IncompatibleStateIsRefused) {
     std::ofstream(ck.path + "/rank0.json") << j.dump();
   }
   err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, ck.path, ""); });
-  EXPECT_NE(err.find("has 2 ranks, this run has 1; resharding is not supported yet"),
+  EXPECT_NE(err.find("rank1.json is missing (the checkpoint's 2 ranks' files are all read to "
+                     "reshard them to this run's 1)"),
             std::string::npos)
       << err;
   // No state at all.
@@ -670,8 +671,8 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   // Each side described as itself: the checkpoint's model first, then this run's (hidden 32).
   EXPECT_NE(slurp(p.err).find("this run's: llama 32x64 2 layers, vocab 256"), std::string::npos)
       << slurp(p.err);
-  // A different world size: the manifest says 2 ranks (the files still verify), its own checksum
-  // made again as a 2-rank run's would be.
+  // A manifest at odds with its files: it says 2 ranks (its own checksum made again), and lists
+  // one rank's engine state.
   {
     std::ifstream f(ck + "/step-2/manifest.json");
     nlohmann::json m = nlohmann::json::parse(f);
@@ -682,7 +683,8 @@ TEST_F(TrainBinary, IncompatibleResumeIsAClearError) {
   p = spawn(args(dir.path + "/c.jsonl", {"--resume", ck}), dir.path, "world");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  EXPECT_NE(slurp(p.err).find("has 2 ranks, this run has 1; resharding is not supported yet"),
+  EXPECT_NE(slurp(p.err).find("the manifest says 2 rank(s) but lists the engine state of 1: a "
+                              "damaged checkpoint"),
             std::string::npos)
       << slurp(p.err);
   // Nothing to resume from.

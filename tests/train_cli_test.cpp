@@ -1701,6 +1701,83 @@ TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
 #endif
 }
 
+// Resharding: a checkpoint of 2 ranks resumed by 1 and one of 1 rank resumed by 2, grad_accum x
+// ranks kept (the same micro-batches make a step): the continued steps' losses are the
+// uninterrupted run's within 1e-4, as one rank with the whole batch and two with half of it are.
+TEST_F(TrainCli, TwoRanksReshardACheckpointToOneRankAndBack) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::vector<std::pair<std::string, std::string>> env = {
+      {"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+      {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+      {"STRATA_COMM_TIMEOUT_S", "120"}};
+  auto two_ranks = [&](const std::string& log, const std::vector<std::string>& extra,
+                       const std::string& tag) {
+    std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
+    for (const auto& a : args(log, extra)) m.push_back(a);
+    return run(STRATA_MPIEXEC, m, dir.path, tag, env);
+  };
+  auto loss_map = [&](const std::string& log) {
+    std::map<std::int64_t, double> out;
+    for (const auto& [s, v] : losses(log)) out[s] = std::stod(v);
+    return out;
+  };
+  auto expect_close = [](const std::map<std::int64_t, double>& got,
+                         const std::map<std::int64_t, double>& ref, const char* what) {
+    ASSERT_EQ(got.size(), 2u) << what << ": steps 3 and 4";
+    for (const auto& [s, v] : got) {
+      ASSERT_TRUE(ref.count(s)) << what << " step " << s;
+      EXPECT_LE(std::fabs(v - ref.at(s)), 1e-4 * std::fabs(ref.at(s)))
+          << what << " step " << s << ": resharded " << v << ", uninterrupted " << ref.at(s);
+    }
+  };
+  const std::string ck1 = dir.path + "/ck1", ck2 = dir.path + "/ck2";
+  // The uninterrupted runs, each leaving a checkpoint at step 2.
+  const Result a = train(args(dir.path + "/a1.jsonl",
+                              {"--grad-accum", "2", "--save-every", "2", "--checkpoint-dir", ck1}),
+                         "a1");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const Result b =
+      two_ranks(dir.path + "/b2.jsonl", {"--save-every", "2", "--checkpoint-dir", ck2}, "b2");
+  ASSERT_EQ(b.status, 0) << b.out << b.err;
+  // 2 -> 1: one rank, grad_accum 2, from the 2-rank run's step 2.
+  const Result c = train(
+      args(dir.path + "/c1.jsonl", {"--grad-accum", "2", "--resume", ck2 + "/step-2",
+                                    "--checkpoint-dir", dir.path + "/ck3", "--save-every", "2"}),
+      "c1");
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_NE(c.out.find("resharding the checkpoint's 2 ranks to 1"), std::string::npos) << c.out;
+  expect_close(loss_map(dir.path + "/c1.jsonl"), loss_map(dir.path + "/b2.jsonl"), "2 -> 1");
+  // 1 -> 2: two ranks from the 1-rank run's step 2.
+  const Result d = two_ranks(
+      dir.path + "/d2.jsonl",
+      {"--resume", ck1 + "/step-2", "--checkpoint-dir", dir.path + "/ck4", "--save-every", "2"},
+      "d2");
+  ASSERT_EQ(d.status, 0) << d.out << d.err;
+  EXPECT_NE(d.out.find("resharding the checkpoint's 1 rank to 2"), std::string::npos) << d.out;
+  expect_close(loss_map(dir.path + "/d2.jsonl"), loss_map(dir.path + "/a1.jsonl"), "1 -> 2");
+  // The resharded 2-rank run's checkpoint, exported, is the 1-rank run's within 1e-5.
+  const Result e1 = run_export({ck1 + "/step-4", dir.path + "/x1"}, dir.path, "x1");
+  const Result e2 = run_export({dir.path + "/ck4/step-4", dir.path + "/x2"}, dir.path, "x2");
+  ASSERT_EQ(e1.status, 0) << e1.err;
+  ASSERT_EQ(e2.status, 0) << e2.err;
+  const auto ref = tensors_of(dir.path + "/x1"), got = tensors_of(dir.path + "/x2");
+  ASSERT_EQ(got.size(), ref.size());
+  for (const auto& [name, v] : ref) {
+    const auto& g = got.at(name);
+    ASSERT_EQ(g.size(), v.size()) << name;
+    double worst = 0;
+    for (std::size_t i = 0; i < v.size(); ++i)
+      worst = std::max(
+          worst, std::fabs(double(g[i]) - double(v[i])) / std::max(1.0, std::fabs(double(v[i]))));
+    EXPECT_LE(worst, 1e-5) << name;
+  }
+#endif
+}
+
 TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";

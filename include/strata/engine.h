@@ -198,7 +198,9 @@ class Engine {
   // unit at a time from whichever tier holds it) to `dir`/rank<R>.bin and the layout plus
   // the scalar state (steps taken, fp16 loss-scale fields) to `dir`/rank<R>.json, each
   // fsync'd. load_state (after finalize, on an engine built with the same units) validates
-  // world size, rank, unit names and sizes (throwing strata::Error naming what differs),
+  // rank, unit names and sizes (throwing strata::Error naming what differs); a checkpoint of
+  // another world size is resharded (every rank's files read, each unit's shards re-cut to this
+  // run's, a sub-group at a time),
   // puts the state on this run's tiers (which may differ from the saving run's), derives
   // the compute weights from the master exactly as the optimizer does, zeroes the gradient
   // accumulators and re-gathers resident units. Training then continues bit-identically.

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -296,47 +297,74 @@ void Engine::load_state(const std::string& dir) {
   const nlohmann::json j0 = read_json(0);
   STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state (rank0.json is missing)", dir);
   const int ck_world = j0.value("world_size", -1);
-  STRATA_REQUIRE(ck_world == s.world,
-                 "checkpoint {} has {} rank{}, this run has {}; resharding is not supported yet",
-                 dir, ck_world, ck_world == 1 ? "" : "s", s.world);
-  const nlohmann::json j = s.rank == 0 ? j0 : read_json(s.rank);
-  STRATA_REQUIRE(!j.is_null(), "checkpoint {}: rank{}.json is missing", dir, s.rank);
-  STRATA_REQUIRE(
-      j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
-      "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, s.rank,
-      kStateVersion);
-  STRATA_REQUIRE(j.value("rank", -1) == s.rank, "checkpoint {}: rank{}.json was written by rank {}",
-                 dir, s.rank, j.value("rank", -1));
-  const nlohmann::json& units = j.at("units");
-  STRATA_REQUIRE(units.size() == s.units.size(),
-                 "checkpoint {} has {} units, this model has {}: a different model", dir,
-                 units.size(), s.units.size());
-  for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
-    const Unit& u = s.units[ui];
-    const nlohmann::json& cu = units[ui];
-    const std::string name = cu.value("name", "");
-    STRATA_REQUIRE(name == u.name,
-                   "checkpoint {}: unit {} is '{}', this model's is '{}': a different model", dir,
-                   ui, name, u.name);
-    const std::size_t numel = cu.value("numel", std::size_t(0)),
-                      shard = cu.value("shard", std::size_t(0));
-    STRATA_REQUIRE(numel == u.numel,
-                   "checkpoint {}: unit '{}' has {} elements, this model's {}: a different model",
-                   dir, u.name, numel, u.numel);
-    STRATA_REQUIRE(shard == u.shard,
-                   "checkpoint {}: unit '{}' has a shard of {} elements, this run {}", dir, u.name,
-                   shard, u.shard);
+  STRATA_REQUIRE(ck_world >= 1, "checkpoint {}: rank0.json gives no world size", dir);
+  // The same world: this rank's own file. Another (resharding): every rank's file, each unit's
+  // old shards read back as the one array they cut, and this rank's new shard taken from it.
+  const bool reshard = ck_world != s.world;
+  const int first_file = reshard ? 0 : s.rank, files = reshard ? ck_world : 1;
+  struct RankState {
+    nlohmann::json j;
+    std::string path;
+    std::ifstream bin;
+  };
+  std::vector<RankState> ck(static_cast<std::size_t>(files));
+  for (int i = 0; i < files; ++i) {
+    const int r = first_file + i;
+    RankState& rs = ck[std::size_t(i)];
+    rs.j = r == 0 ? j0 : read_json(r);
+    STRATA_REQUIRE(!rs.j.is_null(), "checkpoint {}: rank{}.json is missing{}", dir, r,
+                   reshard ? fmt::format(" (the checkpoint's {} ranks' files are all read to "
+                                         "reshard them to this run's {})",
+                                         ck_world, s.world)
+                           : std::string());
+    const nlohmann::json& j = rs.j;
+    STRATA_REQUIRE(
+        j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
+        "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, r,
+        kStateVersion);
+    STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == ck_world,
+                   "checkpoint {}: rank{}.json was written by rank {} of {}, rank0.json by one of "
+                   "{}",
+                   dir, r, j.value("rank", -1), j.value("world_size", -1), ck_world);
+    const nlohmann::json& units = j.at("units");
+    STRATA_REQUIRE(units.size() == s.units.size(),
+                   "checkpoint {} has {} units, this model has {}: a different model", dir,
+                   units.size(), s.units.size());
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+      const Unit& u = s.units[ui];
+      const nlohmann::json& cu = units[ui];
+      const std::string name = cu.value("name", "");
+      STRATA_REQUIRE(name == u.name,
+                     "checkpoint {}: unit {} is '{}', this model's is '{}': a different model", dir,
+                     ui, name, u.name);
+      const std::size_t numel = cu.value("numel", std::size_t(0)),
+                        shard = cu.value("shard", std::size_t(0));
+      STRATA_REQUIRE(numel == u.numel,
+                     "checkpoint {}: unit '{}' has {} elements, this model's {}: a different model",
+                     dir, u.name, numel, u.numel);
+      if (!reshard)
+        STRATA_REQUIRE(shard == u.shard,
+                       "checkpoint {}: unit '{}' has a shard of {} elements, this run {}", dir,
+                       u.name, shard, u.shard);
+      else
+        STRATA_REQUIRE(
+            shard * std::size_t(ck_world) >= numel &&
+                shard == ck[0].j.at("units")[ui].value("shard", std::size_t(0)),
+            "checkpoint {}: unit '{}': rank{}.json's shard of {} elements does not cut {} "
+            "elements over {} ranks as rank0.json's does",
+            dir, u.name, r, shard, numel, ck_world);
+    }
+    rs.path = state_file(dir, r, "bin");
+    rs.bin.open(rs.path, std::ios::binary);
+    STRATA_REQUIRE(rs.bin.good(), "checkpoint {}: {} cannot be read: {}", dir, rs.path,
+                   std::strerror(errno));
+    rs.bin.seekg(0, std::ios::end);
+    const std::uint64_t size = std::uint64_t(rs.bin.tellg());
+    STRATA_REQUIRE(size == j.value("bytes", std::uint64_t(0)),
+                   "checkpoint {}: {} has {} bytes, rank{}.json says {}", dir, rs.path, size, r,
+                   j.value("bytes", std::uint64_t(0)));
+    rs.bin.seekg(0);
   }
-  const std::string bin_path = state_file(dir, s.rank, "bin");
-  std::ifstream bin(bin_path, std::ios::binary);
-  STRATA_REQUIRE(bin.good(), "checkpoint {}: {} cannot be read: {}", dir, bin_path,
-                 std::strerror(errno));
-  bin.seekg(0, std::ios::end);
-  const std::uint64_t size = std::uint64_t(bin.tellg());
-  STRATA_REQUIRE(size == j.value("bytes", std::uint64_t(0)),
-                 "checkpoint {}: {} has {} bytes, rank{}.json says {}", dir, bin_path, size, s.rank,
-                 j.value("bytes", std::uint64_t(0)));
-  bin.seekg(0);
 
   s.early_step.finish_all();
   s.comm_s->synchronize();
@@ -345,20 +373,43 @@ void Engine::load_state(const std::string& dir) {
   s.early_step
       .void_results();  // early optimizer work of a step in progress read the state replaced below
   for (auto& u : s.units) s.drop(u);  // gathered copies hold the old weights
+  // count values of record part k (0 master, 1 m, 2 v) of unit ui from element `first` of the
+  // unit's flat array (resharding) or of this rank's shard, into out.
+  auto read = [&](std::size_t ui, std::size_t k, std::size_t first, std::size_t count, float* out) {
+    const Unit& u = s.units[ui];
+    auto from = [&](RankState& rs, std::size_t shard, std::size_t off, std::size_t n, float* o) {
+      const std::uint64_t at = rs.j.at("units")[ui].value("offset", std::uint64_t(0));
+      rs.bin.seekg(std::streamoff(at + (k * shard + off) * 4));
+      rs.bin.read(reinterpret_cast<char*>(o), std::streamsize(n * 4));
+      STRATA_REQUIRE(rs.bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, rs.path,
+                     u.name);
+    };
+    if (!reshard) return from(ck[0], u.shard, first, count, out);
+    const std::size_t old = ck[0].j.at("units")[ui].value("shard", std::size_t(0));
+    while (count > 0) {
+      if (first >= u.numel) {  // the new cut's padding (the old one is zero too)
+        std::fill(out, out + count, 0.0f);
+        break;
+      }
+      const std::size_t q = first / old, off = first % old;
+      const std::size_t n = std::min({count, old - off, u.numel - first});
+      from(ck[q], old, off, n, out);
+      first += n;
+      out += n;
+      count -= n;
+    }
+  };
   std::vector<float> buf;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
-    const std::uint64_t at = units[ui].value("offset", std::uint64_t(0));
+    // This rank's shard starts at element rank * shard of the unit (resharding: of the new cut).
+    const std::size_t base = reshard ? std::size_t(s.rank) * u.shard : 0;
     s.begin_put(ui, /*first=*/false);
     for (std::size_t g = 0; g < s.groups(u); ++g) {  // (pageable: put_group stages what needs it)
       const detail::Range r = s.range(u, g);
       buf.resize(3 * r.size);
-      for (std::size_t k = 0; k < 3; ++k) {
-        bin.seekg(std::streamoff(at + (k * u.shard + r.first) * 4));
-        bin.read(reinterpret_cast<char*>(buf.data() + k * r.size), std::streamsize(r.size * 4));
-      }
-      STRATA_REQUIRE(bin.good(), "checkpoint {}: {} is truncated at unit '{}'", dir, bin_path,
-                     u.name);
+      for (std::size_t k = 0; k < 3; ++k)
+        read(ui, k, base + r.first, r.size, buf.data() + k * r.size);
       s.put_group(ui, g, buf.data(), buf.data() + r.size, buf.data() + 2 * r.size);
     }
     s.end_put(ui);
@@ -375,6 +426,8 @@ void Engine::load_state(const std::string& dir) {
     }
   }
   s.opt_s->synchronize();
+  // The scalar state is every rank's alike: rank 0's (or, same world, this rank's own).
+  const nlohmann::json& j = ck[0].j;
   s.steps_taken = j.at("steps_taken").get<std::int64_t>();
   s.scale = j.at("loss_scale").get<double>();
   s.hysteresis_left = j.at("hysteresis_left").get<int>();

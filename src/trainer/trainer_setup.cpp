@@ -814,10 +814,13 @@ void resume_from_checkpoint(Run& r) {
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
     const int ck_world = m.value("world_size", -1);
-    STRATA_REQUIRE(ck_world == world,
-                   "--resume {}: the checkpoint has {} rank{}, this run has {}; resharding is not "
-                   "supported yet",
-                   resume.dir, ck_world, ck_world == 1 ? "" : "s", world);
+    std::int64_t rank_files = 0;
+    for (const auto& f : m.value("files", nlohmann::json::array()))
+      if (f.is_object() && f.value("name", "").ends_with(".bin")) ++rank_files;
+    STRATA_REQUIRE(ck_world >= 1 && rank_files == ck_world,
+                   "--resume {}: the manifest says {} rank(s) but lists the engine state of {}: a "
+                   "damaged checkpoint; resume from another one",
+                   resume.dir, ck_world, rank_files);
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
     const std::string ck_hash = t.value("model_config_hash", "");
     STRATA_REQUIRE(ck_hash == model_hash,
@@ -834,7 +837,21 @@ void resume_from_checkpoint(Run& r) {
     };
     differs("micro_batch", B);
     differs("seq_len", seq_len);
-    differs("grad_accum", accum);
+    // Ranks take turns over one stream of micro-batches (rank r the r-th of each group of world),
+    // so the micro-batches of a step, grad_accum x ranks, decide the data, not how they split.
+    if (d.contains("grad_accum") && d["grad_accum"].is_number_integer() &&
+        d["grad_accum"].get<std::int64_t>() * ck_world != accum * world)
+      log::warn(
+          "--resume: a step was {} micro-batches (grad_accum {} x {} rank{}) in the checkpoint's "
+          "run, {} now ({} x {}): the data will not continue where it stopped; keep grad_accum x "
+          "ranks to continue it",
+          d["grad_accum"].get<std::int64_t>() * ck_world, d["grad_accum"].get<std::int64_t>(),
+          ck_world, ck_world == 1 ? "" : "s", accum * world, accum, world);
+    if (ck_world != world && con)
+      std::fprintf(con,
+                   "resharding the checkpoint's %d rank%s to %d: every unit's master weights and "
+                   "Adam moments re-cut, a unit at a time\n",
+                   ck_world, ck_world == 1 ? "" : "s", world);
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
     {
