@@ -136,6 +136,17 @@ class TrainCli : public ::testing::Test {
     return run(STRATA_TRAIN_BIN, a, dir.path, tag);
   }
 #ifdef STRATA_MPIEXEC
+  // mpirun -np `np` of the usual run with `extra` flags.
+  Result ranks(int np, const std::string& log, const std::vector<std::string>& extra,
+               const std::string& tag) const {
+    std::vector<std::string> m = {"-np", std::to_string(np), "--oversubscribe", STRATA_TRAIN_BIN};
+    for (const auto& a : args(log, extra)) m.push_back(a);
+    return run(STRATA_MPIEXEC, m, dir.path, tag,
+               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                { "STRATA_COMM_TIMEOUT_S",
+                  "120" }});
+  }
   // mpirun -np 2 of the usual run, rank 1 given `extra` flags besides.
   Result two_ranks_rank1_adds(const std::string& extra, const std::string& tag) const {
     const std::string wrap = dir.path + "/" + tag + ".sh";
@@ -1701,6 +1712,21 @@ TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
 #endif
 }
 
+#ifdef STRATA_MPIEXEC
+// A resumed run's steps 3 and 4 (its log) against the uninterrupted run's, within 1e-4.
+void expect_continued(const std::string& resumed, const std::string& whole, const char* what) {
+  std::map<std::int64_t, double> got, ref;
+  for (const auto& [s, v] : losses(resumed)) got[s] = std::stod(v);
+  for (const auto& [s, v] : losses(whole)) ref[s] = std::stod(v);
+  ASSERT_EQ(got.size(), 2u) << what << ": steps 3 and 4";
+  for (const auto& [s, v] : got) {
+    ASSERT_TRUE(ref.count(s)) << what << " step " << s;
+    EXPECT_LE(std::fabs(v - ref.at(s)), 1e-4 * std::fabs(ref.at(s)))
+        << what << " step " << s << ": resharded " << v << ", uninterrupted " << ref.at(s);
+  }
+}
+#endif
+
 // Resharding: a checkpoint of 2 ranks resumed by 1 and one of 1 rank resumed by 2, grad_accum x
 // ranks kept (the same micro-batches make a step): the continued steps' losses are the
 // uninterrupted run's within 1e-4, as one rank with the whole batch and two with half of it are.
@@ -1710,30 +1736,6 @@ TEST_F(TrainCli, TwoRanksReshardACheckpointToOneRankAndBack) {
 #else
   if (!std::getenv("STRATA_TEST_MPI"))
     GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
-  const std::vector<std::pair<std::string, std::string>> env = {
-      {"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-      {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-      {"STRATA_COMM_TIMEOUT_S", "120"}};
-  auto two_ranks = [&](const std::string& log, const std::vector<std::string>& extra,
-                       const std::string& tag) {
-    std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
-    for (const auto& a : args(log, extra)) m.push_back(a);
-    return run(STRATA_MPIEXEC, m, dir.path, tag, env);
-  };
-  auto loss_map = [&](const std::string& log) {
-    std::map<std::int64_t, double> out;
-    for (const auto& [s, v] : losses(log)) out[s] = std::stod(v);
-    return out;
-  };
-  auto expect_close = [](const std::map<std::int64_t, double>& got,
-                         const std::map<std::int64_t, double>& ref, const char* what) {
-    ASSERT_EQ(got.size(), 2u) << what << ": steps 3 and 4";
-    for (const auto& [s, v] : got) {
-      ASSERT_TRUE(ref.count(s)) << what << " step " << s;
-      EXPECT_LE(std::fabs(v - ref.at(s)), 1e-4 * std::fabs(ref.at(s)))
-          << what << " step " << s << ": resharded " << v << ", uninterrupted " << ref.at(s);
-    }
-  };
   const std::string ck1 = dir.path + "/ck1", ck2 = dir.path + "/ck2";
   // The uninterrupted runs, each leaving a checkpoint at step 2.
   const Result a = train(args(dir.path + "/a1.jsonl",
@@ -1741,7 +1743,7 @@ TEST_F(TrainCli, TwoRanksReshardACheckpointToOneRankAndBack) {
                          "a1");
   ASSERT_EQ(a.status, 0) << a.err;
   const Result b =
-      two_ranks(dir.path + "/b2.jsonl", {"--save-every", "2", "--checkpoint-dir", ck2}, "b2");
+      ranks(2, dir.path + "/b2.jsonl", {"--save-every", "2", "--checkpoint-dir", ck2}, "b2");
   ASSERT_EQ(b.status, 0) << b.out << b.err;
   // 2 -> 1: one rank, grad_accum 2, from the 2-rank run's step 2.
   const Result c = train(
@@ -1750,15 +1752,15 @@ TEST_F(TrainCli, TwoRanksReshardACheckpointToOneRankAndBack) {
       "c1");
   ASSERT_EQ(c.status, 0) << c.err;
   EXPECT_NE(c.out.find("resharding the checkpoint's 2 ranks to 1"), std::string::npos) << c.out;
-  expect_close(loss_map(dir.path + "/c1.jsonl"), loss_map(dir.path + "/b2.jsonl"), "2 -> 1");
+  expect_continued(dir.path + "/c1.jsonl", dir.path + "/b2.jsonl", "2 -> 1");
   // 1 -> 2: two ranks from the 1-rank run's step 2.
-  const Result d = two_ranks(
-      dir.path + "/d2.jsonl",
+  const Result d = ranks(
+      2, dir.path + "/d2.jsonl",
       {"--resume", ck1 + "/step-2", "--checkpoint-dir", dir.path + "/ck4", "--save-every", "2"},
       "d2");
   ASSERT_EQ(d.status, 0) << d.out << d.err;
   EXPECT_NE(d.out.find("resharding the checkpoint's 1 rank to 2"), std::string::npos) << d.out;
-  expect_close(loss_map(dir.path + "/d2.jsonl"), loss_map(dir.path + "/a1.jsonl"), "1 -> 2");
+  expect_continued(dir.path + "/d2.jsonl", dir.path + "/a1.jsonl", "1 -> 2");
   // The resharded 2-rank run's checkpoint, exported, is the 1-rank run's within 1e-5.
   const Result e1 = run_export({ck1 + "/step-4", dir.path + "/x1"}, dir.path, "x1");
   const Result e2 = run_export({dir.path + "/ck4/step-4", dir.path + "/x2"}, dir.path, "x2");
@@ -1775,6 +1777,44 @@ TEST_F(TrainCli, TwoRanksReshardACheckpointToOneRankAndBack) {
           worst, std::fabs(double(g[i]) - double(v[i])) / std::max(1.0, std::fabs(double(v[i]))));
     EXPECT_LE(worst, 1e-5) << name;
   }
+#endif
+}
+
+// 4 -> 2 ranks onto another placement (parameters in host memory, the optimizer state on NVMe,
+// where the 4-rank run kept everything on the device) and 2 -> 4: the same continuation.
+TEST_F(TrainCli, TwoRanksReshardFourToTwoOntoOffloadAndTwoToFour) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string ck4 = dir.path + "/ck4", ck2 = dir.path + "/ck2", nv = dir.path + "/nv";
+  fs::create_directories(nv);
+  const std::string offload = dir.path + "/offload.json";
+  std::ofstream(offload)
+      << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+             nv + R"("}}})";
+  const Result a =
+      ranks(4, dir.path + "/a4.jsonl", {"--save-every", "2", "--checkpoint-dir", ck4}, "a4");
+  ASSERT_EQ(a.status, 0) << a.out << a.err;
+  const Result b = ranks(2, dir.path + "/b2.jsonl",
+                         {"--grad-accum", "2", "--save-every", "2", "--checkpoint-dir", ck2}, "b2");
+  ASSERT_EQ(b.status, 0) << b.out << b.err;
+  const Result c = ranks(2, dir.path + "/c2.jsonl",
+                         {"--grad-accum", "2", "--config", offload, "--resume", ck4 + "/step-2",
+                          "--checkpoint-dir", dir.path + "/ck5", "--save-every", "2"},
+                         "c2");
+  ASSERT_EQ(c.status, 0) << c.out << c.err;
+  EXPECT_NE(c.out.find("resharding the checkpoint's 4 ranks to 2"), std::string::npos) << c.out;
+  expect_continued(dir.path + "/c2.jsonl", dir.path + "/a4.jsonl", "4 -> 2, offloaded");
+  const Result d = ranks(
+      4, dir.path + "/d4.jsonl",
+      {"--resume", ck2 + "/step-2", "--checkpoint-dir", dir.path + "/ck6", "--save-every", "2"},
+      "d4");
+  ASSERT_EQ(d.status, 0) << d.out << d.err;
+  EXPECT_NE(d.out.find("resharding the checkpoint's 2 ranks to 4"), std::string::npos) << d.out;
+  expect_continued(dir.path + "/d4.jsonl", dir.path + "/b2.jsonl", "2 -> 4");
 #endif
 }
 
