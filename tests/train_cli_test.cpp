@@ -1818,6 +1818,86 @@ TEST_F(TrainCli, TwoRanksReshardFourToTwoOntoOffloadAndTwoToFour) {
 #endif
 }
 
+// Resharding streams: resuming a 2-rank checkpoint of a 25M-parameter model with everything on
+// NVMe by 1 rank takes no more host memory than resuming a 1-rank checkpoint of it (peak RSS within
+// 5% of the model's fp32 master weights and moments, which a reshard holding a unit's whole
+// state, or the model's, would exceed).
+TEST_F(TrainCli, TwoRanksReshardHoldsNoMoreMemoryThanAResume) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP()
+      << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
+#endif
+  const std::string nv = dir.path + "/nv", ds = dir.path + "/nvme.json";
+  fs::create_directories(nv);
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+      "nvme_path": ")"
+                    << nv << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << nv
+                    << R"("}, "offload_grads": "nvme", "sub_group_size": 1e6,
+      "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 8e6, "stage3_prefetch_bucket_size": 4e6}})";
+  const std::string model = dir.path + "/l8.json";
+  std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
+      "intermediate_size": 1344, "num_hidden_layers": 8, "num_attention_heads": 8,
+      "num_key_value_heads": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5})";
+  auto flags = [&](const std::string& ck, std::vector<std::string> more) {
+    std::vector<std::string> a = {"--model-config",
+                                  model,
+                                  "--config",
+                                  ds,
+                                  "--text",
+                                  text,
+                                  "--seq-len",
+                                  "16",
+                                  "--micro-batch",
+                                  "1",
+                                  "--lr",
+                                  "1e-3",
+                                  "--device",
+                                  "cpu",
+                                  "--checkpoint-activations",
+                                  "--checkpoint-dir",
+                                  ck,
+                                  "--save-every",
+                                  "1"};
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  };
+  const std::string ck1 = dir.path + "/ck1", ck2 = dir.path + "/ck2";
+  ASSERT_EQ(train(flags(ck1, {"--steps", "1", "--grad-accum", "2"}), "save1").status, 0);
+  std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
+  for (const auto& a : flags(ck2, {"--steps", "1"})) m.push_back(a);
+  const Result two = run(STRATA_MPIEXEC, m, dir.path, "save2",
+                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                          {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                          {"STRATA_COMM_TIMEOUT_S", "120"}});
+  ASSERT_EQ(two.status, 0) << two.out << two.err;
+  auto resume_rss = [&](const std::string& ck, const std::string& tag) {
+    const pid_t pid = testing::start(STRATA_TRAIN_BIN,
+                                     flags(dir.path + "/" + tag, {"--steps", "2", "--grad-accum",
+                                                                  "2", "--resume", ck + "/step-1"}),
+                                     dir.path, tag);
+    int st = 0;
+    rusage ru{};
+    EXPECT_EQ(::wait4(pid, &st, 0, &ru), pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(dir.path + "/" + tag + ".stderr");
+    return double(ru.ru_maxrss) * 1024;
+  };
+  const double same = resume_rss(ck1, "resume1"), resharded = resume_rss(ck2, "reshard");
+  EXPECT_NE(slurp(dir.path + "/reshard.stdout").find("resharding the checkpoint's 2 ranks to 1"),
+            std::string::npos);
+  const double state = 25.2e6 * 4 * 3;  // fp32 master, m and v of ~25.2M parameters
+  std::printf(
+      "peak RSS resuming: the 1-rank checkpoint %.1f MB, the 2-rank one (resharded) %.1f "
+      "MB, %.2f%% of the fp32 state\n",
+      same / 1e6, resharded / 1e6, 100 * (resharded - same) / state);
+  EXPECT_LT(resharded - same, 0.05 * state);
+#endif
+}
+
 TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
