@@ -24,6 +24,7 @@
 #include <climits>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <queue>
 #include <sstream>
 #include <unordered_map>
 #include <variant>
@@ -664,24 +665,52 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
     if (!(bpe.fuse_unk && last_unk)) syms.push_back(*bpe.unk);
     last_unk = true;
   }
-  // Merge the lowest-ranked adjacent pair, leftmost first, until no pair has a merge.
-  while (syms.size() > 1) {
-    std::int32_t best_rank = INT32_MAX, best_id = -1;
-    std::size_t best_pos = 0;
-    for (std::size_t i = 0; i + 1 < syms.size(); ++i) {
-      const std::uint64_t key =
-          (static_cast<std::uint64_t>(syms[i]) << 32) | static_cast<std::uint32_t>(syms[i + 1]);
-      if (auto it = bpe.merges.find(key); it != bpe.merges.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best_pos = i;
-      }
+  // Merge the lowest-ranked adjacent pair, leftmost first, until no pair has a merge: a min-heap
+  // of candidate merges over a linked list of symbols, O(n log n) — a piece can be a whole line
+  // (Llama 2 has no pre-tokenizer). A popped candidate whose symbols have changed since it was
+  // pushed no longer forms its merged token and is dropped, as Hugging Face's BPE does.
+  struct Sym {
+    std::int32_t id;
+    std::int32_t prev, next;  // -1 at the ends
+    bool alive;
+  };
+  struct Candidate {
+    std::int32_t rank, pos, new_id;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
     }
-    if (best_id < 0) break;
-    syms[best_pos] = best_id;
-    syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(best_pos) + 1);
+  };
+  const auto n = static_cast<std::int32_t>(syms.size());
+  std::vector<Sym> list(syms.size());
+  for (std::int32_t i = 0; i < n; ++i) list[i] = {syms[i], i - 1, i + 1 < n ? i + 1 : -1, true};
+  const auto lookup = [&](std::int32_t a, std::int32_t b) {
+    const std::uint64_t key = (static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint32_t>(b);
+    auto it = bpe.merges.find(key);
+    return it == bpe.merges.end() ? nullptr : &it->second;
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  const auto push = [&](std::int32_t pos) {
+    const std::int32_t next = list[pos].next;
+    if (next < 0) return;
+    if (const auto* m = lookup(list[pos].id, list[next].id)) heap.push({m->first, pos, m->second});
+  };
+  for (std::int32_t i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    Sym& left = list[c.pos];
+    if (!left.alive || left.next < 0) continue;
+    const auto* m = lookup(left.id, list[left.next].id);
+    if (m == nullptr || m->second != c.new_id) continue;
+    Sym& right = list[left.next];
+    left.id = c.new_id;
+    right.alive = false;
+    left.next = right.next;
+    if (left.next >= 0) list[left.next].prev = c.pos;
+    if (left.prev >= 0) push(left.prev);
+    push(c.pos);
   }
-  out.insert(out.end(), syms.begin(), syms.end());
+  for (std::int32_t i = 0; i >= 0 && i < n; i = list[i].next) out.push_back(list[i].id);
 }
 
 void Tokenizer::Impl::encode_span(std::string_view span, std::vector<std::int32_t>& out) const {
