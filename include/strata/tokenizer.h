@@ -11,9 +11,10 @@
 //   the post-processor adds the template's tokens (BOS) when add_special_tokens is true.
 //
 // Covered: byte-level BPE (GPT-2, Llama 3, Qwen2/3) and BPE with byte fallback behind the
-// Llama 2 / Mistral normalizer (Prepend "▁", Replace " " -> "▁") with the Replace / ByteFallback /
-// Fuse / Strip decoders. Anything else in a file (WordPiece, Unigram, a Metaspace pre-tokenizer,
-// a SentencePiece tokenizer.model) is refused by name when the folder is read, never guessed at.
+// Llama 2 / Mistral normalizer (Prepend "▁", Replace " " -> "▁") or the Metaspace pre-tokenizer,
+// with the Replace / ByteFallback / Fuse / Strip / Metaspace decoders. Anything else in a file
+// (WordPiece, Unigram, a Whitespace pre-tokenizer, a SentencePiece tokenizer.model) is refused by
+// name when the folder is read, never guessed at.
 //
 // Decoding: decode() gives text (bytes that do not form UTF-8 become U+FFFD, as Hugging Face's
 // decoders do). A byte-level token may hold part of a character: for streaming, token_bytes()

@@ -258,7 +258,15 @@ struct ByteLevelPre {
   bool add_prefix_space;
   std::shared_ptr<Regex> regex;  // GPT-2's pattern when use_regex, else null
 };
-using PreStep = std::variant<Split, ByteLevelPre>;
+// Spaces become `replacement` ("▁"), one is put first (always; only at the start of the text;
+// never), and with `split` each replacement starts a new piece.
+struct MetaspacePre {
+  enum class Prepend { kAlways, kFirst, kNever };
+  std::string replacement;
+  Prepend prepend;
+  bool split;
+};
+using PreStep = std::variant<Split, ByteLevelPre, MetaspacePre>;
 
 struct AddedToken {
   std::string content;
@@ -302,6 +310,10 @@ struct Tokenizer::Impl {
   std::vector<Replace> decoder_replace;  // kPieces: applied to each token in order
   bool decoder_byte_fallback = false;    // kPieces: "<0xXX>" -> the byte
   std::size_t decoder_strip_first = 0;   // kPieces: leading spaces stripped off the text
+  // kPieces, a Metaspace decoder: its replacement becomes a space, and is dropped in the first
+  // token when the pre-tokenizer put one first.
+  std::string decoder_metaspace;
+  bool decoder_metaspace_drop_first = false;
   std::optional<std::int32_t> bos, eos, pad;
 
   [[noreturn]] void unsupported(std::string_view where, std::string_view type,
@@ -328,9 +340,10 @@ struct Tokenizer::Impl {
   void parse_config(const Json& c);
 
   std::string normalize(std::string s) const;
-  std::vector<std::string> pre_tokenize(std::string s) const;
+  // `at_start`: `s` begins the text (Metaspace's prepend_scheme "first").
+  std::vector<std::string> pre_tokenize(std::string s, bool at_start) const;
   void bpe_word(std::string_view w, std::vector<std::int32_t>& out) const;
-  void encode_span(std::string_view span, std::vector<std::int32_t>& out) const;
+  void encode_span(std::string_view span, bool at_start, std::vector<std::int32_t>& out) const;
 };
 
 void Tokenizer::Impl::parse(const Json& tj, const Json& cj) {
@@ -465,7 +478,8 @@ void Tokenizer::Impl::parse_normalizer(const Json& n) {
 void Tokenizer::Impl::parse_pre(const Json& p) {
   if (p.is_null()) return;
   const std::string type = p.value("type", std::string());
-  constexpr std::string_view kSupported = "Split (Isolated, Removed), ByteLevel, Sequence";
+  constexpr std::string_view kSupported =
+      "Split (Isolated, Removed), ByteLevel, Metaspace, Sequence";
   if (type == "Sequence") {
     for (const Json& s : p.value("pretokenizers", Json::array())) parse_pre(s);
   } else if (type == "Split") {
@@ -490,6 +504,24 @@ void Tokenizer::Impl::parse_pre(const Json& p) {
     std::shared_ptr<Regex> re;
     if (p.value("use_regex", true)) re = std::make_shared<Regex>(kGpt2Pattern, false, origin);
     pre.push_back(ByteLevelPre{p.value("add_prefix_space", false), std::move(re)});
+  } else if (type == "Metaspace") {
+    MetaspacePre ms{p.value("replacement", std::string("\u2581")), MetaspacePre::Prepend::kAlways,
+                    p.value("split", true)};
+    if (ms.replacement.empty()) malformed("a Metaspace pre-tokenizer has an empty replacement");
+    if (p.contains("prepend_scheme")) {
+      const std::string scheme = p.value("prepend_scheme", std::string());
+      if (scheme == "first") {
+        ms.prepend = MetaspacePre::Prepend::kFirst;
+      } else if (scheme == "never") {
+        ms.prepend = MetaspacePre::Prepend::kNever;
+      } else if (scheme != "always") {
+        malformed(
+            fmt::format("Metaspace prepend_scheme '{}' is not always, first or never", scheme));
+      }
+    } else if (!p.value("add_prefix_space", true)) {
+      ms.prepend = MetaspacePre::Prepend::kNever;
+    }
+    pre.push_back(std::move(ms));
   } else {
     unsupported("pre_tokenizer", type, kSupported);
   }
@@ -527,19 +559,33 @@ void Tokenizer::Impl::parse_post(const Json& p) {
 
 void Tokenizer::Impl::parse_decoder(const Json& d) {
   constexpr std::string_view kSupported =
-      "ByteLevel; a Sequence of Replace (String), ByteFallback, Fuse, Strip (leading)";
+      "ByteLevel, Metaspace; a Sequence of Replace (String), ByteFallback, Fuse, Strip (leading), "
+      "Metaspace";
   if (d.is_null()) unsupported("decoder", "null", kSupported);
   const std::string type = d.value("type", std::string());
   if (type == "ByteLevel") {
     decoder = DecoderKind::kByteLevel;
     return;
   }
-  if (type != "Sequence") unsupported("decoder", type, kSupported);
+  const auto metaspace = [&](const Json& s) {
+    decoder_metaspace = s.value("replacement", std::string("\u2581"));
+    const std::string scheme = s.value("prepend_scheme", std::string());
+    decoder_metaspace_drop_first =
+        s.contains("prepend_scheme") ? scheme != "never" : s.value("add_prefix_space", true);
+  };
   decoder = DecoderKind::kPieces;
+  if (type == "Metaspace") {
+    metaspace(d);
+    return;
+  }
+  if (type != "Sequence") unsupported("decoder", type, kSupported);
   bool fused = false;
   for (const Json& s : d.value("decoders", Json::array())) {
     const std::string t = s.value("type", std::string());
-    if (t == "Replace") {
+    if (t == "Metaspace") {
+      if (fused) unsupported("decoder", "Metaspace after Fuse", kSupported);
+      metaspace(s);
+    } else if (t == "Replace") {
       const Json p = s.value("pattern", Json());
       if (!p.is_object() || !p.contains("String") || !p["String"].is_string())
         unsupported("decoder", "Replace with a Regex pattern", kSupported);
@@ -596,7 +642,7 @@ std::string Tokenizer::Impl::normalize(std::string s) const {
   return s;
 }
 
-std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string s) const {
+std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string s, bool at_start) const {
   std::vector<std::string> pieces{std::move(s)};
   const auto split_by = [](const Regex& re, const std::vector<std::string>& in, bool removed) {
     std::vector<std::string> out;
@@ -626,6 +672,27 @@ std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string s) const {
         for (unsigned char c : p) mapped += bm.to_char[c];
         p = std::move(mapped);
       }
+    } else if (const auto* ms = std::get_if<MetaspacePre>(&step)) {
+      std::vector<std::string> out;
+      for (std::size_t k = 0; k < pieces.size(); ++k) {
+        std::string p = replace_all(std::move(pieces[k]), " ", ms->replacement);
+        const bool prepend = ms->prepend == MetaspacePre::Prepend::kAlways ||
+                             (ms->prepend == MetaspacePre::Prepend::kFirst && at_start && k == 0);
+        if (prepend && !p.starts_with(ms->replacement)) p.insert(0, ms->replacement);
+        if (!ms->split) {
+          out.push_back(std::move(p));
+          continue;
+        }
+        // Each replacement begins a piece (merged with what follows it).
+        std::size_t begin = 0;
+        for (std::size_t hit = p.find(ms->replacement, 1); hit != std::string::npos;
+             hit = p.find(ms->replacement, hit + ms->replacement.size())) {
+          if (hit > begin) out.push_back(p.substr(begin, hit - begin));
+          begin = hit;
+        }
+        if (begin < p.size()) out.push_back(p.substr(begin));
+      }
+      pieces = std::move(out);
     }
   }
   return pieces;
@@ -713,11 +780,12 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
   for (std::int32_t i = 0; i >= 0 && i < n; i = list[i].next) out.push_back(list[i].id);
 }
 
-void Tokenizer::Impl::encode_span(std::string_view span, std::vector<std::int32_t>& out) const {
+void Tokenizer::Impl::encode_span(std::string_view span, bool at_start,
+                                  std::vector<std::int32_t>& out) const {
   if (span.empty()) return;
   const std::string norm = normalize(std::string(span));
   if (norm.empty()) return;
-  for (const std::string& piece : pre_tokenize(norm)) bpe_word(piece, out);
+  for (const std::string& piece : pre_tokenize(norm, at_start)) bpe_word(piece, out);
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -806,11 +874,11 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_spec
       while (b > span_begin && is_ascii_space(text[b - 1])) --b;
     if (hit->rstrip)
       while (e < text.size() && is_ascii_space(text[e])) ++e;
-    m.encode_span(text.substr(span_begin, b - span_begin), out);
+    m.encode_span(text.substr(span_begin, b - span_begin), span_begin == 0, out);
     out.push_back(hit->id);
     span_begin = i = e;
   }
-  m.encode_span(text.substr(span_begin), out);
+  m.encode_span(text.substr(span_begin), span_begin == 0, out);
   if (add_special_tokens) out.insert(out.end(), m.template_suffix.begin(), m.template_suffix.end());
   return out;
 }
@@ -834,6 +902,9 @@ std::string Tokenizer::token_bytes(std::int32_t id, bool first) const {
   }
   std::string s = tok;
   for (const Replace& r : m.decoder_replace) s = replace_all(std::move(s), r.from, r.to);
+  if (!m.decoder_metaspace.empty())
+    s = replace_all(std::move(s), m.decoder_metaspace,
+                    first && m.decoder_metaspace_drop_first ? "" : " ");
   if (m.decoder_byte_fallback && s.size() == 6 && s.starts_with("<0x") && s[5] == '>') {
     unsigned v = 0;
     if (std::sscanf(s.c_str() + 3, "%2X", &v) == 1) s.assign(1, static_cast<char>(v));
