@@ -457,6 +457,21 @@ TEST(TokenizerReference, Llama2) {
   compare_corpora("llama2", models);
 }
 
+// GPT-2's pipeline (no normalizer; ByteLevel alone: a space put first, GPT-2's own pattern) on
+// Qwen3's byte-level vocabulary: the file is made from the npm one; the reference reads it too.
+TEST(TokenizerReference, Gpt2PipelineOnQwen3Vocabulary) {
+  const auto models = vocabulary_folder("qwen3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  Json j = Json::parse(testing::slurp((models / "tokenizer.json").string()));
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] =
+      Json::parse(R"({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                      "use_regex": true})");
+  testing::TempDir dir("strata-tok-gpt2");
+  std::ofstream(dir.path + "/tokenizer.json") << j.dump();
+  compare_corpora("qwen3, GPT-2 pipeline", dir.path);
+}
+
 // Llama 2's vocabulary as newer conversions write it (Mistral v0.3, Llama 2 with legacy false):
 // no normalizer, a Metaspace pre-tokenizer putting ▁ first only at the start of the text (split
 // false), the same decoders; and with prepend_scheme always, split true and the Metaspace decoder.
