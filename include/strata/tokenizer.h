@@ -82,9 +82,8 @@ class Tokenizer {
   // Whether encode(text, true) puts a BOS first (the post-processor's template says so).
   bool adds_bos() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<const Impl> impl_;
 };

@@ -319,8 +319,8 @@ struct Tokenizer::Impl {
   [[noreturn]] void unsupported(std::string_view where, std::string_view type,
                                 std::string_view supported) const {
     STRATA_THROW(kUnsupported,
-                 "{}: {} type '{}' is not supported yet (supported: {}); this model's tokenizer "
-                 "cannot be used by strata until it is",
+                 "{}: {} type '{}' is not supported yet (supported: {}); tokenize with Hugging "
+                 "Face and pass token ids for this model until it is",
                  origin, where, type, supported);
   }
   [[noreturn]] void malformed(std::string_view what) const {
