@@ -115,6 +115,11 @@ TEST(Tokenizer, ByteLevelPartialCharactersStream) {
   EXPECT_EQ(t.token_bytes(18), "\xC3");
   EXPECT_EQ(t.decode(Ids{18, 19}), "é");
   EXPECT_EQ(t.decode(Ids{18}), "\xEF\xBF\xBD");  // a lone lead byte: U+FFFD
+  // One U+FFFD per bad sequence, as Hugging Face's from_utf8_lossy: a cut-off character, each
+  // stray continuation byte.
+  EXPECT_EQ(t.decode(Ids{18, 0}), "\xEF\xBF\xBDh");
+  EXPECT_EQ(t.decode(Ids{19, 19}), "\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(t.decode(Ids{18, 18, 19}), "\xEF\xBF\xBDé");
   TokenStreamDecoder s(t);
   EXPECT_EQ(s.push(11), "hello");
   EXPECT_EQ(s.push(18), "");

@@ -100,14 +100,13 @@ std::string utf8_lossy(std::string_view s) {
       continue;
     }
     out.append(kReplacementChar);
-    // Skip the longest prefix of a character that could have been valid (at least one byte).
-    const std::size_t tail = utf8_incomplete_tail(s, i);
+    // Skip the longest beginning of a character there (at least one byte): the bytes a
+    // character would have continued with are part of the one bad sequence.
     std::size_t skip = 1;
-    for (std::size_t k = 1; k < 4 && i + k < s.size(); ++k) {
-      std::string probe(s.substr(i, k + 1));
-      if (utf8_incomplete_tail(probe, 0) == k + 1) skip = k + 1;
-    }
-    i += std::max(skip, tail);
+    while (skip < 3 && i + skip < s.size() &&
+           utf8_incomplete_tail(s.substr(i, skip + 1), 0) == skip + 1)
+      ++skip;
+    i += skip;
   }
   return out;
 }
