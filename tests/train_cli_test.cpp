@@ -37,6 +37,7 @@
 #include "strata/dtype.h"
 #include "strata/generate.h"
 #include "strata/model_io.h"
+#include "strata/tokenizer.h"
 #include "strata/trainer.h"
 #include "test_util.h"
 
@@ -960,6 +961,75 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
   std::string want = prompt;
   for (std::int32_t t : res.tokens) want += static_cast<char>(t);
   EXPECT_EQ(last, want);
+}
+
+// With the --model folder's tokenizer.json, --sample-prompt TEXT is encoded by it and the sample
+// is its text: the prompt and what generate() makes of the --out folder, decoded.
+TEST_F(TrainCli, SamplesGoThroughTheModelsTokenizer) {
+  // A model of the tokenizer's 20 ids, and token ids for it to train on.
+  const std::string hf = dir.path + "/hf", out = dir.path + "/out", log = dir.path + "/tok.jsonl",
+                    ids = dir.path + "/ids.u16";
+  {
+    auto dev = make_host_device();
+    auto s = dev->create_stream("w");
+    ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
+                                         "tok20"),
+                      DType::kF32, *dev, *s);
+    w.init_random(3, 0.3f);
+    save_hf_weights(hf, w);
+    std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
+    std::vector<std::uint16_t> data(4096);
+    std::mt19937 rng(5);
+    for (auto& t : data) t = std::uint16_t(rng() % 20);
+    std::ofstream(ids, std::ios::binary)
+        .write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size() * 2));
+  }
+  const Result r = train({"--model",
+                          hf,
+                          "--data",
+                          ids,
+                          "--data-dtype",
+                          "u16",
+                          "--seq-len",
+                          "16",
+                          "--micro-batch",
+                          "2",
+                          "--steps",
+                          "4",
+                          "--lr",
+                          "1e-2",
+                          "--device",
+                          "cpu",
+                          "--log-json",
+                          log,
+                          "--sample-every",
+                          "2",
+                          "--sample-prompt",
+                          "hello world!",
+                          "--sample-tokens",
+                          "6",
+                          "--out",
+                          out},
+                         "tok");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::string last;
+  std::ifstream f(log);
+  for (std::string l; std::getline(f, l);)
+    if (const auto j = nlohmann::json::parse(l); j.contains("sample")) last = j.at("sample");
+  const Tokenizer tok = Tokenizer::from_folder(out);  // copied beside the weights
+  const std::vector<std::int32_t> prompt = tok.encode("hello world!");
+  auto dev = make_host_device();
+  auto s = dev->create_stream("g");
+  Model m(load_model_config(out + "/config.json"), *dev, *s, {.micro_batch = 1, .seq_len = 16});
+  ResidentWeights w(m, *s);
+  load_hf_weights(out, w);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  const GenerateResult res = generate(m, w, prompt, g);
+  EXPECT_EQ(last, "hello world!" + tok.decode(res.tokens, /*skip_special_tokens=*/true));
+  EXPECT_EQ(decode_generated(tok, {11, 25, 15, 3}), "hello[id 25]!o") << "ids beyond the tokenizer";
 }
 
 // Checkpointing recomputes exactly the forward: the same losses as without it, whether the

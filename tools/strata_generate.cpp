@@ -5,9 +5,10 @@
 //
 // The model runs in the dtype it was saved in (config.json's torch_dtype: bfloat16 -> bf16, else
 // fp32; --dtype overrides) with a key/value cache (--no-kv-cache: the full forward for every
-// token, the reference path). Tokens print as they come. A byte-level model (vocab_size <= 256,
-// no tokenizer.json: what strata-train --text trains) reads --prompt TEXT byte by byte and prints
-// text; any other model takes and prints token ids, since strata reads no tokenizer yet.
+// token, the reference path). Tokens print as they come. --prompt TEXT goes through the
+// folder's tokenizer.json (strata/tokenizer.h) and the new tokens print as text; a byte-level
+// model (vocab_size 256, no tokenizer.json: what strata-train --text trains) reads and prints
+// bytes; --prompt-ids takes ids, and without a usable tokenizer the new tokens print as ids.
 // Sampling follows the folder's generation_config.json (do_sample, temperature, top_p, top_k)
 // unless flags say otherwise; greedy without one. Generation ends at max_new_tokens or at the
 // eos_token_id of generation_config.json / config.json (--ignore-eos: not).
@@ -17,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "strata/generate.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
+#include "strata/tokenizer.h"
 #include "tool_main.h"
 
 namespace {
@@ -77,9 +80,9 @@ int run(const Options& o) {
                  "folder: config.json and safetensors, as strata-train --out writes)",
                  o.model_dir);
   STRATA_REQUIRE(!o.chat,
-                 "--chat needs the model's tokenizer and chat template, which strata-generate "
-                 "does not read yet: apply the template yourself and give the result's token ids "
-                 "with --prompt-ids");
+                 "--chat needs the model's chat template, which strata-generate does not render "
+                 "yet: apply the template yourself and give the result as --prompt TEXT (or its "
+                 "token ids as --prompt-ids)");
   STRATA_REQUIRE(o.prompt.empty() != o.prompt_ids.empty(),
                  "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
                  "ID ...\"");
@@ -87,26 +90,53 @@ int run(const Options& o) {
   const nlohmann::json gen = fs::exists(dir / "generation_config.json", ec)
                                  ? read_json_file(dir / "generation_config.json")
                                  : nlohmann::json::object();
-  const bool byte_level = cfg.vocab_size == 256 && !fs::exists(dir / "tokenizer.json", ec);
+  // The folder's tokenizer.json when there is one (one this tokenizer cannot run: ids only, and
+  // --prompt says why); a byte-level model (vocab 256) without one reads and prints bytes.
+  const bool has_tokenizer = fs::exists(dir / "tokenizer.json", ec);
+  std::optional<strata::Tokenizer> tok;
+  std::string tok_error;
+  if (has_tokenizer) {
+    try {
+      tok = strata::Tokenizer::from_folder(dir);
+    } catch (const strata::Error& e) {
+      tok_error = e.user_message();
+    }
+  }
+  const bool byte_level = cfg.vocab_size == 256 && !has_tokenizer;
 
   std::vector<std::int32_t> prompt;
   if (!o.prompt.empty()) {
-    STRATA_REQUIRE(byte_level,
-                   "--prompt TEXT needs the model's tokenizer ({} has vocab_size {}{}), which "
-                   "strata-generate does not read yet: give the prompt's token ids with "
-                   "--prompt-ids \"ID ID ...\"",
-                   o.model_dir, cfg.vocab_size,
-                   fs::exists(dir / "tokenizer.json", ec) ? " and a tokenizer.json" : "");
-    for (unsigned char c : o.prompt) prompt.push_back(c);
+    if (tok) {
+      prompt = tok->encode(o.prompt, /*add_special_tokens=*/true);
+      for (std::int32_t id : prompt)
+        STRATA_REQUIRE(id < cfg.vocab_size,
+                       "--prompt: {}/tokenizer.json gives id {}, beyond the model's vocab_size {}: "
+                       "the tokenizer is not this model's",
+                       o.model_dir, id, cfg.vocab_size);
+      STRATA_REQUIRE(!prompt.empty(), "--prompt '{}' encodes to no token: give some text",
+                     o.prompt);
+    } else {
+      STRATA_REQUIRE(byte_level,
+                     "--prompt TEXT needs the model's tokenizer, and {}: give the prompt's token "
+                     "ids with --prompt-ids \"ID ID ...\"",
+                     has_tokenizer ? fmt::format("{}/tokenizer.json cannot be used ({})",
+                                                 o.model_dir, tok_error)
+                                   : fmt::format("{} has no tokenizer.json (vocab_size {})",
+                                                 o.model_dir, cfg.vocab_size));
+      for (unsigned char c : o.prompt) prompt.push_back(c);
+    }
   } else {
     prompt = strata::parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
   }
-  const bool text_out = byte_level && !o.ids;
+  const bool text_out = (tok || byte_level) && !o.ids;
 
   strata::GenerateOptions g;
   g.max_new_tokens = o.max_new_tokens;
   g.kv_cache = !o.no_kv_cache;
-  if (!o.ignore_eos) g.stop_ids = stop_ids(gen, cfg.raw);
+  if (!o.ignore_eos) {
+    g.stop_ids = stop_ids(gen, cfg.raw);
+    if (g.stop_ids.empty() && tok && tok->eos_id()) g.stop_ids.push_back(*tok->eos_id());
+  }
   // Sampling: the flags, else generation_config.json's (do_sample true), else greedy.
   const bool cfg_samples = gen.value("do_sample", false);
   auto gen_num = [&](const char* key, double def) {
@@ -154,19 +184,24 @@ int run(const Options& o) {
                  g.sampling.temperature == 0 ? "greedy" : "sampling",
                  g.kv_cache ? "" : ", no key/value cache");
   std::FILE* out = o.json ? stderr : stdout;
-  if (text_out) {
-    std::fwrite(o.prompt.data(), 1, o.prompt.size(), out);
-  }
+  auto put = [&](const std::string& text) { std::fwrite(text.data(), 1, text.size(), out); };
+  if (text_out)  // the prompt first, as the model continues it
+    put(o.prompt.empty() && tok ? tok->decode(prompt, /*skip_special_tokens=*/true) : o.prompt);
   std::fflush(out);
+  std::optional<strata::TokenStreamDecoder> stream_text;
+  if (text_out && tok) stream_text.emplace(*tok, /*skip_special_tokens=*/true);
   const strata::GenerateResult r = strata::generate(model, w, prompt, g, [&](std::int32_t id) {
-    if (text_out) {
-      const char c = static_cast<char>(id);
-      std::fwrite(&c, 1, 1, out);
-    } else {
+    if (stream_text && id < tok->vocab_size())
+      put(stream_text->push(id));  // a character split over tokens prints when whole
+    else if (stream_text)          // beyond the tokenizer (a padded vocabulary's untrained row)
+      put(stream_text->finish() + "[id " + std::to_string(id) + "]");
+    else if (text_out)
+      put(std::string(1, static_cast<char>(id)));
+    else
       std::fprintf(out, "%d ", id);
-    }
     std::fflush(out);
   });
+  if (stream_text) put(stream_text->finish());
   std::fputc('\n', out);
   std::fflush(out);
   const double tps =
@@ -203,9 +238,10 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model_dir, "the model's folder (config.json + safetensors)")
       ->required();
   app.add_option("--prompt", o.prompt,
-                 "the prompt as text (byte-level models: vocab_size 256, no tokenizer.json)");
+                 "the prompt as text, through the folder's tokenizer.json (a byte-level model, "
+                 "vocab_size 256 without one: its bytes)");
   app.add_option("--prompt-ids", o.prompt_ids, "the prompt as token ids: \"1 2 3\" or \"1,2,3\"");
-  app.add_flag("--chat", o.chat, "apply the model's chat template (needs its tokenizer: not yet)");
+  app.add_flag("--chat", o.chat, "apply the model's chat template (not yet: refused)");
   app.add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate (default 64)")
       ->check(strata::tools::kCount);
   app.add_option("--temperature", o.temperature,
@@ -228,7 +264,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-kv-cache", o.no_kv_cache,
                "run the full forward for every token (the reference path; slow)");
   app.add_flag("--ignore-eos", o.ignore_eos, "do not stop at the model's eos_token_id");
-  app.add_flag("--ids", o.ids, "print token ids even for a byte-level model");
+  app.add_flag("--ids", o.ids, "print the new tokens' ids, not their text");
   app.add_flag("--json", o.json,
                "print, last, one JSON object: the new token ids and timings (the text to stderr)");
   return strata::tools::run_tool("strata-generate", app, argc, argv, [&] { return run(o); });

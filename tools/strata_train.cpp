@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
                  "every N steps and after the last, print a greedy sample of the model (0: none)")
       ->check(strata::tools::kCount);
   app.add_option("--sample-prompt", o.sample_prompt,
-                 "the samples' prompt as text (byte-level models: vocab_size <= 256)");
+                 "the samples' prompt as text: through the --model folder's tokenizer.json, or its "
+                 "bytes for a byte-level model (vocab_size <= 256)");
   app.add_option("--sample-prompt-ids", o.sample_prompt_ids,
                  "the samples' prompt as token ids: \"1 2 3\"");
   app.add_option("--sample-tokens", o.sample_tokens, "new tokens a sample (default 32)")

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "strata/model.h"
+#include "strata/tokenizer.h"
 
 namespace strata {
 
@@ -73,6 +74,12 @@ struct GenerateResult {
 // `flag` names where they came from in errors ("--prompt-ids").
 std::vector<std::int32_t> parse_token_ids(const std::string& text, std::int64_t vocab,
                                           const std::string& flag);
+
+// The text of generated ids: tokenizer.decode over each run of ids the tokenizer has, and "[id N]"
+// for an id beyond it (a model's vocabulary is often padded past its tokenizer's, and an untrained
+// row can still be sampled), so a sample never fails on its own output.
+std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::int32_t>& ids,
+                             bool skip_special_tokens = true);
 
 // `model` needs a seq_len of at least prompt + max_new_tokens - 1 (an error says so before anything
 // runs), and without the cache a micro_batch of 1 (the model's own, as training built it, serves

@@ -23,6 +23,7 @@
 #include "strata/comm.h"
 #include "strata/model_data.h"
 #include "strata/run_plot.h"
+#include "strata/tokenizer.h"
 #include "strata/trainer.h"
 
 namespace strata::train_job {
@@ -58,6 +59,7 @@ struct Settings {
   bool ds_schedule = false;
   bool clip_defaulted = false;  // gradient clipping 1.0: the fine-tuning default, not asked for
   std::vector<std::int32_t> sample_prompt;  // --sample-prompt / --sample-prompt-ids as ids
+  std::shared_ptr<Tokenizer> tokenizer;     // the --model folder's, for --sample-every (or none)
   std::string schedule;
   // The data the loaders read (the demo's text file named, not yet written), and the epochs:
   // --epochs E, or 0 when --steps (or the default) sets the steps.

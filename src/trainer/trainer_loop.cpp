@@ -300,7 +300,10 @@ std::string sample(Run& run) {
   run.model->reset_decode();  // the cache's memory back before the next step
   engine.set_eval(false);
   std::string text;
-  if (!run.s.o.sample_prompt.empty()) {
+  if (run.s.tokenizer) {
+    text = decode_generated(*run.s.tokenizer, run.s.sample_prompt) +
+           decode_generated(*run.s.tokenizer, res.tokens);
+  } else if (!run.s.o.sample_prompt.empty()) {
     text = run.s.o.sample_prompt;
     for (std::int32_t t : res.tokens) text += static_cast<char>(t);
   } else {

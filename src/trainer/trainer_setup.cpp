@@ -15,6 +15,7 @@
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
+#include "strata/tokenizer.h"
 #include "trainer/train_job.h"
 
 namespace strata::train_job {
@@ -591,11 +592,36 @@ void sequence_and_batch(Settings& s) {
         "model has not seen",
         seq_len, mcfg.max_positions);
   if (o.sample_every > 0) {
-    if (!o.sample_prompt.empty()) {
-      STRATA_REQUIRE(mcfg.vocab_size <= 256,
-                     "--sample-prompt TEXT is read byte by byte, for a byte-level model; this "
-                     "one's vocab_size is {}: give the prompt's token ids with --sample-prompt-ids",
-                     mcfg.vocab_size);
+    // The --model folder's tokenizer.json reads a text prompt and writes the samples as text.
+    std::error_code ec;
+    const bool has_tokenizer =
+        !o.model_dir.empty() && fs::exists(fs::path(o.model_dir) / "tokenizer.json", ec);
+    if (has_tokenizer) {
+      try {
+        s.tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_folder(o.model_dir));
+      } catch (const Error& e) {
+        STRATA_REQUIRE(o.sample_prompt.empty(),
+                       "--sample-prompt TEXT: {}/tokenizer.json cannot be used ({}): give the "
+                       "prompt's token ids with --sample-prompt-ids",
+                       o.model_dir, e.user_message());
+        log::warn("--sample-every: {}/tokenizer.json cannot be used ({}): samples print as ids",
+                  o.model_dir, e.user_message());
+      }
+    }
+    if (!o.sample_prompt.empty() && s.tokenizer) {
+      s.sample_prompt = s.tokenizer->encode(o.sample_prompt);
+      for (std::int32_t id : s.sample_prompt)
+        STRATA_REQUIRE(id < mcfg.vocab_size,
+                       "--sample-prompt: {}/tokenizer.json gives id {}, beyond the model's "
+                       "vocab_size {}: the tokenizer is not this model's",
+                       o.model_dir, id, mcfg.vocab_size);
+    } else if (!o.sample_prompt.empty()) {
+      STRATA_REQUIRE(
+          mcfg.vocab_size <= 256,
+          "--sample-prompt TEXT is read by the --model folder's tokenizer.json, or byte by "
+          "byte for a byte-level model; this one has neither (vocab_size {}): give the "
+          "prompt's token ids with --sample-prompt-ids",
+          mcfg.vocab_size);
       for (unsigned char c : o.sample_prompt) {
         STRATA_REQUIRE(c < mcfg.vocab_size,
                        "--sample-prompt: byte {} is outside the model's vocabulary [0, {}): give "
