@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -80,35 +81,6 @@ void Tracer::clear() {
   }
 }
 
-// The length of the well-formed UTF-8 sequence at s[i], or 0 when there is none; then *bad is
-// the length of its longest valid prefix (at least 1), which the caller replaces by one U+FFFD
-// (Unicode's "maximal subpart" practice, as Python's errors="replace" does). Overlong forms,
-// surrogates and code points above U+10FFFF are ill-formed.
-static std::size_t utf8_sequence(std::string_view s, std::size_t i, std::size_t* bad) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  std::size_t n = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  }
-  std::size_t k = 1;
-  for (; k < n && i + k < s.size(); ++k) {
-    const auto x = static_cast<unsigned char>(s[i + k]);
-    if (x < (k == 1 ? lo : 0x80) || x > (k == 1 ? hi : 0xBF)) break;
-  }
-  if (n > 0 && k == n) return n;
-  *bad = k;
-  return 0;
-}
-
 // Names come from anywhere (file names, user strings): invalid UTF-8 is replaced, never copied,
 // so the trace is always valid JSON.
 static void append_json_string(std::string& out, std::string_view s) {
@@ -117,7 +89,7 @@ static void append_json_string(std::string& out, std::string_view s) {
     const char c = s[i];
     if (static_cast<unsigned char>(c) >= 0x80) {
       std::size_t bad = 0;
-      const std::size_t n = utf8_sequence(s, i, &bad);
+      const std::size_t n = utf8::sequence_length(s, i, &bad);
       if (n > 0)
         out.append(s.substr(i, n));
       else

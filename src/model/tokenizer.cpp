@@ -29,6 +29,7 @@
 #include <unordered_map>
 #include <variant>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -40,31 +41,7 @@ using Json = nlohmann::json;
 
 // Length of the valid UTF-8 character at s[i], or 0 when the bytes there are not one (bad lead
 // byte, bad continuation, overlong, surrogate, above U+10FFFF, or cut off by the end).
-std::size_t utf8_char_len(std::string_view s, std::size_t i) {
-  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const unsigned char c = b(0);
-  if (c < 0x80) return 1;
-  std::size_t n;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (i + n > s.size()) return 0;
-  if (b(1) < lo || b(1) > hi) return 0;
-  for (std::size_t k = 2; k < n; ++k)
-    if (b(k) < 0x80 || b(k) > 0xBF) return 0;
-  return n;
-}
+std::size_t utf8_char_len(std::string_view s, std::size_t i) { return utf8::sequence_length(s, i); }
 
 // How many bytes from s[i] are a valid beginning of a character cut off by the end of `s` (0 when
 // they are not one): a stream decoder waits for the rest of those.

@@ -1,0 +1,31 @@
+#include "core/utf8.h"
+
+namespace strata::utf8 {
+
+std::size_t sequence_length(std::string_view s, std::size_t i, std::size_t* bad) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  }
+  std::size_t k = 1;
+  for (; k < n && i + k < s.size(); ++k) {
+    const auto x = static_cast<unsigned char>(s[i + k]);
+    if (x < (k == 1 ? lo : 0x80) || x > (k == 1 ? hi : 0xBF)) break;
+  }
+  if (n > 0 && k == n) return n;
+  if (bad) *bad = k;
+  return 0;
+}
+
+}  // namespace strata::utf8
