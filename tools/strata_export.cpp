@@ -43,18 +43,6 @@ namespace {
 namespace fs = std::filesystem;
 using strata::DType;
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path);
-  STRATA_REQUIRE(bool(f), "{} cannot be read: {}", path, std::strerror(errno));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const std::exception& e) {
-    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", path, e.what());
-  }
-}
-
 struct RankFile {
   int fd = -1;
   std::string path;
@@ -126,7 +114,8 @@ strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint
 void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, int world,
                const std::vector<strata::UnitSpec>& units) {
   RankFile& rf = ranks[std::size_t(r)];
-  const nlohmann::json j = read_json((fs::path(ck_dir) / fmt::format("rank{}.json", r)).string());
+  const nlohmann::json j =
+      strata::tools::read_json_file((fs::path(ck_dir) / fmt::format("rank{}.json", r)).string());
   STRATA_REQUIRE(j.value("format", "") == "strata-engine-state",
                  "{}/rank{}.json is not a strata engine state", ck_dir, r);
   STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == world,

@@ -44,18 +44,6 @@ struct Options {
   std::uint64_t seed = 0;
 };
 
-nlohmann::json read_json_file(const fs::path& path) {
-  std::ifstream f(path);
-  STRATA_REQUIRE(bool(f), "{} cannot be read", path.string());
-  std::stringstream ss;
-  ss << f.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const std::exception& e) {
-    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", path.string(), e.what());
-  }
-}
-
 // eos_token_id: an id or a list of them, from generation_config.json, else config.json.
 std::vector<std::int32_t> stop_ids(const nlohmann::json& gen, const nlohmann::json& cfg) {
   const nlohmann::json* src = nullptr;
@@ -87,9 +75,10 @@ int run(const Options& o) {
                  "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
                  "ID ...\"");
   const strata::ModelConfig cfg = strata::load_model_config((dir / "config.json").string());
-  const nlohmann::json gen = fs::exists(dir / "generation_config.json", ec)
-                                 ? read_json_file(dir / "generation_config.json")
-                                 : nlohmann::json::object();
+  const nlohmann::json gen =
+      fs::exists(dir / "generation_config.json", ec)
+          ? strata::tools::read_json_file((dir / "generation_config.json").string())
+          : nlohmann::json::object();
   // The folder's tokenizer.json when there is one (one this tokenizer cannot run: ids only, and
   // --prompt says why); a byte-level model (vocab 256) without one reads and prints bytes.
   const bool has_tokenizer = fs::exists(dir / "tokenizer.json", ec);

@@ -15,7 +15,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -81,6 +83,20 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
   if (::access((where + "/.").c_str(), W_OK) != 0)
     STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
                  std::strerror(errno));
+}
+
+// A JSON file the tool reads (a checkpoint's layout, a model folder's generation_config.json):
+// one that cannot be read or parsed is a strata::Error naming it.
+inline nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream f(path);
+  STRATA_REQUIRE(bool(f), "{} cannot be read: {}", path, std::strerror(errno));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  try {
+    return nlohmann::json::parse(ss.str());
+  } catch (const std::exception& e) {
+    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", path, e.what());
+  }
 }
 
 // Set by a tool whose every rank starts MPI (strata-train, strata-prof): a rank that fails before

@@ -282,7 +282,8 @@ double evaluate(Run& run) {
 }
 
 // --sample-every: a greedy continuation of the prompt through the engine's weights (every rank
-// runs it: the units are gathered as in evaluation), as text for a byte-level model, else ids.
+// runs it: the units are gathered as in evaluation), as the --model folder's tokenizer's text, a
+// byte-level model's bytes, or else ids.
 std::string sample(Run& run) {
   const auto t0 = Clock::now();
   Engine& engine = *run.engine;
