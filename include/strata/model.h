@@ -140,10 +140,19 @@ struct ModelOptions {
   std::int64_t loss_chunk_rows = 0;  // rows of logits per LM-head chunk; 0 = about 16 MiB
 };
 
+// A target that does not count in the loss (prompt tokens, padding): Hugging Face's
+// ignore_index.
+inline constexpr std::int32_t kIgnoreTarget = -100;
+
 // One micro-batch: B*T input ids and B*T target ids, row-major [B, T].
+//  - targets may hold kIgnoreTarget: such positions add nothing to the loss or the gradients.
+//  - positions (packed rows): B*T, each token's position within its document, 0 where a
+//    document starts; attention does not cross documents and rotary / learned positions restart
+//    per document. Empty: each row is one document at positions 0..T-1.
 struct Batch {
   std::vector<std::int32_t> tokens;
   std::vector<std::int32_t> targets;
+  std::vector<std::int32_t> positions;
 };
 
 class Model {

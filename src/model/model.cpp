@@ -568,6 +568,8 @@ struct Model::Impl {
   float forward(const Batch& batch, UnitProvider& p, bool grad) {
     check_ids(batch.tokens, "tokens");
     check_ids(batch.targets, "targets");
+    if (!batch.positions.empty())
+      STRATA_THROW(kUnsupported, "Model: packed rows (batch.positions) are not supported yet");
     upload_ids(batch.tokens, tokens, "tokens");
     upload_ids(batch.targets, targets, "targets");
     Buffer x = run_trunk(p, grad);
