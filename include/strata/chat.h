@@ -13,6 +13,11 @@
 //                                   {content, trimmed}<|eot_id|> per message; the assistant header
 //                                   last either always (Meta-Llama-3-8B-Instruct's first template
 //                                   writes it unconditionally) or with add_generation_prompt.
+//                                   Llama 3.1+: the system turn always first, the knowledge cutoff
+//                                   and "Today Date: {date_string}" lines before the system prompt.
+//                                   Llama 3.1+: the system turn always first, with the knowledge
+//                                   cutoff and "Today Date: {date_string}" lines before the system
+//                                   prompt.
 //   kLlama2  "[INST]" + "<<SYS>>"   {bos}[INST] {user, stripped} [/INST] {assistant, stripped}
 //   {eos}
 //                                   per exchange, the system prompt folded into the first user turn
@@ -94,7 +99,11 @@ struct ChatTemplate {
   ChatFormat format = ChatFormat::kNone;
   std::string default_system;   // ChatML: the system turn written when none is given ("": none)
   bool qwen3_thinking = false;  // ChatML: Qwen3's <think> blocks
-  bool always_generation_prompt = false;    // Llama 3: the assistant header ends every rendering
+  bool always_generation_prompt = false;  // Llama 3: the assistant header ends every rendering
+  // Llama 3.1+: a system turn always written first, "Cutting Knowledge Date: {knowledge_cutoff}\n
+  // Today Date: {date}\n\n{system, trimmed}" ("": no such turn, Llama 3).
+  std::string knowledge_cutoff;
+  std::string default_date;  // the template's own date_string when none is given ("26 Jul 2024")
   std::vector<std::string> not_reproduced;  // what else the template has ("tool calls", ...)
 };
 
@@ -115,8 +124,9 @@ inline ChatFormat chat_format_from_config(const std::filesystem::path& dir) {
 struct RenderOptions {
   bool add_generation_prompt = false;  // end with the assistant's header, for generation
   bool enable_thinking = true;         // Qwen3: false writes an empty think block after it
-  std::string bos_token;               // the template's bos_token (Llama 2 / 3: "<s>", ...)
-  std::string eos_token;               // the template's eos_token (Llama 2, none: "</s>", ...)
+  std::string date_string;  // Llama 3.1+: the "Today Date" ("": the template's default_date)
+  std::string bos_token;    // the template's bos_token (Llama 2 / 3: "<s>", ...)
+  std::string eos_token;    // the template's eos_token (Llama 2, none: "</s>", ...)
 };
 // bos_token / eos_token as the tokenizer's tokenizer_config.json names them ("" where none).
 RenderOptions render_options_for(const Tokenizer& tok);

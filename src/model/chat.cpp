@@ -208,6 +208,18 @@ std::string chatml_default_system(std::string_view src) {
   return {};
 }
 
+// The literal text after `marker` up to the end of its string literal or an escaped newline.
+std::string literal_after(std::string_view src, std::string_view marker) {
+  const std::size_t at = src.find(marker);
+  if (at == std::string_view::npos) return {};
+  std::string_view rest = src.substr(at + marker.size());
+  std::size_t end = 0;
+  while (end < rest.size() && rest[end] != '"' && rest[end] != '\'' && rest[end] != '\\' &&
+         rest[end] != '\n')
+    ++end;
+  return std::string(rest.substr(0, end));
+}
+
 }  // namespace
 
 ChatTemplate chat_template_from_jinja(std::string_view src) {
@@ -227,12 +239,18 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
   }
   if (has(src, "<|start_header_id|>")) {
     t.format = ChatFormat::kLlama3;
-    STRATA_REQUIRE(!has(src, "Cutting Knowledge Date"),
-                   "the chat template is Llama 3.1's or later (a system header with \"Cutting "
-                   "Knowledge Date\" / \"Today Date\"), which strata does not render yet: pass "
-                   "--chat-format llama3 for Llama 3's plain layout (no date header), or "
-                   "chatml | llama2 | none");
     t.always_generation_prompt = !has(src, "add_generation_prompt");
+    if (has(src, "Cutting Knowledge Date: ")) {
+      t.knowledge_cutoff = literal_after(src, "Cutting Knowledge Date: ");
+      t.default_date = literal_after(src, "set date_string = \"");
+      STRATA_REQUIRE(!t.knowledge_cutoff.empty() && !t.default_date.empty(),
+                     "the chat template is Llama 3.1's or later, but its \"Cutting Knowledge "
+                     "Date\" line or its default date_string is not a plain literal: pass "
+                     "--chat-format llama3 for Llama 3's layout without the date header");
+      if (has(src, "strftime_now"))
+        t.not_reproduced.push_back(
+            "today's date (strftime_now; date_string or the template's default is written)");
+    }
     note_tools();
     return t;
   }
@@ -372,9 +390,23 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& m, con
 
 void render_llama3(const ChatTemplate& t, const std::vector<ChatMessage>& m, const RenderOptions& o,
                    Builder& b) {
-  for (std::size_t i = 0; i < m.size(); ++i) {
+  std::size_t first = 0;
+  if (!t.knowledge_cutoff.empty()) {  // Llama 3.1+: the system turn, always
+    b.special(o.bos_token);
+    b.special("<|start_header_id|>");
+    b.text("system");
+    b.special("<|end_header_id|>");
+    b.text("\n\nCutting Knowledge Date: " + t.knowledge_cutoff +
+           "\nToday Date: " + (o.date_string.empty() ? t.default_date : o.date_string) + "\n\n");
+    if (m[0].role == "system") {
+      b.text(strip(m[0].content));
+      first = 1;
+    }
+    b.special("<|eot_id|>");
+  }
+  for (std::size_t i = first; i < m.size(); ++i) {
     const bool assistant = m[i].role == "assistant";
-    if (i == 0) b.special(o.bos_token);
+    if (i == 0 && t.knowledge_cutoff.empty()) b.special(o.bos_token);
     b.special("<|start_header_id|>");
     b.text(m[i].role);
     b.special("<|end_header_id|>");

@@ -6,7 +6,8 @@
 //   node chat_ref.mjs NPM_DIR CASES_JSON [TOKENIZER_JSON]
 //
 // CASES_JSON: {"template": "...", "cases": [{"messages": [...], "add_generation_prompt": bool,
-// "bos_token": "...", "eos_token": "...", "enable_thinking": bool (optional)}]}.
+// "bos_token": "...", "eos_token": "...", "enable_thinking": bool, "date_string": "..." (both
+// optional)}]}. `tools` is null, as transformers' apply_chat_template passes it without tools.
 // Output: {"text": [rendered...], "ids": [[ids]...] (with TOKENIZER_JSON)}. Exits 3 when a
 // package cannot be loaded.
 import { createRequire } from 'node:module';
@@ -37,8 +38,10 @@ for (const c of input.cases) {
     add_generation_prompt: c.add_generation_prompt,
     bos_token: c.bos_token,
     eos_token: c.eos_token,
+    tools: null,
   };
   if (c.enable_thinking !== undefined) vars.enable_thinking = c.enable_thinking;
+  if (c.date_string !== undefined) vars.date_string = c.date_string;
   const text = template.render(vars);
   out.text.push(text);
   if (tok) out.ids.push((await tok.encode(text, null, { addSpecialTokens: false })).getIds());
