@@ -225,6 +225,36 @@ TEST(Sampler, BadOptionsAndLogitsAreRefused) {
 
 // ---- generate() ----
 
+// A second call that keeps the cache (cached_prefix: what the first left in it) generates what a
+// fresh call over the whole prompt generates; a prefix the cache does not hold is refused.
+TEST(Generate, KeepsTheCacheForAPromptThatExtendsIt) {
+  Fixture f(kLlamaGqa, 48, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  const std::vector<std::int32_t> p1 = random_ids(9, 131, 5);
+  const GenerateResult r1 = generate(*f.model, *f.w, p1, g);
+  ASSERT_EQ(r1.tokens.size(), 6u);
+  std::vector<std::int32_t> held = p1;
+  held.insert(held.end(), r1.tokens.begin(), r1.tokens.end() - 1);
+  EXPECT_EQ(f.model->decode_length(), std::int64_t(held.size()));
+  std::vector<std::int32_t> p2 = held;
+  for (std::int32_t t : {r1.tokens.back(), 7, 8, 9}) p2.push_back(t);
+  GenerateOptions keep = g;
+  keep.cached_prefix = std::int64_t(held.size());
+  const GenerateResult r2 = generate(*f.model, *f.w, p2, keep);
+  Fixture fresh(kLlamaGqa, 48, DType::kF32);
+  EXPECT_EQ(r2.tokens, generate(*fresh.model, *fresh.w, p2, g).tokens);
+  keep.cached_prefix = 3;
+  try {
+    generate(*f.model, *f.w, p2, keep);
+    ADD_FAILURE() << "a prefix the cache does not hold was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cached_prefix 3 but the model's cache holds"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Generate, StopsOnAStopIdAndChecksTheContext) {
   Fixture f(kLlamaGqa, 40, DType::kF32);
   const std::vector<std::int32_t> prompt = random_ids(6, f.cfg.vocab_size, 9);
@@ -420,13 +450,13 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   fs::copy_file(vocab / "tokenizer_config.json", m + "/tokenizer_config.json");
   std::ofstream(dir.path + "/in.txt") << "Hello there\n\nWhat is 2+2? 日本\n/exit\nnever read\n";
   auto chat = [&](const std::string& extra, const std::string& tag) {
-    return testing::run("/bin/sh",
-                        {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
-                                   " --chat --system 'Be brief.' --max-new-tokens 6 " + extra +
-                                   " < " + dir.path + "/in.txt"},
-                        dir.path, tag);
+    return testing::run(
+        "/bin/sh",
+        {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                   " --chat --system 'Be brief.' " + extra + " < " + dir.path + "/in.txt"},
+        dir.path, tag);
   };
-  const testing::Result r = chat("--json", "chat");
+  const testing::Result r = chat("--max-new-tokens 6 --json", "chat");
   ASSERT_EQ(r.status, 0) << r.err;
   std::vector<nlohmann::json> turns;
   std::istringstream lines(r.out);
@@ -451,10 +481,38 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   EXPECT_EQ(turns[0]["reply"].get<std::string>(), decode_generated(tok, reply_ids, true));
   conv.push_back({"assistant", turns[0]["reply"].get<std::string>()});
   conv.push_back({"user", "What is 2+2? 日本"});
-  EXPECT_EQ(turns[1]["prompt_ids"].get<std::vector<std::int32_t>>(),
-            encode_chat(tok, t, conv, o).tokens);
+  const std::vector<std::int32_t> prompt2 = encode_chat(tok, t, conv, o).tokens;
+  EXPECT_EQ(turns[1]["prompt_ids"].get<std::vector<std::int32_t>>(), prompt2);
+  EXPECT_EQ(turns[0]["cached_tokens"], 0);
+  // The second turn keeps the cache when its prompt extends what the first left there (the first
+  // prompt and reply, but the reply's last token); either way its reply is a fresh run's.
+  std::vector<std::int32_t> held = encode_chat(tok, t, {conv[0], conv[1]}, o).tokens;
+  held.insert(held.end(), want.tokens.begin(), want.tokens.end() - 1);
+  const bool extends =
+      held.size() < prompt2.size() && std::equal(held.begin(), held.end(), prompt2.begin());
+  EXPECT_EQ(turns[1]["cached_tokens"], extends ? held.size() : 0u);
+  Fixture fresh(cfg.c_str(), 256, DType::kF32);
+  EXPECT_EQ(turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
+            generate(*fresh.model, *fresh.w, prompt2, g).tokens);
+  std::printf("chat: turn 2 kept %zu cached tokens of a %zu-token prompt\n",
+              turns[1]["cached_tokens"].get<std::size_t>(), prompt2.size());
+  // One new token a turn: the cache holds the first prompt alone, which the second extends.
+  const testing::Result one = chat("--max-new-tokens 1 --json", "chat-one");
+  ASSERT_EQ(one.status, 0) << one.err;
+  std::istringstream one_lines(one.out);
+  std::vector<nlohmann::json> one_turns;
+  for (std::string l; std::getline(one_lines, l);) one_turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(one_turns.size(), 2u);
+  const auto p1 = one_turns[0]["prompt_ids"].get<std::vector<std::int32_t>>();
+  const auto p2 = one_turns[1]["prompt_ids"].get<std::vector<std::int32_t>>();
+  EXPECT_EQ(one_turns[1]["cached_tokens"], p1.size());
+  GenerateOptions g1 = g;
+  g1.max_new_tokens = 1;
+  Fixture fresh1(cfg.c_str(), 256, DType::kF32);
+  EXPECT_EQ(one_turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
+            generate(*fresh1.model, *fresh1.w, p2, g1).tokens);
   // Without --json: the replies, a line each.
-  const testing::Result text = chat("", "chat-text");
+  const testing::Result text = chat("--max-new-tokens 6", "chat-text");
   ASSERT_EQ(text.status, 0) << text.err;
   EXPECT_EQ(text.out, turns[0]["reply"].get<std::string>() + "\n" +
                           turns[1]["reply"].get<std::string>() + "\n");

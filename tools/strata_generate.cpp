@@ -16,11 +16,13 @@
 // eos_token_id of generation_config.json / config.json (--ignore-eos: not).
 //
 // --chat: a conversation on stdin/stdout. Each line read is a user message; the whole conversation
-// is rendered with the folder's chat template (strata/chat.h) and encoded, the prompt runs through
-// the model again (re-prefilled every turn: Qwen3's template rewrites earlier assistant turns, so
-// the rendered prefix does not always stay), and the reply streams until the template's end-of-turn
-// token. EOF or "/exit" ends it.
+// is rendered with the folder's chat template (strata/chat.h) and encoded; when the new prompt
+// begins with what the key/value cache holds (the last prompt and reply, the reply encoding back to
+// the tokens generated) only the rest runs, else the whole prompt runs again (Qwen3's template
+// rewrites earlier assistant turns, and a reply's text may encode to other tokens); the reply
+// streams until the template's end-of-turn token. EOF or "/exit" ends it.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -140,7 +142,7 @@ double decode_rate(const strata::GenerateResult& r) {
 }
 
 // --chat: user messages from stdin, one a line, until EOF or "/exit"; each turn re-renders the
-// whole conversation with the generation prompt and runs it through the model again.
+// whole conversation with the generation prompt and runs what the cache does not hold yet.
 int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::json& gen,
              const std::optional<strata::Tokenizer>& tok, const std::string& tok_why) {
   STRATA_REQUIRE(o.prompt.empty() && o.prompt_ids.empty(),
@@ -178,6 +180,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
                     note.empty() ? "" : note + " are not rendered"));
   }
   std::vector<strata::ChatMessage> history;
+  std::vector<std::int32_t> held;  // what the model's key/value cache holds
   if (o.system_given) history.push_back({"system", o.system});
   std::FILE* out = o.json ? stderr : stdout;
   std::string line;
@@ -203,6 +206,12 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
       std::fwrite(s.data(), 1, s.size(), out);
       std::fflush(out);
     };
+    // Keep the cache when the new prompt extends what it holds (the reply encoded back as it
+    // was generated); else run the whole conversation again.
+    g.cached_prefix = 0;
+    if (g.kv_cache && held.size() < prompt.size() &&
+        std::equal(held.begin(), held.end(), prompt.begin()))
+      g.cached_prefix = std::int64_t(held.size());
     const strata::GenerateResult r =
         strata::generate(*m.model, *m.weights, prompt, g, [&](std::int32_t id) {
           if (id == *eot_id) return;
@@ -210,6 +219,11 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
                                      : text.finish() + "[id " + std::to_string(id) + "]");
         });
     put(text.finish() + "\n");
+    held = prompt;  // and every new token but the last, which was never fed
+    if (r.tokens.empty())
+      held.clear();  // nothing ran: the cache may hold less than the prompt
+    else
+      held.insert(held.end(), r.tokens.begin(), r.tokens.end() - 1);
     std::vector<std::int32_t> reply_ids = r.tokens;
     if (r.stopped && !reply_ids.empty()) reply_ids.pop_back();  // the end-of-turn / eos token
     // The reply as text, as it printed: the next turn renders it back into the conversation.
@@ -217,10 +231,15 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
     history.push_back({"assistant", reply});
     ++turn;
     if (o.json) {
-      const nlohmann::json j = {{"turn", turn},           {"prompt_ids", prompt},
-                                {"new_tokens", r.tokens}, {"reply", reply},
-                                {"stopped", r.stopped},   {"prompt_s", r.prompt_s},
-                                {"decode_s", r.decode_s}, {"decode_tokens_per_s", decode_rate(r)}};
+      const nlohmann::json j = {{"turn", turn},
+                                {"prompt_ids", prompt},
+                                {"cached_tokens", g.cached_prefix},
+                                {"new_tokens", r.tokens},
+                                {"reply", reply},
+                                {"stopped", r.stopped},
+                                {"prompt_s", r.prompt_s},
+                                {"decode_s", r.decode_s},
+                                {"decode_tokens_per_s", decode_rate(r)}};
       std::printf("%s\n", j.dump().c_str());
       std::fflush(stdout);
     }
