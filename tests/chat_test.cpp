@@ -84,7 +84,8 @@ TEST(ChatRecord, ErrorsNameTheProblem) {
 TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
   EXPECT_EQ(parse_chat_format("chatml"), ChatFormat::kChatML);
   EXPECT_EQ(parse_chat_format("none"), ChatFormat::kNone);
-  EXPECT_ERROR(parse_chat_format("vicuna"), "chatml | llama3 | llama2 | none");
+  EXPECT_ERROR(parse_chat_format("vicuna"), "chatml | llama3 | llama2 | mistral | none");
+  EXPECT_EQ(parse_chat_format("mistral"), ChatFormat::kMistral);
   // Qwen2.5-style: the default system prompt as a literal in the template.
   const auto qwen25 = chat_template_from_jinja(
       R"({%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}{%- endif %}{% if tools %}{% endif %})");
@@ -99,10 +100,10 @@ TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
   EXPECT_EQ(plain.default_system, "");
   EXPECT_TRUE(plain.not_reproduced.empty());
   EXPECT_ERROR(
-      chat_template_from_jinja("{{ bos_token }}{% for m in messages %}{{ '[INST] ' }}{% endfor %}"),
-      "Mistral's [INST] layout");
+      chat_template_from_jinja("{%- if messages[0]['role'] == 'system' %}[INST]{% endif %}"),
+      "a later Mistral [INST] layout");
   EXPECT_ERROR(chat_template_from_jinja("{{ '### Instruction:' }}"),
-               "pass --chat-format chatml|llama3|llama2|none");
+               "pass --chat-format chatml|llama3|llama2|mistral|none");
   EXPECT_ERROR(chat_template_from_jinja("<|start_header_id|>Cutting Knowledge Date: x"),
                "its default date_string is not a plain literal");
   testing::TempDir dir("strata-chat-folder");
@@ -203,7 +204,7 @@ Json to_json(const Msgs& m) {
 // Conversations with and without a system prompt, several turns, content with unicode, edge
 // whitespace (the templates trim / strip) and newlines; each with and without the generation
 // prompt.
-std::vector<Case> cases(bool qwen3) {
+std::vector<Case> cases(bool qwen3, bool system = true) {
   const std::vector<Msgs> convs = {
       {{"user", "Hello"}, {"assistant", "Hi! How can I help?"}},
       {{"system", "You are terse."},
@@ -224,8 +225,10 @@ std::vector<Case> cases(bool qwen3) {
        {"assistant", "five"}},
   };
   std::vector<Case> out;
-  for (const Msgs& m : convs)
+  for (Msgs m : convs) {
+    if (!system && m[0].role == "system") m.erase(m.begin());
     for (bool g : {false, true}) out.push_back({m, g});
+  }
   if (qwen3) {
     const Msgs think = {{"user", "Think first."},
                         {"assistant", "<think>\nsome reasoning\n</think>\n\nThe answer."},
@@ -251,7 +254,7 @@ void compare_family(const std::string& vocabulary, const std::string& jinja,
   const ChatTemplate t = chat_template_from_jinja(jinja);
   RenderOptions base = render_options_for(tok);
   base.date_string = date;
-  const std::vector<Case> cs = cases(t.qwen3_thinking);
+  const std::vector<Case> cs = cases(t.qwen3_thinking, t.format != ChatFormat::kMistral);
   Json in = {{"template", jinja}, {"cases", Json::array()}};
   for (const Case& c : cs) {
     Json j = {{"messages", to_json(c.messages)},
@@ -302,6 +305,8 @@ void compare_family(const std::string& vocabulary, const std::string& jinja,
       if (t.format == ChatFormat::kLlama3) want.push_back(trim_ascii(c) + "<|eot_id|>");
       // Llama 2's decoder drops the space its normalizer put first.
       if (t.format == ChatFormat::kLlama2) want.push_back(trim_ascii(c) + " </s>");
+      // Mistral's content as it is, the decoder dropping a leading space.
+      if (t.format == ChatFormat::kMistral) want.push_back(c.substr(c[0] == ' ') + "</s>");
       if (t.format == ChatFormat::kChatML) {
         std::string body = c;
         if (t.qwen3_thinking && k > last_user) {
@@ -399,6 +404,37 @@ TEST(ChatReference, Llama31DateHeader) {
   compare_family("llama3", jinja, "llama3.1, date given", "02 Dec 2026");
   if (HasFailure()) return;
   compare_family("llama3", jinja, "llama3.1, the template's date");
+}
+
+// Mistral's [INST] layouts on Llama 2's vocabulary (the same SentencePiece conversion): the
+// templates of Mistral-7B-Instruct-v0.1 (a space after each eos) and Mixtral-8x7B-Instruct-v0.1
+// (none), verbatim from their tokenizer_config.json.
+TEST(ChatReference, Mistral) {
+  STRATA_REFERENCE_OR_SKIP("llama2");
+  const std::string head =
+      "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+      "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+      "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ "
+      "'[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}";
+  const std::string tail =
+      "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif "
+      "%}{% endfor %}";
+  const std::string v01 = head + "{{ message['content'] + eos_token + ' ' }}" + tail;
+  const std::string mixtral = head + "{{ message['content'] + eos_token}}" + tail;
+  EXPECT_TRUE(chat_template_from_jinja(v01).space_after_eos);
+  EXPECT_FALSE(chat_template_from_jinja(mixtral).space_after_eos);
+  EXPECT_EQ(chat_template_from_jinja(mixtral).format, ChatFormat::kMistral);
+  RenderOptions o;
+  o.bos_token = "<s>";
+  o.eos_token = "</s>";
+  EXPECT_EQ(render_chat(chat_template_from_jinja(v01),
+                        {{"user", "a"}, {"assistant", "b"}, {"user", "c"}}, o),
+            "<s>[INST] a [/INST]b</s> [INST] c [/INST]");
+  EXPECT_ERROR(render_chat(chat_template_from_jinja(v01), kConversation, o),
+               "Mistral's chat template has no system prompt");
+  compare_family("llama2", v01, "mistral v0.1");
+  if (HasFailure()) return;
+  compare_family("llama2", mixtral, "mixtral");
 }
 
 // Plain ChatML (OpenHermes-2.5-Mistral-7B's template, verbatim) and ChatML with a default system

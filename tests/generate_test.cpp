@@ -527,7 +527,7 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   const testing::Result none = gen({"--model", tiny, "--chat"}, "none");
   EXPECT_EQ(none.status, 1);
   EXPECT_NE(none.err.find("has no chat template"), std::string::npos) << none.err;
-  EXPECT_NE(none.err.find("--chat-format chatml|llama3|llama2|none"), std::string::npos)
+  EXPECT_NE(none.err.find("--chat-format chatml|llama3|llama2|mistral|none"), std::string::npos)
       << none.err;
   const testing::Result other =
       gen({"--model", tiny, "--chat", "--chat-format", "chatml"}, "other");

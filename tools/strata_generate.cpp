@@ -2,7 +2,8 @@
 //
 //   strata-generate --model DIR (--prompt TEXT | --prompt-ids "1 2 3") [--max-new-tokens N]
 //                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
-//   strata-generate --model DIR --chat [--system TEXT] [--chat-format chatml|llama3|llama2|none]
+//   strata-generate --model DIR --chat [--system TEXT] [--chat-format
+//   chatml|llama3|llama2|mistral|none]
 //                   [--chat-date "02 Dec 2026"]
 //
 // The model runs in the dtype it was saved in (config.json's torch_dtype: bfloat16 -> bf16, else
@@ -159,7 +160,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
   const std::optional<std::int32_t> eot_id = tok->token_to_id(eot);
   STRATA_REQUIRE(eot_id.has_value(),
                  "the {} layout ends a turn with '{}', which {}/tokenizer.json does not have: "
-                 "pick the model's layout with --chat-format chatml|llama3|llama2|none",
+                 "pick the model's layout with --chat-format chatml|llama3|llama2|mistral|none",
                  strata::chat_format_name(t.format), eot.empty() ? "(no eos token)" : eot,
                  o.model_dir);
   strata::GenerateOptions g = generate_options(o, gen, cfg.raw, tok);
@@ -386,8 +387,8 @@ int main(int argc, char** argv) {
   app.add_option("--system", o.system, "--chat: the system prompt");
   app.add_option("--chat-format", o.chat_format,
                  "--chat: the layout when the folder has no chat template it recognises: chatml | "
-                 "llama3 | llama2 | none")
-      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "none"}));
+                 "llama3 | llama2 | mistral | none")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral", "none"}));
   app.add_option("--chat-date", o.chat_date,
                  "--chat: the \"Today Date\" of a Llama 3.1+ template, e.g. \"02 Dec 2026\" "
                  "(default: the template's own, \"26 Jul 2024\")");

@@ -6,24 +6,26 @@
 // fingerprint (distinctive substrings) and renders that family's layout itself, with the details
 // the families' real templates have:
 //
-//   kChatML  "<|im_start|>"         <|im_start|>{role}\n{content}<|im_end|>\n per message; a
-//                                   default system turn when the template writes one (Qwen2) and
-//                                   none is given; Qwen3's <think> blocks (below).
-//   kLlama3  "<|start_header_id|>"  {bos}<|start_header_id|>{role}<|end_header_id|>\n\n
-//                                   {content, trimmed}<|eot_id|> per message; the assistant header
-//                                   last either always (Meta-Llama-3-8B-Instruct's first template
-//                                   writes it unconditionally) or with add_generation_prompt.
-//                                   Llama 3.1+: the system turn always first, the knowledge cutoff
-//                                   and "Today Date: {date_string}" lines before the system prompt.
-//                                   Llama 3.1+: the system turn always first, with the knowledge
-//                                   cutoff and "Today Date: {date_string}" lines before the system
-//                                   prompt.
-//   kLlama2  "[INST]" + "<<SYS>>"   {bos}[INST] {user, stripped} [/INST] {assistant, stripped}
-//   {eos}
-//                                   per exchange, the system prompt folded into the first user turn
-//                                   as <<SYS>>\n{system}\n<</SYS>>\n\n (Llama-2-chat's template).
-//   kNone    (no template)          GPT-2 style: each user/system content followed by "\n", each
-//                                   assistant content followed by the eos token; no role names.
+//   kChatML   "<|im_start|>"
+//       <|im_start|>{role}\n{content}<|im_end|>\n per message; a default system turn when the
+//       template writes one (Qwen2) and none is given; Qwen3's <think> blocks (below).
+//   kLlama3   "<|start_header_id|>"
+//       {bos}<|start_header_id|>{role}<|end_header_id|>\n\n{content, trimmed}<|eot_id|> per
+//       message; the assistant header last either always (Meta-Llama-3-8B-Instruct's first
+//       template writes it unconditionally) or with add_generation_prompt. Llama 3.1+: the system
+//       turn always first, with the knowledge cutoff and "Today Date: {date_string}" lines before
+//       the system prompt.
+//   kLlama2   "[INST]" and "<<SYS>>"
+//       {bos}[INST] {user, stripped} [/INST] {assistant, stripped} {eos} per exchange, the system
+//       prompt folded into the first user turn as <<SYS>>\n{system}\n<</SYS>>\n\n
+//       (Llama-2-chat's template).
+//   kMistral  "[INST]", no "<<SYS>>", no "system"
+//       {bos} once, then [INST] {user} [/INST]{assistant}{eos} per exchange, the eos followed by
+//       " " where the template writes it (Mistral-7B-Instruct-v0.1; Mixtral-8x7B-Instruct-v0.1
+//       does not); no system prompt.
+//   kNone     (no template)
+//       GPT-2 style: each user/system content followed by "\n", each assistant content followed by
+//       the eos token; no role names.
 //
 // Qwen3 (a ChatML template that mentions "<think>"): an assistant turn after the last user message
 // is written <think>\n{reasoning}\n</think>\n\n{answer}, the reasoning taken from a
@@ -31,18 +33,18 @@
 // empty think block after the generation prompt.
 //
 // Never a silent guess: a template whose family is not recognised is an error naming
-// --chat-format chatml|llama3|llama2|none; a Mistral-style [INST] template (no <<SYS>>) is refused
-// too, since its spacing differs from Llama 2's. A recognised template may hold more than plain
-// chat (tool calls, tool results, images): the renderer reproduces the plain-chat subset
-// (system/user/assistant messages with text content) and ChatTemplate::not_reproduced says what
-// else the template has.
+// --chat-format chatml|llama3|llama2|mistral|none; so is a Mistral [INST] template with a system
+// prompt or tools (v0.2 and later: the system prompt goes into the last user turn). A recognised
+// template may hold more than plain chat (tool calls, tool results, images): the renderer
+// reproduces the plain-chat subset (system/user/assistant messages with text content) and
+// ChatTemplate::not_reproduced says what else the template has.
 //
 // Masks (train_on_inputs false, as axolotl): a token counts in the loss when it is part of an
 // assistant turn's body and its end-of-turn token — ChatML: the content (with Qwen3's think block)
 // and <|im_end|> (not the "\n" after it); Llama 3: the trimmed content and <|eot_id|>; Llama 2:
 // " " + stripped content + " " and the eos </s> (the space is inside the content's first token,
-// "▁word"); none: the content and eos. Headers, role names, system and user turns, BOS and the
-// generation prompt do not count.
+// "▁word"); Mistral: the content and eos (not the " " after it); none: the content and eos.
+// Headers, role names, system and user turns, BOS and the generation prompt do not count.
 //
 // Example:
 //
@@ -88,7 +90,7 @@ enum class ChatUse {
 std::vector<ChatMessage> parse_chat_record(const nlohmann::json& record, ChatUse use,
                                            std::string_view where = "chat record");
 
-enum class ChatFormat { kChatML, kLlama3, kLlama2, kNone };
+enum class ChatFormat { kChatML, kLlama3, kLlama2, kMistral, kNone };
 
 // "chatml" | "llama3" | "llama2" | "none"; anything else is an error listing them.
 ChatFormat parse_chat_format(std::string_view name);
@@ -97,8 +99,9 @@ const char* chat_format_name(ChatFormat f);
 // What the renderer reproduces of one template: the family and the details it varies by.
 struct ChatTemplate {
   ChatFormat format = ChatFormat::kNone;
-  std::string default_system;   // ChatML: the system turn written when none is given ("": none)
-  bool qwen3_thinking = false;  // ChatML: Qwen3's <think> blocks
+  std::string default_system;    // ChatML: the system turn written when none is given ("": none)
+  bool qwen3_thinking = false;   // ChatML: Qwen3's <think> blocks
+  bool space_after_eos = false;  // Mistral: " " after each answer's eos (Mistral-7B v0.1)
   bool always_generation_prompt = false;  // Llama 3: the assistant header ends every rendering
   // Llama 3.1+: a system turn always written first, "Cutting Knowledge Date: {knowledge_cutoff}\n
   // Today Date: {date}\n\n{system, trimmed}" ("": no such turn, Llama 3).

@@ -146,9 +146,11 @@ ChatFormat parse_chat_format(std::string_view name) {
   if (name == "chatml") return ChatFormat::kChatML;
   if (name == "llama3") return ChatFormat::kLlama3;
   if (name == "llama2") return ChatFormat::kLlama2;
+  if (name == "mistral") return ChatFormat::kMistral;
   if (name == "none") return ChatFormat::kNone;
-  STRATA_REQUIRE(false, "--chat-format '{}' is not a chat format: chatml | llama3 | llama2 | none",
-                 name);
+  STRATA_REQUIRE(
+      false, "--chat-format '{}' is not a chat format: chatml | llama3 | llama2 | mistral | none",
+      name);
 }
 
 const char* chat_format_name(ChatFormat f) {
@@ -159,6 +161,8 @@ const char* chat_format_name(ChatFormat f) {
       return "llama3";
     case ChatFormat::kLlama2:
       return "llama2";
+    case ChatFormat::kMistral:
+      return "mistral";
     case ChatFormat::kNone:
       return "none";
   }
@@ -254,19 +258,27 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
     note_tools();
     return t;
   }
-  if (has(src, "[INST]")) {
-    STRATA_REQUIRE(has(src, "<<SYS>>"),
-                   "the chat template is Mistral's [INST] layout (no <<SYS>> block), whose spacing "
-                   "strata does not reproduce: pass --chat-format llama2 to use Llama 2's layout "
-                   "instead, or chatml | llama3 | none");
+  if (has(src, "[INST]") && has(src, "<<SYS>>")) {
     t.format = ChatFormat::kLlama2;
     note_tools();
     return t;
   }
-  STRATA_REQUIRE(false,
-                 "the chat template is not one strata recognises (it has none of <|im_start|>, "
-                 "<|start_header_id|>, [INST]): pass --chat-format chatml|llama3|llama2|none to "
-                 "pick the layout");
+  if (has(src, "[INST]")) {
+    STRATA_REQUIRE(!has(src, "system") && !has(src, "[AVAILABLE_TOOLS]"),
+                   "the chat template is a later Mistral [INST] layout (one with a system prompt "
+                   "or tools, v0.2 and later), which strata does not reproduce: pass "
+                   "--chat-format mistral for Mistral-7B-Instruct-v0.1's layout (no system "
+                   "prompt), or chatml | llama3 | llama2 | none");
+    t.format = ChatFormat::kMistral;
+    t.space_after_eos = has(src, "eos_token + ' '");
+    note_tools();
+    return t;
+  }
+  STRATA_REQUIRE(
+      false,
+      "the chat template is not one strata recognises (it has none of <|im_start|>, "
+      "<|start_header_id|>, [INST]): pass --chat-format chatml|llama3|llama2|mistral|none "
+      "to pick the layout");
 }
 
 ChatTemplate chat_template_from_folder(const std::filesystem::path& dir) {
@@ -299,10 +311,12 @@ ChatTemplate chat_template_from_folder(const std::filesystem::path& dir) {
             src = e["template"].get<std::string>();
     }
   }
-  STRATA_REQUIRE(!src.empty(),
-                 "{} has no chat template (no chat_template.jinja, no \"chat_template\" in "
-                 "tokenizer_config.json): pass --chat-format chatml|llama3|llama2|none to pick one",
-                 dir.string());
+  STRATA_REQUIRE(
+      !src.empty(),
+      "{} has no chat template (no chat_template.jinja, no \"chat_template\" in "
+      "tokenizer_config.json): pass --chat-format chatml|llama3|llama2|mistral|none to pick "
+      "one",
+      dir.string());
   return chat_template_from_jinja(src);
 }
 
@@ -450,6 +464,28 @@ void render_llama2(const std::vector<ChatMessage>& all, const RenderOptions& o, 
   }
 }
 
+void render_mistral(const ChatTemplate& t, const std::vector<ChatMessage>& m,
+                    const RenderOptions& o, Builder& b) {
+  b.special(o.bos_token);
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    const bool want_user = i % 2 == 0;
+    STRATA_REQUIRE(m[i].role != "system",
+                   "Mistral's chat template has no system prompt: leave it out, or pick a layout "
+                   "with one (--chat-format llama2)");
+    STRATA_REQUIRE((m[i].role == "user") == want_user,
+                   "message {} is a {} message: Mistral's chat template needs the roles to "
+                   "alternate user/assistant/user/...",
+                   i, m[i].role);
+    if (want_user) {
+      b.text("[INST] " + m[i].content + " [/INST]");
+    } else {
+      b.text(m[i].content, true);
+      b.special(o.eos_token, true);
+      if (t.space_after_eos) b.text(" ");
+    }
+  }
+}
+
 void render_none(const std::vector<ChatMessage>& m, const RenderOptions& o, Builder& b) {
   for (const ChatMessage& msg : m) {
     if (msg.role == "assistant") {
@@ -477,6 +513,9 @@ std::vector<ChatSegment> render_chat_segments(const ChatTemplate& t,
       break;
     case ChatFormat::kLlama2:
       render_llama2(messages, o, b);
+      break;
+    case ChatFormat::kMistral:
+      render_mistral(t, messages, o, b);
       break;
     case ChatFormat::kNone:
       render_none(messages, o, b);
