@@ -106,6 +106,13 @@ TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
                "pass --chat-format chatml|llama3|llama2|mistral|none");
   EXPECT_ERROR(chat_template_from_jinja("<|start_header_id|>Cutting Knowledge Date: x"),
                "its default date_string is not a plain literal");
+  // Llama 3.2's date: strftime_now when the caller has it, else the literal strata writes.
+  const auto llama32 = chat_template_from_jinja(
+      R"({%- if not date_string is defined %}{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}{%- endif %}{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}{{- "Cutting Knowledge Date: December 2023\n" }}{%- if add_generation_prompt %}{%- endif %})");
+  EXPECT_EQ(llama32.knowledge_cutoff, "December 2023");
+  EXPECT_EQ(llama32.default_date, "26 Jul 2024");
+  ASSERT_EQ(llama32.not_reproduced.size(), 1u);
+  EXPECT_NE(llama32.not_reproduced[0].find("strftime_now"), std::string::npos);
   testing::TempDir dir("strata-chat-folder");
   EXPECT_ERROR(chat_template_from_folder(dir.path), "has no chat template");
   std::ofstream(dir.path + "/tokenizer_config.json")
