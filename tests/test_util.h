@@ -92,6 +92,27 @@ inline Result run(const std::string& bin, const std::vector<std::string>& args,
           slurp(dir + "/" + tag + ".stderr")};
 }
 
+// The path of `name` on PATH ("" when it is not there).
+inline std::string find_on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  const std::string p = path ? path : "/usr/bin:/bin";
+  for (std::size_t b = 0; b <= p.size();) {
+    std::size_t e = p.find(':', b);
+    if (e == std::string::npos) e = p.size();
+    const std::filesystem::path cand = std::filesystem::path(p.substr(b, e - b)) / name;
+    if (!cand.parent_path().empty() && ::access(cand.c_str(), X_OK) == 0) return cand.string();
+    b = e + 1;
+  }
+  return {};
+}
+
+// Where scripts/npm-tokenizers.sh installs the reference packages: $STRATA_NPM_DIR, else
+// /tmp/strata-npm.
+inline std::string npm_dir() {
+  const char* d = std::getenv("STRATA_NPM_DIR");
+  return d && *d ? d : "/tmp/strata-npm";
+}
+
 // A byte-level BPE tokenizer.json of 20 ids (GPT-2's pre-tokenizer, a few merges, a BOS template;
 // ids 18 and 19 are the two bytes of "é", so a sample may split a character over two tokens).
 inline const char* kTinyTokenizer = R"({

@@ -2,6 +2,9 @@
 //
 //   strata-generate --model DIR (--prompt TEXT | --prompt-ids "1 2 3") [--max-new-tokens N]
 //                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
+//   strata-generate --model DIR --chat [--system TEXT] [--chat-format
+//   chatml|llama3|llama2|mistral|none]
+//                   [--chat-date "02 Dec 2026"]
 //
 // The model runs in the dtype it was saved in (config.json's torch_dtype: bfloat16 -> bf16, else
 // fp32; --dtype overrides) with a key/value cache (--no-kv-cache: the full forward for every
@@ -12,17 +15,28 @@
 // Sampling follows the folder's generation_config.json (do_sample, temperature, top_p, top_k)
 // unless flags say otherwise; greedy without one. Generation ends at max_new_tokens or at the
 // eos_token_id of generation_config.json / config.json (--ignore-eos: not).
+//
+// --chat: a conversation on stdin/stdout. Each line read is a user message; the whole conversation
+// is rendered with the folder's chat template (strata/chat.h) and encoded; when the new prompt
+// begins with what the key/value cache holds (the last prompt and reply, the reply encoding back to
+// the tokens generated) only the rest runs, else the whole prompt runs again (Qwen3's template
+// rewrites earlier assistant turns, and a reply's text may encode to other tokens); the reply
+// streams until the template's end-of-turn token. EOF or "/exit" ends it.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "strata/chat.h"
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/generate.h"
@@ -37,6 +51,8 @@ namespace fs = std::filesystem;
 
 struct Options {
   std::string model_dir, prompt, prompt_ids, device = "auto", dtype = "auto";
+  std::string system, chat_format, chat_date;
+  bool system_given = false;
   bool chat = false, no_kv_cache = false, ignore_eos = false, ids = false, json = false;
   std::int64_t max_new_tokens = 64, context = 0;
   double temperature = -1, top_p = -1;
@@ -60,6 +76,178 @@ std::vector<std::int32_t> stop_ids(const nlohmann::json& gen, const nlohmann::js
   return out;
 }
 
+// The sampling and stopping of a run: the flags, else generation_config.json's, else greedy.
+strata::GenerateOptions generate_options(const Options& o, const nlohmann::json& gen,
+                                         const nlohmann::json& cfg_raw,
+                                         const std::optional<strata::Tokenizer>& tok) {
+  strata::GenerateOptions g;
+  g.max_new_tokens = o.max_new_tokens;
+  g.kv_cache = !o.no_kv_cache;
+  if (!o.ignore_eos) {
+    g.stop_ids = stop_ids(gen, cfg_raw);
+    if (g.stop_ids.empty() && tok && tok->eos_id()) g.stop_ids.push_back(*tok->eos_id());
+  }
+  const bool cfg_samples = gen.value("do_sample", false);
+  auto gen_num = [&](const char* key, double def) {
+    return gen.contains(key) && gen[key].is_number() ? gen[key].get<double>() : def;
+  };
+  g.sampling.temperature =
+      o.temperature >= 0 ? o.temperature : (cfg_samples ? gen_num("temperature", 1.0) : 0.0);
+  g.sampling.top_p = o.top_p >= 0 ? o.top_p : (cfg_samples ? gen_num("top_p", 1.0) : 1.0);
+  g.sampling.top_k =
+      o.top_k >= 0 ? o.top_k : (cfg_samples ? std::int64_t(gen_num("top_k", 0.0)) : 0);
+  g.sampling.seed = o.seed;
+  STRATA_REQUIRE(g.sampling.temperature > 0 || (o.top_p < 0 && o.top_k < 0),
+                 "--top-p and --top-k shape sampling, and temperature 0 is greedy: give "
+                 "--temperature T > 0 too");
+  strata::check_sampling(g.sampling);
+  return g;
+}
+
+// The model on its device, its weights resident, for `ctx` positions.
+struct LoadedModel {
+  strata::DType dtype;
+  std::unique_ptr<strata::Device> dev;
+  std::unique_ptr<strata::Stream> stream;
+  std::unique_ptr<strata::Model> model;
+  std::unique_ptr<strata::ResidentWeights> weights;
+};
+
+LoadedModel load_model(const Options& o, const strata::ModelConfig& cfg, std::int64_t ctx) {
+  LoadedModel m;
+  m.dtype = o.dtype == "bf16" ? strata::DType::kBF16
+            : o.dtype == "fp32"
+                ? strata::DType::kF32
+                : (cfg.torch_dtype == "bfloat16" ? strata::DType::kBF16 : strata::DType::kF32);
+  m.dev = strata::make_device(o.device);
+  m.stream = m.dev->create_stream("generate");
+  m.model = std::make_unique<strata::Model>(
+      cfg, *m.dev, *m.stream,
+      strata::ModelOptions{.micro_batch = 1, .seq_len = ctx, .compute = m.dtype});
+  m.weights = std::make_unique<strata::ResidentWeights>(*m.model, *m.stream);
+  strata::load_hf_weights(o.model_dir, *m.weights);
+  return m;
+}
+
+void announce(const Options& o, const strata::ModelConfig& cfg, const LoadedModel& m,
+              const strata::GenerateOptions& g, const std::string& extra = {}) {
+  std::fprintf(stderr, "strata-generate: %s (%s, %s on %s), %s%s%s\n", o.model_dir.c_str(),
+               cfg.model_type.c_str(), std::string(strata::dtype_name(m.dtype)).c_str(),
+               std::string(m.dev->name()).c_str(),
+               g.sampling.temperature == 0 ? "greedy" : "sampling",
+               g.kv_cache ? "" : ", no key/value cache", extra.c_str());
+}
+
+double decode_rate(const strata::GenerateResult& r) {
+  return r.tokens.size() > 1 && r.decode_s > 0 ? double(r.tokens.size() - 1) / r.decode_s : 0.0;
+}
+
+// --chat: user messages from stdin, one a line, until EOF or "/exit"; each turn re-renders the
+// whole conversation with the generation prompt and runs what the cache does not hold yet.
+int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::json& gen,
+             const std::optional<strata::Tokenizer>& tok, const std::string& tok_why) {
+  STRATA_REQUIRE(o.prompt.empty() && o.prompt_ids.empty(),
+                 "--chat reads the user's messages from stdin, a line each: leave out --prompt "
+                 "and --prompt-ids (start the conversation with --system TEXT if you want one)");
+  STRATA_REQUIRE(tok.has_value(), "--chat needs the model's tokenizer, and {}", tok_why);
+  const strata::ChatTemplate t =
+      o.chat_format.empty() ? strata::chat_template_from_folder(o.model_dir)
+                            : strata::chat_template_for(strata::parse_chat_format(o.chat_format));
+  strata::RenderOptions ro = strata::render_options_for(*tok);
+  ro.add_generation_prompt = true;
+  ro.date_string = o.chat_date;
+  const std::string eot = strata::end_of_turn(t, ro);
+  const std::optional<std::int32_t> eot_id = tok->token_to_id(eot);
+  STRATA_REQUIRE(eot_id.has_value(),
+                 "the {} layout ends a turn with '{}', which {}/tokenizer.json does not have: "
+                 "pick the model's layout with --chat-format chatml|llama3|llama2|mistral|none",
+                 strata::chat_format_name(t.format), eot.empty() ? "(no eos token)" : eot,
+                 o.model_dir);
+  strata::GenerateOptions g = generate_options(o, gen, cfg.raw, tok);
+  g.stop_ids.push_back(*eot_id);
+  // The whole conversation must fit the cache: --context, else the model's positions up to 4096.
+  const std::int64_t ctx =
+      o.context > 0 ? o.context : std::min<std::int64_t>(cfg.max_positions, 4096);
+  STRATA_REQUIRE(ctx <= cfg.max_positions, "--context {} is more than the model's {} positions",
+                 ctx, cfg.max_positions);
+  LoadedModel m = load_model(o, cfg, ctx);
+  if (!o.json) {
+    std::string note;
+    for (const auto& n : t.not_reproduced) note += (note.empty() ? "" : ", ") + n;
+    announce(
+        o, cfg, m, g,
+        fmt::format(", chat ({}{}{}); a message a line, /exit or EOF ends",
+                    strata::chat_format_name(t.format), note.empty() ? "" : "; the template's ",
+                    note.empty() ? "" : note + " are not rendered"));
+  }
+  std::vector<strata::ChatMessage> history;
+  std::vector<std::int32_t> held;  // what the model's key/value cache holds
+  if (o.system_given) history.push_back({"system", o.system});
+  std::FILE* out = o.json ? stderr : stdout;
+  std::string line;
+  for (int turn = 0; std::getline(std::cin, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line == "/exit") break;
+    if (line.empty()) continue;
+    history.push_back({"user", line});
+    const std::vector<std::int32_t> prompt = strata::encode_chat(*tok, t, history, ro).tokens;
+    for (std::int32_t id : prompt)
+      STRATA_REQUIRE(id < cfg.vocab_size,
+                     "{}/tokenizer.json gives id {}, beyond the model's vocab_size {}: the "
+                     "tokenizer is not this model's",
+                     o.model_dir, id, cfg.vocab_size);
+    STRATA_REQUIRE(
+        std::int64_t(prompt.size()) + std::max<std::int64_t>(g.max_new_tokens, 1) - 1 <= ctx,
+        "the conversation is {} tokens after turn {}, and with --max-new-tokens {} no "
+        "longer fits the {} positions of --context: start a new one (or give a larger "
+        "--context, up to the model's {})",
+        prompt.size(), turn + 1, g.max_new_tokens, ctx, cfg.max_positions);
+    strata::TokenStreamDecoder text(*tok, /*skip_special_tokens=*/true);
+    auto put = [&](const std::string& s) {
+      std::fwrite(s.data(), 1, s.size(), out);
+      std::fflush(out);
+    };
+    // Keep the cache when the new prompt extends what it holds (the reply encoded back as it
+    // was generated); else run the whole conversation again.
+    g.cached_prefix = 0;
+    if (g.kv_cache && held.size() < prompt.size() &&
+        std::equal(held.begin(), held.end(), prompt.begin()))
+      g.cached_prefix = std::int64_t(held.size());
+    const strata::GenerateResult r =
+        strata::generate(*m.model, *m.weights, prompt, g, [&](std::int32_t id) {
+          if (id == *eot_id) return;
+          put(id < tok->vocab_size() ? text.push(id)
+                                     : text.finish() + "[id " + std::to_string(id) + "]");
+        });
+    put(text.finish() + "\n");
+    held = prompt;  // and every new token but the last, which was never fed
+    if (r.tokens.empty())
+      held.clear();  // nothing ran: the cache may hold less than the prompt
+    else
+      held.insert(held.end(), r.tokens.begin(), r.tokens.end() - 1);
+    std::vector<std::int32_t> reply_ids = r.tokens;
+    if (r.stopped && !reply_ids.empty()) reply_ids.pop_back();  // the end-of-turn / eos token
+    // The reply as text, as it printed: the next turn renders it back into the conversation.
+    const std::string reply = strata::decode_generated(*tok, reply_ids, true);
+    history.push_back({"assistant", reply});
+    ++turn;
+    if (o.json) {
+      const nlohmann::json j = {{"turn", turn},
+                                {"prompt_ids", prompt},
+                                {"cached_tokens", g.cached_prefix},
+                                {"new_tokens", r.tokens},
+                                {"reply", reply},
+                                {"stopped", r.stopped},
+                                {"prompt_s", r.prompt_s},
+                                {"decode_s", r.decode_s},
+                                {"decode_tokens_per_s", decode_rate(r)}};
+      std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 int run(const Options& o) {
   const fs::path dir(o.model_dir);
   std::error_code ec;
@@ -67,11 +255,9 @@ int run(const Options& o) {
                  "--model {}: no such folder (give a Hugging Face "
                  "folder: config.json and safetensors, as strata-train --out writes)",
                  o.model_dir);
-  STRATA_REQUIRE(!o.chat,
-                 "--chat needs the model's chat template, which strata-generate does not render "
-                 "yet: apply the template yourself and give the result as --prompt TEXT (or its "
-                 "token ids as --prompt-ids)");
-  STRATA_REQUIRE(o.prompt.empty() != o.prompt_ids.empty(),
+  STRATA_REQUIRE(o.chat || (o.chat_format.empty() && !o.system_given && o.chat_date.empty()),
+                 "--chat-format, --chat-date and --system shape a chat: give --chat too");
+  STRATA_REQUIRE(o.chat || o.prompt.empty() != o.prompt_ids.empty(),
                  "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
                  "ID ...\"");
   const strata::ModelConfig cfg = strata::load_model_config((dir / "config.json").string());
@@ -91,6 +277,11 @@ int run(const Options& o) {
       tok_error = e.user_message();
     }
   }
+  const std::string tok_why =
+      has_tokenizer
+          ? fmt::format("{}/tokenizer.json cannot be used ({})", o.model_dir, tok_error)
+          : fmt::format("{} has no tokenizer.json (vocab_size {})", o.model_dir, cfg.vocab_size);
+  if (o.chat) return run_chat(o, cfg, gen, tok, tok_why);
   const bool byte_level = cfg.vocab_size == 256 && !has_tokenizer;
 
   std::vector<std::int32_t> prompt;
@@ -108,39 +299,14 @@ int run(const Options& o) {
       STRATA_REQUIRE(byte_level,
                      "--prompt TEXT needs the model's tokenizer, and {}: give the prompt's token "
                      "ids with --prompt-ids \"ID ID ...\"",
-                     has_tokenizer ? fmt::format("{}/tokenizer.json cannot be used ({})",
-                                                 o.model_dir, tok_error)
-                                   : fmt::format("{} has no tokenizer.json (vocab_size {})",
-                                                 o.model_dir, cfg.vocab_size));
+                     tok_why);
       for (unsigned char c : o.prompt) prompt.push_back(c);
     }
   } else {
     prompt = strata::parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
   }
   const bool text_out = (tok || byte_level) && !o.ids;
-
-  strata::GenerateOptions g;
-  g.max_new_tokens = o.max_new_tokens;
-  g.kv_cache = !o.no_kv_cache;
-  if (!o.ignore_eos) {
-    g.stop_ids = stop_ids(gen, cfg.raw);
-    if (g.stop_ids.empty() && tok && tok->eos_id()) g.stop_ids.push_back(*tok->eos_id());
-  }
-  // Sampling: the flags, else generation_config.json's (do_sample true), else greedy.
-  const bool cfg_samples = gen.value("do_sample", false);
-  auto gen_num = [&](const char* key, double def) {
-    return gen.contains(key) && gen[key].is_number() ? gen[key].get<double>() : def;
-  };
-  g.sampling.temperature =
-      o.temperature >= 0 ? o.temperature : (cfg_samples ? gen_num("temperature", 1.0) : 0.0);
-  g.sampling.top_p = o.top_p >= 0 ? o.top_p : (cfg_samples ? gen_num("top_p", 1.0) : 1.0);
-  g.sampling.top_k =
-      o.top_k >= 0 ? o.top_k : (cfg_samples ? std::int64_t(gen_num("top_k", 0.0)) : 0);
-  g.sampling.seed = o.seed;
-  STRATA_REQUIRE(g.sampling.temperature > 0 || (o.top_p < 0 && o.top_k < 0),
-                 "--top-p and --top-k shape sampling, and temperature 0 is greedy: give "
-                 "--temperature T > 0 too");
-  strata::check_sampling(g.sampling);
+  const strata::GenerateOptions g = generate_options(o, gen, cfg.raw, tok);
 
   const std::int64_t need =
       std::int64_t(prompt.size()) + std::max<std::int64_t>(o.max_new_tokens, 1) - 1;
@@ -155,23 +321,8 @@ int run(const Options& o) {
                  prompt.size(), o.max_new_tokens, ctx, cfg.max_positions,
                  cfg.arch == strata::ModelArch::kGpt2 ? "n_positions" : "max_position_embeddings");
 
-  const strata::DType dt =
-      o.dtype == "bf16" ? strata::DType::kBF16
-      : o.dtype == "fp32"
-          ? strata::DType::kF32
-          : (cfg.torch_dtype == "bfloat16" ? strata::DType::kBF16 : strata::DType::kF32);
-  auto dev = strata::make_device(o.device);
-  auto stream = dev->create_stream("generate");
-  strata::Model model(cfg, *dev, *stream, {.micro_batch = 1, .seq_len = ctx, .compute = dt});
-  strata::ResidentWeights w(model, *stream);
-  strata::load_hf_weights(o.model_dir, w);
-
-  if (!o.json)
-    std::fprintf(stderr, "strata-generate: %s (%s, %s on %s), %s%s\n", o.model_dir.c_str(),
-                 cfg.model_type.c_str(), std::string(strata::dtype_name(dt)).c_str(),
-                 std::string(dev->name()).c_str(),
-                 g.sampling.temperature == 0 ? "greedy" : "sampling",
-                 g.kv_cache ? "" : ", no key/value cache");
+  LoadedModel m = load_model(o, cfg, ctx);
+  if (!o.json) announce(o, cfg, m, g);
   std::FILE* out = o.json ? stderr : stdout;
   auto put = [&](const std::string& text) { std::fwrite(text.data(), 1, text.size(), out); };
   if (text_out)  // the prompt first, as the model continues it
@@ -179,29 +330,29 @@ int run(const Options& o) {
   std::fflush(out);
   std::optional<strata::TokenStreamDecoder> stream_text;
   if (text_out && tok) stream_text.emplace(*tok, /*skip_special_tokens=*/true);
-  const strata::GenerateResult r = strata::generate(model, w, prompt, g, [&](std::int32_t id) {
-    if (stream_text && id < tok->vocab_size())
-      put(stream_text->push(id));  // a character split over tokens prints when whole
-    else if (stream_text)          // beyond the tokenizer (a padded vocabulary's untrained row)
-      put(stream_text->finish() + "[id " + std::to_string(id) + "]");
-    else if (text_out)
-      put(std::string(1, static_cast<char>(id)));
-    else
-      std::fprintf(out, "%d ", id);
-    std::fflush(out);
-  });
+  const strata::GenerateResult r =
+      strata::generate(*m.model, *m.weights, prompt, g, [&](std::int32_t id) {
+        if (stream_text && id < tok->vocab_size())
+          put(stream_text->push(id));  // a character split over tokens prints when whole
+        else if (stream_text)          // beyond the tokenizer (a padded vocabulary's untrained row)
+          put(stream_text->finish() + "[id " + std::to_string(id) + "]");
+        else if (text_out)
+          put(std::string(1, static_cast<char>(id)));
+        else
+          std::fprintf(out, "%d ", id);
+        std::fflush(out);
+      });
   if (stream_text) put(stream_text->finish());
   std::fputc('\n', out);
   std::fflush(out);
-  const double tps =
-      r.tokens.size() > 1 && r.decode_s > 0 ? double(r.tokens.size() - 1) / r.decode_s : 0.0;
+  const double tps = decode_rate(r);
   if (o.json) {
     nlohmann::json j = {{"prompt_tokens", prompt.size()},
                         {"new_tokens", r.tokens},
                         {"stopped_on_eos", r.stopped},
                         {"kv_cache", g.kv_cache},
-                        {"dtype", std::string(strata::dtype_name(dt))},
-                        {"device", std::string(dev->name())},
+                        {"dtype", std::string(strata::dtype_name(m.dtype))},
+                        {"device", std::string(m.dev->name())},
                         {"prompt_s", r.prompt_s},
                         {"decode_s", r.decode_s},
                         {"decode_tokens_per_s", tps}};
@@ -230,7 +381,17 @@ int main(int argc, char** argv) {
                  "the prompt as text, through the folder's tokenizer.json (a byte-level model, "
                  "vocab_size 256 without one: its bytes)");
   app.add_option("--prompt-ids", o.prompt_ids, "the prompt as token ids: \"1 2 3\" or \"1,2,3\"");
-  app.add_flag("--chat", o.chat, "apply the model's chat template (not yet: refused)");
+  app.add_flag("--chat", o.chat,
+               "a conversation: user messages from stdin, a line each, rendered with the model's "
+               "chat template; the replies stream to stdout; /exit or EOF ends");
+  app.add_option("--system", o.system, "--chat: the system prompt");
+  app.add_option("--chat-format", o.chat_format,
+                 "--chat: the layout when the folder has no chat template it recognises: chatml | "
+                 "llama3 | llama2 | mistral | none")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral", "none"}));
+  app.add_option("--chat-date", o.chat_date,
+                 "--chat: the \"Today Date\" of a Llama 3.1+ template, e.g. \"02 Dec 2026\" "
+                 "(default: the template's own, \"26 Jul 2024\")");
   app.add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate (default 64)")
       ->check(strata::tools::kCount);
   app.add_option("--temperature", o.temperature,
@@ -256,5 +417,8 @@ int main(int argc, char** argv) {
   app.add_flag("--ids", o.ids, "print the new tokens' ids, not their text");
   app.add_flag("--json", o.json,
                "print, last, one JSON object: the new token ids and timings (the text to stderr)");
-  return strata::tools::run_tool("strata-generate", app, argc, argv, [&] { return run(o); });
+  return strata::tools::run_tool("strata-generate", app, argc, argv, [&] {
+    o.system_given = app.count("--system") > 0;
+    return run(o);
+  });
 }

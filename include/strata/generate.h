@@ -61,6 +61,11 @@ struct GenerateOptions {
   std::vector<std::int32_t>
       stop_ids;  // generation ends after one of these (eos), kept in the output
   SamplingOptions sampling;
+  // The model's key/value cache already holds prompt[0, cached_prefix) from an earlier call
+  // (Model::decode_length() equals it): the cache is kept and only the rest of the prompt runs
+  // (a chat's next turn). 0: the cache is reset and the whole prompt runs. Needs kv_cache and a
+  // prompt longer than the prefix.
+  std::int64_t cached_prefix = 0;
 };
 
 struct GenerateResult {
@@ -83,7 +88,8 @@ std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::
 
 // `model` needs a seq_len of at least prompt + max_new_tokens - 1 (an error says so before anything
 // runs), and without the cache a micro_batch of 1 (the model's own, as training built it, serves
-// with the cache). The cache is reset first and left holding the sequence.
+// with the cache). The cache is reset first (kept with GenerateOptions::cached_prefix) and left
+// holding the sequence: the prompt and every new token but the last.
 GenerateResult generate(Model& model, UnitProvider& weights,
                         const std::vector<std::int32_t>& prompt, const GenerateOptions& options,
                         const std::function<void(std::int32_t)>& on_token = {});

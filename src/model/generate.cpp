@@ -162,12 +162,25 @@ GenerateResult generate(Model& model, UnitProvider& weights,
                  prompt.size(), o.max_new_tokens, positions, model.options().seq_len);
   Sampler sampler(o.sampling);
   GenerateResult r;
-  model.reset_decode();
+  if (o.cached_prefix > 0) {
+    STRATA_REQUIRE(o.kv_cache && o.cached_prefix < std::int64_t(prompt.size()),
+                   "generate: cached_prefix {} needs the key/value cache and a prompt longer than "
+                   "it (the prompt has {} tokens)",
+                   o.cached_prefix, prompt.size());
+    STRATA_REQUIRE(model.decode_length() == o.cached_prefix,
+                   "generate: cached_prefix {} but the model's cache holds {} positions",
+                   o.cached_prefix, model.decode_length());
+  } else {
+    model.reset_decode();
+  }
   if (o.max_new_tokens == 0) return r;
   std::vector<std::int32_t> seq(prompt);
   const auto t0 = Clock::now();
   std::vector<float> logits =
-      o.kv_cache ? model.decode(prompt, weights) : full_forward_last(model, weights, seq);
+      o.kv_cache
+          ? model.decode(std::vector<std::int32_t>(prompt.begin() + o.cached_prefix, prompt.end()),
+                         weights)
+          : full_forward_last(model, weights, seq);
   auto t1 = t0;
   for (std::int64_t i = 0;; ++i) {
     const std::int32_t tok = sampler.next(logits);
