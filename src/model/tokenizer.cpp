@@ -17,6 +17,7 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <sentencepiece_processor.h>
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -291,6 +292,15 @@ struct Tokenizer::Impl {
   std::string decoder_metaspace;
   bool decoder_metaspace_drop_first = false;
   std::optional<std::int32_t> bos, eos, pad;
+  // A SentencePiece tokenizer.model instead of tokenizer.json: the library encodes each span
+  // between added tokens (its own normalizer, model and byte fallback); the tables above are
+  // filled from its pieces, so decoding, the added tokens and the template are shared.
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> spm;
+  // tokenizer_config.json's legacy: false — a span after an added token gets no "▁" put first
+  // (Hugging Face encodes unk's text before it and drops that many ids: `spm_legacy_skip`).
+  bool spm_legacy = true;
+  std::string spm_unk_text;
+  std::size_t spm_legacy_skip = 0;
 
   [[noreturn]] void unsupported(std::string_view where, std::string_view type,
                                 std::string_view supported) const {
@@ -314,6 +324,9 @@ struct Tokenizer::Impl {
   void parse_post(const Json& p);
   void parse_decoder(const Json& d);
   void parse_config(const Json& c);
+  void index_added();
+  void load_sentencepiece(std::string_view model, const Json& cj);
+  void spm_encode(std::string_view s, std::vector<std::int32_t>& out) const;
 
   std::string normalize(std::string s) const;
   // `at_start`: `s` begins the text (Metaspace's prepend_scheme "first").
@@ -414,11 +427,130 @@ void Tokenizer::Impl::parse_added(const Json& a) {
   }
   special.assign(id_to_token.size(), false);
   for (const AddedToken& t : added) special[t.id] = t.special;
+  index_added();
+}
+
+// Sorts the added tokens longest first and indexes them by their first byte, for encode's scan.
+void Tokenizer::Impl::index_added() {
   std::stable_sort(added.begin(), added.end(), [](const AddedToken& x, const AddedToken& y) {
     return x.content.size() > y.content.size();
   });
+  for (auto& v : added_by_first_byte) v.clear();
   for (std::size_t i = 0; i < added.size(); ++i)
     added_by_first_byte[static_cast<unsigned char>(added[i].content[0])].push_back(i);
+}
+
+void Tokenizer::Impl::load_sentencepiece(std::string_view model, const Json& cj) {
+  auto proc = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  if (const auto st = proc->LoadFromSerializedProto(model); !st.ok())
+    STRATA_THROW(kInvalidArgument,
+                 "{}: libsentencepiece cannot read it ({}); the file is not a SentencePiece "
+                 "model — re-download tokenizer.model",
+                 origin, st.ToString());
+  const int n = proc->GetPieceSize();
+  id_to_token.resize(static_cast<std::size_t>(n));
+  special.assign(static_cast<std::size_t>(n), false);
+  for (int id = 0; id < n; ++id) {
+    id_to_token[id] = proc->IdToPiece(id);
+    bpe.vocab.emplace(id_to_token[id], id);
+    // Control symbols (<s>, </s>) and unk are special tokens written in text, as Hugging Face's
+    // LlamaTokenizer has them; SentencePiece itself would spell them out character by character.
+    if (proc->IsControl(id) || proc->IsUnknown(id)) {
+      special[id] = true;
+      if (!id_to_token[id].empty()) added.push_back({id_to_token[id], id, true, false, false});
+    }
+  }
+  // added_tokens_decoder: {"32000": {"content": "<pad>", "special": true, ...}}. One inside the
+  // model must be the model's piece at that id; one past it extends the vocabulary.
+  if (cj.is_object() && cj.contains("added_tokens_decoder")) {
+    const Json& atd = cj["added_tokens_decoder"];
+    if (!atd.is_object())
+      STRATA_THROW(kInvalidArgument,
+                   "{}: tokenizer_config.json's added_tokens_decoder is not an object; fix or "
+                   "remove the file",
+                   origin);
+    for (const auto& [key, t] : atd.items()) {
+      std::int32_t id = -1;
+      try {
+        id = static_cast<std::int32_t>(std::stol(key));
+      } catch (const std::exception&) {
+      }
+      const std::string content = json_token(t);
+      if (id < 0 || content.empty())
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json's added_tokens_decoder entry '{}' is not an id "
+                     "with a content; fix or remove the file",
+                     origin, key);
+      if (t.value("single_word", false))
+        unsupported("added token", fmt::format("'{}' with single_word", content),
+                    "added tokens without single_word");
+      if (id < n && id_to_token[id] != content)
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json names '{}' as token {}, which tokenizer.model "
+                     "spells '{}'; the two files are from different models",
+                     origin, content, id, id_to_token[id]);
+      if (static_cast<std::size_t>(id) >= id_to_token.size()) {
+        id_to_token.resize(static_cast<std::size_t>(id) + 1);
+        special.resize(id_to_token.size(), false);
+      }
+      id_to_token[id] = content;
+      special[id] = t.value("special", false);
+      std::erase_if(added, [&](const AddedToken& a) { return a.id == id; });
+      added.push_back(
+          {content, id, special[id], t.value("lstrip", false), t.value("rstrip", false)});
+    }
+  }
+  index_added();
+  // Decoding as Hugging Face's Llama tokenizer does: "▁" is a space, <0xXX> its byte, and the
+  // first token loses the space the model put first (only when it puts one).
+  decoder = DecoderKind::kPieces;
+  decoder_replace.push_back(Replace{"\u2581", " "});
+  decoder_byte_fallback = true;
+  std::vector<std::string> probe;
+  if (proc->Encode("a", &probe).ok() && !probe.empty() && probe[0].starts_with("\u2581"))
+    decoder_strip_first = 1;
+  // BOS / EOS / pad: tokenizer_config.json's names where it has the key, else the model's ids;
+  // BOS put first unless add_bos_token says otherwise (LlamaTokenizer's default), EOS only with
+  // add_eos_token.
+  const Json config = cj.is_object() ? cj : Json::object();
+  parse_config(config);
+  const auto model_id = [](int id) {
+    return id >= 0 ? std::optional<std::int32_t>(id) : std::nullopt;
+  };
+  if (!config.contains("bos_token")) bos = model_id(proc->bos_id());
+  if (!config.contains("eos_token")) eos = model_id(proc->eos_id());
+  if (!config.contains("pad_token")) pad = model_id(proc->pad_id());
+  const auto flag = [&](const char* key, bool fallback) {
+    const Json v = config.value(key, Json());
+    return v.is_boolean() ? v.get<bool>() : fallback;
+  };
+  const bool add_bos = flag("add_bos_token", bos.has_value());
+  const bool add_eos = flag("add_eos_token", false);
+  if ((add_bos && !bos) || (add_eos && !eos))
+    STRATA_THROW(kInvalidArgument,
+                 "{}: tokenizer_config.json asks for add_{}_token but the model has no such "
+                 "token; set it to false or name the token",
+                 origin, add_bos && !bos ? "bos" : "eos");
+  if (add_bos) template_prefix.push_back(*bos);
+  if (add_eos) template_suffix.push_back(*eos);
+  spm_legacy = flag("legacy", true);
+  if (!spm_legacy) {
+    spm_unk_text = proc->IdToPiece(proc->unk_id());
+    std::vector<int> ids;
+    if (!proc->Encode(spm_unk_text, &ids).ok())
+      STRATA_THROW(kInternal, "{}: libsentencepiece cannot encode '{}'", origin, spm_unk_text);
+    spm_legacy_skip = ids.size();
+  }
+  spm = std::move(proc);
+}
+
+void Tokenizer::Impl::spm_encode(std::string_view s, std::vector<std::int32_t>& out) const {
+  thread_local std::vector<int> ids;
+  ids.clear();
+  if (const auto st = spm->Encode(s, &ids); !st.ok())
+    STRATA_THROW(kInternal, "{}: libsentencepiece failed to encode a text: {}", origin,
+                 st.ToString());
+  out.insert(out.end(), ids.begin(), ids.end());
 }
 
 void Tokenizer::Impl::parse_normalizer(const Json& n) {
@@ -759,6 +891,15 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
 void Tokenizer::Impl::encode_span(std::string_view span, bool at_start,
                                   std::vector<std::int32_t>& out) const {
   if (span.empty()) return;
+  if (spm) {
+    if (spm_legacy || at_start) return spm_encode(span, out);
+    const std::size_t before = out.size();
+    spm_encode(spm_unk_text + std::string(span), out);
+    out.erase(
+        out.begin() + static_cast<std::ptrdiff_t>(before),
+        out.begin() + static_cast<std::ptrdiff_t>(std::min(before + spm_legacy_skip, out.size())));
+    return;
+  }
   const std::string norm = normalize(std::string(span));
   if (norm.empty()) return;
   for (const std::string& piece : pre_tokenize(norm, at_start)) bpe_word(piece, out);
@@ -804,22 +945,41 @@ Tokenizer Tokenizer::from_folder(const std::filesystem::path& dir) {
     ss << f.rdbuf();
     return ss.str();
   };
-  const std::filesystem::path tj = dir / "tokenizer.json", cj = dir / "tokenizer_config.json";
-  if (!std::filesystem::exists(tj)) {
-    if (std::filesystem::exists(dir / "tokenizer.model"))
-      STRATA_THROW(kUnsupported,
-                   "{}: only tokenizer.model (SentencePiece) is there and strata does not read it "
-                   "yet; convert it to tokenizer.json (transformers' AutoTokenizer.from_pretrained "
-                   "then save_pretrained writes one)",
-                   dir.string());
-    STRATA_THROW(
-        kInvalidArgument,
-        "{}: no tokenizer.json in the folder; pass a Hugging Face model folder that has one",
-        dir.string());
-  }
+  const std::filesystem::path tj = dir / "tokenizer.json", cj = dir / "tokenizer_config.json",
+                              sp = dir / "tokenizer.model";
   std::string config;
   if (std::filesystem::exists(cj)) config = read(cj);
-  return from_json(read(tj), config, tj.string());
+  if (std::filesystem::exists(tj)) return from_json(read(tj), config, tj.string());
+  if (std::filesystem::exists(sp)) return from_sentencepiece(read(sp), config, sp.string());
+  STRATA_THROW(kInvalidArgument,
+               "{}: neither tokenizer.json nor tokenizer.model in the folder; pass a Hugging "
+               "Face model folder that has one",
+               dir.string());
+}
+
+Tokenizer Tokenizer::from_sentencepiece(std::string_view model, std::string_view config_json,
+                                        std::string origin) {
+  auto impl = std::make_shared<Impl>();
+  impl->origin = std::move(origin);
+  Json cj;
+  if (!config_json.empty()) {
+    try {
+      cj = Json::parse(config_json);
+    } catch (const Json::exception& e) {
+      STRATA_THROW(kInvalidArgument,
+                   "{}: tokenizer_config.json does not parse ({}); fix or remove the file",
+                   impl->origin, e.what());
+    }
+  }
+  try {
+    impl->load_sentencepiece(model, cj);
+  } catch (const Json::exception& e) {
+    STRATA_THROW(kInvalidArgument,
+                 "{}: tokenizer_config.json has a field of the wrong type ({}); fix or remove "
+                 "the file",
+                 impl->origin, e.what());
+  }
+  return Tokenizer(std::move(impl));
 }
 
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
