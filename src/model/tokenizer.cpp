@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -65,6 +66,7 @@ std::size_t utf8_incomplete_tail(std::string_view s, std::size_t i) {
 }
 
 constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
+constexpr std::string_view kMetaspace = "\u2581";
 
 // Bytes -> text, each invalid sequence replaced by one U+FFFD (as Rust's from_utf8_lossy).
 std::string utf8_lossy(std::string_view s) {
@@ -253,10 +255,71 @@ struct AddedToken {
 
 enum class DecoderKind { kByteLevel, kPieces };
 
+// An open-addressing hash table from 64-bit keys to two ints, for the lookups on encode's hot
+// path (a merge per adjacent pair, a vocabulary id per character): one probe into a flat array,
+// where std::unordered_map chases a node per lookup. Filled once, then read-only.
+class FlatMap64 {
+ public:
+  struct Slot {
+    std::uint64_t key;
+    std::int32_t first, second;
+  };
+  void reserve(std::size_t n) {
+    std::size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    slots_.assign(cap, Slot{kEmpty, 0, 0});
+    mask_ = cap - 1;
+  }
+  // Inserts unless `key` is there already (the first insertion wins). reserve() first.
+  void insert(std::uint64_t key, std::int32_t first, std::int32_t second) {
+    for (std::size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return;
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Slot{key, first, second};
+        return;
+      }
+    }
+  }
+  const Slot* find(std::uint64_t key) const {
+    if (slots_.empty()) return nullptr;
+    for (std::size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return &slots_[i];
+      if (slots_[i].key == kEmpty) return nullptr;
+    }
+  }
+
+ private:
+  static constexpr std::uint64_t kEmpty = ~std::uint64_t{0};
+  static std::size_t hash(std::uint64_t k) {  // murmur3's finaliser
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return static_cast<std::size_t>(k);
+  }
+  std::vector<Slot> slots_;
+  std::size_t mask_ = 0;
+};
+
+// One character's UTF-8 bytes (1-4) as a key: the bytes and the length.
+std::uint64_t char_key(std::string_view ch) {
+  std::uint64_t k = ch.size();
+  for (unsigned char c : ch) k = (k << 8) | c;
+  return k;
+}
+
+struct StringHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
 struct Bpe {
-  std::unordered_map<std::string, std::int32_t> vocab;
+  std::unordered_map<std::string, std::int32_t, StringHash, std::equal_to<>> vocab;
   // (left id << 32 | right id) -> (rank, merged id)
-  std::unordered_map<std::uint64_t, std::pair<std::int32_t, std::int32_t>> merges;
+  FlatMap64 merges;
+  // The vocabulary's one-character tokens (char_key) -> (id, unused).
+  FlatMap64 chars;
   std::optional<std::int32_t> unk;
   bool byte_fallback = false, fuse_unk = false, ignore_merges = false;
   std::array<std::int32_t, 256> byte_ids{};  // "<0xXX>" ids for byte_fallback, -1 when absent
@@ -296,6 +359,12 @@ struct Tokenizer::Impl {
   // between added tokens (its own normalizer, model and byte fallback); the tables above are
   // filled from its pieces, so decoding, the added tokens and the template are shared.
   std::unique_ptr<sentencepiece::SentencePieceProcessor> spm;
+  // No pre-tokenizer, and no token has a "▁" after another character (Llama 2, Mistral): a BPE
+  // piece is merged as the words it splits into before each such "▁" — no merge can cross one,
+  // so the ids are the same, and a word's ids can be cached.
+  bool split_before_metaspace = false;
+  // Tells the per-thread word caches of different tokenizers apart.
+  std::uint64_t serial = 0;
   // tokenizer_config.json's legacy: false — a span after an added token gets no "▁" put first
   // (Hugging Face encodes unk's text before it and drops that many ids: `spm_legacy_skip`).
   bool spm_legacy = true;
@@ -325,6 +394,9 @@ struct Tokenizer::Impl {
   void parse_decoder(const Json& d);
   void parse_config(const Json& c);
   void index_added();
+  void build_char_ids();
+  void find_metaspace_words();
+  void merge_word(std::string_view w, std::vector<std::int32_t>& out) const;
   void load_sentencepiece(std::string_view model, const Json& cj);
   void spm_encode(std::string_view s, std::vector<std::int32_t>& out) const;
 
@@ -367,6 +439,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
   }
   id_to_token.assign(static_cast<std::size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : bpe.vocab) id_to_token[id] = tok;
+  build_char_ids();
   bpe.byte_fallback = m.value("byte_fallback", false);
   bpe.fuse_unk = m.value("fuse_unk", false);
   bpe.ignore_merges = m.value("ignore_merges", false);
@@ -381,6 +454,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
     bpe.unk = it->second;
   }
   if (!m.contains("merges") || !m["merges"].is_array()) malformed("model.merges is not a list");
+  bpe.merges.reserve(m["merges"].size());
   std::int32_t rank = 0;
   for (const Json& mj : m["merges"]) {
     std::string a, b;
@@ -403,7 +477,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
           fmt::format("merge {} ('{}' '{}') names a token not in the vocabulary", rank, a, b));
     const std::uint64_t key =
         (static_cast<std::uint64_t>(ia->second) << 32) | static_cast<std::uint32_t>(ib->second);
-    bpe.merges.emplace(key, std::make_pair(rank, im->second));  // the first (lowest) rank wins
+    bpe.merges.insert(key, rank, im->second);  // the first (lowest) rank wins
     ++rank;
   }
 }
@@ -428,6 +502,14 @@ void Tokenizer::Impl::parse_added(const Json& a) {
   special.assign(id_to_token.size(), false);
   for (const AddedToken& t : added) special[t.id] = t.special;
   index_added();
+}
+
+void Tokenizer::Impl::build_char_ids() {
+  std::size_t n = 0;
+  for (const auto& [tok, id] : bpe.vocab) n += !tok.empty() && utf8_char_len(tok, 0) == tok.size();
+  bpe.chars.reserve(n);
+  for (const auto& [tok, id] : bpe.vocab)
+    if (!tok.empty() && utf8_char_len(tok, 0) == tok.size()) bpe.chars.insert(char_key(tok), id, 0);
 }
 
 // Sorts the added tokens longest first and indexes them by their first byte, for encode's scan.
@@ -806,10 +888,35 @@ std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string s, bool at_st
   return pieces;
 }
 
+// Words seen before on this thread, with their ids: most of a text's words recur, and merging is
+// the costly step. The cache belongs to one tokenizer at a time (its serial) and is bounded.
+struct WordCache {
+  std::uint64_t owner = 0;
+  std::unordered_map<std::string, std::vector<std::int32_t>, StringHash, std::equal_to<>> words;
+};
+constexpr std::size_t kWordCacheMaxWord = 64, kWordCacheMaxWords = 1 << 16;
+
 void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& out) const {
   if (w.empty()) return;
+  if (w.size() > kWordCacheMaxWord) return merge_word(w, out);
+  thread_local WordCache cache;
+  if (cache.owner != serial) {
+    cache.words.clear();
+    cache.owner = serial;
+  }
+  if (auto it = cache.words.find(w); it != cache.words.end()) {
+    out.insert(out.end(), it->second.begin(), it->second.end());
+    return;
+  }
+  const std::size_t before = out.size();
+  merge_word(w, out);
+  if (cache.words.size() >= kWordCacheMaxWords) cache.words.clear();
+  cache.words.emplace(std::string(w), std::vector<std::int32_t>(out.begin() + before, out.end()));
+}
+
+void Tokenizer::Impl::merge_word(std::string_view w, std::vector<std::int32_t>& out) const {
   if (bpe.ignore_merges)
-    if (auto it = bpe.vocab.find(std::string(w)); it != bpe.vocab.end()) {
+    if (auto it = bpe.vocab.find(w); it != bpe.vocab.end()) {
       out.push_back(it->second);
       return;
     }
@@ -817,10 +924,10 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
   bool last_unk = false;
   for (std::size_t i = 0; i < w.size();) {
     const std::size_t n = std::max<std::size_t>(1, utf8_char_len(w, i));
-    const std::string ch(w.substr(i, n));
+    const std::string_view ch = w.substr(i, n);
     i += n;
-    if (auto it = bpe.vocab.find(ch); it != bpe.vocab.end()) {
-      syms.push_back(it->second);
+    if (const auto* c = bpe.chars.find(char_key(ch))) {
+      syms.push_back(c->first);
       last_unk = false;
       continue;
     }
@@ -859,9 +966,7 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
   std::vector<Sym> list(syms.size());
   for (std::int32_t i = 0; i < n; ++i) list[i] = {syms[i], i - 1, i + 1 < n ? i + 1 : -1, true};
   const auto lookup = [&](std::int32_t a, std::int32_t b) {
-    const std::uint64_t key = (static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint32_t>(b);
-    auto it = bpe.merges.find(key);
-    return it == bpe.merges.end() ? nullptr : &it->second;
+    return bpe.merges.find((static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint32_t>(b));
   };
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
   const auto push = [&](std::int32_t pos) {
@@ -902,7 +1007,39 @@ void Tokenizer::Impl::encode_span(std::string_view span, bool at_start,
   }
   const std::string norm = normalize(std::string(span));
   if (norm.empty()) return;
-  for (const std::string& piece : pre_tokenize(norm, at_start)) bpe_word(piece, out);
+  for (const std::string& piece : pre_tokenize(norm, at_start)) {
+    if (!split_before_metaspace) {
+      bpe_word(piece, out);
+      continue;
+    }
+    const std::string_view v(piece);
+    std::size_t begin = 0;
+    for (std::size_t hit = v.find(kMetaspace, 1); hit != std::string_view::npos;
+         hit = v.find(kMetaspace, hit + kMetaspace.size())) {
+      if (hit >= kMetaspace.size() &&
+          v.substr(hit - kMetaspace.size(), kMetaspace.size()) == kMetaspace)
+        continue;  // a run of them stays one word
+      bpe_word(v.substr(begin, hit - begin), out);
+      begin = hit;
+    }
+    bpe_word(v.substr(begin), out);
+  }
+}
+
+void Tokenizer::Impl::find_metaspace_words() {
+  split_before_metaspace = false;
+  if (bpe.ignore_merges || !bpe.vocab.contains(kMetaspace)) return;
+  for (const auto& [tok, id] : bpe.vocab) {
+    std::string_view t(tok);
+    while (t.starts_with(kMetaspace)) t.remove_prefix(kMetaspace.size());
+    if (t.find(kMetaspace) != std::string_view::npos) return;
+  }
+  split_before_metaspace = true;
+}
+
+static std::uint64_t next_tokenizer_serial() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1);
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -931,6 +1068,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   }
   if (impl->special.size() < impl->id_to_token.size())
     impl->special.resize(impl->id_to_token.size());
+  impl->find_metaspace_words();
+  impl->serial = next_tokenizer_serial();
   return Tokenizer(std::move(impl));
 }
 
