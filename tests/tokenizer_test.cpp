@@ -148,6 +148,29 @@ TEST(Tokenizer, ByteFallbackMetaspace) {
   EXPECT_EQ(s.push(6), " a");
 }
 
+// A token with "▁" after another character lets a merge cross a "▁": the piece is then merged
+// whole, not word by word.
+TEST(Tokenizer, MergeAcrossMetaspaceWhenAVocabularyHasOne) {
+  Json j = byte_fallback_json();
+  j["model"]["vocab"]["a\u2581"] = 9;
+  j["model"]["merges"].push_back("a \u2581");
+  // "ba b" -> "▁ba▁b": ▁ b a ▁ b; "a ▁" merges.
+  EXPECT_EQ(make(j).encode("ba b", false), (Ids{3, 5, 9, 5}));
+  EXPECT_EQ(make(byte_fallback_json()).encode("ba b", false), (Ids{3, 5, 4, 3, 5}));
+}
+
+// Each tokenizer's ids stay its own when one thread alternates between two (the per-thread cache
+// of words' ids belongs to one tokenizer at a time).
+TEST(Tokenizer, WordCacheIsPerTokenizer) {
+  Json j = byte_level_json();
+  j["model"]["merges"] = Json::parse(R"(["h e", "l l", "ll o"])");
+  const Tokenizer a = make(byte_level_json()), b = make(j);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(a.encode("hello", false), (Ids{11}));
+    EXPECT_EQ(b.encode("hello", false), (Ids{8, 10}));
+  }
+}
+
 TEST(Tokenizer, MetaspacePreTokenizer) {
   Json j = byte_fallback_json();
   j["normalizer"] = nullptr;
