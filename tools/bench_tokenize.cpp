@@ -8,7 +8,8 @@
 // they did. Then strata's scaling: the documents split across 1..--threads threads.
 //
 // Without node or the binding, or for a tokenizer.model (the Rust library reads tokenizer.json
-// only), the reference is reported unavailable (null, with the reason), never estimated.
+// only) unless --reference-json names the same vocabulary as a tokenizer.json, the reference is
+// reported unavailable (null, with the reason), never estimated.
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -36,6 +37,7 @@ namespace fs = std::filesystem;
 
 struct Args {
   std::string tokenizer;  // a model folder (tokenizer.json or tokenizer.model)
+  std::string reference;  // the tokenizer.json the reference runs; empty: the folder's
   std::string text;       // a UTF-8 file; empty: the generated corpus
   double text_mb = 4.0;   // size of the generated corpus
   int threads = 0;        // 0: every core
@@ -179,7 +181,9 @@ std::string slurp(const fs::path& p) {
 HfResult run_hf(const fs::path& tokenizer_json, const std::vector<std::string>& docs, int reps) {
   HfResult r;
   if (!fs::exists(tokenizer_json)) {
-    r.why = "the folder has no tokenizer.json (the Rust library reads only that)";
+    r.why = tokenizer_json.string() +
+            " is not there (the Rust library reads only tokenizer.json: give one with "
+            "--reference-json)";
     return r;
   }
   if (!fs::exists(fs::path(npm_dir()) / "node_modules/@anush008/tokenizers/package.json")) {
@@ -306,7 +310,8 @@ void run(const Args& a) {
   std::int64_t tokens = 0;
   for (auto n : lengths) tokens += n;
 
-  const HfResult hf = run_hf(fs::path(dir) / "tokenizer.json", docs, a.reps);
+  const HfResult hf = run_hf(
+      a.reference.empty() ? fs::path(dir) / "tokenizer.json" : fs::path(a.reference), docs, a.reps);
   std::size_t differing = 0;
   std::int64_t hf_tokens = 0;
   if (hf.ok)
@@ -374,6 +379,9 @@ void add_tokenize_command(CLI::App& app) {
   cmd->add_option("--tokenizer,--model", a->tokenizer,
                   "model folder with tokenizer.json or tokenizer.model (default: Llama 3's from "
                   "$STRATA_NPM_DIR)");
+  cmd->add_option("--reference-json", a->reference,
+                  "the tokenizer.json the Rust library runs (default: the folder's; for a "
+                  "tokenizer.model folder, the same vocabulary converted)");
   cmd->add_option("--text", a->text, "UTF-8 text file (default: a generated mix)");
   cmd->add_option("--text-mb", a->text_mb, "size of the generated mix in MB (default 4)")
       ->check(CLI::Range(0.001, 4096.0));
