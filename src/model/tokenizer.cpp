@@ -370,6 +370,11 @@ struct Tokenizer::Impl {
   bool spm_legacy = true;
   std::string spm_unk_text;
   std::size_t spm_legacy_skip = 0;
+  // A BPE model that only turns spaces into "▁" (normalizer "identity", a "▁" put first, spaces
+  // kept) and has no piece with "▁" after another character (Llama 2): no merge crosses a space,
+  // so a span is encoded as its words, each cached (spm_words): the same ids.
+  bool spm_split_words = false;
+  std::int32_t spm_metaspace_id = -1;
 
   [[noreturn]] void unsupported(std::string_view where, std::string_view type,
                                 std::string_view supported) const {
@@ -399,6 +404,7 @@ struct Tokenizer::Impl {
   void merge_word(std::string_view w, std::vector<std::int32_t>& out) const;
   void load_sentencepiece(std::string_view model, const Json& cj);
   void spm_encode(std::string_view s, std::vector<std::int32_t>& out) const;
+  void spm_words(std::string_view span, std::vector<std::int32_t>& out) const;
 
   std::string normalize(std::string s) const;
   // `at_start`: `s` begins the text (Metaspace's prepend_scheme "first").
@@ -522,6 +528,80 @@ void Tokenizer::Impl::index_added() {
     added_by_first_byte[static_cast<unsigned char>(added[i].content[0])].push_back(i);
 }
 
+// The fields of a SentencePiece model (a protobuf ModelProto) that say how it treats spaces, read
+// by hand (Debian ships no header for the message): trainer_spec (2) model_type (3) and
+// treat_whitespace_as_suffix (24); normalizer_spec (3) name (1), add_dummy_prefix (3),
+// remove_extra_whitespaces (4), escape_whitespaces (5). Defaults as the .proto gives them.
+struct SpmSpaces {
+  std::uint64_t model_type = 1;  // 1 unigram, 2 BPE
+  bool whitespace_as_suffix = false;
+  std::string normalizer;
+  bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+  bool read = false;  // the message parsed
+};
+
+// Calls f(field number, varint value, length-delimited bytes) for each field of `buf`; false when
+// the bytes are not a protobuf message.
+template <class F>
+bool for_each_field(std::string_view buf, F&& f) {
+  std::size_t i = 0;
+  const auto varint = [&](std::uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 64 && i < buf.size(); shift += 7) {
+      const auto b = static_cast<unsigned char>(buf[i++]);
+      v |= std::uint64_t(b & 0x7F) << shift;
+      if (b < 0x80) return true;
+    }
+    return false;
+  };
+  while (i < buf.size()) {
+    std::uint64_t key = 0, v = 0;
+    if (!varint(key)) return false;
+    std::string_view bytes;
+    switch (key & 7) {
+      case 0:
+        if (!varint(v)) return false;
+        break;
+      case 1:
+        if (buf.size() - i < 8) return false;
+        i += 8;
+        break;
+      case 2:
+        if (!varint(v) || v > buf.size() - i) return false;
+        bytes = buf.substr(i, v);
+        i += v;
+        break;
+      case 5:
+        if (buf.size() - i < 4) return false;
+        i += 4;
+        break;
+      default:
+        return false;
+    }
+    f(key >> 3, v, bytes);
+  }
+  return true;
+}
+
+SpmSpaces read_spm_spaces(std::string_view model) {
+  SpmSpaces s;
+  s.read = for_each_field(model, [&](std::uint64_t num, std::uint64_t, std::string_view bytes) {
+    if (num == 2)
+      for_each_field(bytes, [&](std::uint64_t n, std::uint64_t v, std::string_view) {
+        if (n == 3) s.model_type = v;
+        if (n == 24) s.whitespace_as_suffix = v != 0;
+      });
+    if (num == 3)
+      for_each_field(bytes, [&](std::uint64_t n, std::uint64_t v, std::string_view b) {
+        if (n == 1) s.normalizer = std::string(b);
+        if (n == 3) s.add_dummy_prefix = v != 0;
+        if (n == 4) s.remove_extra_whitespaces = v != 0;
+        if (n == 5) s.escape_whitespaces = v != 0;
+      });
+  });
+  return s;
+}
+
 void Tokenizer::Impl::load_sentencepiece(std::string_view model, const Json& cj) {
   auto proc = std::make_unique<sentencepiece::SentencePieceProcessor>();
   if (const auto st = proc->LoadFromSerializedProto(model); !st.ok())
@@ -624,6 +704,14 @@ void Tokenizer::Impl::load_sentencepiece(std::string_view model, const Json& cj)
     spm_legacy_skip = ids.size();
   }
   spm = std::move(proc);
+  const SpmSpaces spaces = read_spm_spaces(model);
+  find_metaspace_words();
+  spm_split_words = split_before_metaspace && spaces.read && spaces.model_type == 2 &&
+                    spaces.normalizer == "identity" && spaces.add_dummy_prefix &&
+                    !spaces.remove_extra_whitespaces && spaces.escape_whitespaces &&
+                    !spaces.whitespace_as_suffix;
+  split_before_metaspace = false;  // that flag is the tokenizer.json path's
+  if (spm_split_words) spm_metaspace_id = bpe.vocab.find(kMetaspace)->second;
 }
 
 void Tokenizer::Impl::spm_encode(std::string_view s, std::vector<std::int32_t>& out) const {
@@ -896,22 +984,71 @@ struct WordCache {
 };
 constexpr std::size_t kWordCacheMaxWord = 64, kWordCacheMaxWords = 1 << 16;
 
-void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& out) const {
-  if (w.empty()) return;
-  if (w.size() > kWordCacheMaxWord) return merge_word(w, out);
+// Appends the ids of word `w` to `out`: from this thread's cache, else compute(w, out), cached.
+template <class Compute>
+void cached_word(std::uint64_t owner, std::string_view w, std::vector<std::int32_t>& out,
+                 Compute&& compute) {
+  if (w.size() > kWordCacheMaxWord) return compute(w, out);
   thread_local WordCache cache;
-  if (cache.owner != serial) {
+  if (cache.owner != owner) {
     cache.words.clear();
-    cache.owner = serial;
+    cache.owner = owner;
   }
   if (auto it = cache.words.find(w); it != cache.words.end()) {
     out.insert(out.end(), it->second.begin(), it->second.end());
     return;
   }
   const std::size_t before = out.size();
-  merge_word(w, out);
+  compute(w, out);
   if (cache.words.size() >= kWordCacheMaxWords) cache.words.clear();
   cache.words.emplace(std::string(w), std::vector<std::int32_t>(out.begin() + before, out.end()));
+}
+
+void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& out) const {
+  if (w.empty()) return;
+  cached_word(serial, w, out,
+              [this](std::string_view x, std::vector<std::int32_t>& o) { merge_word(x, o); });
+}
+
+void Tokenizer::Impl::spm_words(std::string_view span, std::vector<std::int32_t>& out) const {
+  // Cut before each space (or "▁") that follows another character. The first part is encoded as
+  // the library would the span (it puts "▁" first); each later one begins with its space, which
+  // is the "▁" the library puts first when given the rest: " world" is encoded as "world".
+  const auto later = [this](std::string_view part, std::vector<std::int32_t>& o) {
+    const std::size_t n = part.front() == ' ' ? 1 : kMetaspace.size();
+    if (part.size() == n) {
+      o.push_back(spm_metaspace_id);
+    } else {
+      spm_encode(part.substr(n), o);
+    }
+  };
+  std::size_t begin = 0;
+  bool after_space = true;
+  for (std::size_t i = 0; i < span.size();) {
+    const std::size_t n = span[i] == ' '                           ? 1
+                          : span.substr(i).starts_with(kMetaspace) ? kMetaspace.size()
+                                                                   : 0;
+    if (n == 0) {
+      after_space = false;
+      i += std::max<std::size_t>(1, utf8_char_len(span, i));
+      continue;
+    }
+    if (!after_space) {
+      if (begin == 0) {
+        spm_encode(span.substr(0, i), out);
+      } else {
+        cached_word(serial, span.substr(begin, i - begin), out, later);
+      }
+      begin = i;
+    }
+    after_space = true;
+    i += n;
+  }
+  if (begin == 0) {
+    spm_encode(span, out);
+  } else {
+    cached_word(serial, span.substr(begin), out, later);
+  }
 }
 
 void Tokenizer::Impl::merge_word(std::string_view w, std::vector<std::int32_t>& out) const {
@@ -997,7 +1134,8 @@ void Tokenizer::Impl::encode_span(std::string_view span, bool at_start,
                                   std::vector<std::int32_t>& out) const {
   if (span.empty()) return;
   if (spm) {
-    if (spm_legacy || at_start) return spm_encode(span, out);
+    if (spm_legacy || at_start)
+      return spm_split_words ? spm_words(span, out) : spm_encode(span, out);
     const std::size_t before = out.size();
     spm_encode(spm_unk_text + std::string(span), out);
     out.erase(
@@ -1112,6 +1250,7 @@ Tokenizer Tokenizer::from_sentencepiece(std::string_view model, std::string_view
   }
   try {
     impl->load_sentencepiece(model, cj);
+    impl->serial = next_tokenizer_serial();
   } catch (const Json::exception& e) {
     STRATA_THROW(kInvalidArgument,
                  "{}: tokenizer_config.json has a field of the wrong type ({}); fix or remove "
