@@ -10,9 +10,13 @@
 // and UCP (\s, \p{L}, \p{N} are Unicode classes, as in Oniguruma, which the Rust library uses)
 // and JIT where the platform allows. Normalization forms come from utf8proc.
 //
-// Invariants: everything is built in from_json and read-only afterwards (encode/decode are const
-// and hold no shared mutable state: each call makes its own PCRE2 match data), so one Tokenizer
-// serves any number of threads.
+// A folder with only a SentencePiece tokenizer.model is run by libsentencepiece behind the same
+// added tokens, template and piece decoder (from_sentencepiece).
+//
+// Invariants: everything is built in from_json / from_sentencepiece and read-only afterwards
+// (encode/decode are const and hold no shared mutable state: each call makes its own PCRE2 match
+// data, and the cache of words' ids is per thread, tagged with the tokenizer it belongs to), so
+// one Tokenizer serves any number of threads.
 #include "strata/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
