@@ -957,6 +957,24 @@ TEST(BenchCli, TokenizeReportsPerThreadRateAndTheReferenceOrWhyNot) {
                 j.at("strata_mb_per_s").get<double>() / j.at("hf_rust_mb_per_s").get<double>(),
                 1e-9);
   }
+  // A reference that is there but cannot read its tokenizer.json is a failed measurement: exit 1,
+  // the figures last with the reason (without node or the binding: null and exit 0, as above).
+  std::ofstream(d.path + "/broken.json") << "{}";
+  const auto broken =
+      testing::run(STRATA_BENCH_BIN,
+                   {"tokenize", "--tokenizer", d.path, "--text-mb", "0.01", "--threads", "1",
+                    "--reps", "1", "--reference-json", d.path + "/broken.json", "--json"},
+                   d.path, "tokenize-broken");
+  const auto jb = last_json(broken.out);
+  EXPECT_TRUE(jb.at("hf_rust_mb_per_s").is_null()) << broken.out;
+  if (j.at("hf_rust_mb_per_s").is_null()) {
+    EXPECT_EQ(broken.status, 0) << broken.out << broken.err;
+  } else {
+    EXPECT_EQ(broken.status, 1) << broken.out << broken.err;
+    EXPECT_NE(jb.at("hf_rust_note").get<std::string>().find("the reference failed"),
+              std::string::npos)
+        << broken.out;
+  }
   const auto bad = testing::run(STRATA_BENCH_BIN,
                                 {"tokenize", "--tokenizer", d.path, "--text", d.path + "/nope.txt"},
                                 d.path, "tokenize-bad");

@@ -1,8 +1,8 @@
 // strata-bench tokenize: encode throughput of strata's tokenizer (strata/tokenizer.h) in MB/s of
 // UTF-8 text per thread, against Hugging Face's Rust tokenizers library measured in the same run
 // on the same documents (its Node binding, @anush008/tokenizers from $STRATA_NPM_DIR, run by node
-// as a child that times its own encodeBatch: process start, file reads and the JS <-> Rust
-// conversion of the results are outside both timings; RAYON_NUM_THREADS=1 and
+// as a child that times its own encodeBatch, pass by pass in turn with strata's: process start,
+// file reads and reading the ids out are outside both timings; RAYON_NUM_THREADS=1 and
 // TOKENIZERS_PARALLELISM=false keep it on one thread). Both add the template's special tokens.
 // The two must produce the same number of tokens for every document, and the run says whether
 // they did. Then strata's scaling: the documents split across 1..--threads threads.
@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -135,12 +136,16 @@ std::vector<std::string> split_documents(const std::string& text) {
   return docs;
 }
 
-// Times the Rust library through node; the script writes {"seconds", "lengths"} on stdout.
+// The Rust library through node, timed pass by pass in turn with strata's: the script encodes
+// the documents once untimed and prints their token counts, then for each "go" line on its stdin
+// times one encodeBatch of them all and prints the seconds. Both sides thus see the same moments
+// of a shared machine, and both have a warm word cache.
 constexpr const char* kHfScript = R"JS(
 import { createRequire } from 'node:module';
 import { readFileSync } from 'node:fs';
+import { createInterface } from 'node:readline';
 import path from 'node:path';
-const [npmDir, tokenizerJson, docsJson, repsArg] = process.argv.slice(2);
+const [npmDir, tokenizerJson, docsJson] = process.argv.slice(2);
 let Tokenizer;
 try {
   ({ Tokenizer } = createRequire(path.join(path.resolve(npmDir), 'package.json'))('@anush008/tokenizers'));
@@ -151,25 +156,15 @@ try {
 const tok = Tokenizer.fromFile(tokenizerJson);
 const docs = JSON.parse(readFileSync(docsJson, 'utf8'));
 const opts = { addSpecialTokens: true };
-await tok.encodeBatch(docs.slice(0, 8), opts);
-let best = Infinity, lengths = null;
-for (let r = 0; r < Number(repsArg); ++r) {
+const first = await tok.encodeBatch(docs, opts);
+process.stdout.write(JSON.stringify(first.map((e) => e.getIds().length)) + '\n');
+for await (const line of createInterface({ input: process.stdin })) {
+  if (line !== 'go') break;
   const t0 = process.hrtime.bigint();
-  const enc = await tok.encodeBatch(docs, opts);
-  const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
-  best = Math.min(best, seconds);
-  if (lengths === null) lengths = enc.map((e) => e.getIds().length);
+  await tok.encodeBatch(docs, opts);
+  process.stdout.write(`${Number(process.hrtime.bigint() - t0) / 1e9}\n`);
 }
-process.stdout.write(JSON.stringify({ seconds: best, lengths }));
 )JS";
-
-struct HfResult {
-  bool ok = false;
-  bool failed = false;  // it was there and ran, but did not give its figures
-  std::string why;      // when not ok
-  double seconds = 0;
-  std::vector<std::int64_t> lengths;
-};
 
 std::string slurp(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
@@ -178,83 +173,155 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
-HfResult run_hf(const fs::path& tokenizer_json, const std::vector<std::string>& docs, int reps) {
-  HfResult r;
-  if (!fs::exists(tokenizer_json)) {
-    r.why = tokenizer_json.string() +
-            " is not there (the Rust library reads only tokenizer.json: give one with "
-            "--reference-json)";
-    return r;
-  }
-  if (!fs::exists(fs::path(npm_dir()) / "node_modules/@anush008/tokenizers/package.json")) {
-    r.why = "@anush008/tokenizers is not in " + npm_dir() + " (scripts/npm-tokenizers.sh)";
-    return r;
-  }
-  char tmpl[] = "/tmp/strata-bench-tokenize-XXXXXX";
-  if (::mkdtemp(tmpl) == nullptr)
-    detail::throw_errno(__FILE__, __LINE__, "mkdtemp", errno,
-                        "cannot make a folder for the reference's files in /tmp");
-  const fs::path dir(tmpl);
-  struct Removed {
-    fs::path p;
-    ~Removed() {
-      std::error_code ec;
-      fs::remove_all(p, ec);
+// The reference child: start() runs it to its first pass (the token counts), pass() times one
+// more; available() is false with why() when it cannot run or failed (failed(): it was there).
+class HfReference {
+ public:
+  HfReference(const fs::path& tokenizer_json, const std::vector<std::string>& docs) {
+    if (!fs::exists(tokenizer_json)) {
+      why_ = tokenizer_json.string() +
+             " is not there (the Rust library reads only tokenizer.json: give one with "
+             "--reference-json)";
+      return;
     }
-  } removed{dir};
-  std::ofstream(dir / "hf.mjs") << kHfScript;
-  std::ofstream(dir / "docs.json") << nlohmann::json(docs).dump();
-  const std::string out = (dir / "out").string(), err = (dir / "err").string();
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  std::vector<std::string> env_s{"RAYON_NUM_THREADS=1", "TOKENIZERS_PARALLELISM=false"};
-  for (char** e = environ; *e; ++e)
-    if (!std::string_view(*e).starts_with("RAYON_NUM_THREADS=") &&
-        !std::string_view(*e).starts_with("TOKENIZERS_PARALLELISM="))
-      env_s.emplace_back(*e);
-  std::vector<char*> envp;
-  for (auto& e : env_s) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> argv_s{"node",
-                                  (dir / "hf.mjs").string(),
-                                  npm_dir(),
-                                  tokenizer_json.string(),
-                                  (dir / "docs.json").string(),
-                                  std::to_string(reps)};
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = ::posix_spawnp(&pid, "node", &fa, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    r.why = fmt::format("node cannot be started ({}): install nodejs", std::strerror(rc));
-    return r;
+    if (!fs::exists(fs::path(npm_dir()) / "node_modules/@anush008/tokenizers/package.json")) {
+      why_ = "@anush008/tokenizers is not in " + npm_dir() + " (scripts/npm-tokenizers.sh)";
+      return;
+    }
+    // A child that dies is read as end of file; writing to it must not end strata-bench.
+    std::signal(SIGPIPE, SIG_IGN);
+    char tmpl[] = "/tmp/strata-bench-tokenize-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr)
+      detail::throw_errno(__FILE__, __LINE__, "mkdtemp", errno,
+                          "cannot make a folder for the reference's files in /tmp");
+    dir_ = tmpl;
+    std::ofstream(dir_ / "hf.mjs") << kHfScript;
+    std::ofstream(dir_ / "docs.json") << nlohmann::json(docs).dump();
+    int in[2], out[2];
+    STRATA_CHECK_ERRNO(::pipe2(in, O_CLOEXEC), "pipe for the reference's stdin");
+    STRATA_CHECK_ERRNO(::pipe2(out, O_CLOEXEC), "pipe for the reference's stdout");
+    const std::string err = (dir_ / "err").string();
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    std::vector<std::string> env_s{"RAYON_NUM_THREADS=1", "TOKENIZERS_PARALLELISM=false"};
+    for (char** e = environ; *e; ++e)
+      if (!std::string_view(*e).starts_with("RAYON_NUM_THREADS=") &&
+          !std::string_view(*e).starts_with("TOKENIZERS_PARALLELISM="))
+        env_s.emplace_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env_s) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_s{"node", (dir_ / "hf.mjs").string(), npm_dir(),
+                                    tokenizer_json.string(), (dir_ / "docs.json").string()};
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int rc = ::posix_spawnp(&pid_, "node", &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(in[0]);
+    ::close(out[1]);
+    to_child_ = in[1];
+    from_child_ = out[0];
+    if (rc != 0) {
+      pid_ = -1;
+      why_ = fmt::format("node cannot be started ({}): install nodejs", std::strerror(rc));
+      return;
+    }
+    std::string line;
+    if (!read_line(line)) {
+      fail();
+      return;
+    }
+    try {
+      lengths_ = nlohmann::json::parse(line).get<std::vector<std::int64_t>>();
+    } catch (const nlohmann::json::exception& e) {
+      fail(std::string("its token counts do not parse: ") + e.what());
+      return;
+    }
+    if (lengths_.size() != docs.size()) {
+      fail("it returned a different number of documents");
+      return;
+    }
+    ok_ = true;
   }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  HfReference(const HfReference&) = delete;
+  HfReference& operator=(const HfReference&) = delete;
+  ~HfReference() {
+    if (to_child_ >= 0) ::close(to_child_);
+    if (from_child_ >= 0) ::close(from_child_);
+    if (pid_ > 0) {
+      int status = 0;
+      while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+    std::error_code ec;
+    if (!dir_.empty()) fs::remove_all(dir_, ec);
   }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::string e = slurp(err);
+
+  bool available() const { return ok_; }
+  bool failed() const { return failed_; }
+  const std::string& why() const { return why_; }
+  const std::vector<std::int64_t>& lengths() const { return lengths_; }
+
+  // Seconds of one more encodeBatch of every document; 0 (and available() false) on failure.
+  double pass() {
+    if (!ok_) return 0;
+    std::string line;
+    if (::write(to_child_, "go\n", 3) != 3 || !read_line(line)) {
+      fail();
+      return 0;
+    }
+    try {
+      return std::stod(line);
+    } catch (const std::exception&) {
+      fail("its time '" + line + "' is not a number");
+      return 0;
+    }
+  }
+
+ private:
+  bool read_line(std::string& line) {
+    for (;;) {
+      if (const std::size_t nl = buf_.find('\n'); nl != std::string::npos) {
+        line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        return true;
+      }
+      char chunk[65536];
+      const ssize_t n = ::read(from_child_, chunk, sizeof chunk);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      buf_.append(chunk, static_cast<std::size_t>(n));
+    }
+  }
+  void fail(const std::string& what = {}) {
+    ok_ = false;
+    failed_ = true;
+    ::close(to_child_);
+    to_child_ = -1;
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    std::string e = slurp(dir_ / "err");
     if (e.size() > 400) e.resize(400);
-    r.why = fmt::format("the reference failed (status {}): {}", status, e);
-    r.failed = true;
-    return r;
+    why_ = fmt::format("the reference failed ({}): {}{}",
+                       WIFEXITED(status) ? fmt::format("exit code {}", WEXITSTATUS(status))
+                                         : fmt::format("wait status {}", status),
+                       what, e);
   }
-  try {
-    const nlohmann::json j = nlohmann::json::parse(slurp(out));
-    r.seconds = j.at("seconds").get<double>();
-    r.lengths = j.at("lengths").get<std::vector<std::int64_t>>();
-    r.ok = r.lengths.size() == docs.size();
-    if (!r.ok) r.why = "the reference returned a different number of documents";
-  } catch (const nlohmann::json::exception& e) {
-    r.why = std::string("the reference's output does not parse: ") + e.what();
-  }
-  r.failed = !r.ok;
-  return r;
-}
+
+  fs::path dir_;
+  pid_t pid_ = -1;
+  int to_child_ = -1, from_child_ = -1;
+  std::string buf_;
+  bool ok_ = false, failed_ = false;
+  std::string why_;
+  std::vector<std::int64_t> lengths_;
+};
 
 void run(const Args& a) {
   std::string dir = a.tokenizer;
@@ -290,8 +357,8 @@ void run(const Args& a) {
               docs.size(), a.text.empty() ? "generated mix" : a.text.c_str(),
               cpu::cpu_model().c_str());
 
-  // strata, one thread, best of --reps after a first pass (which gives the lengths): its word
-  // cache as warm as the reference's, which keeps its own across encodeBatch calls.
+  // strata and the reference in turn, one thread each, best of --reps, after a first untimed
+  // pass each (which gives the token counts and warms both word caches).
   std::vector<std::int64_t> lengths(docs.size());
   for (std::size_t i = 0; i < docs.size(); ++i)
     lengths[i] = static_cast<std::int64_t>(tok.encode(docs[i]).size());
@@ -300,24 +367,24 @@ void run(const Args& a) {
     for (std::size_t i = lo; i < hi; ++i) n += tok.encode(docs[i]).size();
     return n;
   };
-  double best1 = 1e30;
+  HfReference hf(a.reference.empty() ? fs::path(dir) / "tokenizer.json" : fs::path(a.reference),
+                 docs);
+  double best1 = 1e30, hf_best = 1e30;
   for (int r = 0; r < a.reps; ++r) {
     const Stopwatch sw;
     encode_range(0, docs.size());
     best1 = std::min(best1, sw.seconds());
+    if (hf.available()) hf_best = std::min(hf_best, hf.pass());
   }
   const double strata_mbps = mb / best1;
   std::int64_t tokens = 0;
   for (auto n : lengths) tokens += n;
-
-  const HfResult hf = run_hf(
-      a.reference.empty() ? fs::path(dir) / "tokenizer.json" : fs::path(a.reference), docs, a.reps);
   std::size_t differing = 0;
   std::int64_t hf_tokens = 0;
-  if (hf.ok)
+  if (hf.available())
     for (std::size_t i = 0; i < docs.size(); ++i) {
-      differing += hf.lengths[i] != lengths[i];
-      hf_tokens += hf.lengths[i];
+      differing += hf.lengths()[i] != lengths[i];
+      hf_tokens += hf.lengths()[i];
     }
 
   // Scaling: the documents split evenly across t threads, wall time of the slowest. Each pass
@@ -346,8 +413,8 @@ void run(const Args& a) {
                       {"load_s", load_s},
                       {"strata_mb_per_s", strata_mbps},
                       {"scaling_mb_per_s_by_threads", scaling}};
-  if (hf.ok) {
-    const double hf_mbps = mb / hf.seconds;
+  if (hf.available()) {
+    const double hf_mbps = mb / hf_best;
     std::printf("  HF Rust (node):  %8.2f MB/s per thread (%lld tokens)\n", hf_mbps,
                 static_cast<long long>(hf_tokens));
     std::printf("  ratio vs HF Rust: %.2fx; token counts %s\n", strata_mbps / hf_mbps,
@@ -361,11 +428,11 @@ void run(const Args& a) {
     if (differing != 0) exit_code() = 1;
   } else {
     // A reference that is there but fails is a failed measurement: exit 1, figures last.
-    if (hf.failed) exit_code() = 1;
-    std::printf("  HF Rust: unavailable: %s\n", hf.why.c_str());
+    if (hf.failed()) exit_code() = 1;
+    std::printf("  HF Rust: unavailable: %s\n", hf.why().c_str());
     j["hf_rust_mb_per_s"] = nullptr;
     j["ratio_vs_hf_rust"] = nullptr;
-    j["hf_rust_note"] = hf.why;
+    j["hf_rust_note"] = hf.why();
   }
   if (a.json) print_json(j);
 }
