@@ -398,6 +398,14 @@ TEST_F(SentencePieceModel, SpecialTokensInTextAndConfig) {
               make(R"({"added_tokens_decoder": {"1": {"content": "<bos>"}}})");
             }).find("names '<bos>' as token 1, which tokenizer.model spells '<s>'"),
             std::string::npos);
+  EXPECT_NE(error_of([&] {
+              make(R"({"added_tokens_decoder": {"2000000000": {"content": "<far>"}}})");
+            }).find("id 2000000000 lies past the model's 340 pieces"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              make(R"({"added_tokens_decoder": {"12x": {"content": "<x>"}}})");
+            }).find("entry '12x' is not an id"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { make(R"({"eos_token": "<eot>"})"); }).find("eos_token '<eot>'"),
             std::string::npos);
   EXPECT_NE(error_of([&] { make("{oops"); }).find("tokenizer_config.json does not parse"),

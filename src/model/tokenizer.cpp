@@ -636,17 +636,27 @@ void Tokenizer::Impl::load_sentencepiece(std::string_view model, const Json& cj)
                    "remove the file",
                    origin);
     for (const auto& [key, t] : atd.items()) {
-      std::int32_t id = -1;
+      long long parsed = -1;
+      std::size_t used = 0;
       try {
-        id = static_cast<std::int32_t>(std::stol(key));
+        parsed = std::stoll(key, &used);
       } catch (const std::exception&) {
       }
       const std::string content = json_token(t);
-      if (id < 0 || content.empty())
+      if (parsed < 0 || used != key.size() || content.empty())
         STRATA_THROW(kInvalidArgument,
                      "{}: tokenizer_config.json's added_tokens_decoder entry '{}' is not an id "
                      "with a content; fix or remove the file",
                      origin, key);
+      // Ids past the model's pieces lie right after them, one per entry at most.
+      const long long limit = static_cast<long long>(n) + static_cast<long long>(atd.size());
+      if (parsed >= limit)
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json's added_tokens_decoder id {} lies past the "
+                     "model's {} pieces and its own {} entries; the files are from different "
+                     "models",
+                     origin, parsed, n, atd.size());
+      const auto id = static_cast<std::int32_t>(parsed);
       if (t.value("single_word", false))
         unsupported("added token", fmt::format("'{}' with single_word", content),
                     "added tokens without single_word");
