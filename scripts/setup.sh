@@ -9,7 +9,7 @@ packages=(
   libdnnl-dev ocl-icd-opencl-dev opencl-headers
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
-  libxxhash-dev libpcre2-dev libutf8proc-dev
+  libxxhash-dev libpcre2-dev libutf8proc-dev libsentencepiece-dev
   libopenmpi-dev openmpi-bin
   fio python3
   python3-torch

@@ -896,5 +896,91 @@ TEST(BenchCli, AFailedGpuPartKeepsTheFiguresLast) {
   EXPECT_FALSE(j.at("ok").get<bool>());
 }
 
+// strata-bench tokenize on a byte-level tokenizer.json with every byte and no merges (each byte
+// one token): the figures are there, strata's scaling has one entry per thread count, and the
+// Rust reference is either measured with the same token counts or null with its reason. A
+// --text that cannot be read is named.
+TEST(BenchCli, TokenizeReportsPerThreadRateAndTheReferenceOrWhyNot) {
+  TempDir d("strata-bench");
+  nlohmann::json vocab = nlohmann::json::object();
+  // GPT-2's byte -> character map: printable Latin-1 stands for itself, the rest from U+0100.
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = printable ? b : next++;
+    std::string ch;
+    if (cp < 0x80) {
+      ch.push_back(static_cast<char>(cp));
+    } else {
+      ch.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      ch.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+    vocab[ch] = b;
+  }
+  const nlohmann::json tj = {
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", true},
+        {"use_regex", true}}},
+      {"decoder",
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", true},
+        {"use_regex", true}}}};
+  std::ofstream(d.path + "/tokenizer.json") << tj.dump();
+  const auto r = testing::run(STRATA_BENCH_BIN,
+                              {"tokenize", "--tokenizer", d.path, "--text-mb", "0.05", "--threads",
+                               "2", "--reps", "1", "--json"},
+                              d.path, "tokenize");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = last_json(r.out);
+  EXPECT_GT(j.at("strata_mb_per_s").get<double>(), 0.0);
+  EXPECT_EQ(j.at("threads"), 2);
+  EXPECT_GE(j.at("text_mb").get<double>(), 0.05);
+  // Each byte is a token.
+  EXPECT_EQ(j.at("tokens").get<double>(), std::round(j.at("text_mb").get<double>() * 1e6));
+  const auto& scaling = j.at("scaling_mb_per_s_by_threads");
+  ASSERT_EQ(scaling.size(), 2u) << j.dump();
+  EXPECT_GT(scaling.at("1").get<double>(), 0.0);
+  EXPECT_GT(scaling.at("2").get<double>(), 0.0);
+  EXPECT_FALSE(j.at("cpu").get<std::string>().empty());
+  if (j.at("hf_rust_mb_per_s").is_null()) {
+    // Only an absent reference is null (a failing one exits 1, above).
+    EXPECT_TRUE(j.at("ratio_vs_hf_rust").is_null());
+    EXPECT_FALSE(j.at("hf_rust_note").get<std::string>().empty());
+  } else {
+    EXPECT_TRUE(j.at("token_counts_equal").get<bool>()) << j.dump();
+    EXPECT_EQ(j.at("hf_rust_tokens"), j.at("tokens"));
+    EXPECT_NEAR(j.at("ratio_vs_hf_rust").get<double>(),
+                j.at("strata_mb_per_s").get<double>() / j.at("hf_rust_mb_per_s").get<double>(),
+                1e-9);
+  }
+  // A reference that is there but cannot read its tokenizer.json is a failed measurement: exit 1,
+  // the figures last with the reason (without node or the binding: null and exit 0, as above).
+  std::ofstream(d.path + "/broken.json") << "{}";
+  const auto broken =
+      testing::run(STRATA_BENCH_BIN,
+                   {"tokenize", "--tokenizer", d.path, "--text-mb", "0.01", "--threads", "1",
+                    "--reps", "1", "--reference-json", d.path + "/broken.json", "--json"},
+                   d.path, "tokenize-broken");
+  const auto jb = last_json(broken.out);
+  EXPECT_TRUE(jb.at("hf_rust_mb_per_s").is_null()) << broken.out;
+  if (j.at("hf_rust_mb_per_s").is_null()) {
+    EXPECT_EQ(broken.status, 0) << broken.out << broken.err;
+  } else {
+    EXPECT_EQ(broken.status, 1) << broken.out << broken.err;
+    EXPECT_NE(jb.at("hf_rust_note").get<std::string>().find("the reference failed"),
+              std::string::npos)
+        << broken.out;
+  }
+  const auto bad = testing::run(STRATA_BENCH_BIN,
+                                {"tokenize", "--tokenizer", d.path, "--text", d.path + "/nope.txt"},
+                                d.path, "tokenize-bad");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("cannot read --text"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace strata

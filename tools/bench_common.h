@@ -24,6 +24,7 @@ void add_comm_command(CLI::App& app);
 void add_model_command(CLI::App& app);
 void add_engine_command(CLI::App& app);
 void add_gpu_command(CLI::App& app);
+void add_tokenize_command(CLI::App& app);
 
 // Prints `figures` as one line of JSON on stdout (call it last, when --json is given).
 void print_json(const nlohmann::json& figures);

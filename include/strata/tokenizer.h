@@ -13,8 +13,10 @@
 // Covered: byte-level BPE (GPT-2, Llama 3, Qwen2/3) and BPE with byte fallback behind the
 // Llama 2 / Mistral normalizer (Prepend "▁", Replace " " -> "▁") or the Metaspace pre-tokenizer,
 // with the Replace / ByteFallback / Fuse / Strip / Metaspace decoders. Anything else in a file
-// (WordPiece, Unigram, a Whitespace pre-tokenizer, a SentencePiece tokenizer.model) is refused by
-// name when the folder is read, never guessed at.
+// (WordPiece, Unigram, a Whitespace pre-tokenizer) is refused by name when the folder is read,
+// never guessed at. A folder with a SentencePiece tokenizer.model and no tokenizer.json is run by
+// libsentencepiece (BPE or Unigram, its normalizer and byte fallback), behind the same added
+// tokens, template and decoders.
 //
 // Decoding: decode() gives text (bytes that do not form UTF-8 become U+FFFD, as Hugging Face's
 // decoders do). A byte-level token may hold part of a character: for streaming, token_bytes()
@@ -44,15 +46,22 @@ namespace strata {
 
 class Tokenizer {
  public:
-  // Reads `dir`/tokenizer.json and `dir`/tokenizer_config.json (optional). Throws strata::Error
-  // naming the file and the component when the file is missing, malformed or describes a
-  // pipeline this tokenizer does not implement (a folder with only tokenizer.model is refused
-  // with that reason).
+  // Reads `dir`/tokenizer.json, or where there is none `dir`/tokenizer.model (SentencePiece),
+  // and `dir`/tokenizer_config.json (optional). Throws strata::Error naming the file and the
+  // component when neither is there, or the file is malformed or describes a pipeline this
+  // tokenizer does not implement.
   static Tokenizer from_folder(const std::filesystem::path& dir);
   // The same from the files' text; `config_json` may be empty. `origin` names the source in
   // error messages.
   static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json = {},
                              std::string origin = "tokenizer.json");
+  // A SentencePiece model (the bytes of a tokenizer.model) run by libsentencepiece, with
+  // tokenizer_config.json's text (may be empty): its control symbols and unk (and the config's
+  // added_tokens_decoder) are special tokens matched in text; BOS first unless add_bos_token is
+  // false, EOS last with add_eos_token; with legacy false a span after a special token gets no
+  // "▁" put first, as Hugging Face's LlamaTokenizer does.
+  static Tokenizer from_sentencepiece(std::string_view model, std::string_view config_json = {},
+                                      std::string origin = "tokenizer.model");
 
   // Token ids of `text` (UTF-8). With `add_special_tokens` the post-processor's template adds its
   // tokens (Llama 2: BOS first); added tokens written in the text are always matched, as Hugging

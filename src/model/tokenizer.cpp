@@ -10,17 +10,23 @@
 // and UCP (\s, \p{L}, \p{N} are Unicode classes, as in Oniguruma, which the Rust library uses)
 // and JIT where the platform allows. Normalization forms come from utf8proc.
 //
-// Invariants: everything is built in from_json and read-only afterwards (encode/decode are const
-// and hold no shared mutable state: each call makes its own PCRE2 match data), so one Tokenizer
-// serves any number of threads.
+// A folder with only a SentencePiece tokenizer.model is run by libsentencepiece behind the same
+// added tokens, template and piece decoder (from_sentencepiece).
+//
+// Invariants: everything is built in from_json / from_sentencepiece and read-only afterwards
+// (encode/decode are const and hold no shared mutable state: each call makes its own PCRE2 match
+// data, and the cache of words' ids is per thread, tagged with the tokenizer it belongs to), so
+// one Tokenizer serves any number of threads.
 #include "strata/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <sentencepiece_processor.h>
 #include <utf8proc.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -64,6 +70,7 @@ std::size_t utf8_incomplete_tail(std::string_view s, std::size_t i) {
 }
 
 constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
+constexpr std::string_view kMetaspace = "\u2581";
 
 // Bytes -> text, each invalid sequence replaced by one U+FFFD (as Rust's from_utf8_lossy).
 std::string utf8_lossy(std::string_view s) {
@@ -252,10 +259,71 @@ struct AddedToken {
 
 enum class DecoderKind { kByteLevel, kPieces };
 
+// An open-addressing hash table from 64-bit keys to two ints, for the lookups on encode's hot
+// path (a merge per adjacent pair, a vocabulary id per character): one probe into a flat array,
+// where std::unordered_map chases a node per lookup. Filled once, then read-only.
+class FlatMap64 {
+ public:
+  struct Slot {
+    std::uint64_t key;
+    std::int32_t first, second;
+  };
+  void reserve(std::size_t n) {
+    std::size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    slots_.assign(cap, Slot{kEmpty, 0, 0});
+    mask_ = cap - 1;
+  }
+  // Inserts unless `key` is there already (the first insertion wins). reserve() first.
+  void insert(std::uint64_t key, std::int32_t first, std::int32_t second) {
+    for (std::size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return;
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Slot{key, first, second};
+        return;
+      }
+    }
+  }
+  const Slot* find(std::uint64_t key) const {
+    if (slots_.empty()) return nullptr;
+    for (std::size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return &slots_[i];
+      if (slots_[i].key == kEmpty) return nullptr;
+    }
+  }
+
+ private:
+  static constexpr std::uint64_t kEmpty = ~std::uint64_t{0};
+  static std::size_t hash(std::uint64_t k) {  // murmur3's finaliser
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return static_cast<std::size_t>(k);
+  }
+  std::vector<Slot> slots_;
+  std::size_t mask_ = 0;
+};
+
+// One character's UTF-8 bytes (1-4) as a key: the bytes and the length.
+std::uint64_t char_key(std::string_view ch) {
+  std::uint64_t k = ch.size();
+  for (unsigned char c : ch) k = (k << 8) | c;
+  return k;
+}
+
+struct StringHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
 struct Bpe {
-  std::unordered_map<std::string, std::int32_t> vocab;
+  std::unordered_map<std::string, std::int32_t, StringHash, std::equal_to<>> vocab;
   // (left id << 32 | right id) -> (rank, merged id)
-  std::unordered_map<std::uint64_t, std::pair<std::int32_t, std::int32_t>> merges;
+  FlatMap64 merges;
+  // The vocabulary's one-character tokens (char_key) -> (id, unused).
+  FlatMap64 chars;
   std::optional<std::int32_t> unk;
   bool byte_fallback = false, fuse_unk = false, ignore_merges = false;
   std::array<std::int32_t, 256> byte_ids{};  // "<0xXX>" ids for byte_fallback, -1 when absent
@@ -291,6 +359,26 @@ struct Tokenizer::Impl {
   std::string decoder_metaspace;
   bool decoder_metaspace_drop_first = false;
   std::optional<std::int32_t> bos, eos, pad;
+  // A SentencePiece tokenizer.model instead of tokenizer.json: the library encodes each span
+  // between added tokens (its own normalizer, model and byte fallback); the tables above are
+  // filled from its pieces, so decoding, the added tokens and the template are shared.
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> spm;
+  // No pre-tokenizer, and no token has a "▁" after another character (Llama 2, Mistral): a BPE
+  // piece is merged as the words it splits into before each such "▁" — no merge can cross one,
+  // so the ids are the same, and a word's ids can be cached.
+  bool split_before_metaspace = false;
+  // Tells the per-thread word caches of different tokenizers apart.
+  std::uint64_t serial = 0;
+  // tokenizer_config.json's legacy: false — a span after an added token gets no "▁" put first
+  // (Hugging Face encodes unk's text before it and drops that many ids: `spm_legacy_skip`).
+  bool spm_legacy = true;
+  std::string spm_unk_text;
+  std::size_t spm_legacy_skip = 0;
+  // A BPE model that only turns spaces into "▁" (normalizer "identity", a "▁" put first, spaces
+  // kept) and has no piece with "▁" after another character (Llama 2): no merge crosses a space,
+  // so a span is encoded as its words, each cached (spm_words): the same ids.
+  bool spm_split_words = false;
+  std::int32_t spm_metaspace_id = -1;
 
   [[noreturn]] void unsupported(std::string_view where, std::string_view type,
                                 std::string_view supported) const {
@@ -314,6 +402,13 @@ struct Tokenizer::Impl {
   void parse_post(const Json& p);
   void parse_decoder(const Json& d);
   void parse_config(const Json& c);
+  void index_added();
+  void build_char_ids();
+  void find_metaspace_words();
+  void merge_word(std::string_view w, std::vector<std::int32_t>& out) const;
+  void load_sentencepiece(std::string_view model, const Json& cj);
+  void spm_encode(std::string_view s, std::vector<std::int32_t>& out) const;
+  void spm_words(std::string_view span, std::vector<std::int32_t>& out) const;
 
   std::string normalize(std::string s) const;
   // `at_start`: `s` begins the text (Metaspace's prepend_scheme "first").
@@ -354,6 +449,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
   }
   id_to_token.assign(static_cast<std::size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : bpe.vocab) id_to_token[id] = tok;
+  build_char_ids();
   bpe.byte_fallback = m.value("byte_fallback", false);
   bpe.fuse_unk = m.value("fuse_unk", false);
   bpe.ignore_merges = m.value("ignore_merges", false);
@@ -368,6 +464,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
     bpe.unk = it->second;
   }
   if (!m.contains("merges") || !m["merges"].is_array()) malformed("model.merges is not a list");
+  bpe.merges.reserve(m["merges"].size());
   std::int32_t rank = 0;
   for (const Json& mj : m["merges"]) {
     std::string a, b;
@@ -390,7 +487,7 @@ void Tokenizer::Impl::parse_model(const Json& m) {
           fmt::format("merge {} ('{}' '{}') names a token not in the vocabulary", rank, a, b));
     const std::uint64_t key =
         (static_cast<std::uint64_t>(ia->second) << 32) | static_cast<std::uint32_t>(ib->second);
-    bpe.merges.emplace(key, std::make_pair(rank, im->second));  // the first (lowest) rank wins
+    bpe.merges.insert(key, rank, im->second);  // the first (lowest) rank wins
     ++rank;
   }
 }
@@ -414,11 +511,230 @@ void Tokenizer::Impl::parse_added(const Json& a) {
   }
   special.assign(id_to_token.size(), false);
   for (const AddedToken& t : added) special[t.id] = t.special;
+  index_added();
+}
+
+void Tokenizer::Impl::build_char_ids() {
+  std::size_t n = 0;
+  for (const auto& [tok, id] : bpe.vocab) n += !tok.empty() && utf8_char_len(tok, 0) == tok.size();
+  bpe.chars.reserve(n);
+  for (const auto& [tok, id] : bpe.vocab)
+    if (!tok.empty() && utf8_char_len(tok, 0) == tok.size()) bpe.chars.insert(char_key(tok), id, 0);
+}
+
+// Sorts the added tokens longest first and indexes them by their first byte, for encode's scan.
+void Tokenizer::Impl::index_added() {
   std::stable_sort(added.begin(), added.end(), [](const AddedToken& x, const AddedToken& y) {
     return x.content.size() > y.content.size();
   });
+  for (auto& v : added_by_first_byte) v.clear();
   for (std::size_t i = 0; i < added.size(); ++i)
     added_by_first_byte[static_cast<unsigned char>(added[i].content[0])].push_back(i);
+}
+
+// The fields of a SentencePiece model (a protobuf ModelProto) that say how it treats spaces, read
+// by hand (Debian ships no header for the message): trainer_spec (2) model_type (3) and
+// treat_whitespace_as_suffix (24); normalizer_spec (3) name (1), add_dummy_prefix (3),
+// remove_extra_whitespaces (4), escape_whitespaces (5). Defaults as the .proto gives them.
+struct SpmSpaces {
+  std::uint64_t model_type = 1;  // 1 unigram, 2 BPE
+  bool whitespace_as_suffix = false;
+  std::string normalizer;
+  bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+  bool read = false;  // the message parsed
+};
+
+// Calls f(field number, varint value, length-delimited bytes) for each field of `buf`; false when
+// the bytes are not a protobuf message.
+template <class F>
+bool for_each_field(std::string_view buf, F&& f) {
+  std::size_t i = 0;
+  const auto varint = [&](std::uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 64 && i < buf.size(); shift += 7) {
+      const auto b = static_cast<unsigned char>(buf[i++]);
+      v |= std::uint64_t(b & 0x7F) << shift;
+      if (b < 0x80) return true;
+    }
+    return false;
+  };
+  while (i < buf.size()) {
+    std::uint64_t key = 0, v = 0;
+    if (!varint(key)) return false;
+    std::string_view bytes;
+    switch (key & 7) {
+      case 0:
+        if (!varint(v)) return false;
+        break;
+      case 1:
+        if (buf.size() - i < 8) return false;
+        i += 8;
+        break;
+      case 2:
+        if (!varint(v) || v > buf.size() - i) return false;
+        bytes = buf.substr(i, v);
+        i += v;
+        break;
+      case 5:
+        if (buf.size() - i < 4) return false;
+        i += 4;
+        break;
+      default:
+        return false;
+    }
+    f(key >> 3, v, bytes);
+  }
+  return true;
+}
+
+SpmSpaces read_spm_spaces(std::string_view model) {
+  SpmSpaces s;
+  s.read = for_each_field(model, [&](std::uint64_t num, std::uint64_t, std::string_view bytes) {
+    if (num == 2)
+      for_each_field(bytes, [&](std::uint64_t n, std::uint64_t v, std::string_view) {
+        if (n == 3) s.model_type = v;
+        if (n == 24) s.whitespace_as_suffix = v != 0;
+      });
+    if (num == 3)
+      for_each_field(bytes, [&](std::uint64_t n, std::uint64_t v, std::string_view b) {
+        if (n == 1) s.normalizer = std::string(b);
+        if (n == 3) s.add_dummy_prefix = v != 0;
+        if (n == 4) s.remove_extra_whitespaces = v != 0;
+        if (n == 5) s.escape_whitespaces = v != 0;
+      });
+  });
+  return s;
+}
+
+void Tokenizer::Impl::load_sentencepiece(std::string_view model, const Json& cj) {
+  auto proc = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  if (const auto st = proc->LoadFromSerializedProto(model); !st.ok())
+    STRATA_THROW(kInvalidArgument,
+                 "{}: libsentencepiece cannot read it ({}); the file is not a SentencePiece "
+                 "model — re-download tokenizer.model",
+                 origin, st.ToString());
+  const int n = proc->GetPieceSize();
+  id_to_token.resize(static_cast<std::size_t>(n));
+  special.assign(static_cast<std::size_t>(n), false);
+  for (int id = 0; id < n; ++id) {
+    id_to_token[id] = proc->IdToPiece(id);
+    bpe.vocab.emplace(id_to_token[id], id);
+    // Control symbols (<s>, </s>) and unk are special tokens written in text, as Hugging Face's
+    // LlamaTokenizer has them; SentencePiece itself would spell them out character by character.
+    if (proc->IsControl(id) || proc->IsUnknown(id)) {
+      special[id] = true;
+      if (!id_to_token[id].empty()) added.push_back({id_to_token[id], id, true, false, false});
+    }
+  }
+  // added_tokens_decoder: {"32000": {"content": "<pad>", "special": true, ...}}. One inside the
+  // model must be the model's piece at that id; one past it extends the vocabulary.
+  if (cj.is_object() && cj.contains("added_tokens_decoder")) {
+    const Json& atd = cj["added_tokens_decoder"];
+    if (!atd.is_object())
+      STRATA_THROW(kInvalidArgument,
+                   "{}: tokenizer_config.json's added_tokens_decoder is not an object; fix or "
+                   "remove the file",
+                   origin);
+    for (const auto& [key, t] : atd.items()) {
+      long long parsed = -1;
+      std::size_t used = 0;
+      try {
+        parsed = std::stoll(key, &used);
+      } catch (const std::exception&) {
+      }
+      const std::string content = json_token(t);
+      if (parsed < 0 || used != key.size() || content.empty())
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json's added_tokens_decoder entry '{}' is not an id "
+                     "with a content; fix or remove the file",
+                     origin, key);
+      // Ids past the model's pieces lie right after them, one per entry at most.
+      const long long limit = static_cast<long long>(n) + static_cast<long long>(atd.size());
+      if (parsed >= limit)
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json's added_tokens_decoder id {} lies past the "
+                     "model's {} pieces and its own {} entries; the files are from different "
+                     "models",
+                     origin, parsed, n, atd.size());
+      const auto id = static_cast<std::int32_t>(parsed);
+      if (t.value("single_word", false))
+        unsupported("added token", fmt::format("'{}' with single_word", content),
+                    "added tokens without single_word");
+      if (id < n && id_to_token[id] != content)
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tokenizer_config.json names '{}' as token {}, which tokenizer.model "
+                     "spells '{}'; the two files are from different models",
+                     origin, content, id, id_to_token[id]);
+      if (static_cast<std::size_t>(id) >= id_to_token.size()) {
+        id_to_token.resize(static_cast<std::size_t>(id) + 1);
+        special.resize(id_to_token.size(), false);
+      }
+      id_to_token[id] = content;
+      special[id] = t.value("special", false);
+      std::erase_if(added, [&](const AddedToken& a) { return a.id == id; });
+      added.push_back(
+          {content, id, special[id], t.value("lstrip", false), t.value("rstrip", false)});
+    }
+  }
+  index_added();
+  // Decoding as Hugging Face's Llama tokenizer does: "▁" is a space, <0xXX> its byte, and the
+  // first token loses the space the model put first (only when it puts one).
+  decoder = DecoderKind::kPieces;
+  decoder_replace.push_back(Replace{"\u2581", " "});
+  decoder_byte_fallback = true;
+  std::vector<std::string> probe;
+  if (proc->Encode("a", &probe).ok() && !probe.empty() && probe[0].starts_with("\u2581"))
+    decoder_strip_first = 1;
+  // BOS / EOS / pad: tokenizer_config.json's names where it has the key, else the model's ids;
+  // BOS put first unless add_bos_token says otherwise (LlamaTokenizer's default), EOS only with
+  // add_eos_token.
+  const Json config = cj.is_object() ? cj : Json::object();
+  parse_config(config);
+  const auto model_id = [](int id) {
+    return id >= 0 ? std::optional<std::int32_t>(id) : std::nullopt;
+  };
+  if (!config.contains("bos_token")) bos = model_id(proc->bos_id());
+  if (!config.contains("eos_token")) eos = model_id(proc->eos_id());
+  if (!config.contains("pad_token")) pad = model_id(proc->pad_id());
+  const auto flag = [&](const char* key, bool fallback) {
+    const Json v = config.value(key, Json());
+    return v.is_boolean() ? v.get<bool>() : fallback;
+  };
+  const bool add_bos = flag("add_bos_token", bos.has_value());
+  const bool add_eos = flag("add_eos_token", false);
+  if ((add_bos && !bos) || (add_eos && !eos))
+    STRATA_THROW(kInvalidArgument,
+                 "{}: tokenizer_config.json asks for add_{}_token but the model has no such "
+                 "token; set it to false or name the token",
+                 origin, add_bos && !bos ? "bos" : "eos");
+  if (add_bos) template_prefix.push_back(*bos);
+  if (add_eos) template_suffix.push_back(*eos);
+  spm_legacy = flag("legacy", true);
+  if (!spm_legacy) {
+    spm_unk_text = proc->IdToPiece(proc->unk_id());
+    std::vector<int> ids;
+    if (!proc->Encode(spm_unk_text, &ids).ok())
+      STRATA_THROW(kInternal, "{}: libsentencepiece cannot encode '{}'", origin, spm_unk_text);
+    spm_legacy_skip = ids.size();
+  }
+  spm = std::move(proc);
+  const SpmSpaces spaces = read_spm_spaces(model);
+  find_metaspace_words();
+  spm_split_words = split_before_metaspace && spaces.read && spaces.model_type == 2 &&
+                    spaces.normalizer == "identity" && spaces.add_dummy_prefix &&
+                    !spaces.remove_extra_whitespaces && spaces.escape_whitespaces &&
+                    !spaces.whitespace_as_suffix;
+  split_before_metaspace = false;  // that flag is the tokenizer.json path's
+  if (spm_split_words) spm_metaspace_id = bpe.vocab.find(kMetaspace)->second;
+}
+
+void Tokenizer::Impl::spm_encode(std::string_view s, std::vector<std::int32_t>& out) const {
+  thread_local std::vector<int> ids;
+  ids.clear();
+  if (const auto st = spm->Encode(s, &ids); !st.ok())
+    STRATA_THROW(kInternal, "{}: libsentencepiece failed to encode a text: {}", origin,
+                 st.ToString());
+  out.insert(out.end(), ids.begin(), ids.end());
 }
 
 void Tokenizer::Impl::parse_normalizer(const Json& n) {
@@ -674,10 +990,84 @@ std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string s, bool at_st
   return pieces;
 }
 
+// Words seen before on this thread, with their ids: most of a text's words recur, and merging is
+// the costly step. The cache belongs to one tokenizer at a time (its serial) and is bounded.
+struct WordCache {
+  std::uint64_t owner = 0;
+  std::unordered_map<std::string, std::vector<std::int32_t>, StringHash, std::equal_to<>> words;
+};
+constexpr std::size_t kWordCacheMaxWord = 64, kWordCacheMaxWords = 1 << 16;
+
+// Appends the ids of word `w` to `out`: from this thread's cache, else compute(w, out), cached.
+template <class Compute>
+void cached_word(std::uint64_t owner, std::string_view w, std::vector<std::int32_t>& out,
+                 Compute&& compute) {
+  if (w.size() > kWordCacheMaxWord) return compute(w, out);
+  thread_local WordCache cache;
+  if (cache.owner != owner) {
+    cache.words.clear();
+    cache.owner = owner;
+  }
+  if (auto it = cache.words.find(w); it != cache.words.end()) {
+    out.insert(out.end(), it->second.begin(), it->second.end());
+    return;
+  }
+  const std::size_t before = out.size();
+  compute(w, out);
+  if (cache.words.size() >= kWordCacheMaxWords) cache.words.clear();
+  cache.words.emplace(std::string(w), std::vector<std::int32_t>(out.begin() + before, out.end()));
+}
+
 void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& out) const {
   if (w.empty()) return;
+  cached_word(serial, w, out,
+              [this](std::string_view x, std::vector<std::int32_t>& o) { merge_word(x, o); });
+}
+
+void Tokenizer::Impl::spm_words(std::string_view span, std::vector<std::int32_t>& out) const {
+  // Cut before each space (or "▁") that follows another character. The first part is encoded as
+  // the library would the span (it puts "▁" first); each later one begins with its space, which
+  // is the "▁" the library puts first when given the rest: " world" is encoded as "world".
+  const auto later = [this](std::string_view part, std::vector<std::int32_t>& o) {
+    const std::size_t n = part.front() == ' ' ? 1 : kMetaspace.size();
+    if (part.size() == n) {
+      o.push_back(spm_metaspace_id);
+    } else {
+      spm_encode(part.substr(n), o);
+    }
+  };
+  std::size_t begin = 0;
+  bool after_space = true;
+  for (std::size_t i = 0; i < span.size();) {
+    const std::size_t n = span[i] == ' '                           ? 1
+                          : span.substr(i).starts_with(kMetaspace) ? kMetaspace.size()
+                                                                   : 0;
+    if (n == 0) {
+      after_space = false;
+      i += std::max<std::size_t>(1, utf8_char_len(span, i));
+      continue;
+    }
+    if (!after_space) {
+      if (begin == 0) {
+        spm_encode(span.substr(0, i), out);
+      } else {
+        cached_word(serial, span.substr(begin, i - begin), out, later);
+      }
+      begin = i;
+    }
+    after_space = true;
+    i += n;
+  }
+  if (begin == 0) {
+    spm_encode(span, out);
+  } else {
+    cached_word(serial, span.substr(begin), out, later);
+  }
+}
+
+void Tokenizer::Impl::merge_word(std::string_view w, std::vector<std::int32_t>& out) const {
   if (bpe.ignore_merges)
-    if (auto it = bpe.vocab.find(std::string(w)); it != bpe.vocab.end()) {
+    if (auto it = bpe.vocab.find(w); it != bpe.vocab.end()) {
       out.push_back(it->second);
       return;
     }
@@ -685,10 +1075,10 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
   bool last_unk = false;
   for (std::size_t i = 0; i < w.size();) {
     const std::size_t n = std::max<std::size_t>(1, utf8_char_len(w, i));
-    const std::string ch(w.substr(i, n));
+    const std::string_view ch = w.substr(i, n);
     i += n;
-    if (auto it = bpe.vocab.find(ch); it != bpe.vocab.end()) {
-      syms.push_back(it->second);
+    if (const auto* c = bpe.chars.find(char_key(ch))) {
+      syms.push_back(c->first);
       last_unk = false;
       continue;
     }
@@ -727,9 +1117,7 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
   std::vector<Sym> list(syms.size());
   for (std::int32_t i = 0; i < n; ++i) list[i] = {syms[i], i - 1, i + 1 < n ? i + 1 : -1, true};
   const auto lookup = [&](std::int32_t a, std::int32_t b) {
-    const std::uint64_t key = (static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint32_t>(b);
-    auto it = bpe.merges.find(key);
-    return it == bpe.merges.end() ? nullptr : &it->second;
+    return bpe.merges.find((static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint32_t>(b));
   };
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
   const auto push = [&](std::int32_t pos) {
@@ -759,9 +1147,51 @@ void Tokenizer::Impl::bpe_word(std::string_view w, std::vector<std::int32_t>& ou
 void Tokenizer::Impl::encode_span(std::string_view span, bool at_start,
                                   std::vector<std::int32_t>& out) const {
   if (span.empty()) return;
+  if (spm) {
+    if (spm_legacy || at_start)
+      return spm_split_words ? spm_words(span, out) : spm_encode(span, out);
+    const std::size_t before = out.size();
+    spm_encode(spm_unk_text + std::string(span), out);
+    out.erase(
+        out.begin() + static_cast<std::ptrdiff_t>(before),
+        out.begin() + static_cast<std::ptrdiff_t>(std::min(before + spm_legacy_skip, out.size())));
+    return;
+  }
   const std::string norm = normalize(std::string(span));
   if (norm.empty()) return;
-  for (const std::string& piece : pre_tokenize(norm, at_start)) bpe_word(piece, out);
+  for (const std::string& piece : pre_tokenize(norm, at_start)) {
+    if (!split_before_metaspace) {
+      bpe_word(piece, out);
+      continue;
+    }
+    const std::string_view v(piece);
+    std::size_t begin = 0;
+    for (std::size_t hit = v.find(kMetaspace, 1); hit != std::string_view::npos;
+         hit = v.find(kMetaspace, hit + kMetaspace.size())) {
+      if (hit >= kMetaspace.size() &&
+          v.substr(hit - kMetaspace.size(), kMetaspace.size()) == kMetaspace)
+        continue;  // a run of them stays one word
+      bpe_word(v.substr(begin, hit - begin), out);
+      begin = hit;
+    }
+    bpe_word(v.substr(begin), out);
+  }
+}
+
+void Tokenizer::Impl::find_metaspace_words() {
+  split_before_metaspace = false;
+  if (bpe.ignore_merges || !bpe.vocab.contains(kMetaspace)) return;
+  for (const auto& [tok, id] : bpe.vocab) {
+    std::string_view t(tok);
+    while (t.starts_with(kMetaspace)) t.remove_prefix(kMetaspace.size());
+    if (t.find(kMetaspace) != std::string_view::npos) return;
+  }
+  split_before_metaspace = true;
+}
+
+static std::uint64_t next_tokenizer_serial() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1);
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -790,6 +1220,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   }
   if (impl->special.size() < impl->id_to_token.size())
     impl->special.resize(impl->id_to_token.size());
+  impl->find_metaspace_words();
+  impl->serial = next_tokenizer_serial();
   return Tokenizer(std::move(impl));
 }
 
@@ -804,22 +1236,42 @@ Tokenizer Tokenizer::from_folder(const std::filesystem::path& dir) {
     ss << f.rdbuf();
     return ss.str();
   };
-  const std::filesystem::path tj = dir / "tokenizer.json", cj = dir / "tokenizer_config.json";
-  if (!std::filesystem::exists(tj)) {
-    if (std::filesystem::exists(dir / "tokenizer.model"))
-      STRATA_THROW(kUnsupported,
-                   "{}: only tokenizer.model (SentencePiece) is there and strata does not read it "
-                   "yet; convert it to tokenizer.json (transformers' AutoTokenizer.from_pretrained "
-                   "then save_pretrained writes one)",
-                   dir.string());
-    STRATA_THROW(
-        kInvalidArgument,
-        "{}: no tokenizer.json in the folder; pass a Hugging Face model folder that has one",
-        dir.string());
-  }
+  const std::filesystem::path tj = dir / "tokenizer.json", cj = dir / "tokenizer_config.json",
+                              sp = dir / "tokenizer.model";
   std::string config;
   if (std::filesystem::exists(cj)) config = read(cj);
-  return from_json(read(tj), config, tj.string());
+  if (std::filesystem::exists(tj)) return from_json(read(tj), config, tj.string());
+  if (std::filesystem::exists(sp)) return from_sentencepiece(read(sp), config, sp.string());
+  STRATA_THROW(kInvalidArgument,
+               "{}: neither tokenizer.json nor tokenizer.model in the folder; pass a Hugging "
+               "Face model folder that has one",
+               dir.string());
+}
+
+Tokenizer Tokenizer::from_sentencepiece(std::string_view model, std::string_view config_json,
+                                        std::string origin) {
+  auto impl = std::make_shared<Impl>();
+  impl->origin = std::move(origin);
+  Json cj;
+  if (!config_json.empty()) {
+    try {
+      cj = Json::parse(config_json);
+    } catch (const Json::exception& e) {
+      STRATA_THROW(kInvalidArgument,
+                   "{}: tokenizer_config.json does not parse ({}); fix or remove the file",
+                   impl->origin, e.what());
+    }
+  }
+  try {
+    impl->load_sentencepiece(model, cj);
+    impl->serial = next_tokenizer_serial();
+  } catch (const Json::exception& e) {
+    STRATA_THROW(kInvalidArgument,
+                 "{}: tokenizer_config.json has a field of the wrong type ({}); fix or remove "
+                 "the file",
+                 impl->origin, e.what());
+  }
+  return Tokenizer(std::move(impl));
 }
 
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
