@@ -1531,10 +1531,9 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--validate", "1", "--data", d.path + "/t.txt", "--text", d.path + "/t.txt"},
             "--data and --text"},
            {{"--validate", "1", "--data", d.path + "/t.jsonl"},
-            d.path + "/t.jsonl: a corpus is tokenized with the model's tokenizer"},
+            d.path + "/t.jsonl: this is JSON lines text, not token ids"},
            {{"--validate", "1", "--model-config", v32k, "--text", d.path + "/t.txt"},
-            "this model's vocab_size is 32000, so its text must be tokenized by its own "
-            "tokenizer"}}) {
+            "text is read byte by byte"}}) {
     std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
     v.insert(v.end(), flags.begin(), flags.end());
     const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");

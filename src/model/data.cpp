@@ -86,9 +86,11 @@ void refuse_text(const TokenFile& f, const char* read_as) {
   STRATA_THROW(kInvalidArgument,
                "{}: this is {}, not token ids (its first {} bytes are all UTF-8 text), so reading "
                "it as {} would train on characters taken for ids. strata-train reads token files "
-               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32): tokenize it "
-               "with the model's own tokenizer first; a byte-level model (vocab_size 256) trains "
-               "on a text file with --text",
+               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32) and prepared "
+               "files: tokenize it with the model's own tokenizer (strata-prep --model DIR FILE "
+               "-o FILE.prep; strata-train --data FILE with --data-dtype auto and a --model folder "
+               "that has tokenizer.json does it for .txt and .jsonl); a byte-level model "
+               "(vocab_size 256) trains on a text file with --text",
                f.path, jsonl ? "JSON lines text" : "text", std::min(f.size, kSniffBytes), read_as);
 }
 
