@@ -964,6 +964,34 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
   EXPECT_EQ(last, want);
 }
 
+// A Hugging Face folder of a 20-id Llama with testing::kTinyTokenizer (EOS <|end|>), and a
+// .jsonl corpus of `n` documents in its vocabulary.
+void write_tokenizer_model(const std::string& hf) {
+  auto dev = make_host_device();
+  auto s = dev->create_stream("w");
+  ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
+      "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
+                                       "tok20"),
+                    DType::kF32, *dev, *s);
+  w.init_random(3, 0.3f);
+  save_hf_weights(hf, w);
+  std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
+  std::ofstream(hf + "/tokenizer_config.json")
+      << R"({"bos_token": "<|bos|>", "eos_token": "<|end|>"})";
+}
+
+void write_corpus(const std::string& path, int n) {
+  std::ofstream f(path);
+  std::mt19937 rng(11);
+  const char* words[] = {"hello", " world", "!", "he", "or", " hello"};
+  for (int i = 0; i < n; ++i) {
+    std::string doc;
+    for (int k = 0, m = 1 + int(rng() % 6); k < m; ++k) doc += words[rng() % 6];
+    f << nlohmann::json({{"text", doc}}).dump() << "\n";
+  }
+}
+
 // --data corpus.jsonl (and --text) with a --model folder that has a tokenizer: prepared once with
 // it into the cache (STRATA_CACHE_DIR), reused while the corpus is unchanged, prepared again when
 // it changes; the packed data's summary printed; a prepared file of another tokenizer refused.
@@ -972,28 +1000,8 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
 TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
                     cache = dir.path + "/cache", log = dir.path + "/c.jsonl";
-  {
-    auto dev = make_host_device();
-    auto s = dev->create_stream("w");
-    ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
-                                         "tok20"),
-                      DType::kF32, *dev, *s);
-    w.init_random(3, 0.3f);
-    save_hf_weights(hf, w);
-    std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
-    std::ofstream(hf + "/tokenizer_config.json")
-        << R"({"bos_token": "<|bos|>", "eos_token": "<|end|>"})";
-    std::ofstream f(corpus);
-    std::mt19937 rng(11);
-    const char* words[] = {"hello", " world", "!", "he", "or", " hello"};
-    for (int i = 0; i < 300; ++i) {
-      std::string doc;
-      for (int k = 0, n = 1 + int(rng() % 6); k < n; ++k) doc += words[rng() % 6];
-      f << nlohmann::json({{"text", doc}}).dump() << "\n";
-    }
-  }
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 300);
   const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
   auto run_on = [&](const std::vector<std::string>& data, const std::string& tag) {
     std::vector<std::string> a = {"--model",  hf,        "--seq-len",  "16",   "--micro-batch",
@@ -1836,6 +1844,41 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
   const std::size_t first = r.err.find(said);
   ASSERT_NE(first, std::string::npos) << r.err;
   EXPECT_EQ(r.err.find(said, first + 1), std::string::npos) << "said more than once:\n" << r.err;
+#endif
+}
+
+// Two ranks on one machine prepare a corpus once (the flock): one cached file, no temporary left,
+// the summary printed by rank 0 alone; --plan stops after the data.
+TEST_F(TrainCli, TwoRanksPrepareACorpusOnce) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
+                    cache = dir.path + "/cache";
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 2000);
+  const Result r = run(STRATA_MPIEXEC,
+                       {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN, "--model", hf, "--data",
+                        corpus, "--seq-len", "16", "--device", "cpu", "--plan"},
+                       dir.path, "prep2",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                        {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_CACHE_DIR", cache}});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const std::string said = r.out + r.err, line = "--data " + corpus + ": prepared with";
+  const std::size_t first = said.find(line);
+  ASSERT_NE(first, std::string::npos) << said;
+  EXPECT_EQ(said.find(line, first + 1), std::string::npos) << "said more than once:\n" << said;
+  EXPECT_NE(said.find(": 2000 documents, "), std::string::npos) << said;
+  int prepared = 0, temporary = 0;
+  for (const auto& e : std::filesystem::directory_iterator(cache + "/prep")) {
+    prepared += e.path().extension() == ".prep";
+    temporary += e.path().string().find(".tmp") != std::string::npos;
+  }
+  EXPECT_EQ(prepared, 1);
+  EXPECT_EQ(temporary, 0);
 #endif
 }
 
