@@ -109,6 +109,21 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
                {"u.txt:3", "0xe9", "column 3", "not UTF-8", "iconv"});
   expect_error([&] { read_corpus_file(t.tok, t.write("u.jsonl", "{\"text\": \"\xff\"}\n")); },
                {"u.jsonl:1", "0xff", "not UTF-8"});
+  // Records are parsed in parallel; the first bad one in input order is the one named, and no
+  // output is left.
+  std::string many;
+  for (int i = 1; i <= 400; ++i)
+    many += i == 3 || i == 350 ? "{\"body\": 1}\n" : "{\"text\": \"hello\"}\n";
+  CorpusOptions two;
+  two.threads = 2;
+  for (int k = 0; k < 3; ++k)
+    expect_error(
+        [&] {
+          prepare_corpus(t.tok, t.hash, {t.write("many.jsonl", many)}, t.dir.path + "/many.prep",
+                         two);
+        },
+        {"many.jsonl:3: the record has no \"text\" field"});
+  EXPECT_FALSE(fs::exists(t.dir.path + "/many.prep"));
   // A tokenizer without an EOS cannot end documents.
   std::ofstream(t.model + "/tokenizer_config.json") << R"({"bos_token": "<|bos|>"})";
   const Tokenizer no_eos = Tokenizer::from_folder(t.model);

@@ -22,6 +22,7 @@
 #include <bit>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -74,10 +75,12 @@ bool is_jsonl(const std::string& path) {
 }
 
 // One record or text before tokenizing.
+// One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
+// part of the parallel work).
 struct RawDoc {
-  std::string text;  // a text document
-  Json record;       // a chat record (null for text)
-  std::string where;
+  std::string text;  // the document's text, or the JSON line
+  bool json_line = false;
+  std::string where;  // file, or file:line
 };
 
 // The text document's tokens: encode (its BOS) + EOS; every token after the first counts.
@@ -124,7 +127,7 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
     const std::string s = slurp(path, "corpus file");
     require_utf8(s, path, 1);
     if (!o.separator) {
-      if (!s.empty()) emit(RawDoc{s, Json(), path});
+      if (!s.empty()) emit(RawDoc{s, false, path});
       return;
     }
     STRATA_REQUIRE(!o.separator->empty(), "--separator: give a non-empty string to split on");
@@ -133,7 +136,7 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
       std::size_t end = s.find(*o.separator, at);
       if (end == std::string::npos) end = s.size();
       if (end > at)
-        emit(RawDoc{s.substr(at, end - at), Json(), fmt::format("{}:{}", path, line_of(s, at))});
+        emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line_of(s, at))});
       at = end + o.separator->size();
     }
     return;
@@ -146,50 +149,61 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
     ++n;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    require_utf8(line, path, n);
-    const std::string where = fmt::format("{}:{}", path, n);
-    Json j;
-    try {
-      j = Json::parse(line);
-    } catch (const Json::exception& e) {
-      STRATA_THROW(kInvalidArgument,
-                   "{}: not a JSON record ({}): a .jsonl file holds one JSON "
-                   "object per line",
-                   where, e.what());
-    }
-    STRATA_REQUIRE(j.is_object(), "{}: a {} where a JSON object (one record per line) belongs",
-                   where, j.type_name());
-    if (j.contains("messages") || j.contains("conversations") || j.contains("instruction")) {
-      emit(RawDoc{{}, std::move(j), where});
-      continue;
-    }
-    const auto it = j.find(o.text_field);
-    if (it == j.end()) {
-      std::string fields;
-      for (const auto& [k, v] : j.items()) fields += (fields.empty() ? "" : ", ") + k;
-      STRATA_THROW(kInvalidArgument,
-                   "{}: the record has no \"{}\" field (its fields: {}); name the field that holds "
-                   "the text with --text-field NAME, or give chat records (messages, "
-                   "conversations or instruction)",
-                   where, o.text_field, fields.empty() ? "none" : fields);
-    }
-    STRATA_REQUIRE(it->is_string(), "{}: field \"{}\" is a {}, not the document's text (a string)",
-                   where, o.text_field, it->type_name());
-    emit(RawDoc{it->get<std::string>(), Json(), where});
+    emit(RawDoc{std::move(line), true, fmt::format("{}:{}", path, n)});
+    line.clear();
   }
+}
+
+// A .jsonl line as a text document (its text field) or a chat record.
+struct Record {
+  std::string text;
+  Json chat;  // null for a text record
+};
+
+Record parse_record(const RawDoc& r, const CorpusOptions& o) {
+  // where is "file:line": the UTF-8 check names the line.
+  const std::size_t colon = r.where.rfind(':');
+  require_utf8(r.text, r.where.substr(0, colon), std::stoul(r.where.substr(colon + 1)));
+  Json j;
+  try {
+    j = Json::parse(r.text);
+  } catch (const Json::exception& e) {
+    STRATA_THROW(kInvalidArgument,
+                 "{}: not a JSON record ({}): a .jsonl file holds one JSON object per line",
+                 r.where, e.what());
+  }
+  STRATA_REQUIRE(j.is_object(), "{}: a {} where a JSON object (one record per line) belongs",
+                 r.where, j.type_name());
+  if (j.contains("messages") || j.contains("conversations") || j.contains("instruction"))
+    return Record{{}, std::move(j)};
+  const auto it = j.find(o.text_field);
+  if (it == j.end()) {
+    std::string fields;
+    for (const auto& [k, v] : j.items()) fields += (fields.empty() ? "" : ", ") + k;
+    STRATA_THROW(kInvalidArgument,
+                 "{}: the record has no \"{}\" field (its fields: {}); name the field that holds "
+                 "the text with --text-field NAME, or give chat records (messages, "
+                 "conversations or instruction)",
+                 r.where, o.text_field, fields.empty() ? "none" : fields);
+  }
+  STRATA_REQUIRE(it->is_string(), "{}: field \"{}\" is a {}, not the document's text (a string)",
+                 r.where, o.text_field, it->type_name());
+  return Record{it->get<std::string>(), Json()};
 }
 
 Document to_document(const Tokenizer& tok, const RawDoc& r, const CorpusOptions& o,
                      bool* truncated) {
   Document d;
-  if (!r.record.is_null()) {
-    d = o.chat ? o.chat(tok, r.record, r.where) : encode_chat_record(tok, r.record, r.where);
+  Record rec;
+  if (r.json_line) rec = parse_record(r, o);
+  if (!rec.chat.is_null()) {
+    d = o.chat ? o.chat(tok, rec.chat, r.where) : encode_chat_record(tok, rec.chat, r.where);
     STRATA_CHECK(d.counted.size() == d.tokens.size(),
                  "{}: the chat encoder gave {} tokens and {} counted flags", r.where,
                  d.tokens.size(), d.counted.size());
     if (!d.counted.empty()) d.counted[0] = 0;
   } else {
-    d = encode_text(tok, r.text, r.where);
+    d = encode_text(tok, r.json_line ? rec.text : r.text, r.where);
   }
   const std::int32_t vocab = tok.vocab_size();
   for (std::int32_t id : d.tokens)
@@ -433,13 +447,22 @@ PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
   auto flush = [&] {
     std::vector<Document> docs(chunk.size());
     std::vector<char> cut(chunk.size(), 0);
+    // Each document's error kept in its slot: the first in input order is the one reported,
+    // whatever the threads' timing.
+    std::vector<std::exception_ptr> failed(chunk.size());
     arena.execute([&] {
       tbb::parallel_for(std::size_t(0), chunk.size(), [&](std::size_t i) {
-        bool t = false;
-        docs[i] = to_document(tok, chunk[i], o, &t);
-        cut[i] = t;
+        try {
+          bool t = false;
+          docs[i] = to_document(tok, chunk[i], o, &t);
+          cut[i] = t;
+        } catch (...) {
+          failed[i] = std::current_exception();
+        }
       });
     });
+    for (const auto& e : failed)
+      if (e) std::rethrow_exception(e);
     for (std::size_t i = 0; i < docs.size(); ++i) w.add(docs[i], cut[i]);
     chunk.clear();
     chunk_bytes = 0;
@@ -449,7 +472,7 @@ PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
   };
   for (std::size_t f = 0; f < inputs.size(); ++f) {
     read_raw(inputs[f], o, [&](RawDoc&& r) {
-      chunk_bytes += r.text.size() + (r.record.is_null() ? 0 : 256);
+      chunk_bytes += r.text.size();
       chunk.push_back(std::move(r));
       if (chunk_bytes >= kChunkBytes) flush();
     });
