@@ -808,7 +808,14 @@ void data_and_steps(Settings& s) {
   dopt.files = s.text_file.empty() ? o.data_files : std::vector<std::string>{s.text_file};
   dopt.format = s.text_file.empty() ? parse_token_format(o.data_format) : TokenFormat::kBytes;
   s.eval_files = o.eval_files;
-  if (!s.demo_data) {
+  // The model's tokenizer, read only where the data needs it: corpora to prepare, prepared files
+  // to check.
+  auto wants_tokenizer = [&](const std::vector<std::string>& files) {
+    return std::any_of(files.begin(), files.end(),
+                       [](const std::string& f) { return is_corpus(f) || is_prepared_file(f); });
+  };
+  if (!s.demo_data &&
+      (!o.text_file.empty() || wants_tokenizer(o.data_files) || wants_tokenizer(o.eval_files))) {
     const FolderTokenizer t = folder_tokenizer(s);
     dopt.tokenizer_hash = t.hash;
     dopt.tokenizer_origin = t.dir;
