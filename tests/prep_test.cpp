@@ -5,6 +5,7 @@
 // byte for byte on 1 and 2 threads, a real vocabulary (Llama 3 from npm; Skipped without it), and
 // the strata-prep tool's summary.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -483,6 +484,18 @@ TEST(StrataPrep, SummaryJsonAndErrors) {
     outs[threads - 1] = testing::slurp(out);
   }
   EXPECT_TRUE(outs[0] == outs[1]);
+  // On a terminal (script gives it one): the progress bar, rewritten in place, then the summary.
+  if (::access("/usr/bin/script", X_OK) == 0) {
+    const std::string cmd = fmt::format("{} --tokenizer {} {} -o {}/tty.prep", STRATA_PREP_BIN,
+                                        t.model, in, t.dir.path);
+    const auto tty = testing::run("/usr/bin/script", {"-qec", cmd, "/dev/null"}, t.dir.path, "tty");
+    EXPECT_EQ(tty.status, 0) << tty.out;
+    EXPECT_NE(tty.out.find("\r\x1b[Kstrata-prep [##############################] 100%  5 "
+                           "documents, 25 tokens"),
+              std::string::npos)
+        << tty.out;
+    EXPECT_NE(tty.out.find("5 documents, 25 tokens (20.0% masked"), std::string::npos);
+  }
   const auto bad = testing::run(STRATA_PREP_BIN,
                                 {"--tokenizer", t.model, t.write("bad.jsonl", "{\"body\": 1}\n"),
                                  "-o", t.dir.path + "/x.prep"},

@@ -37,6 +37,7 @@
 #include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
+#include "strata/model_data.h"
 #include "strata/model_io.h"
 #include "strata/tokenizer.h"
 #include "strata/trainer.h"
@@ -1050,6 +1051,23 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
             std::string::npos)
       << text.out + text.err;
   EXPECT_NE((text.out + text.err).find(": 1 documents, "), std::string::npos);
+
+  // --epochs counts the packed rows: an epoch is measure_tokens' rows of the prepared file.
+  {
+    const Result ep = run(STRATA_TRAIN_BIN,
+                          {"--model", hf, "--data", corpus, "--seq-len", "16", "--micro-batch", "2",
+                           "--epochs", "1", "--device", "cpu", "--log-json", log},
+                          dir.path, "epochs", env);
+    DataOptions d;
+    d.files = {prep};
+    d.seq_len = 16;
+    const DataExtent e = measure_tokens(d);
+    EXPECT_EQ(e.documents, 301);
+    EXPECT_NE(ep.out.find(fmt::format("--epochs 1: {} steps (an epoch: {} sequences of 16 tokens",
+                                      e.rows / 2, e.rows)),
+              std::string::npos)
+        << ep.out << ep.err;
+  }
 
   // A prepared file of another tokenizer (its hash differs) is refused.
   const std::string other = dir.path + "/other.prep";
