@@ -125,6 +125,12 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
         },
         {"many.jsonl:3: the record has no \"text\" field"});
   EXPECT_FALSE(fs::exists(t.dir.path + "/many.prep"));
+  // A piece of a separated text file is named by the line it starts on.
+  CorpusOptions lines;
+  lines.separator = "\n";
+  EXPECT_EQ(read_corpus_file(t.tok, t.write("s.txt", "hello\nhe\nor\n"), lines).size(), 3u);
+  expect_error([&] { read_corpus_file(t.tok, t.write("s.txt", "hello\nhe\n\nor\ncar\n"), lines); },
+               {"s.txt:5: ", "not in the vocabulary"});
   // A tokenizer without an EOS cannot end documents.
   std::ofstream(t.model + "/tokenizer_config.json") << R"({"bos_token": "<|bos|>"})";
   const Tokenizer no_eos = Tokenizer::from_folder(t.model);

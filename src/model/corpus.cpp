@@ -56,16 +56,14 @@ std::size_t line_of(std::string_view s, std::size_t at) {
 void require_utf8(std::string_view s, const std::string& path, std::size_t first_line) {
   for (std::size_t i = 0; i < s.size();) {
     const std::size_t n = utf8::sequence_length(s, i);
-    if (n == 0)
+    if (n == 0) {
+      const std::size_t nl = i == 0 ? std::string_view::npos : s.rfind('\n', i - 1);
+      const std::size_t column = i - (nl == std::string_view::npos ? 0 : nl + 1) + 1;
       STRATA_THROW(kInvalidArgument,
                    "{}:{}: byte 0x{:02x} (column {}) is not UTF-8 text: the corpus must be UTF-8 "
                    "(convert it first, e.g. iconv -f latin1 -t utf-8)",
-                   path, first_line + line_of(s, i) - 1, static_cast<unsigned char>(s[i]),
-                   i -
-                       (s.rfind('\n', i == 0 ? 0 : i - 1) == std::string_view::npos
-                            ? 0
-                            : s.rfind('\n', i == 0 ? 0 : i - 1) + 1) +
-                       1);
+                   path, first_line + line_of(s, i) - 1, static_cast<unsigned char>(s[i]), column);
+    }
     i += n;
   }
 }
@@ -74,7 +72,6 @@ bool is_jsonl(const std::string& path) {
   return path.ends_with(".jsonl") || path.ends_with(".ndjson");
 }
 
-// One record or text before tokenizing.
 // One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
 // part of the parallel work).
 struct RawDoc {
@@ -131,12 +128,14 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
       return;
     }
     STRATA_REQUIRE(!o.separator->empty(), "--separator: give a non-empty string to split on");
-    std::size_t at = 0;
+    // The line of each piece's start, counted as the pieces go (not from the file's start).
+    std::size_t at = 0, line = 1, counted_to = 0;
     while (at <= s.size()) {
       std::size_t end = s.find(*o.separator, at);
       if (end == std::string::npos) end = s.size();
-      if (end > at)
-        emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line_of(s, at))});
+      line += line_of(std::string_view(s).substr(counted_to, at - counted_to), at - counted_to) - 1;
+      counted_to = at;
+      if (end > at) emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line)});
       at = end + o.separator->size();
     }
     return;
@@ -269,7 +268,6 @@ class PreparedWriter {
 
   void add(const Document& d, bool truncated) {
     starts_.push_back(h_.tokens);
-    buf_.clear();
     for (std::size_t i = 0; i < d.tokens.size(); ++i) {
       const std::uint32_t id = std::uint32_t(d.tokens[i]);
       if (h_.token_bytes == 2) {
@@ -285,7 +283,7 @@ class PreparedWriter {
         ++h_.counted_tokens;
       }
     }
-    write(buf_.data(), buf_.size());
+    if (buf_.size() >= (std::size_t(1) << 20)) flush_tokens();
     h_.tokens += d.tokens.size();
     ++h_.documents;
     h_.truncated_documents += truncated;
@@ -293,7 +291,13 @@ class PreparedWriter {
 
   const PreparedHeader& header() const { return h_; }
 
+  void flush_tokens() {
+    write(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+
   void finish() {
+    flush_tokens();
     const std::uint64_t end_tokens = h_.tokens_offset + h_.tokens * h_.token_bytes;
     h_.mask_offset = align8(end_tokens);
     h_.starts_offset = align8(h_.mask_offset + mask_.size());
@@ -352,7 +356,7 @@ class PreparedWriter {
   std::string out_, tmp_;
   int fd_ = -1;
   PreparedHeader h_;
-  std::string buf_;
+  std::string buf_;  // tokens not yet written (written by the MiB)
   std::vector<std::uint8_t> mask_;
   std::vector<std::uint64_t> starts_;
 };
