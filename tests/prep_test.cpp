@@ -436,7 +436,9 @@ TEST(Corpus, RealVocabularyRoundTrip) {
     for (std::int64_t i = b; i < e; ++i) ids.push_back(f.token(i));
     // This Llama 3 tokenizer.json's template adds no BOS (its post-processor is ByteLevel only).
     const std::size_t bos = tok.adds_bos() ? 1 : 0;
-    if (bos) EXPECT_EQ(ids.front(), *tok.bos_id());
+    if (bos) {
+      EXPECT_EQ(ids.front(), *tok.bos_id());
+    }
     EXPECT_EQ(ids.back(), *tok.eos_id());
     EXPECT_EQ(tok.decode(Ids(ids.begin() + std::ptrdiff_t(bos), ids.end() - 1)),
               texts[std::size_t(d)]);
