@@ -27,11 +27,11 @@
 //
 // Example:
 //
-//   auto tok = strata::Tokenizer::from_folder("models/Llama-3.2-1B");
+//   const std::string dir = "models/Llama-3.2-1B";
+//   auto tok = strata::Tokenizer::from_folder(dir);
 //   strata::CorpusOptions c;  // all cores
-//   strata::PrepSummary s = strata::prepare_corpus(tok,
-//   strata::tokenizer_hash("models/Llama-3.2-1B",
-//                                                  tok), {"chats.jsonl"}, "chats.prep", c);
+//   const std::string hash = strata::tokenizer_hash(dir, tok);
+//   strata::PrepSummary s = strata::prepare_corpus(tok, hash, {"docs.jsonl"}, "docs.prep", c);
 #pragma once
 
 #include <array>
@@ -154,7 +154,9 @@ PrepSummary prepare_corpus(const Tokenizer& tokenizer, const std::string& tokeni
                            const std::vector<std::string>& inputs, const std::string& out,
                            const CorpusOptions& options);
 
-// Writes documents as a prepared file (atomically); prepare_corpus's writer, for tests.
+// Writes documents as a prepared file (atomically) with prepare_corpus's writer: for tests and
+// programs that make their documents themselves. The header records `truncated_documents` (the
+// documents are taken as they are).
 void write_prepared(const std::string& out, std::uint64_t vocab_size,
                     const std::string& tokenizer_hash_hex, const std::vector<Document>& docs,
                     const std::string& source_json = "{}", std::uint64_t truncated_documents = 0);
