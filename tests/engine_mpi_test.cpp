@@ -338,6 +338,103 @@ TEST(EngineRanks, AFreshModelIsTheSameOnAnyRanksAndPlacement) {
   if (g_env->comm->rank() == 0) fs::remove_all(dir, ec);
 }
 
+// Loss normalisation across ranks, the trainer's way (step_loss_denominator): a step of 4 SFT rows
+// whose masked prompts leave 14, 7, 11 and 3 counted targets, as N ranks x 4/N micro-batches of one
+// row (rank r takes row a N + r) against one rank with one micro-batch of the 4 rows: the same loss
+// (the step's sum over its counted targets / their number) and master weights (within 3e-5 of each
+// unit's largest, as train_bridge_test's same comparison on one rank).
+struct SftRun {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> master;
+};
+
+Batch sft_row(int step, int i, std::int64_t vocab) {
+  static constexpr int kPrompt[4] = {2, 9, 5, 13};
+  Batch b;
+  for (int t = 0; t < 16; ++t) {
+    b.tokens.push_back(std::int32_t((step * 31 + i * 17 + t * 7) % vocab));
+    b.targets.push_back(t < kPrompt[i] ? kIgnoreTarget
+                                       : std::int32_t((step * 11 + i * 5 + t * 13 + 1) % vocab));
+  }
+  return b;
+}
+
+SftRun train_sft(Device& dev, Communicator& comm, const ModelConfig& mc, int rows_per_micro) {
+  const int n = comm.world_size(), r = comm.rank();
+  const int accum = 4 / (rows_per_micro * n);
+  EngineConfig cfg = default_engine_config();
+  cfg.gradient_accumulation_steps = accum;
+  cfg.host_budget_bytes = 64 << 20;
+  cfg.adamw.eps = 1e-3f;  // see the comment above train(); lr / eps = 10 here
+  auto s = dev.create_stream("compute");
+  Model model(mc, dev, *s, {.micro_batch = rows_per_micro, .seq_len = 16});
+  Engine e(dev, comm, cfg);
+  add_model_units(e, model.units(), fresh_model_source(mc, 9));
+  e.finalize();
+  EngineWeights w(e, *s, model.units());
+  SftRun out;
+  for (int step = 0; step < 3; ++step) {
+    // Every rank reads every rank's rows: the step's counted targets without a collective.
+    std::vector<Batch> rows;
+    std::int64_t counted = 0;
+    for (int i = 0; i < 4; ++i) {
+      rows.push_back(sft_row(step, i, mc.vocab_size));
+      counted += counted_targets(rows.back());
+    }
+    const double den = step_loss_denominator(counted, accum, n, step + 1);
+    double loss = 0;
+    for (int a = 0; a < accum; ++a) {
+      Batch b;
+      for (int k = 0; k < rows_per_micro; ++k) {
+        const Batch& row = rows[std::size_t((a * n + r) * rows_per_micro + k)];
+        b.tokens.insert(b.tokens.end(), row.tokens.begin(), row.tokens.end());
+        b.targets.insert(b.targets.end(), row.targets.begin(), row.targets.end());
+      }
+      loss += model.forward(b, w, true, den) / accum;
+      model.backward(w);
+    }
+    e.step(1e-2f);
+    if (n > 1) {  // as the trainer: the ranks' values averaged
+      Buffer buf = dev.alloc(8, s.get());
+      s->copy(buf.ref(), host_ref(&loss, 8));
+      comm.all_reduce(TensorRef{buf.ref(), DType::kF64, 1}, ReduceOp::kSum, *s);
+      s->copy(host_ref(&loss, 8), buf.ref());
+      s->synchronize();
+      loss /= n;
+    }
+    out.losses.push_back(loss);
+  }
+  for (std::size_t u = 0; u < model.units().size(); ++u)
+    out.master.push_back(e.gather_master(int(u)));
+  return out;
+}
+
+TEST(EngineRanks, SftStepLossIsTheMeanOverItsCountedTargetsOnAnyRanks) {
+  const ModelConfig mc =
+      parse_model_config(R"({"model_type": "llama", "vocab_size": 61, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 16})",
+                         "tiny llama");
+  const SftRun multi = train_sft(*g_env->dev, *g_env->comm, mc, 1);
+  auto dev1 = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  co.process_local = true;
+  auto local = make_communicator(*dev1, co);
+  const SftRun one = train_sft(*dev1, *local, mc, 4);
+  for (std::size_t i = 0; i < one.losses.size(); ++i)
+    EXPECT_NEAR(multi.losses[i], one.losses[i], 1e-5 * one.losses[i]) << "step " << i + 1;
+  for (std::size_t u = 0; u < one.master.size(); ++u) {
+    double num = 0, den = 0;
+    for (std::size_t k = 0; k < one.master[u].size(); ++k) {
+      num = std::max(num, std::fabs(double(multi.master[u][k]) - one.master[u][k]));
+      den = std::max(den, std::fabs(double(one.master[u][k])));
+    }
+    EXPECT_LT(num / den, 3e-5) << "master weights of unit " << u << " on "
+                               << g_env->comm->world_size() << " rank(s)";
+  }
+}
+
 TEST(EngineRanks, EveryRankPlansWithTheLeastRoomAnyRankHas) {
   if (g_env->comm->world_size() == 1) GTEST_SKIP() << "one rank: no other rank to agree with";
   const int r = g_env->comm->rank();

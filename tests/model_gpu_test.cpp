@@ -35,6 +35,9 @@ struct Out {
   std::vector<float> decoded;  // Model::decode's logits, the first sequence fed 5, then 1 by 1
   float loss;
   std::vector<std::vector<float>> grads;
+  // The same batch as packed rows (row 0 three documents, row 1 one) with masked targets.
+  float packed_loss;
+  std::vector<std::vector<float>> packed_grads;
 };
 
 Out run(Device& dev, const char* json, DType dt) {
@@ -71,6 +74,15 @@ Out run(Device& dev, const char* json, DType dt) {
   m.backward(w);
   for (const auto& u : w.units())
     for (const auto& p : u.params) o.grads.push_back(w.grad(p.name));
+  for (int len : {6, 5, 6})
+    for (int i = 0; i < len; ++i) b.positions.push_back(i);
+  for (int i = 0; i < 17; ++i) b.positions.push_back(i);
+  for (std::size_t i = 0; i < b.targets.size(); i += 3) b.targets[i] = kIgnoreTarget;
+  w.zero_grads();
+  o.packed_loss = m.forward(b, w);
+  m.backward(w);
+  for (const auto& u : w.units())
+    for (const auto& p : u.params) o.packed_grads.push_back(w.grad(p.name));
   return o;
 }
 
@@ -118,6 +130,10 @@ class ModelGpu : public ::testing::TestWithParam<std::pair<const char*, DType>> 
     ASSERT_EQ(got.grads.size(), ref.grads.size());
     for (std::size_t i = 0; i < ref.grads.size(); ++i)
       EXPECT_LT(rel(got.grads[i], ref.grads[i]), 3 * tol) << i;
+    EXPECT_NEAR(got.packed_loss, ref.packed_loss, tol * ref.packed_loss) << "packed, masked";
+    ASSERT_EQ(got.packed_grads.size(), ref.packed_grads.size());
+    for (std::size_t i = 0; i < ref.packed_grads.size(); ++i)
+      EXPECT_LT(rel(got.packed_grads[i], ref.packed_grads[i]), 3 * tol) << "packed, masked: " << i;
   }
 };
 

@@ -254,6 +254,44 @@ TEST_P(ModelKernels, CrossEntropyLossAndGradient) {
   }
 }
 
+// A row whose target is kIgnoreTarget: loss 0 and a zero gradient row (fp32 over the logits and
+// bf16 into a buffer) on every path; the other rows exactly as without it.
+TEST_P(ModelKernels, CrossEntropyIgnoredRowsAddNothing) {
+  const i64 rows = 4, vocab = 777;
+  const std::vector<float> logits = randn(rows * vocab, 13, 3.0f);
+  const std::vector<std::int32_t> all = {5, 100, 776, 0}, some = {5, model_ops::kIgnoreTarget, 776,
+                                                                  model_ops::kIgnoreTarget};
+  for (double gs : {0.0, 0.25}) {
+    std::vector<float> la = logits, ls = logits, lossa(rows), losss(rows, 7.0f);
+    cpu::cross_entropy<float>(la.data(), all.data(), lossa.data(), rows, vocab, gs);
+    cpu::cross_entropy<float>(ls.data(), some.data(), losss.data(), rows, vocab, gs);
+    std::vector<double> rl = wide(logits), rloss(rows, 7.0);
+    cpu::cross_entropy<double>(rl.data(), some.data(), rloss.data(), rows, vocab, gs);
+    std::vector<float> lb = logits, lossb(rows, 7.0f);
+    std::vector<bf16_t> gb(rows * vocab, bf16_t{0x3f80});  // 1.0: the ignored rows must be zeroed
+    cpu::cross_entropy<float, bf16_t>(lb.data(), some.data(), lossb.data(), rows, vocab, gs,
+                                      gb.data());
+    for (i64 r = 0; r < rows; ++r) {
+      const bool ignored = some[std::size_t(r)] == model_ops::kIgnoreTarget;
+      EXPECT_EQ(losss[std::size_t(r)], ignored ? 0.0f : lossa[std::size_t(r)]) << r;
+      if (ignored) EXPECT_EQ(rloss[std::size_t(r)], 0.0) << r;
+      EXPECT_EQ(lossb[std::size_t(r)], losss[std::size_t(r)]) << r;
+      if (gs == 0) continue;
+      for (i64 i = 0; i < vocab; ++i) {
+        const std::size_t k = std::size_t(r * vocab + i);
+        if (ignored) {
+          ASSERT_EQ(ls[k], 0.0f) << r << "," << i;
+          ASSERT_EQ(rl[k], 0.0) << r << "," << i;
+          ASSERT_EQ(gb[k].bits & 0x7fff, 0) << r << "," << i;
+        } else {
+          ASSERT_EQ(ls[k], la[k]) << r << "," << i;
+        }
+      }
+    }
+    if (gs != 0) EXPECT_GT(std::fabs(la[std::size_t(vocab)]), 0.0f) << "a counted row's gradient";
+  }
+}
+
 struct AttnShape {
   i64 b, t, nh, nkv, hd;
 };

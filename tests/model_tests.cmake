@@ -12,6 +12,9 @@ strata_add_test(model_kernels_test SOURCES model_kernels_test.cpp LABELS model)
 strata_add_test(model_oracle_test SOURCES model_oracle_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 strata_add_test(model_test SOURCES model_test.cpp LABELS model)
+# Supervised fine-tuning inputs: targets masked with kIgnoreTarget, packed rows (Batch::positions)
+# against their documents as separate rows, loss_denominator, and the errors of bad ones.
+strata_add_test(model_sft_test SOURCES model_sft_test.cpp LABELS model)
 strata_add_test(model_io_test SOURCES model_io_test.cpp LABELS model)
 strata_add_test(model_gpu_test SOURCES model_gpu_test.cpp LABELS gpu)
 # Generation: the key/value cache against the training forward, the sampler, greedy decoding

@@ -204,6 +204,120 @@ TEST(Bridge, GradientAccumulationIsIdenticalAcrossPlacements) {
   expect_identical(a, run_engine(mc, nvme, 3, 2, 1e-2f), "bf16, 2 micro-batches per step, NVMe");
 }
 
+// Loss normalisation over a step, the trainer's way (step_loss_denominator, as forward_backward in
+// trainer_loop.cpp passes it): 4 micro-batches of 1 row against 1 micro-batch of the same 4 rows,
+// the rows' prompts masked so that they count 14, 7, 11 and 3 targets. Both must give the step's
+// sum over its counted targets / their number, as loss and as gradient (the engine's updated
+// master weights after 2 steps). The mean of the per-micro-batch means (each forward with its own
+// denominator) differs: the comparison can fail. Tolerances: losses 1e-6 (measured 3e-8), master
+// weights 3e-5 of each unit's largest (the rows' gradients are summed in another order, and
+// AdamW's lr * g / (sqrt(v) + eps) passes a near-cancelled element's last bits on scaled by
+// lr / eps).
+struct SftRun {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> master;
+};
+
+Batch sft_row(int step, int i, std::int64_t vocab) {
+  static constexpr int kPrompt[4] = {2, 9, 5, 13};
+  std::mt19937_64 rng(77 + std::uint64_t(step * 4 + i));
+  Batch b;
+  for (int t = 0; t < kT; ++t) {
+    b.tokens.push_back(std::int32_t(rng() % std::uint64_t(vocab)));
+    b.targets.push_back(t < kPrompt[i] ? kIgnoreTarget
+                                       : std::int32_t(rng() % std::uint64_t(vocab)));
+  }
+  return b;
+}
+
+SftRun run_sft(const ModelConfig& mc, int rows_per_micro, bool mean_of_means) {
+  const int accum = 4 / rows_per_micro, steps = 2;
+  auto dev = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  auto comm = make_communicator(*dev, co);
+  auto s = dev->create_stream("compute");
+  EngineConfig cfg = default_engine_config();
+  cfg.gradient_accumulation_steps = accum;
+  cfg.host_budget_bytes = 64 << 20;
+  // Not 1e-8: AdamW's first update is lr * g / (|g| + eps), so an element whose gradient nearly
+  // cancels moves by up to 2 lr for a last-bit change of its sum, which the two ways of summing
+  // the rows give (engine_mpi_test.cpp says the same); 1e-3 keeps that gain at lr / eps = 10.
+  cfg.adamw.eps = 1e-3f;
+  Model model(mc, *dev, *s, {.micro_batch = rows_per_micro, .seq_len = kT});
+  Engine e(*dev, *comm, cfg);
+  add_model_units(e, model.units(), initial_unit_weights(mc, "", 5));
+  e.finalize();
+  EngineWeights w(e, *s, model.units());
+  SftRun out;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Batch> micro(static_cast<std::size_t>(accum));
+    std::int64_t counted = 0;
+    for (int i = 0; i < 4; ++i) {
+      Batch r = sft_row(step, i, mc.vocab_size);
+      Batch& b = micro[std::size_t(i / rows_per_micro)];
+      b.tokens.insert(b.tokens.end(), r.tokens.begin(), r.tokens.end());
+      b.targets.insert(b.targets.end(), r.targets.begin(), r.targets.end());
+      counted += counted_targets(r);
+    }
+    EXPECT_EQ(counted, 14 + 7 + 11 + 3);
+    const double den = mean_of_means ? 0.0 : step_loss_denominator(counted, accum, 1, step + 1);
+    double loss = 0;
+    for (const Batch& b : micro) {
+      loss += model.forward(b, w, true, den);
+      model.backward(w);
+    }
+    out.losses.push_back(loss / accum);  // as run_step: the sum over accum (and the ranks' mean)
+    e.step(1e-2f);
+  }
+  for (std::size_t u = 0; u < model.units().size(); ++u)
+    out.master.push_back(e.gather_master(int(u)));
+  return out;
+}
+
+TEST(Bridge, StepLossIsTheMeanOverItsCountedTargetsForAnyAccumulation) {
+  const ModelConfig mc = tiny_llama(false);
+  const SftRun one = run_sft(mc, 4, false), four = run_sft(mc, 1, false),
+               means = run_sft(mc, 1, true);
+  ASSERT_EQ(one.losses.size(), 2u);
+  double worst = 0;
+  for (std::size_t i = 0; i < one.losses.size(); ++i) {
+    EXPECT_NEAR(four.losses[i], one.losses[i], 1e-6 * one.losses[i]) << "step " << i + 1;
+    EXPECT_GT(std::fabs(means.losses[i] - one.losses[i]), 3e-4 * one.losses[i])
+        << "the mean of per-micro-batch means should differ, step " << i + 1;
+  }
+  for (std::size_t u = 0; u < one.master.size(); ++u) {
+    double num = 0, den = 0, moved = 0;
+    const std::vector<float> init = initial_unit_weights(mc, "", 5)[u];
+    for (std::size_t k = 0; k < one.master[u].size(); ++k) {
+      num = std::max(num, std::fabs(double(four.master[u][k]) - one.master[u][k]));
+      den = std::max(den, std::fabs(double(one.master[u][k])));
+      moved = std::max(moved, std::fabs(double(one.master[u][k]) - init[k]));
+    }
+    worst = std::max(worst, num / den);
+    EXPECT_LT(num / den, 3e-5) << "master weights of unit " << u;
+    EXPECT_GT(moved, 1e-3) << "unit " << u << " did not train";
+  }
+  std::printf(
+      "[ sft loss ] accum 4 x 1 row vs 1 x 4 rows: losses %.7f %.7f vs %.7f %.7f (mean of "
+      "means %.7f %.7f); worst master weight difference %.2e\n",
+      four.losses[0], four.losses[1], one.losses[0], one.losses[1], means.losses[0],
+      means.losses[1], worst);
+}
+
+TEST(Bridge, AStepWhoseEveryTargetIsMaskedIsAnError) {
+  EXPECT_DOUBLE_EQ(step_loss_denominator(35, 4, 2, 1), 35.0 / 8);
+  try {
+    step_loss_denominator(0, 4, 2, 7);
+    ADD_FAILURE() << "a step without a counted target was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(
+        e.message().find("step 7: every target of its 8 micro-batches (on 2 ranks) is masked"),
+        std::string::npos)
+        << e.message();
+  }
+}
+
 // strata-train's from-scratch weights are initialised as Hugging Face's _init_weights does:
 // norm weights 1, biases (LayerNorm's too) 0, matrices and embeddings normal(0, initializer_range),
 // GPT-2's residual projections (c_proj) normal(0, initializer_range / sqrt(2 n_layer)).

@@ -914,9 +914,14 @@ TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
   double sum = 0;
   int n = 0;
   std::ifstream f(walk_log);
-  for (std::string l; std::getline(f, l); ++n)
-    sum += nlohmann::json::parse(l).at("loss").get<double>();
+  for (std::string l; std::getline(f, l); ++n) {
+    const auto j = nlohmann::json::parse(l);
+    sum += j.at("loss").get<double>();
+    // Token files mask no target: every token counts.
+    EXPECT_EQ(j.at("counted_tokens_per_s").get<double>(), j.at("tokens_per_s").get<double>()) << l;
+  }
   ASSERT_EQ(n, 5);
+  EXPECT_NE(r.out.find(" counted in the loss"), std::string::npos) << r.out;
   EXPECT_NEAR(val, sum / 5, 1e-5 * std::abs(val)) << "the evaluation is not the mean forward loss";
   // Four batches a rank (the default) differ from all five: the setting is taken.
   r = train(with({"--steps", "1", "--eval-data", held, "--log-json", dir.path + "/four.jsonl"}),

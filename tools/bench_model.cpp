@@ -28,6 +28,7 @@ struct Args {
   std::string dtype = "bf16";
   std::int64_t hidden = 768, layers = 12, heads = 12, kv_heads = 12, inter = 2048, vocab = 16384;
   std::int64_t batch = 2, seq = 256;
+  std::int64_t doc_len = 0;  // > 0: packed rows of documents of this many tokens (Batch::positions)
   int steps = 3, warmup = 1;
   bool checkpoint = false;
   std::int64_t loss_chunk_rows = 0;
@@ -99,12 +100,14 @@ void run(const Args& a) {
   for (std::int64_t i = 0; i < a.batch * a.seq; ++i) {
     b.tokens.push_back(static_cast<std::int32_t>(rng() % a.vocab));
     b.targets.push_back(static_cast<std::int32_t>(rng() % a.vocab));
+    if (a.doc_len > 0) b.positions.push_back(static_cast<std::int32_t>((i % a.seq) % a.doc_len));
   }
   std::printf(
       "strata-bench model: %s, Llama %.1fM params (hidden %ld, %ld layers, vocab %ld), B=%ld "
-      "T=%ld, %s%s\n",
+      "T=%ld, %s%s%s\n",
       dev->name().c_str(), m.num_params() / 1e6, long(a.hidden), long(a.layers), long(a.vocab),
-      long(a.batch), long(a.seq), a.dtype.c_str(), a.checkpoint ? ", checkpointing" : "");
+      long(a.batch), long(a.seq), a.dtype.c_str(), a.checkpoint ? ", checkpointing" : "",
+      a.doc_len > 0 ? fmt::format(", packed rows of {}-token documents", a.doc_len).c_str() : "");
   float loss = 0;
   for (int i = 0; i < a.warmup; ++i) {
     loss = m.forward(b, w);
@@ -240,6 +243,7 @@ void run(const Args& a) {
                         {"seq_len", a.seq},
                         {"dtype", a.dtype},
                         {"checkpoint", a.checkpoint},
+                        {"doc_len", a.doc_len},
                         {"gemm_route", route},
                         {"step_s", best},
                         {"tokens_per_s", tokens / best},
@@ -292,6 +296,11 @@ void add_model_command(CLI::App& app) {
       ->check(strata::tools::kPositive);
   cmd->add_option("--seq", a->seq, "sequence length T (default 256)")
       ->check(strata::tools::kPositive);
+  cmd->add_option("--doc-len", a->doc_len,
+                  "pack each row with documents of this many tokens (Batch::positions: attention "
+                  "within each, positions restarting); GFLOP/s still counts whole-row attention "
+                  "(default 0: unpacked)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--steps", a->steps, "timed steps; the best is reported (default 3)")
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--warmup", a->warmup, "untimed steps first (default 1)")

@@ -27,8 +27,14 @@
 //   model.backward(w);                                 // gradients accumulate into w's grads
 //
 // Semantics:
-//  - forward() returns the mean cross-entropy over the B*T targets. With grad enabled it also
-//    runs the head unit's backward at once (the loss is fused with the LM head in chunks of
+//  - forward() returns the cross-entropy summed over the batch's counted targets (those not
+//    kIgnoreTarget) divided by the loss denominator: by default the number of counted targets (the
+//    mean; B*T without ignored targets, as Hugging Face's cross_entropy(ignore_index=-100)). One
+//    micro-batch of a larger step passes the step's denominator instead, so that the step's loss
+//    and gradients are those of (sum over every counted target of the step) / (their number), not
+//    a mean of per-micro-batch means (strata::train does; see step_loss_denominator in
+//    trainer.h). The gradients added are exactly those of the returned value. With grad enabled it
+//    also runs the head unit's backward at once (the loss is fused with the LM head in chunks of
 //    rows, so the [B*T, vocab] logits never exist and the head weights are fetched once);
 //    backward() then walks the decoder layers down to the embeddings.
 //  - Gradients are fp32 and ADDED into the provider's gradient tensors (gradient
@@ -37,6 +43,12 @@
 //    norms, softmax, residual stream and gradients in fp32).
 //  - Activation checkpointing keeps only each layer's input (on the device, or in host
 //    memory) and recomputes the layer in backward; gradients are bit-identical either way.
+//  - Packed rows (Batch::positions): a row holds several documents; query i attends key j only
+//    within its own document (same row, j <= i, j >= i - positions[i]), and the rotary embedding
+//    (Llama, Mistral, Qwen2) and GPT-2's learned position embedding (wpe[positions[i]]) restart at
+//    each document. A packed row's loss and gradients equal those of its documents run as rows of
+//    their own (to fp32 rounding: the sums run in another order). Without positions each row is
+//    one document at 0..T-1, and the computation is exactly the unpacked one.
 #pragma once
 
 #include <cstddef>
@@ -148,12 +160,17 @@ inline constexpr std::int32_t kIgnoreTarget = -100;
 //  - targets may hold kIgnoreTarget: such positions add nothing to the loss or the gradients.
 //  - positions (packed rows): B*T, each token's position within its document, 0 where a
 //    document starts; attention does not cross documents and rotary / learned positions restart
-//    per document. Empty: each row is one document at positions 0..T-1.
+//    per document. Empty: each row is one document at positions 0..T-1. forward() refuses, naming
+//    the index, positions of another size, a row that does not start at 0, and a position that
+//    is neither 0 nor the previous one + 1 (so every position is below seq_len).
 struct Batch {
   std::vector<std::int32_t> tokens;
   std::vector<std::int32_t> targets;
   std::vector<std::int32_t> positions;
 };
+
+// The targets of `batch` that count in the loss (those not kIgnoreTarget).
+std::int64_t counted_targets(const Batch& batch);
 
 class Model {
  public:
@@ -185,8 +202,12 @@ class Model {
   std::vector<GemmShape> gemm_shapes() const;
 
   // Queues the forward (and, with grad, the head's backward); waits for it and returns the
-  // mean loss. Token ids must be < vocab_size: an error names the offending position.
-  float forward(const Batch& batch, UnitProvider& weights, bool grad = true);
+  // loss: the sum of the counted targets' cross-entropies / loss_denominator, whose gradients
+  // are the ones added. loss_denominator 0: the batch's counted targets (its mean loss; an error
+  // when every target is kIgnoreTarget). Token ids must be < vocab_size and targets too or
+  // kIgnoreTarget: an error names the offending position.
+  float forward(const Batch& batch, UnitProvider& weights, bool grad = true,
+                double loss_denominator = 0);
   // Queues the backward of the decoder layers and the embeddings; does not wait.
   void backward(UnitProvider& weights);
   // The full logits [B*T, vocab] (fp32) of `tokens`, for tests and inference on small inputs.

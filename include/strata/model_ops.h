@@ -24,6 +24,10 @@ namespace strata::model_ops {
 
 using i64 = std::int64_t;
 
+// A target row that adds no loss and a zero gradient (strata::kIgnoreTarget, Hugging Face's
+// ignore_index); cross_entropy's other targets must be in [0, vocab).
+inline constexpr std::int32_t kIgnoreTarget = -100;
+
 struct Weight {
   const void* ptr = nullptr;
   DType dtype = DType::kF32;
@@ -89,7 +93,8 @@ class Backend {
   virtual void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m) const = 0;
   virtual void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m) const = 0;
   // grad_scale != 0: the logits' gradient (times grad_scale) into grad, which is the logits
-  // themselves (fp32) or a bf16 buffer.
+  // themselves (fp32) or a bf16 buffer. A row whose target is kIgnoreTarget gets loss 0 and a
+  // zero gradient row.
   virtual void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses,
                              i64 rows, i64 vocab, double grad_scale, Out grad) const = 0;
 };

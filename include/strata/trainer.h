@@ -97,6 +97,17 @@ void resolve_config_for_model(EngineConfig& c, const ModelConfig& m, int world_s
 double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
              const std::string& schedule, double min_lr = 0);
 
+// The loss_denominator each micro-batch's Model::forward gets in a step of `accum` micro-batches on
+// each of `world` ranks whose batches count `counted` targets in all (Batch targets that are not
+// kIgnoreTarget): counted / (accum x world). The engine averages gradients over the ranks and
+// divides their sum over the micro-batches by accum, so the step's gradient is that of (the sum of
+// the step's counted targets' losses) / counted, as is its loss (the micro-batches' forward values
+// summed, divided by accum and averaged over the ranks): the mean over every counted target of the
+// step, not a mean of per-micro-batch means. counted 0: an error naming `step` (every target
+// masked).
+double step_loss_denominator(std::int64_t counted, std::int64_t accum, int world,
+                             std::int64_t step);
+
 // ---- checkpoints (src/trainer/checkpoint.cpp) ----
 // A checkpoint is a folder <root>/step-<N> holding every rank's engine state (rank<R>.bin +
 // rank<R>.json, Engine::save_state) and, written last by rank 0, manifest.json: the step, the
@@ -229,6 +240,8 @@ struct TrainOptions {
 struct StepRecord {
   std::int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_s = 0;
+  // Targets that counted in the loss (not kIgnoreTarget), every rank's, per second of the step.
+  double counted_tokens_per_s = 0;
   bool skipped = false;
 };
 

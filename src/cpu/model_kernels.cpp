@@ -508,12 +508,31 @@ void bias_backward(const T* dy, T* db, i64 n, i64 m) {
     for (i64 i = 0; i < m; ++i) db[i] += dy[r * m + i];
 }
 
+namespace {
+
+// A row whose target is kIgnoreTarget: no loss, and a zero gradient row.
+template <class T, class O>
+void ignored_row(T* logits, T* losses, i64 r, i64 vocab, double grad_scale, O* grad) {
+  losses[r] = T(0);
+  if (grad_scale == 0) return;
+  if (grad) {
+    O* g = grad + r * vocab;
+    for (i64 i = 0; i < vocab; ++i) put(g, i, T(0));
+  } else {
+    std::fill(logits + r * vocab, logits + (r + 1) * vocab, T(0));
+  }
+}
+
+}  // namespace
+
 template <class T, class O>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
                    double grad_scale, O* grad) {
   if constexpr (std::is_same_v<T, float>) {
     if (const simd::Kernels* k = simd::kernels()) {
       parallel_rows(rows, vocab, [&](i64 r) {
+        if (targets[r] == model_ops::kIgnoreTarget)
+          return ignored_row(logits, losses, r, vocab, grad_scale, grad);
         void* g = grad_scale == 0 ? nullptr
                   : grad          ? static_cast<void*>(grad + r * vocab)
                                   : logits + r * vocab;
@@ -524,6 +543,8 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
     }
   }
   parallel_rows(rows, vocab, [&](i64 r) {
+    if (targets[r] == model_ops::kIgnoreTarget)
+      return ignored_row(logits, losses, r, vocab, grad_scale, grad);
     T* l = logits + r * vocab;
     T mx = l[0];
     for (i64 i = 1; i < vocab; ++i) mx = std::max(mx, l[i]);

@@ -121,7 +121,7 @@ void bias_backward(const T* dy, T* db, i64 n, i64 m);
 // One chunk of rows of the fused LM-head cross-entropy. logits [rows, V] in; losses[r] =
 // logsumexp(logits[r]) - logits[r, targets[r]]. With grad_scale != 0, d(loss)/d(logits) *
 // grad_scale = (softmax - onehot) * grad_scale is written to grad (O = T or bf16_t), or over
-// logits when grad is null.
+// logits when grad is null. A row whose target is model_ops::kIgnoreTarget: loss 0, gradient 0.
 template <class T, class O = T>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
                    double grad_scale, O* grad = nullptr);

@@ -488,13 +488,19 @@ __global__ void k_bias_backward(const float* dy, float* db, i64 n, i64 m) {
 __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, float* losses,
                                 i64 vocab, float grad_scale) {
   float* l = logits + blockIdx.x * vocab;
+  const i64 tgt = targets[blockIdx.x];
+  if (tgt == model_ops::kIgnoreTarget) {  // the whole block leaves: no loss, a zero gradient row
+    if (threadIdx.x == 0) losses[blockIdx.x] = 0.0f;
+    if (grad_scale != 0.0f)
+      for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) l[i] = 0.0f;
+    return;
+  }
   float mx = -INFINITY;
   for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
   mx = block_max(mx);
   float s = 0;
   for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(l[i] - mx);
   const float lse = mx + logf(block_sum(s));
-  const i64 tgt = targets[blockIdx.x];
   if (threadIdx.x == 0) losses[blockIdx.x] = lse - l[tgt];
   __syncthreads();  // l[tgt] is read above before anyone overwrites it
   if (grad_scale != 0.0f) {

@@ -15,6 +15,11 @@
 //    kernel that writes it, or (dqkv, GPT-2's gradients) from one cast shared by its GEMMs.
 //  - A layer's recomputation (checkpointing) runs exactly the forward code on exactly the
 //    same inputs, and every kernel is deterministic, so gradients are bit-identical.
+//  - Packed rows (Batch::positions) run each document as a sequence of its own wherever positions
+//    matter (rotary embedding, GPT-2's learned positions, attention): the kernels get the
+//    document's rows, at its first row, as a batch of one row of its length (a run of rows that
+//    are each one whole document goes as one call of that many rows). Everything else works on
+//    all N rows as unpacked. Without positions the calls are exactly the unpacked ones.
 #include "strata/model.h"
 
 #include <cmath>
@@ -26,6 +31,7 @@
 namespace strata {
 
 using model_ops::Weight;
+static_assert(kIgnoreTarget == model_ops::kIgnoreTarget);
 using i64 = std::int64_t;
 
 namespace {
@@ -81,6 +87,13 @@ struct Model::Impl {
   Buffer tied_grad;  // LM-head gradient of the tied embedding, until the embedding's backward
   std::vector<float> host_losses;
   bool have_grad = false;
+
+  // The batch's documents, from Batch::positions (set_positions): r0 the first row (token index
+  // into [0, N)), `rows` rows of t positions each. Empty: unpacked (every row one document).
+  struct Seg {
+    i64 r0, rows, t;
+  };
+  std::vector<Seg> segs;
 
   Impl(const ModelConfig& c, Device& d, Stream& st, const ModelOptions& o)
       : cfg(c), opt(o), dev(d), s(st), units(model_units(c)), wdt(o.compute) {
@@ -294,19 +307,53 @@ struct Model::Impl {
     float* v_cache;
   };
   void attend(Acts& a, const Span& sp, double scale) {
-    if (sp.k_cache)
+    if (sp.k_cache) {
       model_ops::attention_cached(s, fptr(a.qkv), sp.k_cache, sp.v_cache, fptr(a.o), a.ob.data(),
                                   sp.n, sp.p0, nh, nkv, hd, scale, wdt);
-    else
+    } else if (segs.empty()) {
       model_ops::attention_forward(s, fptr(a.qkv), fptr(a.o), a.ob.data(), fptr(a.lse), sp.b, sp.t,
                                    nh, nkv, hd, scale, wdt);
+    } else {
+      // Each document's lse rows sit at nh * r0: the segments tile [0, N nh) as the unpacked
+      // [B, nh, T] layout tiles it, and the backward reads them from the same place.
+      for (const Seg& g : segs)
+        model_ops::attention_forward(
+            s, fptr(a.qkv) + g.r0 * qkvd, fptr(a.o) + g.r0 * qd,
+            a.ob ? static_cast<char*>(a.ob.data()) + std::size_t(g.r0 * qd) * 2 : nullptr,
+            fptr(a.lse) + g.r0 * nh, g.rows, g.t, nh, nkv, hd, scale, wdt);
+    }
   }
+  void attend_backward(Acts& a, float* d_o, float* dqkv, double scale) {
+    if (segs.empty()) {
+      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), d_o, fptr(a.lse), dqkv, B, T, nh,
+                                    nkv, hd, scale, wdt);
+      return;
+    }
+    for (const Seg& g : segs)
+      model_ops::attention_backward(s, fptr(a.qkv) + g.r0 * qkvd, fptr(a.o) + g.r0 * qd,
+                                    d_o + g.r0 * qd, fptr(a.lse) + g.r0 * nh, dqkv + g.r0 * qkvd,
+                                    g.rows, g.t, nh, nkv, hd, scale, wdt);
+  }
+  // Rotary embedding of q's and k's heads of `x` (rows of qkvd), at the rows' positions: the
+  // span's (from p0 on, row % t), or each packed document's from 0.
+  void rotate(float* x, const Span& sp, bool inverse) {
+    const i64 half = hd / 2;
+    if (sp.k_cache || segs.empty()) {
+      model_ops::rope(s, x, sp.n, sp.t, qkvd, 0, nh + nkv, hd, fptr(rope_cos) + sp.p0 * half,
+                      fptr(rope_sin) + sp.p0 * half, inverse);
+      return;
+    }
+    for (const Seg& g : segs)
+      model_ops::rope(s, x + g.r0 * qkvd, g.rows * g.t, g.t, qkvd, 0, nh + nkv, hd, fptr(rope_cos),
+                      fptr(rope_sin), inverse);
+  }
+  Span batch_span() const { return Span{B, T, N, 0, nullptr, nullptr}; }
 
   // ---- one decoder layer ----
   // Fills a (whose x is set) from the layer's weights w; returns the output when need_out.
   // `sp`: the rows it runs (the batch's, or decode()'s new rows with their key/value cache).
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out) {
-    return layer_forward(a, w, unit, need_out, Span{B, T, N, 0, nullptr, nullptr});
+    return layer_forward(a, w, unit, need_out, batch_span());
   }
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out,
                        const Span& sp) {
@@ -360,8 +407,7 @@ struct Model::Impl {
       linear(otensor(a.h1, N * C), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
       if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
       // q's heads and then k's are consecutive columns: one pass rotates both.
-      model_ops::rope(s, fptr(a.qkv), N, T, qkvd, 0, nh + nkv, hd,
-                      fptr(rope_cos) + sp.p0 * (hd / 2), fptr(rope_sin) + sp.p0 * (hd / 2), false);
+      rotate(fptr(a.qkv), sp, false);
       attend(a, sp, scale);
       copy_f(fptr(a.xm), x, N * C);
       linear(o_operand(a, N), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
@@ -417,8 +463,7 @@ struct Model::Impl {
         linear_dw(o_operand(a), gop, G(4), false, N, qd, C);
       }
       model_ops::bias_backward(s, g, G(5), N, C);
-      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv),
-                                    B, T, nh, nkv, hd, scale, wdt);
+      attend_backward(a, fptr(d_o), fptr(dqkv), scale);
       model_ops::bias_backward(s, fptr(dqkv), G(3), N, qkvd);
       {
         Buffer copy;
@@ -442,10 +487,8 @@ struct Model::Impl {
       if (cfg.o_bias) model_ops::bias_backward(s, g, G(ix.ob), N, C);
       linear_dx(g_operand(g), P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
       linear_dw(o_operand(a), g_operand(g), G(ix.o), true, N, qd, C);
-      model_ops::attention_backward(s, fptr(a.qkv), fptr(a.o), fptr(d_o), fptr(a.lse), fptr(dqkv),
-                                    B, T, nh, nkv, hd, scale, wdt);
-      model_ops::rope(s, fptr(dqkv), N, T, qkvd, 0, nh + nkv, hd, fptr(rope_cos), fptr(rope_sin),
-                      true);
+      attend_backward(a, fptr(d_o), fptr(dqkv), scale);
+      rotate(fptr(dqkv), batch_span(), true);
       if (cfg.qkv_bias) model_ops::bias_backward(s, fptr(dqkv), G(ix.qb), N, qkvd);
       {
         Buffer copy;
@@ -485,22 +528,65 @@ struct Model::Impl {
     return sc;
   }
 
-  void check_ids(const std::vector<std::int32_t>& ids, const char* what) const {
+  // `ignore_ok`: kIgnoreTarget is allowed too (targets).
+  void check_ids(const std::vector<std::int32_t>& ids, const char* what,
+                 bool ignore_ok = false) const {
     STRATA_REQUIRE(
         static_cast<i64>(ids.size()) == N,
         "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}",
         what, ids.size(), B, T, N);
     for (std::size_t i = 0; i < ids.size(); ++i)
-      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V,
-                     "Model: batch.{}[{}] = {} is outside the vocabulary [0, {})", what, i, ids[i],
-                     V);
+      STRATA_REQUIRE((ids[i] >= 0 && ids[i] < V) || (ignore_ok && ids[i] == kIgnoreTarget),
+                     "Model: batch.{}[{}] = {} is outside the vocabulary [0, {}){}", what, i,
+                     ids[i], V,
+                     ignore_ok ? " (a target that must not count is kIgnoreTarget, -100)" : "");
+  }
+
+  // Batch::positions checked and cut into documents (segs); empty positions: unpacked.
+  // Positions stay below T (each row starts at 0 and steps by 1), so within the rotary tables and,
+  // for GPT-2, within n_positions (T <= n_positions is checked at construction).
+  void set_positions(const std::vector<std::int32_t>& pos) {
+    segs.clear();
+    if (pos.empty()) return;
+    STRATA_REQUIRE(static_cast<i64>(pos.size()) == N,
+                   "Model: batch.positions has {} entries; give none (each row one document) or "
+                   "one per token: micro_batch {} x seq_len {} = {}",
+                   pos.size(), B, T, N);
+    std::vector<Seg> out;
+    auto add = [&](i64 r0, i64 len) {
+      if (len == T && !out.empty() && out.back().t == T &&
+          out.back().r0 + out.back().rows * T == r0)
+        ++out.back().rows;
+      else
+        out.push_back(Seg{r0, 1, len});
+    };
+    for (i64 b = 0; b < B; ++b) {
+      const std::int32_t* p = pos.data() + b * T;
+      STRATA_REQUIRE(p[0] == 0,
+                     "Model: batch.positions[{}] = {}: row {} must start a document (position 0); "
+                     "a document cut at a row's end goes on at 0 in the next row",
+                     b * T, p[0], b);
+      i64 start = 0;
+      for (i64 t = 1; t <= T; ++t) {
+        if (t < T)
+          STRATA_REQUIRE(p[t] == 0 || p[t] == p[t - 1] + 1,
+                         "Model: batch.positions[{}] = {} after {}: a position is 0 (a document "
+                         "starts) or the previous one + 1",
+                         b * T + t, p[t], p[t - 1]);
+        if (t == T || p[t] == 0) {
+          add(b * T + start, t - start);
+          start = t;
+        }
+      }
+    }
+    segs = std::move(out);
   }
 
   // Copies from model-owned host memory: a copy still queued when the caller's batch goes
   // away (an exception later in forward) must not read freed memory. Every forward ends
   // synchronized, so the staging is free again by the next call.
   void upload_ids(const std::vector<std::int32_t>& ids, Buffer& dst, const char* what) {
-    check_ids(ids, what);
+    check_ids(ids, what, &dst == &targets);
     std::vector<std::int32_t>& staging = &dst == &tokens ? tokens_host : targets_host;
     staging = ids;
     s.copy(dst.ref(), host_ref(staging.data(), staging.size() * 4));
@@ -520,8 +606,14 @@ struct Model::Impl {
     {
       const TensorRef w0 = acquire_w(p, 0);
       const Weight wpe = gpt2 ? param(w0, 0, 1) : Weight{};
-      model_ops::embedding_forward(s, static_cast<const std::int32_t*>(tokens.data()),
-                                   param(w0, 0, 0), wpe, fptr(x), N, T, C);
+      const auto* ids = static_cast<const std::int32_t*>(tokens.data());
+      if (wpe && !segs.empty()) {  // each document's rows from wpe's row 0
+        for (const Seg& g : segs)
+          model_ops::embedding_forward(s, ids + g.r0, param(w0, 0, 0), wpe, fptr(x) + g.r0 * C,
+                                       g.rows * g.t, g.t, C);
+      } else {
+        model_ops::embedding_forward(s, ids, param(w0, 0, 0), wpe, fptr(x), N, T, C);
+      }
       p.release_weights(0);
     }
     for (i64 l = 0; l < L; ++l) {
@@ -565,11 +657,20 @@ struct Model::Impl {
     return cfg.tie_word_embeddings ? param(w0, 0, 0) : param(wh, L + 1, 1);
   }
 
-  float forward(const Batch& batch, UnitProvider& p, bool grad) {
+  float forward(const Batch& batch, UnitProvider& p, bool grad, double loss_denominator) {
     check_ids(batch.tokens, "tokens");
-    check_ids(batch.targets, "targets");
-    if (!batch.positions.empty())
-      STRATA_THROW(kUnsupported, "Model: packed rows (batch.positions) are not supported yet");
+    check_ids(batch.targets, "targets", true);
+    STRATA_REQUIRE(std::isfinite(loss_denominator) && loss_denominator >= 0,
+                   "Model::forward: loss_denominator {} must be > 0 (the step's counted targets "
+                   "over its micro-batches), or 0 for this batch's own",
+                   loss_denominator);
+    const double den = loss_denominator > 0 ? loss_denominator : double(counted_targets(batch));
+    STRATA_REQUIRE(den > 0,
+                   "Model::forward: every target of the batch is kIgnoreTarget (-100), so its mean "
+                   "loss has no token to average over: give the batch a target that counts, or, "
+                   "for one micro-batch of a step, pass loss_denominator (the step's counted "
+                   "targets)");
+    set_positions(batch.positions);
     upload_ids(batch.tokens, tokens, "tokens");
     upload_ids(batch.targets, targets, "targets");
     Buffer x = run_trunk(p, grad);
@@ -609,7 +710,7 @@ struct Model::Impl {
       linear(hrows, whead, true, fptr(logits), rows, C, V, 0.0f);
       model_ops::cross_entropy(s, fptr(logits),
                                static_cast<const std::int32_t*>(targets.data()) + r0,
-                               fptr(losses) + r0, rows, V, grad ? 1.0 / double(N) : 0.0,
+                               fptr(losses) + r0, rows, V, grad ? 1.0 / den : 0.0,
                                dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16}
                                          : model_ops::Out{fptr(logits)});
       if (grad) {
@@ -639,8 +740,8 @@ struct Model::Impl {
     s.synchronize();
     have_grad = grad;
     double sum = 0;
-    for (float l : host_losses) sum += l;
-    return static_cast<float>(sum / double(N));
+    for (float l : host_losses) sum += l;  // an ignored target's is 0
+    return static_cast<float>(sum / den);
   }
 
   void backward(UnitProvider& p) {
@@ -668,8 +769,15 @@ struct Model::Impl {
       a = Acts{};
     }
     const TensorRef g0 = acquire_g(p, 0);
-    model_ops::embedding_backward(s, static_cast<const std::int32_t*>(tokens.data()), fptr(dres),
-                                  gparam(g0, 0, 0), gpt2 ? gparam(g0, 0, 1) : nullptr, N, T, C);
+    const auto* ids = static_cast<const std::int32_t*>(tokens.data());
+    if (gpt2 && !segs.empty()) {
+      for (const Seg& g : segs)
+        model_ops::embedding_backward(s, ids + g.r0, fptr(dres) + g.r0 * C, gparam(g0, 0, 0),
+                                      gparam(g0, 0, 1), g.rows * g.t, g.t, C);
+    } else {
+      model_ops::embedding_backward(s, ids, fptr(dres), gparam(g0, 0, 0),
+                                    gpt2 ? gparam(g0, 0, 1) : nullptr, N, T, C);
+    }
     if (cfg.tie_word_embeddings)
       s.axpy(1.0f, tensor(tied_grad, DType::kF32),
              dev_tensor(dev, gparam(g0, 0, 0), DType::kF32, V * C));
@@ -754,6 +862,7 @@ struct Model::Impl {
   }
 
   std::vector<float> logits(const std::vector<std::int32_t>& ids, UnitProvider& p) {
+    segs.clear();  // unpacked rows
     upload_ids(ids, tokens, "tokens");
     Buffer x = run_trunk(p, false);
     const std::size_t hu = static_cast<std::size_t>(L + 1);
@@ -835,8 +944,15 @@ std::vector<Model::GemmShape> Model::gemm_shapes() const {
   return out;
 }
 
-float Model::forward(const Batch& batch, UnitProvider& weights, bool grad) {
-  return impl_->forward(batch, weights, grad);
+float Model::forward(const Batch& batch, UnitProvider& weights, bool grad,
+                     double loss_denominator) {
+  return impl_->forward(batch, weights, grad, loss_denominator);
+}
+
+std::int64_t counted_targets(const Batch& batch) {
+  std::int64_t n = 0;
+  for (std::int32_t t : batch.targets) n += t != kIgnoreTarget;
+  return n;
 }
 void Model::backward(UnitProvider& weights) { impl_->backward(weights); }
 std::vector<float> Model::logits(const std::vector<std::int32_t>& tokens, UnitProvider& weights) {

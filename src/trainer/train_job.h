@@ -118,6 +118,7 @@ struct Run {
   std::int64_t print_every = 1;
   std::string sample;  // this step's --sample-every text (JSON-quoted), printed under its line
   double tokens_per_step = 0;
+  double counted_tokens = 0;  // targets that counted in the loss, every rank's, over the steps run
   // The loop
   TrainResult result;
   Phases ph;

@@ -39,6 +39,20 @@ double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
   return min_lr + (lr - min_lr) * factor;
 }
 
+double step_loss_denominator(std::int64_t counted, std::int64_t accum, int world,
+                             std::int64_t step) {
+  STRATA_REQUIRE(accum > 0 && world > 0, "step_loss_denominator: accum {} and world {} must be > 0",
+                 accum, world);
+  if (counted <= 0)
+    STRATA_THROW(kInvalidArgument,
+                 "step {}: every target of its {} micro-batch{} (on {} rank{}) is masked "
+                 "(kIgnoreTarget), so the step's loss has no token to average over: the data "
+                 "masks whole batches (a conversation with no assistant tokens, or a prompt "
+                 "longer than --seq-len); drop those rows or raise --seq-len",
+                 step, accum * world, accum * world == 1 ? "" : "es", world, world == 1 ? "" : "s");
+  return double(counted) / double(accum * world);
+}
+
 namespace train_job {
 
 // The mean of `v` over the ranks (every rank calls it).
@@ -165,9 +179,16 @@ void prune_checkpoints(Run& r) {
   }
 }
 
-// The step's micro-batches through forward and backward: the sum of their losses. Each rank takes
-// every world-th batch of the stream.
-double forward_backward(Run& run, std::int64_t step) {
+struct StepLoss {
+  double loss_sum = 0;       // this rank's micro-batches' forward() values, summed
+  std::int64_t counted = 0;  // the step's counted targets, every rank's micro-batches
+};
+
+// The step's micro-batches through forward and backward: the sum of their losses (each the sum of
+// its counted targets' losses over step_loss_denominator) and the step's counted targets over every
+// rank. Each rank takes every world-th batch of the stream; every rank reads them all, so each
+// knows the step's counted targets before its first forward, without a collective.
+StepLoss forward_backward(Run& run, std::int64_t step) {
   const Settings& s = run.s;
   const TrainOptions& o = s.o;
   const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len;
@@ -182,19 +203,25 @@ double forward_backward(Run& run, std::int64_t step) {
   const ModelOptions& mopt = run.mopt;
   const bool demo_capped = run.demo_capped;
   const Device* dev = run.dev.get();
-  double loss_sum = 0;
-  for (std::int64_t a = 0; a < accum; ++a) {
-    auto t0 = Clock::now();
-    Batch batch;
-    for (int r = 0; r < world; ++r) {
-      Batch b = loader.next();
-      ++train_batches;
-      if (r == rank) batch = std::move(b);
-    }
+  StepLoss out;
+  std::vector<Batch> mine(static_cast<std::size_t>(accum));
+  {
+    const auto t0 = Clock::now();
+    for (std::int64_t a = 0; a < accum; ++a)
+      for (int r = 0; r < world; ++r) {
+        Batch b = loader.next();
+        ++train_batches;
+        out.counted += counted_targets(b);
+        if (r == rank) mine[std::size_t(a)] = std::move(b);
+      }
     ph.data += since(t0);
+  }
+  const double den = step_loss_denominator(out.counted, accum, world, step);
+  for (std::int64_t a = 0; a < accum; ++a) {
+    const Batch& batch = mine[std::size_t(a)];
     try {
-      t0 = Clock::now();
-      loss_sum += double(model.forward(batch, weights));
+      auto t0 = Clock::now();
+      out.loss_sum += double(model.forward(batch, weights, /*grad=*/true, den));
       ph.forward += since(t0);
       t0 = Clock::now();
       model.backward(weights);
@@ -228,7 +255,7 @@ double forward_backward(Run& run, std::int64_t step) {
           e.user_message());
     }
   }
-  return loss_sum;
+  return out;
 }
 
 // The traced step written (--trace): a debugging aid, whose failure only warns.
@@ -260,7 +287,7 @@ double evaluate(Run& run) {
   Phases& ph = run.ph;
   double val_loss = NAN;
   const auto t0 = Clock::now();
-  double sum = 0;
+  double sum = 0, counted = 0;
   engine.set_eval(true);  // the training's recorded unit order stays as it is
   // --eval-batches 0: the whole evaluation data, from its start, each rank a batch in turn.
   const std::int64_t batches =
@@ -273,10 +300,20 @@ double evaluate(Run& run) {
       ++val_batches;
       if (r == rank) vb = std::move(b);
     }
-    sum += double(model.forward(vb, weights, /*grad=*/false));
+    // The sum of the counted targets' losses (denominator 1); the mean over every rank's below.
+    sum += double(model.forward(vb, weights, /*grad=*/false, 1.0));
+    counted += double(counted_targets(vb));
   }
   engine.set_eval(false);
-  val_loss = mean_over_ranks(sum / double(batches), *comm, *dev, *compute);
+  // Both averaged over the ranks: the ratio is the sum over the ranks over their count.
+  const double all_sum = mean_over_ranks(sum, *comm, *dev, *compute),
+               all_counted = mean_over_ranks(counted, *comm, *dev, *compute);
+  STRATA_REQUIRE(all_counted > 0,
+                 "evaluation: every target of the {} validation batch{} is masked (kIgnoreTarget): "
+                 "the validation loss has no token to average over; give --eval-batches more "
+                 "batches or validation data with targets that count",
+                 batches * world, batches * world == 1 ? "" : "es");
+  val_loss = all_sum / all_counted;
   ph.eval += since(t0);
   return val_loss;
 }
@@ -351,11 +388,14 @@ void run_step(Run& r, std::int64_t step) {
   if (tracing) Tracer::global().set_enabled(true);
   const double lr = s.lr_of(step);
   engine.set_next_lr(float(lr));  // the early optimizer step (overlapping backward) uses it
-  const double loss_sum = forward_backward(r, step);
+  const StepLoss fb = forward_backward(r, step);
   auto t0 = Clock::now();
   const StepResult sr = engine.step(float(lr));
   ph.optimizer += since(t0);
-  const double loss = mean_over_ranks(loss_sum / double(accum), *r.comm, *r.dev, *r.compute);
+  // Each micro-batch's loss is its counted targets' sum over counted / (accum x world): summed here
+  // and averaged over the ranks, the step's sum over its counted targets.
+  const double loss = mean_over_ranks(fb.loss_sum / double(accum), *r.comm, *r.dev, *r.compute);
+  r.counted_tokens += double(fb.counted);
   if (tracing) end_trace(r);
   StepRecord rec;
   rec.step = step;
@@ -365,6 +405,7 @@ void run_step(Run& r, std::int64_t step) {
   rec.skipped = sr.skipped;
   rec.step_s = since(t_step);
   rec.tokens_per_s = r.tokens_per_step / rec.step_s;
+  rec.counted_tokens_per_s = double(fb.counted) / rec.step_s;
   r.result.steps.push_back(rec);
 
   // Every --eval-every steps, and after the last.
@@ -382,6 +423,7 @@ void run_step(Run& r, std::int64_t step) {
                       {"lr", lr},
                       {"grad_norm", sr.grad_norm},
                       {"tokens_per_s", rec.tokens_per_s},
+                      {"counted_tokens_per_s", rec.counted_tokens_per_s},
                       {"step_time_s", rec.step_s},
                       {"skipped", sr.skipped},
                       {"loss_scale", sr.loss_scale},

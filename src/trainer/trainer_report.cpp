@@ -294,9 +294,10 @@ void print_summary(Run& r) {
              line.contains("loss") && line["loss"].is_number()) {
     final_loss = fmt::format(", loss {:.4f} at the checkpoint", line["loss"].get<double>());
   }
-  std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s%s)\n", ran.c_str(), total,
-               r.tokens_per_step * double(steps - start_step) / since(r.loop_start),
-               final_loss.c_str());
+  const double loop_s = since(r.loop_start);
+  std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, %.0f counted in the loss%s)\n",
+               ran.c_str(), total, r.tokens_per_step * double(steps - start_step) / loop_s,
+               r.counted_tokens / loop_s, final_loss.c_str());
   std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
   std::vector<std::pair<const char*, double>> rows = {
       {"data", r.ph.data},           {"forward", r.ph.forward}, {"backward", r.ph.backward},

@@ -13,6 +13,11 @@ Usage: model_ref.py [--bf16-gemm] [--batch FILE] [--out FILE] DIR
          weight_map names (F32, BF16 or F16 weights, HF names; GPT-2's also without the
          "transformer." prefix, as on the Hub; a tied head needs no lm_head.weight);
          FILE of --batch (default DIR/batch.safetensors): "tokens", "targets", [B, T] ids as F32
+         (a target -100 does not count: F.cross_entropy's ignore_index), and optionally
+         "positions" [B, T] (packed rows: each token's position in its document, 0 at a
+         document's start): rotary / learned positions are looked up at them (Hugging Face's
+         position_ids) and a query attends only to keys of its own document (the block-diagonal
+         causal mask Hugging Face's flash-attention path derives from position_ids)
   writes FILE of --out (default DIR/ref.safetensors), F64: "logits" [B*T, V], "loss" [1],
          "grad.<name>" per parameter. With --batch and --out outside DIR, DIR is only read.
 --greedy: Hugging Face's greedy decode (do_sample false) of N new tokens after the prompt,
@@ -160,9 +165,7 @@ class Bf16Attention(torch.autograd.Function):
     operands, rowsum(dO o) from the unrounded dO and the output o."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        T = q.shape[2]
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    def forward(ctx, q, k, v, scale, mask):
         p = torch.softmax((rb(q) @ rb(k).transpose(-1, -2) * scale).masked_fill(mask, float("-inf")), dim=-1)
         o = rb(p) @ rb(v)
         ctx.save_for_backward(q, k, v, p, o)
@@ -175,25 +178,36 @@ class Bf16Attention(torch.autograd.Function):
         dob = rb(do)
         dp = dob @ rb(v).transpose(-1, -2)
         ds = rb(p * (dp - (do * o).sum(-1, keepdim=True)) * ctx.scale)
-        return ds @ rb(k), ds.transpose(-1, -2) @ rb(q), rb(p).transpose(-1, -2) @ dob, None
+        return ds @ rb(k), ds.transpose(-1, -2) @ rb(q), rb(p).transpose(-1, -2) @ dob, None, None
 
 
-def attention(q, k, v, nh, nkv, scale=None):
+def attention_mask(pos, T):
+    """True where a query (row) must not see a key (column): [B, 1, T, T] (or [T, T] without
+    positions). Packed rows: keys of another document (documents start where pos is 0)."""
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    if pos is None:
+        return causal
+    doc = torch.cumsum((pos == 0).long(), dim=1)  # [B, T]
+    other = doc[:, :, None] != doc[:, None, :]
+    return (causal[None] | other)[:, None]
+
+
+def attention(q, k, v, nh, nkv, scale=None, pos=None):
     # q [B, nh, T, hd]; k, v [B, nkv, T, hd] (repeat_kv as Hugging Face does)
     rep = nh // nkv
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
     T = q.shape[2]
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = attention_mask(pos, T)
     if BF16_GEMM:
-        return Bf16Attention.apply(q, k, v, scale)
+        return Bf16Attention.apply(q, k, v, scale, mask)
     s = q @ k.transpose(-1, -2) * scale
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     s = s.masked_fill(mask, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
 
-def llama(cfg, P, tok):
+def llama(cfg, P, tok, pos=None):
     B, T = tok.shape
     C = cfg["hidden_size"]
     nh = cfg["num_attention_heads"]
@@ -201,6 +215,8 @@ def llama(cfg, P, tok):
     hd = cfg.get("head_dim", C // nh)
     eps = cfg.get("rms_norm_eps", 1e-6)
     cos, sin = rope_tables(cfg, hd, T)
+    if pos is not None:  # [B, 1, T, hd]: each token's row of the tables
+        cos, sin = cos[pos][:, None], sin[pos][:, None]
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -220,7 +236,7 @@ def llama(cfg, P, tok):
         v = lin(h, p + "self_attn.v_proj").view(B, T, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = attention(q, k, v, nh, nkv).transpose(1, 2).reshape(B, T, nh * hd)
+        o = attention(q, k, v, nh, nkv, pos=pos).transpose(1, 2).reshape(B, T, nh * hd)
         x = x + lin(o, p + "self_attn.o_proj")
         h = rms(x, P[p + "post_attention_layernorm.weight"])
         g = lin(h, p + "mlp.gate_proj")
@@ -231,7 +247,7 @@ def llama(cfg, P, tok):
     return mm(x, head.T)
 
 
-def gpt2(cfg, P, tok):
+def gpt2(cfg, P, tok, pos=None):
     B, T = tok.shape
     C = cfg["n_embd"]
     nh = cfg["n_head"]
@@ -247,7 +263,7 @@ def gpt2(cfg, P, tok):
     def gelu_new(x):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
-    x = P["transformer.wte.weight"][tok] + P["transformer.wpe.weight"][torch.arange(T)]
+    x = P["transformer.wte.weight"][tok] + P["transformer.wpe.weight"][torch.arange(T) if pos is None else pos]
     for l in range(cfg["n_layer"]):
         p = f"transformer.h.{l}."
         qkv = conv1d(ln(x, p + "ln_1"), p + "attn.c_attn")
@@ -257,7 +273,7 @@ def gpt2(cfg, P, tok):
         scale = 1 / math.sqrt(hd) if cfg.get("scale_attn_weights", True) else 1.0
         if cfg.get("scale_attn_by_inverse_layer_idx", False):
             scale /= l + 1
-        o = attention(q, k, v, nh, nh, scale).transpose(1, 2).reshape(B, T, C)
+        o = attention(q, k, v, nh, nh, scale, pos).transpose(1, 2).reshape(B, T, C)
         x = x + conv1d(o, p + "attn.c_proj")
         x = x + conv1d(gelu_new(conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
     x = ln(x, "transformer.ln_f")
@@ -313,10 +329,11 @@ def main():
     batch = read_safetensors(batch_file or f"{d}/batch.safetensors")
     tok = batch["tokens"].long()
     tgt = batch["targets"].long()
+    pos = batch["positions"].long() if "positions" in batch else None
     fwd = gpt2 if cfg["model_type"] == "gpt2" else llama
-    logits = fwd(cfg, P, tok)
+    logits = fwd(cfg, P, tok, pos)
     V = logits.shape[-1]
-    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), tgt.view(-1))
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), tgt.view(-1), ignore_index=-100)
     loss.backward()
     out = {"logits": logits.view(-1, V), "loss": loss.view(1)}
     for name, t in P.items():
