@@ -1001,8 +1001,7 @@ void write_corpus(const std::string& path, int n) {
 // --data corpus.jsonl (and --text) with a --model folder that has a tokenizer: prepared once with
 // it into the cache (STRATA_CACHE_DIR), reused while the corpus is unchanged, prepared again when
 // it changes; the packed data's summary printed; a prepared file of another tokenizer refused.
-// Then the run trains on packed rows: until the model takes them (Batch::positions and the
-// ignore index), forward's refusal is a skip, and only that.
+// Then the run trains on the packed rows.
 TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
                     cache = dir.path + "/cache", log = dir.path + "/c.jsonl";
@@ -1057,11 +1056,13 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
       << text.out + text.err;
   EXPECT_NE((text.out + text.err).find(": 1 documents, "), std::string::npos);
 
-  // --epochs counts the packed rows: an epoch is measure_tokens' rows of the prepared file.
+  // --epochs counts the packed rows: an epoch is measure_tokens' rows of the prepared file, and
+  // the run trains on them, every step with a finite loss.
   {
+    const std::string epochs_log = dir.path + "/epochs.jsonl";
     const Result ep = run(STRATA_TRAIN_BIN,
                           {"--model", hf, "--data", corpus, "--seq-len", "16", "--micro-batch", "2",
-                           "--epochs", "1", "--device", "cpu", "--log-json", log},
+                           "--epochs", "1", "--device", "cpu", "--log-json", epochs_log},
                           dir.path, "epochs", env);
     DataOptions d;
     d.files = {prep};
@@ -1072,6 +1073,15 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
                                       e.rows / 2, e.rows)),
               std::string::npos)
         << ep.out << ep.err;
+    ASSERT_EQ(ep.status, 0) << ep.err;
+    std::int64_t steps = 0;
+    std::ifstream lf(epochs_log);
+    for (std::string l; std::getline(lf, l);)
+      if (const auto j = nlohmann::json::parse(l); j.contains("loss")) {
+        ++steps;
+        EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << l;
+      }
+    EXPECT_EQ(steps, e.rows / 2);
   }
 
   // A prepared file of another tokenizer (its hash differs) is refused.
@@ -1083,21 +1093,9 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
             std::string::npos)
       << refused.err;
 
-  // The training itself.
-  const std::string unsupported = "Model: packed rows (batch.positions) are not supported yet";
-  const std::string ignore_index = "= -100 is outside the vocabulary";
-  if (first.status != 0 && (first.err.find(unsupported) != std::string::npos ||
-                            first.err.find(ignore_index) != std::string::npos))
-    GTEST_SKIP() << "the model does not take packed rows yet: " << first_line(first.err);
-  ASSERT_EQ(first.status, 0) << first.err;
-  int steps = 0;
-  std::ifstream lf(log);
-  for (std::string l; std::getline(lf, l);)
-    if (const auto j = nlohmann::json::parse(l); j.contains("loss")) {
-      ++steps;
-      EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << l;
-    }
-  EXPECT_GE(steps, 2);
+  // The first runs trained too (--steps 2 on the packed rows).
+  EXPECT_EQ(first.status, 0) << first.err;
+  EXPECT_EQ(text.status, 0) << text.err;
 }
 
 // With the --model folder's tokenizer.json, --sample-prompt TEXT is encoded by it and the sample
