@@ -1,7 +1,7 @@
 # The relocatable package: `cmake --install <build> --prefix DIR` or `cpack` (the `package`
 # target) lay out
 #   bin/  strata-info, strata-train, strata-export, strata-generate, strata-plot, strata-bench,
-#         strata-prof, gpu-check.sh
+#         strata-prof, strata-prep, gpu-check.sh
 #   lib/  strata's shared libraries, the CUDA module, and every shared library they load that a
 #         minimal Debian 12 root (debootstrap --variant=minbase) does not have
 #   include/strata/  the public headers (include/strata/ of the source tree)
@@ -36,7 +36,7 @@ endfunction()
 strata_collect_libraries(${PROJECT_SOURCE_DIR}/src strata_package_libraries)
 
 set(strata_package_tools strata-info strata-train strata-export strata-generate strata-plot
-    strata-bench strata-prof)
+    strata-bench strata-prof strata-prep)
 install(TARGETS ${strata_package_tools} RUNTIME DESTINATION bin)
 install(TARGETS ${strata_package_libraries} LIBRARY DESTINATION lib)
 install(PROGRAMS ${PROJECT_SOURCE_DIR}/tools/gpu-check.sh DESTINATION bin)

@@ -380,11 +380,11 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
   for (int i = 0; i < 100; ++i) a[i] = static_cast<std::uint16_t>(i);
   for (int i = 0; i < 40; ++i) b[i] = static_cast<std::uint16_t>(1000 + i);
   DataOptions o;
-  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b).string()};
+  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b, 1).string()};
   o.batch = 3;
   o.seq_len = 7;  // B*T = 21
   TokenLoader loader(o);
-  // a: positions 0, 21, 42, 63 (63 + 22 <= 100; 84 + 22 > 100); b (raw u16): position 0 only.
+  // a: positions 0, 21, 42, 63 (63 + 22 <= 100; 84 + 22 > 100); b: position 0 only.
   EXPECT_EQ(loader.batches_per_epoch(), 5);
   for (int k = 0; k < 4; ++k) {
     const Batch x = loader.next();
@@ -409,7 +409,7 @@ TEST(TokenData, MeasuredRowsAreTheLoadersEpoch) {
   for (int i = 0; i < 100; ++i) a[i] = static_cast<std::uint16_t>(i);
   for (int i = 0; i < 40; ++i) b[i] = static_cast<std::uint16_t>(1000 + i);
   DataOptions o;
-  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b).string()};
+  o.files = {write_tokens(dir, "a.bin", a, 1).string(), write_tokens(dir, "b.bin", b, 1).string()};
   o.batch = 3;
   o.seq_len = 7;
   DataExtent e = measure_tokens(o);
@@ -504,7 +504,9 @@ TEST(TokenData, AutoRefusesRawU16WhenTheVocabDoesNotFit) {
   o.batch = 1;
   o.seq_len = 8;
   o.vocab_size = 128256;
-  expect_error([&] { TokenLoader l(o); }, {"l3.bin", "128256", "uint16", "u32"});
+  // Raw ids carry no width: auto refuses them, naming the one this vocabulary needs.
+  expect_error([&] { TokenLoader l(o); },
+               {"l3.bin: no header", "--data-dtype u16 or u32", "vocab_size 128256 needs u32"});
   o.format = TokenFormat::kU32;
   EXPECT_EQ(TokenLoader(o).next().tokens[0], 100000);
   o.format = TokenFormat::kAuto;
@@ -556,12 +558,15 @@ TEST(TokenData, TextIsNotReadAsTokenIdsNorBytesAsAWiderVocabulary) {
   o.vocab_size = 256;
   EXPECT_EQ(TokenLoader(o).next().tokens[0], 'h');
 
-  // Token ids, even all in the printable range but one, are not text.
+  // Token ids, even all in the printable range but one, are not text: auto asks for their width,
+  // and reads them once given.
   std::vector<std::uint16_t> ids(300, std::uint16_t(0x4142));
   ids[150] = 7;
   o.files = {write_tokens(dir, "ids.bin", ids).string()};
   o.format = TokenFormat::kAuto;
   o.vocab_size = 32000;
+  expect_error([&] { TokenLoader l(o); }, {"ids.bin: no header", "--data-dtype u16 or u32"});
+  o.format = TokenFormat::kU16;
   EXPECT_EQ(TokenLoader(o).next().tokens[0], 0x4142);
   fs::remove_all(dir);
 }
@@ -574,6 +579,7 @@ TEST(TokenData, ShuffledEpochOrderDependsOnlyOnSeedAndEpoch) {
   for (int i = 0; i < 200; ++i) ids[i] = static_cast<std::uint16_t>(i);
   DataOptions o;
   o.files = {write_tokens(dir, "s.bin", ids).string()};
+  o.format = TokenFormat::kU16;
   o.batch = 2;
   o.seq_len = 9;
   o.shuffle = true;
@@ -619,6 +625,7 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.files = {p.string()};
   expect_error([&] { TokenLoader l(o); }, {"short.bin", "truncated", "10 tokens"});
   o.files = {write_tokens(dir, "tiny.bin", few).string()};
+  o.format = TokenFormat::kU16;
   expect_error([&] { TokenLoader l(o); },
                {"batch x seq_len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
   o.shuffle = true;

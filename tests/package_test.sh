@@ -111,7 +111,7 @@ cp "$tarball" "$root/tmp/"
 in_root tar -xzf "/tmp/$name.tar.gz" -C /opt
 pkg=/opt/$name
 for f in bin/strata-info bin/strata-train bin/strata-export bin/strata-generate bin/strata-plot bin/strata-bench \
-  bin/gpu-check.sh; do
+  bin/strata-prep bin/gpu-check.sh; do
   [ -x "$root$pkg/$f" ] || fail "the package lacks $f"
 done
 for h in device.h engine.h system_info.h; do

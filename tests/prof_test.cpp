@@ -1512,6 +1512,11 @@ TEST(ProfCli, BadInputIsAClearError) {
   // recommendation: an SVG or a trace handed to strata-train as --config), refused before
   // anything is measured, naming the fix.
   std::ofstream(d.path + "/t.txt") << "text";
+  {
+    std::vector<std::uint16_t> ids(64, 3);
+    std::ofstream(d.path + "/raw.ids", std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(ids.size() * 2));
+  }
   std::ofstream(d.path + "/t.jsonl") << R"({"text": "a document"})"
                                      << "\n";
   const std::string v32k = d.path + "/v32k.json";
@@ -1533,7 +1538,11 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--validate", "1", "--data", d.path + "/t.jsonl"},
             d.path + "/t.jsonl: this is JSON lines text, not token ids"},
            {{"--validate", "1", "--model-config", v32k, "--text", d.path + "/t.txt"},
-            "text is read byte by byte"}}) {
+            "text is read byte by byte"},
+           {{"--validate", "1", "--data", d.path + "/raw.ids"},
+            d.path + "/raw.ids: no header (not a strata-prep file, not an llm.c .bin) and not "
+                     ".txt, so its format is unknown: give raw token ids' width with --data-dtype "
+                     "u16 or u32"}}) {
     std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
     v.insert(v.end(), flags.begin(), flags.end());
     const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");

@@ -34,8 +34,10 @@
 #include <set>
 #include <sstream>
 
+#include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
+#include "strata/model_data.h"
 #include "strata/model_io.h"
 #include "strata/tokenizer.h"
 #include "strata/trainer.h"
@@ -968,6 +970,134 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
   EXPECT_EQ(last, want);
 }
 
+// A Hugging Face folder of a 20-id Llama with testing::kTinyTokenizer (EOS <|end|>), and a
+// .jsonl corpus of `n` documents in its vocabulary.
+void write_tokenizer_model(const std::string& hf) {
+  auto dev = make_host_device();
+  auto s = dev->create_stream("w");
+  ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
+      "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
+                                       "tok20"),
+                    DType::kF32, *dev, *s);
+  w.init_random(3, 0.3f);
+  save_hf_weights(hf, w);
+  std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
+  std::ofstream(hf + "/tokenizer_config.json")
+      << R"({"bos_token": "<|bos|>", "eos_token": "<|end|>"})";
+}
+
+void write_corpus(const std::string& path, int n) {
+  std::ofstream f(path);
+  std::mt19937 rng(11);
+  const char* words[] = {"hello", " world", "!", "he", "or", " hello"};
+  for (int i = 0; i < n; ++i) {
+    std::string doc;
+    for (int k = 0, m = 1 + int(rng() % 6); k < m; ++k) doc += words[rng() % 6];
+    f << nlohmann::json({{"text", doc}}).dump() << "\n";
+  }
+}
+
+// --data corpus.jsonl (and --text) with a --model folder that has a tokenizer: prepared once with
+// it into the cache (STRATA_CACHE_DIR), reused while the corpus is unchanged, prepared again when
+// it changes; the packed data's summary printed; a prepared file of another tokenizer refused.
+// Then the run trains on the packed rows.
+TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
+                    cache = dir.path + "/cache", log = dir.path + "/c.jsonl";
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 300);
+  const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
+  auto run_on = [&](const std::vector<std::string>& data, const std::string& tag) {
+    std::vector<std::string> a = {"--model",  hf,        "--seq-len",  "16",   "--micro-batch",
+                                  "2",        "--steps", "2",          "--lr", "0.01",
+                                  "--device", "cpu",     "--log-json", log};
+    a.insert(a.end(), data.begin(), data.end());
+    return run(STRATA_TRAIN_BIN, a, dir.path, tag, env);
+  };
+  auto prepared_files = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(cache + "/prep"))
+      if (e.path().extension() == ".prep") out.push_back(e.path().string());
+    return out;
+  };
+  const Result first = run_on({"--data", corpus}, "corpus1");
+  const std::string said = first.out + first.err;
+  EXPECT_NE(said.find("--data " + corpus + ": prepared with " + hf + "'s tokenizer into " + cache +
+                      "/prep/corpus-"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find(": 300 documents, "), std::string::npos) << said;
+  EXPECT_NE(said.find("data: 300 documents, "), std::string::npos) << said;
+  ASSERT_EQ(prepared_files().size(), 1u);
+  const std::string prep = prepared_files()[0];
+  const PreparedHeader h = read_prepared_header(prep);
+  EXPECT_EQ(h.documents, 300u);
+  EXPECT_EQ(h.tokenizer_hash_hex(), tokenizer_hash(hf, Tokenizer::from_folder(hf)));
+
+  // Unchanged: reused. Changed (another size and mtime): prepared again into the same file.
+  const Result again = run_on({"--data", corpus}, "corpus2");
+  EXPECT_NE((again.out + again.err).find("300 documents, "), std::string::npos);
+  EXPECT_NE((again.out + again.err).find("(reused)"), std::string::npos) << again.out + again.err;
+  std::ofstream(corpus, std::ios::app) << R"({"text": "hello world!"})"
+                                       << "\n";
+  const Result changed = run_on({"--data", corpus}, "corpus3");
+  EXPECT_NE((changed.out + changed.err).find(": 301 documents, "), std::string::npos)
+      << changed.out + changed.err;
+  EXPECT_EQ((changed.out + changed.err).find("(reused)"), std::string::npos);
+  EXPECT_EQ(prepared_files().size(), 1u);
+
+  // --text through the same tokenizer: one document.
+  const std::string text_file = dir.path + "/one.txt";
+  std::ofstream(text_file) << "hello world! hello world! he or";
+  const Result text = run_on({"--text", text_file}, "text");
+  EXPECT_NE((text.out + text.err).find("--text " + text_file + ": prepared with"),
+            std::string::npos)
+      << text.out + text.err;
+  EXPECT_NE((text.out + text.err).find(": 1 documents, "), std::string::npos);
+
+  // --epochs counts the packed rows: an epoch is measure_tokens' rows of the prepared file, and
+  // the run trains on them, every step with a finite loss.
+  {
+    const std::string epochs_log = dir.path + "/epochs.jsonl";
+    const Result ep = run(STRATA_TRAIN_BIN,
+                          {"--model", hf, "--data", corpus, "--seq-len", "16", "--micro-batch", "2",
+                           "--epochs", "1", "--device", "cpu", "--log-json", epochs_log},
+                          dir.path, "epochs", env);
+    DataOptions d;
+    d.files = {prep};
+    d.seq_len = 16;
+    const DataExtent e = measure_tokens(d);
+    EXPECT_EQ(e.documents, 301);
+    EXPECT_NE(ep.out.find(fmt::format("--epochs 1: {} steps (an epoch: {} sequences of 16 tokens",
+                                      e.rows / 2, e.rows)),
+              std::string::npos)
+        << ep.out << ep.err;
+    ASSERT_EQ(ep.status, 0) << ep.err;
+    std::int64_t steps = 0;
+    std::ifstream lf(epochs_log);
+    for (std::string l; std::getline(lf, l);)
+      if (const auto j = nlohmann::json::parse(l); j.contains("loss")) {
+        ++steps;
+        EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << l;
+      }
+    EXPECT_EQ(steps, e.rows / 2);
+  }
+
+  // A prepared file of another tokenizer (its hash differs) is refused.
+  const std::string other = dir.path + "/other.prep";
+  write_prepared(other, 20, std::string(32, 'a'), {Document{{17, 11, 16}, {0, 1, 1}}});
+  const Result refused = run_on({"--data", other}, "other");
+  EXPECT_EQ(refused.status, 1);
+  EXPECT_NE(first_line(refused.err).find(other + ": prepared with another tokenizer (hash aaaa"),
+            std::string::npos)
+      << refused.err;
+
+  // The first runs trained too (--steps 2 on the packed rows).
+  EXPECT_EQ(first.status, 0) << first.err;
+  EXPECT_EQ(text.status, 0) << text.err;
+}
+
 // With the --model folder's tokenizer.json, --sample-prompt TEXT is encoded by it and the sample
 // is its text: the prompt and what generate() makes of the --out folder, decoded.
 TEST_F(TrainCli, SamplesGoThroughTheModelsTokenizer) {
@@ -1138,13 +1268,25 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"--data-dtype with --text",
        {"--model-config", cfg, "--text", text, "--data-dtype", "u16"},
        "--data-dtype is the format of --data token files"},
-      {"--text with a model whose vocabulary is not bytes",
+      {"--text with a model whose vocabulary is not bytes and no tokenizer",
        {"--model-config", vocab32k, "--text", text, "--log-json", log, "--device", "cpu"},
-       "is read byte by byte (ids 0-255: --text, a .txt file or --data-dtype bytes), which only a "
-       "byte-level model reads, but this model's vocab_size is 32000"},
-      {"JSON lines given as token ids",
+       "--text " + text +
+           ": this model's vocab_size is 32000, so its text must be tokenized by its own "
+           "tokenizer (byte ids 0-255 would be read as its tokens), and --model-config gives no "
+           "tokenizer"},
+      {"JSON lines without a tokenizer",
        {"--model-config", cfg, "--data", jsonl, "--log-json", log, "--device", "cpu"},
+       "--data " + jsonl +
+           ": a corpus is tokenized with the model's tokenizer, and --model-config gives no "
+           "tokenizer"},
+      {"JSON lines given as token ids",
+       {"--model-config", cfg, "--data", jsonl, "--data-dtype", "u16", "--log-json", log,
+        "--device", "cpu"},
        jsonl + ": this is JSON lines text, not token ids"},
+      {"raw token ids without their width",
+       {"--model-config", vocab32k, "--data", ids32k, "--log-json", log, "--device", "cpu"},
+       ids32k + ": no header (not a strata-prep file, not an llm.c .bin) and not .txt, so its "
+                "format is unknown: give raw token ids' width with --data-dtype u16 or u32"},
       {"--min-lr without a decaying schedule", args(log, {"--min-lr", "1e-5"}),
        "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear"},
       {"--eval-batches without an evaluation", args(log, {"--eval-batches", "2"}),
@@ -1723,6 +1865,41 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
   const std::size_t first = r.err.find(said);
   ASSERT_NE(first, std::string::npos) << r.err;
   EXPECT_EQ(r.err.find(said, first + 1), std::string::npos) << "said more than once:\n" << r.err;
+#endif
+}
+
+// Two ranks on one machine prepare a corpus once (the flock): one cached file, no temporary left,
+// the summary printed by rank 0 alone; --plan stops after the data.
+TEST_F(TrainCli, TwoRanksPrepareACorpusOnce) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
+                    cache = dir.path + "/cache";
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 2000);
+  const Result r = run(STRATA_MPIEXEC,
+                       {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN, "--model", hf, "--data",
+                        corpus, "--seq-len", "16", "--device", "cpu", "--plan"},
+                       dir.path, "prep2",
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                        {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"STRATA_CACHE_DIR", cache}});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const std::string said = r.out + r.err, line = "--data " + corpus + ": prepared with";
+  const std::size_t first = said.find(line);
+  ASSERT_NE(first, std::string::npos) << said;
+  EXPECT_EQ(said.find(line, first + 1), std::string::npos) << "said more than once:\n" << said;
+  EXPECT_NE(said.find(": 2000 documents, "), std::string::npos) << said;
+  int prepared = 0, temporary = 0;
+  for (const auto& e : std::filesystem::directory_iterator(cache + "/prep")) {
+    prepared += e.path().extension() == ".prep";
+    temporary += e.path().string().find(".tmp") != std::string::npos;
+  }
+  EXPECT_EQ(prepared, 1);
+  EXPECT_EQ(temporary, 0);
 #endif
 }
 

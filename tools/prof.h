@@ -30,6 +30,7 @@ inline std::string human(double b) { return log::human_bytes(b); }
 struct Args {
   std::string model_dir, model_config, ds_config, aio_file;
   std::vector<std::string> data_files;
+  std::string data_format = "auto";  // of data_files, as strata-train's --data-dtype
   std::string text_file;
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0;  // 0: --config's, else 1
   std::vector<std::int64_t> micro_batches;                    // empty: B/2, B, 2B

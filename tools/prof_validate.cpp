@@ -117,9 +117,10 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
     f << model_config_json(demo_model_config());
     o.model_config = mc;
   }
-  if (!a.data_files.empty())
+  if (!a.data_files.empty()) {
     o.data_files = a.data_files;
-  else if (!a.text_file.empty())
+    o.data_format = a.data_format;
+  } else if (!a.text_file.empty())
     o.text_file = a.text_file;
   else
     o.data_files = {data_file};

@@ -482,7 +482,7 @@ void check_data(const Args& a, const ModelConfig& mcfg) {
   if (a.data_files.empty() && a.text_file.empty()) return;
   DataOptions d;
   d.files = a.text_file.empty() ? a.data_files : std::vector<std::string>{a.text_file};
-  d.format = a.text_file.empty() ? TokenFormat::kAuto : TokenFormat::kBytes;
+  d.format = a.text_file.empty() ? parse_token_format(a.data_format) : TokenFormat::kBytes;
   d.vocab_size = mcfg.vocab_size;
   d.seq_len = 1;
   TokenLoader check(d);
@@ -566,6 +566,10 @@ int main(int argc, char** argv) {
                  "ds_config.json whose other settings (precision, clipping, aio) are kept");
   app.add_option("--aio", a.aio_file, "an aio block from strata-bench nvme --sweep --out FILE");
   app.add_option("--data", a.data_files, "token file(s) for --validate (default: random tokens)");
+  app.add_option("--data-dtype", a.data_format,
+                 "the --data files' format, as strata-train's (raw ids without a header need u16 "
+                 "or u32)")
+      ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes", "prepared"}));
   app.add_option("--text", a.text_file, "a text file for --validate (byte-level models)");
   app.add_option("--seq-len", a.seq_len,
                  "tokens per sequence (default 128 demo, else 1024 or the model's "

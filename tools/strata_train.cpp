@@ -25,10 +25,21 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model_dir, "Hugging Face model folder (config.json + *.safetensors)");
   app.add_option("--model-config", o.model_config,
                  "config.json of a model to initialise at random");
-  app.add_option("--data", o.data_files, "token file(s)");
-  app.add_option("--data-dtype", o.data_format, "token file format")
-      ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes"}));
-  app.add_option("--text", o.text_file, "a text file trained on byte by byte (vocabulary 256)");
+  app.add_option("--data", o.data_files,
+                 "training data: strata-prep files, token files, or .txt / .jsonl corpora "
+                 "(prepared with the --model folder's tokenizer into a cache)");
+  app.add_option("--data-dtype", o.data_format,
+                 "token file format (auto: by header; raw ids without one need u16 or u32)")
+      ->check(CLI::IsMember({"auto", "u16", "u32", "llmc", "bytes", "prepared"}));
+  app.add_option("--text", o.text_file,
+                 "a text file: byte by byte for a byte-level model (vocabulary 256), else one "
+                 "document tokenized by the --model folder's tokenizer");
+  app.add_option("--text-field", o.text_field,
+                 ".jsonl corpora: the field that holds a document's text (default text)");
+  std::string separator;
+  auto* separator_opt = app.add_option(
+      "--separator", separator,
+      "text corpora: split each file into documents on this string (default: one document)");
   app.add_option("--config", o.ds_config,
                  "DeepSpeed-style ds_config.json (default: stage 3, no offload)");
   app.add_option("--seq-len", o.seq_len,
@@ -140,6 +151,7 @@ int main(int argc, char** argv) {
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
+    if (separator_opt->count() > 0) o.separator = separator;
     if (max_shard_mb > 0)
       o.out_max_shard_bytes =
           std::max<std::size_t>(1, static_cast<std::size_t>(max_shard_mb * 1024 * 1024));
@@ -166,6 +178,10 @@ int main(int argc, char** argv) {
           "draws the steps of a run and --plan runs none: drop one of them");
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
+    needs("--text-field", !o.data_files.empty() || !o.eval_files.empty(),
+          "names the text field of --data .jsonl corpora: add --data FILE.jsonl");
+    needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
+          "splits --data / --text text corpora into documents: add --data or --text");
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

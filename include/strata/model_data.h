@@ -3,9 +3,10 @@
 // Formats: raw little-endian uint16 or uint32 token ids (nanoGPT's train.bin is raw uint16),
 // llm.c's .bin (a 256 x int32 header: magic 20240520, version 1 = uint16 / 2 = uint32 ids,
 // token count; then the ids), and bytes (any file, each byte a token: vocabulary 256, for
-// experiments without a tokenizer). kAuto picks llm.c when the magic is there, bytes for
-// .txt, raw uint16 otherwise — and refuses a file it would read as uint16 when vocab_size is
-// above 65536 (Llama 3, Qwen2: such ids need kU32 or an llm.c header).
+// experiments without a tokenizer), and prepared files (strata/corpus.h: strata-prep's output,
+// tokens with a target mask and document starts). kAuto picks prepared or llm.c when their magic
+// is there, bytes for .txt, and refuses anything else: raw ids carry no header saying their width,
+// so they need kU16 or kU32 given (and text is named as text, never read as ids).
 //
 // Unshuffled, batches are taken exactly as llm.c's DataLoader takes them (one process):
 // a micro-batch of B sequences of T tokens reads B*T+1 contiguous tokens at the current
@@ -15,6 +16,16 @@
 // each epoch visits all windows of all files in a random order that depends only on (seed,
 // epoch), B per batch.
 // The validation split is the last val_fraction of each file's tokens; train is the rest.
+//
+// Prepared files are packed (docs/prepared-data.md): each file's documents, in order, fill rows of
+// T tokens; a document that does not fit in what is left of a row starts the next one (the rest is
+// padding: token 0, target kIgnoreTarget); a document longer than T starts a row and is split
+// into pieces of T (the pieces are trained as separate documents; their count is reported as
+// split). Batch::positions restart at 0 at each document (and piece) start; a target is the next
+// token of the same document where the file counts it, else kIgnoreTarget (so a document's last
+// token, its EOS, predicts nothing). Rows are fixed by the file; an epoch visits them in order,
+// or shuffled in an order that depends only on (seed, epoch), B per batch. The validation split
+// is the last val_fraction of each file's documents.
 // A token id >= vocab_size is an error naming the file and byte offset.
 #pragma once
 
@@ -27,8 +38,9 @@
 
 namespace strata {
 
-enum class TokenFormat { kAuto, kU16, kU32, kLlmc, kBytes };
-TokenFormat parse_token_format(const std::string& name);  // auto, u16, u32, llmc, bytes
+enum class TokenFormat { kAuto, kU16, kU32, kLlmc, kBytes, kPrepared };
+// auto, u16, u32, llmc, bytes, prepared
+TokenFormat parse_token_format(const std::string& name);
 
 enum class DataSplit { kTrain, kVal };
 
@@ -41,6 +53,11 @@ struct DataOptions {
   bool shuffle = false;
   std::uint64_t seed = 0;
   double val_fraction = 0.0;  // in [0, 1)
+  // Prepared files: the hash of the model's tokenizer (strata/corpus.h tokenizer_hash) a file must
+  // carry, and where the tokenizer was read (for messages); empty: not checked (a model with no
+  // tokenizer folder), only the vocabulary is.
+  std::string tokenizer_hash;
+  std::string tokenizer_origin;
 };
 
 // What a TokenLoader of `options` reads in an epoch, from the files' sizes and headers alone (their
@@ -50,6 +67,10 @@ struct DataExtent {
   // The sequences of seq_len tokens (rows of a batch) one epoch gives: shuffled, every T+1-token
   // window at a stride of T once; unshuffled, batch rows per batch, in whole batches per file.
   std::int64_t rows = 0;
+  // Prepared files: documents, counted targets and documents split across rows (longer than
+  // seq_len) in the split; zero for token files.
+  std::int64_t documents = 0, counted = 0, split_documents = 0;
+  bool prepared = false;
 };
 DataExtent measure_tokens(const DataOptions& options, DataSplit split = DataSplit::kTrain);
 

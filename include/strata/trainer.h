@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -163,10 +164,17 @@ struct TrainOptions {
   // model: a Hugging Face folder, or a config.json for a fresh random init, or (both empty)
   // the embedded demo model
   std::string model_dir, model_config;
-  // data: token files (format per data_format) or a byte-level text file; both empty: demo data
+  // data: token files (format per data_format), prepared files (strata-prep), or corpora
+  // (.txt, .jsonl: prepared with the --model folder's tokenizer into a cache, docs/
+  // prepared-data.md); text_file: a text file, byte by byte for a byte-level model, else a corpus
+  // of one document; both empty: demo data
   std::vector<std::string> data_files;
-  std::string data_format = "auto";  // auto | u16 | u32 | llmc | bytes
+  std::string data_format = "auto";  // auto | u16 | u32 | llmc | bytes | prepared
   std::string text_file;
+  // Corpora: the .jsonl field holding a document's text, and the string text files are split on
+  // into documents (none: a file is one document).
+  std::string text_field = "text";
+  std::optional<std::string> separator;
   std::string ds_config;  // optional ds_config.json path
   // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <random>
 
+#include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/model_data.h"
 
@@ -85,9 +86,11 @@ void refuse_text(const TokenFile& f, const char* read_as) {
   STRATA_THROW(kInvalidArgument,
                "{}: this is {}, not token ids (its first {} bytes are all UTF-8 text), so reading "
                "it as {} would train on characters taken for ids. strata-train reads token files "
-               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32): tokenize it "
-               "with the model's own tokenizer first; a byte-level model (vocab_size 256) trains "
-               "on a text file with --text",
+               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32) and prepared "
+               "files: tokenize it with the model's own tokenizer (strata-prep --model DIR FILE "
+               "-o FILE.prep; strata-train --data FILE with --data-dtype auto and a --model folder "
+               "that has tokenizer.json does it for .txt and .jsonl); a byte-level model "
+               "(vocab_size 256) trains on a text file with --text",
                f.path, jsonl ? "JSON lines text" : "text", std::min(f.size, kSniffBytes), read_as);
 }
 
@@ -122,13 +125,19 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       fmt = TokenFormat::kBytes;
     else
       fmt = TokenFormat::kU16;
-    if (fmt == TokenFormat::kU16) refuse_text(*f, "raw uint16 ids (no llm.c header, not .txt)");
-    STRATA_REQUIRE(fmt != TokenFormat::kU16 || vocab_size <= 65536,
-                   "{}: no llm.c header and not .txt, so format auto would read raw uint16 ids, "
-                   "but the model's vocab_size {} does not fit in uint16; for raw uint32 ids give "
-                   "the format u32 (strata-train --data-dtype u32), or use an llm.c .bin, whose "
-                   "header gives the id width",
-                   path, vocab_size);
+    if (fmt == TokenFormat::kU16) {
+      refuse_text(*f, "raw token ids (no header, not .txt)");
+      // Raw ids say nothing of their width: read as uint16, uint32 ids (or anything else) train
+      // silently on garbage.
+      STRATA_THROW(kInvalidArgument,
+                   "{}: no header (not a strata-prep file, not an llm.c .bin) and not .txt, so "
+                   "its format is unknown: give raw token ids' width with --data-dtype u16 or "
+                   "u32{}, or prepare the corpus with strata-prep",
+                   path,
+                   vocab_size > 65536
+                       ? fmt::format(" (this model's vocab_size {} needs u32)", vocab_size)
+                       : std::string());
+    }
   }
   std::size_t ntok = 0;
   switch (fmt) {
@@ -138,9 +147,9 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       STRATA_REQUIRE(vocab_size == 0 || vocab_size <= 256,
                      "{}: text is read byte by byte (ids 0-255: --text, a .txt file or "
                      "--data-dtype bytes), which only a byte-level model reads, but this model's "
-                     "vocab_size is {}: tokenize the text with the model's own tokenizer into a "
-                     "token file and give it with --data (an llm.c .bin, or raw uint16 / uint32 "
-                     "ids with --data-dtype u16|u32)",
+                     "vocab_size is {}: tokenize it with the model's own tokenizer (--model DIR "
+                     "whose folder has tokenizer.json prepares .txt and .jsonl with it; or "
+                     "strata-prep --model DIR, then --data FILE.prep)",
                      path, vocab_size);
       f->elem = 1;
       ntok = f->size;
@@ -149,6 +158,10 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
     case TokenFormat::kU32:
       // An llm.c file read raw would take its header for tokens (and a v2 file's uint32 ids
       // for pairs of uint16 ones): garbage, silently.
+      STRATA_REQUIRE(f->size < 8 || std::memcmp(f->base, kPreparedMagic, 8) != 0,
+                     "{}: a prepared file (strata-prep's magic STRATAPD), not raw {} ids; give "
+                     "the format auto or prepared (strata-train --data-dtype auto)",
+                     path, fmt == TokenFormat::kU16 ? "uint16" : "uint32");
       STRATA_REQUIRE(head[0] != kLlmcMagic,
                      "{}: starts with the llm.c magic {}, so it is an llm.c token file, not raw {} "
                      "ids; give the "
@@ -181,6 +194,7 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       break;
     }
     case TokenFormat::kAuto:
+    case TokenFormat::kPrepared:
       break;
   }
   f->end = static_cast<std::int64_t>(ntok);
@@ -195,8 +209,9 @@ TokenFormat parse_token_format(const std::string& name) {
   if (name == "u32") return TokenFormat::kU32;
   if (name == "llmc") return TokenFormat::kLlmc;
   if (name == "bytes") return TokenFormat::kBytes;
-  STRATA_THROW(kInvalidArgument, "token format '{}' is not one of auto, u16, u32, llmc, bytes",
-               name);
+  if (name == "prepared") return TokenFormat::kPrepared;
+  STRATA_THROW(kInvalidArgument,
+               "token format '{}' is not one of auto, u16, u32, llmc, bytes, prepared", name);
 }
 
 namespace {
@@ -228,10 +243,139 @@ std::int64_t rows_of(const TokenFile& f, const DataOptions& o) {
   return (len - 1) / unit * (o.shuffle ? 1 : o.batch);
 }
 
+// ---- prepared files: documents packed into rows ----
+
+// A row: tokens [begin, end) of file `file` (a whole row or less, then padded).
+struct PackedRow {
+  std::uint32_t file;
+  std::int64_t begin, end;
+};
+
+struct PackedFiles {
+  std::vector<std::unique_ptr<PreparedFile>> files;
+  std::vector<PackedRow> rows;
+  DataExtent extent;
+};
+
+bool any_prepared(const DataOptions& o) {
+  bool any = false, all = true;
+  for (const auto& path : o.files) {
+    const bool p = o.format == TokenFormat::kPrepared ||
+                   (o.format == TokenFormat::kAuto && is_prepared_file(path));
+    any |= p;
+    all &= p;
+  }
+  STRATA_REQUIRE(!any || all,
+                 "the data files mix prepared files (strata-prep) and token files: give one kind "
+                 "(prepare them all with strata-prep)");
+  return any;
+}
+
+// The documents [d0, d1) of `f` packed into rows of T: consecutive documents share a row while
+// they fit; one that does not starts the next row; one longer than T starts a row and is cut in
+// pieces of T (counted in `split`).
+void pack(const PreparedFile& f, std::uint32_t fi, std::int64_t d0, std::int64_t d1, std::int64_t T,
+          std::vector<PackedRow>& rows, std::int64_t& split) {
+  std::int64_t open = -1, fill = 0;  // the row being filled: its first token and length
+  auto close = [&] {
+    if (open >= 0) rows.push_back({fi, open, open + fill});
+    open = -1;
+    fill = 0;
+  };
+  for (std::int64_t d = d0; d < d1; ++d) {
+    const std::int64_t b = f.doc_start(d), e = f.doc_start(d + 1), len = e - b;
+    if (len > T) {
+      close();
+      ++split;
+      std::int64_t p = b;
+      for (; e - p >= T; p += T) rows.push_back({fi, p, p + T});
+      if (p < e) {
+        open = p;
+        fill = e - p;
+      }
+    } else if (open >= 0 && fill + len <= T) {
+      fill += len;
+    } else {
+      close();
+      open = b;
+      fill = len;
+    }
+  }
+  close();
+}
+
+PackedFiles open_packed(const DataOptions& o, DataSplit split) {
+  PackedFiles pf;
+  for (const auto& path : o.files) {
+    auto f = std::make_unique<PreparedFile>(path);
+    const PreparedHeader& h = f->header();
+    STRATA_REQUIRE(o.vocab_size == 0 || std::int64_t(h.vocab_size) <= o.vocab_size,
+                   "{}: prepared with a tokenizer of {} tokens, more than this model's "
+                   "vocab_size {}: it is another model's data; prepare it with this model's "
+                   "tokenizer (strata-prep --model DIR)",
+                   path, h.vocab_size, o.vocab_size);
+    STRATA_REQUIRE(o.tokenizer_hash.empty() || h.tokenizer_hash_hex() == o.tokenizer_hash,
+                   "{}: prepared with another tokenizer (hash {}) than the model's {} (hash {}): "
+                   "its ids would mean other text to this model; prepare it again with "
+                   "strata-prep --model DIR (or --tokenizer DIR) naming this model's folder",
+                   path, h.tokenizer_hash_hex(), o.tokenizer_origin, o.tokenizer_hash);
+    const std::int64_t n = f->documents();
+    const std::int64_t cut = n - static_cast<std::int64_t>(double(n) * o.val_fraction);
+    const std::int64_t d0 = split == DataSplit::kTrain ? 0 : cut,
+                       d1 = split == DataSplit::kTrain ? cut : n;
+    pack(*f, std::uint32_t(pf.files.size()), d0, d1, o.seq_len, pf.rows, pf.extent.split_documents);
+    pf.extent.tokens += f->doc_start(d1) - f->doc_start(d0);
+    pf.extent.documents += d1 - d0;
+    for (std::int64_t i = f->doc_start(d0); i < f->doc_start(d1); ++i)
+      pf.extent.counted += f->counted(i);
+    pf.files.push_back(std::move(f));
+  }
+  pf.extent.rows = std::int64_t(pf.rows.size());
+  pf.extent.prepared = true;
+  return pf;
+}
+
+// Row `r` written at [out, out + T) of the batch.
+void fill_row(const PackedFiles& pf, const PackedRow& r, std::int64_t T, std::int64_t vocab,
+              std::int32_t* tokens, std::int32_t* targets, std::int32_t* positions) {
+  const PreparedFile& f = *pf.files[r.file];
+  // The document holding r.begin: the last start <= r.begin.
+  std::int64_t lo = 0, hi = f.documents() - 1;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi + 1) / 2;
+    if (f.doc_start(mid) <= r.begin)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  std::int64_t d = lo, doc_end = f.doc_start(d + 1), start = r.begin;
+  for (std::int64_t j = r.begin, i = 0; i < T; ++j, ++i) {
+    if (j >= r.end) {  // padding: a block of its own, predicting nothing
+      tokens[i] = 0;
+      targets[i] = kIgnoreTarget;
+      positions[i] = std::int32_t(j - r.end);
+      continue;
+    }
+    if (j == doc_end) {
+      ++d;
+      start = j;
+      doc_end = f.doc_start(d + 1);
+    }
+    const std::int32_t id = f.token(j);
+    STRATA_REQUIRE(vocab == 0 || id < vocab,
+                   "{}: token id {} (token {}) is >= the model's vocab_size {}: a damaged file",
+                   f.path(), id, j, vocab);
+    tokens[i] = id;
+    positions[i] = std::int32_t(j - start);
+    targets[i] = j + 1 < doc_end && f.counted(j + 1) ? f.token(j + 1) : kIgnoreTarget;
+  }
+}
+
 }  // namespace
 
 DataExtent measure_tokens(const DataOptions& o, DataSplit split) {
   check_options(o);
+  if (any_prepared(o)) return open_packed(o, split).extent;
   DataExtent e;
   for (const auto& path : o.files) {
     auto f = open_tokens(path, o.format, o.vocab_size);
@@ -244,6 +388,10 @@ DataExtent measure_tokens(const DataOptions& o, DataSplit split) {
 
 struct TokenLoader::Impl {
   DataOptions opt;
+  // Prepared files: their rows; `order` is this epoch's order of them.
+  std::unique_ptr<PackedFiles> packed;
+  std::vector<std::uint32_t> row_order;
+  std::size_t next_row = 0;
   std::vector<std::unique_ptr<TokenFile>> files;
   // Unshuffled: current file and position (token index).
   std::size_t file = 0;
@@ -257,6 +405,17 @@ struct TokenLoader::Impl {
   std::int64_t bt() const { return opt.batch * opt.seq_len; }
 
   void start_epoch() {
+    if (packed) {
+      row_order.resize(packed->rows.size());
+      for (std::size_t i = 0; i < row_order.size(); ++i) row_order[i] = std::uint32_t(i);
+      if (opt.shuffle) {
+        std::mt19937_64 rng(opt.seed + 0x9e3779b97f4a7c15ull * std::uint64_t(epoch));
+        for (std::size_t i = row_order.size(); i > 1; --i)
+          std::swap(row_order[i - 1], row_order[rng() % i]);
+      }
+      next_row = 0;
+      return;
+    }
     if (!opt.shuffle) {
       file = 0;
       while (files[file]->end - files[file]->begin < bt() + 1) ++file;  // one exists (constructor)
@@ -285,6 +444,18 @@ struct TokenLoader::Impl {
     Batch b;
     b.tokens.resize(std::size_t(n));
     b.targets.resize(std::size_t(n));
+    if (packed) {
+      b.positions.resize(std::size_t(n));
+      for (std::int64_t r = 0; r < B; ++r) {
+        if (next_row == row_order.size()) {
+          ++epoch;
+          start_epoch();
+        }
+        fill_row(*packed, packed->rows[row_order[next_row++]], T, opt.vocab_size,
+                 b.tokens.data() + r * T, b.targets.data() + r * T, b.positions.data() + r * T);
+      }
+      return b;
+    }
     if (!opt.shuffle) {
       std::vector<std::int32_t> buf(std::size_t(n + 1));
       fetch(*files[file], pos, n + 1, buf.data());
@@ -322,6 +493,20 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   Impl& m = *impl_;
   m.opt = o;
   check_options(o);
+  if (any_prepared(o)) {
+    m.packed = std::make_unique<PackedFiles>(open_packed(o, split));
+    const DataExtent& e = m.packed->extent;
+    STRATA_REQUIRE(e.rows >= 1,
+                   "TokenLoader: the {} split of the prepared data holds no document{}: give more "
+                   "data",
+                   split == DataSplit::kTrain ? "train" : "validation",
+                   o.val_fraction > 0
+                       ? fmt::format(" (validation takes the last {:g}% of each file's documents)",
+                                     100 * o.val_fraction)
+                       : std::string());
+    m.start_epoch();
+    return;
+  }
   bool any_batch = false;
   std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
   for (const auto& path : o.files) {
@@ -369,12 +554,14 @@ void TokenLoader::reset() {
 std::int64_t TokenLoader::epoch() const { return impl_->epoch; }
 std::int64_t TokenLoader::batches_per_epoch() const {
   const Impl& m = *impl_;
+  if (m.packed) return std::int64_t(m.packed->rows.size()) / m.opt.batch;
   if (m.opt.shuffle) return std::int64_t(m.windows.size()) / m.opt.batch;
   std::int64_t n = 0;
   for (const auto& f : m.files) n += rows_of(*f, m.opt) / m.opt.batch;
   return n;
 }
 std::int64_t TokenLoader::num_tokens() const {
+  if (impl_->packed) return impl_->packed->extent.tokens;
   std::int64_t n = 0;
   for (const auto& f : impl_->files) n += f->end - f->begin;
   return n;

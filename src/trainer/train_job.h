@@ -65,6 +65,9 @@ struct Settings {
   // --epochs E, or 0 when --steps (or the default) sets the steps.
   std::string text_file;
   DataOptions dopt;
+  // --eval-data's files as the evaluation loader reads them (a corpus replaced by its prepared
+  // file).
+  std::vector<std::string> eval_files;
   double epochs = 0;
   std::int64_t steps_per_epoch = 0;  // with --epochs: optimizer steps in one pass over the data
   std::int64_t epoch_rows = 0;       // ... and the sequences of seq_len tokens in that pass

@@ -1,9 +1,13 @@
 // The job's set-up: everything train() checks, reads and builds before its first step. Every
 // error here is thrown before the first collective (require_same_settings, in open_device, is
 // the first), or is one every rank throws alike, so no rank is left waiting for another.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -12,6 +16,7 @@
 #include <sstream>
 
 #include "core/json_config.h"
+#include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
@@ -646,6 +651,146 @@ void sequence_and_batch(Settings& s) {
   s.con = s.rank == 0 ? o.console : nullptr;
 }
 
+// ---- corpora ----
+// Text and JSON lines given as data are prepared once with the --model folder's tokenizer into a
+// cache (docs/prepared-data.md) and read as prepared files; prepared files are checked against
+// that tokenizer.
+
+// The --model folder's tokenizer, when it has one that loads; `why_not` says otherwise.
+struct FolderTokenizer {
+  std::shared_ptr<Tokenizer> tok;
+  std::string dir, hash, why_not;
+};
+
+FolderTokenizer folder_tokenizer(const Settings& s) {
+  FolderTokenizer t;
+  const TrainOptions& o = s.o;
+  if (o.model_dir.empty()) {
+    t.why_not = o.model_config.empty() ? "the demo model has no tokenizer"
+                                       : "--model-config gives no tokenizer";
+    return t;
+  }
+  t.dir = o.model_dir;
+  std::error_code ec;
+  if (!fs::exists(fs::path(o.model_dir) / "tokenizer.json", ec)) {
+    t.why_not = fmt::format("{} has no tokenizer.json", o.model_dir);
+    return t;
+  }
+  try {
+    t.tok = s.tokenizer ? s.tokenizer
+                        : std::make_shared<Tokenizer>(Tokenizer::from_folder(o.model_dir));
+    t.hash = tokenizer_hash(o.model_dir, *t.tok);
+  } catch (const Error& e) {
+    t.tok.reset();
+    t.why_not = fmt::format("{}/tokenizer.json cannot be used ({})", o.model_dir, e.user_message());
+  }
+  return t;
+}
+
+bool is_corpus(const std::string& path) {
+  return path.ends_with(".jsonl") || path.ends_with(".ndjson") || path.ends_with(".txt");
+}
+
+// Where prepared corpora are cached: $STRATA_CACHE_DIR/prep, else default_scratch_dir's prep
+// (beside the build tree when run from it, else the XDG cache).
+std::string prep_cache_dir() {
+  if (const char* d = std::getenv("STRATA_CACHE_DIR"); d && *d) return std::string(d) + "/prep";
+  return default_scratch_dir("prep");
+}
+
+// `inputs` prepared with `t` (or the cached file reused when the inputs' sizes and mtimes, the
+// options and the tokenizer hash are the ones it records); the summary on rank 0's console. Ranks
+// on one machine take turns on a lock: the first prepares, the others reuse its file.
+std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
+                           const std::vector<std::string>& inputs, const char* flag) {
+  CorpusOptions c;
+  c.text_field = s.o.text_field;
+  c.separator = s.o.separator;
+  const nlohmann::json sources = describe_sources(inputs, c);
+  nlohmann::json key = sources;
+  for (auto& in : key["inputs"]) {
+    in.erase("bytes");
+    in.erase("mtime_ns");
+  }
+  key["tokenizer_hash"] = t.hash;
+  const std::string k = key.dump();
+  const std::string dir = prep_cache_dir();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  STRATA_REQUIRE(!ec,
+                 "{}: the cache of prepared corpora cannot be made ({}): set STRATA_CACHE_DIR "
+                 "to a writable folder, or prepare the corpus with strata-prep and give its file",
+                 dir, ec.message());
+  const std::string path =
+      fmt::format("{}/{}-{:016x}.prep", dir, fs::path(inputs[0]).stem().string(),
+                  XXH3_64bits(k.data(), k.size()));
+  const int lock = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock < 0)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                        fmt::format("cannot lock the prepared corpus {}", path));
+  struct Unlock {
+    int fd;
+    ~Unlock() { ::close(fd); }  // closing releases the flock
+  } unlock{lock};
+  while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+  }
+  bool reused = false;
+  if (fs::exists(path, ec)) {
+    try {
+      const PreparedHeader h = read_prepared_header(path);
+      reused = h.tokenizer_hash_hex() == t.hash && nlohmann::json::parse(h.source) == sources;
+    } catch (const std::exception&) {
+      reused = false;  // damaged or of another version: prepared again
+    }
+  }
+  std::string line;
+  if (reused) {
+    const PreparedHeader h = read_prepared_header(path);
+    line = fmt::format("{} documents, {} tokens ({:.1f}% masked), {} truncated (reused)",
+                       h.documents, h.tokens,
+                       h.tokens ? 100.0 * (1.0 - double(h.counted_tokens) / double(h.tokens)) : 0.0,
+                       h.truncated_documents);
+  } else {
+    const PrepSummary p = prepare_corpus(*t.tok, t.hash, inputs, path, c);
+    line = fmt::format(
+        "{} documents, {} tokens ({:.1f}% masked), {} truncated; {:.2f} s on {} threads",
+        p.documents, p.tokens,
+        p.tokens ? 100.0 * (1.0 - double(p.counted_tokens) / double(p.tokens)) : 0.0,
+        p.truncated_documents, p.seconds, p.threads);
+  }
+  if (s.con) {
+    std::fprintf(s.con, "%s %s: prepared with %s's tokenizer into %s: %s\n", flag,
+                 fmt::format("{}", fmt::join(inputs, " ")).c_str(), t.dir.c_str(), path.c_str(),
+                 line.c_str());
+    std::fflush(s.con);
+  }
+  return path;
+}
+
+// `files` with their corpora (.txt, .jsonl) replaced by one prepared file, when the model's
+// tokenizer can prepare them; the rest as given (the loader names what it cannot read).
+std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenizer& t,
+                                         const std::vector<std::string>& files, const char* flag) {
+  std::vector<std::string> corpora, out;
+  for (const auto& f : files) (is_corpus(f) ? corpora : out).push_back(f);
+  if (corpora.empty()) return files;
+  if (!t.tok) {
+    // Without a tokenizer a .jsonl cannot be read at all, and a .txt only byte by byte by a
+    // byte-level model: the loader says so; say why the tokenizer is not there first.
+    const bool bytes_ok = s.mcfg.vocab_size <= 256 &&
+                          std::all_of(corpora.begin(), corpora.end(),
+                                      [](const std::string& f) { return f.ends_with(".txt"); });
+    STRATA_REQUIRE(bytes_ok,
+                   "{} {}: a corpus is tokenized with the model's tokenizer, and {}: give --model "
+                   "DIR whose folder has the model's tokenizer.json, or prepare it with "
+                   "strata-prep --tokenizer DIR and give the .prep file",
+                   flag, corpora[0], t.why_not);
+    return files;
+  }
+  out.insert(out.begin(), prepare_cached(s, t, corpora, flag));
+  return out;
+}
+
 // ---- data ----
 // The files the loaders read and how; the run's steps: --steps, the default 60, or --epochs
 // passes over the data, counted from the files' sizes (the loaders are made after the ranks
@@ -662,6 +807,42 @@ void data_and_steps(Settings& s) {
   }
   dopt.files = s.text_file.empty() ? o.data_files : std::vector<std::string>{s.text_file};
   dopt.format = s.text_file.empty() ? parse_token_format(o.data_format) : TokenFormat::kBytes;
+  s.eval_files = o.eval_files;
+  // The model's tokenizer, read only where the data needs it: corpora to prepare, prepared files
+  // to check.
+  auto wants_tokenizer = [&](const std::vector<std::string>& files) {
+    return std::any_of(files.begin(), files.end(),
+                       [](const std::string& f) { return is_corpus(f) || is_prepared_file(f); });
+  };
+  if (!s.demo_data &&
+      (!o.text_file.empty() || wants_tokenizer(o.data_files) || wants_tokenizer(o.eval_files))) {
+    const FolderTokenizer t = folder_tokenizer(s);
+    dopt.tokenizer_hash = t.hash;
+    dopt.tokenizer_origin = t.dir;
+    if (!o.text_file.empty() && (t.tok || s.mcfg.vocab_size > 256)) {
+      // --text: a corpus of the model's tokenizer where the folder has one; byte by byte only
+      // for a byte-level model without one; else refused.
+      STRATA_REQUIRE(t.tok,
+                     "--text {}: this model's vocab_size is {}, so its text must be tokenized by "
+                     "its own tokenizer (byte ids 0-255 would be read as its tokens), and {}: "
+                     "give --model DIR whose folder has the model's tokenizer.json, or prepare "
+                     "the text with strata-prep --tokenizer DIR and give --data FILE.prep",
+                     o.text_file, s.mcfg.vocab_size, t.why_not);
+      dopt.files = {prepare_cached(s, t, {o.text_file}, "--text")};
+      dopt.format = TokenFormat::kAuto;
+    } else if (o.text_file.empty() && dopt.format == TokenFormat::kAuto) {
+      dopt.files = prepare_corpora(s, t, o.data_files, "--data");
+    }
+    if (parse_token_format(o.data_format) == TokenFormat::kAuto)
+      s.eval_files = prepare_corpora(s, t, o.eval_files, "--eval-data");
+    if (t.hash.empty() && s.con)
+      for (const auto& f : dopt.files)
+        if (is_prepared_file(f))
+          std::fprintf(s.con,
+                       "--data %s: a prepared file, checked against the model's vocabulary only "
+                       "(%s)\n",
+                       f.c_str(), t.why_not.c_str());
+  }
   dopt.batch = s.B;
   dopt.seq_len = s.seq_len;
   dopt.vocab_size = s.mcfg.vocab_size;
@@ -671,6 +852,24 @@ void data_and_steps(Settings& s) {
   // shapes the train split: recorded, compared on resume).
   dopt.val_fraction = o.eval_every > 0 && o.eval_files.empty() ? 0.1 : 0.0;
   s.steps = o.steps > 0 ? o.steps : 60;
+  const bool prepared = dopt.format == TokenFormat::kPrepared ||
+                        (dopt.format == TokenFormat::kAuto &&
+                         std::any_of(dopt.files.begin(), dopt.files.end(),
+                                     [](const std::string& f) { return is_prepared_file(f); }));
+  if (prepared && s.con) {
+    // What the packing makes of the documents at this --seq-len (docs/prepared-data.md).
+    const DataExtent e = measure_tokens(dopt);
+    std::fprintf(s.con,
+                 "data: %lld documents, %lld tokens, %lld counted targets (%.1f%% masked); %lld "
+                 "rows of --seq-len %lld (%.1f%% padding), %lld document%s longer than a row "
+                 "split into row-sized pieces\n",
+                 (long long)e.documents, (long long)e.tokens, (long long)e.counted,
+                 e.tokens ? 100.0 * (1.0 - double(e.counted) / double(e.tokens)) : 0.0,
+                 (long long)e.rows, (long long)s.seq_len,
+                 e.rows ? 100.0 * (1.0 - double(e.tokens) / double(e.rows * s.seq_len)) : 0.0,
+                 (long long)e.split_documents, e.split_documents == 1 ? "" : "s");
+    std::fflush(s.con);
+  }
   if (o.epochs > 0) {
     s.epochs = o.epochs;
     const DataExtent e = measure_tokens(dopt);
@@ -739,7 +938,7 @@ void open_device(Run& r) {
   r.loader = std::make_unique<TokenLoader>(r.s.dopt);
   if (!o.eval_files.empty()) {  // read whole, in order
     DataOptions e = r.s.dopt;
-    e.files = o.eval_files;
+    e.files = r.s.eval_files;
     e.val_fraction = 0;
     e.shuffle = false;
     r.val = std::make_unique<TokenLoader>(e);

@@ -1,0 +1,652 @@
+// Corpus files -> documents -> the prepared training file (strata/corpus.h).
+//
+// Owns: reading text / JSON lines inputs (UTF-8 checked line by line), turning each record into a
+// Document (the tokenizer for text, the chat encoder for chat records), and the prepared file's
+// writer and reader. Invariants: the output depends only on the inputs, the tokenizer and the
+// options, never on the number of threads (documents are read in order, tokenized in parallel
+// into slots of their own and written in order); the file appears at its path only complete
+// (written to a temporary beside it, fsync'd, renamed). It never guesses: an input it cannot read
+// as documents is an error naming the file, the line and the fix.
+#include "strata/corpus.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "core/utf8.h"
+#include "strata/error.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+std::string slurp(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) STRATA_THROW(kIo, "{} {} cannot be read: {}", what, path, std::strerror(errno));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// The 1-based line of byte `at` in `s`.
+std::size_t line_of(std::string_view s, std::size_t at) {
+  return 1 + std::size_t(std::count(s.begin(), s.begin() + std::ptrdiff_t(at), '\n'));
+}
+
+// Throws naming file:line and the byte when `s` (starting at line `first_line` of `path`) is not
+// well-formed UTF-8.
+void require_utf8(std::string_view s, const std::string& path, std::size_t first_line) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8::sequence_length(s, i);
+    if (n == 0) {
+      const std::size_t nl = i == 0 ? std::string_view::npos : s.rfind('\n', i - 1);
+      const std::size_t column = i - (nl == std::string_view::npos ? 0 : nl + 1) + 1;
+      STRATA_THROW(kInvalidArgument,
+                   "{}:{}: byte 0x{:02x} (column {}) is not UTF-8 text: the corpus must be UTF-8 "
+                   "(convert it first, e.g. iconv -f latin1 -t utf-8)",
+                   path, first_line + line_of(s, i) - 1, static_cast<unsigned char>(s[i]), column);
+    }
+    i += n;
+  }
+}
+
+bool is_jsonl(const std::string& path) {
+  return path.ends_with(".jsonl") || path.ends_with(".ndjson");
+}
+
+// One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
+// part of the parallel work).
+struct RawDoc {
+  std::string text;  // the document's text, or the JSON line
+  bool json_line = false;
+  std::string where;  // file, or file:line
+};
+
+// The text document's tokens: encode (its BOS) + EOS; every token after the first counts.
+Document encode_text(const Tokenizer& tok, std::string_view text, const std::string& where) {
+  Document d;
+  try {
+    d.tokens = tok.encode(text, /*add_special_tokens=*/true);
+  } catch (const Error& e) {
+    detail::throw_error(e.kind(), __FILE__, __LINE__, "encode",
+                        fmt::format("{}: {}", where, e.message()));
+  }
+  const std::optional<std::int32_t> eos = tok.eos_id();
+  STRATA_REQUIRE(eos.has_value(),
+                 "{}: the tokenizer names no EOS token (tokenizer_config.json's eos_token), which "
+                 "ends every document so the model learns to stop: add eos_token to the model "
+                 "folder's tokenizer_config.json",
+                 where);
+  d.tokens.push_back(*eos);
+  d.counted.assign(d.tokens.size(), 1);
+  d.counted[0] = 0;
+  return d;
+}
+
+}  // namespace
+
+// The chat renderer's single call site: the chat templates (strata/chat.h) render a record as
+// tokens with the assistant's tokens counted. Until they are connected here, a chat record is
+// refused.
+Document encode_chat_record(const Tokenizer& /*tokenizer*/, const Json& /*record*/,
+                            const std::string& where) {
+  STRATA_THROW(kUnsupported,
+               "{}: a chat record (messages / conversations / instruction): chat templates are not "
+               "supported yet; give records with a text field (--text-field NAME) instead",
+               where);
+}
+
+namespace {
+
+// Records of one .jsonl file (or documents of one text file) as RawDocs, calling `emit` for each
+// in order. Text files are read whole; JSON lines line by line.
+template <class Emit>
+void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
+  if (!is_jsonl(path)) {
+    const std::string s = slurp(path, "corpus file");
+    require_utf8(s, path, 1);
+    if (!o.separator) {
+      if (!s.empty()) emit(RawDoc{s, false, path});
+      return;
+    }
+    STRATA_REQUIRE(!o.separator->empty(), "--separator: give a non-empty string to split on");
+    // The line of each piece's start, counted as the pieces go (not from the file's start).
+    std::size_t at = 0, line = 1, counted_to = 0;
+    while (at <= s.size()) {
+      std::size_t end = s.find(*o.separator, at);
+      if (end == std::string::npos) end = s.size();
+      line += line_of(std::string_view(s).substr(counted_to, at - counted_to), at - counted_to) - 1;
+      counted_to = at;
+      if (end > at) emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line)});
+      at = end + o.separator->size();
+    }
+    return;
+  }
+  std::ifstream f(path, std::ios::binary);
+  if (!f) STRATA_THROW(kIo, "corpus file {} cannot be read: {}", path, std::strerror(errno));
+  std::string line;
+  std::size_t n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    emit(RawDoc{std::move(line), true, fmt::format("{}:{}", path, n)});
+    line.clear();
+  }
+}
+
+// A .jsonl line as a text document (its text field) or a chat record.
+struct Record {
+  std::string text;
+  Json chat;  // null for a text record
+};
+
+Record parse_record(const RawDoc& r, const CorpusOptions& o) {
+  // where is "file:line": the UTF-8 check names the line.
+  const std::size_t colon = r.where.rfind(':');
+  require_utf8(r.text, r.where.substr(0, colon), std::stoul(r.where.substr(colon + 1)));
+  Json j;
+  try {
+    j = Json::parse(r.text);
+  } catch (const Json::exception& e) {
+    STRATA_THROW(kInvalidArgument,
+                 "{}: not a JSON record ({}): a .jsonl file holds one JSON object per line",
+                 r.where, e.what());
+  }
+  STRATA_REQUIRE(j.is_object(), "{}: a {} where a JSON object (one record per line) belongs",
+                 r.where, j.type_name());
+  if (j.contains("messages") || j.contains("conversations") || j.contains("instruction"))
+    return Record{{}, std::move(j)};
+  const auto it = j.find(o.text_field);
+  if (it == j.end()) {
+    std::string fields;
+    for (const auto& [k, v] : j.items()) fields += (fields.empty() ? "" : ", ") + k;
+    STRATA_THROW(kInvalidArgument,
+                 "{}: the record has no \"{}\" field (its fields: {}); name the field that holds "
+                 "the text with --text-field NAME, or give chat records (messages, "
+                 "conversations or instruction)",
+                 r.where, o.text_field, fields.empty() ? "none" : fields);
+  }
+  STRATA_REQUIRE(it->is_string(), "{}: field \"{}\" is a {}, not the document's text (a string)",
+                 r.where, o.text_field, it->type_name());
+  return Record{it->get<std::string>(), Json()};
+}
+
+Document to_document(const Tokenizer& tok, const RawDoc& r, const CorpusOptions& o,
+                     bool* truncated) {
+  Document d;
+  Record rec;
+  if (r.json_line) rec = parse_record(r, o);
+  if (!rec.chat.is_null()) {
+    d = o.chat ? o.chat(tok, rec.chat, r.where) : encode_chat_record(tok, rec.chat, r.where);
+    STRATA_CHECK(d.counted.size() == d.tokens.size(),
+                 "{}: the chat encoder gave {} tokens and {} counted flags", r.where,
+                 d.tokens.size(), d.counted.size());
+    if (!d.counted.empty()) d.counted[0] = 0;
+  } else {
+    d = encode_text(tok, r.json_line ? rec.text : r.text, r.where);
+  }
+  const std::int32_t vocab = tok.vocab_size();
+  for (std::int32_t id : d.tokens)
+    STRATA_CHECK(id >= 0 && id < vocab, "{}: token id {} outside the tokenizer's {}", r.where, id,
+                 vocab);
+  *truncated = false;
+  if (o.max_document_tokens > 0 && d.tokens.size() > o.max_document_tokens) {
+    d.tokens.resize(o.max_document_tokens);
+    d.counted.resize(o.max_document_tokens);
+    *truncated = true;
+  }
+  return d;
+}
+
+void put_u32(std::uint8_t* p, std::uint32_t v) { std::memcpy(p, &v, 4); }
+void put_u64(std::uint8_t* p, std::uint64_t v) { std::memcpy(p, &v, 8); }
+std::uint32_t get_u32(const std::uint8_t* p) {
+  std::uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+std::uint64_t get_u64(const std::uint8_t* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+std::uint64_t align8(std::uint64_t n) { return (n + 7) / 8 * 8; }
+
+std::array<std::uint8_t, 16> parse_hash(const std::string& hex) {
+  std::array<std::uint8_t, 16> h{};
+  STRATA_CHECK(hex.size() == 32, "tokenizer hash '{}' is not 32 hex digits", hex);
+  for (int i = 0; i < 16; ++i) h[i] = std::uint8_t(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+  return h;
+}
+
+// Streams a prepared file: tokens go to the temporary file as documents arrive; the mask bits
+// and the documents' starts are kept and written at finish(), then the header, then the rename.
+class PreparedWriter {
+ public:
+  PreparedWriter(std::string out, std::uint64_t vocab, const std::string& hash_hex,
+                 std::string source)
+      : out_(std::move(out)), tmp_(out_ + fmt::format(".tmp.{}", ::getpid())) {
+    h_.vocab_size = vocab;
+    h_.token_bytes = vocab <= 65536 ? 2 : 4;
+    h_.tokenizer_hash = parse_hash(hash_hex);
+    h_.source = std::move(source);
+    h_.source_bytes = h_.source.size();
+    h_.tokens_offset = align8(kPreparedHeaderBytes + h_.source_bytes);
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                          fmt::format("cannot write the prepared file {}", tmp_));
+    std::string head(h_.tokens_offset, '\0');
+    std::memcpy(head.data() + kPreparedHeaderBytes, h_.source.data(), h_.source.size());
+    write(head.data(), head.size());
+  }
+  ~PreparedWriter() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(tmp_.c_str());
+    }
+  }
+
+  void add(const Document& d, bool truncated) {
+    starts_.push_back(h_.tokens);
+    for (std::size_t i = 0; i < d.tokens.size(); ++i) {
+      const std::uint32_t id = std::uint32_t(d.tokens[i]);
+      if (h_.token_bytes == 2) {
+        const std::uint16_t v = std::uint16_t(id);
+        buf_.append(reinterpret_cast<const char*>(&v), 2);
+      } else {
+        buf_.append(reinterpret_cast<const char*>(&id), 4);
+      }
+      const std::uint64_t t = h_.tokens + i;
+      if (t / 8 >= mask_.size()) mask_.push_back(0);
+      if (d.counted[i]) {
+        mask_[t / 8] |= std::uint8_t(1u << (t % 8));
+        ++h_.counted_tokens;
+      }
+    }
+    if (buf_.size() >= (std::size_t(1) << 20)) flush_tokens();
+    h_.tokens += d.tokens.size();
+    ++h_.documents;
+    h_.truncated_documents += truncated;
+  }
+
+  const PreparedHeader& header() const { return h_; }
+
+  void flush_tokens() {
+    write(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+
+  void finish() {
+    flush_tokens();
+    const std::uint64_t end_tokens = h_.tokens_offset + h_.tokens * h_.token_bytes;
+    h_.mask_offset = align8(end_tokens);
+    h_.starts_offset = align8(h_.mask_offset + mask_.size());
+    h_.file_bytes = h_.starts_offset + 8 * starts_.size();
+    pad_to(end_tokens, h_.mask_offset);
+    write(mask_.data(), mask_.size());
+    pad_to(h_.mask_offset + mask_.size(), h_.starts_offset);
+    write(starts_.data(), 8 * starts_.size());
+    std::uint8_t head[kPreparedHeaderBytes] = {};
+    std::memcpy(head, kPreparedMagic, 8);
+    put_u32(head + 8, h_.version);
+    put_u32(head + 12, h_.token_bytes);
+    put_u64(head + 16, h_.vocab_size);
+    std::memcpy(head + 24, h_.tokenizer_hash.data(), 16);
+    put_u64(head + 40, h_.documents);
+    put_u64(head + 48, h_.tokens);
+    put_u64(head + 56, h_.counted_tokens);
+    put_u64(head + 64, h_.truncated_documents);
+    put_u64(head + 72, h_.source_bytes);
+    put_u64(head + 80, h_.tokens_offset);
+    put_u64(head + 88, h_.mask_offset);
+    put_u64(head + 96, h_.starts_offset);
+    put_u64(head + 104, h_.file_bytes);
+    if (::pwrite(fd_, head, sizeof head, 0) != ssize_t(sizeof head))
+      detail::throw_errno(__FILE__, __LINE__, "pwrite", errno,
+                          fmt::format("cannot write the header of {}", tmp_));
+    STRATA_CHECK_ERRNO(::fsync(fd_), "fsync {}", tmp_);
+    STRATA_CHECK_ERRNO(::close(fd_), "close {}", tmp_);
+    fd_ = -1;
+    if (::rename(tmp_.c_str(), out_.c_str()) != 0) {
+      const int err = errno;
+      ::unlink(tmp_.c_str());
+      detail::throw_errno(__FILE__, __LINE__, "rename", err,
+                          fmt::format("cannot move {} into place as {}", tmp_, out_));
+    }
+  }
+
+ private:
+  void write(const void* p, std::size_t n) {
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, c, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0)
+        detail::throw_errno(__FILE__, __LINE__, "write", errno,
+                            fmt::format("cannot write the prepared file {}", tmp_));
+      c += w;
+      n -= std::size_t(w);
+    }
+  }
+  void pad_to(std::uint64_t at, std::uint64_t to) {
+    static const char zeros[8] = {};
+    write(zeros, std::size_t(to - at));
+  }
+
+  std::string out_, tmp_;
+  int fd_ = -1;
+  PreparedHeader h_;
+  std::string buf_;  // tokens not yet written (written by the MiB)
+  std::vector<std::uint8_t> mask_;
+  std::vector<std::uint64_t> starts_;
+};
+
+}  // namespace
+
+std::string tokenizer_hash(const fs::path& dir, const Tokenizer& tok) {
+  std::string bytes = slurp((dir / "tokenizer.json").string(), "tokenizer");
+  auto opt = [](std::optional<std::int32_t> v) {
+    return v ? std::to_string(*v) : std::string("-");
+  };
+  bytes += fmt::format("\nstrata-special-tokens bos={} eos={} pad={} adds_bos={}",
+                       opt(tok.bos_id()), opt(tok.eos_id()), opt(tok.pad_id()), tok.adds_bos());
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  std::array<std::uint8_t, 16> b{};
+  put_u64(b.data(), h.low64);
+  put_u64(b.data() + 8, h.high64);
+  std::string hex;
+  for (std::uint8_t x : b) hex += fmt::format("{:02x}", x);
+  return hex;
+}
+
+std::string PreparedHeader::tokenizer_hash_hex() const {
+  std::string hex;
+  for (std::uint8_t x : tokenizer_hash) hex += fmt::format("{:02x}", x);
+  return hex;
+}
+
+std::vector<Document> read_corpus_file(const Tokenizer& tok, const std::string& path,
+                                       const CorpusOptions& o) {
+  std::vector<Document> out;
+  read_raw(path, o, [&](RawDoc&& r) {
+    bool truncated = false;
+    out.push_back(to_document(tok, r, o, &truncated));
+  });
+  return out;
+}
+
+Json describe_sources(const std::vector<std::string>& inputs, const CorpusOptions& o) {
+  Json list = Json::array();
+  for (const auto& p : inputs) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0)
+      detail::throw_errno(__FILE__, __LINE__, "stat", errno,
+                          fmt::format("corpus file {} cannot be read", p));
+    std::error_code ec;
+    const fs::path abs = fs::absolute(p, ec);
+    list.push_back(
+        {{"path", ec ? p : abs.lexically_normal().string()},
+         {"bytes", std::uint64_t(st.st_size)},
+         {"mtime_ns", std::int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
+  }
+  Json j = {{"inputs", list},
+            {"text_field", o.text_field},
+            {"max_document_tokens", o.max_document_tokens}};
+  j["separator"] = o.separator ? Json(*o.separator) : Json();
+  return j;
+}
+
+void write_prepared(const std::string& out, std::uint64_t vocab_size,
+                    const std::string& tokenizer_hash_hex, const std::vector<Document>& docs,
+                    const std::string& source_json, std::uint64_t truncated_documents) {
+  PreparedWriter w(out, vocab_size, tokenizer_hash_hex, source_json);
+  std::uint64_t left = truncated_documents;
+  for (const auto& d : docs) {
+    w.add(d, left > 0);
+    if (left > 0) --left;
+  }
+  w.finish();
+}
+
+PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
+                           const std::vector<std::string>& inputs, const std::string& out,
+                           const CorpusOptions& o) {
+  STRATA_REQUIRE(!inputs.empty(), "strata-prep: no input files given");
+  const auto t0 = std::chrono::steady_clock::now();
+  const Json sources = describe_sources(inputs, o);
+  PrepSummary s;
+  for (const auto& in : sources["inputs"]) s.input_bytes += in["bytes"].get<std::uint64_t>();
+  s.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+  s.tokenizer_hash = hash_hex;
+  PreparedWriter w(out, std::uint64_t(tok.vocab_size()), hash_hex, sources.dump());
+  tbb::task_arena arena(s.threads);
+  // Documents are gathered in chunks of about this much text, tokenized in parallel and written
+  // in order: memory stays bounded by the chunk, whatever the corpus.
+  constexpr std::size_t kChunkBytes = std::size_t(8) << 20;
+  std::vector<RawDoc> chunk;
+  std::size_t chunk_bytes = 0;
+  PrepProgress progress;
+  progress.bytes_total = s.input_bytes;
+  std::uint64_t bytes_before_file = 0;
+  auto flush = [&] {
+    std::vector<Document> docs(chunk.size());
+    std::vector<char> cut(chunk.size(), 0);
+    // Each document's error kept in its slot: the first in input order is the one reported,
+    // whatever the threads' timing.
+    std::vector<std::exception_ptr> failed(chunk.size());
+    arena.execute([&] {
+      tbb::parallel_for(std::size_t(0), chunk.size(), [&](std::size_t i) {
+        try {
+          bool t = false;
+          docs[i] = to_document(tok, chunk[i], o, &t);
+          cut[i] = t;
+        } catch (...) {
+          failed[i] = std::current_exception();
+        }
+      });
+    });
+    for (const auto& e : failed)
+      if (e) std::rethrow_exception(e);
+    for (std::size_t i = 0; i < docs.size(); ++i) w.add(docs[i], cut[i]);
+    chunk.clear();
+    chunk_bytes = 0;
+    progress.documents = w.header().documents;
+    progress.tokens = w.header().tokens;
+    if (o.progress) o.progress(progress);
+  };
+  for (std::size_t f = 0; f < inputs.size(); ++f) {
+    read_raw(inputs[f], o, [&](RawDoc&& r) {
+      chunk_bytes += r.text.size();
+      chunk.push_back(std::move(r));
+      if (chunk_bytes >= kChunkBytes) flush();
+    });
+    bytes_before_file += sources["inputs"][f]["bytes"].get<std::uint64_t>();
+    progress.bytes_done = bytes_before_file;
+    flush();
+  }
+  const PreparedHeader& h = w.header();
+  STRATA_REQUIRE(h.documents > 0,
+                 "strata-prep: the inputs hold no document (empty files, or only blank lines)");
+  s.documents = h.documents;
+  s.tokens = h.tokens;
+  s.counted_tokens = h.counted_tokens;
+  s.truncated_documents = h.truncated_documents;
+  w.finish();
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
+}
+
+// ---- reading ----
+
+bool is_prepared_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char m[8] = {};
+  return f.read(m, 8) && std::memcmp(m, kPreparedMagic, 8) == 0;
+}
+
+namespace {
+
+// `p` holds the file's first `avail` bytes (at least the header and the source description when
+// they are in the file); `size` is the file's size.
+PreparedHeader parse_header(const std::string& path, const std::uint8_t* p, std::size_t avail,
+                            std::size_t size) {
+  STRATA_REQUIRE(avail >= 8 && std::memcmp(p, kPreparedMagic, 8) == 0,
+                 "{}: not a prepared training file (it does not start with the magic "
+                 "\"STRATAPD\"); make one with strata-prep",
+                 path);
+  STRATA_REQUIRE(avail >= kPreparedHeaderBytes,
+                 "{}: truncated: {} bytes, shorter than the prepared file's {}-byte header", path,
+                 size, kPreparedHeaderBytes);
+  PreparedHeader h;
+  h.version = get_u32(p + 8);
+  STRATA_REQUIRE(h.version >= 1, "{}: prepared file version {} is not valid (damaged header)", path,
+                 h.version);
+  STRATA_REQUIRE(h.version <= kPreparedVersion,
+                 "{}: prepared file version {} is newer than this strata reads ({}): prepare it "
+                 "again with this strata-prep, or update strata",
+                 path, h.version, kPreparedVersion);
+  h.token_bytes = get_u32(p + 12);
+  h.vocab_size = get_u64(p + 16);
+  std::memcpy(h.tokenizer_hash.data(), p + 24, 16);
+  h.documents = get_u64(p + 40);
+  h.tokens = get_u64(p + 48);
+  h.counted_tokens = get_u64(p + 56);
+  h.truncated_documents = get_u64(p + 64);
+  h.source_bytes = get_u64(p + 72);
+  h.tokens_offset = get_u64(p + 80);
+  h.mask_offset = get_u64(p + 88);
+  h.starts_offset = get_u64(p + 96);
+  h.file_bytes = get_u64(p + 104);
+  const std::string damaged = fmt::format("{}: damaged prepared file header", path);
+  STRATA_REQUIRE(h.token_bytes == 2 || h.token_bytes == 4,
+                 "{}: token width {} at offset 12 is not 2 or 4", damaged, h.token_bytes);
+  STRATA_REQUIRE(h.vocab_size > 0 && h.vocab_size <= (std::uint64_t(1) << 31) &&
+                     (h.token_bytes == 4 || h.vocab_size <= 65536),
+                 "{}: vocab_size {} does not fit its {}-byte ids", damaged, h.vocab_size,
+                 h.token_bytes);
+  STRATA_REQUIRE(h.file_bytes == size,
+                 "{}: truncated or extended: the header (offset 104) says {} bytes, the file has "
+                 "{}; prepare it again with strata-prep",
+                 path, h.file_bytes, size);
+  const bool fits = h.source_bytes <= size && h.tokens < (std::uint64_t(1) << 40) &&
+                    h.documents <= h.tokens && h.counted_tokens <= h.tokens &&
+                    h.truncated_documents <= h.documents &&
+                    h.tokens_offset == align8(kPreparedHeaderBytes + h.source_bytes) &&
+                    h.mask_offset == align8(h.tokens_offset + h.tokens * h.token_bytes) &&
+                    h.starts_offset == align8(h.mask_offset + (h.tokens + 7) / 8) &&
+                    h.file_bytes == h.starts_offset + 8 * h.documents;
+  STRATA_REQUIRE(fits,
+                 "{}: its counts ({} documents, {} tokens, {} counted) and section offsets "
+                 "(tokens {}, mask {}, starts {}, end {}) disagree; prepare it again with "
+                 "strata-prep",
+                 damaged, h.documents, h.tokens, h.counted_tokens, h.tokens_offset, h.mask_offset,
+                 h.starts_offset, h.file_bytes);
+  STRATA_CHECK(kPreparedHeaderBytes + h.source_bytes <= avail, "{}: source description not read",
+               path);
+  h.source.assign(reinterpret_cast<const char*>(p + kPreparedHeaderBytes), h.source_bytes);
+  return h;
+}
+
+}  // namespace
+
+PreparedHeader read_prepared_header(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) STRATA_THROW(kIo, "{} cannot be read: {}", path, std::strerror(errno));
+  std::error_code ec;
+  const std::size_t size = std::size_t(fs::file_size(path, ec));
+  std::vector<std::uint8_t> head(std::min(size, kPreparedHeaderBytes));
+  f.read(reinterpret_cast<char*>(head.data()), std::streamsize(head.size()));
+  if (head.size() == kPreparedHeaderBytes) {
+    // The source description follows the header, when the file holds it.
+    const std::uint64_t src = get_u64(head.data() + 72);
+    if (src <= size - kPreparedHeaderBytes) {
+      head.resize(kPreparedHeaderBytes + std::size_t(src));
+      f.read(reinterpret_cast<char*>(head.data() + kPreparedHeaderBytes), std::streamsize(src));
+    }
+  }
+  return parse_header(path, head.data(), head.size(), size);
+}
+
+PreparedFile::PreparedFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                        fmt::format("cannot open prepared file {}", path));
+  struct stat st {};
+  ::fstat(fd, &st);
+  size_ = std::size_t(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED)
+      detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
+    base_ = static_cast<const std::uint8_t*>(p);
+  } else {
+    ::close(fd);
+  }
+  try {
+    header_ = parse_header(path, base_, size_, size_);
+    const PreparedHeader& h = header_;
+    std::uint64_t prev = 0;
+    for (std::uint64_t d = 0; d < h.documents; ++d) {
+      const std::uint64_t s = get_u64(base_ + h.starts_offset + 8 * d);
+      STRATA_REQUIRE((d == 0 ? s == 0 : s > prev) && s < h.tokens,
+                     "{}: damaged: document {}'s start {} (offset {}) is not after the previous "
+                     "one ({}) and below the {} tokens; prepare it again with strata-prep",
+                     path, d, s, h.starts_offset + 8 * d, prev, h.tokens);
+      prev = s;
+    }
+    std::uint64_t counted = 0;
+    const std::uint8_t* m = base_ + h.mask_offset;
+    for (std::uint64_t i = 0; i < (h.tokens + 7) / 8; ++i) counted += std::popcount(m[i]);
+    STRATA_REQUIRE(counted == h.counted_tokens,
+                   "{}: damaged: the target mask has {} counted tokens, the header (offset 56) "
+                   "says {}; prepare it again with strata-prep",
+                   path, counted, h.counted_tokens);
+  } catch (...) {
+    if (base_) ::munmap(const_cast<std::uint8_t*>(base_), size_);
+    throw;
+  }
+}
+
+PreparedFile::~PreparedFile() {
+  if (base_) ::munmap(const_cast<std::uint8_t*>(base_), size_);
+}
+
+std::int32_t PreparedFile::token(std::int64_t i) const {
+  const std::uint8_t* p = base_ + header_.tokens_offset + std::size_t(i) * header_.token_bytes;
+  if (header_.token_bytes == 2) {
+    std::uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  }
+  return std::int32_t(get_u32(p));
+}
+
+std::int64_t PreparedFile::doc_start(std::int64_t d) const {
+  if (d >= documents()) return tokens();
+  return std::int64_t(get_u64(base_ + header_.starts_offset + 8 * std::size_t(d)));
+}
+
+}  // namespace strata
