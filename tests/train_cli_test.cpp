@@ -33,6 +33,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "strata/dtype.h"
 #include "strata/generate.h"
@@ -2072,6 +2073,155 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
     EXPECT_LE(worst, 1e-6) << np << " ranks";
   }
 #endif
+}
+
+// Two "hosts" on this machine: network namespaces joined by a veth pair (10.231.0.1 and .2), one
+// torchrun-style rank in each, meeting at rank 0's address over the TCP rendezvous and reducing
+// over Gloo's TCP pairs. Their losses are the one-host run's, bitwise (2 ranks). Then the link is
+// cut mid-run (`ip link set ... down` on rank 1's side): every rank ends non-zero within the
+// collective timeout (5 s here) plus a step, with an error naming the collective and the other
+// rank's host and address, never a hang. Needs root and iproute2 (skipped, saying which, without).
+class NetnsPair {
+ public:
+  NetnsPair() {
+    const std::string tag = std::to_string(::getpid() % 100000);
+    a = "strata-a-" + tag;
+    b = "strata-b-" + tag;
+    va = "sva" + tag;
+    vb = "svb" + tag;
+    for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"})
+      if (fs::exists(p)) ip = p;
+    if (ip.empty()) {
+      why = "no iproute2 (ip) on this machine";
+      return;
+    }
+    if (::geteuid() != 0) {
+      why = "network namespaces need root";
+      return;
+    }
+    const std::vector<std::vector<std::string>> steps = {
+        {"netns", "add", a},
+        {"netns", "add", b},
+        {"link", "add", va, "type", "veth", "peer", "name", vb},
+        {"link", "set", va, "netns", a},
+        {"link", "set", vb, "netns", b},
+        {"-n", a, "addr", "add", "10.231.0.1/24", "dev", va},
+        {"-n", b, "addr", "add", "10.231.0.2/24", "dev", vb},
+        {"-n", a, "link", "set", va, "up"},
+        {"-n", b, "link", "set", vb, "up"},
+        {"-n", a, "link", "set", "lo", "up"},
+        {"-n", b, "link", "set", "lo", "up"}};
+    for (const auto& st : steps) {
+      const std::string d = fs::temp_directory_path();
+      const Result r = testing::run(ip, st, d, "netns-setup");
+      if (r.status != 0) {
+        why = "ip " + st[0] + " " + st[1] + " ... failed: " + r.err;
+        return;
+      }
+    }
+    ok = true;
+  }
+  ~NetnsPair() {
+    if (ip.empty()) return;
+    const std::string d = fs::temp_directory_path();
+    testing::run(ip, {"netns", "del", a}, d, "netns-teardown");
+    testing::run(ip, {"netns", "del", b}, d, "netns-teardown");
+  }
+  std::string ip, a, b, va, vb, why;
+  bool ok = false;
+};
+
+TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  // The one-host run.
+  const std::string one = dir.path + "/onehost.jsonl";
+  std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
+  for (const auto& x : args(one)) a.push_back(x);
+  const Result r1 = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onehost");
+  ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+  // One rank in each namespace.
+  const auto rank_env = [](int r, const std::string& port) {
+    return std::vector<std::pair<std::string, std::string>>{
+        {"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"},           {"LOCAL_RANK", "0"},
+        {"LOCAL_WORLD_SIZE", "1"},   {"MASTER_ADDR", "10.231.0.1"}, {"MASTER_PORT", port},
+        {"TORCHELASTIC_RUN_ID", "netns-" + port}, {"STRATA_COMM_TIMEOUT_S", "5"},
+        {"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}};
+  };
+  const auto two_hosts = [&](const std::vector<std::string>& flags, const std::string& tag,
+                             const std::string& port) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> c = {"netns", "exec", r == 0 ? net.a : net.b, STRATA_TRAIN_BIN};
+      for (const auto& x : flags) c.push_back(x);
+      pids.push_back(testing::start(net.ip, c, dir.path, tag + std::to_string(r), rank_env(r, port)));
+    }
+    return pids;
+  };
+  // Waits for `pid` up to `limit_s`; its exit code, or -2 (killed) when it ran past the limit.
+  const auto wait_for = [](pid_t pid, double limit_s) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_s) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &st, 0);
+        return -2;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  const std::string two = dir.path + "/twohosts.jsonl";
+  auto pids = two_hosts(args(two), "host", "29611");
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(wait_for(pids[std::size_t(r)], 120), 0)
+        << slurp(dir.path + "/host" + std::to_string(r) + ".stderr");
+  EXPECT_NE(slurp(dir.path + "/host0.stdout")
+                .find("rank 0 of 2 (2 nodes), backend gloo, launcher torchrun, rendezvous "
+                      "10.231.0.1:29611"),
+            std::string::npos)
+      << slurp(dir.path + "/host0.stdout");
+  const auto l1 = losses(one), l2 = losses(two);
+  ASSERT_EQ(l1.size(), 4u);
+  EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
+
+  // The link cut mid-run.
+  const std::string cut = dir.path + "/cut.jsonl";
+  pids = two_hosts(args(cut, {}, "100000"), "cut", "29612");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  // Whole lines only: the log is being written.
+  const auto steps_logged = [&] {
+    const std::string t = slurp(cut);
+    return std::count(t.begin(), t.end(), '\n');
+  };
+  while (steps_logged() < 2 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GE(steps_logged(), 2) << slurp(dir.path + "/cut0.stderr");
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status, 0);
+  for (int r = 0; r < 2; ++r) {
+    const int code = wait_for(pids[std::size_t(r)], 60);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string err = slurp(dir.path + "/cut" + std::to_string(r) + ".stderr");
+    EXPECT_NE(code, 0) << "rank " << r << " exited 0 after the link was cut\n" << err;
+    EXPECT_NE(code, -2) << "rank " << r << " hung after the link was cut\n" << err;
+    EXPECT_LT(took, 30.0) << "rank " << r;
+    const std::size_t at = err.find("collective ");
+    std::printf("link cut: rank %d ended with exit code %d %.1f s after: %s\n", r, code, took,
+                at == std::string::npos ? "?" : err.substr(at, err.find('\n', at) - at).c_str());
+    // The collective and the other rank, where it is.
+    const std::string peer =
+        r == 0 ? "the other ranks: rank 1 on " : "the other ranks: rank 0 on ";
+    const std::string addr = r == 0 ? "(10.231.0.2)" : "(10.231.0.1)";
+    EXPECT_TRUE(std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
+                                                  std::to_string(r) + " of 2")))
+        << err;
+    EXPECT_NE(err.find(peer), std::string::npos) << err;
+    EXPECT_NE(err.find(addr), std::string::npos) << err;
+  }
 }
 
 // WORLD_SIZE=2 with no second rank is an error within the rendezvous timeout, naming the missing

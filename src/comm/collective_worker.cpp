@@ -29,11 +29,14 @@ struct CollectiveWorker::Pending {
   }
 };
 
-CollectiveWorker::CollectiveWorker(int rank, int world_size, double timeout_s, Execute execute)
+CollectiveWorker::CollectiveWorker(int rank, int world_size, double timeout_s, Execute execute,
+                                   std::string context)
     : rank_(rank),
       world_size_(world_size),
       execute_(std::move(execute)),
-      watchdog_(rank, world_size, timeout_s, [](const std::string& msg) { abort_job(msg); }) {
+      watchdog_(
+          rank, world_size, timeout_s,
+          [context = std::move(context)](const std::string& msg) { abort_job(msg + context); }) {
   thread_ = std::thread([this] { run(); });
 }
 

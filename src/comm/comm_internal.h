@@ -74,7 +74,9 @@ class Watchdog {
 class CollectiveWorker {
  public:
   using Execute = std::function<void(const Communicator::Collective&)>;
-  CollectiveWorker(int rank, int world_size, double timeout_s, Execute execute);
+  // `context` is appended to the watchdog's message (Gloo: where the other ranks are).
+  CollectiveWorker(int rank, int world_size, double timeout_s, Execute execute,
+                   std::string context = {});
   // After every issued collective has run: their streams still wait on them.
   ~CollectiveWorker();
   CollectiveWorker(const CollectiveWorker&) = delete;

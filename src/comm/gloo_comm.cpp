@@ -82,11 +82,24 @@ std::atomic<int> g_made{0};
 
 class GlooCommunicator final : public Communicator {
  public:
-  GlooCommunicator(Device& device, double timeout_s, std::shared_ptr<gloo::Context> ctx)
+  GlooCommunicator(Device& device, double timeout_s, std::shared_ptr<gloo::Context> ctx,
+                   std::string peers)
       : Communicator(CommBackend::kGloo, device, ctx->rank, ctx->size, timeout_s),
         ctx_(std::move(ctx)),
         timeout_(std::chrono::milliseconds(std::int64_t(timeout_s * 1000))),
-        worker_(rank(), world_size(), timeout_s, [this](const Collective& c) { execute(c); }) {}
+        peers_(std::move(peers)),
+        worker_(
+            rank(), world_size(), timeout_s,
+            [this](const Collective& c) {
+              // Gloo names a peer by address where it knows one (a closed connection), not on a
+              // timeout: say which ranks are where.
+              try {
+                execute(c);
+              } catch (const gloo::Exception& e) {
+                throw std::runtime_error(fmt::format("{} (the other ranks: {})", e.what(), peers_));
+              }
+            },
+            fmt::format(" (the other ranks: {})", peers_)) {}
 
  protected:
   bool accepts_host_memory() const noexcept override { return true; }
@@ -227,7 +240,8 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
-  std::uint32_t next_tag_ = 1;                       // worker only
+  std::string peers_;           // "rank 1 on b (10.0.0.2), ...": for error messages
+  std::uint32_t next_tag_ = 1;  // worker only
   std::vector<std::vector<std::uint64_t>> scratch_;  // worker only; 8-byte aligned
   CollectiveWorker worker_;                          // last: its thread runs execute()
 };
@@ -256,7 +270,16 @@ std::unique_ptr<Communicator> make_gloo_communicator(Device& device, double time
     install_termination_note(li.rank, li.world_size);
     log::debug("gloo communicator: rank {} of {} at {}, timeout {} s", li.rank, li.world_size,
                store->local_address(), timeout_s);
-    return std::make_unique<GlooCommunicator>(device, timeout_s, std::move(ctx));
+    std::string peers;
+    int listed = 0;
+    for (int r = 0; r < li.world_size && listed < 8; ++r)
+      if (r != li.rank) {
+        peers += fmt::format("{}rank {} on {}", listed ? ", " : "", r, store->where(r));
+        ++listed;
+      }
+    if (li.world_size - 1 > listed)
+      peers += fmt::format(" and {} more", li.world_size - 1 - listed);
+    return std::make_unique<GlooCommunicator>(device, timeout_s, std::move(ctx), std::move(peers));
   } catch (const gloo::Exception& e) {
     STRATA_THROW(kIo,
                  "rank {} of {} could not connect Gloo's pairs to its peers (through the "

@@ -4,7 +4,8 @@
 //   "strata-rendezvous/<version>\n<world>\n<rank>\n<token>\n<host>"
 //                      'S' set: 4-byte key length, key, value
 //                      'G' get: key
-//   rank 0 -> client:  'R' ready (every rank has joined)   'E' error text (the rendezvous failed)
+//   rank 0 -> client:  'R' ready (every rank has joined): one line per rank, "<host> (<address>)"
+//                      'E' error text (the rendezvous failed)
 //                      'V' the value a get waited for
 // Rank 0's server is one thread polling its listening socket and every connection; rank 0's own
 // requests reach it through a connection like the others', so there is one code path.
@@ -123,7 +124,10 @@ std::string sockaddr_text(const sockaddr_storage& ss) {
     ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(ss).sin_addr, buf, sizeof buf);
   else if (ss.ss_family == AF_INET6)
     ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(ss).sin6_addr, buf, sizeof buf);
-  return buf;
+  std::string s = buf;
+  // An IPv4 peer of the dual-stack listener: its plain IPv4 address.
+  if (s.rfind("::ffff:", 0) == 0 && s.find('.') != std::string::npos) s = s.substr(7);
+  return s;
 }
 
 std::string ranks_text(const std::vector<int>& ranks) {
@@ -392,8 +396,10 @@ class TcpStore::Server {
     joined_[rank] = c.host;
     if (int(joined_.size()) == o_.world_size) {
       ready_ = true;
+      std::string table;
+      for (const auto& [r, where] : joined_) table += where + "\n";
       for (const auto& k : conns_)
-        if (k.fd >= 0) send_frame(k.fd, 'R', std::to_string(joined_.size()));
+        if (k.fd >= 0) send_frame(k.fd, 'R', table);
       log::debug("rendezvous: {} ranks joined at port {} in {:.2f} s", o_.world_size, o_.port,
                  seconds_since(start_));
     }
@@ -490,7 +496,6 @@ TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
     socklen_t len = sizeof me;
     if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&me), &len) == 0)
       local_address_ = sockaddr_text(me);
-    if (local_address_.rfind("::ffff:", 0) == 0) local_address_ = local_address_.substr(7);
     const std::string hello = fmt::format("strata-rendezvous/{}\n{}\n{}\n{}\n{}", kProtocolVersion,
                                           o_.world_size, o_.rank, o_.token, host_name());
     STRATA_REQUIRE(send_frame(fd_, 'H', hello),
@@ -498,6 +503,14 @@ TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
     // Rank 0 reports missing ranks at its timeout: wait a little longer to hear it.
     auto [type, body] = read_frame(fd_, after(o_.timeout_s + 10));
     if (type == 'E') STRATA_THROW(kIo, "rank {}: {}", o_.rank, body);
+    if (type == 'R') {
+      std::size_t at = 0;
+      while (at < body.size()) {
+        const std::size_t nl = body.find('\n', at);
+        where_.push_back(body.substr(at, nl - at));
+        at = nl == std::string::npos ? body.size() : nl + 1;
+      }
+    }
     if (type != 'R')
       STRATA_THROW(kIo,
                    "rank {} joined rank 0's rendezvous at {} but {} after {:.0f} s; check rank 0's "
@@ -520,6 +533,10 @@ TcpStore::~TcpStore() {
 }
 
 std::string TcpStore::endpoint() const { return fmt::format("{}:{}", o_.addr, o_.port); }
+
+std::string TcpStore::where(int rank) const {
+  return rank >= 0 && std::size_t(rank) < where_.size() ? where_[std::size_t(rank)] : "?";
+}
 
 void TcpStore::set(const std::string& key, const std::string& value) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -47,6 +47,8 @@ class TcpStore {
   const std::string& local_address() const noexcept { return local_address_; }
   // "addr:port", for messages.
   std::string endpoint() const;
+  // Where rank `rank` joined from: "<its host name> (<its address as rank 0 saw it>)".
+  std::string where(int rank) const;
   const RendezvousOptions& options() const noexcept { return o_; }
 
  private:
@@ -55,7 +57,8 @@ class TcpStore {
   std::unique_ptr<Server> server_;  // rank 0 only
   int fd_ = -1;
   std::string local_address_;
-  std::mutex mu_;  // one request at a time on fd_
+  std::vector<std::string> where_;  // by rank, from rank 0's table
+  std::mutex mu_;                   // one request at a time on fd_
 };
 
 // Reads STRATA_RENDEZVOUS_TIMEOUT_S (seconds, > 0), else 300.
