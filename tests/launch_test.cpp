@@ -324,6 +324,28 @@ TEST(Rendezvous, AKeyNobodySetsIsAnErrorAfterItsTimeout) {
   for (const auto& e : out2) EXPECT_EQ(e, "");
 }
 
+TEST(Rendezvous, ARankThatStopsEndsTheOthersWaitsAtOnce) {
+  const int port = free_port();
+  const auto start = std::chrono::steady_clock::now();
+  const auto out = join_all({opts(port, 0, 2, 30), opts(port, 1, 2, 30)}, [](TcpStore& s) {
+    if (s.options().rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      s.abort("--bogus is not a flag");
+      return;
+    }
+    try {
+      s.get("from-rank-1", 20);
+      ADD_FAILURE() << "got a key nobody set";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 of 2 stopped: --bogus is not a flag"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  for (const auto& e : out) EXPECT_EQ(e, "");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+}
+
 TEST(Rendezvous, APortInUseIsNamed) {
   const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
   sockaddr_in6 a{};

@@ -2224,6 +2224,28 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
   }
 }
 
+// A torchrun-style rank that stops on an error of its own before the rendezvous (a bad flag on rank
+// 1 only) ends the job at once: it joins the rendezvous and says why, and rank 0 ends naming it,
+// instead of waiting out its timeouts.
+TEST_F(TrainCli, TorchrunOneRanksBadFlagEndsTheJobNamingTheRank) {
+  const std::string wrap = dir.path + "/rank1bad.sh";
+  std::string cmd = "#!/bin/sh\n[ \"$RANK\" = 1 ] && x='--bogus-flag' || x=''\nexec " +
+                    std::string(STRATA_TRAIN_BIN);
+  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
+  std::ofstream(wrap) << cmd << " $x\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = run(STRATA_TORCHRUN_RANKS, {"2", wrap}, dir.path, "rank1bad",
+                       {{"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}, {"STRATA_COMM_TIMEOUT_S", "60"},
+                        {"STRATA_TEST_GRACE_S", "100"}});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_LT(took, 30.0) << r.err;
+  EXPECT_NE(r.err.find("rank 1 of 2 stopped: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--bogus-flag"), std::string::npos) << r.err;
+}
+
 // WORLD_SIZE=2 with no second rank is an error within the rendezvous timeout, naming the missing
 // rank and the address, never a lone run; a rank 1 that never finds rank 0 names the address it
 // could not reach.

@@ -100,6 +100,7 @@ namespace {
 // The TCP rendezvous of this process (a launch without MPI), joined once by init_launch().
 std::mutex g_rendezvous_mu;
 std::unique_ptr<comm::TcpStore> g_rendezvous;
+bool g_rendezvous_tried = false;  // once tried and failed, an error path does not wait again
 
 // Who the job is, as the rendezvous checks it: STRATA_JOB_TOKEN, else torchrun's run id, else
 // the Slurm job and step; every rank of one job sees the same, another job sharing the port not.
@@ -115,6 +116,7 @@ std::string job_token() {
 void join_rendezvous(const LaunchInfo& li) {
   std::lock_guard<std::mutex> lock(g_rendezvous_mu);
   if (g_rendezvous) return;
+  g_rendezvous_tried = true;
 #if !defined(STRATA_HAVE_GLOO)
   if (!built_with_cuda())
     STRATA_THROW(kUnsupported,
@@ -279,6 +281,27 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
 
 }  // namespace comm
 void end_job_if_one_of_many(const std::string& message, bool join_if_not_up) {
+  const LaunchInfo li = launch_info();
+  if (!li.under_mpi && li.world_size > 1) {
+    // torchrun / srun without MPI: the peers may wait at the rendezvous (join it, so that they
+    // get past it and hear why) or in the store; a peer in a collective finds this process's
+    // connections closed when it exits.
+    bool tried = false;
+    {
+      std::lock_guard<std::mutex> lock(g_rendezvous_mu);
+      tried = g_rendezvous_tried;
+    }
+    if (join_if_not_up && !tried) {
+      try {
+        init_launch();
+      } catch (const std::exception&) {
+        return;
+      }
+    }
+    if (comm::TcpStore* store = comm::rendezvous_store())
+      store->abort(fmt::format("{}; ending the job", message));
+    return;
+  }
   comm::end_job_if_one_of_many_impl(message, join_if_not_up);
 }
 

@@ -4,6 +4,7 @@
 //   "strata-rendezvous/<version>\n<world>\n<rank>\n<token>\n<host>"
 //                      'S' set: 4-byte key length, key, value
 //                      'G' get: key
+//                      'A' abort: this rank stopped, with why   'B' bye: an orderly exit
 //   rank 0 -> client:  'R' ready (every rank has joined): one line per rank, "<host> (<address>)"
 //                      'E' error text (the rendezvous failed)
 //                      'V' the value a get waited for
@@ -225,6 +226,7 @@ class TcpStore::Server {
     int fd = -1;
     int rank = -1;  // -1 until its handshake
     std::string host;
+    bool bye = false;  // said it leaves in order
   };
 
   void run() {
@@ -311,10 +313,26 @@ class TcpStore::Server {
   }
 
   void on_closed(const Conn& c) {
-    if (ready_ || failed_ || c.rank < 0) return;
-    // A rank that joined and left before the others arrived: it has failed.
-    joined_.erase(c.rank);
-    log::warn("rendezvous: rank {} ({}) left before every rank had joined", c.rank, c.host);
+    if (failed_ || c.rank < 0) return;
+    if (!ready_) {
+      // A rank that joined and left before the others arrived: it has failed.
+      joined_.erase(c.rank);
+      log::warn("rendezvous: rank {} ({}) left before every rank had joined", c.rank, c.host);
+      return;
+    }
+    if (!c.bye)
+      rank_left(
+          fmt::format("rank {} on {} left the job (its process ended) while the others "
+                      "still needed the rendezvous",
+                      c.rank, c.host));
+  }
+
+  // A rank has gone for good: a get waiting for a key (which it may be the one to set) fails now
+  // with why, and so does any later get of a key not yet set.
+  void rank_left(const std::string& why) {
+    if (left_.empty()) left_ = why;
+    for (const auto& [key, fd] : waiting_) send_frame(fd, 'E', left_);
+    waiting_.clear();
   }
 
   void handle(Conn& c, char type, const std::string& body) {
@@ -337,8 +355,14 @@ class TcpStore::Server {
     } else if (type == 'G') {
       if (auto it = store_.find(body); it != store_.end())
         send_frame(c.fd, 'V', it->second);
+      else if (!left_.empty())
+        send_frame(c.fd, 'E', left_);
       else
         waiting_.emplace(body, c.fd);
+    } else if (type == 'A') {
+      rank_left(fmt::format("rank {} of {} stopped: {}", c.rank, o_.world_size, body));
+    } else if (type == 'B') {
+      c.bye = true;
     }
   }
 
@@ -425,6 +449,7 @@ class TcpStore::Server {
   Clock::time_point drain_until_;  // set before stop_
   bool ready_ = false, failed_ = false;
   std::string failure_;
+  std::string left_;  // why the job lost a rank after it had assembled
   Clock::time_point start_;
   std::vector<Conn> conns_;
   std::map<int, std::string> joined_;  // rank -> where it connected from
@@ -528,6 +553,7 @@ TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
 }
 
 TcpStore::~TcpStore() {
+  if (fd_ >= 0) send_frame(fd_, 'B', "");
   close_fd(fd_);
   server_.reset();  // rank 0: after the other ranks have left, or 10 s
 }
@@ -549,6 +575,11 @@ void TcpStore::set(const std::string& key, const std::string& value) {
     STRATA_THROW(kIo,
                  "rank {}: the rendezvous store at {} closed while setting '{}' (rank 0 ended?)",
                  o_.rank, endpoint(), key);
+}
+
+void TcpStore::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fd_ >= 0) send_frame(fd_, 'A', why);
 }
 
 std::string TcpStore::get(const std::string& key, double timeout_s) {

@@ -10,7 +10,9 @@
 //  - Every wait has a deadline: rank 0 waits `timeout_s` for the others and then names the
 //    missing ranks; the others retry their connection until `timeout_s` and then name the
 //    address they could not reach. Nothing waits for ever.
-//  - get() waits for a key that another rank sets; set() never blocks on the others.
+//  - get() waits for a key that another rank sets; set() never blocks on the others. Once a rank
+//    has stopped (abort(), or its process ended without destroying its store), every waiting
+//    and later get of a missing key fails at once, naming it.
 // Never: binds a port other than MASTER_PORT, or serves after the process's store is gone.
 #pragma once
 
@@ -42,6 +44,11 @@ class TcpStore {
   void set(const std::string& key, const std::string& value);
   // Waits up to timeout_s for `key` (set by any rank); throws kComm naming the key after that.
   std::string get(const std::string& key, double timeout_s);
+
+  // Tells every rank waiting on the store (and every later get of a key not yet set) that this
+  // rank stopped, and why: they end at once instead of at their timeout. A rank whose process
+  // ends without an orderly destruction of its store counts as stopped too.
+  void abort(const std::string& why);
 
   // This host's address on its route to rank 0 (what the others can reach it at).
   const std::string& local_address() const noexcept { return local_address_; }
