@@ -188,7 +188,9 @@ TEST_F(TrainCli, ALaunchItCannotJoinIsRefusedNotRunAlone) {
                 "this process is task 3 of a 4-task Slurm step without MPI, and neither "
                 "MASTER_ADDR nor a node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) names rank "
                 "0's host"},
-               {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"RANK", "0"},
+               {{{"OMPI_COMM_WORLD_RANK", "0"},
+                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                 {"RANK", "0"},
                  {"WORLD_SIZE", "4"}},
                 "this process sees two launchers: openmpi started it as rank 0 of 2, and "
                 "torchrun's variables say rank 0 of 4"}};
@@ -2049,7 +2051,8 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
                          {{"STRATA_COMM_TIMEOUT_S", "120"}});
     ASSERT_EQ(t.status, 0) << t.out << t.err;
     // Rank 0 alone says where the job stands, once.
-    const std::string where = fmt::format("rank 0 of {} (1 node), backend gloo, launcher torchrun", np);
+    const std::string where =
+        fmt::format("rank 0 of {} (1 node), backend gloo, launcher torchrun", np);
     EXPECT_NE(t.out.find(where), std::string::npos) << t.out;
     EXPECT_EQ(t.out.find(where), t.out.rfind(where)) << t.out;
     EXPECT_NE(t.out.find(fmt::format("step 4/4")), std::string::npos) << t.out;
@@ -2068,8 +2071,9 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
         EXPECT_EQ(losses(tl).at(s), losses(ml).at(s)) << "step " << s;
       }
     }
-    std::printf("%d ranks: torchrun (gloo) vs mpirun (mpi) losses, worst relative difference %.3g\n",
-                np, worst);
+    std::printf(
+        "%d ranks: torchrun (gloo) vs mpirun (mpi) losses, worst relative difference %.3g\n", np,
+        worst);
     EXPECT_LE(worst, 1e-6) << np << " ranks";
   }
 #endif
@@ -2145,9 +2149,14 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
   // One rank in each namespace.
   const auto rank_env = [](int r, const std::string& port) {
     return std::vector<std::pair<std::string, std::string>>{
-        {"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"},           {"LOCAL_RANK", "0"},
-        {"LOCAL_WORLD_SIZE", "1"},   {"MASTER_ADDR", "10.231.0.1"}, {"MASTER_PORT", port},
-        {"TORCHELASTIC_RUN_ID", "netns-" + port}, {"STRATA_COMM_TIMEOUT_S", "5"},
+        {"RANK", std::to_string(r)},
+        {"WORLD_SIZE", "2"},
+        {"LOCAL_RANK", "0"},
+        {"LOCAL_WORLD_SIZE", "1"},
+        {"MASTER_ADDR", "10.231.0.1"},
+        {"MASTER_PORT", port},
+        {"TORCHELASTIC_RUN_ID", "netns-" + port},
+        {"STRATA_COMM_TIMEOUT_S", "5"},
         {"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}};
   };
   const auto two_hosts = [&](const std::vector<std::string>& flags, const std::string& tag,
@@ -2156,7 +2165,8 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
     for (int r = 0; r < 2; ++r) {
       std::vector<std::string> c = {"netns", "exec", r == 0 ? net.a : net.b, STRATA_TRAIN_BIN};
       for (const auto& x : flags) c.push_back(x);
-      pids.push_back(testing::start(net.ip, c, dir.path, tag + std::to_string(r), rank_env(r, port)));
+      pids.push_back(
+          testing::start(net.ip, c, dir.path, tag + std::to_string(r), rank_env(r, port)));
     }
     return pids;
   };
@@ -2166,7 +2176,8 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
     for (;;) {
       int st = 0;
       if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_s) {
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+          limit_s) {
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &st, 0);
         return -2;
@@ -2201,10 +2212,13 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ASSERT_GE(steps_logged(), 2) << slurp(dir.path + "/cut0.stderr");
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status, 0);
+  ASSERT_EQ(
+      testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status,
+      0);
   for (int r = 0; r < 2; ++r) {
     const int code = wait_for(pids[std::size_t(r)], 60);
-    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string err = slurp(dir.path + "/cut" + std::to_string(r) + ".stderr");
     EXPECT_NE(code, 0) << "rank " << r << " exited 0 after the link was cut\n" << err;
     EXPECT_NE(code, -2) << "rank " << r << " hung after the link was cut\n" << err;
@@ -2213,11 +2227,11 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
     std::printf("link cut: rank %d ended with exit code %d %.1f s after: %s\n", r, code, took,
                 at == std::string::npos ? "?" : err.substr(at, err.find('\n', at) - at).c_str());
     // The collective and the other rank, where it is.
-    const std::string peer =
-        r == 0 ? "the other ranks: rank 1 on " : "the other ranks: rank 0 on ";
+    const std::string peer = r == 0 ? "the other ranks: rank 1 on " : "the other ranks: rank 0 on ";
     const std::string addr = r == 0 ? "(10.231.0.2)" : "(10.231.0.1)";
-    EXPECT_TRUE(std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
-                                                  std::to_string(r) + " of 2")))
+    EXPECT_TRUE(
+        std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
+                                          std::to_string(r) + " of 2")))
         << err;
     EXPECT_NE(err.find(peer), std::string::npos) << err;
     EXPECT_NE(err.find(addr), std::string::npos) << err;
@@ -2236,7 +2250,8 @@ TEST_F(TrainCli, TorchrunOneRanksBadFlagEndsTheJobNamingTheRank) {
   fs::permissions(wrap, fs::perms::owner_all);
   const auto start = std::chrono::steady_clock::now();
   const Result r = run(STRATA_TORCHRUN_RANKS, {"2", wrap}, dir.path, "rank1bad",
-                       {{"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}, {"STRATA_COMM_TIMEOUT_S", "60"},
+                       {{"STRATA_RENDEZVOUS_TIMEOUT_S", "60"},
+                        {"STRATA_COMM_TIMEOUT_S", "60"},
                         {"STRATA_TEST_GRACE_S", "100"}});
   const double took =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
