@@ -2084,7 +2084,8 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
 // over Gloo's TCP pairs. Their losses are the one-host run's, bitwise (2 ranks). Then the link is
 // cut mid-run (`ip link set ... down` on rank 1's side): every rank ends non-zero within the
 // collective timeout (5 s here) plus a step, with an error naming the collective and the other
-// rank's host and address, never a hang. Needs root and iproute2 (skipped, saying which, without).
+// rank's host and address, never a hang; the newest checkpoint written before the cut resumes and
+// continues as the cut run did. Needs root and iproute2 (skipped, saying which, without).
 class NetnsPair {
  public:
   NetnsPair() {
@@ -2199,18 +2200,22 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
   ASSERT_EQ(l1.size(), 4u);
   EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
 
-  // The link cut mid-run.
-  const std::string cut = dir.path + "/cut.jsonl";
-  pids = two_hosts(args(cut, {}, "100000"), "cut", "29612");
+  // The link cut mid-run, checkpointing every 5 steps.
+  const std::string cut = dir.path + "/cut.jsonl", ck = dir.path + "/ck";
+  const auto cut_args = [&](const std::string& log, std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--save-every", "5", "--checkpoint-dir", ck});
+    return args(log, extra, "300");
+  };
+  pids = two_hosts(cut_args(cut, {}), "cut", "29612");
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   // Whole lines only: the log is being written.
   const auto steps_logged = [&] {
     const std::string t = slurp(cut);
     return std::count(t.begin(), t.end(), '\n');
   };
-  while (steps_logged() < 2 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  ASSERT_GE(steps_logged(), 2) << slurp(dir.path + "/cut0.stderr");
+  while (steps_logged() < 12 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(steps_logged(), 12) << slurp(dir.path + "/cut0.stderr");
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_EQ(
       testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status,
@@ -2236,6 +2241,30 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
     EXPECT_NE(err.find(peer), std::string::npos) << err;
     EXPECT_NE(err.find(addr), std::string::npos) << err;
   }
+  // Nothing checkpointed before the cut is lost: the newest complete checkpoint (step 10 or later)
+  // resumes on one host and continues as the cut run did, bitwise.
+  std::int64_t saved = 0;  // the newest complete checkpoint's step
+  for (const auto& f : checkpoint_folders(ck)) {
+    EXPECT_TRUE(fs::exists(f + "/manifest.json")) << f;
+    saved = std::max<std::int64_t>(saved, std::stoll(fs::path(f).filename().string().substr(5)));
+  }
+  EXPECT_GE(saved, 5);
+  const std::string res = dir.path + "/resumed.jsonl";
+  a = {"2", STRATA_TRAIN_BIN};
+  for (const auto& x : cut_args(res, {"--resume", ck})) a.push_back(x);
+  const Result rr = run(STRATA_TORCHRUN_RANKS, a, dir.path, "resumed");
+  ASSERT_EQ(rr.status, 0) << rr.out << rr.err;
+  const auto before = losses(cut), after = losses(res);
+  ASSERT_FALSE(after.empty());
+  EXPECT_EQ(after.begin()->first, saved + 1);
+  int compared = 0;
+  for (const auto& [step, loss] : after)
+    if (before.count(step)) {
+      EXPECT_EQ(loss, before.at(step)) << "step " << step;
+      ++compared;
+    }
+  std::printf("link cut: resumed from step %lld on one host, %d steps compared with the cut run\n",
+              (long long)saved, compared);
 }
 
 // A torchrun-style rank that stops on an error of its own before the rendezvous (a bad flag on rank
