@@ -2267,6 +2267,70 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
               (long long)saved, compared);
 }
 
+// The same two hosts under mpirun (Open MPI's TCP transport): mpirun runs in the first namespace
+// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`;
+// the losses equal the one-host mpirun run's, bitwise (2 ranks), and rank 0 sees 2 nodes.
+TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  const std::string one = dir.path + "/onehost.jsonl", two = dir.path + "/twohosts.jsonl";
+  const Result r1 = ranks(2, one, {}, "onehost");
+  ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+  // The agent: "agent [options] HOST COMMAND" (ssh's form) -> COMMAND in HOST's namespace, with a
+  // TMPDIR of its own (both "hosts" share this machine's /tmp and host name).
+  const std::string agent = dir.path + "/netns-agent.sh";
+  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
+                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
+                       << net.a << ";; 10.231.0.2) ns=" << net.b
+                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
+                       << dir.path << "/tmp-$ns\nexec " << net.ip
+                       << " netns exec $ns env TMPDIR=" << dir.path << "/tmp-$ns sh -c \"$*\"\n";
+  fs::permissions(agent, fs::perms::owner_all);
+  fs::create_directories(dir.path + "/tmp-" + net.a);
+  std::vector<std::string> m = {"netns",
+                                "exec",
+                                net.a,
+                                "env",
+                                "TMPDIR=" + dir.path + "/tmp-" + net.a,
+                                STRATA_MPIEXEC,
+                                "-np",
+                                "2",
+                                "-H",
+                                "10.231.0.1:1,10.231.0.2:1",
+                                "--mca",
+                                "plm_rsh_agent",
+                                agent,
+                                "--mca",
+                                "btl",
+                                "self,tcp",
+                                "--mca",
+                                "btl_tcp_if_include",
+                                "10.231.0.0/24",
+                                "--mca",
+                                "oob_tcp_if_include",
+                                "10.231.0.0/24",
+                                "-x",
+                                "STRATA_COMM_TIMEOUT_S",
+                                STRATA_TRAIN_BIN};
+  for (const auto& x : args(two)) m.push_back(x);
+  const Result r2 = run(net.ip, m, dir.path, "twohosts",
+                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                         {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                         {"STRATA_COMM_TIMEOUT_S", "60"}});
+  ASSERT_EQ(r2.status, 0) << r2.out << r2.err;
+  EXPECT_NE(r2.out.find("rank 0 of 2 (2 nodes), backend mpi, launcher openmpi"), std::string::npos)
+      << r2.out;
+  const auto l1 = losses(one), l2 = losses(two);
+  ASSERT_EQ(l1.size(), 4u);
+  EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
+#endif
+}
+
 // A torchrun-style rank that stops on an error of its own before the rendezvous (a bad flag on rank
 // 1 only) ends the job at once: it joins the rendezvous and says why, and rank 0 ends naming it,
 // instead of waiting out its timeouts.

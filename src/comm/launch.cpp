@@ -10,11 +10,13 @@
 // MPI keeps owning it. Without MPI, it joins the TCP rendezvous once (rendezvous.h), which
 // lives until exit: Gloo's pairs and NCCL's unique id are exchanged through it.
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #if defined(STRATA_HAVE_MPI)
 #include <mpi.h>
@@ -229,7 +231,18 @@ void mpi_broadcast_bytes(void* data, std::size_t bytes) {
 void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
   remove_swap_files_now();  // no destructor runs past here: the swap files would stay on the drive
-  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (mpi_active()) {
+    // MPI_Abort asks mpirun to end every rank; with a node unreachable (its link down) Open MPI
+    // 4.1 blocks there for ever (measured across network namespaces). This rank ends regardless.
+    std::thread([exit_code] {
+      std::this_thread::sleep_for(std::chrono::seconds(10));
+      log::error(
+          "MPI_Abort has not ended this rank after 10 s (the launcher cannot reach a node?); "
+          "exiting");
+      std::_Exit(exit_code);
+    }).detach();
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+  }
   std::_Exit(exit_code);
 }
 
