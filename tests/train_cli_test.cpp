@@ -2031,11 +2031,11 @@ std::map<std::int64_t, double> loss_values(const std::string& log) {
   return out;
 }
 
-// 2 and 4 ranks with torchrun's variables (tests/torchrun_ranks.sh) train together as the same
-// ranks under mpirun do: the same losses, step by step. With 2 ranks every reduction is one
-// addition of two values, whatever the algorithm: bitwise equal. With 4, Gloo's ring and Open
-// MPI's algorithms add the ranks' partial sums in different orders: within 1e-6 relative (fp32
-// rounding of a 4-term sum; the figure measured is printed).
+// 2 and 4 ranks with torchrun's variables (tests/torchrun_ranks.sh), and 2 with a Slurm step's,
+// train together as the same ranks under mpirun do: the same losses, step by step. With 2 ranks
+// every reduction is one addition of two values, whatever the algorithm: bitwise equal. With 4,
+// Gloo's ring and Open MPI's algorithms add the ranks' partial sums in different orders: within
+// 1e-6 relative (fp32 rounding of a 4-term sum; the figure measured is printed).
 TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher to compare with";
@@ -2075,6 +2075,21 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
         "%d ranks: torchrun (gloo) vs mpirun (mpi) losses, worst relative difference %.3g\n", np,
         worst);
     EXPECT_LE(worst, 1e-6) << np << " ranks";
+    if (np == 2) {
+      // The same two ranks as the tasks of a Slurm step without --mpi (srun's variables; rank 0's
+      // host the node list's first): the same losses again.
+      const std::string sl = dir.path + "/slurm2.jsonl";
+      std::vector<std::string> b = {"2", STRATA_TRAIN_BIN};
+      for (const auto& x : args(sl)) b.push_back(x);
+      const Result r = run(STRATA_TORCHRUN_RANKS, b, dir.path, "slurm2",
+                           {{"STRATA_COMM_TIMEOUT_S", "120"}, {"STRATA_TEST_LAUNCHER", "slurm"}});
+      ASSERT_EQ(r.status, 0) << r.out << r.err;
+      EXPECT_NE(
+          r.out.find("rank 0 of 2 (1 node), backend gloo, launcher slurm, rendezvous localhost:"),
+          std::string::npos)
+          << r.out;
+      EXPECT_EQ(losses(sl), losses(ml));
+    }
   }
 #endif
 }
