@@ -15,7 +15,7 @@
 //    makes every collective first compare its call across the ranks (a small all-gather and
 //    a wait on the host: for debugging) and throw, on every rank, naming each rank's call.
 //  - Tensors are fp32, bf16, fp16 (or fp64), contiguous, in the memory of the
-//    communicator's device (host memory is also accepted by the MPI and local backends).
+//    communicator's device (host memory is also accepted by the MPI, Gloo and local backends).
 //  - all_gather: output (numel = world_size * input numel) holds rank r's input at
 //    [r * n, (r + 1) * n). reduce_scatter: input (numel = world_size * output numel) is
 //    reduced element-wise and rank r keeps block r. Shards are equal: pad the flat buffer
@@ -23,7 +23,7 @@
 //    `rank` of its output, reduce_scatter's output may be block `rank` of its input; other
 //    overlaps are refused.
 //  - bf16/fp16 reductions compute in fp32 and round to nearest even; see the backends for
-//    where rounding happens (MPI: once, at the end).
+//    where rounding happens (MPI, Gloo: once, at the end).
 //  - Argument errors throw strata::Error (kInvalidArgument) at the call, before anything
 //    is queued. A collective that does not complete within the timeout ends the process
 //    (and the job) with an error naming the collective, the rank and the elapsed time:
