@@ -1,7 +1,8 @@
 // The collectives suite: every collective, dtype and odd size against a result computed
 // locally, coalesced against individual calls, and a collective overlapping work on another
-// stream ordered only by events. Run by ctest as one process (local backend) and under
-// `mpirun -np 2` / `-np 4` (MPI backend on the CPU-emulated device); built again with
+// stream ordered only by events. Run by ctest as one process (local backend), under
+// `mpirun -np 2` / `-np 4` (MPI backend on the CPU-emulated device) and as 2 / 4 ranks with
+// torchrun's variables (torchrun_ranks.sh: Gloo backend over the TCP rendezvous); built again with
 // -DSTRATA_TEST_CUDA as comm_gpu_test (NCCL, one rank; skipped without a GPU).
 //
 // Exact expectations: inputs are random non-zero multiples of 2^-8 of magnitude <= 8,
@@ -170,10 +171,23 @@ TEST_F(Collectives, LaunchAndBackend) {
     EXPECT_EQ(li.world_size, std::atoi(env));
     EXPECT_EQ(li.rank, std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
   }
+  if (const char* env = std::getenv("WORLD_SIZE"); env && !li.under_mpi) {
+    EXPECT_EQ(li.launcher, "torchrun");
+    EXPECT_EQ(li.world_size, std::atoi(env));
+    EXPECT_EQ(li.rank, std::atoi(std::getenv("RANK")));
+  }
+  if (const char* env = std::getenv("SLURM_STEP_NUM_TASKS"); env && !li.under_mpi) {
+    EXPECT_EQ(li.launcher, "slurm");
+    EXPECT_EQ(li.world_size, std::atoi(env));
+    EXPECT_EQ(li.rank, std::atoi(std::getenv("SLURM_PROCID")));
+    EXPECT_EQ(li.master_addr, "localhost");
+  }
   if (dev->kind() == DeviceKind::kCuda)
     EXPECT_EQ(comm->backend(), CommBackend::kNccl);
+  else if (li.under_mpi)
+    EXPECT_EQ(comm->backend(), CommBackend::kMpi);
   else
-    EXPECT_EQ(comm->backend(), li.under_mpi ? CommBackend::kMpi : CommBackend::kLocal);
+    EXPECT_EQ(comm->backend(), li.world_size > 1 ? CommBackend::kGloo : CommBackend::kLocal);
 }
 
 TEST_F(Collectives, AllGather) {

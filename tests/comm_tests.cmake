@@ -1,8 +1,13 @@
-# Collectives (src/comm). comm_test runs as one plain process (local backend) and under
-# mpirun with 2 and 4 ranks (MPI backend on the CPU-emulated device); comm_fault_test
-# kills or stalls one of 4 ranks and checks that the others end with a clear error quickly.
-# comm_gpu_test: NCCL with one rank, label gpu, skipped without a GPU.
+# Collectives (src/comm). comm_test runs as one plain process (local backend), under
+# mpirun with 2 and 4 ranks (MPI backend on the CPU-emulated device) and as 2 and 4 ranks
+# started the way torchrun starts them (torchrun_ranks.sh: Gloo over the TCP rendezvous);
+# comm_fault_test kills or stalls one of 4 ranks and checks that the others end with a clear
+# error quickly, under both launchers. comm_gpu_test: NCCL with one rank, label gpu, skipped
+# without a GPU. launch_test: the launchers' variables and the rendezvous, in one process.
 find_package(MPI COMPONENTS C)
+find_package(Gloo CONFIG QUIET)
+
+strata_add_test(launch_test SOURCES launch_test.cpp LABELS "unit;comm")
 
 add_executable(comm_test comm_test.cpp)
 target_include_directories(comm_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
@@ -31,6 +36,21 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
                          ENVIRONMENT "${strata_mpi_env}" PROCESSORS ${np})
   endforeach()
 
+  if(TARGET gloo)
+    foreach(np 2 4)
+      add_test(NAME comm_gloo_${np}
+               COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_ranks.sh ${np} $<TARGET_FILE:comm_test>)
+      set_tests_properties(comm_gloo_${np} PROPERTIES LABELS "unit;comm;gloo" TIMEOUT 180
+                           ENVIRONMENT "STRATA_COMM_TIMEOUT_S=60" PROCESSORS ${np})
+    endforeach()
+    # The same as the tasks of a Slurm step without --mpi (srun): rank 0's host from the node list.
+    add_test(NAME comm_gloo_slurm_2
+             COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_ranks.sh 2 $<TARGET_FILE:comm_test>)
+    set_tests_properties(comm_gloo_slurm_2 PROPERTIES LABELS "unit;comm;gloo" TIMEOUT 180
+                         ENVIRONMENT "STRATA_COMM_TIMEOUT_S=60;STRATA_TEST_LAUNCHER=slurm"
+                         PROCESSORS 2)
+  endif()
+
   add_executable(comm_fault_test comm_fault_test.cpp)
   target_link_libraries(comm_fault_test PRIVATE strata MPI::MPI_C)
   target_compile_definitions(comm_fault_test PRIVATE OMPI_SKIP_MPICXX=1 MPICH_SKIP_MPICXX=1)
@@ -42,4 +62,14 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
                          ENVIRONMENT "${strata_mpi_env}"
                          PROCESSORS 4)
   endforeach()
+  if(TARGET gloo)
+    foreach(mode kill hang)
+      add_test(NAME comm_fault_gloo_${mode}
+               COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/comm_fault.sh
+                       ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_ranks.sh
+                       $<TARGET_FILE:comm_fault_test> ${mode})
+      set_tests_properties(comm_fault_gloo_${mode} PROPERTIES LABELS "unit;comm;gloo" TIMEOUT 120
+                           PROCESSORS 4)
+    endforeach()
+  endif()
 endif()

@@ -33,6 +33,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "strata/corpus.h"
 #include "strata/dtype.h"
@@ -177,23 +178,24 @@ class TrainCli : public ::testing::Test {
 // weights of the smaller one's. (Built whole in host memory, the initial weights alone took 12
 // bytes a parameter more, and a save gathered every unit first.) B is A, byte for byte.
 // Started by torchrun (RANK, WORLD_SIZE) or as one task of a Slurm step without --mpi, a process
-// cannot join its peers: it is refused, naming what it saw and how to start it, instead of
-// training alone as a 1-rank job on GPU 0 (what every one of them did, silently).
+// that cannot find its peers (no MASTER_ADDR, no node list) is refused, naming what it saw and what
+// is missing, instead of training alone as a 1-rank job on GPU 0 (what every one of them did,
+// silently).
 TEST_F(TrainCli, ALaunchItCannotJoinIsRefusedNotRunAlone) {
   const std::vector<std::pair<std::vector<std::pair<std::string, std::string>>, std::string>>
-      cases = {{{{"RANK", "1"},
-                 {"WORLD_SIZE", "2"},
-                 {"LOCAL_RANK", "1"},
-                 {"MASTER_ADDR", "10.0.0.1"},
-                 {"MASTER_PORT", "29500"}},
+      cases = {{{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_PORT", "29500"}},
                 "this process was started as rank 1 of 2 by a torchrun-style launcher (RANK, "
-                "WORLD_SIZE, MASTER_ADDR "
-                "10.0.0.1:29500) and strata joins several processes only under an MPI launcher: "
-                "start it with mpirun -np 2"},
+                "WORLD_SIZE) but has no MASTER_ADDR"},
                {{{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_NTASKS", "4"}},
-                "this process is task 3 of a 4-task Slurm step started without MPI's process "
-                "management: run srun with "
-                "--mpi=pmix"}};
+                "this process is task 3 of a 4-task Slurm step without MPI, and neither "
+                "MASTER_ADDR nor a node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) names rank "
+                "0's host"},
+               {{{"OMPI_COMM_WORLD_RANK", "0"},
+                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                 {"RANK", "0"},
+                 {"WORLD_SIZE", "4"}},
+                "this process sees two launchers: openmpi started it as rank 0 of 2, and "
+                "torchrun's variables say rank 0 of 4"}};
   for (const auto& [env, message] : cases) {
     const std::string log = dir.path + "/refused.jsonl";
     const Result r = testing::run(STRATA_TRAIN_BIN, args(log), dir.path, "refused", env);
@@ -2201,6 +2203,377 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
   }
 #endif
 }
+
+// ---- ranks started the way torchrun starts them (no MPI): TCP rendezvous + Gloo ----
+#ifdef STRATA_TORCHRUN_RANKS
+// The run's losses as numbers, by step.
+std::map<std::int64_t, double> loss_values(const std::string& log) {
+  std::map<std::int64_t, double> out;
+  for (const auto& [s, v] : losses(log)) out[s] = std::stod(v);
+  return out;
+}
+
+// 2 and 4 ranks with torchrun's variables (tests/torchrun_ranks.sh), and 2 with a Slurm step's,
+// train together as the same ranks under mpirun do: the same losses, step by step. With 2 ranks
+// every reduction is one addition of two values, whatever the algorithm: bitwise equal. With 4,
+// Gloo's ring and Open MPI's algorithms add the ranks' partial sums in different orders: within
+// 1e-6 relative (fp32 rounding of a 4-term sum; the figure measured is printed).
+TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher to compare with";
+#else
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  for (const int np : {2, 4}) {
+    const std::string tl = fmt::format("{}/torchrun{}.jsonl", dir.path, np);
+    const std::string ml = fmt::format("{}/mpirun{}.jsonl", dir.path, np);
+    std::vector<std::string> a = {std::to_string(np), STRATA_TRAIN_BIN};
+    for (const auto& s : args(tl)) a.push_back(s);
+    const Result t = run(STRATA_TORCHRUN_RANKS, a, dir.path, fmt::format("torchrun{}", np),
+                         {{"STRATA_COMM_TIMEOUT_S", "120"}});
+    ASSERT_EQ(t.status, 0) << t.out << t.err;
+    // Rank 0 alone says where the job stands, once.
+    const std::string where =
+        fmt::format("rank 0 of {} (1 node), backend gloo, launcher torchrun", np);
+    EXPECT_NE(t.out.find(where), std::string::npos) << t.out;
+    EXPECT_EQ(t.out.find(where), t.out.rfind(where)) << t.out;
+    EXPECT_NE(t.out.find(fmt::format("step 4/4")), std::string::npos) << t.out;
+    const Result m = ranks(np, ml, {}, fmt::format("mpirun{}", np));
+    ASSERT_EQ(m.status, 0) << m.out << m.err;
+    EXPECT_NE(m.out.find(fmt::format("rank 0 of {} (1 node), backend mpi, launcher openmpi", np)),
+              std::string::npos)
+        << m.out;
+    const auto lt = loss_values(tl), lm = loss_values(ml);
+    ASSERT_EQ(lt.size(), 4u);
+    ASSERT_EQ(lm.size(), 4u);
+    double worst = 0;
+    for (const auto& [s, v] : lm) {
+      worst = std::max(worst, std::fabs(lt.at(s) - v) / std::fabs(v));
+      if (np == 2) {
+        EXPECT_EQ(losses(tl).at(s), losses(ml).at(s)) << "step " << s;
+      }
+    }
+    std::printf(
+        "%d ranks: torchrun (gloo) vs mpirun (mpi) losses, worst relative difference %.3g\n", np,
+        worst);
+    EXPECT_LE(worst, 1e-6) << np << " ranks";
+    if (np == 2) {
+      // The same two ranks as the tasks of a Slurm step without --mpi (srun's variables; rank 0's
+      // host the node list's first): the same losses again.
+      const std::string sl = dir.path + "/slurm2.jsonl";
+      std::vector<std::string> b = {"2", STRATA_TRAIN_BIN};
+      for (const auto& x : args(sl)) b.push_back(x);
+      const Result r = run(STRATA_TORCHRUN_RANKS, b, dir.path, "slurm2",
+                           {{"STRATA_COMM_TIMEOUT_S", "120"}, {"STRATA_TEST_LAUNCHER", "slurm"}});
+      ASSERT_EQ(r.status, 0) << r.out << r.err;
+      EXPECT_NE(
+          r.out.find("rank 0 of 2 (1 node), backend gloo, launcher slurm, rendezvous localhost:"),
+          std::string::npos)
+          << r.out;
+      EXPECT_EQ(losses(sl), losses(ml));
+    }
+  }
+#endif
+}
+
+// Two "hosts" on this machine: network namespaces joined by a veth pair (10.231.0.1 and .2), one
+// torchrun-style rank in each, meeting at rank 0's address over the TCP rendezvous and reducing
+// over Gloo's TCP pairs. Their losses are the one-host run's, bitwise (2 ranks). Then the link is
+// cut mid-run (`ip link set ... down` on rank 1's side): every rank ends non-zero within the
+// collective timeout (5 s here) plus a step, with an error naming the collective and the other
+// rank's host and address, never a hang; the newest checkpoint written before the cut resumes and
+// continues as the cut run did. Needs root and iproute2 (skipped, saying which, without).
+class NetnsPair {
+ public:
+  NetnsPair() {
+    const std::string tag = std::to_string(::getpid() % 100000);
+    a = "strata-a-" + tag;
+    b = "strata-b-" + tag;
+    va = "sva" + tag;
+    vb = "svb" + tag;
+    for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip"})
+      if (fs::exists(p)) ip = p;
+    if (ip.empty()) {
+      why = "no iproute2 (ip) on this machine";
+      return;
+    }
+    if (::geteuid() != 0) {
+      why = "network namespaces need root";
+      return;
+    }
+    const std::vector<std::vector<std::string>> steps = {
+        {"netns", "add", a},
+        {"netns", "add", b},
+        {"link", "add", va, "type", "veth", "peer", "name", vb},
+        {"link", "set", va, "netns", a},
+        {"link", "set", vb, "netns", b},
+        {"-n", a, "addr", "add", "10.231.0.1/24", "dev", va},
+        {"-n", b, "addr", "add", "10.231.0.2/24", "dev", vb},
+        {"-n", a, "link", "set", va, "up"},
+        {"-n", b, "link", "set", vb, "up"},
+        {"-n", a, "link", "set", "lo", "up"},
+        {"-n", b, "link", "set", "lo", "up"}};
+    for (const auto& st : steps) {
+      const std::string d = fs::temp_directory_path();
+      const Result r = testing::run(ip, st, d, "netns-setup");
+      if (r.status != 0) {
+        why = "ip " + st[0] + " " + st[1] + " ... failed: " + r.err;
+        return;
+      }
+    }
+    ok = true;
+  }
+  ~NetnsPair() {
+    if (ip.empty()) return;
+    const std::string d = fs::temp_directory_path();
+    testing::run(ip, {"netns", "del", a}, d, "netns-teardown");
+    testing::run(ip, {"netns", "del", b}, d, "netns-teardown");
+  }
+  std::string ip, a, b, va, vb, why;
+  bool ok = false;
+};
+
+TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  // The one-host run.
+  const std::string one = dir.path + "/onehost.jsonl";
+  std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
+  for (const auto& x : args(one)) a.push_back(x);
+  const Result r1 = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onehost");
+  ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+  // One rank in each namespace.
+  const auto rank_env = [](int r, const std::string& port) {
+    return std::vector<std::pair<std::string, std::string>>{
+        {"RANK", std::to_string(r)},
+        {"WORLD_SIZE", "2"},
+        {"LOCAL_RANK", "0"},
+        {"LOCAL_WORLD_SIZE", "1"},
+        {"MASTER_ADDR", "10.231.0.1"},
+        {"MASTER_PORT", port},
+        {"TORCHELASTIC_RUN_ID", "netns-" + port},
+        {"STRATA_COMM_TIMEOUT_S", "5"},
+        {"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}};
+  };
+  const auto two_hosts = [&](const std::vector<std::string>& flags, const std::string& tag,
+                             const std::string& port) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> c = {"netns", "exec", r == 0 ? net.a : net.b, STRATA_TRAIN_BIN};
+      for (const auto& x : flags) c.push_back(x);
+      pids.push_back(
+          testing::start(net.ip, c, dir.path, tag + std::to_string(r), rank_env(r, port)));
+    }
+    return pids;
+  };
+  // Waits for `pid` up to `limit_s`; its exit code, or -2 (killed) when it ran past the limit.
+  const auto wait_for = [](pid_t pid, double limit_s) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+          limit_s) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &st, 0);
+        return -2;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  const std::string two = dir.path + "/twohosts.jsonl";
+  auto pids = two_hosts(args(two), "host", "29611");
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(wait_for(pids[std::size_t(r)], 120), 0)
+        << slurp(dir.path + "/host" + std::to_string(r) + ".stderr");
+  EXPECT_NE(slurp(dir.path + "/host0.stdout")
+                .find("rank 0 of 2 (2 nodes), backend gloo, launcher torchrun, rendezvous "
+                      "10.231.0.1:29611"),
+            std::string::npos)
+      << slurp(dir.path + "/host0.stdout");
+  const auto l1 = losses(one), l2 = losses(two);
+  ASSERT_EQ(l1.size(), 4u);
+  EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
+
+  // The link cut mid-run, checkpointing every 5 steps.
+  const std::string cut = dir.path + "/cut.jsonl", ck = dir.path + "/ck";
+  const auto cut_args = [&](const std::string& log, std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--save-every", "5", "--checkpoint-dir", ck});
+    return args(log, extra, "300");
+  };
+  pids = two_hosts(cut_args(cut, {}), "cut", "29612");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  // Whole lines only: the log is being written.
+  const auto steps_logged = [&] {
+    const std::string t = slurp(cut);
+    return std::count(t.begin(), t.end(), '\n');
+  };
+  while (steps_logged() < 12 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(steps_logged(), 12) << slurp(dir.path + "/cut0.stderr");
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(
+      testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status,
+      0);
+  for (int r = 0; r < 2; ++r) {
+    const int code = wait_for(pids[std::size_t(r)], 60);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string err = slurp(dir.path + "/cut" + std::to_string(r) + ".stderr");
+    EXPECT_NE(code, 0) << "rank " << r << " exited 0 after the link was cut\n" << err;
+    EXPECT_NE(code, -2) << "rank " << r << " hung after the link was cut\n" << err;
+    EXPECT_LT(took, 30.0) << "rank " << r;
+    const std::size_t at = err.find("collective ");
+    std::printf("link cut: rank %d ended with exit code %d %.1f s after: %s\n", r, code, took,
+                at == std::string::npos ? "?" : err.substr(at, err.find('\n', at) - at).c_str());
+    // The collective and the other rank, where it is.
+    const std::string peer = r == 0 ? "the other ranks: rank 1 on " : "the other ranks: rank 0 on ";
+    const std::string addr = r == 0 ? "(10.231.0.2)" : "(10.231.0.1)";
+    EXPECT_TRUE(
+        std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
+                                          std::to_string(r) + " of 2")))
+        << err;
+    EXPECT_NE(err.find(peer), std::string::npos) << err;
+    EXPECT_NE(err.find(addr), std::string::npos) << err;
+  }
+  // Nothing checkpointed before the cut is lost: the newest complete checkpoint (step 10 or later)
+  // resumes on one host and continues as the cut run did, bitwise.
+  std::int64_t saved = 0;  // the newest complete checkpoint's step
+  for (const auto& f : checkpoint_folders(ck)) {
+    EXPECT_TRUE(fs::exists(f + "/manifest.json")) << f;
+    saved = std::max<std::int64_t>(saved, std::stoll(fs::path(f).filename().string().substr(5)));
+  }
+  EXPECT_GE(saved, 5);
+  const std::string res = dir.path + "/resumed.jsonl";
+  a = {"2", STRATA_TRAIN_BIN};
+  for (const auto& x : cut_args(res, {"--resume", ck})) a.push_back(x);
+  const Result rr = run(STRATA_TORCHRUN_RANKS, a, dir.path, "resumed");
+  ASSERT_EQ(rr.status, 0) << rr.out << rr.err;
+  const auto before = losses(cut), after = losses(res);
+  ASSERT_FALSE(after.empty());
+  EXPECT_EQ(after.begin()->first, saved + 1);
+  int compared = 0;
+  for (const auto& [step, loss] : after)
+    if (before.count(step)) {
+      EXPECT_EQ(loss, before.at(step)) << "step " << step;
+      ++compared;
+    }
+  std::printf("link cut: resumed from step %lld on one host, %d steps compared with the cut run\n",
+              (long long)saved, compared);
+}
+
+// The same two hosts under mpirun (Open MPI's TCP transport): mpirun runs in the first namespace
+// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`;
+// the losses equal the one-host mpirun run's, bitwise (2 ranks), and rank 0 sees 2 nodes.
+TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  const std::string one = dir.path + "/onehost.jsonl", two = dir.path + "/twohosts.jsonl";
+  const Result r1 = ranks(2, one, {}, "onehost");
+  ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+  // The agent: "agent [options] HOST COMMAND" (ssh's form) -> COMMAND in HOST's namespace, with a
+  // TMPDIR of its own (both "hosts" share this machine's /tmp and host name).
+  const std::string agent = dir.path + "/netns-agent.sh";
+  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
+                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
+                       << net.a << ";; 10.231.0.2) ns=" << net.b
+                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
+                       << dir.path << "/tmp-$ns\nexec " << net.ip
+                       << " netns exec $ns env TMPDIR=" << dir.path << "/tmp-$ns sh -c \"$*\"\n";
+  fs::permissions(agent, fs::perms::owner_all);
+  fs::create_directories(dir.path + "/tmp-" + net.a);
+  std::vector<std::string> m = {"netns",
+                                "exec",
+                                net.a,
+                                "env",
+                                "TMPDIR=" + dir.path + "/tmp-" + net.a,
+                                STRATA_MPIEXEC,
+                                "-np",
+                                "2",
+                                "-H",
+                                "10.231.0.1:1,10.231.0.2:1",
+                                "--mca",
+                                "plm_rsh_agent",
+                                agent,
+                                "--mca",
+                                "btl",
+                                "self,tcp",
+                                "--mca",
+                                "btl_tcp_if_include",
+                                "10.231.0.0/24",
+                                "--mca",
+                                "oob_tcp_if_include",
+                                "10.231.0.0/24",
+                                "-x",
+                                "STRATA_COMM_TIMEOUT_S",
+                                STRATA_TRAIN_BIN};
+  for (const auto& x : args(two)) m.push_back(x);
+  const Result r2 = run(net.ip, m, dir.path, "twohosts",
+                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                         {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                         {"STRATA_COMM_TIMEOUT_S", "60"}});
+  ASSERT_EQ(r2.status, 0) << r2.out << r2.err;
+  EXPECT_NE(r2.out.find("rank 0 of 2 (2 nodes), backend mpi, launcher openmpi"), std::string::npos)
+      << r2.out;
+  const auto l1 = losses(one), l2 = losses(two);
+  ASSERT_EQ(l1.size(), 4u);
+  EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
+#endif
+}
+
+// A torchrun-style rank that stops on an error of its own before the rendezvous (a bad flag on rank
+// 1 only) ends the job at once: it joins the rendezvous and says why, and rank 0 ends naming it,
+// instead of waiting out its timeouts.
+TEST_F(TrainCli, TorchrunOneRanksBadFlagEndsTheJobNamingTheRank) {
+  const std::string wrap = dir.path + "/rank1bad.sh";
+  std::string cmd = "#!/bin/sh\n[ \"$RANK\" = 1 ] && x='--bogus-flag' || x=''\nexec " +
+                    std::string(STRATA_TRAIN_BIN);
+  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
+  std::ofstream(wrap) << cmd << " $x\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = run(STRATA_TORCHRUN_RANKS, {"2", wrap}, dir.path, "rank1bad",
+                       {{"STRATA_RENDEZVOUS_TIMEOUT_S", "60"},
+                        {"STRATA_COMM_TIMEOUT_S", "60"},
+                        {"STRATA_TEST_GRACE_S", "100"}});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_LT(took, 30.0) << r.err;
+  EXPECT_NE(r.err.find("rank 1 of 2 stopped: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--bogus-flag"), std::string::npos) << r.err;
+}
+
+// WORLD_SIZE=2 with no second rank is an error within the rendezvous timeout, naming the missing
+// rank and the address, never a lone run; a rank 1 that never finds rank 0 names the address it
+// could not reach.
+TEST_F(TrainCli, TorchrunWithAMissingPeerIsAnErrorWithinTheTimeout) {
+  for (const char* only : {"0", "1"}) {
+    const std::string log = dir.path + "/alone" + only + ".jsonl";
+    std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
+    for (const auto& s : args(log)) a.push_back(s);
+    const auto start = std::chrono::steady_clock::now();
+    const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, std::string("alone") + only,
+                         {{"STRATA_TEST_RANKS", only}, {"STRATA_RENDEZVOUS_TIMEOUT_S", "3"}});
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_LT(took, 30.0);
+    const std::string want = std::string(only) == "0"
+                                 ? "rank 0 waited 3 s for rank 1 at 127.0.0.1:"
+                                 : "rank 1 could not reach rank 0's rendezvous at 127.0.0.1:";
+    EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(log)) << "it trained";
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace strata

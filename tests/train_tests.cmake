@@ -19,6 +19,12 @@ target_link_libraries(train_oracle_test PRIVATE strata_trainer)
 find_package(MPI COMPONENTS C)
 set(strata_train_cli_defines STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>"
     STRATA_EXPORT_BIN="$<TARGET_FILE:strata-export>")
+find_package(Gloo CONFIG QUIET)
+if(TARGET gloo)
+  # Ranks with torchrun's variables (no MPI): TCP rendezvous + Gloo.
+  list(APPEND strata_train_cli_defines
+       STRATA_TORCHRUN_RANKS="${CMAKE_CURRENT_SOURCE_DIR}/torchrun_ranks.sh")
+endif()
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   list(APPEND strata_train_cli_defines STRATA_MPIEXEC="${MPIEXEC_EXECUTABLE}")
 endif()
@@ -33,4 +39,10 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   endif()
   set_tests_properties(train_cli_mpi PROPERTIES LABELS "unit;train;mpi" TIMEOUT 300 PROCESSORS 2)
   set_tests_properties(train_cli_mpi PROPERTIES ENVIRONMENT "${strata_train_mpi_env}")
+  if(TARGET gloo)
+    # TrainCli.TorchrunRanks*: 2 and 4 torchrun-style ranks (Gloo) against the same under mpirun.
+    add_test(NAME train_cli_torchrun COMMAND train_cli_test --gtest_filter=TrainCli.TorchrunRanks*)
+    set_tests_properties(train_cli_torchrun PROPERTIES LABELS "unit;train;gloo;mpi" TIMEOUT 600
+                         PROCESSORS 4 ENVIRONMENT "${strata_train_mpi_env};STRATA_TEST_TORCHRUN=1")
+  endif()
 endif()

@@ -1,8 +1,9 @@
 // The Communicator interface: collectives across the ranks of a job, queued on a Stream.
 //
-// Three backends implement it (src/comm): NCCL for CUDA devices, MPI for the CPU-emulated
-// device (and host memory), and a one-rank local communicator. make_communicator() picks
-// one from the device and the launcher; the scheduler talks to this interface only.
+// Four backends implement it (src/comm): NCCL for CUDA devices, MPI for the CPU-emulated
+// device (and host memory) under an MPI launcher, Gloo for the same without one (torchrun,
+// srun without --mpi), and a one-rank local communicator. make_communicator() picks one from
+// the device and the launcher; the scheduler talks to this interface only.
 //
 // Contract, the same on every backend:
 //  - Every collective is asynchronous: it is queued on `stream` after the work already
@@ -14,7 +15,7 @@
 //    makes every collective first compare its call across the ranks (a small all-gather and
 //    a wait on the host: for debugging) and throw, on every rank, naming each rank's call.
 //  - Tensors are fp32, bf16, fp16 (or fp64), contiguous, in the memory of the
-//    communicator's device (host memory is also accepted by the MPI and local backends).
+//    communicator's device (host memory is also accepted by the MPI, Gloo and local backends).
 //  - all_gather: output (numel = world_size * input numel) holds rank r's input at
 //    [r * n, (r + 1) * n). reduce_scatter: input (numel = world_size * output numel) is
 //    reduced element-wise and rank r keeps block r. Shards are equal: pad the flat buffer
@@ -22,7 +23,7 @@
 //    `rank` of its output, reduce_scatter's output may be block `rank` of its input; other
 //    overlaps are refused.
 //  - bf16/fp16 reductions compute in fp32 and round to nearest even; see the backends for
-//    where rounding happens (MPI: once, at the end).
+//    where rounding happens (MPI, Gloo: once, at the end).
 //  - Argument errors throw strata::Error (kInvalidArgument) at the call, before anything
 //    is queued. A collective that does not complete within the timeout ends the process
 //    (and the job) with an error naming the collective, the rank and the elapsed time:
@@ -41,21 +42,30 @@
 namespace strata {
 
 enum class ReduceOp { kSum, kAvg, kMax };
-enum class CommBackend { kLocal, kMpi, kNccl };
+enum class CommBackend { kLocal, kMpi, kNccl, kGloo };
 
 const char* reduce_op_name(ReduceOp op);       // "sum", "avg", "max"
-const char* comm_backend_name(CommBackend b);  // "local", "mpi", "nccl"
+const char* comm_backend_name(CommBackend b);  // "local", "mpi", "nccl", "gloo"
 
 // Where this process sits in the job. Read from MPI once it is initialized, else from the
-// launcher's environment (mpirun: OMPI_COMM_WORLD_*; srun --mpi=pmix: PMIX_RANK and
-// SLURM_*; MPICH: PMI_*); a plain process is rank 0 of 1 with under_mpi false.
+// launcher's environment: MPI's launchers (mpirun: OMPI_COMM_WORLD_*; srun --mpi=pmix: PMIX_RANK
+// and SLURM_*; MPICH: PMI_*), torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) or a Slurm step's without MPI (SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+// SLURM_LOCALID, SLURM_NODEID, the step's first node as the address), in that order of
+// precedence (docs/collectives.md says why); a plain process is rank 0 of 1 with launcher "none".
 struct LaunchInfo {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;  // rank among the processes on this node: picks the GPU
   int local_size = 1;
+  int num_nodes = 1;  // nodes of the job (MPI: counted once it is up)
+  int node_rank = 0;
   bool under_mpi = false;  // started by an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx)
-  std::string launcher = "none";  // "openmpi", "pmix", "pmi", "none"
+  // "openmpi", "pmix", "pmi", "torchrun", "slurm", "none"
+  std::string launcher = "none";
+  // torchrun and Slurm without MPI: where the ranks meet (rank 0's TCP rendezvous).
+  std::string master_addr;
+  int master_port = 0;
 };
 
 // The launcher's view; never initializes MPI (a plain process stays a plain process). Once
@@ -63,11 +73,15 @@ struct LaunchInfo {
 LaunchInfo launch_info();
 // Under an MPI launcher, initializes MPI once per process (MPI_THREAD_MULTIPLE, finalized at
 // exit if strata initialized it) and returns MPI's view, local rank from the shared-memory
-// split. Without a launcher it returns launch_info() and initializes nothing, but refuses
-// (kUnsupported, naming what it saw and how to start) a process that torchrun (RANK, WORLD_SIZE
-// > 1) or a Slurm step of several tasks without --mpi started: alone it would train as a 1-rank
-// job. Throws kMpi
-// when MPI cannot give thread-multiple support, kUnsupported in a build without MPI.
+// split. Under torchrun or a Slurm step without MPI with several ranks, joins the TCP rendezvous
+// at MASTER_ADDR:MASTER_PORT once per process (every rank must; STRATA_RENDEZVOUS_TIMEOUT_S,
+// default 300 s, bounds the wait, after which the missing ranks are named). A plain process
+// initializes nothing. Refuses (kUnsupported, naming what it saw, what is missing and how to
+// start) a launch it cannot complete: torchrun's variables without MASTER_ADDR or with a bad
+// RANK, a Slurm step without a node list, two launchers that disagree, MPI's variables in a
+// build without MPI, a rendezvous launch in a build with neither Gloo nor NCCL: alone each
+// process would train as a 1-rank job. Throws kMpi when MPI cannot give thread-multiple support,
+// kIo when the rendezvous fails.
 LaunchInfo init_launch();
 // The GPU ordinal this rank should use: local_rank modulo the GPUs visible to it.
 int launch_gpu_ordinal(const LaunchInfo& info, int device_count);
@@ -81,7 +95,9 @@ int launch_gpu_ordinal(const LaunchInfo& info, int device_count);
 void end_job_if_one_of_many(const std::string& message, bool join_if_not_up = false);
 
 struct CommOptions {
-  std::optional<CommBackend> backend;  // unset: NCCL for CUDA, MPI under a launcher, else local
+  // unset: NCCL for CUDA; for the CPU device MPI under an MPI launcher, Gloo under torchrun or
+  // srun without MPI, else local
+  std::optional<CommBackend> backend;
   // Seconds a collective may take before the job is ended. 0: STRATA_COMM_TIMEOUT_S, else 300.
   double timeout_s = 0;
   // With backend kLocal inside a multi-rank job: a deliberate one-rank group of this process
@@ -157,9 +173,10 @@ class Communicator {
   std::uint64_t calls_ = 0;   // collectives submitted (with check_calls_)
 };
 
-// The communicator for this process on `device`: NCCL for a CUDA device (MPI bootstraps it
-// when there are several ranks), MPI for the CPU-emulated device under a launcher, local
-// for a single process. Collective: every rank calls it, in the same order as its other
+// The communicator for this process on `device`: NCCL for a CUDA device (MPI, or the TCP
+// rendezvous without MPI, bootstraps it when there are several ranks), MPI for the CPU-emulated
+// device under an MPI launcher, Gloo for it under torchrun or srun without MPI, local for a
+// single process. Collective: every rank calls it, in the same order as its other
 // communicators. Throws kUnsupported when the build lacks the backend, kMpi / kNccl when
 // initialization fails.
 std::unique_ptr<Communicator> make_communicator(Device& device, const CommOptions& options = {});

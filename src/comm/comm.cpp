@@ -44,6 +44,8 @@ const char* comm_backend_name(CommBackend b) {
       return "mpi";
     case CommBackend::kNccl:
       return "nccl";
+    case CommBackend::kGloo:
+      return "gloo";
   }
   return "?";
 }
@@ -358,21 +360,29 @@ std::unique_ptr<Communicator> make_communicator(Device& device, const CommOption
   } else if (device.kind() == DeviceKind::kCuda) {
     backend = CommBackend::kNccl;
   } else {
-    backend = launch_info().under_mpi ? CommBackend::kMpi : CommBackend::kLocal;
+    const LaunchInfo li = launch_info();
+    backend = li.under_mpi        ? CommBackend::kMpi
+              : li.world_size > 1 ? CommBackend::kGloo  // torchrun, srun without MPI
+                                  : CommBackend::kLocal;
   }
   switch (backend) {
     case CommBackend::kLocal: {
       const LaunchInfo li = launch_info();
       STRATA_REQUIRE(
           li.world_size == 1 || options.process_local,
-          "the local communicator serves one rank, but the launcher started {}; use the mpi "
-          "or nccl backend (the default), or set CommOptions::process_local for a group of this "
-          "process alone",
+          "the local communicator serves one rank, but the launcher started {}; use the mpi, "
+          "gloo or nccl backend (the default), or set CommOptions::process_local for a group of "
+          "this process alone",
           li.world_size);
       return comm::make_local_communicator(device, timeout_s);
     }
     case CommBackend::kMpi:
       return comm::make_mpi_communicator(device, timeout_s);
+    case CommBackend::kGloo:
+      STRATA_REQUIRE(device.kind() != DeviceKind::kCuda,
+                     "the gloo communicator works on host memory, not {}'s; use nccl",
+                     device.name());
+      return comm::make_gloo_communicator(device, timeout_s);
     case CommBackend::kNccl:
       STRATA_REQUIRE(device.kind() == DeviceKind::kCuda,
                      "the nccl communicator needs a CUDA device, not {}; use mpi or local",
@@ -415,6 +425,15 @@ class LocalCommunicator final : public Communicator {
 std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s) {
   return std::make_unique<LocalCommunicator>(device, timeout_s);
 }
+
+#if !defined(STRATA_HAVE_GLOO)
+std::unique_ptr<Communicator> make_gloo_communicator(Device& device, double) {
+  STRATA_THROW(kUnsupported,
+               "no Gloo communicator for {}: this build has no Gloo; install libgloo-dev "
+               "(scripts/setup.sh) and rebuild, or start the job with mpirun",
+               device.name());
+}
+#endif
 
 // The NCCL backend is in the CUDA module (nccl_comm.cpp is built into libstrata_cuda.so).
 std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s) {

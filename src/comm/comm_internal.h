@@ -6,12 +6,15 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include "strata/comm.h"
 
@@ -61,6 +64,41 @@ class Watchdog {
   std::thread thread_;  // last: started after every other member exists
 };
 
+// The host half of the backends that run collectives on the CPU (MPI, Gloo): one worker thread
+// runs every collective, in the order they were issued over all streams, so every rank makes the
+// same calls in the same order whatever its streams do. A collective is queued on its stream as a
+// host step that hands it to the worker and holds the stream until the worker has finished it:
+// stream order is kept, and the stream is busy while the collective runs, as a GPU stream is
+// while NCCL runs. A collective still running after the timeout (the watchdog), or one whose
+// `execute` throws, ends the job naming the collective, the rank and the elapsed time.
+class CollectiveWorker {
+ public:
+  using Execute = std::function<void(const Communicator::Collective&)>;
+  // `context` is appended to the watchdog's message (Gloo: where the other ranks are).
+  CollectiveWorker(int rank, int world_size, double timeout_s, Execute execute,
+                   std::string context = {});
+  // After every issued collective has run: their streams still wait on them.
+  ~CollectiveWorker();
+  CollectiveWorker(const CollectiveWorker&) = delete;
+  CollectiveWorker& operator=(const CollectiveWorker&) = delete;
+
+  void enqueue(const Communicator::Collective& c, Stream& stream);
+
+ private:
+  struct Pending;
+  void run();
+
+  int rank_, world_size_;
+  Execute execute_;
+  Watchdog watchdog_;
+  std::mutex issue_mu_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: started after every other member exists
+};
+
 // The timeout from options, else STRATA_COMM_TIMEOUT_S, else 300 s.
 double resolve_timeout_s(double option_s);
 
@@ -89,14 +127,43 @@ void install_termination_note(int rank, int world_size);
 // Backends (each in its own file). Their constructors are collective.
 std::unique_ptr<Communicator> make_local_communicator(Device& device, double timeout_s);
 std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeout_s);
+// Gloo (gloo_comm.cpp, when libgloo-dev is installed): over the launch's TCP rendezvous.
+std::unique_ptr<Communicator> make_gloo_communicator(Device& device, double timeout_s);
 // NCCL: the CUDA module's (cuda_module.h), loaded on first use; create_nccl_communicator is
 // its implementation inside libstrata_cuda.so (nccl_comm.cpp).
 std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double timeout_s);
 std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double timeout_s);
 
-// MPI helpers the NCCL bootstrap shares (mpi_comm.cpp): whether MPI is up, and a broadcast
+// MPI helpers the NCCL bootstrap shares (launch.cpp): whether MPI is up, and a broadcast
 // of bytes from rank 0 over MPI_COMM_WORLD.
 bool mpi_active();
 void mpi_broadcast_bytes(void* data, std::size_t bytes);
+// The NCCL bootstrap's broadcast of bytes from rank 0: over MPI when it is up, else through the
+// TCP rendezvous (init_launch() must have run). Collective.
+void bootstrap_broadcast_bytes(void* data, std::size_t bytes, double timeout_s);
+
+// ---- launch (launch_env.cpp: pure functions of the environment) ----
+// The launchers' variables through `lookup` (getenv in a process, a map in tests).
+using EnvLookup = std::function<const char*(const char*)>;
+struct EnvLaunch {
+  LaunchInfo info;
+  std::string refusal;  // not empty: a launch this process cannot complete; init_launch throws it
+};
+EnvLaunch launch_from_env(const EnvLookup& lookup);
+// Slurm's compressed host list ("node[01-03,07]", "a1,b2", "rack[1-2]-n[1,3]") in full, in order.
+// Throws kInvalidArgument naming a list it cannot read.
+std::vector<std::string> expand_slurm_nodelist(std::string_view list);
+// The task count of node `node_id` in SLURM_STEP_TASKS_PER_NODE's form ("2(x3),1"), else -1.
+int slurm_tasks_on_node(std::string_view tasks_per_node, int node_id);
+// torchrun's default MASTER_PORT; a Slurm step without MASTER_PORT uses
+// kSlurmBasePort + SLURM_JOB_ID % kSlurmPortSpan, so two jobs sharing a node do not collide.
+constexpr int kDefaultMasterPort = 29500;
+constexpr int kSlurmBasePort = 20000;
+constexpr int kSlurmPortSpan = 20000;
+
+// The launch's TCP rendezvous (rendezvous.h), joined by init_launch() under torchrun or Slurm
+// without MPI with several ranks; nullptr otherwise.
+class TcpStore;
+TcpStore* rendezvous_store();
 
 }  // namespace strata::comm

@@ -1,22 +1,30 @@
-// Launch: where this process sits in the job, and MPI's life in the process.
+// Launch: where this process sits in the job, MPI's life in the process, and the TCP rendezvous
+// of a launch without MPI.
 //
 // Before MPI is initialized the launcher's environment says it all (mpirun, srun with PMIx,
-// MPICH's hydra); reading it never initializes MPI, so a plain process stays a plain
-// process and picks the local communicator without MPI ever starting (no singleton
-// MPI_Init, which would spawn an ORTE daemon). init_launch() initializes MPI with
-// MPI_THREAD_MULTIPLE at most once and finalizes it at exit, and only if strata was the one
-// to initialize it: a program that owns MPI keeps owning it.
+// MPICH's hydra, torchrun, srun without MPI; launch_env.cpp reads it, precedence there);
+// reading it never initializes MPI, so a plain process stays a plain process and picks the
+// local communicator without MPI ever starting (no singleton MPI_Init, which would spawn an
+// ORTE daemon). init_launch() initializes MPI with MPI_THREAD_MULTIPLE at most once and
+// finalizes it at exit, and only if strata was the one to initialize it: a program that owns
+// MPI keeps owning it. Without MPI, it joins the TCP rendezvous once (rendezvous.h), which
+// lives until exit: Gloo's pairs and NCCL's unique id are exchanged through it.
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #if defined(STRATA_HAVE_MPI)
 #include <mpi.h>
 #endif
 
 #include "comm/comm_internal.h"
+#include "comm/rendezvous.h"
+#include "strata/build_info.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -25,16 +33,9 @@
 namespace strata {
 namespace {
 
-// The first of `names` set to an integer, else -1.
-int env_int(std::initializer_list<const char*> names) {
-  for (const char* n : names) {
-    const char* v = std::getenv(n);
-    if (!v || !*v) continue;
-    char* end = nullptr;
-    const long x = std::strtol(v, &end, 10);
-    if (end != v && x >= 0) return static_cast<int>(x);
-  }
-  return -1;
+// The launchers' variables of this process.
+comm::EnvLaunch env_launch() {
+  return comm::launch_from_env([](const char* n) -> const char* { return std::getenv(n); });
 }
 
 #if defined(STRATA_HAVE_MPI)
@@ -62,6 +63,8 @@ LaunchInfo mpi_view(LaunchInfo li) {
   MPI_Comm_rank(node, &li.local_rank);
   MPI_Comm_size(node, &li.local_size);
   MPI_Comm_free(&node);
+  int first_on_node = li.local_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&first_on_node, &li.num_nodes, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   li.under_mpi = true;
   return li;
 }
@@ -78,34 +81,7 @@ LaunchInfo launch_info() {
     std::lock_guard<std::mutex> lock(g_view_mu);
     if (g_mpi_view) return *g_mpi_view;
   }
-  LaunchInfo li;
-  if (std::getenv("OMPI_COMM_WORLD_RANK")) {
-    li.launcher = "openmpi";
-    li.rank = env_int({"OMPI_COMM_WORLD_RANK"});
-    li.world_size = env_int({"OMPI_COMM_WORLD_SIZE"});
-    li.local_rank = env_int({"OMPI_COMM_WORLD_LOCAL_RANK"});
-    li.local_size = env_int({"OMPI_COMM_WORLD_LOCAL_SIZE"});
-  } else if (std::getenv("PMIX_RANK")) {
-    // srun --mpi=pmix: PMIx gives the rank, Slurm the step's sizes.
-    li.launcher = "pmix";
-    li.rank = env_int({"PMIX_RANK"});
-    li.world_size = env_int({"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "PMIX_SIZE"});
-    li.local_rank = env_int({"SLURM_LOCALID", "PMIX_LOCAL_RANK"});
-    li.local_size = env_int({"PMIX_LOCAL_SIZE"});
-  } else if (std::getenv("PMI_RANK")) {
-    li.launcher = "pmi";  // MPICH hydra, srun --mpi=pmi2
-    li.rank = env_int({"PMI_RANK"});
-    li.world_size = env_int({"PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
-    li.local_rank = env_int({"MPI_LOCALRANKID", "SLURM_LOCALID"});
-    li.local_size = env_int({"MPI_LOCALNRANKS"});
-  }
-  if (li.launcher != "none") {
-    li.under_mpi = true;
-    if (li.rank < 0) li.rank = 0;
-    if (li.world_size < 1) li.world_size = 1;
-    if (li.local_rank < 0) li.local_rank = 0;
-    if (li.local_size < 1) li.local_size = 1;  // refined by MPI once it is up
-  }
+  LaunchInfo li = env_launch().info;
 #if defined(STRATA_HAVE_MPI)
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -123,42 +99,53 @@ LaunchInfo launch_info() {
 }
 
 namespace {
-// Signs of a multi-process launch that strata cannot join without MPI's variables: torchrun's
-// (RANK, WORLD_SIZE > 1) or a Slurm step of several tasks started without --mpi. Left alone,
-// each such process would train by itself as rank 0 of 1 (on GPU 0), silently.
-void refuse_launch_without_mpi() {
-  const int world = env_int({"WORLD_SIZE"});
-  if (world > 1 && std::getenv("RANK")) {
-    const char* addr = std::getenv("MASTER_ADDR");
-    const char* port = std::getenv("MASTER_PORT");
+// The TCP rendezvous of this process (a launch without MPI), joined once by init_launch().
+std::mutex g_rendezvous_mu;
+std::unique_ptr<comm::TcpStore> g_rendezvous;
+bool g_rendezvous_tried = false;  // once tried and failed, an error path does not wait again
+
+// Who the job is, as the rendezvous checks it: STRATA_JOB_TOKEN, else torchrun's run id, else
+// the Slurm job and step; every rank of one job sees the same, another job sharing the port not.
+std::string job_token() {
+  for (const char* n : {"STRATA_JOB_TOKEN", "TORCHELASTIC_RUN_ID"})
+    if (const char* v = std::getenv(n); v && *v) return v;
+  const char* job = std::getenv("SLURM_JOB_ID");
+  const char* step = std::getenv("SLURM_STEP_ID");
+  if (job && *job) return fmt::format("slurm-{}.{}", job, step ? step : "");
+  return "";
+}
+
+void join_rendezvous(const LaunchInfo& li) {
+  std::lock_guard<std::mutex> lock(g_rendezvous_mu);
+  if (g_rendezvous) return;
+  g_rendezvous_tried = true;
+#if !defined(STRATA_HAVE_GLOO)
+  if (!built_with_cuda())
     STRATA_THROW(kUnsupported,
-                 "this process was started as rank {} of {} by a torchrun-style launcher (RANK, "
-                 "WORLD_SIZE{}) and "
-                 "strata joins several processes only under an MPI launcher: start it with mpirun "
-                 "-np {} (or srun "
-                 "--mpi=pmix); alone it would train as a 1-rank job",
-                 env_int({"RANK"}), world,
-                 addr || port
-                     ? fmt::format(", MASTER_ADDR {}:{}", addr ? addr : "?", port ? port : "?")
-                     : "",
-                 world);
-  }
-  const int tasks = env_int({"SLURM_STEP_NUM_TASKS"});
-  if (tasks > 1 && std::getenv("SLURM_PROCID"))
-    STRATA_THROW(kUnsupported,
-                 "this process is task {} of a {}-task Slurm step started without MPI's process "
-                 "management: run "
-                 "srun with --mpi=pmix (or pmi2), so the tasks can join as one job; alone each "
-                 "would train as a "
-                 "1-rank job",
-                 env_int({"SLURM_PROCID"}), tasks);
+                 "this process is rank {} of {} started by {} without MPI, and this build has "
+                 "neither Gloo (CPU ranks) nor NCCL (GPU ranks) to join its peers with: install "
+                 "libgloo-dev (scripts/setup.sh) and rebuild, or start the job with mpirun",
+                 li.rank, li.world_size, li.launcher);
+#endif
+  comm::RendezvousOptions o;
+  o.addr = li.master_addr;
+  o.port = li.master_port;
+  o.rank = li.rank;
+  o.world_size = li.world_size;
+  o.timeout_s = comm::rendezvous_timeout_s();
+  o.token = job_token();
+  g_rendezvous = std::make_unique<comm::TcpStore>(o);
+  log::debug("rank {} of {} joined the rendezvous at {} (this host: {})", li.rank, li.world_size,
+             g_rendezvous->endpoint(), g_rendezvous->local_address());
 }
 }  // namespace
 
 LaunchInfo init_launch() {
+  const comm::EnvLaunch e = env_launch();
+  if (!e.refusal.empty()) STRATA_THROW(kUnsupported, "{}", e.refusal);
   const LaunchInfo env = launch_info();
   if (!env.under_mpi) {
-    refuse_launch_without_mpi();
+    if (env.world_size > 1) join_rendezvous(env);
     return env;
   }
 #if defined(STRATA_HAVE_MPI)
@@ -202,6 +189,30 @@ LaunchInfo init_launch() {
 
 namespace comm {
 
+TcpStore* rendezvous_store() {
+  std::lock_guard<std::mutex> lock(g_rendezvous_mu);
+  return g_rendezvous.get();
+}
+
+void bootstrap_broadcast_bytes(void* data, std::size_t bytes, double timeout_s) {
+  if (mpi_active()) return mpi_broadcast_bytes(data, bytes);
+  TcpStore* store = rendezvous_store();
+  STRATA_REQUIRE(store,
+                 "a multi-rank bootstrap needs MPI or the launch's TCP rendezvous; start the job "
+                 "with mpirun, torchrun or srun");
+  // One key per broadcast: every rank makes them in the same order.
+  static std::atomic<int> n{0};
+  const std::string key = fmt::format("bootstrap/{}", n++);
+  if (store->options().rank == 0) {
+    store->set(key, std::string(static_cast<const char*>(data), bytes));
+    return;
+  }
+  const std::string v = store->get(key, timeout_s);
+  STRATA_CHECK(v.size() == bytes, "bootstrap broadcast: {} bytes from rank 0, {} expected",
+               v.size(), bytes);
+  std::memcpy(data, v.data(), bytes);
+}
+
 #if defined(STRATA_HAVE_MPI)
 bool mpi_active() {
   int initialized = 0, finalized = 0;
@@ -220,7 +231,18 @@ void mpi_broadcast_bytes(void* data, std::size_t bytes) {
 void abort_job(const std::string& message, int exit_code) {
   log::error("{}", message);
   remove_swap_files_now();  // no destructor runs past here: the swap files would stay on the drive
-  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (mpi_active()) {
+    // MPI_Abort asks mpirun to end every rank; with a node unreachable (its link down) Open MPI
+    // 4.1 blocks there for ever (measured across network namespaces). This rank ends regardless.
+    std::thread([exit_code] {
+      std::this_thread::sleep_for(std::chrono::seconds(10));
+      log::error(
+          "MPI_Abort has not ended this rank after 10 s (the launcher cannot reach a node?); "
+          "exiting");
+      std::_Exit(exit_code);
+    }).detach();
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+  }
   std::_Exit(exit_code);
 }
 
@@ -272,6 +294,27 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double) {
 
 }  // namespace comm
 void end_job_if_one_of_many(const std::string& message, bool join_if_not_up) {
+  const LaunchInfo li = launch_info();
+  if (!li.under_mpi && li.world_size > 1) {
+    // torchrun / srun without MPI: the peers may wait at the rendezvous (join it, so that they
+    // get past it and hear why) or in the store; a peer in a collective finds this process's
+    // connections closed when it exits.
+    bool tried = false;
+    {
+      std::lock_guard<std::mutex> lock(g_rendezvous_mu);
+      tried = g_rendezvous_tried;
+    }
+    if (join_if_not_up && !tried) {
+      try {
+        init_launch();
+      } catch (const std::exception&) {
+        return;
+      }
+    }
+    if (comm::TcpStore* store = comm::rendezvous_store())
+      store->abort(fmt::format("{}; ending the job", message));
+    return;
+  }
   comm::end_job_if_one_of_many_impl(message, join_if_not_up);
 }
 

@@ -1,14 +1,12 @@
 // MpiCommunicator: collectives over MPI for host memory and the CPU-emulated device.
 //
 // Owns: a duplicate of MPI_COMM_WORLD (our collectives never interleave with a program's
-// own), one comm worker thread, a watchdog, and fp32 scratch for 16-bit reductions.
+// own), the collective worker (comm_internal.h: one thread, a watchdog), and fp32 scratch for
+// 16-bit reductions.
 // Invariants:
 //  - Every MPI call of this communicator runs on its worker, in the order the collectives
 //    were issued (over all streams together), so every rank makes the same calls in the
-//    same order whatever its streams do. A collective is queued on its stream as a host
-//    step that hands it to the worker and holds the stream until the worker has finished
-//    it: stream order is kept, and the stream is busy while the collective runs, as a GPU
-//    stream is while NCCL runs.
+//    same order whatever its streams do (CollectiveWorker).
 //  - bf16/fp16 reductions are not done on raw 16-bit words (an integer sum of bit
 //    patterns is garbage): the worker widens them to fp32 scratch (exact), reduces fp32
 //    with MPI's own MPI_SUM / MPI_MAX, and rounds the result once, to nearest even, with
@@ -58,44 +56,16 @@ MPI_Datatype mpi_type(DType t) {
   return MPI_DATATYPE_NULL;
 }
 
-// One issued collective, shared by the stream's host step and the worker.
-struct PendingOp {
-  Communicator::Collective c;
-  std::string what;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool ready = false;  // the stream has reached it
-  bool done = false;
-
-  void set(bool PendingOp::*flag) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      this->*flag = true;
-    }
-    cv.notify_all();
-  }
-  void wait(bool PendingOp::*flag) {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return this->*flag; });
-  }
-};
-
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(Device& device, double timeout_s, MPI_Comm comm, int rank, int world_size)
       : Communicator(CommBackend::kMpi, device, rank, world_size, timeout_s),
         comm_(comm),
-        watchdog_(rank, world_size, timeout_s, [](const std::string& msg) { abort_job(msg); }) {
-    worker_ = std::thread([this] { run(); });
-  }
+        worker_(std::make_unique<CollectiveWorker>(rank, world_size, timeout_s,
+                                                   [this](const Collective& c) { execute(c); })) {}
 
   ~MpiCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();  // after every issued collective has run: their streams still wait on them
+    worker_.reset();  // after every issued collective has run: their streams still wait on them
     if (mpi_active()) MPI_Comm_free(&comm_);
   }
 
@@ -108,54 +78,10 @@ class MpiCommunicator final : public Communicator {
         STRATA_REQUIRE(t.numel <= std::size_t(INT_MAX),
                        "{}: {} elements exceed MPI's int count ({}); split the tensor",
                        c.describe(), t.numel, INT_MAX);
-    auto op = std::make_shared<PendingOp>();
-    op->c = c;
-    op->what = c.describe();
-    // One lock over both steps: the worker's order is the streams' issue order.
-    std::lock_guard<std::mutex> issue(issue_mu_);
-    stream.host_fn(
-        [op] {
-          op->set(&PendingOp::ready);
-          op->wait(&PendingOp::done);
-        },
-        c.name());  // the span: from the stream reaching it to the collective's end
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(op));
-    }
-    cv_.notify_all();
+    worker_->enqueue(c, stream);
   }
 
  private:
-  void run() {
-    for (;;) {
-      std::shared_ptr<PendingOp> op;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        op = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      op->wait(&PendingOp::ready);
-      note_in_flight(op->what);
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::uint64_t id = watchdog_.begin(op->what);
-      try {
-        execute(op->c);
-      } catch (const std::exception& e) {
-        const double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        abort_job(
-            fmt::format("collective {} failed on rank {} of {} after {:.3f} s: {}; ending the job",
-                        op->what, rank(), world_size(), s, e.what()));
-      }
-      watchdog_.end(id);
-      note_done();
-      op->set(&PendingOp::done);
-    }
-  }
-
   void check(int rc, const char* call) {
     if (rc == MPI_SUCCESS) return;
     int cls = rc;
@@ -296,14 +222,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
-  Watchdog watchdog_;
-  std::vector<std::vector<float>> scratch_;  // worker only
-  std::mutex issue_mu_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<PendingOp>> queue_;
-  bool stopping_ = false;
-  std::thread worker_;  // last: started after every other member exists
+  std::vector<std::vector<float>> scratch_;   // worker only
+  std::unique_ptr<CollectiveWorker> worker_;  // last: its thread runs execute()
 };
 
 }  // namespace

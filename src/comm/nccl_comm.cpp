@@ -4,8 +4,9 @@
 //
 // Owns: the ncclComm_t, a 256-byte device scratch (barrier's one-element all-reduce; also
 // how we learn the GPU ordinal of the Device, through cudaPointerGetAttributes), and a
-// watchdog. Bootstrap: rank 0 makes the unique id and MPI broadcasts it (one rank needs no
-// MPI at all). The communicator is non-blocking (ncclCommInitRankConfig, blocking = 0): NCCL
+// watchdog. Bootstrap: rank 0 makes the unique id and MPI broadcasts it, or without MPI
+// (torchrun, srun without --mpi) the launch's TCP rendezvous hands it out (one rank needs
+// neither). The communicator is non-blocking (ncclCommInitRankConfig, blocking = 0): NCCL
 // finishes its bootstrap, and any call that returns ncclInProgress, in the background, and
 // settle() polls ncclCommGetAsyncError until it has, against the timeout, so a rank that died
 // before joining ends the job (ncclCommAbort, then abort_job, naming the call) instead of
@@ -335,14 +336,14 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
         "newer one (pip install nvidia-nccl-cu{}, or the libnccl2 package) and put it first on the "
         "library path",
         decode_nccl_version(code).str(), kMinNcclVersion, CUDART_VERSION / 1000);
-  const LaunchInfo li = init_launch();  // MPI only under a launcher
+  const LaunchInfo li = init_launch();  // MPI under an MPI launcher, else the TCP rendezvous
   Buffer scratch = device.alloc(256);
   cudaPointerAttributes attr{};
   STRATA_CUDA_CHECK(cudaPointerGetAttributes(&attr, scratch.data()));
   const int ordinal = attr.device;
   int count = 0;
   STRATA_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (li.under_mpi && count > 0 && ordinal != launch_gpu_ordinal(li, count))
+  if (li.world_size > 1 && count > 0 && ordinal != launch_gpu_ordinal(li, count))
     log::warn(
         "rank {} (local rank {}) uses GPU {} but the launch layout suggests GPU {}; create the "
         "device "
@@ -355,7 +356,7 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   }
   ncclUniqueId id{};
   if (li.rank == 0) STRATA_NCCL_CHECK(ncclGetUniqueId(&id));
-  if (li.world_size > 1) mpi_broadcast_bytes(&id, sizeof id);
+  if (li.world_size > 1) bootstrap_broadcast_bytes(&id, sizeof id, timeout_s);
   ncclComm_t comm = nullptr;
   {
     // Every rank joins NCCL's bootstrap: non-blocking, so a rank that died before joining ends

@@ -181,6 +181,17 @@ void print_header(Run& r) {
                mcfg.model_type.c_str(), s.demo_model ? " (embedded demo)" : "",
                double(r.model->num_params()) / 1e6,
                std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, on.c_str());
+  // Where the job stands, from rank 0 alone: "rank 0 of 8 (2 nodes), backend nccl, launcher
+  // torchrun, rendezvous node01:29500".
+  if (world > 1) {
+    const LaunchInfo& li = s.launch;
+    std::fprintf(con, "rank %d of %d (%d node%s), backend %s, launcher %s%s\n", li.rank, world,
+                 li.num_nodes, li.num_nodes == 1 ? "" : "s", comm_backend_name(r.comm->backend()),
+                 li.launcher.c_str(),
+                 li.master_addr.empty()
+                     ? ""
+                     : fmt::format(", rendezvous {}:{}", li.master_addr, li.master_port).c_str());
+  }
   // "device", "host", "nvme", or the split ("device 70% + host 30%"; it said "nvme" for any split).
   const auto where = [](const Placement& p) {
     std::vector<std::string> parts;
