@@ -7,13 +7,16 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
+#include "strata/chat.h"
 #include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/model_data.h"
@@ -138,7 +141,7 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
                {"e.txt", "names no EOS token", "eos_token"});
 }
 
-// Chat records go through the chat encoder's one seam; without one they are refused.
+// Chat records go through CorpusOptions::chat; without a template they are refused.
 TEST(Corpus, ChatRecordsGoThroughTheChatEncoder) {
   TinyFolder t;
   const std::string chat =
@@ -150,8 +153,20 @@ TEST(Corpus, ChatRecordsGoThroughTheChatEncoder) {
     read_corpus_file(t.tok, chat);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("chat.jsonl:1: a chat record"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("--chat-format"), std::string::npos);
+  }
+  // A folder without a chat template: its text records still prepare; the first chat record is
+  // the error, naming the flag that picks a layout.
+  {
+    CorpusOptions o;
+    use_chat_template(o, t.model);
+    EXPECT_NE(o.chat_template.find("error"), std::string::npos);
+    EXPECT_EQ(read_corpus_file(t.tok, t.write("text.jsonl", "{\"text\": \"he\"}\n"), o).size(), 1u);
+    expect_error([&] { read_corpus_file(t.tok, chat, o); },
+                 {"chat.jsonl:1: a chat record is rendered with the model's chat template",
+                  "--chat-format"});
   }
   CorpusOptions o;
   int calls = 0;
@@ -411,6 +426,81 @@ std::string npm_models(const std::string& vocabulary) {
 }
 
 // Llama 3's own tokenizer: BOS from its template, its EOS after each document, the text back.
+// Chat records with a real model's own template (Qwen3's tokenizer_config.json): each document
+// is encode_chat's tokens and mask, the loader's targets are the assistant's tokens only, and the
+// prepared file records the template it rendered with (another --chat-format is another source).
+TEST(Corpus, ChatRecordsRenderedWithTheFoldersTemplate) {
+  const std::string models = npm_models("qwen3");
+  if (!fs::exists(models + "/tokenizer.json"))
+    GTEST_SKIP() << models << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(models);
+  testing::TempDir dir("strata-prep-chat");
+  const std::string jsonl =
+      R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! 你好"}]})"
+      "\n"
+      R"({"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}, {"from": "human", "value": "and 3+3?"}, {"from": "gpt", "value": "6"}]})"
+      "\n"
+      R"({"instruction": "Name a colour.", "input": "", "output": "Blue."})"
+      "\n";
+  std::ofstream(dir.path + "/c.jsonl") << jsonl;
+  CorpusOptions o;
+  use_chat_template(o, models);
+  const ChatTemplate t = chat_template_from_folder(models);
+  ASSERT_EQ(t.format, ChatFormat::kChatML);
+  const auto docs = read_corpus_file(tok, dir.path + "/c.jsonl", o);
+  ASSERT_EQ(docs.size(), 3u);
+  std::istringstream lines(jsonl);
+  std::string line;
+  std::uint64_t counted = 0, tokens = 0;
+  for (const Document& d : docs) {
+    ASSERT_TRUE(std::getline(lines, line));
+    const EncodedChat e =
+        encode_chat(tok, t, parse_chat_record(nlohmann::json::parse(line), ChatUse::kTraining),
+                    render_options_for(tok));
+    EXPECT_EQ(d.tokens, e.tokens);
+    EXPECT_EQ(d.counted, e.counted);
+    // Something is masked and something counts in every conversation.
+    const auto n = std::count(d.counted.begin(), d.counted.end(), 1);
+    EXPECT_GT(n, 0);
+    EXPECT_LT(n, std::ptrdiff_t(d.tokens.size()));
+    counted += std::uint64_t(n);
+    tokens += d.tokens.size();
+  }
+  const std::string out = dir.path + "/c.prep", hash = tokenizer_hash(models, tok);
+  const PrepSummary s = prepare_corpus(tok, hash, {dir.path + "/c.jsonl"}, out, o);
+  EXPECT_EQ(s.documents, 3u);
+  EXPECT_EQ(s.tokens, tokens);
+  EXPECT_EQ(s.counted_tokens, counted);
+  const PreparedHeader h = read_prepared_header(out);
+  EXPECT_EQ(nlohmann::json::parse(h.source)["chat_template"]["format"], "chatml");
+  DataOptions d;
+  d.files = {out};
+  d.seq_len = std::int64_t(tokens) + 8;
+  d.vocab_size = std::uint64_t(tok.vocab_size());
+  d.tokenizer_hash = hash;
+  const Batch b = TokenLoader(d).next();  // the three conversations in one row
+  std::vector<std::int32_t> want;
+  for (const Document& doc : docs)
+    for (std::size_t i = 1; i < doc.tokens.size(); ++i)
+      if (doc.counted[i]) want.push_back(doc.tokens[i]);
+  std::vector<std::int32_t> got;
+  for (std::int32_t x : b.targets)
+    if (x != kIgnoreTarget) got.push_back(x);
+  EXPECT_EQ(got, want);
+  // The counted targets read back as the assistants' answers and their <|im_end|>.
+  const std::string text = tok.decode(got);
+  EXPECT_NE(text.find("Hello! 你好<|im_end|>"), std::string::npos) << text;
+  EXPECT_NE(text.find("Blue.<|im_end|>"), std::string::npos) << text;
+  EXPECT_EQ(text.find("Hi there"), std::string::npos) << text;
+  EXPECT_EQ(text.find("Be brief"), std::string::npos) << text;
+  // --chat-format names another layout: another source description (a cache is not reused).
+  CorpusOptions other;
+  use_chat_template(other, models, "llama3");
+  EXPECT_NE(describe_sources({dir.path + "/c.jsonl"}, other), describe_sources({dir.path + "/c.jsonl"}, o));
+  CorpusOptions bad;
+  expect_error([&] { use_chat_template(bad, models, "vicuna"); }, {"vicuna"});
+}
+
 TEST(Corpus, RealVocabularyRoundTrip) {
   const std::string models = npm_models("llama3");
   if (!fs::exists(models + "/tokenizer.json"))

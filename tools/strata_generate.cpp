@@ -265,9 +265,11 @@ int run(const Options& o) {
       fs::exists(dir / "generation_config.json", ec)
           ? strata::tools::read_json_file((dir / "generation_config.json").string())
           : nlohmann::json::object();
-  // The folder's tokenizer.json when there is one (one this tokenizer cannot run: ids only, and
-  // --prompt says why); a byte-level model (vocab 256) without one reads and prints bytes.
-  const bool has_tokenizer = fs::exists(dir / "tokenizer.json", ec);
+  // The folder's tokenizer (tokenizer.json, else tokenizer.model) when there is one (one this
+  // tokenizer cannot run: ids only, and --prompt says why); a byte-level model (vocab 256)
+  // without one reads and prints bytes.
+  const fs::path tok_file = strata::Tokenizer::file_in(dir);
+  const bool has_tokenizer = !tok_file.empty();
   std::optional<strata::Tokenizer> tok;
   std::string tok_error;
   if (has_tokenizer) {
@@ -279,8 +281,9 @@ int run(const Options& o) {
   }
   const std::string tok_why =
       has_tokenizer
-          ? fmt::format("{}/tokenizer.json cannot be used ({})", o.model_dir, tok_error)
-          : fmt::format("{} has no tokenizer.json (vocab_size {})", o.model_dir, cfg.vocab_size);
+          ? fmt::format("{} cannot be used ({})", tok_file.string(), tok_error)
+          : fmt::format("{} has no tokenizer.json or tokenizer.model (vocab_size {})",
+                        o.model_dir, cfg.vocab_size);
   if (o.chat) return run_chat(o, cfg, gen, tok, tok_why);
   const bool byte_level = cfg.vocab_size == 256 && !has_tokenizer;
 
@@ -290,9 +293,9 @@ int run(const Options& o) {
       prompt = tok->encode(o.prompt, /*add_special_tokens=*/true);
       for (std::int32_t id : prompt)
         STRATA_REQUIRE(id < cfg.vocab_size,
-                       "--prompt: {}/tokenizer.json gives id {}, beyond the model's vocab_size {}: "
+                       "--prompt: {} gives id {}, beyond the model's vocab_size {}: "
                        "the tokenizer is not this model's",
-                       o.model_dir, id, cfg.vocab_size);
+                       tok_file.string(), id, cfg.vocab_size);
       STRATA_REQUIRE(!prompt.empty(), "--prompt '{}' encodes to no token: give some text",
                      o.prompt);
     } else {

@@ -21,7 +21,7 @@
 namespace {
 
 struct Options {
-  std::string model_dir, tokenizer_dir, out, text_field = "text", separator;
+  std::string model_dir, tokenizer_dir, out, text_field = "text", separator, chat_format;
   std::vector<std::string> inputs;
   int threads = 0;
   std::int64_t seq_len = 0;
@@ -43,13 +43,14 @@ int run(Options& o, bool separator_given) {
   namespace fs = std::filesystem;
   STRATA_REQUIRE(o.model_dir.empty() != o.tokenizer_dir.empty(),
                  "give the tokenizer's folder once: --model DIR (a Hugging Face model folder) or "
-                 "--tokenizer DIR (a folder with tokenizer.json)");
+                 "--tokenizer DIR (a folder with tokenizer.json or tokenizer.model)");
   const std::string dir = o.model_dir.empty() ? o.tokenizer_dir : o.model_dir;
   const char* flag = o.model_dir.empty() ? "--tokenizer" : "--model";
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_regular_file(fs::path(dir) / "tokenizer.json", ec),
-                 "{} {}: no tokenizer.json there; give the folder of the model's tokenizer "
-                 "(a Hugging Face model folder holds tokenizer.json and tokenizer_config.json)",
+  STRATA_REQUIRE(!strata::Tokenizer::file_in(dir).empty(),
+                 "{} {}: no tokenizer.json (or tokenizer.model) there; give the folder of the "
+                 "model's tokenizer (a Hugging Face model folder holds tokenizer.json and "
+                 "tokenizer_config.json)",
                  flag, dir);
   for (const auto& in : o.inputs)
     STRATA_REQUIRE(fs::is_regular_file(in, ec), "{}: no such file", in);
@@ -62,6 +63,7 @@ int run(Options& o, bool separator_given) {
   if (separator_given) c.separator = o.separator;
   c.threads = o.threads;
   c.max_document_tokens = o.max_document_tokens;
+  strata::use_chat_template(c, dir, o.chat_format);
   const bool tty = !o.json && ::isatty(::fileno(stderr));
   const auto t0 = std::chrono::steady_clock::now();
   if (tty)
@@ -141,9 +143,14 @@ int main(int argc, char** argv) {
       "with the model's tokenizer into the prepared file strata-train --data reads"};
   app.add_option("inputs", o.inputs, "corpus files: .jsonl (one JSON record a line) or text")
       ->required();
-  app.add_option("--model", o.model_dir, "the Hugging Face model folder (its tokenizer.json)");
+  app.add_option("--model", o.model_dir,
+                 "the Hugging Face model folder (its tokenizer.json or tokenizer.model, and the "
+                 "chat template in tokenizer_config.json for chat records)");
   app.add_option("--tokenizer", o.tokenizer_dir,
-                 "a folder with tokenizer.json (instead of --model)");
+                 "a folder with tokenizer.json or tokenizer.model (instead of --model)");
+  app.add_option("--chat-format", o.chat_format,
+                 "chat records: render them in this layout (chatml, llama3, llama2, mistral, "
+                 "none) instead of the folder's chat template");
   app.add_option("-o,--out", o.out, "the prepared file to write")->required();
   app.add_option("--text-field", o.text_field, ".jsonl: the field holding the text (default text)");
   auto* sep = app.add_option("--separator", o.separator,

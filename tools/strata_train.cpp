@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
                  "document tokenized by the --model folder's tokenizer");
   app.add_option("--text-field", o.text_field,
                  ".jsonl corpora: the field that holds a document's text (default text)");
+  app.add_option("--chat-format", o.chat_format,
+                 "chat records in --data .jsonl corpora: render them in this layout (chatml, "
+                 "llama3, llama2, mistral, none) instead of the --model folder's chat template")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral", "none"}));
   std::string separator;
   auto* separator_opt = app.add_option(
       "--separator", separator,
@@ -180,6 +184,8 @@ int main(int argc, char** argv) {
           "is the format of --data token files (--text is read byte by byte)");
     needs("--text-field", !o.data_files.empty() || !o.eval_files.empty(),
           "names the text field of --data .jsonl corpora: add --data FILE.jsonl");
+    needs("--chat-format", !o.data_files.empty() || !o.eval_files.empty(),
+          "renders the chat records of --data .jsonl corpora: add --data FILE.jsonl");
     needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
           "splits --data / --text text corpora into documents: add --data or --text");
     return strata::train(o).plan_fits ? 0 : 2;

@@ -6,8 +6,9 @@
 //     separators are (empty pieces are skipped);
 //   - JSON lines (`.jsonl`): one record per line (blank lines skipped); a record with a string
 //     field `text_field` (default "text") is one document; a record with `messages`,
-//     `conversations` or `instruction` is a chat record, rendered by the chat encoder (the one
-//     call site is encode_chat_record in src/model/corpus.cpp; CorpusOptions::chat overrides it).
+//     `conversations` or `instruction` is a chat record, rendered by CorpusOptions::chat
+//     (use_chat_template: the model folder's chat template, strata/chat.h); without one a chat
+//     record is an error naming --chat-format.
 // Text must be well-formed UTF-8: an error names the file and line otherwise.
 //
 // A text document's tokens are tokenizer.encode(text) (with the BOS its template adds) followed
@@ -73,11 +74,24 @@ struct CorpusOptions {
   int threads = 0;                        // tokenizing threads; 0: all cores
   std::uint64_t max_document_tokens = 0;  // > 0: longer documents are cut (counted as truncated)
   ChatRecordEncoder chat;                 // empty: encode_chat_record's default
+  // What `chat` renders with (use_chat_template sets both): part of the prepared file's source
+  // description, so that a cache of a corpus is not reused under another template.
+  std::string chat_template;
   std::function<void(const PrepProgress&)> progress;  // after each chunk (optional)
 };
 
-// The identity of a tokenizer for the prepared file: XXH3-128 of `dir`/tokenizer.json's bytes and
-// the special-token settings (bos, eos, pad, whether BOS is added), as 32 hex digits.
+// Chat records rendered with the model folder `dir`'s chat template (chat_template_from_folder),
+// or with `format`'s plain layout when it is not empty (--chat-format: chatml, llama3, llama2,
+// mistral, none), with render_options_for(the tokenizer), and encoded with the assistant's tokens
+// counted (strata/chat.h: encode_chat). Sets o.chat and o.chat_template. A folder whose template
+// is missing or not recognised fails at its first chat record, with the error naming
+// --chat-format; a corpus of text records never needs one.
+void use_chat_template(CorpusOptions& o, const std::filesystem::path& dir,
+                       const std::string& format = {});
+
+// The identity of a tokenizer for the prepared file: XXH3-128 of the bytes of the file it was
+// read from (`dir`/tokenizer.json, else tokenizer.model: Tokenizer::file_in) and the special-token
+// settings (bos, eos, pad, whether BOS is added), as 32 hex digits.
 std::string tokenizer_hash(const std::filesystem::path& dir, const Tokenizer& tokenizer);
 
 // The documents of one input file, in order (no parallelism: for tests and small inputs).

@@ -51,6 +51,9 @@ class Tokenizer {
   // component when neither is there, or the file is malformed or describes a pipeline this
   // tokenizer does not implement.
   static Tokenizer from_folder(const std::filesystem::path& dir);
+  // The file from_folder reads in `dir`: its tokenizer.json, else its tokenizer.model; empty
+  // when there is neither.
+  static std::filesystem::path file_in(const std::filesystem::path& dir);
   // The same from the files' text; `config_json` may be empty. `origin` names the source in
   // error messages.
   static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json = {},

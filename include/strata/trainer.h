@@ -175,6 +175,9 @@ struct TrainOptions {
   // into documents (none: a file is one document).
   std::string text_field = "text";
   std::optional<std::string> separator;
+  // Chat records in corpora: rendered in this layout (chatml | llama3 | llama2 | mistral | none)
+  // instead of the model folder's chat template (strata/chat.h); empty: the folder's.
+  std::string chat_format;
   std::string ds_config;  // optional ds_config.json path
   // Flags that override the ds_config when set (<= 0 / empty: take the config's value).
   std::int64_t seq_len = 0, micro_batch = 0, grad_accum = 0, steps = 0;

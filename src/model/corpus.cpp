@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "core/utf8.h"
+#include "strata/chat.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -103,15 +104,58 @@ Document encode_text(const Tokenizer& tok, std::string_view text, const std::str
 
 }  // namespace
 
-// The chat renderer's single call site: the chat templates (strata/chat.h) render a record as
-// tokens with the assistant's tokens counted. Until they are connected here, a chat record is
-// refused.
+// Without a template (CorpusOptions::chat not set): never a guess at one.
 Document encode_chat_record(const Tokenizer& /*tokenizer*/, const Json& /*record*/,
                             const std::string& where) {
-  STRATA_THROW(kUnsupported,
-               "{}: a chat record (messages / conversations / instruction): chat templates are not "
-               "supported yet; give records with a text field (--text-field NAME) instead",
+  STRATA_THROW(kInvalidArgument,
+               "{}: a chat record (messages / conversations / instruction) is rendered with the "
+               "model's chat template, and none was given: prepare the corpus with the model "
+               "folder (--model DIR) or name the layout with --chat-format "
+               "chatml|llama3|llama2|mistral|none",
                where);
+}
+
+void use_chat_template(CorpusOptions& o, const fs::path& dir, const std::string& format) {
+  // Read now (the description goes into the source record), but an error only at the first chat
+  // record: a corpus of text records needs no template.
+  struct Resolved {
+    std::optional<ChatTemplate> t;
+    std::string error;
+  };
+  auto r = std::make_shared<Resolved>();
+  if (!format.empty()) {
+    r->t = chat_template_for(parse_chat_format(format));  // a wrong name is an error at once
+  } else {
+    try {
+      r->t = chat_template_from_folder(dir);
+    } catch (const Error& e) {
+      r->error = e.user_message();
+    }
+  }
+  Json id;
+  if (r->t) {
+    const ChatTemplate& t = *r->t;
+    id = {{"format", chat_format_name(t.format)},
+          {"default_system", t.default_system},
+          {"qwen3_thinking", t.qwen3_thinking},
+          {"space_after_eos", t.space_after_eos},
+          {"always_generation_prompt", t.always_generation_prompt},
+          {"knowledge_cutoff", t.knowledge_cutoff},
+          {"default_date", t.default_date}};
+  } else {
+    id = {{"error", r->error}};
+  }
+  o.chat_template = id.dump();
+  o.chat = [r](const Tokenizer& tok, const Json& record, const std::string& where) {
+    STRATA_REQUIRE(r->t, "{}: a chat record is rendered with the model's chat template: {}",
+                   where, r->error);
+    const std::vector<ChatMessage> msgs = parse_chat_record(record, ChatUse::kTraining, where);
+    EncodedChat e = encode_chat(tok, *r->t, msgs, render_options_for(tok));
+    Document d;
+    d.tokens = std::move(e.tokens);
+    d.counted = std::move(e.counted);
+    return d;
+  };
 }
 
 namespace {
@@ -364,7 +408,10 @@ class PreparedWriter {
 }  // namespace
 
 std::string tokenizer_hash(const fs::path& dir, const Tokenizer& tok) {
-  std::string bytes = slurp((dir / "tokenizer.json").string(), "tokenizer");
+  const fs::path file = Tokenizer::file_in(dir);
+  STRATA_REQUIRE(!file.empty(), "{}: neither tokenizer.json nor tokenizer.model in the folder",
+                 dir.string());
+  std::string bytes = slurp(file.string(), "tokenizer");
   auto opt = [](std::optional<std::int32_t> v) {
     return v ? std::to_string(*v) : std::string("-");
   };
@@ -413,6 +460,7 @@ Json describe_sources(const std::vector<std::string>& inputs, const CorpusOption
             {"text_field", o.text_field},
             {"max_document_tokens", o.max_document_tokens}};
   j["separator"] = o.separator ? Json(*o.separator) : Json();
+  if (!o.chat_template.empty()) j["chat_template"] = Json::parse(o.chat_template);
   return j;
 }
 

@@ -1225,6 +1225,13 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   return Tokenizer(std::move(impl));
 }
 
+std::filesystem::path Tokenizer::file_in(const std::filesystem::path& dir) {
+  std::error_code ec;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})
+    if (std::filesystem::is_regular_file(dir / name, ec)) return dir / name;
+  return {};
+}
+
 Tokenizer Tokenizer::from_folder(const std::filesystem::path& dir) {
   const auto read = [](const std::filesystem::path& p) {
     std::ifstream f(p, std::ios::binary);

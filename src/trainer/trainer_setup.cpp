@@ -597,33 +597,32 @@ void sequence_and_batch(Settings& s) {
         "model has not seen",
         seq_len, mcfg.max_positions);
   if (o.sample_every > 0) {
-    // The --model folder's tokenizer.json reads a text prompt and writes the samples as text.
-    std::error_code ec;
-    const bool has_tokenizer =
-        !o.model_dir.empty() && fs::exists(fs::path(o.model_dir) / "tokenizer.json", ec);
-    if (has_tokenizer) {
+    // The --model folder's tokenizer (tokenizer.json or tokenizer.model) reads a text prompt
+    // and writes the samples as text.
+    const fs::path tok_file = o.model_dir.empty() ? fs::path() : Tokenizer::file_in(o.model_dir);
+    if (!tok_file.empty()) {
       try {
         s.tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_folder(o.model_dir));
       } catch (const Error& e) {
         STRATA_REQUIRE(o.sample_prompt.empty(),
-                       "--sample-prompt TEXT: {}/tokenizer.json cannot be used ({}): give the "
+                       "--sample-prompt TEXT: {} cannot be used ({}): give the "
                        "prompt's token ids with --sample-prompt-ids",
-                       o.model_dir, e.user_message());
-        log::warn("--sample-every: {}/tokenizer.json cannot be used ({}): samples print as ids",
-                  o.model_dir, e.user_message());
+                       tok_file.string(), e.user_message());
+        log::warn("--sample-every: {} cannot be used ({}): samples print as ids",
+                  tok_file.string(), e.user_message());
       }
     }
     if (!o.sample_prompt.empty() && s.tokenizer) {
       s.sample_prompt = s.tokenizer->encode(o.sample_prompt);
       for (std::int32_t id : s.sample_prompt)
         STRATA_REQUIRE(id < mcfg.vocab_size,
-                       "--sample-prompt: {}/tokenizer.json gives id {}, beyond the model's "
+                       "--sample-prompt: {} gives id {}, beyond the model's "
                        "vocab_size {}: the tokenizer is not this model's",
-                       o.model_dir, id, mcfg.vocab_size);
+                       tok_file.string(), id, mcfg.vocab_size);
     } else if (!o.sample_prompt.empty()) {
       STRATA_REQUIRE(
           mcfg.vocab_size <= 256,
-          "--sample-prompt TEXT is read by the --model folder's tokenizer.json, or byte by "
+          "--sample-prompt TEXT is read by the --model folder's tokenizer, or byte by "
           "byte for a byte-level model; this one has neither (vocab_size {}): give the "
           "prompt's token ids with --sample-prompt-ids",
           mcfg.vocab_size);
@@ -672,8 +671,9 @@ FolderTokenizer folder_tokenizer(const Settings& s) {
   }
   t.dir = o.model_dir;
   std::error_code ec;
-  if (!fs::exists(fs::path(o.model_dir) / "tokenizer.json", ec)) {
-    t.why_not = fmt::format("{} has no tokenizer.json", o.model_dir);
+  const fs::path file = Tokenizer::file_in(o.model_dir);
+  if (file.empty()) {
+    t.why_not = fmt::format("{} has no tokenizer.json (or tokenizer.model)", o.model_dir);
     return t;
   }
   try {
@@ -682,7 +682,7 @@ FolderTokenizer folder_tokenizer(const Settings& s) {
     t.hash = tokenizer_hash(o.model_dir, *t.tok);
   } catch (const Error& e) {
     t.tok.reset();
-    t.why_not = fmt::format("{}/tokenizer.json cannot be used ({})", o.model_dir, e.user_message());
+    t.why_not = fmt::format("{} cannot be used ({})", file.string(), e.user_message());
   }
   return t;
 }
@@ -706,6 +706,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   CorpusOptions c;
   c.text_field = s.o.text_field;
   c.separator = s.o.separator;
+  use_chat_template(c, t.dir, s.o.chat_format);
   const nlohmann::json sources = describe_sources(inputs, c);
   nlohmann::json key = sources;
   for (auto& in : key["inputs"]) {
