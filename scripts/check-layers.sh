@@ -3,7 +3,7 @@
 # two folders of one layer. The layers, lowest first:
 #   0 core
 #   1 cpu gpu nvme
-#   2 comm model
+#   2 comm model text
 #   3 cuda_module scheduler
 #   4 trainer, src/runtime.cpp (the umbrella library)
 #   5 tools tests
@@ -19,7 +19,7 @@ set -euo pipefail
 root=${1:-$(cd "$(dirname "$0")/.." && pwd)}
 cd "$root"
 
-declare -A layer=([core]=0 [cpu]=1 [gpu]=1 [nvme]=1 [comm]=2 [model]=2 [cuda_module]=3 [scheduler]=3
+declare -A layer=([core]=0 [cpu]=1 [gpu]=1 [nvme]=1 [comm]=2 [model]=2 [text]=2 [cuda_module]=3 [scheduler]=3
                   [trainer]=4 [runtime.cpp]=4 [tools]=5 [tests]=5)
 # Lower folders a folder may still not include.
 declare -A barred=([model]="cpu gpu")

