@@ -22,15 +22,7 @@ using Json = nlohmann::json;
 using Ids = std::vector<std::int32_t>;
 using Msgs = std::vector<ChatMessage>;
 
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
+using testing::error_of;
 
 #define EXPECT_ERROR(expr, text) \
   EXPECT_NE(error_of([&] { expr; }).find(text), std::string::npos) << error_of([&] { expr; })

@@ -92,6 +92,17 @@ inline Result run(const std::string& bin, const std::vector<std::string>& args,
           slurp(dir + "/" + tag + ".stderr")};
 }
 
+// The message of what `fn` throws (empty when it does not throw strata::Error).
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 // The path of `name` on PATH ("" when it is not there).
 inline std::string find_on_path(const std::string& name) {
   const char* path = std::getenv("PATH");

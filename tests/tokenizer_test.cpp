@@ -207,16 +207,7 @@ TEST(Tokenizer, ConfigNamesBosEosPad) {
   }
 }
 
-// The message of what `fn` throws (empty when it does not throw strata::Error).
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
-}
+using testing::error_of;
 
 TEST(Tokenizer, UnsupportedComponentsNamed) {
   Json j = byte_level_json();
@@ -469,23 +460,8 @@ TEST_F(SentencePieceModel, FolderPrefersTokenizerJsonAndThreadsAgree) {
 
 // ---- real vocabularies against the reference ----
 
-std::string find_node() {
-  const char* path = std::getenv("PATH");
-  std::string p = path ? path : "/usr/bin:/bin";
-  for (std::size_t b = 0; b <= p.size();) {
-    std::size_t e = p.find(':', b);
-    if (e == std::string::npos) e = p.size();
-    const std::filesystem::path cand = std::filesystem::path(p.substr(b, e - b)) / "node";
-    if (!cand.parent_path().empty() && ::access(cand.c_str(), X_OK) == 0) return cand.string();
-    b = e + 1;
-  }
-  return {};
-}
-
-std::string npm_dir() {
-  const char* d = std::getenv("STRATA_NPM_DIR");
-  return d && *d ? d : "/tmp/strata-npm";
-}
+std::string find_node() { return testing::find_on_path("node"); }
+using testing::npm_dir;
 
 // Strings glued from pieces that stress the pre-tokenizer patterns and the merges: contractions in
 // both cases (and the long s, which case folding equates with s), whitespace of every kind,

@@ -182,19 +182,12 @@ class Regex {
   // Every non-overlapping match of the pattern in `s` (valid UTF-8), as [begin, end) byte ranges.
   std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view s) const {
     std::vector<std::pair<std::size_t, std::size_t>> out;
-    std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(
-        pcre2_match_data_create_from_pattern(code_, nullptr), &pcre2_match_data_free);
-    // Long whitespace runs recurse deeply under (?!\S): give JIT more than its 32 KiB default.
-    std::unique_ptr<pcre2_jit_stack, decltype(&pcre2_jit_stack_free)> stack(
-        pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr), &pcre2_jit_stack_free);
-    std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> ctx(
-        pcre2_match_context_create(nullptr), &pcre2_match_context_free);
-    STRATA_CHECK(md && stack && ctx, "PCRE2 could not allocate match data");
-    pcre2_jit_stack_assign(ctx.get(), nullptr, stack.get());
+    const MatchState& m = match_state();
     std::size_t pos = 0;
     while (pos <= s.size()) {
+      // rc 0: matched, with more groups than the match data holds (only the whole match is read).
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                                 PCRE2_NO_UTF_CHECK, md.get(), ctx.get());
+                                 PCRE2_NO_UTF_CHECK, m.md.get(), m.ctx.get());
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
         PCRE2_UCHAR msg[256];
@@ -202,7 +195,7 @@ class Regex {
         STRATA_THROW(kInternal, "PCRE2 failed matching a pre-tokenizer pattern: {}",
                      reinterpret_cast<const char*>(msg));
       }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(m.md.get());
       const std::size_t b = ov[0], e = ov[1];
       if (e == b) {
         // An empty match splits nothing: step over one character.
@@ -217,6 +210,27 @@ class Regex {
   }
 
  private:
+  // A thread's match data, JIT stack and match context, made once per thread and shared by every
+  // pattern (none of them depends on the pattern: only the whole match is read), so an encode
+  // maps no memory: creating a JIT stack per call cost an mmap and a munmap each time.
+  struct MatchState {
+    std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md{
+        pcre2_match_data_create(1, nullptr), &pcre2_match_data_free};
+    // Long whitespace runs recurse deeply under (?!\S): give JIT more than its 32 KiB default.
+    std::unique_ptr<pcre2_jit_stack, decltype(&pcre2_jit_stack_free)> stack{
+        pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr), &pcre2_jit_stack_free};
+    std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> ctx{
+        pcre2_match_context_create(nullptr), &pcre2_match_context_free};
+    MatchState() {
+      STRATA_CHECK(md && stack && ctx, "PCRE2 could not allocate match data");
+      pcre2_jit_stack_assign(ctx.get(), nullptr, stack.get());
+    }
+  };
+  static const MatchState& match_state() {
+    thread_local const MatchState state;
+    return state;
+  }
+
   pcre2_code* code_ = nullptr;
 };
 
@@ -1194,6 +1208,20 @@ static std::uint64_t next_tokenizer_serial() {
   return next.fetch_add(1);
 }
 
+namespace {
+// tokenizer_config.json's text (may be empty: a null Json), read for the tokenizer `origin`.
+Json parse_config_json(std::string_view text, const std::string& origin) {
+  if (text.empty()) return Json();
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    STRATA_THROW(kInvalidArgument,
+                 "{}: tokenizer_config.json does not parse ({}); fix or remove the file", origin,
+                 e.what());
+  }
+}
+}  // namespace
+
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
                                std::string origin) {
   auto impl = std::make_shared<Impl>();
@@ -1204,15 +1232,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   } catch (const Json::exception& e) {
     impl->malformed(fmt::format("JSON does not parse ({})", e.what()));
   }
-  if (!config_json.empty()) {
-    try {
-      cj = Json::parse(config_json);
-    } catch (const Json::exception& e) {
-      STRATA_THROW(kInvalidArgument,
-                   "{}: tokenizer_config.json does not parse ({}); fix or remove the file",
-                   impl->origin, e.what());
-    }
-  }
+  cj = parse_config_json(config_json, impl->origin);
   try {
     impl->parse(tj, cj);
   } catch (const Json::exception& e) {
@@ -1260,15 +1280,7 @@ Tokenizer Tokenizer::from_sentencepiece(std::string_view model, std::string_view
   auto impl = std::make_shared<Impl>();
   impl->origin = std::move(origin);
   Json cj;
-  if (!config_json.empty()) {
-    try {
-      cj = Json::parse(config_json);
-    } catch (const Json::exception& e) {
-      STRATA_THROW(kInvalidArgument,
-                   "{}: tokenizer_config.json does not parse ({}); fix or remove the file",
-                   impl->origin, e.what());
-    }
-  }
+  cj = parse_config_json(config_json, impl->origin);
   try {
     impl->load_sentencepiece(model, cj);
     impl->serial = next_tokenizer_serial();
