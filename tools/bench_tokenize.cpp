@@ -388,34 +388,29 @@ void run(const Args& a) {
       hf_tokens += hf.lengths()[i];
     }
 
-  // Scaling: the documents split evenly across t threads that each encode their share once
-  // untimed first (their word caches warm, as in a long run), then in step --reps times; the wall
-  // time from the common start to the last thread's end, best of the passes.
+  // Scaling: the documents split evenly across t new threads (their word caches start empty, as a
+  // strata-prep run's do, so every thread count does the same work), released together; the wall
+  // time from the common start to the last thread's end, best of --reps passes.
   nlohmann::json scaling = nlohmann::json::object();
   std::printf("\n  %-8s %12s %14s\n", "threads", "MB/s", "MB/s/thread");
   for (int t = 1; t <= threads; ++t) {
-    std::barrier sync(t + 1);
-    std::vector<std::thread> pool;
-    for (int k = 0; k < t; ++k) {
-      const std::size_t lo = docs.size() * std::size_t(k) / std::size_t(t);
-      const std::size_t hi = docs.size() * std::size_t(k + 1) / std::size_t(t);
-      pool.emplace_back([&, lo, hi] {
-        encode_range(lo, hi);
-        for (int r = 0; r < a.reps; ++r) {
-          sync.arrive_and_wait();
-          encode_range(lo, hi);
-          sync.arrive_and_wait();
-        }
-      });
-    }
     double best = 1e30;
     for (int r = 0; r < a.reps; ++r) {
+      std::barrier sync(t + 1);
+      std::vector<std::thread> pool;
+      for (int k = 0; k < t; ++k) {
+        const std::size_t lo = docs.size() * std::size_t(k) / std::size_t(t);
+        const std::size_t hi = docs.size() * std::size_t(k + 1) / std::size_t(t);
+        pool.emplace_back([&, lo, hi] {
+          sync.arrive_and_wait();
+          encode_range(lo, hi);
+        });
+      }
       sync.arrive_and_wait();
       const Stopwatch sw;
-      sync.arrive_and_wait();
+      for (auto& th : pool) th.join();
       best = std::min(best, sw.seconds());
     }
-    for (auto& th : pool) th.join();
     scaling[std::to_string(t)] = mb / best;
     std::printf("  %-8d %12.2f %14.2f\n", t, mb / best, mb / best / t);
   }
