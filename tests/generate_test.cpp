@@ -511,6 +511,15 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   Fixture fresh1(cfg.c_str(), 256, DType::kF32);
   EXPECT_EQ(one_turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
             generate(*fresh1.model, *fresh1.w, p2, g1).tokens);
+  // --chat --prompt TEXT: one turn, stdin not read: the first turn's prompt and reply.
+  const testing::Result once = chat("--max-new-tokens 6 --json --prompt 'Hello there'", "chat-once");
+  ASSERT_EQ(once.status, 0) << once.err;
+  std::istringstream once_lines(once.out);
+  std::vector<nlohmann::json> once_turns;
+  for (std::string l; std::getline(once_lines, l);) once_turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(once_turns.size(), 1u) << once.out;
+  EXPECT_EQ(once_turns[0]["prompt_ids"], turns[0]["prompt_ids"]);
+  EXPECT_EQ(once_turns[0]["new_tokens"], turns[0]["new_tokens"]);
   // Without --json: the replies, a line each.
   const testing::Result text = chat("--max-new-tokens 6", "chat-text");
   ASSERT_EQ(text.status, 0) << text.err;
@@ -583,7 +592,7 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
       {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
       {{"--model", m, "--chat"}, "--chat needs the model's tokenizer, and"},
       {{"--model", m, "--prompt-ids", "1", "--chat"},
-       "--chat reads the user's messages from stdin"},
+       "--chat renders messages as text with the chat template"},
       {{"--model", m, "--prompt-ids", "1", "--system", "x"}, "give --chat too"},
       {{"--model", m, "--prompt-ids", "1", "--chat-date", "1 Jan 2025"}, "give --chat too"},
       {{"--model", m}, "give the prompt once"},

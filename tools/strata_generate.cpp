@@ -142,13 +142,15 @@ double decode_rate(const strata::GenerateResult& r) {
   return r.tokens.size() > 1 && r.decode_s > 0 ? double(r.tokens.size() - 1) / r.decode_s : 0.0;
 }
 
-// --chat: user messages from stdin, one a line, until EOF or "/exit"; each turn re-renders the
-// whole conversation with the generation prompt and runs what the cache does not hold yet.
+// --chat: user messages from stdin, one a line, until EOF or "/exit" (or the one --prompt TEXT);
+// each turn re-renders the whole conversation with the generation prompt and runs what the cache
+// does not hold yet.
 int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::json& gen,
              const std::optional<strata::Tokenizer>& tok, const std::string& tok_why) {
-  STRATA_REQUIRE(o.prompt.empty() && o.prompt_ids.empty(),
-                 "--chat reads the user's messages from stdin, a line each: leave out --prompt "
-                 "and --prompt-ids (start the conversation with --system TEXT if you want one)");
+  STRATA_REQUIRE(o.prompt_ids.empty(),
+                 "--chat renders messages as text with the chat template: give the user's "
+                 "message with --prompt TEXT (one turn) or on stdin, a line each, not --prompt-ids");
+  const bool one_turn = !o.prompt.empty();
   STRATA_REQUIRE(tok.has_value(), "--chat needs the model's tokenizer, and {}", tok_why);
   const strata::ChatTemplate t =
       o.chat_format.empty() ? strata::chat_template_from_folder(o.model_dir)
@@ -159,7 +161,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
   const std::string eot = strata::end_of_turn(t, ro);
   const std::optional<std::int32_t> eot_id = tok->token_to_id(eot);
   STRATA_REQUIRE(eot_id.has_value(),
-                 "the {} layout ends a turn with '{}', which {}/tokenizer.json does not have: "
+                 "the {} layout ends a turn with '{}', which {}'s tokenizer does not have: "
                  "pick the model's layout with --chat-format chatml|llama3|llama2|mistral|none",
                  strata::chat_format_name(t.format), eot.empty() ? "(no eos token)" : eot,
                  o.model_dir);
@@ -176,16 +178,25 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
     for (const auto& n : t.not_reproduced) note += (note.empty() ? "" : ", ") + n;
     announce(
         o, cfg, m, g,
-        fmt::format(", chat ({}{}{}); a message a line, /exit or EOF ends",
-                    strata::chat_format_name(t.format), note.empty() ? "" : "; the template's ",
-                    note.empty() ? "" : note + " are not rendered"));
+        fmt::format(", chat ({}{}{}){}", strata::chat_format_name(t.format),
+                    note.empty() ? "" : "; the template's ",
+                    note.empty() ? "" : note + " are not rendered",
+                    one_turn ? ", one turn" : "; a message a line, /exit or EOF ends"));
   }
   std::vector<strata::ChatMessage> history;
   std::vector<std::int32_t> held;  // what the model's key/value cache holds
   if (o.system_given) history.push_back({"system", o.system});
   std::FILE* out = o.json ? stderr : stdout;
   std::string line;
-  for (int turn = 0; std::getline(std::cin, line);) {
+  bool prompt_given = false;
+  const auto next_message = [&] {
+    if (!one_turn) return bool(std::getline(std::cin, line));
+    if (prompt_given) return false;
+    prompt_given = true;
+    line = o.prompt;
+    return true;
+  };
+  for (int turn = 0; next_message();) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line == "/exit") break;
     if (line.empty()) continue;
@@ -193,7 +204,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
     const std::vector<std::int32_t> prompt = strata::encode_chat(*tok, t, history, ro).tokens;
     for (std::int32_t id : prompt)
       STRATA_REQUIRE(id < cfg.vocab_size,
-                     "{}/tokenizer.json gives id {}, beyond the model's vocab_size {}: the "
+                     "{}'s tokenizer gives id {}, beyond the model's vocab_size {}: the "
                      "tokenizer is not this model's",
                      o.model_dir, id, cfg.vocab_size);
     STRATA_REQUIRE(
@@ -385,8 +396,9 @@ int main(int argc, char** argv) {
                  "vocab_size 256 without one: its bytes)");
   app.add_option("--prompt-ids", o.prompt_ids, "the prompt as token ids: \"1 2 3\" or \"1,2,3\"");
   app.add_flag("--chat", o.chat,
-               "a conversation: user messages from stdin, a line each, rendered with the model's "
-               "chat template; the replies stream to stdout; /exit or EOF ends");
+               "a conversation: user messages from stdin, a line each (or the one --prompt "
+               "TEXT), rendered with the model's chat template; the replies stream to stdout; "
+               "/exit or EOF ends");
   app.add_option("--system", o.system, "--chat: the system prompt");
   app.add_option("--chat-format", o.chat_format,
                  "--chat: the layout when the folder has no chat template it recognises: chatml | "
