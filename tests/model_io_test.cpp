@@ -14,6 +14,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_data.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -36,15 +37,7 @@ fs::path scratch(const std::string& name) {
   return p;
 }
 
-void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 struct Env {
   std::unique_ptr<Device> dev = make_host_device();
@@ -179,9 +172,9 @@ TEST(ModelIo, UnusedTensorsAreNamedInOneWarning) {
   extra.push_back({"score.weight", DType::kF32, {24}, v.data()});
   write_params(a, dir, extra, same_name);
   ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   load_hf_weights(dir.string(), b);
-  const std::string warned = testing::internal::GetCapturedStderr();
+  const std::string warned = ::testing::internal::GetCapturedStderr();
   expect_same_bytes(a, b);
   EXPECT_NE(warned.find("lora_A"), std::string::npos) << warned;
   EXPECT_NE(warned.find("score.weight"), std::string::npos) << warned;
@@ -191,9 +184,9 @@ TEST(ModelIo, UnusedTensorsAreNamedInOneWarning) {
   EXPECT_EQ(std::count(warned.begin(), warned.end(), '\n'), 1) << warned;
 
   write_params(a, dir, buffers, same_name);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   load_hf_weights(dir.string(), b);
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   fs::remove_all(dir);
 }
 
@@ -224,15 +217,15 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
     "summary_use_proj": true, "task_specific_params": {"text-generation": {"do_sample": true, "max_length": 50}},
     "vocab_size": 256})";
   for (const std::string& j : {hf_llama, hf_qwen2, hf_gpt2}) {
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     (void)parse_model_config(j, "config.json");
-    EXPECT_EQ(testing::internal::GetCapturedStderr(), "") << j;
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "") << j;
   }
   std::string typo = hf_llama;
   typo.replace(typo.find("\"rope_theta\""), 12, "\"rope_thetta\"");
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   const ModelConfig c = parse_model_config(typo, "config.json");
-  const std::string warned = testing::internal::GetCapturedStderr();
+  const std::string warned = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(
       warned.find(
           "config.json: key 'rope_thetta' is not one strata reads; did you mean 'rope_theta'? As "
@@ -242,9 +235,9 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
   EXPECT_EQ(c.rope_theta, 10000.0);
   typo = hf_gpt2;
   typo.replace(typo.find("\"layer_norm_epsilon\""), 20, "\"layer_norm_epsilom\"");
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   (void)parse_model_config(typo, "config.json");
-  EXPECT_NE(testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"),
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"),
             std::string::npos);
 }
 

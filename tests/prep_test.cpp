@@ -29,15 +29,7 @@ namespace fs = std::filesystem;
 using Ids = std::vector<std::int32_t>;
 constexpr std::int32_t X = kIgnoreTarget;
 
-void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 // testing::kTinyTokenizer (ids worked out by hand: "hello" 11, " wor" 14, "l" 2, "d" 7, "!" 15,
 // "he" 8, "or" 13, " " 4, <|end|> 16, <|bos|> 17) with <|end|> as its EOS.

@@ -7,7 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <filesystem>
+#include <functional>
+#include <initializer_list>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -101,6 +105,18 @@ std::string error_of(F&& fn) {
     return e.what();
   }
   return {};
+}
+
+// Expects `fn` to throw strata::Error whose message holds every one of `needles`.
+inline void expect_error(const std::function<void()>& fn,
+                         std::initializer_list<std::string> needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    for (const auto& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+  }
 }
 
 // The path of `name` on PATH ("" when it is not there).

@@ -975,16 +975,23 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
 
 // A Hugging Face folder of a 20-id Llama with testing::kTinyTokenizer (EOS <|end|>), and a
 // .jsonl corpus of `n` documents in its vocabulary.
-void write_tokenizer_model(const std::string& hf) {
+// A Hugging Face folder of random fp32 weights (init_random(seed, 0.3)) for `config`.
+void save_random_model(const std::string& hf, const std::string& config, const char* name,
+                       std::uint64_t seed) {
   auto dev = make_host_device();
   auto s = dev->create_stream("w");
-  ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
-      "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
-                                       "tok20"),
-                    DType::kF32, *dev, *s);
-  w.init_random(3, 0.3f);
+  ResidentWeights w(parse_model_config(config, name), DType::kF32, *dev, *s);
+  w.init_random(seed, 0.3f);
   save_hf_weights(hf, w);
+}
+
+// The 20-id Llama of testing::kTinyTokenizer's vocabulary.
+constexpr const char* kTok20Config = R"({"model_type": "llama", "vocab_size": 20,
+      "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})";
+
+void write_tokenizer_model(const std::string& hf) {
+  save_random_model(hf, kTok20Config, "tok20", 3);
   std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
   std::ofstream(hf + "/tokenizer_config.json")
       << R"({"bos_token": "<|bos|>", "eos_token": "<|end|>"})";
@@ -1113,19 +1120,13 @@ TEST_F(TrainCli, ChatCorporaAreRenderedWithTheFoldersTemplate) {
   const Tokenizer tok = Tokenizer::from_folder(vocab);
   const std::string hf = dir.path + "/hf", corpus = dir.path + "/chat.jsonl",
                     cache = dir.path + "/cache", log = dir.path + "/chat-log.jsonl";
-  {
-    auto dev = make_host_device();
-    auto st = dev->create_stream("w");
-    ResidentWeights w(parse_model_config(fmt::format(R"({{"model_type": "llama", "vocab_size": {},
+  save_random_model(hf,
+                    fmt::format(R"({{"model_type": "llama", "vocab_size": {},
         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
         "tie_word_embeddings": true}})",
-                                                     tok.vocab_size()),
-                                         "qwen3-vocab"),
-                      DType::kF32, *dev, *st);
-    w.init_random(5, 0.3f);
-    save_hf_weights(hf, w);
-  }
+                                tok.vocab_size()),
+                    "qwen3-vocab", 5);
   std::filesystem::copy_file(vocab / "tokenizer.json", hf + "/tokenizer.json");
   std::filesystem::copy_file(vocab / "tokenizer_config.json", hf + "/tokenizer_config.json");
   {
@@ -1196,15 +1197,7 @@ TEST_F(TrainCli, SamplesGoThroughTheModelsTokenizer) {
   const std::string hf = dir.path + "/hf", out = dir.path + "/out", log = dir.path + "/tok.jsonl",
                     ids = dir.path + "/ids.u16";
   {
-    auto dev = make_host_device();
-    auto s = dev->create_stream("w");
-    ResidentWeights w(parse_model_config(R"({"model_type": "llama", "vocab_size": 20,
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})",
-                                         "tok20"),
-                      DType::kF32, *dev, *s);
-    w.init_random(3, 0.3f);
-    save_hf_weights(hf, w);
+    save_random_model(hf, kTok20Config, "tok20", 3);
     std::ofstream(hf + "/tokenizer.json") << testing::kTinyTokenizer;
     std::vector<std::uint16_t> data(4096);
     std::mt19937 rng(5);

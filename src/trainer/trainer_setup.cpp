@@ -670,7 +670,6 @@ FolderTokenizer folder_tokenizer(const Settings& s) {
     return t;
   }
   t.dir = o.model_dir;
-  std::error_code ec;
   const fs::path file = Tokenizer::file_in(o.model_dir);
   if (file.empty()) {
     t.why_not = fmt::format("{} has no tokenizer.json (or tokenizer.model)", o.model_dir);
