@@ -488,7 +488,8 @@ TEST(Corpus, ChatRecordsRenderedWithTheFoldersTemplate) {
   // --chat-format names another layout: another source description (a cache is not reused).
   CorpusOptions other;
   use_chat_template(other, models, "llama3");
-  EXPECT_NE(describe_sources({dir.path + "/c.jsonl"}, other), describe_sources({dir.path + "/c.jsonl"}, o));
+  EXPECT_NE(describe_sources({dir.path + "/c.jsonl"}, other),
+            describe_sources({dir.path + "/c.jsonl"}, o));
   CorpusOptions bad;
   expect_error([&] { use_chat_template(bad, models, "vicuna"); }, {"vicuna"});
 }

@@ -2,17 +2,16 @@
 #pragma once
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <gtest/gtest.h>
-
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <utility>

@@ -11,6 +11,7 @@
 //     micro-batch of each group of world_size, so that is the same global batch) within 1e-4
 //     relative per step, and the export of the 2-rank checkpoint matches the 1-rank weights.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -35,7 +36,6 @@
 #include <sstream>
 #include <thread>
 
-#include <fmt/format.h>
 #include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
@@ -1141,9 +1141,9 @@ TEST_F(TrainCli, ChatCorporaAreRenderedWithTheFoldersTemplate) {
   }
   const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
   auto train_on = [&](std::vector<std::string> extra, const std::string& tag) {
-    std::vector<std::string> a = {"--model",  hf,    "--data",     corpus, "--seq-len", "32",
-                                  "--micro-batch", "2", "--steps", "2", "--lr", "0.01",
-                                  "--device", "cpu", "--log-json", log};
+    std::vector<std::string> a = {"--model",       hf,    "--data",     corpus, "--seq-len", "32",
+                                  "--micro-batch", "2",   "--steps",    "2",    "--lr",      "0.01",
+                                  "--device",      "cpu", "--log-json", log};
     a.insert(a.end(), extra.begin(), extra.end());
     return run(STRATA_TRAIN_BIN, a, dir.path, tag, env);
   };
