@@ -330,6 +330,29 @@ TEST_F(Collectives, BarrierWaitsForTheLastRank) {
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 250ms);
 }
 
+// The host-side helpers the trainer agrees through: every rank's string in rank order (lengths
+// differ, one is empty, bytes above 127 and NUL kept), one rank's text on every rank, and the
+// maximum of every rank's values.
+TEST_F(Collectives, StringsAndMaximaAcrossRanks) {
+  const auto mine = [](int r) {
+    if (r == 1) return std::string();
+    std::string t = fmt::format("host-{}", r) + std::string(std::size_t(r % 3), 'x');
+    t += '\0';
+    t += "\xc3\xa9";
+    return t;
+  };
+  const std::vector<std::string> all = strings_across_ranks(*comm, mine(R));
+  ASSERT_EQ(all.size(), std::size_t(W));
+  for (int r = 0; r < W; ++r) EXPECT_EQ(all[std::size_t(r)], mine(r)) << "rank " << r;
+  const std::string text = R == 1 % W ? std::string(5000, 'q') + "\xff end" : "not sent";
+  EXPECT_EQ(broadcast_string(*comm, text, 1 % W), std::string(5000, 'q') + "\xff end");
+  std::vector<double> v = {double(R), -double(R), 0.5};
+  max_across_ranks(*comm, v);
+  EXPECT_EQ(v[0], double(W - 1));
+  EXPECT_EQ(v[1], 0.0);
+  EXPECT_EQ(v[2], 0.5);
+}
+
 // ZeRO's flat buffers: numel not divisible by the world size, padded with zeros to
 // W * shard; each rank owns one shard. Gather restores the flat tensor, reduce-scatter
 // leaves each rank the sum of its shard (and zeros in the padding).

@@ -118,6 +118,12 @@ inline void expect_error(const std::function<void()>& fn,
   }
 }
 
+// This machine's host name (what strata's messages call "this node").
+inline std::string host_name() {
+  char h[256] = {};
+  return ::gethostname(h, sizeof h - 1) == 0 ? std::string(h) : std::string("?");
+}
+
 // The path of `name` on PATH ("" when it is not there).
 inline std::string find_on_path(const std::string& name) {
   const char* path = std::getenv("PATH");

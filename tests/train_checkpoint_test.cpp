@@ -17,6 +17,8 @@
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -231,6 +233,63 @@ TEST(EngineCheckpoint, IncompatibleStateIsRefused) {
   TempDir empty;
   err = error_of([&] { run_steps(tiny_llama(false), base_config(), 2, 2, 1, empty.path, ""); });
   EXPECT_NE(err.find("rank0.json is missing"), std::string::npos) << err;
+}
+
+// A node-local checkpoint's folder holds its own node's ranks' files and the manifest of all:
+// it verifies with those alone (checkpoint_rank_missing names the node of the others), not with one
+// of them missing nor with none of its ranks' files; a manifest of one shared folder needs all.
+TEST(CheckpointManifest, ANodeLocalFolderVerifiesWithItsOwnRanksFiles) {
+  TempDir d;
+  const std::string step = d.path + "/step-4";
+  fs::create_directories(step);
+  const auto entry = [&](const std::string& name, const std::string& content,
+                         const std::string& node, int folder) {
+    std::ofstream(step + "/" + name) << content;
+    return nlohmann::json{
+        {"name", name},
+        {"bytes", content.size()},
+        {"xxh3", fmt::format("{:016x}", XXH3_64bits(content.data(), content.size()))},
+        {"node", node},
+        {"folder_of_rank", folder}};
+  };
+  const auto write = [&](bool node_local) {
+    nlohmann::json m = {{"format", "strata-checkpoint"},
+                        {"version", node_local ? 3 : 2},
+                        {"step", 4},
+                        {"world_size", 2},
+                        {"node_local", node_local}};
+    m["files"] = {entry("rank0.bin", "abc", "host-a", 0), entry("rank0.json", "{}", "host-a", 0),
+                  entry("rank1.bin", "xyz", "host-b", 1), entry("rank1.json", "{ }", "host-b", 1)};
+    m["manifest_xxh3"] = manifest_checksum(m);
+    std::ofstream(step + "/manifest.json") << m.dump();
+    return m;
+  };
+  nlohmann::json m = write(true);
+  EXPECT_EQ(verify_checkpoint(step), "");  // every node's files side by side
+  fs::remove(step + "/rank1.bin");
+  fs::remove(step + "/rank1.json");
+  EXPECT_EQ(verify_checkpoint(step), "");  // node a's folder
+  EXPECT_EQ(checkpoint_rank_missing(step, m, 0), "");
+  EXPECT_NE(checkpoint_rank_missing(step, m, 1)
+                .find("rank 1's engine state (rank1.bin) is not in " + step +
+                      " on this node (" + testing::host_name() +
+                      "): the checkpoint is node-local, and node host-b wrote rank 1's files"),
+            std::string::npos)
+      << checkpoint_rank_missing(step, m, 1);
+  fs::remove(step + "/rank0.json");
+  EXPECT_EQ(verify_checkpoint(step),
+            "rank0.json is missing (written on node host-a with 1 file(s) that are here)");
+  fs::remove(step + "/rank0.bin");
+  EXPECT_EQ(verify_checkpoint(step),
+            "a node-local checkpoint with none of its ranks' files in this folder (they are on the "
+            "nodes its manifest names)");
+  // One shared folder: rank 1's files are needed there.
+  m = write(false);
+  fs::remove(step + "/rank1.bin");
+  EXPECT_EQ(verify_checkpoint(step), "rank1.bin is missing");
+  EXPECT_EQ(checkpoint_rank_missing(step, m, 1),
+            "rank 1's engine state (rank1.bin) is not in " + step + " on this node (" +
+                testing::host_name() + ") (node host-b wrote it)");
 }
 
 // ---- the strata-train binary ----

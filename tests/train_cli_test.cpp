@@ -2415,6 +2415,35 @@ class NetnsPair {
   bool ok = false;
 };
 
+// Waits for `pid` up to `limit_s`; its exit code, or -2 (killed) when it ran past the limit.
+int wait_for(pid_t pid, double limit_s) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    int st = 0;
+    if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+        limit_s) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &st, 0);
+      return -2;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// torchrun's variables for rank `r` of 2, one a host, meeting at the first namespace's address.
+std::vector<std::pair<std::string, std::string>> two_host_env(int r, const std::string& port) {
+  return {{"RANK", std::to_string(r)},
+          {"WORLD_SIZE", "2"},
+          {"LOCAL_RANK", "0"},
+          {"LOCAL_WORLD_SIZE", "1"},
+          {"MASTER_ADDR", "10.231.0.1"},
+          {"MASTER_PORT", port},
+          {"TORCHELASTIC_RUN_ID", "netns-" + port},
+          {"STRATA_COMM_TIMEOUT_S", "5"},
+          {"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}};
+}
+
 TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
   if (!std::getenv("STRATA_TEST_TORCHRUN"))
     GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
@@ -2427,18 +2456,6 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
   const Result r1 = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onehost");
   ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
   // One rank in each namespace.
-  const auto rank_env = [](int r, const std::string& port) {
-    return std::vector<std::pair<std::string, std::string>>{
-        {"RANK", std::to_string(r)},
-        {"WORLD_SIZE", "2"},
-        {"LOCAL_RANK", "0"},
-        {"LOCAL_WORLD_SIZE", "1"},
-        {"MASTER_ADDR", "10.231.0.1"},
-        {"MASTER_PORT", port},
-        {"TORCHELASTIC_RUN_ID", "netns-" + port},
-        {"STRATA_COMM_TIMEOUT_S", "5"},
-        {"STRATA_RENDEZVOUS_TIMEOUT_S", "60"}};
-  };
   const auto two_hosts = [&](const std::vector<std::string>& flags, const std::string& tag,
                              const std::string& port) {
     std::vector<pid_t> pids;
@@ -2446,24 +2463,9 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
       std::vector<std::string> c = {"netns", "exec", r == 0 ? net.a : net.b, STRATA_TRAIN_BIN};
       for (const auto& x : flags) c.push_back(x);
       pids.push_back(
-          testing::start(net.ip, c, dir.path, tag + std::to_string(r), rank_env(r, port)));
+          testing::start(net.ip, c, dir.path, tag + std::to_string(r), two_host_env(r, port)));
     }
     return pids;
-  };
-  // Waits for `pid` up to `limit_s`; its exit code, or -2 (killed) when it ran past the limit.
-  const auto wait_for = [](pid_t pid, double limit_s) {
-    const auto start = std::chrono::steady_clock::now();
-    for (;;) {
-      int st = 0;
-      if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
-          limit_s) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &st, 0);
-        return -2;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
   };
   const std::string two = dir.path + "/twohosts.jsonl";
   auto pids = two_hosts(args(two), "host", "29611");
@@ -2546,34 +2548,219 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
               (long long)saved, compared);
 }
 
+// Node-local checkpoints: the two hosts above, each also in a mount and UTS namespace of its own
+// (host name strata-node-a / strata-node-b, its own "drive" bind-mounted at the same path, which
+// holds its checkpoints and its NVMe swap), one torchrun-style rank each. Each host's step-<N> holds
+// its own rank's files and the same manifest, which names the node of each file; the two hosts
+// resume from their own drives and continue the one-host run bitwise. Both ranks on one host is an
+// error on every rank, naming the file, the node that has it and the path; resharding to one rank
+// needs every rank's files (an error naming the other node, then done once they are copied side by
+// side). A node that lost its newest checkpoint (a job that died while the nodes renamed theirs):
+// every rank resumes from the newest step both have and continues the one-host run bitwise.
+TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  const std::string unshare = testing::find_on_path("unshare");
+  if (unshare.empty()) GTEST_SKIP() << "no unshare (util-linux) on this machine";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  const std::string node = dir.path + "/node", drive[2] = {dir.path + "/drive-a",
+                                                           dir.path + "/drive-b"};
+  const std::string host[2] = {"strata-node-a", "strata-node-b"};
+  for (const auto& d : {node, drive[0], drive[1]}) fs::create_directories(d + "/nvme");
+  const std::string ds = dir.path + "/nvme.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+                    << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")"
+                    << node << R"(/nvme"}}})";
+  const std::string ck = node + "/ck";
+  const auto flags = [&](const std::string& log, const std::string& steps,
+                         std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--config", ds, "--save-every", "3", "--checkpoint-dir", ck});
+    return args(log, extra, steps);
+  };
+  // The one-host run (its own folders), 10 steps.
+  const std::string one = dir.path + "/onehost.jsonl";
+  {
+    std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
+    for (const auto& x : flags(one, "10", {})) a.push_back(x);
+    const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onehost");
+    ASSERT_EQ(r.status, 0) << r.out << r.err;
+    fs::remove_all(ck);
+  }
+  const auto ref = losses(one);
+  ASSERT_EQ(ref.size(), 10u);
+  int port = 29621;
+  // Both hosts, each with its drive at `node`; the ranks' exit codes.
+  const auto two_hosts = [&](const std::vector<std::string>& f, const std::string& tag) {
+    const std::string p = std::to_string(port++);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> c = {
+          "netns", "exec", r == 0 ? net.a : net.b, unshare, "-m", "-u", "sh", "-c",
+          "hostname " + host[r] + " && mount --bind " + drive[r] + " " + node +
+              " && exec \"$0\" \"$@\"",
+          STRATA_TRAIN_BIN};
+      for (const auto& x : f) c.push_back(x);
+      pids.push_back(testing::start(net.ip, c, dir.path, tag + std::to_string(r),
+                                    two_host_env(r, p)));
+    }
+    std::vector<int> codes;
+    for (pid_t pid : pids) codes.push_back(wait_for(pid, 120));
+    return codes;
+  };
+  const auto err_of = [&](const std::string& tag, int r) {
+    return slurp(dir.path + "/" + tag + std::to_string(r) + ".stderr");
+  };
+  // 6 steps, a checkpoint at 3 and 6 on each host's drive.
+  const std::string first = dir.path + "/first.jsonl";
+  auto codes = two_hosts(flags(first, "6", {}), "first");
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(codes[std::size_t(r)], 0) << err_of("first", r);
+  EXPECT_NE(slurp(dir.path + "/first0.stdout").find("is node-local (2 folders"), std::string::npos)
+      << slurp(dir.path + "/first0.stdout");
+  EXPECT_FALSE(fs::exists(ck)) << "the drives were mounted over " << node << " only in the hosts";
+  nlohmann::json manifest[2];
+  for (int r = 0; r < 2; ++r) {
+    const std::string step6 = drive[r] + "/ck/step-6";
+    ASSERT_EQ(verify_checkpoint(step6, &manifest[r]), "") << step6;
+    for (int q = 0; q < 2; ++q)
+      for (const char* ext : {".bin", ".json"})
+        EXPECT_EQ(fs::exists(step6 + "/rank" + std::to_string(q) + ext), q == r)
+            << step6 << " rank" << q << ext;
+    EXPECT_TRUE(manifest[r].value("node_local", false));
+    for (const auto& e : manifest[r]["files"])
+      EXPECT_EQ(e.value("node", ""), host[e.value("name", "").starts_with("rank1") ? 1 : 0])
+          << e.dump();
+  }
+  EXPECT_EQ(manifest[0], manifest[1]);
+  EXPECT_EQ(first_line(checkpoint_rank_missing(drive[0] + "/ck/step-6", manifest[0], 1)),
+            "rank 1's engine state (rank1.bin) is not in " + drive[0] +
+                "/ck/step-6 on this node (" + testing::host_name() +
+                "): the checkpoint is node-local, and node strata-node-b wrote rank 1's files "
+                "into its own " + drive[0] + "/ck/step-6");
+  // Each host resumes from its own drive: steps 7 and 8 are the one-host run's.
+  const std::string resumed = dir.path + "/resumed.jsonl";
+  codes = two_hosts(flags(resumed, "8", {"--resume", ck}), "resumed");
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(codes[std::size_t(r)], 0) << err_of("resumed", r);
+  {
+    const auto l = losses(resumed);
+    ASSERT_EQ(l.size(), 2u);
+    for (const auto& [step, loss] : l) EXPECT_EQ(loss, ref.at(step)) << "step " << step;
+  }
+  // Both ranks on this machine, with drive a's folder only: rank 1 cannot see its files.
+  {
+    std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
+    for (const auto& x : args(dir.path + "/onedrive.jsonl",
+                              {"--config", ds, "--resume", drive[0] + "/ck"}, "10"))
+      a.push_back(x);
+    const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onedrive",
+                         {{"STRATA_TEST_GRACE_S", "100"}});
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.err.find("rank 1's engine state (rank1.bin) is not in " + drive[0] +
+                         "/ck/step-8 on this node"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("node strata-node-b wrote rank 1's files"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("start each rank on the node that wrote its files"), std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("rank(s) 1 cannot read the checkpoint's engine state"), std::string::npos)
+        << r.err;
+    std::printf("both ranks on one host:\n%s", r.err.c_str());
+  }
+  // One rank reshards: every rank's files are needed.
+  {
+    const Result r =
+        train(args(dir.path + "/reshard.jsonl", {"--config", ds, "--resume", drive[0] + "/ck"}, "10"),
+              "reshard-a");
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find("rank 1's engine state (rank1.bin) is not in " + drive[0] + "/ck/step-8"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("resharding its 2 ranks to 1 reads every rank's files"), std::string::npos)
+        << r.err;
+    std::printf("one rank:\n%s", r.err.c_str());
+    // strata-export likewise.
+    const Result x = run(STRATA_EXPORT_BIN, {drive[0] + "/ck/step-8", dir.path + "/exported"},
+                         dir.path, "export-a");
+    EXPECT_NE(x.status, 0);
+    EXPECT_NE(x.err.find("node strata-node-b wrote rank 1's files"), std::string::npos) << x.err;
+    EXPECT_NE(x.err.find("exporting reads every rank's files"), std::string::npos) << x.err;
+    // The step's files side by side in one folder: it resumes.
+    const std::string merged = dir.path + "/merged/step-8";
+    fs::create_directories(merged);
+    for (int r2 = 0; r2 < 2; ++r2)
+      for (const auto& e : fs::directory_iterator(drive[r2] + "/ck/step-8"))
+        fs::copy_file(e.path(), merged + "/" + e.path().filename().string(),
+                      fs::copy_options::overwrite_existing);
+    const Result m =
+        train(args(dir.path + "/merged.jsonl", {"--config", ds, "--resume", merged}, "10"),
+              "reshard-merged");
+    EXPECT_EQ(m.status, 0) << m.out << m.err;
+    EXPECT_NE(m.out.find("resharding the checkpoint's 2 ranks to 1"), std::string::npos) << m.out;
+  }
+  // Host b loses its step-8 (as if its node died before renaming it): both resume from step 6.
+  fs::remove_all(drive[1] + "/ck/step-8");
+  const std::string again = dir.path + "/again.jsonl";
+  codes = two_hosts(flags(again, "10", {"--resume", ck}), "again");
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(codes[std::size_t(r)], 0) << err_of("again", r);
+  EXPECT_NE(err_of("again", 0).find("rank 0 found step-8 in " + ck +
+                                    ", but another rank's newest complete checkpoint is step-6: "
+                                    "every rank resumes from step 6"),
+            std::string::npos)
+      << err_of("again", 0);
+  const auto l = losses(again);
+  ASSERT_EQ(l.size(), 4u);
+  for (const auto& [step, loss] : l) EXPECT_EQ(loss, ref.at(step)) << "step " << step;
+  EXPECT_TRUE(fs::exists(drive[1] + "/ck/step-9/manifest.json"));
+}
+
 // The same two hosts under mpirun (Open MPI's TCP transport): mpirun runs in the first namespace
-// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`;
-// the losses equal the one-host mpirun run's, bitwise (2 ranks), and rank 0 sees 2 nodes.
+// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`; each
+// host in a mount namespace of its own with its own drive at the same path (NVMe swap and
+// checkpoints there). The losses equal the one-host mpirun run's, bitwise (2 ranks), rank 0 sees 2
+// nodes, and each drive holds its own rank's checkpoint files.
 TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
 #else
   if (!std::getenv("STRATA_TEST_MPI"))
     GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  const std::string unshare = testing::find_on_path("unshare");
+  if (unshare.empty()) GTEST_SKIP() << "no unshare (util-linux) on this machine";
   NetnsPair net;
   if (!net.ok) GTEST_SKIP() << net.why;
+  const std::string node = dir.path + "/node", drive_a = dir.path + "/drive-a",
+                    drive_b = dir.path + "/drive-b";
+  for (const auto& d : {node, drive_a, drive_b}) fs::create_directories(d + "/nvme");
+  const std::string ds = dir.path + "/nvme.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+                    << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")"
+                    << node << R"(/nvme"}}})";
+  const std::vector<std::string> extra = {"--config", ds, "--save-every", "2", "--checkpoint-dir",
+                                          node + "/ck"};
   const std::string one = dir.path + "/onehost.jsonl", two = dir.path + "/twohosts.jsonl";
-  const Result r1 = ranks(2, one, {}, "onehost");
+  const Result r1 = ranks(2, one, extra, "onehost");
   ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+  fs::remove_all(node + "/ck");
   // The agent: "agent [options] HOST COMMAND" (ssh's form) -> COMMAND in HOST's namespace, with a
-  // TMPDIR of its own (both "hosts" share this machine's /tmp and host name).
+  // TMPDIR of its own (both "hosts" share this machine's /tmp and host name) and host b's drive.
   const std::string agent = dir.path + "/netns-agent.sh";
   std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
                           "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
                        << net.a << ";; 10.231.0.2) ns=" << net.b
                        << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
-                       << dir.path << "/tmp-$ns\nexec " << net.ip
-                       << " netns exec $ns env TMPDIR=" << dir.path << "/tmp-$ns sh -c \"$*\"\n";
+                       << dir.path << "/tmp-$ns\nexec " << net.ip << " netns exec $ns env TMPDIR="
+                       << dir.path << "/tmp-$ns " << unshare << " -m sh -c \"mount --bind "
+                       << drive_b << " " << node << " && $*\"\n";
   fs::permissions(agent, fs::perms::owner_all);
   fs::create_directories(dir.path + "/tmp-" + net.a);
   std::vector<std::string> m = {"netns",
                                 "exec",
                                 net.a,
+                                unshare,
+                                "-m",
+                                "sh",
+                                "-c",
+                                "mount --bind " + drive_a + " " + node + " && exec \"$0\" \"$@\"",
                                 "env",
                                 "TMPDIR=" + dir.path + "/tmp-" + net.a,
                                 STRATA_MPIEXEC,
@@ -2596,7 +2783,7 @@ TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
                                 "-x",
                                 "STRATA_COMM_TIMEOUT_S",
                                 STRATA_TRAIN_BIN};
-  for (const auto& x : args(two)) m.push_back(x);
+  for (const auto& x : args(two, extra)) m.push_back(x);
   const Result r2 = run(net.ip, m, dir.path, "twohosts",
                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
                          {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
@@ -2604,9 +2791,16 @@ TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
   ASSERT_EQ(r2.status, 0) << r2.out << r2.err;
   EXPECT_NE(r2.out.find("rank 0 of 2 (2 nodes), backend mpi, launcher openmpi"), std::string::npos)
       << r2.out;
+  EXPECT_NE(r2.out.find("is node-local (2 folders"), std::string::npos) << r2.out;
   const auto l1 = losses(one), l2 = losses(two);
   ASSERT_EQ(l1.size(), 4u);
   EXPECT_EQ(l2, l1) << "two hosts' losses differ from one host's";
+  for (int r = 0; r < 2; ++r) {
+    const std::string step4 = (r == 0 ? drive_a : drive_b) + "/ck/step-4";
+    EXPECT_EQ(verify_checkpoint(step4), "") << step4;
+    EXPECT_TRUE(fs::exists(step4 + "/rank" + std::to_string(r) + ".bin")) << step4;
+    EXPECT_FALSE(fs::exists(step4 + "/rank" + std::to_string(1 - r) + ".bin")) << step4;
+  }
 #endif
 }
 

@@ -333,6 +333,13 @@ int run(const Options& o) {
         if (f.fd >= 0) ::close(f.fd);
     }
   } closer{ranks};
+  for (int r = 0; r < world; ++r) {
+    const std::string missing = strata::checkpoint_rank_missing(ck.dir, ck.manifest, r);
+    STRATA_REQUIRE(missing.empty(),
+                   "{}: {}; exporting reads every rank's files: copy the step's folder from every "
+                   "node into one (its files side by side) and export that",
+                   ck.dir, missing);
+  }
   for (int r = 0; r < world; ++r) open_rank(ranks, r, ck.dir, world, units);
 
   check_output_folder(o, ck);

@@ -189,6 +189,11 @@ int ranks_on_this_node(const Communicator& comm);
 // communicator's device on a stream of its own; returns when this rank has it. For the few
 // figures the ranks must agree on (negate a value to get its minimum). Collective.
 void max_across_ranks(Communicator& comm, std::span<double> values);
+// Every rank's `mine` (a short string: a host name, a token), in rank order, through
+// max_across_ranks. Collective.
+std::vector<std::string> strings_across_ranks(Communicator& comm, const std::string& mine);
+// Rank `root`'s `text` on every rank (the others' `text` is ignored). Collective.
+std::string broadcast_string(Communicator& comm, const std::string& text, int root);
 // A byte count that travelled as a double back to an integer: 2^64, which UINT64_MAX rounds
 // to, stays UINT64_MAX (converting it is undefined).
 std::uint64_t bytes_from_double(double bytes);

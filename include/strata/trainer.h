@@ -110,11 +110,14 @@ double step_loss_denominator(std::int64_t counted, std::int64_t accum, int world
 
 // ---- checkpoints (src/trainer/checkpoint.cpp) ----
 // A checkpoint is a folder <root>/step-<N> holding every rank's engine state (rank<R>.bin +
-// rank<R>.json, Engine::save_state) and, written last by rank 0, manifest.json: the step, the
-// world size, the model's config hash, the trainer's state (data position, seeds, lr schedule)
-// and every file's size and xxh3-64 checksum. It is written as <root>/step-<N>.tmp-<pid>,
-// fsync'd (files and folder) and renamed into place only when complete, so a folder named
-// step-<N> with a manifest whose sizes and checksums verify is a complete checkpoint.
+// rank<R>.json, Engine::save_state) and, written last, manifest.json: the step, the world size,
+// the model's config hash, the trainer's state (data position, seeds, lr schedule) and every
+// file's size, xxh3-64 checksum and the node (host name) that wrote it. It is written as
+// <root>/step-<N>.tmp-<tag>, fsync'd (files and folder) and renamed into place only when
+// complete, so a folder named step-<N> with a manifest whose sizes and checksums verify is a
+// complete checkpoint. <root> may be one file system all ranks see, or a node-local one on each
+// node (the same path, other drives): then each node's step-<N> holds its own ranks' files and
+// the same manifest, which records that (node_local, each file's folder).
 
 // A stable hash of everything that shapes the model's parameters (architecture, sizes, ties,
 // biases, norm/rope constants): checkpoints of a different model are refused on resume.
@@ -122,16 +125,28 @@ std::string model_config_hash(const ModelConfig& cfg);
 
 // Writes checkpoint `step` under `root` (collective: every rank calls it; `s` is a stream for
 // the barriers). `tmp_tag` names the temporary folder (step-<N>.tmp-<tag>) and must be the same
-// on every rank. `trainer_state` goes into the manifest as is, next to the files. Returns the
-// final folder. Test hook: STRATA_TEST_CRASH_IN_CHECKPOINT=<step> makes rank 0 abort() halfway
-// through that step's manifest (the rank files written, the folder not yet renamed).
-std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root,
-                             std::int64_t step, const std::string& tmp_tag,
-                             const nlohmann::json& trainer_state);
+// on every rank. `trainer_state` goes into the manifest as is, next to the files. The ranks find
+// which of them share a file system at `root` (one group when it is shared, one a node for
+// node-local drives); the first rank of each group makes the folder, writes the manifest and
+// renames it into place. Test hook: STRATA_TEST_CRASH_IN_CHECKPOINT=<step> makes rank 0 abort()
+// halfway through that step's manifest (the rank files written, the folder not yet renamed).
+struct WrittenCheckpoint {
+  std::string dir;       // the final folder
+  bool writer = false;   // this rank made the folder on its file system (and prunes it)
+  int file_systems = 1;  // separate folders written (1: a file system all ranks share)
+};
+WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s,
+                                   const std::string& root, std::int64_t step,
+                                   const std::string& tmp_tag, const nlohmann::json& trainer_state);
 
 // "" when `dir` is a complete checkpoint (manifest present and parsed, every listed file
-// present with its size and checksum), else why not. `manifest` receives the manifest.
+// present with its size and checksum; node-local: every file of the nodes whose files are here),
+// else why not. `manifest` receives the manifest.
 std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest = nullptr);
+// "" when rank `rank`'s engine state (rank<R>.bin and .json) of the verified checkpoint `dir`
+// is there; else a sentence naming the file, this node, and the node that wrote it.
+std::string checkpoint_rank_missing(const std::string& dir, const nlohmann::json& manifest,
+                                    int rank);
 
 struct FoundCheckpoint {
   std::string dir;   // the step-<N> folder
@@ -144,7 +159,9 @@ struct FoundCheckpoint {
 // step-<N> checkpoints, or a run folder holding checkpoints/. Temporary (.tmp-*) folders and
 // folders that fail verification are skipped with a warning (and listed in `skipped`); none
 // complete: strata::Error (for --resume, one that says to drop it when there is nothing yet).
-FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what = "--resume");
+// max_step >= 0: the newest at or below that step (a folder of checkpoints only).
+FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what = "--resume",
+                                std::int64_t max_step = -1);
 // The checksum a checkpoint's manifest.json carries of itself (its manifest_xxh3 field): xxh3-64
 // of the manifest without that field.
 std::string manifest_checksum(nlohmann::json manifest);

@@ -678,6 +678,49 @@ void max_across_ranks(Communicator& comm, std::span<double> values) {
   stream->synchronize();
 }
 
+std::vector<std::string> strings_across_ranks(Communicator& comm, const std::string& mine) {
+  const std::size_t world = std::size_t(comm.world_size()), me = std::size_t(comm.rank());
+  if (world == 1) return {mine};
+  std::vector<double> len(world, 0.0);
+  len[me] = double(mine.size());
+  max_across_ranks(comm, len);
+  const std::size_t width = std::size_t(*std::max_element(len.begin(), len.end()));
+  std::vector<std::string> out(world);
+  if (width == 0) return out;
+  // Row r holds rank r's bytes; every other rank's row is 0 there (bytes are 0..255).
+  std::vector<double> rows(world * width, 0.0);
+  for (std::size_t i = 0; i < mine.size(); ++i) rows[me * width + i] = double(std::uint8_t(mine[i]));
+  max_across_ranks(comm, rows);
+  for (std::size_t r = 0; r < world; ++r) {
+    out[r].resize(std::size_t(len[r]));
+    for (std::size_t i = 0; i < out[r].size(); ++i) out[r][i] = char(std::uint8_t(rows[r * width + i]));
+  }
+  return out;
+}
+
+std::string broadcast_string(Communicator& comm, const std::string& text, int root) {
+  if (comm.world_size() == 1) return text;
+  const bool am_root = comm.rank() == root;
+  std::vector<double> len = {am_root ? double(text.size()) : 0.0};
+  max_across_ranks(comm, len);
+  const std::size_t n = std::size_t(len[0]);
+  if (n == 0) return {};
+  // One byte a double: the strings this carries are a few KiB.
+  std::vector<double> bytes(n, 0.0);
+  if (am_root)
+    for (std::size_t i = 0; i < n; ++i) bytes[i] = double(std::uint8_t(text[i]));
+  Device& dev = comm.device();
+  auto stream = dev.create_stream("broadcast");
+  Buffer b = dev.alloc(n * sizeof(double), stream.get());
+  stream->copy(b.ref(), host_ref(bytes.data(), n * sizeof(double)));
+  comm.broadcast(tensor(b, DType::kF64, n), root, *stream);
+  stream->copy(host_ref(bytes.data(), n * sizeof(double)), b.ref());
+  stream->synchronize();
+  std::string out(n, '\0');
+  for (std::size_t i = 0; i < n; ++i) out[i] = char(std::uint8_t(bytes[i]));
+  return out;
+}
+
 std::uint64_t bytes_from_double(double bytes) {
   return bytes >= 0x1p64 ? UINT64_MAX : bytes <= 0 ? 0 : std::uint64_t(bytes);
 }

@@ -293,11 +293,19 @@ void Engine::load_state(const std::string& dir) {
                    e.what());
     }
   };
-  // Rank 0's file says how many ranks wrote the checkpoint, whatever this run's world size.
-  const nlohmann::json j0 = read_json(0);
-  STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state (rank0.json is missing)", dir);
+  // How many ranks wrote the checkpoint, whatever this run's world size: this rank's own file
+  // says (all a same-world resume reads: a node-local checkpoint's folder holds only its node's
+  // ranks' files), else rank 0's.
+  const nlohmann::json j_own = read_json(s.rank);
+  const bool same_world = !j_own.is_null() && j_own.value("world_size", -1) == s.world &&
+                          j_own.value("rank", -1) == s.rank;
+  const nlohmann::json j0 = same_world ? j_own : read_json(0);
+  STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state ({})", dir,
+                 s.rank == 0 ? std::string("rank0.json is missing")
+                             : fmt::format("neither rank{}.json nor rank0.json is there", s.rank));
   const int ck_world = j0.value("world_size", -1);
-  STRATA_REQUIRE(ck_world >= 1, "checkpoint {}: rank0.json gives no world size", dir);
+  STRATA_REQUIRE(ck_world >= 1, "checkpoint {}: rank{}.json gives no world size", dir,
+                 same_world ? s.rank : 0);
   // The same world: this rank's own file. Another (resharding): every rank's file, each unit's
   // old shards read back as the one array they cut, and this rank's new shard taken from it.
   const bool reshard = ck_world != s.world;
@@ -311,7 +319,7 @@ void Engine::load_state(const std::string& dir) {
   for (int i = 0; i < files; ++i) {
     const int r = first_file + i;
     RankState& rs = ck[std::size_t(i)];
-    rs.j = r == 0 ? j0 : read_json(r);
+    rs.j = r == (same_world ? s.rank : 0) ? j0 : read_json(r);
     STRATA_REQUIRE(!rs.j.is_null(), "checkpoint {}: rank{}.json is missing{}", dir, r,
                    reshard ? fmt::format(" (the checkpoint's {} ranks' files are all read to "
                                          "reshard them to this run's {})",

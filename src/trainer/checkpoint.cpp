@@ -2,18 +2,24 @@
 // verify_checkpoint, find_checkpoint).
 //
 // Protocol (every rank runs write_checkpoint with the same arguments):
-//   1. rank 0 creates <root>/step-<N>.tmp-<tag> (an older leftover of that name is removed);
-//      barrier.
+//   1. The ranks find which of them share a file system at <root>: rank 0 creates
+//      <root>/step-<N>.tmp-<tag> (an older leftover of that name is removed) with a .owner file
+//      holding a token of this run; barrier; the ranks that read that token there share rank
+//      0's folder. While some rank has not, the lowest such rank does the same on its own file
+//      system (a node-local drive), and so on: one round for a shared file system, one per node
+//      for node-local ones. The first rank of each group is its leader.
 //   2. every rank writes its engine state there (Engine::save_state: rank<R>.bin/.json, each
-//      fsync'd); barrier.
-//   3. rank 0 hashes every file (xxh3-64), writes manifest.json (fsync'd; its last field,
-//      manifest_xxh3, the checksum of the rest of it), fsyncs the folder, renames it to
-//      <root>/step-<N> (an existing step-<N> is moved aside first and removed after) and fsyncs
-//      <root>; barrier.
+//      fsync'd) and hashes its own two files (xxh3-64); the sizes and hashes go to every rank.
+//   3. every leader writes manifest.json (the same on each: every rank's files with the node that
+//      wrote them; fsync'd; its last field, manifest_xxh3, the checksum of the rest of it), fsyncs
+//      the folder, renames it to <root>/step-<N> (an existing step-<N> is moved aside first and
+//      removed after) and fsyncs <root>; barrier.
 // A crash at any point leaves either a .tmp-* folder (never chosen: find_checkpoint skips it)
 // or a complete step-<N>. find_checkpoint verifies the manifest's own checksum first, then every
 // file's size and checksum, before choosing one, so a folder damaged after the fact (the manifest
-// included: a flipped data position would resume elsewhere) is skipped too.
+// included: a flipped data position would resume elsewhere) is skipped too. A node-local
+// checkpoint's folder on one node holds that node's ranks' files: the files of the other nodes
+// are checked where they are, by the ranks that read them.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
@@ -26,9 +32,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <random>
 #include <sstream>
 
 #include "core/process.h"
+#include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
@@ -41,6 +50,8 @@ namespace fs = std::filesystem;
 // 2: the manifest carries its own checksum (manifest_xxh3). Version 1 manifests, without it,
 // are still read.
 constexpr int kCheckpointVersion = 2;
+// 3: node-local (each node's folder holds its own ranks' files); otherwise as 2.
+constexpr int kNodeLocalVersion = 3;
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kManifestChecksum = "manifest_xxh3";
 
@@ -155,14 +166,57 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
 
 }  // namespace
 
-std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, const std::string& root,
-                             std::int64_t step, const std::string& tmp_tag,
-                             const nlohmann::json& trainer_state) {
+namespace {
+
+// The manifest itself, written and fsync'd (half of it, then abort(), under the test hook).
+void write_manifest(const std::string& mpath, const std::string& text, std::int64_t step,
+                    bool may_crash) {
+  const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
+  std::size_t done = 0;
+  const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
+  const bool crash_here = may_crash && crash && std::atoll(crash) == step;
+  const std::size_t limit = crash_here ? text.size() / 2 : text.size();
+  while (done < limit) {
+    const ssize_t n = ::write(fd, text.data() + done, limit - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
+    }
+    done += std::size_t(n);
+  }
+  if (crash_here) {
+    std::fprintf(stderr,
+                 "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
+                 (long long)step);
+    std::fflush(stderr);
+    std::abort();
+  }
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
+}
+
+// What <tmp>/.owner holds, "" when it cannot be read.
+std::string read_owner(const std::string& tmp) {
+  std::ifstream f(fs::path(tmp) / kOwnerFile);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// The ranks' groups by file system at the checkpoint's folder (the protocol's step 1): each
+// rank's leader, the lowest rank of its group, which made the .tmp folder the group writes to.
+// `tokens` holds every rank's "<host> <pid> <nonce>" (the .owner line its leader writes).
+std::vector<int> find_file_systems(Communicator& comm, Stream& s, const std::string& root,
+                                   const std::string& tmp, const std::string& tmp_tag,
+                                   const std::vector<std::string>& tokens) {
   const int rank = comm.rank(), world = comm.world_size();
-  const std::string name = fmt::format("step-{}", step);
-  const std::string final_dir = (fs::path(root) / name).string();
-  const std::string tmp = (fs::path(root) / fmt::format("{}.tmp-{}", name, tmp_tag)).string();
-  if (rank == 0) {
+  std::vector<int> leader(std::size_t(world), -1);
+  auto make_folder = [&] {
     std::error_code ec;
     fs::create_directories(root, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", root, ec.message());
@@ -170,68 +224,124 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
     STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());
-    std::ofstream(fs::path(tmp) / kOwnerFile) << this_host() << " " << ::getpid() << "\n";
+    std::ofstream(fs::path(tmp) / kOwnerFile) << tokens[std::size_t(rank)] << "\n";
+  };
+  if (world == 1) {
+    make_folder();
+    return {0};
   }
+  // The rank whose token `tmp` holds, when it is one of this run's leaders (or `candidate`).
+  auto owner_of_tmp = [&](int candidate) {
+    const std::string owner = read_owner(tmp);
+    for (int r = 0; r < world; ++r)
+      if ((r == candidate || leader[std::size_t(r)] == r) && owner == tokens[std::size_t(r)])
+        return r;
+    return -1;
+  };
+  for (;;) {
+    const auto it = std::find(leader.begin(), leader.end(), -1);
+    if (it == leader.end()) break;
+    const int candidate = int(it - leader.begin());
+    int mine = leader[std::size_t(rank)];
+    if (rank == candidate) {
+      // A folder an earlier group's leader made (a file system this rank did not see as shared a
+      // moment ago, e.g. a network file system's cache): join it, never remove it.
+      const int earlier = owner_of_tmp(-1);
+      if (earlier >= 0) {
+        mine = earlier;
+      } else {
+        make_folder();
+        mine = rank;
+      }
+    }
+    barrier(comm, s);
+    if (mine < 0) mine = owner_of_tmp(candidate);
+    std::vector<double> v(std::size_t(world), -1.0);
+    v[std::size_t(rank)] = mine;
+    max_across_ranks(comm, v);
+    for (int r = 0; r < world; ++r) leader[std::size_t(r)] = int(v[std::size_t(r)]);
+    STRATA_CHECK(leader[std::size_t(candidate)] >= 0,
+                 "checkpoint: rank {} found no folder for step files", candidate);
+  }
+  return leader;
+}
+
+}  // namespace
+
+WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s,
+                                   const std::string& root, std::int64_t step,
+                                   const std::string& tmp_tag,
+                                   const nlohmann::json& trainer_state) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const std::string name = fmt::format("step-{}", step);
+  const std::string final_dir = (fs::path(root) / name).string();
+  const std::string tmp = (fs::path(root) / fmt::format("{}.tmp-{}", name, tmp_tag)).string();
+  // This rank's token: its host (the node the manifest names), pid and a random number.
+  std::random_device rd;
+  const std::vector<std::string> tokens = strings_across_ranks(
+      comm, fmt::format("{} {} {:08x}{:08x}", this_host(), ::getpid(), rd(), rd()));
+  std::vector<int> leader;
+  bool leads = false;
+  int groups = 0;  // separate folders (1: a file system every rank sees)
   // A failed save (a full drive, an I/O error) leaves no half-written folder behind to fill the
-  // drive: rank 0 removes its .tmp folder before the error goes on, and puts back a complete
-  // checkpoint of the same step it had set aside.
+  // drive: each leader removes its .tmp folder before the error goes on, and puts back a
+  // complete checkpoint of the same step it had set aside.
   std::string aside;
   try {
-    barrier(comm, s);
+    leader = find_file_systems(comm, s, root, tmp, tmp_tag, tokens);
+    leads = leader[std::size_t(rank)] == rank;
+    for (int r = 0; r < world; ++r) groups += leader[std::size_t(r)] == r;
     engine.save_state(tmp);
-    barrier(comm, s);
-    if (rank == 0) {
+    // Each rank hashes its own files: [bytes, high and low 32 bits of the xxh3] for .bin, .json.
+    std::vector<double> sums(std::size_t(world) * 6, -1.0);
+    const char* exts[2] = {"bin", "json"};
+    for (int k = 0; k < 2; ++k) {
+      const std::string f = fmt::format("rank{}.{}", rank, exts[k]);
+      std::uint64_t bytes = 0, h = 0;
+      std::string hex;
+      STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex),
+                     "checkpoint: {}/{} cannot be read back", tmp, f);
+      h = std::stoull(hex, nullptr, 16);
+      double* at = &sums[std::size_t(rank) * 6 + std::size_t(k) * 3];
+      at[0] = double(bytes);
+      at[1] = double(h >> 32);
+      at[2] = double(h & 0xffffffffu);
+    }
+    if (world > 1) max_across_ranks(comm, sums);
+    // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
+    // lines differ in their timings).
+    nlohmann::json state = trainer_state;
+    if (groups > 1)
+      state = nlohmann::json::parse(broadcast_string(comm, trainer_state.dump(), 0));
+    if (leads) {
+      const bool node_local = groups > 1;
       nlohmann::json m;
       m["format"] = "strata-checkpoint";
-      m["version"] = kCheckpointVersion;
+      m["version"] = node_local ? kNodeLocalVersion : kCheckpointVersion;
       m["step"] = step;
       m["world_size"] = world;
       m["engine_steps_taken"] = engine.steps_taken();
-      m["trainer"] = trainer_state;
+      m["trainer"] = std::move(state);
       nlohmann::json files = nlohmann::json::array();
-      for (int r = 0; r < world; ++r)
-        for (const char* ext : {"bin", "json"}) {
-          const std::string f = fmt::format("rank{}.{}", r, ext);
-          std::uint64_t bytes = 0;
-          std::string hex;
-          STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex),
-                         "checkpoint: {}/{} cannot be read back", tmp, f);
-          files.push_back({{"name", f}, {"bytes", bytes}, {"xxh3", hex}});
+      for (int r = 0; r < world; ++r) {
+        const std::string host = tokens[std::size_t(r)].substr(0, tokens[std::size_t(r)].find(' '));
+        for (int k = 0; k < 2; ++k) {
+          const double* at = &sums[std::size_t(r) * 6 + std::size_t(k) * 3];
+          STRATA_CHECK(at[0] >= 0, "checkpoint: rank {} sent no checksum", r);
+          const std::uint64_t h = (std::uint64_t(at[1]) << 32) | std::uint64_t(at[2]);
+          nlohmann::json e = {{"name", fmt::format("rank{}.{}", r, exts[k])},
+                              {"bytes", std::uint64_t(at[0])},
+                              {"xxh3", fmt::format("{:016x}", h)},
+                              {"node", host}};
+          // Node-local: which folder holds it (the writing group's leader).
+          if (node_local) e["folder_of_rank"] = leader[std::size_t(r)];
+          files.push_back(std::move(e));
         }
-      m["files"] = std::move(files);
-      m[kManifestChecksum] = manifest_checksum(m);
-      const std::string text = m.dump(1) + "\n";
-      const std::string mpath = (fs::path(tmp) / kManifest).string();
-      {
-        const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
-        std::size_t done = 0;
-        const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
-        const bool crash_here = crash && std::atoll(crash) == step;
-        const std::size_t limit = crash_here ? text.size() / 2 : text.size();
-        while (done < limit) {
-          const ssize_t n = ::write(fd, text.data() + done, limit - done);
-          if (n < 0 && errno == EINTR) continue;
-          if (n <= 0) {
-            const int err = errno;
-            ::close(fd);
-            STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
-          }
-          done += std::size_t(n);
-        }
-        if (crash_here) {
-          std::fprintf(
-              stderr,
-              "strata-train: STRATA_TEST_CRASH_IN_CHECKPOINT=%lld: aborting mid-checkpoint\n",
-              (long long)step);
-          std::fflush(stderr);
-          std::abort();
-        }
-        const int rc = ::fsync(fd);
-        const int err = errno;
-        ::close(fd);
-        STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
       }
+      m["files"] = std::move(files);
+      m["node_local"] = node_local;
+      m[kManifestChecksum] = manifest_checksum(m);
+      write_manifest((fs::path(tmp) / kManifest).string(), m.dump(1) + "\n", step, rank == 0);
       fsync_path(tmp, true, "checkpoint");
       std::error_code ec;
       if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
@@ -248,9 +358,9 @@ std::string write_checkpoint(Engine& engine, Communicator& comm, Stream& s, cons
       if (!aside.empty()) fs::remove_all(aside, ec);
     }
     barrier(comm, s);
-    return final_dir;
+    return {final_dir, leads, groups};
   } catch (...) {
-    if (rank == 0) {
+    if (leads) {
       std::error_code ec;
       fs::remove_all(tmp, ec);
       if (!aside.empty() && !fs::exists(final_dir, ec) && fs::exists(aside, ec))
@@ -276,9 +386,9 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
     if (!m.is_object() || m.value("format", "") != "strata-checkpoint")
       return "manifest.json is not a strata checkpoint manifest";
     const int version = m.value("version", 0);
-    if (version != 1 && version != kCheckpointVersion)
+    if (version < 1 || version > kNodeLocalVersion)
       return fmt::format("format version {}, this build reads 1 to {}", version,
-                         kCheckpointVersion);
+                         kNodeLocalVersion);
     if (version >= 2) {  // the manifest itself first: every value below is read from it
       if (!m.contains(kManifestChecksum) || !m[kManifestChecksum].is_string())
         return "manifest.json has no checksum of its own (manifest_xxh3)";
@@ -291,10 +401,18 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
     }
     if (!m.contains("files") || !m["files"].is_array() || m["files"].empty())
       return "manifest.json lists no files";
+    // Node-local: the files of a node whose folder this is (any of its files here) must all be
+    // here and verify; another node's are checked on that node.
+    const bool node_local = m.value("node_local", false);
+    std::map<int, int> present_of_folder;
     for (const auto& e : m["files"]) {
       const std::string name = e.value("name", "");
       if (name.empty() || name.find('/') != std::string::npos)
         return "manifest.json has a bad file entry";
+      const int folder = node_local ? e.value("folder_of_rank", -1) : 0;
+      std::error_code ec;
+      if (node_local && !fs::exists(fs::path(dir) / name, ec)) continue;
+      ++present_of_folder[folder];
       std::uint64_t bytes = 0;
       std::string hex;
       if (!hash_file((fs::path(dir) / name).string(), bytes, hex))
@@ -305,6 +423,19 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
       if (hex != e.value("xxh3", ""))
         return fmt::format("{} has checksum {}, the manifest says {}", name, hex,
                            e.value("xxh3", ""));
+    }
+    if (node_local) {
+      if (present_of_folder.empty())
+        return "a node-local checkpoint with none of its ranks' files in this folder (they are on "
+               "the nodes its manifest names)";
+      for (const auto& e : m["files"]) {
+        const int folder = e.value("folder_of_rank", -1);
+        std::error_code ec;
+        if (present_of_folder.count(folder) && !fs::exists(fs::path(dir) / e.value("name", ""), ec))
+          return fmt::format("{} is missing (written on node {} with {} file(s) that are here)",
+                             e.value("name", ""), e.value("node", "?"),
+                             present_of_folder[folder]);
+      }
     }
   } catch (const nlohmann::json::exception& e) {
     return fmt::format("manifest.json has a field of the wrong type ({})", e.what());
@@ -329,7 +460,30 @@ std::vector<std::string> checkpoint_folders(const std::string& dir) {
   return out;
 }
 
-FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what) {
+std::string checkpoint_rank_missing(const std::string& dir, const nlohmann::json& manifest,
+                                    int rank) {
+  for (const char* ext : {"bin", "json"}) {
+    const std::string name = fmt::format("rank{}.{}", rank, ext);
+    std::error_code ec;
+    if (fs::exists(fs::path(dir) / name, ec)) continue;
+    std::string node;
+    for (const auto& e : manifest.value("files", nlohmann::json::array()))
+      if (e.is_object() && e.value("name", "") == name) node = e.value("node", "");
+    const std::string written =
+        node.empty() ? std::string()
+        : manifest.value("node_local", false)
+            ? fmt::format(": the checkpoint is node-local, and node {} wrote rank {}'s files into "
+                          "its own {}",
+                          node, rank, dir)
+            : fmt::format(" (node {} wrote it)", node);
+    return fmt::format("rank {}'s engine state ({}) is not in {} on this node ({}){}", rank, name,
+                       dir, this_host(), written);
+  }
+  return "";
+}
+
+FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what,
+                                std::int64_t max_step) {
   std::error_code ec;
   STRATA_REQUIRE(
       fs::is_directory(path, ec), "{} {}: {}", what, path,
@@ -385,6 +539,7 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<std::string> skipped;
   for (const auto& [st, dir] : found) {
+    if (max_step >= 0 && st > max_step) continue;
     FoundCheckpoint fc;
     std::string why = verify_checkpoint(dir, &fc.manifest);
     if (why.empty() && fc.manifest.value("step", std::int64_t(-1)) != st)

@@ -106,6 +106,10 @@ struct Run {
   std::vector<std::string> checkpoints;  // folders written, in order
   std::vector<std::int64_t> saved_steps;
   std::string tmp_tag;
+  // This rank made its file system's checkpoint folders (rank 0, or the first rank of a node
+  // whose node-local folder rank 0 does not see): it prunes them.
+  bool checkpoint_writer = false;
+  int checkpoint_file_systems = 0;  // of the last checkpoint written (0: none yet)
   // Reporting
   std::unique_ptr<std::ofstream> jlog;
   // --plot on rank 0: the steps drawn so far (a resumed run's from its --log-json), and whether

@@ -138,8 +138,18 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
   const std::string& ckpt_root = s.ckpt_root;
   std::string dir;
   try {
-    dir = write_checkpoint(*r.engine, *r.comm, *r.compute, ckpt_root, step, r.tmp_tag,
-                           trainer_state(r, step, log_line));
+    const WrittenCheckpoint w = write_checkpoint(*r.engine, *r.comm, *r.compute, ckpt_root, step,
+                                                 r.tmp_tag, trainer_state(r, step, log_line));
+    dir = w.dir;
+    r.checkpoint_writer = w.writer;
+    if (w.file_systems > 1 && w.file_systems != r.checkpoint_file_systems && s.con) {
+      std::fprintf(s.con,
+                   "checkpoints: %s is node-local (%d folders, each node's holding its own "
+                   "ranks' files); resume with every rank on the node that wrote its files\n",
+                   ckpt_root.c_str(), w.file_systems);
+      std::fflush(s.con);
+    }
+    r.checkpoint_file_systems = w.file_systems;
   } catch (const Error& e) {
     // A file that could not be written (a full drive): say what is left and what to do
     // (write_checkpoint removed the half-written folder). Other errors pass as they are.
@@ -171,7 +181,7 @@ void prune_checkpoints(Run& r) {
   const TrainOptions& o = r.s.o;
   std::vector<std::int64_t>& saved_steps = r.saved_steps;
   const std::string& ckpt_root = r.s.ckpt_root;
-  if (r.s.rank != 0 || o.keep_checkpoints == 0) return;
+  if (!r.checkpoint_writer || o.keep_checkpoints == 0) return;
   while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
     std::error_code ec;
     fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);

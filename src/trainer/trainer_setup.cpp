@@ -914,8 +914,83 @@ void prepare_data(Run& r) {
         o.model_dir.empty() ? "the model" : o.model_dir);
 }
 
-// The device and the communicator; the ranks agree on their settings (the first collective);
-// the loaders.
+// Each rank found its checkpoint alone, before the communicator existed. Node-local folders can
+// hold different newest steps (a job that died while its nodes renamed theirs): every rank takes
+// the newest step all of them have. Then each rank checks that it sees the engine state it will
+// read (its own files, or every rank's to reshard); when one does not, every rank stops, each
+// saying what it misses and where the manifest says those files are. Collective.
+void agree_on_resume(Run& r) {
+  Settings& s = r.s;
+  FoundCheckpoint& resume = s.resume;
+  const int rank = s.rank, world = s.world;
+  std::string why;
+  if (world > 1) {
+    std::vector<double> v = {-double(resume.step)};
+    max_across_ranks(*r.comm, v);
+    const std::int64_t common = std::int64_t(-v[0]);
+    if (common > 0 && resume.step > common && !resume.root.empty()) {
+      try {
+        FoundCheckpoint older = find_checkpoint(s.o.resume, "--resume", common);
+        STRATA_REQUIRE(older.step == common,
+                       "--resume {}: rank {} found step-{}, another rank's newest complete "
+                       "checkpoint is step-{}, which this rank does not have (its next older is "
+                       "step-{}): the nodes' folders hold different checkpoints; give every rank "
+                       "--resume {}/step-<N> of a step all of them have",
+                       s.o.resume, rank, resume.step, common, older.step, resume.root);
+        log::warn(
+            "--resume: rank {} found step-{} in {}, but another rank's newest complete checkpoint "
+            "is step-{}: every rank resumes from step {}",
+            rank, resume.step, resume.root, common, common);
+        resume = std::move(older);
+        std::erase_if(s.inherited_checkpoints, [&](std::int64_t st) { return st > common; });
+      } catch (const Error& e) {
+        why = e.message();
+      }
+    }
+  }
+  if (!resume.dir.empty() && why.empty()) {
+    const int ck_world = resume.manifest.value("world_size", -1);
+    std::int64_t rank_files = 0;
+    for (const auto& f : resume.manifest.value("files", nlohmann::json::array()))
+      if (f.is_object() && f.value("name", "").ends_with(".bin")) ++rank_files;
+    if (ck_world < 1 || rank_files != ck_world)
+      why = fmt::format(
+          "--resume {}: the manifest says {} rank(s) but lists the engine state of {}: a damaged "
+          "checkpoint; resume from another one",
+          resume.dir, ck_world, rank_files);
+    std::string missing;  // the first file this rank needs and cannot see
+    for (int q = ck_world == world ? rank : 0;
+         why.empty() && missing.empty() && q < (ck_world == world ? rank + 1 : ck_world); ++q)
+      missing = checkpoint_rank_missing(resume.dir, resume.manifest, q);
+    if (!missing.empty())
+      why = fmt::format(
+          "--resume {}: {}; {}", resume.dir, missing,
+          ck_world == world
+              ? "start each rank on the node that wrote its files (the same ranks per node), or "
+                "copy the rank's files into this node's folder"
+              : fmt::format("resharding its {} ranks to {} reads every rank's files: copy the "
+                            "step's folder from every node into one (its files side by side, "
+                            "any manifest.json), or use a file system every node sees, and "
+                            "resume from that",
+                            ck_world, world));
+  }
+  if (world > 1) {
+    std::vector<double> missing(std::size_t(world), 0.0);
+    missing[std::size_t(rank)] = why.empty() ? 0.0 : 1.0;
+    max_across_ranks(*r.comm, missing);
+    std::vector<int> who;
+    for (int q = 0; q < world; ++q)
+      if (missing[std::size_t(q)] > 0) who.push_back(q);
+    STRATA_REQUIRE(who.empty() || !why.empty(),
+                   "--resume {}: rank(s) {} cannot read the checkpoint's engine state they need "
+                   "(their errors say which files and where they are)",
+                   resume.dir, fmt::join(who, ", "));
+  }
+  STRATA_REQUIRE(why.empty(), "{}", why);
+}
+
+// The device and the communicator; the ranks agree on the checkpoint they resume and on their
+// settings (the first collectives); the loaders.
 void open_device(Run& r) {
   const Settings& s = r.s;
   const TrainOptions& o = s.o;
@@ -929,6 +1004,7 @@ void open_device(Run& r) {
   comm = make_communicator(*dev);
   STRATA_CHECK(comm->rank() == rank && comm->world_size() == world,
                "the communicator disagrees with the launcher");
+  agree_on_resume(r);
   require_same_settings(shared_settings(s), *comm, *dev);
   if (s.demo_data && world > 1) {  // rank 0 wrote the text
     auto bs = dev->create_stream("barrier");
@@ -1038,14 +1114,7 @@ void resume_from_checkpoint(Run& r) {
                            {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
-    const int ck_world = m.value("world_size", -1);
-    std::int64_t rank_files = 0;
-    for (const auto& f : m.value("files", nlohmann::json::array()))
-      if (f.is_object() && f.value("name", "").ends_with(".bin")) ++rank_files;
-    STRATA_REQUIRE(ck_world >= 1 && rank_files == ck_world,
-                   "--resume {}: the manifest says {} rank(s) but lists the engine state of {}: a "
-                   "damaged checkpoint; resume from another one",
-                   resume.dir, ck_world, rank_files);
+    const int ck_world = m.value("world_size", -1);  // (agree_on_resume checked it)
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
     const std::string ck_hash = t.value("model_config_hash", "");
     STRATA_REQUIRE(ck_hash == model_hash,
