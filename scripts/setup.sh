@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build pkg-config git
+  build-essential cmake ninja-build pkg-config git ccache
   liburing-dev libhwloc-dev libtbb-dev
   libdnnl-dev ocl-icd-opencl-dev opencl-headers
   libgtest-dev libgmock-dev libbenchmark-dev
