@@ -2408,6 +2408,11 @@ class NetnsPair {
   ~NetnsPair() {
     if (ip.empty()) return;
     const std::string d = fs::temp_directory_path();
+    // Whatever still runs in them (a launcher's daemon waiting for a host that is gone).
+    for (const std::string& ns : {a, b}) {
+      std::istringstream pids(testing::run(ip, {"netns", "pids", ns}, d, "netns-pids").out);
+      for (long pid = 0; pids >> pid;) ::kill(pid_t(pid), SIGKILL);
+    }
     testing::run(ip, {"netns", "del", a}, d, "netns-teardown");
     testing::run(ip, {"netns", "del", b}, d, "netns-teardown");
   }
@@ -2800,6 +2805,99 @@ TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
     EXPECT_EQ(verify_checkpoint(step4), "") << step4;
     EXPECT_TRUE(fs::exists(step4 + "/rank" + std::to_string(r) + ".bin")) << step4;
     EXPECT_FALSE(fs::exists(step4 + "/rank" + std::to_string(1 - r) + ".bin")) << step4;
+  }
+#endif
+}
+
+// The processes of `bin` whose command line holds `needle`.
+std::vector<pid_t> processes_of(const std::string& bin, const std::string& needle) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    std::error_code e2;
+    if (fs::read_symlink(e.path() / "exe", e2).string() != fs::canonical(bin, e2).string())
+      continue;
+    std::string cmd = slurp(e.path().string() + "/cmdline");
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find(needle) != std::string::npos) out.push_back(pid_t(std::stol(name)));
+  }
+  return out;
+}
+
+// The link cut under mpirun: both ranks end within the collective timeout (5 s) plus the abort's
+// backstop, never a hang, each with an error naming the collective, its rank and where the other
+// rank runs. mpirun and its far daemon then wait for each other (Open MPI's, not strata's): the
+// test ends them.
+TEST_F(TrainCli, TwoRanksUnderMpirunEndWhenTheLinkIsCut) {
+#ifndef STRATA_MPIEXEC
+  GTEST_SKIP() << "no MPI launcher";
+#else
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+  NetnsPair net;
+  if (!net.ok) GTEST_SKIP() << net.why;
+  const std::string agent = dir.path + "/netns-agent.sh";
+  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
+                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
+                       << net.a << ";; 10.231.0.2) ns=" << net.b
+                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
+                       << dir.path << "/tmp-$ns\nexec " << net.ip << " netns exec $ns env TMPDIR="
+                       << dir.path << "/tmp-$ns sh -c \"$*\"\n";
+  fs::permissions(agent, fs::perms::owner_all);
+  fs::create_directories(dir.path + "/tmp-" + net.a);
+  const std::string log = dir.path + "/cut.jsonl", outs = dir.path + "/rank-output";
+  std::vector<std::string> m = {
+      "netns", "exec", net.a, "env", "TMPDIR=" + dir.path + "/tmp-" + net.a, STRATA_MPIEXEC,
+      "-np", "2", "-H", "10.231.0.1:1,10.231.0.2:1", "--mca", "plm_rsh_agent", agent, "--mca",
+      "btl", "self,tcp", "--mca", "btl_tcp_if_include", "10.231.0.0/24", "--mca",
+      "oob_tcp_if_include", "10.231.0.0/24", "--output-filename", outs, "-x",
+      "STRATA_COMM_TIMEOUT_S", STRATA_TRAIN_BIN};
+  for (const auto& x : args(log, {}, "100000")) m.push_back(x);
+  const pid_t mpirun = testing::start(net.ip, m, dir.path, "cut",
+                                      {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                       {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                                       {"STRATA_COMM_TIMEOUT_S", "5"}});
+  const auto steps_logged = [&] {
+    const std::string t = slurp(log);
+    return std::count(t.begin(), t.end(), '\n');
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (steps_logged() < 12 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto end_mpirun = [&] {
+    ::kill(mpirun, SIGKILL);
+    ::waitpid(mpirun, nullptr, 0);
+  };
+  if (steps_logged() < 12) end_mpirun();
+  ASSERT_GE(steps_logged(), 12) << slurp(dir.path + "/cut.stderr");
+  ASSERT_EQ(processes_of(STRATA_TRAIN_BIN, log).size(), 2u);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(
+      testing::run(net.ip, {"-n", net.b, "link", "set", net.vb, "down"}, dir.path, "down").status,
+      0);
+  double took = 0;
+  while (!processes_of(STRATA_TRAIN_BIN, log).empty() && took < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const std::vector<pid_t> left = processes_of(STRATA_TRAIN_BIN, log);
+  for (pid_t p : left) ::kill(p, SIGKILL);
+  end_mpirun();
+  EXPECT_TRUE(left.empty()) << left.size() << " rank(s) still running 60 s after the link was cut";
+  EXPECT_LT(took, 30.0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string err = slurp(outs + "/1/rank." + std::to_string(r) + "/stderr");
+    const std::size_t at = err.find("collective ");
+    std::printf("link cut under mpirun: rank %d ended %.1f s after: %s\n", r, took,
+                at == std::string::npos ? "?" : err.substr(at, err.find('\n', at) - at).c_str());
+    EXPECT_TRUE(std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
+                                                  std::to_string(r) + " of 2")))
+        << err;
+    EXPECT_NE(err.find("(the other ranks: rank " + std::to_string(1 - r) + " on "),
+              std::string::npos)
+        << err;
   }
 #endif
 }

@@ -58,11 +58,15 @@ MPI_Datatype mpi_type(DType t) {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(Device& device, double timeout_s, MPI_Comm comm, int rank, int world_size)
+  // `peers`: "rank 1 on b, ..." (where the other ranks run), for error messages.
+  MpiCommunicator(Device& device, double timeout_s, MPI_Comm comm, int rank, int world_size,
+                  std::string peers)
       : Communicator(CommBackend::kMpi, device, rank, world_size, timeout_s),
         comm_(comm),
-        worker_(std::make_unique<CollectiveWorker>(rank, world_size, timeout_s,
-                                                   [this](const Collective& c) { execute(c); })) {}
+        peers_(std::move(peers)),
+        worker_(std::make_unique<CollectiveWorker>(
+            rank, world_size, timeout_s, [this](const Collective& c) { execute(c); },
+            peers_.empty() ? std::string() : fmt::format(" (the other ranks: {})", peers_))) {}
 
   ~MpiCommunicator() override {
     worker_.reset();  // after every issued collective has run: their streams still wait on them
@@ -91,6 +95,7 @@ class MpiCommunicator final : public Communicator {
       text +=
           ": the ranks passed this collective different sizes or dtypes (or issued different "
           "collectives); rerun with STRATA_COMM_CHECK=1 to name each rank's call";
+    if (!peers_.empty()) text += fmt::format(" (the other ranks: {})", peers_);
     detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", text);
   }
 
@@ -223,6 +228,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   std::vector<std::vector<float>> scratch_;   // worker only
+  std::string peers_;
   std::unique_ptr<CollectiveWorker> worker_;  // last: its thread runs execute()
 };
 
@@ -247,9 +253,26 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeo
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   install_termination_note(rank, size);
+  // Where every rank runs (MPI_Get_processor_name: the host name), for the messages of a
+  // collective that fails or times out: the first 8 other ranks.
+  std::vector<char> names(std::size_t(size) * MPI_MAX_PROCESSOR_NAME, 0);
+  int len = 0;
+  MPI_Get_processor_name(&names[std::size_t(rank) * MPI_MAX_PROCESSOR_NAME], &len);
+  std::string peers;
+  if (size > 1 && MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, names.data(),
+                                MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm) == MPI_SUCCESS) {
+    int listed = 0;
+    for (int r = 0; r < size && listed < 8; ++r)
+      if (r != rank) {
+        const char* n = &names[std::size_t(r) * MPI_MAX_PROCESSOR_NAME];
+        peers += fmt::format("{}rank {} on {}", listed++ ? ", " : "",
+                             r, std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME)));
+      }
+    if (size - 1 > listed) peers += fmt::format(" and {} more", size - 1 - listed);
+  }
   log::debug("mpi communicator: rank {} of {} (local {} of {}), timeout {} s", rank, size,
              li.local_rank, li.local_size, timeout_s);
-  return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size);
+  return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size, std::move(peers));
 }
 
 }  // namespace strata::comm
