@@ -2561,7 +2561,8 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
 // error on every rank, naming the file, the node that has it and the path; resharding to one rank
 // needs every rank's files (an error naming the other node, then done once they are copied side by
 // side). A node that lost its newest checkpoint (a job that died while the nodes renamed theirs):
-// every rank resumes from the newest step both have and continues the one-host run bitwise.
+// every rank resumes from the newest step both have and continues the one-host run bitwise, and each
+// node prunes its own folder (--keep-checkpoints).
 TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   if (!std::getenv("STRATA_TEST_TORCHRUN"))
     GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
@@ -2705,7 +2706,7 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   // Host b loses its step-8 (as if its node died before renaming it): both resume from step 6.
   fs::remove_all(drive[1] + "/ck/step-8");
   const std::string again = dir.path + "/again.jsonl";
-  codes = two_hosts(flags(again, "10", {"--resume", ck}), "again");
+  codes = two_hosts(flags(again, "10", {"--resume", ck, "--keep-checkpoints", "2"}), "again");
   for (int r = 0; r < 2; ++r) ASSERT_EQ(codes[std::size_t(r)], 0) << err_of("again", r);
   EXPECT_NE(err_of("again", 0).find("rank 0 found step-8 in " + ck +
                                     ", but another rank's newest complete checkpoint is step-6: "
@@ -2715,7 +2716,13 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   const auto l = losses(again);
   ASSERT_EQ(l.size(), 4u);
   for (const auto& [step, loss] : l) EXPECT_EQ(loss, ref.at(step)) << "step " << step;
-  EXPECT_TRUE(fs::exists(drive[1] + "/ck/step-9/manifest.json"));
+  // Each node's writer pruned its own folder to the newest 2 (step-8 on a is another timeline's,
+  // newer than the resumed step: not the run's to count).
+  const std::vector<std::string> want_b = {drive[1] + "/ck/step-10", drive[1] + "/ck/step-9"};
+  EXPECT_EQ(checkpoint_folders(drive[1] + "/ck"), want_b);
+  const std::vector<std::string> want_a = {drive[0] + "/ck/step-10", drive[0] + "/ck/step-9",
+                                           drive[0] + "/ck/step-8"};
+  EXPECT_EQ(checkpoint_folders(drive[0] + "/ck"), want_a);
 }
 
 // The same two hosts under mpirun (Open MPI's TCP transport): mpirun runs in the first namespace
