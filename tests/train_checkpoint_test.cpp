@@ -271,8 +271,8 @@ TEST(CheckpointManifest, ANodeLocalFolderVerifiesWithItsOwnRanksFiles) {
   EXPECT_EQ(verify_checkpoint(step), "");  // node a's folder
   EXPECT_EQ(checkpoint_rank_missing(step, m, 0), "");
   EXPECT_NE(checkpoint_rank_missing(step, m, 1)
-                .find("rank 1's engine state (rank1.bin) is not in " + step +
-                      " on this node (" + testing::host_name() +
+                .find("rank 1's engine state (rank1.bin) is not in " + step + " on this node (" +
+                      testing::host_name() +
                       "): the checkpoint is node-local, and node host-b wrote rank 1's files"),
             std::string::npos)
       << checkpoint_rank_missing(step, m, 1);

@@ -2426,8 +2426,7 @@ int wait_for(pid_t pid, double limit_s) {
   for (;;) {
     int st = 0;
     if (::waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
-        limit_s) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_s) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &st, 0);
       return -2;
@@ -2555,14 +2554,14 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsInNetworkNamespaces) {
 
 // Node-local checkpoints: the two hosts above, each also in a mount and UTS namespace of its own
 // (host name strata-node-a / strata-node-b, its own "drive" bind-mounted at the same path, which
-// holds its checkpoints and its NVMe swap), one torchrun-style rank each. Each host's step-<N> holds
-// its own rank's files and the same manifest, which names the node of each file; the two hosts
-// resume from their own drives and continue the one-host run bitwise. Both ranks on one host is an
-// error on every rank, naming the file, the node that has it and the path; resharding to one rank
-// needs every rank's files (an error naming the other node, then done once they are copied side by
-// side). A node that lost its newest checkpoint (a job that died while the nodes renamed theirs):
-// every rank resumes from the newest step both have and continues the one-host run bitwise, and each
-// node prunes its own folder (--keep-checkpoints).
+// holds its checkpoints and its NVMe swap), one torchrun-style rank each. Each host's step-<N>
+// holds its own rank's files and the same manifest, which names the node of each file; the two
+// hosts resume from their own drives and continue the one-host run bitwise. Both ranks on one host
+// is an error on every rank, naming the file, the node that has it and the path; resharding to one
+// rank needs every rank's files (an error naming the other node, then done once they are copied
+// side by side). A node that lost its newest checkpoint (a job that died while the nodes renamed
+// theirs): every rank resumes from the newest step both have and continues the one-host run
+// bitwise, and each node prunes its own folder (--keep-checkpoints).
 TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   if (!std::getenv("STRATA_TEST_TORCHRUN"))
     GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
@@ -2570,14 +2569,15 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   if (unshare.empty()) GTEST_SKIP() << "no unshare (util-linux) on this machine";
   NetnsPair net;
   if (!net.ok) GTEST_SKIP() << net.why;
-  const std::string node = dir.path + "/node", drive[2] = {dir.path + "/drive-a",
-                                                           dir.path + "/drive-b"};
+  const std::string node = dir.path + "/node",
+                    drive[2] = {dir.path + "/drive-a", dir.path + "/drive-b"};
   const std::string host[2] = {"strata-node-a", "strata-node-b"};
   for (const auto& d : {node, drive[0], drive[1]}) fs::create_directories(d + "/nvme");
   const std::string ds = dir.path + "/nvme.json";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
-                    << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")"
-                    << node << R"(/nvme"}}})";
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+      << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << node
+      << R"(/nvme"}}})";
   const std::string ck = node + "/ck";
   const auto flags = [&](const std::string& log, const std::string& steps,
                          std::vector<std::string> extra) {
@@ -2601,14 +2601,20 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
     const std::string p = std::to_string(port++);
     std::vector<pid_t> pids;
     for (int r = 0; r < 2; ++r) {
-      std::vector<std::string> c = {
-          "netns", "exec", r == 0 ? net.a : net.b, unshare, "-m", "-u", "sh", "-c",
-          "hostname " + host[r] + " && mount --bind " + drive[r] + " " + node +
-              " && exec \"$0\" \"$@\"",
-          STRATA_TRAIN_BIN};
+      std::vector<std::string> c = {"netns",
+                                    "exec",
+                                    r == 0 ? net.a : net.b,
+                                    unshare,
+                                    "-m",
+                                    "-u",
+                                    "sh",
+                                    "-c",
+                                    "hostname " + host[r] + " && mount --bind " + drive[r] + " " +
+                                        node + " && exec \"$0\" \"$@\"",
+                                    STRATA_TRAIN_BIN};
       for (const auto& x : f) c.push_back(x);
-      pids.push_back(testing::start(net.ip, c, dir.path, tag + std::to_string(r),
-                                    two_host_env(r, p)));
+      pids.push_back(
+          testing::start(net.ip, c, dir.path, tag + std::to_string(r), two_host_env(r, p)));
     }
     std::vector<int> codes;
     for (pid_t pid : pids) codes.push_back(wait_for(pid, 120));
@@ -2642,7 +2648,8 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
             "rank 1's engine state (rank1.bin) is not in " + drive[0] +
                 "/ck/step-6 on this node (" + testing::host_name() +
                 "): the checkpoint is node-local, and node strata-node-b wrote rank 1's files "
-                "into its own " + drive[0] + "/ck/step-6");
+                "into its own " +
+                drive[0] + "/ck/step-6");
   // Each host resumes from its own drive: steps 7 and 8 are the one-host run's.
   const std::string resumed = dir.path + "/resumed.jsonl";
   codes = two_hosts(flags(resumed, "8", {"--resume", ck}), "resumed");
@@ -2655,11 +2662,11 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   // Both ranks on this machine, with drive a's folder only: rank 1 cannot see its files.
   {
     std::vector<std::string> a = {"2", STRATA_TRAIN_BIN};
-    for (const auto& x : args(dir.path + "/onedrive.jsonl",
-                              {"--config", ds, "--resume", drive[0] + "/ck"}, "10"))
+    for (const auto& x :
+         args(dir.path + "/onedrive.jsonl", {"--config", ds, "--resume", drive[0] + "/ck"}, "10"))
       a.push_back(x);
-    const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, "onedrive",
-                         {{"STRATA_TEST_GRACE_S", "100"}});
+    const Result r =
+        run(STRATA_TORCHRUN_RANKS, a, dir.path, "onedrive", {{"STRATA_TEST_GRACE_S", "100"}});
     EXPECT_NE(r.status, 0);
     EXPECT_NE(r.err.find("rank 1's engine state (rank1.bin) is not in " + drive[0] +
                          "/ck/step-8 on this node"),
@@ -2674,9 +2681,9 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   }
   // One rank reshards: every rank's files are needed.
   {
-    const Result r =
-        train(args(dir.path + "/reshard.jsonl", {"--config", ds, "--resume", drive[0] + "/ck"}, "10"),
-              "reshard-a");
+    const Result r = train(
+        args(dir.path + "/reshard.jsonl", {"--config", ds, "--resume", drive[0] + "/ck"}, "10"),
+        "reshard-a");
     EXPECT_EQ(r.status, 1) << r.out << r.err;
     EXPECT_NE(r.err.find("rank 1's engine state (rank1.bin) is not in " + drive[0] + "/ck/step-8"),
               std::string::npos)
@@ -2708,9 +2715,10 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   const std::string again = dir.path + "/again.jsonl";
   codes = two_hosts(flags(again, "10", {"--resume", ck, "--keep-checkpoints", "2"}), "again");
   for (int r = 0; r < 2; ++r) ASSERT_EQ(codes[std::size_t(r)], 0) << err_of("again", r);
-  EXPECT_NE(err_of("again", 0).find("rank 0 found step-8 in " + ck +
-                                    ", but another rank's newest complete checkpoint is step-6: "
-                                    "every rank resumes from step 6"),
+  EXPECT_NE(err_of("again", 0)
+                .find("rank 0 found step-8 in " + ck +
+                      ", but another rank's newest complete checkpoint is step-6: "
+                      "every rank resumes from step 6"),
             std::string::npos)
       << err_of("again", 0);
   const auto l = losses(again);
@@ -2725,9 +2733,69 @@ TEST_F(TrainCli, TorchrunRanksOnTwoHostsCheckpointToNodeLocalDrives) {
   EXPECT_EQ(checkpoint_folders(drive[0] + "/ck"), want_a);
 }
 
+#ifdef STRATA_MPIEXEC
+// Each host's own drive, mounted at the same path in a mount namespace of the host's own.
+struct HostDrives {
+  std::string unshare, node, a, b;  // unshare's path, where they are mounted, the drives
+};
+
+// `ip netns exec A ... mpirun -np 2 -H 10.231.0.1:1,10.231.0.2:1 ... strata-train`, with
+// `mpirun_flags` among mpirun's: mpirun runs in the first namespace and starts the second host's
+// daemon through a launch agent ("agent [options] HOST COMMAND", ssh's form) that runs it with
+// `ip netns exec` and a TMPDIR of that host's (both share this machine's /tmp and host name);
+// Open MPI's TCP transport on the veth pair's subnet. With `drives`, each host has its drive at
+// drives.node.
+std::vector<std::string> mpirun_on_two_hosts(const NetnsPair& net, const std::string& dir,
+                                             const HostDrives& drives,
+                                             const std::vector<std::string>& mpirun_flags) {
+  const bool mount = !drives.node.empty();
+  const std::string agent = dir + "/netns-agent.sh";
+  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
+                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
+                       << net.a << ";; 10.231.0.2) ns=" << net.b
+                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
+                       << dir << "/tmp-$ns\nexec " << net.ip << " netns exec $ns env TMPDIR=" << dir
+                       << "/tmp-$ns "
+                       << (mount ? drives.unshare + " -m sh -c \"mount --bind " + drives.b + " " +
+                                       drives.node + " && $*\"\n"
+                                 : std::string("sh -c \"$*\"\n"));
+  fs::permissions(agent, fs::perms::owner_all);
+  fs::create_directories(dir + "/tmp-" + net.a);
+  std::vector<std::string> m = {"netns", "exec", net.a};
+  if (mount)
+    m.insert(m.end(), {drives.unshare, "-m", "sh", "-c",
+                       "mount --bind " + drives.a + " " + drives.node + " && exec \"$0\" \"$@\""});
+  m.insert(m.end(), {"env",
+                     "TMPDIR=" + dir + "/tmp-" + net.a,
+                     STRATA_MPIEXEC,
+                     "-np",
+                     "2",
+                     "-H",
+                     "10.231.0.1:1,10.231.0.2:1",
+                     "--mca",
+                     "plm_rsh_agent",
+                     agent,
+                     "--mca",
+                     "btl",
+                     "self,tcp",
+                     "--mca",
+                     "btl_tcp_if_include",
+                     "10.231.0.0/24",
+                     "--mca",
+                     "oob_tcp_if_include",
+                     "10.231.0.0/24",
+                     "-x",
+                     "STRATA_COMM_TIMEOUT_S"});
+  m.insert(m.end(), mpirun_flags.begin(), mpirun_flags.end());
+  m.push_back(STRATA_TRAIN_BIN);
+  return m;
+}
+
+#endif
+
 // The same two hosts under mpirun (Open MPI's TCP transport): mpirun runs in the first namespace
-// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`; each
-// host in a mount namespace of its own with its own drive at the same path (NVMe swap and
+// and starts the second host's daemon through a launch agent that runs it with `ip netns exec`;
+// each host in a mount namespace of its own with its own drive at the same path (NVMe swap and
 // checkpoints there). The losses equal the one-host mpirun run's, bitwise (2 ranks), rank 0 sees 2
 // nodes, and each drive holds its own rank's checkpoint files.
 TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
@@ -2744,57 +2812,18 @@ TEST_F(TrainCli, TwoRanksOnTwoHostsInNetworkNamespacesUnderMpirun) {
                     drive_b = dir.path + "/drive-b";
   for (const auto& d : {node, drive_a, drive_b}) fs::create_directories(d + "/nvme");
   const std::string ds = dir.path + "/nvme.json";
-  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
-                    << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")"
-                    << node << R"(/nvme"}}})";
-  const std::vector<std::string> extra = {"--config", ds, "--save-every", "2", "--checkpoint-dir",
-                                          node + "/ck"};
+  std::ofstream(ds)
+      << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")"
+      << node << R"(/nvme"}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << node
+      << R"(/nvme"}}})";
+  const std::vector<std::string> extra = {"--config",         ds,          "--save-every", "2",
+                                          "--checkpoint-dir", node + "/ck"};
   const std::string one = dir.path + "/onehost.jsonl", two = dir.path + "/twohosts.jsonl";
   const Result r1 = ranks(2, one, extra, "onehost");
   ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
   fs::remove_all(node + "/ck");
-  // The agent: "agent [options] HOST COMMAND" (ssh's form) -> COMMAND in HOST's namespace, with a
-  // TMPDIR of its own (both "hosts" share this machine's /tmp and host name) and host b's drive.
-  const std::string agent = dir.path + "/netns-agent.sh";
-  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
-                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
-                       << net.a << ";; 10.231.0.2) ns=" << net.b
-                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
-                       << dir.path << "/tmp-$ns\nexec " << net.ip << " netns exec $ns env TMPDIR="
-                       << dir.path << "/tmp-$ns " << unshare << " -m sh -c \"mount --bind "
-                       << drive_b << " " << node << " && $*\"\n";
-  fs::permissions(agent, fs::perms::owner_all);
-  fs::create_directories(dir.path + "/tmp-" + net.a);
-  std::vector<std::string> m = {"netns",
-                                "exec",
-                                net.a,
-                                unshare,
-                                "-m",
-                                "sh",
-                                "-c",
-                                "mount --bind " + drive_a + " " + node + " && exec \"$0\" \"$@\"",
-                                "env",
-                                "TMPDIR=" + dir.path + "/tmp-" + net.a,
-                                STRATA_MPIEXEC,
-                                "-np",
-                                "2",
-                                "-H",
-                                "10.231.0.1:1,10.231.0.2:1",
-                                "--mca",
-                                "plm_rsh_agent",
-                                agent,
-                                "--mca",
-                                "btl",
-                                "self,tcp",
-                                "--mca",
-                                "btl_tcp_if_include",
-                                "10.231.0.0/24",
-                                "--mca",
-                                "oob_tcp_if_include",
-                                "10.231.0.0/24",
-                                "-x",
-                                "STRATA_COMM_TIMEOUT_S",
-                                STRATA_TRAIN_BIN};
+  std::vector<std::string> m =
+      mpirun_on_two_hosts(net, dir.path, {unshare, node, drive_a, drive_b}, {});
   for (const auto& x : args(two, extra)) m.push_back(x);
   const Result r2 = run(net.ip, m, dir.path, "twohosts",
                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
@@ -2845,22 +2874,8 @@ TEST_F(TrainCli, TwoRanksUnderMpirunEndWhenTheLinkIsCut) {
     GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
   NetnsPair net;
   if (!net.ok) GTEST_SKIP() << net.why;
-  const std::string agent = dir.path + "/netns-agent.sh";
-  std::ofstream(agent) << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; "
-                          "esac; done\nhost=$1; shift\ncase \"$host\" in 10.231.0.1) ns="
-                       << net.a << ";; 10.231.0.2) ns=" << net.b
-                       << ";; *) echo \"agent: unknown host $host\" >&2; exit 1;; esac\nmkdir -p "
-                       << dir.path << "/tmp-$ns\nexec " << net.ip << " netns exec $ns env TMPDIR="
-                       << dir.path << "/tmp-$ns sh -c \"$*\"\n";
-  fs::permissions(agent, fs::perms::owner_all);
-  fs::create_directories(dir.path + "/tmp-" + net.a);
   const std::string log = dir.path + "/cut.jsonl", outs = dir.path + "/rank-output";
-  std::vector<std::string> m = {
-      "netns", "exec", net.a, "env", "TMPDIR=" + dir.path + "/tmp-" + net.a, STRATA_MPIEXEC,
-      "-np", "2", "-H", "10.231.0.1:1,10.231.0.2:1", "--mca", "plm_rsh_agent", agent, "--mca",
-      "btl", "self,tcp", "--mca", "btl_tcp_if_include", "10.231.0.0/24", "--mca",
-      "oob_tcp_if_include", "10.231.0.0/24", "--output-filename", outs, "-x",
-      "STRATA_COMM_TIMEOUT_S", STRATA_TRAIN_BIN};
+  std::vector<std::string> m = mpirun_on_two_hosts(net, dir.path, {}, {"--output-filename", outs});
   for (const auto& x : args(log, {}, "100000")) m.push_back(x);
   const pid_t mpirun = testing::start(net.ip, m, dir.path, "cut",
                                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
@@ -2899,8 +2914,9 @@ TEST_F(TrainCli, TwoRanksUnderMpirunEndWhenTheLinkIsCut) {
     const std::size_t at = err.find("collective ");
     std::printf("link cut under mpirun: rank %d ended %.1f s after: %s\n", r, took,
                 at == std::string::npos ? "?" : err.substr(at, err.find('\n', at) - at).c_str());
-    EXPECT_TRUE(std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
-                                                  std::to_string(r) + " of 2")))
+    EXPECT_TRUE(
+        std::regex_search(err, std::regex("collective [a-z_]+\\(.*\\) (failed on|on) rank " +
+                                          std::to_string(r) + " of 2")))
         << err;
     EXPECT_NE(err.find("(the other ranks: rank " + std::to_string(1 - r) + " on "),
               std::string::npos)

@@ -689,11 +689,13 @@ std::vector<std::string> strings_across_ranks(Communicator& comm, const std::str
   if (width == 0) return out;
   // Row r holds rank r's bytes; every other rank's row is 0 there (bytes are 0..255).
   std::vector<double> rows(world * width, 0.0);
-  for (std::size_t i = 0; i < mine.size(); ++i) rows[me * width + i] = double(std::uint8_t(mine[i]));
+  for (std::size_t i = 0; i < mine.size(); ++i)
+    rows[me * width + i] = double(std::uint8_t(mine[i]));
   max_across_ranks(comm, rows);
   for (std::size_t r = 0; r < world; ++r) {
     out[r].resize(std::size_t(len[r]));
-    for (std::size_t i = 0; i < out[r].size(); ++i) out[r][i] = char(std::uint8_t(rows[r * width + i]));
+    for (std::size_t i = 0; i < out[r].size(); ++i)
+      out[r][i] = char(std::uint8_t(rows[r * width + i]));
   }
   return out;
 }

@@ -265,8 +265,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeo
     for (int r = 0; r < size && listed < 8; ++r)
       if (r != rank) {
         const char* n = &names[std::size_t(r) * MPI_MAX_PROCESSOR_NAME];
-        peers += fmt::format("{}rank {} on {}", listed++ ? ", " : "",
-                             r, std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME)));
+        peers += fmt::format("{}rank {} on {}", listed++ ? ", " : "", r,
+                             std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME)));
       }
     if (size - 1 > listed) peers += fmt::format(" and {} more", size - 1 - listed);
   }

@@ -311,8 +311,7 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
     // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
     // lines differ in their timings).
     nlohmann::json state = trainer_state;
-    if (groups > 1)
-      state = nlohmann::json::parse(broadcast_string(comm, trainer_state.dump(), 0));
+    if (groups > 1) state = nlohmann::json::parse(broadcast_string(comm, trainer_state.dump(), 0));
     if (leads) {
       const bool node_local = groups > 1;
       nlohmann::json m;
@@ -387,8 +386,7 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
       return "manifest.json is not a strata checkpoint manifest";
     const int version = m.value("version", 0);
     if (version < 1 || version > kNodeLocalVersion)
-      return fmt::format("format version {}, this build reads 1 to {}", version,
-                         kNodeLocalVersion);
+      return fmt::format("format version {}, this build reads 1 to {}", version, kNodeLocalVersion);
     if (version >= 2) {  // the manifest itself first: every value below is read from it
       if (!m.contains(kManifestChecksum) || !m[kManifestChecksum].is_string())
         return "manifest.json has no checksum of its own (manifest_xxh3)";
@@ -433,8 +431,7 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
         std::error_code ec;
         if (present_of_folder.count(folder) && !fs::exists(fs::path(dir) / e.value("name", ""), ec))
           return fmt::format("{} is missing (written on node {} with {} file(s) that are here)",
-                             e.value("name", ""), e.value("node", "?"),
-                             present_of_folder[folder]);
+                             e.value("name", ""), e.value("node", "?"), present_of_folder[folder]);
       }
     }
   } catch (const nlohmann::json::exception& e) {
@@ -472,9 +469,10 @@ std::string checkpoint_rank_missing(const std::string& dir, const nlohmann::json
     const std::string written =
         node.empty() ? std::string()
         : manifest.value("node_local", false)
-            ? fmt::format(": the checkpoint is node-local, and node {} wrote rank {}'s files into "
-                          "its own {}",
-                          node, rank, dir)
+            ? fmt::format(
+                  ": the checkpoint is node-local, and node {} wrote rank {}'s files into "
+                  "its own {}",
+                  node, rank, dir)
             : fmt::format(" (node {} wrote it)", node);
     return fmt::format("rank {}'s engine state ({}) is not in {} on this node ({}){}", rank, name,
                        dir, this_host(), written);
