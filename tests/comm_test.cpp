@@ -32,6 +32,7 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/trace.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -351,6 +352,87 @@ TEST_F(Collectives, StringsAndMaximaAcrossRanks) {
   EXPECT_EQ(v[0], double(W - 1));
   EXPECT_EQ(v[1], 0.0);
   EXPECT_EQ(v[2], 0.5);
+}
+
+// split(): the ranks of one color as a communicator of their own, ranked by key (here the reverse
+// of their rank); its collectives reach its members only, and the parent stays usable.
+TEST_F(Collectives, SplitGroupsTheRanksOfAColorInKeyOrder) {
+  const int color = R % 2;
+  std::unique_ptr<Communicator> sub = comm->split(color, -R);
+  std::vector<int> members;  // this color's ranks in key order
+  for (int r = W - 1; r >= 0; --r)
+    if (r % 2 == color) members.push_back(r);
+  ASSERT_EQ(sub->world_size(), int(members.size()));
+  EXPECT_EQ(members[std::size_t(sub->rank())], R);
+  EXPECT_EQ(sub->backend(), comm->backend());
+  // Each member's rank, gathered in the group's order.
+  std::vector<double> mine = {double(R)};
+  Buffer in = dev->alloc(8), out = dev->alloc(8 * members.size());
+  s->copy(in.ref(), host_ref(mine.data(), 8));
+  sub->all_gather(tensor(in, DType::kF64, 1), tensor(out, DType::kF64, members.size()), *s);
+  std::vector<double> got(members.size());
+  s->copy(host_ref(got.data(), 8 * got.size()), out.ref());
+  s->synchronize();
+  for (std::size_t i = 0; i < members.size(); ++i) EXPECT_EQ(got[i], members[i]) << i;
+  // The parent still reduces over everyone.
+  std::vector<double> v = {1.0};
+  max_across_ranks(*comm, v);
+  Buffer one = upload(DType::kF32, {1.0f});
+  comm->all_reduce(tensor(one, DType::kF32, 1), ReduceOp::kSum, *s).synchronize();
+  EXPECT_EQ(download(one, 4), encode(DType::kF32, {float(W)}));
+  testing::expect_error([&] { comm->split(-1, 0); }, {"color -1 is negative"});
+}
+
+// Tensor x data parallelism: TP groups of consecutive ranks, DP groups of the ranks with the
+// same TP rank; a TP that does not divide the world is refused on every rank.
+TEST_F(Collectives, ProcessGroupsArrangeTensorTimesDataParallel) {
+  // Every rank on a host of its own (comm_gloo_tp_across_nodes): a TP group of two spans nodes.
+  const bool host_per_rank = std::getenv("STRATA_TEST_HOST_PER_RANK") != nullptr;
+  for (int tp = 1; tp <= W; ++tp) {
+    if (host_per_rank && tp > 1 && W % tp == 0) {
+      testing::expect_error([&] { make_process_groups(*comm, tp); },
+                            {fmt::format("tensor parallelism of {} puts ranks 0 to {} in one "
+                                         "group, and they are on different nodes (rank 0 on "
+                                         "strata-host-0, rank 1 on strata-host-1)",
+                                         tp, tp - 1),
+                             "tensor parallelism stays within a node"});
+      continue;
+    }
+    if (W % tp != 0) {
+      testing::expect_error(
+          [&] { make_process_groups(*comm, tp); },
+          {fmt::format("tensor parallelism of {} does not divide the job's {} ranks", tp, W)});
+      continue;
+    }
+    ProcessGroups pg = make_process_groups(*comm, tp);
+    EXPECT_EQ(pg.tp_size, tp);
+    EXPECT_EQ(pg.dp_size, W / tp);
+    EXPECT_EQ(pg.tp_rank, R % tp);
+    EXPECT_EQ(pg.dp_rank, R / tp);
+    ASSERT_EQ(pg.tp->world_size(), tp);
+    ASSERT_EQ(pg.dp->world_size(), W / tp);
+    EXPECT_EQ(pg.tp->rank(), pg.tp_rank);
+    EXPECT_EQ(pg.dp->rank(), pg.dp_rank);
+    // The sum of the ranks of each group.
+    std::vector<double> a = {double(R)}, b = {double(R)};
+    Buffer ta = dev->alloc(8), tb = dev->alloc(8);
+    s->copy(ta.ref(), host_ref(a.data(), 8));
+    s->copy(tb.ref(), host_ref(b.data(), 8));
+    pg.tp->all_reduce(tensor(ta, DType::kF64, 1), ReduceOp::kSum, *s);
+    pg.dp->all_reduce(tensor(tb, DType::kF64, 1), ReduceOp::kSum, *s);
+    s->copy(host_ref(a.data(), 8), ta.ref());
+    s->copy(host_ref(b.data(), 8), tb.ref());
+    s->synchronize();
+    double want_tp = 0, want_dp = 0;
+    for (int r = 0; r < W; ++r) {
+      if (r / tp == R / tp) want_tp += r;
+      if (r % tp == R % tp) want_dp += r;
+    }
+    EXPECT_EQ(a[0], want_tp) << "tp " << tp;
+    EXPECT_EQ(b[0], want_dp) << "tp " << tp;
+  }
+  testing::expect_error([&] { make_process_groups(*comm, 0); },
+                        {"tensor parallelism of 0 does not divide"});
 }
 
 // ZeRO's flat buffers: numel not divisible by the world size, padded with zeros to

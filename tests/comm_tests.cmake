@@ -49,6 +49,15 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
     set_tests_properties(comm_gloo_slurm_2 PROPERTIES LABELS "unit;comm;gloo" TIMEOUT 180
                          ENVIRONMENT "STRATA_COMM_TIMEOUT_S=60;STRATA_TEST_LAUNCHER=slurm"
                          PROCESSORS 2)
+    # Two ranks on "two nodes" (a host name of each one's own: a UTS namespace; root): tensor
+    # parallelism across them is refused. Skipped (77) where unshare cannot make the namespace.
+    add_test(NAME comm_gloo_tp_across_nodes
+             COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_ranks.sh 2 sh -c
+                     "unshare -u true 2>/dev/null || exit 77; exec unshare -u sh -c 'hostname strata-host-$RANK && exec \"$0\" --gtest_filter=Collectives.ProcessGroups*' \"$0\""
+                     $<TARGET_FILE:comm_test>)
+    set_tests_properties(comm_gloo_tp_across_nodes PROPERTIES LABELS "unit;comm;gloo" TIMEOUT 180
+                         ENVIRONMENT "STRATA_COMM_TIMEOUT_S=60;STRATA_TEST_HOST_PER_RANK=1"
+                         PROCESSORS 2 SKIP_RETURN_CODE 77)
   endif()
 
   add_executable(comm_fault_test comm_fault_test.cpp)

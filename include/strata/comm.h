@@ -137,6 +137,12 @@ class Communicator {
                                  std::span<const TensorRef> outputs, ReduceOp op, Stream& stream);
   Event all_reduce_coalesced(std::span<const TensorRef> data, ReduceOp op, Stream& stream);
 
+  // The ranks of this communicator that pass the same `color` (>= 0), as a communicator of their
+  // own, ranked by `key`, then by rank (as MPI_Comm_split and ncclCommSplit). Collective: every
+  // rank calls it, in the same order as its other collectives. The new communicator is
+  // independent of this one (its collectives are its own order); this one stays usable.
+  std::unique_ptr<Communicator> split(int color, int key);
+
   // One queued call, as the wrapper hands it to a backend (validated).
   enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kGather };
   struct Collective {
@@ -158,6 +164,9 @@ class Communicator {
   virtual void do_enqueue(const Collective& c, Stream& stream) = 0;
   // Whether the backend can read and write host (MemSpace::kHost) memory.
   virtual bool accepts_host_memory() const noexcept { return false; }
+  // The new communicator of split(): `members` are this communicator's ranks in its order (this
+  // rank among them), `color` what they passed. Collective over this communicator's ranks.
+  virtual std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members) = 0;
 
  private:
   Event submit(Collective c, Stream& stream);
@@ -180,6 +189,20 @@ class Communicator {
 // communicators. Throws kUnsupported when the build lacks the backend, kMpi / kNccl when
 // initialization fails.
 std::unique_ptr<Communicator> make_communicator(Device& device, const CommOptions& options = {});
+
+// The ranks of a job arranged as tensor-parallel x data-parallel, TP innermost (Megatron's
+// layout): rank r is TP rank r % tp of TP group r / tp (tp consecutive ranks, one node's) and DP
+// rank r / tp of DP group r % tp (the ranks holding the same TP slice, one per TP group).
+struct ProcessGroups {
+  int tp_size = 1, dp_size = 1;
+  int tp_rank = 0, dp_rank = 0;
+  std::unique_ptr<Communicator> tp, dp;  // split from the job's communicator
+};
+// Collective over `world`'s ranks. Refuses (kInvalidArgument, on every rank alike) a
+// `tensor_parallel` below 1 or that does not divide the world size, and TP groups that span
+// nodes (tensor parallelism's all-reduces stay on a node's links): naming the group, its hosts and
+// how to place the ranks.
+ProcessGroups make_process_groups(Communicator& world, int tensor_parallel);
 
 // How many of `comm`'s ranks run on this node, sharing its RAM and drives: the launcher's local
 // size for a group of several ranks, 1 for a one-rank group.

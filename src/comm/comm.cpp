@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "comm/comm_internal.h"
+#include "core/process.h"
 #include "gpu/cuda_module.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -405,6 +406,10 @@ class LocalCommunicator final : public Communicator {
  protected:
   bool accepts_host_memory() const noexcept override { return true; }
 
+  std::unique_ptr<Communicator> do_split(int, const std::vector<int>&) override {
+    return std::make_unique<LocalCommunicator>(device(), timeout_s());
+  }
+
   void do_enqueue(const Collective& c, Stream& stream) override {
     // With one rank, every result equals the input (a sum, average or max of one value,
     // rounded from itself); only an out-of-place gather or scatter has bytes to move.
@@ -676,6 +681,50 @@ void max_across_ranks(Communicator& comm, std::span<double> values) {
   comm.all_reduce(tensor(b, DType::kF64, values.size()), ReduceOp::kMax, *stream);
   stream->copy(host_ref(values.data(), bytes), b.ref());
   stream->synchronize();
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  STRATA_REQUIRE(color >= 0, "Communicator::split: color {} is negative (give 0 or more)", color);
+  // Every rank's color and key.
+  const std::size_t world = std::size_t(world_size_);
+  std::vector<double> ck(2 * world, -0x1p60);
+  ck[2 * std::size_t(rank_)] = color;
+  ck[2 * std::size_t(rank_) + 1] = key;
+  if (world > 1) max_across_ranks(*this, ck);
+  std::vector<int> members;
+  for (int r = 0; r < world_size_; ++r)
+    if (ck[2 * std::size_t(r)] == color) members.push_back(r);
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+    return ck[2 * std::size_t(a) + 1] < ck[2 * std::size_t(b) + 1];
+  });
+  return do_split(color, members);
+}
+
+ProcessGroups make_process_groups(Communicator& world, int tensor_parallel) {
+  const int n = world.world_size(), tp = tensor_parallel;
+  STRATA_REQUIRE(tp >= 1 && n % tp == 0,
+                 "tensor parallelism of {} does not divide the job's {} rank{}: give a divisor of "
+                 "{} (the ranks are arranged as {} x data parallelism)",
+                 tp, n, n == 1 ? "" : "s", n, tp);
+  // Every TP group on one node: its ranks' host names alike.
+  const std::vector<std::string> hosts = strings_across_ranks(world, this_host());
+  for (int g = 0; g < n / tp; ++g)
+    for (int r = g * tp + 1; r < (g + 1) * tp; ++r)
+      STRATA_REQUIRE(hosts[std::size_t(r)] == hosts[std::size_t(g * tp)],
+                     "tensor parallelism of {} puts ranks {} to {} in one group, and they are on "
+                     "different nodes (rank {} on {}, rank {} on {}): tensor parallelism stays "
+                     "within a node; give at most the ranks per node, and start consecutive ranks "
+                     "on one node (mpirun --map-by ppr:N:node, torchrun --nproc-per-node N)",
+                     tp, g * tp, (g + 1) * tp - 1, g * tp, hosts[std::size_t(g * tp)], r,
+                     hosts[std::size_t(r)]);
+  ProcessGroups pg;
+  pg.tp_size = tp;
+  pg.dp_size = n / tp;
+  pg.tp_rank = world.rank() % tp;
+  pg.dp_rank = world.rank() / tp;
+  pg.tp = world.split(pg.dp_rank, pg.tp_rank);
+  pg.dp = world.split(pg.tp_rank, pg.dp_rank);
+  return pg;
 }
 
 std::vector<std::string> strings_across_ranks(Communicator& comm, const std::string& mine) {

@@ -80,14 +80,48 @@ void reduce_into(ReduceOp op, void* c, const void* a, const void* b, std::size_t
 // makes them in the same order, as make_communicator's contract says).
 std::atomic<int> g_made{0};
 
+// A full mesh of Gloo pairs among `size` ranks (this one `rank`) through the rendezvous store,
+// under the store keys' `prefix`.
+std::shared_ptr<gloo::Context> connect(TcpStore& store, int rank, int size,
+                                       const std::string& prefix, double timeout_s) {
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  ctx->setTimeout(std::chrono::milliseconds(std::int64_t(timeout_s * 1000)));
+  gloo::transport::tcp::attr attr;
+  attr.hostname = store.local_address();
+  auto dev = gloo::transport::tcp::CreateDevice(attr);
+  RendezvousStore rs(store, timeout_s);
+  gloo::rendezvous::PrefixStore prefixed(prefix, rs);
+  ctx->connectFullMesh(prefixed, dev);
+  return ctx;
+}
+
+// "rank 1 on b (10.0.0.2), ...": the first 8 ranks of `world` (ranks of the rendezvous) other
+// than `me`, where they joined from.
+std::string peers_of(TcpStore& store, const std::vector<int>& world, int me) {
+  std::string peers;
+  int listed = 0;
+  for (int r = 0; r < int(world.size()) && listed < 8; ++r)
+    if (r != me) {
+      peers += fmt::format("{}rank {} on {}", listed ? ", " : "", r, store.where(world[r]));
+      ++listed;
+    }
+  if (int(world.size()) - 1 > listed)
+    peers += fmt::format(" and {} more", int(world.size()) - 1 - listed);
+  return peers;
+}
+
 class GlooCommunicator final : public Communicator {
  public:
+  // `ranks`: each rank's rank in the rendezvous (the launch's); `prefix`: its store keys'.
   GlooCommunicator(Device& device, double timeout_s, std::shared_ptr<gloo::Context> ctx,
-                   std::string peers)
+                   TcpStore& store, std::vector<int> ranks, std::string prefix)
       : Communicator(CommBackend::kGloo, device, ctx->rank, ctx->size, timeout_s),
         ctx_(std::move(ctx)),
         timeout_(std::chrono::milliseconds(std::int64_t(timeout_s * 1000))),
-        peers_(std::move(peers)),
+        store_(store),
+        ranks_(std::move(ranks)),
+        prefix_(std::move(prefix)),
+        peers_(peers_of(store_, ranks_, ctx_->rank)),
         worker_(
             rank(), world_size(), timeout_s,
             [this](const Collective& c) {
@@ -104,6 +138,25 @@ class GlooCommunicator final : public Communicator {
  protected:
   bool accepts_host_memory() const noexcept override { return true; }
   void do_enqueue(const Collective& c, Stream& stream) override { worker_.enqueue(c, stream); }
+
+  // A new mesh among the members, under store keys of its own (the n-th split of this one, its
+  // color): the pairs of this one stay untouched.
+  std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members) override {
+    const int me = int(std::find(members.begin(), members.end(), rank()) - members.begin());
+    const std::string prefix = fmt::format("{}/split{}/{}", prefix_, splits_++, color);
+    std::vector<int> ranks;
+    for (int m : members) ranks.push_back(ranks_[std::size_t(m)]);
+    try {
+      auto ctx = connect(store_, me, int(members.size()), prefix, timeout_s());
+      return std::make_unique<GlooCommunicator>(device(), timeout_s(), std::move(ctx), store_,
+                                                std::move(ranks), prefix);
+    } catch (const gloo::Exception& e) {
+      STRATA_THROW(kIo,
+                   "Communicator::split: rank {} of {} could not connect Gloo's pairs to {} "
+                   "peer(s) of its group (through the rendezvous at {}): {}",
+                   rank(), world_size(), members.size() - 1, store_.endpoint(), e.what());
+    }
+  }
 
  private:
   // fp32 (or fp64) scratch slot `i`, kept for the next call (worker only).
@@ -240,6 +293,10 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
+  TcpStore& store_;
+  std::vector<int> ranks_;      // each rank's rank in the rendezvous
+  std::string prefix_;          // its store keys'
+  int splits_ = 0;              // split() calls so far (every rank's alike: it is collective)
   std::string peers_;           // "rank 1 on b (10.0.0.2), ...": for error messages
   std::uint32_t next_tag_ = 1;  // worker only
   std::vector<std::vector<std::uint64_t>> scratch_;  // worker only; 8-byte aligned
@@ -259,27 +316,15 @@ std::unique_ptr<Communicator> make_gloo_communicator(Device& device, double time
       li.launcher, li.rank, li.world_size, li.under_mpi ? "mpi" : "local");
   const int n = g_made++;
   try {
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(li.rank, li.world_size);
-    ctx->setTimeout(std::chrono::milliseconds(std::int64_t(timeout_s * 1000)));
-    gloo::transport::tcp::attr attr;
-    attr.hostname = store->local_address();
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    RendezvousStore rs(*store, timeout_s);
-    gloo::rendezvous::PrefixStore prefixed(fmt::format("gloo/{}", n), rs);
-    ctx->connectFullMesh(prefixed, dev);
+    const std::string prefix = fmt::format("gloo/{}", n);
+    auto ctx = connect(*store, li.rank, li.world_size, prefix, timeout_s);
     install_termination_note(li.rank, li.world_size);
     log::debug("gloo communicator: rank {} of {} at {}, timeout {} s", li.rank, li.world_size,
                store->local_address(), timeout_s);
-    std::string peers;
-    int listed = 0;
-    for (int r = 0; r < li.world_size && listed < 8; ++r)
-      if (r != li.rank) {
-        peers += fmt::format("{}rank {} on {}", listed ? ", " : "", r, store->where(r));
-        ++listed;
-      }
-    if (li.world_size - 1 > listed)
-      peers += fmt::format(" and {} more", li.world_size - 1 - listed);
-    return std::make_unique<GlooCommunicator>(device, timeout_s, std::move(ctx), std::move(peers));
+    std::vector<int> ranks(std::size_t(li.world_size));
+    for (int r = 0; r < li.world_size; ++r) ranks[std::size_t(r)] = r;
+    return std::make_unique<GlooCommunicator>(device, timeout_s, std::move(ctx), *store,
+                                              std::move(ranks), prefix);
   } catch (const gloo::Exception& e) {
     STRATA_THROW(kIo,
                  "rank {} of {} could not connect Gloo's pairs to its peers (through the "

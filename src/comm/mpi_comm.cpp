@@ -18,6 +18,7 @@
 // Never: calls MPI from the caller's thread after construction, or blocks the caller.
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
@@ -58,23 +59,55 @@ MPI_Datatype mpi_type(DType t) {
 
 class MpiCommunicator final : public Communicator {
  public:
-  // `peers`: "rank 1 on b, ..." (where the other ranks run), for error messages.
+  // `peers`: "rank 1 on b, ..." (where the other ranks run), for error messages; `hosts`: every
+  // rank's host, by rank.
   MpiCommunicator(Device& device, double timeout_s, MPI_Comm comm, int rank, int world_size,
-                  std::string peers)
+                  std::vector<std::string> hosts)
       : Communicator(CommBackend::kMpi, device, rank, world_size, timeout_s),
         comm_(comm),
-        peers_(std::move(peers)),
+        hosts_(std::move(hosts)),
+        peers_(peers_of(hosts_, rank)),
         worker_(std::make_unique<CollectiveWorker>(
             rank, world_size, timeout_s, [this](const Collective& c) { execute(c); },
-            peers_.empty() ? std::string() : fmt::format(" (the other ranks: {})", peers_))) {}
+            world_size > 1 ? fmt::format(" (the other ranks: {})", peers_) : std::string())) {}
 
   ~MpiCommunicator() override {
     worker_.reset();  // after every issued collective has run: their streams still wait on them
-    if (mpi_active()) MPI_Comm_free(&comm_);
+    if (mpi_active()) {
+      MPI_Comm_free(&comm_);
+      if (split_comm_ != MPI_COMM_NULL) MPI_Comm_free(&split_comm_);
+    }
+  }
+
+  // "rank 1 on b, rank 2 on c, ...": the first 8 ranks other than `rank`, where they run.
+  static std::string peers_of(const std::vector<std::string>& hosts, int rank) {
+    std::string peers;
+    int listed = 0;
+    const int size = int(hosts.size());
+    for (int r = 0; r < size && listed < 8; ++r)
+      if (r != rank) peers += fmt::format("{}rank {} on {}", listed++ ? ", " : "", r, hosts[r]);
+    if (size - 1 > listed) peers += fmt::format(" and {} more", size - 1 - listed);
+    return peers;
   }
 
  protected:
   bool accepts_host_memory() const noexcept override { return true; }
+
+  // MPI_Comm_split on a duplicate of comm_ made for splits (the worker thread may have comm_'s
+  // collectives in flight: MPI wants one order of collectives per communicator).
+  std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members) override {
+    if (split_comm_ == MPI_COMM_NULL) check(MPI_Comm_dup(comm_, &split_comm_), "MPI_Comm_dup");
+    const int key = int(std::find(members.begin(), members.end(), rank()) - members.begin());
+    MPI_Comm sub = MPI_COMM_NULL;
+    check(MPI_Comm_split(split_comm_, color, key, &sub), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+    int r = 0, n = 1;
+    MPI_Comm_rank(sub, &r);
+    MPI_Comm_size(sub, &n);
+    std::vector<std::string> hosts;
+    for (int m : members) hosts.push_back(hosts_[std::size_t(m)]);
+    return std::make_unique<MpiCommunicator>(device(), timeout_s(), sub, r, n, std::move(hosts));
+  }
 
   void do_enqueue(const Collective& c, Stream& stream) override {
     for (const auto* list : {&c.inputs, &c.outputs})
@@ -95,7 +128,7 @@ class MpiCommunicator final : public Communicator {
       text +=
           ": the ranks passed this collective different sizes or dtypes (or issued different "
           "collectives); rerun with STRATA_COMM_CHECK=1 to name each rank's call";
-    if (!peers_.empty()) text += fmt::format(" (the other ranks: {})", peers_);
+    if (world_size() > 1) text += fmt::format(" (the other ranks: {})", peers_);
     detail::throw_error(ErrorKind::kMpi, __FILE__, __LINE__, call, "MPI collective failed", text);
   }
 
@@ -228,6 +261,8 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   std::vector<std::vector<float>> scratch_;   // worker only
+  MPI_Comm split_comm_ = MPI_COMM_NULL;       // made at the first split
+  std::vector<std::string> hosts_;
   std::string peers_;
   std::unique_ptr<CollectiveWorker> worker_;  // last: its thread runs execute()
 };
@@ -254,25 +289,18 @@ std::unique_ptr<Communicator> make_mpi_communicator(Device& device, double timeo
   MPI_Comm_size(comm, &size);
   install_termination_note(rank, size);
   // Where every rank runs (MPI_Get_processor_name: the host name), for the messages of a
-  // collective that fails or times out: the first 8 other ranks.
+  // collective that fails or times out.
   std::vector<char> names(std::size_t(size) * MPI_MAX_PROCESSOR_NAME, 0);
   int len = 0;
   MPI_Get_processor_name(&names[std::size_t(rank) * MPI_MAX_PROCESSOR_NAME], &len);
-  std::string peers;
-  if (size > 1 && MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, names.data(),
-                                MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm) == MPI_SUCCESS) {
-    int listed = 0;
-    for (int r = 0; r < size && listed < 8; ++r)
-      if (r != rank) {
-        const char* n = &names[std::size_t(r) * MPI_MAX_PROCESSOR_NAME];
-        peers += fmt::format("{}rank {} on {}", listed++ ? ", " : "", r,
-                             std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME)));
-      }
-    if (size - 1 > listed) peers += fmt::format(" and {} more", size - 1 - listed);
-  }
-  log::debug("mpi communicator: rank {} of {} (local {} of {}), timeout {} s", rank, size,
-             li.local_rank, li.local_size, timeout_s);
-  return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size, std::move(peers));
+  std::vector<std::string> hosts(std::size_t(size), "?");
+  if (size == 1 || MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, names.data(),
+                                 MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm) == MPI_SUCCESS)
+    for (int r = 0; r < size; ++r) {
+      const char* n = &names[std::size_t(r) * MPI_MAX_PROCESSOR_NAME];
+      hosts[std::size_t(r)] = std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME));
+    }
+  return std::make_unique<MpiCommunicator>(device, timeout_s, comm, rank, size, std::move(hosts));
 }
 
 }  // namespace strata::comm

@@ -250,6 +250,35 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // ncclCommSplit, non-blocking like the bootstrap: settled within the timeout.
+  std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members) override {
+    const int key = int(std::find(members.begin(), members.end(), rank()) - members.begin());
+    GpuGuard guard(ordinal_);
+    ncclComm_t sub = nullptr;
+    {
+      std::lock_guard<std::mutex> nccl_lock(comm_mu_);
+      STRATA_REQUIRE(!aborted_,
+                     "Communicator::split: the NCCL communicator was aborted (a collective timed "
+                     "out or failed); the job is ending");
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      const ncclResult_t rc = ncclCommSplit(comm_, color, key, &sub, &config);
+      try {
+        if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
+        settle(sub, rc, "ncclCommSplit (every rank of the communicator joins)", __FILE__, __LINE__,
+               rank(), world_size(), timeout_s());
+      } catch (...) {
+        if (sub) (void)ncclCommAbort(sub);
+        throw;
+      }
+    }
+    Buffer scratch = device().alloc(256);
+    STRATA_CUDA_CHECK(cudaMemset(scratch.data(), 0, 256));
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    return std::make_unique<NcclCommunicator>(device(), timeout_s(), key, int(members.size()),
+                                              ordinal_, sub, std::move(scratch));
+  }
+
   void do_enqueue(const Collective& c, Stream& stream) override {
     auto s = static_cast<cudaStream_t>(stream.native_handle());
     STRATA_REQUIRE(s != nullptr,
