@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kNonNegative);
   app.add_option(
       "--checkpoint-dir", o.checkpoint_dir,
-      "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's)");
+      "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's); shared by "
+      "the nodes, or a node-local drive at the same path on each");
   app.add_option("--keep-checkpoints,--save-total-limit", o.keep_checkpoints,
                  "keep only the newest N checkpoints (default 0: all; --save-total-limit, the "
                  "Hugging Face Trainer's name, is the same)")

@@ -69,7 +69,11 @@ class MpiCommunicator final : public Communicator {
         peers_(peers_of(hosts_, rank)),
         worker_(std::make_unique<CollectiveWorker>(
             rank, world_size, timeout_s, [this](const Collective& c) { execute(c); },
-            world_size > 1 ? fmt::format(" (the other ranks: {})", peers_) : std::string())) {}
+            world_size > 1 ? fmt::format(" (the other ranks: {})", peers_) : std::string())) {
+    // Before any collective of comm_ is queued (MPI wants one order of collectives per
+    // communicator, and the worker thread issues comm_'s).
+    check(MPI_Comm_dup(comm_, &split_comm_), "MPI_Comm_dup");
+  }
 
   ~MpiCommunicator() override {
     worker_.reset();  // after every issued collective has run: their streams still wait on them
@@ -93,10 +97,9 @@ class MpiCommunicator final : public Communicator {
  protected:
   bool accepts_host_memory() const noexcept override { return true; }
 
-  // MPI_Comm_split on a duplicate of comm_ made for splits (the worker thread may have comm_'s
-  // collectives in flight: MPI wants one order of collectives per communicator).
+  // MPI_Comm_split on the duplicate of comm_ kept for splits (the worker thread may have comm_'s
+  // collectives in flight).
   std::unique_ptr<Communicator> do_split(int color, const std::vector<int>& members) override {
-    if (split_comm_ == MPI_COMM_NULL) check(MPI_Comm_dup(comm_, &split_comm_), "MPI_Comm_dup");
     const int key = int(std::find(members.begin(), members.end(), rank()) - members.begin());
     MPI_Comm sub = MPI_COMM_NULL;
     check(MPI_Comm_split(split_comm_, color, key, &sub), "MPI_Comm_split");

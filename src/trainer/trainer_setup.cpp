@@ -1,6 +1,7 @@
 // The job's set-up: everything train() checks, reads and builds before its first step. Every
-// error here is thrown before the first collective (require_same_settings, in open_device, is
-// the first), or is one every rank throws alike, so no rank is left waiting for another.
+// error here is thrown before the first collective (agree_on_resume, then require_same_settings,
+// in open_device, are the first), or is one every rank throws alike, so no rank is left waiting
+// for another.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
