@@ -172,6 +172,48 @@ TEST(EngineRanks, Stage2MatchesOneRank) {
   compare_with_one_rank(c, "stage 2, optimizer on the host, early optimizer step");
 }
 
+// ZeRO-3 over the data-parallel group of a tensor x data layout (make_process_groups, TP 2): the
+// engine shards over the DP group's ranks only, on a sub-communicator, beside the other DP
+// group's engine. Both TP ranks of a pair train the same rows (no layer is split yet), so they
+// end with the same weights, bitwise, and each DP group equals one rank on its rows.
+TEST(EngineRanks, Stage3OverTheDataParallelGroupOfAProcessGrid) {
+  Env& env = *g_env;
+  const int n = env.comm->world_size();
+  if (n % 2 != 0) GTEST_SKIP() << "a TP group of 2 needs an even number of ranks";
+  ProcessGroups pg = make_process_groups(*env.comm, 2);
+  ASSERT_EQ(pg.dp->world_size(), n / 2);
+  EngineConfig c = default_engine_config();
+  c.param_persistence_threshold = 0;  // every unit gathered over the DP group at each use
+  c.host_budget_bytes = 64 << 20;
+  const std::vector<int> dims = {24, 40, 33, 16};
+  const auto dp = train(*env.dev, *pg.dp, c, LinearModel(dims, kRows, 7), kRows, kSteps, kAccum);
+  auto dev1 = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  co.process_local = true;
+  auto local = make_communicator(*dev1, co);
+  const auto one = train(*dev1, *local, c, LinearModel(dims, kRows * (n / 2), 7), kRows * (n / 2),
+                         kSteps, kAccum);
+  for (int i = 0; i < kSteps; ++i)
+    EXPECT_NEAR(dp.losses[std::size_t(i)], one.losses[std::size_t(i)],
+                1e-5 * one.losses[std::size_t(i)])
+        << "step " << i;
+  // The TP pair's weights, bitwise: rank 0's of each pair against rank 1's.
+  for (std::size_t l = 0; l < dp.master.size(); ++l) {
+    std::vector<float> mine = dp.master[l], other(mine.size());
+    Buffer a = env.dev->alloc(4 * mine.size()), b = env.dev->alloc(4 * 2 * mine.size());
+    auto st = env.dev->create_stream("tp-check");
+    st->copy(a.ref(), host_ref(mine.data(), 4 * mine.size()));
+    pg.tp->all_gather(TensorRef{a.ref(), DType::kF32, mine.size()},
+                      TensorRef{b.ref(), DType::kF32, 2 * mine.size()}, *st);
+    std::vector<float> both(2 * mine.size());
+    st->copy(host_ref(both.data(), 4 * both.size()), b.ref());
+    st->synchronize();
+    EXPECT_EQ(0, std::memcmp(both.data(), both.data() + mine.size(), 4 * mine.size()))
+        << "layer " << l << ": the TP pair's weights differ";
+  }
+}
+
 // An fp16 overflow on one rank only (an Inf in the last rank's input at step 2): every rank
 // skips that step (the flag is agreed before any update), no weight changes anywhere, the scale
 // halves on every rank, and the ranks train on in step.
