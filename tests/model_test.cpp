@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -278,6 +279,77 @@ TEST(Model, BadInputNamesTheProblem) {
             "c.json");
       },
       "not a multiple");
+}
+
+// Tensor-parallel layouts: each rank's slices of a split tensor tile it exactly once (GPT-2's
+// fused q|k|v by part, the vocabulary unevenly), replicated tensors are whole on every rank,
+// from-scratch values are the whole model's at the same elements, and a TP size that does not
+// divide what it splits is refused naming it.
+TEST(ModelTpLayout, SlicesTileEachTensorOnceAndSizesThatDoNotDivideAreRefused) {
+  for (const char* json : {kLlama, kGpt2}) {
+    const ModelConfig cfg = parse_model_config(json, "test");
+    const std::vector<UnitSpec> full = model_units(cfg);
+    const int n = 2;
+    std::vector<std::vector<UnitSpec>> ranks;
+    for (int r = 0; r < n; ++r) ranks.push_back(model_units(cfg, {n, r}));
+    for (std::size_t u = 0; u < full.size(); ++u)
+      for (std::size_t k = 0; k < full[u].params.size(); ++k) {
+        const ParamSpec& f = full[u].params[k];
+        std::vector<float> iota(f.numel), covered(f.numel, 0.0f);
+        for (std::size_t e = 0; e < f.numel; ++e) iota[e] = float(e);
+        std::size_t held = 0;
+        for (int r = 0; r < n; ++r) {
+          const ParamSpec& p = ranks[std::size_t(r)][u].params[k];
+          ASSERT_EQ(p.name, f.name);
+          EXPECT_EQ(p.full_shape, f.shape);
+          const std::vector<float> slice = tp_slice(p, iota);
+          if (!p.split()) {
+            EXPECT_EQ(slice, iota) << p.name;
+            continue;
+          }
+          held += p.numel;
+          std::vector<float> ones(p.numel, 1.0f), mark(f.numel, 0.0f);
+          tp_place(p, ones, mark);
+          for (std::size_t e = 0; e < f.numel; ++e) covered[e] += mark[e];
+          std::vector<float> back(f.numel, -1.0f);
+          tp_place(p, slice, back);
+          for (std::size_t e = 0; e < f.numel; ++e)
+            if (back[e] >= 0) EXPECT_EQ(back[e], iota[e]) << p.name;
+          std::vector<float> mine(p.numel), whole(f.numel);
+          init_hf_values(cfg, p, 5, 0, p.numel, mine.data());
+          init_hf_values(cfg, f, 5, 0, f.numel, whole.data());
+          EXPECT_EQ(mine, tp_slice(p, whole)) << p.name;
+        }
+        if (held > 0) {
+          EXPECT_EQ(held, f.numel) << f.name;
+          EXPECT_EQ(*std::min_element(covered.begin(), covered.end()), 1.0f) << f.name;
+          EXPECT_EQ(*std::max_element(covered.begin(), covered.end()), 1.0f) << f.name;
+        }
+      }
+  }
+  // The vocabulary 67 over 2: 34 rows and 33.
+  const ModelConfig llama = parse_model_config(kLlama, "test");
+  EXPECT_EQ(model_units(llama, {2, 0})[0].params[0].shape[0], 34);
+  EXPECT_EQ(model_units(llama, {2, 1})[0].params[0].shape[0], 33);
+  EXPECT_EQ(model_units(llama, {2, 1})[0].params[0].split_begin, 34);
+  // 4 heads, 2 key/value heads, MLP 40.
+  expect_error([&] { model_units(llama, {3, 0}); }, "does not divide the model's attention heads");
+  expect_error([&] { model_units(llama, {4, 0}); }, "key/value heads (num_key_value_heads) (2)");
+  std::string odd = kLlama;
+  const std::string width = "\"intermediate_size\": 40";
+  odd.replace(odd.find(width), width.size(), "\"intermediate_size\": 41");
+  expect_error([&] { model_units(parse_model_config(odd, "test"), {4, 0}); }, "key/value heads");
+  expect_error(
+      [&] {
+        model_units(parse_model_config(odd, "test"), {2, 0});
+      },
+      "MLP width (intermediate_size) (41)");
+  const ModelConfig tiny = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 5, "hidden_size": 16, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4})",
+      "test");
+  expect_error([&] { model_units(tiny, {4, 0}); }, "leaves TP rank 3 no vocabulary rows");
+  expect_error([&] { model_units(tiny, {2, 2}); }, "rank 2 of 2 is not a rank of the group");
 }
 
 }  // namespace

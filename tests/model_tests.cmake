@@ -45,3 +45,22 @@ target_link_libraries(tokenizer_test PRIVATE PkgConfig::SENTENCEPIECE)
 strata_add_test(prep_test SOURCES prep_test.cpp LABELS model
                 DEFINES STRATA_PREP_BIN="$<TARGET_FILE:strata-prep>")
 add_dependencies(prep_test strata-prep)
+# Tensor parallelism in the model: under mpirun with 2 and 4 ranks (TP 2; TP 4 and TP 2 x DP 2)
+# against the whole model on each rank; with one rank its cases are skipped.
+find_package(MPI COMPONENTS C)
+add_executable(model_tp_test model_tp_test.cpp)
+target_link_libraries(model_tp_test PRIVATE strata GTest::gtest)
+add_test(NAME model_tp_1 COMMAND model_tp_test)
+set_tests_properties(model_tp_1 PROPERTIES LABELS "model" TIMEOUT 120)
+if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
+  set(strata_model_tp_env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 STRATA_COMM_TIMEOUT_S=120)
+  if(STRATA_SANITIZE)
+    list(APPEND strata_model_tp_env ASAN_OPTIONS=detect_leaks=0)  # OpenMPI's own leaks (see comm_tests.cmake)
+  endif()
+  foreach(np 2 4)
+    add_test(NAME model_tp_${np}
+             COMMAND ${MPIEXEC_EXECUTABLE} -np ${np} --oversubscribe $<TARGET_FILE:model_tp_test>)
+    set_tests_properties(model_tp_${np} PROPERTIES LABELS "model;mpi" TIMEOUT 300
+                         ENVIRONMENT "${strata_model_tp_env}" PROCESSORS ${np})
+  endforeach()
+endif()

@@ -49,6 +49,19 @@
 //    each document. A packed row's loss and gradients equal those of its documents run as rows of
 //    their own (to fp32 rounding: the sums run in another order). Without positions each row is
 //    one document at 0..T-1, and the computation is exactly the unpacked one.
+//
+// Tensor parallelism (ModelOptions::tensor_parallel, Megatron-LM's layout): the TP ranks run the
+// same batch, each with its slice of every split layer (model_units(cfg, {size, rank})): q/k/v by
+// heads (key/value heads divided among the ranks), MLP gate/up (GPT-2's c_fc) by columns — column
+// parallel — and the attention output and MLP down projections by their input — row parallel —
+// one all-reduce over the group after each row-parallel layer in the forward and after each
+// column-parallel layer's input gradient in the backward. The embedding and the LM head split
+// the vocabulary in rows (ceil(vocab / size) a rank, the last one fewer): the embedding's rows are
+// summed over the group, and the cross-entropy is vocabulary-parallel (each rank's rows'
+// log-sum-exp and target logit gathered; no rank ever holds a row's full logits). Norms,
+// row-parallel biases and GPT-2's position table are replicated: their gradients come out equal on
+// every TP rank (from equal inputs), so they need no reduction. Losses equal TP 1's to fp32
+// rounding (the row-parallel sums run in another order), and every TP rank returns the same loss.
 #pragma once
 
 #include <cstddef>
@@ -62,6 +75,8 @@
 #include "strata/dtype.h"
 
 namespace strata {
+
+class Communicator;
 
 enum class ModelArch { kLlama, kGpt2 };
 
@@ -108,9 +123,30 @@ std::string model_config_json(const ModelConfig& cfg);
 
 struct ParamSpec {
   std::string name;                 // the Hugging Face tensor name
-  std::vector<std::int64_t> shape;  // as stored in safetensors
+  std::vector<std::int64_t> shape;  // as stored in safetensors; this rank's slice under TP
   std::size_t offset = 0;           // elements into the unit's flat buffer
   std::size_t numel = 0;
+  // Tensor parallelism (model_units with TP > 1): the slice of the Hugging Face tensor this rank
+  // holds. Along split_dim the tensor of full_shape is cut into split_parts equal parts (3 for
+  // GPT-2's fused q|k|v columns, else 1), and this rank holds indices [split_begin, split_begin +
+  // shape[split_dim] / split_parts) of each part, the parts one after another. split_dim -1: the
+  // whole tensor, replicated on every TP rank (norms, row-parallel biases, GPT-2's wpe).
+  std::vector<std::int64_t> full_shape;  // the Hugging Face tensor's shape (== shape unsplit)
+  int split_dim = -1;
+  int split_parts = 1;
+  std::int64_t split_begin = 0;
+
+  bool split() const { return split_dim >= 0; }
+  // The element of the full tensor that element `local` of this slice is (row-major).
+  std::size_t full_index(std::size_t local) const;
+};
+
+// Where this rank sits in a tensor-parallel group: the model's split layers hold slice `rank` of
+// `size` (Megatron's layout: attention heads and MLP columns column-parallel, the output and down
+// projections row-parallel, the vocabulary split in rows). See docs/model.md.
+struct TensorParallel {
+  int size = 1;
+  int rank = 0;
 };
 
 struct UnitSpec {
@@ -119,12 +155,12 @@ struct UnitSpec {
   std::size_t numel = 0;  // of the flat buffer (parameters are 64-element aligned)
 };
 
-// Elements [first, first + count) of parameter `p` as Hugging Face's _init_weights gives a model
-// of `cfg` from scratch: matrices and embeddings normal(0, initializer_range) (GPT-2's attn/mlp
-// c_proj: / sqrt(2 n_layer)), norm weights 1, biases 0. The normal draws come from a
-// counter-based generator (Philox-4x32-10, Box-Muller) keyed by the seed and the parameter's
-// name, with the element's index as the counter: any slice is computed alone, so every rank of
-// any number of ranks, and every placement, gets the same weights.
+// Elements [first, first + count) of parameter `p` (of this rank's slice, under TP) as Hugging
+// Face's _init_weights gives a model of `cfg` from scratch: matrices and embeddings normal(0,
+// initializer_range) (GPT-2's attn/mlp c_proj: / sqrt(2 n_layer)), norm weights 1, biases 0. The
+// normal draws come from a counter-based generator (Philox-4x32-10, Box-Muller) keyed by the seed
+// and the parameter's name, with the element's index as the counter: any slice is computed alone,
+// so every rank of any number of ranks, and every placement, gets the same weights.
 void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t seed,
                     std::size_t first, std::size_t count, float* out);
 
@@ -150,6 +186,9 @@ struct ModelOptions {
   bool checkpoint = false;           // keep only layer inputs, recompute in backward
   bool checkpoint_on_host = false;   // with checkpoint: keep those inputs in host memory
   std::int64_t loss_chunk_rows = 0;  // rows of logits per LM-head chunk; 0 = about 16 MiB
+  // Tensor parallelism: this rank's group (its ranks hold the other slices of every split layer
+  // and run the same batches); null: TP 1. See "Tensor parallelism" below.
+  Communicator* tensor_parallel = nullptr;
 };
 
 // A target that does not count in the loss (prompt tokens, padding): Hugging Face's
@@ -182,9 +221,10 @@ class Model {
   const ModelConfig& config() const;
   const ModelOptions& options() const;
   const std::vector<UnitSpec>& units() const;
-  std::size_t num_params() const;  // tied weights counted once
+  TensorParallel tensor_parallel() const;
+  std::size_t num_params() const;  // tied weights counted once; this rank's under TP
   // Matmul FLOPs of one forward+backward over B*T tokens (6 * matmul params * tokens plus
-  // attention), for throughput figures.
+  // attention), for throughput figures; this rank's share under TP.
   double flops_per_step() const;
   // The GEMMs one forward+backward runs through Stream::matmul: each linear layer's forward, dX
   // and dW, and the LM head's chunk by chunk, with how many times a step runs each shape.
@@ -235,8 +275,9 @@ class Model {
 class ResidentWeights final : public UnitProvider {
  public:
   ResidentWeights(const Model& model, Stream& stream);
-  // Standalone (no Model): the same layout from a config.
-  ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device, Stream& stream);
+  // Standalone (no Model): the same layout from a config (this TP rank's slices).
+  ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device, Stream& stream,
+                  TensorParallel tp = {});
 
   TensorRef acquire_weights(std::size_t unit) override;
   void release_weights(std::size_t) override {}
@@ -271,8 +312,15 @@ class ResidentWeights final : public UnitProvider {
   std::vector<Buffer> weights_, grads_;
 };
 
-// The unit layout of `cfg` (what Model::units() returns).
-std::vector<UnitSpec> model_units(const ModelConfig& cfg);
+// The unit layout of `cfg` (what Model::units() returns): under TP (tp.size > 1) this rank's
+// slices. Refuses (kInvalidArgument, naming the sizes and what divides them) a TP size that does
+// not divide the attention heads, the key/value heads or the MLP's width, or that leaves a rank
+// no vocabulary rows.
+std::vector<UnitSpec> model_units(const ModelConfig& cfg, TensorParallel tp = {});
+// Host copies between a parameter's full tensor (Hugging Face's, row-major) and this rank's
+// slice of it (p.numel elements): `slice` takes the slice out, `place` puts it back in.
+std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full);
+void tp_place(const ParamSpec& p, const std::vector<float>& slice, std::vector<float>& full);
 // The elements of the largest parameter tensor of `units`.
 std::uint64_t largest_tensor(const std::vector<UnitSpec>& units);
 

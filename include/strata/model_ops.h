@@ -50,6 +50,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
 
+  // A negative token id (a row another tensor-parallel rank holds): a zero row (plus its
+  // position's wpe row) in the forward, no embedding gradient in the backward.
   virtual void embedding_forward(Stream& s, const std::int32_t* tokens, Weight wte, Weight wpe,
                                  float* out, i64 n, i64 t, i64 c) const = 0;
   virtual void embedding_backward(Stream& s, const std::int32_t* tokens, const float* dout,
@@ -97,6 +99,22 @@ class Backend {
   // zero gradient row.
   virtual void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses,
                              i64 rows, i64 vocab, double grad_scale, Out grad) const = 0;
+  // The cross-entropy over a vocabulary split across tensor-parallel ranks, in two halves with a
+  // gather of `stats` between them. logits [rows, vocab] are this rank's columns; a target is
+  // this rank's column index, -1 when another rank holds it, or kIgnoreTarget.
+  //  - cross_entropy_stats: stats [rows, 2] = (log-sum-exp of the row's columns here, the target's
+  //    logit when this rank holds it, else 0).
+  //  - cross_entropy_finish: all [parts, rows, 2] every rank's stats in rank order; the row's loss
+  //    = log-sum-exp over the parts' log-sum-exps - the sum of their target logits, and with
+  //    grad_scale != 0 these columns' gradient (softmax - onehot) * grad_scale into grad (the
+  //    logits or a bf16 buffer), as cross_entropy. kIgnoreTarget: loss 0, a zero gradient row.
+  // A backend without them runs the model without tensor parallelism: the defaults throw
+  // kUnsupported.
+  virtual void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets,
+                                   float* stats, i64 rows, i64 vocab) const;
+  virtual void cross_entropy_finish(Stream& s, float* logits, const std::int32_t* targets,
+                                    const float* all, i64 parts, float* losses, i64 rows, i64 vocab,
+                                    double grad_scale, Out grad) const;
 };
 
 }  // namespace strata::model_ops

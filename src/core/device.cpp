@@ -277,6 +277,25 @@ void Device::unregister_host(void*) {}
 int Device::numa_node() const { return -1; }
 
 // ---- model_ops::Backend: the optional op ----
+namespace {
+[[noreturn]] void no_vocab_parallel(Stream& s) {
+  STRATA_THROW(kUnsupported,
+               "device {}'s model kernels have no vocabulary-parallel cross-entropy "
+               "(model_ops::Backend::cross_entropy_stats / _finish): run without tensor "
+               "parallelism, or implement them in the backend",
+               s.device().name());
+}
+}  // namespace
+
+void model_ops::Backend::cross_entropy_stats(Stream& s, const float*, const std::int32_t*, float*,
+                                             i64, i64) const {
+  no_vocab_parallel(s);
+}
+void model_ops::Backend::cross_entropy_finish(Stream& s, float*, const std::int32_t*, const float*,
+                                              i64, float*, i64, i64, double, Out) const {
+  no_vocab_parallel(s);
+}
+
 void model_ops::Backend::attention_cached(Stream& s, const float*, float*, float*, float*, void*,
                                           i64, i64, i64, i64, i64, double, bool) const {
   STRATA_THROW(kUnsupported,

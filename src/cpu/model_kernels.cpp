@@ -98,8 +98,12 @@ template <class T, class W>
 void embedding_forward(const std::int32_t* tokens, const W* wte, const W* wpe, T* out, i64 n, i64 t,
                        i64 c) {
   parallel_rows(n, c, [&](i64 r) {
-    const W* e = wte + i64(tokens[r]) * c;
     T* o = out + r * c;
+    if (tokens[r] < 0) {  // another tensor-parallel rank's vocabulary row: zero (plus position)
+      for (i64 i = 0; i < c; ++i) o[i] = wpe ? T(to_float(wpe[(r % t) * c + i])) : T(0);
+      return;
+    }
+    const W* e = wte + i64(tokens[r]) * c;
     if (wpe) {
       const W* p = wpe + (r % t) * c;
       for (i64 i = 0; i < c; ++i) o[i] = T(to_float(e[i])) + T(to_float(p[i]));
@@ -114,8 +118,10 @@ void embedding_backward(const std::int32_t* tokens, const T* dout, T* dwte, T* d
                         i64 c) {
   for (i64 r = 0; r < n; ++r) {
     const T* g = dout + r * c;
-    T* e = dwte + i64(tokens[r]) * c;
-    for (i64 i = 0; i < c; ++i) e[i] += g[i];
+    if (tokens[r] >= 0) {  // not another tensor-parallel rank's row
+      T* e = dwte + i64(tokens[r]) * c;
+      for (i64 i = 0; i < c; ++i) e[i] += g[i];
+    }
     if (dwpe) {
       T* p = dwpe + (r % t) * c;
       for (i64 i = 0; i < c; ++i) p[i] += g[i];
@@ -567,6 +573,51 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
   });
 }
 
+template <class T>
+void cross_entropy_stats(const T* logits, const std::int32_t* targets, T* stats, i64 rows,
+                         i64 vocab) {
+  parallel_rows(rows, vocab, [&](i64 r) {
+    const T* l = logits + r * vocab;
+    T mx = l[0];
+    for (i64 i = 1; i < vocab; ++i) mx = std::max(mx, l[i]);
+    T sum = 0;
+    for (i64 i = 0; i < vocab; ++i) sum += std::exp(l[i] - mx);
+    stats[2 * r] = mx + std::log(sum);
+    const std::int32_t tgt = targets[r];
+    stats[2 * r + 1] = tgt >= 0 ? l[tgt] : T(0);
+  });
+}
+
+template <class T, class O>
+void cross_entropy_finish(T* logits, const std::int32_t* targets, const T* all, i64 parts,
+                          T* losses, i64 rows, i64 vocab, double grad_scale, O* grad) {
+  parallel_rows(rows, vocab, [&](i64 r) {
+    if (targets[r] == model_ops::kIgnoreTarget)
+      return ignored_row(logits, losses, r, vocab, grad_scale, grad);
+    // Every rank combines the parts in rank order: the same loss on each.
+    T mx = all[2 * r];
+    for (i64 p = 1; p < parts; ++p) mx = std::max(mx, all[(p * rows + r) * 2]);
+    T sum = 0, tl = 0;
+    for (i64 p = 0; p < parts; ++p) {
+      sum += std::exp(all[(p * rows + r) * 2] - mx);
+      tl += all[(p * rows + r) * 2 + 1];
+    }
+    const T lse = mx + std::log(sum);
+    losses[r] = lse - tl;
+    if (grad_scale == 0) return;
+    const T gs = T(grad_scale);
+    const i64 tgt = targets[r];  // -1: another rank's column
+    T* l = logits + r * vocab;
+    if (grad) {
+      O* g = grad + r * vocab;
+      for (i64 i = 0; i < vocab; ++i) put(g, i, std::exp(l[i] - lse) * gs - (i == tgt ? gs : T(0)));
+    } else {
+      for (i64 i = 0; i < vocab; ++i) l[i] = std::exp(l[i] - lse) * gs;
+      if (tgt >= 0) l[tgt] -= gs;
+    }
+  });
+}
+
 #define STRATA_MK_T(T)                                                                           \
   template void embedding_backward<T>(const std::int32_t*, const T*, T*, T*, i64, i64, i64);     \
   template void rope_apply<T>(T*, i64, i64, i64, i64, i64, i64, const T*, const T*, bool);       \
@@ -574,14 +625,17 @@ void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, 
   template void attention_backward<T>(const T*, const T*, const T*, const T*, T*, i64, i64, i64, \
                                       i64, i64, double);                                         \
   template void gelu_backward<T>(const T*, const T*, T*, i64);                                   \
-  template void bias_backward<T>(const T*, T*, i64, i64);
+  template void bias_backward<T>(const T*, T*, i64, i64);                                        \
+  template void cross_entropy_stats<T>(const T*, const std::int32_t*, T*, i64, i64);
 
 // Kernels with an output of type O.
-#define STRATA_MK_TO(T, O)                                               \
-  template void swiglu_forward<T, O>(const T*, O*, i64, i64);            \
-  template void swiglu_backward<T, O>(const T*, const T*, O*, i64, i64); \
-  template void gelu_forward<T, O>(const T*, O*, i64);                   \
-  template void cross_entropy<T, O>(T*, const std::int32_t*, T*, i64, i64, double, O*);
+#define STRATA_MK_TO(T, O)                                                                       \
+  template void swiglu_forward<T, O>(const T*, O*, i64, i64);                                    \
+  template void swiglu_backward<T, O>(const T*, const T*, O*, i64, i64);                         \
+  template void gelu_forward<T, O>(const T*, O*, i64);                                           \
+  template void cross_entropy<T, O>(T*, const std::int32_t*, T*, i64, i64, double, O*);          \
+  template void cross_entropy_finish<T, O>(T*, const std::int32_t*, const T*, i64, T*, i64, i64, \
+                                           double, O*);
 
 #define STRATA_MK_TW(T, W)                                                                         \
   template void embedding_forward<T, W>(const std::int32_t*, const W*, const W*, T*, i64, i64,     \

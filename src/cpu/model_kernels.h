@@ -37,7 +37,8 @@ inline double to_float(double v) { return v; }
 
 using i64 = std::int64_t;
 
-// out[n,:] = wte[tokens[n],:] (+ wpe[n % T,:] when wpe is non-null).
+// out[n,:] = wte[tokens[n],:] (+ wpe[n % T,:] when wpe is non-null); a negative token id (another
+// tensor-parallel rank's row) gives a zero row, and no gradient in embedding_backward.
 template <class T, class W>
 void embedding_forward(const std::int32_t* tokens, const W* wte, const W* wpe, T* out, i64 n, i64 t,
                        i64 c);
@@ -125,6 +126,16 @@ void bias_backward(const T* dy, T* db, i64 n, i64 m);
 template <class T, class O = T>
 void cross_entropy(T* logits, const std::int32_t* targets, T* losses, i64 rows, i64 vocab,
                    double grad_scale, O* grad = nullptr);
+
+// The vocabulary-parallel cross-entropy's halves (model_ops::Backend::cross_entropy_stats and
+// _finish): logits [rows, vocab] one tensor-parallel rank's columns, targets local column
+// indices, -1 (another rank's) or kIgnoreTarget; stats [rows, 2], all [parts, rows, 2].
+template <class T>
+void cross_entropy_stats(const T* logits, const std::int32_t* targets, T* stats, i64 rows,
+                         i64 vocab);
+template <class T, class O = T>
+void cross_entropy_finish(T* logits, const std::int32_t* targets, const T* all, i64 parts,
+                          T* losses, i64 rows, i64 vocab, double grad_scale, O* grad = nullptr);
 
 // HostDevice::model_kernels(): the kernels above, each queued with host_fn on the stream it is
 // called for (model_ops_host.cpp).

@@ -177,6 +177,24 @@ class HostModelOps final : public model_ops::Backend {
         },
         "cross_entropy");
   }
+
+  void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets,
+                           float* stats, i64 rows, i64 vocab) const override {
+    s.host_fn([=] { cpu::cross_entropy_stats<float>(logits, targets, stats, rows, vocab); },
+              "cross_entropy_stats");
+  }
+
+  void cross_entropy_finish(Stream& s, float* logits, const std::int32_t* targets, const float* all,
+                            i64 parts, float* losses, i64 rows, i64 vocab, double grad_scale,
+                            Out grad) const override {
+    auto* gb = grad.ptr == logits ? nullptr : static_cast<bf16_t*>(grad.ptr);
+    s.host_fn(
+        [=] {
+          cpu::cross_entropy_finish<float, bf16_t>(logits, targets, all, parts, losses, rows, vocab,
+                                                   grad_scale, gb);
+        },
+        "cross_entropy_finish");
+  }
 };
 
 }  // namespace

@@ -106,7 +106,8 @@ __global__ void k_embedding_forward(const std::int32_t* tok, const void* wte, co
   const i64 i = blockIdx.x * i64(blockDim.x) + threadIdx.x;
   if (i >= n * c) return;
   const i64 r = i / c, j = i % c;
-  float v = ld(wte, bf16, i64(tok[r]) * c + j);
+  // A negative id: another tensor-parallel rank's vocabulary row, zero here.
+  float v = tok[r] >= 0 ? ld(wte, bf16, i64(tok[r]) * c + j) : 0.0f;
   if (wpe) v += ld(wpe, bf16, (r % t) * c + j);
   out[i] = v;
 }
@@ -117,7 +118,7 @@ __global__ void k_embedding_backward(const std::int32_t* tok, const float* dout,
   if (j >= c) return;
   for (i64 r = 0; r < n; ++r) {
     const float g = dout[r * c + j];
-    dwte[i64(tok[r]) * c + j] += g;
+    if (tok[r] >= 0) dwte[i64(tok[r]) * c + j] += g;
     if (dwpe) dwpe[(r % t) * c + j] += g;
   }
 }
@@ -509,6 +510,51 @@ __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, floa
   }
 }
 
+// The vocabulary-parallel cross-entropy's halves (model_ops::Backend::cross_entropy_stats and
+// _finish), a block per row; targets are local column indices, -1 (another rank's) or ignored.
+__global__ void k_cross_entropy_stats(const float* logits, const std::int32_t* targets,
+                                      float* stats, i64 vocab) {
+  const float* l = logits + blockIdx.x * vocab;
+  float mx = -INFINITY;
+  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
+  mx = block_max(mx);
+  float s = 0;
+  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(l[i] - mx);
+  const float lse = mx + logf(block_sum(s));
+  if (threadIdx.x == 0) {
+    const std::int32_t tgt = targets[blockIdx.x];
+    stats[2 * blockIdx.x] = lse;
+    stats[2 * blockIdx.x + 1] = tgt >= 0 ? l[tgt] : 0.0f;
+  }
+}
+
+__global__ void k_cross_entropy_finish(float* logits, const std::int32_t* targets, const float* all,
+                                       i64 parts, float* losses, i64 rows, i64 vocab,
+                                       float grad_scale) {
+  const i64 r = blockIdx.x;
+  float* l = logits + r * vocab;
+  const i64 tgt = targets[r];
+  if (tgt == model_ops::kIgnoreTarget) {
+    if (threadIdx.x == 0) losses[r] = 0.0f;
+    if (grad_scale != 0.0f)
+      for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) l[i] = 0.0f;
+    return;
+  }
+  // Every thread combines the parts in rank order (a few values): the same loss on every rank.
+  float mx = all[2 * r];
+  for (i64 p = 1; p < parts; ++p) mx = fmaxf(mx, all[(p * rows + r) * 2]);
+  float sum = 0, tl = 0;
+  for (i64 p = 0; p < parts; ++p) {
+    sum += expf(all[(p * rows + r) * 2] - mx);
+    tl += all[(p * rows + r) * 2 + 1];
+  }
+  const float lse = mx + logf(sum);
+  if (threadIdx.x == 0) losses[r] = lse - tl;
+  if (grad_scale != 0.0f)
+    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x)
+      l[i] = expf(l[i] - lse) * grad_scale - (i == tgt ? grad_scale : 0.0f);
+}
+
 std::atomic<KernelVariant> g_variant{KernelVariant::kSimple};
 KernelVariant variant() { return g_variant.load(std::memory_order_relaxed); }
 
@@ -598,7 +644,7 @@ __global__ void __launch_bounds__(kColThreads)
     const int count = int(min(i64(kColThreads), n - r0));
     for (int i = 0; i < count; ++i) {
       const std::int32_t id = chunk[i];
-      const bool te = (unsigned(id) % kRowGroups) == g;
+      const bool te = id >= 0 && (unsigned(id) % kRowGroups) == g;
       const bool pe = dwpe != nullptr && unsigned(pos % kRowGroups) == g;
       if (j < c && (te || pe)) {
         const float v = dout[(r0 + i) * c + j];
@@ -1155,6 +1201,8 @@ int preload_kernels() {
                         (const void*)k_bias_add,
                         (const void*)k_bias_backward,
                         (const void*)k_cross_entropy,
+                        (const void*)k_cross_entropy_stats,
+                        (const void*)k_cross_entropy_finish,
                         (const void*)k_kv_append,
                         (const void*)k_attention_cached,
                         (const void*)k_rmsnorm_backward_dw_tiled,
@@ -1312,6 +1360,18 @@ int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64
                   double grad_scale, void* stream) {
   k_cross_entropy<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, losses, vocab,
                                                                float(grad_scale));
+  return launched();
+}
+
+int cross_entropy_stats(const float* logits, const std::int32_t* targets, float* stats, i64 rows,
+                        i64 vocab, void* stream) {
+  k_cross_entropy_stats<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, stats, vocab);
+  return launched();
+}
+int cross_entropy_finish(float* logits, const std::int32_t* targets, const float* all, i64 parts,
+                         float* losses, i64 rows, i64 vocab, double grad_scale, void* stream) {
+  k_cross_entropy_finish<<<unsigned(rows), kThreads, 0, cs(stream)>>>(
+      logits, targets, all, parts, losses, rows, vocab, float(grad_scale));
   return launched();
 }
 

@@ -71,6 +71,12 @@ int bias_add(float* y, const void* b, bool wbf16, i64 n, i64 m, void* stream);
 int bias_backward(const float* dy, float* db, i64 n, i64 m, void* stream);
 int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
                   double grad_scale, void* stream);
+// The vocabulary-parallel cross-entropy (model_ops::Backend::cross_entropy_stats and _finish; in
+// the module only, as attention_cached): the gradient over the logits.
+int cross_entropy_stats(const float* logits, const std::int32_t* targets, float* stats, i64 rows,
+                        i64 vocab, void* stream);
+int cross_entropy_finish(float* logits, const std::int32_t* targets, const float* all, i64 parts,
+                         float* losses, i64 rows, i64 vocab, double grad_scale, void* stream);
 
 // Loads the kernels above into the current device's context now (as gpu::preload_kernels does
 // the element-wise ones): with lazy module loading, a first launch from a host function while a

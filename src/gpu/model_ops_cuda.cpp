@@ -147,6 +147,21 @@ class CudaModelOps final : public model_ops::Backend {
     if (grad.ptr != logits && grad_scale != 0) cast_to_bf16(s, logits, grad.ptr, rows * vocab);
   }
 
+  void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets,
+                           float* stats, i64 rows, i64 vocab) const override {
+    check(model::cross_entropy_stats(logits, targets, stats, rows, vocab, h(s)),
+          "cross_entropy_stats");
+  }
+
+  void cross_entropy_finish(Stream& s, float* logits, const std::int32_t* targets, const float* all,
+                            i64 parts, float* losses, i64 rows, i64 vocab, double grad_scale,
+                            Out grad) const override {
+    check(model::cross_entropy_finish(logits, targets, all, parts, losses, rows, vocab, grad_scale,
+                                      h(s)),
+          "cross_entropy_finish");
+    if (grad.ptr != logits && grad_scale != 0) cast_to_bf16(s, logits, grad.ptr, rows * vocab);
+  }
+
  private:
   static void* h(Stream& s) { return s.native_handle(); }
 };

@@ -251,6 +251,41 @@ std::string model_config_json(const ModelConfig& c) {
   return j.dump(2);
 }
 
+std::size_t ParamSpec::full_index(std::size_t local) const {
+  if (split_dim < 0) return local;
+  // Row-major: local = (outer * dim_len + d) * inner + in, over this slice's shape.
+  std::size_t inner = 1;
+  for (std::size_t k = std::size_t(split_dim) + 1; k < shape.size(); ++k)
+    inner *= std::size_t(shape[k]);
+  const std::size_t len = std::size_t(shape[std::size_t(split_dim)]);
+  const std::size_t full_len = std::size_t(full_shape[std::size_t(split_dim)]);
+  const std::size_t in = local % inner, d = local / inner % len, outer = local / inner / len;
+  const std::size_t part_len = len / std::size_t(split_parts);
+  const std::size_t part = d / part_len, within = d % part_len;
+  const std::size_t full_d =
+      part * (full_len / std::size_t(split_parts)) + std::size_t(split_begin) + within;
+  return (outer * full_len + full_d) * inner + in;
+}
+
+std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full) {
+  std::size_t full_numel = 1;
+  for (auto d : p.full_shape.empty() ? p.shape : p.full_shape) full_numel *= std::size_t(d);
+  STRATA_REQUIRE(full.size() == full_numel, "tp_slice: '{}' has {} elements, {} given", p.name,
+                 full_numel, full.size());
+  std::vector<float> out(p.numel);
+  for (std::size_t i = 0; i < p.numel; ++i) out[i] = full[p.full_index(i)];
+  return out;
+}
+
+void tp_place(const ParamSpec& p, const std::vector<float>& slice, std::vector<float>& full) {
+  std::size_t full_numel = 1;
+  for (auto d : p.full_shape.empty() ? p.shape : p.full_shape) full_numel *= std::size_t(d);
+  STRATA_REQUIRE(slice.size() == p.numel && full.size() == full_numel,
+                 "tp_place: '{}' takes a slice of {} into {} elements; {} into {} given", p.name,
+                 p.numel, full_numel, slice.size(), full.size());
+  for (std::size_t i = 0; i < p.numel; ++i) full[p.full_index(i)] = slice[i];
+}
+
 std::uint64_t largest_tensor(const std::vector<UnitSpec>& units) {
   std::uint64_t n = 0;
   for (const UnitSpec& u : units)
@@ -258,68 +293,110 @@ std::uint64_t largest_tensor(const std::vector<UnitSpec>& units) {
   return n;
 }
 
-std::vector<UnitSpec> model_units(const ModelConfig& c) {
+std::vector<UnitSpec> model_units(const ModelConfig& c, TensorParallel tp) {
   const std::int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const std::int64_t qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;
+  const std::int64_t n = tp.size;
+  STRATA_REQUIRE(n >= 1 && tp.rank >= 0 && tp.rank < n,
+                 "model_units: tensor-parallel rank {} of {} is not a rank of the group", tp.rank,
+                 n);
+  // The vocabulary in rows: ceil(V / n) a rank, the last one fewer.
+  const std::int64_t vrows = (V + n - 1) / n, v0 = std::min(V, tp.rank * vrows);
+  const std::int64_t vlocal = std::min(vrows, V - v0);
+  if (n > 1) {
+    const auto need = [&](std::int64_t what, const char* name) {
+      STRATA_REQUIRE(what % n == 0,
+                     "tensor parallelism {} does not divide the model's {} ({}): each TP rank "
+                     "holds an equal share of them; use a TP size that divides {}",
+                     n, name, what, what);
+    };
+    need(c.num_heads, "attention heads (num_attention_heads)");
+    need(c.num_kv_heads, "key/value heads (num_key_value_heads)");
+    need(I, "MLP width (intermediate_size)");
+    STRATA_REQUIRE((n - 1) * vrows < V,
+                   "tensor parallelism {} leaves TP rank {} no vocabulary rows ({} rows in shares "
+                   "of {}): use a TP size of at most {}",
+                   n, n - 1, V, vrows, (V + vrows - 1) / vrows);
+  }
   std::vector<UnitSpec> units;
-  auto add = [](UnitSpec& u, std::string name, std::vector<std::int64_t> shape) {
+  // `aligned`: the parameter starts at a multiple of kParamAlign; else right after the previous
+  // one (q, k, v and gate, up are each one matrix). Split along `dim` in `parts` parts, this
+  // rank's [begin, begin + len) of each; dim -1: whole.
+  auto put = [&](UnitSpec& u, std::string name, std::vector<std::int64_t> full, bool aligned,
+                 int dim = -1, int parts = 1, std::int64_t begin = 0, std::int64_t len = 0) {
     ParamSpec p;
     p.name = std::move(name);
-    p.shape = std::move(shape);
+    p.full_shape = full;
+    p.shape = std::move(full);
+    if (n > 1 && dim >= 0) {
+      if (len == 0) {  // an equal share of each part
+        len = p.shape[std::size_t(dim)] / parts / n;
+        begin = tp.rank * len;
+      }
+      p.split_dim = dim;
+      p.split_parts = parts;
+      p.split_begin = begin;
+      p.shape[std::size_t(dim)] = parts * len;
+    }
     p.numel = 1;
     for (auto d : p.shape) p.numel *= static_cast<std::size_t>(d);
-    p.offset = (u.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+    p.offset = aligned ? (u.numel + kParamAlign - 1) / kParamAlign * kParamAlign : u.numel;
     u.numel = p.offset + p.numel;
     u.params.push_back(std::move(p));
+  };
+  auto add = [&](UnitSpec& u, std::string name, std::vector<std::int64_t> shape, int dim = -1,
+                 int parts = 1) { put(u, std::move(name), std::move(shape), true, dim, parts); };
+  auto next = [&](UnitSpec& u, std::string name, std::vector<std::int64_t> shape, int dim = -1) {
+    put(u, std::move(name), std::move(shape), false, dim);
+  };
+  auto vocab = [&](UnitSpec& u, std::string name) {
+    put(u, std::move(name), {V, C}, true, 0, 1, v0, vlocal);
   };
   const bool gpt2 = c.arch == ModelArch::kGpt2;
   UnitSpec embed{"embed", {}, 0};
   if (gpt2) {
-    add(embed, "transformer.wte.weight", {V, C});
+    vocab(embed, "transformer.wte.weight");
     add(embed, "transformer.wpe.weight", {c.max_positions, C});
   } else {
-    add(embed, "model.embed_tokens.weight", {V, C});
+    vocab(embed, "model.embed_tokens.weight");
   }
   units.push_back(std::move(embed));
   for (std::int64_t l = 0; l < c.num_layers; ++l) {
     UnitSpec u{fmt::format("layers.{}", l), {}, 0};
     if (gpt2) {
+      // Conv1D weights are [in, out]: column-parallel splits dimension 1, row-parallel 0.
       const std::string p = fmt::format("transformer.h.{}.", l);
       add(u, p + "ln_1.weight", {C});
       add(u, p + "ln_1.bias", {C});
-      add(u, p + "attn.c_attn.weight", {C, 3 * C});
-      add(u, p + "attn.c_attn.bias", {3 * C});
-      add(u, p + "attn.c_proj.weight", {C, C});
+      add(u, p + "attn.c_attn.weight", {C, 3 * C}, 1, 3);
+      add(u, p + "attn.c_attn.bias", {3 * C}, 0, 3);
+      add(u, p + "attn.c_proj.weight", {C, C}, 0);
       add(u, p + "attn.c_proj.bias", {C});
       add(u, p + "ln_2.weight", {C});
       add(u, p + "ln_2.bias", {C});
-      add(u, p + "mlp.c_fc.weight", {C, I});
-      add(u, p + "mlp.c_fc.bias", {I});
-      add(u, p + "mlp.c_proj.weight", {I, C});
+      add(u, p + "mlp.c_fc.weight", {C, I}, 1);
+      add(u, p + "mlp.c_fc.bias", {I}, 0);
+      add(u, p + "mlp.c_proj.weight", {I, C}, 0);
       add(u, p + "mlp.c_proj.bias", {C});
     } else {
       const std::string p = fmt::format("model.layers.{}.", l);
       add(u, p + "input_layernorm.weight", {C});
-      // Unaligned on purpose: q, k, v must be one contiguous [(nh + 2 nkv) hd, C] matrix.
-      add(u, p + "self_attn.q_proj.weight", {qd, C});
-      u.params.push_back({p + "self_attn.k_proj.weight", {kvd, C}, u.numel, std::size_t(kvd * C)});
-      u.numel += kvd * C;
-      u.params.push_back({p + "self_attn.v_proj.weight", {kvd, C}, u.numel, std::size_t(kvd * C)});
-      u.numel += kvd * C;
+      // Unaligned on purpose: q, k, v must be one contiguous [(nh + 2 nkv) hd, C] matrix (this
+      // rank's heads of each under TP).
+      add(u, p + "self_attn.q_proj.weight", {qd, C}, 0);
+      next(u, p + "self_attn.k_proj.weight", {kvd, C}, 0);
+      next(u, p + "self_attn.v_proj.weight", {kvd, C}, 0);
       if (c.qkv_bias) {
-        add(u, p + "self_attn.q_proj.bias", {qd});
-        u.params.push_back({p + "self_attn.k_proj.bias", {kvd}, u.numel, std::size_t(kvd)});
-        u.numel += kvd;
-        u.params.push_back({p + "self_attn.v_proj.bias", {kvd}, u.numel, std::size_t(kvd)});
-        u.numel += kvd;
+        add(u, p + "self_attn.q_proj.bias", {qd}, 0);
+        next(u, p + "self_attn.k_proj.bias", {kvd}, 0);
+        next(u, p + "self_attn.v_proj.bias", {kvd}, 0);
       }
-      add(u, p + "self_attn.o_proj.weight", {C, qd});
+      add(u, p + "self_attn.o_proj.weight", {C, qd}, 1);
       if (c.o_bias) add(u, p + "self_attn.o_proj.bias", {C});
       add(u, p + "post_attention_layernorm.weight", {C});
-      add(u, p + "mlp.gate_proj.weight", {I, C});
-      u.params.push_back({p + "mlp.up_proj.weight", {I, C}, u.numel, std::size_t(I * C)});
-      u.numel += I * C;
-      add(u, p + "mlp.down_proj.weight", {C, I});
+      add(u, p + "mlp.gate_proj.weight", {I, C}, 0);
+      next(u, p + "mlp.up_proj.weight", {I, C}, 0);
+      add(u, p + "mlp.down_proj.weight", {C, I}, 1);
     }
     units.push_back(std::move(u));
   }
@@ -329,7 +406,7 @@ std::vector<UnitSpec> model_units(const ModelConfig& c) {
     add(head, "transformer.ln_f.bias", {C});
   } else {
     add(head, "model.norm.weight", {C});
-    if (!c.tie_word_embeddings) add(head, "lm_head.weight", {V, C});
+    if (!c.tie_word_embeddings) vocab(head, "lm_head.weight");
   }
   units.push_back(std::move(head));
   for (auto& u : units) u.numel = (u.numel + kParamAlign - 1) / kParamAlign * kParamAlign;

@@ -26,6 +26,7 @@
 #include <numbers>
 
 #include "model/ops.h"
+#include "strata/comm.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -68,7 +69,12 @@ struct Model::Impl {
   Stream& s;
   std::vector<UnitSpec> units;
   DType wdt;
+  // Under tensor parallelism I, V, nh, nkv (and qd, kvd, qkvd) are this rank's shares; Vfull the
+  // whole vocabulary, Vp a rank's share of it (the last rank may hold fewer, V), v0 its first row.
   i64 B, T, N, C, I, V, L, nh, nkv, hd, qd, kvd, qkvd;
+  i64 Vfull, Vp, v0 = 0;
+  Communicator* tp = nullptr;  // null: TP 1
+  TensorParallel tpl;
   bool gpt2;
   Buffer rope_cos, rope_sin;                            // [T, hd/2]
   Buffer tokens, targets;                               // int32 [N]
@@ -96,8 +102,15 @@ struct Model::Impl {
   std::vector<Seg> segs;
 
   Impl(const ModelConfig& c, Device& d, Stream& st, const ModelOptions& o)
-      : cfg(c), opt(o), dev(d), s(st), units(model_units(c)), wdt(o.compute) {
+      : cfg(c), opt(o), dev(d), s(st), units(units_for(c, o)), wdt(o.compute) {
     STRATA_REQUIRE(&st.device() == &d, "Model: the stream belongs to another device");
+    if (o.tensor_parallel && o.tensor_parallel->world_size() > 1) {
+      tp = o.tensor_parallel;
+      tpl = {tp->world_size(), tp->rank()};
+      STRATA_REQUIRE(&tp->device() == &d,
+                     "Model: the tensor-parallel communicator is on device {}, the model on {}",
+                     tp->device().name(), d.name());
+    }
     STRATA_REQUIRE(wdt == DType::kF32 || wdt == DType::kBF16,
                    "Model: compute dtype must be fp32 or bf16, got {}", dtype_name(wdt));
     gpt2 = c.arch == ModelArch::kGpt2;
@@ -123,11 +136,15 @@ struct Model::Impl {
           T, sw->get<i64>());
     N = B * T;
     C = c.hidden_size;
-    I = c.intermediate_size;
-    V = c.vocab_size;
+    I = c.intermediate_size / tpl.size;
+    Vfull = c.vocab_size;
+    const ParamSpec& wte = units[0].params[0];  // the vocabulary's rows this rank holds
+    V = wte.shape[0];
+    v0 = wte.split_begin;
+    Vp = (Vfull + tpl.size - 1) / tpl.size;
     L = c.num_layers;
-    nh = c.num_heads;
-    nkv = c.num_kv_heads;
+    nh = c.num_heads / tpl.size;
+    nkv = c.num_kv_heads / tpl.size;
     hd = c.head_dim;
     qd = nh * hd;
     kvd = nkv * hd;
@@ -137,6 +154,68 @@ struct Model::Impl {
     if (!gpt2) build_rope();
     tokens = dev.alloc(N * 4, &s);
     targets = dev.alloc(N * 4, &s);
+  }
+
+  static std::vector<UnitSpec> units_for(const ModelConfig& c, const ModelOptions& o) {
+    const Communicator* g = o.tensor_parallel;
+    return model_units(c, g && g->world_size() > 1 ? TensorParallel{g->world_size(), g->rank()}
+                                                   : TensorParallel{});
+  }
+
+  // In place: the sum of `x` over the tensor-parallel group (a row-parallel layer's output, a
+  // column-parallel layer's input gradient), queued on the stream. Nothing under TP 1.
+  void tp_sum(float* x, i64 numel) {
+    if (tp) tp->all_reduce(dev_tensor(dev, x, DType::kF32, numel), ReduceOp::kSum, s);
+  }
+  // y = resid + in @ op(W) of a row-parallel layer (the attention output and MLP down
+  // projections): under TP each rank's partial product summed over the group, then the residual.
+  void row_parallel(const TensorRef& in, Weight w, bool out_in, float* y, const float* resid, i64 n,
+                    i64 k, i64 out) {
+    if (!tp) {
+      copy_f(y, resid, n * out);
+      linear(in, w, out_in, y, n, k, out, 1.0f);
+      return;
+    }
+    linear(in, w, out_in, y, n, k, out, 0.0f);
+    tp_sum(y, n * out);
+    s.axpy(1.0f, dev_tensor(dev, resid, DType::kF32, n * out),
+           dev_tensor(dev, y, DType::kF32, n * out));
+  }
+  // Ids as this rank's vocabulary rows (TP): id - v0 for its own, -1 for another rank's (the
+  // embedding's zero row, the cross-entropy's "elsewhere"); kIgnoreTarget stays.
+  void localize(std::vector<std::int32_t>& ids) const {
+    if (!tp) return;
+    for (auto& id : ids)
+      if (id != kIgnoreTarget) id = id >= v0 && id < v0 + V ? std::int32_t(id - v0) : -1;
+  }
+  // Rows of the LM head's loss chunks: the same on every TP rank (their collectives must match).
+  i64 loss_chunk() const {
+    return opt.loss_chunk_rows > 0 ? opt.loss_chunk_rows
+                                   : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / Vp));
+  }
+  // Every rank's columns of `rows` rows of logits ([rows, V], this rank's) as [rows, Vfull] on the
+  // host: an all-gather over TP (each rank's block padded to rows x Vp). Synchronizes.
+  std::vector<float> full_logits(const Buffer& local, i64 rows) {
+    std::vector<float> host(static_cast<std::size_t>(rows * Vfull));
+    if (!tp) {
+      s.copy(host_ref(host.data(), host.size() * 4), local.ref(0, host.size() * 4));
+      s.synchronize();
+      return host;
+    }
+    Buffer mine = falloc(rows * Vp), all = falloc(tpl.size * rows * Vp);
+    copy_f(fptr(mine), fptr(local), rows * V);
+    tp->all_gather(tensor(mine, DType::kF32, std::size_t(rows * Vp)),
+                   tensor(all, DType::kF32, std::size_t(tpl.size * rows * Vp)), s);
+    std::vector<float> blocks(static_cast<std::size_t>(tpl.size * rows * Vp));
+    s.copy(host_ref(blocks.data(), blocks.size() * 4), all.ref());
+    s.synchronize();
+    for (i64 p = 0; p < tpl.size; ++p) {
+      const i64 first = p * Vp, cols = std::min(Vp, Vfull - first);
+      for (i64 r = 0; r < rows; ++r)
+        std::copy_n(blocks.begin() + (p * rows * Vp + r * cols), cols,
+                    host.begin() + (r * Vfull + first));
+    }
+    return host;
   }
 
   // Hugging Face's rotary tables, in double then rounded once: inv_freq[i] = theta^(-2i/hd),
@@ -383,8 +462,7 @@ struct Model::Impl {
       linear(otensor(a.h1, N * C), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
       model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
       attend(a, sp, scale);
-      copy_f(fptr(a.xm), x, N * C);
-      linear(o_operand(a, N), P(4), false, fptr(a.xm), N, qd, C, 1.0f);
+      row_parallel(o_operand(a, N), P(4), false, fptr(a.xm), x, N, qd, C);
       model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
       model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b),
                                    N, C, cfg.norm_eps);
@@ -394,8 +472,7 @@ struct Model::Impl {
       const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
         y = falloc(N * C);
-        copy_f(fptr(y), fptr(a.xm), N * C);
-        linear(act, P(10), false, fptr(y), N, I, C, 1.0f);
+        row_parallel(act, P(10), false, fptr(y), fptr(a.xm), N, I, C);
         model_ops::bias_add(s, fptr(y), P(11), N, C);
       }
     } else {
@@ -409,8 +486,7 @@ struct Model::Impl {
       // q's heads and then k's are consecutive columns: one pass rotates both.
       rotate(fptr(a.qkv), sp, false);
       attend(a, sp, scale);
-      copy_f(fptr(a.xm), x, N * C);
-      linear(o_operand(a, N), P(ix.o), true, fptr(a.xm), N, qd, C, 1.0f);
+      row_parallel(o_operand(a, N), P(ix.o), true, fptr(a.xm), x, N, qd, C);
       if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), N, C);
       model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C,
                                  cfg.norm_eps);
@@ -419,8 +495,7 @@ struct Model::Impl {
       const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
         y = falloc(N * C);
-        copy_f(fptr(y), fptr(a.xm), N * C);
-        linear(act, P(ix.down), true, fptr(y), N, I, C, 1.0f);
+        row_parallel(act, P(ix.down), true, fptr(y), fptr(a.xm), N, I, C);
       }
     }
     return y;
@@ -451,6 +526,7 @@ struct Model::Impl {
         Buffer copy;
         const TensorRef dfcop = operand(fptr(dfc), N * I, copy);
         linear_dx(dfcop, P(8), false, fptr(dh), N, C, I, 0.0f);
+        tp_sum(fptr(dh), N * C);
         linear_dw(otensor(a.h2, N * C), dfcop, G(8), false, N, C, I);
       }
       model_ops::bias_backward(s, fptr(dfc), G(9), N, I);
@@ -469,6 +545,7 @@ struct Model::Impl {
         Buffer copy;
         const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
         linear_dx(dqkvop, P(2), false, fptr(dh), N, C, qkvd, 0.0f);
+        tp_sum(fptr(dh), N * C);
         linear_dw(otensor(a.h1, N * C), dqkvop, G(2), false, N, C, qkvd);
       }
       model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1),
@@ -481,6 +558,7 @@ struct Model::Impl {
       // dgu is read only by the two GEMMs: written in the compute dtype.
       model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), oout(dgu), N, I);
       linear_dx(otensor(dgu, N * 2 * I), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
+      tp_sum(fptr(dh), N * C);
       linear_dw(otensor(a.h2, N * C), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C, 2 * I);
       model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g,
                                   G(ix.post_norm), N, C, dres_b.data());
@@ -494,6 +572,7 @@ struct Model::Impl {
         Buffer copy;
         const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
         linear_dx(dqkvop, P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
+        tp_sum(fptr(dh), N * C);
         linear_dw(otensor(a.h1, N * C), dqkvop, G(ix.q), true, N, C, qkvd);
       }
       model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N,
@@ -536,9 +615,9 @@ struct Model::Impl {
         "Model: batch.{} has {} ids; the model was built for micro_batch {} x seq_len {} = {}",
         what, ids.size(), B, T, N);
     for (std::size_t i = 0; i < ids.size(); ++i)
-      STRATA_REQUIRE((ids[i] >= 0 && ids[i] < V) || (ignore_ok && ids[i] == kIgnoreTarget),
+      STRATA_REQUIRE((ids[i] >= 0 && ids[i] < Vfull) || (ignore_ok && ids[i] == kIgnoreTarget),
                      "Model: batch.{}[{}] = {} is outside the vocabulary [0, {}){}", what, i,
-                     ids[i], V,
+                     ids[i], Vfull,
                      ignore_ok ? " (a target that must not count is kIgnoreTarget, -100)" : "");
   }
 
@@ -589,6 +668,7 @@ struct Model::Impl {
     check_ids(ids, what, &dst == &targets);
     std::vector<std::int32_t>& staging = &dst == &tokens ? tokens_host : targets_host;
     staging = ids;
+    localize(staging);
     s.copy(dst.ref(), host_ref(staging.data(), staging.size() * 4));
   }
 
@@ -605,7 +685,8 @@ struct Model::Impl {
     Buffer x = falloc(N * C);
     {
       const TensorRef w0 = acquire_w(p, 0);
-      const Weight wpe = gpt2 ? param(w0, 0, 1) : Weight{};
+      // Under TP the rows are summed over the group: the position rows come from TP rank 0 only.
+      const Weight wpe = gpt2 && tpl.rank == 0 ? param(w0, 0, 1) : Weight{};
       const auto* ids = static_cast<const std::int32_t*>(tokens.data());
       if (wpe && !segs.empty()) {  // each document's rows from wpe's row 0
         for (const Seg& g : segs)
@@ -614,6 +695,7 @@ struct Model::Impl {
       } else {
         model_ops::embedding_forward(s, ids, param(w0, 0, 0), wpe, fptr(x), N, T, C);
       }
+      tp_sum(fptr(x), N * C);
       p.release_weights(0);
     }
     for (i64 l = 0; l < L; ++l) {
@@ -695,10 +777,11 @@ struct Model::Impl {
         dwh = gparam(gh, hu, 1);
       }
     }
-    const i64 chunk = opt.loss_chunk_rows > 0
-                          ? opt.loss_chunk_rows
-                          : std::max<i64>(1, std::min<i64>(N, (i64(4) << 20) / V));
+    const i64 chunk = loss_chunk();
     Buffer logits = falloc(std::min(chunk, N) * V);
+    // TP: each chunk row's (log-sum-exp, target logit) here, then every rank's.
+    Buffer stats = tp ? falloc(std::min(chunk, N) * 2) : Buffer{};
+    Buffer stats_all = tp ? falloc(tpl.size * std::min(chunk, N) * 2) : Buffer{};
     // bf16 compute: the loss kernel writes the logits' gradient straight as the GEMMs' operand.
     Buffer dlogits_b = grad && wdt == DType::kBF16
                            ? dev.alloc(std::size_t(std::min(chunk, N) * V) * 2, &s)
@@ -708,11 +791,19 @@ struct Model::Impl {
       const i64 rows = std::min(chunk, N - r0);
       const TensorRef hrows = rows_of(hfop, r0, rows, C);
       linear(hrows, whead, true, fptr(logits), rows, C, V, 0.0f);
-      model_ops::cross_entropy(s, fptr(logits),
-                               static_cast<const std::int32_t*>(targets.data()) + r0,
-                               fptr(losses) + r0, rows, V, grad ? 1.0 / den : 0.0,
-                               dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16}
-                                         : model_ops::Out{fptr(logits)});
+      const auto* trows = static_cast<const std::int32_t*>(targets.data()) + r0;
+      const model_ops::Out gout =
+          dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16} : model_ops::Out{fptr(logits)};
+      if (tp) {
+        model_ops::cross_entropy_stats(s, fptr(logits), trows, fptr(stats), rows, V);
+        tp->all_gather(tensor(stats, DType::kF32, std::size_t(rows * 2)),
+                       tensor(stats_all, DType::kF32, std::size_t(tpl.size * rows * 2)), s);
+        model_ops::cross_entropy_finish(s, fptr(logits), trows, fptr(stats_all), tpl.size,
+                                        fptr(losses) + r0, rows, V, grad ? 1.0 / den : 0.0, gout);
+      } else {
+        model_ops::cross_entropy(s, fptr(logits), trows, fptr(losses) + r0, rows, V,
+                                 grad ? 1.0 / den : 0.0, gout);
+      }
       if (grad) {
         const TensorRef dlogits = dlogits_b ? tensor(dlogits_b, DType::kBF16, std::size_t(rows * V))
                                             : tensor(logits, DType::kF32, std::size_t(rows * V));
@@ -721,6 +812,7 @@ struct Model::Impl {
       }
     }
     if (grad) {
+      tp_sum(fptr(dhf), N * C);  // the head is column-parallel: its input gradient summed
       dres = falloc(N * C);
       if (wdt == DType::kBF16 && !gpt2) dres_b = dev.alloc(static_cast<std::size_t>(N * C) * 2, &s);
       s.fill(tensor(dres, DType::kF32), 0.0f);
@@ -803,9 +895,9 @@ struct Model::Impl {
                    "seq_len",
                    n, dec_len, T);
     for (std::size_t i = 0; i < ids.size(); ++i)
-      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < V,
+      STRATA_REQUIRE(ids[i] >= 0 && ids[i] < Vfull,
                      "Model::decode: token {} = {} is outside the vocabulary [0, {})", i, ids[i],
-                     V);
+                     Vfull);
     if (k_cache.empty())
       for (i64 l = 0; l < L; ++l) {
         k_cache.push_back(falloc(T * kvd));
@@ -813,18 +905,20 @@ struct Model::Impl {
       }
     s.synchronize();  // the staging below may still be read by the last call's copy
     dec_tokens_host = ids;
+    localize(dec_tokens_host);
     dec_tokens = dev.alloc(std::size_t(n) * 4, &s);
     s.copy(dec_tokens.ref(), host_ref(dec_tokens_host.data(), std::size_t(n) * 4));
     Buffer x = falloc(n * C);
     {
       const TensorRef w0 = acquire_w(p, 0);
       Weight wpe{};
-      if (gpt2) {  // the rows' positions: dec_len on
+      if (gpt2 && tpl.rank == 0) {  // the rows' positions: dec_len on (TP: rank 0's rows only)
         wpe = param(w0, 0, 1);
         wpe.ptr = static_cast<const char*>(wpe.ptr) + std::size_t(dec_len * C) * dtype_size(wdt);
       }
       model_ops::embedding_forward(s, static_cast<const std::int32_t*>(dec_tokens.data()),
                                    param(w0, 0, 0), wpe, fptr(x), n, n, C);
+      tp_sum(fptr(x), n * C);
       p.release_weights(0);
     }
     for (i64 l = 0; l < L; ++l) {
@@ -846,9 +940,7 @@ struct Model::Impl {
     linear(otensor(hf, C), head_weight(wh, w0), true, fptr(out), 1, C, V, 0.0f);
     if (cfg.tie_word_embeddings) p.release_weights(0);
     p.release_weights(hu);
-    std::vector<float> host(static_cast<std::size_t>(V));
-    s.copy(host_ref(host.data(), host.size() * 4), out.ref());
-    s.synchronize();
+    std::vector<float> host = full_logits(out, 1);
     dec_len += n;
     return host;
   }
@@ -873,10 +965,7 @@ struct Model::Impl {
     linear(otensor(hf, N * C), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
     if (cfg.tie_word_embeddings) p.release_weights(0);
     p.release_weights(hu);
-    std::vector<float> host(static_cast<std::size_t>(N * V));
-    s.copy(host_ref(host.data(), host.size() * 4), out.ref());
-    s.synchronize();
-    return host;
+    return full_logits(out, N);
   }
 };
 
@@ -894,6 +983,7 @@ Model::~Model() {
 const ModelConfig& Model::config() const { return impl_->cfg; }
 const ModelOptions& Model::options() const { return impl_->opt; }
 const std::vector<UnitSpec>& Model::units() const { return impl_->units; }
+TensorParallel Model::tensor_parallel() const { return impl_->tpl; }
 
 std::size_t Model::num_params() const {
   std::size_t n = 0;
@@ -936,9 +1026,7 @@ std::vector<Model::GemmShape> Model::gemm_shapes() const {
   add(m.gpt2 ? "attn c_proj" : "o", m.N, m.qd, m.C, out_in, m.L, ckpt);
   add(m.gpt2 ? "mlp c_fc" : "mlp gate|up", m.N, m.C, m.gpt2 ? m.I : 2 * m.I, out_in, m.L, ckpt);
   add(m.gpt2 ? "mlp c_proj" : "mlp down", m.N, m.I, m.C, out_in, m.L, false);
-  const i64 chunk = m.opt.loss_chunk_rows > 0
-                        ? m.opt.loss_chunk_rows
-                        : std::max<i64>(1, std::min<i64>(m.N, (i64(4) << 20) / m.V));
+  const i64 chunk = m.loss_chunk();
   if (m.N / chunk > 0) add("lm head", chunk, m.C, m.V, true, m.N / chunk, false);
   if (m.N % chunk > 0) add("lm head (last chunk)", m.N % chunk, m.C, m.V, true, 1, false);
   return out;

@@ -136,4 +136,22 @@ void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float*
   kernels(s).cross_entropy(s, logits, targets, losses, rows, vocab, grad_scale, grad);
 }
 
+void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets, float* stats,
+                         i64 rows, i64 vocab) {
+  STRATA_REQUIRE(rows > 0 && vocab > 0, "cross_entropy_stats: {} rows of {} columns", rows, vocab);
+  kernels(s).cross_entropy_stats(s, logits, targets, stats, rows, vocab);
+}
+
+void cross_entropy_finish(Stream& s, float* logits, const std::int32_t* targets, const float* all,
+                          i64 parts, float* losses, i64 rows, i64 vocab, double grad_scale,
+                          Out grad) {
+  require_out(grad, "cross_entropy_finish");
+  STRATA_REQUIRE(grad.ptr == logits || grad.dtype == DType::kBF16 || grad_scale == 0,
+                 "cross_entropy_finish: an fp32 gradient is written over the logits");
+  STRATA_REQUIRE(parts > 0 && rows > 0 && vocab > 0,
+                 "cross_entropy_finish: {} parts of {} rows of {} columns", parts, rows, vocab);
+  kernels(s).cross_entropy_finish(s, logits, targets, all, parts, losses, rows, vocab, grad_scale,
+                                  grad);
+}
+
 }  // namespace strata::model_ops

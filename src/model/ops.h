@@ -35,5 +35,11 @@ void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m);
 // bf16 buffer (the head GEMMs' operand in bf16 compute).
 void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses, i64 rows,
                    i64 vocab, double grad_scale, Out grad);
+// The vocabulary-parallel cross-entropy's halves (Backend::cross_entropy_stats / _finish).
+void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets, float* stats,
+                         i64 rows, i64 vocab);
+void cross_entropy_finish(Stream& s, float* logits, const std::int32_t* targets, const float* all,
+                          i64 parts, float* losses, i64 rows, i64 vocab, double grad_scale,
+                          Out grad);
 
 }  // namespace strata::model_ops

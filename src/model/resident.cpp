@@ -12,11 +12,12 @@
 namespace strata {
 
 ResidentWeights::ResidentWeights(const Model& model, Stream& stream)
-    : ResidentWeights(model.config(), model.options().compute, stream.device(), stream) {}
+    : ResidentWeights(model.config(), model.options().compute, stream.device(), stream,
+                      model.tensor_parallel()) {}
 
 ResidentWeights::ResidentWeights(const ModelConfig& cfg, DType dtype, Device& device,
-                                 Stream& stream)
-    : cfg_(cfg), dtype_(dtype), stream_(stream), units_(model_units(cfg)) {
+                                 Stream& stream, TensorParallel tp)
+    : cfg_(cfg), dtype_(dtype), stream_(stream), units_(model_units(cfg, tp)) {
   STRATA_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16,
                  "ResidentWeights: dtype must be fp32 or bf16, got {}", dtype_name(dtype));
   for (const UnitSpec& u : units_) {
@@ -114,9 +115,13 @@ void fill_params(ResidentWeights& w, std::uint64_t seed, Value value) {
       const bool norm =
           p.name.find("norm") != std::string::npos || p.name.find(".ln_") != std::string::npos;
       const bool bias = p.name.ends_with(".bias");
-      std::vector<float> v(p.numel);
+      // The whole tensor's draws, then this rank's slice of them (TP): the same values on any
+      // tensor-parallel layout.
+      std::size_t full = 1;
+      for (auto d : p.full_shape) full *= std::size_t(d);
+      std::vector<float> v(full);
       for (auto& x : v) x = value(p, norm, bias, nd(rng));
-      w.set(p.name, v);
+      w.set(p.name, p.split() ? tp_slice(p, v) : v);
     }
   }
 }
@@ -183,7 +188,7 @@ void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t se
   const std::uint64_t key = seed ^ name_hash(p.name);
   const std::array<std::uint32_t, 2> k = {std::uint32_t(key), std::uint32_t(key >> 32)};
   for (std::size_t j = 0; j < count; ++j) {
-    const std::uint64_t i = first + j;
+    const std::uint64_t i = p.full_index(first + j);  // the same value on any TP layout
     const auto r = philox({std::uint32_t(i), std::uint32_t(i >> 32), 0x5eed, 0}, k);
     // Box-Muller: u1 in (0, 1] (its log is finite), u2 in [0, 1).
     const double u1 = (double(r[0]) + 1.0) * 0x1p-32, u2 = double(r[1]) * 0x1p-32;
