@@ -49,7 +49,7 @@ add_dependencies(prep_test strata-prep)
 # against the whole model on each rank; with one rank its cases are skipped.
 find_package(MPI COMPONENTS C)
 add_executable(model_tp_test model_tp_test.cpp)
-target_link_libraries(model_tp_test PRIVATE strata GTest::gtest)
+target_link_libraries(model_tp_test PRIVATE strata strata_trainer GTest::gtest)
 add_test(NAME model_tp_1 COMMAND model_tp_test)
 set_tests_properties(model_tp_1 PROPERTIES LABELS "model" TIMEOUT 120)
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)

@@ -5,18 +5,24 @@
 // rounding (the row-parallel sums and the vocabulary-parallel log-sum-exp run in another order);
 // the replicated parameters' gradients and the loss must be bitwise equal on every TP rank (the
 // replicas stay equal without a reduction). With 4 ranks: TP 4, and TP 2 x DP 2 (two TP groups
-// side by side, from make_process_groups).
+// side by side, from make_process_groups). Then the ZeRO-3 engine over each DP group, the model's
+// TP slices its units: steps of it against the whole model trained by one rank alone.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 #include <random>
 
 #include "strata/comm.h"
+#include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/model.h"
+#include "strata/trainer.h"
 
 namespace strata {
 namespace {
@@ -215,6 +221,165 @@ TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
         EXPECT_NEAR(out[1][k][e], out[0][k][e], 2e-5 * max_abs(out[0][k])) << cfg.model_type;
     }
   }
+}
+
+// ---- the engine over the data-parallel group ----
+
+struct Trained {
+  std::vector<double> losses, norms;
+  std::vector<std::vector<float>>
+      units;  // the fp32 master weights, each unit whole (this TP slice)
+};
+
+constexpr int kSteps = 3;
+
+// Micro-batch `a` of data-parallel rank `d` (kB rows, the same every step); `ranks` of them side by
+// side as one batch of ranks x kB rows (the reference's).
+Batch step_batch(std::int64_t vocab, int a, int d, int ranks) {
+  Batch out;
+  for (int q = d; q < d + ranks; ++q) {
+    std::mt19937_64 rng(std::uint64_t(10 * a + q));  // the same every step: the loss must fall
+    for (std::int64_t i = 0; i < kB * kT; ++i) {
+      out.tokens.push_back(static_cast<std::int32_t>(rng() % vocab));
+      out.targets.push_back(static_cast<std::int32_t>(rng() % vocab));
+    }
+  }
+  return out;
+}
+
+// `dp` ranks (this one `dp.rank()`), each kB rows a micro-batch, or (dp of one, `rows_of` ranks)
+// the reference with all their rows in each micro-batch.
+Trained train_engine(const ModelConfig& cfg, Device& dev, Communicator& dp, Communicator* tp,
+                     EngineConfig ec, int rows_of = 1) {
+  constexpr int kAccum = 2;
+  auto s = dev.create_stream("compute");
+  ModelOptions mo;
+  mo.micro_batch = kB * rows_of;
+  mo.seq_len = kT;
+  mo.tensor_parallel = tp;
+  Model m(cfg, dev, *s, mo);
+  ec.gradient_accumulation_steps = kAccum;
+  ec.gradient_clipping = 0.05;  // below the norms: every step clips, by the global norm
+  ec.adamw.eps = 1e-4f;         // see engine_mpi_test.cpp
+  ec.host_budget_bytes = 64 << 20;
+  Engine e(dev, dp, ec);
+  const TensorParallel t = m.tensor_parallel();
+  add_model_units(e, m.units(), fresh_model_source(cfg, 5, t));
+  if (tp) e.set_tensor_parallel(*tp, tensor_parallel_counted(m.units(), t.rank));
+  e.finalize();
+  EngineWeights w(e, *s, m.units());
+  Trained out;
+  for (int step = 0; step < kSteps; ++step) {
+    double loss = 0;
+    for (int a = 0; a < kAccum; ++a) {
+      loss += m.forward(step_batch(cfg.vocab_size, a, dp.rank(), rows_of), w) / kAccum;
+      m.backward(w);
+      s->synchronize();
+    }
+    const StepResult r = e.step(1e-2f);
+    out.losses.push_back(loss);  // this DP rank's; the reference's is every rank's mean
+    out.norms.push_back(r.grad_norm);
+  }
+  for (std::size_t u = 0; u < m.units().size(); ++u) out.units.push_back(e.gather_master(int(u)));
+  return out;
+}
+
+void compare_engine(EngineConfig ec, const std::string& what,
+                    const std::function<void(EngineConfig&, const std::string&)>& paths = {}) {
+  for (const char* json : {kLlama, kGpt2}) {
+    const ModelConfig cfg = parse_model_config(json, "test config");
+    for (ProcessGroups& g : groups()) {
+      SCOPED_TRACE(what + ", " + cfg.model_type + ", TP " + std::to_string(g.tp_size) + " x DP " +
+                   std::to_string(g.dp_size));
+      EngineConfig mine = ec, ref = ec;
+      if (paths) {
+        paths(mine, "rank" + std::to_string(g_env->world->rank()));
+        paths(ref, "reference-of-rank" + std::to_string(g_env->world->rank()));
+      }
+      const Trained got = train_engine(cfg, *g_env->dev, *g.dp, g.tp.get(), mine);
+      auto dev1 = make_host_device();
+      CommOptions co;
+      co.backend = CommBackend::kLocal;
+      co.process_local = true;
+      auto local = make_communicator(*dev1, co);
+      const Trained want = train_engine(cfg, *dev1, *local, nullptr, ref, g.dp_size);
+      for (int i = 0; i < kSteps; ++i) {
+        // The step's loss over the DP group: the mean of its ranks' (equal rows, none ignored).
+        const std::vector<float> losses = gathered(*g.dp, {float(got.losses[std::size_t(i)])});
+        double mean = 0;
+        for (float l : losses) mean += l / double(losses.size());
+        EXPECT_NEAR(mean, want.losses[std::size_t(i)], 2e-6 * want.losses[std::size_t(i)])
+            << "step " << i;
+        EXPECT_NEAR(got.norms[std::size_t(i)], want.norms[std::size_t(i)],
+                    2e-5 * want.norms[std::size_t(i)])
+            << "step " << i << "'s gradient norm";
+      }
+      EXPECT_LT(want.losses.back(), want.losses.front()) << "did not train";
+      const std::vector<UnitSpec> full = model_units(cfg);
+      const std::vector<UnitSpec> slices = model_units(cfg, {g.tp_size, g.tp_rank});
+      for (std::size_t u = 0; u < full.size(); ++u)
+        for (std::size_t k = 0; k < full[u].params.size(); ++k) {
+          const ParamSpec &f = full[u].params[k], &p = slices[u].params[k];
+          const auto at = [](const std::vector<float>& flat, const ParamSpec& q) {
+            return std::vector<float>(flat.begin() + std::ptrdiff_t(q.offset),
+                                      flat.begin() + std::ptrdiff_t(q.offset + q.numel));
+          };
+          const std::vector<float> mine_w = at(got.units[u], p);
+          const std::vector<float> want_w = tp_slice(p, at(want.units[u], f));
+          float worst = 0;
+          for (std::size_t e = 0; e < want_w.size(); ++e)
+            worst =
+                std::max(worst, std::fabs(mine_w[e] - want_w[e]) / (1e-3f + std::fabs(want_w[e])));
+          EXPECT_LE(worst, 2e-4) << p.name;
+          if (!p.split())
+            EXPECT_TRUE(equal_on_every_rank(*g.tp, mine_w))
+                << p.name << ": the TP ranks' replicas differ";
+        }
+    }
+  }
+}
+
+Placement on(Tier t) {
+  Placement p;
+  p.device_fraction = t == Tier::kDevice ? 1 : 0;
+  p.host_fraction = t == Tier::kHost ? 1 : 0;
+  return p;
+}
+
+TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
+  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  EngineConfig c = default_engine_config();
+  c.param_persistence_threshold = 0;  // every unit gathered over the DP group at each use
+  compare_engine(c, "on the device");
+}
+
+TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
+  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("strata-model-tp-{}", ::getppid());
+  EngineConfig c = default_engine_config();
+  c.param_persistence_threshold = 0;
+  c.params = on(Tier::kNvme);
+  c.optimizer = on(Tier::kHost);
+  c.grads = on(Tier::kNvme);  // the norm's counted ranges taken as the gradients go out
+  const auto paths = [&](EngineConfig& e, const std::string& who) {
+    const std::string d = (dir / who).string();
+    fs::create_directories(d);
+    e.param_nvme_paths = {d};
+    e.grad_nvme_paths = {d};
+  };
+  compare_engine(c, "params and gradients on NVMe, optimizer on the host", paths);
+  c.grads = on(Tier::kHost);
+  c.optimizer = on(Tier::kNvme);
+  c.overlap_optimizer = true;  // kept or redone by the global (TP) norm alike on every rank
+  const auto opt_paths = [&](EngineConfig& e, const std::string& who) {
+    paths(e, who);
+    e.optimizer_nvme_paths = e.param_nvme_paths;
+  };
+  compare_engine(c, "gradients on the host, optimizer on NVMe, early optimizer step", opt_paths);
+  std::error_code ec;
+  fs::remove_all(dir / ("rank" + std::to_string(g_env->world->rank())), ec);
+  fs::remove_all(dir / ("reference-of-rank" + std::to_string(g_env->world->rank())), ec);
 }
 
 }  // namespace

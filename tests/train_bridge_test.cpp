@@ -19,6 +19,7 @@
 #include "strata/engine.h"
 #include "strata/error.h"
 #include "strata/model.h"
+#include "strata/model_io.h"
 #include "strata/trainer.h"
 #include "test_util.h"
 
@@ -391,6 +392,47 @@ TEST(Bridge, TheFreshSourceGivesAnySliceOfInitHf) {
   EXPECT_THROW(fresh_model_source(tiny_llama(false), 1)(
                    0, 0, model_units(tiny_llama(false))[0].numel + 1, nullptr),
                Error);
+}
+
+// Tensor parallelism: each TP rank's source gives its slices (the fresh one and a Hugging Face
+// folder's, read a contiguous run at a time), the whole model's values at the same elements.
+TEST(Bridge, TensorParallelSourcesGiveEachRanksSlices) {
+  const ModelConfig gpt2 =
+      parse_model_config(R"({"model_type": "gpt2", "vocab_size": 95, "n_embd": 64,
+    "n_layer": 2, "n_head": 4, "n_positions": 64})",
+                         "tiny gpt2");
+  for (const ModelConfig& mc : {tiny_llama(false), gpt2}) {
+    TempDir dir("strata-bridge-tp");
+    {
+      auto dev = make_host_device();
+      auto s = dev->create_stream("w");
+      ResidentWeights w(mc, DType::kF32, *dev, *s);
+      w.init_random(3);
+      save_hf_weights(dir.path, w);
+    }
+    const auto whole = initial_unit_weights(mc, dir.path, 0);
+    const auto fresh_whole = initial_unit_weights(mc, "", 11);
+    const std::vector<UnitSpec> full = model_units(mc);
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::vector<UnitSpec> units = model_units(mc, {2, rank});
+      for (const auto& [src, want] :
+           {std::pair{hf_model_source(mc, dir.path, {2, rank}), &whole},
+            std::pair{fresh_model_source(mc, 11, {2, rank}), &fresh_whole}})
+        for (std::size_t u = 0; u < units.size(); ++u) {
+          std::vector<float> got(units[u].numel, NAN);
+          for (std::size_t first = 0; first < got.size(); first += 333)  // cut anywhere
+            src(u, first, std::min<std::size_t>(333, got.size() - first), got.data() + first);
+          for (std::size_t k = 0; k < units[u].params.size(); ++k) {
+            const ParamSpec &p = units[u].params[k], &f = full[u].params[k];
+            const std::vector<float> mine(got.begin() + std::ptrdiff_t(p.offset),
+                                          got.begin() + std::ptrdiff_t(p.offset + p.numel));
+            const std::vector<float> all((*want)[u].begin() + std::ptrdiff_t(f.offset),
+                                         (*want)[u].begin() + std::ptrdiff_t(f.offset + f.numel));
+            ASSERT_EQ(mine, tp_slice(p, all)) << p.name << " on TP rank " << rank;
+          }
+        }
+    }
+  }
 }
 
 TEST(Bridge, SizeMismatchIsAnError) {

@@ -131,6 +131,16 @@ class Engine {
   int add_unit(const UnitDef& unit);
   std::size_t unit_numel(int unit) const;
   std::size_t param_offset(int unit, int param) const;
+  // Tensor parallelism (strata/model.h): the ranks of `tp` hold the other slices of the model's
+  // split parameters and the same replicated ones, and `comm` (the engine's) is this rank's
+  // data-parallel group. The global gradient norm (clipping, the fp16 overflow skip) then sums
+  // over `tp` too, counting every element once: `counted[unit]` are the element ranges
+  // {first, count} of the unit's flat layout whose squares this rank adds — its split
+  // parameters' slices, and on TP rank 0 the replicated parameters too
+  // (tensor_parallel_counted() in strata/trainer.h gives them from the unit layout). Before
+  // finalize(); `tp` must outlive the engine.
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+  void set_tensor_parallel(Communicator& tp, std::vector<Ranges> counted);
 
   // Partitions, places every piece on its tier, and checks the memory plan: throws
   // strata::Error (kOutOfMemory) with the plan's table and what to change if it cannot fit.

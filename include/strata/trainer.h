@@ -61,10 +61,17 @@ using ModelSource =
 // From scratch, as Hugging Face initialises the model (init_hf_values): every value a function of
 // the seed, its parameter and its index, so 1, 2 or N ranks and every placement get the same
 // weights, and no rank holds more than the slice it asks for.
-ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed);
+// Under tensor parallelism (`tp`), of this rank's slices (model_units(cfg, tp)): the whole model's
+// values at the same elements.
+ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed, TensorParallel tp = {});
 // A Hugging Face folder's weights (HfWeightsReader: the whole folder checked when this is made,
-// each slice read from its byte range).
-ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir);
+// each slice read from its byte range; under TP each contiguous run of this rank's slice).
+ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir, TensorParallel tp = {});
+// The ranges of each unit whose squares this TP rank adds to the gradient norm
+// (Engine::set_tensor_parallel): its split parameters' slices, and on TP rank 0 the whole unit
+// (the replicated parameters, which every TP rank holds alike, counted there once).
+std::vector<Engine::Ranges> tensor_parallel_counted(const std::vector<UnitSpec>& units,
+                                                    int tp_rank);
 // Registers one engine unit per model unit, in order, its values from `source`.
 void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSource source);
 

@@ -349,8 +349,9 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
   auto store_options = [&](const std::vector<std::string>& paths, const char* key) {
     SwapStoreOptions so;
     so.paths = paths;
-    so.rank = rank;
-    so.world_size = world;
+    // The job's rank (TP innermost, as make_process_groups): the DP groups' ranks share numbers.
+    so.rank = tp ? rank * tp->world_size() + tp->rank() : rank;
+    so.world_size = tp ? world * tp->world_size() : world;
     so.aio = cfg.aio;
     so.config_key = key;
     return so;
@@ -431,10 +432,42 @@ void Engine::Impl::place_initial_state() {
   master.shrink_to_fit();
 }
 
+void Engine::set_tensor_parallel(Communicator& tp, std::vector<Ranges> counted) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(!s.finalized, "Engine::set_tensor_parallel after finalize()");
+  STRATA_REQUIRE(counted.size() == s.units.size(),
+                 "Engine::set_tensor_parallel: {} units' counted ranges for {} units",
+                 counted.size(), s.units.size());
+  STRATA_REQUIRE(
+      &tp.device() == &s.dev,
+      "Engine::set_tensor_parallel: the TP communicator is on device {}, the engine on {}",
+      tp.device().name(), s.dev.name());
+  for (std::size_t ui = 0; ui < counted.size(); ++ui)
+    for (const auto& [first, count] : counted[ui])
+      STRATA_REQUIRE(first + count <= s.units[ui].numel,
+                     "Engine::set_tensor_parallel: range [{}, {}) beyond unit '{}' ({} elements)",
+                     first, first + count, s.units[ui].name, s.units[ui].numel);
+  s.tp = tp.world_size() > 1 ? &tp : nullptr;
+  s.tp_counted = std::move(counted);
+}
+
 void Engine::finalize() {
   Impl& s = *impl_;
   STRATA_REQUIRE(!s.finalized, "Engine::finalize() called twice");
   STRATA_REQUIRE(!s.units.empty(), "Engine::finalize(): no units registered");
+  if (s.tp) {  // the counted ranges within this rank's shard
+    s.tp_ranges.assign(s.units.size(), {});
+    s.tp_all.assign(s.units.size(), 0);
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+      const auto& c = s.tp_counted[ui];
+      s.tp_all[ui] = c.size() == 1 && c[0].first == 0 && c[0].second >= s.units[ui].numel;
+      const std::size_t lo = std::size_t(s.rank) * s.units[ui].shard, hi = lo + s.units[ui].shard;
+      for (const auto& [first, count] : c) {
+        const std::size_t a = std::max(first, lo), b = std::min(first + count, hi);
+        if (a < b) s.tp_ranges[ui].push_back({a - lo, b - a});
+      }
+    }
+  }
   const Impl::OnNvme nvme = s.assign_tiers();
   s.make_plan(nvme);
   s.open_streams_and_stores(nvme);

@@ -96,6 +96,9 @@ struct Unit {
     bool fresh = true;
     float sumsq = 0;
     cpu::SumSquares sumsq_run;  // (the comm stream's host functions only)
+    // The same over the tensor-parallel counted ranges only (Impl::tp_ranges), when partial.
+    float tp_sumsq = 0;
+    cpu::SumSquares tp_sumsq_run;
     std::vector<std::shared_ptr<GradIo>> io;
     // A host-tier gradient that arrives whole in one reduce_grad: its sum of squares taken on
     // the device from the shard it was copied from (Impl::norm_host[unit], valid once the copy's
@@ -267,6 +270,15 @@ struct Engine::Impl {
   Communicator& comm;
   EngineConfig cfg;
   int rank, world;
+  // Engine::set_tensor_parallel: the TP group and, per unit, the counted ranges within this
+  // rank's shard (shard-relative), or tp_all[unit]: the whole shard counts (TP rank 0).
+  Communicator* tp = nullptr;
+  std::vector<Engine::Ranges> tp_counted;  // as given, unit-relative
+  std::vector<std::vector<detail::Range>> tp_ranges;
+  std::vector<char> tp_all;
+  bool tp_partial(std::size_t ui) const { return tp && !tp_all[ui]; }
+  // The sum of squares of `g` (this rank's shard of unit ui, host memory) over its counted ranges.
+  float tp_host_sumsq(std::size_t ui, const float* g) const;
   std::size_t c_size;
   std::uint64_t device_alloc_waits_at_start = 0;  // DeviceStats::num_alloc_waits when made
   bool finalized = false;

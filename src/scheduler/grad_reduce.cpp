@@ -75,6 +75,15 @@ void Engine::Impl::reduce_to_nvme(std::size_t ui, detail::Range r, const TensorR
         if (first_bucket) x.g.sumsq_run = cpu::SumSquares{};
         x.g.sumsq_run.add(v, r.size);
         x.g.sumsq = x.g.sumsq_run.result();
+        if (tp_partial(ui)) {
+          if (first_bucket) x.g.tp_sumsq_run = cpu::SumSquares{};
+          for (const detail::Range c : tp_ranges[ui]) {
+            const std::uint64_t a = std::max(c.first, r.first),
+                                b = std::min(c.first + c.size, r.first + r.size);
+            if (a < b) x.g.tp_sumsq_run.add(v + (a - r.first), b - a);
+          }
+          x.g.tp_sumsq = x.g.tp_sumsq_run.result();
+        }
         for (const detail::Range p : grad_pieces(r)) {
           io->writes.push_back(
               g_store->write(g_key(ui, p.first), v + (p.first - r.first), p.size * 4));

@@ -317,7 +317,9 @@ void Engine::Impl::begin_step() {
 // Global gradient norm (and fp16 overflow) from the accumulators: one all-reduce. Each
 // unit's sum of squares is the fp32 result of the same kernel wherever its gradient lives
 // (the device's sum_squares; on the host the CPU kernel the emulated device runs), summed
-// in unit order: offloading gradients does not change the norm, hence the clipping.
+// in unit order: offloading gradients does not change the norm, hence the clipping. Under tensor
+// parallelism a unit of which this rank counts only ranges (Impl::tp_ranges) adds the sum of
+// squares of those ranges back to back, and the total is summed over the TP group as well.
 double Engine::Impl::grad_sumsq() {
   Stream& os = *opt_s;
   double local = 0;
@@ -329,18 +331,48 @@ double Engine::Impl::grad_sumsq() {
     for (std::size_t ui = 0; ui < units.size(); ++ui) {
       Unit& u = units[ui];
       if (u.g_tier == Tier::kDevice) {
-        os.sum_squares(Impl::view(u.g.dev, DType::kF32, u.shard),
-                       Impl::view(sq, DType::kF32, 1, ui));
+        if (!tp_partial(ui))
+          os.sum_squares(Impl::view(u.g.dev, DType::kF32, u.shard),
+                         Impl::view(sq, DType::kF32, 1, ui));
         any_device = true;
       }
     }
+    // Tensor parallelism, device-tier units whose shard counts only in part: the counted ranges
+    // copied back to back into scratch, one sum_squares over them (the host tiers' bits).
+    std::size_t tp_scratch = 0;
+    for (std::size_t ui = 0; ui < units.size(); ++ui)
+      if (tp_partial(ui) && units[ui].g_tier == Tier::kDevice) {
+        std::size_t n = 0;
+        for (const detail::Range c : tp_ranges[ui]) n += c.size;
+        tp_scratch = std::max(tp_scratch, n);
+      }
+    Buffer tp_buf = tp_scratch > 0 ? alloc(4 * tp_scratch, &os) : Buffer{};
+    for (std::size_t ui = 0; ui < units.size() && tp_scratch > 0; ++ui) {
+      if (!tp_partial(ui) || units[ui].g_tier != Tier::kDevice) continue;
+      std::size_t n = 0;
+      for (const detail::Range c : tp_ranges[ui]) {
+        os.copy(Impl::view(tp_buf, DType::kF32, c.size, n).mem,
+                Impl::view(units[ui].g.dev, DType::kF32, c.size, c.first).mem);
+        n += c.size;
+      }
+      if (n > 0)
+        os.sum_squares(Impl::view(tp_buf, DType::kF32, n), Impl::view(sq, DType::kF32, 1, ui));
+      else
+        os.fill(Impl::view(sq, DType::kF32, 1, ui), 0.0f);
+    }
     std::vector<float> dev_part(units.size(), 0.0f);
     if (any_device) os.copy(host_ref(dev_part.data(), 4 * dev_part.size()), sq.ref());
+
     for (std::size_t ui = 0; ui < units.size(); ++ui) {
       Unit& u = units[ui];
       // NVMe: taken as the last gradient went out (reduce_to_nvme), the host's kernel's bits.
-      if (u.g_tier == Tier::kNvme) part[ui] = u.g.fresh ? 0.0f : u.g.sumsq;
+      if (u.g_tier == Tier::kNvme)
+        part[ui] = u.g.fresh ? 0.0f : tp_partial(ui) ? u.g.tp_sumsq : u.g.sumsq;
       if (u.g_tier != Tier::kHost) continue;
+      if (tp_partial(ui)) {  // the counted ranges of the accumulator
+        part[ui] = tp_host_sumsq(ui, static_cast<const float*>(u.g.host->data()));
+        continue;
+      }
       // The early worker computed it with the same kernel from the same final gradient.
       bool done;
       {
@@ -368,11 +400,24 @@ double Engine::Impl::grad_sumsq() {
     os.copy(host_ref(&total, 8), b.ref());
     os.synchronize();
   }
+  if (tp) {  // the other slices' parts: every element of the model once
+    Buffer b = alloc(8, &os);
+    os.copy(b.ref(), host_ref(&total, 8));
+    tp->all_reduce(TensorRef{b.ref(), DType::kF64, 1}, ReduceOp::kSum, os);
+    os.copy(host_ref(&total, 8), b.ref());
+    os.synchronize();
+  }
   {
     std::lock_guard<std::mutex> lk(early_step.mu);
     early_step.norm_taken_call = early_step.step_calls++;
   }
   return total;
+}
+
+float Engine::Impl::tp_host_sumsq(std::size_t ui, const float* g) const {
+  cpu::SumSquares run;
+  for (const detail::Range c : tp_ranges[ui]) run.add(g + c.first, c.size);
+  return run.result();
 }
 
 // DeepSpeed's DynamicLossScaler::update_scale (fp16 with a dynamic scale; nothing otherwise).

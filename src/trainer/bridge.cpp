@@ -70,8 +70,8 @@ namespace {
 // A ModelSource over per-parameter values: value(p, first, count, out) for the part of each
 // parameter a slice of the unit's flat layout covers; the alignment gaps zero.
 template <class Value>
-ModelSource per_parameter(const ModelConfig& cfg, Value value) {
-  auto units = std::make_shared<const std::vector<UnitSpec>>(model_units(cfg));
+ModelSource per_parameter(const ModelConfig& cfg, TensorParallel tp, Value value) {
+  auto units = std::make_shared<const std::vector<UnitSpec>>(model_units(cfg, tp));
   return [units, value](std::size_t unit, std::size_t first, std::size_t count, float* out) {
     const UnitSpec& u = units->at(unit);
     STRATA_REQUIRE(first + count <= u.numel,
@@ -88,17 +88,49 @@ ModelSource per_parameter(const ModelConfig& cfg, Value value) {
 
 }  // namespace
 
-ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed) {
+ModelSource fresh_model_source(const ModelConfig& cfg, std::uint64_t seed, TensorParallel tp) {
   return per_parameter(
-      cfg, [cfg, seed](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
+      cfg, tp, [cfg, seed](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
         init_hf_values(cfg, p, seed, first, count, out);
       });
 }
 
-ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir) {
+ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir, TensorParallel tp) {
   auto reader = std::make_shared<const HfWeightsReader>(dir, cfg);  // checks the whole folder now
-  return per_parameter(cfg, [reader](const ParamSpec& p, std::size_t first, std::size_t count,
-                                     float* out) { reader->read(p, first, count, out); });
+  return per_parameter(
+      cfg, tp, [reader](const ParamSpec& p, std::size_t first, std::size_t count, float* out) {
+        if (!p.split()) return reader->read(p, first, count, out);
+        // A TP slice: the runs of it that are contiguous in the full tensor, each read alone.
+        ParamSpec whole = p;
+        whole.shape = p.full_shape;
+        std::size_t inner = 1;
+        for (std::size_t k = std::size_t(p.split_dim) + 1; k < p.shape.size(); ++k)
+          inner *= std::size_t(p.shape[k]);
+        const std::size_t part_len =
+            std::size_t(p.shape[std::size_t(p.split_dim)]) / std::size_t(p.split_parts);
+        for (std::size_t i = first; i < first + count;) {
+          const std::size_t d = i / inner % (part_len * std::size_t(p.split_parts));
+          const std::size_t run =
+              std::min((part_len - d % part_len) * inner - i % inner, first + count - i);
+          reader->read(whole, p.full_index(i), run, out + (i - first));
+          i += run;
+        }
+      });
+}
+
+std::vector<Engine::Ranges> tensor_parallel_counted(const std::vector<UnitSpec>& units,
+                                                    int tp_rank) {
+  std::vector<Engine::Ranges> out;
+  for (const UnitSpec& u : units) {
+    out.emplace_back();
+    if (tp_rank == 0) {
+      out.back().push_back({0, u.numel});
+      continue;
+    }
+    for (const ParamSpec& p : u.params)
+      if (p.split()) out.back().push_back({p.offset, p.numel});
+  }
+  return out;
 }
 
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
