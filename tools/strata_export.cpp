@@ -28,6 +28,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -109,9 +110,10 @@ strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint
 }
 
 // ---- every rank's layout ----
-// Rank r's engine state (rank<r>.json), checked against the model and rank 0's shards, and its
-// rank<r>.bin opened.
-void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, int world,
+// Rank r's engine state (rank<r>.json), checked against the model (its TP rank's slices, `units`)
+// and its TP rank's first file's shards, and its rank<r>.bin opened. Under tensor parallelism (tp
+// > 1) rank r holds TP slice r % tp and is data-parallel rank r / tp of world / tp.
+void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, int world, int tp,
                const std::vector<strata::UnitSpec>& units) {
   RankFile& rf = ranks[std::size_t(r)];
   const nlohmann::json j =
@@ -131,13 +133,15 @@ void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, i
                    "{}/rank{}.json: unit {} is '{}' ({} elements), the model's '{}' ({})", ck_dir,
                    r, u, ju.value("name", ""), ju.value("numel", std::uint64_t(0)), units[u].name,
                    units[u].numel);
-    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) * std::uint64_t(world) >= units[u].numel,
-                   "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks",
-                   ck_dir, r, units[u].name, ju.value("shard", std::uint64_t(0)), world);
     STRATA_REQUIRE(
-        ju.value("shard", std::uint64_t(0)) == ranks[0].units[u].value("shard", std::uint64_t(0)),
-        "{}: unit '{}' has shards of different sizes on rank 0 and rank {}", ck_dir, units[u].name,
-        r);
+        ju.value("shard", std::uint64_t(0)) * std::uint64_t(world / tp) >= units[u].numel,
+        "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck_dir, r,
+        units[u].name, ju.value("shard", std::uint64_t(0)), world / tp);
+    const std::size_t first = std::size_t(r % tp);  // its TP slice's first file
+    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) ==
+                       ranks[first].units[u].value("shard", std::uint64_t(0)),
+                   "{}: unit '{}' has shards of different sizes on rank {} and rank {}", ck_dir,
+                   units[u].name, first, r);
   }
   rf.path = (fs::path(ck_dir) / fmt::format("rank{}.bin", r)).string();
   rf.fd = ::open(rf.path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -222,12 +226,28 @@ std::vector<std::vector<Item>> cut_shards(const std::vector<strata::UnitSpec>& u
   return shards;
 }
 
+// Unit u whole, unpadded: under tensor parallelism (tp > 1) each TP rank's slice read from its
+// files (ranks k, k + tp, ...: its data-parallel shards) and the slices put together.
+std::vector<float> read_whole_unit(const std::vector<RankFile>& ranks, std::size_t u, int tp,
+                                   const std::vector<std::vector<strata::UnitSpec>>& layouts,
+                                   const strata::ModelConfig& cfg) {
+  if (tp == 1) return read_unit(ranks, u, layouts[0]);
+  std::vector<std::vector<float>> slices;
+  for (int k = 0; k < tp; ++k) {
+    std::vector<RankFile> mine;
+    for (std::size_t r = std::size_t(k); r < ranks.size(); r += std::size_t(tp))
+      mine.push_back(ranks[r]);
+    slices.push_back(read_unit(mine, u, layouts[std::size_t(k)]));
+  }
+  return strata::tp_unit_whole(cfg, u, slices);
+}
+
 // One safetensors file, header first and then tensor by tensor; each unit is read once (`flat`
 // holds the last one read, `loaded_unit` its index: params come in unit order).
 void write_shard(const std::string& path, const std::string& name, const std::vector<Item>& shard,
-                 DType dtype, const std::vector<RankFile>& ranks,
-                 const std::vector<strata::UnitSpec>& units, nlohmann::ordered_json& weight_map,
-                 std::size_t& loaded_unit, std::vector<float>& flat) {
+                 DType dtype, const std::function<std::vector<float>(std::size_t)>& read,
+                 nlohmann::ordered_json& weight_map, std::size_t& loaded_unit,
+                 std::vector<float>& flat) {
   std::vector<std::uint16_t> half;
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   h["__metadata__"] = {{"format", "pt"}};
@@ -249,7 +269,7 @@ void write_shard(const std::string& path, const std::string& name, const std::ve
   for (const Item& it : shard) {
     if (!ok) break;
     if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
-      flat = read_unit(ranks, it.unit, units);
+      flat = read(it.unit);
       loaded_unit = it.unit;
     }
     const float* src = flat.data() + it.p->offset;
@@ -324,6 +344,13 @@ int run(const Options& o) {
   const nlohmann::json trainer = ck.manifest.value("trainer", nlohmann::json::object());
   const strata::ModelConfig cfg = export_model(o, ck, trainer);
   const std::vector<strata::UnitSpec> units = strata::model_units(cfg);
+  // Tensor parallelism: the TP ranks' slices of every split layer, put together unit by unit.
+  const int tp = trainer.value("tensor_parallel", 1);
+  STRATA_REQUIRE(tp >= 1 && world % tp == 0,
+                 "{}: the manifest's tensor parallelism {} does not divide its {} ranks", ck.dir,
+                 tp, world);
+  std::vector<std::vector<strata::UnitSpec>> layouts;
+  for (int k = 0; k < tp; ++k) layouts.push_back(strata::model_units(cfg, {tp, k}));
 
   std::vector<RankFile> ranks(static_cast<std::size_t>(world));
   struct Closer {
@@ -340,7 +367,9 @@ int run(const Options& o) {
                    "node into one (its files side by side) and export that",
                    ck.dir, missing);
   }
-  for (int r = 0; r < world; ++r) open_rank(ranks, r, ck.dir, world, units);
+  for (int r = 0; r < world; ++r)
+    open_rank(ranks, r, ck.dir, world, tp, layouts[std::size_t(r % tp)]);
+  const auto read = [&](std::size_t u) { return read_whole_unit(ranks, u, tp, layouts, cfg); };
 
   check_output_folder(o, ck);
   std::size_t total = 0;
@@ -364,8 +393,7 @@ int run(const Options& o) {
     for (std::size_t s = 0; s < n; ++s) {
       const std::string name = n == 1 ? "model.safetensors"
                                       : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-      write_shard(tmp_of(name), name, shards[s], dtype, ranks, units, weight_map, loaded_unit,
-                  flat);
+      write_shard(tmp_of(name), name, shards[s], dtype, read, weight_map, loaded_unit, flat);
     }
     if (n > 1) {
       nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}},

@@ -51,7 +51,11 @@ int main(int argc, char** argv) {
                  "max_position_embeddings "
                  "when smaller)")
       ->check(strata::tools::kPositive);
-  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per rank")
+  app.add_option("--tensor-parallel", o.tensor_parallel,
+                 "split every layer's matrices over this many ranks of a node (Megatron tensor "
+                 "parallelism), ZeRO-3 over the data-parallel groups of the rest (default 1)")
+      ->check(strata::tools::kPositive);
+  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per data-parallel rank")
       ->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")
       ->check(strata::tools::kPositive);

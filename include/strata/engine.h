@@ -211,6 +211,9 @@ class Engine {
   // rank, unit names and sizes (throwing strata::Error naming what differs); a checkpoint of
   // another world size is resharded (every rank's files read, each unit's shards re-cut to this
   // run's, a sub-group at a time),
+  // Under tensor parallelism (set_tensor_parallel) the files are numbered by job rank (DP rank x
+  // TP + TP rank) and record the TP size: a checkpoint loads with the same TP size only (each
+  // TP rank resharding its own slice's files over a new DP size).
   // puts the state on this run's tiers (which may differ from the saving run's), derives
   // the compute weights from the master exactly as the optimizer does, zeroes the gradient
   // accumulators and re-gathers resident units. Training then continues bit-identically.

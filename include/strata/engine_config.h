@@ -134,6 +134,11 @@ struct EngineConfig {
 // scheduler's warmup, peak lr and total steps — or sets bf16_auto; every other "auto" is
 // treated as not given. Each is said in a warning naming the key.
 EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1);
+// The ds_config's tensor-parallel size, `tensor_parallel.autotp_size` (DeepSpeed's AutoTP
+// training key): 0 when the file does not give one. The job's ranks must be known to resolve the
+// batch (train_batch_size is per data-parallel rank), so strata-train reads it first. Throws
+// naming the key when it is not an integer >= 1.
+int config_tensor_parallel(std::string_view json_text);
 
 // bf16.enabled "auto", as the Trainer fills it (its --bf16 flag; here the model itself): bf16
 // when the model's config.json says torch_dtype "bfloat16", else fp32. Returns the line saying

@@ -321,6 +321,11 @@ std::vector<UnitSpec> model_units(const ModelConfig& cfg, TensorParallel tp = {}
 // slice of it (p.numel elements): `slice` takes the slice out, `place` puts it back in.
 std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full);
 void tp_place(const ParamSpec& p, const std::vector<float>& slice, std::vector<float>& full);
+// Unit `u` whole (model_units(cfg)'s flat layout) from every TP rank's flat values of it
+// (slices[k]: model_units(cfg, {slices.size(), k})[u]'s layout, padding allowed past its numel):
+// the split parameters placed by their slices, the replicated ones TP rank 0's.
+std::vector<float> tp_unit_whole(const ModelConfig& cfg, std::size_t u,
+                                 const std::vector<std::vector<float>>& slices);
 // The elements of the largest parameter tensor of `units`.
 std::uint64_t largest_tensor(const std::vector<UnitSpec>& units);
 

@@ -83,9 +83,11 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
 
 // Gathers the units' fp32 master weights one at a time (collective: every rank calls it) and, on
 // rank 0, writes each into its safetensors shard in `dtype` (fp32 or bf16) as it comes
-// (HfWeightsWriter): Hugging Face layout in `dir`, at most one unit held at a time.
+// (HfWeightsWriter): Hugging Face layout in `dir`, at most one unit held at a time. Under tensor
+// parallelism (`tp`, the engine being over this rank's DP group) the TP ranks' slices of each unit
+// are gathered too and written as the whole tensors.
 void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
-                         const std::string& dir, int rank,
+                         const std::string& dir, int rank, Communicator* tp = nullptr,
                          std::size_t max_shard_bytes = std::size_t(5) << 30);
 
 // The ds_config settings that only the model decides (strata-train and strata-prof call it once,
@@ -225,6 +227,10 @@ struct TrainOptions {
   bool shuffle = true;
   std::string dtype;  // "" (config's), fp32 | bf16
   std::string device = "auto";
+  // Tensor parallelism (Megatron's, strata/model.h): the split layers' slices over this many
+  // ranks of a node, ZeRO-3 over the data-parallel groups of the rest (ranks / N of them; the
+  // batch flags are per data-parallel rank). 0: the --config's tensor_parallel.autotp_size, else 1.
+  int tensor_parallel = 0;
   double device_mem_gb = 0;  // cap of the emulated device; 0 = its default
   // The emulated device's throttles (HostDeviceOptions; 0 = unthrottled): a slower link or
   // matmul rate, to rehearse a GPU machine's balance on a CPU (strata-prof validates with them).

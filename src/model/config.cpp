@@ -286,6 +286,37 @@ void tp_place(const ParamSpec& p, const std::vector<float>& slice, std::vector<f
   for (std::size_t i = 0; i < p.numel; ++i) full[p.full_index(i)] = slice[i];
 }
 
+std::vector<float> tp_unit_whole(const ModelConfig& cfg, std::size_t u,
+                                 const std::vector<std::vector<float>>& slices) {
+  const int n = int(slices.size());
+  STRATA_REQUIRE(n >= 1, "tp_unit_whole: no slices of unit {}", u);
+  std::vector<std::vector<UnitSpec>> layouts;
+  for (int k = 0; k < n; ++k) {
+    layouts.push_back(model_units(cfg, {n, k}));
+    STRATA_REQUIRE(
+        u < layouts.back().size() && slices[std::size_t(k)].size() >= layouts.back()[u].numel,
+        "tp_unit_whole: TP rank {}'s unit {} has {} values, its layout {}", k, u,
+        slices[std::size_t(k)].size(), u < layouts.back().size() ? layouts.back()[u].numel : 0);
+  }
+  const UnitSpec whole = model_units(cfg)[u];
+  std::vector<float> out(whole.numel, 0.0f), tensor;
+  for (std::size_t pi = 0; pi < whole.params.size(); ++pi) {
+    const ParamSpec& f = whole.params[pi];
+    tensor.assign(f.numel, 0.0f);
+    for (int k = 0; k < n; ++k) {
+      const ParamSpec& p = layouts[std::size_t(k)][u].params[pi];
+      if (!p.split() && k > 0) continue;  // replicated: TP rank 0's
+      const auto& src = slices[std::size_t(k)];
+      tp_place(p,
+               std::vector<float>(src.begin() + std::ptrdiff_t(p.offset),
+                                  src.begin() + std::ptrdiff_t(p.offset + p.numel)),
+               tensor);
+    }
+    std::copy(tensor.begin(), tensor.end(), out.begin() + std::ptrdiff_t(f.offset));
+  }
+  return out;
+}
+
 std::uint64_t largest_tensor(const std::vector<UnitSpec>& units) {
   std::uint64_t n = 0;
   for (const UnitSpec& u : units)

@@ -694,6 +694,13 @@ std::string resolve_per_tensor_sub_groups(EngineConfig& c, std::uint64_t largest
       c.sub_group_size, w);
 }
 
+int config_tensor_parallel(std::string_view json_text) {
+  const Json doc = config::parse(json_text, "ds_config");
+  if (!doc.is_object() || !doc.contains("tensor_parallel")) return 0;
+  const Section tp = Section(&doc, "").child("tensor_parallel");
+  return tp.has("autotp_size") ? get_int_in(tp, "autotp_size", 1, 1, 1 << 20) : 0;
+}
+
 EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   STRATA_REQUIRE(world_size >= 1, "world_size = {}: must be at least 1", world_size);
   Json doc = config::parse(json_text, "ds_config");
@@ -704,7 +711,9 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   const Section top(&doc, "");
   top.warn_unknown({"train_batch_size", "train_micro_batch_size_per_gpu",
                     "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
-                    "optimizer", "scheduler", "zero_optimization", "aio", "strata"});
+                    "optimizer", "scheduler", "zero_optimization", "aio", "strata",
+                    "tensor_parallel"});
+  top.child("tensor_parallel").warn_unknown({"autotp_size"});
 
   EngineConfig c = default_engine_config();
   resolve_batch(top, world_size, c);

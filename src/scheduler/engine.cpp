@@ -350,8 +350,8 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
     SwapStoreOptions so;
     so.paths = paths;
     // The job's rank (TP innermost, as make_process_groups): the DP groups' ranks share numbers.
-    so.rank = tp ? rank * tp->world_size() + tp->rank() : rank;
-    so.world_size = tp ? world * tp->world_size() : world;
+    so.rank = job_rank();
+    so.world_size = job_world();
     so.aio = cfg.aio;
     so.config_key = key;
     return so;

@@ -277,6 +277,10 @@ struct Engine::Impl {
   std::vector<std::vector<detail::Range>> tp_ranges;
   std::vector<char> tp_all;
   bool tp_partial(std::size_t ui) const { return tp && !tp_all[ui]; }
+  int tp_size() const { return tp ? tp->world_size() : 1; }
+  // This rank in the whole job (TP innermost): names its swap folders and checkpoint files.
+  int job_rank() const { return tp ? rank * tp->world_size() + tp->rank() : rank; }
+  int job_world() const { return world * tp_size(); }
   // The sum of squares of `g` (this rank's shard of unit ui, host memory) over its counted ranges.
   float tp_host_sumsq(std::size_t ui, const float* g) const;
   std::size_t c_size;

@@ -217,7 +217,8 @@ std::vector<float> Engine::gather_master_to(int unit, int root) {
 // dir/rank<R>.bin: for every unit in order, this rank's master | m | v shard (3 * shard fp32
 // values, padding included), streamed one unit at a time from whichever tier holds it.
 // dir/rank<R>.json: the layout (units, numel, shard, byte offsets), the rank and world size,
-// and the scalar state (steps taken, fp16 loss-scaler fields).
+// and the scalar state (steps taken, fp16 loss-scaler fields). Under tensor parallelism R and the
+// world size are the job's (DP rank x TP + TP rank, as make_process_groups), with the TP size.
 void Engine::save_state(const std::string& dir) {
   Impl& s = *impl_;
   STRATA_REQUIRE(s.finalized, "Engine::save_state before finalize()");
@@ -237,8 +238,9 @@ void Engine::save_state(const std::string& dir) {
   nlohmann::json j;
   j["format"] = "strata-engine-state";
   j["version"] = kStateVersion;
-  j["rank"] = s.rank;
-  j["world_size"] = s.world;
+  j["rank"] = s.job_rank();
+  j["world_size"] = s.job_world();
+  j["tensor_parallel"] = s.tp_size();
   j["steps_taken"] = s.steps_taken;
   j["loss_scale"] = s.scale;
   j["hysteresis_left"] = s.hysteresis_left;
@@ -246,7 +248,7 @@ void Engine::save_state(const std::string& dir) {
   j["last_overflow_iter"] = s.last_overflow_iter;
   j["compute_dtype"] = std::string(dtype_name(s.cfg.compute_dtype));
   nlohmann::json units = nlohmann::json::array();
-  SyncedFile bin(state_file(dir, s.rank, "bin"));
+  SyncedFile bin(state_file(dir, s.job_rank(), "bin"));
   std::vector<float> buf;
   std::uint64_t offset = 0;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
@@ -267,7 +269,7 @@ void Engine::save_state(const std::string& dir) {
   j["units"] = std::move(units);
   j["bytes"] = offset;
   const std::string text = j.dump(1);
-  SyncedFile meta(state_file(dir, s.rank, "json"));
+  SyncedFile meta(state_file(dir, s.job_rank(), "json"));
   meta.write(text.data(), text.size());
   meta.close();
 }
@@ -296,18 +298,34 @@ void Engine::load_state(const std::string& dir) {
   // How many ranks wrote the checkpoint, whatever this run's world size: this rank's own file
   // says (all a same-world resume reads: a node-local checkpoint's folder holds only its node's
   // ranks' files), else rank 0's.
-  const nlohmann::json j_own = read_json(s.rank);
-  const bool same_world = !j_own.is_null() && j_own.value("world_size", -1) == s.world &&
-                          j_own.value("rank", -1) == s.rank;
-  const nlohmann::json j0 = same_world ? j_own : read_json(0);
-  STRATA_REQUIRE(!j0.is_null(), "checkpoint {}: no engine state ({})", dir,
-                 s.rank == 0 ? std::string("rank0.json is missing")
-                             : fmt::format("neither rank{}.json nor rank0.json is there", s.rank));
-  const int ck_world = j0.value("world_size", -1);
-  STRATA_REQUIRE(ck_world >= 1, "checkpoint {}: rank{}.json gives no world size", dir,
-                 same_world ? s.rank : 0);
-  // The same world: this rank's own file. Another (resharding): every rank's file, each unit's
-  // old shards read back as the one array they cut, and this rank's new shard taken from it.
+  // Under tensor parallelism the files are numbered by job rank: those of this rank's TP slice are
+  // every tp-th from its TP rank (DP index q's is q * tp + TP rank).
+  const int tp = s.tp_size(), tp_rank = s.tp ? s.tp->rank() : 0;
+  const nlohmann::json j_own = read_json(s.job_rank());
+  const bool same_world = !j_own.is_null() && j_own.value("world_size", -1) == s.job_world() &&
+                          j_own.value("rank", -1) == s.job_rank() &&
+                          j_own.value("tensor_parallel", 1) == tp;
+  const nlohmann::json j0 = same_world ? j_own : read_json(tp_rank);
+  STRATA_REQUIRE(
+      !j0.is_null(), "checkpoint {}: no engine state ({})", dir,
+      s.job_rank() == tp_rank
+          ? fmt::format("rank{}.json is missing", tp_rank)
+          : fmt::format("neither rank{}.json nor rank{}.json is there", s.job_rank(), tp_rank));
+  const int ck_tp = j0.value("tensor_parallel", 1);
+  STRATA_REQUIRE(ck_tp == tp,
+                 "checkpoint {} was written with tensor parallelism {}, this run has {}: its "
+                 "files hold other slices of the split layers; resume with tensor parallelism "
+                 "{} (strata-export writes it as a whole model for any other)",
+                 dir, ck_tp, tp, ck_tp);
+  const int ck_job = j0.value("world_size", -1);
+  STRATA_REQUIRE(ck_job >= 1 && ck_job % tp == 0,
+                 "checkpoint {}: rank{}.json gives no world size a multiple of its tensor "
+                 "parallelism {}",
+                 dir, same_world ? s.job_rank() : tp_rank, tp);
+  const int ck_world = ck_job / tp;  // its data-parallel ranks
+  // The same world: this rank's own file. Another (resharding): every DP rank's file of this TP
+  // slice, each unit's old shards read back as the one array they cut, and this rank's new
+  // shard taken from it.
   const bool reshard = ck_world != s.world;
   const int first_file = reshard ? 0 : s.rank, files = reshard ? ck_world : 1;
   struct RankState {
@@ -317,9 +335,9 @@ void Engine::load_state(const std::string& dir) {
   };
   std::vector<RankState> ck(static_cast<std::size_t>(files));
   for (int i = 0; i < files; ++i) {
-    const int r = first_file + i;
+    const int r = (first_file + i) * tp + tp_rank;  // its job rank
     RankState& rs = ck[std::size_t(i)];
-    rs.j = r == (same_world ? s.rank : 0) ? j0 : read_json(r);
+    rs.j = r == (same_world ? s.job_rank() : tp_rank) ? j0 : read_json(r);
     STRATA_REQUIRE(!rs.j.is_null(), "checkpoint {}: rank{}.json is missing{}", dir, r,
                    reshard ? fmt::format(" (the checkpoint's {} ranks' files are all read to "
                                          "reshard them to this run's {})",
@@ -330,10 +348,10 @@ void Engine::load_state(const std::string& dir) {
         j.value("format", "") == "strata-engine-state" && j.value("version", 0) == kStateVersion,
         "checkpoint {}: rank{}.json is not a strata engine state of version {}", dir, r,
         kStateVersion);
-    STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == ck_world,
-                   "checkpoint {}: rank{}.json was written by rank {} of {}, rank0.json by one of "
+    STRATA_REQUIRE(j.value("rank", -1) == r && j.value("world_size", -1) == ck_job,
+                   "checkpoint {}: rank{}.json was written by rank {} of {}, rank{}.json by one of "
                    "{}",
-                   dir, r, j.value("rank", -1), j.value("world_size", -1), ck_world);
+                   dir, r, j.value("rank", -1), j.value("world_size", -1), tp_rank, ck_job);
     const nlohmann::json& units = j.at("units");
     STRATA_REQUIRE(units.size() == s.units.size(),
                    "checkpoint {} has {} units, this model has {}: a different model", dir,

@@ -147,14 +147,62 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
   return out;
 }
 
+namespace {
+
+// The TP ranks' slices of unit `u` (`mine`: this rank's, gathered over its DP group) as the whole
+// unit, on TP rank 0 (empty elsewhere): gathered through the communicator's device a piece at a
+// time, each rank's slice padded to the largest, then tp_unit_whole.
+std::vector<float> gather_tp_unit(Communicator& tp, const ModelConfig& cfg, std::size_t u,
+                                  const std::vector<float>& mine) {
+  const int n = tp.world_size();
+  std::size_t most = 0;
+  for (int k = 0; k < n; ++k) most = std::max(most, model_units(cfg, {n, k})[u].numel);
+  const bool root = tp.rank() == 0;
+  std::vector<std::vector<float>> slices(root ? std::size_t(n) : 0, std::vector<float>(most));
+  Device& dev = tp.device();
+  auto s = dev.create_stream("tp-gather");
+  constexpr std::size_t kPiece = std::size_t(16) << 20;  // elements a collective
+  const std::size_t piece = std::min(kPiece, most);
+  Buffer in = dev.alloc(piece * 4, s.get()),
+         all = root ? dev.alloc(n * piece * 4, s.get()) : Buffer{};
+  std::vector<float> staging(piece), got(root ? n * piece : 0);
+  for (std::size_t first = 0; first < most; first += piece) {
+    const std::size_t count = std::min(piece, most - first);
+    std::fill(staging.begin(), staging.end(), 0.0f);
+    if (first < mine.size())
+      std::copy_n(mine.begin() + std::ptrdiff_t(first), std::min(count, mine.size() - first),
+                  staging.begin());
+    s->copy(in.ref(0, count * 4), host_ref(staging.data(), count * 4));
+    // Every rank's `count` values side by side on the root.
+    tp.gather(TensorRef{in.ref(0, count * 4), DType::kF32, count},
+              root ? TensorRef{all.ref(0, n * count * 4), DType::kF32, n * count} : TensorRef{}, 0,
+              *s);
+    if (root) s->copy(host_ref(got.data(), n * count * 4), all.ref(0, n * count * 4));
+    s->synchronize();
+    if (root)
+      for (int k = 0; k < n; ++k)
+        std::copy_n(got.begin() + std::ptrdiff_t(k * count), count,
+                    slices[std::size_t(k)].begin() + std::ptrdiff_t(first));
+  }
+  if (!root) return {};
+  return tp_unit_whole(cfg, u, slices);
+}
+
+}  // namespace
+
 void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
-                         const std::string& dir, int rank, std::size_t max_shard_bytes) {
+                         const std::string& dir, int rank, Communicator* tp,
+                         std::size_t max_shard_bytes) {
   const std::vector<UnitSpec> units = model_units(cfg);
   std::unique_ptr<HfWeightsWriter> out;
   if (rank == 0) out = std::make_unique<HfWeightsWriter>(dir, cfg, dtype, max_shard_bytes);
+  // Under TP each DP group (a TP slice's) gathers its units on its DP rank 0: job ranks 0..tp-1,
+  // the first TP group, whose ranks then gather the slices on job rank 0.
+  const bool tp_gathers = tp && tp->world_size() > 1 && rank < tp->world_size();
   for (std::size_t i = 0; i < units.size(); ++i) {
     // Collective: every rank, one unit at a time, gathered on rank 0 alone.
-    const std::vector<float> flat = engine.gather_master_to(int(i), 0);
+    std::vector<float> flat = engine.gather_master_to(int(i), 0);
+    if (tp_gathers) flat = gather_tp_unit(*tp, cfg, i, flat);
     if (!out) continue;
     STRATA_REQUIRE(flat.size() == units[i].numel, "save: unit '{}' gathered {} of {} elements",
                    units[i].name, flat.size(), units[i].numel);

@@ -50,7 +50,8 @@ struct Settings {
   HostDeviceOptions hopt;
   CudaDeviceOptions copt;
   std::vector<UnitSpec> units;
-  std::uint64_t max_unit = 0, total_numel = 0;
+  std::uint64_t max_unit = 0;     // this rank's largest unit (its TP slice's)
+  std::uint64_t total_numel = 0;  // the whole model's elements
   // The engine config: the file (or defaults), then the flags
   EngineConfig ecfg;
   std::string demo_dir;
@@ -71,7 +72,10 @@ struct Settings {
   double epochs = 0;
   std::int64_t steps_per_epoch = 0;  // with --epochs: optimizer steps in one pass over the data
   std::int64_t epoch_rows = 0;       // ... and the sequences of seq_len tokens in that pass
-  int rank = 0, world = 1;
+  int rank = 0, world = 1;           // in the whole job
+  // Tensor parallelism (--tensor-parallel): this rank's place in the TP x DP grid (TP innermost,
+  // as make_process_groups). The data, the batch and the loss are the data-parallel ranks'.
+  int tp = 1, tp_rank = 0, dp_rank = 0, dp_world = 1;
   std::FILE* con = nullptr;  // rank 0's console, else null
 
   // The lr of optimizer step t (1-based).
@@ -90,6 +94,10 @@ struct Run {
   std::unique_ptr<Device> dev;
   bool demo_capped = false;  // under the demo's 20 MiB cap
   std::unique_ptr<Communicator> comm;
+  // --tensor-parallel N > 1: the TP group (the model's) and the DP group (the engine's).
+  ProcessGroups groups;
+  Communicator& dp_comm() const { return groups.dp ? *groups.dp : *comm; }
+  Communicator* tp_comm() const { return groups.tp.get(); }
   std::unique_ptr<TokenLoader> loader, val;
   std::int64_t train_batches = 0, val_batches = 0;  // next() calls so far: the data position
   // Model and engine

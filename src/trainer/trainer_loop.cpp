@@ -105,6 +105,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       {"model_dir", s.o.model_dir.empty() ? std::string() : fs::absolute(s.o.model_dir).string()},
       {"model", r.model_desc},
       {"world_size", world},
+      {"tensor_parallel", s.tp},
       {"data",
        {{"train_batches", r.train_batches},
         {"val_batches", r.val_batches},
@@ -202,7 +203,8 @@ StepLoss forward_backward(Run& run, std::int64_t step) {
   const Settings& s = run.s;
   const TrainOptions& o = s.o;
   const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len;
-  const int rank = s.rank, world = s.world;
+  // The data-parallel ranks take turns; a TP group's ranks run the same batches.
+  const int rank = s.dp_rank, world = s.dp_world;
   TokenLoader& loader = *run.loader;
   std::int64_t& train_batches = run.train_batches;
   Phases& ph = run.ph;
@@ -285,7 +287,7 @@ void end_trace(const Run& r) {
 // The validation loss over --eval-batches batches (every rank takes its share, as in training).
 double evaluate(Run& run) {
   const TrainOptions& o = run.s.o;
-  const int rank = run.s.rank, world = run.s.world;
+  const int rank = run.s.dp_rank, world = run.s.dp_world;  // (a TP group: the same batches)
   Engine& engine = *run.engine;
   TokenLoader* val = run.val.get();
   std::int64_t& val_batches = run.val_batches;
@@ -511,7 +513,7 @@ void write_model(Run& r) {
     if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
   }
   try {
-    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank,
+    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank, r.tp_comm(),
                         o.out_max_shard_bytes);
     // The model folder's tokenizer, chat template and generation_config.json beside the
     // weights, so that --out loads as it is (rank 0 wrote config.json).

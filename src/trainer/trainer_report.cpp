@@ -36,7 +36,7 @@ TrainResult report_plan(const Settings& s) {
   const TrainOptions& o = s.o;
   const EngineConfig& ecfg = s.ecfg;
   const ModelConfig& mcfg = s.mcfg;
-  const int world = s.world;
+  const int world = s.dp_world;  // ZeRO shards over the data-parallel ranks
   std::FILE* con = s.con;
   Engine::check_host_settings(ecfg);  // a plan that says "fits" must not be refused by the run
   auto dev = make_device(o.device, s.hopt, s.copt);
@@ -172,7 +172,7 @@ void print_header(Run& r) {
   // output goes (a file got "\r\x1b[K" for every step): plain lines there.
   r.tty = con && ::isatty(::fileno(con)) && !s.launch.under_mpi;
   r.print_every = std::max<std::int64_t>(1, s.steps / 20);
-  r.tokens_per_step = double(B * seq_len * accum * world);
+  r.tokens_per_step = double(B * seq_len * accum * s.dp_world);
   if (!con) return;
   std::string on = r.dev->name();  // the emulated device's name says its cap already
   if (on.find("(cap ") == std::string::npos)
@@ -191,6 +191,11 @@ void print_header(Run& r) {
                  li.master_addr.empty()
                      ? ""
                      : fmt::format(", rendezvous {}:{}", li.master_addr, li.master_port).c_str());
+    if (s.tp > 1)
+      std::fprintf(con,
+                   "tensor parallel %d x data parallel %d: each layer's matrices split over %d "
+                   "ranks of a node, ZeRO-3 over each data-parallel group of %d ranks\n",
+                   s.tp, s.dp_world, s.tp, s.dp_world);
   }
   // "device", "host", "nvme", or the split ("device 70% + host 30%"; it said "nvme" for any split).
   const auto where = [](const Placement& p) {
@@ -226,11 +231,11 @@ void print_header(Run& r) {
           : fmt::format("; gradient norm clipped at {}", ecfg.gradient_clipping);
   std::fprintf(con,
                "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld "
-               "tokens x %lld accum x %d ranks%s\n",
+               "tokens x %lld accum x %d %sranks%s\n",
                ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
                placed("optimizer state (", ecfg.optimizer).c_str(),
                placed("gradient shard", ecfg.grads).c_str(), (long long)B, (long long)seq_len,
-               (long long)accum, world, clip.c_str());
+               (long long)accum, s.dp_world, s.tp > 1 ? "data-parallel " : "", clip.c_str());
   std::string data =
       r.s.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.s.text_file;
   if (s.demo_data) data += " (the demo's generated text: no --data or --text given)";

@@ -402,8 +402,8 @@ void check_resume_step(Settings& s) {
                    "with the same data, --epochs, --seq-len, --micro-batch, --grad-accum and "
                    "ranks, or give --steps {} instead of --epochs to end where that run would",
                    resume.dir, was, s.epochs, s.steps, s.steps_per_epoch,
-                   s.steps_per_epoch * s.B * s.accum * s.world, s.seq_len, s.B * s.accum * s.world,
-                   was);
+                   s.steps_per_epoch * s.B * s.accum * s.dp_world, s.seq_len,
+                   s.B * s.accum * s.dp_world, was);
   }
   if (resume.step > 0) {
     const std::int64_t total = s.steps;
@@ -435,6 +435,22 @@ void device_options(Settings& s) {
   CudaDeviceOptions& copt = s.copt;
   std::uint64_t &max_unit = s.max_unit, &total_numel = s.total_numel;
   s.launch = init_launch();
+  // The flag, else the --config's tensor_parallel.autotp_size, else none.
+  const int config_tp =
+      o.ds_config.empty() ? 0 : config_tensor_parallel(read_text(o.ds_config, "--config"));
+  s.tp = o.tensor_parallel > 0 ? o.tensor_parallel : config_tp > 0 ? config_tp : 1;
+  if (o.tensor_parallel > 0 && config_tp > 0 && config_tp != o.tensor_parallel &&
+      s.launch.rank == 0)
+    log::warn("--tensor-parallel {} replaces tensor_parallel.autotp_size {} of --config {}",
+              o.tensor_parallel, config_tp, o.ds_config);
+  STRATA_REQUIRE(s.launch.world_size % s.tp == 0,
+                 "{} {} does not divide the job's {} rank(s): each tensor-parallel group is {} "
+                 "ranks of one node and the rest data-parallel; launch a multiple of {} ranks",
+                 o.tensor_parallel > 0 ? "--tensor-parallel" : "tensor_parallel.autotp_size", s.tp,
+                 s.launch.world_size, s.tp, s.tp);
+  s.tp_rank = s.launch.rank % s.tp;
+  s.dp_rank = s.launch.rank / s.tp;
+  s.dp_world = s.launch.world_size / s.tp;
   if (o.device_mem_gb > 0) {
     hopt.capacity_bytes = std::size_t(o.device_mem_gb * double(1ull << 30));
     copt.capacity_bytes = hopt.capacity_bytes;
@@ -445,9 +461,9 @@ void device_options(Settings& s) {
   hopt.h2d_gbps = o.emu_h2d_gbps;
   hopt.d2h_gbps = o.emu_d2h_gbps;
   hopt.compute_gflops = o.emu_compute_gflops;
-  s.units = model_units(s.mcfg);
-  for (const auto& u : s.units)
-    max_unit = std::max<std::uint64_t>(max_unit, u.numel), total_numel += u.numel;
+  s.units = model_units(s.mcfg, {s.tp, s.tp_rank});  // this rank's slices under TP
+  for (const auto& u : s.units) max_unit = std::max<std::uint64_t>(max_unit, u.numel);
+  for (const auto& u : model_units(s.mcfg)) total_numel += u.numel;  // the whole model's
   if (s.demo_model && o.device_mem_gb <= 0) {
     // Below the model's fp32 weights (5.94M parameters, 22.7 MiB): one layer gathered at a
     // time plus one in flight, one layer's gradient, the checkpoints and one layer's
@@ -472,7 +488,7 @@ void build_engine_config(Settings& s) {
       // Every rank reads the same file: what it warns of (keys strata does not use, settings it
       // ignores) is said once, by rank 0, not once a rank.
       const log::Quiet quiet(log::Level::kError, launch.rank > 0);
-      ecfg = parse_engine_config(text, launch.world_size);
+      ecfg = parse_engine_config(text, s.dp_world);
     }
     config_batch = j.is_object() && j.contains("train_batch_size");
     config_clip = j.is_object() && j.contains("gradient_clipping");
@@ -484,11 +500,11 @@ void build_engine_config(Settings& s) {
                    o.demo_nvme_dir.empty() ? "" : "--demo-nvme ", demo_dir, ec.message(),
                    o.demo_nvme_dir.empty() ? "; give another with --demo-nvme DIR" : "");
     std::uint64_t layer = s.units.size() > 2 ? s.units[1].numel : s.max_unit;
-    ecfg = demo_engine_config(demo_dir, layer, launch.world_size);
+    ecfg = demo_engine_config(demo_dir, layer, s.dp_world);
   } else {
     ecfg = default_engine_config();
   }
-  resolve_config_for_model(ecfg, s.mcfg, launch.world_size, o.ds_config, !o.dtype.empty(),
+  resolve_config_for_model(ecfg, s.mcfg, s.dp_world, o.ds_config, !o.dtype.empty(),
                            launch.rank == 0);
   const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0)
@@ -501,25 +517,23 @@ void build_engine_config(Settings& s) {
     // DeepSpeed derives it), instead of silently becoming another batch.
     const bool by_micro = o.micro_batch > 0;
     const std::int64_t given = by_micro ? o.micro_batch : o.grad_accum;
-    const std::int64_t per = given * launch.world_size;
+    const std::int64_t per = given * s.dp_world;
     STRATA_REQUIRE(config_train_batch % per == 0,
-                   "{} {} x {} rank(s) does not divide train_batch_size {} of --config {}: give {} "
-                   "too, or a value "
-                   "that divides it",
-                   by_micro ? "--micro-batch" : "--grad-accum", given, launch.world_size,
-                   config_train_batch, o.ds_config, by_micro ? "--grad-accum" : "--micro-batch");
+                   "{} {} x {} {}rank(s) does not divide train_batch_size {} of --config {}: "
+                   "give {} too, or a value that divides it",
+                   by_micro ? "--micro-batch" : "--grad-accum", given, s.dp_world,
+                   s.tp > 1 ? "data-parallel " : "", config_train_batch, o.ds_config,
+                   by_micro ? "--grad-accum" : "--micro-batch");
     (by_micro ? ecfg.gradient_accumulation_steps : ecfg.micro_batch_per_gpu) =
         config_train_batch / per;
   }
-  ecfg.train_batch_size =
-      ecfg.micro_batch_per_gpu * ecfg.gradient_accumulation_steps * launch.world_size;
+  ecfg.train_batch_size = ecfg.micro_batch_per_gpu * ecfg.gradient_accumulation_steps * s.dp_world;
   if (config_batch && ecfg.train_batch_size != config_train_batch)
     log::warn(
-        "--micro-batch {} x --grad-accum {} x {} rank(s) = {} sequences a step replaces "
-        "train_batch_size {} of "
-        "--config {}",
-        ecfg.micro_batch_per_gpu, ecfg.gradient_accumulation_steps, launch.world_size,
-        ecfg.train_batch_size, config_train_batch, o.ds_config);
+        "--micro-batch {} x --grad-accum {} x {} {}rank(s) = {} sequences a step replaces "
+        "train_batch_size {} of --config {}",
+        ecfg.micro_batch_per_gpu, ecfg.gradient_accumulation_steps, s.dp_world,
+        s.tp > 1 ? "data-parallel " : "", ecfg.train_batch_size, config_train_batch, o.ds_config);
   if (o.lr >= 0)
     ecfg.adamw.lr = o.lr;
   else if (s.demo_model && o.ds_config.empty())
@@ -647,7 +661,7 @@ void sequence_and_batch(Settings& s) {
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
   s.rank = s.launch.rank;
-  s.world = s.launch.world_size;
+  s.world = s.launch.world_size;  // (tp, tp_rank, dp_rank, dp_world: device_options)
   s.con = s.rank == 0 ? o.console : nullptr;
 }
 
@@ -874,7 +888,7 @@ void data_and_steps(Settings& s) {
   if (o.epochs > 0) {
     s.epochs = o.epochs;
     const DataExtent e = measure_tokens(dopt);
-    const std::int64_t rows_per_step = s.B * s.accum * s.world;
+    const std::int64_t rows_per_step = s.B * s.accum * s.dp_world;
     s.epoch_rows = e.rows;
     s.steps_per_epoch = e.rows / rows_per_step;
     const std::string split =
@@ -887,8 +901,8 @@ void data_and_steps(Settings& s) {
         "{} tokens or more: give more data, or a smaller --micro-batch, --grad-accum or "
         "--seq-len",
         e.tokens, split, e.rows, s.seq_len,
-        o.shuffle ? "" : " (--no-shuffle: in whole micro-batches of a file)", s.B, s.accum, s.world,
-        rows_per_step, rows_per_step * s.seq_len + 1);
+        o.shuffle ? "" : " (--no-shuffle: in whole micro-batches of a file)", s.B, s.accum,
+        s.dp_world, rows_per_step, rows_per_step * s.seq_len + 1);
     // The Hugging Face Trainer's count: ceil(epochs x whole steps per epoch).
     const double total = std::ceil(s.epochs * double(s.steps_per_epoch));
     STRATA_REQUIRE(total < 9.2e18, "--epochs {:g} x {} steps an epoch is beyond 2^63 - 1 steps",
@@ -1007,6 +1021,8 @@ void open_device(Run& r) {
                "the communicator disagrees with the launcher");
   agree_on_resume(r);
   require_same_settings(shared_settings(s), *comm, *dev);
+  // TP groups of consecutive ranks on one node (refused otherwise, on every rank alike).
+  if (s.tp > 1) r.groups = make_process_groups(*comm, s.tp);
   if (s.demo_data && world > 1) {  // rank 0 wrote the text
     auto bs = dev->create_stream("barrier");
     comm->barrier(*bs);
@@ -1023,11 +1039,11 @@ void open_device(Run& r) {
     r.val = std::make_unique<TokenLoader>(r.s.dopt, DataSplit::kVal);
   }
   // The whole evaluation data once: each rank a batch of every `world` in turn.
-  STRATA_REQUIRE(!r.val || o.eval_batches > 0 || r.val->batches_per_epoch() >= world,
+  STRATA_REQUIRE(!r.val || o.eval_batches > 0 || r.val->batches_per_epoch() >= s.dp_world,
                  "--eval-batches 0 evaluates the whole evaluation data, {} batch(es) of {} x {} "
-                 "tokens, fewer than the {} ranks: give more evaluation data or a smaller "
-                 "--micro-batch",
-                 r.val->batches_per_epoch(), s.B, s.seq_len, world);
+                 "tokens, fewer than the {} data-parallel ranks: give more evaluation data or a "
+                 "smaller --micro-batch",
+                 r.val->batches_per_epoch(), s.B, s.seq_len, s.dp_world);
 }
 
 // ---- model + engine ----
@@ -1044,13 +1060,18 @@ void build_model_and_engine(Run& r) {
   mopt.compute = s.ecfg.compute_dtype;
   mopt.checkpoint = o.checkpoint_activations || o.checkpoint_on_host || s.demo_model;
   mopt.checkpoint_on_host = o.checkpoint_on_host;
+  mopt.tensor_parallel = r.tp_comm();
   r.model = std::make_unique<Model>(mcfg, dev, compute, mopt);
-  r.engine = std::make_unique<Engine>(dev, *r.comm, s.ecfg);
+  // ZeRO-3 over the data-parallel group (the whole job without TP).
+  r.engine = std::make_unique<Engine>(dev, r.dp_comm(), s.ecfg);
   Engine& engine = *r.engine;
   // Each rank's slices computed (from scratch) or read (a Hugging Face folder) where they go.
-  add_model_units(
-      engine, r.model->units(),
-      o.model_dir.empty() ? fresh_model_source(mcfg, o.seed) : hf_model_source(mcfg, o.model_dir));
+  const TensorParallel tp{s.tp, s.tp_rank};
+  add_model_units(engine, r.model->units(),
+                  o.model_dir.empty() ? fresh_model_source(mcfg, o.seed, tp)
+                                      : hf_model_source(mcfg, o.model_dir, tp));
+  if (r.tp_comm())
+    engine.set_tensor_parallel(*r.tp_comm(), tensor_parallel_counted(r.model->units(), s.tp_rank));
   try {
     engine.finalize();
   } catch (const Error& e) {
@@ -1090,7 +1111,7 @@ void resume_from_checkpoint(Run& r) {
   const FoundCheckpoint& resume = s.resume;
   const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps,
                      warmup = s.warmup;
-  const int world = s.world;
+  const int world = s.dp_world;  // the ranks that take batches
   const std::string& schedule = s.schedule;
   const bool ds_schedule = s.ds_schedule;
   std::FILE* con = s.con;
@@ -1115,8 +1136,16 @@ void resume_from_checkpoint(Run& r) {
                            {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
-    const int ck_world = m.value("world_size", -1);  // (agree_on_resume checked it)
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
+    // Its data-parallel ranks (agree_on_resume checked its world size): those took the batches.
+    const int ck_tp = t.value("tensor_parallel", 1);
+    STRATA_REQUIRE(ck_tp == s.tp,
+                   "--resume {}: the checkpoint was written with --tensor-parallel {}, this run "
+                   "has {}: its files hold other slices of the split layers; resume with "
+                   "--tensor-parallel {} (strata-export writes it as a whole model, which "
+                   "--model then starts any other from)",
+                   resume.dir, ck_tp, s.tp, ck_tp);
+    const int ck_world = m.value("world_size", -1) / ck_tp;
     const std::string ck_hash = t.value("model_config_hash", "");
     STRATA_REQUIRE(ck_hash == model_hash,
                    "--resume {}: the checkpoint was taken with a different model ({}, config "
