@@ -64,3 +64,13 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
                          ENVIRONMENT "${strata_model_tp_env}" PROCESSORS ${np})
   endforeach()
 endif()
+# strata-bench tp under mpirun -np 2: the TP traffic a layer a pass is Megatron's formula exactly.
+if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
+  add_test(NAME bench_tp_2
+           COMMAND ${MPIEXEC_EXECUTABLE} -np 2 --oversubscribe $<TARGET_FILE:strata-bench> tp
+                   --device cpu --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
+                   --vocab 256 --seq 32 --steps 1 --json)
+  set_tests_properties(bench_tp_2 PROPERTIES LABELS "model;mpi" TIMEOUT 120
+                       ENVIRONMENT "${strata_model_tp_env}" PROCESSORS 2
+                       PASS_REGULAR_EXPRESSION "\"ratio_vs_formula\":1\\.0,.*\"tp_all_reduces_per_step\":10\\.0")
+endif()

@@ -223,6 +223,38 @@ TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
   }
 }
 
+// The TP collectives a step queues: 2 all-reduces of B x T x hidden a layer each way (Megatron's
+// count), one more a layer recomputed under checkpointing, the embedding's and the head's input
+// gradient's; one all-gather of the cross-entropy's 2 floats a row per LM-head chunk.
+TEST(ModelTpTraffic, TwoAllReducesOfTheActivationsPerLayerEachWay) {
+  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  for (const bool ckpt : {false, true}) {
+    const ModelConfig cfg = parse_model_config(kLlama, "test config");
+    Device& dev = *g_env->dev;
+    auto s = dev.create_stream("traffic");
+    ModelOptions mo;
+    mo.micro_batch = kB;
+    mo.seq_len = kT;
+    mo.checkpoint = ckpt;
+    mo.loss_chunk_rows = 5;
+    mo.tensor_parallel = g.tp.get();
+    Model m(cfg, dev, *s, mo);
+    ResidentWeights w(m, *s);
+    w.init_random(1);
+    m.forward(make_batch(cfg.vocab_size, false, false), w);
+    m.backward(w);
+    s->synchronize();
+    const Model::TpTraffic t = m.tp_traffic();
+    const std::uint64_t L = std::uint64_t(cfg.num_layers), act = kB * kT * cfg.hidden_size * 4;
+    const std::uint64_t per_layer = ckpt ? 5 : 4, chunks = (kB * kT + 4) / 5;
+    EXPECT_EQ(t.all_reduces, per_layer * L + 2) << "checkpointed: " << ckpt;
+    EXPECT_EQ(t.all_reduce_bytes, (per_layer * L + 2) * act);
+    EXPECT_EQ(t.all_gathers, chunks);
+    EXPECT_EQ(t.all_gather_bytes, std::uint64_t(kB * kT) * 2 * 4);
+  }
+}
+
 // ---- the engine over the data-parallel group ----
 
 struct Trained {

@@ -22,6 +22,7 @@ void add_nvme_command(CLI::App& app);
 void add_adam_command(CLI::App& app);
 void add_comm_command(CLI::App& app);
 void add_model_command(CLI::App& app);
+void add_tp_command(CLI::App& app);
 void add_engine_command(CLI::App& app);
 void add_gpu_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);

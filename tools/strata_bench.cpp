@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   strata::bench::add_adam_command(app);
   strata::bench::add_comm_command(app);
   strata::bench::add_model_command(app);
+  strata::bench::add_tp_command(app);
   strata::bench::add_engine_command(app);
   strata::bench::add_gpu_command(app);
   strata::bench::add_tokenize_command(app);

@@ -222,6 +222,15 @@ class Model {
   const ModelOptions& options() const;
   const std::vector<UnitSpec>& units() const;
   TensorParallel tensor_parallel() const;
+  // The collectives the model has queued over its TP group since it was made: per forward and
+  // backward 4 all-reduces of B x T x hidden fp32 a layer (2 each way; a recomputed layer 1 more),
+  // the embedding's and the head's input gradient's one each, and one all-gather of 2 floats a
+  // row per LM-head chunk (the vocabulary-parallel cross-entropy). All zero under TP 1.
+  struct TpTraffic {
+    std::uint64_t all_reduces = 0, all_reduce_bytes = 0;
+    std::uint64_t all_gathers = 0, all_gather_bytes = 0;  // bytes: each rank's input
+  };
+  TpTraffic tp_traffic() const;
   std::size_t num_params() const;  // tied weights counted once; this rank's under TP
   // Matmul FLOPs of one forward+backward over B*T tokens (6 * matmul params * tokens plus
   // attention), for throughput figures; this rank's share under TP.

@@ -75,6 +75,7 @@ struct Model::Impl {
   i64 Vfull, Vp, v0 = 0;
   Communicator* tp = nullptr;  // null: TP 1
   TensorParallel tpl;
+  Model::TpTraffic traffic;
   bool gpt2;
   Buffer rope_cos, rope_sin;                            // [T, hd/2]
   Buffer tokens, targets;                               // int32 [N]
@@ -165,7 +166,17 @@ struct Model::Impl {
   // In place: the sum of `x` over the tensor-parallel group (a row-parallel layer's output, a
   // column-parallel layer's input gradient), queued on the stream. Nothing under TP 1.
   void tp_sum(float* x, i64 numel) {
-    if (tp) tp->all_reduce(dev_tensor(dev, x, DType::kF32, numel), ReduceOp::kSum, s);
+    if (!tp) return;
+    tp->all_reduce(dev_tensor(dev, x, DType::kF32, numel), ReduceOp::kSum, s);
+    ++traffic.all_reduces;
+    traffic.all_reduce_bytes += std::uint64_t(numel) * 4;
+  }
+  // Every TP rank's `numel` floats of `in` side by side in `out`.
+  void tp_gather(const Buffer& in, Buffer& out, i64 numel) {
+    tp->all_gather(tensor(in, DType::kF32, std::size_t(numel)),
+                   tensor(out, DType::kF32, std::size_t(tpl.size * numel)), s);
+    ++traffic.all_gathers;
+    traffic.all_gather_bytes += std::uint64_t(numel) * 4;
   }
   // y = resid + in @ op(W) of a row-parallel layer (the attention output and MLP down
   // projections): under TP each rank's partial product summed over the group, then the residual.
@@ -204,8 +215,7 @@ struct Model::Impl {
     }
     Buffer mine = falloc(rows * Vp), all = falloc(tpl.size * rows * Vp);
     copy_f(fptr(mine), fptr(local), rows * V);
-    tp->all_gather(tensor(mine, DType::kF32, std::size_t(rows * Vp)),
-                   tensor(all, DType::kF32, std::size_t(tpl.size * rows * Vp)), s);
+    tp_gather(mine, all, rows * Vp);
     std::vector<float> blocks(static_cast<std::size_t>(tpl.size * rows * Vp));
     s.copy(host_ref(blocks.data(), blocks.size() * 4), all.ref());
     s.synchronize();
@@ -796,8 +806,7 @@ struct Model::Impl {
           dlogits_b ? model_ops::Out{dlogits_b.data(), DType::kBF16} : model_ops::Out{fptr(logits)};
       if (tp) {
         model_ops::cross_entropy_stats(s, fptr(logits), trows, fptr(stats), rows, V);
-        tp->all_gather(tensor(stats, DType::kF32, std::size_t(rows * 2)),
-                       tensor(stats_all, DType::kF32, std::size_t(tpl.size * rows * 2)), s);
+        tp_gather(stats, stats_all, rows * 2);
         model_ops::cross_entropy_finish(s, fptr(logits), trows, fptr(stats_all), tpl.size,
                                         fptr(losses) + r0, rows, V, grad ? 1.0 / den : 0.0, gout);
       } else {
@@ -984,6 +993,7 @@ const ModelConfig& Model::config() const { return impl_->cfg; }
 const ModelOptions& Model::options() const { return impl_->opt; }
 const std::vector<UnitSpec>& Model::units() const { return impl_->units; }
 TensorParallel Model::tensor_parallel() const { return impl_->tpl; }
+Model::TpTraffic Model::tp_traffic() const { return impl_->traffic; }
 
 std::size_t Model::num_params() const {
   std::size_t n = 0;
