@@ -67,6 +67,7 @@ struct Case {
   DType dtype = DType::kF32;
   bool checkpoint = false;
   bool packed = false;
+  bool sequence_parallel = false;
 };
 
 struct Result {
@@ -85,6 +86,7 @@ Result run(const ModelConfig& cfg, const Case& c, Communicator* tp) {
   mo.checkpoint = c.checkpoint;
   mo.loss_chunk_rows = 5;  // several chunks, the last one short
   mo.tensor_parallel = tp;
+  mo.sequence_parallel = tp && c.sequence_parallel;
   Model m(cfg, dev, *s, mo);
   ResidentWeights w(m, *s);
   w.init_random(7);  // each TP rank's slices of the same full tensors
@@ -187,13 +189,65 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelTp,
                          ::testing::Values(Case{kLlama}, Case{kGpt2}, Case{kLlama, DType::kBF16},
                                            Case{kGpt2, DType::kBF16},
                                            Case{kLlama, DType::kF32, true, true},
-                                           Case{kGpt2, DType::kF32, true, true}),
+                                           Case{kGpt2, DType::kF32, true, true},
+                                           // Megatron's sequence parallelism, the same cases
+                                           Case{kLlama, DType::kF32, false, false, true},
+                                           Case{kGpt2, DType::kF32, false, false, true},
+                                           Case{kLlama, DType::kBF16, false, false, true},
+                                           Case{kGpt2, DType::kBF16, false, false, true},
+                                           Case{kLlama, DType::kF32, true, true, true},
+                                           Case{kGpt2, DType::kF32, true, true, true}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = i.param.cfg == kLlama ? "LlamaGqa" : "Gpt2";
                            n += i.param.dtype == DType::kBF16 ? "Bf16" : "Fp32";
                            if (i.param.checkpoint) n += "CheckpointedPacked";
+                           if (i.param.sequence_parallel) n += "SequenceParallel";
                            return n;
                          });
+
+// Sequence parallelism against plain TP at the same layout: the same loss and gradients to fp32
+// rounding (a reduce-scatter and a sum of row parts in another order), and its traffic: per layer
+// each way the 2 reduce-scatters of B x T x hidden that replace the all-reduces, 2 all-gathers of
+// the norms' outputs in the forward and 4 in the backward (g twice, the norms' outputs again).
+TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
+  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  const ModelConfig cfg = parse_model_config(kLlama, "test config");
+  const Result plain = run(cfg, Case{kLlama}, g.tp.get());
+  const Result seq = run(cfg, Case{kLlama, DType::kF32, false, false, true}, g.tp.get());
+  EXPECT_NEAR(seq.loss, plain.loss, 2e-6 * plain.loss);
+  for (std::size_t i = 0; i < plain.grads.size(); ++i) {
+    const float scale = std::max(max_abs(plain.grads[i]), 1e-6f);
+    for (std::size_t e = 0; e < plain.grads[i].size(); ++e)
+      ASSERT_LE(std::fabs(seq.grads[i][e] - plain.grads[i][e]), 2e-5 * scale) << "tensor " << i;
+  }
+  Device& dev = *g_env->dev;
+  auto s = dev.create_stream("traffic");
+  ModelOptions mo;
+  mo.micro_batch = kB;
+  mo.seq_len = kT;
+  mo.loss_chunk_rows = 5;
+  mo.tensor_parallel = g.tp.get();
+  mo.sequence_parallel = true;
+  Model m(cfg, dev, *s, mo);
+  ResidentWeights w(m, *s);
+  w.init_random(1);
+  m.forward(make_batch(cfg.vocab_size, false, false), w);
+  m.backward(w);
+  s->synchronize();
+  const Model::TpTraffic t = m.tp_traffic();
+  const std::uint64_t L = std::uint64_t(cfg.num_layers), act = kB * kT * cfg.hidden_size * 4;
+  // Each way 2 a layer, the embedding's and the head's input gradient's.
+  EXPECT_EQ(t.reduce_scatters, 4 * L + 2);
+  EXPECT_EQ(t.reduce_scatter_bytes, (4 * L + 2) * act);
+  // Forward 2 a layer and the head's input; backward 4 a layer and the embedding's gradient;
+  // the cross-entropy's one a chunk (5 rows: 4 chunks) beside.
+  const std::uint64_t n = std::uint64_t(g.tp_size), chunks = (kB * kT + 4) / 5;
+  EXPECT_EQ(t.all_gathers, 6 * L + 2 + chunks);
+  EXPECT_EQ(t.all_gather_bytes, (6 * L + 2) * act / n + std::uint64_t(kB * kT) * 2 * 4);
+  // The replicated parameters' gradients: 2 norms a layer and o_proj's bias, the final norm.
+  EXPECT_EQ(t.all_reduces, 3 * L + 1);
+}
 
 // Decoding with the key/value cache: the TP ranks' logits of each new token equal the whole
 // model's.
@@ -383,6 +437,53 @@ TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
   EngineConfig c = default_engine_config();
   c.param_persistence_threshold = 0;  // every unit gathered over the DP group at each use
   compare_engine(c, "on the device");
+}
+
+// The split weights' memory: each TP rank's engine plans, and holds on the device once finalized,
+// 1/TP of what the whole model's engine does (a model whose replicated norms and unit padding are
+// small beside its matrices), and the plan and the measurement agree.
+TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
+  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  const ModelConfig cfg = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4})",
+      "test config");
+  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  struct Held {
+    std::uint64_t planned = 0, measured = 0;
+  };
+  auto hold = [&](Device& dev, Communicator& dp, Communicator* tp, TensorParallel t) {
+    EngineConfig ec = default_engine_config();  // everything on the device
+    ec.host_budget_bytes = 64 << 20;
+    const std::size_t before = dev.stats().bytes_in_use;
+    Held h;
+    {
+      Engine e(dev, dp, ec);
+      const std::vector<UnitSpec> units = model_units(cfg, t);
+      add_model_units(e, units, fresh_model_source(cfg, 5, t));
+      if (tp) e.set_tensor_parallel(*tp, tensor_parallel_counted(units, t.rank));
+      e.finalize();
+      h.measured = dev.stats().bytes_in_use - before;
+      // What the plan holds from finalize() on: all but the backward's unit gradients.
+      for (const PlanLine& l : e.plan().lines)
+        if (l.tier == Tier::kDevice && l.what.find("unit gradients") == std::string::npos)
+          h.planned += l.bytes;
+    }
+    return h;
+  };
+  const Held mine = hold(*g_env->dev, *g.dp, g.tp.get(), {g.tp_size, g.tp_rank});
+  auto dev1 = make_host_device();
+  CommOptions co;
+  co.backend = CommBackend::kLocal;
+  co.process_local = true;
+  auto local = make_communicator(*dev1, co);
+  const Held whole = hold(*dev1, *local, nullptr, {});
+  const double share = 1.0 / g.tp_size;
+  ASSERT_GT(whole.planned, 0u);
+  EXPECT_NEAR(double(mine.planned) / double(whole.planned), share, 0.02 * share);
+  EXPECT_NEAR(double(mine.measured) / double(whole.measured), share, 0.02 * share);
+  EXPECT_NEAR(double(mine.measured), double(mine.planned), 0.01 * double(mine.planned));
+  EXPECT_NEAR(double(whole.measured), double(whole.planned), 0.01 * double(whole.planned));
 }
 
 TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {

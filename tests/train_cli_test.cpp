@@ -2382,6 +2382,18 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
                            "dp1");
   ASSERT_EQ(dp1.status, 0) << dp1.out << dp1.err;
   expect_continued(p + "dp1.jsonl", p + "tp2dp2.jsonl", "TP 2: DP 2 -> 1");
+  // Sequence parallelism: the same steps as without it, to fp32 rounding.
+  const Result sp = ranks(
+      2, p + "sp.jsonl",
+      {"--tensor-parallel", "2", "--sequence-parallel", "--grad-accum", "2", "--config", adam},
+      "sp");
+  ASSERT_EQ(sp.status, 0) << sp.out << sp.err;
+  near_run(p + "sp.jsonl", "sequence parallel");
+  const Result sp_alone = ranks(2, p + "x.jsonl", {"--sequence-parallel"}, "sp_alone");
+  EXPECT_NE(sp_alone.status, 0);
+  EXPECT_NE(sp_alone.err.find("--sequence-parallel shards the tokens over a tensor-parallel group"),
+            std::string::npos)
+      << sp_alone.err;
   // The ds_config's key instead of the flag (DeepSpeed's AutoTP training key).
   const std::string autotp = dir.path + "/autotp.json";
   std::ofstream(autotp)

@@ -55,6 +55,10 @@ int main(int argc, char** argv) {
                  "split every layer's matrices over this many ranks of a node (Megatron tensor "
                  "parallelism), ZeRO-3 over the data-parallel groups of the rest (default 1)")
       ->check(strata::tools::kPositive);
+  app.add_flag(
+      "--sequence-parallel", o.sequence_parallel,
+      "with --tensor-parallel: Megatron's sequence parallelism (the norms and the residual "
+      "stream on 1/N of the tokens a rank: less activation memory, the same traffic)");
   app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per data-parallel rank")
       ->check(strata::tools::kPositive);
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")

@@ -189,6 +189,12 @@ struct ModelOptions {
   // Tensor parallelism: this rank's group (its ranks hold the other slices of every split layer
   // and run the same batches); null: TP 1. See "Tensor parallelism" below.
   Communicator* tensor_parallel = nullptr;
+  // With tensor_parallel: Megatron's sequence parallelism. The residual stream, the norms and the
+  // replicated biases run on 1/TP of the micro-batch's B x T token rows on each rank (so do the
+  // checkpointed layer inputs): an all-gather of the norm's output before each column-parallel
+  // layer and a reduce-scatter after each row-parallel one replace the all-reduce (the same
+  // bytes), and the replicated parameters' gradients are summed over TP. B x T must divide by TP.
+  bool sequence_parallel = false;
 };
 
 // A target that does not count in the loss (prompt tokens, padding): Hugging Face's
@@ -226,9 +232,13 @@ class Model {
   // backward 4 all-reduces of B x T x hidden fp32 a layer (2 each way; a recomputed layer 1 more),
   // the embedding's and the head's input gradient's one each, and one all-gather of 2 floats a
   // row per LM-head chunk (the vocabulary-parallel cross-entropy). All zero under TP 1.
+  // Under sequence parallelism the activations' all-reduces become reduce-scatters (bytes: the
+  // whole input) and all-gathers of the norms' outputs (again in the backward for the weight
+  // gradients), and the replicated parameters' gradients take a small all-reduce each.
   struct TpTraffic {
     std::uint64_t all_reduces = 0, all_reduce_bytes = 0;
     std::uint64_t all_gathers = 0, all_gather_bytes = 0;  // bytes: each rank's input
+    std::uint64_t reduce_scatters = 0, reduce_scatter_bytes = 0;
   };
   TpTraffic tp_traffic() const;
   std::size_t num_params() const;  // tied weights counted once; this rank's under TP

@@ -231,6 +231,10 @@ struct TrainOptions {
   // ranks of a node, ZeRO-3 over the data-parallel groups of the rest (ranks / N of them; the
   // batch flags are per data-parallel rank). 0: the --config's tensor_parallel.autotp_size, else 1.
   int tensor_parallel = 0;
+  // With tensor parallelism: Megatron's sequence parallelism (ModelOptions::sequence_parallel):
+  // the norms and the residual stream on 1/TP of the tokens a rank, less activation memory for
+  // the same traffic.
+  bool sequence_parallel = false;
   double device_mem_gb = 0;  // cap of the emulated device; 0 = its default
   // The emulated device's throttles (HostDeviceOptions; 0 = unthrottled): a slower link or
   // matmul rate, to rehearse a GPU machine's balance on a CPU (strata-prof validates with them).

@@ -76,6 +76,15 @@ struct Model::Impl {
   Communicator* tp = nullptr;  // null: TP 1
   TensorParallel tpl;
   Model::TpTraffic traffic;
+  // Sequence parallelism (Megatron-SP, under TP): the residual stream, the norms and the
+  // replicated biases' work hold this rank's Nl = N / TP rows ([rank * Nl, (rank + 1) * Nl) of the
+  // B x T token rows); the column-parallel layers get all N rows by an all-gather and the
+  // row-parallel ones give back this rank's rows by a reduce-scatter. Without it Nl = N.
+  bool seqp = false;
+  i64 Nl = 0;
+  // The replicated parameters' gradients of this backward, summed over TP before they are added
+  // to the provider's (SP: each rank's rows give a part): the provider's pointer and the part.
+  std::vector<std::pair<float*, Buffer>> rep_parts;
   bool gpt2;
   Buffer rope_cos, rope_sin;                            // [T, hd/2]
   Buffer tokens, targets;                               // int32 [N]
@@ -136,6 +145,17 @@ struct Model::Impl {
           "full causal, so use seq_len <= sliding_window",
           T, sw->get<i64>());
     N = B * T;
+    seqp = o.sequence_parallel;
+    STRATA_REQUIRE(
+        !seqp || tp,
+        "Model: sequence parallelism shards the token rows over a tensor-parallel group: "
+        "give ModelOptions::tensor_parallel a communicator of 2 or more ranks");
+    STRATA_REQUIRE(
+        !seqp || N % tpl.size == 0,
+        "Model: sequence parallelism cuts the micro-batch's {} x {} = {} token rows over "
+        "{} TP ranks: use a micro_batch x seq_len that {} divides",
+        B, T, N, tpl.size, tpl.size);
+    Nl = seqp ? N / tpl.size : N;
     C = c.hidden_size;
     I = c.intermediate_size / tpl.size;
     Vfull = c.vocab_size;
@@ -171,6 +191,47 @@ struct Model::Impl {
     ++traffic.all_reduces;
     traffic.all_reduce_bytes += std::uint64_t(numel) * 4;
   }
+  // SP: every TP rank's Nl rows of `cols` values (dtype t) at `local`, in rank order: all N rows.
+  Buffer gather_rows(const void* local, DType t, i64 cols) {
+    const std::size_t es = dtype_size(t);
+    Buffer full = dev.alloc(std::size_t(N * cols) * es, &s);
+    tp->all_gather(dev_tensor(dev, local, t, Nl * cols), tensor(full, t, std::size_t(N * cols)), s);
+    ++traffic.all_gathers;
+    traffic.all_gather_bytes += std::uint64_t(Nl * cols) * es;
+    return full;
+  }
+  // SP: the sum over TP of all N rows of `full` (fp32, `cols` values a row), this rank's Nl rows of
+  // it into `local`.
+  void scatter_rows(const float* full, float* local, i64 cols) {
+    tp->reduce_scatter(dev_tensor(dev, full, DType::kF32, N * cols),
+                       dev_tensor(dev, local, DType::kF32, Nl * cols), ReduceOp::kSum, s);
+    ++traffic.reduce_scatters;
+    traffic.reduce_scatter_bytes += std::uint64_t(N * cols) * 4;
+  }
+  // Where a replicated parameter's gradient goes in this backward: the provider's `g` itself, or
+  // under SP a zeroed part of its own, summed over TP and added to `g` by flush_rep_grads().
+  float* rep_grad(float* g, i64 n) {
+    if (!seqp) return g;
+    Buffer part = falloc(n);
+    s.fill(tensor(part, DType::kF32), 0.0f);
+    rep_parts.emplace_back(g, std::move(part));
+    return fptr(rep_parts.back().second);
+  }
+  void flush_rep_grads() {
+    for (auto& [g, part] : rep_parts) {
+      const i64 n = i64(part.size() / 4);
+      tp_sum(fptr(part), n);
+      s.axpy(1.0f, tensor(part, DType::kF32), dev_tensor(dev, g, DType::kF32, n));
+    }
+    rep_parts.clear();
+  }
+  // A norm's output (compute dtype, `rows` rows) as the next GEMM's operand: under SP (`seq`) all
+  // N rows gathered into `full`.
+  TensorRef gathered(const Buffer& local, bool seq, Buffer& full, i64 rows) {
+    if (!seq) return otensor(local, rows * C);
+    full = gather_rows(local.data(), wdt, C);
+    return otensor(full, N * C);
+  }
   // Every TP rank's `numel` floats of `in` side by side in `out`.
   void tp_gather(const Buffer& in, Buffer& out, i64 numel) {
     tp->all_gather(tensor(in, DType::kF32, std::size_t(numel)),
@@ -180,17 +241,27 @@ struct Model::Impl {
   }
   // y = resid + in @ op(W) of a row-parallel layer (the attention output and MLP down
   // projections): under TP each rank's partial product summed over the group, then the residual.
+  // Under SP (`seq`) y and resid are this rank's Nl rows: the partial product's rows summed over
+  // TP by a reduce-scatter.
   void row_parallel(const TensorRef& in, Weight w, bool out_in, float* y, const float* resid, i64 n,
-                    i64 k, i64 out) {
+                    i64 k, i64 out, bool seq = false) {
     if (!tp) {
       copy_f(y, resid, n * out);
       linear(in, w, out_in, y, n, k, out, 1.0f);
       return;
     }
-    linear(in, w, out_in, y, n, k, out, 0.0f);
-    tp_sum(y, n * out);
-    s.axpy(1.0f, dev_tensor(dev, resid, DType::kF32, n * out),
-           dev_tensor(dev, y, DType::kF32, n * out));
+    i64 rows = n;
+    if (seq) {
+      Buffer partial = falloc(n * out);
+      linear(in, w, out_in, fptr(partial), n, k, out, 0.0f);
+      scatter_rows(fptr(partial), y, out);
+      rows = Nl;
+    } else {
+      linear(in, w, out_in, y, n, k, out, 0.0f);
+      tp_sum(y, n * out);
+    }
+    s.axpy(1.0f, dev_tensor(dev, resid, DType::kF32, rows * out),
+           dev_tensor(dev, y, DType::kF32, rows * out));
   }
   // Ids as this rank's vocabulary rows (TP): id - v0 for its own, -1 for another rank's (the
   // embedding's zero row, the cross-entropy's "elsewhere"); kIgnoreTarget stays.
@@ -447,134 +518,172 @@ struct Model::Impl {
   Buffer layer_forward(Acts& a, const TensorRef& w, std::size_t unit, bool need_out,
                        const Span& sp) {
     const i64 B = sp.b, T = sp.t, N = sp.n;  // NOLINT: the rows of this call
+    // SP (training, not decoding): the residual stream and the norms on this rank's Nr rows.
+    const bool seq = seqp && !sp.k_cache;
+    const i64 Nr = seq ? Nl : N;
     const float* x = fptr(a.x);
     const double scale = attn_scale(unit);
-    a.h1 = oalloc(N * C);
+    a.h1 = oalloc(Nr * C);
     a.qkv = falloc(N * qkvd);
     a.o = falloc(N * qd);
     if (!sp.k_cache) a.lse = falloc(B * nh * T);
-    a.xm = falloc(N * C);
-    a.h2 = oalloc(N * C);
+    a.xm = falloc(Nr * C);
+    a.h2 = oalloc(Nr * C);
     if (wdt == DType::kBF16) a.ob = dev.alloc(static_cast<std::size_t>(N * qd) * 2, &s);
-    a.n1b = falloc(N);
-    a.n2b = falloc(N);
-    Buffer y;
+    a.n1b = falloc(Nr);
+    a.n2b = falloc(Nr);
+    Buffer y, h1g, h2g;  // SP: the norms' outputs, all N rows (for this call's GEMMs only)
     if (gpt2) {
       // ln_1.w ln_1.b c_attn.w c_attn.b attn.c_proj.w attn.c_proj.b ln_2.w ln_2.b c_fc.w c_fc.b
       // c_proj.w c_proj.b
       auto P = [&](std::size_t i) { return param(w, unit, i); };
-      a.n1a = falloc(N);
-      a.n2a = falloc(N);
+      a.n1a = falloc(Nr);
+      a.n2a = falloc(Nr);
       a.fc = falloc(N * I);
       a.act = oalloc(N * I);
-      model_ops::layernorm_forward(s, x, P(0), P(1), oout(a.h1), fptr(a.n1a), fptr(a.n1b), N, C,
+      model_ops::layernorm_forward(s, x, P(0), P(1), oout(a.h1), fptr(a.n1a), fptr(a.n1b), Nr, C,
                                    cfg.norm_eps);
-      linear(otensor(a.h1, N * C), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
+      linear(gathered(a.h1, seq, h1g, N), P(2), false, fptr(a.qkv), N, C, qkvd, 0.0f);
       model_ops::bias_add(s, fptr(a.qkv), P(3), N, qkvd);
       attend(a, sp, scale);
-      row_parallel(o_operand(a, N), P(4), false, fptr(a.xm), x, N, qd, C);
-      model_ops::bias_add(s, fptr(a.xm), P(5), N, C);
+      row_parallel(o_operand(a, N), P(4), false, fptr(a.xm), x, N, qd, C, seq);
+      model_ops::bias_add(s, fptr(a.xm), P(5), Nr, C);
       model_ops::layernorm_forward(s, fptr(a.xm), P(6), P(7), oout(a.h2), fptr(a.n2a), fptr(a.n2b),
-                                   N, C, cfg.norm_eps);
-      linear(otensor(a.h2, N * C), P(8), false, fptr(a.fc), N, C, I, 0.0f);
+                                   Nr, C, cfg.norm_eps);
+      linear(gathered(a.h2, seq, h2g, N), P(8), false, fptr(a.fc), N, C, I, 0.0f);
       model_ops::bias_add(s, fptr(a.fc), P(9), N, I);
       model_ops::gelu_forward(s, fptr(a.fc), oout(a.act), N * I);
       const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
-        y = falloc(N * C);
-        row_parallel(act, P(10), false, fptr(y), fptr(a.xm), N, I, C);
-        model_ops::bias_add(s, fptr(y), P(11), N, C);
+        y = falloc(Nr * C);
+        row_parallel(act, P(10), false, fptr(y), fptr(a.xm), N, I, C, seq);
+        model_ops::bias_add(s, fptr(y), P(11), Nr, C);
       }
     } else {
       const LlamaIdx ix = llama_idx();
       auto P = [&](std::size_t i) { return param(w, unit, i); };
       a.fc = falloc(N * 2 * I);
       a.act = oalloc(N * I);
-      model_ops::rmsnorm_forward(s, x, P(ix.in_norm), oout(a.h1), fptr(a.n1b), N, C, cfg.norm_eps);
-      linear(otensor(a.h1, N * C), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
+      model_ops::rmsnorm_forward(s, x, P(ix.in_norm), oout(a.h1), fptr(a.n1b), Nr, C, cfg.norm_eps);
+      linear(gathered(a.h1, seq, h1g, N), P(ix.q), true, fptr(a.qkv), N, C, qkvd, 0.0f);
       if (cfg.qkv_bias) model_ops::bias_add(s, fptr(a.qkv), P(ix.qb), N, qkvd);
       // q's heads and then k's are consecutive columns: one pass rotates both.
       rotate(fptr(a.qkv), sp, false);
       attend(a, sp, scale);
-      row_parallel(o_operand(a, N), P(ix.o), true, fptr(a.xm), x, N, qd, C);
-      if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), N, C);
-      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), N, C,
+      row_parallel(o_operand(a, N), P(ix.o), true, fptr(a.xm), x, N, qd, C, seq);
+      if (cfg.o_bias) model_ops::bias_add(s, fptr(a.xm), P(ix.ob), Nr, C);
+      model_ops::rmsnorm_forward(s, fptr(a.xm), P(ix.post_norm), oout(a.h2), fptr(a.n2b), Nr, C,
                                  cfg.norm_eps);
-      linear(otensor(a.h2, N * C), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
+      linear(gathered(a.h2, seq, h2g, N), P(ix.gate), true, fptr(a.fc), N, C, 2 * I, 0.0f);
       model_ops::swiglu_forward(s, fptr(a.fc), oout(a.act), N, I);
       const TensorRef act = otensor(a.act, N * I);
       if (need_out) {
-        y = falloc(N * C);
-        row_parallel(act, P(ix.down), true, fptr(y), fptr(a.xm), N, I, C);
+        y = falloc(Nr * C);
+        row_parallel(act, P(ix.down), true, fptr(y), fptr(a.xm), N, I, C, seq);
       }
     }
     return y;
   }
 
-  // g (grad of the layer's output) becomes the grad of its input, in place.
+  // g (grad of the layer's output) becomes the grad of its input, in place. Under SP g, the
+  // residual stream and the norms are this rank's Nl rows: g is all-gathered for the row-parallel
+  // layers' backward, the column-parallel layers' input gradients reduce-scattered back to Nl rows
+  // (instead of all-reduced), the norms' outputs gathered again for the weight gradients, and the
+  // replicated parameters' gradients (parts from each rank's rows) summed over TP.
   void layer_backward(Acts& a, const TensorRef& w, const TensorRef& gw, std::size_t unit,
                       float* g) {
     const float* x = fptr(a.x);
     const double scale = attn_scale(unit);
+    const i64 Nr = Nl;  // the rows of g and the norms (N without SP)
     auto P = [&](std::size_t i) { return param(w, unit, i); };
     auto G = [&](std::size_t i) { return gparam(gw, unit, i); };
     Buffer dact = falloc(N * I);
     Buffer dh = falloc(N * C);
+    Buffer dh_rows = seqp ? falloc(Nr * C) : Buffer{};  // SP: this rank's rows of dh, summed
+    float* dhr = seqp ? fptr(dh_rows) : fptr(dh);
     Buffer dqkv = falloc(N * qkvd);
     Buffer d_o = falloc(N * qd);
+    // The column-parallel layer's input gradient in dh, summed over TP into dhr.
+    auto sum_dh = [&] {
+      if (seqp)
+        scatter_rows(fptr(dh), dhr, C);
+      else
+        tp_sum(fptr(dh), N * C);
+    };
+    // g, all N rows, as a GEMM operand (SP: gathered; its bf16 copy where the norm kept one).
+    auto g_rows = [&](Buffer& full, Buffer& copy) -> TensorRef {
+      if (!seqp) return gpt2 ? operand(g, N * C, copy) : g_operand(g);
+      if (!gpt2 && dres_b) {
+        full = gather_rows(dres_b.data(), DType::kBF16, C);
+        return tensor(full, DType::kBF16, std::size_t(N * C));
+      }
+      full = gather_rows(g, DType::kF32, C);
+      return operand(fptr(full), N * C, copy);
+    };
+    Buffer h1g, h2g;
     if (gpt2) {
       Buffer dfc = falloc(N * I);
       {
-        Buffer copy;
-        const TensorRef gop = operand(g, N * C, copy);
+        Buffer full, copy;
+        const TensorRef gop = g_rows(full, copy);
         linear_dx(gop, P(10), false, fptr(dact), N, I, C, 0.0f);
         linear_dw(otensor(a.act, N * I), gop, G(10), false, N, I, C);
       }
-      model_ops::bias_backward(s, g, G(11), N, C);
+      model_ops::bias_backward(s, g, rep_grad(G(11), C), Nr, C);
       model_ops::gelu_backward(s, fptr(dact), fptr(a.fc), fptr(dfc), N * I);
       {
         Buffer copy;
         const TensorRef dfcop = operand(fptr(dfc), N * I, copy);
         linear_dx(dfcop, P(8), false, fptr(dh), N, C, I, 0.0f);
-        tp_sum(fptr(dh), N * C);
-        linear_dw(otensor(a.h2, N * C), dfcop, G(8), false, N, C, I);
+        sum_dh();
+        linear_dw(gathered(a.h2, seqp, h2g, N), dfcop, G(8), false, N, C, I);
       }
       model_ops::bias_backward(s, fptr(dfc), G(9), N, I);
-      model_ops::layernorm_backward(s, fptr(dh), fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g,
-                                    G(6), G(7), N, C);
+      model_ops::layernorm_backward(s, dhr, fptr(a.xm), P(6), fptr(a.n2a), fptr(a.n2b), g,
+                                    rep_grad(G(6), C), rep_grad(G(7), C), Nr, C);
       {
-        Buffer copy;
-        const TensorRef gop = operand(g, N * C, copy);
+        Buffer full, copy;
+        const TensorRef gop = g_rows(full, copy);
         linear_dx(gop, P(4), false, fptr(d_o), N, qd, C, 0.0f);
         linear_dw(o_operand(a), gop, G(4), false, N, qd, C);
       }
-      model_ops::bias_backward(s, g, G(5), N, C);
+      model_ops::bias_backward(s, g, rep_grad(G(5), C), Nr, C);
       attend_backward(a, fptr(d_o), fptr(dqkv), scale);
       model_ops::bias_backward(s, fptr(dqkv), G(3), N, qkvd);
       {
         Buffer copy;
         const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
         linear_dx(dqkvop, P(2), false, fptr(dh), N, C, qkvd, 0.0f);
-        tp_sum(fptr(dh), N * C);
-        linear_dw(otensor(a.h1, N * C), dqkvop, G(2), false, N, C, qkvd);
+        sum_dh();
+        linear_dw(gathered(a.h1, seqp, h1g, N), dqkvop, G(2), false, N, C, qkvd);
       }
-      model_ops::layernorm_backward(s, fptr(dh), x, P(0), fptr(a.n1a), fptr(a.n1b), g, G(0), G(1),
-                                    N, C);
+      model_ops::layernorm_backward(s, dhr, x, P(0), fptr(a.n1a), fptr(a.n1b), g, rep_grad(G(0), C),
+                                    rep_grad(G(1), C), Nr, C);
     } else {
       const LlamaIdx ix = llama_idx();
       Buffer dgu = oalloc(N * 2 * I);
-      linear_dx(g_operand(g), P(ix.down), true, fptr(dact), N, I, C, 0.0f);
-      linear_dw(otensor(a.act, N * I), g_operand(g), G(ix.down), true, N, I, C);
+      {
+        Buffer full, copy;
+        const TensorRef gop = g_rows(full, copy);
+        linear_dx(gop, P(ix.down), true, fptr(dact), N, I, C, 0.0f);
+        linear_dw(otensor(a.act, N * I), gop, G(ix.down), true, N, I, C);
+      }
       // dgu is read only by the two GEMMs: written in the compute dtype.
       model_ops::swiglu_backward(s, fptr(dact), fptr(a.fc), oout(dgu), N, I);
       linear_dx(otensor(dgu, N * 2 * I), P(ix.gate), true, fptr(dh), N, C, 2 * I, 0.0f);
-      tp_sum(fptr(dh), N * C);
-      linear_dw(otensor(a.h2, N * C), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C, 2 * I);
-      model_ops::rmsnorm_backward(s, fptr(dh), fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g,
-                                  G(ix.post_norm), N, C, dres_b.data());
-      if (cfg.o_bias) model_ops::bias_backward(s, g, G(ix.ob), N, C);
-      linear_dx(g_operand(g), P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
-      linear_dw(o_operand(a), g_operand(g), G(ix.o), true, N, qd, C);
+      sum_dh();
+      linear_dw(gathered(a.h2, seqp, h2g, N), otensor(dgu, N * 2 * I), G(ix.gate), true, N, C,
+                2 * I);
+      h2g.reset();
+      model_ops::rmsnorm_backward(s, dhr, fptr(a.xm), P(ix.post_norm), fptr(a.n2b), g,
+                                  rep_grad(G(ix.post_norm), C), Nr, C, dres_b.data());
+      if (cfg.o_bias) model_ops::bias_backward(s, g, rep_grad(G(ix.ob), C), Nr, C);
+      {
+        Buffer full, copy;
+        const TensorRef gop = g_rows(full, copy);
+        linear_dx(gop, P(ix.o), true, fptr(d_o), N, qd, C, 0.0f);
+        linear_dw(o_operand(a), gop, G(ix.o), true, N, qd, C);
+      }
       attend_backward(a, fptr(d_o), fptr(dqkv), scale);
       rotate(fptr(dqkv), batch_span(), true);
       if (cfg.qkv_bias) model_ops::bias_backward(s, fptr(dqkv), G(ix.qb), N, qkvd);
@@ -582,12 +691,13 @@ struct Model::Impl {
         Buffer copy;
         const TensorRef dqkvop = operand(fptr(dqkv), N * qkvd, copy);
         linear_dx(dqkvop, P(ix.q), true, fptr(dh), N, C, qkvd, 0.0f);
-        tp_sum(fptr(dh), N * C);
-        linear_dw(otensor(a.h1, N * C), dqkvop, G(ix.q), true, N, C, qkvd);
+        sum_dh();
+        linear_dw(gathered(a.h1, seqp, h1g, N), dqkvop, G(ix.q), true, N, C, qkvd);
       }
-      model_ops::rmsnorm_backward(s, fptr(dh), x, P(ix.in_norm), fptr(a.n1b), g, G(ix.in_norm), N,
-                                  C, dres_b.data());
+      model_ops::rmsnorm_backward(s, dhr, x, P(ix.in_norm), fptr(a.n1b), g,
+                                  rep_grad(G(ix.in_norm), C), Nr, C, dres_b.data());
     }
+    flush_rep_grads();
   }
 
   // Indices of a Llama layer's parameters in its UnitSpec (q/k/v and o biases shift the rest).
@@ -683,7 +793,7 @@ struct Model::Impl {
   }
 
   MemRef ckpt_slice(i64 l) const {
-    const std::size_t bytes = static_cast<std::size_t>(N * C) * 4;
+    const std::size_t bytes = static_cast<std::size_t>(Nl * C) * 4;  // a layer's input rows
     return ckpt_store.ref(static_cast<std::size_t>(l) * bytes, bytes);
   }
 
@@ -691,7 +801,7 @@ struct Model::Impl {
   Buffer run_trunk(UnitProvider& p, bool grad) {
     const bool device_ckpt = grad && opt.checkpoint && !opt.checkpoint_on_host;
     ckpt_store.reset();
-    if (device_ckpt) ckpt_store = falloc(L * N * C);
+    if (device_ckpt) ckpt_store = falloc(L * Nl * C);
     Buffer x = falloc(N * C);
     {
       const TensorRef w0 = acquire_w(p, 0);
@@ -705,7 +815,13 @@ struct Model::Impl {
       } else {
         model_ops::embedding_forward(s, ids, param(w0, 0, 0), wpe, fptr(x), N, T, C);
       }
-      tp_sum(fptr(x), N * C);
+      if (seqp) {  // summed over the vocabulary's shards, this rank's rows kept
+        Buffer rows = falloc(Nl * C);
+        scatter_rows(fptr(x), fptr(rows), C);
+        x = std::move(rows);
+      } else {
+        tp_sum(fptr(x), N * C);
+      }
       p.release_weights(0);
     }
     for (i64 l = 0; l < L; ++l) {
@@ -725,7 +841,7 @@ struct Model::Impl {
           a.x.reset();
         } else if (opt.checkpoint_on_host) {
           auto& h = host_ckpt[static_cast<std::size_t>(l)];
-          h.resize(static_cast<std::size_t>(N * C));
+          h.resize(static_cast<std::size_t>(Nl * C));
           s.copy(host_ref(h.data(), h.size() * 4), a.x.ref());
           a.x.reset();
         }
@@ -769,8 +885,9 @@ struct Model::Impl {
     const std::size_t hu = static_cast<std::size_t>(L + 1);
     const TensorRef wh = acquire_w(p, hu);
     const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
-    Buffer hf = oalloc(N * C), st_a = falloc(N), st_b = falloc(N);  // hf: the head's operand
-    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b));
+    // hf: the head's operand (SP: the final norm on this rank's rows, then all N rows gathered)
+    Buffer hf = oalloc(Nl * C), st_a = falloc(Nl), st_b = falloc(Nl), hfg;
+    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b), Nl);
     const Weight whead = head_weight(wh, w0);
     Buffer losses = falloc(N);
     Buffer dhf;
@@ -796,7 +913,7 @@ struct Model::Impl {
     Buffer dlogits_b = grad && wdt == DType::kBF16
                            ? dev.alloc(std::size_t(std::min(chunk, N) * V) * 2, &s)
                            : Buffer{};
-    const TensorRef hfop = otensor(hf, N * C);
+    const TensorRef hfop = gathered(hf, seqp, hfg, N);
     for (i64 r0 = 0; r0 < N; r0 += chunk) {
       const i64 rows = std::min(chunk, N - r0);
       const TensorRef hrows = rows_of(hfop, r0, rows, C);
@@ -821,17 +938,26 @@ struct Model::Impl {
       }
     }
     if (grad) {
-      tp_sum(fptr(dhf), N * C);  // the head is column-parallel: its input gradient summed
-      dres = falloc(N * C);
-      if (wdt == DType::kBF16 && !gpt2) dres_b = dev.alloc(static_cast<std::size_t>(N * C) * 2, &s);
+      // The head is column-parallel: its input gradient summed over TP (SP: this rank's rows).
+      if (seqp) {
+        Buffer rows = falloc(Nl * C);
+        scatter_rows(fptr(dhf), fptr(rows), C);
+        dhf = std::move(rows);
+      } else {
+        tp_sum(fptr(dhf), N * C);
+      }
+      dres = falloc(Nl * C);
+      if (wdt == DType::kBF16 && !gpt2)
+        dres_b = dev.alloc(static_cast<std::size_t>(Nl * C) * 2, &s);
       s.fill(tensor(dres, DType::kF32), 0.0f);
       if (gpt2)
         model_ops::layernorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_a),
-                                      fptr(st_b), fptr(dres), gparam(gh, hu, 0), gparam(gh, hu, 1),
-                                      N, C);
+                                      fptr(st_b), fptr(dres), rep_grad(gparam(gh, hu, 0), C),
+                                      rep_grad(gparam(gh, hu, 1), C), Nl, C);
       else
         model_ops::rmsnorm_backward(s, fptr(dhf), fptr(x), param(wh, hu, 0), fptr(st_b), fptr(dres),
-                                    gparam(gh, hu, 0), N, C, dres_b.data());
+                                    rep_grad(gparam(gh, hu, 0), C), Nl, C, dres_b.data());
+      flush_rep_grads();
       p.release_grads(hu);
     }
     if (cfg.tie_word_embeddings) p.release_weights(0);
@@ -855,10 +981,10 @@ struct Model::Impl {
       if (opt.checkpoint) {
         if (opt.checkpoint_on_host) {
           const auto& h = host_ckpt[static_cast<std::size_t>(l)];
-          a.x = falloc(N * C);
+          a.x = falloc(Nl * C);
           s.copy(a.x.ref(), host_ref(h.data(), h.size() * 4));
         } else {
-          a.x = falloc(N * C);
+          a.x = falloc(Nl * C);
           s.copy(a.x.ref(), ckpt_slice(l));
         }
         layer_forward(a, w, unit, false);
@@ -871,6 +997,7 @@ struct Model::Impl {
     }
     const TensorRef g0 = acquire_g(p, 0);
     const auto* ids = static_cast<const std::int32_t*>(tokens.data());
+    if (seqp) dres = gather_rows(fptr(dres), DType::kF32, C);  // the embedding's: all N rows
     if (gpt2 && !segs.empty()) {
       for (const Seg& g : segs)
         model_ops::embedding_backward(s, ids + g.r0, fptr(dres) + g.r0 * C, gparam(g0, 0, 0),
@@ -969,9 +1096,9 @@ struct Model::Impl {
     const std::size_t hu = static_cast<std::size_t>(L + 1);
     const TensorRef wh = acquire_w(p, hu);
     const TensorRef w0 = cfg.tie_word_embeddings ? acquire_w(p, 0) : TensorRef{};
-    Buffer hf = oalloc(N * C), st_a = falloc(N), st_b = falloc(N), out = falloc(N * V);
-    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b));
-    linear(otensor(hf, N * C), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
+    Buffer hf = oalloc(Nl * C), st_a = falloc(Nl), st_b = falloc(Nl), out = falloc(N * V), hfg;
+    final_norm(wh, fptr(x), oout(hf), fptr(st_a), fptr(st_b), Nl);
+    linear(gathered(hf, seqp, hfg, N), head_weight(wh, w0), true, fptr(out), N, C, V, 0.0f);
     if (cfg.tie_word_embeddings) p.release_weights(0);
     p.release_weights(hu);
     return full_logits(out, N);

@@ -193,6 +193,8 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"--seed", double(s.o.seed)},
           {"shuffling (--no-shuffle: 0)", s.o.shuffle ? 1.0 : 0.0},
           {"--checkpoint-activations", s.o.checkpoint_activations ? 1.0 : 0.0},
+          {"the tensor parallelism (--tensor-parallel, tensor_parallel.autotp_size)", double(s.tp)},
+          {"--sequence-parallel", s.o.sequence_parallel ? 1.0 : 0.0},
           {"--save-every", double(s.o.save_every)},
           {"--eval-every", double(s.o.eval_every)},
           {"--eval-batches", double(s.o.eval_batches)},
@@ -448,6 +450,9 @@ void device_options(Settings& s) {
                  "ranks of one node and the rest data-parallel; launch a multiple of {} ranks",
                  o.tensor_parallel > 0 ? "--tensor-parallel" : "tensor_parallel.autotp_size", s.tp,
                  s.launch.world_size, s.tp, s.tp);
+  STRATA_REQUIRE(!o.sequence_parallel || s.tp > 1,
+                 "--sequence-parallel shards the tokens over a tensor-parallel group: give "
+                 "--tensor-parallel N (N > 1) too");
   s.tp_rank = s.launch.rank % s.tp;
   s.dp_rank = s.launch.rank / s.tp;
   s.dp_world = s.launch.world_size / s.tp;
@@ -1061,6 +1066,7 @@ void build_model_and_engine(Run& r) {
   mopt.checkpoint = o.checkpoint_activations || o.checkpoint_on_host || s.demo_model;
   mopt.checkpoint_on_host = o.checkpoint_on_host;
   mopt.tensor_parallel = r.tp_comm();
+  mopt.sequence_parallel = o.sequence_parallel;
   r.model = std::make_unique<Model>(mcfg, dev, compute, mopt);
   // ZeRO-3 over the data-parallel group (the whole job without TP).
   r.engine = std::make_unique<Engine>(dev, r.dp_comm(), s.ecfg);
