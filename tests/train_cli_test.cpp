@@ -2382,6 +2382,45 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
                            "dp1");
   ASSERT_EQ(dp1.status, 0) << dp1.out << dp1.err;
   expect_continued(p + "dp1.jsonl", p + "tp2dp2.jsonl", "TP 2: DP 2 -> 1");
+  // GPT-2 (tied embeddings, fused c_attn, learned positions) at TP 4 x DP 1 against one rank.
+  {
+    const std::string gpt2 = dir.path + "/gpt2.json";
+    std::ofstream(gpt2) << R"({"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2,
+      "n_head": 4, "n_positions": 64})";
+    auto with_gpt2 = [&](std::vector<std::string> a) {
+      a[std::size_t(std::find(a.begin(), a.end(), "--model-config") - a.begin()) + 1] = gpt2;
+      return a;
+    };
+    const Result ref =
+        train(with_gpt2(args(p + "g1.jsonl", {"--config", adam, "--out", p + "g1"})), "g1");
+    ASSERT_EQ(ref.status, 0) << ref.err;
+    std::vector<std::string> m = {"-np", "4", "--oversubscribe", STRATA_TRAIN_BIN};
+    for (const auto& a : with_gpt2(
+             args(p + "g4.jsonl", {"--tensor-parallel", "4", "--config", adam, "--out", p + "g4"})))
+      m.push_back(a);
+    const Result tp4 = run(STRATA_MPIEXEC, m, dir.path, "g4",
+                           {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                            {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                            {"STRATA_COMM_TIMEOUT_S", "120"}});
+    ASSERT_EQ(tp4.status, 0) << tp4.out << tp4.err;
+    for (const char* key : {"loss", "grad_norm"}) {
+      auto want = values(p + "g1.jsonl", key), got = values(p + "g4.jsonl", key);
+      ASSERT_EQ(got.size(), 4u);
+      for (const auto& [step, v] : want)
+        EXPECT_LE(std::fabs(got[step] - v), 1e-5 * std::fabs(v))
+            << "GPT-2 TP 4: step " << step << "'s " << key;
+    }
+    const auto a = tensors_of(p + "g1"), b = tensors_of(p + "g4");
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& [name, v] : a) {
+      ASSERT_TRUE(b.count(name)) << name;
+      double worst = 0;
+      for (std::size_t i = 0; i < v.size(); ++i)
+        worst = std::max(worst, std::fabs(double(b.at(name)[i]) - double(v[i])) /
+                                    std::max(1.0, std::fabs(double(v[i]))));
+      EXPECT_LE(worst, 1e-5) << "GPT-2 TP 4: " << name;
+    }
+  }
   // Sequence parallelism: the same steps as without it, to fp32 rounding.
   const Result sp = ranks(
       2, p + "sp.jsonl",

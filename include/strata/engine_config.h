@@ -137,8 +137,8 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size = 1)
 // The ds_config's tensor-parallel size, `tensor_parallel.autotp_size` (DeepSpeed's AutoTP
 // training key): 0 when the file does not give one. The job's ranks must be known to resolve the
 // batch (train_batch_size is per data-parallel rank), so strata-train reads it first. Throws
-// naming the key when it is not an integer >= 1.
-int config_tensor_parallel(std::string_view json_text);
+// naming the key when it is not an integer >= 1, and `what` (the file) when the text is not JSON.
+int config_tensor_parallel(std::string_view json_text, const std::string& what = "ds_config");
 
 // bf16.enabled "auto", as the Trainer fills it (its --bf16 flag; here the model itself): bf16
 // when the model's config.json says torch_dtype "bfloat16", else fp32. Returns the line saying

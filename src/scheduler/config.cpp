@@ -694,8 +694,8 @@ std::string resolve_per_tensor_sub_groups(EngineConfig& c, std::uint64_t largest
       c.sub_group_size, w);
 }
 
-int config_tensor_parallel(std::string_view json_text) {
-  const Json doc = config::parse(json_text, "ds_config");
+int config_tensor_parallel(std::string_view json_text, const std::string& what) {
+  const Json doc = config::parse(json_text, what);
   if (!doc.is_object() || !doc.contains("tensor_parallel")) return 0;
   const Section tp = Section(&doc, "").child("tensor_parallel");
   return tp.has("autotp_size") ? get_int_in(tp, "autotp_size", 1, 1, 1 << 20) : 0;

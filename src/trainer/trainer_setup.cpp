@@ -438,8 +438,10 @@ void device_options(Settings& s) {
   std::uint64_t &max_unit = s.max_unit, &total_numel = s.total_numel;
   s.launch = init_launch();
   // The flag, else the --config's tensor_parallel.autotp_size, else none.
-  const int config_tp =
-      o.ds_config.empty() ? 0 : config_tensor_parallel(read_text(o.ds_config, "--config"));
+  const int config_tp = o.ds_config.empty()
+                            ? 0
+                            : config_tensor_parallel(read_text(o.ds_config, "--config"),
+                                                     fmt::format("--config {}", o.ds_config));
   s.tp = o.tensor_parallel > 0 ? o.tensor_parallel : config_tp > 0 ? config_tp : 1;
   if (o.tensor_parallel > 0 && config_tp > 0 && config_tp != o.tensor_parallel &&
       s.launch.rank == 0)
