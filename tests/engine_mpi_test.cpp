@@ -13,6 +13,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -20,11 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::LinearModel;
 
-struct Env {
-  LaunchInfo launch;
-  std::unique_ptr<Device> dev;
-  std::unique_ptr<Communicator> comm;
-};
+using Env = testing::RankEnv;
 Env* g_env = nullptr;
 
 struct Run {
@@ -575,24 +572,9 @@ TEST(EngineRanks, RanksGivenDifferentSettingsStopNamingTheKey) {
 int main(int argc, char** argv) {
   using namespace strata;
   ::testing::InitGoogleTest(&argc, argv);
-  Env env;
-  try {
-    env.launch = init_launch();
-    HostDeviceOptions o;
-    o.capacity_bytes = std::size_t(256) << 20;
-    o.random_delay_us = 30;
-    env.dev = make_host_device(o);
-    env.comm = make_communicator(*env.dev);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "engine_mpi_test: %s\n", e.what());
-    return 1;
-  }
+  strata::testing::RankEnv env;
+  // Random delays: the collectives must be ordered on the streams that use their buffers.
+  if (!strata::testing::open_rank_env(env, std::size_t(256) << 20, 30, "engine_mpi_test")) return 1;
   g_env = &env;
-  if (env.launch.rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (rc != 0) std::fprintf(stderr, "engine_mpi_test: rank %d failed\n", env.launch.rank);
-  return rc;
+  return strata::testing::run_tests_on_rank(env.launch.rank, "engine_mpi_test");
 }

@@ -23,15 +23,12 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/trainer.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
 
-struct Env {
-  LaunchInfo launch;
-  std::unique_ptr<Device> dev;
-  std::unique_ptr<Communicator> world;
-};
+using Env = testing::RankEnv;
 Env* g_env = nullptr;
 
 // GQA (8 query heads, 4 key/value heads) with attention biases (q/k/v split, o replicated); the
@@ -170,15 +167,15 @@ void check_case(const Case& c, Communicator& tp) {
 // The TP groups a test runs: the whole world, and with 4 ranks also TP 2 x DP 2.
 std::vector<ProcessGroups> groups() {
   std::vector<ProcessGroups> out;
-  out.push_back(make_process_groups(*g_env->world, g_env->world->world_size()));
-  if (g_env->world->world_size() == 4) out.push_back(make_process_groups(*g_env->world, 2));
+  out.push_back(make_process_groups(*g_env->comm, g_env->comm->world_size()));
+  if (g_env->comm->world_size() == 4) out.push_back(make_process_groups(*g_env->comm, 2));
   return out;
 }
 
 class ModelTp : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ModelTp, EqualsOneRankWithTheWholeModel) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
   for (ProcessGroups& g : groups()) {
     SCOPED_TRACE("TP " + std::to_string(g.tp_size) + " x DP " + std::to_string(g.dp_size));
     check_case(GetParam(), *g.tp);
@@ -205,13 +202,34 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelTp,
                            return n;
                          });
 
+// The TP collectives one forward and backward of the Llama test model queue.
+Model::TpTraffic step_traffic(Communicator& tp, bool checkpoint, bool sequence_parallel) {
+  const ModelConfig cfg = parse_model_config(kLlama, "test config");
+  Device& dev = *g_env->dev;
+  auto s = dev.create_stream("traffic");
+  ModelOptions mo;
+  mo.micro_batch = kB;
+  mo.seq_len = kT;
+  mo.checkpoint = checkpoint;
+  mo.loss_chunk_rows = 5;
+  mo.tensor_parallel = &tp;
+  mo.sequence_parallel = sequence_parallel;
+  Model m(cfg, dev, *s, mo);
+  ResidentWeights w(m, *s);
+  w.init_random(1);
+  m.forward(make_batch(cfg.vocab_size, false, false), w);
+  m.backward(w);
+  s->synchronize();
+  return m.tp_traffic();
+}
+
 // Sequence parallelism against plain TP at the same layout: the same loss and gradients to fp32
 // rounding (a reduce-scatter and a sum of row parts in another order), and its traffic: per layer
 // each way the 2 reduce-scatters of B x T x hidden that replace the all-reduces, 2 all-gathers of
 // the norms' outputs in the forward and 4 in the backward (g twice, the norms' outputs again).
 TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
   const ModelConfig cfg = parse_model_config(kLlama, "test config");
   const Result plain = run(cfg, Case{kLlama}, g.tp.get());
   const Result seq = run(cfg, Case{kLlama, DType::kF32, false, false, true}, g.tp.get());
@@ -221,21 +239,7 @@ TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
     for (std::size_t e = 0; e < plain.grads[i].size(); ++e)
       ASSERT_LE(std::fabs(seq.grads[i][e] - plain.grads[i][e]), 2e-5 * scale) << "tensor " << i;
   }
-  Device& dev = *g_env->dev;
-  auto s = dev.create_stream("traffic");
-  ModelOptions mo;
-  mo.micro_batch = kB;
-  mo.seq_len = kT;
-  mo.loss_chunk_rows = 5;
-  mo.tensor_parallel = g.tp.get();
-  mo.sequence_parallel = true;
-  Model m(cfg, dev, *s, mo);
-  ResidentWeights w(m, *s);
-  w.init_random(1);
-  m.forward(make_batch(cfg.vocab_size, false, false), w);
-  m.backward(w);
-  s->synchronize();
-  const Model::TpTraffic t = m.tp_traffic();
+  const Model::TpTraffic t = step_traffic(*g.tp, false, true);
   const std::uint64_t L = std::uint64_t(cfg.num_layers), act = kB * kT * cfg.hidden_size * 4;
   // Each way 2 a layer, the embedding's and the head's input gradient's.
   EXPECT_EQ(t.reduce_scatters, 4 * L + 2);
@@ -252,8 +256,8 @@ TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
 // Decoding with the key/value cache: the TP ranks' logits of each new token equal the whole
 // model's.
 TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
   for (const char* json : {kLlama, kGpt2}) {
     const ModelConfig cfg = parse_model_config(json, "test config");
     std::vector<std::vector<float>> out[2];
@@ -281,25 +285,11 @@ TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
 // count), one more a layer recomputed under checkpointing, the embedding's and the head's input
 // gradient's; one all-gather of the cross-entropy's 2 floats a row per LM-head chunk.
 TEST(ModelTpTraffic, TwoAllReducesOfTheActivationsPerLayerEachWay) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
+  const ModelConfig cfg = parse_model_config(kLlama, "test config");
   for (const bool ckpt : {false, true}) {
-    const ModelConfig cfg = parse_model_config(kLlama, "test config");
-    Device& dev = *g_env->dev;
-    auto s = dev.create_stream("traffic");
-    ModelOptions mo;
-    mo.micro_batch = kB;
-    mo.seq_len = kT;
-    mo.checkpoint = ckpt;
-    mo.loss_chunk_rows = 5;
-    mo.tensor_parallel = g.tp.get();
-    Model m(cfg, dev, *s, mo);
-    ResidentWeights w(m, *s);
-    w.init_random(1);
-    m.forward(make_batch(cfg.vocab_size, false, false), w);
-    m.backward(w);
-    s->synchronize();
-    const Model::TpTraffic t = m.tp_traffic();
+    const Model::TpTraffic t = step_traffic(*g.tp, ckpt, false);
     const std::uint64_t L = std::uint64_t(cfg.num_layers), act = kB * kT * cfg.hidden_size * 4;
     const std::uint64_t per_layer = ckpt ? 5 : 4, chunks = (kB * kT + 4) / 5;
     EXPECT_EQ(t.all_reduces, per_layer * L + 2) << "checkpointed: " << ckpt;
@@ -379,8 +369,8 @@ void compare_engine(EngineConfig ec, const std::string& what,
                    std::to_string(g.dp_size));
       EngineConfig mine = ec, ref = ec;
       if (paths) {
-        paths(mine, "rank" + std::to_string(g_env->world->rank()));
-        paths(ref, "reference-of-rank" + std::to_string(g_env->world->rank()));
+        paths(mine, "rank" + std::to_string(g_env->comm->rank()));
+        paths(ref, "reference-of-rank" + std::to_string(g_env->comm->rank()));
       }
       const Trained got = train_engine(cfg, *g_env->dev, *g.dp, g.tp.get(), mine);
       auto dev1 = make_host_device();
@@ -433,7 +423,7 @@ Placement on(Tier t) {
 }
 
 TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
   EngineConfig c = default_engine_config();
   c.param_persistence_threshold = 0;  // every unit gathered over the DP group at each use
   compare_engine(c, "on the device");
@@ -443,12 +433,12 @@ TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
 // 1/TP of what the whole model's engine does (a model whose replicated norms and unit padding are
 // small beside its matrices), and the plan and the measurement agree.
 TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
   const ModelConfig cfg = parse_model_config(
       R"({"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024,
         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4})",
       "test config");
-  ProcessGroups g = make_process_groups(*g_env->world, g_env->world->world_size());
+  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
   struct Held {
     std::uint64_t planned = 0, measured = 0;
   };
@@ -487,7 +477,7 @@ TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
 }
 
 TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
-  if (g_env->world->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / fmt::format("strata-model-tp-{}", ::getppid());
   EngineConfig c = default_engine_config();
@@ -511,8 +501,8 @@ TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
   };
   compare_engine(c, "gradients on the host, optimizer on NVMe, early optimizer step", opt_paths);
   std::error_code ec;
-  fs::remove_all(dir / ("rank" + std::to_string(g_env->world->rank())), ec);
-  fs::remove_all(dir / ("reference-of-rank" + std::to_string(g_env->world->rank())), ec);
+  fs::remove_all(dir / ("rank" + std::to_string(g_env->comm->rank())), ec);
+  fs::remove_all(dir / ("reference-of-rank" + std::to_string(g_env->comm->rank())), ec);
 }
 
 }  // namespace
@@ -521,24 +511,9 @@ TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
 int main(int argc, char** argv) {
   using namespace strata;
   ::testing::InitGoogleTest(&argc, argv);
-  Env env;
-  try {
-    env.launch = init_launch();
-    HostDeviceOptions o;
-    o.capacity_bytes = std::size_t(256) << 20;
-    o.random_delay_us = 20;  // the collectives must be ordered on the model's stream
-    env.dev = make_host_device(o);
-    env.world = make_communicator(*env.dev);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "model_tp_test: %s\n", e.what());
-    return 1;
-  }
+  strata::testing::RankEnv env;
+  // Random delays: the collectives must be ordered on the streams that use their buffers.
+  if (!strata::testing::open_rank_env(env, std::size_t(256) << 20, 20, "model_tp_test")) return 1;
   g_env = &env;
-  if (env.launch.rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (rc != 0) std::fprintf(stderr, "model_tp_test: rank %d failed\n", env.launch.rank);
-  return rc;
+  return strata::testing::run_tests_on_rank(env.launch.rank, "model_tp_test");
 }

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "strata/comm.h"
+#include "strata/device.h"
 #include "strata/error.h"
 
 namespace strata::testing {
@@ -167,5 +169,40 @@ inline const char* kTinyTokenizer = R"({
               "ll": 9, "llo": 10, "hello": 11, "\u0120w": 12, "or": 13, "\u0120wor": 14, "!": 15,
               "\u00c3": 18, "\u00a9": 19},
     "merges": ["h e", "l l", "ll o", "he llo", "\u0120 w", "o r", "\u0120w or"]}})";
+
+// One process of a suite every rank of an mpirun runs: its launch, a CPU-emulated device and the
+// job's communicator.
+struct RankEnv {
+  LaunchInfo launch;
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<Communicator> comm;
+};
+// Fills `env` (a device of `capacity` bytes whose streams run each op up to `delay_us` late, to
+// expose missing ordering); false, after saying why as `name`, when the launch cannot be made.
+inline bool open_rank_env(RankEnv& env, std::size_t capacity, int delay_us, const char* name) {
+  try {
+    env.launch = init_launch();
+    HostDeviceOptions o;
+    o.capacity_bytes = capacity;
+    o.random_delay_us = delay_us;
+    env.dev = make_host_device(o);
+    env.comm = make_communicator(*env.dev);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.what());
+    return false;
+  }
+  return true;
+}
+// RUN_ALL_TESTS() on one rank of such a suite: only rank 0 prints the results (every rank runs
+// every test; any rank's failure fails the job), and a failing rank says so as `name`.
+inline int run_tests_on_rank(int rank, const char* name) {
+  if (rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  if (rc != 0) std::fprintf(stderr, "%s: rank %d failed\n", name, rank);
+  return rc;
+}
 
 }  // namespace strata::testing

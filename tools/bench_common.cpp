@@ -16,6 +16,15 @@ int& exit_code() {
   return code;
 }
 
+nlohmann::json llama_config_json(std::int64_t vocab, std::int64_t hidden, std::int64_t inter,
+                                 std::int64_t layers, std::int64_t heads, std::int64_t kv_heads,
+                                 std::int64_t seq) {
+  return {{"model_type", "llama"},           {"vocab_size", vocab},
+          {"hidden_size", hidden},           {"intermediate_size", inter},
+          {"num_hidden_layers", layers},     {"num_attention_heads", heads},
+          {"num_key_value_heads", kv_heads}, {"max_position_embeddings", seq}};
+}
+
 void print_json(const nlohmann::json& figures) {
   std::fflush(stdout);
   std::printf("%s\n", figures.dump().c_str());

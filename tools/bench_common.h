@@ -29,6 +29,11 @@ void add_tokenize_command(CLI::App& app);
 
 // Prints `figures` as one line of JSON on stdout (call it last, when --json is given).
 void print_json(const nlohmann::json& figures);
+// The config.json of a Llama of these sizes (model, tp: their --hidden, --layers, ... flags), its
+// context `seq` positions.
+nlohmann::json llama_config_json(std::int64_t vocab, std::int64_t hidden, std::int64_t inter,
+                                 std::int64_t layers, std::int64_t heads, std::int64_t kv_heads,
+                                 std::int64_t seq);
 // The exit code a subcommand that ran to its end reports (1: a measured part failed; its
 // figures, printed, stay the last JSON object): strata-bench returns it.
 int& exit_code();

@@ -55,14 +55,8 @@ void run_tp(const TpArgs& a) {
   const int n = comm->world_size();
   const bool root = comm->rank() == 0;
   auto s = dev->create_stream("bench-tp");
-  const nlohmann::json cj = {{"model_type", "llama"},
-                             {"vocab_size", a.vocab},
-                             {"hidden_size", a.hidden},
-                             {"intermediate_size", a.inter},
-                             {"num_hidden_layers", a.layers},
-                             {"num_attention_heads", a.heads},
-                             {"num_key_value_heads", a.kv_heads},
-                             {"max_position_embeddings", a.seq}};
+  const nlohmann::json cj =
+      llama_config_json(a.vocab, a.hidden, a.inter, a.layers, a.heads, a.kv_heads, a.seq);
   const ModelConfig cfg = parse_model_config(cj.dump(), "bench config");
   ModelOptions mo;
   mo.micro_batch = a.batch;

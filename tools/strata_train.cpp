@@ -53,7 +53,8 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kPositive);
   app.add_option("--tensor-parallel", o.tensor_parallel,
                  "split every layer's matrices over this many ranks of a node (Megatron tensor "
-                 "parallelism), ZeRO-3 over the data-parallel groups of the rest (default 1)")
+                 "parallelism), ZeRO-3 over the data-parallel groups of the rest (default: the "
+                 "--config's tensor_parallel.autotp_size, else 1)")
       ->check(strata::tools::kPositive);
   app.add_flag(
       "--sequence-parallel", o.sequence_parallel,

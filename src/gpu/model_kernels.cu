@@ -486,6 +486,16 @@ __global__ void k_bias_backward(const float* dy, float* db, i64 n, i64 m) {
   db[j] += s;
 }
 
+// The log-sum-exp of a row of `vocab` logits (the block's threads together; every thread gets it).
+__device__ float row_lse(const float* l, i64 vocab) {
+  float mx = -INFINITY;
+  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
+  mx = block_max(mx);
+  float s = 0;
+  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(l[i] - mx);
+  return mx + logf(block_sum(s));
+}
+
 __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, float* losses,
                                 i64 vocab, float grad_scale) {
   float* l = logits + blockIdx.x * vocab;
@@ -496,12 +506,7 @@ __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, floa
       for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) l[i] = 0.0f;
     return;
   }
-  float mx = -INFINITY;
-  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
-  mx = block_max(mx);
-  float s = 0;
-  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(l[i] - mx);
-  const float lse = mx + logf(block_sum(s));
+  const float lse = row_lse(l, vocab);
   if (threadIdx.x == 0) losses[blockIdx.x] = lse - l[tgt];
   __syncthreads();  // l[tgt] is read above before anyone overwrites it
   if (grad_scale != 0.0f) {
@@ -515,12 +520,7 @@ __global__ void k_cross_entropy(float* logits, const std::int32_t* targets, floa
 __global__ void k_cross_entropy_stats(const float* logits, const std::int32_t* targets,
                                       float* stats, i64 vocab) {
   const float* l = logits + blockIdx.x * vocab;
-  float mx = -INFINITY;
-  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, l[i]);
-  mx = block_max(mx);
-  float s = 0;
-  for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(l[i] - mx);
-  const float lse = mx + logf(block_sum(s));
+  const float lse = row_lse(l, vocab);
   if (threadIdx.x == 0) {
     const std::int32_t tgt = targets[blockIdx.x];
     stats[2 * blockIdx.x] = lse;
