@@ -314,7 +314,9 @@ TEST(ModelTpLayout, SlicesTileEachTensorOnceAndSizesThatDoNotDivideAreRefused) {
           std::vector<float> back(f.numel, -1.0f);
           tp_place(p, slice, back);
           for (std::size_t e = 0; e < f.numel; ++e)
-            if (back[e] >= 0) EXPECT_EQ(back[e], iota[e]) << p.name;
+            if (back[e] >= 0) {
+              EXPECT_EQ(back[e], iota[e]) << p.name;
+            }
           std::vector<float> mine(p.numel), whole(f.numel);
           init_hf_values(cfg, p, 5, 0, p.numel, mine.data());
           init_hf_values(cfg, f, 5, 0, f.numel, whole.data());
