@@ -157,8 +157,10 @@ void require_same_settings(const std::vector<SharedSetting>& mine, Communicator&
 // --out may already exist when all it holds is the run's checkpoints/ folder.
 bool out_dir_free(const std::string& out) {
   std::error_code ec;
-  if (!fs::exists(out, ec)) return true;
-  if (!fs::is_directory(out, ec)) return false;
+  // One look: another rank's check may make and remove the (empty) folder meanwhile.
+  const fs::file_status st = fs::status(out, ec);
+  if (!fs::exists(st)) return true;
+  if (!fs::is_directory(st)) return false;
   for (const auto& e : fs::directory_iterator(out, ec)) {
     const std::string n = e.path().filename().string();
     // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes
@@ -284,8 +286,11 @@ void check_files(Settings& s) {
   if (!o.out_dir.empty()) {
     // Checked now, not after the training: a folder (never a file of the user's, even with
     // --overwrite) under a writable folder.
+    // One look at it: the other ranks' checks make and remove the folder meanwhile, so two
+    // (exists, then is_directory) could see it made and then gone.
     std::error_code ec;
-    STRATA_REQUIRE(!fs::exists(o.out_dir, ec) || fs::is_directory(o.out_dir, ec),
+    const fs::file_status st = fs::status(o.out_dir, ec);
+    STRATA_REQUIRE(!fs::exists(st) || fs::is_directory(st),
                    "--out {} is a file, not a folder: give a folder for the model", o.out_dir);
     const FolderCheck up = check_nearest_existing(o.out_dir);
     STRATA_REQUIRE(up.ok(),
