@@ -2222,8 +2222,15 @@ TEST_F(TrainCli, TwoRanksReshardHoldsNoMoreMemoryThanAResume) {
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(dir.path + "/" + tag + ".stderr");
     return double(ru.ru_maxrss) * 1024;
   };
-  const double same = resume_rss(ck1, "resume1"), resharded = resume_rss(ck2, "reshard");
-  EXPECT_NE(slurp(dir.path + "/reshard.stdout").find("resharding the checkpoint's 2 ranks to 1"),
+  // A process's peak RSS here comes in steps of ~12.5 MB from run to run (165, 178 or 190 MB for
+  // the same resume, AMD EPYC 2-core VM, 2026-12-03), a step apart being 4-8% of the state: each
+  // side's least over 3 resumes is what it needs.
+  double same = 1e30, resharded = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    same = std::min(same, resume_rss(ck1, "resume1-" + std::to_string(i)));
+    resharded = std::min(resharded, resume_rss(ck2, "reshard-" + std::to_string(i)));
+  }
+  EXPECT_NE(slurp(dir.path + "/reshard-0.stdout").find("resharding the checkpoint's 2 ranks to 1"),
             std::string::npos);
   const double state = 25.2e6 * 4 * 3;  // fp32 master, m and v of ~25.2M parameters
   std::printf(
