@@ -418,11 +418,35 @@ TEST_F(Collectives, ProcessGroupsArrangeTensorTimesDataParallel) {
     Buffer ta = dev->alloc(8), tb = dev->alloc(8);
     s->copy(ta.ref(), host_ref(a.data(), 8));
     s->copy(tb.ref(), host_ref(b.data(), 8));
+    Tracer& tr = Tracer::global();
+    tr.clear();
+    tr.set_enabled(true);
     pg.tp->all_reduce(tensor(ta, DType::kF64, 1), ReduceOp::kSum, *s);
     pg.dp->all_reduce(tensor(tb, DType::kF64, 1), ReduceOp::kSum, *s);
     s->copy(host_ref(a.data(), 8), ta.ref());
     s->copy(host_ref(b.data(), 8), tb.ref());
     s->synchronize();
+    tr.set_enabled(false);
+    // The trace tells the groups apart under TP > 1 ("tp." / "dp."); under TP 1 the DP group is
+    // the job, its spans named as the job's. (A group of one rank may or may not record one.)
+    std::map<std::string, int> seen;
+    for (const TraceSpan& sp : tr.spans())
+      if (sp.name.find("all_reduce") != std::string::npos) ++seen[sp.name];
+    tr.clear();
+    EXPECT_EQ(pg.tp->group(),
+              tp > 1 ? Communicator::Group::kTensorParallel : Communicator::Group::kJob);
+    if (comm->backend() != CommBackend::kLocal) {
+      const int plain = seen["all_reduce"], tps = seen["tp.all_reduce"],
+                dps = seen["dp.all_reduce"];
+      if (tp > 1) {
+        EXPECT_EQ(tps, 1) << "tp " << tp;
+        EXPECT_EQ(plain, 0) << "tp " << tp;
+        if (W / tp > 1) EXPECT_EQ(dps, 1) << "tp " << tp;
+      } else {
+        EXPECT_GE(plain, 1) << "tp " << tp;
+        EXPECT_EQ(tps + dps, 0) << "tp " << tp;
+      }
+    }
     double want_tp = 0, want_dp = 0;
     for (int r = 0; r < W; ++r) {
       if (r / tp == R / tp) want_tp += r;

@@ -127,6 +127,48 @@ TEST(PerfModel, ComputeBoundStepIsTheComputeTime) {
   EXPECT_NEAR(predict_step(fast_machine(), mp, c).step_s, 0.240, 0.240 * kRel);
 }
 
+// Tensor parallelism: a unit's TP collectives are part of its measured time; the replay shows
+// them on the "tp" lane, on the compute stream after the unit's compute (bytes at the measured
+// all-reduce rate, at most 90% of the unit), and the step is what it was without them shown.
+TEST(PerfModel, TensorParallelAllReducesHoldTheComputeStreamOnTheirLane) {
+  ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  const EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
+  const Prediction plain = predict_step(fast_machine(), mp, c);
+  MachineProfile m = fast_machine();
+  m.tensor_parallel = 2;
+  m.tp_all_reduce_bps = 1e9;
+  for (std::size_t i = 1; i + 1 < mp.units.size(); ++i) {
+    mp.units[i].tp_forward_bytes = 2'000'000;   // 2 ms of the forward's 10
+    mp.units[i].tp_backward_bytes = 3'000'000;  // 3 ms of the backward's 20
+  }
+  const Prediction p = predict_step(m, mp, c);
+  EXPECT_NEAR(p.step_s, plain.step_s, plain.step_s * kRel);
+  EXPECT_NEAR(p.busy_s[int(Resource::kTp)], 4 * 0.005, 0.020 * kRel);
+  EXPECT_NEAR(p.busy_s[int(Resource::kCompute)], 4 * 0.025, 0.100 * kRel);
+  std::size_t tp_ops = 0;
+  for (const Interval& iv : p.schedule) {
+    if (iv.lane != Resource::kTp) continue;
+    ++tp_ops;
+    EXPECT_EQ(iv.stream, "compute") << iv.what;
+    EXPECT_TRUE(iv.what.starts_with("tp fwd layers.") || iv.what.starts_with("tp bwd layers."))
+        << iv.what;
+    EXPECT_EQ(iv.bytes, iv.what.starts_with("tp fwd") ? 2'000'000u : 3'000'000u) << iv.what;
+    // Right after the unit's compute, which ends where it starts.
+    bool after_compute = false;
+    for (const Interval& c2 : p.schedule)
+      after_compute |= c2.lane == Resource::kCompute && c2.what == iv.what.substr(3) &&
+                       std::abs(c2.end_s - iv.start_s) < 1e-12;
+    EXPECT_TRUE(after_compute) << iv.what;
+  }
+  EXPECT_EQ(tp_ops, 8u);  // 4 layers, forward and backward
+  // A rate slower than the unit's own measured time: capped at 90% of it.
+  m.tp_all_reduce_bps = 1e6;
+  const Prediction slow = predict_step(m, mp, c);
+  EXPECT_NEAR(slow.step_s, plain.step_s, plain.step_s * kRel);
+  EXPECT_NEAR(slow.busy_s[int(Resource::kTp)], 0.9 * 4 * 0.030, 0.108 * kRel);
+  EXPECT_EQ(slow.bottleneck, Resource::kTp);
+}
+
 TEST(PerfModel, LinkBoundStepIsTheTransfersPlusTheLastComputes) {
   // Weights on the host behind a 1 GB/s link; every layer stays gathered into backward (the
   // default live budget), so the link carries each layer once: the forward is the fetch chain
@@ -1330,6 +1372,16 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
 }
 
 #ifdef STRATA_MPIEXEC
+// strata-prof on `np` ranks under mpirun with `args`.
+testing::Result prof_ranks(int np, std::vector<std::string> args, const std::string& dir,
+                           const std::string& tag) {
+  args.insert(args.begin(), {"-np", std::to_string(np), "--oversubscribe", STRATA_PROF_BIN});
+  return testing::run(STRATA_MPIEXEC, args, dir, tag,
+                      {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                       {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                       {"STRATA_COMM_TIMEOUT_S", "120"}});
+}
+
 // Three ranks (a world size that does not divide the collective benchmark's 2^24 elements, which
 // was refused) profile, search with the slowest rank's figures, and validate the same candidate.
 TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
@@ -1337,37 +1389,30 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
     GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
-  const auto r = testing::run(STRATA_MPIEXEC,
-                              {"-np",
-                               "3",
-                               "--oversubscribe",
-                               STRATA_PROF_BIN,
-                               "--model-config",
-                               model,
-                               "--device",
-                               "cpu",
-                               "--device-mem-gb",
-                               "0.02",
-                               "--seq-len",
-                               "32",
-                               "--micro-batches",
-                               "2",
-                               "--no-nvme",
-                               "--validate",
-                               "1",
-                               "--validate-steps",
-                               "2",
-                               "--out",
-                               d.path + "/best.json",
-                               "--svg",
-                               "",
-                               "--trace",
-                               d.path + "/trace.json",
-                               "--json"},
-                              d.path, "prof3",
-                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                               {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                               {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const auto r = prof_ranks(3,
+                            {"--model-config",
+                             model,
+                             "--device",
+                             "cpu",
+                             "--device-mem-gb",
+                             "0.02",
+                             "--seq-len",
+                             "32",
+                             "--micro-batches",
+                             "2",
+                             "--no-nvme",
+                             "--validate",
+                             "1",
+                             "--validate-steps",
+                             "2",
+                             "--out",
+                             d.path + "/best.json",
+                             "--svg",
+                             "",
+                             "--trace",
+                             d.path + "/trace.json",
+                             "--json"},
+                            d.path, "prof3");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("3 ranks: the search takes the slowest rank's figures"), std::string::npos)
       << r.out;
@@ -1375,6 +1420,79 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
   EXPECT_EQ(j["machine"]["world_size"], 3);
   EXPECT_GT(j["machine"]["all_gather_gbps"].get<double>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
+}
+
+// Tensor parallelism (mpirun -np 2 --tensor-parallel 2): each rank measures and plans its own
+// slices, the TP all-reduces are counted (4 of a micro-batch's activations a layer: 2 forward, 2
+// backward), shown on the "tp" lane predicted and measured, and named "tp.all_reduce" in the
+// trace; the run line and the validation runs take the TP size.
+TEST(ProfCli, TwoRanksTensorParallelPlanTheirSlicesAndCountTheAllReduces) {
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  const auto r = prof_ranks(2,
+                            {"--model-config",
+                             model,
+                             "--device",
+                             "cpu",
+                             "--device-mem-gb",
+                             "0.02",
+                             "--seq-len",
+                             "32",
+                             "--micro-batches",
+                             "2",
+                             "--no-nvme",
+                             "--tensor-parallel",
+                             "2",
+                             "--validate",
+                             "1",
+                             "--validate-spread",
+                             "0",
+                             "--validate-steps",
+                             "2",
+                             "--out",
+                             d.path + "/best.json",
+                             "--svg",
+                             "",
+                             "--trace",
+                             d.path + "/trace.json",
+                             "--json"},
+                            d.path, "prof-tp");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("tensor parallel 2 x data parallel 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--tensor-parallel 2 --device cpu"), std::string::npos) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_EQ(j["machine"]["world_size"], 2);
+  EXPECT_EQ(j["machine"]["tensor_parallel"], 2);
+  EXPECT_EQ(j["machine"]["data_parallel"], 1);
+  EXPECT_GT(j["machine"]["tp_all_reduce_gbps"].get<double>(), 0);
+  // Half of every split matrix, the vocabulary's rows too; norms whole.
+  const double all = j["model"]["params"].get<double>(),
+               mine = j["model"]["params_per_rank"].get<double>();
+  EXPECT_GT(mine, 0.5 * all);
+  EXPECT_LT(mine, 0.52 * all);
+  for (const auto& row : j["model"]["measured"])
+    if (row["checkpoint"] == "off")
+      EXPECT_EQ(row["layer_tp_bytes"].get<std::uint64_t>(), 4u * 2 * 32 * 64 * 4) << row;
+  const auto& best = j["candidates"][0];
+  EXPECT_GT(best["busy_s"]["tp"].get<double>(), 0) << best;
+  EXPECT_GT(best["measured_busy_s"]["tp"].get<double>(), 0) << best;
+  std::ifstream tf(d.path + "/trace.json");
+  std::stringstream ts;
+  ts << tf.rdbuf();
+  EXPECT_NE(ts.str().find("\"tp.all_reduce\""), std::string::npos);
+  // A TP size the job's ranks are not a multiple of: refused before anything is measured.
+  const auto bad = prof_ranks(2,
+                              {"--model-config", model, "--device", "cpu", "--no-nvme",
+                               "--tensor-parallel", "4", "--out", d.path + "/b.json", "--svg", ""},
+                              d.path, "prof-tp-bad");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--tensor-parallel 4: tensor parallelism splits each layer over 4 ranks, "
+                         "and this job has 2"),
+            std::string::npos)
+      << bad.err;
+  EXPECT_EQ(bad.out.find("machine ("), std::string::npos) << "measured first: " << bad.out;
 }
 #endif
 

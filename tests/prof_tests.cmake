@@ -1,6 +1,6 @@
 # strata-prof: the step-time model and search on synthetic measurements, and the command line
 # end to end (its recommendation accepted by strata-train; an impossible request explained).
-# ProfCli.ThreeRanks* runs only in prof_mpi (STRATA_TEST_MPI=1; skipped in the discovered entry),
+# ProfCli.*Ranks* run only in prof_mpi (STRATA_TEST_MPI=1; skipped in the discovered entry),
 # which spawns mpirun itself.
 find_package(MPI COMPONENTS C)
 set(strata_prof_defines STRATA_PROF_BIN="$<TARGET_FILE:strata-prof>" STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>")
@@ -10,7 +10,7 @@ endif()
 strata_add_test(prof_test SOURCES prof_test.cpp LABELS unit DEFINES ${strata_prof_defines})
 add_dependencies(prof_test strata-prof strata-train)
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
-  add_test(NAME prof_mpi COMMAND prof_test --gtest_filter=ProfCli.ThreeRanks*)
+  add_test(NAME prof_mpi COMMAND prof_test --gtest_filter=ProfCli.*Ranks*)
   set(strata_prof_mpi_env STRATA_TEST_MPI=1)
   if(STRATA_SANITIZE)
     list(APPEND strata_prof_mpi_env ASAN_OPTIONS=detect_leaks=0)  # OpenMPI's own leaks (see comm_tests.cmake)

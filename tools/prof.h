@@ -53,6 +53,10 @@ struct Args {
   bool out_named = false, svg_named = false, trace_named = false;
   bool validate_spread_named = false;  // (refused without --validate)
   bool json = false;
+  // --tensor-parallel N (0: the --config's tensor_parallel.autotp_size, else 1); `tp` what run()
+  // made of it: the size and this rank's place in its TP group.
+  int tensor_parallel = 0;
+  TensorParallel tp;
   // Set in main: the --config as the user wrote it (plus the flags), before this machine's
   // defaults; and whether the host budget came from the user.
   EngineConfig user_config;

@@ -53,7 +53,8 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.cpu_adamw_params_per_s,
                                  &m.device_adamw_params_per_s,
                                  &m.all_gather_bps,
-                                 &m.reduce_scatter_bps};
+                                 &m.reduce_scatter_bps,
+                                 &m.tp_all_reduce_bps};
   std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free,
                                               &m.ram_capacity};
   std::vector<double*> highest = {&m.nvme_request_s};
@@ -62,6 +63,10 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
     for (UnitCost& u : mp.units) {
       highest.push_back(&u.forward_s);
       highest.push_back(&u.backward_s);
+      // (TP ranks' slices differ where the vocabulary does not divide: every rank plans the
+      // largest, so all of them keep the same candidates)
+      for (std::uint64_t* b : {&u.numel, &u.tp_forward_bytes, &u.tp_backward_bytes})
+        highest_bytes.push_back(b);
     }
     highest_bytes.push_back(&mp.activation_bytes);
   }
@@ -329,17 +334,38 @@ void measure_collectives(Device& dev, Communicator& comm, Stream& s, std::size_t
   m.reduce_scatter_bps = double(bytes) / rs;
 }
 
+// Tensor parallelism: the all-reduce of one micro-batch's activations (`bytes`, the size the
+// model's row-parallel layers sum) over the TP group, as bytes of the buffer per second (the
+// median of 7 after a warm-up).
+double measure_tp_all_reduce(Device& dev, Communicator& tp, std::size_t bytes) {
+  auto s = dev.create_stream("compute");
+  const std::size_t n = std::max<std::size_t>(1, bytes / 4);
+  Buffer x = dev.alloc(n * 4);
+  s->fill(tensor(x, DType::kF32), 1.0f);
+  std::vector<double> t;
+  for (int r = 0; r <= 7; ++r) {
+    const auto t0 = Clock::now();
+    tp.all_reduce(tensor(x, DType::kF32), ReduceOp::kSum, *s);
+    s->synchronize();
+    if (r > 0) t.push_back(since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return double(n * 4) / t[t.size() / 2];
+}
+
 // NVMe is measured under `nvme_dir`; the free space is that of every path the search may use
 // (`all_nvme_paths`: a file system counted once).
 // (`nvme_key`: what gave the path, named in its errors: "--nvme-path", or the --config's key)
-MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConfig& base,
-                               const std::string& nvme_dir,
+// `comm` is the job's (its ranks share the node's RAM and drives), `dp` the data-parallel group's
+// (the ZeRO collectives': the job's under TP 1).
+MachineProfile measure_machine(Device& dev, Communicator& comm, Communicator& dp,
+                               const EngineConfig& base, const std::string& nvme_dir,
                                const std::vector<std::string>& all_nvme_paths,
                                const std::string& nvme_key, bool use_nvme,
                                std::size_t unit_state_bytes, std::size_t unit_weight_bytes) {
   const std::uint64_t rss_before = cpu::process_rss_bytes();
   MachineProfile m;
-  m.world_size = comm.world_size();
+  m.world_size = dp.world_size();
   m.ranks_on_node = ranks_on_this_node(comm);
   auto s = dev.create_stream("prof");
   const std::size_t bytes = std::size_t(64) << 20;
@@ -366,7 +392,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
       m.*f = std::max(m.*f, again.*f);
   }
 
-  if (m.world_size > 1) measure_collectives(dev, comm, *s, bytes, m);
+  if (m.world_size > 1) measure_collectives(dev, dp, *s, bytes, m);
   m.device_capacity = dev.stats().capacity_bytes;
   m.host_capacity = base.host_budget_bytes;
   // Host RAM as strata-train will plan it (set_host_ram_inputs), its base the resident memory
@@ -385,11 +411,15 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, const EngineConf
 // weights (and unit 0's gradient, where the embedding's backward begins).
 class StampingWeights final : public UnitProvider {
  public:
-  StampingWeights(ResidentWeights& inner, Stream& s) : inner_(inner), s_(s) {}
+  // `model`'s TP collectives' bytes issued so far are read at each stamp (on the host, as the
+  // model issues the unit's work), so each unit's share of them falls out as its time does.
+  StampingWeights(ResidentWeights& inner, Stream& s, const Model& model)
+      : inner_(inner), s_(s), model_(model) {}
   struct Stamp {
     bool grads;
     std::size_t unit;
     Clock::time_point t;
+    std::uint64_t tp_bytes = 0;  // TP collectives' bytes issued before it
   };
   TensorRef acquire_weights(std::size_t unit) override {
     stamp(false, unit);
@@ -410,15 +440,18 @@ class StampingWeights final : public UnitProvider {
 
  private:
   void stamp(bool grads, std::size_t unit) {
+    const Model::TpTraffic tr = model_.tp_traffic();
+    const std::uint64_t tp = tr.all_reduce_bytes + tr.all_gather_bytes + tr.reduce_scatter_bytes;
     s_.host_fn(
-        [this, grads, unit] {
+        [this, grads, unit, tp] {
           std::lock_guard lock(mu_);
-          stamps_.push_back({grads, unit, Clock::now()});
+          stamps_.push_back({grads, unit, Clock::now(), tp});
         },
         "prof_stamp");
   }
   ResidentWeights& inner_;
   Stream& s_;
+  const Model& model_;
   std::mutex mu_;
   std::vector<Stamp> stamps_;
 };
@@ -426,18 +459,29 @@ class StampingWeights final : public UnitProvider {
 struct LayerTiming {
   double embed_f = 0, embed_b = 0, layer_f = 0, layer_b = 0, head_f = 0;
   std::uint64_t activation_bytes = 0;
+  // The TP collectives' bytes of each (tensor parallelism; 0 without).
+  std::uint64_t embed_fb = 0, embed_bb = 0, layer_fb = 0, layer_bb = 0, head_fb = 0;
 };
 
 // Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
-// over the repetitions) and the device bytes beyond the weights at the peak.
+// over the repetitions) and the device bytes beyond the weights at the peak. Under tensor
+// parallelism (`tp` > 1: every rank runs this in the same order) each TP rank runs its slices,
+// the TP collectives in the times.
 LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T,
                         bool ckpt, bool ckpt_host, DType dt, const std::string& device,
-                        const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
+                        const HostDeviceOptions& hopt, const CudaDeviceOptions& copt, int tp) {
   ModelConfig cfg = base;
   cfg.num_layers = layers;
   auto dev = make_device(device, hopt, copt);
+  std::unique_ptr<Communicator> world;
+  ProcessGroups groups;
+  if (tp > 1) {
+    world = make_communicator(*dev);
+    groups = make_process_groups(*world, tp);
+  }
   auto s = dev->create_stream("compute");
   ModelOptions mo;
+  mo.tensor_parallel = groups.tp.get();
   mo.micro_batch = B;
   mo.seq_len = T;
   mo.compute = dt;
@@ -447,7 +491,7 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
   ResidentWeights rw(model, *s);
   rw.init_random(1);
   s->synchronize();
-  StampingWeights sw(rw, *s);
+  StampingWeights sw(rw, *s, model);
   std::mt19937_64 rng(7);
   Batch b;
   for (std::int64_t i = 0; i < B * T; ++i) {
@@ -466,32 +510,46 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
     if (r == 0) continue;  // warm-up
     // forward: w0 w1 .. wL whead (w0 again when tied) end | backward: wL .. w1 g0 end
     const std::size_t L = std::size_t(layers), head = L + 1;
-    std::map<std::size_t, Clock::time_point> fw, bw;
-    Clock::time_point f_end{}, g0{}, b_end{};
+    using Stamp = StampingWeights::Stamp;
+    std::map<std::size_t, Stamp> fw, bw;
+    Stamp f_end{}, g0{}, b_end{};
     int phase = 0;
     for (const auto& x : st) {
       if (x.unit == SIZE_MAX) {
-        (phase++ == 0 ? f_end : b_end) = x.t;
+        (phase++ == 0 ? f_end : b_end) = x;
       } else if (!x.grads) {
-        (phase == 0 ? fw : bw).emplace(x.unit, x.t);
+        (phase == 0 ? fw : bw).emplace(x.unit, x);
       } else if (phase == 1 && x.unit == 0) {
-        g0 = x.t;
+        g0 = x;
       }
     }
     STRATA_CHECK(fw.size() == head + 1 && bw.size() == L && phase == 2,
                  "strata-prof: unexpected unit order from the model");
-    auto d = [](Clock::time_point a0, Clock::time_point b2) {
-      return std::chrono::duration<double>(b2 - a0).count();
+    auto d = [](const Stamp& a0, const Stamp& b2) {
+      return std::chrono::duration<double>(b2.t - a0.t).count();
     };
+    auto tb = [](const Stamp& a0, const Stamp& b2) { return b2.tp_bytes - a0.tp_bytes; };
     LayerTiming t;
     t.embed_f = d(fw[0], fw[1]);
+    t.embed_fb = tb(fw[0], fw[1]);
     double lf = 0, lb = 0;
-    for (std::size_t l = 1; l <= L; ++l) lf += d(fw[l], fw[l + 1]);
+    std::uint64_t lfb = 0, lbb = 0;
+    for (std::size_t l = 1; l <= L; ++l) {
+      lf += d(fw[l], fw[l + 1]);
+      lfb += tb(fw[l], fw[l + 1]);
+    }
     t.layer_f = lf / double(L);
+    t.layer_fb = lfb / L;
     t.head_f = d(fw[head], f_end);
-    for (std::size_t l = L; l >= 1; --l) lb += d(bw[l], l > 1 ? bw[l - 1] : g0);
+    t.head_fb = tb(fw[head], f_end);
+    for (std::size_t l = L; l >= 1; --l) {
+      lb += d(bw[l], l > 1 ? bw[l - 1] : g0);
+      lbb += tb(bw[l], l > 1 ? bw[l - 1] : g0);
+    }
     t.layer_b = lb / double(L);
+    t.layer_bb = lbb / L;
     t.embed_b = d(g0, b_end);
+    t.embed_bb = tb(g0, b_end);
     reps.push_back(t);
   }
   auto median = [&](double LayerTiming::*f) {
@@ -500,7 +558,7 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  LayerTiming out;
+  LayerTiming out = reps.front();  // (the TP bytes: the same every repetition)
   for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
                  &LayerTiming::layer_b, &LayerTiming::head_f})
     out.*f = median(f);
@@ -509,17 +567,21 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
   return out;
 }
 
+// (`tp`, `tp_rank`: the tensor-parallel size and this rank's place: the units are its slices)
 ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt,
                            bool ckpt_host, DType dt, const std::string& device,
-                           const HostDeviceOptions& hopt, const CudaDeviceOptions& copt) {
-  const LayerTiming one = time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
-  const LayerTiming two = time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt);
+                           const HostDeviceOptions& hopt, const CudaDeviceOptions& copt,
+                           TensorParallel tpl) {
+  const LayerTiming one =
+      time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt, tpl.size);
+  const LayerTiming two =
+      time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt, tpl.size);
   ModelProfile mp;
   mp.micro_batch = B;
   mp.seq_len = T;
   mp.checkpoint = ckpt;
   mp.checkpoint_on_host = ckpt && ckpt_host;
-  const auto units = model_units(mcfg);
+  const auto units = model_units(mcfg, tpl);
   const std::size_t head = units.size() - 1;
   for (std::size_t i = 0; i < units.size(); ++i) {
     UnitCost c;
@@ -528,11 +590,16 @@ ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t
     if (i == 0) {
       c.forward_s = two.embed_f;
       c.backward_s = two.embed_b;
+      c.tp_forward_bytes = two.embed_fb;
+      c.tp_backward_bytes = two.embed_bb;
     } else if (i == head) {
       c.forward_s = two.head_f;
+      c.tp_forward_bytes = two.head_fb;
     } else {
       c.forward_s = two.layer_f;
       c.backward_s = two.layer_b;
+      c.tp_forward_bytes = two.layer_fb;
+      c.tp_backward_bytes = two.layer_bb;
     }
     mp.units.push_back(c);
   }
@@ -546,8 +613,12 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
   auto g = [](double bps) {
     return bps > 0 ? fmt::format("{:.2f} GB/s", bps / 1e9) : std::string("-");
   };
-  std::printf("machine (%s, %d rank%s):\n", dev_name.c_str(), m.world_size,
-              m.world_size == 1 ? "" : "s");
+  const int ranks = m.world_size * m.tensor_parallel;
+  std::printf("machine (%s, %d rank%s%s):\n", dev_name.c_str(), ranks, ranks == 1 ? "" : "s",
+              m.tensor_parallel > 1 ? fmt::format(": tensor parallel {} x data parallel {}",
+                                                  m.tensor_parallel, m.world_size)
+                                          .c_str()
+                                    : "");
   std::printf("  h2d %s  d2h %s  device memory %s  device free %s  host memory %s\n",
               g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(),
               g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
@@ -562,8 +633,14 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
               m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6,
               g(m.host_norm_bps).c_str());
   if (m.world_size > 1)
-    std::printf("  all-gather %s  reduce-scatter %s\n", g(m.all_gather_bps).c_str(),
-                g(m.reduce_scatter_bps).c_str());
+    std::printf("  all-gather %s  reduce-scatter %s%s\n", g(m.all_gather_bps).c_str(),
+                g(m.reduce_scatter_bps).c_str(),
+                m.tensor_parallel > 1
+                    ? fmt::format(" (over the {} data-parallel ranks)", m.world_size).c_str()
+                    : "");
+  if (m.tensor_parallel > 1)
+    std::printf("  tensor parallel %d: all-reduce of a micro-batch's activations %s\n",
+                m.tensor_parallel, g(m.tp_all_reduce_bps).c_str());
   std::printf("  capacity: device %s, host (pinned budget) %s\n",
               human(double(m.device_capacity)).c_str(), human(double(m.host_capacity)).c_str());
   if (m.device_shares_host_cores > 0)
@@ -593,15 +670,23 @@ void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
       "this run measures {}: leave them out, or pass --device cpu",
       dev_name);
   auto comm = make_communicator(*dev);
+  // Tensor parallelism: the ZeRO collectives run over the DP group (`world_size` ranks), each
+  // rank's units are its TP slices.
+  ProcessGroups groups = make_process_groups(*comm, a.tp.size);
   std::size_t largest = 0;
-  for (const auto& u : model_units(mcfg)) largest = std::max<std::size_t>(largest, u.numel);
+  for (const auto& u : model_units(mcfg, {groups.tp_size, groups.tp_rank}))
+    largest = std::max<std::size_t>(largest, u.numel);
   const std::size_t shard = largest / std::size_t(std::max(1, world_size));
   std::vector<std::string> all_paths =
       nvme.paths.empty() ? std::vector<std::string>{nvme.dir} : nvme.paths;
   for (const std::string& p : nvme.param_paths)
     if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
-  machine = measure_machine(*dev, *comm, base, nvme.dir, all_paths, nvme.key, nvme.use, shard * 12,
-                            shard * dtype_size(base.compute_dtype));
+  machine = measure_machine(*dev, *comm, *groups.dp, base, nvme.dir, all_paths, nvme.key, nvme.use,
+                            shard * 12, shard * dtype_size(base.compute_dtype));
+  machine.tensor_parallel = groups.tp_size;
+  if (groups.tp_size > 1)  // at the size of the centre micro-batch's activations
+    machine.tp_all_reduce_bps = measure_tp_all_reduce(
+        *dev, *groups.tp, std::size_t(a.micro_batch * a.seq_len * mcfg.hidden_size) * 4);
   if (dev->kind() == DeviceKind::kCpu) {
     machine.device_capacity = hopt.capacity_bytes;
     // Named with the cap the placements are planned for (the measuring one is sized up).
@@ -629,9 +714,9 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   const DType dt = base.compute_dtype;
   for (auto B : a.micro_batches)
     for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
-      space.models.push_back(
-          profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device, dopt.mhopt, dopt.copt));
-  if (world_size > 1) {
+      space.models.push_back(profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device,
+                                           dopt.mhopt, dopt.copt, a.tp));
+  if (world_size * a.tp.size > 1) {
     auto dev = make_device(a.device, dopt.hopt, dopt.copt);
     auto comm = make_communicator(*dev);
     agree_across_ranks(*comm, out.machine, space.models);
@@ -640,7 +725,7 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     if (talk)
       std::printf(
           "%d ranks: the search takes the slowest rank's figures (lowest rates, longest times)\n",
-          world_size);
+          world_size * a.tp.size);
   }
 }
 

@@ -17,14 +17,17 @@ namespace {
 Resource lane_of(const TraceSpan& sp) {
   if (sp.name == "wait_event" || sp.name == "free" || sp.name == "prof_stamp")
     return Resource::kCount;
+  if (sp.name.starts_with("tp.")) return Resource::kTp;  // the model's, on the compute stream
   if (sp.name == "copy_h2d") return Resource::kH2D;
   if (sp.name == "copy_d2h") return Resource::kD2H;
   if (sp.lane.starts_with("nvme")) return Resource::kNvme;
   if (sp.name == "cpu_adamw" || sp.name == "grad_accumulate") return Resource::kCpu;
   if (sp.lane == "compute" || (sp.lane == "optimizer" && sp.name == "adamw"))
     return Resource::kCompute;
-  if (sp.name.starts_with("all_gather") || sp.name.starts_with("reduce_scatter") ||
-      sp.name.starts_with("all_reduce"))
+  const std::string_view op =
+      sp.name.starts_with("dp.") ? std::string_view(sp.name).substr(3) : std::string_view(sp.name);
+  if (op.starts_with("all_gather") || op.starts_with("reduce_scatter") ||
+      op.starts_with("all_reduce"))
     return Resource::kComm;
   return Resource::kCount;
 }

@@ -136,6 +136,7 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   o.emu_h2d_gbps = a.emu_h2d;
   o.emu_d2h_gbps = a.emu_d2h;
   o.emu_compute_gflops = a.emu_gflops;
+  o.tensor_parallel = a.tp.size;
   o.checkpoint_activations = c.checkpoint;
   o.checkpoint_on_host = c.checkpoint_on_host;
   o.trace_file = trace_file;
@@ -307,14 +308,16 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
   // The device it was measured on, as strata-train takes it (the emulated one with its cap and
   // throttles).
   std::string device_flags;
+  if (machine.tensor_parallel > 1)
+    device_flags += fmt::format(" --tensor-parallel {}", machine.tensor_parallel);
   if (dev_name.starts_with("cpu")) {
-    device_flags = " --device cpu";
+    device_flags += " --device cpu";
     if (a.device_mem_gb > 0) device_flags += fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
     if (a.emu_h2d > 0) device_flags += fmt::format(" --emu-h2d-gbps {:g}", a.emu_h2d);
     if (a.emu_d2h > 0) device_flags += fmt::format(" --emu-d2h-gbps {:g}", a.emu_d2h);
     if (a.emu_gflops > 0) device_flags += fmt::format(" --emu-compute-gflops {:g}", a.emu_gflops);
   } else if (a.device_mem_gb > 0) {  // a GPU planned under a cap: the run keeps to it too
-    device_flags = fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
+    device_flags += fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
   }
   // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
   std::error_code ec;
@@ -346,6 +349,10 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
       : best.checkpoint       ? " --checkpoint-activations"
                               : "",
       device_flags.c_str());
+  if (machine.tensor_parallel > 1)
+    std::printf("  (under mpirun -np %d, as profiled: --tensor-parallel %d x %d data-parallel)\n",
+                machine.tensor_parallel * machine.world_size, machine.tensor_parallel,
+                machine.world_size);
 }
 
 // ---- validation ----

@@ -142,6 +142,30 @@ EngineConfig read_config(Args& a, int world_size, bool& config_micro, bool& conf
   return base;
 }
 
+// --tensor-parallel, else the --config's tensor_parallel.autotp_size, else 1: the TP size (which
+// must divide the job's ranks) and this rank's place in its group (TP innermost).
+TensorParallel tensor_parallel_of(const Args& a, const LaunchInfo& job) {
+  int tp = a.tensor_parallel;
+  std::string from = "--tensor-parallel";
+  if (tp == 0 && !a.ds_config.empty()) {
+    std::ifstream f(a.ds_config);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    from = fmt::format("--config {}: tensor_parallel.autotp_size", a.ds_config);
+    tp = f.good() || !ss.str().empty()
+             ? config_tensor_parallel(ss.str(), fmt::format("--config {}", a.ds_config))
+             : 1;  // (unreadable: read_config says so)
+  }
+  tp = std::max(tp, 1);
+  STRATA_REQUIRE(
+      job.world_size % tp == 0,
+      "{} {}: tensor parallelism splits each layer over {} ranks, and this job has {} "
+      "(a multiple of {} is needed): launch it with mpirun -np {} (or another multiple), "
+      "or give a tensor-parallel size that divides {}",
+      from, tp, tp, job.world_size, tp, tp, job.world_size);
+  return {tp, job.rank % tp};
+}
+
 // The flags over the --config: dtype, accumulation, the micro-batches searched and the host
 // budget. Returns the --config's train_batch_size (0: it gives none).
 std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, bool demo,
@@ -321,7 +345,10 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
   nlohmann::json j;
   j["command"] = "prof";
   j["machine"] = {{"device", dev_name},
-                  {"world_size", machine.world_size},
+                  {"world_size", machine.world_size * machine.tensor_parallel},
+                  {"data_parallel", machine.world_size},
+                  {"tensor_parallel", machine.tensor_parallel},
+                  {"tp_all_reduce_gbps", machine.tp_all_reduce_bps / 1e9},
                   {"nvme_path", nvme.use ? nlohmann::json(nvme.dir) : nlohmann::json(nullptr)},
                   {"h2d_gbps", machine.h2d_bps / 1e9},
                   {"d2h_gbps", machine.d2h_bps / 1e9},
@@ -350,21 +377,29 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                    for (const auto& u : model_units(mcfg)) n += u.numel;
                    return n;
                  }()},
+                {"params_per_rank",
+                 [&] {
+                   std::uint64_t n = 0;  // this rank's TP slices (all of it under TP 1)
+                   for (const auto& u : model_units(mcfg, a.tp)) n += u.numel;
+                   return n;
+                 }()},
                 {"seq_len", a.seq_len},
                 {"dtype", a.dtype},
                 {"gradient_accumulation_steps", a.grad_accum}};
   {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& mp : space.models)
-      rows.push_back({{"micro_batch", mp.micro_batch},
-                      {"checkpoint", !mp.checkpoint          ? "off"
-                                     : mp.checkpoint_on_host ? "host"
-                                                             : "on"},
-                      {"layer_forward_s", mp.units[1].forward_s},
-                      {"layer_backward_s", mp.units[1].backward_s},
-                      {"head_forward_s", mp.units.back().forward_s},
-                      {"embed_s", mp.units[0].forward_s + mp.units[0].backward_s},
-                      {"activation_bytes", mp.activation_bytes}});
+      rows.push_back(
+          {{"micro_batch", mp.micro_batch},
+           {"checkpoint", !mp.checkpoint          ? "off"
+                          : mp.checkpoint_on_host ? "host"
+                                                  : "on"},
+           {"layer_forward_s", mp.units[1].forward_s},
+           {"layer_backward_s", mp.units[1].backward_s},
+           {"head_forward_s", mp.units.back().forward_s},
+           {"embed_s", mp.units[0].forward_s + mp.units[0].backward_s},
+           {"layer_tp_bytes", mp.units[1].tp_forward_bytes + mp.units[1].tp_backward_bytes},
+           {"activation_bytes", mp.activation_bytes}});
     j["model"]["measured"] = std::move(rows);
   }
   j["machine_seconds"] = t_machine;
@@ -496,7 +531,11 @@ int run(Args a) {
   const ModelConfig mcfg = load_model(a, demo);
   check_flags(a);
   check_data(a, mcfg);
-  const LaunchInfo launch = init_launch();
+  const LaunchInfo job = init_launch();
+  a.tp = tensor_parallel_of(a, job);
+  // The ZeRO state is sharded over the data-parallel ranks: the batch keys count those.
+  LaunchInfo launch = job;
+  launch.world_size = job.world_size / a.tp.size;
   bool config_micro = false, config_train = false;
   EngineConfig base = read_config(a, launch.world_size, config_micro, config_train);
   resolve_config_for_model(base, mcfg, launch.world_size, a.ds_config, !a.dtype.empty(),
@@ -621,6 +660,11 @@ int main(int argc, char** argv) {
                  "strata-prof.trace.json; \"\": none)");
   app.add_flag("--overwrite", a.overwrite,
                "replace existing --out, --svg and --trace files you named");
+  app.add_option("--tensor-parallel", a.tensor_parallel,
+                 "split each layer over N ranks (Megatron tensor parallelism, N innermost: "
+                 "under mpirun the others are data parallel; default: the --config's "
+                 "tensor_parallel.autotp_size, else 1)")
+      ->check(CLI::Range(1, 1024));
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
   return strata::tools::run_tool("strata-prof", app, argc, argv, [&] {
     a.out_named = app.count("--out") > 0;

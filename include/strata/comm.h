@@ -143,6 +143,13 @@ class Communicator {
   // independent of this one (its collectives are its own order); this one stays usable.
   std::unique_ptr<Communicator> split(int color, int key);
 
+  // Which of a job's groups this communicator is, for its collectives' trace spans: the whole job
+  // ("all_reduce"), a tensor-parallel group ("tp.all_reduce") or a data-parallel one
+  // ("dp.all_gather"). make_process_groups() names its groups when TP > 1.
+  enum class Group { kJob, kTensorParallel, kDataParallel };
+  void set_group(Group g) noexcept { group_ = g; }
+  Group group() const noexcept { return group_; }
+
   // One queued call, as the wrapper hands it to a backend (validated).
   enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kGather };
   struct Collective {
@@ -152,9 +159,11 @@ class Communicator {
     bool coalesced = false;
     std::vector<TensorRef> inputs;   // all_reduce / broadcast: the data (in place)
     std::vector<TensorRef> outputs;  // all_gather / reduce_scatter, gather on its root only
+    Group group = Group::kJob;       // the communicator's (its span's prefix)
     // "all_reduce(sum, fp32, 1000 elements)": for logs and error messages.
     std::string describe() const;
-    // "all_gather", "reduce_scatter", ...: the name of its trace span (a static string).
+    // "all_gather", "reduce_scatter", ...: the name of its trace span (a static string), with
+    // "tp." or "dp." before it on a tensor- or data-parallel group's communicator.
     const char* name() const noexcept;
   };
 
@@ -180,6 +189,7 @@ class Communicator {
   double timeout_s_;
   bool check_calls_ = false;  // STRATA_COMM_CHECK=1
   std::uint64_t calls_ = 0;   // collectives submitted (with check_calls_)
+  Group group_ = Group::kJob;
 };
 
 // The communicator for this process on `device`: NCCL for a CUDA device (MPI, or the TCP

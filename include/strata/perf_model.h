@@ -63,7 +63,12 @@ struct MachineProfile {
   double cpu_adamw_params_per_s = 0;                  // CpuAdamW, all its threads
   double device_adamw_params_per_s = 0;               // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
-  int world_size = 1;
+  int world_size = 1;  // the data-parallel ranks the ZeRO state is sharded over
+  // Tensor parallelism: the ranks each layer is split over (TP innermost: world_size is the DP
+  // group's size) and the rate of their all-reduce (bytes of the buffer per second), which the
+  // replay shows the model's TP collectives at (UnitCost::tp_*_bytes).
+  int tensor_parallel = 1;
+  double tp_all_reduce_bps = 0;
   int ranks_on_node = 1;  // sharing its RAM and drives: the capacities below are a share
   std::uint64_t device_capacity = 0, host_capacity = 0, nvme_free = 0;
   // Host RAM (PlanInputs'): this rank's share of what the node has (0: not checked), the resident
@@ -81,8 +86,13 @@ struct MachineProfile {
 // (forward; backward including any recomputation of a checkpointed forward).
 struct UnitCost {
   std::string name;
-  std::uint64_t numel = 0;
+  std::uint64_t numel = 0;  // under tensor parallelism: this rank's slice
   double forward_s = 0, backward_s = 0;
+  // Under tensor parallelism: the bytes of the TP collectives (all-reduces; under sequence
+  // parallelism all-gathers and reduce-scatters) the unit's forward and backward queue on the
+  // compute stream. Their time is part of forward_s / backward_s (measured with them); the
+  // replay shows it on the "tp" lane, at MachineProfile::tp_all_reduce_bps.
+  std::uint64_t tp_forward_bytes = 0, tp_backward_bytes = 0;
 };
 
 // The model at one micro-batch size and one checkpointing mode.
@@ -95,8 +105,9 @@ struct ModelProfile {
   double tokens_per_micro_batch() const { return double(micro_batch) * double(seq_len); }
 };
 
-enum class Resource { kCompute, kH2D, kD2H, kNvme, kCpu, kComm, kCount };
-const char* resource_name(Resource r);  // "compute", "h2d", "d2h", "nvme", "cpu", "comm"
+// kTp: the tensor-parallel collectives, which hold the compute stream while they run.
+enum class Resource { kCompute, kH2D, kD2H, kNvme, kCpu, kComm, kTp, kCount };
+const char* resource_name(Resource r);  // "compute", "h2d", "d2h", "nvme", "cpu", "comm", "tp"
 
 struct Interval {
   Resource lane;

@@ -79,7 +79,23 @@ bool overlaps(const MemRef& a, const MemRef& b) {
 
 }  // namespace
 
-const char* Communicator::Collective::name() const noexcept { return kind_name(kind); }
+const char* Communicator::Collective::name() const noexcept {
+  // Static strings: a span's name outlives the call.
+  static constexpr const char* kTp[] = {"tp.all_gather", "tp.reduce_scatter", "tp.all_reduce",
+                                        "tp.broadcast",  "tp.barrier",        "tp.gather"};
+  static constexpr const char* kDp[] = {"dp.all_gather", "dp.reduce_scatter", "dp.all_reduce",
+                                        "dp.broadcast",  "dp.barrier",        "dp.gather"};
+  const auto k = static_cast<std::size_t>(kind);
+  switch (group) {
+    case Group::kTensorParallel:
+      return k < std::size(kTp) ? kTp[k] : "tp.?";
+    case Group::kDataParallel:
+      return k < std::size(kDp) ? kDp[k] : "dp.?";
+    case Group::kJob:
+      break;
+  }
+  return kind_name(kind);
+}
 
 std::string Communicator::Collective::describe() const {
   std::string s = kind_name(kind);
@@ -209,6 +225,7 @@ Event Communicator::submit(Collective c, Stream& stream) {
   STRATA_REQUIRE(&stream.device() == device_,
                  "{}: stream '{}' belongs to another device; use a stream of {}", c.describe(),
                  stream.name(), device_->name());
+  c.group = group_;
   const std::string what = c.describe();
   for (const auto& t : c.inputs) check_tensor(t, what.c_str());
   for (const auto& t : c.outputs) check_tensor(t, what.c_str());
@@ -724,6 +741,10 @@ ProcessGroups make_process_groups(Communicator& world, int tensor_parallel) {
   pg.dp_rank = world.rank() / tp;
   pg.tp = world.split(pg.dp_rank, pg.tp_rank);
   pg.dp = world.split(pg.tp_rank, pg.dp_rank);
+  if (tp > 1) {  // (under TP 1 the DP group is the job: its spans keep their plain names)
+    pg.tp->set_group(Communicator::Group::kTensorParallel);
+    pg.dp->set_group(Communicator::Group::kDataParallel);
+  }
   return pg;
 }
 

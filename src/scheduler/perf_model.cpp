@@ -42,6 +42,8 @@ const char* resource_name(Resource r) {
       return "cpu";
     case Resource::kComm:
       return "comm";
+    case Resource::kTp:
+      return "tp";
     case Resource::kCount:
       break;
   }
@@ -728,6 +730,19 @@ class Replay {
   // comm stream, in `reduce`).
   double grad_fill(std::size_t i) { return secs(4.0 * double(u[i].padded), m.device_mem_bps); }
 
+  // A unit's forward or backward on the compute stream, `dur` long with the time of its
+  // `tp_bytes` of tensor-parallel collectives in it: the rest computes, then the collectives
+  // hold the stream on the "tp" lane (their time at the measured all-reduce rate, at most 90% of
+  // `dur`: the measurement that gave `dur` ran them). Returns its end.
+  double compute(double ready, double dur, std::uint64_t tp_bytes, const std::string& what) {
+    const double tp = tp_bytes && m.tp_all_reduce_bps > 0
+                          ? std::min(0.9 * dur, double(tp_bytes) / m.tp_all_reduce_bps)
+                          : 0.0;
+    const double end = sim.op(kComputeS, Resource::kCompute, ready, dur - tp, what);
+    if (tp <= 0) return end;
+    return sim.op(kComputeS, Resource::kTp, end, tp, "tp " + what, -1, double(tp_bytes));
+  }
+
   // One micro-batch's forward: the host time it took.
   double forward() {
     const double f0 = h;
@@ -740,7 +755,7 @@ class Replay {
         h = sim.host(h, free_s(4.0 * double(u[i].padded)));
       }
       const double end =
-          sim.op(kComputeS, Resource::kCompute, std::max(ready, h), dur, "fwd " + name(i));
+          compute(std::max(ready, h), dur, mp.units[i].tp_forward_bytes, "fwd " + name(i));
       if (i == head) reduce(i, end);
       release(i, end);
     }
@@ -754,15 +769,15 @@ class Replay {
     for (std::size_t i = head; i-- > 1;) {
       const double ready = fetch(i);
       h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
-      const double end = sim.op(kComputeS, Resource::kCompute, std::max(ready, h),
-                                mp.units[i].backward_s + grad_fill(i), "bwd " + name(i));
+      const double end = compute(std::max(ready, h), mp.units[i].backward_s + grad_fill(i),
+                                 mp.units[i].tp_backward_bytes, "bwd " + name(i));
       reduce(i, end);
       release(i, end);
     }
     {
       h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
-      const double end = sim.op(kComputeS, Resource::kCompute, h,
-                                mp.units[0].backward_s + grad_fill(0), "bwd " + name(0));
+      const double end = compute(h, mp.units[0].backward_s + grad_fill(0),
+                                 mp.units[0].tp_backward_bytes, "bwd " + name(0));
       reduce(0, end);
     }
     h = std::max(h, sim.stream_free[kComputeS]);  // compute->synchronize()
@@ -965,6 +980,7 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     share.lane_weight[int(Resource::kD2H)] =
         m.d2h_bps > 0 ? std::min(1.0, m.d2h_bps / copy_bps) : 1.0;
     share.lane_weight[int(Resource::kCpu)] = 1;
+    share.lane_weight[int(Resource::kTp)] = 1;     // the collective thread's copies and sums
     share.lane_weight[int(Resource::kCount)] = 1;  // fills, adds, frees on the device's streams
   }
   std::vector<double> stretch;
