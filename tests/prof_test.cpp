@@ -1382,6 +1382,33 @@ testing::Result prof_ranks(int np, std::vector<std::string> args, const std::str
                        {"STRATA_COMM_TIMEOUT_S", "120"}});
 }
 
+// The tiny model at `model` on a 20 MiB emulated device, B=2, T=32, no NVMe, validated once for 2
+// steps, its files in `dir`, --json.
+std::vector<std::string> validated_tiny(const std::string& model, const std::string& dir) {
+  return {"--model-config",
+          model,
+          "--device",
+          "cpu",
+          "--device-mem-gb",
+          "0.02",
+          "--seq-len",
+          "32",
+          "--micro-batches",
+          "2",
+          "--no-nvme",
+          "--validate",
+          "1",
+          "--validate-steps",
+          "2",
+          "--out",
+          dir + "/best.json",
+          "--svg",
+          "",
+          "--trace",
+          dir + "/trace.json",
+          "--json"};
+}
+
 // Three ranks (a world size that does not divide the collective benchmark's 2^24 elements, which
 // was refused) profile, search with the slowest rank's figures, and validate the same candidate.
 TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
@@ -1389,30 +1416,7 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
     GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
-  const auto r = prof_ranks(3,
-                            {"--model-config",
-                             model,
-                             "--device",
-                             "cpu",
-                             "--device-mem-gb",
-                             "0.02",
-                             "--seq-len",
-                             "32",
-                             "--micro-batches",
-                             "2",
-                             "--no-nvme",
-                             "--validate",
-                             "1",
-                             "--validate-steps",
-                             "2",
-                             "--out",
-                             d.path + "/best.json",
-                             "--svg",
-                             "",
-                             "--trace",
-                             d.path + "/trace.json",
-                             "--json"},
-                            d.path, "prof3");
+  const auto r = prof_ranks(3, validated_tiny(model, d.path), d.path, "prof3");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("3 ranks: the search takes the slowest rank's figures"), std::string::npos)
       << r.out;
@@ -1431,34 +1435,9 @@ TEST(ProfCli, TwoRanksTensorParallelPlanTheirSlicesAndCountTheAllReduces) {
     GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
-  const auto r = prof_ranks(2,
-                            {"--model-config",
-                             model,
-                             "--device",
-                             "cpu",
-                             "--device-mem-gb",
-                             "0.02",
-                             "--seq-len",
-                             "32",
-                             "--micro-batches",
-                             "2",
-                             "--no-nvme",
-                             "--tensor-parallel",
-                             "2",
-                             "--validate",
-                             "1",
-                             "--validate-spread",
-                             "0",
-                             "--validate-steps",
-                             "2",
-                             "--out",
-                             d.path + "/best.json",
-                             "--svg",
-                             "",
-                             "--trace",
-                             d.path + "/trace.json",
-                             "--json"},
-                            d.path, "prof-tp");
+  std::vector<std::string> args = validated_tiny(model, d.path);
+  args.insert(args.end(), {"--tensor-parallel", "2", "--validate-spread", "0"});
+  const auto r = prof_ranks(2, args, d.path, "prof-tp");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("tensor parallel 2 x data parallel 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("--tensor-parallel 2 --device cpu"), std::string::npos) << r.out;
