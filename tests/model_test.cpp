@@ -317,6 +317,19 @@ TEST(ModelTpLayout, SlicesTileEachTensorOnceAndSizesThatDoNotDivideAreRefused) {
             if (back[e] >= 0) {
               EXPECT_EQ(back[e], iota[e]) << p.name;
             }
+          // The runs a streamed load reads: consecutive in the full tensor, each as long as
+          // that allows (the next element starts elsewhere), tiling the slice.
+          EXPECT_EQ(p.full_numel(), f.numel) << p.name;
+          for (std::size_t i = 0; i < p.numel;) {
+            const std::size_t run = p.contiguous_from(i);
+            ASSERT_GT(run, 0u) << p.name << " at " << i;
+            for (std::size_t k = 1; k < run; ++k)
+              ASSERT_EQ(p.full_index(i + k), p.full_index(i) + k) << p.name << " at " << i + k;
+            if (i + run < p.numel)
+              EXPECT_NE(p.full_index(i + run), p.full_index(i + run - 1) + 1) << p.name;
+            i += run;
+          }
+          EXPECT_EQ(p.contiguous_from(p.numel), 0u);
           std::vector<float> mine(p.numel), whole(f.numel);
           init_hf_values(cfg, p, 5, 0, p.numel, mine.data());
           init_hf_values(cfg, f, 5, 0, f.numel, whole.data());

@@ -139,6 +139,11 @@ struct ParamSpec {
   bool split() const { return split_dim >= 0; }
   // The element of the full tensor that element `local` of this slice is (row-major).
   std::size_t full_index(std::size_t local) const;
+  // The full tensor's elements (numel when unsplit).
+  std::size_t full_numel() const;
+  // How many of this slice's elements from `local` on are consecutive in the full tensor too
+  // (full_index(local) + k for the k-th): a run a streamed load reads at once.
+  std::size_t contiguous_from(std::size_t local) const;
 };
 
 // Where this rank sits in a tensor-parallel group: the model's split layers hold slice `rank` of

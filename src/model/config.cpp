@@ -267,9 +267,28 @@ std::size_t ParamSpec::full_index(std::size_t local) const {
   return (outer * full_len + full_d) * inner + in;
 }
 
+std::size_t ParamSpec::full_numel() const {
+  if (!split()) return numel;
+  std::size_t n = 1;
+  for (auto d : full_shape) n *= std::size_t(d);
+  return n;
+}
+
+std::size_t ParamSpec::contiguous_from(std::size_t local) const {
+  if (local >= numel) return 0;
+  if (!split()) return numel - local;
+  // Within one run of the split dimension's indices of one part (and its inner elements).
+  std::size_t inner = 1;
+  for (std::size_t k = std::size_t(split_dim) + 1; k < shape.size(); ++k)
+    inner *= std::size_t(shape[k]);
+  const std::size_t part_len =
+      std::size_t(shape[std::size_t(split_dim)]) / std::size_t(split_parts);
+  const std::size_t d = local / inner % (part_len * std::size_t(split_parts));
+  return std::min((part_len - d % part_len) * inner - local % inner, numel - local);
+}
+
 std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full) {
-  std::size_t full_numel = 1;
-  for (auto d : p.full_shape.empty() ? p.shape : p.full_shape) full_numel *= std::size_t(d);
+  const std::size_t full_numel = p.full_numel();
   STRATA_REQUIRE(full.size() == full_numel, "tp_slice: '{}' has {} elements, {} given", p.name,
                  full_numel, full.size());
   std::vector<float> out(p.numel);
@@ -278,8 +297,7 @@ std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full) 
 }
 
 void tp_place(const ParamSpec& p, const std::vector<float>& slice, std::vector<float>& full) {
-  std::size_t full_numel = 1;
-  for (auto d : p.full_shape.empty() ? p.shape : p.full_shape) full_numel *= std::size_t(d);
+  const std::size_t full_numel = p.full_numel();
   STRATA_REQUIRE(slice.size() == p.numel && full.size() == full_numel,
                  "tp_place: '{}' takes a slice of {} into {} elements; {} into {} given", p.name,
                  p.numel, full_numel, slice.size(), full.size());

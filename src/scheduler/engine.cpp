@@ -467,6 +467,7 @@ void Engine::finalize() {
         if (a < b) s.tp_ranges[ui].push_back({a - lo, b - a});
       }
     }
+    s.tp_counted = {};  // (the shard's ranges above are what the steps use)
   }
   const Impl::OnNvme nvme = s.assign_tiers();
   s.make_plan(nvme);

@@ -273,7 +273,7 @@ struct Engine::Impl {
   // Engine::set_tensor_parallel: the TP group and, per unit, the counted ranges within this
   // rank's shard (shard-relative), or tp_all[unit]: the whole shard counts (TP rank 0).
   Communicator* tp = nullptr;
-  std::vector<Engine::Ranges> tp_counted;  // as given, unit-relative
+  std::vector<Engine::Ranges> tp_counted;  // as given, unit-relative (until finalize)
   std::vector<std::vector<detail::Range>> tp_ranges;
   std::vector<char> tp_all;
   bool tp_partial(std::size_t ui) const { return tp && !tp_all[ui]; }

@@ -103,15 +103,8 @@ ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir, Tens
         // A TP slice: the runs of it that are contiguous in the full tensor, each read alone.
         ParamSpec whole = p;
         whole.shape = p.full_shape;
-        std::size_t inner = 1;
-        for (std::size_t k = std::size_t(p.split_dim) + 1; k < p.shape.size(); ++k)
-          inner *= std::size_t(p.shape[k]);
-        const std::size_t part_len =
-            std::size_t(p.shape[std::size_t(p.split_dim)]) / std::size_t(p.split_parts);
         for (std::size_t i = first; i < first + count;) {
-          const std::size_t d = i / inner % (part_len * std::size_t(p.split_parts));
-          const std::size_t run =
-              std::min((part_len - d % part_len) * inner - i % inner, first + count - i);
+          const std::size_t run = std::min(p.contiguous_from(i), first + count - i);
           reader->read(whole, p.full_index(i), run, out + (i - first));
           i += run;
         }
