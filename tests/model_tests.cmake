@@ -57,7 +57,7 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   if(STRATA_SANITIZE)
     list(APPEND strata_model_tp_env ASAN_OPTIONS=detect_leaks=0)  # OpenMPI's own leaks (see comm_tests.cmake)
   endif()
-  foreach(np 2 4)
+  foreach(np 2 4 8)  # 8: TP 4 x DP 2
     add_test(NAME model_tp_${np}
              COMMAND ${MPIEXEC_EXECUTABLE} -np ${np} --oversubscribe $<TARGET_FILE:model_tp_test>)
     set_tests_properties(model_tp_${np} PROPERTIES LABELS "model;mpi" TIMEOUT 300

@@ -5,8 +5,9 @@
 // rounding (the row-parallel sums and the vocabulary-parallel log-sum-exp run in another order);
 // the replicated parameters' gradients and the loss must be bitwise equal on every TP rank (the
 // replicas stay equal without a reduction). With 4 ranks: TP 4, and TP 2 x DP 2 (two TP groups
-// side by side, from make_process_groups). Then the ZeRO-3 engine over each DP group, the model's
-// TP slices its units: steps of it against the whole model trained by one rank alone.
+// side by side, from make_process_groups); with 8, TP 4 x DP 2. Then the ZeRO-3 engine over each DP
+// group, the model's TP slices its units: steps of it against the whole model trained by one rank
+// alone.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -164,18 +165,20 @@ void check_case(const Case& c, Communicator& tp) {
   EXPECT_LE(worst, tol * lscale) << "logits";
 }
 
-// The TP groups a test runs: the whole world, and with 4 ranks also TP 2 x DP 2.
+// The TP groups a test runs: the whole world (up to 4 ranks), with 4 ranks also TP 2 x DP 2, and
+// with 8 TP 4 x DP 2.
 std::vector<ProcessGroups> groups() {
+  const int w = g_env->comm->world_size();
   std::vector<ProcessGroups> out;
-  out.push_back(make_process_groups(*g_env->comm, g_env->comm->world_size()));
-  if (g_env->comm->world_size() == 4) out.push_back(make_process_groups(*g_env->comm, 2));
+  out.push_back(make_process_groups(*g_env->comm, w == 8 ? 4 : w));
+  if (w == 4) out.push_back(make_process_groups(*g_env->comm, 2));
   return out;
 }
 
 class ModelTp : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ModelTp, EqualsOneRankWithTheWholeModel) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
   for (ProcessGroups& g : groups()) {
     SCOPED_TRACE("TP " + std::to_string(g.tp_size) + " x DP " + std::to_string(g.dp_size));
     check_case(GetParam(), *g.tp);
@@ -228,8 +231,8 @@ Model::TpTraffic step_traffic(Communicator& tp, bool checkpoint, bool sequence_p
 // each way the 2 reduce-scatters of B x T x hidden that replace the all-reduces, 2 all-gathers of
 // the norms' outputs in the forward and 4 in the backward (g twice, the norms' outputs again).
 TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
+  ProcessGroups g = std::move(groups().front());
   const ModelConfig cfg = parse_model_config(kLlama, "test config");
   const Result plain = run(cfg, Case{kLlama}, g.tp.get());
   const Result seq = run(cfg, Case{kLlama, DType::kF32, false, false, true}, g.tp.get());
@@ -256,8 +259,8 @@ TEST(ModelTpSequenceParallel, EqualsPlainTensorParallelismWithItsTraffic) {
 // Decoding with the key/value cache: the TP ranks' logits of each new token equal the whole
 // model's.
 TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
+  ProcessGroups g = std::move(groups().front());
   for (const char* json : {kLlama, kGpt2}) {
     const ModelConfig cfg = parse_model_config(json, "test config");
     std::vector<std::vector<float>> out[2];
@@ -285,8 +288,8 @@ TEST(ModelTpDecode, CachedDecodingEqualsTheWholeModel) {
 // count), one more a layer recomputed under checkpointing, the embedding's and the head's input
 // gradient's; one all-gather of the cross-entropy's 2 floats a row per LM-head chunk.
 TEST(ModelTpTraffic, TwoAllReducesOfTheActivationsPerLayerEachWay) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
-  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
+  ProcessGroups g = std::move(groups().front());
   const ModelConfig cfg = parse_model_config(kLlama, "test config");
   for (const bool ckpt : {false, true}) {
     const Model::TpTraffic t = step_traffic(*g.tp, ckpt, false);
@@ -423,7 +426,7 @@ Placement on(Tier t) {
 }
 
 TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
   EngineConfig c = default_engine_config();
   c.param_persistence_threshold = 0;  // every unit gathered over the DP group at each use
   compare_engine(c, "on the device");
@@ -433,12 +436,12 @@ TEST(EngineTp, ZeroThreeOverTheDataParallelGroupEqualsTheWholeModelOnOneRank) {
 // 1/TP of what the whole model's engine does (a model whose replicated norms and unit padding are
 // small beside its matrices), and the plan and the measurement agree.
 TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
   const ModelConfig cfg = parse_model_config(
       R"({"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024,
         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4})",
       "test config");
-  ProcessGroups g = make_process_groups(*g_env->comm, g_env->comm->world_size());
+  ProcessGroups g = std::move(groups().front());
   struct Held {
     std::uint64_t planned = 0, measured = 0;
   };
@@ -462,22 +465,27 @@ TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
     return h;
   };
   const Held mine = hold(*g_env->dev, *g.dp, g.tp.get(), {g.tp_size, g.tp_rank});
-  auto dev1 = make_host_device();
-  CommOptions co;
-  co.backend = CommBackend::kLocal;
-  co.process_local = true;
-  auto local = make_communicator(*dev1, co);
-  const Held whole = hold(*dev1, *local, nullptr, {});
+  // The reference: the whole model over the same DP group (TP 1).
+  const Held whole = hold(*g_env->dev, *g.dp, nullptr, {});
   const double share = 1.0 / g.tp_size;
+  // Within 2% of 1/TP; 5% over DP 2, where a unit under param_persistence_threshold stays whole
+  // on every DP rank and TP 4's slices of the embedding and the head fall under it while the whole
+  // ones do not (the bytes held at finalize 3.8% over 1/TP at TP 4 x DP 2).
+  const double tol = (g.dp_size == 1 ? 0.02 : 0.05) * share;
   ASSERT_GT(whole.planned, 0u);
-  EXPECT_NEAR(double(mine.planned) / double(whole.planned), share, 0.02 * share);
-  EXPECT_NEAR(double(mine.measured) / double(whole.measured), share, 0.02 * share);
-  EXPECT_NEAR(double(mine.measured), double(mine.planned), 0.01 * double(mine.planned));
-  EXPECT_NEAR(double(whole.measured), double(whole.planned), 0.01 * double(whole.planned));
+  EXPECT_NEAR(double(mine.planned) / double(whole.planned), share, tol);
+  EXPECT_NEAR(double(mine.measured) / double(whole.measured), share, tol);
+  if (g.dp_size == 1) {  // every unit resident from finalize() on: the plan is what is held
+    EXPECT_NEAR(double(mine.measured), double(mine.planned), 0.01 * double(mine.planned));
+    EXPECT_NEAR(double(whole.measured), double(whole.planned), 0.01 * double(whole.planned));
+  } else {  // ZeRO-3 over DP: the plan also holds the gathered units a step fetches
+    EXPECT_LE(mine.measured, mine.planned);
+    EXPECT_LE(whole.measured, whole.planned);
+  }
 }
 
 TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
-  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2 or 4";
+  if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / fmt::format("strata-model-tp-{}", ::getppid());
   EngineConfig c = default_engine_config();
