@@ -233,6 +233,31 @@ TEST(PerfModel, GradientsOnNvmeAddTheirBytesToTheDrive) {
   }
 }
 
+// Reads and writes sharing the drive pay a per-request part beside their bytes
+// (MachineProfile::nvme_mixed_request_s, measured at two request sizes): every NVMe request of
+// the optimizer's and the gradients' traffic, written or read, holds the drive that much longer.
+TEST(PerfModel, EachMixedRequestPaysItsFixedPart) {
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = m.nvme_mixed_bps = 1e9;
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kNvme);
+  c.optimizer_nvme_paths = c.grad_nvme_paths = {"/tmp"};
+  c.sub_group_size = kLayer / 4;
+  const Prediction bytes_only = predict_step(m, mp, c);
+  m.nvme_mixed_request_s = 1e-3;
+  const Prediction p = predict_step(m, mp, c);
+  std::size_t requests = 0, writes = 0;
+  for (const Interval& iv : p.schedule)
+    if (iv.lane == Resource::kNvme) {
+      ++requests;
+      writes += iv.what.starts_with("write");
+    }
+  EXPECT_GT(writes, 4u * 4);  // every layer's sub-groups of state, and its gradient
+  EXPECT_GT(requests, writes);
+  EXPECT_NEAR(p.busy_s[int(Resource::kNvme)] - bytes_only.busy_s[int(Resource::kNvme)],
+              1e-3 * double(requests), 1e-9);
+}
+
 TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   // 4 layers, 10 ms forward and 20 ms backward each; the CPU AdamW takes 15 ms a layer. The
   // early step runs each layer's AdamW after its backward, in the shadow of the next layer's:

@@ -57,7 +57,7 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.tp_all_reduce_bps};
   std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free,
                                               &m.ram_capacity};
-  std::vector<double*> highest = {&m.nvme_request_s};
+  std::vector<double*> highest = {&m.nvme_request_s, &m.nvme_mixed_request_s};
   std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
   for (ModelProfile& mp : models) {
     for (UnitCost& u : mp.units) {
@@ -236,27 +236,6 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   const double r = best_of(2, [&] { return run(false); });
   m.nvme_write_bps = double(extent * count) / w;
   m.nvme_read_bps = double(extent * count) / r;
-  // Half the extents read while the other half are written, as the optimizer streams.
-  const double mixed = best_of(2, [&] {
-    const auto t0 = Clock::now();
-    std::deque<IoHandle> hs;
-    for (std::size_t i = 0; i < count; ++i) {
-      if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each `depth` deep
-        hs.front().wait();
-        hs.pop_front();
-      }
-      void* b = bufs[i % bufs.size()].data();
-      const std::string key = fmt::format("x{}", i);
-      hs.push_back(i % 2 ? store.write(key, b, extent) : store.read(key, b, extent));
-    }
-    for (auto& h : hs) h.wait();
-    return since(t0);
-  });
-  m.nvme_mixed_bps = double(extent * count) / mixed;
-  // One read at a time, of a big extent and of a small one: the line through both is a read's
-  // fixed time (the drive's latency, the engine's per-request work) plus its bytes. The
-  // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
-  // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
   // (Reads of fewer bytes than an extent go to keys written at that size: with aio.verify a read
   // must take a whole write.)
   auto written_keys = [&](const char* prefix, std::size_t bytes, std::size_t n) {
@@ -268,6 +247,49 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     }
     return std::string(prefix);
   };
+  // Half the requests read while the other half are written, as the optimizer streams (and the
+  // gradients go out): the time a request of `bytes`, `n` of them.
+  auto mixed_at = [&](std::size_t bytes, std::size_t n) {
+    const std::string prefix = written_keys("m", bytes, n);
+    return best_of(2,
+                   [&] {
+                     const auto t0 = Clock::now();
+                     std::deque<IoHandle> hs;
+                     for (std::size_t i = 0; i < n; ++i) {
+                       if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each
+                         hs.front().wait();           // `depth` deep
+                         hs.pop_front();
+                       }
+                       void* b = bufs[i % bufs.size()].data();
+                       const std::string key = fmt::format("{}{}", prefix, i);
+                       hs.push_back(i % 2 ? store.write(key, b, bytes) : store.read(key, b, bytes));
+                     }
+                     for (auto& h : hs) h.wait();
+                     return since(t0);
+                   }) /
+           double(n);
+  };
+  // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
+  // that small): the line through both is a request's fixed part and its bytes' rate. A noisy pair
+  // that gives no such line leaves the extent's rate alone.
+  {
+    const std::size_t small = std::size_t(256) << 10;
+    const double big = mixed_at(extent, count);
+    m.nvme_mixed_bps = double(extent) / big;
+    m.nvme_mixed_request_s = 0;
+    if (small < extent) {
+      const double little = mixed_at(small, std::max<std::size_t>(count, 64));
+      if (little<big&& double(extent) / (big - little)> double(small) / little) {
+        const double rate = double(extent - small) / (big - little);
+        m.nvme_mixed_request_s = std::max(0.0, little - double(small) / rate);
+        m.nvme_mixed_bps = rate;
+      }
+    }
+  }
+  // One read at a time, of a big extent and of a small one: the line through both is a read's
+  // fixed time (the drive's latency, the engine's per-request work) plus its bytes. The
+  // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
+  // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
   {
     const std::size_t small = 64 << 10, reads = 16;
     auto one_at_a_time = [&](std::size_t bytes) {
@@ -623,11 +645,11 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
               g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(),
               g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
   std::printf(
-      "  nvme write %s  read %s  both at once %s  a unit's weights at a time %s  a read's fixed "
-      "time %.3f ms"
+      "  nvme write %s  read %s  both at once %s + %.3f ms a request  a unit's weights at a time "
+      "%s  a read's fixed time %.3f ms"
       "  (%s free)\n",
       g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
-      g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
+      m.nvme_mixed_request_s * 1e3, g(m.nvme_fetch_read_bps).c_str(), m.nvme_request_s * 1e3,
       m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   std::printf("  AdamW cpu %.0f M params/s  device %.0f M params/s  gradient norm (host) %s\n",
               m.cpu_adamw_params_per_s / 1e6, m.device_adamw_params_per_s / 1e6,

@@ -360,6 +360,7 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
                   {"nvme_mixed_gbps", machine.nvme_mixed_bps / 1e9},
                   {"nvme_request_ms", machine.nvme_request_s * 1e3},
+                  {"nvme_mixed_request_ms", machine.nvme_mixed_request_s * 1e3},
                   {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},

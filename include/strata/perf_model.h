@@ -49,9 +49,12 @@ struct MachineProfile {
   double host_mem_bps = 0;   // host memory traffic of a memcpy / add pass
   double host_norm_bps = 0;  // gradient bytes per second of the host's norm pass (0: host_mem_bps)
   double nvme_read_bps = 0, nvme_write_bps = 0;
-  // Reads and writes in flight together (the optimizer's read-ahead and write-behind): bytes
-  // of both per second; 0 = take the one-direction rates.
+  // Reads and writes in flight together (the optimizer's read-ahead and write-behind, the
+  // gradients' writes): a request of b bytes holds the drive nvme_mixed_request_s + b at
+  // nvme_mixed_bps (the line through that traffic's time a request at two request sizes: small
+  // requests pay a per-request part). 0 = take the one-direction rates, no fixed part.
   double nvme_mixed_bps = 0;
+  double nvme_mixed_request_s = 0;
   // The fixed part of a read's time when it is waited for alone (queue depth 1): a read of b
   // bytes of optimizer state (a sub-group's) costs nvme_request_s + b at the rate above. The
   // optimizer waits for each sub-group's read, issued one ahead, so small sub-groups pay it

@@ -544,9 +544,16 @@ class Replay {
     return sim.lane(Resource::kNvme, ready, fixed_s + secs(bytes, rate), what, -1, bytes);
   }
   // A sub-group's read of optimizer state (or NVMe gradients) as the optimizer waits for it: its
-  // fixed time (waited for one ahead) and its bytes, at the drive's mixed rate.
+  // fixed time (waited for one ahead; at least the mixed traffic's per-request part) and its
+  // bytes, at the drive's mixed rate.
   double opt_read(double ready, double bytes, const std::string& what) {
-    return nvme_request(ready, bytes, opt_read_bps, what, m.nvme_request_s);
+    return nvme_request(ready, bytes, opt_read_bps, what,
+                        std::max(m.nvme_request_s, m.nvme_mixed_request_s));
+  }
+  // A write of optimizer state, new weights or gradients beside that traffic: the mixed traffic's
+  // per-request part and its bytes.
+  double opt_write(double ready, double bytes, const std::string& what) {
+    return nvme_request(ready, bytes, opt_write_bps, what, m.nvme_mixed_request_s);
   }
   // Whether the device sums the unit's part of the norm as its step's only gradient (one
   // micro-batch a step) is reduced (strata.device_grad_norm): no host pass over it.
@@ -603,11 +610,11 @@ class Replay {
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(nvme_request(t, 12 * len, opt_write_bps, "write state " + name(i)));
+        early_writes.push_back(opt_write(t, 12 * len, "write state " + name(i)));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
-        early_w_writes.push_back(nvme_request(t, w_bytes, opt_write_bps, "write w " + name(i)));
+        early_w_writes.push_back(opt_write(t, w_bytes, "write w " + name(i)));
         io = std::max(io, early_w_writes.back());
       }
     }
@@ -697,7 +704,7 @@ class Replay {
           // cpu::SumSquares is serial: one core's share of the (all-core) rate.
           t = ready = sim.op(kCommS, Resource::kCpu, t, secs(4.0 * len, norm_bps / all_cores),
                              "norm " + name(i), 1);
-          grad_nvme.push_back(nvme_request(t, 4.0 * len, opt_write_bps, "write grad " + name(i)));
+          grad_nvme.push_back(opt_write(t, 4.0 * len, "write grad " + name(i)));
           grad_writes = std::max(grad_writes, grad_nvme.back());
           break;
         }
@@ -876,7 +883,7 @@ class Replay {
     std::deque<double> writes, w_staging;
     double all_writes = h;
     auto write_behind = [&](double bytes, double ready, const std::string& what) {
-      const double end = nvme_request(ready, bytes, opt_write_bps, what);
+      const double end = opt_write(ready, bytes, what);
       all_writes = std::max(all_writes, end);
       return end;
     };
