@@ -22,6 +22,8 @@
 // only reported once all of its chunks completed.
 #include <fcntl.h>
 #include <liburing.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -466,6 +468,11 @@ class UringWorker {
   void submit(std::size_t& inflight);
   std::chrono::milliseconds backoff() const;
   void give_up(int err, const std::string& why, std::size_t& inflight);
+  // A poll of wake_fd_ in the ring, so that push() ends the worker's wait for a completion: a
+  // chunk queued while others are in flight goes into the ring at once, not after the next
+  // completion (which serialized a write-behind behind a read-ahead). False when it could not be
+  // armed: the worker then takes new chunks at the next completion, as before.
+  bool arm_wake();
 
   UringEngine* eng_;
   const AioConfig cfg_;
@@ -484,6 +491,11 @@ class UringWorker {
   std::deque<Chunk*> queue_;
   std::deque<std::packaged_task<void()>> commands_;
   bool stop_ = false;
+  // The worker waits in the ring (for a completion, with its wake poll armed): push() then writes
+  // wake_fd_ (an eventfd) to end that wait. (Under mu_.)
+  bool waiting_in_ring_ = false;
+  int wake_fd_ = -1;
+  bool wake_armed_ = false;  // worker thread only
   // Worker thread only: chunks prepared in the SQ that the kernel has not taken yet, in
   // order; the refusals of submit in a row, since when; and, once the ring is given up, why.
   std::deque<Chunk*> unsent_;
@@ -604,7 +616,8 @@ UringWorker::UringWorker(UringEngine* eng, int index, const AioConfig& cfg)
   std::promise<int> ready;
   auto init = ready.get_future();
   thread_ = std::thread([this, &ready] {
-    const int rc = io_uring_queue_init(static_cast<unsigned>(cfg_.queue_depth), &ring_, 0);
+    // (One SQE more than the queue depth: the wake poll's.)
+    const int rc = io_uring_queue_init(static_cast<unsigned>(cfg_.queue_depth) + 1, &ring_, 0);
     ready.set_value(rc);
     if (rc == 0) run();
   });
@@ -625,14 +638,34 @@ UringWorker::~UringWorker() {
   cv_.notify_one();
   thread_.join();
   io_uring_queue_exit(&ring_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void UringWorker::push(std::vector<Chunk*>& chunks, std::size_t begin, std::size_t step) {
+  bool in_ring = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (std::size_t i = begin; i < chunks.size(); i += step) queue_.push_back(chunks[i]);
+    in_ring = waiting_in_ring_;
   }
-  cv_.notify_one();
+  if (in_ring) {
+    const std::uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof one);  // (a full counter is still readable: a wake)
+  } else {
+    cv_.notify_one();
+  }
+}
+
+bool UringWorker::arm_wake() {
+  if (wake_fd_ < 0) return false;
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) return false;
+  io_uring_prep_poll_add(sqe, wake_fd_, POLLIN);
+  io_uring_sqe_set_data(sqe, this);  // (a chunk's is the Chunk)
+  int rc;
+  do rc = io_uring_submit(&ring_);
+  while (rc == -EINTR);
+  return rc == 1;  // (refused: the SQE stays for the chunks' next submit, which arms it then)
 }
 
 void UringWorker::run_idle(std::function<void(io_uring&)> cmd) {
@@ -742,6 +775,7 @@ void UringWorker::give_up(int err, const std::string& why, std::size_t& inflight
 void UringWorker::run() {
   std::deque<Chunk*> local;  // taken from the queue, or requeued, not yet in the ring
   std::size_t inflight = 0;
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   const std::size_t qd = static_cast<std::size_t>(cfg_.queue_depth);
   const std::string lane = fmt::format("nvme{}", index_);
   for (;;) {
@@ -785,14 +819,34 @@ void UringWorker::run() {
       std::this_thread::sleep_for(backoff());
       continue;
     }
+    if (!wake_armed_ && unsent_.empty() && broken_.empty()) wake_armed_ = arm_wake();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Chunks queued since the top that there is room for: taken there, not after a wait.
+      if (!queue_.empty() && inflight < qd && (cfg_.overlap_events || inflight == 0) &&
+          unsent_.empty() && broken_.empty())
+        continue;
+      waiting_in_ring_ = wake_armed_;
+    }
     io_uring_cqe* cqe = nullptr;
     int rc = io_uring_wait_cqe(&ring_, &cqe);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_in_ring_ = false;
+    }
     if (rc == -EINTR) continue;
     // Its chunks are in the kernel, writing into their buffers: the only safe ends are their
     // completions or the process's.
     STRATA_CHECK(rc == 0, "io_uring_wait_cqe failed: {}", errno_text(-rc));
     Tracer& tracer = Tracer::global();
     do {
+      if (io_uring_cqe_get_data(cqe) == this) {  // the wake poll fired: new chunks are queued
+        io_uring_cqe_seen(&ring_, cqe);
+        std::uint64_t n = 0;
+        (void)!::read(wake_fd_, &n, sizeof n);
+        wake_armed_ = false;  // (a one-shot poll: armed again before the next wait)
+        continue;
+      }
       auto* c = static_cast<Chunk*>(io_uring_cqe_get_data(cqe));
       const long res = cqe->res;
       io_uring_cqe_seen(&ring_, cqe);
