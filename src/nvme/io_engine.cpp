@@ -473,6 +473,8 @@ class UringWorker {
   // completion (which serialized a write-behind behind a read-ahead). False when it could not be
   // armed: the worker then takes new chunks at the next completion, as before.
   bool arm_wake();
+  // Takes the wake poll out of the ring (its completion and the removal's reaped).
+  void disarm_wake();
 
   UringEngine* eng_;
   const AioConfig cfg_;
@@ -668,6 +670,31 @@ bool UringWorker::arm_wake() {
   return rc == 1;  // (refused: the SQE stays for the chunks' next submit, which arms it then)
 }
 
+void UringWorker::disarm_wake() {
+  if (!wake_armed_) return;
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) return;
+  io_uring_prep_poll_remove(sqe, static_cast<__u64>(reinterpret_cast<std::uintptr_t>(this)));
+  io_uring_sqe_set_data(sqe, &wake_fd_);  // (the removal's own completion)
+  int rc;
+  do rc = io_uring_submit(&ring_);
+  while (rc == -EINTR);
+  if (rc != 1) return;
+  // Two completions: the poll's (cancelled, or fired just before) and the removal's. The ring
+  // is idle: nothing else completes meanwhile.
+  for (int seen = 0; seen < 2;) {
+    io_uring_cqe* cqe = nullptr;
+    rc = io_uring_wait_cqe(&ring_, &cqe);
+    if (rc == -EINTR) continue;
+    if (rc != 0) return;
+    io_uring_cqe_seen(&ring_, cqe);
+    ++seen;
+  }
+  std::uint64_t n = 0;
+  (void)!::read(wake_fd_, &n, sizeof n);
+  wake_armed_ = false;
+}
+
 void UringWorker::run_idle(std::function<void(io_uring&)> cmd) {
   std::packaged_task<void()> task([this, &cmd] { cmd(ring_); });
   auto fut = task.get_future();
@@ -787,6 +814,7 @@ void UringWorker::run() {
         auto task = std::move(commands_.front());
         commands_.pop_front();
         lock.unlock();
+        disarm_wake();  // an idle ring: kernels before 5.18 quiesce it to register buffers or files
         task();
         lock.lock();
       }
