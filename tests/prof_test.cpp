@@ -1462,6 +1462,7 @@ TEST(ProfCli, TwoRanksTensorParallelPlanTheirSlicesAndCountTheAllReduces) {
   const std::string model = tiny_model(d.path);
   std::vector<std::string> args = validated_tiny(model, d.path);
   args.insert(args.end(), {"--tensor-parallel", "2", "--validate-spread", "0"});
+  *(std::find(args.begin(), args.end(), "--svg") + 1) = d.path + "/tp.svg";  // the tp lane drawn
   const auto r = prof_ranks(2, args, d.path, "prof-tp");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("tensor parallel 2 x data parallel 1"), std::string::npos) << r.out;
@@ -1486,6 +1487,10 @@ TEST(ProfCli, TwoRanksTensorParallelPlanTheirSlicesAndCountTheAllReduces) {
   std::stringstream ts;
   ts << tf.rdbuf();
   EXPECT_NE(ts.str().find("\"tp.all_reduce\""), std::string::npos);
+  std::ifstream svg(d.path + "/tp.svg");
+  std::stringstream ss;
+  ss << svg.rdbuf();
+  EXPECT_NE(ss.str().find(">tp</text>"), std::string::npos) << "no tp lane in the picture";
   // A TP size the job's ranks are not a multiple of: refused before anything is measured.
   const auto bad = prof_ranks(2,
                               {"--model-config", model, "--device", "cpu", "--no-nvme",

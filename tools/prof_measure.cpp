@@ -279,7 +279,9 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     m.nvme_mixed_request_s = 0;
     if (small < extent) {
       const double little = mixed_at(small, std::max<std::size_t>(count, 64));
-      if (little<big&& double(extent) / (big - little)> double(small) / little) {
+      // (a positive fixed part: little x extent > small x big; else the extent's rate stands)
+      const bool fixed_part = little * double(extent) > double(small) * big;
+      if (little < big && fixed_part) {
         const double rate = double(extent - small) / (big - little);
         m.nvme_mixed_request_s = std::max(0.0, little - double(small) / rate);
         m.nvme_mixed_bps = rate;
@@ -706,9 +708,11 @@ void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
   machine = measure_machine(*dev, *comm, *groups.dp, base, nvme.dir, all_paths, nvme.key, nvme.use,
                             shard * 12, shard * dtype_size(base.compute_dtype));
   machine.tensor_parallel = groups.tp_size;
-  if (groups.tp_size > 1)  // at the size of the centre micro-batch's activations
-    machine.tp_all_reduce_bps = measure_tp_all_reduce(
-        *dev, *groups.tp, std::size_t(a.micro_batch * a.seq_len * mcfg.hidden_size) * 4);
+  if (groups.tp_size > 1) {  // the centre micro-batch's activations, as the model sums them (fp32)
+    const std::int64_t B = a.micro_batches[a.micro_batches.size() / 2];
+    machine.tp_all_reduce_bps =
+        measure_tp_all_reduce(*dev, *groups.tp, std::size_t(B * a.seq_len * mcfg.hidden_size) * 4);
+  }
   if (dev->kind() == DeviceKind::kCpu) {
     machine.device_capacity = hopt.capacity_bytes;
     // Named with the cap the placements are planned for (the measuring one is sized up).

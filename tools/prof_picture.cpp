@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
+#include <iterator>
 
 #include "prof.h"
 #include "strata/error.h"
@@ -71,7 +72,9 @@ std::string svg_escape(const std::string& s) {
 void write_svg(const std::string& path, const Candidate& best,
                const std::vector<Interval>* measured, double measured_step_s,
                const std::vector<Candidate>& top) {
-  const char* colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948"};
+  const char* colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2",
+                          "#59a14f", "#edc948", "#b07aa1"};  // one a lane
+  static_assert(std::size(colors) == std::size_t(Resource::kCount), "a colour for every lane");
   const int lanes = int(Resource::kCount);
   const double width = 1000, left = 90, lane_h = 22;
   std::string body;

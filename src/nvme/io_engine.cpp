@@ -497,7 +497,9 @@ class UringWorker {
   // wake_fd_ (an eventfd) to end that wait. (Under mu_.)
   bool waiting_in_ring_ = false;
   int wake_fd_ = -1;
-  bool wake_armed_ = false;  // worker thread only
+  // Worker thread only: the poll is in the kernel; its SQE is prepared but the kernel refused it
+  // (the next submit carries it first: submit() counts it out); the poll failed (not used again).
+  bool wake_armed_ = false, wake_sqe_pending_ = false, wake_failed_ = false;
   // Worker thread only: chunks prepared in the SQ that the kernel has not taken yet, in
   // order; the refusals of submit in a row, since when; and, once the ring is given up, why.
   std::deque<Chunk*> unsent_;
@@ -659,36 +661,36 @@ void UringWorker::push(std::vector<Chunk*>& chunks, std::size_t begin, std::size
 }
 
 bool UringWorker::arm_wake() {
-  if (wake_fd_ < 0) return false;
-  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-  if (!sqe) return false;
-  io_uring_prep_poll_add(sqe, wake_fd_, POLLIN);
-  io_uring_sqe_set_data(sqe, this);  // (a chunk's is the Chunk)
-  int rc;
+  if (wake_fd_ < 0 || wake_failed_) return false;
+  if (!wake_sqe_pending_) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) return false;
+    io_uring_prep_poll_add(sqe, wake_fd_, POLLIN);
+    io_uring_sqe_set_data(sqe, this);  // (a chunk's is the Chunk)
+    wake_sqe_pending_ = true;
+  }
+  int rc;  // (called with no chunk unsent: the poll's is the only SQE)
   do rc = io_uring_submit(&ring_);
   while (rc == -EINTR);
-  return rc == 1;  // (refused: the SQE stays for the chunks' next submit, which arms it then)
+  if (rc < 1) return false;  // refused: it stays pending, for the next submit
+  wake_sqe_pending_ = false;
+  return true;
 }
 
 void UringWorker::disarm_wake() {
   if (!wake_armed_) return;
-  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-  if (!sqe) return;
-  io_uring_prep_poll_remove(sqe, static_cast<__u64>(reinterpret_cast<std::uintptr_t>(this)));
-  io_uring_sqe_set_data(sqe, &wake_fd_);  // (the removal's own completion)
-  int rc;
-  do rc = io_uring_submit(&ring_);
-  while (rc == -EINTR);
-  if (rc != 1) return;
-  // Two completions: the poll's (cancelled, or fired just before) and the removal's. The ring
-  // is idle: nothing else completes meanwhile.
-  for (int seen = 0; seen < 2;) {
+  // Fired, not removed: a removal is an SQE, and a submit would also hand the kernel any SQE a
+  // given-up ring left behind. The ring is idle: the poll's is the only completion to come.
+  const std::uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof one);
+  for (;;) {
     io_uring_cqe* cqe = nullptr;
-    rc = io_uring_wait_cqe(&ring_, &cqe);
+    const int rc = io_uring_wait_cqe(&ring_, &cqe);
     if (rc == -EINTR) continue;
     if (rc != 0) return;
+    const bool wake = io_uring_cqe_get_data(cqe) == this;
     io_uring_cqe_seen(&ring_, cqe);
-    ++seen;
+    if (wake) break;
   }
   std::uint64_t n = 0;
   (void)!::read(wake_fd_, &n, sizeof n);
@@ -753,6 +755,12 @@ void UringWorker::submit(std::size_t& inflight) {
     while (rc == -EINTR);
   }
   if (rc == 0 && !unsent_.empty()) rc = -EAGAIN;  // took nothing, said nothing: a refusal
+  if (rc > 0 && wake_sqe_pending_) {  // a refused wake poll went first: in the kernel now
+    wake_sqe_pending_ = false;
+    wake_armed_ = true;
+    --rc;
+    if (rc == 0 && !unsent_.empty()) rc = -EAGAIN;  // (none of the chunks taken: a refusal)
+  }
   if (rc > 0) {
     for (int i = 0; i < rc && !unsent_.empty(); ++i) unsent_.pop_front();
     refusals_ = 0;
@@ -850,11 +858,12 @@ void UringWorker::run() {
     if (!wake_armed_ && unsent_.empty() && broken_.empty()) wake_armed_ = arm_wake();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      // Chunks queued since the top that there is room for: taken there, not after a wait.
-      if (!queue_.empty() && inflight < qd && (cfg_.overlap_events || inflight == 0) &&
-          unsent_.empty() && broken_.empty())
-        continue;
-      waiting_in_ring_ = wake_armed_;
+      // Chunks queued since the top that there is room for: taken there, not after a wait (and
+      // with no room, a wake would take nothing).
+      const bool room_now = inflight < qd && (cfg_.overlap_events || inflight == 0) &&
+                            unsent_.empty() && broken_.empty();
+      if (!queue_.empty() && room_now) continue;
+      waiting_in_ring_ = wake_armed_ && room_now;
     }
     io_uring_cqe* cqe = nullptr;
     int rc = io_uring_wait_cqe(&ring_, &cqe);
@@ -869,6 +878,7 @@ void UringWorker::run() {
     Tracer& tracer = Tracer::global();
     do {
       if (io_uring_cqe_get_data(cqe) == this) {  // the wake poll fired: new chunks are queued
+        if (cqe->res < 0) wake_failed_ = true;   // refused by this kernel: chunks wait, as before
         io_uring_cqe_seen(&ring_, cqe);
         std::uint64_t n = 0;
         (void)!::read(wake_fd_, &n, sizeof n);
