@@ -687,10 +687,12 @@ void UringWorker::disarm_wake() {
     io_uring_cqe* cqe = nullptr;
     const int rc = io_uring_wait_cqe(&ring_, &cqe);
     if (rc == -EINTR) continue;
-    if (rc != 0) return;
+    STRATA_CHECK(rc == 0, "io_uring_wait_cqe failed: {}", errno_text(-rc));
     const bool wake = io_uring_cqe_get_data(cqe) == this;
+    // (Idle: no chunk is in the kernel, so the poll's is the only completion there can be.)
+    STRATA_CHECK(wake, "nvme ring {}: a chunk's completion on an idle ring", index_);
     io_uring_cqe_seen(&ring_, cqe);
-    if (wake) break;
+    break;
   }
   std::uint64_t n = 0;
   (void)!::read(wake_fd_, &n, sizeof n);
