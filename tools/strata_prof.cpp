@@ -105,19 +105,24 @@ void check_flags(const Args& a) {
     STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
 }
 
-// The --config (or the defaults), with the --aio block. Whether it gives a batch size (the
-// micro-batch, or train_batch_size: the user's global batch, as strata-train takes it), or leaves
-// the defaults, is set in `config_micro` and `config_train`.
+// The --config's text, read once (a.user_text: what read_config parses and written_json keeps).
+void read_config_text(Args& a) {
+  if (a.ds_config.empty()) return;
+  std::ifstream f(a.ds_config);
+  STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  a.user_text = ss.str();
+}
+
+// The --config (a.user_text, or the defaults), with the --aio block. Whether it gives a batch size
+// (the micro-batch, or train_batch_size: the user's global batch, as strata-train takes it), or
+// leaves the defaults, is set in `config_micro` and `config_train`.
 EngineConfig read_config(Args& a, int world_size, bool& config_micro, bool& config_train) {
   EngineConfig base = a.ds_config.empty() ? default_engine_config() : [&] {
-    std::ifstream f(a.ds_config);
-    STRATA_REQUIRE(f.good(), "--config {}: cannot be read", a.ds_config);
-    std::stringstream ss;
-    ss << f.rdbuf();
     // Parsed here too: a syntax error names the file, and the batch keys are read from it.
-    const config::Json top = config::parse(ss.str(), fmt::format("--config {}", a.ds_config));
-    EngineConfig c = parse_engine_config(ss.str(), world_size);
-    a.user_text = ss.str();
+    const config::Json top = config::parse(a.user_text, fmt::format("--config {}", a.ds_config));
+    EngineConfig c = parse_engine_config(a.user_text, world_size);
     config_train = top.is_object() && top.contains("train_batch_size");
     config_micro =
         config_train || (top.is_object() && top.contains("train_micro_batch_size_per_gpu"));
@@ -148,13 +153,8 @@ TensorParallel tensor_parallel_of(const Args& a, const LaunchInfo& job) {
   int tp = a.tensor_parallel;
   std::string from = "--tensor-parallel";
   if (tp == 0 && !a.ds_config.empty()) {
-    std::ifstream f(a.ds_config);
-    std::stringstream ss;
-    ss << f.rdbuf();
     from = fmt::format("--config {}: tensor_parallel.autotp_size", a.ds_config);
-    tp = f.good() || !ss.str().empty()
-             ? config_tensor_parallel(ss.str(), fmt::format("--config {}", a.ds_config))
-             : 1;  // (unreadable: read_config says so)
+    tp = config_tensor_parallel(a.user_text, fmt::format("--config {}", a.ds_config));
   }
   tp = std::max(tp, 1);
   STRATA_REQUIRE(
@@ -533,6 +533,7 @@ int run(Args a) {
   check_flags(a);
   check_data(a, mcfg);
   const LaunchInfo job = init_launch();
+  read_config_text(a);
   a.tp = tensor_parallel_of(a, job);
   // The ZeRO state is sharded over the data-parallel ranks: the batch keys count those.
   LaunchInfo launch = job;

@@ -473,7 +473,7 @@ class UringWorker {
   // completion (which serialized a write-behind behind a read-ahead). False when it could not be
   // armed: the worker then takes new chunks at the next completion, as before.
   bool arm_wake();
-  // Takes the wake poll out of the ring (its completion and the removal's reaped).
+  // Takes the wake poll out of an idle ring: fires it through wake_fd_ and reaps its completion.
   void disarm_wake();
 
   UringEngine* eng_;
