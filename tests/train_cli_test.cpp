@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -28,6 +29,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <random>
@@ -44,6 +46,7 @@
 #include "strata/tokenizer.h"
 #include "strata/trainer.h"
 #include "test_util.h"
+#include "trainer/train_job.h"
 
 namespace strata {
 namespace {
@@ -676,6 +679,45 @@ TEST_F(TrainCli, HuggingFaceAutoPrecisionClippingAndLrAreTheTrainersValues) {
   EXPECT_NE(r.out.find("parameters, fp32, 1 rank"), std::string::npos) << r.out;
   EXPECT_NEAR(nlohmann::json::parse(slurp(dir.path + "/flags.jsonl")).at("lr").get<double>(), 1e-4,
               1e-10);
+}
+
+// Ranks check the same --out at once: each makes the missing folders and removes what it made,
+// so one rank's mkdir can meet a folder another made (EEXIST) that is gone by the time it looks
+// whether it is a folder. Every check passes, and nothing is left behind.
+TEST(TrainSetup, RanksCheckingTheSameFolderAtOnceAllPass) {
+  TempDir dir;
+  constexpr int kThreads = 3, kRounds = 1000;
+  std::atomic<int> failures{0};
+  std::string first_error;
+  std::mutex mu;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string out = fmt::format("{}/r{}/two", dir.path, round);
+    std::atomic<int> ready{0};
+    std::vector<std::thread> ranks;
+    for (int t = 0; t < kThreads; ++t)
+      ranks.emplace_back([&] {
+        ready.fetch_add(1);
+        while (ready.load() < kThreads) std::this_thread::yield();
+        try {
+          train_job::require_creatable_folder("--out", out);
+        } catch (const Error& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (failures.fetch_add(1) == 0) first_error = e.what();
+        }
+      });
+    for (auto& r : ranks) r.join();
+    EXPECT_FALSE(fs::exists(fmt::format("{}/r{}", dir.path, round))) << "round " << round;
+  }
+  EXPECT_EQ(failures.load(), 0) << first_error;
+  // A file where the folder would go is still refused, naming it.
+  const std::string file = dir.path + "/a-file";
+  std::ofstream(file) << "x";
+  try {
+    train_job::require_creatable_folder("--out", file + "/two");
+    ADD_FAILURE() << "a path under a file was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--out " + file + "/two"), std::string::npos) << e.what();
+  }
 }
 
 // The schedules after warmup, one step on from Hugging Face's lambdas: linear (the Trainer's

@@ -138,6 +138,10 @@ struct Run {
   Clock::time_point loop_start;
 };
 
+// That the folder `path` (given as `flag`) can be made, leaving nothing made behind; ranks may
+// check the same path at once. Throws kInvalidArgument naming the flag and the fix.
+void require_creatable_folder(const std::string& flag, const std::string& path);
+
 // ---- set-up (trainer_setup.cpp), in this order ----
 void check_flags(Settings& s);
 void read_model_config(Settings& s);

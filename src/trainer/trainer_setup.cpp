@@ -9,12 +9,14 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "core/json_config.h"
 #include "strata/corpus.h"
@@ -52,6 +54,8 @@ fs::path nearest_existing(const std::string& path) {
   return up;
 }
 
+}  // namespace
+
 // A folder the run will make (--out, the checkpoints') can be made: some file systems pass the
 // write check on an existing ancestor and still refuse the mkdir (/proc, /sys; NFS with root
 // squashed), which was found when the model was written, after the whole training. Made now,
@@ -75,15 +79,31 @@ void require_creatable_folder(const std::string& flag, const std::string& path) 
       else if (ec)
         break;
     }
-    if (ec != std::errc::no_such_file_or_directory) break;
+    // A parent another rank removed meanwhile (ENOENT), or a folder another rank made and removed
+    // between this mkdir's EEXIST and its is-a-folder check (EEXIST with nothing there now).
+    if (ec == std::errc::no_such_file_or_directory) continue;
+    std::error_code now;
+    if (ec == std::errc::file_exists && !fs::exists(p, now) && !now) continue;
+    break;
   }
-  std::error_code ignored;
-  for (auto it = made.rbegin(); it != made.rend(); ++it) fs::remove(*it, ignored);
+  // A folder this call made can hold, for a moment, one another rank made in it (and removes
+  // again): its removal is tried a while longer. One that stays filled (a rank that has gone on
+  // to write there) is left.
+  for (auto it = made.rbegin(); it != made.rend(); ++it) {
+    std::error_code rm;
+    for (int wait = 0; wait < 50; ++wait) {
+      rm.clear();
+      if (fs::remove(*it, rm) || rm != std::errc::directory_not_empty) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   if (ec)
     STRATA_THROW(kInvalidArgument,
                  "{} {}: the folder cannot be made there: {}; give a folder on a writable drive",
                  flag, path, ec.message());
 }
+
+namespace {
 
 // Whether `folder` is a folder this process can write in (write_errno 0), found once.
 struct FolderCheck {
