@@ -34,6 +34,17 @@ double best_of(int reps, F f) {
   return best;
 }
 
+// The median of `reps` runs: for what the steps will meet rather than a bound. A virtualised
+// drive's rate moves by tens of percent from one short window to the next; the fastest of a few
+// windows is a rate the validated steps rarely see.
+template <class F>
+double median_of(int reps, F f) {
+  std::vector<double> v;
+  for (int i = 0; i < reps; ++i) v.push_back(f());
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 // Several ranks: every rank searches with the same figures, the slowest rank's (the lowest rate,
 // the longest time, the smallest capacity: a data-parallel step waits for its slowest rank),
 // so all of them rank the candidates alike and validate the same ones. One all-reduce (max)
@@ -232,8 +243,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     return since(t0);
   };
   run(true);  // allocate the extents on disk
-  const double w = best_of(2, [&] { return run(true); });
-  const double r = best_of(2, [&] { return run(false); });
+  const double w = median_of(3, [&] { return run(true); });
+  const double r = median_of(3, [&] { return run(false); });
   m.nvme_write_bps = double(extent * count) / w;
   m.nvme_read_bps = double(extent * count) / r;
   // (Reads of fewer bytes than an extent go to keys written at that size: with aio.verify a read
@@ -251,22 +262,23 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // gradients go out): the time a request of `bytes`, `n` of them.
   auto mixed_at = [&](std::size_t bytes, std::size_t n) {
     const std::string prefix = written_keys("m", bytes, n);
-    return best_of(2,
-                   [&] {
-                     const auto t0 = Clock::now();
-                     std::deque<IoHandle> hs;
-                     for (std::size_t i = 0; i < n; ++i) {
-                       if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each
-                         hs.front().wait();           // `depth` deep
-                         hs.pop_front();
-                       }
-                       void* b = bufs[i % bufs.size()].data();
-                       const std::string key = fmt::format("{}{}", prefix, i);
-                       hs.push_back(i % 2 ? store.write(key, b, bytes) : store.read(key, b, bytes));
-                     }
-                     for (auto& h : hs) h.wait();
-                     return since(t0);
-                   }) /
+    return median_of(
+               3,
+               [&] {
+                 const auto t0 = Clock::now();
+                 std::deque<IoHandle> hs;
+                 for (std::size_t i = 0; i < n; ++i) {
+                   if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each
+                     hs.front().wait();           // `depth` deep
+                     hs.pop_front();
+                   }
+                   void* b = bufs[i % bufs.size()].data();
+                   const std::string key = fmt::format("{}{}", prefix, i);
+                   hs.push_back(i % 2 ? store.write(key, b, bytes) : store.read(key, b, bytes));
+                 }
+                 for (auto& h : hs) h.wait();
+                 return since(t0);
+               }) /
            double(n);
   };
   // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
@@ -296,14 +308,14 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     const std::size_t small = 64 << 10, reads = 16;
     auto one_at_a_time = [&](std::size_t bytes) {
       const std::string prefix = written_keys("s", bytes, reads);
-      return best_of(2,
-                     [&] {
-                       const auto t0 = Clock::now();
-                       for (std::size_t i = 0; i < reads; ++i)
-                         store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes)
-                             .wait();
-                       return since(t0);
-                     }) /
+      return median_of(3,
+                       [&] {
+                         const auto t0 = Clock::now();
+                         for (std::size_t i = 0; i < reads; ++i)
+                           store.read(fmt::format("{}{}", prefix, i % count), bufs[0].data(), bytes)
+                               .wait();
+                         return since(t0);
+                       }) /
              double(reads);
     };
     const double big = one_at_a_time(extent), little = one_at_a_time(small);
@@ -318,7 +330,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
       SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
   const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
   const std::string w_prefix = written_keys("w", w_extent, count);
-  const double fetch = best_of(2, [&] {
+  const double fetch = median_of(3, [&] {
     const auto t0 = Clock::now();
     for (std::size_t i = 0; i < w_count; ++i)
       store.read(fmt::format("{}{}", w_prefix, i % count), bufs[0].data(), w_extent).wait();
@@ -487,13 +499,22 @@ struct LayerTiming {
   std::uint64_t embed_fb = 0, embed_bb = 0, layer_fb = 0, layer_bb = 0, head_fb = 0;
 };
 
-// Runs a copy of `base` with `layers` layers for a few micro-batches; per-unit times (median
-// over the repetitions) and the device bytes beyond the weights at the peak. Under tensor
+// One profile's settings: the micro-batch and the checkpointing.
+struct ProfileKey {
+  std::int64_t B = 1;
+  bool ckpt = false, ckpt_host = false;
+};
+
+// Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one;
+// per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
 // parallelism (`tp` > 1: every rank runs this in the same order) each TP rank runs its slices,
 // the TP collectives in the times.
-LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std::int64_t T,
-                        bool ckpt, bool ckpt_host, DType dt, const std::string& device,
-                        const HostDeviceOptions& hopt, const CudaDeviceOptions& copt, int tp) {
+std::vector<LayerTiming> time_layers(const ModelConfig& base, int layers, const ProfileKey& k,
+                                     std::int64_t T, DType dt, const std::string& device,
+                                     const HostDeviceOptions& hopt, const CudaDeviceOptions& copt,
+                                     int tp, int reps) {
+  const std::int64_t B = k.B;
+  const bool ckpt = k.ckpt, ckpt_host = k.ckpt_host;
   ModelConfig cfg = base;
   cfg.num_layers = layers;
   auto dev = make_device(device, hopt, copt);
@@ -523,9 +544,8 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
     b.targets.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
   }
   const std::size_t base_bytes = dev->stats().bytes_in_use;
-  std::vector<LayerTiming> reps;
-  const int kReps = 7;  // the median of 7: short layers on a shared machine are noisy
-  for (int r = 0; r <= kReps; ++r) {
+  std::vector<LayerTiming> out;
+  for (int r = 0; r <= reps; ++r) {
     model.forward(b, sw);
     sw.mark_end();
     model.backward(sw);
@@ -574,32 +594,35 @@ LayerTiming time_layers(const ModelConfig& base, int layers, std::int64_t B, std
     t.layer_bb = lbb / L;
     t.embed_b = d(g0, b_end);
     t.embed_bb = tb(g0, b_end);
-    reps.push_back(t);
+    out.push_back(t);
   }
+  const std::size_t peak = dev->stats().peak_bytes_in_use;
+  for (LayerTiming& t : out) t.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
+  return out;
+}
+
+// Each time the median over the repetitions (the TP bytes and the activations are the same in
+// every one).
+LayerTiming median_timing(const std::vector<LayerTiming>& reps) {
   auto median = [&](double LayerTiming::*f) {
     std::vector<double> v;
     for (auto& r : reps) v.push_back(r.*f);
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  LayerTiming out = reps.front();  // (the TP bytes: the same every repetition)
+  LayerTiming out = reps.front();
   for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
                  &LayerTiming::layer_b, &LayerTiming::head_f})
     out.*f = median(f);
-  const std::size_t peak = dev->stats().peak_bytes_in_use;
-  out.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
   return out;
 }
 
-// (`tp`, `tp_rank`: the tensor-parallel size and this rank's place: the units are its slices)
-ModelProfile profile_model(const ModelConfig& mcfg, std::int64_t B, std::int64_t T, bool ckpt,
-                           bool ckpt_host, DType dt, const std::string& device,
-                           const HostDeviceOptions& hopt, const CudaDeviceOptions& copt,
-                           TensorParallel tpl) {
-  const LayerTiming one =
-      time_layers(mcfg, 1, B, T, ckpt, ckpt_host, dt, device, hopt, copt, tpl.size);
-  const LayerTiming two =
-      time_layers(mcfg, 2, B, T, ckpt, ckpt_host, dt, device, hopt, copt, tpl.size);
+// A profile from the 1-layer copy's activations and the 2-layer copy's times (the units are this
+// rank's slices under tensor parallelism).
+ModelProfile profile_model(const ModelConfig& mcfg, const ProfileKey& k, std::int64_t T,
+                           TensorParallel tpl, const LayerTiming& one, const LayerTiming& two) {
+  const std::int64_t B = k.B;
+  const bool ckpt = k.ckpt, ckpt_host = k.ckpt_host;
   ModelProfile mp;
   mp.micro_batch = B;
   mp.seq_len = T;
@@ -738,10 +761,30 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     space.param_nvme_paths = nvme.param_paths;
   }
   const DType dt = base.compute_dtype;
+  std::vector<ProfileKey> keys;
   for (auto B : a.micro_batches)
     for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
-      space.models.push_back(profile_model(mcfg, B, a.seq_len, ck > 0, ck == 2, dt, a.device,
-                                           dopt.mhopt, dopt.copt, a.tp));
+      keys.push_back({B, ck > 0, ck == 2});
+  // The 1-layer copies give the activations only (one micro-batch each). The 2-layer copies'
+  // times are taken in rounds that go over every profile in turn, the median over all of them:
+  // a shared host's speed moves over a second or so, and each profile timed in one stretch
+  // could land in a fast or a slow one (a layer timed 20% fast, its profile's placements
+  // ranked wrongly against the others').
+  constexpr int kRounds = 3, kRepsPerRound = 3;
+  std::vector<LayerTiming> one;
+  std::vector<std::vector<LayerTiming>> two(keys.size());
+  for (const ProfileKey& k : keys)
+    one.push_back(
+        time_layers(mcfg, 1, k, a.seq_len, dt, a.device, dopt.mhopt, dopt.copt, a.tp.size, 1)
+            .front());
+  for (int round = 0; round < kRounds; ++round)
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      for (const LayerTiming& t : time_layers(mcfg, 2, keys[i], a.seq_len, dt, a.device, dopt.mhopt,
+                                              dopt.copt, a.tp.size, kRepsPerRound))
+        two[i].push_back(t);
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    space.models.push_back(
+        profile_model(mcfg, keys[i], a.seq_len, a.tp, one[i], median_timing(two[i])));
   if (world_size * a.tp.size > 1) {
     auto dev = make_device(a.device, dopt.hopt, dopt.copt);
     auto comm = make_communicator(*dev);
