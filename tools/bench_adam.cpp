@@ -374,10 +374,10 @@ bool report_row(const Bench& b, const Mode& mode, int threads, const Row& r, nlo
   // The loop moves the same bytes as the step: one more probe of what this machine can move.
   const double bound = std::max({r.triad, r.triad_nt, r.pattern, ds_gbps});
   const double scalar_gps = n / r.sec_scalar / 1e9;
-  const bool broken_bound = gbps / bound > 1.02;
+  const bool broken = broken_bound(gbps / bound);
   std::printf("%-28s %3d %5.0f %9.3f %8.2f %9.2f %9.2f %9.2f %8.2f %9.3f %9.2f%s\n",
               mode.name().c_str(), threads, bpp, gps, gbps, r.triad, r.triad_nt, r.pattern,
-              gbps / bound, scalar_gps, gps / scalar_gps, broken_bound ? "  broken bound" : "");
+              gbps / bound, scalar_gps, gps / scalar_gps, broken_bound_note(gbps / bound));
   nlohmann::json row = {{"grads", std::string(dtype_name(mode.grad))},
                         {"states", std::string(dtype_name(mode.state))},
                         {"copy_out", mode.copy ? "bf16" : "none"},
@@ -391,7 +391,7 @@ bool report_row(const Bench& b, const Mode& mode, int threads, const Row& r, nlo
                         {"same_pattern_gbps", r.pattern},
                         {"bound_gbps", bound},
                         {"ratio_vs_bound", gbps / bound},
-                        {"broken_bound", broken_bound},
+                        {"broken_bound", broken},
                         {"scalar_gparams_per_s", scalar_gps},
                         {"ratio_vs_scalar", gps / scalar_gps}};
   if (r.ds_style_sec > 0) {
@@ -403,7 +403,7 @@ bool report_row(const Bench& b, const Mode& mode, int threads, const Row& r, nlo
     row["ratio_vs_ds_style"] = gps / ds_gps;
   }
   rows.push_back(std::move(row));
-  return broken_bound;
+  return broken;
 }
 
 constexpr const char* kDsStyleName =

@@ -29,6 +29,15 @@ void add_tokenize_command(CLI::App& app);
 
 // Prints `figures` as one line of JSON on stdout (call it last, when --json is given).
 void print_json(const nlohmann::json& figures);
+
+// A ratio of a measured rate to a bound measured in the same run (a rate it cannot truly beat):
+// above 1.02 the bound, not the measurement, is wrong, and the output says "broken bound" (the
+// table's `broken_bound_note`, `broken_bound` in the JSON), never a success.
+constexpr double kBrokenBoundRatio = 1.02;
+inline bool broken_bound(double ratio) { return ratio > kBrokenBoundRatio; }
+inline const char* broken_bound_note(double ratio) {
+  return broken_bound(ratio) ? "  broken bound" : "";
+}
 // The config.json of a Llama of these sizes (model, tp: their --hidden, --layers, ... flags), its
 // context `seq` positions.
 nlohmann::json llama_config_json(std::int64_t vocab, std::int64_t hidden, std::int64_t inter,

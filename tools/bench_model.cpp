@@ -227,8 +227,9 @@ void run(const Args& a) {
         i == 0 ? fmt::format("; {}", route).c_str() : "");
   std::printf("  %-28s %12.1f  (the faster dtype per shape)\n", "reference GEMM GFLOP/s",
               reference);
-  std::printf("  %-28s %12.3f  (share of %s's rate on the model's GEMMs)\n", "ratio vs matmul",
-              gflops / reference, cuda ? "cuBLAS" : "oneDNN");
+  std::printf("  %-28s %12.3f  (share of %s's rate on the model's GEMMs)%s\n", "ratio vs matmul",
+              gflops / reference, cuda ? "cuBLAS" : "oneDNN",
+              broken_bound_note(gflops / reference));
   if (a.json) {
     nlohmann::json j = {{"command", "model"},
                         {"device", dev->name()},
@@ -256,6 +257,7 @@ void run(const Args& a) {
                               : std::string("fp32"));
     j["reference_gemm_gflops"] = reference;
     j["ratio_vs_matmul"] = gflops / reference;
+    j["broken_bound"] = broken_bound(gflops / reference);
     j["gemm_shapes"] = shape_rows;
     if (!cuda) {
       const cpu::CpuPaths paths = cpu::cpu_paths();
