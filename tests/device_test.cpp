@@ -181,6 +181,25 @@ TEST_P(DeviceTest, AllocFreeAndStatsAreExact) {
   EXPECT_EQ(after.num_frees - before.num_frees, 5u);
 }
 
+// The peak restarts from what is in use: what came before no longer counts, what stays does.
+TEST_P(DeviceTest, PeakRestartsFromTheBytesInUse) {
+  Buffer keep = dev->alloc(1 << 20, s.get());
+  { Buffer big = dev->alloc(8 << 20, s.get()); }
+  s->synchronize();
+  const DeviceStats before = dev->stats();
+  EXPECT_GE(before.peak_bytes_in_use, before.bytes_in_use + (8u << 20));
+  dev->reset_peak_stats();
+  EXPECT_EQ(dev->stats().peak_bytes_in_use, before.bytes_in_use);
+  {
+    Buffer small = dev->alloc(2 << 20, s.get());
+    EXPECT_EQ(dev->stats().peak_bytes_in_use, dev->stats().bytes_in_use);
+  }
+  s->synchronize();
+  const DeviceStats after = dev->stats();
+  EXPECT_GE(after.peak_bytes_in_use, before.bytes_in_use + (2u << 20));
+  EXPECT_LT(after.peak_bytes_in_use, before.bytes_in_use + (8u << 20));
+}
+
 TEST_P(DeviceTest, OverBudgetNamesRequestedInUseAndCap) {
   auto small = GetParam().make(std::size_t(1) << 20);
   Buffer keep = small->alloc(576 * 1024);  // a multiple of 64 KiB: no allocator rounds it

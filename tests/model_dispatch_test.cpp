@@ -115,6 +115,7 @@ class OwnDevice final : public Device {
     return std::make_unique<InertStream>(this, std::move(name));
   }
   DeviceStats stats() const override { return {}; }
+  void reset_peak_stats() override {}
   void synchronize() override {}
   const model_ops::Backend* model_kernels() const override { return kernels_; }
 

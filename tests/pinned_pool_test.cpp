@@ -337,6 +337,7 @@ class RecordingDevice final : public Device {
   std::string name() const override { return "recording"; }
   std::unique_ptr<Stream> create_stream(std::string) override { return nullptr; }
   DeviceStats stats() const override { return {}; }
+  void reset_peak_stats() override {}
   void synchronize() override {}
   bool register_host(void* ptr, std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu);

@@ -505,34 +505,31 @@ struct ProfileKey {
   bool ckpt = false, ckpt_host = false;
 };
 
-// Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one;
+// Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
+// `dev` (every copy on the same device: under tensor parallelism its communicators are made once);
 // per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
-// parallelism (`tp` > 1: every rank runs this in the same order) each TP rank runs its slices,
-// the TP collectives in the times.
-std::vector<LayerTiming> time_layers(const ModelConfig& base, int layers, const ProfileKey& k,
-                                     std::int64_t T, DType dt, const std::string& device,
-                                     const HostDeviceOptions& hopt, const CudaDeviceOptions& copt,
-                                     int tp, int reps) {
+// parallelism (`tp_group` set: every rank runs this in the same order) each TP rank runs its
+// slices, the TP collectives in the times.
+std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const ModelConfig& base,
+                                     int layers, const ProfileKey& k, std::int64_t T, DType dt,
+                                     int reps) {
   const std::int64_t B = k.B;
   const bool ckpt = k.ckpt, ckpt_host = k.ckpt_host;
   ModelConfig cfg = base;
   cfg.num_layers = layers;
-  auto dev = make_device(device, hopt, copt);
-  std::unique_ptr<Communicator> world;
-  ProcessGroups groups;
-  if (tp > 1) {
-    world = make_communicator(*dev);
-    groups = make_process_groups(*world, tp);
-  }
-  auto s = dev->create_stream("compute");
+  // What the copies before left is freed (their frees ordered on their streams, gone now); the
+  // peak counts from here, as on a device of its own.
+  dev.synchronize();
+  dev.reset_peak_stats();
+  auto s = dev.create_stream("compute");
   ModelOptions mo;
-  mo.tensor_parallel = groups.tp.get();
+  mo.tensor_parallel = tp_group;
   mo.micro_batch = B;
   mo.seq_len = T;
   mo.compute = dt;
   mo.checkpoint = ckpt;
   mo.checkpoint_on_host = ckpt && ckpt_host;
-  Model model(cfg, *dev, *s, mo);
+  Model model(cfg, dev, *s, mo);
   ResidentWeights rw(model, *s);
   rw.init_random(1);
   s->synchronize();
@@ -543,7 +540,7 @@ std::vector<LayerTiming> time_layers(const ModelConfig& base, int layers, const 
     b.tokens.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
     b.targets.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
   }
-  const std::size_t base_bytes = dev->stats().bytes_in_use;
+  const std::size_t base_bytes = dev.stats().bytes_in_use;
   std::vector<LayerTiming> out;
   for (int r = 0; r <= reps; ++r) {
     model.forward(b, sw);
@@ -596,7 +593,7 @@ std::vector<LayerTiming> time_layers(const ModelConfig& base, int layers, const 
     t.embed_bb = tb(g0, b_end);
     out.push_back(t);
   }
-  const std::size_t peak = dev->stats().peak_bytes_in_use;
+  const std::size_t peak = dev.stats().peak_bytes_in_use;
   for (LayerTiming& t : out) t.activation_bytes = peak > base_bytes ? peak - base_bytes : 0;
   return out;
 }
@@ -773,15 +770,24 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   constexpr int kRounds = 3, kRepsPerRound = 3;
   std::vector<LayerTiming> one;
   std::vector<std::vector<LayerTiming>> two(keys.size());
-  for (const ProfileKey& k : keys)
-    one.push_back(
-        time_layers(mcfg, 1, k, a.seq_len, dt, a.device, dopt.mhopt, dopt.copt, a.tp.size, 1)
-            .front());
-  for (int round = 0; round < kRounds; ++round)
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      for (const LayerTiming& t : time_layers(mcfg, 2, keys[i], a.seq_len, dt, a.device, dopt.mhopt,
-                                              dopt.copt, a.tp.size, kRepsPerRound))
-        two[i].push_back(t);
+  {
+    // One device for every copy (and under tensor parallelism one set of communicators: NCCL's
+    // are slow to make), gone before the ranks agree below.
+    auto mdev = make_device(a.device, dopt.mhopt, dopt.copt);
+    std::unique_ptr<Communicator> world;
+    ProcessGroups groups;
+    if (a.tp.size > 1) {
+      world = make_communicator(*mdev);
+      groups = make_process_groups(*world, a.tp.size);
+    }
+    for (const ProfileKey& k : keys)
+      one.push_back(time_layers(*mdev, groups.tp.get(), mcfg, 1, k, a.seq_len, dt, 1).front());
+    for (int round = 0; round < kRounds; ++round)
+      for (std::size_t i = 0; i < keys.size(); ++i)
+        for (const LayerTiming& t :
+             time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[i], a.seq_len, dt, kRepsPerRound))
+          two[i].push_back(t);
+  }
   for (std::size_t i = 0; i < keys.size(); ++i)
     space.models.push_back(
         profile_model(mcfg, keys[i], a.seq_len, a.tp, one[i], median_timing(two[i])));

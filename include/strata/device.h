@@ -319,6 +319,8 @@ class Device {
   Buffer alloc(std::size_t bytes, Stream* stream = nullptr);
   virtual std::unique_ptr<Stream> create_stream(std::string name) = 0;
   virtual DeviceStats stats() const = 0;
+  // Restarts peak_bytes_in_use from the bytes in use now (the peak of what comes next).
+  virtual void reset_peak_stats() = 0;
   // Blocks until every stream of this device is idle.
   virtual void synchronize() = 0;
 

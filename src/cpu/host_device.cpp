@@ -264,6 +264,10 @@ class HostDevice final : public Device {
     s.bytes_reserved = arena_.high_water();
     return s;
   }
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  }
 
   // Every stream drained, a failed one too (what a caller frees after catching must be idle);
   // the first failure is rethrown after, and the other streams keep theirs for their own

@@ -407,6 +407,7 @@ class CudaDevice final : public Device {
   std::string name() const override { return fmt::format("{} (cuda:{})", gpu_name_, ordinal_); }
   std::unique_ptr<Stream> create_stream(std::string name) override;
   DeviceStats stats() const override;
+  void reset_peak_stats() override;
   void synchronize() override;
   bool register_host(void* ptr, std::size_t bytes) override;
   void unregister_host(void* ptr) override;
@@ -634,6 +635,11 @@ DeviceStats CudaDevice::stats() const {
   DeviceStats s = stats_;
   s.capacity_bytes = capacity_;
   return s;
+}
+
+void CudaDevice::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes_in_use = stats_.bytes_in_use;
 }
 
 void CudaDevice::synchronize() {
