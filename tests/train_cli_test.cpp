@@ -681,9 +681,9 @@ TEST_F(TrainCli, HuggingFaceAutoPrecisionClippingAndLrAreTheTrainersValues) {
               1e-10);
 }
 
-// Ranks check the same --out at once: each makes the missing folders and removes what it made,
-// so one rank's mkdir can meet a folder another made (EEXIST) that is gone by the time it looks
-// whether it is a folder. Every check passes, and nothing is left behind.
+// Ranks check the same --out at once (each made the missing folders and removed what it made, so
+// one rank's mkdir met a folder another had made and removed before it looked: EEXIST). Every
+// check passes, nothing is left behind, and no folder of the path is ever made.
 TEST(TrainSetup, RanksCheckingTheSameFolderAtOnceAllPass) {
   TempDir dir;
   constexpr int kThreads = 3, kRounds = 1000;
@@ -709,6 +709,23 @@ TEST(TrainSetup, RanksCheckingTheSameFolderAtOnceAllPass) {
     EXPECT_FALSE(fs::exists(fmt::format("{}/r{}", dir.path, round))) << "round " << round;
   }
   EXPECT_EQ(failures.load(), 0) << first_error;
+  EXPECT_TRUE(fs::is_empty(dir.path)) << fs::directory_iterator(dir.path)->path();
+  // A folder that exists passes without anything made in it.
+  fs::create_directories(dir.path + "/there");
+  train_job::require_creatable_folder("--out", dir.path + "/there");
+  EXPECT_TRUE(fs::is_empty(dir.path + "/there"));
+  // A drive no one may make folders on is refused, naming the flag, the path and the reason.
+  if (fs::is_directory("/proc/self")) {
+    try {
+      train_job::require_creatable_folder("--out", "/proc/self/strata-out");
+      ADD_FAILURE() << "a folder under /proc/self was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--out /proc/self/strata-out: the folder cannot be made "
+                                           "there"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // A file where the folder would go is still refused, naming it.
   const std::string file = dir.path + "/a-file";
   std::ofstream(file) << "x";

@@ -5,18 +5,19 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
-#include <chrono>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
-#include <thread>
 
 #include "core/json_config.h"
 #include "strata/corpus.h"
@@ -58,49 +59,26 @@ fs::path nearest_existing(const std::string& path) {
 
 // A folder the run will make (--out, the checkpoints') can be made: some file systems pass the
 // write check on an existing ancestor and still refuse the mkdir (/proc, /sys; NFS with root
-// squashed), which was found when the model was written, after the whole training. Made now,
-// and removed again (the run makes it when it writes there).
+// squashed), which was found when the model was written, after the whole training. A folder of a
+// name no one else uses is made in the nearest existing folder of `path` and removed again: the
+// ranks check the same paths at once, and making the real folders (each rank removing what it
+// made) let one rank's mkdir meet a folder another had made and removed before it looked. Nothing
+// of the user's is made or touched ("link/../X" is not the lexical X).
 void require_creatable_folder(const std::string& flag, const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) return;
-  // One level at a time, and only the folders this call made are removed again, each only while
-  // empty: never one that was there ("link/../X" is not the lexical X: a folder of the user's was
-  // removed), nor one another rank made or filled meanwhile (ranks check the same paths at once;
-  // a parent another rank removed is made again).
-  std::vector<fs::path> made;
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    fs::path p;
-    ec.clear();
-    for (const fs::path& part : fs::path(path)) {
-      if (part.empty()) continue;
-      p /= part;
-      if (fs::create_directory(p, ec))
-        made.push_back(p);
-      else if (ec)
-        break;
-    }
-    // A parent another rank removed meanwhile (ENOENT), or a folder another rank made and removed
-    // between this mkdir's EEXIST and its is-a-folder check (EEXIST with nothing there now).
-    if (ec == std::errc::no_such_file_or_directory) continue;
-    std::error_code now;
-    if (ec == std::errc::file_exists && !fs::exists(p, now) && !now) continue;
-    break;
-  }
-  // A folder this call made can hold, for a moment, one another rank made in it (and removes
-  // again): its removal is tried a while longer. One that stays filled (a rank that has gone on
-  // to write there) is left.
-  for (auto it = made.rbegin(); it != made.rend(); ++it) {
-    std::error_code rm;
-    for (int wait = 0; wait < 50; ++wait) {
-      rm.clear();
-      if (fs::remove(*it, rm) || rm != std::errc::directory_not_empty) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-  if (ec)
+  const fs::path base = nearest_existing(path);
+  // Unique across ranks, threads and hosts sharing the drive.
+  static std::atomic<std::uint64_t> counter{0};
+  const fs::path probe = base / fmt::format(".strata-mkdir-check-{:x}-{:x}-{:x}", ::getpid(),
+                                            std::random_device{}(), counter.fetch_add(1));
+  if (::mkdir(probe.c_str(), 0700) != 0) {
+    const int err = errno;
     STRATA_THROW(kInvalidArgument,
                  "{} {}: the folder cannot be made there: {}; give a folder on a writable drive",
-                 flag, path, ec.message());
+                 flag, path, std::strerror(err));
+  }
+  ::rmdir(probe.c_str());
 }
 
 namespace {
@@ -119,17 +97,9 @@ FolderCheck check_folder(const fs::path& folder) {
   return c;
 }
 
-// The same of the nearest existing folder of `path`. The ranks run require_creatable_folder on
-// the same paths at once, so the nearest existing folder can be one another rank made for a
-// moment and has removed by the time it is checked: then it is looked for again.
+// The same of the nearest existing folder of `path`.
 FolderCheck check_nearest_existing(const std::string& path) {
-  FolderCheck c;
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    c = check_folder(nearest_existing(path));
-    std::error_code ec;
-    if (c.ok() || fs::exists(c.folder, ec)) break;
-  }
-  return c;
+  return check_folder(nearest_existing(path));
 }
 
 // Checked before the first step, not when the file is written: the checked folder (the file's,
@@ -306,8 +276,7 @@ void check_files(Settings& s) {
   if (!o.out_dir.empty()) {
     // Checked now, not after the training: a folder (never a file of the user's, even with
     // --overwrite) under a writable folder.
-    // One look at it: the other ranks' checks make and remove the folder meanwhile, so two
-    // (exists, then is_directory) could see it made and then gone.
+    // One look at it.
     std::error_code ec;
     const fs::file_status st = fs::status(o.out_dir, ec);
     STRATA_REQUIRE(!fs::exists(st) || fs::is_directory(st),
