@@ -441,7 +441,9 @@ TEST_F(Collectives, ProcessGroupsArrangeTensorTimesDataParallel) {
       if (tp > 1) {
         EXPECT_EQ(tps, 1) << "tp " << tp;
         EXPECT_EQ(plain, 0) << "tp " << tp;
-        if (W / tp > 1) EXPECT_EQ(dps, 1) << "tp " << tp;
+        if (W / tp > 1) {
+          EXPECT_EQ(dps, 1) << "tp " << tp;
+        }
       } else {
         EXPECT_GE(plain, 1) << "tp " << tp;
         EXPECT_EQ(tps + dps, 0) << "tp " << tp;

@@ -325,8 +325,9 @@ TEST(ModelTpLayout, SlicesTileEachTensorOnceAndSizesThatDoNotDivideAreRefused) {
             ASSERT_GT(run, 0u) << p.name << " at " << i;
             for (std::size_t k = 1; k < run; ++k)
               ASSERT_EQ(p.full_index(i + k), p.full_index(i) + k) << p.name << " at " << i + k;
-            if (i + run < p.numel)
+            if (i + run < p.numel) {
               EXPECT_NE(p.full_index(i + run), p.full_index(i + run - 1) + 1) << p.name;
+            }
             i += run;
           }
           EXPECT_EQ(p.contiguous_from(p.numel), 0u);

@@ -410,9 +410,10 @@ void compare_engine(EngineConfig ec, const std::string& what,
             worst =
                 std::max(worst, std::fabs(mine_w[e] - want_w[e]) / (1e-3f + std::fabs(want_w[e])));
           EXPECT_LE(worst, 2e-4) << p.name;
-          if (!p.split())
+          if (!p.split()) {
             EXPECT_TRUE(equal_on_every_rank(*g.tp, mine_w))
                 << p.name << ": the TP ranks' replicas differ";
+          }
         }
     }
   }

@@ -387,7 +387,9 @@ TEST(Engine, ARequestQueuedWhileAnotherIsInFlightDoesNotWaitForIt) {
   std::vector<std::uint8_t> data(4096, 5);
   ASSERT_EQ(::write(pipe_fd, data.data(), data.size()), ssize_t(data.size()));
   ASSERT_TRUE(read.wait_for(10s)) << "hung";
-  if (!written) ASSERT_TRUE(write.wait_for(10s)) << "hung";
+  if (!written) {
+    ASSERT_TRUE(write.wait_for(10s)) << "hung";
+  }
   EXPECT_EQ(in, data);
   ::close(pipe_fd);
 }
