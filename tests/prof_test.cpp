@@ -358,6 +358,37 @@ TEST(PerfModel, SpearmanRanksAsTheTextbookDoes) {
   EXPECT_THROW(spearman({1, 2, 3}, {1, 2}), Error);
 }
 
+// With a resolution, values closer than it tie on both sides: five candidates predicted within
+// 0.2% and measured within 0.5% in any order are not a wrong ranking (strata-prof's compute
+// regime), while an order the runs can tell apart still counts whole.
+TEST(PerfModel, SpearmanTiesWhatTheResolutionCannotTellApart) {
+  const std::vector<double> pred = {1000, 999, 998.5, 998.2, 998, 800, 760};
+  const std::vector<double> meas = {996, 998, 999, 995, 997, 805, 770};
+  EXPECT_LT(*spearman(pred, meas), 0.8);               // the near-ties' order is noise
+  EXPECT_DOUBLE_EQ(*spearman(pred, meas, 0.01), 1.0);  // 1%: one group of five, then two
+  EXPECT_DOUBLE_EQ(*spearman(pred, meas, 0.0), *spearman(pred, meas));
+  // A swap beyond the resolution still counts: 800 and 760 measured the other way round (ranks
+  // 4 x5, 1, 0 against 4 x5, 0, 1: 17/18), and the near-ties measured slowest reverse it.
+  std::vector<double> swapped = meas;
+  std::swap(swapped[5], swapped[6]);
+  EXPECT_NEAR(*spearman(pred, swapped, 0.01), 17.0 / 18.0, 1e-12);
+  EXPECT_NEAR(*spearman(pred, {700, 702, 701, 703, 700.5, 805, 770}, 0.01), -17.0 / 18.0, 1e-12);
+  // Groups are anchored at their smallest value, not chained: 100, 100.8, 101.6 at 1% are two
+  // groups (100 and 100.8 tie; 101.6 is 1.6% above 100), so the order of the third shows.
+  EXPECT_DOUBLE_EQ(*spearman({100, 100.8, 101.6}, {1, 1, 2}, 0.01), 1.0);
+  EXPECT_FALSE(spearman({100, 100.8, 101.6}, {1, 2, 3}, 0.02).has_value());  // all one group
+  EXPECT_THROW(spearman(pred, meas, -0.1), Error);
+}
+
+// A run's step-to-step spread: the interquartile range of its steps over their median.
+TEST(PerfModel, StepSpreadIsTheInterquartileRangeOverTheMedian) {
+  // sorted 80 82 84 85 86 88 90: quartiles at ranks 1 and 5 (82, 88), median 85
+  EXPECT_DOUBLE_EQ(step_spread({85, 90, 80, 84, 88, 82, 86}), (88.0 - 82.0) / 85.0);
+  EXPECT_DOUBLE_EQ(step_spread({0.5, 0.5, 0.5, 0.5}), 0.0);
+  EXPECT_DOUBLE_EQ(step_spread({0.5}), 0.0);
+  EXPECT_DOUBLE_EQ(step_spread({}), 0.0);
+}
+
 // A ranked candidate of the given placement (nothing else of it matters to the picks).
 Candidate ranked_as(Tier params, Tier opt, Tier grads, bool early = false) {
   Candidate c;
@@ -1147,6 +1178,14 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
   EXPECT_GE(reasons["best of class"], 1) << "the tiny model has more than one class that fits";
   // Spearman over every run, top or spread (the summary's).
   EXPECT_TRUE(j["rank_correlation_spearman"].is_number()) << j.dump();
+  // and with the runs' own resolution: their median step-to-step spread, in [0, 1).
+  ASSERT_TRUE(j["rank_tie_resolution"].is_number()) << j.dump();
+  EXPECT_GE(j["rank_tie_resolution"].get<double>(), 0);
+  EXPECT_LT(j["rank_tie_resolution"].get<double>(), 1);
+  EXPECT_TRUE(j["rank_correlation_spearman_resolved"].is_number() ||
+              j["rank_correlation_spearman_resolved"].is_null())
+      << j.dump();
+  EXPECT_NE(r.out.find("(the runs' step-to-step spread) as ties"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(fmt::format("over {} runs", validated)), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("chosen as"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("low-ranked (last)"), std::string::npos) << r.out;
@@ -1477,9 +1516,11 @@ TEST(ProfCli, TwoRanksTensorParallelPlanTheirSlicesAndCountTheAllReduces) {
                mine = j["model"]["params_per_rank"].get<double>();
   EXPECT_GT(mine, 0.5 * all);
   EXPECT_LT(mine, 0.52 * all);
-  for (const auto& row : j["model"]["measured"])
-    if (row["checkpoint"] == "off")
+  for (const auto& row : j["model"]["measured"]) {
+    if (row["checkpoint"] == "off") {
       EXPECT_EQ(row["layer_tp_bytes"].get<std::uint64_t>(), 4u * 2 * 32 * 64 * 4) << row;
+    }
+  }
   const auto& best = j["candidates"][0];
   EXPECT_GT(best["busy_s"]["tp"].get<double>(), 0) << best;
   EXPECT_GT(best["measured_busy_s"]["tp"].get<double>(), 0) << best;

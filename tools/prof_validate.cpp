@@ -177,6 +177,7 @@ std::string write_token_file(const Args& a, const std::string& work, const Model
 // What the validation runs measured, one entry a pick (0: the run failed).
 struct Runs {
   std::vector<double> step_s, tokens_per_s;
+  std::vector<double> spread;  // step_spread of each run's timed steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
 };
@@ -208,20 +209,29 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   const int validated_ok = int(k) - failed;
   // Whether the model orders the candidates as their runs do: Spearman's rank correlation of the
   // predicted and the measured tokens a second, over the runs that finished.
-  std::vector<double> predicted_ok, measured_ok;
+  // Besides, the same with values the runs cannot tell apart as ties: within the median
+  // step-to-step spread of the runs (a candidate's own steps move that much), on both sides.
+  std::vector<double> predicted_ok, measured_ok, spreads;
   for (std::size_t i = 0; i < k; ++i)
     if (measured_tps[i] > 0) {
       predicted_ok.push_back(run_cands[i].prediction.tokens_per_s);
       measured_ok.push_back(measured_tps[i]);
+      spreads.push_back(runs.spread[i]);
     }
   const std::optional<double> rho = spearman(predicted_ok, measured_ok);
+  std::sort(spreads.begin(), spreads.end());
+  const double resolution = spreads.empty() ? 0 : spreads[spreads.size() / 2];
+  const std::optional<double> rho_resolved = spearman(predicted_ok, measured_ok, resolution);
   const double rec_step = runs.step_s[0];
   if (talk) {
-    if (rho)
+    if (predicted_ok.size() >= 3)
       std::printf(
-          "rank correlation of predicted and measured tokens/s (Spearman) %.2f over %zu runs "
+          "rank correlation of predicted and measured tokens/s (Spearman) %s over %zu runs; %s "
+          "with values within %.1f%% of each other (the runs' step-to-step spread) as ties "
           "(target 0.8)\n",
-          *rho, predicted_ok.size());
+          rho ? fmt::format("{:.2f}", *rho).c_str() : "- (all tied)", predicted_ok.size(),
+          rho_resolved ? fmt::format("{:.2f}", *rho_resolved).c_str() : "- (all tied)",
+          resolution * 100);
     if (rec_step <= 0 && validated_ok > 0)
       std::printf(
           "worst prediction error %.1f%% (target 15%%) over the %d that ran; the recommended "
@@ -248,6 +258,10 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   j["validation_failures"] = failed;
   j["worst_prediction_error"] = validated_ok > 0 ? nlohmann::json(worst) : nlohmann::json(nullptr);
   j["rank_correlation_spearman"] = rho ? nlohmann::json(*rho) : nlohmann::json(nullptr);
+  j["rank_correlation_spearman_resolved"] =
+      rho_resolved ? nlohmann::json(*rho_resolved) : nlohmann::json(nullptr);
+  j["rank_tie_resolution"] =
+      predicted_ok.empty() ? nlohmann::json(nullptr) : nlohmann::json(resolution);
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
@@ -383,6 +397,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   Runs runs;
   runs.step_s.assign(k, 0.0);
   runs.tokens_per_s.assign(k, 0.0);
+  runs.spread.assign(k, 0.0);
   for (std::size_t n = 0; n < k; ++n) {
     const std::size_t i = picks[n].index;
     const Candidate& c = ranked[i];
@@ -422,6 +437,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     }
     runs.step_s[n] = mres.step_s;
     runs.tokens_per_s[n] = measured_tokens_per_s(c, mres.step_s);
+    runs.spread[n] = step_spread(mres.steps);
     const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
     runs.worst = std::max(runs.worst, std::abs(err));
     const std::string measured_bound = busy.busiest ? resource_name(*busy.busiest) : "-";

@@ -185,7 +185,15 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked,
 // Spearman's rank correlation of x and y (ties ranked by their mean rank): 1 when y orders the
 // values as x does, -1 reversed. strata-prof --validate gives it for the predicted against the
 // measured tokens a second. Empty with fewer than 3 pairs, or when either side is all ties.
-std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y);
+// `tie_within` > 0 ties values closer than that (relative) on each side alike: in ascending
+// order, a group holds the values within tie_within of its smallest. With it the measurement's
+// resolution, candidates the runs cannot tell apart are not ranked on noise.
+std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y,
+                               double tie_within = 0);
+// How much a run's step times spread: their interquartile range (the sorted steps at n/4 and
+// 3n/4) over their median. 0 with fewer than 2 steps. strata-prof takes the median of it over
+// the validation runs as the resolution its rank correlation ties values within.
+double step_spread(std::vector<double> steps_s);
 
 // A candidate's placement class: the tiers its weights, gradients and optimizer state occupy
 // (joined by "+" where split) and whether the early optimizer step runs, e.g. "params host+nvme,

@@ -1037,16 +1037,18 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked,
 }
 
 namespace {
-// Each value's rank (0-based), ties given the mean of the ranks they span.
-std::vector<double> ranks_of(const std::vector<double>& v) {
+// Each value's rank (0-based), ties given the mean of the ranks they span. Ties: in ascending
+// order, a group holds the values within `tie_within` (relative) of its smallest; 0: equal ones.
+std::vector<double> ranks_of(const std::vector<double>& v, double tie_within) {
   std::vector<std::size_t> order(v.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return v[a] < v[b]; });
   std::vector<double> r(v.size());
   for (std::size_t i = 0; i < order.size();) {
+    const double first = v[order[i]];
     std::size_t j = i;
-    while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) ++j;
+    while (j + 1 < order.size() && v[order[j + 1]] - first <= tie_within * std::abs(first)) ++j;
     for (std::size_t k = i; k <= j; ++k) r[order[k]] = 0.5 * double(i + j);
     i = j + 1;
   }
@@ -1054,10 +1056,12 @@ std::vector<double> ranks_of(const std::vector<double>& v) {
 }
 }  // namespace
 
-std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y) {
+std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y,
+                               double tie_within) {
   STRATA_REQUIRE(x.size() == y.size(), "spearman: {} values against {}", x.size(), y.size());
+  STRATA_REQUIRE(tie_within >= 0, "spearman: tie_within {} is negative", tie_within);
   if (x.size() < 3) return std::nullopt;
-  const std::vector<double> rx = ranks_of(x), ry = ranks_of(y);
+  const std::vector<double> rx = ranks_of(x, tie_within), ry = ranks_of(y, tie_within);
   const double n = double(x.size()), mean = (n - 1) / 2;
   double sxy = 0, sxx = 0, syy = 0;
   for (std::size_t i = 0; i < rx.size(); ++i) {
@@ -1067,6 +1071,14 @@ std::optional<double> spearman(const std::vector<double>& x, const std::vector<d
   }
   if (sxx == 0 || syy == 0) return std::nullopt;  // every value tied: no order to compare
   return sxy / std::sqrt(sxx * syy);
+}
+
+double step_spread(std::vector<double> steps_s) {
+  if (steps_s.size() < 2) return 0;
+  std::sort(steps_s.begin(), steps_s.end());
+  const std::size_t n = steps_s.size();
+  const double median = steps_s[n / 2];
+  return median > 0 ? (steps_s[3 * n / 4] - steps_s[n / 4]) / median : 0;
 }
 
 std::string placement_class(const Candidate& c) {
