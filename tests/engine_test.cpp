@@ -907,6 +907,36 @@ RunSetup without_early(RunSetup s) {
   return s;
 }
 
+// The host optimizer's work is traced under names of its own, the spans strata-prof puts on the
+// cpu lane (beside the model's): AdamW, the gradients' sums of squares and, with fp32 weights (no
+// copy-out from the kernel), the updated weights copied out; with the early step and without.
+TEST(Engine, TheHostOptimizersWorkIsTracedForTheCpuLane) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 37);  // 3 units
+  TempDir nv;
+  for (const bool early : {false, true}) {
+    RunSetup host = early_setup(nv, Tier::kHost);
+    host.steps = 3;
+    host.cfg.compute_dtype = DType::kF32;
+    host.cfg.gradient_clipping = 1.0;  // a norm every step
+    host.cfg.overlap_optimizer = early;
+    Tracer& tracer = Tracer::global();
+    tracer.clear();
+    tracer.set_enabled(true);
+    train(host, model);
+    tracer.set_enabled(false);
+    std::map<std::string, int> n;
+    for (const TraceSpan& sp : tracer.spans())
+      if (sp.lane == "optimizer") ++n[sp.name];
+    tracer.clear();
+    SCOPED_TRACE(early ? "early step" : "serial step");
+    EXPECT_GE(n["cpu_adamw"], 3 * host.steps);
+    EXPECT_GE(n["cpu_copy_w"], 3 * host.steps);
+    EXPECT_GE(n["cpu_sum_squares"], 3 * host.steps);
+    EXPECT_EQ(n["sum_squares"], 0) << "a host sum under the device's span name";
+  }
+}
+
 // strata.device_grad_norm (the default on a GPU; off on the emulated device unless set): a
 // host-tier gradient that arrives whole in one reduce_grad has its part of the norm taken on
 // the device, beside its copy: no CPU pass over it after the first (recording) step, with the
@@ -939,9 +969,9 @@ TEST(Engine, AWholeHostGradientsNormIsTakenOnTheDevice) {
         tracer.set_enabled(true);
         const RunOut r = train(host, model);
         tracer.set_enabled(false);
-        int cpu_passes = 0;  // the host's sums (the device's run on the "comm" stream)
+        int cpu_passes = 0;  // the host's sums (the device's are "sum_squares" on its streams)
         for (const TraceSpan& sp : tracer.spans())
-          cpu_passes += sp.name == "sum_squares" && sp.lane == "optimizer";
+          cpu_passes += sp.name == "cpu_sum_squares" && sp.lane == "optimizer";
         tracer.clear();
         const std::string what =
             fmt::format("accum {}, early step {}, device_grad_norm {}", accum, early, device_norm);

@@ -22,7 +22,11 @@ Resource lane_of(const TraceSpan& sp) {
   if (sp.name == "copy_h2d") return Resource::kH2D;
   if (sp.name == "copy_d2h") return Resource::kD2H;
   if (sp.lane.starts_with("nvme")) return Resource::kNvme;
-  if (sp.name == "cpu_adamw" || sp.name == "grad_accumulate") return Resource::kCpu;
+  // The host's optimizer work, as the model puts it on the cpu lane: AdamW, the gradients' sums
+  // of squares, the updated weights copied out, gradients added.
+  if (sp.name == "cpu_adamw" || sp.name == "cpu_sum_squares" || sp.name == "cpu_copy_w" ||
+      sp.name == "grad_accumulate")
+    return Resource::kCpu;
   if (sp.lane == "compute" || (sp.lane == "optimizer" && sp.name == "adamw"))
     return Resource::kCompute;
   const std::string_view op =

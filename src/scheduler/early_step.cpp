@@ -252,7 +252,7 @@ void EarlyStepper::norms(std::unique_lock<std::mutex>& lk) {
         sq = s.dev_sumsq(ui);  // the device's, in host memory since grads_done
       } else {
         lk.unlock();
-        TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
+        TraceScope norm_span("cpu_sum_squares", "optimizer", u.shard * 4);
         sq = cpu::sum_squares(DType::kF32, u.g.host->data(), u.shard);
         lk.lock();
       }
@@ -289,7 +289,7 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
   if (need_norm && device_norm) {
     u.early.sumsq = s.dev_sumsq(ui);
   } else if (need_norm) {
-    TraceScope norm_span("sum_squares", "optimizer", n * 4);
+    TraceScope norm_span("cpu_sum_squares", "optimizer", n * 4);
     u.early.sumsq = cpu::sum_squares(DType::kF32, g, n);
   }
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
@@ -352,7 +352,10 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
       TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
       s.cpu_adam->step(u.early.opt, sh, NonFinitePolicy::kReportOnly);
     }
-    if (!copy_out) std::memcpy(w_dst, master, len * 4);
+    if (!copy_out) {
+      TraceScope copy_span("cpu_copy_w", "optimizer", len * 4);
+      std::memcpy(w_dst, master, len * 4);
+    }
     if (state) {
       bound_io(writes, detail::state_writes_in_flight(s.cfg));
       IoHandle h =

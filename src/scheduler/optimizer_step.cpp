@@ -275,7 +275,10 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
       TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
       s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
     }
-    if (!copy_out) std::memcpy(w_dst, master, len * 4);
+    if (!copy_out) {
+      TraceScope copy_span("cpu_copy_w", "optimizer", len * 4);
+      std::memcpy(w_dst, master, len * 4);
+    }
     if (target) {
       os.copy(s.w_target_dev(u, a, len)->mem, host_ref(w_dst, len_w));
       os.host_fn([w_block] {}, "staging_free");
@@ -384,7 +387,7 @@ double Engine::Impl::grad_sumsq() {
       if (done || device) {
         part[ui] = done ? u.early.sumsq : dev_sumsq(ui);
       } else {
-        TraceScope norm_span("sum_squares", "optimizer", u.shard * 4);
+        TraceScope norm_span("cpu_sum_squares", "optimizer", u.shard * 4);
         part[ui] = cpu::sum_squares(DType::kF32, u.g.host->data(), u.shard);
       }
     }
