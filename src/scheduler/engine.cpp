@@ -15,6 +15,8 @@
 //    step and re-records when the model's order changes.
 //  - The optimizer math is the same code whatever the placement (Stream::adamw on the
 //    emulated device and CpuAdamW are bit-identical), so offload does not change results.
+#include <atomic>
+
 #include "scheduler/engine_impl.h"
 
 namespace strata {
@@ -194,7 +196,10 @@ void Engine::Impl::make_plan(const OnNvme& nvme) {
   const int on_node = ranks_on_this_node(comm);
   if (cfg.host_budget_bytes == 0) cfg.host_budget_bytes = default_host_budget(on_node);
   if (defaulted && cfg.overlap_optimizer == false) {
-    if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1)
+    // Once a process: strata-prof --validate builds an engine a run, and the line fell between
+    // the rows of its table.
+    static std::atomic<bool> said{false};
+    if (cfg.optimizer.device_fraction < 1 && cfg.grads.device_fraction < 1 && !said.exchange(true))
       log::info(
           "engine: the early optimizer step is off on the CPU-emulated device (its kernels use the "
           "cores "
