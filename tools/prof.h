@@ -3,6 +3,7 @@
 // tool's sequence of steps (strata_prof.cpp) share. Internal to the tool.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -26,6 +27,14 @@ inline double since(Clock::time_point t0) {
 }
 
 inline std::string human(double b) { return log::human_bytes(b); }
+
+// The median of `v` (the upper of the two middle values of an even count; 0 when empty): how
+// strata-prof reduces repeated measurements and the validation runs' steps.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 struct Args {
   std::string model_dir, model_config, ds_config, aio_file;

@@ -41,8 +41,7 @@ template <class F>
 double median_of(int reps, F f) {
   std::vector<double> v;
   for (int i = 0; i < reps; ++i) v.push_back(f());
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return median(std::move(v));
 }
 
 // Several ranks: every rank searches with the same figures, the slowest rank's (the lowest rate,
@@ -601,16 +600,15 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
 // Each time the median over the repetitions (the TP bytes and the activations are the same in
 // every one).
 LayerTiming median_timing(const std::vector<LayerTiming>& reps) {
-  auto median = [&](double LayerTiming::*f) {
+  auto median_of_field = [&](double LayerTiming::*f) {
     std::vector<double> v;
     for (auto& r : reps) v.push_back(r.*f);
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    return median(std::move(v));
   };
   LayerTiming out = reps.front();
   for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
                  &LayerTiming::layer_b, &LayerTiming::head_f})
-    out.*f = median(f);
+    out.*f = median_of_field(f);
   return out;
 }
 

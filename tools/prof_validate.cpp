@@ -154,9 +154,7 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   Measured m;
   for (std::size_t i = 1; i < r.steps.size(); ++i)
     m.steps.push_back(r.steps[i].step_s);  // step 1 records the order
-  std::vector<double> v = m.steps;
-  std::sort(v.begin(), v.end());
-  m.step_s = v.empty() ? 0 : v[v.size() / 2];
+  m.step_s = median(m.steps);
   return m;
 }
 
@@ -219,8 +217,7 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       spreads.push_back(runs.spread[i]);
     }
   const std::optional<double> rho = spearman(predicted_ok, measured_ok);
-  std::sort(spreads.begin(), spreads.end());
-  const double resolution = spreads.empty() ? 0 : spreads[spreads.size() / 2];
+  const double resolution = median(spreads);
   const std::optional<double> rho_resolved = spearman(predicted_ok, measured_ok, resolution);
   const double rec_step = runs.step_s[0];
   if (talk) {
