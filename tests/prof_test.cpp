@@ -536,6 +536,57 @@ TEST(PerfModel, LanesOnSharedCoresShareThem) {
   EXPECT_NEAR(predict_step(m, mp, serial).step_s, serial_alone, serial_alone * 1e-6);
 }
 
+// What the profile measured of the emulated device's kernels (ModelProfile::device_cores) is the
+// share of the cores they take: the case above with the kernels given both cores' threads wants
+// three cores of two while the AdamW runs; kernels measured keeping one core busy (small ones, a
+// team waiting for its slowest) leave the AdamW its core, as on separate hardware.
+TEST(PerfModel, KernelsTakeTheCoresTheProfileMeasured) {
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = double(kLayer) / 0.015;
+  ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  c.optimizer_threads = 1;
+  const double alone = predict_step(m, mp, c).step_s;
+  m.device_shares_host_cores = 2;
+  m.device_kernel_threads = 0;  // every core
+  const double crowded = predict_step(m, mp, c).step_s;
+  EXPECT_GT(crowded, alone * 1.05);
+  mp.device_cores = 1.0;
+  EXPECT_NEAR(predict_step(m, mp, c).step_s, alone, alone * 1e-6);
+  // More than the threads it has is the threads' (a measurement's noise).
+  mp.device_cores = 3.0;
+  EXPECT_NEAR(predict_step(m, mp, c).step_s, crowded, crowded * 1e-6);
+}
+
+// MachineProfile::nvme_compute_slowdown (strata-prof measures kernels beside the drive's
+// traffic): a kernel runs that much longer for the part of it the NVMe lane is busy; the drive's
+// own requests and a step without NVMe traffic are as before, and a real device takes none.
+TEST(PerfModel, TheDrivesTrafficSlowsTheKernelsBesideIt) {
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = 1e9;
+  m.device_shares_host_cores = 2;
+  m.device_kernel_threads = 1;  // no shortage of cores: the slowdown alone
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kNvme);
+  c.optimizer_nvme_paths = c.grad_nvme_paths = {"/tmp"};
+  const auto compute = [](const Prediction& p) { return p.busy_s[int(Resource::kCompute)]; };
+  const Prediction before = predict_step(m, mp, c);
+  m.nvme_compute_slowdown = 0.5;
+  const Prediction slow = predict_step(m, mp, c);
+  EXPECT_GT(compute(slow), compute(before) * 1.05);
+  EXPECT_LE(compute(slow), compute(before) * 1.5 * (1 + 1e-9));
+  EXPECT_NEAR(slow.busy_s[int(Resource::kNvme)], before.busy_s[int(Resource::kNvme)], 1e-9);
+  EXPECT_GE(slow.step_s, before.step_s);
+  for (const bool device : {false, true}) {
+    MachineProfile other = m;
+    if (device) other.device_shares_host_cores = 0;
+    const EngineConfig c2 = device ? c : placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+    const double with = predict_step(other, mp, c2).step_s;
+    other.nvme_compute_slowdown = 0;
+    EXPECT_NEAR(with, predict_step(other, mp, c2).step_s, 1e-12) << device;
+  }
+}
+
 TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
   MachineProfile m = fast_machine();
   m.cpu_adamw_params_per_s = 1e8;
@@ -986,6 +1037,10 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_GT(j["candidates_feasible"].get<int>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
   EXPECT_GT(j["machine"]["nvme_read_gbps"].get<double>(), 0);
+  // The kernels were timed beside the drive's traffic as well (a slowdown of 0 or more).
+  EXPECT_GT(j["machine"]["nvme_load_gbps"].get<double>(), 0);
+  EXPECT_GE(j["machine"]["nvme_compute_slowdown"].get<double>(), 0);
+  EXPECT_NE(r.out.find("with the drive busy beside them"), std::string::npos) << r.out;
   EXPECT_TRUE(fs::file_size(d.path + "/prof.svg") > 1000);
   EXPECT_TRUE(fs::file_size(d.path + "/trace.json") > 100);
   EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
@@ -1227,7 +1282,14 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
     const std::int64_t b = row["micro_batch"].get<std::int64_t>();
     EXPECT_TRUE(b == 4 || b == 8 || b == 16) << row.dump();
     EXPECT_GT(row["layer_forward_s"].get<double>(), 0) << row.dump();
+    // The cores the emulated device's work kept busy: some, and no more than the host has.
+    EXPECT_GT(row["device_cores"].get<double>(), 0.05) << row.dump();
+    EXPECT_LE(row["device_cores"].get<double>(),
+              j["machine"]["device_shares_host_cores"].get<double>() + 0.25)
+        << row.dump();
   }
+  // Without NVMe there is no drive beside the kernels to measure.
+  EXPECT_EQ(j["machine"]["nvme_compute_slowdown"].get<double>(), 0);
   EXPECT_EQ(j["model"]["seq_len"].get<std::int64_t>(), 32);
   EXPECT_GT(j["machine"]["device_free_gbps"].get<double>(), 0);
   const std::int64_t best = j["candidates"][0]["micro_batch"].get<std::int64_t>();

@@ -51,13 +51,6 @@ const char* const kResources[] = {"compute", "link", "nvme", "adamw", "comm", "c
 constexpr int kNumResources = 6;
 constexpr int kCores = 5;
 
-// CPU time of the whole process, every thread, in seconds.
-double process_cpu_s() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) / 1e9;
-}
-
 struct Args {
   int layers = 16;
   int width = 1024;
@@ -427,10 +420,10 @@ RegimeResult run_regime(const Args& a, const Regime& r, const std::string& trace
     std::vector<double> cpu_s;
     for (int i = 0; i < a.steps; ++i) {
       const std::int64_t t0 = tracer.now_ns();
-      const double cpu0 = process_cpu_s();
+      const double cpu0 = cpu::process_cpu_seconds();
       model.micro_batch(e, *dev, *s);
       e.step(lr);
-      cpu_s.push_back(process_cpu_s() - cpu0);
+      cpu_s.push_back(cpu::process_cpu_seconds() - cpu0);
       windows.push_back({t0, tracer.now_ns()});
       tracer.record("step", "step", t0, windows.back().second);  // the step's edges, in the trace
     }

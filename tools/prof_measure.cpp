@@ -5,12 +5,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include "prof.h"
@@ -67,7 +71,8 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.tp_all_reduce_bps};
   std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free,
                                               &m.ram_capacity};
-  std::vector<double*> highest = {&m.nvme_request_s, &m.nvme_mixed_request_s};
+  std::vector<double*> highest = {&m.nvme_request_s, &m.nvme_mixed_request_s,
+                                  &m.nvme_compute_slowdown};
   std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
   for (ModelProfile& mp : models) {
     for (UnitCost& u : mp.units) {
@@ -79,6 +84,7 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
         highest_bytes.push_back(b);
     }
     highest_bytes.push_back(&mp.activation_bytes);
+    highest.push_back(&mp.device_cores);
   }
   std::vector<double> v;
   for (double* x : lowest) v.push_back(-*x);
@@ -493,6 +499,9 @@ class StampingWeights final : public UnitProvider {
 
 struct LayerTiming {
   double embed_f = 0, embed_b = 0, layer_f = 0, layer_b = 0, head_f = 0;
+  // The cores the process kept busy through the forward and backward (its CPU time over their
+  // wall time): on the CPU-emulated device, what its kernels take of the host's cores.
+  double cores = 0;
   std::uint64_t activation_bytes = 0;
   // The TP collectives' bytes of each (tensor parallelism; 0 without).
   std::uint64_t embed_fb = 0, embed_bb = 0, layer_fb = 0, layer_bb = 0, head_fb = 0;
@@ -504,14 +513,115 @@ struct ProfileKey {
   bool ckpt = false, ckpt_host = false;
 };
 
+// The engine's mix of NVMe traffic (extents of 4 MiB, half read and half written, two of each in
+// flight, as the optimizer reads ahead and writes behind) on a thread of its own, from
+// construction until stop(): what the device's kernels meet while a step's NVMe lane is busy.
+class DriveLoad {
+ public:
+  DriveLoad(Device& dev, Communicator& comm, const EngineConfig& base, const NvmeChoice& nvme)
+      : pool_(pool_options(dev)) {
+    SwapStoreOptions so;
+    so.paths = {nvme.dir};
+    so.rank = comm.rank();
+    so.world_size = comm.world_size();
+    so.aio = base.aio;
+    so.config_key = nvme.key;
+    store_.emplace(so);
+    for (std::size_t i = 0; i < 4; ++i) {
+      bufs_.push_back(pool_.allocate(kExtent));
+      std::memset(bufs_.back().data(), int(i + 1), kExtent);
+    }
+    for (std::size_t i = 0; i < kKeys; ++i) {  // (a read must find its key written)
+      store_->reserve(key(i), kExtent);
+      store_->write(key(i), bufs_[0].data(), kExtent).wait();
+    }
+    thread_ = std::thread([this] {
+      const auto t0 = Clock::now();
+      try {
+        std::deque<IoHandle> hs;
+        for (std::size_t i = 0; !stop_.load(std::memory_order_relaxed); ++i) {
+          if (hs.size() >= 4) {
+            hs.front().wait();
+            hs.pop_front();
+          }
+          void* b = bufs_[i % bufs_.size()].data();
+          hs.push_back(i % 2 ? store_->write(key(i % kKeys), b, kExtent)
+                             : store_->read(key(i % kKeys), b, kExtent));
+          requests_.fetch_add(1, std::memory_order_relaxed);
+        }
+        for (auto& h : hs) h.wait();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      seconds_ = since(t0);
+    });
+  }
+  DriveLoad(const DriveLoad&) = delete;
+  DriveLoad& operator=(const DriveLoad&) = delete;
+  ~DriveLoad() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  // Ends the traffic; an I/O error it met is thrown here.
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(error_);
+  }
+  // The drive's rate while it ran (after stop()).
+  double bytes_per_s() const {
+    return seconds_ > 0 ? double(requests_.load()) * double(kExtent) / seconds_ : 0;
+  }
+
+ private:
+  static constexpr std::size_t kExtent = std::size_t(4) << 20, kKeys = 16;
+  static PinnedPoolOptions pool_options(Device& dev) {
+    PinnedPoolOptions po;
+    po.budget_bytes = 4 * kExtent;
+    po.device = &dev;
+    return po;
+  }
+  static std::string key(std::size_t i) { return fmt::format("load{}", i); }
+  PinnedPool pool_;
+  std::vector<PinnedBlock> bufs_;
+  std::optional<SwapStore> store_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> requests_{0};
+  double seconds_ = 0;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
 // Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
 // `dev` (every copy on the same device: under tensor parallelism its communicators are made once);
 // per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
 // parallelism (`tp_group` set: every rank runs this in the same order) each TP rank runs its
 // slices, the TP collectives in the times.
+// The host's cache written over, on the CPU-emulated device, before each timed repetition: in a
+// step the weights a layer reads were last used a step (or a forward) ago, and since then the
+// rest of the step (the other layers, the optimizer's state, the copies, the drive's transfers)
+// has passed through the cache; a 2-layer copy run again and again finds them there (on an Intel
+// Xeon VM with a 480 MiB L3, a layer's forward timed 25-35% short and the NVMe regime's compute
+// predicted 30-45% short of its traced steps). 1.5 times the last-level cache, at most 1 GiB.
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(const Device& dev) {
+    if (dev.kind() != DeviceKind::kCpu) return;
+    const std::size_t llc = cpu::last_level_cache_bytes();
+    buf_.resize(std::min(llc + llc / 2, std::size_t(1) << 30));
+  }
+  void operator()() {
+    if (!buf_.empty()) std::memset(buf_.data(), ++pass_, buf_.size());
+  }
+
+ private:
+  std::vector<unsigned char> buf_;
+  unsigned char pass_ = 0;
+};
+
 std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const ModelConfig& base,
                                      int layers, const ProfileKey& k, std::int64_t T, DType dt,
-                                     int reps) {
+                                     int reps, CacheEvictor* evict = nullptr) {
   const std::int64_t B = k.B;
   const bool ckpt = k.ckpt, ckpt_host = k.ckpt_host;
   ModelConfig cfg = base;
@@ -542,11 +652,15 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
   const std::size_t base_bytes = dev.stats().bytes_in_use;
   std::vector<LayerTiming> out;
   for (int r = 0; r <= reps; ++r) {
+    if (evict && r > 0) (*evict)();
+    const double cpu0 = cpu::process_cpu_seconds();
+    const auto wall0 = Clock::now();
     model.forward(b, sw);
     sw.mark_end();
     model.backward(sw);
     sw.mark_end();
     const auto st = sw.take();
+    const double wall = since(wall0), cpu_s = cpu::process_cpu_seconds() - cpu0;
     if (r == 0) continue;  // warm-up
     // forward: w0 w1 .. wL whead (w0 again when tied) end | backward: wL .. w1 g0 end
     const std::size_t L = std::size_t(layers), head = L + 1;
@@ -590,6 +704,7 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
     t.layer_bb = lbb / L;
     t.embed_b = d(g0, b_end);
     t.embed_bb = tb(g0, b_end);
+    if (dev.kind() == DeviceKind::kCpu && wall > 0) t.cores = cpu_s / wall;
     out.push_back(t);
   }
   const std::size_t peak = dev.stats().peak_bytes_in_use;
@@ -607,7 +722,7 @@ LayerTiming median_timing(const std::vector<LayerTiming>& reps) {
   };
   LayerTiming out = reps.front();
   for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
-                 &LayerTiming::layer_b, &LayerTiming::head_f})
+                 &LayerTiming::layer_b, &LayerTiming::head_f, &LayerTiming::cores})
     out.*f = median_of_field(f);
   return out;
 }
@@ -645,6 +760,7 @@ ModelProfile profile_model(const ModelConfig& mcfg, const ProfileKey& k, std::in
     }
     mp.units.push_back(c);
   }
+  mp.device_cores = two.cores;
   const double per_layer = double(two.activation_bytes) - double(one.activation_bytes);
   mp.activation_bytes = std::uint64_t(std::max(
       0.0, double(one.activation_bytes) + double(mcfg.num_layers - 1) * std::max(0.0, per_layer)));
@@ -778,13 +894,39 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
       world = make_communicator(*mdev);
       groups = make_process_groups(*world, a.tp.size);
     }
+    CacheEvictor evict(*mdev);
     for (const ProfileKey& k : keys)
       one.push_back(time_layers(*mdev, groups.tp.get(), mcfg, 1, k, a.seq_len, dt, 1).front());
     for (int round = 0; round < kRounds; ++round)
       for (std::size_t i = 0; i < keys.size(); ++i)
-        for (const LayerTiming& t :
-             time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[i], a.seq_len, dt, kRepsPerRound))
+        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[i], a.seq_len,
+                                                dt, kRepsPerRound, &evict))
           two[i].push_back(t);
+    // The drive's traffic slows the emulated device's kernels where the guest's CPU time does not
+    // show it (on a virtual machine its I/O is served on the same physical cores and memory): the
+    // first profile with the engine's NVMe traffic running beside it and alone, in turns.
+    if (nvme.use && mdev->kind() == DeviceKind::kCpu) {
+      if (!world) world = make_communicator(*mdev);
+      std::vector<LayerTiming> alone_t, beside_t;
+      for (int round = 0; round < kRounds; ++round) {
+        DriveLoad load(*mdev, *world, base, nvme);
+        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
+                                                dt, kRepsPerRound, &evict))
+          beside_t.push_back(t);
+        load.stop();
+        out.machine.nvme_load_bps = std::max(out.machine.nvme_load_bps, load.bytes_per_s());
+        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
+                                                dt, kRepsPerRound, &evict))
+          alone_t.push_back(t);
+      }
+      auto layer = [](const std::vector<LayerTiming>& v) {
+        std::vector<double> x;
+        for (const LayerTiming& t : v) x.push_back(t.layer_f + t.layer_b);
+        return median(std::move(x));
+      };
+      const double alone = layer(alone_t), with = layer(beside_t);
+      out.machine.nvme_compute_slowdown = alone > 0 ? std::max(0.0, with / alone - 1) : 0;
+    }
   }
   for (std::size_t i = 0; i < keys.size(); ++i)
     space.models.push_back(
@@ -803,18 +945,21 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
 }
 
 void print_models(const SearchSpace& space) {
+  // The cores column only where they were measured (the CPU-emulated device).
+  const bool cores = !space.models.empty() && space.models.front().device_cores > 0;
   std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
-  std::printf("  %-6s %-5s %10s %10s %10s %10s %12s\n", "B", "ckpt", "layer fwd", "layer bwd",
-              "head", "embed", "activations");
+  std::printf("  %-6s %-5s %10s %10s %10s %10s %12s%s\n", "B", "ckpt", "layer fwd", "layer bwd",
+              "head", "embed", "activations", cores ? "  cores" : "");
   for (const auto& mp : space.models)
-    std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s\n", (long long)mp.micro_batch,
+    std::printf("  %-6lld %-5s %8.2fms %8.2fms %8.2fms %8.2fms %12s%s\n", (long long)mp.micro_batch,
                 !mp.checkpoint          ? "off"
                 : mp.checkpoint_on_host ? "host"
                                         : "on",
                 mp.units[1].forward_s * 1e3, mp.units[1].backward_s * 1e3,
                 mp.units.back().forward_s * 1e3,
                 (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
-                human(double(mp.activation_bytes)).c_str());
+                human(double(mp.activation_bytes)).c_str(),
+                cores ? fmt::format("  {:5.2f}", mp.device_cores).c_str() : "");
 }
 
 }  // namespace
@@ -843,6 +988,12 @@ Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const 
   out.measured_s = since(t_start);
   if (talk) {
     print_models(out.space);
+    if (out.machine.nvme_load_bps > 0)
+      std::printf(
+          "  with the drive busy beside them (the engine's mix of NVMe reads and writes, %.2f "
+          "GB/s) "
+          "a layer's forward and backward took %.0f%% longer\n",
+          out.machine.nvme_load_bps / 1e9, out.machine.nvme_compute_slowdown * 100);
     std::printf("measured in %.1f s (machine %.1f s)\n\n", out.measured_s, out.machine_s);
     std::fflush(stdout);
   }

@@ -363,6 +363,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_mixed_request_ms", machine.nvme_mixed_request_s * 1e3},
                   {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},
+                  {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
+                  {"nvme_load_gbps", machine.nvme_load_bps / 1e9},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},
                   {"device_adamw_mparams_per_s", machine.device_adamw_params_per_s / 1e6},
                   {"all_gather_gbps", machine.all_gather_bps / 1e9},
@@ -400,7 +402,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
            {"head_forward_s", mp.units.back().forward_s},
            {"embed_s", mp.units[0].forward_s + mp.units[0].backward_s},
            {"layer_tp_bytes", mp.units[1].tp_forward_bytes + mp.units[1].tp_backward_bytes},
-           {"activation_bytes", mp.activation_bytes}});
+           {"activation_bytes", mp.activation_bytes},
+           {"device_cores", mp.device_cores}});
     j["model"]["measured"] = std::move(rows);
   }
   j["machine_seconds"] = t_machine;

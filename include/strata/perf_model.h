@@ -83,6 +83,12 @@ struct MachineProfile {
   // device_kernel_threads of them (0: all).
   double device_shares_host_cores = 0;
   int device_kernel_threads = 0;
+  // The CPU-emulated device: how much longer its kernels take while the drive streams the
+  // engine's mix of reads and writes (0.3: 30% longer; 0: none measured). On a virtual machine
+  // the drive's I/O is served on the same physical cores and memory, and the guest's CPU time
+  // does not show it; the replay applies it to kernels while its NVMe lane is busy.
+  double nvme_compute_slowdown = 0;
+  double nvme_load_bps = 0;  // the drive's rate while that was measured
 };
 
 // One fetch unit of the model: its size and its measured compute time per micro-batch
@@ -105,6 +111,11 @@ struct ModelProfile {
   bool checkpoint = false;             // activation checkpointing (recompute in backward)
   bool checkpoint_on_host = false;     // ... with the checkpoints kept in host memory
   std::uint64_t activation_bytes = 0;  // device bytes one micro-batch's activations take
+  // The CPU-emulated device: the host cores its work kept busy on average while the forward and
+  // backward ran alone (the process's CPU time over their wall time), which is what its kernels
+  // take of the cores shared with copies and the CPU optimizer. 0: not measured (the kernels
+  // take MachineProfile::device_kernel_threads of them).
+  double device_cores = 0;
   double tokens_per_micro_batch() const { return double(micro_batch) * double(seq_len); }
 };
 

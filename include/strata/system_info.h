@@ -44,6 +44,9 @@ struct NumaNode {
   std::string cpuset;  // hwloc list syntax, e.g. "0-15"
 };
 std::vector<NumaNode> numa_nodes();  // at least one node (a machine without NUMA has node 0)
+// The largest cache of the host (its last level, e.g. a socket's L3), in bytes (hwloc); 0 when
+// unknown.
+std::size_t last_level_cache_bytes();
 
 struct HugePageInfo {
   std::size_t hugetlb_page_bytes = 0;  // Hugepagesize
@@ -62,6 +65,9 @@ std::size_t process_rss_bytes();
 // The cores this process may run on (sched_getaffinity; hardware_concurrency where that fails):
 // what taskset, a cgroup's cpuset or a batch scheduler left it, at least 1.
 int usable_cores();
+// This process's CPU time so far, every thread's, in seconds (CLOCK_PROCESS_CPUTIME_ID): over a
+// stretch of wall time, the cores the process kept busy.
+double process_cpu_seconds();
 
 }  // namespace strata::cpu
 

@@ -8,6 +8,7 @@
 #include <oneapi/tbb/version.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -130,6 +131,20 @@ std::vector<NumaNode> numa_nodes() {
   return out;
 }
 
+std::size_t last_level_cache_bytes() {
+  std::size_t out = 0;
+  hwloc_topology_t topo = nullptr;
+  if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0) {
+    for (hwloc_obj_type_t t : {HWLOC_OBJ_L1CACHE, HWLOC_OBJ_L2CACHE, HWLOC_OBJ_L3CACHE,
+                               HWLOC_OBJ_L4CACHE, HWLOC_OBJ_L5CACHE})
+      for (hwloc_obj_t c = hwloc_get_next_obj_by_type(topo, t, nullptr); c;
+           c = hwloc_get_next_obj_by_type(topo, t, c))
+        if (c->attr) out = std::max<std::size_t>(out, c->attr->cache.size);
+  }
+  if (topo) hwloc_topology_destroy(topo);
+  return out;
+}
+
 std::size_t mem_available_bytes() { return meminfo_value("MemAvailable", 1024); }
 
 std::size_t ram_available_bytes() {
@@ -161,6 +176,12 @@ std::size_t process_rss_bytes() {
 std::size_t process_peak_rss_bytes() {
   rusage ru{};
   return ::getrusage(RUSAGE_SELF, &ru) == 0 ? std::size_t(ru.ru_maxrss) * 1024 : 0;
+}
+
+double process_cpu_seconds() {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return 0;
+  return double(ts.tv_sec) + double(ts.tv_nsec) / 1e9;
 }
 
 int usable_cores() {

@@ -80,6 +80,8 @@ struct SimUnit {
 // time that is CPU work, the rest sleeps, as a throttled copy does). cores == 0: nothing shared.
 struct CoreShare {
   double cores = 0;
+  // How much longer a kernel takes while the drive is busy (MachineProfile::nvme_compute_slowdown).
+  double drive_slowdown = 0;
   double lane_weight[int(Resource::kCount) + 1] =
       {};  // by lane; the last: no lane (device memory passes, frees)
 };
@@ -87,6 +89,13 @@ struct CoreShare {
 // One operation's use of the cores, for the next replay's stretch.
 struct CoreUse {
   double start = 0, end = 0, weight = 0;
+  bool kernel = false;  // on the compute lane
+};
+// What one replay leaves for the next one's stretch: every operation's use of the cores, by
+// operation index, and the NVMe lane's busy spans.
+struct CoreLoad {
+  std::vector<CoreUse> uses;
+  std::vector<std::pair<double, double>> drive;
 };
 
 // Operations on streams and lanes.
@@ -97,10 +106,11 @@ class Sim {
   double busy[int(Resource::kCount)] = {};
   std::vector<Interval> schedule;
   // Core sharing: `stretch` (from the previous replay, by operation index) lengthens each
-  // operation's CPU part; every operation's use is recorded in `uses`.
+  // operation's CPU part; every operation's use is recorded in `load`, and the NVMe lane's busy
+  // spans.
   const CoreShare* share = nullptr;
   const std::vector<double>* stretch = nullptr;
-  std::vector<CoreUse> uses;
+  CoreLoad load;
 
   // An operation on stream `s` (or the host thread) using lane `r` (kCount: none), ready at
   // `ready`; returns its end. `weight`: cores it uses (< 0: the lane's).
@@ -116,22 +126,24 @@ class Sim {
     if (weight < 0) weight = share ? share->lane_weight[int(r)] : 0.0;
     dur = stretched(std::max(dur, 0.0), weight);
     if (r == Resource::kCount) {
-      note(ready, ready + dur, weight);
+      note(ready, ready + dur, weight, false);
       return ready + dur;
     }
     const double start = std::max(lane_free[int(r)], ready);
     const double end = start + dur;
     lane_free[int(r)] = end;
     busy[int(r)] += end - start;
+    if (r == Resource::kNvme && end > start && share && share->drive_slowdown > 0)
+      load.drive.push_back({start, end});
     if (end > start)
       schedule.push_back({r, start, end, what, stream_name(s), std::uint64_t(bytes)});
-    note(start, end, weight);
+    note(start, end, weight, r == Resource::kCompute);
     return end;
   }
   // The host thread's own CPU work (allocations it poisons) from host time `h`: returns the new h.
   double host(double h, double dur) {
     dur = stretched(std::max(dur, 0.0), 1.0);
-    note(h, h + dur, 1.0);
+    note(h, h + dur, 1.0, false);
     return h + dur;
   }
   // A stream waits for an event.
@@ -145,48 +157,64 @@ class Sim {
     if (!share || share->cores <= 0 || !stretch || i >= stretch->size()) return dur;
     return dur * (1.0 + std::min(1.0, weight) * ((*stretch)[i] - 1.0));
   }
-  void note(double start, double end, double weight) {
-    if (share && share->cores > 0) uses.push_back({start, end, weight});
+  void note(double start, double end, double weight, bool kernel) {
+    if (share && share->cores > 0) load.uses.push_back({start, end, weight, kernel});
   }
   std::size_t next_ = 0;
 };
 
-// Each operation's stretch when the operations of `uses` share `cores` cores fairly: the mean,
-// over its time, of max(1, cores wanted / cores).
-std::vector<double> core_stretch(const std::vector<CoreUse>& uses, double cores) {
-  std::vector<std::pair<double, double>> ev;  // (time, change in cores wanted)
-  ev.reserve(2 * uses.size());
-  for (const CoreUse& x : uses)
+// Each operation's stretch when the operations of `load` share `cores` cores fairly: the mean,
+// over its time, of max(1, cores wanted / cores); a kernel's also times 1 + `drive_slowdown`
+// while the NVMe lane is busy (what the profile measured of kernels beside the drive).
+std::vector<double> core_stretch(const CoreLoad& load, double cores, double drive_slowdown) {
+  struct Event {
+    double t, wanted, drive;  // time, change in cores wanted, change in drive spans open
+    bool operator<(const Event& o) const { return t < o.t; }
+  };
+  std::vector<Event> ev;
+  ev.reserve(2 * (load.uses.size() + load.drive.size()));
+  for (const CoreUse& x : load.uses)
     if (x.end > x.start && x.weight > 0) {
-      ev.push_back({x.start, x.weight});
-      ev.push_back({x.end, -x.weight});
+      ev.push_back({x.start, x.weight, 0});
+      ev.push_back({x.end, -x.weight, 0});
+    }
+  for (const auto& [a, b] : load.drive)
+    if (b > a) {
+      ev.push_back({a, 0, 1});
+      ev.push_back({b, 0, -1});
     }
   std::sort(ev.begin(), ev.end());
-  // Breakpoints and the integral of max(1, wanted / cores) up to each.
-  std::vector<double> t, integral;
-  double wanted = 0, acc = 0, last = ev.empty() ? 0 : ev.front().first;
+  // Breakpoints and the integrals of the slowdown up to each: [0] any operation's, [1] a
+  // kernel's.
+  std::vector<double> t, integral[2];
+  double wanted = 0, drive = 0, acc[2] = {0, 0}, last = ev.empty() ? 0 : ev.front().t;
   for (std::size_t k = 0; k < ev.size();) {
-    const double now = ev[k].first;
-    acc += (now - last) * std::max(1.0, wanted / cores);
+    const double now = ev[k].t, shared = std::max(1.0, wanted / cores);
+    acc[0] += (now - last) * shared;
+    acc[1] += (now - last) * shared * (drive > 0.5 ? 1.0 + drive_slowdown : 1.0);
     t.push_back(now);
-    integral.push_back(acc);
+    for (int j = 0; j < 2; ++j) integral[j].push_back(acc[j]);
     last = now;
-    for (; k < ev.size() && ev[k].first == now; ++k) wanted += ev[k].second;
+    for (; k < ev.size() && ev[k].t == now; ++k) {
+      wanted += ev[k].wanted;
+      drive += ev[k].drive;
+    }
   }
-  auto at = [&](double x) {  // the integral up to x (x within the breakpoints' range)
+  // The integral `f` up to x (x within the breakpoints' range).
+  auto at = [&](const std::vector<double>& f, double x) {
     const std::size_t j = std::size_t(std::upper_bound(t.begin(), t.end(), x) - t.begin());
     if (j == 0) return 0.0;
-    // wanted between t[j-1] and t[j]: recover from the integral's slope
-    if (j >= t.size()) return integral.back();
-    const double slope =
-        t[j] > t[j - 1] ? (integral[j] - integral[j - 1]) / (t[j] - t[j - 1]) : 1.0;
-    return integral[j - 1] + (x - t[j - 1]) * slope;
+    // the slowdown between t[j-1] and t[j]: recover from the integral's slope
+    if (j >= t.size()) return f.back();
+    const double slope = t[j] > t[j - 1] ? (f[j] - f[j - 1]) / (t[j] - t[j - 1]) : 1.0;
+    return f[j - 1] + (x - t[j - 1]) * slope;
   };
-  std::vector<double> out(uses.size(), 1.0);
-  for (std::size_t i = 0; i < uses.size(); ++i) {
-    const CoreUse& x = uses[i];
+  std::vector<double> out(load.uses.size(), 1.0);
+  for (std::size_t i = 0; i < load.uses.size(); ++i) {
+    const CoreUse& x = load.uses[i];
+    const std::vector<double>& f = integral[x.kernel ? 1 : 0];
     if (x.end > x.start && x.weight > 0)
-      out[i] = std::max(1.0, (at(x.end) - at(x.start)) / (x.end - x.start));
+      out[i] = std::max(1.0, (at(f, x.end) - at(f, x.start)) / (x.end - x.start));
   }
   return out;
 }
@@ -209,7 +237,7 @@ std::vector<std::uint64_t> numels(const ModelProfile& mp) {
 
 // One replay of the step (see the file's head). `share`/`stretch`: core sharing (stretch by
 // operation index, from the previous replay; empty: none); each operation's use of the
-// cores goes to `uses`.
+// cores goes to `load`.
 class Replay {
  public:
   Replay(const MachineProfile& m_, const ModelProfile& mp_, const EngineConfig& c_,
@@ -268,8 +296,8 @@ class Replay {
     sim.stretch = &stretch;
   }
 
-  // The prediction; each operation's use of the cores goes to `uses`.
-  Prediction run(std::vector<CoreUse>& uses) {
+  // The prediction; each operation's use of the cores goes to `load`.
+  Prediction run(CoreLoad& load) {
     Prediction pr;
     // Kept early work that a step leaves to finish behind (Engine::step) delays the next
     // step's forward: then two steps are replayed, and the second is the prediction.
@@ -311,7 +339,7 @@ class Replay {
         iv.end_s -= pass_start;
         pr.schedule.push_back(iv);
       }
-    uses = std::move(sim.uses);
+    load = std::move(sim.load);
     return pr;
   }
 
@@ -976,9 +1004,12 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     // The CPU-emulated device: its kernels, copies and memory passes are threads on the same
     // cores as the host thread and the CPU optimizer; NVMe requests and comm take none.
     share.cores = m.device_shares_host_cores;
-    const double kernel = m.device_kernel_threads > 0
-                              ? std::min<double>(m.device_kernel_threads, share.cores)
-                              : share.cores;
+    double kernel = m.device_kernel_threads > 0
+                        ? std::min<double>(m.device_kernel_threads, share.cores)
+                        : share.cores;
+    // Small kernels keep fewer cores busy than they have threads (serial parts, a team
+    // waiting for its slowest): what the profile measured them to use.
+    if (mp.device_cores > 0) kernel = std::min(kernel, mp.device_cores);
     share.lane_weight[int(Resource::kCompute)] = kernel;
     // A throttled link sleeps most of each copy: the memcpy's share of its time.
     const double copy_bps = m.host_mem_bps / 2;
@@ -989,19 +1020,20 @@ Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const E
     share.lane_weight[int(Resource::kCpu)] = 1;
     share.lane_weight[int(Resource::kTp)] = 1;     // the collective thread's copies and sums
     share.lane_weight[int(Resource::kCount)] = 1;  // fills, adds, frees on the device's streams
+    share.drive_slowdown = std::max(0.0, m.nvme_compute_slowdown);
   }
   std::vector<double> stretch;
-  std::vector<CoreUse> uses;
-  Prediction pr = Replay(m, mp, c, share, stretch).run(uses);
+  CoreLoad load;
+  Prediction pr = Replay(m, mp, c, share, stretch).run(load);
   if (share.cores <= 0) return pr;
   // Fixed point: each replay stretches the operations by how crowded the cores were around
   // them in the last one (halfway, so that it settles rather than oscillates).
   for (int it = 0; it < 12; ++it) {
-    const std::vector<double> want = core_stretch(uses, share.cores);
+    const std::vector<double> want = core_stretch(load, share.cores, share.drive_slowdown);
     if (stretch.size() != want.size()) stretch.assign(want.size(), 1.0);
     for (std::size_t i = 0; i < want.size(); ++i) stretch[i] = 0.5 * (stretch[i] + want[i]);
     const double before = pr.step_s;
-    pr = Replay(m, mp, c, share, stretch).run(uses);
+    pr = Replay(m, mp, c, share, stretch).run(load);
     if (std::abs(pr.step_s - before) <= 1e-3 * before) break;
   }
   return pr;
