@@ -1037,6 +1037,15 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_GT(j["candidates_feasible"].get<int>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
   EXPECT_GT(j["machine"]["nvme_read_gbps"].get<double>(), 0);
+  // The drive's sustained rate was measured (--nvme-sustain-s, 8 s by default), and the mixed rate
+  // the model uses is no more than it or the short runs' rate.
+  const auto& mj = j["machine"];
+  EXPECT_GT(mj["nvme_sustained_gbps"].get<double>(), 0);
+  EXPECT_LE(
+      mj["nvme_mixed_gbps"].get<double>(),
+      std::max(mj["nvme_sustained_gbps"].get<double>(), mj["nvme_mixed_burst_gbps"].get<double>()) *
+          (1 + 1e-9));
+  EXPECT_NE(r.out.find("nvme sustained (both at once"), std::string::npos) << r.out;
   // The kernels were timed beside the drive's traffic as well (a slowdown of 0 or more).
   EXPECT_GT(j["machine"]["nvme_load_gbps"].get<double>(), 0);
   EXPECT_GE(j["machine"]["nvme_compute_slowdown"].get<double>(), 0);
@@ -1722,6 +1731,9 @@ TEST(ProfCli, BadInputIsAClearError) {
   // A bad command line exits 1 too (not CLI11's own codes), and a missing --nvme-path is refused
   // (not created: a typo must not profile another drive).
   EXPECT_EQ(testing::run(STRATA_PROF_BIN, {"--validate", "abc"}, d.path, "flag").status, 1);
+  const auto sus = testing::run(STRATA_PROF_BIN, {"--nvme-sustain-s", "-1"}, d.path, "sustain");
+  EXPECT_EQ(sus.status, 1);
+  EXPECT_NE(sus.err.find("--nvme-sustain-s -1: give seconds from 0"), std::string::npos) << sus.err;
   const auto nv = testing::run(STRATA_PROF_BIN, {"--nvme-path", d.path + "/nope"}, d.path, "nvme");
   EXPECT_EQ(nv.status, 1);
   EXPECT_NE(nv.err.find("--nvme-path " + d.path + "/nope: no such directory"), std::string::npos)

@@ -49,6 +49,7 @@ struct Args {
   double emu_h2d = 0, emu_d2h = 0, emu_gflops = 0;
   std::string nvme_path;
   bool no_nvme = false;
+  double nvme_sustain_s = 8;  // the drive's mix run this long for its sustained rate (0: none)
   int top = 5;
   int validate = 0;
   int validate_spread = 4;  // with --validate K: up to this many more, of other classes and low

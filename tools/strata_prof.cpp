@@ -22,6 +22,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -103,6 +104,10 @@ void check_flags(const Args& a) {
                  "the unit order and is not timed)");
   for (auto b : a.micro_batches)
     STRATA_REQUIRE(b >= 1, "--micro-batches: {} is not a positive batch size", b);
+  STRATA_REQUIRE(
+      std::isfinite(a.nvme_sustain_s) && a.nvme_sustain_s >= 0 && a.nvme_sustain_s <= 600,
+      "--nvme-sustain-s {}: give seconds from 0 (the short runs' rates only) to 600",
+      a.nvme_sustain_s);
 }
 
 // The --config's text, read once (a.user_text: what read_config parses and written_json keeps).
@@ -362,6 +367,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_request_ms", machine.nvme_request_s * 1e3},
                   {"nvme_mixed_request_ms", machine.nvme_mixed_request_s * 1e3},
                   {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
+                  {"nvme_sustained_gbps", machine.nvme_sustained_bps / 1e9},
+                  {"nvme_mixed_burst_gbps", machine.nvme_mixed_burst_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},
                   {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
                   {"nvme_load_gbps", machine.nvme_load_bps / 1e9},
@@ -647,6 +654,10 @@ int main(int argc, char** argv) {
                  "folder on the NVMe drive (default <build>/prof-nvme, or "
                  "~/.cache/strata/prof-nvme installed)");
   app.add_flag("--no-nvme", a.no_nvme, "do not consider NVMe placements");
+  app.add_option("--nvme-sustain-s", a.nvme_sustain_s,
+                 "seconds the drive's mix of reads and writes runs for its sustained rate, the "
+                 "second half counted; a drive that bursts has its rates scaled to it (default 8; "
+                 "0: the short runs' rates)");
   app.add_option("--top", a.top, "candidates to print (default 5)")->check(CLI::Range(1, 100));
   app.add_option("--validate", a.validate,
                  "run the best K for a few steps and compare, with the spread (default 0)")

@@ -63,6 +63,10 @@ struct MachineProfile {
   // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
   // waits for each: 0 = nvme_read_bps.
   double nvme_fetch_read_bps = 0;
+  // The mix's rate over the second half of a run of some seconds (0: not measured), and the short
+  // runs' mixed rate: where the sustained one is lower (a drive that bursts), the rates above are
+  // the short runs' scaled down to it.
+  double nvme_sustained_bps = 0, nvme_mixed_burst_bps = 0;
   double cpu_adamw_params_per_s = 0;                  // CpuAdamW, all its threads
   double device_adamw_params_per_s = 0;               // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
