@@ -208,6 +208,28 @@ void measure_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, std::si
   measure_adamw_rates(dev, s, base, m);
 }
 
+// The optimizer's traffic on `store`: request i reads (even i) or writes (odd i) `bytes` between
+// bufs[i % bufs.size()] and key(i), `in_flight` at once (reads ahead, writes behind), for as long
+// as more(i) says before each; done() after each one completes. Returns when all have.
+template <class Key, class More, class Done>
+void run_mix(SwapStore& store, const std::vector<PinnedBlock>& bufs, std::size_t bytes,
+             std::size_t in_flight, Key key, More more, Done done) {
+  std::deque<IoHandle> hs;
+  auto complete_one = [&] {
+    hs.front().wait();
+    hs.pop_front();
+    done();
+  };
+  for (std::size_t i = 0;; ++i) {
+    if (hs.size() >= in_flight) complete_one();
+    if (!more(i)) break;
+    void* b = bufs[i % bufs.size()].data();
+    const std::string k = key(i);
+    hs.push_back(i % 2 ? store.write(k, b, bytes) : store.read(k, b, bytes));
+  }
+  while (!hs.empty()) complete_one();
+}
+
 // NVMe: the engine's swap store, as the engine drives it: extents of one unit's optimizer
 // state, two in flight (the optimizer reads one ahead; a fetch reads the next unit while
 // the current one is in use). A drive reaches its sequential rate only with many requests
@@ -267,23 +289,16 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // gradients go out): the time a request of `bytes`, `n` of them.
   auto mixed_at = [&](std::size_t bytes, std::size_t n) {
     const std::string prefix = written_keys("m", bytes, n);
-    return median_of(
-               3,
-               [&] {
-                 const auto t0 = Clock::now();
-                 std::deque<IoHandle> hs;
-                 for (std::size_t i = 0; i < n; ++i) {
-                   if (hs.size() >= 2 * depth) {  // a read ahead and a write behind, each
-                     hs.front().wait();           // `depth` deep
-                     hs.pop_front();
-                   }
-                   void* b = bufs[i % bufs.size()].data();
-                   const std::string key = fmt::format("{}{}", prefix, i);
-                   hs.push_back(i % 2 ? store.write(key, b, bytes) : store.read(key, b, bytes));
-                 }
-                 for (auto& h : hs) h.wait();
-                 return since(t0);
-               }) /
+    return median_of(3,
+                     [&] {
+                       const auto t0 = Clock::now();
+                       // a read ahead and a write behind, each `depth` deep
+                       run_mix(
+                           store, bufs, bytes, 2 * depth,
+                           [&](std::size_t i) { return fmt::format("{}{}", prefix, i); },
+                           [&](std::size_t i) { return i < n; }, [] {});
+                       return since(t0);
+                     }) /
            double(n);
   };
   // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
@@ -313,24 +328,21 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   double sustained_factor = 1;
   if (sustain_s > 0) {
     const auto t0 = Clock::now();
-    std::deque<IoHandle> hs;
     std::uint64_t late_bytes = 0;
     double late_start = -1;
-    for (std::size_t i = 0;; ++i) {
-      if (hs.size() >= 2 * depth) {
-        hs.front().wait();
-        hs.pop_front();
-        const double now = since(t0);
-        if (late_start >= 0) late_bytes += extent;  // (counted from the first after half-time)
-        if (now >= sustain_s) break;
-        if (now >= sustain_s / 2 && late_start < 0) late_start = now;
-      }
-      void* b = bufs[i % bufs.size()].data();
-      const std::string key = fmt::format("x{}", i % count);
-      hs.push_back(i % 2 ? store.write(key, b, extent) : store.read(key, b, extent));
-    }
-    for (auto& h : hs) h.wait();
-    late_bytes += hs.size() * extent;
+    bool finished = false;
+    run_mix(
+        store, bufs, extent, 2 * depth,
+        [&](std::size_t i) { return fmt::format("x{}", i % count); },
+        [&](std::size_t) { return !finished; },
+        [&] {
+          const double now = since(t0);
+          if (late_start >= 0) late_bytes += extent;  // (counted from the first after half-time)
+          if (now >= sustain_s)
+            finished = true;
+          else if (now >= sustain_s / 2 && late_start < 0)
+            late_start = now;
+        });
     const double late_s = since(t0) - late_start;
     if (late_start >= 0 && late_s > 0 && late_bytes > 0) {
       m.nvme_sustained_bps = double(late_bytes) / late_s;
@@ -574,18 +586,10 @@ class DriveLoad {
     thread_ = std::thread([this] {
       const auto t0 = Clock::now();
       try {
-        std::deque<IoHandle> hs;
-        for (std::size_t i = 0; !stop_.load(std::memory_order_relaxed); ++i) {
-          if (hs.size() >= 4) {
-            hs.front().wait();
-            hs.pop_front();
-          }
-          void* b = bufs_[i % bufs_.size()].data();
-          hs.push_back(i % 2 ? store_->write(key(i % kKeys), b, kExtent)
-                             : store_->read(key(i % kKeys), b, kExtent));
-          requests_.fetch_add(1, std::memory_order_relaxed);
-        }
-        for (auto& h : hs) h.wait();
+        run_mix(
+            *store_, bufs_, kExtent, 4, [](std::size_t i) { return key(i % kKeys); },
+            [this](std::size_t) { return !stop_.load(std::memory_order_relaxed); },
+            [this] { requests_.fetch_add(1, std::memory_order_relaxed); });
       } catch (...) {
         error_ = std::current_exception();
       }
@@ -628,11 +632,6 @@ class DriveLoad {
   std::thread thread_;
 };
 
-// Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
-// `dev` (every copy on the same device: under tensor parallelism its communicators are made once);
-// per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
-// parallelism (`tp_group` set: every rank runs this in the same order) each TP rank runs its
-// slices, the TP collectives in the times.
 // The host's cache written over, on the CPU-emulated device, before each timed repetition: in a
 // step the weights a layer reads were last used a step (or a forward) ago, and since then the
 // rest of the step (the other layers, the optimizer's state, the copies, the drive's transfers)
@@ -656,6 +655,12 @@ class CacheEvictor {
   unsigned char pass_ = 0;
 };
 
+// Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
+// `dev` (every copy on the same device: under tensor parallelism its communicators are made once);
+// per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
+// parallelism (`tp_group` set: every rank runs this in the same order) each TP rank runs its
+// slices, the TP collectives in the times. With `evict`, the cache is written over before each
+// timed one.
 std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const ModelConfig& base,
                                      int layers, const ProfileKey& k, std::int64_t T, DType dt,
                                      int reps, CacheEvictor* evict = nullptr) {
