@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks strata-prof's predictions in several bottleneck regimes on the CPU-emulated device:
-# for each regime, strata-prof measures, searches, and --validate's the best 3 placements and
-# its default spread (up to 4 more: the best of other placement classes, the median- and the
-# last-ranked) by running them through strata-train; this prints predicted vs measured step
+# for each regime, strata-prof measures, searches, and --validate's the best 3 placements and its
+# default spread (up to 4 more: the best of other placement classes, the median- and the
+# last-ranked) by running them through strata-train, two rounds in turns (--validate-rounds 2, each
+# round in the reverse order of the last); this prints predicted vs measured step
 # time per candidate, then a table of the recommended configuration per regime: the resource
 # it is bound by as predicted and as measured (the lane busiest in its traced step), the worst
 # error over every validated candidate (target <= 15%), Spearman's rank correlation of
@@ -16,8 +17,8 @@
 #   compute  everything fits on the device; matmuls throttled to 10 GFLOP/s
 #   link     a 100 MiB device: weights must stream over a 0.1 GB/s link each way
 #   nvme     a 61 MiB device and 61 MiB of pinned host memory: optimizer state on NVMe
-#   offload  a wider model (hidden 512, 23M parameters) on a 120 MiB device, no NVMe, one
-#            16-token sequence per step: weights streamed in from the host each step, gradients
+#   offload  a wider model (hidden 512, 23M parameters) on a 120 MiB device, no NVMe, 1, 2 or
+#            4 16-token sequences per step: weights streamed in from the host each step, gradients
 #            and optimizer state on the host, the CPU AdamW in every step (ZeRO-Offload's case;
 #            on the emulated device it is compute-bound: its kernels move the same host memory
 #            as the AdamW does, so no batch makes the optimizer the longest lane)
@@ -41,7 +42,7 @@ run() {
   # folder unless the regime leaves NVMe out (--no-nvme beside --nvme-path is refused).
   local nvme=(--nvme-path "$work/nvme")
   case " $* " in *" --no-nvme "*) nvme=() ;; esac
-  "$prof" --device cpu "${nvme[@]}" --validate 3 --validate-steps 8 --top 3 --json --overwrite \
+  "$prof" --device cpu "${nvme[@]}" --validate 3 --validate-steps 8 --validate-rounds 2 --top 3 --json --overwrite \
     --out "$work/$name.ds_config.json" --svg "$work/$name.svg" --trace "$work/$name.trace.json" "$@" \
     >"$work/$name.out" 2>"$work/$name.err" || { cat "$work/$name.err" >&2; exit 1; }
   sed -n '/placements considered/,/^picture/p' "$work/$name.out"
@@ -51,7 +52,7 @@ run() {
 run compute --device-mem-gb 1 --emu-compute-gflops 10 --micro-batches 2
 run link --device-mem-gb 0.1 --emu-h2d-gbps 0.1 --emu-d2h-gbps 0.1 --micro-batches 2
 run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
-run offload --model-config "$work/wide.json" --device-mem-gb 0.12 --no-nvme --micro-batches 1 --seq-len 16
+run offload --model-config "$work/wide.json" --device-mem-gb 0.12 --no-nvme --micro-batches 1 2 4 --seq-len 16
 
 echo
 printf '%-8s %-11s %-11s %12s %12s %9s %-21s %13s\n' regime "bound (pr.)" "bound (ms.)" "predicted ms" \

@@ -474,6 +474,22 @@ TEST(PerfModel, ValidationPicksSpreadOverClassesAndRanks) {
   EXPECT_TRUE(validation_picks({}, 3, 4).empty());
 }
 
+// --validate's rounds: every pick once a round, each round in the reverse order of the one
+// before, so that a machine slowing (or warming) over the runs weighs on each pick alike.
+TEST(PerfModel, ValidationRoundsRunEveryPickInTurnsEachRoundReversed) {
+  using V = std::vector<std::size_t>;
+  EXPECT_EQ(validation_order(3, 1), (V{0, 1, 2}));
+  EXPECT_EQ(validation_order(3, 2), (V{0, 1, 2, 2, 1, 0}));
+  EXPECT_EQ(validation_order(2, 3), (V{0, 1, 1, 0, 0, 1}));
+  EXPECT_TRUE(validation_order(0, 2).empty());
+  // A drift linear in the run's place in the order: over two rounds every pick's mean place is
+  // the same, so the drift adds the same to each.
+  const V o = validation_order(5, 2);
+  std::vector<double> place(5, 0.0);
+  for (std::size_t at = 0; at < o.size(); ++at) place[o[at]] += double(at) / 2;
+  for (double p : place) EXPECT_DOUBLE_EQ(p, place[0]);
+}
+
 // A traced step's measured bottleneck: the lane busy longest, its overlapping intervals counted
 // once (three NVMe requests in flight together are 1 s of the drive, not 2.2).
 TEST(PerfModel, LaneBusyIsTheUnionOfEachLanesIntervals) {
@@ -1250,6 +1266,27 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
               j["rank_correlation_spearman_resolved"].is_null())
       << j.dump();
   EXPECT_NE(r.out.find("(the runs' step-to-step spread) as ties"), std::string::npos) << r.out;
+  // Two rounds by default (validation_order): each validated one ran twice, its measured step the
+  // median over both runs' timed steps (one each: --validate-steps 2 times the first step).
+  EXPECT_EQ(j["validate_rounds"].get<int>(), 2);
+  for (const auto& c : j["candidates"]) {
+    if (!c.contains("validated_as")) continue;
+    SCOPED_TRACE(c.dump());
+    ASSERT_EQ(c["measured_round_step_s"].size(), 2u);
+    const std::vector<double> steps = c["measured_steps_s"].get<std::vector<double>>();
+    ASSERT_EQ(steps.size(), 2u);
+    // median() takes the upper middle: the larger of two.
+    EXPECT_DOUBLE_EQ(c["measured_step_s"].get<double>(), std::max(steps[0], steps[1]));
+    std::vector<double> rounds = c["measured_round_step_s"].get<std::vector<double>>();
+    std::sort(rounds.begin(), rounds.end());
+    std::vector<double> sorted = steps;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(rounds, sorted) << "a round's step is the median of its own timed steps";
+  }
+  EXPECT_NE(r.out.find("2 rounds in turns, each in the reverse order of the last"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("round 1 of 2 done"), std::string::npos) << r.out;
   // The engine's note that the early step is off (host optimizer state), once for all the runs,
   // not between every two rows of the table.
   std::size_t notes = 0;
@@ -1775,10 +1812,10 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--svg", d.path + "/best.json"}, "--out and --svg both name " + d.path + "/best.json"},
            {{"--validate", "1", "--trace", d.path + "/best.json"}, "--out and --trace both name"},
            {{"--trace", d.path + "/t.json"},
-            "--trace, --data, --text and --validate-spread are for the validation runs: add "
-            "--validate K"},
-           {{"--validate-spread", "2"},
-            "--trace, --data, --text and --validate-spread are for the validation runs"},
+            "--trace, --data, --text, --validate-spread and --validate-rounds are for the "
+            "validation runs: add --validate K"},
+           {{"--validate-spread", "2"}, "--validate-rounds are for the validation runs"},
+           {{"--validate-rounds", "3"}, "--validate-rounds are for the validation runs"},
            {{"--micro-batch", "4", "--micro-batches", "2"}, "--micro-batch 4 and --micro-batches"},
            {{"--validate", "1", "--data", d.path + "/nope.bin"},
             "--data " + d.path + "/nope.bin: no such file"},

@@ -54,6 +54,7 @@ struct Args {
   int validate = 0;
   int validate_spread = 4;  // with --validate K: up to this many more, of other classes and low
   int validate_steps = 4;
+  int validate_rounds = 2;  // each pick run this many times, in turns (validation_order)
   std::string out = "strata-prof.ds_config.json";
   std::string svg = "strata-prof.svg";
   std::string trace;  // with --validate: default strata-prof.trace.json
@@ -62,6 +63,7 @@ struct Args {
   // tool's own and replaced without --overwrite, as a re-run in the same folder expects.
   bool out_named = false, svg_named = false, trace_named = false;
   bool validate_spread_named = false;  // (refused without --validate)
+  bool validate_rounds_named = false;  // (likewise)
   bool json = false;
   // --tensor-parallel N (0: the --config's tensor_parallel.autotp_size, else 1); `tp` what run()
   // made of it: the size and this rank's place in its TP group.

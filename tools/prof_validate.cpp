@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -272,18 +273,28 @@ nlohmann::json& entry_of(nlohmann::json& cands, std::size_t index) {
   STRATA_THROW(kInternal, "no --json entry for candidate #{}", index + 1);
 }
 
-// What validate() prints before the runs: which candidates, and the table's head.
-void print_validation_head(const Args& a, const std::vector<ValidationPick>& picks) {
+// What validate() prints before the runs: which candidates, and how they run.
+void print_validation_intro(const Args& a, const std::vector<ValidationPick>& picks) {
   const std::size_t top = std::size_t(std::count_if(
       picks.begin(), picks.end(), [](const ValidationPick& p) { return p.reason == "top"; }));
+  const std::string how =
+      a.validate_rounds > 1
+          ? fmt::format(
+                "{} steps a run, the first not timed; {} rounds in turns, each in the "
+                "reverse order of the last",
+                a.validate_steps, a.validate_rounds)
+          : fmt::format("{} steps each, the first not timed", a.validate_steps);
   if (top == picks.size())
-    std::printf("\nvalidating the best %zu (%d steps each, the first not timed):\n", top,
-                a.validate_steps);
+    std::printf("\nvalidating the best %zu (%s):\n", top, how.c_str());
   else
     std::printf(
         "\nvalidating the best %zu and %zu more for spread, the best of other placement classes "
-        "and low-ranked ones (%d steps each, the first not timed):\n",
-        top, picks.size() - top, a.validate_steps);
+        "and low-ranked ones (%s):\n",
+        top, picks.size() - top, how.c_str());
+  std::fflush(stdout);
+}
+
+void print_validation_columns() {
   std::printf("  %-4s %12s %12s %8s %10s  %-18s %-19s  %s\n", "#", "predicted ms", "measured ms",
               "error", "tokens/s", "bound by pred/meas", "chosen as", "configuration");
 }
@@ -381,7 +392,13 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   const std::string data_file = a.data_files.empty() && a.text_file.empty()
                                     ? write_token_file(a, work, mcfg, world_size)
                                     : std::string();
-  if (talk) print_validation_head(a, picks);
+  // The candidates may differ in micro-batch size: which is fastest is a matter of tokens a
+  // second (what the search ranks by), not of step time (fastest_validated).
+  Runs runs;
+  runs.step_s.assign(k, 0.0);
+  runs.tokens_per_s.assign(k, 0.0);
+  runs.spread.assign(k, 0.0);
+  if (talk) print_validation_intro(a, picks);
   const std::string& trace = a.trace;
   bool trace_written = false;  // only by the recommended configuration's run, when it ran
   {
@@ -389,73 +406,92 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     std::error_code ec;
     if (talk && !trace.empty()) fs::remove(trace, ec);
   }
-  // The candidates may differ in micro-batch size: which is fastest is a matter of tokens a
-  // second (what the search ranks by), not of step time (fastest_validated).
-  Runs runs;
-  runs.step_s.assign(k, 0.0);
-  runs.tokens_per_s.assign(k, 0.0);
-  runs.spread.assign(k, 0.0);
+  // Every pick runs once a round (validation_order); its measured step is the median of all its
+  // rounds' timed steps. A run that fails is a finding, not the end: that pick is not run again.
+  std::vector<std::vector<double>> steps(k), round_steps(k);
+  std::vector<std::string> errors(k);
+  std::vector<LaneBusy> busy(k);
+  const std::vector<std::size_t> order = validation_order(k, a.validate_rounds);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t at = 0; at < order.size(); ++at) {
+    const std::size_t n = order[at];
+    const std::size_t i = picks[n].index;
+    if (errors[n].empty()) {
+      // Every run's last step is traced, for its measured bottleneck: the recommended one's into
+      // --trace, the others' (and with --trace "" that one's too) into the work folder. A later
+      // round's trace replaces an earlier one's.
+      const std::string trace_file =
+          i == 0 && !trace.empty() ? trace
+                                   : (fs::path(work) / fmt::format("trace{}.json", i)).string();
+      Tracer::global().clear();
+      try {
+        const Measured mres = run_candidate(a, ranked[i], work, data_file, trace_file, int(i));
+        const std::vector<Interval> sched = measured_schedule(Tracer::global().spans());
+        busy[n] = lane_busy(sched);
+        steps[n].insert(steps[n].end(), mres.steps.begin(), mres.steps.end());
+        round_steps[n].push_back(mres.step_s);
+        if (i == 0) {
+          trace_written = !trace.empty() && fs::exists(trace);
+          out.measured_sched = sched;
+          out.have_trace = !sched.empty();
+          out.measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
+        }
+      } catch (const Error& e) {
+        // A configuration the planner passed and the run refused.
+        errors[n] = e.user_message();
+        ++runs.failed;
+      }
+      Tracer::global().clear();
+    }
+    if (talk && a.validate_rounds > 1 && (at + 1) % k == 0 && at + 1 < order.size())
+      std::printf("  round %zu of %d done (%.1f s)\n", (at + 1) / k, a.validate_rounds,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+  }
+  if (talk) print_validation_columns();
   for (std::size_t n = 0; n < k; ++n) {
     const std::size_t i = picks[n].index;
     const Candidate& c = ranked[i];
     nlohmann::json& entry = entry_of(cands, i);
     entry["validated_as"] = picks[n].reason;
     const std::string predicted_bound = resource_name(c.prediction.bottleneck);
-    // Every run's last step is traced, for its measured bottleneck: the recommended one's into
-    // --trace, the others' (and with --trace "" that one's too) into the work folder.
-    const std::string trace_file = i == 0 && !trace.empty()
-                                       ? trace
-                                       : (fs::path(work) / fmt::format("trace{}.json", i)).string();
-    Tracer::global().clear();
-    Measured mres;
-    try {
-      mres = run_candidate(a, c, work, data_file, trace_file, int(i));
-    } catch (const Error& e) {
-      // A configuration the planner passed and the run refused is a finding, not the end.
-      ++runs.failed;
+    if (!errors[n].empty()) {
       if (talk)
         std::printf("  %-4zu %12.1f %12s %8s %10s  %-18s %-19s  %s\n      FAILED: %s\n", i + 1,
                     c.prediction.step_s * 1e3, "-", "-", "-", (predicted_bound + " / -").c_str(),
-                    picks[n].reason.c_str(), c.label.c_str(), e.user_message().c_str());
-      entry["validation_error"] = e.user_message();
-      for (const char* k2 : {"measured_step_s", "measured_tokens_per_s", "measured_steps_s",
-                             "prediction_error", "measured_bottleneck", "measured_busy_s"})
+                    picks[n].reason.c_str(), c.label.c_str(), errors[n].c_str());
+      entry["validation_error"] = errors[n];
+      for (const char* k2 :
+           {"measured_step_s", "measured_tokens_per_s", "measured_steps_s", "measured_round_step_s",
+            "prediction_error", "measured_bottleneck", "measured_busy_s"})
         entry[k2] = nullptr;
       continue;
     }
-    const std::vector<Interval> sched = measured_schedule(Tracer::global().spans());
-    Tracer::global().clear();
-    const LaneBusy busy = lane_busy(sched);
-    if (i == 0) {
-      trace_written = !trace.empty() && fs::exists(trace);
-      out.measured_sched = sched;
-      out.have_trace = !sched.empty();
-      out.measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
-    }
-    runs.step_s[n] = mres.step_s;
-    runs.tokens_per_s[n] = measured_tokens_per_s(c, mres.step_s);
-    runs.spread[n] = step_spread(mres.steps);
-    const double err = (c.prediction.step_s - mres.step_s) / mres.step_s;
+    const double step_s = median(steps[n]);
+    runs.step_s[n] = step_s;
+    runs.tokens_per_s[n] = measured_tokens_per_s(c, step_s);
+    runs.spread[n] = step_spread(steps[n]);
+    const double err = (c.prediction.step_s - step_s) / step_s;
     runs.worst = std::max(runs.worst, std::abs(err));
-    const std::string measured_bound = busy.busiest ? resource_name(*busy.busiest) : "-";
-    if (talk) {
+    const std::string measured_bound = busy[n].busiest ? resource_name(*busy[n].busiest) : "-";
+    if (talk)
       std::printf("  %-4zu %12.1f %12.1f %+7.1f%% %10.0f  %-18s %-19s  %s\n", i + 1,
-                  c.prediction.step_s * 1e3, mres.step_s * 1e3, err * 100, runs.tokens_per_s[n],
+                  c.prediction.step_s * 1e3, step_s * 1e3, err * 100, runs.tokens_per_s[n],
                   (predicted_bound + " / " + measured_bound).c_str(), picks[n].reason.c_str(),
                   c.label.c_str());
-      std::fflush(stdout);
-    }
-    entry["measured_step_s"] = mres.step_s;
+    entry["measured_step_s"] = step_s;
     entry["measured_tokens_per_s"] = runs.tokens_per_s[n];
-    entry["measured_steps_s"] = mres.steps;
+    entry["measured_steps_s"] = steps[n];
+    entry["measured_round_step_s"] = round_steps[n];
     entry["prediction_error"] = err;
     nlohmann::json busy_s;
     for (int r = 0; r < int(Resource::kCount); ++r)
-      busy_s[resource_name(Resource(r))] = busy.busy_s[r];
-    entry["measured_busy_s"] = busy.busiest ? busy_s : nlohmann::json(nullptr);
+      busy_s[resource_name(Resource(r))] = busy[n].busy_s[r];
+    entry["measured_busy_s"] = busy[n].busiest ? busy_s : nlohmann::json(nullptr);
     entry["measured_bottleneck"] =
-        busy.busiest ? nlohmann::json(measured_bound) : nlohmann::json(nullptr);
+        busy[n].busiest ? nlohmann::json(measured_bound) : nlohmann::json(nullptr);
   }
+  j["validate_rounds"] = a.validate_rounds;
   std::error_code ec;
   fs::remove_all(work, ec);
   out.exit_code = report_validation(a, ranked, picks, runs, trace_written, talk, j);

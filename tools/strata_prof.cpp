@@ -89,9 +89,11 @@ void check_flags(const Args& a) {
   STRATA_REQUIRE(a.data_files.empty() || a.text_file.empty(),
                  "--data and --text: the validation runs read one of "
                  "them; give one");
-  STRATA_REQUIRE(a.validate > 0 || ((!a.trace_named || a.trace.empty()) && a.data_files.empty() &&
-                                    a.text_file.empty() && !a.validate_spread_named),
-                 "--trace, --data, --text and --validate-spread are for the validation runs: add "
+  STRATA_REQUIRE(a.validate > 0 ||
+                     ((!a.trace_named || a.trace.empty()) && a.data_files.empty() &&
+                      a.text_file.empty() && !a.validate_spread_named && !a.validate_rounds_named),
+                 "--trace, --data, --text, --validate-spread and --validate-rounds are for the "
+                 "validation runs: add "
                  "--validate K (or leave them out)");
   for (const std::string& f : a.data_files)
     STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
@@ -669,6 +671,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 20));
   app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")
       ->check(CLI::Range(2, 100));
+  app.add_option("--validate-rounds", a.validate_rounds,
+                 "run the validated candidates this many times, in turns, each round in the "
+                 "reverse order of the last, so that the machine's drift (a drive or cores "
+                 "slowing as they warm, a cold first run) falls on all alike; each one's "
+                 "measured step is the median over all its runs' timed steps (default 2)")
+      ->check(CLI::Range(1, 10));
   app.add_option("--out", a.out,
                  "write the best configuration here (default strata-prof.ds_config.json)");
   app.add_option("--svg", a.svg, "the picture (default strata-prof.svg; empty: none)");
@@ -688,6 +696,7 @@ int main(int argc, char** argv) {
     a.svg_named = app.count("--svg") > 0;
     a.trace_named = app.count("--trace") > 0;
     a.validate_spread_named = app.count("--validate-spread") > 0;
+    a.validate_rounds_named = app.count("--validate-rounds") > 0;
     return strata::prof::run(a);
   });
 }

@@ -231,6 +231,12 @@ struct ValidationPick {
 std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranked, std::size_t top,
                                              std::size_t spread);
 
+// The order --validate runs `picks` picks in over `rounds` rounds: each pick once a round, in
+// turns, every round in the reverse order of the one before (0 1 2, 2 1 0, 0 1 2, ...). Drift over
+// the validation — a drive or the cores slowing as they warm, a cold first run — then falls on
+// every candidate alike instead of on the first or the last. Pick indices, picks x rounds of them.
+std::vector<std::size_t> validation_order(std::size_t picks, int rounds);
+
 // The busiest of `busy_s` (per Resource): the first of the largest. The bottleneck of a step.
 Resource busiest(const double (&busy_s)[int(Resource::kCount)]);
 

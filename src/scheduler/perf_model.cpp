@@ -1165,6 +1165,13 @@ std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranke
   return picks;
 }
 
+std::vector<std::size_t> validation_order(std::size_t picks, int rounds) {
+  std::vector<std::size_t> order;
+  for (int r = 0; r < rounds; ++r)
+    for (std::size_t n = 0; n < picks; ++n) order.push_back(r % 2 == 0 ? n : picks - 1 - n);
+  return order;
+}
+
 Resource busiest(const double (&busy_s)[int(Resource::kCount)]) {
   int best = 0;
   for (int r = 1; r < int(Resource::kCount); ++r)
