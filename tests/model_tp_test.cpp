@@ -44,6 +44,19 @@ const char* kGpt2 =
     R"({"model_type": "gpt2", "vocab_size": 61, "n_embd": 32, "n_layer": 2, "n_head": 4,
   "n_positions": 16})";
 
+// Qwen2: q/k/v biases (split with their heads) and no o bias, tied embeddings (the vocabulary-
+// parallel head is the embedding's rows, as GPT-2's).
+const char* kQwen2 =
+    R"({"model_type": "qwen2", "vocab_size": 67, "hidden_size": 32, "intermediate_size": 48,
+  "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+  "max_position_embeddings": 32, "tie_word_embeddings": true})";
+// Mistral: no attention biases at all (the Llama above has them), untied; its sliding window
+// longer than the sequence (a shorter one is refused: strata's attention is full causal).
+const char* kMistral =
+    R"({"model_type": "mistral", "vocab_size": 67, "hidden_size": 32, "intermediate_size": 48,
+  "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+  "max_position_embeddings": 32, "sliding_window": 4096})";
+
 constexpr std::int64_t kB = 2, kT = 8;
 
 Batch make_batch(std::int64_t vocab, bool packed, bool ignore_some) {
@@ -196,9 +209,16 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelTp,
                                            Case{kLlama, DType::kBF16, false, false, true},
                                            Case{kGpt2, DType::kBF16, false, false, true},
                                            Case{kLlama, DType::kF32, true, true, true},
-                                           Case{kGpt2, DType::kF32, true, true, true}),
+                                           Case{kGpt2, DType::kF32, true, true, true},
+                                           // the other families
+                                           Case{kQwen2}, Case{kMistral},
+                                           Case{kQwen2, DType::kF32, false, false, true},
+                                           Case{kMistral, DType::kF32, true, true, true}),
                          [](const ::testing::TestParamInfo<Case>& i) {
-                           std::string n = i.param.cfg == kLlama ? "LlamaGqa" : "Gpt2";
+                           std::string n = i.param.cfg == kLlama   ? "LlamaGqa"
+                                           : i.param.cfg == kGpt2  ? "Gpt2"
+                                           : i.param.cfg == kQwen2 ? "Qwen2Tied"
+                                                                   : "MistralNoBias";
                            n += i.param.dtype == DType::kBF16 ? "Bf16" : "Fp32";
                            if (i.param.checkpoint) n += "CheckpointedPacked";
                            if (i.param.sequence_parallel) n += "SequenceParallel";

@@ -2347,10 +2347,12 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 // gradient norms step by step and the weights written, to fp32 rounding (Adam's eps 1e-4 here, as
 // in engine_mpi_test.cpp: with a tiny eps an element whose gradient nearly cancels moves by a
 // visible amount for a last-bit change). The 4-rank run's checkpoint exported equals its --out bit
-// for bit; resumed with the same layout its steps are the uninterrupted run's bit for bit, and with
-// another data-parallel size (2 ranks, grad-accum 2) they continue it. A checkpoint resumed with
-// another TP size, a TP size that does not divide the ranks and one that does not divide the
-// key/value heads are refused, each naming the fix.
+// for bit; resumed with the same layout its steps (losses, gradient norms) and its --out are the
+// uninterrupted run's bit for bit, and with another data-parallel size (2 ranks, grad-accum 2) they
+// continue it. A sharded Hugging Face folder loads into the TP slices and writes back bit for bit;
+// the trace names each group's collectives (tp.*, dp.*), sequence parallelism's among them. A
+// checkpoint resumed with another TP size, a TP size that does not divide the ranks and one that
+// does not divide the key/value heads are refused, each naming the fix.
 TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
 #ifndef STRATA_MPIEXEC
   GTEST_SKIP() << "no MPI launcher";
@@ -2402,36 +2404,129 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
             << what << ": step " << step << "'s " << key << ": " << got[step] << ", one rank " << v;
     }
   };
+  // The collectives of a traced step (--trace): how many spans of each name.
+  const auto spans = [](const std::string& trace) {
+    std::map<std::string, int> n;
+    const auto j = nlohmann::json::parse(slurp(trace));
+    for (const auto& e : j.at("traceEvents"))
+      if (e.value("ph", "") == "X") {
+        const std::string name = e.value("name", "");
+        if (name.starts_with("tp.") || name.starts_with("dp.") || name.find("all_") == 0 ||
+            name.find("reduce_scatter") == 0)
+          ++n[name.substr(0, name.find(' '))];
+      }
+    return n;
+  };
   // TP 2 x DP 1, on the device and offloaded to NVMe.
   for (const auto& [config, tag] : {std::pair{adam, "tp2"}, std::pair{nvme, "tp2nvme"}}) {
-    const Result r = ranks(
-        2, p + tag + ".jsonl",
-        {"--tensor-parallel", "2", "--grad-accum", "2", "--config", config, "--out", p + tag}, tag);
+    const Result r = ranks(2, p + tag + ".jsonl",
+                           {"--tensor-parallel", "2", "--grad-accum", "2", "--config", config,
+                            "--out", p + tag, "--trace", p + tag + ".trace.json"},
+                           tag);
     ASSERT_EQ(r.status, 0) << r.out << r.err;
     EXPECT_NE(r.out.find("tensor parallel 2 x data parallel 1"), std::string::npos) << r.out;
     near_run(p + tag + ".jsonl", tag);
     near_weights(p + tag, tag);
+    // The trace names the TP group's collectives: the all-reduces of the split layers (2 a layer
+    // each way, the embedding's, the vocabulary-parallel loss's), and no data-parallel ones.
+    auto n = spans(p + tag + ".trace.json");
+    EXPECT_GE(n["tp.all_reduce"], 2 * 2 * 2 * 2) << tag << ": 2 layers x 2 micro-batches";
+    for (const auto& [name, count] : n)
+      EXPECT_TRUE(name.starts_with("tp.")) << tag << ": " << name << " x" << count;
+  }
+  // A Hugging Face folder in shards loaded into each rank's TP slices, by byte range (the streamed
+  // load), at TP 2 on the device and with the NVMe tiers: with lr 0 --out writes the folder's
+  // tensors back bit for bit (the slices put together again), and the first step's loss and
+  // gradient norm are one rank's.
+  {
+    const std::string hf = p + "hf";
+    {
+      auto dev = make_host_device();
+      auto s = dev->create_stream("w");
+      ResidentWeights w(load_model_config(cfg), DType::kF32, *dev, *s);
+      w.init_random(3, 0.3f);
+      save_hf_weights(hf, w, std::size_t(64) << 10);
+    }
+    ASSERT_TRUE(fs::exists(hf + "/model.safetensors.index.json"));
+    const auto load = [&](int np, const std::string& config, const std::string& tag) {
+      std::vector<std::string> a = {"--model",       hf,      "--config",   config,
+                                    "--text",        text,    "--seq-len",  "16",
+                                    "--micro-batch", "2",     "--steps",    "1",
+                                    "--lr",          "0",     "--device",   "cpu",
+                                    "--out",         p + tag, "--log-json", p + tag + ".jsonl"};
+      if (np == 1) return train(a, tag);
+      std::vector<std::string> m = {"-np",
+                                    std::to_string(np),
+                                    "--oversubscribe",
+                                    STRATA_TRAIN_BIN,
+                                    "--tensor-parallel",
+                                    std::to_string(np)};
+      m.insert(m.end(), a.begin(), a.end());
+      return run(STRATA_MPIEXEC, m, dir.path, tag,
+                 {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                  {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                  {"STRATA_COMM_TIMEOUT_S", "120"}});
+    };
+    const Result ref = load(1, adam, "hf1");
+    ASSERT_EQ(ref.status, 0) << ref.err;
+    const auto want = tensors_of(hf);
+    for (const auto& [config, tag] : {std::pair{adam, "hf2"}, std::pair{nvme, "hf2nvme"}}) {
+      const Result r = load(2, config, tag);
+      ASSERT_EQ(r.status, 0) << r.out << r.err;
+      const auto got = tensors_of(p + tag);
+      ASSERT_EQ(got.size(), want.size()) << tag;
+      for (const auto& [name, v] : want) {
+        ASSERT_TRUE(got.count(name)) << tag << ": " << name;
+        ASSERT_EQ(got.at(name).size(), v.size()) << tag << ": " << name;
+        EXPECT_EQ(std::memcmp(got.at(name).data(), v.data(), v.size() * 4), 0)
+            << tag << ": " << name;
+      }
+      for (const char* key : {"loss", "grad_norm"}) {
+        const auto a = values(p + "hf1.jsonl", key), b = values(p + tag + ".jsonl", key);
+        ASSERT_EQ(b.size(), 1u) << tag;
+        EXPECT_LE(std::fabs(b.at(1) - a.at(1)), 1e-5 * std::fabs(a.at(1))) << tag << ": " << key;
+      }
+    }
   }
   // TP 2 x DP 2, with checkpoints.
-  const Result four = ranks(4, p + "tp2dp2.jsonl",
-                            {"--tensor-parallel", "2", "--config", adam, "--out", p + "tp2dp2",
-                             "--save-every", "2", "--checkpoint-dir", p + "ck"},
-                            "tp2dp2");
+  const Result four =
+      ranks(4, p + "tp2dp2.jsonl",
+            {"--tensor-parallel", "2", "--config", adam, "--out", p + "tp2dp2", "--save-every", "2",
+             "--checkpoint-dir", p + "ck", "--trace", p + "tp2dp2.trace.json"},
+            "tp2dp2");
   ASSERT_EQ(four.status, 0) << four.out << four.err;
   EXPECT_NE(four.out.find("tensor parallel 2 x data parallel 2"), std::string::npos) << four.out;
   near_run(p + "tp2dp2.jsonl", "TP 2 x DP 2");
   near_weights(p + "tp2dp2", "TP 2 x DP 2");
+  {
+    // Both groups' collectives, each by its own name: ZeRO-3's gathers and reduce-scatters over
+    // the data-parallel pair, the split layers' all-reduces over the tensor-parallel one.
+    auto n = spans(p + "tp2dp2.trace.json");
+    EXPECT_GE(n["tp.all_reduce"], 2 * 2 * 2) << "2 layers, each way";
+    EXPECT_GT(n["dp.all_gather"], 0);
+    EXPECT_GT(n["dp.reduce_scatter"], 0);
+    for (const auto& [name, count] : n)
+      EXPECT_TRUE(name.starts_with("tp.") || name.starts_with("dp."))
+          << name << " x" << count << ": a grid's collective without its group's name";
+  }
   const Result e = run_export({p + "ck/step-4", p + "export"}, dir.path, "export");
   ASSERT_EQ(e.status, 0) << e.err;
   EXPECT_EQ(slurp(p + "export/model.safetensors"), slurp(p + "tp2dp2/model.safetensors"));
   // Resumed with the same layout: bit for bit; with DP 1 (grad-accum 2): the same steps.
-  const Result again =
-      ranks(4, p + "again.jsonl",
-            {"--tensor-parallel", "2", "--config", adam, "--resume", p + "ck/step-2"}, "again");
+  const Result again = ranks(4, p + "again.jsonl",
+                             {"--tensor-parallel", "2", "--config", adam, "--resume",
+                              p + "ck/step-2", "--out", p + "again"},
+                             "again");
   ASSERT_EQ(again.status, 0) << again.out << again.err;
   const auto whole = losses(p + "tp2dp2.jsonl"), resumed = losses(p + "again.jsonl");
   ASSERT_EQ(resumed.size(), 2u);
   for (const auto& [step, v] : resumed) EXPECT_EQ(v, whole.at(step)) << "step " << step;
+  const auto whole_norms = values(p + "tp2dp2.jsonl", "grad_norm"),
+             resumed_norms = values(p + "again.jsonl", "grad_norm");
+  for (const auto& [step, v] : resumed_norms)
+    EXPECT_EQ(v, whole_norms.at(step)) << "step " << step << "'s gradient norm";
+  EXPECT_EQ(slurp(p + "again/model.safetensors"), slurp(p + "tp2dp2/model.safetensors"))
+      << "the resumed run's weights are the uninterrupted run's, bit for bit";
   const Result dp1 = ranks(2, p + "dp1.jsonl",
                            {"--tensor-parallel", "2", "--grad-accum", "2", "--config", adam,
                             "--resume", p + "ck/step-2"},
@@ -2478,12 +2573,21 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
     }
   }
   // Sequence parallelism: the same steps as without it, to fp32 rounding.
-  const Result sp = ranks(
-      2, p + "sp.jsonl",
-      {"--tensor-parallel", "2", "--sequence-parallel", "--grad-accum", "2", "--config", adam},
-      "sp");
+  const Result sp = ranks(2, p + "sp.jsonl",
+                          {"--tensor-parallel", "2", "--sequence-parallel", "--grad-accum", "2",
+                           "--config", adam, "--trace", p + "sp.trace.json"},
+                          "sp");
   ASSERT_EQ(sp.status, 0) << sp.out << sp.err;
   near_run(p + "sp.jsonl", "sequence parallel");
+  {
+    // The trace shows sequence parallelism's all-gathers and reduce-scatters over the TP group,
+    // which take the place of the layers' all-reduces (2 reduce-scatters a layer each way).
+    auto n = spans(p + "sp.trace.json");
+    EXPECT_GE(n["tp.reduce_scatter"], 2 * 2 * 2 * 2) << "2 layers x 2 micro-batches";
+    EXPECT_GT(n["tp.all_gather"], 0);
+    auto plain = spans(p + "tp2.trace.json");
+    EXPECT_LT(n["tp.all_reduce"], plain["tp.all_reduce"]);
+  }
   const Result sp_alone = ranks(2, p + "x.jsonl", {"--sequence-parallel"}, "sp_alone");
   EXPECT_NE(sp_alone.status, 0);
   EXPECT_NE(sp_alone.err.find("--sequence-parallel shards the tokens over a tensor-parallel group"),

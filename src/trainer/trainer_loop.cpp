@@ -293,7 +293,8 @@ double evaluate(Run& run) {
   std::int64_t& val_batches = run.val_batches;
   Model& model = *run.model;
   EngineWeights& weights = *run.weights;
-  Communicator* comm = run.comm.get();
+  // The data-parallel group: a TP group's ranks hold the same loss (the world under TP 1).
+  Communicator* comm = &run.dp_comm();
   Device* dev = run.dev.get();
   Stream* compute = run.compute.get();
   Phases& ph = run.ph;
@@ -405,8 +406,9 @@ void run_step(Run& r, std::int64_t step) {
   const StepResult sr = engine.step(float(lr));
   ph.optimizer += since(t0);
   // Each micro-batch's loss is its counted targets' sum over counted / (accum x world): summed here
-  // and averaged over the ranks, the step's sum over its counted targets.
-  const double loss = mean_over_ranks(fb.loss_sum / double(accum), *r.comm, *r.dev, *r.compute);
+  // and averaged over the data-parallel ranks, the step's sum over its counted targets (a TP
+  // group's ranks hold the same loss: it is not sent among them).
+  const double loss = mean_over_ranks(fb.loss_sum / double(accum), r.dp_comm(), *r.dev, *r.compute);
   r.counted_tokens += double(fb.counted);
   if (tracing) end_trace(r);
   StepRecord rec;
