@@ -462,7 +462,6 @@ TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
       R"({"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024,
         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4})",
       "test config");
-  ProcessGroups g = std::move(groups().front());
   struct Held {
     std::uint64_t planned = 0, measured = 0;
   };
@@ -485,23 +484,26 @@ TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
     }
     return h;
   };
-  const Held mine = hold(*g_env->dev, *g.dp, g.tp.get(), {g.tp_size, g.tp_rank});
-  // The reference: the whole model over the same DP group (TP 1).
-  const Held whole = hold(*g_env->dev, *g.dp, nullptr, {});
-  const double share = 1.0 / g.tp_size;
-  // Within 2% of 1/TP; 5% over DP 2, where a unit under param_persistence_threshold stays whole
-  // on every DP rank and TP 4's slices of the embedding and the head fall under it while the whole
-  // ones do not (the bytes held at finalize 3.8% over 1/TP at TP 4 x DP 2).
-  const double tol = (g.dp_size == 1 ? 0.02 : 0.05) * share;
-  ASSERT_GT(whole.planned, 0u);
-  EXPECT_NEAR(double(mine.planned) / double(whole.planned), share, tol);
-  EXPECT_NEAR(double(mine.measured) / double(whole.measured), share, tol);
-  if (g.dp_size == 1) {  // every unit resident from finalize() on: the plan is what is held
-    EXPECT_NEAR(double(mine.measured), double(mine.planned), 0.01 * double(mine.planned));
-    EXPECT_NEAR(double(whole.measured), double(whole.planned), 0.01 * double(whole.planned));
-  } else {  // ZeRO-3 over DP: the plan also holds the gathered units a step fetches
-    EXPECT_LE(mine.measured, mine.planned);
-    EXPECT_LE(whole.measured, whole.planned);
+  for (ProcessGroups& g : groups()) {  // TP 2; TP 4 and TP 2 x DP 2; TP 4 x DP 2
+    SCOPED_TRACE("TP " + std::to_string(g.tp_size) + " x DP " + std::to_string(g.dp_size));
+    const Held mine = hold(*g_env->dev, *g.dp, g.tp.get(), {g.tp_size, g.tp_rank});
+    // The reference: the whole model over the same DP group (TP 1).
+    const Held whole = hold(*g_env->dev, *g.dp, nullptr, {});
+    const double share = 1.0 / g.tp_size;
+    // Within 2% of 1/TP; 5% over DP 2, where a unit under param_persistence_threshold stays whole
+    // on every DP rank and TP 4's slices of the embedding and the head fall under it while the
+    // whole ones do not (the bytes held at finalize 3.8% over 1/TP at TP 4 x DP 2).
+    const double tol = (g.dp_size == 1 ? 0.02 : 0.05) * share;
+    ASSERT_GT(whole.planned, 0u);
+    EXPECT_NEAR(double(mine.planned) / double(whole.planned), share, tol);
+    EXPECT_NEAR(double(mine.measured) / double(whole.measured), share, tol);
+    if (g.dp_size == 1) {  // every unit resident from finalize() on: the plan is what is held
+      EXPECT_NEAR(double(mine.measured), double(mine.planned), 0.01 * double(mine.planned));
+      EXPECT_NEAR(double(whole.measured), double(whole.planned), 0.01 * double(whole.planned));
+    } else {  // ZeRO-3 over DP: the plan also holds the gathered units a step fetches
+      EXPECT_LE(mine.measured, mine.planned);
+      EXPECT_LE(whole.measured, whole.planned);
+    }
   }
 }
 
