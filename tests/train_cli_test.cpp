@@ -2588,6 +2588,29 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
     auto plain = spans(p + "tp2.trace.json");
     EXPECT_LT(n["tp.all_reduce"], plain["tp.all_reduce"]);
   }
+  {
+    // Token rows that do not split over the TP group (1 x 15 over 2): refused before a step,
+    // naming the flags.
+    std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
+    const std::vector<std::string> a =
+        args(p + "x.jsonl", {"--tensor-parallel", "2", "--sequence-parallel"});
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      m.push_back(a[k]);
+      if (k > 0 && a[k - 1] == "--seq-len") m.back() = "15";
+      if (k > 0 && a[k - 1] == "--micro-batch") m.back() = "1";
+    }
+    const Result odd = run(STRATA_MPIEXEC, m, dir.path, "sp_odd",
+                           {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                            {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                            {"STRATA_COMM_TIMEOUT_S", "120"}});
+    EXPECT_NE(odd.status, 0);
+    EXPECT_NE(odd.err.find("--sequence-parallel cuts each micro-batch's 1 x 15 = 15 token rows "
+                           "(--micro-batch x --seq-len) over the 2 ranks of a tensor-parallel "
+                           "group"),
+              std::string::npos)
+        << odd.err;
+    EXPECT_FALSE(fs::exists(p + "x.jsonl")) << "refused before the first step";
+  }
   const Result sp_alone = ranks(2, p + "x.jsonl", {"--sequence-parallel"}, "sp_alone");
   EXPECT_NE(sp_alone.status, 0);
   EXPECT_NE(sp_alone.err.find("--sequence-parallel shards the tokens over a tensor-parallel group"),

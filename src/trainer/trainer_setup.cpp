@@ -661,6 +661,13 @@ void sequence_and_batch(Settings& s) {
   }
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
+  // (the model refuses it too; said here with the flags, before any data or weights are read)
+  STRATA_REQUIRE(
+      !o.sequence_parallel || (s.B * seq_len) % s.tp == 0,
+      "--sequence-parallel cuts each micro-batch's {} x {} = {} token rows (--micro-batch "
+      "x --seq-len) over the {} ranks of a tensor-parallel group: give a --micro-batch "
+      "or --seq-len whose product {} divides",
+      s.B, seq_len, s.B * seq_len, s.tp, s.tp);
   s.rank = s.launch.rank;
   s.world = s.launch.world_size;  // (tp, tp_rank, dp_rank, dp_world: device_options)
   s.con = s.rank == 0 ? o.console : nullptr;
