@@ -145,16 +145,19 @@ class TrainCli : public ::testing::Test {
     return run(STRATA_TRAIN_BIN, a, dir.path, tag);
   }
 #ifdef STRATA_MPIEXEC
+  // mpirun with `argv` (its own flags, then the program's) as root, a collective's timeout 120 s.
+  Result under_mpirun(const std::vector<std::string>& argv, const std::string& tag) const {
+    return run(STRATA_MPIEXEC, argv, dir.path, tag,
+               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                {"STRATA_COMM_TIMEOUT_S", "120"}});
+  }
   // mpirun -np `np` of the usual run with `extra` flags.
   Result ranks(int np, const std::string& log, const std::vector<std::string>& extra,
                const std::string& tag) const {
     std::vector<std::string> m = {"-np", std::to_string(np), "--oversubscribe", STRATA_TRAIN_BIN};
     for (const auto& a : args(log, extra)) m.push_back(a);
-    return run(STRATA_MPIEXEC, m, dir.path, tag,
-               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                { "STRATA_COMM_TIMEOUT_S",
-                  "120" }});
+    return under_mpirun(m, tag);
   }
   // mpirun -np 2 of the usual run, rank 1 given `extra` flags besides.
   Result two_ranks_rank1_adds(const std::string& extra, const std::string& tag) const {
@@ -164,11 +167,7 @@ class TrainCli : public ::testing::Test {
     for (const auto& a : args(dir.path + "/x.jsonl")) cmd += " '" + a + "'";
     std::ofstream(wrap) << cmd << " $x\n";
     fs::permissions(wrap, fs::perms::owner_all);
-    return run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, tag,
-               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                { "STRATA_COMM_TIMEOUT_S",
-                  "120" }});
+    return under_mpirun({"-np", "2", "--oversubscribe", wrap}, tag);
   }
 #endif
   TempDir dir;
@@ -1914,10 +1913,7 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
   fs::permissions(wrap, fs::perms::owner_all);
   const auto t0 = std::chrono::steady_clock::now();
   const Result r =
-      run(STRATA_MPIEXEC, {"-np", "2", "--oversubscribe", wrap}, dir.path, "rank-error",
-          {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-           {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-           {"STRATA_COMM_TIMEOUT_S", "120"}});
+      under_mpirun({"-np", "2", "--oversubscribe", wrap}, "rank-error");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_LT(s, 60.0) << "the job waited for the failed rank";
@@ -2088,10 +2084,7 @@ TEST_F(TrainCli, TwoRanksFromScratchWriteTheOneRanksModelByteForByte) {
   ASSERT_EQ(one.status, 0) << one.err;
   std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
   for (const auto& s : with({"--config", ds}, dir.path + "/two")) m.push_back(s);
-  const Result two = run(STRATA_MPIEXEC, m, dir.path, "two",
-                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                          {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                          {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result two = under_mpirun(m, "two");
   ASSERT_EQ(two.status, 0) << two.out << two.err;
   EXPECT_EQ(slurp(dir.path + "/one/model.safetensors"), slurp(dir.path + "/two/model.safetensors"));
 #endif
@@ -2255,10 +2248,7 @@ TEST_F(TrainCli, TwoRanksReshardHoldsNoMoreMemoryThanAResume) {
   ASSERT_EQ(train(flags(ck1, {"--steps", "1", "--grad-accum", "2"}), "save1").status, 0);
   std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
   for (const auto& a : flags(ck2, {"--steps", "1"})) m.push_back(a);
-  const Result two = run(STRATA_MPIEXEC, m, dir.path, "save2",
-                         {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                          {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                          {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result two = under_mpirun(m, "save2");
   ASSERT_EQ(two.status, 0) << two.out << two.err;
   auto resume_rss = [&](const std::string& ck, const std::string& tag) {
     const pid_t pid = testing::start(STRATA_TRAIN_BIN,
@@ -2303,10 +2293,7 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
   ASSERT_EQ(a.status, 0) << a.err;
   std::vector<std::string> m = {"-np", "2", "--oversubscribe", STRATA_TRAIN_BIN};
   for (const auto& s : args(two, {"--save-every", "4", "--checkpoint-dir", ck2})) m.push_back(s);
-  const Result b = run(STRATA_MPIEXEC, m, dir.path, "two",
-                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                        {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                        {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const Result b = under_mpirun(m, "two");
   ASSERT_EQ(b.status, 0) << b.out << b.err;
   EXPECT_NE(b.out.find("2 rank(s)"), std::string::npos) << b.out;
   // Plain progress lines: mpirun's ranks write to a pseudo-terminal even when its output goes to
@@ -2462,10 +2449,7 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
                                     "--tensor-parallel",
                                     std::to_string(np)};
       m.insert(m.end(), a.begin(), a.end());
-      return run(STRATA_MPIEXEC, m, dir.path, tag,
-                 {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                  {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                  {"STRATA_COMM_TIMEOUT_S", "120"}});
+      return under_mpirun(m, tag);
     };
     const Result ref = load(1, adam, "hf1");
     ASSERT_EQ(ref.status, 0) << ref.err;
@@ -2549,10 +2533,7 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
     for (const auto& a : with_gpt2(
              args(p + "g4.jsonl", {"--tensor-parallel", "4", "--config", adam, "--out", p + "g4"})))
       m.push_back(a);
-    const Result tp4 = run(STRATA_MPIEXEC, m, dir.path, "g4",
-                           {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                            {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                            {"STRATA_COMM_TIMEOUT_S", "120"}});
+    const Result tp4 = under_mpirun(m, "g4");
     ASSERT_EQ(tp4.status, 0) << tp4.out << tp4.err;
     for (const char* key : {"loss", "grad_norm"}) {
       auto want = values(p + "g1.jsonl", key), got = values(p + "g4.jsonl", key);
@@ -2599,10 +2580,7 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
       if (k > 0 && a[k - 1] == "--seq-len") m.back() = "15";
       if (k > 0 && a[k - 1] == "--micro-batch") m.back() = "1";
     }
-    const Result odd = run(STRATA_MPIEXEC, m, dir.path, "sp_odd",
-                           {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                            {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                            {"STRATA_COMM_TIMEOUT_S", "120"}});
+    const Result odd = under_mpirun(m, "sp_odd");
     EXPECT_NE(odd.status, 0);
     EXPECT_NE(odd.err.find("--sequence-parallel cuts each micro-batch's 1 x 15 = 15 token rows "
                            "(--micro-batch x --seq-len) over the 2 ranks of a tensor-parallel "

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -412,7 +411,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   std::vector<std::string> errors(k);
   std::vector<LaneBusy> busy(k);
   const std::vector<std::size_t> order = validation_order(k, a.validate_rounds);
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   for (std::size_t at = 0; at < order.size(); ++at) {
     const std::size_t n = order[at];
     const std::size_t i = picks[n].index;
@@ -445,7 +444,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     }
     if (talk && a.validate_rounds > 1 && (at + 1) % k == 0 && at + 1 < order.size())
       std::printf("  round %zu of %d done (%.1f s)\n", (at + 1) / k, a.validate_rounds,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+                  since(t0));
     std::fflush(stdout);
   }
   if (talk) print_validation_columns();
