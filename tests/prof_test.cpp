@@ -169,6 +169,31 @@ TEST(PerfModel, TensorParallelAllReducesHoldTheComputeStreamOnTheirLane) {
   EXPECT_EQ(slow.bottleneck, Resource::kTp);
 }
 
+// The unit gradients alive, as the engine bounds them (Engine::grad_buffer): without
+// overlap_comm a unit's backward starts only once the last unit's reduce has freed its gradient,
+// so backward and reduce alternate; with it a unit's backward runs beside the last one's reduce
+// and the third waits for the first. Gradients on the device, one rank: each reduce is the
+// accumulation on the comm stream (12 bytes an element at the device's memory rate: 30 ms a
+// layer here, its zero fill 10 ms on the compute stream, its backward 20).
+TEST(PerfModel, UnitGradientsAliveAreBoundedAsTheEngineBoundsThem) {
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  MachineProfile m = fast_machine();
+  m.device_mem_bps = 4.0 * double(kLayer) / 0.010;
+  EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
+  c.overlap_comm = false;
+  const Prediction serial = predict_step(m, mp, c);
+  c.overlap_comm = true;
+  const Prediction overlapped = predict_step(m, mp, c);
+  // Without: four layers of (backward + fill, then the accumulation), one after the other (the
+  // embedding's gradient waits for the last layer's).
+  EXPECT_NEAR(serial.backward_s, 4 * 0.060, 1e-3);
+  // With: the compute chain (30 ms a layer) runs one accumulation behind, the third layer's
+  // gradient waiting for the first's reduce (60 ms), the fourth for the second's (90 ms), the
+  // embedding's for the third's (120 ms).
+  EXPECT_NEAR(overlapped.backward_s, 0.120, 1e-3);
+  EXPECT_GT(serial.step_s, overlapped.step_s + 0.080);
+}
+
 TEST(PerfModel, LinkBoundStepIsTheTransfersPlusTheLastComputes) {
   // Weights on the host behind a 1 GB/s link; every layer stays gathered into backward (the
   // default live budget), so the link carries each layer once: the forward is the fetch chain

@@ -96,9 +96,9 @@ struct EngineStats {
   // Gradient buckets reduced and accumulated: one per reduce_grad per reduce_bucket_size
   // share of the unit's shard (zero_optimization.reduce_bucket_size / world elements a rank).
   std::uint64_t grad_buckets = 0;
-  // zero_optimization.overlap_comm false: grad_buffer calls that waited for the last unit's
-  // reduce to finish (one unit gradient alive at a time).
-  std::uint64_t grad_serial_waits = 0;
+  // grad_buffer calls that waited for an earlier unit's reduce to finish and free its gradient:
+  // the unit gradients alive stay the plan's two (zero_optimization.overlap_comm; one without).
+  std::uint64_t grad_waits = 0;
   // Gradient reduce-scatter collectives issued (none on one rank): one per reduce_grad, or one
   // per bucket for a unit reduce-scattered bucket by bucket.
   std::uint64_t reduce_scatters = 0;

@@ -316,10 +316,10 @@ struct Engine::Impl {
   // Pinned staging in flight (the memory plan's "gradient D2H staging" and "parameter swap
   // buffers"): the host waits for the oldest before it takes one more.
   std::deque<Event> grad_staging, param_staging;
-  // zero_optimization.overlap_comm false: the end of the last reduce_grad's work on the comm
-  // stream; the next grad_buffer waits for it, so one unit gradient is alive at a time (the plan
-  // counts one).
-  Event last_reduce;
+  // The ends of the reduce_grad calls' work on the comm stream (each frees its unit gradient)
+  // not yet waited for: grad_buffer waits for the oldest beyond the one overlap_comm lets run
+  // beside the next backward (none without), so the unit gradients alive are the plan's 2 (1).
+  std::deque<Event> reduces;
   static void bound(std::deque<Event>& q, std::size_t most);
 
   // fp16 loss scaling (DeepSpeed's DynamicLossScaler, consecutive_hysteresis off)

@@ -105,14 +105,18 @@ TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
                  "call set_eval(false) before training");
   Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.g.full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
-  if (s.last_reduce.valid()) {
-    // overlap_comm false: the last unit's reduce (and the free of its gradient) first.
-    std::optional<TraceScope> span;
-    if (!s.last_reduce.query()) {
-      span.emplace("grad_serial_wait", "engine");
-      ++s.st.grad_serial_waits;
-    }
-    std::exchange(s.last_reduce, Event()).synchronize();
+  // The unit gradients the plan counts: with overlap_comm, this one and the last one's (whose
+  // reduce may still be queued); without, this one alone. The host waits for the reduces (and
+  // the frees of their gradients) beyond that: running ahead of them, it would hold a gradient
+  // for every unit whose backward it has queued.
+  const std::size_t pending = s.cfg.overlap_comm ? 1 : 0;
+  while (s.reduces.size() > pending) {
+    Event oldest = std::move(s.reduces.front());
+    s.reduces.pop_front();
+    if (oldest.query()) continue;
+    TraceScope span("grad_wait", "engine");
+    ++s.st.grad_waits;
+    oldest.synchronize();
   }
   u.g.full = s.alloc(u.padded * 4, &compute);
   // The padding is always zero: it is reduced, and its squares go into the gradient norm.
@@ -224,7 +228,7 @@ void Engine::reduce_grad(int unit, Stream& compute) {
   if (full) full.reset_on(cs);             // its last use: the accumulation above
   u.g.fresh = false;
   s.early_step.note_grad(std::size_t(unit), cs);
-  if (!s.cfg.overlap_comm) s.last_reduce = cs.record();
+  s.reduces.push_back(cs.record());
 }
 
 }  // namespace strata

@@ -381,6 +381,8 @@ class Replay {
   // NVMe-tier gradients: the writes of the buckets in flight (two), and the last of all.
   std::deque<double> grad_nvme;
   double grad_writes = 0;
+  // The ends of the reduces on the comm stream not yet waited for (Engine::Impl::reduces).
+  std::deque<double> reduces;
   std::uint64_t live = 0;
   std::size_t pos = 0;  // position in `trace`
   const double fetch_read_bps = m.nvme_fetch_read_bps > 0 ? m.nvme_fetch_read_bps : m.nvme_read_bps;
@@ -760,6 +762,17 @@ class Replay {
     if (x.g == Tier::kHost && last_micro_batch && eligible(x)) enqueue(i, ready);
     // One rank: the scratch is the shard, freed on the comm stream after its last use there.
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
+    reduces.push_back(sim.stream_free[kCommS]);  // the comm stream's event, after the free
+  }
+  // Engine::grad_buffer's allocation: the host first waits for the reduces beyond the one
+  // overlap_comm lets run beside the next backward (none without).
+  void grad_buffer(std::size_t i) {
+    const std::size_t pending = c.overlap_comm ? 1 : 0;
+    while (reduces.size() > pending) {
+      h = std::max(h, reduces.front());
+      reduces.pop_front();
+    }
+    h = sim.host(h, free_s(4.0 * double(u[i].padded)));
   }
   // The unit's fp32 gradient scratch: zero-filled on the compute stream (and freed on the
   // comm stream, in `reduce`).
@@ -786,8 +799,7 @@ class Replay {
       double dur = mp.units[i].forward_s;
       if (i == head) {
         dur += grad_fill(i);
-        // grad_buffer's allocation, as in issue_fetch
-        h = sim.host(h, free_s(4.0 * double(u[i].padded)));
+        grad_buffer(i);
       }
       const double end =
           compute(std::max(ready, h), dur, mp.units[i].tp_forward_bytes, "fwd " + name(i));
@@ -803,14 +815,14 @@ class Replay {
     const double b0 = h;
     for (std::size_t i = head; i-- > 1;) {
       const double ready = fetch(i);
-      h = sim.host(h, free_s(4.0 * double(u[i].padded)));  // grad_buffer's allocation
+      grad_buffer(i);
       const double end = compute(std::max(ready, h), mp.units[i].backward_s + grad_fill(i),
                                  mp.units[i].tp_backward_bytes, "bwd " + name(i));
       reduce(i, end);
       release(i, end);
     }
     {
-      h = sim.host(h, free_s(4.0 * double(u[0].padded)));  // grad_buffer's allocation
+      grad_buffer(0);
       const double end = compute(h, mp.units[0].backward_s + grad_fill(0),
                                  mp.units[0].tp_backward_bytes, "bwd " + name(0));
       reduce(0, end);
