@@ -23,10 +23,12 @@ namespace strata {
 
 using detail::Unit;
 
-void Engine::Impl::bound(std::deque<Event>& q, std::size_t most) {
+void Engine::Impl::bound(std::deque<Event>& q, std::size_t most, const char* wait,
+                         std::uint64_t* waits) {
   while (q.size() >= std::max<std::size_t>(most, 1)) {
     if (!q.front().query()) {
-      TraceScope span("staging_wait", "engine");  // the host waits for a staging buffer
+      TraceScope span(wait, "engine");  // the host waits
+      if (waits) ++*waits;
       q.front().synchronize();
     }
     q.pop_front();

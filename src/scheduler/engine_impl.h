@@ -317,10 +317,12 @@ struct Engine::Impl {
   // buffers"): the host waits for the oldest before it takes one more.
   std::deque<Event> grad_staging, param_staging;
   // The ends of the reduce_grad calls' work on the comm stream (each frees its unit gradient)
-  // not yet waited for: grad_buffer waits for the oldest beyond the one overlap_comm lets run
-  // beside the next backward (none without), so the unit gradients alive are the plan's 2 (1).
+  // not yet waited for: grad_buffer waits for the oldest beyond detail::unit_grads_alive.
   std::deque<Event> reduces;
-  static void bound(std::deque<Event>& q, std::size_t most);
+  // Waits (a `wait` span on the engine lane, counted in `waits` if given) for the oldest events
+  // of `q` until fewer than `most` (at least 1) are left.
+  static void bound(std::deque<Event>& q, std::size_t most, const char* wait = "staging_wait",
+                    std::uint64_t* waits = nullptr);
 
   // fp16 loss scaling (DeepSpeed's DynamicLossScaler, consecutive_hysteresis off)
   double scale = 1;

@@ -105,19 +105,10 @@ TensorRef Engine::grad_buffer(int unit, Stream& compute, GradInit init) {
                  "call set_eval(false) before training");
   Unit& u = s.unit_at(unit, "Engine::grad_buffer");
   STRATA_REQUIRE(!u.g.full, "Engine::grad_buffer('{}') twice without reduce_grad", u.name);
-  // The unit gradients the plan counts: with overlap_comm, this one and the last one's (whose
-  // reduce may still be queued); without, this one alone. The host waits for the reduces (and
-  // the frees of their gradients) beyond that: running ahead of them, it would hold a gradient
-  // for every unit whose backward it has queued.
-  const std::size_t pending = s.cfg.overlap_comm ? 1 : 0;
-  while (s.reduces.size() > pending) {
-    Event oldest = std::move(s.reduces.front());
-    s.reduces.pop_front();
-    if (oldest.query()) continue;
-    TraceScope span("grad_wait", "engine");
-    ++s.st.grad_waits;
-    oldest.synchronize();
-  }
+  // The unit gradients the plan counts: the host waits for the reduces (and the frees of their
+  // gradients) beyond them. Running ahead of them, it would hold a gradient for every unit whose
+  // backward it has queued.
+  Impl::bound(s.reduces, detail::unit_grads_alive(s.cfg), "grad_wait", &s.st.grad_waits);
   u.g.full = s.alloc(u.padded * 4, &compute);
   // The padding is always zero: it is reduced, and its squares go into the gradient norm.
   const std::size_t from = init == GradInit::kOverwrite ? u.numel : 0;

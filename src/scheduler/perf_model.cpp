@@ -764,14 +764,10 @@ class Replay {
     if (W == 1) sim.op(kCommS, Resource::kCount, 0, free_s(4.0 * double(x.padded)), "");
     reduces.push_back(sim.stream_free[kCommS]);  // the comm stream's event, after the free
   }
-  // Engine::grad_buffer's allocation: the host first waits for the reduces beyond the one
-  // overlap_comm lets run beside the next backward (none without).
+  // Engine::grad_buffer's allocation: the host first waits for the reduces beyond the unit
+  // gradients the plan counts.
   void grad_buffer(std::size_t i) {
-    const std::size_t pending = c.overlap_comm ? 1 : 0;
-    while (reduces.size() > pending) {
-      h = std::max(h, reduces.front());
-      reduces.pop_front();
-    }
+    bound(reduces, detail::unit_grads_alive(c));
     h = sim.host(h, free_s(4.0 * double(u[i].padded)));
   }
   // The unit's fp32 gradient scratch: zero-filled on the compute stream (and freed on the

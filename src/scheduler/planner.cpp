@@ -201,7 +201,7 @@ void Builder::add_gradients_and_optimizer_state() {
   opt_tiers = place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
   add(config.overlap_comm ? "unit gradients (2 x largest unit, fp32, for overlap_comm)"
                           : "unit gradient (largest unit, fp32)",
-      Tier::kDevice, largest_padded * 4 * (config.overlap_comm ? 2 : 1));
+      Tier::kDevice, largest_padded * 4 * detail::unit_grads_alive(config));
   // The reducer works a bucket (reduce_bucket_size elements: a share of every rank's shard)
   // at a time. With more than one rank, the reduce-scatter's output: a shard, or, where a unit
   // is large enough that going bucket by bucket takes less (layout.h), one bucket's share and

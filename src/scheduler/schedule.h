@@ -121,5 +121,8 @@ inline std::size_t state_writes_in_flight(const EngineConfig& c) {
   return std::size_t(std::max(1, c.optimizer_buffer_count - 2));
 }
 inline std::size_t state_buffers(const EngineConfig& c) { return 2 + state_writes_in_flight(c); }
+// Unit gradients on the device: the one a backward writes and, with overlap_comm, the last unit's,
+// its reduce still queued (Engine::grad_buffer waits for the oldest reduce beyond these).
+inline std::size_t unit_grads_alive(const EngineConfig& c) { return c.overlap_comm ? 2 : 1; }
 
 }  // namespace strata::detail
