@@ -638,7 +638,14 @@ class DriveLoad {
 // has passed through the cache; a 2-layer copy run again and again finds them there (on an Intel
 // Xeon VM with a 480 MiB L3 the demo model's layer timed 26% short forward and 9-16% backward, and
 // the NVMe regime's traced compute lanes came out 6-58% longer than replayed). 1.5 times the
-// last-level cache, at most 1 GiB.
+// last-level cache, at most 1 GiB. It runs on the stream that then computes, as a step's other
+// work on that stream runs there: written over from the host thread, the stream's worker slept
+// through it (70 ms and more) and its kernels' OpenMP team came back on one core for the
+// micro-batch that followed (Intel Xeon VM, 2 cores, capped to AVX2, 2026-12-04: a wide layer at
+// B = 4 timed 5.0 ms forward and 10.0 backward at 1.01 cores busy, against 3.5 and 6.7 at 1.58
+// with the cache written over on the stream and 3.3 and 6.5 at 1.55 not written over; in the
+// traced steps the layers ran at the latter speeds, and strata-prof predicted every offloaded
+// placement 10-18% slow).
 class CacheEvictor {
  public:
   explicit CacheEvictor(const Device& dev) {
@@ -694,7 +701,10 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
   const std::size_t base_bytes = dev.stats().bytes_in_use;
   std::vector<LayerTiming> out;
   for (int r = 0; r <= reps; ++r) {
-    if (evict && r > 0) (*evict)();
+    if (evict && r > 0) {  // on the stream that computes: see CacheEvictor
+      s->host_fn([evict] { (*evict)(); }, "evict_cache");
+      s->synchronize();
+    }
     const double cpu0 = cpu::process_cpu_seconds();
     const auto wall0 = Clock::now();
     model.forward(b, sw);
