@@ -666,6 +666,28 @@ TEST(PerfModel, AdamBoundStepIsTheCpuAdamW) {
   EXPECT_NEAR(p.step_s, params / 1e8, params / 1e8 * kRel);
 }
 
+// MachineProfile::cpu_adamw_call_s: the CPU AdamW is called once a sub-group, and each call pays
+// its fixed time (the threads' start and join, measured out of the cache) on top of its
+// parameters, so small sub-groups cost more than their parameters say.
+TEST(PerfModel, EachAdamWCallPaysItsFixedTime) {
+  MachineProfile m = fast_machine();
+  m.cpu_adamw_params_per_s = 1e8;
+  m.cpu_adamw_call_s = 0.001;
+  const std::uint64_t n = 16 * kLayer;  // one 32M-parameter layer, the embedding and the head
+  const ModelProfile mp = synthetic(1, n, 0, 0);
+  const double adamw = (double(n) + 2 * 2048) / 1e8;
+  EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+  Prediction p = predict_step(m, mp, c);
+  EXPECT_EQ(p.bottleneck, Resource::kCpu);
+  EXPECT_NEAR(p.step_s, adamw + 3 * 0.001, adamw * kRel);  // a call a unit
+  c.sub_group_size = n / 32;
+  p = predict_step(m, mp, c);
+  EXPECT_NEAR(p.step_s, adamw + (32 + 2) * 0.001, adamw * kRel);
+  int calls = 0;
+  for (const Interval& iv : p.schedule) calls += iv.what == "adamw layers.0";
+  EXPECT_EQ(calls, 32);
+}
+
 // zero_optimization.sub_group_size: the engine steps a unit's NVMe state a sub-group at a time,
 // reading the next one while it steps this one and writing behind, so the drive never idles and
 // the CPU AdamW (faster than the drive here) hides under its traffic; whole, one unit's read,
@@ -1106,6 +1128,10 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_GT(j["candidates_feasible"].get<int>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
   EXPECT_GT(j["machine"]["nvme_read_gbps"].get<double>(), 0);
+  // The CPU AdamW as the engine calls it: a rate and a fixed time a call.
+  EXPECT_GT(j["machine"]["cpu_adamw_mparams_per_s"].get<double>(), 0);
+  EXPECT_GE(j["machine"]["cpu_adamw_call_ms"].get<double>(), 0);
+  EXPECT_NE(r.out.find("a call (out of the cache)"), std::string::npos) << r.out;
   // The drive's sustained rate was measured (--nvme-sustain-s, 8 s by default), and the mixed rate
   // the model uses is no more than it or the short runs' rate.
   const auto& mj = j["machine"];

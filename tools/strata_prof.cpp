@@ -375,6 +375,7 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
                   {"nvme_load_gbps", machine.nvme_load_bps / 1e9},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},
+                  {"cpu_adamw_call_ms", machine.cpu_adamw_call_s * 1e3},
                   {"device_adamw_mparams_per_s", machine.device_adamw_params_per_s / 1e6},
                   {"all_gather_gbps", machine.all_gather_bps / 1e9},
                   {"reduce_scatter_gbps", machine.reduce_scatter_bps / 1e9},

@@ -67,7 +67,9 @@ struct MachineProfile {
   // runs' mixed rate: where the sustained one is lower (a drive that bursts), the rates above are
   // the short runs' scaled down to it.
   double nvme_sustained_bps = 0, nvme_mixed_burst_bps = 0;
-  double cpu_adamw_params_per_s = 0;                  // CpuAdamW, all its threads
+  // CpuAdamW, all its threads, as the engine calls it (a sub-group a call, out of the cache): a
+  // call of n parameters takes cpu_adamw_call_s + n at this rate.
+  double cpu_adamw_params_per_s = 0, cpu_adamw_call_s = 0;
   double device_adamw_params_per_s = 0;               // Stream::adamw on the device
   double all_gather_bps = 0, reduce_scatter_bps = 0;  // bytes of the full buffer per second
   int world_size = 1;  // the data-parallel ranks the ZeRO state is sharded over

@@ -574,6 +574,10 @@ class Replay {
               const std::string& what) {
     return sim.op(s, r, ready, secs(bytes, rate), what, -1, bytes);
   }
+  // A CPU AdamW call of `len` parameters (one sub-group): its fixed time and its parameters.
+  double cpu_adamw_secs(double len) const {
+    return m.cpu_adamw_call_s + secs(len, m.cpu_adamw_params_per_s);
+  }
   // An NVMe request of `bytes` at `rate` (plus `fixed_s`, a read waited for alone), on no stream.
   double nvme_request(double ready, double bytes, double rate, const std::string& what,
                       double fixed_s = 0) {
@@ -637,8 +641,7 @@ class Replay {
         t = std::max(t, early_w_writes.front());
         early_w_writes.pop_front();
       }
-      t = sim.op(kEarlyS, Resource::kCpu, t, secs(len, m.cpu_adamw_params_per_s),
-                 "adamw " + name(i), adamw_cores);
+      t = sim.op(kEarlyS, Resource::kCpu, t, cpu_adamw_secs(len), "adamw " + name(i), adamw_cores);
       if (!copy_out)
         t = sim.op(kEarlyS, Resource::kCpu, t, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
       if (x.o == Tier::kNvme) {
@@ -995,8 +998,7 @@ class Replay {
         if (x.g == Tier::kDevice)
           h = copy(kOptS, Resource::kD2H, h, 4 * len, m.d2h_bps, "d2h grad " + name(i));
         if (out != detail::WeightsOut::kHost) stage_w();
-        h = sim.op(kHostS, Resource::kCpu, h, secs(len, m.cpu_adamw_params_per_s),
-                   "adamw " + name(i), adamw_cores);
+        h = sim.op(kHostS, Resource::kCpu, h, cpu_adamw_secs(len), "adamw " + name(i), adamw_cores);
         if (!copy_out)
           h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
