@@ -48,6 +48,18 @@ double median_of(int reps, F f) {
   return median(std::move(v));
 }
 
+// The line through the times of an operation at two sizes (`small` taking `t_small`, `big`
+// taking `t_big`): its fixed time (at least 0) and the rate of its size. None where the pair
+// gives no such line (a noisy pair: the small one no faster).
+struct TimeLine {
+  double fixed_s = 0, rate = 0;
+};
+std::optional<TimeLine> line_through(double small, double t_small, double big, double t_big) {
+  if (!(small < big && t_small < t_big)) return std::nullopt;
+  const double rate = (big - small) / (t_big - t_small);
+  return TimeLine{std::max(0.0, t_small - small / rate), rate};
+}
+
 // Several ranks: every rank searches with the same figures, the slowest rank's (the lowest rate,
 // the longest time, the smallest capacity: a data-parallel step waits for its slowest rank),
 // so all of them rank the candidates alike and validate the same ones. One all-reduce (max)
@@ -154,6 +166,47 @@ void measure_copy_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, st
   }
 }
 
+// The host's cache written over, on the CPU-emulated device, before each timed repetition: in a
+// step the weights a layer reads were last used a step (or a forward) ago, and since then the
+// rest of the step (the other layers, the optimizer's state, the copies, the drive's transfers)
+// has passed through the cache; a 2-layer copy run again and again finds them there (on an Intel
+// Xeon VM with a 480 MiB L3 the demo model's layer timed 26% short forward and 9-16% backward, and
+// the NVMe regime's traced compute lanes came out 6-58% longer than replayed). 1.5 times the
+// last-level cache, at most 1 GiB. It runs on the stream that then computes, as a step's other
+// work on that stream runs there: written over from the host thread, the stream's worker slept
+// through it (70 ms and more) and its kernels' OpenMP team came back on one core for the
+// micro-batch that followed (Intel Xeon VM, 2 cores, capped to AVX2, 2026-12-04: a wide layer at
+// B = 4 timed 5.0 ms forward and 10.0 backward at 1.01 cores busy, against 3.5 and 6.7 at 1.58
+// with the cache written over on the stream and 3.3 and 6.5 at 1.55 not written over; in the
+// traced steps the layers ran at the latter speeds, and strata-prof predicted every offloaded
+// placement 4-18% slow in two runs).
+// (The host's own work, the CPU AdamW's, writes it over on the calling thread: here().)
+class CacheEvictor {
+ public:
+  CacheEvictor() {
+    const std::size_t llc = cpu::last_level_cache_bytes();
+    buf_.resize(std::min(llc + llc / 2, std::size_t(1) << 30));
+  }
+  // For the device's kernels: on a GPU, which has no such cache to write over, nothing.
+  explicit CacheEvictor(const Device& dev) {
+    if (dev.kind() == DeviceKind::kCpu) *this = CacheEvictor();
+  }
+  // Writes the cache over on this thread.
+  void here() {
+    if (!buf_.empty()) std::memset(buf_.data(), ++pass_, buf_.size());
+  }
+  // Writes the cache over on `s` and waits for it (nothing on a GPU).
+  void operator()(Stream& s) {
+    if (buf_.empty()) return;
+    s.host_fn([this] { here(); }, "evict_cache");
+    s.synchronize();
+  }
+
+ private:
+  std::vector<unsigned char> buf_;
+  unsigned char pass_ = 0;
+};
+
 // AdamW: 8M parameters, the compute dtype's copy-out, on the CPU and on the device. The CPU's as
 // the engine calls it: one call a sub-group, on state and gradients the cache does not hold (a
 // step's optimizer state is far larger than any cache, and each sub-group is stepped once). One
@@ -179,14 +232,12 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
                 {}};
   if (ct != DType::kF32) sh.copy_out = host_tensor(out16.data(), ct, n);
   adam.step(o, sh);
-  std::vector<unsigned char> evict(
-      std::min(cpu::last_level_cache_bytes() * 3 / 2, std::size_t(1) << 30));
-  unsigned char pass = 0;
+  CacheEvictor evict;
   // The time of one call of `len` parameters, cold.
   auto per_call = [&](std::size_t len) {
     return median_of(3,
                      [&] {
-                       std::memset(evict.data(), ++pass, evict.size());
+                       evict.here();
                        const auto t0 = Clock::now();
                        for (std::size_t a = 0; a < n; a += len) {
                          const std::size_t k = std::min(len, n - a);
@@ -205,12 +256,11 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
   };
   const std::size_t small = std::size_t(16) << 10, big = std::size_t(1) << 20;
   const double t_small = per_call(small), t_big = per_call(big);
-  m.cpu_adamw_params_per_s = double(big) / t_big;
+  m.cpu_adamw_params_per_s = double(big) / t_big;  // (no line: the big calls' rate alone)
   m.cpu_adamw_call_s = 0;
-  if (t_small < t_big) {  // (a noisy pair that gives no such line: the big calls' rate alone)
-    const double rate = double(big - small) / (t_big - t_small);
-    m.cpu_adamw_call_s = std::max(0.0, t_small - double(small) / rate);
-    m.cpu_adamw_params_per_s = rate;
+  if (const auto line = line_through(double(small), t_small, double(big), t_big)) {
+    m.cpu_adamw_call_s = line->fixed_s;
+    m.cpu_adamw_params_per_s = line->rate;
   }
   Buffer dp = dev.alloc(n * 4), dg = dev.alloc(n * 4), dm = dev.alloc(n * 4), dv = dev.alloc(n * 4);
   Buffer dout = dev.alloc(n * 2);
@@ -346,10 +396,10 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
       const double little = mixed_at(small, std::max<std::size_t>(count, 64));
       // (a positive fixed part: little x extent > small x big; else the extent's rate stands)
       const bool fixed_part = little * double(extent) > double(small) * big;
-      if (little < big && fixed_part) {
-        const double rate = double(extent - small) / (big - little);
-        m.nvme_mixed_request_s = std::max(0.0, little - double(small) / rate);
-        m.nvme_mixed_bps = rate;
+      const auto line = line_through(double(small), little, double(extent), big);
+      if (line && fixed_part) {
+        m.nvme_mixed_request_s = line->fixed_s;
+        m.nvme_mixed_bps = line->rate;
       }
     }
   }
@@ -402,10 +452,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
              double(reads);
     };
     const double big = one_at_a_time(extent), little = one_at_a_time(small);
-    m.nvme_request_s = 0;
-    if (small < extent && little < big)
-      m.nvme_request_s =
-          std::max(0.0, little - double(small) * (big - little) / double(extent - small));
+    const auto line = line_through(double(small), little, double(extent), big);
+    m.nvme_request_s = line ? line->fixed_s : 0;
   }
   // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
   // one read of that size at a time (the next is issued as the prefetch window moves).
@@ -672,39 +720,6 @@ class DriveLoad {
   double seconds_ = 0;
   std::exception_ptr error_;
   std::thread thread_;
-};
-
-// The host's cache written over, on the CPU-emulated device, before each timed repetition: in a
-// step the weights a layer reads were last used a step (or a forward) ago, and since then the
-// rest of the step (the other layers, the optimizer's state, the copies, the drive's transfers)
-// has passed through the cache; a 2-layer copy run again and again finds them there (on an Intel
-// Xeon VM with a 480 MiB L3 the demo model's layer timed 26% short forward and 9-16% backward, and
-// the NVMe regime's traced compute lanes came out 6-58% longer than replayed). 1.5 times the
-// last-level cache, at most 1 GiB. It runs on the stream that then computes, as a step's other
-// work on that stream runs there: written over from the host thread, the stream's worker slept
-// through it (70 ms and more) and its kernels' OpenMP team came back on one core for the
-// micro-batch that followed (Intel Xeon VM, 2 cores, capped to AVX2, 2026-12-04: a wide layer at
-// B = 4 timed 5.0 ms forward and 10.0 backward at 1.01 cores busy, against 3.5 and 6.7 at 1.58
-// with the cache written over on the stream and 3.3 and 6.5 at 1.55 not written over; in the
-// traced steps the layers ran at the latter speeds, and strata-prof predicted every offloaded
-// placement 4-18% slow in two runs).
-class CacheEvictor {
- public:
-  explicit CacheEvictor(const Device& dev) {
-    if (dev.kind() != DeviceKind::kCpu) return;
-    const std::size_t llc = cpu::last_level_cache_bytes();
-    buf_.resize(std::min(llc + llc / 2, std::size_t(1) << 30));
-  }
-  // Writes the cache over on `s` and waits for it (nothing on a GPU).
-  void operator()(Stream& s) {
-    if (buf_.empty()) return;
-    s.host_fn([this] { std::memset(buf_.data(), ++pass_, buf_.size()); }, "evict_cache");
-    s.synchronize();
-  }
-
- private:
-  std::vector<unsigned char> buf_;
-  unsigned char pass_ = 0;
 };
 
 // Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
