@@ -267,6 +267,12 @@ class NcclCommunicator final : public Communicator {
         if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
         settle(sub, rc, "ncclCommSplit (every rank of the communicator joins)", __FILE__, __LINE__,
                rank(), world_size(), timeout_s());
+        // The split is a call on the parent too: a non-blocking parent stays in progress until
+        // it is polled, and NCCL refuses its next call meanwhile ("Attempt to use communicator
+        // before the previous operation returned ncclSuccess", ncclInvalidArgument: every
+        // collective after a split failed so on an H200).
+        settle(comm_, ncclInProgress, "ncclCommSplit (the parent communicator)", __FILE__, __LINE__,
+               rank(), world_size(), timeout_s());
       } catch (...) {
         if (sub) (void)ncclCommAbort(sub);
         throw;
