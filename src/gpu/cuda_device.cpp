@@ -7,7 +7,10 @@
 //    (core/range_pool.h): requests are rounded (512 B up to 1 MiB, 64 KiB above, as on the
 //    emulated device), placed best-fit in segments (each one cudaMalloc: 2 MiB for small
 //    blocks, the block rounded up to 2 MiB for large ones), split, and merged with their free
-//    neighbours when freed; bytes_in_use is the sum of live rounded sizes.
+//    neighbours when freed; bytes_in_use is the sum of live rounded sizes and of the blocks freed
+//    on a stream that may still use them (until their event completes or that stream takes
+//    them again), as HostDevice counts a free its stream has not reached: the memory the GPU
+//    may still touch, which the memory plan bounds.
 //  - Stream-ordered reuse, as cudaFreeAsync does it: a block freed by a buffer allocated on
 //    stream S gets an event recorded on S at free time and waits beside the pool. S may reuse
 //    it at once (its later work runs after the earlier work that used it); it joins the pool
@@ -23,7 +26,7 @@
 //    which would be waiting for itself: such an allocation takes what is free now or fails,
 //    and a streamless free there joins the pool at the next device-wide wait (synchronize, or
 //    an allocation short of room), as on HostDevice.
-//  - CudaStream: a non-blocking cudaStream_t with its own cuBLAS handle, sum_squares
+//  - CudaStream: a non-blocking cudaStream_t with its own cuBLAS handle, sum_squares and AdamW
 //    scratch and host-function flag (StreamResources: made on first use, outside the
 //    budget, as they are the backend's and not the caller's). A destroyed stream hands them
 //    back to the device for the next stream, and only the device's destructor frees them:
@@ -291,6 +294,7 @@ class CudaDevice;
 struct StreamResources {
   cublasHandle_t blas = nullptr;
   void* scratch = nullptr;                  // gpu::kSumSquaresScratchBytes of device memory
+  unsigned long long* adamw_counter = nullptr;  // AdamW's non-finite count (device memory)
   unsigned long long* host_done = nullptr;  // pinned, mapped; 0 when pooled
   unsigned long long* host_done_dev = nullptr;
 };
@@ -365,6 +369,7 @@ class CudaStream final : public Stream {
   void gemm(const MatmulDesc& d, void* c, DType c_type);
   cublasHandle_t blas();  // with lazy_mu_ held
   void* sum_scratch();    // with lazy_mu_ held
+  unsigned long long* adamw_counter();  // with lazy_mu_ held
   int ordinal() const noexcept;
 
   CudaDevice* dev_;
@@ -587,6 +592,7 @@ CudaDevice::~CudaDevice() {
     for (auto& r : spare_resources_) {
       if (r->blas && cublasDestroy(r->blas) != CUBLAS_STATUS_SUCCESS) (void)cudaGetLastError();
       if (r->scratch && cudaFree(r->scratch) != cudaSuccess) (void)cudaGetLastError();
+      if (r->adamw_counter && cudaFree(r->adamw_counter) != cudaSuccess) (void)cudaGetLastError();
       if (r->host_done && cudaFreeHost(r->host_done) != cudaSuccess) (void)cudaGetLastError();
     }
     spare_resources_.clear();
@@ -634,11 +640,27 @@ DeviceStats CudaDevice::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceStats s = stats_;
   s.capacity_bytes = capacity_;
+  // The pending frees their streams have reached are out of use, though not yet collected (the
+  // next allocation does that): a stream synchronized, its frees are not counted.
+  if (pending_.empty()) return s;
+  try {
+    DeviceGuard guard(ordinal_);
+    for (const Block* b : pending_) {
+      const cudaError_t q = cudaEventQuery(b->event);
+      if (q == cudaSuccess)
+        s.bytes_in_use -= b->size;
+      else
+        (void)cudaGetLastError();  // not ready, or a failure the next synchronize reports
+    }
+  } catch (const std::exception&) {  // no GPU to ask: the pending frees stay counted
+  }
   return s;
 }
 
 void CudaDevice::reset_peak_stats() {
+  DeviceGuard guard(ordinal_);
   std::lock_guard<std::mutex> lock(mu_);
+  collect_pending();  // the frees their streams have reached are not part of the new peak
   stats_.peak_bytes_in_use = stats_.bytes_in_use;
 }
 
@@ -710,6 +732,7 @@ void* CudaDevice::do_alloc(std::size_t bytes, Stream* stream, void** block) {
   std::unique_lock<std::mutex> lock(mu_);
   if (bytes > capacity_ || bytes > SIZE_MAX - kSegmentUnit) throw_oom(bytes, bytes);
   const std::size_t size = round_block(bytes);
+  collect_pending();  // the frees their streams have reached leave bytes_in_use first
   Block* b = sid != 0 ? take_pending(size, sid) : nullptr;
   if (b != nullptr)
     ++stats_.num_reused;
@@ -739,6 +762,7 @@ Block* CudaDevice::take_pending(std::size_t size, std::uint64_t stream_id) {
   pending_.erase(best);
   release_event(b->event);
   b->event = nullptr;
+  stats_.bytes_in_use -= b->size;  // counted again by the allocation that takes it
   return b;
 }
 
@@ -754,7 +778,10 @@ void CudaDevice::collect_pending() {
 }
 
 void CudaDevice::to_pool(Block* b) {
-  if (b->event) release_event(b->event);
+  if (b->event) {  // a pending free: counted in use until now
+    release_event(b->event);
+    stats_.bytes_in_use -= b->size;
+  }
   pool_.free(b->offset, b->size);
   delete b;
 }
@@ -917,7 +944,6 @@ void CudaDevice::do_free(void* block) noexcept {
   try {
     DeviceGuard guard(ordinal_);
     std::unique_lock<std::mutex> lock(mu_);
-    stats_.bytes_in_use -= b->size;
     ++stats_.num_frees;
     if (b->stream_id != 0 && streams_.count(b->stream_id) != 0) {
       // The stream cannot be destroyed meanwhile: its destructor needs mu_ to unregister.
@@ -925,12 +951,14 @@ void CudaDevice::do_free(void* block) noexcept {
       const cudaError_t err = cudaEventRecord(ev, b->stream);
       if (err != cudaSuccess) {
         release_event(ev);
+        stats_.bytes_in_use -= b->size;  // the block stays reserved, out of use (below)
         throw_cuda(err, "cudaEventRecord(ev, b->stream)", __FILE__, __LINE__);
       }
       b->event = ev;
-      pending_.push_back(b);
+      pending_.push_back(b);  // in use until its event completes (to_pool) or S takes it again
       return;
     }
+    stats_.bytes_in_use -= b->size;
     // No stream to order the free on: wait until no work can still use the block. Inside a host
     // function that wait would be for itself: the block waits for the next device-wide wait.
     if (t_in_host_worker) {
@@ -1136,6 +1164,12 @@ void* CudaStream::sum_scratch() {
   return res_->scratch;
 }
 
+unsigned long long* CudaStream::adamw_counter() {
+  if (res_->adamw_counter == nullptr)
+    STRATA_CUDA_CHECK(cudaMalloc(&res_->adamw_counter, sizeof(unsigned long long)));
+  return res_->adamw_counter;
+}
+
 void CudaStream::do_sum_squares(TensorRef x, TensorRef out) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("sum_squares", stream_);
@@ -1202,8 +1236,10 @@ void CudaStream::do_matmul(const MatmulDesc& d) {
 }
 
 // Count launches (skip mode) for every batch of shards first, then the updates, then the
-// report: all on this stream, so the host never waits. The counter is a stream-ordered
-// temporary, zeroed in stream order.
+// report: all on this stream, so the host never waits. The counter is the stream's own (a
+// resource outside the budget, as the sum_squares scratch: the engine's memory plan counts the
+// caller's buffers, and an allocation here put the device's peak 512 bytes past it), zeroed in
+// stream order.
 void CudaStream::do_adamw(const AdamWDesc& d) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("adamw", stream_);
@@ -1218,8 +1254,11 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
                       s.params.numel, s.grads.dtype, s.m.dtype,
                       copy ? s.copy_out.dtype : DType::kBF16});
   }
-  Buffer counter_buf = dev_->alloc(sizeof(unsigned long long), this);
-  auto* counter = static_cast<unsigned long long*>(counter_buf.data());
+  unsigned long long* counter = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(lazy_mu_);
+    counter = adamw_counter();
+  }
   STRATA_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned long long), stream_));
   const bool skip = d.policy == NonFinitePolicy::kSkipStep;
   const int per = gpu::kAdamWShardsPerLaunch;
