@@ -403,6 +403,50 @@ TEST(PinnedPool, DeviceRegistrationCoversEveryBlockWithOneRange) {
   EXPECT_TRUE(dev.ranges.empty());
 }
 
+// initial_bytes: the bytes a caller knows it will hold, committed and registered as one piece
+// at the first allocation, so blocks placed in it leave no registered tail behind; grown piece
+// by piece, the same blocks hold more. More than the budget is refused by name.
+TEST(PinnedPool, InitialBytesAreOneRegistrationThatHoldsWhatIsAskedFor) {
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<std::size_t> size_dist(kMiB / 2, 6 * kMiB);
+  std::vector<std::size_t> sizes;
+  std::size_t aligned = 0;
+  for (int i = 0; i < 24; ++i) {
+    sizes.push_back(size_dist(rng) | 1);
+    aligned += (sizes.back() + 4095) / 4096 * 4096;
+  }
+  const std::size_t whole = (aligned + 2 * kMiB - 1) / (2 * kMiB) * (2 * kMiB);
+  std::size_t grown = 0;
+  for (const bool initial : {true, false}) {
+    RecordingDevice dev;
+    auto o = opts(std::size_t(1) << 30);
+    o.device = &dev;
+    o.initial_bytes = initial ? aligned : 0;
+    PinnedPool pool(o);
+    std::vector<PinnedBlock> blocks;
+    for (std::size_t n : sizes) {
+      blocks.push_back(pool.allocate(n));
+      ASSERT_TRUE(dev.inside_one(blocks.back().data(), n));
+    }
+    const PinnedPoolStats st = pool.stats();
+    if (initial) {
+      EXPECT_EQ(st.reserved_bytes, whole);
+      EXPECT_EQ(dev.ranges.size(), 1u);
+    } else {
+      grown = st.reserved_bytes;
+    }
+  }
+  EXPECT_GT(grown, whole) << "grown piece by piece, the registered tails left nothing unused";
+  auto o = opts(16 * kMiB);
+  o.initial_bytes = 17 * kMiB;
+  try {
+    PinnedPool pool(o);
+    FAIL() << "initial_bytes past the budget accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("initial_bytes"), std::string::npos) << e.what();
+  }
+}
+
 // Registered ranges cannot merge, so each growth step may leave a tail under 2 MiB unused
 // until a smaller request takes it: a batch still stays within 10%.
 TEST(PinnedPool, OverheadWithDeviceRegistration) {

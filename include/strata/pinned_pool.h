@@ -59,6 +59,11 @@ struct PinnedPoolOptions {
   // Address space reserved per chunk (>= 2 MiB); memory is committed in 2 MiB steps.
   std::size_t chunk_bytes = std::size_t(64) << 20;
   std::size_t alignment = 4096;  // of every block: a power of two, 4096 .. chunk_bytes
+  // Committed (and page-locked or registered) as one piece, the first chunk, at the first
+  // allocation (<= budget_bytes; 0: none). A registered pool otherwise grows piece by piece, and
+  // a block cannot span two registrations, so each piece's unused tail stays behind: give the
+  // bytes the caller knows it will hold (the engine gives its memory plan's host total).
+  std::size_t initial_bytes = 0;
 };
 
 struct PinnedPoolStats {

@@ -156,6 +156,7 @@ struct PinnedPoolState {
   mutable std::mutex mu;
   std::vector<std::unique_ptr<PinnedChunk>> chunks;
   std::size_t requested = 0, allocated = 0, reserved = 0, peak = 0, blocks = 0;
+  bool initial_made = false;  // opt.initial_bytes' chunk (made once, at the first allocation)
   bool orphaned = false;  // the pool was destroyed with live blocks
   hwloc_topology_t topo = nullptr;
   hwloc_bitmap_t nodeset = nullptr;
@@ -419,6 +420,12 @@ struct PinnedPoolState {
   }
 
   Placement try_place(std::size_t size) {
+    if (!initial_made && opt.initial_bytes > 0) {
+      initial_made = true;
+      const std::size_t first = round_up(opt.initial_bytes, kHugePage);
+      if (reserved + first <= opt.budget_bytes)
+        new_chunk(std::max(round_up(opt.chunk_bytes, kHugePage), first), first);
+    }
     if (Placement p = place_in_free(size); p.chunk) return p;
 
     // Grow the chunk that needs the fewest new bytes, or open a new chunk. (Padding
@@ -508,6 +515,10 @@ PinnedPool::PinnedPool(const PinnedPoolOptions& o)
   STRATA_REQUIRE(o.alignment <= o.chunk_bytes,
                  "PinnedPoolOptions.alignment = {}: must be <= chunk_bytes ({})", o.alignment,
                  o.chunk_bytes);
+  STRATA_REQUIRE(o.initial_bytes <= o.budget_bytes,
+                 "PinnedPoolOptions.initial_bytes = {}: must be <= budget_bytes ({}); lower it or "
+                 "raise the budget",
+                 o.initial_bytes, o.budget_bytes);
   STRATA_REQUIRE(o.numa_node >= -1,
                  "PinnedPoolOptions.numa_node = {}: use -1 (no binding) or a NUMA node index",
                  o.numa_node);
