@@ -169,7 +169,13 @@ gpu_tests() {
     [ -x "$t" ] || continue
     found=1
     echo "== $t"
-    "$t" --gtest_color=no || rc=1
+    # Each binary within its own limit, so that one that hangs is named and the rest still run.
+    timeout --kill-after=5 180 "$t" --gtest_color=no
+    case $? in
+      0) ;;
+      124|137) echo "== $t: TIMED OUT after 180 s (its tests are not counted)"; rc=1 ;;
+      *) rc=1 ;;
+    esac
   done
   [ "$found" = 1 ] || { echo "no *_gpu_test binaries in $tests or $tests/tests"; return 3; }
   return "$rc"
