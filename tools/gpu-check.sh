@@ -170,10 +170,10 @@ gpu_tests() {
     found=1
     echo "== $t"
     # Each binary within its own limit, so that one that hangs is named and the rest still run.
-    timeout --kill-after=5 180 "$t" --gtest_color=no
+    timeout --kill-after=5 150 "$t" --gtest_color=no
     case $? in
       0) ;;
-      124|137) echo "== $t: TIMED OUT after 180 s (its tests are not counted)"; rc=1 ;;
+      124|137) echo "== $t: TIMED OUT after 150 s (its tests are not counted)"; rc=1 ;;
       *) rc=1 ;;
     esac
   done
@@ -198,11 +198,13 @@ prof() {
  "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
  "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": false}
 EOF
-  local where=(--device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batch 4 --dtype bf16
+  # One micro-batch size (4): the layer timings of B/2, B and 2B took 144 s of the step's time on
+  # an NVIDIA H200; with one, the whole step took 146 s.
+  local where=(--device cuda --model-config "$out/prof/model.json" --seq-len 512 --micro-batches 4 --dtype bf16
                --device-mem-gb 2 --validate 3)
   # Rehearsed: strata-prof's demo model on the CPU-emulated device, two placements validated.
   [ "$rehearse" = 1 ] && where=(--device cpu --device-mem-gb 0.1 --micro-batches 1 --seq-len 64 --validate 2)
-  # The best ones only (--validate-spread 0): the step's 150 s are sized for them, and the spread's
+  # The best ones only (--validate-spread 0): the step's 210 s are sized for them, and the spread's
   # last-ranked placement may take many times the best's step.
   "$bin/strata-prof" "${where[@]}" --validate-spread 0 --nvme-path "$nvme" --validate-steps 4 --top 3 --json \
     --out "$out/prof/best.json" --svg "$out/prof/prof.svg" --trace "$out/prof/trace.json" \
@@ -226,9 +228,11 @@ if [ -n "$bench_args" ] && [ -x "$bin/strata-bench" ]; then
     exit 2
   fi
 fi
+# The limits add up to 590 s (an NVIDIA H200 took 105-110 s for the tests, 40-46 s for the bench
+# and 146 s for strata-prof).
 step gpu-info 60 gpu_info
-if [ -n "$tests" ]; then step gpu-tests 240 gpu_tests; fi
-step bench 300 bench
+if [ -n "$tests" ]; then step gpu-tests 200 gpu_tests; fi
+step bench 120 bench
 
 # ---- the bench's JSON (its last line) ----
 blog=$out/bench.log
@@ -240,7 +244,7 @@ case $bench_json in *'"skipped":true'*) no_gpu=1 ;; esac
 # ---- strata-prof, on a GPU only (its JSON: its last line) ----
 prof_json=null
 if [ "$no_gpu" = 0 ]; then
-  step prof 150 prof
+  step prof 210 prof
   prof_json=$(grep -E '^\{' "$out/prof.log" 2>/dev/null | tail -n 1)
   [ -n "$prof_json" ] || prof_json="{\"error\": $(json_str "$(tail -n 5 "$out/prof.log" 2>/dev/null)")}"
 fi
