@@ -2,16 +2,15 @@
 // process and GPU. Built into the CUDA module (libstrata_cuda.so, src/gpu/cuda_module.h);
 // make_communicator reaches it through the module's table.
 //
-// Owns: the ncclComm_t, a 256-byte device scratch (barrier's one-element all-reduce; also
-// how we learn the GPU ordinal of the Device, through cudaPointerGetAttributes), and a
-// watchdog. Bootstrap: rank 0 makes the unique id and MPI broadcasts it, or without MPI
-// (torchrun, srun without --mpi) the launch's TCP rendezvous hands it out (one rank needs
-// neither). The communicator is non-blocking (ncclCommInitRankConfig, blocking = 0): NCCL
-// finishes its bootstrap, and any call that returns ncclInProgress, in the background, and
-// settle() polls ncclCommGetAsyncError until it has, against the timeout, so a rank that died
-// before joining ends the job (ncclCommAbort, then abort_job, naming the call) instead of
-// hanging the others in ncclCommInitRank.
-// Invariants:
+// Owns: the ncclComm_t, a 256-byte scratch of the GPU's memory outside the Device's budget
+// (barrier's one-element all-reduce; the GPU ordinal of the Device is learnt from a probe
+// allocation, through cudaPointerGetAttributes), and a watchdog. Bootstrap: rank 0 makes the unique
+// id and MPI broadcasts it, or without MPI (torchrun, srun without --mpi) the launch's TCP
+// rendezvous hands it out (one rank needs neither). The communicator is non-blocking
+// (ncclCommInitRankConfig, blocking = 0): NCCL finishes its bootstrap, and any call that returns
+// ncclInProgress, in the background, and settle() polls ncclCommGetAsyncError until it has, against
+// the timeout, so a rank that died before joining ends the job (ncclCommAbort, then abort_job,
+// naming the call) instead of hanging the others in ncclCommInitRank. Invariants:
 //  - Collectives are ncclXxx calls on the stream's cudaStream_t (Stream::native_handle),
 //    made with this GPU current; coalesced calls are one ncclGroupStart/End.
 //  - After each call a cudaEvent is recorded on the stream and handed to the watchdog,
@@ -116,6 +115,36 @@ class GpuGuard {
   }
 };
 
+// 256 bytes of the GPU's memory, zeroed, outside the Device's allocator: the communicator's own,
+// as a stream's resources are the backend's (the engine's memory plan counts the buffers it
+// allocates; a Buffer here put the device's peak 512 bytes past the plan on an NVIDIA H200).
+class Scratch {
+ public:
+  static constexpr std::size_t kBytes = 256;
+  explicit Scratch(int ordinal) : ordinal_(ordinal) {
+    GpuGuard guard(ordinal);
+    STRATA_CUDA_CHECK(cudaMalloc(&ptr_, kBytes));
+    const cudaError_t err = cudaMemset(ptr_, 0, kBytes);
+    if (err != cudaSuccess) {
+      (void)cudaFree(ptr_);
+      STRATA_CUDA_CHECK(err);
+    }
+    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ~Scratch() {
+    if (ptr_ == nullptr) return;
+    if (cudaSetDevice(ordinal_) != cudaSuccess || cudaFree(ptr_) != cudaSuccess)
+      (void)cudaGetLastError();
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* data() const { return ptr_; }
+
+ private:
+  int ordinal_;
+  void* ptr_ = nullptr;
+};
+
 // A completion marker of one collective, polled (and possibly destroyed) by the watchdog
 // thread, which sets the event's GPU first: a fresh thread's current device is GPU 0.
 struct DoneEvent {
@@ -147,7 +176,7 @@ struct DoneEvent {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(Device& device, double timeout_s, int rank, int world_size, int ordinal,
-                   ncclComm_t comm, Buffer scratch)
+                   ncclComm_t comm, std::unique_ptr<Scratch> scratch)
       : Communicator(CommBackend::kNccl, device, rank, world_size, timeout_s),
         ordinal_(ordinal),
         comm_(comm),
@@ -197,7 +226,7 @@ class NcclCommunicator final : public Communicator {
   // The NCCL calls of one collective (a group's members when there are several tensors).
   void enqueue_calls(const Collective& c, cudaStream_t s) {
     if (c.kind == Kind::kBarrier) {
-      float* one = static_cast<float*>(scratch_.data());
+      float* one = static_cast<float*>(scratch_->data());
       STRATA_NCCL_SETTLE(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, s));
     }
     for (std::size_t i = 0; i < c.inputs.size(); ++i) {
@@ -278,9 +307,13 @@ class NcclCommunicator final : public Communicator {
         throw;
       }
     }
-    Buffer scratch = device().alloc(256);
-    STRATA_CUDA_CHECK(cudaMemset(scratch.data(), 0, 256));
-    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::unique_ptr<Scratch> scratch;
+    try {
+      scratch = std::make_unique<Scratch>(ordinal_);
+    } catch (...) {
+      (void)ncclCommAbort(sub);
+      throw;
+    }
     return std::make_unique<NcclCommunicator>(device(), timeout_s(), key, int(members.size()),
                                               ordinal_, sub, std::move(scratch));
   }
@@ -341,7 +374,7 @@ class NcclCommunicator final : public Communicator {
  private:
   int ordinal_;
   ncclComm_t comm_;
-  Buffer scratch_;
+  std::unique_ptr<Scratch> scratch_;
   std::mutex mu_;
   std::vector<std::shared_ptr<DoneEvent>> recent_;  // not yet seen complete; the destructor waits
   std::mutex note_mu_;
@@ -372,10 +405,13 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
         "library path",
         decode_nccl_version(code).str(), kMinNcclVersion, CUDART_VERSION / 1000);
   const LaunchInfo li = init_launch();  // MPI under an MPI launcher, else the TCP rendezvous
-  Buffer scratch = device.alloc(256);
-  cudaPointerAttributes attr{};
-  STRATA_CUDA_CHECK(cudaPointerGetAttributes(&attr, scratch.data()));
-  const int ordinal = attr.device;
+  int ordinal = 0;
+  {
+    const Buffer probe = device.alloc(Scratch::kBytes);
+    cudaPointerAttributes attr{};
+    STRATA_CUDA_CHECK(cudaPointerGetAttributes(&attr, probe.data()));
+    ordinal = attr.device;
+  }
   int count = 0;
   STRATA_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (li.world_size > 1 && count > 0 && ordinal != launch_gpu_ordinal(li, count))
@@ -384,11 +420,7 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
         "device "
         "with strata::launch_gpu_ordinal()",
         li.rank, li.local_rank, ordinal, launch_gpu_ordinal(li, count));
-  {
-    GpuGuard guard(ordinal);
-    STRATA_CUDA_CHECK(cudaMemset(scratch.data(), 0, 256));
-    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
-  }
+  auto scratch = std::make_unique<Scratch>(ordinal);
   ncclUniqueId id{};
   if (li.rank == 0) STRATA_NCCL_CHECK(ncclGetUniqueId(&id));
   if (li.world_size > 1) bootstrap_broadcast_bytes(&id, sizeof id, timeout_s);
