@@ -4,7 +4,7 @@
 //
 // Owns: the ncclComm_t, a 256-byte scratch of the GPU's memory outside the Device's budget
 // (barrier's one-element all-reduce; the GPU ordinal of the Device is learnt from a probe
-// allocation, through cudaPointerGetAttributes), and a watchdog. Bootstrap: rank 0 makes the unique
+// stream, through cudaStreamGetDevice), and a watchdog. Bootstrap: rank 0 makes the unique
 // id and MPI broadcasts it, or without MPI (torchrun, srun without --mpi) the launch's TCP
 // rendezvous hands it out (one rank needs neither). The communicator is non-blocking
 // (ncclCommInitRankConfig, blocking = 0): NCCL finishes its bootstrap, and any call that returns
@@ -18,7 +18,8 @@
 //    timeout (measured from when it was queued, as the GPU's start is not observable
 //    cheaply) or an async NCCL error aborts the communicator (ncclCommAbort, so no kernel
 //    spins forever) and then the job, with the collective, the rank and the elapsed time.
-// Never: synchronizes the caller's stream or the device outside the destructor.
+// Never: synchronizes the caller's stream, or the device outside making a communicator (its
+// scratch) and the destructor.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -124,12 +125,12 @@ class Scratch {
   explicit Scratch(int ordinal) : ordinal_(ordinal) {
     GpuGuard guard(ordinal);
     STRATA_CUDA_CHECK(cudaMalloc(&ptr_, kBytes));
-    const cudaError_t err = cudaMemset(ptr_, 0, kBytes);
+    cudaError_t err = cudaMemset(ptr_, 0, kBytes);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {
       (void)cudaFree(ptr_);
       STRATA_CUDA_CHECK(err);
     }
-    STRATA_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~Scratch() {
     if (ptr_ == nullptr) return;
@@ -294,16 +295,22 @@ class NcclCommunicator final : public Communicator {
       const ncclResult_t rc = ncclCommSplit(comm_, color, key, &sub, &config);
       try {
         if (rc != ncclSuccess && rc != ncclInProgress) STRATA_NCCL_CHECK(rc);
-        settle(sub, rc, "ncclCommSplit (every rank of the communicator joins)", __FILE__, __LINE__,
-               rank(), world_size(), timeout_s());
-        // The split is a call on the parent too: a non-blocking parent stays in progress until
-        // it is polled, and NCCL refuses its next call meanwhile ("Attempt to use communicator
-        // before the previous operation returned ncclSuccess", ncclInvalidArgument: every
-        // collective after a split failed so on an H200).
-        settle(comm_, ncclInProgress, "ncclCommSplit (the parent communicator)", __FILE__, __LINE__,
+        // The split is a call on the parent: a non-blocking parent stays in progress until it is
+        // polled, NCCL refuses its next call meanwhile ("Attempt to use communicator before the
+        // previous operation returned ncclSuccess", ncclInvalidArgument: every collective after
+        // a split failed so on an H200), and NCCL's thread writes the child's handle into `sub`
+        // before it marks the parent done. So the parent first, whatever the split returned;
+        // then the child.
+        settle(comm_, ncclInProgress, "ncclCommSplit (every rank of the communicator joins)",
+               __FILE__, __LINE__, rank(), world_size(), timeout_s());
+        STRATA_REQUIRE(sub != nullptr,
+                       "ncclCommSplit gave no communicator for color {} (rank {}); every member "
+                       "of a group must pass its color",
+                       color, rank());
+        settle(sub, ncclInProgress, "ncclCommSplit (the new communicator)", __FILE__, __LINE__,
                rank(), world_size(), timeout_s());
       } catch (...) {
-        if (sub) (void)ncclCommAbort(sub);
+        if (sub) (void)ncclCommAbort(sub);  // read only once the parent settled (above)
         throw;
       }
     }
@@ -407,10 +414,9 @@ std::unique_ptr<Communicator> create_nccl_communicator(Device& device, double ti
   const LaunchInfo li = init_launch();  // MPI under an MPI launcher, else the TCP rendezvous
   int ordinal = 0;
   {
-    const Buffer probe = device.alloc(Scratch::kBytes);
-    cudaPointerAttributes attr{};
-    STRATA_CUDA_CHECK(cudaPointerGetAttributes(&attr, probe.data()));
-    ordinal = attr.device;
+    const std::unique_ptr<Stream> probe = device.create_stream("nccl-probe");
+    STRATA_CUDA_CHECK(
+        cudaStreamGetDevice(static_cast<cudaStream_t>(probe->native_handle()), &ordinal));
   }
   int count = 0;
   STRATA_CUDA_CHECK(cudaGetDeviceCount(&count));

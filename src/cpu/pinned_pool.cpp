@@ -421,10 +421,20 @@ struct PinnedPoolState {
 
   Placement try_place(std::size_t size) {
     if (!initial_made && opt.initial_bytes > 0) {
+      // Once: a released initial chunk (trim, or room made for a failed request) is not made
+      // again; the pool grows piece by piece from then on.
       initial_made = true;
-      const std::size_t first = round_up(opt.initial_bytes, kHugePage);
-      if (reserved + first <= opt.budget_bytes)
-        new_chunk(std::max(round_up(opt.chunk_bytes, kHugePage), first), first);
+      const std::size_t first = std::min(round_up(opt.initial_bytes, kHugePage),
+                                         opt.budget_bytes / kHugePage * kHugePage);
+      try {
+        if (reserved + first <= opt.budget_bytes)
+          new_chunk(std::max(round_up(opt.chunk_bytes, kHugePage), first), first);
+      } catch (const Error& e) {  // piece by piece may still fit what this request needs
+        log::warn(
+            "pinned pool: the initial {} bytes could not be committed as one piece ({}); "
+            "growing piece by piece",
+            first, e.what());
+      }
     }
     if (Placement p = place_in_free(size); p.chunk) return p;
 

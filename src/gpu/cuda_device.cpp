@@ -1254,11 +1254,10 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
                       s.params.numel, s.grads.dtype, s.m.dtype,
                       copy ? s.copy_out.dtype : DType::kBF16});
   }
-  unsigned long long* counter = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(lazy_mu_);
-    counter = adamw_counter();
-  }
+  // The counter serves one call at a time: held from its zeroing to the report (two threads
+  // queuing AdamW on this stream would otherwise count into each other's).
+  std::lock_guard<std::mutex> lock(lazy_mu_);
+  unsigned long long* counter = adamw_counter();
   STRATA_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned long long), stream_));
   const bool skip = d.policy == NonFinitePolicy::kSkipStep;
   const int per = gpu::kAdamWShardsPerLaunch;
