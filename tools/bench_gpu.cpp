@@ -674,11 +674,23 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops,
   table.push_back(fmt::format(
       "  model step: Llama {:.1f}M params (hidden {}, {} layers), B={} T={}, bf16, ZeRO-3, 1 GPU",
       double(params) / 1e6, a.hidden, a.layers, a.batch, a.seq));
-  table.push_back(a.rehearse ? "    placement   step s   tokens/s    MFU  device idle (emulated)"
-                             : "    placement   step s   tokens/s    MFU  GPU idle");
+  table.push_back(a.rehearse ? "    placement     step s   tokens/s    MFU  device idle (emulated)"
+                             : "    placement     step s   tokens/s    MFU  GPU idle");
   json runs = json::object();
-  for (const std::string where : {"cpu", "nvme"}) {
-    const std::string tag = where == "cpu" ? "host" : "nvme";
+  // On a GPU also the host placement with the tiled kernels, when the simple ones (the default)
+  // are in use: the step's speed with each (the kernels part times them one by one).
+  const VariantScope variants(!a.rehearse);
+  struct Run {
+    std::string tag, where;
+    bool tiled;
+  };
+  std::vector<Run> plan = {{"host", "cpu", false}, {"nvme", "nvme", false}};
+  if (!a.rehearse && gpu::model_kernel_variant() == gpu::KernelVariant::kSimple)
+    plan.push_back({"host_tiled", "cpu", true});
+  for (const Run& run : plan) {
+    const std::string& tag = run.tag;
+    const std::string& where = run.where;
+    if (run.tiled) variants.use(gpu::KernelVariant::kTiled);
     write_file(out / ("ds-" + tag + ".json"), ds_config(where, a.nvme_path, a.batch).dump(2));
     TrainOptions o;
     o.model_config = (out / "model-config.json").string();
@@ -720,9 +732,9 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops,
                   }()},
                  {"trace", o.trace_file},
                  {"log_json", o.log_json}};
-    table.push_back(fmt::format("    {:<9} {:8.3f} {:10.0f} {:>6} {:8.2f}", tag, step_s,
-                                tokens_per_s, peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-",
-                                idle));
+    table.push_back(fmt::format("    {:<11} {:8.3f} {:10.0f} {:>6} {:8.2f}",
+                                run.tiled ? "host, tiled" : tag, step_s, tokens_per_s,
+                                peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-", idle));
   }
   return {{"params", params}, {"flops_per_step", flops},    {"batch", a.batch},  {"seq_len", a.seq},
           {"steps", a.steps}, {"peak_tflops", peak_tflops}, {"placements", runs}};
