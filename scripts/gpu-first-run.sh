@@ -11,8 +11,9 @@
 #   scripts/gpu-first-run.sh run OUT           there, from the repository root, with .gpu-carry
 #       carried: unpacks the archive under /tmp, runs the package's gpu-check.sh (every gpu test,
 #       strata-bench gpu, strata-prof on the GPU; its logs and the swap files under /tmp) and
-#       copies six files to OUT: gpu-check.json, summary.txt and the gpu-info, gpu-tests, bench
-#       and prof logs. Exits as gpu-check.sh does. `run OUT --rehearse` does the same where there is
+#       copies seven files to OUT: gpu-check.json, summary.txt, the gpu-info, gpu-tests, bench
+#       and prof logs, and out.tgz (the whole output folder: the bench's traces, logs and configs,
+#       strata-prof's picture, trace and best configuration). Exits as gpu-check.sh does. `run OUT --rehearse` does the same where there is
 #       no GPU (gpu-check.sh --rehearse: every step on the CPU-emulated device), to try the archive.
 #
 # With the device tool: run(command="scripts/gpu-first-run.sh run \"$OUT\"", carry=[".gpu-carry"],
@@ -62,6 +63,7 @@ case ${1:-} in
     for f in gpu-check.json summary.txt gpu-info.log gpu-tests.log bench.log prof.log; do
       [ -f "$root/out/$f" ] && cp "$root/out/$f" "$out/"
     done
+    tar -C "$root" -czf "$out/out.tgz" out || true  # the swap files are under $root/nvme
     exit "$rc"
     ;;
   *)
