@@ -13,8 +13,9 @@
 #       strata-bench gpu, strata-prof on the GPU; its logs and the swap files under /tmp) and
 #       copies seven files to OUT: gpu-check.json, summary.txt, the gpu-info, gpu-tests, bench
 #       and prof logs, and out.tgz (the whole output folder: the bench's traces, logs and configs,
-#       strata-prof's picture, trace and best configuration). Exits as gpu-check.sh does. `run OUT --rehearse` does the same where there is
-#       no GPU (gpu-check.sh --rehearse: every step on the CPU-emulated device), to try the archive.
+#       strata-prof's picture, trace and best configuration). Exits as gpu-check.sh does.
+#       `run OUT --rehearse` does the same where there is no GPU (gpu-check.sh --rehearse: every
+#       step on the CPU-emulated device), to try the archive.
 #
 # With the device tool: run(command="scripts/gpu-first-run.sh run \"$OUT\"", carry=[".gpu-carry"],
 # timeout_s=600); the check itself is sized to fit in 10 minutes (tools/gpu-check.sh).

@@ -1113,10 +1113,9 @@ TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
   // to the hardware (x86 makes 0xffc00000, a GPU 0x7fffffff; an H200 differed so only there).
   auto same = [&](const Buffer& buf, const std::vector<std::uint8_t>& want, DType t) {
     const std::vector<std::uint8_t> got = to_host(buf, want.size());
-    const std::size_t n = want.size() / dtype_size(t);
+    const std::size_t w = dtype_size(t), n = want.size() / w;
     std::size_t differ = 0, first = n;
     for (std::size_t i = 0; i < n; ++i) {
-      const std::size_t w = dtype_size(t);
       if (std::memcmp(got.data() + i * w, want.data() + i * w, w) == 0) continue;
       if (std::isnan(load_host(t, got.data(), i)) && std::isnan(load_host(t, want.data(), i)))
         continue;

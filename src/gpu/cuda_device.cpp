@@ -801,7 +801,7 @@ Block* CudaDevice::place(std::size_t size, std::size_t requested,
   auto make = [&](std::size_t off) {
     return new Block{ptr_at(off), off, size, 0, nullptr, nullptr};
   };
-  collect_pending();
+  // (do_alloc has collected the pending frees their streams have reached)
   std::size_t off = pool_.alloc(size);
   if (off == detail::RangePool::kNone) off = place_new_segment(size);
   if (off != detail::RangePool::kNone) return make(off);
@@ -1238,8 +1238,7 @@ void CudaStream::do_matmul(const MatmulDesc& d) {
 // Count launches (skip mode) for every batch of shards first, then the updates, then the
 // report: all on this stream, so the host never waits. The counter is the stream's own (a
 // resource outside the budget, as the sum_squares scratch: the engine's memory plan counts the
-// caller's buffers, and an allocation here put the device's peak 512 bytes past it), zeroed in
-// stream order.
+// caller's buffers, not the backend's), zeroed in stream order.
 void CudaStream::do_adamw(const AdamWDesc& d) {
   DeviceGuard guard(ordinal());
   const gpu::GpuSpan span("adamw", stream_);

@@ -345,8 +345,7 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
   po.device = &dev;
   // The plan's host lines as one registered piece: grown piece by piece, a GPU's pool left each
   // piece's unused tail behind (an H200: 130 MiB held against a plan of 116).
-  po.initial_bytes =
-      std::min<std::uint64_t>(plan.host_bytes, po.budget_bytes / (2 << 20) * (2 << 20));
+  po.initial_bytes = std::min<std::uint64_t>(plan.host_bytes, po.budget_bytes);
   pool = std::make_unique<PinnedPool>(po);
   if (std::any_of(units.begin(), units.end(),
                   [](const Unit& u) { return u.g_tier == Tier::kHost; }))
