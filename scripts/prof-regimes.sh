@@ -9,7 +9,8 @@
 # error over every validated candidate (target <= 15%), Spearman's rank correlation of
 # predicted and measured tokens/s over them, as is and with values the runs cannot tell apart
 # (within their median step-to-step spread) as ties (that one: target >= 0.8), and how far the
-# recommended configuration is from the fastest one measured (target <= 5%).
+# recommended configuration is from the fastest one measured (target <= 5%), and how far one
+# candidate's two rounds came apart at most (the machine's drift, which the errors carry).
 #
 #   scripts/prof-regimes.sh [BUILD_DIR] [WORK_DIR]      (defaults: build, build/prof-regimes)
 #
@@ -55,8 +56,8 @@ run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
 run offload --model-config "$work/wide.json" --device-mem-gb 0.12 --no-nvme --micro-batches 1 2 4 --seq-len 16
 
 echo
-printf '%-8s %-11s %-11s %12s %12s %9s %-21s %13s\n' regime "bound (pr.)" "bound (ms.)" "predicted ms" \
-  "measured ms" "worst err" "rank corr (resolved)" "rec. vs best"
+printf '%-8s %-11s %-11s %12s %12s %9s %-21s %13s %6s\n' regime "bound (pr.)" "bound (ms.)" "predicted ms" \
+  "measured ms" "worst err" "rank corr (resolved)" "rec. vs best" drift
 for name in compute link nvme offload; do
   python3 - "$work/$name.json" "$name" <<'EOF'
 import json, sys
@@ -66,14 +67,17 @@ f = lambda v: "-" if v is None else "%.2f" % v
 rho = "%s (%s at %.1f%%)" % (f(j.get("rank_correlation_spearman")),
                              f(j.get("rank_correlation_spearman_resolved")),
                              (j.get("rank_tie_resolution") or 0) * 100)
-print("%-8s %-11s %-11s %12.1f %12.1f %8.1f%% %-21s %12.1f%%  (of %d validated)" % (
+print("%-8s %-11s %-11s %12.1f %12.1f %8.1f%% %-21s %12.1f%% %5.1f%%  (of %d validated)" % (
       sys.argv[2], c["bottleneck"], c.get("measured_bottleneck") or "-", c["predicted_step_s"] * 1e3,
       c["measured_step_s"] * 1e3, j["worst_prediction_error"] * 100, rho,
-      (j["recommended_vs_best_measured"] - 1) * 100, j["validated"]))
+      (j["recommended_vs_best_measured"] - 1) * 100, (j.get("round_drift") or 0) * 100,
+      j["validated"]))
 EOF
 done
 echo "(bound (pr.) / (ms.): the recommended configuration's bottleneck, predicted / measured in its traced step)"
 echo "(rank corr: Spearman over every validated run; in brackets with values within the runs' median"
 echo " step-to-step spread (the %) of each other as ties, which the target is for)"
+echo "(drift: how far one candidate's two rounds came apart, the most of any: the machine's own movement,"
+echo " which the errors carry)"
 echo "(targets: worst error <= 15%, rank correlation >= 0.8, recommended within 5% of the fastest validated;"
 echo " details in $work/*.out, pictures *.svg)"

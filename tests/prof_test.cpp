@@ -414,6 +414,15 @@ TEST(PerfModel, StepSpreadIsTheInterquartileRangeOverTheMedian) {
   EXPECT_DOUBLE_EQ(step_spread({}), 0.0);
 }
 
+// How far a candidate's rounds came apart: slowest over fastest, less one.
+TEST(PerfModel, RoundDriftIsTheSlowestRoundOverTheFastest) {
+  EXPECT_DOUBLE_EQ(round_drift({0.1293, 0.097}), (0.1293 - 0.097) / 0.097);
+  EXPECT_DOUBLE_EQ(round_drift({0.097, 0.1293}), (0.1293 - 0.097) / 0.097);  // either order
+  EXPECT_DOUBLE_EQ(round_drift({0.2, 0.1, 0.15}), 1.0);
+  EXPECT_DOUBLE_EQ(round_drift({0.08}), 0.0);  // one round: nothing to drift from
+  EXPECT_DOUBLE_EQ(round_drift({}), 0.0);
+}
+
 // A ranked candidate of the given placement (nothing else of it matters to the picks).
 Candidate ranked_as(Tier params, Tier opt, Tier grads, bool early = false) {
   Candidate c;
@@ -1362,6 +1371,15 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
     std::sort(sorted.begin(), sorted.end());
     EXPECT_EQ(rounds, sorted) << "a round's step is the median of its own timed steps";
   }
+  // The rounds' drift: the largest over the validated candidates, named in the output when it is
+  // as large as the error target.
+  double drift = 0;
+  for (const auto& c : j["candidates"])
+    if (c.contains("validated_as"))
+      drift = std::max(drift, round_drift(c["measured_round_step_s"].get<std::vector<double>>()));
+  ASSERT_TRUE(j["round_drift"].is_number()) << j.dump();
+  EXPECT_DOUBLE_EQ(j["round_drift"].get<double>(), drift);
+  EXPECT_EQ(r.out.find("the machine drifted") != std::string::npos, drift >= 0.15) << r.out;
   EXPECT_NE(r.out.find("2 rounds in turns, each in the reverse order of the last"),
             std::string::npos)
       << r.out;

@@ -172,10 +172,16 @@ std::string write_token_file(const Args& a, const std::string& work, const Model
   return data_file;
 }
 
+// Rounds of one candidate this far apart (as large as the error target) are named below the
+// errors: an error that size may be the machine's, not the model's.
+constexpr double kDriftNote = 0.15;
+
 // What the validation runs measured, one entry a pick (0: the run failed).
 struct Runs {
   std::vector<double> step_s, tokens_per_s;
   std::vector<double> spread;  // step_spread of each run's timed steps
+  std::vector<double> drift;   // round_drift of each pick's rounds
+  std::vector<std::vector<double>> round_step_s;  // each pick's rounds' median steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
 };
@@ -220,6 +226,10 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   const double resolution = median(spreads);
   const std::optional<double> rho_resolved = spearman(predicted_ok, measured_ok, resolution);
   const double rec_step = runs.step_s[0];
+  // The pick whose rounds came apart the most (k: none ran twice).
+  std::size_t drift_i = k;
+  for (std::size_t i = 0; i < k; ++i)
+    if (runs.drift[i] > 0 && (drift_i == k || runs.drift[i] > runs.drift[drift_i])) drift_i = i;
   if (talk) {
     if (predicted_ok.size() >= 3)
       std::printf(
@@ -245,6 +255,15 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
                             (rec_vs_best - 1) * 100, picks[best_measured_i].index + 1)
                     .c_str());
     }
+    if (drift_i < k && runs.drift[drift_i] >= kDriftNote) {
+      const std::vector<double>& r = runs.round_step_s[drift_i];
+      const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+      std::printf(
+          "the machine drifted: #%zu's rounds took a median %.1f and %.1f ms a step, %.0f%% apart "
+          "(the errors above can be off by as much); on a quiet machine, or with more "
+          "--validate-rounds, they say more\n",
+          picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, runs.drift[drift_i] * 100);
+    }
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
@@ -261,6 +280,7 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       predicted_ok.empty() ? nlohmann::json(nullptr) : nlohmann::json(resolution);
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
+  j["round_drift"] = drift_i < k ? nlohmann::json(runs.drift[drift_i]) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
 }
@@ -397,6 +417,8 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   runs.step_s.assign(k, 0.0);
   runs.tokens_per_s.assign(k, 0.0);
   runs.spread.assign(k, 0.0);
+  runs.drift.assign(k, 0.0);
+  runs.round_step_s.assign(k, {});
   if (talk) print_validation_intro(a, picks);
   const std::string& trace = a.trace;
   bool trace_written = false;  // only by the recommended configuration's run, when it ran
@@ -470,6 +492,8 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     runs.step_s[n] = step_s;
     runs.tokens_per_s[n] = measured_tokens_per_s(c, step_s);
     runs.spread[n] = step_spread(steps[n]);
+    runs.drift[n] = round_drift(round_steps[n]);
+    runs.round_step_s[n] = round_steps[n];
     const double err = (c.prediction.step_s - step_s) / step_s;
     runs.worst = std::max(runs.worst, std::abs(err));
     const std::string measured_bound = busy[n].busiest ? resource_name(*busy[n].busiest) : "-";

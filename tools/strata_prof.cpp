@@ -458,7 +458,7 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
       j["validation_failures"] = 0;
       for (const char* k2 : {"worst_prediction_error", "rank_correlation_spearman",
                              "rank_correlation_spearman_resolved", "rank_tie_resolution",
-                             "recommended_vs_best_measured", "trace_file"})
+                             "recommended_vs_best_measured", "round_drift", "trace_file"})
         j[k2] = nullptr;
     }
     j["problems"] = sr.problems;

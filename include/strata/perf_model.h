@@ -211,6 +211,11 @@ std::optional<double> spearman(const std::vector<double>& x, const std::vector<d
 // 3n/4) over their median. 0 with fewer than 2 steps. strata-prof takes the median of it over
 // the validation runs as the resolution its rank correlation ties values within.
 double step_spread(std::vector<double> steps_s);
+// How far a candidate's rounds of --validate came apart: (slowest - fastest) over the fastest of
+// its rounds' step times (each round's median step). 0 with fewer than 2 rounds. The machine's
+// own drift (a shared host, a drive or cores slowing): a prediction cannot be checked closer than
+// that.
+double round_drift(const std::vector<double>& round_step_s);
 
 // A candidate's placement class: the tiers its weights, gradients and optimizer state occupy
 // (joined by "+" where split) and whether the early optimizer step runs, e.g. "params host+nvme,

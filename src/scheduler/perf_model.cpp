@@ -1129,6 +1129,12 @@ double step_spread(std::vector<double> steps_s) {
   return median > 0 ? (steps_s[3 * n / 4] - steps_s[n / 4]) / median : 0;
 }
 
+double round_drift(const std::vector<double>& round_step_s) {
+  if (round_step_s.size() < 2) return 0;
+  const auto [lo, hi] = std::minmax_element(round_step_s.begin(), round_step_s.end());
+  return *lo > 0 ? (*hi - *lo) / *lo : 0;
+}
+
 std::string placement_class(const Candidate& c) {
   const auto tiers = [](const Placement& p) {
     std::string s;
