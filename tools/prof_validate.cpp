@@ -229,7 +229,8 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   // The pick whose rounds came apart the most (k: none ran twice).
   std::size_t drift_i = k;
   for (std::size_t i = 0; i < k; ++i)
-    if (runs.drift[i] > 0 && (drift_i == k || runs.drift[i] > runs.drift[drift_i])) drift_i = i;
+    if (runs.round_step_s[i].size() >= 2 && (drift_i == k || runs.drift[i] > runs.drift[drift_i]))
+      drift_i = i;
   if (talk) {
     if (predicted_ok.size() >= 3)
       std::printf(
