@@ -260,7 +260,8 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       const std::vector<double>& r = runs.round_step_s[drift_i];
       const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
       std::printf(
-          "the machine drifted: #%zu's rounds took a median %.1f and %.1f ms a step, %.0f%% apart "
+          "the machine drifted: #%zu's rounds' median steps ranged from %.1f to %.1f ms, %.0f%% "
+          "apart "
           "(the errors above can be off by as much); on a quiet machine, or with more "
           "--validate-rounds, they say more\n",
           picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, runs.drift[drift_i] * 100);
