@@ -179,8 +179,7 @@ constexpr double kDriftNote = 0.15;
 // What the validation runs measured, one entry a pick (0: the run failed).
 struct Runs {
   std::vector<double> step_s, tokens_per_s;
-  std::vector<double> spread;  // step_spread of each run's timed steps
-  std::vector<double> drift;   // round_drift of each pick's rounds
+  std::vector<double> spread;                     // step_spread of each run's timed steps
   std::vector<std::vector<double>> round_step_s;  // each pick's rounds' median steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
@@ -228,9 +227,15 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   const double rec_step = runs.step_s[0];
   // The pick whose rounds came apart the most (k: none ran twice).
   std::size_t drift_i = k;
-  for (std::size_t i = 0; i < k; ++i)
-    if (runs.round_step_s[i].size() >= 2 && (drift_i == k || runs.drift[i] > runs.drift[drift_i]))
+  double drift = 0;
+  for (std::size_t i = 0; i < k; ++i) {
+    if (runs.round_step_s[i].size() < 2) continue;
+    const double d = round_drift(runs.round_step_s[i]);
+    if (drift_i == k || d > drift) {
       drift_i = i;
+      drift = d;
+    }
+  }
   if (talk) {
     if (predicted_ok.size() >= 3)
       std::printf(
@@ -256,15 +261,14 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
                             (rec_vs_best - 1) * 100, picks[best_measured_i].index + 1)
                     .c_str());
     }
-    if (drift_i < k && runs.drift[drift_i] >= kDriftNote) {
+    if (drift_i < k && drift >= kDriftNote) {
       const std::vector<double>& r = runs.round_step_s[drift_i];
       const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
       std::printf(
           "the machine drifted: #%zu's rounds' median steps ranged from %.1f to %.1f ms, %.0f%% "
-          "apart "
-          "(the errors above can be off by as much); on a quiet machine, or with more "
+          "apart (the errors above can be off by as much); on a quiet machine, or with more "
           "--validate-rounds, they say more\n",
-          picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, runs.drift[drift_i] * 100);
+          picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, drift * 100);
     }
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
@@ -282,7 +286,7 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       predicted_ok.empty() ? nlohmann::json(nullptr) : nlohmann::json(resolution);
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
-  j["round_drift"] = drift_i < k ? nlohmann::json(runs.drift[drift_i]) : nlohmann::json(nullptr);
+  j["round_drift"] = drift_i < k ? nlohmann::json(drift) : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
 }
@@ -419,7 +423,6 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   runs.step_s.assign(k, 0.0);
   runs.tokens_per_s.assign(k, 0.0);
   runs.spread.assign(k, 0.0);
-  runs.drift.assign(k, 0.0);
   runs.round_step_s.assign(k, {});
   if (talk) print_validation_intro(a, picks);
   const std::string& trace = a.trace;
@@ -494,7 +497,6 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     runs.step_s[n] = step_s;
     runs.tokens_per_s[n] = measured_tokens_per_s(c, step_s);
     runs.spread[n] = step_spread(steps[n]);
-    runs.drift[n] = round_drift(round_steps[n]);
     runs.round_step_s[n] = round_steps[n];
     const double err = (c.prediction.step_s - step_s) / step_s;
     runs.worst = std::max(runs.worst, std::abs(err));
