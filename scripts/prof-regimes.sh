@@ -2,15 +2,16 @@
 # Checks strata-prof's predictions in several bottleneck regimes on the CPU-emulated device:
 # for each regime, strata-prof measures, searches, and --validate's the best 3 placements and its
 # default spread (up to 4 more: the best of other placement classes, the median- and the
-# last-ranked) by running them through strata-train, two rounds in turns (--validate-rounds 2, each
-# round in the reverse order of the last); this prints predicted vs measured step
+# last-ranked) by running them through strata-train, three rounds in turns (--validate-rounds 3, each
+# round in the reverse order of the last; a candidate's measured step is the median of all its
+# rounds' steps, so one round the machine slowed does not decide it); this prints predicted vs measured step
 # time per candidate, then a table of the recommended configuration per regime: the resource
 # it is bound by as predicted and as measured (the lane busiest in its traced step), the worst
 # error over every validated candidate (target <= 15%), Spearman's rank correlation of
 # predicted and measured tokens/s over them, as is and with values the runs cannot tell apart
 # (within their median step-to-step spread) as ties (that one: target >= 0.8), and how far the
 # recommended configuration is from the fastest one measured (target <= 5%), and how far one
-# candidate's two rounds came apart at most (the machine's drift, which the errors carry).
+# candidate's rounds came apart at most (the machine's drift, which the errors carry).
 #
 #   scripts/prof-regimes.sh [BUILD_DIR] [WORK_DIR]      (defaults: build, build/prof-regimes)
 #
@@ -43,7 +44,7 @@ run() {
   # folder unless the regime leaves NVMe out (--no-nvme beside --nvme-path is refused).
   local nvme=(--nvme-path "$work/nvme")
   case " $* " in *" --no-nvme "*) nvme=() ;; esac
-  "$prof" --device cpu "${nvme[@]}" --validate 3 --validate-steps 8 --validate-rounds 2 --top 3 --json --overwrite \
+  "$prof" --device cpu "${nvme[@]}" --validate 3 --validate-steps 8 --validate-rounds 3 --top 3 --json --overwrite \
     --out "$work/$name.ds_config.json" --svg "$work/$name.svg" --trace "$work/$name.trace.json" "$@" \
     >"$work/$name.out" 2>"$work/$name.err" || { cat "$work/$name.err" >&2; exit 1; }
   sed -n '/placements considered/,/^picture/p' "$work/$name.out"
@@ -77,7 +78,7 @@ done
 echo "(bound (pr.) / (ms.): the recommended configuration's bottleneck, predicted / measured in its traced step)"
 echo "(rank corr: Spearman over every validated run; in brackets with values within the runs' median"
 echo " step-to-step spread (the %) of each other as ties, which the target is for)"
-echo "(drift: how far one candidate's two rounds came apart, the most of any: the machine's own movement,"
+echo "(drift: how far one candidate's rounds came apart, the most of any: the machine's own movement,"
 echo " which the errors carry)"
 echo "(targets: worst error <= 15%, rank correlation >= 0.8, recommended within 5% of the fastest validated;"
 echo " details in $work/*.out, pictures *.svg)"
