@@ -414,6 +414,23 @@ TEST(PerfModel, StepSpreadIsTheInterquartileRangeOverTheMedian) {
   EXPECT_DOUBLE_EQ(step_spread({}), 0.0);
 }
 
+// strata-prof's reduction of a layer's repeated timings: the mean without the smallest and the
+// largest. Two groups (a copy's first repetitions slow, the later fast) give a value between
+// them that a one-sided change of one repetition moves a little, where the median jumps.
+TEST(PerfModel, TrimmedMeanDropsTheSmallestAndTheLargest) {
+  EXPECT_DOUBLE_EQ(trimmed_mean({5.5, 5.6, 3.5, 5.4, 3.4, 3.6, 5.5, 3.5, 100.0}),
+                   (3.5 + 3.5 + 3.6 + 5.4 + 5.5 + 5.5 + 5.6) / 7.0);
+  // 5 slow and 4 fast, then 4 slow and 5 fast: the median goes from one group to the other,
+  // the trimmed mean moves by a seventh of the gap.
+  const std::vector<double> a{5.5, 5.5, 5.5, 5.5, 5.5, 3.5, 3.5, 3.5, 3.5},
+      b{5.5, 5.5, 5.5, 5.5, 3.5, 3.5, 3.5, 3.5, 3.5};
+  EXPECT_NEAR(trimmed_mean(a) - trimmed_mean(b), 2.0 / 7.0, 1e-12);
+  EXPECT_DOUBLE_EQ(trimmed_mean({2.0, 4.0}), 3.0);  // fewer than 3: the plain mean
+  EXPECT_DOUBLE_EQ(trimmed_mean({7.0}), 7.0);
+  EXPECT_DOUBLE_EQ(trimmed_mean({}), 0.0);
+  EXPECT_DOUBLE_EQ(trimmed_mean({1.0, 2.0, 9.0}), 2.0);
+}
+
 // How far a candidate's rounds came apart: slowest over fastest, less one.
 TEST(PerfModel, RoundDriftIsTheSlowestRoundOverTheFastest) {
   EXPECT_DOUBLE_EQ(round_drift({0.1293, 0.097}), (0.1293 - 0.097) / 0.097);

@@ -821,18 +821,23 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
   return out;
 }
 
-// Each time the median over the repetitions (the TP bytes and the activations are the same in
-// every one).
-LayerTiming median_timing(const std::vector<LayerTiming>& reps) {
-  auto median_of_field = [&](double LayerTiming::*f) {
+// Each time (and the cores busy) the mean over the repetitions but the smallest and the largest
+// (trimmed_mean; the TP bytes and the activations are the same in every one). Not the median: on
+// the AMD EPYC Zen 5 VM (2 cores, 2026-12-04) a copy's first two repetitions ran the offload
+// regime's B = 4 layer on one core (backward 5.4-5.6 ms) and the later ones on 1.5-1.7 (3.4-3.9),
+// a step's kernels between the two; the median of nine fell on either side from run to run, one
+// placement's profile 15-30% off in a run, and the offload regime missed its targets in two runs
+// of six.
+LayerTiming mean_timing(const std::vector<LayerTiming>& reps) {
+  auto mean_of_field = [&](double LayerTiming::*f) {
     std::vector<double> v;
     for (auto& r : reps) v.push_back(r.*f);
-    return median(std::move(v));
+    return trimmed_mean(std::move(v));
   };
   LayerTiming out = reps.front();
   for (auto f : {&LayerTiming::embed_f, &LayerTiming::embed_b, &LayerTiming::layer_f,
                  &LayerTiming::layer_b, &LayerTiming::head_f, &LayerTiming::cores})
-    out.*f = median_of_field(f);
+    out.*f = mean_of_field(f);
   return out;
 }
 
@@ -996,7 +1001,8 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     for (int ck = 0; ck < 3; ++ck)  // off, on, on with the checkpoints in host memory
       keys.push_back({B, ck > 0, ck == 2});
   // The 1-layer copies give the activations only (one micro-batch each). The 2-layer copies'
-  // times are taken in rounds that go over every profile in turn, the median over all of them:
+  // times are taken in rounds that go over every profile in turn, reduced over all of them
+  // (mean_timing):
   // a shared host's speed moves over a second or so, and each profile timed in one stretch
   // could land in a fast or a slow one (a layer timed 20% fast, its profile's placements
   // ranked wrongly against the others').
@@ -1049,7 +1055,7 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   }
   for (std::size_t i = 0; i < keys.size(); ++i)
     space.models.push_back(
-        profile_model(mcfg, keys[i], a.seq_len, a.tp, one[i], median_timing(two[i])));
+        profile_model(mcfg, keys[i], a.seq_len, a.tp, one[i], mean_timing(two[i])));
   if (world_size * a.tp.size > 1) {
     auto dev = make_device(a.device, dopt.hopt, dopt.copt);
     auto comm = make_communicator(*dev);

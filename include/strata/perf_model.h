@@ -216,6 +216,12 @@ double step_spread(std::vector<double> steps_s);
 // own drift (a shared host, a drive or cores slowing): a prediction cannot be checked closer than
 // that.
 double round_drift(const std::vector<double>& round_step_s);
+// The mean of `v` without its smallest and its largest value (with fewer than 3 values, the plain
+// mean; 0 when empty). strata-prof reduces a layer's repeated timings with it: on the emulated
+// device they fall into groups (a copy's first repetitions on one core, the later ones on more),
+// where a median snaps to one group or the other from run to run, and a step's kernels run
+// between them; one outlier each way is dropped.
+double trimmed_mean(std::vector<double> v);
 
 // A candidate's placement class: the tiers its weights, gradients and optimizer state occupy
 // (joined by "+" where split) and whether the early optimizer step runs, e.g. "params host+nvme,

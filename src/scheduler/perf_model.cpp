@@ -1135,6 +1135,19 @@ double round_drift(const std::vector<double>& round_step_s) {
   return *lo > 0 ? (*hi - *lo) / *lo : 0;
 }
 
+double trimmed_mean(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::size_t lo = 0, hi = v.size();
+  if (v.size() >= 3) {
+    std::sort(v.begin(), v.end());
+    ++lo;
+    --hi;
+  }
+  double sum = 0;
+  for (std::size_t i = lo; i < hi; ++i) sum += v[i];
+  return sum / double(hi - lo);
+}
+
 std::string placement_class(const Candidate& c) {
   const auto tiers = [](const Placement& p) {
     std::string s;
