@@ -29,7 +29,8 @@ inline double since(Clock::time_point t0) {
 inline std::string human(double b) { return log::human_bytes(b); }
 
 // The median of `v` (the upper of the two middle values of an even count; 0 when empty): how
-// strata-prof reduces repeated measurements and the validation runs' steps.
+// strata-prof reduces repeated measurements of the machine and the validation runs' steps (a layer
+// profile's repetitions take trimmed_mean instead: see mean_timing).
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

@@ -1044,6 +1044,12 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
                                                 dt, kRepsPerRound, &evict))
           alone_t.push_back(t);
       }
+      // The median of each side. These repetitions fall into the same one-core and two-core
+      // groups as the layer profile's, but both sides have them in the same places. On the AMD
+      // EPYC Zen 5 VM (2026-12-05, 8 runs) the slowdown's spread from run to run (standard
+      // deviation) was 6.3 points with this, 6.8 with the trimmed mean, 6.5 with the median of
+      // paired repetitions' ratios and 4.9 with 8 rounds instead of 3: the slowdown itself moves
+      // (one run saw none, the others 5-18%).
       auto layer = [](const std::vector<LayerTiming>& v) {
         std::vector<double> x;
         for (const LayerTiming& t : v) x.push_back(t.layer_f + t.layer_b);
