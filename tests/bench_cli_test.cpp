@@ -193,6 +193,10 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
               as_meant && row2.at("ratio_step_vs_busiest").get<double>() <= 1.1)
         << row2;
     EXPECT_EQ(r.out.find("(meant to be") == std::string::npos, as_meant) << r.out;
+    // "(> 1.1)" only where the ratio is (not on a row that misses only by its bottleneck)
+    EXPECT_EQ(r.out.find("(> 1.1)") == std::string::npos,
+              row2.at("ratio_step_vs_busiest").get<double>() <= 1.1)
+        << r.out;
   }
   r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path, "--adamw-isa", "avx3"}, d.path,
                    "bad");

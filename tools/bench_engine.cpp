@@ -565,7 +565,7 @@ void run(const Args& a) {
     std::printf("%-12s %8.3f", r.name.c_str(), res.step_s);
     for (double b : res.busy_s) std::printf(" %9.3f", b);
     std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio,
-                met ? "" : "  (> 1.1)",
+                res.ratio <= 1.1 ? "" : "  (> 1.1)",
                 kResources[res.bottleneck] == r.expect
                     ? ""
                     : fmt::format("  (meant to be {})", r.expect).c_str());
