@@ -146,6 +146,9 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
                         d.path, "adamw");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const nlohmann::json row = last_json(r.out).at("regimes").at(0);
+  EXPECT_EQ(last_json(r.out).at("reference").get<std::string>().rfind("the busiest resource", 0),
+            0u)
+      << r.out;
   EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
   EXPECT_NE(row.at("config").get<std::string>().find("AdamW scalar"), std::string::npos) << row;
   // The step's edges (the trace's "step" lane), and the optimizer lane's spans cut at them: the
@@ -359,8 +362,24 @@ TEST(BenchCli, NvmeSameBuffersAreOneMemorysPagesForBothSides) {
   if (fio) args.push_back("--vs-fio");
   const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "same");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
-  const auto results = last_json(r.out).at("results");
+  const auto j = last_json(r.out);
+  const auto results = j.at("results");
   ASSERT_EQ(results.size(), 3u) << results.dump();
+  if (fio) {
+    // fio is the bound, named with how it ran; a row faster than it by more than 2% says so.
+    EXPECT_EQ(j.at("reference").get<std::string>().rfind("fio: the same job", 0), 0u) << j.dump();
+    bool any = false;
+    for (const auto& row : results) {
+      if (!row.contains("ratio_vs_fio_read")) continue;
+      const bool broken = row.at("ratio_vs_fio_read").get<double>() > 1.02 ||
+                          row.at("ratio_vs_fio_write").get<double>() > 1.02;
+      EXPECT_EQ(row.at("broken_bound").get<bool>(), broken) << row.dump();
+      any = any || broken;
+    }
+    EXPECT_EQ(r.out.find("broken bound") != std::string::npos, any) << r.out;
+  } else {
+    EXPECT_FALSE(j.contains("reference")) << j.dump();
+  }
   const auto& same = results.at(2);
   EXPECT_EQ(same.at("buffers"), "same");
   EXPECT_EQ(same.at("page_kind"), "shmem");
@@ -876,6 +895,7 @@ TEST(BenchCli, CommOnOneRankHasNoBusBandwidth) {
     ++rows;
   }
   EXPECT_GT(rows, 0) << j.dump();
+  EXPECT_EQ(j.at("reference").get<std::string>().rfind("one-thread memcpy", 0), 0u) << j.dump();
 }
 
 // A bad value CLI11 catches still gets --json's error object, last.
@@ -910,6 +930,9 @@ TEST(BenchCli, GpuRatiosAboveTheirBoundSayBrokenBound) {
   EXPECT_EQ(adamw_line.find("broken bound") != std::string::npos, broken) << adamw_line;
   for (const auto& shape : j.at("gemm").at("shapes"))
     EXPECT_FALSE(shape.at("broken_bound")) << shape;
+  // Each part names its reference (the rehearsal says what stands in for cuBLASLt).
+  EXPECT_EQ(adamw.at("reference").get<std::string>().rfind("a device-to-device copy", 0), 0u);
+  EXPECT_EQ(j.at("gemm").at("reference").get<std::string>().rfind("rehearsal: ", 0), 0u);
 }
 
 // A part that fails is a measured result: exit 1, and the figures (with the part "failed") are
@@ -977,6 +1000,7 @@ TEST(BenchCli, TokenizeReportsPerThreadRateAndTheReferenceOrWhyNot) {
   EXPECT_GT(scaling.at("1").get<double>(), 0.0);
   EXPECT_GT(scaling.at("2").get<double>(), 0.0);
   EXPECT_FALSE(j.at("cpu").get<std::string>().empty());
+  EXPECT_EQ(j.at("reference").get<std::string>().rfind("Hugging Face's Rust tokenizers", 0), 0u);
   if (j.at("hf_rust_mb_per_s").is_null()) {
     // Only an absent reference is null (a failing one exits 1, above).
     EXPECT_TRUE(j.at("ratio_vs_hf_rust").is_null());

@@ -193,6 +193,10 @@ void run_comm(const CommArgs& a) {
                 {"dtype", dtype_name(t)},
                 {"iters", a.iters},
                 {"memcpy_gbps", memcpy_gbps},
+                {"reference",
+                 "one-thread memcpy on rank 0 alone in this run (the largest size, at least 16 "
+                 "MiB, at most 256 MiB; best of its repetitions), against which each collective's "
+                 "bus bandwidth at the largest size is a ratio; above 1.02 a broken bound"},
                 {"busbw", peaks},
                 {"results", results}});
 }

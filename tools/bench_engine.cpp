@@ -603,6 +603,11 @@ void run(const Args& a) {
                 {"params", std::int64_t(a.layers) * a.width * a.width},
                 {"steps", a.steps},
                 {"goal_ratio", 1.1},
+                {"reference",
+                 "the busiest resource of each regime's own traced steps (the union of its "
+                 "spans a step; cores: the process's CPU time over the usable cores), met "
+                 "when the step is within goal_ratio of it and that resource is the one the "
+                 "regime is meant to stress"},
                 {"cores", cpu::usable_cores()},
                 {"overlap_optimizer", !a.serial_optimizer},
                 {"nvme_grads", a.nvme_grads},

@@ -426,7 +426,12 @@ void run(const Args& a) {
                       {"tokens", tokens},
                       {"load_s", load_s},
                       {"strata_mb_per_s", strata_mbps},
-                      {"scaling_mb_per_s_by_threads", scaling}};
+                      {"scaling_mb_per_s_by_threads", scaling},
+                      {"reference",
+                       "Hugging Face's Rust tokenizers (the @anush008/tokenizers Node binding) "
+                       "on the same documents and tokenizer.json, one thread, its own "
+                       "encodeBatch timed pass by pass in turn with strata's, best of --reps "
+                       "each; a rival's rate, not a bound"}};
   if (hf.available()) {
     const double hf_mbps = mb / hf_best;
     std::printf("  HF Rust (node):  %8.2f MB/s per thread (%lld tokens)\n", hf_mbps,

@@ -138,6 +138,10 @@ void run_tp(const TpArgs& a) {
                 {"tp_bytes_per_layer_per_pass", per_layer_pass},
                 {"formula_bytes_per_layer_per_pass", formula},
                 {"ratio_vs_formula", n > 1 ? per_layer_pass / formula : 0.0},
+                {"reference",
+                 "bytes: Megatron's 2 x B x T x hidden x 4 a layer a pass; time: one all-reduce "
+                 "of B x T x hidden fp32 over the same ranks alone in this run (mean of 8 after "
+                 "one, the slowest rank's), times the step's all-reduces"},
                 {"tp_all_gathers_per_step", gathers},
                 {"tp_all_gather_bytes_per_step", gather_bytes},
                 {"all_reduce_us", all_reduce_s * 1e6},
