@@ -1171,6 +1171,10 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_GT(j["machine"]["nvme_load_gbps"].get<double>(), 0);
   EXPECT_GE(j["machine"]["nvme_compute_slowdown"].get<double>(), 0);
   EXPECT_NE(r.out.find("with the drive busy beside them"), std::string::npos) << r.out;
+  // ... and each round's slowdown alone is shown beside it: how far one measurement moves.
+  ASSERT_EQ(j["machine"]["nvme_compute_slowdown_rounds"].size(), 3u) << j["machine"].dump();
+  for (const auto& x : j["machine"]["nvme_compute_slowdown_rounds"]) EXPECT_GE(x.get<double>(), 0);
+  EXPECT_NE(r.out.find("longer (its rounds alone: "), std::string::npos) << r.out;
   EXPECT_TRUE(fs::file_size(d.path + "/prof.svg") > 1000);
   EXPECT_TRUE(fs::file_size(d.path + "/trace.json") > 100);
   EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
@@ -1450,6 +1454,7 @@ TEST(ProfCli, TheConfigsBatchIsWhereTheSearchStarts) {
   }
   // Without NVMe there is no drive beside the kernels to measure.
   EXPECT_EQ(j["machine"]["nvme_compute_slowdown"].get<double>(), 0);
+  EXPECT_TRUE(j["machine"]["nvme_compute_slowdown_rounds"].empty()) << j["machine"].dump();
   EXPECT_EQ(j["model"]["seq_len"].get<std::int64_t>(), 32);
   EXPECT_GT(j["machine"]["device_free_gbps"].get<double>(), 0);
   const std::int64_t best = j["candidates"][0]["micro_batch"].get<std::int64_t>();

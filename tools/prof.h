@@ -99,6 +99,9 @@ struct Measurement {
   std::string dev_name;
   SearchSpace space;
   double machine_s = 0, measured_s = 0;
+  // The drive slowdown of each round alone (machine.nvme_compute_slowdown is over all of them):
+  // how far one measurement of it moves on this machine. Rank 0's; empty without the drive.
+  std::vector<double> nvme_slowdown_rounds;
 };
 
 // ---- prof_measure.cpp ----

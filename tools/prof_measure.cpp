@@ -1033,6 +1033,7 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     if (nvme.use && mdev->kind() == DeviceKind::kCpu) {
       if (!world) world = make_communicator(*mdev);
       std::vector<LayerTiming> alone_t, beside_t;
+      std::vector<std::pair<std::size_t, std::size_t>> round_ends;  // alone_t's, beside_t's
       for (int round = 0; round < kRounds; ++round) {
         DriveLoad load(*mdev, *world, base, nvme);
         for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
@@ -1043,6 +1044,7 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
         for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
                                                 dt, kRepsPerRound, &evict))
           alone_t.push_back(t);
+        round_ends.emplace_back(alone_t.size(), beside_t.size());
       }
       // The median of each side. These repetitions fall into the same one-core and two-core
       // groups as the layer profile's, but both sides have them in the same places. On the AMD
@@ -1055,8 +1057,20 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
         for (const LayerTiming& t : v) x.push_back(t.layer_f + t.layer_b);
         return median(std::move(x));
       };
-      const double alone = layer(alone_t), with = layer(beside_t);
-      out.machine.nvme_compute_slowdown = alone > 0 ? std::max(0.0, with / alone - 1) : 0;
+      const auto slowdown = [&](const std::vector<LayerTiming>& alone_v,
+                                const std::vector<LayerTiming>& beside_v) {
+        const double alone = layer(alone_v), with = layer(beside_v);
+        return alone > 0 ? std::max(0.0, with / alone - 1) : 0.0;
+      };
+      out.machine.nvme_compute_slowdown = slowdown(alone_t, beside_t);
+      std::size_t a0 = 0, b0 = 0;
+      for (const auto& [a1, b1] : round_ends) {
+        out.nvme_slowdown_rounds.push_back(slowdown(
+            {alone_t.begin() + std::ptrdiff_t(a0), alone_t.begin() + std::ptrdiff_t(a1)},
+            {beside_t.begin() + std::ptrdiff_t(b0), beside_t.begin() + std::ptrdiff_t(b1)}));
+        a0 = a1;
+        b0 = b1;
+      }
     }
   }
   for (std::size_t i = 0; i < keys.size(); ++i)
@@ -1119,12 +1133,18 @@ Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const 
   out.measured_s = since(t_start);
   if (talk) {
     print_models(out.space);
-    if (out.machine.nvme_load_bps > 0)
+    if (out.machine.nvme_load_bps > 0) {
+      std::string rounds;  // each round alone: how far one such measurement moves here
+      for (double r : out.nvme_slowdown_rounds)
+        rounds += fmt::format("{}{:.0f}%", rounds.empty() ? "" : ", ", r * 100);
       std::printf(
           "  with the drive busy beside them (the engine's mix of NVMe reads and writes, %.2f "
           "GB/s) "
-          "a layer's forward and backward took %.0f%% longer\n",
-          out.machine.nvme_load_bps / 1e9, out.machine.nvme_compute_slowdown * 100);
+          "a layer's forward and backward took %.0f%% longer (%s rounds alone: %s)\n",
+          out.machine.nvme_load_bps / 1e9, out.machine.nvme_compute_slowdown * 100,
+          world_size * a.tp.size > 1 ? "the slowest rank's figure; rank 0's" : "its",
+          rounds.c_str());
+    }
     std::printf("measured in %.1f s (machine %.1f s)\n\n", out.measured_s, out.machine_s);
     std::fflush(stdout);
   }

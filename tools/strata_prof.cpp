@@ -373,6 +373,7 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_mixed_burst_gbps", machine.nvme_mixed_burst_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},
                   {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
+                  {"nvme_compute_slowdown_rounds", m.nvme_slowdown_rounds},
                   {"nvme_load_gbps", machine.nvme_load_bps / 1e9},
                   {"cpu_adamw_mparams_per_s", machine.cpu_adamw_params_per_s / 1e6},
                   {"cpu_adamw_call_ms", machine.cpu_adamw_call_s * 1e3},
