@@ -398,11 +398,30 @@ TEST(PerfModel, SpearmanTiesWhatTheResolutionCannotTellApart) {
   std::swap(swapped[5], swapped[6]);
   EXPECT_NEAR(*spearman(pred, swapped, 0.01), 17.0 / 18.0, 1e-12);
   EXPECT_NEAR(*spearman(pred, {700, 702, 701, 703, 700.5, 805, 770}, 0.01), -17.0 / 18.0, 1e-12);
-  // Groups are anchored at their smallest value, not chained: 100, 100.8, 101.6 at 1% are two
-  // groups (100 and 100.8 tie; 101.6 is 1.6% above 100), so the order of the third shows.
-  EXPECT_DOUBLE_EQ(*spearman({100, 100.8, 101.6}, {1, 1, 2}, 0.01), 1.0);
-  EXPECT_FALSE(spearman({100, 100.8, 101.6}, {1, 2, 3}, 0.02).has_value());  // all one group
+  // Pair by pair, not chained: at 1%, 100.8 cannot be told from 100 nor from 101.6, but 101.6 is
+  // 1.6% above 100 (ranks 0.5, 1, 1.5), so the order of the outer two shows: against 1, 1, 2
+  // (ranks 0.5, 0.5, 2) 0.75 / sqrt(0.5 x 1.5).
+  EXPECT_NEAR(*spearman({100, 100.8, 101.6}, {1, 1, 2}, 0.01), std::sqrt(0.75), 1e-12);
+  EXPECT_DOUBLE_EQ(*spearman({100, 100.8, 101.6}, {3, 2, 1}, 0.01), -1.0);
+  EXPECT_FALSE(spearman({100, 100.8, 101.6}, {1, 2, 3}, 0.02).has_value());  // all within 2%
   EXPECT_THROW(spearman(pred, meas, -0.1), Error);
+}
+
+// The same runs rank alike as tokens/s and as step times: strata-prof's link regime on the AMD
+// EPYC Zen 5 VM (2026-12-05), seven candidates' predicted and measured steps (ms) at its 0.6%
+// resolution. Groups anchored at their smallest value gave 0.66 over tokens/s (491.35 ms fell in
+// 494.09's group, 0.2% from 490.42 in the next) and 1.00 over step times.
+TEST(PerfModel, SpearmanWithTiesIsTheSameForRatesAndForTimes) {
+  const std::vector<double> pred_ms = {483.74, 484.07, 484.23, 484.37, 487.08, 515.33, 998.6};
+  const std::vector<double> meas_ms = {490.42, 491.35, 489.34, 489.54, 494.09, 531.82, 1014.8};
+  std::vector<double> pred_tps, meas_tps;
+  for (double x : pred_ms) pred_tps.push_back(1000 / x);
+  for (double x : meas_ms) meas_tps.push_back(1000 / x);
+  const double by_time = *spearman(pred_ms, meas_ms, 0.006);
+  EXPECT_NEAR(*spearman(pred_tps, meas_tps, 0.006), by_time, 1e-12);
+  EXPECT_NEAR(by_time, 0.9759782669371166, 1e-12);
+  // Without the resolution the near-ties' order counts as if the runs could tell it.
+  EXPECT_NEAR(*spearman(pred_ms, meas_ms), 0.7142857142857143, 1e-12);
 }
 
 // A run's step-to-step spread: the interquartile range of its steps over their median.

@@ -202,9 +202,11 @@ std::size_t fastest_validated(const std::vector<Candidate>& ranked,
 // Spearman's rank correlation of x and y (ties ranked by their mean rank): 1 when y orders the
 // values as x does, -1 reversed. strata-prof --validate gives it for the predicted against the
 // measured tokens a second. Empty with fewer than 3 pairs, or when either side is all ties.
-// `tie_within` > 0 ties values closer than that (relative) on each side alike: in ascending
-// order, a group holds the values within tie_within of its smallest. With it the measurement's
-// resolution, candidates the runs cannot tell apart are not ranked on noise.
+// `tie_within` > 0 ties values closer than that (relative, to the smaller of a pair) on each side
+// alike, pair by pair: a value's rank is the values clearly below it plus half of those within
+// tie_within of it (its mean rank over their possible orders; the same whichever way the values
+// run, tokens/s or step times). With it the measurement's resolution, candidates the runs cannot
+// tell apart are not ranked on noise.
 std::optional<double> spearman(const std::vector<double>& x, const std::vector<double>& y,
                                double tie_within = 0);
 // How much a run's step times spread: their interquartile range (the sorted steps at n/4 and
