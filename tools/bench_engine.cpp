@@ -559,16 +559,15 @@ void run(const Args& a) {
         a.trace.empty() ? std::string() : trace_path(a, r.name, chosen.size() == 1);
     const RegimeResult res = run_regime(a, r, tf);
     // Met: within 1.1 of the busiest resource, and that resource the one the regime stresses.
+    const bool within_goal = res.ratio <= 1.1;
     const bool bound_as_meant = kResources[res.bottleneck] == r.expect;
-    const bool met = res.ratio <= 1.1 && bound_as_meant;
+    const bool met = within_goal && bound_as_meant;
     all_met = all_met && met;
     std::printf("%-12s %8.3f", r.name.c_str(), res.step_s);
     for (double b : res.busy_s) std::printf(" %9.3f", b);
     std::printf("  %-10s %8.2f%s%s\n", kResources[res.bottleneck], res.ratio,
-                res.ratio <= 1.1 ? "" : "  (> 1.1)",
-                kResources[res.bottleneck] == r.expect
-                    ? ""
-                    : fmt::format("  (meant to be {})", r.expect).c_str());
+                within_goal ? "" : "  (> 1.1)",
+                bound_as_meant ? "" : fmt::format("  (meant to be {})", r.expect).c_str());
     if (!tf.empty()) std::printf("         trace of one step: %s\n", tf.c_str());
     std::fflush(stdout);
     nlohmann::json busy;

@@ -1032,20 +1032,6 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
     // first profile with the engine's NVMe traffic running beside it and alone, in turns.
     if (nvme.use && mdev->kind() == DeviceKind::kCpu) {
       if (!world) world = make_communicator(*mdev);
-      std::vector<LayerTiming> alone_t, beside_t;
-      std::vector<std::pair<std::size_t, std::size_t>> round_ends;  // alone_t's, beside_t's
-      for (int round = 0; round < kRounds; ++round) {
-        DriveLoad load(*mdev, *world, base, nvme);
-        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
-                                                dt, kRepsPerRound, &evict))
-          beside_t.push_back(t);
-        load.stop();
-        out.machine.nvme_load_bps = std::max(out.machine.nvme_load_bps, load.bytes_per_s());
-        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len,
-                                                dt, kRepsPerRound, &evict))
-          alone_t.push_back(t);
-        round_ends.emplace_back(alone_t.size(), beside_t.size());
-      }
       // The median of each side. These repetitions fall into the same one-core and two-core
       // groups as the layer profile's, but both sides have them in the same places. On the AMD
       // EPYC Zen 5 VM (2026-12-05, 8 runs) the slowdown's spread from run to run (standard
@@ -1062,15 +1048,20 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
         const double alone = layer(alone_v), with = layer(beside_v);
         return alone > 0 ? std::max(0.0, with / alone - 1) : 0.0;
       };
-      out.machine.nvme_compute_slowdown = slowdown(alone_t, beside_t);
-      std::size_t a0 = 0, b0 = 0;
-      for (const auto& [a1, b1] : round_ends) {
-        out.nvme_slowdown_rounds.push_back(slowdown(
-            {alone_t.begin() + std::ptrdiff_t(a0), alone_t.begin() + std::ptrdiff_t(a1)},
-            {beside_t.begin() + std::ptrdiff_t(b0), beside_t.begin() + std::ptrdiff_t(b1)}));
-        a0 = a1;
-        b0 = b1;
+      std::vector<LayerTiming> alone_t, beside_t;  // every round's
+      for (int round = 0; round < kRounds; ++round) {
+        DriveLoad load(*mdev, *world, base, nvme);
+        const std::vector<LayerTiming> beside = time_layers(
+            *mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len, dt, kRepsPerRound, &evict);
+        load.stop();
+        out.machine.nvme_load_bps = std::max(out.machine.nvme_load_bps, load.bytes_per_s());
+        const std::vector<LayerTiming> alone = time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0],
+                                                           a.seq_len, dt, kRepsPerRound, &evict);
+        out.nvme_slowdown_rounds.push_back(slowdown(alone, beside));
+        beside_t.insert(beside_t.end(), beside.begin(), beside.end());
+        alone_t.insert(alone_t.end(), alone.begin(), alone.end());
       }
+      out.machine.nvme_compute_slowdown = slowdown(alone_t, beside_t);
     }
   }
   for (std::size_t i = 0; i < keys.size(); ++i)
