@@ -3,6 +3,8 @@
 // (snake_case keys with units) so runs can be compared.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
@@ -37,6 +39,10 @@ constexpr double kBrokenBoundRatio = 1.02;
 inline bool broken_bound(double ratio) { return ratio > kBrokenBoundRatio; }
 inline const char* broken_bound_note(double ratio) {
   return broken_bound(ratio) ? "  broken bound" : "";
+}
+// How a JSON `reference` names the threshold: "above 1.02 a broken bound".
+inline std::string broken_bound_clause() {
+  return fmt::format("above {} a broken bound", kBrokenBoundRatio);
 }
 // The config.json of a Llama of these sizes (model, tp: their --hidden, --layers, ... flags), its
 // context `seq` positions.

@@ -643,8 +643,8 @@ void run_compare(const NvmeArgs& a) {
         "fio: the same job on the same file (--ioengine=io_uring, --direct as strata's, the same "
         "block size, queue depth, size and jobs, --fixedbufs where strata registers its buffers; "
         "buffers: hugetlb pages with huge, its own malloc'd pages with normal, the very same "
-        "pages with same), run in turns with strata's runs, the best of --repeat each; a ratio "
-        "above 1.02 is a broken bound (broken_bound)";
+        "pages with same), run in turns with strata's runs, the best of --repeat each; " +
+        broken_bound_clause() + " (broken_bound)";
   std::printf("strata-bench nvme: %s, %s, block %s, QD %d, %d thread(s), best of %d%s\n",
               js["path"].get<std::string>().c_str(), human_bytes(double(size)).c_str(),
               human_bytes(double(cfg.block_size)).c_str(), cfg.queue_depth, cfg.thread_count,
