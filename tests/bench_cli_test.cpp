@@ -538,6 +538,12 @@ TEST(BenchCli, NvmeASignalEndsItsFioToo) {
                                    {"nvme", "--path", d.path, "--size", "1G", "--repeat", "100",
                                     "--vs-fio", "--buffers", "normal"},
                                    d.path, "run");
+  struct Reap {  // an assertion below must not leave it (and its fio) running
+    pid_t p;
+    ~Reap() {
+      if (p > 0 && ::kill(p, SIGTERM) == 0) ::waitpid(p, nullptr, 0);
+    }
+  } reap{pid};
   auto fio_child = [&] {  // a process whose parent is the run and whose name is fio
     for (const auto& e : fs::directory_iterator("/proc")) {
       std::ifstream stat(e.path() / "stat");
@@ -548,12 +554,20 @@ TEST(BenchCli, NvmeASignalEndsItsFioToo) {
     }
     return 0;
   };
-  int fio = 0;
-  for (int i = 0; i < 6000 && !fio; ++i, ::usleep(10'000)) fio = fio_child();
-  ASSERT_NE(fio, 0) << "fio never started: " << testing::slurp(d.path + "/run.stderr");
+  // fio starts after our first write and read of the 1 GiB: waited for while the run lives (a
+  // slow drive), up to the test's own time.
+  int fio = 0, st = 0;
+  bool ended = false;
+  for (int i = 0; i < 24000 && !fio && !ended; ++i, ::usleep(10'000)) {
+    fio = fio_child();
+    ended = !fio && ::waitpid(pid, &st, WNOHANG) == pid;
+  }
+  if (ended) reap.p = 0;
+  ASSERT_NE(fio, 0) << (ended ? "the run ended before fio started: " : "fio never started: ")
+                    << testing::slurp(d.path + "/run.stderr");
   ::kill(pid, SIGTERM);
-  int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  reap.p = 0;
   EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM) << "status " << st;
   // Killed, not left to finish its job (minutes): gone, or a zombie for init to reap.
   bool gone = false;

@@ -1399,7 +1399,8 @@ TEST(Engine, KeptEarlyWorkFinishesBehindTheStepBitIdentically) {
     // Start-up writes 3 chunks of state, step 1 reads 3 and writes 3 (0-8), with the weights
     // on NVMe 3 more each; step 2's first chunk is then the early step's first state read.
     const std::uint64_t first_early = w == Tier::kDevice ? 9 : 15;
-    s.cfg.aio.inject_faults = {{FaultKind::kDelay, first_early, 300}};
+    // (held 1 s: the step must end while it is held, on two busy cores under ASan too)
+    s.cfg.aio.inject_faults = {{FaultKind::kDelay, first_early, 1000}};
     const std::string what = fmt::format("weights on {}", tier_name(w));
     Tracer& tracer = Tracer::global();
     tracer.clear();
@@ -1475,7 +1476,8 @@ TEST(Engine, DestroyedWithKeptWorkBehindTheStepEndsCleanly) {
   STRATA_NEEDS_DEVICE();
   const LinearModel model({24, 40, 33, 16}, 4, 36);
   TempDir nv;
-  const RunSetup s = early_nvme_with(nv, {FaultKind::kDelay, 9, 200});  // step 2's first early read
+  // step 2's first early read, held 1 s: the step ends while it is held, however busy the cores
+  const RunSetup s = early_nvme_with(nv, {FaultKind::kDelay, 9, 1000});
   Rig rig(s.dev, s.cfg, model);
   for (int step = 0; step < 2; ++step) {
     rig.micro_batch(model, step);

@@ -420,11 +420,13 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
         [&](std::size_t) { return !finished; },
         [&] {
           const double now = since(t0);
-          if (late_start >= 0) late_bytes += extent;  // (counted from the first after half-time)
-          if (now >= sustain_s)
-            finished = true;
-          else if (now >= sustain_s / 2 && late_start < 0)
+          // (counted from the first after half-time; that may come past the end, where the
+          // drive stalled across half-time: the requests still in flight then count)
+          if (late_start >= 0)
+            late_bytes += extent;
+          else if (now >= sustain_s / 2)
             late_start = now;
+          if (now >= sustain_s) finished = true;
         });
     const double late_s = since(t0) - late_start;
     if (late_start >= 0 && late_s > 0 && late_bytes > 0) {
