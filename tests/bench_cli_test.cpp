@@ -25,21 +25,31 @@ namespace {
 namespace fs = std::filesystem;
 using testing::TempDir;
 
+// Where the output's last line (--json's object) starts.
+std::size_t last_line_start(const std::string& out) {
+  const std::size_t start = out.rfind('\n', out.find_last_not_of('\n'));
+  return start == std::string::npos ? 0 : start + 1;
+}
+
 nlohmann::json last_json(const std::string& out) {
-  const std::size_t end = out.find_last_not_of('\n');
-  const std::size_t start = out.rfind('\n', end);
-  return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1, end + 1));
+  return nlohmann::json::parse(out.substr(last_line_start(out)));
 }
 
 // What a run printed before its JSON (the JSON names its reference, whose words the table's
 // labels may share).
-std::string text_before_json(const std::string& out) {
-  const std::size_t end = out.find_last_not_of('\n');
-  const std::size_t start = out.rfind('\n', end);
-  return start == std::string::npos ? std::string() : out.substr(0, start + 1);
-}
+std::string text_before_json(const std::string& out) { return out.substr(0, last_line_start(out)); }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// A started run still going when its test ends (an assertion failed first) is ended with `sig`
+// and reaped; p = 0 once the test has reaped it itself.
+struct Reap {
+  pid_t p;
+  int sig;
+  ~Reap() {
+    if (p > 0 && ::kill(p, sig) == 0) ::waitpid(p, nullptr, 0);
+  }
+};
 
 // A file larger than the drive's free space is refused before a byte is written, and nothing is
 // left behind (a failed run used to leave its file, the drive full).
@@ -491,12 +501,7 @@ TEST(BenchCli, EngineASignalLeavesNoSwapFiles) {
   const pid_t pid = testing::start(
       STRATA_BENCH_BIN, {"engine", "--path", d.path, "--regime", "nvme", "--steps", "100"}, d.path,
       "run");
-  struct Reap {  // an assertion below must not leave it writing into the removed folder
-    pid_t p;
-    ~Reap() {
-      if (p > 0 && ::kill(p, SIGKILL) == 0) ::waitpid(p, nullptr, 0);
-    }
-  } reap{pid};
+  Reap reap{pid, SIGKILL};  // an assertion below must not leave it writing into the removed folder
   auto swap_files = [&] {
     std::vector<std::string> files;
     std::error_code ec;
@@ -538,12 +543,7 @@ TEST(BenchCli, NvmeASignalEndsItsFioToo) {
                                    {"nvme", "--path", d.path, "--size", "1G", "--repeat", "100",
                                     "--vs-fio", "--buffers", "normal"},
                                    d.path, "run");
-  struct Reap {  // an assertion below must not leave it (and its fio) running
-    pid_t p;
-    ~Reap() {
-      if (p > 0 && ::kill(p, SIGTERM) == 0) ::waitpid(p, nullptr, 0);
-    }
-  } reap{pid};
+  Reap reap{pid, SIGTERM};  // an assertion below must not leave it (and its fio) running
   auto fio_child = [&] {  // a process whose parent is the run and whose name is fio
     for (const auto& e : fs::directory_iterator("/proc")) {
       std::ifstream stat(e.path() / "stat");

@@ -703,8 +703,9 @@ void run_compare(const NvmeArgs& a) {
       row["ratio_vs_fio_read"] = r.read_gbps / fr;
       // fio's rate is the bound: faster than it by more than 2% says the bound is wrong there
       // (with normal buffers fio's own pages, which can lie in more physical pieces than ours).
-      row["broken_bound"] = broken_bound(r.write_gbps / fw) || broken_bound(r.read_gbps / fr);
-      any_broken = any_broken || row["broken_bound"].get<bool>();
+      const bool broken = broken_bound(r.write_gbps / fw) || broken_bound(r.read_gbps / fr);
+      row["broken_bound"] = broken;
+      any_broken = any_broken || broken;
     } else if (fio && huge) {
       row["fio_note"] =
           "fio has no transparent-huge-page buffers: run with --reserve-hugepages for a hugetlb "
