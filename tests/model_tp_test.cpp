@@ -9,7 +9,6 @@
 // group, the model's TP slices its units: steps of it against the whole model trained by one rank
 // alone.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -510,7 +509,8 @@ TEST(EngineTp, EachRankPlansAndHoldsItsShareOfTheWeights) {
 TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
   if (g_env->comm->world_size() < 2) GTEST_SKIP() << "needs mpirun -np 2, 4 or 8";
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / fmt::format("strata-model-tp-{}", ::getppid());
+  const strata::testing::TempDir tmp("strata-model-tp");  // this rank's, removed with it
+  const fs::path dir = tmp.path;
   EngineConfig c = default_engine_config();
   c.param_persistence_threshold = 0;
   c.params = on(Tier::kNvme);
@@ -531,9 +531,6 @@ TEST(EngineTp, OffloadedToHostAndNvmeEqualsTheWholeModelOnOneRank) {
     e.optimizer_nvme_paths = e.param_nvme_paths;
   };
   compare_engine(c, "gradients on the host, optimizer on NVMe, early optimizer step", opt_paths);
-  std::error_code ec;
-  fs::remove_all(dir / ("rank" + std::to_string(g_env->comm->rank())), ec);
-  fs::remove_all(dir / ("reference-of-rank" + std::to_string(g_env->comm->rank())), ec);
 }
 
 }  // namespace
