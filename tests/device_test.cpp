@@ -638,8 +638,9 @@ TEST_P(DeviceTest, AThrottledMatmulsProductLandsWhenItEnds) {
   if (!done.query()) {
     std::size_t old = 0;
     for (std::size_t i = 0; i < hc.size(); ++i) old += seen[i] == 7.0f;
-    if (!done.query())  // still in flight after the scan: nothing may have landed during it
+    if (!done.query()) {  // still in flight after the scan: nothing may have landed during it
       EXPECT_EQ(old, hc.size()) << "a product still in flight was visible";
+    }
   }
   st->synchronize();
   EXPECT_EQ(seen[0], 7.0f + 0.5f * 0.25f * float(k));
@@ -837,8 +838,9 @@ TEST_P(DeviceTest, AThrottledCopysBytesLandWhenItEnds) {
   if (!done.query()) {
     std::size_t landed = 0;
     for (std::size_t i = 0; i < n; ++i) landed += seen[i] == 3.0f;
-    if (!done.query())  // still in flight after the scan: nothing may have landed during it
+    if (!done.query()) {  // still in flight after the scan: nothing may have landed during it
       EXPECT_EQ(landed, 0u) << "bytes of a copy still in flight were visible";
+    }
   }
   st->synchronize();
   EXPECT_EQ(seen[0], 3.0f);
