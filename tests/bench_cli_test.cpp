@@ -92,6 +92,9 @@ TEST(BenchCli, ModelNamesItsGemmRouteAndWeighsTheModelsOwnGemms) {
     EXPECT_GE(ref, std::max(bf16, fp32) * 0.999) << j.dump();
     EXPECT_NE(j.at("reference_gemm").get<std::string>().find("on the model's GEMM shapes"),
               std::string::npos);
+    EXPECT_NE(j.at("reference_method").get<std::string>().find("before and after the timed steps"),
+              std::string::npos)
+        << j.dump();
     EXPECT_DOUBLE_EQ(j.at("ratio_vs_matmul").get<double>(), j.at("gflops").get<double>() / ref);
     // A step faster than the GEMMs' own rate means the reference, not the step, is wrong.
     const bool broken = j.at("ratio_vs_matmul").get<double>() > 1.02;
@@ -169,6 +172,8 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
       << r.out;
   EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
   EXPECT_NE(row.at("config").get<std::string>().find("AdamW scalar"), std::string::npos) << row;
+  // A stand-in, labelled as one in the JSON (a headline regime's `variant` is null).
+  EXPECT_NE(row.at("variant").get<std::string>().find("stands in"), std::string::npos) << row;
   // The step's edges (the trace's "step" lane), and the optimizer lane's spans cut at them: the
   // worker is at work through both edges but for the microseconds between two units (a few per
   // cent of the time), so one edge at least cuts one (traced only inside the step, none ever
@@ -208,6 +213,7 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
     ASSERT_EQ(r.status, 0) << r.out << r.err;
     const nlohmann::json row2 = last_json(r.out).at("regimes").at(0);
     EXPECT_EQ(row2.at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
+    EXPECT_EQ(row2.at("variant").is_null(), row2.at("name") == "adamw") << row2;
     const bool as_meant = row2.at("bottleneck") == row2.at("expected_bottleneck");
     EXPECT_EQ(row2.at("bound_as_meant").get<bool>(), as_meant) << row2;
     EXPECT_EQ(row2.at("met").get<bool>(),
@@ -673,6 +679,11 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
     EXPECT_EQ(j.at("bound_isa"), j.at("isa")) << r.out;
     if (!cap.first.empty()) {
       EXPECT_EQ(j.at("isa"), cap.second) << r.out;
+    } else {  // the path this process's AdamW takes here
+      EXPECT_EQ(j.at("isa"), isa_name(adamw_selected_isa())) << r.out;
+    }
+    for (const auto& row : j.at("results")) {  // 2k parameters: a copy the caches keep
+      EXPECT_EQ(row.at("copy_out_stores"), row.at("copy_out") == "none" ? "none" : "plain") << row;
     }
     EXPECT_NE(j.at("bound").get<std::string>().find("write-allocate"), std::string::npos) << r.out;
     for (const auto& row : j.at("results")) {
@@ -715,6 +726,38 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
     EXPECT_EQ(any_broken, text_before_json(r.out).find("broken bound:") != std::string::npos)
         << r.out;
   }
+}
+
+// Where the step streams its bf16 copy-out (AVX-512, 2^19 parameters and more), the same-pattern
+// probe writes it with non-temporal stores too: with plain ones it read every line first, ran
+// slower than the step and set a bound the step broke.
+TEST(BenchCli, AdamSamePatternLoopWritesTheCopyOutAsTheStepDoes) {
+  TempDir d("strata-bench");
+  const std::size_t n = 600'000;
+  const auto r = testing::run(
+      STRATA_BENCH_BIN,
+      {"adam", "--params", std::to_string(n), "--reps", "1", "--threads", "1", "--json"}, d.path,
+      "nt");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const bool streams = adamw_streams_copy_out(Isa::kAuto, n);
+  EXPECT_EQ(streams, adamw_selected_isa() == Isa::kAvx512);
+  EXPECT_FALSE(adamw_streams_copy_out(Isa::kAvx512, (std::size_t(1) << 19) - 1));
+  EXPECT_NE(text_before_json(r.out).find(streams ? "copy-out stores (non-temporal)"
+                                                 : "copy-out stores (plain)"),
+            std::string::npos)
+      << r.out;
+  int copy_rows = 0;
+  const nlohmann::json j = last_json(r.out);
+  for (const auto& row : j.at("results")) {
+    if (row.at("copy_out") == "none") {
+      EXPECT_EQ(row.at("copy_out_stores"), "none") << row;
+      continue;
+    }
+    ++copy_rows;
+    EXPECT_EQ(row.at("copy_out_stores"), streams ? "non_temporal" : "plain") << row;
+    EXPECT_GT(row.at("same_pattern_gbps").get<double>(), 0) << row;
+  }
+  EXPECT_EQ(copy_rows, 4) << r.out;
 }
 
 // A typo in --parts is an error wherever it runs (without a GPU it was SKIPPED, exit 0).

@@ -1386,6 +1386,10 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
   EXPECT_GE(reasons["best of class"], 1) << "the tiny model has more than one class that fits";
   // Spearman over every run, top or spread (the summary's).
   EXPECT_TRUE(j["rank_correlation_spearman"].is_number()) << j.dump();
+  // What the predictions were held to, and how it was measured.
+  EXPECT_NE(j["reference"].get<std::string>().find("median of all its timed steps"),
+            std::string::npos)
+      << j.dump();
   // and with the runs' own resolution: their median step-to-step spread, in [0, 1).
   ASSERT_TRUE(j["rank_tie_resolution"].is_number()) << j.dump();
   EXPECT_GE(j["rank_tie_resolution"].get<double>(), 0);
@@ -1550,6 +1554,8 @@ TEST(ProfCli, TheConfigsSettingsAndNvmePathStand) {
   EXPECT_NE(r.out.find("seq 32, bf16"), std::string::npos) << r.out;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   EXPECT_EQ(j["machine"]["nvme_path"], nv);
+  // --validate 0: predictions held to nothing, and the JSON says so.
+  EXPECT_EQ(j["reference"].get<std::string>().rfind("none: predictions only", 0), 0u) << j.dump();
   const auto best = nlohmann::json::parse(testing::slurp(d.path + "/best.json"));
   EXPECT_EQ(best["bf16"]["enabled"], true) << best.dump();
   EXPECT_EQ(best["gradient_accumulation_steps"], 3) << best.dump();

@@ -177,7 +177,11 @@ json bench_link(Device& dev, Stream& s, const Args& a, std::vector<std::string>&
           {"h2d_gbps", h2d_min},  // the slowest chunk size
           {"d2h_gbps", d2h_min},
           {"h2d_ratio_vs_peak", h2d_min / peak_h2d},
-          {"d2h_ratio_vs_peak", d2h_min / peak_d2h}};
+          {"d2h_ratio_vs_peak", d2h_min / peak_d2h},
+          {"reference",
+           "peak_h2d_gbps / peak_d2h_gbps: the fastest this run saw the link go each way, one "
+           "copy of bytes_per_run from pinned memory or any chunk size's (best of 3 each); the "
+           "ratios are the slowest chunk size's share of it"}};
 }
 
 json bench_gemm(Device& dev, Stream& s, const Args& args, std::vector<std::string>& table,
@@ -550,6 +554,11 @@ json bench_kernels(Device& dev, Stream& s, const Args& a, std::vector<std::strin
                     within ? "" : "  OUT OF TOLERANCE", repeatable ? "" : "  NOT REPEATABLE"));
   }
   figures["ok"] = ok;
+  figures["reference"] =
+      "the simple kernels (STRATA_GPU_KERNELS=simple) on the same inputs: the tiled ones' results "
+      "held to them within each kernel's tolerance (relative to the simple result's largest "
+      "value) and run twice bit for bit; *_tiled_speedup is simple ms / tiled ms, medians of "
+      "runs, a comparison of two variants, not a bound";
   return figures;
 }
 
@@ -731,6 +740,7 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops,
                  {"tokens_per_s", tokens_per_s},
                  {"model_tflops", flops / step_s / 1e12},
                  {"mfu", peak_tflops > 0 ? json(mfu) : json(nullptr)},
+                 {"broken_bound", peak_tflops > 0 && broken_bound(mfu)},
                  {"traced_step_s", traced_s},
                  {"gpu_busy_s", busy},
                  {"gpu_idle_share", idle},
@@ -742,12 +752,26 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops,
                   }()},
                  {"trace", o.trace_file},
                  {"log_json", o.log_json}};
-    table.push_back(fmt::format("    {:<11} {:8.3f} {:10.0f} {:>6} {:8.2f}",
+    table.push_back(fmt::format("    {:<11} {:8.3f} {:10.0f} {:>6} {:8.2f}{}",
                                 run.tiled ? "host, tiled" : tag, step_s, tokens_per_s,
-                                peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-", idle));
+                                peak_tflops > 0 ? fmt::format("{:.3f}", mfu) : "-", idle,
+                                peak_tflops > 0 ? broken_bound_note(mfu) : ""));
   }
-  return {{"params", params}, {"flops_per_step", flops},    {"batch", a.batch},  {"seq_len", a.seq},
-          {"steps", a.steps}, {"peak_tflops", peak_tflops}, {"placements", runs}};
+  return {{"params", params},
+          {"flops_per_step", flops},
+          {"batch", a.batch},
+          {"seq_len", a.seq},
+          {"steps", a.steps},
+          {"peak_tflops", peak_tflops},
+          {"placements", runs},
+          {"reference",
+           peak_tflops > 0
+               ? "mfu: flops_per_step over the median untraced step, as a share of peak_tflops, "
+                 "the fastest bf16 GEMM the gemm part measured in this run (cuBLASLt's best or "
+                 "ours, on an 8B Llama layer's shapes); " +
+                     broken_bound_clause()
+               : std::string("no mfu: the gemm part did not run (--parts without gemm), so there "
+                             "is no peak to divide by")}};
 }
 
 json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& table) {
@@ -787,7 +811,10 @@ json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& 
           {"cpu_losses", c},
           {"max_rel_diff", worst},
           {"tolerance", kParityTolerance},
-          {"ok", ok}};
+          {"ok", ok},
+          {"reference",
+           "the same training (model, data, ds_config, seed) on the CPU-emulated device: each "
+           "step's loss held to it, the largest relative difference within tolerance"}};
 }
 
 // The model part's shape, checked as strata-train would check its config.json, before the GPU

@@ -274,6 +274,15 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
   }
+  j["reference"] = fmt::format(
+      "each validated candidate's measured step: strata-train on this machine with its "
+      "configuration, {} steps a run (the first records the order and is not timed), {} round(s) "
+      "in turns, each in the reverse order of the last; the median of all its timed steps "
+      "(measured_step_s); prediction_error = (predicted - measured) / measured; Spearman over "
+      "predicted and measured tokens/s, and with values within rank_tie_resolution (the runs' "
+      "median step-to-step spread) as ties; measured_bottleneck: the busiest lane in the last "
+      "run's traced last step",
+      a.validate_steps, a.validate_rounds);
   j["validated"] = k;
   j["validated_top"] = std::count_if(picks.begin(), picks.end(),
                                      [](const ValidationPick& p) { return p.reason == "top"; });

@@ -594,6 +594,10 @@ int run(Args a) {
               std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
     std::printf("picture: %s\n", a.svg.c_str());
   }
+  if (a.validate == 0)
+    j["reference"] =
+        "none: predictions only, from the measured machine and layer profile; --validate K runs "
+        "candidates and holds the predictions to their measured steps";
   j["fits"] = true;
   j["candidates"] = cands;
   j["best_config_file"] = a.out.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.out);

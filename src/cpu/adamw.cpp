@@ -171,6 +171,11 @@ std::string isa_unavailable(Isa isa) {
 
 bool adamw_native_bf16() { return isa_supported(Isa::kAvx512) && cpu_has("avx512bf16"); }
 
+bool adamw_streams_copy_out(Isa isa, std::size_t elements) {
+  return (isa == Isa::kAuto ? adamw_selected_isa() : isa) == Isa::kAvx512 &&
+         elements >= kStreamCopyMinElems;
+}
+
 Isa adamw_selected_isa() {
   if (const char* env = std::getenv("STRATA_ADAMW_ISA"); env != nullptr && *env != '\0') {
     Isa forced = Isa::kAuto;
@@ -337,7 +342,8 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
     arrays.push_back({static_cast<float*>(s.params.mem.ptr), s.m.mem.ptr, s.v.mem.ptr,
                       static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr,
                       s.v_in().mem.ptr, s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr,
-                      s.grads.dtype, s.m.dtype, s.copy_out.dtype, total >= kStreamCopyMinElems});
+                      s.grads.dtype, s.m.dtype, s.copy_out.dtype,
+                      adamw_streams_copy_out(impl_->isa, total)});
     for (std::size_t lo = 0; lo < s.params.numel; lo += kTile)
       tiles.push_back({static_cast<std::uint32_t>(i), lo, std::min(s.params.numel, lo + kTile)});
   }
