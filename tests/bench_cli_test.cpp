@@ -173,7 +173,11 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
   EXPECT_EQ(row.at("adamw_isa"), "scalar") << row;
   EXPECT_NE(row.at("config").get<std::string>().find("AdamW scalar"), std::string::npos) << row;
   // A stand-in, labelled as one in the JSON (a headline regime's `variant` is null).
-  EXPECT_NE(row.at("variant").get<std::string>().find("stands in"), std::string::npos) << row;
+  if (adamw_selected_isa() == Isa::kScalar) {  // the scalar path is what ships on this CPU
+    EXPECT_TRUE(row.at("variant").is_null()) << row;
+  } else {
+    EXPECT_NE(row.at("variant").get<std::string>().find("stands in"), std::string::npos) << row;
+  }
   // The step's edges (the trace's "step" lane), and the optimizer lane's spans cut at them: the
   // worker is at work through both edges but for the microseconds between two units (a few per
   // cent of the time), so one edge at least cuts one (traced only inside the step, none ever
@@ -213,7 +217,8 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
     ASSERT_EQ(r.status, 0) << r.out << r.err;
     const nlohmann::json row2 = last_json(r.out).at("regimes").at(0);
     EXPECT_EQ(row2.at("adamw_isa"), isa_name(adamw_selected_isa())) << r.out;
-    EXPECT_EQ(row2.at("variant").is_null(), row2.at("name") == "adamw") << row2;
+    // The shipped path in both (--adamw-isa auto overrides adamw-scalar's): no stand-in.
+    EXPECT_TRUE(row2.at("variant").is_null()) << row2;
     const bool as_meant = row2.at("bottleneck") == row2.at("expected_bottleneck");
     EXPECT_EQ(row2.at("bound_as_meant").get<bool>(), as_meant) << row2;
     EXPECT_EQ(row2.at("met").get<bool>(),
@@ -729,8 +734,9 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
 }
 
 // Where the step streams its bf16 copy-out (AVX-512, 2^19 parameters and more), the same-pattern
-// probe writes it with non-temporal stores too: with plain ones it read every line first, ran
-// slower than the step and set a bound the step broke.
+// probe writes it with non-temporal stores too, in the same pass (plain stores read every line
+// first: a probe of other traffic than the step's). The row says which stores its pass took, and
+// the bench checks the copy the pass wrote (exit 1 naming the element where it is wrong).
 TEST(BenchCli, AdamSamePatternLoopWritesTheCopyOutAsTheStepDoes) {
   TempDir d("strata-bench");
   const std::size_t n = 600'000;
@@ -755,7 +761,6 @@ TEST(BenchCli, AdamSamePatternLoopWritesTheCopyOutAsTheStepDoes) {
     }
     ++copy_rows;
     EXPECT_EQ(row.at("copy_out_stores"), streams ? "non_temporal" : "plain") << row;
-    EXPECT_GT(row.at("same_pattern_gbps").get<double>(), 0) << row;
   }
   EXPECT_EQ(copy_rows, 4) << r.out;
 }

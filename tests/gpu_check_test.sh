@@ -110,12 +110,12 @@ need(all(s["exit"] == 0 for s in c["steps"]), "step exits")
 need(c["tests"]["total"] > 0 and c["tests"]["failed"] == 0, "tests")
 p = c["prof"]
 need(isinstance(p, dict) and len(p["candidates"]) >= 2 and "measured_step_s" in p["candidates"][0], "prof", p)
-need("median of all its timed steps" in p["reference"], "prof reference", p)
+need("median of all its timed steps" in p.get("reference", ""), "prof reference", p)
 j = c["bench"]
 need(j["ok"] is True and j["rehearsal"] is True and j["skipped"] is False, "bench verdict", j)
 need(j["parts"] == {p: "ok" for p in ["link", "gemm", "adamw", "kernels", "model", "parity"]}, "parts", j)
 # every part names what its figures are held to
-need(all(isinstance(j[p]["reference"], str) and j[p]["reference"]
+need(all(isinstance(j[p].get("reference"), str) and j[p]["reference"]
          for p in ["link", "gemm", "adamw", "kernels", "model", "parity"]), "references", j)
 k = j["kernels"]
 ops = ["attention_forward", "attention_backward", "rmsnorm_backward", "layernorm_backward", "bias_backward",
@@ -129,7 +129,7 @@ m = j["model"]
 need(m["flops_per_step"] > 0 and sorted(m["placements"]) == ["host", "nvme"], "model", j)
 for name, pl in m["placements"].items():
     need(pl["tokens_per_s"] > 0 and pl["mfu"] > 0 and 0 <= pl["gpu_idle_share"] <= 1 and 0 < pl["gpu_busy_s"], name, j)
-    need(pl["broken_bound"] == (pl["mfu"] > 1.02), name + " broken bound", j)
+    need(pl.get("broken_bound") is False, name + ": a rehearsal's MFU is no bound", j)
     need(len(pl["losses"]) == 3 and all(x == x for x in pl["losses"]), name + " losses", j)
 # host and NVMe placements train the same model on the same data: the same losses, bit for bit
 need(m["placements"]["host"]["losses"] == m["placements"]["nvme"]["losses"], "host vs nvme losses", j)

@@ -44,8 +44,9 @@ Isa adamw_selected_isa();
 // Whether the AVX-512 path converts to bf16 with AVX512_BF16 (vcvtneps2bf16) on this CPU.
 bool adamw_native_bf16();
 // Whether a CpuAdamW step on `isa` (kAuto resolved as the step resolves it) over `elements`
-// parameters in all writes its bf16 copy-out with non-temporal stores: the AVX-512 path only, and
-// only from 2^19 elements (below that the copy stays in the caches for whoever reads it next).
+// parameters in all writes its bf16 copy-out with non-temporal stores (and, stepping out of
+// place, its p, m and v where they are aligned): the AVX-512 path only, and only from 2^19
+// elements (below that the copy stays in the caches for whoever reads it next).
 bool adamw_streams_copy_out(Isa isa, std::size_t elements);
 
 struct AdamWResult {
