@@ -284,9 +284,10 @@ const Pass kPasses[3][2][2][2] = {STRATA_PASSES(same_pattern_scalar),
 int isa_slot(Isa isa) { return isa == Isa::kAvx512 ? 2 : isa == Isa::kAvx2 ? 1 : 0; }
 constexpr Isa kSlotIsa[3] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
 
-// Whether the same-pattern loop writes the copy-out with non-temporal stores: where the step does.
+// Whether the same-pattern loop writes the copy-out with non-temporal stores: where the step does
+// (the AVX-512 path only, so the loop is kNtCopyPasses' AVX-512 one).
 bool nt_copy_pattern(const Mode& mode, Isa isa, std::size_t n) {
-  return mode.copy && isa_slot(isa) == 2 && adamw_streams_copy_out(isa, n);
+  return mode.copy && adamw_streams_copy_out(isa, n);
 }
 
 // The loop's rate, and in `copy_stores` the stores its pass wrote the copy-out with.

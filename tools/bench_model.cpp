@@ -249,20 +249,20 @@ void run(const Args& a) {
     for (std::size_t i = 0; i < gemm_types.size(); ++i)
       j[fmt::format("{}_{}_gflops", lib, dtype_name(gemm_types[i]))] =
           gemm_flops / dtype_time[i] / 1e9;
+    // The dtypes each shape was timed in ("bf16 and fp32", or "fp32").
+    const std::string timed_in = gemm_types.size() > 1
+                                     ? fmt::format("{} and fp32", dtype_name(mo.compute))
+                                     : std::string("fp32");
     j["reference_gemm"] = fmt::format(
         "{} on the model's GEMM shapes, the faster of {} per shape, weighted by "
         "their FLOPs in a step",
-        lib,
-        gemm_types.size() > 1 ? fmt::format("{} and fp32", dtype_name(mo.compute))
-                              : std::string("fp32"));
+        lib, timed_in);
     j["reference_method"] = fmt::format(
         "each shape (gemm_shapes) timed on the same device and stream, in {}: windows of at least "
         "5 ms of back-to-back matmuls, the best of 5, measured before and after the timed steps "
         "and the better kept; the ratio's numerator is gflop_per_step (the GEMMs and attention's "
         "QK^T and PV, recomputation not counted) over the best step; {}",
-        gemm_types.size() > 1 ? fmt::format("{} and fp32", dtype_name(mo.compute))
-                              : std::string("fp32"),
-        broken_bound_clause());
+        timed_in, broken_bound_clause());
     j["reference_gemm_gflops"] = reference;
     j["ratio_vs_matmul"] = gflops / reference;
     j["broken_bound"] = broken_bound(gflops / reference);
