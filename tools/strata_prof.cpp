@@ -369,6 +369,7 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
                   {"nvme_request_ms", machine.nvme_request_s * 1e3},
                   {"nvme_mixed_request_ms", machine.nvme_mixed_request_s * 1e3},
                   {"nvme_fetch_read_gbps", machine.nvme_fetch_read_bps / 1e9},
+                  {"nvme_fetch_request_ms", machine.nvme_fetch_request_s * 1e3},
                   {"nvme_sustained_gbps", machine.nvme_sustained_bps / 1e9},
                   {"nvme_mixed_burst_gbps", machine.nvme_mixed_burst_bps / 1e9},
                   {"device_shares_host_cores", machine.device_shares_host_cores},

@@ -63,6 +63,10 @@ struct MachineProfile {
   // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
   // waits for each: 0 = nvme_read_bps.
   double nvme_fetch_read_bps = 0;
+  // The engine reads a unit's weights from NVMe one request a sub-group (at most
+  // aio.block_size each), all issued at once: each request beyond those of one read of the
+  // whole shard adds this much to the fetch (small sub-groups make many). 0 = none.
+  double nvme_fetch_request_s = 0;
   // The mix's rate over the second half of a run of some seconds (0: not measured), and the short
   // runs' mixed rate: where the sustained one is lower (a drive that bursts), the rates above are
   // the short runs' scaled down to it.

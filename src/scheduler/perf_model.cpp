@@ -434,6 +434,17 @@ class Replay {
   double group_size(const SimUnit& x, std::uint64_t g) {
     return double(detail::piece(x.shard, sub_group, g).size);
   }
+  // Engine::Impl::issue_fetch reads an NVMe shard one request a sub-group (each split at
+  // aio.block_size), all at once: the requests beyond those of one read of the whole shard (what
+  // nvme_fetch_read_bps was measured with) add their time each.
+  double fetch_requests_s(const SimUnit& x) {
+    if (m.nvme_fetch_request_s <= 0) return 0;
+    const double block = double(std::max<std::size_t>(c.aio.block_size, 1));
+    double n = 0;
+    for (std::uint64_t g = 0; g < groups(x); ++g) n += std::ceil(group_size(x, g) * csz / block);
+    const double one_read = std::ceil(double(x.shard) * csz / block);
+    return std::max(0.0, n - one_read) * m.nvme_fetch_request_s;
+  }
   std::uint64_t buckets(const SimUnit& x) { return detail::num_pieces(x.shard, bucket_share); }
   bool bucketed(const SimUnit& x) {
     return detail::bucketed_reduce(x.shard, bucket_share, m.world_size);
@@ -492,7 +503,8 @@ class Replay {
         break;
       case detail::FetchPath::kNvmeUpload: {
         bound(param_staging, detail::weight_reads_in_flight(c));
-        const double rd = nvme_request(h, bytes, fetch_read_bps, "read w " + name(i));
+        const double rd =
+            nvme_request(h, bytes, fetch_read_bps, "read w " + name(i), fetch_requests_s(x));
         sim.wait(kFetchS, rd);
         ready = copy(kFetchS, Resource::kH2D, h, bytes, m.h2d_bps, "h2d " + name(i));
         param_staging.push_back(ready);
