@@ -283,6 +283,48 @@ TEST(PerfModel, EachMixedRequestPaysItsFixedPart) {
               1e-3 * double(requests), 1e-9);
 }
 
+// MachineProfile::nvme_mixed_deep_request_s: the more requests wait on the drive, the more of
+// their per-request part overlaps. A configuration pays the part at the depth it keeps in flight
+// (its read ahead, offload_optimizer.buffer_count - 2 state writes behind, 2 new-weight writes
+// behind with weights on NVMe), between the profile's two depths.
+TEST(PerfModel, TheMixedRequestPartIsTakenAtTheDepthInFlight) {
+  MachineProfile m = fast_machine();
+  m.nvme_mixed_request_s = 0.004;                   // at 4 in flight
+  EXPECT_DOUBLE_EQ(mixed_request_at(m, 9), 0.004);  // no deep one measured: the same at any depth
+  m.nvme_mixed_deep_request_s = 0.002;              // at 8
+  EXPECT_DOUBLE_EQ(mixed_request_at(m, 3), 0.004);
+  EXPECT_DOUBLE_EQ(mixed_request_at(m, 6), 0.003);
+  EXPECT_DOUBLE_EQ(mixed_request_at(m, 9), 0.002);
+
+  m.nvme_read_bps = m.nvme_write_bps = m.nvme_mixed_bps = 1e9;
+  m.nvme_mixed_request_s = 1e-3;
+  m.nvme_mixed_deep_request_s = 0;
+  const ModelProfile mp = synthetic(4, kLayer, 0, 0);
+  EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kHost);
+  c.optimizer_nvme_paths = {"/tmp"};
+  c.sub_group_size = kLayer / 4;
+  c.overlap_optimizer = false;  // one step replayed: every request in its window
+  MachineProfile bytes_only = m;
+  bytes_only.nvme_mixed_request_s = bytes_only.nvme_mixed_deep_request_s = 0;
+  auto extra_per_request = [&](const EngineConfig& cfg) {
+    const Prediction p = predict_step(m, mp, cfg);
+    std::size_t requests = 0;
+    for (const Interval& iv : p.schedule) requests += iv.lane == Resource::kNvme;
+    return (p.busy_s[int(Resource::kNvme)] -
+            predict_step(bytes_only, mp, cfg).busy_s[int(Resource::kNvme)]) /
+           double(requests);
+  };
+  c.optimizer_buffer_count = 4;  // 1 + 2 in flight: the part at 4
+  EXPECT_NEAR(extra_per_request(c), 1e-3, 1e-9);
+  c.optimizer_buffer_count = 7;  // 1 + 5 in flight: half way to the deep one
+  EXPECT_NEAR(extra_per_request(c), 0.5e-3, 1e-9);
+  c.optimizer_buffer_count = 8;  // 1 + 6 in flight
+  EXPECT_NEAR(extra_per_request(c), 0.25e-3, 1e-9);
+  c.params = {0, 0};  // and weights on NVMe: 1 + 6 + 2, the deep one
+  c.param_nvme_paths = {"/tmp"};
+  EXPECT_NEAR(extra_per_request(c), 0, 1e-9);
+}
+
 TEST(PerfModel, EarlyOptimizerStepOverlapsBackward) {
   // 4 layers, 10 ms forward and 20 ms backward each; the CPU AdamW takes 15 ms a layer. The
   // early step runs each layer's AdamW after its backward, in the shadow of the next layer's:

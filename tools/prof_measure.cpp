@@ -83,9 +83,9 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
                                  &m.tp_all_reduce_bps};
   std::vector<std::uint64_t*> lowest_bytes = {&m.device_capacity, &m.host_capacity, &m.nvme_free,
                                               &m.ram_capacity};
-  std::vector<double*> highest = {&m.nvme_request_s, &m.nvme_mixed_request_s,
-                                  &m.nvme_fetch_request_s, &m.cpu_adamw_call_s,
-                                  &m.nvme_compute_slowdown};
+  std::vector<double*> highest = {
+      &m.nvme_request_s,       &m.nvme_mixed_request_s, &m.nvme_mixed_deep_request_s,
+      &m.nvme_fetch_request_s, &m.cpu_adamw_call_s,     &m.nvme_compute_slowdown};
   std::vector<std::uint64_t*> highest_bytes = {&m.ram_base_bytes};
   for (ModelProfile& mp : models) {
     for (UnitCost& u : mp.units) {
@@ -338,7 +338,9 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
       std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
   const std::size_t count = std::max<std::size_t>(8, (std::size_t(128) << 20) / extent), depth = 2;
   std::vector<PinnedBlock> bufs;
-  for (std::size_t i = 0; i < 4; ++i) {
+  // (one a request in flight at most: with aio.verify a buffer read into while it is written
+  // would fail its checksum)
+  for (int i = 0; i < MachineProfile::kMixedDeepInFlight; ++i) {
     bufs.push_back(pool.allocate(extent));
     std::memset(bufs.back().data(), int(i + 1), extent);
   }
@@ -376,14 +378,14 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   };
   // Half the requests read while the other half are written, as the optimizer streams (and the
   // gradients go out): the time a request of `bytes`, `n` of them.
-  auto mixed_at = [&](std::size_t bytes, std::size_t n) {
-    const std::string prefix = written_keys("m", bytes, n);
+  // (reads ahead and writes behind, half of `in_flight` each, over the keys `prefix` holds)
+  auto mixed_at = [&](const std::string& prefix, std::size_t bytes, std::size_t n,
+                      std::size_t in_flight) {
     return median_of(3,
                      [&] {
                        const auto t0 = Clock::now();
-                       // a read ahead and a write behind, each `depth` deep
                        run_mix(
-                           store, bufs, bytes, 2 * depth,
+                           store, bufs, bytes, in_flight,
                            [&](std::size_t i) { return fmt::format("{}{}", prefix, i); },
                            [&](std::size_t i) { return i < n; }, [] {});
                        return since(t0);
@@ -392,22 +394,32 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   };
   // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
   // that small): the line through both is a request's fixed part and its bytes' rate. A noisy pair
-  // that gives no such line leaves the extent's rate alone.
+  // that gives no such line leaves the extent's rate alone. Then the line again with twice the
+  // requests in flight, for its fixed part: the engine keeps 3-9 in flight (one read ahead, its
+  // state and new weights written behind, offload_optimizer.buffer_count), and on the Zen 5 VM,
+  // 2026-12-05, the part fell from 0.021-0.023 ms with 2 in flight to 0.006 with 4 and 0 with 8.
   {
     const std::size_t small = std::size_t(256) << 10;
-    const double big = mixed_at(extent, count);
-    m.nvme_mixed_bps = double(extent) / big;
-    m.nvme_mixed_request_s = 0;
-    if (small < extent) {
-      const double little = mixed_at(small, std::max<std::size_t>(count, 64));
-      // (a positive fixed part: little x extent > small x big; else the extent's rate stands)
-      const bool fixed_part = little * double(extent) > double(small) * big;
-      const auto line = line_through(double(small), little, double(extent), big);
-      if (line && fixed_part) {
-        m.nvme_mixed_request_s = line->fixed_s;
-        m.nvme_mixed_bps = line->rate;
+    const std::size_t big_n = count, small_n = std::max<std::size_t>(count, 64);
+    const std::string big_keys = written_keys("m", extent, big_n);
+    const std::string small_keys = small < extent ? written_keys("m", small, small_n) : "";
+    // The line's fixed part and rate at `in_flight` (none: the extent's rate, no fixed part).
+    auto line_at = [&](std::size_t in_flight) {
+      const double big = mixed_at(big_keys, extent, big_n, in_flight);
+      TimeLine out{0, double(extent) / big};
+      if (small < extent) {
+        const double little = mixed_at(small_keys, small, small_n, in_flight);
+        // (a positive fixed part: little x extent > small x big; else the extent's rate stands)
+        const bool fixed_part = little * double(extent) > double(small) * big;
+        const auto line = line_through(double(small), little, double(extent), big);
+        if (line && fixed_part) out = *line;
       }
-    }
+      return out;
+    };
+    const TimeLine line = line_at(MachineProfile::kMixedInFlight);
+    m.nvme_mixed_request_s = line.fixed_s;
+    m.nvme_mixed_bps = line.rate;
+    m.nvme_mixed_deep_request_s = line_at(MachineProfile::kMixedDeepInFlight).fixed_s;
   }
   // The drive's sustained rate. A cloud or virtual drive often runs at a burst rate for some
   // seconds and then at a lower one (on an Intel Xeon VM's virtio disk fio's mix fell from 2.5
@@ -937,12 +949,18 @@ void print_machine(const MachineProfile& m, const std::string& dev_name) {
               g(m.h2d_bps).c_str(), g(m.d2h_bps).c_str(), g(m.device_mem_bps).c_str(),
               g(m.free_bps).c_str(), g(m.host_mem_bps).c_str());
   std::printf(
-      "  nvme write %s  read %s  both at once %s + %.3f ms a request  a unit's weights at a time "
-      "%s + %.3f ms a sub-group's request  a read's fixed time %.3f ms"
+      "  nvme write %s  read %s  both at once %s + %.3f ms a request%s  a unit's weights at a "
+      "time %s + %.3f ms a sub-group's request  a read's fixed time %.3f ms"
       "  (%s free)\n",
       g(m.nvme_write_bps).c_str(), g(m.nvme_read_bps).c_str(), g(m.nvme_mixed_bps).c_str(),
-      m.nvme_mixed_request_s * 1e3, g(m.nvme_fetch_read_bps).c_str(), m.nvme_fetch_request_s * 1e3,
-      m.nvme_request_s * 1e3, m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
+      m.nvme_mixed_request_s * 1e3,
+      m.nvme_mixed_deep_request_s >= 0
+          ? fmt::format(" ({:.3f} with {} in flight)", m.nvme_mixed_deep_request_s * 1e3,
+                        MachineProfile::kMixedDeepInFlight)
+                .c_str()
+          : "",
+      g(m.nvme_fetch_read_bps).c_str(), m.nvme_fetch_request_s * 1e3, m.nvme_request_s * 1e3,
+      m.nvme_free ? human(double(m.nvme_free)).c_str() : "-");
   if (m.nvme_sustained_bps > 0)
     std::printf("  nvme sustained (both at once, the second half of the run) %s%s\n",
                 g(m.nvme_sustained_bps).c_str(),

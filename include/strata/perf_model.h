@@ -51,10 +51,17 @@ struct MachineProfile {
   double nvme_read_bps = 0, nvme_write_bps = 0;
   // Reads and writes in flight together (the optimizer's read-ahead and write-behind, the
   // gradients' writes): a request of b bytes holds the drive nvme_mixed_request_s + b at
-  // nvme_mixed_bps (the line through that traffic's time a request at two request sizes: small
-  // requests pay a per-request part). 0 = take the one-direction rates, no fixed part.
+  // nvme_mixed_bps (the line through that traffic's time a request at two request sizes, with
+  // kMixedInFlight requests in flight: small requests pay a per-request part). 0 = take the
+  // one-direction rates, no fixed part.
+  static constexpr int kMixedInFlight = 4, kMixedDeepInFlight = 8;
   double nvme_mixed_bps = 0;
   double nvme_mixed_request_s = 0;
+  // The per-request part again with kMixedDeepInFlight in flight: the more requests wait on the
+  // drive, the more of it they overlap. A configuration's part is taken at the depth it keeps in
+  // flight, in a line between the two (mixed_request_at). < 0: not measured (the part above at
+  // every depth).
+  double nvme_mixed_deep_request_s = -1;
   // The fixed part of a read's time when it is waited for alone (queue depth 1): a read of b
   // bytes of optimizer state (a sub-group's) costs nvme_request_s + b at the rate above. The
   // optimizer waits for each sub-group's read, issued one ahead, so small sub-groups pay it
@@ -152,6 +159,11 @@ struct Prediction {
   double tokens_per_s = 0;
   std::vector<Interval> schedule;  // every operation of the step, for the timeline picture
 };
+
+// The drive's per-request part with `in_flight` requests of reads and writes in flight: the
+// profile's at kMixedInFlight, its deep one at kMixedDeepInFlight, in a line between them, the
+// nearer beyond.
+double mixed_request_at(const MachineProfile& m, double in_flight);
 
 // The predicted time of one optimizer step (gradient_accumulation_steps micro-batches and the
 // update) of `model` under `config` on `machine`. Throws strata::Error for a profile that lacks

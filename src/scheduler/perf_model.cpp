@@ -305,6 +305,7 @@ class Replay {
   // The prediction; each operation's use of the cores goes to `load`.
   Prediction run(CoreLoad& load) {
     Prediction pr;
+    mixed_request_s = mixed_request_at(m, optimizer_in_flight());
     // Kept early work that a step leaves to finish behind (Engine::step) delays the next
     // step's forward: then two steps are replayed, and the second is the prediction.
     bool any_early = false;
@@ -404,6 +405,15 @@ class Replay {
   const double opt_write_bps = m.nvme_mixed_bps > 0 ? m.nvme_mixed_bps : m.nvme_write_bps;
   const double norm_bps = m.host_norm_bps > 0 ? m.host_norm_bps : m.host_mem_bps;
   const std::size_t max_writes = detail::state_writes_in_flight(c);
+  // The drive's per-request part beside the optimizer's traffic, at the depth it keeps in flight:
+  // its read ahead, its state written behind and, with weights on NVMe, their new values written
+  // behind (schedule.h; set in run()).
+  double mixed_request_s = 0;
+  double optimizer_in_flight() const {
+    bool w_nvme = false;
+    for (const SimUnit& x : u) w_nvme = w_nvme || x.w == Tier::kNvme;
+    return double(1 + max_writes + (w_nvme ? detail::kWeightStagingInFlight : 0));
+  }
   // EarlyStepper::step_unit on the early worker thread: a unit's job is queued when its last
   // gradient of the step has been accumulated (`avail`); the worker takes the jobs in the order
   // of EarlyStepper::next_job (pick_job below), reads the NVMe state of the job it will
@@ -600,12 +610,12 @@ class Replay {
   // bytes, at the drive's mixed rate.
   double opt_read(double ready, double bytes, const std::string& what) {
     return nvme_request(ready, bytes, opt_read_bps, what,
-                        std::max(m.nvme_request_s, m.nvme_mixed_request_s));
+                        std::max(m.nvme_request_s, mixed_request_s));
   }
   // A write of optimizer state, new weights or gradients beside that traffic: the mixed traffic's
   // per-request part and its bytes.
   double opt_write(double ready, double bytes, const std::string& what) {
-    return nvme_request(ready, bytes, opt_write_bps, what, m.nvme_mixed_request_s);
+    return nvme_request(ready, bytes, opt_write_bps, what, mixed_request_s);
   }
   // Whether the device sums the unit's part of the norm as its step's only gradient (one
   // micro-batch a step) is reduced (strata.device_grad_norm): no host pass over it.
@@ -1025,6 +1035,13 @@ class Replay {
 };
 
 }  // namespace
+
+double mixed_request_at(const MachineProfile& m, double in_flight) {
+  if (m.nvme_mixed_deep_request_s < 0) return m.nvme_mixed_request_s;
+  constexpr double lo = MachineProfile::kMixedInFlight, hi = MachineProfile::kMixedDeepInFlight;
+  const double f = std::clamp((in_flight - lo) / (hi - lo), 0.0, 1.0);
+  return m.nvme_mixed_request_s + f * (m.nvme_mixed_deep_request_s - m.nvme_mixed_request_s);
+}
 
 Prediction predict_step(const MachineProfile& m, const ModelProfile& mp, const EngineConfig& c) {
   CoreShare share;
