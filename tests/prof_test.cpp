@@ -818,6 +818,47 @@ TEST(PerfModel, EachSubGroupsReadPaysTheDrivesFixedTime) {
   EXPECT_NEAR(predict_step(m, mp, c).step_s, drive + 32 * 0.002, drive * 1e-2);  // (was `drive`)
 }
 
+// MachineProfile::nvme_subgroup_s: measured as the optimizer's own loop (wait for a sub-group's
+// read, read the next, write behind), a sub-group's time beyond its bytes is paid once, by its
+// read of state; the writes behind it (state, new weights) overlap their per-request part with
+// that wait and pay their bytes alone. Unmeasured, the read pays nvme_request_s and each write
+// the mixed traffic's part.
+TEST(PerfModel, TheOptimizersLoopPaysASubGroupsTimeOnce) {
+  MachineProfile m = fast_machine();
+  m.nvme_read_bps = m.nvme_write_bps = 1e9;
+  m.nvme_request_s = 0.002;
+  m.nvme_mixed_request_s = 0.001;
+  const std::uint64_t n = 16 * kLayer;
+  const ModelProfile mp = synthetic(1, n, 0, 0);
+  MachineProfile bytes_only = m;
+  bytes_only.nvme_request_s = bytes_only.nvme_mixed_request_s = 0;
+  for (const Tier params : {Tier::kDevice, Tier::kNvme}) {
+    EngineConfig c = placed(params, Tier::kNvme, Tier::kHost);
+    c.optimizer_nvme_paths = c.param_nvme_paths = {"/tmp"};
+    c.sub_group_size = n / 32;
+    c.overlap_optimizer = false;  // one step replayed
+    auto fixed_s = [&](const MachineProfile& mm, std::size_t& reads, std::size_t& writes) {
+      const Prediction p = predict_step(mm, mp, c);
+      reads = writes = 0;
+      for (const Interval& iv : p.schedule) {
+        reads += iv.what.starts_with("read state");
+        writes += iv.what.starts_with("write state") || iv.what.starts_with("write w");
+      }
+      return p.busy_s[int(Resource::kNvme)] -
+             predict_step(bytes_only, mp, c).busy_s[int(Resource::kNvme)];
+    };
+    std::size_t reads = 0, writes = 0;
+    const double unmeasured = fixed_s(m, reads, writes);
+    EXPECT_EQ(reads, 32u + 2) << "params " << tier_name(params);  // the layer's, embed, head
+    EXPECT_EQ(writes, (params == Tier::kNvme ? 2 : 1) * reads) << "params " << tier_name(params);
+    EXPECT_NEAR(unmeasured, 0.002 * double(reads) + 0.001 * double(writes), 1e-9);
+    m.nvme_subgroup_s = 0.0015;
+    EXPECT_NEAR(fixed_s(m, reads, writes), 0.0015 * double(reads), 1e-9)
+        << "params " << tier_name(params);
+    m.nvme_subgroup_s = -1;
+  }
+}
+
 // MachineProfile::nvme_fetch_request_s: the engine reads a unit's NVMe weights one request a
 // sub-group (at most aio.block_size each), so sub-groups smaller than a block make more requests
 // than one read of the shard, and each one more adds its time to the fetch (measured on the demo

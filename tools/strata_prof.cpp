@@ -368,6 +368,9 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
       {"nvme_write_gbps", machine.nvme_write_bps / 1e9},
       {"nvme_mixed_gbps", machine.nvme_mixed_bps / 1e9},
       {"nvme_request_ms", machine.nvme_request_s * 1e3},
+      {"nvme_subgroup_ms", machine.nvme_subgroup_s >= 0
+                               ? nlohmann::json(machine.nvme_subgroup_s * 1e3)
+                               : nlohmann::json(nullptr)},
       {"nvme_mixed_request_ms", machine.nvme_mixed_request_s * 1e3},
       {"nvme_mixed_deep_request_ms", machine.nvme_mixed_deep_request_s >= 0
                                          ? nlohmann::json(machine.nvme_mixed_deep_request_s * 1e3)

@@ -67,6 +67,12 @@ struct MachineProfile {
   // optimizer waits for each sub-group's read, issued one ahead, so small sub-groups pay it
   // once each. 0 = bytes only.
   double nvme_request_s = 0;
+  // The optimizer's loop over NVMe state, as the engine runs it (wait for sub-group g's read, read
+  // g+1 issued, g written behind): the time a sub-group takes beyond its bytes. The read's wait
+  // and the writes' per-request parts overlap there, so with it measured a sub-group's read of
+  // state pays this and the writes behind it (its state, its new weights) no fixed part of their
+  // own. < 0: not measured (the read pays nvme_request_s, every write the mixed part).
+  double nvme_subgroup_s = -1;
   // A fetch's read of one unit's weight shard, one request at a time, as the fetch stream
   // waits for each: 0 = nvme_read_bps.
   double nvme_fetch_read_bps = 0;

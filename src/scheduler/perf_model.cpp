@@ -617,6 +617,17 @@ class Replay {
   double opt_write(double ready, double bytes, const std::string& what) {
     return nvme_request(ready, bytes, opt_write_bps, what, mixed_request_s);
   }
+  // The optimizer's loop over a unit's NVMe state (MachineProfile::nvme_subgroup_s, where
+  // measured): a sub-group's read of state pays the loop's time a sub-group beyond its bytes, and
+  // the writes behind it (state, new weights) their bytes alone.
+  double state_read(double ready, double bytes, const std::string& what) {
+    if (m.nvme_subgroup_s < 0) return opt_read(ready, bytes, what);
+    return nvme_request(ready, bytes, opt_read_bps, what, m.nvme_subgroup_s);
+  }
+  double state_write(const SimUnit& x, double ready, double bytes, const std::string& what) {
+    if (m.nvme_subgroup_s < 0 || x.o != Tier::kNvme) return opt_write(ready, bytes, what);
+    return nvme_request(ready, bytes, opt_write_bps, what);
+  }
   // Whether the device sums the unit's part of the norm as its step's only gradient (one
   // micro-batch a step) is reduced (strata.device_grad_norm): no host pass over it.
   bool device_norm(const SimUnit& x) {
@@ -646,14 +657,14 @@ class Replay {
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = opt_read(issue, 12 * group_size(x, 0), "read state " + name(i));
+      read = state_read(issue, 12 * group_size(x, 0), "read state " + name(i));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = opt_read(t, 12 * group_size(x, g + 1), "read state " + name(i));
+        read = state_read(t, 12 * group_size(x, g + 1), "read state " + name(i));
       if (g + 1 ==
           G) {  // EarlyStepper::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
@@ -671,11 +682,11 @@ class Replay {
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(opt_write(t, 12 * len, "write state " + name(i)));
+        early_writes.push_back(state_write(x, t, 12 * len, "write state " + name(i)));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
-        early_w_writes.push_back(opt_write(t, w_bytes, "write w " + name(i)));
+        early_w_writes.push_back(state_write(x, t, w_bytes, "write w " + name(i)));
         io = std::max(io, early_w_writes.back());
       }
     }
@@ -942,20 +953,20 @@ class Replay {
       const auto [i, g] = nvme_groups[k];
       read_done[k] = h;
       if (u[i].o == Tier::kNvme)
-        read_done[k] = opt_read(h, 12.0 * group_size(u[i], g), "read state " + name(i));
+        read_done[k] = state_read(h, 12.0 * group_size(u[i], g), "read state " + name(i));
       if (u[i].g == Tier::kNvme)
         read_done[k] =
             std::max(read_done[k], opt_read(h, 4.0 * group_size(u[i], g), "read grad " + name(i)));
     };
     std::deque<double> writes, w_staging;
     double all_writes = h;
-    auto write_behind = [&](double bytes, double ready, const std::string& what) {
-      const double end = opt_write(ready, bytes, what);
+    auto write_behind = [&](const SimUnit& x, double bytes, double ready, const std::string& what) {
+      const double end = state_write(x, ready, bytes, what);
       all_writes = std::max(all_writes, end);
       return end;
     };
-    auto write_state = [&](double bytes, double ready, const std::string& what) {
-      writes.push_back(write_behind(bytes, ready, what));
+    auto write_state = [&](const SimUnit& x, double bytes, double ready, const std::string& what) {
+      writes.push_back(write_behind(x, bytes, ready, what));
       while (writes.size() > max_writes) {
         h = std::max(h, writes.front());
         writes.pop_front();
@@ -1001,7 +1012,7 @@ class Replay {
               const double len_w = group_size(x, g) * csz;
               stage_w();
               h = std::max(h, copy(kWbS, Resource::kD2H, h, len_w, m.d2h_bps, "d2h w " + name(i)));
-              w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
+              w_staging.push_back(write_behind(x, len_w, h, "write w " + name(i)));
             }
           }
         } else if (!copy_out) {
@@ -1025,9 +1036,9 @@ class Replay {
           h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
           w_staging.push_back(copy(kOptS, Resource::kH2D, h, len_w, m.h2d_bps, "h2d w " + name(i)));
-        if (x.o == Tier::kNvme) write_state(12 * len, h, "write state " + name(i));
+        if (x.o == Tier::kNvme) write_state(x, 12 * len, h, "write state " + name(i));
         if (out == detail::WeightsOut::kNvme)
-          w_staging.push_back(write_behind(len_w, h, "write w " + name(i)));
+          w_staging.push_back(write_behind(x, len_w, h, "write w " + name(i)));
       }
     }
     h = std::max({h, all_writes, sim.stream_free[kOptS], sim.stream_free[kFetchS]});
