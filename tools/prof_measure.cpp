@@ -468,7 +468,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     double late_start = -1;
     bool finished = false;
     run_mix(
-        store, bufs, extent, 2 * depth,
+        store, bufs, extent, MachineProfile::kMixedInFlight,
         [&](std::size_t i) { return fmt::format("x{}", i % count); },
         [&](std::size_t) { return !finished; },
         [&] {
@@ -533,19 +533,14 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     m.nvme_fetch_request_s = 0;
     if (pieces > one_read) {
       const std::size_t units = std::min<std::size_t>(count, 8);
+      const std::string p_prefix = written_keys("p", piece, units * pieces);
       std::vector<IoHandle> hs;
-      for (std::size_t i = 0; i < units * pieces; ++i) {
-        const std::string key = fmt::format("p{}", i);
-        store.reserve(key, piece);
-        hs.push_back(store.write(key, bufs[0].data(), piece));
-      }
-      for (auto& h : hs) h.wait();
       const double split = median_of(3, [&] {
         const auto t0 = Clock::now();
         for (std::size_t i = 0; i < w_count; ++i) {
           hs.clear();
           for (std::size_t p = 0; p < pieces; ++p)
-            hs.push_back(store.read(fmt::format("p{}", (i % units) * pieces + p),
+            hs.push_back(store.read(fmt::format("{}{}", p_prefix, (i % units) * pieces + p),
                                     static_cast<char*>(bufs[0].data()) + p * piece, piece));
           for (auto& h : hs) h.wait();
         }
