@@ -82,3 +82,4 @@ echo "(drift: how far one candidate's rounds came apart, the most of any: the ma
 echo " which the errors carry)"
 echo "(targets: worst error <= 15%, rank correlation >= 0.8, recommended within 5% of the fastest validated;"
 echo " details in $work/*.out, pictures *.svg)"
+echo "(the docs' Markdown table of this run and others: scripts/prof-regimes-table.py $work [WORK_DIR ...])"

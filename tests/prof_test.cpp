@@ -1426,6 +1426,31 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_TRUE(j["trace_file"].is_null()) << "--trace \"\" is no trace: " << j["trace_file"];
   if (batches.size() < 2)
     std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
+  // The docs' table of prof-regimes runs reads this JSON: one row per regime, here the same run
+  // in each regime's place.
+  const std::string runs = d.path + "/regimes";
+  std::filesystem::create_directories(runs);
+  for (const char* regime : {"compute", "link", "nvme", "offload"})
+    std::ofstream(runs + "/" + regime + ".json") << j.dump() << "\n";
+  const auto t =
+      testing::run("/usr/bin/python3", {STRATA_SOURCE_DIR "/scripts/prof-regimes-table.py", runs},
+                   d.path, "table");
+  ASSERT_EQ(t.status, 0) << t.out << t.err;
+  const auto& c0 = j["candidates"][0];
+  EXPECT_NE(
+      t.out.find(fmt::format(
+          "| nvme | {} / {} | {:.1f} | {:.1f} | {:.1f}% of {} |",
+          c0["bottleneck"].get<std::string>(),
+          c0.value("measured_bottleneck", nlohmann::json("-")).is_string()
+              ? c0["measured_bottleneck"].get<std::string>()
+              : std::string("-"),
+          c0["predicted_step_s"].get<double>() * 1e3, c0["measured_step_s"].get<double>() * 1e3,
+          j["worst_prediction_error"].get<double>() * 100, j["validated"].get<int>())),
+      std::string::npos)
+      << t.out;
+  EXPECT_NE(t.out.find(fmt::format("{} fit) |", j["candidates_feasible"].get<int>())),
+            std::string::npos)
+      << t.out;
 }
 
 // --validate K's spread: beside the best K, the best of other placement classes and low-ranked

@@ -3,7 +3,8 @@
 # ProfCli.*Ranks* run only in prof_mpi (STRATA_TEST_MPI=1; skipped in the discovered entry),
 # which spawns mpirun itself.
 find_package(MPI COMPONENTS C)
-set(strata_prof_defines STRATA_PROF_BIN="$<TARGET_FILE:strata-prof>" STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>")
+set(strata_prof_defines STRATA_PROF_BIN="$<TARGET_FILE:strata-prof>" STRATA_TRAIN_BIN="$<TARGET_FILE:strata-train>"
+    STRATA_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   list(APPEND strata_prof_defines STRATA_MPIEXEC="${MPIEXEC_EXECUTABLE}")
 endif()
