@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The docs' table of scripts/prof-regimes.sh runs: one Markdown row per regime, each cell the
-runs' values in the order given (docs/benchmarks.md#strata-prof keeps these tables).
+"""The table of scripts/prof-regimes.sh runs: one Markdown row per regime, each cell the runs'
+values in the order given (prof-regimes.sh ends with its own run's; docs/benchmarks.md#strata-prof
+keeps these tables).
 
     scripts/prof-regimes-table.py WORK_DIR [WORK_DIR ...]
 

@@ -57,29 +57,13 @@ run nvme --device-mem-gb 0.06 --host-mem-gb 0.06 --micro-batches 1 --seq-len 64
 run offload --model-config "$work/wide.json" --device-mem-gb 0.12 --no-nvme --micro-batches 1 2 4 --seq-len 16
 
 echo
-printf '%-8s %-11s %-11s %12s %12s %9s %-21s %13s %6s\n' regime "bound (pr.)" "bound (ms.)" "predicted ms" \
-  "measured ms" "worst err" "rank corr (resolved)" "rec. vs best" drift
-for name in compute link nvme offload; do
-  python3 - "$work/$name.json" "$name" <<'EOF'
-import json, sys
-j = json.load(open(sys.argv[1]))
-c = j["candidates"][0]
-f = lambda v: "-" if v is None else "%.2f" % v
-rho = "%s (%s at %.1f%%)" % (f(j.get("rank_correlation_spearman")),
-                             f(j.get("rank_correlation_spearman_resolved")),
-                             (j.get("rank_tie_resolution") or 0) * 100)
-print("%-8s %-11s %-11s %12.1f %12.1f %8.1f%% %-21s %12.1f%% %5.1f%%  (of %d validated)" % (
-      sys.argv[2], c["bottleneck"], c.get("measured_bottleneck") or "-", c["predicted_step_s"] * 1e3,
-      c["measured_step_s"] * 1e3, j["worst_prediction_error"] * 100, rho,
-      (j["recommended_vs_best_measured"] - 1) * 100, (j.get("round_drift") or 0) * 100,
-      j["validated"]))
-EOF
-done
-echo "(bound (pr.) / (ms.): the recommended configuration's bottleneck, predicted / measured in its traced step)"
-echo "(rank corr: Spearman over every validated run; in brackets with values within the runs' median"
-echo " step-to-step spread (the %) of each other as ties, which the target is for)"
+# The summary is the Markdown table docs/benchmarks.md keeps (one reader of the runs' JSON).
+python3 "$(dirname "$0")/prof-regimes-table.py" "$work"
+echo "(bound by: the recommended configuration's bottleneck, predicted / measured in its traced step)"
+echo "(rank correlation: Spearman over every validated run, as is / with values within the runs' median"
+echo " step-to-step spread (the % in brackets) of each other as ties, which the target is for)"
 echo "(drift: how far one candidate's rounds came apart, the most of any: the machine's own movement,"
 echo " which the errors carry)"
 echo "(targets: worst error <= 15%, rank correlation >= 0.8, recommended within 5% of the fastest validated;"
 echo " details in $work/*.out, pictures *.svg)"
-echo "(the docs' Markdown table of this run and others: scripts/prof-regimes-table.py $work [WORK_DIR ...])"
+echo "(the table over several runs: scripts/prof-regimes-table.py $work WORK_DIR ...)"
