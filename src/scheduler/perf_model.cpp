@@ -300,12 +300,12 @@ class Replay {
         if (!u[x.unit].resident) trace.push_back(x.unit);
     sim.share = &share;
     sim.stretch = &stretch;
+    mixed_request_s = mixed_request_at(m, optimizer_in_flight());
   }
 
   // The prediction; each operation's use of the cores goes to `load`.
   Prediction run(CoreLoad& load) {
     Prediction pr;
-    mixed_request_s = mixed_request_at(m, optimizer_in_flight());
     // Kept early work that a step leaves to finish behind (Engine::step) delays the next
     // step's forward: then two steps are replayed, and the second is the prediction.
     bool any_early = false;
@@ -407,7 +407,7 @@ class Replay {
   const std::size_t max_writes = detail::state_writes_in_flight(c);
   // The drive's per-request part beside the optimizer's traffic, at the depth it keeps in flight:
   // its read ahead, its state written behind and, with weights on NVMe, their new values written
-  // behind (schedule.h; set in run()).
+  // behind (schedule.h; set once the units' tiers are known).
   double mixed_request_s = 0;
   double optimizer_in_flight() const {
     bool w_nvme = false;
