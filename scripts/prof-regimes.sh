@@ -3,7 +3,7 @@
 # for each regime, strata-prof measures, searches, and --validate's the best 3 placements and its
 # default spread (up to 4 more: the best of other placement classes, the median- and the
 # last-ranked) by running them through strata-train, three rounds in turns (--validate-rounds 3, each
-# round in the reverse order of the last; a candidate's measured step is the median of all its
+# round begun a third further along the order; a candidate's measured step is the median of all its
 # rounds' steps, so one round the machine slowed does not decide it); this prints predicted vs measured step
 # time per candidate, then a table of the recommended configuration per regime: the resource
 # it is bound by as predicted and as measured (the lane busiest in its traced step), the worst

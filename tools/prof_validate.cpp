@@ -277,7 +277,8 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   j["reference"] = fmt::format(
       "each validated candidate's measured step: strata-train on this machine with its "
       "configuration, {} steps a run (the first records the order and is not timed), {} round(s) "
-      "in turns, each in the reverse order of the last; the median of all its timed steps "
+      "in turns, each begun further along the order (validation_order); the median of all its "
+      "timed steps "
       "(measured_step_s); prediction_error = (predicted - measured) / measured; Spearman over "
       "predicted and measured tokens/s, and with values within rank_tie_resolution (the runs' "
       "median step-to-step spread) as ties; measured_bottleneck: the busiest lane in the last "
@@ -314,8 +315,8 @@ void print_validation_intro(const Args& a, const std::vector<ValidationPick>& pi
   const std::string how =
       a.validate_rounds > 1
           ? fmt::format(
-                "{} steps a run, the first not timed; {} rounds in turns, each in the "
-                "reverse order of the last",
+                "{} steps a run, the first not timed; {} rounds in turns, each begun further "
+                "along the order (none run twice in a row)",
                 a.validate_steps, a.validate_rounds)
           : fmt::format("{} steps each, the first not timed", a.validate_steps);
   if (top == picks.size())

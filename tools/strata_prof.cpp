@@ -686,10 +686,11 @@ int main(int argc, char** argv) {
   app.add_option("--validate-steps", a.validate_steps, "steps per validation run (default 4)")
       ->check(CLI::Range(2, 100));
   app.add_option("--validate-rounds", a.validate_rounds,
-                 "run the validated candidates this many times, in turns, each round in the "
-                 "reverse order of the last, so that the machine's drift (a drive or cores "
-                 "slowing as they warm, a cold first run) falls on all alike; each one's "
-                 "measured step is the median over all its runs' timed steps (default 2)")
+                 "run the validated candidates this many times, in turns, each round begun "
+                 "further along the order, so that no candidate runs twice in a row (one slow "
+                 "stretch of the machine falls on one of its runs) and a drift over the runs "
+                 "falls on all nearly alike; each one's measured step is the median over all its "
+                 "runs' timed steps (default 2)")
       ->check(CLI::Range(1, 10));
   app.add_option("--out", a.out,
                  "write the best configuration here (default strata-prof.ds_config.json)");

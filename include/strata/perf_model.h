@@ -269,9 +269,13 @@ std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranke
                                              std::size_t spread);
 
 // The order --validate runs `picks` picks in over `rounds` rounds: each pick once a round, in
-// turns, every round in the reverse order of the one before (0 1 2, 2 1 0, 0 1 2, ...). Drift over
-// the validation — a drive or the cores slowing as they warm, a cold first run — then falls on
-// every candidate alike instead of on the first or the last. Pick indices, picks x rounds of them.
+// turns, every round starting a rounds-th of the way further along the order (7 picks in 3
+// rounds: 0 1 2 3 4 5 6, 2 3 4 5 6 0 1, 4 5 6 0 1 2 3; with no more picks than rounds the same
+// order each time). A pick's runs are then about a round apart, never back to back, so one slow
+// stretch of a shared machine falls on one of them, not on two (reversing every other round ran
+// the first and the last pick twice in a row); and each pick's mean place in the order is within
+// picks / rounds of the others', so a drift over the validation (a drive or the cores slowing as
+// they warm) falls on every pick nearly alike. Pick indices, picks x rounds of them.
 std::vector<std::size_t> validation_order(std::size_t picks, int rounds);
 
 // The busiest of `busy_s` (per Resource): the first of the largest. The bottleneck of a step.

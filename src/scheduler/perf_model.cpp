@@ -1247,8 +1247,11 @@ std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranke
 
 std::vector<std::size_t> validation_order(std::size_t picks, int rounds) {
   std::vector<std::size_t> order;
-  for (int r = 0; r < rounds; ++r)
-    for (std::size_t n = 0; n < picks; ++n) order.push_back(r % 2 == 0 ? n : picks - 1 - n);
+  const std::size_t R = std::size_t(std::max(rounds, 0));
+  for (std::size_t r = 0; r < R; ++r) {
+    const std::size_t shift = picks > R ? r * picks / R : 0;
+    for (std::size_t n = 0; n < picks; ++n) order.push_back((shift + n) % picks);
+  }
   return order;
 }
 
