@@ -278,8 +278,8 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       "each validated candidate's measured step: strata-train on this machine with its "
       "configuration, {} steps a run (the first records the order and is not timed), {} round(s) "
       "in turns, each begun further along the order (validation_order); the median of all its "
-      "timed steps "
-      "(measured_step_s); prediction_error = (predicted - measured) / measured; Spearman over "
+      "timed steps (measured_step_s); prediction_error = (predicted - measured) / measured; "
+      "Spearman over "
       "predicted and measured tokens/s, and with values within rank_tie_resolution (the runs' "
       "median step-to-step spread) as ties; measured_bottleneck: the busiest lane in the last "
       "run's traced last step",
@@ -312,12 +312,14 @@ nlohmann::json& entry_of(nlohmann::json& cands, std::size_t index) {
 void print_validation_intro(const Args& a, const std::vector<ValidationPick>& picks) {
   const std::size_t top = std::size_t(std::count_if(
       picks.begin(), picks.end(), [](const ValidationPick& p) { return p.reason == "top"; }));
+  // (one pick alone runs its rounds back to back: there is nothing to put between them)
   const std::string how =
       a.validate_rounds > 1
           ? fmt::format(
                 "{} steps a run, the first not timed; {} rounds in turns, each begun further "
-                "along the order (none run twice in a row)",
-                a.validate_steps, a.validate_rounds)
+                "along the order{}",
+                a.validate_steps, a.validate_rounds,
+                picks.size() > 1 ? " (none run twice in a row)" : "")
           : fmt::format("{} steps each, the first not timed", a.validate_steps);
   if (top == picks.size())
     std::printf("\nvalidating the best %zu (%s):\n", top, how.c_str());

@@ -687,8 +687,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 100));
   app.add_option("--validate-rounds", a.validate_rounds,
                  "run the validated candidates this many times, in turns, each round begun "
-                 "further along the order, so that no candidate runs twice in a row (one slow "
-                 "stretch of the machine falls on one of its runs) and a drift over the runs "
+                 "further along the order, so that of two or more none runs twice in a row (one "
+                 "slow stretch of the machine falls on one of its runs) and a drift over the runs "
                  "falls on all nearly alike; each one's measured step is the median over all its "
                  "runs' timed steps (default 2)")
       ->check(CLI::Range(1, 10));

@@ -271,7 +271,8 @@ std::vector<ValidationPick> validation_picks(const std::vector<Candidate>& ranke
 // The order --validate runs `picks` picks in over `rounds` rounds: each pick once a round, in
 // turns, every round starting a rounds-th of the way further along the order (7 picks in 3
 // rounds: 0 1 2 3 4 5 6, 2 3 4 5 6 0 1, 4 5 6 0 1 2 3; with no more picks than rounds the same
-// order each time). A pick's runs are then about a round apart, never back to back, so one slow
+// order each time). A pick's runs are then about a round apart, never back to back (of two picks
+// or more), so one slow
 // stretch of a shared machine falls on one of them, not on two (reversing every other round ran
 // the first and the last pick twice in a row); and each pick's mean place in the order is within
 // picks / rounds of the others', so a drift over the validation (a drive or the cores slowing as
