@@ -1482,6 +1482,13 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NE(t.out.find(fmt::format("{} fit) |", j["candidates_feasible"].get<int>())),
             std::string::npos)
       << t.out;
+  // and below it, the host's memory rate as profiled over its median beside the runs.
+  const double speed = j["host_mem_profile_vs_validation"].get<double>();
+  EXPECT_NE(t.out.find(fmt::format("host memory profiled / validating: compute {0:.2f}, link "
+                                   "{0:.2f}, nvme {0:.2f}, offload {0:.2f}",
+                                   speed)),
+            std::string::npos)
+      << t.out;
 }
 
 // --validate K's spread: beside the best K, the best of other placement classes and low-ranked
@@ -1591,6 +1598,30 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
   ASSERT_TRUE(j["round_drift"].is_number()) << j.dump();
   EXPECT_DOUBLE_EQ(j["round_drift"].get<double>(), drift);
   EXPECT_EQ(r.out.find("the machine drifted") != std::string::npos, drift >= 0.15) << r.out;
+  // The host's memory rate beside the runs: before each of the 2 rounds and after the last, and
+  // the profile's over their median; the note that the machine was profiled at another speed
+  // exactly when the profile's lies more than a tenth outside their range.
+  ASSERT_TRUE(j["validation_host_mem_gbps"].is_array()) << j.dump();
+  const std::vector<double> checks = j["validation_host_mem_gbps"].get<std::vector<double>>();
+  ASSERT_EQ(checks.size(), 3u);
+  for (double c : checks) EXPECT_GT(c, 0);
+  const double profile_mem = j["machine"]["host_mem_gbps"].get<double>();
+  std::vector<double> sorted_checks = checks;
+  std::sort(sorted_checks.begin(), sorted_checks.end());
+  EXPECT_NEAR(j["host_mem_profile_vs_validation"].get<double>(), profile_mem / sorted_checks[1],
+              1e-9);
+  EXPECT_NE(r.out.find(fmt::format("host memory while validating {:.1f}-{:.1f} GB/s (3 checks: "
+                                   "before each round and after the last), the profile's {:.1f} "
+                                   "GB/s",
+                                   sorted_checks.front(), sorted_checks.back(), profile_mem)),
+            std::string::npos)
+      << r.out;
+  const bool another_speed =
+      profile_mem < 0.9 * sorted_checks.front() || profile_mem > 1.1 * sorted_checks.back();
+  EXPECT_EQ(
+      r.out.find("the machine ran at another speed while it was profiled") != std::string::npos,
+      another_speed)
+      << r.out;
   EXPECT_NE(r.out.find("2 rounds in turns, each begun further along the order"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("round 1 of 2 done"), std::string::npos) << r.out;

@@ -110,6 +110,9 @@ struct Measurement {
 Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const NvmeChoice& nvme,
                     const DeviceOptions& dopt, int world_size, bool talk,
                     Clock::time_point t_start);
+// The host's memory rate as the profile measures it (MachineProfile::host_mem_bps): bytes read
+// and written a second, best of 3 memcpy's of `bytes` from `src` to `dst`.
+double host_copy_bps(char* dst, const char* src, std::size_t bytes);
 
 // ---- prof_picture.cpp ----
 std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans);
@@ -133,10 +136,12 @@ struct Validation {
 };
 // --validate K: runs the picked candidates (validation_picks: the best K and the spread), prints
 // predicted against measured step time and bottleneck, and adds the figures to `cands` (the
-// entry of each by its "rank") and `j`.
+// entry of each by its "rank") and `j`. The host's memory rate is checked before each round and
+// after the last, against the profile's (`profile_host_mem_bps`): a machine that changed speed
+// between the profile and the runs shows there.
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
-                    const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
-                    nlohmann::json& j);
+                    const std::string& nvme_dir, int world_size, bool talk,
+                    double profile_host_mem_bps, nlohmann::json& cands, nlohmann::json& j);
 
 }  // namespace strata::prof

@@ -113,6 +113,19 @@ void agree_across_ranks(Communicator& comm, MachineProfile& m, std::vector<Model
   for (std::uint64_t* x : highest_bytes) *x = bytes_from_double(v[i++]);
 }
 
+}  // namespace
+
+double host_copy_bps(char* dst, const char* src, std::size_t bytes) {
+  const double t = best_of(3, [&] {
+    const auto t0 = Clock::now();
+    std::memcpy(dst, src, bytes);
+    return since(t0);
+  });
+  return t > 0 ? 2.0 * double(bytes) / t : 0;
+}
+
+namespace {
+
 // The copy and memory rates: pinned H2D and D2H, a device fill, a free on its stream, a host
 // memcpy and the engine's gradient-norm pass, each best of 3 over `bytes`.
 void measure_copy_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, std::size_t bytes,
@@ -149,12 +162,7 @@ void measure_copy_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, st
   });
   m.free_bps = fr > 0 ? double(bytes) / fr : 0;
   std::vector<char> h1(bytes), h2(bytes, 2);
-  const double cp = best_of(3, [&] {
-    const auto t0 = Clock::now();
-    std::memcpy(h1.data(), h2.data(), bytes);
-    return since(t0);
-  });
-  m.host_mem_bps = 2.0 * double(bytes) / cp;
+  m.host_mem_bps = host_copy_bps(h1.data(), h2.data(), bytes);
   // The engine's gradient-norm pass over host gradients.
   {
     volatile float sink = 0;
@@ -426,33 +434,40 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     // a sub-group's time beyond its bytes. On the Zen 5 VM, 2026-12-05, it was 0.049-0.055 ms a
     // sub-group with two or six writes in flight, where a read alone paid 0.052 and the mixed
     // traffic 0.014-0.022 a request more: the writes' part overlaps the read's wait.
-    auto loop_at = [&](const std::string& prefix, std::size_t bytes, std::size_t n) {
-      return median_of(
-                 3,
-                 [&] {
-                   const auto t0 = Clock::now();
-                   std::deque<IoHandle> writes;
-                   auto key = [&](std::size_t g) { return fmt::format("{}{}", prefix, g); };
-                   IoHandle next = store.read(key(0), bufs[0].data(), bytes);
-                   for (std::size_t g = 0; g < n; ++g) {
-                     next.wait();
-                     if (g + 1 < n)
-                       next = store.read(key(g + 1), bufs[(g + 1) % bufs.size()].data(), bytes);
-                     writes.push_back(store.write(key(g), bufs[g % bufs.size()].data(), bytes));
-                     while (writes.size() > 2) {
-                       writes.front().wait();
-                       writes.pop_front();
-                     }
-                   }
-                   for (auto& h : writes) h.wait();
-                   return since(t0);
-                 }) /
-             double(n);
+    // One pass: the time a sub-group of `bytes`, `n` of them.
+    auto loop_once = [&](const std::string& prefix, std::size_t bytes, std::size_t n) {
+      const auto t0 = Clock::now();
+      std::deque<IoHandle> writes;
+      auto key = [&](std::size_t g) { return fmt::format("{}{}", prefix, g); };
+      IoHandle next = store.read(key(0), bufs[0].data(), bytes);
+      for (std::size_t g = 0; g < n; ++g) {
+        next.wait();
+        if (g + 1 < n) next = store.read(key(g + 1), bufs[(g + 1) % bufs.size()].data(), bytes);
+        writes.push_back(store.write(key(g), bufs[g % bufs.size()].data(), bytes));
+        while (writes.size() > 2) {
+          writes.front().wait();
+          writes.pop_front();
+        }
+      }
+      for (auto& h : writes) h.wait();
+      return since(t0) / double(n);
     };
+    // The two sizes in turns, kLoopRounds passes of each, and the median of each size's: the
+    // fixed part is the small sub-groups' time less their bytes', and a drive that stalls for a
+    // few tens of ms takes a pass of each at most. Three passes of one size back to back (~20 ms
+    // at 256 KiB) could all fall in one stall: on the Zen 5 VM, 2026-12-05, that gave 0.171 ms
+    // in one run of 19 where the others gave 0.001-0.052, and the nvme regime's 260-sub-group
+    // candidate was predicted 35% slow.
+    constexpr int kLoopRounds = 5;
     m.nvme_subgroup_s = -1;
     if (small < extent) {
-      const auto sub = line_through(double(small), loop_at(small_keys, small, small_n),
-                                    double(extent), loop_at(big_keys, extent, big_n));
+      std::vector<double> small_t, big_t;
+      for (int round = 0; round < kLoopRounds; ++round) {
+        small_t.push_back(loop_once(small_keys, small, small_n));
+        big_t.push_back(loop_once(big_keys, extent, big_n));
+      }
+      const auto sub = line_through(double(small), median(std::move(small_t)), double(extent),
+                                    median(std::move(big_t)));
       if (sub) m.nvme_subgroup_s = sub->fixed_s;
     }
   }

@@ -183,7 +183,19 @@ struct Runs {
   std::vector<std::vector<double>> round_step_s;  // each pick's rounds' median steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
+  // The host's memory rate (host_copy_bps) before each round and after the last, and the
+  // profile's.
+  std::vector<double> host_mem_bps;
+  double profile_host_mem_bps = 0;
 };
+
+// Whether the profile's host memory rate lies outside what the checks beside the runs saw, by
+// more than a tenth of their range's ends: the machine ran at another speed while profiled.
+bool profiled_at_another_speed(double profile_bps, const std::vector<double>& checks_bps) {
+  if (profile_bps <= 0 || checks_bps.empty()) return false;
+  const auto [lo, hi] = std::minmax_element(checks_bps.begin(), checks_bps.end());
+  return profile_bps < 0.9 * *lo || profile_bps > 1.1 * *hi;
+}
 
 // The validation's summary: failures, the worst prediction error, the rank correlation and how
 // the recommended configuration fared against the fastest validated, all over every validated
@@ -270,6 +282,17 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
           "--validate-rounds, they say more\n",
           picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, drift * 100);
     }
+    if (!runs.host_mem_bps.empty() && runs.profile_host_mem_bps > 0) {
+      const auto [lo, hi] = std::minmax_element(runs.host_mem_bps.begin(), runs.host_mem_bps.end());
+      std::printf(
+          "host memory while validating %.1f-%.1f GB/s (%zu checks: before each round and after "
+          "the last), the profile's %.1f GB/s%s\n",
+          *lo / 1e9, *hi / 1e9, runs.host_mem_bps.size(), runs.profile_host_mem_bps / 1e9,
+          profiled_at_another_speed(runs.profile_host_mem_bps, runs.host_mem_bps)
+              ? ": outside that range, the machine ran at another speed while it was profiled "
+                "and every prediction above carries it; on a quiet machine they say more"
+              : "");
+    }
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
@@ -282,7 +305,9 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       "Spearman over "
       "predicted and measured tokens/s, and with values within rank_tie_resolution (the runs' "
       "median step-to-step spread) as ties; measured_bottleneck: the busiest lane in the last "
-      "run's traced last step",
+      "run's traced last step; validation_host_mem_gbps: the host's memory rate (measured as "
+      "machine.host_mem_gbps is) before each round and after the last, and "
+      "host_mem_profile_vs_validation the profile's over their median",
       a.validate_steps, a.validate_rounds);
   j["validated"] = k;
   j["validated_top"] = std::count_if(picks.begin(), picks.end(),
@@ -297,6 +322,14 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["round_drift"] = drift_i < k ? nlohmann::json(drift) : nlohmann::json(nullptr);
+  nlohmann::json checks = nlohmann::json::array();
+  for (double bps : runs.host_mem_bps) checks.push_back(bps / 1e9);
+  j["validation_host_mem_gbps"] = checks;
+  const double check_median = runs.host_mem_bps.empty() ? 0 : median(runs.host_mem_bps);
+  j["host_mem_profile_vs_validation"] =
+      check_median > 0 && runs.profile_host_mem_bps > 0
+          ? nlohmann::json(runs.profile_host_mem_bps / check_median)
+          : nlohmann::json(nullptr);
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
 }
@@ -417,8 +450,8 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
 // ---- validation ----
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
-                    const std::string& nvme_dir, int world_size, bool talk, nlohmann::json& cands,
-                    nlohmann::json& j) {
+                    const std::string& nvme_dir, int world_size, bool talk,
+                    double profile_host_mem_bps, nlohmann::json& cands, nlohmann::json& j) {
   Validation out;
   const std::size_t k = picks.size();
   const std::string work =
@@ -436,6 +469,13 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   runs.tokens_per_s.assign(k, 0.0);
   runs.spread.assign(k, 0.0);
   runs.round_step_s.assign(k, {});
+  runs.profile_host_mem_bps = profile_host_mem_bps;
+  // The host's memory rate beside the runs, as the profile measured it (64 MiB memcpy's).
+  constexpr std::size_t kCheckBytes = std::size_t(64) << 20;
+  std::vector<char> check_dst(kCheckBytes), check_src(kCheckBytes, 2);
+  auto check_machine = [&] {
+    runs.host_mem_bps.push_back(host_copy_bps(check_dst.data(), check_src.data(), kCheckBytes));
+  };
   if (talk) print_validation_intro(a, picks);
   const std::string& trace = a.trace;
   bool trace_written = false;  // only by the recommended configuration's run, when it ran
@@ -454,6 +494,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   for (std::size_t at = 0; at < order.size(); ++at) {
     const std::size_t n = order[at];
     const std::size_t i = picks[n].index;
+    if (at % k == 0) check_machine();  // a round begins
     if (errors[n].empty()) {
       // Every run's last step is traced, for its measured bottleneck: the recommended one's into
       // --trace, the others' (and with --trace "" that one's too) into the work folder. A later
@@ -486,6 +527,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                   since(t0));
     std::fflush(stdout);
   }
+  check_machine();
   if (talk) print_validation_columns();
   for (std::size_t n = 0; n < k; ++n) {
     const std::size_t i = picks[n].index;

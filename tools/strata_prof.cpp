@@ -596,7 +596,8 @@ int run(Args a) {
   // ---- validate ----
   Validation v;
   if (a.validate > 0)
-    v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk, cands, j);
+    v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk,
+                 m.machine.host_mem_bps, cands, j);
   if (talk && !a.svg.empty()) {
     write_svg(a.svg, best, v.have_trace ? &v.measured_sched : nullptr, v.measured_best_step,
               std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
