@@ -289,8 +289,9 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
           "the last), the profile's %.1f GB/s%s\n",
           *lo / 1e9, *hi / 1e9, runs.host_mem_bps.size(), runs.profile_host_mem_bps / 1e9,
           profiled_at_another_speed(runs.profile_host_mem_bps, runs.host_mem_bps)
-              ? ": outside that range, the machine ran at another speed while it was profiled "
-                "and every prediction above carries it; on a quiet machine they say more"
+              ? ": outside that range, the machine ran at another speed while it was profiled, "
+                "and the predictions above carry that as far as their steps depend on the host's "
+                "memory and cores; on a quiet machine they say more"
               : "");
     }
     if (trace_written)
