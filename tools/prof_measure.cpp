@@ -455,9 +455,9 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     // The two sizes in turns, kLoopRounds passes of each, and the median of each size's: the
     // fixed part is the small sub-groups' time less their bytes', and a drive that stalls for a
     // few tens of ms takes a pass of each at most. Three passes of one size back to back (~20 ms
-    // at 256 KiB) could all fall in one stall: on the Zen 5 VM, 2026-12-05, that gave 0.171 ms
-    // in one run of 19 where the others gave 0.001-0.052, and the nvme regime's 260-sub-group
-    // candidate was predicted 35% slow.
+    // at 256 KiB) could all fall in one stall: on the Zen 5 VM, 2026-12-05, 49 runs gave
+    // 0.001-0.063 ms and two 0.127 and 0.171, the latter predicting the nvme regime's
+    // 260-sub-group candidate 35% slow; in turns, 23 runs gave 0.031-0.063.
     constexpr int kLoopRounds = 5;
     m.nvme_subgroup_s = -1;
     if (small < extent) {
