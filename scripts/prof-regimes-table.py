@@ -9,7 +9,9 @@ Each WORK_DIR is a prof-regimes.sh work folder: its <regime>.json, the JSON stra
 Below the table, per run: the drive's figures the nvme regime measured, and how far the drive
 slowed under compute in each round (the same figures docs/strata-prof.md#measure names); and per
 regime the host's memory rate as profiled over its median beside the validation runs (a run
-profiled on a machine at another speed shows there; older runs, which lack it, show "-").
+profiled on a machine at another speed shows there; older runs, which lack it, show "-"). A
+recommendation that is not the fastest prediction (of near-ties, one that keeps the NVMe drive
+markedly less busy) says "(over #K)", K the fastest prediction's rank.
 """
 import json
 import os
@@ -49,7 +51,10 @@ def row(regime, runs):
         f2 = lambda v: "-" if v is None else f"{v:.2f}"
         cells["rho"].append(f'{f2(rho)} / {f2(resolved)} ({pct(j.get("rank_tie_resolution") or 0)})')
         rec = j["recommended_vs_best_measured"] - 1
-        cells["rec"].append("fastest" if rec < 5e-4 else f"+{pct(rec)}")
+        # Recommended over the fastest prediction among near-ties (recommend_less_drive_bound).
+        over = j.get("fastest_predicted_rank") or 1
+        cells["rec"].append(("fastest" if rec < 5e-4 else f"+{pct(rec)}") +
+                            (f" (over #{over})" if over > 1 else ""))
         cells["drift"].append(pct(j.get("round_drift") or 0))
     bound = cells["bound"][0] if len(set(cells["bound"])) == 1 else ", ".join(cells["bound"])
     cols = [regime, bound] + [", ".join(cells[k]) for k in ["pred", "meas", "err", "rho", "rec", "drift"]]

@@ -1032,13 +1032,63 @@ TEST(PerfModel, SearchRanksOnlyWhatFitsFastestFirst) {
         << c.label;
   }
   EXPECT_GT(doubled, 0);
+  double fastest = 0;
   for (std::size_t i = 0; i < r.ranked.size(); ++i) {
     EXPECT_TRUE(r.ranked[i].plan.fits) << r.ranked[i].label;
     EXPECT_LE(r.ranked[i].plan.device_bytes, m.device_capacity) << r.ranked[i].label;
-    if (i > 0) {
+    fastest = std::max(fastest, r.ranked[i].prediction.tokens_per_s);
+    // The recommended first (recommend_less_drive_bound), then fastest first.
+    if (i > 1) {
       EXPECT_GE(r.ranked[i - 1].prediction.tokens_per_s, r.ranked[i].prediction.tokens_per_s);
     }
   }
+  EXPECT_GE(r.ranked[0].prediction.tokens_per_s, (1 - kRecommendTieWithin) * fastest);
+}
+
+Candidate predicted(double tokens_per_s, double drive_busy_s) {
+  Candidate c;
+  c.label = fmt::format("{} tokens/s, drive {} s", tokens_per_s, drive_busy_s);
+  c.prediction.tokens_per_s = tokens_per_s;
+  c.prediction.busy_s[int(Resource::kNvme)] = drive_busy_s;
+  return c;
+}
+
+std::vector<std::string> labels_of(const std::vector<Candidate>& ranked) {
+  std::vector<std::string> l;
+  for (const Candidate& c : ranked) l.push_back(c.label);
+  return l;
+}
+
+// Of candidates predicted within 5% of the fastest, the fastest whose drive is busy for at most
+// 80% of the fastest's drive time is recommended (moved first, the others in their order); a
+// drive busy for more than that, a candidate beyond 5%, or no drive at all moves nothing.
+TEST(PerfModel, TheRecommendationAmongNearTiesIsLessDriveBound) {
+  std::vector<Candidate> r = {predicted(100, 0.010), predicted(99, 0.0085), predicted(97, 0.006),
+                              predicted(96, 0.002),  predicted(94, 0),      predicted(90, 0.001)};
+  const auto before = labels_of(r);
+  recommend_less_drive_bound(r);
+  EXPECT_EQ(labels_of(r), (std::vector<std::string>{before[2], before[0], before[1], before[3],
+                                                    before[4], before[5]}));
+
+  r = {predicted(100, 0.010), predicted(99, 0.0085), predicted(94, 0)};
+  auto same = labels_of(r);
+  recommend_less_drive_bound(r);
+  EXPECT_EQ(labels_of(r), same) << "85% of the fastest's drive time is not markedly less, and 6% "
+                                   "slower is not a near-tie";
+
+  r = {predicted(100, 0), predicted(99.5, 0), predicted(99, 0)};
+  same = labels_of(r);
+  recommend_less_drive_bound(r);
+  EXPECT_EQ(labels_of(r), same) << "no drive: the fastest stays first";
+
+  r = {predicted(100, 0.002), predicted(99, 0.010)};
+  same = labels_of(r);
+  recommend_less_drive_bound(r);
+  EXPECT_EQ(labels_of(r), same) << "the fastest is already the least drive-bound";
+
+  r.clear();
+  recommend_less_drive_bound(r);  // nothing to recommend: no error
+  EXPECT_TRUE(r.empty());
 }
 
 // Optimizer state on NVMe and too little host memory for its swap buffers of a whole unit's
@@ -1314,6 +1364,15 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   EXPECT_TRUE(j["fits"].get<bool>());
   EXPECT_GT(j["candidates_feasible"].get<int>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
+  // The candidate predicted fastest: #1, or another the recommendation among near-ties passed
+  // over, which the output names.
+  const int fastest = j["fastest_predicted_rank"].get<int>();
+  EXPECT_GE(fastest, 1);
+  EXPECT_LE(fastest, j["candidates_feasible"].get<int>());
+  EXPECT_EQ(r.out.find(fmt::format("#1 is recommended over #{}, predicted", fastest)) !=
+                std::string::npos,
+            fastest > 1)
+      << r.out;
   EXPECT_GT(j["machine"]["nvme_read_gbps"].get<double>(), 0);
   // The CPU AdamW as the engine calls it: a rate and a fixed time a call.
   EXPECT_GT(j["machine"]["cpu_adamw_mparams_per_s"].get<double>(), 0);
@@ -1463,6 +1522,10 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   std::filesystem::create_directories(runs);
   for (const char* regime : {"compute", "link", "nvme", "offload"})
     std::ofstream(runs + "/" + regime + ".json") << j.dump() << "\n";
+  // (the nvme regime's recommendation as if taken over the fastest prediction, ranked third)
+  nlohmann::json over = j;
+  over["fastest_predicted_rank"] = 3;
+  std::ofstream(runs + "/nvme.json") << over.dump() << "\n";
   const auto t =
       testing::run("/usr/bin/python3", {STRATA_SOURCE_DIR "/scripts/prof-regimes-table.py", runs},
                    d.path, "table");
@@ -1482,6 +1545,8 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NE(t.out.find(fmt::format("{} fit) |", j["candidates_feasible"].get<int>())),
             std::string::npos)
       << t.out;
+  EXPECT_NE(t.out.find("(over #3) |"), std::string::npos) << t.out;
+  EXPECT_EQ(t.out.find("(over #"), t.out.rfind("(over #")) << "only the nvme regime's: " << t.out;
   // and below it, the host's memory rate as profiled over its median beside the runs.
   const double speed = j["host_mem_profile_vs_validation"].get<double>();
   EXPECT_NE(t.out.find(fmt::format("host memory profiled / validating: compute {0:.2f}, link "

@@ -8,7 +8,9 @@
 //             the same; the embedding and the head are measured on their own).
 //   predict   src/scheduler/perf_model.cpp replays the engine's step on those rates.
 //   search    placements x live window x micro-batch x checkpointing, filtered by the memory
-//             planner; the best few printed, the best written as a ds_config.json.
+//             planner; the best few printed, the best written as a ds_config.json (of
+//             candidates predicted within 5%, the fastest that keeps the drive markedly less
+//             busy).
 //   validate  (--validate K) the top K and a spread of others (the best of other placement
 //             classes, low-ranked ones) run through strata::train for a few steps; predicted vs
 //             measured step time and bottleneck, and the Chrome trace of the best.
@@ -484,6 +486,15 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
   }
 }
 
+// The candidate predicted fastest: 0 unless the recommendation among near-ties moved another
+// first (recommend_less_drive_bound).
+std::size_t fastest_predicted(const SearchResult& sr) {
+  std::size_t f = 0;
+  for (std::size_t i = 1; i < sr.ranked.size(); ++i)
+    if (sr.ranked[i].prediction.tokens_per_s > sr.ranked[f].prediction.tokens_per_s) f = i;
+  return f;
+}
+
 // The best `shown` candidates as predicted (rank 0).
 void print_ranked(const SearchResult& sr, std::size_t shown) {
   std::printf("%zu placements considered, %zu fit; the best %zu (predicted):\n", sr.considered,
@@ -497,6 +508,18 @@ void print_ranked(const SearchResult& sr, std::size_t shown) {
                 human(double(c.plan.device_bytes)).c_str(),
                 human(double(c.plan.host_bytes)).c_str(), human(double(c.plan.nvme_bytes)).c_str(),
                 c.label.c_str());
+  }
+  const std::size_t fastest = fastest_predicted(sr);
+  if (fastest != 0) {
+    const Candidate &rec = sr.ranked[0], &f = sr.ranked[fastest];
+    const int drive = int(Resource::kNvme);
+    std::printf(
+        "#1 is recommended over #%zu, predicted %.1f%% faster: within %.0f%% of the fastest "
+        "prediction, the fastest that keeps the NVMe drive markedly less busy (%.1f ms a step "
+        "against %.1f), less exposed to the drive's swings from run to run and wearing it less\n",
+        fastest + 1, (f.prediction.tokens_per_s / rec.prediction.tokens_per_s - 1) * 100,
+        kRecommendTieWithin * 100, rec.prediction.busy_s[drive] * 1e3,
+        f.prediction.busy_s[drive] * 1e3);
   }
   std::fflush(stdout);
 }
@@ -608,6 +631,7 @@ int run(Args a) {
         "none: predictions only, from the measured machine and layer profile; --validate K runs "
         "candidates and holds the predictions to their measured steps";
   j["fits"] = true;
+  j["fastest_predicted_rank"] = fastest_predicted(sr) + 1;
   j["candidates"] = cands;
   j["best_config_file"] = a.out.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.out);
   j["total_seconds"] = since(t_start);
@@ -626,8 +650,8 @@ int main(int argc, char** argv) {
       "strata-prof: measure this machine and the model, predict the step time of every placement "
       "of\n"
       "weights, gradients and optimizer state over device, host and NVMe, recommend the fastest\n"
-      "that fits (written as a ds_config.json), and --validate the prediction by running the "
-      "best."};
+      "that fits (of near-ties, one that keeps the NVMe drive markedly less busy; written as a\n"
+      "ds_config.json), and --validate the prediction by running the best."};
   app.add_option("--model", a.model_dir,
                  "Hugging Face model folder (config.json); default: the demo model");
   app.add_option("--model-config", a.model_config, "config.json of the model");

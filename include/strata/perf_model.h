@@ -202,7 +202,9 @@ struct SearchSpace {
 };
 
 struct SearchResult {
-  std::vector<Candidate> ranked;  // feasible candidates, fastest (tokens/s) first
+  // Feasible candidates, the recommended first (recommend_less_drive_bound), then fastest
+  // (predicted tokens/s) first.
+  std::vector<Candidate> ranked;
   std::size_t considered = 0;     // all candidates, feasible or not
   // When nothing fits: the plan of the least demanding candidate and its problems (what is
   // missing on which tier).
@@ -212,6 +214,18 @@ struct SearchResult {
 };
 
 SearchResult search_placements(const MachineProfile& machine, const SearchSpace& space);
+
+// The recommendation among near-ties: of the candidates predicted within kRecommendTieWithin of
+// the fastest (tokens/s; `ranked` sorted fastest first), the fastest whose NVMe drive is busy for
+// at most kRecommendDriveAtMost of the fastest's drive time is moved first, when the fastest uses
+// the drive; the others keep their order. Predictions that close are one answer within the
+// model's error (strata-prof holds the recommended to within 5% of the fastest validated), and
+// the drive is the rate that moves most from run to run (docs/benchmarks.md#strata-prof: the same
+// drive-bound step took 52-79 ms in runs of one evening) and the one its writes wear. Without
+// NVMe, or with no such candidate, nothing moves.
+inline constexpr double kRecommendTieWithin = 0.05;
+inline constexpr double kRecommendDriveAtMost = 0.8;
+void recommend_less_drive_bound(std::vector<Candidate>& ranked);
 
 // Validation (strata-prof --validate): a candidate's measured tokens a second, from its measured
 // step (the tokens of a step as the prediction counts them); and, of the first

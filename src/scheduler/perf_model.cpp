@@ -1474,8 +1474,26 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                        return a.prediction.tokens_per_s > b.prediction.tokens_per_s;
                      return a.plan.device_bytes < b.plan.device_bytes;
                    });
+  recommend_less_drive_bound(out.ranked);
   if (!out.ranked.empty()) out.problems.clear();
   return out;
+}
+
+void recommend_less_drive_bound(std::vector<Candidate>& ranked) {
+  if (ranked.empty()) return;
+  const Prediction& fastest = ranked[0].prediction;
+  const auto drive = [](const Candidate& c) { return c.prediction.busy_s[int(Resource::kNvme)]; };
+  // Markedly less: not a flip on a rounding (0 < 0 is false: without a drive nothing moves).
+  const double at_most = kRecommendDriveAtMost * drive(ranked[0]);
+  for (std::size_t i = 1; i < ranked.size(); ++i) {
+    if (ranked[i].prediction.tokens_per_s < (1 - kRecommendTieWithin) * fastest.tokens_per_s)
+      return;
+    if (drive(ranked[i]) <= at_most && drive(ranked[i]) < drive(ranked[0])) {
+      std::rotate(ranked.begin(), ranked.begin() + std::ptrdiff_t(i),
+                  ranked.begin() + std::ptrdiff_t(i) + 1);
+      return;
+    }
+  }
 }
 
 // ---- ds_config.json out ----
