@@ -2205,7 +2205,7 @@ TEST_F(TrainCli, TwoRanksReshardHoldsNoMoreMemoryThanAResume) {
   GTEST_SKIP() << "no MPI launcher";
 #else
   if (!std::getenv("STRATA_TEST_MPI"))
-    GTEST_SKIP() << "runs as the train_cli_mpi test (STRATA_TEST_MPI=1)";
+    GTEST_SKIP() << "runs as the train_cli_mpi_reshard_rss test (STRATA_TEST_MPI=1)";
 #ifdef __SANITIZE_ADDRESS__
   GTEST_SKIP()
       << "under AddressSanitizer the peak RSS counts its shadow memory and freed-memory quarantine";
