@@ -1480,15 +1480,14 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
 }
 
 void recommend_less_drive_bound(std::vector<Candidate>& ranked) {
-  if (ranked.empty()) return;
-  const Prediction& fastest = ranked[0].prediction;
   const auto drive = [](const Candidate& c) { return c.prediction.busy_s[int(Resource::kNvme)]; };
-  // Markedly less: not a flip on a rounding (0 < 0 is false: without a drive nothing moves).
+  if (ranked.empty() || drive(ranked[0]) <= 0) return;  // the fastest leaves the drive alone
+  const double fastest = ranked[0].prediction.tokens_per_s;
+  // Markedly less: not a flip on a rounding.
   const double at_most = kRecommendDriveAtMost * drive(ranked[0]);
   for (std::size_t i = 1; i < ranked.size(); ++i) {
-    if (ranked[i].prediction.tokens_per_s < (1 - kRecommendTieWithin) * fastest.tokens_per_s)
-      return;
-    if (drive(ranked[i]) <= at_most && drive(ranked[i]) < drive(ranked[0])) {
+    if (ranked[i].prediction.tokens_per_s < (1 - kRecommendTieWithin) * fastest) return;
+    if (drive(ranked[i]) <= at_most) {
       std::rotate(ranked.begin(), ranked.begin() + std::ptrdiff_t(i),
                   ranked.begin() + std::ptrdiff_t(i) + 1);
       return;
