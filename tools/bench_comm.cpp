@@ -20,6 +20,8 @@
 #include "strata/system_info.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace comm_cmd {
 namespace {
 
 struct CommArgs {
@@ -203,8 +205,10 @@ void run_comm(const CommArgs& a) {
 }
 
 }  // namespace
+}  // namespace comm_cmd
 
 void add_comm_command(CLI::App& app) {
+  using namespace comm_cmd;
   auto args = std::make_shared<CommArgs>();
   CLI::App* cmd = app.add_subcommand(
       "comm",

@@ -41,6 +41,8 @@
 #include "tool_main.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace engine_cmd {
 namespace {
 
 constexpr int kWarmupSteps = 2;
@@ -621,8 +623,10 @@ void run(const Args& a) {
 }
 
 }  // namespace
+}  // namespace engine_cmd
 
 void add_engine_command(CLI::App& app) {
+  using namespace engine_cmd;
   auto* cmd = app.add_subcommand("engine",
                                  "ZeRO-3 engine step time vs its busiest resource (compute, link, "
                                  "NVMe, CPU AdamW), from the trace");

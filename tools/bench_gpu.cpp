@@ -48,6 +48,8 @@
 #include "tool_main.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace gpu_cmd {
 namespace {
 
 namespace fs = std::filesystem;
@@ -932,8 +934,10 @@ void run(Args a) {
 }
 
 }  // namespace
+}  // namespace gpu_cmd
 
 void add_gpu_command(CLI::App& app) {
+  using namespace gpu_cmd;
   auto* cmd = app.add_subcommand(
       "gpu",
       "link, GEMM, AdamW, model kernels and model step on a CUDA GPU vs its measured "

@@ -21,6 +21,8 @@
 #include "tool_main.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace model_cmd {
 namespace {
 
 struct Args {
@@ -277,8 +279,10 @@ void run(const Args& a) {
 }
 
 }  // namespace
+}  // namespace model_cmd
 
 void add_model_command(CLI::App& app) {
+  using namespace model_cmd;
   auto* cmd = app.add_subcommand(
       "model",
       "transformer forward+backward tokens/s and GFLOP/s vs the library's rate on the model's own "

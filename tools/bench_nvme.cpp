@@ -32,6 +32,8 @@
 #include "tool_main.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace nvme_cmd {
 namespace {
 
 namespace fs = std::filesystem;
@@ -896,8 +898,10 @@ void run_sweep(const NvmeArgs& a) {
 }
 
 }  // namespace
+}  // namespace nvme_cmd
 
 void add_nvme_command(CLI::App& app) {
+  using namespace nvme_cmd;
   auto a = std::make_shared<NvmeArgs>();
   CLI::App* c =
       app.add_subcommand("nvme", "sequential NVMe write+read through strata's I/O engine (vs fio)");

@@ -33,6 +33,8 @@
 extern char** environ;
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace tokenize_cmd {
 namespace {
 
 namespace fs = std::filesystem;
@@ -457,8 +459,10 @@ void run(const Args& a) {
 }
 
 }  // namespace
+}  // namespace tokenize_cmd
 
 void add_tokenize_command(CLI::App& app) {
+  using namespace tokenize_cmd;
   auto* cmd = app.add_subcommand(
       "tokenize", "tokenizer encode MB/s per thread vs Hugging Face's Rust tokenizers, scaling");
   auto a = std::make_shared<Args>();

@@ -19,6 +19,8 @@
 #include "tool_main.h"
 
 namespace strata::bench {
+// This command's own names: the benchmarks compile as one file (tools/CMakeLists.txt).
+namespace tp_cmd {
 namespace {
 
 struct TpArgs {
@@ -151,8 +153,10 @@ void run_tp(const TpArgs& a) {
 }
 
 }  // namespace
+}  // namespace tp_cmd
 
 void add_tp_command(CLI::App& app) {
+  using namespace tp_cmd;
   auto a = std::make_shared<TpArgs>();
   CLI::App* cmd = app.add_subcommand(
       "tp",
