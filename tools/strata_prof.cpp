@@ -495,8 +495,9 @@ std::size_t fastest_predicted(const SearchResult& sr) {
   return f;
 }
 
-// The best `shown` candidates as predicted (rank 0).
-void print_ranked(const SearchResult& sr, std::size_t shown) {
+// The best `shown` candidates as predicted (rank 0), and why #1 is not the fastest prediction
+// when it is not (`fastest`: fastest_predicted()).
+void print_ranked(const SearchResult& sr, std::size_t shown, std::size_t fastest) {
   std::printf("%zu placements considered, %zu fit; the best %zu (predicted):\n", sr.considered,
               sr.ranked.size(), shown);
   std::printf("  %-3s %10s %10s %-9s %10s %10s %10s  %s\n", "#", "step ms", "tokens/s", "bound by",
@@ -509,7 +510,6 @@ void print_ranked(const SearchResult& sr, std::size_t shown) {
                 human(double(c.plan.host_bytes)).c_str(), human(double(c.plan.nvme_bytes)).c_str(),
                 c.label.c_str());
   }
-  const std::size_t fastest = fastest_predicted(sr);
   if (fastest != 0) {
     const Candidate &rec = sr.ranked[0], &f = sr.ranked[fastest];
     const int drive = int(Resource::kNvme);
@@ -607,7 +607,8 @@ int run(Args a) {
   }
   const std::size_t shown =
       std::min<std::size_t>(std::size_t(std::max(1, a.top)), sr.ranked.size());
-  if (talk) print_ranked(sr, shown);
+  const std::size_t fastest = fastest_predicted(sr);
+  if (talk) print_ranked(sr, shown, fastest);
   const Candidate& best = sr.ranked[0];
   if (talk && !a.out.empty()) write_recommendation(a, best, m, config_train_batch);
   const std::vector<ValidationPick> picks =
@@ -631,7 +632,7 @@ int run(Args a) {
         "none: predictions only, from the measured machine and layer profile; --validate K runs "
         "candidates and holds the predictions to their measured steps";
   j["fits"] = true;
-  j["fastest_predicted_rank"] = fastest_predicted(sr) + 1;
+  j["fastest_predicted_rank"] = fastest + 1;
   j["candidates"] = cands;
   j["best_config_file"] = a.out.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.out);
   j["total_seconds"] = since(t_start);
