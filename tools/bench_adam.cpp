@@ -60,19 +60,25 @@ struct Mode {
   }
 };
 
-// A 2 MiB-aligned array, as the engine's pinned buffers are (page-aligned, huge pages where
-// available): an offset of 16 bytes, as malloc gives, would make every AVX-512 access split
-// a cache line.
+// An array that starts `slot` * 64 KiB past a 2 MiB boundary (64-byte aligned, as AVX-512 wants);
+// the arrays one loop streams together take different slots. Each is its own allocation and glibc
+// maps them side by side, so at offset 0 they lie multiples of 2 MiB apart (100M fp32: 384 MiB,
+// 3 * 2^27), and on the AMD EPYC Zen 5 VM (2026-12-06) the fp32 step so placed ran 0.84-1.21 G
+// params/s on one thread and the DeepSpeed-style loop 0.55-1.15, their ratio 0.90-1.52 from run to
+// run, where with the offsets they ran 1.46-1.67 and 1.47-1.61, 0.99-1.04
+// (docs/benchmarks.md#cpu-adamw): streams that far apart likely meet in one memory channel or one
+// set of cache lines at every step.
 template <class T>
 class Aligned {
  public:
-  explicit Aligned(std::size_t n)
+  Aligned(std::size_t n, int slot)
       : n_(n),
-        p_(static_cast<T*>(
-            std::aligned_alloc(kAlign, (n * sizeof(T) + kAlign - 1) / kAlign * kAlign))) {
-    STRATA_CHECK(p_ != nullptr, "cannot allocate {} bytes for the benchmark", n * sizeof(T));
+        base_(static_cast<char*>(std::aligned_alloc(
+            kAlign, (n * sizeof(T) + std::size_t(slot) * kSlot + kAlign - 1) / kAlign * kAlign))),
+        p_(base_ ? reinterpret_cast<T*>(base_ + std::size_t(slot) * kSlot) : nullptr) {
+    STRATA_CHECK(base_ != nullptr, "cannot allocate {} bytes for the benchmark", n * sizeof(T));
   }
-  ~Aligned() { std::free(p_); }
+  ~Aligned() { std::free(base_); }
   Aligned(const Aligned&) = delete;
   Aligned& operator=(const Aligned&) = delete;
   T* data() { return p_; }
@@ -80,16 +86,32 @@ class Aligned {
   std::size_t size() const { return n_; }
 
  private:
-  static constexpr std::size_t kAlign = std::size_t(2) << 20;
+  static constexpr std::size_t kAlign = std::size_t(2) << 20, kSlot = std::size_t(64) << 10;
   std::size_t n_;
+  char* base_;
   T* p_;
 };
 
 struct Arrays {
-  explicit Arrays(std::size_t n) : p(n), m(n), v(n), g(n), m16(n), v16(n), g16(n), c16(n) {}
+  explicit Arrays(std::size_t n)
+      : p(n, 0), m(n, 1), v(n, 2), g(n, 3), m16(n, 4), v16(n, 5), g16(n, 6), c16(n, 7) {}
   Aligned<float> p, m, v, g;
   Aligned<std::uint16_t> m16, v16, g16, c16;
 };
+
+// Where each array starts past a 2 MiB boundary, in KiB, from its address (`array_offsets_kib`
+// in the JSON): the arrays a loop streams together must not share one.
+template <class T>
+std::size_t offset_kib(Aligned<T>& x) {
+  return (reinterpret_cast<std::uintptr_t>(x.data()) & ((std::size_t(2) << 20) - 1)) >> 10;
+}
+nlohmann::json array_offsets_kib(Arrays& a, Aligned<float>& ta, Aligned<float>& tb,
+                                 Aligned<float>& tc) {
+  return {{"p", offset_kib(a.p)},      {"m", offset_kib(a.m)},     {"v", offset_kib(a.v)},
+          {"g", offset_kib(a.g)},      {"m16", offset_kib(a.m16)}, {"v16", offset_kib(a.v16)},
+          {"g16", offset_kib(a.g16)},  {"c16", offset_kib(a.c16)}, {"triad_a", offset_kib(ta)},
+          {"triad_b", offset_kib(tb)}, {"triad_c", offset_kib(tc)}};
+}
 
 void init(Arrays& a, int threads) {
   timed_parallel(a.p.size(), threads, [&](std::size_t lo, std::size_t hi) {
@@ -545,7 +567,7 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
   Arrays a(params);
   // Triad arrays big enough for the largest mode's bytes (30 B/param) / 3.
   const std::size_t triad_n = params * 30 / 12 + 1;
-  Aligned<float> ta(triad_n), tb(triad_n), tc(triad_n);
+  Aligned<float> ta(triad_n, 0), tb(triad_n, 1), tc(triad_n, 2);
   Bench b{params, reps, policy, isa, a, ta, tb, tc};
   print_header(b, check);
   // A working set the last-level cache holds runs at cache speed, the step and the bound alike,
@@ -600,12 +622,17 @@ void run(std::size_t params, const std::vector<int>& thread_counts, int reps, bo
          "copy-out with the step's stores (copy_out_stores), at the mode's bytes as the step; "
          "ds_style_gbps where the row has it: the DeepSpeed-style loop, the same bytes), each "
          "compiled for bound_isa, the probes best of before and after the step"},
+        {"array_layout",
+         "each array its own allocation, starting slot * 64 KiB past a 2 MiB boundary (p, m, v, "
+         "g, m16, v16, g16, c16: slots 0-7; the triad's a, b, c: 0-2), so that no two arrays a "
+         "loop streams together lie a multiple of 2 MiB apart"},
         {"native_bf16", adamw_native_bf16()},
         {"non_finite_policy", skip_check ? "skip_step" : "report_only"},
         {"reps", reps},
         {"cache_resident", cache_resident},
         {"results", rows}};
     j.update(ds_style_json(b, check));
+    j["array_offsets_kib"] = array_offsets_kib(a, ta, tb, tc);
     print_json(j);
   }
 }
