@@ -692,8 +692,9 @@ TEST(BenchCli, AdamBoundLoopsRunTheKernelsIsaAndABrokenBoundIsSaid) {
       EXPECT_EQ(row.at("copy_out_stores"), row.at("copy_out") == "none" ? "none" : "plain") << row;
     }
     EXPECT_NE(j.at("bound").get<std::string>().find("write-allocate"), std::string::npos) << r.out;
-    // No two arrays one loop streams together start at the same offset past a 2 MiB boundary
-    // (they lay multiples of 2 MiB apart, a slow layout on some hosts): read from their addresses.
+    // No two arrays one loop streams together start at the same offset past a 2 MiB boundary (at
+    // one offset they would lie multiples of 2 MiB apart, a slow layout on some hosts): read from
+    // their addresses.
     const nlohmann::json& offsets = j.at("array_offsets_kib");
     for (const auto& group : std::vector<std::vector<std::string>>{
              {"p", "m", "v", "g", "m16", "v16", "g16", "c16"}, {"triad_a", "triad_b", "triad_c"}}) {

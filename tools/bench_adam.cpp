@@ -60,23 +60,22 @@ struct Mode {
   }
 };
 
+constexpr std::size_t kArrayAlign = std::size_t(2) << 20;
+
 // An array that starts `slot` * 64 KiB past a 2 MiB boundary (64-byte aligned, as AVX-512 wants);
 // the arrays one loop streams together take different slots. Each is its own allocation and glibc
-// maps them side by side, so at offset 0 they lie multiples of 2 MiB apart (100M fp32: 384 MiB,
-// 3 * 2^27), and on the AMD EPYC Zen 5 VM (2026-12-06) the fp32 step so placed ran 0.84-1.21 G
-// params/s on one thread and the DeepSpeed-style loop 0.55-1.15, their ratio 0.90-1.52 from run to
-// run, where with the offsets they ran 1.46-1.67 and 1.47-1.61, 0.99-1.04
-// (docs/benchmarks.md#cpu-adamw): streams that far apart likely meet in one memory channel or one
-// set of cache lines at every step.
+// maps them side by side, so at one offset they would lie multiples of 2 MiB apart (100M fp32:
+// 384 MiB, 3 * 2^27), and on the AMD EPYC Zen 5 VM (2026-12-06) the fp32 step so placed ran
+// 0.84-1.21 G params/s on one thread and the DeepSpeed-style loop 0.55-1.15, their ratio 0.90-1.52
+// from run to run, where with the offsets they ran 1.46-1.67 and 1.47-1.61, 0.99-1.04
+// (docs/benchmarks.md#cpu-adamw; over all modes the layouts' means differ less, either way).
+// Streams that far apart likely meet in one L3 set or one memory channel or bank at every step.
 template <class T>
 class Aligned {
  public:
   Aligned(std::size_t n, int slot)
-      : n_(n),
-        base_(static_cast<char*>(std::aligned_alloc(
-            kAlign, (n * sizeof(T) + std::size_t(slot) * kSlot + kAlign - 1) / kAlign * kAlign))),
-        p_(base_ ? reinterpret_cast<T*>(base_ + std::size_t(slot) * kSlot) : nullptr) {
-    STRATA_CHECK(base_ != nullptr, "cannot allocate {} bytes for the benchmark", n * sizeof(T));
+      : n_(n), offset_(offset_of(slot)), base_(allocate(n * sizeof(T) + offset_)) {
+    p_ = reinterpret_cast<T*>(base_ + offset_);
   }
   ~Aligned() { std::free(base_); }
   Aligned(const Aligned&) = delete;
@@ -86,10 +85,21 @@ class Aligned {
   std::size_t size() const { return n_; }
 
  private:
-  static constexpr std::size_t kAlign = std::size_t(2) << 20, kSlot = std::size_t(64) << 10;
-  std::size_t n_;
+  static constexpr std::size_t kSlot = std::size_t(64) << 10;
+  static std::size_t offset_of(int slot) {
+    STRATA_CHECK(slot >= 0 && std::size_t(slot) * kSlot < kArrayAlign, "array slot {} out of range",
+                 slot);
+    return std::size_t(slot) * kSlot;
+  }
+  static char* allocate(std::size_t bytes) {
+    auto* p = static_cast<char*>(
+        std::aligned_alloc(kArrayAlign, (bytes + kArrayAlign - 1) / kArrayAlign * kArrayAlign));
+    STRATA_CHECK(p != nullptr, "cannot allocate {} bytes for the benchmark", bytes);
+    return p;
+  }
+  std::size_t n_, offset_;
   char* base_;
-  T* p_;
+  T* p_ = nullptr;
 };
 
 struct Arrays {
@@ -103,7 +113,7 @@ struct Arrays {
 // in the JSON): the arrays a loop streams together must not share one.
 template <class T>
 std::size_t offset_kib(Aligned<T>& x) {
-  return (reinterpret_cast<std::uintptr_t>(x.data()) & ((std::size_t(2) << 20) - 1)) >> 10;
+  return (reinterpret_cast<std::uintptr_t>(x.data()) & (kArrayAlign - 1)) >> 10;
 }
 nlohmann::json array_offsets_kib(Arrays& a, Aligned<float>& ta, Aligned<float>& tb,
                                  Aligned<float>& tc) {
