@@ -1080,6 +1080,43 @@ TEST(Engine, SubGroupsGiveTheSameBitsInSmallerBuffers) {
   }
 }
 
+// Units whose master, m and v would lie a multiple of 64 MiB apart get gaps after them
+// (layout.h's state_stride): two units of 8M elements (32 MiB an array, so v would be 64 MiB after
+// master), the optimizer state of one on the host, of the other on NVMe. The same bits as with
+// the state on the device; the NVMe files and the plan agree to the byte, gaps included; the
+// plan says the gaps, 3 x 64 KiB a unit on each tier.
+TEST(Engine, OptimizerStateWithGapsGivesTheSameBitsAndKeepsToThePlan) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({64, 131072, 64}, 4, 47);  // units of 8388608 elements
+  TempDir nv;
+  RunSetup dev;
+  dev.steps = 3;
+  dev.cfg.compute_dtype = DType::kBF16;
+  const RunOut ref = train(dev, model);
+  for (const bool early : {false, true}) {
+    RunSetup s = dev;
+    s.cfg.optimizer.device_fraction = 0;
+    s.cfg.optimizer.host_fraction = 0.5;  // the first unit's on the host, the second's on NVMe
+    s.cfg.grads = on(Tier::kHost);
+    s.cfg.optimizer_nvme_paths = {nv.path};
+    s.cfg.overlap_optimizer = early;
+    s.cfg.host_budget_bytes = std::uint64_t(1) << 30;
+    const RunOut r = train(s, model);
+    const std::string what = fmt::format("early step {}", early);
+    expect_identical(ref, r, what.c_str());
+    EXPECT_EQ(r.plan.early_optimizer_step, early) << r.plan.table();
+    std::uint64_t gaps[3] = {};
+    for (const PlanLine& l : r.plan.lines)
+      if (l.what.rfind("optimizer state: gaps", 0) == 0) gaps[static_cast<int>(l.tier)] += l.bytes;
+    EXPECT_EQ(gaps[static_cast<int>(Tier::kHost)], 3u * 65536) << what << "\n" << r.plan.table();
+    EXPECT_EQ(gaps[static_cast<int>(Tier::kNvme)], 3u * 65536) << what << "\n" << r.plan.table();
+    EXPECT_EQ(r.stats.nvme_bytes, r.plan.nvme_bytes) << what << "\n" << r.plan.table();
+    EXPECT_LE(r.stats.host_pinned_peak_bytes, r.plan.host_bytes + (std::uint64_t(2) << 20))
+        << what << "\n"
+        << r.plan.table();
+  }
+}
+
 // zero_optimization.reduce_bucket_size: the reducer works each unit's gradient a bucket at a time
 // (on one rank: the copy to the host and the accumulation; the reduce-scatter with more, in
 // engine_mpi_test). Gradients on the device or the host, one micro-batch (the device takes

@@ -85,6 +85,52 @@ std::string units_by_start(const Prediction& p, const std::string& what) {
 constexpr std::uint64_t kLayer = 2048 * 1024;  // 2M parameters, 8 MiB in fp32
 constexpr double kRel = 1e-6;
 
+// A unit's master, m and v off the device lie state_stride(n) elements apart (layout.h): n where
+// no stride of 1 to 6 arrays is within 64 KiB of a multiple of 64 MiB, else n plus one or two
+// 64 KiB gaps, which take them all out.
+TEST(Layout, OptimizerStateArraysAreNotAMultipleOf64MiBApart) {
+  constexpr std::uint64_t kPeriod = std::uint64_t(64) << 20, kNear = 65536;
+  const auto near1 = [&](std::uint64_t bytes) {
+    for (std::uint64_t k = 1; k * kPeriod < bytes + kNear; ++k)
+      if ((bytes > k * kPeriod ? bytes - k * kPeriod : k * kPeriod - bytes) < kNear) return true;
+    return false;
+  };
+  const auto near = [&](std::uint64_t stride_bytes) {
+    for (std::uint64_t k = 1; k <= 6; ++k)
+      if (near1(k * stride_bytes)) return true;
+    return false;
+  };
+  EXPECT_EQ(detail::state_stride(2048), 2048u);
+  EXPECT_EQ(detail::state_stride(kLayer), kLayer);                         // 8 MiB, 16 MiB: no gaps
+  EXPECT_EQ(detail::state_stride(1u << 23), (1u << 23) + 16384);           // v 64 MiB after master
+  EXPECT_EQ(detail::state_stride(1u << 24), (1u << 24) + 16384);           // m 64 MiB after master
+  EXPECT_EQ(detail::state_stride((1u << 24) - 2048), (1u << 24) + 30720);  // two gaps
+  EXPECT_EQ(detail::state_elems(1u << 25), 3 * ((1u << 25) + 16384));
+  // Every size in whole pages around the multiples of 32 MiB up to 1 GiB.
+  int padded = 0;
+  for (std::uint64_t m = 1; m <= 32; ++m)
+    for (std::int64_t d = -40; d <= 40; ++d) {
+      const std::uint64_t n = m * (std::uint64_t(8) << 20) + std::uint64_t(d * 2048);
+      const std::uint64_t st = detail::state_stride(n);
+      ASSERT_GE(st, n);
+      ASSERT_EQ((st - n) % detail::kStateGapElems, 0u) << n;
+      ASSERT_LE(st - n, 2 * detail::kStateGapElems) << n;
+      EXPECT_FALSE(near(4 * st)) << n << " -> " << st;
+      EXPECT_EQ(st == n, !near(4 * n)) << n;
+      padded += st != n;
+    }
+  // Padded: the 15 sizes within 64 KiB of each multiple of 64 MiB, and the 7 within 16 KiB of each
+  // odd multiple of 32 MiB (twice them within 64 KiB of 64 MiB; 4 and 6 times them are nearer).
+  EXPECT_EQ(padded, 16 * 7 + 16 * 15);
+  // The gaps' bytes: the host's one block, NVMe's one record a sub-group, the device's none.
+  const std::uint64_t n = std::uint64_t(1) << 24;
+  EXPECT_EQ(detail::state_gap_bytes(n, n, Tier::kHost), 3u * 65536);
+  EXPECT_EQ(detail::state_gap_bytes(n, n, Tier::kDevice), 0u);
+  EXPECT_EQ(detail::state_gap_bytes(3 * n, n, Tier::kNvme), 3 * 3u * 65536);
+  EXPECT_EQ(detail::state_gap_bytes(n + kLayer, n, Tier::kNvme), 3u * 65536);  // 8 MiB last: none
+  EXPECT_EQ(detail::state_gap_bytes(n + kLayer, n, Tier::kHost), 0u);          // 72 MiB: none
+}
+
 // The fetch rules the engine and the replay share (schedule.h): what prefetch takes, when a
 // fetch releases, and which unit goes.
 TEST(Schedule, PrefetchTheLiveBudgetAndTheUnitReleased) {

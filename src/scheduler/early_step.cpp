@@ -63,9 +63,11 @@ void EarlyStepper::cancel_queued() {
 }
 
 void EarlyStepper::count_io(const Unit& u) {
-  if (u.o_tier == Tier::kNvme) {
-    s.st.nvme_read_bytes += 3 * u.shard * 4;
-    s.st.nvme_written_bytes += 3 * u.shard * 4;
+  if (u.o_tier == Tier::kNvme) {  // each sub-group's record, gaps included (layout.h)
+    const std::uint64_t bytes =
+        3 * u.shard * 4 + detail::state_gap_bytes(u.shard, s.sg, Tier::kNvme);
+    s.st.nvme_read_bytes += bytes;
+    s.st.nvme_written_bytes += bytes;
   }
   if (!u.resident && u.w_tier == Tier::kNvme) s.st.nvme_written_bytes += u.shard * s.c_size;
 }
@@ -276,8 +278,9 @@ void EarlyStepper::read_ahead(std::size_t ui, std::size_t g) {
   Unit& u = s.units[ui];
   if (u.o_tier != Tier::kNvme || reads.count({ui, g})) return;
   const std::size_t n = s.range(u, g).size;
-  auto b = s.pinned(SwapStore::padded_bytes(3 * n * 4));
-  reads[{ui, g}] = {b, s.o_store->read(s.o_key(ui, g), b->data(), 3 * n * 4)};
+  const std::size_t bytes = detail::state_elems(n) * 4;  // master | m | v (layout.h)
+  auto b = s.pinned(SwapStore::padded_bytes(bytes));
+  reads[{ui, g}] = {b, s.o_store->read(s.o_key(ui, g), b->data(), bytes)};
 }
 
 void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
@@ -309,15 +312,16 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     if (u.o_tier == Tier::kHost) {
       const float* src = static_cast<const float*>(u.o.host->data());
       float* dst = static_cast<float*>(u.early.o_alt->data());
+      const std::size_t stride = detail::state_stride(n);
       master = dst + a;
       sh = {host_tensor(dst + a, DType::kF32, len),
             host_tensor(g + a, DType::kF32, len),
-            host_tensor(dst + n + a, DType::kF32, len),
-            host_tensor(dst + 2 * n + a, DType::kF32, len),
+            host_tensor(dst + stride + a, DType::kF32, len),
+            host_tensor(dst + 2 * stride + a, DType::kF32, len),
             {}};
       sh.params_src = host_tensor(src + a, DType::kF32, len);
-      sh.m_src = host_tensor(src + n + a, DType::kF32, len);
-      sh.v_src = host_tensor(src + 2 * n + a, DType::kF32, len);
+      sh.m_src = host_tensor(src + stride + a, DType::kF32, len);
+      sh.v_src = host_tensor(src + 2 * stride + a, DType::kF32, len);
       if (gi + 1 == G) read_ahead_next();  // (an NVMe job after it)
     } else {
       read_ahead(ui, gi);
@@ -331,10 +335,11 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
       reads.erase(it);
       h.wait();
       master = static_cast<float*>(state->data());
+      const std::size_t stride = detail::state_stride(len);
       sh = {host_tensor(master, DType::kF32, len),
             host_tensor(g + a, DType::kF32, len),
-            host_tensor(master + len, DType::kF32, len),
-            host_tensor(master + 2 * len, DType::kF32, len),
+            host_tensor(master + stride, DType::kF32, len),
+            host_tensor(master + 2 * stride, DType::kF32, len),
             {}};
     }
     std::shared_ptr<PinnedBlock> w_block;  // NVMe weights: the sub-group's, written behind
@@ -358,8 +363,8 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     }
     if (state) {
       bound_io(writes, detail::state_writes_in_flight(s.cfg));
-      IoHandle h =
-          s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(), 3 * len * 4);
+      IoHandle h = s.o_store->write(s.key('o', ui, 1 - u.early.o_gen, gi), state->data(),
+                                    detail::state_elems(len) * 4);
       h.on_complete([state](std::exception_ptr) {});
       writes.push_back(h);
       u.early.io.push_back(h);

@@ -414,12 +414,14 @@ void Engine::Impl::place_initial_state() {
     }
     end_put(ui);
     if (early_step.eligible(u)) {  // the early step's second copies (the plan's lines)
-      if (u.o_tier == Tier::kHost) u.early.o_alt = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+      if (u.o_tier == Tier::kHost)
+        u.early.o_alt = pinned(SwapStore::padded_bytes(detail::state_elems(u.shard) * 4));
       if (!u.resident && u.w_tier == Tier::kHost)
         u.early.w_alt = pinned(SwapStore::padded_bytes(u.shard * c_size));
       for (std::size_t g = 0; g < groups(u); ++g) {
         const std::size_t n = range(u, g).size;
-        if (u.o_tier == Tier::kNvme) o_store->reserve(Impl::key('o', ui, 1, g), 3 * n * 4);
+        if (u.o_tier == Tier::kNvme)
+          o_store->reserve(Impl::key('o', ui, 1, g), detail::state_elems(n) * 4);
         if (!u.resident && u.w_tier == Tier::kNvme)
           w_store->reserve(Impl::key('w', ui, 1, g), n * c_size);
       }

@@ -76,7 +76,7 @@ void Engine::Impl::begin_put(std::size_t ui, bool first) {
     if (u.o_tier == Tier::kDevice)
       u.o.dev = dev.alloc(3 * u.shard * 4);
     else if (u.o_tier == Tier::kHost)
-      u.o.host = pinned(SwapStore::padded_bytes(3 * u.shard * 4));
+      u.o.host = pinned(SwapStore::padded_bytes(detail::state_elems(u.shard) * 4));
   }
   if (u.resident && u.fetch.released.valid())
     fetch_s->wait(u.fetch.released);  // the compute stream's last read
@@ -110,17 +110,22 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master,
         up.fill(dst, 0.0f);
     }
   } else {
-    std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v
-    if (u.o_tier == Tier::kNvme) block = pinned(SwapStore::padded_bytes(3 * n * 4));
+    std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v (layout.h)
+    const std::size_t block_bytes = detail::state_elems(n) * 4;
+    if (u.o_tier == Tier::kNvme) {
+      block = pinned(SwapStore::padded_bytes(block_bytes));
+      std::memset(block->data(), 0, block_bytes);  // the gaps too: the record is written whole
+    }
     float* o = block ? static_cast<float*>(block->data()) : static_cast<float*>(u.o.host->data());
+    const std::size_t stride = detail::state_stride(block ? n : u.shard);
     for (std::size_t k = 0; k < 3; ++k) {
-      float* dst = block ? o + k * n : o + k * u.shard + a;
+      float* dst = o + k * stride + (block ? 0 : a);
       if (parts[k])
         std::memcpy(dst, parts[k], n * 4);
       else
         std::memset(dst, 0, n * 4);
     }
-    if (block) o_store->write(o_key(ui, g), block->data(), 3 * n * 4).wait();
+    if (block) o_store->write(o_key(ui, g), block->data(), block_bytes).wait();
   }
   up.synchronize();  // the staging is released when this scope ends
 }
@@ -146,11 +151,14 @@ void Engine::Impl::get_group(std::size_t ui, std::size_t g, float* out) {
     opt_s->synchronize();
   } else if (u.o_tier == Tier::kHost) {
     const float* o = static_cast<const float*>(u.o.host->data());
-    for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * u.shard + a, n * 4);
+    const std::size_t stride = detail::state_stride(u.shard);
+    for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * stride + a, n * 4);
   } else {
-    auto b = pinned(SwapStore::padded_bytes(3 * n * 4));
-    o_store->read(o_key(ui, g), b->data(), 3 * n * 4).wait();
-    std::memcpy(out, b->data(), 3 * n * 4);
+    const std::size_t block_bytes = detail::state_elems(n) * 4, stride = detail::state_stride(n);
+    auto b = pinned(SwapStore::padded_bytes(block_bytes));
+    o_store->read(o_key(ui, g), b->data(), block_bytes).wait();
+    const float* o = static_cast<const float*>(b->data());
+    for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * stride, n * 4);
   }
 }
 

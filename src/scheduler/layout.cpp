@@ -16,6 +16,32 @@ std::uint64_t sub_group_elems(const EngineConfig& c) {
   return std::max<std::uint64_t>(kShardAlign, c.sub_group_size / kShardAlign * kShardAlign);
 }
 
+std::uint64_t state_stride(std::uint64_t n) {
+  constexpr std::uint64_t kPeriod = std::uint64_t(64) << 20, kNear = kStateGapElems * 4;
+  // Some stride of 1 to 6 arrays within kNear bytes of a nonzero multiple of kPeriod.
+  const auto near = [](std::uint64_t stride_bytes) {
+    for (std::uint64_t k = 1; k <= 6; ++k) {
+      const std::uint64_t bytes = k * stride_bytes, r = bytes % kPeriod;
+      if (bytes + kNear > kPeriod && (r < kNear || kPeriod - r < kNear)) return true;
+    }
+    return false;
+  };
+  std::uint64_t s = n;
+  while (near(4 * s)) s += kStateGapElems;
+  return s;
+}
+
+std::uint64_t state_gap_bytes(std::uint64_t shard, std::uint64_t sg, Tier tier) {
+  if (tier == Tier::kHost) return 4 * (state_elems(shard) - 3 * shard);
+  if (tier != Tier::kNvme) return 0;
+  std::uint64_t bytes = 0;
+  for (std::uint64_t g = 0; g < num_pieces(shard, sg); ++g) {
+    const std::uint64_t n = piece(shard, sg, g).size;
+    bytes += 4 * (state_elems(n) - 3 * n);
+  }
+  return bytes;
+}
+
 std::uint64_t bucket_share_elems(const EngineConfig& c, int world) {
   const std::uint64_t share = c.reduce_bucket_size / std::uint64_t(std::max(1, world));
   return std::max<std::uint64_t>(kShardAlign, share / kShardAlign * kShardAlign);

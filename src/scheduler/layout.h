@@ -25,6 +25,21 @@ std::uint64_t padded_numel(std::uint64_t numel, int world);
 // this many elements, and NVMe-tier state and weights are stored one range per key, so every
 // pinned buffer on the optimizer's path holds one range, not the whole unit.
 std::uint64_t sub_group_elems(const EngineConfig& c);
+// A unit's fp32 optimizer state off the device is one block, master | m | v: the host tier's for
+// the whole shard (n = shard), the NVMe tier's one record per sub-group (n = its elements). Each
+// array takes state_stride(n) elements: n, or n plus 64 KiB of gap (kStateGapElems) a time until
+// no stride of 1 to 6 of them lies within 64 KiB of a multiple of 64 MiB. The CPU AdamW streams
+// up to seven arrays together — the three, the early step's second copy of them and the
+// gradient, blocks the pinned pool places side by side when it can — and arrays a multiple of
+// 128 MiB apart ran it at half the speed or less (AMD EPYC Zen 5, 2026-12: a unit of 8192 x 8192,
+// docs/benchmarks.md#engine); 64 MiB apart was at times slower too.
+constexpr std::uint64_t kStateGapElems = 16384;
+std::uint64_t state_stride(std::uint64_t n);
+// The block's elements: master, m and v, each with the gap after it.
+inline std::uint64_t state_elems(std::uint64_t n) { return 3 * state_stride(n); }
+// The bytes the gaps add to a unit's optimizer state of `shard` elements, stepped in sub-groups
+// of `sg`, on `tier`: on the host one block, on NVMe one record a sub-group, on the device none.
+std::uint64_t state_gap_bytes(std::uint64_t shard, std::uint64_t sg, Tier tier);
 // A rank's share of one gradient bucket (zero_optimization.reduce_bucket_size / world, rounded
 // down to whole kShardAlign pages, at least one): the reducer reduce-scatters and accumulates a
 // unit's gradient this many shard elements at a time.

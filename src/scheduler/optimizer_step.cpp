@@ -89,7 +89,7 @@ void OptimizerPass::issue_read(std::size_t k) {
   const detail::Range r = s.range(s.units[ui], g);
   GroupRead& rd = reads[nvme_groups[k]];
   if (s.units[ui].o_tier == Tier::kNvme) {
-    const std::size_t bytes = 3 * r.size * 4;
+    const std::size_t bytes = detail::state_elems(r.size) * 4;  // master | m | v (layout.h)
     auto b = s.pinned(SwapStore::padded_bytes(bytes));
     rd.state_read = s.o_store->read(s.o_key(ui, g), b->data(), bytes);
     rd.state_read.on_complete(
@@ -222,8 +222,8 @@ void OptimizerPass::device_unit(std::size_t ui, const std::optional<TensorRef>& 
 
 void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& target) {
   Unit& u = s.units[ui];
-  const std::size_t n = u.shard;
-  // The host optimizer, a sub-group at a time.
+  // The host optimizer, a sub-group at a time; master, m and v a stride apart (layout.h).
+  const std::size_t host_stride = detail::state_stride(u.shard);
   for (std::size_t gi = 0; gi < s.groups(u); ++gi) {
     const detail::Range r = s.range(u, gi);
     const std::size_t a = r.first, len = r.size, len_w = len * s.c_size;
@@ -241,15 +241,16 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
       float* o = static_cast<float*>(u.o.host->data());
       master = o + a;
       sh.params = host_tensor(o + a, DType::kF32, len);
-      sh.m = host_tensor(o + n + a, DType::kF32, len);
-      sh.v = host_tensor(o + 2 * n + a, DType::kF32, len);
+      sh.m = host_tensor(o + host_stride + a, DType::kF32, len);
+      sh.v = host_tensor(o + 2 * host_stride + a, DType::kF32, len);
     } else {
       rd.state_read.wait();
       state_block = rd.state;
       master = static_cast<float*>(state_block->data());
       sh.params = host_tensor(master, DType::kF32, len);
-      sh.m = host_tensor(master + len, DType::kF32, len);
-      sh.v = host_tensor(master + 2 * len, DType::kF32, len);
+      const std::size_t stride = detail::state_stride(len);
+      sh.m = host_tensor(master + stride, DType::kF32, len);
+      sh.v = host_tensor(master + 2 * stride, DType::kF32, len);
     }
     std::shared_ptr<PinnedBlock> g_stage;
     if (u.g_tier == Tier::kHost) {
@@ -285,7 +286,7 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
       w_staging.push_back([e = os.record()] { e.synchronize(); });
       s.st.h2d_bytes += len_w;
     }
-    if (state_block) write_state(s.o_key(ui, gi), state_block, 3 * len * 4);
+    if (state_block) write_state(s.o_key(ui, gi), state_block, detail::state_elems(len) * 4);
     if (out == detail::WeightsOut::kNvme) write_w(ui, gi, w_block, len_w);
   }
 }

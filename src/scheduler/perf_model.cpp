@@ -441,6 +441,10 @@ class Replay {
   bool first_micro_batch = true, last_micro_batch = false;
 
   std::uint64_t groups(const SimUnit& x) { return detail::num_pieces(x.shard, sub_group); }
+  // A sub-group's NVMe state record of `len` elements: master, m and v, each with its gap.
+  static double state_bytes(double len) {
+    return double(4 * detail::state_elems(std::uint64_t(len)));
+  }
   double group_size(const SimUnit& x, std::uint64_t g) {
     return double(detail::piece(x.shard, sub_group, g).size);
   }
@@ -657,14 +661,14 @@ class Replay {
     double read = 0;
     if (x.o == Tier::kNvme) {
       const double issue = read_ahead ? early_prev_start : t;
-      read = state_read(issue, 12 * group_size(x, 0), "read state " + name(i));
+      read = state_read(issue, state_bytes(group_size(x, 0)), "read state " + name(i));
     }
     const std::uint64_t G = groups(x);
     for (std::uint64_t g = 0; g < G; ++g) {
       const double len = group_size(x, g), w_bytes = len * csz;
       t = std::max(t, read);
       if (x.o == Tier::kNvme && g + 1 < G)
-        read = state_read(t, 12 * group_size(x, g + 1), "read state " + name(i));
+        read = state_read(t, state_bytes(group_size(x, g + 1)), "read state " + name(i));
       if (g + 1 ==
           G) {  // EarlyStepper::read_ahead_next, chosen in run_next (the queue is complete then)
         early_prev_start = t;
@@ -682,7 +686,7 @@ class Replay {
           t = std::max(t, early_writes.front());
           early_writes.pop_front();
         }
-        early_writes.push_back(state_write(x, t, 12 * len, "write state " + name(i)));
+        early_writes.push_back(state_write(x, t, state_bytes(len), "write state " + name(i)));
         io = std::max(io, early_writes.back());
       }
       if (w_nvme) {
@@ -953,7 +957,7 @@ class Replay {
       const auto [i, g] = nvme_groups[k];
       read_done[k] = h;
       if (u[i].o == Tier::kNvme)
-        read_done[k] = state_read(h, 12.0 * group_size(u[i], g), "read state " + name(i));
+        read_done[k] = state_read(h, state_bytes(group_size(u[i], g)), "read state " + name(i));
       if (u[i].g == Tier::kNvme)
         read_done[k] =
             std::max(read_done[k], opt_read(h, 4.0 * group_size(u[i], g), "read grad " + name(i)));
@@ -1036,7 +1040,7 @@ class Replay {
           h = sim.op(kHostS, Resource::kCpu, h, secs(8 * len, m.host_mem_bps), "copy w " + name(i));
         if (target_dev)
           w_staging.push_back(copy(kOptS, Resource::kH2D, h, len_w, m.h2d_bps, "h2d w " + name(i)));
-        if (x.o == Tier::kNvme) write_state(x, 12 * len, h, "write state " + name(i));
+        if (x.o == Tier::kNvme) write_state(x, state_bytes(len), h, "write state " + name(i));
         if (out == detail::WeightsOut::kNvme)
           w_staging.push_back(write_behind(x, len_w, h, "write w " + name(i)));
       }

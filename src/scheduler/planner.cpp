@@ -13,6 +13,10 @@
 //       stage 3 compute-weight shard   shard * c        by `params`, over non-persistent units
 //       fp32 gradient shard            shard * 4        by `grads`
 //       fp32 master, Adam m and v      shard * 12       by `optimizer`
+//     and off the device, the gaps after master, m and v that keep them (and the blocks beside
+//     them) from lying a multiple of 64 MiB apart (layout.h's state_stride: 64 or 128 KiB each,
+//     on the host a unit's block, on NVMe each sub-group's record; none where the sizes do not
+//     call for them).
 //   - Stage 3 on the device: a unit with numel <= stage3_param_persistence_threshold stays
 //     gathered (padded * c) and has no compute-weight shard of its own. The others are gathered on
 //     use: the live budget is max(largest non-persistent unit, min(stage3_max_live_parameters,
@@ -41,7 +45,8 @@
 //       optimizer swap: max(3, offload_optimizer.buffer_count) buffers (one read ahead, one
 //         stepping, the rest written behind), each one sub-group's state: S * 12 in whole
 //         pages, S = min(sub_group_size in whole pages, largest shard), when any optimizer
-//         state lives on NVMe (the host optimizer steps a unit a sub-group at a time);
+//         state lives on NVMe (the host optimizer steps a unit a sub-group at a time); with
+//         gaps, the largest sub-group record;
 //       new compute weights on their way from the optimizer to the device or NVMe: 2 * S * c,
 //         when the optimizer state or the weights leave the device.
 //   The engine waits for the oldest of each kind of staging before it takes one more.
@@ -100,6 +105,7 @@ struct Builder {
   std::uint64_t persistent_padded = 0, np_sum = 0, np_largest = 0;  // np: gathered on use
   // The sharded state's bytes per tier, the live budget, the bucket share R and the sub-group S
   std::array<std::uint64_t, 3> param_tiers{}, grad_tiers{}, opt_tiers{};
+  std::array<std::uint64_t, 3> opt_gaps{};  // after master, m and v (layout.h), by tier
   std::uint64_t live = 0, R = 0, S = 0;
   // The host staging (add_host_staging)
   bool host_optimizer = false;
@@ -199,6 +205,12 @@ void Builder::add_weights() {
 void Builder::add_gradients_and_optimizer_state() {
   grad_tiers = place("gradient shard (fp32)", config.grads, scaled(4));
   opt_tiers = place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
+  const std::uint64_t sg = detail::sub_group_elems(config);
+  for (const detail::UnitLayout& u : layout)
+    opt_gaps[static_cast<int>(u.o)] += detail::state_gap_bytes(u.shard, sg, u.o);
+  for (Tier t : {Tier::kHost, Tier::kNvme})
+    add("optimizer state: gaps after master, m and v (64 or 128 KiB each)", t,
+        opt_gaps[static_cast<int>(t)]);
   add(config.overlap_comm ? "unit gradients (2 x largest unit, fp32, for overlap_comm)"
                           : "unit gradient (largest unit, fp32)",
       Tier::kDevice, largest_padded * 4 * detail::unit_grads_alive(config));
@@ -251,7 +263,16 @@ void Builder::add_host_staging() {
         Tier::kHost,
         detail::weight_reads_in_flight(config) * SwapStore::padded_bytes(largest_shard * c));
   }
-  opt_swap_buffer = SwapStore::padded_bytes(S * 12);
+  // One sub-group's record: S * 12, or the largest with gaps (a unit's last sub-group can be
+  // shorter and have them where S has none).
+  const std::uint64_t sg = detail::sub_group_elems(config);
+  std::uint64_t record = detail::state_elems(S);
+  for (const detail::UnitLayout& u : layout) {
+    record = std::max(record, detail::state_elems(std::min(sg, u.shard)));
+    if (u.shard > sg && u.shard % sg != 0)
+      record = std::max(record, detail::state_elems(u.shard % sg));
+  }
+  opt_swap_buffer = SwapStore::padded_bytes(record * 4);
   opt_buffers = int(detail::state_buffers(config));
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0) {
     add(fmt::format(
@@ -275,7 +296,8 @@ void Builder::add_early_step() {
   std::uint64_t new_device_w = 0;
   for (const detail::UnitLayout& u : layout) {
     if (!detail::early_step_takes(u.o, u.g)) continue;
-    o2[static_cast<int>(u.o)] += u.shard * 12;
+    o2[static_cast<int>(u.o)] +=
+        u.shard * 12 + detail::state_gap_bytes(u.shard, detail::sub_group_elems(config), u.o);
     // Where its new weights go (schedule.h): a second copy on their tier, or held for the device.
     if (detail::weights_out(u.resident, u.w) == detail::WeightsOut::kDevice)
       new_device_w += u.shard * c;
@@ -306,7 +328,7 @@ void Builder::add_swap_slack() {
     stores.push_back({paths, bytes});
   };
   put(config.param_nvme_paths, param_tiers[N] + w2[N]);
-  put(config.optimizer_nvme_paths, opt_tiers[N] + o2[N]);
+  put(config.optimizer_nvme_paths, opt_tiers[N] + opt_gaps[N] + o2[N]);
   put(config.grad_nvme_paths, grad_tiers[N]);
   const std::uint64_t stripe = std::max<std::uint64_t>(config.aio.block_size, 1);
   std::uint64_t slack = 0;
