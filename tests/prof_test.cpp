@@ -119,8 +119,8 @@ TEST(Layout, OptimizerStateArraysAreNotAMultipleOf64MiBApart) {
       EXPECT_EQ(st == n, !near(4 * n)) << n;
       padded += st != n;
     }
-  // Padded: the 15 sizes within 64 KiB of each multiple of 64 MiB, and the 7 within 16 KiB of each
-  // odd multiple of 32 MiB (twice them within 64 KiB of 64 MiB; 4 and 6 times them are nearer).
+  // Padded: the 15 sizes within 64 KiB of each multiple of 64 MiB, and the 7 within 24 KiB of each
+  // odd multiple of 32 MiB (twice them within 64 KiB of 64 MiB; 4 and 6 times them add none).
   EXPECT_EQ(padded, 16 * 7 + 16 * 15);
   // The gaps' bytes: the host's one block, NVMe's one record a sub-group, the device's none.
   const std::uint64_t n = std::uint64_t(1) << 24;

@@ -106,7 +106,8 @@ struct Unit {
     std::int64_t dev_sumsq_call = -1;
   } g;
 
-  // The optimizer state: master | m | v, fp32, 3 * shard.
+  // The optimizer state: master | m | v, fp32, 3 * shard on the device; off it, each array
+  // detail::state_stride(shard) elements (layout.h).
   struct OptimizerState {
     Buffer dev;                         // device tier
     std::shared_ptr<PinnedBlock> host;  // host tier (NVMe: keys in the optimizer's store)
