@@ -24,6 +24,7 @@
 
 #include "scheduler/layout.h"
 #include "scheduler/schedule.h"
+#include "strata/engine.h"
 #include "strata/engine_config.h"
 #include "strata/perf_model.h"
 #include "test_util.h"
@@ -106,6 +107,7 @@ TEST(Layout, OptimizerStateArraysAreNotAMultipleOf64MiBApart) {
   EXPECT_EQ(detail::state_stride(1u << 24), (1u << 24) + 16384);           // m 64 MiB after master
   EXPECT_EQ(detail::state_stride((1u << 24) - 2048), (1u << 24) + 30720);  // two gaps
   EXPECT_EQ(detail::state_elems(1u << 25), 3 * ((1u << 25) + 16384));
+  EXPECT_EQ(optimizer_state_stride(1u << 25), (1u << 25) + 16384);  // the public name of it
   // Every size in whole pages around the multiples of 32 MiB up to 1 GiB.
   int padded = 0;
   for (std::uint64_t m = 1; m <= 32; ++m)

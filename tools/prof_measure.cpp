@@ -229,10 +229,15 @@ class CacheEvictor {
 // sizes is a call's fixed time (the threads' start and join) and its parameters' rate. Stepped
 // in the cache, as a single 8M call best of 3, the Intel Xeon VM (480 MiB L3) ran 2.2-2.5 G
 // params/s, while the validated steps' 90112-parameter sub-groups took twice what that says.
+// Master, m and v lie as the engine holds them: one block, optimizer_state_stride apart.
 void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, MachineProfile& m) {
-  const std::size_t n = std::size_t(8) << 20;
+  const std::size_t n = std::size_t(8) << 20, stride = optimizer_state_stride(n);
   const DType ct = base.compute_dtype;
-  std::vector<float> p(n, 0.5f), g(n, 1e-3f), mm(n, 0.0f), v(n, 0.0f);
+  std::vector<float> state(3 * stride, 0.0f), g(n, 1e-3f);
+  std::fill_n(state.begin(), n, 0.5f);
+  float* const p = state.data();
+  float* const mm = p + stride;
+  float* const v = p + 2 * stride;
   std::vector<std::uint16_t> out16(n);
   // The path the engine will run (strata.optimizer_isa).
   STRATA_REQUIRE(isa_supported(base.optimizer_isa),
@@ -240,10 +245,10 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
                  isa_name(base.optimizer_isa), isa_unavailable(base.optimizer_isa));
   CpuAdamW adam({.isa = base.optimizer_isa});
   AdamWOptions o;
-  AdamWShard sh{host_tensor(p.data(), DType::kF32, n),
+  AdamWShard sh{host_tensor(p, DType::kF32, n),
                 host_tensor(g.data(), DType::kF32, n),
-                host_tensor(mm.data(), DType::kF32, n),
-                host_tensor(v.data(), DType::kF32, n),
+                host_tensor(mm, DType::kF32, n),
+                host_tensor(v, DType::kF32, n),
                 {}};
   if (ct != DType::kF32) sh.copy_out = host_tensor(out16.data(), ct, n);
   adam.step(o, sh);
@@ -256,10 +261,10 @@ void measure_adamw_rates(Device& dev, Stream& s, const EngineConfig& base, Machi
                        const auto t0 = Clock::now();
                        for (std::size_t a = 0; a < n; a += len) {
                          const std::size_t k = std::min(len, n - a);
-                         AdamWShard part{host_tensor(p.data() + a, DType::kF32, k),
+                         AdamWShard part{host_tensor(p + a, DType::kF32, k),
                                          host_tensor(g.data() + a, DType::kF32, k),
-                                         host_tensor(mm.data() + a, DType::kF32, k),
-                                         host_tensor(v.data() + a, DType::kF32, k),
+                                         host_tensor(mm + a, DType::kF32, k),
+                                         host_tensor(v + a, DType::kF32, k),
                                          {}};
                          if (ct != DType::kF32)
                            part.copy_out = host_tensor(out16.data() + a, ct, k);

@@ -230,4 +230,11 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
+// Where the engine holds a unit's fp32 optimizer state off the device — one block, master | m | v,
+// for a host-tier shard or an NVMe sub-group of `n` elements — each array starts this many
+// elements after the one before: n, or n plus a 64 KiB gap or two, so that arrays the CPU AdamW
+// streams together never lie a multiple of 64 MiB apart (docs/engine.md#the-optimizer-step-steplr).
+// For a benchmark or a profile that steps AdamW on the engine's layout.
+std::uint64_t optimizer_state_stride(std::uint64_t n);
+
 }  // namespace strata
