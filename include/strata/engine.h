@@ -235,6 +235,6 @@ class Engine {
 // elements after the one before: n, or n plus a 64 KiB gap or two, so that arrays the CPU AdamW
 // streams together never lie a multiple of 64 MiB apart (docs/engine.md#the-optimizer-step-steplr).
 // For a benchmark or a profile that steps AdamW on the engine's layout.
-std::uint64_t optimizer_state_stride(std::uint64_t n);
+std::size_t optimizer_state_stride(std::size_t n);
 
 }  // namespace strata

@@ -156,7 +156,7 @@ Isa Engine::host_optimizer_isa() const {
   return impl_->cpu_adam ? impl_->cpu_adam->isa() : Isa::kAuto;
 }
 float Engine::loss_scale() const { return float(impl_->scale); }
-std::uint64_t optimizer_state_stride(std::uint64_t n) { return detail::state_stride(n); }
+std::size_t optimizer_state_stride(std::size_t n) { return detail::state_stride(n); }
 
 EngineConfig Engine::with_device_defaults(EngineConfig config, const Device& device) {
   // The early optimizer step on the CPU-emulated device: its kernels run on the cores the

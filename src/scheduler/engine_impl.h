@@ -107,7 +107,8 @@ struct Unit {
   } g;
 
   // The optimizer state: master | m | v, fp32, 3 * shard on the device; off it, each array
-  // detail::state_stride(shard) elements (layout.h).
+  // detail::state_stride(shard) elements on the host, state_stride(sub-group) in each NVMe
+  // record (layout.h).
   struct OptimizerState {
     Buffer dev;                         // device tier
     std::shared_ptr<PinnedBlock> host;  // host tier (NVMe: keys in the optimizer's store)
