@@ -107,6 +107,7 @@ struct Builder {
   std::array<std::uint64_t, 3> param_tiers{}, grad_tiers{}, opt_tiers{};
   std::array<std::uint64_t, 3> opt_gaps{};  // after master, m and v (layout.h), by tier
   std::uint64_t live = 0, R = 0, S = 0;
+  std::uint64_t sg = 0;  // a sub-group's elements as the engine cuts shards (layout.h)
   // The host staging (add_host_staging)
   bool host_optimizer = false;
   bool staging_r =
@@ -176,6 +177,7 @@ void Builder::unit_sizes() {
     np_largest = std::max(np_largest, u.padded);
   }
   largest_numel = numel.empty() ? 0 : *std::max_element(numel.begin(), numel.end());
+  sg = detail::sub_group_elems(config);
 }
 
 // The compute weights: stage 3's shards, persistent units and the gathered ones; below stage 3
@@ -205,7 +207,6 @@ void Builder::add_weights() {
 void Builder::add_gradients_and_optimizer_state() {
   grad_tiers = place("gradient shard (fp32)", config.grads, scaled(4));
   opt_tiers = place("optimizer state (fp32 master, m, v)", config.optimizer, scaled(12));
-  const std::uint64_t sg = detail::sub_group_elems(config);
   for (const detail::UnitLayout& u : layout)
     opt_gaps[static_cast<int>(u.o)] += detail::state_gap_bytes(u.shard, sg, u.o);
   for (Tier t : {Tier::kHost, Tier::kNvme})
@@ -236,7 +237,7 @@ void Builder::add_gradients_and_optimizer_state() {
 void Builder::add_host_staging() {
   host_optimizer = opt_tiers[0] < total_shard * 12;
   // The optimizer's unit of work: a sub-group, or the largest shard when that is smaller.
-  S = std::min(detail::sub_group_elems(config), largest_shard);
+  S = std::min(sg, largest_shard);
   // (Not for NVMe gradients: their staging is its own line below.)
   if (grad_tiers[1] > 0 || (host_optimizer && grad_tiers[0] > 0)) {
     // reduce_grad's 2 bucket shares, or (not at the same time) step()'s one sub-group of a
@@ -265,7 +266,6 @@ void Builder::add_host_staging() {
   }
   // One sub-group's record: S * 12, or the largest with gaps (a unit's last sub-group can be
   // shorter and have them where S has none).
-  const std::uint64_t sg = detail::sub_group_elems(config);
   std::uint64_t record = detail::state_elems(S);
   for (const detail::UnitLayout& u : layout) {
     record = std::max(record, detail::state_elems(std::min(sg, u.shard)));
@@ -296,8 +296,7 @@ void Builder::add_early_step() {
   std::uint64_t new_device_w = 0;
   for (const detail::UnitLayout& u : layout) {
     if (!detail::early_step_takes(u.o, u.g)) continue;
-    o2[static_cast<int>(u.o)] +=
-        u.shard * 12 + detail::state_gap_bytes(u.shard, detail::sub_group_elems(config), u.o);
+    o2[static_cast<int>(u.o)] += u.shard * 12 + detail::state_gap_bytes(u.shard, sg, u.o);
     // Where its new weights go (schedule.h): a second copy on their tier, or held for the device.
     if (detail::weights_out(u.resident, u.w) == detail::WeightsOut::kDevice)
       new_device_w += u.shard * c;
@@ -358,12 +357,11 @@ void Builder::add_notes() {
               "shard)",
         human(largest_padded * 4), config.overlap_comm ? ", two with overlap_comm" : ""));
   }
-  if (config.sub_group_size_given && host_optimizer &&
-      detail::sub_group_elems(config) != config.sub_group_size)
+  if (config.sub_group_size_given && host_optimizer && sg != config.sub_group_size)
     plan.notes.push_back(
         fmt::format("zero_optimization.sub_group_size {} is used as {} elements (whole {}-element "
                     "pages, at least one)",
-                    config.sub_group_size, detail::sub_group_elems(config), detail::kShardAlign));
+                    config.sub_group_size, sg, detail::kShardAlign));
   if (opt_tiers[static_cast<int>(Tier::kNvme)] > 0 && config.optimizer_buffer_count < opt_buffers)
     plan.notes.push_back(
         fmt::format("offload_optimizer.buffer_count {}: {} swap buffers are used (one read ahead, "
