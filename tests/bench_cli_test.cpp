@@ -989,6 +989,18 @@ TEST(BenchCli, ACommandLineErrorIsAJsonObjectWithJson) {
   const auto j = last_json(r.out);
   EXPECT_NE(j.at("error").get<std::string>().find("--queue-depth"), std::string::npos) << r.out;
   EXPECT_EQ(j.at("kind"), "invalid argument");
+  // A first word that is no subcommand is named, with the ones there are.
+  const auto bogus = testing::run(STRATA_BENCH_BIN, {"bogus", "--json"}, d.path, "bogus");
+  EXPECT_EQ(bogus.status, 1);
+  EXPECT_EQ(last_json(bogus.out).at("error"),
+            "'bogus' is not a subcommand: give one of nvme, adam, comm, model, tp, engine, gpu, "
+            "tokenize");
+  // A count of parameters of 13 digits is a count (refused for the memory it needs, not read).
+  const auto big =
+      testing::run(STRATA_BENCH_BIN, {"adam", "--params", "1000000000000"}, d.path, "big");
+  EXPECT_EQ(big.status, 1);
+  EXPECT_NE(big.err.find("--params 1000000000000: the benchmark needs about"), std::string::npos)
+      << big.err;
 }
 
 // strata-bench gpu's ratios against a bound measured in the same run (the AdamW against a device

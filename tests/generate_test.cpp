@@ -601,6 +601,11 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
       {{"--model", m, "--prompt-ids", "1", "--top-p", "0.9"}, "give --temperature T > 0 too"},
       {{"--model", m, "--prompt-ids", "1", "--max-new-tokens", "500"},
        "takes 128 (config.json's max_position_embeddings)"},
+      // On the command line, before the model is loaded.
+      {{"--model", m, "--prompt-ids", "1", "--max-new-tokens", "-1"},
+       "--max-new-tokens: must be >= 0, got -1"},
+      {{"--model", m, "--prompt-ids", "1", "--temperature", "inf"},
+       "--temperature: 'inf' is not a finite number"},
   };
   int i = 0;
   for (const Bad& b : bad) {

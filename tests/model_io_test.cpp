@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 
@@ -238,6 +239,41 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
   ::testing::internal::CaptureStderr();
   (void)parse_model_config(typo, "config.json");
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"),
+            std::string::npos);
+}
+
+// Sizes beyond any model are refused with the key and the limit, before a layout is built from
+// them: 2^62 intermediate elements overflowed to a plan of a few thousand parameters that
+// "fit", 10^11 layers were laid out until memory ran out, and 2^64 - 1 was read as -1.
+TEST(ModelIo, SizesBeyondAnyModelAreRefused) {
+  // kLlama with `fields` ("key": value, ...) in place of its own.
+  const auto error_of = [](const std::string& fields) {
+    nlohmann::json j = nlohmann::json::parse(kLlama);
+    j.update(nlohmann::json::parse("{" + fields + "}"));
+    try {
+      (void)parse_model_config(j.dump(), "cfg");
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(error_of(R"("intermediate_size": 4611686018427387904)")
+                .find("cfg: 'intermediate_size' = 4611686018427387904 is beyond what strata runs "
+                      "(at most 16777216)"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("vocab_size": 288230376151711744)").find("(at most 2147483647)"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("num_hidden_layers": 100000000000)").find("(at most 65536)"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("intermediate_size": 18446744073709551615)")
+                .find("'intermediate_size' = 18446744073709551615 is too large"),
+            std::string::npos);
+  EXPECT_EQ(error_of(R"("num_hidden_layers": 65536, "intermediate_size": 16777216)"), "accepted");
+  // Every dimension within its limit, the whole about 2^61 parameters.
+  EXPECT_NE(error_of(R"("hidden_size": 8388608, "intermediate_size": 8388608,
+                        "num_attention_heads": 32768, "num_key_value_heads": 32768,
+                        "num_hidden_layers": 8192)")
+                .find("parameters, beyond what strata runs (at most 2^48"),
             std::string::npos);
 }
 
@@ -510,6 +546,29 @@ TEST(TokenData, AutoRefusesRawU16WhenTheVocabDoesNotFit) {
     o.format = raw;
     expect_error([&] { TokenLoader l(o); }, {"l3llmc.bin", "llm.c magic", "auto"});
   }
+  // A damaged llm.c header is said as what it is: cut inside the header (it said "not an llm.c
+  // token file ... found 20240520", the magic it wanted), a negative token count.
+  o.format = TokenFormat::kLlmc;
+  const fs::path cut = dir / "cut.bin";
+  {
+    const std::int32_t h[3] = {20240520, 2, 64};
+    std::ofstream f(cut, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(h), sizeof h);
+    f << std::string(488, '\0');  // 500 bytes of a 1024-byte header
+  }
+  o.files = {cut.string()};
+  expect_error(
+      [&] { TokenLoader l(o); },
+      {"cut.bin: truncated: an llm.c token file's header is 1024 bytes, the file has 500"});
+  {
+    std::fstream f(dir / "l3llmc.bin", std::ios::binary | std::ios::in | std::ios::out);
+    const std::int32_t minus5 = -5;
+    f.seekp(8);
+    f.write(reinterpret_cast<const char*>(&minus5), 4);
+  }
+  o.files = {(dir / "l3llmc.bin").string()};
+  expect_error([&] { TokenLoader l(o); },
+               {"l3llmc.bin: the llm.c header's token count (offset 8) is -5: damaged"});
   fs::remove_all(dir);
 }
 

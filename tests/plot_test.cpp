@@ -290,6 +290,18 @@ TEST(RunLog, ABadLineElsewhereNamesFileAndLine) {
       << error_of(nostep);
   const std::string frac = write(d, "frac.jsonl", "{\"step\": 1.5}\n");
   EXPECT_NE(error_of(frac).find("not a whole number"), std::string::npos) << error_of(frac);
+  // Drawn as step -1 and as no loss, silently, before.
+  const std::string huge = write(d, "huge.jsonl", "{\"step\": 18446744073709551615}\n");
+  EXPECT_NE(error_of(huge).find(huge + ":1: not a step of strata-train --log-json (\"step\" is "
+                                       "18446744073709551615, not a step number"),
+            std::string::npos)
+      << error_of(huge);
+  const std::string word =
+      write(d, "word.jsonl", line(1, 3) + "{\"step\": 2, \"loss\": \"abc\"}\n");
+  EXPECT_NE(error_of(word).find(word + ":2: not a step of strata-train --log-json (\"loss\" is "
+                                       "\"abc\", not a number)"),
+            std::string::npos)
+      << error_of(word);
 }
 
 TEST(RunLog, EmptyMissingAndOtherFilesAreRefusedWithTheFix) {
@@ -446,7 +458,7 @@ TEST_F(PlotTrain, BadPlotPathsAreRefusedBeforeTheFirstStep) {
                 .find("is not a folder (create it first)"),
             std::string::npos);
   EXPECT_NE(refused({"--plot", dir.path + "/same", "--log-json", dir.path + "/./same"}, "same")
-                .find("is the --log-json file"),
+                .find("--log-json and --plot both name"),
             std::string::npos);
   EXPECT_NE(refused({"--plot", dir.path + "/p.svg", "--plan"}, "plan").find("--plan runs none"),
             std::string::npos);

@@ -601,6 +601,30 @@ TEST(StrataPrep, SummaryJsonAndErrors) {
   EXPECT_NE(none.status, 0);
   EXPECT_NE(none.err.find("tokenizer.json"), std::string::npos) << none.err;
 }
+
+// -o never names a file strata-prep reads, --overwrite or not: a corpus, or a file of the
+// tokenizer's folder. Both are left as they were.
+TEST(StrataPrep, OutputThatIsAnInputIsRefused) {
+  TinyFolder t;
+  const std::string in = t.write("docs.jsonl", kDocs);
+  const std::string tok_file = t.model + "/tokenizer.json";
+  const std::string corpus_before = testing::slurp(in), tok_before = testing::slurp(tok_file);
+  const auto corpus =
+      testing::run(STRATA_PREP_BIN,
+                   {"--tokenizer", t.model, in, "-o", t.dir.path + "/./docs.jsonl", "--overwrite"},
+                   t.dir.path, "corpus");
+  EXPECT_NE(corpus.status, 0);
+  EXPECT_NE(corpus.err.find("is the input file: strata-prep would replace it"), std::string::npos)
+      << corpus.err;
+  const auto tok =
+      testing::run(STRATA_PREP_BIN, {"--tokenizer", t.model, in, "-o", tok_file, "--overwrite"},
+                   t.dir.path, "tok");
+  EXPECT_NE(tok.status, 0);
+  EXPECT_NE(tok.err.find("is the --tokenizer folder's tokenizer.json file"), std::string::npos)
+      << tok.err;
+  EXPECT_EQ(testing::slurp(in), corpus_before);
+  EXPECT_EQ(testing::slurp(tok_file), tok_before);
+}
 #endif
 
 }  // namespace

@@ -454,7 +454,8 @@ TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
   const int device = std::stoi(m[1].str()), host = std::stoi(m[2].str());
   EXPECT_NEAR(device + host, 100, 1) << r.out;
   // The plan's optimizer-state bytes per tier give the same split.
-  const Result p = train(args(dir.path + "/ratio.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
+  const Result p =
+      train(args(dir.path + "/ratio-plan.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
   ASSERT_EQ(p.status, 0) << p.out << p.err;
   std::smatch d, h;
   ASSERT_TRUE(std::regex_search(
@@ -1069,7 +1070,7 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   auto run_on = [&](const std::vector<std::string>& data, const std::string& tag) {
     std::vector<std::string> a = {"--model",  hf,        "--seq-len",  "16",   "--micro-batch",
                                   "2",        "--steps", "2",          "--lr", "0.01",
-                                  "--device", "cpu",     "--log-json", log};
+                                  "--device", "cpu",     "--log-json", log,    "--overwrite"};
     a.insert(a.end(), data.begin(), data.end());
     return run(STRATA_TRAIN_BIN, a, dir.path, tag, env);
   };
@@ -1189,9 +1190,10 @@ TEST_F(TrainCli, ChatCorporaAreRenderedWithTheFoldersTemplate) {
   }
   const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
   auto train_on = [&](std::vector<std::string> extra, const std::string& tag) {
-    std::vector<std::string> a = {"--model",       hf,    "--data",     corpus, "--seq-len", "32",
-                                  "--micro-batch", "2",   "--steps",    "2",    "--lr",      "0.01",
-                                  "--device",      "cpu", "--log-json", log};
+    std::vector<std::string> a = {
+        "--model",       hf,    "--data",     corpus, "--seq-len",  "32",
+        "--micro-batch", "2",   "--steps",    "2",    "--lr",       "0.01",
+        "--device",      "cpu", "--log-json", log,    "--overwrite"};
     a.insert(a.end(), extra.begin(), extra.end());
     return run(STRATA_TRAIN_BIN, a, dir.path, tag, env);
   };
@@ -1378,6 +1380,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
     std::string expect;  // in the first line of stderr
   };
   const std::string log = dir.path + "/x.jsonl";
+  const std::string notes = dir.path + "/notes.txt";
+  std::ofstream(notes) << "notes\n";
+  const std::string text_before = slurp(text), cfg_before = slurp(cfg);
   const std::string stage3 = dir.path + "/stage3.json";
   std::ofstream(stage3) << R"({"zero_optimization": {"stage": 3}})";
   std::vector<Case> cases = {
@@ -1389,8 +1394,33 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--demo-nvme is the embedded demo's NVMe folder"},
       {"--trace-step without --trace", args(log, {"--trace-step", "2"}),
        "--trace-step chooses the step"},
-      {"--overwrite without --out", args(log, {"--overwrite"}),
-       "--overwrite replaces an existing --out folder"},
+      {"--overwrite without an output",
+       {"--model-config", cfg, "--text", text, "--overwrite"},
+       "--overwrite replaces an existing --out folder, --log-json, --plot or --trace file"},
+      // What the run writes is never a file it reads, nor one file twice, nor a file of the
+      // user's without --overwrite (each was replaced: a --log-json on the --text corpus ended
+      // in SIGBUS with the corpus emptied).
+      {"--log-json on the --text file",
+       {"--model-config", cfg, "--text", text, "--log-json", text},
+       "--log-json " + text + " is the --text file: strata-train would replace it"},
+      {"--trace on the --model-config file", args(log, {"--trace", cfg}),
+       "--trace " + cfg + " is the --model-config file"},
+      {"--plot and --trace on one file",
+       args(log, {"--plot", dir.path + "/p.out", "--trace", dir.path + "/./p.out"}),
+       "--plot and --trace both name " + dir.path + "/p.out"},
+      {"--model-config a folder",
+       {"--model-config", dir.path, "--text", text},
+       "--model-config " + dir.path + " is a folder, not a file"},
+      // A step holds its micro-batches at once: 10^12 of them was std::bad_alloc.
+      {"--grad-accum beyond memory", args(log, {"--grad-accum", "1000000000000"}),
+       "gradient accumulation of 1000000000000 micro-batches of 2 x 16 tokens: a step holds them "
+       "all"},
+      // Read byte by byte as --text is: token ids gave a validation loss of no text.
+      {"--eval-data of token ids beside --text", args(log, {"--eval-data", ids32k}),
+       "--eval-data " + ids32k + ": holds NUL bytes, so it is no text"},
+      {"--log-json on a file of the user's",
+       {"--model-config", cfg, "--text", text, "--log-json", notes},
+       "--log-json " + notes + " exists: pass --overwrite to replace it"},
       {"--checkpoint-dir without --save-every", args(log, {"--checkpoint-dir", dir.path + "/ck"}),
        "--checkpoint-dir is where --save-every N writes checkpoints"},
       {"--keep-checkpoints without --save-every", args(log, {"--keep-checkpoints", "2"}),
@@ -1496,6 +1526,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
     EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
     EXPECT_FALSE(fs::exists(log)) << "nothing ran";
   }
+  EXPECT_EQ(slurp(notes), "notes\n");
+  EXPECT_EQ(slurp(text), text_before);
+  EXPECT_EQ(slurp(cfg), cfg_before);
   // --dtype bogus names the choices too.
   const Result r = train(args(log, {"--dtype", "bogus"}), "dtype");
   EXPECT_NE(first_line(r.err).find("bogus"), std::string::npos) << r.err;

@@ -673,7 +673,7 @@ void add_adam_command(CLI::App& app) {
                                        : unit == "m" || unit == "M" ? 1000000
                                        : unit == "g" || unit == "G" ? 1000000000
                                                                     : 0;
-            if (digits == 0 || mult == 0 || digits > 12)
+            if (digits == 0 || mult == 0 || digits > 19)
               return "'" + v + "' is not a count: write e.g. 100M, 2500k or 100000000";
             const std::uint64_t n = std::stoull(v.substr(0, digits));
             if (n > UINT64_MAX / mult) return "'" + v + "' is more than any memory holds";

@@ -508,6 +508,8 @@ void run(const Args& a) {
     for (Regime& r : chosen) r.adamw_isa = isa;
   }
   // The drive to use: a typo must not put the swap files somewhere else (nor create folders).
+  STRATA_REQUIRE(!fs::exists(a.path) || fs::is_directory(a.path),
+                 "--path {} is a file, not a folder: give a folder on the drive to use", a.path);
   STRATA_REQUIRE(fs::is_directory(a.path),
                  "--path {}: no such directory; create it on the drive to use", a.path);
   // The NVMe regime's swap folder goes under --path: one that cannot be made there (read-only,

@@ -94,7 +94,8 @@ void run_tp(const TpArgs& a) {
   // Megatron's count: 2 all-reduces of B x T x hidden a layer in each pass; the embedding's sum
   // and the head's input gradient are one each besides.
   const double act = double(a.batch * a.seq * a.hidden) * 4;
-  const double per_layer_pass = (reduce_bytes - 2 * act) / double(2 * a.layers);
+  // (one rank reduces nothing: no TP traffic, not a negative count)
+  const double per_layer_pass = n > 1 ? (reduce_bytes - 2 * act) / double(2 * a.layers) : 0.0;
   const double formula = 2 * act;
   // The bound: one all-reduce of the activations over the same ranks, alone.
   Buffer x = dev->alloc(std::size_t(act), s.get());

@@ -62,7 +62,7 @@ struct Options {
 // CKPT_DIR itself when it holds a manifest, else the newest complete checkpoint under it.
 strata::FoundCheckpoint find_export_checkpoint(const Options& o) {
   std::error_code ec;
-  STRATA_REQUIRE(fs::is_directory(o.ckpt, ec), "{}: no such checkpoint directory", o.ckpt);
+  strata::tools::require_input_folder("", o.ckpt, "the checkpoint's folder (or a run's --out)");
   strata::FoundCheckpoint ck;
   if (fs::exists(fs::path(o.ckpt) / "manifest.json", ec)) {
     const std::string why = strata::verify_checkpoint(o.ckpt, &ck.manifest);
@@ -86,11 +86,9 @@ strata::FoundCheckpoint find_export_checkpoint(const Options& o) {
 // --model-config, else the manifest's, checked against the hash the checkpoint was taken with.
 strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint& ck,
                                  const nlohmann::json& trainer) {
-  std::error_code ec;
   strata::ModelConfig cfg;
   if (!o.model_config.empty()) {
-    STRATA_REQUIRE(fs::is_regular_file(o.model_config, ec), "--model-config {}: no such file",
-                   o.model_config);
+    strata::tools::require_input_file("--model-config", o.model_config);
     cfg = strata::load_model_config(o.model_config);
   } else {
     STRATA_REQUIRE(trainer.contains("model_config") && trainer["model_config"].is_object(),
@@ -333,9 +331,8 @@ int run(const Options& o) {
   STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
-  std::error_code dir_ec;
-  STRATA_REQUIRE(o.model_dir.empty() || fs::is_directory(o.model_dir, dir_ec),
-                 "--model {}: no such folder", o.model_dir);
+  if (!o.model_dir.empty())
+    strata::tools::require_input_folder("--model", o.model_dir, "the model's Hugging Face folder");
   const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);

@@ -100,7 +100,16 @@ strata::GenerateOptions generate_options(const Options& o, const nlohmann::json&
   STRATA_REQUIRE(g.sampling.temperature > 0 || (o.top_p < 0 && o.top_k < 0),
                  "--top-p and --top-k shape sampling, and temperature 0 is greedy: give "
                  "--temperature T > 0 too");
-  strata::check_sampling(g.sampling);
+  try {
+    strata::check_sampling(g.sampling);
+  } catch (const strata::Error& e) {
+    // A value the flags did not give came from the folder's generation_config.json.
+    if (!cfg_samples) throw;
+    STRATA_THROW(kInvalidArgument,
+                 "{} (from the model folder's generation_config.json, whose do_sample is true; "
+                 "--temperature, --top-p and --top-k override it)",
+                 e.message());
+  }
   return g;
 }
 

@@ -46,14 +46,15 @@ int run(Options& o, bool separator_given) {
                  "--tokenizer DIR (a folder with tokenizer.json or tokenizer.model)");
   const std::string dir = o.model_dir.empty() ? o.tokenizer_dir : o.model_dir;
   const char* flag = o.model_dir.empty() ? "--tokenizer" : "--model";
-  std::error_code ec;
   STRATA_REQUIRE(!strata::Tokenizer::file_in(dir).empty(),
                  "{} {}: no tokenizer.json (or tokenizer.model) there; give the folder of the "
                  "model's tokenizer (a Hugging Face model folder holds tokenizer.json and "
                  "tokenizer_config.json)",
                  flag, dir);
-  for (const auto& in : o.inputs)
-    STRATA_REQUIRE(fs::is_regular_file(in, ec), "{}: no such file", in);
+  for (const auto& in : o.inputs) strata::tools::require_input_file("", in);
+  strata::tools::NamedPaths ins = strata::tools::files_in_folder(flag, dir);
+  for (const auto& in : o.inputs) ins.push_back({"input", in});
+  strata::tools::require_outputs_apart("strata-prep", {{"-o", o.out}}, ins);
   strata::tools::require_output_file("-o", o.out, o.overwrite);
   const strata::Tokenizer tok = strata::Tokenizer::from_folder(dir);
   const std::string hash = strata::tokenizer_hash(dir, tok);

@@ -97,10 +97,8 @@ void check_flags(const Args& a) {
                  "--trace, --data, --text, --validate-spread and --validate-rounds are for the "
                  "validation runs: add "
                  "--validate K (or leave them out)");
-  for (const std::string& f : a.data_files)
-    STRATA_REQUIRE(fs::is_regular_file(f), "--data {}: no such file", f);
-  STRATA_REQUIRE(a.text_file.empty() || fs::is_regular_file(a.text_file), "--text {}: no such file",
-                 a.text_file);
+  for (const std::string& f : a.data_files) tools::require_input_file("--data", f);
+  if (!a.text_file.empty()) tools::require_input_file("--text", a.text_file);
   STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16",
                  "--dtype '{}': use fp32 or bf16", a.dtype);
   STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2,
@@ -302,39 +300,18 @@ void check_outputs(Args& a, bool demo, bool talk) {
     // What strata-prof writes must not name one file twice (the later replaced the earlier: the
     // recommendation by the picture or the trace), nor a file it reads (the model's config is
     // read again by the validation runs and named in the run line). Links resolved.
-    using Named = std::vector<std::pair<std::string, std::string>>;
-    Named outs = {{"--out", a.out}, {"--svg", a.svg}};
+    tools::NamedPaths outs = {{"--out", a.out}, {"--svg", a.svg}};
     if (a.validate > 0) outs.push_back({"--trace", a.trace});
     if (demo && !a.out.empty())
       outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
-    Named ins;  // inputs may share a file with each other (--config and --aio, say), not with an
-                // output
+    // Inputs may share a file with each other (--config and --aio, say), not with an output.
+    tools::NamedPaths ins = tools::files_in_folder("--model", a.model_dir);
     if (!a.ds_config.empty()) ins.push_back({"--config", a.ds_config});
     if (!a.model_config.empty()) ins.push_back({"--model-config", a.model_config});
-    if (!a.model_dir.empty())
-      ins.push_back({"--model folder's config.json", a.model_dir + "/config.json"});
     if (!a.aio_file.empty()) ins.push_back({"--aio", a.aio_file});
     for (const std::string& f : a.data_files) ins.push_back({"--data", f});
     if (!a.text_file.empty()) ins.push_back({"--text", a.text_file});
-    auto key = [](const std::string& p) {
-      std::error_code ec;
-      const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
-      return ec ? fs::absolute(p).lexically_normal() : k;
-    };
-    auto same = [&](const std::string& x, const std::string& y) {
-      std::error_code ec;  // (equivalent: hard links too)
-      return !x.empty() && !y.empty() && (key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec));
-    };
-    for (std::size_t i = 0; i < outs.size(); ++i) {
-      for (std::size_t k = i + 1; k < outs.size(); ++k)
-        STRATA_REQUIRE(!same(outs[i].second, outs[k].second),
-                       "{} and {} both name {}: give each its own file", outs[i].first,
-                       outs[k].first, outs[i].second);
-      for (const auto& [flag, path] : ins)
-        STRATA_REQUIRE(!same(outs[i].second, path),
-                       "{} {} is the {} file: strata-prof would replace it; write it elsewhere",
-                       outs[i].first, outs[i].second, flag);
-    }
+    tools::require_outputs_apart("strata-prof", outs, ins);
   }
   if (talk) {
     tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);

@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
                  "a picture of the run (loss, val loss, lr, gradient norm, tokens/s, bytes per "
                  "tier) as an SVG file, redrawn after every step: open it in a browser");
   app.add_option("--out", o.out_dir, "write the final model here (Hugging Face layout)");
-  app.add_flag("--overwrite", o.overwrite, "replace an existing --out folder");
+  app.add_flag("--overwrite", o.overwrite,
+               "replace an existing --out folder, --log-json, --plot or --trace file");
   double max_shard_mb = 0;
   app.add_option("--max-shard-mb", max_shard_mb,
                  "largest safetensors file --out writes, in MiB (default 5120; more: shards with "
@@ -176,7 +177,10 @@ int main(int argc, char** argv) {
     const bool demo = o.model_dir.empty() && o.model_config.empty();
     needs("--trace-step", !o.trace_file.empty(),
           "chooses the step --trace records: add --trace FILE");
-    needs("--overwrite", !o.out_dir.empty(), "replaces an existing --out folder: add --out DIR");
+    needs(
+        "--overwrite",
+        !o.out_dir.empty() || !o.log_json.empty() || !o.plot_file.empty() || !o.trace_file.empty(),
+        "replaces an existing --out folder, --log-json, --plot or --trace file: add one of them");
     needs("--max-shard-mb", !o.out_dir.empty(), "sizes the files --out writes: add --out DIR");
     needs("--checkpoint-dir", o.save_every > 0,
           "is where --save-every N writes checkpoints: add --save-every N");
@@ -198,6 +202,20 @@ int main(int argc, char** argv) {
           "renders the chat records of --data .jsonl corpora: add --data FILE.jsonl");
     needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
           "splits --data / --text text corpora into documents: add --data or --text");
+    // What the run writes is none of the files it reads, nor one file twice.
+    strata::tools::NamedPaths ins = strata::tools::files_in_folder("--model", o.model_dir);
+    for (const std::string& f : o.data_files) ins.push_back({"--data", f});
+    for (const std::string& f : o.eval_files) ins.push_back({"--eval-data", f});
+    ins.push_back({"--text", o.text_file});
+    ins.push_back({"--model-config", o.model_config});
+    ins.push_back({"--config", o.ds_config});
+    const strata::tools::NamedPaths outs = {
+        {"--log-json", o.log_json}, {"--plot", o.plot_file}, {"--trace", o.trace_file}};
+    strata::tools::require_outputs_apart("strata-train", outs, ins);
+    // A file of the user's there is replaced only with --overwrite, or by the run --resume
+    // continues (its log, picture and trace).
+    for (const auto& [flag, path] : outs)
+      strata::tools::require_overwrite_to_replace(flag, path, o.overwrite || !o.resume.empty());
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -41,6 +42,7 @@ inline CLI::Validator sign_check(bool zero_ok) {
         } catch (const std::exception&) {
           return "'" + text + "' is not a number";
         }
+        if (!std::isfinite(v)) return "'" + text + "' is not a finite number";
         if (zero_ok ? v >= 0 : v > 0) return {};
         return std::string(zero_ok ? "must be >= 0" : "must be > 0") + ", got " + text;
       },
@@ -48,8 +50,8 @@ inline CLI::Validator sign_check(bool zero_ok) {
 }
 inline const CLI::Validator kNonNegative = sign_check(true);
 inline const CLI::Validator kPositive = sign_check(false);
-// A count: a whole number that fits in 64 bits (CLI11 would take 99999999999999999999 as the
-// largest one, silently).
+// A count: a whole number >= 0 that fits in 64 bits (CLI11 would take 99999999999999999999 as
+// the largest one, silently).
 inline const CLI::Validator kCount(
     [](std::string& text) -> std::string {
       long long v = 0;
@@ -58,21 +60,58 @@ inline const CLI::Validator kCount(
         return "'" + text + "' is beyond the largest count, 2^63 - 1";
       if (ec != std::errc() || end != text.data() + text.size())
         return "'" + text + "' is not a whole number";
+      if (v < 0) return "must be >= 0, got " + text;
       return {};
     },
     "COUNT");
 
+// A file of the user's at `path` (a regular file: a folder, a device or a pipe is no file to
+// replace) is replaced only with --overwrite.
+inline void require_overwrite_to_replace(const std::string& flag, const std::string& path,
+                                         bool overwrite) {
+  std::error_code ec;
+  STRATA_REQUIRE(path.empty() || overwrite || !std::filesystem::is_regular_file(path, ec),
+                 "{} {} exists: pass --overwrite to replace it", flag, path);
+}
+
+// A file the tool reads is there and is a file (a folder named by mistake is said as one).
+inline void require_input_file(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string named = flag.empty() ? path : flag + " " + path;
+  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} is a folder, not a file: give the file itself",
+                 named);
+  STRATA_REQUIRE(fs::exists(path, ec), "{}: no such file", named);
+  STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} is not a regular file (a device or a pipe)",
+                 named);
+}
+
+// A folder the tool reads or writes in is there and is a folder (a file named by mistake is said
+// as one).
+inline void require_input_folder(const std::string& flag, const std::string& path,
+                                 const std::string& what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string named = flag.empty() ? path : flag + " " + path;
+  STRATA_REQUIRE(!fs::exists(path, ec) || fs::is_directory(path, ec),
+                 "{} is a file, not a folder: give {}", named, what);
+  STRATA_REQUIRE(fs::is_directory(path, ec), "{}: no such folder", named);
+}
+
 // A file a tool writes when it is done (a recommendation, a picture, a trace), checked before
 // anything is measured, so a run of minutes does not end in "cannot be written": its folder
 // exists and takes a new file, and a file already there (a user's ds_config.json, say) is
-// replaced only with --overwrite. An empty path is no file.
+// replaced only with --overwrite. A device or a pipe (/dev/null, /dev/stdout) holds nothing to
+// replace. An empty path is no file.
 inline void require_output_file(const char* flag, const std::string& path, bool overwrite) {
   if (path.empty()) return;
   namespace fs = std::filesystem;
   std::error_code ec;
   STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
   if (fs::exists(fs::symlink_status(path, ec))) {
-    STRATA_REQUIRE(overwrite, "{} {} exists: pass --overwrite to replace it", flag, path);
+    const fs::file_status st = fs::status(path, ec);
+    STRATA_REQUIRE(overwrite || (fs::exists(st) && !fs::is_regular_file(st)),
+                   "{} {} exists: pass --overwrite to replace it", flag, path);
     if (::access(path.c_str(), W_OK) != 0)
       STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
     return;
@@ -83,6 +122,57 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
   if (::access((where + "/.").c_str(), W_OK) != 0)
     STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
                  std::strerror(errno));
+}
+
+// Whether two paths name one file: the same path once links, "." and ".." are resolved, or one
+// file under two names (hard links). An empty path names none.
+inline bool same_file(const std::string& x, const std::string& y) {
+  namespace fs = std::filesystem;
+  if (x.empty() || y.empty()) return false;
+  auto key = [](const std::string& p) {
+    std::error_code ec;
+    const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
+    return ec ? fs::absolute(p).lexically_normal() : k;
+  };
+  std::error_code ec;
+  return key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec);
+}
+
+// Flags and the paths they name.
+using NamedPaths = std::vector<std::pair<std::string, std::string>>;
+
+// What a tool writes, against itself and what it reads, checked before anything is written: no
+// file named twice (the later write would replace the earlier), and no file the tool reads (a
+// corpus, a config, a model's weights), --overwrite or not. A device or a pipe (/dev/null,
+// /dev/stdout) holds nothing to replace.
+inline void require_outputs_apart(const char* tool, const NamedPaths& outs, const NamedPaths& ins) {
+  namespace fs = std::filesystem;
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(outs[i].second, ec);
+    if (fs::exists(st) && !fs::is_regular_file(st)) continue;
+    for (std::size_t k = i + 1; k < outs.size(); ++k)
+      STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
+                     "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
+                     outs[i].second);
+    for (const auto& [flag, path] : ins)
+      STRATA_REQUIRE(!same_file(outs[i].second, path),
+                     "{} {} is the {} file: {} would replace it; write it elsewhere", outs[i].first,
+                     outs[i].second, flag, tool);
+  }
+}
+
+// The files directly in `folder` (a model's or a tokenizer's, which a tool reads), each named
+// "<flag> folder's <name>"; none where it is no folder.
+inline NamedPaths files_in_folder(const std::string& flag, const std::string& folder) {
+  namespace fs = std::filesystem;
+  NamedPaths out;
+  std::error_code ec;
+  if (folder.empty() || !fs::is_directory(folder, ec)) return out;
+  for (const auto& e : fs::directory_iterator(folder, ec))
+    if (e.is_regular_file(ec))
+      out.push_back({flag + " folder's " + e.path().filename().string(), e.path().string()});
+  return out;
 }
 
 // A JSON file the tool reads (a checkpoint's layout, a model folder's generation_config.json):
@@ -134,6 +224,18 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     // One line, as every other error: what is wrong, a flag a typo away from an unknown one,
     // and where the rest is.
     std::string message = e.what();
+    // A tool of subcommands given a first word that is none: name it and the ones there are
+    // (CLI11 says only "A subcommand is required").
+    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && argc > 1 && argv[1][0] != '-') {
+      std::string names;
+      bool known = false;
+      for (const CLI::App* sub : app.get_subcommands({})) {
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+        known = known || sub->get_name() == argv[1];
+      }
+      if (!names.empty() && !known)
+        message = fmt::format("'{}' is not a subcommand: give one of {}", argv[1], names);
+    }
     if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
       std::vector<std::string> flags;
       auto add = [&](const CLI::App* a) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "strata/error.h"
@@ -72,6 +74,11 @@ std::uint64_t Section::get_uint(std::string_view key, std::uint64_t def, std::ui
 std::int64_t Section::get_int(std::string_view key, std::int64_t def) const {
   const Json* v = raw(key);
   if (!v) return def;
+  // (JSON's 18446744073709551615 is an unsigned integer; read as int64 it was -1)
+  STRATA_REQUIRE(
+      !v->is_number_unsigned() ||
+          v->get<std::uint64_t>() <= std::uint64_t(std::numeric_limits<std::int64_t>::max()),
+      "config key '{}' = {} is too large (at most 9.2e18)", key_path(key), v->dump());
   if (v->is_number_integer()) return v->get<std::int64_t>();
   if (v->is_number_float()) {
     const double d = v->get<double>();

@@ -6,6 +6,7 @@
 // or triple is one fused GEMM; GPT-2's Conv1D c_attn is already fused.
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "core/json_config.h"
@@ -17,6 +18,10 @@ namespace strata {
 namespace {
 
 constexpr std::size_t kParamAlign = 64;
+// The largest model config.json strata takes (models in use have under 2^20 in a dimension, a few
+// hundred layers and 2^41 parameters).
+constexpr std::int64_t kMaxWidth = std::int64_t(1) << 24, kMaxLayers = std::int64_t(1) << 16,
+                       kMaxParams = std::int64_t(1) << 48;
 
 std::string read_text(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -181,6 +186,30 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
                  c.num_heads, c.num_kv_heads);
   STRATA_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 512,
                  "{}: head_dim {} must be even and <= 512", what, c.head_dim);
+  // Sizes no model has, refused here: the layout's products would overflow 64 bits (2^62
+  // intermediate elements planned as a few thousand parameters), or a layer count of 10^11 would
+  // be laid out one unit at a time until memory ran out. Token ids are 32-bit.
+  const auto at_most = [&](const char* key, std::int64_t v, std::int64_t limit) {
+    STRATA_REQUIRE(v <= limit, "{}: '{}' = {} is beyond what strata runs (at most {})", what, key,
+                   v, limit);
+  };
+  const bool gpt2 = c.arch == ModelArch::kGpt2;
+  at_most("vocab_size", c.vocab_size, std::int64_t(std::numeric_limits<std::int32_t>::max()));
+  at_most(gpt2 ? "n_embd" : "hidden_size", c.hidden_size, kMaxWidth);
+  at_most(gpt2 ? "n_inner" : "intermediate_size", c.intermediate_size, kMaxWidth);
+  at_most(gpt2 ? "n_head" : "num_attention_heads", c.num_heads, kMaxWidth);
+  at_most(gpt2 ? "n_layer" : "num_hidden_layers", c.num_layers, kMaxLayers);
+  at_most(gpt2 ? "n_positions" : "max_position_embeddings", c.max_positions,
+          std::int64_t(std::numeric_limits<std::int32_t>::max()));
+  // Each layer's and the embeddings' parameters, in floating point (no overflow), at most 2^48.
+  const double h = double(c.hidden_size), hd = double(c.head_dim);
+  const double layer = h * hd * double(2 * c.num_heads + 2 * c.num_kv_heads) +
+                       3 * h * double(c.intermediate_size) + 4 * h;
+  const double total =
+      double(c.num_layers) * layer + (c.tie_word_embeddings ? 1 : 2) * double(c.vocab_size) * h;
+  STRATA_REQUIRE(total <= double(kMaxParams),
+                 "{}: about {:.3g} parameters, beyond what strata runs (at most 2^48, {:.3g})",
+                 what, total, double(kMaxParams));
   warn_near_misses(c, what);
   return c;
 }

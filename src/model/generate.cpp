@@ -14,7 +14,8 @@ namespace strata {
 
 void check_sampling(const SamplingOptions& o) {
   STRATA_REQUIRE(std::isfinite(o.temperature) && o.temperature >= 0,
-                 "sampling: temperature must be >= 0 (0: greedy), got {}", o.temperature);
+                 "sampling: temperature must be a finite number >= 0 (0: greedy), got {}",
+                 o.temperature);
   STRATA_REQUIRE(o.top_k >= 0, "sampling: top_k must be >= 0 (0: every token), got {}", o.top_k);
   STRATA_REQUIRE(o.top_p > 0 && o.top_p <= 1, "sampling: top_p must be in (0, 1], got {}", o.top_p);
 }

@@ -175,17 +175,22 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       ntok = f->size / f->elem;
       break;
     case TokenFormat::kLlmc: {
-      STRATA_REQUIRE(f->size >= kLlmcHeaderBytes && head[0] == kLlmcMagic,
+      STRATA_REQUIRE(head[0] == kLlmcMagic,
                      "{}: not an llm.c token file (needs a {}-byte header starting with magic {}; "
                      "found {} at offset 0)",
                      path, kLlmcHeaderBytes, kLlmcMagic, head[0]);
+      STRATA_REQUIRE(f->size >= kLlmcHeaderBytes,
+                     "{}: truncated: an llm.c token file's header is {} bytes, the file has {}",
+                     path, kLlmcHeaderBytes, f->size);
       STRATA_REQUIRE(
           head[1] == 1 || head[1] == 2,
           "{}: llm.c header version {} at offset 4 is not 1 (uint16 ids) or 2 (uint32 ids)", path,
           head[1]);
       f->elem = head[1] == 1 ? 2 : 4;
       f->data_offset = kLlmcHeaderBytes;
-      STRATA_REQUIRE(head[2] >= 0 && kLlmcHeaderBytes + std::size_t(head[2]) * f->elem <= f->size,
+      STRATA_REQUIRE(head[2] >= 0, "{}: the llm.c header's token count (offset 8) is {}: damaged",
+                     path, head[2]);
+      STRATA_REQUIRE(kLlmcHeaderBytes + std::size_t(head[2]) * f->elem <= f->size,
                      "{}: truncated: the header (offset 8) promises {} tokens = {} bytes after "
                      "offset {}, the file "
                      "has {} bytes",

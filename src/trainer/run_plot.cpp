@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -33,10 +34,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A value of the line: a number, else (null, absent) none.
+// A value of the line: a number, or none (null, absent); anything else is no step's line.
 double number_or_none(const nlohmann::json& j, const char* key) {
   const auto it = j.find(key);
-  if (it == j.end() || !it->is_number()) return RunRecord::kNone;
+  if (it == j.end() || it->is_null()) return RunRecord::kNone;
+  STRATA_REQUIRE(it->is_number(), "\"{}\" is {}, not a number", key, it->dump());
   return it->get<double>();
 }
 
@@ -48,6 +50,10 @@ RunRecord run_record_from_json(const nlohmann::json& j) {
   const auto step = j.find("step");
   STRATA_REQUIRE(step != j.end(), "a JSON object without \"step\"");
   STRATA_REQUIRE(step->is_number_integer(), "\"step\" is {}, not a whole number", step->dump());
+  // (18446744073709551615 is JSON's unsigned integer: read as int64 it was step -1)
+  STRATA_REQUIRE(step->is_number_unsigned() ? step->get<std::uint64_t>() <= std::uint64_t(INT64_MAX)
+                                            : step->get<std::int64_t>() >= 0,
+                 "\"step\" is {}, not a step number (0 to 2^63 - 1)", step->dump());
   RunRecord r;
   r.step = step->get<std::int64_t>();
   r.loss = number_or_none(j, "loss");

@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "core/json_config.h"
+#include "cpu/cpu_info.h"
 #include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/generate.h"
@@ -43,6 +44,8 @@ std::string read_text(const std::string& path, const char* what) {
 
 void require_file(const std::string& path, const char* flag) {
   std::error_code ec;
+  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder, not a file: give the file itself",
+                 flag, path);
   STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} {}: no such file", flag, path);
 }
 
@@ -661,6 +664,16 @@ void sequence_and_batch(Settings& s) {
   }
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
+  // A step reads its micro-batches before its first forward (the loss is over all their targets)
+  // and holds them at once: ids, targets and positions, 12 bytes a token.
+  const double held = double(s.accum) * (double(s.B) * double(seq_len) * 12 + sizeof(Batch));
+  const double avail = double(cpu::ram_available_bytes());
+  STRATA_REQUIRE(avail == 0 || held <= avail,
+                 "gradient accumulation of {} micro-batches of {} x {} tokens: a step holds them "
+                 "all before its first forward, {}, more than the {} of memory available: give a "
+                 "smaller --grad-accum (or gradient_accumulation_steps / train_batch_size in the "
+                 "--config)",
+                 s.accum, s.B, seq_len, log::human_bytes(held, 1), log::human_bytes(avail, 1));
   // (the model refuses it too; said here with the flags, before any data or weights are read)
   STRATA_REQUIRE(
       !o.sequence_parallel || (s.B * seq_len) % s.tp == 0,
@@ -866,6 +879,20 @@ void data_and_steps(Settings& s) {
                        "(%s)\n",
                        f.c_str(), t.why_not.c_str());
   }
+  // Read byte by byte as --text is (the evaluation's loader is the training's): a token file or
+  // a prepared one would give a validation loss of bytes that are no text. Text has no NUL.
+  if (dopt.format == TokenFormat::kBytes)
+    for (const std::string& f : s.eval_files) {
+      std::ifstream in(f, std::ios::binary);
+      std::string head(std::size_t(1) << 16, '\0');
+      in.read(head.data(), std::streamsize(head.size()));
+      head.resize(std::size_t(in.gcount()));
+      STRATA_REQUIRE(head.find('\0') == std::string::npos,
+                     "--eval-data {}: holds NUL bytes, so it is no text, and --eval-data is read "
+                     "byte by byte as --text is: give a text file, or train on token files with "
+                     "--data FILE --data-dtype u16|u32 and give the evaluation's in that format",
+                     f);
+    }
   dopt.batch = s.B;
   dopt.seq_len = s.seq_len;
   dopt.vocab_size = s.mcfg.vocab_size;
