@@ -454,8 +454,8 @@ TEST_F(TrainCli, TheBannerSaysTheSplitAsPlaced) {
   const int device = std::stoi(m[1].str()), host = std::stoi(m[2].str());
   EXPECT_NEAR(device + host, 100, 1) << r.out;
   // The plan's optimizer-state bytes per tier give the same split.
-  const Result p =
-      train(args(dir.path + "/ratio-plan.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
+  // (--plan writes no log: the run's, there now, is no reason to refuse it)
+  const Result p = train(args(dir.path + "/ratio.jsonl", {"--config", ds, "--plan"}), "ratio-plan");
   ASSERT_EQ(p.status, 0) << p.out << p.err;
   std::smatch d, h;
   ASSERT_TRUE(std::regex_search(
@@ -1350,6 +1350,35 @@ TEST_F(TrainCli, DemoTrainsUnderACapBelowItsWeights) {
       << "the loss did not fall";
 }
 
+// Where the outputs may go: a device (here /dev/stdout, which the test's runner sends to a file),
+// and a file of the user's beside the model's in its folder, replaced with --overwrite; never one
+// of the files strata reads there.
+TEST_F(TrainCli, OutputsGoToDevicesAndBesideTheModel) {
+  const std::string hf = hf_folder("hf");
+  const auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = {"--model", hf,        "--text", text,       "--seq-len",
+                                  "16",      "--steps", "2",      "--device", "cpu"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result out = train(with({"--log-json", "/dev/stdout"}), "stdout");
+  ASSERT_EQ(out.status, 0) << out.err;
+  EXPECT_NE(out.out.find("{\"counted_tokens_per_s\""), std::string::npos) << out.out;
+  const std::string beside = hf + "/train.jsonl";
+  ASSERT_EQ(train(with({"--log-json", beside}), "beside").status, 0);
+  EXPECT_EQ(losses(beside).size(), 2u);
+  const Result again = train(with({"--log-json", beside}), "again");
+  EXPECT_EQ(again.status, 1);
+  EXPECT_NE(first_line(again.err).find(beside + " exists: pass --overwrite"), std::string::npos)
+      << again.err;
+  EXPECT_EQ(train(with({"--log-json", beside, "--overwrite"}), "overwrite").status, 0);
+  const Result weights = train(with({"--trace", hf + "/config.json", "--overwrite"}), "config");
+  EXPECT_EQ(weights.status, 1);
+  EXPECT_NE(first_line(weights.err).find("is the --model folder's config.json file"),
+            std::string::npos)
+      << weights.err;
+}
+
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const std::string bad_cfg = dir.path + "/bad-model.json";
   std::ofstream(bad_cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": "64",
@@ -1420,6 +1449,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--eval-data " + ids32k + ": holds NUL bytes, so it is no text"},
       {"--log-json on a file of the user's",
        {"--model-config", cfg, "--text", text, "--log-json", notes},
+       "--log-json " + notes + " exists: pass --overwrite to replace it"},
+      {"--log-json on a file of the user's, resuming (a resumed run takes over only a log)",
+       {"--model-config", cfg, "--text", text, "--log-json", notes, "--resume", dir.path + "/ck"},
        "--log-json " + notes + " exists: pass --overwrite to replace it"},
       {"--checkpoint-dir without --save-every", args(log, {"--checkpoint-dir", dir.path + "/ck"}),
        "--checkpoint-dir is where --save-every N writes checkpoints"},

@@ -103,7 +103,8 @@ strata::GenerateOptions generate_options(const Options& o, const nlohmann::json&
   try {
     strata::check_sampling(g.sampling);
   } catch (const strata::Error& e) {
-    // A value the flags did not give came from the folder's generation_config.json.
+    // The flags' values are checked on the command line: this one came from the folder's
+    // generation_config.json.
     if (!cfg_samples) throw;
     STRATA_THROW(kInvalidArgument,
                  "{} (from the model folder's generation_config.json, whose do_sample is true; "
@@ -423,7 +424,13 @@ int main(int argc, char** argv) {
                  "generation_config.json's when it samples, else 0)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--top-p", o.top_p, "nucleus sampling: the most likely tokens up to P (0, 1]")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            const std::string ok = strata::tools::kPositive(text);
+            if (!ok.empty()) return ok;
+            return std::stod(text) <= 1 ? std::string() : "must be at most 1, got " + text;
+          },
+          "(0, 1]"));
   app.add_option("--top-k", o.top_k, "sample among the K most likely tokens (0: all)")
       ->check(strata::tools::kCount);
   app.add_option("--seed", o.seed, "the sampler's seed (default 0)");

@@ -52,7 +52,7 @@ int run(Options& o, bool separator_given) {
                  "tokenizer_config.json)",
                  flag, dir);
   for (const auto& in : o.inputs) strata::tools::require_input_file("", in);
-  strata::tools::NamedPaths ins = strata::tools::files_in_folder(flag, dir);
+  strata::tools::NamedPaths ins = strata::tools::model_files_in_folder(flag, dir);
   for (const auto& in : o.inputs) ins.push_back({"input", in});
   strata::tools::require_outputs_apart("strata-prep", {{"-o", o.out}}, ins);
   strata::tools::require_output_file("-o", o.out, o.overwrite);

@@ -305,7 +305,7 @@ void check_outputs(Args& a, bool demo, bool talk) {
     if (demo && !a.out.empty())
       outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
     // Inputs may share a file with each other (--config and --aio, say), not with an output.
-    tools::NamedPaths ins = tools::files_in_folder("--model", a.model_dir);
+    tools::NamedPaths ins = tools::model_files_in_folder("--model", a.model_dir);
     if (!a.ds_config.empty()) ins.push_back({"--config", a.ds_config});
     if (!a.model_config.empty()) ins.push_back({"--model-config", a.model_config});
     if (!a.aio_file.empty()) ins.push_back({"--aio", a.aio_file});

@@ -5,12 +5,34 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
 
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/nvme.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
+
+namespace {
+
+// Whether `path` holds what a run writes under `flag`, which a resumed run may take over: a log
+// whose first line is a step's JSON object (or nothing yet), a trace's JSON, an SVG picture.
+bool a_runs_file(const std::string& flag, const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string first;
+  std::getline(f, first);
+  if (flag == "--log-json") {
+    if (first.empty()) return true;
+    const nlohmann::json j = nlohmann::json::parse(first, nullptr, /*allow_exceptions=*/false);
+    return j.is_object() && j.contains("step");
+  }
+  if (flag == "--plot") return first.starts_with("<svg") || first.starts_with("<?xml");
+  return first.starts_with("{") || first.starts_with("[");  // --trace: Chrome's JSON
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
@@ -203,7 +225,7 @@ int main(int argc, char** argv) {
     needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
           "splits --data / --text text corpora into documents: add --data or --text");
     // What the run writes is none of the files it reads, nor one file twice.
-    strata::tools::NamedPaths ins = strata::tools::files_in_folder("--model", o.model_dir);
+    strata::tools::NamedPaths ins = strata::tools::model_files_in_folder("--model", o.model_dir);
     for (const std::string& f : o.data_files) ins.push_back({"--data", f});
     for (const std::string& f : o.eval_files) ins.push_back({"--eval-data", f});
     ins.push_back({"--text", o.text_file});
@@ -213,9 +235,10 @@ int main(int argc, char** argv) {
         {"--log-json", o.log_json}, {"--plot", o.plot_file}, {"--trace", o.trace_file}};
     strata::tools::require_outputs_apart("strata-train", outs, ins);
     // A file of the user's there is replaced only with --overwrite, or by the run --resume
-    // continues (its log, picture and trace).
+    // continues (a log, a picture or a trace such as a run writes); --plan writes none.
     for (const auto& [flag, path] : outs)
-      strata::tools::require_overwrite_to_replace(flag, path, o.overwrite || !o.resume.empty());
+      strata::tools::require_overwrite_to_replace(
+          flag, path, o.overwrite || o.plan_only || (!o.resume.empty() && a_runs_file(flag, path)));
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

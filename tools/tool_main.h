@@ -65,13 +65,18 @@ inline const CLI::Validator kCount(
     },
     "COUNT");
 
+// A path under /dev (/dev/null, /dev/stdout, whatever the shell sent that to): the user's
+// choice of where a stream goes, never a file of theirs to keep.
+inline bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
+
 // A file of the user's at `path` (a regular file: a folder, a device or a pipe is no file to
 // replace) is replaced only with --overwrite.
 inline void require_overwrite_to_replace(const std::string& flag, const std::string& path,
                                          bool overwrite) {
   std::error_code ec;
-  STRATA_REQUIRE(path.empty() || overwrite || !std::filesystem::is_regular_file(path, ec),
-                 "{} {} exists: pass --overwrite to replace it", flag, path);
+  STRATA_REQUIRE(
+      path.empty() || overwrite || device_path(path) || !std::filesystem::is_regular_file(path, ec),
+      "{} {} exists: pass --overwrite to replace it", flag, path);
 }
 
 // A file the tool reads is there and is a file (a folder named by mistake is said as one).
@@ -110,7 +115,7 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
   STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
   if (fs::exists(fs::symlink_status(path, ec))) {
     const fs::file_status st = fs::status(path, ec);
-    STRATA_REQUIRE(overwrite || (fs::exists(st) && !fs::is_regular_file(st)),
+    STRATA_REQUIRE(overwrite || device_path(path) || (fs::exists(st) && !fs::is_regular_file(st)),
                    "{} {} exists: pass --overwrite to replace it", flag, path);
     if (::access(path.c_str(), W_OK) != 0)
       STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
@@ -150,7 +155,7 @@ inline void require_outputs_apart(const char* tool, const NamedPaths& outs, cons
   for (std::size_t i = 0; i < outs.size(); ++i) {
     std::error_code ec;
     const fs::file_status st = fs::status(outs[i].second, ec);
-    if (fs::exists(st) && !fs::is_regular_file(st)) continue;
+    if (device_path(outs[i].second) || (fs::exists(st) && !fs::is_regular_file(st))) continue;
     for (std::size_t k = i + 1; k < outs.size(); ++k)
       STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
                      "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
@@ -162,16 +167,25 @@ inline void require_outputs_apart(const char* tool, const NamedPaths& outs, cons
   }
 }
 
-// The files directly in `folder` (a model's or a tokenizer's, which a tool reads), each named
-// "<flag> folder's <name>"; none where it is no folder.
-inline NamedPaths files_in_folder(const std::string& flag, const std::string& folder) {
+// The files of a Hugging Face folder strata reads (config, weights, tokenizer, chat template,
+// generation settings) that are in `folder`, each named "<flag> folder's <name>"; none where it is
+// no folder. Other files there (a log kept beside the model) are the user's to name.
+inline NamedPaths model_files_in_folder(const std::string& flag, const std::string& folder) {
   namespace fs = std::filesystem;
+  static const char* const kRead[] = {"config.json",           "generation_config.json",
+                                      "tokenizer.json",        "tokenizer.model",
+                                      "tokenizer_config.json", "special_tokens_map.json",
+                                      "chat_template.jinja",   "chat_template.json"};
   NamedPaths out;
   std::error_code ec;
   if (folder.empty() || !fs::is_directory(folder, ec)) return out;
-  for (const auto& e : fs::directory_iterator(folder, ec))
-    if (e.is_regular_file(ec))
-      out.push_back({flag + " folder's " + e.path().filename().string(), e.path().string()});
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool read = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") ||
+                      std::find(std::begin(kRead), std::end(kRead), name) != std::end(kRead);
+    if (read && e.is_regular_file(ec))
+      out.push_back({flag + " folder's " + name, e.path().string()});
+  }
   return out;
 }
 

@@ -119,7 +119,8 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
     c.num_heads = positive(s, "n_head", what);
     c.num_kv_heads = c.num_heads;
     c.max_positions = positive(s, "n_positions", what);
-    c.intermediate_size = positive(s, "n_inner", what, 4 * c.hidden_size);
+    // (the default, 4 x n_embd, of an n_embd no larger than a width: no overflow before the check)
+    c.intermediate_size = positive(s, "n_inner", what, 4 * std::min(c.hidden_size, kMaxWidth + 1));
     c.norm_eps = s.get_double("layer_norm_epsilon", 1e-5);
     const std::string act = s.get_string("activation_function", "gelu_new");
     STRATA_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh",
@@ -205,8 +206,9 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
   const double h = double(c.hidden_size), hd = double(c.head_dim);
   const double layer = h * hd * double(2 * c.num_heads + 2 * c.num_kv_heads) +
                        3 * h * double(c.intermediate_size) + 4 * h;
-  const double total =
-      double(c.num_layers) * layer + (c.tie_word_embeddings ? 1 : 2) * double(c.vocab_size) * h;
+  const double total = double(c.num_layers) * layer +
+                       (c.tie_word_embeddings ? 1 : 2) * double(c.vocab_size) * h +
+                       (gpt2 ? double(c.max_positions) * h : 0.0);  // GPT-2's learned positions
   STRATA_REQUIRE(total <= double(kMaxParams),
                  "{}: about {:.3g} parameters, beyond what strata runs (at most 2^48, {:.3g})",
                  what, total, double(kMaxParams));
