@@ -12,21 +12,26 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/nvme.h"
+#include "strata/run_plot.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
 
 namespace {
 
 // Whether `path` holds what a run writes under `flag`, which a resumed run may take over: a log
-// whose first line is a step's JSON object (or nothing yet), a trace's JSON, an SVG picture.
+// whose first line is a step's (or nothing yet), a trace's JSON, an SVG picture.
 bool a_runs_file(const std::string& flag, const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::string first;
   std::getline(f, first);
   if (flag == "--log-json") {
     if (first.empty()) return true;
-    const nlohmann::json j = nlohmann::json::parse(first, nullptr, /*allow_exceptions=*/false);
-    return j.is_object() && j.contains("step");
+    try {
+      (void)strata::run_record_from_json(nlohmann::json::parse(first));  // as strata-plot reads it
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
   }
   if (flag == "--plot") return first.starts_with("<svg") || first.starts_with("<?xml");
   return first.starts_with("{") || first.starts_with("[");  // --trace: Chrome's JSON

@@ -69,14 +69,17 @@ inline const CLI::Validator kCount(
 // choice of where a stream goes, never a file of theirs to keep.
 inline bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
 
-// A file of the user's at `path` (a regular file: a folder, a device or a pipe is no file to
-// replace) is replaced only with --overwrite.
+// A file of the user's at `path` (a regular file, or a link to none: a folder, a device or a pipe
+// is no file to replace) is replaced only with --overwrite.
 inline void require_overwrite_to_replace(const std::string& flag, const std::string& path,
                                          bool overwrite) {
+  namespace fs = std::filesystem;
   std::error_code ec;
-  STRATA_REQUIRE(
-      path.empty() || overwrite || device_path(path) || !std::filesystem::is_regular_file(path, ec),
-      "{} {} exists: pass --overwrite to replace it", flag, path);
+  if (path.empty() || overwrite || device_path(path) || !fs::exists(fs::symlink_status(path, ec)))
+    return;
+  const fs::file_status st = fs::status(path, ec);
+  STRATA_REQUIRE(fs::exists(st) && !fs::is_regular_file(st),
+                 "{} {} exists: pass --overwrite to replace it", flag, path);
 }
 
 // A file the tool reads is there and is a file (a folder named by mistake is said as one).
@@ -114,9 +117,7 @@ inline void require_output_file(const char* flag, const std::string& path, bool 
   std::error_code ec;
   STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
   if (fs::exists(fs::symlink_status(path, ec))) {
-    const fs::file_status st = fs::status(path, ec);
-    STRATA_REQUIRE(overwrite || device_path(path) || (fs::exists(st) && !fs::is_regular_file(st)),
-                   "{} {} exists: pass --overwrite to replace it", flag, path);
+    require_overwrite_to_replace(flag, path, overwrite);
     if (::access(path.c_str(), W_OK) != 0)
       STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
     return;
