@@ -596,6 +596,8 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
       {{"--model", m, "--prompt-ids", "1", "--system", "x"}, "give --chat too"},
       {{"--model", m, "--prompt-ids", "1", "--chat-date", "1 Jan 2025"}, "give --chat too"},
       {{"--model", m}, "give the prompt once"},
+      {{"--model", m, "--prompt", ""}, "--prompt is empty: give the text the model continues"},
+      {{"--model", m, "--prompt-ids", ""}, "--prompt-ids is empty: give at least one token id"},
       {{"--model", m, "--prompt-ids", "1 x"}, "'x' is not a token id"},
       {{"--model", m, "--prompt-ids", "131"}, "outside the model's vocabulary [0, 131)"},
       {{"--model", m, "--prompt-ids", "1", "--top-p", "0.9"}, "give --temperature T > 0 too"},

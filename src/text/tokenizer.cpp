@@ -913,8 +913,15 @@ void Tokenizer::Impl::parse_decoder(const Json& d) {
 
 void Tokenizer::Impl::parse_config(const Json& c) {
   const auto resolve = [&](const char* key) -> std::optional<std::int32_t> {
-    if (!c.contains(key)) return std::nullopt;
+    if (!c.contains(key) || c[key].is_null()) return std::nullopt;
     const std::string name = json_token(c[key]);
+    STRATA_REQUIRE(!name.empty() || c[key].is_string(),
+                   "{}: tokenizer_config.json's {} is {}, not a token: give the token's text "
+                   "(\"</s>\", or {{\"content\": \"</s>\"}}), or null for none",
+                   origin, key,
+                   c[key].is_object() ? "an object without a string \"content\""
+                   : c[key].is_array() ? "an array"
+                                       : c[key].dump());
     if (name.empty()) return std::nullopt;
     for (const AddedToken& t : added)
       if (t.content == name) return t.id;
