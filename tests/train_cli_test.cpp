@@ -1431,7 +1431,7 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       // in SIGBUS with the corpus emptied).
       {"--log-json on the --text file",
        {"--model-config", cfg, "--text", text, "--log-json", text},
-       "--log-json " + text + " is the --text file: strata-train would replace it"},
+       "--log-json " + text + " is the --text file: the run would replace it"},
       {"--trace on the --model-config file", args(log, {"--trace", cfg}),
        "--trace " + cfg + " is the --model-config file"},
       {"--plot and --trace on one file",

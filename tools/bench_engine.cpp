@@ -547,7 +547,8 @@ void run(const Args& a) {
   // replaced only with --overwrite (as strata-prof --trace).
   if (!a.trace.empty())
     for (const Regime& r : chosen)
-      tools::require_output_file("--trace", trace_path(a, r.name, chosen.size() == 1), a.overwrite);
+      strata::require_output_file("--trace", trace_path(a, r.name, chosen.size() == 1),
+                                  a.overwrite);
   const double params_m = double(a.layers) * a.width * a.width / 1e6;
   std::printf(
       "strata-bench engine: deep linear model, %d layers of %dx%d (%.1fM params, bf16 compute), "

@@ -727,6 +727,7 @@ json bench_model(const Args& a, const fs::path& out, double peak_tflops,
     o.log_json = (out / ("model-" + tag + ".jsonl")).string();
     o.trace_file = (out / ("trace-" + tag + ".json")).string();
     o.trace_step = a.steps;  // the last: the earlier ones warm up (prefetch order, allocator)
+    o.overwrite = true;      // the log and the trace are this part's own files in --out
     const TrainResult r = train_logged(o, out / ("model-" + tag + ".log"));
     STRATA_CHECK(std::int64_t(r.steps.size()) == a.steps, "{} steps ran, {} expected",
                  r.steps.size(), a.steps);
@@ -799,6 +800,7 @@ json bench_parity(const Args& a, const fs::path& out, std::vector<std::string>& 
     o.steps = steps;
     o.lr = 3e-3;
     o.log_json = (out / ("parity-" + dev + ".jsonl")).string();
+    o.overwrite = true;  // this part's own file in --out
     for (const auto& s : train_logged(o, out / ("parity-" + dev + ".log")).steps)
       losses[dev].push_back(s.loss);
   }

@@ -327,7 +327,7 @@ void add_model_command(CLI::App& app) {
   cmd->add_flag("--overwrite", a->overwrite, "replace an existing --trace file");
   cmd->callback([a] {
     // Written after the timed steps: checked first, and not replaced unasked.
-    tools::require_output_file("--trace", a->trace, a->overwrite);
+    strata::require_output_file("--trace", a->trace, a->overwrite);
     run(*a);
   });
 }

@@ -953,7 +953,7 @@ void add_nvme_command(CLI::App& app) {
                      "--overwrite with --sweep but no --out: nothing is "
                      "written; add --out FILE or drop --overwrite");
       // A file already there (a ds_config.json, say) is not replaced by the aio block unasked.
-      tools::require_output_file("--out", a->out, a->overwrite);
+      strata::require_output_file("--out", a->out, a->overwrite);
     } else {
       STRATA_REQUIRE(c->count("--out") == 0 && c->count("--sweep-seconds") == 0 &&
                          c->count("--overwrite") == 0,

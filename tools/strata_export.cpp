@@ -62,7 +62,7 @@ struct Options {
 // CKPT_DIR itself when it holds a manifest, else the newest complete checkpoint under it.
 strata::FoundCheckpoint find_export_checkpoint(const Options& o) {
   std::error_code ec;
-  strata::tools::require_input_folder("", o.ckpt, "the checkpoint's folder (or a run's --out)");
+  strata::require_input_folder("", o.ckpt, "the checkpoint's folder (or a run's --out)");
   strata::FoundCheckpoint ck;
   if (fs::exists(fs::path(o.ckpt) / "manifest.json", ec)) {
     const std::string why = strata::verify_checkpoint(o.ckpt, &ck.manifest);
@@ -88,7 +88,7 @@ strata::ModelConfig export_model(const Options& o, const strata::FoundCheckpoint
                                  const nlohmann::json& trainer) {
   strata::ModelConfig cfg;
   if (!o.model_config.empty()) {
-    strata::tools::require_input_file("--model-config", o.model_config);
+    strata::require_input_file("--model-config", o.model_config);
     cfg = strata::load_model_config(o.model_config);
   } else {
     STRATA_REQUIRE(trainer.contains("model_config") && trainer["model_config"].is_object(),
@@ -332,7 +332,7 @@ int run(const Options& o) {
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
   if (!o.model_dir.empty())
-    strata::tools::require_input_folder("--model", o.model_dir, "the model's Hugging Face folder");
+    strata::require_input_folder("--model", o.model_dir, "the model's Hugging Face folder");
   const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);

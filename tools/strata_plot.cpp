@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     std::error_code ec;
     STRATA_REQUIRE(!std::filesystem::equivalent(log, out, ec),
                    "-o {} is the log itself: give another file for the picture", out);
-    strata::tools::require_output_file("-o", out, overwrite);
+    strata::require_output_file("-o", out, overwrite);
     if (title.empty())
       title = "strata-train run: " + std::filesystem::path(log).filename().string();
     strata::write_run_plot(out, strata::run_plot_svg(steps, title));

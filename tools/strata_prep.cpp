@@ -51,13 +51,13 @@ int run(Options& o, bool separator_given) {
                  "model's tokenizer (a Hugging Face model folder holds tokenizer.json and "
                  "tokenizer_config.json)",
                  flag, dir);
-  strata::tools::NamedPaths ins = strata::tools::model_files_in_folder(flag, dir);
+  strata::NamedPaths ins = strata::model_files_in_folder(flag, dir);
   for (const auto& in : o.inputs) {
-    strata::tools::require_input_file("", in);
+    strata::require_input_file("", in);
     ins.push_back({"input", in});
   }
-  strata::tools::require_outputs_apart("strata-prep", {{"-o", o.out}}, ins);
-  strata::tools::require_output_file("-o", o.out, o.overwrite);
+  strata::require_outputs_apart("strata-prep", {{"-o", o.out}}, ins);
+  strata::require_output_file("-o", o.out, o.overwrite);
   const strata::Tokenizer tok = strata::Tokenizer::from_folder(dir);
   const std::string hash = strata::tokenizer_hash(dir, tok);
 

@@ -97,8 +97,8 @@ void check_flags(const Args& a) {
                  "--trace, --data, --text, --validate-spread and --validate-rounds are for the "
                  "validation runs: add "
                  "--validate K (or leave them out)");
-  for (const std::string& f : a.data_files) tools::require_input_file("--data", f);
-  if (!a.text_file.empty()) tools::require_input_file("--text", a.text_file);
+  for (const std::string& f : a.data_files) strata::require_input_file("--data", f);
+  if (!a.text_file.empty()) strata::require_input_file("--text", a.text_file);
   STRATA_REQUIRE(a.dtype.empty() || a.dtype == "fp32" || a.dtype == "bf16",
                  "--dtype '{}': use fp32 or bf16", a.dtype);
   STRATA_REQUIRE(a.validate >= 0 && a.validate_steps >= 2,
@@ -300,24 +300,24 @@ void check_outputs(Args& a, bool demo, bool talk) {
     // What strata-prof writes must not name one file twice (the later replaced the earlier: the
     // recommendation by the picture or the trace), nor a file it reads (the model's config is
     // read again by the validation runs and named in the run line). Links resolved.
-    tools::NamedPaths outs = {{"--out", a.out}, {"--svg", a.svg}};
+    strata::NamedPaths outs = {{"--out", a.out}, {"--svg", a.svg}};
     if (a.validate > 0) outs.push_back({"--trace", a.trace});
     if (demo && !a.out.empty())
       outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
     // Inputs may share a file with each other (--config and --aio, say), not with an output.
-    tools::NamedPaths ins = tools::model_files_in_folder("--model", a.model_dir);
+    strata::NamedPaths ins = strata::model_files_in_folder("--model", a.model_dir);
     if (!a.ds_config.empty()) ins.push_back({"--config", a.ds_config});
     if (!a.model_config.empty()) ins.push_back({"--model-config", a.model_config});
     if (!a.aio_file.empty()) ins.push_back({"--aio", a.aio_file});
     for (const std::string& f : a.data_files) ins.push_back({"--data", f});
     if (!a.text_file.empty()) ins.push_back({"--text", a.text_file});
-    tools::require_outputs_apart("strata-prof", outs, ins);
+    strata::require_outputs_apart("strata-prof", outs, ins);
   }
   if (talk) {
-    tools::require_output_file("--out", a.out, a.overwrite || !a.out_named);
-    tools::require_output_file("--svg", a.svg, a.overwrite || !a.svg_named);
+    strata::require_output_file("--out", a.out, a.overwrite || !a.out_named);
+    strata::require_output_file("--svg", a.svg, a.overwrite || !a.svg_named);
     if (a.validate > 0)
-      tools::require_output_file("--trace", a.trace, a.overwrite || !a.trace_named);
+      strata::require_output_file("--trace", a.trace, a.overwrite || !a.trace_named);
   }
 }
 

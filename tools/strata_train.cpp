@@ -5,39 +5,13 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/nvme.h"
-#include "strata/run_plot.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
-
-namespace {
-
-// Whether `path` holds what a run writes under `flag`, which a resumed run may take over: a log
-// whose first line is a step's (or nothing yet), a trace's JSON, an SVG picture.
-bool a_runs_file(const std::string& flag, const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::string first;
-  std::getline(f, first);
-  if (flag == "--log-json") {
-    if (first.empty()) return true;
-    try {
-      (void)strata::run_record_from_json(nlohmann::json::parse(first));  // as strata-plot reads it
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }
-  if (flag == "--plot") return first.starts_with("<svg") || first.starts_with("<?xml");
-  return first.starts_with("{") || first.starts_with("[");  // --trace: Chrome's JSON
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   strata::reexec_with_passive_openmp(argv);  // before libgomp's first team: see device.h
@@ -229,21 +203,6 @@ int main(int argc, char** argv) {
           "renders the chat records of --data .jsonl corpora: add --data FILE.jsonl");
     needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
           "splits --data / --text text corpora into documents: add --data or --text");
-    // What the run writes is none of the files it reads, nor one file twice.
-    strata::tools::NamedPaths ins = strata::tools::model_files_in_folder("--model", o.model_dir);
-    for (const std::string& f : o.data_files) ins.push_back({"--data", f});
-    for (const std::string& f : o.eval_files) ins.push_back({"--eval-data", f});
-    ins.push_back({"--text", o.text_file});
-    ins.push_back({"--model-config", o.model_config});
-    ins.push_back({"--config", o.ds_config});
-    const strata::tools::NamedPaths outs = {
-        {"--log-json", o.log_json}, {"--plot", o.plot_file}, {"--trace", o.trace_file}};
-    strata::tools::require_outputs_apart("strata-train", outs, ins);
-    // A file of the user's there is replaced only with --overwrite, or by the run --resume
-    // continues (a log, a picture or a trace such as a run writes); --plan writes none.
-    for (const auto& [flag, path] : outs)
-      strata::tools::require_overwrite_to_replace(
-          flag, path, o.overwrite || o.plan_only || (!o.resume.empty() && a_runs_file(flag, path)));
     return strata::train(o).plan_fits ? 0 : 2;
   });
 }

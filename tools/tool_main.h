@@ -27,6 +27,7 @@
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
+#include "strata/paths.h"
 
 namespace strata::tools {
 
@@ -64,131 +65,6 @@ inline const CLI::Validator kCount(
       return {};
     },
     "COUNT");
-
-// A path under /dev (/dev/null, /dev/stdout, whatever the shell sent that to): the user's
-// choice of where a stream goes, never a file of theirs to keep.
-inline bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
-
-// A file of the user's at `path` (a regular file, or a link to none: a folder, a device or a pipe
-// is no file to replace) is replaced only with --overwrite.
-inline void require_overwrite_to_replace(const std::string& flag, const std::string& path,
-                                         bool overwrite) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (path.empty() || overwrite || device_path(path) || !fs::exists(fs::symlink_status(path, ec)))
-    return;
-  const fs::file_status st = fs::status(path, ec);
-  STRATA_REQUIRE(fs::exists(st) && !fs::is_regular_file(st),
-                 "{} {} exists: pass --overwrite to replace it", flag, path);
-}
-
-// A file the tool reads is there and is a file (a folder named by mistake is said as one).
-inline void require_input_file(const std::string& flag, const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const std::string named = flag.empty() ? path : flag + " " + path;
-  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} is a folder, not a file: give the file itself",
-                 named);
-  STRATA_REQUIRE(fs::exists(path, ec), "{}: no such file", named);
-  STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} is not a regular file (a device or a pipe)",
-                 named);
-}
-
-// A folder the tool reads or writes in is there and is a folder (a file named by mistake is said
-// as one).
-inline void require_input_folder(const std::string& flag, const std::string& path,
-                                 const std::string& what) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const std::string named = flag.empty() ? path : flag + " " + path;
-  STRATA_REQUIRE(!fs::exists(path, ec) || fs::is_directory(path, ec),
-                 "{} is a file, not a folder: give {}", named, what);
-  STRATA_REQUIRE(fs::is_directory(path, ec), "{}: no such folder", named);
-}
-
-// A file a tool writes when it is done (a recommendation, a picture, a trace), checked before
-// anything is measured, so a run of minutes does not end in "cannot be written": its folder
-// exists and takes a new file, and a file already there (a user's ds_config.json, say) is
-// replaced only with --overwrite. A device or a pipe (/dev/null, /dev/stdout) holds nothing to
-// replace. An empty path is no file.
-inline void require_output_file(const char* flag, const std::string& path, bool overwrite) {
-  if (path.empty()) return;
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
-  if (fs::exists(fs::symlink_status(path, ec))) {
-    require_overwrite_to_replace(flag, path, overwrite);
-    if (::access(path.c_str(), W_OK) != 0)
-      STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
-    return;
-  }
-  const fs::path dir = fs::path(path).parent_path();
-  const std::string where = dir.empty() ? std::string(".") : dir.string();
-  // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
-  if (::access((where + "/.").c_str(), W_OK) != 0)
-    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
-                 std::strerror(errno));
-}
-
-// Whether two paths name one file: the same path once links, "." and ".." are resolved, or one
-// file under two names (hard links). An empty path names none.
-inline bool same_file(const std::string& x, const std::string& y) {
-  namespace fs = std::filesystem;
-  if (x.empty() || y.empty()) return false;
-  auto key = [](const std::string& p) {
-    std::error_code ec;
-    const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
-    return ec ? fs::absolute(p).lexically_normal() : k;
-  };
-  std::error_code ec;
-  return key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec);
-}
-
-// Flags and the paths they name.
-using NamedPaths = std::vector<std::pair<std::string, std::string>>;
-
-// What a tool writes, against itself and what it reads, checked before anything is written: no
-// file named twice (the later write would replace the earlier), and no file the tool reads (a
-// corpus, a config, a model's weights), --overwrite or not. A device or a pipe (/dev/null,
-// /dev/stdout) holds nothing to replace.
-inline void require_outputs_apart(const char* tool, const NamedPaths& outs, const NamedPaths& ins) {
-  namespace fs = std::filesystem;
-  for (std::size_t i = 0; i < outs.size(); ++i) {
-    std::error_code ec;
-    const fs::file_status st = fs::status(outs[i].second, ec);
-    if (device_path(outs[i].second) || (fs::exists(st) && !fs::is_regular_file(st))) continue;
-    for (std::size_t k = i + 1; k < outs.size(); ++k)
-      STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
-                     "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
-                     outs[i].second);
-    for (const auto& [flag, path] : ins)
-      STRATA_REQUIRE(!same_file(outs[i].second, path),
-                     "{} {} is the {} file: {} would replace it; write it elsewhere", outs[i].first,
-                     outs[i].second, flag, tool);
-  }
-}
-
-// The files of a Hugging Face folder strata reads (config, weights, tokenizer, chat template,
-// generation settings) that are in `folder`, each named "<flag> folder's <name>"; none where it is
-// no folder. Other files there (a log kept beside the model) are the user's to name.
-inline NamedPaths model_files_in_folder(const std::string& flag, const std::string& folder) {
-  namespace fs = std::filesystem;
-  static const char* const kRead[] = {"config.json",           "generation_config.json",
-                                      "tokenizer.json",        "tokenizer.model",
-                                      "tokenizer_config.json", "special_tokens_map.json",
-                                      "chat_template.jinja",   "chat_template.json"};
-  NamedPaths out;
-  std::error_code ec;
-  if (folder.empty() || !fs::is_directory(folder, ec)) return out;
-  for (const auto& e : fs::directory_iterator(folder, ec)) {
-    const std::string name = e.path().filename().string();
-    const bool read = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") ||
-                      std::find(std::begin(kRead), std::end(kRead), name) != std::end(kRead);
-    if (read && e.is_regular_file(ec))
-      out.push_back({flag + " folder's " + name, e.path().string()});
-  }
-  return out;
-}
 
 // A JSON file the tool reads (a checkpoint's layout, a model folder's generation_config.json):
 // one that cannot be read or parsed is a strata::Error naming it.

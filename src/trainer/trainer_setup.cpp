@@ -25,6 +25,8 @@
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
+#include "strata/paths.h"
+#include "strata/run_plot.h"
 #include "strata/tokenizer.h"
 #include "trainer/train_job.h"
 
@@ -42,11 +44,23 @@ std::string read_text(const std::string& path, const char* what) {
   return ss.str();
 }
 
-void require_file(const std::string& path, const char* flag) {
-  std::error_code ec;
-  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder, not a file: give the file itself",
-                 flag, path);
-  STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} {}: no such file", flag, path);
+// Whether `path` holds what a run writes under `flag`, which a resumed run may take over: a log
+// whose first line is a step's (or nothing yet), a trace's JSON, an SVG picture.
+bool a_runs_file(const std::string& flag, const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string first;
+  std::getline(f, first);
+  if (flag == "--log-json") {
+    if (first.empty()) return true;
+    try {
+      (void)run_record_from_json(nlohmann::json::parse(first));  // as strata-plot reads it
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  if (flag == "--plot") return first.starts_with("<svg") || first.starts_with("<?xml");
+  return first.starts_with("{") || first.starts_with("[");  // --trace: Chrome's JSON
 }
 
 // The nearest folder of `path` (itself or an ancestor) that exists: where a folder for it would
@@ -258,10 +272,10 @@ void read_model_config(Settings& s) {
                               ? fs::path(o.model_dir).parent_path().string()
                               : std::string("."))
             : std::string("no such directory"));
-    require_file(o.model_dir + "/config.json", "--model (config.json)");
+    require_input_file("--model (config.json)", o.model_dir + "/config.json");
     mcfg = load_model_config(o.model_dir + "/config.json");
   } else if (!o.model_config.empty()) {
-    require_file(o.model_config, "--model-config");
+    require_input_file("--model-config", o.model_config);
     mcfg = load_model_config(o.model_config);
   } else {
     mcfg = demo_model_config();
@@ -272,10 +286,25 @@ void read_model_config(Settings& s) {
 // built.
 void check_files(Settings& s) {
   const TrainOptions& o = s.o;
-  for (const auto& f : o.data_files) require_file(f, "--data");
-  for (const auto& f : o.eval_files) require_file(f, "--eval-data");
-  if (!o.text_file.empty()) require_file(o.text_file, "--text");
-  if (!o.ds_config.empty()) require_file(o.ds_config, "--config");
+  for (const auto& f : o.data_files) require_input_file("--data", f);
+  for (const auto& f : o.eval_files) require_input_file("--eval-data", f);
+  if (!o.text_file.empty()) require_input_file("--text", o.text_file);
+  if (!o.ds_config.empty()) require_input_file("--config", o.ds_config);
+  // What the run writes is none of the files it reads, nor one file twice; a file of the user's
+  // there is replaced only with --overwrite, or by the run --resume continues (a log, a picture
+  // or a trace such as a run writes); --plan writes none.
+  NamedPaths ins = model_files_in_folder("--model", o.model_dir);
+  for (const std::string& f : o.data_files) ins.push_back({"--data", f});
+  for (const std::string& f : o.eval_files) ins.push_back({"--eval-data", f});
+  ins.push_back({"--text", o.text_file});
+  ins.push_back({"--model-config", o.model_config});
+  ins.push_back({"--config", o.ds_config});
+  const NamedPaths outs = {
+      {"--log-json", o.log_json}, {"--plot", o.plot_file}, {"--trace", o.trace_file}};
+  require_outputs_apart("the run", outs, ins);
+  for (const auto& [flag, path] : outs)
+    require_overwrite_to_replace(
+        flag, path, o.overwrite || o.plan_only || (!o.resume.empty() && a_runs_file(flag, path)));
   if (!o.out_dir.empty()) {
     // Checked now, not after the training: a folder (never a file of the user's, even with
     // --overwrite) under a writable folder.
@@ -378,14 +407,6 @@ void check_resume_step(Settings& s) {
     STRATA_REQUIRE(!fs::is_directory(o.plot_file, ec),
                    "--plot {} is a folder: give a file name for the picture, such as {}/run.svg",
                    o.plot_file, o.plot_file);
-    const bool same_as_log =
-        !o.log_json.empty() && (fs::equivalent(o.plot_file, o.log_json, ec) ||
-                                fs::absolute(o.plot_file).lexically_normal() ==
-                                    fs::absolute(o.log_json).lexically_normal());
-    STRATA_REQUIRE(!same_as_log,
-                   "--plot {} is the --log-json file: give the picture another name, such as "
-                   "run.svg",
-                   o.plot_file);
     const fs::path parent = fs::absolute(o.plot_file).parent_path();
     require_writable_folder("--plot", o.plot_file, check_folder(parent));
   }

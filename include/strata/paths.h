@@ -1,0 +1,60 @@
+// The files and folders a program reads and writes, checked before any work: a file it reads is
+// there and is a file, a folder is a folder, and what it writes replaces nothing the user keeps:
+// no file it reads, no other output of its own, no file of the user's without their word
+// (--overwrite). strata::train makes these checks itself; the tools make them for their own
+// flags. Each failure is a strata::Error whose message names the flag, the path and the fix.
+//
+//   require_input_file("--data", "corpus.bin");
+//   NamedPaths ins = model_files_in_folder("--model", "llama/");
+//   ins.push_back({"--data", "corpus.bin"});
+//   require_outputs_apart("strata-prep", {{"-o", "out.bin"}}, ins);
+//   require_output_file("-o", "out.bin", /*overwrite=*/false);
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace strata {
+
+// Flags and the paths they name.
+using NamedPaths = std::vector<std::pair<std::string, std::string>>;
+
+// A path under /dev (/dev/null, /dev/stdout, whatever the shell sent that to): the user's choice
+// of where a stream goes, never a file of theirs to keep.
+bool device_path(const std::string& path);
+
+// Whether two paths name one file: the same path once links, "." and ".." are resolved, or one
+// file under two names (hard links). An empty path names none.
+bool same_file(const std::string& x, const std::string& y);
+
+// A file read is there and is a file (a folder named by mistake is said as one). `flag` may be
+// empty (a positional argument).
+void require_input_file(const std::string& flag, const std::string& path);
+
+// A folder read or written in is there and is a folder (a file named by mistake is said as one);
+// `what` is what the flag wants, for the message ("the model's Hugging Face folder").
+void require_input_folder(const std::string& flag, const std::string& path,
+                          const std::string& what);
+
+// A file of the user's at `path` (a regular file, or a link to none: a folder, a device or a pipe
+// is no file to replace) is replaced only with `overwrite` (--overwrite).
+void require_overwrite_to_replace(const std::string& flag, const std::string& path, bool overwrite);
+
+// A file written when the work is done (a recommendation, a picture, a trace), checked before
+// anything is measured, so a run of minutes does not end in "cannot be written": its folder
+// exists and takes a new file, and a file already there is replaced only with `overwrite`. A
+// device or a pipe holds nothing to replace. An empty path is no file.
+void require_output_file(const std::string& flag, const std::string& path, bool overwrite);
+
+// What `who` writes (`outs`), against itself and what it reads (`ins`): no file named twice (the
+// later write would replace the earlier), and no file read (a corpus, a config, a model's
+// weights), overwrite or not. A device or a pipe holds nothing to replace. Empty paths are none.
+void require_outputs_apart(const std::string& who, const NamedPaths& outs, const NamedPaths& ins);
+
+// The files of a Hugging Face folder strata reads (config, weights and their index, tokenizer,
+// chat template, generation settings) that are in `folder`, each named "<flag> folder's <name>";
+// none where it is no folder. Other files there (a log kept beside the model) are the user's.
+NamedPaths model_files_in_folder(const std::string& flag, const std::string& folder);
+
+}  // namespace strata

@@ -1,0 +1,111 @@
+#include "strata/paths.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iterator>
+
+#include "strata/error.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+
+bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
+
+bool same_file(const std::string& x, const std::string& y) {
+  if (x.empty() || y.empty()) return false;
+  auto key = [](const std::string& p) {
+    std::error_code ec;
+    const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
+    return ec ? fs::absolute(p).lexically_normal() : k;
+  };
+  std::error_code ec;
+  return key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec);
+}
+
+void require_input_file(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  const std::string named = flag.empty() ? path : flag + " " + path;
+  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} is a folder, not a file: give the file itself",
+                 named);
+  STRATA_REQUIRE(fs::exists(path, ec), "{}: no such file", named);
+  STRATA_REQUIRE(fs::is_regular_file(path, ec), "{} is not a regular file (a device or a pipe)",
+                 named);
+}
+
+void require_input_folder(const std::string& flag, const std::string& path,
+                          const std::string& what) {
+  std::error_code ec;
+  const std::string named = flag.empty() ? path : flag + " " + path;
+  STRATA_REQUIRE(!fs::exists(path, ec) || fs::is_directory(path, ec),
+                 "{} is a file, not a folder: give {}", named, what);
+  STRATA_REQUIRE(fs::is_directory(path, ec), "{}: no such folder", named);
+}
+
+void require_overwrite_to_replace(const std::string& flag, const std::string& path,
+                                  bool overwrite) {
+  std::error_code ec;
+  if (path.empty() || overwrite || device_path(path) || !fs::exists(fs::symlink_status(path, ec)))
+    return;
+  const fs::file_status st = fs::status(path, ec);
+  STRATA_REQUIRE(fs::exists(st) && !fs::is_regular_file(st),
+                 "{} {} exists: pass --overwrite to replace it", flag, path);
+}
+
+void require_output_file(const std::string& flag, const std::string& path, bool overwrite) {
+  if (path.empty()) return;
+  std::error_code ec;
+  STRATA_REQUIRE(!fs::is_directory(path, ec), "{} {} is a folder: give a file name", flag, path);
+  if (fs::exists(fs::symlink_status(path, ec))) {
+    require_overwrite_to_replace(flag, path, overwrite);
+    if (::access(path.c_str(), W_OK) != 0)
+      STRATA_THROW(kIo, "{} {}: cannot be replaced: {}", flag, path, std::strerror(errno));
+    return;
+  }
+  const fs::path dir = fs::path(path).parent_path();
+  const std::string where = dir.empty() ? std::string(".") : dir.string();
+  // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
+  if (::access((where + "/.").c_str(), W_OK) != 0)
+    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
+                 std::strerror(errno));
+}
+
+void require_outputs_apart(const std::string& who, const NamedPaths& outs, const NamedPaths& ins) {
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(outs[i].second, ec);
+    if (device_path(outs[i].second) || (fs::exists(st) && !fs::is_regular_file(st))) continue;
+    for (std::size_t k = i + 1; k < outs.size(); ++k)
+      STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
+                     "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
+                     outs[i].second);
+    for (const auto& [flag, path] : ins)
+      STRATA_REQUIRE(!same_file(outs[i].second, path),
+                     "{} {} is the {} file: {} would replace it; write it elsewhere", outs[i].first,
+                     outs[i].second, flag, who);
+  }
+}
+
+NamedPaths model_files_in_folder(const std::string& flag, const std::string& folder) {
+  static const char* const kRead[] = {"config.json",           "generation_config.json",
+                                      "tokenizer.json",        "tokenizer.model",
+                                      "tokenizer_config.json", "special_tokens_map.json",
+                                      "chat_template.jinja",   "chat_template.json"};
+  NamedPaths out;
+  std::error_code ec;
+  if (folder.empty() || !fs::is_directory(folder, ec)) return out;
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool read = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") ||
+                      std::find(std::begin(kRead), std::end(kRead), name) != std::end(kRead);
+    if (read && e.is_regular_file(ec))
+      out.push_back({flag + " folder's " + name, e.path().string()});
+  }
+  return out;
+}
+
+}  // namespace strata

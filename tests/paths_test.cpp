@@ -1,0 +1,177 @@
+// The checks of the files a program reads and writes (strata/paths.h), and strata::train making
+// them itself: an API caller's log on its own corpus is refused, and the corpus is kept.
+#include "strata/paths.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include "strata/trainer.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+using testing::slurp;
+using testing::TempDir;
+
+void write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+TEST(Paths, SameFileSeesThroughLinksDotsAndHardLinks) {
+  TempDir d;
+  const std::string f = d.path + "/a.txt";
+  write(f, "x");
+  fs::create_symlink(f, d.path + "/soft");
+  fs::create_hard_link(f, d.path + "/hard");
+  fs::create_directory(d.path + "/sub");
+  EXPECT_TRUE(same_file(f, d.path + "/soft"));
+  EXPECT_TRUE(same_file(f, d.path + "/hard"));
+  EXPECT_TRUE(same_file(f, d.path + "/sub/../a.txt"));
+  EXPECT_TRUE(same_file(d.path + "/new.txt", d.path + "/sub/../new.txt"));  // neither there yet
+  EXPECT_FALSE(same_file(f, d.path + "/b.txt"));
+  EXPECT_FALSE(same_file(f, ""));
+}
+
+TEST(Paths, OutputsApartFromEachOtherAndFromInputs) {
+  TempDir d;
+  const std::string corpus = d.path + "/corpus.txt", log = d.path + "/log.jsonl";
+  write(corpus, "text");
+  EXPECT_NE(error_of([&] {
+              require_outputs_apart("the run", {{"--log-json", corpus}}, {{"--text", corpus}});
+            }).find("--log-json " + corpus + " is the --text file: the run would replace it"),
+            std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        require_outputs_apart("x", {{"--log-json", log}, {"--plot", d.path + "/./log.jsonl"}}, {});
+      }).find("--log-json and --plot both name " + log),
+      std::string::npos);
+  // Devices and empty paths are no files: two outputs to /dev/null, none named.
+  EXPECT_EQ(error_of([&] {
+              require_outputs_apart("x", {{"--a", "/dev/null"}, {"--b", "/dev/null"}, {"--c", ""}},
+                                    {{"--text", ""}});
+            }),
+            "");
+}
+
+TEST(Paths, AUsersFileIsReplacedOnlyWithOverwrite) {
+  TempDir d;
+  const std::string f = d.path + "/notes.txt";
+  write(f, "mine");
+  EXPECT_NE(error_of([&] {
+              require_overwrite_to_replace("--log-json", f, false);
+            }).find("--log-json " + f + " exists: pass --overwrite to replace it"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { require_overwrite_to_replace("--log-json", f, true); }), "");
+  EXPECT_EQ(error_of([&] { require_overwrite_to_replace("--log-json", "/dev/null", false); }), "");
+  // A link to no file is one to keep; a new path is free.
+  fs::create_symlink(d.path + "/gone", d.path + "/dangling");
+  EXPECT_NE(error_of([&] {
+              require_output_file("-o", d.path + "/dangling", false);
+            }).find("exists: pass --overwrite"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { require_output_file("-o", d.path + "/new.bin", false); }), "");
+  EXPECT_NE(error_of([&] { require_output_file("-o", d.path, false); }).find("is a folder"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              require_output_file("-o", f + "/x.bin", false);
+            }).find("cannot be written in " + f),
+            std::string::npos);
+  EXPECT_EQ(slurp(f), "mine");
+}
+
+TEST(Paths, InputsAreFilesAndFoldersAsNamed) {
+  TempDir d;
+  const std::string f = d.path + "/c.bin";
+  write(f, "x");
+  EXPECT_NE(error_of([&] {
+              require_input_file("--data", d.path);
+            }).find("--data " + d.path + " is a folder, not a file: give the file itself"),
+            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { require_input_file("--data", d.path + "/nope"); }).find(": no such file"),
+      std::string::npos);
+  EXPECT_NE(error_of([&] { require_input_file("", "/dev/null"); }).find("not a regular file"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { require_input_file("--data", f); }), "");
+  EXPECT_NE(error_of([&] {
+              require_input_folder("--model", f, "the model's folder");
+            }).find("is a file, not a folder: give the model's folder"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { require_input_folder("--model", d.path, "x"); }), "");
+}
+
+TEST(Paths, AModelFoldersFilesAreTheOnesStrataReads) {
+  TempDir d;
+  for (const char* name : {"config.json", "model-00001-of-00002.safetensors",
+                           "model.safetensors.index.json", "tokenizer.json", "run.jsonl"})
+    write(d.path + "/" + name, "{}");
+  fs::create_directory(d.path + "/tokenizer.model");  // a folder of that name is no file
+  const NamedPaths files = model_files_in_folder("--model", d.path);
+  std::set<std::string> names;
+  for (const auto& [flag, path] : files) names.insert(flag);
+  EXPECT_EQ(names, (std::set<std::string>{"--model folder's config.json",
+                                          "--model folder's model-00001-of-00002.safetensors",
+                                          "--model folder's model.safetensors.index.json",
+                                          "--model folder's tokenizer.json"}));
+  EXPECT_TRUE(model_files_in_folder("--model", d.path + "/config.json").empty());
+}
+
+// strata::train checks what it writes against what it reads, for every caller: a log on the
+// corpus, or on a file of the user's, is refused before anything is written.
+TEST(Paths, TrainRefusesALogOnItsCorpusOrOnAUsersFile) {
+  TempDir d;
+  const std::string corpus = d.path + "/corpus.txt", notes = d.path + "/notes.txt";
+  const std::string text(4096, 'a');
+  write(corpus, text);
+  write(notes, "mine");
+  const std::string model = d.path + "/config.json";
+  const std::string model_text =
+      R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+          "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+          "max_position_embeddings": 64})";
+  write(model, model_text);
+  TrainOptions o;
+  o.model_config = model;
+  o.text_file = corpus;
+  o.steps = 1;
+  o.device = "cpu";
+  std::FILE* quiet = std::fopen("/dev/null", "w");
+  ASSERT_NE(quiet, nullptr);
+  o.console = quiet;
+  o.log_json = corpus;
+  o.overwrite = true;  // no word of the user's lets a run replace its own input
+  EXPECT_NE(error_of([&] {
+              train(o);
+            }).find("--log-json " + corpus + " is the --text file: the run would replace it"),
+            std::string::npos);
+  o.log_json = notes;
+  o.overwrite = false;
+  EXPECT_NE(error_of([&] { train(o); }).find("--log-json " + notes + " exists: pass --overwrite"),
+            std::string::npos);
+  o.log_json = d.path + "/run.jsonl";
+  o.plot_file = d.path + "/run.jsonl";
+  EXPECT_NE(error_of([&] { train(o); }).find("--log-json and --plot both name"), std::string::npos);
+  o.plot_file.clear();
+  o.trace_file = model;  // the model config read
+  EXPECT_NE(error_of([&] { train(o); }).find("is the --model-config file"), std::string::npos);
+  o.trace_file.clear();
+  EXPECT_EQ(slurp(corpus), text);
+  EXPECT_EQ(slurp(notes), "mine");
+  EXPECT_FALSE(fs::exists(d.path + "/run.jsonl"));
+  EXPECT_EQ(slurp(model), model_text);
+  // The same run with its own log runs, and writes it.
+  EXPECT_EQ(train(o).steps.size(), 1u);
+  std::fclose(quiet);
+  EXPECT_NE(slurp(d.path + "/run.jsonl").find("\"step\":1"), std::string::npos);
+  EXPECT_EQ(slurp(corpus), text);
+}
+
+}  // namespace
+}  // namespace strata
