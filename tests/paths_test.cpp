@@ -3,7 +3,6 @@
 #include "strata/paths.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>

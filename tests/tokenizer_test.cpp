@@ -407,6 +407,10 @@ TEST_F(SentencePieceModel, SpecialTokensInTextAndConfig) {
                 .find("bos_token is an object without a string \"content\""),
             std::string::npos);
   EXPECT_FALSE(make(R"({"eos_token": null})").eos_id().has_value());
+  EXPECT_FALSE(make(R"({"eos_token": ""})").eos_id().has_value());
+  EXPECT_EQ(make(R"({"eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": false}})")
+                .eos_id(),
+            2);
   EXPECT_NE(error_of([&] { make("{oops"); }).find("tokenizer_config.json does not parse"),
             std::string::npos);
   EXPECT_NE(error_of([&] {

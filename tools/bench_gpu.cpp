@@ -1025,6 +1025,10 @@ void add_gpu_command(CLI::App& app) {
       names = {"model-config.json", "model-tokens.u16", "ds-host.json",   "ds-nvme.json",
                "model-host.jsonl",  "model-nvme.jsonl", "model-host.log", "model-nvme.log",
                "trace-host.json",   "trace-nvme.json"};
+    if (has("model") && !a->rehearse)  // the host placement with the tiled kernels, on a GPU
+      for (const char* n : {"ds-host_tiled.json", "model-host_tiled.jsonl", "model-host_tiled.log",
+                            "trace-host_tiled.json"})
+        names.push_back(n);
     if (has("parity"))
       for (const char* n :
            {"parity-config.json", "parity-tokens.u16", "ds-parity.json", "parity-cuda.jsonl",

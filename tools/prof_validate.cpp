@@ -141,7 +141,7 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   o.checkpoint_on_host = c.checkpoint_on_host;
   o.trace_file = trace_file;
   o.trace_step = a.validate_steps;
-  o.overwrite = true;  // the trace is strata-prof's own work file, written again each round
+  o.overwrite = true;  // written again each round (a work file, or the --trace checked up front)
   std::FILE* null = std::fopen("/dev/null", "w");
   o.console = null;
   TrainResult r;

@@ -260,6 +260,8 @@ struct TrainOptions {
   // ("": none).
   std::string plot_file;
   std::int64_t trace_step = 2;
+  // Replace an existing out_dir, log_json, plot_file or trace_file (without it: refused, but for
+  // the log, picture or trace of the run `resume` continues; plan_only writes none).
   bool overwrite = false;
   bool plan_only = false;
   // Checkpoints: every save_every steps and after the last step (0: none) into
@@ -291,7 +293,12 @@ struct TrainResult {
 };
 
 // Runs the whole job: model, data, engine, loop, logs, final save. Every rank calls it.
-// Throws strata::Error for bad options, missing files and configurations that cannot fit.
+// Throws strata::Error for bad options, missing files and configurations that cannot fit, and
+// before anything is written for an output that would replace a file: log_json, plot_file and
+// trace_file are none of the files the run reads (the model folder's, data_files, eval_files,
+// text_file, model_config, ds_config) nor one another, overwrite or not, and an existing one needs
+// `overwrite` (strata/paths.h). Every rank checks them, though rank 0 alone writes them: a file
+// of that name on another node's own disk counts too.
 TrainResult train(const TrainOptions& options);
 
 }  // namespace strata
