@@ -133,6 +133,52 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
                {"e.txt", "names no EOS token", "eos_token"});
 }
 
+// Files as other tools write them: JSON lines named .json (Hugging Face's Dataset.to_json) or in
+// capitals, a UTF-8 BOM before text, Windows line ends around a separator of line ends; a .json
+// that is one JSON array is refused with the command that makes it JSON lines (it was read as one
+// text document of JSON syntax). A tokenizer whose template ends with the EOS ends each document
+// with one EOS, not two.
+TEST(Corpus, FilesAsOtherToolsWriteThem) {
+  TinyFolder t;
+  const char* two = "{\"text\": \"hello\"}\n{\"text\": \"he\"}\n";
+  for (const char* name : {"hf.json", "UP.JSONL", "x.ndjson"}) {
+    SCOPED_TRACE(name);
+    const auto docs = read_corpus_file(t.tok, t.write(name, two));
+    ASSERT_EQ(docs.size(), 2u);
+    EXPECT_EQ(docs[0].tokens, (Ids{17, 11, 16}));
+    EXPECT_EQ(docs[1].tokens, (Ids{17, 8, 16}));
+  }
+  EXPECT_TRUE(is_corpus_file("a.TXT"));
+  EXPECT_FALSE(is_corpus_file("a.bin"));
+  const std::string array = t.write("alpaca.json", " [{\"text\": \"hello\"}]\n");
+  expect_error([&] { read_corpus_file(t.tok, array); },
+               {"alpaca.json: one JSON array of records, not JSON lines",
+                "jq -c '.[]' " + array + " > records.jsonl"});
+  EXPECT_EQ(read_corpus_file(t.tok, t.write("bom.txt", "\xEF\xBB\xBFhello"))[0].tokens,
+            (Ids{17, 11, 16}));
+  CorpusOptions paragraphs;
+  paragraphs.separator = "\n\n";
+  const auto crlf = read_corpus_file(t.tok, t.write("crlf.txt", "hello\r\n\r\nhe"), paragraphs);
+  ASSERT_EQ(crlf.size(), 2u);
+  EXPECT_EQ(crlf[1].tokens, (Ids{17, 8, 16}));
+  EXPECT_EQ(read_corpus_file(t.tok, t.write("lf.txt", "hello\n\nhe"), paragraphs).size(), 2u);
+
+  std::string json = testing::kTinyTokenizer;
+  const std::string single = R"({"Sequence": {"id": "A", "type_id": 0}}])";
+  ASSERT_NE(json.find(single), std::string::npos);
+  json.replace(json.find(single), single.size(),
+               R"({"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|end|>", "type_id": 0}}])");
+  const std::string specials = R"("special_tokens": {)";
+  json.replace(json.find(specials), specials.size(),
+               specials + R"("<|end|>": {"id": "<|end|>", "ids": [16], "tokens": ["<|end|>"]}, )");
+  std::ofstream(t.model + "/tokenizer.json") << json;
+  const Tokenizer adds_eos = Tokenizer::from_folder(t.model);
+  ASSERT_EQ(adds_eos.encode("he").back(), 16);
+  const auto once = read_corpus_file(adds_eos, t.write("e.txt", "he"));
+  EXPECT_EQ(once[0].tokens, (Ids{17, 8, 16}));
+  EXPECT_EQ(once[0].counted, (std::vector<std::uint8_t>{0, 1, 1}));
+}
+
 // Chat records go through CorpusOptions::chat; without a template they are refused.
 TEST(Corpus, ChatRecordsGoThroughTheChatEncoder) {
   TinyFolder t;

@@ -400,11 +400,13 @@ TEST_F(SentencePieceModel, SpecialTokensInTextAndConfig) {
   EXPECT_NE(error_of([&] { make(R"({"eos_token": "<eot>"})"); }).find("eos_token '<eot>'"),
             std::string::npos);
   // A token that is not text is named with its type (it read as "no EOS token"); null is none.
-  EXPECT_NE(error_of([&] { make(R"({"eos_token": 2})"); })
-                .find("tokenizer_config.json's eos_token is 2, not a token"),
+  EXPECT_NE(error_of([&] {
+              make(R"({"eos_token": 2})");
+            }).find("tokenizer_config.json's eos_token is 2, not a token"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { make(R"({"bos_token": {"id": 1}})"); })
-                .find("bos_token is an object without a string \"content\""),
+  EXPECT_NE(error_of([&] {
+              make(R"({"bos_token": {"id": 1}})");
+            }).find("bos_token is an object without a string \"content\""),
             std::string::npos);
   EXPECT_FALSE(make(R"({"eos_token": null})").eos_id().has_value());
   EXPECT_FALSE(make(R"({"eos_token": ""})").eos_id().has_value());

@@ -4,7 +4,8 @@
 // Inputs (each file one of):
 //   - plain text: the whole file is one document, or, with `separator`, the pieces between
 //     separators are (empty pieces are skipped);
-//   - JSON lines (`.jsonl`): one record per line (blank lines skipped); a record with a string
+//   - JSON lines (`.jsonl`, `.ndjson`, `.json`): one record per line (blank lines skipped); a
+//     record with a string
 //     field `text_field` (default "text") is one document; a record with `messages`,
 //     `conversations` or `instruction` is a chat record, rendered by CorpusOptions::chat
 //     (use_chat_template: the model folder's chat template, strata/chat.h); without one a chat
@@ -118,6 +119,15 @@ struct PreparedHeader {
 
 // True when the file at `path` starts with kPreparedMagic (false when it cannot be read).
 bool is_prepared_file(const std::string& path);
+
+// Whether `path` names JSON lines by its suffix: .jsonl, .ndjson, or .json (Hugging Face's
+// Dataset.to_json writes JSON lines under that name), in any case. A .json file that holds one
+// JSON array (Alpaca's alpaca_data.json) is refused when read, with the command that turns it into
+// JSON lines.
+bool is_json_lines_file(const std::string& path);
+
+// Whether `path` names a corpus strata tokenizes itself: JSON lines (is_json_lines_file) or .txt.
+bool is_corpus_file(const std::string& path);
 
 // Reads and validates the header (magic, version, sizes, offsets against the file's size).
 PreparedHeader read_prepared_header(const std::string& path);

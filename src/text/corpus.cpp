@@ -19,6 +19,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <bit>
 #include <chrono>
 #include <cstring>
@@ -26,11 +27,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "core/utf8.h"
 #include "strata/chat.h"
 #include "strata/error.h"
+#include "strata/log.h"
 
 namespace strata {
 
@@ -69,9 +72,6 @@ void require_utf8(std::string_view s, const std::string& path, std::size_t first
   }
 }
 
-bool is_jsonl(const std::string& path) {
-  return path.ends_with(".jsonl") || path.ends_with(".ndjson");
-}
 
 // One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
 // part of the parallel work).
@@ -96,7 +96,9 @@ Document encode_text(const Tokenizer& tok, std::string_view text, const std::str
                  "ends every document so the model learns to stop: add eos_token to the model "
                  "folder's tokenizer_config.json",
                  where);
-  d.tokens.push_back(*eos);
+  // Once: a tokenizer whose template ends with EOS (a TemplateProcessing suffix, add_eos_token)
+  // has put it there already.
+  if (d.tokens.empty() || d.tokens.back() != *eos) d.tokens.push_back(*eos);
   d.counted.assign(d.tokens.size(), 1);
   d.counted[0] = 0;
   return d;
@@ -164,28 +166,52 @@ namespace {
 // in order. Text files are read whole; JSON lines line by line.
 template <class Emit>
 void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
-  if (!is_jsonl(path)) {
-    const std::string s = slurp(path, "corpus file");
+  if (!is_json_lines_file(path)) {
+    std::string s = slurp(path, "corpus file");
+    if (s.starts_with("\xEF\xBB\xBF")) s.erase(0, 3);  // a UTF-8 BOM marks the file, not its text
     require_utf8(s, path, 1);
     if (!o.separator) {
-      if (!s.empty()) emit(RawDoc{s, false, path});
+      if (!s.empty()) emit(RawDoc{std::move(s), false, path});
       return;
     }
-    STRATA_REQUIRE(!o.separator->empty(), "--separator: give a non-empty string to split on");
+    const std::string& sep = *o.separator;
+    STRATA_REQUIRE(!sep.empty(), "--separator: give a non-empty string to split on");
+    // A file with Windows line ends: a separator of line ends ("\n\n") also matches them as
+    // "\r\n" (Python's text mode, Hugging Face's text loader, reads them as "\n").
+    std::string crlf;
+    if (sep.find('\n') != std::string::npos && s.find("\r\n") != std::string::npos)
+      for (char c : sep) crlf += c == '\n' ? std::string("\r\n") : std::string(1, c);
     // The line of each piece's start, counted as the pieces go (not from the file's start).
-    std::size_t at = 0, line = 1, counted_to = 0;
+    std::size_t at = 0, line = 1, counted_to = 0, found = 0;
     while (at <= s.size()) {
-      std::size_t end = s.find(*o.separator, at);
+      std::size_t end = s.find(sep, at), len = sep.size();
+      if (!crlf.empty())
+        if (const std::size_t e = s.find(crlf, at); e < end) end = e, len = crlf.size();
       if (end == std::string::npos) end = s.size();
+      else ++found;
       line += line_of(std::string_view(s).substr(counted_to, at - counted_to), at - counted_to) - 1;
       counted_to = at;
       if (end > at) emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line)});
-      at = end + o.separator->size();
+      at = end + len;
     }
+    if (found == 0 && !s.empty())
+      log::warn("{}: --separator {} does not occur in it: the whole file is one document", path,
+                Json(sep).dump(-1, ' ', false, Json::error_handler_t::replace));
     return;
   }
   std::ifstream f(path, std::ios::binary);
   if (!f) STRATA_THROW(kIo, "corpus file {} cannot be read: {}", path, std::strerror(errno));
+  {  // One JSON array of records (json.dump(records) or Alpaca's alpaca_data.json) is no lines.
+    char c = 0;
+    while (f.get(c) && std::string_view(" \t\r\n\xEF\xBB\xBF").find(c) != std::string_view::npos) {
+    }
+    STRATA_REQUIRE(c != '[' || !f,
+                   "{}: one JSON array of records, not JSON lines (one record a line): write it "
+                   "as JSON lines, e.g. jq -c '.[]' {} > records.jsonl",
+                   path, path);
+    f.clear();
+    f.seekg(0);
+  }
   std::string line;
   std::size_t n = 0;
   while (std::getline(f, line)) {
@@ -545,6 +571,27 @@ PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
 }
 
 // ---- reading ----
+
+namespace {
+
+bool ends_with_any_case(std::string_view path, std::string_view suffix) {
+  if (path.size() < suffix.size()) return false;
+  const std::string_view tail = path.substr(path.size() - suffix.size());
+  for (std::size_t i = 0; i < tail.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(tail[i])) != suffix[i]) return false;
+  return true;
+}
+
+}  // namespace
+
+bool is_json_lines_file(const std::string& path) {
+  return ends_with_any_case(path, ".jsonl") || ends_with_any_case(path, ".ndjson") ||
+         ends_with_any_case(path, ".json");
+}
+
+bool is_corpus_file(const std::string& path) {
+  return is_json_lines_file(path) || ends_with_any_case(path, ".txt");
+}
 
 bool is_prepared_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -919,7 +919,7 @@ void Tokenizer::Impl::parse_config(const Json& c) {
                    "{}: tokenizer_config.json's {} is {}, not a token: give the token's text "
                    "(\"</s>\", or {{\"content\": \"</s>\"}}), or null for none",
                    origin, key,
-                   c[key].is_object() ? "an object without a string \"content\""
+                   c[key].is_object()  ? "an object without a string \"content\""
                    : c[key].is_array() ? "an array"
                                        : c[key].dump());
     if (name.empty()) return std::nullopt;
