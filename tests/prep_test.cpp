@@ -166,8 +166,9 @@ TEST(Corpus, FilesAsOtherToolsWriteThem) {
   std::string json = testing::kTinyTokenizer;
   const std::string single = R"({"Sequence": {"id": "A", "type_id": 0}}])";
   ASSERT_NE(json.find(single), std::string::npos);
-  json.replace(json.find(single), single.size(),
-               R"({"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|end|>", "type_id": 0}}])");
+  json.replace(
+      json.find(single), single.size(),
+      R"({"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|end|>", "type_id": 0}}])");
   const std::string specials = R"("special_tokens": {)";
   json.replace(json.find(specials), specials.size(),
                specials + R"("<|end|>": {"id": "<|end|>", "ids": [16], "tokens": ["<|end|>"]}, )");

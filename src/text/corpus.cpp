@@ -19,8 +19,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cctype>
 #include <bit>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -71,7 +71,6 @@ void require_utf8(std::string_view s, const std::string& path, std::size_t first
     i += n;
   }
 }
-
 
 // One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
 // part of the parallel work).
@@ -149,8 +148,8 @@ void use_chat_template(CorpusOptions& o, const fs::path& dir, const std::string&
   }
   o.chat_template = id.dump();
   o.chat = [r](const Tokenizer& tok, const Json& record, const std::string& where) {
-    STRATA_REQUIRE(r->t, "{}: a chat record is rendered with the model's chat template: {}",
-                   where, r->error);
+    STRATA_REQUIRE(r->t, "{}: a chat record is rendered with the model's chat template: {}", where,
+                   r->error);
     const std::vector<ChatMessage> msgs = parse_chat_record(record, ChatUse::kTraining, where);
     EncodedChat e = encode_chat(tok, *r->t, msgs, render_options_for(tok));
     Document d;
@@ -187,8 +186,10 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
       std::size_t end = s.find(sep, at), len = sep.size();
       if (!crlf.empty())
         if (const std::size_t e = s.find(crlf, at); e < end) end = e, len = crlf.size();
-      if (end == std::string::npos) end = s.size();
-      else ++found;
+      if (end == std::string::npos)
+        end = s.size();
+      else
+        ++found;
       line += line_of(std::string_view(s).substr(counted_to, at - counted_to), at - counted_to) - 1;
       counted_to = at;
       if (end > at) emit(RawDoc{s.substr(at, end - at), false, fmt::format("{}:{}", path, line)});

@@ -84,15 +84,16 @@ void refuse_text(const TokenFile& f, const char* read_as) {
   std::size_t i = 0;
   while (i < f.size && (f.base[i] == ' ' || f.base[i] == '\n' || f.base[i] == '\r')) ++i;
   const bool jsonl = i < f.size && f.base[i] == '{';
-  STRATA_THROW(kInvalidArgument,
-               "{}: this is {}, not token ids (its first {} bytes are all UTF-8 text), so reading "
-               "it as {} would train on characters taken for ids. strata-train reads token files "
-               "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32) and prepared "
-               "files: tokenize it with the model's own tokenizer (strata-prep --model DIR FILE "
-               "-o FILE.prep; strata-train --data FILE with --data-dtype auto and a --model folder "
-               "that has tokenizer.json does it for .txt and JSON lines: .jsonl, .json); a byte-level model "
-               "(vocab_size 256) trains on a text file with --text",
-               f.path, jsonl ? "JSON lines text" : "text", std::min(f.size, kSniffBytes), read_as);
+  STRATA_THROW(
+      kInvalidArgument,
+      "{}: this is {}, not token ids (its first {} bytes are all UTF-8 text), so reading "
+      "it as {} would train on characters taken for ids. strata-train reads token files "
+      "(an llm.c .bin, or raw uint16 / uint32 ids: --data-dtype u16|u32) and prepared "
+      "files: tokenize it with the model's own tokenizer (strata-prep --model DIR FILE "
+      "-o FILE.prep; strata-train --data FILE with --data-dtype auto and a --model folder "
+      "that has tokenizer.json does it for .txt and JSON lines: .jsonl, .json); a byte-level model "
+      "(vocab_size 256) trains on a text file with --text",
+      f.path, jsonl ? "JSON lines text" : "text", std::min(f.size, kSniffBytes), read_as);
 }
 
 // `vocab_size` (0 = unknown) keeps kAuto from reading ids it cannot hold as uint16.
@@ -502,17 +503,16 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   if (any_prepared(o)) {
     m.packed = std::make_unique<PackedFiles>(open_packed(o, split));
     const DataExtent& e = m.packed->extent;
-    STRATA_REQUIRE(e.rows >= 1,
-                   "TokenLoader: the {} split of the prepared data holds no document{}",
-                   split == DataSplit::kTrain ? "train" : "validation",
-                   o.val_fraction > 0
-                       ? fmt::format(
-                             " (validation takes the last {:g}% of each file's documents, none of "
-                             "a file of fewer than {:g}): give more documents (a text file is "
-                             "one, or those --separator STR splits it into), or the validation "
-                             "data apart (--eval-data FILE)",
-                             100 * o.val_fraction, std::ceil(1 / o.val_fraction))
-                       : std::string(": give more data"));
+    STRATA_REQUIRE(
+        e.rows >= 1, "TokenLoader: the {} split of the prepared data holds no document{}",
+        split == DataSplit::kTrain ? "train" : "validation",
+        o.val_fraction > 0
+            ? fmt::format(" (validation takes the last {:g}% of each file's documents, none of "
+                          "a file of fewer than {:g}): give more documents (a text file is "
+                          "one, or those --separator STR splits it into), or the validation "
+                          "data apart (--eval-data FILE)",
+                          100 * o.val_fraction, std::ceil(1 / o.val_fraction))
+            : std::string(": give more data"));
     m.start_epoch();
     return;
   }
