@@ -39,6 +39,7 @@ fs::path scratch(const std::string& name) {
 }
 
 using testing::expect_error;
+using testing::slurp;
 
 struct Env {
   std::unique_ptr<Device> dev = make_host_device();
@@ -385,6 +386,28 @@ TEST(ModelIo, FailedSaveWritesNothing) {
         << "left behind by a failed save";
   EXPECT_FALSE(fs::exists(dir / "model-00001-of-00004.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "config.json"));
+  fs::remove_all(dir);
+}
+
+// A small file of a save on a full drive is an error, not an empty file saved: the write was
+// buffered, checked before it reached the drive, and the save went on (config.json of 0 bytes).
+// /dev/full fails every write with ENOSPC (and is no file to remove).
+TEST(ModelIo, ASmallFileTheDriveCannotTakeIsAnError) {
+  ASSERT_TRUE(fs::exists("/dev/full"));
+  try {
+    write_hf_text_file("/dev/full", "{\"model_type\": \"llama\"}\n", "out/config.json");
+    ADD_FAILURE() << "no error writing to /dev/full";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIo);
+    EXPECT_NE(std::string(e.what()).find("cannot write out/config.json: No space left on device"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(fs::exists("/dev/full"));
+  const fs::path dir = scratch("text");
+  fs::create_directories(dir);
+  write_hf_text_file((dir / "a.json").string(), "{}\n", "a.json");
+  EXPECT_EQ(slurp((dir / "a.json").string()), "{}\n");
   fs::remove_all(dir);
 }
 

@@ -862,6 +862,37 @@ TEST_F(TrainBinary, AResumeWithAnotherWeightDecayWarns) {
   EXPECT_EQ(slurp(p.err).find("--resume: beta1 was"), std::string::npos) << slurp(p.err);
 }
 
+// A run resumed from an older checkpoint of a folder whose run went further is told that the newer
+// checkpoints stay and that "--resume" of the folder takes them until it has saved past them (a
+// later resume silently continued the abandoned branch).
+TEST_F(TrainBinary, ResumingAnOlderCheckpointNamesTheNewerOnesThatStay) {
+  const std::string ck = dir.path + "/ck";
+  auto a = args(dir.path + "/a.jsonl", {"--save-every", "2", "--checkpoint-dir", ck});
+  set_steps(a, "6");
+  Proc p = spawn(a, dir.path, "first");
+  int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  auto b = args(dir.path + "/b.jsonl", {"--save-every", "2", "--resume", ck + "/step-2"});
+  set_steps(b, "4");
+  p = spawn(b, dir.path, "branch");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find(ck +
+                              " holds checkpoints newer than the resumed step 2 (steps 4, 6) "
+                              "of the run this one branches from: until this run saves past "
+                              "step 6, --resume " +
+                              ck + " takes the newest of them"),
+            std::string::npos)
+      << slurp(p.err);
+  // Resumed from the newest, nothing is newer: no word.
+  auto c = args(dir.path + "/c.jsonl", {"--save-every", "2", "--resume", ck});
+  set_steps(c, "8");
+  p = spawn(c, dir.path, "newest");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_EQ(slurp(p.err).find("newer than the resumed"), std::string::npos) << slurp(p.err);
+}
+
 // A checkpoint the drive cannot hold ends the run saying what is left and what to do: nothing of
 // the failed one, the newest complete one by name, free space and --resume it (it named only the
 // file that failed). Needs root (a small tmpfs); Skipped elsewhere.

@@ -150,7 +150,8 @@ class TrainCli : public ::testing::Test {
     return run(STRATA_MPIEXEC, argv, dir.path, tag,
                {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
                 {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                {"STRATA_COMM_TIMEOUT_S", "120"}});
+                { "STRATA_COMM_TIMEOUT_S",
+                  "120" }});
   }
   // mpirun -np `np` of the usual run with `extra` flags.
   Result ranks(int np, const std::string& log, const std::vector<std::string>& extra,
@@ -1414,7 +1415,12 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const std::string text_before = slurp(text), cfg_before = slurp(cfg);
   const std::string stage3 = dir.path + "/stage3.json";
   std::ofstream(stage3) << R"({"zero_optimization": {"stage": 3}})";
+  const std::string latin1 = dir.path + "/lat\xe9.txt";  // a name in Latin-1, not UTF-8
+  std::ofstream(latin1) << slurp(text);
   std::vector<Case> cases = {
+      {"a corpus whose name is not UTF-8 (it ended the run at its first checkpoint)",
+       {"--model-config", cfg, "--text", latin1, "--steps", "2", "--save-every", "1"},
+       "--text " + latin1 + ": the path is not UTF-8 (byte"},
       {"the demo with a config that does not fit its 20 MiB device",
        {"--config", stage3, "--steps", "1", "--device", "cpu"},
        "the demo model runs on an emulated device capped at 20 MiB"},
@@ -1977,8 +1983,7 @@ TEST_F(TrainCli, TwoRanksOneRanksBadConfigEndsTheJob) {
   std::ofstream(wrap) << cmd << " --config \"$c\"\n";
   fs::permissions(wrap, fs::perms::owner_all);
   const auto t0 = std::chrono::steady_clock::now();
-  const Result r =
-      under_mpirun({"-np", "2", "--oversubscribe", wrap}, "rank-error");
+  const Result r = under_mpirun({"-np", "2", "--oversubscribe", wrap}, "rank-error");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_LT(s, 60.0) << "the job waited for the failed rank";

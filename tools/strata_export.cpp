@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -260,7 +261,9 @@ void write_shard(const std::string& path, const std::string& name, const std::ve
   std::string hs = h.dump();
   hs.append((8 - hs.size() % 8) % 8, ' ');
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  STRATA_REQUIRE(f != nullptr, "cannot create {}: {}", path, std::strerror(errno));
+  if (f == nullptr) STRATA_THROW(kIo, "cannot create {}: {}", path, std::strerror(errno));
+  // Closed on every way out (a unit that cannot be read throws from read()).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(f, &std::fclose);
   const std::uint64_t hlen = hs.size();
   bool ok =
       std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
@@ -279,9 +282,12 @@ void write_shard(const std::string& path, const std::string& name, const std::ve
       ok = it.bytes == 0 || std::fwrite(half.data(), 1, it.bytes, f) == it.bytes;
     }
   }
-  const int err = errno;
-  if (std::fclose(f) != 0) ok = false;
-  STRATA_REQUIRE(ok, "cannot write {}: {}", path, std::strerror(err));
+  int err = ok ? 0 : errno;
+  if (std::fclose(closer.release()) != 0 && ok) {  // the buffered tail is written here
+    err = errno;
+    ok = false;
+  }
+  if (!ok) STRATA_THROW(kIo, "cannot write {}: {}", path, std::strerror(err));
 }
 
 // config.json as save_hf_weights writes it (to `tmp`, renamed into place later).
@@ -295,9 +301,7 @@ void write_config(const std::string& tmp, const fs::path& out, const strata::Mod
     j["torch_dtype"] = "bfloat16";
     text = j.dump(2);
   }
-  std::ofstream f(tmp);
-  f << text << "\n";
-  STRATA_REQUIRE(f.good(), "cannot write {}", (out / "config.json").string());
+  strata::write_hf_text_file(tmp, text + "\n", (out / "config.json").string());
 }
 
 // The tokenizer, chat template and generation_config.json of the Hugging Face folder the run
@@ -333,7 +337,8 @@ int run(const Options& o) {
   STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
   if (!o.model_dir.empty())
     strata::require_input_folder("--model", o.model_dir, "the model's Hugging Face folder");
-  const std::size_t max_shard_bytes = std::size_t(o.max_shard_mb * 1024 * 1024);
+  const std::size_t max_shard_bytes =
+      std::size_t(std::min(o.max_shard_mb * 1024 * 1024, 9e18));  // no wrap
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);
   const int world = ck.manifest.value("world_size", 0);
@@ -395,9 +400,8 @@ int run(const Options& o) {
     if (n > 1) {
       nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}},
                                     {"weight_map", weight_map}};
-      std::ofstream f(tmp_of("model.safetensors.index.json"));
-      f << idx.dump(2) << "\n";
-      STRATA_REQUIRE(f.good(), "cannot write {}", (out / "model.safetensors.index.json").string());
+      strata::write_hf_text_file(tmp_of("model.safetensors.index.json"), idx.dump(2) + "\n",
+                                 (out / "model.safetensors.index.json").string());
     }
     write_config(tmp_of("config.json"), out, cfg, dtype);
   } catch (...) {

@@ -147,10 +147,10 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", o.save_every,
                  "write a checkpoint every N steps and after the last one (default 0: none)")
       ->check(strata::tools::kNonNegative);
-  app.add_option(
-      "--checkpoint-dir", o.checkpoint_dir,
-      "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed one's); shared by "
-      "the nodes, or a node-local drive at the same path on each");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "folder of the checkpoints (default <out>/checkpoints; resuming: the resumed "
+                 "one's); shared by "
+                 "the nodes, or a node-local drive at the same path on each");
   app.add_option("--keep-checkpoints,--save-total-limit", o.keep_checkpoints,
                  "keep only the newest N checkpoints (default 0: all; --save-total-limit, the "
                  "Hugging Face Trainer's name, is the same)")
@@ -169,8 +169,8 @@ int main(int argc, char** argv) {
     o.shuffle = !no_shuffle;
     if (separator_opt->count() > 0) o.separator = separator;
     if (max_shard_mb > 0)
-      o.out_max_shard_bytes =
-          std::max<std::size_t>(1, static_cast<std::size_t>(max_shard_mb * 1024 * 1024));
+      o.out_max_shard_bytes = std::max<std::size_t>(
+          1, static_cast<std::size_t>(std::min(max_shard_mb * 1024 * 1024, 9e18)));
     // A flag that would be ignored is named, not ignored (the user thinks it took effect).
     auto needs = [&](const char* flag, bool ok, const char* why) {
       STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);

@@ -132,6 +132,11 @@ const std::vector<std::string>& hf_side_files();
 // failure throws kIo naming the file, and leaves no temporary behind.
 std::vector<std::string> copy_hf_side_files(const std::string& from, const std::string& to);
 
+// A small file of a save (config.json, the shards' index) written whole to `path` (a temporary
+// that commit_hf_files moves into place): a write or close that fails (a full drive) throws kIo
+// naming `shown`, the file's final name, and removes `path`.
+void write_hf_text_file(const std::string& path, const std::string& text, const std::string& shown);
+
 // The end of a save into `dir` (save_hf_weights, strata-export): moves the written temporary
 // files into place (`renames`: temporary -> final paths) and removes what an older save left
 // that loaders would take instead — model.safetensors beside a sharded save's index (or the

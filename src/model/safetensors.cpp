@@ -440,8 +440,8 @@ struct HfWeightsWriter::Impl {
   }
   void close_shard() {
     if (!f) return;
+    const bool ok = std::fclose(f) == 0;  // the buffered tail is written here (ENOSPC, EIO)
     const int err = errno;
-    const bool ok = std::fclose(f) == 0;
     f = nullptr;
     check(ok, err);
   }
@@ -554,10 +554,8 @@ void HfWeightsWriter::finish() {
       for (const Impl::Tensor& t : w.shards[s]) weight_map[t.p->name] = w.names[s];
     nlohmann::ordered_json idx = {{"metadata", {{"total_size", w.total}}},
                                   {"weight_map", weight_map}};
-    std::ofstream out(w.tmp_of("model.safetensors.index.json"));
-    out << idx.dump(2) << "\n";
-    STRATA_REQUIRE(out.good(), "cannot write {}",
-                   (w.dir / "model.safetensors.index.json").string());
+    write_hf_text_file(w.tmp_of("model.safetensors.index.json"), idx.dump(2) + "\n",
+                       (w.dir / "model.safetensors.index.json").string());
   }
   ModelConfig cfg = w.cfg;
   if (cfg.raw.is_object())
@@ -568,11 +566,7 @@ void HfWeightsWriter::finish() {
     j["torch_dtype"] = "bfloat16";
     text = j.dump(2);
   }
-  {
-    std::ofstream out(w.tmp_of("config.json"));
-    out << text << "\n";
-    STRATA_REQUIRE(out.good(), "cannot write {}", (w.dir / "config.json").string());
-  }
+  write_hf_text_file(w.tmp_of("config.json"), text + "\n", (w.dir / "config.json").string());
   commit_hf_files(w.dir.string(), w.renames, n > 1);
   w.finished = true;
 }
@@ -600,6 +594,30 @@ void fsync_path(const std::string& path, bool folder, const char* what) {
   const int err = errno;
   ::close(fd);
   if (rc != 0) STRATA_THROW(kIo, "{}: fsync {} failed: {}", what, path, std::strerror(err));
+}
+
+void write_hf_text_file(const std::string& path, const std::string& text,
+                        const std::string& shown) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    STRATA_THROW(kIo, "cannot write {}: {}: give a folder with room", shown, std::strerror(errno));
+  std::size_t done = 0;
+  int err = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;
+      break;
+    }
+    done += std::size_t(n);
+  }
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err != 0) {
+    std::error_code ec;
+    if (fs::is_regular_file(path, ec)) fs::remove(path, ec);
+    STRATA_THROW(kIo, "cannot write {}: {}: give a folder with room", shown, std::strerror(err));
+  }
 }
 
 void commit_hf_files(const std::string& dir,

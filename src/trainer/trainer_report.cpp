@@ -98,7 +98,7 @@ void open_json_log(Run& r) {
       kept += t["log_line"].dump() + "\n";
   }
   r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
-  *r.jlog << kept;
+  *r.jlog << kept << std::flush;  // now: a run that dies before its first line keeps them
   if (!*r.jlog)
     STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
   // --plot draws the resumed run's steps too: the lines kept are its steps up to the checkpoint.

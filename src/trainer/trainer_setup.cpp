@@ -4,6 +4,7 @@
 // for another.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include <sstream>
 
 #include "core/json_config.h"
+#include "core/utf8.h"
 #include "cpu/cpu_info.h"
 #include "strata/corpus.h"
 #include "strata/error.h"
@@ -286,6 +288,24 @@ void read_model_config(Settings& s) {
 // built.
 void check_files(Settings& s) {
   const TrainOptions& o = s.o;
+  // The paths a run records (its checkpoints' manifest, the prepared data's cache key: JSON,
+  // UTF-8) are text: one that is not would end the run at its first checkpoint.
+  NamedPaths paths = {{"--model", o.model_dir}, {"--model-config", o.model_config},
+                      {"--text", o.text_file},  {"--config", o.ds_config},
+                      {"--out", o.out_dir},     {"--checkpoint-dir", o.checkpoint_dir},
+                      {"--resume", o.resume},   {"--log-json", o.log_json},
+                      {"--plot", o.plot_file},  {"--trace", o.trace_file}};
+  for (const std::string& f : o.data_files) paths.push_back({"--data", f});
+  for (const std::string& f : o.eval_files) paths.push_back({"--eval-data", f});
+  for (const auto& [flag, path] : paths)
+    for (std::size_t i = 0; i < path.size();) {
+      const std::size_t n = utf8::sequence_length(path, i);
+      STRATA_REQUIRE(n > 0,
+                     "{} {}: the path is not UTF-8 (byte {} of it), and the run records its paths "
+                     "as text: rename it, or link to it from a UTF-8 name",
+                     flag, path, i);
+      i += n;
+    }
   for (const auto& f : o.data_files) require_input_file("--data", f);
   for (const auto& f : o.eval_files) require_input_file("--eval-data", f);
   if (!o.text_file.empty()) require_input_file("--text", o.text_file);
@@ -388,7 +408,7 @@ void find_checkpoints(Settings& s) {
             !fs::exists(fs::path(*it) / "manifest.json", ec))
           continue;
         const std::int64_t st = std::stoll(name.substr(5));  // checkpoint_folders: "step-<N>"
-        if (st <= resume.step) inherited_checkpoints.push_back(st);
+        (st <= resume.step ? inherited_checkpoints : s.newer_checkpoints).push_back(st);
       }
   }
 }
@@ -648,8 +668,8 @@ void sequence_and_batch(Settings& s) {
                        "--sample-prompt TEXT: {} cannot be used ({}): give the "
                        "prompt's token ids with --sample-prompt-ids",
                        tok_file.string(), e.user_message());
-        log::warn("--sample-every: {} cannot be used ({}): samples print as ids",
-                  tok_file.string(), e.user_message());
+        log::warn("--sample-every: {} cannot be used ({}): samples print as ids", tok_file.string(),
+                  e.user_message());
       }
     }
     if (!o.sample_prompt.empty() && s.tokenizer) {
@@ -660,12 +680,11 @@ void sequence_and_batch(Settings& s) {
                        "vocab_size {}: the tokenizer is not this model's",
                        tok_file.string(), id, mcfg.vocab_size);
     } else if (!o.sample_prompt.empty()) {
-      STRATA_REQUIRE(
-          mcfg.vocab_size <= 256,
-          "--sample-prompt TEXT is read by the --model folder's tokenizer, or byte by "
-          "byte for a byte-level model; this one has neither (vocab_size {}): give the "
-          "prompt's token ids with --sample-prompt-ids",
-          mcfg.vocab_size);
+      STRATA_REQUIRE(mcfg.vocab_size <= 256,
+                     "--sample-prompt TEXT is read by the --model folder's tokenizer, or byte by "
+                     "byte for a byte-level model; this one has neither (vocab_size {}): give the "
+                     "prompt's token ids with --sample-prompt-ids",
+                     mcfg.vocab_size);
       for (unsigned char c : o.sample_prompt) {
         STRATA_REQUIRE(c < mcfg.vocab_size,
                        "--sample-prompt: byte {} is outside the model's vocabulary [0, {}): give "
@@ -741,10 +760,6 @@ FolderTokenizer folder_tokenizer(const Settings& s) {
     t.why_not = fmt::format("{} cannot be used ({})", file.string(), e.user_message());
   }
   return t;
-}
-
-bool is_corpus(const std::string& path) {
-  return path.ends_with(".jsonl") || path.ends_with(".ndjson") || path.ends_with(".txt");
 }
 
 // Where prepared corpora are cached: $STRATA_CACHE_DIR/prep, else default_scratch_dir's prep
@@ -829,7 +844,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
 std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenizer& t,
                                          const std::vector<std::string>& files, const char* flag) {
   std::vector<std::string> corpora, out;
-  for (const auto& f : files) (is_corpus(f) ? corpora : out).push_back(f);
+  for (const auto& f : files) (is_corpus_file(f) ? corpora : out).push_back(f);
   if (corpora.empty()) return files;
   if (!t.tok) {
     // Without a tokenizer a .jsonl cannot be read at all, and a .txt only byte by byte by a
@@ -868,8 +883,9 @@ void data_and_steps(Settings& s) {
   // The model's tokenizer, read only where the data needs it: corpora to prepare, prepared files
   // to check.
   auto wants_tokenizer = [&](const std::vector<std::string>& files) {
-    return std::any_of(files.begin(), files.end(),
-                       [](const std::string& f) { return is_corpus(f) || is_prepared_file(f); });
+    return std::any_of(files.begin(), files.end(), [](const std::string& f) {
+      return is_corpus_file(f) || is_prepared_file(f);
+    });
   };
   if (!s.demo_data &&
       (!o.text_file.empty() || wants_tokenizer(o.data_files) || wants_tokenizer(o.eval_files))) {
@@ -1289,6 +1305,16 @@ void resume_from_checkpoint(Run& r) {
       std::fprintf(con, "resumed from %s (step %lld)\n", resume.dir.c_str(), (long long)start_step);
       std::fflush(con);
     }
+    // A run resumed from an older checkpoint branches off the run that went on from it: that
+    // run's newer checkpoints stay (this run replaces each as it saves the same step), and until
+    // it has saved past them, "--resume" of the folder takes the newest of them, not this run's.
+    if (r.s.rank == 0 && !r.s.newer_checkpoints.empty())
+      log::warn(
+          "{} holds checkpoints newer than the resumed step {} (steps {}) of the run this one "
+          "branches from: until this run saves past step {}, --resume {} takes the newest of "
+          "them; resume this run's by its step-<N> folder, or move them away",
+          r.s.ckpt_root, start_step, fmt::join(r.s.newer_checkpoints, ", "),
+          r.s.newer_checkpoints.back(), r.s.ckpt_root);
   }
 }
 
