@@ -2844,6 +2844,37 @@ int wait_for(pid_t pid, double limit_s) {
   }
 }
 
+// One rank whose checkpoint files cannot be written (its file size limit, as a full drive of its
+// own): every rank ends with an I/O error that says what is left, and no half-written folder stays
+// (the failing rank alone threw; the folder's writer died in the next collective and left it, and
+// the failing rank said "nothing of it is left").
+TEST_F(TrainCli, TorchrunOneRanksFailedSaveEndsEveryRankAndLeavesNothing) {
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  const std::string wrap = dir.path + "/rank1-small-files.sh";
+  std::ofstream(wrap) << "#!/bin/bash\n"
+                         "if [ \"$RANK\" = 1 ]; then trap '' XFSZ; ulimit -f 200; fi\n"
+                         "exec \"$@\"\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const std::string out = dir.path + "/run";
+  std::vector<std::string> a = {"2", wrap, STRATA_TRAIN_BIN};
+  for (const auto& x : args(dir.path + "/log.jsonl", {"--save-every", "2", "--out", out}))
+    a.push_back(x);
+  const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, "failed-save",
+                       {{"STRATA_COMM_TIMEOUT_S", "60"}});
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("rank1.bin failed: File too large; the checkpoint of step 2 was not "
+                       "written and nothing of it is left"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("checkpoint: rank 1 could not write its files of step 2"), std::string::npos)
+      << r.err;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+    left.push_back(e.path().filename().string());
+  EXPECT_TRUE(left.empty()) << fmt::format("{}", fmt::join(left, ", "));
+}
+
 // torchrun's variables for rank `r` of 2, one a host, meeting at the first namespace's address.
 std::vector<std::pair<std::string, std::string>> two_host_env(int r, const std::string& port) {
   return {{"RANK", std::to_string(r)},

@@ -30,6 +30,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -291,23 +292,40 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
     leader = find_file_systems(comm, s, root, tmp, tmp_tag, tokens);
     leads = leader[std::size_t(rank)] == rank;
     for (int r = 0; r < world; ++r) groups += leader[std::size_t(r)] == r;
-    engine.save_state(tmp);
-    // Each rank hashes its own files: [bytes, high and low 32 bits of the xxh3] for .bin, .json.
-    std::vector<double> sums(std::size_t(world) * 6, -1.0);
+    // Each rank hashes its own files: [bytes, high and low 32 bits of the xxh3] for .bin, .json;
+    // then one flag a rank, 1 where its files could not be written. A rank whose save fails (its
+    // drive full) still joins the exchange, so that every rank ends the save with an error and
+    // every leader removes its folder (the failing rank alone threw, and the folder's leader died
+    // in the next collective, leaving it).
+    std::vector<double> sums(std::size_t(world) * 7, -1.0);
+    std::exception_ptr failed;
     const char* exts[2] = {"bin", "json"};
-    for (int k = 0; k < 2; ++k) {
-      const std::string f = fmt::format("rank{}.{}", rank, exts[k]);
-      std::uint64_t bytes = 0, h = 0;
-      std::string hex;
-      STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex),
-                     "checkpoint: {}/{} cannot be read back", tmp, f);
-      h = std::stoull(hex, nullptr, 16);
-      double* at = &sums[std::size_t(rank) * 6 + std::size_t(k) * 3];
-      at[0] = double(bytes);
-      at[1] = double(h >> 32);
-      at[2] = double(h & 0xffffffffu);
+    try {
+      engine.save_state(tmp);
+      for (int k = 0; k < 2; ++k) {
+        const std::string f = fmt::format("rank{}.{}", rank, exts[k]);
+        std::uint64_t bytes = 0, h = 0;
+        std::string hex;
+        STRATA_REQUIRE(hash_file((fs::path(tmp) / f).string(), bytes, hex),
+                       "checkpoint: {}/{} cannot be read back", tmp, f);
+        h = std::stoull(hex, nullptr, 16);
+        double* at = &sums[std::size_t(rank) * 6 + std::size_t(k) * 3];
+        at[0] = double(bytes);
+        at[1] = double(h >> 32);
+        at[2] = double(h & 0xffffffffu);
+      }
+    } catch (const Error&) {
+      if (world == 1) throw;
+      failed = std::current_exception();
     }
+    sums[std::size_t(world) * 6 + std::size_t(rank)] = failed ? 1.0 : 0.0;
     if (world > 1) max_across_ranks(comm, sums);
+    if (failed) std::rethrow_exception(failed);
+    for (int r = 0; r < world; ++r)
+      if (sums[std::size_t(world) * 6 + std::size_t(r)] > 0)
+        STRATA_THROW(kIo, "checkpoint: rank {} could not write its files of step {} (its own message "
+                          "says why)",
+                     r, step);
     // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
     // lines differ in their timings).
     nlohmann::json state = trainer_state;
