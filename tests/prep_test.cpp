@@ -89,6 +89,14 @@ TEST(Corpus, TextDocumentsAreBosTokensEosWithEveryTargetAfterTheFirstCounted) {
   body.text_field = "body";
   EXPECT_EQ(read_corpus_file(t.tok, t.write("b.jsonl", "{\"body\": \"or\"}\n"), body)[0].tokens,
             (Ids{17, 13, 16}));
+  // A record with chat keys and the text field (tatsu-lab/alpaca's rows) is a chat record, unless
+  // the text field was named: then its text is the document.
+  const std::string alpaca = t.write(
+      "alpaca.jsonl", "{\"instruction\": \"Say hi\", \"output\": \"hi\", \"text\": \"he\"}\n");
+  expect_error([&] { read_corpus_file(t.tok, alpaca); }, {"alpaca.jsonl:1", "chat"});
+  CorpusOptions named;
+  named.text_field_named = true;
+  EXPECT_EQ(read_corpus_file(t.tok, alpaca, named)[0].tokens, (Ids{17, 8, 16}));
 }
 
 TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {

@@ -26,7 +26,7 @@ struct Options {
   int threads = 0;
   std::int64_t seq_len = 0;
   std::uint64_t max_document_tokens = 0;
-  bool json = false, overwrite = false;
+  bool json = false, overwrite = false, text_field_named = false;
 };
 
 std::string human_bytes(double b) {
@@ -63,6 +63,7 @@ int run(Options& o, bool separator_given) {
 
   strata::CorpusOptions c;
   c.text_field = o.text_field;
+  c.text_field_named = o.text_field_named;
   if (separator_given) c.separator = o.separator;
   c.threads = o.threads;
   c.max_document_tokens = o.max_document_tokens;
@@ -171,5 +172,8 @@ int main(int argc, char** argv) {
   app.add_flag("--json", o.json,
                "print, last, one JSON object with the summary (the text to stderr)");
   return strata::tools::run_tool("strata-prep", app, argc, argv,
-                                 [&] { return run(o, sep->count() > 0); });
+                                 [&] {
+                                   o.text_field_named = app.count("--text-field") > 0;
+                                   return run(o, sep->count() > 0);
+                                 });
 }

@@ -167,6 +167,7 @@ int main(int argc, char** argv) {
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
   return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
     o.shuffle = !no_shuffle;
+    o.text_field_named = app.count("--text-field") > 0;
     if (separator_opt->count() > 0) o.separator = separator;
     if (max_shard_mb > 0)
       o.out_max_shard_bytes = std::max<std::size_t>(

@@ -70,6 +70,10 @@ struct PrepProgress {
 
 struct CorpusOptions {
   std::string text_field = "text";        // .jsonl: the field that holds a document's text
+  // The user named text_field (--text-field): a record holding it as a string is a text document
+  // even when it also has chat keys (tatsu-lab/alpaca's rows: instruction, input, output, text);
+  // otherwise those keys make it a chat record.
+  bool text_field_named = false;
   std::optional<std::string> separator;   // plain text: split each file on this (none: a file is
                                           // one document)
   int threads = 0;                        // tokenizing threads; 0: all cores

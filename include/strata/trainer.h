@@ -200,6 +200,7 @@ struct TrainOptions {
   // Corpora: the .jsonl field holding a document's text, and the string text files are split on
   // into documents (none: a file is one document).
   std::string text_field = "text";
+  bool text_field_named = false;  // --text-field given: CorpusOptions::text_field_named
   std::optional<std::string> separator;
   // Chat records in corpora: rendered in this layout (chatml | llama3 | llama2 | mistral | none)
   // instead of the model folder's chat template (strata/chat.h); empty: the folder's.

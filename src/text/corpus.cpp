@@ -244,7 +244,10 @@ Record parse_record(const RawDoc& r, const CorpusOptions& o) {
   }
   STRATA_REQUIRE(j.is_object(), "{}: a {} where a JSON object (one record per line) belongs",
                  r.where, j.type_name());
-  if (j.contains("messages") || j.contains("conversations") || j.contains("instruction"))
+  const bool named_text =
+      o.text_field_named && j.contains(o.text_field) && j[o.text_field].is_string();
+  if (!named_text &&
+      (j.contains("messages") || j.contains("conversations") || j.contains("instruction")))
     return Record{{}, std::move(j)};
   const auto it = j.find(o.text_field);
   if (it == j.end()) {
@@ -487,6 +490,7 @@ Json describe_sources(const std::vector<std::string>& inputs, const CorpusOption
             {"text_field", o.text_field},
             {"max_document_tokens", o.max_document_tokens}};
   j["separator"] = o.separator ? Json(*o.separator) : Json();
+  if (o.text_field_named) j["text_field_named"] = true;  // (absent: the files made before it)
   if (!o.chat_template.empty()) j["chat_template"] = Json::parse(o.chat_template);
   return j;
 }

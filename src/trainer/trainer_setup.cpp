@@ -776,6 +776,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
                            const std::vector<std::string>& inputs, const char* flag) {
   CorpusOptions c;
   c.text_field = s.o.text_field;
+  c.text_field_named = s.o.text_field_named;
   c.separator = s.o.separator;
   use_chat_template(c, t.dir, s.o.chat_format);
   const nlohmann::json sources = describe_sources(inputs, c);
