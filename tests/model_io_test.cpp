@@ -450,6 +450,16 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
   EXPECT_EQ(y.targets[20], 1021);
   EXPECT_EQ(loader.epoch(), 1);  // wrapped
   EXPECT_EQ(loader.next().tokens[0], 0);
+  // A file too short for one batch beside the others is said, not skipped without a word.
+  std::vector<std::uint16_t> c(15, 7);
+  o.files.push_back(write_tokens(dir, "c.bin", c, 1).string());
+  ::testing::internal::CaptureStderr();
+  { TokenLoader with_short(o); }
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("the train split of " + o.files.back() +
+                        " (15 tokens) holds fewer than batch x seq_len + 1 = 22 tokens"),
+            std::string::npos)
+      << warned;
   fs::remove_all(dir);
 }
 

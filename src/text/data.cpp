@@ -7,6 +7,7 @@
 // that replays next() see the same batches. It is our own Fisher-Yates over mt19937_64, so a
 // seed gives the same order with every standard library.
 #include <fcntl.h>
+#include <fmt/ranges.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 
 #include "strata/corpus.h"
 #include "strata/error.h"
+#include "strata/log.h"
 #include "strata/model_data.h"
 
 namespace strata {
@@ -518,6 +520,7 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   }
   bool any_batch = false;
   std::string sizes;  // "file: N tokens" of each, for the message when nothing fits
+  std::vector<std::string> too_short;  // read in order, files that hold no batch
   for (const auto& path : o.files) {
     auto f = open_tokens(path, o.format, o.vocab_size);
     const std::int64_t ntok = f->end;
@@ -529,6 +532,8 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
         m.windows.emplace_back(static_cast<std::uint32_t>(m.files.size()), at);
     } else if (rows_of(*f, o) > 0) {
       any_batch = true;
+    } else {
+      too_short.push_back(fmt::format("{} ({} tokens)", path, f->end - f->begin));
     }
     m.files.push_back(std::move(f));
   }
@@ -551,6 +556,10 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
         "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
         "Give more data or a smaller --micro-batch / --seq-len",
         which, m.bt() + 1, split_is, sizes);
+  if (!o.shuffle && !too_short.empty())
+    log::warn("TokenLoader: the {} split of {} holds fewer than batch x seq_len + 1 = {} tokens{}: "
+              "read in order, none of it is in a batch",
+              which, fmt::join(too_short, ", "), m.bt() + 1, split_is);
   m.start_epoch();
 }
 
