@@ -598,9 +598,14 @@ void fsync_path(const std::string& path, bool folder, const char* what) {
 
 void write_hf_text_file(const std::string& path, const std::string& text,
                         const std::string& shown) {
+  const auto fail = [&](int err) {
+    std::error_code ec;
+    if (fs::is_regular_file(path, ec)) fs::remove(path, ec);
+    STRATA_THROW(kIo, "cannot write {}: {}{}", shown, std::strerror(err),
+                 err == ENOSPC || err == EDQUOT ? ": free space there, or save elsewhere" : "");
+  };
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    STRATA_THROW(kIo, "cannot write {}: {}: give a folder with room", shown, std::strerror(errno));
+  if (fd < 0) fail(errno);
   std::size_t done = 0;
   int err = 0;
   while (done < text.size()) {
@@ -613,11 +618,7 @@ void write_hf_text_file(const std::string& path, const std::string& text,
     done += std::size_t(n);
   }
   if (::close(fd) != 0 && err == 0) err = errno;
-  if (err != 0) {
-    std::error_code ec;
-    if (fs::is_regular_file(path, ec)) fs::remove(path, ec);
-    STRATA_THROW(kIo, "cannot write {}: {}: give a folder with room", shown, std::strerror(err));
-  }
+  if (err != 0) fail(err);
 }
 
 void commit_hf_files(const std::string& dir,
