@@ -399,7 +399,8 @@ TEST(ModelIo, ASmallFileTheDriveCannotTakeIsAnError) {
     ADD_FAILURE() << "no error writing to /dev/full";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kIo);
-    EXPECT_NE(std::string(e.what()).find("cannot write out/config.json: No space left on device: free space there"),
+    EXPECT_NE(std::string(e.what()).find(
+                  "cannot write out/config.json: No space left on device: free space there"),
               std::string::npos)
         << e.what();
   }

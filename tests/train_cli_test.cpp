@@ -2860,8 +2860,8 @@ TEST_F(TrainCli, TorchrunOneRanksFailedSaveEndsEveryRankAndLeavesNothing) {
   std::vector<std::string> a = {"2", wrap, STRATA_TRAIN_BIN};
   for (const auto& x : args(dir.path + "/log.jsonl", {"--save-every", "2", "--out", out}))
     a.push_back(x);
-  const Result r = run(STRATA_TORCHRUN_RANKS, a, dir.path, "failed-save",
-                       {{"STRATA_COMM_TIMEOUT_S", "60"}});
+  const Result r =
+      run(STRATA_TORCHRUN_RANKS, a, dir.path, "failed-save", {{"STRATA_COMM_TIMEOUT_S", "60"}});
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("rank1.bin failed: File too large; the checkpoint of step 2 was not "
                        "written and nothing of it is left"),

@@ -171,9 +171,8 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite", o.overwrite, "replace the output file when it exists");
   app.add_flag("--json", o.json,
                "print, last, one JSON object with the summary (the text to stderr)");
-  return strata::tools::run_tool("strata-prep", app, argc, argv,
-                                 [&] {
-                                   o.text_field_named = app.count("--text-field") > 0;
-                                   return run(o, sep->count() > 0);
-                                 });
+  return strata::tools::run_tool("strata-prep", app, argc, argv, [&] {
+    o.text_field_named = app.count("--text-field") > 0;
+    return run(o, sep->count() > 0);
+  });
 }

@@ -69,7 +69,7 @@ struct PrepProgress {
 };
 
 struct CorpusOptions {
-  std::string text_field = "text";        // .jsonl: the field that holds a document's text
+  std::string text_field = "text";  // .jsonl: the field that holds a document's text
   // The user named text_field (--text-field): a record holding it as a string is a text document
   // even when it also has chat keys (tatsu-lab/alpaca's rows: instruction, input, output, text);
   // otherwise those keys make it a chat record.

@@ -557,9 +557,10 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
         "Give more data or a smaller --micro-batch / --seq-len",
         which, m.bt() + 1, split_is, sizes);
   if (!o.shuffle && !too_short.empty())
-    log::warn("TokenLoader: the {} split of {} holds fewer than batch x seq_len + 1 = {} tokens{}: "
-              "read in order, none of it is in a batch",
-              which, fmt::join(too_short, ", "), m.bt() + 1, split_is);
+    log::warn(
+        "TokenLoader: the {} split of {} holds fewer than batch x seq_len + 1 = {} tokens{}: "
+        "read in order, none of it is in a batch",
+        which, fmt::join(too_short, ", "), m.bt() + 1, split_is);
   m.start_epoch();
 }
 

@@ -323,8 +323,9 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
     if (failed) std::rethrow_exception(failed);
     for (int r = 0; r < world; ++r)
       if (sums[std::size_t(world) * 6 + std::size_t(r)] > 0)
-        STRATA_THROW(kIo, "checkpoint: rank {} could not write its files of step {} (its own message "
-                          "says why)",
+        STRATA_THROW(kIo,
+                     "checkpoint: rank {} could not write its files of step {} (its own message "
+                     "says why)",
                      r, step);
     // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
     // lines differ in their timings).
