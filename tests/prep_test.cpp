@@ -161,7 +161,7 @@ TEST(Corpus, FilesAsOtherToolsWriteThem) {
   const std::string array = t.write("alpaca.json", " [{\"text\": \"hello\"}]\n");
   expect_error([&] { read_corpus_file(t.tok, array); },
                {"alpaca.json: one JSON array of records, not JSON lines",
-                "jq -c '.[]' " + array + " > records.jsonl"});
+                "jq -c '.[]' '" + array + "' > records.jsonl"});
   EXPECT_EQ(read_corpus_file(t.tok, t.write("bom.txt", "\xEF\xBB\xBFhello"))[0].tokens,
             (Ids{17, 11, 16}));
   CorpusOptions paragraphs;

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -263,7 +264,8 @@ void write_shard(const std::string& path, const std::string& name, const std::ve
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) STRATA_THROW(kIo, "cannot create {}: {}", path, std::strerror(errno));
   // Closed on every way out (a unit that cannot be read throws from read()).
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(f, &std::fclose);
+  const auto close = [](std::FILE* g) { std::fclose(g); };
+  std::unique_ptr<std::FILE, decltype(close)> closer(f, close);
   const std::uint64_t hlen = hs.size();
   bool ok =
       std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();

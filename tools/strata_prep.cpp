@@ -145,7 +145,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "strata-prep: tokenize a corpus (text files, .jsonl records with a text field, chat .jsonl) "
       "with the model's tokenizer into the prepared file strata-train --data reads"};
-  app.add_option("inputs", o.inputs, "corpus files: .jsonl (one JSON record a line) or text")
+  app.add_option("inputs", o.inputs,
+                 "corpus files: JSON lines, .jsonl / .json (one JSON record a line), or text")
       ->required();
   app.add_option("--model", o.model_dir,
                  "the Hugging Face model folder (its tokenizer.json or tokenizer.model, and the "
@@ -156,7 +157,9 @@ int main(int argc, char** argv) {
                  "chat records: render them in this layout (chatml, llama3, llama2, mistral, "
                  "none) instead of the folder's chat template");
   app.add_option("-o,--out", o.out, "the prepared file to write")->required();
-  app.add_option("--text-field", o.text_field, ".jsonl: the field holding the text (default text)");
+  app.add_option("--text-field", o.text_field,
+                 "JSON lines: the field holding the text (default text); given, it wins over a "
+                 "record's chat keys");
   auto* sep = app.add_option("--separator", o.separator,
                              "text files: split into documents on this string (default: a file "
                              "is one document)");

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   app.add_option("--model-config", o.model_config,
                  "config.json of a model to initialise at random");
   app.add_option("--data", o.data_files,
-                 "training data: strata-prep files, token files, or .txt / .jsonl corpora "
+                 "training data: strata-prep files, token files, or .txt / .jsonl / .json corpora "
                  "(prepared with the --model folder's tokenizer into a cache)");
   app.add_option("--data-dtype", o.data_format,
                  "token file format (auto: by header; raw ids without one need u16 or u32)")
@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
                  "a text file: byte by byte for a byte-level model (vocabulary 256), else one "
                  "document tokenized by the --model folder's tokenizer");
   app.add_option("--text-field", o.text_field,
-                 ".jsonl corpora: the field that holds a document's text (default text)");
+                 "JSON lines corpora: the field that holds a document's text (default text); "
+                 "given, it wins over a record's chat keys");
   app.add_option("--chat-format", o.chat_format,
                  "chat records in --data .jsonl corpora: render them in this layout (chatml, "
                  "llama3, llama2, mistral, none) instead of the --model folder's chat template")

@@ -466,21 +466,24 @@ struct HfWeightsWriter::Impl {
       detail::throw_errno(__FILE__, __LINE__, "fopen", errno,
                           fmt::format("cannot create {}", path));
     const std::uint64_t hlen = hs.size();
-    check(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size(),
-          errno);
+    const bool ok =
+        std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
+    check(ok, errno);  // errno read after the writes (an argument's order is unspecified)
   }
   // `n` fp32 values as `dtype`, a few MiB at a time.
   void put(const float* v, std::size_t n) {
     constexpr std::size_t kChunk = std::size_t(1) << 20;
     if (dtype == DType::kF32) {
-      check(n == 0 || std::fwrite(v, 4, n, f) == n, errno);
+      const bool ok = n == 0 || std::fwrite(v, 4, n, f) == n;
+      check(ok, errno);
       return;
     }
     std::vector<std::uint16_t> h(std::min(n, kChunk));
     for (std::size_t at = 0; at < n; at += kChunk) {
       const std::size_t k = std::min(kChunk, n - at);
       for (std::size_t i = 0; i < k; ++i) h[i] = f32_to_bf16(v[at + i]);
-      check(std::fwrite(h.data(), 2, k, f) == k, errno);
+      const bool ok = std::fwrite(h.data(), 2, k, f) == k;
+      check(ok, errno);
     }
   }
 };

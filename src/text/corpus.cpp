@@ -182,10 +182,14 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
       for (char c : sep) crlf += c == '\n' ? std::string("\r\n") : std::string(1, c);
     // The line of each piece's start, counted as the pieces go (not from the file's start).
     std::size_t at = 0, line = 1, counted_to = 0, found = 0;
+    // The next match of each form, searched again only once passed (a form that never occurs is
+    // searched for once, not once a piece).
+    std::size_t next_sep = s.find(sep), next_crlf = crlf.empty() ? crlf.npos : s.find(crlf);
     while (at <= s.size()) {
-      std::size_t end = s.find(sep, at), len = sep.size();
-      if (!crlf.empty())
-        if (const std::size_t e = s.find(crlf, at); e < end) end = e, len = crlf.size();
+      if (next_sep < at) next_sep = s.find(sep, at);  // (npos is never below `at`)
+      if (next_crlf < at) next_crlf = s.find(crlf, at);
+      std::size_t end = next_sep, len = sep.size();
+      if (next_crlf < end) end = next_crlf, len = crlf.size();
       if (end == std::string::npos)
         end = s.size();
       else
@@ -208,7 +212,7 @@ void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
     }
     STRATA_REQUIRE(c != '[' || !f,
                    "{}: one JSON array of records, not JSON lines (one record a line): write it "
-                   "as JSON lines, e.g. jq -c '.[]' {} > records.jsonl",
+                   "as JSON lines, e.g. jq -c '.[]' '{}' > records.jsonl",
                    path, path);
     f.clear();
     f.seekg(0);
@@ -239,7 +243,8 @@ Record parse_record(const RawDoc& r, const CorpusOptions& o) {
     j = Json::parse(r.text);
   } catch (const Json::exception& e) {
     STRATA_THROW(kInvalidArgument,
-                 "{}: not a JSON record ({}): a .jsonl file holds one JSON object per line",
+                 "{}: not a JSON record ({}): a .jsonl file holds one JSON object per line (.json "
+                 "and .ndjson are read as JSON lines too: name a file .txt to train on it as text)",
                  r.where, e.what());
   }
   STRATA_REQUIRE(j.is_object(), "{}: a {} where a JSON object (one record per line) belongs",
@@ -486,7 +491,11 @@ Json describe_sources(const std::vector<std::string>& inputs, const CorpusOption
          {"bytes", std::uint64_t(st.st_size)},
          {"mtime_ns", std::int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec}});
   }
+  // reader: how the inputs are read (2: JSON lines by .json too, a text file's BOM dropped,
+  // separators of line ends at CRLF, one EOS): a cache of the same inputs read otherwise is not
+  // reused.
   Json j = {{"inputs", list},
+            {"reader", 2},
             {"text_field", o.text_field},
             {"max_document_tokens", o.max_document_tokens}};
   j["separator"] = o.separator ? Json(*o.separator) : Json();

@@ -125,7 +125,7 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
   if (fmt == TokenFormat::kAuto) {
     if (head[0] == kLlmcMagic)
       fmt = TokenFormat::kLlmc;
-    else if (path.ends_with(".txt"))
+    else if (is_corpus_file(path) && !is_json_lines_file(path))  // .txt, in any case
       fmt = TokenFormat::kBytes;
     else
       fmt = TokenFormat::kU16;
@@ -508,7 +508,7 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
     STRATA_REQUIRE(
         e.rows >= 1, "TokenLoader: the {} split of the prepared data holds no document{}",
         split == DataSplit::kTrain ? "train" : "validation",
-        o.val_fraction > 0
+        split == DataSplit::kVal && o.val_fraction > 0
             ? fmt::format(" (validation takes the last {:g}% of each file's documents, none of "
                           "a file of fewer than {:g}): give more documents (a text file is "
                           "one, or those --separator STR splits it into), or the validation "

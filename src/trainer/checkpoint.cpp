@@ -9,7 +9,9 @@
 //      system (a node-local drive), and so on: one round for a shared file system, one per node
 //      for node-local ones. The first rank of each group is its leader.
 //   2. every rank writes its engine state there (Engine::save_state: rank<R>.bin/.json, each
-//      fsync'd) and hashes its own two files (xxh3-64); the sizes and hashes go to every rank.
+//      fsync'd) and hashes its own two files (xxh3-64); the sizes and hashes go to every rank,
+//      with a flag a rank for one whose files could not be written: then every leader removes its
+//      folder, and after a barrier every rank ends the save with an error.
 //   3. every leader writes manifest.json (the same on each: every rank's files with the node that
 //      wrote them; fsync'd; its last field, manifest_xxh3, the checksum of the rest of it), fsyncs
 //      the folder, renames it to <root>/step-<N> (an existing step-<N> is moved aside first and
@@ -314,19 +316,29 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
         at[1] = double(h >> 32);
         at[2] = double(h & 0xffffffffu);
       }
-    } catch (const Error&) {
+    } catch (...) {  // a full drive, an I/O error, memory
       if (world == 1) throw;
       failed = std::current_exception();
     }
     sums[std::size_t(world) * 6 + std::size_t(rank)] = failed ? 1.0 : 0.0;
     if (world > 1) max_across_ranks(comm, sums);
-    if (failed) std::rethrow_exception(failed);
-    for (int r = 0; r < world; ++r)
-      if (sums[std::size_t(world) * 6 + std::size_t(r)] > 0)
-        STRATA_THROW(kIo,
-                     "checkpoint: rank {} could not write its files of step {} (its own message "
-                     "says why)",
-                     r, step);
+    int first_failed = -1;
+    for (int r = world - 1; r >= 0; --r)
+      if (sums[std::size_t(world) * 6 + std::size_t(r)] > 0) first_failed = r;
+    if (first_failed >= 0) {
+      // Every leader's folder is gone before any rank throws: the first error to reach the
+      // launcher ends the job (mpirun's abort), which must not cut a removal short.
+      if (leads) {
+        std::error_code ec;
+        fs::remove_all(tmp, ec);
+      }
+      barrier(comm, s);
+      if (failed) std::rethrow_exception(failed);
+      STRATA_THROW(kIo,
+                   "checkpoint: rank {} could not write its files of step {} (its own message "
+                   "says why)",
+                   first_failed, step);
+    }
     // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
     // lines differ in their timings).
     nlohmann::json state = trainer_state;

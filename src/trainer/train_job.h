@@ -44,8 +44,8 @@ struct Settings {
   // Resume: the newest complete checkpoint, found (and verified) before anything is built.
   FoundCheckpoint resume;
   std::vector<std::int64_t> inherited_checkpoints;  // steps, oldest first
-  // Complete checkpoints in the folder this run continues that are newer than the resumed one:
-  // the run it branches from went further (steps, oldest first).
+  // Complete checkpoints in the folder this run continues that are newer than the one --resume
+  // named itself: the run it branches from went further (steps, oldest first).
   std::vector<std::int64_t> newer_checkpoints;
   std::string ckpt_root;
   // The launch and the device's options

@@ -98,9 +98,16 @@ void open_json_log(Run& r) {
       kept += t["log_line"].dump() + "\n";
   }
   r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
-  *r.jlog << kept << std::flush;  // now: a run that dies before its first line keeps them
   if (!*r.jlog)
     STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
+  *r.jlog << kept << std::flush;  // now: a run that dies before its first line keeps them
+  if (!*r.jlog) {  // a full drive: as a step's line that cannot be written, the run goes on
+    log::warn(
+        "--log-json {}: the lines up to the resumed step {} could not be written ({}); the "
+        "log stops here, the run goes on",
+        o.log_json, r.start_step, std::strerror(errno));
+    r.jlog.reset();
+  }
   // --plot draws the resumed run's steps too: the lines kept are its steps up to the checkpoint.
   if (!o.plot_file.empty()) {
     std::istringstream lines(kept);

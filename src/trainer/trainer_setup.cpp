@@ -288,21 +288,25 @@ void read_model_config(Settings& s) {
 // built.
 void check_files(Settings& s) {
   const TrainOptions& o = s.o;
-  // The paths a run records (its checkpoints' manifest, the prepared data's cache key: JSON,
-  // UTF-8) are text: one that is not would end the run at its first checkpoint.
-  NamedPaths paths = {{"--model", o.model_dir}, {"--model-config", o.model_config},
-                      {"--text", o.text_file},  {"--config", o.ds_config},
-                      {"--out", o.out_dir},     {"--checkpoint-dir", o.checkpoint_dir},
-                      {"--resume", o.resume},   {"--log-json", o.log_json},
-                      {"--plot", o.plot_file},  {"--trace", o.trace_file}};
-  for (const std::string& f : o.data_files) paths.push_back({"--data", f});
-  for (const std::string& f : o.eval_files) paths.push_back({"--eval-data", f});
-  for (const auto& [flag, path] : paths)
+  // The paths a run records are JSON text, UTF-8: a corpus's in the prepared data's cache key,
+  // the model folder's and the data's in every checkpoint's manifest. One that is not UTF-8 ended
+  // the run at its first checkpoint (or before its first step).
+  NamedPaths recorded;
+  const bool saves = o.save_every > 0;
+  if (saves && !o.model_dir.empty())
+    recorded.push_back({"--model", fs::absolute(o.model_dir).string()});
+  if (!o.text_file.empty()) recorded.push_back({"--text", o.text_file});
+  for (const std::string& f : o.data_files)
+    if (saves || is_corpus_file(f)) recorded.push_back({"--data", f});
+  for (const std::string& f : o.eval_files)
+    if (is_corpus_file(f)) recorded.push_back({"--eval-data", f});
+  for (const auto& [flag, path] : recorded)
     for (std::size_t i = 0; i < path.size();) {
       const std::size_t n = utf8::sequence_length(path, i);
       STRATA_REQUIRE(n > 0,
-                     "{} {}: the path is not UTF-8 (byte {} of it), and the run records its paths "
-                     "as text: rename it, or link to it from a UTF-8 name",
+                     "{} {}: the path is not UTF-8 (byte {} of it), and the run records it as text "
+                     "(in the prepared data's cache key, or its checkpoints): rename it, or link "
+                     "to it from a UTF-8 name",
                      flag, path, i);
       i += n;
     }
@@ -408,7 +412,12 @@ void find_checkpoints(Settings& s) {
             !fs::exists(fs::path(*it) / "manifest.json", ec))
           continue;
         const std::int64_t st = std::stoll(name.substr(5));  // checkpoint_folders: "step-<N>"
-        (st <= resume.step ? inherited_checkpoints : s.newer_checkpoints).push_back(st);
+        // Newer ones: only where --resume named the older checkpoint itself (of a folder it
+        // takes the newest that verifies; newer ones there are damaged).
+        if (st <= resume.step)
+          inherited_checkpoints.push_back(st);
+        else if (resume.root.empty())
+          s.newer_checkpoints.push_back(st);
       }
   }
 }
@@ -851,8 +860,9 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
     // Without a tokenizer a .jsonl cannot be read at all, and a .txt only byte by byte by a
     // byte-level model: the loader says so; say why the tokenizer is not there first.
     const bool bytes_ok = s.mcfg.vocab_size <= 256 &&
-                          std::all_of(corpora.begin(), corpora.end(),
-                                      [](const std::string& f) { return f.ends_with(".txt"); });
+                          std::all_of(corpora.begin(), corpora.end(), [](const std::string& f) {
+                            return is_corpus_file(f) && !is_json_lines_file(f);  // .txt
+                          });
     STRATA_REQUIRE(bytes_ok,
                    "{} {}: a corpus is tokenized with the model's tokenizer, and {}: give --model "
                    "DIR whose folder has the model's tokenizer.json, or prepare it with "
@@ -1101,6 +1111,8 @@ void open_device(Run& r) {
     comm->barrier(*bs);
     bs->synchronize();
   }
+  // The loaders' warnings are the data's, the same on every rank: said once.
+  const log::Quiet quiet(log::Level::kError, r.s.rank > 0);
   r.loader = std::make_unique<TokenLoader>(r.s.dopt);
   if (!o.eval_files.empty()) {  // read whole, in order
     DataOptions e = r.s.dopt;
