@@ -339,8 +339,7 @@ int run(const Options& o) {
   STRATA_REQUIRE(o.max_shard_mb > 0, "--max-shard-mb must be > 0");
   if (!o.model_dir.empty())
     strata::require_input_folder("--model", o.model_dir, "the model's Hugging Face folder");
-  const std::size_t max_shard_bytes =
-      std::size_t(std::min(o.max_shard_mb * 1024 * 1024, 9e18));  // no wrap
+  const std::size_t max_shard_bytes = strata::tools::mib_as_bytes(o.max_shard_mb);
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);
   const int world = ck.manifest.value("world_size", 0);

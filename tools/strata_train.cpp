@@ -171,8 +171,7 @@ int main(int argc, char** argv) {
     o.text_field_named = app.count("--text-field") > 0;
     if (separator_opt->count() > 0) o.separator = separator;
     if (max_shard_mb > 0)
-      o.out_max_shard_bytes = std::max<std::size_t>(
-          1, static_cast<std::size_t>(std::min(max_shard_mb * 1024 * 1024, 9e18)));
+      o.out_max_shard_bytes = std::max<std::size_t>(1, strata::tools::mib_as_bytes(max_shard_mb));
     // A flag that would be ignored is named, not ignored (the user thinks it took effect).
     auto needs = [&](const char* flag, bool ok, const char* why) {
       STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);

@@ -66,6 +66,11 @@ inline const CLI::Validator kCount(
     },
     "COUNT");
 
+// --max-shard-mb's MiB as bytes, at most 9e18 (1e300 MiB wrapped around to 0 bytes).
+inline std::size_t mib_as_bytes(double mib) {
+  return static_cast<std::size_t>(std::min(mib * 1024 * 1024, 9e18));
+}
+
 // A JSON file the tool reads (a checkpoint's layout, a model folder's generation_config.json):
 // one that cannot be read or parsed is a strata::Error naming it.
 inline nlohmann::json read_json_file(const std::string& path) {

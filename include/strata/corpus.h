@@ -130,7 +130,10 @@ bool is_prepared_file(const std::string& path);
 // JSON lines.
 bool is_json_lines_file(const std::string& path);
 
-// Whether `path` names a corpus strata tokenizes itself: JSON lines (is_json_lines_file) or .txt.
+// Whether `path` names a text corpus: .txt, in any case.
+bool is_text_corpus_file(const std::string& path);
+
+// Whether `path` names a corpus strata tokenizes itself: JSON lines or text (the two above).
 bool is_corpus_file(const std::string& path);
 
 // Reads and validates the header (magic, version, sizes, offsets against the file's size).

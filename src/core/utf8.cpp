@@ -28,4 +28,13 @@ std::size_t sequence_length(std::string_view s, std::size_t i, std::size_t* bad)
   return 0;
 }
 
+std::size_t first_invalid(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = sequence_length(s, i);
+    if (n == 0) return i;
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
 }  // namespace strata::utf8

@@ -14,4 +14,7 @@ namespace strata::utf8 {
 // U+FFFD (Unicode's "maximal subpart" practice, as Python's errors="replace" does).
 std::size_t sequence_length(std::string_view s, std::size_t i, std::size_t* bad = nullptr);
 
+// The byte at which `s` stops being well-formed UTF-8, or std::string_view::npos when it is.
+std::size_t first_invalid(std::string_view s);
+
 }  // namespace strata::utf8

@@ -31,6 +31,7 @@
 #include <thread>
 
 #include "core/utf8.h"
+#include "core/write_fd.h"
 #include "strata/chat.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -58,18 +59,14 @@ std::size_t line_of(std::string_view s, std::size_t at) {
 // Throws naming file:line and the byte when `s` (starting at line `first_line` of `path`) is not
 // well-formed UTF-8.
 void require_utf8(std::string_view s, const std::string& path, std::size_t first_line) {
-  for (std::size_t i = 0; i < s.size();) {
-    const std::size_t n = utf8::sequence_length(s, i);
-    if (n == 0) {
-      const std::size_t nl = i == 0 ? std::string_view::npos : s.rfind('\n', i - 1);
-      const std::size_t column = i - (nl == std::string_view::npos ? 0 : nl + 1) + 1;
-      STRATA_THROW(kInvalidArgument,
-                   "{}:{}: byte 0x{:02x} (column {}) is not UTF-8 text: the corpus must be UTF-8 "
-                   "(convert it first, e.g. iconv -f latin1 -t utf-8)",
-                   path, first_line + line_of(s, i) - 1, static_cast<unsigned char>(s[i]), column);
-    }
-    i += n;
-  }
+  const std::size_t i = utf8::first_invalid(s);
+  if (i == std::string_view::npos) return;
+  const std::size_t nl = i == 0 ? std::string_view::npos : s.rfind('\n', i - 1);
+  const std::size_t column = i - (nl == std::string_view::npos ? 0 : nl + 1) + 1;
+  STRATA_THROW(kInvalidArgument,
+               "{}:{}: byte 0x{:02x} (column {}) is not UTF-8 text: the corpus must be UTF-8 "
+               "(convert it first, e.g. iconv -f latin1 -t utf-8)",
+               path, first_line + line_of(s, i) - 1, static_cast<unsigned char>(s[i]), column);
 }
 
 // One document before tokenizing: a text document, or a .jsonl line not yet parsed (parsing is
@@ -416,16 +413,9 @@ class PreparedWriter {
 
  private:
   void write(const void* p, std::size_t n) {
-    const char* c = static_cast<const char*>(p);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, c, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0)
-        detail::throw_errno(__FILE__, __LINE__, "write", errno,
-                            fmt::format("cannot write the prepared file {}", tmp_));
-      c += w;
-      n -= std::size_t(w);
-    }
+    if (const int err = write_fd_fully(fd_, p, n))
+      detail::throw_errno(__FILE__, __LINE__, "write", err,
+                          fmt::format("cannot write the prepared file {}", tmp_));
   }
   void pad_to(std::uint64_t at, std::uint64_t to) {
     static const char zeros[8] = {};
@@ -603,8 +593,10 @@ bool is_json_lines_file(const std::string& path) {
          ends_with_any_case(path, ".json");
 }
 
+bool is_text_corpus_file(const std::string& path) { return ends_with_any_case(path, ".txt"); }
+
 bool is_corpus_file(const std::string& path) {
-  return is_json_lines_file(path) || ends_with_any_case(path, ".txt");
+  return is_json_lines_file(path) || is_text_corpus_file(path);
 }
 
 bool is_prepared_file(const std::string& path) {

@@ -125,7 +125,7 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
   if (fmt == TokenFormat::kAuto) {
     if (head[0] == kLlmcMagic)
       fmt = TokenFormat::kLlmc;
-    else if (is_corpus_file(path) && !is_json_lines_file(path))  // .txt, in any case
+    else if (is_text_corpus_file(path))
       fmt = TokenFormat::kBytes;
     else
       fmt = TokenFormat::kU16;

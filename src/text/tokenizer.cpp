@@ -1302,11 +1302,9 @@ Tokenizer Tokenizer::from_sentencepiece(std::string_view model, std::string_view
 
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
   const Impl& m = *impl_;
-  for (std::size_t i = 0; i < text.size();) {
-    const std::size_t n = utf8_char_len(text, i);
-    STRATA_REQUIRE(n > 0, "encode: the text is not valid UTF-8 at byte {}; pass UTF-8 text", i);
-    i += n;
-  }
+  const std::size_t bad = utf8::first_invalid(text);
+  STRATA_REQUIRE(bad == std::string_view::npos,
+                 "encode: the text is not valid UTF-8 at byte {}; pass UTF-8 text", bad);
   std::vector<std::int32_t> out;
   if (add_special_tokens) out = m.template_prefix;
   // Added tokens first, leftmost-longest; the text between them goes through the pipeline.

@@ -40,6 +40,7 @@
 #include <sstream>
 
 #include "core/process.h"
+#include "core/write_fd.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -176,19 +177,11 @@ void write_manifest(const std::string& mpath, const std::string& text, std::int6
                     bool may_crash) {
   const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
-  std::size_t done = 0;
   const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
   const bool crash_here = may_crash && crash && std::atoll(crash) == step;
-  const std::size_t limit = crash_here ? text.size() / 2 : text.size();
-  while (done < limit) {
-    const ssize_t n = ::write(fd, text.data() + done, limit - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
-    }
-    done += std::size_t(n);
+  if (const int err = write_fd_fully(fd, text.data(), crash_here ? text.size() / 2 : text.size())) {
+    ::close(fd);
+    STRATA_THROW(kIo, "checkpoint: writing {} failed: {}", mpath, std::strerror(err));
   }
   if (crash_here) {
     std::fprintf(stderr,

@@ -300,16 +300,14 @@ void check_files(Settings& s) {
     if (saves || is_corpus_file(f)) recorded.push_back({"--data", f});
   for (const std::string& f : o.eval_files)
     if (is_corpus_file(f)) recorded.push_back({"--eval-data", f});
-  for (const auto& [flag, path] : recorded)
-    for (std::size_t i = 0; i < path.size();) {
-      const std::size_t n = utf8::sequence_length(path, i);
-      STRATA_REQUIRE(n > 0,
-                     "{} {}: the path is not UTF-8 (byte {} of it), and the run records it as text "
-                     "(in the prepared data's cache key, or its checkpoints): rename it, or link "
-                     "to it from a UTF-8 name",
-                     flag, path, i);
-      i += n;
-    }
+  for (const auto& [flag, path] : recorded) {
+    const std::size_t bad = utf8::first_invalid(path);
+    STRATA_REQUIRE(bad == std::string_view::npos,
+                   "{} {}: the path is not UTF-8 (byte {} of it), and the run records it as text "
+                   "(in the prepared data's cache key, or its checkpoints): rename it, or link "
+                   "to it from a UTF-8 name",
+                   flag, path, bad);
+  }
   for (const auto& f : o.data_files) require_input_file("--data", f);
   for (const auto& f : o.eval_files) require_input_file("--eval-data", f);
   if (!o.text_file.empty()) require_input_file("--text", o.text_file);
@@ -860,9 +858,7 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
     // Without a tokenizer a .jsonl cannot be read at all, and a .txt only byte by byte by a
     // byte-level model: the loader says so; say why the tokenizer is not there first.
     const bool bytes_ok = s.mcfg.vocab_size <= 256 &&
-                          std::all_of(corpora.begin(), corpora.end(), [](const std::string& f) {
-                            return is_corpus_file(f) && !is_json_lines_file(f);  // .txt
-                          });
+                          std::all_of(corpora.begin(), corpora.end(), is_text_corpus_file);
     STRATA_REQUIRE(bytes_ok,
                    "{} {}: a corpus is tokenized with the model's tokenizer, and {}: give --model "
                    "DIR whose folder has the model's tokenizer.json, or prepare it with "
