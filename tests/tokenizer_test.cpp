@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "strata/corpus.h"
 #include "strata/error.h"
 #include "test_util.h"
 
@@ -470,6 +471,31 @@ TEST_F(SentencePieceModel, FolderPrefersTokenizerJsonAndThreadsAgree) {
   EXPECT_EQ(mismatches, std::vector<int>(4, 0));
   std::ofstream(dir.path + "/tokenizer.json") << byte_level_json().dump();
   EXPECT_EQ(Tokenizer::from_folder(dir.path).vocab_size(), 20);
+}
+
+// A prepared file records the tokenizer's hash: tokenizer_config.json's add_eos_token and legacy,
+// which change a SentencePiece model's ids, change it; their defaults leave it as it was.
+TEST_F(SentencePieceModel, TokenizerHashFollowsTheConfigSettingsThatChangeIds) {
+  testing::TempDir dir("strata-spm-hash");
+  std::ofstream(dir.path + "/tokenizer.model", std::ios::binary) << model_;
+  const auto hash_with = [&](const std::string& config) {
+    std::filesystem::remove(dir.path + "/tokenizer_config.json");
+    if (!config.empty()) std::ofstream(dir.path + "/tokenizer_config.json") << config;
+    return tokenizer_hash(dir.path, Tokenizer::from_folder(dir.path));
+  };
+  const std::string plain = hash_with("");
+  EXPECT_EQ(hash_with("{}"), plain);
+  EXPECT_EQ(hash_with(R"({"legacy": true, "add_eos_token": false})"), plain);
+  const std::string no_legacy = hash_with(R"({"legacy": false})");
+  const std::string with_eos = hash_with(R"({"add_eos_token": true})");
+  EXPECT_NE(no_legacy, plain);
+  EXPECT_NE(with_eos, plain);
+  EXPECT_NE(with_eos, no_legacy);
+  // The settings do change the ids: after a special token, and at the end.
+  std::filesystem::remove(dir.path + "/tokenizer_config.json");
+  const Tokenizer def = Tokenizer::from_folder(dir.path);
+  EXPECT_NE(make(R"({"legacy": false})").encode("</s>hello"), def.encode("</s>hello"));
+  EXPECT_NE(make(R"({"add_eos_token": true})").encode("hello"), def.encode("hello"));
 }
 
 // ---- real vocabularies against the reference ----

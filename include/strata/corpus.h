@@ -96,7 +96,8 @@ void use_chat_template(CorpusOptions& o, const std::filesystem::path& dir,
 
 // The identity of a tokenizer for the prepared file: XXH3-128 of the bytes of the file it was
 // read from (`dir`/tokenizer.json, else tokenizer.model: Tokenizer::file_in) and the special-token
-// settings (bos, eos, pad, whether BOS is added), as 32 hex digits.
+// settings (bos, eos, pad, whether BOS is added; for tokenizer.model also tokenizer_config.json's
+// add_eos_token and legacy where they are not the defaults), as 32 hex digits.
 std::string tokenizer_hash(const std::filesystem::path& dir, const Tokenizer& tokenizer);
 
 // The documents of one input file, in order (no parallelism: for tests and small inputs).
