@@ -642,6 +642,17 @@ TEST(StrataPrep, SummaryJsonAndErrors) {
         << tty.out;
     EXPECT_NE(tty.out.find("5 documents, 25 tokens (20.0% masked"), std::string::npos);
   }
+  // --separator with JSON lines only: said to be unused; the file is the one made without it.
+  const auto sep = testing::run(STRATA_PREP_BIN,
+                                {"--tokenizer", t.model, in, "-o", t.dir.path + "/sep.prep",
+                                 "--threads", "1", "--separator", "@@"},
+                                t.dir.path, "sep");
+  EXPECT_EQ(sep.status, 0) << sep.err;
+  EXPECT_NE(sep.err.find("--separator is not used: it splits .txt inputs into documents, and no "
+                         "input here is a .txt file"),
+            std::string::npos)
+      << sep.err;
+  EXPECT_EQ(read_prepared_header(t.dir.path + "/sep.prep").documents, 5u);
   const auto bad = testing::run(STRATA_PREP_BIN,
                                 {"--tokenizer", t.model, t.write("bad.jsonl", "{\"body\": 1}\n"),
                                  "-o", t.dir.path + "/x.prep"},

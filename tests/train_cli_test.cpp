@@ -1158,6 +1158,42 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   EXPECT_EQ(text.status, 0) << text.err;
 }
 
+// --separator where no text corpus is split into documents: said, and the run goes on (a text
+// read byte by byte without a tokenizer; JSON lines only).
+TEST_F(TrainCli, SeparatorThatSplitsNothingIsSaid) {
+  const std::string log = dir.path + "/sep.jsonl";
+  const Result bytes = train(args(log, {"--separator", "@@"}, "1"), "sep-bytes");
+  EXPECT_EQ(bytes.status, 0) << bytes.err;
+  EXPECT_NE(bytes.err.find("--separator is not used: it splits .txt corpora prepared with the "
+                           "model's tokenizer into documents, and this text is read byte by byte "
+                           "(--model-config gives no tokenizer)"),
+            std::string::npos)
+      << bytes.err;
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl";
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 50);
+  const Result jsonl = run(STRATA_TRAIN_BIN,
+                           {"--model", hf, "--data", corpus, "--separator", "@@", "--seq-len", "16",
+                            "--micro-batch", "2", "--steps", "1", "--device", "cpu"},
+                           dir.path, "sep-jsonl", {{"STRATA_CACHE_DIR", dir.path + "/cache"}});
+  EXPECT_EQ(jsonl.status, 0) << jsonl.err;
+  EXPECT_NE(jsonl.err.find("--separator is not used: it splits .txt corpora prepared with the "
+                           "model's tokenizer into documents, and no --data / --eval-data / "
+                           "--text here is a .txt corpus"),
+            std::string::npos)
+      << jsonl.err;
+  // A .txt beside it is split: nothing said.
+  const std::string hello = dir.path + "/hello.txt";
+  std::ofstream(hello) << "hello world!@@he or hello@@world";
+  const Result mixed =
+      run(STRATA_TRAIN_BIN,
+          {"--model", hf, "--data", corpus, "--data", hello, "--separator", "@@", "--seq-len", "16",
+           "--micro-batch", "2", "--steps", "1", "--device", "cpu"},
+          dir.path, "sep-mixed", {{"STRATA_CACHE_DIR", dir.path + "/cache"}});
+  EXPECT_EQ(mixed.status, 0) << mixed.err;
+  EXPECT_EQ(mixed.err.find("--separator is not used"), std::string::npos) << mixed.err;
+}
+
 // Chat records in --data: rendered with the --model folder's own chat template (Qwen3's), only
 // the assistants' tokens counted (counted_tokens_per_s below tokens_per_s), the template recorded
 // in the prepared file; --chat-format picks another layout (another cache entry); a folder without

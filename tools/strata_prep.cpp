@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -14,6 +15,7 @@
 
 #include "strata/corpus.h"
 #include "strata/error.h"
+#include "strata/log.h"
 #include "strata/model_data.h"
 #include "strata/tokenizer.h"
 #include "tool_main.h"
@@ -65,6 +67,11 @@ int run(Options& o, bool separator_given) {
   c.text_field = o.text_field;
   c.text_field_named = o.text_field_named;
   if (separator_given) c.separator = o.separator;
+  if (separator_given &&
+      std::none_of(o.inputs.begin(), o.inputs.end(), strata::is_text_corpus_file))
+    strata::log::warn(
+        "--separator is not used: it splits .txt inputs into documents, and no "
+        "input here is a .txt file");
   c.threads = o.threads;
   c.max_document_tokens = o.max_document_tokens;
   strata::use_chat_template(c, dir, o.chat_format);

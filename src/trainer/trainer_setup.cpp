@@ -894,6 +894,13 @@ void data_and_steps(Settings& s) {
       return is_corpus_file(f) || is_prepared_file(f);
     });
   };
+  // --separator splits the text corpora prepared with the model's tokenizer; said where there is
+  // none (only JSON lines or token files; text read byte by byte without a tokenizer).
+  auto any_text = [](const std::vector<std::string>& files) {
+    return std::any_of(files.begin(), files.end(), is_text_corpus_file);
+  };
+  bool split_text = false;
+  std::string unsplit_why;
   if (!s.demo_data &&
       (!o.text_file.empty() || wants_tokenizer(o.data_files) || wants_tokenizer(o.eval_files))) {
     const FolderTokenizer t = folder_tokenizer(s);
@@ -915,6 +922,12 @@ void data_and_steps(Settings& s) {
     }
     if (parse_token_format(o.data_format) == TokenFormat::kAuto)
       s.eval_files = prepare_corpora(s, t, o.eval_files, "--eval-data");
+    split_text =
+        t.tok &&
+        (!o.text_file.empty() || (dopt.format == TokenFormat::kAuto && any_text(o.data_files)) ||
+         (parse_token_format(o.data_format) == TokenFormat::kAuto && any_text(o.eval_files)));
+    if (!t.tok && (!o.text_file.empty() || any_text(o.data_files) || any_text(o.eval_files)))
+      unsplit_why = t.why_not;
     if (t.hash.empty() && s.con)
       for (const auto& f : dopt.files)
         if (is_prepared_file(f))
@@ -923,6 +936,13 @@ void data_and_steps(Settings& s) {
                        "(%s)\n",
                        f.c_str(), t.why_not.c_str());
   }
+  if (o.separator && !split_text && s.rank == 0)
+    log::warn(
+        "--separator is not used: it splits .txt corpora prepared with the model's "
+        "tokenizer into documents, and {}",
+        !unsplit_why.empty()
+            ? fmt::format("this text is read byte by byte ({})", unsplit_why)
+            : std::string("no --data / --eval-data / --text here is a .txt corpus"));
   // Read byte by byte as --text is (the evaluation's loader is the training's): a token file or
   // a prepared one would give a validation loss of bytes that are no text. Text has no NUL.
   if (dopt.format == TokenFormat::kBytes)
