@@ -862,6 +862,32 @@ TEST_F(TrainBinary, AResumeWithAnotherWeightDecayWarns) {
   EXPECT_EQ(slurp(p.err).find("--resume: beta1 was"), std::string::npos) << slurp(p.err);
 }
 
+// The data file changed in place since the checkpoint (appended to; a corpus prepared again into
+// its cache path): the resume says so, naming the sizes (the paths alone matched).
+TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {
+  const std::string ck = dir.path + "/ck";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  const auto before = std::int64_t(fs::file_size(text));
+  auto a = args(dir.path + "/b.jsonl", {"--resume", ck});
+  set_steps(a, "3");
+  Proc same = spawn(a, dir.path, "same");
+  int st = wait_status(same.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(same.err);
+  EXPECT_EQ(slurp(same.err).find("changed since"), std::string::npos) << slurp(same.err);
+  std::ofstream(text, std::ios::app) << "more text, appended after the checkpoint\n";
+  a = args(dir.path + "/c.jsonl", {"--resume", ck});
+  set_steps(a, "3");
+  Proc changed = spawn(a, dir.path, "changed");
+  st = wait_status(changed.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(changed.err);
+  EXPECT_NE(slurp(changed.err)
+                .find(fmt::format("--resume: {} had {} bytes in the checkpoint's run, {} now: it "
+                                  "changed since, and the data will not continue where it stopped",
+                                  text, before, before + 41)),
+            std::string::npos)
+      << slurp(changed.err);
+}
+
 // A run resumed from an older checkpoint of a folder whose run went further is told that the newer
 // checkpoints stay and that "--resume" of the folder takes them until it has saved past them (a
 // later resume silently continued the abandoned branch).

@@ -145,6 +145,11 @@ struct Run {
 // check the same path at once. Throws kInvalidArgument naming the flag and the fix.
 void require_creatable_folder(const std::string& flag, const std::string& path);
 
+// The sizes in bytes of the data files (-1 where one cannot be read): a checkpoint records them,
+// so that a resume on a file changed in place (a corpus prepared again into its cache path) says
+// the data will not continue where it stopped.
+std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files);
+
 // ---- set-up (trainer_setup.cpp), in this order ----
 void check_flags(Settings& s);
 void read_model_config(Settings& s);

@@ -118,6 +118,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
         {"seed", o.seed},
         {"shuffle", o.shuffle},
         {"files", dopt.files},
+        {"file_bytes", file_sizes(dopt.files)},
         {"val_fraction", dopt.val_fraction}}},
       // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
       // per epoch: the position above restores it.

@@ -870,6 +870,16 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
   return out;
 }
 
+std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files) {
+  std::vector<std::int64_t> out;
+  for (const auto& f : files) {
+    std::error_code ec;
+    const auto n = fs::file_size(f, ec);
+    out.push_back(ec ? -1 : std::int64_t(n));
+  }
+  return out;
+}
+
 // ---- data ----
 // The files the loaders read and how; the run's steps: --steps, the default 60, or --epochs
 // passes over the data, counted from the files' sizes (the loaders are made after the ranks
@@ -1292,12 +1302,25 @@ void resume_from_checkpoint(Run& r) {
         }
         return out;
       };
-      if (d.contains("files") && canon(d["files"]) != canon(nlohmann::json(dopt.files)))
+      if (d.contains("files") && canon(d["files"]) != canon(nlohmann::json(dopt.files))) {
         log::warn(
             "--resume: files was {} in the checkpoint's run, {} now: the data will not continue "
             "where it "
             "stopped",
             d["files"].dump(), nlohmann::json(dopt.files).dump());
+      } else if (d.contains("file_bytes") && d["file_bytes"].is_array()) {
+        // The same files, changed in place since (edited, appended to, prepared again).
+        const std::vector<std::int64_t> now = file_sizes(dopt.files);
+        const nlohmann::json& then = d["file_bytes"];
+        for (std::size_t i = 0; i < now.size() && i < then.size(); ++i)
+          if (then[i].is_number_integer() && then[i].get<std::int64_t>() != now[i]) {
+            log::warn(
+                "--resume: {} had {} bytes in the checkpoint's run, {} now: it changed since, "
+                "and the data will not continue where it stopped",
+                dopt.files[i], then[i].get<std::int64_t>(), now[i]);
+            break;
+          }
+      }
     }
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
