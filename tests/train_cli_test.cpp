@@ -2911,6 +2911,64 @@ TEST_F(TrainCli, TorchrunOneRanksFailedSaveEndsEveryRankAndLeavesNothing) {
   EXPECT_TRUE(left.empty()) << fmt::format("{}", fmt::join(left, ", "));
 }
 
+// A folder's leader that cannot write its manifest: every rank ends with an error naming it (the
+// others waited at the last barrier until the job was ended), and no folder of that step is left,
+// with one folder for both ranks and with node-local ones (each rank in its own mount namespace,
+// its own drive bound at the same path), where the leader that had renamed its step-4 takes it
+// back. The step-2 checkpoints stay.
+TEST_F(TrainCli, TorchrunALeadersFailedManifestEndsEveryRankAndLeavesNoStep) {
+  if (!std::getenv("STRATA_TEST_TORCHRUN"))
+    GTEST_SKIP() << "runs as the train_cli_torchrun test (STRATA_TEST_TORCHRUN=1)";
+  const auto names_in = [](const std::string& folder) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(folder))
+      names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return fmt::format("{}", fmt::join(names, " "));
+  };
+  const auto two_ranks = [&](const std::string& wrap_body, const std::string& ck,
+                             const std::string& tag) {
+    const std::string wrap = dir.path + "/" + tag + ".sh";
+    std::ofstream(wrap) << "#!/bin/bash\n" << wrap_body;
+    fs::permissions(wrap, fs::perms::owner_all);
+    std::vector<std::string> a = {"2", wrap, STRATA_TRAIN_BIN};
+    for (const auto& x :
+         args(dir.path + "/" + tag + ".jsonl", {"--save-every", "2", "--checkpoint-dir", ck}))
+      a.push_back(x);
+    return run(STRATA_TORCHRUN_RANKS, a, dir.path, tag, {{"STRATA_COMM_TIMEOUT_S", "60"}});
+  };
+  const std::string failed = "manifest.json failed: Input/output error (STRATA_TEST_FAIL_MANIFEST)";
+  {
+    const std::string ck = dir.path + "/ck-shared";
+    const Result r = two_ranks(
+        "[ \"$RANK\" = 0 ] && export STRATA_TEST_FAIL_MANIFEST=4\nexec \"$@\"\n", ck, "shared");
+    EXPECT_NE(r.status, 0) << r.out << r.err;
+    EXPECT_NE(r.err.find(failed), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("checkpoint: rank 0 could not finish its folder of step 4"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(names_in(ck), "step-2");
+  }
+  const std::string unshare = testing::find_on_path("unshare");
+  if (unshare.empty()) GTEST_SKIP() << "no unshare (util-linux) on this machine";
+  const std::string node = dir.path + "/node", drive = dir.path + "/drive-";
+  for (const auto& d : {node, drive + "0", drive + "1"}) fs::create_directories(d);
+  const Result r = two_ranks("[ \"$RANK\" = 1 ] && export STRATA_TEST_FAIL_MANIFEST=4\nexec " +
+                                 unshare + " -m sh -c \"mount --bind " + drive + "$RANK " + node +
+                                 " && exec \\\"\\$0\\\" \\\"\\$@\\\"\" \"$@\"\n",
+                             node + "/ck", "node-local");
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  if (r.err.find("mount") != std::string::npos && r.err.find(failed) == std::string::npos)
+    GTEST_SKIP() << "cannot bind-mount here: " << r.err;
+  EXPECT_NE(r.out.find("is node-local (2 folders"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find(failed), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("checkpoint: rank 1 could not finish its folder of step 4"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(names_in(drive + "0/ck"), "step-2");
+  EXPECT_EQ(names_in(drive + "1/ck"), "step-2");
+}
+
 // torchrun's variables for rank `r` of 2, one a host, meeting at the first namespace's address.
 std::vector<std::pair<std::string, std::string>> two_host_env(int r, const std::string& port) {
   return {{"RANK", std::to_string(r)},

@@ -52,8 +52,9 @@ if(MPI_C_FOUND AND MPIEXEC_EXECUTABLE)
   set_tests_properties(train_cli_mpi_reshard_rss PROPERTIES LABELS "unit;train;mpi" TIMEOUT 300
                        PROCESSORS 1 ENVIRONMENT "${strata_train_mpi_env}")
   if(TARGET gloo)
-    # TrainCli.TorchrunRanks*: 2 and 4 torchrun-style ranks (Gloo) against the same under mpirun.
-    add_test(NAME train_cli_torchrun COMMAND train_cli_test --gtest_filter=TrainCli.TorchrunRanks*)
+    # TrainCli.Torchrun*: 2 and 4 torchrun-style ranks (Gloo) against the same under mpirun, and
+    # failed checkpoint saves (a rank's files, a leader's manifest) ending every rank.
+    add_test(NAME train_cli_torchrun COMMAND train_cli_test --gtest_filter=TrainCli.Torchrun*)
     # 0.65 of a core on average (8.0-8.7 CPU-s in 12.5-12.9 s, the same VM): beside another test.
     set_tests_properties(train_cli_torchrun PROPERTIES LABELS "unit;train;gloo;mpi" TIMEOUT 600
                          PROCESSORS 1 ENVIRONMENT "${strata_train_mpi_env};STRATA_TEST_TORCHRUN=1")

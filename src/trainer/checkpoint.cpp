@@ -14,8 +14,10 @@
 //      folder, and after a barrier every rank ends the save with an error.
 //   3. every leader writes manifest.json (the same on each: every rank's files with the node that
 //      wrote them; fsync'd; its last field, manifest_xxh3, the checksum of the rest of it), fsyncs
-//      the folder, renames it to <root>/step-<N> (an existing step-<N> is moved aside first and
-//      removed after) and fsyncs <root>; barrier.
+//      the folder, renames it to <root>/step-<N> (an existing step-<N> is moved aside first) and
+//      fsyncs <root>; then a flag a rank goes to every rank: where a leader could not finish,
+//      every leader removes its folder (a renamed one too) and puts back what it had set aside,
+//      and after a barrier every rank ends the save with an error; else the set-aside copies go.
 // A crash at any point leaves either a .tmp-* folder (never chosen: find_checkpoint skips it)
 // or a complete step-<N>. find_checkpoint verifies the manifest's own checksum first, then every
 // file's size and checksum, before choosing one, so a folder damaged after the fact (the manifest
@@ -172,11 +174,18 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
 
 namespace {
 
-// The manifest itself, written and fsync'd (half of it, then abort(), under the test hook).
+// The manifest itself, written and fsync'd (half of it, then abort(), under the test hook; an
+// I/O error under the other).
 void write_manifest(const std::string& mpath, const std::string& text, std::int64_t step,
                     bool may_crash) {
   const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
+  if (const char* fail = std::getenv("STRATA_TEST_FAIL_MANIFEST");
+      fail && std::atoll(fail) == step) {
+    ::close(fd);
+    STRATA_THROW(kIo, "checkpoint: writing {} failed: {} (STRATA_TEST_FAIL_MANIFEST)", mpath,
+                 std::strerror(EIO));
+  }
   const char* crash = std::getenv("STRATA_TEST_CRASH_IN_CHECKPOINT");
   const bool crash_here = may_crash && crash && std::atoll(crash) == step;
   if (const int err = write_fd_fully(fd, text.data(), crash_here ? text.size() / 2 : text.size())) {
@@ -283,6 +292,7 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
   // drive: each leader removes its .tmp folder before the error goes on, and puts back a
   // complete checkpoint of the same step it had set aside.
   std::string aside;
+  bool renamed = false;  // this leader's folder is <root>/step-<N>
   try {
     leader = find_file_systems(comm, s, root, tmp, tmp_tag, tokens);
     leads = leader[std::size_t(rank)] == rank;
@@ -336,51 +346,87 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
     // lines differ in their timings).
     nlohmann::json state = trainer_state;
     if (groups > 1) state = nlohmann::json::parse(broadcast_string(comm, trainer_state.dump(), 0));
-    if (leads) {
-      const bool node_local = groups > 1;
-      nlohmann::json m;
-      m["format"] = "strata-checkpoint";
-      m["version"] = node_local ? kNodeLocalVersion : kCheckpointVersion;
-      m["step"] = step;
-      m["world_size"] = world;
-      m["engine_steps_taken"] = engine.steps_taken();
-      m["trainer"] = std::move(state);
-      nlohmann::json files = nlohmann::json::array();
-      for (int r = 0; r < world; ++r) {
-        const std::string host = tokens[std::size_t(r)].substr(0, tokens[std::size_t(r)].find(' '));
-        for (int k = 0; k < 2; ++k) {
-          const double* at = &sums[std::size_t(r) * 6 + std::size_t(k) * 3];
-          STRATA_CHECK(at[0] >= 0, "checkpoint: rank {} sent no checksum", r);
-          const std::uint64_t h = (std::uint64_t(at[1]) << 32) | std::uint64_t(at[2]);
-          nlohmann::json e = {{"name", fmt::format("rank{}.{}", r, exts[k])},
-                              {"bytes", std::uint64_t(at[0])},
-                              {"xxh3", fmt::format("{:016x}", h)},
-                              {"node", host}};
-          // Node-local: which folder holds it (the writing group's leader).
-          if (node_local) e["folder_of_rank"] = leader[std::size_t(r)];
-          files.push_back(std::move(e));
+    // A leader that cannot finish its folder (the manifest, the rename) says so to every rank, as
+    // a failed rank's files do above: no rank waits for it, and with node-local folders the
+    // leaders that did rename theirs take them back (a step is whole on every node or on none).
+    std::exception_ptr unfinished;
+    try {
+      if (leads) {
+        const bool node_local = groups > 1;
+        nlohmann::json m;
+        m["format"] = "strata-checkpoint";
+        m["version"] = node_local ? kNodeLocalVersion : kCheckpointVersion;
+        m["step"] = step;
+        m["world_size"] = world;
+        m["engine_steps_taken"] = engine.steps_taken();
+        m["trainer"] = std::move(state);
+        nlohmann::json files = nlohmann::json::array();
+        for (int r = 0; r < world; ++r) {
+          const std::string host =
+              tokens[std::size_t(r)].substr(0, tokens[std::size_t(r)].find(' '));
+          for (int k = 0; k < 2; ++k) {
+            const double* at = &sums[std::size_t(r) * 6 + std::size_t(k) * 3];
+            STRATA_CHECK(at[0] >= 0, "checkpoint: rank {} sent no checksum", r);
+            const std::uint64_t h = (std::uint64_t(at[1]) << 32) | std::uint64_t(at[2]);
+            nlohmann::json e = {{"name", fmt::format("rank{}.{}", r, exts[k])},
+                                {"bytes", std::uint64_t(at[0])},
+                                {"xxh3", fmt::format("{:016x}", h)},
+                                {"node", host}};
+            // Node-local: which folder holds it (the writing group's leader).
+            if (node_local) e["folder_of_rank"] = leader[std::size_t(r)];
+            files.push_back(std::move(e));
+          }
         }
+        m["files"] = std::move(files);
+        m["node_local"] = node_local;
+        m[kManifestChecksum] = manifest_checksum(m);
+        write_manifest((fs::path(tmp) / kManifest).string(), m.dump(1) + "\n", step, rank == 0);
+        fsync_path(tmp, true, "checkpoint");
+        std::error_code ec;
+        if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
+          aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
+          fs::remove_all(aside, ec);
+          fs::rename(final_dir, aside, ec);
+          STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir,
+                         ec.message());
+        }
+        fs::remove(fs::path(tmp) / kOwnerFile, ec);
+        fs::rename(tmp, final_dir, ec);
+        STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+        renamed = true;
+        fsync_path(root, true, "checkpoint");
       }
-      m["files"] = std::move(files);
-      m["node_local"] = node_local;
-      m[kManifestChecksum] = manifest_checksum(m);
-      write_manifest((fs::path(tmp) / kManifest).string(), m.dump(1) + "\n", step, rank == 0);
-      fsync_path(tmp, true, "checkpoint");
-      std::error_code ec;
-      if (fs::exists(final_dir, ec)) {  // e.g. a resumed run saving a step again
-        aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
-        fs::remove_all(aside, ec);
-        fs::rename(final_dir, aside, ec);
-        STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir,
-                       ec.message());
-      }
-      fs::remove(fs::path(tmp) / kOwnerFile, ec);
-      fs::rename(tmp, final_dir, ec);
-      STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
-      fsync_path(root, true, "checkpoint");
-      if (!aside.empty()) fs::remove_all(aside, ec);
+    } catch (...) {
+      if (world == 1) throw;
+      unfinished = std::current_exception();
     }
-    barrier(comm, s);
+    int first_unfinished = -1;
+    if (world > 1) {
+      std::vector<double> flags(std::size_t(world), 0.0);
+      flags[std::size_t(rank)] = unfinished ? 1.0 : 0.0;
+      max_across_ranks(comm, flags);  // also the barrier: every folder is done
+      for (int r = world - 1; r >= 0; --r)
+        if (flags[std::size_t(r)] > 0) first_unfinished = r;
+    }
+    if (first_unfinished >= 0) {
+      if (leads) {  // gone before any rank throws (as above)
+        std::error_code ec;
+        if (renamed) fs::remove_all(final_dir, ec);
+        fs::remove_all(tmp, ec);
+        if (!aside.empty() && fs::exists(aside, ec)) fs::rename(aside, final_dir, ec);
+        aside.clear();
+      }
+      barrier(comm, s);
+      if (unfinished) std::rethrow_exception(unfinished);
+      STRATA_THROW(kIo,
+                   "checkpoint: rank {} could not finish its folder of step {} (its own message "
+                   "says why); the step was not saved",
+                   first_unfinished, step);
+    }
+    if (leads && !aside.empty()) {
+      std::error_code ec;
+      fs::remove_all(aside, ec);
+    }
     return {final_dir, leads, groups};
   } catch (...) {
     if (leads) {
