@@ -11,28 +11,22 @@
 // Bounded memory: one engine unit at a time. For each unit, every rank's shard of its fp32
 // master weights is read from rank<R>.bin at the offset rank<R>.json gives (the shard is the
 // first third of the unit's master|m|v record), the shards are concatenated, the padding is
-// dropped and the unit is cut into its named tensors. The shards' headers are known up front
-// (the shapes come from the config), so each safetensors file is written header first and
-// then tensor by tensor as the units arrive; the files have the same layout as
-// save_hf_weights writes (same shard cut, header and order), so an fp32 export of a checkpoint
-// is byte for byte what strata-train --out writes at that step. Files go to temporary names
-// and are renamed into place only when every one is complete.
+// dropped and the unit goes to HfWeightsWriter (strata/model_io.h), the writer strata-train
+// --out uses: the shards' headers are known up front (the shapes come from the config), so each
+// safetensors file is written header first and then tensor by tensor as the units arrive, and an
+// fp32 export of a checkpoint is byte for byte what strata-train --out writes at that step. Files
+// go to temporary names and are renamed into place only when every one is complete.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <functional>
-#include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "strata/dtype.h"
 #include "strata/error.h"
@@ -199,33 +193,6 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
   }
 }
 
-// ---- the shards: the same cut as save_hf_weights ----
-struct Item {
-  const strata::ParamSpec* p;
-  std::size_t unit;
-  std::size_t bytes;
-};
-
-// The tensors in order, cut into files of at most `max_shard_bytes` (a larger tensor alone).
-std::vector<std::vector<Item>> cut_shards(const std::vector<strata::UnitSpec>& units, DType dtype,
-                                          std::size_t max_shard_bytes, std::size_t& total) {
-  std::vector<std::vector<Item>> shards(1);
-  std::size_t cur = 0;
-  total = 0;
-  for (std::size_t u = 0; u < units.size(); ++u)
-    for (const strata::ParamSpec& p : units[u].params) {
-      const std::size_t bytes = p.numel * strata::dtype_size(dtype);
-      if (!shards.back().empty() && cur + bytes > max_shard_bytes) {
-        shards.emplace_back();
-        cur = 0;
-      }
-      cur += bytes;
-      total += bytes;
-      shards.back().push_back({&p, u, bytes});
-    }
-  return shards;
-}
-
 // Unit u whole, unpadded: under tensor parallelism (tp > 1) each TP rank's slice read from its
 // files (ranks k, k + tp, ...: its data-parallel shards) and the slices put together.
 std::vector<float> read_whole_unit(const std::vector<RankFile>& ranks, std::size_t u, int tp,
@@ -240,70 +207,6 @@ std::vector<float> read_whole_unit(const std::vector<RankFile>& ranks, std::size
     slices.push_back(read_unit(mine, u, layouts[std::size_t(k)]));
   }
   return strata::tp_unit_whole(cfg, u, slices);
-}
-
-// One safetensors file, header first and then tensor by tensor; each unit is read once (`flat`
-// holds the last one read, `loaded_unit` its index: params come in unit order).
-void write_shard(const std::string& path, const std::string& name, const std::vector<Item>& shard,
-                 DType dtype, const std::function<std::vector<float>(std::size_t)>& read,
-                 nlohmann::ordered_json& weight_map, std::size_t& loaded_unit,
-                 std::vector<float>& flat) {
-  std::vector<std::uint16_t> half;
-  nlohmann::ordered_json h = nlohmann::ordered_json::object();
-  h["__metadata__"] = {{"format", "pt"}};
-  std::size_t off = 0;
-  for (const Item& it : shard) {
-    h[it.p->name] = {{"dtype", dtype == DType::kBF16 ? "BF16" : "F32"},
-                     {"shape", it.p->shape},
-                     {"data_offsets", {off, off + it.bytes}}};
-    off += it.bytes;
-    weight_map[it.p->name] = name;
-  }
-  std::string hs = h.dump();
-  hs.append((8 - hs.size() % 8) % 8, ' ');
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) STRATA_THROW(kIo, "cannot create {}: {}", path, std::strerror(errno));
-  // Closed on every way out (a unit that cannot be read throws from read()).
-  const auto close = [](std::FILE* g) { std::fclose(g); };
-  std::unique_ptr<std::FILE, decltype(close)> closer(f, close);
-  const std::uint64_t hlen = hs.size();
-  bool ok =
-      std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
-  for (const Item& it : shard) {
-    if (!ok) break;
-    if (it.unit != loaded_unit) {  // params come in unit order: each unit is read once
-      flat = read(it.unit);
-      loaded_unit = it.unit;
-    }
-    const float* src = flat.data() + it.p->offset;
-    if (dtype == DType::kF32) {
-      ok = it.bytes == 0 || std::fwrite(src, 1, it.bytes, f) == it.bytes;
-    } else {
-      half.resize(it.p->numel);
-      for (std::size_t i = 0; i < it.p->numel; ++i) half[i] = strata::f32_to_bf16(src[i]);
-      ok = it.bytes == 0 || std::fwrite(half.data(), 1, it.bytes, f) == it.bytes;
-    }
-  }
-  int err = ok ? 0 : errno;
-  if (std::fclose(closer.release()) != 0 && ok) {  // the buffered tail is written here
-    err = errno;
-    ok = false;
-  }
-  if (!ok) STRATA_THROW(kIo, "cannot write {}: {}", path, std::strerror(err));
-}
-
-// config.json as save_hf_weights writes it (to `tmp`, renamed into place later).
-void write_config(const std::string& tmp, const fs::path& out, const strata::ModelConfig& cfg,
-                  DType dtype) {
-  strata::ModelConfig c = cfg;
-  if (c.raw.is_object()) c.raw["torch_dtype"] = dtype == DType::kBF16 ? "bfloat16" : "float32";
-  std::string text = strata::model_config_json(c);
-  if (!c.raw.is_object() && dtype == DType::kBF16) {
-    auto j = nlohmann::json::parse(text);
-    j["torch_dtype"] = "bfloat16";
-    text = j.dump(2);
-  }
-  strata::write_hf_text_file(tmp, text + "\n", (out / "config.json").string());
 }
 
 // The tokenizer, chat template and generation_config.json of the Hugging Face folder the run
@@ -375,43 +278,14 @@ int run(const Options& o) {
   const auto read = [&](std::size_t u) { return read_whole_unit(ranks, u, tp, layouts, cfg); };
 
   check_output_folder(o, ck);
-  std::size_t total = 0;
-  const std::vector<std::vector<Item>> shards = cut_shards(units, dtype, max_shard_bytes, total);
-  const std::size_t n = shards.size();
-
-  const fs::path out(o.out);
-  std::error_code ec;
-  fs::create_directories(out, ec);
-  STRATA_REQUIRE(!ec, "cannot create {}: {}", o.out, ec.message());
-  std::vector<std::pair<std::string, std::string>> renames;  // tmp -> final
-  auto tmp_of = [&](const std::string& name) {
-    const fs::path fin = out / name, tmp = out / (".strata-tmp-" + name);
-    renames.emplace_back(tmp.string(), fin.string());
-    return tmp.string();
-  };
-  try {
-    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
-    std::size_t loaded_unit = SIZE_MAX;
-    std::vector<float> flat;
-    for (std::size_t s = 0; s < n; ++s) {
-      const std::string name = n == 1 ? "model.safetensors"
-                                      : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
-      write_shard(tmp_of(name), name, shards[s], dtype, read, weight_map, loaded_unit, flat);
-    }
-    if (n > 1) {
-      nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}},
-                                    {"weight_map", weight_map}};
-      strata::write_hf_text_file(tmp_of("model.safetensors.index.json"), idx.dump(2) + "\n",
-                                 (out / "model.safetensors.index.json").string());
-    }
-    write_config(tmp_of("config.json"), out, cfg, dtype);
-  } catch (...) {
-    for (const auto& [tmp, fin] : renames) fs::remove(tmp, ec);
-    throw;
-  }
+  // The writer strata-train --out uses: the same shards, header and order; its files go to
+  // temporary names, renamed into place once every one is complete (removed on an error).
   // --overwrite replaces the weights and config.json; other files (tokenizer, README,
   // checkpoints/) stay.
-  strata::commit_hf_files(out.string(), renames, n > 1);
+  strata::HfWeightsWriter writer(o.out, cfg, dtype, max_shard_bytes);
+  for (std::size_t u = 0; u < units.size(); ++u) writer.write_unit(u, read(u).data());
+  writer.finish();
+  const std::size_t n = writer.files();
   std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(),
               (long long)ck.step, world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s",
               o.dtype.c_str());

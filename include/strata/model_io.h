@@ -108,6 +108,8 @@ class HfWeightsWriter {
   HfWeightsWriter& operator=(const HfWeightsWriter&) = delete;
   void write_unit(std::size_t unit, const float* flat);
   void finish();
+  // How many safetensors files the weights go to (1: model.safetensors).
+  std::size_t files() const;
 
  private:
   struct Impl;

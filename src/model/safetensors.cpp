@@ -575,6 +575,8 @@ void HfWeightsWriter::finish() {
   w.finished = true;
 }
 
+std::size_t HfWeightsWriter::files() const { return impl_->shards.size(); }
+
 void save_hf_weights(const std::string& dir, const ResidentWeights& w,
                      std::size_t max_shard_bytes) {
   HfWeightsWriter out(dir, w.config(), w.dtype(), max_shard_bytes);
