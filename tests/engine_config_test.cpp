@@ -575,6 +575,24 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
        {"'zero_optimization.stage3_max_live_parameters'", "'zero_optimization.max_live_parameters'",
         "same setting"}},
       {R"({"zero_optimization": {"stage": "three"}})", {"'zero_optimization.stage'", "1, 2 or 3"}},
+      // The optimizer holds these as fp32: eps 0 (or one that rounds to 0) made 0/0 where a
+      // gradient was 0 and the run went on with NaN weights; 1e39 is infinite; 0.99999999 is 1.
+      {R"({"optimizer": {"params": {"eps": 0}}, "zero_optimization": {"stage": 3}})",
+       {"'optimizer.params.eps' = 0: must be above 0 (it keeps the update finite"}},
+      {R"({"optimizer": {"params": {"eps": 1e-50}}, "zero_optimization": {"stage": 3}})",
+       {"'optimizer.params.eps' = 1e-50: must be above 0 as an fp32"}},
+      {R"({"optimizer": {"params": {"lr": 1e39}}, "zero_optimization": {"stage": 3}})",
+       {"'optimizer.params.lr' = 1e+39: too large for the optimizer's fp32"}},
+      {R"({"optimizer": {"params": {"betas": [0.9, 0.99999999]}}, "zero_optimization": {"stage": 3}})",
+       {"'optimizer.params.betas' = [0.9, 0.99999999]: a beta rounds to 1 in the optimizer's "
+        "fp32"}},
+      // A key twice: the last silently won (the offload below was dropped).
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+           "zero_optimization": {"stage": 3}})",
+       {"the key 'zero_optimization' is given twice: keep one"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "device": "nvme"}}})",
+       {"the key 'device' is given twice in zero_optimization.offload_param: keep one"}},
+      {R"({"optimizer": {"params": {"lr": 1e400}}})", {"not valid JSON", "number overflow"}},
   };
   for (const Case& t : cases) {
     const std::string e = error_of(t.json);
@@ -799,12 +817,17 @@ PlanInputs synthetic_inputs() {
   return in;
 }
 
+// `zero_extra` (", key: value, ..."): keys of zero_optimization beside the two below, a key of
+// theirs replacing it (a config may not give a key twice).
 EngineConfig synthetic_config(const std::string& zero_extra, int world_size = 2) {
-  return parse_engine_config(
+  nlohmann::json doc = nlohmann::json::parse(
       R"({"bf16": {"enabled": true}, "zero_optimization": {"stage3_max_live_parameters": 1e6,
-                                 "reduce_bucket_size": 1.5e6)" +
-          zero_extra + "}}",
-      world_size);
+                                 "reduce_bucket_size": 1.5e6}})");
+  const std::size_t comma = zero_extra.find(',');
+  if (comma != std::string::npos)
+    doc["zero_optimization"].update(
+        nlohmann::json::parse("{" + zero_extra.substr(comma + 1) + "}"));
+  return parse_engine_config(doc.dump(), world_size);
 }
 
 std::uint64_t line(const MemoryPlan& plan, const std::string& prefix, Tier tier) {

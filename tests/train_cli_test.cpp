@@ -1758,6 +1758,27 @@ TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {
       << f.err;
   for (double lr : lrs(dir.path + "/flags.jsonl"))
     EXPECT_NEAR(lr, 1e-3, 1e-9);  // the optimizer's lr, constant
+  // --lr replaces the schedule's own peak, warmup_max_lr (it was ignored: the peak stayed 1e-2),
+  // and steps past total_num_steps are said (the decay stays at its minimum there).
+  a = base;
+  a[std::size_t(std::find(a.begin(), a.end(), "--steps") - a.begin()) + 1] = "8";
+  a.insert(a.end(), {"--log-json", dir.path + "/lr.jsonl", "--lr", "4e-3"});
+  const Result l = train(a, "lr-flag");
+  ASSERT_EQ(l.status, 0) << l.err;
+  EXPECT_NE(l.err.find("--lr 0.004 replaces the --config's scheduler.params.warmup_max_lr 0.01 "
+                       "(the peak of its WarmupDecayLR schedule)"),
+            std::string::npos)
+      << l.err;
+  EXPECT_NE(l.err.find("--steps 8 runs past the --config's scheduler.params.total_num_steps 6: "
+                       "the WarmupDecayLR schedule ends there, and the steps after it run at its "
+                       "warmup_min_lr"),
+            std::string::npos)
+      << l.err;
+  const std::vector<double> scaled = {0, 0, 2e-3, 4e-3, 3e-3, 2e-3, 1e-3, 0};
+  const std::vector<double> got_lr = lrs(dir.path + "/lr.jsonl");
+  ASSERT_EQ(got_lr.size(), scaled.size());
+  for (std::size_t i = 0; i < got_lr.size(); ++i)
+    EXPECT_NEAR(got_lr[i], scaled[i], 1e-12) << "step " << i + 1;
 }
 
 TEST_F(TrainCli, ExistingOutNeedsOverwrite) {
@@ -1990,6 +2011,23 @@ TEST_F(TrainCli, TheConfigsGlobalBatchStaysAndTheDataIsNamed) {
   ASSERT_EQ(both.status, 0) << both.err;
   EXPECT_NE(both.err.find("= 16 sequences a step replaces train_batch_size 8"), std::string::npos)
       << both.err;
+  // "auto" (Hugging Face's ZeRO-3 config) and null give no batch: the flags are taken as given
+  // (--micro-batch 2 was "does not divide train_batch_size 1"; the config's micro-batch of 4
+  // silently became 2 beside --grad-accum 2).
+  for (const char* value : {R"("auto")", "null"}) {
+    std::ofstream(ds)
+        << R"({"train_batch_size": )" << value
+        << R"(, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}})";
+    const Result micro = with({"--micro-batch", "2"}, "auto-micro");
+    ASSERT_EQ(micro.status, 0) << micro.err;
+    EXPECT_NE(micro.out.find("batch 2 x 16 tokens x 1 accum x 1 ranks"), std::string::npos)
+        << micro.out;
+    const Result accum = with({"--grad-accum", "2"}, "auto-accum");
+    ASSERT_EQ(accum.status, 0) << accum.err;
+    EXPECT_NE(accum.out.find("batch 4 x 16 tokens x 2 accum x 1 ranks"), std::string::npos)
+        << accum.out;
+    EXPECT_EQ(accum.err.find("replaces train_batch_size"), std::string::npos) << accum.err;
+  }
   const Result nodata = train(
       {"--model-config", cfg, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "nodata");
   ASSERT_EQ(nodata.status, 0) << nodata.err;

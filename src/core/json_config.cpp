@@ -13,9 +13,47 @@
 namespace strata::config {
 
 Json parse(std::string_view text, std::string_view what) {
+  // A key twice in one object: the last would win without a word (DeepSpeed refuses it too).
+  // The keys of each open object, and the path to it, for the message.
+  std::vector<std::vector<std::string>> keys;
+  std::vector<std::string> path;
+  std::string last_key;
+  const auto where = [&] {
+    std::string p;
+    for (const std::string& k : path) p += (p.empty() ? "" : ".") + k;
+    return p;
+  };
+  const Json::parser_callback_t unique = [&](int, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+        if (!keys.empty()) path.push_back(last_key);
+        keys.emplace_back();
+        break;
+      case Json::parse_event_t::object_end:
+        keys.pop_back();
+        if (!path.empty() && !keys.empty()) path.pop_back();
+        break;
+      case Json::parse_event_t::key: {
+        last_key = parsed.get<std::string>();
+        auto& seen = keys.back();
+        if (std::find(seen.begin(), seen.end(), last_key) != seen.end()) {
+          const std::string in = where();
+          STRATA_THROW(kInvalidArgument,
+                       "{}: the key '{}' is given twice{}{}: keep one (the values would be "
+                       "merged by no rule)",
+                       what, last_key, in.empty() ? "" : " in ", in);
+        }
+        seen.push_back(last_key);
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
   try {
-    return Json::parse(text.begin(), text.end());
-  } catch (const Json::parse_error& e) {
+    return Json::parse(text.begin(), text.end(), unique);
+  } catch (const Json::exception& e) {  // a syntax error; a number too large for a double
     STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
   }
 }

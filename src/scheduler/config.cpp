@@ -217,6 +217,22 @@ double get_nonnegative(const Section& s, std::string_view key, double def) {
   return v;
 }
 
+// A hyper-parameter the optimizer holds as a float: finite and >= 0 as a float too (1e39 is
+// infinite there), and with `positive` above 0 as a float (1e-50 is 0 there).
+float get_float_nonnegative(const Section& s, std::string_view key, float def, bool positive) {
+  const double v = get_nonnegative(s, key, def);
+  const float f = static_cast<float>(v);
+  STRATA_REQUIRE(std::isfinite(f),
+                 "config key '{}' = {}: too large for the optimizer's fp32 (at "
+                 "most 3.4e38)",
+                 s.key_path(key), v);
+  STRATA_REQUIRE(!positive || f > 0,
+                 "config key '{}' = {}: must be above 0{} (it keeps the update finite where a "
+                 "gradient is 0; DeepSpeed's default is 1e-8)",
+                 s.key_path(key), v, v > 0 ? " as an fp32 (at least about 1e-38)" : "");
+  return f;
+}
+
 // nvme_path: one directory, or a list that strata stripes across.
 std::vector<std::string> get_paths(const Section& s) {
   std::vector<std::string> out;
@@ -337,7 +353,7 @@ void parse_optimizer(const Section& top, EngineConfig& c) {
   p.warn_unknown({"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
                   "torch_adam", "amsgrad"});
   AdamWOptions& a = c.adamw;
-  a.lr = static_cast<float>(get_nonnegative(p, "lr", a.lr));
+  a.lr = get_float_nonnegative(p, "lr", a.lr, false);
   if (const Json* b = p.raw("betas")) {
     STRATA_REQUIRE(
         b->is_array() && b->size() == 2 && (*b)[0].is_number() && (*b)[1].is_number(),
@@ -347,11 +363,16 @@ void parse_optimizer(const Section& top, EngineConfig& c) {
     STRATA_REQUIRE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1,
                    "config key '{}' = [{}, {}]: each beta must be in [0, 1)", p.key_path("betas"),
                    b1, b2);
+    // The optimizer holds them as fp32: 0.99999999 rounds to 1 there.
+    STRATA_REQUIRE(static_cast<float>(b1) < 1 && static_cast<float>(b2) < 1,
+                   "config key '{}' = [{}, {}]: a beta rounds to 1 in the optimizer's fp32: give "
+                   "at most 0.9999999",
+                   p.key_path("betas"), b1, b2);
     a.beta1 = static_cast<float>(b1);
     a.beta2 = static_cast<float>(b2);
   }
-  a.eps = static_cast<float>(get_nonnegative(p, "eps", a.eps));
-  a.weight_decay = static_cast<float>(get_nonnegative(p, "weight_decay", a.weight_decay));
+  a.eps = get_float_nonnegative(p, "eps", a.eps, true);
+  a.weight_decay = get_float_nonnegative(p, "weight_decay", a.weight_decay, false);
   a.bias_correction = p.get_bool("bias_correction", a.bias_correction);
   // DeepSpeed: AdamW whenever the type is AdamW or adam_w_mode is true (its default).
   STRATA_REQUIRE(

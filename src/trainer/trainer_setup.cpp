@@ -542,8 +542,13 @@ void build_engine_config(Settings& s) {
       const log::Quiet quiet(log::Level::kError, launch.rank > 0);
       ecfg = parse_engine_config(text, s.dp_world);
     }
-    config_batch = j.is_object() && j.contains("train_batch_size");
-    config_clip = j.is_object() && j.contains("gradient_clipping");
+    // Given as a value: "auto" (Hugging Face's placeholder) and null are not given.
+    const auto given = [&](const char* key) {
+      return j.is_object() && j.contains(key) && !j[key].is_null() &&
+             !(j[key].is_string() && j[key].get<std::string>() == "auto");
+    };
+    config_batch = given("train_batch_size");
+    config_clip = given("gradient_clipping");
   } else if (s.demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
     std::error_code ec;
@@ -642,6 +647,30 @@ void lr_schedule(Settings& s) {
     ecfg.scheduler.total_num_steps = steps;
     log::info("--config: scheduler.params.total_num_steps \"auto\" is this run's steps, {}", steps);
   }
+  LrScheduleConfig& sc = ecfg.scheduler;
+  // --lr is the run's learning rate: where the schedule's peak is its own warmup_max_lr (the
+  // optimizer's lr is not read then), the flag replaces that, or it would be ignored.
+  if (ds_schedule && o.lr >= 0 && sc.type != "WarmupCosineLR" && sc.warmup_max_lr >= 0 &&
+      sc.warmup_max_lr != o.lr) {
+    STRATA_REQUIRE(o.lr >= sc.warmup_min_lr,
+                   "--lr {} is below the --config's scheduler.params.warmup_min_lr {}, where its "
+                   "warmup starts: give a larger --lr, or lower warmup_min_lr",
+                   o.lr, sc.warmup_min_lr);
+    log::warn(
+        "--lr {} replaces the --config's scheduler.params.warmup_max_lr {} (the peak of its "
+        "{} schedule)",
+        o.lr, sc.warmup_max_lr, sc.type);
+    sc.warmup_max_lr = o.lr;
+  }
+  // A schedule of fewer steps than the run: DeepSpeed's formulas go on past the end (the decay
+  // stays at 0, the cosine climbs again), which no one means.
+  if (ds_schedule && sc.type != "WarmupLR" && steps > sc.total_num_steps)
+    log::warn(
+        "--steps {} runs past the --config's scheduler.params.total_num_steps {}: the {} "
+        "schedule ends there, and the steps after it run at {}; give total_num_steps "
+        "\"auto\" (this run's steps) or {}",
+        steps, sc.total_num_steps, sc.type,
+        sc.type == "WarmupDecayLR" ? "its warmup_min_lr" : "a cosine that climbs again", steps);
 }
 
 // The sequence length, the batch and the ranks.
