@@ -38,6 +38,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/utf8.h"
 #include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
@@ -984,6 +985,31 @@ TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
             val);
 }
 
+// A learning rate that blows the weights up: the gradient norm is not finite from step 2 and
+// every step after is skipped; the run stops at the third such step with an error naming the lr and
+// what to do (it went on to its end, exit 0, and wrote NaN weights to --out). Each skip is said
+// without a step number of the engine's own (it repeated "step 2").
+TEST_F(TrainCli, StepsThatStayNonFiniteStopTheRun) {
+  const std::string out = dir.path + "/nan-out";
+  std::vector<std::string> a = args(dir.path + "/nan.jsonl", {"--out", out}, "8");
+  for (std::size_t i = 0; i + 1 < a.size(); ++i)
+    if (a[i] == "--lr") a[i + 1] = "1e30";
+  const Result r = train(a, "nan");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("step 4: the gradient norm was not finite for 3 steps in a row (from step "
+                       "2): the "
+                       "model's weights or activations overflowed, and every step since was "
+                       "skipped; lower the learning rate (now 1e+30)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("nothing was written to --out"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the gradient norm is not finite: this step is skipped (1 update taken so "
+                       "far)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+}
+
 // --sample-every: a greedy sample every N steps and after the last, under the progress line and in
 // the step's log line; the last one is what generate() makes of the --out folder (the same
 // weights), character for character.
@@ -1020,7 +1046,28 @@ TEST_F(TrainCli, SamplesAreTheSavedModelsGreedyText) {
   const GenerateResult res = generate(m, w, {prompt.begin(), prompt.end()}, g);
   std::string want = prompt;
   for (std::int32_t t : res.tokens) want += static_cast<char>(t);
-  EXPECT_EQ(last, want);
+  EXPECT_EQ(last, utf8::lossy(want));
+  // A byte-level sample that is no UTF-8 (here its prompt: 0xE9, Latin-1's é) is logged with
+  // U+FFFD for the bad bytes (the run died at its first sample: nlohmann's dump refused it).
+  const std::string latin1_log = dir.path + "/latin1.jsonl";
+  const Result latin1 = train(args(latin1_log,
+                                   {"--sample-every", "1", "--sample-prompt",
+                                    "\xE9"
+                                    "a",
+                                    "--sample-tokens", "2"},
+                                   "1"),
+                              "latin1");
+  ASSERT_EQ(latin1.status, 0) << latin1.err;
+  const auto line =
+      nlohmann::json::parse(slurp(latin1_log).substr(0, slurp(latin1_log).find('\n')));
+  EXPECT_EQ(line.at("sample").get<std::string>().substr(0, 4),
+            "\xEF\xBF\xBD"
+            "a")
+      << line.dump();
+  EXPECT_NE(latin1.out.find("  sample: \"\xEF\xBF\xBD"
+                            "a"),
+            std::string::npos)
+      << latin1.out;
 }
 
 // A Hugging Face folder of a 20-id Llama with testing::kTinyTokenizer (EOS <|end|>), and a

@@ -37,4 +37,21 @@ std::size_t first_invalid(std::string_view s) {
   return std::string_view::npos;
 }
 
+std::string lossy(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    std::size_t bad = 0;
+    const std::size_t n = sequence_length(s, i, &bad);
+    if (n > 0) {
+      out.append(s.substr(i, n));
+      i += n;
+    } else {
+      out.append("\xEF\xBF\xBD");  // U+FFFD
+      i += bad;
+    }
+  }
+  return out;
+}
+
 }  // namespace strata::utf8

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace strata::utf8 {
@@ -16,5 +17,9 @@ std::size_t sequence_length(std::string_view s, std::size_t i, std::size_t* bad 
 
 // The byte at which `s` stops being well-formed UTF-8, or std::string_view::npos when it is.
 std::size_t first_invalid(std::string_view s);
+
+// `s` with each ill-formed sequence (its maximal subpart) replaced by one U+FFFD: text any JSON or
+// XML writer takes (a byte-level model's sample, a title given in Latin-1).
+std::string lossy(std::string_view s);
 
 }  // namespace strata::utf8

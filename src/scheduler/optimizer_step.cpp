@@ -524,7 +524,9 @@ StepResult Engine::step(float lr) {
 
   if (overflow) {
     if (!s.cfg.fp16.enabled)
-      log::warn("step {}: the gradient norm is not finite; the step is skipped", s.steps_taken + 1);
+      // (The engine's count of updates is not the caller's step: it stops at a skipped one.)
+      log::warn("the gradient norm is not finite: this step is skipped ({} update{} taken so far)",
+                s.steps_taken, s.steps_taken == 1 ? "" : "s");
     s.zero_grads();
     s.rewind_trace();
     r.skipped = true;

@@ -69,31 +69,7 @@ std::size_t utf8_incomplete_tail(std::string_view s, std::size_t i) {
   return utf8_char_len(probe, 0) == n ? left : 0;
 }
 
-constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
 constexpr std::string_view kMetaspace = "\u2581";
-
-// Bytes -> text, each invalid sequence replaced by one U+FFFD (as Rust's from_utf8_lossy).
-std::string utf8_lossy(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (std::size_t i = 0; i < s.size();) {
-    const std::size_t n = utf8_char_len(s, i);
-    if (n > 0) {
-      out.append(s.substr(i, n));
-      i += n;
-      continue;
-    }
-    out.append(kReplacementChar);
-    // Skip the longest beginning of a character there (at least one byte): the bytes a
-    // character would have continued with are part of the one bad sequence.
-    std::size_t skip = 1;
-    while (skip < 3 && i + skip < s.size() &&
-           utf8_incomplete_tail(s.substr(i, skip + 1), 0) == skip + 1)
-      ++skip;
-    i += skip;
-  }
-  return out;
-}
 
 std::string utf8_encode(char32_t cp) {
   std::string out;
@@ -1377,7 +1353,7 @@ std::string Tokenizer::decode(std::span<const std::int32_t> ids, bool skip_speci
     bytes += token_bytes(id, first);
     first = false;
   }
-  return utf8_lossy(bytes);
+  return utf8::lossy(bytes);
 }
 
 std::int32_t Tokenizer::vocab_size() const {
@@ -1432,13 +1408,13 @@ std::string TokenStreamDecoder::push(std::int32_t id) {
     }
     ++i;
   }
-  std::string out = utf8_lossy(std::string_view(pending_).substr(0, pending_.size() - keep));
+  std::string out = utf8::lossy(std::string_view(pending_).substr(0, pending_.size() - keep));
   pending_.erase(0, pending_.size() - keep);
   return out;
 }
 
 std::string TokenStreamDecoder::finish() {
-  std::string out = utf8_lossy(pending_);
+  std::string out = utf8::lossy(pending_);
   pending_.clear();
   return out;
 }

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
@@ -81,6 +82,38 @@ void prepare_checkpoints(Run& r) {
 }
 
 namespace {
+
+// Steps that go nowhere several in a row: a loss that is not finite, or (without fp16's loss
+// scaling, whose skips are its business) a gradient norm that is not finite. The weights (or the
+// activations they make) overflowed, every step since was skipped, and the run would go on to
+// its end and write those weights to --out and its checkpoints. Every rank holds the same loss
+// (averaged over the ranks) and the same skip, so every rank stops at the same step. Before the
+// step's checkpoint: none of that state is saved.
+constexpr std::int64_t kNonfiniteStepsToStop = 3;
+
+void stop_if_the_steps_stay_nonfinite(Run& r, std::int64_t step, double loss, bool skipped,
+                                      double lr) {
+  if (std::isfinite(loss) && (!skipped || r.s.ecfg.fp16.enabled)) {
+    r.nonfinite_steps = 0;
+    return;
+  }
+  if (r.nonfinite_steps++ == 0)
+    r.checkpoint_before_nonfinite = !r.checkpoints.empty() ? r.checkpoints.back() : r.s.resume.dir;
+  if (r.nonfinite_steps < kNonfiniteStepsToStop) return;
+  const std::string& ck = r.checkpoint_before_nonfinite;
+  STRATA_THROW(kInvalidArgument,
+               "step {}: the {} was not finite for {} steps in a row (from step {}): the model's "
+               "weights or activations overflowed, and every step since was skipped; lower the "
+               "learning rate (now {:g}) or its schedule's peak, or look at the data, then {}{}",
+               step, std::isfinite(loss) ? "gradient norm" : "loss", r.nonfinite_steps,
+               step - r.nonfinite_steps + 1, lr,
+               ck.empty() ? std::string("run again (no checkpoint of this run was written before "
+                                        "it)")
+                          : fmt::format("resume from {}, the newest checkpoint before it "
+                                        "(--resume {})",
+                                        ck, ck),
+               r.s.o.out_dir.empty() ? "" : "; nothing was written to --out");
+}
 
 // `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
 // when the run died before it did.
@@ -411,6 +444,7 @@ void run_step(Run& r, std::int64_t step) {
   // group's ranks hold the same loss: it is not sent among them).
   const double loss = mean_over_ranks(fb.loss_sum / double(accum), r.dp_comm(), *r.dev, *r.compute);
   r.counted_tokens += double(fb.counted);
+  stop_if_the_steps_stay_nonfinite(r, step, loss, sr.skipped, lr);
   if (tracing) end_trace(r);
   StepRecord rec;
   rec.step = step;
@@ -451,10 +485,10 @@ void run_step(Run& r, std::int64_t step) {
     j["val_ppl"] = std::exp(val_loss);  // perplexity
   }
   if (sample_now) {
-    j["sample"] = sampled;
-    // Quoted and escaped as JSON: a byte-level model's text may hold newlines and any byte.
-    r.sample =
-        nlohmann::json(sampled).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    // A byte-level model's text may hold any byte: bytes that are no UTF-8 become U+FFFD in the
+    // log (JSON is UTF-8) and on the console (quoted and escaped as JSON: newlines too).
+    j["sample"] = utf8::lossy(sampled);
+    r.sample = j["sample"].dump();
   }
 
   // The checkpoint before the step's log line: a logged step's checkpoint is complete. The line
