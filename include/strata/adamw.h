@@ -24,6 +24,10 @@ enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
 const char* isa_name(Isa isa);
 // "auto", "avx512", "avx2", "scalar"; throws naming the allowed values otherwise.
 Isa parse_isa(std::string_view name);
+// The path the environment variable `var` (STRATA_ADAMW_ISA, STRATA_MODEL_ISA) forces: kAuto when
+// it is unset, empty or "auto"; throws naming the variable when its value is no path's name, or a
+// path isa_supported() refuses here.
+Isa isa_from_env(const char* var);
 // The widest CPU path strata may take, from STRATA_CPU_ISA: kAuto (unset or "auto": no cap),
 // kAvx512, kAvx2 or kScalar. Every CPU dispatcher keeps at or below it (AdamW, the model's row
 // kernels, and oneDNN's GEMMs through oneDNN's own maximum ISA, see cpu/gemm_path.h), so a host

@@ -176,25 +176,27 @@ bool adamw_streams_copy_out(Isa isa, std::size_t elements) {
          elements >= kStreamCopyMinElems;
 }
 
-Isa adamw_selected_isa() {
-  if (const char* env = std::getenv("STRATA_ADAMW_ISA"); env != nullptr && *env != '\0') {
-    Isa forced = Isa::kAuto;
-    try {
-      forced = parse_isa(env);
-    } catch (
-        const Error&) {  // it said "unknown AdamW ISA", of a variable the user may not know is set
-      STRATA_THROW(kInvalidArgument,
-                   "STRATA_ADAMW_ISA='{}' is not one of auto, avx512, avx2, scalar: unset it or "
-                   "pick one",
-                   env);
-    }
-    if (forced != Isa::kAuto) {
-      if (!isa_supported(forced))
-        STRATA_THROW(kUnsupported, "STRATA_ADAMW_ISA={} but {}; unset it or pick a path it has",
-                     env, isa_unavailable(forced));
-      return forced;
-    }
+Isa isa_from_env(const char* var) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return Isa::kAuto;
+  Isa forced = Isa::kAuto;
+  try {
+    forced = parse_isa(env);
+  } catch (
+      const Error&) {  // it said "unknown AdamW ISA", of a variable the user may not know is set
+    STRATA_THROW(kInvalidArgument,
+                 "{}='{}' is not one of auto, avx512, avx2, scalar: unset it or "
+                 "pick one",
+                 var, env);
   }
+  if (forced != Isa::kAuto && !isa_supported(forced))
+    STRATA_THROW(kUnsupported, "{}={} but {}; unset it or pick a path it has", var, env,
+                 isa_unavailable(forced));
+  return forced;
+}
+
+Isa adamw_selected_isa() {
+  if (const Isa forced = isa_from_env("STRATA_ADAMW_ISA"); forced != Isa::kAuto) return forced;
   if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
   if (isa_supported(Isa::kAvx2)) return Isa::kAvx2;
   return Isa::kScalar;

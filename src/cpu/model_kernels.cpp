@@ -28,14 +28,7 @@ struct Choice {
 };
 
 Choice choose(Isa want) {
-  if (want == Isa::kAuto) {
-    if (const char* env = std::getenv("STRATA_MODEL_ISA"); env != nullptr && *env != '\0') {
-      want = parse_isa(env);
-      if (want != Isa::kAuto && !isa_supported(want))
-        STRATA_THROW(kUnsupported, "STRATA_MODEL_ISA={} but {}; unset it or pick a path it has",
-                     env, isa_unavailable(want));
-    }
-  }
+  if (want == Isa::kAuto) want = isa_from_env("STRATA_MODEL_ISA");
   if (want == Isa::kAuto)
     want = isa_supported(Isa::kAvx512) ? Isa::kAvx512
            : isa_supported(Isa::kAvx2) ? Isa::kAvx2
