@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 #include "strata/run_plot.h"
 #include "test_util.h"
@@ -379,6 +380,13 @@ TEST(PlotCli, DrawsALogAndRefusesWhatItCannot) {
   r = run(STRATA_PLOT_BIN, {log, "-o", svg, "--overwrite", "--title", "mine"}, d.path, "again");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(slurp(svg).find(">mine<"), std::string::npos);
+  // A title that is no UTF-8 (Latin-1's é): U+FFFD in its place, so the file stays XML (it was
+  // written as given, and a browser showed an XML error instead of the picture).
+  r = run(STRATA_PLOT_BIN, {log, "-o", svg, "--overwrite", "--title", "caf\xE9 run"}, d.path,
+          "latin1");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(slurp(svg).find(">caf\xEF\xBF\xBD run<"), std::string::npos);
+  EXPECT_EQ(utf8::first_invalid(slurp(svg)), std::string::npos);
   r = run(STRATA_PLOT_BIN, {d.path + "/none.jsonl", "-o", svg}, d.path, "missing");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("strata-plot: I/O error: " + d.path + "/none.jsonl cannot be read"),

@@ -26,6 +26,7 @@
 #include <map>
 #include <string_view>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -135,7 +136,10 @@ constexpr int kPanels = 5;
 constexpr double kHeight = kTitleH + kPanels * kPanelH + 8;
 constexpr double kPlotW = kWidth - kLeft - kRight;
 
-std::string xml_escape(std::string_view s) {
+// Text as XML takes it: UTF-8 (a title or a log's name in Latin-1 made the file unreadable; its
+// bad bytes become U+FFFD), the markup characters escaped, no control characters.
+std::string xml_escape(std::string_view raw) {
+  const std::string s = utf8::lossy(raw);
   std::string o;
   for (char c : s) {
     switch (c) {
