@@ -52,10 +52,14 @@ std::string key_name(const std::string& config_key) {
 void require_writable(const std::string& key, const std::string& p) {
   struct statvfs sv {};
   const bool ro = ::statvfs(p.c_str(), &sv) == 0 && (sv.f_flag & ST_RDONLY);
-  STRATA_REQUIRE(!ro && ::access(p.c_str(), W_OK) == 0,
-                 "{} = '{}' is read-only; strata needs to write swap files there: choose a "
-                 "writable directory",
+  STRATA_REQUIRE(!ro,
+                 "{} = '{}' is on a read-only file system; strata needs to write swap files "
+                 "there: choose a writable directory",
                  key, p);
+  STRATA_REQUIRE(::access(p.c_str(), W_OK) == 0,
+                 "{} = '{}' cannot be written by this user ({}); strata needs to write swap files "
+                 "there: choose a directory it may write, or change its permissions",
+                 key, p, std::strerror(errno));
 }
 
 // The swap files of the live stores, for remove_swap_files_on_interrupt(): fixed slots the
