@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -282,6 +284,74 @@ TEST(Generate, StopsOnAStopIdAndChecksTheContext) {
   }
 }
 
+// max_new_tokens 2^63 - 1 needs 2^63 + 2 positions for a prompt of 3: refused with that number
+// before anything runs, with the cache and without (a wrapped sum once passed the check).
+TEST(Generate, AHugeMaxNewTokensIsRefusedBeforeAnythingRuns) {
+  Fixture f(kLlamaGqa, 40, DType::kF32);
+  EXPECT_EQ(generate_positions(3, std::numeric_limits<std::int64_t>::max()),
+            9223372036854775809ull);
+  EXPECT_EQ(generate_positions(3, 0), 3u);
+  GenerateOptions g;
+  g.max_new_tokens = std::numeric_limits<std::int64_t>::max();
+  for (bool cache : {true, false}) {
+    g.kv_cache = cache;
+    int streamed = 0;
+    try {
+      generate(*f.model, *f.w, {1, 2, 3}, g, [&](std::int32_t) { ++streamed; });
+      ADD_FAILURE() << "2^63 - 1 new tokens were taken, kv_cache " << cache;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "9223372036854775807 new ones need a context of 9223372036854775809 positions"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(streamed, 0) << "kv_cache " << cache;
+  }
+}
+
+// context_limit is the longest seq_len a Model of the config takes: the sliding window where it
+// binds (Mistral; Qwen2 with use_sliding_window true), else the positions. A Model built at the
+// limit is taken and one past a window refused, so the two rules cannot drift apart.
+TEST(Generate, ContextLimitIsTheLongestSeqLenAModelTakes) {
+  auto with = [](const char* base, const std::string& extra) {
+    nlohmann::json j = nlohmann::json::parse(base);
+    j.update(nlohmann::json::parse(extra));
+    return j.dump();
+  };
+  struct Case {
+    std::string json;
+    std::int64_t positions;
+    const char* key;
+    bool window;
+  };
+  const std::vector<Case> cases = {
+      {kLlamaGqa, 128, "max_position_embeddings", false},
+      {kGpt2, 96, "n_positions", false},
+      {with(kLlamaGqa, R"({"model_type": "mistral", "sliding_window": 24})"), 24, "sliding_window",
+       true},
+      {with(kLlamaGqa, R"({"model_type": "mistral", "sliding_window": 4096})"), 128,
+       "max_position_embeddings", false},
+      {with(kQwen2, R"({"sliding_window": 24})"), 128, "max_position_embeddings", false},
+      {with(kQwen2, R"({"sliding_window": 24, "use_sliding_window": true})"), 24, "sliding_window",
+       true},
+  };
+  auto dev = make_host_device();
+  auto s = dev->create_stream("limit");
+  for (const Case& c : cases) {
+    const ModelConfig cfg = parse_model_config(c.json, "test");
+    const ContextLimit l = context_limit(cfg);
+    EXPECT_EQ(l.positions, c.positions) << c.json;
+    EXPECT_EQ(l.key, c.key) << c.json;
+    EXPECT_NO_THROW(Model(cfg, *dev, *s, {.micro_batch = 1, .seq_len = l.positions})) << c.json;
+    if (c.window) {
+      EXPECT_THROW(Model(cfg, *dev, *s, {.micro_batch = 1, .seq_len = l.positions + 1}), Error)
+          << c.json;
+    } else if (cfg.model_type == "qwen2") {  // a window that does not bind: past it is taken
+      EXPECT_NO_THROW(Model(cfg, *dev, *s, {.micro_batch = 1, .seq_len = 25})) << c.json;
+    }
+  }
+}
+
 struct OracleCase {
   const char* name;
   const char* config;
@@ -344,8 +414,8 @@ struct Cli : ::testing::Test {
     return testing::run(STRATA_GENERATE_BIN, args, dir.path, tag);
   }
   // A tiny Llama saved as a folder; returns the folder.
-  std::string saved(const char* json, const std::string& name) {
-    Fixture f(json, 16, DType::kF32);
+  std::string saved(const char* json, const std::string& name, std::int64_t seq = 16) {
+    Fixture f(json, seq, DType::kF32);
     const std::string d = dir.path + "/" + name;
     save_hf_weights(d, *f.w);
     return d;
@@ -429,6 +499,186 @@ TEST_F(Cli, TheFoldersTokenizerReadsThePromptAndWritesTheText) {
   std::string want_ids;
   for (auto t : want.tokens) want_ids += std::to_string(t) + " ";
   EXPECT_EQ(ids.out, want_ids + "\n");
+}
+
+// A model whose vocabulary (300) is padded past its tokenizer's (20): --prompt-ids with an id past
+// the tokenizer echoes it as "[id N]", as a generated one prints, and generates.
+TEST_F(Cli, PromptIdsPastAPaddedTokenizerEchoAsTheirIds) {
+  const char* cfg300 =
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64})";
+  const std::string m = saved(cfg300, "padded");
+  std::ofstream(m + "/tokenizer.json") << testing::kTinyTokenizer;
+  const testing::Result r =
+      gen({"--model", m, "--prompt-ids", "11 259", "--max-new-tokens", "4", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err.find("hello[id 259]"), r.err.find("hello")) << r.err;
+  EXPECT_NE(r.err.find("hello[id 259]"), std::string::npos) << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('{')));
+  EXPECT_EQ(j["new_tokens"].size(), 4u);
+}
+
+// A byte-level model of fewer than 256 ids (strata-train trains them: vocab_size <= 256 without a
+// tokenizer): --prompt is its bytes, and a byte past the vocabulary is refused by name.
+TEST_F(Cli, ByteLevelModelsUnder256TakeTheirBytes) {
+  const char* ascii =
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64})";
+  const std::string m = saved(ascii, "ascii");
+  const testing::Result r = gen({"--model", m, "--prompt", "hello", "--max-new-tokens", "8"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("hello", 0), 0u) << r.out;
+  EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
+  const testing::Result bad = gen({"--model", m, "--prompt", "h\xc3\xa9"}, "bad");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("--prompt: byte 195 (0xc3, at 1) is outside the byte-level model's "
+                         "vocabulary [0, 128)"),
+            std::string::npos)
+      << bad.err;
+}
+
+// generation_config.json as Hugging Face reads it: do_sample true without top_k samples among the
+// 50 most likely (GenerationConfig's default), the flags still win, null is a key left out, and a
+// value of the wrong type is refused naming the file, the key and the value.
+TEST_F(Cli, GenerationConfigIsReadAsHuggingFaceReadsIt) {
+  const std::string m = saved(kLlamaGqa, "sampling");
+  const std::string file = m + "/generation_config.json";
+  auto tokens = [&](const std::vector<std::string>& extra, const std::string& tag) {
+    std::vector<std::string> args = {
+        "--model", m, "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--seed", "3", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const testing::Result r = gen(args, tag);
+    EXPECT_EQ(r.status, 0) << r.err;
+    if (r.status != 0) return std::vector<std::int32_t>{};
+    return nlohmann::json::parse(r.out.substr(r.out.rfind('{')))["new_tokens"]
+        .get<std::vector<std::int32_t>>();
+  };
+  Fixture f(kLlamaGqa, 16, DType::kF32);
+  auto want = [&](double temperature, std::int64_t top_k) {
+    GenerateOptions g;
+    g.max_new_tokens = 12;
+    g.sampling = {.temperature = temperature, .top_k = top_k, .seed = 3};
+    return generate(*f.model, *f.w, {5, 6, 7}, g).tokens;
+  };
+  ASSERT_NE(want(20.0, 50), want(20.0, 0));  // the check can tell them apart
+  std::ofstream(file) << R"({"do_sample": true, "temperature": 20.0})";
+  EXPECT_EQ(tokens({}, "top50"), want(20.0, 50));
+  EXPECT_EQ(tokens({"--top-k", "0"}, "all"), want(20.0, 0));
+  std::ofstream(file) << R"({"do_sample": true, "temperature": 20.0, "top_k": 7})";
+  EXPECT_EQ(tokens({}, "top7"), want(20.0, 7));
+  std::ofstream(file) << R"({"do_sample": null, "temperature": null, "top_k": null})";
+  EXPECT_EQ(tokens({}, "null"), want(0.0, 0));
+
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"[]", "generation_config.json holds [], not an object of generation settings"},
+      {"null", "generation_config.json holds null, not an object of generation settings"},
+      {R"({"do_sample": "yes"})",
+       R"(generation_config.json: "do_sample" is "yes", not true or false)"},
+      {R"({"do_sample": true, "temperature": "0.7"})",
+       R"(generation_config.json: "temperature" is "0.7", not a number)"},
+      {R"({"do_sample": true, "top_k": 5.7})",
+       R"(generation_config.json: "top_k" is 5.7, not a whole number)"},
+      {R"({"do_sample": true, "top_p": [0.9]})",
+       R"(generation_config.json: "top_p" is [0.9], not a number)"},
+  };
+  int i = 0;
+  for (const auto& [text, says] : bad) {
+    std::ofstream(file) << text;
+    const testing::Result r = gen({"--model", m, "--prompt-ids", "5"}, "bad" + std::to_string(i++));
+    EXPECT_EQ(r.status, 1) << text;
+    EXPECT_NE(r.err.find(says), std::string::npos) << text << ": " << r.err;
+  }
+}
+
+// The tokenizer of test_util.h with a newline (as "none" renders each message) and its eos named
+// in tokenizer_config.json: a chat folder of `json`'s model, built at seq_len `seq`.
+std::string chat_folder(Cli& c, const char* json, const std::string& name, std::int64_t seq) {
+  const std::string m = c.saved(json, name, seq);
+  std::string tok = testing::kTinyTokenizer;
+  const std::string last = R"("\u00a9": 19})";
+  tok.replace(tok.find(last), last.size(), R"("\u00a9": 19, "\u010a": 20})");
+  std::ofstream(m + "/tokenizer.json") << tok;
+  std::ofstream(m + "/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
+  return m;
+}
+
+const char* kChat21 =
+    R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 21,
+  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 128})";
+
+// Mistral's sliding_window below the default context: the chat's cache is capped at the window,
+// and a plain run or a --context past it is refused naming the window and the flag to change.
+TEST_F(Cli, TheSlidingWindowBoundsTheContext) {
+  nlohmann::json j = nlohmann::json::parse(kChat21);
+  j["model_type"] = "mistral";
+  j["architectures"] = {"MistralForCausalLM"};
+  j["sliding_window"] = 12;
+  const std::string json = j.dump();
+  const std::string m = chat_folder(*this, json.c_str(), "mistral", 12);
+  const testing::Result chat = gen({"--model", m, "--chat", "--chat-format", "none", "--prompt",
+                                    "hello", "--max-new-tokens", "2", "--json"},
+                                   "chat");
+  EXPECT_EQ(chat.status, 0) << chat.err;
+  const testing::Result fits =
+      gen({"--model", m, "--prompt-ids", "1 2 3", "--max-new-tokens", "10"}, "fits");
+  EXPECT_EQ(fits.status, 0) << fits.err;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--prompt-ids", "1 2 3"},
+       "the prompt (3 tokens) and --max-new-tokens 64 need 66 positions; the model takes 12 "
+       "(config.json's sliding_window"},
+      {{"--prompt-ids", "1 2 3", "--max-new-tokens", "4", "--context", "20"},
+       "--context 20 is more than the model takes, 12 (config.json's sliding_window"},
+      {{"--chat", "--chat-format", "none", "--context", "20"},
+       "--context 20 is more than the model takes, 12 (config.json's sliding_window"},
+      {{"--chat", "--chat-format", "none", "--max-new-tokens", "20"},
+       "--max-new-tokens 20 does not fit the 12 positions the conversation has"},
+  };
+  int i = 0;
+  for (const auto& [args, says] : bad) {
+    std::vector<std::string> all = {"--model", m};
+    all.insert(all.end(), args.begin(), args.end());
+    const testing::Result r = gen(all, "bad" + std::to_string(i++));
+    EXPECT_EQ(r.status, 1) << says;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("seq_len"), std::string::npos) << r.err;
+  }
+}
+
+// A chat line that is not UTF-8 is skipped with a warning naming the line and the byte; the
+// conversation goes on without it.
+TEST_F(Cli, ChatSkipsALineThatIsNotUtf8) {
+  const std::string m = chat_folder(*this, kChat21, "utf8", 16);
+  std::ofstream(dir.path + "/in.txt") << "hello\nwor\xff\xfeld\nhello world\n";
+  const testing::Result r = testing::run(
+      "/bin/sh",
+      {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                 " --chat --chat-format none --max-new-tokens 0 --json < " + dir.path + "/in.txt"},
+      dir.path, "chat");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("line 2 of stdin is not valid UTF-8 at byte 3 (0xff): the message is "
+                       "skipped, the conversation goes on"),
+            std::string::npos)
+      << r.err;
+  std::vector<nlohmann::json> turns;
+  std::istringstream lines(r.out);
+  for (std::string l; std::getline(lines, l);) turns.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(turns.size(), 2u) << r.out;
+  const Tokenizer tok = Tokenizer::from_folder(m);
+  RenderOptions o = render_options_for(tok);
+  o.add_generation_prompt = true;
+  EXPECT_EQ(turns[1]["prompt_ids"].get<std::vector<std::int32_t>>(),
+            encode_chat(tok, chat_template_for(ChatFormat::kNone),
+                        {{"user", "hello"}, {"assistant", ""}, {"user", "hello world"}}, o)
+                .tokens);
+  // One turn from --prompt has nothing to go on to: refused.
+  const testing::Result once =
+      gen({"--model", m, "--chat", "--chat-format", "none", "--prompt", "wor\xffld"}, "once");
+  EXPECT_EQ(once.status, 1);
+  EXPECT_NE(once.err.find("--prompt is not valid UTF-8 at byte 3 (0xff)"), std::string::npos)
+      << once.err;
 }
 
 // --chat on a tiny random Llama with Qwen3's real tokenizer and chat template (npm; skipped
@@ -589,7 +839,8 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
   };
   const std::vector<Bad> bad = {
       {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
-      {{"--model", m, "--prompt", "hi"}, "give the prompt's token ids with --prompt-ids"},
+      {{"--model", m, "--prompt", "h\xe9"},
+       "--prompt: byte 233 (0xe9, at 1) is outside the byte-level model's vocabulary [0, 131)"},
       {{"--model", m, "--chat"}, "--chat needs the model's tokenizer, and"},
       {{"--model", m, "--prompt-ids", "1", "--chat"},
        "--chat renders messages as text with the chat template"},
@@ -603,11 +854,25 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
       {{"--model", m, "--prompt-ids", "1", "--top-p", "0.9"}, "give --temperature T > 0 too"},
       {{"--model", m, "--prompt-ids", "1", "--max-new-tokens", "500"},
        "takes 128 (config.json's max_position_embeddings)"},
+      // 2^63 - 1 new tokens: the sum is not wrapped past the check (with the cache or without).
+      {{"--model", m, "--prompt-ids", "1 2 3", "--max-new-tokens", "9223372036854775807"},
+       "--max-new-tokens 9223372036854775807 need 9223372036854775809 positions; the model takes "
+       "128"},
+      {{"--model", m, "--prompt-ids", "1 2 3", "--max-new-tokens", "9223372036854775807",
+        "--no-kv-cache"},
+       "need 9223372036854775809 positions; the model takes 128"},
+      {{"--model", m, "--prompt-ids", "1 2 3", "--max-new-tokens", "4", "--context", "200"},
+       "--context 200 is more than the model takes, 128 (config.json's max_position_embeddings)"},
+      {{"--model", m, "--chat", "--ids"}, "--ids prints a run's new token ids, and --chat"},
       // On the command line, before the model is loaded.
       {{"--model", m, "--prompt-ids", "1", "--max-new-tokens", "-1"},
        "--max-new-tokens: must be >= 0, got -1"},
       {{"--model", m, "--prompt-ids", "1", "--temperature", "inf"},
        "--temperature: 'inf' is not a finite number"},
+      {{"--model", m, "--prompt-ids", "1", "--seed", "-1"}, "--seed: must be >= 0, got -1"},
+      {{"--model", m, "--prompt-ids", "1", "--seed", "18446744073709551616"},
+       "--seed: '18446744073709551616' is beyond the largest seed, 2^64 - 1"},
+      {{"--model", m, "--prompt-ids", "1", "--seed", "1.5"}, "--seed: '1.5' is not a whole number"},
   };
   int i = 0;
   for (const Bad& b : bad) {

@@ -1611,6 +1611,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        "--text " + dir.path + "/nope.txt: no such file"},
       {"--dtype bogus", args(log, {"--dtype", "bogus"}), "--dtype"},
       {"--lr -1", args(log, {"--lr", "-1"}), "--lr: must be >= 0, got -1"},
+      // CLI11 wrapped -1 to 2^64 - 1: a fixed seed for one who meant "random".
+      {"--seed -1", args(log, {"--seed", "-1"}), "--seed: must be >= 0, got -1"},
       {"--out a file", args(log, {"--out", text, "--overwrite"}), "is a file, not a folder"},
       {"--out under a file", args(log, {"--out", text + "/sub"}), "is not a writable folder"},
       {"--trace-step past the end",

@@ -10,8 +10,8 @@
 // fp32; --dtype overrides) with a key/value cache (--no-kv-cache: the full forward for every
 // token, the reference path). Tokens print as they come. --prompt TEXT goes through the
 // folder's tokenizer.json (strata/tokenizer.h) and the new tokens print as text; a byte-level
-// model (vocab_size 256, no tokenizer.json: what strata-train --text trains) reads and prints
-// bytes; --prompt-ids takes ids, and without a usable tokenizer the new tokens print as ids.
+// model (vocab_size 256 or less, no tokenizer.json: what strata-train --text trains) reads and
+// prints bytes; --prompt-ids takes ids, and without a usable tokenizer the new tokens print as ids.
 // Sampling follows the folder's generation_config.json (do_sample, temperature, top_p, top_k)
 // unless flags say otherwise; greedy without one. Generation ends at max_new_tokens or at the
 // eos_token_id of generation_config.json / config.json (--ignore-eos: not).
@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -60,6 +61,54 @@ struct Options {
   std::uint64_t seed = 0;
 };
 
+// generation_config.json as Hugging Face's GenerationConfig reads it: a key set to null is a key
+// left out, and top_k is 50 unless the file gives one. A value of the wrong type is an error naming
+// the file, the key and the value, never a setting silently dropped or truncated.
+struct GenConfig {
+  bool do_sample = false;
+  double temperature = 1.0, top_p = 1.0;
+  std::int64_t top_k = 50;
+  nlohmann::json raw = nlohmann::json::object();  // for eos_token_id
+};
+
+GenConfig read_generation_config(const fs::path& dir) {
+  GenConfig c;
+  const fs::path file = dir / "generation_config.json";
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return c;
+  const std::string path = file.string();
+  c.raw = strata::tools::read_json_file(path);
+  auto shown = [](const nlohmann::json& v) {
+    std::string text = v.dump();
+    return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+  };
+  STRATA_REQUIRE(
+      c.raw.is_object(),
+      "{} holds {}, not an object of generation settings ({{\"do_sample\": true, ...}}): "
+      "fix or remove the file",
+      path, shown(c.raw));
+  auto get = [&](const char* key, bool ok(const nlohmann::json&),
+                 const char* want) -> const nlohmann::json* {
+    const auto it = c.raw.find(key);
+    if (it == c.raw.end() || it->is_null()) return nullptr;
+    STRATA_REQUIRE(ok(*it), "{}: \"{}\" is {}, not {}: fix the value or remove the key", path, key,
+                   shown(*it), want);
+    return &*it;
+  };
+  const auto boolean = [](const nlohmann::json& v) { return v.is_boolean(); };
+  const auto number = [](const nlohmann::json& v) { return v.is_number(); };
+  const auto whole = [](const nlohmann::json& v) {
+    return v.is_number_integer() &&
+           !(v.is_number_unsigned() &&
+             v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<std::int64_t>::max()));
+  };
+  if (const auto* v = get("do_sample", boolean, "true or false")) c.do_sample = v->get<bool>();
+  if (const auto* v = get("temperature", number, "a number")) c.temperature = v->get<double>();
+  if (const auto* v = get("top_p", number, "a number")) c.top_p = v->get<double>();
+  if (const auto* v = get("top_k", whole, "a whole number")) c.top_k = v->get<std::int64_t>();
+  return c;
+}
+
 // eos_token_id: an id or a list of them, from generation_config.json, else config.json.
 std::vector<std::int32_t> stop_ids(const nlohmann::json& gen, const nlohmann::json& cfg) {
   const nlohmann::json* src = nullptr;
@@ -77,25 +126,20 @@ std::vector<std::int32_t> stop_ids(const nlohmann::json& gen, const nlohmann::js
 }
 
 // The sampling and stopping of a run: the flags, else generation_config.json's, else greedy.
-strata::GenerateOptions generate_options(const Options& o, const nlohmann::json& gen,
+strata::GenerateOptions generate_options(const Options& o, const GenConfig& gen,
                                          const nlohmann::json& cfg_raw,
                                          const std::optional<strata::Tokenizer>& tok) {
   strata::GenerateOptions g;
   g.max_new_tokens = o.max_new_tokens;
   g.kv_cache = !o.no_kv_cache;
   if (!o.ignore_eos) {
-    g.stop_ids = stop_ids(gen, cfg_raw);
+    g.stop_ids = stop_ids(gen.raw, cfg_raw);
     if (g.stop_ids.empty() && tok && tok->eos_id()) g.stop_ids.push_back(*tok->eos_id());
   }
-  const bool cfg_samples = gen.value("do_sample", false);
-  auto gen_num = [&](const char* key, double def) {
-    return gen.contains(key) && gen[key].is_number() ? gen[key].get<double>() : def;
-  };
-  g.sampling.temperature =
-      o.temperature >= 0 ? o.temperature : (cfg_samples ? gen_num("temperature", 1.0) : 0.0);
-  g.sampling.top_p = o.top_p >= 0 ? o.top_p : (cfg_samples ? gen_num("top_p", 1.0) : 1.0);
-  g.sampling.top_k =
-      o.top_k >= 0 ? o.top_k : (cfg_samples ? std::int64_t(gen_num("top_k", 0.0)) : 0);
+  const bool cfg_samples = gen.do_sample;
+  g.sampling.temperature = o.temperature >= 0 ? o.temperature : (cfg_samples ? gen.temperature : 0);
+  g.sampling.top_p = o.top_p >= 0 ? o.top_p : (cfg_samples ? gen.top_p : 1.0);
+  g.sampling.top_k = o.top_k >= 0 ? o.top_k : (cfg_samples ? gen.top_k : 0);
   g.sampling.seed = o.seed;
   STRATA_REQUIRE(g.sampling.temperature > 0 || (o.top_p < 0 && o.top_k < 0),
                  "--top-p and --top-k shape sampling, and temperature 0 is greedy: give "
@@ -112,6 +156,20 @@ strata::GenerateOptions generate_options(const Options& o, const nlohmann::json&
                  e.message());
   }
   return g;
+}
+
+// "N (config.json's KEY)", the positions a model takes, for messages.
+std::string limit_text(const strata::ContextLimit& limit) {
+  return fmt::format("{} (config.json's {}{})", limit.positions, limit.key,
+                     limit.key == "sliding_window" ? ": strata's attention is full causal" : "");
+}
+
+// --context beyond what the model takes is refused naming it, before anything is measured
+// against it.
+void check_context_flag(const Options& o, const strata::ContextLimit& limit) {
+  STRATA_REQUIRE(o.context <= limit.positions,
+                 "--context {} is more than the model takes, {}: give --context {} or less",
+                 o.context, limit_text(limit), limit.positions);
 }
 
 // The model on its device, its weights resident, for `ctx` positions.
@@ -155,8 +213,11 @@ double decode_rate(const strata::GenerateResult& r) {
 // --chat: user messages from stdin, one a line, until EOF or "/exit" (or the one --prompt TEXT);
 // each turn re-renders the whole conversation with the generation prompt and runs what the cache
 // does not hold yet.
-int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::json& gen,
+int run_chat(const Options& o, const strata::ModelConfig& cfg, const GenConfig& gen,
              const std::optional<strata::Tokenizer>& tok, const std::string& tok_why) {
+  STRATA_REQUIRE(!o.ids,
+                 "--ids prints a run's new token ids, and --chat prints each reply as text: give "
+                 "--json for each turn's ids (its \"new_tokens\"), or leave --ids out");
   STRATA_REQUIRE(o.prompt_ids.empty(),
                  "--chat renders messages as text with the chat template: give the user's "
                  "message with --prompt TEXT (one turn) or on stdin, a line each, not --prompt-ids");
@@ -177,11 +238,16 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
                  o.model_dir);
   strata::GenerateOptions g = generate_options(o, gen, cfg.raw, tok);
   g.stop_ids.push_back(*eot_id);
-  // The whole conversation must fit the cache: --context, else the model's positions up to 4096.
+  // The whole conversation must fit the cache: --context, else the model's positions (the
+  // sliding window where it binds) up to 4096.
+  const strata::ContextLimit limit = strata::context_limit(cfg);
+  check_context_flag(o, limit);
   const std::int64_t ctx =
-      o.context > 0 ? o.context : std::min<std::int64_t>(cfg.max_positions, 4096);
-  STRATA_REQUIRE(ctx <= cfg.max_positions, "--context {} is more than the model's {} positions",
-                 ctx, cfg.max_positions);
+      o.context > 0 ? o.context : std::min<std::int64_t>(limit.positions, 4096);
+  STRATA_REQUIRE(strata::generate_positions(1, g.max_new_tokens) <= std::uint64_t(ctx),
+                 "--max-new-tokens {} does not fit the {} positions the conversation has{}: give "
+                 "at most {}",
+                 g.max_new_tokens, ctx, o.context > 0 ? " (--context)" : "", ctx);
   LoadedModel m = load_model(o, cfg, ctx);
   if (!o.json) {
     std::string note;
@@ -199,7 +265,9 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
   std::FILE* out = o.json ? stderr : stdout;
   std::string line;
   bool prompt_given = false;
+  std::int64_t line_no = 0;  // of stdin
   const auto next_message = [&] {
+    ++line_no;
     if (!one_turn) return bool(std::getline(std::cin, line));
     if (prompt_given) return false;
     prompt_given = true;
@@ -210,6 +278,18 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line == "/exit") break;
     if (line.empty()) continue;
+    // A message that is not UTF-8 cannot be encoded: say where, and go on without it.
+    if (const std::size_t bad = strata::first_invalid_utf8(line); bad != std::string::npos) {
+      STRATA_REQUIRE(!one_turn,
+                     "--prompt is not valid UTF-8 at byte {} (0x{:02x}): give UTF-8 text", bad,
+                     static_cast<unsigned char>(line[bad]));
+      std::fprintf(stderr,
+                   "strata-generate: line %lld of stdin is not valid UTF-8 at byte %zu (0x%02x): "
+                   "the message is skipped, the conversation goes on\n",
+                   static_cast<long long>(line_no), bad,
+                   static_cast<unsigned>(static_cast<unsigned char>(line[bad])));
+      continue;
+    }
     history.push_back({"user", line});
     const std::vector<std::int32_t> prompt = strata::encode_chat(*tok, t, history, ro).tokens;
     for (std::int32_t id : prompt)
@@ -218,11 +298,11 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const nlohmann::j
                      "tokenizer is not this model's",
                      o.model_dir, id, cfg.vocab_size);
     STRATA_REQUIRE(
-        std::int64_t(prompt.size()) + std::max<std::int64_t>(g.max_new_tokens, 1) - 1 <= ctx,
+        strata::generate_positions(prompt.size(), g.max_new_tokens) <= std::uint64_t(ctx),
         "the conversation is {} tokens after turn {}, and with --max-new-tokens {} no "
         "longer fits the {} positions of --context: start a new one (or give a larger "
         "--context, up to the model's {})",
-        prompt.size(), turn + 1, g.max_new_tokens, ctx, cfg.max_positions);
+        prompt.size(), turn + 1, g.max_new_tokens, ctx, limit.positions);
     strata::TokenStreamDecoder text(*tok, /*skip_special_tokens=*/true);
     auto put = [&](const std::string& s) {
       std::fwrite(s.data(), 1, s.size(), out);
@@ -282,13 +362,10 @@ int run(const Options& o) {
                  "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
                  "ID ...\"");
   const strata::ModelConfig cfg = strata::load_model_config((dir / "config.json").string());
-  const nlohmann::json gen =
-      fs::exists(dir / "generation_config.json", ec)
-          ? strata::tools::read_json_file((dir / "generation_config.json").string())
-          : nlohmann::json::object();
+  const GenConfig gen = read_generation_config(dir);
   // The folder's tokenizer (tokenizer.json, else tokenizer.model) when there is one (one this
-  // tokenizer cannot run: ids only, and --prompt says why); a byte-level model (vocab 256)
-  // without one reads and prints bytes.
+  // tokenizer cannot run: ids only, and --prompt says why); a byte-level model (vocab_size 256 or
+  // less, as strata-train trains on bytes) without one reads and prints bytes.
   const fs::path tok_file = strata::Tokenizer::file_in(dir);
   const bool has_tokenizer = !tok_file.empty();
   std::optional<strata::Tokenizer> tok;
@@ -306,7 +383,7 @@ int run(const Options& o) {
           : fmt::format("{} has no tokenizer.json or tokenizer.model (vocab_size {})",
                         o.model_dir, cfg.vocab_size);
   if (o.chat) return run_chat(o, cfg, gen, tok, tok_why);
-  const bool byte_level = cfg.vocab_size == 256 && !has_tokenizer;
+  const bool byte_level = cfg.vocab_size <= 256 && !has_tokenizer;
 
   std::vector<std::int32_t> prompt;
   if (!o.prompt.empty()) {
@@ -324,33 +401,46 @@ int run(const Options& o) {
                      "--prompt TEXT needs the model's tokenizer, and {}: give the prompt's token "
                      "ids with --prompt-ids \"ID ID ...\"",
                      tok_why);
-      for (unsigned char c : o.prompt) prompt.push_back(c);
+      for (std::size_t i = 0; i < o.prompt.size(); ++i) {
+        const auto c = static_cast<unsigned char>(o.prompt[i]);
+        STRATA_REQUIRE(c < cfg.vocab_size,
+                       "--prompt: byte {} (0x{:02x}, at {}) is outside the byte-level model's "
+                       "vocabulary [0, {}): give text of bytes below {}, or the ids with "
+                       "--prompt-ids",
+                       int(c), int(c), i, cfg.vocab_size, cfg.vocab_size);
+        prompt.push_back(c);
+      }
     }
   } else {
     prompt = strata::parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
   }
-  const bool text_out = (tok || byte_level) && !o.ids;
+  // A byte-level model's continuation prints as bytes when its prompt came as text; ids in, ids
+  // out.
+  const bool text_out = !o.ids && (tok || (byte_level && !o.prompt.empty()));
   const strata::GenerateOptions g = generate_options(o, gen, cfg.raw, tok);
 
-  const std::int64_t need =
-      std::int64_t(prompt.size()) + std::max<std::int64_t>(o.max_new_tokens, 1) - 1;
-  const std::int64_t ctx = o.context > 0 ? o.context : need;
-  STRATA_REQUIRE(ctx >= need,
+  // --context first (a --context past the model is its own fault), then what the run needs.
+  const strata::ContextLimit limit = strata::context_limit(cfg);
+  check_context_flag(o, limit);
+  const std::uint64_t need = strata::generate_positions(prompt.size(), o.max_new_tokens);
+  STRATA_REQUIRE(o.context == 0 || need <= std::uint64_t(o.context),
                  "--context {} is shorter than the prompt ({} tokens) and --max-new-tokens {} "
                  "need ({})",
-                 ctx, prompt.size(), o.max_new_tokens, need);
-  STRATA_REQUIRE(ctx <= cfg.max_positions,
+                 o.context, prompt.size(), o.max_new_tokens, need);
+  STRATA_REQUIRE(need <= std::uint64_t(limit.positions),
                  "the prompt ({} tokens) and --max-new-tokens {} need {} positions; the model "
-                 "takes {} (config.json's {}): shorten them",
-                 prompt.size(), o.max_new_tokens, ctx, cfg.max_positions,
-                 cfg.arch == strata::ModelArch::kGpt2 ? "n_positions" : "max_position_embeddings");
+                 "takes {}: shorten the prompt or lower --max-new-tokens",
+                 prompt.size(), o.max_new_tokens, need, limit_text(limit));
+  const std::int64_t ctx = o.context > 0 ? o.context : std::int64_t(need);
 
   LoadedModel m = load_model(o, cfg, ctx);
   if (!o.json) announce(o, cfg, m, g);
   std::FILE* out = o.json ? stderr : stdout;
   auto put = [&](const std::string& text) { std::fwrite(text.data(), 1, text.size(), out); };
   if (text_out)  // the prompt first, as the model continues it
-    put(o.prompt.empty() && tok ? tok->decode(prompt, /*skip_special_tokens=*/true) : o.prompt);
+    put(o.prompt.empty() && tok
+            ? strata::decode_generated(*tok, prompt, /*skip_special_tokens=*/true)
+            : o.prompt);
   std::fflush(out);
   std::optional<strata::TokenStreamDecoder> stream_text;
   if (text_out && tok) stream_text.emplace(*tok, /*skip_special_tokens=*/true);
@@ -403,7 +493,7 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--prompt", o.prompt,
                  "the prompt as text, through the folder's tokenizer.json (a byte-level model, "
-                 "vocab_size 256 without one: its bytes)");
+                 "vocab_size 256 or less without one: its bytes)");
   app.add_option("--prompt-ids", o.prompt_ids, "the prompt as token ids: \"1 2 3\" or \"1,2,3\"");
   app.add_flag("--chat", o.chat,
                "a conversation: user messages from stdin, a line each (or the one --prompt "
@@ -433,7 +523,7 @@ int main(int argc, char** argv) {
           "(0, 1]"));
   app.add_option("--top-k", o.top_k, "sample among the K most likely tokens (0: all)")
       ->check(strata::tools::kCount);
-  app.add_option("--seed", o.seed, "the sampler's seed (default 0)");
+  app.add_option("--seed", o.seed, "the sampler's seed, 0 to 2^64 - 1 (default 0)")->check(strata::tools::kSeed);
   app.add_option("--device", o.device, "auto | cpu | cuda (default auto)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", o.dtype,

@@ -91,7 +91,8 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kNonNegative);
   app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--seed", o.seed, "initialisation and shuffle seed");
+  app.add_option("--seed", o.seed, "initialisation and shuffle seed, 0 to 2^64 - 1")
+      ->check(strata::tools::kSeed);
   app.add_flag("--no-shuffle", no_shuffle, "read the data in order (llm.c's batches)");
   app.add_option("--dtype", o.dtype, "compute dtype (default: the config's, else fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));

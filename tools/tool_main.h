@@ -66,6 +66,22 @@ inline const CLI::Validator kCount(
     },
     "COUNT");
 
+// A seed: a whole number in [0, 2^64 - 1] (CLI11 would wrap -1 to 2^64 - 1 and take
+// 99999999999999999999 as the largest, silently).
+inline const CLI::Validator kSeed(
+    [](std::string& text) -> std::string {
+      std::uint64_t v = 0;
+      const char* first = text.data() + (text.starts_with('+') ? 1 : 0);
+      const auto [end, ec] = std::from_chars(first, text.data() + text.size(), v);
+      if (text.starts_with('-')) return "must be >= 0, got " + text;
+      if (ec == std::errc::result_out_of_range)
+        return "'" + text + "' is beyond the largest seed, 2^64 - 1";
+      if (ec != std::errc() || end != text.data() + text.size())
+        return "'" + text + "' is not a whole number";
+      return {};
+    },
+    "SEED");
+
 // --max-shard-mb's MiB as bytes, at most 9e18 (1e300 MiB wrapped around to 0 bytes).
 inline std::size_t mib_as_bytes(double mib) {
   return static_cast<std::size_t>(std::min(mib * 1024 * 1024, 9e18));

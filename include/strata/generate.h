@@ -86,10 +86,27 @@ std::vector<std::int32_t> parse_token_ids(const std::string& text, std::int64_t 
 std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::int32_t>& ids,
                              bool skip_special_tokens = true);
 
-// `model` needs a seq_len of at least prompt + max_new_tokens - 1 (an error says so before anything
-// runs), and without the cache a micro_batch of 1 (the model's own, as training built it, serves
-// with the cache). The cache is reset first (kept with GenerateOptions::cached_prefix) and left
-// holding the sequence: the prompt and every new token but the last.
+// The positions generate() runs through the model for a prompt of `prompt_tokens` and
+// `max_new_tokens` (>= 0) new ones: prompt + max(max_new_tokens, 1) - 1 (the last new token is
+// never fed). Unsigned 64 bits hold it for every max_new_tokens up to 2^63 - 1, so a huge request
+// is a large number to refuse, never a wrapped one that passes a check.
+std::uint64_t generate_positions(std::size_t prompt_tokens, std::int64_t max_new_tokens);
+
+// The most positions a model of `cfg` can generate over: config.json's max_position_embeddings
+// (GPT-2's n_positions), or its sliding_window where that is smaller and binds (Mistral, and Qwen2
+// with use_sliding_window true), since strata's attention is full causal and a Model refuses a
+// seq_len past the window. `key` names the config.json key that sets it, for messages.
+struct ContextLimit {
+  std::int64_t positions = 0;
+  std::string key;
+};
+ContextLimit context_limit(const ModelConfig& cfg);
+
+// `model` needs a seq_len of at least generate_positions(prompt, max_new_tokens) (an error says so
+// before anything runs), and without the cache a micro_batch of 1 (the model's own, as training
+// built it, serves with the cache). The cache is reset first (kept with
+// GenerateOptions::cached_prefix) and left holding the sequence: the prompt and every new token but
+// the last.
 GenerateResult generate(Model& model, UnitProvider& weights,
                         const std::vector<std::int32_t>& prompt, const GenerateOptions& options,
                         const std::function<void(std::int32_t)>& on_token = {});

@@ -120,6 +120,10 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 ModelConfig load_model_config(const std::string& path);
 // The config.json text for `cfg` (its raw JSON when it came from a file, else built).
 std::string model_config_json(const ModelConfig& cfg);
+// The config's sliding_window where it binds (Mistral's always; Qwen2's only with
+// use_sliding_window true, Hugging Face's default for it being false), else 0. strata's attention
+// is full causal, so a Model's seq_len may not pass it.
+std::int64_t binding_sliding_window(const ModelConfig& cfg);
 
 struct ParamSpec {
   std::string name;                 // the Hugging Face tensor name

@@ -100,6 +100,10 @@ class Tokenizer {
   std::shared_ptr<const Impl> impl_;
 };
 
+// The byte at which `text` stops being well-formed UTF-8 (what Tokenizer::encode refuses), or
+// std::string_view::npos when it is well-formed: a chat checks each message as it is read.
+std::size_t first_invalid_utf8(std::string_view text);
+
 // Token-by-token decoding for streaming output: push() returns the text a token completes
 // (possibly empty while a character's bytes are still arriving), finish() what is left (an
 // incomplete character as U+FFFD). The concatenation equals tokenizer.decode(ids) for valid text.

@@ -233,6 +233,18 @@ ModelConfig load_model_config(const std::string& path) {
   return parse_model_config(read_text(path), path);
 }
 
+std::int64_t binding_sliding_window(const ModelConfig& c) {
+  if (!c.raw.is_object()) return 0;
+  // The window binds only where it is used: Qwen2's configs carry one with "use_sliding_window"
+  // false, or without the key, whose default in Hugging Face's Qwen2Config is false (it then
+  // attends over everything, as strata does); Mistral's always binds.
+  const auto use = c.raw.find("use_sliding_window");
+  const bool used =
+      use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
+  const auto sw = c.raw.find("sliding_window");
+  return used && sw != c.raw.end() && sw->is_number_integer() ? sw->get<std::int64_t>() : 0;
+}
+
 std::string model_config_json(const ModelConfig& c) {
   if (!c.raw.is_null()) return c.raw.dump(2);
   nlohmann::json j;

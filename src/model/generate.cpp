@@ -89,9 +89,15 @@ std::vector<float> full_forward_last(Model& model, UnitProvider& w,
                                      const std::vector<std::int32_t>& seq) {
   const std::size_t T = static_cast<std::size_t>(model.options().seq_len);
   const std::size_t V = static_cast<std::size_t>(model.config().vocab_size);
+  STRATA_REQUIRE(!seq.empty() && seq.size() <= T,
+                 "generate: a sequence of {} tokens does not fit the model's seq_len {}",
+                 seq.size(), T);
   std::vector<std::int32_t> padded(seq);
   padded.resize(T, 0);
   const std::vector<float> all = model.logits(padded, w);
+  STRATA_REQUIRE(all.size() >= seq.size() * V,
+                 "generate: the model gave {} logits, fewer than the {} x {} of the sequence",
+                 all.size(), seq.size(), V);
   const auto row = all.begin() + std::ptrdiff_t((seq.size() - 1) * V);
   return std::vector<float>(row, row + std::ptrdiff_t(V));
 }
@@ -144,6 +150,20 @@ std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::
   return out;
 }
 
+std::uint64_t generate_positions(std::size_t prompt_tokens, std::int64_t max_new_tokens) {
+  return std::uint64_t(prompt_tokens) + std::uint64_t(std::max<std::int64_t>(max_new_tokens, 1)) -
+         1;
+}
+
+ContextLimit context_limit(const ModelConfig& cfg) {
+  ContextLimit l{cfg.max_positions,
+                 cfg.arch == ModelArch::kGpt2 ? "n_positions" : "max_position_embeddings"};
+  // The rule Model's constructor applies.
+  if (const std::int64_t w = binding_sliding_window(cfg); w > 0 && w < l.positions)
+    l = {w, "sliding_window"};
+  return l;
+}
+
 GenerateResult generate(Model& model, UnitProvider& weights,
                         const std::vector<std::int32_t>& prompt, const GenerateOptions& o,
                         const std::function<void(std::int32_t)>& on_token) {
@@ -155,9 +175,8 @@ GenerateResult generate(Model& model, UnitProvider& weights,
                  "1 (one sequence), got {}",
                  model.options().micro_batch);
   // Every position but the last new token's runs through the model.
-  const std::int64_t positions =
-      std::int64_t(prompt.size()) + std::max<std::int64_t>(o.max_new_tokens, 1) - 1;
-  STRATA_REQUIRE(positions <= model.options().seq_len,
+  const std::uint64_t positions = generate_positions(prompt.size(), o.max_new_tokens);
+  STRATA_REQUIRE(positions <= std::uint64_t(model.options().seq_len),
                  "generate: a prompt of {} tokens and {} new ones need a context of {} positions; "
                  "the model was built with seq_len {}",
                  prompt.size(), o.max_new_tokens, positions, model.options().seq_len);

@@ -131,19 +131,12 @@ struct Model::Impl {
     STRATA_REQUIRE(!gpt2 || T <= c.max_positions,
                    "Model: seq_len {} exceeds GPT-2's n_positions {} (its learned position table)",
                    T, c.max_positions);
-    // The window binds only where it is used: Qwen2's configs carry one with
-    // "use_sliding_window" false, or without the key, whose default in Hugging Face's Qwen2Config
-    // is false (it then attends over everything, as strata does); Mistral's always binds.
-    const auto use = c.raw.is_object() ? c.raw.find("use_sliding_window") : c.raw.end();
-    const bool window_used =
-        use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
-    if (const auto sw = c.raw.is_object() ? c.raw.find("sliding_window") : c.raw.end();
-        window_used && c.raw.is_object() && sw != c.raw.end() && sw->is_number_integer())
-      STRATA_REQUIRE(
-          T <= sw->get<i64>(),
-          "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
-          "full causal, so use seq_len <= sliding_window",
-          T, sw->get<i64>());
+    const i64 window = binding_sliding_window(c);
+    STRATA_REQUIRE(
+        window == 0 || T <= window,
+        "Model: seq_len {} exceeds the config's sliding_window {}; strata's attention is "
+        "full causal, so use seq_len <= sliding_window",
+        T, window);
     N = B * T;
     seqp = o.sequence_parallel;
     STRATA_REQUIRE(

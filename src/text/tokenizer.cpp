@@ -1384,6 +1384,8 @@ bool Tokenizer::is_special(std::int32_t id) const {
 std::optional<std::int32_t> Tokenizer::bos_id() const { return impl_->bos; }
 std::optional<std::int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<std::int32_t> Tokenizer::pad_id() const { return impl_->pad; }
+std::size_t first_invalid_utf8(std::string_view text) { return utf8::first_invalid(text); }
+
 bool Tokenizer::adds_bos() const {
   return !impl_->template_prefix.empty() &&
          (!impl_->bos || impl_->template_prefix.front() == *impl_->bos);
