@@ -1404,6 +1404,21 @@ TEST_F(TrainCli, CheckpointingAndThrottlesDoNotChangeTheLosses) {
   EXPECT_EQ(la, losses(host));
 }
 
+// A model whose every unit is within stage3_param_persistence_threshold keeps its weights gathered
+// on the device whatever offload_param says: the line says so (it said "weights on nvme").
+TEST_F(TrainCli, WeightsThatAllStayGatheredAreSaidToBeOnTheDevice) {
+  TempDir nvme;
+  const std::string ds = dir.path + "/persistent.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", )"
+                    << R"("nvme_path": ")" << nvme.path << R"("}}})";
+  const Result r = train(args(dir.path + "/p.jsonl", {"--config", ds}, "1"), "persistent");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("weights on device (nvme asked; every unit is within "
+                       "stage3_param_persistence_threshold and stays gathered)"),
+            std::string::npos)
+      << r.out;
+}
+
 // The embedded demo (no model, no data): stage 3 with weights and optimizer state on NVMe, on
 // an emulated device whose cap is below the model's fp32 weights; the loss falls and the
 // device's peak stays under the cap.

@@ -222,7 +222,19 @@ void print_header(Run& r) {
     for (const PlanLine& l : r.engine->plan().lines)
       if (l.what.starts_with(prefix))
         bytes[int(l.tier)] += double(l.bytes), total += double(l.bytes);
-    if (total <= 0) return where(asked);
+    if (total <= 0) {
+      // Every unit small enough to stay gathered on the device
+      // (stage3_param_persistence_threshold): no weight shard goes where the config asks, whatever
+      // it says.
+      if (std::string_view(prefix) == "compute weights (")
+        for (const PlanLine& l : r.engine->plan().lines)
+          if (l.what.starts_with("persistent units") && l.bytes > 0)
+            return fmt::format(
+                "device ({} asked; every unit is within "
+                "stage3_param_persistence_threshold and stays gathered)",
+                where(asked));
+      return where(asked);
+    }
     const Placement got{bytes[0] / total, bytes[1] / total};
     std::string said = where(got);
     if (std::abs(got.device_fraction - asked.device_fraction) > 0.005 ||
