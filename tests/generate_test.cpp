@@ -445,16 +445,30 @@ TEST_F(Cli, PrintsWhatTheLibraryGeneratesAndItsFigures) {
   EXPECT_EQ(plain.out, ids + "\n");
 }
 
+// A byte-level model (no tokenizer: vocab_size 256, or fewer ids, as strata-train trains them on
+// bytes): --prompt is its bytes and the new tokens print as bytes; a byte past a smaller
+// vocabulary is refused by name.
 TEST_F(Cli, ByteLevelModelsTakeAndPrintText) {
-  const char* bytes =
-      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
-  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-  "num_key_value_heads": 2, "max_position_embeddings": 64})";
-  const std::string m = saved(bytes, "bytes");
-  const testing::Result r = gen({"--model", m, "--prompt", "hello", "--max-new-tokens", "8"});
-  ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_EQ(r.out.rfind("hello", 0), 0u) << r.out;
-  EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
+  for (int vocab : {256, 128}) {
+    const std::string json = fmt::format(R"({{"architectures": ["LlamaForCausalLM"],
+  "model_type": "llama", "vocab_size": {}, "hidden_size": 32, "intermediate_size": 48,
+  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 64}})",
+                                         vocab);
+    const std::string m = saved(json.c_str(), "bytes" + std::to_string(vocab));
+    const testing::Result r = gen({"--model", m, "--prompt", "hello", "--max-new-tokens", "8"},
+                                  "bytes" + std::to_string(vocab));
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(r.out.rfind("hello", 0), 0u) << r.out;
+    EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
+    if (vocab == 256) continue;
+    const testing::Result bad = gen({"--model", m, "--prompt", "h\xc3\xa9"}, "bad");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("--prompt: byte 195 (0xc3, at 1) is outside the byte-level model's "
+                           "vocabulary [0, 128)"),
+              std::string::npos)
+        << bad.err;
+  }
 }
 
 // With the folder's tokenizer.json, --prompt TEXT is encoded by it and the new tokens print as its
@@ -517,26 +531,6 @@ TEST_F(Cli, PromptIdsPastAPaddedTokenizerEchoAsTheirIds) {
   EXPECT_NE(r.err.find("hello[id 259]"), std::string::npos) << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('{')));
   EXPECT_EQ(j["new_tokens"].size(), 4u);
-}
-
-// A byte-level model of fewer than 256 ids (strata-train trains them: vocab_size <= 256 without a
-// tokenizer): --prompt is its bytes, and a byte past the vocabulary is refused by name.
-TEST_F(Cli, ByteLevelModelsUnder256TakeTheirBytes) {
-  const char* ascii =
-      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
-  "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
-  "num_key_value_heads": 2, "max_position_embeddings": 64})";
-  const std::string m = saved(ascii, "ascii");
-  const testing::Result r = gen({"--model", m, "--prompt", "hello", "--max-new-tokens", "8"});
-  ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_EQ(r.out.rfind("hello", 0), 0u) << r.out;
-  EXPECT_EQ(r.out.size(), std::string("hello").size() + 8 + 1) << r.out;
-  const testing::Result bad = gen({"--model", m, "--prompt", "h\xc3\xa9"}, "bad");
-  EXPECT_EQ(bad.status, 1);
-  EXPECT_NE(bad.err.find("--prompt: byte 195 (0xc3, at 1) is outside the byte-level model's "
-                         "vocabulary [0, 128)"),
-            std::string::npos)
-      << bad.err;
 }
 
 // generation_config.json as Hugging Face reads it: do_sample true without top_k samples among the
