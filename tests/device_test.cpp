@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <limits>
 #include <optional>
 #include <random>
 #include <set>
@@ -551,6 +552,30 @@ std::unique_ptr<Device> throttled_device(double h2d_gbps, double d2h_gbps, doubl
   o.compute_gflops = compute_gflops;
   return make_host_device(o);
 }
+
+#ifndef STRATA_TEST_CUDA
+// A throttle is 0 or a rate things end at: 1e-300 GB/s made an infinite wait that cast to a time
+// in the past (no throttle at all), 1e-6 GFLOP/s a hang; each is refused naming the flag.
+TEST(HostDevice, ThrottlesTooSlowToEndAreRefused) {
+  const auto error_of = [](double h2d, double d2h, double gflops) {
+    try {
+      throttled_device(h2d, d2h, gflops);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(error_of(1e-300, 0, 0).find("the emulated device's host-to-device copy rate "
+                                        "(--emu-h2d-gbps) is 1e-300 GB/s: give 0 (unthrottled) or "
+                                        "at least 0.001 GB/s"),
+            std::string::npos);
+  EXPECT_NE(error_of(0, std::numeric_limits<double>::infinity(), 0).find("(--emu-d2h-gbps) is inf"),
+            std::string::npos);
+  EXPECT_NE(error_of(0, 0, 1e-6).find("matmul rate (--emu-compute-gflops) is 1e-06 GFLOP/s"),
+            std::string::npos);
+  EXPECT_EQ(error_of(0.001, 0, 0), "(accepted)");
+}
+#endif
 
 TEST_P(DeviceTest, ThrottledCopiesTakeAtLeastBytesOverBandwidth) {
   if (GetParam().cuda) GTEST_SKIP() << "throttling is a property of the emulated device";

@@ -27,7 +27,9 @@
 #include <omp.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -51,6 +53,15 @@ namespace strata {
 namespace {
 
 constexpr std::size_t kAlign = 256;  // like cudaMalloc
+// The slowest throttle the emulated device takes (GB/s, GFLOP/s): a megabyte or a megaflop a
+// second.
+constexpr double kMinThrottle = 1e-3;
+
+// `amount` (bytes, flops) at `rate` (GB/s, GFLOP/s) in nanoseconds, saturated at a day: a
+// conversion past int64 is undefined (it gave a time in the past, no throttle at all).
+std::chrono::nanoseconds throttle_ns(double amount, double rate) {
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::min(amount / rate, 86400e9)));
+}
 constexpr std::size_t kLargeStep = std::size_t(64) << 10;
 
 // Set on stream worker threads: they must never wait for streams (their own among them).
@@ -226,11 +237,19 @@ class HostDevice final : public Device {
     STRATA_REQUIRE(o.capacity_bytes >= kAlign,
                    "HostDevice capacity_bytes must be at least {} bytes, got {}", kAlign,
                    o.capacity_bytes);
-    STRATA_REQUIRE(o.h2d_gbps >= 0 && o.d2h_gbps >= 0 && o.d2d_gbps >= 0,
-                   "HostDevice copy rates must be >= 0 GB/s (0 = unthrottled)");
-    STRATA_REQUIRE(o.compute_gflops >= 0,
-                   "HostDevice compute_gflops must be >= 0 (0 = unthrottled), got {}",
-                   o.compute_gflops);
+    // A throttle is 0 (off) or a rate a copy or a matmul ends at: 1e-300 made an infinite wait
+    // that cast to a time in the past (no throttle at all), 1e-6 GFLOP/s a hang.
+    const struct {
+      const char *what, *unit;
+      double v;
+    } rates[] = {{"host-to-device copy rate (--emu-h2d-gbps)", "GB/s", o.h2d_gbps},
+                 {"device-to-host copy rate (--emu-d2h-gbps)", "GB/s", o.d2h_gbps},
+                 {"device-to-device copy rate", "GB/s", o.d2d_gbps},
+                 {"matmul rate (--emu-compute-gflops)", "GFLOP/s", o.compute_gflops}};
+    for (const auto& r : rates)
+      STRATA_REQUIRE(r.v == 0 || (std::isfinite(r.v) && r.v >= kMinThrottle),
+                     "the emulated device's {} is {} {}: give 0 (unthrottled) or at least {} {}",
+                     r.what, r.v, r.unit, kMinThrottle, r.unit);
     STRATA_REQUIRE(o.compute_threads >= 0,
                    "HostDevice compute_threads must be >= 0 (0 = every core), got {}",
                    o.compute_threads);
@@ -294,8 +313,7 @@ class HostDevice final : public Device {
   std::chrono::steady_clock::time_point reserve_link(int dir, std::size_t bytes, double gbps) {
     std::lock_guard<std::mutex> lock(link_mu_);
     const auto start = std::max(std::chrono::steady_clock::now(), link_free_[dir]);
-    link_free_[dir] =
-        start + std::chrono::nanoseconds(static_cast<std::int64_t>(double(bytes) / gbps));
+    link_free_[dir] = start + throttle_ns(double(bytes), gbps);
     return link_free_[dir];
   }
   void register_stream(const std::shared_ptr<StreamCore>& core) {
@@ -446,10 +464,9 @@ class HostStream final : public Stream {
           }
           // Throttled: the host<->device link is one per direction, taken in turn by every
           // stream's copies; a device-to-device copy has its own bandwidth. bytes / (GB/s) = ns.
-          const auto end = link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
-                                     : std::chrono::steady_clock::now() +
-                                           std::chrono::nanoseconds(
-                                               static_cast<std::int64_t>(double(src.bytes) / gbps));
+          const auto end =
+              link >= 0 ? dev->reserve_link(link, src.bytes, gbps)
+                        : std::chrono::steady_clock::now() + throttle_ns(double(src.bytes), gbps);
           // The bytes land when the transfer ends, as a DMA's do: a reader on another stream
           // that misses its wait sees the old contents for the whole transfer, not only for the
           // memmove's first microseconds.
@@ -536,8 +553,7 @@ class HostStream final : public Stream {
           MatmulDesc t = d;
           t.c.mem.ptr = aside.data();
           core->matmul.run(t);
-          std::this_thread::sleep_until(
-              t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(flops / gflops)));
+          std::this_thread::sleep_until(t0 + throttle_ns(flops, gflops));
           std::memcpy(d.c.mem.ptr, aside.data(), c_bytes);
         },
         "matmul", d.a.mem.bytes + d.b.mem.bytes + d.c.mem.bytes);
