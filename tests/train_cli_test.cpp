@@ -2159,6 +2159,34 @@ TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << "a step ran: " << r.out;
+  // --out on rank 1 only: it hung in the model's gather until the collectives' timeout, and the
+  // model was lost.
+  const Result out = two_ranks_rank1_adds("--out " + dir.path + "/out1", "settings-out");
+  EXPECT_NE(out.status, 0) << out.out << out.err;
+  EXPECT_NE(out.err.find("--out (1: given) is 0 on rank 0 and 1 on rank 1"), std::string::npos)
+      << out.err;
+  // Another model on rank 1 (8 heads, another rope_theta: the same parameters, layers and width)
+  // trained with rank 0's, their gradients averaged.
+  const std::string heads8 = dir.path + "/heads8.json";
+  {
+    auto j = nlohmann::json::parse(slurp(cfg));
+    j["num_attention_heads"] = 8;
+    j["num_key_value_heads"] = 4;
+    j["rope_theta"] = 500000.0;
+    std::ofstream(heads8) << j.dump();
+  }
+  const std::string wrap = dir.path + "/model.sh";
+  std::string cmd = "#!/bin/sh\n[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && c='" + heads8 + "' || c='" +
+                    cfg + "'\nexec " + std::string(STRATA_TRAIN_BIN);
+  for (const auto& a : args(dir.path + "/x.jsonl")) cmd += a == cfg ? " \"$c\"" : " '" + a + "'";
+  std::ofstream(wrap) << cmd << "\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const Result model = under_mpirun({"-np", "2", "--oversubscribe", wrap}, "settings-model");
+  EXPECT_NE(model.status, 0) << model.out << model.err;
+  EXPECT_NE(model.err.find("the ranks were started with different settings: the model's shape "
+                           "(its config hash"),
+            std::string::npos)
+      << model.err;
 #endif
 }
 

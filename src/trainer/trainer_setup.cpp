@@ -181,9 +181,14 @@ bool out_dir_free(const std::string& out) {
 
 // The settings every rank must share (require_same_settings), with their names.
 std::vector<SharedSetting> shared_settings(const Settings& s) {
+  // The model's shape whole (heads, rope, vocabulary...): the first 52 bits of its config hash, a
+  // double exactly.
+  const double model_hash =
+      double(std::stoull(model_config_hash(s.mcfg).substr(0, 13), nullptr, 16));
   return {{"the model's parameter count", double(s.total_numel)},
           {"the model's layers", double(s.mcfg.num_layers)},
           {"the model's hidden size", double(s.mcfg.hidden_size)},
+          {"the model's shape (its config hash: heads, positions, rope, norm, tying)", model_hash},
           {"--seq-len", double(s.seq_len)},
           {"the micro-batch (--micro-batch, train_micro_batch_size_per_gpu)", double(s.B)},
           {"the accumulation (--grad-accum, gradient_accumulation_steps)", double(s.accum)},
@@ -207,6 +212,10 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"the tensor parallelism (--tensor-parallel, tensor_parallel.autotp_size)", double(s.tp)},
           {"--sequence-parallel", s.o.sequence_parallel ? 1.0 : 0.0},
           {"--save-every", double(s.o.save_every)},
+          // Every rank takes part in writing --out and in each sample's forwards.
+          {"--out (1: given)", s.o.out_dir.empty() ? 0.0 : 1.0},
+          {"--sample-every", double(s.o.sample_every)},
+          {"--sample-tokens", s.o.sample_every > 0 ? double(s.o.sample_tokens) : 0.0},
           {"--eval-every", double(s.o.eval_every)},
           {"--eval-batches", double(s.o.eval_batches)},
           {"--eval-data files", double(s.o.eval_files.size())},
