@@ -3,6 +3,7 @@
 // TCP rendezvous run by threads of this process on the loopback (the ranks meet; a missing,
 // duplicate or mismatched rank is an error naming it, within the timeout).
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <future>
 #include <map>
+#include <string_view>
 #include <thread>
 
 #include "comm/comm_internal.h"
@@ -186,10 +188,84 @@ TEST(LaunchVariables, ALaunchThatCannotCompleteIsRefusedNamingWhatIsMissing) {
       << e.refusal;
   e = from({{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_JOB_NODELIST", "n[1-"}});
   EXPECT_NE(e.refusal.find("leaves a bracket open"), std::string::npos) << e.refusal;
+  // Set but no number: refused naming the variable (MASTER_PORT=abc became the default port,
+  // silently; a LOCAL_WORLD_SIZE past the world split the node's RAM 100000 ways).
+  const Vars two = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}};
+  const auto with = [&](const Vars& more) {
+    Vars v = two;
+    for (const auto& [k, x] : more) v[k] = x;
+    return from(v).refusal;
+  };
+  EXPECT_NE(with({{"MASTER_PORT", "abc"}})
+                .find("MASTER_PORT='abc' is not a whole number (a TCP port, 1 to 65535)"),
+            std::string::npos);
+  EXPECT_NE(with({{"MASTER_PORT", "-5"}}).find("MASTER_PORT='-5'"), std::string::npos);
+  EXPECT_NE(with({{"LOCAL_RANK", "x"}}).find("LOCAL_RANK='x' is not a whole number of 0 or more"),
+            std::string::npos);
+  EXPECT_NE(with({{"LOCAL_WORLD_SIZE", "100000"}})
+                .find("LOCAL_RANK 0 of LOCAL_WORLD_SIZE 100000 with WORLD_SIZE 2"),
+            std::string::npos);
+  EXPECT_NE(with({{"LOCAL_WORLD_SIZE", "1"}, {"LOCAL_RANK", "1"}}).find("LOCAL_RANK 1 of "),
+            std::string::npos);
+  EXPECT_TRUE(
+      with({{"MASTER_PORT", "29501"}, {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}).empty());
+  e = from({{"SLURM_PROCID", "0"},
+            {"SLURM_STEP_NUM_TASKS", "2"},
+            {"SLURM_STEP_ID", "0"},
+            {"SLURM_JOB_NODELIST", "n1"},
+            {"MASTER_PORT", "x1"}});
+  EXPECT_NE(e.refusal.find("MASTER_PORT='x1'"), std::string::npos) << e.refusal;
+  // A Slurm step of 2 tasks with torchrun variables of a world of 1 left over: each task trained
+  // alone (srun running torchrun has a task a node and WORLD_SIZE at least that).
+  e = from({{"SLURM_PROCID", "1"},
+            {"SLURM_STEP_NUM_TASKS", "2"},
+            {"SLURM_STEP_ID", "0"},
+            {"RANK", "0"},
+            {"WORLD_SIZE", "1"}});
+  EXPECT_NE(e.refusal.find("task 1 of a 2-task Slurm step, and torchrun's variables say rank 0 of "
+                           "1 (RANK, WORLD_SIZE)"),
+            std::string::npos)
+      << e.refusal;
+  EXPECT_TRUE(from({{"SLURM_PROCID", "0"},
+                    {"SLURM_STEP_NUM_TASKS", "2"},
+                    {"SLURM_STEP_ID", "0"},
+                    {"RANK", "3"},
+                    {"WORLD_SIZE", "8"},
+                    {"MASTER_ADDR", "n1"}})
+                  .refusal.empty());
   // One process of one is a plain run, whoever started it.
   EXPECT_TRUE(from({{"RANK", "0"}, {"WORLD_SIZE", "1"}}).refusal.empty());
   EXPECT_TRUE(from({{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}}).refusal.empty());
   EXPECT_EQ(from({}).info.launcher, "none");
+}
+
+// The timeouts: a number of seconds in (0, 1e6]; inf and 1e30 wrapped the clocks' deadlines (the
+// rendezvous gave up at once on one side and waited forever on the other; Gloo refused in its own
+// words), and are refused naming the variable.
+TEST(LaunchVariables, TimeoutsAreSecondsTheClocksHold) {
+  for (const char* var : {"STRATA_COMM_TIMEOUT_S", "STRATA_RENDEZVOUS_TIMEOUT_S"}) {
+    const auto timeout = [&](const char* value) -> std::string {
+      ::setenv(var, value, 1);
+      try {
+        const double t = std::string_view(var) == "STRATA_COMM_TIMEOUT_S" ? resolve_timeout_s(0)
+                                                                          : rendezvous_timeout_s();
+        ::unsetenv(var);
+        return fmt::format("{:g}", t);
+      } catch (const Error& e) {
+        ::unsetenv(var);
+        return e.what();
+      }
+    };
+    EXPECT_EQ(timeout("20"), "20");
+    EXPECT_EQ(timeout("1e6"), "1e+06");
+    for (const char* bad : {"inf", "1e30", "1000001", "0", "-1", "abc", "nan"})
+      EXPECT_NE(timeout(bad).find(fmt::format("{}='{}' is not a number of seconds from just above "
+                                              "0 to 1e+06 (11.6 days)",
+                                              var, bad)),
+                std::string::npos)
+          << timeout(bad);
+  }
+  EXPECT_THROW(resolve_timeout_s(1e7), Error);
 }
 
 // ---- the rendezvous, ranks as threads ----
@@ -276,6 +352,34 @@ TEST(Rendezvous, NoRankZeroIsAnErrorNamingTheAddress) {
       out[0].find(fmt::format("rank 1 could not reach rank 0's rendezvous at 127.0.0.1:{}", port)),
       std::string::npos)
       << out[0];
+}
+
+// A rank 0 address whose host answers no SYN (here a listener whose accept queue is full: the
+// kernel drops the SYNs, as a firewall or a dead host does): the connect gives up at the
+// rendezvous timeout, not after the kernel's retries (135 s).
+TEST(Rendezvous, AConnectThatGetsNoAnswerEndsAtTheTimeout) {
+  const int port = free_port();
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(std::uint16_t(port));
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  std::vector<int> fillers;  // never accepted: the queue fills and later SYNs go unanswered
+  for (int i = 0; i < 4; ++i) {
+    const int c = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    fillers.push_back(c);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto out = join_all({opts(port, 1, 2, 2)});
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int c : fillers) ::close(c);
+  ::close(listener);
+  EXPECT_NE(out[0].find("rank 1 could not reach rank 0's rendezvous"), std::string::npos) << out[0];
+  EXPECT_LT(took, 20.0) << out[0];
 }
 
 TEST(Rendezvous, DuplicateRanksMismatchedWorldsAndOtherJobsAreRefused) {

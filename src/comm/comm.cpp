@@ -475,18 +475,26 @@ std::unique_ptr<Communicator> make_nccl_communicator(Device& device, double time
 // ---- timeout and watchdog ----
 
 double resolve_timeout_s(double option_s) {
-  if (option_s > 0) return option_s;
-  STRATA_REQUIRE(option_s == 0, "CommOptions::timeout_s must be > 0 seconds (0 = default), got {}",
-                 option_s);
-  if (const char* env = std::getenv("STRATA_COMM_TIMEOUT_S"); env && *env) {
-    char* end = nullptr;
-    const double v = std::strtod(env, &end);
-    STRATA_REQUIRE(end != env && *end == '\0' && v > 0,
-                   "STRATA_COMM_TIMEOUT_S='{}' is not a positive number of seconds; set e.g. 300",
-                   env);
-    return v;
-  }
+  // At most kMaxTimeoutS: a deadline past what the clocks and Gloo's milliseconds hold wrapped
+  // (inf failed every collective in Gloo's own words, 1e10 timed out each at once).
+  if (option_s > 0 && option_s <= kMaxTimeoutS) return option_s;
+  STRATA_REQUIRE(option_s == 0,
+                 "CommOptions::timeout_s must be from just above 0 to {} seconds (0 = default), "
+                 "got {}",
+                 kMaxTimeoutS, option_s);
+  if (const char* env = std::getenv("STRATA_COMM_TIMEOUT_S"); env && *env)
+    return timeout_from_env("STRATA_COMM_TIMEOUT_S", env);
   return 300.0;
+}
+
+double timeout_from_env(const char* var, const char* value) {
+  char* end = nullptr;
+  const double v = std::strtod(value, &end);
+  STRATA_REQUIRE(end != value && *end == '\0' && v > 0 && v <= kMaxTimeoutS,
+                 "{}='{}' is not a number of seconds from just above 0 to {:g} ({:.1f} days); "
+                 "set e.g. 300",
+                 var, value, kMaxTimeoutS, kMaxTimeoutS / 86400);
+  return v;
 }
 
 Progress wait_in_progress(const std::function<Progress()>& state, double timeout_s,

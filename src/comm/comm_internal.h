@@ -99,8 +99,15 @@ class CollectiveWorker {
   std::thread thread_;  // last: started after every other member exists
 };
 
+// The longest timeout a collective or the rendezvous takes, in seconds (11.6 days): a longer one
+// would wrap the clocks' deadlines and Gloo's milliseconds.
+inline constexpr double kMaxTimeoutS = 1e6;
+
 // The timeout from options, else STRATA_COMM_TIMEOUT_S, else 300 s.
 double resolve_timeout_s(double option_s);
+// `value` of the environment variable `var` as a timeout in seconds; throws naming the variable
+// when it is not a number in (0, kMaxTimeoutS].
+double timeout_from_env(const char* var, const char* value);
 
 // A call a backend finishes in the background (NCCL's non-blocking communicator returns
 // ncclInProgress), waited for: `state` is asked, with sleeps from 1 us doubling to 1 ms, until

@@ -127,6 +127,20 @@ EnvLaunch launch_from_env(const EnvLookup& lookup) {
   };
   EnvLaunch e;
   LaunchInfo& li = e.info;
+  // A variable that is set but no whole number >= 0 is refused, naming it: MASTER_PORT=abc
+  // silently became the default port (two jobs believing they had their own could meet).
+  auto not_a_number = [&](std::initializer_list<const char*> names) -> bool {
+    for (const char* n : names)
+      if (get(n) && to_int(get(n)) < 0) {
+        e.refusal = fmt::format(
+            "{}='{}' is not a whole number {}: set it as the launcher would, "
+            "or unset it",
+            n, get(n),
+            std::string_view(n) == "MASTER_PORT" ? "(a TCP port, 1 to 65535)" : "of 0 or more");
+        return true;
+      }
+    return false;
+  };
   const bool torch = get("RANK") || get("WORLD_SIZE");
   const int torch_world = to_int(get("WORLD_SIZE"));
 
@@ -179,6 +193,21 @@ EnvLaunch launch_from_env(const EnvLookup& lookup) {
           get("RANK") ? get("RANK") : "(unset)", get("WORLD_SIZE") ? get("WORLD_SIZE") : "(unset)");
       return e;
     }
+    if (not_a_number(
+            {"LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"}))
+      return e;
+    // A Slurm step of more tasks than torchrun's world: variables left from another launch (srun
+    // running torchrun has one task a node, WORLD_SIZE at least that many), and each task would
+    // train alone.
+    const int step_tasks = first_int({"SLURM_STEP_NUM_TASKS"});
+    if (get("SLURM_PROCID") && step_tasks > 1 && torch_world < step_tasks) {
+      e.refusal = fmt::format(
+          "this process is task {} of a {}-task Slurm step, and torchrun's variables say rank {} "
+          "of {} (RANK, WORLD_SIZE): left from another launch? Unset RANK and WORLD_SIZE for srun "
+          "to start the ranks, or run torchrun under srun with one task a node",
+          get("SLURM_PROCID"), step_tasks, rank, torch_world);
+      return e;
+    }
     li.rank = rank;
     li.world_size = torch_world;
     // Without LOCAL_*: every rank on this one node (documented).
@@ -190,6 +219,14 @@ EnvLaunch launch_from_env(const EnvLookup& lookup) {
     if (li.num_nodes < 1) li.num_nodes = (torch_world + li.local_size - 1) / li.local_size;
     li.node_rank = first_int({"GROUP_RANK"});
     if (li.node_rank < 0) li.node_rank = rank / li.local_size;
+    if (li.local_size > torch_world || li.local_rank >= li.local_size) {
+      e.refusal = fmt::format(
+          "LOCAL_RANK {} of LOCAL_WORLD_SIZE {} with WORLD_SIZE {}: a launcher sets LOCAL_RANK "
+          "below LOCAL_WORLD_SIZE and LOCAL_WORLD_SIZE at most WORLD_SIZE (the ranks on this "
+          "node); set them so, or unset both",
+          li.local_rank, li.local_size, torch_world);
+      return e;
+    }
     if (const char* a = get("MASTER_ADDR")) li.master_addr = a;
     li.master_port = first_int({"MASTER_PORT"});
     if (li.master_port < 0) li.master_port = kDefaultMasterPort;
@@ -236,6 +273,7 @@ EnvLaunch launch_from_env(const EnvLookup& lookup) {
         }
       }
     }
+    if (not_a_number({"MASTER_PORT"})) return e;
     li.master_port = first_int({"MASTER_PORT"});
     if (li.master_port < 0) {
       // One port per job, so that two jobs sharing a first node do not collide.

@@ -30,6 +30,7 @@
 #include <set>
 #include <thread>
 
+#include "comm/comm_internal.h"
 #include "strata/error.h"
 #include "strata/log.h"
 
@@ -142,15 +143,8 @@ std::string ranks_text(const std::vector<int>& ranks) {
 }  // namespace
 
 double rendezvous_timeout_s() {
-  if (const char* env = std::getenv("STRATA_RENDEZVOUS_TIMEOUT_S"); env && *env) {
-    char* end = nullptr;
-    const double v = std::strtod(env, &end);
-    STRATA_REQUIRE(end != env && *end == '\0' && v > 0,
-                   "STRATA_RENDEZVOUS_TIMEOUT_S='{}' is not a positive number of seconds; set "
-                   "e.g. 300",
-                   env);
-    return v;
-  }
+  if (const char* env = std::getenv("STRATA_RENDEZVOUS_TIMEOUT_S"); env && *env)
+    return timeout_from_env("STRATA_RENDEZVOUS_TIMEOUT_S", env);
   return 300.0;
 }
 
@@ -461,6 +455,32 @@ class TcpStore::Server {
 namespace {
 
 // Connects to addr:port, retrying until `deadline`; the connected socket, or throws naming why.
+// connect() that gives up at `deadline`: 0, or the errno it failed with (ETIMEDOUT at the
+// deadline). A host that drops SYNs (a firewall, a dead node) held a blocking connect for the
+// kernel's retries, 135 s, whatever STRATA_RENDEZVOUS_TIMEOUT_S said.
+int connect_until(int fd, const sockaddr* addr, socklen_t len, Clock::time_point deadline) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int err = ::connect(fd, addr, len) == 0 ? 0 : errno;
+  while (err == EINPROGRESS || err == EINTR) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    pollfd p{fd, POLLOUT, 0};
+    const int n = ::poll(&p, 1, int(std::clamp<std::int64_t>(left, 0, 1000)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      err = errno;
+    } else if (n == 0) {
+      if (left > 1000) continue;  // poll waits a second at a time
+      err = ETIMEDOUT;
+    } else {
+      socklen_t l = sizeof err;
+      if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &l) != 0) err = errno;
+    }
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return err;
+}
+
 int connect_with_retry(const RendezvousOptions& o, Clock::time_point deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -478,13 +498,14 @@ int connect_with_retry(const RendezvousOptions& o, Clock::time_point deadline) {
       for (addrinfo* a = res; a; a = a->ai_next) {
         const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        const int err = connect_until(fd, a->ai_addr, a->ai_addrlen, deadline);
+        if (err == 0) {
           ::freeaddrinfo(res);
           const int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
           return fd;
         }
-        last = errno_text(errno);
+        last = errno_text(err);
         ::close(fd);
       }
       ::freeaddrinfo(res);
