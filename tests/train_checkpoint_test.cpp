@@ -862,6 +862,25 @@ TEST_F(TrainBinary, AResumeWithAnotherWeightDecayWarns) {
   EXPECT_EQ(slurp(p.err).find("--resume: beta1 was"), std::string::npos) << slurp(p.err);
 }
 
+// --keep-checkpoints renames a checkpoint before removing it: a run killed during the removal
+// leaves a step-<N>.pruned-<tag> (not a half-empty step-<N> that nothing removed), which the next
+// save removes; the kept ones are the newest.
+TEST_F(TrainBinary, APrunedCheckpointLeftByADeadRunIsRemovedByTheNextSave) {
+  const std::string ck = dir.path + "/ck";
+  fs::create_directories(ck + "/step-1.pruned-4242");
+  std::ofstream(ck + "/step-1.pruned-4242/rank0.bin") << "half removed";
+  auto a = args(dir.path + "/a.jsonl",
+                {"--save-every", "1", "--keep-checkpoints", "2", "--checkpoint-dir", ck});
+  set_steps(a, "4");
+  Proc p = spawn(a, dir.path, "prune");
+  const int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ck)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-3", "step-4"}));
+}
+
 // The data file changed in place since the checkpoint (appended to; a corpus prepared again into
 // its cache path): the resume says so, naming the sizes (the paths alone matched).
 TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {

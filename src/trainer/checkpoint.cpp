@@ -134,7 +134,8 @@ constexpr const char* kOwnerFile = ".owner";
 // whose owner was on this host and whose process is gone (a live run's, or one from another
 // host sharing the folder, is left alone). Also a step-<N>.old-<pid> beside a step-<N> with
 // its manifest: the older copy of a step saved again by a run that died before removing it
-// (find_checkpoint only skips it). A step-<N> exists only once complete (it is renamed into
+// (find_checkpoint only skips it). And a step-<N>.pruned-<tag>: a checkpoint a run was removing
+// (prune_checkpoints renames it first). A step-<N> exists only once complete (it is renamed into
 // place), and a run that is saving step N has no step-<N> until its rename.
 void remove_dead_runs_folders(const std::string& root, const std::string& tmp_tag) {
   std::error_code ec;
@@ -153,6 +154,12 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
         dead.push_back(it->path());
       continue;
     }
+    // A checkpoint a run was pruning when it stopped: renamed so, it is garbage whoever left it.
+    if (const auto pruned = n.find(".pruned-");
+        n.starts_with("step-") && pruned != std::string::npos && n.substr(pruned + 8) != tmp_tag) {
+      dead.push_back(it->path());
+      continue;
+    }
     const auto at = n.find(".tmp-");
     if (!n.starts_with("step-") || at == std::string::npos || n.substr(at + 5) == tmp_tag) continue;
     std::ifstream owner(it->path() / kOwnerFile);
@@ -165,7 +172,8 @@ void remove_dead_runs_folders(const std::string& root, const std::string& tmp_ta
     fs::remove_all(p, ec);
     if (!ec)
       log::info(
-          "checkpoint: removed {}, left by a run that stopped while writing {}", p.string(),
+          "checkpoint: removed {}, left by a run that stopped while {} {}", p.string(),
+          p.filename().string().find(".pruned-") != std::string::npos ? "removing" : "writing",
           p.filename().string().find(".old-") != std::string::npos ? "that step again" : "it");
   }
 }

@@ -218,8 +218,14 @@ void prune_checkpoints(Run& r) {
   const std::string& ckpt_root = r.s.ckpt_root;
   if (!r.checkpoint_writer || o.keep_checkpoints == 0) return;
   while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
+    // Renamed first, then removed: a run killed during the removal leaves a step-<N>.pruned-<tag>
+    // that the next save removes (removed in place, it left a half-empty step-<N> for good).
     std::error_code ec;
-    fs::remove_all(fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front()), ec);
+    const fs::path step = fs::path(ckpt_root) / fmt::format("step-{}", saved_steps.front());
+    const fs::path gone =
+        fs::path(ckpt_root) / fmt::format("step-{}.pruned-{}", saved_steps.front(), r.tmp_tag);
+    fs::rename(step, gone, ec);
+    fs::remove_all(ec ? step : gone, ec);
     saved_steps.erase(saved_steps.begin());
   }
 }
