@@ -556,7 +556,7 @@ TEST(BenchCli, NvmeASignalEndsItsFioToo) {
                                     "--vs-fio", "--buffers", "normal"},
                                    d.path, "run");
   Reap reap{pid, SIGTERM};  // an assertion below must not leave it (and its fio) running
-  auto fio_child = [&] {  // a process whose parent is the run and whose name is fio
+  auto fio_child = [&] {    // a process whose parent is the run and whose name is fio
     for (const auto& e : fs::directory_iterator("/proc")) {
       std::ifstream stat(e.path() / "stat");
       std::string pid_s, comm, state;
@@ -920,13 +920,31 @@ TEST(BenchCli, ValuesThatWereMisreadAreRefused) {
            {{"adam", "--params", "-3k"}, "--params: '-3k' is not a count"},
            {{"model", "--seq", "0"}, "--seq: must be > 0, got 0"},
            {{"model", "--layers", "0"}, "--layers: must be > 0, got 0"},
-           {{"model", "--loss-chunk-rows", "-5"}, "--loss-chunk-rows: must be >= 0, got -5"}}) {
+           {{"model", "--loss-chunk-rows", "-5"}, "--loss-chunk-rows: must be >= 0, got -5"},
+           // Sizes in the flags' words (std::bad_alloc, a config key's name, an allocation of 0
+           // bytes after an overflow), and a --doc-len no row holds.
+           {{"model", "--seq", "100000000000"},
+            "--seq 100000000000 is more positions than strata runs (at most 16777216)"},
+           {{"model", "--batch", "4611686018427387904"},
+            "--batch 4611686018427387904 x --seq 256 is 1.18e+21 tokens, more than a micro-batch "
+            "holds"},
+           {{"model", "--doc-len", "100", "--seq", "16"}, "--doc-len 100 is longer than --seq 16"},
+           // gpu's sizes before the GPU is looked for (a --seq of 1e9 wrote a 9.4 GB token file
+           // under --rehearse; --adamw-mparams 1e30 said "must be > 0").
+           {{"gpu", "--adamw-mparams", "1e30"},
+            "--adamw-mparams 1e+30 is outside 0.000064 (64 parameters) to 100000"},
+           {{"gpu", "--adamw-mparams", "0.00001"}, "--adamw-mparams 1e-05 is outside"},
+           {{"gpu", "--rehearse", "--parts", "model", "--seq", "1000000", "--batch", "1000",
+             "--out", d.path + "/gpu-out"},
+            "--batch 1000 x --seq 1000000 is 1e+09 tokens, more than the model part's micro-batch "
+            "takes"}}) {
     const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "bad");
     EXPECT_EQ(r.status, 1) << says << "\n" << r.out << r.err;
     EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
     EXPECT_EQ(r.out.find("SKIPPED"), std::string::npos) << r.out;
   }
   EXPECT_FALSE(fs::exists(d.path + "/strata-bench-nvme.bin"));
+  EXPECT_FALSE(fs::exists(d.path + "/gpu-out"));
   // adam --params takes the form its help gives its default in (100M was "not a number").
   const auto adam = testing::run(
       STRATA_BENCH_BIN, {"adam", "--params", "2k", "--reps", "1", "--threads", "1", "--json"},
@@ -1030,12 +1048,13 @@ TEST(BenchCli, GpuRatiosAboveTheirBoundSayBrokenBound) {
 }
 
 // A part that fails is a measured result: exit 1, and the figures (with the part "failed") are
-// the last JSON object, not an error object after them.
+// the last JSON object, not an error object after them. (Here the AdamW part's 1000M parameters
+// do not fit the rehearsal's 4 GiB emulated device.)
 TEST(BenchCli, AFailedGpuPartKeepsTheFiguresLast) {
   TempDir d("strata-bench");
   const auto r = testing::run(STRATA_BENCH_BIN,
-                              {"gpu", "--rehearse", "--parts", "adamw", "--adamw-mparams",
-                               "0.00001", "--out", d.path + "/gpu", "--json"},
+                              {"gpu", "--rehearse", "--parts", "adamw", "--adamw-mparams", "1000",
+                               "--out", d.path + "/gpu", "--json"},
                               d.path, "gpu");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
   const auto j = last_json(r.out);

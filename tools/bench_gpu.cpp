@@ -867,6 +867,19 @@ void run(Args a) {
   const std::vector<std::string> parts = parse_parts(a.parts);
   const fs::path out = a.out.empty() ? fs::path(default_scratch_dir("gpu-bench")) : fs::path(a.out);
   fs::create_directories(out);
+  if (std::find(parts.begin(), parts.end(), "model") != parts.end()) {
+    // The model part's token file, (steps + 2) x batch x seq u16 tokens, on the drive's free space
+    // before any part runs.
+    const double tokens_bytes = (double(a.steps + 2) * double(a.batch) * double(a.seq) + 1) * 2;
+    std::error_code ec;
+    const fs::space_info sp = fs::space(out, ec);
+    STRATA_REQUIRE(ec || tokens_bytes <= double(sp.available) * 0.9,
+                   "the model part's token file ({} steps + 2 of --batch {} x --seq {} tokens) "
+                   "takes {}, more than 90% of the {} free in {}: give a smaller --batch, --seq "
+                   "or --steps, or another --out",
+                   a.steps, a.batch, a.seq, human_bytes(tokens_bytes),
+                   human_bytes(double(sp.available)), out.string());
+  }
   if (a.nvme_path.empty()) a.nvme_path = default_scratch_dir("gpu-bench-nvme");
   fs::create_directories(a.nvme_path);
 
@@ -1000,6 +1013,17 @@ void add_gpu_command(CLI::App& app) {
       small("--steps", a->steps, 3);
     }
     check_model_flags(*a);
+    // Sizes in the flags' words before the GPU is looked for (--adamw-mparams 1e30 or 1e-5 was
+    // "must be > 0" after a cast; --seq 1e9 wrote a 9.4 GB token file, then std::bad_alloc).
+    STRATA_REQUIRE(a->adamw_mparams >= 64e-6 && a->adamw_mparams <= 1e5,
+                   "--adamw-mparams {} is outside 0.000064 (64 parameters) to 100000 (100 "
+                   "billion)",
+                   a->adamw_mparams);
+    STRATA_REQUIRE(double(a->batch) * double(a->seq) <= double(std::int64_t(1) << 24),
+                   "--batch {} x --seq {} is {:.3g} tokens, more than the model part's "
+                   "micro-batch takes (at most 2^24 = 16777216: no GPU holds the activations of "
+                   "more): give smaller ones",
+                   a->batch, a->seq, double(a->batch) * double(a->seq));
     if (a->probe &&
         a->rehearse) {  // flags checked above; nothing to look for (gpu-check.sh's pre-check)
       std::printf("REHEARSAL: flags accepted; --probe looks for no GPU with --rehearse\n");

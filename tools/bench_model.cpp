@@ -328,7 +328,36 @@ void add_model_command(CLI::App& app) {
   cmd->callback([a] {
     // Written after the timed steps: checked first, and not replaced unasked.
     strata::require_output_file("--trace", a->trace, a->overwrite);
-    run(*a);
+    // Sizes in the flags' words, before anything is made (they came out as a config key's name,
+    // std::bad_alloc, or an allocation of 0 bytes after an overflow).
+    constexpr std::int64_t kMaxSeq = std::int64_t(1) << 24, kMaxTokens = std::int64_t(1) << 31;
+    STRATA_REQUIRE(a->seq <= kMaxSeq, "--seq {} is more positions than strata runs (at most {})",
+                   a->seq, kMaxSeq);
+    STRATA_REQUIRE(double(a->batch) * double(a->seq) <= double(kMaxTokens),
+                   "--batch {} x --seq {} is {:.3g} tokens, more than a micro-batch holds (at "
+                   "most 2^31): give smaller ones",
+                   a->batch, a->seq, double(a->batch) * double(a->seq));
+    STRATA_REQUIRE(a->doc_len <= a->seq,
+                   "--doc-len {} is longer than --seq {}: a row would hold no whole document; "
+                   "give at most --seq (0: unpacked rows)",
+                   a->doc_len, a->seq);
+    const auto too_big = [&](const std::string& why) {
+      STRATA_THROW(kOutOfMemory,
+                   "the model (--hidden {}, --layers {}, --vocab {}) at --batch {} x --seq {} does "
+                   "not fit {}: give a smaller --batch, --seq or model ({})",
+                   a->hidden, a->layers, a->vocab, a->batch, a->seq,
+                   a->device == "cpu" ? "the CPU device's 20 GiB or this machine's memory"
+                                      : "the device's memory",
+                   why);
+    };
+    try {
+      run(*a);
+    } catch (const std::bad_alloc&) {
+      too_big("host memory ran out");
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kOutOfMemory) throw;
+      too_big(e.user_message());
+    }
   });
 }
 
