@@ -226,7 +226,7 @@ void print_header(Run& r) {
       // Every unit small enough to stay gathered on the device
       // (stage3_param_persistence_threshold): no weight shard goes where the config asks, whatever
       // it says.
-      if (std::string_view(prefix) == "compute weights (")
+      if (std::string_view(prefix) == "compute weights (" && where(asked) != "device")
         for (const PlanLine& l : r.engine->plan().lines)
           if (l.what.starts_with("persistent units") && l.bytes > 0)
             return fmt::format(
