@@ -226,6 +226,16 @@ TEST(Model, Qwen2SlidingWindowIsOffUnlessEnabled) {
   EXPECT_THROW(Model(mi, *dev, *s, {.micro_batch = 1, .seq_len = 64}), Error);
 }
 
+// A config.json with a key twice is read as transformers reads it (Python's json: the last one
+// wins); a DeepSpeed config is refused instead (EngineConfig.ErrorsNameTheKeyAndTheAllowedValues).
+TEST(Model, AConfigJsonKeyGivenTwiceTakesTheLast) {
+  const ModelConfig c = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 32,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_attention_heads": 4})",
+      "twice");
+  EXPECT_EQ(c.num_heads, 4);
+}
+
 void expect_error(const std::function<void()>& fn, const std::string& needle) {
   try {
     fn();

@@ -648,8 +648,8 @@ TEST(StrataPrep, SummaryJsonAndErrors) {
                                  "--threads", "1", "--separator", "@@"},
                                 t.dir.path, "sep");
   EXPECT_EQ(sep.status, 0) << sep.err;
-  EXPECT_NE(sep.err.find("--separator is not used: it splits .txt inputs into documents, and no "
-                         "input here is a .txt file"),
+  EXPECT_NE(sep.err.find("--separator is not used: it splits text inputs into documents, and "
+                         "every input here is JSON lines"),
             std::string::npos)
       << sep.err;
   EXPECT_EQ(read_prepared_header(t.dir.path + "/sep.prep").documents, 5u);

@@ -328,6 +328,14 @@ TEST(Runtime, StrataCpuIsaCapsEveryPathStrataInfoReports) {
   EXPECT_NE(r.out.find("\"error\""), std::string::npos)
       << r.out;  // --json's error object, and nothing before it
   EXPECT_EQ(r.out.find("cpu:"), std::string::npos) << r.out;
+  // The model kernels' own variable, named as such (it said "unknown AdamW ISA 'bogus'").
+  auto bad_model = with("");
+  bad_model.emplace_back("STRATA_MODEL_ISA", "bogus");
+  EXPECT_TRUE(info_host(bad_model, &r).is_null());
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("STRATA_MODEL_ISA='bogus' is not one of auto, avx512, avx2, scalar"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

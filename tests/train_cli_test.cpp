@@ -1011,6 +1011,47 @@ TEST_F(TrainCli, StepsThatStayNonFiniteStopTheRun) {
             std::string::npos)
       << r.err;
   EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  EXPECT_NE(r.err.find("run again (no checkpoint of this run from before step 1, whose update "
+                       "overflowed them, is left)"),
+            std::string::npos)
+      << r.err;
+
+  // A schedule that reaches its 1e30 peak at step 3: the first bad step is 4, so step 3's
+  // checkpoint already holds the overflowed weights, and the stop names step 2's (kept: pruning
+  // waits while steps go nowhere). Resumed from it with a sane --lr, the run ends well.
+  const std::string ds = dir.path + "/blowup.json", ck = dir.path + "/nan-ck";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR",
+      "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e30, "warmup_num_steps": 1000}}})";
+  std::vector<std::string> b = {"--model-config",
+                                cfg,
+                                "--text",
+                                text,
+                                "--seq-len",
+                                "16",
+                                "--steps",
+                                "8",
+                                "--device",
+                                "cpu",
+                                "--config",
+                                ds,
+                                "--save-every",
+                                "1",
+                                "--keep-checkpoints",
+                                "2",
+                                "--checkpoint-dir",
+                                ck};
+  const Result blown = train(b, "nan-sched");
+  EXPECT_EQ(blown.status, 1) << blown.out << blown.err;
+  EXPECT_NE(blown.err.find("(from step 4)"), std::string::npos) << blown.err;
+  EXPECT_NE(
+      blown.err.find("then resume from " + ck + "/step-2 (--resume " + ck +
+                     "/step-2): a checkpoint of step 3 or later holds the overflowed weights"),
+      std::string::npos)
+      << blown.err;
+  EXPECT_TRUE(fs::exists(ck + "/step-2/manifest.json"));
+  b.insert(b.end(), {"--resume", ck + "/step-2", "--lr", "1e-3"});
+  const Result resumed = train(b, "nan-resumed");
+  EXPECT_EQ(resumed.status, 0) << resumed.err;
 }
 
 // --sample-every: a greedy sample every N steps and after the last, under the progress line and in

@@ -67,11 +67,11 @@ int run(Options& o, bool separator_given) {
   c.text_field = o.text_field;
   c.text_field_named = o.text_field_named;
   if (separator_given) c.separator = o.separator;
-  if (separator_given &&
-      std::none_of(o.inputs.begin(), o.inputs.end(), strata::is_text_corpus_file))
+  // The reader splits every input that is not JSON lines (a .txt, a .md, ...).
+  if (separator_given && std::all_of(o.inputs.begin(), o.inputs.end(), strata::is_json_lines_file))
     strata::log::warn(
-        "--separator is not used: it splits .txt inputs into documents, and no "
-        "input here is a .txt file");
+        "--separator is not used: it splits text inputs into documents, and every input here "
+        "is JSON lines");
   c.threads = o.threads;
   c.max_document_tokens = o.max_document_tokens;
   strata::use_chat_template(c, dir, o.chat_format);

@@ -15,8 +15,10 @@ namespace strata::config {
 using Json = nlohmann::json;
 
 // Parses JSON text; `what` names its source ("ds_config.json") in the error (kInvalidArgument,
-// with the line and column).
-Json parse(std::string_view text, std::string_view what);
+// with the line and column). A key given twice in one object is refused, naming it and where, as
+// DeepSpeed refuses it in a ds_config; with `duplicates_last_wins` the last one is taken, as
+// Python's json (and so Hugging Face) reads a model's config.json.
+Json parse(std::string_view text, std::string_view what, bool duplicates_last_wins = false);
 
 // The key of `known` at most one edit (keys under 8 characters) or two (longer) away from
 // `key`, case and '-' / '_' aside; empty when none is, or `key` is under 5 characters.

@@ -454,7 +454,6 @@ class TcpStore::Server {
 
 namespace {
 
-// Connects to addr:port, retrying until `deadline`; the connected socket, or throws naming why.
 // connect() that gives up at `deadline`: 0, or the errno it failed with (ETIMEDOUT at the
 // deadline). A host that drops SYNs (a firewall, a dead node) held a blocking connect for the
 // kernel's retries, 135 s, whatever STRATA_RENDEZVOUS_TIMEOUT_S said.
@@ -481,6 +480,9 @@ int connect_until(int fd, const sockaddr* addr, socklen_t len, Clock::time_point
   return err;
 }
 
+// Connects to addr:port, retrying until `deadline`; the connected socket, or throws naming why.
+// Each address gets at most 10 s a try: one that drops packets (an IPv6 address of the host
+// without a route) does not keep the next one (its IPv4 address) from being tried.
 int connect_with_retry(const RendezvousOptions& o, Clock::time_point deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -498,7 +500,8 @@ int connect_with_retry(const RendezvousOptions& o, Clock::time_point deadline) {
       for (addrinfo* a = res; a; a = a->ai_next) {
         const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
-        const int err = connect_until(fd, a->ai_addr, a->ai_addrlen, deadline);
+        const int err = connect_until(fd, a->ai_addr, a->ai_addrlen,
+                                      std::min(deadline, Clock::now() + std::chrono::seconds(10)));
         if (err == 0) {
           ::freeaddrinfo(res);
           const int one = 1;

@@ -12,7 +12,14 @@
 
 namespace strata::config {
 
-Json parse(std::string_view text, std::string_view what) {
+Json parse(std::string_view text, std::string_view what, bool duplicates_last_wins) {
+  if (duplicates_last_wins) {
+    try {
+      return Json::parse(text.begin(), text.end());
+    } catch (const Json::exception& e) {  // a syntax error; a number too large for a double
+      STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
+    }
+  }
   // A key twice in one object: the last would win without a word (DeepSpeed refuses it too).
   // The keys of each open object, and the path to it, for the message.
   std::vector<std::vector<std::string>> keys;

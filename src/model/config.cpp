@@ -86,7 +86,8 @@ void warn_near_misses(const ModelConfig& c, const std::string& what) {
 
 ModelConfig parse_model_config_body(const std::string& json_text, const std::string& what) {
   ModelConfig c;
-  c.raw = config::parse(json_text, what);
+  c.raw =
+      config::parse(json_text, what, /*duplicates_last_wins=*/true);  // as transformers reads it
   STRATA_REQUIRE(c.raw.is_object(), "{}: must be a JSON object, got {}", what, c.raw.type_name());
   const config::Section s(&c.raw, "");
   std::string arch;

@@ -58,6 +58,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <set>
 
@@ -218,7 +219,8 @@ double get_nonnegative(const Section& s, std::string_view key, double def) {
 }
 
 // A hyper-parameter the optimizer holds as a float: finite and >= 0 as a float too (1e39 is
-// infinite there), and with `positive` above 0 as a float (1e-50 is 0 there).
+// infinite there), and with `positive` a normal float (1e-50 is 0 there, and 1e-40 is 0 where the
+// SIMD code flushes subnormals).
 float get_float_nonnegative(const Section& s, std::string_view key, float def, bool positive) {
   const double v = get_nonnegative(s, key, def);
   const float f = static_cast<float>(v);
@@ -226,10 +228,10 @@ float get_float_nonnegative(const Section& s, std::string_view key, float def, b
                  "config key '{}' = {}: too large for the optimizer's fp32 (at "
                  "most 3.4e38)",
                  s.key_path(key), v);
-  STRATA_REQUIRE(!positive || f > 0,
+  STRATA_REQUIRE(!positive || f >= std::numeric_limits<float>::min(),
                  "config key '{}' = {}: must be above 0{} (it keeps the update finite where a "
                  "gradient is 0; DeepSpeed's default is 1e-8)",
-                 s.key_path(key), v, v > 0 ? " as an fp32 (at least about 1e-38)" : "");
+                 s.key_path(key), v, v > 0 ? " as an fp32 (at least 1.2e-38)" : "");
   return f;
 }
 

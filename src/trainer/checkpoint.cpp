@@ -591,7 +591,10 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
       set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
     else if (name.rfind("step-", 0) == 0)
-      log::warn("{}: skipping {}: an unfinished checkpoint", what, e.path().string());
+      log::warn("{}: skipping {}: {}", what, e.path().string(),
+                name.find(".pruned-") != std::string::npos
+                    ? "a checkpoint a run was removing (the next save removes it)"
+                    : "an unfinished checkpoint");
   }
   STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
   // A complete step-<N> a run moved aside to save step N again, and died before the new one took

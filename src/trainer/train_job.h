@@ -116,9 +116,8 @@ struct Run {
   std::int64_t resumed_from = 0;
   std::vector<std::string> checkpoints;  // folders written, in order
   std::vector<std::int64_t> saved_steps;
-  // Steps in a row whose loss was not finite, and the newest checkpoint written before the first.
-  std::int64_t nonfinite_steps = 0;
-  std::string checkpoint_before_nonfinite;
+  // Steps in a row that went nowhere (loss or gradient norm not finite), and the first of them.
+  std::int64_t nonfinite_steps = 0, first_nonfinite_step = 0;
   std::string tmp_tag;
   // This rank made its file system's checkpoint folders (rank 0, or the first rank of a node
   // whose node-local folder rank 0 does not see): it prunes them.

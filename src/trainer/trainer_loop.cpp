@@ -97,21 +97,29 @@ void stop_if_the_steps_stay_nonfinite(Run& r, std::int64_t step, double loss, bo
     r.nonfinite_steps = 0;
     return;
   }
-  if (r.nonfinite_steps++ == 0)
-    r.checkpoint_before_nonfinite = !r.checkpoints.empty() ? r.checkpoints.back() : r.s.resume.dir;
+  if (r.nonfinite_steps++ == 0) r.first_nonfinite_step = step;
   if (r.nonfinite_steps < kNonfiniteStepsToStop) return;
-  const std::string& ck = r.checkpoint_before_nonfinite;
+  // The first bad step ran on the weights of the step before it, whose update made them: a
+  // checkpoint of that step holds them already. The newest one before it is the one to resume
+  // (pruning waits while steps go nowhere).
+  const std::int64_t before = r.first_nonfinite_step - 2;
+  std::int64_t good = -1;
+  for (std::int64_t saved : r.saved_steps)
+    if (saved <= before) good = std::max(good, saved);
+  const std::string ck =
+      good >= 0 ? (fs::path(r.s.ckpt_root) / fmt::format("step-{}", good)).string() : "";
   STRATA_THROW(kInvalidArgument,
                "step {}: the {} was not finite for {} steps in a row (from step {}): the model's "
                "weights or activations overflowed, and every step since was skipped; lower the "
                "learning rate (now {:g}) or its schedule's peak, or look at the data, then {}{}",
                step, std::isfinite(loss) ? "gradient norm" : "loss", r.nonfinite_steps,
-               step - r.nonfinite_steps + 1, lr,
-               ck.empty() ? std::string("run again (no checkpoint of this run was written before "
-                                        "it)")
-                          : fmt::format("resume from {}, the newest checkpoint before it "
-                                        "(--resume {})",
-                                        ck, ck),
+               r.first_nonfinite_step, lr,
+               ck.empty() ? fmt::format("run again (no checkpoint of this run from before step {}, "
+                                        "whose update overflowed them, is left)",
+                                        r.first_nonfinite_step - 1)
+                          : fmt::format("resume from {} (--resume {}): a checkpoint of step {} or "
+                                        "later holds the overflowed weights",
+                                        ck, ck, r.first_nonfinite_step - 1),
                r.s.o.out_dir.empty() ? "" : "; nothing was written to --out");
 }
 
@@ -216,7 +224,9 @@ void prune_checkpoints(Run& r) {
   const TrainOptions& o = r.s.o;
   std::vector<std::int64_t>& saved_steps = r.saved_steps;
   const std::string& ckpt_root = r.s.ckpt_root;
-  if (!r.checkpoint_writer || o.keep_checkpoints == 0) return;
+  // Not while steps go nowhere: the checkpoints from before the weights overflowed are the ones a
+  // stop names.
+  if (!r.checkpoint_writer || o.keep_checkpoints == 0 || r.nonfinite_steps > 0) return;
   while (saved_steps.size() > std::size_t(o.keep_checkpoints)) {
     // Renamed first, then removed: a run killed during the removal leaves a step-<N>.pruned-<tag>
     // that the next save removes (removed in place, it left a half-empty step-<N> for good).
