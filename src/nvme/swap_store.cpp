@@ -42,6 +42,9 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr std::size_t kPage = 4096;
+// The blocks a rank's store takes beside its swap files (strata-swap/, its rank folder, the lock
+// file), with room to spare: counted off the free space it plans with.
+constexpr std::uint64_t kStoreOverheadBytes = 16 * kPage;
 
 // A flag (strata-prof's --nvme-path) or a config key, as the messages name it.
 std::string key_name(const std::string& config_key) {
@@ -401,8 +404,12 @@ std::uint64_t SwapStore::free_bytes(const std::vector<std::string>& paths, int r
     seen.push_back(st.st_dev);
     struct statvfs sv {};
     STRATA_CHECK_ERRNO(::statvfs(p.c_str(), &sv), "statvfs of '{}' ({})", p, key_name(config_key));
-    total += (std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) + dead) /
-             std::uint64_t(ranks_sharing);
+    // Less the store's own folders and lock file, a few blocks a rank: a drive whose free space
+    // was the swap files' bytes exactly planned as fitting, and the run then could not place its
+    // last stripe.
+    const std::uint64_t share = (std::uint64_t(sv.f_bavail) * std::uint64_t(sv.f_frsize) + dead) /
+                                std::uint64_t(ranks_sharing);
+    total += share > kStoreOverheadBytes ? share - kStoreOverheadBytes : 0;
   }
   return total;
 }
