@@ -11,6 +11,7 @@
 //     and an impossible request exits 2 naming the tiers short of memory.
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -173,6 +174,81 @@ TEST(PerfModel, ComputeBoundStepIsTheComputeTime) {
   EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
   c.gradient_accumulation_steps = 2;
   EXPECT_NEAR(predict_step(fast_machine(), mp, c).step_s, 0.240, 0.240 * kRel);
+}
+
+// Beyond 8 micro-batches a step replays four (the first, two in the middle, the last) and the
+// steady one of the middle stands for those left out: the prediction continues the full replay's
+// line (each one more micro-batch adds what the eighth added to the seventh), in closed form where
+// there is one, and the replay no longer grows with gradient_accumulation_steps (it replayed every
+// micro-batch, for every candidate and fixed-point pass: 2^62 hung, 10^9 took 24 GB).
+TEST(PerfModel, ManyMicroBatchesReplayTheSteadyOneScaled) {
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  struct Case {
+    const char* name;
+    MachineProfile m;
+    EngineConfig c;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"compute", fast_machine(), placed(Tier::kDevice, Tier::kDevice, Tier::kDevice)});
+  {
+    MachineProfile m = fast_machine();
+    m.h2d_bps = 1e9;
+    EngineConfig c = placed(Tier::kHost, Tier::kDevice, Tier::kDevice);
+    c.max_live_parameters = 2 * kLayer;  // a window: every layer over the link again in backward
+    c.prefetch_bucket_size = kLayer;
+    cases.push_back({"window", m, c});
+  }
+  {
+    MachineProfile m = fast_machine();
+    m.nvme_read_bps = m.nvme_write_bps = 1e9;
+    EngineConfig c = placed(Tier::kDevice, Tier::kNvme, Tier::kNvme);
+    c.optimizer_nvme_paths = c.grad_nvme_paths = {"/tmp"};
+    cases.push_back({"nvme gradients", m, c});
+  }
+  {
+    MachineProfile m = fast_machine();  // the early step, on one shared core
+    m.cpu_adamw_params_per_s = double(kLayer) / 0.015;
+    m.device_kernel_threads = 1;
+    m.device_shares_host_cores = 1;
+    EngineConfig c = placed(Tier::kDevice, Tier::kHost, Tier::kHost);
+    c.optimizer_threads = 1;
+    cases.push_back({"shared core", m, c});
+  }
+  const auto last_end = [](const Prediction& p) {
+    double last = 0;
+    for (const Interval& iv : p.schedule) last = std::max(last, iv.end_s);
+    return last;
+  };
+  for (Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    const auto at = [&](std::int64_t accum) {
+      k.c.gradient_accumulation_steps = accum;
+      return predict_step(k.m, mp, k.c);
+    };
+    // (on shared cores the replay is a fixed point, settled to 1e-3 of the step)
+    const double rel = k.m.device_shares_host_cores > 0 ? 2e-3 : 1e-6;
+    const Prediction p7 = at(7), p8 = at(8), p9 = at(9);
+    const double each = p8.step_s - p7.step_s;
+    for (const std::int64_t accum : {9, 10, 1000}) {
+      const Prediction p = at(accum);
+      const double want = p8.step_s + double(accum - 8) * each;
+      EXPECT_NEAR(p.step_s, want, want * rel) << accum;
+      for (int r = 0; r < int(Resource::kCount); ++r) {
+        const double busy = p8.busy_s[r] + double(accum - 8) * (p8.busy_s[r] - p7.busy_s[r]);
+        EXPECT_NEAR(p.busy_s[r], busy, want * rel) << accum << " " << r;
+      }
+      EXPECT_EQ(p.schedule.size(), p9.schedule.size()) << accum;
+      // The last micro-batch and the update moved to the step's end: as far past it (the early
+      // step's work finishing behind) as with 8.
+      EXPECT_NEAR(last_end(p) - p.step_s, last_end(p8) - p8.step_s, p.step_s * rel) << accum;
+    }
+  }
+  // Compute-bound: A micro-batches of 120 ms, whatever A.
+  EngineConfig c = placed(Tier::kDevice, Tier::kDevice, Tier::kDevice);
+  c.gradient_accumulation_steps = std::int64_t(1) << 62;
+  const Prediction p = predict_step(fast_machine(), mp, c);
+  EXPECT_NEAR(p.step_s, 0.120 * double(c.gradient_accumulation_steps), p.step_s * 1e-6);
+  EXPECT_NEAR(p.tokens_per_s, 128 / 0.120, 1e-3);
 }
 
 // Tensor parallelism: a unit's TP collectives are part of its measured time; the replay shows
@@ -1350,6 +1426,10 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
                 << t;
         }
         EXPECT_EQ(text.find("max_in_cpu"), std::string::npos) << "a key strata-train warns about";
+        // Its default, false, is not written: strata-train warns of a false one on every run.
+        EXPECT_EQ(text.find("gather_16bit") != std::string::npos,
+                  c.gather_16bit_weights_on_model_save)
+            << text;
         // Floats written as the decimals that read back as them, not their double expansion.
         EXPECT_EQ(text.find("0.89999997"), std::string::npos) << text;
         EXPECT_NE(text.find("0.999\n"), std::string::npos) << text;
@@ -1949,7 +2029,8 @@ TEST(ProfCli, TheConfigsOwnKeysAndAutosAreKeptAsWritten) {
       << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
     "steps_per_print": 10, "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
-    "zero_optimization": {"stage": 3, "round_robin_gradients": true, "overlap_comm": true}})";
+    "zero_optimization": {"stage": 3, "round_robin_gradients": true, "overlap_comm": true,
+                          "stage3_gather_16bit_weights_on_model_save": false}})";
   const auto r = testing::run(
       STRATA_PROF_BIN,
       {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--seq-len", "32",
@@ -1964,6 +2045,9 @@ TEST(ProfCli, TheConfigsOwnKeysAndAutosAreKeptAsWritten) {
   EXPECT_EQ(best["optimizer"]["params"]["betas"], nlohmann::json({0.9, 0.95})) << best.dump();
   EXPECT_EQ(best["steps_per_print"], 10) << best.dump();
   EXPECT_EQ(best["zero_optimization"]["round_robin_gradients"], true) << best.dump();
+  // A default the file leaves out is the user's to keep (strata-train warns of it: their choice).
+  EXPECT_EQ(best["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"], false)
+      << best.dump();
   // What the search decided is written as decided: the micro-batch it measured.
   EXPECT_EQ(best["train_micro_batch_size_per_gpu"], 2) << best.dump();
   // ... and the file means what the search chose.
@@ -2003,6 +2087,10 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
                                  d.path, "plan");
   EXPECT_EQ(plan.status, 0) << plan.out << plan.err;
   EXPECT_NE(plan.out.find("verdict: fits"), std::string::npos) << plan.out;
+  // No key the user never wrote that strata-train warns of (a false
+  // stage3_gather_16bit_weights_on_model_save was written into every file).
+  EXPECT_EQ(plan.err.find("gather_16bit"), std::string::npos) << plan.err;
+  EXPECT_EQ(testing::slurp(d.path + "/best.json").find("gather_16bit"), std::string::npos);
 }
 
 #ifdef STRATA_MPIEXEC
@@ -2058,6 +2146,10 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
   EXPECT_EQ(j["machine"]["world_size"], 3);
   EXPECT_GT(j["machine"]["all_gather_gbps"].get<double>(), 0);
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0);
+  // The run line says how it was profiled, as it does for tensor parallelism.
+  EXPECT_NE(r.out.find("(under mpirun -np 3, as profiled: 3 data-parallel ranks)"),
+            std::string::npos)
+      << r.out;
 }
 
 // Tensor parallelism (mpirun -np 2 --tensor-parallel 2): each rank measures and plans its own
@@ -2202,6 +2294,124 @@ TEST(ProfCli, ImpossibleRequestNamesWhatIsMissing) {
       std::string::npos)
       << r.out;
   EXPECT_FALSE(fs::exists(d.path + "/best.json"));
+  // Host RAM short (a fake /proc/meminfo of 512 KiB available), the device and the pinned budget
+  // not: the ways out are the tiers that are short, not a larger --device-mem-gb or --host-mem-gb
+  // (which it said), neither of which adds RAM.
+  const std::string meminfo = d.path + "/meminfo";
+  std::ofstream(meminfo) << "MemTotal:       1048576 kB\nMemAvailable:        512 kB\n";
+  const auto ram = testing::run(
+      STRATA_PROF_BIN,
+      {"--model-config", model, "--device", "cpu", "--device-mem-gb", "0.02", "--no-nvme",
+       "--seq-len", "32", "--micro-batches", "2", "--out", d.path + "/best.json", "--svg", ""},
+      d.path, "ram", {{"STRATA_TEST_MEMINFO", meminfo}});
+  EXPECT_EQ(ram.status, 2) << ram.out << ram.err;
+  EXPECT_NE(ram.out.find("host RAM: needs"), std::string::npos) << ram.out;
+  EXPECT_NE(ram.out.find("strata-prof's own ways out: --micro-batches below 2, or NVMe (leave out "
+                         "--no-nvme) (host RAM is short: the closest plan needs "),
+            std::string::npos)
+      << ram.out;
+  EXPECT_EQ(ram.out.find("a larger --"), std::string::npos) << ram.out;
+}
+
+// A micro-batch the device cannot hold while measured is left out of the search, its candidates
+// "does not fit", and the search goes on with the others (the whole profile ended in a raw
+// out-of-memory error); one that holds more than one that ran out is not tried. Every size
+// running out is an error naming the flags. A model whose MLP is 2^18 wide on 8 dimensions: B
+// = 4096 x 8 tokens asks for 32 GiB at once, past the 8 GiB the copies are measured on.
+TEST(ProfCli, AMicroBatchTheDeviceCannotHoldIsLeftOut) {
+  TempDir d("strata-prof");
+  const std::string model = d.path + "/wide.json";
+  std::ofstream(model) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 8,
+      "intermediate_size": 262144, "num_hidden_layers": 2, "num_attention_heads": 2,
+      "num_key_value_heads": 1, "max_position_embeddings": 64})";
+  auto prof = [&](std::vector<std::string> sizes, const std::string& tag) {
+    std::vector<std::string> args = {"--model-config",
+                                     model,
+                                     "--device",
+                                     "cpu",
+                                     "--no-nvme",
+                                     "--seq-len",
+                                     "8",
+                                     "--out",
+                                     d.path + "/best.json",
+                                     "--svg",
+                                     "",
+                                     "--overwrite",
+                                     "--json",
+                                     "--micro-batches"};
+    args.insert(args.end(), sizes.begin(), sizes.end());
+    return testing::run(STRATA_PROF_BIN, args, d.path, tag);
+  };
+  const auto r = prof({"1", "4096"}, "some");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("4096   host  does not fit, left out of the search: out of memory while "
+                       "measured: "),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("4096   off   does not fit, left out of the search: holds more than "
+                       "B=4096 with checkpointing host, which ran out"),
+            std::string::npos)
+      << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_EQ(j["model"]["measured"].size(), 3u) << j["model"].dump();
+  ASSERT_EQ(j["model"]["does_not_fit"].size(), 3u) << j["model"].dump();
+  for (const auto& x : j["model"]["does_not_fit"]) EXPECT_EQ(x["micro_batch"], 4096) << x;
+  for (const auto& c : j["candidates"]) EXPECT_EQ(c["micro_batch"], 1) << c;
+  EXPECT_EQ(nlohmann::json::parse(
+                testing::slurp(d.path + "/best.json"))["train_micro_batch_size_per_gpu"],
+            1);
+  const auto none = prof({"4096"}, "none");
+  EXPECT_EQ(none.status, 1) << none.out << none.err;
+  EXPECT_NE(none.err.find("every micro-batch size searched ran out of memory while measured, "
+                          "with checkpointing and without (--micro-batches 4096 at --seq-len 8; "),
+            std::string::npos)
+      << none.err;
+  EXPECT_NE(none.err.find("give smaller --micro-batches or a shorter --seq-len"), std::string::npos)
+      << none.err;
+}
+
+// A --nvme-path (or a --config nvme_path) on a drive without room for strata-prof's own
+// measurement of it is said before anything is written there, with how much it needs and both
+// ways out (the swap store refused once a reserve failed, naming neither --no-nvme nor the
+// measurement). Needs root to mount a 32 MiB tmpfs; Skipped elsewhere.
+TEST(ProfCli, ADriveTooSmallToMeasureIsSaidFirst) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  TempDir d("strata-prof");
+  const std::string mnt = d.path + "/small", model = tiny_model(d.path);
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=32m tmpfs '" + mnt + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string mnt;
+    ~Unmount() {
+      (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str());
+    }
+  } unmount{mnt};
+  const std::string ds = d.path + "/nvme.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+      "nvme_path": ")" + mnt +
+                           R"("}}})";
+  for (const auto& [flags, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--nvme-path", mnt}, "--nvme-path " + mnt},
+           {{"--config", ds}, "zero_optimization.offload_optimizer.nvme_path " + mnt}}) {
+    std::vector<std::string> args = {"--model-config",  model,
+                                     "--device",        "cpu",
+                                     "--seq-len",       "32",
+                                     "--micro-batches", "2",
+                                     "--out",           d.path + "/best.json",
+                                     "--svg",           ""};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const auto r = testing::run(STRATA_PROF_BIN, args, d.path, "small");
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find(named + ": strata-prof measures the drive with "), std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find(" MiB are free: free space there, give --nvme-path on a drive with more, "
+                         "or --no-nvme to leave NVMe out of the search"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out.find("machine ("), std::string::npos) << "measured first: " << r.out;
+    EXPECT_TRUE(fs::is_empty(mnt));
+  }
 }
 
 TEST(ProfCli, BadInputIsAClearError) {
@@ -2260,6 +2470,16 @@ TEST(ProfCli, BadInputIsAClearError) {
   }
   std::ofstream(d.path + "/t.jsonl") << R"({"text": "a document"})"
                                      << "\n";
+  // Raw ids the tiny model (vocab 256) reads: 8 of them (no window of --seq-len 16 + 1), and 64
+  // of 300 (outside the vocabulary). Both measured everything, then failed every validation run.
+  const auto ids_file = [&](const std::string& name, std::vector<std::uint16_t> ids) {
+    std::ofstream(d.path + "/" + name, std::ios::binary)
+        .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(ids.size() * 2));
+    return d.path + "/" + name;
+  };
+  const std::string short_ids = ids_file("short.u16", {1, 2, 3, 4, 5, 6, 7, 8}),
+                    oov_ids = ids_file("oov.u16", std::vector<std::uint16_t>(64, 300)),
+                    tiny = tiny_model(d.path);
   const std::string v32k = d.path + "/v32k.json";
   std::ofstream(v32k) << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
       "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
@@ -2283,7 +2503,29 @@ TEST(ProfCli, BadInputIsAClearError) {
            {{"--validate", "1", "--data", d.path + "/raw.ids"},
             d.path + "/raw.ids: no header (not a strata-prep file, not an llm.c .bin) and not "
                      ".txt, so its format is unknown: give raw token ids' width with --data-dtype "
-                     "u16 or u32"}}) {
+                     "u16 or u32"},
+           // The validation data at the --seq-len and micro-batch the runs read it at.
+           {{"--validate", "1", "--model-config", tiny, "--seq-len", "16", "--micro-batches", "2",
+             "--data", short_ids, "--data-dtype", "u16"},
+            "has no window of seq_len + 1 = 17 tokens"},
+           {{"--validate", "1", "--model-config", tiny, "--seq-len", "16", "--micro-batches", "2",
+             "--data", oov_ids, "--data-dtype", "u16"},
+            oov_ids + ": token id 300 at byte offset "},
+           // Sizes no step can hold (a step reads all its micro-batches first), as strata-train
+           // refuses them: 2^62 micro-batches hung, 2 x a 2^62 micro-batch wrapped, a sequence of
+           // 10^11 tokens ran out of memory measuring.
+           {{"--micro-batches", "1", "--seq-len", "16", "--grad-accum", "4611686018427387904"},
+            "--grad-accum 4611686018427387904 x a micro-batch of 1 x --seq-len 16 tokens (the "
+            "largest of --micro-batches): a step holds all its micro-batches before its first "
+            "forward"},
+           {{"--micro-batch", "4611686018427387904"},
+            "(2B of B = 4611686018427387904: the search tries B/2, B and 2B"},
+           {{"--seq-len", "100000000000"}, "x --seq-len 100000000000 tokens"},
+           // GiB past a 64-bit count of bytes (wrapped to 0).
+           {{"--device-mem-gb", "1e30"},
+            "--device-mem-gb 1e+30: more bytes than a 64-bit count holds"},
+           {{"--host-mem-gb", "1e30"},
+            "--host-mem-gb 1e+30: more bytes than a 64-bit count holds"}}) {
     std::vector<std::string> v = {"--out", d.path + "/best.json", "--device", "cpu", "--no-nvme"};
     v.insert(v.end(), flags.begin(), flags.end());
     const auto bad = testing::run(STRATA_PROF_BIN, v, d.path, "combo");

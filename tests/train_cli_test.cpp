@@ -1672,6 +1672,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"--lr -1", args(log, {"--lr", "-1"}), "--lr: must be >= 0, got -1"},
       // CLI11 wrapped -1 to 2^64 - 1: a fixed seed for one who meant "random".
       {"--seed -1", args(log, {"--seed", "-1"}), "--seed: must be >= 0, got -1"},
+      {"--device-mem-gb past 64-bit bytes (a cap of 0 bytes)",
+       args(log, {"--device-mem-gb", "1e30"}),
+       "--device-mem-gb 1e+30: more bytes than a 64-bit count holds"},
       {"--out a file", args(log, {"--out", text, "--overwrite"}), "is a file, not a folder"},
       {"--out under a file", args(log, {"--out", text + "/sub"}), "is not a writable folder"},
       {"--trace-step past the end",

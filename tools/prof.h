@@ -92,6 +92,14 @@ struct DeviceOptions {
   CudaDeviceOptions copt;
 };
 
+// A profile (micro-batch and checkpointing) that ran out of memory while measured, or holds more
+// than one that did: not in the search space, its candidates do not fit.
+struct Unmeasured {
+  std::int64_t micro_batch = 0;
+  std::string checkpoint;  // "off", "on", "host"
+  std::string why;
+};
+
 // What the measure step found: the machine, the device's name as printed, the search space with
 // the model's profiles, and the times taken.
 struct Measurement {
@@ -102,6 +110,7 @@ struct Measurement {
   // The drive slowdown of each round alone (machine.nvme_compute_slowdown is over all of them):
   // how far one measurement of it moves on this machine. Rank 0's; empty without the drive.
   std::vector<double> nvme_slowdown_rounds;
+  std::vector<Unmeasured> unmeasured;  // the same on every rank
 };
 
 // ---- prof_measure.cpp ----

@@ -3,6 +3,7 @@
 // model (per-unit forward / backward time and activation bytes from real micro-batches of a 1-
 // and a 2-layer copy of it), agreed across ranks.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -311,6 +312,67 @@ void measure_rates(Device& dev, Stream& s, PinnedBlock& host, Buffer& d, std::si
   measure_adamw_rates(dev, s, base, m);
 }
 
+// The kernels' drive load (DriveLoad, below): 16 keys of 4 MiB in a store of its own under the
+// same folder, made after measure_nvme's is gone.
+constexpr std::size_t kDriveLoadExtent = std::size_t(4) << 20, kDriveLoadKeys = 16;
+constexpr std::uint64_t kDriveLoadScratchBytes = kDriveLoadExtent * kDriveLoadKeys;
+
+// The sizes measure_nvme's requests take, from the largest unit's optimizer state and weight
+// shard (`unit_state_bytes`, `unit_weight_bytes`) and the aio block, and the scratch files they
+// fill: each set of keys reserved once and kept to the end of the measurement.
+struct NvmeSizes {
+  std::size_t extent = 0, count = 0;  // the x keys: one unit's state, 128 MiB of them
+  std::size_t mixed_small = std::size_t(256) << 10, mixed_small_n = 0;  // the m keys
+  std::size_t read_small = std::size_t(64) << 10, reads = 16;           // the s keys
+  std::size_t w_extent = 0;                                             // the w keys, count
+  std::size_t piece = 0, pieces = 0, one_read = 0, split_units = 0;     // the p keys
+  bool split_fetch() const { return pieces > one_read; }
+  std::uint64_t scratch_bytes() const {
+    const auto keys = [](std::size_t bytes, std::size_t n) {
+      return std::uint64_t(SwapStore::padded_bytes(bytes)) * n;
+    };
+    std::uint64_t b = keys(extent, count);
+    if (mixed_small < extent) b += keys(mixed_small, mixed_small_n);
+    if (read_small != extent) b += keys(read_small, reads);
+    if (w_extent != extent) b += keys(w_extent, count);
+    if (split_fetch() && piece != extent) b += keys(piece, split_units * pieces);
+    return b;
+  }
+};
+NvmeSizes nvme_sizes(const EngineConfig& base, std::size_t unit_state_bytes,
+                     std::size_t unit_weight_bytes) {
+  NvmeSizes z;
+  z.extent = SwapStore::padded_bytes(
+      std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
+  z.count = std::max<std::size_t>(8, (std::size_t(128) << 20) / z.extent);
+  z.mixed_small_n = std::max<std::size_t>(z.count, 64);
+  z.w_extent = SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, z.extent));
+  const std::size_t block = std::max<std::size_t>(base.aio.block_size, 4096);
+  z.piece = std::min<std::size_t>(std::size_t(64) << 10, block);
+  z.pieces = z.w_extent / z.piece;
+  z.one_read = (z.w_extent + block - 1) / block;
+  z.split_units = std::min<std::size_t>(z.count, 8);
+  return z;
+}
+
+// The drive's scratch files (`bytes`, or the kernels' drive load's where that is more) must fit the
+// free space under `dir` (this rank's share of it): said before any is written, with both ways out.
+// The swap store alone refused only once a reserve failed, naming neither how much the measurement
+// needs nor --no-nvme.
+void require_nvme_scratch(Communicator& comm, const std::string& dir, const std::string& key,
+                          std::uint64_t bytes) {
+  const std::uint64_t need = std::max<std::uint64_t>(bytes, kDriveLoadScratchBytes);
+  const std::uint64_t free =
+      SwapStore::free_bytes({dir}, comm.rank(), key, ranks_on_this_node(comm), comm.world_size());
+  STRATA_REQUIRE(need <= free,
+                 "{} {}: strata-prof measures the drive with {} of scratch files there{} and {} "
+                 "are free: free space there, give --nvme-path on a drive with more, or --no-nvme "
+                 "to leave NVMe out of the search",
+                 key, dir, human(double(need)),
+                 ranks_on_this_node(comm) > 1 ? " (each rank of this node its own)" : "",
+                 human(double(free)));
+}
+
 // The optimizer's traffic on `store`: request i reads (even i) or writes (odd i) `bytes` between
 // bufs[i % bufs.size()] and key(i), `in_flight` at once (reads ahead, writes behind), for as long
 // as more(i) says before each; done() after each one completes. Returns when all have.
@@ -341,6 +403,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
                   const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
                   const std::string& nvme_key, std::size_t unit_state_bytes,
                   std::size_t unit_weight_bytes, double sustain_s, MachineProfile& m) {
+  const NvmeSizes z = nvme_sizes(base, unit_state_bytes, unit_weight_bytes);
+  require_nvme_scratch(comm, nvme_dir, nvme_key, z.scratch_bytes());
   SwapStoreOptions so;
   so.paths = {nvme_dir};
   so.rank = comm.rank();
@@ -348,9 +412,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   so.aio = base.aio;
   so.config_key = nvme_key;
   SwapStore store(so);
-  const std::size_t extent = SwapStore::padded_bytes(
-      std::clamp<std::size_t>(unit_state_bytes, std::size_t(1) << 20, std::size_t(16) << 20));
-  const std::size_t count = std::max<std::size_t>(8, (std::size_t(128) << 20) / extent), depth = 2;
+  const std::size_t extent = z.extent, count = z.count, depth = 2;
   std::vector<PinnedBlock> bufs;
   // (one a request in flight at most: with aio.verify a buffer read into while it is written
   // would fail its checksum)
@@ -413,8 +475,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // state and new weights written behind, offload_optimizer.buffer_count), and on the Zen 5 VM,
   // 2026-12-05, the part fell from 0.021-0.023 ms with 2 in flight to 0.006 with 4 and 0 with 8.
   {
-    const std::size_t small = std::size_t(256) << 10;
-    const std::size_t big_n = count, small_n = std::max<std::size_t>(count, 64);
+    const std::size_t small = z.mixed_small;
+    const std::size_t big_n = count, small_n = z.mixed_small_n;
     const std::string big_keys = written_keys("m", extent, big_n);
     const std::string small_keys = small < extent ? written_keys("m", small, small_n) : "";
     // The line's fixed part and rate at `in_flight` (none: the extent's rate, no fixed part).
@@ -513,7 +575,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // optimizer waits for each sub-group's read, issued one ahead, so with small sub-groups that
   // fixed time is what their step pays; a noisy pair that gives no such line leaves it 0.
   {
-    const std::size_t small = 64 << 10, reads = 16;
+    const std::size_t small = z.read_small, reads = z.reads;
     auto one_at_a_time = [&](std::size_t bytes) {
       const std::string prefix = written_keys("s", bytes, reads);
       return median_of(3,
@@ -532,8 +594,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   }
   // A fetch reads one unit's weight shard and the fetch stream waits for it before its copy:
   // one read of that size at a time (the next is issued as the prefetch window moves).
-  const std::size_t w_extent =
-      SwapStore::padded_bytes(std::clamp<std::size_t>(unit_weight_bytes, 4096, extent));
+  const std::size_t w_extent = z.w_extent;
   const std::size_t w_count = std::max<std::size_t>(8, (std::size_t(64) << 20) / w_extent);
   const std::string w_prefix = written_keys("w", w_extent, count);
   const double fetch = median_of(3, [&] {
@@ -547,12 +608,10 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // bytes again as 64 KiB requests a unit (or aio.block_size ones, if smaller). Each request
   // beyond one read's costs the difference over their number; none measured (a noisy pair) is 0.
   {
-    const std::size_t block = std::max<std::size_t>(base.aio.block_size, 4096);
-    const std::size_t piece = std::min<std::size_t>(std::size_t(64) << 10, block);
-    const std::size_t pieces = w_extent / piece, one_read = (w_extent + block - 1) / block;
+    const std::size_t piece = z.piece, pieces = z.pieces, one_read = z.one_read;
     m.nvme_fetch_request_s = 0;
-    if (pieces > one_read) {
-      const std::size_t units = std::min<std::size_t>(count, 8);
+    if (z.split_fetch()) {
+      const std::size_t units = z.split_units;
       const std::string p_prefix = written_keys("p", piece, units * pieces);
       std::vector<IoHandle> hs;
       const double split = median_of(3, [&] {
@@ -754,6 +813,10 @@ struct ProfileKey {
   std::int64_t B = 1;
   bool ckpt = false, ckpt_host = false;
 };
+// Its checkpointing as the model's table and the JSON name it.
+const char* checkpoint_name(const ProfileKey& k) {
+  return !k.ckpt ? "off" : k.ckpt_host ? "host" : "on";
+}
 
 // The engine's mix of NVMe traffic (extents of 4 MiB, half read and half written, two of each in
 // flight, as the optimizer reads ahead and writes behind) on a thread of its own, from
@@ -808,7 +871,7 @@ class DriveLoad {
   }
 
  private:
-  static constexpr std::size_t kExtent = std::size_t(4) << 20, kKeys = 16;
+  static constexpr std::size_t kExtent = kDriveLoadExtent, kKeys = kDriveLoadKeys;
   static PinnedPoolOptions pool_options(Device& dev) {
     PinnedPoolOptions po;
     po.budget_bytes = 4 * kExtent;
@@ -1121,8 +1184,39 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   // could land in a fast or a slow one (a layer timed 20% fast, its profile's placements
   // ranked wrongly against the others').
   constexpr int kRounds = 3, kRepsPerRound = 3;
-  std::vector<LayerTiming> one;
+  std::vector<LayerTiming> one(keys.size());
   std::vector<std::vector<LayerTiming>> two(keys.size());
+  // A profile whose copy runs out of memory (the device's, or the host's) is not measured: its
+  // candidates do not fit, and the search goes on with the others. Nor is one that holds more
+  // than one that failed: a larger micro-batch, or checkpointing that keeps more on the device
+  // (off, on, on with the checkpoints in host memory: `keeps`). Why each was not: `failed`.
+  std::vector<std::string> failed(keys.size());
+  std::vector<bool> ran_out(keys.size(), false);  // (not only held more than one that did)
+  const auto keeps = [](const ProfileKey& k) { return !k.ckpt ? 2 : k.ckpt_host ? 0 : 1; };
+  const auto measure_key = [&](std::size_t i, const auto& f) {
+    for (std::size_t j = 0; j < keys.size() && failed[i].empty(); ++j)
+      if (ran_out[j] && keys[i].B >= keys[j].B && keeps(keys[i]) >= keeps(keys[j]))
+        failed[i] = fmt::format("holds more than B={} with checkpointing {}, which ran out",
+                                keys[j].B, checkpoint_name(keys[j]));
+    if (!failed[i].empty()) return;
+    try {
+      f();
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kOutOfMemory) throw;
+      failed[i] = "out of memory while measured: " + e.message();
+      ran_out[i] = true;
+    } catch (const std::bad_alloc&) {
+      failed[i] = "out of host memory while measured (std::bad_alloc)";
+      ran_out[i] = true;
+    }
+  };
+  // (the 1-layer copies in the order of what they hold, least first, so that one that fails
+  // spares the larger ones)
+  std::vector<std::size_t> least_first(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) least_first[i] = i;
+  std::stable_sort(least_first.begin(), least_first.end(), [&](std::size_t x, std::size_t y) {
+    return keys[x].B != keys[y].B ? keys[x].B < keys[y].B : keeps(keys[x]) < keeps(keys[y]);
+  });
   {
     // One device for every copy (and under tensor parallelism one set of communicators: NCCL's
     // are slow to make), gone before the ranks agree below.
@@ -1134,13 +1228,24 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
       groups = make_process_groups(*world, a.tp.size);
     }
     CacheEvictor evict(*mdev);
-    for (const ProfileKey& k : keys)
-      one.push_back(time_layers(*mdev, groups.tp.get(), mcfg, 1, k, a.seq_len, dt, 1).front());
+    for (const std::size_t i : least_first)
+      measure_key(i, [&] {
+        one[i] = time_layers(*mdev, groups.tp.get(), mcfg, 1, keys[i], a.seq_len, dt, 1).front();
+      });
     for (int round = 0; round < kRounds; ++round)
       for (std::size_t i = 0; i < keys.size(); ++i)
-        for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[i], a.seq_len,
-                                                dt, kRepsPerRound, &evict))
-          two[i].push_back(t);
+        measure_key(i, [&] {
+          for (const LayerTiming& t : time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[i],
+                                                  a.seq_len, dt, kRepsPerRound, &evict))
+            two[i].push_back(t);
+        });
+    std::size_t first = 0;  // the first profile measured
+    while (first < keys.size() && !failed[first].empty()) ++first;
+    STRATA_REQUIRE(first < keys.size(),
+                   "every micro-batch size searched ran out of memory while measured, with "
+                   "checkpointing and without (--micro-batches {} at --seq-len {}; the smallest: "
+                   "{}): give smaller --micro-batches or a shorter --seq-len",
+                   fmt::join(a.micro_batches, " "), a.seq_len, failed[least_first.front()]);
     // The drive's traffic slows the emulated device's kernels where the guest's CPU time does not
     // show it (on a virtual machine its I/O is served on the same physical cores and memory): the
     // first profile with the engine's NVMe traffic running beside it and alone, in turns.
@@ -1166,11 +1271,11 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
       for (int round = 0; round < kRounds; ++round) {
         DriveLoad load(*mdev, *world, base, nvme);
         const std::vector<LayerTiming> beside = time_layers(
-            *mdev, groups.tp.get(), mcfg, 2, keys[0], a.seq_len, dt, kRepsPerRound, &evict);
+            *mdev, groups.tp.get(), mcfg, 2, keys[first], a.seq_len, dt, kRepsPerRound, &evict);
         load.stop();
         out.machine.nvme_load_bps = std::max(out.machine.nvme_load_bps, load.bytes_per_s());
-        const std::vector<LayerTiming> alone = time_layers(*mdev, groups.tp.get(), mcfg, 2, keys[0],
-                                                           a.seq_len, dt, kRepsPerRound, &evict);
+        const std::vector<LayerTiming> alone = time_layers(
+            *mdev, groups.tp.get(), mcfg, 2, keys[first], a.seq_len, dt, kRepsPerRound, &evict);
         out.nvme_slowdown_rounds.push_back(slowdown(alone, beside));
         beside_t.insert(beside_t.end(), beside.begin(), beside.end());
         alone_t.insert(alone_t.end(), alone.begin(), alone.end());
@@ -1178,13 +1283,33 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
       out.machine.nvme_compute_slowdown = slowdown(alone_t, beside_t);
     }
   }
-  for (std::size_t i = 0; i < keys.size(); ++i)
+  std::unique_ptr<Device> agree_dev;
+  std::unique_ptr<Communicator> agree_comm;
+  if (world_size * a.tp.size > 1) {
+    agree_dev = make_device(a.device, dopt.hopt, dopt.copt);
+    agree_comm = make_communicator(*agree_dev);
+    // A profile another rank could not hold is left out on every rank: all search alike.
+    std::vector<double> out_v(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) out_v[i] = failed[i].empty() ? 0 : 1;
+    max_across_ranks(*agree_comm, out_v);
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (out_v[i] > 0 && failed[i].empty()) failed[i] = "did not fit on another rank";
+    STRATA_REQUIRE(std::find(failed.begin(), failed.end(), std::string()) != failed.end(),
+                   "every micro-batch size searched ran out of memory while measured on some "
+                   "rank (--micro-batches {} at --seq-len {}): give smaller --micro-batches or a "
+                   "shorter --seq-len",
+                   fmt::join(a.micro_batches, " "), a.seq_len);
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (!failed[i].empty()) {
+      out.unmeasured.push_back({keys[i].B, checkpoint_name(keys[i]), failed[i]});
+      continue;
+    }
     space.models.push_back(
         profile_model(mcfg, keys[i], a.seq_len, a.tp, one[i], mean_timing(two[i])));
-  if (world_size * a.tp.size > 1) {
-    auto dev = make_device(a.device, dopt.hopt, dopt.copt);
-    auto comm = make_communicator(*dev);
-    agree_across_ranks(*comm, out.machine, space.models);
+  }
+  if (agree_comm) {
+    agree_across_ranks(*agree_comm, out.machine, space.models);
     // The plan takes the config's budget over the machine's: the least any rank has, on every rank.
     space.base.host_budget_bytes = out.machine.host_capacity;
     if (talk)
@@ -1194,7 +1319,7 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   }
 }
 
-void print_models(const SearchSpace& space) {
+void print_models(const SearchSpace& space, const std::vector<Unmeasured>& unmeasured) {
   // The cores column only where they were measured (the CPU-emulated device).
   const bool cores = !space.models.empty() && space.models.front().device_cores > 0;
   std::printf("model (per micro-batch, measured on 1- and 2-layer copies):\n");
@@ -1210,6 +1335,9 @@ void print_models(const SearchSpace& space) {
                 (mp.units[0].forward_s + mp.units[0].backward_s) * 1e3,
                 human(double(mp.activation_bytes)).c_str(),
                 cores ? fmt::format("  {:5.2f}", mp.device_cores).c_str() : "");
+  for (const Unmeasured& u : unmeasured)
+    std::printf("  %-6lld %-5s does not fit, left out of the search: %s\n",
+                (long long)u.micro_batch, u.checkpoint.c_str(), u.why.c_str());
 }
 
 }  // namespace
@@ -1237,7 +1365,7 @@ Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const 
   measure_the_model(a, base, mcfg, nvme, dopt, world_size, talk, out);
   out.measured_s = since(t_start);
   if (talk) {
-    print_models(out.space);
+    print_models(out.space, out.unmeasured);
     if (out.machine.nvme_load_bps > 0) {
       std::string rounds;  // each round alone: how far one such measurement moves here
       for (double r : out.nvme_slowdown_rounds)

@@ -447,6 +447,9 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
     std::printf("  (under mpirun -np %d, as profiled: --tensor-parallel %d x %d data-parallel)\n",
                 machine.tensor_parallel * machine.world_size, machine.tensor_parallel,
                 machine.world_size);
+  else if (machine.world_size > 1)
+    std::printf("  (under mpirun -np %d, as profiled: %d data-parallel ranks)\n",
+                machine.world_size, machine.world_size);
 }
 
 // ---- validation ----

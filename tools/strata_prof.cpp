@@ -173,6 +173,41 @@ TensorParallel tensor_parallel_of(const Args& a, const LaunchInfo& job) {
   return {tp, job.rank % tp};
 }
 
+// A memory size in GiB that a 64-bit byte count holds (1e30 was cast to a wrapped count).
+void require_bytes_gb(const char* flag, double gb) {
+  constexpr double kMostGb = 8589934592.0;  // 2^63 bytes
+  STRATA_REQUIRE(gb <= kMostGb,
+                 "{} {:g}: more bytes than a 64-bit count holds (at most {:.0f} GiB, 8 EiB); give "
+                 "the memory in GiB, e.g. 80",
+                 flag, gb, kMostGb);
+}
+
+// What strata-train refuses of the sizes, refused before anything is measured: a step reads all
+// its micro-batches before its first forward and holds them at once (step_data), here the largest
+// micro-batch searched (--micro-batches' largest, else 2B). In doubles: a huge --grad-accum,
+// --micro-batch or --seq-len (2^62, 1e11) hung, ate the memory or wrapped.
+void check_step_data(const Args& a, bool grad_accum_given) {
+  const double largest =
+      a.micro_batches.empty()
+          ? 2.0 * double(a.micro_batch)
+          : double(*std::max_element(a.micro_batches.begin(), a.micro_batches.end()));
+  const StepData d = step_data(double(a.grad_accum), largest, double(a.seq_len));
+  const std::string accum =
+      grad_accum_given || a.ds_config.empty()
+          ? fmt::format("--grad-accum {}", a.grad_accum)
+          : fmt::format("gradient_accumulation_steps {} (--config {})", a.grad_accum, a.ds_config);
+  const std::string batch =
+      a.micro_batches.empty()
+          ? fmt::format("2B of B = {}: the search tries B/2, B and 2B", a.micro_batch)
+          : std::string("the largest of --micro-batches");
+  STRATA_REQUIRE(d.fits(),
+                 "{} x a micro-batch of {:.0f} x --seq-len {} tokens ({}): a step holds all its "
+                 "micro-batches before its first forward, {}, more than the {} of memory "
+                 "available: give a smaller --grad-accum, micro-batch or --seq-len",
+                 accum, largest, a.seq_len, batch, log::human_bytes(d.held_bytes, 1),
+                 log::human_bytes(d.available_bytes, 1));
+}
+
 // The flags over the --config: dtype, accumulation, the micro-batches searched and the host
 // budget. Returns the --config's train_batch_size (0: it gives none).
 std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, bool demo,
@@ -195,8 +230,10 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
   // As strata-train takes --grad-accum beside a train_batch_size: the global batch stays and the
   // micro-batch follows (the --config's micro-batch was derived under its own accumulation).
   if (a.micro_batch <= 0 && a.micro_batches.empty() && config_train && grad_accum_given) {
-    const std::int64_t per = a.grad_accum * launch.world_size;
-    STRATA_REQUIRE(base.train_batch_size % per == 0,
+    // (in doubles first: a --grad-accum near 2^63 times the ranks wrapped)
+    const bool within = double(a.grad_accum) * launch.world_size <= double(base.train_batch_size);
+    const std::int64_t per = within ? a.grad_accum * launch.world_size : 0;
+    STRATA_REQUIRE(within && base.train_batch_size % per == 0,
                    "--grad-accum {} x {} rank(s) does not divide the train_batch_size {} of "
                    "--config {}: give a "
                    "--grad-accum that divides it, or --micro-batch / --micro-batches",
@@ -206,6 +243,7 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
   // The micro-batch the search centres on: --micro-batch, else the --config's (as --dtype and
   // --grad-accum default to it) when it gives one, else 4 for the demo and 1.
   if (a.micro_batch <= 0) a.micro_batch = config_micro ? base.micro_batch_per_gpu : demo ? 4 : 1;
+  check_step_data(a, grad_accum_given);  // (before 2B is formed: a huge B doubled wrapped)
   if (a.micro_batches.empty()) {
     if (a.micro_batch >= 2) a.micro_batches.push_back(a.micro_batch / 2);
     a.micro_batches.push_back(a.micro_batch);
@@ -220,6 +258,7 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
       a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
       "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps",
       a.host_mem_gb);
+  require_bytes_gb("--host-mem-gb", a.host_mem_gb);
   base.host_budget_bytes = a.host_mem_gb > 0
                                ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
                                : (base.host_budget_bytes ? base.host_budget_bytes
@@ -229,6 +268,7 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
 }
 
 DeviceOptions device_options(const Args& a) {
+  require_bytes_gb("--device-mem-gb", a.device_mem_gb);
   DeviceOptions o;
   HostDeviceOptions& hopt = o.hopt;
   CudaDeviceOptions& copt = o.copt;
@@ -403,12 +443,52 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
            {"activation_bytes", mp.activation_bytes},
            {"device_cores", mp.device_cores}});
     j["model"]["measured"] = std::move(rows);
+    nlohmann::json left_out = nlohmann::json::array();
+    for (const Unmeasured& u : m.unmeasured)
+      left_out.push_back(
+          {{"micro_batch", u.micro_batch}, {"checkpoint", u.checkpoint}, {"why", u.why}});
+    j["model"]["does_not_fit"] = std::move(left_out);
   }
   j["machine_seconds"] = t_machine;
   j["measure_seconds"] = t_measured;
   j["candidates_considered"] = sr.considered;
   j["candidates_feasible"] = sr.ranked.size();
   return j;
+}
+
+// The flags that would let the closest plan fit, from the tiers it is short of: the device (a
+// larger --device-mem-gb: the emulated device's cap, or a GPU's planned under one; a GPU's own
+// memory is its limit), the pinned budget (a larger --host-mem-gb, unless host RAM is short too:
+// the budget is taken from RAM), host RAM (no flag gives more: what is placed on NVMe leaves it);
+// and those that shrink any plan: smaller micro-batches, NVMe.
+std::string ways_out(const Args& a, const Measurement& m, const NvmeChoice& nvme,
+                     const MemoryPlan& closest) {
+  const bool device = closest.device_bytes > closest.device_capacity,
+             pinned = closest.host_bytes > closest.host_capacity,
+             ram = closest.ram_capacity > 0 && closest.ram_bytes > closest.ram_capacity;
+  const bool device_flag = device && (m.dev_name.starts_with("cpu") || a.device_mem_gb > 0),
+             host_flag = pinned && !ram;
+  std::vector<std::string> ways;
+  if (device_flag && host_flag)
+    ways.push_back("a larger --device-mem-gb or --host-mem-gb");
+  else if (device_flag)
+    ways.push_back("a larger --device-mem-gb");
+  else if (host_flag)
+    ways.push_back("a larger --host-mem-gb");
+  if (a.micro_batches.front() > 1)
+    ways.push_back(fmt::format("--micro-batches below {}", a.micro_batches.front()));
+  ways.push_back(nvme.use ? "--nvme-path on a drive with more free space"
+                          : "NVMe (leave out --no-nvme)");
+  std::string out;
+  for (std::size_t i = 0; i < ways.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == ways.size() ? ", or " : ", ") + ways[i];
+  if (ram)
+    out += fmt::format(
+        " (host RAM is short: the closest plan needs {} of it and this rank has {}, which "
+        "neither --device-mem-gb nor --host-mem-gb adds to: what is placed on NVMe leaves it, "
+        "or free memory on this machine)",
+        human(double(closest.ram_bytes)), human(double(closest.ram_capacity)));
+  return out;
 }
 
 // No placement fits: the closest, and the ways out (rank 0).
@@ -423,15 +503,7 @@ void report_no_fit(const Args& a, const Measurement& m, const NvmeChoice& nvme,
       "(a plan may fill %.0f%% of the device's memory, %s of %s: the rest is the allocator's)\n",
       100 * m.space.device_headroom, log::human_bytes(double(sr.smallest.device_capacity)).c_str(),
       log::human_bytes(double(m.machine.device_capacity)).c_str());
-  // (A GPU's own memory is its limit: a larger cap than it has plans for memory not there.)
-  std::string ways = m.dev_name.starts_with("cpu") || a.device_mem_gb > 0
-                         ? "a larger --device-mem-gb or --host-mem-gb"
-                         : "a larger --host-mem-gb";
-  if (a.micro_batches.front() > 1)
-    ways += fmt::format(", --micro-batches below {}", a.micro_batches.front());
-  ways += nvme.use ? ", or --nvme-path on a drive with more free space"
-                   : ", or NVMe (leave out --no-nvme)";
-  std::printf("strata-prof's own ways out: %s\n", ways.c_str());
+  std::printf("strata-prof's own ways out: %s\n", ways_out(a, m, nvme, sr.smallest).c_str());
   std::error_code ec;
   for (const std::string* f : {&a.out, &a.svg, &a.trace})
     if (!f->empty() && fs::exists(*f, ec))
@@ -536,15 +608,25 @@ nlohmann::json candidates_json(const SearchResult& sr, std::size_t shown,
 }
 
 // The validation runs' data, opened as strata-train opens it (text for ids, bytes for a
-// vocabulary that is not bytes are refused), before the machine is measured, not once a candidate.
-void check_data(const Args& a, const ModelConfig& mcfg) {
+// vocabulary that is not bytes are refused) at the --seq-len and the largest micro-batch searched,
+// and what a run reads of it read (every rank reads every rank's batches, `dp_world` of them a
+// micro-batch): a file without a window of seq_len + 1 tokens, or an id outside the vocabulary
+// where a run reads, is refused before the machine is measured, not once a candidate. A smaller
+// micro-batch reads the first windows of the same shuffled order: these cover its batches.
+void check_data(const Args& a, const ModelConfig& mcfg, int dp_world) {
   if (a.data_files.empty() && a.text_file.empty()) return;
+  const TrainOptions run;  // a validation run's loader settings: its shuffle and seed
   DataOptions d;
   d.files = a.text_file.empty() ? a.data_files : std::vector<std::string>{a.text_file};
   d.format = a.text_file.empty() ? parse_token_format(a.data_format) : TokenFormat::kBytes;
   d.vocab_size = mcfg.vocab_size;
-  d.seq_len = 1;
+  d.seq_len = a.seq_len;
+  d.batch = a.micro_batches.back();
+  d.shuffle = run.shuffle;
+  d.seed = run.seed;
   TokenLoader check(d);
+  const std::int64_t batches = std::int64_t(a.validate_steps) * a.grad_accum * dp_world;
+  for (std::int64_t i = 0; i < batches; ++i) check.next();
 }
 
 }  // namespace
@@ -554,7 +636,6 @@ int run(Args a) {
   const bool demo = a.model_dir.empty() && a.model_config.empty();
   const ModelConfig mcfg = load_model(a, demo);
   check_flags(a);
-  check_data(a, mcfg);
   const LaunchInfo job = init_launch();
   read_config_text(a);
   a.tp = tensor_parallel_of(a, job);
@@ -567,6 +648,7 @@ int run(Args a) {
                            launch.rank == 0);
   const std::int64_t config_train_batch =
       apply_flags(a, base, launch, demo, config_micro, config_train);
+  check_data(a, mcfg, launch.world_size);
   const DeviceOptions dopt = device_options(a);
   const NvmeChoice nvme = choose_nvme(a, base);
   const bool talk = launch.rank == 0;

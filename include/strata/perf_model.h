@@ -307,6 +307,19 @@ LaneBusy lane_busy(const std::vector<Interval>& schedule);
 
 // A ds_config.json text that parse_engine_config reads back as `config` (the placement,
 // prefetch, live-parameter and batch settings, precision, optimizer, aio).
+// stage3_gather_16bit_weights_on_model_save is written only when true (its default is false).
 std::string engine_config_json(const EngineConfig& config);
+
+// What a step holds of its data: it reads all `grad_accum` micro-batches of `micro_batch` x
+// `seq_len` tokens before its first forward (the loss is over all their targets) and holds them
+// at once, ids, targets and positions (12 bytes a token) and each micro-batch's record; against
+// the memory this process can still take (cgroup limit included; 0: unknown). In doubles: the
+// sizes are what the flags say, products of them past 2^63 included. A step that holds more
+// than is available cannot run: strata-train refuses it, strata-prof before measuring anything.
+struct StepData {
+  double held_bytes = 0, available_bytes = 0;
+  bool fits() const { return available_bytes <= 0 || held_bytes <= available_bytes; }
+};
+StepData step_data(double grad_accum, double micro_batch, double seq_len);
 
 }  // namespace strata

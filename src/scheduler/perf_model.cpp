@@ -22,9 +22,11 @@
 #include <optional>
 #include <set>
 
+#include "cpu/cpu_info.h"
 #include "scheduler/schedule.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
+#include "strata/model.h"
 
 namespace strata {
 
@@ -295,7 +297,7 @@ class Replay {
     std::vector<Use> one;
     for (std::size_t i = 0; i < N; ++i) one.push_back({i, false});
     for (std::size_t i = head; i-- > 1;) one.push_back({i, true});
-    for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a)
+    for (std::int64_t a = 0; a < replayed; ++a)
       for (const Use& x : one)
         if (!u[x.unit].resident) trace.push_back(x.unit);
     sim.share = &share;
@@ -312,6 +314,12 @@ class Replay {
     for (const SimUnit& x : u) any_early = any_early || eligible(x);
     const int passes = any_early ? 2 : 1;
     double pass_start = 0, busy_before[int(Resource::kCount)] = {};
+    // The micro-batches left out of the replay (see kReplayAllUpTo) take the steady one's time:
+    // its host time, or a lane's busy time where a lane falls behind the host; the operations
+    // after it in the schedule move that much later.
+    const double skipped = double(c.gradient_accumulation_steps - replayed);
+    double steady_fwd = 0, steady_bwd = 0, steady_host = 0, steady_end = 0;
+    double steady_busy[int(Resource::kCount)] = {};
     for (int pass = 0; pass < passes; ++pass) {
       if (pass + 1 == passes) {
         pass_start = h;
@@ -320,11 +328,22 @@ class Replay {
       pos = 0;
       early_order.clear();
       double fwd_total = 0, bwd_total = 0;
-      for (std::int64_t a = 0; a < c.gradient_accumulation_steps; ++a) {
+      for (std::int64_t a = 0; a < replayed; ++a) {
         first_micro_batch = a == 0;
-        last_micro_batch = a + 1 == c.gradient_accumulation_steps;
-        fwd_total += forward();
-        bwd_total += backward();
+        last_micro_batch = a + 1 == replayed;
+        const double h0 = h;
+        double busy0[int(Resource::kCount)];
+        std::copy(std::begin(sim.busy), std::end(sim.busy), std::begin(busy0));
+        const double f = forward(), b = backward();
+        fwd_total += f;
+        bwd_total += b;
+        if (a == kSteadyMicroBatch && skipped > 0) {
+          steady_fwd = f;
+          steady_bwd = b;
+          steady_host = h - h0;
+          steady_end = h;
+          for (int r = 0; r < int(Resource::kCount); ++r) steady_busy[r] = sim.busy[r] - busy0[r];
+        }
       }
       pr.forward_s = fwd_total;
       pr.backward_s = bwd_total;
@@ -334,6 +353,17 @@ class Replay {
     pr.step_s = h - pass_start;
 
     for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] = sim.busy[r] - busy_before[r];
+    double shift = 0;  // the skipped micro-batches' time
+    if (skipped > 0) {
+      double period = steady_host;
+      for (double b : steady_busy) period = std::max(period, b);
+      shift = skipped * period;
+      pr.step_s += shift;
+      const double host_share = steady_host > 0 ? period / steady_host : 1.0;
+      pr.forward_s += skipped * steady_fwd * host_share;
+      pr.backward_s += skipped * steady_bwd * host_share;
+      for (int r = 0; r < int(Resource::kCount); ++r) pr.busy_s[r] += skipped * steady_busy[r];
+    }
     pr.bottleneck = busiest(pr.busy_s);
     pr.tokens_per_s = pr.step_s > 0
                           ? mp.tokens_per_micro_batch() * double(c.gradient_accumulation_steps) *
@@ -344,6 +374,10 @@ class Replay {
       if (iv.end_s > pass_start) {
         iv.start_s = std::max(iv.start_s, pass_start) - pass_start;
         iv.end_s -= pass_start;
+        if (shift > 0 && iv.start_s >= steady_end - pass_start) {
+          iv.start_s += shift;
+          iv.end_s += shift;
+        }
         pr.schedule.push_back(iv);
       }
     load = std::move(sim.load);
@@ -356,6 +390,14 @@ class Replay {
   const EngineConfig& c;
   const CoreShare& share;
   const std::size_t N = mp.units.size();
+  // The micro-batches replayed: all of them up to kReplayAllUpTo; beyond, the first, two in the
+  // middle and the last, the second of the middle ones (kSteadyMicroBatch) standing for those
+  // left out (run() scales it). A replay of every one took time and memory in proportion to
+  // gradient_accumulation_steps, for every candidate and every pass of the fixed point.
+  static constexpr std::int64_t kReplayAllUpTo = 8, kSteadyMicroBatch = 2;
+  const std::int64_t replayed = c.gradient_accumulation_steps <= kReplayAllUpTo
+                                    ? c.gradient_accumulation_steps
+                                    : kSteadyMicroBatch + 2;
   const std::uint64_t W = std::uint64_t(m.world_size);
   const double csz = double(dtype_size(c.compute_dtype));
   const bool copy_out = c.compute_dtype != DType::kF32;
@@ -376,7 +418,7 @@ class Replay {
     std::size_t unit;
     bool backward;
   };
-  std::vector<std::size_t> trace;  // non-resident units, in fetch order, all micro-batches
+  std::vector<std::size_t> trace;  // non-resident units, in fetch order, micro-batches replayed
   Sim sim;
   const double all_cores = share.cores;
   const double adamw_cores = c.optimizer_threads > 0
@@ -1499,6 +1541,13 @@ void recommend_less_drive_bound(std::vector<Candidate>& ranked) {
   }
 }
 
+StepData step_data(double grad_accum, double micro_batch, double seq_len) {
+  StepData d;
+  d.held_bytes = grad_accum * (micro_batch * seq_len * 12 + double(sizeof(Batch)));
+  d.available_bytes = double(cpu::ram_available_bytes());
+  return d;
+}
+
 // ---- ds_config.json out ----
 std::string engine_config_json(const EngineConfig& c) {
   using nlohmann::json;
@@ -1561,8 +1610,11 @@ std::string engine_config_json(const EngineConfig& c) {
             {"stage3_prefetch_bucket_size", c.prefetch_bucket_size},
             {"stage3_max_live_parameters", c.max_live_parameters},
             {"stage3_max_reuse_distance", c.max_reuse_distance},
-            {"stage3_param_persistence_threshold", c.param_persistence_threshold},
-            {"stage3_gather_16bit_weights_on_model_save", c.gather_16bit_weights_on_model_save}};
+            {"stage3_param_persistence_threshold", c.param_persistence_threshold}};
+  // Only when true: false is the default, and a false one written out draws strata-train's
+  // warning (strata gathers the model at --out either way) on every run of a file whose user
+  // never wrote it. (strata-prof puts a false of the user's own --config back as written.)
+  if (c.gather_16bit_weights_on_model_save) z["stage3_gather_16bit_weights_on_model_save"] = true;
   // Written when the --config gave them: DeepSpeed's defaults are below a large model's embedding
   // unit, and the plan notes a value below the largest unit as the user's.
   if (c.reduce_bucket_size_given) z["reduce_bucket_size"] = c.reduce_bucket_size;

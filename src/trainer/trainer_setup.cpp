@@ -22,12 +22,12 @@
 
 #include "core/json_config.h"
 #include "core/utf8.h"
-#include "cpu/cpu_info.h"
 #include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
 #include "strata/paths.h"
+#include "strata/perf_model.h"
 #include "strata/run_plot.h"
 #include "strata/tokenizer.h"
 #include "trainer/train_job.h"
@@ -513,6 +513,11 @@ void device_options(Settings& s) {
   s.dp_rank = s.launch.rank / s.tp;
   s.dp_world = s.launch.world_size / s.tp;
   if (o.device_mem_gb > 0) {
+    // (a cast past 2^64 is undefined: 1e30 came out as a cap of 0 bytes)
+    STRATA_REQUIRE(o.device_mem_gb <= 8589934592.0,
+                   "--device-mem-gb {:g}: more bytes than a 64-bit count holds (at most 8589934592 "
+                   "GiB); give the memory in GiB, e.g. 80",
+                   o.device_mem_gb);
     hopt.capacity_bytes = std::size_t(o.device_mem_gb * double(1ull << 30));
     copt.capacity_bytes = hopt.capacity_bytes;
   }
@@ -749,16 +754,16 @@ void sequence_and_batch(Settings& s) {
   }
   s.B = s.ecfg.micro_batch_per_gpu;
   s.accum = s.ecfg.gradient_accumulation_steps;
-  // A step reads its micro-batches before its first forward (the loss is over all their targets)
-  // and holds them at once: ids, targets and positions, 12 bytes a token.
-  const double held = double(s.accum) * (double(s.B) * double(seq_len) * 12 + sizeof(Batch));
-  const double avail = double(cpu::ram_available_bytes());
-  STRATA_REQUIRE(avail == 0 || held <= avail,
+  // A step reads its micro-batches before its first forward and holds them at once (step_data:
+  // strata-prof refuses the same).
+  const StepData held = step_data(double(s.accum), double(s.B), double(seq_len));
+  STRATA_REQUIRE(held.fits(),
                  "gradient accumulation of {} micro-batches of {} x {} tokens: a step holds them "
                  "all before its first forward, {}, more than the {} of memory available: give a "
                  "smaller --grad-accum (or gradient_accumulation_steps / train_batch_size in the "
                  "--config)",
-                 s.accum, s.B, seq_len, log::human_bytes(held, 1), log::human_bytes(avail, 1));
+                 s.accum, s.B, seq_len, log::human_bytes(held.held_bytes, 1),
+                 log::human_bytes(held.available_bytes, 1));
   // (the model refuses it too; said here with the flags, before any data or weights are read)
   STRATA_REQUIRE(
       !o.sequence_parallel || (s.B * seq_len) % s.tp == 0,
