@@ -108,6 +108,30 @@ TEST(ModelIo, Fp32FileLoadsIntoBf16RoundedToNearestEven) {
   fs::remove_all(dir);
 }
 
+// A folder as others leave it: model.safetensors beside an older sharded save's index is loaded,
+// as transformers loads it (the index was taken, and its missing shards refused); PyTorch's
+// pickle weights alone are named as such, with the way to safetensors.
+TEST(ModelIo, FoldersAsOthersLeaveThemLoadAsTransformersDoes) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kGpt2, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(8, 0.5f);
+  const fs::path dir = scratch("others");
+  save_hf_weights(dir.string(), a);
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}})";
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+  load_hf_weights(dir.string(), b);
+  EXPECT_EQ(b.get("transformer.wte.weight"), a.get("transformer.wte.weight"));
+  fs::remove(dir / "model.safetensors");
+  fs::remove(dir / "model.safetensors.index.json");
+  std::ofstream(dir / "pytorch_model.bin") << "a pickle";
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"the weights are in pytorch_model.bin (PyTorch's pickle format), which strata "
+                "does not read: save them as safetensors"});
+  fs::remove_all(dir);
+}
+
 // Every parameter of `w` (fp32) under `rename(its name)`, then `extra`, as dir/model.safetensors.
 void write_params(const ResidentWeights& w, const fs::path& dir,
                   const std::vector<SafetensorsTensor>& extra,

@@ -307,7 +307,9 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
   std::map<std::string, std::string> file_of;  // tensor -> file name
   std::vector<std::string> files;
   const fs::path index = d / "model.safetensors.index.json";
-  if (fs::exists(index)) {
+  // model.safetensors first, as transformers takes it: an index beside it is an older sharded
+  // save's (commit_hf_files removes it; a folder copied over another may still hold one).
+  if (!fs::exists(d / "model.safetensors") && fs::exists(index)) {
     std::ifstream in(index);
     nlohmann::json j;
     try {
@@ -327,8 +329,24 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
         files.push_back(file_of[it.key()]);
     }
   } else {
-    STRATA_REQUIRE(fs::exists(d / "model.safetensors"),
-                   "{}: neither model.safetensors nor model.safetensors.index.json exists", dir);
+    if (!fs::exists(d / "model.safetensors")) {
+      // PyTorch's pickle files (pytorch_model.bin and its shards): weights strata does not read.
+      std::error_code ec;
+      std::string pickle;
+      for (const auto& e : fs::directory_iterator(d, ec))
+        if (const std::string n = e.path().filename().string();
+            n.starts_with("pytorch_model") && n.ends_with(".bin"))
+          pickle = n;
+      STRATA_REQUIRE(pickle.empty(),
+                     "{}: the weights are in {} (PyTorch's pickle format), which strata does not "
+                     "read: save them as safetensors (transformers: "
+                     "model.save_pretrained(dir, safe_serialization=True))",
+                     dir, pickle);
+      STRATA_THROW(kInvalidArgument,
+                   "{}: neither model.safetensors nor model.safetensors.index.json exists: give a "
+                   "Hugging Face model folder with its weights",
+                   dir);
+    }
     files.push_back("model.safetensors");
   }
   std::map<std::string, std::unique_ptr<SafetensorsFile>>& open = impl_->open;
