@@ -244,6 +244,9 @@ TEST(EngineConfig, HuggingFaceAutoValuesAreWhatTheTrainerFillsIn) {
           "aio": {"engine": "auto"}})",
       4);
   const std::string warnings = testing::internal::GetCapturedStderr();
+  // tensor_parallel.autotp_size "auto" too (it was "must be a number, got string").
+  EXPECT_EQ(config_tensor_parallel(R"({"tensor_parallel": {"autotp_size": "auto"}})"), 0);
+  EXPECT_EQ(config_tensor_parallel(R"({"tensor_parallel": {"autotp_size": 2}})"), 2);
   EXPECT_EQ(c.micro_batch_per_gpu, 4);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
   EXPECT_EQ(c.gradient_clipping, 1.0);

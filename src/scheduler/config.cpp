@@ -721,6 +721,9 @@ int config_tensor_parallel(std::string_view json_text, const std::string& what) 
   const Json doc = config::parse(json_text, what);
   if (!doc.is_object() || !doc.contains("tensor_parallel")) return 0;
   const Section tp = Section(&doc, "").child("tensor_parallel");
+  // "auto" is not given, as every "auto" outside aio (parse_engine_config warns of it).
+  if (const Json* v = tp.raw("autotp_size"); v && v->is_string() && v->get<std::string>() == "auto")
+    return 0;
   return tp.has("autotp_size") ? get_int_in(tp, "autotp_size", 1, 1, 1 << 20) : 0;
 }
 
