@@ -396,6 +396,39 @@ TEST(Rendezvous, DuplicateRanksMismatchedWorldsAndOtherJobsAreRefused) {
     EXPECT_NE(e.find("belongs to job 'job-b' and rank 0 to job 'job-a'"), std::string::npos) << e;
 }
 
+// Rank 0 started twice: the second cannot listen, and joins the first's rendezvous to say so,
+// which then ends on every rank naming the duplicate (the real rank 0 waited out its timeout).
+// A process that joins a job whose ranks have all joined hears so at once (it waited its
+// timeout + 10 s, unanswered).
+TEST(Rendezvous, ARankZeroTwiceAndALateJoinerAreNamed) {
+  int port = free_port();
+  // (a world of 3, one missing: the job cannot assemble before the duplicate arrives; rank 1 may
+  // come after rank 0 has ended, and then only fails)
+  auto out = join_all({opts(port, 0, 3, 10), opts(port, 0, 3, 10), opts(port, 1, 3, 2)});
+  for (int r : {0, 1}) EXPECT_NE(out[r].find("rank 0 joined twice"), std::string::npos) << out[r];
+  EXPECT_NE(out[2], "");
+  port = free_port();
+  std::string late;
+  out = join_all({opts(port, 0, 2, 10), opts(port, 1, 2, 10)}, [&](TcpStore& s) {
+    if (s.options().rank == 1) {
+      try {
+        TcpStore again(opts(port, 1, 2, 10));
+        late = "(joined)";
+      } catch (const Error& e) {
+        late = e.what();
+      }
+      s.set("late-done", "1");
+    } else {
+      s.get("late-done", 20);
+    }
+  });
+  EXPECT_EQ(out, (std::vector<std::string>{"", ""}));
+  EXPECT_NE(late.find("is a job whose 2 ranks have all joined (job 'job'): this process is another "
+                      "job's, or a rank started twice"),
+            std::string::npos)
+      << late;
+}
+
 TEST(Rendezvous, AKeyNobodySetsIsAnErrorAfterItsTimeout) {
   const int port = free_port();
   const auto out = join_all({opts(port, 0, 2), opts(port, 1, 2)}, [](TcpStore& s) {

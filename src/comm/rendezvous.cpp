@@ -132,6 +132,17 @@ std::string sockaddr_text(const sockaddr_storage& ss) {
   return s;
 }
 
+// What a strata rendezvous already listening at o.port answers a join as o.rank ("" when
+// nothing answers as one within a few seconds): rank 0's port in use is then named as that job's
+// (its own rank 0 started twice, or another job), not only as a port in use.
+std::string existing_rendezvous_says(const RendezvousOptions& o);
+
+// The handshake a rank sends when it joins.
+std::string hello_of(const RendezvousOptions& o) {
+  return fmt::format("strata-rendezvous/{}\n{}\n{}\n{}\n{}", kProtocolVersion, o.world_size, o.rank,
+                     o.token, host_name());
+}
+
 std::string ranks_text(const std::vector<int>& ranks) {
   std::string s;
   const std::size_t shown = std::min<std::size_t>(ranks.size(), 16);
@@ -174,22 +185,28 @@ class TcpStore::Server {
       a.sin_port = htons(std::uint16_t(o.port));
       rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
     }
+    // (Two binds with SO_REUSEADDR may both succeed; the second listen() then finds the port in
+    // use.)
+    const bool bound = rc == 0;
+    if (bound) rc = ::listen(listen_fd_, 1024);
     if (rc != 0) {
       const int err = errno;
       close_fd(listen_fd_);
+      if (err == EADDRINUSE)
+        if (const std::string says = existing_rendezvous_says(o); !says.empty())
+          STRATA_THROW(kIo,
+                       "rank 0 cannot listen for the rendezvous on port {}: a strata rendezvous "
+                       "is there, and says: {}",
+                       o.port, says);
       detail::throw_error(
-          ErrorKind::kIo, __FILE__, __LINE__, fmt::format("bind(port {})", o.port),
+          ErrorKind::kIo, __FILE__, __LINE__,
+          fmt::format("{}(port {})", bound ? "listen" : "bind", o.port),
           fmt::format("rank 0 cannot listen for the rendezvous on port {}{}", o.port,
                       err == EADDRINUSE
                           ? ": the port is in use on this host (another job, or a previous run's "
                             "rank 0 still alive); give every rank another MASTER_PORT"
                           : ""),
           errno_text(err));
-    }
-    if (::listen(listen_fd_, 1024) != 0) {
-      const int err = errno;
-      close_fd(listen_fd_);
-      detail::throw_errno(__FILE__, __LINE__, "listen", err, "rendezvous socket");
     }
     if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
       const int err = errno;
@@ -246,7 +263,7 @@ class TcpStore::Server {
       if (stop_ && (conns_.empty() || failed_ || !ready_ || Clock::now() > drain_until_)) break;
       std::vector<pollfd> fds;
       fds.push_back({wake_[0], POLLIN, 0});
-      if (!ready_) fds.push_back({listen_fd_, POLLIN, 0});
+      fds.push_back({listen_fd_, POLLIN, 0});  // after ready too: a late joiner hears why
       const std::size_t first_conn = fds.size();
       for (const auto& c : conns_) fds.push_back({c.fd, POLLIN, 0});
       int wait_ms = 1000;
@@ -270,7 +287,7 @@ class TcpStore::Server {
         while (::read(wake_[0], buf, sizeof buf) > 0) {
         }
       }
-      if (!ready_ && (fds[1].revents & POLLIN)) accept_one();
+      if (fds[1].revents & POLLIN) accept_one();
       // Connections in order; a closed one is removed after the loop.
       for (std::size_t i = first_conn; i < fds.size(); ++i) {
         if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
@@ -300,6 +317,17 @@ class TcpStore::Server {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     if (failed_) {  // a late rank (rank 0's own request among them) hears why at once
       send_frame(fd, 'E', failure_);
+      ::close(fd);
+      return;
+    }
+    if (ready_) {  // another job's rank on this port, or a rank started twice: it waited,
+                   // unanswered
+      send_frame(fd, 'E',
+                 fmt::format("the rendezvous at port {} is a job whose {} ranks have all joined "
+                             "(job '{}'): this process is another job's, or a rank started "
+                             "twice; give each job its own MASTER_PORT, and every process its "
+                             "own RANK",
+                             o_.port, o_.world_size, o_.token));
       ::close(fd);
       return;
     }
@@ -526,6 +554,25 @@ int connect_with_retry(const RendezvousOptions& o, Clock::time_point deadline) {
       last);
 }
 
+std::string existing_rendezvous_says(const RendezvousOptions& o) {
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  RendezvousOptions local = o;
+  local.addr = "127.0.0.1";  // the listener on this host
+  int fd = -1;
+  try {
+    fd = connect_with_retry(local, deadline);
+  } catch (const Error&) {
+    return "";
+  }
+  std::string says;
+  if (send_frame(fd, 'H', hello_of(o))) {
+    auto [type, body] = read_frame(fd, deadline);
+    if (type == 'E') says = body;
+  }
+  close_fd(fd);
+  return says;
+}
+
 }  // namespace
 
 TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
@@ -545,8 +592,7 @@ TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
     socklen_t len = sizeof me;
     if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&me), &len) == 0)
       local_address_ = sockaddr_text(me);
-    const std::string hello = fmt::format("strata-rendezvous/{}\n{}\n{}\n{}\n{}", kProtocolVersion,
-                                          o_.world_size, o_.rank, o_.token, host_name());
+    const std::string hello = hello_of(o_);
     STRATA_REQUIRE(send_frame(fd_, 'H', hello),
                    "rank {}: rank 0's rendezvous at {} closed the connection", o_.rank, endpoint());
     // Rank 0 reports missing ranks at its timeout: wait a little longer to hear it.
