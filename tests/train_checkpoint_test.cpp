@@ -881,11 +881,49 @@ TEST_F(TrainBinary, APrunedCheckpointLeftByADeadRunIsRemovedByTheNextSave) {
   EXPECT_EQ(left, (std::vector<std::string>{"step-3", "step-4"}));
 }
 
-// The data file changed in place since the checkpoint (appended to; a corpus prepared again into
-// its cache path): the resume says so, naming the sizes (the paths alone matched).
+// The data is the checkpoint's by its bytes (size and a hash of its ends), not its path: a file
+// changed in place since (appended to, or the same size with other bytes; a corpus prepared again
+// into its cache path) is said (the paths alone matched), and the same bytes moved elsewhere are
+// not (they were warned of as other data).
 TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {
   const std::string ck = dir.path + "/ck";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  const std::string original = slurp(text);
+  {
+    // Moved: the same bytes under another path.
+    const std::string moved = dir.path + "/moved.txt";
+    fs::rename(text, moved);
+    auto m = args(dir.path + "/m.jsonl", {"--resume", ck});
+    for (auto& x : m)
+      if (x == text) x = moved;
+    set_steps(m, "3");
+    Proc p = spawn(m, dir.path, "moved");
+    const int st = wait_status(p.pid);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+    EXPECT_EQ(slurp(p.err).find("the data will not continue"), std::string::npos) << slurp(p.err);
+    EXPECT_NE(slurp(p.out).find("the data files are the checkpoint's (the same sizes and bytes) "
+                                "under other paths"),
+              std::string::npos)
+        << slurp(p.out);
+    fs::rename(moved, text);
+  }
+  {
+    // The same size, other bytes.
+    std::string other = original;
+    other[0] = other[0] == 'x' ? 'y' : 'x';
+    std::ofstream(text, std::ios::binary | std::ios::trunc) << other;
+    auto o = args(dir.path + "/o.jsonl", {"--resume", ck});
+    set_steps(o, "3");
+    Proc p = spawn(o, dir.path, "other-bytes");
+    const int st = wait_status(p.pid);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+    EXPECT_NE(slurp(p.err).find("--resume: " + text +
+                                " held other bytes in the checkpoint's run (the same size): it "
+                                "changed since"),
+              std::string::npos)
+        << slurp(p.err);
+    std::ofstream(text, std::ios::binary | std::ios::trunc) << original;
+  }
   const auto before = std::int64_t(fs::file_size(text));
   auto a = args(dir.path + "/b.jsonl", {"--resume", ck});
   set_steps(a, "3");
@@ -905,6 +943,35 @@ TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {
                                   text, before, before + 41)),
             std::string::npos)
       << slurp(changed.err);
+}
+
+// A linear decay resumed inside its warmup with another total (or --min-lr): the next lr is the
+// same there, but the decay after it is not, and the resume says so (only a cosine's total was
+// compared).
+TEST_F(TrainBinary, AResumeInsideTheWarmupOfAnotherDecayWarns) {
+  const std::string ck = dir.path + "/ck";
+  auto a = args(dir.path + "/a.jsonl", {"--save-every", "3", "--checkpoint-dir", ck});
+  set_steps(a, "3");
+  for (std::size_t i = 0; i + 1 < a.size(); ++i) {
+    if (a[i] == "--warmup") a[i + 1] = "4";
+    if (a[i] == "--lr-schedule") a[i + 1] = "linear";
+  }
+  Proc first = spawn(a, dir.path, "warm");
+  int st = wait_status(first.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(first.err);
+  a = args(dir.path + "/b.jsonl", {"--resume", ck});
+  set_steps(a, "6");
+  for (std::size_t i = 0; i + 1 < a.size(); ++i) {
+    if (a[i] == "--warmup") a[i + 1] = "4";
+    if (a[i] == "--lr-schedule") a[i + 1] = "linear";
+  }
+  Proc p = spawn(a, dir.path, "warm-resume");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find("--resume: the learning-rate schedule differs from the checkpoint's "
+                              "run"),
+            std::string::npos)
+      << slurp(p.err);
 }
 
 // A run resumed from an older checkpoint of a folder whose run went further is told that the newer

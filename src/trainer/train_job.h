@@ -151,6 +151,9 @@ void require_creatable_folder(const std::string& flag, const std::string& path);
 // so that a resume on a file changed in place (a corpus prepared again into its cache path) says
 // the data will not continue where it stopped.
 std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files);
+// And a hash of each one's first and last MiB and size (16 hex digits; "" where it cannot be
+// read): the same bytes under another path (a moved file) are the same data.
+std::vector<std::string> data_file_samples(const std::vector<std::string>& files);
 
 // ---- set-up (trainer_setup.cpp), in this order ----
 void check_flags(Settings& s);

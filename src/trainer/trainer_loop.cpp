@@ -123,6 +123,18 @@ void stop_if_the_steps_stay_nonfinite(Run& r, std::int64_t step, double loss, bo
                r.s.o.out_dir.empty() ? "" : "; nothing was written to --out");
 }
 
+// The data files as absolute paths, links resolved: a resume from another folder compares them
+// as the same files.
+std::vector<std::string> absolute_paths(const std::vector<std::string>& files) {
+  std::vector<std::string> out;
+  for (const auto& f : files) {
+    std::error_code ec;
+    const fs::path p = fs::weakly_canonical(fs::absolute(f), ec);
+    out.push_back(ec ? f : p.string());
+  }
+  return out;
+}
+
 // `log_line`: the step's --log-json line, so that a resume from this checkpoint can write it
 // when the run died before it did.
 nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::json& log_line) {
@@ -158,8 +170,9 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
         {"grad_accum", accum},
         {"seed", o.seed},
         {"shuffle", o.shuffle},
-        {"files", dopt.files},
+        {"files", absolute_paths(dopt.files)},
         {"file_bytes", file_sizes(dopt.files)},
+        {"file_samples", data_file_samples(dopt.files)},
         {"val_fraction", dopt.val_fraction}}},
       // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
       // per epoch: the position above restores it.
@@ -169,6 +182,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
         {"warmup", warmup},
         {"total_steps", steps},
         {"schedule", schedule},
+        {"min_lr", std::max(0.0, o.min_lr)},
         {"next_step", step + 1},
         {"next_lr", s.lr_of(step + 1)}}},
       {"optimizer", r.optimizer_state},

@@ -454,12 +454,12 @@ void check_resume_step(Settings& s) {
     const std::int64_t was = ls.value("total_steps", std::int64_t(0));
     STRATA_REQUIRE(was == s.steps,
                    "--resume {}: the checkpoint's run was {} steps, and --epochs {:g} over this "
-                   "run's data is {} ({} a pass of {} sequences of {} tokens, {} a step): resume "
-                   "with the same data, --epochs, --seq-len, --micro-batch, --grad-accum and "
-                   "ranks, or give --steps {} instead of --epochs to end where that run would",
+                   "run's data is {} ({} steps of {} sequences a pass of its {} sequences of {} "
+                   "tokens): resume with the same data, --epochs, --seq-len, --micro-batch, "
+                   "--grad-accum and ranks, or give --steps {} instead of --epochs to end where "
+                   "that run would",
                    resume.dir, was, s.epochs, s.steps, s.steps_per_epoch,
-                   s.steps_per_epoch * s.B * s.accum * s.dp_world, s.seq_len,
-                   s.B * s.accum * s.dp_world, was);
+                   s.B * s.accum * s.dp_world, s.epoch_rows, s.seq_len, was);
   }
   if (resume.step > 0) {
     const std::int64_t total = s.steps;
@@ -913,6 +913,30 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
   return out;
 }
 
+std::vector<std::string> data_file_samples(const std::vector<std::string>& files) {
+  constexpr std::size_t kEnd = std::size_t(1) << 20;
+  std::vector<std::string> out;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    if (!in || ec) {
+      out.emplace_back();
+      continue;
+    }
+    std::string bytes(std::size_t(std::min<std::uintmax_t>(size, 2 * kEnd)), '\0');
+    const std::size_t head = std::min(bytes.size(), kEnd);
+    in.read(bytes.data(), std::streamsize(head));
+    if (bytes.size() > head) {
+      in.seekg(std::streamoff(size - (bytes.size() - head)));
+      in.read(bytes.data() + head, std::streamsize(bytes.size() - head));
+    }
+    bytes += fmt::format("|{}", size);
+    out.push_back(in ? fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size())) : "");
+  }
+  return out;
+}
+
 std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files) {
   std::vector<std::int64_t> out;
   for (const auto& f : files) {
@@ -1334,44 +1358,67 @@ void resume_from_checkpoint(Run& r) {
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
     {
-      // The same files by another path ("corpus.txt" then "/data/corpus.txt") are the same data.
+      // The data's identity: each file's size and a hash of its ends (data_file_samples), where
+      // the checkpoint records them; the same bytes under another path (moved, or named from
+      // another folder) are the same data, and the same path with other bytes is not. Older
+      // checkpoints: the paths, from this folder.
       auto canon = [](const nlohmann::json& list) {
         std::vector<std::string> out;
         if (!list.is_array()) return out;
         for (const auto& f : list) {
           std::error_code ec;
-          const fs::path p = fs::weakly_canonical(fs::path(f.get<std::string>()), ec);
+          const fs::path p = fs::weakly_canonical(fs::absolute(f.get<std::string>()), ec);
           out.push_back(ec ? f.get<std::string>() : p.string());
         }
         return out;
       };
-      if (d.contains("files") && canon(d["files"]) != canon(nlohmann::json(dopt.files))) {
+      const nlohmann::json then_bytes = d.value("file_bytes", nlohmann::json()),
+                           then_samples = d.value("file_samples", nlohmann::json());
+      const std::vector<std::int64_t> now_bytes = file_sizes(dopt.files);
+      const std::vector<std::string> now_samples = data_file_samples(dopt.files);
+      const bool same_paths = !d.contains("files") || canon(d["files"]) == canon(dopt.files);
+      const bool recorded = then_bytes.is_array() && then_samples.is_array() &&
+                            then_bytes.size() == now_bytes.size() &&
+                            then_samples.size() == now_samples.size();
+      bool same_bytes = true;
+      std::size_t changed = 0;
+      if (recorded)
+        for (std::size_t i = 0; i < now_bytes.size() && same_bytes; ++i)
+          if (then_bytes[i] != now_bytes[i] || then_samples[i] != now_samples[i]) {
+            same_bytes = false;
+            changed = i;
+          }
+      if (recorded && same_bytes) {
+        if (!same_paths && s.con)
+          std::fprintf(s.con,
+                       "--resume: the data files are the checkpoint's (the same sizes and "
+                       "bytes) under other paths: %s then, %s now\n",
+                       d["files"].dump().c_str(), nlohmann::json(dopt.files).dump().c_str());
+      } else if (!same_paths) {
         log::warn(
             "--resume: files was {} in the checkpoint's run, {} now: the data will not continue "
-            "where it "
-            "stopped",
+            "where it stopped",
             d["files"].dump(), nlohmann::json(dopt.files).dump());
-      } else if (d.contains("file_bytes") && d["file_bytes"].is_array()) {
+      } else if (recorded) {
         // The same files, changed in place since (edited, appended to, prepared again).
-        const std::vector<std::int64_t> now = file_sizes(dopt.files);
-        const nlohmann::json& then = d["file_bytes"];
-        for (std::size_t i = 0; i < now.size() && i < then.size(); ++i)
-          if (then[i].is_number_integer() && then[i].get<std::int64_t>() != now[i]) {
-            log::warn(
-                "--resume: {} had {} bytes in the checkpoint's run, {} now: it changed since, "
-                "and the data will not continue where it stopped",
-                dopt.files[i], then[i].get<std::int64_t>(), now[i]);
-            break;
-          }
+        log::warn(
+            "--resume: {} {}: it changed since, and the data will not continue where it stopped",
+            dopt.files[changed],
+            then_bytes[changed] != now_bytes[changed]
+                ? fmt::format("had {} bytes in the checkpoint's run, {} now",
+                              then_bytes[changed].dump(), now_bytes[changed])
+                : std::string("held other bytes in the checkpoint's run (the same size)"));
       }
     }
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
-    // The total only shapes a cosine decay: extending a constant-lr run is no change of schedule.
-    const bool by_total = !ds_schedule && schedule == "cosine";
+    // The total and the minimum shape a decay (cosine, linear): extending a constant-lr run is no
+    // change of schedule. (Within the warmup the next lr is the same whatever the decay after it.)
+    const bool by_total = !ds_schedule && schedule != "const";
     if (ls.value("lr", ecfg.adamw.lr) != double(ecfg.adamw.lr) ||
         ls.value("warmup", warmup) != warmup || ls.value("schedule", schedule) != schedule ||
         (by_total && ls.value("total_steps", steps) != steps) ||
+        (by_total && ls.value("min_lr", std::max(0.0, o.min_lr)) != std::max(0.0, o.min_lr)) ||
         ls.value("next_lr", s.lr_of(resume.step + 1)) != s.lr_of(resume.step + 1))
       log::warn(
           "--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing "
