@@ -244,18 +244,10 @@ TEST(BenchCli, EngineCountsTheAdamwRunningWhenAStepStarts) {
 // (the engine refused it only when the regime came, after the others, with its whole plan).
 // Needs root to mount a 32 MiB tmpfs; Skipped elsewhere.
 TEST(BenchCli, EngineNvmeRegimeTooBigForTheDriveIsRefusedFirst) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
   TempDir d("strata-bench");
   const std::string mnt = d.path + "/small";
-  fs::create_directories(mnt);
-  if (std::system(("mount -t tmpfs -o size=32m tmpfs '" + mnt + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string mnt;
-    ~Unmount() {
-      (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str());
-    }
-  } unmount{mnt};
+  testing::SmallTmpfs small(mnt, 32);
+  if (!small.ok) GTEST_SKIP() << small.why;
   const auto r =
       testing::run(STRATA_BENCH_BIN, {"engine", "--path", mnt, "--steps", "1"}, d.path, "small");
   EXPECT_EQ(r.status, 1) << r.out << r.err;

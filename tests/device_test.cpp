@@ -565,9 +565,10 @@ TEST(HostDevice, ThrottlesTooSlowToEndAreRefused) {
     }
     return std::string("(accepted)");
   };
-  EXPECT_NE(error_of(1e-300, 0, 0).find("the emulated device's host-to-device copy rate "
-                                        "(--emu-h2d-gbps) is 1e-300 GB/s: give 0 (unthrottled) or "
-                                        "at least 0.001 GB/s"),
+  EXPECT_NE(error_of(1e-300, 0, 0)
+                .find("the emulated device's host-to-device copy rate "
+                      "(--emu-h2d-gbps) is 1e-300 GB/s: give 0 (unthrottled) or "
+                      "at least 0.001 GB/s"),
             std::string::npos);
   EXPECT_NE(error_of(0, std::numeric_limits<double>::infinity(), 0).find("(--emu-d2h-gbps) is inf"),
             std::string::npos);

@@ -2375,18 +2375,10 @@ TEST(ProfCli, AMicroBatchTheDeviceCannotHoldIsLeftOut) {
 // ways out (the swap store refused once a reserve failed, naming neither --no-nvme nor the
 // measurement). Needs root to mount a 32 MiB tmpfs; Skipped elsewhere.
 TEST(ProfCli, ADriveTooSmallToMeasureIsSaidFirst) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
   TempDir d("strata-prof");
   const std::string mnt = d.path + "/small", model = tiny_model(d.path);
-  fs::create_directories(mnt);
-  if (std::system(("mount -t tmpfs -o size=32m tmpfs '" + mnt + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string mnt;
-    ~Unmount() {
-      (void)std::system(("umount '" + mnt + "' 2>/dev/null || umount -l '" + mnt + "'").c_str());
-    }
-  } unmount{mnt};
+  testing::SmallTmpfs small(mnt, 32);
+  if (!small.ok) GTEST_SKIP() << small.why;
   const std::string ds = d.path + "/nvme.json";
   std::ofstream(ds) << R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
       "nvme_path": ")" + mnt +

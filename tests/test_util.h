@@ -41,6 +41,30 @@ struct TempDir {
   std::string path;
 };
 
+// A tmpfs of `mib` MiB mounted at `path` (made) while the object lives, for tests of a drive too
+// small; `ok` false, with `why`, where it cannot be mounted (not root, no mount): those skip.
+struct SmallTmpfs {
+  SmallTmpfs(const std::string& where, int mib) : path(where) {
+    if (::geteuid() != 0) {
+      why = "needs root to mount a small tmpfs";
+      return;
+    }
+    std::filesystem::create_directories(path);
+    const std::string cmd =
+        "mount -t tmpfs -o size=" + std::to_string(mib) + "m tmpfs '" + path + "' 2>/dev/null";
+    ok = std::system(cmd.c_str()) == 0;
+    if (!ok) why = "cannot mount a tmpfs here";
+  }
+  ~SmallTmpfs() {
+    if (ok)
+      (void)std::system(("umount '" + path + "' 2>/dev/null || umount -l '" + path + "'").c_str());
+  }
+  SmallTmpfs(const SmallTmpfs&) = delete;
+  SmallTmpfs& operator=(const SmallTmpfs&) = delete;
+  std::string path, why;
+  bool ok = false;
+};
+
 // The whole content of a file ("" when it cannot be read).
 inline std::string slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
