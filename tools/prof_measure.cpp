@@ -925,6 +925,20 @@ std::vector<LayerTiming> time_layers(Device& dev, Communicator* tp_group, const 
     b.tokens.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
     b.targets.push_back(std::int32_t(rng() % std::uint64_t(cfg.vocab_size)));
   }
+  // An error mid-step (a micro-batch the device cannot hold, which the caller goes on from)
+  // unwinds with the device's work still queued: the stamps' host functions write into `sw` and
+  // the copies read the batch, so that work ends before they go (it wrote into freed memory:
+  // "malloc_consolidate(): unaligned fastbin chunk detected").
+  struct DrainOnUnwind {
+    Device& d;
+    ~DrainOnUnwind() {
+      if (std::uncaught_exceptions() == 0) return;
+      try {
+        d.synchronize();
+      } catch (...) {  // the error already on its way is the one to report
+      }
+    }
+  } drain{dev};
   const std::size_t base_bytes = dev.stats().bytes_in_use;
   std::vector<LayerTiming> out;
   for (int r = 0; r <= reps; ++r) {
