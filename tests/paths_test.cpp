@@ -38,6 +38,21 @@ TEST(Paths, SameFileSeesThroughLinksDotsAndHardLinks) {
   EXPECT_FALSE(same_file(f, ""));
 }
 
+TEST(Paths, CanonicalPathIsAbsoluteWithLinksAndDotsResolved) {
+  TempDir d;
+  const std::string real = fs::canonical(d.path).string();
+  write(d.path + "/a.txt", "x");
+  fs::create_directory(d.path + "/sub");
+  fs::create_directory_symlink(d.path + "/sub", d.path + "/link");
+  EXPECT_EQ(canonical_path(d.path + "/sub/../a.txt"), real + "/a.txt");
+  EXPECT_EQ(canonical_path(d.path + "/link/new.txt"), real + "/sub/new.txt");  // not there yet
+  const fs::path cwd = fs::current_path();
+  fs::current_path(d.path + "/link");
+  EXPECT_EQ(canonical_path("../a.txt"), real + "/a.txt");
+  EXPECT_EQ(canonical_path("b/./c.txt"), real + "/sub/b/c.txt");
+  fs::current_path(cwd);
+}
+
 TEST(Paths, OutputsApartFromEachOtherAndFromInputs) {
   TempDir d;
   const std::string corpus = d.path + "/corpus.txt", log = d.path + "/log.jsonl";

@@ -2046,6 +2046,17 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
       << e.err;
   EXPECT_EQ(e.err.find("--resume"), std::string::npos) << "strata-export has no --resume\n"
                                                        << e.err;
+  // Never into the checkpoint, nor into a folder holding it, even with --overwrite and by a link.
+  fs::create_directory_symlink(ck, dir.path + "/cklink");
+  for (const std::string& into : {ck + "/step-4", ck, dir.path + "/cklink"}) {
+    e = run_export({ck + "/step-4", into, "--overwrite"}, dir.path, "into");
+    EXPECT_EQ(e.status, 1) << into;
+    EXPECT_TRUE(first_line(e.err).find("holds the checkpoint being exported") !=
+                    std::string::npos ||
+                first_line(e.err).find("is the checkpoint itself") != std::string::npos)
+        << into << ": " << e.err;
+  }
+  ASSERT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
 
   // Resuming with --steps at or below the checkpoint's step has nothing to run: refused (it
   // printed a summary of negative tokens/s and exited 0).

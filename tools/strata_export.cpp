@@ -32,6 +32,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
+#include "strata/paths.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
 
@@ -179,9 +180,9 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
     const bool empty = fs::directory_iterator(out, ec) == fs::directory_iterator();
     STRATA_REQUIRE(empty || o.overwrite, "{} exists: pass --overwrite to replace it", o.out);
     // Never delete the checkpoint being exported (a run's --out holds its checkpoints/).
-    const fs::path ck_abs = fs::weakly_canonical(ck.dir), out_abs = fs::weakly_canonical(out);
+    const fs::path ck_abs = strata::canonical_path(ck.dir), out_abs = strata::canonical_path(o.out);
     for (const auto& e : fs::directory_iterator(out, ec)) {
-      const fs::path ea = fs::weakly_canonical(e.path());
+      const fs::path ea = strata::canonical_path(e.path().string());
       const auto rel = ck_abs.lexically_relative(ea);
       STRATA_REQUIRE(!(ck_abs == ea || (!rel.empty() && *rel.begin() != "..")) ||
                          e.path().filename() == "checkpoints",

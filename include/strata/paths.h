@@ -24,6 +24,12 @@ using NamedPaths = std::vector<std::pair<std::string, std::string>>;
 // of where a stream goes, never a file of theirs to keep.
 bool device_path(const std::string& path);
 
+// The path as one key for the file it names: absolute, with links, "." and ".." resolved as far
+// as the path exists (a file not made yet keeps its own name); where the folders cannot be read,
+// absolute and lexically normal. Two names of one file by a link give one key; hard links do not
+// (same_file sees those).
+std::string canonical_path(const std::string& path);
+
 // Whether two paths name one file: the same path once links, "." and ".." are resolved, or one
 // file under two names (hard links). An empty path names none.
 bool same_file(const std::string& x, const std::string& y);

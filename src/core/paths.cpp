@@ -16,15 +16,18 @@ namespace fs = std::filesystem;
 
 bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
 
+std::string canonical_path(const std::string& path) {
+  std::error_code ec;
+  const fs::path abs = fs::absolute(path, ec);
+  if (ec) return path;
+  const fs::path k = fs::weakly_canonical(abs, ec);
+  return ec ? abs.lexically_normal().string() : k.string();
+}
+
 bool same_file(const std::string& x, const std::string& y) {
   if (x.empty() || y.empty()) return false;
-  auto key = [](const std::string& p) {
-    std::error_code ec;
-    const fs::path k = fs::weakly_canonical(fs::absolute(p), ec);
-    return ec ? fs::absolute(p).lexically_normal() : k;
-  };
   std::error_code ec;
-  return key(x) == key(y) || (fs::equivalent(x, y, ec) && !ec);
+  return canonical_path(x) == canonical_path(y) || (fs::equivalent(x, y, ec) && !ec);
 }
 
 void require_input_file(const std::string& flag, const std::string& path) {

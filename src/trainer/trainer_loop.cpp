@@ -18,6 +18,7 @@
 #include "strata/generate.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
+#include "strata/paths.h"
 #include "strata/trace.h"
 #include "trainer/train_job.h"
 
@@ -127,11 +128,7 @@ void stop_if_the_steps_stay_nonfinite(Run& r, std::int64_t step, double loss, bo
 // as the same files.
 std::vector<std::string> absolute_paths(const std::vector<std::string>& files) {
   std::vector<std::string> out;
-  for (const auto& f : files) {
-    std::error_code ec;
-    const fs::path p = fs::weakly_canonical(fs::absolute(f), ec);
-    out.push_back(ec ? f : p.string());
-  }
+  for (const auto& f : files) out.push_back(canonical_path(f));
   return out;
 }
 

@@ -1365,11 +1365,7 @@ void resume_from_checkpoint(Run& r) {
       auto canon = [](const nlohmann::json& list) {
         std::vector<std::string> out;
         if (!list.is_array()) return out;
-        for (const auto& f : list) {
-          std::error_code ec;
-          const fs::path p = fs::weakly_canonical(fs::absolute(f.get<std::string>()), ec);
-          out.push_back(ec ? f.get<std::string>() : p.string());
-        }
+        for (const auto& f : list) out.push_back(canonical_path(f.get<std::string>()));
         return out;
       };
       const nlohmann::json then_bytes = d.value("file_bytes", nlohmann::json()),
