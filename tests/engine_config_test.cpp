@@ -250,6 +250,9 @@ TEST(EngineConfig, HuggingFaceAutoValuesAreWhatTheTrainerFillsIn) {
   EXPECT_EQ(c.micro_batch_per_gpu, 4);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
   EXPECT_EQ(c.gradient_clipping, 1.0);
+  // The batch is the file's (16 over 4 ranks); the clipping the Trainer's, not the file's.
+  EXPECT_TRUE(c.train_batch_size_given);
+  EXPECT_FALSE(c.gradient_clipping_given);
   EXPECT_FLOAT_EQ(c.adamw.lr, 5e-5f);
   EXPECT_EQ(c.adamw.weight_decay, 0.0f);
   EXPECT_FLOAT_EQ(c.adamw.beta1, 0.9f);
@@ -291,6 +294,22 @@ TEST(EngineConfig, HuggingFaceAutoValuesAreWhatTheTrainerFillsIn) {
       parse_engine_config(R"({"bf16": {"enabled": false}, "zero_optimization": {"stage": 3}})", 1);
   EXPECT_EQ(resolve_auto_dtype(given, "bfloat16"), "");
   EXPECT_EQ(given.compute_dtype, DType::kF32);
+  EXPECT_FALSE(given.train_batch_size_given);
+  EXPECT_FALSE(given.gradient_clipping_given);
+  // null is not given either; a value is, 0 (clipping off) included.
+  testing::internal::CaptureStderr();
+  const EngineConfig nulls = parse_engine_config(
+      R"({"train_batch_size": null, "gradient_clipping": null, "zero_optimization": {"stage": 3}})",
+      1);
+  const EngineConfig values = parse_engine_config(
+      R"({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 3}})",
+      1);
+  testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(nulls.train_batch_size_given);
+  EXPECT_FALSE(nulls.gradient_clipping_given);
+  EXPECT_TRUE(values.train_batch_size_given);
+  EXPECT_TRUE(values.gradient_clipping_given);
+  EXPECT_EQ(values.gradient_clipping, 0.0);
 }
 
 // sub_group_size 0, as axolotl's stock ZeRO-3 files give it: DeepSpeed makes every parameter

@@ -75,6 +75,9 @@ struct EngineConfig {
   std::uint64_t reduce_bucket_size = 500'000'000;     // elements
   std::uint64_t allgather_bucket_size = 500'000'000;  // elements
   std::uint64_t sub_group_size = 1'000'000'000;       // elements
+  // train_batch_size / gradient_clipping given as values in the ds_config ("auto" and null are
+  // not): the user's global batch and clipping, which flags that set one factor keep.
+  bool train_batch_size_given = false, gradient_clipping_given = false;
   // reduce_bucket_size / sub_group_size given in the ds_config (not defaults): the plan notes a
   // value below the largest unit only then (the defaults are below a large model's embedding).
   bool reduce_bucket_size_given = false, sub_group_size_given = false;

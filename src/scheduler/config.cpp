@@ -743,6 +743,8 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
 
   EngineConfig c = default_engine_config();
   resolve_batch(top, world_size, c);
+  c.train_batch_size_given = top.has("train_batch_size");
+  c.gradient_clipping_given = top.has("gradient_clipping");
   c.gradient_clipping = top.get_double("gradient_clipping", 0.0);
   STRATA_REQUIRE(
       std::isfinite(c.gradient_clipping) && c.gradient_clipping >= 0,

@@ -544,25 +544,14 @@ void build_engine_config(Settings& s) {
   const LaunchInfo& launch = s.launch;
   EngineConfig& ecfg = s.ecfg;
   std::string& demo_dir = s.demo_dir;
-  bool config_batch = false;  // the --config gives train_batch_size: the user's global batch
-  bool config_clip = false;   // ... and gradient_clipping
   if (!o.ds_config.empty()) {
     const std::string text = read_text(o.ds_config, "--config");
-    // Parsed here too: a syntax error names the file, and train_batch_size is read from it.
-    const config::Json j = config::parse(text, fmt::format("--config {}", o.ds_config));
-    {
-      // Every rank reads the same file: what it warns of (keys strata does not use, settings it
-      // ignores) is said once, by rank 0, not once a rank.
-      const log::Quiet quiet(log::Level::kError, launch.rank > 0);
-      ecfg = parse_engine_config(text, s.dp_world);
-    }
-    // Given as a value: "auto" (Hugging Face's placeholder) and null are not given.
-    const auto given = [&](const char* key) {
-      return j.is_object() && j.contains(key) && !j[key].is_null() &&
-             !(j[key].is_string() && j[key].get<std::string>() == "auto");
-    };
-    config_batch = given("train_batch_size");
-    config_clip = given("gradient_clipping");
+    // Parsed here first: a syntax error names the file.
+    config::parse(text, fmt::format("--config {}", o.ds_config));
+    // Every rank reads the same file: what it warns of (keys strata does not use, settings it
+    // ignores) is said once, by rank 0, not once a rank.
+    const log::Quiet quiet(log::Level::kError, launch.rank > 0);
+    ecfg = parse_engine_config(text, s.dp_world);
   } else if (s.demo_model) {
     demo_dir = o.demo_nvme_dir.empty() ? default_scratch_dir("demo-nvme") : o.demo_nvme_dir;
     std::error_code ec;
@@ -577,6 +566,9 @@ void build_engine_config(Settings& s) {
   }
   resolve_config_for_model(ecfg, s.mcfg, s.dp_world, o.ds_config, !o.dtype.empty(),
                            launch.rank == 0);
+  // The --config's global batch and clipping, when it gives them.
+  const bool config_batch = ecfg.train_batch_size_given;
+  const bool config_clip = ecfg.gradient_clipping_given;
   const std::int64_t config_train_batch = ecfg.train_batch_size;
   if (o.micro_batch > 0)
     ecfg.micro_batch_per_gpu = o.micro_batch;
