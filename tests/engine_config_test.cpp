@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -1317,6 +1318,24 @@ TEST(MemoryPlan, AHostShortfallBelowStage3OffersWhatThatStageTakes) {
 }
 
 // strata.host_budget_bytes left at 0: 80% of RAM, split among the ranks of the node.
+TEST(MemoryPlan, GibFlagsAreBytesUpTo64Bits) {
+  EXPECT_EQ(gib_to_bytes("--device-mem-gb", 80), 80ull << 30);
+  EXPECT_EQ(gib_to_bytes("--device-mem-gb", 0.5), 512ull << 20);
+  EXPECT_EQ(gib_to_bytes("--device-mem-gb", 0), 0u);  // not given
+  EXPECT_EQ(gib_to_bytes("--host-mem-gb", 8589934592.0), 1ull << 63);
+  for (double bad : {8589934593.0, 1e30, std::numeric_limits<double>::infinity(),
+                     std::numeric_limits<double>::quiet_NaN()}) {
+    std::string e = "(accepted)";
+    try {
+      gib_to_bytes("--host-mem-gb", bad);
+    } catch (const Error& x) {
+      e = x.what();
+    }
+    EXPECT_NE(e.find(": --host-mem-gb "), std::string::npos) << e;
+    EXPECT_NE(e.find("give the memory in GiB, e.g. 80"), std::string::npos) << e;
+  }
+}
+
 TEST(MemoryPlan, DefaultHostBudgetIsSplitAmongTheNodesRanks) {
   const std::uint64_t ram =
       std::uint64_t(::sysconf(_SC_PHYS_PAGES)) * std::uint64_t(::sysconf(_SC_PAGESIZE));

@@ -173,15 +173,6 @@ TensorParallel tensor_parallel_of(const Args& a, const LaunchInfo& job) {
   return {tp, job.rank % tp};
 }
 
-// A memory size in GiB that a 64-bit byte count holds (1e30 was cast to a wrapped count).
-void require_bytes_gb(const char* flag, double gb) {
-  constexpr double kMostGb = 8589934592.0;  // 2^63 bytes
-  STRATA_REQUIRE(gb <= kMostGb,
-                 "{} {:g}: more bytes than a 64-bit count holds (at most {:.0f} GiB, 8 EiB); give "
-                 "the memory in GiB, e.g. 80",
-                 flag, gb, kMostGb);
-}
-
 // What strata-train refuses of the sizes, refused before anything is measured: a step reads all
 // its micro-batches before its first forward and holds them at once (step_data), here the largest
 // micro-batch searched (--micro-batches' largest, else 2B). In doubles: a huge --grad-accum,
@@ -258,9 +249,9 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
       a.host_mem_gb <= 0 || a.host_mem_gb * double(1ull << 30) >= double(2 << 20),
       "--host-mem-gb {}: at least 0.002 (2 MiB): pinned memory is committed in 2 MiB steps",
       a.host_mem_gb);
-  require_bytes_gb("--host-mem-gb", a.host_mem_gb);
-  base.host_budget_bytes = a.host_mem_gb > 0
-                               ? std::uint64_t(a.host_mem_gb * double(1ull << 30))
+  const std::uint64_t host_bytes = gib_to_bytes("--host-mem-gb", a.host_mem_gb);
+  base.host_budget_bytes = host_bytes > 0
+                               ? host_bytes
                                : (base.host_budget_bytes ? base.host_budget_bytes
                                                          : default_host_budget(launch.local_size));
   if (a.ds_config.empty() && a.model_dir.empty()) base.adamw.weight_decay = 0;
@@ -268,13 +259,13 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
 }
 
 DeviceOptions device_options(const Args& a) {
-  require_bytes_gb("--device-mem-gb", a.device_mem_gb);
+  const std::uint64_t device_bytes = gib_to_bytes("--device-mem-gb", a.device_mem_gb);
   DeviceOptions o;
   HostDeviceOptions& hopt = o.hopt;
   CudaDeviceOptions& copt = o.copt;
-  if (a.device_mem_gb > 0) {
-    hopt.capacity_bytes = std::size_t(a.device_mem_gb * double(1ull << 30));
-    copt.capacity_bytes = hopt.capacity_bytes;
+  if (device_bytes > 0) {
+    hopt.capacity_bytes = device_bytes;
+    copt.capacity_bytes = device_bytes;
   }
   hopt.h2d_gbps = a.emu_h2d;
   hopt.d2h_gbps = a.emu_d2h;

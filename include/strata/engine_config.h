@@ -227,5 +227,8 @@ std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_n
 // machine's RAM divided among the `ranks_on_node` ranks of this node, in whole 2 MiB pieces (the
 // pinned pool commits memory so; plan_memory uses any budget so).
 std::uint64_t default_host_budget(int ranks_on_node = 1);
+// A memory size a flag gives in GiB (--device-mem-gb, --host-mem-gb) as bytes, rounded down;
+// one past what a 64-bit count holds (2^33 GiB; the cast would wrap) is refused naming `flag`.
+std::uint64_t gib_to_bytes(std::string_view flag, double gib);
 
 }  // namespace strata

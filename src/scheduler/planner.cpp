@@ -633,6 +633,16 @@ std::uint64_t default_host_budget(int ranks_on_node) {
   return all / std::uint64_t(std::max(1, ranks_on_node)) / piece * piece;
 }
 
+std::uint64_t gib_to_bytes(std::string_view flag, double gib) {
+  constexpr double kMostGib = 8589934592.0;  // 2^33 GiB = 2^63 bytes
+  STRATA_REQUIRE(!std::isnan(gib), "{} nan: give the memory in GiB, e.g. 80", flag);
+  STRATA_REQUIRE(gib <= kMostGib,
+                 "{} {}: more bytes than a 64-bit count holds (at most {:.0f} GiB, 8 EiB); give "
+                 "the memory in GiB, e.g. 80",
+                 flag, gib, kMostGib);
+  return gib > 0 ? std::uint64_t(gib * double(1ull << 30)) : 0;
+}
+
 std::uint64_t nvme_capacity(const EngineConfig& config, int rank, int ranks_on_node,
                             int world_size) {
   const bool params = config.stage == 3 && config.params.nvme_fraction() > 0;

@@ -512,14 +512,10 @@ void device_options(Settings& s) {
   s.tp_rank = s.launch.rank % s.tp;
   s.dp_rank = s.launch.rank / s.tp;
   s.dp_world = s.launch.world_size / s.tp;
-  if (o.device_mem_gb > 0) {
-    // (a cast past 2^64 is undefined: 1e30 came out as a cap of 0 bytes)
-    STRATA_REQUIRE(o.device_mem_gb <= 8589934592.0,
-                   "--device-mem-gb {:g}: more bytes than a 64-bit count holds (at most 8589934592 "
-                   "GiB); give the memory in GiB, e.g. 80",
-                   o.device_mem_gb);
-    hopt.capacity_bytes = std::size_t(o.device_mem_gb * double(1ull << 30));
-    copt.capacity_bytes = hopt.capacity_bytes;
+  // (a cast past 2^64 is undefined: 1e30 came out as a cap of 0 bytes)
+  if (const std::uint64_t bytes = gib_to_bytes("--device-mem-gb", o.device_mem_gb); bytes > 0) {
+    hopt.capacity_bytes = bytes;
+    copt.capacity_bytes = bytes;
   }
   STRATA_REQUIRE(
       o.emu_h2d_gbps >= 0 && o.emu_d2h_gbps >= 0 && o.emu_compute_gflops >= 0,
