@@ -34,6 +34,16 @@ inline double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The data files' identity, as a checkpoint records it: each one's size in bytes (-1 where it
+// cannot be read) and a hash of its first and last MiB and size (16 hex digits; "" where it cannot
+// be read). A resume on a file changed in place (a corpus prepared again into its cache path) is
+// said not to continue where it stopped; the same bytes under another path (a moved file) are the
+// same data.
+struct DataIdentity {
+  std::vector<std::int64_t> bytes;
+  std::vector<std::string> samples;
+};
+
 // What the options and files decide before any device or collective.
 struct Settings {
   explicit Settings(const TrainOptions& options) : o(options) {}
@@ -102,6 +112,7 @@ struct Run {
   Communicator& dp_comm() const { return groups.dp ? *groups.dp : *comm; }
   Communicator* tp_comm() const { return groups.tp.get(); }
   std::unique_ptr<TokenLoader> loader, val;
+  DataIdentity data_identity;  // of the files the loader opened, recorded by every checkpoint
   std::int64_t train_batches = 0, val_batches = 0;  // next() calls so far: the data position
   // Model and engine
   std::unique_ptr<Stream> compute;
@@ -147,13 +158,8 @@ struct Run {
 // check the same path at once. Throws kInvalidArgument naming the flag and the fix.
 void require_creatable_folder(const std::string& flag, const std::string& path);
 
-// The sizes in bytes of the data files (-1 where one cannot be read): a checkpoint records them,
-// so that a resume on a file changed in place (a corpus prepared again into its cache path) says
-// the data will not continue where it stopped.
-std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files);
-// And a hash of each one's first and last MiB and size (16 hex digits; "" where it cannot be
-// read): the same bytes under another path (a moved file) are the same data.
-std::vector<std::string> data_file_samples(const std::vector<std::string>& files);
+// Of `files` (DataIdentity).
+DataIdentity data_identity(const std::vector<std::string>& files);
 
 // ---- set-up (trainer_setup.cpp), in this order ----
 void check_flags(Settings& s);

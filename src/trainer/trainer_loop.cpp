@@ -168,8 +168,8 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
         {"seed", o.seed},
         {"shuffle", o.shuffle},
         {"files", absolute_paths(dopt.files)},
-        {"file_bytes", file_sizes(dopt.files)},
-        {"file_samples", data_file_samples(dopt.files)},
+        {"file_bytes", r.data_identity.bytes},
+        {"file_samples", r.data_identity.samples},
         {"val_fraction", dopt.val_fraction}}},
       // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
       // per epoch: the position above restores it.

@@ -901,15 +901,16 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
   return out;
 }
 
-std::vector<std::string> data_file_samples(const std::vector<std::string>& files) {
+DataIdentity data_identity(const std::vector<std::string>& files) {
   constexpr std::size_t kEnd = std::size_t(1) << 20;
-  std::vector<std::string> out;
+  DataIdentity out;
   for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
     std::error_code ec;
     const auto size = fs::file_size(f, ec);
+    out.bytes.push_back(ec ? -1 : std::int64_t(size));
+    std::ifstream in(f, std::ios::binary);
     if (!in || ec) {
-      out.emplace_back();
+      out.samples.emplace_back();
       continue;
     }
     std::string bytes(std::size_t(std::min<std::uintmax_t>(size, 2 * kEnd)), '\0');
@@ -920,17 +921,8 @@ std::vector<std::string> data_file_samples(const std::vector<std::string>& files
       in.read(bytes.data() + head, std::streamsize(bytes.size() - head));
     }
     bytes += fmt::format("|{}", size);
-    out.push_back(in ? fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size())) : "");
-  }
-  return out;
-}
-
-std::vector<std::int64_t> file_sizes(const std::vector<std::string>& files) {
-  std::vector<std::int64_t> out;
-  for (const auto& f : files) {
-    std::error_code ec;
-    const auto n = fs::file_size(f, ec);
-    out.push_back(ec ? -1 : std::int64_t(n));
+    out.samples.push_back(in ? fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()))
+                             : "");
   }
   return out;
 }
@@ -1195,6 +1187,7 @@ void open_device(Run& r) {
   // The loaders' warnings are the data's, the same on every rank: said once.
   const log::Quiet quiet(log::Level::kError, r.s.rank > 0);
   r.loader = std::make_unique<TokenLoader>(r.s.dopt);
+  r.data_identity = data_identity(r.s.dopt.files);
   if (!o.eval_files.empty()) {  // read whole, in order
     DataOptions e = r.s.dopt;
     e.files = r.s.eval_files;
@@ -1346,7 +1339,7 @@ void resume_from_checkpoint(Run& r) {
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
     {
-      // The data's identity: each file's size and a hash of its ends (data_file_samples), where
+      // The data's identity: each file's size and a hash of its ends (data_identity), where
       // the checkpoint records them; the same bytes under another path (moved, or named from
       // another folder) are the same data, and the same path with other bytes is not. Older
       // checkpoints: the paths, from this folder.
@@ -1358,8 +1351,9 @@ void resume_from_checkpoint(Run& r) {
       };
       const nlohmann::json then_bytes = d.value("file_bytes", nlohmann::json()),
                            then_samples = d.value("file_samples", nlohmann::json());
-      const std::vector<std::int64_t> now_bytes = file_sizes(dopt.files);
-      const std::vector<std::string> now_samples = data_file_samples(dopt.files);
+      const DataIdentity now = data_identity(dopt.files);
+      const std::vector<std::int64_t>& now_bytes = now.bytes;
+      const std::vector<std::string>& now_samples = now.samples;
       const bool same_paths = !d.contains("files") || canon(d["files"]) == canon(dopt.files);
       const bool recorded = then_bytes.is_array() && then_samples.is_array() &&
                             then_bytes.size() == now_bytes.size() &&
