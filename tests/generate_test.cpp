@@ -756,7 +756,8 @@ TEST_F(Cli, ChatFeedsTheRenderedConversationEachTurn) {
   EXPECT_EQ(one_turns[1]["new_tokens"].get<std::vector<std::int32_t>>(),
             generate(*fresh1.model, *fresh1.w, p2, g1).tokens);
   // --chat --prompt TEXT: one turn, stdin not read: the first turn's prompt and reply.
-  const testing::Result once = chat("--max-new-tokens 6 --json --prompt 'Hello there'", "chat-once");
+  const testing::Result once =
+      chat("--max-new-tokens 6 --json --prompt 'Hello there'", "chat-once");
   ASSERT_EQ(once.status, 0) << once.err;
   std::istringstream once_lines(once.out);
   std::vector<nlohmann::json> once_turns;

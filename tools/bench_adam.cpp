@@ -438,7 +438,7 @@ bool ds_style_mode(const Mode& mode) {
 struct Row {
   double sec = 0, sec_scalar = 0;
   double triad = 0, triad_nt = 0, pattern = 0;
-  double ds_style_sec = 0;  // 0: not timed in this mode
+  double ds_style_sec = 0;           // 0: not timed in this mode
   const char* copy_stores = "none";  // how the same-pattern loop stored the copy-out
 };
 

@@ -528,8 +528,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
       Tracer::global().clear();
     }
     if (talk && a.validate_rounds > 1 && (at + 1) % k == 0 && at + 1 < order.size())
-      std::printf("  round %zu of %d done (%.1f s)\n", (at + 1) / k, a.validate_rounds,
-                  since(t0));
+      std::printf("  round %zu of %d done (%.1f s)\n", (at + 1) / k, a.validate_rounds, since(t0));
     std::fflush(stdout);
   }
   check_machine();

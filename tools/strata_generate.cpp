@@ -218,9 +218,10 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const GenConfig& 
   STRATA_REQUIRE(!o.ids,
                  "--ids prints a run's new token ids, and --chat prints each reply as text: give "
                  "--json for each turn's ids (its \"new_tokens\"), or leave --ids out");
-  STRATA_REQUIRE(o.prompt_ids.empty(),
-                 "--chat renders messages as text with the chat template: give the user's "
-                 "message with --prompt TEXT (one turn) or on stdin, a line each, not --prompt-ids");
+  STRATA_REQUIRE(
+      o.prompt_ids.empty(),
+      "--chat renders messages as text with the chat template: give the user's "
+      "message with --prompt TEXT (one turn) or on stdin, a line each, not --prompt-ids");
   const bool one_turn = !o.prompt.empty();
   STRATA_REQUIRE(tok.has_value(), "--chat needs the model's tokenizer, and {}", tok_why);
   const strata::ChatTemplate t =
@@ -252,12 +253,11 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const GenConfig& 
   if (!o.json) {
     std::string note;
     for (const auto& n : t.not_reproduced) note += (note.empty() ? "" : ", ") + n;
-    announce(
-        o, cfg, m, g,
-        fmt::format(", chat ({}{}{}){}", strata::chat_format_name(t.format),
-                    note.empty() ? "" : "; the template's ",
-                    note.empty() ? "" : note + " are not rendered",
-                    one_turn ? ", one turn" : "; a message a line, /exit or EOF ends"));
+    announce(o, cfg, m, g,
+             fmt::format(", chat ({}{}{}){}", strata::chat_format_name(t.format),
+                         note.empty() ? "" : "; the template's ",
+                         note.empty() ? "" : note + " are not rendered",
+                         one_turn ? ", one turn" : "; a message a line, /exit or EOF ends"));
   }
   std::vector<strata::ChatMessage> history;
   std::vector<std::int32_t> held;  // what the model's key/value cache holds
@@ -378,10 +378,9 @@ int run(const Options& o) {
     }
   }
   const std::string tok_why =
-      has_tokenizer
-          ? fmt::format("{} cannot be used ({})", tok_file.string(), tok_error)
-          : fmt::format("{} has no tokenizer.json or tokenizer.model (vocab_size {})",
-                        o.model_dir, cfg.vocab_size);
+      has_tokenizer ? fmt::format("{} cannot be used ({})", tok_file.string(), tok_error)
+                    : fmt::format("{} has no tokenizer.json or tokenizer.model (vocab_size {})",
+                                  o.model_dir, cfg.vocab_size);
   if (o.chat) return run_chat(o, cfg, gen, tok, tok_why);
   const bool byte_level = cfg.vocab_size <= 256 && !has_tokenizer;
 
@@ -523,7 +522,8 @@ int main(int argc, char** argv) {
           "(0, 1]"));
   app.add_option("--top-k", o.top_k, "sample among the K most likely tokens (0: all)")
       ->check(strata::tools::kCount);
-  app.add_option("--seed", o.seed, "the sampler's seed, 0 to 2^64 - 1 (default 0)")->check(strata::tools::kSeed);
+  app.add_option("--seed", o.seed, "the sampler's seed, 0 to 2^64 - 1 (default 0)")
+      ->check(strata::tools::kSeed);
   app.add_option("--device", o.device, "auto | cpu | cuda (default auto)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", o.dtype,

@@ -205,7 +205,7 @@ struct SearchResult {
   // Feasible candidates, the recommended first (recommend_less_drive_bound), then fastest
   // (predicted tokens/s) first.
   std::vector<Candidate> ranked;
-  std::size_t considered = 0;     // all candidates, feasible or not
+  std::size_t considered = 0;  // all candidates, feasible or not
   // When nothing fits: the plan of the least demanding candidate and its problems (what is
   // missing on which tier).
   std::vector<std::string> problems;

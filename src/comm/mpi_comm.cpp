@@ -263,8 +263,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
-  std::vector<std::vector<float>> scratch_;   // worker only
-  MPI_Comm split_comm_ = MPI_COMM_NULL;       // made at the first split
+  std::vector<std::vector<float>> scratch_;  // worker only
+  MPI_Comm split_comm_ = MPI_COMM_NULL;      // made at the first split
   std::vector<std::string> hosts_;
   std::string peers_;
   std::unique_ptr<CollectiveWorker> worker_;  // last: its thread runs execute()

@@ -157,7 +157,7 @@ struct PinnedPoolState {
   std::vector<std::unique_ptr<PinnedChunk>> chunks;
   std::size_t requested = 0, allocated = 0, reserved = 0, peak = 0, blocks = 0;
   bool initial_made = false;  // opt.initial_bytes' chunk (made once, at the first allocation)
-  bool orphaned = false;  // the pool was destroyed with live blocks
+  bool orphaned = false;      // the pool was destroyed with live blocks
   hwloc_topology_t topo = nullptr;
   hwloc_bitmap_t nodeset = nullptr;
 

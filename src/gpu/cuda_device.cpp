@@ -293,9 +293,9 @@ class CudaDevice;
 // What a stream creates on first use and a later stream may inherit. Idle when pooled.
 struct StreamResources {
   cublasHandle_t blas = nullptr;
-  void* scratch = nullptr;                  // gpu::kSumSquaresScratchBytes of device memory
+  void* scratch = nullptr;                      // gpu::kSumSquaresScratchBytes of device memory
   unsigned long long* adamw_counter = nullptr;  // AdamW's non-finite count (device memory)
-  unsigned long long* host_done = nullptr;  // pinned, mapped; 0 when pooled
+  unsigned long long* host_done = nullptr;      // pinned, mapped; 0 when pooled
   unsigned long long* host_done_dev = nullptr;
 };
 
@@ -367,8 +367,8 @@ class CudaStream final : public Stream {
  private:
   void start_host_worker();  // with host_mu_ held
   void gemm(const MatmulDesc& d, void* c, DType c_type);
-  cublasHandle_t blas();  // with lazy_mu_ held
-  void* sum_scratch();    // with lazy_mu_ held
+  cublasHandle_t blas();                // with lazy_mu_ held
+  void* sum_scratch();                  // with lazy_mu_ held
   unsigned long long* adamw_counter();  // with lazy_mu_ held
   int ordinal() const noexcept;
 
