@@ -212,6 +212,23 @@ TEST(PlotSvg, ValuesAndStepsBeyondADoublesWholeNumbers) {
   const std::string svg = run_plot_svg(steps, "t");
   EXPECT_EQ(tag_balance(svg), "");
   EXPECT_LT(svg.size(), 64u << 10);
+  // Each step at its own place, the axis labelled with whole steps, and none a NaN: near 2^63 a
+  // double holds no two neighbouring steps (their axis had no width: x="-nan").
+  EXPECT_NE(svg.find(">4000000000000000000</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">4000000000000000001</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">4000000000000000002</text>"), std::string::npos) << svg;
+  EXPECT_EQ(svg.find("nan"), std::string::npos);
+  for (int n : {1, 2}) {
+    std::vector<RunRecord> last(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      last[std::size_t(i)].step = INT64_MAX - (n - 1) + i;
+      last[std::size_t(i)].loss = 1.0 - 0.1 * i;
+    }
+    const std::string edge = run_plot_svg(last, "t");
+    EXPECT_EQ(tag_balance(edge), "");
+    EXPECT_EQ(edge.find("nan"), std::string::npos) << n << " step(s)";
+    EXPECT_NE(edge.find(">9223372036854775807</text>"), std::string::npos) << edge;
+  }
 }
 
 TEST(PlotSvg, ManyStepsCostThePlotsWidthNotTheirNumber) {

@@ -276,11 +276,12 @@ struct Panel {
 class Picture {
  public:
   Picture(const std::vector<RunRecord>& steps) : steps_(steps) {
-    s0_ = double(steps.front().step);
-    s1_ = double(steps.back().step);
-    if (s1_ <= s0_) {  // one step: an axis either side of it
-      s0_ -= 1;
-      s1_ += 1;
+    // Steps from the first one, in whole numbers: near 2^63 a double holds no two neighbours.
+    origin_ = steps.front().step;
+    hi_ = double(steps.back().step - origin_);
+    if (hi_ <= 0) {  // one step: an axis either side of it
+      lo_ = -1;
+      hi_ = 1;
     }
   }
 
@@ -361,25 +362,29 @@ class Picture {
 
  private:
   const std::vector<RunRecord>& steps_;
-  double s0_ = 0, s1_ = 1;
+  // The axis spans steps origin_ + lo_ to origin_ + hi_.
+  std::int64_t origin_ = 0;
+  double lo_ = 0, hi_ = 1;
 
   double x_of(std::int64_t step) const {
-    return kLeft + (double(step) - s0_) / (s1_ - s0_) * kPlotW;
+    return kLeft + (double(step - origin_) - lo_) / (hi_ - lo_) * kPlotW;
   }
 
-  // The step axis: whole steps, about eight ticks.
+  // The step axis: whole steps (0 to 2^63 - 1), about eight ticks at round numbers.
   void step_ticks(double py1) {
-    const double every = std::max(1.0, nice_step((s1_ - s0_) / 8));
-    const double first = std::ceil(s0_ / every) * every;
-    const long n = std::min(20L, long(std::floor((s1_ - first) / every + 1e-9)));
-    for (long i = 0; i <= n; ++i) {
-      const double t = first + double(i) * every;
-      const double x = kLeft + (t - s0_) / (s1_ - s0_) * kPlotW;
+    using Wide = __int128;
+    const double every_d = std::min(4e18, std::max(1.0, nice_step((hi_ - lo_) / 8)));
+    const Wide every = Wide(std::llround(every_d));
+    const Wide a = std::max<Wide>(0, Wide(origin_) + Wide(std::llround(lo_)));
+    const Wide b = std::min<Wide>(INT64_MAX, Wide(origin_) + Wide(std::llround(hi_)));
+    int n = 0;
+    for (Wide t = (a + every - 1) / every * every; t <= b && n <= 20; t += every, ++n) {
+      const double x = x_of(std::int64_t(t));
       out += fmt::format(
           R"(<line x1="{:.1f}" y1="{}" x2="{:.1f}" y2="{}" stroke="#999" stroke-width="1"/>)"
           R"(<text x="{:.1f}" y="{}" font-size="11" fill="#333" text-anchor="middle">{}</text>)"
           "\n",
-          x, py1, x, py1 + 4, x, py1 + 16, std::int64_t(std::llround(t)));
+          x, py1, x, py1 + 4, x, py1 + 16, std::int64_t(t));
     }
     out += fmt::format(
         R"(<text x="{}" y="{}" font-size="11" fill="#666" text-anchor="end">step</text>)"
