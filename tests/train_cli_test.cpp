@@ -3091,7 +3091,12 @@ TEST_F(TrainCli, TorchrunOneRanksFailedSaveEndsEveryRankAndLeavesNothing) {
                        "written and nothing of it is left"),
             std::string::npos)
       << r.err;
-  EXPECT_NE(r.err.find("checkpoint: rank 1 could not write its files of step 2"), std::string::npos)
+  // Rank 0's drive was fine: it names rank 1's message as the thing to mend.
+  EXPECT_NE(r.err.find("checkpoint: rank 1 could not write its files of step 2 (its own message "
+                       "says why); the checkpoint of step 2 was not written and nothing of it is "
+                       "left; no checkpoint of this run is complete; mend what rank 1 says, then "
+                       "run the same command again"),
+            std::string::npos)
       << r.err;
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
@@ -3133,6 +3138,11 @@ TEST_F(TrainCli, TorchrunALeadersFailedManifestEndsEveryRankAndLeavesNoStep) {
     EXPECT_NE(r.status, 0) << r.out << r.err;
     EXPECT_NE(r.err.find(failed), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("checkpoint: rank 0 could not finish its folder of step 4"),
+              std::string::npos)
+        << r.err;
+    // Rank 1's own drive was fine: the fix it names is rank 0's.
+    EXPECT_NE(r.err.find("mend what rank 0 says, then run the same command with --resume " + ck +
+                         "/step-2"),
               std::string::npos)
         << r.err;
     EXPECT_EQ(names_in(ck), "step-2");

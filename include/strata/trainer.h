@@ -24,9 +24,11 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "strata/engine.h"
+#include "strata/error.h"
 #include "strata/model.h"
 
 namespace strata {
@@ -143,6 +145,14 @@ struct WrittenCheckpoint {
   std::string dir;       // the final folder
   bool writer = false;   // this rank made the folder on its file system (and prunes it)
   int file_systems = 1;  // separate folders written (1: a file system all ranks share)
+};
+// What write_checkpoint throws (kIo) on a rank whose own part went well when another rank's files
+// or folder could not be written: the cause, and its fix, are that rank's (its own message).
+class PeerCheckpointError : public Error {
+ public:
+  PeerCheckpointError(int peer_rank, std::string message, const char* file, int line)
+      : Error(ErrorKind::kIo, std::move(message), "", file, line), peer(peer_rank) {}
+  int peer;
 };
 WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s,
                                    const std::string& root, std::int64_t step,

@@ -345,10 +345,11 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
       }
       barrier(comm, s);
       if (failed) std::rethrow_exception(failed);
-      STRATA_THROW(kIo,
-                   "checkpoint: rank {} could not write its files of step {} (its own message "
-                   "says why)",
-                   first_failed, step);
+      throw PeerCheckpointError(first_failed,
+                                fmt::format("checkpoint: rank {} could not write its files of "
+                                            "step {} (its own message says why)",
+                                            first_failed, step),
+                                __FILE__, __LINE__);
     }
     // Node-local: every folder's manifest the same, rank 0's trainer state (the ranks' step log
     // lines differ in their timings).
@@ -426,10 +427,11 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
       }
       barrier(comm, s);
       if (unfinished) std::rethrow_exception(unfinished);
-      STRATA_THROW(kIo,
-                   "checkpoint: rank {} could not finish its folder of step {} (its own message "
-                   "says why); the step was not saved",
-                   first_unfinished, step);
+      throw PeerCheckpointError(first_unfinished,
+                                fmt::format("checkpoint: rank {} could not finish its folder of "
+                                            "step {} (its own message says why)",
+                                            first_unfinished, step),
+                                __FILE__, __LINE__);
     }
     if (leads && !aside.empty()) {
       std::error_code ec;

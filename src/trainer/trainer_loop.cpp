@@ -207,18 +207,21 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
   } catch (const Error& e) {
     // A file that could not be written (a full drive): say what is left and what to do
     // (write_checkpoint removed the half-written folder). Other errors pass as they are.
+    // Another rank's failure (its drive, its folder) is mended there, not in this rank's folder.
     if (e.kind() != ErrorKind::kIo) throw;
+    const auto* peer = dynamic_cast<const PeerCheckpointError*>(&e);
     const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
-    STRATA_THROW(kIo,
-                 "{}; the checkpoint of step {} was not written and nothing of it is left; {}; "
-                 "free space in "
-                 "{} (or give another --checkpoint-dir), then run the same command{}",
-                 e.message(), step,
-                 newest.empty() ? std::string("no checkpoint of this run is complete")
-                                : fmt::format("the newest complete one is {}", newest),
-                 ckpt_root,
-                 newest.empty() ? std::string(" again (there is nothing to --resume from)")
-                                : fmt::format(" with --resume {}", newest));
+    STRATA_THROW(
+        kIo,
+        "{}; the checkpoint of step {} was not written and nothing of it is left; {}; "
+        "{}, then run the same command{}",
+        e.message(), step,
+        newest.empty() ? std::string("no checkpoint of this run is complete")
+                       : fmt::format("the newest complete one is {}", newest),
+        peer ? fmt::format("mend what rank {} says", peer->peer)
+             : fmt::format("free space in {} (or give another --checkpoint-dir)", ckpt_root),
+        newest.empty() ? std::string(" again (there is nothing to --resume from)")
+                       : fmt::format(" with --resume {}", newest));
   }
   r.checkpoints.push_back(dir);
   r.saved_steps.push_back(step);
