@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -742,6 +743,31 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.val_fraction = 0.1;
   expect_error([&] { TokenLoader l(o, DataSplit::kVal); },
                {"validation split", "10% of each file, with --eval-every", "tiny.bin: 10 tokens"});
+  fs::remove_all(dir);
+}
+
+// A token file cut short under the loader's mapping (`cp` onto it truncates it): the read of a
+// page past its new end is a SIGBUS, which ended a run with "Bus error" alone; the handler names
+// the file and the fix before the process ends by the signal as it did.
+TEST(TokenData, AFileCutShortUnderTheLoaderIsNamed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const fs::path dir = scratch("data-cut");
+  DataOptions o;
+  o.files = {write_tokens(dir, "cut.bin", std::vector<std::uint16_t>(1 << 16, 3), 1).string()};
+  o.batch = 2;
+  o.seq_len = 8;
+  o.vocab_size = 256;
+  EXPECT_EXIT(
+      {
+        TokenLoader loader(o);
+        loader.next();
+        fs::resize_file(o.files[0], 0);
+        for (int i = 0; i < 8; ++i) loader.next();
+        std::exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS),
+      "cut.bin became shorter while it was read .*: the run cannot go on. Put the file back as "
+      "it was and --resume");
   fs::remove_all(dir);
 }
 

@@ -364,8 +364,9 @@ void set_interrupt_note(std::string_view text) noexcept {
 void remove_swap_files_now() noexcept { remove_published_swap_files(); }
 
 void remove_swap_files_on_interrupt() {
-  for (const int sig :
-       {SIGINT, SIGTERM, SIGHUP}) {  // Ctrl-C, a scheduler's stop, a closed terminal
+  // Ctrl-C, a scheduler's stop, a closed terminal, and a bus error (a mapped data file cut short
+  // under the run, which the data loader names first).
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGBUS}) {
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL ||
         (old.sa_flags & SA_SIGINFO))

@@ -35,6 +35,7 @@
 #include "strata/chat.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "text/mapped_file.h"
 
 namespace strata {
 
@@ -709,15 +710,14 @@ PreparedFile::PreparedFile(const std::string& path) : path_(path) {
   ::fstat(fd, &st);
   size_ = std::size_t(st.st_size);
   if (size_ > 0) {
-    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    if (p == MAP_FAILED)
-      detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
-    base_ = static_cast<const std::uint8_t*>(p);
-  } else {
-    ::close(fd);
+    try {
+      base_ = text::map_data_file(fd, size_, path);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
   }
+  ::close(fd);
   try {
     header_ = parse_header(path, base_, size_, size_);
     const PreparedHeader& h = header_;
@@ -738,14 +738,12 @@ PreparedFile::PreparedFile(const std::string& path) : path_(path) {
                    "says {}; prepare it again with strata-prep",
                    path, counted, h.counted_tokens);
   } catch (...) {
-    if (base_) ::munmap(const_cast<std::uint8_t*>(base_), size_);
+    text::unmap_data_file(base_, size_);
     throw;
   }
 }
 
-PreparedFile::~PreparedFile() {
-  if (base_) ::munmap(const_cast<std::uint8_t*>(base_), size_);
-}
+PreparedFile::~PreparedFile() { text::unmap_data_file(base_, size_); }
 
 std::int32_t PreparedFile::token(std::int64_t i) const {
   const std::uint8_t* p = base_ + header_.tokens_offset + std::size_t(i) * header_.token_bytes;

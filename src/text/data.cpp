@@ -21,6 +21,7 @@
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model_data.h"
+#include "text/mapped_file.h"
 
 namespace strata {
 namespace {
@@ -36,9 +37,7 @@ struct TokenFile {
   std::size_t elem = 2;             // bytes per id
   std::int64_t begin = 0, end = 0;  // this split's token range
 
-  ~TokenFile() {
-    if (base) ::munmap(const_cast<std::uint8_t*>(base), size);
-  }
+  ~TokenFile() { text::unmap_data_file(base, size); }
   std::int64_t id(std::int64_t i) const {
     const std::uint8_t* p = base + data_offset + std::size_t(i) * elem;
     if (elem == 1) return *p;
@@ -111,15 +110,14 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
   ::fstat(fd, &st);
   f->size = static_cast<std::size_t>(st.st_size);
   if (f->size > 0) {
-    void* p = ::mmap(nullptr, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    if (p == MAP_FAILED)
-      detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
-    f->base = static_cast<const std::uint8_t*>(p);
-  } else {
-    ::close(fd);
+    try {
+      f->base = text::map_data_file(fd, f->size, path);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
   }
+  ::close(fd);
   std::int32_t head[3] = {0, 0, 0};
   if (f->size >= 12) std::memcpy(head, f->base, 12);
   if (fmt == TokenFormat::kAuto) {
