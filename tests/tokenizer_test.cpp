@@ -147,6 +147,10 @@ TEST(Tokenizer, ByteFallbackMetaspace) {
   TokenStreamDecoder s(t);
   EXPECT_EQ(s.push(6), "a");
   EXPECT_EQ(s.push(6), " a");
+  // Going on from text already shown (a prompt), the first token keeps its space.
+  EXPECT_EQ(t.decode(Ids{6, 6}, false, /*continues=*/true), " a a");
+  TokenStreamDecoder after(t, false, /*continues=*/true);
+  EXPECT_EQ(after.push(6), " a");
 }
 
 // A token with "▁" after another character lets a merge cross a "▁": the piece is then merged

@@ -1425,7 +1425,8 @@ TEST_F(TrainCli, SamplesGoThroughTheModelsTokenizer) {
   GenerateOptions g;
   g.max_new_tokens = 6;
   const GenerateResult res = generate(m, w, prompt, g);
-  EXPECT_EQ(last, "hello world!" + tok.decode(res.tokens, /*skip_special_tokens=*/true));
+  EXPECT_EQ(last, "hello world!" + tok.decode(res.tokens, /*skip_special_tokens=*/true,
+                                              /*continues=*/true));
   EXPECT_EQ(decode_generated(tok, {11, 25, 15, 3}), "hello[id 25]!o") << "ids beyond the tokenizer";
 }
 

@@ -436,13 +436,18 @@ int run(const Options& o) {
   if (!o.json) announce(o, cfg, m, g);
   std::FILE* out = o.json ? stderr : stdout;
   auto put = [&](const std::string& text) { std::fwrite(text.data(), 1, text.size(), out); };
-  if (text_out)  // the prompt first, as the model continues it
-    put(o.prompt.empty() && tok
-            ? strata::decode_generated(*tok, prompt, /*skip_special_tokens=*/true)
-            : o.prompt);
+  // The prompt first, as the model continues it; the new tokens go on from its text (a Llama 2
+  // tokenizer's first new "▁the" is " the" after "The cat", as Hugging Face decodes the sequence).
+  const std::string prompt_text =
+      !text_out ? std::string()
+      : o.prompt.empty() && tok
+          ? strata::decode_generated(*tok, prompt, /*skip_special_tokens=*/true)
+          : o.prompt;
+  put(prompt_text);
   std::fflush(out);
   std::optional<strata::TokenStreamDecoder> stream_text;
-  if (text_out && tok) stream_text.emplace(*tok, /*skip_special_tokens=*/true);
+  if (text_out && tok)
+    stream_text.emplace(*tok, /*skip_special_tokens=*/true, /*continues=*/!prompt_text.empty());
   const strata::GenerateResult r =
       strata::generate(*m.model, *m.weights, prompt, g, [&](std::int32_t id) {
         if (stream_text && id < tok->vocab_size())

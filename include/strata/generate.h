@@ -82,9 +82,11 @@ std::vector<std::int32_t> parse_token_ids(const std::string& text, std::int64_t 
 
 // The text of generated ids: tokenizer.decode over each run of ids the tokenizer has, and "[id N]"
 // for an id beyond it (a model's vocabulary is often padded past its tokenizer's, and an untrained
-// row can still be sampled), so a sample never fails on its own output.
+// row can still be sampled), so a sample never fails on its own output. `continues`: the ids go
+// on from text already shown (the prompt), so a decoder such as Llama 2's keeps the first token's
+// space ("The cat" + " the", not "The catthe"); a run after an "[id N]" goes on from it.
 std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::int32_t>& ids,
-                             bool skip_special_tokens = true);
+                             bool skip_special_tokens = true, bool continues = false);
 
 // The positions generate() runs through the model for a prompt of `prompt_tokens` and
 // `max_new_tokens` (>= 0) new ones: prompt + max(max_new_tokens, 1) - 1 (the last new token is

@@ -71,8 +71,10 @@ class Tokenizer {
   // Face does. Throws when `text` is not valid UTF-8.
   std::vector<std::int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
   // Text of `ids`; every id must be below vocab_size(). Special tokens are left out with
-  // `skip_special_tokens`.
-  std::string decode(std::span<const std::int32_t> ids, bool skip_special_tokens = false) const;
+  // `skip_special_tokens`. With `continues` the ids go on from text already shown (a prompt), so
+  // their first token is not the text's first: a decoder such as Llama 2's keeps its space.
+  std::string decode(std::span<const std::int32_t> ids, bool skip_special_tokens = false,
+                     bool continues = false) const;
   // The raw bytes one token stands for at position `first` (true: the first token of a text,
   // where a decoder such as Llama 2's strips the prepended space). May be part of a UTF-8
   // character (byte-level and byte-fallback tokens).
@@ -106,18 +108,20 @@ std::size_t first_invalid_utf8(std::string_view text);
 
 // Token-by-token decoding for streaming output: push() returns the text a token completes
 // (possibly empty while a character's bytes are still arriving), finish() what is left (an
-// incomplete character as U+FFFD). The concatenation equals tokenizer.decode(ids) for valid text.
+// incomplete character as U+FFFD). The concatenation equals tokenizer.decode(ids) for valid text
+// (with `continues`, decode(ids, skip, true): the stream goes on from text already shown).
 class TokenStreamDecoder {
  public:
-  explicit TokenStreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false)
-      : tok_(&tokenizer), skip_special_(skip_special_tokens) {}
+  explicit TokenStreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false,
+                              bool continues = false)
+      : tok_(&tokenizer), skip_special_(skip_special_tokens), first_(!continues) {}
   std::string push(std::int32_t id);
   std::string finish();
 
  private:
   const Tokenizer* tok_;
   bool skip_special_;
-  bool first_ = true;
+  bool first_;
   std::string pending_;
 };
 

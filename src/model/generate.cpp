@@ -137,13 +137,13 @@ std::vector<std::int32_t> parse_token_ids(const std::string& text, std::int64_t 
 }
 
 std::string decode_generated(const Tokenizer& tokenizer, const std::vector<std::int32_t>& ids,
-                             bool skip_special_tokens) {
+                             bool skip_special_tokens, bool continues) {
   std::string out;
   std::size_t run = 0;  // the start of the run of ids the tokenizer has
   for (std::size_t i = 0; i <= ids.size(); ++i) {
     if (i < ids.size() && ids[i] >= 0 && ids[i] < tokenizer.vocab_size()) continue;
     out += tokenizer.decode(std::span<const std::int32_t>(ids.data() + run, i - run),
-                            skip_special_tokens);
+                            skip_special_tokens, continues || !out.empty());
     if (i < ids.size()) out += "[id " + std::to_string(ids[i]) + "]";
     run = i + 1;
   }

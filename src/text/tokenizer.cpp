@@ -1345,9 +1345,10 @@ std::string Tokenizer::token_bytes(std::int32_t id, bool first) const {
   return s;
 }
 
-std::string Tokenizer::decode(std::span<const std::int32_t> ids, bool skip_special_tokens) const {
+std::string Tokenizer::decode(std::span<const std::int32_t> ids, bool skip_special_tokens,
+                              bool continues) const {
   std::string bytes;
-  bool first = true;
+  bool first = !continues;
   for (std::int32_t id : ids) {
     if (skip_special_tokens && is_special(id)) continue;
     bytes += token_bytes(id, first);

@@ -416,8 +416,9 @@ std::string sample(Run& run) {
   engine.set_eval(false);
   std::string text;
   if (run.s.tokenizer) {
-    text = decode_generated(*run.s.tokenizer, run.s.sample_prompt) +
-           decode_generated(*run.s.tokenizer, res.tokens);
+    // The new tokens go on from the prompt's text (decode_generated's `continues`).
+    text = decode_generated(*run.s.tokenizer, run.s.sample_prompt);
+    text += decode_generated(*run.s.tokenizer, res.tokens, true, !text.empty());
   } else if (!run.s.o.sample_prompt.empty()) {
     text = run.s.o.sample_prompt;
     for (std::int32_t t : res.tokens) text += static_cast<char>(t);
