@@ -303,6 +303,86 @@ TEST(ModelIo, SizesBeyondAnyModelAreRefused) {
             std::string::npos);
 }
 
+// Values Hugging Face reads otherwise, or not at all, are refused naming the key (they trained
+// to NaN, or silently as another model), and the ones it ignores are ignored.
+TEST(ModelIo, ConfigValuesAreReadAsHuggingFaceReadsThem) {
+  const auto parsed = [](const char* base, const std::string& fields) {
+    nlohmann::json j = nlohmann::json::parse(base);
+    j.update(nlohmann::json::parse("{" + fields + "}"));
+    return parse_model_config(j.dump(), "cfg");
+  };
+  const auto error_of = [&](const char* base, const std::string& fields) {
+    try {
+      (void)parsed(base, fields);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("accepted");
+  };
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {R"("rms_norm_eps": -1)", "cfg: 'rms_norm_eps' must be a number >= 0"},
+      {R"("rope_theta": 0)", "cfg: 'rope_theta' must be a number > 0"},
+      {R"("rope_theta": -10000)", "cfg: 'rope_theta' must be a number > 0"},
+      {R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0})",
+       "cfg: rope_scaling of type 'llama3' needs 'low_freq_factor'"},
+      {R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 0})",
+       "original_max_position_embeddings >= 1"},
+      {R"("model_type": "mistral", "sliding_window": "16")",
+       "cfg: 'sliding_window' must be a whole number of positions >= 1 (or null: none), got "
+       "\"16\""},
+      {R"("model_type": "mistral", "sliding_window": 16.5)", "'sliding_window' must be a whole"},
+      {R"("model_type": "qwen2", "use_sliding_window": "true")",
+       "cfg: 'use_sliding_window' must be true or false, got \"true\""},
+  };
+  for (const auto& [fields, says] : refused)
+    EXPECT_NE(error_of(kLlama, fields).find(says), std::string::npos)
+        << fields << ": " << error_of(kLlama, fields);
+  EXPECT_NE(error_of(kGpt2, R"("tie_word_embeddings": false)")
+                .find("cfg: tie_word_embeddings false: strata's GPT-2 ties its output head"),
+            std::string::npos);
+  EXPECT_NE(error_of(kGpt2, R"("layer_norm_epsilon": -1e-5)")
+                .find("'layer_norm_epsilon' must be a number >= 0"),
+            std::string::npos);
+  // A whole float is the window; Llama's attention has none (Hugging Face's ignores the key).
+  EXPECT_EQ(
+      binding_sliding_window(parsed(kLlama, R"("model_type": "mistral", "sliding_window": 16.0)")),
+      16);
+  EXPECT_EQ(
+      binding_sliding_window(parsed(kLlama, R"("model_type": "mistral", "sliding_window": null)")),
+      0);
+  EXPECT_EQ(
+      binding_sliding_window(parsed(kLlama, R"("model_type": "llama", "sliding_window": 16)")), 0);
+  EXPECT_EQ(
+      binding_sliding_window(parsed(kLlama, R"("model_type": "qwen2", "sliding_window": 16)")), 0);
+  EXPECT_EQ(
+      binding_sliding_window(parsed(
+          kLlama, R"("model_type": "qwen2", "sliding_window": 16, "use_sliding_window": true)")),
+      16);
+  // "dtype" (newer transformers) is read before "torch_dtype", as transformers does.
+  EXPECT_EQ(parsed(kLlama, R"("dtype": "bfloat16", "torch_dtype": "float32")").torch_dtype,
+            "bfloat16");
+  EXPECT_EQ(parsed(kLlama, R"("torch_dtype": "float16")").torch_dtype, "float16");
+}
+
+// A saved folder's config says the weights' dtype in both keys transformers reads: a stale "dtype"
+// (newer transformers, read first) beside fp32 weights loaded them as bf16.
+TEST(ModelIo, ASavedConfigSaysTheWeightsDtypeInEveryKey) {
+  Env e;
+  nlohmann::json j = nlohmann::json::parse(kLlama);
+  j["dtype"] = "bfloat16";
+  const ModelConfig cfg = parse_model_config(j.dump(), "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(8, 0.5f);
+  const fs::path dir = scratch("dtype-keys");
+  save_hf_weights(dir.string(), a);
+  const auto saved = nlohmann::json::parse(testing::slurp((dir / "config.json").string()));
+  EXPECT_EQ(saved.value("dtype", ""), "float32");
+  EXPECT_EQ(saved.value("torch_dtype", ""), "float32");
+  EXPECT_EQ(load_model_config((dir / "config.json").string()).torch_dtype, "float32");
+  fs::remove_all(dir);
+}
+
 TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   Env e;
   const ModelConfig cfg = parse_model_config(kLlama, "cfg");

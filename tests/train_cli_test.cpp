@@ -1523,6 +1523,30 @@ TEST_F(TrainCli, OutputsGoToDevicesAndBesideTheModel) {
       << weights.err;
 }
 
+// A Mistral's sliding window binds the sequence (strata's attention is full causal): --seq-len past
+// it is refused naming the flag (it was the library's "Model: seq_len ..."), and the default
+// sequence fits it.
+TEST_F(TrainCli, ASlidingWindowBindsTheSequence) {
+  const std::string mistral = dir.path + "/mistral.json";
+  std::ofstream(mistral) << R"({"model_type": "mistral", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "sliding_window": 8})";
+  std::vector<std::string> a = args(dir.path + "/w.jsonl", {}, "1");
+  a[1] = mistral;
+  const Result past = train(a, "past");
+  EXPECT_EQ(past.status, 1);
+  EXPECT_EQ(first_line(past.err),
+            "strata-train: invalid argument: --seq-len 16 exceeds the model config's "
+            "sliding_window 8: strata's attention is full causal over the sequence, which that "
+            "window would cut; give --seq-len 8 or less")
+      << past.err;
+  a.erase(std::find(a.begin(), a.end(), "--seq-len"),
+          std::find(a.begin(), a.end(), "--seq-len") + 2);
+  const Result fits = train(a, "fits");
+  ASSERT_EQ(fits.status, 0) << fits.err;
+  EXPECT_NE(fits.out.find("x 8 tokens"), std::string::npos) << fits.out;
+}
+
 TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   const std::string bad_cfg = dir.path + "/bad-model.json";
   std::ofstream(bad_cfg) << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": "64",

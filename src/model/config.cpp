@@ -5,6 +5,7 @@
 // Within a Llama layer q/k/v (and their biases) are adjacent, as are gate/up, so each pair
 // or triple is one fused GEMM; GPT-2's Conv1D c_attn is already fused.
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -69,7 +70,8 @@ void warn_near_misses(const ModelConfig& c, const std::string& what) {
                                                 "layer_norm_epsilon",
                                                 "activation_function",
                                                 "scale_attn_weights",
-                                                "scale_attn_by_inverse_layer_idx"};
+                                                "scale_attn_by_inverse_layer_idx",
+                                                "tie_word_embeddings"};
   std::vector<std::string> known = common;
   const auto& family = c.arch == ModelArch::kGpt2 ? gpt2 : llama;
   known.insert(known.end(), family.begin(), family.end());
@@ -126,6 +128,13 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
     const std::string act = s.get_string("activation_function", "gelu_new");
     STRATA_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh",
                    "{}: activation_function '{}' is not supported; GPT-2 uses gelu_new", what, act);
+    // Every GPT-2 checkpoint ties its head to wte; strata's GPT-2 has no lm_head of its own, so a
+    // config that unties it (Hugging Face then loads lm_head.weight) is refused, not tied.
+    STRATA_REQUIRE(s.get_bool("tie_word_embeddings", true),
+                   "{}: tie_word_embeddings false: strata's GPT-2 ties its output head to "
+                   "transformer.wte (as GPT-2 checkpoints do) and has no lm_head.weight of its "
+                   "own; an untied GPT-2 is not supported",
+                   what);
     c.tie_word_embeddings = true;
     c.scale_attn_weights = s.get_bool("scale_attn_weights", true);
     c.scale_attn_by_inverse_layer_idx = s.get_bool("scale_attn_by_inverse_layer_idx", false);
@@ -140,6 +149,24 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
     c.max_positions = positive(s, "max_position_embeddings", what, 2048);
     c.norm_eps = s.get_double("rms_norm_eps", 1e-6);
     c.rope_theta = s.get_double("rope_theta", 10000.0);
+    STRATA_REQUIRE(c.rope_theta > 0 && std::isfinite(c.rope_theta),
+                   "{}: 'rope_theta' must be a number > 0 (the rotary base, 10000 or 500000 in "
+                   "Llama configs), got {}",
+                   what, c.rope_theta);
+    // The window binds Mistral and Qwen2 (with use_sliding_window): its value read as Hugging
+    // Face's attention uses it, a whole number (16.0 too) or null for none.
+    if (type != "llama") {
+      if (const auto* sw = s.raw("sliding_window"))
+        STRATA_REQUIRE(sw->is_number() && sw->get<double>() >= 1 &&
+                           sw->get<double>() == std::floor(sw->get<double>()) &&
+                           sw->get<double>() <= 9.2e18,
+                       "{}: 'sliding_window' must be a whole number of positions >= 1 (or null: "
+                       "none), got {}",
+                       what, sw->dump());
+      if (const auto* use = s.raw("use_sliding_window"))
+        STRATA_REQUIRE(use->is_boolean(), "{}: 'use_sliding_window' must be true or false, got {}",
+                       what, use->dump());
+    }
     c.tie_word_embeddings = s.get_bool("tie_word_embeddings", false);
     // Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only; Hugging
     // Face's Mistral has none and ignores the key (so does strata).
@@ -157,23 +184,38 @@ ModelConfig parse_model_config_body(const std::string& json_text, const std::str
                      "{}: rope_scaling type '{}' is not supported; strata implements 'llama3'",
                      what, rt);
       if (rt == "llama3") {
+        // Each key given, as Hugging Face's rope validation requires (no defaults to guess).
+        for (const char* key :
+             {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+          STRATA_REQUIRE(r.has(key),
+                         "{}: rope_scaling of type 'llama3' needs '{}' (it has factor, "
+                         "low_freq_factor, high_freq_factor and "
+                         "original_max_position_embeddings, as Llama 3.1's config.json gives "
+                         "them)",
+                         what, key);
         c.rope_llama3_factor = r.get_double("factor", 8.0);
         c.rope_llama3_low_freq_factor = r.get_double("low_freq_factor", 1.0);
         c.rope_llama3_high_freq_factor = r.get_double("high_freq_factor", 4.0);
         c.rope_llama3_original_max_positions =
             r.get_double("original_max_position_embeddings", 8192);
-        STRATA_REQUIRE(c.rope_llama3_factor > 0 &&
-                           c.rope_llama3_high_freq_factor > c.rope_llama3_low_freq_factor,
-                       "{}: rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor",
+        STRATA_REQUIRE(c.rope_llama3_factor > 0 && c.rope_llama3_low_freq_factor > 0 &&
+                           c.rope_llama3_high_freq_factor > c.rope_llama3_low_freq_factor &&
+                           c.rope_llama3_original_max_positions >= 1,
+                       "{}: rope_scaling needs factor > 0, 0 < low_freq_factor < "
+                       "high_freq_factor and original_max_position_embeddings >= 1",
                        what);
       }
     }
   }
   // The dtype the weights were saved in (transformers writes "torch_dtype", newer versions
-  // "dtype"); a value that is not a string (null) is no answer.
-  for (const char* key : {"torch_dtype", "dtype"})
+  // "dtype", which it takes when both are there); a value that is not a string (null) is no
+  // answer.
+  for (const char* key : {"dtype", "torch_dtype"})
     if (const auto* d = s.raw(key); d && d->is_string() && c.torch_dtype.empty())
       c.torch_dtype = d->get<std::string>();
+  STRATA_REQUIRE(c.norm_eps >= 0 && std::isfinite(c.norm_eps),
+                 "{}: '{}' must be a number >= 0 (the norm's epsilon, e.g. 1e-5), got {}", what,
+                 c.arch == ModelArch::kGpt2 ? "layer_norm_epsilon" : "rms_norm_eps", c.norm_eps);
   c.initializer_range = s.get_double("initializer_range", 0.02);
   STRATA_REQUIRE(c.initializer_range > 0, "{}: 'initializer_range' must be > 0, got {}", what,
                  c.initializer_range);
@@ -239,11 +281,14 @@ std::int64_t binding_sliding_window(const ModelConfig& c) {
   // The window binds only where it is used: Qwen2's configs carry one with "use_sliding_window"
   // false, or without the key, whose default in Hugging Face's Qwen2Config is false (it then
   // attends over everything, as strata does); Mistral's always binds.
+  // Llama's and GPT-2's attention has no window: a key left in their config is not used.
+  if (c.model_type != "mistral" && c.model_type != "qwen2") return 0;
   const auto use = c.raw.find("use_sliding_window");
   const bool used =
       use != c.raw.end() && use->is_boolean() ? use->get<bool>() : c.model_type != "qwen2";
   const auto sw = c.raw.find("sliding_window");
-  return used && sw != c.raw.end() && sw->is_number_integer() ? sw->get<std::int64_t>() : 0;
+  // (a whole number, 16.0 too: parse_model_config refused any other)
+  return used && sw != c.raw.end() && sw->is_number() ? std::int64_t(sw->get<double>()) : 0;
 }
 
 std::string model_config_json(const ModelConfig& c) {

@@ -580,8 +580,13 @@ void HfWeightsWriter::finish() {
                        (w.dir / "model.safetensors.index.json").string());
   }
   ModelConfig cfg = w.cfg;
-  if (cfg.raw.is_object())
-    cfg.raw["torch_dtype"] = w.dtype == DType::kBF16 ? "bfloat16" : "float32";
+  if (cfg.raw.is_object()) {
+    // And "dtype", where newer transformers wrote it: it reads that one first, so a stale
+    // "bfloat16" beside fp32 weights would load them as bf16.
+    const char* dtype = w.dtype == DType::kBF16 ? "bfloat16" : "float32";
+    cfg.raw["torch_dtype"] = dtype;
+    if (cfg.raw.contains("dtype")) cfg.raw["dtype"] = dtype;
+  }
   std::string text = model_config_json(cfg);
   if (!cfg.raw.is_object() && w.dtype == DType::kBF16) {
     auto j = nlohmann::json::parse(text);

@@ -679,12 +679,18 @@ void lr_schedule(Settings& s) {
 void sequence_and_batch(Settings& s) {
   const TrainOptions& o = s.o;
   const ModelConfig& mcfg = s.mcfg;
-  // Default: the demo's 128, else 1024 or the model's positions when it has fewer.
-  const std::int64_t seq_len = s.seq_len = o.seq_len > 0  ? o.seq_len
-                                           : s.demo_model ? 128
-                                           : mcfg.max_positions > 0
-                                               ? std::min<std::int64_t>(1024, mcfg.max_positions)
-                                               : 1024;
+  // Default: the demo's 128, else 1024 or the model's positions (or its attention's binding
+  // window) when it has fewer.
+  const std::int64_t window = binding_sliding_window(mcfg);
+  std::int64_t fits =
+      mcfg.max_positions > 0 ? std::min<std::int64_t>(1024, mcfg.max_positions) : 1024;
+  if (window > 0) fits = std::min(fits, window);
+  const std::int64_t seq_len = s.seq_len = o.seq_len > 0 ? o.seq_len : s.demo_model ? 128 : fits;
+  STRATA_REQUIRE(window == 0 || seq_len <= window,
+                 "--seq-len {} exceeds the model config's sliding_window {}: strata's attention is "
+                 "full causal over the sequence, which that window would cut; give --seq-len {} "
+                 "or less",
+                 seq_len, window, window);
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
                  "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
   // RoPE takes any length, but the model was trained (and its config sized) for this many.
