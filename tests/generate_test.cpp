@@ -631,6 +631,14 @@ TEST_F(Cli, GenerationConfigIsReadAsHuggingFaceReadsIt) {
        R"(generation_config.json: "top_k" is 5.7, not a whole number)"},
       {R"({"do_sample": true, "top_p": [0.9]})",
        R"(generation_config.json: "top_p" is [0.9], not a number)"},
+      // (a string was dropped, an id past 32 bits wrapped: 4294967326 stopped at 30)
+      {R"({"eos_token_id": "30"})",
+       R"(generation_config.json: "eos_token_id" is "30", not a token id (a whole number from 0 )"
+       R"(to 2^31 - 1) or a list of them)"},
+      {R"({"eos_token_id": 4294967326})",
+       R"(generation_config.json: "eos_token_id" is 4294967326, not a token id)"},
+      {R"({"eos_token_id": [null, 30]})",
+       R"(generation_config.json: "eos_token_id" is [null,30], not a token id)"},
   };
   int i = 0;
   for (const auto& [text, says] : bad) {
@@ -639,6 +647,15 @@ TEST_F(Cli, GenerationConfigIsReadAsHuggingFaceReadsIt) {
     EXPECT_EQ(r.status, 1) << text;
     EXPECT_NE(r.err.find(says), std::string::npos) << text << ": " << r.err;
   }
+  // eos_token_id null is a key left out: config.json's counts (the greedy first token here).
+  const std::int32_t first = want(0.0, 0).front();
+  nlohmann::json cfg = nlohmann::json::parse(testing::slurp(m + "/config.json"));
+  cfg["eos_token_id"] = first;
+  std::ofstream(m + "/config.json") << cfg.dump();
+  std::ofstream(file) << R"({"eos_token_id": null})";
+  EXPECT_EQ(tokens({}, "eos-null"), std::vector<std::int32_t>{first});
+  std::ofstream(file) << fmt::format(R"({{"eos_token_id": [{}]}})", first);
+  EXPECT_EQ(tokens({}, "eos-list"), std::vector<std::int32_t>{first});
 }
 
 // The tokenizer of test_util.h with a newline (as "none" renders each message) and its eos named

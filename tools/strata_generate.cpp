@@ -109,20 +109,40 @@ GenConfig read_generation_config(const fs::path& dir) {
   return c;
 }
 
-// eos_token_id: an id or a list of them, from generation_config.json, else config.json.
-std::vector<std::int32_t> stop_ids(const nlohmann::json& gen, const nlohmann::json& cfg) {
-  const nlohmann::json* src = nullptr;
-  if (gen.is_object() && gen.contains("eos_token_id"))
-    src = &gen["eos_token_id"];
-  else if (cfg.is_object() && cfg.contains("eos_token_id"))
-    src = &cfg["eos_token_id"];
+// The eos_token_id of `obj` (the file `path`): an id or a list of them; nullopt where the key is
+// left out or null (the next file's then counts). Anything else is an error naming the file and
+// the value: a string or an id past 32 bits was dropped or wrapped (4294967326 stopped at 30).
+std::optional<std::vector<std::int32_t>> eos_ids(const nlohmann::json& obj,
+                                                 const std::string& path) {
+  if (!obj.is_object()) return std::nullopt;
+  const auto it = obj.find("eos_token_id");
+  if (it == obj.end() || it->is_null()) return std::nullopt;
+  const auto id = [](const nlohmann::json& v) {
+    return v.is_number_unsigned() ? v.get<std::uint64_t>() <= 0x7fffffffu
+                                  : v.is_number_integer() && v.get<std::int64_t>() >= 0 &&
+                                        v.get<std::int64_t>() <= 0x7fffffff;
+  };
+  const bool ok = id(*it) || (it->is_array() && std::all_of(it->begin(), it->end(), id));
+  std::string shown = it->dump();
+  if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
+  STRATA_REQUIRE(ok,
+                 "{}: \"eos_token_id\" is {}, not a token id (a whole number from 0 to 2^31 - 1) "
+                 "or a list of them: fix the value or remove the key",
+                 path, shown);
   std::vector<std::int32_t> out;
-  if (!src) return out;
-  if (src->is_number_integer()) out.push_back(src->get<std::int32_t>());
-  if (src->is_array())
-    for (const auto& v : *src)
-      if (v.is_number_integer()) out.push_back(v.get<std::int32_t>());
+  if (it->is_array())
+    for (const auto& v : *it) out.push_back(v.get<std::int32_t>());
+  else
+    out.push_back(it->get<std::int32_t>());
   return out;
+}
+
+// eos_token_id from generation_config.json, else config.json.
+std::vector<std::int32_t> stop_ids(const Options& o, const nlohmann::json& gen,
+                                   const nlohmann::json& cfg) {
+  const fs::path dir(o.model_dir);
+  if (auto ids = eos_ids(gen, (dir / "generation_config.json").string())) return *ids;
+  return eos_ids(cfg, (dir / "config.json").string()).value_or(std::vector<std::int32_t>{});
 }
 
 // The sampling and stopping of a run: the flags, else generation_config.json's, else greedy.
@@ -133,7 +153,7 @@ strata::GenerateOptions generate_options(const Options& o, const GenConfig& gen,
   g.max_new_tokens = o.max_new_tokens;
   g.kv_cache = !o.no_kv_cache;
   if (!o.ignore_eos) {
-    g.stop_ids = stop_ids(gen.raw, cfg_raw);
+    g.stop_ids = stop_ids(o, gen.raw, cfg_raw);
     if (g.stop_ids.empty() && tok && tok->eos_id()) g.stop_ids.push_back(*tok->eos_id());
   }
   const bool cfg_samples = gen.do_sample;
