@@ -2182,6 +2182,20 @@ TEST_F(TrainCli, TheConfigsGlobalBatchStaysAndTheDataIsNamed) {
             std::string::npos)
       << nodata.err;
   EXPECT_NE(nodata.out.find("data: "), std::string::npos) << nodata.out;
+  // A wider vocabulary has no data here: asked for its own (the loader's refusal named the demo's
+  // file and a tokenizer the folder already had).
+  const std::string wide = dir.path + "/vocab32k.json";
+  std::ofstream(wide) << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
+  const Result none =
+      train({"--model-config", wide, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "none");
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(first_line(none.err).find("no --data or --text: with no data of yours a model trains "
+                                      "on the demo's generated text, read byte by byte (ids "
+                                      "0-255), and this model's vocab_size is 32000: give its "
+                                      "data with --data FILE"),
+            std::string::npos)
+      << none.err;
 }
 
 // ---- 2 ranks under mpirun vs 1 rank ----

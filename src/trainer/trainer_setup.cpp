@@ -941,6 +941,14 @@ void data_and_steps(Settings& s) {
   const TrainOptions& o = s.o;
   DataOptions& dopt = s.dopt;
   s.text_file = o.text_file;
+  // The demo's text is read byte by byte: a model of the user's with a wider vocabulary has no
+  // data here (the loader's own refusal named the demo's file and a tokenizer already given).
+  STRATA_REQUIRE(!s.demo_data || s.demo_model || s.mcfg.vocab_size <= 256,
+                 "no --data or --text: with no data of yours a model trains on the demo's "
+                 "generated text, read byte by byte (ids 0-255), and this model's vocab_size is "
+                 "{}: give its data with --data FILE (a .txt or .jsonl is prepared with the "
+                 "--model folder's tokenizer; a .prep from strata-prep) or --text FILE",
+                 s.mcfg.vocab_size);
   if (s.demo_data) {
     // Beside the demo's NVMe folder, or (a config of the user's with the demo's data) in the
     // scratch folder: never the working directory. Written in prepare_data.
