@@ -1071,6 +1071,81 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
       << slurp(p.err);
 }
 
+// A checkpoint folder made read-only under the run (a drive remounted read-only) ends it as a full
+// drive does: an I/O error saying what is left, to make the folder writable and --resume the
+// newest complete checkpoint (it was "invalid argument: checkpoint: cannot create ..." alone).
+// Needs root (a tmpfs remounted read-only); Skipped elsewhere.
+TEST_F(TrainBinary, ACheckpointFolderMadeReadOnlySaysWhatIsLeftAndWhatToDo) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a tmpfs";
+  const std::string small = dir.path + "/ro";
+  fs::create_directories(small);
+  if (std::system(("mount -t tmpfs -o size=64M tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string at;
+    ~Unmount() {
+      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
+    }
+  } unmount{small};
+  const std::string ck = small + "/ck";
+  // Slow steps (the emulated device's throttle), so that the folder turns read-only between the
+  // checkpoints of steps 2 and 4.
+  auto a = args(dir.path + "/ro.jsonl",
+                {"--save-every", "2", "--checkpoint-dir", ck, "--emu-compute-gflops", "0.05"});
+  set_steps(a, "6");
+  Proc p = spawn(a, dir.path, "ro");
+  const auto start = std::chrono::steady_clock::now();
+  while (!fs::exists(ck + "/step-2/manifest.json") &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const bool ro = std::system(("mount -o remount,ro '" + small + "'").c_str()) == 0;
+  const int st = wait_status(p.pid);
+  const std::string err = slurp(p.err);
+  ASSERT_TRUE(ro) << "the tmpfs could not be remounted read-only";
+  if (fs::exists(ck + "/step-4"))
+    GTEST_SKIP() << "step 4 was saved before the folder turned read-only (a slow machine)";
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << err;
+  EXPECT_NE(err.find("strata-train: I/O error: checkpoint: cannot create " + ck), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("Read-only file system; the checkpoint of step 4 was not written and "
+                     "nothing of it is left; the newest complete one is " +
+                     ck + "/step-2; make " + ck +
+                     " writable (or give another --checkpoint-dir), then run the same command "
+                     "with --resume " +
+                     ck + "/step-2"),
+            std::string::npos)
+      << err;
+}
+
+// --out on a drive too small for the model: the error says why (its errno text, which it left
+// out), the newest checkpoint and the command that finishes the run. Needs root (a small tmpfs).
+TEST_F(TrainBinary, AFullDriveAtOutSaysWhyAndHowToFinish) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  const std::string small = dir.path + "/outfs";
+  fs::create_directories(small);
+  if (std::system(("mount -t tmpfs -o size=64k tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string at;
+    ~Unmount() {
+      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
+    }
+  } unmount{small};
+  const std::string ck = dir.path + "/ck", out = small + "/model";
+  auto a = args(dir.path + "/o.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--out", out});
+  set_steps(a, "2");
+  Proc p = spawn(a, dir.path, "out-full");
+  const int st = wait_status(p.pid);
+  const std::string err = slurp(p.err);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << err;
+  EXPECT_NE(err.find("No space left on device"), std::string::npos) << err;
+  EXPECT_NE(err.find("; the model was not written to " + out + "; the newest checkpoint is " + ck +
+                     "/step-2: free space in " + out +
+                     ", then run the same command with --resume " + ck + "/step-2"),
+            std::string::npos)
+      << err;
+}
+
 // A run that dies in the moment between moving an existing step-N aside (to save step N again)
 // and renaming the new one leaves step-N.old-<pid>: a complete checkpoint, taken as step N while
 // there is no step-N (resume fell back one checkpoint, and the folder was never used).

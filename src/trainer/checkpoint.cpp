@@ -187,7 +187,7 @@ namespace {
 void write_manifest(const std::string& mpath, const std::string& text, std::int64_t step,
                     bool may_crash) {
   const int fd = ::open(mpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  STRATA_REQUIRE(fd >= 0, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
+  if (fd < 0) STRATA_THROW(kIo, "checkpoint: cannot create {}: {}", mpath, std::strerror(errno));
   if (const char* fail = std::getenv("STRATA_TEST_FAIL_MANIFEST");
       fail && std::atoll(fail) == step) {
     ::close(fd);
@@ -210,7 +210,7 @@ void write_manifest(const std::string& mpath, const std::string& text, std::int6
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
-  STRATA_REQUIRE(rc == 0, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
+  if (rc != 0) STRATA_THROW(kIo, "checkpoint: fsync {} failed: {}", mpath, std::strerror(err));
 }
 
 // What <tmp>/.owner holds, "" when it cannot be read.
@@ -232,11 +232,11 @@ std::vector<int> find_file_systems(Communicator& comm, Stream& s, const std::str
   auto make_folder = [&] {
     std::error_code ec;
     fs::create_directories(root, ec);
-    STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", root, ec.message());
+    if (ec) STRATA_THROW(kIo, "checkpoint: cannot create {}: {}", root, ec.message());
     remove_dead_runs_folders(root, tmp_tag);
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
-    STRATA_REQUIRE(!ec, "checkpoint: cannot create {}: {}", tmp, ec.message());
+    if (ec) STRATA_THROW(kIo, "checkpoint: cannot create {}: {}", tmp, ec.message());
     std::ofstream(fs::path(tmp) / kOwnerFile) << tokens[std::size_t(rank)] << "\n";
   };
   if (world == 1) {
@@ -396,12 +396,14 @@ WrittenCheckpoint write_checkpoint(Engine& engine, Communicator& comm, Stream& s
           aside = (fs::path(root) / fmt::format("{}.old-{}", name, tmp_tag)).string();
           fs::remove_all(aside, ec);
           fs::rename(final_dir, aside, ec);
-          STRATA_REQUIRE(!ec, "checkpoint: cannot move the old {} aside: {}", final_dir,
+          if (ec)
+            STRATA_THROW(kIo, "checkpoint: cannot move the old {} aside: {}", final_dir,
                          ec.message());
         }
         fs::remove(fs::path(tmp) / kOwnerFile, ec);
         fs::rename(tmp, final_dir, ec);
-        STRATA_REQUIRE(!ec, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+        if (ec)
+          STRATA_THROW(kIo, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
         renamed = true;
         fsync_path(root, true, "checkpoint");
       }

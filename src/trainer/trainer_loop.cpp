@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -124,6 +125,23 @@ void stop_if_the_steps_stay_nonfinite(Run& r, std::int64_t step, double loss, bo
                r.s.o.out_dir.empty() ? "" : "; nothing was written to --out");
 }
 
+// An I/O error's message with its errno text (Error::detail), which the message alone leaves out.
+std::string with_errno(const Error& e) {
+  return e.detail().empty() || e.message().find(e.detail()) != std::string::npos
+             ? e.message()
+             : fmt::format("{} ({})", e.message(), e.detail());
+}
+
+// What lets `folder` take a write that failed with `e`: space on a full drive, permission where
+// it may not be written (read-only, another owner), else either.
+std::string write_fix(const Error& e, const std::string& folder) {
+  const std::string said = e.message() + " " + e.detail();
+  const auto says = [&](int err) { return said.find(std::strerror(err)) != std::string::npos; };
+  if (says(ENOSPC) || says(EDQUOT) || says(EFBIG)) return fmt::format("free space in {}", folder);
+  if (says(EACCES) || says(EPERM) || says(EROFS)) return fmt::format("make {} writable", folder);
+  return fmt::format("free space in {} or make it writable", folder);
+}
+
 // The data files as absolute paths, links resolved: a resume from another folder compares them
 // as the same files.
 std::vector<std::string> absolute_paths(const std::vector<std::string>& files) {
@@ -205,23 +223,23 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
     }
     r.checkpoint_file_systems = w.file_systems;
   } catch (const Error& e) {
-    // A file that could not be written (a full drive): say what is left and what to do
-    // (write_checkpoint removed the half-written folder). Other errors pass as they are.
+    // A file or folder that could not be written (a full drive, a folder made read-only): say
+    // what is left and what to do (write_checkpoint removed the half-written folder). Other
+    // errors pass as they are.
     // Another rank's failure (its drive, its folder) is mended there, not in this rank's folder.
     if (e.kind() != ErrorKind::kIo) throw;
     const auto* peer = dynamic_cast<const PeerCheckpointError*>(&e);
     const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
-    STRATA_THROW(
-        kIo,
-        "{}; the checkpoint of step {} was not written and nothing of it is left; {}; "
-        "{}, then run the same command{}",
-        e.message(), step,
-        newest.empty() ? std::string("no checkpoint of this run is complete")
-                       : fmt::format("the newest complete one is {}", newest),
-        peer ? fmt::format("mend what rank {} says", peer->peer)
-             : fmt::format("free space in {} (or give another --checkpoint-dir)", ckpt_root),
-        newest.empty() ? std::string(" again (there is nothing to --resume from)")
-                       : fmt::format(" with --resume {}", newest));
+    STRATA_THROW(kIo,
+                 "{}; the checkpoint of step {} was not written and nothing of it is left; {}; "
+                 "{}, then run the same command{}",
+                 with_errno(e), step,
+                 newest.empty() ? std::string("no checkpoint of this run is complete")
+                                : fmt::format("the newest complete one is {}", newest),
+                 peer ? fmt::format("mend what rank {} says", peer->peer)
+                      : write_fix(e, ckpt_root) + " (or give another --checkpoint-dir)",
+                 newest.empty() ? std::string(" again (there is nothing to --resume from)")
+                                : fmt::format(" with --resume {}", newest));
   }
   r.checkpoints.push_back(dir);
   r.saved_steps.push_back(step);
@@ -601,13 +619,14 @@ void write_model(Run& r) {
     if (e.kind() != ErrorKind::kIo) throw;
     const std::string newest = !r.checkpoints.empty() ? r.checkpoints.back() : s.resume.dir;
     STRATA_THROW(
-        kIo, "{}; the model was not written to {}; {}", e.message(), o.out_dir,
+        kIo, "{}; the model was not written to {}; {}", with_errno(e), o.out_dir,
         newest.empty()
-            ? std::string("no checkpoint of this run holds its training (--save-every N keeps "
-                          "it): free space there and run again")
-            : fmt::format("the newest checkpoint is {}: free space there, then run the same "
-                          "command with --resume {}",
-                          newest, newest));
+            ? fmt::format("no checkpoint of this run holds its training (--save-every N keeps "
+                          "it): {} and run again",
+                          write_fix(e, o.out_dir))
+            : fmt::format("the newest checkpoint is {}: {}, then run the same command with "
+                          "--resume {}",
+                          newest, write_fix(e, o.out_dir), newest));
   }
   r.ph.save += since(t0);
 }
