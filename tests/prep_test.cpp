@@ -4,10 +4,13 @@
 // by token, every damaged header and every trap refused with its message, the output the same
 // byte for byte on 1 and 2 threads, a real vocabulary (Llama 3 from npm; Skipped without it), and
 // the strata-prep tool's summary.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -690,6 +693,60 @@ TEST(StrataPrep, OutputThatIsAnInputIsRefused) {
       << tok.err;
   EXPECT_EQ(testing::slurp(in), corpus_before);
   EXPECT_EQ(testing::slurp(tok_file), tok_before);
+}
+
+// An interrupted strata-prep leaves nothing of its work: SIGTERM removes the temporary file (it
+// stayed, as large as the prepared file) and says so; one left by a process that is gone (SIGKILL)
+// is removed by the next run writing that output.
+TEST(StrataPrep, AnInterruptedRunLeavesNoTemporaryFile) {
+  TinyFolder t;
+  std::string text;
+  std::mt19937_64 rng(5);
+  while (text.size() < (std::size_t(48) << 20)) text += rng() % 7 ? "hello world " : "!\n";
+  const std::string in = t.write("big.txt", text), out = t.dir.path + "/big.prep";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::signal(SIGTERM, SIG_DFL);
+    const int err =
+        ::open((t.dir.path + "/term.stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(err, 2);
+    ::execl(STRATA_PREP_BIN, STRATA_PREP_BIN, "--tokenizer", t.model.c_str(), in.c_str(), "-o",
+            out.c_str(), "--threads", "1", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const std::string tmp = out + fmt::format(".tmp.{}", pid);
+  for (int i = 0; i < 20000 && !fs::exists(tmp); ++i) ::usleep(1000);
+  ASSERT_TRUE(fs::exists(tmp)) << "the temporary file never appeared";
+  ::kill(pid, SIGTERM);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) GTEST_SKIP() << "it finished before the signal";
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM) << st;
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_NE(testing::slurp(t.dir.path + "/term.stderr")
+                .find("strata-prep: interrupted; " + out +
+                      " was not written (its temporary file "
+                      "is removed)"),
+            std::string::npos)
+      << testing::slurp(t.dir.path + "/term.stderr");
+
+  // A process that is gone (its pid now free) left its temporary file: the next run removes it.
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  ::waitpid(gone, &st, 0);
+  const std::string small = t.write("docs.jsonl", kDocs), out2 = t.dir.path + "/small.prep";
+  std::ofstream(out2 + fmt::format(".tmp.{}", gone)) << "half a prepared file";
+  std::ofstream(out2 + ".tmp.notapid") << "the user's";
+  const auto r = testing::run(STRATA_PREP_BIN, {"--tokenizer", t.model, small, "-o", out2},
+                              t.dir.path, "after");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(fs::exists(out2 + fmt::format(".tmp.{}", gone)));
+  EXPECT_TRUE(fs::exists(out2 + ".tmp.notapid"));
+  EXPECT_NE(
+      r.err.find(fmt::format("left by a run that ended before finishing it (process {})", gone)),
+      std::string::npos)
+      << r.err;
 }
 #endif
 

@@ -17,6 +17,7 @@
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model_data.h"
+#include "strata/nvme.h"
 #include "strata/tokenizer.h"
 #include "tool_main.h"
 
@@ -181,8 +182,15 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite", o.overwrite, "replace the output file when it exists");
   app.add_flag("--json", o.json,
                "print, last, one JSON object with the summary (the text to stderr)");
+  // Ctrl-C (a scheduler's SIGTERM, a closed terminal) removes the temporary file, which grows to
+  // the prepared file's size, and says so.
+  strata::remove_swap_files_on_interrupt();
   return strata::tools::run_tool("strata-prep", app, argc, argv, [&] {
     o.text_field_named = app.count("--text-field") > 0;
+    strata::set_interrupt_note(
+        fmt::format("\nstrata-prep: interrupted; {} was not written (its temporary file is "
+                    "removed){}\n",
+                    o.out, o.overwrite ? ", and what was there is as it was" : ""));
     return run(o, sep->count() > 0);
   });
 }

@@ -190,13 +190,14 @@ struct SwapStoreStats {
 
 // Makes SIGINT, SIGTERM and SIGHUP (Ctrl-C, mpirun passing one on, a scheduler's kill, a closed
 // terminal or dropped ssh), and SIGBUS (a data file cut short under its mapping), delete the swap
-// files of every live SwapStore before the process ends by the signal as it would have: an
-// interrupted run's optimizer state can fill most of a drive, and otherwise stays until the next
-// run in the same folder. A handler the program installed itself is left in place. For tools; a
-// program embedding strata may call it too.
+// files of every live SwapStore, and the temporary file of a prepared corpus being written,
+// before the process ends by the signal as it would have: an interrupted run's optimizer state
+// can fill most of a drive, and otherwise stays until the next run in the same folder. A handler
+// the program installed itself is left in place. For tools; a program embedding strata may call
+// it too.
 void remove_swap_files_on_interrupt();
-// Deletes the swap files of every live SwapStore now (async-signal-safe: for a process about to
-// end without its destructors, e.g. the comm layer's MPI_Abort).
+// Deletes those files now (async-signal-safe: for a process about to end without its
+// destructors, e.g. the comm layer's MPI_Abort).
 void remove_swap_files_now() noexcept;
 // A line that handler writes to stderr first (up to 1 KiB; "" for none), e.g. where to resume
 // from: an interrupted run otherwise just stopped. Any thread may replace it at any time.

@@ -31,6 +31,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "core/interrupt_files.h"
 #include "core/process.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -144,6 +145,7 @@ extern "C" void remove_swap_files_and_reraise(int sig) {
   if (const int i = g_note.load(); i >= 0 && g_notes[i][0] != '\0')
     (void)!::write(2, g_notes[i], std::strlen(g_notes[i]));
   remove_published_swap_files();
+  core::remove_interrupt_files();  // and the temporary files being written (a prepared corpus)
   ::signal(sig, SIG_DFL);
   ::raise(sig);
 }
@@ -361,7 +363,10 @@ void set_interrupt_note(std::string_view text) noexcept {
   g_note.store(next);
 }
 
-void remove_swap_files_now() noexcept { remove_published_swap_files(); }
+void remove_swap_files_now() noexcept {
+  remove_published_swap_files();
+  core::remove_interrupt_files();
+}
 
 void remove_swap_files_on_interrupt() {
   // Ctrl-C, a scheduler's stop, a closed terminal, and a bus error (a mapped data file cut short

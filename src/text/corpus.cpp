@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <tbb/parallel_for.h>
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <bit>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -30,6 +32,7 @@
 #include <string_view>
 #include <thread>
 
+#include "core/interrupt_files.h"
 #include "core/utf8.h"
 #include "core/write_fd.h"
 #include "strata/chat.h"
@@ -328,10 +331,12 @@ class PreparedWriter {
     h_.source = std::move(source);
     h_.source_bytes = h_.source.size();
     h_.tokens_offset = align8(kPreparedHeaderBytes + h_.source_bytes);
+    remove_dead_runs_files();
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0)
       detail::throw_errno(__FILE__, __LINE__, "open", errno,
                           fmt::format("cannot write the prepared file {}", tmp_));
+    slot_ = core::remove_file_on_interrupt(tmp_);  // Ctrl-C leaves no corpus-sized file
     std::string head(h_.tokens_offset, '\0');
     std::memcpy(head.data() + kPreparedHeaderBytes, h_.source.data(), h_.source.size());
     write(head.data(), head.size());
@@ -341,6 +346,7 @@ class PreparedWriter {
       ::close(fd_);
       ::unlink(tmp_.c_str());
     }
+    core::forget_interrupt_file(slot_);
   }
 
   void add(const Document& d, bool truncated) {
@@ -404,8 +410,11 @@ class PreparedWriter {
     STRATA_CHECK_ERRNO(::fsync(fd_), "fsync {}", tmp_);
     STRATA_CHECK_ERRNO(::close(fd_), "close {}", tmp_);
     fd_ = -1;
-    if (::rename(tmp_.c_str(), out_.c_str()) != 0) {
-      const int err = errno;
+    const int renamed = ::rename(tmp_.c_str(), out_.c_str());
+    const int err = errno;
+    core::forget_interrupt_file(slot_);
+    slot_ = -1;
+    if (renamed != 0) {
       ::unlink(tmp_.c_str());
       detail::throw_errno(__FILE__, __LINE__, "rename", err,
                           fmt::format("cannot move {} into place as {}", tmp_, out_));
@@ -413,6 +422,26 @@ class PreparedWriter {
   }
 
  private:
+  // The temporary files of this output left by runs of this host that are gone (killed with
+  // SIGKILL, or out of memory): <out>.tmp.<pid> whose process no longer exists.
+  void remove_dead_runs_files() const {
+    std::error_code ec;
+    const fs::path out(out_);
+    const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
+    const std::string prefix = out.filename().string() + ".tmp.";
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (!name.starts_with(prefix) || name.size() == prefix.size()) continue;
+      const std::string pid = name.substr(prefix.size());
+      if (pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
+      const pid_t p = pid_t(std::stol(pid));
+      if (p == ::getpid() || !(::kill(p, 0) != 0 && errno == ESRCH)) continue;
+      if (fs::remove(e.path(), ec))
+        log::info("{}: removed {}, left by a run that ended before finishing it (process {})", out_,
+                  name, pid);
+    }
+  }
+
   void write(const void* p, std::size_t n) {
     if (const int err = write_fd_fully(fd_, p, n))
       detail::throw_errno(__FILE__, __LINE__, "write", err,
@@ -425,6 +454,7 @@ class PreparedWriter {
 
   std::string out_, tmp_;
   int fd_ = -1;
+  int slot_ = -1;  // core::remove_file_on_interrupt's
   PreparedHeader h_;
   std::string buf_;  // tokens not yet written (written by the MiB)
   std::vector<std::uint8_t> mask_;
