@@ -1146,6 +1146,63 @@ TEST_F(TrainBinary, AFullDriveAtOutSaysWhyAndHowToFinish) {
       << err;
 }
 
+// A --log-json whose drive fills mid-run keeps whole lines only (a torn last line made the file
+// unreadable as JSON lines), and a resume after the gap says which steps the log lacks. Needs root.
+TEST_F(TrainBinary, ALogOnAFullDriveKeepsWholeLinesAndAResumeNamesTheGap) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
+  const std::string small = dir.path + "/logfs";
+  fs::create_directories(small);
+  if (std::system(("mount -t tmpfs -o size=8k tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here";
+  struct Unmount {
+    std::string at;
+    ~Unmount() {
+      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
+    }
+  } unmount{small};
+  std::ofstream(small + "/filler") << std::string(4096, 'x');
+  const std::string log = small + "/log.jsonl", ck = dir.path + "/ck";
+  auto a = args(log, {"--save-every", "10", "--checkpoint-dir", ck});
+  set_steps(a, "30");
+  Proc p = spawn(a, dir.path, "full-log");
+  int st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  const std::string err = slurp(p.err);
+  const std::size_t at = err.find("could not be written (No space left on device); the log stops");
+  ASSERT_NE(at, std::string::npos) << err;
+  const std::string text = slurp(log);
+  ASSERT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n') << "a torn last line";
+  std::int64_t last = 0;
+  std::istringstream lines(text);
+  for (std::string l; std::getline(lines, l);)
+    last = nlohmann::json::parse(l).at("step").get<std::int64_t>();  // each line whole
+  ASSERT_LT(last, 30);
+  if (last >= 29) GTEST_SKIP() << "the drive held the log up to step " << last;
+  // Room again; the resume from step 30's checkpoint says what the log lacks.
+  fs::remove(small + "/filler");
+  auto b = args(log, {"--save-every", "10", "--checkpoint-dir", ck, "--resume", ck});
+  set_steps(b, "31");
+  p = spawn(b, dir.path, "gap");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_NE(slurp(p.err).find(fmt::format("--log-json {}: its lines end at step {}, and the run "
+                                          "resumes after step 30: steps {} to 29 are not in the "
+                                          "log",
+                                          log, last, last + 1)),
+            std::string::npos)
+      << slurp(p.err);
+  // The checkpoint's own line (30) and the resumed run's (31) follow the kept ones.
+  std::vector<std::int64_t> steps;
+  std::istringstream after(slurp(log));
+  for (std::string l; std::getline(after, l);)
+    steps.push_back(nlohmann::json::parse(l).at("step").get<std::int64_t>());
+  ASSERT_GE(steps.size(), 3u);
+  EXPECT_EQ(steps[steps.size() - 3], last);
+  EXPECT_EQ(steps[steps.size() - 2], 30);
+  EXPECT_EQ(steps.back(), 31);
+}
+
 // A run that dies in the moment between moving an existing step-N aside (to save step N again)
 // and renaming the new one leaves step-N.old-<pid>: a complete checkpoint, taken as step N while
 // there is no step-N (resume fell back one checkpoint, and the folder was never used).

@@ -81,10 +81,14 @@ void open_json_log(Run& r) {
     std::ifstream old(o.log_json);
     std::string line;
     bool has_start = false, has_earlier = false;
+    std::int64_t last = 0;  // the newest step kept
     while (std::getline(old, line)) {
       try {
         const std::int64_t at = nlohmann::json::parse(line).value("step", std::int64_t(0));
-        if (at <= r.start_step) kept += line + "\n";
+        if (at <= r.start_step) {
+          kept += line + "\n";
+          last = std::max(last, at);
+        }
         has_start = has_start || at == r.start_step;
         has_earlier = has_earlier || at < r.start_step;
       } catch (const std::exception&) {
@@ -94,8 +98,17 @@ void open_json_log(Run& r) {
     // The run's own log, which it died before writing the checkpoint's line to: the checkpoint
     // has the line. (A new log of the resumed run starts after the checkpoint, as ever.)
     const nlohmann::json t = r.s.resume.manifest.value("trainer", nlohmann::json::object());
-    if (has_earlier && !has_start && t.contains("log_line") && t["log_line"].is_object())
-      kept += t["log_line"].dump() + "\n";
+    const bool from_checkpoint =
+        has_earlier && !has_start && t.contains("log_line") && t["log_line"].is_object();
+    if (from_checkpoint) kept += t["log_line"].dump() + "\n";
+    // A log that stopped before the checkpoint (its drive was full then): the steps between are
+    // not in it, and the resumed run's lines follow on from the checkpoint.
+    const std::int64_t missing_to = from_checkpoint ? r.start_step - 1 : r.start_step;
+    if (last > 0 && last < missing_to)
+      log::warn(
+          "--log-json {}: its lines end at step {}, and the run resumes after step {}: steps {} "
+          "to {} are not in the log (it stopped there)",
+          o.log_json, last, r.start_step, last + 1, missing_to);
   }
   r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
   if (!*r.jlog)
