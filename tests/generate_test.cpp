@@ -904,8 +904,19 @@ TEST_F(Cli, BadInputIsRefusedWithTheFix) {
     std::vector<std::string> args;
     std::string says;
   };
+  // A strata-train checkpoint (a step folder, or the folder of them) is no model folder.
+  fs::create_directories(dir.path + "/ck/step-2");
+  std::ofstream(dir.path + "/ck/step-2/manifest.json") << "{}";
   const std::vector<Bad> bad = {
       {{"--model", dir.path + "/nope", "--prompt-ids", "1"}, "no such folder"},
+      {{"--model", dir.path + "/ck/step-2", "--prompt-ids", "1"},
+       dir.path +
+           "/ck/step-2 is a strata-train checkpoint, not a Hugging Face model folder (no "
+           "config.json): strata-export " +
+           dir.path + "/ck/step-2 OUT writes the model from it, then give OUT"},
+      {{"--model", dir.path + "/ck", "--prompt-ids", "1"},
+       dir.path + "/ck holds strata-train checkpoints (step-<N> folders), not a Hugging Face "
+                  "model folder"},
       {{"--model", m, "--prompt", "h\xe9"},
        "--prompt: byte 233 (0xe9, at 1) is outside the byte-level model's vocabulary [0, 131)"},
       {{"--model", m, "--chat"}, "--chat needs the model's tokenizer, and"},

@@ -1584,7 +1584,17 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
   std::ofstream(stage3) << R"({"zero_optimization": {"stage": 3}})";
   const std::string latin1 = dir.path + "/lat\xe9.txt";  // a name in Latin-1, not UTF-8
   std::ofstream(latin1) << slurp(text);
+  fs::create_directories(dir.path + "/ck/step-2");
+  std::ofstream(dir.path + "/ck/step-2/manifest.json") << "{}";
   std::vector<Case> cases = {
+      {"a checkpoint as --model (it said only that config.json was missing)",
+       {"--model", dir.path + "/ck/step-2", "--text", text},
+       "--model " + dir.path +
+           "/ck/step-2 is a strata-train checkpoint, not a Hugging Face model "
+           "folder (no config.json): strata-export " +
+           dir.path +
+           "/ck/step-2 OUT writes the model "
+           "from it, then give OUT; to continue its training, give it to --resume"},
       {"a corpus whose name is not UTF-8 (it ended the run at its first checkpoint)",
        {"--model-config", cfg, "--text", latin1, "--steps", "2", "--save-every", "1"},
        "--text " + latin1 + ": the path is not UTF-8 (byte"},

@@ -118,6 +118,9 @@ struct ModelConfig {
 // missing or malformed key.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& what);
 ModelConfig load_model_config(const std::string& path);
+// Where `folder` is a strata-train checkpoint (its step folder, or the folder of them) and no model
+// folder: a sentence saying so and naming strata-export; else "".
+std::string checkpoint_not_model(const std::string& folder);
 // The config.json text for `cfg` (its raw JSON when it came from a file, else built).
 std::string model_config_json(const ModelConfig& cfg);
 // The config's sliding_window where it binds (Mistral's always; Qwen2's only with

@@ -6,6 +6,7 @@
 // or triple is one fused GEMM; GPT-2's Conv1D c_attn is already fused.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -16,6 +17,8 @@
 #include "strata/model.h"
 
 namespace strata {
+
+namespace fs = std::filesystem;
 namespace {
 
 constexpr std::size_t kParamAlign = 64;
@@ -272,7 +275,30 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   }
 }
 
+std::string checkpoint_not_model(const std::string& folder) {
+  std::error_code ec;
+  const fs::path dir(folder.empty() ? "." : folder);
+  if (fs::exists(dir / "config.json", ec)) return "";
+  bool steps = false;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    steps = steps || (e.path().filename().string().starts_with("step-") &&
+                      fs::exists(e.path() / "manifest.json", ec));
+  if (!steps && !fs::exists(dir / "manifest.json", ec)) return "";
+  return fmt::format(
+      "{} {} strata-train checkpoint{}, not a Hugging Face model folder (no config.json): "
+      "strata-export {} OUT writes the model from {}, then give OUT",
+      folder, steps ? "holds" : "is a", steps ? "s (step-<N> folders)" : "", folder,
+      steps ? "the newest" : "it");
+}
+
 ModelConfig load_model_config(const std::string& path) {
+  // A strata-train checkpoint where a model folder belongs: said as what it is.
+  const fs::path file(path);
+  if (file.filename() == "config.json")
+    if (const std::string why =
+            checkpoint_not_model(file.has_parent_path() ? file.parent_path().string() : ".");
+        !why.empty())
+      STRATA_THROW(kInvalidArgument, "{}", why);
   return parse_model_config(read_text(path), path);
 }
 

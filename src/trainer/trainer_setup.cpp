@@ -283,6 +283,9 @@ void read_model_config(Settings& s) {
                               ? fs::path(o.model_dir).parent_path().string()
                               : std::string("."))
             : std::string("no such directory"));
+    if (const std::string why = checkpoint_not_model(o.model_dir); !why.empty())
+      STRATA_THROW(kInvalidArgument, "--model {}; to continue its training, give it to --resume",
+                   why);
     require_input_file("--model (config.json)", o.model_dir + "/config.json");
     mcfg = load_model_config(o.model_dir + "/config.json");
   } else if (!o.model_config.empty()) {
