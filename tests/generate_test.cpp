@@ -713,6 +713,39 @@ TEST_F(Cli, TheSlidingWindowBoundsTheContext) {
   }
 }
 
+// A conversation that outgrows the chat's positions names the ways on there are: fewer new tokens
+// (it offered only a larger --context, already the model's), a larger --context where the model
+// takes more.
+TEST_F(Cli, AChatThatOutgrowsItsPositionsNamesTheWaysOn) {
+  const std::string m = chat_folder(*this, kChat21, "outgrow", 16);
+  const auto chat = [&](const std::string& line, const std::string& extra, const std::string& tag) {
+    std::ofstream(dir.path + "/in.txt") << line << "\n";
+    return testing::run("/bin/sh",
+                        {"-c", std::string("exec \"") + STRATA_GENERATE_BIN + "\" --model " + m +
+                                   " --chat --chat-format none --ignore-eos --json " + extra +
+                                   " < " + dir.path + "/in.txt"},
+                        dir.path, tag);
+  };
+  std::string long_line;
+  for (int i = 0; i < 25; ++i) long_line += "hello world ";
+  // At the model's own 128 positions: no larger --context to give.
+  testing::Result r = chat(long_line, "--max-new-tokens 60", "full");
+  ASSERT_EQ(r.status, 1) << r.err;
+  const std::size_t at = r.err.find(
+      "no longer fits the 128 positions the chat holds: start a "
+      "new one, or give --max-new-tokens ");
+  EXPECT_NE(at, std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("larger --context"), std::string::npos) << r.err;
+  // Below them: both ways.
+  r = chat("hello world", "--max-new-tokens 19 --context 20", "context");
+  ASSERT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("positions of --context: start a new one, or give --max-new-tokens "),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(", or a larger --context, up to the model's 128"), std::string::npos)
+      << r.err;
+}
+
 // A chat line that is not UTF-8 is skipped with a warning naming the line and the byte; the
 // conversation goes on without it.
 TEST_F(Cli, ChatSkipsALineThatIsNotUtf8) {

@@ -317,12 +317,21 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const GenConfig& 
                      "{}'s tokenizer gives id {}, beyond the model's vocab_size {}: the "
                      "tokenizer is not this model's",
                      o.model_dir, id, cfg.vocab_size);
-    STRATA_REQUIRE(
-        strata::generate_positions(prompt.size(), g.max_new_tokens) <= std::uint64_t(ctx),
-        "the conversation is {} tokens after turn {}, and with --max-new-tokens {} no "
-        "longer fits the {} positions of --context: start a new one (or give a larger "
-        "--context, up to the model's {})",
-        prompt.size(), turn + 1, g.max_new_tokens, ctx, limit.positions);
+    if (strata::generate_positions(prompt.size(), g.max_new_tokens) > std::uint64_t(ctx)) {
+      // The ways on that there are: fewer new tokens where the prompt leaves room for one, a
+      // larger --context where the model takes more.
+      std::string ways;
+      if (std::int64_t(prompt.size()) < ctx)
+        ways += fmt::format(", or give --max-new-tokens {} or less",
+                            ctx - std::int64_t(prompt.size()) + 1);
+      if (ctx < limit.positions)
+        ways += fmt::format(", or a larger --context, up to the model's {}", limit.positions);
+      STRATA_THROW(kInvalidArgument,
+                   "the conversation is {} tokens after turn {}, and with --max-new-tokens {} no "
+                   "longer fits the {} positions {}: start a new one{}",
+                   prompt.size(), turn + 1, g.max_new_tokens, ctx,
+                   o.context > 0 ? "of --context" : "the chat holds", ways);
+    }
     strata::TokenStreamDecoder text(*tok, /*skip_special_tokens=*/true);
     auto put = [&](const std::string& s) {
       std::fwrite(s.data(), 1, s.size(), out);
