@@ -656,6 +656,16 @@ TEST(StrataPrep, SummaryJsonAndErrors) {
             std::string::npos)
       << sep.err;
   EXPECT_EQ(read_prepared_header(t.dir.path + "/sep.prep").documents, 5u);
+  // --text-field with text inputs only: said to be unused (it was silently ignored).
+  const auto field = testing::run(STRATA_PREP_BIN,
+                                  {"--tokenizer", t.model, t.write("plain.txt", "hello world"),
+                                   "-o", t.dir.path + "/field.prep", "--text-field", "body"},
+                                  t.dir.path, "field");
+  EXPECT_EQ(field.status, 0) << field.err;
+  EXPECT_NE(field.err.find("--text-field is not used: it names the text field of JSON lines "
+                           "records, and no input here is JSON lines"),
+            std::string::npos)
+      << field.err;
   const auto bad = testing::run(STRATA_PREP_BIN,
                                 {"--tokenizer", t.model, t.write("bad.jsonl", "{\"body\": 1}\n"),
                                  "-o", t.dir.path + "/x.prep"},

@@ -388,8 +388,8 @@ int run(const Options& o) {
   STRATA_REQUIRE(o.chat || (o.chat_format.empty() && !o.system_given && o.chat_date.empty()),
                  "--chat-format, --chat-date and --system shape a chat: give --chat too");
   STRATA_REQUIRE(o.chat || o.prompt.empty() != o.prompt_ids.empty(),
-                 "give the prompt once: --prompt TEXT (a byte-level model) or --prompt-ids \"ID "
-                 "ID ...\"");
+                 "give the prompt once: --prompt TEXT (through the folder's tokenizer, or a "
+                 "byte-level model's bytes) or --prompt-ids \"ID ID ...\"");
   const strata::ModelConfig cfg = strata::load_model_config((dir / "config.json").string());
   const GenConfig gen = read_generation_config(dir);
   // The folder's tokenizer (tokenizer.json, else tokenizer.model) when there is one (one this

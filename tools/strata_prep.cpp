@@ -73,6 +73,11 @@ int run(Options& o, bool separator_given) {
     strata::log::warn(
         "--separator is not used: it splits text inputs into documents, and every input here "
         "is JSON lines");
+  if (o.text_field_named &&
+      std::none_of(o.inputs.begin(), o.inputs.end(), strata::is_json_lines_file))
+    strata::log::warn(
+        "--text-field is not used: it names the text field of JSON lines records, and no input "
+        "here is JSON lines");
   c.threads = o.threads;
   c.max_document_tokens = o.max_document_tokens;
   strata::use_chat_template(c, dir, o.chat_format);

@@ -197,6 +197,8 @@ int main(int argc, char** argv) {
           "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
     needs("--plot", !o.plan_only,
           "draws the steps of a run and --plan runs none: drop one of them");
+    needs("--sample-tokens", o.sample_every > 0,
+          "is the length of --sample-every's samples: add --sample-every N");
     needs("--data-dtype", !o.data_files.empty(),
           "is the format of --data token files (--text is read byte by byte)");
     needs("--text-field", !o.data_files.empty() || !o.eval_files.empty(),

@@ -250,10 +250,12 @@ void check_flags(Settings& s) {
                  "--sample-every must be >= 0 and --sample-tokens > 0");
   const bool prompt = !o.sample_prompt.empty() || !o.sample_prompt_ids.empty();
   STRATA_REQUIRE(o.sample_every > 0 || !prompt,
-                 "--sample-prompt is the prompt of --sample-every's samples: add --sample-every N");
+                 "{} is the prompt of --sample-every's samples: add --sample-every N",
+                 o.sample_prompt.empty() ? "--sample-prompt-ids" : "--sample-prompt");
   STRATA_REQUIRE(o.sample_every == 0 || o.sample_prompt.empty() != o.sample_prompt_ids.empty(),
-                 "--sample-every N needs its prompt once: --sample-prompt TEXT (a byte-level "
-                 "model) or --sample-prompt-ids \"ID ID ...\"");
+                 "--sample-every N needs its prompt once: --sample-prompt TEXT (through the "
+                 "--model folder's tokenizer, or a byte-level model's bytes) or "
+                 "--sample-prompt-ids \"ID ID ...\"");
   STRATA_REQUIRE(o.epochs == 0 || o.steps <= 0,
                  "give --epochs or --steps, not both: --epochs {:g} derives the steps from the "
                  "data, --steps {} sets them",
