@@ -412,6 +412,10 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   rewrite("model.layers.1.mlp.up_proj.weight", {});
   expect_error([&] { load_hf_weights(dir.string(), b); },
                {"model.layers.1.mlp.up_proj.weight", "missing"});
+  // An untied head the weights do not have: the config's tie_word_embeddings is named.
+  rewrite("lm_head.weight", {});
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"'lm_head.weight' is missing", "config.json says tie_word_embeddings false"});
   rewrite("model.norm.weight", {"model.norm.weight", DType::kF32, {31}, one.data()});
   expect_error([&] { load_hf_weights(dir.string(), b); },
                {file, "model.norm.weight", "[31]", "[32]"});
@@ -461,6 +465,12 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   hostile(
       R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "b": {"dtype": "F32", "shape": [16], "data_offsets": [192, 256]}})");
   expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "belong to no tensor"});
+  // A tensor named twice: said as that (the last entry won; the first one's bytes belonged to no
+  // tensor).
+  hostile(
+      R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "a": {"dtype": "F32", "shape": [32], "data_offsets": [128, 256]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "the safetensors header", "the key 'a' is given twice"});
   fs::remove(file);
   expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
 
@@ -476,6 +486,62 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
   expect_error([&] { load_hf_weights(dir.string(), b); },
                {"model.safetensors.index.json", "non-empty", "weight_map"});
+  fs::remove_all(dir);
+}
+
+// A sharded folder read as its index says: a tensor a shard holds but the index does not list is
+// named with the fix, a shard outside the folder is refused, and a tensor in two shards is said
+// (the index's is read; it was taken silently).
+TEST(ModelIo, ShardsAreReadAsTheIndexNamesThem) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kLlama, "cfg");
+  ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+  a.init_random(12, 0.5f);
+  const fs::path dir = scratch("shards");
+  save_hf_weights(dir.string(), a, 16 << 10);
+  const fs::path index = dir / "model.safetensors.index.json";
+  const std::string original = testing::slurp(index.string());
+  const nlohmann::json idx = nlohmann::json::parse(original);
+  const std::string norm_shard = idx["weight_map"]["model.norm.weight"];
+  ASSERT_NE(norm_shard, idx["weight_map"]["model.embed_tokens.weight"].get<std::string>());
+  ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = idx;
+    edit(j);
+    std::ofstream(index) << j.dump();
+  };
+  with([](nlohmann::json& j) { j["weight_map"].erase("model.norm.weight"); });
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"tensor 'model.norm.weight' is in " + norm_shard +
+                " but not in model.safetensors.index.json's weight_map: add it there"});
+  with(
+      [](nlohmann::json& j) { j["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"; });
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"weight_map['model.norm.weight'] is \"../elsewhere.safetensors\", outside the "
+                "model folder"});
+  // The embedding's shard also holds a copy of model.norm.weight, of other values.
+  std::ofstream(index) << original;
+  const std::string embed_shard = idx["weight_map"]["model.embed_tokens.weight"];
+  {
+    std::vector<std::vector<std::uint8_t>> keep;
+    std::vector<SafetensorsTensor> ts;
+    for (const auto& [name, shard] : idx["weight_map"].items())
+      if (shard == embed_shard) {
+        keep.push_back(a.get_bytes(name));
+        ts.push_back({name, DType::kF32, a.find(name).second->shape, keep.back().data()});
+      }
+    const std::vector<float> sevens(32, 7.0f);
+    ts.push_back({"model.norm.weight", DType::kF32, {32}, sevens.data()});
+    write_safetensors((dir / embed_shard).string(), ts);
+  }
+  ::testing::internal::CaptureStderr();
+  load_hf_weights(dir.string(), b);
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("1 tensor is in more than one shard: 'model.norm.weight' in "),
+            std::string::npos)
+      << warned;
+  EXPECT_NE(warned.find("(read from " + norm_shard + ")"), std::string::npos) << warned;
+  EXPECT_EQ(b.get("model.norm.weight"), a.get("model.norm.weight"));
   fs::remove_all(dir);
 }
 

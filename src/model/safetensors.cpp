@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/json_config.h"
 #include "core/write_fd.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -101,14 +102,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                    "{}: truncated safetensors file: the header claims {} bytes at offset 8 but the "
                    "file has {} bytes",
                    path, hlen, size_);
-    nlohmann::json h;
-    try {
-      h = nlohmann::json::parse(base_ + 8, base_ + 8 + hlen);
-    } catch (const nlohmann::json::parse_error& e) {
-      STRATA_THROW(kInvalidArgument,
-                   "{}: the safetensors header (offset 8, {} bytes) is not valid JSON: {}", path,
-                   hlen, e.what());
-    }
+    // A tensor named twice is refused by name (the last entry won, and the first one's bytes
+    // then belonged to no tensor).
+    const nlohmann::json h =
+        config::parse(std::string_view(reinterpret_cast<const char*>(base_) + 8, hlen),
+                      fmt::format("{}: the safetensors header (offset 8, {} bytes)", path, hlen));
     STRATA_REQUIRE(h.is_object(), "{}: the safetensors header is not a JSON object", path);
     const std::size_t data0 = 8 + hlen;
     for (auto it = h.begin(); it != h.end(); ++it) {
@@ -324,6 +322,13 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       STRATA_REQUIRE(it.value().is_string(), "{}: weight_map['{}'] must be a file name",
                      index.string(), it.key());
+      // A shard is a file of the folder (a subfolder of it too), never one outside it.
+      const fs::path shard(it.value().get<std::string>());
+      STRATA_REQUIRE(
+          !shard.is_absolute() && std::find(shard.begin(), shard.end(), "..") == shard.end(),
+          "{}: weight_map['{}'] is {}, outside the model folder: the shards are files "
+          "of {}; copy them into it and name them from there",
+          index.string(), it.key(), it.value().dump(), dir);
       file_of[it.key()] = it.value().get<std::string>();
       if (std::find(files.begin(), files.end(), file_of[it.key()]) == files.end())
         files.push_back(file_of[it.key()]);
@@ -388,8 +393,25 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
   for (const UnitSpec& u : model_units(cfg))
     for (const ParamSpec& p : u.params) {
       auto [f, t] = locate(p.name);
-      STRATA_REQUIRE(t != nullptr, "{}: tensor '{}' is missing (expected {} for {} with {} layers)",
-                     dir, p.name, shape_str(p.shape), cfg.model_type, cfg.num_layers);
+      if (t == nullptr) {
+        // In a shard the index does not list it for; a head the config unties and the weights
+        // do not have (a tied model's folder, or config.json wrong).
+        std::string held;
+        if (!file_of.empty())
+          for (const auto& [name, file] : open)
+            if (file->find(p.name) != nullptr) held = name;
+        STRATA_REQUIRE(held.empty(),
+                       "{}: tensor '{}' is in {} but not in model.safetensors.index.json's "
+                       "weight_map: add it there (\"{}\": \"{}\")",
+                       dir, p.name, held, p.name, held);
+        STRATA_THROW(kInvalidArgument,
+                     "{}: tensor '{}' is missing (expected {} for {} with {} layers){}", dir,
+                     p.name, shape_str(p.shape), cfg.model_type, cfg.num_layers,
+                     p.name == "lm_head.weight"
+                         ? "; config.json says tie_word_embeddings false (a separate head): where "
+                           "the head is the embedding, it says true"
+                         : "");
+      }
       STRATA_REQUIRE(t->shape == p.shape, "{}: tensor '{}' has shape {}, the config needs {}",
                      f->path(), t->name, shape_str(t->shape), shape_str(p.shape));
       STRATA_REQUIRE(t->dtype == "F32" || t->dtype == "BF16" || t->dtype == "F16",
@@ -399,6 +421,26 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
       used.insert(t->name);
     }
   warn_unused(dir, cfg, open, used);
+  // A tensor in more than one shard: the one the index names is read; the others are said (a
+  // loader that reads every shard whole could take another's values).
+  if (!file_of.empty()) {
+    std::map<std::string, std::vector<std::string>> shards_of;
+    for (const auto& [name, file] : open)
+      for (const SafetensorsInfo& t : file->tensors()) shards_of[t.name].push_back(name);
+    std::vector<std::string> twice;
+    for (const auto& [tensor, shards] : shards_of)
+      if (shards.size() > 1)
+        twice.push_back(fmt::format("'{}' in {} (read from {})", tensor, fmt::join(shards, " and "),
+                                    file_of.contains(tensor) ? file_of.at(tensor) : shards[0]));
+    if (!twice.empty())
+      log::warn(
+          "{}: {} tensor{} in more than one shard: {}{}; keep each in the shard the index "
+          "names",
+          dir, twice.size(), twice.size() == 1 ? " is" : "s are",
+          fmt::join(twice.begin(),
+                    twice.begin() + std::ptrdiff_t(std::min<std::size_t>(3, twice.size())), ", "),
+          twice.size() > 3 ? fmt::format(" and {} more", twice.size() - 3) : "");
+  }
 }
 
 void HfWeightsReader::read(const ParamSpec& p, std::size_t first, std::size_t count,
