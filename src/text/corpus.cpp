@@ -332,11 +332,16 @@ class PreparedWriter {
     h_.source_bytes = h_.source.size();
     h_.tokens_offset = align8(kPreparedHeaderBytes + h_.source_bytes);
     remove_dead_runs_files();
+    // Ctrl-C leaves no corpus-sized file: registered before the file is made, so that no signal
+    // finds it made and not registered.
+    slot_ = core::remove_file_on_interrupt(tmp_);
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0)
-      detail::throw_errno(__FILE__, __LINE__, "open", errno,
+    if (fd_ < 0) {
+      const int err = errno;
+      core::forget_interrupt_file(slot_);
+      detail::throw_errno(__FILE__, __LINE__, "open", err,
                           fmt::format("cannot write the prepared file {}", tmp_));
-    slot_ = core::remove_file_on_interrupt(tmp_);  // Ctrl-C leaves no corpus-sized file
+    }
     std::string head(h_.tokens_offset, '\0');
     std::memcpy(head.data() + kPreparedHeaderBytes, h_.source.data(), h_.source.size());
     write(head.data(), head.size());
