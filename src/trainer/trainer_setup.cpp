@@ -948,7 +948,8 @@ void data_and_steps(Settings& s) {
   s.text_file = o.text_file;
   // The demo's text is read byte by byte: a model of the user's with a wider vocabulary has no
   // data here (the loader's own refusal named the demo's file and a tokenizer already given).
-  STRATA_REQUIRE(!s.demo_data || s.demo_model || s.mcfg.vocab_size <= 256,
+  // --plan reads no data.
+  STRATA_REQUIRE(!s.demo_data || s.demo_model || s.mcfg.vocab_size <= 256 || o.plan_only,
                  "no --data or --text: with no data of yours a model trains on the demo's "
                  "generated text, read byte by byte (ids 0-255), and this model's vocab_size is "
                  "{}: give its data with --data FILE (a .txt or .jsonl is prepared with the "
