@@ -39,7 +39,7 @@ elif [ "$mode" = kill ] && [ "$gloo" = 1 ]; then
   # No launcher ends the survivors: each finds its connection to the dead rank closed.
   pattern='collective all_reduce\(max, fp32, 1000 elements\) failed on rank [013] of 4 after [0-9]+\.[0-9]+ s: '
 elif [ "$mode" = kill ]; then
-  pattern='rank [013] of 4 terminated by the launcher .* while collective all_reduce\(max, fp32, 1000 elements\) was in flight for [0-9]+\.[0-9]+ s'
+  pattern='rank [013] of 4 received SIGTERM .* while collective all_reduce\(max, fp32, 1000 elements\) was in flight for [0-9]+\.[0-9]+ s'
 elif [ "$gloo" = 1 ]; then
   # Gloo's own timeout or the watchdog, whichever fires first: the same timeout.
   pattern='collective all_reduce\(max, fp32, 1000 elements\) (on rank [023] of 4 has not completed after|failed on rank [023] of 4 after) [0-9]+\.[0-9]+ s'

@@ -2300,6 +2300,56 @@ TEST_F(TrainCli, TwoRanksWithDifferentSettingsAreRefused) {
                            "(its config hash"),
             std::string::npos)
       << model.err;
+  // Rank 0's arguments, and rank 1's: other betas (each rank steps its own shard: a mixed
+  // optimizer), other data (the ranks take turns over one stream), another checkpoint folder on
+  // one node (taken for node-local drives, and the resume then looked in the wrong one). Each
+  // trained to exit 0.
+  const auto per_rank = [&](const std::vector<std::string>& a0, const std::vector<std::string>& a1,
+                            const std::string& tag) {
+    const auto quoted = [](const std::vector<std::string>& a) {
+      std::string out;
+      for (const auto& x : a) out += " '" + x + "'";
+      return out;
+    };
+    const std::string w = dir.path + "/" + tag + ".sh";
+    std::ofstream(w) << "#!/bin/sh\nif [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec "
+                     << STRATA_TRAIN_BIN << quoted(a1) << "; fi\nexec " << STRATA_TRAIN_BIN
+                     << quoted(a0) << "\n";
+    fs::permissions(w, fs::perms::owner_all);
+    return under_mpirun({"-np", "2", "--oversubscribe", w}, tag);
+  };
+  const std::string betas = dir.path + "/betas.json";
+  std::ofstream(betas) << R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.5]}},
+    "zero_optimization": {"stage": 3}})";
+  const std::string same = dir.path + "/same.json";
+  std::ofstream(same) << R"({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3}})";
+  const Result b = per_rank(args(dir.path + "/b.jsonl", {"--config", same}),
+                            args(dir.path + "/b.jsonl", {"--config", betas}), "settings-betas");
+  EXPECT_NE(b.status, 0) << b.out << b.err;
+  EXPECT_NE(b.err.find("the ranks were started with different settings: "
+                       "optimizer.params.betas[1] is "),
+            std::string::npos)
+      << b.err;
+  const std::string text2 = dir.path + "/corpus2.txt";
+  fs::copy_file(text, text2);
+  std::vector<std::string> other = args(dir.path + "/d.jsonl");
+  std::replace(other.begin(), other.end(), text, text2);
+  const Result d = per_rank(args(dir.path + "/d.jsonl"), other, "settings-data");
+  EXPECT_NE(d.status, 0) << d.out << d.err;
+  EXPECT_NE(d.err.find("different settings: the data files (--data / --text: the same files, in "
+                       "the same order) differ between rank 0 and rank 1"),
+            std::string::npos)
+      << d.err;
+  const Result c = per_rank(
+      args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", dir.path + "/cka"}),
+      args(dir.path + "/c.jsonl", {"--save-every", "2", "--checkpoint-dir", dir.path + "/ckb"}),
+      "settings-ck");
+  EXPECT_NE(c.status, 0) << c.out << c.err;
+  EXPECT_NE(c.err.find("different settings: the checkpoint folders (--checkpoint-dir, else "
+                       "--out's checkpoints/) differ between rank 0 and rank 1"),
+            std::string::npos)
+      << c.err;
+  EXPECT_FALSE(fs::exists(dir.path + "/cka/step-2")) << "a step ran";
 #endif
 }
 

@@ -641,7 +641,9 @@ void on_sigterm(int sig) {
   append(buf, len, cap, " of ");
   num[format_uint(num, std::uint64_t(g_note_world))] = 0;
   append(buf, len, cap, num);
-  append(buf, len, cap, " terminated by the launcher (SIGTERM: another rank failed) ");
+  append(buf, len, cap,
+         " received SIGTERM (a launcher ending the job when another rank failed, a scheduler, or "
+         "a kill) ");
   const std::int64_t start = g_note_start_ns.load(std::memory_order_acquire);
   if (start) {
     const std::int64_t ms = (monotonic_ns() - start) / 1000000;

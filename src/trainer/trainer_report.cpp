@@ -20,6 +20,18 @@ namespace strata::train_job {
 
 namespace {
 
+// The whole model's parameters (under tensor parallelism a rank's model holds its slices).
+std::uint64_t whole_params(const ModelConfig& cfg) {
+  std::uint64_t total = 0;
+  for (const UnitSpec& u : model_units(cfg))
+    for (const ParamSpec& p : u.params) {
+      std::uint64_t n = 1;
+      for (const std::int64_t d : p.shape) n *= std::uint64_t(d);
+      total += n;
+    }
+  return total;
+}
+
 std::string human_bytes(double b) { return log::human_bytes(b, 1); }
 
 std::string hms(double s) {
@@ -139,7 +151,7 @@ std::string plot_title(const Run& r) {
   const Settings& s = r.s;
   return fmt::format("strata-train: {}{}, {:.2f}M parameters, {} rank(s), {} steps",
                      s.mcfg.model_type, s.demo_model ? " (embedded demo)" : "",
-                     double(r.model->num_params()) / 1e6, s.world, s.steps);
+                     double(whole_params(s.mcfg)) / 1e6, s.world, s.steps);
 }
 
 // The picture redrawn; a file that cannot be written ends the picture, not the run.
@@ -199,7 +211,7 @@ void print_header(Run& r) {
     on += " (cap " + human_bytes(double(r.dev->stats().capacity_bytes)) + ")";
   std::fprintf(con, "strata-train: %s%s, %.2fM parameters, %s, %d rank(s) on %s\n",
                mcfg.model_type.c_str(), s.demo_model ? " (embedded demo)" : "",
-               double(r.model->num_params()) / 1e6,
+               double(whole_params(mcfg)) / 1e6,
                std::string(dtype_name(ecfg.compute_dtype)).c_str(), world, on.c_str());
   // Where the job stands, from rank 0 alone: "rank 0 of 8 (2 nodes), backend nccl, launcher
   // torchrun, rendezvous node01:29500".

@@ -137,6 +137,7 @@ void require_writable_folder(const std::string& flag, const std::string& path,
 struct SharedSetting {
   const char* name;
   double value;
+  bool hashed = false;  // a hash of the setting (paths): said to differ, without the numbers
 };
 
 // Every rank calls it: refuses the job, on every rank alike, when the ranks' settings differ,
@@ -157,10 +158,12 @@ void require_same_settings(const std::vector<SharedSetting>& mine, Communicator&
   for (std::size_t i = 0; i < k; ++i)
     for (std::size_t r = 1; r < world; ++r)
       STRATA_REQUIRE(all[r * k + i] == all[i],
-                     "the ranks were started with different settings: {} is {:g} on rank 0 and "
-                     "{:g} on rank {}; "
-                     "start every rank with the same flags and --config",
-                     mine[i].name, all[i], all[r * k + i], r);
+                     "the ranks were started with different settings: {}; start every rank with "
+                     "the same flags and --config",
+                     mine[i].hashed
+                         ? fmt::format("{} differ between rank 0 and rank {}", mine[i].name, r)
+                         : fmt::format("{} is {:g} on rank 0 and {:g} on rank {}", mine[i].name,
+                                       all[i], all[r * k + i], r));
 }
 
 // --out may already exist when all it holds is the run's checkpoints/ folder.
@@ -185,6 +188,14 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
   // double exactly.
   const double model_hash =
       double(std::stoull(model_config_hash(s.mcfg).substr(0, 13), nullptr, 16));
+  // Paths as one number each: 52 bits of a hash of their absolute forms, links not followed
+  // (node-local folders and files have the same path on every node, maybe a link to its drive).
+  const auto paths_hash = [](const std::vector<std::string>& paths) {
+    std::string all;
+    for (const auto& p : paths)
+      all += (p.empty() ? std::string() : fs::absolute(p).lexically_normal().string()) + '\n';
+    return double(XXH3_64bits(all.data(), all.size()) >> 12);
+  };
   return {{"the model's parameter count", double(s.total_numel)},
           {"the model's layers", double(s.mcfg.num_layers)},
           {"the model's hidden size", double(s.mcfg.hidden_size)},
@@ -196,6 +207,12 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           {"the learning rate (--lr, optimizer.params.lr)", double(s.ecfg.adamw.lr)},
           {"the weight decay (--weight-decay, optimizer.params.weight_decay)",
            double(s.ecfg.adamw.weight_decay)},
+          // Each rank steps its own shard: mixed betas train a mixed optimizer without a word.
+          {"optimizer.params.betas[0]", double(s.ecfg.adamw.beta1)},
+          {"optimizer.params.betas[1]", double(s.ecfg.adamw.beta2)},
+          {"optimizer.params.eps", double(s.ecfg.adamw.eps)},
+          {"the optimizer's bias correction (1: on)", s.ecfg.adamw.bias_correction ? 1.0 : 0.0},
+
           {"--warmup", double(s.warmup)},
           {"the schedule (0 const, 1 cosine, 2 the --config's, 3 linear)",
            s.ds_schedule            ? 2.0
@@ -223,7 +240,15 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           // not verify): different steps would mix states and desynchronise the step loop.
           {"the step of the checkpoint --resume found (0: none; give every rank the same --resume "
            "DIR/step-<N>)",
-           double(s.resume.step)}};
+           double(s.resume.step)},
+          // The ranks take turns over one stream of micro-batches, and save into one folder (one
+          // a node for node-local drives, at the same path).
+          {"the data files (--data / --text: the same files, in the same order)",
+           paths_hash(s.dopt.files), true},
+          {"the --eval-data files", paths_hash(s.eval_files), true},
+          {"the checkpoint folders (--checkpoint-dir, else --out's checkpoints/)",
+           paths_hash({s.o.save_every > 0 ? s.ckpt_root : std::string()}), true},
+          {"the --out folders", paths_hash({s.o.out_dir}), true}};
 }
 
 }  // namespace
