@@ -48,6 +48,26 @@ TEST(ChatRecord, ThreeShapes) {
   // A prompt may end with the user.
   EXPECT_EQ(parse_chat_record(Json::parse(R"({"instruction": "Sum."})"), ChatUse::kPrompt),
             (Msgs{{"user", "Sum."}}));
+  // The record's own "system" first (ShareGPT, Alpaca), and Alpaca's "history" before its turn
+  // (LLaMA-Factory's datasets; both were dropped without a word).
+  EXPECT_EQ(parse_chat_record(Json::parse(R"({"system": "Be brief.", "conversations": [
+      {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]})"),
+                              ChatUse::kTraining),
+            want);
+  EXPECT_EQ(parse_chat_record(Json::parse(R"({"system": "Be brief.", "instruction": "Sum.",
+      "output": "3", "history": [["Hi", "Hello."]]})"),
+                              ChatUse::kTraining),
+            (Msgs{{"system", "Be brief."},
+                  {"user", "Hi"},
+                  {"assistant", "Hello."},
+                  {"user", "Sum."},
+                  {"assistant", "3"}}));
+  // An assistant's reasoning_content is kept beside its content.
+  const auto reasoned = parse_chat_record(Json::parse(R"({"messages": [
+      {"role": "user", "content": "Why?"},
+      {"role": "assistant", "content": "Because.", "reasoning_content": "Let me think."}]})"),
+                                          ChatUse::kTraining);
+  EXPECT_EQ(reasoned.back().reasoning, "Let me think.");
 }
 
 TEST(ChatRecord, ErrorsNameTheProblem) {
@@ -71,6 +91,15 @@ TEST(ChatRecord, ErrorsNameTheProblem) {
                "content": "y"}]})"),
                "messages[1] is a system message after the first message");
   EXPECT_ERROR(p("[1]"), "a chat record is a JSON object");
+  // A tool call is the answer: trained on as an empty one, the model would learn to say nothing.
+  EXPECT_ERROR(p(R"({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant",
+               "content": "", "tool_calls": [{"function": {"name": "get_weather"}}]}]})"),
+               "messages[1] has tool_calls, which strata's chat layouts do not render");
+  EXPECT_ERROR(p(R"({"system": "a", "messages": [{"role": "system", "content": "b"},
+               {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})"),
+               "the record has a \"system\" and a system message: keep one");
+  EXPECT_ERROR(p(R"({"instruction": "x", "output": "y", "history": [["a"]]})"),
+               "history[0] is not an [instruction, output] pair of strings");
 }
 
 TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
@@ -96,11 +125,24 @@ TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
       "a later Mistral [INST] layout");
   EXPECT_ERROR(chat_template_from_jinja("{{ '### Instruction:' }}"),
                "pass --chat-format chatml|llama3|llama2|mistral|none");
-  EXPECT_ERROR(chat_template_from_jinja("<|start_header_id|>Cutting Knowledge Date: x"),
-               "its default date_string is not a plain literal");
+  // A family's markers with a layout of its own: refused, never rendered as the family's (Phi-4's
+  // <|im_sep|>, a ChatML that trims, Llama 3's headers untrimmed).
+  EXPECT_ERROR(chat_template_from_jinja(
+                   "{{'<|im_start|>' + message['role'] + '<|im_sep|>' + message['content'] + "
+                   "'<|im_end|>'}}"),
+               "writes <|im_sep|> after the role (Phi-4's layout)");
+  EXPECT_ERROR(chat_template_from_jinja("{{'<|im_start|>' + message['role'] + '\\n' + "
+                                        "message['content'] | trim + '<|im_end|>'}}"),
+               "ChatML with its messages trimmed");
+  EXPECT_ERROR(chat_template_from_jinja("{{ '<|start_header_id|>' + message['role'] + "
+                                        "'<|end_header_id|>\\n\\n' + message['content'] }}"),
+               "does not trim the messages as Llama 3's does");
+  EXPECT_ERROR(
+      chat_template_from_jinja("<|start_header_id|>{{ c | trim }}Cutting Knowledge Date: x"),
+      "its default date_string is not a plain literal");
   // Llama 3.2's date: strftime_now when the caller has it, else the literal strata writes.
   const auto llama32 = chat_template_from_jinja(
-      R"({%- if not date_string is defined %}{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}{%- endif %}{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}{{- "Cutting Knowledge Date: December 2023\n" }}{%- if add_generation_prompt %}{%- endif %})");
+      R"({%- if not date_string is defined %}{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}{%- endif %}{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}{{- "Cutting Knowledge Date: December 2023\n" }}{{- message['content'] | trim }}{%- if add_generation_prompt %}{%- endif %})");
   EXPECT_EQ(llama32.knowledge_cutoff, "December 2023");
   EXPECT_EQ(llama32.default_date, "26 Jul 2024");
   ASSERT_EQ(llama32.not_reproduced.size(), 1u);
@@ -109,7 +151,7 @@ TEST(ChatTemplateFingerprint, FamiliesAndRefusals) {
   EXPECT_ERROR(chat_template_from_folder(dir.path), "has no chat template");
   std::ofstream(dir.path + "/tokenizer_config.json")
       << R"({"chat_template": [{"name": "tool_use", "template": "x"},
-             {"name": "default", "template": "<|start_header_id|>{% if add_generation_prompt %}{% endif %}"}]})";
+             {"name": "default", "template": "<|start_header_id|>{{ c | trim }}{% if add_generation_prompt %}{% endif %}"}]})";
   const auto listed = chat_template_from_folder(dir.path);
   EXPECT_EQ(listed.format, ChatFormat::kLlama3);
   EXPECT_FALSE(listed.always_generation_prompt);
@@ -144,6 +186,24 @@ TEST(ChatRender, LayoutsByHand) {
   EXPECT_ERROR(
       render_chat(chat_template_for(ChatFormat::kLlama2), {{"user", "a"}, {"user", "b"}}, o),
       "message 1 is a user message: Llama 2's chat template needs the roles to alternate");
+  // Qwen3: the think block from reasoning_content, and a user turn that is a tool's response is
+  // no query (the earlier answer after the real question keeps its think block).
+  ChatTemplate qwen3 = chat_template_for(ChatFormat::kChatML);
+  qwen3.qwen3_thinking = true;
+  RenderOptions q;
+  EXPECT_EQ(
+      render_chat(qwen3, {{"user", "Why?"}, {"assistant", "Because.", "\nLet me think.\n"}}, q),
+      "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\nLet me "
+      "think.\n</think>\n\nBecause.<|im_end|>\n");
+  EXPECT_EQ(render_chat(qwen3,
+                        {{"user", "q"},
+                         {"assistant", "<think>r</think>a"},
+                         {"user", "<tool_response>\n42\n</tool_response>"},
+                         {"assistant", "b"}},
+                        q),
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\na"
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\nb<|im_end|>\n");
   // What counts: each assistant body and its end of turn.
   std::string counted;
   for (const ChatSegment& s :

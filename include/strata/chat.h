@@ -70,6 +70,9 @@ namespace strata {
 struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
+  // An assistant message's "reasoning_content" (distilled-reasoning datasets): Qwen3's template
+  // writes it as the think block; the other layouts, as their templates, leave it out.
+  std::string reasoning = {};
   bool operator==(const ChatMessage&) const = default;
 };
 
@@ -83,10 +86,13 @@ enum class ChatUse {
 //   {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}    (ShareGPT)
 //   {"instruction": "...", "input": "..." (optional), "output": "..."}            (Alpaca)
 // Alpaca becomes two messages: user = instruction, or instruction + "\n\n" + input when input is
-// not empty; assistant = output. ShareGPT's "human"/"user" -> user, "gpt"/"assistant" -> assistant.
-// Throws strata::Error naming the problem (an unknown role, a missing or non-string field, an
-// empty conversation, a system message after the first, for kTraining one that does not end with
-// an assistant message); `where` prefixes the message ("data.jsonl:12").
+// not empty; assistant = output; its "history" ([[instruction, output], ...], LLaMA-Factory's)
+// goes first. ShareGPT's "human"/"user" -> user, "gpt"/"assistant" -> assistant. A record's own
+// "system" (ShareGPT and Alpaca datasets carry one) is the first message. Throws strata::Error
+// naming the problem (an unknown role, a missing or non-string field, an empty conversation, a
+// system message after the first or beside the record's "system", an assistant message with
+// tool_calls, which no layout here renders, for kTraining one that does not end with an assistant
+// message); `where` prefixes the message ("data.jsonl:12").
 std::vector<ChatMessage> parse_chat_record(const nlohmann::json& record, ChatUse use,
                                            std::string_view where = "chat record");
 

@@ -113,9 +113,36 @@ std::vector<ChatMessage> parse_chat_record(const Json& record, ChatUse use,
                      "{}: {} is a system message after the first message: put the system prompt "
                      "first",
                      where, what);
-      out.push_back({std::move(role), content});
+      // A tool call is what the answer is (its content often empty): trained on as an empty
+      // answer, the model would learn to say nothing.
+      const auto calls = list[i].find("tool_calls");
+      STRATA_REQUIRE(
+          calls == list[i].end() || calls->is_null() || (calls->is_array() && calls->empty()),
+          "{}: {} has tool_calls, which strata's chat layouts do not render (the "
+          "template writes them as its own tool-call blocks): leave such records out",
+          where, what);
+      std::string reasoning;
+      if (const auto r = list[i].find("reasoning_content"); r != list[i].end() && !r->is_null()) {
+        STRATA_REQUIRE(r->is_string(), "{}: {}'s \"reasoning_content\" is not a string (it is {})",
+                       where, what, r->type_name());
+        reasoning = r->get<std::string>();
+      }
+      out.push_back({std::move(role), content, std::move(reasoning)});
     }
   } else if (record.contains("instruction")) {
+    // LLaMA-Factory's earlier turns: [[instruction, output], ...].
+    if (const auto h = record.find("history"); h != record.end() && !h->is_null()) {
+      STRATA_REQUIRE(h->is_array(), "{}: \"history\" is not a list of [instruction, output] pairs",
+                     where);
+      for (std::size_t i = 0; i < h->size(); ++i) {
+        const nlohmann::json& pair = (*h)[i];
+        STRATA_REQUIRE(
+            pair.is_array() && pair.size() == 2 && pair[0].is_string() && pair[1].is_string(),
+            "{}: history[{}] is not an [instruction, output] pair of strings", where, i);
+        out.push_back({"user", pair[0].get<std::string>()});
+        out.push_back({"assistant", pair[1].get<std::string>()});
+      }
+    }
     const std::string& instruction = string_field(record, "instruction", where, "the record");
     std::string user = instruction;
     if (record.contains("input") && !record["input"].is_null()) {
@@ -133,6 +160,15 @@ std::vector<ChatMessage> parse_chat_record(const Json& record, ChatUse use,
                    "\"conversations\" (ShareGPT from/value) or \"instruction\"/\"output\" (Alpaca) "
                    "(its keys: {})",
                    where, keys.empty() ? "none" : keys);
+  }
+  // The record's own system prompt (ShareGPT and Alpaca datasets), first.
+  if (const auto sys = record.find("system"); sys != record.end() && !sys->is_null()) {
+    STRATA_REQUIRE(sys->is_string(), "{}: \"system\" is not a string (it is {})", where,
+                   sys->type_name());
+    STRATA_REQUIRE(out.empty() || out[0].role != "system",
+                   "{}: the record has a \"system\" and a system message: keep one", where);
+    if (!sys->get<std::string>().empty())
+      out.insert(out.begin(), ChatMessage{"system", sys->get<std::string>()});
   }
   if (use == ChatUse::kTraining)
     STRATA_REQUIRE(out.back().role == "assistant",
@@ -234,7 +270,18 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
       t.not_reproduced.push_back("tool results");
     if (has(src, "image")) t.not_reproduced.push_back("images");
   };
+  // Each layout is recognised by its markers, then the ways a template of that family may
+  // differ from what strata renders are refused: "never a silent guess".
   if (has(src, "<|im_start|>")) {
+    STRATA_REQUIRE(!has(src, "<|im_sep|>"),
+                   "the chat template writes <|im_sep|> after the role (Phi-4's layout), not "
+                   "ChatML's newline, which strata does not reproduce: pass --chat-format chatml "
+                   "to train on ChatML's layout instead");
+    STRATA_REQUIRE(!has(src, "content'] | trim") && !has(src, "content | trim") &&
+                       !has(src, "content.strip()") && !has(src, "content'].strip()"),
+                   "the chat template is ChatML with its messages trimmed, which strata does not "
+                   "reproduce (it writes them as they are, as ChatML's templates do): pass "
+                   "--chat-format chatml to train on them untrimmed");
     t.format = ChatFormat::kChatML;
     t.default_system = chatml_default_system(src);
     t.qwen3_thinking = has(src, "<think>");
@@ -242,6 +289,10 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
     return t;
   }
   if (has(src, "<|start_header_id|>")) {
+    STRATA_REQUIRE(has(src, "trim"),
+                   "the chat template has Llama 3's headers but does not trim the messages as "
+                   "Llama 3's does, which strata does: pass --chat-format llama3 to train on Llama "
+                   "3's layout");
     t.format = ChatFormat::kLlama3;
     t.always_generation_prompt = !has(src, "add_generation_prompt");
     if (has(src, "Cutting Knowledge Date: ")) {
@@ -363,9 +414,11 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& m, con
     b.text("\n");
   }
   // Qwen3: the last user message; assistant turns after it get a think block.
+  // (A user message that is a tool's response is no query: the template skips those.)
   std::size_t last_query = m.size() - 1;
   for (std::size_t i = m.size(); i-- > 0;)
-    if (m[i].role == "user") {
+    if (m[i].role == "user" && !(m[i].content.starts_with("<tool_response>") &&
+                                 m[i].content.ends_with("</tool_response>"))) {
       last_query = i;
       break;
     }
@@ -375,9 +428,11 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& m, con
     b.text(m[i].role + "\n");
     std::string body = m[i].content;
     if (assistant && t.qwen3_thinking) {
-      std::string_view content = m[i].content, reasoning;
+      std::string_view content = m[i].content, reasoning = m[i].reasoning;
       const std::size_t close = content.find("</think>");
-      if (close != std::string_view::npos) {
+      if (!m[i].reasoning.empty()) {
+        // "reasoning_content" given: the template takes it, and the content as it is.
+      } else if (close != std::string_view::npos) {
         const std::string_view before = content.substr(0, close);
         content = lstrip_newlines(content.substr(content.rfind("</think>") + 8));
         reasoning = rstrip_newlines(before);
