@@ -134,6 +134,25 @@ TEST(Tokenizer, ByteLevelPartialCharactersStream) {
   EXPECT_EQ(skip.push(11), "hello");
 }
 
+// An added token's lstrip / rstrip absorb the whitespace beside a match as Hugging Face's
+// tokenizers do (Unicode's White_Space, char::is_whitespace): U+3000 and U+00A0 too, not only
+// ASCII (they reached the model as tokens of their own).
+TEST(Tokenizer, AddedTokensStripUnicodeWhitespace) {
+  Json j = byte_level_json();
+  j["added_tokens"][0]["lstrip"] = true;
+  j["added_tokens"][0]["rstrip"] = true;
+  const Tokenizer t = make(j);
+  const Ids want = t.encode("hello<|end|>hello", false);
+  ASSERT_EQ(want, (Ids{11, 16, 11}));
+  for (const char* text :
+       {"hello \t<|end|>\n hello", "hello\u3000<|end|>\u00a0hello",
+        "hello\u2028\u0085<|end|>\u205f\u1680hello", "hello\u202f<|end|>\u3000 hello"})
+    EXPECT_EQ(t.encode(text, false), want) << text;
+  // Not whitespace: a zero-width space stays (it is not White_Space); here it has no token, so
+  // the text cannot be encoded.
+  EXPECT_THROW(t.encode("hello\u200b<|end|>hello", false), Error);
+}
+
 TEST(Tokenizer, ByteFallbackMetaspace) {
   const Tokenizer t = make(byte_fallback_json());
   // "a é" -> "▁a▁é": ▁a merges; é is not in the vocabulary: its bytes <0xC3> <0xA9>.

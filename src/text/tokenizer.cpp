@@ -319,7 +319,40 @@ struct Bpe {
   std::array<std::int32_t, 256> byte_ids{};  // "<0xXX>" ids for byte_fallback, -1 when absent
 };
 
-bool is_ascii_space(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+// Unicode's White_Space, as Rust's char::is_whitespace (what an added token's lstrip / rstrip
+// absorbs in Hugging Face's tokenizers): U+0085, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029,
+// U+202F, U+205F, U+3000 beside the ASCII ones.
+bool is_unicode_space(char32_t c) {
+  return c == 0x20 || (c >= 0x09 && c <= 0x0D) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
+}
+
+// The code point of the well-formed sequence of `n` bytes at s[i].
+char32_t code_point(std::string_view s, std::size_t i, std::size_t n) {
+  const auto b = [&](std::size_t k) { return char32_t(static_cast<unsigned char>(s[i + k])); };
+  if (n == 1) return b(0);
+  if (n == 2) return (b(0) & 0x1F) << 6 | (b(1) & 0x3F);
+  if (n == 3) return (b(0) & 0x0F) << 12 | (b(1) & 0x3F) << 6 | (b(2) & 0x3F);
+  return (b(0) & 0x07) << 18 | (b(1) & 0x3F) << 12 | (b(2) & 0x3F) << 6 | (b(3) & 0x3F);
+}
+
+// The bytes of the whitespace character starting at s[i] (0: none there).
+std::size_t space_at(std::string_view s, std::size_t i) {
+  if (i >= s.size()) return 0;
+  const std::size_t n = utf8::sequence_length(s, i);
+  return n > 0 && is_unicode_space(code_point(s, i, n)) ? n : 0;
+}
+
+// The bytes of the whitespace character ending at s[end] (0: none), not reaching below `begin`.
+std::size_t space_before(std::string_view s, std::size_t begin, std::size_t end) {
+  for (std::size_t n = 1; n <= 4 && n <= end - begin; ++n) {
+    const std::size_t i = end - n;
+    if ((static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) continue;  // a continuation byte
+    return utf8::sequence_length(s, i) == n && is_unicode_space(code_point(s, i, n)) ? n : 0;
+  }
+  return 0;
+}
 
 std::string json_token(const Json& j) {
   if (j.is_string()) return j.get<std::string>();
@@ -1299,9 +1332,9 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_spec
     }
     std::size_t b = i, e = i + hit->content.size();
     if (hit->lstrip)
-      while (b > span_begin && is_ascii_space(text[b - 1])) --b;
+      for (std::size_t n; (n = space_before(text, span_begin, b)) > 0;) b -= n;
     if (hit->rstrip)
-      while (e < text.size() && is_ascii_space(text[e])) ++e;
+      for (std::size_t n; (n = space_at(text, e)) > 0;) e += n;
     m.encode_span(text.substr(span_begin, b - span_begin), span_begin == 0, out);
     out.push_back(hit->id);
     span_begin = i = e;
