@@ -668,8 +668,9 @@ std::string TcpStore::get(const std::string& key, double timeout_s) {
   if (type == 'T')
     STRATA_THROW(kIo,
                  "rank {} waited {:.1f} s for '{}' from the rendezvous store at {}: the rank that "
-                 "sets it has not (it failed or hangs)",
-                 o_.rank, seconds_since(start), key, endpoint());
+                 "sets it has not (it failed or hangs, or the {:g} s it may take, "
+                 "STRATA_COMM_TIMEOUT_S, are too few for the ranks' start: raise it)",
+                 o_.rank, seconds_since(start), key, endpoint(), timeout_s);
   STRATA_THROW(
       kIo,
       "rank {} asked the rendezvous store at {} for '{}' and rank 0 closed it after {:.1f} "
