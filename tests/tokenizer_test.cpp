@@ -172,6 +172,28 @@ TEST(Tokenizer, ByteFallbackMetaspace) {
   EXPECT_EQ(after.push(6), " a");
 }
 
+// A Llama-class folder's tokenizer_config.json decides the BOS and EOS, as Hugging Face's
+// LlamaTokenizerFast rebuilds its template from add_bos_token / add_eos_token (the file's own
+// template was kept); another class keeps the file's template.
+TEST(Tokenizer, ALlamaClassConfigDecidesBosAndEos) {
+  const Json j = byte_fallback_json();
+  const auto with = [&](const char* config) { return make(j, Json::parse(config)); };
+  EXPECT_EQ(with(R"({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>"})").encode("a"),
+            (Ids{1, 6}));
+  const Tokenizer no_bos =
+      with(R"({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "add_bos_token": false})");
+  EXPECT_EQ(no_bos.encode("a"), (Ids{6}));
+  EXPECT_FALSE(no_bos.adds_bos());
+  EXPECT_EQ(with(R"({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>",
+                     "eos_token": "<unk>", "add_eos_token": true})")
+                .encode("a"),
+            (Ids{1, 6, 0}));
+  EXPECT_EQ(with(R"({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                     "add_bos_token": false})")
+                .encode("a"),
+            (Ids{1, 6}));
+}
+
 // A token with "▁" after another character lets a merge cross a "▁": the piece is then merged
 // whole, not word by word.
 TEST(Tokenizer, MergeAcrossMetaspaceWhenAVocabularyHasOne) {

@@ -478,17 +478,27 @@ std::string tokenizer_hash(const fs::path& dir, const Tokenizer& tok) {
   };
   bytes += fmt::format("\nstrata-special-tokens bos={} eos={} pad={} adds_bos={}",
                        opt(tok.bos_id()), opt(tok.eos_id()), opt(tok.pad_id()), tok.adds_bos());
-  // A SentencePiece model takes two more settings from tokenizer_config.json that change its ids
-  // (tokenizer.json carries its own): add_eos_token and legacy. Each is added only where it is
-  // not the default, so a file prepared under the defaults keeps its hash.
+
+  // A SentencePiece model takes two more settings from tokenizer_config.json that change its ids:
+  // add_eos_token and legacy. Each is added only where it is not the default, so a file prepared
+  // under the defaults keeps its hash.
   const fs::path config = dir / "tokenizer_config.json";
-  if (file.filename() == "tokenizer.model" && fs::exists(config)) {
+  // A Llama-class tokenizer.json takes add_eos_token too (Hugging Face's LlamaTokenizerFast
+  // rebuilds its template; add_bos_token is in adds_bos above).
+  if (fs::exists(config)) {
     const Json c = Json::parse(slurp(config.string(), "tokenizer config"), nullptr, false);
     const auto is = [&](const char* key, bool v) {
       return c.is_object() && c.contains(key) && c[key].is_boolean() && c[key].get<bool>() == v;
     };
-    if (is("add_eos_token", true)) bytes += " add_eos_token=true";
-    if (is("legacy", false)) bytes += " legacy=false";
+    const std::string cls = c.is_object() && c.value("tokenizer_class", Json()).is_string()
+                                ? c["tokenizer_class"].get<std::string>()
+                                : std::string();
+    const bool llama_class = cls.starts_with("LlamaTokenizer") ||
+                             cls.starts_with("CodeLlamaTokenizer") ||
+                             cls.starts_with("GemmaTokenizer");
+    if ((file.filename() == "tokenizer.model" || llama_class) && is("add_eos_token", true))
+      bytes += " add_eos_token=true";
+    if (file.filename() == "tokenizer.model" && is("legacy", false)) bytes += " legacy=false";
   }
   const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
   std::array<std::uint8_t, 16> b{};

@@ -450,6 +450,26 @@ void Tokenizer::Impl::parse(const Json& tj, const Json& cj) {
   parse_post(tj.value("post_processor", Json()));
   parse_decoder(tj.value("decoder", Json()));
   if (cj.is_object()) parse_config(cj);
+  // Hugging Face's LlamaTokenizerFast (and CodeLlama's, Gemma's) rebuilds the post-processor
+  // from tokenizer_config.json's add_bos_token (default true) and add_eos_token (default false):
+  // a Llama 2 folder with add_bos_token false encodes without its BOS.
+  if (cj.is_object() && cj.value("tokenizer_class", Json()).is_string()) {
+    const std::string cls = cj["tokenizer_class"].get<std::string>();
+    if (cls.starts_with("LlamaTokenizer") || cls.starts_with("CodeLlamaTokenizer") ||
+        cls.starts_with("GemmaTokenizer")) {
+      const auto flag = [&](const char* key, bool fallback) {
+        const Json v = cj.value(key, Json());
+        return v.is_boolean() ? v.get<bool>() : fallback;
+      };
+      const bool add_bos = flag("add_bos_token", true), add_eos = flag("add_eos_token", false);
+      if ((!add_bos || bos) && (!add_eos || eos)) {
+        template_prefix.clear();
+        template_suffix.clear();
+        if (add_bos) template_prefix.push_back(*bos);
+        if (add_eos) template_suffix.push_back(*eos);
+      }
+    }
+  }
 }
 
 void Tokenizer::Impl::parse_model(const Json& m) {
