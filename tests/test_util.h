@@ -44,14 +44,15 @@ struct TempDir {
 // A tmpfs of `mib` MiB mounted at `path` (made) while the object lives, for tests of a drive too
 // small; `ok` false, with `why`, where it cannot be mounted (not root, no mount): those skip.
 struct SmallTmpfs {
-  SmallTmpfs(const std::string& where, int mib) : path(where) {
+  SmallTmpfs(const std::string& where, int mib) : SmallTmpfs(where, std::to_string(mib) + "m") {}
+  // `size` as mount takes it: "8k", "64m".
+  SmallTmpfs(const std::string& where, const std::string& size) : path(where) {
     if (::geteuid() != 0) {
       why = "needs root to mount a small tmpfs";
       return;
     }
     std::filesystem::create_directories(path);
-    const std::string cmd =
-        "mount -t tmpfs -o size=" + std::to_string(mib) + "m tmpfs '" + path + "' 2>/dev/null";
+    const std::string cmd = "mount -t tmpfs -o size=" + size + " tmpfs '" + path + "' 2>/dev/null";
     ok = std::system(cmd.c_str()) == 0;
     if (!ok) why = "cannot mount a tmpfs here";
   }

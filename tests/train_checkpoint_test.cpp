@@ -1009,17 +1009,9 @@ TEST_F(TrainBinary, ResumingAnOlderCheckpointNamesTheNewerOnesThatStay) {
 // the failed one, the newest complete one by name, free space and --resume it (it named only the
 // file that failed). Needs root (a small tmpfs); Skipped elsewhere.
 TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
-  const std::string small = dir.path + "/small";
-  fs::create_directories(small);
-  if (std::system(("mount -t tmpfs -o size=16M tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string at;
-    ~Unmount() {
-      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
-    }
-  } unmount{small};
+  const testing::SmallTmpfs fs_small(dir.path + "/small", "16m");
+  if (!fs_small.ok) GTEST_SKIP() << fs_small.why;
+  const std::string small = fs_small.path;
   const std::string ck = small + "/ck";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
   std::uintmax_t one = 0;
@@ -1076,17 +1068,9 @@ TEST_F(TrainBinary, AFullDriveAtACheckpointSaysWhatIsLeftAndWhatToDo) {
 // newest complete checkpoint (it was "invalid argument: checkpoint: cannot create ..." alone).
 // Needs root (a tmpfs remounted read-only); Skipped elsewhere.
 TEST_F(TrainBinary, ACheckpointFolderMadeReadOnlySaysWhatIsLeftAndWhatToDo) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a tmpfs";
-  const std::string small = dir.path + "/ro";
-  fs::create_directories(small);
-  if (std::system(("mount -t tmpfs -o size=64M tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string at;
-    ~Unmount() {
-      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
-    }
-  } unmount{small};
+  const testing::SmallTmpfs fs_small(dir.path + "/ro", "64m");
+  if (!fs_small.ok) GTEST_SKIP() << fs_small.why;
+  const std::string small = fs_small.path;
   const std::string ck = small + "/ck";
   // Slow steps (the emulated device's throttle), so that the folder turns read-only between the
   // checkpoints of steps 2 and 4.
@@ -1120,17 +1104,9 @@ TEST_F(TrainBinary, ACheckpointFolderMadeReadOnlySaysWhatIsLeftAndWhatToDo) {
 // --out on a drive too small for the model: the error says why (its errno text, which it left
 // out), the newest checkpoint and the command that finishes the run. Needs root (a small tmpfs).
 TEST_F(TrainBinary, AFullDriveAtOutSaysWhyAndHowToFinish) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
-  const std::string small = dir.path + "/outfs";
-  fs::create_directories(small);
-  if (std::system(("mount -t tmpfs -o size=64k tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string at;
-    ~Unmount() {
-      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
-    }
-  } unmount{small};
+  const testing::SmallTmpfs fs_small(dir.path + "/outfs", "64k");
+  if (!fs_small.ok) GTEST_SKIP() << fs_small.why;
+  const std::string small = fs_small.path;
   const std::string ck = dir.path + "/ck", out = small + "/model";
   auto a = args(dir.path + "/o.jsonl", {"--save-every", "2", "--checkpoint-dir", ck, "--out", out});
   set_steps(a, "2");
@@ -1149,17 +1125,9 @@ TEST_F(TrainBinary, AFullDriveAtOutSaysWhyAndHowToFinish) {
 // A --log-json whose drive fills mid-run keeps whole lines only (a torn last line made the file
 // unreadable as JSON lines), and a resume after the gap says which steps the log lacks. Needs root.
 TEST_F(TrainBinary, ALogOnAFullDriveKeepsWholeLinesAndAResumeNamesTheGap) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs";
-  const std::string small = dir.path + "/logfs";
-  fs::create_directories(small);
-  if (std::system(("mount -t tmpfs -o size=8k tmpfs '" + small + "' 2>/dev/null").c_str()) != 0)
-    GTEST_SKIP() << "cannot mount a tmpfs here";
-  struct Unmount {
-    std::string at;
-    ~Unmount() {
-      (void)std::system(("umount '" + at + "' 2>/dev/null || umount -l '" + at + "'").c_str());
-    }
-  } unmount{small};
+  const testing::SmallTmpfs fs_small(dir.path + "/logfs", "8k");
+  if (!fs_small.ok) GTEST_SKIP() << fs_small.why;
+  const std::string small = fs_small.path;
   std::ofstream(small + "/filler") << std::string(4096, 'x');
   const std::string log = small + "/log.jsonl", ck = dir.path + "/ck";
   auto a = args(log, {"--save-every", "10", "--checkpoint-dir", ck});
