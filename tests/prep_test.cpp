@@ -724,7 +724,9 @@ TEST(StrataPrep, AnInterruptedRunLeavesNoTemporaryFile) {
             out.c_str(), "--threads", "1", static_cast<char*>(nullptr));
     ::_exit(127);
   }
-  const std::string tmp = out + fmt::format(".tmp.{}", pid);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string tmp = out + fmt::format(".tmp.{}.{}", host, pid);
   for (int i = 0; i < 20000 && !fs::exists(tmp); ++i) ::usleep(1000);
   ASSERT_TRUE(fs::exists(tmp)) << "the temporary file never appeared";
   ::kill(pid, SIGTERM);
@@ -746,13 +748,18 @@ TEST(StrataPrep, AnInterruptedRunLeavesNoTemporaryFile) {
   if (gone == 0) ::_exit(0);
   ::waitpid(gone, &st, 0);
   const std::string small = t.write("docs.jsonl", kDocs), out2 = t.dir.path + "/small.prep";
-  std::ofstream(out2 + fmt::format(".tmp.{}", gone)) << "half a prepared file";
+  const std::string left = out2 + fmt::format(".tmp.{}.{}", host, gone);
+  std::ofstream(left) << "half a prepared file";
   std::ofstream(out2 + ".tmp.notapid") << "the user's";
+  // Another host's (a drive shared by nodes): its process may be alive there.
+  const std::string other_host = out2 + fmt::format(".tmp.{}x.{}", host, gone);
+  std::ofstream(other_host) << "another node's";
   const auto r = testing::run(STRATA_PREP_BIN, {"--tokenizer", t.model, small, "-o", out2},
                               t.dir.path, "after");
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_FALSE(fs::exists(out2 + fmt::format(".tmp.{}", gone)));
+  EXPECT_FALSE(fs::exists(left));
   EXPECT_TRUE(fs::exists(out2 + ".tmp.notapid"));
+  EXPECT_TRUE(fs::exists(other_host));
   EXPECT_NE(
       r.err.find(fmt::format("left by a run that ended before finishing it (process {})", gone)),
       std::string::npos)

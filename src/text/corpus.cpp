@@ -33,6 +33,7 @@
 #include <thread>
 
 #include "core/interrupt_files.h"
+#include "core/process.h"
 #include "core/utf8.h"
 #include "core/write_fd.h"
 #include "strata/chat.h"
@@ -324,7 +325,7 @@ class PreparedWriter {
  public:
   PreparedWriter(std::string out, std::uint64_t vocab, const std::string& hash_hex,
                  std::string source)
-      : out_(std::move(out)), tmp_(out_ + fmt::format(".tmp.{}", ::getpid())) {
+      : out_(std::move(out)), tmp_(out_ + fmt::format(".tmp.{}.{}", this_host(), ::getpid())) {
     h_.vocab_size = vocab;
     h_.token_bytes = vocab <= 65536 ? 2 : 4;
     h_.tokenizer_hash = parse_hash(hash_hex);
@@ -344,7 +345,14 @@ class PreparedWriter {
     }
     std::string head(h_.tokens_offset, '\0');
     std::memcpy(head.data() + kPreparedHeaderBytes, h_.source.data(), h_.source.size());
-    write(head.data(), head.size());
+    try {
+      write(head.data(), head.size());
+    } catch (...) {  // (no destructor runs for a constructor that throws)
+      ::close(fd_);
+      ::unlink(tmp_.c_str());
+      core::forget_interrupt_file(slot_);
+      throw;
+    }
   }
   ~PreparedWriter() {
     if (fd_ >= 0) {
@@ -428,19 +436,20 @@ class PreparedWriter {
 
  private:
   // The temporary files of this output left by runs of this host that are gone (killed with
-  // SIGKILL, or out of memory): <out>.tmp.<pid> whose process no longer exists.
+  // SIGKILL, or out of memory): <out>.tmp.<host>.<pid> whose process no longer exists here
+  // (another host's, on a shared drive, may still be written).
   void remove_dead_runs_files() const {
     std::error_code ec;
     const fs::path out(out_);
     const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
-    const std::string prefix = out.filename().string() + ".tmp.";
+    const std::string prefix = out.filename().string() + ".tmp." + this_host() + ".";
     for (const auto& e : fs::directory_iterator(dir, ec)) {
       const std::string name = e.path().filename().string();
       if (!name.starts_with(prefix) || name.size() == prefix.size()) continue;
       const std::string pid = name.substr(prefix.size());
       if (pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
-      const pid_t p = pid_t(std::stol(pid));
-      if (p == ::getpid() || !(::kill(p, 0) != 0 && errno == ESRCH)) continue;
+      const long p = std::stol(pid);
+      if (p == long(::getpid()) || !process_gone(p)) continue;
       if (fs::remove(e.path(), ec))
         log::info("{}: removed {}, left by a run that ended before finishing it (process {})", out_,
                   name, pid);

@@ -192,8 +192,18 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
   // (node-local folders and files have the same path on every node, maybe a link to its drive).
   const auto paths_hash = [](const std::vector<std::string>& paths) {
     std::string all;
-    for (const auto& p : paths)
-      all += (p.empty() ? std::string() : fs::absolute(p).lexically_normal().string()) + '\n';
+    for (const auto& p : paths) {
+      std::error_code ec;
+      const fs::path abs = p.empty() ? fs::path() : fs::absolute(p, ec);
+      all += (ec ? p : abs.lexically_normal().string()) + '\n';
+    }
+    return double(XXH3_64bits(all.data(), all.size()) >> 12);
+  };
+  const auto bytes_hash = [](const std::vector<std::string>& files) {
+    const DataIdentity id = data_identity(files);
+    std::string all;
+    for (std::size_t i = 0; i < files.size(); ++i)
+      all += fmt::format("{} {}\n", id.bytes[i], id.samples[i]);
     return double(XXH3_64bits(all.data(), all.size()) >> 12);
   };
   return {{"the model's parameter count", double(s.total_numel)},
@@ -243,9 +253,11 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
            double(s.resume.step)},
           // The ranks take turns over one stream of micro-batches, and save into one folder (one
           // a node for node-local drives, at the same path).
-          {"the data files (--data / --text: the same files, in the same order)",
-           paths_hash(s.dopt.files), true},
-          {"the --eval-data files", paths_hash(s.eval_files), true},
+          // By their bytes (data_identity), not paths: strata-prof's validation ranks read copies.
+          // (The demo's text is rank 0's to write, the same on every rank, and not yet there.)
+          {"the data files (--data / --text: the same bytes, in the same order)",
+           s.demo_data ? 0.0 : bytes_hash(s.dopt.files), true},
+          {"the --eval-data files", bytes_hash(s.eval_files), true},
           {"the checkpoint folders (--checkpoint-dir, else --out's checkpoints/)",
            paths_hash({s.o.save_every > 0 ? s.ckpt_root : std::string()}), true},
           {"the --out folders", paths_hash({s.o.out_dir}), true}};
