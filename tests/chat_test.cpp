@@ -68,6 +68,12 @@ TEST(ChatRecord, ThreeShapes) {
       {"role": "assistant", "content": "Because.", "reasoning_content": "Let me think."}]})"),
                                           ChatUse::kTraining);
   EXPECT_EQ(reasoned.back().reasoning, "Let me think.");
+  // The same system prompt in both places is one.
+  EXPECT_EQ(parse_chat_record(Json::parse(R"({"system": "Be brief.", "messages": [
+      {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello."}]})"),
+                              ChatUse::kTraining),
+            want);
 }
 
 TEST(ChatRecord, ErrorsNameTheProblem) {
@@ -97,7 +103,7 @@ TEST(ChatRecord, ErrorsNameTheProblem) {
                "messages[1] has tool_calls, which strata's chat layouts do not render");
   EXPECT_ERROR(p(R"({"system": "a", "messages": [{"role": "system", "content": "b"},
                {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})"),
-               "the record has a \"system\" and a system message: keep one");
+               "the record's \"system\" and its system message differ: keep one");
   EXPECT_ERROR(p(R"({"instruction": "x", "output": "y", "history": [["a"]]})"),
                "history[0] is not an [instruction, output] pair of strings");
 }
@@ -195,6 +201,10 @@ TEST(ChatRender, LayoutsByHand) {
       render_chat(qwen3, {{"user", "Why?"}, {"assistant", "Because.", "\nLet me think.\n"}}, q),
       "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\nLet me "
       "think.\n</think>\n\nBecause.<|im_end|>\n");
+  // An empty reasoning_content is given: the content stays whole, a </think> in it included.
+  EXPECT_EQ(render_chat(qwen3, {{"user", "Why?"}, {"assistant", "a</think>b", ""}}, q),
+            "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            "a</think>b<|im_end|>\n");
   EXPECT_EQ(render_chat(qwen3,
                         {{"user", "q"},
                          {"assistant", "<think>r</think>a"},

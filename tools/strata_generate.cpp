@@ -321,7 +321,7 @@ int run_chat(const Options& o, const strata::ModelConfig& cfg, const GenConfig& 
       // The ways on that there are: fewer new tokens where the prompt leaves room for one, a
       // larger --context where the model takes more.
       std::string ways;
-      if (std::int64_t(prompt.size()) < ctx)
+      if (std::int64_t(prompt.size()) <= ctx)
         ways += fmt::format(", or give --max-new-tokens {} or less",
                             ctx - std::int64_t(prompt.size()) + 1);
       if (ctx < limit.positions)

@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -72,7 +73,7 @@ struct ChatMessage {
   std::string content;
   // An assistant message's "reasoning_content" (distilled-reasoning datasets): Qwen3's template
   // writes it as the think block; the other layouts, as their templates, leave it out.
-  std::string reasoning = {};
+  std::optional<std::string> reasoning = {};  // (given, even empty: the template takes it)
   bool operator==(const ChatMessage&) const = default;
 };
 

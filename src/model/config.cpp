@@ -279,10 +279,15 @@ std::string checkpoint_not_model(const std::string& folder) {
   std::error_code ec;
   const fs::path dir(folder.empty() ? "." : folder);
   if (fs::exists(dir / "config.json", ec)) return "";
-  bool steps = false;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    steps = steps || (e.path().filename().string().starts_with("step-") &&
-                      fs::exists(e.path() / "manifest.json", ec));
+  // Its step folders here, or in checkpoints/ (a run's --out before the model was written).
+  const auto has_steps = [&](const fs::path& d) {
+    bool found = false;
+    for (const auto& e : fs::directory_iterator(d, ec))
+      found = found || (e.path().filename().string().starts_with("step-") &&
+                        fs::exists(e.path() / "manifest.json", ec));
+    return found;
+  };
+  const bool steps = has_steps(dir) || has_steps(dir / "checkpoints");
   if (!steps && !fs::exists(dir / "manifest.json", ec)) return "";
   return fmt::format(
       "{} {} strata-train checkpoint{}, not a Hugging Face model folder (no config.json): "

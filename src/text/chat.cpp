@@ -121,7 +121,7 @@ std::vector<ChatMessage> parse_chat_record(const Json& record, ChatUse use,
           "{}: {} has tool_calls, which strata's chat layouts do not render (the "
           "template writes them as its own tool-call blocks): leave such records out",
           where, what);
-      std::string reasoning;
+      std::optional<std::string> reasoning;
       if (const auto r = list[i].find("reasoning_content"); r != list[i].end() && !r->is_null()) {
         STRATA_REQUIRE(r->is_string(), "{}: {}'s \"reasoning_content\" is not a string (it is {})",
                        where, what, r->type_name());
@@ -165,10 +165,11 @@ std::vector<ChatMessage> parse_chat_record(const Json& record, ChatUse use,
   if (const auto sys = record.find("system"); sys != record.end() && !sys->is_null()) {
     STRATA_REQUIRE(sys->is_string(), "{}: \"system\" is not a string (it is {})", where,
                    sys->type_name());
-    STRATA_REQUIRE(out.empty() || out[0].role != "system",
-                   "{}: the record has a \"system\" and a system message: keep one", where);
-    if (!sys->get<std::string>().empty())
-      out.insert(out.begin(), ChatMessage{"system", sys->get<std::string>()});
+    const std::string& system = sys->get_ref<const std::string&>();
+    const bool has_one = !out.empty() && out[0].role == "system";
+    STRATA_REQUIRE(!has_one || out[0].content == system,
+                   "{}: the record's \"system\" and its system message differ: keep one", where);
+    if (!has_one && !system.empty()) out.insert(out.begin(), ChatMessage{"system", system});
   }
   if (use == ChatUse::kTraining)
     STRATA_REQUIRE(out.back().role == "assistant",
@@ -276,12 +277,13 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
     STRATA_REQUIRE(!has(src, "<|im_sep|>"),
                    "the chat template writes <|im_sep|> after the role (Phi-4's layout), not "
                    "ChatML's newline, which strata does not reproduce: pass --chat-format chatml "
-                   "to train on ChatML's layout instead");
-    STRATA_REQUIRE(!has(src, "content'] | trim") && !has(src, "content | trim") &&
-                       !has(src, "content.strip()") && !has(src, "content'].strip()"),
+                   "to use ChatML's layout instead");
+    STRATA_REQUIRE(!has(src, "message['content'] | trim") && !has(src, "message.content | trim") &&
+                       !has(src, "message['content'].strip()") &&
+                       !has(src, "message.content.strip()"),
                    "the chat template is ChatML with its messages trimmed, which strata does not "
                    "reproduce (it writes them as they are, as ChatML's templates do): pass "
-                   "--chat-format chatml to train on them untrimmed");
+                   "--chat-format chatml to use ChatML's layout, untrimmed");
     t.format = ChatFormat::kChatML;
     t.default_system = chatml_default_system(src);
     t.qwen3_thinking = has(src, "<think>");
@@ -289,10 +291,10 @@ ChatTemplate chat_template_from_jinja(std::string_view src) {
     return t;
   }
   if (has(src, "<|start_header_id|>")) {
-    STRATA_REQUIRE(has(src, "trim"),
+    STRATA_REQUIRE(has(src, "trim") || has(src, ".strip()"),
                    "the chat template has Llama 3's headers but does not trim the messages as "
-                   "Llama 3's does, which strata does: pass --chat-format llama3 to train on Llama "
-                   "3's layout");
+                   "Llama 3's does, which strata does: pass --chat-format llama3 to use Llama 3's "
+                   "layout");
     t.format = ChatFormat::kLlama3;
     t.always_generation_prompt = !has(src, "add_generation_prompt");
     if (has(src, "Cutting Knowledge Date: ")) {
@@ -428,9 +430,9 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& m, con
     b.text(m[i].role + "\n");
     std::string body = m[i].content;
     if (assistant && t.qwen3_thinking) {
-      std::string_view content = m[i].content, reasoning = m[i].reasoning;
+      std::string_view content = m[i].content, reasoning = m[i].reasoning.value_or("");
       const std::size_t close = content.find("</think>");
-      if (!m[i].reasoning.empty()) {
+      if (m[i].reasoning) {
         // "reasoning_content" given: the template takes it, and the content as it is.
       } else if (close != std::string_view::npos) {
         const std::string_view before = content.substr(0, close);

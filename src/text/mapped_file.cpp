@@ -51,7 +51,9 @@ extern "C" void on_bus_error(int sig, siginfo_t* info, void* context) {
              g_old.sa_handler != nullptr) {
     g_old.sa_handler(sig);
   } else {
+    // A fault re-runs and ends the process; a SIGBUS sent by kill ends it here.
     ::signal(sig, SIG_DFL);
+    ::raise(sig);
   }
 }
 

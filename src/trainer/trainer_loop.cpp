@@ -459,7 +459,8 @@ void write_log_line(Run& r, std::int64_t step, const nlohmann::json& j) {
       const int err = errno;
       jlog.reset();
       // No torn line at the end (a JSON reader refuses it): the log is its whole lines.
-      if (whole >= 0) (void)!::truncate(o.log_json.c_str(), off_t(whole));
+      if (whole >= 0 && !device_path(o.log_json))
+        (void)!::truncate(o.log_json.c_str(), off_t(whole));
       log::warn(
           "--log-json {}: the line of step {} could not be written ({}); the log stops here, the "
           "run goes on",

@@ -14,6 +14,7 @@
 #include "cpu/cpu_info.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/paths.h"
 #include "trainer/train_job.h"
 
 namespace strata::train_job {
@@ -125,13 +126,24 @@ void open_json_log(Run& r) {
   r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
   if (!*r.jlog)
     STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
-  *r.jlog << kept << std::flush;  // now: a run that dies before its first line keeps them
+  // Now: a run that dies before its first line keeps them. Line by line, so that a full drive
+  // leaves whole lines only.
+  std::streamoff whole = 0;
+  {
+    std::istringstream lines(kept);
+    for (std::string line; *r.jlog && std::getline(lines, line);) {
+      *r.jlog << line << '\n' << std::flush;
+      if (*r.jlog) whole = r.jlog->tellp();
+    }
+  }
   if (!*r.jlog) {  // a full drive: as a step's line that cannot be written, the run goes on
+    const int err = errno;
+    r.jlog.reset();
+    if (!device_path(o.log_json)) (void)!::truncate(o.log_json.c_str(), off_t(whole));
     log::warn(
         "--log-json {}: the lines up to the resumed step {} could not be written ({}); the "
         "log stops here, the run goes on",
-        o.log_json, r.start_step, std::strerror(errno));
-    r.jlog.reset();
+        o.log_json, r.start_step, std::strerror(err));
   }
   // --plot draws the resumed run's steps too: the lines kept are its steps up to the checkpoint.
   if (!o.plot_file.empty()) {

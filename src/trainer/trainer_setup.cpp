@@ -989,7 +989,7 @@ void data_and_steps(Settings& s) {
   STRATA_REQUIRE(!s.demo_data || s.demo_model || s.mcfg.vocab_size <= 256 || o.plan_only,
                  "no --data or --text: with no data of yours a model trains on the demo's "
                  "generated text, read byte by byte (ids 0-255), and this model's vocab_size is "
-                 "{}: give its data with --data FILE (a .txt or .jsonl is prepared with the "
+                 "{}: give its data with --data FILE (a .txt or .jsonl is prepared with a "
                  "--model folder's tokenizer; a .prep from strata-prep) or --text FILE",
                  s.mcfg.vocab_size);
   if (s.demo_data) {
