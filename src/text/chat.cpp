@@ -430,7 +430,8 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& m, con
     b.text(m[i].role + "\n");
     std::string body = m[i].content;
     if (assistant && t.qwen3_thinking) {
-      std::string_view content = m[i].content, reasoning = m[i].reasoning.value_or("");
+      std::string_view content = m[i].content;
+      std::string_view reasoning = m[i].reasoning ? std::string_view(*m[i].reasoning) : "";
       const std::size_t close = content.find("</think>");
       if (m[i].reasoning) {
         // "reasoning_content" given: the template takes it, and the content as it is.
