@@ -183,7 +183,8 @@ bool out_dir_free(const std::string& out) {
 }
 
 // The settings every rank must share (require_same_settings), with their names.
-std::vector<SharedSetting> shared_settings(const Settings& s) {
+// `data`: the identity of the training files (data_identity; unread for the demo's text).
+std::vector<SharedSetting> shared_settings(const Settings& s, const DataIdentity& data) {
   // The model's shape whole (heads, rope, vocabulary...): the first 52 bits of its config hash, a
   // double exactly.
   const double model_hash =
@@ -199,10 +200,9 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
     }
     return double(XXH3_64bits(all.data(), all.size()) >> 12);
   };
-  const auto bytes_hash = [](const std::vector<std::string>& files) {
-    const DataIdentity id = data_identity(files);
+  const auto bytes_hash = [](const DataIdentity& id) {
     std::string all;
-    for (std::size_t i = 0; i < files.size(); ++i)
+    for (std::size_t i = 0; i < id.bytes.size(); ++i)
       all += fmt::format("{} {}\n", id.bytes[i], id.samples[i]);
     return double(XXH3_64bits(all.data(), all.size()) >> 12);
   };
@@ -256,8 +256,8 @@ std::vector<SharedSetting> shared_settings(const Settings& s) {
           // By their bytes (data_identity), not paths: strata-prof's validation ranks read copies.
           // (The demo's text is rank 0's to write, the same on every rank, and not yet there.)
           {"the data files (--data / --text: the same bytes, in the same order)",
-           s.demo_data ? 0.0 : bytes_hash(s.dopt.files), true},
-          {"the --eval-data files", bytes_hash(s.eval_files), true},
+           s.demo_data ? 0.0 : bytes_hash(data), true},
+          {"the --eval-data files", bytes_hash(data_identity(s.eval_files)), true},
           {"the checkpoint folders (--checkpoint-dir, else --out's checkpoints/)",
            paths_hash({s.o.save_every > 0 ? s.ckpt_root : std::string()}), true},
           {"the --out folders", paths_hash({s.o.out_dir}), true}};
@@ -1233,7 +1233,10 @@ void open_device(Run& r) {
   STRATA_CHECK(comm->rank() == rank && comm->world_size() == world,
                "the communicator disagrees with the launcher");
   agree_on_resume(r);
-  require_same_settings(shared_settings(s), *comm, *dev);
+  // The data's identity, taken once: the user's files before the ranks compare them (the loader
+  // opens them next), the demo's text once rank 0 has written it.
+  if (!s.demo_data) r.data_identity = data_identity(s.dopt.files);
+  if (world > 1) require_same_settings(shared_settings(s, r.data_identity), *comm, *dev);
   // TP groups of consecutive ranks on one node (refused otherwise, on every rank alike).
   if (s.tp > 1) r.groups = make_process_groups(*comm, s.tp);
   if (s.demo_data && world > 1) {  // rank 0 wrote the text
@@ -1244,7 +1247,7 @@ void open_device(Run& r) {
   // The loaders' warnings are the data's, the same on every rank: said once.
   const log::Quiet quiet(log::Level::kError, r.s.rank > 0);
   r.loader = std::make_unique<TokenLoader>(r.s.dopt);
-  r.data_identity = data_identity(r.s.dopt.files);
+  if (s.demo_data) r.data_identity = data_identity(s.dopt.files);
   if (!o.eval_files.empty()) {  // read whole, in order
     DataOptions e = r.s.dopt;
     e.files = r.s.eval_files;
@@ -1408,9 +1411,8 @@ void resume_from_checkpoint(Run& r) {
       };
       const nlohmann::json then_bytes = d.value("file_bytes", nlohmann::json()),
                            then_samples = d.value("file_samples", nlohmann::json());
-      const DataIdentity now = data_identity(dopt.files);
-      const std::vector<std::int64_t>& now_bytes = now.bytes;
-      const std::vector<std::string>& now_samples = now.samples;
+      const std::vector<std::int64_t>& now_bytes = r.data_identity.bytes;
+      const std::vector<std::string>& now_samples = r.data_identity.samples;
       const bool same_paths = !d.contains("files") || canon(d["files"]) == canon(dopt.files);
       const bool recorded = then_bytes.is_array() && then_samples.is_array() &&
                             then_bytes.size() == now_bytes.size() &&
