@@ -1,20 +1,28 @@
-// Core: errors, dtype conversions, logging levels, the tracer, the allocators' placement rule.
+// Core: errors, dtype conversions, logging levels, the tracer, the allocators' placement rule, the
+// tables signal handlers read.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 
+#include "core/interrupt_files.h"
 #include "core/range_pool.h"
+#include "core/signal_slots.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/trace.h"
+#include "test_util.h"
 
 namespace strata {
 namespace {
@@ -330,6 +338,77 @@ TEST(RangePool, SegmentsNeverMergeAndWhollyFreeOnesAreTakenBack) {
   EXPECT_EQ(pool.take_free_segments().size(), 1u);
   EXPECT_EQ(pool.segments(), 0u);
   EXPECT_EQ(pool.alloc(1), detail::RangePool::kNone);
+}
+
+// The table a signal handler reads: each publish takes its own slot until none is left; a path too
+// long for a slot is refused (a file to unlink) or cut (one only shown); a freed slot is taken
+// again; find names a slot by its range's start.
+TEST(SignalSlots, PublishesUntilFullAndRefusesOrCutsLongPaths) {
+  auto slots = std::make_unique<core::SignalSlots<4, 8>>();
+  std::vector<int> taken;
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&, i] {
+      const int slot =
+          slots->publish("f" + std::to_string(i),
+                         {std::uintptr_t(100 * (i + 1)), std::uintptr_t(100 * (i + 1) + 50)});
+      std::lock_guard<std::mutex> lock(mu);
+      taken.push_back(slot);
+    });
+  for (auto& t : threads) t.join();
+  std::sort(taken.begin(), taken.end());
+  EXPECT_EQ(taken, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(slots->publish("late"), -1);  // full
+  std::set<std::string> seen;
+  slots->for_each_published([&](const char* path, auto range) {
+    seen.insert(path);
+    EXPECT_EQ(range.end - range.begin, 50u);
+    return true;
+  });
+  EXPECT_EQ(seen, (std::set<std::string>{"f0", "f1", "f2", "f3"}));
+  const int at300 = slots->find(300);
+  ASSERT_GE(at300, 0);
+  EXPECT_EQ(slots->find(301), -1);
+  slots->unpublish(at300);
+  EXPECT_EQ(slots->find(300), -1);
+  EXPECT_EQ(slots->publish("12345678"), -1);  // 8 bytes and its NUL do not fit
+  const int cut = slots->publish("12345678", {}, /*cut_long=*/true);
+  EXPECT_EQ(cut, at300);  // the freed slot
+  int visited = 0;
+  std::string cut_path;
+  slots->for_each_published([&](const char* path, auto) {
+    ++visited;
+    if (std::strlen(path) == 7) cut_path = path;
+    return false;  // stops at the first
+  });
+  EXPECT_EQ(visited, 1);
+  slots->for_each_published([&](const char* path, auto) {
+    if (std::string(path).size() == 7) cut_path = path;
+    return true;
+  });
+  EXPECT_EQ(cut_path, "1234567");
+  slots->unpublish(-1);  // nothing
+  slots->unpublish(4);   // out of range: nothing
+}
+
+// A registered file goes when the process is interrupted (what the signal handler calls); a
+// forgotten one stays.
+TEST(InterruptFiles, RegisteredFilesAreRemovedAndForgottenOnesKept) {
+  const testing::TempDir dir;
+  const std::string kept = dir.path + "/kept.tmp", gone = dir.path + "/gone.tmp";
+  std::ofstream(kept) << "k";
+  std::ofstream(gone) << "g";
+  const int k = core::remove_file_on_interrupt(kept), g = core::remove_file_on_interrupt(gone);
+  ASSERT_GE(k, 0);
+  ASSERT_GE(g, 0);
+  EXPECT_NE(k, g);
+  core::forget_interrupt_file(k);
+  core::remove_interrupt_files();
+  core::forget_interrupt_file(g);
+  EXPECT_TRUE(std::filesystem::exists(kept));
+  EXPECT_FALSE(std::filesystem::exists(gone));
+  EXPECT_EQ(core::remove_file_on_interrupt(std::string(5000, 'x')), -1);  // too long to unlink
 }
 
 }  // namespace

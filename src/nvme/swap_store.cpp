@@ -33,6 +33,7 @@
 
 #include "core/interrupt_files.h"
 #include "core/process.h"
+#include "core/signal_slots.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
@@ -66,17 +67,11 @@ void require_writable(const std::string& key, const std::string& p) {
                  key, p, std::strerror(errno));
 }
 
-// The swap files of the live stores, for remove_swap_files_on_interrupt(): fixed slots the
-// signal handler can read without taking a lock or allocating (it only calls unlink, which is
-// async-signal-safe). A slot is claimed, filled, then published; unpublished before it is
-// reused.
-constexpr int kSwapSlots = 128;
+// The swap files of the live stores, for remove_swap_files_on_interrupt() (the handler only calls
+// unlink and rmdir, which are async-signal-safe). A file whose path does not fit is left to the
+// next run's clean-up.
 constexpr std::size_t kSwapPathMax = 4096;
-struct SwapSlot {
-  std::atomic<bool> claimed{false}, published{false};
-  char path[kSwapPathMax];
-};
-SwapSlot g_swap_slots[kSwapSlots];
+core::SignalSlots<128, kSwapPathMax> g_swap_files;
 
 // The strata-swap directories (and ranks) this process's stores hold.
 struct HeldDir {
@@ -89,26 +84,6 @@ struct HeldDir {
 std::mutex g_held_mu;
 std::vector<HeldDir> g_held;
 
-// The slot now holding `path`, or -1 when every slot is taken or the path is too long (the file
-// is then left to the next run's clean-up, as before).
-int publish_swap_file(const std::string& path) {
-  if (path.size() >= kSwapPathMax) return -1;
-  for (int i = 0; i < kSwapSlots; ++i) {
-    bool expected = false;
-    if (!g_swap_slots[i].claimed.compare_exchange_strong(expected, true)) continue;
-    std::memcpy(g_swap_slots[i].path, path.c_str(), path.size() + 1);
-    g_swap_slots[i].published.store(true);
-    return i;
-  }
-  return -1;
-}
-
-void unpublish_swap_file(int slot) {
-  if (slot < 0) return;
-  g_swap_slots[slot].published.store(false);
-  g_swap_slots[slot].claimed.store(false);
-}
-
 // set_interrupt_note's text: written into the buffer not being shown, then made the shown one.
 constexpr std::size_t kNoteMax = 1024;
 char g_notes[2][kNoteMax];
@@ -116,15 +91,14 @@ std::atomic<int> g_note{-1};
 
 // Async-signal-safe only (unlink, rmdir, the string functions POSIX lists).
 void remove_published_swap_files() noexcept {
-  for (SwapSlot& slot : g_swap_slots) {
-    if (!slot.published.load()) continue;
-    ::unlink(slot.path);
+  g_swap_files.for_each_published([](const char* path, auto) {
+    ::unlink(path);
     // And what the store made around it, as a clean exit removes it: <top>/rank<N>/ (now empty),
     // <top>/rank<N>.lock, then <top> itself if no other rank's files are in it.
     char dir[kSwapPathMax];
-    std::strcpy(dir, slot.path);
+    std::strcpy(dir, path);
     char* cut = std::strrchr(dir, '/');
-    if (cut == nullptr) continue;
+    if (cut == nullptr) return true;
     *cut = '\0';
     ::rmdir(dir);
     const std::size_t n = std::strlen(dir);
@@ -137,7 +111,8 @@ void remove_published_swap_files() noexcept {
       *cut = '\0';
       ::rmdir(dir);
     }
-  }
+    return true;
+  });
 }
 
 // Async-signal-safe only (write, and the above).
@@ -207,7 +182,7 @@ struct SwapStore::Impl {
     std::string path;
     int fd = -1;
     std::size_t size = 0;
-    int slot = -1;  // its publish_swap_file slot
+    int slot = -1;  // its g_swap_files slot
   };
   struct Extent {
     std::uint64_t offset = 0;  // logical
@@ -333,7 +308,7 @@ struct SwapStore::Impl {
     own_engine.reset();
     std::error_code ec;
     for (auto& f : files) {
-      unpublish_swap_file(f.slot);
+      g_swap_files.unpublish(f.slot);
       ::close(f.fd);
       fs::remove(f.path, ec);
     }
@@ -520,7 +495,7 @@ SwapStore::SwapStore(const SwapStoreOptions& opts, IoEngine* engine)
     f.path = (dir / "stripe.bin").string();
     bool direct = false;
     f.fd = open_for_io(f.path, O_RDWR | O_CREAT | O_TRUNC, opts.aio.direct, &direct);
-    f.slot = publish_swap_file(f.path);
+    f.slot = g_swap_files.publish(f.path);
     s.direct = s.files.empty() ? direct : (s.direct && direct);
     s.files.push_back(f);
   }

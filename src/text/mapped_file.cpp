@@ -5,26 +5,19 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
 
+#include "core/signal_slots.h"
 #include "strata/error.h"
 
 namespace strata::text {
 namespace {
 
-// The live mappings. A slot is claimed, filled, then published; unpublished before the pages go.
-// More mappings than slots are made all the same, only not named by the handler.
-constexpr int kSlots = 1024;
-constexpr std::size_t kPathMax = 1024;
-struct Slot {
-  std::atomic<bool> claimed{false}, published{false};
-  std::atomic<std::uintptr_t> begin{0}, end{0};
-  char path[kPathMax];
-};
-Slot g_slots[kSlots];
+// The live mappings. More mappings than slots are made all the same, only not named by the
+// handler.
+core::SignalSlots<1024, 1024> g_maps;
 struct sigaction g_old {};  // the handler replaced, written once before ours is installed
 std::once_flag g_install;
 
@@ -32,17 +25,17 @@ void write_str(const char* s) { (void)!::write(2, s, std::strlen(s)); }
 
 extern "C" void on_bus_error(int sig, siginfo_t* info, void* context) {
   const auto at = reinterpret_cast<std::uintptr_t>(info ? info->si_addr : nullptr);
-  for (const Slot& slot : g_slots) {
-    if (!slot.published.load() || at < slot.begin.load() || at >= slot.end.load()) continue;
+  g_maps.for_each_published([at](const char* path, auto range) {
+    if (at < range.begin || at >= range.end) return true;
     write_str("\nstrata: ");
-    write_str(slot.path);
+    write_str(path);
     write_str(
         " became shorter while it was read (truncated or written over in place during the run; "
         "`cp` onto it does that): the run cannot go on. Put the file back as it was and "
         "--resume from the newest checkpoint; to change the data of a run, write the new file "
         "under another name and `mv` it into place (a rename leaves the open file whole)\n");
-    break;
-  }
+    return false;
+  });
   // The handler before ours (strata-train's removes the swap files and ends the process by the
   // signal), else the default: returning re-runs the faulting read, which then ends the process.
   if ((g_old.sa_flags & SA_SIGINFO) && g_old.sa_sigaction != nullptr) {
@@ -65,20 +58,6 @@ void install_handler() {
   ::sigaction(SIGBUS, &sa, &g_old);
 }
 
-void publish(const std::uint8_t* base, std::size_t size, const std::string& path) {
-  for (Slot& slot : g_slots) {
-    bool expected = false;
-    if (!slot.claimed.compare_exchange_strong(expected, true)) continue;
-    const std::size_t n = std::min(path.size(), kPathMax - 1);
-    std::memcpy(slot.path, path.data(), n);
-    slot.path[n] = '\0';
-    slot.begin.store(reinterpret_cast<std::uintptr_t>(base));
-    slot.end.store(reinterpret_cast<std::uintptr_t>(base) + size);
-    slot.published.store(true);
-    return;
-  }
-}
-
 }  // namespace
 
 const std::uint8_t* map_data_file(int fd, std::size_t size, const std::string& path) {
@@ -87,19 +66,14 @@ const std::uint8_t* map_data_file(int fd, std::size_t size, const std::string& p
   if (p == MAP_FAILED)
     detail::throw_errno(__FILE__, __LINE__, "mmap", errno, fmt::format("cannot map {}", path));
   const auto* base = static_cast<const std::uint8_t*>(p);
-  publish(base, size, path);
+  const auto b = reinterpret_cast<std::uintptr_t>(base);
+  g_maps.publish(path, {b, b + size}, /*cut_long=*/true);
   return base;
 }
 
 void unmap_data_file(const std::uint8_t* base, std::size_t size) noexcept {
   if (base == nullptr) return;
-  const auto b = reinterpret_cast<std::uintptr_t>(base);
-  for (Slot& slot : g_slots)
-    if (slot.published.load() && slot.begin.load() == b) {
-      slot.published.store(false);
-      slot.claimed.store(false);
-      break;
-    }
+  g_maps.unpublish(g_maps.find(reinterpret_cast<std::uintptr_t>(base)));
   ::munmap(const_cast<std::uint8_t*>(base), size);
 }
 
