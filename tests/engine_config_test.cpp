@@ -645,6 +645,54 @@ TEST(EngineConfig, DeepSpeedAliasesAreReadAndUnusedKeysOnlyWarn) {
       7u);
 }
 
+// Nesting deeper than kMaxJsonDepth is refused before anything walks it (a copy or dump() of a
+// value 100k deep overflowed the stack: a segfault on a damaged file); a key twice is named with
+// the keys to its object, arrays between them too; an object of 300k keys parses (the check was
+// quadratic in them: minutes).
+TEST(JsonParse, DepthIsBoundedDuplicatesNamedAndManyKeysRead) {
+  const auto nested = [](int depth) {
+    return std::string(std::size_t(depth), '[') + std::string(std::size_t(depth), ']');
+  };
+  const int max = config::kMaxJsonDepth;
+  EXPECT_NO_THROW(config::parse(nested(max), "ok.json"));
+  EXPECT_TRUE(config::try_parse(nested(max)).has_value());
+  // Brackets inside strings are not nesting.
+  EXPECT_NO_THROW(config::parse("{\"a\": \"" + std::string(5000, '[') + "\\\"\"}", "s.json"));
+  for (bool last_wins : {false, true}) {
+    try {
+      config::parse("{\"x\": " + nested(100000) + "}", "deep.json", last_wins);
+      ADD_FAILURE() << "100000 levels were parsed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(e.message().find(fmt::format("deep.json: arrays and objects nested more than {} "
+                                             "deep",
+                                             max)),
+                std::string::npos)
+          << e.message();
+    }
+  }
+  EXPECT_FALSE(config::try_parse(nested(max + 1)).has_value());
+  EXPECT_FALSE(config::try_parse("{oops").has_value());
+  EXPECT_TRUE(config::nested_too_deep(nested(max + 1)));
+  EXPECT_FALSE(config::nested_too_deep(nested(max)));
+  try {
+    config::parse(R"({"a": [{"x": 1}, {"b": {"y": 1, "y": 2}}]})", "dup.json");
+    ADD_FAILURE() << "a key twice was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("dup.json: the key 'y' is given twice in a.b: keep one"),
+              std::string::npos)
+        << e.message();
+  }
+  EXPECT_EQ(config::parse(R"({"y": 1, "y": 2})", "last.json", /*duplicates_last_wins=*/true)["y"],
+            2);
+  std::string many = "{";
+  for (int i = 0; i < 300000; ++i) many += fmt::format("{}\"t{}\": [{}]", i ? "," : "", i, i);
+  many += "}";
+  const config::Json j = config::parse(many, "many.json");
+  EXPECT_EQ(j.size(), 300000u);
+  EXPECT_EQ(j["t299999"][0], 299999);
+}
+
 TEST(EngineConfig, NearMissFindsTyposOnly) {
   EXPECT_EQ(config::near_miss("queue_dpeth", {"block_size", "queue_depth"}),
             "queue_depth");  // swapped letters

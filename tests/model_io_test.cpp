@@ -2,6 +2,7 @@
 #include "strata/model_io.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -472,6 +473,18 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
       R"({"a": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}, "a": {"dtype": "F32", "shape": [32], "data_offsets": [128, 256]}})");
   expect_error([&] { load_hf_weights(dir.string(), b); },
                {file, "the safetensors header", "the key 'a' is given twice"});
+  // A shape nested 100k deep: a segfault when its message dumped it.
+  hostile(R"({"a": {"dtype": "F32", "shape": [32, )" + std::string(100000, '[') +
+          std::string(100000, ']') + R"(], "data_offsets": [0, 128]}})");
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {file, "the safetensors header", "nested more than 512 deep"});
+  // A folder, or a pipe (the open waited for a writer), where the weights belong.
+  fs::remove(file);
+  fs::create_directory(file);
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "is a folder"});
+  fs::remove(file);
+  ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+  expect_error([&] { load_hf_weights(dir.string(), b); }, {file, "not a regular file"});
   fs::remove(file);
   expect_error([&] { load_hf_weights(dir.string(), b); }, {dir.string(), "model.safetensors"});
 
@@ -487,6 +500,11 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
   expect_error([&] { load_hf_weights(dir.string(), b); },
                {"model.safetensors.index.json", "non-empty", "weight_map"});
+  // A folder by the index's name (a raw "basic_filebuf::underflow error" named no file).
+  fs::remove(dir / "model.safetensors.index.json");
+  fs::create_directory(dir / "model.safetensors.index.json");
+  expect_error([&] { load_hf_weights(dir.string(), b); },
+               {"model.safetensors.index.json is a folder"});
   fs::remove_all(dir);
 }
 

@@ -292,6 +292,19 @@ TEST(CheckpointManifest, ANodeLocalFolderVerifiesWithItsOwnRanksFiles) {
                 testing::host_name() + ") (node host-b wrote it)");
 }
 
+// A manifest nesting a value 100k deep (a damaged file) is a damaged checkpoint, skipped by
+// --resume with the others: hashing it (a dump) overflowed the stack.
+TEST(CheckpointManifest, ADeeplyNestedManifestIsDamaged) {
+  TempDir d;
+  const std::string step = d.path + "/step-4";
+  fs::create_directories(step);
+  std::ofstream(step + "/manifest.json")
+      << R"({"format": "strata-checkpoint", "version": 2, "step": 4, "x": )" +
+             std::string(100000, '[') + std::string(100000, ']') + "}";
+  EXPECT_EQ(verify_checkpoint(step),
+            "manifest.json nests arrays and objects more than 512 deep (damaged)");
+}
+
 // ---- the strata-train binary ----
 
 struct Proc {

@@ -94,11 +94,7 @@ inline nlohmann::json read_json_file(const std::string& path) {
   STRATA_REQUIRE(bool(f), "{} cannot be read: {}", path, std::strerror(errno));
   std::stringstream ss;
   ss << f.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const std::exception& e) {
-    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", path, e.what());
-  }
+  return strata::config::parse(ss.str(), path, /*duplicates_last_wins=*/true);
 }
 
 // Set by a tool whose every rank starts MPI (strata-train, strata-prof): a rank that fails before

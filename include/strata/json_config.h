@@ -6,6 +6,7 @@
 
 #include <initializer_list>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,11 +15,24 @@ namespace strata::config {
 
 using Json = nlohmann::json;
 
+// Arrays and objects nested deeper than this are refused by parse (try_parse: nullopt): walking
+// them (a copy, dump()) would overflow the stack.
+inline constexpr int kMaxJsonDepth = 512;
+
 // Parses JSON text; `what` names its source ("ds_config.json") in the error (kInvalidArgument,
 // with the line and column). A key given twice in one object is refused, naming it and where, as
 // DeepSpeed refuses it in a ds_config; with `duplicates_last_wins` the last one is taken, as
-// Python's json (and so Hugging Face) reads a model's config.json.
+// Python's json (and so Hugging Face) reads a model's config.json. Every file strata reads is
+// parsed here (or by try_parse).
 Json parse(std::string_view text, std::string_view what, bool duplicates_last_wins = false);
+
+// Whether `text` nests arrays and objects deeper than kMaxJsonDepth (for a reader with its own
+// message; parse and try_parse check it).
+bool nested_too_deep(std::string_view text);
+
+// The value of `text`, or nullopt where it is not JSON or nests deeper than kMaxJsonDepth (a
+// line of a log read as far as it is whole). A key given twice: the last wins.
+std::optional<Json> try_parse(std::string_view text);
 
 // The key of `known` at most one edit (keys under 8 characters) or two (longer) away from
 // `key`, case and '-' / '_' aside; empty when none is, or `key` is under 5 characters.

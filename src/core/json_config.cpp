@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <unordered_set>
 #include <vector>
 
 #include "strata/error.h"
@@ -12,57 +14,120 @@
 
 namespace strata::config {
 
-Json parse(std::string_view text, std::string_view what, bool duplicates_last_wins) {
-  if (duplicates_last_wins) {
-    try {
-      return Json::parse(text.begin(), text.end());
-    } catch (const Json::exception& e) {  // a syntax error; a number too large for a double
-      STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
+namespace {
+
+// The deepest nesting of arrays and objects in `text` (strings skipped), counted up to `limit` + 1.
+int nesting_depth(std::string_view text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) break;
+    } else if (c == ']' || c == '}') {
+      --depth;
     }
   }
-  // A key twice in one object: the last would win without a word (DeepSpeed refuses it too).
-  // The keys of each open object, and the path to it, for the message.
-  std::vector<std::vector<std::string>> keys;
-  std::vector<std::string> path;
-  std::string last_key;
-  const auto where = [&] {
-    std::string p;
-    for (const std::string& k : path) p += (p.empty() ? "" : ".") + k;
-    return p;
-  };
-  const Json::parser_callback_t unique = [&](int, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-        if (!keys.empty()) path.push_back(last_key);
-        keys.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-        keys.pop_back();
-        if (!path.empty() && !keys.empty()) path.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        last_key = parsed.get<std::string>();
-        auto& seen = keys.back();
-        if (std::find(seen.begin(), seen.end(), last_key) != seen.end()) {
-          const std::string in = where();
-          STRATA_THROW(kInvalidArgument,
-                       "{}: the key '{}' is given twice{}{}: keep one (the values would be "
-                       "merged by no rule)",
-                       what, last_key, in.empty() ? "" : " in ", in);
-        }
-        seen.push_back(last_key);
-        break;
-      }
-      default:
-        break;
-    }
+  return deepest;
+}
+
+// A pass over the text that refuses a key given twice in one object, naming it and the keys that
+// lead to its object. (nlohmann's callback parser, which could do it while building, walks an
+// object's members at the end of each object inside it: a safetensors header of 300k tensors took
+// minutes.)
+class UniqueKeys : public nlohmann::json_sax<Json> {
+ public:
+  explicit UniqueKeys(std::string_view what) : what_(what) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    frames_.push_back(Frame{true, {}, {}});
     return true;
+  }
+  bool key(string_t& key) override {
+    Frame& f = frames_.back();
+    if (!f.keys.insert(key).second) {
+      std::string in;
+      for (std::size_t i = 0; i + 1 < frames_.size(); ++i)
+        if (frames_[i].object) in += (in.empty() ? "" : ".") + frames_[i].key;
+      STRATA_THROW(kInvalidArgument,
+                   "{}: the key '{}' is given twice{}{}: keep one (the values would be merged "
+                   "by no rule)",
+                   what_, key, in.empty() ? "" : " in ", in);
+    }
+    f.key = key;
+    return true;
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    frames_.push_back(Frame{false, {}, {}});
+    return true;
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return true;
+  }
+  // The parse that builds the value reports it, with the place.
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;
+  }
+
+ private:
+  struct Frame {
+    bool object;
+    std::unordered_set<std::string> keys;
+    std::string key;  // the key being read (objects)
   };
+  std::string_view what_;
+  std::vector<Frame> frames_;
+};
+
+}  // namespace
+
+bool nested_too_deep(std::string_view text) {
+  return nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth;
+}
+
+Json parse(std::string_view text, std::string_view what, bool duplicates_last_wins) {
+  // Deeper values would overflow the stack of whatever walks them (a copy, dump(), a recursive
+  // reader): no file strata reads comes near.
+  STRATA_REQUIRE(!nested_too_deep(text),
+                 "{}: arrays and objects nested more than {} deep: no file strata reads needs "
+                 "that; the file is damaged or not the one meant",
+                 what, kMaxJsonDepth);
   try {
-    return Json::parse(text.begin(), text.end(), unique);
+    if (!duplicates_last_wins) {
+      UniqueKeys unique(what);
+      (void)Json::sax_parse(text.begin(), text.end(), &unique);
+    }
+    return Json::parse(text.begin(), text.end());
   } catch (const Json::exception& e) {  // a syntax error; a number too large for a double
     STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
   }
+}
+
+std::optional<Json> try_parse(std::string_view text) {
+  if (nested_too_deep(text)) return std::nullopt;
+  Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return std::nullopt;
+  return j;
 }
 
 static const char* type_name(const Json& j) { return j.type_name(); }

@@ -15,6 +15,7 @@
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model.h"
+#include "strata/paths.h"
 
 namespace strata {
 
@@ -28,6 +29,8 @@ constexpr std::int64_t kMaxWidth = std::int64_t(1) << 24, kMaxLayers = std::int6
                        kMaxParams = std::int64_t(1) << 48;
 
 std::string read_text(const std::string& path) {
+  // A folder or a pipe named config.json is said (a pipe would block the read).
+  require_input_file("", path);
   std::ifstream f(path, std::ios::binary);
   if (!f)
     detail::throw_errno(__FILE__, __LINE__, "open", errno,

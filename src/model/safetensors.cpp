@@ -16,12 +16,14 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/json_config.h"
 #include "core/write_fd.h"
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
+#include "strata/paths.h"
 
 namespace strata {
 namespace fs = std::filesystem;
@@ -73,7 +75,8 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: a pipe named like a weights file is refused below, not waited on.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     detail::throw_errno(__FILE__, __LINE__, "open", errno, fmt::format("cannot open {}", path));
   struct stat st {};
@@ -81,6 +84,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const int err = errno;
     ::close(fd);
     detail::throw_errno(__FILE__, __LINE__, "fstat", err, fmt::format("cannot stat {}", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    STRATA_THROW(kInvalidArgument, "{} is {}, not a safetensors file: give the model's weights",
+                 path,
+                 S_ISDIR(st.st_mode) ? "a folder" : "not a regular file (a device or a pipe)");
   }
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ < 8) {
@@ -308,13 +317,15 @@ HfWeightsReader::HfWeightsReader(const std::string& dir, const ModelConfig& cfg)
   // model.safetensors first, as transformers takes it: an index beside it is an older sharded
   // save's (commit_hf_files removes it; a folder copied over another may still hold one).
   if (!fs::exists(d / "model.safetensors") && fs::exists(index)) {
-    std::ifstream in(index);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-      STRATA_THROW(kInvalidArgument, "{}: not valid JSON: {}", index.string(), e.what());
-    }
+    require_input_file("", index.string());
+    std::ifstream in(index, std::ios::binary);
+    if (!in)
+      detail::throw_errno(__FILE__, __LINE__, "open", errno,
+                          fmt::format("cannot read {}", index.string()));
+    std::stringstream text;
+    text << in.rdbuf();
+    const nlohmann::json j =
+        config::parse(text.str(), index.string(), /*duplicates_last_wins=*/true);
     STRATA_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object() &&
                        !j["weight_map"].empty(),
                    "{}: needs a non-empty object 'weight_map' (tensor name -> shard file)",

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "scheduler/engine_impl.h"
+#include "strata/json_config.h"
 
 namespace strata {
 namespace {
@@ -296,12 +297,8 @@ void Engine::load_state(const std::string& dir) {
     if (!f) return nlohmann::json();
     std::stringstream ss;
     ss << f.rdbuf();
-    try {
-      return nlohmann::json::parse(ss.str());
-    } catch (const std::exception& e) {
-      STRATA_THROW(kInvalidArgument, "checkpoint {}: {} is not valid JSON: {}", dir, path,
-                   e.what());
-    }
+    return config::parse(ss.str(), fmt::format("checkpoint {}: {}", dir, path),
+                         /*duplicates_last_wins=*/true);
   };
   // How many ranks wrote the checkpoint, whatever this run's world size: this rank's own file
   // says (all a same-world resume reads: a node-local checkpoint's folder holds only its node's

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "strata/error.h"
+#include "strata/json_config.h"
 
 namespace strata {
 
@@ -348,19 +349,15 @@ ChatTemplate chat_template_from_folder(const std::filesystem::path& dir) {
   const auto cfg_path = dir / "tokenizer_config.json";
   std::string src;
   if (std::filesystem::exists(cfg_path, ec)) {
-    Json cfg;
-    try {
-      cfg = Json::parse(slurp(cfg_path));
-    } catch (const Json::exception& e) {
-      STRATA_REQUIRE(false, "{}: not JSON ({})", cfg_path.string(), e.what());
-    }
+    const Json cfg =
+        config::parse(slurp(cfg_path), cfg_path.string(), /*duplicates_last_wins=*/true);
     if (cfg.is_object() && cfg.contains("chat_template")) {
       const Json& ct = cfg["chat_template"];
       if (ct.is_string()) src = ct.get<std::string>();
       if (ct.is_array())
         for (const Json& e : ct)
-          if (e.is_object() && e.value("name", "") == "default" && e.contains("template") &&
-              e["template"].is_string())
+          if (e.is_object() && e.contains("name") && e["name"] == "default" &&
+              e.contains("template") && e["template"].is_string())
             src = e["template"].get<std::string>();
     }
   }

@@ -38,6 +38,7 @@
 #include "core/write_fd.h"
 #include "strata/chat.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
 #include "strata/log.h"
 #include "text/mapped_file.h"
 
@@ -240,6 +241,10 @@ Record parse_record(const RawDoc& r, const CorpusOptions& o) {
   // where is "file:line": the UTF-8 check names the line.
   const std::size_t colon = r.where.rfind(':');
   require_utf8(r.text, r.where.substr(0, colon), std::stoul(r.where.substr(colon + 1)));
+  STRATA_REQUIRE(!config::nested_too_deep(r.text),
+                 "{}: a record that nests arrays and objects more than {} deep: no chat or text "
+                 "record does; the line is damaged or not a record",
+                 r.where, config::kMaxJsonDepth);
   Json j;
   try {
     j = Json::parse(r.text);
@@ -495,7 +500,7 @@ std::string tokenizer_hash(const fs::path& dir, const Tokenizer& tok) {
   // A Llama-class tokenizer.json takes add_eos_token too (Hugging Face's LlamaTokenizerFast
   // rebuilds its template; add_bos_token is in adds_bos above).
   if (fs::exists(config)) {
-    const Json c = Json::parse(slurp(config.string(), "tokenizer config"), nullptr, false);
+    const Json c = config::try_parse(slurp(config.string(), "tokenizer config")).value_or(Json());
     const auto is = [&](const char* key, bool v) {
       return c.is_object() && c.contains(key) && c[key].is_boolean() && c[key].get<bool>() == v;
     };

@@ -37,6 +37,8 @@
 
 #include "core/utf8.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
+#include "strata/paths.h"
 
 namespace strata {
 namespace {
@@ -1248,6 +1250,10 @@ namespace {
 // tokenizer_config.json's text (may be empty: a null Json), read for the tokenizer `origin`.
 Json parse_config_json(std::string_view text, const std::string& origin) {
   if (text.empty()) return Json();
+  STRATA_REQUIRE(!config::nested_too_deep(text),
+                 "{}: tokenizer_config.json nests arrays and objects more than {} deep; fix or "
+                 "remove the file",
+                 origin, config::kMaxJsonDepth);
   try {
     return Json::parse(text);
   } catch (const Json::exception& e) {
@@ -1263,6 +1269,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   auto impl = std::make_shared<Impl>();
   impl->origin = std::move(origin);
   Json tj, cj;
+  if (config::nested_too_deep(tokenizer_json))
+    impl->malformed(
+        fmt::format("arrays and objects nested more than {} deep", config::kMaxJsonDepth));
   try {
     tj = Json::parse(tokenizer_json);
   } catch (const Json::exception& e) {
@@ -1290,6 +1299,7 @@ std::filesystem::path Tokenizer::file_in(const std::filesystem::path& dir) {
 
 Tokenizer Tokenizer::from_folder(const std::filesystem::path& dir) {
   const auto read = [](const std::filesystem::path& p) {
+    require_input_file("", p.string());  // a folder or a pipe of that name: said
     std::ifstream f(p, std::ios::binary);
     if (!f)
       detail::throw_errno(

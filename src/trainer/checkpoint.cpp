@@ -45,6 +45,7 @@
 #include "core/write_fd.h"
 #include "strata/comm.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
 #include "strata/log.h"
 #include "strata/model_io.h"
 #include "strata/trainer.h"
@@ -458,6 +459,9 @@ std::string verify_checkpoint(const std::string& dir, nlohmann::json* manifest) 
   std::stringstream ss;
   ss << f.rdbuf();
   nlohmann::json m;
+  if (config::nested_too_deep(ss.str()))
+    return fmt::format("manifest.json nests arrays and objects more than {} deep (damaged)",
+                       config::kMaxJsonDepth);
   try {
     m = nlohmann::json::parse(ss.str());
   } catch (const std::exception& e) {

@@ -28,6 +28,7 @@
 
 #include "core/utf8.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
 
 namespace strata {
 
@@ -91,9 +92,9 @@ std::vector<RunRecord> read_run_log(const std::string& path) {
     const std::string_view line(text.data() + at, (complete ? nl : text.size()) - at);
     at = complete ? nl + 1 : text.size();
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const std::optional<nlohmann::json> j = config::try_parse(line);
     // The last line without its newline, cut short: strata-train is writing it now.
-    if (!complete && j.is_discarded()) {
+    if (!complete && !j) {
       STRATA_REQUIRE(!by_step.empty(),
                      "{} holds no complete step: its only line ('{}') is not JSON and has no "
                      "newline; give the file of a strata-train --log-json run that has logged its "
@@ -101,13 +102,18 @@ std::vector<RunRecord> read_run_log(const std::string& path) {
                      path, std::string(line.substr(0, 60)));
       break;
     }
-    if (j.is_discarded())
-      STRATA_THROW(kInvalidArgument,
-                   "{}:{}: not JSON ('{}'): a strata-train --log-json file has one JSON object a "
-                   "line; give that file, or remove the line",
-                   path, line_no, std::string(line.substr(0, 60)));
+    if (!j)
+      STRATA_THROW(
+          kInvalidArgument,
+          "{}:{}: not JSON{} ('{}'): a strata-train --log-json file has one JSON object a "
+          "line; give that file, or remove the line",
+          path, line_no,
+          config::nested_too_deep(line)
+              ? fmt::format(" strata reads (nested more than {} deep)", config::kMaxJsonDepth)
+              : "",
+          std::string(line.substr(0, 60)));
     try {
-      const RunRecord r = run_record_from_json(j);
+      const RunRecord r = run_record_from_json(*j);
       by_step[r.step] = r;
     } catch (const Error& e) {
       STRATA_THROW(kInvalidArgument,

@@ -13,6 +13,7 @@
 
 #include "cpu/cpu_info.h"
 #include "strata/error.h"
+#include "strata/json_config.h"
 #include "strata/log.h"
 #include "strata/paths.h"
 #include "trainer/train_job.h"
@@ -97,7 +98,8 @@ void open_json_log(Run& r) {
     std::int64_t last = 0;  // the newest step kept
     while (std::getline(old, line)) {
       try {
-        const std::int64_t at = nlohmann::json::parse(line).value("step", std::int64_t(0));
+        const std::int64_t at =
+            config::parse(line, o.log_json, true).value("step", std::int64_t(0));
         if (at <= r.start_step) {
           kept += line + "\n";
           last = std::max(last, at);
@@ -150,7 +152,7 @@ void open_json_log(Run& r) {
     std::istringstream lines(kept);
     for (std::string line; std::getline(lines, line);) {
       try {
-        r.plot_steps.push_back(run_record_from_json(nlohmann::json::parse(line)));
+        r.plot_steps.push_back(run_record_from_json(config::parse(line, o.log_json, true)));
       } catch (const std::exception&) {  // a line that is no step's: not the picture's
       }
     }

@@ -55,7 +55,7 @@ bool a_runs_file(const std::string& flag, const std::string& path) {
   if (flag == "--log-json") {
     if (first.empty()) return true;
     try {
-      (void)run_record_from_json(nlohmann::json::parse(first));  // as strata-plot reads it
+      (void)run_record_from_json(config::parse(first, path, true));  // as strata-plot reads it
       return true;
     } catch (const std::exception&) {
       return false;
@@ -897,7 +897,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   if (fs::exists(path, ec)) {
     try {
       const PreparedHeader h = read_prepared_header(path);
-      reused = h.tokenizer_hash_hex() == t.hash && nlohmann::json::parse(h.source) == sources;
+      reused = h.tokenizer_hash_hex() == t.hash && config::parse(h.source, path, true) == sources;
     } catch (const std::exception&) {
       reused = false;  // damaged or of another version: prepared again
     }
