@@ -289,7 +289,34 @@ TEST(Tokenizer, MalformedFilesRefused) {
   EXPECT_NE(error_of([&] { make(j); }).find("is not two tokens"), std::string::npos);
   j = byte_level_json();
   j["model"]["vocab"]["x"] = "seven";
-  EXPECT_NE(error_of([&] { make(j); }).find("model.vocab['x'] is not an id"), std::string::npos);
+  EXPECT_NE(error_of([&] { make(j); }).find("model.vocab['x'] = \"seven\" is not a token id"),
+            std::string::npos);
+  // Ids past 2^24: one wider than 32 bits was cut to them (a BOS of 2^32 + 16 read as 16), one
+  // near 2^31 sized a table of billions (std::bad_alloc).
+  j = byte_level_json();
+  j["model"]["vocab"]["x"] = 2000000000;
+  EXPECT_NE(error_of([&] { make(j); })
+                .find("model.vocab['x'] = 2000000000 is not a token id (a whole number from 0 to "
+                      "16777215)"),
+            std::string::npos);
+  j = byte_level_json();
+  j["added_tokens"] = Json::parse(R"([{"id": 4294967312, "content": "<|bos|>", "special": true}])");
+  EXPECT_NE(
+      error_of([&] { make(j); }).find("added_tokens '<|bos|>' id = 4294967312 is not a token id"),
+      std::string::npos);
+  j = byte_level_json();
+  j["post_processor"] = Json::parse(R"({"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [70000], "tokens": ["<s>"]}}})");
+  EXPECT_NE(error_of([&] {
+              make(j);
+            }).find("post_processor.special_tokens['<s>'].ids = 70000 is past the vocabulary's"),
+            std::string::npos);
+  j["post_processor"]["special_tokens"]["<s>"]["ids"][0] = -3;
+  EXPECT_NE(error_of([&] {
+              make(j);
+            }).find("post_processor.special_tokens['<s>'].ids = -3 is not a token id"),
+            std::string::npos);
   j = byte_level_json();
   j["pre_tokenizer"] = Json::parse(R"({"type": "Split", "pattern": {"Regex": "(unclosed"},
                                        "behavior": "Isolated", "invert": false})");

@@ -419,6 +419,16 @@ struct Tokenizer::Impl {
                  origin, what);
   }
 
+  // An id the file gives (`where` names it): a whole number from 0 below 2^24 (vocabularies in
+  // use hold under 2^20; a wider id was cut to 32 bits, or sized a table of billions).
+  std::int32_t token_id(const Json& v, std::string_view where) const {
+    constexpr std::int64_t kMaxId = (std::int64_t(1) << 24) - 1;
+    if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > kMaxId)
+      malformed(fmt::format("{} = {} is not a token id (a whole number from 0 to {})", where,
+                            v.dump(), kMaxId));
+    return static_cast<std::int32_t>(v.get<std::int64_t>());
+  }
+
   void parse(const Json& tj, const Json& cj);
   void parse_model(const Json& m);
   void parse_added(const Json& a);
@@ -487,10 +497,9 @@ void Tokenizer::Impl::parse_model(const Json& m) {
   }
   std::int32_t max_id = -1;
   for (const auto& [tok, id] : m["vocab"].items()) {
-    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > INT32_MAX)
-      malformed(fmt::format("model.vocab['{}'] is not an id", tok));
-    bpe.vocab.emplace(tok, id.get<std::int32_t>());
-    max_id = std::max(max_id, id.get<std::int32_t>());
+    const std::int32_t i = token_id(id, fmt::format("model.vocab['{}']", tok));
+    bpe.vocab.emplace(tok, i);
+    max_id = std::max(max_id, i);
   }
   id_to_token.assign(static_cast<std::size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : bpe.vocab) id_to_token[id] = tok;
@@ -540,12 +549,12 @@ void Tokenizer::Impl::parse_model(const Json& m) {
 void Tokenizer::Impl::parse_added(const Json& a) {
   if (!a.is_array()) malformed("added_tokens is not a list");
   for (const Json& t : a) {
-    if (!t.is_object() || !t.contains("id") || !t.contains("content") ||
-        !t["content"].is_string() || !t["id"].is_number_integer())
+    if (!t.is_object() || !t.contains("id") || !t.contains("content") || !t["content"].is_string())
       malformed("an added token lacks 'id' or 'content'");
-    AddedToken at{t["content"].get<std::string>(), t["id"].get<std::int32_t>(),
+    const std::string content = t["content"].get<std::string>();
+    AddedToken at{content, token_id(t["id"], fmt::format("added_tokens '{}' id", content)),
                   t.value("special", false), t.value("lstrip", false), t.value("rstrip", false)};
-    if (at.content.empty() || at.id < 0) malformed("an added token is empty or has a negative id");
+    if (at.content.empty()) malformed("an added token is empty");
     if (t.value("single_word", false))
       unsupported("added token", fmt::format("'{}' with single_word", at.content),
                   "added tokens without single_word");
@@ -884,7 +893,14 @@ void Tokenizer::Impl::parse_post(const Json& p) {
         if (!specials.contains(name) || !specials[name].contains("ids"))
           malformed(fmt::format("TemplateProcessing names '{}' but special_tokens lacks it", name));
         auto& dst = seen_sequence ? template_suffix : template_prefix;
-        for (const Json& id : specials[name]["ids"]) dst.push_back(id.get<std::int32_t>());
+        for (const Json& id : specials[name]["ids"]) {
+          const std::string where = fmt::format("post_processor.special_tokens['{}'].ids", name);
+          const std::int32_t i = token_id(id, where);
+          if (static_cast<std::size_t>(i) >= id_to_token.size())
+            malformed(fmt::format("{} = {} is past the vocabulary's {} ids", where, i,
+                                  id_to_token.size()));
+          dst.push_back(i);
+        }
       } else {
         malformed("a TemplateProcessing piece is neither Sequence nor SpecialToken");
       }
