@@ -62,9 +62,13 @@ int main(int argc, char** argv) {
       "--sequence-parallel", o.sequence_parallel,
       "with --tensor-parallel: Megatron's sequence parallelism (the norms and the residual "
       "stream on 1/N of the tokens a rank: less activation memory, the same traffic)");
-  app.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch per data-parallel rank")
+  app.add_option("--micro-batch", o.micro_batch,
+                 "sequences per micro-batch per data-parallel rank (default: the --config's "
+                 "train_micro_batch_size_per_gpu, else 1; the demo 2)")
       ->check(strata::tools::kPositive);
-  app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step")
+  app.add_option("--grad-accum", o.grad_accum,
+                 "micro-batches per optimizer step (default: the --config's "
+                 "gradient_accumulation_steps, else 1)")
       ->check(strata::tools::kPositive);
   app.add_option("--steps", o.steps, "optimizer steps (default 60, unless --epochs)")
       ->check(strata::tools::kCount & strata::tools::kPositive);
@@ -73,7 +77,9 @@ int main(int argc, char** argv) {
                  "ceil(epochs x steps an epoch), as the Hugging Face Trainer's num_train_epochs; "
                  "fractions allowed")
       ->check(strata::tools::kPositive);
-  app.add_option("--lr", o.lr, "peak learning rate (AdamW, PyTorch semantics)")
+  app.add_option("--lr", o.lr,
+                 "peak learning rate (AdamW, PyTorch semantics; default: the --config's "
+                 "optimizer.params.lr, else 1e-3; the demo 3e-3)")
       ->check(strata::tools::kNonNegative);
   app.add_option("--warmup", o.warmup,
                  "linear warmup steps (default 0; with neither this nor --lr-schedule, the "
@@ -91,14 +97,17 @@ int main(int argc, char** argv) {
       ->check(strata::tools::kNonNegative);
   app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--seed", o.seed, "initialisation and shuffle seed, 0 to 2^64 - 1")
+  app.add_option("--seed", o.seed, "initialisation and shuffle seed, 0 to 2^64 - 1 (default 1234)")
       ->check(strata::tools::kSeed);
   app.add_flag("--no-shuffle", no_shuffle, "read the data in order (llm.c's batches)");
   app.add_option("--dtype", o.dtype, "compute dtype (default: the config's, else fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--device", o.device, "device")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--device", o.device,
+                 "auto (a usable GPU, else the CPU-emulated device), cpu or cuda (default auto)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--device-mem-gb", o.device_mem_gb,
-                 "device memory cap in GiB (the emulated device's HBM)")
+                 "device memory cap in GiB (default: the GPU's memory; the emulated device's "
+                 "4 GiB, the demo's 20 MiB)")
       ->check(strata::tools::kPositive);
   app.add_option("--emu-h2d-gbps", o.emu_h2d_gbps,
                  "emulated device: host-to-device GB/s (default unthrottled)")
