@@ -424,19 +424,26 @@ struct Engine::Impl {
   // writes in host memory. (`first`, `size`: the elements of the shard wanted; all by default)
   std::optional<TensorRef> w_target_dev(const Unit& u, std::size_t first = 0,
                                         std::size_t size = SIZE_MAX) const;
-  // Sub-group g of unit ui from its master, m and v values (g's size each; m and v null:
-  // zeros) onto the unit's tiers: the optimizer state, and the compute weights derived from
-  // the master exactly as the optimizer's copy-out produces them. Device-tier state is copied
-  // from the caller's memory: the plan has no pinned staging for it.
-  void put_group(std::size_t ui, std::size_t g, const float* master, const float* m,
-                 const float* v);
+  // Sub-group g of unit ui onto the unit's tiers: `fill(k, dst)` writes the g's-size values of
+  // part k (0 master, 1 m, 2 v) into `dst`, which is where the part lives on the host (host-tier
+  // state in place, an NVMe record's pinned block) or, for device-tier state, one part's scratch
+  // copied up before the next part is filled (the plan has no pinned staging for it); the
+  // compute weights are derived from the master exactly as the optimizer's copy-out produces
+  // them. No copy of the three parts together is made.
+  using FillPart = std::function<void(std::size_t k, float* dst)>;
+  void put_group(std::size_t ui, std::size_t g, const FillPart& fill);
   void end_put(std::size_t ui);
 
   // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).
   Unit& unit_at(int unit, const char* call);
 
-  // Sub-group g of unit ui's master | m | v from its tier into `out` (3 * its size fp32 values).
-  void get_group(std::size_t ui, std::size_t g, float* out);
+  // Sub-group g of unit ui's first `parts` parts (0 master, 1 m, 2 v) from its tier, each handed
+  // to `use(k, values)` (g's size values, valid during the call): host-tier state where it lives,
+  // an NVMe record through one pinned block, device-tier state one part at a time through
+  // `scratch`. No copy of the three parts together is made.
+  using UsePart = std::function<void(std::size_t k, const float* values)>;
+  void read_group(std::size_t ui, std::size_t g, std::size_t parts, std::vector<float>& scratch,
+                  const UsePart& use);
 
   // ---- gathering (param_coordinator.cpp) ----
   void issue_fetch(int ui, bool prefetch);

@@ -85,13 +85,36 @@ void Engine::Impl::begin_put(std::size_t ui, bool first) {
     u.w.written.synchronize();  // a write-back
 }
 
-void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master, const float* m,
-                             const float* v) {
+void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill) {
   Unit& u = units[ui];
   const detail::Range r = range(u, g);
   const std::size_t a = r.first, n = r.size, w_bytes = n * c_size;
   const DType ct = cfg.compute_dtype;
   Stream& up = *fetch_s;
+  // Where part k is filled: in place (host tier), in the record's pinned block (NVMe), else one
+  // part's scratch, copied up before the next is filled (device tier).
+  std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v (layout.h)
+  const std::size_t block_bytes = detail::state_elems(n) * 4;
+  if (u.o_tier == Tier::kNvme) {
+    block = pinned(SwapStore::padded_bytes(block_bytes));
+    std::memset(block->data(), 0, block_bytes);  // the gaps too: the record is written whole
+  }
+  float* o = block                     ? static_cast<float*>(block->data())
+             : u.o_tier == Tier::kHost ? static_cast<float*>(u.o.host->data()) + a
+                                       : nullptr;
+  const std::size_t stride = detail::state_stride(block ? n : u.shard);
+  std::vector<float> scratch;
+  const auto part = [&](std::size_t k) {
+    float* dst = o ? o + k * stride : (scratch.resize(n), scratch.data());
+    fill(k, dst);
+    return dst;
+  };
+  const auto up_part = [&](std::size_t k, const float* values) {
+    if (u.o_tier != Tier::kDevice) return;
+    up.copy(view(u.o.dev, DType::kF32, n, k * u.shard + a).mem, host_ref(values, n * 4));
+    up.synchronize();  // before the scratch is filled again
+  };
+  const float* master = part(0);
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
   std::shared_ptr<PinnedBlock> staging;
   if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
@@ -101,33 +124,9 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const float* master,
     up.copy(target->mem, host_ref(w, w_bytes));
   else if (u.w_tier == Tier::kNvme)
     w_store->write(w_key(ui, g), w, w_bytes).wait();
-  const float* parts[3] = {master, m, v};
-  if (u.o_tier == Tier::kDevice) {
-    for (std::size_t k = 0; k < 3; ++k) {
-      const TensorRef dst = view(u.o.dev, DType::kF32, n, k * u.shard + a);
-      if (parts[k])
-        up.copy(dst.mem, host_ref(parts[k], n * 4));
-      else
-        up.fill(dst, 0.0f);
-    }
-  } else {
-    std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v (layout.h)
-    const std::size_t block_bytes = detail::state_elems(n) * 4;
-    if (u.o_tier == Tier::kNvme) {
-      block = pinned(SwapStore::padded_bytes(block_bytes));
-      std::memset(block->data(), 0, block_bytes);  // the gaps too: the record is written whole
-    }
-    float* o = block ? static_cast<float*>(block->data()) : static_cast<float*>(u.o.host->data());
-    const std::size_t stride = detail::state_stride(block ? n : u.shard);
-    for (std::size_t k = 0; k < 3; ++k) {
-      float* dst = o + k * stride + (block ? 0 : a);
-      if (parts[k])
-        std::memcpy(dst, parts[k], n * 4);
-      else
-        std::memset(dst, 0, n * 4);
-    }
-    if (block) o_store->write(o_key(ui, g), block->data(), block_bytes).wait();
-  }
+  up_part(0, master);
+  for (std::size_t k = 1; k < 3; ++k) up_part(k, part(k));
+  if (block) o_store->write(o_key(ui, g), block->data(), block_bytes).wait();
   up.synchronize();  // the staging is released when this scope ends
 }
 
@@ -142,24 +141,28 @@ void Engine::Impl::end_put(std::size_t ui) {
   u.fetch.ready = fetch_s->record();
 }
 
-void Engine::Impl::get_group(std::size_t ui, std::size_t g, float* out) {
+void Engine::Impl::read_group(std::size_t ui, std::size_t g, std::size_t parts,
+                              std::vector<float>& scratch, const UsePart& use) {
   Unit& u = units[ui];
   const detail::Range r = range(u, g);
   const std::size_t a = r.first, n = r.size;
   if (u.o_tier == Tier::kDevice) {
-    for (std::size_t k = 0; k < 3; ++k)
-      opt_s->copy(host_ref(out + k * n, n * 4), u.o.dev.ref((k * u.shard + a) * 4, n * 4));
-    opt_s->synchronize();
+    scratch.resize(n);
+    for (std::size_t k = 0; k < parts; ++k) {
+      opt_s->copy(host_ref(scratch.data(), n * 4), u.o.dev.ref((k * u.shard + a) * 4, n * 4));
+      opt_s->synchronize();
+      use(k, scratch.data());
+    }
   } else if (u.o_tier == Tier::kHost) {
     const float* o = static_cast<const float*>(u.o.host->data());
     const std::size_t stride = detail::state_stride(u.shard);
-    for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * stride + a, n * 4);
+    for (std::size_t k = 0; k < parts; ++k) use(k, o + k * stride + a);
   } else {
     const std::size_t block_bytes = detail::state_elems(n) * 4, stride = detail::state_stride(n);
     auto b = pinned(SwapStore::padded_bytes(block_bytes));
     o_store->read(o_key(ui, g), b->data(), block_bytes).wait();
     const float* o = static_cast<const float*>(b->data());
-    for (std::size_t k = 0; k < 3; ++k) std::memcpy(out + k * n, o + k * stride, n * 4);
+    for (std::size_t k = 0; k < parts; ++k) use(k, o + k * stride);
   }
 }
 
@@ -168,12 +171,12 @@ std::vector<float> Engine::master_shard(int unit) {
   STRATA_REQUIRE(s.finalized, "Engine::master_shard before finalize()");
   Unit& u = s.unit_at(unit, "Engine::master_shard");
   s.early_step.finish(std::size_t(unit), true);
-  std::vector<float> out(u.shard), buf;
+  std::vector<float> out(u.shard), scratch;
   for (std::size_t g = 0; g < s.groups(u); ++g) {
     const detail::Range r = s.range(u, g);
-    buf.resize(3 * r.size);
-    s.get_group(std::size_t(unit), g, buf.data());
-    std::copy_n(buf.begin(), r.size, out.begin() + std::ptrdiff_t(r.first));
+    s.read_group(std::size_t(unit), g, /*parts=*/1, scratch, [&](std::size_t, const float* v) {
+      std::copy_n(v, r.size, out.begin() + std::ptrdiff_t(r.first));
+    });
   }
   return out;
 }
@@ -182,10 +185,12 @@ std::vector<float> Engine::gather_master(int unit) {
   Impl& s = *impl_;
   Unit& u = s.unit_at(unit, "Engine::gather_master");
   std::vector<float> shard = master_shard(unit);
-  std::vector<float> full(u.padded);
   if (s.world == 1) {
-    full = shard;
-  } else {
+    shard.resize(u.numel);
+    return shard;
+  }
+  std::vector<float> full(u.padded);
+  {
     Buffer b = s.alloc(u.padded * 4, s.opt_s.get());
     const TensorRef block = Impl::view(b, DType::kF32, u.shard, std::size_t(s.rank) * u.shard);
     s.opt_s->copy(block.mem, host_ref(shard.data(), u.shard * 4));
@@ -258,7 +263,7 @@ void Engine::save_state(const std::string& dir) {
   j["compute_dtype"] = std::string(dtype_name(s.cfg.compute_dtype));
   nlohmann::json units = nlohmann::json::array();
   SyncedFile bin(state_file(dir, s.job_rank(), "bin"));
-  std::vector<float> buf;
+  std::vector<float> scratch;
   std::uint64_t offset = 0;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     const Unit& u = s.units[ui];
@@ -266,10 +271,9 @@ void Engine::save_state(const std::string& dir) {
     // (the file does not depend on sub_group_size).
     for (std::size_t g = 0; g < s.groups(u); ++g) {
       const detail::Range r = s.range(u, g);
-      buf.resize(3 * r.size);
-      s.get_group(ui, g, buf.data());
-      for (std::size_t k = 0; k < 3; ++k)
-        bin.write_at(buf.data() + k * r.size, r.size * 4, offset + (k * u.shard + r.first) * 4);
+      s.read_group(ui, g, /*parts=*/3, scratch, [&](std::size_t k, const float* v) {
+        bin.write_at(v, r.size * 4, offset + (k * u.shard + r.first) * 4);
+      });
     }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"shard", u.shard}, {"offset", offset}});
     offset += 3 * u.shard * 4;
@@ -430,18 +434,15 @@ void Engine::load_state(const std::string& dir) {
       count -= n;
     }
   };
-  std::vector<float> buf;
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
     // This rank's shard starts at element rank * shard of the unit (resharding: of the new cut).
     const std::size_t base = reshard ? std::size_t(s.rank) * u.shard : 0;
     s.begin_put(ui, /*first=*/false);
-    for (std::size_t g = 0; g < s.groups(u); ++g) {  // (pageable: put_group stages what needs it)
+    for (std::size_t g = 0; g < s.groups(u); ++g) {  // read from the file where each part goes
       const detail::Range r = s.range(u, g);
-      buf.resize(3 * r.size);
-      for (std::size_t k = 0; k < 3; ++k)
-        read(ui, k, base + r.first, r.size, buf.data() + k * r.size);
-      s.put_group(ui, g, buf.data(), buf.data() + r.size, buf.data() + 2 * r.size);
+      s.put_group(ui, g,
+                  [&](std::size_t k, float* dst) { read(ui, k, base + r.first, r.size, dst); });
     }
     s.end_put(ui);
     if (u.g_tier == Tier::kDevice) {
