@@ -1930,6 +1930,22 @@ TEST_F(TrainCli, PlanRefusesAHostRamPlanThatCannotFitNamingTheFix) {
                         std::regex(R"(ram +\(the process, peak\) +\S+ \S+ / \S+ \S+ planned)")));
 }
 
+// --checkpoint-on-host keeps each layer's input in host RAM from the forward to the backward:
+// the plan's RAM section counts it (it was in no line: a 32-layer model held 256 MiB unplanned).
+TEST_F(TrainCli, PlanCountsTheLayerCheckpointsKeptOnTheHost) {
+  const Result on = train(args(dir.path + "/a.jsonl", {"--checkpoint-on-host", "--plan"}), "on");
+  EXPECT_EQ(on.status, 0) << on.out << on.err;
+  // 2 layers x 2 x 16 tokens x hidden 64 x 4 bytes
+  EXPECT_TRUE(std::regex_search(
+      on.out, std::regex(R"(ram +layer checkpoints \(--checkpoint-on-host: 2 layers x 2 x 16 )"
+                         R"(tokens x hidden 64, fp32\) +16384 )")))
+      << on.out;
+  const Result off =
+      train(args(dir.path + "/b.jsonl", {"--checkpoint-activations", "--plan"}), "off");
+  EXPECT_EQ(off.status, 0) << off.out << off.err;
+  EXPECT_EQ(off.out.find("layer checkpoints"), std::string::npos) << off.out;
+}
+
 // The --config's scheduler block sets each step's lr as DeepSpeed would (step t: iteration
 // t - 2); --warmup or --lr-schedule replaces it.
 TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {

@@ -107,6 +107,11 @@ struct EngineConfig {
   bool pipeline_read = false, pipeline_write = false;
   AioConfig aio;
   // strata additions
+  // Host RAM the caller's model holds through the run beside the engine (its layer checkpoints
+  // kept on the host: strata-train --checkpoint-on-host, host_checkpoint_bytes), and what it is:
+  // a line of the memory plan's RAM section. Set by the caller, not a ds_config key.
+  std::uint64_t model_host_ram_bytes = 0;
+  std::string model_host_ram_what;
   // Pinned host memory the engine may hold; 0 = default_host_budget(): 80% of RAM, shared
   // evenly by the ranks on this node.
   std::uint64_t host_budget_bytes = 0;

@@ -209,6 +209,12 @@ struct ModelOptions {
   bool sequence_parallel = false;
 };
 
+// The host memory a model of `cfg` keeps its layer checkpoints in with checkpoint_on_host: each
+// layer's input, fp32, of B x T token rows (1/TP of them under sequence parallelism over
+// `sequence_parallel_ranks`), held from a step's forward to its backward and reused across steps.
+std::uint64_t host_checkpoint_bytes(const ModelConfig& cfg, std::int64_t micro_batch,
+                                    std::int64_t seq_len, int sequence_parallel_ranks = 1);
+
 // A target that does not count in the loss (prompt tokens, padding): Hugging Face's
 // ignore_index.
 inline constexpr std::int32_t kIgnoreTarget = -100;

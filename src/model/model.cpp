@@ -1115,6 +1115,13 @@ const std::vector<UnitSpec>& Model::units() const { return impl_->units; }
 TensorParallel Model::tensor_parallel() const { return impl_->tpl; }
 Model::TpTraffic Model::tp_traffic() const { return impl_->traffic; }
 
+std::uint64_t host_checkpoint_bytes(const ModelConfig& cfg, std::int64_t micro_batch,
+                                    std::int64_t seq_len, int sequence_parallel_ranks) {
+  const std::uint64_t rows = std::uint64_t(micro_batch) * std::uint64_t(seq_len) /
+                             std::uint64_t(std::max(1, sequence_parallel_ranks));
+  return std::uint64_t(cfg.num_layers) * rows * std::uint64_t(cfg.hidden_size) * 4;
+}
+
 std::size_t Model::num_params() const {
   std::size_t n = 0;
   for (const auto& u : impl_->units)

@@ -541,6 +541,7 @@ void Builder::host_ram() {
           "initial weights ({} elements at a time) or a save (one unit, {} elements), the larger",
           S, largest_numel),
       std::max(S, largest_numel) * 4);
+  if (config.model_host_ram_bytes > 0) ram(config.model_host_ram_what, config.model_host_ram_bytes);
   plan.ram_capacity = in.ram_capacity;
   if (in.ram_capacity == 0 || plan.ram_bytes <= in.ram_capacity) return;
   std::vector<std::string> fix;

@@ -70,7 +70,9 @@ TrainResult report_plan(const Settings& s) {
                   "memory beyond the "
                   "device total above; strata-prof measures them{}",
                   ecfg.micro_batch_per_gpu, s.seq_len,
-                  o.checkpoint_activations ? "" : " (--checkpoint-activations keeps them small)"));
+                  o.checkpoint_activations || o.checkpoint_on_host
+                      ? ""
+                      : " (--checkpoint-activations keeps them small)"));
   if (!plan.fits && o.device_mem_gb > 0)
     plan.notes.push_back(fmt::format(
         "--device-mem-gb {:g} caps the device: a larger one is another way", o.device_mem_gb));

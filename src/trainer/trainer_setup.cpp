@@ -807,6 +807,15 @@ void sequence_and_batch(Settings& s) {
       "x --seq-len) over the {} ranks of a tensor-parallel group: give a --micro-batch "
       "or --seq-len whose product {} divides",
       s.B, seq_len, s.B * seq_len, s.tp, s.tp);
+  // The model's layer checkpoints in host RAM: a line of the plan's RAM section.
+  if (o.checkpoint_on_host) {
+    const int sp = o.sequence_parallel ? int(s.tp) : 1;
+    s.ecfg.model_host_ram_bytes = host_checkpoint_bytes(mcfg, s.B, seq_len, sp);
+    s.ecfg.model_host_ram_what = fmt::format(
+        "layer checkpoints (--checkpoint-on-host: {} layers x {} x {} tokens{} x hidden {}, fp32)",
+        mcfg.num_layers, s.B, seq_len, sp > 1 ? fmt::format(" / {} ranks", sp) : "",
+        mcfg.hidden_size);
+  }
   s.rank = s.launch.rank;
   s.world = s.launch.world_size;  // (tp, tp_rank, dp_rank, dp_world: device_options)
   s.con = s.rank == 0 ? o.console : nullptr;
