@@ -1253,6 +1253,23 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
       << changed.out + changed.err;
   EXPECT_EQ((changed.out + changed.err).find("(reused)"), std::string::npos);
   EXPECT_EQ(prepared_files().size(), 1u);
+  // Damaged in its body (the second document's start zeroed): prepared again, said, not reused
+  // by every run and refused with advice for a .prep's user.
+  {
+    const PreparedHeader c = read_prepared_header(prep);
+    std::fstream f(prep, std::ios::in | std::ios::out | std::ios::binary);
+    const std::uint64_t zero = 0;
+    f.seekp(std::streamoff(c.starts_offset + 8));
+    f.write(reinterpret_cast<const char*>(&zero), 8);
+  }
+  const Result damaged = run_on({"--data", corpus}, "corpus-damaged");
+  EXPECT_EQ(damaged.status, 0) << damaged.out << damaged.err;
+  EXPECT_NE(damaged.err.find(prep + ": the cached prepared corpus cannot be reused (" + prep +
+                             ": damaged: document 1's start 0"),
+            std::string::npos)
+      << damaged.err;
+  EXPECT_NE(damaged.out.find(": 301 documents, "), std::string::npos) << damaged.out;
+  EXPECT_EQ((damaged.out + damaged.err).find("(reused)"), std::string::npos);
 
   // --text through the same tokenizer: one document.
   const std::string text_file = dir.path + "/one.txt";

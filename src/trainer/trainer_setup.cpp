@@ -905,10 +905,20 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   bool reused = false;
   if (fs::exists(path, ec)) {
     try {
-      const PreparedHeader h = read_prepared_header(path);
+      // Whole (header, documents' starts, mask), as the loader will check it: a damaged body
+      // was reused by every run, each refused with advice that did not help a .jsonl's user.
+      const PreparedFile f(path);
+      const PreparedHeader& h = f.header();
       reused = h.tokenizer_hash_hex() == t.hash && config::parse(h.source, path, true) == sources;
-    } catch (const std::exception&) {
-      reused = false;  // damaged or of another version: prepared again
+    } catch (const Error& e) {
+      // Damaged or of another version: prepared again.
+      if (s.con)
+        log::warn("{}: the cached prepared corpus cannot be reused ({}); preparing it again", path,
+                  e.message());
+    } catch (const std::exception& e) {
+      if (s.con)
+        log::warn("{}: the cached prepared corpus cannot be reused ({}); preparing it again", path,
+                  e.what());
     }
   }
   std::string line;
