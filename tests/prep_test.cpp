@@ -142,6 +142,22 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
   const Tokenizer no_eos = Tokenizer::from_folder(t.model);
   expect_error([&] { read_corpus_file(no_eos, t.write("e.txt", "he")); },
                {"e.txt", "names no EOS token", "eos_token"});
+  // What the prepared file records as JSON text must be UTF-8: a path, a --text-field or a
+  // --separator that is not was a raw "[json.exception.type_error.316]".
+  const std::string ok = t.write("ok.jsonl", "{\"text\": \"he\"}\n");
+  const std::string bad_name = t.write("bad\xff.jsonl", "{\"text\": \"he\"}\n");
+  expect_error([&] { prepare_corpus(t.tok, t.hash, {bad_name}, t.dir.path + "/b.prep", {}); },
+               {"the corpus path " + bad_name + " is not UTF-8 (byte", "0xff", "rename the file"});
+  CorpusOptions field;
+  field.text_field = "t\xff";
+  field.text_field_named = true;
+  expect_error([&] { prepare_corpus(t.tok, t.hash, {ok}, t.dir.path + "/b.prep", field); },
+               {"the --text-field name is not UTF-8 (byte 1 of it, 0xff)"});
+  CorpusOptions sep;
+  sep.separator = "\xfe";
+  expect_error([&] { prepare_corpus(t.tok, t.hash, {ok}, t.dir.path + "/b.prep", sep); },
+               {"the --separator is not UTF-8 (byte 0 of it, 0xfe)"});
+  EXPECT_FALSE(fs::exists(t.dir.path + "/b.prep"));
 }
 
 // Files as other tools write them: JSON lines named .json (Hugging Face's Dataset.to_json) or in

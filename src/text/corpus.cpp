@@ -540,6 +540,24 @@ std::vector<Document> read_corpus_file(const Tokenizer& tok, const std::string& 
 }
 
 Json describe_sources(const std::vector<std::string>& inputs, const CorpusOptions& o) {
+  // All of it is JSON text (the prepared file's record of its sources, a cache's key): UTF-8.
+  const auto utf8_or_refuse = [](std::string_view what, std::string_view value,
+                                 std::string_view fix) {
+    const std::size_t bad = utf8::first_invalid(value);
+    STRATA_REQUIRE(bad == std::string_view::npos,
+                   "{} is not UTF-8 (byte {} of it, 0x{:02x}), and the prepared file records it as "
+                   "text: {}",
+                   what, bad, bad == std::string_view::npos ? 0 : std::uint8_t(value[bad]), fix);
+  };
+  for (const auto& p : inputs)
+    utf8_or_refuse(fmt::format("the corpus path {}", p), p,
+                   "rename the file, or link to it from a UTF-8 name");
+  utf8_or_refuse("the --text-field name", o.text_field,
+                 "give the field's name as UTF-8 (JSON keys are UTF-8)");
+  if (o.separator)
+    utf8_or_refuse("the --separator", *o.separator,
+                   "give it as UTF-8 text (the corpus is UTF-8, so no other separator occurs "
+                   "in it)");
   Json list = Json::array();
   for (const auto& p : inputs) {
     struct stat st {};
