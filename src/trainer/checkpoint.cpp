@@ -590,7 +590,12 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     root = (fs::path(path) / "checkpoints").string();
   std::vector<std::pair<std::int64_t, std::string>> found, set_aside;
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    if (!e.is_directory()) continue;
+    std::error_code link_ec;  // a link that loops or dangles: not a folder, said if named step-*
+    if (!e.is_directory(link_ec)) {
+      if (link_ec && e.path().filename().string().rfind("step-", 0) == 0)
+        log::warn("{}: skipping {}: {}", what, e.path().string(), link_ec.message());
+      continue;
+    }
     const std::string name = e.path().filename().string();
     const std::int64_t st = step_of(name);
     const auto old = name.find(".old-");
