@@ -2204,6 +2204,33 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   const Result ext = train(more, "extend");
   ASSERT_EQ(ext.status, 0) << ext.err;
   EXPECT_EQ(ext.err.find("--resume:"), std::string::npos) << ext.err;
+
+  // A damaged manifest (a version 1 one: no checksum of its own) is named, not trusted: a
+  // world_size of 2e9 sized the ranks' table (std::bad_alloc), one of another type was a raw
+  // json type_error.
+  const std::string bad = dir.path + "/bad-step";
+  fs::copy(ck + "/step-4", bad);
+  auto damage = [&](const nlohmann::json& world_size) {
+    nlohmann::json m = nlohmann::json::parse(slurp(bad + "/manifest.json"));
+    m["version"] = 1;
+    m.erase("manifest_xxh3");
+    m["world_size"] = world_size;
+    std::ofstream(bad + "/manifest.json", std::ios::trunc) << m.dump();
+  };
+  damage(2000000000);
+  e = run_export({bad, dir.path + "/bad-out"}, dir.path, "bad-world");
+  EXPECT_EQ(e.status, 1) << e.err;
+  EXPECT_NE(first_line(e.err).find(bad + ": the manifest says 2000000000 ranks and lists the "
+                                         "engine state of 1 (damaged)"),
+            std::string::npos)
+      << e.err;
+  damage("1");
+  e = run_export({bad, dir.path + "/bad-out"}, dir.path, "bad-type");
+  EXPECT_EQ(e.status, 1) << e.err;
+  EXPECT_NE(first_line(e.err).find(bad + ": a field of its manifest.json or rank<R>.json has the "
+                                         "wrong type"),
+            std::string::npos)
+      << e.err;
 }
 
 // A second run that uses the demo's text used to truncate and rewrite the file a running one

@@ -132,6 +132,14 @@ void open_rank(std::vector<RankFile>& ranks, int r, const std::string& ck_dir, i
         ju.value("shard", std::uint64_t(0)) * std::uint64_t(world / tp) >= units[u].numel,
         "{}/rank{}.json: unit '{}' has a shard of {} elements, too small for {} ranks", ck_dir, r,
         units[u].name, ju.value("shard", std::uint64_t(0)), world / tp);
+    // At most an even cut and one page of padding (the engine pads a unit to a multiple of the
+    // ranks x 2048 elements): a damaged one sized the read.
+    const std::uint64_t dp = std::uint64_t(world / tp);
+    STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) <= (units[u].numel + dp - 1) / dp + 2048,
+                   "{}/rank{}.json: unit '{}' has a shard of {} elements, more than {} ranks' cut "
+                   "of its {} elements holds (damaged)",
+                   ck_dir, r, units[u].name, ju.value("shard", std::uint64_t(0)), dp,
+                   units[u].numel);
     const std::size_t first = std::size_t(r % tp);  // its TP slice's first file
     STRATA_REQUIRE(ju.value("shard", std::uint64_t(0)) ==
                        ranks[first].units[u].value("shard", std::uint64_t(0)),
@@ -237,6 +245,10 @@ void copy_side_files(const Options& o, const nlohmann::json& trainer) {
                 fmt::format("{}", fmt::join(copied, ", ")).c_str());
 }
 
+// The checkpoint `ck` exported as OUT_DIR says (run's part once the checkpoint is found).
+int export_checkpoint(const Options& o, const strata::FoundCheckpoint& ck, DType dtype,
+                      std::size_t max_shard_bytes);
+
 int run(const Options& o) {
   STRATA_REQUIRE(o.dtype == "fp32" || o.dtype == "bf16", "--dtype '{}': use fp32 or bf16", o.dtype);
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
@@ -246,8 +258,31 @@ int run(const Options& o) {
   const std::size_t max_shard_bytes = strata::tools::mib_as_bytes(o.max_shard_mb);
 
   const strata::FoundCheckpoint ck = find_export_checkpoint(o);
+  try {
+    return export_checkpoint(o, ck, dtype, max_shard_bytes);
+  } catch (const nlohmann::json::exception& e) {  // a field of another type: value() throws
+    STRATA_THROW(kInvalidArgument,
+                 "{}: a field of its manifest.json or rank<R>.json has the wrong type ({}): the "
+                 "checkpoint is damaged; export another step",
+                 ck.dir, e.what());
+  }
+}
+
+int export_checkpoint(const Options& o, const strata::FoundCheckpoint& ck, DType dtype,
+                      std::size_t max_shard_bytes) {
   const int world = ck.manifest.value("world_size", 0);
   STRATA_REQUIRE(world >= 1, "{}: the manifest has no world_size", ck.dir);
+  // Its files list each rank's (a damaged world_size of 2e9 sized the ranks' table).
+  if (const auto files = ck.manifest.find("files");
+      files != ck.manifest.end() && files->is_array()) {
+    std::size_t bins = 0;
+    for (const auto& f : *files)
+      if (f.is_object() && f.value("name", "").ends_with(".bin")) ++bins;
+    STRATA_REQUIRE(std::size_t(world) <= bins,
+                   "{}: the manifest says {} ranks and lists the engine state of {} (damaged): "
+                   "export another step",
+                   ck.dir, world, bins);
+  }
   const nlohmann::json trainer = ck.manifest.value("trainer", nlohmann::json::object());
   const strata::ModelConfig cfg = export_model(o, ck, trainer);
   const std::vector<strata::UnitSpec> units = strata::model_units(cfg);
