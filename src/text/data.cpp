@@ -369,9 +369,11 @@ void fill_row(const PackedFiles& pf, const PackedRow& r, std::int64_t T, std::in
       doc_end = f.doc_start(d + 1);
     }
     const std::int32_t id = f.token(j);
-    STRATA_REQUIRE(vocab == 0 || id < vocab,
-                   "{}: token id {} (token {}) is >= the model's vocab_size {}: a damaged file",
-                   f.path(), id, j, vocab);
+    // (4-byte ids past 2^31 read as negative)
+    STRATA_REQUIRE(id >= 0 && (vocab == 0 || id < vocab),
+                   "{}: token id {} (token {}) is outside the model's vocab_size {}: a damaged "
+                   "file",
+                   f.path(), std::uint32_t(id), j, vocab);
     tokens[i] = id;
     positions[i] = std::int32_t(j - start);
     targets[i] = j + 1 < doc_end && f.counted(j + 1) ? f.token(j + 1) : kIgnoreTarget;
