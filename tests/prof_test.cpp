@@ -1310,6 +1310,36 @@ TEST(PerfModel, SearchWindowsArePaddedUnitsAndLayoutTwinsAreOne) {
   }
 }
 
+// A candidate keeping the layer checkpoints on the host plans their host RAM as strata-train's plan
+// does (it was recommended where strata-train then refused the run for host RAM).
+TEST(PerfModel, CheckpointsOnTheHostArePlannedInHostRam) {
+  MachineProfile m = fast_machine();
+  SearchSpace space;
+  space.base = default_engine_config();
+  ModelProfile on_host = synthetic(4, kLayer, 0.002, 0.004);
+  on_host.checkpoint = on_host.checkpoint_on_host = true;
+  on_host.host_checkpoint_bytes = std::uint64_t(1) << 30;
+  space.models.push_back(on_host);
+  SearchResult r = search_placements(m, space);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked) {
+    bool line = false;
+    for (const PlanLine& l : c.plan.ram_lines)
+      line = line || (l.what.find("layer checkpoints") != std::string::npos &&
+                      l.bytes == std::uint64_t(1) << 30);
+    EXPECT_TRUE(line) << c.label;
+  }
+  // RAM for all but the checkpoints: none fits, and the fix names the device's checkpointing.
+  m.ram_capacity = r.ranked[0].plan.ram_bytes - (std::uint64_t(1) << 29);
+  r = search_placements(m, space);
+  EXPECT_TRUE(r.ranked.empty());
+  ASSERT_FALSE(r.problems.empty());
+  std::string all;
+  for (const auto& p : r.problems) all += p + "\n";
+  EXPECT_NE(all.find("--checkpoint-activations instead of --checkpoint-on-host"), std::string::npos)
+      << all;
+}
+
 TEST(PerfModel, NothingFitsSaysWhatIsMissingWhere) {
   MachineProfile m = fast_machine();
   m.device_capacity = 1 << 20;
@@ -2421,7 +2451,8 @@ TEST(ProfCli, BadInputIsAClearError) {
   const std::string last = j.out.substr(j.out.rfind('{'));
   const auto obj = nlohmann::json::parse(last);
   EXPECT_NE(obj.at("error").get<std::string>().find("missing.json"), std::string::npos) << last;
-  EXPECT_EQ(obj.at("kind").get<std::string>(), "I/O error") << last;
+  // (a missing file the user named is bad input, as a missing --data is)
+  EXPECT_EQ(obj.at("kind").get<std::string>(), "invalid argument") << last;
   // A bad command line exits 1 too (not CLI11's own codes), and a missing --nvme-path is refused
   // (not created: a typo must not profile another drive).
   EXPECT_EQ(testing::run(STRATA_PROF_BIN, {"--validate", "abc"}, d.path, "flag").status, 1);

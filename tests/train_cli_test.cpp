@@ -1270,6 +1270,21 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
       << damaged.err;
   EXPECT_NE(damaged.out.find(": 301 documents, "), std::string::npos) << damaged.out;
   EXPECT_EQ((damaged.out + damaged.err).find("(reused)"), std::string::npos);
+  // Other bytes of the same size under the same time (`cp -p`, rsync -a, tar leave that): other
+  // input, prepared again (the cache took it by size and time and trained on the old text).
+  {
+    const auto when = fs::last_write_time(corpus);
+    std::string text = slurp(corpus);
+    const std::size_t at = text.find("hello");
+    ASSERT_NE(at, std::string::npos);
+    text.replace(at, 5, "olleh");
+    std::ofstream(corpus, std::ios::trunc) << text;
+    fs::last_write_time(corpus, when);
+  }
+  const Result same_size = run_on({"--data", corpus}, "corpus-same-size");
+  EXPECT_EQ(same_size.status, 0) << same_size.out << same_size.err;
+  EXPECT_EQ((same_size.out + same_size.err).find("(reused)"), std::string::npos)
+      << same_size.out + same_size.err;
 
   // --text through the same tokenizer: one document.
   const std::string text_file = dir.path + "/one.txt";

@@ -1033,6 +1033,7 @@ ModelProfile profile_model(const ModelConfig& mcfg, const ProfileKey& k, std::in
   mp.seq_len = T;
   mp.checkpoint = ckpt;
   mp.checkpoint_on_host = ckpt && ckpt_host;
+  if (mp.checkpoint_on_host) mp.host_checkpoint_bytes = host_checkpoint_bytes(mcfg, B, T);
   const auto units = model_units(mcfg, tpl);
   const std::size_t head = units.size() - 1;
   for (std::size_t i = 0; i < units.size(); ++i) {

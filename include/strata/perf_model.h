@@ -134,6 +134,9 @@ struct ModelProfile {
   bool checkpoint = false;             // activation checkpointing (recompute in backward)
   bool checkpoint_on_host = false;     // ... with the checkpoints kept in host memory
   std::uint64_t activation_bytes = 0;  // device bytes one micro-batch's activations take
+  // With checkpoint_on_host: the host RAM the layer checkpoints take (host_checkpoint_bytes), a
+  // line of the candidate's memory plan as of strata-train's.
+  std::uint64_t host_checkpoint_bytes = 0;
   // The CPU-emulated device: the host cores its work kept busy on average while the forward and
   // backward ran alone (the process's CPU time over their wall time), which is what its kernels
   // take of the cores shared with copies and the CPU optimizer. 0: not measured (the kernels

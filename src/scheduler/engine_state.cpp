@@ -118,6 +118,17 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
   std::shared_ptr<PinnedBlock> staging;
   if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
+  // A fill that throws after the weights' copy was queued (a truncated checkpoint): the copy
+  // ends before the staging it reads goes (declared after it: destroyed first).
+  struct Settle {
+    Stream& s;
+    ~Settle() {
+      try {
+        s.synchronize();
+      } catch (...) {  // (the error in flight is the one to report)
+      }
+    }
+  } settle{up};
   void* w = w_host ? static_cast<char*>(u.w.host->data()) + a * c_size : staging->data();
   cpu::cast(DType::kF32, master, ct, w, n);  // round to nearest even, as the copy-out
   if (const auto target = w_target_dev(u, a, n))

@@ -1487,6 +1487,8 @@ SearchResult search_placements(const MachineProfile& m, const SearchSpace& space
                                           : ", checkpointing",
                   more_buffers ? ", twice the swap buffers" : "");
               ++out.considered;
+              c.model_host_ram_bytes = cand.checkpoint_on_host ? mp.host_checkpoint_bytes : 0;
+              c.model_host_ram_what = "layer checkpoints (--checkpoint-on-host)";
               cand.plan = plan_memory(c, in);
               // Short of host memory with optimizer state on NVMe: smaller sub-groups may fit.
               if (!cand.plan.fits && o_nvme && cand.plan.host_bytes > cand.plan.host_capacity) {

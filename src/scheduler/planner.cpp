@@ -551,6 +551,10 @@ void Builder::host_ram() {
     fix.push_back("move the gradient shards to NVMe (zero_optimization.offload_grads \"nvme\")");
   if (param_tiers[1] > 0)
     fix.push_back("move the parameters to NVMe (offload_param.device \"nvme\")");
+  if (config.model_host_ram_bytes > 0)
+    fix.push_back(
+        "--checkpoint-activations instead of --checkpoint-on-host (the layer checkpoints on the "
+        "device)");
   if (in.device_in_ram)
     fix.push_back(
         "a smaller memory cap for the CPU-emulated device (--device-mem-gb: its memory is host "

@@ -368,15 +368,19 @@ void fill_row(const PackedFiles& pf, const PackedRow& r, std::int64_t T, std::in
       start = j;
       doc_end = f.doc_start(d + 1);
     }
-    const std::int32_t id = f.token(j);
-    // (4-byte ids past 2^31 read as negative)
-    STRATA_REQUIRE(id >= 0 && (vocab == 0 || id < vocab),
-                   "{}: token id {} (token {}) is outside the model's vocab_size {}: a damaged "
-                   "file",
-                   f.path(), std::uint32_t(id), j, vocab);
-    tokens[i] = id;
+    // Each id read, the input's and the target's (the next row's first token is this row's last
+    // target); 4-byte ids past 2^31 read as negative (one of 2^32 - 100 as the ignored target).
+    const auto checked = [&](std::int64_t at) {
+      const std::int32_t id = f.token(at);
+      STRATA_REQUIRE(id >= 0 && (vocab == 0 || id < vocab),
+                     "{}: token id {} (token {}) is outside the model's vocab_size {}: a damaged "
+                     "file",
+                     f.path(), std::uint32_t(id), at, vocab);
+      return id;
+    };
+    tokens[i] = checked(j);
     positions[i] = std::int32_t(j - start);
-    targets[i] = j + 1 < doc_end && f.counted(j + 1) ? f.token(j + 1) : kIgnoreTarget;
+    targets[i] = j + 1 < doc_end && f.counted(j + 1) ? checked(j + 1) : kIgnoreTarget;
   }
 }
 

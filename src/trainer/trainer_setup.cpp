@@ -879,6 +879,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   for (auto& in : key["inputs"]) {
     in.erase("bytes");
     in.erase("mtime_ns");
+    in.erase("sample_xxh3");
   }
   key["tokenizer_hash"] = t.hash;
   const std::string k = key.dump();
