@@ -1552,6 +1552,31 @@ TEST_F(TrainCli, WeightsThatAllStayGatheredAreSaidToBeOnTheDevice) {
       << r.out;
 }
 
+// Started with its console closed (`>&-`), the run's first file opened took descriptor 1: its
+// --log-json file got the banner, step lines and summary between its JSON lines. A console pipe
+// closed by its reader (`| head`) ends the run by SIGPIPE, as a Unix tool ends, and its swap
+// files go with it (they were left on the drive).
+TEST_F(TrainCli, AClosedConsoleIsNeitherALogNorALeftover) {
+  const std::string log = dir.path + "/closed.jsonl";
+  std::vector<std::string> sh = {"-c", "exec \"$0\" \"$@\" >&- 2>&-", STRATA_TRAIN_BIN};
+  for (const std::string& a : args(log)) sh.push_back(a);
+  const Result closed = run("/bin/sh", sh, dir.path, "closed");
+  EXPECT_EQ(closed.status, 0) << closed.err;
+  std::istringstream lines(slurp(log));
+  int n = 0;
+  for (std::string line; std::getline(lines, line); ++n)
+    EXPECT_TRUE(line.starts_with("{")) << "line " << n + 1 << " of the log: " << line;
+  EXPECT_EQ(losses(log).size(), 4u);
+
+  TempDir nvme;
+  const Result piped = run("/bin/sh",
+                           {"-c", "\"$0\" \"$@\" | head -c 100 > /dev/null", STRATA_TRAIN_BIN,
+                            "--steps", "40", "--demo-nvme", nvme.path},
+                           dir.path, "piped");
+  EXPECT_EQ(piped.status, 0) << piped.err;               // head's
+  EXPECT_FALSE(fs::exists(nvme.path + "/strata-swap"));  // (its demo-text.txt is kept)
+}
+
 // The embedded demo (no model, no data): stage 3 with weights and optimizer state on NVMe, on
 // an emulated device whose cap is below the model's fp32 weights; the loss falls and the
 // device's peak stays under the cap.

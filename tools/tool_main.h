@@ -6,6 +6,7 @@
 // whole MPI job (its peers would wait for it for ever).
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -119,9 +121,29 @@ inline int fail(const char* name, int argc, char** argv, const std::string& mess
   return 1;
 }
 
+// What the process was started with, made safe to run in: a descriptor 0-2 its starter closed is
+// /dev/null (the first file the tool opened took it: a --log-json file got the console's lines),
+// and a write past `ulimit -f` fails with EFBIG, which the writer names with its file (SIGXFSZ
+// ended the run without a word).
+inline void settle_process() {
+  for (int fd = 0; fd < 3; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+    const int n = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (n < 0) continue;
+    if (n != fd) {
+      ::dup2(n, fd);  // (dup2's copy does not keep O_CLOEXEC)
+      ::close(n);
+    } else {
+      ::fcntl(fd, F_SETFD, 0);
+    }
+  }
+  ::signal(SIGXFSZ, SIG_IGN);
+}
+
 // Parses the command line into `app`, then returns body()'s exit code.
 template <class Body>
 int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
+  settle_process();
   try {
     app.parse(argc, argv);
     cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output

@@ -344,9 +344,10 @@ void remove_swap_files_now() noexcept {
 }
 
 void remove_swap_files_on_interrupt() {
-  // Ctrl-C, a scheduler's stop, a closed terminal, and a bus error (a mapped data file cut short
-  // under the run, which the data loader names first).
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGBUS}) {
+  // Ctrl-C, a scheduler's stop, a closed terminal, a bus error (a mapped data file cut short
+  // under the run, which the data loader names first), and a console pipe closed by its reader
+  // (`strata-train | head`).
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGBUS, SIGPIPE}) {
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL ||
         (old.sa_flags & SA_SIGINFO))
