@@ -1552,6 +1552,39 @@ TEST_F(TrainCli, WeightsThatAllStayGatheredAreSaidToBeOnTheDevice) {
       << r.out;
 }
 
+// Two runs into one --out (or one checkpoint folder): the second is refused while the first lives
+// (each replaced the other's model and checkpoints without a word, and their saves interleaved).
+// Once the first has ended, the folder is free again.
+TEST_F(TrainCli, ASecondRunIntoTheSameOutIsRefusedWhileTheFirstLives) {
+  const std::string out = dir.path + "/shared", log = dir.path + "/first.jsonl";
+  // (its first save far off: the checkpoint folder made and held, and empty)
+  std::vector<std::string> first = args(log, {"--out", out, "--save-every", "90000"}, "100000");
+  const pid_t pid = testing::start(STRATA_TRAIN_BIN, first, dir.path, "first");
+  for (int i = 0; i < 600 && losses(log).empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_FALSE(losses(log).empty()) << slurp(dir.path + "/first.stderr");
+  const Result second = train(args(dir.path + "/second.jsonl", {"--out", out}), "second");
+  EXPECT_EQ(second.status, 1) << second.out << second.err;
+  EXPECT_NE(second.err.find("--out " + out + " is in use by another running strata-train"),
+            std::string::npos)
+      << second.err;
+  const Result third = train(args(dir.path + "/third.jsonl",
+                                  {"--checkpoint-dir", out + "/checkpoints", "--save-every", "1"}),
+                             "third");
+  EXPECT_EQ(third.status, 1) << third.out << third.err;
+  EXPECT_NE(third.err.find("--checkpoint-dir " + out +
+                           "/checkpoints is in use by another running "
+                           "strata-train"),
+            std::string::npos)
+      << third.err;
+  ::kill(pid, SIGTERM);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  const Result after =
+      train(args(dir.path + "/after.jsonl", {"--out", out, "--overwrite"}), "after");
+  EXPECT_EQ(after.status, 0) << after.out << after.err;
+}
+
 // Started with its console closed (`>&-`), the run's first file opened took descriptor 1: its
 // --log-json file got the banner, step lines and summary between its JSON lines. A console pipe
 // closed by its reader (`| head`) ends the run by SIGPIPE, as a Unix tool ends, and its swap

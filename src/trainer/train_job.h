@@ -11,6 +11,8 @@
 // trainer.cpp.
 #pragma once
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -44,6 +46,17 @@ struct DataIdentity {
   std::vector<std::string> samples;
 };
 
+// A folder this run writes into, locked for its life (hold_folder).
+struct HeldFolder {
+  int fd = -1;
+  explicit HeldFolder(int f) : fd(f) {}
+  HeldFolder(const HeldFolder&) = delete;
+  HeldFolder& operator=(const HeldFolder&) = delete;
+  ~HeldFolder() {
+    if (fd >= 0) ::close(fd);  // (releases the lock)
+  }
+};
+
 // What the options and files decide before any device or collective.
 struct Settings {
   explicit Settings(const TrainOptions& options) : o(options) {}
@@ -58,6 +71,9 @@ struct Settings {
   // named itself: the run it branches from went further (steps, oldest first).
   std::vector<std::int64_t> newer_checkpoints;
   std::string ckpt_root;
+  // --out and the checkpoint folder, held while the run lives (rank 0's): a second run into
+  // either is refused.
+  std::vector<std::unique_ptr<HeldFolder>> held_folders;
   // The launch and the device's options
   LaunchInfo launch;
   HostDeviceOptions hopt;

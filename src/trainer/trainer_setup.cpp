@@ -402,6 +402,29 @@ void check_files(Settings& s) {
       "--save-every needs a folder for the checkpoints: give --checkpoint-dir DIR or --out DIR");
 }
 
+// `folder` (given as `flag`), made if missing and held by an exclusive lock on it for the run's
+// life, by rank 0 (its job's other ranks write into the same folders): another run writing into
+// it (the same --out, the same checkpoint folder: each replaced the other's model and checkpoints
+// without a word, and their saves could interleave) is refused while this one lives. No lock
+// where the file system has none.
+void hold_folder(Settings& s, const std::string& flag, const std::string& folder) {
+  if (s.launch.rank != 0 || folder.empty() || s.o.plan_only) return;
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // (the run's own checks and writes name what is wrong with it)
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    s.held_folders.push_back(std::make_unique<HeldFolder>(fd));
+    return;
+  }
+  const int err = errno;
+  ::close(fd);
+  STRATA_REQUIRE(err != EWOULDBLOCK,
+                 "{} {} is in use by another running strata-train, which writes into it: give "
+                 "this run its own {}, or start it once that one has ended",
+                 flag, folder, flag);
+}
+
 // Resume: the newest complete checkpoint, found (and verified) before anything is built; the
 // folder this run's checkpoints go to, and which of those there it continues.
 void find_checkpoints(Settings& s) {
@@ -469,6 +492,10 @@ void find_checkpoints(Settings& s) {
           s.newer_checkpoints.push_back(st);
       }
   }
+  hold_folder(s, "--out", o.out_dir);
+  if (o.save_every > 0)
+    hold_folder(s, o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir",
+                ckpt_root);
 }
 
 // The --trace and --plot files' folders, and a resumed run has steps left (or a model to write)
