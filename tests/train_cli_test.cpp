@@ -1610,6 +1610,19 @@ TEST_F(TrainCli, AClosedConsoleIsNeitherALogNorALeftover) {
   EXPECT_FALSE(fs::exists(nvme.path + "/strata-swap"));  // (its demo-text.txt is kept)
 }
 
+// The demo's NVMe folder on a drive too small for its swap files: the refusal says it is the demo's
+// folder and names --demo-nvme (it named only the demo's own config key, which the user never
+// wrote). Needs root (a small tmpfs); Skipped elsewhere.
+TEST_F(TrainCli, TheDemosNvmeFolderTooSmallNamesDemoNvme) {
+  const testing::SmallTmpfs small(dir.path + "/small", "2m");
+  if (!small.ok) GTEST_SKIP() << small.why;
+  const Result r =
+      run(STRATA_TRAIN_BIN, {"--steps", "2", "--demo-nvme", small.path}, dir.path, "demo-small");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("the demo's NVMe folder " + small.path + ": "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(give the demo another with --demo-nvme DIR)"), std::string::npos) << r.err;
+}
+
 // The embedded demo (no model, no data): stage 3 with weights and optimizer state on NVMe, on
 // an emulated device whose cap is below the model's fp32 weights; the loss falls and the
 // device's peak stays under the cap.

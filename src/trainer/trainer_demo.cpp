@@ -47,7 +47,8 @@ std::string default_scratch_dir(const std::string& name) {
     return std::string(xdg) + "/strata/" + name;
   if (const char* home = std::getenv("HOME"); home && *home)
     return std::string(home) + "/.cache/strata/" + name;
-  return "/var/tmp/strata-" + name;
+  // One name a user: another user's folder there is not this one's to write.
+  return fmt::format("/var/tmp/strata-{}-{}", ::getuid(), name);
 }
 
 namespace train_job {

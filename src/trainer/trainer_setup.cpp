@@ -1349,6 +1349,13 @@ void build_model_and_engine(Run& r) {
                    "the demo's NVMe folder {} is in use by another running demo; give this one "
                    "its own with --demo-nvme DIR",
                    s.demo_dir);
+    // The demo's config is the demo's, not the user's: its nvme_path is the demo's folder.
+    if (!s.demo_dir.empty() && o.ds_config.empty() &&
+        e.user_message().find("nvme_path") != std::string::npos)
+      detail::throw_error(
+          e.kind(), __FILE__, __LINE__, "",
+          fmt::format("the demo's NVMe folder {}: {}\n(give the demo another with --demo-nvme DIR)",
+                      s.demo_dir, e.message()));
     // The demo runs on a device capped below its weights, which its own config offloads
     // around; a config of the user's may not: say where the cap comes from.
     // A cap of the user's own is one of the things to change.
