@@ -1610,6 +1610,17 @@ TEST_F(TrainCli, AClosedConsoleIsNeitherALogNorALeftover) {
   EXPECT_FALSE(fs::exists(nvme.path + "/strata-swap"));  // (its demo-text.txt is kept)
 }
 
+// Run from a working directory removed under the shell, a relative --out is said as that (it was
+// "--out rel:  is not a writable folder", an empty name).
+TEST_F(TrainCli, ARemovedWorkingDirectoryIsSaid) {
+  std::vector<std::string> sh = {
+      "-c", "mkdir gone && cd gone && rmdir ../gone && exec \"$0\" \"$@\"", STRATA_TRAIN_BIN};
+  for (const std::string& a : args(dir.path + "/gone.jsonl", {"--out", "rel"})) sh.push_back(a);
+  const Result r = run("/bin/sh", sh, dir.path, "gone");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("rel: the working directory no longer exists"), std::string::npos) << r.err;
+}
+
 // The demo's NVMe folder on a drive too small for its swap files: the refusal says it is the demo's
 // folder and names --demo-nvme (it named only the demo's own config key, which the user never
 // wrote). Needs root (a small tmpfs); Skipped elsewhere.

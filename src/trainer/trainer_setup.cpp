@@ -70,6 +70,11 @@ bool a_runs_file(const std::string& flag, const std::string& path) {
 fs::path nearest_existing(const std::string& path) {
   std::error_code ec;
   fs::path up = fs::absolute(path, ec).lexically_normal();
+  // (a relative path in a working directory removed under the shell: said, not an empty name)
+  STRATA_REQUIRE(!ec, "{}: {} ({}): cd to a folder that exists, or give an absolute path", path,
+                 fs::path(path).is_relative() ? "the working directory no longer exists"
+                                              : "cannot be resolved",
+                 ec.message());
   while (!up.empty() && !fs::exists(up, ec) && up != up.root_path()) up = up.parent_path();
   return up;
 }
