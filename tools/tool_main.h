@@ -23,6 +23,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "strata/adamw.h"
@@ -195,6 +196,15 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     return 1;
   } catch (const Error& e) {
     return fail(name, argc, argv, e.user_message(), error_kind_name(e.kind()));
+  } catch (const std::system_error& e) {
+    // A thread the process could not start (std::thread's EAGAIN): said with the limit to raise.
+    if (e.code() == std::errc::resource_unavailable_try_again)
+      return fail(name, argc, argv,
+                  fmt::format("cannot start a thread ({}): the process's thread limit is reached: "
+                              "raise `ulimit -u`, or a container's pids limit",
+                              e.what()),
+                  "error");
+    return fail(name, argc, argv, e.what(), "error");
   } catch (const std::exception& e) {  // not strata's (a library's, bad_alloc): the same way out
     return fail(name, argc, argv, e.what(), "error");
   }
