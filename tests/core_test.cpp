@@ -18,6 +18,7 @@
 #include "core/interrupt_files.h"
 #include "core/range_pool.h"
 #include "core/signal_slots.h"
+#include "core/utf8.h"
 #include "strata/dtype.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -409,6 +410,19 @@ TEST(InterruptFiles, RegisteredFilesAreRemovedAndForgottenOnesKept) {
   EXPECT_TRUE(std::filesystem::exists(kept));
   EXPECT_FALSE(std::filesystem::exists(gone));
   EXPECT_EQ(core::remove_file_on_interrupt(std::string(5000, 'x')), -1);  // too long to unlink
+}
+
+// A name cut to fit a file name's length ends on a character's edge.
+TEST(Utf8, PrefixEndsOnACharactersEdge) {
+  EXPECT_EQ(utf8::prefix("abcdef", 4), "abcd");
+  EXPECT_EQ(utf8::prefix("abc", 64), "abc");
+  EXPECT_EQ(utf8::prefix("ab\xc3\xa9z", 3), "ab");  // é is two bytes: not cut in half
+  EXPECT_EQ(utf8::prefix("ab\xc3\xa9z", 4), "ab\xc3\xa9");
+  EXPECT_EQ(utf8::prefix("a\xff"
+                         "b",
+                         2),
+            "a\xff");  // an ill-formed byte counts as one
+  EXPECT_EQ(utf8::prefix("", 4), "");
 }
 
 }  // namespace

@@ -364,6 +364,11 @@ TEST(RunPlotFile, WrittenWholeOrNotAtAll) {
   std::size_t files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(d.path)) ++files;
   EXPECT_EQ(files, 1u) << "a temporary file was left";
+  // A name of 249 bytes: its temporary file's name fits too (".tmp-<pid>-" before the whole name
+  // passed the file system's 255).
+  const std::string long_name = d.path + "/" + std::string(245, 'p') + ".svg";
+  write_run_plot(long_name, "<svg/>");
+  EXPECT_EQ(slurp(long_name), "<svg/>");
   try {
     write_run_plot(d.path + "/no/such/run.svg", "<svg/>");
     ADD_FAILURE() << "no error";

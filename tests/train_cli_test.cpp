@@ -1285,6 +1285,42 @@ TEST_F(TrainCli, CorporaArePreparedWithTheModelsTokenizer) {
   EXPECT_EQ(same_size.status, 0) << same_size.out << same_size.err;
   EXPECT_EQ((same_size.out + same_size.err).find("(reused)"), std::string::npos)
       << same_size.out + same_size.err;
+  // A corpus of a long name: the cache's file is named by its first 64 bytes (the whole name
+  // with the hash and the cache's suffixes passed the file system's 255: "File name too long").
+  const std::string long_name = dir.path + "/" + std::string(240, 'a') + ".jsonl";
+  fs::copy_file(corpus, long_name);
+  const Result long_run = run_on({"--data", long_name}, "corpus-long-name");
+  EXPECT_EQ(long_run.status, 0) << long_run.out << long_run.err;
+  EXPECT_NE(long_run.out.find(cache + "/prep/" + std::string(64, 'a') + "-"), std::string::npos)
+      << long_run.out;
+  // A cache this run may only read (a read-only drive; root passes permission checks): its file
+  // of this corpus is reused; another corpus is refused naming STRATA_CACHE_DIR (it was "cannot
+  // lock the prepared corpus").
+  {
+    const testing::SmallTmpfs ro(dir.path + "/ro-cache", "8m");
+    if (ro.ok) {
+      fs::create_directories(ro.path + "/prep");
+      for (const auto& e : fs::directory_iterator(cache + "/prep"))
+        fs::copy(e.path(), ro.path + "/prep/" + e.path().filename().string());
+      ASSERT_EQ(std::system(("mount -o remount,ro '" + ro.path + "'").c_str()), 0);
+      const std::vector<std::pair<std::string, std::string>> ro_env = {
+          {"STRATA_CACHE_DIR", ro.path}};
+      std::vector<std::string> a = {"--model", hf,  "--seq-len", "16",  "--micro-batch", "2",
+                                    "--steps", "2", "--device",  "cpu", "--data"};
+      a.push_back(long_name);
+      const Result reused = run(STRATA_TRAIN_BIN, a, dir.path, "ro-reused", ro_env);
+      EXPECT_EQ(reused.status, 0) << reused.out << reused.err;
+      EXPECT_NE(reused.out.find("(reused)"), std::string::npos) << reused.out;
+      a.back() = dir.path + "/other.jsonl";
+      std::ofstream(a.back()) << R"({"text": "hello world"})"
+                              << "\n";
+      const Result other = run(STRATA_TRAIN_BIN, a, dir.path, "ro-other", ro_env);
+      EXPECT_EQ(other.status, 1) << other.out << other.err;
+      EXPECT_NE(other.err.find("the cache of prepared corpora cannot be written by this user"),
+                std::string::npos)
+          << other.err;
+    }
+  }
 
   // --text through the same tokenizer: one document.
   const std::string text_file = dir.path + "/one.txt";

@@ -37,6 +37,16 @@ std::size_t first_invalid(std::string_view s) {
   return std::string_view::npos;
 }
 
+std::string_view prefix(std::string_view s, std::size_t max_bytes) {
+  std::size_t end = 0;
+  while (end < s.size()) {
+    const std::size_t n = std::max<std::size_t>(1, sequence_length(s, end));
+    if (end + n > max_bytes) break;
+    end += n;
+  }
+  return s.substr(0, end);
+}
+
 std::string lossy(std::string_view s) {
   std::string out;
   out.reserve(s.size());

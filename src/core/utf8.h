@@ -18,6 +18,10 @@ std::size_t sequence_length(std::string_view s, std::size_t i, std::size_t* bad 
 // The byte at which `s` stops being well-formed UTF-8, or std::string_view::npos when it is.
 std::size_t first_invalid(std::string_view s);
 
+// The longest prefix of `s` of at most `max_bytes` that ends on a character's edge (an ill-formed
+// byte counts as one): a name cut to fit a file name's length.
+std::string_view prefix(std::string_view s, std::size_t max_bytes);
+
 // `s` with each ill-formed sequence (its maximal subpart) replaced by one U+FFFD: text any JSON or
 // XML writer takes (a byte-level model's sample, a title given in Latin-1).
 std::string lossy(std::string_view s);

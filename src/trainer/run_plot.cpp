@@ -594,9 +594,11 @@ std::string run_plot_svg(const std::vector<RunRecord>& steps, const std::string&
 
 void write_run_plot(const std::string& path, const std::string& svg) {
   const fs::path target(path);
-  const std::string tmp = (target.parent_path() / (".tmp-" + std::to_string(::getpid()) + "-" +
-                                                   target.filename().string()))
-                              .string();
+  // (the name cut to 64 bytes: a long one with the prefix passed the file system's 255)
+  const std::string tmp =
+      (target.parent_path() /
+       fmt::format(".tmp-{}-{}", ::getpid(), utf8::prefix(target.filename().string(), 64)))
+          .string();
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr)
     STRATA_THROW(kIo,

@@ -188,6 +188,9 @@ void sequence_and_batch(Settings& s);
 void data_and_steps(Settings& s);
 void check_resume_step(Settings& s);
 void lr_schedule(Settings& s);
+// After the checks, before the run (rank 0): --out and the checkpoint folder held for the run's
+// life; another run holding either is refused.
+void hold_folders(Settings& s);
 void prepare_data(Run& r);
 void open_device(Run& r);
 void build_model_and_engine(Run& r);

@@ -46,6 +46,7 @@ TrainResult train(const TrainOptions& o) {
   check_resume_step(s);
   lr_schedule(s);
   if (o.plan_only) return report_plan(s);
+  hold_folders(s);
 
   Run r(s);
   prepare_data(r);

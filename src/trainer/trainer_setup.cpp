@@ -430,6 +430,14 @@ void hold_folder(Settings& s, const std::string& flag, const std::string& folder
                  flag, folder, flag);
 }
 
+void hold_folders(Settings& s) {
+  const TrainOptions& o = s.o;
+  hold_folder(s, "--out", o.out_dir);
+  if (o.save_every > 0)
+    hold_folder(s, o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir",
+                s.ckpt_root);
+}
+
 // Resume: the newest complete checkpoint, found (and verified) before anything is built; the
 // folder this run's checkpoints go to, and which of those there it continues.
 void find_checkpoints(Settings& s) {
@@ -497,10 +505,6 @@ void find_checkpoints(Settings& s) {
           s.newer_checkpoints.push_back(st);
       }
   }
-  hold_folder(s, "--out", o.out_dir);
-  if (o.save_every > 0)
-    hold_folder(s, o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir",
-                ckpt_root);
 }
 
 // The --trace and --plot files' folders, and a resumed run has steps left (or a model to write)
@@ -922,18 +926,26 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
                  "{}: the cache of prepared corpora cannot be made ({}): set STRATA_CACHE_DIR "
                  "to a writable folder, or prepare the corpus with strata-prep and give its file",
                  dir, ec.message());
+  // Named after the first input, cut to 64 bytes (with the hash and the suffixes the cache adds,
+  // a 240-byte name passed the file system's 255).
   const std::string path =
-      fmt::format("{}/{}-{:016x}.prep", dir, fs::path(inputs[0]).stem().string(),
+      fmt::format("{}/{}-{:016x}.prep", dir, utf8::prefix(fs::path(inputs[0]).stem().string(), 64),
                   XXH3_64bits(k.data(), k.size()));
   const int lock = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock < 0)
-    detail::throw_errno(__FILE__, __LINE__, "open", errno,
+  const int lock_err = lock < 0 ? errno : 0;
+  // A cache this user may only read (one shared, or on a read-only drive): its file is reused
+  // when it is this corpus's, unlocked (no one who can change it is this run's concern).
+  const bool read_only = lock_err == EACCES || lock_err == EPERM || lock_err == EROFS;
+  if (lock < 0 && !read_only)
+    detail::throw_errno(__FILE__, __LINE__, "open", lock_err,
                         fmt::format("cannot lock the prepared corpus {}", path));
   struct Unlock {
     int fd;
-    ~Unlock() { ::close(fd); }  // closing releases the flock
+    ~Unlock() {
+      if (fd >= 0) ::close(fd);  // closing releases the flock
+    }
   } unlock{lock};
-  while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+  while (lock >= 0 && ::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
   }
   bool reused = false;
   if (fs::exists(path, ec)) {
@@ -954,6 +966,11 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
                   e.what());
     }
   }
+  STRATA_REQUIRE(reused || !read_only,
+                 "{}: the cache of prepared corpora cannot be written by this user ({}): set "
+                 "STRATA_CACHE_DIR to a folder you can write, or prepare the corpus with "
+                 "strata-prep and give its file",
+                 dir, std::strerror(lock_err));
   std::string line;
   if (reused) {
     const PreparedHeader h = read_prepared_header(path);
