@@ -137,6 +137,12 @@ bool is_text_corpus_file(const std::string& path);
 // Whether `path` names a corpus strata tokenizes itself: JSON lines or text (the two above).
 bool is_corpus_file(const std::string& path);
 
+// A hash of a file's first and last MiB (all of a smaller one) and its `size`, 16 hex digits; ""
+// where it cannot be read. Tells a file's bytes from another's of the same size and time without
+// reading it all (`cp -p`, rsync -a and tar keep both): the prepared-corpus cache's inputs, the
+// data files a checkpoint records (data_identity).
+std::string file_sample_hash(const std::string& path, std::uint64_t size);
+
 // Reads and validates the header (magic, version, sizes, offsets against the file's size).
 PreparedHeader read_prepared_header(const std::string& path);
 

@@ -539,13 +539,10 @@ std::vector<Document> read_corpus_file(const Tokenizer& tok, const std::string& 
   return out;
 }
 
-namespace {
-// A hash of a file's first and last MiB (all of a smaller one) and its size, 16 hex digits: the
-// same size and time with other bytes (a file written over by `cp -p`, rsync -a, tar) is other
-// input.
-std::string sample_hash(const std::string& path, std::uint64_t size) {
+std::string file_sample_hash(const std::string& path, std::uint64_t size) {
   constexpr std::uint64_t kEnd = std::uint64_t(1) << 20;
   std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
   std::string bytes(std::size_t(std::min(size, 2 * kEnd)), '\0');
   const std::size_t head = std::size_t(std::min<std::uint64_t>(bytes.size(), kEnd));
   in.read(bytes.data(), std::streamsize(head));
@@ -553,13 +550,10 @@ std::string sample_hash(const std::string& path, std::uint64_t size) {
     in.seekg(std::streamoff(size - (bytes.size() - head)));
     in.read(bytes.data() + head, std::streamsize(bytes.size() - head));
   }
-  if (!in)
-    detail::throw_errno(__FILE__, __LINE__, "read", errno,
-                        fmt::format("corpus file {} cannot be read", path));
+  if (!in) return "";
   bytes += fmt::format("|{}", size);
   return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
 }
-}  // namespace
 
 Json describe_sources(const std::vector<std::string>& inputs, const CorpusOptions& o) {
   // All of it is JSON text (the prepared file's record of its sources, a cache's key): UTF-8.
@@ -589,10 +583,14 @@ Json describe_sources(const std::vector<std::string>& inputs, const CorpusOption
     // (absolute: the working directory's name is checked too)
     utf8_or_refuse(fmt::format("the corpus path {}", recorded), recorded,
                    "rename the file or its folders, or link to it from a UTF-8 name");
+    const std::string sample = file_sample_hash(p, std::uint64_t(st.st_size));
+    if (sample.empty())
+      detail::throw_errno(__FILE__, __LINE__, "read", errno,
+                          fmt::format("corpus file {} cannot be read", p));
     list.push_back({{"path", recorded},
                     {"bytes", std::uint64_t(st.st_size)},
                     {"mtime_ns", std::int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec},
-                    {"sample_xxh3", sample_hash(p, std::uint64_t(st.st_size))}});
+                    {"sample_xxh3", sample}});
   }
   // reader: how the inputs are read (2: JSON lines by .json too, a text file's BOM dropped,
   // separators of line ends at CRLF, one EOS): a cache of the same inputs read otherwise is not

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -947,23 +948,21 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   } unlock{lock};
   while (lock >= 0 && ::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
   }
-  bool reused = false;
+  std::optional<PreparedHeader> reused;  // the header of the file reused
   if (fs::exists(path, ec)) {
     try {
       // Whole (header, documents' starts, mask), as the loader will check it: a damaged body
       // was reused by every run, each refused with advice that did not help a .jsonl's user.
       const PreparedFile f(path);
       const PreparedHeader& h = f.header();
-      reused = h.tokenizer_hash_hex() == t.hash && config::parse(h.source, path, true) == sources;
-    } catch (const Error& e) {
-      // Damaged or of another version: prepared again.
-      if (s.con)
-        log::warn("{}: the cached prepared corpus cannot be reused ({}); preparing it again", path,
-                  e.message());
+      if (h.tokenizer_hash_hex() == t.hash && config::parse(h.source, path, true) == sources)
+        reused = h;
     } catch (const std::exception& e) {
+      // Damaged or of another version: prepared again.
+      const auto* err = dynamic_cast<const Error*>(&e);
       if (s.con)
         log::warn("{}: the cached prepared corpus cannot be reused ({}); preparing it again", path,
-                  e.what());
+                  err ? err->message() : std::string(e.what()));
     }
   }
   STRATA_REQUIRE(reused || !read_only,
@@ -973,7 +972,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
                  dir, std::strerror(lock_err));
   std::string line;
   if (reused) {
-    const PreparedHeader h = read_prepared_header(path);
+    const PreparedHeader& h = *reused;
     line = fmt::format("{} documents, {} tokens ({:.1f}% masked), {} truncated (reused)",
                        h.documents, h.tokens,
                        h.tokens ? 100.0 * (1.0 - double(h.counted_tokens) / double(h.tokens)) : 0.0,
@@ -1019,27 +1018,12 @@ std::vector<std::string> prepare_corpora(const Settings& s, const FolderTokenize
 }
 
 DataIdentity data_identity(const std::vector<std::string>& files) {
-  constexpr std::size_t kEnd = std::size_t(1) << 20;
   DataIdentity out;
   for (const auto& f : files) {
     std::error_code ec;
     const auto size = fs::file_size(f, ec);
     out.bytes.push_back(ec ? -1 : std::int64_t(size));
-    std::ifstream in(f, std::ios::binary);
-    if (!in || ec) {
-      out.samples.emplace_back();
-      continue;
-    }
-    std::string bytes(std::size_t(std::min<std::uintmax_t>(size, 2 * kEnd)), '\0');
-    const std::size_t head = std::min(bytes.size(), kEnd);
-    in.read(bytes.data(), std::streamsize(head));
-    if (bytes.size() > head) {
-      in.seekg(std::streamoff(size - (bytes.size() - head)));
-      in.read(bytes.data() + head, std::streamsize(bytes.size() - head));
-    }
-    bytes += fmt::format("|{}", size);
-    out.samples.push_back(in ? fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()))
-                             : "");
+    out.samples.push_back(ec ? std::string() : file_sample_hash(f, size));
   }
   return out;
 }
