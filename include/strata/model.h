@@ -354,6 +354,9 @@ class ResidentWeights final : public UnitProvider {
 // not divide the attention heads, the key/value heads or the MLP's width, or that leaves a rank
 // no vocabulary rows.
 std::vector<UnitSpec> model_units(const ModelConfig& cfg, TensorParallel tp = {});
+// The parameters `units` hold (their elements, alignment gaps left out; tied weights once): of
+// model_units(cfg), the whole model's; Model::num_params is its units'.
+std::size_t num_params(const std::vector<UnitSpec>& units);
 // Host copies between a parameter's full tensor (Hugging Face's, row-major) and this rank's
 // slice of it (p.numel elements): `slice` takes the slice out, `place` puts it back in.
 std::vector<float> tp_slice(const ParamSpec& p, const std::vector<float>& full);

@@ -1122,12 +1122,14 @@ std::uint64_t host_checkpoint_bytes(const ModelConfig& cfg, std::int64_t micro_b
   return std::uint64_t(cfg.num_layers) * rows * std::uint64_t(cfg.hidden_size) * 4;
 }
 
-std::size_t Model::num_params() const {
+std::size_t num_params(const std::vector<UnitSpec>& units) {
   std::size_t n = 0;
-  for (const auto& u : impl_->units)
+  for (const auto& u : units)
     for (const auto& p : u.params) n += p.numel;
   return n;
 }
+
+std::size_t Model::num_params() const { return strata::num_params(impl_->units); }
 
 double Model::flops_per_step() const {
   const Impl& m = *impl_;

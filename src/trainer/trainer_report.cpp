@@ -23,16 +23,7 @@ namespace strata::train_job {
 namespace {
 
 // The whole model's parameters (under tensor parallelism a rank's model holds its slices).
-std::uint64_t whole_params(const ModelConfig& cfg) {
-  std::uint64_t total = 0;
-  for (const UnitSpec& u : model_units(cfg))
-    for (const ParamSpec& p : u.params) {
-      std::uint64_t n = 1;
-      for (const std::int64_t d : p.shape) n *= std::uint64_t(d);
-      total += n;
-    }
-  return total;
-}
+std::uint64_t whole_params(const ModelConfig& cfg) { return num_params(model_units(cfg)); }
 
 std::string human_bytes(double b) { return log::human_bytes(b, 1); }
 
