@@ -456,6 +456,56 @@ TEST(AdamW, MultiShardStepEqualsOneStepPerShard) {
       ASSERT_EQ(f32_bits(a[k]->p[i]), f32_bits(b[k]->p[i]));
 }
 
+// A shard weight decay skips (AdamWShard::decay false, what the engine gives norm weights and
+// biases) steps as with weight_decay 0, bit for bit, beside decayed shards in the same step; a
+// decayed one as when stepped alone. On every path this CPU has.
+TEST(AdamW, ShardsWithoutDecayStepAsWithWeightDecayZero) {
+  const Mode mode{DType::kF32, DType::kF32, DType::kBF16, 0.0, true};
+  const std::size_t sizes[] = {70000, 33, 1, 4099};
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    CpuAdamW eng(CpuAdamWConfig{2, isa});
+    // together: one step over every shard, odd ones without decay; alone: one step per shard,
+    // with weight_decay 0 for the odd ones.
+    std::vector<std::unique_ptr<State>> together, alone;
+    for (std::size_t k = 0; k < std::size(sizes); ++k)
+      for (auto* v : {&together, &alone}) {
+        auto st = std::make_unique<State>(sizes[k], mode, k);
+        for (std::size_t i = 0; i < sizes[k]; ++i) {
+          st->p[i] = 0.5f + float(i % 13), st->m32[i] = 0.01f, st->v32[i] = 0.02f;
+          st->g32[i] = float(i % 7) - 3.5f;
+        }
+        v->push_back(std::move(st));
+      }
+    AdamWOptions o;
+    o.lr = 1e-2f;
+    o.weight_decay = 0.1f;
+    for (int t = 1; t <= 2; ++t) {
+      o.step = t;
+      std::vector<AdamWShard> shards;
+      for (std::size_t k = 0; k < together.size(); ++k) {
+        shards.push_back(together[k]->shard());
+        shards.back().decay = k % 2 == 0;
+      }
+      eng.step(o, shards);
+      for (std::size_t k = 0; k < alone.size(); ++k) {
+        AdamWOptions ok = o;
+        if (k % 2 == 1) ok.weight_decay = 0;
+        eng.step(ok, alone[k]->shard());
+      }
+    }
+    for (std::size_t k = 0; k < std::size(sizes); ++k) {
+      for (std::size_t i = 0; i < sizes[k]; ++i) {
+        ASSERT_EQ(f32_bits(together[k]->p[i]), f32_bits(alone[k]->p[i])) << "shard " << k;
+        ASSERT_EQ(together[k]->c16[i], alone[k]->c16[i]) << "shard " << k;
+      }
+    }
+    // The decay is there to skip: a shard that decays ends elsewhere (0.5 + ... shrinks by lr * wd
+    // a step, 1e-3 of it, far above the last bit).
+    EXPECT_NE(together[0]->p[12], together[3]->p[12]);
+  }
+}
+
 // With grad_scale 4 the third gradient (3e38) overflows to Inf; with 1 (which the SIMD paths do
 // not multiply by) it stays finite. Either way every path writes the scalar path's bits, NaNs
 // included.

@@ -1145,11 +1145,14 @@ TEST_P(DeviceTest, AdamWMatchesCpuScalarPathBitForBit) {
     AdamWShard ds{tensor(b[0], DType::kF32, sp.n), tensor(b[1], sp.grad, sp.n),
                   tensor(b[2], sp.state, sp.n), tensor(b[3], sp.state, sp.n),
                   h.c.empty() ? TensorRef{} : tensor(b[4], sp.copy, sp.n)};
+    // Shard 1 without weight decay (a norm weight's or a bias's, AdamWShard::decay).
+    ds.decay = k != 1;
     desc.shards.push_back(ds);
     host_shards.push_back(
         {host_tensor(h.p.data(), DType::kF32, sp.n), host_tensor(h.g.data(), sp.grad, sp.n),
          host_tensor(h.m.data(), sp.state, sp.n), host_tensor(h.v.data(), sp.state, sp.n),
          h.c.empty() ? TensorRef{} : host_tensor(h.c.data(), sp.copy, sp.n)});
+    host_shards.back().decay = ds.decay;
     bufs.push_back(std::move(b));
   }
   // The uploads read the host copies, which the reference step below rewrites: wait for them.

@@ -76,12 +76,17 @@ TEST(EngineConfig, DefaultsMatchDeepSpeed) {
   EXPECT_FALSE(c.overlap_optimizer.has_value());  // the planner decides
   EXPECT_EQ(c.optimizer_threads, 0);
   EXPECT_EQ(c.optimizer_isa, Isa::kAuto);
+  EXPECT_TRUE(c.decay_exempt_norms_and_biases);
   const EngineConfig s = parse_engine_config(
       R"({"zero_optimization": {"stage": 3}, "strata": {"overlap_optimizer": false, "optimizer_threads": 3,
-          "optimizer_isa": "scalar"}})");
+          "optimizer_isa": "scalar", "weight_decay_exempt": "none"}})");
   EXPECT_EQ(s.overlap_optimizer, std::optional<bool>(false));
   EXPECT_EQ(s.optimizer_threads, 3);
   EXPECT_EQ(s.optimizer_isa, Isa::kScalar);
+  EXPECT_FALSE(s.decay_exempt_norms_and_biases);
+  EXPECT_TRUE(parse_engine_config(R"({"zero_optimization": {"stage": 3},
+                                      "strata": {"weight_decay_exempt": "norms_and_biases"}})")
+                  .decay_exempt_norms_and_biases);
 
   // overlap_comm defaults to false below stage 3 (DeepSpeed).
   EXPECT_FALSE(parse_engine_config(R"({"zero_optimization": {"stage": 2}})").overlap_comm);
@@ -580,6 +585,8 @@ TEST(EngineConfig, ErrorsNameTheKeyAndTheAllowedValues) {
         "use one of \"auto\", \"avx512\", \"avx2\", \"scalar\""}},
       {R"({"zero_optimization": {"stage": 3}, "strata": {"optimizer_isa": 2}})",
        {"'strata.optimizer_isa'"}},
+      {R"({"zero_optimization": {"stage": 3}, "strata": {"weight_decay_exempt": "norms"}})",
+       {"'strata.weight_decay_exempt' is \"norms\"", "use one of \"norms_and_biases\", \"none\""}},
       // A key a typo away from one strata reads would leave that setting at its default.
       {R"({"zero_optimisation": {"stage": 3}})",
        {"'zero_optimisation'", "did you mean 'zero_optimization'"}},

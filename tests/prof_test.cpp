@@ -1408,6 +1408,7 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         c.gather_16bit_weights_on_model_save = variant % 2 == 1;
         c.device_grad_norm = variant % 3 == 0;
         c.optimizer_isa = variant % 2 == 0 ? Isa::kScalar : Isa::kAuto;
+        c.decay_exempt_norms_and_biases = variant % 2 == 1;
         c.scheduler.type = schedulers[variant++ % 4];
         c.scheduler.warmup_num_steps = 7;
         c.scheduler.total_num_steps = 70;
@@ -1446,6 +1447,7 @@ TEST(PerfModel, ConfigJsonRoundTrips) {
         EXPECT_EQ(r.gather_16bit_weights_on_model_save, c.gather_16bit_weights_on_model_save);
         EXPECT_EQ(r.device_grad_norm, c.device_grad_norm);
         EXPECT_EQ(r.optimizer_isa, c.optimizer_isa);
+        EXPECT_EQ(r.decay_exempt_norms_and_biases, c.decay_exempt_norms_and_biases);
         EXPECT_EQ(r.scheduler.type, c.scheduler.type);
         if (!c.scheduler.type.empty()) {
           EXPECT_EQ(r.scheduler.warmup_num_steps, 7);

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <tuple>
 
 #include "strata/comm.h"
 #include "strata/engine.h"
@@ -59,7 +60,10 @@ struct TrainRun {
   EngineStats stats;
 };
 
-TrainRun run_engine(const ModelConfig& mc, EngineConfig cfg, int steps, int accum, float lr) {
+// `exempt`: weight decay skips the norm weights and biases (weight_decay_exempt_ranges), as
+// strata-train asks by default.
+TrainRun run_engine(const ModelConfig& mc, EngineConfig cfg, int steps, int accum, float lr,
+                    bool exempt = false) {
   auto dev = make_host_device();
   CommOptions co;
   co.backend = CommBackend::kLocal;
@@ -70,6 +74,7 @@ TrainRun run_engine(const ModelConfig& mc, EngineConfig cfg, int steps, int accu
   Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT, .compute = cfg.compute_dtype});
   Engine e(*dev, *comm, cfg);
   add_model_units(e, model.units(), initial_unit_weights(mc, "", 5));
+  if (exempt) e.set_weight_decay_exempt(weight_decay_exempt_ranges(model.units()));
   e.finalize();
   EngineWeights w(e, *s, model.units());
   TrainRun out;
@@ -88,9 +93,12 @@ TrainRun run_engine(const ModelConfig& mc, EngineConfig cfg, int steps, int accu
   return out;
 }
 
-// ResidentWeights + AdamW as torch.optim.AdamW documents it, one element at a time.
-std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, int steps,
-                                 float lr) {
+// ResidentWeights + AdamW as torch.optim.AdamW documents it, one element at a time; `exempt`:
+// the one-dimensional parameters (norm weights, biases) in a group of weight decay 0, as the
+// Hugging Face Trainer makes them. The final weights by name into `weights` when given.
+std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, int steps, float lr,
+                                 bool exempt = false,
+                                 std::map<std::string, std::vector<float>>* weights = nullptr) {
   auto dev = make_host_device();
   auto s = dev->create_stream("compute");
   Model model(mc, *dev, *s, {.micro_batch = kB, .seq_len = kT});
@@ -110,8 +118,9 @@ std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, i
         auto& [m, v] = mv[p.name];
         m.resize(x.size());
         v.resize(x.size());
+        const float wd = exempt && p.shape.size() == 1 ? 0.0f : float(h.weight_decay);
         for (std::size_t i = 0; i < x.size(); ++i) {
-          x[i] *= 1.0f - lr * float(h.weight_decay);
+          x[i] *= 1.0f - lr * wd;
           m[i] = float(h.beta1) * m[i] + (1.0f - float(h.beta1)) * g[i];
           v[i] = float(h.beta2) * v[i] + (1.0f - float(h.beta2)) * g[i] * g[i];
           const float denom = std::sqrt(v[i]) / float(std::sqrt(bc2)) + float(h.eps);
@@ -120,6 +129,9 @@ std::vector<float> run_reference(const ModelConfig& mc, const AdamWOptions& h, i
         w.set(p.name, x);
       }
   }
+  if (weights)
+    for (const UnitSpec& u : model.units())
+      for (const ParamSpec& p : u.params) (*weights)[p.name] = w.get(p.name);
   return losses;
 }
 
@@ -140,15 +152,21 @@ void expect_identical(const TrainRun& a, const TrainRun& b, const char* what) {
         << what << ": master weights of unit " << u << " differ";
 }
 
-class BridgeTest : public ::testing::TestWithParam<bool> {};  // tied embeddings or not
+// Tied embeddings or not; weight decay on every parameter or not on norm weights and biases.
+class BridgeTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(BridgeTest, EnginePlacementsAreBitIdenticalAndMatchTheResidentReference) {
-  const ModelConfig mc = tiny_llama(GetParam());
+  const auto [tied, exempt] = GetParam();
+  const ModelConfig mc = tiny_llama(tied);
   const int steps = 6;
   const float lr = 1e-2f;
   EngineConfig base = default_engine_config();
   base.adamw.weight_decay = 0.1;
   base.param_persistence_threshold = 0;  // every unit gathered and released, none resident
+  const auto run_engine = [exempt](const ModelConfig& m, const EngineConfig& c, int n, int accum,
+                                   float rate) {
+    return strata::run_engine(m, c, n, accum, rate, exempt);
+  };
   const TrainRun ref = run_engine(mc, base, steps, 1, lr);
   EXPECT_LT(ref.losses.back(), ref.losses.front() - 0.3f) << "the model did not train";
 
@@ -179,17 +197,36 @@ TEST_P(BridgeTest, EnginePlacementsAreBitIdenticalAndMatchTheResidentReference) 
     EXPECT_GT(e.stats.early_units_kept, 0u) << what;
   }
 
-  const std::vector<float> plain = run_reference(mc, base.adamw, steps, lr);
+  std::map<std::string, std::vector<float>> weights;
+  const std::vector<float> plain = run_reference(mc, base.adamw, steps, lr, exempt, &weights);
   for (int i = 0; i < steps; ++i)
     EXPECT_NEAR(plain[std::size_t(i)], ref.losses[std::size_t(i)],
                 2e-5 * std::abs(plain[std::size_t(i)]))
         << "step " << i + 1;
   EXPECT_EQ(plain[0], ref.losses[0]) << "the first loss (before any update) must be bitwise equal";
+  // The norm weights, which weight decay moves by lr * 0.1 of their ~1 a step (6e-3 over the
+  // run) when it does not skip them: the engine's master against the reference's, 5e-4.
+  const std::vector<UnitSpec> units = model_units(mc);
+  int norms = 0;
+  for (std::size_t u = 0; u < units.size(); ++u)
+    for (const ParamSpec& p : units[u].params) {
+      if (p.name.find("norm") == std::string::npos) continue;
+      ++norms;
+      const std::vector<float>& want = weights.at(p.name);
+      float worst = 0;
+      for (std::size_t i = 0; i < p.numel; ++i)
+        worst = std::max(worst, std::abs(ref.master[u][p.offset + i] - want[i]));
+      EXPECT_LT(worst, 5e-4f) << p.name;
+    }
+  EXPECT_EQ(norms, 2 * mc.num_layers + 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tied, BridgeTest, ::testing::Bool(), [](const auto& p) {
-  return p.param ? std::string("tied") : std::string("untied");
-});
+INSTANTIATE_TEST_SUITE_P(TiedAndDecay, BridgeTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& p) {
+                           return std::string(std::get<0>(p.param) ? "tied" : "untied") +
+                                  (std::get<1>(p.param) ? "_norms_undecayed" : "_all_decayed");
+                         });
 
 TEST(Bridge, GradientAccumulationIsIdenticalAcrossPlacements) {
   const ModelConfig mc = tiny_llama(true);

@@ -166,9 +166,13 @@ enum class NonFinitePolicy {
 // while the first stays valid. Each source has its destination's dtype and length, and may be
 // the very memory of its destination (an in-place step) but must not otherwise overlap
 // params, m, v or copy_out. The results are bit-identical to the in-place step's.
+//
+// `decay` false: weight decay skips this shard (norm weights and biases, as the Hugging Face
+// Trainer's AdamW leaves them), which then steps as with weight_decay 0, bit for bit.
 struct AdamWShard {
   TensorRef params, grads, m, v, copy_out;
   TensorRef params_src = {}, m_src = {}, v_src = {};
+  bool decay = true;
   // What the step reads: the sources when set (validated: all three or none), else what it
   // overwrites.
   bool out_of_place() const { return params_src.mem.ptr != nullptr; }

@@ -141,6 +141,12 @@ class Engine {
   // finalize(); `tp` must outlive the engine.
   using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
   void set_tensor_parallel(Communicator& tp, std::vector<Ranges> counted);
+  // Weight decay (AdamWOptions::weight_decay) skips `exempt[unit]`: element ranges {first, count}
+  // of each unit's flat layout, which then step as with weight_decay 0 on every tier — norm
+  // weights and biases, as the Hugging Face Trainer's AdamW leaves them
+  // (weight_decay_exempt_ranges() in strata/trainer.h gives them from the unit layout). Without
+  // a call every element decays. Before finalize().
+  void set_weight_decay_exempt(std::vector<Ranges> exempt);
 
   // Partitions, places every piece on its tier, and checks the memory plan: throws
   // strata::Error (kOutOfMemory) with the plan's table and what to change if it cannot fit.

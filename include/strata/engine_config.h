@@ -131,6 +131,11 @@ struct EngineConfig {
   // copy to the host, instead of by a pass of the host's CPU (which the optimizer needs).
   // Unset: on, except on the CPU-emulated device, whose "device" is those same cores.
   std::optional<bool> device_grad_norm;
+  // strata.weight_decay_exempt: "norms_and_biases" (true, the default) — weight decay skips the
+  // model's norm weights and biases, as the Hugging Face Trainer's AdamW, Megatron and nanoGPT
+  // do — or "none" (false): every parameter decays, as DeepSpeed's own optimizer decays every
+  // parameter it is handed. Applied by the trainer (Engine::set_weight_decay_exempt).
+  bool decay_exempt_norms_and_biases = true;
 };
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x

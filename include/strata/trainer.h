@@ -74,6 +74,11 @@ ModelSource hf_model_source(const ModelConfig& cfg, const std::string& dir, Tens
 // (the replicated parameters, which every TP rank holds alike, counted there once).
 std::vector<Engine::Ranges> tensor_parallel_counted(const std::vector<UnitSpec>& units,
                                                     int tp_rank);
+// The ranges of each unit that weight decay skips (Engine::set_weight_decay_exempt): its norm
+// weights and biases, the one-dimensional parameters of every family strata reads — what the
+// Hugging Face Trainer's AdamW leaves undecayed (its LayerNorm / RMSNorm weights and every
+// "bias"), and Megatron's and nanoGPT's too. Embeddings and the head decay.
+std::vector<Engine::Ranges> weight_decay_exempt_ranges(const std::vector<UnitSpec>& units);
 // Registers one engine unit per model unit, in order, its values from `source`.
 void add_model_units(Engine& engine, const std::vector<UnitSpec>& units, ModelSource source);
 

@@ -337,6 +337,9 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
   };
   std::vector<cpu::adamw::Arrays> arrays;
   std::vector<Tile> tiles;
+  // A shard weight decay skips steps with decay 1: p * 1 is p, the weight_decay-0 step's bits.
+  detail::AdamWScalars k_exempt = k;
+  k_exempt.decay = 1.0f;
   arrays.reserve(shards.size());
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const AdamWShard& s = shards[i];
@@ -380,8 +383,9 @@ AdamWResult CpuAdamW::step(const AdamWOptions& options, std::span<const AdamWSha
       return result;
     }
   }
-  const std::size_t bad =
-      reduce([&](const Tile& t) { return kern.update(k, arrays[t.shard], t.lo, t.hi); });
+  const std::size_t bad = reduce([&](const Tile& t) {
+    return kern.update(shards[t.shard].decay ? k : k_exempt, arrays[t.shard], t.lo, t.hi);
+  });
   if (policy == NonFinitePolicy::kReportOnly) result.non_finite = bad;
   return result;
 }

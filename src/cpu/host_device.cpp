@@ -577,7 +577,7 @@ class HostStream final : public Stream {
           for (const AdamWShard& sh : d.shards) {
             host.push_back({as_host(sh.params), as_host(sh.grads), as_host(sh.m), as_host(sh.v),
                             as_host(sh.copy_out), as_host(sh.params_src), as_host(sh.m_src),
-                            as_host(sh.v_src)});
+                            as_host(sh.v_src), sh.decay});
           }
           const AdamWResult r = core->adamw->step(d.options, host, d.policy);
           if (d.non_finite.mem.ptr)

@@ -82,7 +82,7 @@ __global__ void adamw_update_kernel(const Table t, const detail::AdamWScalars k,
     bad += isfinite(g) ? 0 : 1;
     float m = load_elem(s.m_src, s.state_dtype, i);
     float v = load_elem(s.v_src, s.state_dtype, i);
-    float p = __fmul_rn(s.params_src[i], k.decay);
+    float p = __fmul_rn(s.params_src[i], s.decay);
     m = __fmaf_rn(k.beta1, m, __fmul_rn(k.one_minus_beta1, g));
     v = __fmaf_rn(k.beta2, v, __fmul_rn(k.one_minus_beta2, __fmul_rn(g, g)));
     const float d = __fmaf_rn(__fsqrt_rn(v), k.inv_sqrt_bc2, k.eps);

@@ -1251,7 +1251,7 @@ void CudaStream::do_adamw(const AdamWDesc& d) {
                       static_cast<const float*>(s.params_in().mem.ptr), s.m_in().mem.ptr,
                       s.v_in().mem.ptr, s.grads.mem.ptr, copy ? s.copy_out.mem.ptr : nullptr,
                       s.params.numel, s.grads.dtype, s.m.dtype,
-                      copy ? s.copy_out.dtype : DType::kBF16});
+                      copy ? s.copy_out.dtype : DType::kBF16, s.decay ? k.decay : 1.0f});
   }
   // The counter serves one call at a time: held from its zeroing to the report (two threads
   // queuing AdamW on this stream would otherwise count into each other's).

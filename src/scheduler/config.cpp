@@ -53,6 +53,10 @@
 //   strata.device_grad_norm               true | false: a host-tier gradient's norm part taken
 //                                          on the device (one micro-batch a step). Default: on,
 //                                          off on the CPU-emulated device.
+//   strata.weight_decay_exempt            "norms_and_biases" | "none": what weight decay skips
+//                                          (default "norms_and_biases", as the Hugging Face
+//                                          Trainer's AdamW; "none": every parameter decays, as
+//                                          DeepSpeed's optimizer over model.parameters()).
 // These sit beside the DeepSpeed key they refine (as aio's strata keys do), except engine-wide
 // settings, which go in the top-level "strata" object.
 #include <algorithm>
@@ -766,7 +770,7 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
 
   const Section st = top.child("strata");
   st.warn_unknown({"host_budget_bytes", "overlap_optimizer", "optimizer_threads", "optimizer_isa",
-                   "device_grad_norm"});
+                   "device_grad_norm", "weight_decay_exempt"});
   c.host_budget_bytes = st.get_uint("host_budget_bytes", 0);
   STRATA_REQUIRE(
       c.host_budget_bytes == 0 || c.host_budget_bytes >= (std::uint64_t(2) << 20),
@@ -782,6 +786,8 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.optimizer_threads = int(threads);
   c.optimizer_isa =
       parse_isa(st.get_choice("optimizer_isa", "auto", {"auto", "avx512", "avx2", "scalar"}));
+  c.decay_exempt_norms_and_biases = st.get_choice("weight_decay_exempt", "norms_and_biases",
+                                                  {"norms_and_biases", "none"}) != "none";
   return c;
 }
 

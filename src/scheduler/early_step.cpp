@@ -355,7 +355,7 @@ void EarlyStepper::step_unit(std::size_t ui, bool need_norm, bool device_norm) {
     if (copy_out) sh.copy_out = host_tensor(w_dst, s.cfg.compute_dtype, len);
     {
       TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
-      s.cpu_adam->step(u.early.opt, sh, NonFinitePolicy::kReportOnly);
+      s.cpu_adam->step(u.early.opt, s.decay_pieces(ui, a, sh), NonFinitePolicy::kReportOnly);
     }
     if (!copy_out) {
       TraceScope copy_span("cpu_copy_w", "optimizer", len * 4);

@@ -15,6 +15,7 @@
 //    step and re-records when the model's order changes.
 //  - The optimizer math is the same code whatever the placement (Stream::adamw on the
 //    emulated device and CpuAdamW are bit-identical), so offload does not change results.
+#include <algorithm>
 #include <atomic>
 
 #include "scheduler/engine_impl.h"
@@ -461,10 +462,44 @@ void Engine::set_tensor_parallel(Communicator& tp, std::vector<Ranges> counted) 
   s.tp_counted = std::move(counted);
 }
 
+void Engine::set_weight_decay_exempt(std::vector<Ranges> exempt) {
+  Impl& s = *impl_;
+  STRATA_REQUIRE(!s.finalized, "Engine::set_weight_decay_exempt after finalize()");
+  STRATA_REQUIRE(exempt.size() == s.units.size(),
+                 "Engine::set_weight_decay_exempt: {} units' ranges for {} units", exempt.size(),
+                 s.units.size());
+  for (std::size_t ui = 0; ui < exempt.size(); ++ui)
+    for (const auto& [first, count] : exempt[ui])
+      STRATA_REQUIRE(first + count <= s.units[ui].numel,
+                     "Engine::set_weight_decay_exempt: range [{}, {}) beyond unit '{}' ({} "
+                     "elements)",
+                     first, first + count, s.units[ui].name, s.units[ui].numel);
+  s.wd_exempt_given = std::move(exempt);
+}
+
 void Engine::finalize() {
   Impl& s = *impl_;
   STRATA_REQUIRE(!s.finalized, "Engine::finalize() called twice");
   STRATA_REQUIRE(!s.units.empty(), "Engine::finalize(): no units registered");
+  if (!s.wd_exempt_given.empty()) {  // the exempt ranges within this rank's shard, in order
+    s.wd_exempt.assign(s.units.size(), {});
+    for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
+      auto given = s.wd_exempt_given[ui];
+      std::sort(given.begin(), given.end());
+      const std::size_t lo = std::size_t(s.rank) * s.units[ui].shard, hi = lo + s.units[ui].shard;
+      auto& out = s.wd_exempt[ui];
+      for (const auto& [first, count] : given) {
+        const std::size_t a = std::max(first, lo), b = std::min(first + count, hi);
+        if (a >= b) continue;
+        if (!out.empty() && out.back().first + out.back().size >= a - lo) {  // touching: merged
+          out.back().size = std::max(out.back().first + out.back().size, b - lo) - out.back().first;
+        } else {
+          out.push_back({a - lo, b - a});
+        }
+      }
+    }
+    s.wd_exempt_given = {};
+  }
   if (s.tp) {  // the counted ranges within this rank's shard
     s.tp_ranges.assign(s.units.size(), {});
     s.tp_all.assign(s.units.size(), 0);

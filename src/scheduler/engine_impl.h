@@ -283,6 +283,15 @@ struct Engine::Impl {
   // This rank in the whole job (TP innermost): names its swap folders and checkpoint files.
   int job_rank() const { return tp ? rank * tp->world_size() + tp->rank() : rank; }
   int job_world() const { return world * tp_size(); }
+  // Engine::set_weight_decay_exempt: per unit, the ranges of this rank's shard (shard-relative,
+  // sorted) that weight decay skips; as given (unit-relative) until finalize.
+  std::vector<Engine::Ranges> wd_exempt_given;
+  std::vector<std::vector<detail::Range>> wd_exempt;
+  // `whole`, elements [first, first + numel) of unit ui's shard, cut where a range weight decay
+  // skips begins or ends, each piece's AdamWShard::decay set: what one AdamW step takes for it
+  // (`whole` alone when nothing of it is exempt or there is no weight decay).
+  std::vector<AdamWShard> decay_pieces(std::size_t ui, std::size_t first,
+                                       const AdamWShard& whole) const;
   // The sum of squares of `g` (this rank's shard of unit ui, host memory) over its counted ranges.
   float tp_host_sumsq(std::size_t ui, const float* g) const;
   std::size_t c_size;

@@ -10,6 +10,54 @@ using detail::wait_all;
 
 namespace {
 
+// Elements [first, first + count) of `t` (unset: stays unset).
+TensorRef elements(const TensorRef& t, std::size_t first, std::size_t count) {
+  if (t.mem.ptr == nullptr) return t;
+  const std::size_t es = dtype_size(t.dtype);
+  TensorRef out = t;
+  out.mem.ptr = static_cast<char*>(t.mem.ptr) + first * es;
+  out.mem.bytes = count * es;
+  out.numel = count;
+  return out;
+}
+
+}  // namespace
+
+std::vector<AdamWShard> Engine::Impl::decay_pieces(std::size_t ui, std::size_t first,
+                                                   const AdamWShard& whole) const {
+  const std::size_t n = whole.params.numel, end = first + n;
+  std::vector<AdamWShard> out;
+  auto add = [&](std::size_t a, std::size_t b, bool decay) {  // [a, b) of the unit's shard
+    if (a >= b) return;
+    const std::size_t at = a - first, len = b - a;
+    AdamWShard p{elements(whole.params, at, len),
+                 elements(whole.grads, at, len),
+                 elements(whole.m, at, len),
+                 elements(whole.v, at, len),
+                 elements(whole.copy_out, at, len),
+                 elements(whole.params_src, at, len),
+                 elements(whole.m_src, at, len),
+                 elements(whole.v_src, at, len),
+                 decay};
+    out.push_back(p);
+  };
+  if (wd_exempt.empty() || cfg.adamw.weight_decay == 0) return {whole};
+  std::size_t at = first;
+  for (const detail::Range r : wd_exempt[ui]) {
+    const std::size_t a = std::max<std::size_t>(r.first, first),
+                      b = std::min<std::size_t>(r.first + r.size, end);
+    if (a >= b) continue;
+    add(at, a, true);
+    add(a, b, false);
+    at = b;
+  }
+  if (out.empty()) return {whole};
+  add(at, end, true);
+  return out;
+}
+
+namespace {
+
 // AdamW over every unit whose early result step() did not keep, where its optimizer state lives:
 // the device's adamw kernel (device tier), or CpuAdamW a sub-group at a time (host and NVMe
 // tiers). Sub-groups with state or gradients on NVMe are read one ahead while the one before
@@ -190,7 +238,7 @@ void OptimizerPass::device_unit(std::size_t ui, const std::optional<TensorRef>& 
   AdamWDesc d;
   d.options = opt;
   d.policy = NonFinitePolicy::kReportOnly;
-  d.shards.push_back(sh);
+  d.shards = s.decay_pieces(ui, 0, sh);
   os.adamw(d);
   if (target) {
     if (!copy_out) os.copy(target->mem, u.o.dev.ref(0, n * 4));
@@ -274,7 +322,7 @@ void OptimizerPass::host_unit(std::size_t ui, const std::optional<TensorRef>& ta
     if (copy_out) sh.copy_out = host_tensor(w_dst, ct, len);
     {
       TraceScope adam_span("cpu_adamw", "optimizer", len * 4 * 4);
-      s.cpu_adam->step(opt, sh, NonFinitePolicy::kReportOnly);
+      s.cpu_adam->step(opt, s.decay_pieces(ui, a, sh), NonFinitePolicy::kReportOnly);
     }
     if (!copy_out) {
       TraceScope copy_span("cpu_copy_w", "optimizer", len * 4);

@@ -126,6 +126,16 @@ std::vector<Engine::Ranges> tensor_parallel_counted(const std::vector<UnitSpec>&
   return out;
 }
 
+std::vector<Engine::Ranges> weight_decay_exempt_ranges(const std::vector<UnitSpec>& units) {
+  std::vector<Engine::Ranges> out;
+  for (const UnitSpec& u : units) {
+    out.emplace_back();
+    for (const ParamSpec& p : u.params)
+      if (p.shape.size() == 1) out.back().push_back({p.offset, p.numel});
+  }
+  return out;
+}
+
 std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
                                                      const std::string& hf_dir,
                                                      std::uint64_t seed) {

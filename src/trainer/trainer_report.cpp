@@ -280,13 +280,21 @@ void print_header(Run& r) {
           ? "; gradient norm clipped at 1.0 (the Hugging Face Trainer's max_grad_norm when "
             "fine-tuning a --model; --max-grad-norm sets another, 0 none)"
           : fmt::format("; gradient norm clipped at {}", ecfg.gradient_clipping);
+  const std::string decay =
+      ecfg.adamw.weight_decay <= 0 ? std::string()
+      : ecfg.decay_exempt_norms_and_biases
+          ? fmt::format("; weight decay {}, not on norms and biases", ecfg.adamw.weight_decay)
+          : fmt::format(
+                "; weight decay {} on every parameter (strata.weight_decay_exempt \"none\")",
+                ecfg.adamw.weight_decay);
   std::fprintf(con,
                "  stage %d; weights on %s, optimizer on %s, gradients on %s; batch %lld x %lld "
-               "tokens x %lld accum x %d %sranks%s\n",
+               "tokens x %lld accum x %d %sranks%s%s\n",
                ecfg.stage, placed("compute weights (", ecfg.params).c_str(),
                placed("optimizer state (", ecfg.optimizer).c_str(),
                placed("gradient shard", ecfg.grads).c_str(), (long long)B, (long long)seq_len,
-               (long long)accum, s.dp_world, s.tp > 1 ? "data-parallel " : "", clip.c_str());
+               (long long)accum, s.dp_world, s.tp > 1 ? "data-parallel " : "", clip.c_str(),
+               decay.c_str());
   std::string data =
       r.s.text_file.empty() ? fmt::format("{}", fmt::join(o.data_files, ", ")) : r.s.text_file;
   if (s.demo_data) data += " (the demo's generated text: no --data or --text given)";

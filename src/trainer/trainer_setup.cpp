@@ -223,6 +223,8 @@ std::vector<SharedSetting> shared_settings(const Settings& s, const DataIdentity
           {"the learning rate (--lr, optimizer.params.lr)", double(s.ecfg.adamw.lr)},
           {"the weight decay (--weight-decay, optimizer.params.weight_decay)",
            double(s.ecfg.adamw.weight_decay)},
+          {"what weight decay skips (strata.weight_decay_exempt; 1: norms and biases)",
+           s.ecfg.decay_exempt_norms_and_biases ? 1.0 : 0.0},
           // Each rank steps its own shard: mixed betas train a mixed optimizer without a word.
           {"optimizer.params.betas[0]", double(s.ecfg.adamw.beta1)},
           {"optimizer.params.betas[1]", double(s.ecfg.adamw.beta2)},
@@ -1345,6 +1347,8 @@ void build_model_and_engine(Run& r) {
                                       : hf_model_source(mcfg, o.model_dir, tp));
   if (r.tp_comm())
     engine.set_tensor_parallel(*r.tp_comm(), tensor_parallel_counted(r.model->units(), s.tp_rank));
+  if (s.ecfg.decay_exempt_norms_and_biases)
+    engine.set_weight_decay_exempt(weight_decay_exempt_ranges(r.model->units()));
   try {
     engine.finalize();
   } catch (const Error& e) {
@@ -1406,14 +1410,15 @@ void resume_from_checkpoint(Run& r) {
       fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
                   mcfg.intermediate_size, mcfg.num_layers, mcfg.vocab_size);
   // What else shapes the steps after a checkpoint: recorded, compared on resume.
-  const nlohmann::json& optimizer_state =
-      r.optimizer_state = {{"weight_decay", double(ecfg.adamw.weight_decay)},
-                           {"beta1", double(ecfg.adamw.beta1)},
-                           {"beta2", double(ecfg.adamw.beta2)},
-                           {"eps", double(ecfg.adamw.eps)},
-                           {"bias_correction", ecfg.adamw.bias_correction},
-                           {"gradient_clipping", ecfg.gradient_clipping},
-                           {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
+  const nlohmann::json& optimizer_state = r.optimizer_state = {
+      {"weight_decay", double(ecfg.adamw.weight_decay)},
+      {"weight_decay_exempt", ecfg.decay_exempt_norms_and_biases ? "norms_and_biases" : "none"},
+      {"beta1", double(ecfg.adamw.beta1)},
+      {"beta2", double(ecfg.adamw.beta2)},
+      {"eps", double(ecfg.adamw.eps)},
+      {"bias_correction", ecfg.adamw.bias_correction},
+      {"gradient_clipping", ecfg.gradient_clipping},
+      {"compute_dtype", std::string(dtype_name(ecfg.compute_dtype))}};
   if (!resume.dir.empty()) {
     const nlohmann::json& m = resume.manifest;
     const nlohmann::json t = m.value("trainer", nlohmann::json::object());
@@ -1522,7 +1527,13 @@ void resume_from_checkpoint(Run& r) {
           "with this "
           "run's",
           ls.dump());
-    const nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
+    nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
+    // A run that recorded no exemption decayed every parameter; with no weight decay in either
+    // run, what it would skip does not matter.
+    if (ck_opt.contains("weight_decay") && !ck_opt.contains("weight_decay_exempt"))
+      ck_opt["weight_decay_exempt"] = "none";
+    if (ck_opt.value("weight_decay", -1.0) == 0 && ecfg.adamw.weight_decay == 0)
+      ck_opt.erase("weight_decay_exempt");
     for (const auto& [key, now] : optimizer_state.items())
       if (ck_opt.contains(key) && ck_opt[key] != now)
         log::warn(
