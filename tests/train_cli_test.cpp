@@ -1986,6 +1986,49 @@ TEST_F(TrainCli, CheckingThatOutCanBeMadeRemovesNothingOfTheUsers) {
   EXPECT_FALSE(fs::exists(dir.path + "/elsewhere/X")) << "the check's own folder stayed";
 }
 
+// A folder whose path leaves no room for the names the run writes under it, or holding a name
+// longer than a file system takes, is refused before the first step: the first failed at the
+// first checkpoint, the second when the model was written after the training.
+TEST_F(TrainCli, FoldersWithoutRoomForTheirFilesNamesAreRefusedFirst) {
+  const std::string log = dir.path + "/log.jsonl";
+  std::string deep = dir.path;
+  while (deep.size() < 4000) deep += "/" + std::string(200, 'd');
+  Result r = train(args(log, {"--out", deep, "--save-every", "2"}), "deep-out");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("--out " + dir.path), std::string::npos) << r.err;
+  EXPECT_NE(first_line(r.err).find(fmt::format(
+                "the path is {} bytes, and with the names written under it (up to 128 bytes "
+                "more) it would pass the system's limit for a path, 4096 bytes (PATH_MAX): give a "
+                "shorter path",
+                deep.size())),
+            std::string::npos)
+      << r.err;
+  const std::string long_name = std::string(300, 'n');
+  r = train(args(log, {"--out", dir.path + "/" + long_name}), "long-out");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("is 300 bytes, and a file system takes at most 255 for one "
+                                   "name (NAME_MAX): give a shorter one"),
+            std::string::npos)
+      << r.err;
+  r = train(args(log, {"--save-every", "2", "--checkpoint-dir", dir.path + "/ck/" + long_name}),
+            "long-ckpt");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("--checkpoint-dir " + dir.path + "/ck/nnn"), std::string::npos)
+      << r.err;
+  EXPECT_NE(first_line(r.err).find("(NAME_MAX)"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(log)) << "a step ran";
+  EXPECT_FALSE(fs::exists(dir.path + "/ck")) << "a folder was made";
+  // strata-export's OUT_DIR the same, before it reads the checkpoint's weights.
+  r = train(args(dir.path + "/ok.jsonl",
+                 {"--save-every", "2", "--checkpoint-dir", dir.path + "/ok"}, "2"),
+            "saves");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const Result e = run(STRATA_EXPORT_BIN, {dir.path + "/ok/step-2", deep}, dir.path, "export-deep");
+  EXPECT_NE(e.status, 0);
+  EXPECT_NE(first_line(e.err).find("OUT_DIR " + dir.path), std::string::npos) << e.err;
+  EXPECT_NE(first_line(e.err).find("(PATH_MAX)"), std::string::npos) << e.err;
+}
+
 // A bad command line is one line too (CLI11's reason and "Run with --help" were two, without the
 // tool's name), and a flag a typo away from a known one is named.
 TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
@@ -2153,6 +2196,50 @@ TEST_F(TrainCli, TheConfigsSchedulerSetsTheLrUnlessTheFlagsDo) {
   ASSERT_EQ(got_lr.size(), scaled.size());
   for (std::size_t i = 0; i < got_lr.size(); ++i)
     EXPECT_NEAR(got_lr[i], scaled[i], 1e-12) << "step " << i + 1;
+}
+
+// Weight decay skips the norm weights and biases unless strata.weight_decay_exempt says "none".
+// After one step, whose gradients are those of the initial weights whatever the decay, a run
+// with weight decay holds the norms bitwise as one without it does, the matrices not; with
+// "none" the norms decay too. The banner says which.
+TEST_F(TrainCli, WeightDecaySkipsNormsAndBiasesUnlessTheConfigSaysNone) {
+  const std::string none = dir.path + "/none.json";
+  std::ofstream(none)
+      << R"({"zero_optimization": {"stage": 3}, "strata": {"weight_decay_exempt": "none"}})";
+  const auto trained = [&](const std::string& name, const std::string& wd, bool every) {
+    std::vector<std::string> a = args(dir.path + "/" + name + ".jsonl", {}, "1");
+    a[std::size_t(std::find(a.begin(), a.end(), "--weight-decay") - a.begin()) + 1] = wd;
+    a.insert(a.end(), {"--out", dir.path + "/" + name});
+    if (every) a.insert(a.end(), {"--config", none});
+    const Result r = train(a, name);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return std::pair(r.out, tensors_of(dir.path + "/" + name));
+  };
+  const auto [plain_out, plain] = trained("wd0", "0", false);
+  const auto [skip_out, skip] = trained("wd-skip", "0.5", false);
+  const auto [every_plain_out, every_plain] = trained("wd0-every", "0", true);
+  const auto [every_out, every] = trained("wd-every", "0.5", true);
+  EXPECT_EQ(plain_out.find("weight decay"), std::string::npos) << plain_out;
+  EXPECT_NE(skip_out.find("; weight decay 0.5, not on norms and biases"), std::string::npos)
+      << skip_out;
+  EXPECT_NE(every_out.find("; weight decay 0.5 on every parameter (strata.weight_decay_exempt "
+                           "\"none\")"),
+            std::string::npos)
+      << every_out;
+  ASSERT_FALSE(plain.empty());
+  int norms = 0, matrices = 0;
+  for (const auto& [name, values] : plain) {
+    const bool norm = name.find("norm") != std::string::npos;
+    norms += norm;
+    matrices += !norm;
+    SCOPED_TRACE(name);
+    // Norm weights: bitwise as without decay when skipped, moved by it (lr 1e-2 x 0.5 of ~1) when
+    // not; matrices: moved by it either way.
+    EXPECT_EQ(skip.at(name) == values, norm);
+    EXPECT_NE(every.at(name), every_plain.at(name));
+  }
+  EXPECT_EQ(norms, 5);  // 2 layers x 2, and the final norm
+  EXPECT_GT(matrices, 0);
 }
 
 TEST_F(TrainCli, ExistingOutNeedsOverwrite) {

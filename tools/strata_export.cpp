@@ -181,6 +181,8 @@ std::vector<float> read_unit(const std::vector<RankFile>& ranks, std::size_t u,
 // ---- the output folder ----
 // OUT_DIR empty, or --overwrite, and never the checkpoint being exported or a folder above it.
 void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
+  // Its longest name: .strata-tmp-model.safetensors.index.json, or a model folder's file copied.
+  strata::require_room_for_names("OUT_DIR", o.out, 128);
   std::error_code ec;
   const fs::path out(o.out);
   if (fs::exists(out, ec)) {

@@ -43,6 +43,14 @@ void require_input_file(const std::string& flag, const std::string& path);
 void require_input_folder(const std::string& flag, const std::string& path,
                           const std::string& what);
 
+// A folder the work writes files in leaves room for their names: `path` plus `longest_below`
+// bytes (the longest name the work makes under it, e.g. a checkpoint's
+// step-<N>.tmp-<tag>/rank<R>.json) fits the system's limit for a path (PATH_MAX), and no name in
+// `path` passes the limit for one name (NAME_MAX). Checked before any work: such a folder was
+// refused at the first checkpoint, or when the model was written at the end.
+void require_room_for_names(const std::string& flag, const std::string& path,
+                            std::size_t longest_below);
+
 // A file of the user's at `path` (a regular file, or a link to none: a folder, a device or a pipe
 // is no file to replace) is replaced only with `overwrite` (--overwrite).
 void require_overwrite_to_replace(const std::string& flag, const std::string& path, bool overwrite);

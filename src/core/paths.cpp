@@ -1,5 +1,6 @@
 #include "strata/paths.h"
 
+#include <limits.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <filesystem>
 #include <iterator>
 
+#include "core/utf8.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -57,6 +59,27 @@ void require_overwrite_to_replace(const std::string& flag, const std::string& pa
   const fs::file_status st = fs::status(path, ec);
   STRATA_REQUIRE(fs::exists(st) && !fs::is_regular_file(st),
                  "{} {} exists: pass --overwrite to replace it", flag, path);
+}
+
+void require_room_for_names(const std::string& flag, const std::string& path,
+                            std::size_t longest_below) {
+  if (path.empty()) return;
+  // The start of a long path, for the message (a path of thousands of bytes is no help there).
+  const auto start = [](const std::string& p) {
+    return p.size() <= 80 ? p : std::string(utf8::prefix(p, 80)) + "...";
+  };
+  for (const fs::path& part : fs::path(path)) {
+    const std::string name = part.string();
+    STRATA_REQUIRE(name.size() <= NAME_MAX,
+                   "{} {}: the name {} is {} bytes, and a file system takes at most {} for one "
+                   "name (NAME_MAX): give a shorter one",
+                   flag, start(path), start(name), name.size(), NAME_MAX);
+  }
+  STRATA_REQUIRE(path.size() + longest_below < PATH_MAX,
+                 "{} {}: the path is {} bytes, and with the names written under it (up to {} "
+                 "bytes more) it would pass the system's limit for a path, {} bytes (PATH_MAX): "
+                 "give a shorter path",
+                 flag, start(path), path.size(), longest_below, PATH_MAX);
 }
 
 void require_output_file(const std::string& flag, const std::string& path, bool overwrite) {

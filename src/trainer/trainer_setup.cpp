@@ -90,6 +90,11 @@ fs::path nearest_existing(const std::string& path) {
 // made) let one rank's mkdir meet a folder another had made and removed before it looked. Nothing
 // of the user's is made or touched ("link/../X" is not the lexical X).
 void require_creatable_folder(const std::string& flag, const std::string& path) {
+  // The longest name a run writes under a folder: a checkpoint's
+  // step-<N>.pruned-<pid>/rank<R>.json (under --out, in checkpoints/), a model file's
+  // .strata-tmp-model.safetensors.index.json.
+  constexpr std::size_t kLongestNameBelow = 128;
+  require_room_for_names(flag, path, kLongestNameBelow);
   std::error_code ec;
   if (fs::is_directory(path, ec)) return;
   const fs::path base = nearest_existing(path);
