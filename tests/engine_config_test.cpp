@@ -729,10 +729,14 @@ TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
               1e-15);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 5000), 1e-3);
-  c = sched(
-      "WarmupLR",
-      R"({"warmup_num_steps": 10, "warmup_type": "linear"})");  // no maximum: the optimizer's lr
-  const double lr = c.adamw.lr;                                 // 2e-3 as a float
+  // No maximum: DeepSpeed's default 0.001, not the optimizer's lr (2e-3 here): DeepSpeed makes the
+  // schedule from the block's own params (it ran at the optimizer's).
+  c = sched("WarmupLR", R"({"warmup_num_steps": 10, "warmup_type": "linear"})");
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 7), 1e-3 * 0.5);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
+  c = sched("WarmupLR", R"({"warmup_max_lr": "auto", "warmup_num_steps": 10,
+                            "warmup_type": "linear"})");  // "auto": the optimizer's lr
+  const double lr = c.adamw.lr;                           // 2e-3 as a float
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 7), lr * 0.5);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), lr);
   c = sched("WarmupDecayLR",

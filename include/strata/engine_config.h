@@ -41,9 +41,10 @@ struct LossScaleConfig {
 
 struct LrScheduleConfig {
   std::string type;  // "" (constant), "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
-  // WarmupLR / WarmupDecayLR. warmup_max_lr < 0: optimizer.params.lr (WarmupLR without the key,
-  // as DeepSpeed); WarmupDecayLR's default is 0.001.
+  // WarmupLR / WarmupDecayLR. warmup_max_lr < 0: optimizer.params.lr (the key "auto", as Hugging
+  // Face fills it); without the key DeepSpeed's default, 0.001, for either type.
   double warmup_min_lr = 0, warmup_max_lr = 0.001;
+  bool warmup_max_lr_given = false;  // the block names it (a value or "auto")
   std::int64_t warmup_num_steps = 1000;
   std::int64_t total_num_steps = 0;  // WarmupDecayLR / WarmupCosineLR; 0: "auto", the run's steps
   double cos_min_ratio = 0.0001;     // WarmupCosineLR

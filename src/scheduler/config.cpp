@@ -428,14 +428,14 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
     l.cos_min_ratio = get_fraction(p, "cos_min_ratio", l.cos_min_ratio);
   } else {
     l.warmup_min_lr = get_nonnegative(p, "warmup_min_lr", l.warmup_min_lr);
-    // WarmupLR without a maximum: the optimizer's lr (DeepSpeed); "auto" too, for either type, as
-    // Hugging Face fills it with the learning rate (WarmupDecayLR ran at its 0.001 default).
-    if (auto_keys.count("scheduler.params.warmup_max_lr"))
+    // Without a maximum, DeepSpeed's default 0.001 for either type: DeepSpeed makes the schedule
+    // from the block's own params alone. "auto": the learning rate, as Hugging Face fills it.
+    l.warmup_max_lr_given = auto_keys.count("scheduler.params.warmup_max_lr") > 0;
+    if (l.warmup_max_lr_given)
       l.warmup_max_lr = -1;
-    else if (p.has("warmup_max_lr") || l.type != "WarmupLR")
-      l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
     else
-      l.warmup_max_lr = -1;
+      l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
+    l.warmup_max_lr_given = l.warmup_max_lr_given || p.has("warmup_max_lr");
     STRATA_REQUIRE(l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
                    "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
                    p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),

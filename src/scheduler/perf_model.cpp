@@ -1594,11 +1594,11 @@ std::string engine_config_json(const EngineConfig& c) {
       sp["cos_min_ratio"] = l.cos_min_ratio;
     } else {
       sp["warmup_min_lr"] = l.warmup_min_lr;
-      // < 0: the optimizer's lr: WarmupLR's default; WarmupDecayLR's is 0.001, so "auto" (the lr)
-      // is written
+      // < 0: the optimizer's lr, written as the "auto" it was read from (without the key the
+      // schedule peaks at DeepSpeed's 0.001)
       if (l.warmup_max_lr >= 0)
         sp["warmup_max_lr"] = l.warmup_max_lr;
-      else if (l.type == "WarmupDecayLR")
+      else
         sp["warmup_max_lr"] = "auto";
     }
     if (l.type != "WarmupLR")

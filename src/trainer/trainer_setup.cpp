@@ -745,9 +745,10 @@ void lr_schedule(Settings& s) {
                    "warmup starts: give a larger --lr, or lower warmup_min_lr",
                    o.lr, sc.warmup_min_lr);
     log::warn(
-        "--lr {} replaces the --config's scheduler.params.warmup_max_lr {} (the peak of its "
+        "--lr {} replaces the --config's scheduler.params.warmup_max_lr {}{} (the peak of its "
         "{} schedule)",
-        o.lr, sc.warmup_max_lr, sc.type);
+        o.lr, sc.warmup_max_lr,
+        sc.warmup_max_lr_given ? "" : ", DeepSpeed's default where the block gives none", sc.type);
     sc.warmup_max_lr = o.lr;
   }
   // A schedule of fewer steps than the run: DeepSpeed's formulas go on past the end (the decay
