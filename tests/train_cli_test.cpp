@@ -2029,6 +2029,47 @@ TEST_F(TrainCli, FoldersWithoutRoomForTheirFilesNamesAreRefusedFirst) {
   EXPECT_NE(first_line(e.err).find("(PATH_MAX)"), std::string::npos) << e.err;
 }
 
+// Under an address-space limit (`ulimit -v`, as clusters set it) every way short of it is a line
+// naming the limit: below strata's floor (oneDNN's code generation crashed, SIGSEGV), an emulated
+// device that cannot be reserved, or one that leaves its kernels too little beside it (SIGSEGV
+// at the first matmul); a thread that cannot start was said as the thread limit.
+TEST_F(TrainCli, AnAddressSpaceLimitTooSmallIsSaidNotACrash) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "AddressSanitizer's shadow memory needs terabytes of address space";
+#endif
+  const std::string log = dir.path + "/log.jsonl";
+  const auto under = [&](const char* kib, std::vector<std::string> extra, const char* tag) {
+    std::string line = std::string("ulimit -v ") + kib + "; exec " + STRATA_TRAIN_BIN;
+    for (const std::string& a : args(log, extra, "1")) line += " '" + a + "'";
+    return run("/bin/sh", {"-c", line}, dir.path, tag);
+  };
+  Result r = under("300000", {}, "floor");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("the process's address-space limit (`ulimit -v`) is 292 MiB, "
+                                   "and strata needs at least 1024 MiB of address space: raise it "
+                                   "(`ulimit -v unlimited`)"),
+            std::string::npos)
+      << r.err;
+  r = under("1100000", {"--device-mem-gb", "4"}, "reserve");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("cannot reserve 4.00 GiB for the emulated device; the "
+                                   "process's address-space limit (`ulimit -v`) is 1074 MiB"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(first_line(r.err).find("or give the device less (--device-mem-gb)"), std::string::npos)
+      << r.err;
+  r = under("1100000", {"--device-mem-gb", "0.8"}, "headroom");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(first_line(r.err).find("the emulated device's 0.80 GiB leaves"), std::string::npos)
+      << r.err;
+  EXPECT_NE(first_line(r.err).find("and its kernels need about 512 MiB beside it"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(log)) << "a step ran";
+  r = under("1100000", {"--device-mem-gb", "0.2"}, "fits");
+  EXPECT_EQ(r.status, 0) << r.err;
+}
+
 // A bad command line is one line too (CLI11's reason and "Run with --help" were two, without the
 // tool's name), and a flag a typo away from a known one is named.
 TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {

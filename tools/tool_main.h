@@ -31,6 +31,7 @@
 #include "strata/error.h"
 #include "strata/json_config.h"
 #include "strata/paths.h"
+#include "strata/system_info.h"
 
 namespace strata::tools {
 
@@ -145,9 +146,28 @@ inline void settle_process() {
 template <class Body>
 int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
   settle_process();
+  // A thread that could not start: under an address-space limit its stack is what failed.
+  const auto no_thread = [](const std::string& what) {
+    const std::uint64_t limit = address_space_limit();
+    return limit != 0 ? fmt::format(
+                            "cannot start a thread ({}): no room for its stack under the "
+                            "process's address-space limit (`ulimit -v`), {} MiB: raise "
+                            "it (`ulimit -v unlimited`)",
+                            what, limit >> 20)
+                      : fmt::format(
+                            "cannot start a thread ({}): the process's thread limit is "
+                            "reached: raise `ulimit -u`, or a container's pids limit",
+                            what);
+  };
   try {
     app.parse(argc, argv);
     cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
+    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing.
+    if (const std::uint64_t limit = address_space_limit(); limit != 0 && limit < kMinAddressSpace)
+      STRATA_THROW(kInvalidArgument,
+                   "the process's address-space limit (`ulimit -v`) is {} MiB, and strata needs "
+                   "at least {} MiB of address space: raise it (`ulimit -v unlimited`)",
+                   limit >> 20, kMinAddressSpace >> 20);
     return body();
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success))
@@ -199,14 +219,15 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
   } catch (const std::system_error& e) {
     // A thread the process could not start (std::thread's EAGAIN): said with the limit to raise.
     if (e.code() == std::errc::resource_unavailable_try_again)
-      return fail(name, argc, argv,
-                  fmt::format("cannot start a thread ({}): the process's thread limit is reached: "
-                              "raise `ulimit -u`, or a container's pids limit",
-                              e.what()),
-                  "error");
+      return fail(name, argc, argv, no_thread(e.what()), "error");
     return fail(name, argc, argv, e.what(), "error");
   } catch (const std::exception& e) {  // not strata's (a library's, bad_alloc): the same way out
-    return fail(name, argc, argv, e.what(), "error");
+    // oneTBB's workers: "pthread_create has failed: Resource temporarily unavailable".
+    const std::string what = e.what();
+    if (what.find("pthread_create") != std::string::npos &&
+        what.find(std::strerror(EAGAIN)) != std::string::npos)
+      return fail(name, argc, argv, no_thread(what), "error");
+    return fail(name, argc, argv, what, "error");
   }
 }
 

@@ -11,8 +11,28 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
+
+namespace strata {
+
+// The process's address-space limit (RLIMIT_AS, `ulimit -v`) in bytes, 0 when there is none.
+std::uint64_t address_space_limit();
+// What to add to the message of a reservation or a thread that failed: "" without such a limit,
+// else the limit in MiB, that it counts address space reserved and not yet used (each thread's
+// stack, the emulated device's whole capacity), and to raise it.
+std::string address_space_note();
+// The address space the process holds now (VmSize of /proc/self/status) in bytes, 0 unknown.
+std::uint64_t address_space_used();
+// What an address-space limit must leave free beside the emulated device's reservation for
+// the kernels (oneDNN's generated code, its threads' stacks): with less it crashed (SIGSEGV).
+inline constexpr std::uint64_t kAddressSpaceHeadroom = std::uint64_t(512) << 20;
+// The least address space the tools run in: below it oneDNN's code generation crashed (SIGSEGV
+// in dnnl_primitive_create at 300 MiB) and the thread pools failed to start (500 MiB).
+inline constexpr std::uint64_t kMinAddressSpace = std::uint64_t(1) << 30;
+
+}  // namespace strata
 
 namespace strata::cpu {
 

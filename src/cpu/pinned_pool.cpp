@@ -40,6 +40,7 @@
 #include "strata/device.h"
 #include "strata/error.h"
 #include "strata/log.h"
+#include "strata/system_info.h"
 
 namespace strata {
 
@@ -309,9 +310,9 @@ struct PinnedPoolState {
     void* m =
         mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED)
-      detail::throw_errno(
-          __FILE__, __LINE__, "mmap", errno,
-          fmt::format("pinned pool: cannot reserve {} bytes of address space", map_bytes));
+      detail::throw_errno(__FILE__, __LINE__, "mmap", errno,
+                          fmt::format("pinned pool: cannot reserve {} bytes of address space{}",
+                                      map_bytes, address_space_note()));
     auto* raw = static_cast<char*>(m);
     auto* base = reinterpret_cast<char*>(
         round_up(reinterpret_cast<std::uintptr_t>(raw) + kPage, base_align));
