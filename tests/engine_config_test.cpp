@@ -734,6 +734,9 @@ TEST(EngineConfig, ScheduledLrFollowsDeepSpeedsSchedules) {
   c = sched("WarmupLR", R"({"warmup_num_steps": 10, "warmup_type": "linear"})");
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 7), 1e-3 * 0.5);
   EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
+  // A minimum above that default is DeepSpeed's to run (it warms down to 0.001), not refused.
+  c = sched("WarmupLR", R"({"warmup_min_lr": 0.002, "warmup_num_steps": 10})");
+  EXPECT_DOUBLE_EQ(scheduled_lr(c.scheduler, c.adamw.lr, 12), 1e-3);
   c = sched("WarmupLR", R"({"warmup_max_lr": "auto", "warmup_num_steps": 10,
                             "warmup_type": "linear"})");  // "auto": the optimizer's lr
   const double lr = c.adamw.lr;                           // 2e-3 as a float

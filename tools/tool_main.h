@@ -23,6 +23,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -151,8 +152,9 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
     const std::uint64_t limit = address_space_limit();
     return limit != 0 ? fmt::format(
                             "cannot start a thread ({}): no room for its stack under the "
-                            "process's address-space limit (`ulimit -v`), {} MiB: raise "
-                            "it (`ulimit -v unlimited`)",
+                            "process's address-space limit (`ulimit -v`), {} MiB, or the "
+                            "thread limit is reached: raise `ulimit -v` (`ulimit -v "
+                            "unlimited`), or `ulimit -u` / a container's pids limit",
                             what, limit >> 20)
                       : fmt::format(
                             "cannot start a thread ({}): the process's thread limit is "
@@ -162,8 +164,13 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
   try {
     app.parse(argc, argv);
     cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
-    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing.
-    if (const std::uint64_t limit = address_space_limit(); limit != 0 && limit < kMinAddressSpace)
+    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing: the tools that
+    // compute (strata-info, -plot, -prep and -export run without oneDNN).
+    const std::string_view tool = name;
+    const bool computes = tool == "strata-train" || tool == "strata-prof" ||
+                          tool == "strata-generate" || tool == "strata-bench";
+    if (const std::uint64_t limit = address_space_limit();
+        computes && limit != 0 && limit < kMinAddressSpace)
       STRATA_THROW(kInvalidArgument,
                    "the process's address-space limit (`ulimit -v`) is {} MiB, and strata needs "
                    "at least {} MiB of address space: raise it (`ulimit -v unlimited`)",

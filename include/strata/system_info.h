@@ -26,10 +26,12 @@ std::string address_space_note();
 // The address space the process holds now (VmSize of /proc/self/status) in bytes, 0 unknown.
 std::uint64_t address_space_used();
 // What an address-space limit must leave free beside the emulated device's reservation for
-// the kernels (oneDNN's generated code, its threads' stacks): with less it crashed (SIGSEGV).
-inline constexpr std::uint64_t kAddressSpaceHeadroom = std::uint64_t(512) << 20;
-// The least address space the tools run in: below it oneDNN's code generation crashed (SIGSEGV
-// in dnnl_primitive_create at 300 MiB) and the thread pools failed to start (500 MiB).
+// the kernels and the threads still to start: 512 MiB (oneDNN's generated code: with about 200
+// it crashed, SIGSEGV, on a 2-core host) and per hardware thread one thread stack (RLIMIT_STACK)
+// and one glibc malloc arena (64 MiB of address space each).
+std::uint64_t address_space_headroom();
+// The least address space the tools that compute run in: below it oneDNN's code generation crashed
+// (SIGSEGV in dnnl_primitive_create at 300 MiB) and the thread pools failed to start (500 MiB).
 inline constexpr std::uint64_t kMinAddressSpace = std::uint64_t(1) << 30;
 
 }  // namespace strata

@@ -5,9 +5,11 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
 
 #include "strata/system_info.h"
 
@@ -29,6 +31,15 @@ std::uint64_t address_space_used() {
   for (std::string line; std::getline(f, line);)
     if (line.starts_with("VmSize:")) return std::strtoull(line.c_str() + 7, nullptr, 10) << 10;
   return 0;
+}
+
+std::uint64_t address_space_headroom() {
+  rlimit st{};
+  std::uint64_t stack = std::uint64_t(8) << 20;
+  if (::getrlimit(RLIMIT_STACK, &st) == 0 && st.rlim_cur != RLIM_INFINITY)
+    stack = std::uint64_t(st.rlim_cur);
+  const std::uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
+  return (std::uint64_t(512) << 20) + threads * (stack + (std::uint64_t(64) << 20));
 }
 
 std::string address_space_note() {

@@ -261,20 +261,25 @@ class HostDevice final : public Device {
           __FILE__, __LINE__, "mmap", errno,
           fmt::format("cannot reserve {} for the emulated device{}", gib(o.capacity_bytes),
                       address_space_limit() != 0
-                          ? address_space_note() + ", or give the device less (--device-mem-gb)"
+                          ? address_space_note() +
+                                ", or give the emulated device less memory (strata-train's and "
+                                "strata-prof's --device-mem-gb)"
                           : std::string()));
     // Under an address-space limit, room beside the reservation for what the kernels map as they
     // run: oneDNN's code generation crashed (SIGSEGV) when it found none.
     if (const std::uint64_t limit = address_space_limit(); limit != 0) {
-      const std::uint64_t used = address_space_used();
-      if (used + kAddressSpaceHeadroom > limit) {
+      const std::uint64_t used = address_space_used(), headroom = address_space_headroom();
+      if (used + headroom > limit) {
         ::munmap(p, o.capacity_bytes);
-        STRATA_THROW(kOutOfMemory,
-                     "the emulated device's {} leaves {} MiB of the process's address-space limit "
-                     "(`ulimit -v`, {} MiB), and its kernels need about {} MiB beside it: raise "
-                     "the limit (`ulimit -v unlimited`), or give the device less (--device-mem-gb)",
-                     gib(o.capacity_bytes), used < limit ? (limit - used) >> 20 : 0, limit >> 20,
-                     kAddressSpaceHeadroom >> 20);
+        STRATA_THROW(
+            kOutOfMemory,
+            "the emulated device's {} leaves {} MiB of the process's address-space limit "
+            "(`ulimit -v`, {} MiB), and its kernels and threads need about {} MiB beside it: "
+            "raise "
+            "the limit (`ulimit -v unlimited`), or give the emulated device less memory "
+            "(strata-train's and strata-prof's --device-mem-gb)",
+            gib(o.capacity_bytes), used < limit ? (limit - used) >> 20 : 0, limit >> 20,
+            headroom >> 20);
       }
     }
     base_ = static_cast<char*>(p);

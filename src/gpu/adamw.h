@@ -26,7 +26,7 @@ struct AdamWGpuShard {
   void* copy_out;  // nullptr = no copy-out
   std::size_t n;
   DType grad_dtype, state_dtype, copy_dtype;
-  float decay;  // 1 - lr * weight_decay, or 1 for a shard weight decay skips (AdamWShard::decay)
+  float decay = 1.0f;  // 1 - lr * weight_decay, or 1 for a shard weight decay skips
 };
 
 // Shards per launch: their table travels in the kernel's parameter space.

@@ -436,10 +436,11 @@ void parse_scheduler(const Section& top, EngineConfig& c, const std::set<std::st
     else
       l.warmup_max_lr = get_nonnegative(p, "warmup_max_lr", l.warmup_max_lr);
     l.warmup_max_lr_given = l.warmup_max_lr_given || p.has("warmup_max_lr");
-    STRATA_REQUIRE(l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
-                   "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
-                   p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"),
-                   l.warmup_min_lr);
+    // (DeepSpeed checks nothing: a minimum above its default maximum warms down to it.)
+    STRATA_REQUIRE(
+        !l.warmup_max_lr_given || l.warmup_max_lr < 0 || l.warmup_max_lr >= l.warmup_min_lr,
+        "config keys '{}' ({}) and '{}' ({}): the maximum is below the minimum",
+        p.key_path("warmup_max_lr"), l.warmup_max_lr, p.key_path("warmup_min_lr"), l.warmup_min_lr);
   }
   if (l.type != "WarmupLR" && auto_keys.count("scheduler.params.total_num_steps")) {
     l.total_num_steps =

@@ -482,6 +482,10 @@ void Engine::finalize() {
   STRATA_REQUIRE(!s.finalized, "Engine::finalize() called twice");
   STRATA_REQUIRE(!s.units.empty(), "Engine::finalize(): no units registered");
   if (!s.wd_exempt_given.empty()) {  // the exempt ranges within this rank's shard, in order
+    STRATA_REQUIRE(s.wd_exempt_given.size() == s.units.size(),
+                   "Engine::finalize: weight decay's exempt ranges were given for {} units, and {} "
+                   "are registered: call set_weight_decay_exempt after the last add_unit",
+                   s.wd_exempt_given.size(), s.units.size());
     s.wd_exempt.assign(s.units.size(), {});
     for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
       auto given = s.wd_exempt_given[ui];

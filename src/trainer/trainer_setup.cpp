@@ -1535,19 +1535,22 @@ void resume_from_checkpoint(Run& r) {
           ls.dump());
     nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
     // A run that recorded no exemption decayed every parameter; with no weight decay in either
-    // run, what it would skip does not matter.
+    // run, what it would skip does not matter (a change of the decay itself is said as that).
     if (ck_opt.contains("weight_decay") && !ck_opt.contains("weight_decay_exempt"))
       ck_opt["weight_decay_exempt"] = "none";
-    if (ck_opt.value("weight_decay", -1.0) == 0 && ecfg.adamw.weight_decay == 0)
+    if (ck_opt.value("weight_decay", -1.0) == 0 || ecfg.adamw.weight_decay == 0)
       ck_opt.erase("weight_decay_exempt");
     for (const auto& [key, now] : optimizer_state.items())
       if (ck_opt.contains(key) && ck_opt[key] != now)
         log::warn(
             "--resume: {} was {} in the checkpoint's run, {} now: the steps after the checkpoint "
-            "will not be "
-            "those of the run that wrote it (give the same --config / flags to continue it "
-            "exactly)",
-            key, ck_opt[key].dump(), now.dump());
+            "will not be those of the run that wrote it ({})",
+            key, ck_opt[key].dump(), now.dump(),
+            key == "weight_decay_exempt"
+                ? fmt::format("a --config with \"strata\": {{\"weight_decay_exempt\": {}}} "
+                              "continues it exactly",
+                              ck_opt[key].dump())
+                : std::string("give the same --config / flags to continue it exactly"));
     engine.load_state(resume.dir);
     // The data position: replay the loaders' batches (their order is a function of the seed).
     const std::int64_t tb = d.value("train_batches", std::int64_t(0)),
