@@ -1582,9 +1582,16 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
 // A --config schedule sized for the whole run (total_num_steps "auto", a warmup longer than the
 // steps measured) does not stop the validation runs (each failed: "auto" is the run's 2 steps,
 // below the warmup), and the written file keeps it as given.
+// ... and the line printed to run the recommendation carries the data the validation read (it was
+// left out: run as printed, strata-train trained on the demo's text).
 TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
   TempDir d("strata-prof");
-  const std::string model = tiny_model(d.path), ds = d.path + "/ds.json";
+  const std::string model = tiny_model(d.path), ds = d.path + "/ds.json",
+                    text = d.path + "/text.txt";
+  {
+    std::ofstream t(text);
+    for (int i = 0; i < 400; ++i) t << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
   std::ofstream(ds)
       << R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100,
     "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
@@ -1612,11 +1619,15 @@ TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
                                "1",
                                "--trace",
                                "",
+                               "--text",
+                               text,
                                "--json"},
                               d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0) << r.out;
+  EXPECT_NE(r.out.find(" --text " + text + " --config " + d.path + "/best.json"), std::string::npos)
+      << r.out;
   const auto best = nlohmann::json::parse(testing::slurp(d.path + "/best.json"));
   EXPECT_EQ(best["scheduler"]["params"]["total_num_steps"], "auto") << best.dump();
   EXPECT_EQ(best["scheduler"]["params"]["warmup_num_steps"], 100) << best.dump();

@@ -413,6 +413,13 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
   } else if (a.device_mem_gb > 0) {  // a GPU planned under a cap: the run keeps to it too
     device_flags += fmt::format(" --device-mem-gb {:g}", a.device_mem_gb);
   }
+  // The data it validated on, as strata-train takes it (without it the run would train on the
+  // demo's text, or refuse).
+  std::string data_flags;
+  if (!a.text_file.empty()) data_flags += " --text " + a.text_file;
+  for (const std::string& f : a.data_files) data_flags += " --data " + f;
+  if (!a.data_files.empty() && a.data_format != "auto")
+    data_flags += " --data-dtype " + a.data_format;
   // strata-train beside this binary (a build tree's tools/, a package's bin/), else by name.
   std::error_code ec;
   const fs::path train = fs::read_symlink("/proc/self/exe", ec).parent_path() / "strata-train";
@@ -436,9 +443,9 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
         (long long)config_train_batch, a.ds_config.c_str(), keep.c_str());
   }
   std::printf(
-      "\nbest configuration written to %s; run it with:\n  %s%s --config %s --seq-len %lld%s%s\n",
+      "\nbest configuration written to %s; run it with:\n  %s%s%s --config %s --seq-len %lld%s%s\n",
       a.out.c_str(), !ec && fs::exists(train) ? train.c_str() : "strata-train", model_flag.c_str(),
-      a.out.c_str(), (long long)a.seq_len,
+      data_flags.c_str(), a.out.c_str(), (long long)a.seq_len,
       best.checkpoint_on_host ? " --checkpoint-on-host"
       : best.checkpoint       ? " --checkpoint-activations"
                               : "",
