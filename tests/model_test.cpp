@@ -375,6 +375,24 @@ TEST(ModelTpLayout, SlicesTileEachTensorOnceAndSizesThatDoNotDivideAreRefused) {
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4})",
       "test");
   expect_error([&] { model_units(tiny, {4, 0}); }, "leaves TP rank 3 no vocabulary rows");
+  // The size it suggests splits the heads too (it said "at most 3", which 4 heads refuse).
+  const ModelConfig three = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 3, "hidden_size": 16, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4})",
+      "test");
+  expect_error(
+      [&] {
+        model_units(three, {4, 0});
+      },
+      "use a smaller TP size (2 is the largest that splits this model)");
+  // A GPT-2's are named by its own config.json keys (they were Llama's).
+  const ModelConfig gpt2 = parse_model_config(
+      R"({"model_type": "gpt2", "vocab_size": 64, "n_embd": 64, "n_layer": 1, "n_head": 4,
+        "n_positions": 32, "n_inner": 102})",
+      "test");
+  expect_error([&] { model_units(gpt2, {3, 0}); }, "attention heads (n_head) (4)");
+  expect_error([&] { model_units(gpt2, {8, 0}); }, "attention heads (n_head) (4)");
+  expect_error([&] { model_units(gpt2, {4, 0}); }, "MLP width (n_inner, default 4 x n_embd) (102)");
   expect_error([&] { model_units(tiny, {2, 2}); }, "rank 2 of 2 is not a rank of the group");
 }
 

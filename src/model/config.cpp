@@ -482,13 +482,21 @@ std::vector<UnitSpec> model_units(const ModelConfig& c, TensorParallel tp) {
                      "holds an equal share of them; use a TP size that divides {}",
                      n, name, what, what);
     };
-    need(c.num_heads, "attention heads (num_attention_heads)");
-    need(c.num_kv_heads, "key/value heads (num_key_value_heads)");
-    need(I, "MLP width (intermediate_size)");
+    // Named by the config.json keys of the model's family.
+    const bool gpt2 = c.model_type == "gpt2";
+    need(c.num_heads, gpt2 ? "attention heads (n_head)" : "attention heads (num_attention_heads)");
+    if (!gpt2) need(c.num_kv_heads, "key/value heads (num_key_value_heads)");
+    need(I, gpt2 ? "MLP width (n_inner, default 4 x n_embd)" : "MLP width (intermediate_size)");
+    // The largest TP size below that splits everything here (1 at least): what to suggest.
+    std::int64_t fits = 1;
+    for (std::int64_t m = n - 1; m > 1 && fits == 1; --m)
+      if (c.num_heads % m == 0 && (gpt2 || c.num_kv_heads % m == 0) && I % m == 0 &&
+          (m - 1) * ((V + m - 1) / m) < V)
+        fits = m;
     STRATA_REQUIRE((n - 1) * vrows < V,
                    "tensor parallelism {} leaves TP rank {} no vocabulary rows ({} rows in shares "
-                   "of {}): use a TP size of at most {}",
-                   n, n - 1, V, vrows, (V + vrows - 1) / vrows);
+                   "of {}): use a smaller TP size ({} is the largest that splits this model)",
+                   n, n - 1, V, vrows, fits);
   }
   std::vector<UnitSpec> units;
   // `aligned`: the parameter starts at a multiple of kParamAlign; else right after the previous
