@@ -23,7 +23,7 @@ std::uint64_t address_space_limit();
 // else the limit in MiB, that it counts address space reserved and not yet used (each thread's
 // stack, the emulated device's whole capacity), and to raise it.
 std::string address_space_note();
-// The address space the process holds now (VmSize of /proc/self/status) in bytes, 0 unknown.
+// The address space the process holds now (VmSize: /proc/self/statm's size) in bytes, 0 unknown.
 std::uint64_t address_space_used();
 // What an address-space limit must leave free beside the emulated device's reservation for
 // the kernels and the threads still to start: 512 MiB (oneDNN's generated code: with about 200

@@ -166,12 +166,22 @@ std::size_t ram_available_bytes() {
   return avail == 0 ? left : std::min(avail, left);
 }
 
-std::size_t process_rss_bytes() {
+namespace {
+// /proc/self/statm's first two fields, the process's size (all it has mapped, VmSize) and its
+// resident part, in bytes; {0, 0} when unreadable.
+struct Statm {
+  std::uint64_t size = 0, resident = 0;
+};
+Statm read_statm() {
   std::ifstream f("/proc/self/statm");
-  std::size_t pages = 0, resident = 0;
-  if (!(f >> pages >> resident)) return 0;
-  return resident * std::size_t(::sysconf(_SC_PAGESIZE));
+  std::uint64_t size = 0, resident = 0;
+  if (!(f >> size >> resident)) return {};
+  const auto page = std::uint64_t(::sysconf(_SC_PAGESIZE));
+  return {size * page, resident * page};
 }
+}  // namespace
+
+std::size_t process_rss_bytes() { return std::size_t(read_statm().resident); }
 
 std::size_t process_peak_rss_bytes() {
   rusage ru{};
@@ -209,3 +219,34 @@ HugePageInfo huge_page_info() {
 }
 
 }  // namespace strata::cpu
+
+namespace strata {
+
+std::uint64_t address_space_limit() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_AS, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return 0;
+  return std::uint64_t(r.rlim_cur);
+}
+
+std::uint64_t address_space_used() { return cpu::read_statm().size; }
+
+std::uint64_t address_space_headroom() {
+  rlimit st{};
+  std::uint64_t stack = std::uint64_t(8) << 20;
+  if (::getrlimit(RLIMIT_STACK, &st) == 0 && st.rlim_cur != RLIM_INFINITY)
+    stack = std::uint64_t(st.rlim_cur);
+  const std::uint64_t threads = std::max(1u, std::thread::hardware_concurrency());
+  return (std::uint64_t(512) << 20) + threads * (stack + (std::uint64_t(64) << 20));
+}
+
+std::string address_space_note() {
+  const std::uint64_t limit = address_space_limit();
+  if (limit == 0) return {};
+  return fmt::format(
+      "; the process's address-space limit (`ulimit -v`) is {} MiB, and it counts address space "
+      "reserved and not yet used (each thread's stack, the emulated device's whole capacity): "
+      "raise it (`ulimit -v unlimited`)",
+      limit >> 20);
+}
+
+}  // namespace strata
