@@ -212,7 +212,7 @@ TEST_F(Collectives, AllGather) {
 
 // Each collective is a span of its own name on its stream's lane while the tracer is on (MPI:
 // from the stream reaching it to its end; NCCL: its GPU time). The local backend's one rank
-// has nothing to do, and no span.
+// has nothing to do, and no span. Each span carries the bytes its rank puts in.
 TEST_F(Collectives, EachCollectiveIsATraceSpanOfItsName) {
   if (comm->backend() == CommBackend::kLocal)
     GTEST_SKIP() << "one rank, local backend: collectives do nothing";
@@ -230,11 +230,20 @@ TEST_F(Collectives, EachCollectiveIsATraceSpanOfItsName) {
   s->synchronize();
   t.set_enabled(false);
   std::map<std::string, int> seen;
+  std::map<std::string, std::uint64_t> bytes;
   for (const TraceSpan& sp : t.spans())
-    if (sp.lane == s->name()) ++seen[sp.name];
+    if (sp.lane == s->name()) {
+      ++seen[sp.name];
+      bytes[sp.name] += sp.bytes;
+    }
   t.clear();
   for (const char* name : {"all_gather", "reduce_scatter", "all_reduce", "broadcast"})
     EXPECT_EQ(seen[name], 1) << name << " on lane " << s->name();
+  // Each with the bytes this rank puts in (they were 0).
+  EXPECT_EQ(bytes["all_gather"], n * 4);
+  EXPECT_EQ(bytes["reduce_scatter"], n * W * 4);
+  EXPECT_EQ(bytes["all_reduce"], n * 4);
+  EXPECT_EQ(bytes["broadcast"], n * 4);
 }
 
 TEST_F(Collectives, AllReduce) {

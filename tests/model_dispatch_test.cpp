@@ -94,7 +94,7 @@ class InertStream final : public Stream {
   Event do_record() override { return {}; }
   void do_wait(const Event&) override {}
   void do_synchronize() override {}
-  void do_host_fn(std::function<void()>, const char*) override {}
+  void do_host_fn(std::function<void()>, const char*, std::uint64_t) override {}
   void do_fill(TensorRef, float) override {}
   void do_axpy(float, TensorRef, TensorRef) override {}
   void do_scale(float, TensorRef) override {}

@@ -165,6 +165,8 @@ class Communicator {
     // "all_gather", "reduce_scatter", ...: the name of its trace span (a static string), with
     // "tp." or "dp." before it on a tensor- or data-parallel group's communicator.
     const char* name() const noexcept;
+    // The bytes this rank puts in: its inputs' (what its trace span carries).
+    std::uint64_t bytes() const noexcept;
   };
 
  protected:

@@ -265,8 +265,10 @@ class Stream {
   // emulated device; on CUDA such a free inside a host function is cudaFree, which must not be
   // called there: free on a stream instead).
   // `trace_name` (a string with static lifetime) names its span on the emulated device, where
-  // host functions are also how CPU kernels outside this interface run.
-  void host_fn(std::function<void()> fn, const char* trace_name = "host_fn");
+  // host functions are also how CPU kernels outside this interface run; `trace_bytes` is the
+  // span's bytes (a collective's, say).
+  void host_fn(std::function<void()> fn, const char* trace_name = "host_fn",
+               std::uint64_t trace_bytes = 0);
 
   // Kernels (device memory only). Element-wise kernels compute in fp32 whatever the dtype.
   void fill(TensorRef x, float value);
@@ -292,7 +294,8 @@ class Stream {
   virtual Event do_record() = 0;
   virtual void do_wait(const Event& event) = 0;
   virtual void do_synchronize() = 0;
-  virtual void do_host_fn(std::function<void()> fn, const char* trace_name) = 0;
+  virtual void do_host_fn(std::function<void()> fn, const char* trace_name,
+                          std::uint64_t trace_bytes) = 0;
   virtual void do_fill(TensorRef x, float value) = 0;
   virtual void do_axpy(float alpha, TensorRef x, TensorRef y) = 0;
   virtual void do_scale(float alpha, TensorRef x) = 0;

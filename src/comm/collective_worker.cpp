@@ -61,7 +61,7 @@ void CollectiveWorker::enqueue(const Communicator::Collective& c, Stream& stream
         op->set(&Pending::ready);
         op->wait(&Pending::done);
       },
-      c.name());  // the span: from the stream reaching it to the collective's end
+      c.name(), c.bytes());  // the span: from the stream reaching it to the collective's end
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(op));

@@ -97,6 +97,12 @@ const char* Communicator::Collective::name() const noexcept {
   return kind_name(kind);
 }
 
+std::uint64_t Communicator::Collective::bytes() const noexcept {
+  std::uint64_t total = 0;
+  for (const TensorRef& t : inputs) total += std::uint64_t(t.numel) * dtype_size(t.dtype);
+  return total;
+}
+
 std::string Communicator::Collective::describe() const {
   std::string s = kind_name(kind);
   if (coalesced) s += "_coalesced";

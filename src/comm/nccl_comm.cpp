@@ -340,8 +340,8 @@ class NcclCommunicator final : public Communicator {
           "{}: the NCCL communicator was aborted (a collective timed out or failed); the "
           "job is ending",
           c.describe());
-      const gpu::GpuSpan span(c.name(),
-                              s);  // while traced: the collective's GPU time, on the stream's lane
+      // While traced: the collective's GPU time, on the stream's lane.
+      const gpu::GpuSpan span(c.name(), s, c.bytes());
       if (group) STRATA_NCCL_CHECK(ncclGroupStart());
       try {
         enqueue_calls(c, s);

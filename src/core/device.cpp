@@ -165,9 +165,9 @@ void Stream::wait(const Event& event) {
 
 void Stream::synchronize() { do_synchronize(); }
 
-void Stream::host_fn(std::function<void()> fn, const char* trace_name) {
+void Stream::host_fn(std::function<void()> fn, const char* trace_name, std::uint64_t trace_bytes) {
   STRATA_REQUIRE(static_cast<bool>(fn), "host_fn on stream '{}': empty function", name());
-  do_host_fn(std::move(fn), trace_name ? trace_name : "host_fn");
+  do_host_fn(std::move(fn), trace_name ? trace_name : "host_fn", trace_bytes);
 }
 
 void Stream::fill(TensorRef x, float value) {

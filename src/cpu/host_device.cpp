@@ -523,8 +523,9 @@ class HostStream final : public Stream {
     if (auto err = core_->drain()) std::rethrow_exception(err);
   }
 
-  void do_host_fn(std::function<void()> fn, const char* trace_name) override {
-    submit(std::move(fn), trace_name);
+  void do_host_fn(std::function<void()> fn, const char* trace_name,
+                  std::uint64_t trace_bytes) override {
+    submit(std::move(fn), trace_name, trace_bytes);
   }
 
   void do_fill(TensorRef x, float v) override {

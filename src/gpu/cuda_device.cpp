@@ -354,7 +354,8 @@ class CudaStream final : public Stream {
   Event do_record() override;
   void do_wait(const Event& event) override;
   void do_synchronize() override;
-  void do_host_fn(std::function<void()> fn, const char* trace_name) override;
+  void do_host_fn(std::function<void()> fn, const char* trace_name,
+                  std::uint64_t trace_bytes) override;
   void do_fill(TensorRef x, float value) override;
   void do_axpy(float alpha, TensorRef x, TensorRef y) override;
   void do_scale(float alpha, TensorRef x) override;
@@ -1012,7 +1013,8 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
       from_host ? (to_host ? "copy_h2h" : "copy_h2d") : (to_host ? "copy_d2h" : "copy_d2d"),
       stream_, src.bytes);
   if (dst.space == MemSpace::kHost && src.space == MemSpace::kHost) {
-    do_host_fn([d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); }, "copy_h2h");
+    do_host_fn([d = dst.ptr, s = src.ptr, n = src.bytes] { std::memmove(d, s, n); }, "copy_h2h",
+               src.bytes);
     return;
   }
   const bool src_pageable = src.space == MemSpace::kHost && is_pageable(src.ptr);
@@ -1035,7 +1037,7 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
       continue;
     }
     if (src_pageable) {
-      do_host_fn([chunk, from = s + off, len] { std::memcpy(chunk, from, len); }, "stage_h2d");
+      do_host_fn([chunk, from = s + off, len] { std::memcpy(chunk, from, len); }, "stage_h2d", len);
       STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, chunk, len, cudaMemcpyHostToDevice, stream_));
       launch_host_step(stream_,
                        [pool, chunk] { pool->put(chunk); });  // short: no copy, no CUDA call
@@ -1046,7 +1048,7 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
             std::memcpy(to, chunk, len);
             pool->put(chunk);
           },
-          "stage_d2h");
+          "stage_d2h", len);
     }
   }
 }
@@ -1099,7 +1101,8 @@ void CudaStream::start_host_worker() {
 // Stream order: earlier work -> a host step posts `fn` to the worker -> a kernel waits for
 // the worker to publish seq -> later work. The worker runs functions in the order posted,
 // which is stream order, so the flag only grows.
-void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/) {
+void CudaStream::do_host_fn(std::function<void()> fn, const char* /*trace_name*/,
+                            std::uint64_t /*trace_bytes*/) {
   DeviceGuard guard(ordinal());
   std::lock_guard<std::mutex> lock(host_mu_);
   if (!worker_) start_host_worker();
