@@ -20,6 +20,6 @@ int main(int argc, char** argv) {
   strata::bench::add_engine_command(app);
   strata::bench::add_gpu_command(app);
   strata::bench::add_tokenize_command(app);
-  return strata::tools::run_tool("strata-bench", app, argc, argv,
+  return strata::tools::run_tool("strata-bench", app, argc, argv, strata::tools::ToolRuns::kernels,
                                  [] { return strata::bench::exit_code(); });
 }

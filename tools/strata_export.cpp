@@ -357,5 +357,6 @@ int main(int argc, char** argv) {
                  "started from, as its checkpoint records)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);
-  return strata::tools::run_tool("strata-export", app, argc, argv, [&] { return run(o); });
+  return strata::tools::run_tool("strata-export", app, argc, argv, strata::tools::ToolRuns::files,
+                                 [&] { return run(o); });
 }

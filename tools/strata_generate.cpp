@@ -572,13 +572,15 @@ int main(int argc, char** argv) {
   app.add_flag("--ids", o.ids, "print the new tokens' ids, not their text");
   app.add_flag("--json", o.json,
                "print, last, one JSON object: the new token ids and timings (the text to stderr)");
-  return strata::tools::run_tool("strata-generate", app, argc, argv, [&] {
-    o.system_given = app.count("--system") > 0;
-    STRATA_REQUIRE(app.count("--prompt") == 0 || !o.prompt.empty(),
-                   "--prompt is empty: give the text the model continues{}",
-                   o.chat ? " (or, with --chat, leave --prompt out and type each message)" : "");
-    STRATA_REQUIRE(app.count("--prompt-ids") == 0 || !o.prompt_ids.empty(),
-                   "--prompt-ids is empty: give at least one token id");
-    return run(o);
-  });
+  return strata::tools::run_tool(
+      "strata-generate", app, argc, argv, strata::tools::ToolRuns::kernels, [&] {
+        o.system_given = app.count("--system") > 0;
+        STRATA_REQUIRE(
+            app.count("--prompt") == 0 || !o.prompt.empty(),
+            "--prompt is empty: give the text the model continues{}",
+            o.chat ? " (or, with --chat, leave --prompt out and type each message)" : "");
+        STRATA_REQUIRE(app.count("--prompt-ids") == 0 || !o.prompt_ids.empty(),
+                       "--prompt-ids is empty: give at least one token id");
+        return run(o);
+      });
 }

@@ -275,6 +275,6 @@ int main(int argc, char** argv) {
   bool as_json = false, check = false;
   app.add_flag("--json", as_json, "also print one JSON object with everything, last");
   app.add_flag("--self-check", check, "run a short correctness check on every usable device");
-  return strata::tools::run_tool("strata-info", app, argc, argv,
+  return strata::tools::run_tool("strata-info", app, argc, argv, strata::tools::ToolRuns::files,
                                  [&] { return strata::report(as_json, check); });
 }

@@ -22,17 +22,18 @@ int main(int argc, char** argv) {
   app.add_option("-o,--out", out, "the SVG file to write (open it in a browser)")->required();
   app.add_option("--title", title, "the picture's title (default: the log's file name)");
   app.add_flag("--overwrite", overwrite, "replace an existing --out file");
-  return strata::tools::run_tool("strata-plot", app, argc, argv, [&] {
-    const std::vector<strata::RunRecord> steps = strata::read_run_log(log);
-    std::error_code ec;
-    STRATA_REQUIRE(!std::filesystem::equivalent(log, out, ec),
-                   "-o {} is the log itself: give another file for the picture", out);
-    strata::require_output_file("-o", out, overwrite);
-    if (title.empty())
-      title = "strata-train run: " + std::filesystem::path(log).filename().string();
-    strata::write_run_plot(out, strata::run_plot_svg(steps, title));
-    std::printf("strata-plot: %s: %zu steps (%lld to %lld) drawn\n", out.c_str(), steps.size(),
-                (long long)steps.front().step, (long long)steps.back().step);
-    return 0;
-  });
+  return strata::tools::run_tool(
+      "strata-plot", app, argc, argv, strata::tools::ToolRuns::files, [&] {
+        const std::vector<strata::RunRecord> steps = strata::read_run_log(log);
+        std::error_code ec;
+        STRATA_REQUIRE(!std::filesystem::equivalent(log, out, ec),
+                       "-o {} is the log itself: give another file for the picture", out);
+        strata::require_output_file("-o", out, overwrite);
+        if (title.empty())
+          title = "strata-train run: " + std::filesystem::path(log).filename().string();
+        strata::write_run_plot(out, strata::run_plot_svg(steps, title));
+        std::printf("strata-plot: %s: %zu steps (%lld to %lld) drawn\n", out.c_str(), steps.size(),
+                    (long long)steps.front().step, (long long)steps.back().step);
+        return 0;
+      });
 }

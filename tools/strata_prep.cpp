@@ -190,12 +190,13 @@ int main(int argc, char** argv) {
   // Ctrl-C (a scheduler's SIGTERM, a closed terminal) removes the temporary file, which grows to
   // the prepared file's size, and says so.
   strata::remove_swap_files_on_interrupt();
-  return strata::tools::run_tool("strata-prep", app, argc, argv, [&] {
-    o.text_field_named = app.count("--text-field") > 0;
-    strata::set_interrupt_note(
-        fmt::format("\nstrata-prep: interrupted; {} was not written (its temporary file is "
-                    "removed){}\n",
-                    o.out, o.overwrite ? ", and what was there is as it was" : ""));
-    return run(o, sep->count() > 0);
-  });
+  return strata::tools::run_tool(
+      "strata-prep", app, argc, argv, strata::tools::ToolRuns::files, [&] {
+        o.text_field_named = app.count("--text-field") > 0;
+        strata::set_interrupt_note(
+            fmt::format("\nstrata-prep: interrupted; {} was not written (its temporary file is "
+                        "removed){}\n",
+                        o.out, o.overwrite ? ", and what was there is as it was" : ""));
+        return run(o, sep->count() > 0);
+      });
 }

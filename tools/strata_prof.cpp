@@ -782,12 +782,13 @@ int main(int argc, char** argv) {
                  "tensor_parallel.autotp_size, else 1)")
       ->check(CLI::Range(1, 1024));
   app.add_flag("--json", a.json, "print, last, one JSON object of the figures");
-  return strata::tools::run_tool("strata-prof", app, argc, argv, [&] {
-    a.out_named = app.count("--out") > 0;
-    a.svg_named = app.count("--svg") > 0;
-    a.trace_named = app.count("--trace") > 0;
-    a.validate_spread_named = app.count("--validate-spread") > 0;
-    a.validate_rounds_named = app.count("--validate-rounds") > 0;
-    return strata::prof::run(a);
-  });
+  return strata::tools::run_tool("strata-prof", app, argc, argv, strata::tools::ToolRuns::kernels,
+                                 [&] {
+                                   a.out_named = app.count("--out") > 0;
+                                   a.svg_named = app.count("--svg") > 0;
+                                   a.trace_named = app.count("--trace") > 0;
+                                   a.validate_spread_named = app.count("--validate-spread") > 0;
+                                   a.validate_rounds_named = app.count("--validate-rounds") > 0;
+                                   return strata::prof::run(a);
+                                 });
 }

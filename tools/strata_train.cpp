@@ -176,46 +176,49 @@ int main(int argc, char** argv) {
                  "the demo's NVMe folder (default: <build>/demo-nvme from the build tree, else "
                  "~/.cache/strata/demo-nvme)");
   app.add_flag("--plan", o.plan_only, "print the memory plan and exit");
-  return strata::tools::run_tool("strata-train", app, argc, argv, [&] {
-    o.shuffle = !no_shuffle;
-    o.text_field_named = app.count("--text-field") > 0;
-    if (separator_opt->count() > 0) o.separator = separator;
-    if (max_shard_mb > 0)
-      o.out_max_shard_bytes = std::max<std::size_t>(1, strata::tools::mib_as_bytes(max_shard_mb));
-    // A flag that would be ignored is named, not ignored (the user thinks it took effect).
-    auto needs = [&](const char* flag, bool ok, const char* why) {
-      STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);
-    };
-    const bool demo = o.model_dir.empty() && o.model_config.empty();
-    needs("--trace-step", !o.trace_file.empty(),
-          "chooses the step --trace records: add --trace FILE");
-    needs(
-        "--overwrite",
-        !o.out_dir.empty() || !o.log_json.empty() || !o.plot_file.empty() || !o.trace_file.empty(),
-        "replaces an existing --out folder, --log-json, --plot or --trace file: add one of them");
-    needs("--max-shard-mb", !o.out_dir.empty(), "sizes the files --out writes: add --out DIR");
-    needs("--checkpoint-dir", o.save_every > 0,
-          "is where --save-every N writes checkpoints: add --save-every N");
-    needs("--keep-checkpoints", o.save_every > 0,
-          "prunes the checkpoints --save-every N writes: add --save-every N");
-    needs("--demo-nvme", demo && o.ds_config.empty(),
-          "is the embedded demo's NVMe folder; with a model of yours or a --config, set "
-          "offload_param / "
-          "offload_optimizer nvme_path in the --config");
-    needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
-          "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
-    needs("--plot", !o.plan_only,
-          "draws the steps of a run and --plan runs none: drop one of them");
-    needs("--sample-tokens", o.sample_every > 0,
-          "is the length of --sample-every's samples: add --sample-every N");
-    needs("--data-dtype", !o.data_files.empty(),
-          "is the format of --data token files (--text is read byte by byte)");
-    needs("--text-field", !o.data_files.empty() || !o.eval_files.empty(),
-          "names the text field of --data .jsonl corpora: add --data FILE.jsonl");
-    needs("--chat-format", !o.data_files.empty() || !o.eval_files.empty(),
-          "renders the chat records of --data .jsonl corpora: add --data FILE.jsonl");
-    needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
-          "splits --data / --text text corpora into documents: add --data or --text");
-    return strata::train(o).plan_fits ? 0 : 2;
-  });
+  return strata::tools::run_tool(
+      "strata-train", app, argc, argv, strata::tools::ToolRuns::kernels, [&] {
+        o.shuffle = !no_shuffle;
+        o.text_field_named = app.count("--text-field") > 0;
+        if (separator_opt->count() > 0) o.separator = separator;
+        if (max_shard_mb > 0)
+          o.out_max_shard_bytes =
+              std::max<std::size_t>(1, strata::tools::mib_as_bytes(max_shard_mb));
+        // A flag that would be ignored is named, not ignored (the user thinks it took effect).
+        auto needs = [&](const char* flag, bool ok, const char* why) {
+          STRATA_REQUIRE(!app.count(flag) || ok, "{} {}", flag, why);
+        };
+        const bool demo = o.model_dir.empty() && o.model_config.empty();
+        needs("--trace-step", !o.trace_file.empty(),
+              "chooses the step --trace records: add --trace FILE");
+        needs("--overwrite",
+              !o.out_dir.empty() || !o.log_json.empty() || !o.plot_file.empty() ||
+                  !o.trace_file.empty(),
+              "replaces an existing --out folder, --log-json, --plot or --trace file: add one of "
+              "them");
+        needs("--max-shard-mb", !o.out_dir.empty(), "sizes the files --out writes: add --out DIR");
+        needs("--checkpoint-dir", o.save_every > 0,
+              "is where --save-every N writes checkpoints: add --save-every N");
+        needs("--keep-checkpoints", o.save_every > 0,
+              "prunes the checkpoints --save-every N writes: add --save-every N");
+        needs("--demo-nvme", demo && o.ds_config.empty(),
+              "is the embedded demo's NVMe folder; with a model of yours or a --config, set "
+              "offload_param / "
+              "offload_optimizer nvme_path in the --config");
+        needs("--eval-batches", o.eval_every > 0 || !o.eval_files.empty(),
+              "sets the batches of an evaluation: add --eval-every N or --eval-data FILE");
+        needs("--plot", !o.plan_only,
+              "draws the steps of a run and --plan runs none: drop one of them");
+        needs("--sample-tokens", o.sample_every > 0,
+              "is the length of --sample-every's samples: add --sample-every N");
+        needs("--data-dtype", !o.data_files.empty(),
+              "is the format of --data token files (--text is read byte by byte)");
+        needs("--text-field", !o.data_files.empty() || !o.eval_files.empty(),
+              "names the text field of --data .jsonl corpora: add --data FILE.jsonl");
+        needs("--chat-format", !o.data_files.empty() || !o.eval_files.empty(),
+              "renders the chat records of --data .jsonl corpora: add --data FILE.jsonl");
+        needs("--separator", !o.data_files.empty() || !o.text_file.empty(),
+              "splits --data / --text text corpora into documents: add --data or --text");
+        return strata::train(o).plan_fits ? 0 : 2;
+      });
 }

@@ -19,15 +19,16 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 #include <system_error>
 #include <vector>
 
 #include "strata/adamw.h"
+#include "strata/build_info.h"
 #include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
@@ -143,10 +144,21 @@ inline void settle_process() {
   ::signal(SIGXFSZ, SIG_IGN);
 }
 
-// Parses the command line into `app`, then returns body()'s exit code.
+// What a tool runs beside reading and writing files.
+enum class ToolRuns {
+  files,    // strata-info, -plot, -prep, -export: no oneDNN, no thread pools
+  kernels,  // strata-train, -prof, -generate, -bench: oneDNN's generated code and the thread pools
+};
+
+// Parses the command line into `app` (with --version), then returns body()'s exit code.
 template <class Body>
-int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body) {
+int run_tool(const char* name, CLI::App& app, int argc, char** argv, ToolRuns runs, Body&& body) {
   settle_process();
+  // (a function: asking whether CUDA is built in loads its libraries, which only --version needs)
+  app.set_version_flag("--version", std::function<std::string()>([name] {
+                         return fmt::format("{} {} (CUDA backend {})", name, strata_version(),
+                                            built_with_cuda() ? "on" : "off");
+                       }));
   // A thread that could not start: under an address-space limit its stack is what failed.
   const auto no_thread = [](const std::string& what) {
     const std::uint64_t limit = address_space_limit();
@@ -164,13 +176,9 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, Body&& body
   try {
     app.parse(argc, argv);
     cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
-    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing: the tools that
-    // compute (strata-info, -plot, -prep and -export run without oneDNN).
-    const std::string_view tool = name;
-    const bool computes = tool == "strata-train" || tool == "strata-prof" ||
-                          tool == "strata-generate" || tool == "strata-bench";
+    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing.
     if (const std::uint64_t limit = address_space_limit();
-        computes && limit != 0 && limit < kMinAddressSpace)
+        runs == ToolRuns::kernels && limit != 0 && limit < kMinAddressSpace)
       STRATA_THROW(kInvalidArgument,
                    "the process's address-space limit (`ulimit -v`) is {} MiB, and strata needs "
                    "at least {} MiB of address space: raise it (`ulimit -v unlimited`)",
