@@ -973,7 +973,7 @@ TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {
 
 // A linear decay resumed inside its warmup with another total (or --min-lr): the next lr is the
 // same there, but the decay after it is not, and the resume says so (only a cosine's total was
-// compared).
+// compared), giving both schedules.
 TEST_F(TrainBinary, AResumeInsideTheWarmupOfAnotherDecayWarns) {
   const std::string ck = dir.path + "/ck";
   auto a = args(dir.path + "/a.jsonl", {"--save-every", "3", "--checkpoint-dir", ck});
@@ -994,10 +994,16 @@ TEST_F(TrainBinary, AResumeInsideTheWarmupOfAnotherDecayWarns) {
   Proc p = spawn(a, dir.path, "warm-resume");
   st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
-  EXPECT_NE(slurp(p.err).find("--resume: the learning-rate schedule differs from the checkpoint's "
-                              "run"),
+  const std::string err = slurp(p.err);
+  EXPECT_NE(err.find("--resume: the learning-rate schedule differs from the checkpoint's "
+                     "run (total_steps differ): the checkpoint's {"),
             std::string::npos)
-      << slurp(p.err);
+      << err;
+  // Both sides (it said the checkpoint's alone).
+  const std::size_t now = err.find("this run's {");
+  ASSERT_NE(now, std::string::npos) << err;
+  EXPECT_NE(err.find("\"total_steps\":6", now), std::string::npos) << err;
+  EXPECT_LT(err.find("\"total_steps\":3"), now) << err;
 }
 
 // A run resumed from an older checkpoint of a folder whose run went further is told that the newer

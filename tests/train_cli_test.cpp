@@ -39,6 +39,7 @@
 #include <thread>
 
 #include "core/utf8.h"
+#include "strata/build_info.h"
 #include "strata/corpus.h"
 #include "strata/dtype.h"
 #include "strata/generate.h"
@@ -1621,6 +1622,31 @@ TEST_F(TrainCli, ASecondRunIntoTheSameOutIsRefusedWhileTheFirstLives) {
   EXPECT_EQ(after.status, 0) << after.out << after.err;
 }
 
+// A run that fails before it writes anything leaves no folder it made (an empty --out, and its
+// parents, were left by a device too small and by ranks started with different flags), and
+// removes nothing of a folder that was there.
+TEST_F(TrainCli, ARunThatFailsLeavesNoEmptyFolderItMade) {
+  const std::string top = dir.path + "/made", log = dir.path + "/x.jsonl";
+  const std::vector<std::string> small = {"--device-mem-gb", "0.0005", "--save-every", "1"};
+  std::vector<std::string> a = small;
+  a.insert(a.end(), {"--out", top + "/a/out"});
+  Result r = train(args(log, a, "2"), "small");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("--device-mem-gb 0.0005 caps the device"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
+  fs::create_directories(top + "/kept");
+  a = small;
+  a.insert(a.end(), {"--out", top + "/kept", "--overwrite"});
+  r = train(args(log, a, "2"), "kept");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_TRUE(fs::is_directory(top + "/kept"));
+  EXPECT_TRUE(fs::is_empty(top + "/kept")) << "its checkpoint folder is left";
+  // A run that succeeds keeps them.
+  r = train(args(log, {"--out", top + "/b/out", "--overwrite"}, "2"), "ok");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(fs::exists(top + "/b/out/model.safetensors"));
+}
+
 // Started with its console closed (`>&-`), the run's first file opened took descriptor 1: its
 // --log-json file got the banner, step lines and summary between its JSON lines. A console pipe
 // closed by its reader (`| head`) ends the run by SIGPIPE, as a Unix tool ends, and its swap
@@ -2091,6 +2117,15 @@ TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
   r = train({"--help"}, "help");
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.out.find("--steps"), std::string::npos);
+  // --version names the tool, strata's version and the backend, as every tool's does.
+  const std::string version = fmt::format("{} (CUDA backend {})\n", strata::strata_version(),
+                                          strata::built_with_cuda() ? "on" : "off");
+  r = train({"--version"}, "version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "strata-train " + version);
+  r = run(STRATA_EXPORT_BIN, {"--version"}, dir.path, "export-version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "strata-export " + version);
 }
 
 TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
@@ -3160,6 +3195,33 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
 #endif
 }
 
+// A tensor-parallel job is planned before it is launched: one process's --plan plans rank 0 of
+// one tensor-parallel group (it was refused: "does not divide the job's 1 rank(s)"), its slice of
+// the model (less device memory than the whole), and says so; the run itself still needs ranks.
+TEST_F(TrainCli, ATensorParallelPlanPlansOneRanksSlice) {
+  const Result whole = train(args(dir.path + "/w.jsonl", {"--plan"}), "whole");
+  ASSERT_EQ(whole.status, 0) << whole.err;
+  const Result tp = train(args(dir.path + "/t.jsonl", {"--plan", "--tensor-parallel", "2"}), "tp");
+  ASSERT_EQ(tp.status, 0) << tp.err;
+  EXPECT_NE(tp.out.find(" on this rank: its tensor-parallel slice), "), std::string::npos)
+      << tp.out;
+  EXPECT_NE(tp.out.find("2 ranks (tensor-parallel 2 x data-parallel 1)"), std::string::npos)
+      << tp.out;
+  EXPECT_NE(tp.out.find("planned as rank 0 of a 2-rank launch"), std::string::npos) << tp.out;
+  const auto device_total = [](const std::string& out) {
+    const std::regex re(R"(\ndevice +total +(\d+) )");
+    std::smatch m;
+    return std::regex_search(out, m, re) ? std::stoull(m[1]) : 0ull;
+  };
+  EXPECT_GT(device_total(tp.out), 0u) << tp.out;
+  EXPECT_LT(device_total(tp.out), device_total(whole.out)) << whole.out << tp.out;
+  const Result run = train(args(dir.path + "/r.jsonl", {"--tensor-parallel", "2"}), "run");
+  EXPECT_EQ(run.status, 1);
+  EXPECT_NE(run.err.find("--tensor-parallel 2 does not divide the job's 1 rank(s)"),
+            std::string::npos)
+      << run.err;
+}
+
 // Tensor parallelism: --tensor-parallel 2 on 2 ranks (TP 2 x DP 1, its weights and optimizer state
 // also on NVMe) and on 4 (TP 2 x DP 2) against one rank with the same global batch: the losses and
 // gradient norms step by step and the weights written, to fp32 rounding (Adam's eps 1e-4 here, as
@@ -3635,10 +3697,11 @@ TEST_F(TrainCli, TorchrunOneRanksFailedSaveEndsEveryRankAndLeavesNothing) {
                        "run the same command again"),
             std::string::npos)
       << r.err;
+  // Nothing: not even --out and its checkpoint folder, which the run made.
   std::vector<std::string> left;
-  for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
-    left.push_back(e.path().filename().string());
-  EXPECT_TRUE(left.empty()) << fmt::format("{}", fmt::join(left, ", "));
+  if (fs::exists(out))
+    for (const auto& e : fs::recursive_directory_iterator(out)) left.push_back(e.path().string());
+  EXPECT_FALSE(fs::exists(out)) << fmt::format("{}", fmt::join(left, ", "));
 }
 
 // A folder's leader that cannot write its manifest: every rank ends with an error naming it (the

@@ -138,6 +138,8 @@ struct EngineConfig {
   // parameter it is handed. Applied by the trainer (Engine::set_weight_decay_exempt).
   bool decay_exempt_norms_and_biases = true;
 };
+// strata.weight_decay_exempt's value for decay_exempt_norms_and_biases: "norms_and_biases", "none".
+const char* weight_decay_exempt_name(bool norms_and_biases);
 
 // Parses a ds_config.json text. `world_size` checks train_batch_size against micro batch x
 // grad accumulation x ranks. Unknown keys warn once; wrong types and impossible values throw

@@ -73,6 +73,10 @@
 
 namespace strata {
 
+const char* weight_decay_exempt_name(bool norms_and_biases) {
+  return norms_and_biases ? "norms_and_biases" : "none";
+}
+
 const char* tier_name(Tier t) {
   switch (t) {
     case Tier::kDevice:
@@ -787,8 +791,10 @@ EngineConfig parse_engine_config(std::string_view json_text, int world_size) {
   c.optimizer_threads = int(threads);
   c.optimizer_isa =
       parse_isa(st.get_choice("optimizer_isa", "auto", {"auto", "avx512", "avx2", "scalar"}));
-  c.decay_exempt_norms_and_biases = st.get_choice("weight_decay_exempt", "norms_and_biases",
-                                                  {"norms_and_biases", "none"}) != "none";
+  c.decay_exempt_norms_and_biases =
+      st.get_choice("weight_decay_exempt", weight_decay_exempt_name(true),
+                    {weight_decay_exempt_name(true), weight_decay_exempt_name(false)}) ==
+      weight_decay_exempt_name(true);
   return c;
 }
 

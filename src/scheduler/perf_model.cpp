@@ -1693,7 +1693,8 @@ std::string engine_config_json(const EngineConfig& c) {
   if (c.optimizer_threads > 0) j["strata"]["optimizer_threads"] = c.optimizer_threads;
   if (c.optimizer_isa != Isa::kAuto) j["strata"]["optimizer_isa"] = isa_name(c.optimizer_isa);
   if (c.device_grad_norm) j["strata"]["device_grad_norm"] = *c.device_grad_norm;
-  if (!c.decay_exempt_norms_and_biases) j["strata"]["weight_decay_exempt"] = "none";
+  if (!c.decay_exempt_norms_and_biases)
+    j["strata"]["weight_decay_exempt"] = weight_decay_exempt_name(false);
   return j.dump(2) + "\n";
 }
 

@@ -49,17 +49,28 @@ struct DataIdentity {
 // A folder this run writes into, locked for its life (hold_folder).
 struct HeldFolder {
   int fd = -1;
-  explicit HeldFolder(int f) : fd(f) {}
+  // The folders the run made to hold it, the folder first, then the parents it made: removed
+  // when the run ends with them still empty (a run refused before it wrote anything, e.g. by
+  // its ranks' disagreeing settings, left an empty --out).
+  std::vector<std::string> made;
+  HeldFolder(int f, std::vector<std::string> m) : fd(f), made(std::move(m)) {}
   HeldFolder(const HeldFolder&) = delete;
   HeldFolder& operator=(const HeldFolder&) = delete;
   ~HeldFolder() {
     if (fd >= 0) ::close(fd);  // (releases the lock)
+    for (const std::string& d : made)
+      if (::rmdir(d.c_str()) != 0) break;  // not empty: the run wrote there
   }
 };
 
 // What the options and files decide before any device or collective.
 struct Settings {
   explicit Settings(const TrainOptions& options) : o(options) {}
+  Settings(const Settings&) = delete;
+  Settings& operator=(const Settings&) = delete;
+  ~Settings() {
+    while (!held_folders.empty()) held_folders.pop_back();  // the checkpoints in --out first
+  }
   const TrainOptions& o;
   Clock::time_point t_start;
   bool demo_model = false, demo_data = false;
@@ -109,6 +120,9 @@ struct Settings {
 
   // The lr of optimizer step t (1-based).
   double lr_of(std::int64_t t) const;
+  // The schedule as a checkpoint records it, going on at step `next` (1-based): a resume
+  // compares it with its own.
+  nlohmann::json lr_schedule_record(std::int64_t next) const;
 };
 
 struct Phases {

@@ -155,12 +155,9 @@ std::vector<std::string> absolute_paths(const std::vector<std::string>& files) {
 nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::json& log_line) {
   const Settings& s = r.s;
   const TrainOptions& o = s.o;
-  const EngineConfig& ecfg = s.ecfg;
-  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len, steps = s.steps,
-                     warmup = s.warmup;
+  const std::int64_t B = s.B, accum = s.accum, seq_len = s.seq_len;
   const ModelConfig& mcfg = s.mcfg;
   const int world = s.world;
-  const std::string& schedule = s.schedule;
   const DataOptions& dopt = r.s.dopt;
   return nlohmann::json{
       {"step", step},
@@ -192,14 +189,7 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       // The only randomness after initialisation is the loaders' shuffle, seeded by `seed`
       // per epoch: the position above restores it.
       {"rng", {{"init_seed", o.seed}, {"shuffle_seed", o.seed}}},
-      {"lr_schedule",
-       {{"lr", double(ecfg.adamw.lr)},
-        {"warmup", warmup},
-        {"total_steps", steps},
-        {"schedule", schedule},
-        {"min_lr", std::max(0.0, o.min_lr)},
-        {"next_step", step + 1},
-        {"next_lr", s.lr_of(step + 1)}}},
+      {"lr_schedule", s.lr_schedule_record(step + 1)},
       {"optimizer", r.optimizer_state},
       {"loss_scale", r.engine->loss_scale()}};
 }

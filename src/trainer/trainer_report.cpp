@@ -67,11 +67,28 @@ TrainResult report_plan(const Settings& s) {
   if (!plan.fits && o.device_mem_gb > 0)
     plan.notes.push_back(fmt::format(
         "--device-mem-gb {:g} caps the device: a larger one is another way", o.device_mem_gb));
+  // Under tensor parallelism the plan is one rank's: its slice of the model, sharded over the
+  // data-parallel ranks.
+  std::string params = fmt::format("{} parameters", s.total_numel),
+              ranks = fmt::format("{} rank(s)", world);
+  if (s.tp > 1) {
+    std::uint64_t slice = 0;
+    for (const auto& u : s.units) slice += u.numel;
+    params += fmt::format(" ({} on this rank: its tensor-parallel slice)", slice);
+    ranks = fmt::format("{} ranks (tensor-parallel {} x data-parallel {})", s.launch.world_size,
+                        s.tp, world);
+    if (s.launch.launcher == "none")
+      plan.notes.push_back(fmt::format(
+          "planned as rank 0 of a {}-rank launch (one tensor-parallel group, no data "
+          "parallelism); to plan another, launch the plan as the job (e.g. mpirun -np N "
+          "strata-train ... --plan)",
+          s.tp));
+  }
   if (con) {
-    std::fprintf(con, "%s%s, %zu parameters, %zu units, %d rank(s), %s on %s\n%s",
-                 mcfg.model_type.c_str(), s.demo_model ? " (demo)" : "", std::size_t(s.total_numel),
-                 s.units.size(), world, std::string(dtype_name(ecfg.compute_dtype)).c_str(),
-                 dev->name().c_str(), plan.table().c_str());
+    std::fprintf(con, "%s%s, %s, %zu units, %s, %s on %s\n%s", mcfg.model_type.c_str(),
+                 s.demo_model ? " (demo)" : "", params.c_str(), s.units.size(), ranks.c_str(),
+                 std::string(dtype_name(ecfg.compute_dtype)).c_str(), dev->name().c_str(),
+                 plan.table().c_str());
   }
   TrainResult r;
   r.plan_fits = plan.fits;

@@ -423,11 +423,18 @@ void check_files(Settings& s) {
 void hold_folder(Settings& s, const std::string& flag, const std::string& folder) {
   if (s.launch.rank != 0 || folder.empty() || s.o.plan_only) return;
   std::error_code ec;
+  std::vector<std::string> made;
+  for (fs::path p = fs::absolute(folder, ec).lexically_normal(); !p.empty() && !fs::exists(p, ec);
+       p = p.parent_path()) {
+    if (p.filename().empty()) continue;  // ("out/": its last part is empty)
+    made.push_back(p.string());
+    if (p == p.root_path()) break;
+  }
   fs::create_directories(folder, ec);
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;  // (the run's own checks and writes name what is wrong with it)
   if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
-    s.held_folders.push_back(std::make_unique<HeldFolder>(fd));
+    s.held_folders.push_back(std::make_unique<HeldFolder>(fd, std::move(made)));
     return;
   }
   const int err = errno;
@@ -587,6 +594,12 @@ void device_options(Settings& s) {
       s.launch.rank == 0)
     log::warn("--tensor-parallel {} replaces tensor_parallel.autotp_size {} of --config {}",
               o.tensor_parallel, config_tp, o.ds_config);
+  if (o.plan_only && s.launch.world_size == 1 && s.tp > 1) {
+    // A plan without its launch: planned as rank 0 of the smallest job, one tensor-parallel
+    // group on one node (report_plan says so).
+    s.launch.world_size = s.tp;
+    s.launch.local_size = std::max(s.launch.local_size, s.tp);
+  }
   STRATA_REQUIRE(s.launch.world_size % s.tp == 0,
                  "{} {} does not divide the job's {} rank(s): each tensor-parallel group is {} "
                  "ranks of one node and the rest data-parallel; launch a multiple of {} ranks",
@@ -779,7 +792,9 @@ void sequence_and_batch(Settings& s) {
                  "or less",
                  seq_len, window, window);
   STRATA_REQUIRE(mcfg.arch != ModelArch::kGpt2 || seq_len <= mcfg.max_positions,
-                 "--seq-len {} exceeds the model's {} positions", seq_len, mcfg.max_positions);
+                 "--seq-len {} exceeds the model's {} positions (n_positions: a GPT-2 has a "
+                 "learned embedding for each): give --seq-len {} or less",
+                 seq_len, mcfg.max_positions, mcfg.max_positions);
   // RoPE takes any length, but the model was trained (and its config sized) for this many.
   if (mcfg.arch != ModelArch::kGpt2 && mcfg.max_positions > 0 && seq_len > mcfg.max_positions)
     log::warn(
@@ -1418,7 +1433,7 @@ void resume_from_checkpoint(Run& r) {
   // What else shapes the steps after a checkpoint: recorded, compared on resume.
   const nlohmann::json& optimizer_state = r.optimizer_state = {
       {"weight_decay", double(ecfg.adamw.weight_decay)},
-      {"weight_decay_exempt", ecfg.decay_exempt_norms_and_biases ? "norms_and_biases" : "none"},
+      {"weight_decay_exempt", weight_decay_exempt_name(ecfg.decay_exempt_norms_and_biases)},
       {"beta1", double(ecfg.adamw.beta1)},
       {"beta2", double(ecfg.adamw.beta2)},
       {"eps", double(ecfg.adamw.eps)},
@@ -1520,6 +1535,7 @@ void resume_from_checkpoint(Run& r) {
     }
     differs("val_fraction", dopt.val_fraction);  // --eval-every takes 10% for validation
     const nlohmann::json ls = t.value("lr_schedule", nlohmann::json::object());
+    nlohmann::json now = s.lr_schedule_record(resume.step + 1);
     // The total and the minimum shape a decay (cosine, linear): extending a constant-lr run is no
     // change of schedule. (Within the warmup the next lr is the same whatever the decay after it.)
     const bool by_total = !ds_schedule && schedule != "const";
@@ -1527,17 +1543,22 @@ void resume_from_checkpoint(Run& r) {
         ls.value("warmup", warmup) != warmup || ls.value("schedule", schedule) != schedule ||
         (by_total && ls.value("total_steps", steps) != steps) ||
         (by_total && ls.value("min_lr", std::max(0.0, o.min_lr)) != std::max(0.0, o.min_lr)) ||
-        ls.value("next_lr", s.lr_of(resume.step + 1)) != s.lr_of(resume.step + 1))
+        ls.value("next_lr", s.lr_of(resume.step + 1)) != s.lr_of(resume.step + 1)) {
+      // Each side whole, the keys that differ first.
+      nlohmann::json then = ls;
+      std::string differ;
+      for (const auto& [key, v] : now.items())
+        if (then.contains(key) && then[key] != v) differ += (differ.empty() ? "" : ", ") + key;
       log::warn(
-          "--resume: the learning-rate schedule differs from the checkpoint's run ({}); continuing "
-          "with this "
-          "run's",
-          ls.dump());
+          "--resume: the learning-rate schedule differs from the checkpoint's run ({} differ): "
+          "the checkpoint's {}, this run's {}; continuing with this run's",
+          differ.empty() ? std::string("its records") : differ, then.dump(), now.dump());
+    }
     nlohmann::json ck_opt = t.value("optimizer", nlohmann::json::object());
     // A run that recorded no exemption decayed every parameter; with no weight decay in either
     // run, what it would skip does not matter (a change of the decay itself is said as that).
     if (ck_opt.contains("weight_decay") && !ck_opt.contains("weight_decay_exempt"))
-      ck_opt["weight_decay_exempt"] = "none";
+      ck_opt["weight_decay_exempt"] = weight_decay_exempt_name(false);
     if (ck_opt.value("weight_decay", -1.0) == 0 || ecfg.adamw.weight_decay == 0)
       ck_opt.erase("weight_decay_exempt");
     for (const auto& [key, now] : optimizer_state.items())
@@ -1575,6 +1596,16 @@ void resume_from_checkpoint(Run& r) {
           r.s.ckpt_root, start_step, fmt::join(r.s.newer_checkpoints, ", "),
           r.s.newer_checkpoints.back(), r.s.ckpt_root);
   }
+}
+
+nlohmann::json Settings::lr_schedule_record(std::int64_t next) const {
+  return {{"lr", double(ecfg.adamw.lr)},
+          {"warmup", warmup},
+          {"total_steps", steps},
+          {"schedule", schedule},
+          {"min_lr", std::max(0.0, o.min_lr)},
+          {"next_step", next},
+          {"next_lr", lr_of(next)}};
 }
 
 double Settings::lr_of(std::int64_t t) const {
