@@ -95,7 +95,9 @@ int main(int argc, char** argv) {
                  "gradient_clipping, else 1.0 when fine-tuning a --model folder, as the Hugging "
                  "Face Trainer, else off)")
       ->check(strata::tools::kNonNegative);
-  app.add_option("--weight-decay", o.weight_decay, "decoupled weight decay (default 0)")
+  app.add_option("--weight-decay", o.weight_decay,
+                 "decoupled weight decay (default 0), not on norm weights and biases unless the "
+                 "--config says \"strata\": {\"weight_decay_exempt\": \"none\"}")
       ->check(strata::tools::kNonNegative);
   app.add_option("--seed", o.seed, "initialisation and shuffle seed, 0 to 2^64 - 1 (default 1234)")
       ->check(strata::tools::kSeed);

@@ -1544,11 +1544,15 @@ void resume_from_checkpoint(Run& r) {
         (by_total && ls.value("total_steps", steps) != steps) ||
         (by_total && ls.value("min_lr", std::max(0.0, o.min_lr)) != std::max(0.0, o.min_lr)) ||
         ls.value("next_lr", s.lr_of(resume.step + 1)) != s.lr_of(resume.step + 1)) {
-      // Each side whole, the keys that differ first.
+      // Each side whole, the keys that differ first; an lr as the fp32 it is (the record's double
+      // of it printed 0.0010000000474974513 for 1e-3).
       nlohmann::json then = ls;
       std::string differ;
       for (const auto& [key, v] : now.items())
         if (then.contains(key) && then[key] != v) differ += (differ.empty() ? "" : ", ") + key;
+      for (nlohmann::json* side : {&then, &now})
+        for (auto& [key, v] : side->items())
+          if (v.is_number_float()) v = std::stod(fmt::format("{}", float(v.get<double>())));
       log::warn(
           "--resume: the learning-rate schedule differs from the checkpoint's run ({} differ): "
           "the checkpoint's {}, this run's {}; continuing with this run's",
