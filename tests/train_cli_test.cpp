@@ -3410,6 +3410,10 @@ TEST_F(TrainCli, TwoRanksTensorParallelMatchesOneRank) {
                            "dp1");
   ASSERT_EQ(dp1.status, 0) << dp1.out << dp1.err;
   expect_continued(p + "dp1.jsonl", p + "tp2dp2.jsonl", "TP 2: DP 2 -> 1");
+  // (the job's 4 ranks to 2: its shards' ranks, the data-parallel ones, 2 to 1)
+  EXPECT_NE(dp1.out.find("resharding the checkpoint's 2 data-parallel ranks to 1"),
+            std::string::npos)
+      << dp1.out;
   // GPT-2 (tied embeddings, fused c_attn, learned positions) at TP 4 x DP 1 against one rank.
   {
     const std::string gpt2 = dir.path + "/gpt2.json";

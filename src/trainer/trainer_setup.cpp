@@ -1469,19 +1469,21 @@ void resume_from_checkpoint(Run& r) {
     differs("seq_len", seq_len);
     // Ranks take turns over one stream of micro-batches (rank r the r-th of each group of world),
     // so the micro-batches of a step, grad_accum x ranks, decide the data, not how they split.
+    // (under TP the ranks that take batches and hold shards are the data-parallel ones)
+    const char* ranks_of = s.tp > 1 ? "data-parallel rank" : "rank";
     if (d.contains("grad_accum") && d["grad_accum"].is_number_integer() &&
         d["grad_accum"].get<std::int64_t>() * ck_world != accum * world)
       log::warn(
-          "--resume: a step was {} micro-batches (grad_accum {} x {} rank{}) in the checkpoint's "
+          "--resume: a step was {} micro-batches (grad_accum {} x {} {}{}) in the checkpoint's "
           "run, {} now ({} x {}): the data will not continue where it stopped; keep grad_accum x "
-          "ranks to continue it",
+          "{}s to continue it",
           d["grad_accum"].get<std::int64_t>() * ck_world, d["grad_accum"].get<std::int64_t>(),
-          ck_world, ck_world == 1 ? "" : "s", accum * world, accum, world);
+          ck_world, ranks_of, ck_world == 1 ? "" : "s", accum * world, accum, world, ranks_of);
     if (ck_world != world && con)
       std::fprintf(con,
-                   "resharding the checkpoint's %d rank%s to %d: every unit's master weights and "
+                   "resharding the checkpoint's %d %s%s to %d: every unit's master weights and "
                    "Adam moments re-cut, a unit at a time\n",
-                   ck_world, ck_world == 1 ? "" : "s", world);
+                   ck_world, ranks_of, ck_world == 1 ? "" : "s", world);
     differs("seed", o.seed);
     differs("shuffle", o.shuffle);
     {
