@@ -657,6 +657,25 @@ TEST(BenchCli, AdamRefusesMoreThreadsThanCores) {
   EXPECT_NE(dflt.out.find("fit in the "), std::string::npos) << dflt.out;
 }
 
+// Below the address-space floor a benchmark is refused before it runs (its subcommand's work ran
+// inside the command line's parsing, and the refusal came after the table).
+TEST(BenchCli, AnAddressSpaceLimitBelowTheFloorIsRefusedBeforeTheRun) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "AddressSanitizer's shadow memory needs terabytes of address space";
+#endif
+  TempDir d("strata-bench");
+  const auto r = testing::run("/bin/sh",
+                              {"-c", std::string("ulimit -v 900000; exec ") + STRATA_BENCH_BIN +
+                                         " adam --params 4096 --reps 1 --threads 1"},
+                              d.path, "floor");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_EQ(r.out, "") << "the benchmark ran";
+  EXPECT_NE(first_line(r.err).find("the process's address-space limit (`ulimit -v`) is 878 MiB, "
+                                   "and strata needs at least 1024 MiB"),
+            std::string::npos)
+      << r.err;
+}
+
 // The memory bound's loops run the instructions the AdamW kernels run (the same run-time ISA,
 // STRATA_CPU_ISA included), and a row faster than the bound says "broken bound" (in the table and
 // the JSON) rather than showing a ratio above 1 as speed. The DeepSpeed-style comparison loop

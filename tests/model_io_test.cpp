@@ -647,10 +647,22 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
   ::testing::internal::CaptureStderr();
   { TokenLoader with_short(o); }
   const std::string warned = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(warned.find("the train split of " + o.files.back() +
+  // (files read whole: no "train split" of them, which an --eval-data file is not)
+  EXPECT_NE(warned.find("TokenLoader: " + o.files.back() +
                         " (15 tokens) holds fewer than batch x seq_len + 1 = 22 tokens"),
             std::string::npos)
       << warned;
+  // Alone, it is refused, as the files it is.
+  DataOptions alone = o;
+  alone.files = {o.files.back()};
+  try {
+    TokenLoader none(alone);
+    ADD_FAILURE() << "a file too short for one batch was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no file holds batch x seq_len + 1 = 22 tokens"),
+              std::string::npos)
+        << e.what();
+  }
   fs::remove_all(dir);
 }
 

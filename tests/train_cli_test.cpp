@@ -1634,6 +1634,12 @@ TEST_F(TrainCli, ARunThatFailsLeavesNoEmptyFolderItMade) {
   EXPECT_EQ(r.status, 1) << r.err;
   EXPECT_NE(r.err.find("--device-mem-gb 0.0005 caps the device"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
+  // A path through "..": the folders as it names them (c was made too).
+  a = small;
+  a.insert(a.end(), {"--out", top + "/c/../d/out/"});
+  r = train(args(log, a, "2"), "dotdot");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
   fs::create_directories(top + "/kept");
   a = small;
   a.insert(a.end(), {"--out", top + "/kept", "--overwrite"});
@@ -2678,6 +2684,20 @@ TEST_F(TrainCli, TheConfigsGlobalBatchStaysAndTheDataIsNamed) {
                                       "data with --data FILE"),
             std::string::npos)
       << none.err;
+  // Nor does a byte-level one below the text's bytes (the loader's error, after the banner,
+  // blamed a "wrong tokenizer or format").
+  const std::string narrow = dir.path + "/vocab20.json";
+  std::ofstream(narrow) << R"({"model_type": "llama", "vocab_size": 20, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4})";
+  const Result few = train(
+      {"--model-config", narrow, "--seq-len", "16", "--steps", "1", "--device", "cpu"}, "few");
+  EXPECT_EQ(few.status, 1);
+  EXPECT_EQ(few.out, "");
+  EXPECT_NE(first_line(few.err).find("whose bytes go up to 121, and this model's vocab_size is "
+                                     "20: give its data with --data FILE or --text FILE, or a "
+                                     "vocab_size of 122 or more"),
+            std::string::npos)
+      << few.err;
 }
 
 // ---- 2 ranks under mpirun vs 1 rank ----
@@ -3215,6 +3235,20 @@ TEST_F(TrainCli, ATensorParallelPlanPlansOneRanksSlice) {
   };
   EXPECT_GT(device_total(tp.out), 0u) << tp.out;
   EXPECT_LT(device_total(tp.out), device_total(whole.out)) << whole.out << tp.out;
+  // Under a launcher the plan is the launch's: one rank is refused, as its run is.
+  const Result one_rank =
+      run(STRATA_TRAIN_BIN, args(dir.path + "/o.jsonl", {"--plan", "--tensor-parallel", "2"}),
+          dir.path, "one-rank",
+          {{"RANK", "0"},
+           {"WORLD_SIZE", "1"},
+           {"LOCAL_RANK", "0"},
+           {"LOCAL_WORLD_SIZE", "1"},
+           {"MASTER_ADDR", "127.0.0.1"},
+           {"MASTER_PORT", "29555"}});
+  EXPECT_EQ(one_rank.status, 1) << one_rank.out << one_rank.err;
+  EXPECT_NE(one_rank.err.find("--tensor-parallel 2 does not divide the job's 1 rank(s)"),
+            std::string::npos)
+      << one_rank.err;
   const Result run = train(args(dir.path + "/r.jsonl", {"--tensor-parallel", "2"}), "run");
   EXPECT_EQ(run.status, 1);
   EXPECT_NE(run.err.find("--tensor-parallel 2 does not divide the job's 1 rank(s)"),

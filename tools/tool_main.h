@@ -146,8 +146,13 @@ inline void settle_process() {
 
 // What a tool runs beside reading and writing files.
 enum class ToolRuns {
-  files,    // strata-info, -plot, -prep, -export: no oneDNN, no thread pools
-  kernels,  // strata-train, -prof, -generate, -bench: oneDNN's generated code and the thread pools
+  // strata-info, -plot, -prep, -export: what they run beside files (strata-info --self-check's
+  // kernels, strata-prep's tokenizing threads) starts after a reservation or a thread pool that
+  // fails cleanly under a small address-space limit, so they are held to no floor
+  files,
+  // strata-train, -prof, -generate, -bench: oneDNN generates its code as the tool runs, and
+  // crashed (SIGSEGV) under a small address-space limit
+  kernels,
 };
 
 // Parses the command line into `app` (with --version), then returns body()'s exit code.
@@ -174,15 +179,19 @@ int run_tool(const char* name, CLI::App& app, int argc, char** argv, ToolRuns ru
                             what);
   };
   try {
+    // Once the command line is read, before anything runs (strata-bench's subcommands run in
+    // their callbacks, inside parse(), after this one).
+    app.parse_complete_callback([runs] {
+      cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
+      // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing.
+      if (const std::uint64_t limit = address_space_limit();
+          runs == ToolRuns::kernels && limit != 0 && limit < kMinAddressSpace)
+        STRATA_THROW(kInvalidArgument,
+                     "the process's address-space limit (`ulimit -v`) is {} MiB, and strata "
+                     "needs at least {} MiB of address space: raise it (`ulimit -v unlimited`)",
+                     limit >> 20, kMinAddressSpace >> 20);
+    });
     app.parse(argc, argv);
-    cpu_isa_cap();  // a bad STRATA_CPU_ISA said first, not half-way through the tool's output
-    // Below it oneDNN's code generation crashed (SIGSEGV) rather than failing.
-    if (const std::uint64_t limit = address_space_limit();
-        runs == ToolRuns::kernels && limit != 0 && limit < kMinAddressSpace)
-      STRATA_THROW(kInvalidArgument,
-                   "the process's address-space limit (`ulimit -v`) is {} MiB, and strata needs "
-                   "at least {} MiB of address space: raise it (`ulimit -v unlimited`)",
-                   limit >> 20, kMinAddressSpace >> 20);
     return body();
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success))

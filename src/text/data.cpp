@@ -548,23 +548,27 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
                                                                   : 100 * o.val_fraction,
                                        split == DataSplit::kTrain ? "" : ", with --eval-every")
                          : std::string();
+  // Files read whole (no validation split, or --eval-data's) are said as the files, not as a
+  // "train split" of them.
+  const std::string part = o.val_fraction > 0 ? fmt::format("{} split", which) : "data";
+  const std::string of_file = o.val_fraction > 0 ? fmt::format("'s {} split", which) : "";
+  const std::string of_these = o.val_fraction > 0 ? fmt::format("the {} split of ", which) : "";
   if (o.shuffle)
     STRATA_REQUIRE(std::int64_t(m.windows.size()) >= 1,
-                   "TokenLoader: the {} split has no window of seq_len + 1 = {} tokens{}; the "
+                   "TokenLoader: the {} has no window of seq_len + 1 = {} tokens{}; the "
                    "data: {}. Give more "
                    "data or a shorter --seq-len",
-                   which, o.seq_len + 1, split_is, sizes);
+                   part, o.seq_len + 1, split_is, sizes);
   else
-    STRATA_REQUIRE(
-        any_batch,
-        "TokenLoader: no file's {} split holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
-        "Give more data or a smaller --micro-batch / --seq-len",
-        which, m.bt() + 1, split_is, sizes);
+    STRATA_REQUIRE(any_batch,
+                   "TokenLoader: no file{} holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
+                   "Give more data or a smaller --micro-batch / --seq-len",
+                   of_file, m.bt() + 1, split_is, sizes);
   if (!o.shuffle && !too_short.empty())
     log::warn(
-        "TokenLoader: the {} split of {} holds fewer than batch x seq_len + 1 = {} tokens{}: "
+        "TokenLoader: {}{} holds fewer than batch x seq_len + 1 = {} tokens{}: "
         "read in order, none of it is in a batch",
-        which, fmt::join(too_short, ", "), m.bt() + 1, split_is);
+        of_these, fmt::join(too_short, ", "), m.bt() + 1, split_is);
   m.start_epoch();
 }
 

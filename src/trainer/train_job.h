@@ -57,9 +57,10 @@ struct HeldFolder {
   HeldFolder(const HeldFolder&) = delete;
   HeldFolder& operator=(const HeldFolder&) = delete;
   ~HeldFolder() {
-    if (fd >= 0) ::close(fd);  // (releases the lock)
+    // Removed while still locked: a run starting now finds it gone, not taken and then removed.
     for (const std::string& d : made)
       if (::rmdir(d.c_str()) != 0) break;  // not empty: the run wrote there
+    if (fd >= 0) ::close(fd);              // (releases the lock)
   }
 };
 
@@ -229,6 +230,8 @@ void print_summary(Run& r);
 
 // ---- the embedded demo (trainer_demo.cpp) ----
 void write_demo_text(const std::string& path);
+// The largest byte of the demo's text: a byte-level model trained on it needs a vocab_size above.
+int demo_text_largest_byte();
 EngineConfig demo_engine_config(const std::string& nvme_dir, std::uint64_t layer_numel, int world);
 
 }  // namespace strata::train_job

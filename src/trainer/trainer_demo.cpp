@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -85,6 +86,14 @@ std::string demo_text(std::size_t bytes, std::uint64_t seed) {
 // The demo's text file, written only when it does not hold the text already, and then as a new
 // file renamed over the old: another demo run may be reading the old one through mmap, and
 // truncating a mapped file kills its reader (SIGBUS).
+int demo_text_largest_byte() {
+  static const int largest = [] {
+    const std::string t = demo_text(std::size_t(1) << 20, 7);
+    return int(static_cast<unsigned char>(*std::max_element(t.begin(), t.end())));
+  }();
+  return largest;
+}
+
 void write_demo_text(const std::string& path) {
   const std::string t = demo_text(std::size_t(1) << 20, 7);
   std::error_code ec;

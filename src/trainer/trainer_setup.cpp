@@ -423,26 +423,34 @@ void check_files(Settings& s) {
 void hold_folder(Settings& s, const std::string& flag, const std::string& folder) {
   if (s.launch.rank != 0 || folder.empty() || s.o.plan_only) return;
   std::error_code ec;
+  // The folders missing on the way to it, as the path names them (create_directories walks it
+  // the same way: "a/../b" makes a and b, "link/../x" x beside the link's target), deepest first.
   std::vector<std::string> made;
-  for (fs::path p = fs::absolute(folder, ec).lexically_normal(); !p.empty() && !fs::exists(p, ec);
-       p = p.parent_path()) {
-    if (p.filename().empty()) continue;  // ("out/": its last part is empty)
-    made.push_back(p.string());
-    if (p == p.root_path()) break;
+  fs::path prefix;
+  for (const fs::path& part : fs::path(folder)) {
+    prefix /= part;
+    if (part.empty() || part == "." || part == ".." || part == prefix.root_path() ||
+        fs::exists(prefix, ec))
+      continue;
+    made.insert(made.begin(), prefix.string());
   }
   fs::create_directories(folder, ec);
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // (the run's own checks and writes name what is wrong with it)
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+  // Unlocked (the run's own checks and writes name what is wrong with the folder; a file system
+  // without locks), the folders it made still go when it fails.
+  if (fd < 0) {
+    s.held_folders.push_back(std::make_unique<HeldFolder>(-1, std::move(made)));
+    return;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) {
     s.held_folders.push_back(std::make_unique<HeldFolder>(fd, std::move(made)));
     return;
   }
-  const int err = errno;
   ::close(fd);
-  STRATA_REQUIRE(err != EWOULDBLOCK,
-                 "{} {} is in use by another running strata-train, which writes into it: give "
-                 "this run its own {}, or start it once that one has ended",
-                 flag, folder, flag);
+  STRATA_THROW(kInvalidArgument,
+               "{} {} is in use by another running strata-train, which writes into it: give "
+               "this run its own {}, or start it once that one has ended",
+               flag, folder, flag);
 }
 
 void hold_folders(Settings& s) {
@@ -594,7 +602,7 @@ void device_options(Settings& s) {
       s.launch.rank == 0)
     log::warn("--tensor-parallel {} replaces tensor_parallel.autotp_size {} of --config {}",
               o.tensor_parallel, config_tp, o.ds_config);
-  if (o.plan_only && s.launch.world_size == 1 && s.tp > 1) {
+  if (o.plan_only && s.launch.launcher == "none" && s.tp > 1) {
     // A plan without its launch: planned as rank 0 of the smallest job, one tensor-parallel
     // group on one node (report_plan says so).
     s.launch.world_size = s.tp;
@@ -1068,6 +1076,14 @@ void data_and_steps(Settings& s) {
                  "{}: give its data with --data FILE (a .txt or .jsonl is prepared with a "
                  "--model folder's tokenizer; a .prep from strata-prep) or --text FILE",
                  s.mcfg.vocab_size);
+  // (the loader refused its first byte past the vocabulary as "wrong tokenizer or format?")
+  STRATA_REQUIRE(
+      !s.demo_data || s.demo_model || s.mcfg.vocab_size > demo_text_largest_byte() || o.plan_only,
+      "no --data or --text: with no data of yours a model trains on the demo's "
+      "generated text, read byte by byte, whose bytes go up to {}, and this model's "
+      "vocab_size is {}: give its data with --data FILE or --text FILE, or a "
+      "vocab_size of {} or more",
+      demo_text_largest_byte(), s.mcfg.vocab_size, demo_text_largest_byte() + 1);
   if (s.demo_data) {
     // Beside the demo's NVMe folder, or (a config of the user's with the demo's data) in the
     // scratch folder: never the working directory. Written in prepare_data.
