@@ -3,12 +3,15 @@
 #include "strata/paths.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "strata/trainer.h"
 #include "test_util.h"
@@ -98,6 +101,28 @@ TEST(Paths, AUsersFileIsReplacedOnlyWithOverwrite) {
             }).find("cannot be written in " + f),
             std::string::npos);
   EXPECT_EQ(slurp(f), "mine");
+}
+
+// What is written into as it is (a device, a pipe) and what a finished file replaces.
+TEST(Paths, DevicesAndPipesAreWrittenInPlace) {
+  TempDir d;
+  const std::string f = d.path + "/f", fifo = d.path + "/p";
+  write(f, "abc");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_TRUE(written_in_place("/dev/null"));
+  EXPECT_TRUE(written_in_place(fifo));
+  EXPECT_FALSE(written_in_place(f));
+  EXPECT_FALSE(written_in_place(d.path));
+  EXPECT_FALSE(written_in_place(d.path + "/missing"));
+  EXPECT_FALSE(written_in_place(""));
+  std::string got;
+  std::thread reader([&] { got = slurp(fifo); });
+  EXPECT_EQ(copy_into(f, fifo), 0);
+  reader.join();
+  EXPECT_EQ(got, "abc");
+  EXPECT_EQ(copy_into(d.path + "/missing", fifo), ENOENT);
+  EXPECT_EQ(copy_into(f, d.path + "/missing"), ENOENT) << "made a file";
+  EXPECT_FALSE(fs::exists(d.path + "/missing"));
 }
 
 TEST(Paths, InputsAreFilesAndFoldersAsNamed) {

@@ -11,16 +11,19 @@
 //     tests/oracle/png_stats.py); SKIPPED where chromium or python3 is not installed.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/utf8.h"
@@ -378,6 +381,29 @@ TEST(RunPlotFile, WrittenWholeOrNotAtAll) {
               std::string::npos)
         << e.user_message();
   }
+}
+
+// A device or a pipe is written into, never replaced: a picture renamed over the path put a
+// regular file in place of /dev/null (as root, for every program on the machine). A FIFO here,
+// read whole by a thread; strata-train's --plot to a character device, where one can be made.
+TEST(RunPlotFile, ADeviceOrAPipeIsWrittenIntoNotReplaced) {
+  TempDir d;
+  const std::string fifo = d.path + "/pipe";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::string got;
+  std::thread reader([&] { got = slurp(fifo); });
+  write_run_plot(fifo, "<svg>piped</svg>");
+  reader.join();
+  EXPECT_EQ(got, "<svg>piped</svg>");
+  EXPECT_TRUE(fs::is_fifo(fifo)) << "replaced by a file";
+  std::size_t files = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(d.path)) ++files;
+  EXPECT_EQ(files, 1u) << "a temporary file was left";
+  const std::string null = d.path + "/null";
+  if (::mknod(null.c_str(), S_IFCHR | 0666, ::makedev(1, 3)) != 0)
+    GTEST_SKIP() << "cannot make a character device here: " << std::strerror(errno);
+  write_run_plot(null, "<svg/>");
+  EXPECT_TRUE(fs::is_character_file(null)) << "/dev/null's twin replaced by a file";
 }
 
 // ---- strata-plot ----

@@ -6,6 +6,7 @@
 // the strata-prep tool's summary.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "strata/chat.h"
 #include "strata/corpus.h"
@@ -780,6 +782,28 @@ TEST(StrataPrep, AnInterruptedRunLeavesNoTemporaryFile) {
       r.err.find(fmt::format("left by a run that ended before finishing it (process {})", gone)),
       std::string::npos)
       << r.err;
+}
+
+// -o a pipe (or /dev/null): the prepared file's bytes written into it, the pipe left a pipe (a
+// finished file renamed over the path put a regular file in place of /dev/null, as root), and no
+// temporary file beside it.
+TEST(StrataPrep, APipeOutputIsWrittenIntoNotReplaced) {
+  TinyFolder t;
+  const std::string in = t.write("docs.jsonl", kDocs), file = t.dir.path + "/file.prep",
+                    fifo = t.dir.path + "/pipe";
+  auto r =
+      testing::run(STRATA_PREP_BIN, {"--tokenizer", t.model, in, "-o", file}, t.dir.path, "file");
+  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::string got;
+  std::thread reader([&] { got = testing::slurp(fifo); });
+  r = testing::run(STRATA_PREP_BIN, {"--tokenizer", t.model, in, "-o", fifo}, t.dir.path, "pipe");
+  reader.join();
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(fs::is_fifo(fifo)) << "replaced by a file";
+  EXPECT_EQ(got, testing::slurp(file));
+  for (const auto& e : fs::directory_iterator(t.dir.path))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
 }
 #endif
 

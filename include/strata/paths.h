@@ -24,6 +24,14 @@ using NamedPaths = std::vector<std::pair<std::string, std::string>>;
 // of where a stream goes, never a file of theirs to keep.
 bool device_path(const std::string& path);
 
+// Whether `path` is a device, a pipe or a socket (through links): an output written into as it is
+// (/dev/null, /dev/stdout, a FIFO), never replaced by a finished file renamed over it (run as root,
+// that put a regular file in place of /dev/null, for every program on the machine).
+bool written_in_place(const std::string& path);
+// `from`'s bytes written into `to` as it is (opened for writing, never made or replaced): 0, or the
+// errno of what failed.
+int copy_into(const std::string& from, const std::string& to);
+
 // The path as one key for the file it names: absolute, with links, "." and ".." resolved as far
 // as the path exists (a file not made yet keeps its own name); where the folders cannot be read,
 // absolute and lexically normal. Two names of one file by a link give one key; hard links do not

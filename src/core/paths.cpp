@@ -1,6 +1,8 @@
 #include "strata/paths.h"
 
+#include <fcntl.h>
 #include <limits.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,8 +10,10 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
+#include <vector>
 
 #include "core/utf8.h"
+#include "core/write_fd.h"
 #include "strata/error.h"
 
 namespace strata {
@@ -17,6 +21,37 @@ namespace strata {
 namespace fs = std::filesystem;
 
 bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
+
+bool written_in_place(const std::string& path) {
+  struct stat st {};
+  return !path.empty() && ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) &&
+         !S_ISDIR(st.st_mode);
+}
+
+int copy_into(const std::string& from, const std::string& to) {
+  const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) return errno;
+  const int out = ::open(to.c_str(), O_WRONLY | O_CLOEXEC);
+  if (out < 0) {
+    const int err = errno;
+    ::close(in);
+    return err;
+  }
+  std::vector<char> buf(std::size_t(1) << 20);
+  int err = 0;
+  for (;;) {
+    const ssize_t n = ::read(in, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : 0;
+      break;
+    }
+    if ((err = write_fd_fully(out, buf.data(), std::size_t(n))) != 0) break;
+  }
+  ::close(in);
+  if (::close(out) != 0 && err == 0) err = errno;
+  return err;
+}
 
 std::string canonical_path(const std::string& path) {
   std::error_code ec;

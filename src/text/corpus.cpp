@@ -40,6 +40,7 @@
 #include "strata/error.h"
 #include "strata/json_config.h"
 #include "strata/log.h"
+#include "strata/paths.h"
 #include "text/mapped_file.h"
 
 namespace strata {
@@ -330,14 +331,21 @@ class PreparedWriter {
  public:
   PreparedWriter(std::string out, std::uint64_t vocab, const std::string& hash_hex,
                  std::string source)
-      : out_(std::move(out)), tmp_(out_ + fmt::format(".tmp.{}.{}", this_host(), ::getpid())) {
+      : out_(std::move(out)),
+        in_place_(written_in_place(out_)),
+        // Beside the output, renamed over it at the end; for a device or a pipe (-o /dev/null),
+        // in the temporary folder, and its bytes written into that.
+        tmp_(in_place_ ? (fs::temp_directory_path() /
+                          fmt::format("strata-prep.tmp.{}.{}", this_host(), ::getpid()))
+                             .string()
+                       : out_ + fmt::format(".tmp.{}.{}", this_host(), ::getpid())) {
     h_.vocab_size = vocab;
     h_.token_bytes = vocab <= 65536 ? 2 : 4;
     h_.tokenizer_hash = parse_hash(hash_hex);
     h_.source = std::move(source);
     h_.source_bytes = h_.source.size();
     h_.tokens_offset = align8(kPreparedHeaderBytes + h_.source_bytes);
-    remove_dead_runs_files();
+    if (!in_place_) remove_dead_runs_files();
     // Ctrl-C leaves no corpus-sized file: registered before the file is made, so that no signal
     // finds it made and not registered.
     slot_ = core::remove_file_on_interrupt(tmp_);
@@ -428,14 +436,16 @@ class PreparedWriter {
     STRATA_CHECK_ERRNO(::fsync(fd_), "fsync {}", tmp_);
     STRATA_CHECK_ERRNO(::close(fd_), "close {}", tmp_);
     fd_ = -1;
-    const int renamed = ::rename(tmp_.c_str(), out_.c_str());
-    const int err = errno;
+    const int err =
+        in_place_ ? copy_into(tmp_, out_) : (::rename(tmp_.c_str(), out_.c_str()) == 0 ? 0 : errno);
+    if (in_place_) ::unlink(tmp_.c_str());
     core::forget_interrupt_file(slot_);
     slot_ = -1;
-    if (renamed != 0) {
+    if (err != 0) {
       ::unlink(tmp_.c_str());
-      detail::throw_errno(__FILE__, __LINE__, "rename", err,
-                          fmt::format("cannot move {} into place as {}", tmp_, out_));
+      detail::throw_errno(__FILE__, __LINE__, in_place_ ? "write" : "rename", err,
+                          in_place_ ? fmt::format("cannot write the prepared file into {}", out_)
+                                    : fmt::format("cannot move {} into place as {}", tmp_, out_));
     }
   }
 
@@ -471,7 +481,9 @@ class PreparedWriter {
     write(zeros, std::size_t(to - at));
   }
 
-  std::string out_, tmp_;
+  std::string out_;
+  bool in_place_ = false;  // out_ is a device or a pipe
+  std::string tmp_;
   int fd_ = -1;
   int slot_ = -1;  // core::remove_file_on_interrupt's
   PreparedHeader h_;

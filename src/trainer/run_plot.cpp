@@ -29,6 +29,7 @@
 #include "core/utf8.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
+#include "strata/paths.h"
 
 namespace strata {
 
@@ -593,6 +594,17 @@ std::string run_plot_svg(const std::vector<RunRecord>& steps, const std::string&
 }
 
 void write_run_plot(const std::string& path, const std::string& svg) {
+  if (written_in_place(path)) {  // /dev/null, a pipe: into it as it is
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    int err = f == nullptr ? errno : 0;
+    if (f != nullptr) {
+      if (std::fwrite(svg.data(), 1, svg.size(), f) != svg.size()) err = errno;
+      if (std::fclose(f) != 0 && err == 0) err = errno;
+    }
+    if (err != 0)
+      STRATA_THROW(kIo, "{} cannot be written: {}: give another path", path, std::strerror(err));
+    return;
+  }
   const fs::path target(path);
   // (the name cut to 64 bytes: a long one with the prefix passed the file system's 255)
   const std::string tmp =
