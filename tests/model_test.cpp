@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -147,6 +148,27 @@ TEST(Model, UnitsAreEmbeddingLayersHead) {
   EXPECT_EQ(p[3].offset, p[2].offset + p[2].numel);
   EXPECT_EQ(p[1].shape, (std::vector<std::int64_t>{32, 32}));
   EXPECT_EQ(p[2].shape, (std::vector<std::int64_t>{16, 32}));
+}
+
+// A parameter's initial values made on every core (blocks of 65536) are those made one element at
+// a time: each a function of its index alone, the same bits however they are cut.
+TEST(Model, InitialValuesOnEveryCoreAreTheSequentialOnes) {
+  const ModelConfig cfg = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 4000, "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 1, "num_attention_heads": 4})",
+      "wide embedding");
+  const std::vector<UnitSpec> units = model_units(cfg);
+  const ParamSpec& embed = units[0].params[0];
+  ASSERT_GT(embed.numel, std::size_t(3) << 16);
+  std::vector<float> whole(embed.numel), pieces(embed.numel);
+  init_hf_values(cfg, embed, 9, 0, embed.numel, whole.data());
+  for (std::size_t first = 0; first < embed.numel; first += 777)
+    init_hf_values(cfg, embed, 9, first, std::min<std::size_t>(777, embed.numel - first),
+                   pieces.data() + first);
+  EXPECT_EQ(std::memcmp(whole.data(), pieces.data(), whole.size() * 4), 0);
+  std::vector<float> tail(1000);  // from an offset that is no block's start
+  init_hf_values(cfg, embed, 9, 100001, tail.size(), tail.data());
+  EXPECT_EQ(std::memcmp(tail.data(), whole.data() + 100001, tail.size() * 4), 0);
 }
 
 // Llama's attention_bias gives o_proj a bias too (Hugging Face's LlamaAttention): it is in the

@@ -1,6 +1,9 @@
 // ResidentWeights: the simplest UnitProvider — every unit's weights and fp32 gradients live
 // on the device for the whole run. Used by tests, benches and strata-train until the engine
 // drives the model. Host-side accessors synchronize the stream (they are for setup and checks).
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -187,13 +190,22 @@ void init_hf_values(const ModelConfig& cfg, const ParamSpec& p, std::uint64_t se
                            : range;
   const std::uint64_t key = seed ^ name_hash(p.name);
   const std::array<std::uint32_t, 2> k = {std::uint32_t(key), std::uint32_t(key >> 32)};
-  for (std::size_t j = 0; j < count; ++j) {
-    const std::uint64_t i = p.full_index(first + j);  // the same value on any TP layout
-    const auto r = philox({std::uint32_t(i), std::uint32_t(i >> 32), 0x5eed, 0}, k);
-    // Box-Muller: u1 in (0, 1] (its log is finite), u2 in [0, 1).
-    const double u1 = (double(r[0]) + 1.0) * 0x1p-32, u2 = double(r[1]) * 0x1p-32;
-    out[j] = static_cast<float>(stdev * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
-  }
+  const auto values = [&](std::size_t from, std::size_t to) {
+    for (std::size_t j = from; j < to; ++j) {
+      const std::uint64_t i = p.full_index(first + j);  // the same value on any TP layout
+      const auto r = philox({std::uint32_t(i), std::uint32_t(i >> 32), 0x5eed, 0}, k);
+      // Box-Muller: u1 in (0, 1] (its log is finite), u2 in [0, 1).
+      const double u1 = (double(r[0]) + 1.0) * 0x1p-32, u2 = double(r[1]) * 0x1p-32;
+      out[j] =
+          static_cast<float>(stdev * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+    }
+  };
+  // Each value is a function of its index alone: on every core, the same bits (tens of ns an
+  // element on one core made a billion-parameter model's start a minute of one core's work).
+  constexpr std::size_t kBlock = std::size_t(1) << 16;
+  if (count <= kBlock) return values(0, count);
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, count, kBlock),
+                    [&](const tbb::blocked_range<std::size_t>& b) { values(b.begin(), b.end()); });
 }
 
 }  // namespace strata

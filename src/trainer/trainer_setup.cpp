@@ -1386,6 +1386,17 @@ void build_model_and_engine(Run& r) {
     engine.set_tensor_parallel(*r.tp_comm(), tensor_parallel_counted(r.model->units(), s.tp_rank));
   if (s.ecfg.decay_exempt_norms_and_biases)
     engine.set_weight_decay_exempt(weight_decay_exempt_ranges(r.model->units()));
+  // A big model's first state takes a while to make and place (a billion parameters, from
+  // scratch onto NVMe: tens of seconds on two cores): said, not silence before the banner.
+  constexpr std::uint64_t kSaidFrom = 100'000'000;
+  const bool say = s.rank == 0 && s.total_numel >= kSaidFrom;
+  const Clock::time_point t_place = Clock::now();
+  if (say)
+    log::info(
+        "placing the training state of {:.0f}M parameters on its tiers ({}){}",
+        double(s.total_numel) / 1e6,
+        o.model_dir.empty() ? "weights initialised from scratch" : "weights read from --model",
+        s.dp_world > 1 || s.tp > 1 ? ", each rank its share" : "");
   try {
     engine.finalize();
   } catch (const Error& e) {
@@ -1418,6 +1429,7 @@ void build_model_and_engine(Run& r) {
                  "--device-mem-gb\n{}",
                  o.ds_config, e.user_message());
   }
+  if (say) log::info("the training state placed in {:.1f} s", since(t_place));
   r.weights = std::make_unique<EngineWeights>(engine, compute, r.model->units());
 }
 
