@@ -327,6 +327,13 @@ void print_header(Run& r) {
   std::fflush(con);
 }
 
+namespace {
+// A rate in three figures or more: 1407, 36.2, 1.26 (a billion-parameter model's "1 tok/s").
+std::string rate(double x) {
+  return fmt::format(fmt::runtime(x >= 100 ? "{:.0f}" : x >= 10 ? "{:.1f}" : "{:.2f}"), x);
+}
+}  // namespace
+
 // The step's progress line: on a terminal one line rewritten, kept every --steps/20 steps.
 void print_progress(Run& r, const StepRecord& rec, double val_loss, const EngineStats& st) {
   const std::int64_t step = rec.step, steps = r.s.steps;
@@ -335,7 +342,7 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
   const double gbps = 1e-9 / rec.step_s;
   const double elapsed = since(r.loop_start);
   const std::string line = fmt::format(
-      "step {}/{}{}  loss {:.4f}{}  {:.0f} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r "
+      "step {}/{}{}  loss {:.4f}{}  {} tok/s  {:.2f} s/step  h2d {:.2f} d2h {:.2f} nvme r "
       "{:.2f} "
       "w {:.2f} GB/s  ETA {}",
       step, steps,
@@ -345,7 +352,7 @@ void print_progress(Run& r, const StepRecord& rec, double val_loss, const Engine
       rec.loss,
       std::isnan(val_loss) ? std::string()
                            : fmt::format(" (val {:.4f}, ppl {:.2f})", val_loss, std::exp(val_loss)),
-      rec.tokens_per_s, rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,
+      rate(rec.tokens_per_s), rec.step_s, double(st.h2d_bytes - prev.h2d_bytes) * gbps,
       double(st.d2h_bytes - prev.d2h_bytes) * gbps,
       double(st.nvme_read_bytes - prev.nvme_read_bytes) * gbps,
       double(st.nvme_written_bytes - prev.nvme_written_bytes) * gbps,
@@ -387,9 +394,9 @@ void print_summary(Run& r) {
     final_loss = fmt::format(", loss {:.4f} at the checkpoint", line["loss"].get<double>());
   }
   const double loop_s = since(r.loop_start);
-  std::fprintf(con, "\nsummary (%s, %.1f s, %.0f tokens/s, %.0f counted in the loss%s)\n",
-               ran.c_str(), total, r.tokens_per_step * double(steps - start_step) / loop_s,
-               r.counted_tokens / loop_s, final_loss.c_str());
+  std::fprintf(con, "\nsummary (%s, %.1f s, %s tokens/s, %s counted in the loss%s)\n", ran.c_str(),
+               total, rate(r.tokens_per_step * double(steps - start_step) / loop_s).c_str(),
+               rate(r.counted_tokens / loop_s).c_str(), final_loss.c_str());
   std::fprintf(con, "  %-12s %9s\n", "phase", "seconds");
   std::vector<std::pair<const char*, double>> rows = {
       {"data", r.ph.data},           {"forward", r.ph.forward}, {"backward", r.ph.backward},
