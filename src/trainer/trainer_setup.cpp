@@ -1396,7 +1396,8 @@ void build_model_and_engine(Run& r) {
         "placing the training state of {:.0f}M parameters on its tiers ({}){}",
         double(s.total_numel) / 1e6,
         o.model_dir.empty() ? "weights initialised from scratch" : "weights read from --model",
-        s.dp_world > 1 || s.tp > 1 ? ", each rank its share" : "");
+        fmt::format("{}{}", s.dp_world > 1 || s.tp > 1 ? ", each rank its share" : "",
+                    s.resume.dir.empty() ? "" : ", then the checkpoint's read over it"));
   try {
     engine.finalize();
   } catch (const Error& e) {
