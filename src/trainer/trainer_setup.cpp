@@ -1379,9 +1379,12 @@ void build_model_and_engine(Run& r) {
   Engine& engine = *r.engine;
   // Each rank's slices computed (from scratch) or read (a Hugging Face folder) where they go.
   const TensorParallel tp{s.tp, s.tp_rank};
-  add_model_units(engine, r.model->units(),
-                  o.model_dir.empty() ? fresh_model_source(mcfg, o.seed, tp)
-                                      : hf_model_source(mcfg, o.model_dir, tp));
+  ModelSource source = o.model_dir.empty() ? fresh_model_source(mcfg, o.seed, tp)
+                                           : hf_model_source(mcfg, o.model_dir, tp);
+  // A resume reads the checkpoint's whole state over the first one (Engine::load_state): zeros
+  // stand in (a 70B --model folder was read whole, or a billion values made, to be replaced).
+  if (!s.resume.dir.empty()) source = [](std::size_t, std::size_t, std::size_t, float*) {};
+  add_model_units(engine, r.model->units(), std::move(source));
   if (r.tp_comm())
     engine.set_tensor_parallel(*r.tp_comm(), tensor_parallel_counted(r.model->units(), s.tp_rank));
   if (s.ecfg.decay_exempt_norms_and_biases)
@@ -1392,12 +1395,12 @@ void build_model_and_engine(Run& r) {
   const bool say = s.rank == 0 && s.total_numel >= kSaidFrom;
   const Clock::time_point t_place = Clock::now();
   if (say)
-    log::info(
-        "placing the training state of {:.0f}M parameters on its tiers ({}){}",
-        double(s.total_numel) / 1e6,
-        o.model_dir.empty() ? "weights initialised from scratch" : "weights read from --model",
-        fmt::format("{}{}", s.dp_world > 1 || s.tp > 1 ? ", each rank its share" : "",
-                    s.resume.dir.empty() ? "" : ", then the checkpoint's read over it"));
+    log::info("placing the training state of {:.0f}M parameters on its tiers ({}){}",
+              double(s.total_numel) / 1e6,
+              !s.resume.dir.empty() ? "room for the checkpoint's state, read next"
+              : o.model_dir.empty() ? "weights initialised from scratch"
+                                    : "weights read from --model",
+              s.dp_world > 1 || s.tp > 1 ? ", each rank its share" : "");
   try {
     engine.finalize();
   } catch (const Error& e) {
