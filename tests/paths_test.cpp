@@ -2,10 +2,14 @@
 // them itself: an API caller's log on its own corpus is refused, and the corpus is kept.
 #include "strata/paths.h"
 
+#include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -103,26 +107,66 @@ TEST(Paths, AUsersFileIsReplacedOnlyWithOverwrite) {
   EXPECT_EQ(slurp(f), "mine");
 }
 
-// What is written into as it is (a device, a pipe) and what a finished file replaces.
-TEST(Paths, DevicesAndPipesAreWrittenInPlace) {
+// What is written into as it is (a stream) and what a finished file replaces; writing into a
+// stream appends, creates nothing, and does not wait for a FIFO's reader or die of its leaving.
+TEST(Paths, StreamsAreWrittenInPlace) {
   TempDir d;
-  const std::string f = d.path + "/f", fifo = d.path + "/p";
+  const std::string f = d.path + "/f", fifo = d.path + "/p", link = d.path + "/out.svg";
   write(f, "abc");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(::symlink("/proc/self/fd/1", link.c_str()), 0);
   EXPECT_TRUE(written_in_place("/dev/null"));
+  EXPECT_TRUE(written_in_place("/dev/stdout")) << "a link into /proc, whatever stdout is";
+  EXPECT_TRUE(written_in_place("/dev/fd/2"));
+  EXPECT_TRUE(written_in_place("/proc/self/fd/1"));
+  EXPECT_TRUE(written_in_place(link));
   EXPECT_TRUE(written_in_place(fifo));
   EXPECT_FALSE(written_in_place(f));
   EXPECT_FALSE(written_in_place(d.path));
   EXPECT_FALSE(written_in_place(d.path + "/missing"));
   EXPECT_FALSE(written_in_place(""));
-  std::string got;
-  std::thread reader([&] { got = slurp(fifo); });
-  EXPECT_EQ(copy_into(f, fifo), 0);
+  EXPECT_TRUE(null_device("/dev/null"));
+  EXPECT_FALSE(null_device(fifo));
+  EXPECT_FALSE(null_device(f));
+  // Into a file (a redirected stdout's): appended, nothing of it replaced.
+  EXPECT_EQ(write_into(f, "def", 3), 0);
+  EXPECT_EQ(slurp(f), "abcdef");
+  EXPECT_EQ(write_into(d.path + "/missing", "x", 1), ENOENT);
+  EXPECT_FALSE(fs::exists(d.path + "/missing")) << "made a file";
+  // A FIFO no one reads: ENXIO at once, not a wait.
+  EXPECT_EQ(write_into(fifo, "x", 1), ENXIO);
+  // One whose reader leaves mid-write: EPIPE, and the process lives on.
+  const int rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(rd, 0);
+  std::thread reader([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the pipe full by then
+    ::close(rd);
+  });
+  const std::string big(std::size_t(1) << 20, 'x');  // more than the pipe holds
+  EXPECT_EQ(write_into(fifo, big.data(), big.size()), EPIPE);
   reader.join();
-  EXPECT_EQ(got, "abc");
-  EXPECT_EQ(copy_into(d.path + "/missing", fifo), ENOENT);
-  EXPECT_EQ(copy_into(f, d.path + "/missing"), ENOENT) << "made a file";
-  EXPECT_FALSE(fs::exists(d.path + "/missing"));
+  // copy_into: an open file's bytes from its start, the FIFO's reader waited for.
+  const int from = ::open(f.c_str(), O_RDONLY);
+  ASSERT_GE(from, 0);
+  std::string got;
+  std::thread whole([&] { got = slurp(fifo); });
+  EXPECT_EQ(copy_into(from, fifo), 0);
+  whole.join();
+  EXPECT_EQ(got, "abcdef");
+  EXPECT_EQ(copy_into(from, d.path + "/missing"), ENOENT);
+  ::close(from);
+  // A path naming one of the process's own descriptors (/dev/stdout is /proc/self/fd/1) is
+  // written through it, at its offset: a file reopened by name wrote over what the process had
+  // written there.
+  const std::string own = d.path + "/own";
+  const int fd = ::open(own.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, "head|", 5), 5);
+  EXPECT_EQ(write_into(fmt::format("/dev/fd/{}", fd), "svg|", 4), 0);
+  EXPECT_EQ(write_into(fmt::format("/proc/self/fd/{}", fd), "more|", 5), 0);
+  ASSERT_EQ(::write(fd, "tail", 4), 4);
+  ::close(fd);
+  EXPECT_EQ(slurp(own), "head|svg|more|tail");
 }
 
 TEST(Paths, InputsAreFilesAndFoldersAsNamed) {

@@ -9,6 +9,7 @@
 //     killed at step 2 left step 1's picture; the resumed run draws every step);
 //   - Chromium, headless, renders the SVG to a PNG that shows the lines and the text (counted by
 //     tests/oracle/png_stats.py); SKIPPED where chromium or python3 is not installed.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -385,16 +386,27 @@ TEST(RunPlotFile, WrittenWholeOrNotAtAll) {
 
 // A device or a pipe is written into, never replaced: a picture renamed over the path put a
 // regular file in place of /dev/null (as root, for every program on the machine). A FIFO here,
-// read whole by a thread; strata-train's --plot to a character device, where one can be made.
+// refused while no one reads it; a character device, where one can be made.
 TEST(RunPlotFile, ADeviceOrAPipeIsWrittenIntoNotReplaced) {
   TempDir d;
   const std::string fifo = d.path + "/pipe";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
-  std::string got;
-  std::thread reader([&] { got = slurp(fifo); });
+  // No reader: the picture is refused at once (strata-train's --plot waited there for ever).
+  try {
+    write_run_plot(fifo, "<svg/>");
+    ADD_FAILURE() << "written with no reader";
+  } catch (const Error& e) {
+    EXPECT_NE(e.user_message().find(fifo + " cannot be written: a pipe no one reads"),
+              std::string::npos)
+        << e.user_message();
+  }
+  const int rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(rd, 0);
   write_run_plot(fifo, "<svg>piped</svg>");
-  reader.join();
-  EXPECT_EQ(got, "<svg>piped</svg>");
+  char buf[64] = {};
+  EXPECT_EQ(::read(rd, buf, sizeof buf), 16);
+  EXPECT_EQ(std::string(buf), "<svg>piped</svg>");
+  ::close(rd);
   EXPECT_TRUE(fs::is_fifo(fifo)) << "replaced by a file";
   std::size_t files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(d.path)) ++files;

@@ -11,6 +11,7 @@
 //   require_output_file("-o", "out.bin", /*overwrite=*/false);
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,13 +25,22 @@ using NamedPaths = std::vector<std::pair<std::string, std::string>>;
 // of where a stream goes, never a file of theirs to keep.
 bool device_path(const std::string& path);
 
-// Whether `path` is a device, a pipe or a socket (through links): an output written into as it is
-// (/dev/null, /dev/stdout, a FIFO), never replaced by a finished file renamed over it (run as root,
-// that put a regular file in place of /dev/null, for every program on the machine).
+// Whether `path` is a stream to write into as it is, never a file to replace by renaming a
+// finished one over it (run as root, that put a regular file in place of /dev/null, or of the
+// /dev/stdout link, for every program on the machine): a device, a pipe or a socket, a path in
+// /proc (/dev/fd/N too), or a link into /proc or /dev (/dev/stdout, whatever its stream is now).
 bool written_in_place(const std::string& path);
-// `from`'s bytes written into `to` as it is (opened for writing, never made or replaced): 0, or the
-// errno of what failed.
-int copy_into(const std::string& from, const std::string& to);
+// Whether `path` is the null device (a character device 1:3): what is written there is dropped.
+bool null_device(const std::string& path);
+// `n` bytes written into the stream at `path` (written_in_place): opened without creating
+// anything, appended (a link to a redirected stdout keeps what is there), without waiting for a
+// FIFO's reader (ENXIO when there is none), a reader gone said as EPIPE rather than ending the
+// process by SIGPIPE. 0, or the errno of what failed.
+int write_into(const std::string& path, const void* data, std::size_t n);
+// The bytes of the open file `from_fd` (from its start) written into the stream at `path` as
+// write_into does, except that a FIFO's reader is waited for and a reader gone raises SIGPIPE (a
+// one-shot tool's output, as `cat > fifo`). 0, or the errno of what failed.
+int copy_into(int from_fd, const std::string& path);
 
 // The path as one key for the file it names: absolute, with links, "." and ".." resolved as far
 // as the path exists (a file not made yet keeps its own name); where the folders cannot be read,

@@ -1,12 +1,18 @@
 #include "strata/paths.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iterator>
@@ -23,32 +29,98 @@ namespace fs = std::filesystem;
 bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
 
 bool written_in_place(const std::string& path) {
+  if (path.empty()) return false;
+  std::error_code ec;
+  // A process's streams: /proc/<pid>/fd/N, by its own name or through /dev/fd.
+  const fs::path folder = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
+  if (path.starts_with("/proc/") || (!ec && folder.string().starts_with("/proc/"))) return true;
   struct stat st {};
-  return !path.empty() && ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) &&
-         !S_ISDIR(st.st_mode);
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {  // /dev/stdout -> /proc/self/fd/1
+    const std::string to = fs::read_symlink(path, ec).string();
+    if (!ec && (to.starts_with("/proc/") || to.starts_with("/dev/"))) return true;
+  }
+  return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
 }
 
-int copy_into(const std::string& from, const std::string& to) {
-  const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
-  if (in < 0) return errno;
-  const int out = ::open(to.c_str(), O_WRONLY | O_CLOEXEC);
-  if (out < 0) {
-    const int err = errno;
-    ::close(in);
-    return err;
+bool null_device(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISCHR(st.st_mode) && st.st_rdev == ::makedev(1, 3);
+}
+
+namespace {
+
+// This process's descriptor N when `path` names it (/dev/stdout, /dev/fd/N, /proc/self/fd/N, or
+// a link to one of those), else -1. Written through a copy of it, the bytes land where the
+// process's own writes do (a file opened again by name has an offset of its own: a redirected
+// stdout's first lines were written over).
+int own_descriptor(std::string path) {
+  static const std::string self = fmt::format("/proc/{}/fd/", ::getpid());
+  for (int hops = 0; hops < 8; ++hops) {
+    if (path == "/dev/stdin") return 0;
+    if (path == "/dev/stdout") return 1;
+    if (path == "/dev/stderr") return 2;
+    for (const std::string& dir : {std::string("/dev/fd/"), std::string("/proc/self/fd/"), self})
+      if (path.starts_with(dir) && path.size() > dir.size() &&
+          path.find_first_not_of("0123456789", dir.size()) == std::string::npos &&
+          path.size() - dir.size() < 10)
+        return std::stoi(path.substr(dir.size()));
+    std::error_code ec;
+    const fs::path to = fs::read_symlink(path, ec);
+    if (ec) return -1;
+    path = to.is_absolute() ? to.string() : (fs::path(path).parent_path() / to).string();
   }
+  return -1;
+}
+
+// `path` opened for writing as a stream: a copy of this process's own descriptor where it names
+// one, else opened by name (appending, creating nothing).
+int open_stream(const std::string& path, int extra_flags) {
+  if (const int own = own_descriptor(path); own >= 0) {
+    std::fflush(nullptr);  // what stdio holds goes first
+    return ::fcntl(own, F_DUPFD_CLOEXEC, 0);
+  }
+  return ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | extra_flags);
+}
+
+}  // namespace
+
+int write_into(const std::string& path, const void* data, std::size_t n) {
+  const int fd = open_stream(path, O_NONBLOCK);
+  if (fd < 0) return errno;
+  // Opened by name: blocking again once open. (A copy of a descriptor shares its flags: left.)
+  if (own_descriptor(path) < 0) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  // SIGPIPE held back in this thread while it writes: a reader gone is EPIPE, and the signal it
+  // raised is taken off the thread before it is let through again.
+  sigset_t pipe, was;
+  ::sigemptyset(&pipe);
+  ::sigaddset(&pipe, SIGPIPE);
+  ::pthread_sigmask(SIG_BLOCK, &pipe, &was);
+  int err = write_fd_fully(fd, data, n);
+  if (err == EPIPE) {
+    const timespec now{};
+    while (::sigtimedwait(&pipe, nullptr, &now) == SIGPIPE) {
+    }
+  }
+  ::pthread_sigmask(SIG_SETMASK, &was, nullptr);
+  if (::close(fd) != 0 && err == 0) err = errno;
+  return err;
+}
+
+int copy_into(int from_fd, const std::string& path) {
+  const int out = open_stream(path, 0);
+  if (out < 0) return errno;
   std::vector<char> buf(std::size_t(1) << 20);
   int err = 0;
-  for (;;) {
-    const ssize_t n = ::read(in, buf.data(), buf.size());
+  for (off_t at = 0;;) {
+    const ssize_t n = ::pread(from_fd, buf.data(), buf.size(), at);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       err = n < 0 ? errno : 0;
       break;
     }
     if ((err = write_fd_fully(out, buf.data(), std::size_t(n))) != 0) break;
+    at += n;
   }
-  ::close(in);
   if (::close(out) != 0 && err == 0) err = errno;
   return err;
 }

@@ -332,24 +332,42 @@ class PreparedWriter {
   PreparedWriter(std::string out, std::uint64_t vocab, const std::string& hash_hex,
                  std::string source)
       : out_(std::move(out)),
-        in_place_(written_in_place(out_)),
-        // Beside the output, renamed over it at the end; for a device or a pipe (-o /dev/null),
-        // in the temporary folder, and its bytes written into that.
-        tmp_(in_place_ ? (fs::temp_directory_path() /
-                          fmt::format("strata-prep.tmp.{}.{}", this_host(), ::getpid()))
-                             .string()
-                       : out_ + fmt::format(".tmp.{}.{}", this_host(), ::getpid())) {
+        // A stream (-o /dev/null, a pipe, /dev/stdout): written into, never replaced.
+        mode_(!written_in_place(out_) ? Mode::kRenamed
+              : null_device(out_)     ? Mode::kDropped
+                                      : Mode::kCopied),
+        tmp_(out_ + fmt::format(".tmp.{}.{}", this_host(), ::getpid())) {
     h_.vocab_size = vocab;
     h_.token_bytes = vocab <= 65536 ? 2 : 4;
     h_.tokenizer_hash = parse_hash(hash_hex);
     h_.source = std::move(source);
     h_.source_bytes = h_.source.size();
     h_.tokens_offset = align8(kPreparedHeaderBytes + h_.source_bytes);
-    if (!in_place_) remove_dead_runs_files();
-    // Ctrl-C leaves no corpus-sized file: registered before the file is made, so that no signal
-    // finds it made and not registered.
-    slot_ = core::remove_file_on_interrupt(tmp_);
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (mode_ == Mode::kDropped) {  // written to the null device itself: nothing kept anywhere
+      tmp_ = out_;
+      fd_ = ::open(out_.c_str(), O_WRONLY | O_CLOEXEC);
+    } else if (mode_ == Mode::kCopied) {
+      // An unnamed file in the temporary folder (no name another user could plant a link at; gone
+      // with the process however it ends), its bytes copied into the stream at the end.
+      const char* dir = std::getenv("TMPDIR");
+      const std::string folder = dir && *dir ? dir : "/tmp";
+      tmp_ =
+          fmt::format("an unnamed temporary file in {}{}", folder, dir && *dir ? " (TMPDIR)" : "");
+      fd_ = ::open(folder.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+      if (fd_ < 0)
+        detail::throw_errno(
+            __FILE__, __LINE__, "open", errno,
+            fmt::format("-o {} is a stream, and the prepared file is made whole before it is "
+                        "written there: cannot make {}: set TMPDIR to a folder with room for it, "
+                        "or give -o a file",
+                        out_, tmp_));
+    } else {
+      remove_dead_runs_files();
+      // Ctrl-C leaves no corpus-sized file: registered before the file is made, so that no
+      // signal finds it made and not registered.
+      slot_ = core::remove_file_on_interrupt(tmp_);
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
     if (fd_ < 0) {
       const int err = errno;
       core::forget_interrupt_file(slot_);
@@ -362,7 +380,7 @@ class PreparedWriter {
       write(head.data(), head.size());
     } catch (...) {  // (no destructor runs for a constructor that throws)
       ::close(fd_);
-      ::unlink(tmp_.c_str());
+      if (mode_ == Mode::kRenamed) ::unlink(tmp_.c_str());
       core::forget_interrupt_file(slot_);
       throw;
     }
@@ -370,7 +388,7 @@ class PreparedWriter {
   ~PreparedWriter() {
     if (fd_ >= 0) {
       ::close(fd_);
-      ::unlink(tmp_.c_str());
+      if (mode_ == Mode::kRenamed) ::unlink(tmp_.c_str());
     }
     core::forget_interrupt_file(slot_);
   }
@@ -433,19 +451,31 @@ class PreparedWriter {
     if (::pwrite(fd_, head, sizeof head, 0) != ssize_t(sizeof head))
       detail::throw_errno(__FILE__, __LINE__, "pwrite", errno,
                           fmt::format("cannot write the header of {}", tmp_));
+    if (mode_ == Mode::kDropped) {
+      STRATA_CHECK_ERRNO(::close(fd_), "close {}", out_);
+      fd_ = -1;
+      return;
+    }
+    if (mode_ == Mode::kCopied) {
+      const int err = copy_into(fd_, out_);
+      ::close(fd_);  // (the unnamed file goes with it)
+      fd_ = -1;
+      if (err != 0)
+        detail::throw_errno(__FILE__, __LINE__, "write", err,
+                            fmt::format("cannot write the prepared file into {}", out_));
+      return;
+    }
     STRATA_CHECK_ERRNO(::fsync(fd_), "fsync {}", tmp_);
     STRATA_CHECK_ERRNO(::close(fd_), "close {}", tmp_);
     fd_ = -1;
-    const int err =
-        in_place_ ? copy_into(tmp_, out_) : (::rename(tmp_.c_str(), out_.c_str()) == 0 ? 0 : errno);
-    if (in_place_) ::unlink(tmp_.c_str());
+    const int renamed = ::rename(tmp_.c_str(), out_.c_str());
+    const int err = errno;
     core::forget_interrupt_file(slot_);
     slot_ = -1;
-    if (err != 0) {
+    if (renamed != 0) {
       ::unlink(tmp_.c_str());
-      detail::throw_errno(__FILE__, __LINE__, in_place_ ? "write" : "rename", err,
-                          in_place_ ? fmt::format("cannot write the prepared file into {}", out_)
-                                    : fmt::format("cannot move {} into place as {}", tmp_, out_));
+      detail::throw_errno(__FILE__, __LINE__, "rename", err,
+                          fmt::format("cannot move {} into place as {}", tmp_, out_));
     }
   }
 
@@ -482,8 +512,10 @@ class PreparedWriter {
   }
 
   std::string out_;
-  bool in_place_ = false;  // out_ is a device or a pipe
-  std::string tmp_;
+  // kRenamed: a file beside out_ renamed over it; kCopied: out_ is a stream, an unnamed file's
+  // bytes written into it; kDropped: out_ is the null device, written directly.
+  enum class Mode { kRenamed, kCopied, kDropped } mode_;
+  std::string tmp_;  // where the bytes go first (for messages: kCopied's names its folder)
   int fd_ = -1;
   int slot_ = -1;  // core::remove_file_on_interrupt's
   PreparedHeader h_;

@@ -594,15 +594,12 @@ std::string run_plot_svg(const std::vector<RunRecord>& steps, const std::string&
 }
 
 void write_run_plot(const std::string& path, const std::string& svg) {
-  if (written_in_place(path)) {  // /dev/null, a pipe: into it as it is
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    int err = f == nullptr ? errno : 0;
-    if (f != nullptr) {
-      if (std::fwrite(svg.data(), 1, svg.size(), f) != svg.size()) err = errno;
-      if (std::fclose(f) != 0 && err == 0) err = errno;
-    }
-    if (err != 0)
-      STRATA_THROW(kIo, "{} cannot be written: {}: give another path", path, std::strerror(err));
+  if (written_in_place(path)) {  // /dev/null, a pipe, /dev/stdout: into it as it is
+    // (a pipe no one reads, or one whose reader left, ends the picture, not the run)
+    if (const int err = write_into(path, svg.data(), svg.size()); err != 0)
+      STRATA_THROW(kIo, "{} cannot be written: {}", path,
+                   err == ENXIO ? "a pipe no one reads"
+                                : fmt::format("{}: give another path", std::strerror(err)));
     return;
   }
   const fs::path target(path);
