@@ -354,9 +354,9 @@ class PreparedWriter {
       tmp_ =
           fmt::format("an unnamed temporary file in {}{}", folder, dir && *dir ? " (TMPDIR)" : "");
       fd_ = ::open(folder.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-      if (fd_ < 0)
+      if (const int err = errno; fd_ < 0)
         detail::throw_errno(
-            __FILE__, __LINE__, "open", errno,
+            __FILE__, __LINE__, "open", err,
             fmt::format("-o {} is a stream, and the prepared file is made whole before it is "
                         "written there: cannot make {}: set TMPDIR to a folder with room for it, "
                         "or give -o a file",
