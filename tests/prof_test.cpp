@@ -2124,6 +2124,21 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
   EXPECT_EQ(mine.status, 1) << mine.out << mine.err;
   EXPECT_NE(mine.err.find("is not the demo model's config"), std::string::npos) << mine.err;
   EXPECT_EQ(testing::slurp(d.path + "/mine.model.json"), "{\"mine\": true}");
+  // --out a stream (here a link to stdout, as /dev/stdout is): the recommendation written into it,
+  // no model file beside it (--out /dev/null made /dev/null.model.json), no run line.
+  const std::string link = d.path + "/to-stdout";
+  ASSERT_EQ(::symlink("/proc/self/fd/1", link.c_str()), 0);
+  const auto stream = testing::run(STRATA_PROF_BIN,
+                                   {"--device", "cpu", "--micro-batches", "2", "--no-nvme",
+                                    "--validate", "0", "--out", link, "--svg", ""},
+                                   d.path, "stream");
+  EXPECT_EQ(stream.status, 0) << stream.out << stream.err;
+  EXPECT_NE(stream.out.find("\"zero_optimization\""), std::string::npos) << stream.out;
+  EXPECT_NE(stream.out.find("best configuration written to " + link + " (a stream"),
+            std::string::npos)
+      << stream.out;
+  EXPECT_TRUE(fs::is_symlink(link)) << "replaced";
+  EXPECT_FALSE(fs::exists(d.path + "/to-stdout.model.json"));
   const auto plan = testing::run(STRATA_TRAIN_BIN,
                                  {"--model-config", mc, "--config", d.path + "/best.json",
                                   "--seq-len", "128", "--device", "cpu", "--plan"},

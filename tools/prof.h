@@ -132,7 +132,7 @@ void write_svg(const std::string& path, const Candidate& best,
 // ---- prof_validate.cpp ----
 // The demo's model config, written beside --out for the printed command: best.json ->
 // best.model.json.
-std::string demo_model_file(const std::string& out);
+std::string demo_model_file(const std::string& out);  // "" when --out is a stream (/dev/null)
 // Writes --out and prints the strata-train command that runs it (rank 0).
 void write_recommendation(const Args& a, const Candidate& best, const Measurement& m,
                           std::int64_t config_train_batch);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -16,6 +17,7 @@
 #include "strata/error.h"
 #include "strata/json_config.h"
 #include "strata/log.h"
+#include "strata/paths.h"
 
 namespace strata::prof {
 namespace {
@@ -376,6 +378,7 @@ void print_validation_columns() {
 // The demo's model config, written beside --out for the printed command: best.json ->
 // best.model.json.
 std::string demo_model_file(const std::string& out) {
+  if (written_in_place(out)) return {};  // (--out /dev/null: no file beside it, in /dev)
   return fs::path(out).replace_extension(".model.json").string();
 }
 
@@ -385,9 +388,21 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
                           std::int64_t config_train_batch) {
   const MachineProfile& machine = m.machine;
   const std::string& dev_name = m.dev_name;
+  const std::string text =
+      written_json(written_config(best.config, a.user_config, a.host_budget_given), a.user_text,
+                   std::max(1, machine.world_size));
+  if (written_in_place(
+          a.out)) {  // a stream (/dev/null, /dev/stdout): written into, and no run line
+    const int err = write_into(a.out, text.data(), text.size());
+    STRATA_REQUIRE(err == 0, "--out {}: cannot be written: {}", a.out, std::strerror(err));
+    std::printf(
+        "\nbest configuration written to %s (a stream: give --out a file to keep it, and "
+        "for the strata-train line that runs it)\n",
+        a.out.c_str());
+    return;
+  }
   std::ofstream f(a.out, std::ios::trunc);
-  f << written_json(written_config(best.config, a.user_config, a.host_budget_given), a.user_text,
-                    std::max(1, machine.world_size));
+  f << text;
   STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
   std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                            : !a.model_config.empty() ? " --model-config " + a.model_config

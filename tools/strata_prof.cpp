@@ -67,7 +67,7 @@ ModelConfig load_model(Args& a, bool demo) {
   if (!a.out.empty()) {  // nothing of the user's is replaced by what strata-prof writes
     std::error_code ec;
     const std::string mc = demo_model_file(a.out);
-    if (demo && fs::exists(mc, ec)) {
+    if (demo && !mc.empty() && fs::exists(mc, ec)) {
       std::ifstream f(mc);
       std::stringstream have;
       have << f.rdbuf();
@@ -333,7 +333,7 @@ void check_outputs(Args& a, bool demo, bool talk) {
     // read again by the validation runs and named in the run line). Links resolved.
     strata::NamedPaths outs = {{"--out", a.out}, {"--svg", a.svg}};
     if (a.validate > 0) outs.push_back({"--trace", a.trace});
-    if (demo && !a.out.empty())
+    if (demo && !demo_model_file(a.out).empty())
       outs.push_back({"the demo model file written beside --out", demo_model_file(a.out)});
     // Inputs may share a file with each other (--config and --aio, say), not with an output.
     strata::NamedPaths ins = strata::model_files_in_folder("--model", a.model_dir);

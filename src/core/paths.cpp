@@ -161,7 +161,8 @@ void require_input_folder(const std::string& flag, const std::string& path,
 void require_overwrite_to_replace(const std::string& flag, const std::string& path,
                                   bool overwrite) {
   std::error_code ec;
-  if (path.empty() || overwrite || device_path(path) || !fs::exists(fs::symlink_status(path, ec)))
+  if (path.empty() || overwrite || device_path(path) || written_in_place(path) ||
+      !fs::exists(fs::symlink_status(path, ec)))
     return;
   const fs::file_status st = fs::status(path, ec);
   STRATA_REQUIRE(fs::exists(st) && !fs::is_regular_file(st),
@@ -211,7 +212,9 @@ void require_outputs_apart(const std::string& who, const NamedPaths& outs, const
   for (std::size_t i = 0; i < outs.size(); ++i) {
     std::error_code ec;
     const fs::file_status st = fs::status(outs[i].second, ec);
-    if (device_path(outs[i].second) || (fs::exists(st) && !fs::is_regular_file(st))) continue;
+    if (device_path(outs[i].second) || written_in_place(outs[i].second) ||
+        (fs::exists(st) && !fs::is_regular_file(st)))
+      continue;
     for (std::size_t k = i + 1; k < outs.size(); ++k)
       STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
                      "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
