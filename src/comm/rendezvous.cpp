@@ -164,35 +164,21 @@ double rendezvous_timeout_s() {
 class TcpStore::Server {
  public:
   Server(const RendezvousOptions& o) : o_(o) {
-    listen_fd_ = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    bool v6 = listen_fd_ >= 0;
-    if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    STRATA_CHECK_ERRNO(listen_fd_, "cannot create the rendezvous socket");
-    const int one = 1, zero = 0;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc;
-    if (v6) {
-      ::setsockopt(listen_fd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);  // IPv4 too
-      sockaddr_in6 a{};
-      a.sin6_family = AF_INET6;
-      a.sin6_addr = in6addr_any;
-      a.sin6_port = htons(std::uint16_t(o.port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    } else {
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_ANY);
-      a.sin_port = htons(std::uint16_t(o.port));
-      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    // Two processes that listen on one port at the same instant may both be refused (the kernel
+    // marks each listening before it checks the other: both see a listener): a refusal is tried
+    // again, 5 to 80 ms apart (~150 ms in all), before the port is called in use.
+    int refused = 0;
+    bool bound = false;
+    const std::size_t jitter =
+        std::hash<std::thread::id>{}(std::this_thread::get_id()) ^ std::size_t(::getpid());
+    for (int attempt = 0;; ++attempt) {
+      std::tie(refused, bound) = try_listen();
+      if (refused != EADDRINUSE || attempt == 4) break;
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds((5 << attempt) + int((jitter >> attempt) % 5)));
     }
-    // (Two binds with SO_REUSEADDR may both succeed; the second listen() then finds the port in
-    // use.)
-    const bool bound = rc == 0;
-    if (bound) rc = ::listen(listen_fd_, 1024);
-    if (rc != 0) {
-      const int err = errno;
-      close_fd(listen_fd_);
-      if (err == EADDRINUSE)
+    if (refused != 0) {
+      if (refused == EADDRINUSE)
         if (const std::string says = existing_rendezvous_says(o); !says.empty())
           STRATA_THROW(kIo,
                        "rank 0 cannot listen for the rendezvous on port {}: a strata rendezvous "
@@ -202,11 +188,11 @@ class TcpStore::Server {
           ErrorKind::kIo, __FILE__, __LINE__,
           fmt::format("{}(port {})", bound ? "listen" : "bind", o.port),
           fmt::format("rank 0 cannot listen for the rendezvous on port {}{}", o.port,
-                      err == EADDRINUSE
+                      refused == EADDRINUSE
                           ? ": the port is in use on this host (another job, or a previous run's "
                             "rank 0 still alive); give every rank another MASTER_PORT"
                           : ""),
-          errno_text(err));
+          errno_text(refused));
     }
     if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
       const int err = errno;
@@ -233,6 +219,40 @@ class TcpStore::Server {
   }
 
  private:
+  // Opens listen_fd_ on o_.port, every address (IPv6 and IPv4 where it can): {0, true}, or the
+  // errno and whether bind() got as far as succeeding (listen_fd_ then closed).
+  std::pair<int, bool> try_listen() {
+    listen_fd_ = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool v6 = listen_fd_ >= 0;
+    if (!v6) listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    STRATA_CHECK_ERRNO(listen_fd_, "cannot create the rendezvous socket");
+    const int one = 1, zero = 0;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int rc;
+    if (v6) {
+      ::setsockopt(listen_fd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);  // IPv4 too
+      sockaddr_in6 a{};
+      a.sin6_family = AF_INET6;
+      a.sin6_addr = in6addr_any;
+      a.sin6_port = htons(std::uint16_t(o_.port));
+      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    } else {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_ANY);
+      a.sin_port = htons(std::uint16_t(o_.port));
+      rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    }
+    // (Two binds with SO_REUSEADDR may both succeed; the second listen() then finds the port in
+    // use.)
+    const bool bound = rc == 0;
+    if (bound) rc = ::listen(listen_fd_, 1024);
+    if (rc == 0) return {0, true};
+    const int err = errno;
+    close_fd(listen_fd_);
+    return {err, bound};
+  }
+
   struct Conn {
     int fd = -1;
     int rank = -1;  // -1 until its handshake
