@@ -169,6 +169,40 @@ TEST(Paths, StreamsAreWrittenInPlace) {
   EXPECT_EQ(slurp(own), "head|svg|more|tail");
 }
 
+// An output the user named (--log-json, --trace, --svg, --out): a file is made anew; a stream
+// (/dev/stdout sent to a file) is written into where the process's own lines are, nothing of
+// them emptied or written over.
+TEST(Paths, OutputsAreFilesMadeAnewOrStreamsWrittenInto) {
+  TempDir d;
+  const std::string f = d.path + "/log.jsonl", own = d.path + "/console";
+  write(f, "an older run's lines\n");
+  EXPECT_EQ(write_output(f, "new\n"), 0);
+  EXPECT_EQ(slurp(f), "new\n");
+  int fd = open_output(f);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::write(fd, "x", 1), 1);
+  ::close(fd);
+  EXPECT_EQ(slurp(f), "x");
+  EXPECT_EQ(write_output(d.path + "/no/such/folder/f", "x"), ENOENT);
+  EXPECT_EQ(write_output(d.path, "x"), EISDIR);
+  // A stream: a descriptor of this process's (a console redirected to a file), by a link as
+  // /dev/stdout is one.
+  const int console = ::open(own.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(console, 0);
+  const std::string link = d.path + "/stdout";
+  ASSERT_EQ(::symlink(fmt::format("/proc/self/fd/{}", console).c_str(), link.c_str()), 0);
+  ASSERT_EQ(::write(console, "step 1\n", 7), 7);
+  fd = open_output(link);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::write(fd, "{1}\n", 4), 4);
+  ASSERT_EQ(::write(console, "step 2\n", 7), 7);
+  EXPECT_EQ(write_output(link, "<svg/>\n"), 0);
+  EXPECT_EQ(write_holding_sigpipe(fd, "{2}\n", 4), 0);
+  ::close(fd);
+  ::close(console);
+  EXPECT_EQ(slurp(own), "step 1\n{1}\nstep 2\n<svg/>\n{2}\n");
+}
+
 TEST(Paths, InputsAreFilesAndFoldersAsNamed) {
   TempDir d;
   const std::string f = d.path + "/c.bin";

@@ -1745,7 +1745,18 @@ TEST_F(TrainCli, OutputsGoToDevicesAndBesideTheModel) {
   };
   const Result out = train(with({"--log-json", "/dev/stdout"}), "stdout");
   ASSERT_EQ(out.status, 0) << out.err;
-  EXPECT_NE(out.out.find("{\"counted_tokens_per_s\""), std::string::npos) << out.out;
+  // Its lines among the console's, which are all there: the log opened /dev/stdout again,
+  // emptied, and wrote over the banner and the step lines.
+  EXPECT_TRUE(out.out.starts_with("strata-train: ")) << out.out;
+  std::istringstream lines(out.out);
+  std::vector<std::string> json, steps;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.starts_with("{\"counted_tokens_per_s\"")) json.push_back(line);
+    if (line.starts_with("step ")) steps.push_back(line);
+  }
+  EXPECT_EQ(json.size(), 2u) << out.out;
+  EXPECT_EQ(steps.size(), 2u) << out.out;
+  EXPECT_NE(out.out.find("\nsummary (2 steps"), std::string::npos) << out.out;
   const std::string beside = hf + "/train.jsonl";
   ASSERT_EQ(train(with({"--log-json", beside}), "beside").status, 0);
   EXPECT_EQ(losses(beside).size(), 2u);

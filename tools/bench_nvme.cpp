@@ -27,6 +27,7 @@
 #include "strata/error.h"
 #include "strata/log.h"
 #include "strata/nvme.h"
+#include "strata/paths.h"
 #include "strata/pinned_pool.h"
 #include "strata/system_info.h"
 #include "tool_main.h"
@@ -881,10 +882,8 @@ void run_sweep(const NvmeArgs& a) {
   std::printf("%s after %.1f s. best aio block:\n%s\n", stopped ? "time bound reached" : "done",
               total.seconds(), block.dump(2).c_str());
   if (!a.out.empty()) {  // checked before the sweep (require_output_file)
-    std::ofstream f(a.out, std::ios::trunc);
-    f << block.dump(2) << "\n";
-    f.close();
-    STRATA_REQUIRE(f.good() && fs::is_regular_file(a.out), "--out {}: cannot be written", a.out);
+    const int err = write_output(a.out, block.dump(2) + "\n");  // a stream: written into
+    STRATA_REQUIRE(err == 0, "--out {}: cannot be written: {}", a.out, std::strerror(err));
     std::printf("written to %s\n", a.out.c_str());
   }
   if (a.json)

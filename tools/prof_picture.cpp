@@ -5,11 +5,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
+#include <cstring>
 #include <iterator>
 
 #include "prof.h"
 #include "strata/error.h"
+#include "strata/paths.h"
 
 namespace strata::prof {
 namespace {
@@ -143,14 +144,14 @@ void write_svg(const std::string& path, const Candidate& best,
     }
     y += 6;
   }
-  std::ofstream f(path, std::ios::trunc);
-  f << fmt::format(
-           "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' "
-           "font-family='sans-serif' "
-           "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n",
-           width, y + 10)
-    << body << "</svg>\n";
-  STRATA_REQUIRE(f.good(), "--svg {}: cannot be written", path);
+  const std::string svg = fmt::format(
+                              "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' "
+                              "font-family='sans-serif' "
+                              "font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n",
+                              width, y + 10) +
+                          body + "</svg>\n";
+  const int err = write_output(path, svg);  // (a stream, as /dev/stdout, written into)
+  STRATA_REQUIRE(err == 0, "--svg {}: cannot be written: {}", path, std::strerror(err));
 }
 
 }  // namespace strata::prof

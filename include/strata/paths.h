@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -37,10 +38,22 @@ bool null_device(const std::string& path);
 // FIFO's reader (ENXIO when there is none), a reader gone said as EPIPE rather than ending the
 // process by SIGPIPE. 0, or the errno of what failed.
 int write_into(const std::string& path, const void* data, std::size_t n);
+// `n` bytes written to `fd` with SIGPIPE held back in this thread: a pipe's reader gone is EPIPE,
+// not the end of the process. 0, or the errno of what failed.
+int write_holding_sigpipe(int fd, const void* data, std::size_t n);
 // The bytes of the open file `from_fd` (from its start) written into the stream at `path` as
 // write_into does, except that a FIFO's reader is waited for and a reader gone raises SIGPIPE (a
 // one-shot tool's output, as `cat > fifo`). 0, or the errno of what failed.
 int copy_into(int from_fd, const std::string& path);
+// An output the user named, opened for writing from its start: a stream (written_in_place) as
+// copy_into opens one (its own descriptor where the path names one, else appended to by name,
+// creating nothing), a file created or emptied. The descriptor (close-on-exec), or -1 with errno.
+// (A std::ofstream of /dev/stdout opens the redirected file again, emptied, at an offset of its
+// own: the console's lines were written over.)
+int open_output(const std::string& path);
+// `text` written as the whole output at `path` (write_into for a stream, else open_output): 0, or
+// the errno of what failed.
+int write_output(const std::string& path, std::string_view text);
 
 // The path as one key for the file it names: absolute, with links, "." and ".." resolved as far
 // as the path exists (a file not made yet keeps its own name); where the folders cannot be read,

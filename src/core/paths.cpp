@@ -72,10 +72,10 @@ int own_descriptor(std::string path) {
   return -1;
 }
 
-// `path` opened for writing as a stream: a copy of this process's own descriptor where it names
-// one, else opened by name (appending, creating nothing).
-int open_stream(const std::string& path, int extra_flags) {
-  if (const int own = own_descriptor(path); own >= 0) {
+// `path` opened for writing as a stream: a copy of this process's own descriptor `own` where it
+// names one (own_descriptor), else opened by name (appending, creating nothing).
+int open_stream(const std::string& path, int own, int extra_flags) {
+  if (own >= 0) {
     std::fflush(nullptr);  // what stdio holds goes first
     return ::fcntl(own, F_DUPFD_CLOEXEC, 0);
   }
@@ -84,30 +84,36 @@ int open_stream(const std::string& path, int extra_flags) {
 
 }  // namespace
 
-int write_into(const std::string& path, const void* data, std::size_t n) {
-  const int fd = open_stream(path, O_NONBLOCK);
-  if (fd < 0) return errno;
-  // Opened by name: blocking again once open. (A copy of a descriptor shares its flags: left.)
-  if (own_descriptor(path) < 0) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+int write_holding_sigpipe(int fd, const void* data, std::size_t n) {
   // SIGPIPE held back in this thread while it writes: a reader gone is EPIPE, and the signal it
   // raised is taken off the thread before it is let through again.
   sigset_t pipe, was;
   ::sigemptyset(&pipe);
   ::sigaddset(&pipe, SIGPIPE);
   ::pthread_sigmask(SIG_BLOCK, &pipe, &was);
-  int err = write_fd_fully(fd, data, n);
+  const int err = write_fd_fully(fd, data, n);
   if (err == EPIPE) {
     const timespec now{};
     while (::sigtimedwait(&pipe, nullptr, &now) == SIGPIPE) {
     }
   }
   ::pthread_sigmask(SIG_SETMASK, &was, nullptr);
+  return err;
+}
+
+int write_into(const std::string& path, const void* data, std::size_t n) {
+  const int own = own_descriptor(path);
+  const int fd = open_stream(path, own, O_NONBLOCK);
+  if (fd < 0) return errno;
+  // Opened by name: blocking again once open. (A copy of a descriptor shares its flags: left.)
+  if (own < 0) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  int err = write_holding_sigpipe(fd, data, n);
   if (::close(fd) != 0 && err == 0) err = errno;
   return err;
 }
 
 int copy_into(int from_fd, const std::string& path) {
-  const int out = open_stream(path, 0);
+  const int out = open_stream(path, own_descriptor(path), 0);
   if (out < 0) return errno;
   std::vector<char> buf(std::size_t(1) << 20);
   int err = 0;
@@ -122,6 +128,20 @@ int copy_into(int from_fd, const std::string& path) {
     at += n;
   }
   if (::close(out) != 0 && err == 0) err = errno;
+  return err;
+}
+
+int open_output(const std::string& path) {
+  if (written_in_place(path)) return open_stream(path, own_descriptor(path), 0);
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+}
+
+int write_output(const std::string& path, std::string_view text) {
+  if (written_in_place(path)) return write_into(path, text.data(), text.size());
+  const int fd = open_output(path);
+  if (fd < 0) return errno;
+  int err = write_fd_fully(fd, text.data(), text.size());
+  if (::close(fd) != 0 && err == 0) err = errno;
   return err;
 }
 

@@ -14,6 +14,7 @@
 
 #include "core/utf8.h"
 #include "strata/error.h"
+#include "strata/paths.h"
 
 namespace strata {
 
@@ -163,14 +164,9 @@ void Tracer::write_chrome_trace(const std::string& path, std::int64_t from_ns,
   }
   out += "\n]}\n";
 
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f)
-    detail::throw_errno(__FILE__, __LINE__, "fopen", errno,
-                        fmt::format("cannot write trace to '{}'", path));
-  const bool ok = std::fwrite(out.data(), 1, out.size(), f) == out.size();
-  const int err = errno;
-  if (std::fclose(f) != 0 || !ok)
-    detail::throw_errno(__FILE__, __LINE__, "fwrite", ok ? errno : err,
+  // (a stream such as /dev/stdout is written into: strata/paths.h)
+  if (const int err = write_output(path, out); err != 0)
+    detail::throw_errno(__FILE__, __LINE__, "write", err,
                         fmt::format("writing trace to '{}' failed", path));
 }
 

@@ -130,6 +130,24 @@ struct Phases {
   double data = 0, forward = 0, backward = 0, optimizer = 0, eval = 0, save = 0, sample = 0;
 };
 
+// --log-json as rank 0 writes it: a file made anew, or a stream written into (strata/paths.h:
+// a pipe, /dev/stdout, whose console lines are not written over), and how much of it is whole
+// lines.
+struct JsonLog {
+  explicit JsonLog(const std::string& path);  // throws naming the path when it cannot be opened
+  JsonLog(const JsonLog&) = delete;
+  JsonLog& operator=(const JsonLog&) = delete;
+  ~JsonLog();
+  // `line` and a newline appended: 0, or the errno that ended the log (a full drive, a reader
+  // gone), which is then cut back to its whole lines where it is a file.
+  int append(const std::string& line);
+
+  std::string path;
+  int fd = -1;
+  bool stream = false;
+  std::uint64_t whole = 0;  // bytes of whole lines written
+};
+
 // The job's objects, declared in the order they are made (and destroyed in reverse).
 struct Run {
   explicit Run(Settings& settings) : s(settings) {}
@@ -166,7 +184,7 @@ struct Run {
   bool checkpoint_writer = false;
   int checkpoint_file_systems = 0;  // of the last checkpoint written (0: none yet)
   // Reporting
-  std::unique_ptr<std::ofstream> jlog;
+  std::unique_ptr<JsonLog> jlog;
   // --plot on rank 0: the steps drawn so far (a resumed run's from its --log-json), and whether
   // the picture is still being drawn (a file that could not be written ends it, not the run).
   std::vector<RunRecord> plot_steps;

@@ -440,23 +440,16 @@ std::string sample(Run& run) {
 // The step's line in --log-json; a line that cannot be written ends the log, not the run.
 void write_log_line(Run& r, std::int64_t step, const nlohmann::json& j) {
   const TrainOptions& o = r.s.o;
-  std::unique_ptr<std::ofstream>& jlog = r.jlog;
-  if (jlog) {
-    const std::streamoff whole = jlog->tellp();  // the log's lines so far
-    *jlog << j.dump() << '\n';
-    jlog->flush();
-    if (!*jlog) {  // a full drive: the run goes on, but the log is said to be incomplete
-      const int err = errno;
+  std::unique_ptr<JsonLog>& jlog = r.jlog;
+  if (jlog)
+    if (const int err = jlog->append(j.dump()); err != 0) {
+      // a full drive, a reader gone: the run goes on, but the log is said to be incomplete
       jlog.reset();
-      // No torn line at the end (a JSON reader refuses it): the log is its whole lines.
-      if (whole >= 0 && !device_path(o.log_json))
-        (void)!::truncate(o.log_json.c_str(), off_t(whole));
       log::warn(
           "--log-json {}: the line of step {} could not be written ({}); the log stops here, the "
           "run goes on",
           o.log_json, step, std::strerror(err));
     }
-  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/write_fd.h"
 #include "cpu/cpu_info.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
@@ -95,13 +96,35 @@ TrainResult report_plan(const Settings& s) {
   return r;
 }
 
+JsonLog::JsonLog(const std::string& p) : path(p), stream(written_in_place(p)) {
+  fd = open_output(path);
+  if (fd < 0) STRATA_THROW(kIo, "--log-json {} cannot be written: {}", path, std::strerror(errno));
+}
+
+JsonLog::~JsonLog() {
+  if (fd >= 0) ::close(fd);
+}
+
+int JsonLog::append(const std::string& line) {
+  const std::string text = line + "\n";
+  if (stream) std::fflush(nullptr);  // the console's lines before it, in the order they came
+  const int err = stream ? write_holding_sigpipe(fd, text.data(), text.size())
+                         : write_fd_fully(fd, text.data(), text.size());
+  if (err == 0)
+    whole += text.size();
+  else if (!stream)  // no torn line at the end (a JSON reader refuses it): its whole lines
+    (void)!::ftruncate(fd, off_t(whole));
+  return err;
+}
+
 // --log-json opened: a resumed run keeps the log's lines up to the checkpoint's step.
 void open_json_log(Run& r) {
   const TrainOptions& o = r.s.o;
   if (r.s.rank != 0 || o.log_json.empty()) return;
-  // Resumed: keep the log's lines up to the checkpoint's step and continue after them.
+  // Resumed: keep the log's lines up to the checkpoint's step and continue after them. (A stream,
+  // as /dev/stdout, has none to read back: reading a terminal would wait for its keyboard.)
   std::string kept;
-  if (r.start_step > 0) {
+  if (r.start_step > 0 && !written_in_place(o.log_json)) {
     std::ifstream old(o.log_json);
     std::string line;
     bool has_start = false, has_earlier = false;
@@ -135,28 +158,20 @@ void open_json_log(Run& r) {
           "to {} are not in the log (it stopped there)",
           o.log_json, last, r.start_step, last + 1, missing_to);
   }
-  r.jlog = std::make_unique<std::ofstream>(o.log_json, std::ios::trunc);
-  if (!*r.jlog)
-    STRATA_THROW(kIo, "--log-json {} cannot be written: {}", o.log_json, std::strerror(errno));
+  r.jlog = std::make_unique<JsonLog>(o.log_json);
   // Now: a run that dies before its first line keeps them. Line by line, so that a full drive
   // leaves whole lines only.
-  std::streamoff whole = 0;
-  {
-    std::istringstream lines(kept);
-    for (std::string line; *r.jlog && std::getline(lines, line);) {
-      *r.jlog << line << '\n' << std::flush;
-      if (*r.jlog) whole = r.jlog->tellp();
+  std::istringstream lines(kept);
+  for (std::string line; std::getline(lines, line);)
+    if (const int err = r.jlog->append(line); err != 0) {
+      // a full drive: as a step's line that cannot be written, the run goes on
+      r.jlog.reset();
+      log::warn(
+          "--log-json {}: the lines up to the resumed step {} could not be written ({}); the "
+          "log stops here, the run goes on",
+          o.log_json, r.start_step, std::strerror(err));
+      break;
     }
-  }
-  if (!*r.jlog) {  // a full drive: as a step's line that cannot be written, the run goes on
-    const int err = errno;
-    r.jlog.reset();
-    if (!device_path(o.log_json)) (void)!::truncate(o.log_json.c_str(), off_t(whole));
-    log::warn(
-        "--log-json {}: the lines up to the resumed step {} could not be written ({}); the "
-        "log stops here, the run goes on",
-        o.log_json, r.start_step, std::strerror(err));
-  }
   // --plot draws the resumed run's steps too: the lines kept are its steps up to the checkpoint.
   if (!o.plot_file.empty()) {
     std::istringstream lines(kept);
