@@ -2,6 +2,7 @@
 // written or measured, with one line naming the flag, and --json's last line is one JSON object
 // (the figures, or the error); a measured part that fails exits 1 with its figures still last.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sched.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <string>
 
 #include "strata/adamw.h"
+#include "strata/build_info.h"
 #include "test_util.h"
 
 namespace strata {
@@ -287,6 +289,20 @@ TEST(BenchCli, CommEndsAtMaxBytesAndNamesEachBadFlag) {
     r = testing::run(STRATA_BENCH_BIN, args, d.path, "bad");
     EXPECT_EQ(r.status, 1) << flags[0];
     EXPECT_NE(first_line(r.err).find(says), std::string::npos) << r.err;
+  }
+}
+
+// --version before or after a subcommand (after one it was refused as unexpected), naming
+// strata's version and whether the CUDA backend is built in.
+TEST(BenchCli, VersionIsSaidBeforeOrAfterASubcommand) {
+  TempDir d("strata-bench");
+  const std::string want = fmt::format("strata-bench {} (CUDA backend {})\n", strata_version(),
+                                       built_with_cuda() ? "on" : "off");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--version"}, {"adam", "--version"}, {"nvme", "--version"}}) {
+    const auto r = testing::run(STRATA_BENCH_BIN, args, d.path, "version");
+    EXPECT_EQ(r.status, 0) << args[0] << ": " << r.err;
+    EXPECT_EQ(r.out, want) << args[0];
   }
 }
 

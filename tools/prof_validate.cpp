@@ -391,19 +391,15 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
   const std::string text =
       written_json(written_config(best.config, a.user_config, a.host_budget_given), a.user_text,
                    std::max(1, machine.world_size));
-  if (written_in_place(
-          a.out)) {  // a stream (/dev/null, /dev/stdout): written into, and no run line
-    const int err = write_into(a.out, text.data(), text.size());
-    STRATA_REQUIRE(err == 0, "--out {}: cannot be written: {}", a.out, std::strerror(err));
+  const int err = write_output(a.out, text);
+  STRATA_REQUIRE(err == 0, "--out {}: cannot be written: {}", a.out, std::strerror(err));
+  if (written_in_place(a.out)) {  // a stream (/dev/null, /dev/stdout): no run line
     std::printf(
         "\nbest configuration written to %s (a stream: give --out a file to keep it, and "
         "for the strata-train line that runs it)\n",
         a.out.c_str());
     return;
   }
-  std::ofstream f(a.out, std::ios::trunc);
-  f << text;
-  STRATA_REQUIRE(f.good(), "--out {}: cannot be written", a.out);
   std::string model_flag = !a.model_dir.empty()      ? " --model " + a.model_dir
                            : !a.model_config.empty() ? " --model-config " + a.model_config
                                                      : "";
@@ -411,7 +407,8 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
     // The demo model as profiled: strata-train without a model runs the demo under its own
     // 20 MiB cap, not the device this plan was made for.
     const std::string mc = demo_model_file(a.out);
-    std::ofstream(mc, std::ios::trunc) << model_config_json(demo_model_config());
+    const int merr = write_output(mc, model_config_json(demo_model_config()));
+    STRATA_REQUIRE(merr == 0, "{}: cannot be written: {}", mc, std::strerror(merr));
     model_flag = " --model-config " + mc;
   }
   // The device it was measured on, as strata-train takes it (the emulated one with its cap and

@@ -160,10 +160,14 @@ template <class Body>
 int run_tool(const char* name, CLI::App& app, int argc, char** argv, ToolRuns runs, Body&& body) {
   settle_process();
   // (a function: asking whether CUDA is built in loads its libraries, which only --version needs)
-  app.set_version_flag("--version", std::function<std::string()>([name] {
-                         return fmt::format("{} {} (CUDA backend {})", name, strata_version(),
-                                            built_with_cuda() ? "on" : "off");
-                       }));
+  const std::function<std::string()> version = [name] {
+    return fmt::format("{} {} (CUDA backend {})", name, strata_version(),
+                       built_with_cuda() ? "on" : "off");
+  };
+  app.set_version_flag("--version", version);
+  // and after a subcommand (`strata-bench adam --version`), which refused it as unexpected
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+    sub->set_version_flag("--version", version);
   // A thread that could not start: under an address-space limit its stack is what failed.
   const auto no_thread = [](const std::string& what) {
     const std::uint64_t limit = address_space_limit();
