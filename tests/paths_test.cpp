@@ -105,6 +105,23 @@ TEST(Paths, AUsersFileIsReplacedOnlyWithOverwrite) {
             }).find("cannot be written in " + f),
             std::string::npos);
   EXPECT_EQ(slurp(f), "mine");
+  // A file under /dev is a file all the same (/dev/shm, a tmpfs): it was taken for a device,
+  // replaced without --overwrite, and could be an input the run replaced.
+  std::error_code ec;
+  if (fs::is_directory("/dev/shm") && ::access("/dev/shm", W_OK) == 0) {
+    const std::string shm = fmt::format("/dev/shm/strata-paths-test-{}.txt", ::getpid());
+    write(shm, "mine");
+    EXPECT_NE(error_of([&] {
+                require_overwrite_to_replace("--log-json", shm, false);
+              }).find("exists: pass --overwrite"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                require_outputs_apart("the run", {{"--log-json", shm}}, {{"--text", shm}});
+              }).find("is the --text file"),
+              std::string::npos);
+    EXPECT_EQ(slurp(shm), "mine");
+    fs::remove(shm, ec);
+  }
 }
 
 // What is written into as it is (a stream) and what a finished file replaces; writing into a

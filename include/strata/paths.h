@@ -22,10 +22,6 @@ namespace strata {
 // Flags and the paths they name.
 using NamedPaths = std::vector<std::pair<std::string, std::string>>;
 
-// A path under /dev (/dev/null, /dev/stdout, whatever the shell sent that to): the user's choice
-// of where a stream goes, never a file of theirs to keep.
-bool device_path(const std::string& path);
-
 // Whether `path` is a stream to write into as it is, never a file to replace by renaming a
 // finished one over it (run as root, that put a regular file in place of /dev/null, or of the
 // /dev/stdout link, for every program on the machine): a device, a pipe or a socket, a path in

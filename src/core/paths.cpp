@@ -26,8 +26,6 @@ namespace strata {
 
 namespace fs = std::filesystem;
 
-bool device_path(const std::string& path) { return path.starts_with("/dev/"); }
-
 bool written_in_place(const std::string& path) {
   if (path.empty()) return false;
   std::error_code ec;
@@ -181,7 +179,7 @@ void require_input_folder(const std::string& flag, const std::string& path,
 void require_overwrite_to_replace(const std::string& flag, const std::string& path,
                                   bool overwrite) {
   std::error_code ec;
-  if (path.empty() || overwrite || device_path(path) || written_in_place(path) ||
+  if (path.empty() || overwrite || written_in_place(path) ||
       !fs::exists(fs::symlink_status(path, ec)))
     return;
   const fs::file_status st = fs::status(path, ec);
@@ -232,9 +230,7 @@ void require_outputs_apart(const std::string& who, const NamedPaths& outs, const
   for (std::size_t i = 0; i < outs.size(); ++i) {
     std::error_code ec;
     const fs::file_status st = fs::status(outs[i].second, ec);
-    if (device_path(outs[i].second) || written_in_place(outs[i].second) ||
-        (fs::exists(st) && !fs::is_regular_file(st)))
-      continue;
+    if (written_in_place(outs[i].second) || (fs::exists(st) && !fs::is_regular_file(st))) continue;
     for (std::size_t k = i + 1; k < outs.size(); ++k)
       STRATA_REQUIRE(!same_file(outs[i].second, outs[k].second),
                      "{} and {} both name {}: give each its own file", outs[i].first, outs[k].first,
