@@ -32,10 +32,16 @@ bool written_in_place(const std::string& path) {
   // A process's streams: /proc/<pid>/fd/N, by its own name or through /dev/fd.
   const fs::path folder = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
   if (path.starts_with("/proc/") || (!ec && folder.string().starts_with("/proc/"))) return true;
+  // A link into /proc, directly or by way of others (/dev/stdout -> /proc/self/fd/1, a link of the
+  // user's to /dev/stdout): whatever the stream is now, a redirected file among them. A link to a
+  // file elsewhere (/dev/shm/x included) is that file.
   struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {  // /dev/stdout -> /proc/self/fd/1
-    const std::string to = fs::read_symlink(path, ec).string();
-    if (!ec && (to.starts_with("/proc/") || to.starts_with("/dev/"))) return true;
+  fs::path at = path;
+  for (int hops = 0; hops < 8 && ::lstat(at.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
+    const fs::path to = fs::read_symlink(at, ec);
+    if (ec) break;
+    at = to.is_absolute() ? to : at.parent_path() / to;
+    if (at.lexically_normal().string().starts_with("/proc/")) return true;
   }
   return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
 }
