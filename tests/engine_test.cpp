@@ -885,6 +885,41 @@ TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
   EXPECT_NE(w.find("swap key 'o1.0'"), std::string::npos) << w;  // unit 1, sub-group 0
 }
 
+// Placing the first state writes a few sub-groups at a time while the next are made: a write
+// that fails there (the first unit's, found only once later ones are under way; or a slow one
+// the next waits for) still ends the start in its error, naming its key, and a slow write delays
+// the start without changing a bit of what is placed.
+TEST(Engine, AWriteFailingWhileTheStateIsPlacedIsItsError) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 13);
+  for (const std::uint64_t chunk : {0, 1, 2}) {
+    TempDir nv;
+    RunSetup s;
+    s.steps = 1;
+    s.cfg.optimizer = on(Tier::kNvme);
+    s.cfg.grads = on(Tier::kHost);
+    s.cfg.optimizer_nvme_paths = {nv.path};
+    s.cfg.host_budget_bytes = 64 << 20;
+    s.cfg.aio.inject_faults = {{FaultKind::kEio, chunk}};
+    const std::string w = error_of_train(s, model, "EIO at start-up");
+    EXPECT_NE(w.find(fmt::format("swap key 'o{}.0'", chunk)), std::string::npos)
+        << "chunk " << chunk << ": " << w;
+  }
+  TempDir a, b;
+  RunSetup s;
+  s.steps = 2;
+  s.cfg.optimizer = on(Tier::kNvme);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.host_budget_bytes = 64 << 20;
+  s.cfg.optimizer_nvme_paths = {a.path};
+  const RunOut fast = train(s, model);
+  s.cfg.optimizer_nvme_paths = {b.path};
+  s.cfg.aio.inject_faults = {{FaultKind::kDelay, 0, 200}};
+  const RunOut slow = train(s, model);
+  EXPECT_EQ(fast.losses, slow.losses);
+  EXPECT_EQ(fast.master, slow.master);
+}
+
 // The early optimizer step (strata.overlap_optimizer): each unit's host AdamW runs as soon as
 // its last gradient of the step is in, into a second copy of the state; step() keeps it when
 // the step is the one it assumed. Kept or redone, the bits are the serial step's.

@@ -399,6 +399,7 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
 // padding beyond the unit's elements zero).
 void Engine::Impl::place_initial_state() {
   Stream& up = *fetch_s;
+  PutsInFlight pending(kPutsInFlight);
   for (std::size_t ui = 0; ui < units.size(); ++ui) {
     Unit& u = units[ui];
     // compute weights as the optimizer's copy-out would produce them, and the optimizer state
@@ -408,10 +409,13 @@ void Engine::Impl::place_initial_state() {
       const detail::Range r = range(u, g);
       const std::size_t first = std::size_t(rank) * u.shard + r.first;
       const std::size_t given = first < u.numel ? std::min(r.size, u.numel - first) : 0;
-      put_group(ui, g, [&](std::size_t k, float* dst) {
-        std::fill(dst, dst + r.size, 0.0f);
-        if (k == 0 && given > 0) u.source(first, given, dst);
-      });
+      put_group(
+          ui, g,
+          [&](std::size_t k, float* dst) {
+            std::fill(dst, dst + r.size, 0.0f);
+            if (k == 0 && given > 0) u.source(first, given, dst);
+          },
+          &pending);
     }
     end_put(ui);
     if (early_step.eligible(u)) {  // the early step's second copies (the plan's lines)
@@ -441,6 +445,7 @@ void Engine::Impl::place_initial_state() {
     up.synchronize();    // the staging above is released when this scope ends
     u.source = nullptr;  // what it holds (a copy of given values) goes now
   }
+  pending.drain();
 }
 
 void Engine::set_tensor_parallel(Communicator& tp, std::vector<Ranges> counted) {

@@ -440,7 +440,37 @@ struct Engine::Impl {
   // compute weights are derived from the master exactly as the optimizer's copy-out produces
   // them. No copy of the three parts together is made.
   using FillPart = std::function<void(std::size_t k, float* dst)>;
-  void put_group(std::size_t ui, std::size_t g, const FillPart& fill);
+  // The NVMe writes of put_group not yet waited for, with the pinned blocks they read: the next
+  // sub-groups' values are made while earlier ones are written (placing a billion parameters on
+  // NVMe, one after the other, took the sum of the two). At most `depth` sub-groups' writes are
+  // in flight: their blocks are the plan's swap buffers' room, idle while the state is placed.
+  // drain() waits for the rest and throws a write's failure; destroyed undrained (an error on
+  // the way), it waits for them without throwing.
+  static constexpr std::size_t kPutsInFlight = 2;
+  class PutsInFlight {
+   public:
+    explicit PutsInFlight(std::size_t depth) : depth_(depth) {}
+    PutsInFlight(const PutsInFlight&) = delete;
+    PutsInFlight& operator=(const PutsInFlight&) = delete;
+    ~PutsInFlight();
+    void add(std::vector<IoHandle> io, std::vector<std::shared_ptr<PinnedBlock>> keep);
+    // A pinned block for the next sub-group (Impl::pinned), after the writes in flight where
+    // the budget has no room for it beside their blocks.
+    std::shared_ptr<PinnedBlock> pinned(Impl& s, std::size_t bytes);
+    void drain();
+
+   private:
+    struct Entry {
+      std::vector<IoHandle> io;
+      std::vector<std::shared_ptr<PinnedBlock>> keep;
+    };
+    void wait_front();
+    std::size_t depth_;
+    std::deque<Entry> q_;
+  };
+  // (`pending`: its NVMe writes left in flight there, else waited for here)
+  void put_group(std::size_t ui, std::size_t g, const FillPart& fill,
+                 PutsInFlight* pending = nullptr);
   void end_put(std::size_t ui);
 
   // Unit `unit` of a public call, or a clear error naming the call (not std::out_of_range).

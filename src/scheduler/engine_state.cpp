@@ -85,7 +85,48 @@ void Engine::Impl::begin_put(std::size_t ui, bool first) {
     u.w.written.synchronize();  // a write-back
 }
 
-void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill) {
+Engine::Impl::PutsInFlight::~PutsInFlight() {
+  while (!q_.empty()) try {
+      wait_front();
+    } catch (...) {  // (the error in flight is the one to report)
+    }
+}
+
+void Engine::Impl::PutsInFlight::add(std::vector<IoHandle> io,
+                                     std::vector<std::shared_ptr<PinnedBlock>> keep) {
+  q_.push_back({std::move(io), std::move(keep)});
+  while (q_.size() > depth_) wait_front();
+}
+
+std::shared_ptr<PinnedBlock> Engine::Impl::PutsInFlight::pinned(Impl& s, std::size_t bytes) {
+  try {
+    return s.pinned(bytes);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kOutOfMemory || q_.empty()) throw;
+  }
+  drain();  // a budget with room for one sub-group's blocks only: one at a time
+  return s.pinned(bytes);
+}
+
+void Engine::Impl::PutsInFlight::drain() {
+  while (!q_.empty()) wait_front();
+}
+
+// Every write of the oldest sub-group waited for before its blocks go, then its first failure.
+void Engine::Impl::PutsInFlight::wait_front() {
+  const Entry e = std::move(q_.front());
+  q_.pop_front();
+  std::exception_ptr failed;
+  for (const IoHandle& h : e.io) try {
+      h.wait();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  if (failed) std::rethrow_exception(failed);
+}
+
+void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill,
+                             PutsInFlight* pending) {
   Unit& u = units[ui];
   const detail::Range r = range(u, g);
   const std::size_t a = r.first, n = r.size, w_bytes = n * c_size;
@@ -96,7 +137,8 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v (layout.h)
   const std::size_t block_bytes = detail::state_elems(n) * 4;
   if (u.o_tier == Tier::kNvme) {
-    block = pinned(SwapStore::padded_bytes(block_bytes));
+    block = pending ? pending->pinned(*this, SwapStore::padded_bytes(block_bytes))
+                    : pinned(SwapStore::padded_bytes(block_bytes));
     std::memset(block->data(), 0, block_bytes);  // the gaps too: the record is written whole
   }
   float* o = block                     ? static_cast<float*>(block->data())
@@ -117,7 +159,9 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   const float* master = part(0);
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
   std::shared_ptr<PinnedBlock> staging;
-  if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
+  if (!w_host)
+    staging = pending ? pending->pinned(*this, SwapStore::padded_bytes(w_bytes))
+                      : pinned(SwapStore::padded_bytes(w_bytes));
   // A fill that throws after the weights' copy was queued (a truncated checkpoint): the copy
   // ends before the staging it reads goes (declared after it: destroyed first).
   struct Settle {
@@ -131,14 +175,19 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   } settle{up};
   void* w = w_host ? static_cast<char*>(u.w.host->data()) + a * c_size : staging->data();
   cpu::cast(DType::kF32, master, ct, w, n);  // round to nearest even, as the copy-out
+  std::vector<IoHandle> io;
   if (const auto target = w_target_dev(u, a, n))
     up.copy(target->mem, host_ref(w, w_bytes));
   else if (u.w_tier == Tier::kNvme)
-    w_store->write(w_key(ui, g), w, w_bytes).wait();
+    io.push_back(w_store->write(w_key(ui, g), w, w_bytes));
   up_part(0, master);
   for (std::size_t k = 1; k < 3; ++k) up_part(k, part(k));
-  if (block) o_store->write(o_key(ui, g), block->data(), block_bytes).wait();
-  up.synchronize();  // the staging is released when this scope ends
+  if (block) io.push_back(o_store->write(o_key(ui, g), block->data(), block_bytes));
+  up.synchronize();  // the staging is released when this scope ends (or by `pending`)
+  if (pending)
+    pending->add(std::move(io), {std::move(block), std::move(staging)});
+  else
+    for (const IoHandle& h : io) h.wait();
 }
 
 void Engine::Impl::end_put(std::size_t ui) {
@@ -445,6 +494,7 @@ void Engine::load_state(const std::string& dir) {
       count -= n;
     }
   };
+  Impl::PutsInFlight pending(Impl::kPutsInFlight);
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
     // This rank's shard starts at element rank * shard of the unit (resharding: of the new cut).
@@ -452,8 +502,9 @@ void Engine::load_state(const std::string& dir) {
     s.begin_put(ui, /*first=*/false);
     for (std::size_t g = 0; g < s.groups(u); ++g) {  // read from the file where each part goes
       const detail::Range r = s.range(u, g);
-      s.put_group(ui, g,
-                  [&](std::size_t k, float* dst) { read(ui, k, base + r.first, r.size, dst); });
+      s.put_group(
+          ui, g, [&](std::size_t k, float* dst) { read(ui, k, base + r.first, r.size, dst); },
+          &pending);
     }
     s.end_put(ui);
     if (u.g_tier == Tier::kDevice) {
@@ -468,6 +519,7 @@ void Engine::load_state(const std::string& dir) {
       u.g.fresh = true;
     }
   }
+  pending.drain();
   s.opt_s->synchronize();
   // The scalar state is every rank's alike: rank 0's (or, same world, this rank's own).
   const nlohmann::json& j = ck[0].j;
