@@ -918,6 +918,13 @@ TEST(Engine, AWriteFailingWhileTheStateIsPlacedIsItsError) {
   const RunOut slow = train(s, model);
   EXPECT_EQ(fast.losses, slow.losses);
   EXPECT_EQ(fast.master, slow.master);
+  // A budget with room for the plan's lines and no more: placed all the same.
+  TempDir c;
+  s.cfg.optimizer_nvme_paths = {c.path};
+  s.cfg.aio.inject_faults.clear();
+  s.cfg.host_budget_bytes = (fast.plan.host_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+  const RunOut tight = train(s, model);
+  EXPECT_EQ(fast.master, tight.master);
 }
 
 // The early optimizer step (strata.overlap_optimizer): each unit's host AdamW runs as soon as
