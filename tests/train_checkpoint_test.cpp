@@ -849,7 +849,8 @@ TEST_F(TrainBinary, AFreshRunDoesNotReplaceAnotherRunsCheckpoints) {
 // A run killed while writing --out after its last checkpoint (a temporary file of the save left
 // in --out) is finished by the same command with --resume: no step is left, the model is
 // written from the checkpoint (it was refused twice: "--out exists", then "--steps is not
-// beyond" the checkpoint). Without --out the refusal names strata-export.
+// beyond" the checkpoint), and so is one killed just after (the model's files there: refused as
+// "--out exists"). Without --out the refusal names strata-export.
 TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   const std::string ck = dir.path + "/ck", out = dir.path + "/out";
   ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
@@ -863,6 +864,21 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
   EXPECT_FALSE(fs::exists(out + "/.strata-tmp-model.safetensors"));
   EXPECT_TRUE(read_log(dir.path + "/b.jsonl").empty()) << "a step ran";
+  // Killed once the model was written (its files all there: the interrupt came after them, as
+  // it said): the same command finishes again; a file of the user's there is not the run's.
+  const std::string model = slurp(out + "/model.safetensors");
+  std::ofstream(out + "/model.safetensors") << "an older save";
+  a = args(dir.path + "/b2.jsonl", {"--resume", ck, "--out", out});
+  set_steps(a, "2");
+  p = spawn(a, dir.path, "again");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  EXPECT_EQ(slurp(out + "/model.safetensors"), model);
+  std::ofstream(out + "/notes.txt") << "mine";
+  p = spawn(a, dir.path, "taken");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("exists: pass --overwrite"), std::string::npos) << slurp(p.err);
   // Without --out: refused, naming the way to the model.
   a = args(dir.path + "/c.jsonl", {"--resume", ck});
   set_steps(a, "2");

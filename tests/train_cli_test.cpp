@@ -2491,10 +2491,14 @@ TEST_F(TrainCli, ExportOfACheckpointEqualsTheOutWeights) {
   ASSERT_EQ(r.status, 0) << r.err;
   ASSERT_TRUE(fs::exists(ck + "/step-4/manifest.json"));
 
-  // fp32: byte for byte what --out wrote (the same file layout), and tensor for tensor.
+  // fp32: byte for byte what --out wrote (the same file layout), and tensor for tensor. (In a
+  // folder an interrupted export left its temporary file in: that is no reason to refuse.)
   const std::string ex = dir.path + "/export";
+  fs::create_directories(ex);
+  std::ofstream(ex + "/.strata-tmp-model.safetensors") << "half a file";
   Result e = run_export({ck + "/step-4", ex}, dir.path, "export");
   ASSERT_EQ(e.status, 0) << e.err;
+  EXPECT_FALSE(fs::exists(ex + "/.strata-tmp-model.safetensors"));
   EXPECT_NE(e.out.find("step 4, 1 rank"), std::string::npos) << e.out;
   const auto ref = tensors_of(out), got = tensors_of(ex);
   ASSERT_FALSE(ref.empty());

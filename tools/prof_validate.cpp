@@ -2,9 +2,11 @@
 // validation run's), the strata-train command that runs the recommendation, and --validate K:
 // the best K run through strata::train for a few steps, predicted against measured step time.
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -144,6 +146,7 @@ Measured run_candidate(const Args& a, const Candidate& c, const std::string& wor
   o.trace_file = trace_file;
   o.trace_step = a.validate_steps;
   o.overwrite = true;  // written again each round (a work file, or the --trace checked up front)
+  o.interrupt_notes = false;  // (strata-prof's own says what an interrupt leaves)
   std::FILE* null = std::fopen("/dev/null", "w");
   o.console = null;
   TrainResult r;
@@ -472,16 +475,42 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
 }
 
 // ---- validation ----
+namespace {
+
+std::string host_name() {
+  char h[256] = {};
+  return ::gethostname(h, sizeof h - 1) == 0 ? std::string(h) : std::string("host");
+}
+
+// The work folders that runs of this host interrupted while validating left in `parent`
+// (prof-work-<host>-<pid> whose process is gone; one a run of another host sharing the drive
+// made is left alone): removed, as each would stay for good otherwise.
+void remove_dead_work_folders(const fs::path& parent, const std::string& prefix) {
+  std::error_code ec;
+  std::vector<fs::path> dead;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (!n.starts_with(prefix) || n.size() == prefix.size() ||
+        n.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+      continue;
+    const long pid = std::stol(n.substr(prefix.size()));
+    if (pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) dead.push_back(it->path());
+  }
+  for (const fs::path& d : dead) fs::remove_all(d, ec);
+}
+
+}  // namespace
+
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
                     const std::string& nvme_dir, int world_size, bool talk,
                     double profile_host_mem_bps, nlohmann::json& cands, nlohmann::json& j) {
   Validation out;
   const std::size_t k = picks.size();
-  const std::string work =
-      (fs::path(nvme_dir.empty() ? fs::temp_directory_path().string() : nvme_dir) /
-       fmt::format("prof-work-{}", ::getpid()))
-          .string();
+  const fs::path parent = nvme_dir.empty() ? fs::temp_directory_path() : fs::path(nvme_dir);
+  const std::string prefix = fmt::format("prof-work-{}-", host_name());
+  remove_dead_work_folders(parent, prefix);
+  const std::string work = (parent / fmt::format("{}{}", prefix, ::getpid())).string();
   fs::create_directories(work);
   const std::string data_file = a.data_files.empty() && a.text_file.empty()
                                     ? write_token_file(a, work, mcfg, world_size)

@@ -32,6 +32,7 @@
 #include "strata/error.h"
 #include "strata/model.h"
 #include "strata/model_io.h"
+#include "strata/nvme.h"
 #include "strata/paths.h"
 #include "strata/trainer.h"
 #include "tool_main.h"
@@ -187,7 +188,11 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
   const fs::path out(o.out);
   if (fs::exists(out, ec)) {
     STRATA_REQUIRE(fs::is_directory(out, ec), "{} exists and is not a directory", o.out);
-    const bool empty = fs::directory_iterator(out, ec) == fs::directory_iterator();
+    // (the temporary files of an export that was killed count for nothing: the export removes
+    // them)
+    bool empty = true;
+    for (const auto& e : fs::directory_iterator(out, ec))
+      empty = empty && e.path().filename().string().starts_with(".strata-tmp-");
     STRATA_REQUIRE(empty || o.overwrite, "{} exists: pass --overwrite to replace it", o.out);
     // Never delete the checkpoint being exported (a run's --out holds its checkpoints/).
     const fs::path ck_abs = strata::canonical_path(ck.dir), out_abs = strata::canonical_path(o.out);
@@ -222,7 +227,8 @@ std::vector<float> read_whole_unit(const std::vector<RankFile>& ranks, std::size
 
 // The tokenizer, chat template and generation_config.json of the Hugging Face folder the run
 // started from (--model, else the manifest's trainer.model_dir), beside the weights.
-void copy_side_files(const Options& o, const nlohmann::json& trainer) {
+// The Hugging Face folder whose tokenizer files go beside the weights ("" for none, said why).
+std::string side_files_source(const Options& o, const nlohmann::json& trainer) {
   const std::string recorded = trainer.value("model_dir", "");
   const std::string from = !o.model_dir.empty() ? o.model_dir : recorded;
   std::error_code ec;
@@ -230,21 +236,16 @@ void copy_side_files(const Options& o, const nlohmann::json& trainer) {
     std::printf(
         "no tokenizer files copied: the run did not start from a Hugging Face folder "
         "(--model DIR copies them from one)\n");
-    return;
+    return "";
   }
   if (!fs::is_directory(from, ec)) {
     std::printf(
         "no tokenizer files copied: the run's model folder %s is gone (--model DIR "
         "copies them from another)\n",
         from.c_str());
-    return;
+    return "";
   }
-  const std::vector<std::string> copied = strata::copy_hf_side_files(from, o.out);
-  if (copied.empty())
-    std::printf("no tokenizer files copied: %s has none\n", from.c_str());
-  else
-    std::printf("copied from %s: %s\n", from.c_str(),
-                fmt::format("{}", fmt::join(copied, ", ")).c_str());
+  return from;
 }
 
 // The checkpoint `ck` exported as OUT_DIR says (run's part once the checkpoint is found).
@@ -322,12 +323,17 @@ int export_checkpoint(const Options& o, const strata::FoundCheckpoint& ck, DType
   // checkpoints/) stay.
   strata::HfWeightsWriter writer(o.out, cfg, dtype, max_shard_bytes);
   for (std::size_t u = 0; u < units.size(); ++u) writer.write_unit(u, read(u).data());
-  writer.finish();
+  const std::string from = side_files_source(o, trainer);
+  const std::vector<std::string> copied = writer.finish(from);  // (the tokenizer's with them)
   const std::size_t n = writer.files();
   std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(),
               (long long)ck.step, world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s",
               o.dtype.c_str());
-  copy_side_files(o, trainer);
+  if (!from.empty() && copied.empty())
+    std::printf("no tokenizer files copied: %s has none\n", from.c_str());
+  else if (!copied.empty())
+    std::printf("copied from %s: %s\n", from.c_str(),
+                fmt::format("{}", fmt::join(copied, ", ")).c_str());
   return 0;
 }
 
@@ -357,6 +363,15 @@ int main(int argc, char** argv) {
                  "started from, as its checkpoint records)");
   app.add_option("--max-shard-mb", o.max_shard_mb, "largest safetensors file in MiB (default 5120)")
       ->check(strata::tools::kPositive);
-  return strata::tools::run_tool("strata-export", app, argc, argv, strata::tools::ToolRuns::files,
-                                 [&] { return run(o); });
+  // Ctrl-C (a scheduler's SIGTERM, a closed terminal) removes the temporary files, as large as
+  // the model, and says so: the folder is as it was until every file is complete.
+  strata::remove_swap_files_on_interrupt();
+  return strata::tools::run_tool(
+      "strata-export", app, argc, argv, strata::tools::ToolRuns::files, [&] {
+        strata::set_interrupt_note(fmt::format(
+            "\nstrata-export: interrupted; nothing was written to {} (its temporary files are "
+            "removed): run it again\n",
+            o.out));
+        return run(o);
+      });
 }

@@ -789,6 +789,11 @@ int main(int argc, char** argv) {
                                    a.trace_named = app.count("--trace") > 0;
                                    a.validate_spread_named = app.count("--validate-spread") > 0;
                                    a.validate_rounds_named = app.count("--validate-rounds") > 0;
-                                   return strata::prof::run(a);
+                                   strata::set_interrupt_note(
+                                       "\nstrata-prof: interrupted; its results are written "
+                                       "once it has measured everything: run it again\n");
+                                   const int rc = strata::prof::run(a);
+                                   strata::set_interrupt_note("");
+                                   return rc;
                                  });
 }

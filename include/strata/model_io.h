@@ -97,8 +97,9 @@ void load_hf_weights(const std::string& dir, ResidentWeights& weights);
 // tensors in `dtype` (rounded to nearest even) into the shard they go to; finish() writes the
 // index (sharded) and config.json and moves everything into place (commit_hf_files). The shards'
 // layout is planned from the sizes alone, so no more than one unit's values (the caller's) and a
-// few MiB of converted bytes are held at once. Destroyed unfinished, it removes its temporary
-// files and leaves the folder as it was.
+// few MiB of converted bytes are held at once. Destroyed unfinished, or its process interrupted
+// (Ctrl-C, SIGTERM: where remove_swap_files_on_interrupt is installed) before finish(), it
+// removes its temporary files and leaves the folder as it was.
 class HfWeightsWriter {
  public:
   HfWeightsWriter(const std::string& dir, const ModelConfig& cfg, DType dtype,
@@ -107,7 +108,10 @@ class HfWeightsWriter {
   HfWeightsWriter(const HfWeightsWriter&) = delete;
   HfWeightsWriter& operator=(const HfWeightsWriter&) = delete;
   void write_unit(std::size_t unit, const float* flat);
-  void finish();
+  // With `side_files_from` (a Hugging Face folder), its hf_side_files() are copied beside the
+  // weights, moved into place with them (nothing when it is the folder written). Returns the
+  // names copied, in hf_side_files()' order.
+  std::vector<std::string> finish(const std::string& side_files_from = "");
   // How many safetensors files the weights go to (1: model.safetensors).
   std::size_t files() const;
 
@@ -128,12 +132,6 @@ void save_hf_weights(const std::string& dir, const ResidentWeights& weights,
 // special_tokens_map.json, tokenizer.model, added_tokens.json, vocab.json, merges.txt), the chat
 // template (chat_template.jinja, chat_template.json) and generation_config.json.
 const std::vector<std::string>& hf_side_files();
-// Copies the hf_side_files() that the folder `from` holds into the folder `to`, byte for byte,
-// each through a temporary name renamed into place (one already there is replaced); nothing
-// when the two are the same folder. Returns the names copied, in hf_side_files()' order. A
-// failure throws kIo naming the file, and leaves no temporary behind.
-std::vector<std::string> copy_hf_side_files(const std::string& from, const std::string& to);
-
 // A small file of a save (config.json, the shards' index) written whole to `path` (a temporary
 // that commit_hf_files moves into place): a write or close that fails (a full drive) throws kIo
 // naming `shown`, the file's final name, and removes `path`.

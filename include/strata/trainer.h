@@ -92,10 +92,14 @@ std::vector<std::vector<float>> initial_unit_weights(const ModelConfig& cfg,
 // rank 0, writes each into its safetensors shard in `dtype` (fp32 or bf16) as it comes
 // (HfWeightsWriter): Hugging Face layout in `dir`, at most one unit held at a time. Under tensor
 // parallelism (`tp`, the engine being over this rank's DP group) the TP ranks' slices of each unit
-// are gathered too and written as the whole tensors.
-void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
-                         const std::string& dir, int rank, Communicator* tp = nullptr,
-                         std::size_t max_shard_bytes = std::size_t(5) << 30);
+// are gathered too and written as the whole tensors. `side_files_from`: a Hugging Face folder
+// whose tokenizer files go with the weights (HfWeightsWriter::finish); the names copied are
+// returned (rank 0's).
+std::vector<std::string> save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
+                                             const std::string& dir, int rank,
+                                             Communicator* tp = nullptr,
+                                             std::size_t max_shard_bytes = std::size_t(5) << 30,
+                                             const std::string& side_files_from = "");
 
 // The ds_config settings that only the model decides (strata-train and strata-prof call it once,
 // after parse_engine_config): bf16.enabled "auto" by the model's saved dtype (resolve_auto_dtype)
@@ -290,6 +294,9 @@ struct TrainOptions {
   // The demo's NVMe folder (params and optimizer offloaded there); used only in demo mode.
   std::string demo_nvme_dir;
   std::FILE* console = stdout;  // progress and summary (rank 0 only)
+  // What an interrupted run says (set_interrupt_note: strata-train's lines, where it can go on
+  // from); off for a tool that runs train() as part of its own work and says its own.
+  bool interrupt_notes = true;
 };
 
 struct StepRecord {

@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/interrupt_files.h"
 #include "core/json_config.h"
 #include "core/write_fd.h"
 #include "strata/error.h"
@@ -500,10 +501,17 @@ struct HfWeightsWriter::Impl {
   std::size_t shard = SIZE_MAX, next_unit = 0, total = 0;
   bool finished = false;
 
+  std::vector<int> slots;  // the temporary files, removed if the process is interrupted
+
   std::string tmp_of(const std::string& name) {
     const fs::path fin = dir / name, tmp = dir / (".strata-tmp-" + name);
     renames.emplace_back(tmp.string(), fin.string());
+    slots.push_back(core::remove_file_on_interrupt(tmp.string()));
     return tmp.string();
+  }
+  void forget_temporaries() {
+    for (const int slot : slots) core::forget_interrupt_file(slot);
+    slots.clear();
   }
   void check(bool ok, int err) {
     if (!ok)
@@ -596,9 +604,11 @@ HfWeightsWriter::HfWeightsWriter(const std::string& dir, const ModelConfig& cfg,
 HfWeightsWriter::~HfWeightsWriter() {
   Impl& w = *impl_;
   if (w.f) std::fclose(w.f);
-  if (w.finished) return;
-  std::error_code ec;
-  for (const auto& [tmp, fin] : w.renames) fs::remove(tmp, ec);
+  if (!w.finished) {
+    std::error_code ec;
+    for (const auto& [tmp, fin] : w.renames) fs::remove(tmp, ec);
+  }
+  w.forget_temporaries();
 }
 
 void HfWeightsWriter::write_unit(std::size_t unit, const float* flat) {
@@ -617,7 +627,7 @@ void HfWeightsWriter::write_unit(std::size_t unit, const float* flat) {
   ++w.next_unit;
 }
 
-void HfWeightsWriter::finish() {
+std::vector<std::string> HfWeightsWriter::finish(const std::string& side_files_from) {
   Impl& w = *impl_;
   STRATA_REQUIRE(w.next_unit == w.units.size(), "HfWeightsWriter: {} of {} units written",
                  w.next_unit, w.units.size());
@@ -647,8 +657,28 @@ void HfWeightsWriter::finish() {
     text = j.dump(2);
   }
   write_hf_text_file(w.tmp_of("config.json"), text + "\n", (w.dir / "config.json").string());
+  // The model folder's tokenizer, chat template and generation settings, copied to temporary
+  // names too: the whole folder is moved into place at once (copied after the weights were,
+  // a run stopped between left a model without its tokenizer).
+  std::vector<std::string> copied;
+  std::error_code ec;
+  if (!side_files_from.empty() && !fs::equivalent(side_files_from, w.dir, ec))
+    for (const std::string& name : hf_side_files()) {
+      const fs::path src = fs::path(side_files_from) / name;
+      if (!fs::is_regular_file(src, ec)) continue;
+      const std::string tmp = w.tmp_of(name);
+      fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec);
+      if (ec) STRATA_THROW(kIo, "cannot copy {} to {}: {}", src.string(), tmp, ec.message());
+      copied.push_back(name);
+    }
+  // The weights take their names last: a folder with them holds the rest.
+  std::stable_partition(w.renames.begin(), w.renames.end(), [](const auto& r) {
+    return !fs::path(r.second).filename().string().starts_with("model");
+  });
   commit_hf_files(w.dir.string(), w.renames, n > 1);
   w.finished = true;
+  w.forget_temporaries();
+  return copied;
 }
 
 std::size_t HfWeightsWriter::files() const { return impl_->shards.size(); }
@@ -734,34 +764,6 @@ const std::vector<std::string>& hf_side_files() {
                                                  "chat_template.json",
                                                  "generation_config.json"};
   return names;
-}
-
-std::vector<std::string> copy_hf_side_files(const std::string& from, const std::string& to) {
-  std::vector<std::string> copied;
-  std::error_code ec;
-  if (fs::equivalent(from, to, ec)) return copied;
-  for (const std::string& name : hf_side_files()) {
-    const fs::path src = fs::path(from) / name;
-    if (!fs::is_regular_file(src, ec)) continue;
-    const fs::path fin = fs::path(to) / name;
-    const fs::path tmp = fs::path(to) / (".strata-tmp-" + name);
-    try {
-      fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec);
-      if (ec)
-        STRATA_THROW(kIo, "cannot copy {} to {}: {}", src.string(), tmp.string(), ec.message());
-      fsync_path(tmp.string(), false, "model save");
-      fs::rename(tmp, fin, ec);
-      if (ec)
-        STRATA_THROW(kIo, "cannot rename {} to {}: {}", tmp.string(), fin.string(), ec.message());
-    } catch (...) {
-      std::error_code ignore;
-      fs::remove(tmp, ignore);
-      throw;
-    }
-    copied.push_back(name);
-  }
-  if (!copied.empty()) fsync_path(to, true, "model save");
-  return copied;
 }
 
 }  // namespace strata

@@ -193,9 +193,10 @@ std::vector<float> gather_tp_unit(Communicator& tp, const ModelConfig& cfg, std:
 
 }  // namespace
 
-void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
-                         const std::string& dir, int rank, Communicator* tp,
-                         std::size_t max_shard_bytes) {
+std::vector<std::string> save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
+                                             const std::string& dir, int rank, Communicator* tp,
+                                             std::size_t max_shard_bytes,
+                                             const std::string& side_files_from) {
   const std::vector<UnitSpec> units = model_units(cfg);
   std::unique_ptr<HfWeightsWriter> out;
   if (rank == 0) out = std::make_unique<HfWeightsWriter>(dir, cfg, dtype, max_shard_bytes);
@@ -211,7 +212,7 @@ void save_engine_weights(Engine& engine, const ModelConfig& cfg, DType dtype,
                    units[i].name, flat.size(), units[i].numel);
     out->write_unit(i, flat.data());
   }
-  if (out) out->finish();
+  return out ? out->finish(side_files_from) : std::vector<std::string>{};
 }
 
 }  // namespace strata

@@ -233,6 +233,10 @@ void resume_from_checkpoint(Run& r);
 // The mean of `v` over the ranks (every rank calls it).
 double mean_over_ranks(double v, Communicator& comm, Device& dev, Stream& s);
 void prepare_checkpoints(Run& r);
+// What Ctrl-C (a scheduler's SIGTERM) says while the run starts (its data read, its state placed
+// or read back from the checkpoint: a billion parameters take a minute): rank 0's, set once the
+// checks have passed. run_steps, each checkpoint and write_model say it anew.
+void say_where_an_interrupted_start_leaves(const Settings& s);
 void run_steps(Run& r);
 void write_model(Run& r);
 

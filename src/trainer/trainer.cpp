@@ -47,6 +47,7 @@ TrainResult train(const TrainOptions& o) {
   lr_schedule(s);
   if (o.plan_only) return report_plan(s);
   hold_folders(s);
+  say_where_an_interrupted_start_leaves(s);
 
   Run r(s);
   prepare_data(r);

@@ -233,7 +233,7 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
   }
   r.checkpoints.push_back(dir);
   r.saved_steps.push_back(step);
-  if (s.rank == 0)  // what Ctrl-C (or a scheduler's SIGTERM) says from now on
+  if (s.rank == 0 && r.s.o.interrupt_notes)  // what Ctrl-C (or a scheduler's SIGTERM) says now
     set_interrupt_note(
         fmt::format("\nstrata-train: interrupted; the newest checkpoint is {} (step {}): continue "
                     "with the same command and --resume {}\n",
@@ -553,6 +553,16 @@ void run_step(Run& r, std::int64_t step) {
   r.prev = st;
 }
 
+void say_where_an_interrupted_start_leaves(const Settings& s) {
+  if (s.launch.rank != 0 || !s.o.interrupt_notes) return;
+  set_interrupt_note(
+      s.resume.dir.empty()
+          ? std::string("\nstrata-train: interrupted while starting, before its first step\n")
+          : fmt::format("\nstrata-train: interrupted while starting; the newest checkpoint is {} "
+                        "(step {}): continue with the same command\n",
+                        s.resume.dir, s.resume.step));
+}
+
 // The steps after the resumed one (none resumed: from the first) to --steps.
 void run_steps(Run& r) {
   const Settings& s = r.s;
@@ -560,7 +570,7 @@ void run_steps(Run& r) {
   const FoundCheckpoint& resume = s.resume;
   r.result.resumed_from = r.resumed_from;
   r.prev = r.engine->stats();
-  if (s.rank == 0)  // an interrupted run said nothing; now it says where it can go on from
+  if (s.rank == 0 && o.interrupt_notes)  // where an interrupted run can go on from
     set_interrupt_note(
         !resume.dir.empty() ? fmt::format("\nstrata-train: interrupted; the newest checkpoint is "
                                           "{} (step {}): continue with the same "
@@ -586,12 +596,12 @@ void write_model(Run& r) {
     if (fs::exists(o.out_dir, ec) && !fs::is_directory(o.out_dir, ec)) fs::remove(o.out_dir, ec);
   }
   try {
-    save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank, r.tp_comm(),
-                        o.out_max_shard_bytes);
-    // The model folder's tokenizer, chat template and generation_config.json beside the
+    // With the model folder's tokenizer, chat template and generation_config.json beside the
     // weights, so that --out loads as it is (rank 0 wrote config.json).
+    const std::vector<std::string> copied =
+        save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank, r.tp_comm(),
+                            o.out_max_shard_bytes, o.model_dir);
     if (s.rank == 0 && !o.model_dir.empty()) {
-      const std::vector<std::string> copied = copy_hf_side_files(o.model_dir, o.out_dir);
       if (copied.empty())
         log::warn(
             "--out {}: {} has no tokenizer files ({}, ...): the folder holds the weights "
@@ -600,6 +610,11 @@ void write_model(Run& r) {
       else
         log::info("--out {}: copied {} from {}", o.out_dir, fmt::join(copied, ", "), o.model_dir);
     }
+    // (a run stopped now is complete: its --out counts as taken by the command said before)
+    if (s.rank == 0 && o.interrupt_notes)
+      set_interrupt_note(fmt::format(
+          "\nstrata-train: interrupted after writing the model to {}: the run is complete\n",
+          o.out_dir));
   } catch (const Error& e) {
     // A full drive at the end: the training is in the newest checkpoint, if any; say so, and how to
     // finish (the same command with --resume writes the model and runs no step).

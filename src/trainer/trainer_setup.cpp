@@ -27,6 +27,7 @@
 #include "strata/error.h"
 #include "strata/generate.h"
 #include "strata/log.h"
+#include "strata/model_io.h"
 #include "strata/paths.h"
 #include "strata/perf_model.h"
 #include "strata/run_plot.h"
@@ -177,8 +178,16 @@ void require_same_settings(const std::vector<SharedSetting>& mine, Communicator&
                                        all[i], all[r * k + i], r));
 }
 
-// --out may already exist when all it holds is the run's checkpoints/ folder.
-bool out_dir_free(const std::string& out) {
+// --out may already exist when all it holds is the run's checkpoints/ folder; for the run
+// `resuming`, also the files a model save writes there (the run stopped as or after it wrote the
+// model: it is its own, as its log and picture are).
+bool out_dir_free(const std::string& out, bool resuming) {
+  const auto saved = [](const std::string& n) {
+    return n == "config.json" || n == "model.safetensors" || n == "model.safetensors.index.json" ||
+           (n.starts_with("model-") && n.ends_with(".safetensors") &&
+            n.find("-of-") != std::string::npos) ||
+           std::find(hf_side_files().begin(), hf_side_files().end(), n) != hf_side_files().end();
+  };
   std::error_code ec;
   // One look: another rank's check may make and remove the (empty) folder meanwhile.
   const fs::file_status st = fs::status(out, ec);
@@ -188,7 +197,8 @@ bool out_dir_free(const std::string& out) {
     const std::string n = e.path().filename().string();
     // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes
     // them)
-    if (n != "checkpoints" && !n.starts_with(".strata-tmp-")) return false;
+    if (n != "checkpoints" && !n.starts_with(".strata-tmp-") && !(resuming && saved(n)))
+      return false;
   }
   return true;
 }
@@ -404,8 +414,8 @@ void check_files(Settings& s) {
                    "--out {}: {} is not a writable folder, so the model could not be written there",
                    o.out_dir, up.folder.string());
     if (!o.overwrite)
-      STRATA_REQUIRE(out_dir_free(o.out_dir), "--out {} exists: pass --overwrite to replace it",
-                     o.out_dir);
+      STRATA_REQUIRE(out_dir_free(o.out_dir, !o.resume.empty()),
+                     "--out {} exists: pass --overwrite to replace it", o.out_dir);
     require_creatable_folder("--out", o.out_dir);
   }
   STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0,
