@@ -867,16 +867,22 @@ std::string error_of_train(const RunSetup& s, const LinearModel& model, const ch
   return "";
 }
 
-TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
-  STRATA_NEEDS_DEVICE();
-  const LinearModel model({24, 40, 33, 16}, 4, 13);
-  TempDir nv;
+// One step with the optimizer state on NVMe in `nv` and the gradients on the host.
+RunSetup optimizer_on_nvme(const TempDir& nv) {
   RunSetup s;
   s.steps = 1;
   s.cfg.optimizer = on(Tier::kNvme);
   s.cfg.grads = on(Tier::kHost);
   s.cfg.optimizer_nvme_paths = {nv.path};
   s.cfg.host_budget_bytes = 64 << 20;
+  return s;
+}
+
+TEST(Engine, EnospcDuringSwapOutIsAClearErrorNotAHang) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 33, 16}, 4, 13);
+  TempDir nv;
+  RunSetup s = optimizer_on_nvme(nv);
   // Chunks: 3 state writes at start-up (0-2), then step 1 reads ahead and writes behind:
   // read 3, read 4, write 5 (layer 0), read 6, write 7 (layer 1): fail the second write.
   s.cfg.aio.inject_faults = {{FaultKind::kEnospc, 7}};
@@ -894,24 +900,15 @@ TEST(Engine, AWriteFailingWhileTheStateIsPlacedIsItsError) {
   const LinearModel model({24, 40, 33, 16}, 4, 13);
   for (const std::uint64_t chunk : {0, 1, 2}) {
     TempDir nv;
-    RunSetup s;
-    s.steps = 1;
-    s.cfg.optimizer = on(Tier::kNvme);
-    s.cfg.grads = on(Tier::kHost);
-    s.cfg.optimizer_nvme_paths = {nv.path};
-    s.cfg.host_budget_bytes = 64 << 20;
+    RunSetup s = optimizer_on_nvme(nv);
     s.cfg.aio.inject_faults = {{FaultKind::kEio, chunk}};
     const std::string w = error_of_train(s, model, "EIO at start-up");
     EXPECT_NE(w.find(fmt::format("swap key 'o{}.0'", chunk)), std::string::npos)
         << "chunk " << chunk << ": " << w;
   }
   TempDir a, b;
-  RunSetup s;
+  RunSetup s = optimizer_on_nvme(a);
   s.steps = 2;
-  s.cfg.optimizer = on(Tier::kNvme);
-  s.cfg.grads = on(Tier::kHost);
-  s.cfg.host_budget_bytes = 64 << 20;
-  s.cfg.optimizer_nvme_paths = {a.path};
   const RunOut fast = train(s, model);
   s.cfg.optimizer_nvme_paths = {b.path};
   s.cfg.aio.inject_faults = {{FaultKind::kDelay, 0, 200}};

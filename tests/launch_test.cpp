@@ -313,6 +313,21 @@ std::vector<std::string> join_all(const std::vector<RendezvousOptions>& ranks,
   return out;
 }
 
+// A listener on a port the kernel picks, every address: {descriptor, port} (-1 on failure).
+std::pair<int, int> listener_on_any_port() {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_any;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 1) != 0) {
+    ::close(fd);
+    return {-1, 0};
+  }
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  return {fd, ntohs(a.sin6_port)};
+}
+
 TEST(Rendezvous, RanksMeetAndShareKeys) {
   const int port = free_port();
   std::vector<RendezvousOptions> ranks;
@@ -434,19 +449,13 @@ TEST(Rendezvous, ARankZeroTwiceAndALateJoinerAreNamed) {
 // and then neither served and both called the port in use. A refusal is tried again for ~150 ms:
 // here the port is held by a listener that closes 10 ms after rank 0 starts, and rank 0 serves.
 TEST(Rendezvous, APortRefusedForAMomentIsTriedAgain) {
-  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
-  sockaddr_in6 a{};
-  a.sin6_family = AF_INET6;
-  a.sin6_addr = in6addr_any;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(fd, 1), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const auto [fd, port] = listener_on_any_port();
+  ASSERT_GE(fd, 0);
   std::thread closer([fd] {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     ::close(fd);
   });
-  const auto out = join_all({opts(ntohs(a.sin6_port), 0, 1, 5)});
+  const auto out = join_all({opts(port, 0, 1, 5)});
   closer.join();
   EXPECT_EQ(out[0], "");
 }
@@ -506,15 +515,9 @@ TEST(Rendezvous, ARankThatStopsEndsTheOthersWaitsAtOnce) {
 }
 
 TEST(Rendezvous, APortInUseIsNamed) {
-  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
-  sockaddr_in6 a{};
-  a.sin6_family = AF_INET6;
-  a.sin6_addr = in6addr_any;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(fd, 1), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  const auto out = join_all({opts(ntohs(a.sin6_port), 0, 2, 1)});
+  const auto [fd, port] = listener_on_any_port();
+  ASSERT_GE(fd, 0);
+  const auto out = join_all({opts(port, 0, 2, 1)});
   ::close(fd);
   EXPECT_NE(out[0].find("the port is in use on this host"), std::string::npos) << out[0];
 }
