@@ -137,8 +137,11 @@ TEST(Paths, StreamsAreWrittenInPlace) {
   EXPECT_TRUE(written_in_place("/dev/fd/2"));
   EXPECT_TRUE(written_in_place("/proc/self/fd/1"));
   EXPECT_TRUE(written_in_place(link));
-  const std::string to_stdout = d.path + "/to-stdout", to_file = d.path + "/to-file";
+  const std::string to_stdout = d.path + "/to-stdout", to_file = d.path + "/to-file",
+                    to_fd = d.path + "/to-fd";
   ASSERT_EQ(::symlink("/dev/stdout", to_stdout.c_str()), 0);
+  ASSERT_EQ(::symlink("/dev/fd/1", to_fd.c_str()), 0);
+  EXPECT_TRUE(written_in_place(to_fd)) << "a link to /dev/fd/1, whatever stdout is";
   ASSERT_EQ(::symlink(f.c_str(), to_file.c_str()), 0);
   EXPECT_TRUE(written_in_place(to_stdout)) << "a link to a link into /proc";
   EXPECT_FALSE(written_in_place(to_file)) << "a link to a file is the file";

@@ -865,16 +865,30 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   EXPECT_FALSE(fs::exists(out + "/.strata-tmp-model.safetensors"));
   EXPECT_TRUE(read_log(dir.path + "/b.jsonl").empty()) << "a step ran";
   // Killed once the model was written (its files all there: the interrupt came after them, as
-  // it said): the same command finishes again; a file of the user's there is not the run's.
-  const std::string model = slurp(out + "/model.safetensors");
-  std::ofstream(out + "/model.safetensors") << "an older save";
-  a = args(dir.path + "/b2.jsonl", {"--resume", ck, "--out", out});
+  // it said): the same command finishes again. Only a run whose checkpoint records that --out
+  // takes its model files back: not the run of `ck` (it had none), nor with a file of the user's
+  // beside them.
+  const std::string ck2 = dir.path + "/ck2", out2 = dir.path + "/out2";
+  a = args(dir.path + "/d.jsonl", {"--save-every", "2", "--checkpoint-dir", ck2, "--out", out2});
+  set_steps(a, "2");
+  p = spawn(a, dir.path, "with-out");
+  st = wait_status(p.pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+  const std::string model = slurp(out2 + "/model.safetensors");
+  std::ofstream(out2 + "/model.safetensors") << "an older save";
+  a = args(dir.path + "/e.jsonl", {"--resume", ck2, "--out", out2});
   set_steps(a, "2");
   p = spawn(a, dir.path, "again");
   st = wait_status(p.pid);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
-  EXPECT_EQ(slurp(out + "/model.safetensors"), model);
-  std::ofstream(out + "/notes.txt") << "mine";
+  EXPECT_EQ(slurp(out2 + "/model.safetensors"), model);
+  auto other = args(dir.path + "/f.jsonl", {"--resume", ck, "--out", out2});
+  set_steps(other, "2");
+  p = spawn(other, dir.path, "not-its-own");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("did not write its model there"), std::string::npos) << slurp(p.err);
+  std::ofstream(out2 + "/notes.txt") << "mine";
   p = spawn(a, dir.path, "taken");
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);

@@ -26,22 +26,33 @@ namespace strata {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// A path in /proc by its name or its folder's (/dev/fd/N: /dev/fd is a link to /proc/self/fd).
+bool in_proc(const fs::path& p) {
+  if (p.lexically_normal().string().starts_with("/proc/")) return true;
+  std::error_code ec;
+  const fs::path folder = fs::weakly_canonical(fs::absolute(p, ec).parent_path(), ec);
+  return !ec && folder.string().starts_with("/proc/");
+}
+
+}  // namespace
+
 bool written_in_place(const std::string& path) {
   if (path.empty()) return false;
+  // A process's streams (/proc/<pid>/fd/N, by its own name or through /dev/fd), and a link into
+  // them, directly or by way of others (/dev/stdout -> /proc/self/fd/1, a link of the user's to
+  // /dev/stdout or /dev/fd/1): whatever the stream is now, a redirected file among them. A link
+  // to a file elsewhere (/dev/shm/x included) is that file.
   std::error_code ec;
-  // A process's streams: /proc/<pid>/fd/N, by its own name or through /dev/fd.
-  const fs::path folder = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
-  if (path.starts_with("/proc/") || (!ec && folder.string().starts_with("/proc/"))) return true;
-  // A link into /proc, directly or by way of others (/dev/stdout -> /proc/self/fd/1, a link of the
-  // user's to /dev/stdout): whatever the stream is now, a redirected file among them. A link to a
-  // file elsewhere (/dev/shm/x included) is that file.
   struct stat st {};
   fs::path at = path;
-  for (int hops = 0; hops < 8 && ::lstat(at.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
+  for (int hops = 0; hops < 8; ++hops) {
+    if (in_proc(at)) return true;
+    if (::lstat(at.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) break;
     const fs::path to = fs::read_symlink(at, ec);
     if (ec) break;
     at = to.is_absolute() ? to : at.parent_path() / to;
-    if (at.lexically_normal().string().starts_with("/proc/")) return true;
   }
   return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
 }

@@ -400,6 +400,7 @@ void Engine::Impl::open_streams_and_stores(const OnNvme& nvme) {
 void Engine::Impl::place_initial_state() {
   Stream& up = *fetch_s;
   PutsInFlight pending(kPutsInFlight);
+  const Placing placing(*this, pending);
   for (std::size_t ui = 0; ui < units.size(); ++ui) {
     Unit& u = units[ui];
     // compute weights as the optimizer's copy-out would produce them, and the optimizer state

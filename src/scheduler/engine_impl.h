@@ -356,9 +356,9 @@ struct Engine::Impl {
   // ---- memory ----
   Buffer alloc(std::size_t bytes, Stream* s);
 
-  std::shared_ptr<PinnedBlock> pinned(std::size_t bytes) {
-    return std::make_shared<PinnedBlock>(pool->allocate(bytes));
-  }
+  // A pinned block; while the state is placed (`placing`), after the writes in flight where the
+  // budget has no room for it beside their blocks.
+  std::shared_ptr<PinnedBlock> pinned(std::size_t bytes);
 
   static TensorRef view(const Buffer& b, DType t, std::size_t numel, std::size_t offset = 0) {
     return tensor(b, t, numel, offset);
@@ -447,6 +447,8 @@ struct Engine::Impl {
   // drain() waits for the rest and throws a write's failure; destroyed undrained (an error on
   // the way), it waits for them without throwing.
   static constexpr std::size_t kPutsInFlight = 2;
+  class PutsInFlight;
+  PutsInFlight* placing = nullptr;  // the writes in flight while the state is placed
   class PutsInFlight {
    public:
     explicit PutsInFlight(std::size_t depth) : depth_(depth) {}
@@ -454,10 +456,8 @@ struct Engine::Impl {
     PutsInFlight& operator=(const PutsInFlight&) = delete;
     ~PutsInFlight();
     void add(std::vector<IoHandle> io, std::vector<std::shared_ptr<PinnedBlock>> keep);
-    // A pinned block for the next sub-group (Impl::pinned), after the writes in flight where
-    // the budget has no room for it beside their blocks.
-    std::shared_ptr<PinnedBlock> pinned(Impl& s, std::size_t bytes);
     void drain();
+    bool empty() const { return q_.empty(); }
 
    private:
     struct Entry {
@@ -467,6 +467,17 @@ struct Engine::Impl {
     void wait_front();
     std::size_t depth_;
     std::deque<Entry> q_;
+  };
+  // `placing` set for its life (pinned() drains `in_flight` where the budget is short).
+  class Placing {
+   public:
+    Placing(Impl& s, PutsInFlight& in_flight);
+    Placing(const Placing&) = delete;
+    Placing& operator=(const Placing&) = delete;
+    ~Placing();
+
+   private:
+    Impl& s_;
   };
   // (`pending`: its NVMe writes left in flight there, else waited for here)
   void put_group(std::size_t ui, std::size_t g, const FillPart& fill,

@@ -98,31 +98,48 @@ void Engine::Impl::PutsInFlight::add(std::vector<IoHandle> io,
   while (q_.size() > depth_) wait_front();
 }
 
-std::shared_ptr<PinnedBlock> Engine::Impl::PutsInFlight::pinned(Impl& s, std::size_t bytes) {
-  try {
-    return s.pinned(bytes);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::kOutOfMemory || q_.empty()) throw;
+std::shared_ptr<PinnedBlock> Engine::Impl::pinned(std::size_t bytes) {
+  if (placing && !placing->empty()) {
+    try {
+      return std::make_shared<PinnedBlock>(pool->allocate(bytes));
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kOutOfMemory) throw;
+    }
+    placing->drain();  // a budget with no room beside the writes' blocks: one at a time
   }
-  drain();  // a budget with room for one sub-group's blocks only: one at a time
-  return s.pinned(bytes);
+  return std::make_shared<PinnedBlock>(pool->allocate(bytes));
 }
+
+Engine::Impl::Placing::Placing(Impl& s, PutsInFlight& in_flight) : s_(s) {
+  s_.placing = &in_flight;
+}
+
+Engine::Impl::Placing::~Placing() { s_.placing = nullptr; }
 
 void Engine::Impl::PutsInFlight::drain() {
   while (!q_.empty()) wait_front();
 }
 
-// Every write of the oldest sub-group waited for before its blocks go, then its first failure.
-void Engine::Impl::PutsInFlight::wait_front() {
-  const Entry e = std::move(q_.front());
-  q_.pop_front();
+namespace {
+
+// Every one of `io` waited for (the blocks they read may go then), then its first failure.
+void wait_all(const std::vector<IoHandle>& io) {
   std::exception_ptr failed;
-  for (const IoHandle& h : e.io) try {
+  for (const IoHandle& h : io) try {
       h.wait();
     } catch (...) {
       if (!failed) failed = std::current_exception();
     }
   if (failed) std::rethrow_exception(failed);
+}
+
+}  // namespace
+
+// Every write of the oldest sub-group waited for before its blocks go, then its first failure.
+void Engine::Impl::PutsInFlight::wait_front() {
+  const Entry e = std::move(q_.front());
+  q_.pop_front();
+  wait_all(e.io);
 }
 
 void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill,
@@ -137,8 +154,7 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   std::shared_ptr<PinnedBlock> block;  // NVMe: the sub-group's master | m | v (layout.h)
   const std::size_t block_bytes = detail::state_elems(n) * 4;
   if (u.o_tier == Tier::kNvme) {
-    block = pending ? pending->pinned(*this, SwapStore::padded_bytes(block_bytes))
-                    : pinned(SwapStore::padded_bytes(block_bytes));
+    block = pinned(SwapStore::padded_bytes(block_bytes));
     std::memset(block->data(), 0, block_bytes);  // the gaps too: the record is written whole
   }
   float* o = block                     ? static_cast<float*>(block->data())
@@ -159,9 +175,7 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   const float* master = part(0);
   const bool w_host = !u.resident && u.w_tier == Tier::kHost;
   std::shared_ptr<PinnedBlock> staging;
-  if (!w_host)
-    staging = pending ? pending->pinned(*this, SwapStore::padded_bytes(w_bytes))
-                      : pinned(SwapStore::padded_bytes(w_bytes));
+  if (!w_host) staging = pinned(SwapStore::padded_bytes(w_bytes));
   // A fill that throws after the weights' copy was queued (a truncated checkpoint): the copy
   // ends before the staging it reads goes (declared after it: destroyed first).
   struct Settle {
@@ -175,7 +189,18 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   } settle{up};
   void* w = w_host ? static_cast<char*>(u.w.host->data()) + a * c_size : staging->data();
   cpu::cast(DType::kF32, master, ct, w, n);  // round to nearest even, as the copy-out
-  std::vector<IoHandle> io;
+  // Writes started here: an error before they are handed on (the next part's fill, a full drive
+  // at the state's write) waits for them before the blocks they read go (destroyed first).
+  struct Started {
+    std::vector<IoHandle> io;
+    ~Started() {
+      try {
+        wait_all(io);
+      } catch (...) {  // (the error in flight is the one to report)
+      }
+    }
+  } started;
+  std::vector<IoHandle>& io = started.io;
   if (const auto target = w_target_dev(u, a, n))
     up.copy(target->mem, host_ref(w, w_bytes));
   else if (u.w_tier == Tier::kNvme)
@@ -184,10 +209,11 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   for (std::size_t k = 1; k < 3; ++k) up_part(k, part(k));
   if (block) io.push_back(o_store->write(o_key(ui, g), block->data(), block_bytes));
   up.synchronize();  // the staging is released when this scope ends (or by `pending`)
-  if (pending)
-    pending->add(std::move(io), {std::move(block), std::move(staging)});
-  else
-    for (const IoHandle& h : io) h.wait();
+  if (pending) {
+    pending->add(std::exchange(io, {}), {std::move(block), std::move(staging)});
+  } else {
+    wait_all(std::exchange(io, {}));
+  }
 }
 
 void Engine::Impl::end_put(std::size_t ui) {
@@ -495,6 +521,7 @@ void Engine::load_state(const std::string& dir) {
     }
   };
   Impl::PutsInFlight pending(Impl::kPutsInFlight);
+  const Impl::Placing placing(s, pending);
   for (std::size_t ui = 0; ui < s.units.size(); ++ui) {
     Unit& u = s.units[ui];
     // This rank's shard starts at element rank * shard of the unit (resharding: of the new cut).

@@ -79,6 +79,9 @@ struct Settings {
   // Resume: the newest complete checkpoint, found (and verified) before anything is built.
   FoundCheckpoint resume;
   std::vector<std::int64_t> inherited_checkpoints;  // steps, oldest first
+  // --out holds a model's files (a resumed run's, without --overwrite): free only where the
+  // checkpoint resumed records this --out as its run's (find_checkpoints).
+  bool out_holds_a_model = false;
   // Complete checkpoints in the folder this run continues that are newer than the one --resume
   // named itself: the run it branches from went further (steps, oldest first).
   std::vector<std::int64_t> newer_checkpoints;

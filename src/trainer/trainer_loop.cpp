@@ -168,6 +168,8 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       // The Hugging Face folder the run started from ("" for none): strata-export copies its
       // tokenizer files beside the weights.
       {"model_dir", s.o.model_dir.empty() ? std::string() : fs::absolute(s.o.model_dir).string()},
+      // Where it writes the model ("" for nowhere): a resumed run may take back what it wrote.
+      {"out_dir", s.o.out_dir.empty() ? std::string() : canonical_path(s.o.out_dir)},
       {"model", r.model_desc},
       {"world_size", world},
       {"tensor_parallel", s.tp},

@@ -51,6 +51,8 @@ std::string read_text(const std::string& path, const char* what) {
 // Whether `path` holds what a run writes under `flag`, which a resumed run may take over: a log
 // whose first line is a step's (or nothing yet), a trace's JSON, an SVG picture.
 bool a_runs_file(const std::string& flag, const std::string& path) {
+  // (a stream is never read: a FIFO would wait for its writer, a terminal for its keyboard)
+  if (written_in_place(path)) return false;
   std::ifstream f(path, std::ios::binary);
   std::string first;
   std::getline(f, first);
@@ -178,10 +180,10 @@ void require_same_settings(const std::vector<SharedSetting>& mine, Communicator&
                                        all[i], all[r * k + i], r));
 }
 
-// --out may already exist when all it holds is the run's checkpoints/ folder; for the run
-// `resuming`, also the files a model save writes there (the run stopped as or after it wrote the
-// model: it is its own, as its log and picture are).
-bool out_dir_free(const std::string& out, bool resuming) {
+// --out may already exist when all it holds is the run's checkpoints/ folder; with
+// `model_files`, also the files a model save writes there (a resumed run's whose run stopped as
+// or after it wrote the model: its own, as its log and picture are).
+bool out_dir_free(const std::string& out, bool model_files) {
   const auto saved = [](const std::string& n) {
     return n == "config.json" || n == "model.safetensors" || n == "model.safetensors.index.json" ||
            (n.starts_with("model-") && n.ends_with(".safetensors") &&
@@ -197,7 +199,7 @@ bool out_dir_free(const std::string& out, bool resuming) {
     const std::string n = e.path().filename().string();
     // checkpoints/, and the temporary files of a save that was killed (commit_hf_files removes
     // them)
-    if (n != "checkpoints" && !n.starts_with(".strata-tmp-") && !(resuming && saved(n)))
+    if (n != "checkpoints" && !n.starts_with(".strata-tmp-") && !(model_files && saved(n)))
       return false;
   }
   return true;
@@ -413,9 +415,11 @@ void check_files(Settings& s) {
     STRATA_REQUIRE(up.ok(),
                    "--out {}: {} is not a writable folder, so the model could not be written there",
                    o.out_dir, up.folder.string());
-    if (!o.overwrite)
-      STRATA_REQUIRE(out_dir_free(o.out_dir, !o.resume.empty()),
+    if (!o.overwrite && !out_dir_free(o.out_dir, false)) {
+      STRATA_REQUIRE(!o.resume.empty() && out_dir_free(o.out_dir, true),
                      "--out {} exists: pass --overwrite to replace it", o.out_dir);
+      s.out_holds_a_model = true;
+    }
     require_creatable_folder("--out", o.out_dir);
   }
   STRATA_REQUIRE(o.save_every >= 0 && o.keep_checkpoints >= 0,
@@ -479,6 +483,14 @@ void find_checkpoints(Settings& s) {
   std::string& ckpt_root = s.ckpt_root;
   std::vector<std::int64_t>& inherited_checkpoints = s.inherited_checkpoints;
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
+  if (s.out_holds_a_model) {
+    const std::string recorded =
+        resume.manifest.value("trainer", nlohmann::json::object()).value("out_dir", "");
+    STRATA_REQUIRE(!recorded.empty() && recorded == canonical_path(o.out_dir),
+                   "--out {} exists: pass --overwrite to replace it (it holds a model, and the "
+                   "run of {} did not write its model there)",
+                   o.out_dir, resume.dir);
+  }
   ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty())
     ckpt_root = (fs::path(o.out_dir) / "checkpoints").string();
