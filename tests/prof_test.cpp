@@ -9,7 +9,10 @@
 //   - engine_config_json round-trips through parse_engine_config;
 //   - the recommended ds_config is accepted by strata-train (--plan fits, a short run trains),
 //     and an impossible request exits 2 naming the tiers short of memory.
+#include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -1595,6 +1598,21 @@ TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
   std::ofstream(ds)
       << R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100,
     "total_num_steps": "auto"}}, "zero_optimization": {"stage": 3}})";
+  // Work folders in $TMPDIR (--no-nvme) that runs interrupted while validating left: a dead one's
+  // is removed (its lock free), a live one's (its lock held here) kept, another host's kept.
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
+  const std::string tmp = d.path + "/tmp", dead = fmt::format("{}/prof-work-{}-1", tmp, host),
+                    live = fmt::format("{}/prof-work-{}-2", tmp, host),
+                    other = tmp + "/prof-work-another-host-3";
+  for (const std::string& w : {dead, live, other}) {
+    fs::create_directories(w);
+    std::ofstream(w + "/.lock") << "";
+    std::ofstream(w + "/tokens.u32") << "left";
+  }
+  const int held = ::open((live + "/.lock").c_str(), O_RDWR);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
   const auto r = testing::run(STRATA_PROF_BIN,
                               {"--model-config",
                                model,
@@ -1622,8 +1640,16 @@ TEST(ProfCli, ValidationRunsDoNotTakeTheRunsSchedule) {
                                "--text",
                                text,
                                "--json"},
-                              d.path, "prof");
+                              d.path, "prof", {{"TMPDIR", tmp}});
+  ::close(held);
   ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live + "/tokens.u32"));
+  EXPECT_TRUE(fs::exists(other + "/tokens.u32"));
+  std::size_t work_folders = 0;  // its own removed at its end
+  for (const auto& e : fs::directory_iterator(tmp))
+    work_folders += e.path().filename().string().starts_with("prof-work-");
+  EXPECT_EQ(work_folders, 2u);
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   EXPECT_GT(j["candidates"][0]["measured_step_s"].get<double>(), 0) << r.out;
   EXPECT_NE(r.out.find(" --text " + text + " --config " + d.path + "/best.json"), std::string::npos)

@@ -1,12 +1,15 @@
 // strata-prof's validation: the configuration written for a candidate (--out, and each
 // validation run's), the strata-train command that runs the recommendation, and --validate K:
 // the best K run through strata::train for a few steps, predicted against measured step time.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -477,24 +480,34 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
 // ---- validation ----
 namespace {
 
+constexpr const char* kWorkLock = ".lock";  // a work folder's, held by its run
+
 std::string host_name() {
   char h[256] = {};
   return ::gethostname(h, sizeof h - 1) == 0 ? std::string(h) : std::string("host");
 }
 
 // The work folders that runs of this host interrupted while validating left in `parent`
-// (prof-work-<host>-<pid> whose process is gone; one a run of another host sharing the drive
-// made is left alone): removed, as each would stay for good otherwise.
+// (prof-work-<host>-<pid>, each locked by its run while it lives: one whose lock can be taken is
+// dead, in whatever PID namespace it ran; one a run of another host sharing the drive made is
+// left alone): removed, as each would stay for good otherwise.
 void remove_dead_work_folders(const fs::path& parent, const std::string& prefix) {
   std::error_code ec;
   std::vector<fs::path> dead;
   for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
-    if (!n.starts_with(prefix) || n.size() == prefix.size() ||
-        n.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+    long pid = 0;
+    const char* digits = n.data() + std::min(prefix.size(), n.size());
+    const auto [at, err] = std::from_chars(digits, n.data() + n.size(), pid);
+    if (!n.starts_with(prefix) || err != std::errc() || at != n.data() + n.size() || pid <= 0)
       continue;
-    const long pid = std::stol(n.substr(prefix.size()));
-    if (pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) dead.push_back(it->path());
+    const int lock = ::open((it->path() / kWorkLock).c_str(), O_RDWR | O_CLOEXEC);
+    if (lock >= 0) {
+      if (::flock(lock, LOCK_EX | LOCK_NB) == 0) dead.push_back(it->path());
+      ::close(lock);
+    } else if (::kill(pid_t(pid), 0) != 0 && errno == ESRCH) {  // (made, not yet locked: gone)
+      dead.push_back(it->path());
+    }
   }
   for (const fs::path& d : dead) fs::remove_all(d, ec);
 }
@@ -512,6 +525,13 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   remove_dead_work_folders(parent, prefix);
   const std::string work = (parent / fmt::format("{}{}", prefix, ::getpid())).string();
   fs::create_directories(work);
+  struct Held {
+    int fd;
+    ~Held() {
+      if (fd >= 0) ::close(fd);
+    }
+  } held{::open((fs::path(work) / kWorkLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)};
+  if (held.fd >= 0) (void)::flock(held.fd, LOCK_EX);
   const std::string data_file = a.data_files.empty() && a.text_file.empty()
                                     ? write_token_file(a, work, mcfg, world_size)
                                     : std::string();

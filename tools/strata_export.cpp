@@ -19,6 +19,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -186,8 +187,22 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
   strata::require_room_for_names("OUT_DIR", o.out, 128);
   std::error_code ec;
   const fs::path out(o.out);
-  if (fs::exists(out, ec)) {
+  // Held for the export's life (closed as the process ends), as strata-train holds its --out:
+  // temporary files there are then a dead export's, never a running one's.
+  const auto hold = [&] {
+    const int held = ::open(o.out.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (held >= 0 && ::flock(held, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK)
+      STRATA_THROW(kInvalidArgument,
+                   "{} is being written by another running strata-export or strata-train: give "
+                   "this export another OUT_DIR, or run it once that one has ended",
+                   o.out);
+  };
+  if (!fs::exists(out, ec)) {
+    fs::create_directories(out, ec);  // (as the writer would: made now to be held)
+    hold();
+  } else {
     STRATA_REQUIRE(fs::is_directory(out, ec), "{} exists and is not a directory", o.out);
+    hold();
     // (the temporary files of an export that was killed count for nothing: the export removes
     // them)
     bool empty = true;
@@ -324,7 +339,12 @@ int export_checkpoint(const Options& o, const strata::FoundCheckpoint& ck, DType
   strata::HfWeightsWriter writer(o.out, cfg, dtype, max_shard_bytes);
   for (std::size_t u = 0; u < units.size(); ++u) writer.write_unit(u, read(u).data());
   const std::string from = side_files_source(o, trainer);
+  strata::set_interrupt_note(fmt::format(
+      "\nstrata-export: interrupted while moving its files into place in {}: run it again "
+      "(with --overwrite where it says the folder exists)\n",
+      o.out));
   const std::vector<std::string> copied = writer.finish(from);  // (the tokenizer's with them)
+  strata::set_interrupt_note("");
   const std::size_t n = writer.files();
   std::printf("exported %s (step %lld, %d rank%s) to %s: %zu tensor file%s, %s\n", ck.dir.c_str(),
               (long long)ck.step, world, world == 1 ? "" : "s", o.out.c_str(), n, n == 1 ? "" : "s",

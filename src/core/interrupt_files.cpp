@@ -7,7 +7,7 @@
 namespace strata::core {
 namespace {
 
-SignalSlots<64, 4096> g_files;
+SignalSlots<256, 4096> g_files;  // a save of a few hundred shards
 
 }  // namespace
 
