@@ -603,7 +603,8 @@ void write_model(Run& r) {
     const std::vector<std::string> copied =
         save_engine_weights(*r.engine, s.mcfg, s.ecfg.compute_dtype, o.out_dir, s.rank, r.tp_comm(),
                             o.out_max_shard_bytes, o.model_dir);
-    if (s.rank == 0 && !o.model_dir.empty()) {
+    std::error_code same_ec;  // (--out the --model folder: its files are there already)
+    if (s.rank == 0 && !o.model_dir.empty() && !fs::equivalent(o.model_dir, o.out_dir, same_ec)) {
       if (copied.empty())
         log::warn(
             "--out {}: {} has no tokenizer files ({}, ...): the folder holds the weights "
