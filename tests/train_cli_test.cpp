@@ -2130,6 +2130,8 @@ TEST_F(TrainCli, CommandLineErrorsAreOneLineAndSuggestTheFlag) {
   r = train(args(log, {"--steps", "0"}), "zero");
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.err, "strata-train: --steps: must be > 0, got 0; see --help\n");
+  r = train(args(log, {"--steps", "-1"}), "negative");  // (one message, not two joined by AND)
+  EXPECT_EQ(r.err, "strata-train: --steps: must be > 0, got -1; see --help\n");
   EXPECT_FALSE(fs::exists(log)) << "nothing ran";
   r = train({"--help"}, "help");
   EXPECT_EQ(r.status, 0);

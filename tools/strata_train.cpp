@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
                  "gradient_accumulation_steps, else 1)")
       ->check(strata::tools::kPositive);
   app.add_option("--steps", o.steps, "optimizer steps (default 60, unless --epochs)")
-      ->check(strata::tools::kCount & strata::tools::kPositive);
+      ->check(strata::tools::kPositive)  // (one message at a time: "&" joined both with AND)
+      ->check(strata::tools::kCount);
   app.add_option("--epochs", o.epochs,
                  "passes over the data instead of --steps (default: none, --steps 60): steps = "
                  "ceil(epochs x steps an epoch), as the Hugging Face Trainer's num_train_epochs; "
