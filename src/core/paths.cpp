@@ -146,14 +146,23 @@ int copy_into(int from_fd, const std::string& path) {
   return err;
 }
 
+namespace {
+
+// An output that is a file, made anew.
+int open_file_output(const std::string& path) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+}
+
+}  // namespace
+
 int open_output(const std::string& path) {
   if (written_in_place(path)) return open_stream(path, own_descriptor(path), 0);
-  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  return open_file_output(path);
 }
 
 int write_output(const std::string& path, std::string_view text) {
   if (written_in_place(path)) return write_into(path, text.data(), text.size());
-  const int fd = open_output(path);
+  const int fd = open_file_output(path);  // (written_in_place asked once)
   if (fd < 0) return errno;
   int err = write_fd_fully(fd, text.data(), text.size());
   if (::close(fd) != 0 && err == 0) err = errno;

@@ -120,26 +120,11 @@ void Engine::Impl::PutsInFlight::drain() {
   while (!q_.empty()) wait_front();
 }
 
-namespace {
-
-// Every one of `io` waited for (the blocks they read may go then), then its first failure.
-void wait_all(const std::vector<IoHandle>& io) {
-  std::exception_ptr failed;
-  for (const IoHandle& h : io) try {
-      h.wait();
-    } catch (...) {
-      if (!failed) failed = std::current_exception();
-    }
-  if (failed) std::rethrow_exception(failed);
-}
-
-}  // namespace
-
 // Every write of the oldest sub-group waited for before its blocks go, then its first failure.
 void Engine::Impl::PutsInFlight::wait_front() {
   const Entry e = std::move(q_.front());
   q_.pop_front();
-  wait_all(e.io);
+  detail::wait_all(e.io);
 }
 
 void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill,
@@ -195,7 +180,7 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
     std::vector<IoHandle> io;
     ~Started() {
       try {
-        wait_all(io);
+        detail::wait_all(io);
       } catch (...) {  // (the error in flight is the one to report)
       }
     }
@@ -212,7 +197,7 @@ void Engine::Impl::put_group(std::size_t ui, std::size_t g, const FillPart& fill
   if (pending) {
     pending->add(std::exchange(io, {}), {std::move(block), std::move(staging)});
   } else {
-    wait_all(std::exchange(io, {}));
+    detail::wait_all(std::exchange(io, {}));
   }
 }
 
