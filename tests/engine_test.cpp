@@ -597,6 +597,33 @@ TEST(Engine, NvmeFilesHoldWhatThePlanSaysWithPersistentUnits) {
   }
 }
 
+// A host budget of the plan's host lines (to the pool's 2 MiB step) is enough to place the state
+// with two sub-groups' writes in flight and to train, with the bits of a roomy budget.
+TEST(Engine, AHostBudgetAtThePlanIsEnoughToPlaceAndTrain) {
+  STRATA_NEEDS_DEVICE();
+  std::vector<int> dims(17, 256);  // 16 layers of 256 x 256
+  const LinearModel model(dims, 2, 23);
+  TempDir nv;
+  RunSetup s;
+  s.steps = 2;
+  s.cfg.compute_dtype = DType::kBF16;
+  s.cfg.params = on(Tier::kNvme);
+  s.cfg.optimizer = on(Tier::kNvme);
+  s.cfg.grads = on(Tier::kHost);
+  s.cfg.param_nvme_paths = {nv.path};
+  s.cfg.optimizer_nvme_paths = {nv.path};
+  s.cfg.param_persistence_threshold = 0;
+  s.cfg.sub_group_size = 65536;  // one layer's state a sub-group
+  s.cfg.host_budget_bytes = std::size_t(256) << 20;
+  const RunOut roomy = train(s, model);
+  RunSetup tight = s;
+  const std::uint64_t step = std::uint64_t(2) << 20;
+  tight.cfg.host_budget_bytes = (roomy.plan.host_bytes + step - 1) / step * step;
+  const RunOut r = train(tight, model);
+  EXPECT_LE(r.stats.host_pinned_peak_bytes, tight.cfg.host_budget_bytes) << r.plan.table();
+  expect_identical(roomy, r, "a host budget at the plan vs a roomy one");
+}
+
 // Work the compute stream queues on a unit after its last reduce_grad but before release()
 // (the header: the unit is in use until the work queued before release() completes). A
 // resident unit's weights are rewritten in place by step() — the optimizer's copy-out, or the

@@ -2170,6 +2170,10 @@ TEST_F(TrainCli, PlanChecksNvmeAgainstTheFreeSpaceOfItsPath) {
   EXPECT_NE(r.out.find("note: activations are not in this plan: a micro-batch of 1 x 1024 tokens"),
             std::string::npos)
       << r.out;
+  // ... and on the CPU-emulated device, that they take host RAM beyond the ram total.
+  EXPECT_NE(r.out.find("on the CPU-emulated device, host RAM beyond the ram total too"),
+            std::string::npos)
+      << r.out;
   // A missing nvme_path is named as the key it came from.
   fs::remove_all(nv);
   const Result m2 =

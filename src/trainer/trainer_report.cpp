@@ -59,9 +59,13 @@ TrainResult report_plan(const Settings& s) {
   // and is measured, not estimated (a "fits" here can still run out of device memory).
   plan.notes.push_back(
       fmt::format("activations are not in this plan: a micro-batch of {} x {} tokens needs device "
-                  "memory beyond the "
-                  "device total above; strata-prof measures them{}",
+                  "memory beyond the device total above{}; strata-prof measures them{}",
                   ecfg.micro_batch_per_gpu, s.seq_len,
+                  dev->kind() == DeviceKind::kCpu
+                      ? fmt::format(" (on the CPU-emulated device, host RAM beyond the ram total "
+                                    "too, up to its {} cap)",
+                                    human_bytes(double(in.device_capacity)))
+                      : std::string(),
                   o.checkpoint_activations || o.checkpoint_on_host
                       ? ""
                       : " (--checkpoint-activations keeps them small)"));
