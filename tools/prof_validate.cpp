@@ -23,6 +23,7 @@
 #include "strata/json_config.h"
 #include "strata/log.h"
 #include "strata/paths.h"
+#include "strata/system_info.h"
 
 namespace strata::prof {
 namespace {
@@ -482,11 +483,6 @@ namespace {
 
 constexpr const char* kWorkLock = ".lock";  // a work folder's, held by its run
 
-std::string host_name() {
-  char h[256] = {};
-  return ::gethostname(h, sizeof h - 1) == 0 ? std::string(h) : std::string("host");
-}
-
 // The work folders that runs of this host interrupted while validating left in `parent`
 // (prof-work-<host>-<pid>, each locked by its run while it lives: one whose lock can be taken is
 // dead, in whatever PID namespace it ran; one a run of another host sharing the drive made is
@@ -521,7 +517,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   Validation out;
   const std::size_t k = picks.size();
   const fs::path parent = nvme_dir.empty() ? fs::temp_directory_path() : fs::path(nvme_dir);
-  const std::string prefix = fmt::format("prof-work-{}-", host_name());
+  const std::string prefix = fmt::format("prof-work-{}-", strata::this_host());
   remove_dead_work_folders(parent, prefix);
   const std::string work = (parent / fmt::format("{}{}", prefix, ::getpid())).string();
   fs::create_directories(work);

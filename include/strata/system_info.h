@@ -34,6 +34,10 @@ std::uint64_t address_space_headroom();
 // (SIGSEGV in dnnl_primitive_create at 300 MiB) and the thread pools failed to start (500 MiB).
 inline constexpr std::uint64_t kMinAddressSpace = std::uint64_t(1) << 30;
 
+// This host's name (gethostname), "?" when it cannot be read: the name strata's files and folders
+// give the host that wrote them (a swap folder's owner, a work folder, a half-written checkpoint).
+std::string this_host();
+
 }  // namespace strata
 
 namespace strata::cpu {

@@ -31,6 +31,7 @@
 #include <thread>
 
 #include "comm/comm_internal.h"
+#include "core/process.h"
 #include "strata/error.h"
 #include "strata/log.h"
 
@@ -114,12 +115,6 @@ std::pair<char, std::string> read_frame(int fd, Clock::time_point deadline) {
   return {buf[0], buf.substr(1)};
 }
 
-std::string host_name() {
-  char h[256] = {};
-  if (::gethostname(h, sizeof h - 1) != 0) return "?";
-  return h;
-}
-
 std::string sockaddr_text(const sockaddr_storage& ss) {
   char buf[INET6_ADDRSTRLEN] = {};
   if (ss.ss_family == AF_INET)
@@ -140,7 +135,7 @@ std::string existing_rendezvous_says(const RendezvousOptions& o);
 // The handshake a rank sends when it joins.
 std::string hello_of(const RendezvousOptions& o) {
   return fmt::format("strata-rendezvous/{}\n{}\n{}\n{}\n{}", kProtocolVersion, o.world_size, o.rank,
-                     o.token, host_name());
+                     o.token, this_host());
 }
 
 std::string ranks_text(const std::vector<int>& ranks) {

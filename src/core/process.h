@@ -4,10 +4,9 @@
 
 #include <string>
 
-namespace strata {
+#include "strata/system_info.h"  // this_host
 
-// This host's name (gethostname), "?" when it cannot be read.
-std::string this_host();
+namespace strata {
 
 // Whether the process `pid` of this host no longer exists (kill(pid, 0) says ESRCH). False for a
 // live process, one of another user's (EPERM), or a pid <= 0.
