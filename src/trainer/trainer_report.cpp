@@ -439,11 +439,22 @@ void print_summary(Run& r) {
                            human_bytes(double(s.nvme_written_bytes)))
                    .c_str(),
                fmt::format("{} held", human_bytes(double(s.nvme_bytes))).c_str());
-  // The process's resident memory at its peak, beside what the plan counted for it.
+  // The process's resident memory at its peak, beside what the plan counted for it (the training
+  // state's: what is past it is said).
+  const std::uint64_t rss_peak = cpu::process_peak_rss_bytes(),
+                      ram_planned = r.engine->plan().ram_bytes;
   std::fprintf(con, "  %-8s %-22s %-22s\n", "ram", "(the process, peak)",
-               fmt::format("{} / {} planned", human_bytes(double(cpu::process_peak_rss_bytes())),
-                           human_bytes(double(r.engine->plan().ram_bytes)))
+               fmt::format("{} / {} planned", human_bytes(double(rss_peak)),
+                           human_bytes(double(ram_planned)))
                    .c_str());
+  if (rss_peak > ram_planned)
+    std::fprintf(con,
+                 "  ram past the plan by %s: the plan counts the training state; the kernels' "
+                 "working memory%s are not in it\n",
+                 human_bytes(double(rss_peak - ram_planned)).c_str(),
+                 r.dev->kind() == DeviceKind::kCpu
+                     ? " and the activations (on the CPU-emulated device, in host RAM)"
+                     : "");
   if (s.early_units_kept + s.early_units_redone > 0)
     std::fprintf(
         con,
