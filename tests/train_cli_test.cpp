@@ -2232,12 +2232,17 @@ TEST_F(TrainCli, PlanRefusesAHostRamPlanThatCannotFitNamingTheFix) {
   };
   const double peak = mib(m[1], m[2]), planned = mib(m[3], m[4]);
   const bool said = ran.find("ram past the plan by ") != std::string::npos;
-  if (peak > planned + 0.1) EXPECT_TRUE(said) << ran;
-  if (peak < planned - 0.1) EXPECT_FALSE(said) << ran;
-  if (said)
+  if (peak > planned + 0.1) {
+    EXPECT_TRUE(said) << ran;
+  }
+  if (peak < planned - 0.1) {
+    EXPECT_FALSE(said) << ran;
+  }
+  if (said) {
     EXPECT_NE(ran.find("the activations (on the CPU-emulated device, in host RAM) are not in it"),
               std::string::npos)
         << ran;
+  }
 }
 
 // --checkpoint-on-host keeps each layer's input in host RAM from the forward to the backward:
