@@ -995,7 +995,8 @@ TEST_F(TrainCli, FineTuningAModelClipsAtOneUnlessToldOtherwise) {
 
 // --eval-data: a held-out file evaluated after the last step (and --eval-batches 0: all of it)
 // gives the mean of the forward losses over the same batches, which a run training on that file
-// at lr 0 in order (--no-shuffle) logs step by step; the log says the perplexity beside it.
+// at lr 0 in order (--no-shuffle) logs step by step; the log says the perplexity beside it; and
+// every evaluation of a run is over the same batches.
 TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
   const std::string held = dir.path + "/held.u16";
   {
@@ -1043,6 +1044,24 @@ TEST_F(TrainCli, EvalDataIsTheMeanForwardLossOverItsBatches) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(nlohmann::json::parse(slurp(dir.path + "/four.jsonl")).at("val_loss").get<double>(),
             val);
+  // Every evaluation takes the same batches, from the data's start: at lr 0, one batch a rank is
+  // the first step's loss each time (each took the next batch: 3 evaluations, 3 values).
+  r = train(with({"--steps", "3", "--eval-data", held, "--eval-every", "1", "--eval-batches", "1",
+                  "--log-json", dir.path + "/every.jsonl"}),
+            "every");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::ifstream walk(walk_log), every(dir.path + "/every.jsonl");
+  std::string first;
+  ASSERT_TRUE(std::getline(walk, first));
+  const double first_loss = nlohmann::json::parse(first).at("loss").get<double>();
+  int evals = 0;
+  for (std::string l; std::getline(every, l);) {
+    const auto j = nlohmann::json::parse(l);
+    if (!j.contains("val_loss")) continue;
+    ++evals;
+    EXPECT_NEAR(j.at("val_loss").get<double>(), first_loss, 1e-6 * std::abs(first_loss)) << l;
+  }
+  EXPECT_EQ(evals, 3);
 }
 
 // A learning rate that blows the weights up: the gradient norm is not finite from step 2 and

@@ -164,8 +164,8 @@ struct Run {
   Communicator& dp_comm() const { return groups.dp ? *groups.dp : *comm; }
   Communicator* tp_comm() const { return groups.tp.get(); }
   std::unique_ptr<TokenLoader> loader, val;
-  DataIdentity data_identity;  // of the files the loader reads, recorded by every checkpoint
-  std::int64_t train_batches = 0, val_batches = 0;  // next() calls so far: the data position
+  DataIdentity data_identity;      // of the files the loader reads, recorded by every checkpoint
+  std::int64_t train_batches = 0;  // the loader's next() calls so far: the data position
   // Model and engine
   std::unique_ptr<Stream> compute;
   ModelOptions mopt;

@@ -175,7 +175,6 @@ nlohmann::json trainer_state(const Run& r, std::int64_t step, const nlohmann::js
       {"tensor_parallel", s.tp},
       {"data",
        {{"train_batches", r.train_batches},
-        {"val_batches", r.val_batches},
         {"epoch", r.loader->epoch()},
         {"epochs", s.epochs},
         {"steps_per_epoch", s.steps_per_epoch},
@@ -364,7 +363,6 @@ double evaluate(Run& run) {
   const int rank = run.s.dp_rank, world = run.s.dp_world;  // (a TP group: the same batches)
   Engine& engine = *run.engine;
   TokenLoader* val = run.val.get();
-  std::int64_t& val_batches = run.val_batches;
   Model& model = *run.model;
   EngineWeights& weights = *run.weights;
   // The data-parallel group: a TP group's ranks hold the same loss (the world under TP 1).
@@ -376,15 +374,16 @@ double evaluate(Run& run) {
   const auto t0 = Clock::now();
   double sum = 0, counted = 0;
   engine.set_eval(true);  // the training's recorded unit order stays as it is
-  // --eval-batches 0: the whole evaluation data, from its start, each rank a batch in turn.
+  // The same batches every evaluation, from the evaluation data's start (each rank a batch in
+  // turn): --eval-batches of them, or 0: the whole evaluation data. (Each evaluation took the
+  // next batches once: a model that did not change showed a validation loss that did.)
   const std::int64_t batches =
       o.eval_batches > 0 ? o.eval_batches : val->batches_per_epoch() / world;
-  if (o.eval_batches == 0) val->reset();
+  val->reset();
   for (std::int64_t i = 0; i < batches; ++i) {
     Batch vb;
     for (int r = 0; r < world; ++r) {
       Batch b = val->next();
-      ++val_batches;
       if (r == rank) vb = std::move(b);
     }
     // The sum of the counted targets' losses (denominator 1); the mean over every rank's below.

@@ -1477,9 +1477,7 @@ void resume_from_checkpoint(Run& r) {
   const DataOptions& dopt = r.s.dopt;
   Engine& engine = *r.engine;
   TokenLoader& loader = *r.loader;
-  std::unique_ptr<TokenLoader>& val = r.val;
-  std::int64_t &train_batches = r.train_batches, &val_batches = r.val_batches,
-               &start_step = r.start_step;
+  std::int64_t &train_batches = r.train_batches, &start_step = r.start_step;
   const std::string& model_hash = r.model_hash = model_config_hash(mcfg);
   const std::string& model_desc = r.model_desc =
       fmt::format("{} {}x{} {} layers, vocab {}", mcfg.model_type, mcfg.hidden_size,
@@ -1633,12 +1631,10 @@ void resume_from_checkpoint(Run& r) {
                               ck_opt[key].dump())
                 : std::string("give the same --config / flags to continue it exactly"));
     engine.load_state(resume.dir);
-    // The data position: replay the loaders' batches (their order is a function of the seed).
-    const std::int64_t tb = d.value("train_batches", std::int64_t(0)),
-                       vb = d.value("val_batches", std::int64_t(0));
+    // The data position: replay the loader's batches (their order is a function of the seed;
+    // every evaluation starts from the evaluation data's start).
+    const std::int64_t tb = d.value("train_batches", std::int64_t(0));
     for (; train_batches < tb; ++train_batches) loader.next();
-    if (val)
-      for (; val_batches < vb; ++val_batches) val->next();
     start_step = resume.step;
     r.resumed_from = start_step;
     if (con) {
