@@ -111,6 +111,41 @@ TEST(ModelIo, Fp32FileLoadsIntoBf16RoundedToNearestEven) {
   fs::remove_all(dir);
 }
 
+// Weights that are not finite are named where they are read (the tensor, the element, the file):
+// a run from them failed three steps in, blaming the learning rate.
+TEST(ModelIo, AWeightThatIsNotFiniteIsNamedWhenRead) {
+  Env e;
+  const ModelConfig cfg = parse_model_config(kLlama, "cfg");
+  const std::string name = "model.layers.0.mlp.up_proj.weight";
+  for (const float bad : {NAN, -INFINITY}) {
+    ResidentWeights a(cfg, DType::kF32, *e.dev, *e.s);
+    a.init_random(8, 0.5f);
+    std::vector<float> v = a.get(name);
+    v.at(37) = bad;
+    a.set(name, v);
+    const fs::path dir = scratch("nan");
+    save_hf_weights(dir.string(), a);
+    const HfWeightsReader reader(dir.string(), cfg);
+    const UnitSpec* unit = nullptr;
+    const ParamSpec* p = nullptr;
+    for (const UnitSpec& u : a.units())
+      for (const ParamSpec& q : u.params)
+        if (q.name == name) unit = &u, p = &q;
+    ASSERT_NE(p, nullptr);
+    std::vector<float> out(p->numel);
+    reader.read(*p, 0, 30, out.data());  // the elements before it read
+    expect_error([&] { reader.read(*p, 30, 20, out.data()); },
+                 {fmt::format("model.safetensors: tensor '{}' holds {} (element 37): the model's "
+                              "weights are not finite",
+                              name, std::isnan(bad) ? "NaN" : "-Inf"),
+                  "use a good copy of the model"});
+    // ... and another tensor of the folder is read.
+    for (const ParamSpec& q : unit->params)
+      if (q.name != name) reader.read(q, 0, q.numel, out.data());
+    fs::remove_all(dir);
+  }
+}
+
 // A folder as others leave it: model.safetensors beside an older sharded save's index is loaded,
 // as transformers loads it (the index was taken, and its missing shards refused); PyTorch's
 // pickle weights alone are named as such, with the way to safetensors.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -459,6 +460,22 @@ void HfWeightsReader::read(const ParamSpec& p, std::size_t first, std::size_t co
                            float* out) const {
   const auto [f, t] = impl_->at(p);
   f->read_f32(*t, first, count, out);
+  // A weight that is not finite makes every step's loss or gradient norm NaN from the first, and
+  // the run stops after three of them blaming the learning rate: named here instead.
+  bool finite = true;
+  for (std::size_t i = 0; i < count; ++i) finite &= std::isfinite(out[i]);
+  if (finite) return;
+  const std::size_t i =
+      std::size_t(std::find_if(out, out + count, [](float v) { return !std::isfinite(v); }) - out);
+  STRATA_THROW(kInvalidArgument,
+               "{}: tensor '{}' holds {} (element {}): the model's weights are not finite; "
+               "it was saved from a run whose weights overflowed, or the file is damaged: use a "
+               "good copy of the model",
+               f->path(), p.name,
+               std::isnan(out[i]) ? "NaN"
+               : out[i] > 0       ? "+Inf"
+                                  : "-Inf",
+               first + i);
 }
 
 std::pair<std::string, const std::uint8_t*> HfWeightsReader::raw(const ParamSpec& p) const {
