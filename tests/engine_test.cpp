@@ -43,8 +43,10 @@ struct RunSetup {
   int steps = 20;
   int accum = 1;
   float lr = 1e-2f;
-  // Poisons the input of this (step, micro-batch) with an Inf, when >= 0.
+  // Poisons the input of this (step, micro-batch) with an Inf, when >= 0 (and of every step after
+  // it, when inf_stays).
   int inf_step = -1;
+  bool inf_stays = false;
   // The lr of each step (null: `lr`), told to the engine before backward when announce_lr.
   std::function<float(int)> lr_of;
   bool announce_lr = true;
@@ -123,7 +125,8 @@ RunOut train(const RunSetup& su, const LinearModel& model) {
       const int mb = step * su.accum + a;
       auto x = LinearModel::data(model.dims.front(), B, 0, mb, 1);
       auto t = LinearModel::data(model.dims.back(), B, 0, mb, 2);
-      if (step == su.inf_step) x[3] = INFINITY;
+      if (step == su.inf_step || (su.inf_stays && su.inf_step >= 0 && step > su.inf_step))
+        x[3] = INFINITY;
       loss += model.micro_batch(e, *dev, *s, x, t) / su.accum;
     }
     out.losses.push_back(loss);
@@ -757,6 +760,43 @@ TEST(Engine, OverflowSkippedStepKeepsThePrefetchTrace) {
   const RunOut r = train(f, model);
   ASSERT_TRUE(r.results[3].skipped);
   EXPECT_EQ(r.stats.trace_rebuilds, 0u) << "the skipped step left the trace position at its end";
+}
+
+// fp16 whose gradients overflow every step: the scale halves (after the hysteresis) down to
+// fp16.min_loss_scale, and an overflow there ends the run with what to do, as DeepSpeed's
+// raise_error_at_min_scale does (every step went on being skipped without a word).
+TEST(Engine, Fp16OverflowAtTheLeastLossScaleEndsTheRun) {
+  STRATA_NEEDS_DEVICE();
+  const LinearModel model({24, 40, 16}, 4, 31);
+  RunSetup f;
+  f.cfg.compute_dtype = DType::kF16;
+  f.cfg.fp16.enabled = true;
+  f.cfg.fp16.initial_scale_power = 4;
+  f.cfg.fp16.hysteresis = 2;
+  f.cfg.fp16.min_loss_scale = 1;
+  f.cfg.params = on(Tier::kHost);
+  f.cfg.optimizer = on(Tier::kHost);
+  f.cfg.grads = on(Tier::kHost);
+  f.cfg.host_budget_bytes = 64 << 20;
+  f.inf_step = 0;
+  f.inf_stays = true;
+  f.steps = 5;
+  const RunOut r = train(f, model);
+  std::vector<double> scales;
+  for (const StepResult& s : r.results) {
+    EXPECT_TRUE(s.skipped);
+    scales.push_back(s.loss_scale);
+  }
+  EXPECT_EQ(scales, (std::vector<double>{16, 16, 8, 4, 2}));
+  f.steps = 8;
+  testing::expect_error([&] { train(f, model); },
+                        {"fp16: the gradients overflowed at the least loss scale "
+                         "(fp16.min_loss_scale 1), after 0 updates",
+                         "train in bf16"});
+  // Above the least scale it goes on.
+  f.cfg.fp16.min_loss_scale = 0.25;
+  f.steps = 7;
+  EXPECT_EQ(train(f, model).results.back().loss_scale, 0.5);
 }
 
 // The linear model's loss and gradients in double on the host.

@@ -472,15 +472,28 @@ float Engine::Impl::tp_host_sumsq(std::size_t ui, const float* g) const {
   return run.result();
 }
 
-// DeepSpeed's DynamicLossScaler::update_scale (fp16 with a dynamic scale; nothing otherwise).
+// DeepSpeed's DynamicLossScaler::update_scale (fp16 with a dynamic scale; nothing otherwise),
+// with its raise_error_at_min_scale: an overflow at the least scale that would lower it ends the
+// run (every step after would be skipped too, and the run would go on without a word).
 void Engine::Impl::update_loss_scale(bool overflow) {
   if (!cfg.fp16.enabled) return;
   if (cfg.fp16.loss_scale <= 0) {
     if (overflow) {
-      if (cfg.fp16.hysteresis == 1 || hysteresis_left == 1)
+      const double was = scale;
+      if (cfg.fp16.hysteresis == 1 || hysteresis_left == 1) {
+        STRATA_REQUIRE(
+            scale > cfg.fp16.min_loss_scale,
+            "fp16: the gradients overflowed at the least loss scale (fp16.min_loss_scale "
+            "{:g}), after {} update{}: every step from here on would be skipped; train "
+            "in bf16 (\"bf16\": {{\"enabled\": true}}), lower the learning rate, or "
+            "set a smaller fp16.min_loss_scale",
+            cfg.fp16.min_loss_scale, steps_taken, steps_taken == 1 ? "" : "s");
         scale = std::max(scale / 2, cfg.fp16.min_loss_scale);
-      else
+      } else {
         --hysteresis_left;
+      }
+      log::info("fp16: the gradients overflowed at loss scale {:g}: the step is skipped{}", was,
+                scale < was ? fmt::format(", the scale lowered to {:g}", scale) : std::string());
       last_overflow_iter = scaler_iter;
     } else if ((scaler_iter - last_overflow_iter) % cfg.fp16.loss_scale_window == 0) {
       hysteresis_left = cfg.fp16.hysteresis;
