@@ -1608,8 +1608,9 @@ TEST_F(TrainCli, WeightsThatAllStayGatheredAreSaidToBeOnTheDevice) {
       << r.out;
 }
 
-// Two runs into one --out (or one checkpoint folder): the second is refused while the first lives
-// (each replaced the other's model and checkpoints without a word, and their saves interleaved).
+// Two runs into one --out (or one checkpoint folder, or one --log-json): the second is refused
+// while the first lives (each replaced the other's model and checkpoints without a word, and their
+// saves interleaved; a log was emptied or its lines mixed).
 // Once the first has ended, the folder is free again.
 TEST_F(TrainCli, ASecondRunIntoTheSameOutIsRefusedWhileTheFirstLives) {
   const std::string out = dir.path + "/shared", log = dir.path + "/first.jsonl";
@@ -1633,6 +1634,16 @@ TEST_F(TrainCli, ASecondRunIntoTheSameOutIsRefusedWhileTheFirstLives) {
                            "strata-train"),
             std::string::npos)
       << third.err;
+  // The same --log-json, even with --overwrite: refused, the first run's lines kept.
+  const Result fourth = train(args(log, {"--overwrite"}), "fourth");
+  EXPECT_EQ(fourth.status, 1) << fourth.out << fourth.err;
+  EXPECT_NE(fourth.err.find("--log-json " + log +
+                            " is being written by another running strata-train: give this run "
+                            "its own --log-json"),
+            std::string::npos)
+      << fourth.err;
+  ASSERT_FALSE(losses(log).empty());
+  EXPECT_EQ(nlohmann::json::parse(slurp(log).substr(0, slurp(log).find('\n'))).at("step"), 1);
   ::kill(pid, SIGTERM);
   int st = 0;
   ASSERT_EQ(::waitpid(pid, &st, 0), pid);
@@ -1653,6 +1664,7 @@ TEST_F(TrainCli, ARunThatFailsLeavesNoEmptyFolderItMade) {
   EXPECT_EQ(r.status, 1) << r.err;
   EXPECT_NE(r.err.find("--device-mem-gb 0.0005 caps the device"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
+  EXPECT_FALSE(fs::exists(log)) << "the --log-json it made is left, empty";
   // A path through "..": the folders as it names them (c was made too).
   a = small;
   a.insert(a.end(), {"--out", top + "/c/../d/out/"});

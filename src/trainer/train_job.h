@@ -11,6 +11,7 @@
 // trainer.cpp.
 #pragma once
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -64,6 +65,22 @@ struct HeldFolder {
   }
 };
 
+// --log-json's file, locked for the run's life from before anything is built (a second run
+// writing the same log replaced or interleaved this one's lines without a word); JsonLog writes
+// through a copy of the descriptor. The file the run made is removed when it ends still empty.
+struct HeldFile {
+  int fd = -1;
+  std::string made;  // the path, where this run created the file
+  HeldFile(int f, std::string m) : fd(f), made(std::move(m)) {}
+  HeldFile(const HeldFile&) = delete;
+  HeldFile& operator=(const HeldFile&) = delete;
+  ~HeldFile() {
+    struct stat st {};
+    if (!made.empty() && ::fstat(fd, &st) == 0 && st.st_size == 0) ::unlink(made.c_str());
+    ::close(fd);  // (releases the lock)
+  }
+};
+
 // What the options and files decide before any device or collective.
 struct Settings {
   explicit Settings(const TrainOptions& options) : o(options) {}
@@ -89,6 +106,7 @@ struct Settings {
   // --out and the checkpoint folder, held while the run lives (rank 0's): a second run into
   // either is refused.
   std::vector<std::unique_ptr<HeldFolder>> held_folders;
+  std::unique_ptr<HeldFile> held_log;  // --log-json's file (rank 0's; none for a stream)
   // The launch and the device's options
   LaunchInfo launch;
   HostDeviceOptions hopt;
@@ -137,7 +155,9 @@ struct Phases {
 // a pipe, /dev/stdout, whose console lines are not written over), and how much of it is whole
 // lines.
 struct JsonLog {
-  explicit JsonLog(const std::string& path);  // throws naming the path when it cannot be opened
+  // Throws naming the path when it cannot be opened. `held`: the file's descriptor, locked by
+  // the run (HeldFile), written from its start.
+  explicit JsonLog(const std::string& path, int held = -1);
   JsonLog(const JsonLog&) = delete;
   JsonLog& operator=(const JsonLog&) = delete;
   ~JsonLog();

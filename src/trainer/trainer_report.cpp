@@ -1,6 +1,7 @@
 // What the user sees of a run: the plan alone (--plan), the header, the progress line of each
 // step, the per-step JSON log (--log-json) and the summary table. Only rank 0 prints (Settings::con
 // is null on the others) or writes the log.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
@@ -100,8 +101,18 @@ TrainResult report_plan(const Settings& s) {
   return r;
 }
 
-JsonLog::JsonLog(const std::string& p) : path(p), stream(written_in_place(p)) {
-  fd = open_output(path);
+JsonLog::JsonLog(const std::string& p, int held) : path(p), stream(written_in_place(p)) {
+  if (held >= 0 && !stream) {
+    fd = ::fcntl(held, F_DUPFD_CLOEXEC, 0);
+    if (fd >= 0 && (::ftruncate(fd, 0) != 0 || ::lseek(fd, 0, SEEK_SET) != 0)) {
+      const int err = errno;
+      ::close(fd);
+      fd = -1;
+      errno = err;
+    }
+  } else {
+    fd = open_output(path);
+  }
   if (fd < 0) STRATA_THROW(kIo, "--log-json {} cannot be written: {}", path, std::strerror(errno));
 }
 
@@ -162,7 +173,7 @@ void open_json_log(Run& r) {
           "to {} are not in the log (it stopped there)",
           o.log_json, last, r.start_step, last + 1, missing_to);
   }
-  r.jlog = std::make_unique<JsonLog>(o.log_json);
+  r.jlog = std::make_unique<JsonLog>(o.log_json, r.s.held_log ? r.s.held_log->fd : -1);
   // Now: a run that dies before its first line keeps them. Line by line, so that a full drive
   // leaves whole lines only.
   std::istringstream lines(kept);

@@ -467,12 +467,35 @@ void hold_folder(Settings& s, const std::string& flag, const std::string& folder
                flag, folder, flag);
 }
 
+// --log-json's file (not a stream), opened without emptying it (a resumed run reads its lines
+// first) and locked for the run's life by rank 0: another run writing the same log is refused.
+// Unopened here (a folder that is not there), JsonLog says why later; no lock where the file
+// system has none.
+void hold_log(Settings& s) {
+  const std::string& path = s.o.log_json;
+  if (s.launch.rank != 0 || path.empty() || s.o.plan_only || written_in_place(path)) return;
+  std::error_code ec;
+  const bool existed = fs::exists(path, ec);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) {
+    s.held_log = std::make_unique<HeldFile>(fd, existed ? std::string() : path);
+    return;
+  }
+  ::close(fd);
+  STRATA_THROW(kInvalidArgument,
+               "--log-json {} is being written by another running strata-train: give this run "
+               "its own --log-json, or start it once that one has ended",
+               path);
+}
+
 void hold_folders(Settings& s) {
   const TrainOptions& o = s.o;
   hold_folder(s, "--out", o.out_dir);
   if (o.save_every > 0)
     hold_folder(s, o.checkpoint_dir.empty() ? "the checkpoint folder" : "--checkpoint-dir",
                 s.ckpt_root);
+  hold_log(s);
 }
 
 // Resume: the newest complete checkpoint, found (and verified) before anything is built; the
