@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2952,6 +2953,41 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
   ASSERT_NE(first, std::string::npos) << r.err;
   EXPECT_EQ(r.err.find(said, first + 1), std::string::npos) << "said more than once:\n" << r.err;
 #endif
+}
+
+// A run that finds another preparing the same corpus says so and waits for it (it waited without
+// a word), then reuses its file.
+TEST_F(TrainCli, ARunWaitingForAnotherPreparingTheCorpusSaysSo) {
+  const std::string hf = dir.path + "/hf", corpus = dir.path + "/corpus.jsonl",
+                    cache = dir.path + "/cache";
+  write_tokenizer_model(hf);
+  write_corpus(corpus, 200);
+  const std::vector<std::pair<std::string, std::string>> env = {{"STRATA_CACHE_DIR", cache}};
+  const std::vector<std::string> a = {"--model", hf,        "--data", corpus,     "--seq-len",
+                                      "16",      "--steps", "1",      "--device", "cpu"};
+  ASSERT_EQ(run(STRATA_TRAIN_BIN, a, dir.path, "made", env).status, 0);
+  std::string lock_path;
+  for (const auto& e : fs::directory_iterator(cache + "/prep"))
+    if (e.path().extension() == ".lock") lock_path = e.path().string();
+  ASSERT_FALSE(lock_path.empty());
+  // The other run: this test, holding the corpus's lock.
+  const int lock = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX), 0);
+  const pid_t pid = testing::start(STRATA_TRAIN_BIN, a, dir.path, "waits", env);
+  const std::string err = dir.path + "/waits.stderr";
+  for (int i = 0; i < 600 && slurp(err).find("waiting for it") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_NE(slurp(err).find(": another run is preparing this corpus; waiting for it (its file is "
+                            "then reused)"),
+            std::string::npos)
+      << slurp(err);
+  ::close(lock);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(err);
+  EXPECT_NE(slurp(dir.path + "/waits.stdout").find("reused"), std::string::npos)
+      << slurp(dir.path + "/waits.stdout");
 }
 
 // Two ranks on one machine prepare a corpus once (the flock): one cached file, no temporary left,

@@ -1022,7 +1022,15 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
       if (fd >= 0) ::close(fd);  // closing releases the flock
     }
   } unlock{lock};
-  while (lock >= 0 && ::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+  // Another run preparing the same corpus: said, then waited for (it went on without a word,
+  // for as long as the other's preparing took), and its file reused.
+  if (lock >= 0 && ::flock(lock, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    if (s.con)
+      log::info(
+          "{}: another run is preparing this corpus; waiting for it (its file is then reused)",
+          path);
+    while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+    }
   }
   std::optional<PreparedHeader> reused;  // the header of the file reused
   if (fs::exists(path, ec)) {
