@@ -588,64 +588,78 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   std::string root = path;
   if (fs::is_directory(fs::path(path) / "checkpoints", ec))
     root = (fs::path(path) / "checkpoints").string();
-  std::vector<std::pair<std::int64_t, std::string>> found, set_aside;
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    std::error_code link_ec;  // a link that loops or dangles: not a folder, said if named step-*
-    if (!e.is_directory(link_ec)) {
-      if (link_ec && e.path().filename().string().rfind("step-", 0) == 0)
-        log::warn("{}: skipping {}: {}", what, e.path().string(), link_ec.message());
-      continue;
+  // Listed again where a candidate went while it was verified (a live run's pruning removed it
+  // as its next checkpoint was completed: an export of a run still going failed, "no complete
+  // checkpoint", about one time in twenty with --keep-checkpoints 1).
+  std::vector<std::pair<std::int64_t, std::string>> found;
+  for (int listing = 0;; ++listing) {
+    const bool last_listing = listing == 4;
+    std::vector<std::pair<std::int64_t, std::string>> set_aside;
+    found.clear();
+    for (const auto& e : fs::directory_iterator(root, ec)) {
+      std::error_code link_ec;  // a link that loops or dangles: not a folder, said if named step-*
+      if (!e.is_directory(link_ec)) {
+        if (link_ec && e.path().filename().string().rfind("step-", 0) == 0)
+          log::warn("{}: skipping {}: {}", what, e.path().string(), link_ec.message());
+        continue;
+      }
+      const std::string name = e.path().filename().string();
+      const std::int64_t st = step_of(name);
+      const auto old = name.find(".old-");
+      if (st >= 0)
+        found.emplace_back(st, e.path().string());
+      else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
+        set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
+      else if (name.rfind("step-", 0) == 0)
+        log::warn("{}: skipping {}: {}", what, e.path().string(),
+                  name.find(".pruned-") != std::string::npos
+                      ? "a checkpoint a run was removing (the next save removes it)"
+                      : "an unfinished checkpoint");
     }
-    const std::string name = e.path().filename().string();
-    const std::int64_t st = step_of(name);
-    const auto old = name.find(".old-");
-    if (st >= 0)
-      found.emplace_back(st, e.path().string());
-    else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
-      set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
-    else if (name.rfind("step-", 0) == 0)
-      log::warn("{}: skipping {}: {}", what, e.path().string(),
-                name.find(".pruned-") != std::string::npos
-                    ? "a checkpoint a run was removing (the next save removes it)"
-                    : "an unfinished checkpoint");
-  }
-  STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
-  // A complete step-<N> a run moved aside to save step N again, and died before the new one took
-  // its name (write_checkpoint): it stands for step N while there is no step-<N>.
-  // Beside its step-<N> it is the older copy of that step: tried after it (the stable sort below
-  // keeps it behind), when step-<N> does not verify.
-  for (const auto& [st, dir] : set_aside) {
-    const bool have =
-        std::any_of(found.begin(), found.end(), [st = st](const auto& f) { return f.first == st; });
-    if (have)
-      log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what,
-                dir, st, st);
-    else
-      log::warn(
-          "{}: {} is step-{} set aside by a run that stopped while saving that step again: taking "
-          "it as step-{}",
-          what, dir, st, st);
-    found.emplace_back(st, dir);
-  }
-  std::stable_sort(found.begin(), found.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::vector<std::string> skipped;
-  for (const auto& [st, dir] : found) {
-    if (max_step >= 0 && st > max_step) continue;
-    FoundCheckpoint fc;
-    std::string why = verify_checkpoint(dir, &fc.manifest);
-    if (why.empty() && fc.manifest.value("step", std::int64_t(-1)) != st)
-      why = fmt::format("its manifest says step {}", fc.manifest.value("step", std::int64_t(-1)));
-    if (!why.empty()) {
-      log::warn("{}: skipping {}: {}", what, dir, why);
-      skipped.push_back(fmt::format("{}: {}", dir, why));
-      continue;
+    STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
+    // A complete step-<N> a run moved aside to save step N again, and died before the new one took
+    // its name (write_checkpoint): it stands for step N while there is no step-<N>.
+    // Beside its step-<N> it is the older copy of that step: tried after it (the stable sort below
+    // keeps it behind), when step-<N> does not verify.
+    for (const auto& [st, dir] : set_aside) {
+      const bool have = std::any_of(found.begin(), found.end(),
+                                    [st = st](const auto& f) { return f.first == st; });
+      if (have)
+        log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what,
+                  dir, st, st);
+      else
+        log::warn(
+            "{}: {} is step-{} set aside by a run that stopped while saving that step again: "
+            "taking it as step-{}",
+            what, dir, st, st);
+      found.emplace_back(st, dir);
     }
-    fc.dir = dir;
-    fc.root = root;
-    fc.step = st;
-    fc.skipped = std::move(skipped);
-    return fc;
+    std::stable_sort(found.begin(), found.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::vector<std::string> skipped;
+    bool gone = false;
+    for (const auto& [st, dir] : found) {
+      if (max_step >= 0 && st > max_step) continue;
+      FoundCheckpoint fc;
+      std::string why = verify_checkpoint(dir, &fc.manifest);
+      if (why.empty() && fc.manifest.value("step", std::int64_t(-1)) != st)
+        why = fmt::format("its manifest says step {}", fc.manifest.value("step", std::int64_t(-1)));
+      if (std::error_code gone_ec; !why.empty() && !last_listing && !fs::exists(dir, gone_ec)) {
+        gone = true;  // removed while it was read: the folder is listed again
+        break;
+      }
+      if (!why.empty()) {
+        log::warn("{}: skipping {}: {}", what, dir, why);
+        skipped.push_back(fmt::format("{}: {}", dir, why));
+        continue;
+      }
+      fc.dir = dir;
+      fc.root = root;
+      fc.step = st;
+      fc.skipped = std::move(skipped);
+      return fc;
+    }
+    if (!gone) break;
   }
   STRATA_REQUIRE(!found.empty(), "{} {}: no checkpoint there yet (no step-<N> folder in {}){}",
                  what, path, root,
