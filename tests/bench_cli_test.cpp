@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -880,6 +881,23 @@ TEST(BenchCli, WhatIsThereAlreadyIsNotRemovedNorReplaced) {
             std::string::npos)
       << r.err;
   EXPECT_TRUE(intact(bin));
+  // A huge-page reservation another run holds (this test, holding its lock): refused before
+  // vm.nr_hugepages is read or set, and before the benchmark's file is made.
+  const char* hp_lock = "/run/lock/strata-bench-hugepages.lock";
+  if (const int held = ::open(hp_lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644); held >= 0) {
+    ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+    const std::string before = testing::slurp("/proc/sys/vm/nr_hugepages");
+    r = testing::run(STRATA_BENCH_BIN,
+                     {"nvme", "--path", d.path, "--size", "8M", "--reserve-hugepages", "4"}, d.path,
+                     "hp");
+    ::close(held);
+    EXPECT_EQ(r.status, 1) << r.out << r.err;
+    EXPECT_NE(first_line(r.err).find("--reserve-hugepages 4: another strata-bench run on this host "
+                                     "holds a huge-page reservation"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(testing::slurp("/proc/sys/vm/nr_hugepages"), before);
+  }
   fs::create_directories(d.path + "/e/strata-bench-engine");
   const std::string notes = keep(d.path + "/e/strata-bench-engine/notes.txt");
   r = testing::run(STRATA_BENCH_BIN, {"engine", "--path", d.path + "/e", "--regime", "nvme"},

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -148,11 +149,21 @@ class SignalCleanup {
   struct sigaction previous_[std::size(kCleanupSignals)]{};
 };
 
-// Sets /proc/sys/vm/nr_hugepages for the benchmark's lifetime (root), restoring it after.
+// Sets /proc/sys/vm/nr_hugepages for the benchmark's lifetime (root), restoring it after. One
+// run at a time on a host (a lock in /run/lock): two overlapping runs each put back what they
+// found, and the second's "before" was the first's reservation, left reserved for good.
 class HugepageReservation {
  public:
   explicit HugepageReservation(int pages) {
     if (pages <= 0) return;
+    const char* lock_path = "/run/lock/strata-bench-hugepages.lock";
+    lock_ = ::open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    STRATA_REQUIRE(
+        lock_ < 0 || ::flock(lock_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK,
+        "--reserve-hugepages {}: another strata-bench run on this host holds a huge-page "
+        "reservation ({}); run them one at a time, or reserve the pages beforehand "
+        "(sysctl vm.nr_hugepages=N) and drop --reserve-hugepages",
+        pages, lock_path);
     std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
     // Every page reserved is taken from the rest of the machine for the run: more than memory
     // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
@@ -177,11 +188,13 @@ class HugepageReservation {
   }
   ~HugepageReservation() {
     if (active_) std::ofstream("/proc/sys/vm/nr_hugepages") << before_;
+    if (lock_ >= 0) ::close(lock_);  // (after: the next run finds the setting put back)
   }
 
  private:
   int before_ = 0;
   bool active_ = false;
+  int lock_ = -1;
 };
 
 // The benchmark's file, removed however the run ends (a failed run left gigabytes behind; a
@@ -194,26 +207,28 @@ struct RemovedAtExit {
   }
 };
 
-// Refuses a run whose file would not fit on the drive (before writing any of it).
-void require_space(const std::string& dir, const std::string& file, std::size_t size) {
+// Refuses a run whose file would not fit on the drive (before writing any of it), then makes the
+// file, empty. The benchmark's file is removed and replaced: one already there is refused, not
+// deleted (a user's file of that name, or another run's file in use by it); made atomically
+// (O_EXCL): two runs started at one instant both saw no file, and each removed and wrote the
+// other's. The caller removes it (RemovedAtExit, SignalCleanup).
+void claim_file_with_space(const std::string& dir, const std::string& file, std::size_t size) {
   struct statvfs sv {};
   STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
-  std::error_code ec;
-  // The benchmark's file is removed and replaced: one already there is refused, not deleted (a
-  // user's file of that name, or another run's file in use by it).
-  STRATA_REQUIRE(
-      !fs::exists(fs::symlink_status(file, ec)),
-      "--path {}: {} already exists and the benchmark would replace and then remove it; remove it "
-      "(a killed earlier run leaves it), or give another --path",
-      dir, file);
-  if (sv.f_blocks == 0)
-    return;  // a file system that keeps no count (ramfs): no space to check against
   const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
+  // (a file system that keeps no count, ramfs: no space to check against)
   STRATA_REQUIRE(
-      free >= size + (std::uint64_t(64) << 20),
+      sv.f_blocks == 0 || free >= size + (std::uint64_t(64) << 20),
       "--path {}: {} free, and the benchmark writes a {} file there (and keeps 64 MiB spare); "
       "free space, lower --size, or point --path at another drive",
       dir, human_bytes(double(free)), human_bytes(double(size)));
+  const int made = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  STRATA_REQUIRE(
+      made >= 0 || errno != EEXIST,
+      "--path {}: {} already exists and the benchmark would replace and then remove it; remove it "
+      "(a killed earlier run, or another run using it now, leaves it), or give another --path",
+      dir, file);
+  if (made >= 0) ::close(made);
 }
 
 // Where a run's buffers come from. kSame: 4 KiB pages of one shared memory (a memfd) that our
@@ -499,14 +514,13 @@ double run_fio(const std::string& file, std::size_t size, const AioConfig& cfg, 
 // system's unwritten-extent conversion that whichever ran first would otherwise pay.
 // Returns whether the file system took O_DIRECT (fio is then run the same way).
 bool lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
-  std::error_code ec;
-  fs::remove(file, ec);
   const std::size_t unit = std::min<std::size_t>(size, std::size_t(64) << 20);
   void* buf = std::aligned_alloc(4096, unit);
   STRATA_REQUIRE(buf != nullptr, "out of memory preparing {}", file);
   std::memset(buf, 0xa5, unit);
   bool direct = false;
-  const int fd = open_for_io(file, O_RDWR | O_CREAT, cfg.direct, &direct);
+  // (truncated, not removed: the file stays the one this run made)
+  const int fd = open_for_io(file, O_RDWR | O_CREAT | O_TRUNC, cfg.direct, &direct);
   AioConfig c = cfg;
   c.thread_count = 1;
   auto eng = make_io_engine(c);
@@ -624,7 +638,7 @@ void run_compare(const NvmeArgs& a) {
                  "same one); use --threads 1, or --buffers huge, normal or both",
                  a.buffers, cfg.thread_count);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
-  require_space(a.path, file, size);
+  claim_file_with_space(a.path, file, size);
   SignalCleanup::remove_file(file);
   SignalCleanup::remove_file(file + ".fio-stderr");  // run_fio's
   const RemovedAtExit removed{file};
@@ -814,7 +828,7 @@ void run_sweep(const NvmeArgs& a) {
                  a.size);
   STRATA_REQUIRE(a.sweep_seconds > 0, "--sweep-seconds {}: must be > 0 (the sweep's time bound)",
                  a.sweep_seconds);
-  require_space(a.path, file, size);
+  claim_file_with_space(a.path, file, size);
   SignalCleanup::remove_file(file);
   const RemovedAtExit removed{file};
   const int qds[] = {8, 32, 64};
