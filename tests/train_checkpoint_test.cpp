@@ -1042,6 +1042,48 @@ TEST_F(TrainBinary, AResumeOnADataFileChangedInPlaceWarns) {
       << slurp(changed.err);
 }
 
+// A checkpoint of an older strata records its data files' paths only; where they are now under
+// other paths (a corpus whose cache name changed with strata's version) and the old paths are
+// still there with the same bytes, the data continues and is not warned of (it was: "the data
+// will not continue where it stopped"); with the old path gone it still is.
+TEST_F(TrainBinary, AnOlderCheckpointsDataUnderAnotherPathIsComparedByItsBytes) {
+  const std::string ck = dir.path + "/ck", copy = dir.path + "/copy.txt";
+  ASSERT_NO_FATAL_FAILURE(two_steps_saved_in(ck));
+  {
+    std::ifstream f(ck + "/step-2/manifest.json");
+    nlohmann::json m = nlohmann::json::parse(f);
+    nlohmann::json& d = m["trainer"]["data"];
+    ASSERT_TRUE(d.contains("file_bytes")) << d.dump();
+    d.erase("file_bytes");
+    d.erase("file_samples");
+    m["manifest_xxh3"] = manifest_checksum(m);
+    std::ofstream(ck + "/step-2/manifest.json") << m.dump(1);
+  }
+  fs::copy_file(text, copy);
+  const auto resumed = [&](const std::string& tag) {
+    auto a = args(dir.path + "/" + tag + ".jsonl", {"--resume", ck});
+    for (auto& x : a)
+      if (x == text) x = copy;
+    set_steps(a, "3");
+    Proc p = spawn(a, dir.path, tag);
+    const int st = wait_status(p.pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << slurp(p.err);
+    return std::make_pair(slurp(p.out), slurp(p.err));
+  };
+  const auto [out, err] = resumed("there");
+  EXPECT_EQ(err.find("the data will not continue"), std::string::npos) << err;
+  EXPECT_NE(out.find("the data files are the checkpoint's (the same sizes and bytes) under other "
+                     "paths"),
+            std::string::npos)
+      << out;
+  fs::remove(text);
+  const auto [out2, err2] = resumed("gone");
+  EXPECT_NE(err2.find("in the checkpoint's run, [\"" + copy +
+                      "\"] now: the data will not continue where it stopped"),
+            std::string::npos)
+      << err2;
+}
+
 // A linear decay resumed inside its warmup with another total (or --min-lr): the next lr is the
 // same there, but the decay after it is not, and the resume says so (only a cosine's total was
 // compared), giving both schedules.

@@ -1596,7 +1596,22 @@ void resume_from_checkpoint(Run& r) {
             same_bytes = false;
             changed = i;
           }
-      if (recorded && same_bytes) {
+      // An older checkpoint's files under other paths (a corpus whose cache name changed with
+      // strata's version: the run was warned that its data would not continue, and it did):
+      // their bytes, where they are still there.
+      bool compared = recorded;
+      if (!recorded && !same_paths && d.contains("files") && d["files"].is_array()) {
+        const std::vector<std::string> then_files = canon(d["files"]);
+        std::error_code ec;
+        if (!then_files.empty() &&
+            std::all_of(then_files.begin(), then_files.end(),
+                        [&](const std::string& f) { return fs::is_regular_file(f, ec); })) {
+          const DataIdentity then = data_identity(then_files);
+          compared = true;
+          same_bytes = then.bytes == now_bytes && then.samples == now_samples;
+        }
+      }
+      if (compared && same_bytes) {
         if (!same_paths && s.con)
           std::fprintf(s.con,
                        "--resume: the data files are the checkpoint's (the same sizes and "
