@@ -889,6 +889,25 @@ TEST_F(TrainBinary, AResumeAtTheLastStepWithOutWritesTheModel) {
   st = wait_status(p.pid);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
   EXPECT_NE(slurp(p.err).find("did not write its model there"), std::string::npos) << slurp(p.err);
+  // A checkpoint of an older strata, which recorded no --out: said as such.
+  const std::string ck3 = dir.path + "/ck3";
+  fs::copy(ck2, ck3, fs::copy_options::recursive);
+  {
+    std::ifstream f(ck3 + "/step-2/manifest.json");
+    nlohmann::json m = nlohmann::json::parse(f);
+    ASSERT_TRUE(m["trainer"].contains("out_dir"));
+    m["trainer"].erase("out_dir");
+    m["manifest_xxh3"] = manifest_checksum(m);
+    std::ofstream(ck3 + "/step-2/manifest.json") << m.dump(1);
+  }
+  auto older = args(dir.path + "/g.jsonl", {"--resume", ck3, "--out", out2});
+  set_steps(older, "2");
+  p = spawn(older, dir.path, "older");
+  st = wait_status(p.pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  EXPECT_NE(slurp(p.err).find("is of an older strata, which does not record its run's --out"),
+            std::string::npos)
+      << slurp(p.err);
   std::ofstream(out2 + "/notes.txt") << "mine";
   p = spawn(a, dir.path, "taken");
   st = wait_status(p.pid);

@@ -507,12 +507,16 @@ void find_checkpoints(Settings& s) {
   std::vector<std::int64_t>& inherited_checkpoints = s.inherited_checkpoints;
   if (!o.resume.empty()) resume = find_checkpoint(o.resume);
   if (s.out_holds_a_model) {
-    const std::string recorded =
-        resume.manifest.value("trainer", nlohmann::json::object()).value("out_dir", "");
+    const nlohmann::json t = resume.manifest.value("trainer", nlohmann::json::object());
+    const std::string recorded = t.value("out_dir", "");
     STRATA_REQUIRE(!recorded.empty() && recorded == canonical_path(o.out_dir),
-                   "--out {} exists: pass --overwrite to replace it (it holds a model, and the "
-                   "run of {} did not write its model there)",
-                   o.out_dir, resume.dir);
+                   "--out {} exists: pass --overwrite to replace it (it holds a model, and {})",
+                   o.out_dir,
+                   t.contains("out_dir")
+                       ? fmt::format("the run of {} did not write its model there", resume.dir)
+                       : fmt::format("{} is of an older strata, which does not record its run's "
+                                     "--out: whether that run wrote the model is not known",
+                                     resume.dir));
   }
   ckpt_root = o.checkpoint_dir;
   if (ckpt_root.empty() && !o.out_dir.empty())
