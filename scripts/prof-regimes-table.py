@@ -55,7 +55,8 @@ def row(regime, runs):
         over = j.get("fastest_predicted_rank") or 1
         cells["rec"].append(("fastest" if rec < 5e-4 else f"+{pct(rec)}") +
                             (f" (over #{over})" if over > 1 else ""))
-        cells["drift"].append(pct(j.get("round_drift") or 0))
+        drift = j.get("round_drift")  # (older runs' JSON has none: "-", not a drift of 0)
+        cells["drift"].append("-" if drift is None else pct(drift))
     bound = cells["bound"][0] if len(set(cells["bound"])) == 1 else ", ".join(cells["bound"])
     cols = [regime, bound] + [", ".join(cells[k]) for k in ["pred", "meas", "err", "rho", "rec", "drift"]]
     return "| " + " | ".join(cols) + " |"
