@@ -95,8 +95,9 @@ class Backend {
   virtual void bias_add(Stream& s, float* y, Weight b, i64 n, i64 m) const = 0;
   virtual void bias_backward(Stream& s, const float* dy, float* db, i64 n, i64 m) const = 0;
   // grad_scale != 0: the logits' gradient (times grad_scale) into grad, which is the logits
-  // themselves (fp32) or a bf16 buffer. A row whose target is kIgnoreTarget gets loss 0 and a
-  // zero gradient row.
+  // themselves (fp32) or a bf16 buffer; with a bf16 grad the logits are not to be read after (the
+  // CPU's are left as they were, the CUDA backend's hold the fp32 gradient). A row whose target
+  // is kIgnoreTarget gets loss 0 and a zero gradient row.
   virtual void cross_entropy(Stream& s, float* logits, const std::int32_t* targets, float* losses,
                              i64 rows, i64 vocab, double grad_scale, Out grad) const = 0;
   // The cross-entropy over a vocabulary split across tensor-parallel ranks, in two halves with a
@@ -107,7 +108,8 @@ class Backend {
   //  - cross_entropy_finish: all [parts, rows, 2] every rank's stats in rank order; the row's loss
   //    = log-sum-exp over the parts' log-sum-exps - the sum of their target logits, and with
   //    grad_scale != 0 these columns' gradient (softmax - onehot) * grad_scale into grad (the
-  //    logits or a bf16 buffer), as cross_entropy. kIgnoreTarget: loss 0, a zero gradient row.
+  //    logits or a bf16 buffer), as cross_entropy (the logits not to be read after with a bf16
+  //    grad). kIgnoreTarget: loss 0, a zero gradient row.
   // A backend without them runs the model without tensor parallelism: the defaults throw
   // kUnsupported.
   virtual void cross_entropy_stats(Stream& s, const float* logits, const std::int32_t* targets,

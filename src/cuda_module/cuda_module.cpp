@@ -14,18 +14,8 @@
 namespace strata::gpu {
 namespace {
 
-// The stream's GPU made the calling thread's current device: a kernel launched into a stream
-// of another device than the current one fails ("not associated to the current device"), and
-// the launchers below take a raw stream of any rank's GPU.
-void use_device_of(void* stream) {
-  int device = 0, current = 0;
-  if (cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &device) != cudaSuccess ||
-      cudaGetDevice(&current) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;  // the launch itself reports what is wrong
-  }
-  if (current != device) (void)cudaSetDevice(device);
-}
+// The launchers below take a raw stream of any rank's GPU: its device is made current first.
+using detail::use_device_of;
 
 // Each launcher behind a wrapper that sets its stream's device current and makes its launch a
 // GPU-timed span of the stream's lane while the tracer is on (cuda_trace.h); the stream is

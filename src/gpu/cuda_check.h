@@ -18,6 +18,19 @@
 
 namespace strata::gpu::detail {
 
+// The stream's GPU made the calling thread's current device: a kernel launched into a stream of
+// another device than the current one fails ("not associated to the current device"), and a
+// function attribute set (cudaFuncSetAttribute) applies to the current device only.
+inline void use_device_of(void* stream) {
+  int device = 0, current = 0;
+  if (cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &device) != cudaSuccess ||
+      cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;  // the launch itself reports what is wrong
+  }
+  if (current != device) (void)cudaSetDevice(device);
+}
+
 // The cuBLAS / cuBLASLt data type of a strata dtype (fp64 has none here: kUnsupported).
 inline cudaDataType_t cuda_data_type(DType t) {
   switch (t) {

@@ -1033,6 +1033,9 @@ void CudaStream::do_copy(MemRef dst, MemRef src) {
       log::warn_once("cuda-staging-full",
                      "pinned staging for pageable host memory is exhausted; copies block the "
                      "caller until they finish. Copy from pinned memory (PinnedPool)");
+      // CUDA reads a pageable source when the call is made, not when the stream reaches it:
+      // the work queued before it (a host function or a copy that writes the source) runs first.
+      if (src_pageable) STRATA_CUDA_CHECK(cudaStreamSynchronize(stream_));
       STRATA_CUDA_CHECK(cudaMemcpyAsync(d + off, s + off, len, cudaMemcpyDefault, stream_));
       continue;
     }

@@ -1237,12 +1237,14 @@ int embedding_backward(const std::int32_t* tokens, const float* dout, float* dwt
 }
 int rmsnorm_forward(const float* x, const void* w, bool wbf16, float* out, float* rstd, i64 n,
                     i64 c, double eps, void* stream) {
+  if (n == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_rmsnorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, wbf16, out, rstd, c,
                                                               float(eps));
   return launched();
 }
 int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
                      const float* rstd, float* dx, float* dw, i64 n, i64 c, void* stream) {
+  if (n == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_rmsnorm_backward_dx<<<unsigned(n), kThreads, 0, cs(stream)>>>(dout, x, w, wbf16, rstd, dx, c);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
   if (variant() == KernelVariant::kTiled)
@@ -1254,6 +1256,7 @@ int rmsnorm_backward(const float* dout, const float* x, const void* w, bool wbf1
 }
 int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, float* out,
                       float* mean, float* rstd, i64 n, i64 c, double eps, void* stream) {
+  if (n == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_layernorm_forward<<<unsigned(n), kThreads, 0, cs(stream)>>>(x, w, b, wbf16, out, mean, rstd, c,
                                                                 float(eps));
   return launched();
@@ -1261,6 +1264,7 @@ int layernorm_forward(const float* x, const void* w, const void* b, bool wbf16, 
 int layernorm_backward(const float* dout, const float* x, const void* w, bool wbf16,
                        const float* mean, const float* rstd, float* dx, float* dw, float* db, i64 n,
                        i64 c, void* stream) {
+  if (n == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_layernorm_backward_dx<<<unsigned(n), kThreads, 0, cs(stream)>>>(dout, x, w, wbf16, mean, rstd,
                                                                     dx, c);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
@@ -1358,6 +1362,7 @@ int attention_cached(const float* qkv, float* k_cache, float* v_cache, float* o,
 }
 int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64 rows, i64 vocab,
                   double grad_scale, void* stream) {
+  if (rows == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_cross_entropy<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, losses, vocab,
                                                                float(grad_scale));
   return launched();
@@ -1365,11 +1370,13 @@ int cross_entropy(float* logits, const std::int32_t* targets, float* losses, i64
 
 int cross_entropy_stats(const float* logits, const std::int32_t* targets, float* stats, i64 rows,
                         i64 vocab, void* stream) {
+  if (rows == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_cross_entropy_stats<<<unsigned(rows), kThreads, 0, cs(stream)>>>(logits, targets, stats, vocab);
   return launched();
 }
 int cross_entropy_finish(float* logits, const std::int32_t* targets, const float* all, i64 parts,
                          float* losses, i64 rows, i64 vocab, double grad_scale, void* stream) {
+  if (rows == 0) return 0;  // (a grid of 0 blocks is a launch error; the CPU does nothing)
   k_cross_entropy_finish<<<unsigned(rows), kThreads, 0, cs(stream)>>>(
       logits, targets, all, parts, losses, rows, vocab, float(grad_scale));
   return launched();

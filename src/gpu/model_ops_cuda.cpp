@@ -1,6 +1,7 @@
 // CudaDevice's model kernels (strata/model_ops.h): the launchers of model_kernels.cu on the
 // stream's cudaStream_t. The CUDA kernels write fp32; a bf16 Out is written through an fp32
 // scratch allocated on the stream, cast into it and freed in stream order.
+#include "gpu/cuda_check.h"
 #include "gpu/cuda_trace.h"
 #include "gpu/model_kernels.h"
 #include "strata/device.h"
@@ -41,10 +42,12 @@ void to_out(Stream& s, Out out, i64 numel, Launch launch) {
 
 class CudaModelOps final : public model_ops::Backend {
  public:
-  // One kernel launch, checked; while traced, its GPU time is a span on the stream's lane (the
+  // One kernel launch on the stream's GPU (made current: a thread whose current device is another
+  // failed the launch), checked; while traced, its GPU time is a span on the stream's lane (the
   // step's GPU time in a trace, and strata-bench gpu's busy share, count the model's kernels).
   template <class F>
   static void launch(Stream& s, const char* op, F f) {
+    gpu::detail::use_device_of(h(s));
     const GpuSpan span(op, h(s));
     check(f(), op);
   }

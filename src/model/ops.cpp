@@ -96,6 +96,9 @@ void attention_cached(Stream& s, const float* qkv, float* k_cache, float* v_cach
 void attention_backward(Stream& s, const float* qkv, const float* o, const float* dout,
                         const float* lse, float* dqkv, i64 b, i64 t, i64 nh, i64 nkv, i64 hd,
                         double scale, DType gemm) {
+  STRATA_REQUIRE(hd <= 512 && nkv > 0 && nh % nkv == 0,
+                 "attention_backward: head_dim {} must be <= 512, heads {} a multiple of {}", hd,
+                 nh, nkv);
   kernels(s).attention_backward(s, qkv, o, dout, lse, dqkv, b, t, nh, nkv, hd, scale,
                                 gemm == DType::kBF16);
 }

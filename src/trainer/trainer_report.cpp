@@ -461,11 +461,11 @@ void print_summary(Run& r) {
   if (rss_peak > ram_planned)
     std::fprintf(con,
                  "  ram past the plan by %s: the plan counts the training state; the kernels' "
-                 "working memory%s are not in it\n",
+                 "working memory%s not in it\n",
                  human_bytes(double(rss_peak - ram_planned)).c_str(),
                  r.dev->kind() == DeviceKind::kCpu
-                     ? " and the activations (on the CPU-emulated device, in host RAM)"
-                     : "");
+                     ? " and the activations (on the CPU-emulated device, in host RAM) are"
+                     : " is");
   if (s.early_units_kept + s.early_units_redone > 0)
     std::fprintf(
         con,
