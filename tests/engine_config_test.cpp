@@ -1323,6 +1323,55 @@ TEST(MemoryPlan, ImpossibleRequestNamesTierAndMissingBytes) {
       << shared.problems[1];
 }
 
+// A plan that does not fit offers only the fixes that would shrink it: more ranks where the
+// device holds shards (with none there, a plan for more ranks only grew), the gradients back on a
+// device with room for them (a full device was offered them), more in host memory where the
+// host has room (an over-budget host was offered more).
+TEST(MemoryPlan, OnlyFixesThatShrinkThePlanAreOffered) {
+  const auto problems = [](const EngineConfig& c, const PlanInputs& in) {
+    std::string all;
+    for (const auto& q : plan_memory(c, in).problems) all += q + "\n";
+    return all;
+  };
+  const std::string ranks = "more data-parallel ranks", none = "offload_grads \"none\"";
+  PlanInputs in = synthetic_inputs();
+  in.device_capacity = 2'000'000;
+  const std::string offloaded =
+      problems(synthetic_config(R"(, "stage": 3, "offload_param": {"device": "cpu"},
+                          "offload_optimizer": {"device": "cpu"}, "offload_grads": "cpu")"),
+               in);
+  EXPECT_NE(offloaded.find("device:"), std::string::npos) << offloaded;
+  EXPECT_EQ(offloaded.find(ranks), std::string::npos) << offloaded;
+  in.device_capacity = 36'000'000;
+  const std::string resident = problems(synthetic_config(R"(, "stage": 3)"), in);
+  EXPECT_NE(resident.find(ranks), std::string::npos) << resident;
+  // Host over its budget with the gradients there: back on the device only where they fit.
+  in = synthetic_inputs();
+  in.host_capacity = 4u << 20;
+  const EngineConfig grads_on_host = synthetic_config(
+      R"(, "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_grads": "cpu")");
+  const std::string roomy = problems(grads_on_host, in);
+  EXPECT_NE(roomy.find(none), std::string::npos) << roomy;
+  in.device_capacity = plan_memory(grads_on_host, in).device_bytes + 1000;
+  const std::string full = problems(grads_on_host, in);
+  EXPECT_NE(full.find("host:"), std::string::npos) << full;
+  EXPECT_EQ(full.find(none), std::string::npos) << full;
+  // NVMe over its free space: more in host memory only where the host has room.
+  in = synthetic_inputs();
+  in.nvme_capacity = 1'000'000;
+  const EngineConfig on_nvme = synthetic_config(
+      R"(, "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/p"},
+         "offload_optimizer": {"device": "nvme", "nvme_path": "/o"})");
+  const std::string host_free = problems(on_nvme, in);
+  EXPECT_NE(host_free.find("keep more in host memory (offload_*.host_fraction; the host has "),
+            std::string::npos)
+      << host_free;
+  in.host_capacity = 2u << 20;
+  const std::string host_full = problems(on_nvme, in);
+  EXPECT_NE(host_full.find("host:"), std::string::npos) << host_full;
+  EXPECT_EQ(host_full.find("keep more in host memory"), std::string::npos) << host_full;
+}
+
 // Values the engine uses otherwise than the config wrote them are said in the plan's notes (a
 // sub_group_size below a page became a page, a buffer_count of 1 became 3, a live budget below
 // the largest unit became that unit — silently), and nothing is said when they are used as written.

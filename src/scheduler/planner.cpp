@@ -154,6 +154,10 @@ struct Builder {
   void add_swap_slack();
   void add_notes();
   void sum_and_capacities();
+  // The device's capacity beyond its lines (0 when they pass it).
+  std::uint64_t device_room() const {
+    return plan.device_capacity > plan.device_bytes ? plan.device_capacity - plan.device_bytes : 0;
+  }
   void device_problem();
   void host_problem();
   void nvme_problem();
@@ -432,7 +436,11 @@ void Builder::device_problem() {
     fix.push_back(fmt::format("a smaller train_micro_batch_size_per_gpu (activations take {})",
                               human(in.activation_bytes)));
   }
-  fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
+  // More ranks shrink only the shards the device holds (with none there, a plan for more ranks
+  // only adds the reduce-scatter's output).
+  if (opt_tiers[0] > 0 || (config.stage >= 2 && grad_tiers[0] > 0) ||
+      (config.stage == 3 && param_tiers[0] > 0))
+    fix.push_back("more data-parallel ranks (each holds 1/N of the shards)");
   plan.problems.push_back(shortfall("device", plan.device_bytes, plan.device_capacity) + ": " +
                           join_or(fix));
 }
@@ -486,12 +494,14 @@ void Builder::host_problem() {
         fmt::format("lower zero_optimization.offload_grads_host_fraction (now {}: the share of the "
                     "gradient shards kept on the host beside NVMe)",
                     config.grads.host_fraction));
-  else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0)
+  // The gradients moved to the device where it has room for them (a device already full, or too
+  // small for them, was offered them).
+  else if (grad_tiers[1] > 0 && config.grads.device_fraction > 0 && device_room() > 0)
     fix.push_back(fmt::format(
         "lower zero_optimization.offload_grads_ratio (now {}: the share of the gradient "
-        "shards on the host)",
-        config.grads.host_fraction));
-  else if (grad_tiers[1] > 0)
+        "shards on the host; the device has {} free)",
+        config.grads.host_fraction, human(device_room())));
+  else if (grad_tiers[1] > 0 && config.grads.device_fraction <= 0 && device_room() >= grad_tiers[1])
     fix.push_back("keep gradient shards on the device (zero_optimization.offload_grads \"none\")");
   if (grad_tiers[1] > 0 && config.grads.nvme_fraction() <= 1e-12 && config.stage == 3)
     fix.push_back(
@@ -522,7 +532,12 @@ void Builder::nvme_problem() {
                  in.ranks_on_node)
            : std::string()) +
       ": free space under the nvme_path directories, add nvme_path directories on other "
-      "drives, or keep more in host memory (offload_*.host_fraction)");
+      "drives" +
+      (plan.host_bytes < plan.host_capacity
+           ? fmt::format(", or keep more in host memory (offload_*.host_fraction; the host has {} "
+                         "free)",
+                         human(plan.host_capacity - plan.host_bytes))
+           : std::string()));
 }
 
 // Host RAM: the rank's resident memory in all, load, step and save: the process before the
