@@ -2235,6 +2235,11 @@ TEST_F(TrainCli, PlanRefusesAHostRamPlanThatCannotFitNamingTheFix) {
   EXPECT_NE(fits.out.find("pinned host memory (the host lines above)"), std::string::npos)
       << fits.out;
   EXPECT_NE(fits.out.find("the CPU-emulated device's memory"), std::string::npos) << fits.out;
+  // ... and what a GPU's early optimizer step adds to the host (off on the emulated device).
+  EXPECT_NE(fits.out.find("note: planned for the CPU-emulated device, where the early optimizer "
+                          "step is off; on a GPU it is on where the host has room for its lines: "),
+            std::string::npos)
+      << fits.out;
   const Result over = run(STRATA_TRAIN_BIN, args(dir.path + "/b.jsonl", {"--config", ds, "--plan"}),
                           dir.path, "over", small);
   EXPECT_EQ(over.status, 2) << over.out << over.err;

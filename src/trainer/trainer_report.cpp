@@ -56,6 +56,20 @@ TrainResult report_plan(const Settings& s) {
   in.ranks_on_node = s.launch.local_size;
   set_host_ram_inputs(in, *dev, s.launch.local_size);
   MemoryPlan plan = plan_memory(Engine::with_device_defaults(ecfg, *dev), in);
+  // A plan made on the CPU-emulated device for a GPU job (a login node): the early optimizer step
+  // is off here and on by default on a GPU, where its lines take more host memory.
+  if (dev->kind() == DeviceKind::kCpu && !ecfg.overlap_optimizer.has_value()) {
+    EngineConfig on_gpu = Engine::with_device_defaults(ecfg, *dev);
+    on_gpu.overlap_optimizer = true;
+    const MemoryPlan early = plan_memory(on_gpu, in);
+    if (early.early_optimizer_step && early.host_bytes > plan.host_bytes)
+      plan.notes.push_back(fmt::format(
+          "planned for the CPU-emulated device, where the early optimizer step is off; on a GPU "
+          "it is on where the host has room for its lines: {} more pinned host memory ({} in all; "
+          "\"strata\": {{\"overlap_optimizer\": true}} plans them here)",
+          human_bytes(double(early.host_bytes - plan.host_bytes)),
+          human_bytes(double(early.host_bytes))));
+  }
   // The training state only: what a micro-batch's activations take depends on the kernels
   // and is measured, not estimated (a "fits" here can still run out of device memory).
   plan.notes.push_back(
