@@ -430,6 +430,20 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
   const std::string file = (dir / "model.safetensors").string();
   ResidentWeights b(cfg, DType::kF32, *e.dev, *e.s);
 
+  // A Git LFS pointer in the weights' place (a clone without git-lfs): said, with the fix (it
+  // was "truncated safetensors file: the header claims 2336927755350992246 bytes").
+  {
+    const fs::path lfs = scratch("lfs");
+    fs::copy_file(dir / "config.json", lfs / "config.json");
+    std::ofstream(lfs / "model.safetensors")
+        << "version https://git-lfs.github.com/spec/v1\noid sha256:"
+           "4d7a2f0a7b1c3e5f00000000000000000000000000000000000000000000abcd\nsize 5368709120\n";
+    expect_error([&] { load_hf_weights(lfs.string(), b); },
+                 {(lfs / "model.safetensors").string() + " is a Git LFS pointer",
+                  "git lfs install && git lfs pull"});
+    fs::remove_all(lfs);
+  }
+
   // A tensor missing, of the wrong shape, of the wrong dtype.
   const std::vector<float> one(32 * 32, 1.0f);
   auto rewrite = [&](const std::string& skip, SafetensorsTensor replacement) {

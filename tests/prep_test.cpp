@@ -118,6 +118,13 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
                {"u.txt:3", "0xe9", "column 3", "not UTF-8", "iconv"});
   expect_error([&] { read_corpus_file(t.tok, t.write("u.jsonl", "{\"text\": \"\xff\"}\n")); },
                {"u.jsonl:1", "0xff", "not UTF-8"});
+  // Files in place of a corpus, named as what they are (a gzip file was "not UTF-8 text:
+  // convert it, e.g. iconv").
+  expect_error(
+      [&] { read_corpus_file(t.tok, t.write("c.jsonl.gz", std::string("\x1f\x8b\x08", 3))); },
+      {"c.jsonl.gz is gzip-compressed: decompress it first (gunzip -k)"});
+  expect_error([&] { read_corpus_file(t.tok, t.write("c.parquet", "PAR1\x15\x04")); },
+               {"c.parquet is a Parquet table", "JSON lines"});
   // Records are parsed in parallel; the first bad one in input order is the one named, and no
   // output is left.
   std::string many;

@@ -1845,6 +1845,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
     std::ofstream(ids32k, std::ios::binary)
         .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(ids.size() * 2));
   }
+  const std::string gz = dir.path + "/corpus.jsonl.gz";
+  std::ofstream(gz, std::ios::binary)
+      << std::string("\x1f\x8b\x08\x00\x00\x00\x00\x00", 8) << std::string(64, 'z');
   const std::string jsonl = dir.path + "/chat.jsonl";
   {
     std::ofstream f(jsonl);
@@ -1945,6 +1948,9 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
        {"--model-config", vocab32k, "--data", ids32k, "--log-json", log, "--device", "cpu"},
        ids32k + ": no header (not a strata-prep file, not an llm.c .bin) and not .txt, so its "
                 "format is unknown: give raw token ids' width with --data-dtype u16 or u32"},
+      {"gzip-compressed data",
+       {"--model-config", cfg, "--data", gz, "--log-json", log, "--device", "cpu"},
+       gz + " is gzip-compressed: decompress it first (gunzip -k) and give the result"},
       {"--min-lr without a decaying schedule", args(log, {"--min-lr", "1e-5"}),
        "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear"},
       {"--eval-batches without an evaluation", args(log, {"--eval-batches", "2"}),

@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/file_kind.h"
 #include "core/interrupt_files.h"
 #include "core/json_config.h"
 #include "core/write_fd.h"
@@ -107,6 +108,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     detail::throw_errno(__FILE__, __LINE__, "mmap", err, fmt::format("cannot map {}", path));
   base_ = static_cast<const std::uint8_t*>(p);
   try {
+    const std::string kind = foreign_file_kind(
+        std::string_view(reinterpret_cast<const char*>(base_), std::min<std::size_t>(size_, 64)));
+    STRATA_REQUIRE(kind.empty(), "{} {}", path, kind);
     std::uint64_t hlen;
     std::memcpy(&hlen, base_, 8);
     STRATA_REQUIRE(hlen <= size_ - 8,

@@ -32,6 +32,7 @@
 #include <string_view>
 #include <thread>
 
+#include "core/file_kind.h"
 #include "core/interrupt_files.h"
 #include "core/process.h"
 #include "core/utf8.h"
@@ -169,6 +170,8 @@ namespace {
 // in order. Text files are read whole; JSON lines line by line.
 template <class Emit>
 void read_raw(const std::string& path, const CorpusOptions& o, Emit&& emit) {
+  if (const std::string kind = foreign_file_kind_of(path); !kind.empty())
+    STRATA_THROW(kInvalidArgument, "{} {}", path, kind);
   if (!is_json_lines_file(path)) {
     std::string s = slurp(path, "corpus file");
     if (s.starts_with("\xEF\xBB\xBF")) s.erase(0, 3);  // a UTF-8 BOM marks the file, not its text

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/file_kind.h"
 #include "strata/corpus.h"
 #include "strata/error.h"
 #include "strata/log.h"
@@ -128,6 +129,9 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
     else
       fmt = TokenFormat::kU16;
     if (fmt == TokenFormat::kU16) {
+      const std::string kind = foreign_file_kind(std::string_view(
+          reinterpret_cast<const char*>(f->base), std::min<std::size_t>(f->size, 64)));
+      STRATA_REQUIRE(kind.empty(), "{} {}", path, kind);
       refuse_text(*f, "raw token ids (no header, not .txt)");
       // Raw ids say nothing of their width: read as uint16, uint32 ids (or anything else) train
       // silently on garbage.

@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <variant>
 
+#include "core/file_kind.h"
 #include "core/utf8.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
@@ -1323,7 +1324,10 @@ Tokenizer Tokenizer::from_folder(const std::filesystem::path& dir) {
           fmt::format("cannot read {}: check the path and permissions", p.string()));
     std::stringstream ss;
     ss << f.rdbuf();
-    return ss.str();
+    std::string text = ss.str();
+    const std::string kind = foreign_file_kind(std::string_view(text).substr(0, 64));
+    STRATA_REQUIRE(kind.empty(), "{} {}", p.string(), kind);
+    return text;
   };
   const std::filesystem::path tj = dir / "tokenizer.json", cj = dir / "tokenizer_config.json",
                               sp = dir / "tokenizer.model";
