@@ -629,11 +629,19 @@ TEST_F(TrainCli, DtypeReplacesTheConfigsFp16AndItsLossScaling) {
   // Without --dtype: refused, naming the way to bf16.
   const Result c = train(args(dir.path + "/c.jsonl", {"--config", ds}), "fp16");
   EXPECT_EQ(c.status, 1);
-  EXPECT_NE(c.err.find("fp16 (fp16.enabled in --config) is not supported yet: use \"bf16\": "
-                       "{\"enabled\": true} in "
-                       "--config or --dtype bf16"),
+  EXPECT_NE(c.err.find("fp16 (fp16.enabled in --config) is not supported yet: pass --dtype bf16, "
+                       "or in --config set \"fp16\": {\"enabled\": false} and \"bf16\": "
+                       "{\"enabled\": true}"),
             std::string::npos)
       << c.err;
+  // ... and that fix, applied, runs.
+  nlohmann::json fixed = nlohmann::json::parse(slurp(ds));
+  fixed["fp16"]["enabled"] = false;
+  fixed["bf16"]["enabled"] = true;
+  std::ofstream(dir.path + "/fixed.json") << fixed.dump();
+  const Result f =
+      train(args(dir.path + "/f.jsonl", {"--config", dir.path + "/fixed.json"}), "fixed");
+  EXPECT_EQ(f.status, 0) << f.err;
 }
 
 // The demo model under a --config whose micro-batches do not fit its 20 MiB device: one line (it

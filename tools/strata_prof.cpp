@@ -211,8 +211,8 @@ std::int64_t apply_flags(Args& a, EngineConfig& base, const LaunchInfo& launch, 
   }
   STRATA_REQUIRE(base.compute_dtype == DType::kF32 || base.compute_dtype == DType::kBF16,
                  "--config {}: fp16.enabled: the model computes in fp32 or bf16 (fp16 is not "
-                 "supported yet); use "
-                 "\"bf16\": {{\"enabled\": true}} or --dtype bf16",
+                 "supported yet): pass --dtype bf16, or in --config set \"fp16\": {{\"enabled\": "
+                 "false}} and \"bf16\": {{\"enabled\": true}}",
                  a.ds_config);
   a.dtype = base.compute_dtype == DType::kBF16 ? "bf16" : "fp32";
   const bool grad_accum_given = a.grad_accum > 0;

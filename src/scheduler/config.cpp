@@ -343,7 +343,8 @@ void parse_precision(const Section& top, EngineConfig& c) {
 
   STRATA_REQUIRE(
       !(bf16 && ls.enabled),
-      "config keys 'bf16.enabled' and 'fp16.enabled' are both true: choose one compute precision");
+      "config keys 'bf16.enabled' and 'fp16.enabled' are both true: choose one compute precision "
+      "(set the other's \"enabled\" false)");
   c.compute_dtype = bf16 ? DType::kBF16 : ls.enabled ? DType::kF16 : DType::kF32;
 }
 

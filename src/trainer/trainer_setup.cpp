@@ -767,8 +767,8 @@ void build_engine_config(Settings& s) {
   }
   STRATA_REQUIRE(ecfg.compute_dtype == DType::kF32 || ecfg.compute_dtype == DType::kBF16,
                  "the model computes in fp32 or bf16; fp16 (fp16.enabled in --config) is not "
-                 "supported yet: use "
-                 "\"bf16\": {{\"enabled\": true}} in --config or --dtype bf16");
+                 "supported yet: pass --dtype bf16, or in --config set \"fp16\": {{\"enabled\": "
+                 "false}} and \"bf16\": {{\"enabled\": true}}");
   if (o.max_grad_norm >= 0) {
     ecfg.gradient_clipping = o.max_grad_norm;
   } else if (!config_clip && !o.model_dir.empty()) {
