@@ -1286,6 +1286,25 @@ TEST_F(TrainBinary, AFullDriveAtOutSaysWhyAndHowToFinish) {
       << err;
 }
 
+// --out past the process's file-size limit (ulimit -f; or a file system's largest file): the fix
+// is the limit or smaller shards (it said "free space", which does not help).
+TEST_F(TrainBinary, AFileSizeLimitAtOutNamesTheLimitNotFreeSpace) {
+  const std::string out = dir.path + "/model";
+  auto a = args(dir.path + "/f.jsonl", {"--out", out});
+  set_steps(a, "1");
+  std::string cmd = std::string("ulimit -f 100 && exec ") + STRATA_TRAIN_BIN;  // 51200 bytes
+  for (const std::string& x : a) cmd += " '" + x + "'";
+  const auto r = testing::run("/bin/sh", {"-c", cmd}, dir.path, "fsize");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("raise the process's file-size limit (ulimit -f) or write " + out +
+                       " to a file system that holds larger files, or cut the model into smaller "
+                       "shards (--max-shard-mb N)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("free space"), std::string::npos) << r.err;
+}
+
 // A --log-json whose drive fills mid-run keeps whole lines only (a torn last line made the file
 // unreadable as JSON lines), and a resume after the gap says which steps the log lacks. Needs root.
 TEST_F(TrainBinary, ALogOnAFullDriveKeepsWholeLinesAndAResumeNamesTheGap) {

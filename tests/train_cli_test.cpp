@@ -2974,6 +2974,20 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
 #endif
 }
 
+// A DeepSpeed key whose setting strata takes from a flag names the flag where it is ignored.
+TEST_F(TrainCli, AnIgnoredDeepSpeedKeyNamesTheFlagThatDoesItsWork) {
+  const std::string ds = dir.path + "/ac.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3},
+    "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": true}})";
+  const Result r = train(args(dir.path + "/ac.jsonl", {"--config", ds, "--plan"}), "ac");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("config key 'activation_checkpointing' is not used by strata; ignored: "
+                       "strata-train recomputes layers with --checkpoint-activations (its "
+                       "cpu_checkpointing: --checkpoint-on-host)"),
+            std::string::npos)
+      << r.err;
+}
+
 // A run that finds another preparing the same corpus says so and waits for it (it waited without
 // a word), then reuses its file.
 TEST_F(TrainCli, ARunWaitingForAnotherPreparingTheCorpusSaysSo) {

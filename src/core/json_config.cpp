@@ -299,8 +299,20 @@ void Section::warn_unknown(std::initializer_list<std::string_view> known) const 
         "config key '{}' is not a key strata knows, a typo away from '{}', which is given too: "
         "remove '{}' (or merge what it holds into '{}')",
         full, key_path(guess), full, key_path(guess));
+    // DeepSpeed keys whose setting strata takes elsewhere: where, named.
+    static const std::pair<std::string_view, std::string_view> elsewhere[] = {
+        {"activation_checkpointing",
+         "strata-train recomputes layers with --checkpoint-activations (its cpu_checkpointing: "
+         "--checkpoint-on-host)"},
+        {"wall_clock_breakdown", "strata-train --trace FILE times each step's work"},
+        {"tensorboard", "strata-train --log-json FILE logs each step, --plot FILE draws them"},
+        {"wandb", "strata-train --log-json FILE logs each step, --plot FILE draws them"},
+    };
+    std::string where;
+    for (const auto& [k, w] : elsewhere)
+      if (full == k) where = fmt::format(": {}", w);
     log::warn_once("config.unknown." + full,
-                   fmt::format("config key '{}' is not used by strata; ignored", full));
+                   fmt::format("config key '{}' is not used by strata; ignored{}", full, where));
   }
 }
 

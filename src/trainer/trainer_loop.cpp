@@ -134,10 +134,16 @@ std::string with_errno(const Error& e) {
 
 // What lets `folder` take a write that failed with `e`: space on a full drive, permission where
 // it may not be written (read-only, another owner), else either.
-std::string write_fix(const Error& e, const std::string& folder) {
+std::string write_fix(const Error& e, const std::string& folder, bool shards) {
   const std::string said = e.message() + " " + e.detail();
   const auto says = [&](int err) { return said.find(std::strerror(err)) != std::string::npos; };
-  if (says(ENOSPC) || says(EDQUOT) || says(EFBIG)) return fmt::format("free space in {}", folder);
+  // (A file past the process's limit or the file system's largest: free space does not help.)
+  if (says(EFBIG))
+    return fmt::format(
+        "raise the process's file-size limit (ulimit -f) or write {} to a file system that holds "
+        "larger files{}",
+        folder, shards ? ", or cut the model into smaller shards (--max-shard-mb N)" : "");
+  if (says(ENOSPC) || says(EDQUOT)) return fmt::format("free space in {}", folder);
   if (says(EACCES) || says(EPERM) || says(EROFS)) return fmt::format("make {} writable", folder);
   return fmt::format("free space in {} or make it writable", folder);
 }
@@ -228,7 +234,7 @@ void save_checkpoint(Run& r, std::int64_t step, const nlohmann::json& log_line) 
                  newest.empty() ? std::string("no checkpoint of this run is complete")
                                 : fmt::format("the newest complete one is {}", newest),
                  peer ? fmt::format("mend what rank {} says", peer->peer)
-                      : write_fix(e, ckpt_root) + " (or give another --checkpoint-dir)",
+                      : write_fix(e, ckpt_root, false) + " (or give another --checkpoint-dir)",
                  newest.empty() ? std::string(" again (there is nothing to --resume from)")
                                 : fmt::format(" with --resume {}", newest));
   }
@@ -627,10 +633,10 @@ void write_model(Run& r) {
         newest.empty()
             ? fmt::format("no checkpoint of this run holds its training (--save-every N keeps "
                           "it): {} and run again",
-                          write_fix(e, o.out_dir))
+                          write_fix(e, o.out_dir, true))
             : fmt::format("the newest checkpoint is {}: {}, then run the same command with "
                           "--resume {}",
-                          newest, write_fix(e, o.out_dir), newest));
+                          newest, write_fix(e, o.out_dir, true), newest));
   }
   r.ph.save += since(t0);
 }
