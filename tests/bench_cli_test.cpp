@@ -624,8 +624,9 @@ TEST(BenchCli, NvmeSweepOutIsCheckedBeforeTheSweep) {
   const std::string nodir = d.path + "/nodir/aio.json";
   r = run({"--out", nodir}, "nodir");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_NE(first_line(r.err).find("--out " + nodir + ": cannot be written in " + d.path +
-                                   "/nodir: No such file or directory"),
+  EXPECT_NE(first_line(r.err).find("--out " + nodir + ": the folder " + d.path +
+                                   "/nodir does not exist: create it first (mkdir -p " + d.path +
+                                   "/nodir)"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("strata-bench nvme --sweep"), std::string::npos)

@@ -523,7 +523,13 @@ TEST_F(PlotTrain, BadPlotPathsAreRefusedBeforeTheFirstStep) {
   EXPECT_NE(refused({"--plot", dir.path}, "folder").find("--plot " + dir.path + " is a folder"),
             std::string::npos);
   EXPECT_NE(refused({"--plot", dir.path + "/no/run.svg"}, "nofolder")
-                .find("is not a folder (create it first)"),
+                .find("the folder " + dir.path + "/no does not exist: create it first (mkdir -p " +
+                      dir.path + "/no)"),
+            std::string::npos);
+  // ... and --log-json's (it was said only once the data and the device were ready).
+  EXPECT_NE(refused({"--log-json", dir.path + "/no/log.jsonl"}, "nolog")
+                .find("--log-json " + dir.path + "/no/log.jsonl: the folder " + dir.path +
+                      "/no does not exist"),
             std::string::npos);
   EXPECT_NE(refused({"--plot", dir.path + "/same", "--log-json", dir.path + "/./same"}, "same")
                 .find("--log-json and --plot both name"),

@@ -247,9 +247,13 @@ void require_output_file(const std::string& flag, const std::string& path, bool 
   const fs::path dir = fs::path(path).parent_path();
   const std::string where = dir.empty() ? std::string(".") : dir.string();
   // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
-  if (::access((where + "/.").c_str(), W_OK) != 0)
-    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where,
-                 std::strerror(errno));
+  if (::access((where + "/.").c_str(), W_OK) != 0) {
+    const int err = errno;
+    STRATA_REQUIRE(err != ENOENT || fs::exists(fs::symlink_status(where, ec)),
+                   "{} {}: the folder {} does not exist: create it first (mkdir -p {})", flag, path,
+                   where, where);
+    STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where, std::strerror(err));
+  }
 }
 
 void require_outputs_apart(const std::string& who, const NamedPaths& outs, const NamedPaths& ins) {

@@ -140,8 +140,11 @@ FolderCheck check_nearest_existing(const std::string& path) {
 // write in.
 void require_writable_folder(const std::string& flag, const std::string& path,
                              const FolderCheck& c) {
-  STRATA_REQUIRE(c.is_folder, "{} {}: {} is not a folder (create it first)", flag, path,
-                 c.folder.string());
+  std::error_code ec;
+  STRATA_REQUIRE(c.is_folder || fs::exists(c.folder, ec),
+                 "{} {}: the folder {} does not exist: create it first (mkdir -p {})", flag, path,
+                 c.folder.string(), c.folder.string());
+  STRATA_REQUIRE(c.is_folder, "{} {}: {} is not a folder", flag, path, c.folder.string());
   STRATA_REQUIRE(c.write_errno == 0, "{} {}: {} cannot be written in: {}", flag, path,
                  c.folder.string(), std::strerror(c.write_errno));
 }
@@ -579,8 +582,8 @@ void find_checkpoints(Settings& s) {
   }
 }
 
-// The --trace and --plot files' folders, and a resumed run has steps left (or a model to write)
-// and, with --epochs, the total its checkpoint's run had.
+// The --trace, --log-json and --plot files' folders, and a resumed run has steps left (or a model
+// to write) and, with --epochs, the total its checkpoint's run had.
 void check_resume_step(Settings& s) {
   const TrainOptions& o = s.o;
   const FoundCheckpoint& resume = s.resume;
@@ -588,6 +591,11 @@ void check_resume_step(Settings& s) {
     const fs::path parent = fs::absolute(o.trace_file).parent_path();
     require_writable_folder("--trace", o.trace_file, check_folder(parent));
   }
+  // (--log-json was opened only after the data and the device were ready: a folder missing was
+  // said minutes in.)
+  if (!o.log_json.empty() && !written_in_place(o.log_json) && !o.plan_only)
+    require_writable_folder("--log-json", o.log_json,
+                            check_folder(fs::absolute(o.log_json).parent_path()));
   if (!o.plot_file.empty()) {
     std::error_code ec;
     STRATA_REQUIRE(!fs::is_directory(o.plot_file, ec),
