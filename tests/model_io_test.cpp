@@ -697,8 +697,8 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
   { TokenLoader with_short(o); }
   const std::string warned = ::testing::internal::GetCapturedStderr();
   // (files read whole: no "train split" of them, which an --eval-data file is not)
-  EXPECT_NE(warned.find("TokenLoader: " + o.files.back() +
-                        " (15 tokens) holds fewer than batch x seq_len + 1 = 22 tokens"),
+  EXPECT_NE(warned.find(o.files.back() +
+                        " (15 tokens) holds fewer than --micro-batch x --seq-len + 1 = 22 tokens"),
             std::string::npos)
       << warned;
   // Alone, it is refused, as the files it is.
@@ -708,7 +708,7 @@ TEST(TokenData, UnshuffledBatchesAreLlmcExact) {
     TokenLoader none(alone);
     ADD_FAILURE() << "a file too short for one batch was read";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no file holds batch x seq_len + 1 = 22 tokens"),
+    EXPECT_NE(std::string(e.what()).find("no file holds --micro-batch x --seq-len + 1 = 22 tokens"),
               std::string::npos)
         << e.what();
   }
@@ -964,7 +964,7 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   o.files = {write_tokens(dir, "tiny.bin", few).string()};
   o.format = TokenFormat::kU16;
   expect_error([&] { TokenLoader l(o); },
-               {"batch x seq_len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
+               {"--micro-batch x --seq-len + 1 = 17", "tiny.bin: 10 tokens", "--seq-len"});
   o.shuffle = true;
   o.val_fraction = 0.1;
   expect_error([&] { TokenLoader l(o, DataSplit::kVal); },

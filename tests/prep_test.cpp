@@ -166,6 +166,10 @@ TEST(Corpus, BadInputIsAnErrorNamingTheFileLineAndFix) {
   sep.separator = "\xfe";
   expect_error([&] { prepare_corpus(t.tok, t.hash, {ok}, t.dir.path + "/b.prep", sep); },
                {"the --separator is not UTF-8 (byte 0 of it, 0xfe)"});
+  // Inputs with no document: named (it said "strata-prep: the inputs", also to strata-train).
+  const std::string blank = t.write("blank.jsonl", "\n  \n");
+  expect_error([&] { prepare_corpus(t.tok, t.hash, {blank}, t.dir.path + "/b.prep", {}); },
+               {blank + " holds no document (empty, or only blank lines): give a file with text"});
   EXPECT_FALSE(fs::exists(t.dir.path + "/b.prep"));
 }
 

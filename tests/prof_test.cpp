@@ -2310,15 +2310,15 @@ TEST(ProfCli, OutputsAreCheckedBeforeAnythingIsMeasured) {
     std::string error;
   } bad[] = {
       {{"--out", d.path + "/nodir/best.json", "--svg", ""},
-       "--out " + d.path + "/nodir/best.json: cannot be written in " + d.path +
-           "/nodir: No such file or directory"},
+       "--out " + d.path + "/nodir/best.json: the folder " + d.path +
+           "/nodir does not exist: create it first"},
       {{"--out", d.path + "/a.json", "--svg", d.path + "/file/prof.svg"},
        "--svg " + d.path + "/file/prof.svg: cannot be written in " + d.path +
            "/file: Not a directory"},
       {{"--out", d.path + "/a.json", "--svg", "", "--validate", "1", "--trace",
         d.path + "/nodir/trace.json"},
-       "--trace " + d.path + "/nodir/trace.json: cannot be written in " + d.path +
-           "/nodir: No such file or directory"},
+       "--trace " + d.path + "/nodir/trace.json: the folder " + d.path +
+           "/nodir does not exist: create it first"},
   };
   int n = 0;
   for (const auto& c : bad) {
@@ -2584,7 +2584,7 @@ TEST(ProfCli, BadInputIsAClearError) {
            // The validation data at the --seq-len and micro-batch the runs read it at.
            {{"--validate", "1", "--model-config", tiny, "--seq-len", "16", "--micro-batches", "2",
              "--data", short_ids, "--data-dtype", "u16"},
-            "has no window of seq_len + 1 = 17 tokens"},
+            "has no window of --seq-len + 1 = 17 tokens"},
            {{"--validate", "1", "--model-config", tiny, "--seq-len", "16", "--micro-batches", "2",
              "--data", oov_ids, "--data-dtype", "u16"},
             oov_ids + ": token id 300 at byte offset "},

@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -667,7 +668,7 @@ void write_prepared(const std::string& out, std::uint64_t vocab_size,
 PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
                            const std::vector<std::string>& inputs, const std::string& out,
                            const CorpusOptions& o) {
-  STRATA_REQUIRE(!inputs.empty(), "strata-prep: no input files given");
+  STRATA_REQUIRE(!inputs.empty(), "no input files given");
   const auto t0 = std::chrono::steady_clock::now();
   const Json sources = describe_sources(inputs, o);
   PrepSummary s;
@@ -722,7 +723,9 @@ PrepSummary prepare_corpus(const Tokenizer& tok, const std::string& hash_hex,
   }
   const PreparedHeader& h = w.header();
   STRATA_REQUIRE(h.documents > 0,
-                 "strata-prep: the inputs hold no document (empty files, or only blank lines)");
+                 "{} hold{} no document (empty, or only blank lines): give {} with text",
+                 fmt::join(inputs, ", "), inputs.size() == 1 ? "s" : "",
+                 inputs.size() == 1 ? "a file" : "files");
   s.documents = h.documents;
   s.tokens = h.tokens;
   s.counted_tokens = h.counted_tokens;

@@ -514,7 +514,7 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
     m.packed = std::make_unique<PackedFiles>(open_packed(o, split));
     const DataExtent& e = m.packed->extent;
     STRATA_REQUIRE(
-        e.rows >= 1, "TokenLoader: the {} split of the prepared data holds no document{}",
+        e.rows >= 1, "the {} split of the prepared data holds no document{}",
         split == DataSplit::kTrain ? "train" : "validation",
         split == DataSplit::kVal && o.val_fraction > 0
             ? fmt::format(" (validation takes the last {:g}% of each file's documents, none of "
@@ -559,18 +559,18 @@ TokenLoader::TokenLoader(const DataOptions& o, DataSplit split) : impl_(std::mak
   const std::string of_these = o.val_fraction > 0 ? fmt::format("the {} split of ", which) : "";
   if (o.shuffle)
     STRATA_REQUIRE(std::int64_t(m.windows.size()) >= 1,
-                   "TokenLoader: the {} has no window of seq_len + 1 = {} tokens{}; the "
+                   "the {} has no window of --seq-len + 1 = {} tokens{}; the "
                    "data: {}. Give more "
                    "data or a shorter --seq-len",
                    part, o.seq_len + 1, split_is, sizes);
   else
     STRATA_REQUIRE(any_batch,
-                   "TokenLoader: no file{} holds batch x seq_len + 1 = {} tokens{}; the data: {}. "
+                   "no file{} holds --micro-batch x --seq-len + 1 = {} tokens{}; the data: {}. "
                    "Give more data or a smaller --micro-batch / --seq-len",
                    of_file, m.bt() + 1, split_is, sizes);
   if (!o.shuffle && !too_short.empty())
     log::warn(
-        "TokenLoader: {}{} holds fewer than batch x seq_len + 1 = {} tokens{}: "
+        "{}{} holds fewer than --micro-batch x --seq-len + 1 = {} tokens{}: "
         "read in order, none of it is in a batch",
         of_these, fmt::join(too_short, ", "), m.bt() + 1, split_is);
   m.start_epoch();
