@@ -1959,6 +1959,10 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       {"gzip-compressed data",
        {"--model-config", cfg, "--data", gz, "--log-json", log, "--device", "cpu"},
        gz + " is gzip-compressed: decompress it first (gunzip -k) and give the result"},
+      {"--min-lr above --lr, said before the model and the data are made ready",
+       args(log, {"--lr-schedule", "cosine", "--min-lr", "0.1"}),
+       "--min-lr 0.1 is above the peak learning rate 0.01 (--lr, or the --config's "
+       "optimizer.params.lr): give a --min-lr from 0 to 0.01"},
       {"--min-lr without a decaying schedule", args(log, {"--min-lr", "1e-5"}),
        "--min-lr is the floor of a decaying schedule: add --lr-schedule cosine or linear"},
       {"--eval-batches without an evaluation", args(log, {"--eval-batches", "2"}),
@@ -2019,7 +2023,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       // Files written during the run are checked before step 1 (a run that could not save its
       // checkpoint, or its trace, ended at that step).
       {"--trace into a missing folder", args(log, {"--trace", dir.path + "/nope/t.json"}),
-       "--trace " + dir.path + "/nope/t.json: " + dir.path + "/nope is not a folder"},
+       "--trace " + dir.path + "/nope/t.json: the folder " + dir.path +
+           "/nope does not exist: create it first (mkdir -p " + dir.path + "/nope)"},
       {"--checkpoint-dir under a file",
        args(log, {"--save-every", "2", "--checkpoint-dir", text + "/ck"}),
        "--checkpoint-dir " + text + "/ck: " + text + " is not a folder"},

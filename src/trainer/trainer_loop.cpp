@@ -31,8 +31,9 @@ double lr_at(std::int64_t t, double lr, std::int64_t warmup, std::int64_t total,
              const std::string& schedule, double min_lr) {
   STRATA_REQUIRE(schedule == "const" || schedule == "cosine" || schedule == "linear",
                  "--lr-schedule '{}': use const, cosine or linear", schedule);
-  STRATA_REQUIRE(min_lr >= 0 && min_lr <= lr, "--min-lr {} must be from 0 to the peak lr {}",
-                 min_lr, lr);
+  // (The peak is the optimizer's fp32: a --min-lr equal to --lr is a hair above it.)
+  STRATA_REQUIRE(min_lr >= 0 && min_lr <= lr * (1 + 1e-6),
+                 "--min-lr {:g} must be from 0 to the peak lr {:g}", min_lr, lr);
   if (warmup > 0 && t <= warmup) return lr * double(t) / double(warmup);
   if (schedule == "const") return lr;
   const double span = double(std::max<std::int64_t>(1, total - warmup));

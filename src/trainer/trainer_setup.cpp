@@ -803,6 +803,11 @@ void lr_schedule(Settings& s) {
   if (!ecfg.scheduler.type.empty() && cli_schedule)
     log::warn("--config: scheduler '{}' is replaced by --warmup / --lr-schedule",
               ecfg.scheduler.type);
+  // Checked now, not at step 1 (after the model, the data and the device were made ready).
+  STRATA_REQUIRE(ds_schedule || o.min_lr <= double(ecfg.adamw.lr) * (1 + 1e-6),
+                 "--min-lr {:g} is above the peak learning rate {:g} (--lr, or the --config's "
+                 "optimizer.params.lr): give a --min-lr from 0 to {:g}",
+                 o.min_lr, double(ecfg.adamw.lr), double(ecfg.adamw.lr));
   if (ds_schedule && ecfg.scheduler.type != "WarmupLR" && ecfg.scheduler.total_num_steps == 0) {
     // "auto", as Hugging Face fills it: the run's steps.
     STRATA_REQUIRE(
