@@ -303,6 +303,12 @@ TEST(ModelIo, ConfigKeyATypoAwayIsSaid) {
   (void)parse_model_config(typo, "config.json");
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("did you mean 'layer_norm_epsilon'"),
             std::string::npos);
+  // A required key's typo is named where the key is found missing (its did-you-mean came after).
+  typo = hf_llama;
+  typo.replace(typo.find("\"num_hidden_layers\""), 19, "\"num_hidden_layer\"");
+  testing::expect_error([&] { (void)parse_model_config(typo, "config.json"); },
+                        {"config.json: required key 'num_hidden_layers' is missing (the file has "
+                         "'num_hidden_layer': a typo of it?)"});
 }
 
 // Sizes beyond any model are refused with the key and the limit, before a layout is built from

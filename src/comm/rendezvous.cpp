@@ -612,7 +612,10 @@ TcpStore::TcpStore(const RendezvousOptions& options) : o_(options) {
                    "rank {}: rank 0's rendezvous at {} closed the connection", o_.rank, endpoint());
     // Rank 0 reports missing ranks at its timeout: wait a little longer to hear it.
     auto [type, body] = read_frame(fd_, after(o_.timeout_s + 10));
-    if (type == 'E') STRATA_THROW(kIo, "rank {}: {}", o_.rank, body);
+    // (A message that names its rank already is not given this one's too: "rank 0: rank 0 ...".)
+    if (type == 'E')
+      STRATA_THROW(kIo, "{}",
+                   body.starts_with("rank ") ? body : fmt::format("rank {}: {}", o_.rank, body));
     if (type == 'R') {
       std::size_t at = 0;
       while (at < body.size()) {

@@ -140,6 +140,13 @@ Section::Section(const Json* obj, std::string path) : obj_(obj), path_(std::move
 
 bool Section::has(std::string_view key) const { return raw(key) != nullptr; }
 
+std::vector<std::string> Section::keys() const {
+  std::vector<std::string> out;
+  if (obj_)
+    for (auto it = obj_->begin(); it != obj_->end(); ++it) out.push_back(it.key());
+  return out;
+}
+
 std::string Section::key_path(std::string_view key) const {
   return path_.empty() ? std::string(key) : path_ + "." + std::string(key);
 }

@@ -21,6 +21,7 @@ class Section {
   Section(const Json* obj, std::string path);
 
   bool has(std::string_view key) const;
+  std::vector<std::string> keys() const;  // the object's keys (none for a null section)
   // "aio.block_size": the full key for messages.
   std::string key_path(std::string_view key) const;
 

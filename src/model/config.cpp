@@ -42,7 +42,12 @@ std::string read_text(const std::string& path) {
 
 std::int64_t positive(const config::Section& s, const char* key, const std::string& what,
                       std::int64_t def = -1) {
-  STRATA_REQUIRE(def >= 0 || s.has(key), "{}: required key '{}' is missing", what, key);
+  if (def < 0 && !s.has(key)) {  // a typo of it named (its did-you-mean came after, unreached)
+    const std::string guess = config::near_miss(key, s.keys());
+    STRATA_THROW(
+        kInvalidArgument, "{}: required key '{}' is missing{}", what, key,
+        guess.empty() ? std::string() : fmt::format(" (the file has '{}': a typo of it?)", guess));
+  }
   const std::int64_t v = s.get_int(key, def);
   STRATA_REQUIRE(v > 0, "{}: '{}' must be > 0, got {}", what, key, v);
   return v;

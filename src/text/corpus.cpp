@@ -136,7 +136,7 @@ void use_chat_template(CorpusOptions& o, const fs::path& dir, const std::string&
     try {
       r->t = chat_template_from_folder(dir);
     } catch (const Error& e) {
-      r->error = e.user_message();
+      r->error = e.message();  // (said mid-sentence: without its kind)
     }
   }
   Json id;
