@@ -960,7 +960,18 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   TokenLoader loader(o);
   loader.next();  // tokens 0..16
   expect_error([&] { loader.next(); },
-               {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256"});
+               {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256",
+                "tokenize the text with this model's tokenizer"});
+  // uint16 ids read as uint32: the width named as the likely fix.
+  {
+    DataOptions wide = o;
+    wide.files = {write_tokens(dir, "u16.bin", std::vector<std::uint16_t>(64, 7)).string()};
+    wide.format = TokenFormat::kU32;
+    wide.vocab_size = 32000;
+    TokenLoader l(wide);
+    expect_error([&] { l.next(); }, {"u16.bin: token id 458759",
+                                     "if the file holds uint16 ids, give --data-dtype u16"});
+  }
   // A header promising more tokens than the file holds.
   std::vector<std::uint16_t> few(10, 1);
   const fs::path p = write_tokens(dir, "short.bin", few, 1);

@@ -1842,6 +1842,8 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})";
   const std::string not_json = dir.path + "/not-json.json";
   std::ofstream(not_json) << R"({"zero_optimization": {)";
+  const std::string trailing = dir.path + "/trailing.json";
+  std::ofstream(trailing) << R"({"zero_optimization": {"stage": 3,}})";
   // Inputs that used to train on garbage without a word: a text file read byte by byte for a
   // vocabulary that is not bytes, and JSON lines read as raw token ids.
   const std::string vocab32k = dir.path + "/vocab32k.json";
@@ -2038,6 +2040,12 @@ TEST_F(TrainCli, BadFlagsAndMissingFilesAreOneLineErrors) {
       // A --config that is not JSON names the file (it said "ds_config is not valid JSON").
       {"a --config that is not JSON", args(log, {"--config", not_json}),
        "--config " + not_json + " is not valid JSON"},
+      {"a --config with a trailing comma", args(log, {"--config", trailing}),
+       "--config " + trailing +
+           " is not valid JSON: parse error at line 1, column 35: syntax "
+           "error while parsing object key - unexpected '}'; expected string literal (a comma "
+           "after "
+           "the last item?)"},
       // A model config's type error names the model config file.
       {"a string for a number in the model config",
        {"--model-config", bad_cfg, "--text", text},

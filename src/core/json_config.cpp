@@ -119,7 +119,14 @@ Json parse(std::string_view text, std::string_view what, bool duplicates_last_wi
     }
     return Json::parse(text.begin(), text.end());
   } catch (const Json::exception& e) {  // a syntax error; a number too large for a double
-    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}", what, e.what());
+    // nlohmann's text without its "[json.exception.parse_error.101] " tag; a '}' or ']' where a
+    // value was due is most often a trailing comma.
+    std::string said = e.what();
+    if (said.starts_with("[json.exception.")) said.erase(0, said.find("] ") + 2);
+    const bool trailing = said.find("unexpected '}'") != std::string::npos ||
+                          said.find("unexpected ']'") != std::string::npos;
+    STRATA_THROW(kInvalidArgument, "{} is not valid JSON: {}{}", what, said,
+                 trailing ? " (a comma after the last item?)" : "");
   }
 }
 

@@ -449,9 +449,12 @@ struct TokenLoader::Impl {
     for (std::int64_t i = 0; i < count; ++i) {
       const std::int64_t v = f.id(at + i);
       STRATA_REQUIRE(opt.vocab_size == 0 || v < opt.vocab_size,
-                     "{}: token id {} at byte offset {} is >= the model's vocab_size {} (wrong "
-                     "tokenizer or format?)",
-                     f.path, v, f.data_offset + std::size_t(at + i) * f.elem, opt.vocab_size);
+                     "{}: token id {} at byte offset {} is >= the model's vocab_size {}: {}",
+                     f.path, v, f.data_offset + std::size_t(at + i) * f.elem, opt.vocab_size,
+                     f.elem == 4 ? "if the file holds uint16 ids, give --data-dtype u16; if it is "
+                                   "another model's, tokenize the text with this model's tokenizer"
+                                 : "the ids are another model's (or not ids): tokenize the text "
+                                   "with this model's tokenizer (strata-prep --model)");
       out[i] = static_cast<std::int32_t>(v);
     }
   }
