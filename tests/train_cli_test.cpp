@@ -2987,6 +2987,28 @@ TEST_F(TrainCli, TwoRanksWarnOfAConfigsUnusedKeyOnce) {
 #endif
 }
 
+// --out the --model folder: refused without --overwrite, saying that it would replace the model
+// the run starts from; with --overwrite the trained model replaces it.
+TEST_F(TrainCli, OutIntoTheModelFolderSaysItReplacesTheStartingModel) {
+  const std::string hf = hf_folder("m");
+  const std::string before = slurp(hf + "/model.safetensors");
+  std::vector<std::string> a = {"--model", hf,  "--text",   text,  "--seq-len", "16",
+                                "--steps", "1", "--device", "cpu", "--out",     hf};
+  const Result r = train(a, "in-place");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("--out " + hf +
+                       " exists: pass --overwrite to replace it (it is the --model "
+                       "folder: --overwrite replaces the model this run starts from with the "
+                       "trained one; another --out keeps both)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(slurp(hf + "/model.safetensors"), before);
+  a.push_back("--overwrite");
+  const Result w = train(a, "in-place-overwrite");
+  EXPECT_EQ(w.status, 0) << w.err;
+  EXPECT_NE(slurp(hf + "/model.safetensors"), before);
+}
+
 // A DeepSpeed key whose setting strata takes from a flag names the flag where it is ignored.
 TEST_F(TrainCli, AnIgnoredDeepSpeedKeyNamesTheFlagThatDoesItsWork) {
   const std::string ds = dir.path + "/ac.json";

@@ -420,7 +420,11 @@ void check_files(Settings& s) {
                    o.out_dir, up.folder.string());
     if (!o.overwrite && !out_dir_free(o.out_dir, false)) {
       STRATA_REQUIRE(!o.resume.empty() && out_dir_free(o.out_dir, true),
-                     "--out {} exists: pass --overwrite to replace it", o.out_dir);
+                     "--out {} exists: pass --overwrite to replace it{}", o.out_dir,
+                     same_file(o.out_dir, o.model_dir)
+                         ? " (it is the --model folder: --overwrite replaces the model this run "
+                           "starts from with the trained one; another --out keeps both)"
+                         : "");
       s.out_holds_a_model = true;
     }
     require_creatable_folder("--out", o.out_dir);
