@@ -1436,6 +1436,19 @@ TEST_F(TrainCli, SeparatorThatSplitsNothingIsSaid) {
           dir.path, "sep-mixed", {{"STRATA_CACHE_DIR", dir.path + "/cache"}});
   EXPECT_EQ(mixed.status, 0) << mixed.err;
   EXPECT_EQ(mixed.err.find("--separator is not used"), std::string::npos) << mixed.err;
+  // --text-field with only a .txt corpus: said the same way; with the .jsonl: nothing said.
+  const std::string plain = dir.path + "/plain.txt";
+  std::ofstream(plain) << "hello world or hello world he";
+  const Result field = run(STRATA_TRAIN_BIN,
+                           {"--model", hf, "--data", plain, "--text-field", "body", "--seq-len",
+                            "16", "--micro-batch", "1", "--steps", "1", "--device", "cpu"},
+                           dir.path, "field-txt", {{"STRATA_CACHE_DIR", dir.path + "/cache"}});
+  EXPECT_EQ(field.status, 0) << field.err;
+  EXPECT_NE(field.err.find("--text-field is not used: it reads JSON lines records (.jsonl), and no "
+                           "--data / --eval-data here is one"),
+            std::string::npos)
+      << field.err;
+  EXPECT_EQ(jsonl.err.find("--text-field is not used"), std::string::npos) << jsonl.err;
 }
 
 // Chat records in --data: rendered with the --model folder's own chat template (Qwen3's), only

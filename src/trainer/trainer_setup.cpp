@@ -1223,6 +1223,18 @@ void data_and_steps(Settings& s) {
         !unsplit_why.empty()
             ? fmt::format("this text is read byte by byte ({})", unsplit_why)
             : std::string("no --data / --eval-data / --text here is a .txt corpus"));
+  // --text-field and --chat-format read JSON lines records: where there are none (every file
+  // prepared already, or text), said as --separator is (they were dropped without a word).
+  const auto any_json_lines = [&] {
+    for (const auto* files : {&o.data_files, &o.eval_files})
+      if (std::any_of(files->begin(), files->end(), is_json_lines_file)) return true;
+    return false;
+  };
+  if (s.rank == 0 && (o.text_field_named || !o.chat_format.empty()) && !any_json_lines())
+    log::warn(
+        "{} is not used: it reads JSON lines records (.jsonl), and no --data / --eval-data "
+        "here is one (a prepared file keeps what it was prepared with)",
+        o.text_field_named ? "--text-field" : "--chat-format");
   // Read byte by byte as --text is (the evaluation's loader is the training's): a token file or
   // a prepared one would give a validation loss of bytes that are no text. Text has no NUL.
   if (dopt.format == TokenFormat::kBytes)
