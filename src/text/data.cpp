@@ -138,7 +138,8 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
       STRATA_THROW(kInvalidArgument,
                    "{}: no header (not a strata-prep file, not an llm.c .bin) and not .txt, so "
                    "its format is unknown: give raw token ids' width with --data-dtype u16 or "
-                   "u32{}, or prepare the corpus with strata-prep",
+                   "u32{} (it applies to --data and --eval-data alike: give both in one format), "
+                   "or prepare the corpus with strata-prep",
                    path,
                    vocab_size > 65536
                        ? fmt::format(" (this model's vocab_size {} needs u32)", vocab_size)
