@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "strata/corpus.h"
@@ -21,11 +22,21 @@ std::string foreign_file_kind(std::string_view head) {
   if (starts("\xfd"
              "7zXZ"))
     return "is xz-compressed: decompress it first (xz -dk) and give the result";
-  if (starts("BZh")) return "is bzip2-compressed: decompress it first (bunzip2 -k)";
+  // (bzip2's "BZh", its block size digit and its block magic; Parquet's "PAR1" then binary bytes:
+  // a text that begins with those letters is text.)
+  const auto binary = [&] {
+    return std::any_of(head.begin(), head.end(), [](char c) {
+      const auto u = static_cast<unsigned char>(c);
+      return u < 0x09 || (u > 0x0d && u < 0x20);
+    });
+  };
+  if (head.size() >= 10 && starts("BZh") && head[3] >= '1' && head[3] <= '9' &&
+      head.substr(4, 6) == "\x31\x41\x59\x26\x53\x59")
+    return "is bzip2-compressed: decompress it first (bunzip2 -k) and give the result";
   if (starts("PK\x03\x04"))
     return "is a zip archive (or a PyTorch .bin / .pt file): unpack it, or for weights give "
            "safetensors";
-  if (starts("PAR1"))
+  if (starts("PAR1") && binary())
     return "is a Parquet table: strata reads text (.txt) and JSON lines (.jsonl); write it out "
            "as JSON lines first (e.g. pandas: read_parquet(...).to_json(path, orient=\"records\", "
            "lines=True))";
