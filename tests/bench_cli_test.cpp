@@ -883,14 +883,15 @@ TEST(BenchCli, WhatIsThereAlreadyIsNotRemovedNorReplaced) {
       << r.err;
   EXPECT_TRUE(intact(bin));
   // A huge-page reservation another run holds (this test, holding its lock): refused before
-  // vm.nr_hugepages is read or set, and before the benchmark's file is made.
-  const char* hp_lock = "/run/lock/strata-bench-hugepages.lock";
-  if (const int held = ::open(hp_lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644); held >= 0) {
+  // vm.nr_hugepages is set, and before the benchmark's file is made. (The lock file this test's
+  // own, STRATA_TEST_HUGEPAGES_LOCK: tests run side by side.)
+  const std::string hp_lock = d.path + "/hugepages.lock";
+  if (const int held = ::open(hp_lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644); held >= 0) {
     ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
     const std::string before = testing::slurp("/proc/sys/vm/nr_hugepages");
     r = testing::run(STRATA_BENCH_BIN,
                      {"nvme", "--path", d.path, "--size", "8M", "--reserve-hugepages", "4"}, d.path,
-                     "hp");
+                     "hp", {{"STRATA_TEST_HUGEPAGES_LOCK", hp_lock}});
     ::close(held);
     EXPECT_EQ(r.status, 1) << r.out << r.err;
     EXPECT_NE(first_line(r.err).find("--reserve-hugepages 4: another strata-bench run on this host "

@@ -450,6 +450,28 @@ TEST(ModelIo, MalformedFilesNameFileTensorAndOffset) {
     fs::remove_all(lfs);
   }
 
+  // A header whose length begins with gzip's bytes (0x088b1f = 559903, padded with spaces as the
+  // format allows) is a header, not a gzip file.
+  {
+    const fs::path padded = scratch("padded");
+    fs::copy_file(dir / "config.json", padded / "config.json");
+    const std::string bytes = slurp(file);
+    std::uint64_t hlen = 0;
+    std::memcpy(&hlen, bytes.data(), 8);
+    ASSERT_LT(hlen, 559903u);
+    std::string header = bytes.substr(8, hlen);
+    header.append(559903 - hlen, ' ');
+    const std::uint64_t n = header.size();
+    std::ofstream f(padded / "model.safetensors", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header << bytes.substr(8 + hlen);
+    f.close();
+    ResidentWeights c(cfg, DType::kF32, *e.dev, *e.s);
+    load_hf_weights(padded.string(), c);
+    expect_same_bytes(a, c);
+    fs::remove_all(padded);
+  }
+
   // A tensor missing, of the wrong shape, of the wrong dtype.
   const std::vector<float> one(32 * 32, 1.0f);
   auto rewrite = [&](const std::string& skip, SafetensorsTensor replacement) {
@@ -962,6 +984,18 @@ TEST(TokenData, BadDataNamesFileAndOffset) {
   expect_error([&] { loader.next(); },
                {"v.bin", "token id 500", "byte offset 1084", "vocab_size 256",
                 "tokenize the text with this model's tokenizer"});
+  // Raw ids that begin as gzip's magic does: the guess said with the width as the other way out.
+  {
+    DataOptions raw = o;
+    std::vector<std::uint16_t> gz(64, 7);
+    gz[0] = 0x8b1f;
+    gz[1] = 0x0008;
+    raw.files = {write_tokens(dir, "gz.bin", gz).string()};
+    raw.vocab_size = 50304;
+    expect_error([&] { TokenLoader l(raw); }, {"gz.bin is gzip-compressed",
+                                               "if it holds raw token ids instead, give their "
+                                               "width with --data-dtype u16 or u32"});
+  }
   // uint16 ids read as uint32: the width named as the likely fix.
   {
     DataOptions wide = o;

@@ -1448,7 +1448,13 @@ TEST_F(TrainCli, SeparatorThatSplitsNothingIsSaid) {
                            "--data / --eval-data here is one"),
             std::string::npos)
       << field.err;
-  EXPECT_EQ(jsonl.err.find("--text-field is not used"), std::string::npos) << jsonl.err;
+  const Result field_jsonl =
+      run(STRATA_TRAIN_BIN,
+          {"--model", hf, "--data", corpus, "--text-field", "text", "--seq-len", "16",
+           "--micro-batch", "2", "--steps", "1", "--device", "cpu"},
+          dir.path, "field-jsonl", {{"STRATA_CACHE_DIR", dir.path + "/cache"}});
+  EXPECT_EQ(field_jsonl.status, 0) << field_jsonl.err;
+  EXPECT_EQ(field_jsonl.err.find("--text-field is not used"), std::string::npos) << field_jsonl.err;
 }
 
 // Chat records in --data: rendered with the --model folder's own chat template (Qwen3's), only
@@ -1687,6 +1693,12 @@ TEST_F(TrainCli, ARunThatFailsLeavesNoEmptyFolderItMade) {
   EXPECT_NE(r.err.find("--device-mem-gb 0.0005 caps the device"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
   EXPECT_FALSE(fs::exists(log)) << "the --log-json it made is left, empty";
+  // ... also a log in the --out folder it made.
+  a = small;
+  a.insert(a.end(), {"--out", top + "/e/out"});
+  r = train(args(top + "/e/out/log.jsonl", a, "2"), "log-in-out");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_FALSE(fs::exists(top)) << "the folders it made are left";
   // A path through "..": the folders as it names them (c was made too).
   a = small;
   a.insert(a.end(), {"--out", top + "/c/../d/out/"});
@@ -3020,6 +3032,19 @@ TEST_F(TrainCli, OutIntoTheModelFolderSaysItReplacesTheStartingModel) {
   const Result w = train(a, "in-place-overwrite");
   EXPECT_EQ(w.status, 0) << w.err;
   EXPECT_NE(slurp(hf + "/model.safetensors"), before);
+}
+
+// --log-json in the --out (or checkpoint) folder the run makes: taken, not refused as a folder
+// that does not exist (its folder is checked before the run makes it).
+TEST_F(TrainCli, ALogInTheOutFolderTheRunMakesIsTaken) {
+  const std::string out = dir.path + "/run1", ck = dir.path + "/ck1";
+  const Result r = train(args(out + "/log.jsonl", {"--out", out}), "log-in-out");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(losses(out + "/log.jsonl").empty());
+  const Result c =
+      train(args(ck + "/log.jsonl", {"--save-every", "2", "--checkpoint-dir", ck}), "log-in-ck");
+  EXPECT_EQ(c.status, 0) << c.err;
+  EXPECT_FALSE(losses(ck + "/log.jsonl").empty());
 }
 
 // A DeepSpeed key whose setting strata takes from a flag names the flag where it is ignored.

@@ -156,18 +156,11 @@ class HugepageReservation {
  public:
   explicit HugepageReservation(int pages) {
     if (pages <= 0) return;
-    const char* lock_path = "/run/lock/strata-bench-hugepages.lock";
-    lock_ = ::open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    STRATA_REQUIRE(
-        lock_ < 0 || ::flock(lock_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK,
-        "--reserve-hugepages {}: another strata-bench run on this host holds a huge-page "
-        "reservation ({}); run them one at a time, or reserve the pages beforehand "
-        "(sysctl vm.nr_hugepages=N) and drop --reserve-hugepages",
-        pages, lock_path);
-    std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
     // Every page reserved is taken from the rest of the machine for the run: more than memory
     // can spare is refused, not left to the kernel to squeeze out (one run needs ~2 buffers).
     // Only the pages above those already reserved are taken (those are out of MemAvailable).
+    // (Checked before the lock: a count refused takes no lock.)
+    std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;
     const std::uint64_t page =
         std::max<std::uint64_t>(cpu::huge_page_info().hugetlb_page_bytes, 2u << 20);
     const std::uint64_t extra = std::uint64_t(std::max(0, pages - before_)) * page;
@@ -177,6 +170,19 @@ class HugepageReservation {
         "--reserve-hugepages {}: {} more in huge pages, and {} is available; a run needs about 2 x "
         "block x queue depth x threads (32 pages of 2 MiB for the defaults): lower it",
         pages, human_bytes(double(extra)), human_bytes(double(avail)));
+    // STRATA_TEST_HUGEPAGES_LOCK: another lock file (tests, which run side by side).
+    const char* test_lock = std::getenv("STRATA_TEST_HUGEPAGES_LOCK");
+    const std::string lock_path = test_lock && *test_lock
+                                      ? std::string(test_lock)
+                                      : std::string("/run/lock/strata-bench-hugepages.lock");
+    lock_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    STRATA_REQUIRE(
+        lock_ < 0 || ::flock(lock_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK,
+        "--reserve-hugepages {}: another strata-bench run on this host holds a huge-page "
+        "reservation ({}); run them one at a time, or reserve the pages beforehand "
+        "(sysctl vm.nr_hugepages=N) and drop --reserve-hugepages",
+        pages, lock_path);
+    std::ifstream("/proc/sys/vm/nr_hugepages") >> before_;  // (under the lock: what to put back)
     SignalCleanup::restore_hugepages(before_);
     std::ofstream("/proc/sys/vm/nr_hugepages") << std::max(pages, before_);
     int now = 0;

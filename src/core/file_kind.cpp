@@ -15,7 +15,7 @@ std::string foreign_file_kind(std::string_view head) {
     return "is a Git LFS pointer, not the file itself (the repository was cloned without "
            "git-lfs): fetch it with `git lfs install && git lfs pull` in the repository, or "
            "download the model with `huggingface-cli download`";
-  if (starts("\x1f\x8b"))
+  if (starts("\x1f\x8b\x08"))  // (gzip's magic and its one method, deflate)
     return "is gzip-compressed: decompress it first (gunzip -k) and give the result";
   if (starts("\x28\xb5\x2f\xfd"))
     return "is zstd-compressed: decompress it first (zstd -d) and give the result";

@@ -533,7 +533,9 @@ struct Engine::Impl {
   // This rank's sum of squares of every gradient, summed over the ranks (the norm before
   // unscaling); the step's norm is then taken (norm_taken_call).
   double grad_sumsq();
-  void update_loss_scale(bool overflow);
+  // Returns false for an overflow at the least scale that would lower it (the scale left as is):
+  // the caller ends the run once the step is wound up.
+  bool update_loss_scale(bool overflow);
   void record_grad_counts();
   void zero_grads();
   void rewind_trace();

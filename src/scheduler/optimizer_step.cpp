@@ -474,20 +474,15 @@ float Engine::Impl::tp_host_sumsq(std::size_t ui, const float* g) const {
 
 // DeepSpeed's DynamicLossScaler::update_scale (fp16 with a dynamic scale; nothing otherwise),
 // with its raise_error_at_min_scale: an overflow at the least scale that would lower it ends the
-// run (every step after would be skipped too, and the run would go on without a word).
-void Engine::Impl::update_loss_scale(bool overflow) {
-  if (!cfg.fp16.enabled) return;
+// run (every step after would be skipped too, and the run would go on without a word) — said by
+// the caller, Engine::step, once the skipped step is wound up.
+bool Engine::Impl::update_loss_scale(bool overflow) {
+  if (!cfg.fp16.enabled) return true;
   if (cfg.fp16.loss_scale <= 0) {
     if (overflow) {
       const double was = scale;
       if (cfg.fp16.hysteresis == 1 || hysteresis_left == 1) {
-        STRATA_REQUIRE(
-            scale > cfg.fp16.min_loss_scale,
-            "fp16: the gradients overflowed at the least loss scale (fp16.min_loss_scale "
-            "{:g}), after {} update{}: every step from here on would be skipped; train "
-            "in bf16 (\"bf16\": {{\"enabled\": true}}), lower the learning rate, or "
-            "set a smaller fp16.min_loss_scale",
-            cfg.fp16.min_loss_scale, steps_taken, steps_taken == 1 ? "" : "s");
+        if (scale <= cfg.fp16.min_loss_scale) return false;
         scale = std::max(scale / 2, cfg.fp16.min_loss_scale);
       } else {
         --hysteresis_left;
@@ -501,6 +496,7 @@ void Engine::Impl::update_loss_scale(bool overflow) {
     }
     ++scaler_iter;
   }
+  return true;
 }
 
 // The gradient counts of this step become the record the next step's early work follows.
@@ -576,7 +572,7 @@ StepResult Engine::step(float lr) {
   r.grad_norm = std::sqrt(total) / den;
   const bool overflow = !std::isfinite(r.grad_norm);
 
-  s.update_loss_scale(overflow);
+  const bool scale_left = s.update_loss_scale(overflow);
 
   const bool clipped = s.cfg.gradient_clipping > 0 && r.grad_norm > s.cfg.gradient_clipping;
   const std::vector<bool> kept = s.early_step.settle(lr, overflow, clipped);
@@ -590,6 +586,12 @@ StepResult Engine::step(float lr) {
                 s.steps_taken, s.steps_taken == 1 ? "" : "s");
     s.zero_grads();
     s.rewind_trace();
+    STRATA_REQUIRE(scale_left,
+                   "fp16: the gradients overflowed at the least loss scale (fp16.min_loss_scale "
+                   "{:g}), after {} update{}: every step from here on would be skipped; train "
+                   "in bf16 (\"bf16\": {{\"enabled\": true}}), lower the learning rate, or "
+                   "set a smaller fp16.min_loss_scale",
+                   s.cfg.fp16.min_loss_scale, s.steps_taken, s.steps_taken == 1 ? "" : "s");
     r.skipped = true;
     r.step = s.steps_taken;
     return r;

@@ -131,7 +131,11 @@ std::unique_ptr<TokenFile> open_tokens(const std::string& path, TokenFormat fmt,
     if (fmt == TokenFormat::kU16) {
       const std::string kind = foreign_file_kind(std::string_view(
           reinterpret_cast<const char*>(f->base), std::min<std::size_t>(f->size, 64)));
-      STRATA_REQUIRE(kind.empty(), "{} {}", path, kind);
+      // (Raw ids can begin with those bytes too: their width is the other way out.)
+      STRATA_REQUIRE(kind.empty(),
+                     "{} {} (if it holds raw token ids instead, give their width with "
+                     "--data-dtype u16 or u32)",
+                     path, kind);
       refuse_text(*f, "raw token ids (no header, not .txt)");
       // Raw ids say nothing of their width: read as uint16, uint32 ids (or anything else) train
       // silently on garbage.

@@ -87,6 +87,7 @@ struct Settings {
   Settings(const Settings&) = delete;
   Settings& operator=(const Settings&) = delete;
   ~Settings() {
+    held_log.reset();  // (an empty log it made removed first: it may be in a folder it made)
     while (!held_folders.empty()) held_folders.pop_back();  // the checkpoints in --out first
   }
   const TrainOptions& o;

@@ -596,10 +596,17 @@ void check_resume_step(Settings& s) {
     require_writable_folder("--trace", o.trace_file, check_folder(parent));
   }
   // (--log-json was opened only after the data and the device were ready: a folder missing was
-  // said minutes in.)
-  if (!o.log_json.empty() && !written_in_place(o.log_json) && !o.plan_only)
+  // said minutes in.) Its folder may be the --out or checkpoint folder the run makes.
+  if (!o.log_json.empty() && !written_in_place(o.log_json) && !o.plan_only) {
+    const fs::path parent = fs::absolute(o.log_json).parent_path().lexically_normal();
+    const auto made_by_the_run = [&](const std::string& folder) {
+      return !folder.empty() && fs::absolute(folder).lexically_normal() == parent;
+    };
     require_writable_folder("--log-json", o.log_json,
-                            check_folder(fs::absolute(o.log_json).parent_path()));
+                            made_by_the_run(o.out_dir) || made_by_the_run(s.ckpt_root)
+                                ? check_nearest_existing(parent.string())
+                                : check_folder(parent));
+  }
   if (!o.plot_file.empty()) {
     std::error_code ec;
     STRATA_REQUIRE(!fs::is_directory(o.plot_file, ec),
