@@ -481,7 +481,8 @@ void write_recommendation(const Args& a, const Candidate& best, const Measuremen
 // ---- validation ----
 namespace {
 
-constexpr const char* kWorkLock = ".lock";  // a work folder's, held by its run
+constexpr const char* kWorkLock = ".lock";         // a work folder's, held by its run
+constexpr const char* kWorkLockNew = ".lock-new";  // the same before it is held
 
 // The work folders that runs of this host interrupted while validating left in `parent`
 // (prof-work-<host>-<pid>, each locked by its run while it lives: one whose lock can be taken is
@@ -526,8 +527,11 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     ~Held() {
       if (fd >= 0) ::close(fd);
     }
-  } held{::open((fs::path(work) / kWorkLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)};
-  if (held.fd >= 0) (void)::flock(held.fd, LOCK_EX);
+  } held{::open((fs::path(work) / kWorkLockNew).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)};
+  // Locked before it takes its name: a lock file another run's scan could open unlocked (between
+  // this open and the flock) would have this folder taken for a dead run's and removed.
+  if (held.fd >= 0 && ::flock(held.fd, LOCK_EX) == 0)
+    (void)::rename((fs::path(work) / kWorkLockNew).c_str(), (fs::path(work) / kWorkLock).c_str());
   const std::string data_file = a.data_files.empty() && a.text_file.empty()
                                     ? write_token_file(a, work, mcfg, world_size)
                                     : std::string();
@@ -585,7 +589,17 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
           out.measured_best_step = mres.steps.empty() ? 0 : mres.steps.back();
         }
       } catch (const Error& e) {
-        // A configuration the planner passed and the run refused.
+        // A configuration the planner passed and the run refused. Under several ranks the runs
+        // must stay in step (each begins with a collective of every rank): one rank going on to
+        // the next run while the others wait in this one's would leave the job hung, so the
+        // failure ends it.
+        if (world_size * a.tp.size > 1)
+          detail::throw_error(
+              e.kind(), __FILE__, __LINE__, "",
+              fmt::format("validating #{} ({}) failed on this rank: {}; the job's ranks validate "
+                          "in step, so strata-prof stops here (one rank alone reports a failed "
+                          "run and goes on)",
+                          i + 1, ranked[i].label, e.user_message()));
         errors[n] = e.user_message();
         ++runs.failed;
       }
