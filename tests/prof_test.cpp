@@ -2236,6 +2236,31 @@ TEST(ProfCli, ThreeRanksSearchAlikeAndValidate) {
       << r.out;
 }
 
+// A validation run that fails on one rank of several ends the job with that run's error, the
+// candidate named: the ranks run each candidate together, and that rank going on to the next run
+// left the others waiting in this one's communicator for ever.
+TEST(ProfCli, TwoRanksEndTheJobWhenAValidationRunFailsOnOne) {
+  if (!std::getenv("STRATA_TEST_MPI"))
+    GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  std::vector<std::string> args = {"-np", "2", "-x", "STRATA_TEST_FAIL_VALIDATION_RANK=1"};
+  for (const std::string& x : validated_tiny(model, d.path)) args.push_back(x);
+  args.insert(args.begin() + 4, STRATA_PROF_BIN);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = testing::run(STRATA_MPIEXEC, args, d.path, "prof-fail",
+                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                               {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                               {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("validating #1 ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("failed on this rank: --data "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the job's ranks validate in step"), std::string::npos) << r.err;
+  // Ended by the failing rank, not by the other's communicator timing out (120 s).
+  EXPECT_LT(s, 100) << r.err;
+}
+
 // Tensor parallelism (mpirun -np 2 --tensor-parallel 2): each rank measures and plans its own
 // slices, the TP all-reduces are counted (4 of a micro-batch's activations a layer: 2 forward, 2
 // backward), shown on the "tp" lane predicted and measured, and named "tp.all_reduce" in the

@@ -12,6 +12,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include <utility>
 
 #include "prof.h"
+#include "strata/comm.h"
 #include "strata/error.h"
 #include "strata/json_config.h"
 #include "strata/log.h"
@@ -577,6 +579,11 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                                    : (fs::path(work) / fmt::format("trace{}.json", i)).string();
       Tracer::global().clear();
       try {
+        // A test's way to have one rank's run fail while the others' go on.
+        if (const char* r = std::getenv("STRATA_TEST_FAIL_VALIDATION_RANK");
+            r && std::atoi(r) == launch_info().rank)
+          STRATA_THROW(kIo, "--data {}: cannot be read (STRATA_TEST_FAIL_VALIDATION_RANK)",
+                       data_file);
         const Measured mres = run_candidate(a, ranked[i], work, data_file, trace_file, int(i));
         const std::vector<Interval> sched = measured_schedule(Tracer::global().spans());
         busy[n] = lane_busy(sched);
@@ -594,12 +601,12 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
         // the next run while the others wait in this one's would leave the job hung, so the
         // failure ends it.
         if (world_size * a.tp.size > 1)
-          detail::throw_error(
-              e.kind(), __FILE__, __LINE__, "",
-              fmt::format("validating #{} ({}) failed on this rank: {}; the job's ranks validate "
-                          "in step, so strata-prof stops here (one rank alone reports a failed "
-                          "run and goes on)",
-                          i + 1, ranked[i].label, e.user_message()));
+          throw Error(e.kind(),
+                      fmt::format("validating #{} ({}) failed on this rank: {}; the job's ranks "
+                                  "validate in step, so strata-prof stops here (one rank alone "
+                                  "reports a failed run and goes on)",
+                                  i + 1, ranked[i].label, e.message()),
+                      e.call(), e.file(), e.line(), e.detail());
         errors[n] = e.user_message();
         ++runs.failed;
       }
