@@ -88,6 +88,10 @@ void require_overwrite_to_replace(const std::string& flag, const std::string& pa
 // device or a pipe holds nothing to replace. An empty path is no file.
 void require_output_file(const std::string& flag, const std::string& path, bool overwrite);
 
+// Refuses `flag path` whose folder `folder` does not exist, saying how to make it.
+[[noreturn]] void throw_folder_missing(const std::string& flag, const std::string& path,
+                                       const std::string& folder);
+
 // What `who` writes (`outs`), against itself and what it reads (`ins`): no file named twice (the
 // later write would replace the earlier), and no file read (a corpus, a config, a model's
 // weights), overwrite or not. A device or a pipe holds nothing to replace. Empty paths are none.

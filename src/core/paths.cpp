@@ -234,6 +234,13 @@ void require_room_for_names(const std::string& flag, const std::string& path,
                  flag, start(path), path.size(), longest_below, PATH_MAX);
 }
 
+void throw_folder_missing(const std::string& flag, const std::string& path,
+                          const std::string& folder) {
+  STRATA_THROW(kInvalidArgument,
+               "{} {}: the folder {} does not exist: create it first (mkdir -p {})", flag, path,
+               folder, folder);
+}
+
 void require_output_file(const std::string& flag, const std::string& path, bool overwrite) {
   if (path.empty()) return;
   std::error_code ec;
@@ -249,9 +256,8 @@ void require_output_file(const std::string& flag, const std::string& path, bool 
   // "DIR/.": a file where the folder should be is ENOTDIR, not a writable file.
   if (::access((where + "/.").c_str(), W_OK) != 0) {
     const int err = errno;
-    STRATA_REQUIRE(err != ENOENT || fs::exists(fs::symlink_status(where, ec)),
-                   "{} {}: the folder {} does not exist: create it first (mkdir -p {})", flag, path,
-                   where, where);
+    if (err == ENOENT && !fs::exists(fs::symlink_status(where, ec)))
+      throw_folder_missing(flag, path, where);
     STRATA_THROW(kIo, "{} {}: cannot be written in {}: {}", flag, path, where, std::strerror(err));
   }
 }

@@ -141,9 +141,8 @@ FolderCheck check_nearest_existing(const std::string& path) {
 void require_writable_folder(const std::string& flag, const std::string& path,
                              const FolderCheck& c) {
   std::error_code ec;
-  STRATA_REQUIRE(c.is_folder || fs::exists(c.folder, ec),
-                 "{} {}: the folder {} does not exist: create it first (mkdir -p {})", flag, path,
-                 c.folder.string(), c.folder.string());
+  if (!c.is_folder && !fs::exists(c.folder, ec))
+    throw_folder_missing(flag, path, c.folder.string());
   STRATA_REQUIRE(c.is_folder, "{} {}: {} is not a folder", flag, path, c.folder.string());
   STRATA_REQUIRE(c.write_errno == 0, "{} {}: {} cannot be written in: {}", flag, path,
                  c.folder.string(), std::strerror(c.write_errno));
