@@ -973,6 +973,8 @@ TEST_F(TrainBinary, ACheckpointPrunedWhileItIsVerifiedIsLookedForAgain) {
   fs::create_directories(live);
   fs::copy(ck + "/step-1", live + "/step-1", fs::copy_options::recursive);
   fs::copy(ck + "/step-2", live + "/step-2.tmp-7", fs::copy_options::recursive);
+  // An unfinished save besides, there at every listing: said once.
+  fs::create_directories(live + "/step-0.tmp-3");
   const std::string fifo = live + "/step-1/manifest.json";
   fs::remove(fifo);
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
@@ -986,15 +988,21 @@ TEST_F(TrainBinary, ACheckpointPrunedWhileItIsVerifiedIsLookedForAgain) {
   });
   FoundCheckpoint found;
   std::string err;
+  ::testing::internal::CaptureStderr();
   try {
     found = find_checkpoint(live, "strata-export");
   } catch (const Error& e) {
     err = e.what();
   }
+  const std::string said = ::testing::internal::GetCapturedStderr();
   run.join();
   EXPECT_EQ(err, "");
   EXPECT_EQ(found.step, 2);
   EXPECT_EQ(found.dir, live + "/step-2");
+  const std::string note = "skipping " + live + "/step-0.tmp-3: an unfinished checkpoint";
+  const std::size_t first = said.find(note);
+  EXPECT_NE(first, std::string::npos) << said;
+  EXPECT_EQ(said.find(note, first + 1), std::string::npos) << "said more than once:\n" << said;
 }
 
 // The data is the checkpoint's by its bytes (size and a hash of its ends), not its path: a file

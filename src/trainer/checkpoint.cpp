@@ -39,6 +39,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "core/process.h"
@@ -592,6 +593,10 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   // as its next checkpoint was completed: an export of a run still going failed, "no complete
   // checkpoint", about one time in twenty with --keep-checkpoints 1).
   std::vector<std::pair<std::int64_t, std::string>> found;
+  std::set<std::string> said;  // each note once, however many times the folder is listed
+  const auto warn_once = [&](std::string m) {
+    if (said.insert(m).second) log::warn("{}", m);
+  };
   for (int listing = 0;; ++listing) {
     const bool last_listing = listing == 4;
     std::vector<std::pair<std::int64_t, std::string>> set_aside;
@@ -600,7 +605,7 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
       std::error_code link_ec;  // a link that loops or dangles: not a folder, said if named step-*
       if (!e.is_directory(link_ec)) {
         if (link_ec && e.path().filename().string().rfind("step-", 0) == 0)
-          log::warn("{}: skipping {}: {}", what, e.path().string(), link_ec.message());
+          warn_once(fmt::format("{}: skipping {}: {}", what, e.path().string(), link_ec.message()));
         continue;
       }
       const std::string name = e.path().filename().string();
@@ -611,10 +616,10 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
       else if (old != std::string::npos && step_of(name.substr(0, old)) >= 0)
         set_aside.emplace_back(step_of(name.substr(0, old)), e.path().string());
       else if (name.rfind("step-", 0) == 0)
-        log::warn("{}: skipping {}: {}", what, e.path().string(),
-                  name.find(".pruned-") != std::string::npos
-                      ? "a checkpoint a run was removing (the next save removes it)"
-                      : "an unfinished checkpoint");
+        warn_once(fmt::format("{}: skipping {}: {}", what, e.path().string(),
+                              name.find(".pruned-") != std::string::npos
+                                  ? "a checkpoint a run was removing (the next save removes it)"
+                                  : "an unfinished checkpoint"));
     }
     STRATA_REQUIRE(!ec, "{} {}: cannot list {}: {}", what, path, root, ec.message());
     // A complete step-<N> a run moved aside to save step N again, and died before the new one took
@@ -624,14 +629,17 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
     for (const auto& [st, dir] : set_aside) {
       const bool have = std::any_of(found.begin(), found.end(),
                                     [st = st](const auto& f) { return f.first == st; });
-      if (have)
-        log::info("{}: {} is an older copy of step-{}: taken only if step-{} does not verify", what,
-                  dir, st, st);
-      else
-        log::warn(
+      if (have) {
+        const std::string m =
+            fmt::format("{}: {} is an older copy of step-{}: taken only if step-{} does not verify",
+                        what, dir, st, st);
+        if (said.insert(m).second) log::info("{}", m);
+      } else {
+        warn_once(fmt::format(
             "{}: {} is step-{} set aside by a run that stopped while saving that step again: "
             "taking it as step-{}",
-            what, dir, st, st);
+            what, dir, st, st));
+      }
       found.emplace_back(st, dir);
     }
     std::stable_sort(found.begin(), found.end(),
@@ -649,7 +657,7 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
         break;
       }
       if (!why.empty()) {
-        log::warn("{}: skipping {}: {}", what, dir, why);
+        warn_once(fmt::format("{}: skipping {}: {}", what, dir, why));
         skipped.push_back(fmt::format("{}: {}", dir, why));
         continue;
       }
