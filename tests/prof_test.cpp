@@ -2178,14 +2178,15 @@ TEST(ProfCli, TheDemosRunLineNamesItsModelAndFits) {
 }
 
 #ifdef STRATA_MPIEXEC
-// strata-prof on `np` ranks under mpirun with `args`.
+// strata-prof on `np` ranks under mpirun with `args`, `env` added to the ranks' environment.
 testing::Result prof_ranks(int np, std::vector<std::string> args, const std::string& dir,
-                           const std::string& tag) {
+                           const std::string& tag,
+                           std::vector<std::pair<std::string, std::string>> env = {}) {
   args.insert(args.begin(), {"-np", std::to_string(np), "--oversubscribe", STRATA_PROF_BIN});
-  return testing::run(STRATA_MPIEXEC, args, dir, tag,
-                      {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                       {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                       {"STRATA_COMM_TIMEOUT_S", "120"}});
+  env.insert(env.end(), {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                         {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                         {"STRATA_COMM_TIMEOUT_S", "120"}});
+  return testing::run(STRATA_MPIEXEC, args, dir, tag, env);
 }
 
 // The tiny model at `model` on a 20 MiB emulated device, B=2, T=32, no NVMe, validated once for 2
@@ -2244,14 +2245,9 @@ TEST(ProfCli, TwoRanksEndTheJobWhenAValidationRunFailsOnOne) {
     GTEST_SKIP() << "runs as the prof_mpi test (STRATA_TEST_MPI=1)";
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
-  std::vector<std::string> args = {"-np", "2", "-x", "STRATA_TEST_FAIL_VALIDATION_RANK=1"};
-  for (const std::string& x : validated_tiny(model, d.path)) args.push_back(x);
-  args.insert(args.begin() + 4, STRATA_PROF_BIN);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto r = testing::run(STRATA_MPIEXEC, args, d.path, "prof-fail",
-                              {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
-                               {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-                               {"STRATA_COMM_TIMEOUT_S", "120"}});
+  const auto r = prof_ranks(2, validated_tiny(model, d.path), d.path, "prof-fail",
+                            {{"STRATA_TEST_FAIL_VALIDATION_RANK", "1"}});
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("validating #1 ("), std::string::npos) << r.err;

@@ -156,10 +156,12 @@ class TrainCli : public ::testing::Test {
                 { "STRATA_COMM_TIMEOUT_S",
                   "120" }});
   }
-  // mpirun -np `np` of the usual run with `extra` flags.
+  // mpirun -np `np` (and `mpirun_flags`) of the usual run with `extra` flags.
   Result ranks(int np, const std::string& log, const std::vector<std::string>& extra,
-               const std::string& tag) const {
-    std::vector<std::string> m = {"-np", std::to_string(np), "--oversubscribe", STRATA_TRAIN_BIN};
+               const std::string& tag, const std::vector<std::string>& mpirun_flags = {}) const {
+    std::vector<std::string> m = {"-np", std::to_string(np), "--oversubscribe"};
+    m.insert(m.end(), mpirun_flags.begin(), mpirun_flags.end());
+    m.push_back(STRATA_TRAIN_BIN);
     for (const auto& a : args(log, extra)) m.push_back(a);
     return under_mpirun(m, tag);
   }
@@ -3392,10 +3394,8 @@ TEST_F(TrainCli, TwoRanksMatchOneRankWithTheSameGlobalBatch) {
   // oneDNN's AVX2 GEMMs split their sums by the threads they get).
   const Result a = train(args(one, {"--grad-accum", "2", "--out", out1}), "one");
   ASSERT_EQ(a.status, 0) << a.err;
-  std::vector<std::string> m = {"-np",       "2",    "--oversubscribe",
-                                "--bind-to", "none", STRATA_TRAIN_BIN};
-  for (const auto& s : args(two, {"--save-every", "4", "--checkpoint-dir", ck2})) m.push_back(s);
-  const Result b = under_mpirun(m, "two");
+  const Result b =
+      ranks(2, two, {"--save-every", "4", "--checkpoint-dir", ck2}, "two", {"--bind-to", "none"});
   ASSERT_EQ(b.status, 0) << b.out << b.err;
   EXPECT_NE(b.out.find("2 rank(s)"), std::string::npos) << b.out;
   // Plain progress lines: mpirun's ranks write to a pseudo-terminal even when its output goes to
@@ -3808,10 +3808,7 @@ TEST_F(TrainCli, TorchrunRanksTrainAsTheMpirunRanksDo) {
     // Every rank free to use every core, as torchrun's are (mpirun binds each of 2 ranks to a
     // core): oneDNN's AVX2 GEMMs split their sums by the threads they get, so a rank on one core
     // differs from one on two in the last bits.
-    std::vector<std::string> mr = {"-np",  std::to_string(np), "--oversubscribe", "--bind-to",
-                                   "none", STRATA_TRAIN_BIN};
-    for (const auto& x : args(ml)) mr.push_back(x);
-    const Result m = under_mpirun(mr, fmt::format("mpirun{}", np));
+    const Result m = ranks(np, ml, {}, fmt::format("mpirun{}", np), {"--bind-to", "none"});
     ASSERT_EQ(m.status, 0) << m.out << m.err;
     EXPECT_NE(m.out.find(fmt::format("rank 0 of {} (1 node), backend mpi, launcher openmpi", np)),
               std::string::npos)

@@ -593,9 +593,11 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
   // as its next checkpoint was completed: an export of a run still going failed, "no complete
   // checkpoint", about one time in twenty with --keep-checkpoints 1).
   std::vector<std::pair<std::int64_t, std::string>> found;
-  std::set<std::string> said;  // each note once, however many times the folder is listed
-  const auto warn_once = [&](std::string m) {
-    if (said.insert(m).second) log::warn("{}", m);
+  // Each note said once, however many times the folder is listed: true the first time.
+  std::set<std::string> said;
+  const auto first_time = [&](const std::string& m) { return said.insert(m).second; };
+  const auto warn_once = [&](const std::string& m) {
+    if (first_time(m)) log::warn("{}", m);
   };
   for (int listing = 0;; ++listing) {
     const bool last_listing = listing == 4;
@@ -633,7 +635,7 @@ FoundCheckpoint find_checkpoint(const std::string& path, const std::string& what
         const std::string m =
             fmt::format("{}: {} is an older copy of step-{}: taken only if step-{} does not verify",
                         what, dir, st, st);
-        if (said.insert(m).second) log::info("{}", m);
+        if (first_time(m)) log::info("{}", m);
       } else {
         warn_once(fmt::format(
             "{}: {} is step-{} set aside by a run that stopped while saving that step again: "
