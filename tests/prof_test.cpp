@@ -850,6 +850,29 @@ TEST(PerfModel, CopiesKeepTheirRateAndTakeTheirCoreFromTheKernels) {
   EXPECT_NEAR(one.step_s, in_a_row, in_a_row * 0.1);
 }
 
+// The copies take their cores first and the kernels share what they leave: kernels that keep
+// both cores busy, beside a copy that wants one, get the other core (half speed), not a fair
+// 2 x 2 / 3 of the two (two thirds). So the kernels lose more than a third of the copies' time
+// (the most a fair share takes from them, with every copy beside a kernel) and at most half of
+// it; the copies keep their rate.
+TEST(PerfModel, KernelsShareTheCoresTheCopiesLeave) {
+  MachineProfile m = fast_machine();
+  m.h2d_bps = 1e9;
+  m.host_mem_bps = 2e9;         // a copy at 1 GB/s is a whole memcpy: one core
+  m.device_kernel_threads = 2;  // the kernels keep both cores busy
+  const ModelProfile mp = synthetic(4, kLayer, 0.010, 0.020);
+  const EngineConfig c = placed(Tier::kHost, Tier::kDevice, Tier::kDevice);
+  const Prediction alone = predict_step(m, mp, c);
+  m.device_shares_host_cores = 2;
+  const Prediction shared = predict_step(m, mp, c);
+  const int h2d = int(Resource::kH2D), compute = int(Resource::kCompute);
+  const double copies = alone.busy_s[h2d], lost = shared.busy_s[compute] - alone.busy_s[compute];
+  EXPECT_GT(copies, 0.03);  // 4 layers of 8 MiB
+  EXPECT_NEAR(shared.busy_s[h2d], copies, copies * 1e-6);
+  EXPECT_GT(lost, copies / 3 * 1.1);
+  EXPECT_LE(lost, copies / 2 * (1 + 1e-6));
+}
+
 // What the profile measured of the emulated device's kernels (ModelProfile::device_cores) is the
 // share of the cores they take: the case above with the kernels given both cores' threads wants
 // three cores of two while the AdamW runs; kernels measured keeping one core busy (small ones, a
