@@ -45,6 +45,29 @@ TEST(Paths, SameFileSeesThroughLinksDotsAndHardLinks) {
   EXPECT_FALSE(same_file(f, ""));
 }
 
+// A lock taken without waiting: refused only while another open of the file holds it (another
+// process's, or this one's through another open), taken again once that one is closed; a
+// descriptor that cannot be locked at all (a pipe's) is not "held by another".
+TEST(Paths, LockUnlessHeldRefusesOnlyAnotherHolder) {
+  TempDir d;
+  const std::string f = d.path + "/x.lock";
+  const int a = ::open(f.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int b = ::open(f.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  EXPECT_TRUE(lock_unless_held(a));
+  EXPECT_TRUE(lock_unless_held(a));  // its own again
+  EXPECT_FALSE(lock_unless_held(b));
+  ::close(a);
+  EXPECT_TRUE(lock_unless_held(b));
+  ::close(b);
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  EXPECT_TRUE(lock_unless_held(p[0]));
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
 TEST(Paths, CanonicalPathIsAbsoluteWithLinksAndDotsResolved) {
   TempDir d;
   const std::string real = fs::canonical(d.path).string();

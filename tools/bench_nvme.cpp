@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -177,7 +176,7 @@ class HugepageReservation {
                                       : std::string("/run/lock/strata-bench-hugepages.lock");
     lock_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     STRATA_REQUIRE(
-        lock_ < 0 || ::flock(lock_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK,
+        lock_ < 0 || strata::lock_unless_held(lock_),
         "--reserve-hugepages {}: another strata-bench run on this host holds a huge-page "
         "reservation ({}); run them one at a time, or reserve the pages beforehand "
         "(sysctl vm.nr_hugepages=N) and drop --reserve-hugepages",

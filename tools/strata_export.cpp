@@ -19,7 +19,6 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -191,7 +190,7 @@ void check_output_folder(const Options& o, const strata::FoundCheckpoint& ck) {
   // temporary files there are then a dead export's, never a running one's.
   const auto hold = [&] {
     const int held = ::open(o.out.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (held >= 0 && ::flock(held, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK)
+    if (held >= 0 && !strata::lock_unless_held(held))
       STRATA_THROW(kInvalidArgument,
                    "{} is being written by another running strata-export or strata-train: give "
                    "this export another OUT_DIR, or run it once that one has ended",

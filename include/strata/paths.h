@@ -61,6 +61,13 @@ std::string canonical_path(const std::string& path);
 // file under two names (hard links). An empty path names none.
 bool same_file(const std::string& x, const std::string& y);
 
+// An exclusive flock on the open file `fd`, taken without waiting: false only when another open
+// of the file holds it (EWOULDBLOCK); true when taken, and where the file system has no locks
+// (the caller goes on unlocked there). How a run holds what it writes into (its --out, its log)
+// for its life, released when `fd` is closed:
+//   if (!lock_unless_held(fd)) throw ...("in use by another running strata-train ...");
+bool lock_unless_held(int fd);
+
 // A file read is there and is a file (a folder named by mistake is said as one). `flag` may be
 // empty (a positional argument).
 void require_input_file(const std::string& flag, const std::string& path);

@@ -5,6 +5,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <time.h>
@@ -181,6 +182,10 @@ bool same_file(const std::string& x, const std::string& y) {
   if (x.empty() || y.empty()) return false;
   std::error_code ec;
   return canonical_path(x) == canonical_path(y) || (fs::equivalent(x, y, ec) && !ec);
+}
+
+bool lock_unless_held(int fd) {
+  return ::flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK;
 }
 
 void require_input_file(const std::string& flag, const std::string& path) {

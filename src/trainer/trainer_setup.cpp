@@ -462,7 +462,7 @@ void hold_folder(Settings& s, const std::string& flag, const std::string& folder
     s.held_folders.push_back(std::make_unique<HeldFolder>(-1, std::move(made)));
     return;
   }
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) {
+  if (lock_unless_held(fd)) {
     s.held_folders.push_back(std::make_unique<HeldFolder>(fd, std::move(made)));
     return;
   }
@@ -484,7 +484,7 @@ void hold_log(Settings& s) {
   const bool existed = fs::exists(path, ec);
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return;
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) {
+  if (lock_unless_held(fd)) {
     s.held_log = std::make_unique<HeldFile>(fd, existed ? std::string() : path);
     return;
   }
@@ -1051,7 +1051,7 @@ std::string prepare_cached(const Settings& s, const FolderTokenizer& t,
   } unlock{lock};
   // Another run preparing the same corpus: said, then waited for (it went on without a word,
   // for as long as the other's preparing took), and its file reused.
-  if (lock >= 0 && ::flock(lock, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+  if (lock >= 0 && !lock_unless_held(lock)) {
     if (s.con)
       log::info(
           "{}: another run is preparing this corpus; waiting for it (its file is then reused)",
