@@ -126,7 +126,7 @@ class SignalCleanup {
   SignalCleanup(const SignalCleanup&) = delete;
   SignalCleanup& operator=(const SignalCleanup&) = delete;
 
-  // Before the file is created.
+  // As the file is created (claim_file_with_space), or before.
   static void remove_file(const std::string& path) {
     const int n = g_cleanup.files.load();
     STRATA_CHECK(n < kMaxCleanupFiles,
@@ -216,8 +216,12 @@ struct RemovedAtExit {
 // file, empty. The benchmark's file is removed and replaced: one already there is refused, not
 // deleted (a user's file of that name, or another run's file in use by it); made atomically
 // (O_EXCL): two runs started at one instant both saw no file, and each removed and wrote the
-// other's. The caller removes it (RemovedAtExit, SignalCleanup).
-void claim_file_with_space(const std::string& dir, const std::string& file, std::size_t size) {
+// other's. Made and registered for removal on a signal (SignalCleanup, with `also`: files the run
+// may make beside it) with the signals held back on this thread in between: a Ctrl-C landing
+// between the two left the file (a run preempted there under load). The caller removes it at
+// exit (RemovedAtExit).
+void claim_file_with_space(const std::string& dir, const std::string& file, std::size_t size,
+                           const std::vector<std::string>& also = {}) {
   struct statvfs sv {};
   STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
   const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
@@ -227,13 +231,26 @@ void claim_file_with_space(const std::string& dir, const std::string& file, std:
       "--path {}: {} free, and the benchmark writes a {} file there (and keeps 64 MiB spare); "
       "free space, lower --size, or point --path at another drive",
       dir, human_bytes(double(free)), human_bytes(double(size)));
+  struct HeldBack {
+    sigset_t was{};
+    HeldBack() {
+      sigset_t hold;
+      sigemptyset(&hold);
+      for (int sig : kCleanupSignals) sigaddset(&hold, sig);
+      ::pthread_sigmask(SIG_BLOCK, &hold, &was);
+    }
+    ~HeldBack() { ::pthread_sigmask(SIG_SETMASK, &was, nullptr); }  // (a pending one lands here)
+  } held;
   const int made = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   STRATA_REQUIRE(
       made >= 0 || errno != EEXIST,
       "--path {}: {} already exists and the benchmark would replace and then remove it; remove it "
       "(a killed earlier run, or another run using it now, leaves it), or give another --path",
       dir, file);
-  if (made >= 0) ::close(made);
+  STRATA_CHECK_ERRNO(made, "--path {}: cannot create {}", dir, file);
+  ::close(made);
+  SignalCleanup::remove_file(file);
+  for (const std::string& f : also) SignalCleanup::remove_file(f);
 }
 
 // Where a run's buffers come from. kSame: 4 KiB pages of one shared memory (a memfd) that our
@@ -524,8 +541,9 @@ bool lay_down(const std::string& file, std::size_t size, const AioConfig& cfg) {
   STRATA_REQUIRE(buf != nullptr, "out of memory preparing {}", file);
   std::memset(buf, 0xa5, unit);
   bool direct = false;
-  // (truncated, not removed: the file stays the one this run made)
-  const int fd = open_for_io(file, O_RDWR | O_CREAT | O_TRUNC, cfg.direct, &direct);
+  // (truncated, not removed: the file stays the one this run made; not created again, which after
+  // a signal's removal on another thread would leave it behind)
+  const int fd = open_for_io(file, O_RDWR | O_TRUNC, cfg.direct, &direct);
   AioConfig c = cfg;
   c.thread_count = 1;
   auto eng = make_io_engine(c);
@@ -643,9 +661,7 @@ void run_compare(const NvmeArgs& a) {
                  "same one); use --threads 1, or --buffers huge, normal or both",
                  a.buffers, cfg.thread_count);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
-  claim_file_with_space(a.path, file, size);
-  SignalCleanup::remove_file(file);
-  SignalCleanup::remove_file(file + ".fio-stderr");  // run_fio's
+  claim_file_with_space(a.path, file, size, {file + ".fio-stderr"});  // (run_fio's)
   const RemovedAtExit removed{file};
   const bool direct = lay_down(file, size, cfg);
   SharedPages shared;
@@ -834,7 +850,6 @@ void run_sweep(const NvmeArgs& a) {
   STRATA_REQUIRE(a.sweep_seconds > 0, "--sweep-seconds {}: must be > 0 (the sweep's time bound)",
                  a.sweep_seconds);
   claim_file_with_space(a.path, file, size);
-  SignalCleanup::remove_file(file);
   const RemovedAtExit removed{file};
   const int qds[] = {8, 32, 64};
   const int threads[] = {1, 2};
