@@ -216,12 +216,10 @@ struct RemovedAtExit {
 // file, empty. The benchmark's file is removed and replaced: one already there is refused, not
 // deleted (a user's file of that name, or another run's file in use by it); made atomically
 // (O_EXCL): two runs started at one instant both saw no file, and each removed and wrote the
-// other's. Made and registered for removal on a signal (SignalCleanup, with `also`: files the run
-// may make beside it) with the signals held back on this thread in between: a Ctrl-C landing
-// between the two left the file (a run preempted there under load). The caller removes it at
-// exit (RemovedAtExit).
-void claim_file_with_space(const std::string& dir, const std::string& file, std::size_t size,
-                           const std::vector<std::string>& also = {}) {
+// other's. Made and registered for removal on a signal (SignalCleanup) with the signals held back
+// on this thread in between: a Ctrl-C landing between the two left the file (a run preempted
+// there under load). The caller removes it at exit (RemovedAtExit).
+void claim_file_with_space(const std::string& dir, const std::string& file, std::size_t size) {
   struct statvfs sv {};
   STRATA_REQUIRE(::statvfs(dir.c_str(), &sv) == 0, "--path {}: cannot read its free space", dir);
   const std::uint64_t free = std::uint64_t(sv.f_bavail) * sv.f_frsize;
@@ -250,7 +248,6 @@ void claim_file_with_space(const std::string& dir, const std::string& file, std:
   STRATA_CHECK_ERRNO(made, "--path {}: cannot create {}", dir, file);
   ::close(made);
   SignalCleanup::remove_file(file);
-  for (const std::string& f : also) SignalCleanup::remove_file(f);
 }
 
 // Where a run's buffers come from. kSame: 4 KiB pages of one shared memory (a memfd) that our
@@ -661,7 +658,8 @@ void run_compare(const NvmeArgs& a) {
                  "same one); use --threads 1, or --buffers huge, normal or both",
                  a.buffers, cfg.thread_count);
   const cpu::HugePageInfo hp = cpu::huge_page_info();
-  claim_file_with_space(a.path, file, size, {file + ".fio-stderr"});  // (run_fio's)
+  claim_file_with_space(a.path, file, size);
+  SignalCleanup::remove_file(file + ".fio-stderr");  // run_fio's, before it makes it
   const RemovedAtExit removed{file};
   const bool direct = lay_down(file, size, cfg);
   SharedPages shared;
