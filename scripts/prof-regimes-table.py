@@ -8,8 +8,9 @@ keeps these tables).
 Each WORK_DIR is a prof-regimes.sh work folder: its <regime>.json, the JSON strata-prof printed.
 Below the table, per run: the drive's figures the nvme regime measured, and how far the drive
 slowed under compute in each round (the same figures docs/strata-prof.md#measure names); and per
-regime the host's memory rate as profiled over its median beside the validation runs (a run
-profiled on a machine at another speed shows there; older runs, which lack it, show "-"). A
+regime the host's memory rate as profiled over its median beside the validation runs, and the
+drive's probe likewise (a run profiled on a machine or a drive at another speed shows there; a
+regime without the drive in its validated runs, or an older run, shows "-"). A
 recommendation that is not the fastest prediction (of near-ties, one that keeps the NVMe drive
 markedly less busy) says "(over #K)", K the fastest prediction's rank.
 """
@@ -74,9 +75,10 @@ def main():
     print("\n".join(rows))
     print()
     for run in runs:
-        speed = lambda r: load(run, r).get("host_mem_profile_vs_validation")
-        print(f'{run}: host memory profiled / validating: ' + ", ".join(
-            f'{r} {"-" if speed(r) is None else f"{speed(r):.2f}"}' for r in REGIMES))
+        for what, key in (("host memory", "host_mem"), ("drive", "drive")):
+            speed = lambda r: load(run, r).get(f"{key}_profile_vs_validation")
+            print(f'{run}: {what} profiled / validating: ' + ", ".join(
+                f'{r} {"-" if speed(r) is None else f"{speed(r):.2f}"}' for r in REGIMES))
         m = load(run, "nvme")["machine"]
         if m.get("nvme_read_gbps") is None:
             print(f"{run}: no drive measured (the nvme regime ran without NVMe)")

@@ -1581,6 +1581,30 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   ASSERT_EQ(j["machine"]["nvme_compute_slowdown_rounds"].size(), 3u) << j["machine"].dump();
   for (const auto& x : j["machine"]["nvme_compute_slowdown_rounds"]) EXPECT_GE(x.get<double>(), 0);
   EXPECT_NE(r.out.find("longer (its rounds alone: "), std::string::npos) << r.out;
+  // The drive's probe, as the profile took it and beside the validation runs (before each of the 2
+  // rounds and after the last), where a validated candidate keeps bytes on NVMe (the spread runs
+  // the last-ranked, which here does); the profile's over their median; the note that the drive
+  // was profiled at another speed exactly when the profile's lies more than a tenth outside them.
+  bool on_drive = false;
+  for (const auto& c : j["candidates"])
+    on_drive = on_drive || (c.contains("validated_as") && c["nvme_bytes"].get<double>() > 0);
+  ASSERT_TRUE(on_drive) << "no validated candidate on the drive: " << r.out;
+  const double probe = mj["drive_probe_gbps"].get<double>();
+  EXPECT_GT(probe, 0);
+  const std::vector<double> drive = j["validation_drive_gbps"].get<std::vector<double>>();
+  ASSERT_EQ(drive.size(), 3u) << j.dump();
+  for (double g : drive) EXPECT_GT(g, 0);
+  std::vector<double> sorted_drive = drive;
+  std::sort(sorted_drive.begin(), sorted_drive.end());
+  EXPECT_NEAR(j["drive_profile_vs_validation"].get<double>(), probe / sorted_drive[1], 1e-9);
+  const std::string drive_line = fmt::format(
+      "the drive while validating {:.2f}-{:.2f} GB/s (3 checks at the same times: the engine's "
+      "mix of reads and writes, probed as the profile did), the profile's {:.2f} GB/s",
+      sorted_drive[0], sorted_drive[2], probe);
+  EXPECT_NE(r.out.find(drive_line), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(drive_line + ": outside that range") != std::string::npos,
+            probe < 0.9 * sorted_drive[0] || probe > 1.1 * sorted_drive[2])
+      << r.out;
   EXPECT_TRUE(fs::file_size(d.path + "/prof.svg") > 1000);
   EXPECT_TRUE(fs::file_size(d.path + "/trace.json") > 100);
   EXPECT_NE(testing::slurp(d.path + "/prof.svg").find("predicted step"), std::string::npos);
@@ -1603,6 +1627,54 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
                    d.path, "train");
   ASSERT_EQ(train.status, 0) << train.out << train.err;
   EXPECT_NE(testing::slurp(d.path + "/log.json").find("\"step\":2"), std::string::npos);
+}
+
+// A drive measured but no validated candidate on it: the profile's probe is given, and nothing
+// is probed beside the runs (they do not wait on the drive).
+TEST(ProfCli, TheDriveIsCheckedOnlyBesideRunsThatUseIt) {
+  TempDir d("strata-prof");
+  const std::string model = tiny_model(d.path);
+  fs::create_directories(d.path + "/nvme");
+  const auto r = testing::run(STRATA_PROF_BIN,
+                              {"--model-config",
+                               model,
+                               "--device",
+                               "cpu",
+                               "--device-mem-gb",
+                               "0.02",
+                               "--seq-len",
+                               "32",
+                               "--micro-batches",
+                               "2",
+                               "--nvme-path",
+                               d.path + "/nvme",
+                               "--nvme-sustain-s",
+                               "0",
+                               "--out",
+                               d.path + "/best.json",
+                               "--svg",
+                               "",
+                               "--validate",
+                               "1",
+                               "--validate-spread",
+                               "0",
+                               "--validate-steps",
+                               "2",
+                               "--trace",
+                               "",
+                               "--json"},
+                              d.path, "prof");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  ASSERT_EQ(j["validated"].get<int>(), 1);
+  ASSERT_EQ(j["candidates"][0]["nvme_bytes"].get<double>(), 0)
+      << "the recommendation keeps bytes on the drive: " << r.out;
+  EXPECT_GT(j["machine"]["drive_probe_gbps"].get<double>(), 0);
+  EXPECT_TRUE(j["validation_drive_gbps"].empty()) << j.dump();
+  EXPECT_TRUE(j["drive_profile_vs_validation"].is_null()) << j.dump();
+  EXPECT_EQ(r.out.find("the drive while validating"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("the drive's check"), std::string::npos) << r.out;
+  EXPECT_EQ(j["validation_host_mem_gbps"].size(), 3u) << j.dump();  // (the host's still is)
 }
 
 // A --config schedule sized for the whole run (total_num_steps "auto", a warmup longer than the
@@ -1745,6 +1817,7 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   // (the nvme regime's recommendation as if taken over the fastest prediction, ranked third)
   nlohmann::json over = j;
   over["fastest_predicted_rank"] = 3;
+  over["drive_profile_vs_validation"] = 1.25;  // (and its drive checked beside the runs)
   std::ofstream(runs + "/nvme.json") << over.dump() << "\n";
   const auto t =
       testing::run("/usr/bin/python3", {STRATA_SOURCE_DIR "/scripts/prof-regimes-table.py", runs},
@@ -1772,6 +1845,10 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NE(t.out.find(fmt::format("host memory profiled / validating: compute {0:.2f}, link "
                                    "{0:.2f}, nvme {0:.2f}, offload {0:.2f}",
                                    speed)),
+            std::string::npos)
+      << t.out;
+  // ... and the drive's probe likewise, where it was checked ("-" where not: --no-nvme here).
+  EXPECT_NE(t.out.find("drive profiled / validating: compute -, link -, nvme 1.25, offload -"),
             std::string::npos)
       << t.out;
 }
@@ -1857,6 +1934,11 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
               j["rank_correlation_spearman_resolved"].is_null())
       << j.dump();
   EXPECT_NE(r.out.find("(the runs' step-to-step spread) as ties"), std::string::npos) << r.out;
+  // No drive (--no-nvme): none probed, none checked beside the runs.
+  EXPECT_TRUE(j["machine"]["drive_probe_gbps"].is_null()) << j["machine"].dump();
+  EXPECT_TRUE(j["validation_drive_gbps"].empty()) << j.dump();
+  EXPECT_TRUE(j["drive_profile_vs_validation"].is_null()) << j.dump();
+  EXPECT_EQ(r.out.find("the drive while validating"), std::string::npos) << r.out;
   // Two rounds by default (validation_order): each validated one ran twice, its measured step the
   // median over both runs' timed steps (one each: --validate-steps 2 times the first step).
   EXPECT_EQ(j["validate_rounds"].get<int>(), 2);

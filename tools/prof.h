@@ -100,6 +100,15 @@ struct Unmeasured {
   std::string why;
 };
 
+// The drive's rate by one probe that the profile and the validation both take, so that a drive
+// that changed speed between the two shows: the engine's mix of reads and writes (half each,
+// MachineProfile::kMixedInFlight in flight) over `count` keys of one unit's `extent`, bytes a
+// second, the median of 3 passes. 0 bytes a second: not measured (no drive).
+struct DriveProbe {
+  std::size_t extent = 0, count = 0;
+  double bps = 0;
+};
+
 // What the measure step found: the machine, the device's name as printed, the search space with
 // the model's profiles, and the times taken.
 struct Measurement {
@@ -111,6 +120,7 @@ struct Measurement {
   // how far one measurement of it moves on this machine. Rank 0's; empty without the drive.
   std::vector<double> nvme_slowdown_rounds;
   std::vector<Unmeasured> unmeasured;  // the same on every rank
+  DriveProbe drive;                    // this rank's, as its profile measured it
 };
 
 // ---- prof_measure.cpp ----
@@ -122,6 +132,9 @@ Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const 
 // The host's memory rate as the profile measures it (MachineProfile::host_mem_bps): bytes read
 // and written a second, best of 3 memcpy's of `bytes` from `src` to `dst`.
 double host_copy_bps(char* dst, const char* src, std::size_t bytes);
+// The drive's rate as `shape` says the profile probed it (DriveProbe), probed again now in a
+// swap store of its own under `folder` with `aio` (its files removed before it returns).
+double probe_drive(const std::string& folder, const AioConfig& aio, const DriveProbe& shape);
 
 // ---- prof_picture.cpp ----
 std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans);
@@ -146,11 +159,13 @@ struct Validation {
 // --validate K: runs the picked candidates (validation_picks: the best K and the spread), prints
 // predicted against measured step time and bottleneck, and adds the figures to `cands` (the
 // entry of each by its "rank") and `j`. The host's memory rate is checked before each round and
-// after the last, against the profile's (`profile_host_mem_bps`): a machine that changed speed
-// between the profile and the runs shows there.
+// after the last, against the profile's (`profile_host_mem_bps`), and so is the drive's
+// (`profile_drive`, where the profile probed it and a picked candidate keeps bytes on NVMe): a
+// machine that changed speed between the profile and the runs shows there.
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
                     const std::string& nvme_dir, int world_size, bool talk,
-                    double profile_host_mem_bps, nlohmann::json& cands, nlohmann::json& j);
+                    double profile_host_mem_bps, const DriveProbe& profile_drive,
+                    nlohmann::json& cands, nlohmann::json& j);
 
 }  // namespace strata::prof

@@ -377,7 +377,7 @@ void require_nvme_scratch(Communicator& comm, const std::string& dir, const std:
 // bufs[i % bufs.size()] and key(i), `in_flight` at once (reads ahead, writes behind), for as long
 // as more(i) says before each; done() after each one completes. Returns when all have.
 template <class Key, class More, class Done>
-void run_mix(SwapStore& store, const std::vector<PinnedBlock>& bufs, std::size_t bytes,
+void run_mix(SwapStore& store, const std::vector<void*>& bufs, std::size_t bytes,
              std::size_t in_flight, Key key, More more, Done done) {
   std::deque<IoHandle> hs;
   auto complete_one = [&] {
@@ -388,11 +388,25 @@ void run_mix(SwapStore& store, const std::vector<PinnedBlock>& bufs, std::size_t
   for (std::size_t i = 0;; ++i) {
     if (hs.size() >= in_flight) complete_one();
     if (!more(i)) break;
-    void* b = bufs[i % bufs.size()].data();
+    void* b = bufs[i % bufs.size()];
     const std::string k = key(i);
     hs.push_back(i % 2 ? store.write(k, b, bytes) : store.read(k, b, bytes));
   }
   while (!hs.empty()) complete_one();
+}
+
+// The mix's time over the `n` keys `prefix`0.. of `bytes` each, `in_flight` requests in flight
+// (run_mix): the median of 3 passes.
+double mixed_pass_s(SwapStore& store, const std::vector<void*>& bufs, const std::string& prefix,
+                    std::size_t bytes, std::size_t n, std::size_t in_flight) {
+  return median_of(3, [&] {
+    const auto t0 = Clock::now();
+    run_mix(
+        store, bufs, bytes, in_flight,
+        [&](std::size_t i) { return fmt::format("{}{}", prefix, i); },
+        [&](std::size_t i) { return i < n; }, [] {});
+    return since(t0);
+  });
 }
 
 // NVMe: the engine's swap store, as the engine drives it: extents of one unit's optimizer
@@ -402,7 +416,8 @@ void run_mix(SwapStore& store, const std::vector<PinnedBlock>& bufs, std::size_t
 void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base,
                   const std::string& nvme_dir, const std::vector<std::string>& all_nvme_paths,
                   const std::string& nvme_key, std::size_t unit_state_bytes,
-                  std::size_t unit_weight_bytes, double sustain_s, MachineProfile& m) {
+                  std::size_t unit_weight_bytes, double sustain_s, MachineProfile& m,
+                  DriveProbe& probe) {
   const NvmeSizes z = nvme_sizes(base, unit_state_bytes, unit_weight_bytes);
   require_nvme_scratch(comm, nvme_dir, nvme_key, z.scratch_bytes());
   SwapStoreOptions so;
@@ -416,9 +431,11 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   std::vector<PinnedBlock> bufs;
   // (one a request in flight at most: with aio.verify a buffer read into while it is written
   // would fail its checksum)
+  std::vector<void*> ptrs;  // (run_mix's)
   for (int i = 0; i < MachineProfile::kMixedDeepInFlight; ++i) {
     bufs.push_back(pool.allocate(extent));
     std::memset(bufs.back().data(), int(i + 1), extent);
+    ptrs.push_back(bufs.back().data());
   }
   for (std::size_t i = 0; i < count; ++i) store.reserve(fmt::format("x{}", i), extent);
   auto run = [&](bool write) {
@@ -457,16 +474,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // (reads ahead and writes behind, half of `in_flight` each, over the keys `prefix` holds)
   auto mixed_at = [&](const std::string& prefix, std::size_t bytes, std::size_t n,
                       std::size_t in_flight) {
-    return median_of(3,
-                     [&] {
-                       const auto t0 = Clock::now();
-                       run_mix(
-                           store, bufs, bytes, in_flight,
-                           [&](std::size_t i) { return fmt::format("{}{}", prefix, i); },
-                           [&](std::size_t i) { return i < n; }, [] {});
-                       return since(t0);
-                     }) /
-           double(n);
+    return mixed_pass_s(store, ptrs, prefix, bytes, n, in_flight) / double(n);
   };
   // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
   // that small): the line through both is a request's fixed part and its bytes' rate. A noisy pair
@@ -482,6 +490,8 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     // The line's fixed part and rate at `in_flight` (none: the extent's rate, no fixed part).
     auto line_at = [&](std::size_t in_flight) {
       const double big = mixed_at(big_keys, extent, big_n, in_flight);
+      if (in_flight == MachineProfile::kMixedInFlight)  // (the x keys: DriveProbe's pass)
+        probe = DriveProbe{extent, big_n, double(extent) / big};
       TimeLine out{0, double(extent) / big};
       if (small < extent) {
         const double little = mixed_at(small_keys, small, small_n, in_flight);
@@ -550,7 +560,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     double late_start = -1;
     bool finished = false;
     run_mix(
-        store, bufs, extent, MachineProfile::kMixedInFlight,
+        store, ptrs, extent, MachineProfile::kMixedInFlight,
         [&](std::size_t i) { return fmt::format("x{}", i % count); },
         [&](std::size_t) { return !finished; },
         [&] {
@@ -638,6 +648,51 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
                                       ranks_on_this_node(comm), comm.world_size());
 }
 
+}  // namespace
+
+double probe_drive(const std::string& folder, const AioConfig& aio, const DriveProbe& shape) {
+  STRATA_REQUIRE(shape.extent > 0 && shape.count > 0,
+                 "probe_drive: no probe shape (the profile "
+                 "probed no drive)");
+  SwapStoreOptions so;
+  so.paths = {folder};
+  so.aio = aio;
+  SwapStore store(so);
+  // Page-locked buffers, as the profile's and the engine's are (on the AMD EPYC Zen 3 VM,
+  // 2026-12-07, the same passes from plain aligned memory ran at 1.2-1.5 GB/s where these ran at
+  // 2.2-2.4, as the profile's did), one a request in flight (with aio.verify a buffer read into
+  // while it is written would fail its checksum).
+  PinnedPoolOptions po;
+  // (with a chunk to spare: a block lies within one, so a chunk's tail may go unused)
+  po.budget_bytes = std::size_t(MachineProfile::kMixedInFlight) * shape.extent + po.chunk_bytes;
+  PinnedPool pool(po);
+  std::vector<PinnedBlock> blocks;
+  std::vector<void*> bufs;
+  for (int i = 0; i < MachineProfile::kMixedInFlight; ++i) {
+    blocks.push_back(pool.allocate(shape.extent));
+    std::memset(blocks.back().data(), i + 1, shape.extent);
+    bufs.push_back(blocks.back().data());
+  }
+  // Every key written once first (a read takes a whole write; the files laid down), as the
+  // profile's were before its passes.
+  std::vector<IoHandle> writes;
+  for (std::size_t i = 0; i < shape.count; ++i) {
+    const std::string key = fmt::format("x{}", i);
+    store.reserve(key, shape.extent);
+    writes.push_back(store.write(key, bufs[i % bufs.size()], shape.extent));
+    if (writes.size() >= bufs.size()) {
+      for (IoHandle& h : writes) h.wait();
+      writes.clear();
+    }
+  }
+  for (IoHandle& h : writes) h.wait();
+  const double t =
+      mixed_pass_s(store, bufs, "x", shape.extent, shape.count, MachineProfile::kMixedInFlight);
+  return t > 0 ? double(shape.extent * shape.count) / t : 0;
+}
+
+namespace {
+
 // Collectives over the full buffer (more than one rank).
 void measure_collectives(Device& dev, Communicator& comm, Stream& s, std::size_t bytes,
                          MachineProfile& m) {
@@ -695,7 +750,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, Communicator& dp
                                const std::vector<std::string>& all_nvme_paths,
                                const std::string& nvme_key, bool use_nvme,
                                std::size_t unit_state_bytes, std::size_t unit_weight_bytes,
-                               double nvme_sustain_s) {
+                               double nvme_sustain_s, DriveProbe& probe) {
   const std::uint64_t rss_before = cpu::process_rss_bytes();
   MachineProfile m;
   m.world_size = dp.world_size();
@@ -714,7 +769,7 @@ MachineProfile measure_machine(Device& dev, Communicator& comm, Communicator& dp
   measure_rates(dev, *s, host, d, bytes, base, m);
   if (use_nvme)
     measure_nvme(comm, pool, base, nvme_dir, all_nvme_paths, nvme_key, unit_state_bytes,
-                 unit_weight_bytes, nvme_sustain_s, m);
+                 unit_weight_bytes, nvme_sustain_s, m, probe);
   {
     MachineProfile again = m;
     measure_rates(dev, *s, host, d, bytes, base, again);
@@ -835,6 +890,7 @@ class DriveLoad {
     for (std::size_t i = 0; i < 4; ++i) {
       bufs_.push_back(pool_.allocate(kExtent));
       std::memset(bufs_.back().data(), int(i + 1), kExtent);
+      ptrs_.push_back(bufs_.back().data());
     }
     for (std::size_t i = 0; i < kKeys; ++i) {  // (a read must find its key written)
       store_->reserve(key(i), kExtent);
@@ -844,7 +900,7 @@ class DriveLoad {
       const auto t0 = Clock::now();
       try {
         run_mix(
-            *store_, bufs_, kExtent, 4, [](std::size_t i) { return key(i % kKeys); },
+            *store_, ptrs_, kExtent, 4, [](std::size_t i) { return key(i % kKeys); },
             [this](std::size_t) { return !stop_.load(std::memory_order_relaxed); },
             [this] { requests_.fetch_add(1, std::memory_order_relaxed); });
       } catch (...) {
@@ -881,6 +937,7 @@ class DriveLoad {
   static std::string key(std::size_t i) { return fmt::format("load{}", i); }
   PinnedPool pool_;
   std::vector<PinnedBlock> bufs_;
+  std::vector<void*> ptrs_;  // (run_mix's)
   std::optional<SwapStore> store_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> requests_{0};
@@ -1156,7 +1213,8 @@ void measure_this_machine(Args& a, EngineConfig& base, const ModelConfig& mcfg,
   for (const std::string& p : nvme.param_paths)
     if (std::find(all_paths.begin(), all_paths.end(), p) == all_paths.end()) all_paths.push_back(p);
   machine = measure_machine(*dev, *comm, *groups.dp, base, nvme.dir, all_paths, nvme.key, nvme.use,
-                            shard * 12, shard * dtype_size(base.compute_dtype), a.nvme_sustain_s);
+                            shard * 12, shard * dtype_size(base.compute_dtype), a.nvme_sustain_s,
+                            out.drive);
   machine.tensor_parallel = groups.tp_size;
   if (groups.tp_size > 1) {  // the centre micro-batch's activations, as the model sums them (fp32)
     const std::int64_t B = a.micro_batches[a.micro_batches.size() / 2];

@@ -188,6 +188,19 @@ std::string write_token_file(const Args& a, const std::string& work, const Model
 // errors: an error that size may be the machine's, not the model's.
 constexpr double kDriftNote = 0.15;
 
+// One of the machine's rates, measured beside the runs (before each round and after the last), and
+// the profile's.
+struct SpeedCheck {
+  std::vector<double> bps;
+  double profile_bps = 0;
+  std::string failed;  // why the checks stopped early ("": they did not)
+  // The profile's over the checks' median (0: nothing to compare).
+  double profile_vs_checks() const {
+    const double m = median(bps);
+    return m > 0 && profile_bps > 0 ? profile_bps / m : 0;
+  }
+};
+
 // What the validation runs measured, one entry a pick (0: the run failed).
 struct Runs {
   std::vector<double> step_s, tokens_per_s;
@@ -195,14 +208,13 @@ struct Runs {
   std::vector<std::vector<double>> round_step_s;  // each pick's rounds' median steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
-  // The host's memory rate (host_copy_bps) before each round and after the last, and the
-  // profile's.
-  std::vector<double> host_mem_bps;
-  double profile_host_mem_bps = 0;
+  // The host's memory rate (host_copy_bps) and the drive's (probe_drive) before each round and
+  // after the last, and the profile's.
+  SpeedCheck host_mem, drive;
 };
 
-// Whether the profile's host memory rate lies outside what the checks beside the runs saw, by
-// more than a tenth of their range's ends: the machine ran at another speed while profiled.
+// Whether the profile's rate (the host's memory, the drive) lies outside what the checks beside the
+// runs saw, by more than a tenth of their range's ends: it ran at another speed while profiled.
 bool profiled_at_another_speed(double profile_bps, const std::vector<double>& checks_bps) {
   if (profile_bps <= 0 || checks_bps.empty()) return false;
   const auto [lo, hi] = std::minmax_element(checks_bps.begin(), checks_bps.end());
@@ -294,18 +306,34 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
           "--validate-rounds, they say more\n",
           picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, drift * 100);
     }
-    if (!runs.host_mem_bps.empty() && runs.profile_host_mem_bps > 0) {
-      const auto [lo, hi] = std::minmax_element(runs.host_mem_bps.begin(), runs.host_mem_bps.end());
+    const SpeedCheck& mem = runs.host_mem;
+    if (!mem.bps.empty() && mem.profile_bps > 0) {
+      const auto [lo, hi] = std::minmax_element(mem.bps.begin(), mem.bps.end());
       std::printf(
           "host memory while validating %.1f-%.1f GB/s (%zu checks: before each round and after "
           "the last), the profile's %.1f GB/s%s\n",
-          *lo / 1e9, *hi / 1e9, runs.host_mem_bps.size(), runs.profile_host_mem_bps / 1e9,
-          profiled_at_another_speed(runs.profile_host_mem_bps, runs.host_mem_bps)
+          *lo / 1e9, *hi / 1e9, mem.bps.size(), mem.profile_bps / 1e9,
+          profiled_at_another_speed(mem.profile_bps, mem.bps)
               ? ": outside that range, the machine ran at another speed while it was profiled, "
                 "and the predictions above carry that as far as their steps depend on the host's "
                 "memory and cores; on a quiet machine they say more"
               : "");
     }
+    const SpeedCheck& drive = runs.drive;
+    if (!drive.bps.empty() && drive.profile_bps > 0) {
+      const auto [lo, hi] = std::minmax_element(drive.bps.begin(), drive.bps.end());
+      std::printf(
+          "the drive while validating %.2f-%.2f GB/s (%zu checks at the same times: the engine's "
+          "mix of reads and writes, probed as the profile did), the profile's %.2f GB/s%s\n",
+          *lo / 1e9, *hi / 1e9, drive.bps.size(), drive.profile_bps / 1e9,
+          profiled_at_another_speed(drive.profile_bps, drive.bps)
+              ? ": outside that range, the drive ran at another speed while it was profiled, and "
+                "the predictions above carry that as far as their steps wait on it"
+              : "");
+    }
+    if (!drive.failed.empty())
+      std::printf("the drive's check beside the runs failed, and was not taken again: %s\n",
+                  drive.failed.c_str());
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
@@ -320,7 +348,9 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       "median step-to-step spread) as ties; measured_bottleneck: the busiest lane in the last "
       "run's traced last step; validation_host_mem_gbps: the host's memory rate (measured as "
       "machine.host_mem_gbps is) before each round and after the last, and "
-      "host_mem_profile_vs_validation the profile's over their median",
+      "host_mem_profile_vs_validation the profile's over their median; validation_drive_gbps and "
+      "drive_profile_vs_validation: the same for the drive (probed as machine.drive_probe_gbps "
+      "is), where a validated candidate keeps bytes on NVMe",
       a.validate_steps, a.validate_rounds);
   j["validated"] = k;
   j["validated_top"] = std::count_if(picks.begin(), picks.end(),
@@ -335,14 +365,15 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["round_drift"] = drift_i < k ? nlohmann::json(drift) : nlohmann::json(nullptr);
-  nlohmann::json checks = nlohmann::json::array();
-  for (double bps : runs.host_mem_bps) checks.push_back(bps / 1e9);
-  j["validation_host_mem_gbps"] = checks;
-  const double check_median = runs.host_mem_bps.empty() ? 0 : median(runs.host_mem_bps);
-  j["host_mem_profile_vs_validation"] =
-      check_median > 0 && runs.profile_host_mem_bps > 0
-          ? nlohmann::json(runs.profile_host_mem_bps / check_median)
-          : nlohmann::json(nullptr);
+  for (const auto& [check, name] :
+       {std::pair{&runs.host_mem, "host_mem"}, std::pair{&runs.drive, "drive"}}) {
+    nlohmann::json gbps = nlohmann::json::array();
+    for (double bps : check->bps) gbps.push_back(bps / 1e9);
+    j[fmt::format("validation_{}_gbps", name)] = gbps;
+    const double ratio = check->profile_vs_checks();
+    j[fmt::format("{}_profile_vs_validation", name)] =
+        ratio > 0 ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+  }
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
   return exit_code;
 }
@@ -516,7 +547,8 @@ void remove_dead_work_folders(const fs::path& parent, const std::string& prefix)
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
                     const std::string& nvme_dir, int world_size, bool talk,
-                    double profile_host_mem_bps, nlohmann::json& cands, nlohmann::json& j) {
+                    double profile_host_mem_bps, const DriveProbe& profile_drive,
+                    nlohmann::json& cands, nlohmann::json& j) {
   Validation out;
   const std::size_t k = picks.size();
   const fs::path parent = nvme_dir.empty() ? fs::temp_directory_path() : fs::path(nvme_dir);
@@ -544,12 +576,26 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   runs.tokens_per_s.assign(k, 0.0);
   runs.spread.assign(k, 0.0);
   runs.round_step_s.assign(k, {});
-  runs.profile_host_mem_bps = profile_host_mem_bps;
+  runs.host_mem.profile_bps = profile_host_mem_bps;
   // The host's memory rate beside the runs, as the profile measured it (64 MiB memcpy's).
   constexpr std::size_t kCheckBytes = std::size_t(64) << 20;
   std::vector<char> check_dst(kCheckBytes), check_src(kCheckBytes, 2);
+  // And the drive's, where the profile probed it and a pick keeps bytes on NVMe (with that one's
+  // aio settings), in the work folder (under the NVMe folder).
+  const auto on_drive = std::find_if(picks.begin(), picks.end(), [&](const ValidationPick& p) {
+    return ranked[p.index].plan.nvme_bytes > 0;
+  });
+  const bool check_drive = profile_drive.bps > 0 && on_drive != picks.end();
+  if (check_drive) runs.drive.profile_bps = profile_drive.bps;
   auto check_machine = [&] {
-    runs.host_mem_bps.push_back(host_copy_bps(check_dst.data(), check_src.data(), kCheckBytes));
+    runs.host_mem.bps.push_back(host_copy_bps(check_dst.data(), check_src.data(), kCheckBytes));
+    if (!check_drive || !runs.drive.failed.empty()) return;
+    try {
+      runs.drive.bps.push_back(
+          probe_drive(work, ranked[on_drive->index].config.aio, profile_drive));
+    } catch (const Error& e) {  // (the runs say for themselves what the drive does to them)
+      runs.drive.failed = e.user_message();
+    }
   };
   if (talk) print_validation_intro(a, picks);
   const std::string& trace = a.trace;

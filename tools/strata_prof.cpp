@@ -389,6 +389,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
       {"nvme_fetch_request_ms", machine.nvme_fetch_request_s * 1e3},
       {"nvme_sustained_gbps", machine.nvme_sustained_bps / 1e9},
       {"nvme_mixed_burst_gbps", machine.nvme_mixed_burst_bps / 1e9},
+      {"drive_probe_gbps",
+       m.drive.bps > 0 ? nlohmann::json(m.drive.bps / 1e9) : nlohmann::json(nullptr)},
       {"device_shares_host_cores", machine.device_shares_host_cores},
       {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
       {"nvme_compute_slowdown_rounds", m.nvme_slowdown_rounds},
@@ -671,7 +673,7 @@ int run(Args a) {
   Validation v;
   if (a.validate > 0)
     v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk,
-                 m.machine.host_mem_bps, cands, j);
+                 m.machine.host_mem_bps, m.drive, cands, j);
   if (talk && !a.svg.empty()) {
     write_svg(a.svg, best, v.have_trace ? &v.measured_sched : nullptr, v.measured_best_step,
               std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
