@@ -1514,35 +1514,31 @@ std::string tiny_model(const std::string& dir) {
   return path;
 }
 
+// strata-prof on the tiny model in a 20 MiB device with a drive (`dir`/nvme, made here), the
+// recommendation to `dir`/best.json, and `more`.
+std::vector<std::string> tiny_with_drive(const std::string& model, const std::string& dir,
+                                         const std::vector<std::string>& more) {
+  fs::create_directories(dir + "/nvme");
+  std::vector<std::string> args = {"--model-config",  model,
+                                   "--device",        "cpu",
+                                   "--device-mem-gb", "0.02",
+                                   "--seq-len",       "32",
+                                   "--micro-batches", "2",
+                                   "--nvme-path",     dir + "/nvme",
+                                   "--out",           dir + "/best.json"};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
 TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
   TempDir d("strata-prof");
   const std::string model = tiny_model(d.path);
-  fs::create_directories(d.path + "/nvme");
-  const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config",
-                               model,
-                               "--device",
-                               "cpu",
-                               "--device-mem-gb",
-                               "0.02",
-                               "--seq-len",
-                               "32",
-                               "--micro-batches",
-                               "2",
-                               "--nvme-path",
-                               d.path + "/nvme",
-                               "--out",
-                               d.path + "/best.json",
-                               "--svg",
-                               d.path + "/prof.svg",
-                               "--validate",
-                               "1",
-                               "--validate-steps",
-                               "2",
-                               "--trace",
-                               d.path + "/trace.json",
-                               "--json"},
-                              d.path, "prof");
+  const auto r = testing::run(
+      STRATA_PROF_BIN,
+      tiny_with_drive(model, d.path,
+                      {"--svg", d.path + "/prof.svg", "--validate", "1", "--validate-steps", "2",
+                       "--trace", d.path + "/trace.json", "--json"}),
+      d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   // The last line is the JSON summary.
   const std::string last = r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1);
@@ -1633,37 +1629,12 @@ TEST(ProfCli, RecommendationIsAcceptedByStrataTrainAndFits) {
 // is probed beside the runs (they do not wait on the drive).
 TEST(ProfCli, TheDriveIsCheckedOnlyBesideRunsThatUseIt) {
   TempDir d("strata-prof");
-  const std::string model = tiny_model(d.path);
-  fs::create_directories(d.path + "/nvme");
-  const auto r = testing::run(STRATA_PROF_BIN,
-                              {"--model-config",
-                               model,
-                               "--device",
-                               "cpu",
-                               "--device-mem-gb",
-                               "0.02",
-                               "--seq-len",
-                               "32",
-                               "--micro-batches",
-                               "2",
-                               "--nvme-path",
-                               d.path + "/nvme",
-                               "--nvme-sustain-s",
-                               "0",
-                               "--out",
-                               d.path + "/best.json",
-                               "--svg",
-                               "",
-                               "--validate",
-                               "1",
-                               "--validate-spread",
-                               "0",
-                               "--validate-steps",
-                               "2",
-                               "--trace",
-                               "",
-                               "--json"},
-                              d.path, "prof");
+  const auto r = testing::run(
+      STRATA_PROF_BIN,
+      tiny_with_drive(tiny_model(d.path), d.path,
+                      {"--nvme-sustain-s", "0", "--svg", "", "--validate", "1", "--validate-spread",
+                       "0", "--validate-steps", "2", "--trace", "", "--json"}),
+      d.path, "prof");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
   ASSERT_EQ(j["validated"].get<int>(), 1);
