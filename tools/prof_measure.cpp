@@ -652,8 +652,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
 
 double probe_drive(const std::string& folder, const AioConfig& aio, const DriveProbe& shape) {
   STRATA_REQUIRE(shape.extent > 0 && shape.count > 0,
-                 "probe_drive: no probe shape (the profile "
-                 "probed no drive)");
+                 "probe_drive: no probe shape (the profile probed no drive)");
   SwapStoreOptions so;
   so.paths = {folder};
   so.aio = aio;
