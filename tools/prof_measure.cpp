@@ -377,7 +377,7 @@ void require_nvme_scratch(Communicator& comm, const std::string& dir, const std:
 // bufs[i % bufs.size()] and key(i), `in_flight` at once (reads ahead, writes behind), for as long
 // as more(i) says before each; done() after each one completes. Returns when all have.
 template <class Key, class More, class Done>
-void run_mix(SwapStore& store, const std::vector<void*>& bufs, std::size_t bytes,
+void run_mix(SwapStore& store, const std::vector<PinnedBlock>& bufs, std::size_t bytes,
              std::size_t in_flight, Key key, More more, Done done) {
   std::deque<IoHandle> hs;
   auto complete_one = [&] {
@@ -388,7 +388,7 @@ void run_mix(SwapStore& store, const std::vector<void*>& bufs, std::size_t bytes
   for (std::size_t i = 0;; ++i) {
     if (hs.size() >= in_flight) complete_one();
     if (!more(i)) break;
-    void* b = bufs[i % bufs.size()];
+    void* b = bufs[i % bufs.size()].data();
     const std::string k = key(i);
     hs.push_back(i % 2 ? store.write(k, b, bytes) : store.read(k, b, bytes));
   }
@@ -397,8 +397,9 @@ void run_mix(SwapStore& store, const std::vector<void*>& bufs, std::size_t bytes
 
 // The mix's time over the `n` keys `prefix`0.. of `bytes` each, `in_flight` requests in flight
 // (run_mix): the median of 3 passes.
-double mixed_pass_s(SwapStore& store, const std::vector<void*>& bufs, const std::string& prefix,
-                    std::size_t bytes, std::size_t n, std::size_t in_flight) {
+double mixed_pass_s(SwapStore& store, const std::vector<PinnedBlock>& bufs,
+                    const std::string& prefix, std::size_t bytes, std::size_t n,
+                    std::size_t in_flight) {
   return median_of(3, [&] {
     const auto t0 = Clock::now();
     run_mix(
@@ -431,11 +432,9 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   std::vector<PinnedBlock> bufs;
   // (one a request in flight at most: with aio.verify a buffer read into while it is written
   // would fail its checksum)
-  std::vector<void*> ptrs;  // (run_mix's)
   for (int i = 0; i < MachineProfile::kMixedDeepInFlight; ++i) {
     bufs.push_back(pool.allocate(extent));
     std::memset(bufs.back().data(), int(i + 1), extent);
-    ptrs.push_back(bufs.back().data());
   }
   for (std::size_t i = 0; i < count; ++i) store.reserve(fmt::format("x{}", i), extent);
   auto run = [&](bool write) {
@@ -474,7 +473,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
   // (reads ahead and writes behind, half of `in_flight` each, over the keys `prefix` holds)
   auto mixed_at = [&](const std::string& prefix, std::size_t bytes, std::size_t n,
                       std::size_t in_flight) {
-    return mixed_pass_s(store, ptrs, prefix, bytes, n, in_flight) / double(n);
+    return mixed_pass_s(store, bufs, prefix, bytes, n, in_flight) / double(n);
   };
   // At the extent and at 256 KiB (sub-groups, gradient buckets and split state make requests
   // that small): the line through both is a request's fixed part and its bytes' rate. A noisy pair
@@ -560,7 +559,7 @@ void measure_nvme(Communicator& comm, PinnedPool& pool, const EngineConfig& base
     double late_start = -1;
     bool finished = false;
     run_mix(
-        store, ptrs, extent, MachineProfile::kMixedInFlight,
+        store, bufs, extent, MachineProfile::kMixedInFlight,
         [&](std::size_t i) { return fmt::format("x{}", i % count); },
         [&](std::size_t) { return !finished; },
         [&] {
@@ -665,12 +664,10 @@ double probe_drive(const std::string& folder, const AioConfig& aio, const DriveP
   // (with a chunk to spare: a block lies within one, so a chunk's tail may go unused)
   po.budget_bytes = std::size_t(MachineProfile::kMixedInFlight) * shape.extent + po.chunk_bytes;
   PinnedPool pool(po);
-  std::vector<PinnedBlock> blocks;
-  std::vector<void*> bufs;
+  std::vector<PinnedBlock> bufs;
   for (int i = 0; i < MachineProfile::kMixedInFlight; ++i) {
-    blocks.push_back(pool.allocate(shape.extent));
-    std::memset(blocks.back().data(), i + 1, shape.extent);
-    bufs.push_back(blocks.back().data());
+    bufs.push_back(pool.allocate(shape.extent));
+    std::memset(bufs.back().data(), i + 1, shape.extent);
   }
   // Every key written once first (a read takes a whole write; the files laid down), as the
   // profile's were before its passes.
@@ -678,7 +675,7 @@ double probe_drive(const std::string& folder, const AioConfig& aio, const DriveP
   for (std::size_t i = 0; i < shape.count; ++i) {
     const std::string key = fmt::format("x{}", i);
     store.reserve(key, shape.extent);
-    writes.push_back(store.write(key, bufs[i % bufs.size()], shape.extent));
+    writes.push_back(store.write(key, bufs[i % bufs.size()].data(), shape.extent));
     if (writes.size() >= bufs.size()) {
       for (IoHandle& h : writes) h.wait();
       writes.clear();
@@ -889,7 +886,6 @@ class DriveLoad {
     for (std::size_t i = 0; i < 4; ++i) {
       bufs_.push_back(pool_.allocate(kExtent));
       std::memset(bufs_.back().data(), int(i + 1), kExtent);
-      ptrs_.push_back(bufs_.back().data());
     }
     for (std::size_t i = 0; i < kKeys; ++i) {  // (a read must find its key written)
       store_->reserve(key(i), kExtent);
@@ -899,7 +895,7 @@ class DriveLoad {
       const auto t0 = Clock::now();
       try {
         run_mix(
-            *store_, ptrs_, kExtent, 4, [](std::size_t i) { return key(i % kKeys); },
+            *store_, bufs_, kExtent, 4, [](std::size_t i) { return key(i % kKeys); },
             [this](std::size_t) { return !stop_.load(std::memory_order_relaxed); },
             [this] { requests_.fetch_add(1, std::memory_order_relaxed); });
       } catch (...) {
@@ -936,7 +932,6 @@ class DriveLoad {
   static std::string key(std::size_t i) { return fmt::format("load{}", i); }
   PinnedPool pool_;
   std::vector<PinnedBlock> bufs_;
-  std::vector<void*> ptrs_;  // (run_mix's)
   std::optional<SwapStore> store_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> requests_{0};
