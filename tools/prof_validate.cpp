@@ -199,6 +199,13 @@ struct SpeedCheck {
     const double m = median(bps);
     return m > 0 && profile_bps > 0 ? profile_bps / m : 0;
   }
+  // Whether the profile's lies outside what the checks saw, by more than a tenth of their range's
+  // ends: it ran at another speed while profiled.
+  bool profiled_at_another_speed() const {
+    if (profile_bps <= 0 || bps.empty()) return false;
+    const auto [lo, hi] = std::minmax_element(bps.begin(), bps.end());
+    return profile_bps < 0.9 * *lo || profile_bps > 1.1 * *hi;
+  }
 };
 
 // What the validation runs measured, one entry a pick (0: the run failed).
@@ -212,14 +219,6 @@ struct Runs {
   // after the last, and the profile's.
   SpeedCheck host_mem, drive;
 };
-
-// Whether the profile's rate (the host's memory, the drive) lies outside what the checks beside the
-// runs saw, by more than a tenth of their range's ends: it ran at another speed while profiled.
-bool profiled_at_another_speed(double profile_bps, const std::vector<double>& checks_bps) {
-  if (profile_bps <= 0 || checks_bps.empty()) return false;
-  const auto [lo, hi] = std::minmax_element(checks_bps.begin(), checks_bps.end());
-  return profile_bps < 0.9 * *lo || profile_bps > 1.1 * *hi;
-}
 
 // The validation's summary: failures, the worst prediction error, the rank correlation and how
 // the recommended configuration fared against the fastest validated, all over every validated
@@ -306,34 +305,36 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
           "--validate-rounds, they say more\n",
           picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, drift * 100);
     }
-    const SpeedCheck& mem = runs.host_mem;
-    if (!mem.bps.empty() && mem.profile_bps > 0) {
-      const auto [lo, hi] = std::minmax_element(mem.bps.begin(), mem.bps.end());
+    // The rates checked beside the runs, each against the profile's.
+    struct Shown {
+      const SpeedCheck& check;
+      const char* what;
+      int digits;        // of the GB/s printed
+      const char* when;  // said of the checks
+      const char* why;   // what a profile at another speed means
+    };
+    for (const Shown& s :
+         {Shown{runs.host_mem, "host memory", 1, ": before each round and after the last",
+                "the machine ran at another speed while it was profiled, and the predictions above "
+                "carry that as far as their steps depend on the host's memory and cores; on a "
+                "quiet machine they say more"},
+          Shown{runs.drive, "the drive", 2,
+                " at the same times: the engine's mix of reads and writes, probed as the profile "
+                "did",
+                "the drive ran at another speed while it was profiled, and the predictions above "
+                "carry that as far as their steps wait on it"}}) {
+      const SpeedCheck& c = s.check;
+      if (c.bps.empty() || c.profile_bps <= 0) continue;
+      const auto [lo, hi] = std::minmax_element(c.bps.begin(), c.bps.end());
+      const bool elsewhere = c.profiled_at_another_speed();
       std::printf(
-          "host memory while validating %.1f-%.1f GB/s (%zu checks: before each round and after "
-          "the last), the profile's %.1f GB/s%s\n",
-          *lo / 1e9, *hi / 1e9, mem.bps.size(), mem.profile_bps / 1e9,
-          profiled_at_another_speed(mem.profile_bps, mem.bps)
-              ? ": outside that range, the machine ran at another speed while it was profiled, "
-                "and the predictions above carry that as far as their steps depend on the host's "
-                "memory and cores; on a quiet machine they say more"
-              : "");
+          "%s while validating %.*f-%.*f GB/s (%zu checks%s), the profile's %.*f GB/s%s%s\n",
+          s.what, s.digits, *lo / 1e9, s.digits, *hi / 1e9, c.bps.size(), s.when, s.digits,
+          c.profile_bps / 1e9, elsewhere ? ": outside that range, " : "", elsewhere ? s.why : "");
     }
-    const SpeedCheck& drive = runs.drive;
-    if (!drive.bps.empty() && drive.profile_bps > 0) {
-      const auto [lo, hi] = std::minmax_element(drive.bps.begin(), drive.bps.end());
-      std::printf(
-          "the drive while validating %.2f-%.2f GB/s (%zu checks at the same times: the engine's "
-          "mix of reads and writes, probed as the profile did), the profile's %.2f GB/s%s\n",
-          *lo / 1e9, *hi / 1e9, drive.bps.size(), drive.profile_bps / 1e9,
-          profiled_at_another_speed(drive.profile_bps, drive.bps)
-              ? ": outside that range, the drive ran at another speed while it was profiled, and "
-                "the predictions above carry that as far as their steps wait on it"
-              : "");
-    }
-    if (!drive.failed.empty())
+    if (!runs.drive.failed.empty())
       std::printf("the drive's check beside the runs failed, and was not taken again: %s\n",
-                  drive.failed.c_str());
+                  runs.drive.failed.c_str());
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
