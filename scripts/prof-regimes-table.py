@@ -9,8 +9,9 @@ Each WORK_DIR is a prof-regimes.sh work folder: its <regime>.json, the JSON stra
 Below the table, per run: the drive's figures the nvme regime measured, and how far the drive
 slowed under compute in each round (the same figures docs/strata-prof.md#measure names); and per
 regime the host's memory rate as profiled over its median beside the validation runs, and the
-drive's probe likewise (a run profiled on a machine or a drive at another speed shows there; a
-regime without the drive in its validated runs, or an older run, shows "-"). A
+drive's probe and the kernels' timing likewise (speeds: a run profiled on a machine, a drive or
+kernels at another speed shows there; a regime without the drive in its validated runs, or an older
+run, shows "-"). A
 recommendation that is not the fastest prediction (of near-ties, one that keeps the NVMe drive
 markedly less busy) says "(over #K)", K the fastest prediction's rank.
 """
@@ -75,7 +76,8 @@ def main():
     print("\n".join(rows))
     print()
     for run in runs:
-        for what, key in (("host memory", "host_mem"), ("drive", "drive")):
+        for what, key in (("host memory", "host_mem"), ("drive", "drive"),
+                          ("kernels", "compute")):
             speed = lambda r: load(run, r).get(f"{key}_profile_vs_validation")
             print(f'{run}: {what} profiled / validating: ' + ", ".join(
                 f'{r} {"-" if speed(r) is None else f"{speed(r):.2f}"}' for r in REGIMES))

@@ -1822,6 +1822,12 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   EXPECT_NE(t.out.find("drive profiled / validating: compute -, link -, nvme 1.25, offload -"),
             std::string::npos)
       << t.out;
+  // ... and the kernels' timing (checked in every regime here: the CPU-emulated device).
+  EXPECT_NE(t.out.find(fmt::format("kernels profiled / validating: compute {0:.2f}, link {0:.2f}, "
+                                   "nvme {0:.2f}, offload {0:.2f}",
+                                   j["compute_profile_vs_validation"].get<double>())),
+            std::string::npos)
+      << t.out;
 }
 
 // --validate K's spread: beside the best K, the best of other placement classes and low-ranked
@@ -1960,6 +1966,32 @@ TEST(ProfCli, TheSpreadRunsOtherClassesAndTheLowRanked) {
       r.out.find("the machine ran at another speed while it was profiled") != std::string::npos,
       another_speed)
       << r.out;
+  // The kernels likewise, with or without a drive: the profile's timing of its first 2-layer copy
+  // (the layer's forward and backward of the first profile in the model's table), timed again at
+  // the same times; the ratio is of speeds, the profile's over the checks' median.
+  const double probe_ms = j["machine"]["compute_probe_layer_ms"].get<double>();
+  const auto& first_profile = j["model"]["measured"][0];
+  EXPECT_NEAR(probe_ms,
+              (first_profile["layer_forward_s"].get<double>() +
+               first_profile["layer_backward_s"].get<double>()) *
+                  1e3,
+              1e-9);
+  ASSERT_TRUE(j["validation_compute_layer_ms"].is_array()) << j.dump();
+  std::vector<double> layer_ms = j["validation_compute_layer_ms"].get<std::vector<double>>();
+  ASSERT_EQ(layer_ms.size(), 3u) << j.dump();
+  for (double t : layer_ms) EXPECT_GT(t, 0);
+  std::sort(layer_ms.begin(), layer_ms.end());
+  EXPECT_NEAR(j["compute_profile_vs_validation"].get<double>(), layer_ms[1] / probe_ms, 1e-9);
+  const std::string layer_line = fmt::format(
+      "a layer's forward and backward while validating {:.2f}-{:.2f} ms (3 checks at the same "
+      "times: the profile's 2-layer copy on a device of its own, timed as it was), the profile's "
+      "{:.2f} ms",
+      layer_ms.front(), layer_ms.back(), probe_ms);
+  EXPECT_NE(r.out.find(layer_line), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(layer_line + ": outside that range") != std::string::npos,
+            probe_ms > layer_ms.back() / 0.9 || probe_ms < layer_ms.front() / 1.1)
+      << r.out;
+  EXPECT_EQ(r.out.find("the kernels' check"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("2 rounds in turns, each begun further along the order"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("round 1 of 2 done"), std::string::npos) << r.out;

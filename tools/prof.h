@@ -109,6 +109,19 @@ struct DriveProbe {
   double bps = 0;
 };
 
+// The device's kernels' speed by one timing that the profile and the validation both take, so that
+// kernels that changed speed between the two show: the 2-layer copy of the first profile measured
+// (its micro-batch and checkpointing), a layer's forward and backward, timed as the profile times
+// it (the cache written over before each repetition, the trimmed mean of them). Taken on the
+// CPU-emulated device without tensor parallelism, where the kernels run on the host's cores and
+// move with them; layer_s 0: not taken.
+struct ComputeProbe {
+  std::int64_t micro_batch = 0;
+  bool checkpoint = false, checkpoint_on_host = false;
+  DType dtype = DType::kF32;
+  double layer_s = 0;  // the profile's: its mean over every repetition of that copy
+};
+
 // What the measure step found: the machine, the device's name as printed, the search space with
 // the model's profiles, and the times taken.
 struct Measurement {
@@ -121,6 +134,7 @@ struct Measurement {
   std::vector<double> nvme_slowdown_rounds;
   std::vector<Unmeasured> unmeasured;  // the same on every rank
   DriveProbe drive;                    // this rank's, as its profile measured it
+  ComputeProbe compute;                // likewise
 };
 
 // ---- prof_measure.cpp ----
@@ -135,6 +149,10 @@ double host_copy_bps(char* dst, const char* src, std::size_t bytes);
 // The drive's rate as `shape` says the profile probed it (DriveProbe), probed again now in a
 // swap store of its own under `folder` with `aio` (its files removed before it returns).
 double probe_drive(const std::string& folder, const AioConfig& aio, const DriveProbe& shape);
+// A layer's forward and backward in seconds as `shape` says the profile timed it (ComputeProbe),
+// timed again now on a device of its own, as the profile's.
+double probe_compute(const Args& a, const DeviceOptions& dopt, const ModelConfig& mcfg,
+                     const ComputeProbe& shape);
 
 // ---- prof_picture.cpp ----
 std::vector<Interval> measured_schedule(const std::vector<TraceSpan>& spans);
@@ -159,13 +177,13 @@ struct Validation {
 // --validate K: runs the picked candidates (validation_picks: the best K and the spread), prints
 // predicted against measured step time and bottleneck, and adds the figures to `cands` (the
 // entry of each by its "rank") and `j`. The host's memory rate is checked before each round and
-// after the last, against the profile's (`profile_host_mem_bps`), and so is the drive's
-// (`profile_drive`, where the profile probed it and a picked candidate keeps bytes on NVMe): a
-// machine that changed speed between the profile and the runs shows there.
+// after the last, against the profile's (`m`), and so are the drive's (where the profile probed
+// it and a picked candidate keeps bytes on NVMe) and the device's kernels' (where the profile
+// timed them for it: ComputeProbe, on a device made with `dopt`): a machine that changed speed
+// between the profile and the runs shows there.
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
-                    const std::string& nvme_dir, int world_size, bool talk,
-                    double profile_host_mem_bps, const DriveProbe& profile_drive,
-                    nlohmann::json& cands, nlohmann::json& j);
+                    const std::string& nvme_dir, int world_size, bool talk, const Measurement& m,
+                    const DeviceOptions& dopt, nlohmann::json& cands, nlohmann::json& j);
 
 }  // namespace strata::prof

@@ -940,6 +940,10 @@ class DriveLoad {
   std::thread thread_;
 };
 
+// The 2-layer copies' times are taken in kRounds rounds of kRepsPerRound repetitions each (see
+// measure_the_model).
+constexpr int kRounds = 3, kRepsPerRound = 3;
+
 // Runs a copy of `base` with `layers` layers for `reps` micro-batches after a warm-up one, on
 // `dev` (every copy on the same device: under tensor parallelism its communicators are made once);
 // per-unit times of each, and the device bytes beyond the weights at the peak. Under tensor
@@ -1250,7 +1254,6 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
   // a shared host's speed moves over a second or so, and each profile timed in one stretch
   // could land in a fast or a slow one (a layer timed 20% fast, its profile's placements
   // ranked wrongly against the others').
-  constexpr int kRounds = 3, kRepsPerRound = 3;
   std::vector<LayerTiming> one(keys.size());
   std::vector<std::vector<LayerTiming>> two(keys.size());
   // A profile whose copy runs out of memory (the device's, or the host's) is not measured: its
@@ -1349,6 +1352,13 @@ void measure_the_model(const Args& a, const EngineConfig& base, const ModelConfi
       }
       out.machine.nvme_compute_slowdown = slowdown(alone_t, beside_t);
     }
+    // The timing the validation repeats beside its runs (ComputeProbe): where the kernels run on
+    // the host's cores, and need no other rank.
+    if (mdev->kind() == DeviceKind::kCpu && a.tp.size == 1) {
+      const LayerTiming t = mean_timing(two[first]);
+      out.compute = ComputeProbe{keys[first].B, keys[first].ckpt, keys[first].ckpt_host, dt,
+                                 t.layer_f + t.layer_b};
+    }
   }
   std::unique_ptr<Device> agree_dev;
   std::unique_ptr<Communicator> agree_comm;
@@ -1408,6 +1418,17 @@ void print_models(const SearchSpace& space, const std::vector<Unmeasured>& unmea
 }
 
 }  // namespace
+
+double probe_compute(const Args& a, const DeviceOptions& dopt, const ModelConfig& mcfg,
+                     const ComputeProbe& shape) {
+  STRATA_REQUIRE(shape.layer_s > 0, "probe_compute: no probe shape (the profile timed no layer)");
+  auto dev = make_device(a.device, dopt.mhopt, dopt.copt);
+  CacheEvictor evict(*dev);
+  const ProfileKey k{shape.micro_batch, shape.checkpoint, shape.checkpoint_on_host};
+  const LayerTiming t = mean_timing(
+      time_layers(*dev, nullptr, mcfg, 2, k, a.seq_len, shape.dtype, kRepsPerRound, &evict));
+  return t.layer_f + t.layer_b;
+}
 
 // ---- measure ----
 Measurement measure(Args& a, EngineConfig& base, const ModelConfig& mcfg, const NvmeChoice& nvme,

@@ -188,23 +188,23 @@ std::string write_token_file(const Args& a, const std::string& work, const Model
 // errors: an error that size may be the machine's, not the model's.
 constexpr double kDriftNote = 0.15;
 
-// One of the machine's rates, measured beside the runs (before each round and after the last), and
-// the profile's.
+// One of the machine's rates (a second: bytes, or a layer's forward and backward), measured beside
+// the runs (before each round and after the last), and the profile's.
 struct SpeedCheck {
-  std::vector<double> bps;
-  double profile_bps = 0;
+  std::vector<double> rate;
+  double profile_rate = 0;
   std::string failed;  // why the checks stopped early ("": they did not)
   // The profile's over the checks' median (0: nothing to compare).
   double profile_vs_checks() const {
-    const double m = median(bps);
-    return m > 0 && profile_bps > 0 ? profile_bps / m : 0;
+    const double m = median(rate);
+    return m > 0 && profile_rate > 0 ? profile_rate / m : 0;
   }
   // Whether the profile's lies outside what the checks saw, by more than a tenth of their range's
   // ends: it ran at another speed while profiled.
   bool profiled_at_another_speed() const {
-    if (profile_bps <= 0 || bps.empty()) return false;
-    const auto [lo, hi] = std::minmax_element(bps.begin(), bps.end());
-    return profile_bps < 0.9 * *lo || profile_bps > 1.1 * *hi;
+    if (profile_rate <= 0 || rate.empty()) return false;
+    const auto [lo, hi] = std::minmax_element(rate.begin(), rate.end());
+    return profile_rate < 0.9 * *lo || profile_rate > 1.1 * *hi;
   }
 };
 
@@ -215,10 +215,45 @@ struct Runs {
   std::vector<std::vector<double>> round_step_s;  // each pick's rounds' median steps
   double worst = 0;  // the largest prediction error, relative to the measured step
   int failed = 0;
-  // The host's memory rate (host_copy_bps) and the drive's (probe_drive) before each round and
-  // after the last, and the profile's.
-  SpeedCheck host_mem, drive;
+  // The host's memory rate (host_copy_bps), the drive's (probe_drive) and the device's kernels'
+  // (probe_compute) before each round and after the last, and the profile's.
+  SpeedCheck host_mem, drive, compute;
 };
+
+// How a check beside the runs is printed and written into the JSON.
+struct ShownCheck {
+  const SpeedCheck& check;
+  const char* what;
+  double (*value)(double rate);  // what is printed of a rate
+  int digits;
+  const char* unit;
+  const char* when;       // said of the checks
+  const char* why;        // what a profile at another speed means
+  const char* failed_as;  // the check, named when it failed
+  const char* json_name;
+  const char* json_unit;
+};
+std::vector<ShownCheck> shown_checks(const Runs& runs) {
+  const auto gbps = [](double r) { return r / 1e9; };
+  const auto ms = [](double r) { return r > 0 ? 1e3 / r : 0.0; };
+  return {
+      {runs.host_mem, "host memory", gbps, 1, "GB/s", ": before each round and after the last",
+       "the machine ran at another speed while it was profiled, and the predictions above carry "
+       "that as far as their steps depend on the host's memory and cores; on a quiet machine they "
+       "say more",
+       "host memory's check", "host_mem", "gbps"},
+      {runs.drive, "the drive", gbps, 2, "GB/s",
+       " at the same times: the engine's mix of reads and writes, probed as the profile did",
+       "the drive ran at another speed while it was profiled, and the predictions above carry "
+       "that as far as their steps wait on it",
+       "the drive's check", "drive", "gbps"},
+      {runs.compute, "a layer's forward and backward", ms, 2, "ms",
+       " at the same times: the profile's 2-layer copy on a device of its own, timed as it was",
+       "the device's kernels ran at another speed while they were profiled, and the predictions "
+       "above carry that as far as their steps wait on them",
+       "the kernels' check", "compute", "layer_ms"},
+  };
+}
 
 // The validation's summary: failures, the worst prediction error, the rank correlation and how
 // the recommended configuration fared against the fastest validated, all over every validated
@@ -306,35 +341,22 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
           picks[drift_i].index + 1, *lo * 1e3, *hi * 1e3, drift * 100);
     }
     // The rates checked beside the runs, each against the profile's.
-    struct Shown {
-      const SpeedCheck& check;
-      const char* what;
-      int digits;        // of the GB/s printed
-      const char* when;  // said of the checks
-      const char* why;   // what a profile at another speed means
-    };
-    for (const Shown& s :
-         {Shown{runs.host_mem, "host memory", 1, ": before each round and after the last",
-                "the machine ran at another speed while it was profiled, and the predictions above "
-                "carry that as far as their steps depend on the host's memory and cores; on a "
-                "quiet machine they say more"},
-          Shown{runs.drive, "the drive", 2,
-                " at the same times: the engine's mix of reads and writes, probed as the profile "
-                "did",
-                "the drive ran at another speed while it was profiled, and the predictions above "
-                "carry that as far as their steps wait on it"}}) {
+    for (const ShownCheck& s : shown_checks(runs)) {
       const SpeedCheck& c = s.check;
-      if (c.bps.empty() || c.profile_bps <= 0) continue;
-      const auto [lo, hi] = std::minmax_element(c.bps.begin(), c.bps.end());
+      if (c.rate.empty() || c.profile_rate <= 0) continue;
+      const auto [lo, hi] = std::minmax_element(c.rate.begin(), c.rate.end());
+      double a0 = s.value(*lo), a1 = s.value(*hi);
+      if (a0 > a1) std::swap(a0, a1);
       const bool elsewhere = c.profiled_at_another_speed();
-      std::printf(
-          "%s while validating %.*f-%.*f GB/s (%zu checks%s), the profile's %.*f GB/s%s%s\n",
-          s.what, s.digits, *lo / 1e9, s.digits, *hi / 1e9, c.bps.size(), s.when, s.digits,
-          c.profile_bps / 1e9, elsewhere ? ": outside that range, " : "", elsewhere ? s.why : "");
+      std::printf("%s while validating %.*f-%.*f %s (%zu checks%s), the profile's %.*f %s%s%s\n",
+                  s.what, s.digits, a0, s.digits, a1, s.unit, c.rate.size(), s.when, s.digits,
+                  s.value(c.profile_rate), s.unit, elsewhere ? ": outside that range, " : "",
+                  elsewhere ? s.why : "");
     }
-    if (!runs.drive.failed.empty())
-      std::printf("the drive's check beside the runs failed, and was not taken again: %s\n",
-                  runs.drive.failed.c_str());
+    for (const ShownCheck& s : shown_checks(runs))
+      if (!s.check.failed.empty())
+        std::printf("%s beside the runs failed, and was not taken again: %s\n", s.failed_as,
+                    s.check.failed.c_str());
     if (trace_written)
       std::printf("Chrome trace of the recommended configuration's step %d: %s\n", a.validate_steps,
                   trace.c_str());
@@ -351,7 +373,10 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
       "machine.host_mem_gbps is) before each round and after the last, and "
       "host_mem_profile_vs_validation the profile's over their median; validation_drive_gbps and "
       "drive_profile_vs_validation: the same for the drive (probed as machine.drive_probe_gbps "
-      "is), where a validated candidate keeps bytes on NVMe",
+      "is), where a validated candidate keeps bytes on NVMe; validation_compute_layer_ms and "
+      "compute_profile_vs_validation: the same for the device's kernels, a layer's forward and "
+      "backward (timed as machine.compute_probe_layer_ms is, on the CPU-emulated device), the "
+      "ratio of speeds (the checks' median time over the profile's)",
       a.validate_steps, a.validate_rounds);
   j["validated"] = k;
   j["validated_top"] = std::count_if(picks.begin(), picks.end(),
@@ -366,13 +391,12 @@ int report_validation(const Args& a, const std::vector<Candidate>& ranked,
   j["recommended_vs_best_measured"] =
       rec_step > 0 ? nlohmann::json(rec_vs_best) : nlohmann::json(nullptr);
   j["round_drift"] = drift_i < k ? nlohmann::json(drift) : nlohmann::json(nullptr);
-  for (const auto& [check, name] :
-       {std::pair{&runs.host_mem, "host_mem"}, std::pair{&runs.drive, "drive"}}) {
-    nlohmann::json gbps = nlohmann::json::array();
-    for (double bps : check->bps) gbps.push_back(bps / 1e9);
-    j[fmt::format("validation_{}_gbps", name)] = gbps;
-    const double ratio = check->profile_vs_checks();
-    j[fmt::format("{}_profile_vs_validation", name)] =
+  for (const ShownCheck& s : shown_checks(runs)) {
+    nlohmann::json values = nlohmann::json::array();
+    for (double r : s.check.rate) values.push_back(s.value(r));
+    j[fmt::format("validation_{}_{}", s.json_name, s.json_unit)] = values;
+    const double ratio = s.check.profile_vs_checks();
+    j[fmt::format("{}_profile_vs_validation", s.json_name)] =
         ratio > 0 ? nlohmann::json(ratio) : nlohmann::json(nullptr);
   }
   j["trace_file"] = trace_written ? nlohmann::json(trace) : nlohmann::json(nullptr);
@@ -547,9 +571,9 @@ void remove_dead_work_folders(const fs::path& parent, const std::string& prefix)
 
 Validation validate(const Args& a, const std::vector<Candidate>& ranked,
                     const std::vector<ValidationPick>& picks, const ModelConfig& mcfg,
-                    const std::string& nvme_dir, int world_size, bool talk,
-                    double profile_host_mem_bps, const DriveProbe& profile_drive,
-                    nlohmann::json& cands, nlohmann::json& j) {
+                    const std::string& nvme_dir, int world_size, bool talk, const Measurement& m,
+                    const DeviceOptions& dopt, nlohmann::json& cands, nlohmann::json& j) {
+  const DriveProbe& profile_drive = m.drive;
   Validation out;
   const std::size_t k = picks.size();
   const fs::path parent = nvme_dir.empty() ? fs::temp_directory_path() : fs::path(nvme_dir);
@@ -577,7 +601,7 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
   runs.tokens_per_s.assign(k, 0.0);
   runs.spread.assign(k, 0.0);
   runs.round_step_s.assign(k, {});
-  runs.host_mem.profile_bps = profile_host_mem_bps;
+  runs.host_mem.profile_rate = m.machine.host_mem_bps;
   // The host's memory rate beside the runs, as the profile measured it (64 MiB memcpy's).
   constexpr std::size_t kCheckBytes = std::size_t(64) << 20;
   std::vector<char> check_dst(kCheckBytes), check_src(kCheckBytes, 2);
@@ -587,15 +611,27 @@ Validation validate(const Args& a, const std::vector<Candidate>& ranked,
     return ranked[p.index].plan.nvme_bytes > 0;
   });
   const bool check_drive = profile_drive.bps > 0 && on_drive != picks.end();
-  if (check_drive) runs.drive.profile_bps = profile_drive.bps;
+  if (check_drive) runs.drive.profile_rate = profile_drive.bps;
+  // And the device's kernels', where the profile timed them for it (ComputeProbe).
+  const bool check_compute = m.compute.layer_s > 0;
+  if (check_compute) runs.compute.profile_rate = 1 / m.compute.layer_s;
   auto check_machine = [&] {
-    runs.host_mem.bps.push_back(host_copy_bps(check_dst.data(), check_src.data(), kCheckBytes));
-    if (!check_drive || !runs.drive.failed.empty()) return;
-    try {
-      runs.drive.bps.push_back(
-          probe_drive(work, ranked[on_drive->index].config.aio, profile_drive));
-    } catch (const Error& e) {  // (the runs say for themselves what the drive does to them)
-      runs.drive.failed = e.user_message();
+    runs.host_mem.rate.push_back(host_copy_bps(check_dst.data(), check_src.data(), kCheckBytes));
+    if (check_drive && runs.drive.failed.empty()) {
+      try {
+        runs.drive.rate.push_back(
+            probe_drive(work, ranked[on_drive->index].config.aio, profile_drive));
+      } catch (const Error& e) {  // (the runs say for themselves what the drive does to them)
+        runs.drive.failed = e.user_message();
+      }
+    }
+    if (check_compute && runs.compute.failed.empty()) {
+      try {
+        const double layer_s = probe_compute(a, dopt, mcfg, m.compute);
+        if (layer_s > 0) runs.compute.rate.push_back(1 / layer_s);
+      } catch (const Error& e) {  // (likewise)
+        runs.compute.failed = e.user_message();
+      }
     }
   };
   if (talk) print_validation_intro(a, picks);

@@ -391,6 +391,8 @@ nlohmann::json figures_json(const Args& a, const ModelConfig& mcfg, const Measur
       {"nvme_mixed_burst_gbps", machine.nvme_mixed_burst_bps / 1e9},
       {"drive_probe_gbps",
        m.drive.bps > 0 ? nlohmann::json(m.drive.bps / 1e9) : nlohmann::json(nullptr)},
+      {"compute_probe_layer_ms",
+       m.compute.layer_s > 0 ? nlohmann::json(m.compute.layer_s * 1e3) : nlohmann::json(nullptr)},
       {"device_shares_host_cores", machine.device_shares_host_cores},
       {"nvme_compute_slowdown", machine.nvme_compute_slowdown},
       {"nvme_compute_slowdown_rounds", m.nvme_slowdown_rounds},
@@ -672,8 +674,7 @@ int run(Args a) {
   // ---- validate ----
   Validation v;
   if (a.validate > 0)
-    v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk,
-                 m.machine.host_mem_bps, m.drive, cands, j);
+    v = validate(a, sr.ranked, picks, mcfg, nvme.dir, launch.world_size, talk, m, dopt, cands, j);
   if (talk && !a.svg.empty()) {
     write_svg(a.svg, best, v.have_trace ? &v.measured_sched : nullptr, v.measured_best_step,
               std::vector<Candidate>(sr.ranked.begin(), sr.ranked.begin() + std::ptrdiff_t(shown)));
