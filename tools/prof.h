@@ -119,7 +119,7 @@ struct ComputeProbe {
   std::int64_t micro_batch = 0;
   bool checkpoint = false, checkpoint_on_host = false;
   DType dtype = DType::kF32;
-  double layer_s = 0;  // the profile's: its mean over every repetition of that copy
+  double layer_s = 0;  // the profile's: the trimmed mean over every repetition of that copy
 };
 
 // What the measure step found: the machine, the device's name as printed, the search space with
