@@ -1776,6 +1776,13 @@ TEST(ProfCli, TheValidatedAreComparedByTokensASecond) {
   const double first = j["candidates"][0]["measured_tokens_per_s"].get<double>();
   EXPECT_NEAR(j["recommended_vs_best_measured"].get<double>(), best / first, 1e-9);
   EXPECT_NE(r.out.find(fmt::format("({:.0f} tokens/s)", first)), std::string::npos) << r.out;
+  // ... and whether the runs could tell the two apart: the fastest's lead within their median
+  // step-to-step spread (a tie, as the resolved rank correlation has it), said beside a miss.
+  const double lead = best / first - 1, resolution = j["rank_tie_resolution"].get<double>();
+  EXPECT_EQ(j["recommended_vs_best_within_spread"].get<bool>(), lead <= resolution) << j.dump();
+  EXPECT_EQ(r.out.find("a tie they cannot order") != std::string::npos,
+            lead > 0.05 && lead <= resolution)
+      << r.out;
   EXPECT_TRUE(j["trace_file"].is_null()) << "--trace \"\" is no trace: " << j["trace_file"];
   if (batches.size() < 2)
     std::printf("(the 5 validated have one micro-batch size: %s)\n", batches.begin()->c_str());
